@@ -1,0 +1,3 @@
+from servetune.cli import main
+
+raise SystemExit(main())

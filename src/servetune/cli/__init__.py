@@ -1,0 +1,48 @@
+"""The ``servetune`` command line: one module per sub-command.
+
+Each sub-command module exposes ``add_parser(subparsers)`` and ``run(args) -> int``.
+:class:`~servetune.errors.UserError` becomes one line on stderr and a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from servetune import __version__
+from servetune.errors import UserError
+
+# Sub-commands, in the order ``--help`` lists them.
+COMMANDS = ("bench", "models")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="servetune",
+        description=(
+            "Find the best way to serve an LLM with vLLM: measure configurations under a "
+            "realistic load, search over them, and report cost against P99 latency."
+        ),
+    )
+    parser.add_argument("--version", action="version", version=f"servetune {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(f"servetune.cli.{name}").add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return args.run(args)
+    except UserError as exc:
+        print(f"servetune {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"servetune {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,261 @@
+"""``servetune bench``: measure one vLLM configuration under a realistic load."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import re
+import signal
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from servetune import __version__
+from servetune.cli.display import console as make_console
+from servetune.cli.display import level_table
+from servetune.config.slo import Slo
+from servetune.config.workload import Workload, load_workload
+from servetune.engine.args import load_argspecs, parse_key_values, parse_value, validate_engine_args, vllm_version
+from servetune.engine.server import VllmServer
+from servetune.errors import UserError
+from servetune.load.client import StreamingClient
+from servetune.load.requests import PromptFactory
+from servetune.load.runner import Level
+from servetune.results import BenchResult, KvCapacityReport, LevelResult, redact_env
+from servetune.trial.measure import LevelPlan, measure_level
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "bench",
+        help="measure one vLLM configuration under a realistic load",
+        description=(
+            "Start one vLLM server with the given configuration (or use --url), drive the "
+            "workload at each load level in turn, and print latency and throughput per level: "
+            "TTFT, TPOT, ITL and end-to-end latency (mean, P50/P90/P95/P99), tokens and requests "
+            "per second, goodput under the SLO, errors by kind, and vLLM's own /metrics deltas."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=(
+            "example (CPU build, tiny model):\n"
+            "  servetune models tiny --out models/tiny\n"
+            "  servetune bench --model models/tiny --env VLLM_CPU_KVCACHE_SPACE=1 \\\n"
+            "      --engine-arg enforce_eager=true --workload cpu-tiny --concurrency 1,16 --json out/bench.json"
+        ),
+    )
+    p.add_argument("--model", help="model directory (or hub id) to serve; with --url, the tokenizer to use")
+    p.add_argument("--url", help="benchmark an already running OpenAI-compatible server instead of starting one")
+    p.add_argument("--served-model-name", help="model name to put in requests (default: asked from --url, or --model)")
+    p.add_argument("--tokenizer", help="tokenizer directory, when it differs from --model")
+    p.add_argument("--engine-arg", action="append", metavar="KEY=VALUE", help="vLLM engine argument, snake_case (repeatable), e.g. max_num_seqs=32")
+    p.add_argument("--env", action="append", metavar="KEY=VALUE", help="extra environment for vLLM (repeatable), e.g. VLLM_CPU_KVCACHE_SPACE=1")
+    p.add_argument("--workload", default="chat", help="workload file, or the name of a shipped one under trials/workloads (default: chat)")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--concurrency", help="closed-loop levels: clients in flight, e.g. 1,4,16")
+    load.add_argument("--rate", help="open-loop levels: requests per second, e.g. 2,8 (Poisson, or the workload's gamma burstiness)")
+    p.add_argument("--max-concurrency", type=int, help="with --rate: cap on requests in flight")
+    p.add_argument("--num-requests", type=int, help="measured requests per level (default: 8 x concurrency, or 30 s of the rate; 32..500)")
+    p.add_argument("--duration", type=float, help="seconds per level at most (the level also ends after --num-requests)")
+    p.add_argument("--warmup-requests", type=int, help="requests at the start of each level left out of the numbers (default: one per client, at most 32)")
+    p.add_argument("--slo", default="", help="bounds for the SLO verdict and goodput, e.g. ttft_ms.p99=2000,tpot_ms.p95=40,error_rate=0.001")
+    p.add_argument("--json", type=Path, metavar="OUT", help="write the result here, per-request records beside it (OUT.requests.jsonl)")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before one request counts as timed out (default: 600)")
+    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for vLLM to become healthy (default: 900)")
+    p.add_argument("--python", default=sys.executable, help="Python interpreter that has vLLM (default: this one)")
+    p.set_defaults(run=run)
+
+
+def parse_levels(args: argparse.Namespace, workload: Workload) -> list[Level]:
+    arrival = workload.arrival
+    if args.rate:
+        kind, text = "rate", args.rate
+    elif args.concurrency:
+        kind, text = "concurrency", args.concurrency
+    elif arrival.levels:
+        kind = "concurrency" if arrival.process == "concurrency" else "rate"
+        text = ",".join(str(v) for v in arrival.levels)
+    else:
+        kind, text = "concurrency", "1,4,16"
+    flag = f"--{kind}"
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UserError(f"{flag} '{text}' is not a comma-separated list of numbers") from None
+    if not values or min(values) <= 0:
+        raise UserError(f"{flag} needs positive numbers, got '{text}'")
+    if kind == "concurrency" and any(v != int(v) for v in values):
+        raise UserError(f"{flag} levels are whole numbers of clients, got '{text}'")
+    process = "concurrency" if kind == "concurrency" else ("gamma" if arrival.process == "gamma" else "poisson")
+    return [Level(kind, v, process, arrival.burstiness, args.max_concurrency) for v in values]
+
+
+def level_plan(level: Level, args: argparse.Namespace) -> LevelPlan:
+    if args.num_requests is not None and args.num_requests < 1:
+        raise UserError("--num-requests must be at least 1")
+    if args.num_requests is not None:
+        n = args.num_requests
+    elif args.duration is not None:
+        n = None
+    else:
+        guess = 8 * level.value if level.kind == "concurrency" else 30 * level.value
+        n = int(min(max(guess, 32), 500))
+    warmup = args.warmup_requests if args.warmup_requests is not None else int(min(max(level.value, 1), 32))
+    return LevelPlan(level=level, num_requests=n, duration_s=args.duration, warmup_requests=warmup)
+
+
+def load_tokenizer(name: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except Exception as exc:  # transformers raises many kinds for a missing or broken tokenizer
+        raise UserError(f"cannot load the tokenizer of '{name}': {str(exc).splitlines()[0][:200]}") from None
+
+
+def check_model(model: str) -> None:
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise UserError(f"--model {model}: the directory has no config.json (not a model directory)")
+        return
+    if path.exists():
+        raise UserError(f"--model {model}: not a directory")
+    if not _HUB_ID.match(model) or model.startswith((".", "~")):
+        raise UserError(f"--model {model}: no such directory")
+
+
+def served_name_from(url: str) -> str:
+    try:
+        with urllib.request.urlopen(f"{url.rstrip('/')}/v1/models", timeout=10) as resp:
+            models = json.load(resp).get("data", [])
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise UserError(f"--url {url}: cannot reach the server ({reason})") from None
+    if not models:
+        raise UserError(f"--url {url}: the server lists no models")
+    return models[0]["id"]
+
+
+def run(args: argparse.Namespace) -> int:
+    console = make_console(stderr=True)
+    slo = Slo.parse(args.slo)
+    workload = load_workload(args.workload)
+    levels = parse_levels(args, workload)
+    plans = [level_plan(level, args) for level in levels]
+    env = parse_key_values(args.env, "--env")
+    raw_engine_args = {k: parse_value(v) for k, v in parse_key_values(args.engine_arg, "--engine-arg").items()}
+    if args.url:
+        if raw_engine_args or env:
+            raise UserError("--engine-arg and --env configure a server servetune starts; they do not apply with --url")
+        served = args.served_model_name or served_name_from(args.url)
+        tokenizer_name = args.tokenizer or args.model or served
+        engine_args: dict = {}
+        specs = None
+    else:
+        if not args.model:
+            raise UserError("--model is required (or --url to benchmark a running server)")
+        check_model(args.model)
+        specs = load_argspecs(args.python)
+        if specs is None:
+            raise UserError(f"vLLM is not installed for {args.python} (install servetune[cpu] or servetune[gpu], or pass --python)")
+        engine_args = validate_engine_args(raw_engine_args, specs)
+        if args.served_model_name:
+            engine_args["served_model_name"] = args.served_model_name
+        served = args.served_model_name or args.model
+        tokenizer_name = args.tokenizer or args.model
+    with console.status(f"loading the tokenizer of {tokenizer_name}"):
+        prompts = PromptFactory(load_tokenizer(tokenizer_name))
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+    result = BenchResult(
+        servetune_version=__version__, created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        url=args.url or "", model=args.model or tokenizer_name, served_model_name=served, engine_args=engine_args,
+        env=redact_env(env), command=None, vllm_version=None if args.url else vllm_version(args.python),
+        workload_file=str(args.workload), workload=workload.model_dump(mode="json"), slo=[str(b) for b in slo.bounds],
+        num_requests=args.num_requests, duration_s=args.duration, kv_capacity=None, startup_s=None, levels=[],
+    )  # fmt: skip
+    records: list[dict] = []
+    if args.url:
+        _run_levels(console, args.url, served, workload, prompts, plans, slo, args, result, records)
+    else:
+        log_dir = args.json.parent if args.json is not None else Path(tempfile.mkdtemp(prefix="servetune-bench-"))
+        log_path = log_dir / ((args.json.stem if args.json else "bench") + ".engine.log")
+        server = VllmServer(
+            args.model, engine_args, env, log_path=log_path, python=args.python,
+            startup_timeout_s=args.startup_timeout, argspecs=specs,
+        )  # fmt: skip
+        with console.status("starting vLLM (the first start imports vLLM: tens of seconds on CPU, minutes on GPUs)"):
+            server.__enter__()
+        try:
+            console.print(f"vLLM ready at {server.url} after {server.startup_s:.1f} s (log: {log_path})")
+            kv = server.kv_capacity()
+            result.command = server.command()
+            result.url = server.url
+            result.startup_s = server.startup_s
+            result.kv_capacity = KvCapacityReport(**vars(kv)) if kv else None
+            _run_levels(console, server.url, served, workload, prompts, plans, slo, args, result, records, server)
+        finally:
+            with console.status("stopping vLLM"):
+                server.stop()
+    if args.json is not None:
+        requests_path = args.json.with_suffix(".requests.jsonl")
+        result.requests_file = requests_path.name
+        _write_atomic(requests_path, "".join(json.dumps(r) + "\n" for r in records))
+        _write_atomic(args.json, result.model_dump_json(indent=2) + "\n")
+        console.print(f"wrote {args.json} and {requests_path}")
+    failed_levels = [r for r in result.levels if r.summary.completed == 0]
+    return 1 if failed_levels else 0
+
+
+def _run_levels(console, url, served, workload, prompts, plans, slo, args, result, records, server=None) -> None:
+    async def main() -> None:
+        async with StreamingClient(
+            url, served, api=workload.api, timeout_s=args.request_timeout,
+            ignore_eos=workload.ignore_eos, temperature=workload.temperature,
+        ) as client:  # fmt: skip
+            for index, plan in enumerate(plans):
+                total = (plan.num_requests or 0) + plan.warmup_requests
+                with Progress(
+                    TextColumn(f"[bold]{plan.level}[/]"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.fields[failed]} failed"), TimeElapsedColumn(), console=console, transient=True,
+                ) as progress:  # fmt: skip
+                    task = progress.add_task("level", total=total or None, failed=0)
+                    failed = 0
+
+                    def on_done(record) -> None:
+                        nonlocal failed
+                        failed += 0 if record.ok else 1
+                        progress.update(task, advance=1, failed=failed)
+
+                    level_result, level_records = await measure_level(
+                        client, url, workload, prompts, plan, stream=index + 1, slo=slo, on_done=on_done
+                    )
+                if server is not None and not server.alive():
+                    raise UserError(f"vLLM died during {plan.level} ({server.failure_reason()})")
+                result.levels.append(level_result)
+                records.extend({"level": index, **r.to_dict()} for r in level_records)
+                console.print(level_table([level_result], slo, title=str(plan.level)))
+
+    asyncio.run(main())
+    if len(result.levels) > 1:
+        make_console().print(level_table(result.levels, slo, title="all levels"))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)

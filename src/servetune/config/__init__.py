@@ -1,0 +1,1 @@
+"""Typed, validated configuration: workloads, SLOs, load protocol."""

@@ -1,0 +1,222 @@
+"""Workloads: what requests look like and how they arrive (``trials/workloads/*.yaml``).
+
+Token lengths come from distributions (fixed, uniform, normal, lognormal, each bounded, or
+empirical from a JSONL file). A workload is either one request class (``input_tokens`` and
+``output_tokens``) or a weighted ``mix`` of classes (long/short mixes). ``shared_prefix``
+makes a fraction of requests start with the same N tokens (prefix-cache scenarios); the input
+length is the whole prompt, prefix included.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Literal, Union
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+
+from servetune.config.loading import load_yaml_model
+from servetune.errors import UserError
+
+
+class _Dist(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class Fixed(_Dist):
+    dist: Literal["fixed"]
+    value: int = Field(ge=1)
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        return np.full(n, self.value, dtype=np.int64)
+
+
+class _Bounded(_Dist):
+    min: int = Field(default=1, ge=1)
+    max: int = Field(ge=1)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "_Bounded":
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) is larger than max ({self.max})")
+        return self
+
+    def _clip(self, values: np.ndarray) -> np.ndarray:
+        return np.clip(np.rint(values), self.min, self.max).astype(np.int64)
+
+
+class Uniform(_Bounded):
+    dist: Literal["uniform"]
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        return rng.integers(self.min, self.max + 1, size=n, dtype=np.int64)
+
+
+class Normal(_Bounded):
+    dist: Literal["normal"]
+    mean: float = Field(gt=0)
+    std: float = Field(ge=0)
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        return self._clip(rng.normal(self.mean, self.std, size=n))
+
+
+class LogNormal(_Bounded):
+    """Lengths whose logarithm is normal: ``median`` and ``sigma`` (the spread in log space)."""
+
+    dist: Literal["lognormal"]
+    median: float = Field(gt=0)
+    sigma: float = Field(gt=0)
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        return self._clip(rng.lognormal(np.log(self.median), self.sigma, size=n))
+
+
+class Empirical(_Dist):
+    """Lengths (integers) or prompts (strings) from one field of a JSONL file.
+
+    The path is relative to the workload file. With prompts, their token counts are the input
+    lengths and the prompts themselves are sent.
+    """
+
+    dist: Literal["empirical"]
+    file: Path
+    field: str = "prompt"
+    _values: list = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="after")
+    def _read(self, info: ValidationInfo) -> "Empirical":
+        base = Path((info.context or {}).get("base_dir", "."))
+        path = self.file if self.file.is_absolute() else base / self.file
+        try:
+            lines = path.read_text().splitlines()
+        except OSError:
+            raise ValueError(f"cannot read {path}") from None
+        values = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)[self.field]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"{path} line {number} has no field '{self.field}'") from None
+            if isinstance(value, bool) or not isinstance(value, (int, str)) or (isinstance(value, int) and value < 1):
+                raise ValueError(f"{path} line {number}: '{self.field}' must be a prompt or a length >= 1")
+            values.append(value)
+        if not values:
+            raise ValueError(f"{path} has no records")
+        self._values = values
+        return self
+
+    @property
+    def prompts(self) -> list[str] | None:
+        return self._values if isinstance(self._values[0], str) else None
+
+    def sample_indices(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        return rng.integers(0, len(self._values), size=n)
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        if self.prompts is not None:
+            raise TypeError("prompt datasets are sampled by index; token counts need the tokenizer")
+        return np.asarray(self._values, dtype=np.int64)[self.sample_indices(rng, n)]
+
+
+Dist = Annotated[Union[Fixed, Uniform, Normal, LogNormal, Empirical], Field(discriminator="dist")]
+
+
+class RequestClass(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = "default"
+    weight: float = Field(default=1.0, gt=0)
+    input_tokens: Dist
+    output_tokens: Dist
+
+
+class SharedPrefix(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tokens: int = Field(ge=1)
+    fraction: float = Field(default=1.0, gt=0, le=1)
+
+
+class Arrival(BaseModel):
+    """How requests arrive at a level.
+
+    ``concurrency``: a closed loop of N clients, each sending its next request when the last
+    one ends. ``poisson``: open loop at a rate (exponential gaps). ``gamma``: open loop whose
+    gaps are gamma-distributed; ``burstiness`` < 1 is burstier than Poisson, 1 is Poisson.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    process: Literal["concurrency", "poisson", "gamma"] = "concurrency"
+    burstiness: float = Field(default=1.0, gt=0)
+    levels: tuple[float, ...] | None = None  # default levels (concurrencies or rates)
+
+    @field_validator("levels")
+    @classmethod
+    def _positive(cls, levels: tuple[float, ...] | None) -> tuple[float, ...] | None:
+        if levels is not None and (not levels or min(levels) <= 0):
+            raise ValueError("levels must be a non-empty list of positive numbers")
+        return levels
+
+
+class Workload(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    description: str = ""
+    seed: int = 0
+    api: Literal["completions", "chat"] = "completions"
+    input_tokens: Dist | None = None
+    output_tokens: Dist | None = None
+    mix: tuple[RequestClass, ...] | None = None
+    shared_prefix: SharedPrefix | None = None
+    arrival: Arrival = Arrival()
+    ignore_eos: bool = True  # hold output lengths to what the workload asked for
+    temperature: float = Field(default=0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _one_shape(self) -> "Workload":
+        single = self.input_tokens is not None or self.output_tokens is not None
+        if single and self.mix:
+            raise ValueError("give either input_tokens/output_tokens or mix, not both")
+        if not single and not self.mix:
+            raise ValueError("give input_tokens and output_tokens, or a mix of request classes")
+        if single and (self.input_tokens is None or self.output_tokens is None):
+            raise ValueError("input_tokens and output_tokens go together")
+        if isinstance(self.output_tokens, Empirical) and self.output_tokens.prompts is not None:
+            raise ValueError("output_tokens: an empirical output distribution needs lengths, not prompts")
+        return self
+
+    @property
+    def classes(self) -> tuple[RequestClass, ...]:
+        if self.mix:
+            return self.mix
+        assert self.input_tokens is not None and self.output_tokens is not None
+        return (RequestClass.model_construct(name="default", weight=1.0, input_tokens=self.input_tokens, output_tokens=self.output_tokens),)
+
+
+#: Where the shipped workloads live (``trials/workloads`` at the top of the repository).
+WORKLOADS_DIR = Path(__file__).resolve().parents[3] / "trials" / "workloads"
+
+
+def resolve_workload_path(name_or_path: str | Path) -> Path:
+    """A path as given, or the name of a shipped workload (``chat`` -> trials/workloads/chat.yaml)."""
+    path = Path(name_or_path)
+    if path.exists() or path.suffix in (".yaml", ".yml") or len(path.parts) > 1:
+        return path
+    shipped = WORKLOADS_DIR / f"{path}.yaml"
+    if shipped.exists():
+        return shipped
+    known = sorted(p.stem for p in WORKLOADS_DIR.glob("*.yaml"))
+    raise UserError(f"workload '{name_or_path}' is neither a file nor a shipped workload ({', '.join(known)})")
+
+
+def load_workload(name_or_path: str | Path) -> Workload:
+    return load_yaml_model(resolve_workload_path(name_or_path), Workload)

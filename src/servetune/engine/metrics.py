@@ -1,0 +1,135 @@
+"""vLLM's ``/metrics`` (Prometheus text) read with prometheus_client's parser into named values.
+
+A :class:`MetricsSnapshot` is one scrape. The difference of two snapshots gives what happened
+during a load level: preemptions, prefix-cache queries and hits, tokens, and vLLM's own TTFT,
+ITL and queue-time histograms (mean and bucket-interpolated percentiles).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+#: Gauges: our name -> vLLM family names (newest first).
+GAUGES = {
+    "requests_running": ("vllm:num_requests_running",),
+    "requests_waiting": ("vllm:num_requests_waiting",),
+    "kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+}
+#: Counters (family names, without ``_total``).
+COUNTERS = {
+    "preemptions": ("vllm:num_preemptions",),
+    "prefix_cache_queries": ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries"),
+    "prefix_cache_hits": ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits"),
+    "prompt_tokens": ("vllm:prompt_tokens",),
+    "generation_tokens": ("vllm:generation_tokens",),
+    "requests_finished": ("vllm:request_success",),
+}
+#: Histograms in seconds.
+HISTOGRAMS = {
+    "server_ttft": ("vllm:time_to_first_token_seconds",),
+    "server_itl": ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+    "server_queue": ("vllm:request_queue_time_seconds",),
+    "server_e2el": ("vllm:e2e_request_latency_seconds",),
+}
+
+#: Histograms whose buckets are fine enough for interpolated percentiles.
+FINE_BUCKETS = ("server_ttft", "server_itl")
+
+
+@dataclass
+class Histogram:
+    sum: float = 0.0
+    count: float = 0.0
+    buckets: dict[float, float] = field(default_factory=dict)  # upper bound -> cumulative count
+
+    def minus(self, other: "Histogram") -> "Histogram":
+        return Histogram(
+            self.sum - other.sum,
+            self.count - other.count,
+            {le: c - other.buckets.get(le, 0.0) for le, c in self.buckets.items()},
+        )
+
+    def quantile(self, q: float) -> float | None:
+        """Linear interpolation inside the bucket holding quantile ``q`` (as Prometheus does)."""
+        if self.count <= 0 or not self.buckets:
+            return None
+        rank = q * self.count
+        lower_bound, lower_count = 0.0, 0.0
+        for le in sorted(self.buckets):
+            count = self.buckets[le]
+            if count >= rank:
+                if math.isinf(le):
+                    return lower_bound
+                span = count - lower_count
+                frac = (rank - lower_count) / span if span > 0 else 1.0
+                return lower_bound + (le - lower_bound) * frac
+            lower_bound, lower_count = le, count
+        return lower_bound
+
+
+@dataclass
+class MetricsSnapshot:
+    gauges: dict[str, float] = field(default_factory=dict)
+    counters: dict[str, float] = field(default_factory=dict)
+    histograms: dict[str, Histogram] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, text: str) -> "MetricsSnapshot":
+        # Index samples by their own names: a family's declared name varies between vLLM
+        # versions (``x`` or ``x_total`` for counters), the samples' names do not.
+        samples: dict[str, list] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                samples.setdefault(sample.name, []).append(sample)
+        snap = cls()
+        for ours, names in GAUGES.items():
+            if (found := _first(samples, names)) is not None:
+                snap.gauges[ours] = sum(s.value for s in found)
+        for ours, names in COUNTERS.items():
+            if (found := _first(samples, tuple(n + "_total" for n in names))) is not None:
+                snap.counters[ours] = sum(s.value for s in found)
+        for ours, names in HISTOGRAMS.items():
+            name = next((n for n in names if n + "_count" in samples), None)
+            if name is None:
+                continue
+            hist = Histogram(
+                sum=sum(s.value for s in samples.get(name + "_sum", [])),
+                count=sum(s.value for s in samples[name + "_count"]),
+            )
+            for s in samples.get(name + "_bucket", []):
+                le = float(s.labels["le"])
+                hist.buckets[le] = hist.buckets.get(le, 0.0) + s.value
+            snap.histograms[ours] = hist
+        return snap
+
+
+def _first(samples: dict[str, list], names: tuple[str, ...]) -> list | None:
+    for name in names:
+        if name in samples:
+            return samples[name]
+    return None
+
+
+def level_delta(before: MetricsSnapshot, after: MetricsSnapshot) -> dict[str, float]:
+    """What the server counted between two scrapes, as flat named values."""
+    out: dict[str, float] = {}
+    for name, value in after.counters.items():
+        out[name] = value - before.counters.get(name, 0.0)
+    queries, hits = out.get("prefix_cache_queries"), out.get("prefix_cache_hits")
+    if queries:
+        out["prefix_cache_hit_rate"] = (hits or 0.0) / queries
+    for name, hist in after.histograms.items():
+        delta = hist.minus(before.histograms.get(name, Histogram()))
+        if delta.count <= 0:
+            continue
+        out[f"{name}_ms_mean"] = delta.sum / delta.count * 1000.0
+        if name not in FINE_BUCKETS:
+            continue  # coarse buckets: interpolated percentiles would mislead
+        for label, q in (("p50", 0.5), ("p99", 0.99)):
+            value = delta.quantile(q)
+            if value is not None:
+                out[f"{name}_ms_{label}"] = value * 1000.0
+    return out

@@ -1,0 +1,213 @@
+"""The vLLM OpenAI-compatible server as a context manager that owns its process group.
+
+``with VllmServer(model, engine_args, env) as server:`` starts
+``python -m vllm.entrypoints.openai.api_server`` (works with the GPU build and with the CPU
+build, whose ``vllm`` console script is broken) on a free port of 127.0.0.1, as the leader of
+a new session, waits for ``/health`` while watching that the process lives, and on exit sends
+SIGTERM to the whole group, then SIGKILL after a grace period, and waits until no process of
+the group is left.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from servetune.engine.args import ArgSpec, engine_argv
+from servetune.errors import EngineStartError
+
+_KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
+_KV_CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
+
+
+@dataclass(frozen=True)
+class KvCapacity:
+    """What vLLM's startup log reported about its KV cache (per engine; one per DP rank)."""
+
+    tokens: int
+    max_concurrency: float | None = None
+    at_tokens_per_request: int | None = None
+    engines: int = 1
+
+    @classmethod
+    def from_log(cls, text: str) -> "KvCapacity | None":
+        found = _KV_TOKENS.findall(text)
+        if not found:
+            return None
+        tokens = int(found[0].replace(",", ""))
+        conc = _KV_CONCURRENCY.findall(text)
+        if conc:
+            per_request, factor = conc[0]
+            return cls(tokens, float(factor), int(per_request.replace(",", "")), engines=len(found))
+        return cls(tokens, engines=len(found))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class VllmServer:
+    def __init__(
+        self,
+        model: str | Path,
+        engine_args: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+        *,
+        log_path: str | Path,
+        python: str = sys.executable,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        startup_timeout_s: float = 900.0,
+        stop_grace_s: float = 20.0,
+        argspecs: Mapping[str, ArgSpec] | None = None,
+    ) -> None:
+        self.model = str(model)
+        self.engine_args = dict(engine_args or {})
+        self.env = {k: str(v) for k, v in (env or {}).items()}
+        self.log_path = Path(log_path)
+        self.python = python
+        self.host = host
+        self.port = port
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_grace_s = stop_grace_s
+        self.argspecs = argspecs
+        self.process: subprocess.Popen | None = None
+        self.startup_s: float | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        return [
+            self.python, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", self.model, "--host", self.host, "--port", str(self.port),
+            *engine_argv(self.engine_args, self.argspecs),
+        ]  # fmt: skip
+
+    def start(self) -> None:
+        if self.port is None:
+            self.port = free_port(self.host)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=env, start_new_session=True,
+            )  # fmt: skip
+
+    def wait_ready(self) -> None:
+        """Poll ``/health`` until it answers 200; raise with the log tail if the process dies."""
+        assert self.process is not None
+        started = time.monotonic()
+        deadline = started + self.startup_timeout_s
+        while True:
+            code = self.process.poll()
+            if code is not None:
+                raise EngineStartError(f"vLLM exited with code {code} during startup ({self.failure_reason()})", self.log_tail())
+            if self._healthy():
+                self.startup_s = time.monotonic() - started
+                return
+            if time.monotonic() > deadline:
+                raise EngineStartError(f"vLLM did not become healthy within {self.startup_timeout_s:g} s", self.log_tail())
+            time.sleep(0.5)
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self) -> None:
+        """TERM the process group, KILL it after the grace period, wait until it is gone."""
+        if self.process is None:
+            return
+        pgid = self.process.pid  # leader of its own session: pgid == pid
+        _signal_group(pgid, signal.SIGTERM)
+        try:  # reap the leader first, so that it does not linger as a zombie of the group
+            self.process.wait(timeout=self.stop_grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        # Workers may outlive the leader for a moment; give the group the rest of the grace.
+        deadline = time.monotonic() + self.stop_grace_s
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if _group_alive(pgid):
+            _signal_group(pgid, signal.SIGKILL)
+            while _group_alive(pgid):
+                time.sleep(0.1)
+        if self.process.poll() is None:
+            self.process.wait()
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def failure_reason(self) -> str:
+        """The most telling error line of the log (the last ``...Error: ...`` line)."""
+        for line in reversed(self.log_text().splitlines()):
+            if re.search(r"\b\w*(Error|Exception)\b: ", line):
+                return line.strip()[-300:]
+        return "see the log tail"
+
+    def kv_capacity(self) -> KvCapacity | None:
+        return KvCapacity.from_log(self.log_text())
+
+    def __enter__(self) -> "VllmServer":
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of a process group."""
+    members = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                members.append(proc.pid)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return members
+
+
+def _group_alive(pgid: int) -> bool:
+    return bool(group_members(pgid))

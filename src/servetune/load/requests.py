@@ -1,0 +1,110 @@
+"""Turn a workload into a deterministic stream of requests with exact token counts.
+
+Prompts are made of "clean" pieces of the served model's vocabulary: whole words with a
+leading space where the vocabulary has them (they re-tokenize to themselves, so counts stay
+exact across joins), else single printable characters (byte-level tokenizers). Each prompt is
+checked by encoding it and trimmed or extended until its count is exact.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from servetune.config.workload import Empirical, Workload
+
+_WORD = re.compile(r" [A-Za-z]{2,12}")
+_CHAR = re.compile(r"[ -~]")
+
+
+class Tokenizer(Protocol):
+    """The part of a Hugging Face tokenizer the request stream uses."""
+
+    all_special_ids: list[int]
+
+    def __len__(self) -> int: ...
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+    def decode(self, ids: list[int]) -> str: ...
+    def batch_decode(self, ids: list[list[int]]) -> list[str]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    index: int
+    prompt: str
+    input_tokens: int
+    output_tokens: int
+    request_class: str
+
+
+class PromptFactory:
+    """Makes text of an exact number of tokens for one tokenizer."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        special = set(tokenizer.all_special_ids)
+        ids = [i for i in range(len(tokenizer)) if i not in special]
+        texts = tokenizer.batch_decode([[i] for i in ids])
+        words = [i for i, t in zip(ids, texts) if _WORD.fullmatch(t) and self.count(t) == 1]
+        chars = [i for i, t in zip(ids, texts) if _CHAR.fullmatch(t) and self.count(t) == 1]
+        self.pool = np.asarray(words if len(words) >= 500 else chars, dtype=np.int64)
+        if not len(self.pool):
+            raise ValueError("the tokenizer has no plain-text tokens to build prompts from")
+
+    def count(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def text(self, n_tokens: int, rng: np.random.Generator, prefix: str = "") -> str:
+        """``prefix`` followed by random pieces, ``n_tokens`` tokens in all (prefix included)."""
+        if n_tokens <= 0:
+            return prefix
+        need = n_tokens - (self.count(prefix) if prefix else 0)
+        ids = list(rng.choice(self.pool, size=max(need, 0)))
+        text = prefix + self.tokenizer.decode(ids)
+        for _ in range(16):
+            have = self.count(text)
+            if have == n_tokens:
+                return text
+            if have > n_tokens:
+                ids = ids[: max(len(ids) - (have - n_tokens), 0)]
+            else:
+                ids += list(rng.choice(self.pool, size=n_tokens - have))
+            text = prefix + self.tokenizer.decode(ids)
+        return text  # close enough; the server's usage reports the real count
+
+
+def iter_requests(workload: Workload, prompts: PromptFactory, stream: int = 0) -> Iterator[RequestSpec]:
+    """An endless, deterministic stream of requests.
+
+    ``stream`` separates independent streams of the same workload (warm-up, each load level),
+    so a level never replays prompts an earlier level left in the prefix cache.
+    """
+    rng = np.random.default_rng([workload.seed, stream])
+    classes = workload.classes
+    weights = np.asarray([c.weight for c in classes], dtype=float)
+    weights /= weights.sum()
+    prefix_text = ""
+    if workload.shared_prefix:
+        # The shared prefix is the same in every stream: it is what the prefix cache reuses.
+        prefix_rng = np.random.default_rng([workload.seed, 2**31 - 1])
+        prefix_text = prompts.text(workload.shared_prefix.tokens, prefix_rng)
+    index = 0
+    while True:
+        cls = classes[int(rng.choice(len(classes), p=weights))] if len(classes) > 1 else classes[0]
+        n_out = int(cls.output_tokens.sample(rng, 1)[0])
+        shares = bool(workload.shared_prefix) and rng.random() < workload.shared_prefix.fraction
+        prefix = prefix_text if shares else ""
+        if isinstance(cls.input_tokens, Empirical) and cls.input_tokens.prompts is not None:
+            text = prefix + cls.input_tokens.prompts[int(cls.input_tokens.sample_indices(rng, 1)[0])]
+            n_in = prompts.count(text)
+        else:
+            n_in = int(cls.input_tokens.sample(rng, 1)[0])
+            if prefix:
+                n_in = max(n_in, workload.shared_prefix.tokens + 1)
+            text = prompts.text(n_in, rng, prefix=prefix)
+        yield RequestSpec(index=index, prompt=text, input_tokens=n_in, output_tokens=n_out, request_class=cls.name)
+        index += 1

@@ -1,0 +1,227 @@
+"""Metric names and definitions, in one place.
+
+Names follow ``vllm bench serve``: ``ttft_ms_p99``, ``tpot_ms_mean``, ``output_throughput``...
+Every module that writes or reads a metric uses the constants and types here.
+
+Definitions (per request):
+
+- TTFT: request sent -> first content chunk.
+- TPOT: (E2EL - TTFT) / (output tokens - 1); undefined for a single output token.
+- ITL: the gaps between consecutive content chunks (all gaps of all requests are pooled).
+- E2EL: request sent -> last chunk.
+- Output tokens come from the server's ``usage`` (``stream_options.include_usage``), not
+  from counting chunks.
+
+Per level: throughputs over the measured window (first measured send -> last measured end),
+goodput = requests per second that met every per-request SLO bound.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict
+
+#: Latency metrics measured per request, in milliseconds.
+LATENCY_METRICS = ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms")
+#: Statistics reported for each latency metric.
+STATS = ("mean", "p50", "p90", "p95", "p99")
+PERCENTILES = {"p50": 50.0, "p90": 90.0, "p95": 95.0, "p99": 99.0}
+#: Latency metrics that a single request can be held to (goodput). ITL is a level-wide pool.
+PER_REQUEST_METRICS = ("ttft_ms", "tpot_ms", "e2el_ms")
+#: Level-wide metrics that are not latencies.
+RATE_METRICS = (
+    "request_throughput",
+    "output_throughput",
+    "input_throughput",
+    "total_token_throughput",
+    "goodput",
+    "error_rate",
+)
+COST_METRIC = "cost_per_mtok_usd"
+
+
+def metric_names() -> list[str]:
+    """Every flat metric name a level summary has (the keys of :meth:`LevelSummary.flat`)."""
+    names = [f"{m}_{s}" for m in LATENCY_METRICS for s in STATS]
+    return names + list(RATE_METRICS)
+
+
+def cost_per_mtok_usd(price_per_gpu_hour: float, gpus: int, output_throughput: float) -> float:
+    """USD per million output tokens: price per GPU-hour x GPUs / (output tok/s x 3600) x 1e6."""
+    if output_throughput <= 0:
+        return float("inf")
+    return price_per_gpu_hour * gpus / (output_throughput * 3600.0) * 1e6
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What the client saw of one request. Times are seconds on the level's clock."""
+
+    index: int
+    sent: float
+    input_tokens: int  # what the workload asked for
+    max_tokens: int
+    warmup: bool = False
+    request_class: str = ""
+    chunk_times: list[float] = field(default_factory=list)  # arrival of each content chunk
+    end: float | None = None
+    prompt_tokens: int | None = None  # from the server's usage
+    output_tokens: int | None = None  # from the server's usage
+    ok: bool = False
+    error_kind: str | None = None  # http_4xx, http_5xx, timeout, connection, ...
+    error: str | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return self.chunk_times[0] - self.sent if self.chunk_times else None
+
+    @property
+    def e2el_s(self) -> float | None:
+        return self.end - self.sent if self.end is not None else None
+
+    @property
+    def tpot_s(self) -> float | None:
+        ttft, e2el, n = self.ttft_s, self.e2el_s, self.output_tokens
+        if ttft is None or e2el is None or not n or n < 2:
+            return None
+        return (e2el - ttft) / (n - 1)
+
+    def itls_s(self) -> list[float]:
+        t = self.chunk_times
+        return [b - a for a, b in zip(t, t[1:])]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(ttft_ms=_ms(self.ttft_s), tpot_ms=_ms(self.tpot_s), e2el_ms=_ms(self.e2el_s))
+        return d
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0
+
+
+class LatencyStats(BaseModel):
+    """Mean and percentiles of one latency metric, in milliseconds (None with no samples)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mean: float | None = None
+    p50: float | None = None
+    p90: float | None = None
+    p95: float | None = None
+    p99: float | None = None
+    count: int = 0
+
+    @classmethod
+    def of(cls, values_ms: Sequence[float]) -> "LatencyStats":
+        if not len(values_ms):
+            return cls()
+        arr = np.asarray(values_ms, dtype=float)
+        pct = np.percentile(arr, list(PERCENTILES.values()))
+        return cls(mean=float(arr.mean()), count=len(arr), **{k: float(v) for k, v in zip(PERCENTILES, pct)})
+
+
+class LevelSummary(BaseModel):
+    """One load level, measured: the operating point's numbers."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    level: dict[str, float]  # {"concurrency": 16} or {"rate": 8.0}
+    duration_s: float
+    completed: int
+    failed: int
+    warmup_excluded: int
+    errors_by_kind: dict[str, int]
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float
+    output_throughput: float
+    input_throughput: float
+    total_token_throughput: float
+    goodput: float | None  # None when no per-request SLO was given
+    error_rate: float
+    ttft_ms: LatencyStats
+    tpot_ms: LatencyStats
+    itl_ms: LatencyStats
+    e2el_ms: LatencyStats
+
+    def flat(self) -> dict[str, float]:
+        """``{"ttft_ms_p99": ..., "output_throughput": ...}`` with every metric that has a value."""
+        out: dict[str, float] = {}
+        for metric in LATENCY_METRICS:
+            stats: LatencyStats = getattr(self, metric)
+            for stat in STATS:
+                value = getattr(stats, stat)
+                if value is not None:
+                    out[f"{metric}_{stat}"] = value
+        for name in RATE_METRICS:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
+
+
+def meets_request_slo(record: RequestRecord, bounds_ms: Mapping[str, float]) -> bool:
+    """True when a finished request is within every per-request bound (``{"ttft_ms": 2000}``)."""
+    if not record.ok:
+        return False
+    values = {"ttft_ms": _ms(record.ttft_s), "tpot_ms": _ms(record.tpot_s), "e2el_ms": _ms(record.e2el_s)}
+    for metric, bound in bounds_ms.items():
+        value = values[metric]
+        if metric == "tpot_ms" and value is None:  # a one-token answer has no TPOT to break
+            continue
+        if value is None or value > bound:
+            return False
+    return True
+
+
+def summarize(
+    records: Iterable[RequestRecord],
+    level: Mapping[str, float],
+    request_slo_ms: Mapping[str, float] | None = None,
+) -> LevelSummary:
+    """Summarize one level; warm-up requests are left out of every number."""
+    all_records = list(records)
+    measured = [r for r in all_records if not r.warmup]
+    ok = [r for r in measured if r.ok]
+    failed = [r for r in measured if not r.ok]
+    if measured:
+        start = min(r.sent for r in measured)
+        end = max((r.end if r.end is not None else r.sent) for r in measured)
+        duration = max(end - start, 1e-9)
+    else:
+        duration = 0.0
+    total_in = sum(r.prompt_tokens if r.prompt_tokens is not None else r.input_tokens for r in ok)
+    total_out = sum(r.output_tokens or 0 for r in ok)
+
+    def rate(x: float) -> float:
+        return x / duration if duration > 0 else 0.0
+
+    goodput = None
+    if request_slo_ms:
+        goodput = rate(sum(meets_request_slo(r, request_slo_ms) for r in ok))
+    itls = [gap * 1000.0 for r in ok for gap in r.itls_s()]
+    return LevelSummary(
+        level=dict(level),
+        duration_s=duration,
+        completed=len(ok),
+        failed=len(failed),
+        warmup_excluded=len(all_records) - len(measured),
+        errors_by_kind=dict(Counter(r.error_kind or "unknown" for r in failed)),
+        total_input_tokens=total_in,
+        total_output_tokens=total_out,
+        request_throughput=rate(len(ok)),
+        output_throughput=rate(total_out),
+        input_throughput=rate(total_in),
+        total_token_throughput=rate(total_in + total_out),
+        goodput=goodput,
+        error_rate=len(failed) / len(measured) if measured else 0.0,
+        ttft_ms=LatencyStats.of([r.ttft_s * 1000.0 for r in ok if r.ttft_s is not None]),
+        tpot_ms=LatencyStats.of([r.tpot_s * 1000.0 for r in ok if r.tpot_s is not None]),
+        itl_ms=LatencyStats.of(itls),
+        e2el_ms=LatencyStats.of([r.e2el_s * 1000.0 for r in ok if r.e2el_s is not None]),
+    )

@@ -1,0 +1,1 @@
+"""Models servetune can build itself (the tiny CPU test model)."""

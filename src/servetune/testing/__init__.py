@@ -1,0 +1,1 @@
+"""Test doubles that are worth shipping: a fake OpenAI-compatible streaming server."""

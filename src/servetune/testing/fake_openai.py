@@ -1,0 +1,124 @@
+"""A fake OpenAI-compatible streaming server with set TTFT and inter-token gaps.
+
+Fast client and scheduler tests use it where real vLLM would make them slow. It speaks the
+parts of vLLM's API servetune uses: ``/health``, ``/v1/models``, streaming
+``/v1/completions`` and ``/v1/chat/completions`` with ``usage``, and a small ``/metrics``.
+It also logs vLLM's KV capacity line, so it can stand in for the engine in lifecycle tests:
+
+    python -m servetune.testing.fake_openai --port 8000 --ttft-ms 50 --itl-ms 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from aiohttp import web
+
+
+class FakeOpenAI:
+    def __init__(self, ttft_ms: float = 20.0, itl_ms: float = 5.0, model: str = "fake", fail_status: int | None = None) -> None:
+        self.ttft_s = ttft_ms / 1000.0
+        self.itl_s = itl_ms / 1000.0
+        self.model = model
+        self.fail_status = fail_status
+        self.running = 0
+        self.finished = 0
+        self.generated = 0
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.complete)
+        app.router.add_post("/v1/chat/completions", self.complete)
+        app.router.add_get("/metrics", self.metrics)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        text = (
+            "# TYPE vllm:num_requests_running gauge\n"
+            f'vllm:num_requests_running{{model_name="{self.model}"}} {self.running}\n'
+            "# TYPE vllm:generation_tokens_total counter\n"
+            f'vllm:generation_tokens_total{{model_name="{self.model}"}} {self.generated}\n'
+            "# TYPE vllm:request_success_total counter\n"
+            f'vllm:request_success_total{{model_name="{self.model}"}} {self.finished}\n'
+        )
+        return web.Response(text=text, content_type="text/plain")
+
+    async def complete(self, request: web.Request) -> web.StreamResponse:
+        start = time.perf_counter()  # TTFT counts from the request's arrival
+        body = await request.json()
+        if self.fail_status:
+            return web.json_response({"error": {"message": "injected failure"}}, status=self.fail_status)
+        chat = request.path.endswith("/chat/completions")
+        n_out = int(body.get("max_tokens") or 16)
+        prompt = body.get("prompt") or json.dumps(body.get("messages", ""))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        self.running += 1
+        try:
+            for i in range(n_out):
+                # Sleep to an absolute schedule, so gaps do not drift with event-loop delays.
+                due = start + self.ttft_s + i * self.itl_s
+                await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                choice = {"index": 0, "delta": {"content": "x"}} if chat else {"index": 0, "text": "x"}
+                await resp.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
+                self.generated += 1
+            usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": n_out, "total_tokens": n_out}
+            await resp.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            self.finished += 1
+        finally:
+            self.running -= 1
+        return resp
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--model", default="fake")
+    parser.add_argument("--ttft-ms", type=float, default=20.0)
+    parser.add_argument("--itl-ms", type=float, default=5.0)
+    parser.add_argument("--startup-delay-s", type=float, default=0.0)
+    parser.add_argument("--fail-startup", action="store_true", help="exit with an error during startup, as a failing engine does")
+    parser.add_argument("--crash-after-s", type=float, help="die this many seconds after becoming ready")
+    parser.add_argument("--stubborn-child", action="store_true", help="start a child process that ignores SIGTERM")
+    parser.add_argument("--kv-tokens", type=int, default=524288)
+    args, _ = parser.parse_known_args(argv)  # ignore the engine arguments vLLM would take
+    print(f"fake engine starting for model {args.model}", flush=True)
+    if args.stubborn_child:
+        code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nwhile True: time.sleep(1)"
+        subprocess.Popen([sys.executable, "-c", code])
+    time.sleep(args.startup_delay_s)
+    if args.fail_startup:
+        print("ValueError: injected startup failure for the test", flush=True)
+        sys.exit(1)
+    print(f"INFO [kv_cache_utils.py] CPU KV cache size: {args.kv_tokens:,} tokens, Maximum concurrency for 4,096 tokens per request: {args.kv_tokens / 4096:.2f}x", flush=True)
+    if args.crash_after_s is not None:
+        loop_kill = args.crash_after_s
+
+        async def on_startup(app: web.Application) -> None:
+            asyncio.get_running_loop().call_later(loop_kill, os.kill, os.getpid(), signal.SIGKILL)
+
+    app = FakeOpenAI(args.ttft_ms, args.itl_ms, args.model).app()
+    if args.crash_after_s is not None:
+        app.on_startup.append(on_startup)
+    web.run_app(app, host=args.host, port=args.port, print=None)
+
+
+if __name__ == "__main__":
+    main()

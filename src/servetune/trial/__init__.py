@@ -1,0 +1,1 @@
+"""One trial: capacity check -> engine start -> warm-up -> load ladder -> teardown."""

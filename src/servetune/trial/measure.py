@@ -1,0 +1,85 @@
+"""Measure load levels against one running server.
+
+For each level: scrape ``/metrics``, run the level while sampling vLLM's gauges twice a
+second (peaks of running and waiting requests and of KV-cache usage), scrape again, and
+summarize. Works against any OpenAI-compatible server; ``/metrics`` is optional.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+
+from servetune.config.slo import Slo
+from servetune.config.workload import Workload
+from servetune.engine.metrics import MetricsSnapshot, level_delta
+from servetune.load.client import StreamingClient
+from servetune.load.requests import PromptFactory, iter_requests
+from servetune.load.runner import Level, run_level
+from servetune.metrics import RequestRecord, summarize
+from servetune.results import LevelResult
+
+
+@dataclass(frozen=True)
+class LevelPlan:
+    level: Level
+    num_requests: int | None
+    duration_s: float | None
+    warmup_requests: int
+
+
+async def _scrape(session: aiohttp.ClientSession, url: str) -> MetricsSnapshot | None:
+    try:
+        async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            if resp.status != 200:
+                return None
+            return MetricsSnapshot.parse(await resp.text())
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+        return None
+
+
+async def _sample_gauges(session: aiohttp.ClientSession, url: str, peaks: dict[str, float], every_s: float) -> None:
+    while True:
+        snap = await _scrape(session, url)
+        if snap is not None:
+            for name, value in snap.gauges.items():
+                peaks[f"{name}_max"] = max(peaks.get(f"{name}_max", 0.0), value)
+        await asyncio.sleep(every_s)
+
+
+async def measure_level(
+    client: StreamingClient,
+    url: str,
+    workload: Workload,
+    prompts: PromptFactory,
+    plan: LevelPlan,
+    *,
+    stream: int,
+    slo: Slo,
+    on_done: Callable[[RequestRecord], None] | None = None,
+    sample_every_s: float = 0.5,
+) -> tuple[LevelResult, list[RequestRecord]]:
+    """Run one level and return its result and the per-request records."""
+    requests = iter_requests(workload, prompts, stream=stream)
+    async with aiohttp.ClientSession() as session:
+        before = await _scrape(session, url)
+        peaks: dict[str, float] = {}
+        sampler = asyncio.ensure_future(_sample_gauges(session, url, peaks, sample_every_s)) if before else None
+        try:
+            records = await run_level(
+                client, requests, plan.level, num_requests=plan.num_requests, duration_s=plan.duration_s,
+                warmup_requests=plan.warmup_requests, seed=workload.seed + stream, on_done=on_done,
+            )  # fmt: skip
+        finally:
+            if sampler is not None:
+                sampler.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await sampler
+        after = await _scrape(session, url) if before else None
+    server = {**level_delta(before, after), **peaks} if before and after else {}
+    summary = summarize(records, plan.level.as_dict(), slo.request_bounds_ms() or None)
+    return LevelResult(summary=summary, server_metrics=server, slo_violations=slo.violations(summary)), records

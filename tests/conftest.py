@@ -1,0 +1,83 @@
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from servetune.engine.server import free_port
+from servetune.models.tiny import build_tiny_model
+from servetune.testing.fake_openai import FakeOpenAI
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
+@contextmanager
+def serve_fake(fake: FakeOpenAI) -> Iterator[str]:
+    """Run a fake OpenAI server on 127.0.0.1 in a background thread; yields its URL."""
+    loop = asyncio.new_event_loop()
+    port = free_port()
+    runner = web.AppRunner(fake.app())
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+
+
+@pytest.fixture
+def fake_server() -> Iterator[tuple[FakeOpenAI, str]]:
+    fake = FakeOpenAI(ttft_ms=40.0, itl_ms=10.0)
+    with serve_fake(fake) as url:
+        yield fake, url
+
+
+@contextmanager
+def fake_server_process(*args: str) -> Iterator[str]:
+    """The fake server in its own process (no GIL shared with the client under test)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "servetune.testing.fake_openai", "--port", str(port), *args],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+                break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("the fake server did not start")
+                time.sleep(0.05)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

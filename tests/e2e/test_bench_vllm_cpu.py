@@ -1,0 +1,76 @@
+"""``servetune bench`` on the real vLLM CPU build with the tiny model (tens of seconds each)."""
+
+import json
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from servetune.metrics import metric_names
+from servetune.results import BenchResult
+
+pytestmark = pytest.mark.e2e
+
+pytest.importorskip("vllm", reason="the e2e tests need vLLM (the CPU build: pip install servetune[cpu])")
+
+
+def servetune(*argv, timeout=600):
+    return subprocess.run([sys.executable, "-m", "servetune", *argv], capture_output=True, text=True, timeout=timeout)
+
+
+def processes_serving(model_dir):
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if str(model_dir) in " ".join(proc.info["cmdline"] or []):
+                found.append(proc.pid)
+        except psutil.Error:
+            continue
+    return found
+
+
+def test_bench_concurrency_1_and_16(tiny_model, tmp_path):
+    out = tmp_path / "bench.json"
+    done = servetune(
+        "bench", "--model", str(tiny_model), "--env", "VLLM_CPU_KVCACHE_SPACE=1", "--engine-arg", "enforce_eager=true",
+        "--workload", "cpu-tiny", "--concurrency", "1,16", "--num-requests", "48",
+        "--slo", "ttft_ms.p99=5000,tpot_ms.p95=500", "--json", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = BenchResult.model_validate_json(out.read_text())
+    one, sixteen = (lv.summary for lv in result.levels)
+    assert sixteen.output_throughput > one.output_throughput * 1.5
+    for summary in (one, sixteen):
+        assert summary.completed == 48 and summary.failed == 0
+        assert set(summary.flat()) == set(metric_names())
+        assert summary.total_output_tokens == 48 * 32  # ignore_eos holds the output length
+    assert result.kv_capacity.tokens == 524288  # what the CPU build reports for 1 GiB
+    assert result.levels[1].server_metrics["generation_tokens"] >= 48 * 32
+    assert "--enforce-eager" in result.command
+    records = [json.loads(line) for line in (tmp_path / "bench.requests.jsonl").read_text().splitlines()]
+    assert len(records) == 48 + 1 + 48 + 16 and all(r["ok"] for r in records)
+    assert (tmp_path / "bench.engine.log").read_text().count("KV cache size") == 1
+    assert processes_serving(tiny_model) == []
+
+
+def test_engine_that_fails_to_start(tiny_model, tmp_path):
+    # The CPU build refuses an FP8 KV cache on processors without AVX-512/AMX; elsewhere the
+    # bogus block size makes the engine fail at startup just the same.
+    done = servetune(
+        "bench", "--model", str(tiny_model), "--env", "VLLM_CPU_KVCACHE_SPACE=1", "--engine-arg", "enforce_eager=true",
+        "--engine-arg", "block_size=7", "--workload", "cpu-tiny", "--concurrency", "1", "--json", str(tmp_path / "b.json"),
+    )  # fmt: skip
+    assert done.returncode == 3
+    first = done.stderr.strip().splitlines()[0]
+    assert first.startswith("servetune bench: error: vLLM exited with code"), done.stderr[-2000:]
+    assert "engine log (last lines)" in done.stderr
+    assert not (tmp_path / "b.json").exists()
+    assert processes_serving(tiny_model) == []
+
+
+def test_unknown_engine_argument_is_caught_before_launch(tiny_model):
+    done = servetune("bench", "--model", str(tiny_model), "--engine-arg", "max_num_seq=4", timeout=300)
+    assert done.returncode == 2
+    assert "unknown engine argument 'max_num_seq'" in done.stderr and "did you mean max_num_seqs" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1

@@ -1,0 +1,56 @@
+"""``servetune bench`` as a user runs it, against the fake server (``--url``) and on bad input."""
+
+import json
+
+import pytest
+
+from servetune.cli import main
+from servetune.results import BenchResult
+from tests.conftest import fake_server_process
+
+
+def run_cli(capsys, *argv):
+    code = main(["bench", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_bench_against_a_running_server(tmp_path, capsys, tiny_model):
+    out_file = tmp_path / "res" / "bench.json"
+    with fake_server_process("--ttft-ms", "30", "--itl-ms", "5", "--model", "fake-7b") as url:
+        code, out, err = run_cli(
+            capsys, "--url", url, "--tokenizer", str(tiny_model), "--workload", "cpu-tiny",
+            "--concurrency", "1,4", "--num-requests", "8", "--warmup-requests", "2",
+            "--slo", "ttft_ms.p99=25,tpot_ms.p95=40", "--json", str(out_file),
+        )  # fmt: skip
+    assert code == 0, err
+    result = BenchResult.model_validate_json(out_file.read_text())
+    assert result.served_model_name == "fake-7b" and result.url == url
+    assert [lv.summary.level for lv in result.levels] == [{"concurrency": 1.0}, {"concurrency": 4.0}]
+    for level in result.levels:
+        assert level.summary.completed == 8 and level.summary.warmup_excluded == 2
+        assert not level.meets_slo and level.slo_violations[0].startswith("ttft_ms_p99")  # 30 ms > 25 ms
+        assert level.server_metrics["generation_tokens"] == 10 * 32
+    lines = (tmp_path / "res" / "bench.requests.jsonl").read_text().splitlines()
+    assert len(lines) == 20 and json.loads(lines[0])["warmup"] is True
+    assert "broken" in out
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--model", "/nonexistent/model"], "--model /nonexistent/model: no such directory"),
+        (["--model", "{tmp}"], "has no config.json"),
+        (["--url", "http://127.0.0.1:9", "--model", "x"], "--url http://127.0.0.1:9: cannot reach the server"),
+        (["--model", "{tmp}", "--concurrency", "1,x"], "--concurrency '1,x' is not a comma-separated list"),
+        (["--model", "{tmp}", "--slo", "ttft.p99=1"], "--slo: unknown metric 'ttft'"),
+        (["--model", "{tmp}", "--workload", "{tmp}/w.yaml"], "w.yaml: output_tokens.value: Input should be greater than or equal to 1"),
+        (["--model", "{tmp}", "--env", "NOEQUALS"], "--env 'NOEQUALS' is not KEY=VALUE"),
+    ],
+)
+def test_bad_input_is_one_line_and_nonzero(tmp_path, capsys, argv, needle):
+    (tmp_path / "w.yaml").write_text("name: w\ninput_tokens: {dist: fixed, value: 3}\noutput_tokens: {dist: fixed, value: 0}\n")
+    code, out, err = run_cli(capsys, *(a.replace("{tmp}", str(tmp_path)) for a in argv))
+    assert code == 2
+    assert needle in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err

@@ -1,0 +1,131 @@
+"""The load client against a fake streaming server with set TTFT and inter-token gaps."""
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from servetune.config.workload import Workload
+from servetune.load.client import StreamingClient
+from servetune.load.requests import RequestSpec
+from servetune.load.runner import Level, run_level
+from servetune.metrics import RequestRecord, summarize
+from servetune.testing.fake_openai import FakeOpenAI
+from tests.conftest import fake_server_process, serve_fake
+
+
+def specs(n, out=20):
+    return [RequestSpec(i, "a b c", 3, out, "default") for i in range(n)]
+
+
+def close(measured, expected):
+    assert abs(measured - expected) <= max(2.0, 0.05 * expected), (measured, expected)
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_client_reads_back_ttft_and_itl(api):
+    async def go(url):
+        async with StreamingClient(url, "fake", api=api) as client:
+            return await run_level(client, specs(16), Level("concurrency", 4), num_requests=12, warmup_requests=4)
+
+    with fake_server_process("--ttft-ms", "40", "--itl-ms", "10") as url:
+        records = asyncio.run(go(url))
+    s = summarize(records, {"concurrency": 4})
+    assert s.completed == 12 and s.failed == 0
+    close(s.ttft_ms.p50, 40.0)
+    close(s.itl_ms.p50, 10.0)
+    close(s.tpot_ms.mean, 10.0)
+    close(s.e2el_ms.p50, 40.0 + 19 * 10.0)
+    assert s.total_output_tokens == 12 * 20  # from usage
+
+
+def test_closed_loop_keeps_exactly_c_in_flight(fake_server):
+    fake, url = fake_server
+    peak = 0
+
+    async def go():
+        nonlocal peak
+
+        async def watch():
+            nonlocal peak
+            while True:
+                peak = max(peak, fake.running)
+                await asyncio.sleep(0.002)
+
+        watcher = asyncio.ensure_future(watch())
+        async with StreamingClient(url, "fake") as client:
+            records = await run_level(client, specs(24, out=5), Level("concurrency", 6), num_requests=20, warmup_requests=4)
+        watcher.cancel()
+        return records
+
+    records = asyncio.run(go())
+    assert len(records) == 24 and sum(r.warmup for r in records) == 4
+    assert peak == 6
+
+
+def test_open_loop_rate_and_duration_limit():
+    fake = FakeOpenAI(ttft_ms=5, itl_ms=1)
+    with serve_fake(fake) as url:
+
+        async def go():
+            async with StreamingClient(url, "fake") as client:
+                start = time.perf_counter()
+                records = await run_level(client, iter(specs(10_000, out=2)), Level("rate", 50.0, "poisson"), num_requests=None, duration_s=2.0, seed=1)
+                return records, time.perf_counter() - start
+
+        records, elapsed = asyncio.run(go())
+    sends = np.array(sorted(r.sent for r in records))
+    assert elapsed < 3.0
+    assert 60 <= len(records) <= 140  # 50 req/s for 2 s
+    assert all(r.ok for r in records)
+    assert sends[-1] <= 2.0
+
+
+def test_gamma_burstiness_makes_gaps_more_variable():
+    from servetune.load.runner import arrival_gaps
+
+    def cv(level):
+        gaps = arrival_gaps(level, np.random.default_rng(0))
+        g = np.array([next(gaps) for _ in range(20000)])
+        return g.mean(), g.std() / g.mean()
+
+    mean_p, cv_p = cv(Level("rate", 4.0, "poisson"))
+    mean_g, cv_g = cv(Level("rate", 4.0, "gamma", burstiness=0.25))
+    assert mean_p == pytest.approx(0.25, rel=0.03) and mean_g == pytest.approx(0.25, rel=0.05)
+    assert cv_p == pytest.approx(1.0, rel=0.05) and cv_g == pytest.approx(2.0, rel=0.1)
+
+
+def run_one(url, timeout_s=30.0):
+    async def go():
+        async with StreamingClient(url, "fake", timeout_s=timeout_s) as client:
+            return await client.send(RequestSpec(0, "x", 1, 3, "d"), RequestRecord(index=0, sent=0.0, input_tokens=1, max_tokens=3), time.perf_counter())
+
+    return asyncio.run(go())
+
+
+def test_http_error_is_recorded_by_kind():
+    with serve_fake(FakeOpenAI(fail_status=503)) as url:
+        r = run_one(url)
+    assert not r.ok and r.error_kind == "http_5xx" and "503" in r.error
+
+
+def test_timeout_is_recorded():
+    with serve_fake(FakeOpenAI(ttft_ms=2000)) as url:
+        r = run_one(url, timeout_s=0.3)
+    assert not r.ok and r.error_kind == "timeout"
+
+
+def test_refused_connection_is_recorded():
+    from servetune.engine.server import free_port
+
+    r = run_one(f"http://127.0.0.1:{free_port()}")
+    assert not r.ok and r.error_kind == "connection"
+
+
+def test_workload_ignore_eos_and_chat_payload():
+    client = StreamingClient("http://x", "m", api="chat", ignore_eos=False)
+    body = client.payload(RequestSpec(0, "hi", 1, 7, "d"))
+    assert body["messages"] == [{"role": "user", "content": "hi"}] and body["max_tokens"] == 7
+    assert body["stream_options"] == {"include_usage": True} and "ignore_eos" not in body
+    assert Workload.model_validate({"name": "w", "input_tokens": {"dist": "fixed", "value": 1}, "output_tokens": {"dist": "fixed", "value": 1}}).ignore_eos

@@ -1,0 +1,73 @@
+"""VllmServer's process handling, with the fake server standing in for vLLM's entry point."""
+
+import sys
+import time
+
+import pytest
+
+from servetune.engine.server import VllmServer, group_members
+from servetune.errors import EngineStartError
+
+
+@pytest.fixture
+def fake_python(tmp_path):
+    """An 'interpreter' that runs the fake server whatever module it is asked to run."""
+    path = tmp_path / "fake-python"
+    path.write_text(
+        f"#!{sys.executable}\n"
+        "import sys\n"
+        "from servetune.testing.fake_openai import main\n"
+        "main(sys.argv[3:])  # drop '-m vllm.entrypoints.openai.api_server'\n"
+    )
+    path.chmod(0o755)
+    return str(path)
+
+
+def server(fake_python, tmp_path, **engine_args):
+    return VllmServer("fake-model", engine_args, {"SERVETUNE_TEST": "1"}, log_path=tmp_path / "engine.log",
+                      python=fake_python, startup_timeout_s=engine_args.pop("timeout", 30), stop_grace_s=1.0)  # fmt: skip
+
+
+def test_starts_reports_kv_and_leaves_nothing(fake_python, tmp_path):
+    srv = server(fake_python, tmp_path, kv_tokens=1000)
+    with srv:
+        assert srv.alive() and srv.startup_s is not None
+        assert srv.url.startswith("http://127.0.0.1:")
+        assert srv.kv_capacity().tokens == 1000
+        assert srv.command()[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+        pgid = srv.process.pid
+        assert group_members(pgid)
+    assert not group_members(pgid) and not srv.alive()
+
+
+def test_startup_failure_carries_the_log_tail(fake_python, tmp_path):
+    srv = server(fake_python, tmp_path, fail_startup=True)
+    with pytest.raises(EngineStartError) as info:
+        with srv:
+            pass
+    assert "injected startup failure" in info.value.log_tail
+    assert "ValueError: injected startup failure" in str(info.value).splitlines()[0]
+    assert not group_members(srv.process.pid)
+
+
+def test_startup_timeout_stops_the_group(fake_python, tmp_path):
+    srv = server(fake_python, tmp_path, startup_delay_s=60, timeout=1.5)
+    with pytest.raises(EngineStartError, match="did not become healthy within 1.5 s"):
+        with srv:
+            pass
+    assert not group_members(srv.process.pid)
+
+
+def test_children_that_ignore_sigterm_are_killed(fake_python, tmp_path):
+    srv = server(fake_python, tmp_path, stubborn_child=True)
+    with srv:
+        pgid = srv.process.pid
+        time.sleep(0.3)
+        assert len(group_members(pgid)) >= 2
+    assert not group_members(pgid)
+
+
+def test_a_crash_is_seen(fake_python, tmp_path):
+    with server(fake_python, tmp_path, crash_after_s=0.5) as srv:
+        time.sleep(1.5)
+        assert not srv.alive()

@@ -1,0 +1,52 @@
+import pytest
+
+from servetune.engine.metrics import MetricsSnapshot, level_delta
+from servetune.engine.server import KvCapacity
+
+TEMPLATE = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0",model_name="m"}} {running}
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} {kv}
+# TYPE vllm:num_preemptions_total counter
+vllm:num_preemptions_total{{engine="0",model_name="m"}} {preempt}
+# TYPE vllm:prefix_cache_queries_total counter
+vllm:prefix_cache_queries_total{{engine="0",model_name="m"}} {queries}
+# TYPE vllm:prefix_cache_hits_total counter
+vllm:prefix_cache_hits_total{{engine="0",model_name="m"}} {hits}
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_bucket{{engine="0",le="0.1",model_name="m"}} {b1}
+vllm:time_to_first_token_seconds_bucket{{engine="0",le="0.2",model_name="m"}} {b2}
+vllm:time_to_first_token_seconds_bucket{{engine="0",le="+Inf",model_name="m"}} {b2}
+vllm:time_to_first_token_seconds_count{{engine="0",model_name="m"}} {b2}
+vllm:time_to_first_token_seconds_sum{{engine="0",model_name="m"}} {tsum}
+"""
+
+
+def snap(**values):
+    return MetricsSnapshot.parse(TEMPLATE.format(**values))
+
+
+def test_parse_named_values():
+    s = snap(running=3, kv=0.25, preempt=1, queries=100, hits=40, b1=2, b2=4, tsum=0.5)
+    assert s.gauges == {"requests_running": 3, "kv_cache_usage": 0.25}
+    assert s.counters["preemptions"] == 1 and s.counters["prefix_cache_hits"] == 40
+    assert s.histograms["server_ttft"].count == 4
+
+
+def test_level_delta():
+    before = snap(running=0, kv=0, preempt=1, queries=100, hits=40, b1=2, b2=4, tsum=0.5)
+    after = snap(running=0, kv=0, preempt=4, queries=300, hits=190, b1=12, b2=14, tsum=1.7)
+    d = level_delta(before, after)
+    assert d["preemptions"] == 3
+    assert d["prefix_cache_hit_rate"] == pytest.approx(150 / 200)
+    assert d["server_ttft_ms_mean"] == pytest.approx(1.2 / 10 * 1000)
+    # All 10 new observations sit in the first bucket (<= 0.1 s): the median interpolates to 50 ms.
+    assert d["server_ttft_ms_p50"] == pytest.approx(50.0)
+
+
+def test_kv_capacity_line():
+    log = "x\n(EngineCore) INFO [kv_cache_utils.py:2327] CPU KV cache size: 524,288 tokens, Maximum concurrency for 4,096 tokens per request: 128.00x\n"
+    kv = KvCapacity.from_log(log)
+    assert kv == KvCapacity(524288, 128.0, 4096, engines=1)
+    assert KvCapacity.from_log("GPU KV cache size: 1,000 tokens\nGPU KV cache size: 1,000 tokens").engines == 2
+    assert KvCapacity.from_log("nothing") is None
