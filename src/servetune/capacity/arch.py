@@ -1,0 +1,275 @@
+"""What the ledger needs to know about a model: its architecture numbers.
+
+A :class:`ModelArch` comes from a local directory's ``config.json`` (Hugging Face format: Llama,
+Mistral, Qwen2/Qwen3, Mixtral-style MoE, DeepSeek-V3-style MLA, the tiny test model) or, so that
+planning works offline, from the catalogue shipped with servetune (``catalog/models.yaml``, the
+same numbers for popular hub ids). Only architecture numbers are read; never weights.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from servetune.errors import UserError
+
+Dtype = Literal["bfloat16", "float16", "float32"]
+QuantMethod = Literal["none", "awq", "gptq", "fp8", "int8", "bitsandbytes", "mxfp4"]
+
+
+class WeightQuant(BaseModel):
+    """How the decoder's linear layers are stored. Embeddings, lm_head, norms and routers never are."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: QuantMethod = "none"
+    bits: int = Field(16, ge=1, le=32)
+    group_size: int = Field(128, ge=1)
+
+    def bytes_per_weight(self, dtype_bytes: int) -> float:
+        """Bytes one quantized weight costs, scales and zero points included."""
+        if self.method == "none":
+            return float(dtype_bytes)
+        if self.method in ("fp8", "int8"):
+            return 1.0  # per-channel / per-tensor / 128x128-block scales are < 0.1 %
+        if self.method == "bitsandbytes":
+            return self.bits / 8 + 4 / 64  # nf4: fp32 absmax per 64 weights
+        if self.method == "mxfp4":
+            return self.bits / 8 + 1 / 32  # one e8m0 scale per 32 weights
+        # AWQ / GPTQ: packed ints, one fp16 scale and one packed zero point per group.
+        return self.bits / 8 + (2 + self.bits / 8) / self.group_size
+
+    @property
+    def label(self) -> str:
+        if self.method == "none":
+            return "none"
+        if self.method in ("awq", "gptq"):
+            return f"{self.method} {self.bits}-bit g{self.group_size}"
+        return self.method
+
+
+class ModelArch(BaseModel):
+    """Architecture numbers of a decoder-only transformer, as vLLM sees them."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    architecture: str = "LlamaForCausalLM"
+    num_layers: int = Field(ge=1)
+    hidden_size: int = Field(ge=1)
+    num_attention_heads: int = Field(ge=1)
+    num_kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    intermediate_size: int = Field(ge=0, description="dense MLP width (0 when every layer is MoE)")
+    vocab_size: int = Field(ge=1)
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = Field(ge=1)
+    torch_dtype: Dtype = "bfloat16"
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    rotary_dim: int | None = None
+    # Mixture of experts (0 experts: dense model).
+    num_experts: int = Field(0, ge=0)
+    num_experts_per_tok: int = Field(0, ge=0)
+    moe_intermediate_size: int = Field(0, ge=0)
+    shared_expert_intermediate_size: int = Field(0, ge=0, description="total width of the shared expert(s)")
+    first_k_dense_layers: int = Field(0, ge=0, description="leading layers with a dense MLP instead of MoE")
+    # Multi-head latent attention (DeepSeek-V2/V3). kv_lora_rank set means MLA.
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    quant: WeightQuant = WeightQuant()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ModelArch:
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads {self.num_attention_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
+        if self.num_experts and (not self.num_experts_per_tok or not self.moe_intermediate_size):
+            raise ValueError("an MoE model needs num_experts_per_tok and moe_intermediate_size")
+        if not self.num_experts and not self.intermediate_size:
+            raise ValueError("a dense model needs intermediate_size")
+        if self.is_mla and not (self.qk_rope_head_dim and self.qk_nope_head_dim and self.v_head_dim):
+            raise ValueError("an MLA model needs qk_nope_head_dim, qk_rope_head_dim and v_head_dim")
+        return self
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_lora_rank is not None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.first_k_dense_layers if self.is_moe else 0
+
+    @property
+    def dtype_bytes(self) -> int:
+        return 4 if self.torch_dtype == "float32" else 2
+
+    @property
+    def rope_dim(self) -> int:
+        if self.is_mla:
+            return self.qk_rope_head_dim
+        return self.rotary_dim or self.head_dim
+
+
+# --- reading a Hugging Face config.json -------------------------------------------------------------
+
+_TORCH_DTYPES = {
+    "bfloat16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "float32": "float32",
+    "float": "float32",
+}
+
+
+def _quant_from_config(qc: dict[str, Any], source: str) -> WeightQuant:
+    method = str(qc.get("quant_method", "")).lower()
+    if method == "awq":
+        return WeightQuant(
+            method="awq",
+            bits=int(qc.get("bits", qc.get("w_bit", 4))),
+            group_size=int(qc.get("group_size", qc.get("q_group_size", 128))),
+        )
+    if method == "gptq":
+        group = int(qc.get("group_size", 128))
+        return WeightQuant(method="gptq", bits=int(qc.get("bits", 4)), group_size=group if group > 0 else 128)
+    if method in ("fp8", "fbgemm_fp8"):
+        return WeightQuant(method="fp8", bits=8)
+    if method == "bitsandbytes":
+        return WeightQuant(method="bitsandbytes", bits=8 if qc.get("load_in_8bit") else 4, group_size=64)
+    if method == "mxfp4":
+        return WeightQuant(method="mxfp4", bits=4, group_size=32)
+    if method == "compressed-tensors":
+        for group in (qc.get("config_groups") or {}).values():
+            weights = group.get("weights") or {}
+            bits, kind = int(weights.get("num_bits", 8)), weights.get("type", "int")
+            if kind == "float":
+                return WeightQuant(method="fp8", bits=8)
+            if bits == 8:
+                return WeightQuant(method="int8", bits=8)
+            return WeightQuant(method="gptq", bits=bits, group_size=int(weights.get("group_size") or 128))
+        raise UserError(f"{source}: quantization_config.config_groups has no weights entry")
+    raise UserError(
+        f"{source}: quantization_config.quant_method {method!r} is not one the planner knows "
+        "(awq, gptq, fp8, compressed-tensors, bitsandbytes, mxfp4)"
+    )
+
+
+def arch_from_hf_config(config: dict[str, Any], name: str, source: str = "config.json") -> ModelArch:
+    """Normalise a Hugging Face ``config.json`` dict; a missing field raises :class:`UserError` naming it."""
+    text = config.get("text_config")
+    cfg = {**config, **text} if isinstance(text, dict) and "hidden_size" not in config else config
+
+    def need(*keys: str) -> Any:
+        for key in keys:
+            if cfg.get(key) is not None:
+                return cfg[key]
+        raise UserError(f"{source}: missing field {keys[0]!r} (needed to plan KV cache and weights)")
+
+    heads = int(need("num_attention_heads"))
+    hidden = int(need("hidden_size"))
+    model_type = str(cfg.get("model_type", ""))
+    experts = int(cfg.get("num_local_experts") or cfg.get("n_routed_experts") or cfg.get("num_experts") or 0)
+    fields: dict[str, Any] = {
+        "name": name,
+        "architecture": (cfg.get("architectures") or ["unknown"])[0],
+        "num_layers": int(need("num_hidden_layers")),
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_kv_heads": int(cfg.get("num_key_value_heads") or heads),
+        "head_dim": int(cfg.get("head_dim") or hidden // heads),
+        "vocab_size": int(need("vocab_size")),
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "max_position_embeddings": int(cfg.get("max_position_embeddings") or 2048),
+        "torch_dtype": _TORCH_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), "bfloat16"),
+        "qkv_bias": bool(cfg.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))),
+        "qk_norm": model_type.startswith("qwen3"),
+    }
+    if experts:
+        fields["num_experts"] = experts
+        fields["num_experts_per_tok"] = int(need("num_experts_per_tok"))
+        # Mixtral keeps the expert width in intermediate_size; DeepSeek and Qwen-MoE in moe_intermediate_size.
+        fields["moe_intermediate_size"] = int(cfg.get("moe_intermediate_size") or need("intermediate_size"))
+        fields["intermediate_size"] = int(cfg.get("intermediate_size") or 0) if cfg.get("moe_intermediate_size") else 0
+        shared = int(cfg.get("n_shared_experts") or 0) * fields["moe_intermediate_size"]
+        fields["shared_expert_intermediate_size"] = shared or int(cfg.get("shared_expert_intermediate_size") or 0)
+        fields["first_k_dense_layers"] = int(cfg.get("first_k_dense_replace") or 0)
+    else:
+        fields["intermediate_size"] = int(need("intermediate_size"))
+    if cfg.get("kv_lora_rank") is not None:
+        fields["kv_lora_rank"] = int(cfg["kv_lora_rank"])
+        fields["q_lora_rank"] = int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None
+        fields["qk_nope_head_dim"] = int(need("qk_nope_head_dim"))
+        fields["qk_rope_head_dim"] = int(need("qk_rope_head_dim"))
+        fields["v_head_dim"] = int(need("v_head_dim"))
+        fields["num_kv_heads"] = heads  # MLA: vLLM stores one latent per token; heads only shard q/o.
+        fields["head_dim"] = fields["qk_nope_head_dim"] + fields["qk_rope_head_dim"]
+    partial = cfg.get("partial_rotary_factor")
+    if partial and not cfg.get("kv_lora_rank"):
+        fields["rotary_dim"] = int(fields["head_dim"] * float(partial))
+    if isinstance(cfg.get("quantization_config"), dict):
+        fields["quant"] = _quant_from_config(cfg["quantization_config"], source)
+    try:
+        return ModelArch(**fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "config"
+        raise UserError(f"{source}: {where}: {first['msg']}") from None
+
+
+# --- the catalogue ----------------------------------------------------------------------------------
+
+
+def load_catalog() -> dict[str, ModelArch]:
+    """The shipped catalogue of popular models, keyed by hub id."""
+    text = resources.files("servetune.capacity").joinpath("catalog/models.yaml").read_text(encoding="utf-8")
+    entries = yaml.safe_load(text) or {}
+    return {hub_id: ModelArch(name=hub_id, **fields) for hub_id, fields in entries.items()}
+
+
+def _catalog_lookup(name: str, catalog: dict[str, ModelArch]) -> ModelArch | None:
+    wanted = name.strip().lower()
+    exact = [arch for key, arch in catalog.items() if key.lower() == wanted]
+    if exact:
+        return exact[0]
+    tail = [arch for key, arch in catalog.items() if key.lower().split("/")[-1] == wanted]
+    return tail[0] if len(tail) == 1 else None
+
+
+def load_model_arch(model: str | Path) -> ModelArch:
+    """A local model directory (reads its ``config.json``) or a catalogue id such as ``Qwen/Qwen2.5-7B-Instruct``."""
+    path = Path(model).expanduser()
+    if path.is_dir():
+        config_path = path / "config.json"
+        if not config_path.is_file():
+            raise UserError(f"{config_path}: no config.json in the model directory")
+        try:
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise UserError(f"{config_path}: not readable JSON ({exc})") from None
+        if not isinstance(config, dict):
+            raise UserError(f"{config_path}: expected a JSON object")
+        return arch_from_hf_config(config, name=str(path), source=str(config_path))
+    if path.suffix == ".json" and path.is_file():
+        return load_model_arch(path.parent)
+    catalog = load_catalog()
+    found = _catalog_lookup(str(model), catalog)
+    if found is None:
+        known = ", ".join(sorted(catalog))
+        raise UserError(
+            f"--model {model}: not a local model directory and not in servetune's catalogue (known: {known})"
+        )
+    return found

@@ -1,0 +1,104 @@
+"""Where the model runs: a GPU from the catalogue (or an explicit memory size), or vLLM's CPU build."""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from servetune.errors import UserError
+
+GIB = 1 << 30
+
+
+class GpuSpec(BaseModel):
+    """One catalogue entry (``catalog/gpus.yaml``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    aliases: list[str] = []
+    memory_gib: float = Field(gt=0)
+    nvidia_smi_mib: int | None = None
+    fp8: bool = False
+    blackwell: bool = False
+
+
+class Hardware(BaseModel):
+    """One device of a replica. On a GPU, ``memory_gib`` is the total the CUDA runtime reports."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    device: Literal["gpu", "cpu"] = "gpu"
+    name: str = "custom"
+    memory_gib: float | None = Field(None, gt=0)
+    fp8: bool = True
+    blackwell: bool = False
+
+    @property
+    def memory_bytes(self) -> int:
+        if self.memory_gib is None:
+            raise UserError(f"{self.name}: GPU memory unknown; pass --gpu NAME or --gpu-memory-gib X")
+        return int(round(self.memory_gib * GIB))
+
+
+def load_gpu_catalog() -> dict[str, GpuSpec]:
+    text = resources.files("servetune.capacity").joinpath("catalog/gpus.yaml").read_text(encoding="utf-8")
+    entries = yaml.safe_load(text) or {}
+    return {name: GpuSpec(name=name, **fields) for name, fields in entries.items()}
+
+
+def _norm(name: str) -> str:
+    name = re.sub(r"^nvidia[\s_-]*", "", name.strip().lower())
+    return re.sub(r"[\s_]+", "-", name)
+
+
+def find_gpu(name: str) -> GpuSpec:
+    """A catalogue GPU by name or alias (case, spaces and a leading "NVIDIA" do not matter)."""
+    catalog = load_gpu_catalog()
+    wanted = _norm(name)
+    for spec in catalog.values():
+        if wanted == _norm(spec.name) or wanted in (_norm(a) for a in spec.aliases):
+            return spec
+    raise UserError(
+        f"--gpu {name}: unknown GPU; known: {', '.join(catalog)} (or give its memory with --gpu-memory-gib X)"
+    )
+
+
+def resolve_hardware(device: str = "gpu", gpu: str | None = None, memory_gib: float | None = None) -> Hardware:
+    """Hardware from the command line: ``--device``, ``--gpu NAME`` and/or ``--gpu-memory-gib X``."""
+    if device == "cpu":
+        return Hardware(device="cpu", name="cpu", memory_gib=None, fp8=False)
+    if device != "gpu":
+        raise UserError(f"--device {device}: expected gpu or cpu")
+    if memory_gib is not None and memory_gib <= 0:
+        raise UserError(f"--gpu-memory-gib {memory_gib:g}: must be > 0")
+    if gpu is None:
+        if memory_gib is None:
+            known = ", ".join(load_gpu_catalog())
+            raise UserError(f"say which GPU: --gpu NAME (known: {known}) or --gpu-memory-gib X")
+        return Hardware(device="gpu", name="custom", memory_gib=memory_gib)
+    spec = find_gpu(gpu)
+    return Hardware(
+        device="gpu",
+        name=spec.name,
+        memory_gib=memory_gib if memory_gib is not None else spec.memory_gib,
+        fp8=spec.fp8,
+        blackwell=spec.blackwell,
+    )
+
+
+def gpu_hardware(device_name: str, memory_bytes: int) -> Hardware:
+    """A GPU as the trial sees it (NVML's name and total memory); never fails on an unknown name.
+
+    A known name (e.g. "NVIDIA H100 80GB HBM3") brings the catalogue's FP8 / Blackwell flags; the
+    measured memory always wins over the catalogue's.
+    """
+    try:
+        spec = find_gpu(device_name)
+    except UserError:
+        return Hardware(device="gpu", name=device_name, memory_gib=memory_bytes / GIB)
+    return Hardware(device="gpu", name=spec.name, memory_gib=memory_bytes / GIB, fp8=spec.fp8, blackwell=spec.blackwell)

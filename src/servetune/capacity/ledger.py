@@ -1,0 +1,332 @@
+"""The memory ledger of one vLLM replica, per GPU: ``plan_capacity(model, engine_args, hardware)``.
+
+    requested  = ceil(gpu_memory_utilization x GPU memory)
+    KV pool    = requested - weights - non-torch - activation peak - CUDA-graph estimate
+    KV blocks  = KV pool // (block_size x KV bytes per token on this rank)
+    KV tokens  = blocks / ceil(max_model_len / block_size) x max_model_len   (vLLM's own formula)
+
+On vLLM's CPU build the pool is ``VLLM_CPU_KVCACHE_SPACE`` GiB per rank, nothing subtracted.
+Pure: no I/O, no vLLM import. See ``servetune.capacity`` for the terms.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from servetune.capacity.advice import advise
+from servetune.capacity.arch import ModelArch, WeightQuant
+from servetune.capacity.hardware import GIB, Hardware
+from servetune.capacity.params import (
+    activation_bytes_per_token,
+    count_parameters,
+    kv_bytes_per_token,
+    weight_bytes_per_rank,
+)
+from servetune.capacity.profile import VLLM_0_32, EngineProfile, cudagraph_capture_sizes
+from servetune.capacity.schema import CapacityArgs, CapacityPlan, Settings, read_engine_args
+from servetune.errors import UserError
+
+_DTYPES = {
+    "auto": "auto",
+    "half": "float16",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "float": "float32",
+    "float32": "float32",
+}
+_KV_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1}
+FP8_DS_MLA_BYTES_PER_LAYER = 656  # 512 fp8 latent + 4 fp32 scales + 64 bf16 rope dims
+QUANTIZATIONS = (
+    "awq",
+    "awq_marlin",
+    "gptq",
+    "gptq_marlin",
+    "fp8",
+    "int8",
+    "compressed-tensors",
+    "bitsandbytes",
+    "mxfp4",
+)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _resolve_dtype(arch: ModelArch, args: CapacityArgs, quant: WeightQuant) -> str:
+    dtype = _DTYPES[args.dtype]
+    if dtype != "auto":
+        return dtype
+    if quant.method in ("awq", "gptq"):
+        return "float16"
+    return "bfloat16" if arch.torch_dtype == "float32" else arch.torch_dtype
+
+
+def resolve_quant(arch: ModelArch, flag: str | None) -> WeightQuant:
+    if flag is None:
+        return arch.quant
+    name = flag.lower()
+    if name in ("awq", "awq_marlin"):
+        return arch.quant if arch.quant.method == "awq" else WeightQuant(method="awq", bits=4, group_size=128)
+    if name in ("gptq", "gptq_marlin"):
+        return arch.quant if arch.quant.method == "gptq" else WeightQuant(method="gptq", bits=4, group_size=128)
+    if name in ("fp8", "int8"):
+        return WeightQuant(method=name, bits=8)
+    if name == "w8a8":
+        return WeightQuant(method="int8", bits=8)
+    if name == "compressed-tensors" and arch.quant.method != "none":
+        return arch.quant
+    if name == "bitsandbytes":
+        return WeightQuant(method="bitsandbytes", bits=4, group_size=64)
+    if name == "mxfp4":
+        return WeightQuant(method="mxfp4", bits=4, group_size=32)
+    raise UserError(f"--quantization {flag}: the planner knows {', '.join(QUANTIZATIONS)}")
+
+
+def _kv_element_bytes(kv_cache_dtype: str, dtype: str, arch: ModelArch) -> float:
+    if kv_cache_dtype == "auto":
+        return 4 if dtype == "float32" else 2
+    if kv_cache_dtype == "fp8_ds_mla" and arch.is_mla:
+        return FP8_DS_MLA_BYTES_PER_LAYER / ((arch.kv_lora_rank or 0) + arch.qk_rope_head_dim)
+    if kv_cache_dtype in _KV_DTYPE_BYTES:
+        return _KV_DTYPE_BYTES[kv_cache_dtype]
+    known = ", ".join(["auto", *_KV_DTYPE_BYTES, "fp8_ds_mla (MLA models)"])
+    raise UserError(f"--kv-cache-dtype {kv_cache_dtype}: the planner knows {known}")
+
+
+def _batch_defaults(hardware: Hardware, world_size: int) -> tuple[int, int]:
+    """(max_num_batched_tokens, max_num_seqs) that ``vllm serve`` picks (vLLM 0.32 ``get_batch_defaults``)."""
+    if hardware.device == "cpu":
+        return 2048 * world_size, 128 * world_size
+    memory = hardware.memory_gib or 0.0
+    if memory >= 160:
+        return 16384, 1024
+    if memory >= 70 and "a100" not in hardware.name.lower():
+        return 8192, 1024
+    return 2048, 256
+
+
+def structural_problem(arch: ModelArch, tp: int, pp: int, quant: WeightQuant) -> str | None:
+    """Why vLLM would refuse this parallel layout outright, or None."""
+    if arch.num_attention_heads % tp:
+        return f"num_attention_heads {arch.num_attention_heads} is not divisible by tensor_parallel_size {tp}"
+    kv = arch.num_kv_heads
+    if not arch.is_mla and kv % tp and tp % kv:
+        return f"num_kv_heads {kv} and tensor_parallel_size {tp}: neither divides the other"
+    if pp > arch.num_layers:
+        return f"pipeline_parallel_size {pp} exceeds the model's {arch.num_layers} layers"
+    width = arch.moe_intermediate_size if arch.is_moe else arch.intermediate_size
+    if quant.method in ("awq", "gptq") and width % tp == 0 and (width // tp) % quant.group_size:
+        return (
+            f"intermediate size {width} / tensor_parallel_size {tp} = {width // tp} is not a multiple of the "
+            f"{quant.method.upper()} group size {quant.group_size}"
+        )
+    return None
+
+
+def _cpu_kv_space(env: Mapping[str, str] | None) -> int | None:
+    raw = (env or {}).get("VLLM_CPU_KVCACHE_SPACE")
+    if raw in (None, ""):
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise UserError(f"VLLM_CPU_KVCACHE_SPACE={raw!r}: vLLM reads it as a whole number of GiB") from None
+    if value <= 0:
+        raise UserError(f"VLLM_CPU_KVCACHE_SPACE={raw!r}: must be a positive number of GiB")
+    return value
+
+
+def plan_capacity(
+    model: ModelArch,
+    engine_args: Mapping[str, Any],
+    hardware: Hardware,
+    env: Mapping[str, str] | None = None,
+    request_tokens: int | None = None,
+    profile: EngineProfile = VLLM_0_32,
+) -> CapacityPlan:
+    """The memory ledger and verdict for ``model`` served with ``engine_args`` on ``hardware``.
+
+    ``engine_args`` is a flat dict of vLLM engine arguments (keys the ledger does not read are
+    ignored); ``env`` carries ``VLLM_CPU_KVCACHE_SPACE`` for the CPU build. ``request_tokens`` is
+    the request length for the concurrency figure (default: max_model_len). Malformed values raise
+    :class:`UserError`; a configuration that vLLM would refuse or that leaves no room for one
+    request is a plan with ``fits=False``, its reason and advice.
+    """
+    args = read_engine_args(engine_args)
+    plan = _ledger(model, args, hardware, env, request_tokens, profile)
+    evaluate: Callable[[dict[str, Any]], CapacityPlan] = lambda change: _ledger(  # noqa: E731
+        model, args.model_copy(update=change), hardware, env, request_tokens, profile
+    )
+    plan.advice = advise(model, plan, hardware, evaluate)
+    return plan
+
+
+def _settings(
+    arch: ModelArch, args: CapacityArgs, hardware: Hardware, env: Mapping[str, str] | None, profile: EngineProfile
+) -> tuple[Settings, WeightQuant]:
+    """The engine settings with vLLM's defaults filled in."""
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    cpu = hardware.device == "cpu"
+    quant = resolve_quant(arch, args.quantization)
+    max_model_len = arch.max_position_embeddings if args.max_model_len in (None, -1) else args.max_model_len
+    default_tokens, default_seqs = _batch_defaults(hardware, tp * pp)
+    max_num_seqs = args.max_num_seqs or default_seqs
+    batched = args.max_num_batched_tokens
+    if batched is None:
+        batched = default_tokens if args.enable_chunked_prefill is not False else max(max_model_len, default_tokens)
+        batched = min(max_num_seqs * max_model_len, batched)
+    settings = Settings(
+        device=hardware.device,
+        gpu=hardware.name,
+        gpu_memory_gib=hardware.memory_gib,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        dtype=_resolve_dtype(arch, args, quant),
+        quantization=quant.label,
+        kv_cache_dtype=args.kv_cache_dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=batched,
+        block_size=args.block_size or ((16 if arch.is_mla else 128) if cpu else (64 if arch.is_mla else 16)),
+        enforce_eager=args.enforce_eager,
+        cpu_kvcache_space_gib=_cpu_kv_space(env) if cpu else None,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        profile=profile.name,
+    )
+    return settings, quant
+
+
+def _gpu_overheads(
+    arch: ModelArch, s: Settings, hardware: Hardware, profile: EngineProfile
+) -> tuple[float, float, float]:
+    """(non-torch + buffers, activation peak, CUDA graphs) in bytes, as vLLM's profile run charges them."""
+    tp, pp = s.tensor_parallel_size, s.pipeline_parallel_size
+    act_bytes = 4 if s.dtype == "float32" else 2
+    non_torch = (profile.non_torch_gib(tp, pp) + profile.runtime_buffers_gib) * GIB
+    if profile.count_block_table:
+        non_torch += s.max_num_seqs * _cdiv(s.max_model_len, s.block_size) * 4
+    tokens = s.max_num_batched_tokens
+    forward = tokens * activation_bytes_per_token(arch, act_bytes, tp)
+    logits = min(s.max_num_seqs, tokens) * _cdiv(arch.vocab_size, 64) * 64
+    sampler = logits * profile.sampler_bytes_per_logit + tokens * arch.hidden_size * act_bytes
+    activation = max(forward, sampler) + profile.activation_base_gib * GIB
+    cudagraph = 0.0
+    if not s.enforce_eager and profile.subtract_cudagraph:
+        graphs = len(cudagraph_capture_sizes(s.max_num_seqs, tokens, hardware.blackwell))
+        per_layer_graph = profile.cudagraph_mib_per_layer_graph * (1 << 20)
+        cudagraph = profile.cudagraph_base_gib * GIB + per_layer_graph * _cdiv(arch.num_layers, pp) * graphs
+    return non_torch, activation, cudagraph
+
+
+def _verdict(
+    arch: ModelArch,
+    s: Settings,
+    quant: WeightQuant,
+    hardware: Hardware,
+    weights: float,
+    requested: float,
+    kv_bytes: float,
+    overheads: tuple[float, float, float],
+    blocks: int,
+    tokens: int,
+) -> tuple[bool, str]:
+    """Does it fit, and why (vLLM's start-up checks, in the order it makes them)."""
+    problem = structural_problem(arch, s.tensor_parallel_size, s.pipeline_parallel_size, quant)
+    if problem is None and s.max_model_len > arch.max_position_embeddings:
+        problem = f"max_model_len {s.max_model_len} exceeds the model's max_position_embeddings"
+        problem += f" {arch.max_position_embeddings}"
+    if problem is not None:
+        return False, f"vLLM refuses this configuration: {problem}"
+    budget = f"{requested / GIB:.2f} GiB"
+    if s.device == "gpu" and s.kv_cache_memory_bytes is None and weights > requested:
+        gpu = f"{s.gpu_memory_utilization:g} x {hardware.memory_gib:g} GiB"
+        return False, f"weights need {weights / GIB:.2f} GiB per GPU but vLLM may use only {budget} ({gpu})"
+    used = weights + sum(overheads) + kv_bytes
+    if s.device == "gpu" and s.kv_cache_memory_bytes is not None and used > hardware.memory_bytes:
+        need = f"weights, buffers and kv_cache_memory_bytes need {used / GIB:.2f} GiB"
+        return False, f"{need}, more than the GPU's {hardware.memory_gib:g} GiB"
+    if kv_bytes <= 0:
+        activation, non_torch, cudagraph = (x / GIB for x in overheads)
+        spent = f"weights {weights / GIB:.2f} + activations {activation:.2f} + non-torch {non_torch:.2f}"
+        return False, f"no memory left for the KV cache: {spent} + CUDA graphs {cudagraph:.2f} GiB exceed {budget}"
+    pool = f"KV pool of {kv_bytes / GIB:.2f} GiB holds {tokens:,} tokens"
+    blocks_per_request = _cdiv(s.max_model_len, s.block_size)
+    if blocks < blocks_per_request + 1:  # vLLM holds one block back (the null block) before this check
+        return False, f"{pool}, not enough for one request of max_model_len {s.max_model_len:,}"
+    return True, f"{pool}: {blocks / blocks_per_request:.2f} requests of max_model_len {s.max_model_len:,} at once"
+
+
+def _ledger(
+    arch: ModelArch,
+    args: CapacityArgs,
+    hardware: Hardware,
+    env: Mapping[str, str] | None,
+    request_tokens: int | None,
+    profile: EngineProfile,
+) -> CapacityPlan:
+    s, quant = _settings(arch, args, hardware, env, profile)
+    tp, pp, cpu = s.tensor_parallel_size, s.pipeline_parallel_size, s.device == "cpu"
+    request = request_tokens or s.max_model_len
+    if request < 1:
+        raise UserError(f"--request-tokens {request}: must be >= 1")
+    weights = weight_bytes_per_rank(arch, quant, 4 if s.dtype == "float32" else 2, tp, pp)
+    notes: list[str] = []
+    non_torch = activation = cudagraph = 0.0
+    if cpu:
+        if s.cpu_kvcache_space_gib is not None:
+            kv_bytes = float(s.cpu_kvcache_space_gib * GIB)
+        elif s.kv_cache_memory_bytes is not None:
+            kv_bytes = float(s.kv_cache_memory_bytes)
+        else:
+            raise UserError("CPU build: set VLLM_CPU_KVCACHE_SPACE (--cpu-kvcache-space-gib), the KV GiB per rank")
+        requested = kv_bytes
+        notes.append("CPU build: the KV space is reserved per rank; weights and activations live outside it")
+    else:
+        requested = float(math.ceil(hardware.memory_bytes * s.gpu_memory_utilization))
+        non_torch, activation, cudagraph = _gpu_overheads(arch, s, hardware, profile)
+        kv_bytes = requested - weights - non_torch - activation - cudagraph
+        if s.kv_cache_memory_bytes is not None:
+            kv_bytes = float(s.kv_cache_memory_bytes)
+            notes.append("kv_cache_memory_bytes is set: vLLM skips the utilization budget")
+
+    per_token = kv_bytes_per_token(arch, _kv_element_bytes(s.kv_cache_dtype, s.dtype, arch), tp, pp)
+    page = s.block_size * per_token
+    blocks = int(kv_bytes // page) if kv_bytes > 0 else 0
+    if args.max_model_len == -1 and 1 < blocks <= _cdiv(s.max_model_len, s.block_size):
+        # --max-model-len -1: vLLM fits the longest context one request can hold (minus the null block).
+        s = s.model_copy(update={"max_model_len": (blocks - 1) * s.block_size})
+        notes.append(f"max_model_len -1: vLLM would auto-fit it to {s.max_model_len:,} tokens")
+    blocks_per_request = _cdiv(s.max_model_len, s.block_size)
+    concurrency = blocks / blocks_per_request  # vLLM: num_blocks / blocks of one max_model_len request
+    tokens = int(concurrency * s.max_model_len)
+    concurrency_at_request = blocks / _cdiv(request, s.block_size)
+
+    fits, reason = _verdict(
+        arch, s, quant, hardware, weights, requested, kv_bytes, (activation, non_torch, cudagraph), blocks, tokens
+    )
+    return CapacityPlan(
+        model=arch.name,
+        parameters_b=round(count_parameters(arch) / 1e9, 3),
+        settings=s,
+        requested_gib=round(requested / GIB, 3),
+        weights_gib=round(weights / GIB, 3),
+        activation_gib=round(activation / GIB, 3),
+        non_torch_gib=round(non_torch / GIB, 3),
+        cudagraph_gib=round(cudagraph / GIB, 3),
+        kv_cache_gib=round(kv_bytes / GIB, 3),
+        kv_bytes_per_token=per_token,
+        kv_cache_blocks=blocks,
+        kv_cache_tokens=tokens,
+        kv_gib_per_request=round(blocks_per_request * page / GIB, 4),
+        max_concurrency=round(concurrency, 2),
+        request_tokens=request,
+        max_concurrency_at_request=round(concurrency_at_request, 2),
+        max_num_seqs_reachable=concurrency_at_request >= s.max_num_seqs,
+        fits=fits,
+        reason=reason,
+        notes=notes,
+    )

@@ -1,0 +1,155 @@
+"""Parameters from architecture numbers, and the weight bytes one GPU holds.
+
+Counted the way vLLM shards them: attention heads and MLP / expert widths split by tensor
+parallelism (KV heads replicated once TP exceeds them; MLA's low-rank down-projections replicated
+on every rank), vocabulary-parallel embedding and lm_head (vocabulary padded to a multiple of 64),
+norms and MoE routers replicated, layers split by pipeline parallelism.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from servetune.capacity.arch import ModelArch, WeightQuant
+
+VOCAB_PADDING = 64  # vLLM's VocabParallelEmbedding pads the vocabulary to a multiple of 64
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class ParamSplit:
+    """Parameter counts on one rank: linear weights a quantization method may pack, and the rest."""
+
+    linear: int
+    other: int
+
+    @property
+    def total(self) -> int:
+        return self.linear + self.other
+
+    def __add__(self, other: ParamSplit) -> ParamSplit:
+        return ParamSplit(self.linear + other.linear, self.other + other.other)
+
+    def times(self, n: int) -> ParamSplit:
+        return ParamSplit(self.linear * n, self.other * n)
+
+
+def kv_heads_per_rank(arch: ModelArch, tp: int) -> int:
+    """KV heads one rank stores: split while TP <= KV heads, one (replicated) beyond."""
+    return max(1, arch.num_kv_heads // tp)
+
+
+def _attention(arch: ModelArch, tp: int) -> ParamSplit:
+    h = arch.hidden_size
+    heads = arch.num_attention_heads // tp
+    if arch.is_mla:
+        qk = arch.qk_nope_head_dim + arch.qk_rope_head_dim
+        latent = arch.kv_lora_rank or 0
+        if arch.q_lora_rank:
+            q = h * arch.q_lora_rank + arch.q_lora_rank * heads * qk
+            q_norm = arch.q_lora_rank
+        else:
+            q, q_norm = h * heads * qk, 0
+        kv = h * (latent + arch.qk_rope_head_dim) + latent * heads * (arch.qk_nope_head_dim + arch.v_head_dim)
+        o = heads * arch.v_head_dim * h
+        return ParamSplit(linear=q + kv + o, other=q_norm + latent)
+    kv = kv_heads_per_rank(arch, tp)
+    d = arch.head_dim
+    linear = h * heads * d + 2 * h * kv * d + heads * d * h
+    other = (heads + 2 * kv) * d if arch.qkv_bias else 0
+    if arch.qk_norm:
+        other += 2 * d
+    return ParamSplit(linear=linear, other=other)
+
+
+def _dense_mlp(arch: ModelArch, tp: int) -> ParamSplit:
+    return ParamSplit(linear=3 * arch.hidden_size * _cdiv(arch.intermediate_size, tp), other=0)
+
+
+def _moe_mlp(arch: ModelArch, tp: int) -> ParamSplit:
+    h = arch.hidden_size
+    experts = arch.num_experts * 3 * h * _cdiv(arch.moe_intermediate_size, tp)
+    shared = 3 * h * _cdiv(arch.shared_expert_intermediate_size, tp)
+    router = h * arch.num_experts + arch.num_experts  # gate weight (+ DeepSeek's correction bias)
+    return ParamSplit(linear=experts + shared, other=router)
+
+
+def _layer(arch: ModelArch, tp: int, moe: bool) -> ParamSplit:
+    norms = ParamSplit(linear=0, other=2 * arch.hidden_size)
+    return _attention(arch, tp) + (_moe_mlp(arch, tp) if moe else _dense_mlp(arch, tp)) + norms
+
+
+def _vocab(arch: ModelArch, tp: int, padded: bool) -> int:
+    vocab = _cdiv(arch.vocab_size, VOCAB_PADDING) * VOCAB_PADDING if padded else arch.vocab_size
+    return _cdiv(vocab, tp) * arch.hidden_size
+
+
+def count_parameters(arch: ModelArch) -> int:
+    """Total parameters of the model as published (unsharded, unpadded vocabulary)."""
+    return rank_params(arch, tp=1, pp=1, padded_vocab=False).total
+
+
+def rank_params(arch: ModelArch, tp: int = 1, pp: int = 1, padded_vocab: bool = True) -> ParamSplit:
+    """Parameters on the heaviest rank for tensor parallel ``tp`` and pipeline parallel ``pp``.
+
+    With PP > 1 the heaviest stage is taken: ceil(layers / PP) layers (MoE layers first, they are
+    the larger ones) plus the larger of the embedding (first stage) and the lm_head (last stage).
+    """
+    layers = _cdiv(arch.num_layers, pp)
+    moe_layers = min(layers, arch.num_moe_layers)
+    dense_layers = layers - moe_layers
+    body = _layer(arch, tp, moe=False).times(dense_layers)
+    if moe_layers:
+        body = body + _layer(arch, tp, moe=True).times(moe_layers)
+    embed = _vocab(arch, tp, padded_vocab)
+    if pp == 1:
+        ends = embed + (0 if arch.tie_word_embeddings else embed) + arch.hidden_size
+    else:
+        ends = embed + arch.hidden_size  # the last stage's lm_head + final norm is the heavier end
+    return body + ParamSplit(linear=0, other=ends)
+
+
+def weight_bytes_per_rank(arch: ModelArch, quant: WeightQuant, dtype_bytes: int, tp: int = 1, pp: int = 1) -> int:
+    """Bytes of weights (plus the rotary cos/sin cache) one GPU loads."""
+    params = rank_params(arch, tp, pp)
+    weights = params.linear * quant.bytes_per_weight(dtype_bytes) + params.other * dtype_bytes
+    rope_cache = arch.max_position_embeddings * arch.rope_dim * dtype_bytes
+    return int(weights) + rope_cache
+
+
+def kv_bytes_per_token(arch: ModelArch, kv_dtype_bytes: float, tp: int = 1, pp: int = 1) -> int:
+    """KV cache bytes per token on one rank.
+
+    Standard attention: 2 (K and V) x layers x KV heads on this rank x head_dim x bytes.
+    MLA: one latent (kv_lora_rank + qk_rope_head_dim) per token per layer, on every TP rank.
+    """
+    layers = _cdiv(arch.num_layers, pp)
+    if arch.is_mla:
+        per_layer = ((arch.kv_lora_rank or 0) + arch.qk_rope_head_dim) * kv_dtype_bytes
+    else:
+        per_layer = 2 * kv_heads_per_rank(arch, tp) * arch.head_dim * kv_dtype_bytes
+    return int(layers * per_layer)
+
+
+def activation_bytes_per_token(arch: ModelArch, act_bytes: int, tp: int = 1) -> int:
+    """Peak transient bytes per scheduled token in a forward pass (one layer is live at a time).
+
+    The hidden state and the residual, plus the larger of the MLP intermediates (gate_up output and
+    the activated product, or the fused-MoE caches for top-k experts) and the attention projections.
+    """
+    h = arch.hidden_size
+    if arch.is_moe:
+        inter = _cdiv(arch.moe_intermediate_size, tp)
+        mlp = arch.num_experts_per_tok * (3 * inter + h) + 3 * _cdiv(arch.shared_expert_intermediate_size, tp)
+        mlp = max(mlp, 3 * _cdiv(arch.intermediate_size, tp))
+    else:
+        mlp = 3 * _cdiv(arch.intermediate_size, tp)
+    heads = arch.num_attention_heads // tp
+    if arch.is_mla:
+        attn = heads * (2 * (arch.qk_nope_head_dim + arch.qk_rope_head_dim) + 2 * arch.v_head_dim)
+    else:
+        attn = (2 * heads + 2 * kv_heads_per_rank(arch, tp)) * arch.head_dim
+    return act_bytes * (2 * h + max(mlp, attn))

@@ -1,0 +1,85 @@
+"""The constants of vLLM's startup memory profile that the architecture alone does not give.
+
+vLLM measures, it does not predict: at start-up it runs one dummy forward pass of
+``max_num_batched_tokens`` tokens spread over ``min(max_num_seqs, tokens)`` requests, samples one
+token per request, and charges the peak to activations. How much that sampling costs per logit and
+whether CUDA-graph memory is taken from the KV budget changed between releases, so they live here.
+
+``VLLM_0_32`` (the default; the release pinned by servetune) is derived from vLLM 0.32's source:
+top-k/top-p runs as a Triton kernel in place, so a logit costs bf16 logits + fp32 copy + probs +
+exponential noise (~16 B), and the profiled CUDA-graph estimate is subtracted (default since
+v0.21). ``VLLM_0_11`` is calibrated on public H100 start-up logs of vLLM ~0.11 (sort-based top-k/
+top-p: ~38.5 B per logit; graph memory not subtracted); see tests/unit/test_capacity_calibration.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class EngineProfile(BaseModel):
+    """How one vLLM release accounts for memory at start-up."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    sampler_bytes_per_logit: float = Field(
+        gt=0, description="transient bytes per (request x vocab) logit in the dummy sampler run"
+    )
+    activation_base_gib: float = Field(0.05, ge=0, description="fixed transient memory of the profile run")
+    non_torch_gib_tp1: float = Field(
+        0.14, ge=0, description="non-torch memory (CUDA context growth, cuBLAS) with one GPU"
+    )
+    non_torch_gib_tp2: float = Field(0.55, ge=0, description="same with TP 2: NCCL and custom all-reduce buffers")
+    non_torch_gib_per_extra_rank: float = Field(0.05, ge=0, description="added per TP rank beyond 2")
+    non_torch_gib_pp: float = Field(0.1, ge=0, description="added when pipeline parallel (send/recv buffers)")
+    runtime_buffers_gib: float = Field(
+        0.0, ge=0, description="persistent buffers charged to the KV budget (input batch, sampler)"
+    )
+    count_block_table: bool = Field(
+        False, description="charge the (max_num_seqs x blocks per request) int32 block table"
+    )
+    subtract_cudagraph: bool = Field(True, description="the CUDA-graph memory estimate is taken from the KV budget")
+    cudagraph_base_gib: float = Field(
+        0.25, ge=0, description="vLLM's graph-pool estimate: 0.13-0.78 GiB in public logs"
+    )
+    cudagraph_mib_per_layer_graph: float = Field(0.05, ge=0, description="per layer and per piecewise capture size")
+
+    def non_torch_gib(self, tp: int, pp: int) -> float:
+        gib = (
+            self.non_torch_gib_tp1 if tp == 1 else self.non_torch_gib_tp2 + self.non_torch_gib_per_extra_rank * (tp - 2)
+        )
+        return gib + (self.non_torch_gib_pp if pp > 1 else 0.0)
+
+
+VLLM_0_32 = EngineProfile(
+    name="vllm-0.32",
+    sampler_bytes_per_logit=16.0,
+    runtime_buffers_gib=0.3,  # load-time extras (~0.1 GiB over the checkpoint) + input batch / sampler buffers
+    count_block_table=True,
+    subtract_cudagraph=True,
+)
+
+VLLM_0_11 = EngineProfile(
+    name="vllm-0.11",
+    sampler_bytes_per_logit=38.5,
+    activation_base_gib=0.0,
+    runtime_buffers_gib=0.0,
+    count_block_table=False,
+    subtract_cudagraph=False,
+)
+
+PROFILES: Mapping[str, EngineProfile] = MappingProxyType({p.name: p for p in (VLLM_0_32, VLLM_0_11)})
+
+
+def cudagraph_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, blackwell: bool = False) -> list[int]:
+    """vLLM's default capture sizes: 1, 2, 4, then every 8 to 248, every 16 from 256 up to the maximum.
+
+    The maximum is min(2 x max_num_seqs, 512) (1024 on Blackwell), never above the token budget.
+    """
+    top = min(2 * max_num_seqs, 1024 if blackwell else 512, max_num_batched_tokens)
+    sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, top + 1, 16))
+    return [s for s in sizes if s <= top]

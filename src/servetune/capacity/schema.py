@@ -1,0 +1,93 @@
+"""The ledger's typed inputs and outputs: the engine arguments it reads and the plan it returns."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from servetune.errors import UserError
+
+
+class CapacityArgs(BaseModel):
+    """The vLLM engine arguments the ledger reads (snake_case, as in vLLM's ``EngineArgs``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    max_model_len: int | None = Field(None, ge=-1, description="-1: the longest that fits (vLLM's auto-fit)")
+    max_num_seqs: int | None = Field(None, ge=1)
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    block_size: int | None = Field(None, ge=1)
+    enforce_eager: bool = False
+    enable_chunked_prefill: bool | None = None
+    kv_cache_memory_bytes: int | None = Field(None, ge=0)
+
+
+def read_engine_args(engine_args: Mapping[str, Any]) -> CapacityArgs:
+    """Pick the keys the ledger reads from a flat engine-args dict; other keys are ignored."""
+    picked = {k: v for k, v in engine_args.items() if k in CapacityArgs.model_fields and v is not None}
+    try:
+        return CapacityArgs(**picked)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = ".".join(str(p) for p in err["loc"])
+        raise UserError(f"engine argument {key}={err.get('input')!r}: {err['msg']}") from None
+
+
+class Settings(BaseModel):
+    """The engine settings the plan was made for, defaults resolved as vLLM resolves them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: Literal["gpu", "cpu"]
+    gpu: str
+    gpu_memory_gib: float | None
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    dtype: str
+    quantization: str
+    kv_cache_dtype: str
+    gpu_memory_utilization: float
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    enforce_eager: bool
+    cpu_kvcache_space_gib: int | None
+    kv_cache_memory_bytes: int | None = None
+    profile: str
+
+
+class CapacityPlan(BaseModel):
+    """The ledger for one replica, per GPU (per CPU rank on the CPU build), and the verdict."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    parameters_b: float
+    settings: Settings
+    requested_gib: float = Field(description="gpu_memory_utilization x GPU memory (CPU: the KV space)")
+    weights_gib: float
+    activation_gib: float
+    non_torch_gib: float = Field(description="non-torch memory plus persistent runtime buffers")
+    cudagraph_gib: float
+    kv_cache_gib: float
+    kv_bytes_per_token: int
+    kv_cache_blocks: int
+    kv_cache_tokens: int
+    kv_gib_per_request: float = Field(description="KV one max_model_len request holds, in whole blocks")
+    max_concurrency: float = Field(description="requests of max_model_len the pool holds at once")
+    request_tokens: int
+    max_concurrency_at_request: float
+    max_num_seqs_reachable: bool
+    fits: bool
+    reason: str
+    advice: list[str] = []
+    notes: list[str] = []

@@ -1,0 +1,147 @@
+"""Model architecture: config.json parsing, the catalogue, parameter counts, KV bytes per token."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from servetune.capacity import (
+    ModelArch,
+    arch_from_hf_config,
+    count_parameters,
+    kv_bytes_per_token,
+    load_catalog,
+    load_model_arch,
+)
+from servetune.capacity.params import weight_bytes_per_rank
+from servetune.errors import UserError
+from servetune.models.tiny import TINY_CONFIG, parameter_count
+
+# Published parameter counts (model cards / safetensors metadata).
+PUBLISHED_B = {
+    "meta-llama/Llama-3.1-8B-Instruct": 8.03,
+    "meta-llama/Llama-3.1-70B-Instruct": 70.6,
+    "meta-llama/Llama-3.2-1B-Instruct": 1.24,
+    "meta-llama/Llama-3.2-3B-Instruct": 3.21,
+    "Qwen/Qwen2.5-7B-Instruct": 7.62,
+    "Qwen/Qwen2.5-72B-Instruct": 72.7,
+    "Qwen/Qwen3-8B": 8.2,
+    "Qwen/Qwen3-32B": 32.8,
+    "mistralai/Mistral-7B-Instruct-v0.3": 7.25,
+    "mistralai/Mixtral-8x7B-Instruct-v0.1": 46.7,
+    "deepseek-ai/DeepSeek-V3": 671.0,
+}
+
+# Mixtral's and DeepSeek-V3's config.json, trimmed to the fields that matter.
+MIXTRAL_CONFIG = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "num_local_experts": 8, "num_experts_per_tok": 2,
+    "vocab_size": 32000, "max_position_embeddings": 32768, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}  # fmt: skip
+DEEPSEEK_V3_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "num_hidden_layers": 61,
+    "num_attention_heads": 128, "num_key_value_heads": 128, "n_routed_experts": 256,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+    "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "v_head_dim": 128, "vocab_size": 129280, "max_position_embeddings": 163840,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("hub_id, billions", PUBLISHED_B.items())
+def test_parameter_count_matches_the_published_size(hub_id: str, billions: float) -> None:
+    counted = count_parameters(load_model_arch(hub_id)) / 1e9
+    assert counted == pytest.approx(billions, rel=0.02)
+
+
+def test_tiny_model_parameters_match_the_generated_weights() -> None:
+    arch = arch_from_hf_config(TINY_CONFIG, "tiny")
+    assert count_parameters(arch) == parameter_count()
+
+
+@pytest.mark.parametrize(
+    "hub_id, per_token",
+    [
+        ("meta-llama/Llama-3.1-8B-Instruct", 128 * 1024),  # 2 x 32 layers x 8 KV heads x 128 x 2 B
+        ("Qwen/Qwen2.5-7B-Instruct", 56 * 1024),  # 2 x 28 x 4 x 128 x 2
+        ("deepseek-ai/DeepSeek-V3", (512 + 64) * 61 * 2),  # MLA latent: 70,272 B
+    ],
+)
+def test_kv_bytes_per_token(hub_id: str, per_token: int) -> None:
+    assert kv_bytes_per_token(load_model_arch(hub_id), kv_dtype_bytes=2) == per_token
+
+
+def test_tiny_model_kv_bytes_per_token_is_2048() -> None:
+    arch = arch_from_hf_config(TINY_CONFIG, "tiny")
+    assert kv_bytes_per_token(arch, 2) == 2 * 4 * 2 * 64 * 2 == 2048
+    assert kv_bytes_per_token(arch, 2, tp=2) == 1024  # KV heads split over two ranks
+    assert kv_bytes_per_token(arch, 2, tp=4) == 1024  # one KV head each, replicated beyond 2
+
+
+def test_kv_heads_split_by_tp_then_replicated_and_mla_kept_on_every_rank() -> None:
+    llama = load_model_arch("meta-llama/Llama-3.1-8B-Instruct")
+    assert [kv_bytes_per_token(llama, 2, tp=t) for t in (1, 2, 4, 8, 16)] == [131072, 65536, 32768, 16384, 16384]
+    deepseek = load_model_arch("deepseek-ai/DeepSeek-V3")
+    assert kv_bytes_per_token(deepseek, 2, tp=8) == kv_bytes_per_token(deepseek, 2, tp=1) == 70272
+    assert kv_bytes_per_token(llama, 2, pp=2) == 65536  # half the layers per stage
+
+
+def test_mixtral_and_deepseek_config_json_match_the_catalogue() -> None:
+    mixtral = arch_from_hf_config(MIXTRAL_CONFIG, "mixtral")
+    assert count_parameters(mixtral) == count_parameters(load_model_arch("mistralai/Mixtral-8x7B-Instruct-v0.1"))
+    deepseek = arch_from_hf_config(DEEPSEEK_V3_CONFIG, "deepseek")
+    assert deepseek.is_mla and deepseek.is_moe and deepseek.quant.method == "fp8"
+    assert count_parameters(deepseek) == count_parameters(load_model_arch("deepseek-ai/DeepSeek-V3"))
+    assert kv_bytes_per_token(deepseek, 2) == 70272
+
+
+def test_weights_split_by_tensor_parallel_and_quantization() -> None:
+    llama = load_model_arch("meta-llama/Llama-3.1-8B-Instruct")
+    bf16 = weight_bytes_per_rank(llama, llama.quant, 2) / 2**30
+    assert bf16 == pytest.approx(14.99, abs=0.01)  # vLLM: "Model loading took 14.9888 GiB"
+    assert weight_bytes_per_rank(llama, llama.quant, 2, tp=2) / 2**30 == pytest.approx(bf16 / 2, rel=0.01)
+    awq = load_model_arch("TheBloke/Mistral-7B-Instruct-v0.2-AWQ")
+    assert weight_bytes_per_rank(awq, awq.quant, 2) / 2**30 == pytest.approx(3.87, abs=0.05)  # the 4.15 GB checkpoint
+
+
+def test_load_model_arch_from_a_directory(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    arch = load_model_arch(tmp_path)
+    assert isinstance(arch, ModelArch)
+    assert (arch.num_layers, arch.num_kv_heads, arch.head_dim, arch.max_position_embeddings) == (4, 2, 64, 4096)
+
+
+@pytest.mark.parametrize(
+    "field", ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"]
+)
+def test_missing_config_field_is_named(tmp_path, field: str) -> None:
+    config = {k: v for k, v in TINY_CONFIG.items() if k != field}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=f"config.json: missing field '{field}'"):
+        load_model_arch(tmp_path)
+
+
+def test_awq_quantization_config_is_read(tmp_path) -> None:
+    config = {**TINY_CONFIG, "quantization_config": {"quant_method": "awq", "bits": 4, "group_size": 64}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    quant = load_model_arch(tmp_path).quant
+    assert (quant.method, quant.bits, quant.group_size) == ("awq", 4, 64)
+
+
+def test_catalogue_lookup_by_name_without_organisation_and_unknown_model() -> None:
+    assert load_model_arch("qwen2.5-7b-instruct").name == "Qwen/Qwen2.5-7B-Instruct"
+    with pytest.raises(UserError, match="not in servetune's catalogue.*meta-llama/Llama-3.1-8B-Instruct"):
+        load_model_arch("no-such-org/no-such-model")
+
+
+def test_catalogue_entries_are_consistent() -> None:
+    catalog = load_catalog()
+    assert len(catalog) >= 12
+    for arch in catalog.values():
+        assert arch.num_attention_heads % arch.num_kv_heads == 0
+        assert arch.max_position_embeddings >= 4096

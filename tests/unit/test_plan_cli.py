@@ -1,0 +1,148 @@
+"""``servetune plan``, called in-process: JSON keys, the table, and bad input as one line and exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import servetune.cli as cli
+from servetune.models.tiny import TINY_CONFIG
+
+REQUIRED_KEYS = {
+    "weights_gib",
+    "activation_gib",
+    "non_torch_gib",
+    "kv_cache_gib",
+    "kv_cache_tokens",
+    "max_concurrency",
+    "fits",
+    "reason",
+}
+
+
+@pytest.fixture
+def tiny_dir(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(TINY_CONFIG))
+    return tmp_path
+
+
+def _one_line_error(capsys) -> str:
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert "Traceback" not in captured.err
+    assert lines[0].startswith("servetune plan: error: ")
+    return lines[0]
+
+
+def test_json_output_has_the_ledger_keys(capsys) -> None:
+    rc = cli.main(
+        ["plan", "--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "H100", "--max-model-len", "8192", "--json"]
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert out.keys() >= REQUIRED_KEYS
+    assert out["fits"] is True and out["kv_cache_tokens"] > 400_000
+    assert out["settings"]["max_model_len"] == 8192 and out["settings"]["gpu"] == "H100-SXM"
+
+
+def test_cpu_mode_reports_the_cpu_builds_token_count(capsys, tiny_dir) -> None:
+    rc = cli.main(
+        [
+            "plan",
+            "--model",
+            str(tiny_dir),
+            "--device",
+            "cpu",
+            "--cpu-kvcache-space-gib",
+            "1",
+            "--enforce-eager",
+            "--json",
+        ]
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["kv_cache_tokens"] == 524_288
+    rc = cli.main(
+        ["plan", "--model", str(tiny_dir), "--device", "cpu", "--cpu-kvcache-space-gib", "1", "--tp", "2", "--json"]
+    )
+    assert json.loads(capsys.readouterr().out)["kv_cache_tokens"] == 1_048_576
+
+
+def test_table_output_and_exit_1_when_it_does_not_fit(capsys) -> None:
+    rc = cli.main(
+        ["plan", "--model", "meta-llama/Llama-3.1-70B-Instruct", "--gpu", "A100-80GB", "--max-model-len", "8192"]
+    )
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "KV pool" in out and "does not fit" in out and "raise --tp to 2" in out
+
+
+def test_table_output_when_it_fits(capsys) -> None:
+    rc = cli.main(
+        [
+            "plan",
+            "--model",
+            "TheBloke/Mistral-7B-Instruct-v0.2-AWQ",
+            "--gpu-memory-gib",
+            "79.15",
+            "--max-model-len",
+            "8192",
+            "--request-tokens",
+            "2000",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert rc == 0 and "fits" in out and "at request length" in out
+
+
+def test_missing_config_field_names_the_field(capsys, tmp_path) -> None:
+    (tmp_path / "config.json").write_text(
+        json.dumps({k: v for k, v in TINY_CONFIG.items() if k != "num_attention_heads"})
+    )
+    rc = cli.main(["plan", "--model", str(tmp_path), "--gpu", "L4"])
+    line = _one_line_error(capsys)
+    assert rc == 2 and "config.json" in line and "num_attention_heads" in line
+
+
+def test_unknown_gpu_lists_the_known_ones(capsys) -> None:
+    rc = cli.main(["plan", "--model", "Qwen/Qwen2.5-7B-Instruct", "--gpu", "TPU-v9"])
+    line = _one_line_error(capsys)
+    assert rc == 2 and "TPU-v9" in line and "H100-SXM" in line and "A100-80GB" in line and "--gpu-memory-gib" in line
+
+
+def test_tp_that_does_not_divide_the_heads(capsys) -> None:
+    rc = cli.main(["plan", "--model", "Qwen/Qwen2.5-7B-Instruct", "--gpu", "H100", "--tp", "8"])
+    line = _one_line_error(capsys)
+    assert rc == 2 and "--tp 8" in line and "num_attention_heads 28" in line
+
+
+@pytest.mark.parametrize("value", ["0", "-0.5", "1.01"])
+def test_utilization_out_of_range(capsys, value: str) -> None:
+    rc = cli.main(["plan", "--model", "Qwen/Qwen2.5-7B-Instruct", "--gpu", "H100", f"--gpu-memory-utilization={value}"])
+    line = _one_line_error(capsys)
+    assert rc == 2 and "--gpu-memory-utilization" in line
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--device", "cpu"], "--cpu-kvcache-space-gib"),
+        (["--device", "cpu", "--cpu-kvcache-space-gib", "1.5"], "--cpu-kvcache-space-gib"),
+        (["--gpu", "H100", "--max-model-len", "200000"], "--max-model-len"),
+        (["--gpu", "H100", "--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--gpu", "H100", "--kv-cache-dtype", "int3"], "--kv-cache-dtype"),
+        (["--gpu", "H100", "--quantization", "magic"], "--quantization"),
+        ([], "--gpu"),
+    ],
+)
+def test_other_bad_input_is_one_line(capsys, argv: list[str], flag: str) -> None:
+    rc = cli.main(["plan", "--model", "meta-llama/Llama-3.1-8B-Instruct", *argv])
+    line = _one_line_error(capsys)
+    assert rc == 2 and flag in line
+
+
+def test_unknown_model_is_one_line(capsys) -> None:
+    rc = cli.main(["plan", "--model", "nobody/nothing", "--gpu", "H100"])
+    line = _one_line_error(capsys)
+    assert rc == 2 and "nobody/nothing" in line
