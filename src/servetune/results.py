@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from servetune.metrics import LevelSummary
+from servetune.metrics import COST_METRIC, LevelSummary, cost_per_mtok_usd
 
 _SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|CREDENTIAL|AUTH", re.IGNORECASE)
 
@@ -64,3 +64,121 @@ class BenchResult(BaseModel):
     startup_s: float | None
     levels: list[LevelResult]
     requests_file: str | None = None
+
+
+Outcome = Literal["COMPLETE", "INFEASIBLE", "FAILED"]
+
+
+class OperatingPoint(BaseModel):
+    """One (trial, load level): what Pareto fronts are drawn over."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    trial_id: str
+    level_index: int
+    level: dict[str, float]
+    config: dict[str, Any]  # the trial's varied parameters
+    devices: int  # GPUs the trial reserved (CPU cores on the CPU stand-in)
+    metrics: dict[str, float]  # LevelSummary.flat() plus cost_per_mtok_usd
+    meets_slo: bool
+
+
+class CapacityReport(BaseModel):
+    """What the capacity planner predicted for a trial (before any launch)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    fits: bool
+    reason: str
+    kv_cache_tokens: int | None = None
+    kv_cache_gib: float | None = None
+    max_concurrency: float | None = None
+    advice: list[str] = []
+
+
+class TrialResult(BaseModel):
+    """``result.json`` of one trial directory: everything a report needs, GPUs not required."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    trial_id: str  # hash of the resolved configuration; names the trial directory
+    study: str
+    params: dict[str, Any]  # the values the search chose
+    engine_args: dict[str, Any]  # every vLLM engine argument of the launch (fixed + chosen)
+    env: dict[str, str]  # redacted
+    model: str
+    device: Literal["gpu", "cpu"]
+    devices: int
+    price_per_device_hour: float
+    slo: list[str]
+    outcome: Outcome
+    reason: str | None = None
+    log_tail: str | None = None
+    capacity: CapacityReport | None = None
+    kv_capacity: KvCapacityReport | None = None
+    kv_prediction_error: float | None = None  # (predicted - reported) / reported
+    startup_s: float | None = None
+    started_at: str | None = None
+    finished_at: str | None = None
+    duration_s: float | None = None
+    levels: list[LevelResult] = []
+    stopped_because: str | None = None
+    best_level_index: int | None = None
+
+    def operating_points(self) -> list[OperatingPoint]:
+        points = []
+        for index, level in enumerate(self.levels):
+            metrics = level.summary.flat()
+            metrics[COST_METRIC] = cost_per_mtok_usd(self.price_per_device_hour, self.devices, level.summary.output_throughput)
+            points.append(
+                OperatingPoint(
+                    trial_id=self.trial_id, level_index=index, level=level.summary.level, config=self.params,
+                    devices=self.devices, metrics=metrics, meets_slo=level.meets_slo,
+                )  # fmt: skip
+            )
+        return points
+
+    @property
+    def best(self) -> OperatingPoint | None:
+        """The level with the highest goodput that meets the SLO (None if none does)."""
+        if self.best_level_index is None:
+            return None
+        return self.operating_points()[self.best_level_index]
+
+
+def best_level_index(levels: list[LevelResult]) -> int | None:
+    """Highest goodput (or request throughput without a per-request SLO) among levels meeting the SLO."""
+    meeting = [(i, lv) for i, lv in enumerate(levels) if lv.meets_slo and lv.summary.completed > 0]
+    if not meeting:
+        return None
+
+    def score(item: tuple[int, LevelResult]) -> float:
+        s = item[1].summary
+        return s.goodput if s.goodput is not None else s.request_throughput
+
+    return max(meeting, key=score)[0]
+
+
+class StudyInfo(BaseModel):
+    """``study.json`` at the top of a study directory: what the study was asked to do."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    created: str
+    space_file: str  # copied beside study.json as space.yaml
+    model: str
+    workload: str
+    device: Literal["gpu", "cpu"]
+    algorithm: str
+    objectives: list[tuple[str, Literal["min", "max"]]]  # e.g. [("cost_per_mtok_usd", "min"), ("ttft_ms_p99", "min")]
+    slo: list[str]
+    price_per_device_hour: float
+    servetune_version: str
+
+
+#: Layout of a study directory (``--storage``/<study name>/).
+STUDY_FILE = "study.json"
+SPACE_FILE = "space.yaml"
+TRIALS_DIR = "trials"
+RESULT_FILE = "result.json"
