@@ -25,7 +25,7 @@ from servetune.engine.args import load_argspecs, parse_key_values, parse_value, 
 from servetune.engine.server import VllmServer
 from servetune.errors import UserError
 from servetune.load.client import StreamingClient
-from servetune.load.requests import PromptFactory
+from servetune.load.requests import PromptFactory, load_tokenizer
 from servetune.load.runner import Level
 from servetune.results import BenchResult, KvCapacityReport, LevelResult, redact_env
 from servetune.trial.measure import LevelPlan, measure_level
@@ -109,15 +109,6 @@ def level_plan(level: Level, args: argparse.Namespace) -> LevelPlan:
         n = int(min(max(guess, 32), 500))
     warmup = args.warmup_requests if args.warmup_requests is not None else int(min(max(level.value, 1), 32))
     return LevelPlan(level=level, num_requests=n, duration_s=args.duration, warmup_requests=warmup)
-
-
-def load_tokenizer(name: str):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(name)
-    except Exception as exc:  # transformers raises many kinds for a missing or broken tokenizer
-        raise UserError(f"cannot load the tokenizer of '{name}': {str(exc).splitlines()[0][:200]}") from None
 
 
 def check_model(model: str) -> None:

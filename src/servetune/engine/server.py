@@ -108,7 +108,7 @@ class VllmServer:
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=env, start_new_session=True,
+                env=env, start_new_session=True, preexec_fn=_term_with_parent,
             )  # fmt: skip
 
     def wait_ready(self) -> None:
@@ -188,6 +188,17 @@ class VllmServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _term_with_parent() -> None:
+    """In the child: get SIGTERM when the process that started us dies (Linux), so a killed
+    trial or driver does not leave vLLM running. vLLM's own workers follow their server."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
 
 
 def _signal_group(pgid: int, sig: int) -> None:

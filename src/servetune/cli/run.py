@@ -1,0 +1,135 @@
+"""``servetune run``: the study. Ray Tune searches vLLM configurations, each trial on devices reserved for it."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import tempfile
+from pathlib import Path
+
+from rich.table import Table
+
+from servetune.cli.display import console as make_console
+from servetune.config.space import SearchSpace, load_space
+from servetune.engine.args import load_argspecs
+from servetune.errors import UserError
+
+DESCRIPTION = """\
+Run a study: Ray Tune proposes vLLM configurations from the search space (grid, random, or
+Optuna's TPE / NSGA-II / GP with the SLO as constraints); each trial reserves the devices its
+configuration needs (TP x PP x DP GPUs on one node, or CPU cores on the CPU build), checks the
+memory ledger, starts vLLM on exactly those devices, climbs the load ladder on one launch and
+records its outcome. Results go to STORAGE/<study name>/trials/<hash of the config>/result.json.
+
+On a cluster:  ray job submit --working-dir . -- servetune run search_spaces/chat-latency.yaml
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("run", help="run a study over a search space (Ray Tune)", description=DESCRIPTION,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("space", type=Path, help="search-space YAML file (see search_spaces/)")
+    p.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS, else a local cluster)")
+    p.add_argument("--storage", type=Path, default=Path("servetune-results"), help="where studies live (default: ./servetune-results)")
+    p.add_argument("--resume", action="store_true", help="continue the study in STORAGE/<name>: finished trials are not run again")
+    p.add_argument("--dry-run", action="store_true", help="list the trials a grid would run and those the constraints or capacity check reject; start nothing")
+    p.add_argument("--max-trials", type=int, help="run at most N trials (the baseline included)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from servetune.study.driver import resolve_model
+
+    if args.max_trials is not None and args.max_trials < 1:
+        raise UserError("--max-trials must be at least 1")
+    space = load_space(args.space, load_argspecs())
+    if args.dry_run:
+        with tempfile.TemporaryDirectory() as tmp:
+            model = resolve_model(space, Path(tmp), args.space.parent)
+            return dry_run(space, args, model)
+    return run_study(space, args)
+
+
+def dry_run(space: SearchSpace, args: argparse.Namespace, model: str) -> int:
+    from servetune.study.context import StudyContext, resolve_levels
+    from servetune.study.driver import proposals
+    from servetune.trial.runner import capacity_check
+
+    console = make_console()
+    workload = space.resolved_workload(args.space.parent)
+    context = StudyContext(space, workload, args.storage / space.name, model, resolve_levels(space, workload))
+    kept, rejected = space.grid() if _gridable(space) else ([], [])
+    table = Table(title=f"study {space.name}: {space.search.algorithm} search", title_justify="left")
+    for col in ("#", "configuration", "devices", "capacity check", "verdict"):
+        table.add_column(col)
+    runnable = 0
+    points = proposals(space, args.max_trials) if space.search.algorithm in ("grid", "random") else ([{}] if space.search.baseline else []) + kept
+    for i, params in enumerate(points):
+        spec = context.spec_for(params)
+        cap = capacity_check(spec)
+        fits = cap is None or cap.fits
+        runnable += fits
+        note = "not checked (architecture unknown offline)" if cap is None else cap.reason
+        table.add_row(str(i), _text(params), str(spec.devices), note, "[green]run[/]" if fits else "[red]infeasible[/]")
+    for params, reasons in rejected:
+        table.add_row("-", _text(params), str(space.devices(params)), "", "[yellow]excluded[/]: " + "; ".join(reasons))
+    console.print(table)
+    levels = ", ".join(str(lv) for lv in context.levels)
+    console.print(f"{runnable} trial(s) would run, {len(points) - runnable} rejected by the capacity check, "
+                  f"{len(rejected)} excluded by the constraints; levels: {levels}; workload {workload.name}")  # fmt: skip
+    if space.search.algorithm not in ("grid", "random"):
+        n = args.max_trials or space.search.num_trials or 20
+        console.print(f"{space.search.algorithm} proposes up to {n} trials from these parameters; the table lists the grid they come from")
+    return 0
+
+
+def _gridable(space: SearchSpace) -> bool:
+    try:
+        space.grid()
+    except ValueError:
+        return False
+    return True
+
+
+def _text(params: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in params.items()) or "(vLLM defaults: the baseline)"
+
+
+def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
+    from servetune.study.context import StudyContext, resolve_levels
+    from servetune.study.driver import finished_results, prepare_study_dir, proposals, resolve_model, study_info, write_study_info
+    from servetune.study.objectives import objectives_and_constraints
+    from servetune.study.progress import LiveTable, stderr_console, summary_table
+    from servetune.study.searcher import ConstrainedOptunaSearch
+    from servetune.study.tuner import init_ray, run_tuner
+
+    console = stderr_console()
+    study_dir = args.storage / space.name
+    prepare_study_dir(study_dir, args.space, args.resume)
+    model = resolve_model(space, study_dir, args.space.parent)
+    write_study_info(study_dir, study_info(space, args.space, model))
+    workload = space.resolved_workload(args.space.parent)
+    context = StudyContext(space, workload, study_dir.resolve(), model, resolve_levels(space, workload))
+    signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(SystemExit(128 + signum)))
+
+    points, searcher, num_samples = None, None, 0
+    if space.search.algorithm in ("grid", "random"):
+        points = proposals(space, args.max_trials)
+        num_samples = len(points)
+    else:
+        history = []
+        for r in finished_results(study_dir):
+            values, constraints = objectives_and_constraints(r, space.search.objectives, space.slo_bounds)
+            history.append((r.params, values, constraints))
+        done = len(history)
+        wanted = args.max_trials or space.search.num_trials or 20
+        num_samples = max(wanted - done, 0)
+        baseline = space.search.baseline and not any(not params for params, _, _ in history)
+        searcher = ConstrainedOptunaSearch(space, baseline=baseline, history=history)
+    console.print(f"study {space.name}: {space.search.algorithm} search, {num_samples} trial(s) to run, results in {study_dir}")
+    if num_samples:
+        init_ray(args.address)
+        run_tuner(context, points, searcher, num_samples, [LiveTable(space, console)])
+    results = finished_results(study_dir)
+    make_console().print(summary_table(results, space))
+    return 0

@@ -1,0 +1,351 @@
+"""Search spaces: what a study varies, under which load, SLOs, prices and constraints.
+
+One YAML file per scenario (``search_spaces/*.yaml``). Unknown keys are rejected; every error
+names the file and the field. Parameters are vLLM engine arguments (snake_case) or, with an
+``env.`` prefix, environment variables of the engine (``env.VLLM_CPU_KVCACHE_SPACE``).
+A list is a categorical (grid) dimension; ``{low, high, log, step}`` is a numeric range.
+Constraints are small boolean expressions over parameters, fixed engine arguments,
+``devices_per_node`` and vLLM's defaults for the parallel sizes, e.g.
+``tensor_parallel_size * data_parallel_size <= devices_per_node``.
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import math
+import operator
+from pathlib import Path
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from servetune.config.slo import Slo, SloBound
+from servetune.config.workload import Workload, load_workload
+from servetune.errors import UserError
+from servetune.metrics import COST_METRIC, metric_names
+
+#: vLLM's defaults for the arguments constraints and placement read.
+ENGINE_DEFAULTS = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1}
+ENV_PREFIX = "env."
+
+
+class Range(BaseModel):
+    """A numeric range: integers when ``low`` and ``high`` are integers, else floats."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    low: float
+    high: float
+    log: bool = False
+    step: float | None = None
+
+    @model_validator(mode="after")
+    def _valid(self) -> "Range":
+        if self.low > self.high:
+            raise ValueError(f"empty range: low ({self.low:g}) is above high ({self.high:g})")
+        if self.log and self.low <= 0:
+            raise ValueError("a log range needs low > 0")
+        if self.step is not None and self.step <= 0:
+            raise ValueError("step must be positive")
+        return self
+
+    @property
+    def is_int(self) -> bool:
+        return float(self.low).is_integer() and float(self.high).is_integer() and (self.step is None or float(self.step).is_integer())
+
+    def grid_values(self) -> list[float | int]:
+        """The values a grid visits: every step, or powers of two for an integer log range."""
+        if self.step is not None:
+            n = int(math.floor((self.high - self.low) / self.step + 1e-9))
+            values = [self.low + i * self.step for i in range(n + 1)]
+        elif self.is_int and self.log:
+            values, v = [], self.low
+            while v <= self.high:
+                values.append(v)
+                v *= 2
+        elif self.is_int and self.high - self.low <= 16:
+            values = list(range(int(self.low), int(self.high) + 1))
+        else:
+            raise ValueError("a grid over a continuous range needs a step")
+        return [int(v) if self.is_int else round(v, 10) for v in values]
+
+
+ParamValues = Union[list[Any], Range]
+
+
+class LoadProtocol(BaseModel):
+    """How a trial measures: the load ladder on one engine launch."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["concurrency", "rate"] | None = None  # default: from the workload's arrival
+    levels: tuple[float, ...] | None = None  # default: the workload's levels
+    requests_per_level: int | None = Field(default=64, ge=1)
+    seconds_per_level: float | None = Field(default=None, gt=0)
+    warmup_requests: int | None = Field(default=None, ge=0)  # default: one per client, at most 32
+    request_timeout_s: float = Field(default=300.0, gt=0)
+    startup_timeout_s: float = Field(default=900.0, gt=0)
+    stop_on_slo_break: bool = True
+    min_throughput_gain: float = Field(default=0.03, ge=0)  # stop climbing below this relative gain
+
+    @model_validator(mode="after")
+    def _ends(self) -> "LoadProtocol":
+        if self.requests_per_level is None and self.seconds_per_level is None:
+            raise ValueError("a level needs requests_per_level or seconds_per_level")
+        if self.levels is not None and (not self.levels or min(self.levels) <= 0):
+            raise ValueError("levels must be positive numbers")
+        return self
+
+
+class Hardware(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    devices_per_node: int = Field(default=1, ge=1)  # GPUs per node (cores on the CPU stand-in)
+    cpus_per_trial: int = Field(default=1, ge=1)  # CPUs reserved beside the GPUs of a trial
+    gpu: str | None = None  # GPU model for the capacity check (e.g. H100-SXM); default: detected
+    gpu_memory_gib: float | None = Field(default=None, gt=0)
+
+
+class Objective(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    metric: str
+    mode: Literal["min", "max"]
+
+    @field_validator("metric")
+    @classmethod
+    def _known(cls, metric: str) -> str:
+        known = [*metric_names(), COST_METRIC]
+        if metric not in known:
+            raise ValueError(f"unknown metric '{metric}'")
+        return metric
+
+
+class Search(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    algorithm: Literal["grid", "random", "tpe", "nsga2", "gp"] = "grid"
+    num_trials: int | None = Field(default=None, ge=1)  # grid: all points unless capped
+    max_concurrent: int = Field(default=1, ge=1)
+    objectives: tuple[Objective, ...] = (Objective(metric="goodput", mode="max"),)
+    seed: int = 0
+    baseline: bool = True  # run vLLM's defaults (only the fixed engine arguments) first
+
+    @model_validator(mode="after")
+    def _objectives(self) -> "Search":
+        if not self.objectives:
+            raise ValueError("objectives: give at least one")
+        if self.algorithm in ("tpe", "gp") and len(self.objectives) > 1 and self.algorithm == "gp":
+            raise ValueError("gp optimizes a single objective; use nsga2 or tpe for several")
+        return self
+
+
+class SloSpec(BaseModel):
+    """``ttft_ms: {p95: 800, p99: 2000}``, ``error_rate: 0.001``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ttft_ms: dict[Literal["mean", "p50", "p90", "p95", "p99"], float] = {}
+    tpot_ms: dict[Literal["mean", "p50", "p90", "p95", "p99"], float] = {}
+    itl_ms: dict[Literal["mean", "p50", "p90", "p95", "p99"], float] = {}
+    e2el_ms: dict[Literal["mean", "p50", "p90", "p95", "p99"], float] = {}
+    error_rate: float | None = Field(default=None, gt=0, le=1)
+
+    def to_slo(self) -> Slo:
+        bounds = []
+        for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+            for stat, bound in getattr(self, metric).items():
+                bounds.append(SloBound(metric=metric, stat=stat, max=bound))
+        if self.error_rate is not None:
+            bounds.append(SloBound(metric="error_rate", max=self.error_rate))
+        return Slo(bounds=tuple(bounds))
+
+
+class SearchSpace(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    description: str = ""
+    model: str  # a directory, a hub id, or "tiny" (servetune builds its CPU test model)
+    device: Literal["gpu", "cpu"] = "gpu"
+    workload: Union[str, Workload]
+    load: LoadProtocol = LoadProtocol()
+    slo: SloSpec = SloSpec()
+    price_per_device_hour: float = Field(default=1.0, ge=0)  # USD per GPU-hour (CPU core-hour on CPU)
+    hardware: Hardware = Hardware()
+    engine_args: dict[str, Any] = {}
+    env: dict[str, str | int | float] = {}
+    params: dict[str, ParamValues] = {}
+    constraints: tuple[str, ...] = ()
+    search: Search = Search()
+
+    @field_validator("params")
+    @classmethod
+    def _non_empty(cls, params: dict[str, ParamValues]) -> dict[str, ParamValues]:
+        for name, values in params.items():
+            if isinstance(values, list) and not values:
+                raise ValueError(f"{name}: empty list of values")
+        return params
+
+    @field_validator("constraints")
+    @classmethod
+    def _parse(cls, constraints: tuple[str, ...]) -> tuple[str, ...]:
+        for text in constraints:
+            _compile(text)
+        return constraints
+
+    @property
+    def slo_bounds(self) -> Slo:
+        return self.slo.to_slo()
+
+    def resolved_workload(self, base_dir: Path) -> Workload:
+        if isinstance(self.workload, Workload):
+            return self.workload
+        path = Path(self.workload)
+        if not path.is_absolute() and (base_dir / path).exists():
+            path = base_dir / path
+        return load_workload(path if path.exists() else self.workload)
+
+    def engine_params(self, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+        """Split chosen values into engine arguments and environment, over the fixed ones."""
+        engine = dict(self.engine_args)
+        env = {k: str(v) for k, v in self.env.items()}
+        for name, value in params.items():
+            if name.startswith(ENV_PREFIX):
+                env[name[len(ENV_PREFIX) :]] = str(value)
+            else:
+                engine[name] = value
+        return engine, env
+
+    def devices(self, params: dict[str, Any]) -> int:
+        engine, _ = self.engine_params(params)
+        return math.prod(int(engine.get(k, ENGINE_DEFAULTS[k])) for k in ENGINE_DEFAULTS)
+
+    def constraint_violations(self, params: dict[str, Any]) -> list[str]:
+        """The constraints a choice breaks (with the implicit one: a trial fits on one node)."""
+        engine, _ = self.engine_params(params)
+        names = {**ENGINE_DEFAULTS, **engine, **{ENV_PREFIX + k: v for k, v in self.env.items()}}
+        names.update((k, v) for k, v in params.items() if k.startswith(ENV_PREFIX))
+        names["devices_per_node"] = self.hardware.devices_per_node
+        broken = [text for text in self.constraints if not _evaluate(text, names)]
+        if self.devices(params) > self.hardware.devices_per_node:
+            broken.append(f"needs {self.devices(params)} devices, a node has {self.hardware.devices_per_node}")
+        return broken
+
+    def grid(self) -> tuple[list[dict[str, Any]], list[tuple[dict[str, Any], list[str]]]]:
+        """Every point of the grid: (kept, [(rejected, reasons)])."""
+        axes = []
+        for name, values in self.params.items():
+            axes.append([(name, v) for v in (values.grid_values() if isinstance(values, Range) else values)])
+        kept, rejected = [], []
+        for combo in itertools.product(*axes):
+            params = dict(combo)
+            broken = self.constraint_violations(params)
+            (rejected.append((params, broken)) if broken else kept.append(params))
+        return kept, rejected
+
+
+# --- constraint expressions: a small, safe subset of Python ---------------------------------
+
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}  # fmt: skip
+_CMPOPS = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge,
+           ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b}  # fmt: skip
+
+
+def _compile(text: str) -> ast.Expression:
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError:
+        raise ValueError(f"constraint '{text}' is not an expression") from None
+    for node in ast.walk(tree):
+        allowed = (ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.USub, ast.BinOp,
+                   ast.Compare, ast.Name, ast.Load, ast.Constant, ast.Attribute, ast.List, ast.Tuple,
+                   *_BINOPS, *_CMPOPS)  # fmt: skip
+        if not isinstance(node, allowed):
+            raise ValueError(f"constraint '{text}': '{type(node).__name__}' is not allowed (use names, numbers, arithmetic, comparisons, and/or/not)")
+    return tree
+
+
+def _evaluate(text: str, names: dict[str, Any]) -> bool:
+    def ev(node: ast.AST) -> Any:
+        if isinstance(node, ast.Expression):
+            return ev(node.body)
+        if isinstance(node, ast.Constant):
+            return node.value
+        if isinstance(node, (ast.List, ast.Tuple)):
+            return [ev(e) for e in node.elts]
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            name = _dotted(node)
+            if name not in names:
+                raise UserError(f"constraint '{text}': '{name}' is neither a parameter, a fixed engine argument, nor devices_per_node")
+            return names[name]
+        if isinstance(node, ast.BoolOp):
+            values = (ev(v) for v in node.values)
+            return all(values) if isinstance(node.op, ast.And) else any(values)
+        if isinstance(node, ast.UnaryOp):
+            return (not ev(node.operand)) if isinstance(node.op, ast.Not) else -ev(node.operand)
+        if isinstance(node, ast.BinOp):
+            return _BINOPS[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.Compare):
+            left = ev(node.left)
+            for op, comparator in zip(node.ops, node.comparators):
+                right = ev(comparator)
+                if not _CMPOPS[type(op)](left, right):
+                    return False
+                left = right
+            return True
+        raise UserError(f"constraint '{text}': cannot evaluate {type(node).__name__}")
+
+    return bool(ev(_compile(text)))
+
+
+def _dotted(node: ast.AST) -> str:
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    assert isinstance(node, ast.Name)
+    return node.id
+
+
+def load_space(path: str | Path, argspecs: dict | None = None) -> SearchSpace:
+    """Load and check a search space; every problem is one line naming the file and field.
+
+    With ``argspecs`` (vLLM's options, see :func:`servetune.engine.args.load_argspecs`), the
+    names of parameters and fixed engine arguments are checked against vLLM's parser.
+    """
+    from servetune.config.loading import load_yaml_model
+    from servetune.engine.args import validate_engine_args
+
+    path = Path(path)
+    space = load_yaml_model(path, SearchSpace)
+    for field, names in (("engine_args", list(space.engine_args)), ("params", [n for n in space.params if not n.startswith(ENV_PREFIX)])):
+        try:
+            validate_engine_args(dict.fromkeys(names), argspecs, source="engine argument")
+        except UserError as exc:
+            raise UserError(f"{path}: {field}: {exc}") from None
+    try:
+        space.resolved_workload(path.parent)
+        kept, rejected = space.grid() if _gridable(space) else ([{}], [])
+    except UserError as exc:
+        raise UserError(f"{path}: {exc}" if not str(exc).startswith(str(path)) else str(exc)) from None
+    except ValueError as exc:
+        raise UserError(f"{path}: params: {exc}") from None
+    if space.params and not kept:
+        reasons = sorted({r for _, broken in rejected for r in broken})
+        raise UserError(f"{path}: constraints: they exclude every point of the space ({'; '.join(reasons)[:300]})")
+    if not space.params and space.devices({}) > space.hardware.devices_per_node:
+        raise UserError(f"{path}: hardware.devices_per_node: a trial needs {space.devices({})} devices")
+    return space
+
+
+def _gridable(space: SearchSpace) -> bool:
+    try:
+        for values in space.params.values():
+            if isinstance(values, Range):
+                values.grid_values()
+    except ValueError:
+        if space.search.algorithm == "grid":
+            raise
+        return False
+    return True

@@ -1,0 +1,62 @@
+"""Everything the driver resolves once and every trial needs (picklable, shipped to workers)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from servetune.config.space import SearchSpace
+from servetune.config.workload import Workload
+from servetune.load.runner import Level
+from servetune.trial.runner import TrialSpec
+
+
+@dataclass(frozen=True)
+class StudyContext:
+    space: SearchSpace
+    workload: Workload
+    study_dir: Path
+    model: str  # resolved: a directory or a hub id
+    levels: tuple[Level, ...]
+    python: str = sys.executable
+
+    @property
+    def trials_dir(self) -> Path:
+        return self.study_dir / "trials"
+
+    def spec_for(self, params: dict[str, Any], gpu_ids: list[str] | None = None, cores: list[int] | None = None) -> TrialSpec:
+        space = self.space
+        engine_args, env = space.engine_params(params)
+        devices = space.devices(params)
+        extra_env: dict[str, str] = {}
+        if space.device == "gpu":
+            if gpu_ids:
+                extra_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
+            if devices > 1:
+                engine_args.setdefault("distributed_executor_backend", "mp")
+        elif devices > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+            # The CPU build runs several ranks when each is bound to its own core.
+            cores = cores or sorted(os.sched_getaffinity(0))
+            extra_env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in cores[:devices])
+        load = space.load
+        return TrialSpec(
+            study=space.name, trials_dir=self.trials_dir, params=dict(params), engine_args=engine_args, env=env,
+            model=self.model, device=space.device, devices=devices, price_per_device_hour=space.price_per_device_hour,
+            workload=self.workload, levels=self.levels, requests_per_level=load.requests_per_level,
+            seconds_per_level=load.seconds_per_level, warmup_requests=load.warmup_requests,
+            request_timeout_s=load.request_timeout_s, startup_timeout_s=load.startup_timeout_s,
+            stop_on_slo_break=load.stop_on_slo_break, min_throughput_gain=load.min_throughput_gain,
+            slo=space.slo_bounds, gpu=space.hardware.gpu, gpu_memory_gib=space.hardware.gpu_memory_gib,
+            python=self.python, extra_env=extra_env,
+        )  # fmt: skip
+
+
+def resolve_levels(space: SearchSpace, workload: Workload) -> tuple[Level, ...]:
+    arrival = workload.arrival
+    kind = space.load.kind or ("concurrency" if arrival.process == "concurrency" else "rate")
+    values = space.load.levels or arrival.levels or ((1, 4, 16) if kind == "concurrency" else (1, 2, 4))
+    process = "concurrency" if kind == "concurrency" else ("gamma" if arrival.process == "gamma" else "poisson")
+    return tuple(Level(kind, float(v), process, arrival.burstiness) for v in values)

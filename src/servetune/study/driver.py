@@ -1,0 +1,138 @@
+"""The study driver: resolve the space, build the Ray Tune ``Tuner``, run it, summarize.
+
+Trials are keyed by a hash of their resolved configuration: a trial whose ``result.json``
+exists is never run again, so ``--resume`` after a killed driver re-runs only what is missing.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from servetune import __version__
+from servetune.config.space import Range, SearchSpace
+from servetune.errors import UserError
+from servetune.results import RESULT_FILE, SPACE_FILE, STUDY_FILE, TRIALS_DIR, StudyInfo, TrialResult
+from servetune.study.context import StudyContext
+from servetune.study.objectives import objectives_and_constraints
+from servetune.study.searcher import CONSTRAINTS_KEY, OBJECTIVES_KEY
+
+
+def trainable(config: dict[str, Any], context: StudyContext) -> None:
+    """The Ray Tune function trainable: one trial on the resources Tune reserved for it."""
+    import ray
+    from ray import tune
+
+    from servetune.load.requests import PromptFactory, load_tokenizer
+    from servetune.trial.runner import load_result, run_trial
+
+    gpu_ids = [str(g) for g in ray.get_gpu_ids()] if context.space.device == "gpu" else None
+    spec = context.spec_for(config["params"], gpu_ids)
+    result = load_result(spec.trial_dir)
+    if result is None:  # never measured (or --resume after a kill): run it
+        result = run_trial(spec, tune.report, PromptFactory(load_tokenizer(context.model)))
+    tune.report(final_report(result, context))
+
+
+def final_report(result: TrialResult, context: StudyContext) -> dict[str, Any]:
+    values, constraints = objectives_and_constraints(result, context.space.search.objectives, context.space.slo_bounds)
+    best = result.best
+    report: dict[str, Any] = {
+        "trial_id": result.trial_id, "outcome": result.outcome, "reason": result.reason or "",
+        "levels_run": len(result.levels), "meets_slo": best is not None,
+        OBJECTIVES_KEY: json.dumps(values), CONSTRAINTS_KEY: json.dumps(constraints),
+    }  # fmt: skip
+    if best is not None:
+        report.update({f"best_{k}": v for k, v in best.metrics.items()})
+    return report
+
+
+def resolve_model(space: SearchSpace, study_dir: Path, space_dir: Path) -> str:
+    if space.model == "tiny":
+        from servetune.models.tiny import build_tiny_model
+
+        return str(build_tiny_model(study_dir / "models" / "tiny").resolve())
+    path = Path(space.model).expanduser()
+    if not path.is_absolute() and (space_dir / path).exists():
+        path = space_dir / path
+    if path.exists():
+        return str(path.resolve())
+    if space.model.startswith((".", "/", "~")) or space.model.count("/") != 1:
+        raise UserError(f"model: '{space.model}' is neither a directory nor a hub id (org/name)")
+    return space.model  # a hub id: vLLM and the tokenizer fetch it on the cluster
+
+
+def proposals(space: SearchSpace, max_trials: int | None) -> list[dict[str, Any]]:
+    """The configurations grid and random search run, in order (the baseline first)."""
+    kept, _ = space.grid() if space.search.algorithm == "grid" else (_random_points(space), [])
+    points = ([{}] if space.search.baseline else []) + kept
+    limit = max_trials or (space.search.num_trials if space.search.algorithm != "grid" else None) or space.search.num_trials
+    return points[:limit] if limit else points
+
+
+def _random_points(space: SearchSpace) -> list[dict[str, Any]]:
+    rng = np.random.default_rng(space.search.seed)
+    wanted = space.search.num_trials or 10
+    points: list[dict[str, Any]] = []
+    seen: set[str] = set()
+    for _ in range(wanted * 200):
+        if len(points) >= wanted:
+            break
+        params = {name: _draw(values, rng) for name, values in space.params.items()}
+        key = json.dumps(params, sort_keys=True, default=str)
+        if key in seen or space.constraint_violations(params):
+            continue
+        seen.add(key)
+        points.append(params)
+    return points
+
+
+def _draw(values: Any, rng: np.random.Generator) -> Any:
+    if not isinstance(values, Range):
+        return values[int(rng.integers(len(values)))]
+    if values.log:
+        x = float(np.exp(rng.uniform(np.log(values.low), np.log(values.high))))
+    else:
+        x = float(rng.uniform(values.low, values.high))
+    if values.step:
+        x = values.low + round((x - values.low) / values.step) * values.step
+    return int(round(x)) if values.is_int else x
+
+
+def study_info(space: SearchSpace, space_path: Path, model: str) -> StudyInfo:
+    return StudyInfo(
+        name=space.name, created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        space_file=str(space_path), model=model,
+        workload=space.workload if isinstance(space.workload, str) else space.workload.name,
+        device=space.device, algorithm=space.search.algorithm,
+        objectives=[(o.metric, o.mode) for o in space.search.objectives],
+        slo=[str(b) for b in space.slo_bounds.bounds], price_per_device_hour=space.price_per_device_hour,
+        servetune_version=__version__,
+    )  # fmt: skip
+
+
+def finished_results(study_dir: Path) -> list[TrialResult]:
+    out = []
+    for path in sorted((study_dir / TRIALS_DIR).glob(f"*/{RESULT_FILE}")):
+        try:
+            out.append(TrialResult.model_validate_json(path.read_text()))
+        except ValueError:
+            continue
+    return out
+
+
+def prepare_study_dir(study_dir: Path, space_path: Path, resume: bool) -> None:
+    existing = finished_results(study_dir)
+    if existing and not resume:
+        raise UserError(f"{study_dir} already holds {len(existing)} finished trials: pass --resume to continue that study, or choose another --storage")
+    (study_dir / TRIALS_DIR).mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(space_path, study_dir / SPACE_FILE)
+
+
+def write_study_info(study_dir: Path, info: StudyInfo) -> None:
+    (study_dir / STUDY_FILE).write_text(info.model_dump_json(indent=2) + "\n")

@@ -1,0 +1,50 @@
+"""What a finished trial tells the search: objective values and constraint values.
+
+Constraint values follow Optuna's convention (<= 0 is satisfied): one per SLO bound, the
+relative slack ``value / bound - 1`` at the trial's chosen level, plus one that is 1 when the
+trial did not run to completion (infeasible or failed) and 0 otherwise. So a sampler with a
+``constraints_func`` learns to avoid both SLO breakers and configurations that do not fit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from servetune.config.slo import Slo
+from servetune.config.space import Objective
+from servetune.results import TrialResult
+
+#: Objective values for a trial that measured nothing (a finite "worst", as Optuna needs).
+PENALTY = {"max": 0.0, "min": 1e12}
+
+
+def chosen_level(result: TrialResult, slo: Slo) -> int | None:
+    """The best level meeting the SLO, else the one that broke it least."""
+    if result.best_level_index is not None:
+        return result.best_level_index
+    if not result.levels:
+        return None
+
+    def worst_slack(index: int) -> float:
+        flat = result.levels[index].summary.flat()
+        return max((flat.get(b.name, float("inf")) / b.max - 1 for b in slo.bounds), default=0.0)
+
+    return min(range(len(result.levels)), key=worst_slack)
+
+
+def objectives_and_constraints(result: TrialResult, objectives: Sequence[Objective], slo: Slo) -> tuple[list[float], list[float]]:
+    index = chosen_level(result, slo) if result.outcome == "COMPLETE" else None
+    if index is None:
+        return [PENALTY[o.mode] for o in objectives], [1.0] * (len(slo.bounds) + 1)
+    metrics = result.operating_points()[index].metrics
+    values = []
+    for o in objectives:
+        value = metrics.get(o.metric)
+        if value is None or value != value or value in (float("inf"), float("-inf")):
+            value = PENALTY[o.mode]
+        values.append(float(value))
+    slack = []
+    for bound in slo.bounds:
+        measured = metrics.get(bound.name)
+        slack.append(1.0 if measured is None else measured / bound.max - 1.0)
+    return values, [*slack, 0.0]

@@ -1,0 +1,116 @@
+"""The live table of a running study (a Tune callback on the driver) and the closing summary."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from ray.tune import Callback
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from servetune.config.space import SearchSpace
+from servetune.results import TrialResult
+
+
+def _params_text(params: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v}" for k, v in params.items()) or "(vLLM defaults)"
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+class LiveTable(Callback):
+    """Each trial's state, configuration, best goodput and P99 latencies, while the study runs."""
+
+    def __init__(self, space: SearchSpace, console: Console) -> None:
+        self.space = space
+        self.console = console
+        self.rows: dict[str, dict[str, Any]] = {}
+        self.live: Live | None = None
+        self.interactive = console.is_terminal
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Tune pickles its callbacks into the experiment state; a console and a live display
+        # are not data, and a restored table starts without them.
+        return {"space": self.space, "rows": self.rows}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["space"], stderr_console())
+        self.rows = state["rows"]
+
+    def setup(self, **info: Any) -> None:
+        if self.interactive:
+            self.live = Live(self.table(), console=self.console, refresh_per_second=2, transient=False)
+            self.live.start()
+
+    def _row(self, trial) -> dict[str, Any]:
+        return self.rows.setdefault(trial.trial_id, {"params": trial.config.get("params", {}), "state": "RUNNING", "levels": 0})
+
+    def on_trial_start(self, iteration, trials, trial, **info) -> None:
+        self._row(trial)
+        self._update(f"started {trial.trial_id}: {_params_text(trial.config.get('params', {}))}")
+
+    def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
+        row = self._row(trial)
+        if "outcome" in result:
+            row.update(state=result["outcome"], reason=result.get("reason", ""), goodput=result.get("best_goodput"),
+                       ttft=result.get("best_ttft_ms_p99"), tpot=result.get("best_tpot_ms_p99"), levels=result.get("levels_run", 0))  # fmt: skip
+            self._update(f"{trial.trial_id} {row['state']}: goodput {_fmt(row['goodput'], 2)} req/s {row.get('reason', '')}")
+        elif "level_index" in result:
+            row["levels"] = result["level_index"] + 1
+            if result.get("meets_slo") and (row.get("goodput") or 0) <= (result.get("goodput") or 0):
+                row.update(goodput=result.get("goodput"), ttft=result.get("ttft_ms_p99"), tpot=result.get("tpot_ms_p99"))
+            self._update(None)
+
+    def on_trial_error(self, iteration, trials, trial, **info) -> None:
+        self._row(trial).update(state="FAILED", reason="the trial process died")
+        self._update(f"{trial.trial_id} FAILED: the trial process died")
+
+    def on_experiment_end(self, trials, **info) -> None:
+        if self.live is not None:
+            self.live.update(self.table())
+            self.live.stop()
+
+    def _update(self, line: str | None) -> None:
+        if self.live is not None:
+            self.live.update(self.table())
+        elif line:
+            self.console.print(line)
+
+    def table(self) -> Table:
+        table = Table(title=f"study {self.space.name}", title_justify="left")
+        for col in ("trial", "state", "configuration", "levels", "best goodput", "TTFT p99", "TPOT p99"):
+            table.add_column(col)
+        for trial_id, row in self.rows.items():
+            table.add_row(trial_id, row["state"], _params_text(row["params"]), str(row["levels"]),
+                          _fmt(row.get("goodput"), 2), _fmt(row.get("ttft")), _fmt(row.get("tpot")))  # fmt: skip
+        return table
+
+
+def summary_table(results: list[TrialResult], space: SearchSpace, top: int = 5) -> Table:
+    """The best configurations under the SLO, by the first objective."""
+    objective = space.search.objectives[0]
+    meeting = [(r, r.best) for r in results if r.best is not None]
+    meeting.sort(key=lambda rb: rb[1].metrics.get(objective.metric, 0.0), reverse=objective.mode == "max")
+    counts = {o: sum(r.outcome == o for r in results) for o in ("COMPLETE", "INFEASIBLE", "FAILED")}
+    table = Table(
+        title=f"best configurations under the SLO (by {objective.metric}, {objective.mode}) — "
+        f"{counts['COMPLETE']} complete, {counts['INFEASIBLE']} infeasible, {counts['FAILED']} failed; "
+        f"{len(meeting)} met the SLO",
+        title_justify="left",
+    )
+    for col in ("trial", "configuration", "level", "goodput", "out tok/s", "TTFT p99", "TPOT p99", "$/Mtok"):
+        table.add_column(col)
+    for result, best in meeting[:top]:
+        m = best.metrics
+        level = ", ".join(f"{k} {v:g}" for k, v in best.level.items())
+        table.add_row(result.trial_id, _params_text(result.params), level, _fmt(m.get("goodput"), 2), _fmt(m.get("output_throughput")),
+                      _fmt(m.get("ttft_ms_p99")), _fmt(m.get("tpot_ms_p99")), _fmt(m.get("cost_per_mtok_usd"), 3))  # fmt: skip
+    return table
+
+
+def stderr_console() -> Console:
+    return Console(stderr=True, width=None if sys.stderr.isatty() else 200)

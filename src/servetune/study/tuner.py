@@ -1,0 +1,57 @@
+"""Ray Tune wiring: resources per trial (one bundle), the search algorithm, the Tuner."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+from typing import Any
+
+from servetune.config.space import SearchSpace
+from servetune.study.context import StudyContext
+from servetune.study.driver import trainable
+from servetune.study.searcher import ConstrainedOptunaSearch
+
+
+def bundle(space: SearchSpace, params: dict[str, Any]) -> dict[str, float]:
+    """One bundle per trial: with GPUs in other bundles ``ray.get_gpu_ids()`` would be empty."""
+    devices = space.devices(params)
+    if space.device == "gpu":
+        return {"CPU": float(space.hardware.cpus_per_trial), "GPU": float(devices)}
+    return {"CPU": float(devices)}
+
+
+def init_ray(address: str | None) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    kwargs: dict[str, Any] = {"logging_level": "WARNING", "log_to_driver": False, "configure_logging": True}
+    if address:
+        ray.init(address=address, **kwargs)
+    elif os.environ.get("RAY_ADDRESS"):
+        ray.init(**kwargs)  # inside `ray job submit`: join that cluster
+    else:
+        ray.init(include_dashboard=False, **kwargs)  # a local cluster on this machine
+
+
+def run_tuner(context: StudyContext, points: list[dict[str, Any]] | None, searcher: ConstrainedOptunaSearch | None,
+              num_samples: int, callbacks: list) -> None:  # fmt: skip
+    from ray import tune
+    from ray.tune.search import ConcurrencyLimiter
+
+    space = context.space
+    resources = lambda config: tune.PlacementGroupFactory([bundle(space, config["params"])])  # noqa: E731
+    fn = tune.with_resources(tune.with_parameters(trainable, context=context), resources)
+    if points is not None:
+        param_space = {"params": tune.grid_search(points)}
+        tune_config = tune.TuneConfig(num_samples=1, max_concurrent_trials=space.search.max_concurrent)
+    else:
+        param_space = {}
+        limited = ConcurrencyLimiter(searcher, max_concurrent=space.search.max_concurrent)
+        tune_config = tune.TuneConfig(search_alg=limited, num_samples=num_samples)
+    run_config = tune.RunConfig(
+        name="tune-" + dt.datetime.now().strftime("%Y%m%d-%H%M%S"),
+        storage_path=str(context.study_dir.resolve() / "tune"),
+        callbacks=callbacks, verbose=0, failure_config=tune.FailureConfig(max_failures=0),
+    )  # fmt: skip
+    tune.Tuner(fn, param_space=param_space, tune_config=tune_config, run_config=run_config).fit()

@@ -1,0 +1,204 @@
+"""One trial: capacity check -> engine start -> load ladder -> teardown -> result.json.
+
+The outcome is a state: COMPLETE, INFEASIBLE (the capacity check rejected it, in seconds,
+with no engine started) or FAILED (with the reason and the engine's log tail). A failed trial
+is data: whatever levels finished are kept. Nothing here knows about Ray or MLflow: the study
+passes a ``report`` callback (Tune's) and the GPU ids Ray assigned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from servetune.config.slo import Slo
+from servetune.config.workload import Workload
+from servetune.engine.server import VllmServer
+from servetune.errors import EngineStartError, UserError
+from servetune.load.client import StreamingClient
+from servetune.load.requests import PromptFactory
+from servetune.load.runner import Level
+from servetune.results import (
+    RESULT_FILE,
+    CapacityReport,
+    KvCapacityReport,
+    LevelResult,
+    TrialResult,
+    best_level_index,
+    redact_env,
+)
+from servetune.trial.ladder import ladder
+from servetune.trial.measure import LevelPlan, measure_level
+
+Report = Callable[[dict[str, Any]], None]
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+    """Everything one trial needs, resolved by the study (picklable, no Ray types)."""
+
+    study: str
+    trials_dir: Path
+    params: dict[str, Any]
+    engine_args: dict[str, Any]
+    env: dict[str, str]
+    model: str
+    device: str  # gpu | cpu
+    devices: int
+    price_per_device_hour: float
+    workload: Workload
+    levels: tuple[Level, ...]
+    requests_per_level: int | None
+    seconds_per_level: float | None
+    warmup_requests: int | None
+    request_timeout_s: float
+    startup_timeout_s: float
+    stop_on_slo_break: bool
+    min_throughput_gain: float
+    slo: Slo
+    gpu: str | None = None
+    gpu_memory_gib: float | None = None
+    python: str | None = None
+    extra_env: dict[str, str] = field(default_factory=dict)  # placement (CUDA_VISIBLE_DEVICES, binding)
+
+    @property
+    def trial_id(self) -> str:
+        """A hash of everything that decides the measurement: names the trial directory."""
+        key = {
+            "model": self.model, "engine_args": self.engine_args, "env": self.env,
+            "workload": self.workload.model_dump(mode="json"), "levels": [str(lv) for lv in self.levels],
+            "requests": self.requests_per_level, "seconds": self.seconds_per_level, "slo": [str(b) for b in self.slo.bounds],
+        }  # fmt: skip
+        return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+    @property
+    def trial_dir(self) -> Path:
+        return self.trials_dir / self.trial_id
+
+
+def load_result(trial_dir: Path) -> TrialResult | None:
+    try:
+        return TrialResult.model_validate_json((trial_dir / RESULT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def capacity_check(spec: TrialSpec) -> CapacityReport | None:
+    """The memory ledger's verdict, or None where the model's architecture is unknown offline."""
+    from servetune.capacity import load_model_arch, plan_capacity, resolve_hardware
+
+    try:
+        arch = load_model_arch(spec.model)
+        hardware = resolve_hardware(spec.device, spec.gpu, spec.gpu_memory_gib)
+    except UserError:
+        return None
+    try:
+        plan = plan_capacity(arch, spec.engine_args, hardware, env=spec.env)
+    except UserError as exc:
+        return CapacityReport(fits=False, reason=str(exc))
+    return CapacityReport(
+        fits=plan.fits, reason=plan.reason, kv_cache_tokens=plan.kv_cache_tokens, kv_cache_gib=plan.kv_cache_gib,
+        max_concurrency=plan.max_concurrency, advice=list(plan.advice),
+    )  # fmt: skip
+
+
+def run_trial(spec: TrialSpec, report: Report, prompts: PromptFactory) -> TrialResult:
+    """Run one trial to its outcome; never raises for a failure of the configuration."""
+    trial_dir = spec.trial_dir
+    trial_dir.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    result = TrialResult(
+        trial_id=spec.trial_id, study=spec.study, params=spec.params, engine_args=spec.engine_args,
+        env=redact_env(spec.env), model=spec.model, device=spec.device, devices=spec.devices,
+        price_per_device_hour=spec.price_per_device_hour, slo=[str(b) for b in spec.slo.bounds],
+        outcome="FAILED", started_at=_now(),
+    )  # fmt: skip
+    try:
+        result.capacity = capacity_check(spec)
+        if result.capacity is not None and not result.capacity.fits:
+            result.outcome, result.reason = "INFEASIBLE", f"capacity check: {result.capacity.reason}"
+            return result
+        _measure(spec, result, report, prompts, trial_dir)
+    except EngineStartError as exc:
+        result.outcome, result.reason, result.log_tail = "FAILED", f"engine start: {exc.args[0]}", exc.log_tail
+    except Exception as exc:  # a failed trial is data; the study goes on
+        result.outcome, result.reason = "FAILED", f"{type(exc).__name__}: {exc}"
+    finally:
+        result.finished_at = _now()
+        result.duration_s = time.monotonic() - started
+        result.best_level_index = best_level_index(result.levels)
+        write_atomic(trial_dir / RESULT_FILE, result.model_dump_json(indent=2) + "\n")
+    return result
+
+
+def _measure(spec: TrialSpec, result: TrialResult, report: Report, prompts: PromptFactory, trial_dir: Path) -> None:
+    env = {**spec.env, **spec.extra_env}
+    kwargs = {"python": spec.python} if spec.python else {}
+    server = VllmServer(spec.model, spec.engine_args, env, log_path=trial_dir / "engine.log",
+                        startup_timeout_s=spec.startup_timeout_s, **kwargs)  # fmt: skip
+    with server:
+        result.startup_s = server.startup_s
+        kv = server.kv_capacity()
+        if kv is not None:
+            result.kv_capacity = KvCapacityReport(**vars(kv))
+            if result.capacity is not None and result.capacity.kv_cache_tokens:
+                result.kv_prediction_error = (result.capacity.kv_cache_tokens - kv.tokens) / kv.tokens
+        records_path = trial_dir / "requests.jsonl"
+        with records_path.open("w") as records_file:
+            result.stopped_because = asyncio.run(_climb(spec, server, result, report, prompts, records_file))
+        if not server.alive():
+            raise RuntimeError(f"the engine died during the ladder ({server.failure_reason()})")
+    result.outcome = "COMPLETE"
+
+
+async def _climb(spec, server, result, report, prompts, records_file) -> str | None:
+    steps = ladder(spec.levels, stop_on_slo_break=spec.stop_on_slo_break, min_gain=spec.min_throughput_gain)
+    async with StreamingClient(
+        server.url, spec.engine_args.get("served_model_name") or spec.model, api=spec.workload.api,
+        timeout_s=spec.request_timeout_s, ignore_eos=spec.workload.ignore_eos, temperature=spec.workload.temperature,
+    ) as client:  # fmt: skip
+        level = next(steps)
+        while True:
+            plan = LevelPlan(level, spec.requests_per_level, spec.seconds_per_level, _warmup(spec, level))
+            level_result, records = await measure_level(client, server.url, spec.workload, prompts, plan,
+                                                        stream=len(result.levels) + 1, slo=spec.slo)  # fmt: skip
+            result.levels.append(level_result)
+            for record in records:
+                records_file.write(json.dumps({"level": len(result.levels) - 1, **record.to_dict()}) + "\n")
+            if not server.alive():
+                raise RuntimeError(f"the engine died during {level} ({server.failure_reason()})")
+            report(level_report(result, level_result))
+            try:
+                level = steps.send(level_result)
+            except StopIteration as stop:
+                return stop.value
+
+
+def _warmup(spec: TrialSpec, level: Level) -> int:
+    if spec.warmup_requests is not None:
+        return spec.warmup_requests
+    return int(min(max(level.value, 1), 32))
+
+
+def level_report(result: TrialResult, level: LevelResult) -> dict[str, Any]:
+    """What a trial reports to Tune after each level (flat metrics and where it stands)."""
+    point = result.operating_points()[-1]
+    return {**point.metrics, "level_index": point.level_index, "meets_slo": level.meets_slo, "trial_id": result.trial_id}
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
