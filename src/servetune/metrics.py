@@ -42,6 +42,10 @@ RATE_METRICS = (
     "error_rate",
 )
 COST_METRIC = "cost_per_mtok_usd"
+#: Derived rates for reports: output tok/s per reserved device, and one user's streaming speed
+#: (1000 / mean TPOT, in output tok/s).
+OUTPUT_THROUGHPUT_PER_DEVICE = "output_throughput_per_device"
+OUTPUT_THROUGHPUT_PER_USER = "output_throughput_per_user"
 
 
 def metric_names() -> list[str]:

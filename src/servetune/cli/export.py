@@ -1,0 +1,61 @@
+"""``servetune export``: one operating point of a study as a command or config to deploy."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+DESCRIPTION = """\
+Print the configuration of one operating point of a study:
+
+  --format vllm       the `vllm serve MODEL --flag ...` command, with its environment
+                      (secrets shown as ***)
+  --format ray-serve  a Ray Serve LLM application config for `serve run` (ray.serve.llm
+                      LLMConfig: model_loading_config, engine_kwargs, deployment_config with
+                      data parallelism as replicas, accelerator_type when given)
+  --format json       the configuration and its measured numbers
+
+--pick best (default) is the recommendation of `servetune report`; --pick N is row N
+(counting from 0) of the cost vs P99 TTFT Pareto table, cheapest first, as summary.md and
+report.html number it.
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "export",
+        help="one operating point as a vllm serve command, a Ray Serve LLM config, or JSON",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example: servetune export servetune-results/chat-latency --pick best --format ray-serve > serve.yaml",
+    )
+    p.add_argument("study_dir", type=Path, metavar="STUDY_DIR", help="the study directory (servetune-results/<study>)")
+    p.add_argument(
+        "--pick", default="best", metavar="best|N",
+        help="best (the recommendation, default) or a row of the cost vs P99 TTFT Pareto table",
+    )  # fmt: skip
+    p.add_argument("--format", required=True, choices=("vllm", "ray-serve", "json"), help="what to print")
+    p.add_argument(
+        "--price-per-gpu-hour", type=float, metavar="X",
+        help="cost with this price per device-hour, as `servetune report --price-per-gpu-hour` does",
+    )  # fmt: skip
+    p.add_argument("--accelerator-type", metavar="NAME", help="Ray accelerator type for --format ray-serve, e.g. H100")
+    p.add_argument("--skip-unreadable", action="store_true", help="do not stop at an invalid result.json")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from servetune.report import build_report, load_study
+    from servetune.report.export import pick_point, point_json, ray_serve_yaml, vllm_command
+
+    report = build_report(load_study(args.study_dir, args.skip_unreadable), args.price_per_gpu_hour)
+    point = pick_point(report, args.pick)
+    if args.format == "vllm":
+        text = vllm_command(point)
+    elif args.format == "ray-serve":
+        text = ray_serve_yaml(point, args.accelerator_type)
+    else:
+        text = point_json(report, point)
+    sys.stdout.write(text)
+    return 0

@@ -1,0 +1,79 @@
+"""``servetune report``: Pareto fronts and a recommendation from a study directory (no GPU, no Ray)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from servetune.errors import UserError
+
+DESCRIPTION = """\
+Read a study directory (study.json and trials/*/result.json), gather every operating point
+(trial x load level), and write:
+
+  report.html          interactive Pareto fronts (plotly.js inline: opens offline)
+  pareto-<front>.png   the same fronts as PNG figures
+  summary.md           outcomes, failure reasons, Pareto tables, the recommendation
+
+Fronts: cost per million output tokens vs P99 TTFT, vs P99 TPOT, vs P99 end-to-end latency;
+output tokens/s per device vs tokens/s per user (both higher is better). Points whose trial
+failed or that break an SLO are drawn apart and never on a front.
+
+The recommendation is the cheapest operating point meeting every SLO, stepped back to the
+next one when its memory margin is thin: the next-higher max_num_seqs,
+gpu_memory_utilization or max_num_batched_tokens ran out of memory, the KV cache peaked at
+90 % or more, or the server preempted requests (tuning checklist, section 15).
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "report",
+        help="Pareto fronts (HTML, PNG, Markdown) and a recommendation from a study directory",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="example: servetune report servetune-results/chat-latency --price-per-gpu-hour 2.5",
+    )
+    p.add_argument("study_dir", type=Path, metavar="STUDY_DIR", help="the study directory (servetune-results/<study>)")
+    p.add_argument("--out", type=Path, metavar="DIR", help="where to write the report (default: STUDY_DIR/report)")
+    p.add_argument(
+        "--price-per-gpu-hour", type=float, metavar="X",
+        help="recompute costs with this price per device-hour in USD (default: each trial's recorded price)",
+    )  # fmt: skip
+    p.add_argument(
+        "--skip-unreadable", action="store_true",
+        help="list an invalid result.json as 'not read' instead of stopping with an error",
+    )  # fmt: skip
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from servetune.report import build_report, load_study, render_markdown
+    from servetune.report.html import render_html
+    from servetune.report.png import write_pngs
+    from servetune.report.recommend import describe
+
+    report = build_report(load_study(args.study_dir, args.skip_unreadable), args.price_per_gpu_hour)
+    out: Path = args.out if args.out is not None else args.study_dir / "report"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        html_file, md_file = out / "report.html", out / "summary.md"
+        html_file.write_text(render_html(report), encoding="utf-8")
+        md_file.write_text(render_markdown(report), encoding="utf-8")
+        pngs = write_pngs(report, out)
+    except OSError as exc:
+        raise UserError(f"--out {out}: cannot write the report: {exc.strerror or exc}") from None
+    counts = ", ".join(f"{n} {name}" for name, n in report.outcome_counts().items() if n)
+    print(f"study {report.info.name}: {counts or 'no trials yet'}; {len(report.points)} operating points")
+    print(f"wrote {html_file}")
+    print(f"wrote {md_file}")
+    for path in pngs:
+        print(f"wrote {path}")
+    rec = report.recommendation
+    if rec.point is None:
+        print(f"recommendation: none: {rec.reason}")
+    else:
+        print(f"recommendation: {describe(rec.point)}")
+        print(f"  why: {rec.reason}")
+        print(f"  export: servetune export {args.study_dir} --pick best --format vllm")
+    return 0

@@ -1,0 +1,111 @@
+"""Everything a report shows, computed once: counts, points, fronts, SLO lines, recommendation."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from servetune.errors import UserError
+from servetune.report.pareto import FRONTS, FrontSpec, ParetoFront, pareto_front, study_front
+from servetune.report.points import (
+    ReportPoint,
+    SloLine,
+    TrialOutline,
+    first_line,
+    gather_points,
+    known_metrics,
+    outline,
+    parse_slo_lines,
+)
+from servetune.report.recommend import Recommendation, recommend
+from servetune.report.study import LoadedStudy, NotRead
+from servetune.results import StudyInfo
+
+OUTCOMES = ("COMPLETE", "INFEASIBLE", "FAILED")
+
+
+@dataclass(frozen=True)
+class Front:
+    spec: FrontSpec
+    result: ParetoFront
+
+
+@dataclass(frozen=True)
+class FailureReason:
+    outcome: str
+    reason: str
+    trial_ids: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class StudyReport:
+    root: Path
+    info: StudyInfo
+    price_override: float | None  # --price-per-gpu-hour, when given
+    trials: tuple[TrialOutline, ...]
+    not_read: tuple[NotRead, ...]
+    points: tuple[ReportPoint, ...]
+    slo: tuple[SloLine, ...]
+    fronts: tuple[Front, ...]  # FRONTS in order, then the study's own objectives if different
+    recommendation: Recommendation
+
+    def outcome_counts(self) -> dict[str, int]:
+        """Trials by outcome, plus ``not read`` (every trial directory is counted once)."""
+        counts = Counter(t.outcome for t in self.trials)
+        out = {outcome: counts.get(outcome, 0) for outcome in OUTCOMES}
+        out["not read"] = len(self.not_read)
+        return out
+
+    def failure_reasons(self) -> list[FailureReason]:
+        """Trials that did not complete, grouped by outcome and the first line of their reason."""
+        groups: dict[tuple[str, str], list[str]] = {}
+        for trial in self.trials:
+            if trial.outcome != "COMPLETE":
+                groups.setdefault((trial.outcome, first_line(trial.reason) or "(no reason given)"), []).append(
+                    trial.trial_id
+                )
+        reasons = [FailureReason(o, r, tuple(ids)) for (o, r), ids in groups.items()]
+        return sorted(reasons, key=lambda f: (-len(f.trial_ids), f.outcome, f.reason))
+
+    def front(self, name: str) -> Front:
+        for front in self.fronts:
+            if front.spec.name == name:
+                return front
+        raise KeyError(name)
+
+    @property
+    def main_front(self) -> Front:
+        """Cost vs P99 TTFT: the table ``servetune export --pick N`` indexes."""
+        return self.fronts[0]
+
+    def slo_for(self, metric: str) -> list[SloLine]:
+        return [line for line in self.slo if line.metric == metric]
+
+
+def build_report(study: LoadedStudy, price_per_device_hour: float | None = None) -> StudyReport:
+    """Compute the report of a loaded study (pure: no I/O)."""
+    if price_per_device_hour is not None and price_per_device_hour < 0:
+        raise UserError(f"--price-per-gpu-hour {price_per_device_hour:g}: a price cannot be negative")
+    known = known_metrics()
+    for index, (metric, _) in enumerate(study.info.objectives):
+        if metric not in known:
+            raise UserError(f"{study.root / 'study.json'}: objectives.{index}: unknown metric '{metric}'")
+    points = gather_points(study.trials, price_per_device_hour)
+    outlines = [outline(t) for t in study.trials]
+    specs = list(FRONTS)
+    extra = study_front(study.info.objectives)
+    if extra is not None:
+        specs.append(extra)
+    fronts = tuple(Front(spec, pareto_front(points, spec.objectives)) for spec in specs)
+    return StudyReport(
+        root=study.root,
+        info=study.info,
+        price_override=price_per_device_hour,
+        trials=tuple(outlines),
+        not_read=study.not_read,
+        points=tuple(points),
+        slo=tuple(parse_slo_lines(study.info.slo, source=f"{study.root / 'study.json'}: slo")),
+        fronts=fronts,
+        recommendation=recommend(points, outlines),
+    )

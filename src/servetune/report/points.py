@@ -1,0 +1,200 @@
+"""Operating points as a report sees them: the trial's measured level plus what drawing needs.
+
+A :class:`ReportPoint` is one (trial, load level) with its flat metrics (``LevelSummary.flat()``
+names, ``cost_per_mtok_usd``, and the two derived rates below), its configuration, the trial's
+outcome and the level's SLO verdict. A :class:`TrialOutline` is one trial with or without
+points: what the out-of-memory neighbour rule and the outcome counts need.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from servetune.config.slo import Slo
+from servetune.errors import UserError
+from servetune.metrics import (
+    COST_METRIC,
+    OUTPUT_THROUGHPUT_PER_DEVICE,
+    OUTPUT_THROUGHPUT_PER_USER,
+    cost_per_mtok_usd,
+    metric_names,
+)
+from servetune.results import Outcome, TrialResult
+
+DERIVED_METRICS = (OUTPUT_THROUGHPUT_PER_DEVICE, OUTPUT_THROUGHPUT_PER_USER)
+
+#: Server-side peaks and counters the measurement records per level (engine/metrics.py names).
+KV_CACHE_USAGE_MAX = "kv_cache_usage_max"  # fraction 0..1, peak sampled during the level
+PREEMPTIONS = "preemptions"  # counted during the level
+
+# A reason (or log tail) that says the engine ran out of memory or would not fit: CUDA's and
+# vLLM's own messages, and the capacity check's verdicts (capacity/ledger.py) other than
+# "vLLM refuses this configuration", which is about shapes, not memory.
+_OUT_OF_MEMORY = re.compile(
+    r"out of memory|\bOOM\b|OutOfMemory|no available memory|larger than the available"
+    r"|can be stored in KV cache|not enough (?:\w+ )?memory|insufficient (?:\w+ )?memory|does not fit"
+    r"|no memory left|but vLLM may use only|more than the GPU's|not enough for one request",
+    re.IGNORECASE,
+)
+
+
+def known_metrics() -> list[str]:
+    """Every metric name a report point can carry."""
+    return [*metric_names(), COST_METRIC, *DERIVED_METRICS]
+
+
+def is_out_of_memory(text: str | None) -> bool:
+    return bool(text and _OUT_OF_MEMORY.search(text))
+
+
+@dataclass(frozen=True, eq=False)
+class ReportPoint:
+    """One operating point. Points compare by identity; :attr:`key` names one."""
+
+    trial_id: str
+    level_index: int = 0
+    level: Mapping[str, float] = field(default_factory=dict)
+    params: Mapping[str, Any] = field(default_factory=dict)  # the values the search chose
+    engine_args: Mapping[str, Any] = field(default_factory=dict)  # every engine argument of the launch
+    env: Mapping[str, str] = field(default_factory=dict)  # redacted on disk
+    model: str = ""
+    device: str = "gpu"
+    devices: int = 1
+    outcome: Outcome = "COMPLETE"
+    reason: str | None = None
+    metrics: Mapping[str, float] = field(default_factory=dict)
+    server_metrics: Mapping[str, float] = field(default_factory=dict)
+    slo_violations: tuple[str, ...] = ()
+
+    @property
+    def key(self) -> str:
+        return f"{self.trial_id}#{self.level_index}"
+
+    @property
+    def meets_slo(self) -> bool:
+        return not self.slo_violations
+
+    @property
+    def eligible(self) -> bool:
+        """May stand on a Pareto front or be recommended: its trial completed and it meets every SLO."""
+        return self.outcome == "COMPLETE" and self.meets_slo
+
+    def value(self, metric: str) -> float | None:
+        """The metric's value when it is a finite number, else None."""
+        value = self.metrics.get(metric)
+        return value if value is not None and math.isfinite(value) else None
+
+    @property
+    def why_apart(self) -> str:
+        """Why the point is not eligible ('' when it is)."""
+        if self.outcome != "COMPLETE":
+            return f"trial {self.outcome}" + (f": {first_line(self.reason)}" if self.reason else "")
+        if self.slo_violations:
+            return "SLO broken: " + "; ".join(self.slo_violations)
+        return ""
+
+
+@dataclass(frozen=True)
+class TrialOutline:
+    """One trial, whatever its outcome."""
+
+    trial_id: str
+    params: Mapping[str, Any]
+    outcome: Outcome
+    reason: str | None = None
+    out_of_memory: bool = False  # failed or infeasible because memory ran out / would not fit
+
+
+@dataclass(frozen=True)
+class SloLine:
+    """One SLO bound as a line to draw: ``metric <= max``."""
+
+    metric: str
+    max: float
+
+    def __str__(self) -> str:
+        return f"{self.metric} <= {self.max:g}"
+
+
+def first_line(text: str | None, limit: int = 160) -> str:
+    line = (text or "").strip().splitlines()[0] if (text or "").strip() else ""
+    return line if len(line) <= limit else line[: limit - 1] + "…"
+
+
+def outline(trial: TrialResult) -> TrialOutline:
+    oom = trial.outcome != "COMPLETE" and (is_out_of_memory(trial.reason) or is_out_of_memory(trial.log_tail))
+    return TrialOutline(
+        trial_id=trial.trial_id, params=dict(trial.params), outcome=trial.outcome, reason=trial.reason,
+        out_of_memory=oom,
+    )  # fmt: skip
+
+
+def trial_points(trial: TrialResult, price_per_device_hour: float | None = None) -> list[ReportPoint]:
+    """Every measured level of a trial; ``price_per_device_hour`` replaces the recorded price."""
+    price = trial.price_per_device_hour if price_per_device_hour is None else price_per_device_hour
+    points = []
+    for op, level in zip(trial.operating_points(), trial.levels):
+        metrics = dict(op.metrics)
+        metrics[COST_METRIC] = cost_per_mtok_usd(price, trial.devices, level.summary.output_throughput)
+        metrics[OUTPUT_THROUGHPUT_PER_DEVICE] = level.summary.output_throughput / max(trial.devices, 1)
+        tpot_mean = level.summary.tpot_ms.mean
+        if tpot_mean is not None and tpot_mean > 0:
+            metrics[OUTPUT_THROUGHPUT_PER_USER] = 1000.0 / tpot_mean
+        points.append(
+            ReportPoint(
+                trial_id=trial.trial_id, level_index=op.level_index, level=dict(op.level), params=dict(trial.params),
+                engine_args=dict(trial.engine_args), env=dict(trial.env), model=trial.model, device=trial.device,
+                devices=trial.devices, outcome=trial.outcome, reason=trial.reason, metrics=metrics,
+                server_metrics=dict(level.server_metrics), slo_violations=tuple(level.slo_violations),
+            )  # fmt: skip
+        )
+    return points
+
+
+def gather_points(trials: Iterable[TrialResult], price_per_device_hour: float | None = None) -> list[ReportPoint]:
+    """Every operating point of every trial, in trial order then level order."""
+    return [p for trial in trials for p in trial_points(trial, price_per_device_hour)]
+
+
+_BOUND = re.compile(r"^\s*([a-z0-9_]+)\s*<=\s*([-+0-9.eE]+)\s*$")
+
+
+def parse_slo_lines(texts: Iterable[str], source: str = "study.json: slo") -> list[SloLine]:
+    """``["ttft_ms_p99 <= 2000"]`` (as trials write them) or ``ttft_ms.p99=2000`` -> lines to draw."""
+    lines: list[SloLine] = []
+    for index, text in enumerate(texts):
+        match = _BOUND.match(text)
+        if match:
+            metric, bound = match.group(1), float(match.group(2))
+            if metric not in known_metrics():
+                raise UserError(f"{source}[{index}]: unknown metric '{metric}' in '{text}'")
+            lines.append(SloLine(metric, bound))
+            continue
+        slo = Slo.parse(text, source=f"{source}[{index}]")
+        lines += [SloLine(b.name, b.max) for b in slo.bounds]
+    return lines
+
+
+def level_label(level: Mapping[str, float]) -> str:
+    """``{"concurrency": 16}`` -> ``concurrency 16``; ``{"rate": 8}`` -> ``rate 8 req/s``."""
+    parts = []
+    for name, value in level.items():
+        parts.append(f"{name} {value:g}" + (" req/s" if name == "rate" else ""))
+    return ", ".join(parts) or "-"
+
+
+def config_label(params: Mapping[str, Any], sep: str = ", ") -> str:
+    """``max_num_seqs=32, gpu_memory_utilization=0.9`` (the search's chosen values)."""
+    return sep.join(f"{k}={_short(v)}" for k, v in params.items()) or "(defaults)"
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)

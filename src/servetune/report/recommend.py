@@ -1,0 +1,176 @@
+"""Which configuration to ship: the cheapest meeting every SLO, one notch back from OOM.
+
+The tuning checklist (section 15) asks that the configuration that goes live sits at least
+one safety notch back from the out-of-memory boundary. The rule, kept simple:
+
+1. Candidates are the operating points whose trial completed and that meet every SLO, with a
+   finite ``cost_per_mtok_usd``; they are taken cheapest first (ties: lower P99 TTFT).
+2. A candidate's memory margin is *thin* when any of these holds:
+
+   - **out-of-memory neighbour**: for one of ``max_num_seqs``, ``gpu_memory_utilization``,
+     ``max_num_batched_tokens``, the trial with the same other parameters and the next-higher
+     value of that knob failed or was infeasible for lack of memory (its reason or log says
+     so: "out of memory", "does not fit", ...);
+   - **KV cache nearly full**: the level's peak KV-cache usage (``kv_cache_usage_max``) is
+     at least 90 %;
+   - **preemptions**: the server preempted requests during the level.
+
+3. The recommendation is the first candidate without a thin margin. When that is not the
+   cheapest one, the report says which cheaper points were passed over and why. When every
+   candidate is thin, the cheapest is recommended with its warnings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from servetune.metrics import COST_METRIC
+from servetune.report.points import (
+    KV_CACHE_USAGE_MAX,
+    PREEMPTIONS,
+    ReportPoint,
+    TrialOutline,
+    config_label,
+    first_line,
+    level_label,
+)
+
+#: Engine arguments that trade memory for throughput: raising one moves toward the OOM boundary.
+MEMORY_KNOBS = ("max_num_seqs", "gpu_memory_utilization", "max_num_batched_tokens")
+#: Peak KV-cache usage (fraction) at or above which the margin counts as thin.
+KV_USAGE_THIN = 0.9
+
+
+@dataclass(frozen=True)
+class PassedOver:
+    point: ReportPoint
+    signals: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    point: ReportPoint | None  # None when no point meets every SLO
+    reason: str
+    passed_over: tuple[PassedOver, ...] = ()  # cheaper candidates skipped for a thin margin
+    warnings: tuple[str, ...] = ()  # thin-margin signals of the recommended point itself
+
+    @property
+    def stepped_back(self) -> bool:
+        return bool(self.passed_over) and self.point is not self.passed_over[0].point
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _number(value: object) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def oom_neighbours(point: ReportPoint, trials: Sequence[TrialOutline]) -> list[tuple[str, TrialOutline]]:
+    """(knob, trial) for each memory knob whose next-higher value, all else equal, ran out of memory."""
+    found = []
+    for knob in MEMORY_KNOBS:
+        mine = _number(point.params.get(knob))
+        if mine is None:
+            continue
+        others = {k: v for k, v in point.params.items() if k != knob}
+        higher: list[tuple[float, TrialOutline]] = []
+        for trial in trials:
+            value = _number(trial.params.get(knob))
+            if value is None or value <= mine:
+                continue
+            if {k: v for k, v in trial.params.items() if k != knob} == others:
+                higher.append((value, trial))
+        if not higher:
+            continue
+        next_value = min(v for v, _ in higher)
+        oom = [t for v, t in higher if v == next_value and t.out_of_memory]
+        if oom:
+            found.append((knob, oom[0]))
+    return found
+
+
+def margin_signals(point: ReportPoint, trials: Sequence[TrialOutline]) -> list[str]:
+    """Why this point's memory margin is thin (empty when it is not)."""
+    signals = []
+    for knob, trial in oom_neighbours(point, trials):
+        reason = first_line(trial.reason, 100) or "out of memory"
+        signals.append(f"the next-higher {knob} ({trial.params[knob]}, trial {trial.trial_id}) failed: {reason}")
+    kv = point.server_metrics.get(KV_CACHE_USAGE_MAX)
+    if kv is not None and kv >= KV_USAGE_THIN:
+        signals.append(f"KV cache usage peaked at {kv:.0%} (>= {KV_USAGE_THIN:.0%})")
+    preemptions = point.server_metrics.get(PREEMPTIONS)
+    if preemptions:
+        signals.append(f"the server preempted {preemptions:g} requests")
+    return signals
+
+
+def candidates(points: Sequence[ReportPoint]) -> list[ReportPoint]:
+    """Eligible points with a cost, cheapest first (ties: lower P99 TTFT, then trial and level)."""
+    usable = [p for p in points if p.eligible and p.value(COST_METRIC) is not None]
+
+    def order(p: ReportPoint) -> tuple:
+        ttft = p.value("ttft_ms_p99")
+        return (p.value(COST_METRIC), float("inf") if ttft is None else ttft, p.trial_id, p.level_index)
+
+    return sorted(usable, key=order)
+
+
+def _room(point: ReportPoint) -> str:
+    kv = point.server_metrics.get(KV_CACHE_USAGE_MAX)
+    preemptions = point.server_metrics.get(PREEMPTIONS)
+    return ", ".join([
+        "no out-of-memory neighbour",
+        f"KV cache peaked at {kv:.0%}" if kv is not None else "KV-cache peak not measured",
+        "no preemptions" if preemptions is not None else "preemptions not measured",
+    ])  # fmt: skip
+
+
+def describe(point: ReportPoint) -> str:
+    cost = point.value(COST_METRIC)
+    price = f"${cost:.4g} per million output tokens" if cost is not None else "cost unknown"
+    return f"trial {point.trial_id} ({config_label(point.params)}) at {level_label(point.level)}, {price}"
+
+
+def recommend(points: Sequence[ReportPoint], trials: Sequence[TrialOutline]) -> Recommendation:
+    """Apply the rule in this module's docstring."""
+    ranked = candidates(points)
+    if not ranked:
+        counted = f"{_plural(len(points), 'operating point')} from {_plural(len(trials), 'trial')}"
+        return Recommendation(None, f"no configuration met every SLO ({counted})")
+    passed: list[PassedOver] = []
+    for point in ranked:
+        signals = margin_signals(point, trials)
+        if not signals:
+            break
+        passed.append(PassedOver(point, tuple(signals)))
+    else:
+        cheapest = passed[0]
+        return Recommendation(
+            cheapest.point,
+            "every configuration meeting the SLOs has a thin memory margin; this is the cheapest, "
+            "ship it with care: " + "; ".join(cheapest.signals),
+            passed_over=tuple(passed),
+            warnings=cheapest.signals,
+        )
+    # ``point`` is now the first candidate without a thin margin.
+    if not passed:
+        return Recommendation(
+            point, "the cheapest configuration meeting every SLO, with room to spare: " + _room(point)
+        )
+    first = passed[0]
+    more = len(passed) - 1
+    extra = f" ({_plural(more, 'more cheaper point')} passed over for a thin margin)" if more else ""
+    cheap_cost, cost = first.point.value(COST_METRIC), point.value(COST_METRIC)
+    delta = f" (+{(cost / cheap_cost - 1):.0%})" if cheap_cost and cost is not None else ""
+    return Recommendation(
+        point,
+        f"stepped one notch back from the out-of-memory boundary: the cheapest point meeting every SLO, "
+        f"{describe(first.point)}, has a thin margin ({'; '.join(first.signals)}){extra}; "
+        f"this one costs ${cost:.4g} per million output tokens{delta}",
+        passed_over=tuple(passed),
+    )

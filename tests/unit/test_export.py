@@ -1,0 +1,73 @@
+"""Turning one operating point into a vllm serve command or a Ray Serve LLM config."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+import yaml
+
+from servetune.errors import UserError
+from servetune.report import ReportPoint
+from servetune.report.export import ray_serve_app, ray_serve_yaml, vllm_command
+
+
+def point(engine_args: dict, env: dict | None = None, device: str = "gpu", concurrency: float = 16.0) -> ReportPoint:
+    return ReportPoint(
+        trial_id="abc123", level={"concurrency": concurrency}, engine_args=engine_args, env=env or {},
+        model="/models/my model", device=device, metrics={"cost_per_mtok_usd": 1.0},
+    )  # fmt: skip
+
+
+def test_vllm_command_flags_follow_engine_argv_and_quote_for_the_shell():
+    args = {
+        "enable_prefix_caching": False, "compilation_config": {"level": 3}, "model": "ignored", "port": 8000,
+        "api_key": "sk-live", "max_num_seqs": 64, "served_model_name": "chat model", "quantization": None,
+    }  # fmt: skip
+    text = vllm_command(point(args, env={"VLLM_CPU_KVCACHE_SPACE": "4", "MY_SECRET": "s3"}))
+    assert "sk-live" not in text and "s3" not in text and "ignored" not in text and "8000" not in text
+    assert "# *** marks a secret servetune does not print" in text
+    command = "\n".join(line for line in text.splitlines() if not line.startswith("#"))
+    tokens = shlex.split(command.replace("\\\n", " "))
+    assert tokens == [
+        "VLLM_CPU_KVCACHE_SPACE=4", "MY_SECRET=***", "vllm", "serve", "/models/my model",
+        "--no-enable-prefix-caching", "--compilation-config", '{"level": 3}', "--api-key", "***",
+        "--max-num-seqs", "64", "--served-model-name", "chat model",
+    ]  # fmt: skip
+
+
+def test_cpu_command_says_how_to_run_without_the_vllm_script():
+    text = vllm_command(point({"max_num_seqs": 8}, device="cpu"))
+    assert "python -m vllm.entrypoints.openai.api_server --model '/models/my model'" in text
+
+
+def test_served_model_name_becomes_the_model_id_and_tensor_parallel_cpu_ranks_get_bundles():
+    app = ray_serve_app(point({"served_model_name": ["chat"], "tensor_parallel_size": 2}, device="cpu"))
+    (config,) = app["applications"][0]["args"]["llm_configs"]
+    assert config["model_loading_config"] == {"model_id": "chat", "model_source": "/models/my model"}
+    assert config["engine_kwargs"] == {"tensor_parallel_size": 2}
+    assert config["placement_group_config"] == {"bundles": [{"CPU": 1}, {"CPU": 1}]}
+    assert "accelerator_type" not in config and "runtime_env" not in config
+
+
+def test_expert_parallel_keeps_data_parallel_in_the_engine_with_the_dp_builder():
+    app = ray_serve_app(point({"data_parallel_size": 4, "enable_expert_parallel": True}, concurrency=128))["applications"][0]
+    assert app["import_path"] == "ray.serve.llm:build_dp_openai_app"
+    config = app["args"]["llm_config"]
+    assert config["engine_kwargs"]["data_parallel_size"] == 4
+    assert config["deployment_config"]["autoscaling_config"] == {
+        "min_replicas": 1, "max_replicas": 1, "target_ongoing_requests": 32,
+    }  # fmt: skip
+
+
+def test_rate_levels_set_no_target_and_gpu_without_accelerator_type_says_so():
+    p = ReportPoint(trial_id="r", level={"rate": 4.0}, model="m", engine_args={})
+    text = ray_serve_yaml(p)
+    assert "# accelerator_type unknown" in text
+    config = yaml.safe_load(text)["applications"][0]["args"]["llm_configs"][0]
+    assert config["deployment_config"] == {"autoscaling_config": {"min_replicas": 1, "max_replicas": 1}}
+
+
+def test_accelerator_type_on_a_cpu_study_is_a_user_error():
+    with pytest.raises(UserError, match="--accelerator-type H100: the study ran on CPUs"):
+        ray_serve_app(point({}, device="cpu"), accelerator_type="H100")

@@ -1,0 +1,132 @@
+"""The recommendation: cheapest point meeting every SLO, one notch back from the OOM boundary."""
+
+from __future__ import annotations
+
+import pytest
+
+from servetune.report import ReportPoint, TrialOutline, build_report, load_study, margin_signals, recommend
+from servetune.report.points import is_out_of_memory
+from tests.unit.test_report_study import demo_study
+
+
+def pt(trial_id: str, cost: float, params: dict, level_index: int = 0, **kwargs) -> ReportPoint:
+    return ReportPoint(
+        trial_id=trial_id, level_index=level_index, level={"concurrency": 8.0}, params=params,
+        metrics={"cost_per_mtok_usd": cost, "ttft_ms_p99": 100.0}, **kwargs,
+    )  # fmt: skip
+
+
+def complete(trial_id: str, params: dict) -> TrialOutline:
+    return TrialOutline(trial_id, params, "COMPLETE")
+
+
+def oom(trial_id: str, params: dict, reason: str = "CUDA out of memory. Tried to allocate 1 GiB") -> TrialOutline:
+    return TrialOutline(trial_id, params, "FAILED", reason, out_of_memory=is_out_of_memory(reason))
+
+
+def test_cheapest_point_with_room_to_spare_is_recommended_as_is():
+    points = [pt("a", 2.0, {"max_num_seqs": 16}), pt("b", 1.0, {"max_num_seqs": 32}), pt("c", 0.5, {"max_num_seqs": 64},
+              slo_violations=("ttft_ms_p99 = 9000 > 2000",))]  # fmt: skip
+    trials = [complete("a", {"max_num_seqs": 16}), complete("b", {"max_num_seqs": 32}), complete("c", {"max_num_seqs": 64})]
+    rec = recommend(points, trials)
+    assert rec.point is points[1] and not rec.stepped_back and rec.passed_over == ()
+    assert rec.reason == (
+        "the cheapest configuration meeting every SLO, with room to spare: no out-of-memory neighbour, "
+        "KV-cache peak not measured, preemptions not measured"
+    )
+
+
+def test_steps_back_when_the_next_higher_max_num_seqs_ran_out_of_memory():
+    points = [pt("s16", 1.5, {"max_num_seqs": 16, "block_size": 16}), pt("s32", 1.0, {"max_num_seqs": 32, "block_size": 16})]
+    trials = [
+        complete("s16", {"max_num_seqs": 16, "block_size": 16}),
+        complete("s32", {"max_num_seqs": 32, "block_size": 16}),
+        oom("s64", {"max_num_seqs": 64, "block_size": 16}),
+    ]
+    rec = recommend(points, trials)
+    assert rec.point is points[0] and rec.stepped_back
+    assert [p.point.trial_id for p in rec.passed_over] == ["s32"]
+    assert rec.passed_over[0].signals == (
+        "the next-higher max_num_seqs (64, trial s64) failed: CUDA out of memory. Tried to allocate 1 GiB",
+    )
+    assert "stepped one notch back" in rec.reason and "+50%" in rec.reason
+
+
+def test_only_the_next_higher_value_with_everything_else_equal_counts():
+    params = {"max_num_seqs": 16, "gpu_memory_utilization": 0.9}
+    point = pt("p", 1.0, params)
+    far = [complete("p", params), complete("n32", {**params, "max_num_seqs": 32}), oom("n64", {**params, "max_num_seqs": 64})]
+    assert margin_signals(point, far) == []  # one notch of margin left: 32 ran fine
+    other = [oom("o32", {"max_num_seqs": 32, "gpu_memory_utilization": 0.95})]  # differs in another knob too
+    assert margin_signals(point, other) == []
+    not_memory = [TrialOutline("f32", {**params, "max_num_seqs": 32}, "FAILED", "FP8 KV cache on CPU requires x86 with AVX-512")]
+    assert margin_signals(point, not_memory) == []
+    util = [oom("u95", {**params, "gpu_memory_utilization": 0.95}), complete("u93", {**params, "gpu_memory_utilization": 0.93})]
+    assert margin_signals(point, util) == []  # the next-higher util is 0.93, which completed
+    util_edge = [oom("u93", {**params, "gpu_memory_utilization": 0.93})]
+    assert margin_signals(point, util_edge)[0].startswith("the next-higher gpu_memory_utilization (0.93, trial u93)")
+
+
+def test_infeasible_neighbour_that_does_not_fit_counts_as_the_boundary():
+    params = {"max_num_batched_tokens": 4096}
+    reason = "does not fit: activation peak leaves no KV pool"
+    trials = [TrialOutline("big", {"max_num_batched_tokens": 8192}, "INFEASIBLE", reason, is_out_of_memory(reason))]
+    assert "max_num_batched_tokens (8192" in margin_signals(pt("p", 1.0, params), trials)[0]
+
+
+def test_kv_cache_peak_and_preemptions_make_a_margin_thin():
+    assert margin_signals(pt("a", 1.0, {}, server_metrics={"kv_cache_usage_max": 0.89}), []) == []
+    assert margin_signals(pt("a", 1.0, {}, server_metrics={"kv_cache_usage_max": 0.95}), []) == [
+        "KV cache usage peaked at 95% (>= 90%)"
+    ]
+    assert margin_signals(pt("a", 1.0, {}, server_metrics={"preemptions": 3.0}), []) == ["the server preempted 3 requests"]
+
+
+def test_kv_pressure_steps_back_to_a_lower_load_level_of_the_same_trial():
+    hot = pt("t", 1.0, {"max_num_seqs": 32}, level_index=1, server_metrics={"kv_cache_usage_max": 0.97, "preemptions": 0})
+    cool = pt("t", 1.2, {"max_num_seqs": 32}, level_index=0, server_metrics={"kv_cache_usage_max": 0.6})
+    rec = recommend([hot, cool], [complete("t", {"max_num_seqs": 32})])
+    assert rec.point is cool and rec.stepped_back
+
+
+def test_every_candidate_thin_recommends_the_cheapest_with_warnings():
+    a = pt("a", 1.0, {}, server_metrics={"preemptions": 2.0})
+    b = pt("b", 2.0, {}, server_metrics={"kv_cache_usage_max": 0.99})
+    rec = recommend([b, a], [])
+    assert rec.point is a and not rec.stepped_back
+    assert rec.warnings == ("the server preempted 2 requests",)
+    assert "ship it with care" in rec.reason
+
+
+def test_nothing_meets_the_slo():
+    failed = pt("f", 1.0, {}, outcome="FAILED")
+    slow = pt("s", 1.0, {}, slo_violations=("tpot_ms_p99 = 300 > 100",))
+    rec = recommend([failed, slow], [])
+    assert rec.point is None and rec.reason == "no configuration met every SLO (2 operating points from 0 trials)"
+
+
+def test_demo_study_steps_back_from_max_num_seqs_32_to_16(tmp_path):
+    report = build_report(load_study(demo_study(tmp_path / "demo")))
+    rec = report.recommendation
+    assert (rec.point.trial_id, rec.point.level_index) == ("t16", 1)
+    assert [(p.point.trial_id, p.point.level_index) for p in rec.passed_over] == [("t32", 1), ("t32", 0)]
+    assert "next-higher max_num_seqs (64, trial t64) failed" in rec.reason
+    assert "1 more cheaper point passed over" in rec.reason
+
+
+@pytest.mark.parametrize(
+    "reason, memory",
+    [
+        ("engine start: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", True),
+        ("engine start: ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`", True),
+        ("engine start: ValueError: 3.0 GiB KV cache is needed, which is larger than the available KV cache memory (1.2 GiB)", True),
+        ("capacity check: no memory left for the KV cache: weights 14.00 + activations 2.00 exceed 70.00 GiB", True),
+        ("capacity check: weights need 140.00 GiB per GPU but vLLM may use only 72.00 GiB (0.9 x 80 GiB)", True),
+        ("capacity check: KV pool of 0.10 GiB holds 800 tokens, not enough for one request of max_model_len 8,192", True),
+        ("capacity check: vLLM refuses this configuration: 7 KV heads do not split over tensor_parallel_size 2", False),
+        ("engine start: RuntimeError: FP8 KV cache on CPU requires x86 with AVX-512 or AMX", False),
+        (None, False),
+    ],
+)  # fmt: skip
+def test_out_of_memory_reasons(reason, memory):
+    assert is_out_of_memory(reason) is memory

@@ -1,0 +1,95 @@
+"""Derived metrics, and the renderers drawing the computed report: Markdown, HTML, PNG."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from servetune.report import build_report, gather_points, load_study, render_markdown
+from servetune.report.html import front_figure, hover_text, render_html
+from servetune.report.png import write_pngs
+from tests.unit.test_report_study import demo_study, level, trial
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    return build_report(load_study(demo_study(tmp_path_factory.mktemp("study") / "demo")))
+
+
+def test_cost_per_device_and_per_user_rates_and_the_price_override():
+    t = trial("t", {"tensor_parallel_size": 2}, [level(16, out_tps=900.0, ttft_p99=400, tpot_mean=20.0)], devices=2, price=3.0)
+    (point,) = gather_points([t])
+    assert point.metrics["cost_per_mtok_usd"] == pytest.approx(3.0 * 2 / (900 * 3600) * 1e6)
+    assert point.metrics["output_throughput_per_device"] == pytest.approx(450.0)
+    assert point.metrics["output_throughput_per_user"] == pytest.approx(50.0)  # 1000 / 20 ms
+    (cheaper,) = gather_points([t], price_per_device_hour=1.5)
+    assert cheaper.metrics["cost_per_mtok_usd"] == pytest.approx(point.metrics["cost_per_mtok_usd"] / 2)
+
+
+def test_markdown_has_counts_reasons_pareto_table_and_recommendation(report):
+    md = render_markdown(report)
+    for row in ("| COMPLETE | 2 |", "| INFEASIBLE | 1 |", "| FAILED | 1 |", "| not read | 1 |"):
+        assert row in md
+    assert "| FAILED | engine exited with code 1: torch.OutOfMemoryError: CUDA out of memory." in md
+    assert "| INFEASIBLE | does not fit: KV pool would be -3.1 GiB at max_model_len 2048 | t256 |" in md
+    assert "t-running`: no result.json" in md
+    section = md.split("## Pareto front: Cost vs P99 time to first token")[1].split("## ")[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [r.split(" | ")[1:4] for r in rows] == [
+        ["t32", "max_num_seqs=32, gpu_memory_utilization=0.9", "concurrency 32"],
+        ["t32", "max_num_seqs=32, gpu_memory_utilization=0.9", "concurrency 16"],
+        ["t16", "max_num_seqs=16, gpu_memory_utilization=0.9", "concurrency 8"],
+    ]
+    assert rows[0].split(" | ")[4:6] == ["0.463", "1,500.0"]  # $/Mtok, TTFT P99
+    rec = md.split("## Recommendation")[1].split("## Trials")[0]
+    assert "**trial t16 (max_num_seqs=16, gpu_memory_utilization=0.9) at concurrency 16" in rec
+    assert "stepped one notch back from the out-of-memory boundary" in rec
+    assert "- passed over: trial t32" in rec and "--pick best --format vllm" in rec
+
+
+def test_figure_data_front_apart_recommended_and_slo_line(report):
+    fig = front_figure(report, report.front("cost-vs-ttft"))
+    traces = {t.name.split(" (")[0]: t for t in fig.data}
+    assert list(traces) == ["apart: failed or SLO broken", "meets SLO, dominated", "Pareto front", "recommended"]
+    front = traces["Pareto front"]
+    assert front.mode == "lines+markers"
+    assert sorted(front.x) == list(front.x) == [300.0, 500.0, 1500.0]  # connected left to right
+    assert traces["apart: failed or SLO broken"].marker.symbol == "x" and list(traces["apart: failed or SLO broken"].x) == [3000.0]
+    assert "ttft_ms_p99 = 3000 &gt; 2000" in traces["apart: failed or SLO broken"].hovertext[0]
+    assert list(traces["recommended"].x) == [600.0]
+    assert "max_num_seqs=32" in front.hovertext[2] and "concurrency 32" in front.hovertext[2]
+    assert [(s.type, s.x0) for s in fig.layout.shapes] == [("line", 2000)]  # SLO ttft_ms_p99 <= 2000
+    tpot = front_figure(report, report.front("cost-vs-tpot"))
+    assert [s.x0 for s in tpot.layout.shapes] == [100]
+
+
+def test_hover_text_escapes_and_lists_config_and_numbers(report):
+    point = report.recommendation.point
+    text = hover_text(point)
+    assert text.startswith("<b>trial t16</b> · concurrency 16<br>max_num_seqs=16<br>gpu_memory_utilization=0.9")
+    assert "$/Mtok: 0.7937" in text and "TTFT P99: 600.0" in text and "KV cache peak: 55%" in text
+    assert text.endswith("SLO met")
+
+
+def test_html_is_self_contained_with_every_front_and_the_hover_data(report):
+    page = render_html(report)
+    assert page.startswith("<!DOCTYPE html>")
+    assert not re.search(r"<script[^>]*\ssrc=", page)  # plotly.js is inline: the page works offline
+    assert "plotly.js v" in page  # the bundled library's banner
+    assert page.count("Plotly.newPlot") == 4
+    for name in ("cost-vs-ttft", "cost-vs-tpot", "cost-vs-e2el", "throughput-vs-interactivity"):
+        assert f'id="front-{name}"' in page
+    assert "max_num_seqs=32" in page and "SLO ttft_ms_p99 \\u003c= 2000" in page
+    assert "stepped one notch back" in page
+
+
+def test_png_files_are_written(report, tmp_path):
+    paths = write_pngs(report, tmp_path / "out")
+    assert [p.name for p in paths] == [
+        "pareto-cost-vs-ttft.png", "pareto-cost-vs-tpot.png", "pareto-cost-vs-e2el.png",
+        "pareto-throughput-vs-interactivity.png",
+    ]  # fmt: skip
+    for path in paths:
+        data = path.read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
