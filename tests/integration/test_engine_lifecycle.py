@@ -1,26 +1,18 @@
 """VllmServer's process handling, with the fake server standing in for vLLM's entry point."""
 
-import sys
 import time
 
 import pytest
 
 from servetune.engine.server import VllmServer, group_members
 from servetune.errors import EngineStartError
+from servetune.testing.fake_openai import write_fake_python
 
 
 @pytest.fixture
 def fake_python(tmp_path):
     """An 'interpreter' that runs the fake server whatever module it is asked to run."""
-    path = tmp_path / "fake-python"
-    path.write_text(
-        f"#!{sys.executable}\n"
-        "import sys\n"
-        "from servetune.testing.fake_openai import main\n"
-        "main(sys.argv[3:])  # drop '-m vllm.entrypoints.openai.api_server'\n"
-    )
-    path.chmod(0o755)
-    return str(path)
+    return str(write_fake_python(tmp_path))
 
 
 def server(fake_python, tmp_path, **engine_args):

@@ -16,7 +16,7 @@ from matplotlib.image import imread
 from servetune.report import build_report, load_study
 from servetune.report.html import render_html
 from servetune.report.labels import FRONT_COLOR, RECOMMENDED_COLOR
-from tests.unit.test_report_study import demo_study
+from tests.builders import demo_study
 
 CHROMIUM = Path("/usr/bin/chromium")
 

@@ -12,7 +12,7 @@ import yaml
 
 import servetune.cli
 from servetune.cli import main
-from tests.unit.test_report_study import demo_study, demo_trials, level, study_info, trial, write_study
+from tests.builders import demo_study, demo_trials, level, study_info, trial, write_study
 
 
 def run_cli(capsys, *argv):

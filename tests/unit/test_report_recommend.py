@@ -6,7 +6,7 @@ import pytest
 
 from servetune.report import ReportPoint, TrialOutline, build_report, load_study, margin_signals, recommend
 from servetune.report.points import is_out_of_memory
-from tests.unit.test_report_study import demo_study
+from tests.builders import demo_study
 
 
 def pt(trial_id: str, cost: float, params: dict, level_index: int = 0, **kwargs) -> ReportPoint:

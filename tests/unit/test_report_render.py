@@ -9,7 +9,7 @@ import pytest
 from servetune.report import build_report, gather_points, load_study, render_markdown
 from servetune.report.html import front_figure, hover_text, render_html
 from servetune.report.png import write_pngs
-from tests.unit.test_report_study import demo_study, level, trial
+from tests.builders import demo_study, level, trial
 
 
 @pytest.fixture(scope="module")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import tempfile
 from pathlib import Path
 
@@ -34,6 +35,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="continue the study in STORAGE/<name>: finished trials are not run again")
     p.add_argument("--dry-run", action="store_true", help="list the trials a grid would run and those the constraints or capacity check reject; start nothing")
     p.add_argument("--max-trials", type=int, help="run at most N trials (the baseline included)")
+    p.add_argument("--python", default=sys.executable, help="Python interpreter that has vLLM on the trial nodes (default: this one)")
     p.set_defaults(run=run)
 
 
@@ -42,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_trials is not None and args.max_trials < 1:
         raise UserError("--max-trials must be at least 1")
-    space = load_space(args.space, load_argspecs())
+    space = load_space(args.space, load_argspecs(args.python))
     if args.dry_run:
         with tempfile.TemporaryDirectory() as tmp:
             model = resolve_model(space, Path(tmp), args.space.parent)
@@ -109,7 +111,7 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
     model = resolve_model(space, study_dir, args.space.parent)
     write_study_info(study_dir, study_info(space, args.space, model))
     workload = space.resolved_workload(args.space.parent)
-    context = StudyContext(space, workload, study_dir.resolve(), model, resolve_levels(space, workload))
+    context = StudyContext(space, workload, study_dir.resolve(), model, resolve_levels(space, workload), python=args.python)
     signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(SystemExit(128 + signum)))
 
     points, searcher, num_samples = None, None, 0

@@ -12,6 +12,9 @@ from servetune.errors import UserError
 
 M = TypeVar("M", bound=BaseModel)
 
+#: Tags of the tagged unions in servetune's config models (workload lengths, parameter values).
+UNION_TAGS = {"fixed", "uniform", "normal", "lognormal", "empirical", "values", "range"}
+
 
 def describe_validation_error(exc: ValidationError, source: str) -> str:
     """``chat.yaml: input_tokens.sigma: Input should be greater than 0`` (first error only)."""
@@ -27,8 +30,8 @@ def describe_validation_error(exc: ValidationError, source: str) -> str:
 
 def _is_union_tag(part: object) -> bool:
     # pydantic puts the chosen member of a tagged union in the location ("lognormal"); the
-    # user wrote no such key, so leave it out. Members are tagged with lower-case names.
-    return isinstance(part, str) and part in {"fixed", "uniform", "normal", "lognormal", "empirical"}
+    # user wrote no such key, so leave it out.
+    return isinstance(part, str) and part in UNION_TAGS
 
 
 def load_yaml_model(path: str | Path, model: type[M], **context: object) -> M:

@@ -16,9 +16,9 @@ import itertools
 import math
 import operator
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from servetune.config.slo import Slo, SloBound
 from servetune.config.workload import Workload, load_workload
@@ -71,7 +71,10 @@ class Range(BaseModel):
         return [int(v) if self.is_int else round(v, 10) for v in values]
 
 
-ParamValues = Union[list[Any], Range]
+ParamValues = Annotated[
+    Union[Annotated[list[Any], Tag("values")], Annotated[Range, Tag("range")]],
+    Discriminator(lambda v: "values" if isinstance(v, list) else "range"),
+]
 
 
 class LoadProtocol(BaseModel):

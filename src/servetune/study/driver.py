@@ -35,7 +35,7 @@ def trainable(config: dict[str, Any], context: StudyContext) -> None:
     spec = context.spec_for(config["params"], gpu_ids)
     result = load_result(spec.trial_dir)
     if result is None:  # never measured (or --resume after a kill): run it
-        result = run_trial(spec, tune.report, PromptFactory(load_tokenizer(context.model)))
+        result = run_trial(spec, tune.report, lambda: PromptFactory(load_tokenizer(context.model)))
     tune.report(final_report(result, context))
 
 

@@ -113,10 +113,21 @@ class ConstrainedOptunaSearch(Searcher):
             self.baseline = False
             self.live[trial_id] = None
             return {"params": {}}
-        for _ in range(200):
+        for attempt in range(60):
             trial = self.study.ask(self.distributions)
             params = dict(trial.params)
             key = self._key(params)
+            if key in self.seen and attempt >= 20:
+                # The sampler keeps coming back to measured points (GP on a small discrete
+                # space does): explore an unmeasured point instead, and learn from it as usual.
+                fresh = self._unseen_point(params)
+                if fresh is None:
+                    self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                    return Searcher.FINISHED
+                self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                self.study.enqueue_trial(fresh)
+                trial = self.study.ask(self.distributions)
+                params, key = dict(trial.params), self._key(fresh)
             if key in self.seen:  # measured (or running) already: tell the known answer, ask again
                 self._tell(trial, *self.seen[key])
                 continue
@@ -127,6 +138,26 @@ class ConstrainedOptunaSearch(Searcher):
             self.seen[key] = self._penalty()  # until the trial tells its own answer
             return {"params": params}
         return Searcher.FINISHED
+
+    def _unseen_point(self, near: dict[str, Any]) -> dict[str, Any] | None:
+        """The unmeasured grid point closest to what the sampler asked for (None if none is left)."""
+        try:
+            kept, _ = self.space.grid()
+        except ValueError:
+            return None  # a continuous space: the sampler will not run out of new points
+        unseen = [p for p in kept if self._key(p) not in self.seen]
+        if not unseen:
+            return None
+        return min(unseen, key=lambda p: self._distance(p, near))
+
+    def _distance(self, a: dict[str, Any], b: dict[str, Any]) -> float:
+        total = 0.0
+        for name, dist in self.distributions.items():
+            if isinstance(dist, optuna.distributions.CategoricalDistribution):
+                total += float(a[name] != b[name])
+            else:
+                total += abs(a[name] - b[name]) / max(dist.high - dist.low, 1e-12)
+        return total
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
         trial = self.live.pop(trial_id, None)

@@ -18,16 +18,20 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from aiohttp import web
 
 
 class FakeOpenAI:
-    def __init__(self, ttft_ms: float = 20.0, itl_ms: float = 5.0, model: str = "fake", fail_status: int | None = None) -> None:
+    def __init__(self, ttft_ms: float = 20.0, itl_ms: float = 5.0, model: str = "fake", fail_status: int | None = None,
+                 max_num_seqs: int | None = None) -> None:  # fmt: skip
         self.ttft_s = ttft_ms / 1000.0
         self.itl_s = itl_ms / 1000.0
         self.model = model
         self.fail_status = fail_status
+        # Like a batch: at most max_num_seqs requests generate at once, the rest wait (TTFT grows).
+        self.slots = asyncio.Semaphore(max_num_seqs) if max_num_seqs else None
         self.running = 0
         self.finished = 0
         self.generated = 0
@@ -66,6 +70,9 @@ class FakeOpenAI:
         chat = request.path.endswith("/chat/completions")
         n_out = int(body.get("max_tokens") or 16)
         prompt = body.get("prompt") or json.dumps(body.get("messages", ""))
+        if self.slots is not None:
+            await self.slots.acquire()
+            start = time.perf_counter()  # waiting for a slot is queueing: TTFT counts it via the client
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         self.running += 1
@@ -83,7 +90,14 @@ class FakeOpenAI:
             self.finished += 1
         finally:
             self.running -= 1
+            if self.slots is not None:
+                self.slots.release()
         return resp
+
+
+def _env(name: str, default: object) -> object:
+    """Flags default to ``SERVETUNE_FAKE_<NAME>`` so a study can vary them as ``env.`` parameters."""
+    return os.environ.get(f"SERVETUNE_FAKE_{name}", default)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -91,11 +105,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--model", default="fake")
-    parser.add_argument("--ttft-ms", type=float, default=20.0)
-    parser.add_argument("--itl-ms", type=float, default=5.0)
-    parser.add_argument("--startup-delay-s", type=float, default=0.0)
-    parser.add_argument("--fail-startup", action="store_true", help="exit with an error during startup, as a failing engine does")
-    parser.add_argument("--crash-after-s", type=float, help="die this many seconds after becoming ready")
+    parser.add_argument("--ttft-ms", type=float, default=float(_env("TTFT_MS", 20.0)))
+    parser.add_argument("--itl-ms", type=float, default=float(_env("ITL_MS", 5.0)))
+    parser.add_argument("--max-num-seqs", type=int, help="requests generating at once (vLLM's engine argument)")
+    parser.add_argument("--startup-delay-s", type=float, default=float(_env("STARTUP_DELAY_S", 0.0)))
+    parser.add_argument("--fail-startup", action="store_true", default=bool(_env("FAIL_STARTUP", "")),
+                        help="exit with an error during startup, as a failing engine does")
+    crash = _env("CRASH_AFTER_S", None)
+    parser.add_argument("--crash-after-s", type=float, default=None if crash is None else float(crash),
+                        help="die this many seconds after becoming ready")
     parser.add_argument("--stubborn-child", action="store_true", help="start a child process that ignores SIGTERM")
     parser.add_argument("--kv-tokens", type=int, default=524288)
     args, _ = parser.parse_known_args(argv)  # ignore the engine arguments vLLM would take
@@ -114,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
         async def on_startup(app: web.Application) -> None:
             asyncio.get_running_loop().call_later(loop_kill, os.kill, os.getpid(), signal.SIGKILL)
 
-    app = FakeOpenAI(args.ttft_ms, args.itl_ms, args.model).app()
+    app = FakeOpenAI(args.ttft_ms, args.itl_ms, args.model, max_num_seqs=args.max_num_seqs).app()
     if args.crash_after_s is not None:
         app.on_startup.append(on_startup)
     web.run_app(app, host=args.host, port=args.port, print=None)
@@ -122,3 +140,19 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def write_fake_python(directory: Path) -> Path:
+    """An executable that stands in for vLLM's interpreter: ``-m <vLLM server>`` runs the fake
+    server instead; anything else (``-c`` look-ups) goes to the real interpreter."""
+    path = Path(directory) / "fake-vllm-python"
+    path.write_text(
+        f"#!{sys.executable}\n"
+        "import os, sys\n"
+        "if sys.argv[1:2] != ['-m']:\n"
+        f"    os.execv({sys.executable!r}, [{sys.executable!r}, *sys.argv[1:]])\n"
+        "from servetune.testing.fake_openai import main\n"
+        "main(sys.argv[3:])  # drop '-m vllm.entrypoints.openai.api_server'\n"
+    )
+    path.chmod(0o755)
+    return path

@@ -101,6 +101,8 @@ def capacity_check(spec: TrialSpec) -> CapacityReport | None:
     """The memory ledger's verdict, or None where the model's architecture is unknown offline."""
     from servetune.capacity import load_model_arch, plan_capacity, resolve_hardware
 
+    if spec.device == "cpu" and not spec.env.get("VLLM_CPU_KVCACHE_SPACE") and "kv_cache_memory_bytes" not in spec.engine_args:
+        return None  # the CPU build then sizes its KV cache from host memory: nothing to predict
     try:
         arch = load_model_arch(spec.model)
         hardware = resolve_hardware(spec.device, spec.gpu, spec.gpu_memory_gib)
@@ -116,8 +118,12 @@ def capacity_check(spec: TrialSpec) -> CapacityReport | None:
     )  # fmt: skip
 
 
-def run_trial(spec: TrialSpec, report: Report, prompts: PromptFactory) -> TrialResult:
-    """Run one trial to its outcome; never raises for a failure of the configuration."""
+def run_trial(spec: TrialSpec, report: Report, prompts: Callable[[], PromptFactory]) -> TrialResult:
+    """Run one trial to its outcome; never raises for a failure of the configuration.
+
+    ``prompts`` makes the prompt factory (loading the tokenizer) once the trial passed its
+    capacity check, so an infeasible trial is rejected in seconds.
+    """
     trial_dir = spec.trial_dir
     trial_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -132,7 +138,7 @@ def run_trial(spec: TrialSpec, report: Report, prompts: PromptFactory) -> TrialR
         if result.capacity is not None and not result.capacity.fits:
             result.outcome, result.reason = "INFEASIBLE", f"capacity check: {result.capacity.reason}"
             return result
-        _measure(spec, result, report, prompts, trial_dir)
+        _measure(spec, result, report, prompts(), trial_dir)
     except EngineStartError as exc:
         result.outcome, result.reason, result.log_tail = "FAILED", f"engine start: {exc.args[0]}", exc.log_tail
     except Exception as exc:  # a failed trial is data; the study goes on

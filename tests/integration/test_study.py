@@ -1,0 +1,105 @@
+"""``servetune run`` on a real local Ray cluster, with the fake engine standing in for vLLM.
+
+The fake takes its behaviour from ``SERVETUNE_FAKE_*`` environment variables, which a search
+space varies as ``env.`` parameters: slow first tokens (an SLO breaker), or a crash mid-trial.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from servetune.testing.fake_openai import write_fake_python
+
+SPACE = """
+name: fake
+model: {model}
+device: cpu
+workload: cpu-tiny
+load: {{levels: [1, 4], requests_per_level: 8, warmup_requests: 1, startup_timeout_s: 60}}
+slo: {{ttft_ms: {{p99: 50}}}}
+hardware: {{devices_per_node: 2}}
+price_per_device_hour: 0.05
+params:
+{params}
+search: {{algorithm: grid, baseline: false}}
+"""
+
+
+@pytest.fixture
+def study(tmp_path, tiny_model):
+    fake = write_fake_python(tmp_path)
+
+    def write(params: str) -> list[str]:
+        (tmp_path / "space.yaml").write_text(SPACE.format(model=tiny_model, params=params))
+        return [sys.executable, "-m", "servetune", "run", str(tmp_path / "space.yaml"),
+                "--storage", str(tmp_path / "results"), "--python", str(fake)]  # fmt: skip
+
+    return write, tmp_path / "results" / "fake", fake
+
+
+def results(study_dir):
+    return {p.parent.name: json.loads(p.read_text()) for p in (study_dir / "trials").glob("*/result.json")}
+
+
+def fake_engines(fake_python):
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if str(fake_python) in " ".join(proc.info["cmdline"] or []):
+                found.append(proc.pid)
+        except psutil.Error:
+            continue
+    return found
+
+
+def test_grid_study_records_every_outcome_and_goes_on_after_a_crash(study):
+    write, study_dir, fake = study
+    argv = write("  env.SERVETUNE_FAKE_TTFT_MS: [5, 80]\n  env.SERVETUNE_FAKE_CRASH_AFTER_S: [1000, 0.8]\n")
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    by_config = {(r["params"]["env.SERVETUNE_FAKE_TTFT_MS"], r["params"]["env.SERVETUNE_FAKE_CRASH_AFTER_S"]): r for r in results(study_dir).values()}
+    assert len(by_config) == 4
+    good = by_config[(5, 1000)]
+    assert good["outcome"] == "COMPLETE" and len(good["levels"]) == 2 and good["best_level_index"] == 1
+    slow = by_config[(80, 1000)]
+    assert slow["outcome"] == "COMPLETE" and len(slow["levels"]) == 1 and slow["best_level_index"] is None
+    assert slow["stopped_because"].startswith("SLO broken at concurrency 1")
+    for key in ((5, 0.8), (80, 0.8)):
+        crashed = by_config[key]
+        assert crashed["outcome"] == "FAILED" and "engine died" in crashed["reason"], crashed["reason"]
+    assert "met the SLO" in done.stdout and good["trial_id"] in done.stdout
+    assert json.loads((study_dir / "study.json").read_text())["name"] == "fake"
+    assert fake_engines(fake) == []
+
+
+def test_killed_driver_then_resume_reruns_nothing_finished(study):
+    write, study_dir, fake = study
+    argv = write("  env.SERVETUNE_FAKE_TTFT_MS: [5, 6, 7]\n  env.SERVETUNE_FAKE_STARTUP_DELAY_S: [2]\n")
+    driver = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 180
+    while not results(study_dir) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    os.killpg(driver.pid, signal.SIGKILL)  # the driver and everything in its process group
+    driver.wait()
+    first = results(study_dir)
+    assert 1 <= len(first) < 3
+    stamps = {t: (study_dir / "trials" / t / "result.json").stat().st_mtime_ns for t in first}
+    deadline = time.monotonic() + 30
+    while fake_engines(fake) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert fake_engines(fake) == []  # the engine of the trial in flight went down with its trial
+
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 2 and "--resume" in again.stderr  # no silent mixing of two runs
+    resumed = subprocess.run([*argv, "--resume"], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    final = results(study_dir)
+    assert len(final) == 3 and all(r["outcome"] == "COMPLETE" for r in final.values())
+    assert {t: (study_dir / "trials" / t / "result.json").stat().st_mtime_ns for t in first} == stamps
+    assert fake_engines(fake) == []

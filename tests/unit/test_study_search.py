@@ -1,0 +1,126 @@
+"""The study's search pieces without Ray: objectives, constraints, the ladder, the searcher."""
+
+import json
+
+import numpy as np
+import pytest
+
+from servetune.config.slo import Slo
+from servetune.config.space import Objective, SearchSpace
+from servetune.load.runner import Level
+from servetune.study.objectives import PENALTY, objectives_and_constraints
+from servetune.study.searcher import CONSTRAINTS_KEY, OBJECTIVES_KEY, ConstrainedOptunaSearch
+from servetune.trial.ladder import ladder
+from tests.builders import level, trial
+
+SLO = Slo.parse("ttft_ms.p99=2000,tpot_ms.p99=100")
+GOODPUT = (Objective(metric="goodput", mode="max"),)
+
+
+def test_objectives_of_a_trial_meeting_the_slo():
+    t = trial("a", {"x": 1}, [level(1, 600, 500), level(4, 1200, 1500), level(16, 1800, 3000, violations=("ttft",))])
+    t.best_level_index = 1
+    values, constraints = objectives_and_constraints(t, GOODPUT, SLO)
+    assert values == [pytest.approx(1200 / 60)]
+    assert constraints == [pytest.approx(1500 / 2000 - 1), pytest.approx(40 / 100 - 1), 0.0]
+
+
+def test_constraints_of_a_trial_breaking_the_slo_use_its_least_bad_level():
+    t = trial("b", {"x": 1}, [level(1, 600, 2500, violations=("ttft",)), level(4, 900, 4000, violations=("ttft",))])
+    values, constraints = objectives_and_constraints(t, GOODPUT, SLO)
+    assert constraints[0] == pytest.approx(2500 / 2000 - 1) and constraints[0] > 0
+    assert values == [pytest.approx(600 / 60)]
+
+
+@pytest.mark.parametrize("outcome", ["INFEASIBLE", "FAILED"])
+def test_trials_that_did_not_run_are_infeasible(outcome):
+    values, constraints = objectives_and_constraints(trial("c", {}, [], outcome=outcome), GOODPUT, SLO)
+    assert values == [PENALTY["max"]] and constraints == [1.0, 1.0, 1.0]
+
+
+def test_ladder_stops_on_slo_break_and_saturation():
+    levels = [Level("concurrency", c) for c in (1, 2, 4, 8)]
+    steps = ladder(levels, stop_on_slo_break=True, min_gain=0.05)
+    assert next(steps).value == 1
+    assert steps.send(level(1, 100, 100)).value == 2
+    assert steps.send(level(2, 200, 100)).value == 4
+    with pytest.raises(StopIteration) as stop:
+        steps.send(level(4, 205, 100))  # +2.5%: saturated
+    assert stop.value.value.startswith("saturated at concurrency 4")
+
+    steps = ladder(levels, stop_on_slo_break=True)
+    next(steps)
+    with pytest.raises(StopIteration) as stop:
+        steps.send(level(1, 100, 5000, violations=("ttft_ms_p99 = 5000 > 2000",)))
+    assert "SLO broken at concurrency 1" in stop.value.value
+
+    steps = ladder(levels[:2], stop_on_slo_break=False)
+    next(steps)
+    assert steps.send(level(1, 100, 5000, violations=("x",))).value == 2
+    with pytest.raises(StopIteration) as stop:
+        steps.send(level(2, 50, 5000, violations=("x",)))
+    assert stop.value.value is None  # the last level ends the ladder, not a rule
+
+
+def make_space(algorithm="tpe", **extra) -> SearchSpace:
+    data = {
+        "name": "s", "model": "m", "workload": "cpu-tiny", "slo": {"ttft_ms": {"p99": 1000}},
+        "params": {"x": list(range(1, 61)), "y": [1, 2]},
+        "constraints": ["y == 1 or x <= 45"],
+        "search": {"algorithm": algorithm, "seed": 3, "objectives": [{"metric": "goodput", "mode": "max"}]},
+    }  # fmt: skip
+    data.update(extra)
+    return SearchSpace.model_validate(data)
+
+
+def answer(params):
+    """A made-up response surface: goodput grows with x, but x > 30 breaks the TTFT SLO."""
+    x = params["x"]
+    ttft = 500 + 1000 * max(0, x - 30)
+    return [float(x)], [ttft / 1000 - 1, 0.0]
+
+
+@pytest.mark.parametrize("algorithm", ["tpe", "nsga2", "gp"])
+def test_searcher_learns_the_constraint(algorithm):
+    searcher = ConstrainedOptunaSearch(make_space(algorithm), baseline=True)
+    assert searcher.suggest("t0") == {"params": {}}  # the baseline comes first
+    searcher.on_trial_complete("t0", {OBJECTIVES_KEY: json.dumps([0.0]), CONSTRAINTS_KEY: json.dumps([0.0, 0.0])})
+    proposed = []
+    for i in range(1, 31):
+        config = searcher.suggest(f"t{i}")
+        params = config["params"]
+        assert params["y"] == 1 or params["x"] <= 45  # static constraints never reach a trial
+        values, constraints = answer(params)
+        searcher.on_trial_complete(f"t{i}", {OBJECTIVES_KEY: json.dumps(values), CONSTRAINTS_KEY: json.dumps(constraints)})
+        proposed.append(params["x"])
+    measured = [t for t in searcher.study.trials if t.state.name == "COMPLETE"]
+    assert all(t.constraints for t in measured)  # every told point carries its constraint values
+    if algorithm == "tpe":  # TPE learns fastest on a discrete space: mostly feasible late on
+        assert sum(x <= 30 for x in proposed[-12:]) >= 8, proposed
+    best = [t for t in searcher.study.best_trials]
+    assert best and all(t.params["x"] <= 30 for t in best)  # the best feasible point, not the highest x
+    assert max(t.params["x"] for t in best) >= 22
+
+
+def test_searcher_never_reruns_a_measured_point_and_survives_pickling():
+    import pickle
+
+    space = make_space("tpe", params={"x": [1, 2, 3], "y": [1]}, constraints=[])
+    searcher = ConstrainedOptunaSearch(space, baseline=False)
+    seen = []
+    for i in range(3):
+        params = searcher.suggest(f"t{i}")["params"]
+        seen.append(params["x"])
+        searcher.on_trial_complete(f"t{i}", {OBJECTIVES_KEY: json.dumps([1.0]), CONSTRAINTS_KEY: json.dumps([0.0, 0.0])})
+    assert sorted(seen) == [1, 2, 3]
+    clone = pickle.loads(pickle.dumps(searcher))
+    assert len(clone.study.trials) == len(searcher.study.trials)
+
+
+def test_searcher_resumes_from_history():
+    space = make_space("tpe")
+    history = [({"x": x, "y": 1}, *answer({"x": x})) for x in (3, 40, 18)]
+    searcher = ConstrainedOptunaSearch(space, baseline=False, history=history)
+    assert len(searcher.study.trials) == 3
+    assert [t.constraints for t in searcher.study.trials][1]["ttft_ms_p99"] > 0
+    assert np.isfinite(searcher.study.trials[0].value)
