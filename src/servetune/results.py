@@ -25,6 +25,7 @@ class LevelResult(BaseModel):
 
     summary: LevelSummary
     server_metrics: dict[str, float] = {}
+    telemetry: dict[str, float] = {}  # device (or host) samples during the level: see telemetry.py
     slo_violations: list[str] = []
 
     @property
@@ -124,6 +125,7 @@ class TrialResult(BaseModel):
     levels: list[LevelResult] = []
     stopped_because: str | None = None
     best_level_index: int | None = None
+    environment: dict[str, str] = {}  # hardware and software stack of the trial: see environment.py
 
     def operating_points(self) -> list[OperatingPoint]:
         points = []
