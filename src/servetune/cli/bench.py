@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import datetime as dt
 import json
+import os
 import re
 import signal
 import sys
@@ -28,6 +29,7 @@ from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory, load_tokenizer
 from servetune.load.runner import Level
 from servetune.results import BenchResult, KvCapacityReport, LevelResult, redact_env
+from servetune.telemetry import TelemetrySampler, visible_gpu_indices
 from servetune.trial.measure import LevelPlan, measure_level
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -209,6 +211,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_levels(console, url, served, workload, prompts, plans, slo, args, result, records, server=None) -> None:
+    gpus = visible_gpu_indices({**os.environ, **server.env}) if server is not None else []
+
     async def main() -> None:
         async with StreamingClient(
             url, served, api=workload.api, timeout_s=args.request_timeout,
@@ -229,7 +233,8 @@ def _run_levels(console, url, served, workload, prompts, plans, slo, args, resul
                         progress.update(task, advance=1, failed=failed)
 
                     level_result, level_records = await measure_level(
-                        client, url, workload, prompts, plan, stream=index + 1, slo=slo, on_done=on_done
+                        client, url, workload, prompts, plan, stream=index + 1, slo=slo, on_done=on_done,
+                        telemetry=None if server is None else lambda: TelemetrySampler(gpus, server.process.pid),
                     )
                 if server is not None and not server.alive():
                     raise UserError(f"vLLM died during {plan.level} ({server.failure_reason()})")

@@ -22,6 +22,7 @@ from servetune.load.requests import PromptFactory, iter_requests
 from servetune.load.runner import Level, run_level
 from servetune.metrics import RequestRecord, summarize
 from servetune.results import LevelResult
+from servetune.telemetry import TelemetrySampler
 
 
 @dataclass(frozen=True)
@@ -62,18 +63,24 @@ async def measure_level(
     slo: Slo,
     on_done: Callable[[RequestRecord], None] | None = None,
     sample_every_s: float = 0.5,
+    telemetry: Callable[[], TelemetrySampler] | None = None,
 ) -> tuple[LevelResult, list[RequestRecord]]:
-    """Run one level and return its result and the per-request records."""
+    """Run one level and return its result and the per-request records.
+
+    ``telemetry`` makes a sampler of the devices (or host) that runs while the level does.
+    """
     requests = iter_requests(workload, prompts, stream=stream)
     async with aiohttp.ClientSession() as session:
         before = await _scrape(session, url)
         peaks: dict[str, float] = {}
         sampler = asyncio.ensure_future(_sample_gauges(session, url, peaks, sample_every_s)) if before else None
+        devices = telemetry() if telemetry is not None else contextlib.nullcontext()
         try:
-            records = await run_level(
-                client, requests, plan.level, num_requests=plan.num_requests, duration_s=plan.duration_s,
-                warmup_requests=plan.warmup_requests, seed=workload.seed + stream, on_done=on_done,
-            )  # fmt: skip
+            with devices:
+                records = await run_level(
+                    client, requests, plan.level, num_requests=plan.num_requests, duration_s=plan.duration_s,
+                    warmup_requests=plan.warmup_requests, seed=workload.seed + stream, on_done=on_done,
+                )  # fmt: skip
         finally:
             if sampler is not None:
                 sampler.cancel()
@@ -82,4 +89,8 @@ async def measure_level(
         after = await _scrape(session, url) if before else None
     server = {**level_delta(before, after), **peaks} if before and after else {}
     summary = summarize(records, plan.level.as_dict(), slo.request_bounds_ms() or None)
-    return LevelResult(summary=summary, server_metrics=server, slo_violations=slo.violations(summary)), records
+    measured = devices.summary() if isinstance(devices, TelemetrySampler) else {}
+    if "gpu_energy_j" in measured and summary.total_output_tokens:
+        measured["gpu_energy_j_per_output_token"] = measured["gpu_energy_j"] / summary.total_output_tokens
+    result = LevelResult(summary=summary, server_metrics=server, telemetry=measured, slo_violations=slo.violations(summary))
+    return result, records

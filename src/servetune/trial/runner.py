@@ -13,6 +13,7 @@ import datetime as dt
 import hashlib
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from typing import Any
 from servetune.config.slo import Slo
 from servetune.config.workload import Workload
 from servetune.engine.server import VllmServer
+from servetune.environment import collect_environment
 from servetune.errors import EngineStartError, UserError
 from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory
@@ -35,6 +37,7 @@ from servetune.results import (
     best_level_index,
     redact_env,
 )
+from servetune.telemetry import TelemetrySampler, visible_gpu_indices
 from servetune.trial.ladder import ladder
 from servetune.trial.measure import LevelPlan, measure_level
 
@@ -134,6 +137,8 @@ def run_trial(spec: TrialSpec, report: Report, prompts: Callable[[], PromptFacto
         outcome="FAILED", started_at=_now(),
     )  # fmt: skip
     try:
+        gpus = visible_gpu_indices(spec.extra_env) if spec.device == "gpu" else []
+        result.environment = collect_environment(spec.device, gpus, spec.python or sys.executable, cores=spec.devices)
         result.capacity = capacity_check(spec)
         if result.capacity is not None and not result.capacity.fits:
             result.outcome, result.reason = "INFEASIBLE", f"capacity check: {result.capacity.reason}"
@@ -172,6 +177,7 @@ def _measure(spec: TrialSpec, result: TrialResult, report: Report, prompts: Prom
 
 
 async def _climb(spec, server, result, report, prompts, records_file) -> str | None:
+    gpu_indices = visible_gpu_indices(spec.extra_env) if spec.device == "gpu" else []
     steps = ladder(spec.levels, stop_on_slo_break=spec.stop_on_slo_break, min_gain=spec.min_throughput_gain)
     async with StreamingClient(
         server.url, spec.engine_args.get("served_model_name") or spec.model, api=spec.workload.api,
@@ -180,8 +186,10 @@ async def _climb(spec, server, result, report, prompts, records_file) -> str | N
         level = next(steps)
         while True:
             plan = LevelPlan(level, spec.requests_per_level, spec.seconds_per_level, _warmup(spec, level))
-            level_result, records = await measure_level(client, server.url, spec.workload, prompts, plan,
-                                                        stream=len(result.levels) + 1, slo=spec.slo)  # fmt: skip
+            level_result, records = await measure_level(
+                client, server.url, spec.workload, prompts, plan, stream=len(result.levels) + 1, slo=spec.slo,
+                telemetry=lambda: TelemetrySampler(gpu_indices, server.process.pid),
+            )  # fmt: skip
             result.levels.append(level_result)
             for record in records:
                 records_file.write(json.dumps({"level": len(result.levels) - 1, **record.to_dict()}) + "\n")

@@ -1,0 +1,87 @@
+"""The hardware and software stack a trial ran on (the experiment record's fields).
+
+GPU model, count, memory, interconnect, driver and CUDA versions come from pynvml; without an
+NVIDIA GPU the CPU model and host memory are recorded instead. Versions of vLLM, torch, Ray and
+NCCL come from package metadata, never by importing them.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import psutil
+
+from servetune import __version__
+from servetune.engine.args import vllm_version
+
+GIB = 1024**3
+
+
+def _version(*names: str) -> str:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "not installed"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _gpus(indices: Sequence[int]) -> dict[str, str]:
+    from servetune.telemetry import _nvml
+
+    nv = _nvml()
+    if nv is None:
+        return {}
+    try:
+        handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in indices] or [nv.nvmlDeviceGetHandleByIndex(0)]
+        name = nv.nvmlDeviceGetName(handles[0])
+        name = name.decode() if isinstance(name, bytes) else name
+        memory = nv.nvmlDeviceGetMemoryInfo(handles[0]).total / GIB
+        driver = nv.nvmlSystemGetDriverVersion()
+        cuda = nv.nvmlSystemGetCudaDriverVersion_v2()
+        try:
+            nvlink = nv.nvmlDeviceGetNvLinkState(handles[0], 0) == nv.NVML_FEATURE_ENABLED
+        except Exception:
+            nvlink = False
+        return {
+            "gpu_model": name, "gpu_count": str(len(indices) or 1), "gpu_memory_gib": f"{memory:.1f}",
+            "gpu_indices": ",".join(str(i) for i in indices), "interconnect": "NVLink" if nvlink else "PCIe",
+            "driver": driver.decode() if isinstance(driver, bytes) else str(driver),
+            "cuda": f"{cuda // 1000}.{cuda % 1000 // 10}",
+        }  # fmt: skip
+    finally:
+        nv.nvmlShutdown()
+
+
+def collect_environment(device: str, gpu_indices: Sequence[int] = (), python: str = sys.executable, cores: int | None = None) -> dict[str, str]:
+    env: dict[str, str] = {
+        "device": device,
+        "cpu_model": _cpu_model(),
+        "host_cpus": str(psutil.cpu_count(logical=True)),
+        "host_memory_gib": f"{psutil.virtual_memory().total / GIB:.1f}",
+        "python": platform.python_version(),
+        "servetune": __version__,
+        "vllm": vllm_version(python) or "not installed",
+        "torch": _version("torch"),
+        "ray": _version("ray"),
+        "nccl": _version("nvidia-nccl-cu12", "nvidia-nccl-cu13", "nvidia-nccl"),
+    }
+    if device == "gpu":
+        env.update(_gpus(gpu_indices) or {"gpu_model": "no NVIDIA GPU visible"})
+    elif cores is not None:
+        env["cpu_cores_reserved"] = str(cores)
+    return env

@@ -1,0 +1,140 @@
+"""Device telemetry during load levels: pynvml on NVIDIA GPUs, the host's CPU and memory elsewhere.
+
+A :class:`TelemetrySampler` samples about once a second in a background thread while a level
+runs and summarizes into flat named values. On GPUs (the trial's own, by physical index):
+utilization, memory used (peak), power, energy (the driver's energy counter where it has one,
+else power integrated over time), temperature and SM clock. Without an NVIDIA GPU it records
+the host instead (CPU utilization, memory used, and the engine's process tree: CPU and RSS);
+the ``host_`` and ``engine_`` prefixes say which it was.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import psutil
+
+GIB = 1024**3
+
+
+def _nvml():
+    """pynvml, initialized; None where there is no NVIDIA driver."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml
+    except Exception:  # NVMLError_LibraryNotFound, DriverNotLoaded, ImportError...
+        return None
+
+
+class TelemetrySampler:
+    """``with TelemetrySampler(gpu_indices, engine_pid) as t: ...``; then ``t.summary()``."""
+
+    def __init__(self, gpu_indices: Sequence[int] | None = None, engine_pid: int | None = None, interval_s: float = 1.0) -> None:
+        self.gpu_indices = list(gpu_indices or [])
+        self.engine_pid = engine_pid
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._samples: list[dict[str, float]] = []
+        self._energy_start: dict[int, float] = {}
+        self._energy_end: dict[int, float] = {}
+        self._started = self._ended = 0.0
+        self._nvml = None
+        self._handles: list = []
+
+    def __enter__(self) -> "TelemetrySampler":
+        self._nvml = _nvml() if self.gpu_indices else None
+        if self._nvml is not None:
+            self._handles = [self._nvml.nvmlDeviceGetHandleByIndex(i) for i in self.gpu_indices]
+            self._energy_start = self._energy()
+        psutil.cpu_percent(None)  # prime the counter: the next call measures from here
+        self._started = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="servetune-telemetry", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self._ended = time.monotonic()
+        if self._nvml is not None:
+            self._energy_end = self._energy()
+            self._nvml.nvmlShutdown()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self._samples.append(self._gpu_sample() if self._nvml is not None else self._host_sample())
+            except Exception:  # a sample that fails is skipped, never fatal to the level
+                continue
+
+    def _energy(self) -> dict[int, float]:
+        out = {}
+        for i, handle in zip(self.gpu_indices, self._handles):
+            try:
+                out[i] = self._nvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1000.0  # mJ -> J
+            except Exception:
+                pass
+        return out
+
+    def _gpu_sample(self) -> dict[str, float]:
+        nv = self._nvml
+        util, mem, power, temp, clock = [], [], [], [], []
+        for handle in self._handles:
+            util.append(nv.nvmlDeviceGetUtilizationRates(handle).gpu)
+            mem.append(nv.nvmlDeviceGetMemoryInfo(handle).used / GIB)
+            power.append(nv.nvmlDeviceGetPowerUsage(handle) / 1000.0)
+            temp.append(nv.nvmlDeviceGetTemperature(handle, nv.NVML_TEMPERATURE_GPU))
+            clock.append(nv.nvmlDeviceGetClockInfo(handle, nv.NVML_CLOCK_SM))
+        return {
+            "gpu_util": sum(util) / len(util), "gpu_memory_used_gib": max(mem), "gpu_power_w": sum(power),
+            "gpu_temperature_c": max(temp), "gpu_sm_clock_mhz": sum(clock) / len(clock),
+        }  # fmt: skip
+
+    def _host_sample(self) -> dict[str, float]:
+        sample = {"host_cpu_percent": psutil.cpu_percent(None), "host_memory_used_gib": psutil.virtual_memory().used / GIB}
+        if self.engine_pid is not None:
+            try:
+                root = psutil.Process(self.engine_pid)
+                tree = [root, *root.children(recursive=True)]
+                sample["engine_rss_gib"] = sum(p.memory_info().rss for p in tree) / GIB
+            except psutil.Error:
+                pass
+        return sample
+
+    def summary(self) -> dict[str, float]:
+        """Means and peaks of the samples, and energy on GPUs (empty if nothing was sampled)."""
+        out: dict[str, float] = {}
+        if not self._samples:
+            return out
+        keys = {k for s in self._samples for k in s}
+        for key in sorted(keys):
+            values = [s[key] for s in self._samples if key in s]
+            out[f"{key}_mean"] = sum(values) / len(values)
+            out[f"{key}_max"] = max(values)
+        if self._nvml is not None:
+            duration = max(self._ended - self._started, 1e-9)
+            if self._energy_start and len(self._energy_end) == len(self._energy_start):
+                out["gpu_energy_j"] = sum(self._energy_end[i] - self._energy_start[i] for i in self._energy_start)
+            else:
+                out["gpu_energy_j"] = out["gpu_power_w_mean"] * duration
+        return out
+
+
+def visible_gpu_indices(env: dict[str, str]) -> list[int]:
+    """Physical indices of the GPUs an engine with this environment sees (empty without GPUs)."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [int(v) for v in visible.split(",") if v.strip().isdigit()]
+    nv = _nvml()
+    if nv is None:
+        return []
+    try:
+        return list(range(nv.nvmlDeviceGetCount()))
+    finally:
+        nv.nvmlShutdown()
