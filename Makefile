@@ -24,12 +24,12 @@ test: setup
 unit: setup
 	$(PY) -m pytest tests/unit -q
 
+# The study on the embedded default: the tiny model on vLLM's CPU build, TPE over batching,
+# chunked prefill, prefix caching, KV space and DP (search_spaces/cpu-tiny.yaml), then the report.
+# Re-running continues the same study (--resume) instead of starting over; `make clean` resets it.
 demo: setup
-	$(PY) -m servetune models tiny --out $(DEMO)/models/tiny
-	$(PY) -m servetune bench --model $(DEMO)/models/tiny \
-		--env VLLM_CPU_KVCACHE_SPACE=1 --engine-arg enforce_eager=true \
-		--workload cpu-tiny --concurrency 1,4,16 --num-requests 64 \
-		--slo ttft_ms.p99=2000,tpot_ms.p95=100 --json $(DEMO)/demo/bench.json
+	$(PY) -m servetune run search_spaces/cpu-tiny.yaml --storage $(DEMO)/studies --resume
+	$(PY) -m servetune report $(DEMO)/studies/cpu-tiny
 
 bench: setup
 	$(PY) bench/loadgen_vs_vllm.py
