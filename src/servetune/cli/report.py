@@ -44,6 +44,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--skip-unreadable", action="store_true",
         help="list an invalid result.json as 'not read' instead of stopping with an error",
     )  # fmt: skip
+    p.add_argument(
+        "--log-to-mlflow", action="store_true",
+        help="also log the study to MLflow (trials not there yet, their records, this report): what a study could not upload",
+    )  # fmt: skip
+    p.add_argument(
+        "--tracking-uri", metavar="URI",
+        help="MLflow server or store for --log-to-mlflow (implies it; default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)",
+    )  # fmt: skip
     p.set_defaults(run=run)
 
 
@@ -76,4 +84,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"recommendation: {describe(rec.point)}")
         print(f"  why: {rec.reason}")
         print(f"  export: servetune export {args.study_dir} --pick best --format vllm")
+    if args.log_to_mlflow or args.tracking_uri:
+        from servetune.tracking import sync_study
+
+        synced = sync_study(args.study_dir, args.tracking_uri, report_dir=out)
+        print(synced.summary())
+        return 0 if synced.ok else 1
     return 0

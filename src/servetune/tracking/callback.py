@@ -1,0 +1,95 @@
+"""The Tune callback that records a running study in MLflow (a sink is a hook: see STYLE.md).
+
+It runs on the driver, the only MLflow writer: trials write their directories, and when Tune
+reports a trial complete the callback logs every finished trial on disk that MLflow does not
+hold yet (so a trial Tune reported without our id, or one finished before a restore, is not
+missed). When the experiment ends it refreshes conclusions, logs the study summary and ends
+the parent run. If MLflow cannot be used the study goes on: one line says so and how to upload
+later, and the callback stops trying.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+from ray.tune import Callback
+
+from servetune.errors import UserError
+from servetune.tracking.connection import (
+    TRACKING_ERRORS,
+    TrackingUnavailable,
+    describe_error,
+    mlflow_env,
+    resolve_tracking_uri,
+)
+from servetune.tracking.sync import StudySync, SyncReport
+
+
+class MlflowCallback(Callback):
+    """``MlflowCallback(study_dir, tracking_uri)``: one parent run per study, one nested run per trial."""
+
+    def __init__(self, study_dir: Path | str, tracking_uri: str | None = None, stream: TextIO | None = None) -> None:
+        self.study_dir = Path(study_dir)
+        self.tracking_uri = tracking_uri  # resolved (made absolute) at setup
+        self.stream = stream  # where the one warning line goes (default: stderr at the time)
+        self.disabled = False
+        self.warning: str | None = None
+        self.report: SyncReport | None = None
+        self._session: StudySync | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Tune pickles callbacks into its experiment state: an MLflow client is not data.
+        return {"study_dir": self.study_dir, "tracking_uri": self.tracking_uri, "disabled": self.disabled}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["study_dir"], state["tracking_uri"])
+        self.disabled = state["disabled"]
+
+    # --- Tune hooks --------------------------------------------------------------------------
+
+    def setup(self, **info: Any) -> None:
+        self._run(lambda session, report: None)
+
+    def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        self._run(lambda session, report: session.log_new(report))
+
+    def on_trial_error(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
+        # The trial process died: whatever it wrote to disk (if anything) is still worth logging.
+        self._run(lambda session, report: session.log_new(report))
+
+    def on_experiment_end(self, trials: list, **info: Any) -> None:
+        def finish(session: StudySync, report: SyncReport) -> None:
+            session.log_new(report)
+            session.finish(report, end=True)
+
+        self._run(finish)
+
+    # --- the rest ----------------------------------------------------------------------------
+
+    def _run(self, step: Callable[[StudySync, SyncReport], None]) -> None:
+        if self.disabled:
+            return
+        try:
+            with mlflow_env(bounded=True):
+                if self._session is None:
+                    self.tracking_uri = resolve_tracking_uri(self.tracking_uri)
+                    self.report = SyncReport(self.study_dir, self.tracking_uri)
+                    session = StudySync(self.study_dir, self.tracking_uri)
+                    session.open(self.report)
+                    self._session = session
+                assert self.report is not None
+                step(self._session, self.report)
+        except (*TRACKING_ERRORS, UserError) as exc:
+            self._give_up(exc)
+
+    def _give_up(self, exc: BaseException) -> None:
+        self.disabled = True
+        self._session = None
+        cause = str(exc) if isinstance(exc, TrackingUnavailable) else f"MLflow logging stopped ({describe_error(exc)})"
+        uri_flag = f" --tracking-uri {self.tracking_uri}" if self.tracking_uri else ""
+        self.warning = (f"{cause}: the study goes on and its results stay in {self.study_dir}; "
+                        f"log them later with: servetune report {self.study_dir} --log-to-mlflow{uri_flag}")  # fmt: skip
+        print(self.warning, file=self.stream or sys.stderr, flush=True)

@@ -1,0 +1,111 @@
+"""Where MLflow lives, whether it answers, and how long a study may wait for it.
+
+The tracking URI is ``--tracking-uri``, else ``$MLFLOW_TRACKING_URI``, else MLflow's own local
+default ``sqlite:///mlflow.db`` in the current directory, made absolute so that a callback
+Tune restores later still writes to the same file. A remote server is asked ``/health`` with a
+short timeout before anything is logged, so an unreachable server costs seconds, not MLflow's
+minutes of retries.
+"""
+
+from __future__ import annotations
+
+import os
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from mlflow.exceptions import MlflowException
+
+#: MLflow's default local store (MLflow 3), relative to the current directory.
+DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
+
+_RETRIES = "MLFLOW_HTTP_REQUEST_MAX_RETRIES"
+_TIMEOUT = "MLFLOW_HTTP_REQUEST_TIMEOUT"
+_BACKOFF = "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR"
+_QUIET = "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"
+
+
+class TrackingError(Exception):
+    """MLflow refused what servetune asked (``str()`` is one line saying what to do)."""
+
+
+class TrackingUnavailable(TrackingError):
+    """MLflow cannot be reached; ``str()`` is one line naming the URI and the cause."""
+
+
+#: What a failed tracking call raises: ours, MLflow's own (it wraps HTTP failures), I/O errors.
+TRACKING_ERRORS: tuple[type[BaseException], ...] = (TrackingError, MlflowException, OSError)
+
+
+def resolve_tracking_uri(uri: str | None = None) -> str:
+    """The URI to log to: the argument, else ``$MLFLOW_TRACKING_URI``, else ``sqlite:///<cwd>/mlflow.db``."""
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not uri.startswith(prefix + "/") and ":memory:" not in uri:
+        return prefix + str(Path(uri[len(prefix) :]).resolve())
+    if "://" not in uri and uri not in ("databricks", "databricks-uc"):
+        return Path(uri).resolve().as_uri()  # a bare directory: MLflow's file store
+    return uri
+
+
+def is_remote(uri: str) -> bool:
+    return uri.startswith(("http://", "https://"))
+
+
+def unreachable_reason(uri: str, timeout_s: float = 3.0) -> str | None:
+    """None when a tracking server answers ``GET /health`` (any HTTP status), else why not.
+
+    Only ``http(s)://`` URIs are checked; a local store is checked by using it.
+    """
+    if not is_remote(uri):
+        return None
+    request = urllib.request.Request(uri.rstrip("/") + "/health", method="GET")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s):
+            return None
+    except urllib.error.HTTPError:
+        return None  # it answered: a proxy or an auth layer in front of /health, but reachable
+    except urllib.error.URLError as exc:
+        return _short(exc.reason)
+    except (OSError, ValueError) as exc:  # timeouts, resets, a malformed URL
+        return _short(exc)
+
+
+def check_reachable(uri: str, timeout_s: float = 3.0) -> None:
+    reason = unreachable_reason(uri, timeout_s)
+    if reason is not None:
+        raise TrackingUnavailable(f"MLflow at {uri} is unreachable ({reason})")
+
+
+def describe_error(exc: BaseException) -> str:
+    """A tracking failure as one short line (MLflow's messages run to many lines of retries)."""
+    return _short(exc)
+
+
+def _short(cause: object, limit: int = 200) -> str:
+    text = " ".join(str(cause).split()) or type(cause).__name__
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+@contextmanager
+def mlflow_env(bounded: bool = False) -> Iterator[None]:
+    """Settings MLflow reads on every call, for the duration; values the user set are left alone.
+
+    Always: no "View run at" lines on stdout (MLflow prints two per finished run on a server).
+    With ``bounded``: at most one retry and 60 s per HTTP request. MLflow's defaults (7 retries
+    with exponential backoff, 120 s timeouts) would let a server that dies mid-study hold the
+    Tune driver for minutes.
+    """
+    wanted = {_QUIET: "true"}
+    if bounded:
+        wanted.update({_RETRIES: "1", _TIMEOUT: "60", _BACKOFF: "1"})
+    added = [name for name in wanted if name not in os.environ]
+    for name in added:
+        os.environ[name] = wanted[name]
+    try:
+        yield
+    finally:
+        for name in added:
+            os.environ.pop(name, None)

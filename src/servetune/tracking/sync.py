@@ -1,0 +1,207 @@
+"""Copy a study directory into MLflow, idempotently: the one writer, on the driver, from disk.
+
+:class:`StudySync` is the session both the Tune callback and ``servetune report
+--log-to-mlflow`` use: :meth:`~StudySync.open` finds or creates the experiment and the parent
+run and lists the trial runs already there; :meth:`~StudySync.log_new` logs every finished
+trial whose ``servetune.trial_id`` is not yet in the experiment; :meth:`~StudySync.finish`
+refreshes the trials' conclusions (a later trial can push one off the Pareto front), writes
+the study summary and the report files, and ends the parent run. Running it twice logs nothing
+twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from mlflow import MlflowClient
+
+from servetune.errors import UserError
+from servetune.report import load_study
+from servetune.results import RESULT_FILE, SPACE_FILE, STUDY_FILE, TRIALS_DIR, StudyInfo, TrialResult
+from servetune.tracking.connection import (
+    TRACKING_ERRORS,
+    TrackingError,
+    check_reachable,
+    describe_error,
+    mlflow_env,
+    resolve_tracking_uri,
+)
+from servetune.tracking.fields import chosen_params, study_metrics, study_params, trial_metrics, trial_params
+from servetune.tracking.inputs import (
+    ENGINE_LOG,
+    REQUESTS_FILE,
+    ModelFingerprint,
+    log_tail,
+    model_fingerprint,
+    read_request_stats,
+)
+from servetune.tracking.record import ExperimentRecord, build_record, conclude, render_record
+from servetune.tracking.writer import CONCLUSION_TAG, STUDY_DIR_TAG, STUDY_TAG, MlflowStudyWriter, TrialRun
+
+REPORT_DIR = "report"
+
+
+@dataclass
+class SyncReport:
+    """What one sync did (``error`` set when MLflow could not be used; nothing is raised for that)."""
+
+    study_dir: Path
+    tracking_uri: str
+    experiment_id: str | None = None
+    parent_run_id: str | None = None
+    logged: list[str] = field(default_factory=list)  # trial ids logged by this sync
+    already: list[str] = field(default_factory=list)  # trial ids that were in MLflow before
+    refreshed: list[str] = field(default_factory=list)  # trials whose conclusion changed
+    not_read: list[str] = field(default_factory=list)  # trial directories without a usable result
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    def summary(self) -> str:
+        if self.error is not None:
+            done = f" ({len(self.logged)} trial(s) logged before that)" if self.logged else " (nothing logged)"
+            return f"{self.error}{done}"
+        parts = [f"{len(self.logged)} trial(s) logged", f"{len(self.already)} already there"]
+        if self.refreshed:
+            parts.append(f"{len(self.refreshed)} conclusion(s) updated")
+        if self.not_read:
+            parts.append(f"{len(self.not_read)} without a result yet")
+        return (
+            f"MLflow {self.tracking_uri}: experiment {self.experiment_id}, parent run {self.parent_run_id}: "
+            + ", ".join(parts)
+        )
+
+
+class StudySync:
+    """One study's MLflow record. Construct freely (no I/O); :meth:`open` before the rest."""
+
+    def __init__(self, study_dir: Path, tracking_uri: str) -> None:
+        self.study_dir = Path(study_dir)
+        self.tracking_uri = tracking_uri
+        self.writer: MlflowStudyWriter | None = None
+        self.experiment_id = ""
+        self.parent_run_id = ""
+        self.runs: dict[str, TrialRun] = {}  # complete trial runs by trial id
+        self._fingerprints: dict[str, ModelFingerprint] = {}
+
+    def open(self, report: SyncReport) -> None:
+        """Check the server, then find or create the experiment and the parent run. Raises ``TRACKING_ERRORS``."""
+        check_reachable(self.tracking_uri)
+        self.writer = MlflowStudyWriter(MlflowClient(self.tracking_uri))
+        study = load_study(self.study_dir, skip_unreadable=True)
+        info = study.info
+        self.experiment_id = self.writer.experiment(info.name)
+        tags = {STUDY_TAG: info.name, STUDY_DIR_TAG: str(self.study_dir.resolve()), "model.name": info.model,
+                "requests.workload": info.workload, "hardware.device": info.device, "created": info.created}  # fmt: skip
+        inputs = [(self.study_dir / SPACE_FILE, None), (self.study_dir / STUDY_FILE, None)]
+        workload = self._workload_file(info)
+        if workload is not None:
+            inputs.append((workload, "workload"))
+        self.parent_run_id = self.writer.study_run(self.experiment_id, info.name, tags, study_params(info), inputs)
+        self.runs = {}
+        for run in self.writer.trial_runs(self.experiment_id):
+            if not run.complete:
+                self.writer.discard(run.run_id)  # cut short while logging: logged again from disk
+            elif run.trial_id not in self.runs:
+                self.runs[run.trial_id] = run
+        report.experiment_id, report.parent_run_id = self.experiment_id, self.parent_run_id
+
+    def log_new(self, report: SyncReport) -> None:
+        """Log every finished trial on disk that the experiment does not hold yet."""
+        writer = self._writer()
+        study = load_study(self.study_dir, skip_unreadable=True)
+        report.not_read = [n.path.name for n in study.not_read]
+        for trial in study.trials:
+            if trial.trial_id in self.runs:
+                if trial.trial_id not in report.logged and trial.trial_id not in report.already:
+                    report.already.append(trial.trial_id)
+                continue
+            record = self.record(trial, study.trials, study.info)
+            trial_dir = self.study_dir / TRIALS_DIR / trial.trial_id
+            files = [trial_dir / RESULT_FILE, trial_dir / ENGINE_LOG, trial_dir / REQUESTS_FILE]
+            chosen = ", ".join(f"{k}={v}" for k, v in chosen_params(trial).items()) or "(vLLM defaults)"
+            run_name = f"{trial.trial_id} {chosen}"
+            run_id = writer.log_trial(self.experiment_id, self.parent_run_id, trial, run_name, trial_params(trial),
+                                      trial_metrics(trial), record.all_tags(), render_record(record), files)  # fmt: skip
+            self.runs[trial.trial_id] = TrialRun(trial.trial_id, run_id, "FINISHED", record.all_tags())
+            report.logged.append(trial.trial_id)
+
+    def finish(self, report: SyncReport, end: bool = True, report_dir: Path | None = None) -> None:
+        """Refresh conclusions, write the study summary and the report files (``report_dir``, default
+        ``STUDY_DIR/report``, if it exists), and (``end``) end the parent run."""
+        writer = self._writer()
+        study = load_study(self.study_dir, skip_unreadable=True)
+        for trial in study.trials:
+            run = self.runs.get(trial.trial_id)
+            if run is None:
+                continue
+            verdict = conclude(trial, study.trials)
+            if run.tags.get(CONCLUSION_TAG) == verdict.verdict and run.tags.get(f"{CONCLUSION_TAG}.why") == verdict.why:
+                continue
+            record = self.record(trial, study.trials, study.info)
+            writer.update_record(run.run_id, record.all_tags(), render_record(record))
+            self.runs[trial.trial_id] = TrialRun(trial.trial_id, run.run_id, run.status, record.all_tags())
+            report.refreshed.append(trial.trial_id)
+        metrics = study_metrics(study.trials)
+        report_dir = report_dir if report_dir is not None else self.study_dir / REPORT_DIR
+        writer.finish_study(self.parent_run_id, metrics, len(study.trials), report_dir, end)
+
+    def record(self, trial: TrialResult, trials: tuple[TrialResult, ...], info: StudyInfo) -> ExperimentRecord:
+        trial_dir = self.study_dir / TRIALS_DIR / trial.trial_id
+        if trial.model not in self._fingerprints:
+            self._fingerprints[trial.model] = model_fingerprint(trial.model)
+        tail = log_tail(trial_dir / ENGINE_LOG) if trial.outcome == "FAILED" else ""
+        return build_record(trial, info, read_request_stats(trial_dir / REQUESTS_FILE), self._fingerprints[trial.model],
+                            conclude(trial, trials), tail)  # fmt: skip
+
+    def _writer(self) -> MlflowStudyWriter:
+        if self.writer is None:
+            raise RuntimeError("StudySync.open() first")
+        return self.writer
+
+    def _workload_file(self, info: StudyInfo) -> Path | None:
+        """The workload YAML the space named (None for a workload written inline in the space)."""
+        from servetune.config.workload import resolve_workload_path
+
+        try:
+            space = yaml.safe_load((self.study_dir / SPACE_FILE).read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError):
+            return None
+        named = space.get("workload") if isinstance(space, dict) else None
+        if not isinstance(named, str):
+            return None
+        beside_space = Path(info.space_file).parent / named
+        try:
+            path = beside_space if beside_space.is_file() else resolve_workload_path(named)
+        except UserError:
+            return None
+        return path if path.is_file() else None
+
+
+def sync_study(study_dir: Path | str, tracking_uri: str | None = None, finish: bool = True,
+               report_dir: Path | None = None) -> SyncReport:  # fmt: skip
+    """Log a study directory to MLflow; re-running logs only what is missing.
+
+    ``finish`` ends the parent run; ``report_dir`` (default ``STUDY_DIR/report``) holds the
+    report files logged to it, when it exists.
+
+    MLflow problems (unreachable server, refused writes) come back as ``SyncReport.error``; a
+    directory that is not a study raises ``UserError`` as ``servetune report`` does.
+    """
+    uri = resolve_tracking_uri(tracking_uri)
+    report = SyncReport(Path(study_dir), uri)
+    session = StudySync(Path(study_dir), uri)
+    try:
+        with mlflow_env():
+            session.open(report)
+            session.log_new(report)
+            session.finish(report, end=finish, report_dir=report_dir)
+    except TrackingError as exc:
+        report.error = str(exc)
+    except TRACKING_ERRORS as exc:
+        report.error = f"MLflow logging failed ({describe_error(exc)})"
+    return report

@@ -1,0 +1,229 @@
+"""MLflow tracking against real stores: the local sqlite store and an ``mlflow server`` on 127.0.0.1.
+
+Content is read back through ``MlflowClient``: params, per-step metric histories, tags,
+artifacts. The Tune callback is driven by calling its hooks with stand-in trials (no Ray).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from io import StringIO
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from mlflow import MlflowClient
+
+from servetune.engine.server import free_port
+from servetune.tracking import sync_study
+from servetune.tracking.callback import MlflowCallback
+from tests.builders import demo_trials, level, study_info, trial, write_study
+
+SPACE = "name: {name}\nworkload: chat\nparams:\n  max_num_seqs: [16, 32, 64]\n"
+REQUESTS = "".join(
+    f'{{"level": {i % 2}, "warmup": {str(i < 2).lower()}, "input_tokens": 200, "prompt_tokens": {180 + i}, "output_tokens": {60 + i}, "ok": true}}\n'
+    for i in range(20)
+)
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real tracking server with proxied artifacts, stopped by process group."""
+    root = tmp_path_factory.mktemp("mlflow-server")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
+    log = (root / "server.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+         "--backend-store-uri", f"sqlite:///{root / 'db.sqlite'}", "--artifacts-destination", str(root / "artifacts")],
+        cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2)
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("mlflow server did not start:\n" + (root / "server.log").read_text()[-3000:])
+                time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=3)  # uvicorn waits on the client's keep-alive connections
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module", params=["sqlite", "server"])
+def store(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if request.param == "server":
+        yield request.getfixturevalue("mlflow_server")
+        return
+    root = tmp_path_factory.mktemp("mlflow-local")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)  # MLflow puts a local store's artifacts in ./mlruns
+        yield f"sqlite:///{root / 'mlflow.db'}"
+
+
+def make_study(root: Path, name: str, trials=None) -> Path:
+    """The demo study under its own name, with a named workload, requests and engine logs."""
+    trials = demo_trials() if trials is None else trials
+    write_study(
+        root, study_info(name=name), [t.model_copy(update={"study": name}) for t in trials], running=("t-running",)
+    )
+    (root / "space.yaml").write_text(SPACE.format(name=name))
+    for trial_id, log in (("t16", "INFO ready\n"), ("t64", "ERROR torch.OutOfMemoryError: CUDA out of memory\n")):
+        if (root / "trials" / trial_id).is_dir():
+            (root / "trials" / trial_id / "engine.log").write_text(log)
+    if (root / "trials" / "t16").is_dir():
+        (root / "trials" / "t16" / "requests.jsonl").write_text(REQUESTS)
+    return root
+
+
+def add_trial(root: Path, t) -> None:
+    (root / "trials" / t.trial_id).mkdir()
+    (root / "trials" / t.trial_id / "result.json").write_text(
+        t.model_copy(update={"study": root.name}).model_dump_json()
+    )
+
+
+def trial_runs(client: MlflowClient, experiment_id: str) -> dict:
+    runs = client.search_runs([experiment_id], "tags.`servetune.role` = 'trial'")
+    assert len(runs) == len({r.data.tags["servetune.trial_id"] for r in runs}), "a trial was logged twice"
+    return {r.data.tags["servetune.trial_id"]: r for r in runs}
+
+
+def test_sync_logs_a_parent_run_and_one_nested_run_per_trial(store, tmp_path):
+    root = make_study(tmp_path / "content", "content")
+    report = sync_study(root, store)
+    assert report.ok, report.error
+    assert sorted(report.logged) == ["t16", "t256", "t32", "t64"] and report.not_read == ["t-running"]
+    client = MlflowClient(store)
+    experiment = client.get_experiment_by_name("content")
+    assert experiment.experiment_id == report.experiment_id
+
+    parent = client.get_run(report.parent_run_id)
+    assert parent.info.status == "FINISHED" and parent.data.tags["servetune.role"] == "study"
+    assert parent.data.params["algorithm"] == "grid" and parent.data.params["price_per_device_hour"] == "2"
+    assert parent.data.params["slo"] == "ttft_ms_p99 <= 2000; tpot_ms_p99 <= 100"
+    assert "cost_per_mtok_usd (min)" in parent.data.params["objectives"]
+    assert parent.data.metrics["trials_total"] == 4 and parent.data.metrics["trials_failed"] == 1
+    assert parent.data.metrics["best_goodput"] == pytest.approx(20.0)
+    parent_files = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"space.yaml", "study.json", "workload"} <= parent_files
+    assert [a.path for a in client.list_artifacts(parent.info.run_id, "workload")] == ["workload/chat.yaml"]
+
+    runs = trial_runs(client, report.experiment_id)
+    assert set(runs) == {"t16", "t32", "t64", "t256"}
+    t32 = runs["t32"]
+    assert t32.data.tags["mlflow.parentRunId"] == report.parent_run_id and t32.info.status == "FINISHED"
+    assert t32.data.params["max_num_seqs"] == "32" and t32.data.params["dtype"] == "default"
+    assert t32.data.params["enforce_eager"] == "true" and t32.data.params["tensor_parallel_size"] == "default"
+    history = client.get_metric_history(t32.info.run_id, "ttft_ms_p99")
+    assert sorted((m.step, m.value) for m in history) == [(0, 500.0), (1, 1500.0), (2, 3000.0)]
+    cost = client.get_metric_history(t32.info.run_id, "cost_per_mtok_usd")
+    assert [m.step for m in sorted(cost, key=lambda m: m.step)] == [0, 1, 2]
+    assert t32.data.metrics["best_output_throughput"] == 1200.0
+    assert t32.data.tags["servetune.outcome"] == "COMPLETE" and t32.data.tags["conclusion"] == "keep"
+    assert t32.data.tags["quality"] == "not evaluated" and t32.data.tags["record.date"] == "unknown"
+    assert "Experiment id (实验编号)" in t32.data.tags["mlflow.note.content"]
+
+    t16 = runs["t16"]
+    assert {a.path for a in client.list_artifacts(t16.info.run_id)} == {
+        "record.md",
+        "result.json",
+        "engine.log",
+        "requests.jsonl",
+    }
+    assert t16.data.tags["requests.input_tokens_p50"] != "unknown" and t16.data.tags["requests.count"] == "18"
+    record = Path(client.download_artifacts(t16.info.run_id, "record.md", str(tmp_path))).read_text()
+    assert "| Conclusion (结论) |" in record and "max_num_seqs 16" in record and "${" not in record
+
+    t64, t256 = runs["t64"], runs["t256"]
+    assert t64.info.status == "FAILED" and "CUDA out of memory" in t64.data.tags["servetune.reason"]
+    assert t64.data.tags["stability.oom"] == "yes" and t64.data.tags["conclusion"] == "eliminate"
+    assert t256.data.tags["servetune.outcome"] == "INFEASIBLE" and t256.data.tags["stability.oom"] == "not run"
+    assert {a.path for a in client.list_artifacts(t256.info.run_id)} == {"record.md", "result.json"}
+
+
+def test_sync_twice_logs_nothing_twice_and_then_only_what_is_new(store, tmp_path):
+    root = make_study(tmp_path / "twice", "twice")
+    first = sync_study(root, store)
+    again = sync_study(root, store)
+    assert again.ok and again.logged == [] and sorted(again.already) == sorted(first.logged)
+    assert again.parent_run_id == first.parent_run_id
+    client = MlflowClient(store)
+    assert len(trial_runs(client, first.experiment_id)) == 4
+    assert len(client.search_runs([first.experiment_id], "tags.`servetune.role` = 'study'")) == 1
+
+    add_trial(root, trial("t48", {"max_num_seqs": 48, "gpu_memory_utilization": 0.9}, [level(24, 900, 700)]))
+    third = sync_study(root, store)
+    assert third.logged == ["t48"] and len(trial_runs(client, first.experiment_id)) == 5
+
+
+def test_a_trial_run_cut_short_while_logging_is_logged_again(store, tmp_path):
+    root = make_study(tmp_path / "cut", "cut")
+    first = sync_study(root, store)
+    client = MlflowClient(store)
+    # a run created but never terminated: the driver died between create_run and set_terminated
+    client.delete_run(trial_runs(client, first.experiment_id)["t32"].info.run_id)
+    stale = client.create_run(first.experiment_id, tags={"servetune.role": "trial", "servetune.trial_id": "t32"})
+    report = sync_study(root, store)
+    assert report.logged == ["t32"]
+    runs = trial_runs(client, first.experiment_id)
+    assert runs["t32"].info.run_id != stale.info.run_id and runs["t32"].info.status == "FINISHED"
+
+
+def test_report_files_are_logged_to_the_parent_run(store, tmp_path):
+    root = make_study(tmp_path / "reported", "reported")
+    sync_study(root, store)
+    (root / "report").mkdir()
+    (root / "report" / "summary.md").write_text("# summary\n")
+    report = sync_study(root, store)
+    files = [a.path for a in MlflowClient(store).list_artifacts(report.parent_run_id, "report")]
+    assert files == ["report/summary.md"]
+
+
+def tune_trial(ray_id: str) -> SimpleNamespace:
+    """What the callback gets from Tune: Ray's own id, and a last result whose trial_id is Ray's."""
+    return SimpleNamespace(trial_id=ray_id, config={"params": {}}, last_result={"trial_id": ray_id})
+
+
+def test_callback_logs_each_trial_as_tune_completes_it_and_survives_pickling(store, tmp_path):
+    dear = trial("dear", {"max_num_seqs": 24}, [level(16, 600, 900)], devices=2)
+    root = make_study(tmp_path / "live", "live", trials=[dear])
+    out = StringIO()
+    callback = MlflowCallback(root, store, stream=out)
+    callback.setup(stop=None, num_samples=2, total_num_samples=2)
+    callback.on_trial_complete(iteration=1, trials=[], trial=tune_trial("ray_0001"))
+    client = MlflowClient(store)
+    experiment_id = client.get_experiment_by_name("live").experiment_id
+    runs = trial_runs(client, experiment_id)
+    assert set(runs) == {"dear"} and runs["dear"].data.tags["conclusion"] == "keep"
+
+    restored = pickle.loads(pickle.dumps(callback))  # Tune checkpoints its callbacks
+    assert restored.tracking_uri == callback.tracking_uri and restored._session is None
+    add_trial(root, {t.trial_id: t for t in demo_trials()}["t32"])  # cheaper and faster: "dear" falls off the front
+    restored.on_trial_complete(iteration=2, trials=[], trial=tune_trial("ray_0002"))
+    restored.on_experiment_end(trials=[])
+    assert out.getvalue() == "" and not restored.disabled
+    runs = trial_runs(client, experiment_id)
+    assert set(runs) == {"dear", "t32"}
+    assert runs["dear"].data.tags["conclusion"] == "next round"
+    record = Path(client.download_artifacts(runs["dear"].info.run_id, "record.md", str(tmp_path))).read_text()
+    assert "next round: meets the SLO" in record
+    parent = client.search_runs([experiment_id], "tags.`servetune.role` = 'study'")
+    assert len(parent) == 1 and parent[0].info.status == "FINISHED" and parent[0].data.metrics["trials_total"] == 2

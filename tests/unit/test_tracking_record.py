@@ -1,0 +1,236 @@
+"""The experiment record, params and metrics of a trial run, computed from made-up results (no MLflow store)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+
+from servetune.engine.server import free_port
+from servetune.tracking import conclude, render_record, resolve_tracking_uri, unreachable_reason
+from servetune.tracking.connection import mlflow_env
+from servetune.tracking.fields import study_metrics, study_params, trial_metrics, trial_params
+from servetune.tracking.inputs import ModelFingerprint, model_fingerprint, read_request_stats
+from servetune.tracking.record import FALLBACK_TEMPLATE, FIELDS, TEMPLATE_FILE, build_record
+from tests.builders import demo_trials, level, study_info, trial
+
+ENVIRONMENT = {
+    "gpu_model": "NVIDIA H100 80GB HBM3", "gpu_count": "2", "gpu_memory_gib": "79.6", "interconnect": "NVLink",
+    "cpu_model": "AMD EPYC 9654", "host_memory_gib": "1511.0", "driver": "550.54.15", "cuda": "12.4",
+    "vllm": "0.11.0", "torch": "2.8.0", "ray": "2.60.0", "python": "3.11.9",
+}  # fmt: skip
+
+
+def rich_trial():
+    """t32 of the demo study with the stack, telemetry, times and its best level filled in."""
+    base = {t.trial_id: t for t in demo_trials()}["t32"]
+    levels = [
+        lv.model_copy(update={"telemetry": {"gpu_memory_used_gib_max": 71.5, "gpu_util_mean": 88.0}})
+        for lv in base.levels
+    ]
+    levels[1].summary.errors_by_kind.update({"http_5xx": 3, "cancelled": 1})
+    return base.model_copy(update={
+        "levels": levels, "environment": ENVIRONMENT, "started_at": "2025-03-04T10:00:00+00:00",
+        "finished_at": "2025-03-04T10:12:00+00:00", "best_level_index": 1,
+    })  # fmt: skip
+
+
+def write_requests(path: Path) -> None:
+    rows = [{"level": 0, "warmup": True, "input_tokens": 9999, "prompt_tokens": 9999, "output_tokens": 9999}]
+    rows += [{"level": i % 2, "warmup": False, "input_tokens": 200, "prompt_tokens": 100 + i, "output_tokens": 10 * i, "ok": True}
+             for i in range(1, 101)]  # fmt: skip
+    rows.append(
+        {"level": 1, "warmup": False, "input_tokens": 150, "prompt_tokens": None, "output_tokens": None, "ok": False}
+    )
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n{cut short")
+
+
+def test_params_are_the_core_engine_args_with_defaults_and_the_varied_values():
+    params = trial_params(rich_trial())
+    assert params["max_num_seqs"] == "32" and params["gpu_memory_utilization"] == "0.9"
+    assert params["enforce_eager"] == "true" and params["max_model_len"] == "2048"
+    for unset in (
+        "tensor_parallel_size",
+        "dtype",
+        "quantization",
+        "kv_cache_dtype",
+        "block_size",
+        "enable_prefix_caching",
+    ):
+        assert params[unset] == "default"
+    assert params["devices"] == "1"
+
+
+def test_cpu_trials_record_the_kv_space_and_secrets_among_varied_values_are_redacted():
+    cpu = trial("c1", {"env.VLLM_CPU_KVCACHE_SPACE": 2, "max_num_seqs": 8, "env.HF_TOKEN": "hf_secret"},
+                device="cpu", env={"VLLM_CPU_KVCACHE_SPACE": "2", "HF_TOKEN": "***"})  # fmt: skip
+    params = trial_params(cpu)
+    assert params["env.VLLM_CPU_KVCACHE_SPACE"] == "2" and "gpu_memory_utilization" not in params
+    assert params["env.HF_TOKEN"] == "***" and "hf_secret" not in json.dumps(params)
+    record = build_record(cpu, study_info(), None, ModelFingerprint("unknown", None), conclude(cpu, [cpu]))
+    assert "hf_secret" not in render_record(record) and "hf_secret" not in json.dumps(record.all_tags())
+    assert "VLLM_CPU_KVCACHE_SPACE 2" in record.fields["core_parameters"]
+
+
+def test_metrics_per_level_step_with_cost_telemetry_and_the_best_point():
+    metrics = trial_metrics(rich_trial())
+    by_key: dict[str, dict[int, float]] = {}
+    for m in metrics:
+        by_key.setdefault(m.key, {})[m.step] = m.value
+    assert by_key["ttft_ms_p99"] == {0: 500, 1: 1500, 2: 3000}
+    assert by_key["level_concurrency"] == {0: 16, 1: 32, 2: 64}
+    assert by_key["meets_slo"] == {0: 1.0, 1: 1.0, 2: 0.0}
+    assert by_key["gpu_memory_used_gib_max"][1] == 71.5
+    # 1 device x 2 USD/h / (1200 tok/s x 3600) x 1e6
+    assert by_key["cost_per_mtok_usd"][1] == pytest.approx(2 / (1200 * 3600) * 1e6)
+    assert by_key["best_output_throughput"] == {0: 1200} and by_key["best_level_index"] == {0: 1}
+    assert by_key["levels_run"] == {0: 3}
+
+
+def test_non_finite_values_are_left_out():
+    stalled = trial("s", {}, [level(1, 0.0, 100)])  # no output: the cost is infinite
+    keys = {m.key for m in trial_metrics(stalled)}
+    assert "cost_per_mtok_usd" not in keys and "output_throughput" in keys
+    assert all(math.isfinite(m.value) for m in trial_metrics(stalled))
+
+
+def test_conclusions_keep_the_front_eliminate_failures_and_slo_breakers():
+    trials = demo_trials()
+    verdicts = {t.trial_id: conclude(t, trials) for t in trials}
+    assert verdicts["t32"].verdict == "keep" and "cost vs P99 TTFT" in verdicts["t32"].why
+    assert verdicts["t64"].verdict == "eliminate" and "CUDA out of memory" in verdicts["t64"].why
+    assert verdicts["t256"].verdict == "eliminate" and "INFEASIBLE" in verdicts["t256"].why
+    slow = trial("slow", {"max_num_seqs": 8}, [level(8, 300, 5000, violations=("ttft_ms_p99 = 5000 > 2000",))])
+    assert conclude(slow, [*trials, slow]).verdict == "eliminate"
+    assert "every load level" in conclude(slow, [*trials, slow]).why
+    # dearer and slower than t32 at the same load: meets the SLO but is dominated
+    dominated = trial("dom", {"max_num_seqs": 24}, [level(16, 600, 900)], devices=2)
+    assert conclude(dominated, [*trials, dominated]).verdict == "next round"
+
+
+def test_request_lengths_from_requests_jsonl_skip_warmup_and_broken_lines(tmp_path):
+    write_requests(tmp_path / "requests.jsonl")
+    stats = read_request_stats(tmp_path / "requests.jsonl")
+    assert stats is not None and stats.requests == 101
+    assert stats.input_tokens.p50 == 150  # prompt_tokens preferred, else input_tokens
+    assert stats.output_tokens.p99 == pytest.approx(990, abs=2)  # failed requests have no output
+    assert read_request_stats(tmp_path / "missing.jsonl") is None
+
+
+def test_weights_fingerprint_is_names_and_sizes_and_reads_the_checkpoint_dtype(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    (model / "model-00001-of-00002.safetensors").write_bytes(b"x" * 10)
+    (model / "model-00002-of-00002.safetensors").write_bytes(b"x" * 20)
+    first = model_fingerprint(str(model))
+    assert first.weights_hash.startswith("sha256:") and "safetensors names+sizes" in first.weights_hash
+    assert first.config_dtype == "bfloat16"
+    (model / "model-00002-of-00002.safetensors").write_bytes(b"x" * 21)
+    assert model_fingerprint(str(model)).weights_hash != first.weights_hash
+    assert model_fingerprint("no-such-org/no-such-model-xyz").weights_hash == "unknown"
+
+
+def test_record_fills_every_field_of_the_template(tmp_path):
+    write_requests(tmp_path / "requests.jsonl")
+    t = rich_trial()
+    record = build_record(t, study_info(), read_request_stats(tmp_path / "requests.jsonl"),
+                          ModelFingerprint("sha256:0123456789abcdef (safetensors names+sizes)", "bfloat16"), conclude(t, demo_trials()))  # fmt: skip
+    text = render_record(record)
+    assert "${" not in text and TEMPLATE_FILE.is_file()
+    for _, name, zh in FIELDS:
+        assert f"{name} ({zh})" in text
+    rows = {
+        line.split("|")[1].strip(): line.split("|")[3].strip()
+        for line in text.splitlines()
+        if line.startswith("| ") and line.count("|") == 4
+    }
+    assert rows["Experiment id (实验编号)"] == "demo/t32, 2025-03-04"
+    assert (
+        "sha256:0123456789abcdef" in rows["Model and precision (模型与精度)"]
+        and "default (checkpoint: bfloat16)" in rows["Model and precision (模型与精度)"]
+    )
+    assert "NVIDIA H100 80GB HBM3, count 2" in rows["Hardware (硬件)"] and "NVLink" in rows["Hardware (硬件)"]
+    assert "cuda 12.4" in rows["Software stack (软件栈)"] and "nccl unknown" in rows["Software stack (软件栈)"]
+    assert (
+        "input tokens P50 150 /" in rows["Request distribution (请求分布)"]
+        and "concurrency 16, 32, 64" in rows["Request distribution (请求分布)"]
+    )
+    assert (
+        "max_num_seqs 32" in rows["Core parameters (核心参数)"] and "TP default" in rows["Core parameters (核心参数)"]
+    )
+    perf = rows["Performance (性能结果)"]
+    assert "at concurrency 32 (best level meeting the SLO)" in perf and "TTFT P50 750.0 ms / P99 1,500.0 ms" in perf
+    assert "GPU memory peak 71.5 GiB" in perf and "GPU utilization 88.0 %" in perf
+    assert rows["Quality (质量结果)"] == "not evaluated"
+    assert rows["Stability (稳定性)"].startswith("OOM no; 5xx 3; cancelled 1; P99 jitter 1.00")
+    assert rows["Conclusion (结论)"].startswith("keep: on the Pareto front")
+    # the same trial on two devices costs twice as much: t16 then dominates it
+    dearer = t.model_copy(update={"devices": 2})
+    assert conclude(dearer, demo_trials()).verdict == "next round"
+    assert "| 2 | concurrency 64 | 100/100 | 3,000.0 |" in text and "breaks: ttft_ms_p99 = 3000 > 2000" in text
+    tags = record.all_tags()
+    assert tags["hardware.gpu_model"] == "NVIDIA H100 80GB HBM3" and tags["software.nccl"] == "unknown"
+    assert tags["environment.python"] == "3.11.9" and tags["requests.output_tokens_p99"] != "unknown"
+    assert tags["conclusion"] == "keep" and tags["quality"] == "not evaluated" and tags["record.date"] == "2025-03-04"
+
+
+def test_record_of_failed_and_infeasible_trials():
+    trials = {t.trial_id: t for t in demo_trials()}
+    unknown = ModelFingerprint("unknown", None)
+    failed = build_record(trials["t64"], study_info(), None, unknown, conclude(trials["t64"], list(trials.values())))
+    assert failed.tags["stability.oom"] == "yes" and failed.tags["conclusion"] == "eliminate"
+    assert failed.tags["hardware.gpu_model"] == "unknown" and failed.tags["requests.input_tokens_p50"] == "unknown"
+    assert "not measured" in failed.fields["performance"] and "CUDA out of memory" in render_record(failed)
+    infeasible = build_record(trials["t256"], None, None, unknown, conclude(trials["t256"], list(trials.values())))
+    assert infeasible.tags["stability.oom"] == "not run"
+    fallback = render_record(infeasible, template=FALLBACK_TEMPLATE)
+    assert "${" not in fallback and "| Stability (稳定性) | OOM not run;" in fallback
+
+
+def test_engine_log_tail_tells_an_oom_of_a_failed_trial():
+    t = trial("f", {}, outcome="FAILED", reason="the engine died during concurrency 8 (exit code -9)")
+    unknown = ModelFingerprint("unknown", None)
+    assert build_record(t, None, None, unknown, conclude(t, [t])).tags["stability.oom"] == "no"
+    log = "INFO ...\nERROR torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.2 GiB\n"
+    assert build_record(t, None, None, unknown, conclude(t, [t]), log).tags["stability.oom"] == "yes"
+
+
+def test_study_params_and_summary_metrics():
+    params = study_params(study_info())
+    assert params["algorithm"] == "grid" and params["objectives"] == "cost_per_mtok_usd (min), ttft_ms_p99 (min)"
+    assert params["slo"] == "ttft_ms_p99 <= 2000; tpot_ms_p99 <= 100" and params["price_per_device_hour"] == "2"
+    metrics = study_metrics(demo_trials())
+    assert metrics["trials_total"] == 4 and metrics["trials_complete"] == 2 and metrics["trials_failed"] == 1
+    assert metrics["trials_infeasible"] == 1 and metrics["trials_meeting_slo"] == 2
+    assert metrics["best_goodput"] == pytest.approx(1200 / 60)
+    assert metrics["best_cost_per_mtok_usd"] == pytest.approx(2 / (1200 * 3600) * 1e6)
+
+
+def test_tracking_uri_resolution(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert resolve_tracking_uri() == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert resolve_tracking_uri("sqlite:///x/db.sqlite") == f"sqlite:///{tmp_path / 'x' / 'db.sqlite'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.internal:5000")
+    assert resolve_tracking_uri() == "http://mlflow.internal:5000"
+    assert resolve_tracking_uri("https://other") == "https://other"
+
+
+def test_a_closed_port_is_unreachable_at_once_and_local_stores_are_not_probed():
+    reason = unreachable_reason(f"http://127.0.0.1:{free_port()}", timeout_s=2)
+    assert reason is not None and "refused" in reason.lower()
+    assert unreachable_reason("sqlite:////nowhere/mlflow.db") is None
+
+
+def test_mlflow_env_bounds_retries_and_restores_what_it_set(monkeypatch):
+    monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    with mlflow_env(bounded=True):
+        assert os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] == "1"
+        assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "5"  # the user's choice stands
+        assert os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] == "true"
+    assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ and os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "5"
