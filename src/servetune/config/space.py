@@ -12,6 +12,7 @@ Constraints are small boolean expressions over parameters, fixed engine argument
 from __future__ import annotations
 
 import ast
+import difflib
 import itertools
 import math
 import operator
@@ -322,11 +323,20 @@ def load_space(path: str | Path, argspecs: dict | None = None) -> SearchSpace:
 
     path = Path(path)
     space = load_yaml_model(path, SearchSpace)
-    for field, names in (("engine_args", list(space.engine_args)), ("params", [n for n in space.params if not n.startswith(ENV_PREFIX)])):
+    checks: list[tuple[str, dict[str, Any]]] = [("engine_args", dict(space.engine_args))]
+    for name, values in space.params.items():
+        if not name.startswith(ENV_PREFIX):  # each listed value against vLLM's choices too
+            checks += [("params", {name: v}) for v in (values if isinstance(values, list) else [None])]
+    for field, args in checks:
         try:
-            validate_engine_args(dict.fromkeys(names), argspecs, source="engine argument")
+            validate_engine_args(args, argspecs, source="engine argument")
         except UserError as exc:
             raise UserError(f"{path}: {field}: {exc}") from None
+    _check_constraint_names(space, path)
+    fewest = _fewest_devices(space)
+    if fewest > space.hardware.devices_per_node:
+        raise UserError(f"{path}: hardware.devices_per_node: a node has {space.hardware.devices_per_node}, but a trial "
+                        f"needs {fewest} devices or more (tensor x pipeline x data parallel size)")  # fmt: skip
     try:
         space.resolved_workload(path.parent)
         kept, rejected = space.grid() if _gridable(space) else ([{}], [])
@@ -337,9 +347,37 @@ def load_space(path: str | Path, argspecs: dict | None = None) -> SearchSpace:
     if space.params and not kept:
         reasons = sorted({r for _, broken in rejected for r in broken})
         raise UserError(f"{path}: constraints: they exclude every point of the space ({'; '.join(reasons)[:300]})")
-    if not space.params and space.devices({}) > space.hardware.devices_per_node:
-        raise UserError(f"{path}: hardware.devices_per_node: a trial needs {space.devices({})} devices")
     return space
+
+
+def _check_constraint_names(space: SearchSpace, path: Path) -> None:
+    """Every name a constraint reads must exist, even where evaluation would never reach it."""
+    known = {*ENGINE_DEFAULTS, "devices_per_node", *space.params, *space.engine_args, *(ENV_PREFIX + k for k in space.env)}
+    for text in space.constraints:
+        for name in _names(_compile(text)):
+            if name not in known:
+                close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                raise UserError(f"{path}: constraints: '{text}': '{name}' is neither a parameter, a fixed engine argument, nor devices_per_node{hint}")
+
+
+def _names(node: ast.AST) -> list[str]:
+    """The variables an expression reads, ``env.X`` as one dotted name."""
+    if isinstance(node, (ast.Name, ast.Attribute)):
+        return [_dotted(node)]
+    return [name for child in ast.iter_child_nodes(node) for name in _names(child)]
+
+
+def _fewest_devices(space: SearchSpace) -> int:
+    """The fewest devices a trial of this space can need: the product of the smallest parallel sizes."""
+    sizes = []
+    for name, default in ENGINE_DEFAULTS.items():
+        values = space.params.get(name)
+        if values is None:
+            sizes.append(int(space.engine_args.get(name, default)))
+        else:
+            sizes.append(int(values.low) if isinstance(values, Range) else min(int(v) for v in values))
+    return math.prod(sizes)
 
 
 def _gridable(space: SearchSpace) -> bool:

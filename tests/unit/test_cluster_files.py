@@ -1,0 +1,225 @@
+"""cluster/: the Ray cluster launcher file against Ray's own schema, the runtime environment as
+Ray packages it, and the KubeRay RayJob's fields (no cluster here: structure, not behaviour)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shlex
+import zipfile
+from pathlib import Path
+
+import jsonschema
+import pytest
+import ray
+import yaml
+
+from servetune.config.space import load_space
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER = ROOT / "cluster"
+LAUNCHER = CLUSTER / "aws-h100.yaml"
+RUNTIME_ENV = CLUSTER / "runtime_env.yaml"
+RAYJOB = CLUSTER / "kuberay-rayjob.yaml"
+#: GPUs of the AWS instance types the launcher may use (8 each: a node of the GPU search spaces).
+GPU_INSTANCES = {"p5.48xlarge": 8, "p5e.48xlarge": 8, "p4d.24xlarge": 8, "p4de.24xlarge": 8}
+GPU_SPACES = [ROOT / "search_spaces" / f"{n}.yaml" for n in ("chat-latency", "rag", "offline-batch", "long-context")]
+
+
+def load(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+# --- the cluster launcher (ray up) ---------------------------------------------------------
+
+
+def test_launcher_matches_rays_schema():
+    config = load(LAUNCHER)
+    schema = json.loads((Path(ray.autoscaler.__file__).parent / "ray-schema.json").read_text())
+    jsonschema.validate(config, schema)  # as written
+
+
+def test_launcher_with_rays_defaults_passes_rays_validation():
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    prepared = prepare_config(copy.deepcopy(load(LAUNCHER)))  # what `ray up` validates: defaults merged
+    validate_config(prepared)
+    assert prepared["provider"]["type"] == "aws"
+
+
+def test_launcher_has_a_cpu_head_and_8_gpu_workers():
+    config = load(LAUNCHER)
+    types = config["available_node_types"]
+    head = types[config["head_node_type"]]
+    assert head["node_config"]["InstanceType"].split(".")[0][0] in "mcr"  # a general-purpose/compute/memory type
+    assert head["resources"].get("CPU") == 0 and not head["resources"].get("GPU")
+    workers = {name: t for name, t in types.items() if name != config["head_node_type"]}
+    assert workers
+    for name, worker in workers.items():
+        assert worker["node_config"]["InstanceType"] in GPU_INSTANCES, name
+        assert 0 <= worker["min_workers"] <= worker["max_workers"] <= config["max_workers"]
+    devices_per_node = {load_space(p).hardware.devices_per_node for p in GPU_SPACES}
+    assert {GPU_INSTANCES[w["node_config"]["InstanceType"]] for w in workers.values()} == devices_per_node
+
+
+def test_launcher_installs_servetune_with_the_gpu_extra_from_the_mounted_repository():
+    config = load(LAUNCHER)
+    (remote, local), *_ = config["file_mounts"].items()
+    assert local == "."
+    installs = [c for c in config["setup_commands"] if "install" in c and "[gpu]" in c]
+    assert installs and remote.replace("/home/ubuntu", "$HOME") in installs[0]
+    assert {".venv", ".git", "servetune-results"} <= set(config["rsync_exclude"])
+    assert any("/mnt/results" in c for c in config["setup_commands"])  # results on storage every node shares
+
+
+def test_launcher_commands_are_well_formed_shell():
+    config = load(LAUNCHER)
+    for key in ("initialization_commands", "setup_commands", "head_setup_commands", "worker_setup_commands",
+                "head_start_ray_commands", "worker_start_ray_commands"):  # fmt: skip
+        for command in config.get(key, []):
+            shlex.split(command)  # unbalanced quotes (or a YAML comment eating half a line) fail here
+    head_start = " ".join(config["head_start_ray_commands"])
+    assert "--head" in head_start and "--autoscaling-config=~/ray_bootstrap_config.yaml" in head_start
+    assert "$RAY_HEAD_IP:6379" in " ".join(config["worker_start_ray_commands"])
+
+
+# --- the runtime environment (ray job submit --runtime-env) ---------------------------------
+
+
+def test_runtime_env_is_one_ray_accepts():
+    from ray.runtime_env import RuntimeEnv
+
+    env = load(RUNTIME_ENV)
+    assert set(env) <= RuntimeEnv.known_fields, set(env) - RuntimeEnv.known_fields
+    RuntimeEnv(**env)  # checks types: env_vars str -> str, excludes a list
+    assert env["working_dir"] == "."
+    assert (ROOT / env["env_vars"]["PYTHONPATH"] / "servetune" / "__init__.py").exists()
+
+
+def test_runtime_env_uploads_the_code_and_not_the_venv(tmp_path):
+    from ray._private.runtime_env.packaging import create_package
+
+    env = load(RUNTIME_ENV)
+    package = tmp_path / "working_dir.zip"
+    # As Ray packs the working dir, relying on the excludes alone (not on .gitignore).
+    create_package(str(ROOT), package, include_gitignore=False, excludes=env["excludes"])
+    names = zipfile.ZipFile(package).namelist()
+    needed_files = ("pyproject.toml", "src/servetune/__init__.py", "trials/workloads/chat.yaml", "search_spaces/chat-latency.yaml")
+    for needed in needed_files:
+        assert needed in names, needed
+    for name in names:
+        assert not name.startswith((".venv/", ".git/", "servetune-results/")) and "__pycache__" not in name, name
+    assert package.stat().st_size < 10 * 2**20
+
+
+# --- KubeRay ---------------------------------------------------------------------------------
+
+# Fields of KubeRay's RayJob CRD (ray.io/v1, KubeRay 1.x). The API server drops unknown fields
+# of a structural schema without a word, so a misspelt one would be ignored: check them here.
+RAYJOB_SPEC = {"activeDeadlineSeconds", "backoffLimit", "clusterSelector", "deletionStrategy", "entrypoint",
+               "entrypointNumCpus", "entrypointNumGpus", "entrypointResources", "jobId", "managedBy", "metadata",
+               "preRunningDeadlineSeconds", "rayClusterSpec", "runtimeEnvYAML", "shutdownAfterJobFinishes",
+               "submissionMode", "submitterConfig", "submitterPodTemplate", "suspend", "ttlSecondsAfterFinished"}  # fmt: skip
+CLUSTER_SPEC = {"autoscalerOptions", "enableInTreeAutoscaling", "gcsFaultToleranceOptions", "headGroupSpec",
+                "headServiceAnnotations", "managedBy", "rayVersion", "suspend", "workerGroupSpecs"}  # fmt: skip
+HEAD_GROUP = {"enableIngress", "headService", "rayStartParams", "serviceType", "template"}
+WORKER_GROUP = {"groupName", "idleTimeoutSeconds", "maxReplicas", "minReplicas", "numOfHosts", "rayStartParams",
+                "replicas", "scaleStrategy", "suspend", "template"}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def manifests() -> dict[str, dict]:
+    docs = [d for d in yaml.safe_load_all(RAYJOB.read_text()) if d]
+    return {d["kind"]: d for d in docs}
+
+
+def pod_volumes(template: dict) -> dict[str, dict]:
+    return {v["name"]: v for v in template["spec"].get("volumes", [])}
+
+
+def test_rayjob_has_the_fields_kuberay_needs(manifests):
+    job = manifests["RayJob"]
+    assert job["apiVersion"] == "ray.io/v1" and job["metadata"]["name"]
+    spec = job["spec"]
+    assert set(spec) <= RAYJOB_SPEC, set(spec) - RAYJOB_SPEC
+    cluster = spec["rayClusterSpec"]
+    assert set(cluster) <= CLUSTER_SPEC, set(cluster) - CLUSTER_SPEC
+    assert cluster["rayVersion"] == ray.__version__  # the Ray servetune pins
+    head = cluster["headGroupSpec"]
+    assert set(head) <= HEAD_GROUP and head["template"]["spec"]["containers"]
+    assert cluster["workerGroupSpecs"]
+    for group in [head, *cluster["workerGroupSpecs"]]:
+        # KubeRay passes rayStartParams to `ray start` and its schema takes strings only.
+        assert all(isinstance(v, str) for v in group.get("rayStartParams", {}).values()), group["rayStartParams"]
+    for group in cluster["workerGroupSpecs"]:
+        assert set(group) <= WORKER_GROUP, set(group) - WORKER_GROUP
+        assert group["groupName"] and 0 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
+
+
+def test_rayjob_runs_the_chat_latency_study_on_shared_storage(manifests):
+    spec = manifests["RayJob"]["spec"]
+    match = re.search(r"servetune run (\S+) --storage (\S+)", spec["entrypoint"])
+    assert match, spec["entrypoint"]
+    space_file, storage = match.groups()
+    assert space_file == "search_spaces/chat-latency.yaml" and (ROOT / space_file).exists()
+    claim = manifests["PersistentVolumeClaim"]
+    assert "ReadWriteMany" in claim["spec"]["accessModes"]  # the head and every GPU pod mount it
+    cluster = spec["rayClusterSpec"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        template = group["template"]
+        volumes = pod_volumes(template)
+        container = template["spec"]["containers"][0]
+        for mount in container.get("volumeMounts", []):
+            assert mount["name"] in volumes, mount  # every mount has its volume
+        shared = [m["mountPath"] for m in container["volumeMounts"]
+                  if volumes[m["name"]].get("persistentVolumeClaim", {}).get("claimName") == claim["metadata"]["name"]]  # fmt: skip
+        assert any(storage == p or storage.startswith(p.rstrip("/") + "/") for p in shared), (storage, shared)
+
+
+def test_rayjob_gpu_workers_are_a_node_of_the_space(manifests):
+    cluster = manifests["RayJob"]["spec"]["rayClusterSpec"]
+    devices_per_node = load_space(ROOT / "search_spaces" / "chat-latency.yaml").hardware.devices_per_node
+    head_resources = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"]
+    assert "nvidia.com/gpu" not in head_resources.get("limits", {})
+    assert cluster["headGroupSpec"]["rayStartParams"].get("num-cpus") == "0"  # trials never land on the head
+    images = {cluster["headGroupSpec"]["template"]["spec"]["containers"][0]["image"]}
+    for group in cluster["workerGroupSpecs"]:
+        container = group["template"]["spec"]["containers"][0]
+        images.add(container["image"])
+        limits, requests = container["resources"]["limits"], container["resources"].get("requests", {})
+        assert int(limits["nvidia.com/gpu"]) == devices_per_node
+        # Kubernetes wants GPU requests equal to limits.
+        assert requests.get("nvidia.com/gpu", limits["nvidia.com/gpu"]) == limits["nvidia.com/gpu"]
+        mounts = {m["mountPath"] for m in container["volumeMounts"]}
+        assert "/dev/shm" in mounts  # vLLM's tensor-parallel workers share memory
+    assert len(images) == 1  # the driver and the trials run the same servetune
+
+
+def test_rayjob_gives_the_driver_mlflow_from_a_secret(manifests):
+    head = manifests["RayJob"]["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in head["env"]}
+    ref = env["MLFLOW_TRACKING_URI"]["valueFrom"]["secretKeyRef"]
+    assert ref["name"] and ref["key"]
+
+
+def test_images_and_rayversion_agree_with_the_dockerfile(manifests):
+    dockerfile = (CLUSTER / "Dockerfile").read_text()
+    base = re.search(r"^FROM rayproject/ray:(\S+)", dockerfile, re.M)
+    assert base and base.group(1).startswith(ray.__version__ + "-"), base
+    assert re.search(r'pip install .*-e "\.\[gpu\]"', dockerfile)
+    workdir = re.search(r"^WORKDIR (\S+)", dockerfile, re.M).group(1)
+    spec = manifests["RayJob"]["spec"]
+    assert f"cd {workdir} " in spec["entrypoint"]  # the entrypoint's relative space file is the image's
+
+
+# --- the README's commands name files that exist -------------------------------------------
+
+
+def test_readme_commands_name_existing_files():
+    readme = (CLUSTER / "README.md").read_text()
+    for command in ("ray up cluster/aws-h100.yaml", "--runtime-env cluster/runtime_env.yaml",
+                    "kubectl apply -f cluster/kuberay-rayjob.yaml", "docker build -f cluster/Dockerfile"):  # fmt: skip
+        assert command in readme, command
+    for path in set(re.findall(r"\b((?:cluster|search_spaces)/[\w.-]+\.(?:yaml|md)|cluster/Dockerfile)\b", readme)):
+        assert (ROOT / path).exists(), path
