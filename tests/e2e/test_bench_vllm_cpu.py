@@ -4,11 +4,11 @@ import json
 import subprocess
 import sys
 
-import psutil
 import pytest
 
 from servetune.metrics import metric_names
 from servetune.results import BenchResult
+from tests.processes import processes_mentioning
 
 pytestmark = pytest.mark.e2e
 
@@ -17,17 +17,6 @@ pytest.importorskip("vllm", reason="the e2e tests need vLLM (the CPU build: pip 
 
 def servetune(*argv, timeout=600):
     return subprocess.run([sys.executable, "-m", "servetune", *argv], capture_output=True, text=True, timeout=timeout)
-
-
-def processes_serving(model_dir):
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if str(model_dir) in " ".join(proc.info["cmdline"] or []):
-                found.append(proc.pid)
-        except psutil.Error:
-            continue
-    return found
 
 
 def test_bench_concurrency_1_and_16(tiny_model, tmp_path):
@@ -51,7 +40,7 @@ def test_bench_concurrency_1_and_16(tiny_model, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "bench.requests.jsonl").read_text().splitlines()]
     assert len(records) == 48 + 1 + 48 + 16 and all(r["ok"] for r in records)
     assert (tmp_path / "bench.engine.log").read_text().count("KV cache size") == 1
-    assert processes_serving(tiny_model) == []
+    assert processes_mentioning(tiny_model) == []
 
 
 def test_engine_that_fails_to_start(tiny_model, tmp_path):
@@ -66,7 +55,7 @@ def test_engine_that_fails_to_start(tiny_model, tmp_path):
     assert first.startswith("servetune bench: error: vLLM exited with code"), done.stderr[-2000:]
     assert "engine log (last lines)" in done.stderr
     assert not (tmp_path / "b.json").exists()
-    assert processes_serving(tiny_model) == []
+    assert processes_mentioning(tiny_model) == []
 
 
 def test_unknown_engine_argument_is_caught_before_launch(tiny_model):

@@ -11,10 +11,10 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 
 from servetune.testing.fake_openai import write_fake_python
+from tests.processes import processes_mentioning
 
 SPACE = """
 name: fake
@@ -47,21 +47,12 @@ def results(study_dir):
     return {p.parent.name: json.loads(p.read_text()) for p in (study_dir / "trials").glob("*/result.json")}
 
 
-def fake_engines(fake_python):
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        try:
-            if str(fake_python) in " ".join(proc.info["cmdline"] or []):
-                found.append(proc.pid)
-        except psutil.Error:
-            continue
-    return found
 
 
 def test_grid_study_records_every_outcome_and_goes_on_after_a_crash(study):
     write, study_dir, fake = study
     argv = write("  env.SERVETUNE_FAKE_TTFT_MS: [5, 80]\n  env.SERVETUNE_FAKE_CRASH_AFTER_S: [1000, 0.8]\n")
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=study_dir.parent.parent)
     assert done.returncode == 0, done.stderr[-3000:]
     by_config = {(r["params"]["env.SERVETUNE_FAKE_TTFT_MS"], r["params"]["env.SERVETUNE_FAKE_CRASH_AFTER_S"]): r for r in results(study_dir).values()}
     assert len(by_config) == 4
@@ -75,13 +66,21 @@ def test_grid_study_records_every_outcome_and_goes_on_after_a_crash(study):
         assert crashed["outcome"] == "FAILED" and "engine died" in crashed["reason"], crashed["reason"]
     assert "met the SLO" in done.stdout and good["trial_id"] in done.stdout
     assert json.loads((study_dir / "study.json").read_text())["name"] == "fake"
-    assert fake_engines(fake) == []
+    assert processes_mentioning(fake) == []
+    # The driver logged every trial to MLflow's default store (sqlite:///mlflow.db where it ran).
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{study_dir.parent.parent / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("fake")
+    runs = client.search_runs([experiment.experiment_id], filter_string="tags.`servetune.role` != 'study'")
+    assert {r.data.tags["servetune.trial_id"] for r in runs} == {r["trial_id"] for r in by_config.values()}
 
 
 def test_killed_driver_then_resume_reruns_nothing_finished(study):
     write, study_dir, fake = study
     argv = write("  env.SERVETUNE_FAKE_TTFT_MS: [5, 6, 7]\n  env.SERVETUNE_FAKE_STARTUP_DELAY_S: [2]\n")
-    driver = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    cwd = study_dir.parent.parent
+    driver = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=cwd)
     deadline = time.monotonic() + 180
     while not results(study_dir) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -91,15 +90,15 @@ def test_killed_driver_then_resume_reruns_nothing_finished(study):
     assert 1 <= len(first) < 3
     stamps = {t: (study_dir / "trials" / t / "result.json").stat().st_mtime_ns for t in first}
     deadline = time.monotonic() + 30
-    while fake_engines(fake) and time.monotonic() < deadline:
+    while processes_mentioning(fake) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert fake_engines(fake) == []  # the engine of the trial in flight went down with its trial
+    assert processes_mentioning(fake) == []  # the engine of the trial in flight went down with its trial
 
-    again = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    again = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=cwd)
     assert again.returncode == 2 and "--resume" in again.stderr  # no silent mixing of two runs
-    resumed = subprocess.run([*argv, "--resume"], capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run([*argv, "--resume"], capture_output=True, text=True, timeout=300, cwd=cwd)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     final = results(study_dir)
     assert len(final) == 3 and all(r["outcome"] == "COMPLETE" for r in final.values())
     assert {t: (study_dir / "trials" / t / "result.json").stat().st_mtime_ns for t in first} == stamps
-    assert fake_engines(fake) == []
+    assert processes_mentioning(fake) == []

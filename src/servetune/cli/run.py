@@ -36,6 +36,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true", help="list the trials a grid would run and those the constraints or capacity check reject; start nothing")
     p.add_argument("--max-trials", type=int, help="run at most N trials (the baseline included)")
     p.add_argument("--python", default=sys.executable, help="Python interpreter that has vLLM on the trial nodes (default: this one)")
+    p.add_argument("--tracking-uri", metavar="URI",
+                   help="MLflow tracking server or store for the study's runs (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")  # fmt: skip
     p.set_defaults(run=run)
 
 
@@ -99,11 +101,20 @@ def _text(params: dict) -> str:
 
 def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
     from servetune.study.context import StudyContext, resolve_levels
-    from servetune.study.driver import finished_results, prepare_study_dir, proposals, resolve_model, study_info, write_study_info
+    from servetune.study.driver import (
+        ResultMirror,
+        finished_results,
+        prepare_study_dir,
+        proposals,
+        resolve_model,
+        study_info,
+        write_study_info,
+    )
     from servetune.study.objectives import objectives_and_constraints
     from servetune.study.progress import LiveTable, stderr_console, summary_table
     from servetune.study.searcher import ConstrainedOptunaSearch
     from servetune.study.tuner import init_ray, run_tuner
+    from servetune.tracking import MlflowCallback
 
     console = stderr_console()
     study_dir = args.storage / space.name
@@ -131,7 +142,8 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
     console.print(f"study {space.name}: {space.search.algorithm} search, {num_samples} trial(s) to run, results in {study_dir}")
     if num_samples:
         init_ray(args.address)
-        run_tuner(context, points, searcher, num_samples, [LiveTable(space, console)])
+        callbacks = [ResultMirror(study_dir.resolve()), LiveTable(space, console), MlflowCallback(study_dir.resolve(), args.tracking_uri)]
+        run_tuner(context, points, searcher, num_samples, callbacks)
     results = finished_results(study_dir)
     make_console().print(summary_table(results, space))
     return 0

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from ray.tune import Callback
 
 from servetune import __version__
 from servetune.config.space import Range, SearchSpace
@@ -21,6 +22,9 @@ from servetune.results import RESULT_FILE, SPACE_FILE, STUDY_FILE, TRIALS_DIR, S
 from servetune.study.context import StudyContext
 from servetune.study.objectives import objectives_and_constraints
 from servetune.study.searcher import CONSTRAINTS_KEY, OBJECTIVES_KEY
+from servetune.trial.runner import write_atomic
+
+RESULT_KEY = "servetune_result"
 
 
 def trainable(config: dict[str, Any], context: StudyContext) -> None:
@@ -43,13 +47,35 @@ def final_report(result: TrialResult, context: StudyContext) -> dict[str, Any]:
     values, constraints = objectives_and_constraints(result, context.space.search.objectives, context.space.slo_bounds)
     best = result.best
     report: dict[str, Any] = {
-        "trial_id": result.trial_id, "outcome": result.outcome, "reason": result.reason or "",
+        "servetune_trial_id": result.trial_id, "outcome": result.outcome, "reason": result.reason or "",
         "levels_run": len(result.levels), "meets_slo": best is not None,
         OBJECTIVES_KEY: json.dumps(values), CONSTRAINTS_KEY: json.dumps(constraints),
+        RESULT_KEY: result.model_dump_json(),  # the driver keeps a copy: nodes need not share a disk
     }  # fmt: skip
     if best is not None:
         report.update({f"best_{k}": v for k, v in best.metrics.items()})
     return report
+
+
+class ResultMirror(Callback):
+    """Writes each trial's ``result.json`` on the driver from its final report.
+
+    A trial writes its directory on the node that ran it; without storage shared between the
+    nodes, this copy is what the summary, MLflow and the report read. Runs before the other
+    callbacks, and never overwrites a result already on disk.
+    """
+
+    def __init__(self, study_dir: Path) -> None:
+        self.study_dir = Path(study_dir)
+
+    def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
+        text = result.get(RESULT_KEY)
+        if not text:
+            return
+        trial_dir = self.study_dir / TRIALS_DIR / result["servetune_trial_id"]
+        if not (trial_dir / RESULT_FILE).exists():
+            trial_dir.mkdir(parents=True, exist_ok=True)
+            write_atomic(trial_dir / RESULT_FILE, text)
 
 
 def resolve_model(space: SearchSpace, study_dir: Path, space_dir: Path) -> str:

@@ -51,14 +51,15 @@ class LiveTable(Callback):
 
     def on_trial_start(self, iteration, trials, trial, **info) -> None:
         self._row(trial)
-        self._update(f"started {trial.trial_id}: {_params_text(trial.config.get('params', {}))}")
+        self._update(f"started: {_params_text(trial.config.get('params', {}))}")
 
     def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
         row = self._row(trial)
+        row["id"] = result.get("servetune_trial_id", row.get("id"))  # our hash (Tune overwrites "trial_id")
         if "outcome" in result:
             row.update(state=result["outcome"], reason=result.get("reason", ""), goodput=result.get("best_goodput"),
                        ttft=result.get("best_ttft_ms_p99"), tpot=result.get("best_tpot_ms_p99"), levels=result.get("levels_run", 0))  # fmt: skip
-            self._update(f"{trial.trial_id} {row['state']}: goodput {_fmt(row['goodput'], 2)} req/s {row.get('reason', '')}")
+            self._update(f"{row['id']} {row['state']}: best goodput {_fmt(row['goodput'], 2)} req/s {row.get('reason', '')}".rstrip())
         elif "level_index" in result:
             row["levels"] = result["level_index"] + 1
             if result.get("meets_slo") and (row.get("goodput") or 0) <= (result.get("goodput") or 0):
@@ -66,8 +67,9 @@ class LiveTable(Callback):
             self._update(None)
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
-        self._row(trial).update(state="FAILED", reason="the trial process died")
-        self._update(f"{trial.trial_id} FAILED: the trial process died")
+        row = self._row(trial)
+        row.update(state="FAILED", reason="the trial process died")
+        self._update(f"{row.get('id', trial.trial_id)} FAILED: the trial process died")
 
     def on_experiment_end(self, trials, **info) -> None:
         if self.live is not None:
@@ -85,7 +87,7 @@ class LiveTable(Callback):
         for col in ("trial", "state", "configuration", "levels", "best goodput", "TTFT p99", "TPOT p99"):
             table.add_column(col)
         for trial_id, row in self.rows.items():
-            table.add_row(trial_id, row["state"], _params_text(row["params"]), str(row["levels"]),
+            table.add_row(row.get("id") or trial_id, row["state"], _params_text(row["params"]), str(row["levels"]),
                           _fmt(row.get("goodput"), 2), _fmt(row.get("ttft")), _fmt(row.get("tpot")))  # fmt: skip
         return table
 

@@ -12,6 +12,7 @@ history and rebuilds the Optuna study from it.
 from __future__ import annotations
 
 import json
+import pickle
 from typing import Any
 
 import optuna
@@ -80,6 +81,14 @@ class ConstrainedOptunaSearch(Searcher):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["space"], baseline=state["baseline"], history=state["history"])
+
+    def save(self, checkpoint_path: str) -> None:
+        with open(checkpoint_path, "wb") as f:
+            pickle.dump(self.__getstate__(), f)
+
+    def restore(self, checkpoint_path: str) -> None:
+        with open(checkpoint_path, "rb") as f:
+            self.__setstate__(pickle.load(f))
 
     def set_search_properties(self, metric: str | None, mode: str | None, config: dict, **spec: Any) -> bool:
         return True  # objectives come from the search space, not from Tune's metric/mode

@@ -211,7 +211,7 @@ def _warmup(spec: TrialSpec, level: Level) -> int:
 def level_report(result: TrialResult, level: LevelResult) -> dict[str, Any]:
     """What a trial reports to Tune after each level (flat metrics and where it stands)."""
     point = result.operating_points()[-1]
-    return {**point.metrics, "level_index": point.level_index, "meets_slo": level.meets_slo, "trial_id": result.trial_id}
+    return {**point.metrics, "level_index": point.level_index, "meets_slo": level.meets_slo, "servetune_trial_id": result.trial_id}
 
 
 def _now() -> str:
