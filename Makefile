@@ -25,11 +25,10 @@ unit: setup
 	$(PY) -m pytest tests/unit -q
 
 # The study on the embedded default: the tiny model on vLLM's CPU build, TPE over batching,
-# chunked prefill, prefix caching, KV space and DP (search_spaces/cpu-tiny.yaml), then the report.
-# Re-running continues the same study (--resume) instead of starting over; `make clean` resets it.
+# chunked prefill, prefix caching, KV space and DP (search_spaces/cpu-tiny.yaml); it ends in
+# the report. Re-running continues the same study (--resume); `make clean` resets it.
 demo: setup
 	$(PY) -m servetune run search_spaces/cpu-tiny.yaml --storage $(DEMO)/studies --resume
-	$(PY) -m servetune report $(DEMO)/studies/cpu-tiny
 
 bench: setup
 	$(PY) bench/loadgen_vs_vllm.py

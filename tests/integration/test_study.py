@@ -65,6 +65,7 @@ def test_grid_study_records_every_outcome_and_goes_on_after_a_crash(study):
         crashed = by_config[key]
         assert crashed["outcome"] == "FAILED" and "engine died" in crashed["reason"], crashed["reason"]
     assert "met the SLO" in done.stdout and good["trial_id"] in done.stdout
+    assert (study_dir / "report" / "summary.md").exists() and f"recommendation: trial {good['trial_id']}" in done.stderr
     assert json.loads((study_dir / "study.json").read_text())["name"] == "fake"
     assert processes_mentioning(fake) == []
     # The driver logged every trial to MLflow's default store (sqlite:///mlflow.db where it ran).

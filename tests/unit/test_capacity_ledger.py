@@ -9,10 +9,10 @@ from servetune.capacity import (
     arch_from_hf_config,
     compare_kv,
     load_model_arch,
-    parse_kv_cache_tokens,
     plan_capacity,
     resolve_hardware,
 )
+from servetune.engine.server import KvCapacity
 from servetune.errors import UserError
 from servetune.models.tiny import TINY_CONFIG
 
@@ -247,19 +247,17 @@ def test_malformed_engine_args_raise_user_error(tiny) -> None:
 # --- predicted vs reported ---------------------------------------------------------------------------
 
 
-def test_compare_kv_and_parse_the_log_line(tiny) -> None:
+def test_compare_kv_with_the_engine_log_line(tiny) -> None:
     plan = plan_capacity(tiny, {}, CPU, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     log = (
         "INFO [kv_cache_utils.py:2329] CPU KV cache size: 524,288 tokens, "
         "Maximum concurrency for 4,096 tokens per request: 128.00x\n"
     )
-    reported = parse_kv_cache_tokens(log)
+    reported = KvCapacity.from_log(log).tokens
     assert reported == 524_288
     result = compare_kv(plan, reported)
     assert result["relative_error"] == 0.0 and result["predicted_tokens"] == 524_288
     assert compare_kv(plan, 500_000)["relative_error"] == pytest.approx(0.0486, abs=1e-4)
-    assert parse_kv_cache_tokens("GPU KV cache size: 447,088 tokens") == 447_088
-    assert parse_kv_cache_tokens("nothing here") is None
 
 
 def test_cpu_pool_too_small_for_one_request_suggests_more_kv_space(tiny) -> None:

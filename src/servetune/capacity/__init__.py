@@ -19,11 +19,11 @@ On vLLM's CPU build the KV pool is exactly ``VLLM_CPU_KVCACHE_SPACE`` GiB per ra
 
 Use :func:`load_model_arch` (a directory or a catalogue id), :func:`resolve_hardware` (a GPU name
 or a memory size), then :func:`plan_capacity`; :func:`compare_kv` scores a plan against the token
-count vLLM logs (:func:`parse_kv_cache_tokens`).
+count vLLM logs (read by :class:`servetune.engine.server.KvCapacity`).
 """
 
 from servetune.capacity.arch import ModelArch, WeightQuant, arch_from_hf_config, load_catalog, load_model_arch
-from servetune.capacity.compare import compare_kv, parse_kv_cache_tokens
+from servetune.capacity.compare import compare_kv
 from servetune.capacity.hardware import Hardware, find_gpu, gpu_hardware, load_gpu_catalog, resolve_hardware
 from servetune.capacity.ledger import plan_capacity
 from servetune.capacity.params import count_parameters, kv_bytes_per_token
@@ -50,7 +50,6 @@ __all__ = [
     "load_catalog",
     "load_gpu_catalog",
     "load_model_arch",
-    "parse_kv_cache_tokens",
     "plan_capacity",
     "read_engine_args",
     "resolve_hardware",

@@ -1,24 +1,14 @@
 """Predicted against actual: the KV capacity vLLM reports in its start-up log.
 
 vLLM 0.32 logs ``GPU KV cache size: 447,088 tokens, Maximum concurrency for 32,768 tokens per
-request: 13.64x`` (``CPU KV cache size`` on the CPU build). A trial records both numbers so the
-planner's error is measured on every engine start.
+request: 13.64x`` (``CPU KV cache size`` on the CPU build); the engine reads it
+(``servetune.engine.server.KvCapacity``). A trial records both numbers so the planner's error
+is measured on every engine start.
 """
 
 from __future__ import annotations
 
-import re
-
 from servetune.capacity.schema import CapacityPlan
-
-_KV_SIZE = re.compile(r"(?:GPU|CPU|XPU|TPU)?(?: \+ host)? ?KV cache size:\s*([\d,]+)\s*tokens")
-
-
-def parse_kv_cache_tokens(log_text: str) -> int | None:
-    """The token count of the last "KV cache size: N tokens" line in a vLLM log, or None."""
-    found = _KV_SIZE.findall(log_text)
-    return int(found[-1].replace(",", "")) if found else None
-
 
 def compare_kv(plan: CapacityPlan, reported_tokens: int) -> dict[str, float | int | str]:
     """Predicted vs reported KV tokens; ``relative_error`` is (predicted - reported) / reported."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from servetune.errors import UserError
 
 DESCRIPTION = """\
 Read a study directory (study.json and trials/*/result.json), gather every operating point
@@ -56,34 +55,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from servetune.report import build_report, load_study, render_markdown
-    from servetune.report.html import render_html
-    from servetune.report.png import write_pngs
-    from servetune.report.recommend import describe
+    from servetune.report.write import recommendation_lines, write_report
 
-    report = build_report(load_study(args.study_dir, args.skip_unreadable), args.price_per_gpu_hour)
-    out: Path = args.out if args.out is not None else args.study_dir / "report"
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        html_file, md_file = out / "report.html", out / "summary.md"
-        html_file.write_text(render_html(report), encoding="utf-8")
-        md_file.write_text(render_markdown(report), encoding="utf-8")
-        pngs = write_pngs(report, out)
-    except OSError as exc:
-        raise UserError(f"--out {out}: cannot write the report: {exc.strerror or exc}") from None
+    report, files = write_report(args.study_dir, args.out, args.price_per_gpu_hour, args.skip_unreadable)
+    out = files[0].parent
     counts = ", ".join(f"{n} {name}" for name, n in report.outcome_counts().items() if n)
     print(f"study {report.info.name}: {counts or 'no trials yet'}; {len(report.points)} operating points")
-    print(f"wrote {html_file}")
-    print(f"wrote {md_file}")
-    for path in pngs:
+    for path in files:
         print(f"wrote {path}")
-    rec = report.recommendation
-    if rec.point is None:
-        print(f"recommendation: none: {rec.reason}")
-    else:
-        print(f"recommendation: {describe(rec.point)}")
-        print(f"  why: {rec.reason}")
-        print(f"  export: servetune export {args.study_dir} --pick best --format vllm")
+    for line in recommendation_lines(report, args.study_dir):
+        print(line)
     if args.log_to_mlflow or args.tracking_uri:
         from servetune.tracking import sync_study
 

@@ -142,8 +142,20 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
     console.print(f"study {space.name}: {space.search.algorithm} search, {num_samples} trial(s) to run, results in {study_dir}")
     if num_samples:
         init_ray(args.address)
-        callbacks = [ResultMirror(study_dir.resolve()), LiveTable(space, console), MlflowCallback(study_dir.resolve(), args.tracking_uri)]
+        callbacks = [ResultMirror(context), LiveTable(space, console), MlflowCallback(study_dir.resolve(), args.tracking_uri)]
         run_tuner(context, points, searcher, num_samples, callbacks)
     results = finished_results(study_dir)
     make_console().print(summary_table(results, space))
+    if not results:
+        return 0
+    from servetune.report.write import recommendation_lines, write_report
+    from servetune.tracking import sync_study
+
+    report, files = write_report(study_dir)
+    console.print(f"report: {files[0]} (and {len(files) - 1} more files in {files[0].parent})")
+    for line in recommendation_lines(report, study_dir):
+        console.print(line)
+    synced = sync_study(study_dir, args.tracking_uri, report_dir=files[0].parent)  # the report joins the study's run
+    if not synced.ok:
+        console.print(synced.summary())
     return 0

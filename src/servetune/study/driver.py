@@ -22,7 +22,7 @@ from servetune.results import RESULT_FILE, SPACE_FILE, STUDY_FILE, TRIALS_DIR, S
 from servetune.study.context import StudyContext
 from servetune.study.objectives import objectives_and_constraints
 from servetune.study.searcher import CONSTRAINTS_KEY, OBJECTIVES_KEY
-from servetune.trial.runner import write_atomic
+from servetune.trial.runner import new_result, write_atomic
 
 RESULT_KEY = "servetune_result"
 
@@ -58,24 +58,43 @@ def final_report(result: TrialResult, context: StudyContext) -> dict[str, Any]:
 
 
 class ResultMirror(Callback):
-    """Writes each trial's ``result.json`` on the driver from its final report.
+    """Keeps every trial's ``result.json`` on the driver.
 
     A trial writes its directory on the node that ran it; without storage shared between the
-    nodes, this copy is what the summary, MLflow and the report read. Runs before the other
-    callbacks, and never overwrites a result already on disk.
+    nodes, the copy written here from its final report is what the summary, MLflow and the
+    report read. A trial whose process or node died never reports: it is recorded here as
+    FAILED with Ray's reason. Runs before the other callbacks; never overwrites a result.
     """
 
-    def __init__(self, study_dir: Path) -> None:
-        self.study_dir = Path(study_dir)
+    def __init__(self, context: StudyContext) -> None:
+        self.context = context
 
-    def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
-        text = result.get(RESULT_KEY)
-        if not text:
-            return
-        trial_dir = self.study_dir / TRIALS_DIR / result["servetune_trial_id"]
+    def _write(self, trial_id: str, text: str) -> None:
+        trial_dir = self.context.trials_dir / trial_id
         if not (trial_dir / RESULT_FILE).exists():
             trial_dir.mkdir(parents=True, exist_ok=True)
             write_atomic(trial_dir / RESULT_FILE, text)
+
+    def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
+        if result.get(RESULT_KEY):
+            self._write(result["servetune_trial_id"], result[RESULT_KEY])
+
+    def on_trial_error(self, iteration, trials, trial, **info) -> None:
+        spec = self.context.spec_for(trial.config.get("params", {}))
+        reason = f"the trial's process or node died before it finished ({_ray_error(trial)})"
+        failed = new_result(spec, "FAILED", reason)
+        failed.finished_at = failed.started_at
+        self._write(spec.trial_id, failed.model_dump_json(indent=2) + "\n")
+
+
+def _ray_error(trial: Any) -> str:
+    """The last line of the error Ray recorded for a trial, if it wrote one."""
+    path = getattr(trial, "error_file", None)
+    try:
+        lines = [ln for ln in Path(path).read_text().splitlines() if ln.strip()] if path else []
+    except OSError:
+        lines = []
+    return lines[-1].strip()[:300] if lines else "no error recorded by Ray"
 
 
 def resolve_model(space: SearchSpace, study_dir: Path, space_dir: Path) -> str:

@@ -100,6 +100,16 @@ def write_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+def new_result(spec: TrialSpec, outcome: str, reason: str | None = None) -> TrialResult:
+    """A trial's result before anything was measured: its configuration and an outcome."""
+    return TrialResult(
+        trial_id=spec.trial_id, study=spec.study, params=spec.params, engine_args=spec.engine_args,
+        env=redact_env(spec.env), model=spec.model, device=spec.device, devices=spec.devices,
+        price_per_device_hour=spec.price_per_device_hour, slo=[str(b) for b in spec.slo.bounds],
+        outcome=outcome, reason=reason, started_at=_now(),
+    )  # fmt: skip
+
+
 def capacity_check(spec: TrialSpec) -> CapacityReport | None:
     """The memory ledger's verdict, or None where the model's architecture is unknown offline."""
     from servetune.capacity import load_model_arch, plan_capacity, resolve_hardware
@@ -130,12 +140,7 @@ def run_trial(spec: TrialSpec, report: Report, prompts: Callable[[], PromptFacto
     trial_dir = spec.trial_dir
     trial_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    result = TrialResult(
-        trial_id=spec.trial_id, study=spec.study, params=spec.params, engine_args=spec.engine_args,
-        env=redact_env(spec.env), model=spec.model, device=spec.device, devices=spec.devices,
-        price_per_device_hour=spec.price_per_device_hour, slo=[str(b) for b in spec.slo.bounds],
-        outcome="FAILED", started_at=_now(),
-    )  # fmt: skip
+    result = new_result(spec, "FAILED")
     try:
         gpus = visible_gpu_indices(spec.extra_env) if spec.device == "gpu" else []
         result.environment = collect_environment(spec.device, gpus, spec.python or sys.executable, cores=spec.devices)

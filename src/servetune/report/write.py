@@ -1,0 +1,41 @@
+"""Write a study's report files: the HTML page, the Markdown summary and the PNG fronts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from servetune.errors import UserError
+from servetune.report.build import StudyReport, build_report
+from servetune.report.markdown import render_markdown
+from servetune.report.study import load_study
+
+
+def write_report(study_dir: Path, out: Path | None = None, price_per_device_hour: float | None = None,
+                 skip_unreadable: bool = False) -> tuple[StudyReport, list[Path]]:  # fmt: skip
+    """Build the report from disk and write it to ``out`` (default STUDY_DIR/report)."""
+    from servetune.report.html import render_html
+    from servetune.report.png import write_pngs
+
+    report = build_report(load_study(study_dir, skip_unreadable), price_per_device_hour)
+    out = out if out is not None else Path(study_dir) / "report"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        html_file, md_file = out / "report.html", out / "summary.md"
+        html_file.write_text(render_html(report), encoding="utf-8")
+        md_file.write_text(render_markdown(report), encoding="utf-8")
+        return report, [html_file, md_file, *write_pngs(report, out)]
+    except OSError as exc:
+        raise UserError(f"--out {out}: cannot write the report: {exc.strerror or exc}") from None
+
+
+def recommendation_lines(report: StudyReport, study_dir: Path) -> list[str]:
+    from servetune.report.recommend import describe
+
+    rec = report.recommendation
+    if rec.point is None:
+        return [f"recommendation: none: {rec.reason}"]
+    return [
+        f"recommendation: {describe(rec.point)}",
+        f"  why: {rec.reason}",
+        f"  export: servetune export {study_dir} --pick best --format vllm",
+    ]
