@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.table import Table
 
 from servetune.cli.display import console as make_console
-from servetune.config.space import SearchSpace, load_space
+from servetune.config.space import SearchSpace, describe_params, load_space
 from servetune.engine.args import load_argspecs
 from servetune.errors import UserError
 
@@ -62,7 +62,10 @@ def dry_run(space: SearchSpace, args: argparse.Namespace, model: str) -> int:
     console = make_console()
     workload = space.resolved_workload(args.space.parent)
     context = StudyContext(space, workload, args.storage / space.name, model, resolve_levels(space, workload))
-    kept, rejected = space.grid() if _gridable(space) else ([], [])
+    try:
+        kept, rejected = space.grid()
+    except ValueError:  # continuous ranges: the sampler draws from them, there is no grid to list
+        kept, rejected = [], []
     table = Table(title=f"study {space.name}: {space.search.algorithm} search", title_justify="left")
     for col in ("#", "configuration", "devices", "capacity check", "verdict"):
         table.add_column(col)
@@ -74,9 +77,9 @@ def dry_run(space: SearchSpace, args: argparse.Namespace, model: str) -> int:
         fits = cap is None or cap.fits
         runnable += fits
         note = "not checked (architecture unknown offline)" if cap is None else cap.reason
-        table.add_row(str(i), _text(params), str(spec.devices), note, "[green]run[/]" if fits else "[red]infeasible[/]")
+        table.add_row(str(i), describe_params(params), str(spec.devices), note, "[green]run[/]" if fits else "[red]infeasible[/]")
     for params, reasons in rejected:
-        table.add_row("-", _text(params), str(space.devices(params)), "", "[yellow]excluded[/]: " + "; ".join(reasons))
+        table.add_row("-", describe_params(params), str(space.devices(params)), "", "[yellow]excluded[/]: " + "; ".join(reasons))
     console.print(table)
     levels = ", ".join(str(lv) for lv in context.levels)
     console.print(f"{runnable} trial(s) would run, {len(points) - runnable} rejected by the capacity check, "
@@ -85,18 +88,6 @@ def dry_run(space: SearchSpace, args: argparse.Namespace, model: str) -> int:
         n = args.max_trials or space.search.num_trials or 20
         console.print(f"{space.search.algorithm} proposes up to {n} trials from these parameters; the table lists the grid they come from")
     return 0
-
-
-def _gridable(space: SearchSpace) -> bool:
-    try:
-        space.grid()
-    except ValueError:
-        return False
-    return True
-
-
-def _text(params: dict) -> str:
-    return ", ".join(f"{k}={v}" for k, v in params.items()) or "(vLLM defaults: the baseline)"
 
 
 def run_study(space: SearchSpace, args: argparse.Namespace) -> int:

@@ -312,6 +312,11 @@ def _dotted(node: ast.AST) -> str:
     return node.id
 
 
+def describe_params(params: dict[str, Any]) -> str:
+    """``max_num_seqs=32, enable_prefix_caching=True``; the baseline is vLLM's defaults."""
+    return ", ".join(f"{k}={v}" for k, v in params.items()) or "(vLLM defaults)"
+
+
 def load_space(path: str | Path, argspecs: dict | None = None) -> SearchSpace:
     """Load and check a search space; every problem is one line naming the file and field.
 

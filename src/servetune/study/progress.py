@@ -10,12 +10,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from servetune.config.space import SearchSpace
+from servetune.config.space import SearchSpace, describe_params
 from servetune.results import TrialResult
-
-
-def _params_text(params: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in params.items()) or "(vLLM defaults)"
 
 
 def _fmt(value: Any, digits: int = 1) -> str:
@@ -51,7 +47,7 @@ class LiveTable(Callback):
 
     def on_trial_start(self, iteration, trials, trial, **info) -> None:
         self._row(trial)
-        self._update(f"started: {_params_text(trial.config.get('params', {}))}")
+        self._update(f"started: {describe_params(trial.config.get('params', {}))}")
 
     def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
         row = self._row(trial)
@@ -87,7 +83,7 @@ class LiveTable(Callback):
         for col in ("trial", "state", "configuration", "levels", "best goodput", "TTFT p99", "TPOT p99"):
             table.add_column(col)
         for trial_id, row in self.rows.items():
-            table.add_row(row.get("id") or trial_id, row["state"], _params_text(row["params"]), str(row["levels"]),
+            table.add_row(row.get("id") or trial_id, row["state"], describe_params(row["params"]), str(row["levels"]),
                           _fmt(row.get("goodput"), 2), _fmt(row.get("ttft")), _fmt(row.get("tpot")))  # fmt: skip
         return table
 
@@ -109,7 +105,7 @@ def summary_table(results: list[TrialResult], space: SearchSpace, top: int = 5) 
     for result, best in meeting[:top]:
         m = best.metrics
         level = ", ".join(f"{k} {v:g}" for k, v in best.level.items())
-        table.add_row(result.trial_id, _params_text(result.params), level, _fmt(m.get("goodput"), 2), _fmt(m.get("output_throughput")),
+        table.add_row(result.trial_id, describe_params(result.params), level, _fmt(m.get("goodput"), 2), _fmt(m.get("output_throughput")),
                       _fmt(m.get("ttft_ms_p99")), _fmt(m.get("tpot_ms_p99")), _fmt(m.get("cost_per_mtok_usd"), 3))  # fmt: skip
     return table
 
