@@ -6,8 +6,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,6 +16,7 @@ from aiohttp import web
 from servetune.engine.server import free_port
 from servetune.models.tiny import build_tiny_model
 from servetune.testing.fake_openai import FakeOpenAI
+from tests.processes import wait_until_healthy
 
 
 @pytest.fixture(scope="session")
@@ -68,15 +67,8 @@ def fake_server_process(*args: str) -> Iterator[str]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1)
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("the fake server did not start")
-                time.sleep(0.05)
+        if not wait_until_healthy(url + "/health", proc, timeout_s=30, poll_s=0.05):
+            raise RuntimeError("the fake server did not start")
         yield url
     finally:
         os.killpg(proc.pid, signal.SIGKILL)

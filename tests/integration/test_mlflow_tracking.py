@@ -11,8 +11,6 @@ import pickle
 import signal
 import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Iterator
 from io import StringIO
 from pathlib import Path
@@ -25,6 +23,7 @@ from servetune.engine.server import free_port
 from servetune.tracking import sync_study
 from servetune.tracking.callback import MlflowCallback
 from tests.builders import demo_trials, level, study_info, trial, write_study
+from tests.processes import wait_until_healthy
 
 SPACE = "name: {name}\nworkload: chat\nparams:\n  max_num_seqs: [16, 32, 64]\n"
 REQUESTS = "".join(
@@ -47,15 +46,8 @@ def mlflow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=2)
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("mlflow server did not start:\n" + (root / "server.log").read_text()[-3000:])
-                time.sleep(0.5)
+        if not wait_until_healthy(url + "/health", proc, timeout_s=180, poll_s=0.5):
+            raise RuntimeError("mlflow server did not start:\n" + (root / "server.log").read_text()[-3000:])
         yield url
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
