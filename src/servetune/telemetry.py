@@ -61,6 +61,7 @@ class TelemetrySampler:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        self._take_sample()  # a last one: a level shorter than the interval still gets a sample
         self._ended = time.monotonic()
         if self._nvml is not None:
             self._energy_end = self._energy()
@@ -68,10 +69,13 @@ class TelemetrySampler:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
-            try:
-                self._samples.append(self._gpu_sample() if self._nvml is not None else self._host_sample())
-            except Exception:  # a sample that fails is skipped, never fatal to the level
-                continue
+            self._take_sample()
+
+    def _take_sample(self) -> None:
+        try:
+            self._samples.append(self._gpu_sample() if self._nvml is not None else self._host_sample())
+        except Exception:  # a sample that fails is skipped, never fatal to the level
+            pass
 
     def _energy(self) -> dict[int, float]:
         out = {}
