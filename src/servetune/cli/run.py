@@ -102,7 +102,7 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
         write_study_info,
     )
     from servetune.study.objectives import objectives_and_constraints
-    from servetune.study.progress import LiveTable, stderr_console, summary_table
+    from servetune.study.progress import LiveTable, device_time_lines, stderr_console, summary_table
     from servetune.study.searcher import ConstrainedOptunaSearch
     from servetune.study.tuner import init_ray, run_tuner
     from servetune.tracking import MlflowCallback
@@ -136,7 +136,10 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
         callbacks = [ResultMirror(context), LiveTable(space, console), MlflowCallback(study_dir.resolve(), args.tracking_uri)]
         run_tuner(context, points, searcher, num_samples, callbacks)
     results = finished_results(study_dir)
-    make_console().print(summary_table(results, space))
+    out = make_console()
+    out.print(summary_table(results, space))
+    for line in device_time_lines(results, space, len(context.levels)):
+        out.print(line, soft_wrap=True)
     if not results:
         return 0
     from servetune.report.write import recommendation_lines, write_report

@@ -92,6 +92,9 @@ class LoadProtocol(BaseModel):
     startup_timeout_s: float = Field(default=900.0, gt=0)
     stop_on_slo_break: bool = True
     min_throughput_gain: float = Field(default=0.03, ge=0)  # stop climbing below this relative gain
+    # Stop at a level where a finished trial was cheaper and had a lower P99 TTFT there
+    # (study/early_stop.py). Default: on for Bayesian search (tpe, nsga2, gp), off for grid and random.
+    stop_when_dominated: bool | None = None
 
     @model_validator(mode="after")
     def _ends(self) -> "LoadProtocol":
@@ -134,7 +137,7 @@ class Search(BaseModel):
     max_concurrent: int = Field(default=1, ge=1)
     objectives: tuple[Objective, ...] = (Objective(metric="goodput", mode="max"),)
     seed: int = 0
-    baseline: bool = True  # run vLLM's defaults (only the fixed engine arguments) first
+    baseline: bool = True  # run vLLM's defaults (only the fixed engine arguments) too: first, or in packing order
 
     @model_validator(mode="after")
     def _objectives(self) -> "Search":
@@ -202,6 +205,13 @@ class SearchSpace(BaseModel):
     @property
     def slo_bounds(self) -> Slo:
         return self.slo.to_slo()
+
+    @property
+    def stops_when_dominated(self) -> bool:
+        """Whether trials stop at a level finished trials dominate (``load.stop_when_dominated``)."""
+        if self.load.stop_when_dominated is not None:
+            return self.load.stop_when_dominated
+        return self.search.algorithm in ("tpe", "nsga2", "gp")
 
     def resolved_workload(self, base_dir: Path) -> Workload:
         if isinstance(self.workload, Workload):

@@ -21,25 +21,34 @@ from servetune.errors import UserError
 from servetune.results import RESULT_FILE, SPACE_FILE, STUDY_FILE, TRIALS_DIR, StudyInfo, TrialResult
 from servetune.study.context import StudyContext
 from servetune.study.objectives import objectives_and_constraints
+from servetune.study.packing import order_for_packing
 from servetune.study.searcher import CONSTRAINTS_KEY, OBJECTIVES_KEY
 from servetune.trial.runner import new_result, write_atomic
 
 RESULT_KEY = "servetune_result"
 
 
-def trainable(config: dict[str, Any], context: StudyContext) -> None:
-    """The Ray Tune function trainable: one trial on the resources Tune reserved for it."""
+def trainable(config: dict[str, Any], context: StudyContext, finished_points: Any = None) -> None:
+    """The Ray Tune function trainable: one trial on the resources Tune reserved for it.
+
+    ``finished_points``: the study's :class:`~servetune.study.early_stop.FinishedPoints` actor
+    when trials stop at levels finished trials dominate; the trial adds its own points to it.
+    """
     import ray
     from ray import tune
 
     from servetune.load.requests import PromptFactory, load_tokenizer
+    from servetune.study.early_stop import dominance_rule
     from servetune.trial.runner import load_result, run_trial
 
     gpu_ids = [str(g) for g in ray.get_gpu_ids()] if context.space.device == "gpu" else None
     spec = context.spec_for(config["params"], gpu_ids)
     result = load_result(spec.trial_dir)
     if result is None:  # never measured (or --resume after a kill): run it
-        result = run_trial(spec, tune.report, lambda: PromptFactory(load_tokenizer(context.model)))
+        rule = dominance_rule(finished_points) if finished_points is not None else None
+        result = run_trial(spec, tune.report, lambda: PromptFactory(load_tokenizer(context.model)), stop_rule=rule)
+        if finished_points is not None:  # before the final report: trials that start next see it
+            ray.wait([finished_points.add.remote(result)], timeout=10)
     tune.report(final_report(result, context))
 
 
@@ -113,11 +122,19 @@ def resolve_model(space: SearchSpace, study_dir: Path, space_dir: Path) -> str:
 
 
 def proposals(space: SearchSpace, max_trials: int | None) -> list[dict[str, Any]]:
-    """The configurations grid and random search run, in order (the baseline first)."""
+    """The configurations grid and random search run, in order.
+
+    One at a time: the baseline first, then the grid's order. Several at a time: smallest
+    trials first, in groups that fill a node (study/packing.py), the order Ray places them in
+    anyway; the largest come last, where they fill nodes among themselves.
+    """
     kept, _ = space.grid() if space.search.algorithm == "grid" else (_random_points(space), [])
     points = ([{}] if space.search.baseline else []) + kept
     limit = max_trials or (space.search.num_trials if space.search.algorithm != "grid" else None) or space.search.num_trials
-    return points[:limit] if limit else points
+    points = points[:limit] if limit else points
+    if space.search.max_concurrent > 1:
+        points = order_for_packing(points, space.devices, space.hardware.devices_per_node)
+    return points
 
 
 def _random_points(space: SearchSpace) -> list[dict[str, Any]]:

@@ -8,7 +8,7 @@ from typing import Any
 
 from servetune.config.space import SearchSpace
 from servetune.study.context import StudyContext
-from servetune.study.driver import trainable
+from servetune.study.driver import finished_results, trainable
 from servetune.study.searcher import ConstrainedOptunaSearch
 
 
@@ -36,12 +36,17 @@ def init_ray(address: str | None) -> None:
 
 def run_tuner(context: StudyContext, points: list[dict[str, Any]] | None, searcher: ConstrainedOptunaSearch | None,
               num_samples: int, callbacks: list) -> None:  # fmt: skip
+    import ray
     from ray import tune
     from ray.tune.search import ConcurrencyLimiter
 
+    from servetune.study.early_stop import start_finished_points
+
     space = context.space
     resources = lambda config: tune.PlacementGroupFactory([bundle(space, config["params"])])  # noqa: E731
-    fn = tune.with_resources(tune.with_parameters(trainable, context=context), resources)
+    # Trials stop at levels finished trials dominate: they ask this actor (study/early_stop.py).
+    finished_points = start_finished_points(finished_results(context.study_dir)) if space.stops_when_dominated else None
+    fn = tune.with_resources(tune.with_parameters(trainable, context=context, finished_points=finished_points), resources)
     if points is not None:
         param_space = {"params": tune.grid_search(points)}
         tune_config = tune.TuneConfig(num_samples=1, max_concurrent_trials=space.search.max_concurrent)
@@ -54,4 +59,8 @@ def run_tuner(context: StudyContext, points: list[dict[str, Any]] | None, search
         storage_path=str(context.study_dir.resolve() / "tune"),
         callbacks=callbacks, verbose=0, failure_config=tune.FailureConfig(max_failures=0),
     )  # fmt: skip
-    tune.Tuner(fn, param_space=param_space, tune_config=tune_config, run_config=run_config).fit()
+    try:
+        tune.Tuner(fn, param_space=param_space, tune_config=tune_config, run_config=run_config).fit()
+    finally:
+        if finished_points is not None:
+            ray.kill(finished_points)

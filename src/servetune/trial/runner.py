@@ -3,7 +3,8 @@
 The outcome is a state: COMPLETE, INFEASIBLE (the capacity check rejected it, in seconds,
 with no engine started) or FAILED (with the reason and the engine's log tail). A failed trial
 is data: whatever levels finished are kept. Nothing here knows about Ray or MLflow: the study
-passes a ``report`` callback (Tune's) and the GPU ids Ray assigned.
+passes a ``report`` callback (Tune's), the GPU ids Ray assigned, and optionally a ``stop_rule``
+the ladder asks after each level (the study's early stopping by dominance).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from servetune.results import (
     CapacityReport,
     KvCapacityReport,
     LevelResult,
+    OperatingPoint,
     TrialResult,
     best_level_index,
     redact_env,
@@ -42,6 +44,9 @@ from servetune.trial.ladder import ladder
 from servetune.trial.measure import LevelPlan, measure_level
 
 Report = Callable[[dict[str, Any]], None]
+#: Asked after each level but the last with that level's operating point: a reason to stop
+#: climbing (it becomes ``stopped_because``), or None to go on.
+StopRule = Callable[[OperatingPoint], str | None]
 
 
 @dataclass(frozen=True)
@@ -131,7 +136,7 @@ def capacity_check(spec: TrialSpec) -> CapacityReport | None:
     )  # fmt: skip
 
 
-def run_trial(spec: TrialSpec, report: Report, prompts: Callable[[], PromptFactory]) -> TrialResult:
+def run_trial(spec: TrialSpec, report: Report, prompts: Callable[[], PromptFactory], stop_rule: StopRule | None = None) -> TrialResult:
     """Run one trial to its outcome; never raises for a failure of the configuration.
 
     ``prompts`` makes the prompt factory (loading the tokenizer) once the trial passed its
@@ -148,7 +153,7 @@ def run_trial(spec: TrialSpec, report: Report, prompts: Callable[[], PromptFacto
         if result.capacity is not None and not result.capacity.fits:
             result.outcome, result.reason = "INFEASIBLE", f"capacity check: {result.capacity.reason}"
             return result
-        _measure(spec, result, report, prompts(), trial_dir)
+        _measure(spec, result, report, prompts(), trial_dir, stop_rule)
     except EngineStartError as exc:
         result.outcome, result.reason, result.log_tail = "FAILED", f"engine start: {exc.args[0]}", exc.log_tail
     except Exception as exc:  # a failed trial is data; the study goes on
@@ -161,7 +166,8 @@ def run_trial(spec: TrialSpec, report: Report, prompts: Callable[[], PromptFacto
     return result
 
 
-def _measure(spec: TrialSpec, result: TrialResult, report: Report, prompts: PromptFactory, trial_dir: Path) -> None:
+def _measure(spec: TrialSpec, result: TrialResult, report: Report, prompts: PromptFactory, trial_dir: Path,
+             stop_rule: StopRule | None = None) -> None:  # fmt: skip
     env = {**spec.env, **spec.extra_env}
     kwargs = {"python": spec.python} if spec.python else {}
     server = VllmServer(spec.model, spec.engine_args, env, log_path=trial_dir / "engine.log",
@@ -175,15 +181,16 @@ def _measure(spec: TrialSpec, result: TrialResult, report: Report, prompts: Prom
                 result.kv_prediction_error = (result.capacity.kv_cache_tokens - kv.tokens) / kv.tokens
         records_path = trial_dir / "requests.jsonl"
         with records_path.open("w") as records_file:
-            result.stopped_because = asyncio.run(_climb(spec, server, result, report, prompts, records_file))
+            result.stopped_because = asyncio.run(_climb(spec, server, result, report, prompts, records_file, stop_rule))
         if not server.alive():
             raise RuntimeError(f"the engine died during the ladder ({server.failure_reason()})")
     result.outcome = "COMPLETE"
 
 
-async def _climb(spec, server, result, report, prompts, records_file) -> str | None:
+async def _climb(spec, server, result, report, prompts, records_file, stop_rule=None) -> str | None:
     gpu_indices = visible_gpu_indices(spec.extra_env) if spec.device == "gpu" else []
-    steps = ladder(spec.levels, stop_on_slo_break=spec.stop_on_slo_break, min_gain=spec.min_throughput_gain)
+    rule = (lambda level: stop_rule(result.operating_points()[-1])) if stop_rule is not None else None
+    steps = ladder(spec.levels, stop_on_slo_break=spec.stop_on_slo_break, min_gain=spec.min_throughput_gain, stop_rule=rule)
     async with StreamingClient(
         server.url, spec.engine_args.get("served_model_name") or spec.model, api=spec.workload.api,
         timeout_s=spec.request_timeout_s, ignore_eos=spec.workload.ignore_eos, temperature=spec.workload.temperature,
