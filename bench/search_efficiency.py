@@ -1,0 +1,123 @@
+"""How many trials each search algorithm needs: a recorded grid, replayed (no engines, seconds).
+
+``record`` turns a study that ran a full grid for real into a surface file (the space, every
+trial's result without its log and environment, and how it was made). ``replay`` runs the
+study's own search code against it, grid, random, TPE, NSGA-II and GP, over many seeds,
+answering each proposal with the recorded result, and prints how many trials each needed to
+reach a configuration within 5% of the grid's best goodput under the SLO. Target: the best
+Bayesian option needs at most 25% of the grid's trials on average.
+
+    .venv/bin/python bench/search_efficiency.py record STUDY_DIR --out bench/data/cpu-tiny-grid.json --command "..."
+    .venv/bin/python bench/search_efficiency.py replay bench/data/cpu-tiny-grid.json [--seeds 10] [--json out.json]
+
+The grid runs in its own order (one answer whatever the seed); a seed that never reaches the
+target counts as the whole grid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from servetune.errors import UserError
+from servetune.report.study import load_study
+from servetune.study.replay import ALGORITHMS, Surface, efficiency, score
+
+TARGET_SHARE = 0.25
+BAYESIAN = ("tpe", "nsga2", "gp")
+
+
+def record(args: argparse.Namespace) -> int:
+    from servetune.config.loading import load_yaml_model
+    from servetune.config.space import SearchSpace
+
+    study = load_study(args.study_dir)
+    space_path = Path(args.study_dir) / "space.yaml"
+    space = load_yaml_model(space_path, SearchSpace)
+    results = []
+    for result in study.trials:
+        stray = {k: v for k, v in result.params.items() if k not in space.params}
+        # a trial kept from a grid with one more axis: that axis must match the fixed value
+        results.append(result.model_copy(update={"params": {k: v for k, v in result.params.items() if k in space.params}}))
+        if stray:
+            print(f"note: {result.trial_id} ran with {stray}, fixed in this space", file=sys.stderr)
+    started = sorted(r.started_at for r in results if r.started_at)
+    finished = sorted(r.finished_at for r in results if r.finished_at)
+    outcomes: dict[str, int] = {}
+    for r in results:
+        outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
+    env = next((r.environment for r in results if r.environment), {})
+    made_by = {
+        "command": args.command, "study": study.info.name, "space_file": study.info.space_file,
+        "measured_from": started[0] if started else None, "measured_to": finished[-1] if finished else None,
+        "trials": len(results), "outcomes": outcomes, "meet_slo": sum(score(r) > 0 for r in results),
+        "trial_seconds": round(sum(r.duration_s or 0 for r in results)),
+        "machine": {k: env.get(k) for k in ("cpu_model", "host_cpus", "host_memory_gib", "vllm", "torch", "ray", "python", "servetune")},
+        "note": args.note,
+    }  # fmt: skip
+    surface = Surface.from_results(space, results, made_by)
+    surface.dump(args.out, space_path.read_text())
+    print(f"{args.out}: {len(surface.results)} grid points, best goodput {surface.best_score:.2f} req/s under the SLO")
+    return 0
+
+
+def replay(args: argparse.Namespace) -> int:
+    surface = Surface.load(args.surface)
+    seeds = range(args.seed0, args.seed0 + args.seeds)
+    best = surface.best_score
+    meeting = sum(score(r) > 0 for r in surface.results.values())
+    print(f"{args.surface}: {len(surface.results)} grid points, {meeting} meet the SLO; best goodput {best:.2f} req/s, "
+          f"target {(1 - args.tolerance) * best:.2f} (within {args.tolerance:.0%}); {args.seeds} seeds, {args.in_flight} in flight")  # fmt: skip
+    rows = []
+    print(f"{'algorithm':<10} {'mean trials':>11} {'of grid':>8} {'median':>7} {'worst':>6} {'reached':>8} {'seconds':>8}")
+    for algorithm in args.algorithms:
+        began = time.perf_counter()
+        e = efficiency(surface, algorithm, [0] if algorithm == "grid" else seeds, args.tolerance, args.in_flight)
+        took = time.perf_counter() - began
+        needed = [n if n is not None else e.grid_size for n in e.needed]
+        rows.append({"algorithm": algorithm, "mean": e.mean, "share_of_grid": e.share_of_grid, "median": statistics.median(needed),
+                     "worst": e.worst, "reached": e.reached, "seeds": e.seeds, "needed": e.needed, "seconds": took})  # fmt: skip
+        print(f"{algorithm:<10} {e.mean:>11.1f} {e.share_of_grid:>8.0%} {statistics.median(needed):>7.1f} {e.worst:>6} "
+              f"{e.reached:>4}/{e.seeds:<3} {took:>8.1f}")  # fmt: skip
+    bayesian = [r for r in rows if r["algorithm"] in BAYESIAN]
+    if bayesian:
+        top = min(bayesian, key=lambda r: r["mean"])
+        verdict = "met" if top["share_of_grid"] <= TARGET_SHARE else "missed"
+        print(f"best Bayesian option: {top['algorithm']}, {top['share_of_grid']:.0%} of the grid's trials on average "
+              f"(target <= {TARGET_SHARE:.0%}): {verdict}")  # fmt: skip
+    if args.json:
+        Path(args.json).write_text(json.dumps({"surface": str(args.surface), "grid_size": len(surface.results), "best": best,
+                                               "tolerance": args.tolerance, "rows": rows}, indent=2) + "\n")  # fmt: skip
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command_name", required=True)
+    rec = commands.add_parser("record", help="store a study that ran its full grid as a surface file")
+    rec.add_argument("study_dir", type=Path)
+    rec.add_argument("--out", type=Path, required=True)
+    rec.add_argument("--command", required=True, help="the command that measured the study, for the record")
+    rec.add_argument("--note", default="", help="anything else a reader should know about how it was measured")
+    rep = commands.add_parser("replay", help="count the trials each algorithm needs on a surface")
+    rep.add_argument("surface", type=Path)
+    rep.add_argument("--seeds", type=int, default=10)
+    rep.add_argument("--seed0", type=int, default=0)
+    rep.add_argument("--tolerance", type=float, default=0.05)
+    rep.add_argument("--in-flight", type=int, default=1, help="trials proposed before the first result comes back")
+    rep.add_argument("--algorithms", nargs="+", choices=ALGORITHMS, default=list(ALGORITHMS))
+    rep.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    try:
+        return record(args) if args.command_name == "record" else replay(args)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""The replay harness: a made-up surface with a known optimum, searched by every algorithm."""
+
+import json
+
+import pytest
+import yaml
+
+from servetune.config.space import SearchSpace
+from servetune.errors import UserError
+from servetune.results import best_level_index
+from servetune.study.replay import ALGORITHMS, Surface, efficiency, key, replay, score, trials_to_reach
+from tests.builders import level, trial
+
+SPACE = {
+    "name": "made-up", "model": "org/m", "workload": "chat", "hardware": {"devices_per_node": 8},
+    "slo": {"ttft_ms": {"p99": 2000}},
+    "params": {"max_num_seqs": [1, 2, 3, 4, 5, 6, 7, 8], "max_num_batched_tokens": [1, 2, 3, 4, 5, 6],
+               "enable_prefix_caching": [True, False]},
+    "constraints": ["max_num_seqs + max_num_batched_tokens <= 13"],  # two points excluded: 8 + 6
+    "search": {"algorithm": "tpe", "objectives": [{"metric": "goodput", "mode": "max"}]},
+}  # fmt: skip
+OPTIMUM = {"max_num_seqs": 6, "max_num_batched_tokens": 2, "enable_prefix_caching": True}
+
+
+def made_up(params) -> "trial":
+    """Goodput peaks at OPTIMUM; the largest batches break the TTFT bound; one point ran out of memory."""
+    s, b, cached = params["max_num_seqs"], params["max_num_batched_tokens"], params["enable_prefix_caching"]
+    out_tps = 6000 - 150 * (s - 6) ** 2 - 200 * (b - 2) ** 2 - (0 if cached else 300)
+    if (s, b) == (5, 2) and not cached:
+        return trial(key(params), params, outcome="FAILED", reason="engine exited: CUDA out of memory")
+    ttft = 3000 if s + b >= 12 else 500
+    violations = ("ttft_ms_p99 = 3000 > 2000",) if ttft > 2000 else ()
+    result = trial(key(params), params, [level(4, out_tps / 2, ttft / 2), level(16, out_tps, ttft, violations=violations)])
+    result.best_level_index = best_level_index(result.levels)
+    return result
+
+
+@pytest.fixture(scope="module")
+def surface() -> Surface:
+    space = SearchSpace.model_validate(SPACE)
+    kept, _ = space.grid()
+    return Surface.from_results(space, [made_up(p) for p in kept], {"how": "made up"})
+
+
+def test_the_surface_knows_its_optimum_and_scores_failures_and_slo_breaks_zero(surface):
+    assert len(surface.results) == 94
+    assert surface.best_score == pytest.approx(6000 / 60)
+    assert surface.score_of(OPTIMUM) == surface.best_score
+    assert surface.score_of({**OPTIMUM, "max_num_seqs": 5, "enable_prefix_caching": False}) == 0.0  # failed
+    assert surface.score_of({"max_num_seqs": 7, "max_num_batched_tokens": 5, "enable_prefix_caching": True}) == pytest.approx(
+        (6000 - 150 - 1800) / 2 / 60)  # its top level broke the SLO: the level below counts  # fmt: skip
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_every_algorithm_finds_the_known_optimum(surface, algorithm):
+    scores = replay(surface, algorithm, seed=3, until=surface.best_score)
+    assert scores[-1] == surface.best_score and max(scores[:-1], default=0) < surface.best_score
+    assert len(scores) <= len(surface.results)
+
+
+def test_the_grid_replays_in_the_grid_s_order_and_random_depends_on_its_seed(surface):
+    kept, _ = surface.space.grid()
+    assert replay(surface, "grid", seed=0) == [surface.score_of(p) for p in kept]
+    assert replay(surface, "grid", seed=0, budget=5) == [surface.score_of(p) for p in kept[:5]]
+    first, again, other = (replay(surface, "random", seed=s, budget=20) for s in (1, 1, 2))
+    assert first == again and first != other
+
+
+def test_tpe_needs_far_fewer_trials_than_the_grid_on_a_smooth_surface(surface):
+    grid = efficiency(surface, "grid", seeds=[0])
+    tpe = efficiency(surface, "tpe", seeds=range(4))
+    assert tpe.reached == 4
+    assert tpe.mean < grid.mean / 2, (tpe.needed, grid.needed)
+
+
+def test_trials_in_flight_still_find_the_optimum(surface):
+    scores = replay(surface, "tpe", seed=0, in_flight=4, until=surface.best_score)
+    assert scores[-1] == surface.best_score
+
+
+def test_trials_to_reach_counts_from_one():
+    assert trials_to_reach([1.0, 5.0, 9.0], 5.0) == 2
+    assert trials_to_reach([1.0], 5.0) is None
+
+
+def test_a_surface_round_trips_through_its_file(surface, tmp_path):
+    surface.dump(tmp_path / "s.json", yaml.safe_dump(SPACE))
+    loaded = Surface.load(tmp_path / "s.json")
+    assert loaded.made_by == {"how": "made up"}
+    assert {k: score(r) for k, r in loaded.results.items()} == {k: score(r) for k, r in surface.results.items()}
+
+
+def test_a_surface_missing_grid_points_or_not_a_surface_is_one_clear_error(surface, tmp_path):
+    space = SearchSpace.model_validate(SPACE)
+    with pytest.raises(UserError, match=r"search space 'made-up': 1 of 94 grid points have no result"):
+        Surface.from_results(space, list(surface.results.values())[1:])
+    ranged = SearchSpace.model_validate({**SPACE, "params": {"max_num_seqs": {"low": 1, "high": 8}}, "constraints": []})
+    with pytest.raises(UserError, match="lists for every parameter"):
+        Surface.from_results(ranged, [])
+    (tmp_path / "bad.json").write_text(json.dumps({"space": "name: x"}))
+    with pytest.raises(UserError, match=r"bad.json: not a recorded surface"):
+        Surface.load(tmp_path / "bad.json")
+
+
+def test_a_surface_where_nothing_met_the_slo_has_no_optimum_to_find():
+    space = SearchSpace.model_validate({**SPACE, "params": {"max_num_seqs": [1, 2]}, "constraints": []})
+    failed = Surface.from_results(space, [trial(key({"max_num_seqs": s}), {"max_num_seqs": s}, outcome="FAILED") for s in (1, 2)])
+    with pytest.raises(UserError, match="no recorded trial met the SLO"):
+        efficiency(failed, "tpe", seeds=[0])
+
+
+def test_the_bench_records_a_study_that_ran_its_grid_and_replays_it(surface, tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    from tests.builders import study_info, write_study
+
+    bench = Path(__file__).resolve().parents[2] / "bench" / "search_efficiency.py"
+    spec = importlib.util.spec_from_file_location("search_efficiency", bench)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    kept = list(surface.results.values())
+    study = write_study(tmp_path / "study", study_info(name="made-up"), [r.model_copy(update={"trial_id": f"t{i}"}) for i, r in enumerate(kept)])
+    (study / "space.yaml").write_text(yaml.safe_dump(SPACE))
+    assert module.main(["record", str(study), "--out", str(tmp_path / "s.json"), "--command", "servetune run made-up.yaml"]) == 0
+    made_by = json.loads((tmp_path / "s.json").read_text())["made_by"]
+    assert made_by["command"] == "servetune run made-up.yaml" and made_by["trials"] == 94 and made_by["outcomes"] == {"COMPLETE": 93, "FAILED": 1}
+
+    argv = ["replay", str(tmp_path / "s.json"), "--seeds", "2", "--algorithms", "grid", "tpe", "--json", str(tmp_path / "r.json")]
+    assert module.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "94 grid points" in out and "best Bayesian option: tpe" in out
+    rows = {r["algorithm"]: r for r in json.loads((tmp_path / "r.json").read_text())["rows"]}
+    assert rows["grid"]["seeds"] == 1 and rows["tpe"]["seeds"] == 2 and rows["tpe"]["reached"] == 2
+
+    (study / "trials" / "t0" / "result.json").unlink()
+    assert module.main(["record", str(study), "--out", str(tmp_path / "t.json"), "--command", "x"]) == 2
+    assert "1 of 94 grid points have no result" in capsys.readouterr().err
+    assert not (tmp_path / "t.json").exists()
