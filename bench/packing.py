@@ -32,13 +32,13 @@ from pathlib import Path
 import numpy as np
 from ray.tune import Callback
 
+from servetune.accounting import time_accounting
 from servetune.study.packing import (
     Reservation,
     max_concurrent_to_fill,
     order_for_packing,
     overlapping,
     peak_devices,
-    time_accounting,
     utilization,
 )
 

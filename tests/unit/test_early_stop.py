@@ -2,14 +2,8 @@
 
 import pytest
 
-from servetune.study.early_stop import (
-    FinishedPoints,
-    dominated_at_level,
-    dominating_point,
-    early_stop_savings,
-    stop_cause,
-    stop_reason,
-)
+from servetune.accounting import early_stop_savings, stop_cause
+from servetune.study.early_stop import FinishedPoints, dominated_at_level, dominating_point, stop_reason
 from tests.builders import level, trial
 
 SLOW = ("ttft_ms_p99 = 3000 > 2000",)

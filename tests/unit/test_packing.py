@@ -5,12 +5,12 @@ import random
 
 import pytest
 
+from servetune.accounting import time_accounting
 from servetune.study.packing import (
     Reservation,
     order_for_packing,
     overlapping,
     peak_devices,
-    time_accounting,
     max_concurrent_to_fill,
     utilization,
 )

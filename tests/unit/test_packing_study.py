@@ -2,7 +2,7 @@
 
 from servetune.config.space import SearchSpace
 from servetune.study.driver import proposals
-from servetune.study.progress import device_time_lines
+from servetune.accounting import device_time_lines
 from tests.builders import level, trial
 
 
@@ -41,7 +41,7 @@ def test_the_summary_states_device_time_by_phase_and_what_early_stopping_saved()
         timed("a", 1, [level(1, 100, 100), level(4, 300, 200), level(16, 600, 400)]),
         timed("b", 4, [level(1, 100, 500)], because="dominated at concurrency 1: ..."),
     ]
-    lines = device_time_lines(results, space(4), planned_levels=3)
+    lines = device_time_lines(results, "gpu", planned_levels=3)
     assert lines[0] == ("GPU time: 12.0 GPU-min reserved by 2 trial(s): 58% measuring, 21% starting engines "
                         "(2 starts, mean 30 s, max 30 s), 21% warm-up, teardown and checks")  # fmt: skip
     assert lines[1] == "early stopping saved about 8.0 GPU-min (dominated: 1 trial(s), 8.0)"
@@ -49,5 +49,6 @@ def test_the_summary_states_device_time_by_phase_and_what_early_stopping_saved()
 
 def test_the_summary_without_early_stops_or_trials():
     results = [timed("a", 1, [level(1, 100, 100)] * 3)]
-    assert device_time_lines(results, space(4), 3)[1] == "early stopping: every ladder ran to its last level"
-    assert device_time_lines([], space(4), 3) == []
+    assert device_time_lines(results, "cpu", 3)[1] == "early stopping: every ladder ran to its last level"
+    assert device_time_lines(results, "cpu", 3)[0].startswith("core time: 4.0 core-min reserved by 1 trial(s)")
+    assert device_time_lines([], "gpu", 3) == []

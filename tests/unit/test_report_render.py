@@ -93,3 +93,21 @@ def test_png_files_are_written(report, tmp_path):
     for path in paths:
         data = path.read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+
+
+def test_the_report_says_where_device_time_went_and_what_early_stopping_saved(tmp_path):
+    from tests.builders import study_info, write_study
+
+    def timed(trial_id, levels, because=None):
+        t = trial(trial_id, {"max_num_seqs": 8 * len(levels)}, levels, devices=2)
+        return t.model_copy(update={"duration_s": 300.0, "startup_s": 120.0, "stopped_because": because})
+
+    trials = [timed("a", [level(4, 400, 300), level(16, 900, 600)]),
+              timed("b", [level(4, 300, 2500, violations=("ttft_ms_p99 = 2500 > 2000",))], because="SLO broken at concurrency 4: ...")]  # fmt: skip
+    info = study_info(levels=["concurrency 4", "concurrency 16", "concurrency 64"])
+    md = render_markdown(build_report(load_study(write_study(tmp_path / "s", info, trials))))
+    section = md.split("## Device time")[1].split("## ")[0]
+    assert "- GPU time: 20.0 GPU-min reserved by 2 trial(s): 30% measuring, 40% starting engines (2 starts, mean 120 s, max 120 s), 30% warm-up" in section
+    assert "- early stopping saved about 4.0 GPU-min (SLO broken: 1 trial(s), 4.0)" in section  # 2 levels of 60 s on 2 GPUs
+    older = render_markdown(build_report(load_study(write_study(tmp_path / "old", study_info(), trials))))
+    assert "early stopping saved about 2.0 GPU-min" in older  # no ladder in study.json: the longest one run counts

@@ -102,7 +102,8 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
         write_study_info,
     )
     from servetune.study.objectives import objectives_and_constraints
-    from servetune.study.progress import LiveTable, device_time_lines, stderr_console, summary_table
+    from servetune.accounting import device_time_lines
+    from servetune.study.progress import LiveTable, stderr_console, summary_table
     from servetune.study.searcher import ConstrainedOptunaSearch
     from servetune.study.tuner import init_ray, run_tuner
     from servetune.tracking import MlflowCallback
@@ -111,9 +112,10 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
     study_dir = args.storage / space.name
     prepare_study_dir(study_dir, args.space, args.resume)
     model = resolve_model(space, study_dir, args.space.parent)
-    write_study_info(study_dir, study_info(space, args.space, model))
     workload = space.resolved_workload(args.space.parent)
-    context = StudyContext(space, workload, study_dir.resolve(), model, resolve_levels(space, workload), python=args.python)
+    levels = resolve_levels(space, workload)
+    write_study_info(study_dir, study_info(space, args.space, model, levels))
+    context = StudyContext(space, workload, study_dir.resolve(), model, levels, python=args.python)
     signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(SystemExit(128 + signum)))
 
     points, searcher, num_samples = None, None, 0
@@ -138,7 +140,7 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
     results = finished_results(study_dir)
     out = make_console()
     out.print(summary_table(results, space))
-    for line in device_time_lines(results, space, len(context.levels)):
+    for line in device_time_lines(results, space.device, len(context.levels)):
         out.print(line, soft_wrap=True)
     if not results:
         return 0

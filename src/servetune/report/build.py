@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from servetune.accounting import device_time_lines
 from servetune.errors import UserError
 from servetune.report.pareto import FRONTS, FrontSpec, ParetoFront, pareto_front, study_front
 from servetune.report.points import (
@@ -49,6 +50,7 @@ class StudyReport:
     slo: tuple[SloLine, ...]
     fronts: tuple[Front, ...]  # FRONTS in order, then the study's own objectives if different
     recommendation: Recommendation
+    device_time: tuple[str, ...] = ()  # where the reserved device time went (study/progress.py)
 
     def outcome_counts(self) -> dict[str, int]:
         """Trials by outcome, plus ``not read`` (every trial directory is counted once)."""
@@ -108,4 +110,10 @@ def build_report(study: LoadedStudy, price_per_device_hour: float | None = None)
         slo=tuple(parse_slo_lines(study.info.slo, source=f"{study.root / 'study.json'}: slo")),
         fronts=fronts,
         recommendation=recommend(points, outlines),
+        device_time=tuple(device_time_lines(list(study.trials), study.info.device, planned_levels(study))),
     )
+
+
+def planned_levels(study: LoadedStudy) -> int:
+    """The rungs of the study's ladder; for a study.json written before it said, the most any trial ran."""
+    return len(study.info.levels) or max((len(t.levels) for t in study.trials), default=0)

@@ -127,6 +127,8 @@ def render_html(report: StudyReport) -> str:
         f"SLO: {e(', '.join(str(s) for s in report.slo) or 'none')}</p>",
         f"<p class='rec'>{rec_html}</p>",
     ]
+    if report.device_time:
+        parts.append("<p class='muted'>" + "<br>".join(e(line) for line in report.device_time) + "</p>")
     for index, front in enumerate(report.fronts):
         fig = front_figure(report, front)
         parts.append(

@@ -104,6 +104,8 @@ def render_markdown(report: StudyReport) -> str:
         lines += ["### Trials not read", ""]
         lines += [f"- `{item.path}`: {item.why}" for item in report.not_read]
         lines.append("")
+    if report.device_time:
+        lines += ["## Device time", "", *(f"- {line}" for line in report.device_time), ""]
     for index, front in enumerate(report.fronts):
         lines += _front_section(report, front, indexed_by_export=index == 0)
     return "\n".join(lines).rstrip() + "\n"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -166,7 +167,7 @@ def _draw(values: Any, rng: np.random.Generator) -> Any:
     return int(round(x)) if values.is_int else x
 
 
-def study_info(space: SearchSpace, space_path: Path, model: str) -> StudyInfo:
+def study_info(space: SearchSpace, space_path: Path, model: str, levels: Sequence[object] = ()) -> StudyInfo:
     return StudyInfo(
         name=space.name, created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         space_file=str(space_path), model=model,
@@ -174,7 +175,7 @@ def study_info(space: SearchSpace, space_path: Path, model: str) -> StudyInfo:
         device=space.device, algorithm=space.search.algorithm,
         objectives=[(o.metric, o.mode) for o in space.search.objectives],
         slo=[str(b) for b in space.slo_bounds.bounds], price_per_device_hour=space.price_per_device_hour,
-        servetune_version=__version__,
+        servetune_version=__version__, levels=[str(lv) for lv in levels],
     )  # fmt: skip
 
 

@@ -19,12 +19,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from servetune.accounting import DOMINATED
 from servetune.metrics import COST_METRIC
 from servetune.results import OperatingPoint, TrialResult
 
 #: What dominance compares (lower is better for both).
 TTFT_METRIC = "ttft_ms_p99"
-DOMINATED = "dominated at"
 
 
 def _level_key(level: Mapping[str, float]) -> tuple[tuple[str, float], ...]:
@@ -116,36 +116,3 @@ def dominance_rule(board: Any, timeout_s: float = 10.0) -> Callable[[OperatingPo
         return stop_reason(point, dominating_point(point, finished))
 
     return rule
-
-
-def stop_cause(stopped_because: str | None) -> str | None:
-    """Which rule stopped the ladder: ``dominated``, ``slo``, ``saturated``, ``no requests`` (None: it did not stop early)."""
-    if not stopped_because:
-        return None
-    for prefix, cause in ((DOMINATED, "dominated"), ("SLO broken", "slo"), ("saturated", "saturated")):
-        if stopped_because.startswith(prefix):
-            return cause
-    return "no requests"
-
-
-def early_stop_savings(results: Iterable[TrialResult], planned_levels: int) -> dict[str, Any]:
-    """Device-minutes (GPU-minutes; core-minutes on the CPU stand-in) spent by trials, and an
-    estimate of those saved by stopping ladders early, by cause (see :func:`stop_cause`).
-
-    A trial that stopped after k of ``planned_levels`` levels saved (planned - k) levels, each
-    estimated at the mean measured seconds of its own levels, times its devices. Warm-up and
-    drain make real levels longer, so this errs low.
-    """
-    spent = 0.0
-    saved: dict[str, float] = {}
-    stopped: dict[str, int] = {}
-    for result in results:
-        spent += (result.duration_s or 0.0) * result.devices / 60.0
-        cause = stop_cause(result.stopped_because) if result.outcome == "COMPLETE" else None
-        if cause is None or not result.levels:
-            continue
-        per_level_s = sum(level.summary.duration_s for level in result.levels) / len(result.levels)
-        skipped = max(planned_levels - len(result.levels), 0)
-        saved[cause] = saved.get(cause, 0.0) + per_level_s * skipped * result.devices / 60.0
-        stopped[cause] = stopped.get(cause, 0) + 1
-    return {"device_minutes_spent": spent, "device_minutes_saved": sum(saved.values()), "saved_by_cause": saved, "trials_stopped": stopped}

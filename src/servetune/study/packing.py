@@ -22,16 +22,14 @@ to fit backs off). Seen with Ray 2.60 on 8 declared GPUs and 17 of 30 trials in 
   the smallest that fits): 0.73 largest first, 0.79 in grid order, 0.88 smallest first, 0.89
   in these groups; with 17 in flight, 0.90 to 0.91 in any order.
 
-Everything here is pure: it reads points and results, never Ray.
+Everything here is pure: it reads points and reservations, never Ray.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
-
-from servetune.results import TrialResult
+from typing import TypeVar
 
 Point = TypeVar("Point")
 
@@ -115,45 +113,3 @@ def overlapping(reservations: Sequence[Reservation]) -> list[tuple[Reservation, 
                 break
             pairs.append((first, second))
     return pairs
-
-
-def time_accounting(results: Iterable[TrialResult]) -> dict[str, Any]:
-    """Where the device time reserved by trials went: measuring, against starting engines and the rest.
-
-    Device-seconds (GPU-seconds; core-seconds on the CPU stand-in) are a trial's duration times
-    its devices. ``measuring`` is the measured part of every load level; ``starting`` is engine
-    startup (process start to healthy); ``other`` is the rest: capacity check, tokenizer
-    loading, warm-up requests, failed starts and teardown. Shares are of the total (0 when
-    nothing ran).
-    """
-    total = measuring = starting = 0.0
-    startups: list[float] = []
-    trials = 0
-    for result in results:
-        trials += 1
-        duration = result.duration_s or 0.0
-        measured = sum(level.summary.duration_s for level in result.levels)
-        startup = result.startup_s or 0.0
-        if result.startup_s is not None:
-            startups.append(result.startup_s)
-        total += duration * result.devices
-        measuring += min(measured, duration) * result.devices
-        starting += min(startup, max(duration - measured, 0.0)) * result.devices
-    other = max(total - measuring - starting, 0.0)
-
-    def share(x: float) -> float:
-        return x / total if total > 0 else 0.0
-
-    return {
-        "trials": trials,
-        "device_seconds": total,
-        "measuring_device_seconds": measuring,
-        "starting_device_seconds": starting,
-        "other_device_seconds": other,
-        "measuring_share": share(measuring),
-        "starting_share": share(starting),
-        "other_share": share(other),
-        "engine_starts": len(startups),
-        "startup_s_mean": sum(startups) / len(startups) if startups else None,
-        "startup_s_max": max(startups, default=None),
-    }  # fmt: skip

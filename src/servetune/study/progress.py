@@ -12,8 +12,6 @@ from rich.table import Table
 
 from servetune.config.space import SearchSpace, describe_params
 from servetune.results import TrialResult
-from servetune.study.early_stop import early_stop_savings
-from servetune.study.packing import time_accounting
 
 
 def _fmt(value: Any, digits: int = 1) -> str:
@@ -110,30 +108,6 @@ def summary_table(results: list[TrialResult], space: SearchSpace, top: int = 5) 
         table.add_row(result.trial_id, describe_params(result.params), level, _fmt(m.get("goodput"), 2), _fmt(m.get("output_throughput")),
                       _fmt(m.get("ttft_ms_p99")), _fmt(m.get("tpot_ms_p99")), _fmt(m.get("cost_per_mtok_usd"), 3))  # fmt: skip
     return table
-
-
-def device_time_lines(results: list[TrialResult], space: SearchSpace, planned_levels: int) -> list[str]:
-    """Where the device time reserved by trials went, and what stopping ladders early saved."""
-    unit = "GPU" if space.device == "gpu" else "core"
-    spent = time_accounting(results)
-    if not spent["device_seconds"]:
-        return []
-    starts = ""
-    if spent["engine_starts"]:
-        starts = f" ({spent['engine_starts']} starts, mean {spent['startup_s_mean']:.0f} s, max {spent['startup_s_max']:.0f} s)"
-    lines = [
-        f"{unit} time: {spent['device_seconds'] / 60:,.1f} {unit}-min reserved by {spent['trials']} trial(s): "
-        f"{spent['measuring_share']:.0%} measuring, {spent['starting_share']:.0%} starting engines{starts}, "
-        f"{spent['other_share']:.0%} warm-up, teardown and checks"
-    ]
-    savings = early_stop_savings(results, planned_levels)
-    if savings["trials_stopped"]:
-        causes = {"dominated": "dominated", "slo": "SLO broken", "saturated": "saturated", "no requests": "no request completed"}
-        parts = [f"{causes[c]}: {n} trial(s), {savings['saved_by_cause'][c]:,.1f}" for c, n in savings["trials_stopped"].items()]
-        lines.append(f"early stopping saved about {savings['device_minutes_saved']:,.1f} {unit}-min ({'; '.join(parts)})")
-    else:
-        lines.append("early stopping: every ladder ran to its last level")
-    return lines
 
 
 def stderr_console() -> Console:

@@ -1,0 +1,118 @@
+"""Where a study's device time went: measuring, starting engines, the rest, and what early stopping saved.
+
+Device-seconds are GPU-seconds on GPUs and core-seconds on the CPU stand-in: a trial's duration
+times the devices it reserved. Pure: reads results, never Ray (the report uses it too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from servetune.results import TrialResult
+
+#: How the ladder words its reasons to stop early (trial/ladder.py, study/early_stop.py).
+DOMINATED = "dominated at"
+
+
+def time_accounting(results: Iterable[TrialResult]) -> dict[str, Any]:
+    """Where the device time reserved by trials went: measuring, against starting engines and the rest.
+
+    Device-seconds (GPU-seconds; core-seconds on the CPU stand-in) are a trial's duration times
+    its devices. ``measuring`` is the measured part of every load level; ``starting`` is engine
+    startup (process start to healthy); ``other`` is the rest: capacity check, tokenizer
+    loading, warm-up requests, failed starts and teardown. Shares are of the total (0 when
+    nothing ran).
+    """
+    total = measuring = starting = 0.0
+    startups: list[float] = []
+    trials = 0
+    for result in results:
+        trials += 1
+        duration = result.duration_s or 0.0
+        measured = sum(level.summary.duration_s for level in result.levels)
+        startup = result.startup_s or 0.0
+        if result.startup_s is not None:
+            startups.append(result.startup_s)
+        total += duration * result.devices
+        measuring += min(measured, duration) * result.devices
+        starting += min(startup, max(duration - measured, 0.0)) * result.devices
+    other = max(total - measuring - starting, 0.0)
+
+    def share(x: float) -> float:
+        return x / total if total > 0 else 0.0
+
+    return {
+        "trials": trials,
+        "device_seconds": total,
+        "measuring_device_seconds": measuring,
+        "starting_device_seconds": starting,
+        "other_device_seconds": other,
+        "measuring_share": share(measuring),
+        "starting_share": share(starting),
+        "other_share": share(other),
+        "engine_starts": len(startups),
+        "startup_s_mean": sum(startups) / len(startups) if startups else None,
+        "startup_s_max": max(startups, default=None),
+    }  # fmt: skip
+
+
+def stop_cause(stopped_because: str | None) -> str | None:
+    """Which rule stopped the ladder: ``dominated``, ``slo``, ``saturated``, ``no requests`` (None: it did not stop early)."""
+    if not stopped_because:
+        return None
+    for prefix, cause in ((DOMINATED, "dominated"), ("SLO broken", "slo"), ("saturated", "saturated")):
+        if stopped_because.startswith(prefix):
+            return cause
+    return "no requests"
+
+
+def early_stop_savings(results: Iterable[TrialResult], planned_levels: int) -> dict[str, Any]:
+    """Device-minutes (GPU-minutes; core-minutes on the CPU stand-in) spent by trials, and an
+    estimate of those saved by stopping ladders early, by cause (see :func:`stop_cause`).
+
+    A trial that stopped after k of ``planned_levels`` levels saved (planned - k) levels, each
+    estimated at the mean measured seconds of its own levels, times its devices. Warm-up and
+    drain make real levels longer, so this errs low.
+    """
+    spent = 0.0
+    saved: dict[str, float] = {}
+    stopped: dict[str, int] = {}
+    for result in results:
+        spent += (result.duration_s or 0.0) * result.devices / 60.0
+        cause = stop_cause(result.stopped_because) if result.outcome == "COMPLETE" else None
+        if cause is None or not result.levels:
+            continue
+        per_level_s = sum(level.summary.duration_s for level in result.levels) / len(result.levels)
+        skipped = max(planned_levels - len(result.levels), 0)
+        saved[cause] = saved.get(cause, 0.0) + per_level_s * skipped * result.devices / 60.0
+        stopped[cause] = stopped.get(cause, 0) + 1
+    return {"device_minutes_spent": spent, "device_minutes_saved": sum(saved.values()), "saved_by_cause": saved, "trials_stopped": stopped}
+
+
+def device_time_lines(results: list[TrialResult], device: str, planned_levels: int) -> list[str]:
+    """Where the device time reserved by trials went, and what stopping ladders early saved.
+
+    ``device`` is the study's (``gpu``, or ``cpu``: core time); ``planned_levels`` the rungs
+    of its load ladder.
+    """
+    unit = "GPU" if device == "gpu" else "core"
+    spent = time_accounting(results)
+    if not spent["device_seconds"]:
+        return []
+    starts = ""
+    if spent["engine_starts"]:
+        starts = f" ({spent['engine_starts']} starts, mean {spent['startup_s_mean']:.0f} s, max {spent['startup_s_max']:.0f} s)"
+    lines = [
+        f"{unit} time: {spent['device_seconds'] / 60:,.1f} {unit}-min reserved by {spent['trials']} trial(s): "
+        f"{spent['measuring_share']:.0%} measuring, {spent['starting_share']:.0%} starting engines{starts}, "
+        f"{spent['other_share']:.0%} warm-up, teardown and checks"
+    ]
+    savings = early_stop_savings(results, planned_levels)
+    if savings["trials_stopped"]:
+        causes = {"dominated": "dominated", "slo": "SLO broken", "saturated": "saturated", "no requests": "no request completed"}
+        parts = [f"{causes[c]}: {n} trial(s), {savings['saved_by_cause'][c]:,.1f}" for c, n in savings["trials_stopped"].items()]
+        lines.append(f"early stopping saved about {savings['device_minutes_saved']:,.1f} {unit}-min ({'; '.join(parts)})")
+    else:
+        lines.append("early stopping: every ladder ran to its last level")
+    return lines
