@@ -105,7 +105,8 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
     from servetune.accounting import device_time_lines
     from servetune.study.progress import LiveTable, stderr_console, summary_table
     from servetune.study.searcher import ConstrainedOptunaSearch
-    from servetune.study.tuner import init_ray, run_tuner
+    from servetune.study.packing import resolve_max_concurrent
+    from servetune.study.tuner import cluster_devices, init_ray, run_tuner
     from servetune.tracking import MlflowCallback
 
     console = stderr_console()
@@ -135,8 +136,10 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
     console.print(f"study {space.name}: {space.search.algorithm} search, {num_samples} trial(s) to run, results in {study_dir}")
     if num_samples:
         init_ray(args.address)
+        at_once = resolve_max_concurrent(space, cluster_devices(space))
+        console.print(f"{at_once} trial(s) at once" + (" (max_concurrent: auto)" if space.search.max_concurrent == "auto" else ""))
         callbacks = [ResultMirror(context), LiveTable(space, console), MlflowCallback(study_dir.resolve(), args.tracking_uri)]
-        run_tuner(context, points, searcher, num_samples, callbacks)
+        run_tuner(context, points, searcher, num_samples, callbacks, at_once)
     results = finished_results(study_dir)
     out = make_console()
     out.print(summary_table(results, space))

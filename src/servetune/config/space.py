@@ -134,7 +134,8 @@ class Search(BaseModel):
 
     algorithm: Literal["grid", "random", "tpe", "nsga2", "gp"] = "grid"
     num_trials: int | None = Field(default=None, ge=1)  # grid: all points unless capped
-    max_concurrent: int = Field(default=1, ge=1)
+    # Trials at once; "auto": as many as the cluster's GPUs can run (study/packing.py), one on CPU.
+    max_concurrent: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
     objectives: tuple[Objective, ...] = (Objective(metric="goodput", mode="max"),)
     seed: int = 0
     baseline: bool = True  # run vLLM's defaults (only the fixed engine arguments) too: first, or in packing order

@@ -133,7 +133,7 @@ def proposals(space: SearchSpace, max_trials: int | None) -> list[dict[str, Any]
     points = ([{}] if space.search.baseline else []) + kept
     limit = max_trials or (space.search.num_trials if space.search.algorithm != "grid" else None) or space.search.num_trials
     points = points[:limit] if limit else points
-    if space.search.max_concurrent > 1:
+    if space.search.max_concurrent != 1:
         points = order_for_packing(points, space.devices, space.hardware.devices_per_node)
     return points
 

@@ -27,9 +27,13 @@ Everything here is pure: it reads points and reservations, never Ray.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from servetune.config.space import SearchSpace
 
 Point = TypeVar("Point")
 
@@ -71,6 +75,34 @@ def max_concurrent_to_fill(capacity: int, sizes: Iterable[int]) -> int:
     """
     smallest = min((max(int(s), 1) for s in sizes), default=1)
     return 2 * max(capacity // smallest, 1) + 1
+
+
+def resolve_max_concurrent(space: SearchSpace, cluster_devices: float | None) -> int:
+    """``search.max_concurrent`` as a number: ``auto`` fills the cluster's GPUs.
+
+    Grid and random search: :func:`max_concurrent_to_fill` (trials waiting for GPUs count, so
+    a margin lets Ray backfill). Bayesian search: as many as the GPUs can run at once, no more,
+    so each proposal still learns from as many results as it can. On CPU, one: trials on one
+    host would share the cores their measurements run on.
+    """
+    wanted = space.search.max_concurrent
+    if wanted != "auto":
+        return int(wanted)
+    if space.device != "gpu" or not cluster_devices:
+        return 1
+    sizes = trial_sizes(space)
+    if space.search.algorithm in ("grid", "random"):
+        return max_concurrent_to_fill(int(cluster_devices), sizes)
+    return max(int(cluster_devices) // max(min(sizes), 1), 1)
+
+
+def trial_sizes(space: SearchSpace) -> list[int]:
+    """The devices each combination of the parallel sizes the space varies would reserve."""
+    from servetune.config.space import ENGINE_DEFAULTS, Range
+
+    axes = {name: values.grid_values() if isinstance(values, Range) else values
+            for name, values in space.params.items() if name in ENGINE_DEFAULTS}  # fmt: skip
+    return sorted({space.devices(dict(zip(axes, combo))) for combo in itertools.product(*axes.values())})
 
 
 @dataclass(frozen=True)

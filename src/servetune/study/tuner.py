@@ -34,8 +34,15 @@ def init_ray(address: str | None) -> None:
         ray.init(include_dashboard=False, **kwargs)  # a local cluster on this machine
 
 
+def cluster_devices(space: SearchSpace) -> float:
+    """The devices (GPUs, or CPUs for a CPU space) the Ray cluster has in all."""
+    import ray
+
+    return float(ray.cluster_resources().get("GPU" if space.device == "gpu" else "CPU", 0.0))
+
+
 def run_tuner(context: StudyContext, points: list[dict[str, Any]] | None, searcher: ConstrainedOptunaSearch | None,
-              num_samples: int, callbacks: list) -> None:  # fmt: skip
+              num_samples: int, callbacks: list, max_concurrent: int = 1) -> None:  # fmt: skip
     import ray
     from ray import tune
     from ray.tune.search import ConcurrencyLimiter
@@ -49,10 +56,10 @@ def run_tuner(context: StudyContext, points: list[dict[str, Any]] | None, search
     fn = tune.with_resources(tune.with_parameters(trainable, context=context, finished_points=finished_points), resources)
     if points is not None:
         param_space = {"params": tune.grid_search(points)}
-        tune_config = tune.TuneConfig(num_samples=1, max_concurrent_trials=space.search.max_concurrent)
+        tune_config = tune.TuneConfig(num_samples=1, max_concurrent_trials=max_concurrent)
     else:
         param_space = {}
-        limited = ConcurrencyLimiter(searcher, max_concurrent=space.search.max_concurrent)
+        limited = ConcurrencyLimiter(searcher, max_concurrent=max_concurrent)
         tune_config = tune.TuneConfig(search_alg=limited, num_samples=num_samples)
     run_config = tune.RunConfig(
         name="tune-" + dt.datetime.now().strftime("%Y%m%d-%H%M%S"),
