@@ -42,7 +42,8 @@ def cluster_devices(space: SearchSpace) -> float:
 
 
 def run_tuner(context: StudyContext, points: list[dict[str, Any]] | None, searcher: ConstrainedOptunaSearch | None,
-              num_samples: int, callbacks: list, max_concurrent: int = 1) -> None:  # fmt: skip
+              num_samples: int, callbacks: list, max_concurrent: int | None = None) -> None:  # fmt: skip
+    """Run the study's trials through Ray Tune; ``max_concurrent`` defaults to the space's, resolved."""
     import ray
     from ray import tune
     from ray.tune.search import ConcurrencyLimiter
@@ -50,6 +51,10 @@ def run_tuner(context: StudyContext, points: list[dict[str, Any]] | None, search
     from servetune.study.early_stop import start_finished_points
 
     space = context.space
+    if max_concurrent is None:
+        from servetune.study.packing import resolve_max_concurrent
+
+        max_concurrent = resolve_max_concurrent(space, cluster_devices(space))
     resources = lambda config: tune.PlacementGroupFactory([bundle(space, config["params"])])  # noqa: E731
     # Trials stop at levels finished trials dominate: they ask this actor (study/early_stop.py).
     finished_points = start_finished_points(finished_results(context.study_dir)) if space.stops_when_dominated else None
