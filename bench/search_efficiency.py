@@ -25,7 +25,7 @@ from pathlib import Path
 
 from servetune.errors import UserError
 from servetune.report.study import load_study
-from servetune.study.replay import ALGORITHMS, Surface, efficiency, score
+from servetune.study.replay import ALGORITHMS, Surface, efficiency, key, score
 
 TARGET_SHARE = 0.25
 BAYESIAN = ("tpe", "nsga2", "gp")
@@ -38,13 +38,18 @@ def record(args: argparse.Namespace) -> int:
     study = load_study(args.study_dir)
     space_path = Path(args.study_dir) / "space.yaml"
     space = load_yaml_model(space_path, SearchSpace)
-    results = []
+    results, seen = [], {}
     for result in study.trials:
-        stray = {k: v for k, v in result.params.items() if k not in space.params}
-        # a trial kept from a grid with one more axis: that axis must match the fixed value
-        results.append(result.model_copy(update={"params": {k: v for k, v in result.params.items() if k in space.params}}))
-        if stray:
-            print(f"note: {result.trial_id} ran with {stray}, fixed in this space", file=sys.stderr)
+        # A trial kept from a grid with one more axis counts only where that axis had the value
+        # this space fixes.
+        for name, value in result.params.items():
+            if name not in space.params and str(value) != str(fixed_value(space, name)):
+                raise UserError(f"{result.trial_id}: ran with {name}={value}, but {space_path} fixes it at {fixed_value(space, name)}")
+        params = {k: v for k, v in result.params.items() if k in space.params}
+        if key(params) in seen:
+            raise UserError(f"{result.trial_id} and {seen[key(params)]} ran the same grid point {params}")
+        seen[key(params)] = result.trial_id
+        results.append(result.model_copy(update={"params": params}))
     started = sorted(r.started_at for r in results if r.started_at)
     finished = sorted(r.finished_at for r in results if r.finished_at)
     outcomes: dict[str, int] = {}
@@ -63,6 +68,13 @@ def record(args: argparse.Namespace) -> int:
     surface.dump(args.out, space_path.read_text())
     print(f"{args.out}: {len(surface.results)} grid points, best goodput {surface.best_score:.2f} req/s under the SLO")
     return 0
+
+
+def fixed_value(space, name: str):
+    """What a space fixes a parameter at: its engine argument or environment variable (``env.``)."""
+    if name.startswith("env."):
+        return space.env.get(name[len("env."):])
+    return space.engine_args.get(name)
 
 
 def replay(args: argparse.Namespace) -> int:

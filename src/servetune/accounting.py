@@ -58,13 +58,13 @@ def time_accounting(results: Iterable[TrialResult]) -> dict[str, Any]:
 
 
 def stop_cause(stopped_because: str | None) -> str | None:
-    """Which rule stopped the ladder: ``dominated``, ``slo``, ``saturated``, ``no requests`` (None: it did not stop early)."""
+    """Which rule stopped the ladder: ``dominated``, ``slo``, ``saturated``, ``no requests`` or ``other`` (None: it did not stop early)."""
     if not stopped_because:
         return None
-    for prefix, cause in ((DOMINATED, "dominated"), ("SLO broken", "slo"), ("saturated", "saturated")):
+    for prefix, cause in ((DOMINATED, "dominated"), ("SLO broken", "slo"), ("saturated", "saturated"), ("no request completed", "no requests")):
         if stopped_because.startswith(prefix):
             return cause
-    return "no requests"
+    return "other"
 
 
 def early_stop_savings(results: Iterable[TrialResult], planned_levels: int) -> dict[str, Any]:
@@ -110,7 +110,7 @@ def device_time_lines(results: list[TrialResult], device: str, planned_levels: i
     ]
     savings = early_stop_savings(results, planned_levels)
     if savings["trials_stopped"]:
-        causes = {"dominated": "dominated", "slo": "SLO broken", "saturated": "saturated", "no requests": "no request completed"}
+        causes = {"dominated": "dominated", "slo": "SLO broken", "saturated": "saturated", "no requests": "no request completed", "other": "other"}
         parts = [f"{causes[c]}: {n} trial(s), {savings['saved_by_cause'][c]:,.1f}" for c, n in savings["trials_stopped"].items()]
         lines.append(f"early stopping saved about {savings['device_minutes_saved']:,.1f} {unit}-min ({'; '.join(parts)})")
     else:

@@ -177,7 +177,7 @@ class StudyInfo(BaseModel):
     slo: list[str]
     price_per_device_hour: float
     servetune_version: str
-    levels: list[str] = []  # the load ladder each trial climbs, e.g. "concurrency 8" (empty before 0.1.1)
+    levels: list[str] = []  # the load ladder each trial climbs, e.g. "concurrency 8" (empty in older study.json files)
 
 
 #: Layout of a study directory (``--storage``/<study name>/).

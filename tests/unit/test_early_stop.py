@@ -27,8 +27,8 @@ def test_a_costlier_and_slower_point_at_the_same_level_is_dominated():
 
 @pytest.mark.parametrize(
     "out_tps, ttft_p99",
-    [(500, 200), (1500, 400), (1000, 300)],  # faster / cheaper / equal (not strictly worse)
-    ids=["faster", "cheaper", "equal"],
+    [(500, 200), (1500, 400), (1000, 300), (500, 310), (1040, 400)],
+    ids=["faster", "cheaper", "equal", "slower-within-noise", "costlier-within-noise"],
 )
 def test_better_on_either_count_is_not_dominated(out_tps, ttft_p99):
     running = trial("run", {"max_num_seqs": 8}, [level(4, out_tps, ttft_p99)])
@@ -89,6 +89,7 @@ def test_finished_points_keep_complete_trials_and_levels_that_met_the_slo():
         ("SLO broken at concurrency 16: ttft_ms_p99 = 3000 > 2000", "slo"),
         ("saturated at concurrency 16: output throughput 10.0 tok/s, best so far 11.0", "saturated"),
         ("no request completed at concurrency 1", "no requests"),
+        ("something new", "other"),
     ],
 )
 def test_stop_cause(stopped_because, cause):
@@ -112,3 +113,27 @@ def test_savings_are_the_levels_not_run_at_the_trial_s_own_pace_times_its_device
     assert out["device_minutes_saved"] == pytest.approx(14.0)
     assert out["trials_stopped"] == {"dominated": 1, "slo": 1}
     assert out["device_minutes_spent"] == pytest.approx(5 + 2 * 2 + 4 * 3 + 8 * 2)
+
+
+def test_the_rule_a_trial_uses_asks_the_board_and_keeps_climbing_when_it_cannot(monkeypatch):
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    from servetune.study.early_stop import dominance_rule
+
+    class Board:  # stands in for the actor handle: at_level.remote gives what ray.get returns
+        def __init__(self, answer):
+            self.at_level = type("Method", (), {"remote": staticmethod(lambda level: answer)})()
+
+    def get(answer, timeout):
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(ray, "get", get)
+    running = point(trial("run", {"max_num_seqs": 8}, [level(4, 500, 400)]))
+    board = FinishedPoints([FINISHED])
+    assert dominance_rule(Board(board.at_level({"concurrency": 4}))).__call__(running).startswith("dominated at concurrency 4")
+    assert dominance_rule(Board([])).__call__(running) is None
+    assert dominance_rule(Board(GetTimeoutError("slow"))).__call__(running) is None
+    assert dominance_rule(Board(RayActorError())).__call__(running) is None

@@ -53,3 +53,14 @@ def test_a_bad_value_names_the_field(tmp_path):
     path.write_text("name: s\nmodel: org/m\nworkload: chat\nsearch: {max_concurrent: lots}\n")
     with pytest.raises(UserError, match=r"s.yaml: search.max_concurrent"):
         load_yaml_model(path, SearchSpace)
+
+
+def test_auto_keeps_the_grid_order_on_cpu_and_packs_on_gpu():
+    from servetune.study.driver import proposals
+
+    params = {"data_parallel_size": [2, 1], "max_num_seqs": [8, 32]}
+    on_cpu = proposals(space("grid", device="cpu", **params), None)
+    assert [p.get("data_parallel_size") for p in on_cpu] == [None, 2, 2, 1, 1]  # the baseline, then the grid's order
+    on_gpu = proposals(space("grid", device="gpu", **params), None)
+    assert [p.get("data_parallel_size") for p in on_gpu] == [None, 1, 1, 2, 2]  # smallest first
+    assert [p.get("data_parallel_size") for p in proposals(space("grid", device="cpu", max_concurrent=2, **params), None)] == [None, 1, 1, 2, 2]

@@ -138,3 +138,47 @@ def test_the_bench_records_a_study_that_ran_its_grid_and_replays_it(surface, tmp
     assert module.main(["record", str(study), "--out", str(tmp_path / "t.json"), "--command", "x"]) == 2
     assert "1 of 94 grid points have no result" in capsys.readouterr().err
     assert not (tmp_path / "t.json").exists()
+
+
+def test_recording_keeps_trials_of_a_wider_grid_only_where_they_ran_the_fixed_value(surface, tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    from tests.builders import study_info, write_study
+
+    bench = Path(__file__).resolve().parents[2] / "bench" / "search_efficiency.py"
+    spec = importlib.util.spec_from_file_location("search_efficiency", bench)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    fixed = {**SPACE, "env": {"VLLM_CPU_KVCACHE_SPACE": 1}}
+    wide = [r.model_copy(update={"trial_id": f"t{i}", "params": {**r.params, "env.VLLM_CPU_KVCACHE_SPACE": 1}})
+            for i, r in enumerate(surface.results.values())]  # fmt: skip
+    study = write_study(tmp_path / "study", study_info(name="made-up"), wide)
+    (study / "space.yaml").write_text(yaml.safe_dump(fixed))
+    assert module.main(["record", str(study), "--out", str(tmp_path / "s.json"), "--command", "x"]) == 0
+    assert Surface.load(tmp_path / "s.json").best_score == surface.best_score
+
+    other = wide[0].model_copy(update={"trial_id": "t-other", "params": {**wide[0].params, "env.VLLM_CPU_KVCACHE_SPACE": 2}})
+    (study / "trials" / "t-other").mkdir()
+    (study / "trials" / "t-other" / "result.json").write_text(other.model_dump_json())
+    assert module.main(["record", str(study), "--out", str(tmp_path / "t.json"), "--command", "x"]) == 2
+    assert "t-other: ran with env.VLLM_CPU_KVCACHE_SPACE=2, but" in capsys.readouterr().err
+
+
+def test_the_grid_replays_in_the_order_a_run_with_that_many_in_flight_would_use():
+    from servetune.study.packing import order_for_packing
+
+    space = SearchSpace.model_validate({**SPACE, "params": {"tensor_parallel_size": [4, 2, 1], "max_num_seqs": [1, 2]},
+                                        "constraints": []})  # fmt: skip
+    kept, _ = space.grid()
+    results = []
+    for i, p in enumerate(kept):
+        r = trial(f"t{i}", p, [level(4, 600 + 60 * i, 300)], devices=p["tensor_parallel_size"])
+        r.best_level_index = 0
+        results.append(r)
+    surface = Surface.from_results(space, results)
+    assert replay(surface, "grid", 0) == [surface.score_of(p) for p in kept]  # 4, 4, 2, 2, 1, 1 GPUs
+    packed = order_for_packing(kept, space.devices, 8)
+    assert [space.devices(p) for p in packed] == [1, 1, 2, 2, 4, 4]
+    assert replay(surface, "grid", 0, in_flight=4) == [surface.score_of(p) for p in packed]

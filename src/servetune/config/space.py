@@ -134,7 +134,7 @@ class Search(BaseModel):
 
     algorithm: Literal["grid", "random", "tpe", "nsga2", "gp"] = "grid"
     num_trials: int | None = Field(default=None, ge=1)  # grid: all points unless capped
-    # Trials at once; "auto": as many as the cluster's GPUs can run (study/packing.py), one on CPU.
+    # Trials at once; "auto": fill the cluster's GPUs (study/packing.py resolve_max_concurrent), one on CPU.
     max_concurrent: Annotated[int, Field(ge=1)] | Literal["auto"] = "auto"
     objectives: tuple[Objective, ...] = (Objective(metric="goodput", mode="max"),)
     seed: int = 0

@@ -50,7 +50,7 @@ class StudyReport:
     slo: tuple[SloLine, ...]
     fronts: tuple[Front, ...]  # FRONTS in order, then the study's own objectives if different
     recommendation: Recommendation
-    device_time: tuple[str, ...] = ()  # where the reserved device time went (study/progress.py)
+    device_time: tuple[str, ...] = ()  # where the reserved device time went (servetune/accounting.py)
 
     def outcome_counts(self) -> dict[str, int]:
         """Trials by outcome, plus ``not read`` (every trial directory is counted once)."""

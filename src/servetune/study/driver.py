@@ -133,9 +133,15 @@ def proposals(space: SearchSpace, max_trials: int | None) -> list[dict[str, Any]
     points = ([{}] if space.search.baseline else []) + kept
     limit = max_trials or (space.search.num_trials if space.search.algorithm != "grid" else None) or space.search.num_trials
     points = points[:limit] if limit else points
-    if space.search.max_concurrent != 1:
+    if packs(space):
         points = order_for_packing(points, space.devices, space.hardware.devices_per_node)
     return points
+
+
+def packs(space: SearchSpace) -> bool:
+    """Whether several trials may run at once (``auto`` is one at a time on CPU)."""
+    concurrent = space.search.max_concurrent
+    return (concurrent == "auto" and space.device == "gpu") or (isinstance(concurrent, int) and concurrent > 1)
 
 
 def _random_points(space: SearchSpace) -> list[dict[str, Any]]:

@@ -25,6 +25,9 @@ from servetune.results import OperatingPoint, TrialResult
 
 #: What dominance compares (lower is better for both).
 TTFT_METRIC = "ttft_ms_p99"
+#: How much better a finished point must be on both counts: P99 TTFT of one level is noisy,
+#: and a trial stopped on noise never shows what it does at higher load.
+MARGIN = 0.05
 
 
 def _level_key(level: Mapping[str, float]) -> tuple[tuple[str, float], ...]:
@@ -38,8 +41,8 @@ def _level_text(level: Mapping[str, float]) -> str:
 def dominating_point(point: OperatingPoint, finished: Iterable[OperatingPoint]) -> OperatingPoint | None:
     """A finished point at the same level that meets the SLO and is cheaper and faster, if any.
 
-    Strictly better on both counts; of several, the cheapest. Points missing either metric
-    neither dominate nor are dominated.
+    Better by at least :data:`MARGIN` on both counts; of several, the cheapest. Points missing
+    either metric neither dominate nor are dominated.
     """
     cost, ttft = point.metrics.get(COST_METRIC), point.metrics.get(TTFT_METRIC)
     if cost is None or ttft is None:
@@ -48,7 +51,8 @@ def dominating_point(point: OperatingPoint, finished: Iterable[OperatingPoint]) 
     better = [
         other for other in finished
         if other.meets_slo and other.trial_id != point.trial_id and _level_key(other.level) == key
-        and other.metrics.get(COST_METRIC, float("inf")) < cost and other.metrics.get(TTFT_METRIC, float("inf")) < ttft
+        and other.metrics.get(COST_METRIC, float("inf")) <= cost * (1 - MARGIN)
+        and other.metrics.get(TTFT_METRIC, float("inf")) <= ttft * (1 - MARGIN)
     ]  # fmt: skip
     return min(better, key=lambda p: p.metrics[COST_METRIC], default=None)
 
@@ -106,12 +110,12 @@ def dominance_rule(board: Any, timeout_s: float = 10.0) -> Callable[[OperatingPo
     stopping early saves time, it is never needed for a correct result.
     """
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
+    from ray.exceptions import GetTimeoutError, RayError
 
     def rule(point: OperatingPoint) -> str | None:
         try:
             finished = ray.get(board.at_level.remote(point.level), timeout=timeout_s)
-        except (GetTimeoutError, RayActorError):
+        except (GetTimeoutError, RayError):  # the actor is gone or slow: keep climbing
             return None
         return stop_reason(point, dominating_point(point, finished))
 

@@ -90,9 +90,12 @@ class Surface:
         return score(self.results[key(params)])
 
 
-def space_for(surface: Surface, algorithm: str, seed: int) -> SearchSpace:
+def space_for(surface: Surface, algorithm: str, seed: int, in_flight: int = 1) -> SearchSpace:
+    """The surface's space searched by ``algorithm``: the baseline (vLLM's defaults, not a grid
+    point, so not on the surface) left out; ``in_flight`` at once, as ``servetune run`` would
+    order them (the grid's order one at a time, packing order for several)."""
     search = surface.space.search.model_copy(
-        update={"algorithm": algorithm, "seed": seed, "baseline": False, "max_concurrent": 1, "num_trials": len(surface.results)}
+        update={"algorithm": algorithm, "seed": seed, "baseline": False, "max_concurrent": in_flight, "num_trials": len(surface.results)}
     )
     return surface.space.model_copy(update={"search": search})
 
@@ -108,7 +111,7 @@ def replay(
     """
     from servetune.study.driver import proposals
 
-    space = space_for(surface, algorithm, seed)
+    space = space_for(surface, algorithm, seed, in_flight)
     budget = min(budget or len(surface.results), len(surface.results))
     if algorithm in ("grid", "random"):
         scores = [surface.score_of(p) for p in proposals(space, budget)]
