@@ -63,3 +63,39 @@ def test_a_crash_is_seen(fake_python, tmp_path):
     with server(fake_python, tmp_path, crash_after_s=0.5) as srv:
         time.sleep(1.5)
         assert not srv.alive()
+        assert srv.process.returncode == -9  # through the reaper, as if the engine had been started directly
+
+
+LAUNCHER = """
+import sys, time
+from servetune.engine.server import VllmServer
+srv = VllmServer("fake-model", {"stubborn_child": True}, log_path=sys.argv[2], python=sys.argv[1], stop_grace_s=1.0)
+srv.__enter__()
+print(srv.process.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def test_a_killed_launcher_takes_the_engine_s_whole_group_with_it(fake_python, tmp_path):
+    # What a killed trial or driver leaves: vLLM's server dies, but its children (here one that
+    # even ignores SIGTERM) get no signal of their own. The reaper clears them.
+    import signal
+    import subprocess
+    import sys
+
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, fake_python, str(tmp_path / "engine.log")],
+                                stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        pgid = int(launcher.stdout.readline())
+        deadline = time.monotonic() + 10
+        while len(group_members(pgid)) < 3 and time.monotonic() < deadline:  # reaper, server, child
+            time.sleep(0.1)
+        assert len(group_members(pgid)) >= 3
+    finally:
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+    deadline = time.monotonic() + 15
+    while group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not group_members(pgid)
+    assert "killed 1 engine process(es) still running 1 s after SIGTERM" in (tmp_path / "engine.log").read_text()

@@ -2,10 +2,11 @@
 
 ``with VllmServer(model, engine_args, env) as server:`` starts
 ``python -m vllm.entrypoints.openai.api_server`` (works with the GPU build and with the CPU
-build, whose ``vllm`` console script is broken) on a free port of 127.0.0.1, as the leader of
-a new session, waits for ``/health`` while watching that the process lives, and on exit sends
-SIGTERM to the whole group, then SIGKILL after a grace period, and waits until no process of
-the group is left.
+build, whose ``vllm`` console script is broken) on a free port of 127.0.0.1 under
+:mod:`servetune.engine.reaper`, the leader of a new session that clears the whole group when
+the process that started it dies; waits for ``/health`` while watching that the process
+lives; and on exit sends SIGTERM to the whole group, then SIGKILL after a grace period, and
+waits until no process of the group is left.
 """
 
 from __future__ import annotations
@@ -100,6 +101,11 @@ class VllmServer:
             *engine_argv(self.engine_args, self.argspecs),
         ]  # fmt: skip
 
+    def launch_argv(self) -> list[str]:
+        """The reaper (servetune's interpreter) around :meth:`command`."""
+        reaper = [sys.executable, "-m", "servetune.engine.reaper", str(os.getpid()), "--grace", f"{self.stop_grace_s:g}"]
+        return [*reaper, "--", *self.command()]
+
     def start(self) -> None:
         if self.port is None:
             self.port = free_port(self.host)
@@ -107,8 +113,8 @@ class VllmServer:
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=env, start_new_session=True, preexec_fn=_term_with_parent,
+                self.launch_argv(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=env, start_new_session=True,
             )  # fmt: skip
 
     def wait_ready(self) -> None:
@@ -188,17 +194,6 @@ class VllmServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _term_with_parent() -> None:
-    """In the child: get SIGTERM when the process that started us dies (Linux), so a killed
-    trial or driver does not leave vLLM running. vLLM's own workers follow their server."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
-    except (OSError, AttributeError):
-        pass
 
 
 def _signal_group(pgid: int, sig: int) -> None:
