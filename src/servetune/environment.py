@@ -8,6 +8,7 @@ NCCL come from package metadata, never by importing them.
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import platform
 import sys
 from collections.abc import Sequence
@@ -79,6 +80,7 @@ def collect_environment(device: str, gpu_indices: Sequence[int] = (), python: st
         "torch": _version("torch"),
         "ray": _version("ray"),
         "nccl": _version("nvidia-nccl-cu12", "nvidia-nccl-cu13", "nvidia-nccl"),
+        "niceness": str(os.getpriority(os.PRIO_PROCESS, 0)),  # of the measuring thread; 0 unless it could not be lowered
     }
     if device == "gpu":
         env.update(_gpus(gpu_indices) or {"gpu_model": "no NVIDIA GPU visible"})
