@@ -99,3 +99,23 @@ def test_a_killed_launcher_takes_the_engine_s_whole_group_with_it(fake_python, t
         time.sleep(0.2)
     assert not group_members(pgid)
     assert "killed 1 engine process(es) still running 1 s after SIGTERM" in (tmp_path / "engine.log").read_text()
+
+
+def test_a_reaper_killed_outright_still_clears_the_group(fake_python, tmp_path):
+    # Ray SIGKILLs a worker's direct children when the worker exits; the reaper is one.
+    import os
+    import signal
+
+    srv = server(fake_python, tmp_path, stubborn_child=True)
+    with srv:
+        pgid = srv.process.pid
+        deadline = time.monotonic() + 10
+        while len(group_members(pgid)) < 4 and time.monotonic() < deadline:  # reaper, guard, server, child
+            time.sleep(0.1)
+        assert len(group_members(pgid)) >= 4
+        os.kill(pgid, signal.SIGKILL)
+        deadline = time.monotonic() + 15
+        while group_members(pgid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not group_members(pgid)
+    assert "the engine's reaper died; stopped its group (1 process(es) needed SIGKILL)" in (tmp_path / "engine.log").read_text()

@@ -8,6 +8,8 @@ after a killed study, holding memory and taking CPU from the trials measured nex
 reaper stays beside the engine and clears the whole group:
 
 - when the launcher dies, however it dies (``PR_SET_PDEATHSIG`` sends the reaper SIGTERM);
+- when the reaper itself is killed outright, as Ray does to a worker's direct children: a
+  guard, the reaper's own child in the group, then clears it (:func:`guard`);
 - when it is sent SIGTERM, SIGINT or SIGHUP (``VllmServer.stop`` signals the group);
 - when the engine exits by itself, so none of its children lingers.
 
@@ -87,11 +89,37 @@ def exit_like(returncode: int) -> None:
     sys.exit(returncode if returncode >= 0 else 128 - returncode)
 
 
+def guard(reaper_pid: int, grace_s: float) -> None:
+    """The reaper's own keeper: clears the group if the reaper is killed outright.
+
+    Ray kills a worker's direct children with SIGKILL when the worker exits (not their
+    children: ``RAY_kill_child_processes_on_worker_exit``), and the reaper is one. The guard,
+    the reaper's child in the same group, gets SIGUSR1 when the reaper dies and then clears
+    the group. SIGTERM (the group being stopped the ordinary way) ends it quietly.
+    """
+    died = threading.Event()
+    signal.signal(signal.SIGUSR1, lambda signum, frame: died.set())
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    set_parent_death_signal(signal.SIGUSR1)
+    if os.getppid() != reaper_pid:
+        died.set()
+    died.wait()
+    left = clear_group(grace_s)
+    print(f"servetune: the engine's reaper died; stopped its group ({left} process(es) needed SIGKILL)", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m servetune.engine.reaper", description=__doc__.split("\n\n")[0])
     parser.add_argument("launcher_pid", type=int, help="the process whose death ends the engine")
     parser.add_argument("--grace", type=float, default=20.0, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("--guard", action="store_true", help=argparse.SUPPRESS)  # the reaper's keeper (see guard)
     argv = sys.argv[1:] if argv is None else argv
+    if "--guard" in argv:
+        args = parser.parse_args(argv)
+        guard(args.launcher_pid, args.grace)
+        return
     if "--" not in argv or argv.index("--") == len(argv) - 1:
         parser.error("give the engine's command after --")
     split = argv.index("--")
@@ -104,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     if os.getppid() != args.launcher_pid:  # the launcher died before the death signal was armed
         sys.exit(128 + signal.SIGTERM)
 
+    subprocess.Popen([sys.executable, "-m", "servetune.engine.reaper", str(os.getpid()), "--grace", f"{args.grace:g}", "--guard"])
     engine = subprocess.Popen(command)  # same group, stdio and environment as the reaper
     while engine.poll() is None and not stop.is_set():
         stop.wait(0.2)
