@@ -79,7 +79,8 @@ def test_grid_study_records_every_outcome_and_goes_on_after_a_crash(study):
 
 def test_killed_driver_then_resume_reruns_nothing_finished(study):
     write, study_dir, fake = study
-    argv = write("  env.SERVETUNE_FAKE_TTFT_MS: [5, 6, 7]\n  env.SERVETUNE_FAKE_STARTUP_DELAY_S: [2]\n")
+    # Each engine starts a child, as vLLM does its engine cores: a killed study must take it down too.
+    argv = write("  env.SERVETUNE_FAKE_TTFT_MS: [5, 6, 7]\n  env.SERVETUNE_FAKE_STARTUP_DELAY_S: [2]\n  env.SERVETUNE_FAKE_CHILD: [1]\n")
     cwd = study_dir.parent.parent
     driver = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=cwd)
     deadline = time.monotonic() + 180

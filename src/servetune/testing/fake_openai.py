@@ -115,12 +115,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--crash-after-s", type=float, default=None if crash is None else float(crash),
                         help="die this many seconds after becoming ready")
     parser.add_argument("--stubborn-child", action="store_true", help="start a child process that ignores SIGTERM")
+    parser.add_argument("--child", action="store_true", default=bool(_env("CHILD", "")),
+                        help="start a child process, as vLLM starts its engine cores: it outlives a killed server")
     parser.add_argument("--kv-tokens", type=int, default=524288)
     args, _ = parser.parse_known_args(argv)  # ignore the engine arguments vLLM would take
     print(f"fake engine starting for model {args.model}", flush=True)
     if args.stubborn_child:
         code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nwhile True: time.sleep(1)"
         subprocess.Popen([sys.executable, "-c", code])
+    if args.child:  # its command line names this server's, so tests can find it
+        subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(1)", sys.argv[0]])
     time.sleep(args.startup_delay_s)
     if args.fail_startup:
         print("ValueError: injected startup failure for the test", flush=True)
