@@ -77,6 +77,18 @@ class MetricsSnapshot:
     histograms: dict[str, Histogram] = field(default_factory=dict)
 
     @classmethod
+    def parse_gauges(cls, text: str) -> "MetricsSnapshot":
+        """Only the gauges, from their own lines: what the sampler reads twice a second.
+
+        The full text runs to thousands of histogram lines; parsing them all in the load
+        client's event loop, twice a second, would delay the very token timestamps it records.
+        """
+        names = tuple(name for family in GAUGES.values() for name in family)
+        # A sample line starts with its name; "# TYPE name ..." and "# HELP name ..." name it third.
+        kept = [line for line in text.splitlines() if (line.split(" ", 3)[2] if line.startswith("# ") and line.count(" ") >= 2 else line).startswith(names)]
+        return cls.parse("\n".join(kept) + "\n")
+
+    @classmethod
     def parse(cls, text: str) -> "MetricsSnapshot":
         # Index samples by their own names: a family's declared name varies between vLLM
         # versions (``x`` or ``x_total`` for counters), the samples' names do not.

@@ -33,19 +33,20 @@ class LevelPlan:
     warmup_requests: int
 
 
-async def _scrape(session: aiohttp.ClientSession, url: str) -> MetricsSnapshot | None:
+async def _scrape(session: aiohttp.ClientSession, url: str, gauges_only: bool = False) -> MetricsSnapshot | None:
     try:
         async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
             if resp.status != 200:
                 return None
-            return MetricsSnapshot.parse(await resp.text())
+            text = await resp.text()
+            return MetricsSnapshot.parse_gauges(text) if gauges_only else MetricsSnapshot.parse(text)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         return None
 
 
 async def _sample_gauges(session: aiohttp.ClientSession, url: str, peaks: dict[str, float], every_s: float) -> None:
     while True:
-        snap = await _scrape(session, url)
+        snap = await _scrape(session, url, gauges_only=True)
         if snap is not None:
             for name, value in snap.gauges.items():
                 peaks[f"{name}_max"] = max(peaks.get(f"{name}_max", 0.0), value)
