@@ -119,3 +119,21 @@ def test_a_reaper_killed_outright_still_clears_the_group(fake_python, tmp_path):
             time.sleep(0.2)
         assert not group_members(pgid)
     assert "the engine's reaper died; stopped its group (1 process(es) needed SIGKILL)" in (tmp_path / "engine.log").read_text()
+
+
+def test_a_crash_is_seen_at_once_though_the_reaper_is_still_clearing(fake_python, tmp_path):
+    import os
+    import signal
+
+    import psutil
+
+    with server(fake_python, tmp_path) as srv:
+        assert srv.alive()
+        engine = next(c for c in psutil.Process(srv.process.pid).children() if "--guard" not in c.cmdline())
+        os.kill(engine.pid, signal.SIGKILL)
+        # The reaper notices within its 0.2 s poll and then clears the group; the engine is a
+        # zombie (or gone) at once, and that is what alive() looks at.
+        deadline = time.monotonic() + 0.15
+        while srv.alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not srv.alive()

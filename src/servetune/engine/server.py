@@ -141,7 +141,20 @@ class VllmServer:
             return False
 
     def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        """Whether the engine runs: the reaper and, under it, the engine itself (not a zombie).
+
+        The reaper outlives a crashed engine for a moment while it clears the group, so its
+        own liveness alone would miss a crash seen right after it happened.
+        """
+        if self.process is None or self.process.poll() is not None:
+            return False
+        try:
+            children = psutil.Process(self.process.pid).children()
+            return any(
+                "--guard" not in child.cmdline() and child.status() != psutil.STATUS_ZOMBIE for child in children
+            )  # fmt: skip
+        except psutil.Error:
+            return False
 
     def stop(self) -> None:
         """TERM the process group, KILL it after the grace period, wait until it is gone."""
