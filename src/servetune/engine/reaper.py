@@ -44,17 +44,22 @@ def set_parent_death_signal(sig: int) -> None:
         pass
 
 
-def others_in_group() -> list[psutil.Process]:
-    """Live (non-zombie) processes of this process group, this one left out."""
-    me, group = os.getpid(), os.getpgrp()
+def group_processes(pgid: int) -> list[psutil.Process]:
+    """Live (non-zombie) processes of a process group."""
     found = []
     for proc in psutil.process_iter(["pid"]):
         try:
-            if proc.pid != me and os.getpgid(proc.pid) == group and proc.status() != psutil.STATUS_ZOMBIE:
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
                 found.append(proc)
         except (ProcessLookupError, psutil.Error):
             continue
     return found
+
+
+def others_in_group() -> list[psutil.Process]:
+    """Live (non-zombie) processes of this process group, this one left out."""
+    me = os.getpid()
+    return [proc for proc in group_processes(os.getpgrp()) if proc.pid != me]
 
 
 def clear_group(grace_s: float) -> int:

@@ -28,6 +28,7 @@ from typing import Any
 import psutil
 
 from servetune.engine.args import ArgSpec, engine_argv
+from servetune.engine.reaper import group_processes
 from servetune.errors import EngineStartError
 
 _KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
@@ -217,15 +218,8 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 
 def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of a process group."""
-    members = []
-    for proc in psutil.process_iter(["pid"]):
-        try:
-            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
-                members.append(proc.pid)
-        except (ProcessLookupError, psutil.Error):
-            continue
-    return members
+    """Live (non-zombie) processes of a process group, by pid."""
+    return [proc.pid for proc in group_processes(pgid)]
 
 
 def _group_alive(pgid: int) -> bool:
