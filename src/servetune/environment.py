@@ -41,6 +41,28 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+#: CPU flags that give bfloat16 arithmetic in hardware (x86 "flags", Arm "Features"); without
+#: one, vLLM's CPU build emulates it.
+BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
+
+
+def cpu_bf16(cpuinfo: str | None = None) -> str:
+    """"native" when the CPU does bfloat16 in hardware, "emulated" when not, "unknown" when
+    /proc/cpuinfo does not say.
+
+    It decides the CPU stand-in's speed: on an AMD EPYC with AVX2 only, the tiny model in
+    bfloat16 served a third of the requests per second it served in float32 at 32 in flight.
+    """
+    try:
+        text = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
+    except OSError:
+        return "unknown"
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith(("flags", "Features"))), None)
+    if flags is None:
+        return "unknown"
+    return "native" if any(flag in flags for flag in BF16_FLAGS) else "emulated"
+
+
 def _gpus(indices: Sequence[int]) -> dict[str, str]:
     from servetune.telemetry import _nvml
 
@@ -84,6 +106,8 @@ def collect_environment(device: str, gpu_indices: Sequence[int] = (), python: st
     }
     if device == "gpu":
         env.update(_gpus(gpu_indices) or {"gpu_model": "no NVIDIA GPU visible"})
-    elif cores is not None:
-        env["cpu_cores_reserved"] = str(cores)
+    else:
+        env["cpu_bf16"] = cpu_bf16()
+        if cores is not None:
+            env["cpu_cores_reserved"] = str(cores)
     return env

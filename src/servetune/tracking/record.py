@@ -178,7 +178,8 @@ def _requests_text(tags: Mapping[str, str]) -> str:
 def _hardware_text(trial: TrialResult, tags: Mapping[str, str]) -> str:
     host = f"CPU {tags['hardware.cpu_model']}, host memory {tags['hardware.host_memory_gib']} GiB"
     if trial.device == "cpu":
-        return f"CPU build, {trial.devices} core(s) reserved; {host}"
+        bf16 = tags.get("environment.cpu_bf16")
+        return f"CPU build, {trial.devices} core(s) reserved; {host}" + (f"; bfloat16 {bf16}" if bf16 else "")
     return (f"GPU {tags['hardware.gpu_model']}, count {tags['hardware.gpu_count']}, {tags['hardware.gpu_memory_gib']} GiB each, "
             f"interconnect {tags['hardware.interconnect']}; {trial.devices} GPU(s) reserved; {host}")  # fmt: skip
 
