@@ -1,3 +1,3 @@
 """servetune: find the best way to serve an LLM with vLLM, by measuring it."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

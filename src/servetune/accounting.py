@@ -30,7 +30,7 @@ def time_accounting(results: Iterable[TrialResult]) -> dict[str, Any]:
     for result in results:
         trials += 1
         duration = result.duration_s or 0.0
-        measured = sum(level.summary.duration_s for level in result.levels)
+        measured = sum(level.measured_s for level in result.levels)
         startup = result.startup_s or 0.0
         if result.startup_s is not None:
             startups.append(result.startup_s)
@@ -83,7 +83,7 @@ def early_stop_savings(results: Iterable[TrialResult], planned_levels: int) -> d
         cause = stop_cause(result.stopped_because) if result.outcome == "COMPLETE" else None
         if cause is None or not result.levels:
             continue
-        per_level_s = sum(level.summary.duration_s for level in result.levels) / len(result.levels)
+        per_level_s = sum(level.measured_s for level in result.levels) / len(result.levels)
         skipped = max(planned_levels - len(result.levels), 0)
         saved[cause] = saved.get(cause, 0.0) + per_level_s * skipped * result.devices / 60.0
         stopped[cause] = stopped.get(cause, 0) + 1

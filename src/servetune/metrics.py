@@ -111,7 +111,7 @@ def _ms(seconds: float | None) -> float | None:
 class LatencyStats(BaseModel):
     """Mean and percentiles of one latency metric, in milliseconds (None with no samples)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")  # a record: see results.RECORD
 
     mean: float | None = None
     p50: float | None = None
@@ -132,7 +132,7 @@ class LatencyStats(BaseModel):
 class LevelSummary(BaseModel):
     """One load level, measured: the operating point's numbers."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")  # a record: see results.RECORD
 
     level: dict[str, float]  # {"concurrency": 16} or {"rate": 8.0}
     duration_s: float

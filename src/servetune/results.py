@@ -6,9 +6,13 @@ import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from servetune.metrics import COST_METRIC, LevelSummary, cost_per_mtok_usd
+
+#: Results are records servetune writes and reads back, often with another version: a field this
+#: version does not know (a newer servetune wrote it) is ignored rather than refused.
+RECORD = ConfigDict(extra="ignore")
 
 _SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|CREDENTIAL|AUTH", re.IGNORECASE)
 
@@ -18,23 +22,42 @@ def redact_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: ("***" if _SECRET.search(k) else v) for k, v in env.items()}
 
 
-class LevelResult(BaseModel):
-    """One load level: the client's summary, the server's own counters, and the SLO verdict."""
+class LevelRun(BaseModel):
+    """One run of a repeated level (``load.repeats``): what the client measured and its verdict."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = RECORD
+
+    summary: LevelSummary
+    slo_violations: list[str] = []
+
+
+class LevelResult(BaseModel):
+    """One load level: the client's summary, the server's own counters, and the SLO verdict.
+
+    A repeated level reports its median run (trial/measure.py ``median_run``) and keeps every
+    run, the reported one included, in ``runs``; a level run once has no ``runs``.
+    """
+
+    model_config = RECORD
 
     summary: LevelSummary
     server_metrics: dict[str, float] = {}
     telemetry: dict[str, float] = {}  # device (or host) samples during the level: see telemetry.py
     slo_violations: list[str] = []
+    runs: list[LevelRun] = Field(default=[], exclude_if=lambda runs: not runs)  # absent when run once
 
     @property
     def meets_slo(self) -> bool:
         return not self.slo_violations
 
+    @property
+    def measured_s(self) -> float:
+        """Seconds spent measuring this level, every run counted."""
+        return sum(run.summary.duration_s for run in self.runs) if self.runs else self.summary.duration_s
+
 
 class KvCapacityReport(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = RECORD
 
     tokens: int
     max_concurrency: float | None = None
@@ -45,7 +68,7 @@ class KvCapacityReport(BaseModel):
 class BenchResult(BaseModel):
     """The JSON document ``servetune bench --json`` writes."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = RECORD
 
     servetune_version: str
     created: str
@@ -61,6 +84,7 @@ class BenchResult(BaseModel):
     slo: list[str]
     num_requests: int | None
     duration_s: float | None
+    repeats: int = 1  # runs asked of each level (a level whose majority broke the SLO stops early)
     kv_capacity: KvCapacityReport | None
     startup_s: float | None
     levels: list[LevelResult]
@@ -73,7 +97,7 @@ Outcome = Literal["COMPLETE", "INFEASIBLE", "FAILED"]
 class OperatingPoint(BaseModel):
     """One (trial, load level): what Pareto fronts are drawn over."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = RECORD
 
     trial_id: str
     level_index: int
@@ -87,7 +111,7 @@ class OperatingPoint(BaseModel):
 class CapacityReport(BaseModel):
     """What the capacity planner predicted for a trial (before any launch)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = RECORD
 
     fits: bool
     reason: str
@@ -100,7 +124,7 @@ class CapacityReport(BaseModel):
 class TrialResult(BaseModel):
     """``result.json`` of one trial directory: everything a report needs, GPUs not required."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = RECORD
 
     trial_id: str  # hash of the resolved configuration; names the trial directory
     study: str
@@ -164,7 +188,7 @@ def best_level_index(levels: list[LevelResult]) -> int | None:
 class StudyInfo(BaseModel):
     """``study.json`` at the top of a study directory: what the study was asked to do."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = RECORD
 
     name: str
     created: str

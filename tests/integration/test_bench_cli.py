@@ -36,6 +36,37 @@ def test_bench_against_a_running_server(tmp_path, capsys, tiny_model):
     assert "broken" in out
 
 
+def test_bench_repeats_each_level_and_reports_its_median_run(tmp_path, capsys, tiny_model):
+    out_file = tmp_path / "bench.json"
+    with fake_server_process("--ttft-ms", "30", "--itl-ms", "5") as url:
+        code, out, err = run_cli(
+            capsys, "--url", url, "--tokenizer", str(tiny_model), "--workload", "cpu-tiny", "--concurrency", "2",
+            "--num-requests", "6", "--warmup-requests", "1", "--repeats", "3", "--slo", "ttft_ms.p99=25", "--json", str(out_file),
+        )  # fmt: skip
+    assert code == 0, err
+    (level,) = BenchResult.model_validate_json(out_file.read_text()).levels
+    # 30 ms > 25 ms in the first two runs: the majority broke the SLO, so no third run.
+    assert len(level.runs) == 2 and not level.meets_slo
+    assert level.summary in [run.summary for run in level.runs]
+    rows = [json.loads(line) for line in (tmp_path / "bench.requests.jsonl").read_text().splitlines()]
+    assert [sum(r["repeat"] == k for r in rows) for k in range(3)] == [7, 7, 0]
+    # Each run draws its own prompts.
+    assert {r["input_tokens"] for r in rows if r["repeat"] == 0} != {r["input_tokens"] for r in rows if r["repeat"] == 1}
+
+
+def test_bench_repeats_a_level_that_meets_the_slo_three_times(tmp_path, capsys, tiny_model):
+    out_file = tmp_path / "bench.json"
+    with fake_server_process("--ttft-ms", "5", "--itl-ms", "2") as url:
+        code, out, err = run_cli(
+            capsys, "--url", url, "--tokenizer", str(tiny_model), "--workload", "cpu-tiny", "--concurrency", "2",
+            "--num-requests", "6", "--warmup-requests", "1", "--repeats", "3", "--slo", "ttft_ms.p99=500", "--json", str(out_file),
+        )  # fmt: skip
+    assert code == 0, err
+    (level,) = BenchResult.model_validate_json(out_file.read_text()).levels
+    assert len(level.runs) == 3 and level.meets_slo
+    assert level.measured_s == pytest.approx(sum(run.summary.duration_s for run in level.runs))
+
+
 @pytest.mark.parametrize(
     "argv, needle",
     [
@@ -46,6 +77,7 @@ def test_bench_against_a_running_server(tmp_path, capsys, tiny_model):
         (["--model", "{tmp}", "--slo", "ttft.p99=1"], "--slo: unknown metric 'ttft'"),
         (["--model", "{tmp}", "--workload", "{tmp}/w.yaml"], "w.yaml: output_tokens.value: Input should be greater than or equal to 1"),
         (["--model", "{tmp}", "--env", "NOEQUALS"], "--env 'NOEQUALS' is not KEY=VALUE"),
+        (["--model", "{tmp}", "--repeats", "0"], "--repeats must be 1 to 9, got 0"),
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(tmp_path, capsys, argv, needle):

@@ -35,8 +35,9 @@ search: {{algorithm: grid, baseline: false}}
 def study(tmp_path, tiny_model):
     fake = write_fake_python(tmp_path)
 
-    def write(params: str) -> list[str]:
-        (tmp_path / "space.yaml").write_text(SPACE.format(model=tiny_model, params=params))
+    def write(params: str, load: str = "") -> list[str]:
+        text = SPACE.format(model=tiny_model, params=params).replace("warmup_requests: 1,", f"warmup_requests: 1, {load}")
+        (tmp_path / "space.yaml").write_text(text)
         return [sys.executable, "-m", "servetune", "run", str(tmp_path / "space.yaml"),
                 "--storage", str(tmp_path / "results"), "--python", str(fake)]  # fmt: skip
 
@@ -51,16 +52,20 @@ def results(study_dir):
 
 def test_grid_study_records_every_outcome_and_goes_on_after_a_crash(study):
     write, study_dir, fake = study
-    argv = write("  env.SERVETUNE_FAKE_TTFT_MS: [5, 80]\n  env.SERVETUNE_FAKE_CRASH_AFTER_S: [1000, 0.8]\n")
+    argv = write("  env.SERVETUNE_FAKE_TTFT_MS: [5, 80]\n  env.SERVETUNE_FAKE_CRASH_AFTER_S: [1000, 0.8]\n", load="repeats: 3,")
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=study_dir.parent.parent)
     assert done.returncode == 0, done.stderr[-3000:]
     by_config = {(r["params"]["env.SERVETUNE_FAKE_TTFT_MS"], r["params"]["env.SERVETUNE_FAKE_CRASH_AFTER_S"]): r for r in results(study_dir).values()}
     assert len(by_config) == 4
     good = by_config[(5, 1000)]
     assert good["outcome"] == "COMPLETE" and len(good["levels"]) == 2 and good["best_level_index"] == 1
+    assert [len(level["runs"]) for level in good["levels"]] == [3, 3]  # load.repeats: every level run three times
     slow = by_config[(80, 1000)]
     assert slow["outcome"] == "COMPLETE" and len(slow["levels"]) == 1 and slow["best_level_index"] is None
     assert slow["stopped_because"].startswith("SLO broken at concurrency 1")
+    assert len(slow["levels"][0]["runs"]) == 2  # two broken runs decide the level: no third
+    records = [json.loads(line) for line in (study_dir / "trials" / good["trial_id"] / "requests.jsonl").read_text().splitlines()]
+    assert {(r["level"], r["repeat"]) for r in records} == {(lv, run) for lv in (0, 1) for run in range(3)}
     for key in ((5, 0.8), (80, 0.8)):
         crashed = by_config[key]
         assert crashed["outcome"] == "FAILED" and "engine died" in crashed["reason"], crashed["reason"]

@@ -30,7 +30,7 @@ from servetune.load.requests import PromptFactory, load_tokenizer
 from servetune.load.runner import Level
 from servetune.results import BenchResult, KvCapacityReport, LevelResult, redact_env
 from servetune.telemetry import TelemetrySampler, visible_gpu_indices
-from servetune.trial.measure import LevelPlan, measure_level
+from servetune.trial.measure import LevelPlan, measure_level, measure_repeated
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -67,6 +67,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-requests", type=int, help="measured requests per level (default: 8 x concurrency, or 30 s of the rate; 32..500)")
     p.add_argument("--duration", type=float, help="seconds per level at most (the level also ends after --num-requests)")
     p.add_argument("--warmup-requests", type=int, help="requests at the start of each level left out of the numbers (default: one per client, at most 32)")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each level; a level reports its median run, so its SLO verdict is the majority's (default: 1)")
     p.add_argument("--slo", default="", help="bounds for the SLO verdict and goodput, e.g. ttft_ms.p99=2000,tpot_ms.p95=40,error_rate=0.001")
     p.add_argument("--json", type=Path, metavar="OUT", help="write the result here, per-request records beside it (OUT.requests.jsonl)")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before one request counts as timed out (default: 600)")
@@ -102,6 +103,8 @@ def parse_levels(args: argparse.Namespace, workload: Workload) -> list[Level]:
 def level_plan(level: Level, args: argparse.Namespace) -> LevelPlan:
     if args.num_requests is not None and args.num_requests < 1:
         raise UserError("--num-requests must be at least 1")
+    if not 1 <= args.repeats <= 9:
+        raise UserError(f"--repeats must be 1 to 9, got {args.repeats}")
     if args.num_requests is not None:
         n = args.num_requests
     elif args.duration is not None:
@@ -175,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
         url=args.url or "", model=args.model or tokenizer_name, served_model_name=served, engine_args=engine_args,
         env=redact_env(env), command=None, vllm_version=None if args.url else vllm_version(args.python),
         workload_file=str(args.workload), workload=workload.model_dump(mode="json"), slo=[str(b) for b in slo.bounds],
-        num_requests=args.num_requests, duration_s=args.duration, kv_capacity=None, startup_s=None, levels=[],
+        num_requests=args.num_requests, duration_s=args.duration, repeats=args.repeats, kv_capacity=None, startup_s=None, levels=[],
     )  # fmt: skip
     records: list[dict] = []
     if args.url:
@@ -221,10 +224,10 @@ def _run_levels(console, url, served, workload, prompts, plans, slo, args, resul
             for index, plan in enumerate(plans):
                 total = (plan.num_requests or 0) + plan.warmup_requests
                 with Progress(
-                    TextColumn(f"[bold]{plan.level}[/]"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("[bold]{task.description}[/]"), BarColumn(), MofNCompleteColumn(),
                     TextColumn("{task.fields[failed]} failed"), TimeElapsedColumn(), console=console, transient=True,
                 ) as progress:  # fmt: skip
-                    task = progress.add_task("level", total=total or None, failed=0)
+                    task = progress.add_task(str(plan.level), total=total or None, failed=0)
                     failed = 0
 
                     def on_done(record) -> None:
@@ -232,14 +235,24 @@ def _run_levels(console, url, served, workload, prompts, plans, slo, args, resul
                         failed += 0 if record.ok else 1
                         progress.update(task, advance=1, failed=failed)
 
-                    level_result, level_records = await measure_level(
-                        client, url, workload, prompts, plan, stream=index + 1, slo=slo, on_done=on_done,
-                        telemetry=None if server is None else lambda: TelemetrySampler(gpus, server.process.pid),
-                    )
+                    async def measure_once(run: int, plan: LevelPlan = plan, index: int = index):
+                        nonlocal failed
+                        if run:
+                            failed = 0
+                            progress.reset(task, failed=0, description=f"{plan.level}, run {run + 1} of {args.repeats}")
+                        level_result, level_records = await measure_level(
+                            client, url, workload, prompts, plan, stream=1 + index * args.repeats + run, slo=slo,
+                            on_done=on_done, telemetry=None if server is None else lambda: TelemetrySampler(gpus, server.process.pid),
+                        )  # fmt: skip
+                        tags = {"level": index, "repeat": run} if args.repeats > 1 else {"level": index}
+                        records.extend({**tags, **r.to_dict()} for r in level_records)
+                        return level_result, level_records
+
+                    gone = (lambda: not server.alive()) if server is not None else (lambda: False)
+                    level_result, _ = await measure_repeated(measure_once, args.repeats, slo, gone=gone)
                 if server is not None and not server.alive():
                     raise UserError(f"vLLM died during {plan.level} ({server.failure_reason()})")
                 result.levels.append(level_result)
-                records.extend({"level": index, **r.to_dict()} for r in level_records)
                 console.print(level_table([level_result], slo, title=str(plan.level)))
 
     asyncio.run(main())

@@ -87,6 +87,9 @@ class LoadProtocol(BaseModel):
     levels: tuple[float, ...] | None = None  # default: the workload's levels
     requests_per_level: int | None = Field(default=64, ge=1)
     seconds_per_level: float | None = Field(default=None, gt=0)
+    # Runs of each level on the same engine; the level reports the median run, so its SLO verdict
+    # is the majority's (a stall of a shared host breaks one run, not the level). 1: run once.
+    repeats: int = Field(default=1, ge=1, le=9)
     warmup_requests: int | None = Field(default=None, ge=0)  # default: one per client, at most 32
     request_timeout_s: float = Field(default=300.0, gt=0)
     startup_timeout_s: float = Field(default=900.0, gt=0)

@@ -50,7 +50,7 @@ class StudyContext:
             request_timeout_s=load.request_timeout_s, startup_timeout_s=load.startup_timeout_s,
             stop_on_slo_break=load.stop_on_slo_break, min_throughput_gain=load.min_throughput_gain,
             slo=space.slo_bounds, gpu=space.hardware.gpu, gpu_memory_gib=space.hardware.gpu_memory_gib,
-            python=self.python, extra_env=extra_env,
+            python=self.python, extra_env=extra_env, repeats=load.repeats,
         )  # fmt: skip
 
 

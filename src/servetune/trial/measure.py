@@ -3,13 +3,19 @@
 For each level: scrape ``/metrics``, run the level while sampling vLLM's gauges twice a
 second (peaks of running and waiting requests and of KV-cache usage), scrape again, and
 summarize. Works against any OpenAI-compatible server; ``/metrics`` is optional.
+
+A level can be run several times on the same engine (``load.repeats``): it then reports its
+median run, ordered by how far the run stayed inside the SLO, so its verdict is the majority's
+and one stall of a shared host cannot decide it. Repeating stops early once a majority of runs
+broke the SLO: more runs could not change the verdict.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+import math
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -21,7 +27,7 @@ from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory, iter_requests
 from servetune.load.runner import Level, run_level
 from servetune.metrics import RequestRecord, summarize
-from servetune.results import LevelResult
+from servetune.results import LevelResult, LevelRun
 from servetune.telemetry import TelemetrySampler
 
 
@@ -95,3 +101,48 @@ async def measure_level(
         measured["gpu_energy_j_per_output_token"] = measured["gpu_energy_j"] / summary.total_output_tokens
     result = LevelResult(summary=summary, server_metrics=server, telemetry=measured, slo_violations=slo.violations(summary))
     return result, records
+
+
+def slo_standing(result: LevelResult, slo: Slo) -> tuple[bool, float, float]:
+    """How a run stands against the SLO, best first: meeting it, then its worst relative slack
+    over the bounds (a metric it lacks counts as infinitely over), then more goodput (requests
+    per second where the SLO sets no per-request bound)."""
+    flat = result.summary.flat()
+    worst = max((flat.get(b.name, math.inf) / b.max - 1.0 for b in slo.bounds), default=0.0)
+    summary = result.summary
+    served = summary.goodput if summary.goodput is not None else summary.request_throughput
+    return not result.meets_slo, worst, -served
+
+
+def median_run(runs: list[LevelResult], slo: Slo) -> LevelResult:
+    """The run a repeated level reports, with every run kept in ``runs``.
+
+    Runs are ordered by :func:`slo_standing`; the median is the middle one (of an even count,
+    the worse of the two middle ones). So the level meets the SLO only if most runs did.
+    """
+    if len(runs) == 1:
+        return runs[0]
+    chosen = sorted(runs, key=lambda run: slo_standing(run, slo))[len(runs) // 2]
+    kept = [LevelRun(summary=run.summary, slo_violations=run.slo_violations) for run in runs]
+    return chosen.model_copy(update={"runs": kept})
+
+
+async def measure_repeated(
+    measure_once: Callable[[int], Awaitable[tuple[LevelResult, list[RequestRecord]]]], repeats: int, slo: Slo,
+    gone: Callable[[], bool] = lambda: False,
+) -> tuple[LevelResult, list[list[RequestRecord]]]:
+    """Run a level up to ``repeats`` times (``measure_once(run_index)``) and report its median run.
+
+    Returns the level's result and each run's records. Stops once the median run must break
+    the SLO (half the runs, rounded up, broke it), or when ``gone()`` says the server is.
+    """
+    runs: list[LevelResult] = []
+    records: list[list[RequestRecord]] = []
+    decided = (repeats + 1) // 2
+    for index in range(repeats):
+        result, run_records = await measure_once(index)
+        runs.append(result)
+        records.append(run_records)
+        if sum(not run.meets_slo for run in runs) >= decided or gone():
+            break
+    return median_run(runs, slo), records

@@ -41,7 +41,7 @@ from servetune.results import (
 )
 from servetune.telemetry import TelemetrySampler, visible_gpu_indices
 from servetune.trial.ladder import ladder
-from servetune.trial.measure import LevelPlan, measure_level
+from servetune.trial.measure import LevelPlan, measure_level, measure_repeated
 
 Report = Callable[[dict[str, Any]], None]
 #: Asked after each level but the last with that level's operating point: a reason to stop
@@ -74,6 +74,7 @@ class TrialSpec:
     slo: Slo
     gpu: str | None = None
     gpu_memory_gib: float | None = None
+    repeats: int = 1  # runs of each level; the level reports the median run
     python: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)  # placement (CUDA_VISIBLE_DEVICES, binding)
 
@@ -85,6 +86,8 @@ class TrialSpec:
             "workload": self.workload.model_dump(mode="json"), "levels": [str(lv) for lv in self.levels],
             "requests": self.requests_per_level, "seconds": self.seconds_per_level, "slo": [str(b) for b in self.slo.bounds],
         }  # fmt: skip
+        if self.repeats != 1:  # absent when 1, so trials measured before repeats existed keep their ids
+            key["repeats"] = self.repeats
         return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
     @property
@@ -198,13 +201,20 @@ async def _climb(spec, server, result, report, prompts, records_file, stop_rule=
         level = next(steps)
         while True:
             plan = LevelPlan(level, spec.requests_per_level, spec.seconds_per_level, _warmup(spec, level))
-            level_result, records = await measure_level(
-                client, server.url, spec.workload, prompts, plan, stream=len(result.levels) + 1, slo=spec.slo,
-                telemetry=lambda: TelemetrySampler(gpu_indices, server.process.pid),
-            )  # fmt: skip
-            result.levels.append(level_result)
-            for record in records:
-                records_file.write(json.dumps({"level": len(result.levels) - 1, **record.to_dict()}) + "\n")
+            index = len(result.levels)
+
+            async def measure_once(run: int, plan: LevelPlan = plan, index: int = index) -> tuple[LevelResult, list]:
+                level_result, records = await measure_level(
+                    client, server.url, spec.workload, prompts, plan, stream=1 + index * spec.repeats + run, slo=spec.slo,
+                    telemetry=lambda: TelemetrySampler(gpu_indices, server.process.pid),
+                )  # fmt: skip
+                tags = {"level": index, "repeat": run} if spec.repeats > 1 else {"level": index}
+                for record in records:
+                    records_file.write(json.dumps({**tags, **record.to_dict()}) + "\n")
+                return level_result, records
+
+            level_result, _ = await measure_repeated(measure_once, spec.repeats, spec.slo, gone=lambda: not server.alive())
+            result.levels.append(level_result)  # kept even when the engine died during it
             if not server.alive():
                 raise RuntimeError(f"the engine died during {level} ({server.failure_reason()})")
             report(level_report(result, level_result))

@@ -1,0 +1,39 @@
+"""Stored records read across versions: newer fields are ignored, older files lack new ones."""
+
+import json
+
+from servetune.results import StudyInfo, TrialResult
+from tests.builders import level, study_info, trial
+
+
+def test_a_result_written_by_a_newer_servetune_loads_without_its_new_fields():
+    data = json.loads(trial("t1", {"max_num_seqs": 8}, [level(4, 500, 900)]).model_dump_json())
+    data["from_the_future"] = 1
+    data["levels"][0]["from_the_future"] = {"a": 1}
+    data["levels"][0]["summary"]["from_the_future"] = 2.0
+    data["levels"][0]["summary"]["ttft_ms"]["p999"] = 1200.0
+    loaded = TrialResult.model_validate(data)
+    assert loaded.levels[0].summary.ttft_ms.p99 == 900 and not hasattr(loaded, "from_the_future")
+
+
+def test_a_result_written_before_repeats_existed_has_no_runs():
+    data = json.loads(trial("t1", {"max_num_seqs": 8}, [level(4, 500, 900)]).model_dump_json())
+    assert "runs" not in data["levels"][0]  # a level run once is written as before
+    loaded = TrialResult.model_validate(data)
+    assert loaded.levels[0].runs == [] and loaded.levels[0].measured_s == loaded.levels[0].summary.duration_s
+
+
+def test_a_study_file_with_a_newer_field_loads():
+    data = json.loads(study_info().model_dump_json())
+    data["from_the_future"] = [1, 2]
+    assert StudyInfo.model_validate(data).name == "demo"
+
+
+def test_the_cpu_record_says_whether_bfloat16_runs_in_hardware():
+    from servetune.environment import cpu_bf16
+
+    amd = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n"
+    sapphire = "processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+    graviton3 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
+    assert cpu_bf16(amd) == "emulated" and cpu_bf16(sapphire) == "native" and cpu_bf16(graviton3) == "native"
+    assert cpu_bf16("processor: 0\n") == "unknown"
