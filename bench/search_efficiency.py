@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from servetune.config.space import ENV_PREFIX
 from servetune.errors import UserError
 from servetune.report.study import load_study
 from servetune.study.replay import ALGORITHMS, Surface, efficiency, key, score
@@ -72,8 +73,8 @@ def record(args: argparse.Namespace) -> int:
 
 def fixed_value(space, name: str):
     """What a space fixes a parameter at: its engine argument or environment variable (``env.``)."""
-    if name.startswith("env."):
-        return space.env.get(name[len("env."):])
+    if name.startswith(ENV_PREFIX):
+        return space.env.get(name[len(ENV_PREFIX):])
     return space.engine_args.get(name)
 
 
