@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, 
 
 from servetune.config.loading import load_yaml_model
 from servetune.errors import UserError
+from servetune.shipped import trials_dir
 
 
 class _Dist(BaseModel):
@@ -202,8 +203,8 @@ class Workload(BaseModel):
         return (RequestClass.model_construct(name="default", weight=1.0, input_tokens=self.input_tokens, output_tokens=self.output_tokens),)
 
 
-#: Where the shipped workloads live (``trials/workloads`` at the top of the repository).
-WORKLOADS_DIR = Path(__file__).resolve().parents[3] / "trials" / "workloads"
+#: Where the shipped workloads live (``trials/workloads``: see servetune.shipped).
+WORKLOADS_DIR = trials_dir() / "workloads"
 
 
 def resolve_workload_path(name_or_path: str | Path) -> Path:

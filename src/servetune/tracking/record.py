@@ -11,13 +11,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from string import Template
 from typing import Literal
 
 from servetune.report import FRONTS, gather_points, pareto_front
 from servetune.report.points import first_line, is_out_of_memory, level_label
 from servetune.results import LevelResult, StudyInfo, TrialResult
+from servetune.shipped import trials_dir
 from servetune.tracking.fields import (
     CORE_ENGINE_ARGS,
     CPU_KV_SPACE,
@@ -29,7 +29,7 @@ from servetune.tracking.fields import (
 )
 from servetune.tracking.inputs import UNKNOWN, ModelFingerprint, RequestStats
 
-TEMPLATE_FILE = Path(__file__).resolve().parents[3] / "trials" / "record_template.md"
+TEMPLATE_FILE = trials_dir() / "record_template.md"
 NOT_EVALUATED = "not evaluated"
 
 #: The template's fields in order: (key, English name, checklist name).
