@@ -36,34 +36,33 @@ def test_bench_against_a_running_server(tmp_path, capsys, tiny_model):
     assert "broken" in out
 
 
-def test_bench_repeats_each_level_and_reports_its_median_run(tmp_path, capsys, tiny_model):
+def bench_repeats(tmp_path, capsys, tiny_model, ttft_ms: str, slo: str):
+    """One level at 2 in flight, three runs asked, against the fake server: the level and its records."""
     out_file = tmp_path / "bench.json"
-    with fake_server_process("--ttft-ms", "30", "--itl-ms", "5") as url:
+    with fake_server_process("--ttft-ms", ttft_ms, "--itl-ms", "2") as url:
         code, out, err = run_cli(
             capsys, "--url", url, "--tokenizer", str(tiny_model), "--workload", "cpu-tiny", "--concurrency", "2",
-            "--num-requests", "6", "--warmup-requests", "1", "--repeats", "3", "--slo", "ttft_ms.p99=25", "--json", str(out_file),
+            "--num-requests", "6", "--warmup-requests", "1", "--repeats", "3", "--slo", slo, "--json", str(out_file),
         )  # fmt: skip
     assert code == 0, err
     (level,) = BenchResult.model_validate_json(out_file.read_text()).levels
+    rows = [json.loads(line) for line in (tmp_path / "bench.requests.jsonl").read_text().splitlines()]
+    return level, rows
+
+
+def test_bench_repeats_each_level_and_reports_its_median_run(tmp_path, capsys, tiny_model):
+    level, rows = bench_repeats(tmp_path, capsys, tiny_model, ttft_ms="30", slo="ttft_ms.p99=25")
     # 30 ms > 25 ms in the first two runs: the majority broke the SLO, so no third run.
     assert len(level.runs) == 2 and not level.meets_slo
     assert level.summary in [run.summary for run in level.runs]
-    rows = [json.loads(line) for line in (tmp_path / "bench.requests.jsonl").read_text().splitlines()]
     assert [sum(r["repeat"] == k for r in rows) for k in range(3)] == [7, 7, 0]
     # Each run draws its own prompts.
     assert {r["input_tokens"] for r in rows if r["repeat"] == 0} != {r["input_tokens"] for r in rows if r["repeat"] == 1}
 
 
 def test_bench_repeats_a_level_that_meets_the_slo_three_times(tmp_path, capsys, tiny_model):
-    out_file = tmp_path / "bench.json"
-    with fake_server_process("--ttft-ms", "5", "--itl-ms", "2") as url:
-        code, out, err = run_cli(
-            capsys, "--url", url, "--tokenizer", str(tiny_model), "--workload", "cpu-tiny", "--concurrency", "2",
-            "--num-requests", "6", "--warmup-requests", "1", "--repeats", "3", "--slo", "ttft_ms.p99=500", "--json", str(out_file),
-        )  # fmt: skip
-    assert code == 0, err
-    (level,) = BenchResult.model_validate_json(out_file.read_text()).levels
-    assert len(level.runs) == 3 and level.meets_slo
+    level, rows = bench_repeats(tmp_path, capsys, tiny_model, ttft_ms="5", slo="ttft_ms.p99=500")
+    assert len(level.runs) == 3 and level.meets_slo and len(rows) == 3 * 7
     assert level.measured_s == pytest.approx(sum(run.summary.duration_s for run in level.runs))
 
 

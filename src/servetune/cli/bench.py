@@ -30,7 +30,7 @@ from servetune.load.requests import PromptFactory, load_tokenizer
 from servetune.load.runner import Level
 from servetune.results import BenchResult, KvCapacityReport, LevelResult, redact_env
 from servetune.telemetry import TelemetrySampler, visible_gpu_indices
-from servetune.trial.measure import LevelPlan, measure_level, measure_repeated
+from servetune.trial.measure import LevelPlan, measure_level, measure_repeated, record_tags, run_stream
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -241,10 +241,10 @@ def _run_levels(console, url, served, workload, prompts, plans, slo, args, resul
                             failed = 0
                             progress.reset(task, failed=0, description=f"{plan.level}, run {run + 1} of {args.repeats}")
                         level_result, level_records = await measure_level(
-                            client, url, workload, prompts, plan, stream=1 + index * args.repeats + run, slo=slo,
+                            client, url, workload, prompts, plan, stream=run_stream(index, run, args.repeats), slo=slo,
                             on_done=on_done, telemetry=None if server is None else lambda: TelemetrySampler(gpus, server.process.pid),
                         )  # fmt: skip
-                        tags = {"level": index, "repeat": run} if args.repeats > 1 else {"level": index}
+                        tags = record_tags(index, run, args.repeats)
                         records.extend({**tags, **r.to_dict()} for r in level_records)
                         return level_result, level_records
 

@@ -103,6 +103,17 @@ async def measure_level(
     return result, records
 
 
+def run_stream(level_index: int, run: int, repeats: int) -> int:
+    """The prompt stream of one run of a level: its own for every run, and ``level_index + 1``
+    when levels run once (the numbering from before repeats, so such runs draw the same prompts)."""
+    return 1 + level_index * repeats + run
+
+
+def record_tags(level_index: int, run: int, repeats: int) -> dict[str, int]:
+    """What a per-request record says of where it was measured (its run only when levels repeat)."""
+    return {"level": level_index, "repeat": run} if repeats > 1 else {"level": level_index}
+
+
 def slo_standing(result: LevelResult, slo: Slo) -> tuple[bool, float, float]:
     """How a run stands against the SLO, best first: meeting it, then its worst relative slack
     over the bounds (a metric it lacks counts as infinitely over), then more goodput (requests

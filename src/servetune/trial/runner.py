@@ -41,7 +41,7 @@ from servetune.results import (
 )
 from servetune.telemetry import TelemetrySampler, visible_gpu_indices
 from servetune.trial.ladder import ladder
-from servetune.trial.measure import LevelPlan, measure_level, measure_repeated
+from servetune.trial.measure import LevelPlan, measure_level, measure_repeated, record_tags, run_stream
 
 Report = Callable[[dict[str, Any]], None]
 #: Asked after each level but the last with that level's operating point: a reason to stop
@@ -205,10 +205,10 @@ async def _climb(spec, server, result, report, prompts, records_file, stop_rule=
 
             async def measure_once(run: int, plan: LevelPlan = plan, index: int = index) -> tuple[LevelResult, list]:
                 level_result, records = await measure_level(
-                    client, server.url, spec.workload, prompts, plan, stream=1 + index * spec.repeats + run, slo=spec.slo,
+                    client, server.url, spec.workload, prompts, plan, stream=run_stream(index, run, spec.repeats), slo=spec.slo,
                     telemetry=lambda: TelemetrySampler(gpu_indices, server.process.pid),
                 )  # fmt: skip
-                tags = {"level": index, "repeat": run} if spec.repeats > 1 else {"level": index}
+                tags = record_tags(index, run, spec.repeats)
                 for record in records:
                     records_file.write(json.dumps({**tags, **record.to_dict()}) + "\n")
                 return level_result, records
