@@ -176,6 +176,7 @@ AS_TPE = [("algorithm: grid", "algorithm: tpe\n  num_trials: 4"), ("params:\n", 
 MISTAKES = [
     ("typo-top-level-key", [("search:", "serach:")], ["serach", "unknown key"]),
     ("typo-nested-key", [("requests_per_level", "request_per_level")], ["load.request_per_level", "unknown key"]),
+    ("requests-per-level-not-a-count", [("requests_per_level: 16", "requests_per_level: many")], ["load.requests_per_level", "'many'"]),
     ("param-vllm-does-not-know", [("params:\n", "params:\n  enable_prefix_cache: [true, false]\n")],
      ["params", "'enable_prefix_cache'", "did you mean enable_prefix_caching"]),
     ("engine-arg-vllm-does-not-know", [("enable_chunked_prefill: true", "enable_chunked_prefil: true")],

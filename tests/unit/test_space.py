@@ -57,7 +57,7 @@ def test_ranges():
     "text, needle",
     [
         ("serach: {algorithm: grid}\n", "serach: unknown key"),
-        ("params: {max_num_seqs: []}\n", "params: Value error, max_num_seqs: empty list"),
+        ("params: {max_num_seqs: []}\n", "params: max_num_seqs: empty list"),
         ("params: {max_num_seqs: {low: 64, high: 8}}\n", "empty range"),
         ("params: {max_num_seqs: [1, 2]}\nconstraints: ['max_num_seqs > 5']\n", "constraints: they exclude every point"),
         ("params: {max_num_seqs: [1]}\nconstraints: ['max_num_seqs > nonsense']\n", "'nonsense' is neither a parameter"),

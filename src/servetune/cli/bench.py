@@ -30,7 +30,7 @@ from servetune.load.requests import PromptFactory, load_tokenizer
 from servetune.load.runner import Level
 from servetune.results import BenchResult, KvCapacityReport, LevelResult, redact_env
 from servetune.telemetry import TelemetrySampler, visible_gpu_indices
-from servetune.trial.measure import LevelPlan, measure_level, measure_repeated, record_tags, run_stream
+from servetune.trial.measure import AUTO, LevelPlan, measure_level, measure_repeated, record_tags, run_stream
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -105,15 +105,8 @@ def level_plan(level: Level, args: argparse.Namespace) -> LevelPlan:
         raise UserError("--num-requests must be at least 1")
     if not 1 <= args.repeats <= 9:
         raise UserError(f"--repeats must be 1 to 9, got {args.repeats}")
-    if args.num_requests is not None:
-        n = args.num_requests
-    elif args.duration is not None:
-        n = None
-    else:
-        guess = 8 * level.value if level.kind == "concurrency" else 30 * level.value
-        n = int(min(max(guess, 32), 500))
-    warmup = args.warmup_requests if args.warmup_requests is not None else int(min(max(level.value, 1), 32))
-    return LevelPlan(level=level, num_requests=n, duration_s=args.duration, warmup_requests=warmup)
+    requests = args.num_requests if args.num_requests is not None else AUTO
+    return LevelPlan.sized(level, requests, args.duration, args.warmup_requests)
 
 
 def check_model(model: str) -> None:

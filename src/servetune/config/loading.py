@@ -20,7 +20,7 @@ def describe_validation_error(exc: ValidationError, source: str) -> str:
     """``chat.yaml: input_tokens.sigma: Input should be greater than 0`` (first error only)."""
     first = exc.errors()[0]
     loc = ".".join(str(p) for p in first["loc"] if not _is_union_tag(p))
-    msg = first["msg"]
+    msg = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         msg = "unknown key"
     more = len(exc.errors()) - 1

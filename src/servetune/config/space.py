@@ -85,7 +85,8 @@ class LoadProtocol(BaseModel):
 
     kind: Literal["concurrency", "rate"] | None = None  # default: from the workload's arrival
     levels: tuple[float, ...] | None = None  # default: the workload's levels
-    requests_per_level: int | None = Field(default=64, ge=1)
+    # Measured requests per level; "auto": 8 per client in flight (30 s of a rate), 32 to 500.
+    requests_per_level: int | Literal["auto"] | None = "auto"
     seconds_per_level: float | None = Field(default=None, gt=0)
     # Runs of each level on the same engine; the level reports the median run, so its SLO verdict
     # is the majority's (a stall of a shared host breaks one run, not the level). 1: run once.
@@ -98,6 +99,13 @@ class LoadProtocol(BaseModel):
     # Stop at a level where a finished trial was cheaper and had a lower P99 TTFT there
     # (study/early_stop.py). Default: on for Bayesian search (tpe, nsga2, gp), off for grid and random.
     stop_when_dominated: bool | None = None
+
+    @field_validator("requests_per_level", mode="before")
+    @classmethod
+    def _requests(cls, value: object) -> object:
+        if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise ValueError(f'expected a whole number of requests (at least 1), "auto" or null, got {value!r}')
 
     @model_validator(mode="after")
     def _ends(self) -> "LoadProtocol":

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from servetune.config.slo import Slo
 from servetune.config.workload import Workload
@@ -64,7 +64,7 @@ class TrialSpec:
     price_per_device_hour: float
     workload: Workload
     levels: tuple[Level, ...]
-    requests_per_level: int | None
+    requests_per_level: int | Literal["auto"] | None
     seconds_per_level: float | None
     warmup_requests: int | None
     request_timeout_s: float
@@ -200,7 +200,7 @@ async def _climb(spec, server, result, report, prompts, records_file, stop_rule=
     ) as client:  # fmt: skip
         level = next(steps)
         while True:
-            plan = LevelPlan(level, spec.requests_per_level, spec.seconds_per_level, _warmup(spec, level))
+            plan = LevelPlan.sized(level, spec.requests_per_level, spec.seconds_per_level, spec.warmup_requests)
             index = len(result.levels)
 
             async def measure_once(run: int, plan: LevelPlan = plan, index: int = index) -> tuple[LevelResult, list]:
@@ -222,12 +222,6 @@ async def _climb(spec, server, result, report, prompts, records_file, stop_rule=
                 level = steps.send(level_result)
             except StopIteration as stop:
                 return stop.value
-
-
-def _warmup(spec: TrialSpec, level: Level) -> int:
-    if spec.warmup_requests is not None:
-        return spec.warmup_requests
-    return int(min(max(level.value, 1), 32))
 
 
 def level_report(result: TrialResult, level: LevelResult) -> dict[str, Any]:

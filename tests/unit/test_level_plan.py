@@ -1,0 +1,45 @@
+"""How many requests a level measures: "auto" sizes it by its load, for `servetune run` and `bench` alike."""
+
+import pytest
+
+from servetune.config.space import LoadProtocol
+from servetune.load.runner import Level
+from servetune.trial.measure import LevelPlan
+
+
+@pytest.mark.parametrize(
+    ("level", "requests"),
+    [
+        (Level("concurrency", 1), 32),  # at least 32
+        (Level("concurrency", 8), 64),  # eight per client in flight
+        (Level("concurrency", 32), 256),
+        (Level("concurrency", 100), 500),  # at most 500
+        (Level("rate", 0.5, "poisson"), 32),
+        (Level("rate", 4, "poisson"), 120),  # 30 s of the rate
+        (Level("rate", 40, "poisson"), 500),
+    ],
+)
+def test_auto_sizes_a_level_by_its_load(level, requests):
+    plan = LevelPlan.sized(level)
+    assert (plan.num_requests, plan.duration_s) == (requests, None)
+
+
+def test_auto_with_seconds_lets_the_time_end_the_level():
+    plan = LevelPlan.sized(Level("concurrency", 8), "auto", seconds=20.0)
+    assert (plan.num_requests, plan.duration_s) == (None, 20.0)
+
+
+def test_a_set_count_is_kept_whatever_the_load():
+    assert LevelPlan.sized(Level("concurrency", 32), 48).num_requests == 48
+    assert LevelPlan.sized(Level("concurrency", 32), 48, seconds=5.0).num_requests == 48
+
+
+@pytest.mark.parametrize(("clients", "warmup"), [(1, 1), (8, 8), (64, 32)])
+def test_warmup_defaults_to_one_request_per_client_at_most_32(clients, warmup):
+    assert LevelPlan.sized(Level("concurrency", clients)).warmup_requests == warmup
+    assert LevelPlan.sized(Level("concurrency", clients), warmup=3).warmup_requests == 3
+
+
+def test_a_study_sizes_its_levels_unless_told():
+    assert LoadProtocol().requests_per_level == "auto"
+    assert LoadProtocol(requests_per_level=48).requests_per_level == 48
