@@ -13,8 +13,8 @@ class UserError(Exception):
     exit_code = 2
 
 
-class EngineStartError(UserError):
-    """The vLLM server did not come up. Carries the tail of its log."""
+class EngineError(UserError):
+    """The vLLM server failed. Carries the tail of its log."""
 
     exit_code = 3
 
@@ -27,3 +27,11 @@ class EngineStartError(UserError):
         if not self.log_tail:
             return base
         return f"{base}\n--- engine log (last lines) ---\n{self.log_tail}"
+
+
+class EngineStartError(EngineError):
+    """The vLLM server did not come up."""
+
+
+class EngineDiedError(EngineError):
+    """The vLLM server died while it was being measured."""

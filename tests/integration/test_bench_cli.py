@@ -6,7 +6,9 @@ import pytest
 
 from servetune.cli import main
 from servetune.results import BenchResult
+from servetune.testing.fake_openai import write_fake_python
 from tests.conftest import fake_server_process
+from tests.processes import processes_mentioning
 
 
 def run_cli(capsys, *argv):
@@ -64,6 +66,27 @@ def test_bench_repeats_a_level_that_meets_the_slo_three_times(tmp_path, capsys, 
     level, rows = bench_repeats(tmp_path, capsys, tiny_model, ttft_ms="5", slo="ttft_ms.p99=500")
     assert len(level.runs) == 3 and level.meets_slo and len(rows) == 3 * 7
     assert level.measured_s == pytest.approx(sum(run.summary.duration_s for run in level.runs))
+
+
+def test_an_engine_that_dies_mid_level_keeps_what_was_measured(tmp_path, capsys, tiny_model):
+    # The fake engine dies 2 s after it is ready: after the level at 8 in flight (about 0.7 s),
+    # during the one at 1 (nine requests of about 0.34 s each).
+    fake_python = write_fake_python(tmp_path)
+    out_file = tmp_path / "b.json"
+    code, out, err = run_cli(
+        capsys, "--model", str(tiny_model), "--python", str(fake_python), "--workload", "cpu-tiny",
+        "--env", "SERVETUNE_FAKE_CRASH_AFTER_S=2", "--env", "SERVETUNE_FAKE_ITL_MS=10",
+        "--concurrency", "8,1", "--num-requests", "8", "--json", str(out_file),
+    )  # fmt: skip
+    assert code == 3
+    assert "servetune bench: error: vLLM died during concurrency 1" in err and "engine log (last lines)" in err, err
+    result = BenchResult.model_validate_json(out_file.read_text())
+    finished, died_in = result.levels
+    assert finished.summary.completed == 8 and finished.summary.failed == 0
+    assert died_in.summary.failed > 0 and died_in.summary.completed < 8
+    rows = [json.loads(line) for line in (tmp_path / "b.requests.jsonl").read_text().splitlines()]
+    assert len(rows) == 8 + 8 + 1 + 8  # warm-up included
+    assert processes_mentioning(fake_python) == []
 
 
 @pytest.mark.parametrize(

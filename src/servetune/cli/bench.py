@@ -24,7 +24,7 @@ from servetune.config.slo import Slo
 from servetune.config.workload import Workload, load_workload
 from servetune.engine.args import load_argspecs, parse_key_values, parse_value, validate_engine_args, vllm_version
 from servetune.engine.server import VllmServer
-from servetune.errors import UserError
+from servetune.errors import EngineDiedError, UserError
 from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory, load_tokenizer
 from servetune.load.runner import Level
@@ -174,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
         num_requests=args.num_requests, duration_s=args.duration, repeats=args.repeats, kv_capacity=None, startup_s=None, levels=[],
     )  # fmt: skip
     records: list[dict] = []
+    died: EngineDiedError | None = None
     if args.url:
         _run_levels(console, args.url, served, workload, prompts, plans, slo, args, result, records)
     else:
@@ -193,6 +194,8 @@ def run(args: argparse.Namespace) -> int:
             result.startup_s = server.startup_s
             result.kv_capacity = KvCapacityReport(**vars(kv)) if kv else None
             _run_levels(console, server.url, served, workload, prompts, plans, slo, args, result, records, server)
+        except EngineDiedError as err:
+            died = err  # what was measured, the level it died in included, is still written
         finally:
             with console.status("stopping vLLM"):
                 server.stop()
@@ -202,6 +205,8 @@ def run(args: argparse.Namespace) -> int:
         _write_atomic(requests_path, "".join(json.dumps(r) + "\n" for r in records))
         _write_atomic(args.json, result.model_dump_json(indent=2) + "\n")
         console.print(f"wrote {args.json} and {requests_path}")
+    if died is not None:
+        raise died
     failed_levels = [r for r in result.levels if r.summary.completed == 0]
     return 1 if failed_levels else 0
 
@@ -243,10 +248,10 @@ def _run_levels(console, url, served, workload, prompts, plans, slo, args, resul
 
                     gone = (lambda: not server.alive()) if server is not None else (lambda: False)
                     level_result, _ = await measure_repeated(measure_once, args.repeats, slo, gone=gone)
-                if server is not None and not server.alive():
-                    raise UserError(f"vLLM died during {plan.level} ({server.failure_reason()})")
                 result.levels.append(level_result)
                 console.print(level_table([level_result], slo, title=str(plan.level)))
+                if server is not None and not server.alive():
+                    raise EngineDiedError(f"vLLM died during {plan.level} ({server.failure_reason()})", server.log_tail())
 
     asyncio.run(main())
     if len(result.levels) > 1:
