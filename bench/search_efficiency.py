@@ -83,8 +83,10 @@ def replay(args: argparse.Namespace) -> int:
     seeds = range(args.seed0, args.seed0 + args.seeds)
     best = surface.best_score
     meeting = sum(score(r) > 0 for r in surface.results.values())
+    near = sum(score(r) >= (1 - args.tolerance) * best for r in surface.results.values())  # how big the needle is
     print(f"{args.surface}: {len(surface.results)} grid points, {meeting} meet the SLO; best goodput {best:.2f} req/s, "
-          f"target {(1 - args.tolerance) * best:.2f} (within {args.tolerance:.0%}); {args.seeds} seeds, {args.in_flight} in flight")  # fmt: skip
+          f"target {(1 - args.tolerance) * best:.2f} (within {args.tolerance:.0%}, {near} point{'s reach' if near > 1 else ' reaches'} it); "
+          f"{args.seeds} seeds, {args.in_flight} in flight")  # fmt: skip
     rows = []
     print(f"{'algorithm':<10} {'mean trials':>11} {'of grid':>8} {'median':>7} {'worst':>6} {'reached':>8} {'seconds':>8}")
     for algorithm in args.algorithms:
@@ -104,7 +106,7 @@ def replay(args: argparse.Namespace) -> int:
               f"(target <= {TARGET_SHARE:.0%}): {verdict}")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps({"surface": str(args.surface), "grid_size": len(surface.results), "best": best,
-                                               "tolerance": args.tolerance, "rows": rows}, indent=2) + "\n")  # fmt: skip
+                                               "tolerance": args.tolerance, "points_reaching": near, "rows": rows}, indent=2) + "\n")  # fmt: skip
     return 0
 
 

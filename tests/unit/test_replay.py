@@ -134,6 +134,13 @@ def test_the_bench_records_a_study_that_ran_its_grid_and_replays_it(surface, tmp
     rows = {r["algorithm"]: r for r in json.loads((tmp_path / "r.json").read_text())["rows"]}
     assert rows["grid"]["seeds"] == 1 and rows["tpe"]["seeds"] == 2 and rows["tpe"]["reached"] == 2
 
+    # Within 3% of the optimum (100): itself and its two neighbours at 97.5 (max_num_seqs 5 and 7).
+    argv = ["replay", str(tmp_path / "s.json"), "--tolerance", "0.03", "--algorithms", "grid", "--json", str(tmp_path / "r2.json")]
+    assert module.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "3 points reach it" in out, out.splitlines()[0]
+    assert json.loads((tmp_path / "r2.json").read_text())["points_reaching"] == 3
+
     (study / "trials" / "t0" / "result.json").unlink()
     assert module.main(["record", str(study), "--out", str(tmp_path / "t.json"), "--command", "x"]) == 2
     assert "1 of 94 grid points have no result" in capsys.readouterr().err
