@@ -35,10 +35,10 @@ from ray.tune import Callback
 from servetune.accounting import time_accounting
 from servetune.study.packing import (
     Reservation,
-    max_concurrent_to_fill,
     order_for_packing,
     overlapping,
     peak_devices,
+    resolve_max_concurrent,
     utilization,
 )
 
@@ -151,12 +151,12 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
     from servetune.study.tuner import run_tuner
 
     model = build_tiny_model(workdir / "models" / "tiny")
-    sizes = [tp * dp for tp, dp in LAYOUTS]
-    max_concurrent = args.max_concurrent or max_concurrent_to_fill(args.gpus, sizes)
     space_path = workdir / "space.yaml"
     space_path.write_text(SPACE.format(model=model, gpus=args.gpus, level_s=round(args.level_seconds * args.scale, 2),
-                                       max_num_seqs=args.max_num_seqs, max_concurrent=max_concurrent, levels=args.levels))  # fmt: skip
+                                       max_num_seqs=args.max_num_seqs, max_concurrent=args.max_concurrent or "auto", levels=args.levels))  # fmt: skip
     space = load_space(space_path)
+    # "auto" is resolved by the study itself from the GPUs Ray declares; this is what it will pick.
+    max_concurrent = resolve_max_concurrent(space, args.gpus)
     points = draw_points(space, args)
     study_dir = (workdir / "studies" / space.name).resolve()
     prepare_study_dir(study_dir, space_path, resume=False)
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--order", choices=["packed", "grid", "largest"], default="packed",
                         help="packed: study/packing.py's order (default); grid: as drawn; largest: largest trials first")
     parser.add_argument("--max-concurrent", type=int,
-                        help="trials in flight (default: twice what the smallest trials need to fill the GPUs, plus one)")
+                        help="trials in flight (default: the study's auto, twice what the smallest trials need to fill the GPUs, plus one)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, help="keep the study here (default: a temporary directory)")
     parser.add_argument("--json", type=Path, help="write the measurements here")

@@ -27,6 +27,7 @@ def test_trials_of_1_2_and_4_gpus_share_a_node_without_oversubscribing_it(tmp_pa
     out = json.loads((tmp_path / "packing.json").read_text())
     trials = out["trials"]
     assert len(trials) == out["trials_proposed"] == 5
+    assert out["max_concurrent"] == 9  # the study's auto: twice the 1-GPU trials that fill 4 GPUs, plus one
     assert sorted(t["devices"] for t in trials) == [1, 2, 2, 4, 4]
     assert all(t["outcome"] == "COMPLETE" for t in trials), [t["reason"] for t in trials]
     assert out["peak_devices"] <= 4
