@@ -83,9 +83,10 @@ def replay(args: argparse.Namespace) -> int:
     seeds = range(args.seed0, args.seed0 + args.seeds)
     best = surface.best_score
     meeting = sum(score(r) > 0 for r in surface.results.values())
-    near = sum(score(r) >= (1 - args.tolerance) * best for r in surface.results.values())  # how big the needle is
+    target = (1 - args.tolerance) * best
+    near = sum(score(r) >= target for r in surface.results.values())  # how big the needle is
     print(f"{args.surface}: {len(surface.results)} grid points, {meeting} meet the SLO; best goodput {best:.2f} req/s, "
-          f"target {(1 - args.tolerance) * best:.2f} (within {args.tolerance:.0%}, {near} point{'s reach' if near > 1 else ' reaches'} it); "
+          f"target {target:.2f} (within {args.tolerance:.0%}, {near} point{'s reach' if near > 1 else ' reaches'} it); "
           f"{args.seeds} seeds, {args.in_flight} in flight")  # fmt: skip
     rows = []
     print(f"{'algorithm':<10} {'mean trials':>11} {'of grid':>8} {'median':>7} {'worst':>6} {'reached':>8} {'seconds':>8}")
