@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -13,14 +11,6 @@ from servetune.metrics import COST_METRIC, LevelSummary, cost_per_mtok_usd
 #: Results are records servetune writes and reads back, often with another version: a field this
 #: version does not know (a newer servetune wrote it) is ignored rather than refused.
 RECORD = ConfigDict(extra="ignore")
-
-_SECRET = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|ACCESS_KEY|CREDENTIAL|AUTH", re.IGNORECASE)
-
-
-def redact_env(env: Mapping[str, str]) -> dict[str, str]:
-    """Environment safe to write to disk, MLflow or a report: secrets become ``***``."""
-    return {k: ("***" if _SECRET.search(k) else v) for k, v in env.items()}
-
 
 class LevelRun(BaseModel):
     """One run of a repeated level (``load.repeats``): what the client measured and its verdict."""

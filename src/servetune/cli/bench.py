@@ -28,7 +28,8 @@ from servetune.errors import EngineDiedError, UserError
 from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory, load_tokenizer
 from servetune.load.runner import Level
-from servetune.results import BenchResult, KvCapacityReport, LevelResult, redact_env
+from servetune.results import BenchResult, KvCapacityReport, LevelResult
+from servetune.secrets import redact_engine_args, redact_env
 from servetune.telemetry import TelemetrySampler, visible_gpu_indices
 from servetune.trial.measure import AUTO, LevelPlan, measure_level, measure_repeated, record_tags, run_stream
 
@@ -168,8 +169,8 @@ def run(args: argparse.Namespace) -> int:
 
     result = BenchResult(
         servetune_version=__version__, created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        url=args.url or "", model=args.model or tokenizer_name, served_model_name=served, engine_args=engine_args,
-        env=redact_env(env), command=None, vllm_version=None if args.url else vllm_version(args.python),
+        url=args.url or "", model=args.model or tokenizer_name, served_model_name=served,
+        engine_args=redact_engine_args(engine_args), env=redact_env(env), command=None, vllm_version=None if args.url else vllm_version(args.python),
         workload_file=str(args.workload), workload=workload.model_dump(mode="json"), slo=[str(b) for b in slo.bounds],
         num_requests=args.num_requests, duration_s=args.duration, repeats=args.repeats, kv_capacity=None, startup_s=None, levels=[],
     )  # fmt: skip
@@ -189,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             console.print(f"vLLM ready at {server.url} after {server.startup_s:.1f} s (log: {log_path})")
             kv = server.kv_capacity()
-            result.command = server.command()
+            result.command = server.command(redacted=True)
             result.url = server.url
             result.startup_s = server.startup_s
             result.kv_capacity = KvCapacityReport(**vars(kv)) if kv else None

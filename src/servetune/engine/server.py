@@ -30,6 +30,7 @@ import psutil
 from servetune.engine.args import ArgSpec, engine_argv
 from servetune.engine.reaper import group_processes
 from servetune.errors import EngineStartError
+from servetune.secrets import redact_engine_args
 
 _KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
 _KV_CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
@@ -95,11 +96,13 @@ class VllmServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def command(self) -> list[str]:
+    def command(self, redacted: bool = False) -> list[str]:
+        """The server's argv; ``redacted``: credentials as ``***`` (servetune/secrets.py), to write down."""
+        args = redact_engine_args(self.engine_args) if redacted else self.engine_args
         return [
             self.python, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model, "--host", self.host, "--port", str(self.port),
-            *engine_argv(self.engine_args, self.argspecs),
+            *engine_argv(args, self.argspecs),
         ]  # fmt: skip
 
     def launch_argv(self) -> list[str]:

@@ -19,9 +19,7 @@ from servetune.engine.args import RESERVED, engine_argv, normalize_key
 from servetune.errors import UserError
 from servetune.report.build import StudyReport
 from servetune.report.points import ReportPoint, level_label
-from servetune.results import redact_env
-
-MASK = "***"
+from servetune.secrets import MASK, redact_engine_args, redact_env
 
 
 def pick_point(report: StudyReport, pick: str) -> ReportPoint:
@@ -42,15 +40,10 @@ def pick_point(report: StudyReport, pick: str) -> ReportPoint:
     return rows[index]
 
 
-def _masked_keys(keys: list[str]) -> set[str]:
-    return {k for k, v in redact_env({k: "" for k in keys}).items() if v == MASK}
-
-
 def masked_engine_args(point: ReportPoint) -> dict[str, Any]:
     """Engine arguments to show: servetune's own (model, host, port) left out, secrets masked."""
     args = {normalize_key(k): v for k, v in point.engine_args.items() if normalize_key(k) not in RESERVED}
-    secret = _masked_keys(list(args))
-    return {k: (MASK if k in secret and v is not None else v) for k, v in args.items()}
+    return redact_engine_args(args)
 
 
 def masked_env(env: Mapping[str, str]) -> dict[str, str]:

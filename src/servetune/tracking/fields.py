@@ -14,8 +14,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from servetune.config.space import ENV_PREFIX
 from servetune.metrics import COST_METRIC
-from servetune.results import OperatingPoint, StudyInfo, TrialResult, best_level_index, redact_env
+from servetune.results import OperatingPoint, StudyInfo, TrialResult, best_level_index
+from servetune.secrets import redact_params
 
 #: Engine arguments every trial run records (checklist: TP PP DP, context, KV, batching, scheduling).
 CORE_ENGINE_ARGS = (
@@ -25,7 +27,6 @@ CORE_ENGINE_ARGS = (
 )  # fmt: skip
 #: The CPU build's KV space (GiB), which stands in for gpu_memory_utilization there.
 CPU_KV_SPACE = "VLLM_CPU_KVCACHE_SPACE"
-ENV_PREFIX = "env."
 DEFAULT = "default"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_\-. :/]")
 
@@ -58,8 +59,8 @@ def engine_value(trial: TrialResult, name: str) -> str:
 
 
 def chosen_params(trial: TrialResult) -> dict[str, str]:
-    """The values the search chose, as text; one whose name looks like a secret becomes ``***``."""
-    return redact_env({name: format_value(value) for name, value in trial.params.items()})
+    """The values the search chose, as text; a secret (servetune/secrets.py) becomes ``***``."""
+    return {name: format_value(value) for name, value in redact_params(trial.params).items()}
 
 
 def trial_params(trial: TrialResult) -> dict[str, str]:

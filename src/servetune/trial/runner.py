@@ -37,8 +37,8 @@ from servetune.results import (
     OperatingPoint,
     TrialResult,
     best_level_index,
-    redact_env,
 )
+from servetune.secrets import redact_engine_args, redact_env, redact_params
 from servetune.telemetry import TelemetrySampler, visible_gpu_indices
 from servetune.trial.ladder import ladder
 from servetune.trial.measure import LevelPlan, measure_level, measure_repeated, record_tags, run_stream
@@ -111,7 +111,8 @@ def write_atomic(path: Path, text: str) -> None:
 def new_result(spec: TrialSpec, outcome: str, reason: str | None = None) -> TrialResult:
     """A trial's result before anything was measured: its configuration and an outcome."""
     return TrialResult(
-        trial_id=spec.trial_id, study=spec.study, params=spec.params, engine_args=spec.engine_args,
+        trial_id=spec.trial_id, study=spec.study, params=redact_params(spec.params),
+        engine_args=redact_engine_args(spec.engine_args),
         env=redact_env(spec.env), model=spec.model, device=spec.device, devices=spec.devices,
         price_per_device_hour=spec.price_per_device_hour, slo=[str(b) for b in spec.slo.bounds],
         outcome=outcome, reason=reason, started_at=_now(),
