@@ -6,6 +6,7 @@ artifacts. The Tune callback is driven by calling its hooks with stand-in trials
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import signal
@@ -122,18 +123,34 @@ def test_sync_logs_a_parent_run_and_one_nested_run_per_trial(store, tmp_path):
     assert set(runs) == {"t16", "t32", "t64", "t256"}
     t32 = runs["t32"]
     assert t32.data.tags["mlflow.parentRunId"] == report.parent_run_id and t32.info.status == "FINISHED"
-    assert t32.data.params["max_num_seqs"] == "32" and t32.data.params["dtype"] == "default"
-    assert t32.data.params["enforce_eager"] == "true" and t32.data.params["tensor_parallel_size"] == "default"
-    history = client.get_metric_history(t32.info.run_id, "ttft_ms_p99")
+    assert t32.data.params["max_num_seqs"] == "32" and t32.data.params["enforce_eager"] == "true"
+    assert "default" not in t32.data.params.values()  # left to vLLM and not resolved: left out
+    assert t32.info.run_name == "seqs=32 mem=0.9 · t32"
+    history = client.get_metric_history(t32.info.run_id, "by_level/ttft_ms_p99")
     assert sorted((m.step, m.value) for m in history) == [(0, 500.0), (1, 1500.0), (2, 3000.0)]
-    cost = client.get_metric_history(t32.info.run_id, "cost_per_mtok_usd")
+    cost = client.get_metric_history(t32.info.run_id, "by_level/cost_per_mtok_usd")
     assert [m.step for m in sorted(cost, key=lambda m: m.step)] == [0, 1, 2]
-    assert t32.data.metrics["best_output_throughput"] == 1200.0
+    # the plain names hold the chosen operating point (concurrency 32), not the last level (64, SLO broken)
+    assert [(m.step, m.value) for m in client.get_metric_history(t32.info.run_id, "ttft_ms_p99")] == [(0, 1500.0)]
+    assert t32.data.metrics["output_throughput"] == 1200.0 and t32.data.metrics["meets_slo"] == 1.0
+    assert t32.data.tags["servetune.level"] == "concurrency 32"
     assert t32.data.tags["servetune.outcome"] == "COMPLETE" and t32.data.tags["conclusion"] == "keep"
+    assert t32.data.tags["servetune.recommended"] == "false"
     assert t32.data.tags["quality"] == "not evaluated" and t32.data.tags["record.date"] == "unknown"
     assert "Experiment id (实验编号)" in t32.data.tags["mlflow.note.content"]
 
-    t16 = runs["t16"]
+    t16 = runs["t16"]  # the recommendation: t32 is cheaper but its neighbour t64 ran out of memory
+    assert t16.data.tags["servetune.recommended"] == "true"
+    assert t16.data.tags["conclusion.why"].startswith("recommended to ship (stepped one notch back")
+    assert parent.data.tags["servetune.recommended_trial"] == "t16"
+    description = parent.data.tags["mlflow.note.content"]
+    assert "**Recommended: trial t16** (seqs=16 mem=0.9) at concurrency 16" in description
+    assert f"servetune export {root} --pick best --format vllm" in description
+    assert f"#/experiments/{experiment.experiment_id}/runs?viewStateShareKey=servetune-trials" in description
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    view = json.loads(experiment.tags["mlflow.sharedViewState.servetune-trials"])
+    assert view["selectedColumns"][:3] == ["params.`max_num_seqs`", "params.`gpu_memory_utilization`", "metrics.`goodput`"]
+    assert view["orderByKey"] == "metrics.`goodput`" and "servetune.role" in view["searchFilter"]
     assert {a.path for a in client.list_artifacts(t16.info.run_id)} == {
         "record.md",
         "result.json",
@@ -161,9 +178,14 @@ def test_sync_twice_logs_nothing_twice_and_then_only_what_is_new(store, tmp_path
     assert len(trial_runs(client, first.experiment_id)) == 4
     assert len(client.search_runs([first.experiment_id], "tags.`servetune.role` = 'study'")) == 1
 
-    add_trial(root, trial("t48", {"max_num_seqs": 48, "gpu_memory_utilization": 0.9}, [level(24, 900, 700)]))
+    add_trial(root, trial("t48", {"max_num_seqs": 48, "max_num_batched_tokens": 4096}, [level(24, 900, 700)],
+                          env={"HF_TOKEN": "***", "VLLM_CPU_KVCACHE_SPACE": "2"}))  # fmt: skip
     third = sync_study(root, store)
     assert third.logged == ["t48"] and len(trial_runs(client, first.experiment_id)) == 5
+    t48 = trial_runs(client, first.experiment_id)["t48"]
+    assert t48.data.params["max_num_batched_tokens"] == "4096" and t48.info.run_name == "seqs=48 mbt=4096 · t48"
+    assert "max_num_batched_tokens=4096" in t48.data.tags["record.core_parameters"].replace(" ", "=")
+    assert "***" not in json.dumps([t48.data.params, t48.data.tags["record.core_parameters"]])
 
 
 def test_a_trial_run_cut_short_while_logging_is_logged_again(store, tmp_path):
@@ -205,6 +227,7 @@ def test_callback_logs_each_trial_as_tune_completes_it_and_survives_pickling(sto
     experiment_id = client.get_experiment_by_name("live").experiment_id
     runs = trial_runs(client, experiment_id)
     assert set(runs) == {"dear"} and runs["dear"].data.tags["conclusion"] == "keep"
+    assert runs["dear"].data.tags["servetune.recommended"] == "true"
 
     restored = pickle.loads(pickle.dumps(callback))  # Tune checkpoints its callbacks
     assert restored.tracking_uri == callback.tracking_uri and restored._session is None
@@ -215,6 +238,7 @@ def test_callback_logs_each_trial_as_tune_completes_it_and_survives_pickling(sto
     runs = trial_runs(client, experiment_id)
     assert set(runs) == {"dear", "t32"}
     assert runs["dear"].data.tags["conclusion"] == "next round"
+    assert runs["dear"].data.tags["servetune.recommended"] == "false" and runs["t32"].data.tags["servetune.recommended"] == "true"
     record = Path(client.download_artifacts(runs["dear"].info.run_id, "record.md", str(tmp_path))).read_text()
     assert "next round: meets the SLO" in record
     parent = client.search_runs([experiment_id], "tags.`servetune.role` = 'study'")

@@ -12,7 +12,16 @@ import pytest
 from servetune.engine.server import free_port
 from servetune.tracking import conclude, render_record, resolve_tracking_uri, unreachable_reason
 from servetune.tracking.connection import mlflow_env
-from servetune.tracking.fields import study_metrics, study_params, trial_metrics, trial_params
+from servetune.tracking.fields import (
+    level_tags,
+    rounded,
+    run_name,
+    short_label,
+    study_metrics,
+    study_params,
+    trial_metrics,
+    trial_params,
+)
 from servetune.tracking.inputs import ModelFingerprint, model_fingerprint, read_request_stats
 from servetune.tracking.record import FALLBACK_TEMPLATE, FIELDS, TEMPLATE_FILE, build_record
 from tests.builders import demo_trials, level, study_info, trial
@@ -48,20 +57,29 @@ def write_requests(path: Path) -> None:
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n{cut short")
 
 
-def test_params_are_the_core_engine_args_with_defaults_and_the_varied_values():
+def test_params_are_the_core_engine_args_as_set_or_resolved_and_never_a_word_among_numbers():
     params = trial_params(rich_trial())
     assert params["max_num_seqs"] == "32" and params["gpu_memory_utilization"] == "0.9"
     assert params["enforce_eager"] == "true" and params["max_model_len"] == "2048"
-    for unset in (
-        "tensor_parallel_size",
-        "dtype",
-        "quantization",
-        "kv_cache_dtype",
-        "block_size",
-        "enable_prefix_caching",
-    ):
-        assert params[unset] == "default"
+    unset = ("tensor_parallel_size", "dtype", "quantization", "kv_cache_dtype", "block_size", "enable_prefix_caching")
+    assert not set(unset) & set(params) and "default" not in params.values()
     assert params["devices"] == "1"
+    resolved = rich_trial().model_copy(update={"resolved_engine_args": {
+        "tensor_parallel_size": 1, "dtype": "bfloat16", "block_size": 16, "max_num_seqs": 256, "enable_prefix_caching": True,
+    }})  # fmt: skip
+    params = trial_params(resolved)
+    assert params["tensor_parallel_size"] == "1" and params["dtype"] == "bfloat16" and params["block_size"] == "16"
+    assert params["enable_prefix_caching"] == "true"
+    assert params["max_num_seqs"] == "32"  # what the launch set wins over what vLLM would have chosen
+    assert "quantization" not in params
+
+
+def test_run_names_lead_with_the_varied_values_in_short_and_end_with_the_trial_id():
+    varied = trial("abc123", {"max_num_seqs": 32, "max_num_batched_tokens": 4096, "enable_chunked_prefill": False,
+                              "env.VLLM_CPU_KVCACHE_SPACE": 2})  # fmt: skip
+    assert run_name(varied) == "seqs=32 mbt=4096 chunk=off kvspace=2 · abc123"
+    assert run_name(trial("base", {})) == "vLLM defaults · base"
+    assert short_label({"env.HF_TOKEN": "hf_x", "api_key": "k"}) == "HF_TOKEN=*** api_key=***"
 
 
 def test_cpu_trials_record_the_kv_space_and_secrets_among_varied_values_are_redacted():
@@ -75,19 +93,37 @@ def test_cpu_trials_record_the_kv_space_and_secrets_among_varied_values_are_reda
     assert "VLLM_CPU_KVCACHE_SPACE 2" in record.fields["core_parameters"]
 
 
-def test_metrics_per_level_step_with_cost_telemetry_and_the_best_point():
+def test_plain_metrics_hold_the_chosen_level_and_the_by_level_series_every_level():
     metrics = trial_metrics(rich_trial())
     by_key: dict[str, dict[int, float]] = {}
     for m in metrics:
         by_key.setdefault(m.key, {})[m.step] = m.value
-    assert by_key["ttft_ms_p99"] == {0: 500, 1: 1500, 2: 3000}
-    assert by_key["level_concurrency"] == {0: 16, 1: 32, 2: 64}
-    assert by_key["meets_slo"] == {0: 1.0, 1: 1.0, 2: 0.0}
-    assert by_key["gpu_memory_used_gib_max"][1] == 71.5
-    # 1 device x 2 USD/h / (1200 tok/s x 3600) x 1e6
-    assert by_key["cost_per_mtok_usd"][1] == pytest.approx(2 / (1200 * 3600) * 1e6)
-    assert by_key["best_output_throughput"] == {0: 1200} and by_key["best_level_index"] == {0: 1}
+    assert by_key["by_level/ttft_ms_p99"] == {0: 500, 1: 1500, 2: 3000}
+    assert by_key["by_level/level_concurrency"] == {0: 16, 1: 32, 2: 64}
+    assert by_key["by_level/meets_slo"] == {0: 1.0, 1: 1.0, 2: 0.0}
+    assert by_key["by_level/gpu_memory_used_gib_max"][1] == 71.5
+    # the best level meeting the SLO is level 1 (concurrency 32): the plain names hold it, once
+    assert by_key["ttft_ms_p99"] == {0: 1500} and by_key["level_concurrency"] == {0: 32}
+    assert by_key["output_throughput"] == {0: 1200} and by_key["level_index"] == {0: 1}
+    assert by_key["meets_slo"] == {0: 1.0} and not any(k.startswith("best_") for k in by_key)
+    # 1 device x 2 USD/h / (1200 tok/s x 3600) x 1e6, to 4 significant digits
+    assert by_key["cost_per_mtok_usd"][0] == pytest.approx(2 / (1200 * 3600) * 1e6, rel=1e-3)
+    assert by_key["cost_per_mtok_usd"][0] == rounded(by_key["cost_per_mtok_usd"][0])
     assert by_key["levels_run"] == {0: 3}
+    assert level_tags(rich_trial()) == {"servetune.level": "concurrency 32", "servetune.level_choice": "best level meeting the SLO"}
+
+
+def test_a_trial_that_never_met_the_slo_shows_its_last_level_and_says_so():
+    broken = trial("b", {"max_num_seqs": 8}, [level(2, 100, 500, violations=("ttft_ms_p95 = 612 > 500",)),
+                                             level(8, 300, 900, violations=("ttft_ms_p95 = 812 > 500",))])  # fmt: skip
+    plain = {m.key: m.value for m in trial_metrics(broken) if m.step == 0 and "/" not in m.key}
+    assert plain["level_concurrency"] == 8 and plain["meets_slo"] == 0.0 and plain["level_index"] == 1
+    assert level_tags(broken)["servetune.level_choice"] == "highest load measured; no level met the SLO"
+
+
+def test_values_are_rounded_to_four_significant_digits_and_counts_stay_exact():
+    assert rounded(123.456789) == 123.5 and rounded(0.000123456) == 0.0001235 and rounded(98765.4321) == 98770
+    assert rounded(1048576.0) == 1048576 and rounded(0.0) == 0.0 and rounded(-2.34567) == -2.346
 
 
 def test_non_finite_values_are_left_out():

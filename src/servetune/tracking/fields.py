@@ -1,9 +1,15 @@
 """MLflow params and metrics of a trial run and of the study's parent run (pure: no MLflow, no I/O).
 
-Trial params are the core engine parameters of the checklist (vLLM's default written as
-``default`` when the launch left them unset) plus whatever the search varied. Trial metrics
-are every level's flat summary (``LevelSummary.flat()`` names, step = level index) with the
-level's cost, server counters and telemetry, then the best operating point as ``best_*``.
+Trial params are the core engine parameters of the checklist, each the value the launch set or,
+where it left one to vLLM, the value vLLM resolved at start-up (``resolved_engine_args``); one
+whose value is known neither way is left out rather than written as a word among numbers. The
+varied values and the devices reserved follow.
+
+Trial metrics: the unprefixed names (``ttft_ms_p99``, ``goodput``, ``cost_per_mtok_usd``...) are
+the trial's *chosen* operating point, so a column of the runs table compares like with like: its
+best level meeting the SLO, else the last level it measured (:func:`chosen_level` says which,
+and the run's ``servetune.level`` tags name it). Every level's numbers are also logged as series
+``by_level/<name>`` with step = level index. Values are rounded to :data:`SIGNIFICANT` digits.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from typing import Any
 
 from servetune.config.space import ENV_PREFIX
 from servetune.metrics import COST_METRIC
+from servetune.report.points import level_label
 from servetune.results import OperatingPoint, StudyInfo, TrialResult, best_level_index
 from servetune.secrets import redact_params
 
@@ -28,7 +35,19 @@ CORE_ENGINE_ARGS = (
 #: The CPU build's KV space (GiB), which stands in for gpu_memory_utilization there.
 CPU_KV_SPACE = "VLLM_CPU_KVCACHE_SPACE"
 DEFAULT = "default"
+BY_LEVEL = "by_level/"  # prefix of the per-level series (MLflow groups charts by the part before "/")
+SIGNIFICANT = 4  # significant digits of a logged metric that is not a whole number
+BASELINE_LABEL = "vLLM defaults"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_\-. :/]")
+
+#: Short names for run names: ``seqs=32 mbt=4096 chunk=off``.
+SHORT_NAMES = {
+    "max_num_seqs": "seqs", "max_num_batched_tokens": "mbt", "enable_chunked_prefill": "chunk",
+    "enable_prefix_caching": "prefix", "tensor_parallel_size": "tp", "pipeline_parallel_size": "pp",
+    "data_parallel_size": "dp", "gpu_memory_utilization": "mem", "kv_cache_dtype": "kv", "block_size": "block",
+    "quantization": "quant", "max_model_len": "ctx", "enforce_eager": "eager",
+    ENV_PREFIX + CPU_KV_SPACE: "kvspace",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -53,9 +72,15 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
+def engine_setting(trial: TrialResult, name: str) -> Any:
+    """An engine argument as the launch set it, else as vLLM resolved it (None when neither is known)."""
+    value = trial.engine_args.get(name)
+    return value if value is not None else trial.resolved_engine_args.get(name)
+
+
 def engine_value(trial: TrialResult, name: str) -> str:
-    """An engine argument of the launch, or ``default`` when vLLM chose it."""
-    return format_value(trial.engine_args.get(name))
+    """:func:`engine_setting` as text, ``default`` when unknown."""
+    return format_value(engine_setting(trial, name))
 
 
 def chosen_params(trial: TrialResult) -> dict[str, str]:
@@ -64,17 +89,34 @@ def chosen_params(trial: TrialResult) -> dict[str, str]:
 
 
 def trial_params(trial: TrialResult) -> dict[str, str]:
-    """Core parameters (``default`` when unset), the varied ones, and the devices reserved."""
+    """Core parameters (as set, else as vLLM resolved them; unknown ones left out), the varied ones, devices."""
     params: dict[str, str] = {}
     for name in CORE_ENGINE_ARGS:
         if name == "gpu_memory_utilization" and trial.device == "cpu" and name not in trial.engine_args:
             continue  # the CPU build sizes its KV cache from VLLM_CPU_KVCACHE_SPACE instead
-        params[name] = engine_value(trial, name)
-    if trial.device == "cpu":
-        params[ENV_PREFIX + CPU_KV_SPACE] = trial.env.get(CPU_KV_SPACE, DEFAULT)
+        value = engine_setting(trial, name)
+        if value is not None:
+            params[name] = format_value(value)
+    if trial.device == "cpu" and CPU_KV_SPACE in trial.env:
+        params[ENV_PREFIX + CPU_KV_SPACE] = trial.env[CPU_KV_SPACE]
     params.update({metric_key(name): value for name, value in chosen_params(trial).items()})
     params["devices"] = str(trial.devices)
     return params
+
+
+def short_label(params: Mapping[str, Any]) -> str:
+    """The chosen values in few characters, ``seqs=32 mbt=4096 chunk=off``; the baseline is ``vLLM defaults``."""
+    parts = []
+    for name, value in redact_params(params).items():
+        short = SHORT_NAMES.get(name) or name.removeprefix(ENV_PREFIX)
+        text = ("on" if value else "off") if isinstance(value, bool) else format_value(value)
+        parts.append(f"{short}={text}")
+    return " ".join(parts) or BASELINE_LABEL
+
+
+def run_name(trial: TrialResult) -> str:
+    """What the runs table shows first: the configuration, then the trial id."""
+    return f"{short_label(trial.params)} · {trial.trial_id}"
 
 
 def study_params(info: StudyInfo) -> dict[str, str]:
@@ -90,11 +132,18 @@ def study_params(info: StudyInfo) -> dict[str, str]:
     }
 
 
+def rounded(value: float, digits: int = SIGNIFICANT) -> float:
+    """``value`` to ``digits`` significant digits; whole numbers (counts, tokens) stay exact."""
+    if value == 0 or float(value).is_integer():
+        return float(value)
+    return round(value, digits - 1 - math.floor(math.log10(abs(value))))
+
+
 def _finite(items: Iterable[tuple[str, float | int | None]], step: int) -> list[MetricPoint]:
     out = []
     for key, value in items:
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            out.append(MetricPoint(metric_key(key), float(value), step))
+            out.append(MetricPoint(metric_key(key), rounded(float(value)), step))
     return out
 
 
@@ -110,6 +159,25 @@ def best_point(trial: TrialResult) -> OperatingPoint | None:
     return None if index is None else trial.operating_points()[index]
 
 
+@dataclass(frozen=True)
+class ChosenLevel:
+    """The level a trial is judged by: its best meeting the SLO, else the highest load it measured."""
+
+    index: int
+    meets_slo: bool
+
+    @property
+    def note(self) -> str:
+        return "best level meeting the SLO" if self.meets_slo else "highest load measured; no level met the SLO"
+
+
+def chosen_level(trial: TrialResult) -> ChosenLevel | None:
+    if not trial.levels:
+        return None
+    best = best_index(trial)
+    return ChosenLevel(best, True) if best is not None else ChosenLevel(len(trial.levels) - 1, False)
+
+
 def tail_ratio(p50: float | None, p99: float | None) -> float | None:
     """(P99 - P50) / P50: how far the tail stands from the middle (None without a middle)."""
     if p50 is None or p99 is None or p50 <= 0:
@@ -117,30 +185,48 @@ def tail_ratio(p50: float | None, p99: float | None) -> float | None:
     return (p99 - p50) / p50
 
 
-def trial_metrics(trial: TrialResult) -> list[MetricPoint]:
-    """Per level (step = index): summary, cost, counts, server counters, telemetry; then best_* and trial totals."""
-    points: list[MetricPoint] = []
+def level_metrics(trial: TrialResult) -> list[dict[str, float | None]]:
+    """Per level: summary, cost, load, counts, SLO verdict, server counters and telemetry."""
+    out = []
     for op, level in zip(trial.operating_points(), trial.levels):
         summary = level.summary
-        flat = dict(op.metrics)
-        extra: dict[str, float | None] = {f"level_{k}": v for k, v in summary.level.items()}
-        extra.update(
+        values: dict[str, float | None] = dict(op.metrics)
+        values.update({f"level_{k}": v for k, v in summary.level.items()})
+        values.update(
             completed=summary.completed, failed=summary.failed, meets_slo=float(level.meets_slo),
             ttft_ms_tail_ratio=tail_ratio(summary.ttft_ms.p50, summary.ttft_ms.p99),
         )  # fmt: skip
         for source in (level.server_metrics, level.telemetry):
-            extra.update({k: v for k, v in source.items() if k not in flat})
-        points += _finite([*flat.items(), *extra.items()], op.level_index)
-    best = best_point(trial)
-    if best is not None:
-        points += _finite([(f"best_{k}", v) for k, v in best.metrics.items()], 0)
-        points += _finite([("best_level_index", best.level_index)], 0)
+            values.update({k: v for k, v in source.items() if k not in values})
+        out.append(values)
+    return out
+
+
+def trial_metrics(trial: TrialResult) -> list[MetricPoint]:
+    """The chosen level's numbers under plain names, every level's as ``by_level/`` series, and trial totals."""
+    levels = level_metrics(trial)
+    points: list[MetricPoint] = []
+    for index, values in enumerate(levels):
+        points += _finite([(BY_LEVEL + k, v) for k, v in values.items()], index)
+    chosen = chosen_level(trial)
+    if chosen is not None:
+        points += _finite(levels[chosen.index].items(), 0)
+        points += _finite([("level_index", chosen.index)], 0)
     totals: dict[str, float | None] = {
         "levels_run": len(trial.levels), "startup_s": trial.startup_s, "duration_s": trial.duration_s,
         "kv_prediction_error": trial.kv_prediction_error,
         "kv_cache_tokens": trial.kv_capacity.tokens if trial.kv_capacity else None,
     }  # fmt: skip
     return points + _finite(totals.items(), 0)
+
+
+def level_tags(trial: TrialResult) -> dict[str, str]:
+    """Which level the plain metric names hold (``servetune.level``) and why that one."""
+    chosen = chosen_level(trial)
+    if chosen is None:
+        return {"servetune.level": "none measured"}
+    summary = trial.levels[chosen.index].summary
+    return {"servetune.level": level_label(summary.level), "servetune.level_choice": chosen.note}
 
 
 def study_metrics(trials: Sequence[TrialResult]) -> dict[str, float]:

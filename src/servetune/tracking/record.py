@@ -21,7 +21,7 @@ from servetune.shipped import trials_dir
 from servetune.tracking.fields import (
     CORE_ENGINE_ARGS,
     CPU_KV_SPACE,
-    best_index,
+    chosen_level,
     chosen_params,
     engine_value,
     tail_ratio,
@@ -80,6 +80,11 @@ def conclude(trial: TrialResult, study_trials: Sequence[TrialResult]) -> Conclus
         "next round",
         f"meets the SLO at {len(meeting)} of {len(trial.levels)} levels but is dominated on cost vs P99 TTFT",
     )
+
+
+def recommended_conclusion(reason: str) -> Conclusion:
+    """The conclusion of the trial the study recommends: keep it, and ship it."""
+    return Conclusion("keep", f"recommended to ship ({reason})")
 
 
 @dataclass(frozen=True)
@@ -141,13 +146,9 @@ def build_record(
 
 
 def _representative(trial: TrialResult) -> tuple[int, LevelResult, str] | None:
-    """The best level meeting the SLO, else the last one measured, with a note saying which."""
-    if not trial.levels:
-        return None
-    best = best_index(trial)
-    if best is not None:
-        return best, trial.levels[best], "best level meeting the SLO"
-    return len(trial.levels) - 1, trial.levels[-1], "highest load measured; no level met the SLO"
+    """The level the trial is judged by (``fields.chosen_level``), with a note saying which."""
+    chosen = chosen_level(trial)
+    return None if chosen is None else (chosen.index, trial.levels[chosen.index], chosen.note)
 
 
 def _request_tags(trial: TrialResult, info: StudyInfo | None, requests: RequestStats | None) -> dict[str, str]:

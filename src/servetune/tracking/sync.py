@@ -18,7 +18,7 @@ import yaml
 from mlflow import MlflowClient
 
 from servetune.errors import UserError
-from servetune.report import load_study
+from servetune.report import LoadedStudy, Recommendation, StudyReport, build_report, load_study
 from servetune.results import RESULT_FILE, SPACE_FILE, STUDY_FILE, TRIALS_DIR, StudyInfo, TrialResult
 from servetune.tracking.connection import (
     TRACKING_ERRORS,
@@ -28,7 +28,7 @@ from servetune.tracking.connection import (
     mlflow_env,
     resolve_tracking_uri,
 )
-from servetune.tracking.fields import chosen_params, study_metrics, study_params, trial_metrics, trial_params
+from servetune.tracking.fields import level_tags, run_name, study_metrics, study_params, trial_metrics, trial_params
 from servetune.tracking.inputs import (
     ENGINE_LOG,
     REQUESTS_FILE,
@@ -37,8 +37,18 @@ from servetune.tracking.inputs import (
     model_fingerprint,
     read_request_stats,
 )
-from servetune.tracking.record import ExperimentRecord, build_record, conclude, render_record
+from servetune.tracking.record import ExperimentRecord, build_record, conclude, recommended_conclusion, render_record
+from servetune.tracking.view import (
+    EXPERIMENT_KIND,
+    EXPERIMENT_KIND_TAG,
+    RECOMMENDED_TAG,
+    runs_view_tag,
+    study_description,
+)
 from servetune.tracking.writer import CONCLUSION_TAG, STUDY_DIR_TAG, STUDY_TAG, MlflowStudyWriter, TrialRun
+
+#: The tags whose change means a logged trial's record must be written again.
+_REFRESHED_TAGS = (CONCLUSION_TAG, f"{CONCLUSION_TAG}.why", RECOMMENDED_TAG)
 
 REPORT_DIR = "report"
 
@@ -94,7 +104,7 @@ class StudySync:
         self.writer = MlflowStudyWriter(MlflowClient(self.tracking_uri))
         study = load_study(self.study_dir, skip_unreadable=True)
         info = study.info
-        self.experiment_id = self.writer.experiment(info.name)
+        self.experiment_id = self.writer.experiment(info.name, {EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
         tags = {STUDY_TAG: info.name, STUDY_DIR_TAG: str(self.study_dir.resolve()), "model.name": info.model,
                 "requests.workload": info.workload, "hardware.device": info.device, "created": info.created}  # fmt: skip
         inputs = [(self.study_dir / SPACE_FILE, None), (self.study_dir / STUDY_FILE, None)]
@@ -115,19 +125,19 @@ class StudySync:
         writer = self._writer()
         study = load_study(self.study_dir, skip_unreadable=True)
         report.not_read = [n.path.name for n in study.not_read]
+        recommendation = recommend_of(study)
         for trial in study.trials:
             if trial.trial_id in self.runs:
                 if trial.trial_id not in report.logged and trial.trial_id not in report.already:
                     report.already.append(trial.trial_id)
                 continue
-            record = self.record(trial, study.trials, study.info)
+            record = self.record(trial, study.trials, study.info, recommendation)
             trial_dir = self.study_dir / TRIALS_DIR / trial.trial_id
             files = [trial_dir / RESULT_FILE, trial_dir / ENGINE_LOG, trial_dir / REQUESTS_FILE]
-            chosen = ", ".join(f"{k}={v}" for k, v in chosen_params(trial).items()) or "(vLLM defaults)"
-            run_name = f"{trial.trial_id} {chosen}"
-            run_id = writer.log_trial(self.experiment_id, self.parent_run_id, trial, run_name, trial_params(trial),
-                                      trial_metrics(trial), record.all_tags(), render_record(record), files)  # fmt: skip
-            self.runs[trial.trial_id] = TrialRun(trial.trial_id, run_id, "FINISHED", record.all_tags())
+            tags = trial_tags(trial, record, recommendation)
+            run_id = writer.log_trial(self.experiment_id, self.parent_run_id, trial, run_name(trial), trial_params(trial),
+                                      trial_metrics(trial), tags, render_record(record), files)  # fmt: skip
+            self.runs[trial.trial_id] = TrialRun(trial.trial_id, run_id, "FINISHED", tags)
             report.logged.append(trial.trial_id)
 
     def finish(self, report: SyncReport, end: bool = True, report_dir: Path | None = None) -> None:
@@ -135,28 +145,50 @@ class StudySync:
         ``STUDY_DIR/report``, if it exists), and (``end``) end the parent run."""
         writer = self._writer()
         study = load_study(self.study_dir, skip_unreadable=True)
+        study_report = report_of(study)
+        recommendation = study_report.recommendation if study_report is not None else None
         for trial in study.trials:
             run = self.runs.get(trial.trial_id)
             if run is None:
                 continue
-            verdict = conclude(trial, study.trials)
-            if run.tags.get(CONCLUSION_TAG) == verdict.verdict and run.tags.get(f"{CONCLUSION_TAG}.why") == verdict.why:
+            record = self.record(trial, study.trials, study.info, recommendation)
+            tags = trial_tags(trial, record, recommendation)
+            if all(run.tags.get(key, "") == tags.get(key, "") for key in _REFRESHED_TAGS):
                 continue
-            record = self.record(trial, study.trials, study.info)
-            writer.update_record(run.run_id, record.all_tags(), render_record(record))
-            self.runs[trial.trial_id] = TrialRun(trial.trial_id, run.run_id, run.status, record.all_tags())
+            writer.update_record(run.run_id, tags, render_record(record), run_name(trial))
+            self.runs[trial.trial_id] = TrialRun(trial.trial_id, run.run_id, run.status, tags)
             report.refreshed.append(trial.trial_id)
+        self._describe(study, study_report)
         metrics = study_metrics(study.trials)
         report_dir = report_dir if report_dir is not None else self.study_dir / REPORT_DIR
         writer.finish_study(self.parent_run_id, metrics, len(study.trials), report_dir, end)
 
-    def record(self, trial: TrialResult, trials: tuple[TrialResult, ...], info: StudyInfo) -> ExperimentRecord:
+    def record(self, trial: TrialResult, trials: tuple[TrialResult, ...], info: StudyInfo,
+               recommendation: Recommendation | None) -> ExperimentRecord:  # fmt: skip
         trial_dir = self.study_dir / TRIALS_DIR / trial.trial_id
         if trial.model not in self._fingerprints:
             self._fingerprints[trial.model] = model_fingerprint(trial.model)
         tail = log_tail(trial_dir / ENGINE_LOG) if trial.outcome == "FAILED" else ""
+        if is_recommended(trial, recommendation):
+            conclusion = recommended_conclusion(recommendation.reason)
+        else:
+            conclusion = conclude(trial, trials)
         return build_record(trial, info, read_request_stats(trial_dir / REQUESTS_FILE), self._fingerprints[trial.model],
-                            conclude(trial, trials), tail)  # fmt: skip
+                            conclusion, tail)  # fmt: skip
+
+    def _describe(self, study: LoadedStudy, report: StudyReport | None) -> None:
+        """The parent run's description and the experiment's trials view, from the study as it is now."""
+        writer = self._writer()
+        varied: dict[str, None] = {}
+        for trial in study.trials:
+            varied.update(dict.fromkeys(trial.params))
+        key, view = runs_view_tag(list(varied))
+        writer.set_experiment_tags(self.experiment_id, {key: view})
+        if report is None:
+            return  # a study.json this servetune cannot report on: the trials are logged all the same
+        recommended = report.recommendation.point
+        writer.describe_study(self.parent_run_id, study_description(report, self.experiment_id),
+                              {"servetune.recommended_trial": recommended.trial_id if recommended else "none"})  # fmt: skip
 
     def _writer(self) -> MlflowStudyWriter:
         if self.writer is None:
@@ -180,6 +212,28 @@ class StudySync:
         except UserError:
             return None
         return path if path.is_file() else None
+
+
+def report_of(study: LoadedStudy) -> StudyReport | None:
+    """The study's report as data (None for a study.json this servetune cannot report on)."""
+    try:
+        return build_report(study)
+    except UserError:
+        return None
+
+
+def recommend_of(study: LoadedStudy) -> Recommendation | None:
+    report = report_of(study)
+    return report.recommendation if report is not None else None
+
+
+def is_recommended(trial: TrialResult, recommendation: Recommendation | None) -> bool:
+    return bool(recommendation and recommendation.point and recommendation.point.trial_id == trial.trial_id)
+
+
+def trial_tags(trial: TrialResult, record: ExperimentRecord, recommendation: Recommendation | None) -> dict[str, str]:
+    """A trial run's tags: its record's, which level its plain metrics hold, and whether it is the one to ship."""
+    return {**record.all_tags(), **level_tags(trial), RECOMMENDED_TAG: str(is_recommended(trial, recommendation)).lower()}
 
 
 def sync_study(study_dir: Path | str, tracking_uri: str | None = None, finish: bool = True,

@@ -33,6 +33,7 @@ REASON_TAG = "servetune.reason"
 CONCLUSION_TAG = "conclusion"
 PARENT_TAG = "mlflow.parentRunId"
 NOTE_TAG = "mlflow.note.content"  # the run's description in the MLflow UI (Markdown)
+RUN_NAME_TAG = "mlflow.runName"
 RECORD_FILE = "record.md"
 _BATCH = 100  # MLflow accepts at most 100 params and 100 tags per batch, 1000 entities in all
 _METRICS_PER_BATCH = 1000 - 2 * _BATCH
@@ -70,15 +71,24 @@ class MlflowStudyWriter:
     def __init__(self, client: MlflowClient) -> None:
         self.client = client
 
-    def experiment(self, name: str) -> str:
-        """The id of the study's experiment, created when missing."""
+    def experiment(self, name: str, tags: Mapping[str, str]) -> str:
+        """The id of the study's experiment, created when missing; ``tags`` set on it either way."""
         found = self.client.get_experiment_by_name(name)
         if found is None:
-            return self.client.create_experiment(name, tags={ROLE_TAG: "study"})
+            return self.client.create_experiment(name, tags={ROLE_TAG: "study", **tags})
         if found.lifecycle_stage == "deleted":
             raise TrackingError(f"MLflow experiment '{name}' is deleted: restore it (mlflow experiments restore "
                                 f"--experiment-id {found.experiment_id}) or remove it for good (mlflow gc)")  # fmt: skip
+        self.set_experiment_tags(found.experiment_id, {k: v for k, v in tags.items() if found.tags.get(k) != v})
         return found.experiment_id
+
+    def set_experiment_tags(self, experiment_id: str, tags: Mapping[str, str]) -> None:
+        for key, value in tags.items():
+            self.client.set_experiment_tag(experiment_id, key, value)
+
+    def describe_study(self, run_id: str, description: str, tags: Mapping[str, str]) -> None:
+        """The parent run's description (Markdown, shown on its page) and tags."""
+        self._batch(run_id, tags={**tags, NOTE_TAG: description})
 
     def study_run(self, experiment_id: str, name: str, tags: Mapping[str, str], params: Mapping[str, str],
                   artifacts: Iterable[tuple[Path, str | None]]) -> str:  # fmt: skip
@@ -144,9 +154,10 @@ class MlflowStudyWriter:
         self.client.set_terminated(run_id, status, end_time=millis(trial.finished_at))
         return run_id
 
-    def update_record(self, run_id: str, tags: Mapping[str, str], record_md: str) -> None:
-        """(Re)write a trial's record: its tags, record.md, and the run description."""
-        self._batch(run_id, tags={**tags, NOTE_TAG: record_md})
+    def update_record(self, run_id: str, tags: Mapping[str, str], record_md: str, run_name: str | None = None) -> None:
+        """(Re)write a trial's record: its tags, record.md, the run description (and its name)."""
+        named = {RUN_NAME_TAG: run_name[:250]} if run_name else {}
+        self._batch(run_id, tags={**tags, **named, NOTE_TAG: record_md})
         self._log_record(run_id, record_md)
 
     def _log_record(self, run_id: str, record_md: str) -> None:
