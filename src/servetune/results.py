@@ -121,6 +121,9 @@ class TrialResult(BaseModel):
     params: dict[str, Any]  # the values the search chose
     engine_args: dict[str, Any]  # every vLLM engine argument of the launch (fixed + chosen)
     env: dict[str, str]  # redacted
+    # What vLLM resolved at start-up for the core engine arguments the launch left to it
+    # (``max_num_seqs``, ``max_num_batched_tokens``...): what an export pins.
+    resolved_engine_args: dict[str, Any] = {}
     model: str
     device: Literal["gpu", "cpu"]
     devices: int

@@ -1,6 +1,7 @@
 """``servetune run`` on the real vLLM CPU build: one configuration that serves, one that cannot start."""
 
 import json
+import shlex
 import subprocess
 import sys
 
@@ -27,6 +28,27 @@ search: {{algorithm: grid, baseline: false}}
 """
 
 
+PARSE_WITH_VLLM = """
+import json, sys
+try:
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+except ImportError:
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+args = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])
+print(json.dumps({k: getattr(args, k) for k in ("model", "max_num_seqs", "max_num_batched_tokens", "block_size")}))
+"""
+
+
+def parsed_by_vllm(command: str) -> dict:
+    """The exported ``vllm serve MODEL ...`` command as vLLM's own server parser reads it (exit 0 or the test fails)."""
+    tokens = shlex.split(" ".join(line.rstrip("\\") for line in command.splitlines() if not line.startswith("#")))
+    argv = tokens[tokens.index("serve") + 1 :]
+    done = subprocess.run([sys.executable, "-c", PARSE_WITH_VLLM, "--model", *argv], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def servetune(*argv, cwd=None):
     return subprocess.run([sys.executable, "-m", "servetune", *map(str, argv)], capture_output=True, text=True, timeout=900, cwd=cwd)
 
@@ -46,6 +68,8 @@ def test_study_report_and_export_on_real_vllm(tmp_path):
     assert ok["levels"][1]["telemetry"]["host_cpu_percent_mean"] > 0
     assert ok["levels"][1]["summary"]["output_throughput"] > ok["levels"][0]["summary"]["output_throughput"]
     assert bad["outcome"] == "FAILED" and bad["reason"].startswith("engine start: vLLM exited") and bad["log_tail"]
+    resolved = ok["resolved_engine_args"]  # what vLLM chose for what the launch left to it
+    assert resolved["max_num_seqs"] > 0 and resolved["max_num_batched_tokens"] > 0 and resolved["block_size"] == 128
     assert processes_mentioning(study_dir, "vllm") == []
 
     report = servetune("report", study_dir)
@@ -54,3 +78,7 @@ def test_study_report_and_export_on_real_vllm(tmp_path):
     assert ok["trial_id"] in summary and "FAILED" in summary
     export = servetune("export", study_dir, "--format", "vllm")
     assert export.returncode == 0 and "VLLM_CPU_KVCACHE_SPACE=1" in export.stdout and "--block-size 128" in export.stdout
+    picked = servetune("export", study_dir, "--pick", ok["trial_id"], "--format", "vllm")
+    assert picked.returncode == 0, picked.stderr
+    parsed = parsed_by_vllm(picked.stdout)  # pinned at what vLLM resolved, and accepted by vLLM's parser
+    assert parsed["max_num_seqs"] == resolved["max_num_seqs"] and parsed["max_num_batched_tokens"] == resolved["max_num_batched_tokens"]

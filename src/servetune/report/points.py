@@ -60,6 +60,7 @@ class ReportPoint:
     level: Mapping[str, float] = field(default_factory=dict)
     params: Mapping[str, Any] = field(default_factory=dict)  # the values the search chose
     engine_args: Mapping[str, Any] = field(default_factory=dict)  # every engine argument of the launch
+    resolved_engine_args: Mapping[str, Any] = field(default_factory=dict)  # what vLLM resolved for the rest
     env: Mapping[str, str] = field(default_factory=dict)  # redacted on disk
     model: str = ""
     device: str = "gpu"
@@ -147,7 +148,8 @@ def trial_points(trial: TrialResult, price_per_device_hour: float | None = None)
         points.append(
             ReportPoint(
                 trial_id=trial.trial_id, level_index=op.level_index, level=dict(op.level), params=dict(trial.params),
-                engine_args=dict(trial.engine_args), env=dict(trial.env), model=trial.model, device=trial.device,
+                engine_args=dict(trial.engine_args), resolved_engine_args=dict(trial.resolved_engine_args),
+                env=dict(trial.env), model=trial.model, device=trial.device,
                 devices=trial.devices, outcome=trial.outcome, reason=trial.reason, metrics=metrics,
                 server_metrics=dict(level.server_metrics), slo_violations=tuple(level.slo_violations),
             )  # fmt: skip

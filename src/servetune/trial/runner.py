@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from servetune.config.slo import Slo
 from servetune.config.workload import Workload
+from servetune.engine.resolved import DEV_MODE_ENV, fetch_resolved
 from servetune.engine.server import VllmServer
 from servetune.environment import collect_environment
 from servetune.errors import EngineStartError, UserError
@@ -172,12 +173,14 @@ def run_trial(spec: TrialSpec, report: Report, prompts: Callable[[], PromptFacto
 
 def _measure(spec: TrialSpec, result: TrialResult, report: Report, prompts: PromptFactory, trial_dir: Path,
              stop_rule: StopRule | None = None) -> None:  # fmt: skip
-    env = {**spec.env, **spec.extra_env}
+    # Dev mode serves /server_info (what vLLM resolved) on the engine's 127.0.0.1 port.
+    env = {DEV_MODE_ENV: "1", **spec.env, **spec.extra_env}
     kwargs = {"python": spec.python} if spec.python else {}
     server = VllmServer(spec.model, spec.engine_args, env, log_path=trial_dir / "engine.log",
                         startup_timeout_s=spec.startup_timeout_s, **kwargs)  # fmt: skip
     with server:
         result.startup_s = server.startup_s
+        result.resolved_engine_args = fetch_resolved(server.url)
         kv = server.kv_capacity()
         if kv is not None:
             result.kv_capacity = KvCapacityReport(**vars(kv))
