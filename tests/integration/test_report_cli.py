@@ -63,6 +63,19 @@ def test_export_vllm_command_masks_secrets(tmp_path, capsys):
                          "  --gpu-memory-utilization 0.9"]  # fmt: skip
 
 
+def test_export_pins_what_vllm_resolved_and_a_trial_id_picks_its_chosen_level(tmp_path, capsys):
+    trials = demo_trials()
+    resolved = {"max_num_seqs": 256, "max_num_batched_tokens": 8192, "block_size": 16, "dtype": "bfloat16"}
+    trials[1] = trials[1].model_copy(update={"resolved_engine_args": resolved})  # t32, which set max_num_seqs 32
+    root = write_study(tmp_path / "demo", study_info(), trials)
+    code, out, err = run_cli(capsys, "export", root, "--pick", "t32", "--format", "vllm")
+    assert code == 0, err
+    assert out.splitlines()[0] == "# servetune: trial t32, measured at concurrency 32"  # best meeting the SLO, not 64
+    flags = [line.strip().rstrip(" \\") for line in out.splitlines()[2:]]
+    assert "--max-num-seqs 32" in flags and "--max-num-seqs 256" not in flags  # what the trial set wins
+    assert {"--max-num-batched-tokens 8192", "--block-size 16", "--dtype bfloat16"} <= set(flags)
+
+
 def test_export_pick_n_indexes_the_cost_vs_ttft_table(tmp_path, capsys):
     root = demo_study(tmp_path / "demo")
     for pick, expected in (("0", ("t32", 1)), ("2", ("t16", 0)), ("best", ("t16", 1))):
@@ -151,7 +164,8 @@ def _break_field(root):
         (["export", "{root}", "--format", "json"], _break_field),
         (["report", "{root}/study.json"], lambda root: "study.json: not a directory"),
         (["export", "{root}", "--pick", "7", "--format", "vllm"], lambda root: "--pick 7: the cost vs P99 TTFT Pareto table has rows 0-2"),
-        (["export", "{root}", "--pick", "cheap", "--format", "vllm"], lambda root: "--pick 'cheap': give 'best' or a row number"),
+        (["export", "{root}", "--pick", "cheap", "--format", "vllm"], lambda root: "--pick 'cheap': give 'best', a row number"),
+        (["export", "{root}", "--pick", "t64", "--format", "vllm"], lambda root: "--pick t64: the trial measured no load level (FAILED: "),
         (["report", "{root}", "--price-per-gpu-hour", "-1"], lambda root: "--price-per-gpu-hour -1: a price cannot be negative"),
     ],
 )  # fmt: skip

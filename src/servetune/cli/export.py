@@ -18,7 +18,12 @@ Print the configuration of one operating point of a study:
 
 --pick best (default) is the recommendation of `servetune report`; --pick N is row N
 (counting from 0) of the cost vs P99 TTFT Pareto table, cheapest first, as summary.md and
-report.html number it.
+report.html number it; --pick TRIAL_ID is that trial at its best level meeting the SLO (else
+the highest load it measured).
+
+Engine arguments the trial left to vLLM (max_num_seqs, max_num_batched_tokens, block size...)
+are pinned at the values vLLM resolved when the trial started, so the shipped configuration
+does not change when vLLM's defaults do.
 """
 
 
@@ -32,8 +37,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("study_dir", type=Path, metavar="STUDY_DIR", help="the study directory (servetune-results/<study>)")
     p.add_argument(
-        "--pick", default="best", metavar="best|N",
-        help="best (the recommendation, default) or a row of the cost vs P99 TTFT Pareto table",
+        "--pick", default="best", metavar="best|N|TRIAL_ID",
+        help="best (the recommendation, default), a row of the cost vs P99 TTFT Pareto table, or a trial id",
     )  # fmt: skip
     p.add_argument("--format", required=True, choices=("vllm", "ray-serve", "json"), help="what to print")
     p.add_argument(

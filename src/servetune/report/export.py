@@ -18,12 +18,13 @@ import yaml
 from servetune.engine.args import RESERVED, engine_argv, normalize_key
 from servetune.errors import UserError
 from servetune.report.build import StudyReport
-from servetune.report.points import ReportPoint, level_label
+from servetune.report.points import ReportPoint, first_line, level_label
 from servetune.secrets import MASK, redact_engine_args, redact_env
 
 
 def pick_point(report: StudyReport, pick: str) -> ReportPoint:
-    """``best`` -> the recommendation; ``N`` -> row N of the cost vs P99 TTFT Pareto table."""
+    """``best`` -> the recommendation; ``N`` -> row N of the cost vs P99 TTFT Pareto table; a trial
+    id -> that trial's chosen level (its best meeting the SLO, else the highest load it measured)."""
     if pick == "best":
         rec = report.recommendation
         if rec.point is None:
@@ -32,7 +33,7 @@ def pick_point(report: StudyReport, pick: str) -> ReportPoint:
     try:
         index = int(pick)
     except ValueError:
-        raise UserError(f"--pick '{pick}': give 'best' or a row number of the cost vs P99 TTFT Pareto table") from None
+        return trial_point(report, pick)
     rows = report.main_front.result.front
     if not 0 <= index < len(rows):
         span = f"rows 0-{len(rows) - 1}" if rows else "no rows"
@@ -40,10 +41,30 @@ def pick_point(report: StudyReport, pick: str) -> ReportPoint:
     return rows[index]
 
 
+def trial_point(report: StudyReport, trial_id: str) -> ReportPoint:
+    """The operating point a trial is judged by: its best level meeting the SLO, else its last one."""
+    trial = next((t for t in report.trials if t.trial_id == trial_id), None)
+    if trial is None:
+        known = ", ".join(t.trial_id for t in report.trials) or "none"
+        raise UserError(f"--pick '{trial_id}': give 'best', a row number of the cost vs P99 TTFT Pareto table, "
+                        f"or a trial id of this study ({known})")  # fmt: skip
+    points = [p for p in report.points if p.trial_id == trial_id]
+    if not points:
+        raise UserError(f"--pick {trial_id}: the trial measured no load level ({trial.outcome}: "
+                        f"{first_line(trial.reason) or 'no reason given'})")  # fmt: skip
+    meeting = [p for p in points if p.meets_slo]
+    if not meeting:
+        return points[-1]
+    return max(meeting, key=lambda p: p.value("goodput") or p.value("request_throughput") or 0.0)
+
+
 def masked_engine_args(point: ReportPoint) -> dict[str, Any]:
-    """Engine arguments to show: servetune's own (model, host, port) left out, secrets masked."""
+    """Engine arguments to ship: the launch's, then every core one it left to vLLM pinned at the value
+    vLLM resolved (so the configuration does not move with vLLM's defaults); servetune's own
+    (model, host, port) left out, credentials masked."""
     args = {normalize_key(k): v for k, v in point.engine_args.items() if normalize_key(k) not in RESERVED}
-    return redact_engine_args(args)
+    pinned = {k: v for k, v in point.resolved_engine_args.items() if args.get(k) is None}
+    return redact_engine_args({**args, **pinned})
 
 
 def masked_env(env: Mapping[str, str]) -> dict[str, str]:
