@@ -146,7 +146,10 @@ def test_sync_logs_a_parent_run_and_one_nested_run_per_trial(store, tmp_path):
     description = parent.data.tags["mlflow.note.content"]
     assert "**Recommended: trial t16** (seqs=16 mem=0.9) at concurrency 16" in description
     assert f"servetune export {root} --pick best --format vllm" in description
-    assert f"#/experiments/{experiment.experiment_id}/runs?viewStateShareKey=servetune-trials" in description
+    link = f"#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning&viewStateShareKey=servetune-trials"
+    assert link in description and link in report.summary()
+    ui = store if store.startswith("http") else "http://127.0.0.1:5000"
+    assert f"{ui}/{link}" in report.summary()
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     view = json.loads(experiment.tags["mlflow.sharedViewState.servetune-trials"])
     assert view["selectedColumns"][:3] == ["params.`max_num_seqs`", "params.`gpu_memory_utilization`", "metrics.`goodput`"]

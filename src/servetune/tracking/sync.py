@@ -44,6 +44,7 @@ from servetune.tracking.view import (
     RECOMMENDED_TAG,
     runs_view_tag,
     study_description,
+    ui_hint,
 )
 from servetune.tracking.writer import CONCLUSION_TAG, STUDY_DIR_TAG, STUDY_TAG, MlflowStudyWriter, TrialRun
 
@@ -83,6 +84,7 @@ class SyncReport:
         return (
             f"MLflow {self.tracking_uri}: experiment {self.experiment_id}, parent run {self.parent_run_id}: "
             + ", ".join(parts)
+            + (f"; {ui_hint(self.tracking_uri, self.experiment_id)}" if self.experiment_id else "")
         )
 
 

@@ -56,8 +56,19 @@ def runs_view_tag(varied: Sequence[str]) -> tuple[str, str]:
 
 
 def runs_view_link(experiment_id: str) -> str:
-    """The view's address relative to the MLflow UI's root (prefix it with the UI's URL)."""
-    return f"#/experiments/{experiment_id}/runs?viewStateShareKey={VIEW_KEY}"
+    """The view's address relative to the MLflow UI's root (prefix it with the UI's URL).
+
+    ``workflowType=machine_learning`` is the UI's "Model training" mode: without it a browser
+    that never chose opens MLflow 3's GenAI pages, whatever the experiment's kind."""
+    return f"#/experiments/{experiment_id}/runs?workflowType=machine_learning&viewStateShareKey={VIEW_KEY}"
+
+
+def ui_hint(tracking_uri: str, experiment_id: str) -> str:
+    """Where a user sees the trials side by side, for this tracking store."""
+    link = runs_view_link(experiment_id)
+    if tracking_uri.startswith(("http://", "https://")):
+        return f"compare the trials at {tracking_uri.rstrip('/')}/{link}"
+    return f"compare the trials: mlflow ui --backend-store-uri {tracking_uri}, then open http://127.0.0.1:5000/{link}"
 
 
 def study_description(report: StudyReport, experiment_id: str) -> str:
