@@ -31,3 +31,9 @@ def test_the_rule_is_the_one_the_mlflow_record_states():
     costly = trial("costly", {"max_num_seqs": 24}, [level(8, 200, 900)])
     for trials in ([*demo_trials(), costly], list(recorded)):
         assert [str(conclude(t, trials)) for t in trials] == [str(record_conclude(t, trials)) for t in trials]
+
+
+def test_tracking_states_the_rule_from_report():
+    from servetune.tracking import record
+
+    assert record.conclude is conclude  # one rule, in report/conclusion.py
