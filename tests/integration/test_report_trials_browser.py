@@ -96,4 +96,4 @@ def test_the_rendered_page_has_a_row_per_trial_and_draws_every_ttft_bound(tmp_pa
     # plotly drew the P95 bounds on the P99 axes, and the broken points' labels.
     assert "SLO ttft_ms_p95 <= 150 (axis is P99)" in dom.svg_text
     assert "SLO tpot_ms_p95 <= 20 (axis is P99)" in dom.svg_text
-    assert "TTFT P95" in dom.svg_text and "USD per million output tokens (lower is better)" in dom.svg_text
+    assert "TTFT P95" in dom.svg_text and "USD per million output tokens — lower is better" in dom.svg_text

@@ -45,12 +45,12 @@ def test_html_tables_have_units_and_the_recommendation_box_its_headline_metrics(
 
 def test_axes_say_which_way_is_better(demo):
     fig = front_figure(demo, demo.front("cost-vs-ttft"))
-    assert fig.layout.yaxis.title.text == "USD per million output tokens (lower is better)"
-    assert fig.layout.xaxis.title.text == "P99 TTFT (ms) (lower is better)"
+    assert fig.layout.yaxis.title.text == "USD per million output tokens — lower is better"
+    assert fig.layout.xaxis.title.text == "P99 TTFT (ms) — lower is better"
     rates = front_figure(demo, demo.front("throughput-vs-interactivity"))
-    assert rates.layout.yaxis.title.text.endswith("(higher is better)")
+    assert rates.layout.yaxis.title.text.endswith("— higher is better")
     ax = front_png(demo, demo.front("cost-vs-ttft")).axes[0]
-    assert ax.get_ylabel() == "USD per million output tokens (lower is better)"
+    assert ax.get_ylabel() == "USD per million output tokens — lower is better"
 
 
 def test_early_stopping_savings_say_their_unit():

@@ -71,8 +71,8 @@ def metric_heading(metric: str) -> str:
 
 
 def axis_title(metric: str, direction: str) -> str:
-    """An axis title that says which way is better: ``USD per million output tokens (lower is better)``."""
-    return f"{metric_label(metric)} ({'higher' if direction == 'max' else 'lower'} is better)"
+    """An axis title that says which way is better: ``USD per million output tokens — lower is better``."""
+    return f"{metric_label(metric)} — {'higher' if direction == 'max' else 'lower'} is better"
 
 
 def fmt(metric: str, value: float | None) -> str:
