@@ -111,7 +111,7 @@ def device_time_lines(results: list[TrialResult], device: str, planned_levels: i
     savings = early_stop_savings(results, planned_levels)
     if savings["trials_stopped"]:
         causes = {"dominated": "dominated", "slo": "SLO broken", "saturated": "saturated", "no requests": "no request completed", "other": "other"}
-        parts = [f"{causes[c]}: {n} trial(s), {savings['saved_by_cause'][c]:,.1f}" for c, n in savings["trials_stopped"].items()]
+        parts = [f"{causes[c]}: {n} trial(s), {savings['saved_by_cause'][c]:,.1f} {unit}-min" for c, n in savings["trials_stopped"].items()]
         lines.append(f"early stopping saved about {savings['device_minutes_saved']:,.1f} {unit}-min ({'; '.join(parts)})")
     else:
         lines.append("early stopping: every ladder ran to its last level")

@@ -125,7 +125,7 @@ def test_sync_logs_a_parent_run_and_one_nested_run_per_trial(store, tmp_path):
     assert t32.data.tags["mlflow.parentRunId"] == report.parent_run_id and t32.info.status == "FINISHED"
     assert t32.data.params["max_num_seqs"] == "32" and t32.data.params["enforce_eager"] == "true"
     assert "default" not in t32.data.params.values()  # left to vLLM and not resolved: left out
-    assert t32.info.run_name == "seqs=32 mem=0.9 · t32"
+    assert t32.info.run_name == "seqs=32 gpu-mem=0.9 · t32"
     history = client.get_metric_history(t32.info.run_id, "by_level/ttft_ms_p99")
     assert sorted((m.step, m.value) for m in history) == [(0, 500.0), (1, 1500.0), (2, 3000.0)]
     cost = client.get_metric_history(t32.info.run_id, "by_level/cost_per_mtok_usd")
@@ -144,7 +144,7 @@ def test_sync_logs_a_parent_run_and_one_nested_run_per_trial(store, tmp_path):
     assert t16.data.tags["conclusion.why"].startswith("recommended to ship (stepped one notch back")
     assert parent.data.tags["servetune.recommended_trial"] == "t16"
     description = parent.data.tags["mlflow.note.content"]
-    assert "**Recommended: trial t16** (seqs=16 mem=0.9) at concurrency 16" in description
+    assert "**Recommended: trial t16** (seqs=16 gpu-mem=0.9) at concurrency 16" in description
     assert f"servetune export {root} --pick best --format vllm" in description
     link = f"#/experiments/{experiment.experiment_id}/runs?workflowType=machine_learning&viewStateShareKey=servetune-trials"
     assert link in description and link in report.summary()

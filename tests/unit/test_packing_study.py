@@ -44,7 +44,7 @@ def test_the_summary_states_device_time_by_phase_and_what_early_stopping_saved()
     lines = device_time_lines(results, "gpu", planned_levels=3)
     assert lines[0] == ("GPU time: 12.0 GPU-min reserved by 2 trial(s): 58% measuring, 21% starting engines "
                         "(2 starts, mean 30 s, max 30 s), 21% warm-up, teardown and checks")  # fmt: skip
-    assert lines[1] == "early stopping saved about 8.0 GPU-min (dominated: 1 trial(s), 8.0)"
+    assert lines[1] == "early stopping saved about 8.0 GPU-min (dominated: 1 trial(s), 8.0 GPU-min)"
 
 
 def test_the_summary_without_early_stops_or_trials():

@@ -108,6 +108,6 @@ def test_the_report_says_where_device_time_went_and_what_early_stopping_saved(tm
     md = render_markdown(build_report(load_study(write_study(tmp_path / "s", info, trials))))
     section = md.split("## Device time")[1].split("## ")[0]
     assert "- GPU time: 20.0 GPU-min reserved by 2 trial(s): 30% measuring, 40% starting engines (2 starts, mean 120 s, max 120 s), 30% warm-up" in section
-    assert "- early stopping saved about 4.0 GPU-min (SLO broken: 1 trial(s), 4.0)" in section  # 2 levels of 60 s on 2 GPUs
+    assert "- early stopping saved about 4.0 GPU-min (SLO broken: 1 trial(s), 4.0 GPU-min)" in section  # 2 levels of 60 s on 2 GPUs
     older = render_markdown(build_report(load_study(write_study(tmp_path / "old", study_info(), trials))))
     assert "early stopping saved about 2.0 GPU-min" in older  # no ladder in study.json: the longest one run counts

@@ -77,7 +77,7 @@ def test_params_are_the_core_engine_args_as_set_or_resolved_and_never_a_word_amo
 def test_run_names_lead_with_the_varied_values_in_short_and_end_with_the_trial_id():
     varied = trial("abc123", {"max_num_seqs": 32, "max_num_batched_tokens": 4096, "enable_chunked_prefill": False,
                               "env.VLLM_CPU_KVCACHE_SPACE": 2})  # fmt: skip
-    assert run_name(varied) == "seqs=32 mbt=4096 chunk=off kvspace=2 · abc123"
+    assert run_name(varied) == "seqs=32 mbt=4096 chunk=off kvGiB=2 · abc123"
     assert run_name(trial("base", {})) == "vLLM defaults · base"
     assert short_label({"env.HF_TOKEN": "hf_x", "api_key": "k"}) == "HF_TOKEN=*** api_key=***"
 

@@ -1,4 +1,4 @@
-"""Everything a report shows, computed once: counts, points, fronts, SLO lines, recommendation."""
+"""Everything a report shows, computed once: counts, points, fronts, SLO lines, recommendation, the trials table."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from servetune.accounting import device_time_lines
 from servetune.errors import UserError
 from servetune.report.pareto import FRONTS, FrontSpec, ParetoFront, pareto_front, study_front
 from servetune.report.points import (
+    AxisBound,
     ReportPoint,
     SloLine,
     TrialOutline,
@@ -17,10 +18,12 @@ from servetune.report.points import (
     gather_points,
     known_metrics,
     outline,
+    bounds_on_axis,
     parse_slo_lines,
 )
 from servetune.report.recommend import Recommendation, recommend
 from servetune.report.study import LoadedStudy, NotRead
+from servetune.report.trials import TrialRow, trial_rows
 from servetune.results import StudyInfo
 
 OUTCOMES = ("COMPLETE", "INFEASIBLE", "FAILED")
@@ -51,6 +54,7 @@ class StudyReport:
     fronts: tuple[Front, ...]  # FRONTS in order, then the study's own objectives if different
     recommendation: Recommendation
     device_time: tuple[str, ...] = ()  # where the reserved device time went (servetune/accounting.py)
+    trial_table: tuple[TrialRow, ...] = ()  # a row per trial (report/trials.py)
 
     def outcome_counts(self) -> dict[str, int]:
         """Trials by outcome, plus ``not read`` (every trial directory is counted once)."""
@@ -84,6 +88,10 @@ class StudyReport:
     def slo_for(self, metric: str) -> list[SloLine]:
         return [line for line in self.slo if line.metric == metric]
 
+    def bounds_on(self, axis_metric: str) -> list[AxisBound]:
+        """Every SLO bound a plot with this axis draws: its metric's whole family (P95 and P99 TTFT)."""
+        return bounds_on_axis(self.slo, axis_metric)
+
 
 def build_report(study: LoadedStudy, price_per_device_hour: float | None = None) -> StudyReport:
     """Compute the report of a loaded study (pure: no I/O)."""
@@ -100,6 +108,7 @@ def build_report(study: LoadedStudy, price_per_device_hour: float | None = None)
     if extra is not None:
         specs.append(extra)
     fronts = tuple(Front(spec, pareto_front(points, spec.objectives)) for spec in specs)
+    recommendation = recommend(points, outlines)
     return StudyReport(
         root=study.root,
         info=study.info,
@@ -109,8 +118,9 @@ def build_report(study: LoadedStudy, price_per_device_hour: float | None = None)
         points=tuple(points),
         slo=tuple(parse_slo_lines(study.info.slo, source=f"{study.root / 'study.json'}: slo")),
         fronts=fronts,
-        recommendation=recommend(points, outlines),
+        recommendation=recommendation,
         device_time=tuple(device_time_lines(list(study.trials), study.info.device, planned_levels(study))),
+        trial_table=tuple(trial_rows(study.trials, points, recommendation.point)),
     )
 
 

@@ -2,14 +2,17 @@
 
 Each front is a scatter: the front's points highlighted and connected, the other points that
 meet every SLO in blue, points apart (trial failed, SLO broken) as grey crosses, the
-recommendation as a star, SLO bounds as dashed red lines. Hovering a point shows its trial,
-load level, configuration, numbers and SLO verdict.
+recommendation as a star, every SLO bound of the axes' metric families as red lines (dashed
+for the axis's own statistic, dotted for another, e.g. a P95 bound on a P99 axis). A point
+that broke the SLO is labelled with the bounds it broke. Hovering a point shows its trial,
+load level, configuration, numbers and SLO verdict. A table of all trials, a row each,
+ends the page.
 """
 
 from __future__ import annotations
 
 import html
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import plotly.graph_objects as go
 
@@ -17,36 +20,54 @@ from servetune.report.build import Front, StudyReport
 from servetune.report.labels import (
     APART_COLOR,
     FRONT_COLOR,
+    MAX_POINT_LABELS,
     OTHER_COLOR,
+    PARETO_HEADINGS,
     RECOMMENDED_COLOR,
     SLO_COLOR,
-    TABLE_METRICS,
-    metric_label,
-    metric_short,
+    TRIAL_HEADINGS,
+    TRIALS_NOTE,
+    axis_title,
+    broken_label,
     point_metrics,
+    trial_cells,
 )
 from servetune.report.markdown import pareto_rows
+from servetune.report.params import BASELINE
 from servetune.report.points import ReportPoint, level_label
 from servetune.report.recommend import describe
+from servetune.report.trials import TrialRow
 
 
 def hover_text(point: ReportPoint) -> str:
     """What hovering a point shows (plotly's HTML subset: <b>, <br>)."""
     e = html.escape
     lines = [f"<b>trial {e(point.trial_id)}</b> · {e(level_label(point.level))}"]
-    lines += [f"{e(str(k))}={e(str(v))}" for k, v in point.params.items()]
+    lines += [f"{e(str(k))}={e(str(v))}" for k, v in point.params.items()] or [BASELINE]
     lines.append(f"devices: {point.devices}")
     lines += [f"{e(heading)}: {e(value)}" for heading, value in point_metrics(point)]
     kv = point.server_metrics.get("kv_cache_usage_max")
     if kv is not None:
         lines.append(f"KV cache peak: {kv:.0%}")
-    lines.append("SLO met" if point.eligible else e(point.why_apart))
+    if point.eligible:
+        lines.append("SLO met")
+    elif point.outcome == "COMPLETE" and point.slo_violations:
+        lines.append(f"<b>SLO broken</b> ({e(broken_label(point))}):")
+        lines += [e(text) for text in point.slo_violations]
+    else:
+        lines.append(e(point.why_apart))
     return "<br>".join(lines)
 
 
-def _scatter(front: Front, points: Sequence[ReportPoint], name: str, **style: object) -> go.Scatter:
+def _scatter(
+    front: Front, points: Sequence[ReportPoint], name: str, label: Callable[[ReportPoint], str] | None = None,
+    **style: object,
+) -> go.Scatter:
+    """A trace of the points the front can place, left to right; ``label(point)`` writes text beside each."""
     x, y = front.spec.x.metric, front.spec.y.metric
     points = sorted(front.result.drawable(points), key=lambda p: p.value(x) or 0.0)
+    if label is not None:
+        style.update(text=[label(p) for p in points], textposition="top center", textfont=dict(size=9, color="#616161"))
     return go.Scatter(
         x=[p.value(x) for p in points],
         y=[p.value(y) for p in points],
@@ -60,9 +81,10 @@ def _scatter(front: Front, points: Sequence[ReportPoint], name: str, **style: ob
 def front_figure(report: StudyReport, front: Front) -> go.Figure:
     result, spec = front.result, front.spec
     fig = go.Figure()
+    labelled = len(result.drawable(result.apart)) <= MAX_POINT_LABELS  # each broken point says which bounds
     fig.add_trace(
-        _scatter(front, result.apart, "apart: failed or SLO broken",
-                 mode="markers", marker=dict(symbol="x", size=8, color=APART_COLOR))
+        _scatter(front, result.apart, "apart: failed or SLO broken", label=broken_label if labelled else None,
+                 mode="markers+text" if labelled else "markers", marker=dict(symbol="x", size=8, color=APART_COLOR))
     )  # fmt: skip
     fig.add_trace(
         _scatter(front, result.dominated, "meets SLO, dominated",
@@ -79,14 +101,17 @@ def front_figure(report: StudyReport, front: Front) -> go.Figure:
                      mode="markers", marker=dict(symbol="star", size=18, color=RECOMMENDED_COLOR,
                                                  line=dict(width=1, color="black")))
         )  # fmt: skip
-    for line in report.slo_for(spec.x.metric):
-        fig.add_vline(x=line.max, line_dash="dash", line_color=SLO_COLOR, annotation_text=f"SLO {line}")
-    for line in report.slo_for(spec.y.metric):
-        fig.add_hline(y=line.max, line_dash="dash", line_color=SLO_COLOR, annotation_text=f"SLO {line}")
+    for bound in report.bounds_on(spec.x.metric):
+        fig.add_vline(x=bound.line.max, line_dash="dash" if bound.same_statistic else "dot", line_color=SLO_COLOR,
+                      annotation_text=bound.label, annotation_textangle=-90,
+                      annotation_position="top left")  # fmt: skip
+    for bound in report.bounds_on(spec.y.metric):
+        fig.add_hline(y=bound.line.max, line_dash="dash" if bound.same_statistic else "dot", line_color=SLO_COLOR,
+                      annotation_text=bound.label)  # fmt: skip
     fig.update_layout(
         title=spec.title,
-        xaxis_title=metric_label(spec.x.metric) + (" — higher is better" if spec.x.direction == "max" else ""),
-        yaxis_title=metric_label(spec.y.metric) + (" — higher is better" if spec.y.direction == "max" else ""),
+        xaxis_title=axis_title(spec.x.metric, spec.x.direction),
+        yaxis_title=axis_title(spec.y.metric, spec.y.direction),
         template="plotly_white",
         height=540,
         legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0),
@@ -95,20 +120,41 @@ def front_figure(report: StudyReport, front: Front) -> go.Figure:
     return fig
 
 
+def _head(headings: Sequence[str]) -> str:
+    return "<thead><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in headings) + "</tr></thead>"
+
+
 def _table_html(front: Front) -> str:
-    headings = ["#", "trial", "config", "level", *(metric_short(m) for m in TABLE_METRICS)]
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in headings)
     body = "".join(
         "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in pareto_rows(front)
     )
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return f"<table>{_head(PARETO_HEADINGS)}<tbody>{body}</tbody></table>"
+
+
+def _trial_row(row: TrialRow) -> str:
+    e = html.escape
+    stopped = TRIAL_HEADINGS.index("stopped because")  # its cell shows the whole reason on hover
+    tds = "".join(
+        f"<td title='{e(row.stopped_detail)}'>{e(cell)}</td>" if i == stopped and row.stopped_detail
+        else f"<td>{e(cell)}</td>"
+        for i, cell in enumerate(trial_cells(row))
+    )  # fmt: skip
+    verdict = row.conclusion.verdict.replace(" ", "-")
+    classes = f"recommended {verdict}" if row.recommended else verdict
+    return f"<tr data-trial='{e(row.trial_id)}' class='{classes}'>{tds}</tr>"
+
+
+def trials_table_html(rows: Sequence[TrialRow]) -> str:
+    body = "".join(_trial_row(row) for row in rows)
+    return f"<table id='trials'>{_head(TRIAL_HEADINGS)}<tbody>{body}</tbody></table>"
 
 
 _STYLE = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1200px;padding:0 16px;color:#222}
 table{border-collapse:collapse;font-size:13px;margin:8px 0 24px}td,th{border:1px solid #ddd;padding:3px 8px}
 th{background:#f4f4f4}.rec{background:#eef7ee;border-left:4px solid #5a9a5a;padding:8px 12px}
-.muted{color:#666;font-size:13px}
+.muted{color:#666;font-size:13px}tr.recommended td{background:#eef7ee;font-weight:600}
+tr.eliminate td{color:#777}.rec ul{margin:4px 0;padding:0}.rec li{display:inline-block;margin-right:18px}
 """
 
 
@@ -118,17 +164,21 @@ def render_html(report: StudyReport) -> str:
     info, rec = report.info, report.recommendation
     counts = ", ".join(f"{n} {name}" for name, n in report.outcome_counts().items())
     if rec.point is not None:
-        rec_html = f"<b>Recommended:</b> {e(describe(rec.point))}<br>{e(rec.reason)}."
+        headline = "".join(f"<li>{e(name)}: {e(value)}</li>" for name, value in point_metrics(rec.point))
+        rec_html = f"<b>Recommended:</b> {e(describe(rec.point))}<ul>{headline}</ul>{e(rec.reason)}."
     else:
         rec_html = f"<b>No recommendation:</b> {e(rec.reason)}."
     parts = [
         f"<h1>servetune report: {e(info.name)}</h1>",
         f"<p class='muted'>model {e(info.model)} on {e(info.device)} · trials: {e(counts)} · "
         f"SLO: {e(', '.join(str(s) for s in report.slo) or 'none')}</p>",
-        f"<p class='rec'>{rec_html}</p>",
+        f"<div class='rec'>{rec_html}</div>",
     ]
     if report.device_time:
         parts.append("<p class='muted'>" + "<br>".join(e(line) for line in report.device_time) + "</p>")
+    if report.trial_table:
+        parts.append(f"<p class='muted'><a href='#all-trials'>All {len(report.trial_table)} trials</a>: "
+                     "a row each, below the plots.</p>")  # fmt: skip
     for index, front in enumerate(report.fronts):
         fig = front_figure(report, front)
         parts.append(
@@ -138,6 +188,10 @@ def render_html(report: StudyReport) -> str:
         parts.append(_table_html(front))
         if index == 0:
             parts.append("<p class='muted'># is the row <code>servetune export STUDY_DIR --pick N</code> takes.</p>")
+    if report.trial_table:
+        parts += [f"<h2 id='all-trials'>All trials ({len(report.trial_table)})</h2>",
+                  trials_table_html(report.trial_table),
+                  f"<p class='muted'>{e(TRIALS_NOTE)} Hover “stopped because” for the whole reason.</p>"]  # fmt: skip
     body = "\n".join(parts)
     return (
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from servetune.metrics import COST_METRIC
 from servetune.report.points import OUTPUT_THROUGHPUT_PER_DEVICE, OUTPUT_THROUGHPUT_PER_USER, ReportPoint
+from servetune.report.trials import TRIAL_METRICS, SloBreak, TrialRow
 
 FRONT_COLOR = "#e4572e"
 OTHER_COLOR = "#4c78a8"
@@ -21,6 +22,8 @@ _NAMES = {
     "error_rate": ("error rate", "errors"),
 }
 _LATENCY = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2el_ms": "E2E latency"}
+#: The unit a table heading adds to the short name (short names like ``out tok/s`` carry theirs).
+_UNITS = {COST_METRIC: "USD", "goodput": "req/s", "error_rate": "%"}
 
 #: Columns of the Pareto tables and lines of the hover text, in order.
 TABLE_METRICS = (
@@ -31,6 +34,7 @@ TABLE_METRICS = (
     "output_throughput",
     OUTPUT_THROUGHPUT_PER_DEVICE,
     OUTPUT_THROUGHPUT_PER_USER,
+    "goodput",
 )
 
 
@@ -55,6 +59,22 @@ def metric_short(metric: str) -> str:
     return found[1] if found else metric
 
 
+def metric_unit(metric: str) -> str:
+    """``ms`` for a latency, ``USD`` for $/Mtok, ``req/s`` for goodput; '' when the short name says it."""
+    return "ms" if _latency(metric) else _UNITS.get(metric, "")
+
+
+def metric_heading(metric: str) -> str:
+    """A table heading with its unit: ``TTFT P99 (ms)``, ``$/Mtok (USD)``, ``goodput (req/s)``."""
+    unit = metric_unit(metric)
+    return f"{metric_short(metric)} ({unit})" if unit else metric_short(metric)
+
+
+def axis_title(metric: str, direction: str) -> str:
+    """An axis title that says which way is better: ``USD per million output tokens — lower is better``."""
+    return f"{metric_label(metric)} — {'higher' if direction == 'max' else 'lower'} is better"
+
+
 def fmt(metric: str, value: float | None) -> str:
     if value is None:
         return "-"
@@ -65,6 +85,75 @@ def fmt(metric: str, value: float | None) -> str:
     return f"{value:,.1f}" if abs(value) >= 10 else f"{value:.3g}"
 
 
+#: Plots label SLO-broken points with their bounds only up to this many points (beyond, hover says it).
+MAX_POINT_LABELS = 30
+
+
+def broken_label(point: ReportPoint) -> str:
+    """The bounds a point broke, by family: ``TTFT P95/P99, TPOT P95`` ('' when it broke none)."""
+    stats: dict[str, list[str]] = {}
+    for metric in point.broken_metrics:
+        word, _, stat = metric_short(metric).partition(" ")
+        stats.setdefault(word, [])
+        if stat:
+            stats[word].append(stat)
+    return ", ".join(f"{word} {'/'.join(found)}".strip() for word, found in stats.items())
+
+
+def fmt_with_unit(metric: str, value: float | None) -> str:
+    """``600.0 ms``, ``11.7 req/s``; a value whose short name holds the unit (``$/Mtok``, ``out tok/s``) stays bare."""
+    text = fmt(metric, value)
+    unit = metric_unit(metric)
+    return f"{text} {unit}" if value is not None and unit in ("ms", "req/s") else text
+
+
 def point_metrics(point: ReportPoint) -> list[tuple[str, str]]:
-    """(short heading, formatted value) for the table metrics the point has."""
-    return [(metric_short(m), fmt(m, point.value(m))) for m in TABLE_METRICS if point.value(m) is not None]
+    """(short name, value with its unit) for the headline metrics the point has: ``("TTFT P99", "600.0 ms")``."""
+    return [(metric_short(m), fmt_with_unit(m, point.value(m))) for m in TABLE_METRICS if point.value(m) is not None]
+
+
+#: Headings of a Pareto table, units included.
+PARETO_HEADINGS = ("#", "trial", "config", "level", *(metric_heading(m) for m in TABLE_METRICS))
+
+#: Headings of the table of all trials, units included.
+TRIAL_HEADINGS = (
+    "trial", "config (varied parameters)", "outcome", "best level", *(metric_heading(m) for m in TRIAL_METRICS),
+    "SLO broken (first level)", "stopped because", "conclusion",
+)  # fmt: skip
+
+
+TRIALS_NOTE = (
+    "Numbers are at each trial's best level meeting the SLO, or at its last level when none did. "
+    "The conclusion: keep a trial on the cost vs P99 TTFT front, eliminate one that never met the SLO, "
+    "else next round."
+)
+
+
+def slo_break_text(found: SloBreak | None) -> str:
+    """``concurrency 2: ttft_ms_p95 = 222.2 > 150; ttft_ms_p99 = 315.2 > 300`` ('-' when it never broke)."""
+    if found is None:
+        return "-"
+    later = ""
+    if found.later_levels:
+        later = f" (and {found.later_levels} later level{'s' if found.later_levels > 1 else ''})"
+    return f"{found.level}: {'; '.join(found.violations)}{later}"
+
+
+def trial_cells(row: TrialRow) -> list[str]:
+    """One row of the trials table, as text in :data:`TRIAL_HEADINGS` order."""
+    if row.best_level is not None:
+        best = row.best_level
+    elif row.numbers_level is not None:
+        best = f"none met the SLO (numbers at {row.numbers_level})"
+    else:
+        best = "-"
+    return [
+        row.trial_id + (" (recommended)" if row.recommended else ""),
+        row.config,
+        row.outcome,
+        best,
+        *(fmt(m, row.values.get(m)) for m in TRIAL_METRICS),
+        slo_break_text(row.slo_break),
+        row.stopped,
+        str(row.conclusion),
+    ]

@@ -5,7 +5,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from servetune.report.build import Front, StudyReport
-from servetune.report.labels import TABLE_METRICS, fmt, metric_short, point_metrics
+from servetune.report.labels import (
+    PARETO_HEADINGS,
+    TABLE_METRICS,
+    TRIAL_HEADINGS,
+    TRIALS_NOTE,
+    fmt,
+    metric_short,
+    point_metrics,
+    trial_cells,
+)
 from servetune.report.points import config_label, level_label
 from servetune.report.recommend import describe
 
@@ -42,7 +51,7 @@ def _front_section(report: StudyReport, front: Front, indexed_by_export: bool) -
         lines[-1] += " `#` is what `servetune export --pick N` takes."
     lines.append("")
     if result.front:
-        lines += _table(["#", "trial", "config", "level", *(metric_short(m) for m in TABLE_METRICS)], pareto_rows(front))
+        lines += _table(PARETO_HEADINGS, pareto_rows(front))
     else:
         lines.append("No operating point meets every SLO with these metrics measured.")
     lines += [
@@ -93,6 +102,10 @@ def render_markdown(report: StudyReport) -> str:
     lines += _table(["outcome", "trials"], [[name, str(n)] for name, n in counts.items()])
     met = sum(p.eligible for p in report.points)
     lines += ["", f"{len(report.points)} operating points measured; {met} from complete trials meet every SLO.", ""]
+    if report.trial_table:
+        lines += ["### All trials", ""]
+        lines += _table(TRIAL_HEADINGS, [trial_cells(row) for row in report.trial_table])
+        lines += ["", TRIALS_NOTE, ""]
     reasons = report.failure_reasons()
     if reasons:
         lines += ["### Why trials did not complete", ""]

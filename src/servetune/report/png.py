@@ -9,13 +9,26 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from servetune.report.build import Front, StudyReport
-from servetune.report.labels import APART_COLOR, FRONT_COLOR, OTHER_COLOR, RECOMMENDED_COLOR, SLO_COLOR, metric_label
+from servetune.report.labels import (
+    APART_COLOR,
+    FRONT_COLOR,
+    MAX_POINT_LABELS,
+    OTHER_COLOR,
+    RECOMMENDED_COLOR,
+    SLO_COLOR,
+    axis_title,
+    broken_label,
+)
 from servetune.report.points import ReportPoint
+
+
+def _drawn(front: Front, points: Sequence[ReportPoint]) -> list[ReportPoint]:
+    return sorted(front.result.drawable(points), key=lambda p: p.value(front.spec.x.metric) or 0.0)
 
 
 def _xy(front: Front, points: Sequence[ReportPoint]) -> tuple[list[float], list[float]]:
     x, y = front.spec.x.metric, front.spec.y.metric
-    drawn = sorted(front.result.drawable(points), key=lambda p: p.value(x) or 0.0)
+    drawn = _drawn(front, points)
     return [p.value(x) or 0.0 for p in drawn], [p.value(y) or 0.0 for p in drawn]
 
 
@@ -28,6 +41,10 @@ def front_png(report: StudyReport, front: Front) -> Figure:
     xs, ys = _xy(front, result.apart)
     if xs:
         ax.scatter(xs, ys, marker="x", color=APART_COLOR, label=f"apart: failed or SLO broken ({len(xs)})")
+        if len(xs) <= MAX_POINT_LABELS:  # each broken point says which bounds it broke
+            for x, y, point in zip(xs, ys, _drawn(front, result.apart)):
+                ax.annotate(broken_label(point), (x, y), xytext=(0, 5), textcoords="offset points", ha="center",
+                            fontsize=6, color="#616161")  # fmt: skip
     xs, ys = _xy(front, result.dominated)
     if xs:
         ax.scatter(xs, ys, color=OTHER_COLOR, alpha=0.7, label=f"meets SLO, dominated ({len(xs)})")
@@ -38,12 +55,14 @@ def front_png(report: StudyReport, front: Front) -> Figure:
     if rec is not None and result.drawable([rec]):
         xs, ys = _xy(front, [rec])
         ax.scatter(xs, ys, marker="*", s=260, color=RECOMMENDED_COLOR, edgecolors="black", zorder=5, label="recommended")
-    for line in report.slo_for(spec.x.metric):
-        ax.axvline(line.max, color=SLO_COLOR, linestyle="--", linewidth=1, label=f"SLO {line}")
-    for line in report.slo_for(spec.y.metric):
-        ax.axhline(line.max, color=SLO_COLOR, linestyle="--", linewidth=1, label=f"SLO {line}")
-    ax.set_xlabel(metric_label(spec.x.metric) + (" (higher is better)" if spec.x.direction == "max" else ""))
-    ax.set_ylabel(metric_label(spec.y.metric) + (" (higher is better)" if spec.y.direction == "max" else ""))
+    for bound in report.bounds_on(spec.x.metric):
+        ax.axvline(bound.line.max, color=SLO_COLOR, linestyle="--" if bound.same_statistic else ":", linewidth=1,
+                   label=bound.label)  # fmt: skip
+    for bound in report.bounds_on(spec.y.metric):
+        ax.axhline(bound.line.max, color=SLO_COLOR, linestyle="--" if bound.same_statistic else ":", linewidth=1,
+                   label=bound.label)  # fmt: skip
+    ax.set_xlabel(axis_title(spec.x.metric, spec.x.direction))
+    ax.set_ylabel(axis_title(spec.y.metric, spec.y.direction))
     ax.set_title(f"{report.info.name}: {spec.title}", fontsize=11)
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:

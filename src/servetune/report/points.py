@@ -21,8 +21,11 @@ from servetune.metrics import (
     OUTPUT_THROUGHPUT_PER_DEVICE,
     OUTPUT_THROUGHPUT_PER_USER,
     cost_per_mtok_usd,
+    LATENCY_METRICS,
+    STATS,
     metric_names,
 )
+from servetune.report.params import BASELINE
 from servetune.results import Outcome, TrialResult
 
 DERIVED_METRICS = (OUTPUT_THROUGHPUT_PER_DEVICE, OUTPUT_THROUGHPUT_PER_USER)
@@ -90,6 +93,11 @@ class ReportPoint:
         return value if value is not None and math.isfinite(value) else None
 
     @property
+    def broken_metrics(self) -> tuple[str, ...]:
+        """The metrics whose SLO bound this level broke (``ttft_ms_p95``), as the trial's verdict names them."""
+        return violated_metrics(self.slo_violations)
+
+    @property
     def why_apart(self) -> str:
         """Why the point is not eligible ('' when it is)."""
         if self.outcome != "COMPLETE":
@@ -119,6 +127,52 @@ class SloLine:
 
     def __str__(self) -> str:
         return f"{self.metric} <= {self.max:g}"
+
+    @property
+    def family(self) -> str:
+        """What the bound measures, whatever the statistic: ``ttft_ms`` for ``ttft_ms_p95``."""
+        return metric_family(self.metric)
+
+
+@dataclass(frozen=True)
+class AxisBound:
+    """An SLO bound drawn on an axis of the same family, perhaps of another statistic (P95 on a P99 axis)."""
+
+    line: SloLine
+    axis_metric: str
+
+    @property
+    def same_statistic(self) -> bool:
+        return self.line.metric == self.axis_metric
+
+    @property
+    def label(self) -> str:
+        """``SLO ttft_ms_p99 <= 300``; ``SLO ttft_ms_p95 <= 150 (axis is P99)`` when the statistics differ."""
+        if self.same_statistic:
+            return f"SLO {self.line}"
+        stat = self.axis_metric.rpartition("_")[2]
+        return f"SLO {self.line} (axis is {stat.upper() if stat.startswith('p') else stat})"
+
+
+def bounds_on_axis(lines: Iterable[SloLine], axis_metric: str) -> list[AxisBound]:
+    """Every bound of the axis metric's family (TTFT P95 and P99 bounds on a TTFT P99 axis), the axis's own first."""
+    family = metric_family(axis_metric)
+    found = [AxisBound(line, axis_metric) for line in lines if line.family == family]
+    return sorted(found, key=lambda bound: not bound.same_statistic)
+
+
+def metric_family(metric: str) -> str:
+    """``ttft_ms_p99`` -> ``ttft_ms``; a metric without a statistic is its own family."""
+    base, _, stat = metric.rpartition("_")
+    return base if base in LATENCY_METRICS and stat in STATS else metric
+
+
+def violated_metrics(violations: Iterable[str]) -> tuple[str, ...]:
+    """The metric each SLO violation names: ``ttft_ms_p95 = 222.2 > 150`` -> ``ttft_ms_p95``.
+
+    The trial's verdict (config/slo.py ``Slo.violations``) starts each entry with the metric's name.
+    """
+    return tuple(text.split()[0] for text in violations if text.strip())
 
 
 def first_line(text: str | None, limit: int = 160) -> str:
@@ -191,7 +245,7 @@ def level_label(level: Mapping[str, float]) -> str:
 
 def config_label(params: Mapping[str, Any], sep: str = ", ") -> str:
     """``max_num_seqs=32, gpu_memory_utilization=0.9`` (the search's chosen values)."""
-    return sep.join(f"{k}={_short(v)}" for k, v in params.items()) or "(defaults)"
+    return sep.join(f"{k}={_short(v)}" for k, v in params.items()) or BASELINE
 
 
 def _short(value: Any) -> str:

@@ -22,6 +22,7 @@ from typing import Any
 
 from servetune.config.space import ENV_PREFIX
 from servetune.metrics import COST_METRIC
+from servetune.report.params import short_config
 from servetune.report.points import level_label
 from servetune.results import OperatingPoint, StudyInfo, TrialResult, best_level_index
 from servetune.secrets import redact_params
@@ -37,17 +38,8 @@ CPU_KV_SPACE = "VLLM_CPU_KVCACHE_SPACE"
 DEFAULT = "default"
 BY_LEVEL = "by_level/"  # prefix of the per-level series (MLflow groups charts by the part before "/")
 SIGNIFICANT = 4  # significant digits of a logged metric that is not a whole number
-BASELINE_LABEL = "vLLM defaults"
 _UNSAFE = re.compile(r"[^A-Za-z0-9_\-. :/]")
 
-#: Short names for run names: ``seqs=32 mbt=4096 chunk=off``.
-SHORT_NAMES = {
-    "max_num_seqs": "seqs", "max_num_batched_tokens": "mbt", "enable_chunked_prefill": "chunk",
-    "enable_prefix_caching": "prefix", "tensor_parallel_size": "tp", "pipeline_parallel_size": "pp",
-    "data_parallel_size": "dp", "gpu_memory_utilization": "mem", "kv_cache_dtype": "kv", "block_size": "block",
-    "quantization": "quant", "max_model_len": "ctx", "enforce_eager": "eager",
-    ENV_PREFIX + CPU_KV_SPACE: "kvspace",
-}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -105,13 +97,9 @@ def trial_params(trial: TrialResult) -> dict[str, str]:
 
 
 def short_label(params: Mapping[str, Any]) -> str:
-    """The chosen values in few characters, ``seqs=32 mbt=4096 chunk=off``; the baseline is ``vLLM defaults``."""
-    parts = []
-    for name, value in redact_params(params).items():
-        short = SHORT_NAMES.get(name) or name.removeprefix(ENV_PREFIX)
-        text = ("on" if value else "off") if isinstance(value, bool) else format_value(value)
-        parts.append(f"{short}={text}")
-    return " ".join(parts) or BASELINE_LABEL
+    """The chosen values in few characters, as the report writes them (``seqs=32 mbt=4096 chunk=off``,
+    ``vLLM defaults`` for the baseline), secrets masked."""
+    return short_config(redact_params(params))
 
 
 def run_name(trial: TrialResult) -> str:

@@ -9,12 +9,11 @@ fills ``trials/record_template.md`` with them. Pure: the caller reads the files.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from string import Template
-from typing import Literal
 
-from servetune.report import FRONTS, gather_points, pareto_front
+from servetune.report.conclusion import Conclusion, Verdict, conclude  # noqa: F401 (sync.py, __init__ import them here)
 from servetune.report.points import first_line, is_out_of_memory, level_label
 from servetune.results import LevelResult, StudyInfo, TrialResult
 from servetune.shipped import trials_dir
@@ -47,45 +46,6 @@ FIELDS = (
 )
 HARDWARE_KEYS = ("gpu_model", "gpu_count", "gpu_memory_gib", "interconnect", "cpu_model", "host_memory_gib")
 SOFTWARE_KEYS = ("driver", "cuda", "nccl", "vllm", "torch", "ray")
-
-Verdict = Literal["keep", "eliminate", "next round"]
-
-
-@dataclass(frozen=True)
-class Conclusion:
-    verdict: Verdict
-    why: str
-
-    def __str__(self) -> str:
-        return f"{self.verdict}: {self.why}"
-
-
-def conclude(trial: TrialResult, study_trials: Sequence[TrialResult]) -> Conclusion:
-    """Keep a point on the cost vs P99 TTFT front, eliminate a trial that never met the SLO, else next round."""
-    if trial.outcome != "COMPLETE":
-        return Conclusion("eliminate", f"trial {trial.outcome}: {first_line(trial.reason) or 'no reason given'}")
-    meeting = [lv for lv in trial.levels if lv.meets_slo and lv.summary.completed > 0]
-    if not meeting:
-        return Conclusion(
-            "eliminate", "broke the SLO at every load level" if trial.levels else "no load level measured"
-        )
-    others = [t for t in study_trials if t.trial_id != trial.trial_id]
-    spec = FRONTS[0]
-    front = pareto_front(gather_points([*others, trial]), spec.objectives).front
-    mine = [p for p in front if p.trial_id == trial.trial_id]
-    if mine:
-        where = ", ".join(level_label(p.level) for p in mine)
-        return Conclusion("keep", f"on the Pareto front of cost vs P99 TTFT at {where}")
-    return Conclusion(
-        "next round",
-        f"meets the SLO at {len(meeting)} of {len(trial.levels)} levels but is dominated on cost vs P99 TTFT",
-    )
-
-
-def recommended_conclusion(reason: str) -> Conclusion:
-    """The conclusion of the trial the study recommends: keep it, and ship it."""
-    return Conclusion("keep", f"recommended to ship ({reason})")
-
 
 @dataclass(frozen=True)
 class ExperimentRecord:

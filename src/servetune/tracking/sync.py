@@ -19,6 +19,7 @@ from mlflow import MlflowClient
 
 from servetune.errors import UserError
 from servetune.report import LoadedStudy, Recommendation, StudyReport, build_report, load_study
+from servetune.report.conclusion import conclude, recommended_conclusion
 from servetune.results import RESULT_FILE, SPACE_FILE, STUDY_FILE, TRIALS_DIR, StudyInfo, TrialResult
 from servetune.tracking.connection import (
     TRACKING_ERRORS,
@@ -37,7 +38,7 @@ from servetune.tracking.inputs import (
     model_fingerprint,
     read_request_stats,
 )
-from servetune.tracking.record import ExperimentRecord, build_record, conclude, recommended_conclusion, render_record
+from servetune.tracking.record import ExperimentRecord, build_record, render_record
 from servetune.tracking.view import (
     EXPERIMENT_KIND,
     EXPERIMENT_KIND_TAG,

@@ -1,0 +1,65 @@
+"""A configuration in few words: only the parameters the study varied, by short names.
+
+``{"max_num_seqs": 32, "max_num_batched_tokens": 4096, "enable_chunked_prefill": False}``
+reads ``seqs=32 mbt=4096 chunk=off``. A trial that set nothing runs on :data:`BASELINE`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+#: How the report names a trial that sets no parameter (the search's baseline): one wording everywhere.
+BASELINE = "vLLM defaults"
+
+#: Short names of the engine arguments and environment variables searches vary.
+SHORT_NAMES = {
+    "max_num_seqs": "seqs",
+    "max_num_batched_tokens": "mbt",
+    "enable_chunked_prefill": "chunk",
+    "enable_prefix_caching": "prefix",
+    "gpu_memory_utilization": "gpu-mem",
+    "tensor_parallel_size": "tp",
+    "pipeline_parallel_size": "pp",
+    "data_parallel_size": "dp",
+    "max_model_len": "len",
+    "block_size": "block",
+    "kv_cache_dtype": "kv-dtype",
+    "quantization": "quant",
+    "dtype": "dtype",
+    "env.VLLM_CPU_KVCACHE_SPACE": "kvGiB",
+}
+
+
+def short_name(param: str) -> str:
+    """``max_num_seqs`` -> ``seqs``; an unknown name is kept (``env.`` dropped)."""
+    return SHORT_NAMES.get(param, param.removeprefix("env."))
+
+
+def short_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def varied_params(configs: Iterable[Mapping[str, Any]]) -> list[str]:
+    """The parameters that take two or more values among the trials that set them, in first-seen order.
+
+    A trial that leaves a parameter unset (the baseline) does not make it varied. When nothing
+    varies (one trial, or every trial alike) every parameter is returned, so a configuration
+    is never shown empty.
+    """
+    values: dict[str, set[str]] = {}
+    for config in configs:
+        for name, value in config.items():
+            values.setdefault(name, set()).add(repr(value))
+    varied = [name for name, seen in values.items() if len(seen) > 1]
+    return varied or list(values)
+
+
+def short_config(params: Mapping[str, Any], varied: Sequence[str] | None = None) -> str:
+    """``seqs=32 mbt=4096 chunk=off``: the varied parameters the trial set (all it set when none of them varies)."""
+    names = [n for n in (varied if varied is not None else params) if n in params] or list(params)
+    return " ".join(f"{short_name(n)}={short_value(params[n])}" for n in names) or BASELINE

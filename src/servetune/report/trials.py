@@ -1,0 +1,108 @@
+"""The table of all trials, a row per trial, as plain data (the renderers draw it; tests check it).
+
+A row says what the trial varied, how it ended, its best load level under the SLO and the
+numbers there (or at its last level when none met the SLO), which SLO bounds broke first and
+at which level, why its ladder stopped, and its conclusion (:mod:`servetune.report.conclusion`).
+
+Rows are ordered as a user picks: the recommended trial first, then kept trials, those for a
+next round, the eliminated ones; within each, cheapest first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from servetune.metrics import COST_METRIC
+from servetune.report.conclusion import Conclusion, conclude
+from servetune.report.params import short_config, varied_params
+from servetune.report.points import ReportPoint, first_line, level_label, violated_metrics
+from servetune.results import Outcome, TrialResult, best_level_index
+
+#: The numbers a row shows, at the trial's best level (the renderers add units to the headings).
+TRIAL_METRICS = ("goodput", "ttft_ms_p99", "tpot_ms_p99", COST_METRIC)
+
+_VERDICT_ORDER = {"keep": 0, "next round": 1, "eliminate": 2}
+
+
+@dataclass(frozen=True)
+class SloBreak:
+    """The first level at which a trial broke the SLO, with the trial's own verdict."""
+
+    level: str  # ``concurrency 2``
+    violations: tuple[str, ...]  # ``ttft_ms_p95 = 222.2 > 150``, as the trial recorded them
+    later_levels: int = 0  # levels after this one that broke the SLO too
+
+    @property
+    def metrics(self) -> tuple[str, ...]:
+        """The metrics whose bound broke: ``("ttft_ms_p95", "ttft_ms_p99")``."""
+        return violated_metrics(self.violations)
+
+
+@dataclass(frozen=True)
+class TrialRow:
+    trial_id: str
+    config: str  # the varied parameters, short: ``seqs=32 mbt=4096 chunk=off``
+    outcome: Outcome
+    best_level: str | None  # the best level meeting the SLO; None when none did
+    numbers_level: str | None  # the level ``values`` come from: the best one, else the last measured
+    values: Mapping[str, float | None]  # TRIAL_METRICS at ``numbers_level``
+    slo_break: SloBreak | None
+    stopped: str  # why the ladder stopped, in a few words: ``SLO broken at concurrency 2``
+    stopped_detail: str  # the whole reason, as the trial recorded it
+    conclusion: Conclusion
+    recommended: bool = False
+
+
+def slo_break(trial: TrialResult) -> SloBreak | None:
+    broken = [(index, level) for index, level in enumerate(trial.levels) if level.slo_violations]
+    if not broken:
+        return None
+    index, level = broken[0]
+    return SloBreak(level_label(level.summary.level), tuple(level.slo_violations), len(broken) - 1)
+
+
+def why_stopped(trial: TrialResult) -> tuple[str, str]:
+    """(a few words, the whole text): the failure's reason, the ladder's reason to stop, or that it ran every level."""
+    if trial.outcome != "COMPLETE":
+        reason = first_line(trial.reason)
+        return first_line(reason, 80) or "no reason given", reason
+    if trial.stopped_because:
+        return trial.stopped_because.split(": ", 1)[0], trial.stopped_because
+    if not trial.levels:
+        return "no level measured", ""
+    return "ran every level", ""
+
+
+def trial_rows(
+    trials: Sequence[TrialResult], points: Sequence[ReportPoint], recommended: ReportPoint | None = None
+) -> list[TrialRow]:
+    """A row per trial. ``points`` are the study's (they carry the report's price); ``recommended`` is marked."""
+    varied = varied_params(t.params for t in trials)
+    by_trial: dict[str, dict[int, ReportPoint]] = {}
+    for point in points:
+        by_trial.setdefault(point.trial_id, {})[point.level_index] = point
+    rows = []
+    for trial in trials:
+        best = trial.best_level_index if trial.best_level_index is not None else best_level_index(trial.levels)
+        mine = by_trial.get(trial.trial_id, {})
+        shown = mine.get(best) if best is not None else (mine[max(mine)] if mine else None)
+        stopped, detail = why_stopped(trial)
+        rows.append(
+            TrialRow(
+                trial_id=trial.trial_id, config=short_config(trial.params, varied), outcome=trial.outcome,
+                best_level=level_label(trial.levels[best].summary.level) if best is not None else None,
+                numbers_level=level_label(shown.level) if shown is not None else None,
+                values={m: shown.value(m) if shown is not None else None for m in TRIAL_METRICS},
+                slo_break=slo_break(trial), stopped=stopped, stopped_detail=detail,
+                conclusion=conclude(trial, trials),
+                recommended=recommended is not None and recommended.trial_id == trial.trial_id,
+            )  # fmt: skip
+        )
+
+    def order(row: TrialRow) -> tuple:
+        cost = row.values.get(COST_METRIC)
+        return (not row.recommended, _VERDICT_ORDER[row.conclusion.verdict],
+                float("inf") if cost is None else cost, row.trial_id)  # fmt: skip
+
+    return sorted(rows, key=order)

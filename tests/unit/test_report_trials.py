@@ -1,0 +1,91 @@
+"""The table of all trials as data: a row per trial, and configurations in few words."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from servetune.report import build_report, gather_points, load_study, render_markdown
+from servetune.report.labels import TRIAL_HEADINGS, trial_cells
+from servetune.report.params import BASELINE, short_config, varied_params
+from servetune.report.trials import trial_rows
+from tests.builders import demo_study, demo_trials, level, trial
+
+RECORDED = Path(__file__).parents[1] / "data" / "cpu-tiny-study"
+
+
+def test_a_configuration_in_few_words_names_only_what_the_study_varied():
+    configs = [
+        {},
+        {"max_num_seqs": 32, "max_num_batched_tokens": 4096, "enable_chunked_prefill": False, "block_size": 16},
+        {"max_num_seqs": 8, "max_num_batched_tokens": 4096, "enable_chunked_prefill": True, "block_size": 16},
+        {"max_num_seqs": 8, "max_num_batched_tokens": 1024, "enable_chunked_prefill": True, "block_size": 16},
+    ]
+    varied = varied_params(configs)
+    assert varied == ["max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill"]  # block_size never varies
+    assert short_config(configs[1], varied) == "seqs=32 mbt=4096 chunk=off"
+    assert short_config(configs[0], varied) == BASELINE == "vLLM defaults"
+    assert short_config({"env.VLLM_CPU_KVCACHE_SPACE": 2, "gpu_memory_utilization": 0.9}) == "kvGiB=2 gpu-mem=0.9"
+    assert short_config({"some_new_arg": "x"}, varied) == "some_new_arg=x"  # set, though not varied: never blank
+    assert varied_params([{"max_num_seqs": 8}]) == ["max_num_seqs"]  # one trial: nothing varies, show what it set
+
+
+def test_a_row_per_trial_with_its_best_level_numbers_break_stop_and_conclusion():
+    stopped = trial("t8", {"max_num_seqs": 8, "gpu_memory_utilization": 0.9},
+                    [level(8, 100, 2500, violations=("ttft_ms_p99 = 2500 > 2000", "tpot_ms_p99 = 120 > 100"))])
+    stopped = stopped.model_copy(update={"stopped_because": "SLO broken at concurrency 8: ttft_ms_p99 = 2500 > 2000"})
+    trials = [*demo_trials(), stopped]  # fmt: skip
+    points = gather_points(trials)
+    recommended = next(p for p in points if p.trial_id == "t16" and p.level_index == 1)
+    rows = {row.trial_id: row for row in trial_rows(trials, points, recommended)}
+    assert [r.trial_id for r in trial_rows(trials, points, recommended)] == ["t16", "t32", "t8", "t256", "t64"]
+
+    t16 = rows["t16"]
+    assert t16.recommended and t16.config == "seqs=16 gpu-mem=0.9"
+    assert t16.best_level == t16.numbers_level == "concurrency 16"  # the higher goodput under the SLO
+    assert t16.values["ttft_ms_p99"] == 600 and t16.values["cost_per_mtok_usd"] == pytest.approx(2 / (700 * 3600) * 1e6)
+    assert t16.slo_break is None and t16.stopped == "ran every level"
+
+    t32 = rows["t32"]
+    assert t32.best_level == "concurrency 32" and t32.slo_break.level == "concurrency 64"
+    assert t32.slo_break.metrics == ("ttft_ms_p99",) and t32.conclusion.verdict == "keep"
+
+    t8 = rows["t8"]  # no level met the SLO: the numbers are its last level's
+    assert t8.best_level is None and t8.numbers_level == "concurrency 8" and t8.values["ttft_ms_p99"] == 2500
+    assert t8.slo_break.metrics == ("ttft_ms_p99", "tpot_ms_p99")
+    assert (t8.stopped, t8.stopped_detail) == ("SLO broken at concurrency 8", stopped.stopped_because)
+    assert str(t8.conclusion) == "eliminate: broke the SLO at every load level"
+
+    t64 = rows["t64"]
+    assert t64.outcome == "FAILED" and t64.numbers_level is None and set(t64.values.values()) == {None}
+    assert t64.stopped.startswith("engine exited with code 1: torch.OutOfMemoryError")
+    assert len(t64.stopped) <= 80 and t64.conclusion.verdict == "eliminate"
+
+
+def test_the_cells_say_the_bound_that_broke_and_where():
+    report = build_report(load_study(RECORDED))
+    cells = {row.trial_id: dict(zip(TRIAL_HEADINGS, trial_cells(row))) for row in report.trial_table}
+    base = cells["e57a166985b8"]
+    assert base["trial"] == "e57a166985b8 (recommended)" and base["config (varied parameters)"] == "vLLM defaults"
+    assert base["best level"] == "concurrency 8" and base["TTFT P99 (ms)"] == "88.7"
+    assert base["SLO broken (first level)"] == "concurrency 32: ttft_ms_p95 = 160 > 150"
+    assert base["conclusion"].startswith("keep: on the Pareto front of cost vs P99 TTFT at concurrency 8")
+    cheap = cells["18ae6e731937"]
+    assert cheap["config (varied parameters)"] == "seqs=32 mbt=4096 chunk=on prefix=on kvGiB=2 dp=1"
+    assert cheap["best level"] == "none met the SLO (numbers at concurrency 2)"
+    assert cheap["SLO broken (first level)"] == "concurrency 2: ttft_ms_p95 = 222.2 > 150; ttft_ms_p99 = 315.2 > 300"
+    assert cheap["stopped because"] == "SLO broken at concurrency 2"
+    assert cheap["conclusion"] == "eliminate: broke the SLO at every load level"
+    assert len(cells) == 7 and [c["outcome"] for c in cells.values()] == ["COMPLETE"] * 7
+
+
+def test_summary_md_has_the_table_of_all_trials(tmp_path):
+    md = render_markdown(build_report(load_study(demo_study(tmp_path / "demo"))))
+    section = md.split("### All trials")[1].split("\n#")[0]
+    assert "| trial | config (varied parameters) | outcome | best level | goodput (req/s) | TTFT P99 (ms) | TPOT P99 (ms) " in section
+    rows = [line for line in section.splitlines() if line.startswith("| t") and not line.startswith("| trial")]
+    assert [r.split(" | ")[0] for r in rows] == ["| t16 (recommended)", "| t32", "| t256", "| t64"]
+    assert "| t32 | seqs=32 gpu-mem=0.9 | COMPLETE | concurrency 32 |" in section
+    assert "concurrency 64: ttft_ms_p99 = 3000 > 2000 |" in section
+    assert "| t256 | seqs=256 gpu-mem=0.95 | INFEASIBLE | - | - | - | - | - | - | does not fit: KV pool" in section

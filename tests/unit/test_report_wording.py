@@ -1,0 +1,75 @@
+"""Wording and numbers: units in tables, the recommendation's headline metrics, axis directions, the baseline."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from servetune.accounting import device_time_lines
+from servetune.report import build_report, load_study, render_markdown
+from servetune.report.html import front_figure, render_html
+from servetune.report.labels import metric_heading, point_metrics
+from servetune.report.png import front_png
+from servetune.report.points import config_label
+from servetune.report.recommend import describe
+from tests.builders import demo_study, level, study_info, trial, write_study
+
+RECORDED = Path(__file__).parents[1] / "data" / "cpu-tiny-study"
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    return build_report(load_study(demo_study(tmp_path_factory.mktemp("study") / "demo")))
+
+
+def test_table_headings_carry_units():
+    assert metric_heading("ttft_ms_p99") == "TTFT P99 (ms)"
+    assert metric_heading("cost_per_mtok_usd") == "$/Mtok (USD)"
+    assert metric_heading("goodput") == "goodput (req/s)"
+    assert metric_heading("output_throughput") == "out tok/s"  # the short name says it
+
+
+def test_html_tables_have_units_and_the_recommendation_box_its_headline_metrics(demo):
+    page = render_html(demo)
+    for heading in ("TTFT P99 (ms)", "TPOT P99 (ms)", "$/Mtok (USD)", "goodput (req/s)"):
+        assert f"<th>{heading}</th>" in page
+    box = page.split("<div class='rec'>")[1].split("</div>")[0]
+    headline = point_metrics(demo.recommendation.point)
+    assert [name for name, _ in headline][:3] == ["$/Mtok", "TTFT P99", "TPOT P99"]
+    for name, value in headline:  # the same lines summary.md lists
+        assert f"<li>{name}: {value}</li>" in box
+        assert f"- {name}: {value}" in render_markdown(demo)
+    assert "<li>TTFT P99: 600.0 ms</li>" in box and "<li>$/Mtok: 0.7937</li>" in box
+
+
+def test_axes_say_which_way_is_better(demo):
+    fig = front_figure(demo, demo.front("cost-vs-ttft"))
+    assert fig.layout.yaxis.title.text == "USD per million output tokens — lower is better"
+    assert fig.layout.xaxis.title.text == "P99 TTFT (ms) — lower is better"
+    rates = front_figure(demo, demo.front("throughput-vs-interactivity"))
+    assert rates.layout.yaxis.title.text.endswith("— higher is better")
+    ax = front_png(demo, demo.front("cost-vs-ttft")).axes[0]
+    assert ax.get_ylabel() == "USD per million output tokens — lower is better"
+
+
+def test_early_stopping_savings_say_their_unit():
+    def stopped(trial_id, because):
+        t = trial(trial_id, {"max_num_seqs": 8}, [level(4, 400, 300)], devices=2)
+        return t.model_copy(update={"duration_s": 300.0, "startup_s": 120.0, "stopped_because": because})
+
+    trials = [stopped("a", "dominated at concurrency 4: ..."), stopped("b", "saturated at concurrency 4: ...")]
+    gpu = device_time_lines(trials, "gpu", 3)[1]
+    assert gpu == "early stopping saved about 8.0 GPU-min (dominated: 1 trial(s), 4.0 GPU-min; saturated: 1 trial(s), 4.0 GPU-min)"
+    assert device_time_lines(trials, "cpu", 3)[1].endswith("(dominated: 1 trial(s), 4.0 core-min; saturated: 1 trial(s), 4.0 core-min)")
+
+
+def test_the_baseline_is_vllm_defaults_in_one_way_everywhere(tmp_path):
+    assert config_label({}) == "vLLM defaults"
+    root = write_study(tmp_path / "s", study_info(), [trial("base", {}, [level(8, 400, 300)])])
+    report = build_report(load_study(root))
+    assert describe(report.points[0]).startswith("trial base (vLLM defaults) at concurrency 8")
+    recorded = build_report(load_study(RECORDED))
+    for text in (render_markdown(report), render_html(report), render_markdown(recorded), render_html(recorded)):
+        assert "vLLM defaults" in text
+        assert "(defaults)" not in text and "((vLLM" not in text
