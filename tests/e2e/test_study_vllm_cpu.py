@@ -68,6 +68,7 @@ def test_study_report_and_export_on_real_vllm(tmp_path):
     assert ok["levels"][1]["telemetry"]["host_cpu_percent_mean"] > 0
     assert ok["levels"][1]["summary"]["output_throughput"] > ok["levels"][0]["summary"]["output_throughput"]
     assert bad["outcome"] == "FAILED" and bad["reason"].startswith("engine start: vLLM exited") and bad["log_tail"]
+    assert [lv.get("cache_note") for lv in ok["levels"]] == [None, None]  # each level began on an emptied cache
     resolved = ok["resolved_engine_args"]  # what vLLM chose for what the launch left to it
     assert resolved["max_num_seqs"] > 0 and resolved["max_num_batched_tokens"] > 0 and resolved["block_size"] == 128
     assert processes_mentioning(study_dir, "vllm") == []

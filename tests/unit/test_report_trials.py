@@ -10,7 +10,7 @@ from servetune.report import build_report, gather_points, load_study, render_mar
 from servetune.report.labels import TRIAL_HEADINGS, trial_cells
 from servetune.report.params import BASELINE, short_config, varied_params
 from servetune.report.trials import trial_rows
-from tests.builders import demo_study, demo_trials, level, trial
+from tests.builders import demo_study, demo_trials, level, study_info, trial, write_study
 
 RECORDED = Path(__file__).parents[1] / "data" / "cpu-tiny-study"
 
@@ -89,3 +89,15 @@ def test_summary_md_has_the_table_of_all_trials(tmp_path):
     assert "| t32 | seqs=32 gpu-mem=0.9 | COMPLETE | concurrency 32 |" in section
     assert "concurrency 64: ttft_ms_p99 = 3000 > 2000 |" in section
     assert "| t256 | seqs=256 gpu-mem=0.95 | INFEASIBLE | - | - | - | - | - | - | does not fit: KV pool" in section
+
+
+def test_levels_whose_prefix_cache_may_have_been_warm_are_listed(tmp_path):
+    trials = demo_trials()
+    warm = trials[1].levels[1].model_copy(update={"cache_note": "prefix-cache hit rate 60% is above the 0% ..."})
+    trials[1] = trials[1].model_copy(update={"levels": [trials[1].levels[0], warm, trials[1].levels[2]]})
+    rows = trial_rows(trials, gather_points(trials))
+    assert {row.trial_id: row.cache_notes for row in rows}["t32"] == ("concurrency 32: prefix-cache hit rate 60% is above the 0% ...",)
+    root = write_study(tmp_path / "warm", study_info(), trials)
+    md = render_markdown(build_report(load_study(root)))
+    assert "### Warm prefix cache\n\n- trial t32, concurrency 32: prefix-cache hit rate 60%" in md
+    assert "### Warm prefix cache" not in render_markdown(build_report(load_study(demo_study(tmp_path / "cold"))))

@@ -29,6 +29,7 @@ import psutil
 
 from servetune.engine.args import ArgSpec, engine_argv
 from servetune.engine.reaper import group_processes
+from servetune.engine.resolved import DEV_MODE_ENV
 from servetune.errors import EngineStartError
 from servetune.secrets import redact_engine_args
 
@@ -56,6 +57,9 @@ class KvCapacity:
             per_request, factor = conc[0]
             return cls(tokens, float(factor), int(per_request.replace(",", "")), engines=len(found))
         return cls(tokens, engines=len(found))
+
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -115,6 +119,10 @@ class VllmServer:
             self.port = free_port(self.host)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        if self.host in LOOPBACK:
+            # vLLM's development endpoints, reachable from this machine only: /server_info (what
+            # vLLM resolved, engine/resolved.py) and /reset_prefix_cache (a cold cache per level).
+            env.setdefault(DEV_MODE_ENV, "1")
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 self.launch_argv(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,

@@ -32,7 +32,7 @@ from servetune.report.labels import (
     point_metrics,
     trial_cells,
 )
-from servetune.report.markdown import pareto_rows
+from servetune.report.markdown import pareto_rows, warm_cache_lines
 from servetune.report.params import BASELINE
 from servetune.report.points import ReportPoint, level_label
 from servetune.report.recommend import describe
@@ -192,6 +192,9 @@ def render_html(report: StudyReport) -> str:
         parts += [f"<h2 id='all-trials'>All trials ({len(report.trial_table)})</h2>",
                   trials_table_html(report.trial_table),
                   f"<p class='muted'>{e(TRIALS_NOTE)} Hover “stopped because” for the whole reason.</p>"]  # fmt: skip
+        warm = warm_cache_lines(report.trial_table)
+        if warm:
+            parts.append("<h3>Warm prefix cache</h3><ul>" + "".join(f"<li>{e(line)}</li>" for line in warm) + "</ul>")
     body = "\n".join(parts)
     return (
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"

@@ -17,6 +17,7 @@ from servetune.report.labels import (
 )
 from servetune.report.points import config_label, level_label
 from servetune.report.recommend import describe
+from servetune.report.trials import TrialRow
 
 
 UNITS = "Latencies in ms; $/Mtok is USD per million output tokens; tok/s/user is 1000 / mean TPOT."
@@ -82,6 +83,11 @@ def _recommendation(report: StudyReport) -> list[str]:
     return lines
 
 
+def warm_cache_lines(rows: Sequence[TrialRow]) -> list[str]:
+    """``trial T, concurrency 8: prefix-cache hit rate ...`` for every level flagged by its measurement."""
+    return [f"trial {row.trial_id}, {note}" for row in rows for note in row.cache_notes]
+
+
 def render_markdown(report: StudyReport) -> str:
     info = report.info
     price = report.price_override if report.price_override is not None else info.price_per_device_hour
@@ -106,6 +112,9 @@ def render_markdown(report: StudyReport) -> str:
         lines += ["### All trials", ""]
         lines += _table(TRIAL_HEADINGS, [trial_cells(row) for row in report.trial_table])
         lines += ["", TRIALS_NOTE, ""]
+        warm = warm_cache_lines(report.trial_table)
+        if warm:
+            lines += ["### Warm prefix cache", "", *(f"- {line}" for line in warm), ""]
     reasons = report.failure_reasons()
     if reasons:
         lines += ["### Why trials did not complete", ""]

@@ -52,6 +52,11 @@ class TrialRow:
     stopped_detail: str  # the whole reason, as the trial recorded it
     conclusion: Conclusion
     recommended: bool = False
+    cache_notes: tuple[str, ...] = ()  # levels whose prefix cache may have been warm: ``concurrency 8: ...``
+
+
+def cache_notes(trial: TrialResult) -> tuple[str, ...]:
+    return tuple(f"{level_label(lv.summary.level)}: {lv.cache_note}" for lv in trial.levels if lv.cache_note)
 
 
 def slo_break(trial: TrialResult) -> SloBreak | None:
@@ -97,6 +102,7 @@ def trial_rows(
                 slo_break=slo_break(trial), stopped=stopped, stopped_detail=detail,
                 conclusion=conclude(trial, trials),
                 recommended=recommended is not None and recommended.trial_id == trial.trial_id,
+                cache_notes=cache_notes(trial),
             )  # fmt: skip
         )
 

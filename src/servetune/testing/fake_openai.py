@@ -25,7 +25,7 @@ from aiohttp import web
 
 class FakeOpenAI:
     def __init__(self, ttft_ms: float = 20.0, itl_ms: float = 5.0, model: str = "fake", fail_status: int | None = None,
-                 max_num_seqs: int | None = None) -> None:  # fmt: skip
+                 max_num_seqs: int | None = None, dev_mode: bool = True) -> None:  # fmt: skip
         self.ttft_s = ttft_ms / 1000.0
         self.itl_s = itl_ms / 1000.0
         self.model = model
@@ -35,6 +35,13 @@ class FakeOpenAI:
         self.running = 0
         self.finished = 0
         self.generated = 0
+        # A prefix cache of whole prompts, as vLLM counts it: prompt tokens queried, and hit when the
+        # same prompt came before (since the last reset). ``dev_mode`` serves /reset_prefix_cache.
+        self.dev_mode = dev_mode
+        self.cached: set[str] = set()
+        self.cache_queries = 0
+        self.cache_hits = 0
+        self.resets = 0
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -43,7 +50,14 @@ class FakeOpenAI:
         app.router.add_post("/v1/completions", self.complete)
         app.router.add_post("/v1/chat/completions", self.complete)
         app.router.add_get("/metrics", self.metrics)
+        if self.dev_mode:
+            app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         return app
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        self.cached.clear()
+        self.resets += 1
+        return web.json_response({"success": True})
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="")
@@ -59,6 +73,10 @@ class FakeOpenAI:
             f'vllm:generation_tokens_total{{model_name="{self.model}"}} {self.generated}\n'
             "# TYPE vllm:request_success_total counter\n"
             f'vllm:request_success_total{{model_name="{self.model}"}} {self.finished}\n'
+            "# TYPE vllm:prefix_cache_queries counter\n"
+            f'vllm:prefix_cache_queries_total{{model_name="{self.model}"}} {self.cache_queries}\n'
+            "# TYPE vllm:prefix_cache_hits counter\n"
+            f'vllm:prefix_cache_hits_total{{model_name="{self.model}"}} {self.cache_hits}\n'
         )
         return web.Response(text=text, content_type="text/plain")
 
@@ -70,6 +88,11 @@ class FakeOpenAI:
         chat = request.path.endswith("/chat/completions")
         n_out = int(body.get("max_tokens") or 16)
         prompt = body.get("prompt") or json.dumps(body.get("messages", ""))
+        prompt_tokens = len(prompt.split())
+        self.cache_queries += prompt_tokens
+        if prompt in self.cached:
+            self.cache_hits += prompt_tokens
+        self.cached.add(prompt)
         if self.slots is not None:
             await self.slots.acquire()
             start = time.perf_counter()  # waiting for a slot is queueing: TTFT counts it via the client
@@ -84,7 +107,7 @@ class FakeOpenAI:
                 choice = {"index": 0, "delta": {"content": "x"}} if chat else {"index": 0, "text": "x"}
                 await resp.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
                 self.generated += 1
-            usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": n_out, "total_tokens": n_out}
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n_out, "total_tokens": n_out}
             await resp.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
             self.finished += 1

@@ -228,6 +228,8 @@ def _stability_tags(
         "stability.cancelled": str(errors.get("cancelled", 0)), "stability.ttft_p99_jitter": jitter,
         "stability.ttft_p99_range": spread,
         "stability.errors": ", ".join(f"{k} {v}" for k, v in sorted(errors.items())) or "none",
+        "stability.warm_cache": "; ".join(f"{level_label(lv.summary.level)}: {lv.cache_note}"
+                                          for lv in trial.levels if lv.cache_note) or "none",
     }  # fmt: skip
 
 

@@ -4,6 +4,11 @@ For each level: scrape ``/metrics``, run the level while sampling vLLM's gauges 
 second (peaks of running and waiting requests and of KV-cache usage), scrape again, and
 summarize. Works against any OpenAI-compatible server; ``/metrics`` is optional.
 
+Every run of a level starts from an empty prefix cache (``POST /reset_prefix_cache``, one of
+vLLM's development endpoints, which servetune's engines serve on 127.0.0.1): a later level must
+not hit prefixes an earlier one cached. Where the reset is refused, or the hit rate vLLM reports
+is well above what the workload's shared prefix explains, the level says so (``cache_note``).
+
 A level can be run several times on the same engine (``load.repeats``): it then reports its
 median run, ordered by how far the run stayed inside the SLO, so its verdict is the majority's
 and one stall of a shared host cannot decide it. Repeating stops early once a majority of runs
@@ -71,6 +76,42 @@ async def _scrape(session: aiohttp.ClientSession, url: str, gauges_only: bool = 
         return None
 
 
+async def _reset_prefix_cache(session: aiohttp.ClientSession, url: str) -> bool:
+    """Empty the server's prefix cache; False where it has no such endpoint or refused."""
+    try:
+        async with session.post(f"{url}/reset_prefix_cache", timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            return resp.status == 200
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return False
+
+
+#: How far (absolute) the measured prefix-cache hit rate may stand above the workload's before a
+#: level is flagged: block rounding and the shared prefix's first, cold request make the
+#: explained rate an approximation.
+HIT_RATE_MARGIN = 0.05
+
+
+def explained_hit_rate(workload: Workload, mean_prompt_tokens: float) -> float:
+    """The prefix-cache hit rate the workload's shared prefix explains (prompts are otherwise unique)."""
+    shared = workload.shared_prefix
+    if shared is None or mean_prompt_tokens <= 0:
+        return 0.0
+    return min(1.0, shared.fraction * shared.tokens / mean_prompt_tokens)
+
+
+def cache_note(server: dict[str, float], workload: Workload, mean_prompt_tokens: float, reset: bool) -> str | None:
+    """Why this level's prefix cache may have been warm (None when nothing says so)."""
+    measured = server.get("prefix_cache_hit_rate")
+    if measured is not None:
+        explained = explained_hit_rate(workload, mean_prompt_tokens)
+        if measured > explained + HIT_RATE_MARGIN:
+            return (f"prefix-cache hit rate {measured:.0%} is above the {explained:.0%} the workload's shared "
+                    "prefix explains: a warm cache may flatter this level")  # fmt: skip
+    if not reset:
+        return "the prefix cache could not be emptied before the level (the server has no /reset_prefix_cache)"
+    return None
+
+
 async def _sample_gauges(session: aiohttp.ClientSession, url: str, peaks: dict[str, float], every_s: float) -> None:
     while True:
         snap = await _scrape(session, url, gauges_only=True)
@@ -99,6 +140,7 @@ async def measure_level(
     """
     requests = iter_requests(workload, prompts, stream=stream)
     async with aiohttp.ClientSession() as session:
+        reset = await _reset_prefix_cache(session, url)
         before = await _scrape(session, url)
         peaks: dict[str, float] = {}
         sampler = asyncio.ensure_future(_sample_gauges(session, url, peaks, sample_every_s)) if before else None
@@ -120,7 +162,11 @@ async def measure_level(
     measured = devices.summary() if isinstance(devices, TelemetrySampler) else {}
     if "gpu_energy_j" in measured and summary.total_output_tokens:
         measured["gpu_energy_j_per_output_token"] = measured["gpu_energy_j"] / summary.total_output_tokens
-    result = LevelResult(summary=summary, server_metrics=server, telemetry=measured, slo_violations=slo.violations(summary))
+    mean_prompt = summary.total_input_tokens / summary.completed if summary.completed else 0.0
+    result = LevelResult(
+        summary=summary, server_metrics=server, telemetry=measured, slo_violations=slo.violations(summary),
+        cache_note=cache_note(server, workload, mean_prompt, reset),
+    )  # fmt: skip
     return result, records
 
 
