@@ -34,6 +34,7 @@ class LevelResult(BaseModel):
     server_metrics: dict[str, float] = {}
     telemetry: dict[str, float] = {}  # device (or host) samples during the level: see telemetry.py
     slo_violations: list[str] = []
+    cache_note: str | None = None  # why the prefix cache may have been warm (trial/measure.py), else None
     runs: list[LevelRun] = Field(default=[], exclude_if=lambda runs: not runs)  # absent when run once
 
     @property
@@ -178,11 +179,19 @@ def best_level_index(levels: list[LevelResult]) -> int | None:
     return max(meeting, key=score)[0]
 
 
+#: The layout of ``study.json`` and ``result.json`` this servetune writes. Readers take any version:
+#: a field they do not know is ignored and one they miss takes its default, so a study opens in an
+#: older or a newer servetune alike; the number says which layout wrote a file. 1: before it was
+#: recorded; 2: results carry ``resolved_engine_args`` and a level its ``cache_note``.
+SCHEMA_VERSION = 2
+
+
 class StudyInfo(BaseModel):
     """``study.json`` at the top of a study directory: what the study was asked to do."""
 
     model_config = RECORD
 
+    schema_version: int = 1  # files from before the version was written read as 1
     name: str
     created: str
     space_file: str  # copied beside study.json as space.yaml
