@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from pathlib import Path
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from servetune.errors import UserError
 from servetune.metrics import COST_METRIC, LevelSummary, cost_per_mtok_usd
 
 #: Results are records servetune writes and reads back, often with another version: a field this
@@ -117,6 +119,7 @@ class TrialResult(BaseModel):
 
     model_config = RECORD
 
+    schema_version: int = 1  # see SCHEMA_VERSION
     trial_id: str  # hash of the resolved configuration; names the trial directory
     study: str
     params: dict[str, Any]  # the values the search chose
@@ -211,3 +214,43 @@ STUDY_FILE = "study.json"
 SPACE_FILE = "space.yaml"
 TRIALS_DIR = "trials"
 RESULT_FILE = "result.json"
+
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def validation_message(exc: ValidationError) -> str:
+    """The first problem of a pydantic error as ``field.path: message`` on one line."""
+    errors = exc.errors()
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        text = f"not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
+    else:
+        loc = ".".join(str(part) for part in first.get("loc", ())) or "(top level)"
+        text = f"{loc}: {first.get('msg')}"
+    if len(errors) > 1:
+        text += f" (and {len(errors) - 1} more problems)"
+    return " ".join(text.split())
+
+
+def read_model(path: Path, model: type[Model]) -> Model:
+    """Validate one JSON file; a missing, unreadable or invalid file is a one-line UserError."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: cannot read: {exc}") from None
+    try:
+        return model.model_validate_json(text)
+    except ValidationError as exc:
+        raise UserError(f"{path}: {validation_message(exc)}") from None
+
+
+def read_result(trial_dir: Path) -> TrialResult | None:
+    """The one reader of ``result.json``: None when the trial has none yet (still running, or never
+    finished); a file that is there but invalid is a one-line ``UserError`` naming it and the field."""
+    path = trial_dir / RESULT_FILE
+    if not path.is_file():
+        return None
+    return read_model(path, TrialResult)

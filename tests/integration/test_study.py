@@ -69,6 +69,7 @@ def test_grid_study_records_every_outcome_and_goes_on_after_a_crash(study):
     for key in ((5, 0.8), (80, 0.8)):
         crashed = by_config[key]
         assert crashed["outcome"] == "FAILED" and "engine died" in crashed["reason"], crashed["reason"]
+        assert crashed["log_tail"], "a trial whose engine died mid-ladder keeps the engine log's tail"
     assert "met the SLO" in done.stdout and good["trial_id"] in done.stdout
     assert (study_dir / "report" / "summary.md").exists() and f"recommendation: trial {good['trial_id']}" in done.stderr
     assert json.loads((study_dir / "study.json").read_text())["name"] == "fake"
@@ -109,3 +110,17 @@ def test_killed_driver_then_resume_reruns_nothing_finished(study):
     assert len(final) == 3 and all(r["outcome"] == "COMPLETE" for r in final.values())
     assert {t: (study_dir / "trials" / t / "result.json").stat().st_mtime_ns for t in first} == stamps
     assert processes_mentioning(fake) == []
+
+
+def test_resume_over_a_corrupt_result_stops_before_anything_starts(study):
+    write, study_dir, fake = study
+    argv = write("  env.SERVETUNE_FAKE_TTFT_MS: [5]\n")
+    broken = study_dir / "trials" / "abc123"
+    broken.mkdir(parents=True)
+    (broken / "result.json").write_text('{"trial_id": "abc123", "levels": [')  # a half-written file
+    done = subprocess.run([*argv, "--resume"], capture_output=True, text=True, timeout=120, cwd=study_dir.parent.parent)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert f"{broken / 'result.json'}: not valid JSON" in lines[0] and f"remove {broken}" in lines[0]
+    assert not (study_dir / "study.json").exists()  # nothing written, no Ray started

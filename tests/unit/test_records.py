@@ -37,3 +37,17 @@ def test_the_cpu_record_says_whether_bfloat16_runs_in_hardware():
     graviton3 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n"
     assert cpu_bf16(amd) == "emulated" and cpu_bf16(sapphire) == "native" and cpu_bf16(graviton3) == "native"
     assert cpu_bf16("processor: 0\n") == "unknown"
+
+
+def test_files_say_which_layout_wrote_them_and_any_version_opens():
+    from servetune.results import SCHEMA_VERSION
+
+    old = json.loads(study_info().model_dump_json())
+    old.pop("schema_version")  # written before the version was recorded
+    assert StudyInfo.model_validate(old).schema_version == 1
+    newer = {**old, "schema_version": SCHEMA_VERSION + 5, "from_the_future": True}
+    assert StudyInfo.model_validate(newer).schema_version == SCHEMA_VERSION + 5
+    result = json.loads(trial("t1", {}, [level(4, 500, 900)]).model_dump_json())
+    result.pop("schema_version")
+    loaded = TrialResult.model_validate(result)
+    assert loaded.schema_version == 1 and loaded.resolved_engine_args == {} and loaded.levels[0].cache_note is None

@@ -20,7 +20,16 @@ from ray.tune import Callback
 from servetune import __version__
 from servetune.config.space import Range, SearchSpace
 from servetune.errors import UserError
-from servetune.results import RESULT_FILE, SPACE_FILE, STUDY_FILE, TRIALS_DIR, StudyInfo, TrialResult
+from servetune.results import (
+    RESULT_FILE,
+    SCHEMA_VERSION,
+    SPACE_FILE,
+    STUDY_FILE,
+    TRIALS_DIR,
+    StudyInfo,
+    TrialResult,
+    read_result,
+)
 from servetune.study.context import StudyContext
 from servetune.study.objectives import objectives_and_constraints
 from servetune.study.packing import order_for_packing
@@ -192,7 +201,8 @@ def _draw(values: Any, rng: np.random.Generator) -> Any:
 
 def study_info(space: SearchSpace, space_path: Path, model: str, levels: Sequence[object] = ()) -> StudyInfo:
     return StudyInfo(
-        name=space.name, created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        schema_version=SCHEMA_VERSION, name=space.name,
+        created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         space_file=str(space_path), model=model,
         workload=space.workload if isinstance(space.workload, str) else space.workload.name,
         device=space.device, algorithm=space.search.algorithm,
@@ -203,12 +213,16 @@ def study_info(space: SearchSpace, space_path: Path, model: str, levels: Sequenc
 
 
 def finished_results(study_dir: Path) -> list[TrialResult]:
+    """Every finished trial of the study. An invalid ``result.json`` is a one-line error naming it, so
+    ``--resume`` stops before starting anything rather than failing at the end of the study."""
     out = []
-    for path in sorted((study_dir / TRIALS_DIR).glob(f"*/{RESULT_FILE}")):
+    for trial_dir in sorted(p for p in (study_dir / TRIALS_DIR).glob("*") if p.is_dir() and not p.name.startswith(".")):
         try:
-            out.append(TrialResult.model_validate_json(path.read_text()))
-        except ValueError:
-            continue
+            result = read_result(trial_dir)
+        except UserError as exc:
+            raise UserError(f"{exc} (remove {trial_dir} to run that trial again)") from None
+        if result is not None:
+            out.append(result)
     return out
 
 

@@ -23,21 +23,23 @@ from typing import Any, Literal
 
 from servetune.config.slo import Slo
 from servetune.config.workload import Workload
-from servetune.engine.resolved import DEV_MODE_ENV, fetch_resolved
+from servetune.engine.resolved import fetch_resolved
 from servetune.engine.server import VllmServer
 from servetune.environment import collect_environment
-from servetune.errors import EngineStartError, UserError
+from servetune.errors import EngineDiedError, EngineStartError, UserError
 from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory
 from servetune.load.runner import Level
 from servetune.results import (
     RESULT_FILE,
+    SCHEMA_VERSION,
     CapacityReport,
     KvCapacityReport,
     LevelResult,
     OperatingPoint,
     TrialResult,
     best_level_index,
+    read_result,
 )
 from servetune.secrets import redact_engine_args, redact_env, redact_params
 from servetune.telemetry import TelemetrySampler, visible_gpu_indices
@@ -97,10 +99,8 @@ class TrialSpec:
 
 
 def load_result(trial_dir: Path) -> TrialResult | None:
-    try:
-        return TrialResult.model_validate_json((trial_dir / RESULT_FILE).read_text())
-    except (OSError, ValueError):
-        return None
+    """The trial's finished result, None when it has none (``results.read_result``: one reader, one policy)."""
+    return read_result(trial_dir)
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -112,7 +112,8 @@ def write_atomic(path: Path, text: str) -> None:
 def new_result(spec: TrialSpec, outcome: str, reason: str | None = None) -> TrialResult:
     """A trial's result before anything was measured: its configuration and an outcome."""
     return TrialResult(
-        trial_id=spec.trial_id, study=spec.study, params=redact_params(spec.params),
+        schema_version=SCHEMA_VERSION, trial_id=spec.trial_id, study=spec.study,
+        params=redact_params(spec.params),
         engine_args=redact_engine_args(spec.engine_args),
         env=redact_env(spec.env), model=spec.model, device=spec.device, devices=spec.devices,
         price_per_device_hour=spec.price_per_device_hour, slo=[str(b) for b in spec.slo.bounds],
@@ -161,6 +162,8 @@ def run_trial(spec: TrialSpec, report: Report, prompts: Callable[[], PromptFacto
         _measure(spec, result, report, prompts(), trial_dir, stop_rule)
     except EngineStartError as exc:
         result.outcome, result.reason, result.log_tail = "FAILED", f"engine start: {exc.args[0]}", exc.log_tail
+    except EngineDiedError as exc:
+        result.outcome, result.reason, result.log_tail = "FAILED", exc.args[0], exc.log_tail
     except Exception as exc:  # a failed trial is data; the study goes on
         result.outcome, result.reason = "FAILED", f"{type(exc).__name__}: {exc}"
     finally:
@@ -173,8 +176,7 @@ def run_trial(spec: TrialSpec, report: Report, prompts: Callable[[], PromptFacto
 
 def _measure(spec: TrialSpec, result: TrialResult, report: Report, prompts: PromptFactory, trial_dir: Path,
              stop_rule: StopRule | None = None) -> None:  # fmt: skip
-    # Dev mode serves /server_info (what vLLM resolved) on the engine's 127.0.0.1 port.
-    env = {DEV_MODE_ENV: "1", **spec.env, **spec.extra_env}
+    env = {**spec.env, **spec.extra_env}
     kwargs = {"python": spec.python} if spec.python else {}
     server = VllmServer(spec.model, spec.engine_args, env, log_path=trial_dir / "engine.log",
                         startup_timeout_s=spec.startup_timeout_s, **kwargs)  # fmt: skip
@@ -190,7 +192,7 @@ def _measure(spec: TrialSpec, result: TrialResult, report: Report, prompts: Prom
         with records_path.open("w") as records_file:
             result.stopped_because = asyncio.run(_climb(spec, server, result, report, prompts, records_file, stop_rule))
         if not server.alive():
-            raise RuntimeError(f"the engine died during the ladder ({server.failure_reason()})")
+            raise EngineDiedError(f"the engine died during the ladder ({server.failure_reason()})", server.log_tail())
     result.outcome = "COMPLETE"
 
 
@@ -220,7 +222,7 @@ async def _climb(spec, server, result, report, prompts, records_file, stop_rule=
             level_result, _ = await measure_repeated(measure_once, spec.repeats, spec.slo, gone=lambda: not server.alive())
             result.levels.append(level_result)  # kept even when the engine died during it
             if not server.alive():
-                raise RuntimeError(f"the engine died during {level} ({server.failure_reason()})")
+                raise EngineDiedError(f"the engine died during {level} ({server.failure_reason()})", server.log_tail())
             report(level_report(result, level_result))
             try:
                 level = steps.send(level_result)
