@@ -37,6 +37,7 @@ class LevelResult(BaseModel):
     telemetry: dict[str, float] = {}  # device (or host) samples during the level: see telemetry.py
     slo_violations: list[str] = []
     cache_note: str | None = None  # why the prefix cache may have been warm (trial/measure.py), else None
+    stopped_early: str | None = None  # why the level ended before its planned requests (trial/measure.py)
     runs: list[LevelRun] = Field(default=[], exclude_if=lambda runs: not runs)  # absent when run once
 
     @property

@@ -1,7 +1,8 @@
 """Drive one load level: a closed loop of N clients, or an open loop at a rate.
 
 A level ends after ``num_requests`` measured requests were sent, or ``duration_s`` seconds,
-whichever comes first; requests in flight then finish (no survivor bias from cutting long
+whichever comes first, or once ``stop()`` says the level has told enough (it is asked after
+every finished request); requests in flight then finish (no survivor bias from cutting long
 requests off). The first ``warmup_requests`` requests are flagged and left out of summaries.
 """
 
@@ -59,6 +60,7 @@ async def run_level(
     warmup_requests: int = 0,
     seed: int = 0,
     on_done: Callable[[RequestRecord], None] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> list[RequestRecord]:
     """Run one level and return every request's record (warm-up ones flagged)."""
     if num_requests is None and duration_s is None:
@@ -73,6 +75,8 @@ async def run_level(
         if total is not None and len(records) >= total:
             return None
         if deadline is not None and time.perf_counter() >= deadline:
+            return None
+        if stop is not None and stop():
             return None
         spec = next(stream, None)
         if spec is None:

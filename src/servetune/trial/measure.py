@@ -9,6 +9,11 @@ vLLM's development endpoints, which servetune's engines serve on 127.0.0.1): a l
 not hit prefixes an earlier one cached. Where the reset is refused, or the hit rate vLLM reports
 is well above what the workload's shared prefix explains, the level says so (``cache_note``).
 
+A level that has clearly broken the SLO stops early (:class:`EarlyBreak`): once half its
+requests have finished, a latency percentile already twice its bound cannot come back under
+it; the rest would only spend device time. The level keeps what it measured and says why it
+stopped (``stopped_early``).
+
 A level can be run several times on the same engine (``load.repeats``): it then reports its
 median run, ordered by how far the run stayed inside the SLO, so its verdict is the majority's
 and one stall of a shared host cannot decide it. Repeating stops early once a majority of runs
@@ -76,6 +81,45 @@ async def _scrape(session: aiohttp.ClientSession, url: str, gauges_only: bool = 
         return None
 
 
+#: How far over its bound a percentile must be, with half the level measured, to end the level:
+#: twice the bound stands far above the run-to-run spread of a level on a shared host (tens of %).
+BREAK_FACTOR = 2.0
+
+
+class EarlyBreak:
+    """Watches a level's finished requests; :meth:`broken` when, at half of them, the SLO is clearly broken.
+
+    Only latency bounds count (TTFT, TPOT, ITL, E2EL percentiles and means); the error rate is
+    left to the whole level. ``planned`` is the level's measured request count (None for a
+    timed level, which is never cut short).
+    """
+
+    def __init__(self, slo: Slo, level: Level, planned: int | None, factor: float = BREAK_FACTOR) -> None:
+        self.bounds = [b for b in slo.bounds if b.stat is not None]
+        self.level = level
+        self.half = None if planned is None else max(planned // 2, 8)
+        self.factor = factor
+        self.done: list[RequestRecord] = []
+        self.reason: str | None = None
+
+    def finished(self, record: RequestRecord) -> None:
+        if record.warmup or self.reason is not None or self.half is None or not self.bounds:
+            return
+        self.done.append(record)
+        if len(self.done) != self.half:
+            return  # judged once, at half the level: one summary, no load on the client while it drives
+        flat = summarize(self.done, self.level.as_dict()).flat()
+        for bound in self.bounds:
+            value = flat.get(bound.name)
+            if value is not None and value >= self.factor * bound.max:
+                self.reason = (f"{bound.name} = {value:.4g} after {len(self.done)} requests, over "
+                               f"{self.factor:g}x its bound {bound.max:g}: stopped early")  # fmt: skip
+                return
+
+    def broken(self) -> bool:
+        return self.reason is not None
+
+
 async def _reset_prefix_cache(session: aiohttp.ClientSession, url: str) -> bool:
     """Empty the server's prefix cache; False where it has no such endpoint or refused."""
     try:
@@ -139,6 +183,13 @@ async def measure_level(
     ``telemetry`` makes a sampler of the devices (or host) that runs while the level does.
     """
     requests = iter_requests(workload, prompts, stream=stream)
+    watch = EarlyBreak(slo, plan.level, plan.num_requests)
+
+    def done(record: RequestRecord) -> None:
+        watch.finished(record)
+        if on_done is not None:
+            on_done(record)
+
     async with aiohttp.ClientSession() as session:
         reset = await _reset_prefix_cache(session, url)
         before = await _scrape(session, url)
@@ -149,7 +200,7 @@ async def measure_level(
             with devices:
                 records = await run_level(
                     client, requests, plan.level, num_requests=plan.num_requests, duration_s=plan.duration_s,
-                    warmup_requests=plan.warmup_requests, seed=workload.seed + stream, on_done=on_done,
+                    warmup_requests=plan.warmup_requests, seed=workload.seed + stream, on_done=done, stop=watch.broken,
                 )  # fmt: skip
         finally:
             if sampler is not None:
@@ -165,7 +216,7 @@ async def measure_level(
     mean_prompt = summary.total_input_tokens / summary.completed if summary.completed else 0.0
     result = LevelResult(
         summary=summary, server_metrics=server, telemetry=measured, slo_violations=slo.violations(summary),
-        cache_note=cache_note(server, workload, mean_prompt, reset),
+        cache_note=cache_note(server, workload, mean_prompt, reset), stopped_early=watch.reason,
     )  # fmt: skip
     return result, records
 
