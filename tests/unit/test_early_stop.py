@@ -3,7 +3,18 @@
 import pytest
 
 from servetune.accounting import early_stop_savings, stop_cause
-from servetune.study.early_stop import FinishedPoints, dominated_at_level, dominating_point, stop_reason
+from servetune.load.runner import Level
+from servetune.results import KvCapacityReport, LevelRun
+from servetune.study.early_stop import (
+    MARGIN,
+    MIN_MARGIN,
+    FinishedPoints,
+    dominating_point,
+    judge,
+    noise_margin,
+    optimistic_scale,
+    stop_reason,
+)
 from tests.builders import level, trial
 
 SLOW = ("ttft_ms_p99 = 3000 > 2000",)
@@ -16,40 +27,77 @@ def point(result, index=0):
 # Cost is price x devices / output tok/s: at 2 USD per device-hour, 1 device at 1000 tok/s
 # costs 0.56 $/Mtok, at 500 tok/s 1.11 $/Mtok.
 FINISHED = trial("done", {"max_num_seqs": 64}, [level(4, 1000, 300), level(16, 2000, 900)])
+LADDER = [Level("concurrency", c) for c in (4, 16, 64)]
 
 
-def test_a_costlier_and_slower_point_at_the_same_level_is_dominated():
+def remaining(result):
+    return LADDER[len(result.levels):]
+
+
+def test_a_costlier_and_slower_point_with_no_levels_left_is_dominated():
     running = trial("run", {"max_num_seqs": 8}, [level(4, 500, 400)])
     finished = FINISHED.operating_points()
-    assert dominated_at_level(point(running), finished)
     assert dominating_point(point(running), finished).trial_id == "done"
+    assert judge(running, [], finished).startswith("dominated at concurrency 4: trial done at concurrency 4")
+
+
+def test_a_trial_slower_at_low_load_keeps_climbing_while_higher_levels_could_still_make_it_cheapest():
+    """The case that lost the winner: max_num_seqs 32 costs more at concurrency 2 than the baseline,
+    but at 16 in flight it could be 4x cheaper than now: nothing finished beats that bound."""
+    running = trial("run", {"max_num_seqs": 32}, [level(4, 500, 400)])
+    assert optimistic_scale(running, remaining(running)) == 8.0  # 4 -> 32 (max_num_seqs caps 64)
+    assert judge(running, remaining(running), FINISHED.operating_points()) is None
+
+
+def test_the_engine_s_limits_cap_the_optimistic_bound():
+    capped = trial("run", {"max_num_seqs": 4}, [level(4, 500, 400)])
+    assert optimistic_scale(capped, remaining(capped)) == 1.0  # 4 at once already: more clients only queue
+    assert judge(capped, remaining(capped), FINISHED.operating_points()).startswith("dominated at concurrency 4")
+    kv = capped.model_copy(update={"engine_args": {}, "kv_capacity": KvCapacityReport(tokens=8192, max_concurrency=8.0)})
+    assert optimistic_scale(kv, remaining(kv)) == 2.0  # the KV cache holds 8 requests of max_model_len
+    dp = capped.model_copy(update={"engine_args": {"max_num_seqs": 4, "data_parallel_size": 4}})
+    assert optimistic_scale(dp, remaining(dp)) == 4.0
+    resolved = capped.model_copy(update={"engine_args": {}, "resolved_engine_args": {"max_num_seqs": 8}})
+    assert optimistic_scale(resolved, remaining(resolved)) == 2.0
 
 
 @pytest.mark.parametrize(
     "out_tps, ttft_p99",
-    [(500, 200), (1500, 400), (1000, 300), (500, 310), (1040, 400)],
+    [(500, 200), (1500, 400), (1000, 300), (500, 310), (1080, 400)],
     ids=["faster", "cheaper", "equal", "slower-within-noise", "costlier-within-noise"],
 )
-def test_better_on_either_count_is_not_dominated(out_tps, ttft_p99):
+def test_better_on_either_count_or_within_the_noise_is_not_dominated(out_tps, ttft_p99):
     running = trial("run", {"max_num_seqs": 8}, [level(4, out_tps, ttft_p99)])
-    assert not dominated_at_level(point(running), FINISHED.operating_points())
+    assert judge(running, [], FINISHED.operating_points()) is None
 
 
-def test_only_points_at_the_same_level_count():
-    running = trial("run", {"max_num_seqs": 8}, [level(1, 500, 1000)])  # concurrency 1: nothing finished there
-    assert not dominated_at_level(point(running), FINISHED.operating_points())
+def test_a_finished_point_at_another_level_counts():
+    running = trial("run", {"max_num_seqs": 8}, [level(1, 500, 1000)])  # concurrency 1; done's points are at 4 and 16
+    assert judge(running, [], FINISHED.operating_points()).startswith("dominated at concurrency 1: trial done at concurrency")
 
 
 def test_a_finished_point_that_broke_the_slo_is_no_alternative():
     broke = trial("broke", {"max_num_seqs": 64}, [level(4, 1000, 300, violations=("tpot_ms_p99 = 150 > 100",))])
     running = trial("run", {"max_num_seqs": 8}, [level(4, 500, 400)])
-    assert not dominated_at_level(point(running), broke.operating_points())
+    assert judge(running, [], broke.operating_points()) is None
+
+
+def test_the_margin_comes_from_the_level_s_repeats():
+    once = level(4, 500, 400)
+    assert noise_margin(once) == MARGIN
+    runs = [LevelRun(summary=level(4, tps, 400).summary) for tps in (400, 500, 600)]  # +-20% around 500
+    assert noise_margin(once.model_copy(update={"runs": runs})) == pytest.approx(0.2)
+    tight = [LevelRun(summary=level(4, tps, 400).summary) for tps in (499, 500, 501)]
+    assert noise_margin(once.model_copy(update={"runs": tight})) == MIN_MARGIN
+    # 0.56 against 1.11 $/Mtok is 50% cheaper: dominated under a 20% margin; not under 60%
+    noisy = trial("run", {"max_num_seqs": 8}, [once.model_copy(update={"runs": runs})])
+    assert judge(noisy, [], FINISHED.operating_points()) is not None
 
 
 def test_devices_count_in_the_cost():
     # Twice the throughput on four devices costs twice as much per token as the finished trial.
     running = trial("run", {"tensor_parallel_size": 4}, [level(4, 2000, 400)], devices=4)
-    assert dominated_at_level(point(running), FINISHED.operating_points())
+    assert judge(running, [], FINISHED.operating_points()) is not None
 
 
 def test_a_trial_never_dominates_itself_and_the_cheapest_dominator_is_named():
@@ -60,12 +108,12 @@ def test_a_trial_never_dominates_itself_and_the_cheapest_dominator_is_named():
     assert dominating_point(point(running), FINISHED.operating_points()) is None
 
 
-def test_the_reason_names_the_level_the_dominating_trial_and_both_points():
-    running = trial("run", {"max_num_seqs": 8}, [level(4, 500, 400)])
-    dominator = dominating_point(point(running), FINISHED.operating_points())
-    reason = stop_reason(point(running), dominator)
-    assert reason.startswith("dominated at concurrency 4: trial done costs $0.556/Mtok (this one $1.11)")
-    assert "TTFT p99 300 ms (this one 400 ms)" in reason
+def test_the_reason_names_both_points_and_the_bound():
+    running = trial("run", {"max_num_seqs": 8}, [level(4, 250, 400)])
+    reason = judge(running, [Level("concurrency", 8)], FINISHED.operating_points())
+    # at concurrency 8 it could at best halve its cost; done at 16 is cheaper still but slower (900 ms)
+    assert reason == ("dominated at concurrency 4: trial done at concurrency 4 costs $0.556/Mtok "
+                      "(this one $2.22, at best $1.11 higher up) with TTFT p99 300 ms (this one 400 ms)")  # fmt: skip
     assert stop_reason(point(running), None) is None
 
 
@@ -74,11 +122,9 @@ def test_finished_points_keep_complete_trials_and_levels_that_met_the_slo():
         trial("ok", {"max_num_seqs": 64}, [level(4, 1000, 300), level(16, 2000, 3000, violations=SLOW)]),
         trial("crashed", {"max_num_seqs": 32}, [level(4, 1000, 300)], outcome="FAILED", reason="engine died"),
     ])  # fmt: skip
-    assert [p.trial_id for p in board.at_level({"concurrency": 4})] == ["ok"]
-    assert board.at_level({"concurrency": 16}) == []  # broke the SLO there
+    assert [(p.trial_id, p.level_index) for p in board.points()] == [("ok", 0)]
     board.add(trial("later", {"max_num_seqs": 16}, [level(4, 800, 200)]))
-    assert [p.trial_id for p in board.at_level({"concurrency": 4.0})] == ["ok", "later"]
-    assert board.at_level({"rate": 4}) == []
+    assert [p.trial_id for p in board.points()] == ["ok", "later"]
 
 
 @pytest.mark.parametrize(
@@ -121,9 +167,9 @@ def test_the_rule_a_trial_uses_asks_the_board_and_keeps_climbing_when_it_cannot(
 
     from servetune.study.early_stop import dominance_rule
 
-    class Board:  # stands in for the actor handle: at_level.remote gives what ray.get returns
+    class Board:  # stands in for the actor handle: points.remote gives what ray.get returns
         def __init__(self, answer):
-            self.at_level = type("Method", (), {"remote": staticmethod(lambda level: answer)})()
+            self.points = type("Method", (), {"remote": staticmethod(lambda: answer)})()
 
     def get(answer, timeout):
         if isinstance(answer, Exception):
@@ -131,9 +177,9 @@ def test_the_rule_a_trial_uses_asks_the_board_and_keeps_climbing_when_it_cannot(
         return answer
 
     monkeypatch.setattr(ray, "get", get)
-    running = point(trial("run", {"max_num_seqs": 8}, [level(4, 500, 400)]))
+    running = trial("run", {"max_num_seqs": 8}, [level(4, 500, 400)])
     board = FinishedPoints([FINISHED])
-    assert dominance_rule(Board(board.at_level({"concurrency": 4}))).__call__(running).startswith("dominated at concurrency 4")
-    assert dominance_rule(Board([])).__call__(running) is None
-    assert dominance_rule(Board(GetTimeoutError("slow"))).__call__(running) is None
-    assert dominance_rule(Board(RayActorError())).__call__(running) is None
+    assert dominance_rule(Board(board.points()))(running, []).startswith("dominated at concurrency 4")
+    assert dominance_rule(Board([]))(running, []) is None
+    assert dominance_rule(Board(GetTimeoutError("slow")))(running, []) is None
+    assert dominance_rule(Board(RayActorError()))(running, []) is None

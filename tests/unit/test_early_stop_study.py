@@ -4,7 +4,7 @@ import pytest
 
 from servetune.config.space import SearchSpace
 from servetune.load.runner import Level
-from servetune.study.early_stop import FinishedPoints, dominating_point, stop_reason
+from servetune.study.early_stop import FinishedPoints, judge
 from servetune.trial.ladder import ladder
 from tests.builders import level, trial
 
@@ -60,14 +60,13 @@ def test_a_rule_over_finished_points_as_a_trial_would_use_it():
     board = FinishedPoints([trial("done", {"max_num_seqs": 64}, [level(1, 300, 100), level(4, 1000, 300), level(16, 2000, 900)])])
     running = trial("run", {"max_num_seqs": 8}, [])
 
-    def rule(result):  # what the runner does with the study's rule: the level's operating point
+    def rule(result):  # what the runner does with the study's rule: the trial so far and the levels left
         running.levels.append(result)
-        point = running.operating_points()[-1]
-        return stop_reason(point, dominating_point(point, board.at_level(point.level)))
+        return judge(running, LEVELS[len(running.levels):], board.points())
 
     steps = ladder(LEVELS, stop_rule=rule)
     next(steps)
-    assert steps.send(level(1, 400, 90)).value == 4  # faster than the finished trial at concurrency 1
+    assert steps.send(level(1, 200, 90)).value == 4  # faster than any finished point: keep climbing
     with pytest.raises(StopIteration) as stop:
-        steps.send(level(4, 500, 400))  # costlier and slower at concurrency 4
+        steps.send(level(4, 300, 400))  # even at twice the throughput higher up, costlier and slower
     assert stop.value.value.startswith("dominated at concurrency 4: trial done")

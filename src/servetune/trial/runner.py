@@ -16,7 +16,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -36,7 +36,6 @@ from servetune.results import (
     CapacityReport,
     KvCapacityReport,
     LevelResult,
-    OperatingPoint,
     TrialResult,
     best_level_index,
     read_result,
@@ -49,7 +48,7 @@ from servetune.trial.measure import LevelPlan, measure_level, measure_repeated, 
 Report = Callable[[dict[str, Any]], None]
 #: Asked after each level but the last with that level's operating point: a reason to stop
 #: climbing (it becomes ``stopped_because``), or None to go on.
-StopRule = Callable[[OperatingPoint], str | None]
+StopRule = Callable[[TrialResult, Sequence[Level]], str | None]  # study/early_stop.py makes one
 
 
 @dataclass(frozen=True)
@@ -198,7 +197,7 @@ def _measure(spec: TrialSpec, result: TrialResult, report: Report, prompts: Prom
 
 async def _climb(spec, server, result, report, prompts, records_file, stop_rule=None) -> str | None:
     gpu_indices = visible_gpu_indices(spec.extra_env) if spec.device == "gpu" else []
-    rule = (lambda level: stop_rule(result.operating_points()[-1])) if stop_rule is not None else None
+    rule = (lambda level: stop_rule(result, spec.levels[len(result.levels):])) if stop_rule is not None else None
     steps = ladder(spec.levels, stop_on_slo_break=spec.stop_on_slo_break, min_gain=spec.min_throughput_gain, stop_rule=rule)
     async with StreamingClient(
         server.url, spec.engine_args.get("served_model_name") or spec.model, api=spec.workload.api,
