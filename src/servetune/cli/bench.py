@@ -8,6 +8,7 @@ import datetime as dt
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -178,27 +179,33 @@ def run(args: argparse.Namespace) -> int:
     if args.url:
         _run_levels(console, args.url, served, workload, prompts, plans, slo, args, result, records)
     else:
-        log_dir = args.json.parent if args.json is not None else Path(tempfile.mkdtemp(prefix="servetune-bench-"))
-        log_path = log_dir / ((args.json.stem if args.json else "bench") + ".engine.log")
-        server = VllmServer(
-            args.model, engine_args, env, log_path=log_path, python=args.python,
-            startup_timeout_s=args.startup_timeout, argspecs=specs,
-        )  # fmt: skip
-        with console.status("starting vLLM (the first start imports vLLM: tens of seconds on CPU, minutes on GPUs)"):
-            server.__enter__()
+        log_path = engine_log_path(args.json)
+        finished = False
         try:
-            console.print(f"vLLM ready at {server.url} after {server.startup_s:.1f} s (log: {log_path})")
-            kv = server.kv_capacity()
-            result.command = server.command()
-            result.url = server.url
-            result.startup_s = server.startup_s
-            result.kv_capacity = KvCapacityReport(**vars(kv)) if kv else None
-            _run_levels(console, server.url, served, workload, prompts, plans, slo, args, result, records, server)
-        except EngineDiedError as err:
-            died = err  # what was measured, the level it died in included, is still written
+            server = VllmServer(
+                args.model, engine_args, env, log_path=log_path, python=args.python,
+                startup_timeout_s=args.startup_timeout, argspecs=specs,
+            )  # fmt: skip
+            with console.status("starting vLLM (the first start imports vLLM: tens of seconds on CPU, minutes on GPUs)"):
+                server.__enter__()
+            try:
+                where = f"log: {log_path}" + ("" if args.json else ", removed at the end unless vLLM fails")
+                console.print(f"vLLM ready at {server.url} after {server.startup_s:.1f} s ({where})", soft_wrap=True)
+                kv = server.kv_capacity()
+                result.command = server.command()
+                result.url = server.url
+                result.startup_s = server.startup_s
+                result.kv_capacity = KvCapacityReport(**vars(kv)) if kv else None
+                _run_levels(console, server.url, served, workload, prompts, plans, slo, args, result, records, server)
+            except EngineDiedError as err:
+                died = err  # what was measured, the level it died in included, is still written
+            finally:
+                with console.status("stopping vLLM"):
+                    server.stop()
+            finished = died is None
         finally:
-            with console.status("stopping vLLM"):
-                server.stop()
+            if args.json is None:
+                settle_temporary_log(log_path, keep=not finished, console=console)
     if args.json is not None:
         requests_path = args.json.with_suffix(".requests.jsonl")
         result.requests_file = requests_path.name
@@ -256,6 +263,21 @@ def _run_levels(console, url, served, workload, prompts, plans, slo, args, resul
     asyncio.run(main())
     if len(result.levels) > 1:
         make_console().print(level_table(result.levels, slo, title="all levels"))
+
+
+def engine_log_path(json_out: Path | None) -> Path:
+    """vLLM's log: ``<stem>.engine.log`` beside ``--json OUT``, else in a new temporary directory."""
+    if json_out is not None:
+        return json_out.parent / f"{json_out.stem}.engine.log"
+    return Path(tempfile.mkdtemp(prefix="servetune-bench-")) / "bench.engine.log"
+
+
+def settle_temporary_log(log_path: Path, keep: bool, console) -> None:
+    """Remove the temporary log's directory after a run that finished; keep it, and say where, after one that did not."""
+    if keep:
+        console.print(f"vLLM's log is kept at {log_path}", soft_wrap=True)  # one line: a path to copy
+    else:
+        shutil.rmtree(log_path.parent, ignore_errors=True)
 
 
 def _write_atomic(path: Path, text: str) -> None:
