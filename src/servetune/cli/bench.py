@@ -70,7 +70,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup-requests", type=int, help="requests at the start of each level left out of the numbers (default: one per client, at most 32)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each level; a level reports its median run, so its SLO verdict is the majority's (default: 1)")
     p.add_argument("--slo", default="", help="bounds for the SLO verdict and goodput, e.g. ttft_ms.p99=2000,tpot_ms.p95=40,error_rate=0.001")
-    p.add_argument("--json", type=Path, metavar="OUT", help="write the result here, per-request records beside it (OUT.requests.jsonl)")
+    p.add_argument("--json", type=Path, metavar="OUT", help="write the result here, per-request records and vLLM's log beside it (<stem>.requests.jsonl, <stem>.engine.log); "
+                   "without it vLLM's log goes to a temporary directory, removed unless vLLM fails")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before one request counts as timed out (default: 600)")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for vLLM to become healthy (default: 900)")
     p.add_argument("--python", default=sys.executable, help="Python interpreter that has vLLM (default: this one)")
