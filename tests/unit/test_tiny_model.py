@@ -27,3 +27,11 @@ def test_byte_level_tokenizer_round_trips_any_text(tiny_tokenizer):
     assert tiny_tokenizer.decode(ids) == text
     chat = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
     assert chat.endswith("assistant: ") and "user: hi" in chat
+
+
+def test_an_out_that_cannot_be_created_is_one_line(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("")
+    for out in (tmp_path / "a-file" / "model", "/proc/servetune-none/model"):
+        assert main(["models", "tiny", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"servetune models: error: --out {out}: cannot write the model there (") and err.count("\n") == 1, err

@@ -8,6 +8,7 @@ import datetime as dt
 import json
 import os
 import re
+import shutil
 import signal
 import sys
 import tempfile
@@ -70,7 +71,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup-requests", type=int, help="requests at the start of each level left out of the numbers (default: one per client, at most 32)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each level; a level reports its median run, so its SLO verdict is the majority's (default: 1)")
     p.add_argument("--slo", default="", help="bounds for the SLO verdict and goodput, e.g. ttft_ms.p99=2000,tpot_ms.p95=40,error_rate=0.001")
-    p.add_argument("--json", type=Path, metavar="OUT", help="write the result here, per-request records beside it (OUT.requests.jsonl)")
+    p.add_argument("--json", type=Path, metavar="OUT", help="write the result here, per-request records and vLLM's log beside it (<stem>.requests.jsonl, <stem>.engine.log); "
+                   "without it vLLM's log goes to a temporary directory, removed unless vLLM fails")
     p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before one request counts as timed out (default: 600)")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for vLLM to become healthy (default: 900)")
     p.add_argument("--python", default=sys.executable, help="Python interpreter that has vLLM (default: this one)")
@@ -179,27 +181,33 @@ def run(args: argparse.Namespace) -> int:
     if args.url:
         _run_levels(console, args.url, served, workload, prompts, plans, slo, args, result, records)
     else:
-        log_dir = args.json.parent if args.json is not None else Path(tempfile.mkdtemp(prefix="servetune-bench-"))
-        log_path = log_dir / ((args.json.stem if args.json else "bench") + ".engine.log")
-        server = VllmServer(
-            args.model, engine_args, env, log_path=log_path, python=args.python,
-            startup_timeout_s=args.startup_timeout, argspecs=specs,
-        )  # fmt: skip
-        with console.status("starting vLLM (the first start imports vLLM: tens of seconds on CPU, minutes on GPUs)"):
-            server.__enter__()
+        log_path = engine_log_path(args.json)
+        finished = False
         try:
-            console.print(f"vLLM ready at {server.url} after {server.startup_s:.1f} s (log: {log_path})")
-            kv = server.kv_capacity()
-            result.command = server.command(redacted=True)
-            result.url = server.url
-            result.startup_s = server.startup_s
-            result.kv_capacity = KvCapacityReport(**vars(kv)) if kv else None
-            _run_levels(console, server.url, served, workload, prompts, plans, slo, args, result, records, server)
-        except EngineDiedError as err:
-            died = err  # what was measured, the level it died in included, is still written
+            server = VllmServer(
+                args.model, engine_args, env, log_path=log_path, python=args.python,
+                startup_timeout_s=args.startup_timeout, argspecs=specs,
+            )  # fmt: skip
+            with console.status("starting vLLM (the first start imports vLLM: tens of seconds on CPU, minutes on GPUs)"):
+                server.__enter__()
+            try:
+                where = f"log: {log_path}" + ("" if args.json else ", removed at the end unless vLLM fails")
+                console.print(f"vLLM ready at {server.url} after {server.startup_s:.1f} s ({where})", soft_wrap=True)
+                kv = server.kv_capacity()
+                result.command = server.command(redacted=True)
+                result.url = server.url
+                result.startup_s = server.startup_s
+                result.kv_capacity = KvCapacityReport(**vars(kv)) if kv else None
+                _run_levels(console, server.url, served, workload, prompts, plans, slo, args, result, records, server)
+            except EngineDiedError as err:
+                died = err  # what was measured, the level it died in included, is still written
+            finally:
+                with console.status("stopping vLLM"):
+                    server.stop()
+            finished = died is None
         finally:
-            with console.status("stopping vLLM"):
-                server.stop()
+            if args.json is None:
+                settle_temporary_log(log_path, keep=not finished, console=console)
     if args.json is not None:
         requests_path = args.json.with_suffix(".requests.jsonl")
         result.requests_file = requests_path.name
@@ -257,6 +265,21 @@ def _run_levels(console, url, served, workload, prompts, plans, slo, args, resul
     asyncio.run(main())
     if len(result.levels) > 1:
         make_console().print(level_table(result.levels, slo, title="all levels"))
+
+
+def engine_log_path(json_out: Path | None) -> Path:
+    """vLLM's log: ``<stem>.engine.log`` beside ``--json OUT``, else in a new temporary directory."""
+    if json_out is not None:
+        return json_out.parent / f"{json_out.stem}.engine.log"
+    return Path(tempfile.mkdtemp(prefix="servetune-bench-")) / "bench.engine.log"
+
+
+def settle_temporary_log(log_path: Path, keep: bool, console) -> None:
+    """Remove the temporary log's directory after a run that finished; keep it, and say where, after one that did not."""
+    if keep:
+        console.print(f"vLLM's log is kept at {log_path}", soft_wrap=True)  # one line: a path to copy
+    else:
+        shutil.rmtree(log_path.parent, ignore_errors=True)
 
 
 def _write_atomic(path: Path, text: str) -> None:

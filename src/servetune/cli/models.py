@@ -29,6 +29,9 @@ def run_tiny(args: argparse.Namespace) -> int:
 
     if args.out.exists() and not args.out.is_dir():
         raise UserError(f"--out {args.out}: exists and is not a directory")
-    build_tiny_model(args.out)
+    try:
+        build_tiny_model(args.out)
+    except OSError as exc:  # a parent that is a file, a read-only or missing mount, no permission
+        raise UserError(f"--out {args.out}: cannot write the model there ({exc.strerror or exc})") from None
     print(f"wrote the tiny model to {args.out}")
     return 0

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import datetime as dt
-import os
 from typing import Any
 
 from servetune.config.space import SearchSpace
 from servetune.study.context import StudyContext
 from servetune.study.driver import finished_results, trainable
+from servetune.study.ray_cluster import init_ray  # noqa: F401 - `servetune run` starts Ray through here
 from servetune.study.searcher import ConstrainedOptunaSearch
 
 
@@ -18,20 +18,6 @@ def bundle(space: SearchSpace, params: dict[str, Any]) -> dict[str, float]:
     if space.device == "gpu":
         return {"CPU": float(space.hardware.cpus_per_trial), "GPU": float(devices)}
     return {"CPU": float(devices)}
-
-
-def init_ray(address: str | None) -> None:
-    import ray
-
-    if ray.is_initialized():
-        return
-    kwargs: dict[str, Any] = {"logging_level": "WARNING", "log_to_driver": False, "configure_logging": True}
-    if address:
-        ray.init(address=address, **kwargs)
-    elif os.environ.get("RAY_ADDRESS"):
-        ray.init(**kwargs)  # inside `ray job submit`: join that cluster
-    else:
-        ray.init(include_dashboard=False, **kwargs)  # a local cluster on this machine
 
 
 def cluster_devices(space: SearchSpace) -> float:

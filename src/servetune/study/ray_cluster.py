@@ -1,0 +1,116 @@
+"""Joining a Ray cluster, or starting a local one, and Ray's token authentication (Ray 2.60).
+
+Ray 2.60 turns token authentication on for a local ``ray.init()`` and, when the user has no
+token yet, writes one to ``~/.ray/auth_token``. From then on every ``ray start --head`` on the
+machine enables token authentication (it finds that file), while ``ray job submit`` and
+``ray.init(address=...)`` send the token only when ``RAY_AUTH_MODE=token`` is set: the README's
+cluster commands are refused ("Token authentication is enabled but no authentication token was
+found") after one local study. So:
+
+- the local cluster of a study keeps token authentication, with a token that lives in this
+  process's environment (and its workers') for as long as the study, not in ``~/.ray``;
+- joining a cluster that asks for a token this process will not send fails at once, in one line
+  that says what to set, instead of twenty seconds of retries and a traceback.
+
+A user's own choice (``RAY_AUTH_MODE``, ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``, or a token
+already in ``~/.ray/auth_token``) is left as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, MutableMapping
+from pathlib import Path
+from typing import Any
+
+from servetune.errors import UserError
+
+AUTH_MODE = "RAY_AUTH_MODE"
+AUTH_TOKEN = "RAY_AUTH_TOKEN"
+AUTH_TOKEN_PATH = "RAY_AUTH_TOKEN_PATH"
+
+
+def default_token_path() -> Path:
+    """Where Ray keeps a user's token (``ray get-auth-token --generate`` writes it there too)."""
+    return Path.home() / ".ray" / "auth_token"
+
+
+def token_for_local_cluster(environ: MutableMapping[str, str] | None = None) -> bool:
+    """Give a new local cluster a token of its own in ``environ``, so Ray writes none to ``~/.ray``.
+
+    Returns whether it did: not when the user set an authentication mode or token, or already has
+    ``~/.ray/auth_token`` (Ray then uses that one, as it would without servetune).
+    """
+    environ = os.environ if environ is None else environ
+    if any(environ.get(name) for name in (AUTH_MODE, AUTH_TOKEN, AUTH_TOKEN_PATH)) or default_token_path().exists():
+        return False
+    from ray._private.authentication.authentication_token_generator import generate_new_authentication_token
+
+    # RAY_AUTH_MODE stays unset: ray.init() turns token mode on itself for a new local cluster
+    # (and refreshes its cached config, which setting the variable here would not).
+    environ[AUTH_TOKEN] = generate_new_authentication_token()
+    return True
+
+
+def token_refused_message(address: str, environ: MutableMapping[str, str] | None = None) -> str:
+    """The one line for a cluster that refused this process: what to set, given what is set."""
+    environ = os.environ if environ is None else environ
+    if (environ.get(AUTH_MODE) or "").lower() != "token":
+        return (
+            f"the Ray cluster at {address} requires token authentication: set RAY_AUTH_MODE=token "
+            "(Ray then sends the token in RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
+        )
+    return (
+        f"the Ray cluster at {address} refused this token: set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to the "
+        "cluster's token (`ray get-auth-token` on its head prints it)"
+    )
+
+
+def check_token_accepted(address: str) -> None:
+    """Raise :class:`UserError` in one line if the cluster at ``address`` (host:port) refuses us.
+
+    One quick call to the cluster's GCS, with the token this process would send; anything but a
+    refusal (the cluster unreachable, a ``ray://`` address) is left for ``ray.init`` to report.
+    """
+    if "://" in address or address in ("auto", "local"):
+        return
+    from ray._raylet import GcsClient
+    from ray.exceptions import AuthenticationError
+
+    try:
+        with _stderr_silenced():  # Ray's C++ client logs each refused attempt
+            GcsClient(address=address)
+    except AuthenticationError:
+        raise UserError(token_refused_message(address)) from None
+    except Exception:  # noqa: BLE001 - not ours to judge: ray.init reports it in its own words
+        return
+
+
+def init_ray(address: str | None) -> None:
+    """Join ``address`` (else ``$RAY_ADDRESS``, as inside ``ray job submit``), else start a local cluster."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    kwargs: dict[str, Any] = {"logging_level": "WARNING", "log_to_driver": False, "configure_logging": True}
+    joining = address or os.environ.get("RAY_ADDRESS")
+    if joining:
+        check_token_accepted(joining)
+        ray.init(address=address, **kwargs) if address else ray.init(**kwargs)
+    else:
+        token_for_local_cluster()
+        ray.init(include_dashboard=False, **kwargs)  # a local cluster on this machine
+
+
+@contextlib.contextmanager
+def _stderr_silenced() -> Iterator[None]:
+    """File descriptor 2 to /dev/null for a moment (C++ logging does not go through ``sys.stderr``)."""
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

@@ -1,0 +1,133 @@
+"""Ray 2.60's token authentication, met the way the README's commands meet it (fake engine, real Ray).
+
+Each test has a HOME of its own (so ``~/.ray/auth_token`` is the test's) and a user's shell: no
+``RAY_AUTH_MODE`` set. The trials run the fake engine, so no vLLM starts.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from servetune.testing.fake_openai import write_fake_python
+from tests.processes import processes_mentioning
+from tests.ray_heads import ray_head, user_env
+
+JOB_TIMEOUT_S = 300
+
+SPACE = """
+name: {name}
+model: {model}
+device: cpu
+workload: cpu-tiny
+load: {{levels: [1], requests_per_level: 4, warmup_requests: 1, startup_timeout_s: 60}}
+slo: {{ttft_ms: {{p99: 500}}}}
+hardware: {{devices_per_node: 1}}
+price_per_device_hour: 0.05
+params:
+  env.SERVETUNE_FAKE_TTFT_MS: [5]
+search: {{algorithm: grid, baseline: false}}
+"""
+
+
+@pytest.fixture
+def home(tmp_path: Path) -> Path:
+    home = tmp_path / "home"
+    home.mkdir()
+    return home
+
+
+@pytest.fixture
+def ray_tmpdir() -> Iterator[Path]:
+    """A short RAY_TMPDIR of a local cluster's own (Ray's unix sockets: at most 107 bytes), so it
+    neither joins nor disturbs another cluster on this machine."""
+    path = Path(tempfile.mkdtemp(prefix="st-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def write_space(directory: Path, name: str, model: Path) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "space.yaml"
+    path.write_text(SPACE.format(name=name, model=model))
+    return path
+
+
+def servetune_run(space: Path, storage: Path, fake: Path, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "servetune", "run", str(space), "--storage", str(storage), "--python", str(fake), *flags]
+
+
+def submit(head, job_dir: Path, argv: list[str], env: dict[str, str]) -> dict:
+    submission_id = f"servetune-test-{uuid.uuid4().hex[:8]}"
+    done = head.ray("job", "submit", "--address", head.dashboard_url, "--working-dir", str(job_dir),
+                    "--submission-id", submission_id, "--no-wait", "--", *argv, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return head.wait_for_job(submission_id, JOB_TIMEOUT_S, env=env)
+
+
+def test_after_a_local_study_the_readme_cluster_commands_work_as_they_are(tmp_path, home, ray_tmpdir, tiny_model):
+    """``make demo`` (a local study), then ``ray start --head`` and ``ray job submit``, from one plain shell."""
+    fake = write_fake_python(tmp_path)
+    env = user_env(home, RAY_TMPDIR=str(ray_tmpdir))
+    local = subprocess.run(servetune_run(write_space(tmp_path / "local", "local", tiny_model), tmp_path / "results", fake),
+                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)  # fmt: skip
+    assert local.returncode == 0, local.stderr[-3000:]
+    assert (tmp_path / "results" / "local" / "trials").is_dir()
+    assert not (home / ".ray" / "auth_token").exists(), "the local study left a token that switches later clusters to token mode"
+
+    shell = user_env(home)
+    with ray_head(shell) as head:
+        job_dir = tmp_path / "job"
+        write_space(job_dir, "job", tiny_model)
+        info = submit(head, job_dir, servetune_run(Path("space.yaml"), tmp_path / "results", fake), shell)
+    assert info["status"] == "SUCCEEDED", f"job {info['status']} ({info['message']}):\n{info['logs'][-4000:]}"
+    assert info["driver_joined"]
+    assert list((tmp_path / "results" / "job" / "trials").glob("*/result.json"))
+    assert processes_mentioning(fake) == []
+
+
+def test_a_head_in_token_mode_asks_for_one_line_then_works(tmp_path, home, tiny_model):
+    """A user who already has ~/.ray/auth_token: ``ray start --head`` turns token authentication on."""
+    from ray._private.authentication.authentication_token_generator import generate_new_authentication_token
+
+    (home / ".ray").mkdir()
+    (home / ".ray" / "auth_token").write_text(generate_new_authentication_token())
+    fake = write_fake_python(tmp_path)
+    shell = user_env(home)
+    space = write_space(tmp_path / "driver", "joined", tiny_model)
+    with ray_head(shell) as head:
+        # servetune run --address, from the plain shell: one line that says what to set, at once.
+        started = time.monotonic()
+        refused = subprocess.run(servetune_run(space, tmp_path / "results", fake, "--address", head.gcs_address),
+                                 capture_output=True, text=True, env=shell, cwd=tmp_path, timeout=120)  # fmt: skip
+        took = time.monotonic() - started
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        error_lines = [line for line in refused.stderr.splitlines() if "error" in line.lower() or "Traceback" in line]
+        assert error_lines == [
+            f"servetune run: error: the Ray cluster at {head.gcs_address} requires token authentication: set RAY_AUTH_MODE=token "
+            "(Ray then sends the token in RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
+        ], refused.stderr[-3000:]
+        assert took < 60, f"{took:.0f} s to refuse"
+
+        # The line the README and the error say: both ways in then work.
+        token_shell = {**shell, "RAY_AUTH_MODE": "token"}
+        joined = subprocess.run(servetune_run(space, tmp_path / "results", fake, "--address", head.gcs_address),
+                                capture_output=True, text=True, env=token_shell, cwd=tmp_path, timeout=300)  # fmt: skip
+        assert joined.returncode == 0, joined.stderr[-3000:]
+        job_dir = tmp_path / "job"
+        write_space(job_dir, "submitted", tiny_model)
+        info = submit(head, job_dir, servetune_run(Path("space.yaml"), tmp_path / "results", fake), token_shell)
+    assert info["status"] == "SUCCEEDED", f"job {info['status']} ({info['message']}):\n{info['logs'][-4000:]}"
+    assert info["driver_joined"]
+    for name in ("joined", "submitted"):
+        assert len(list((tmp_path / "results" / name / "trials").glob("*/result.json"))) == 1, name
+    assert processes_mentioning(fake) == []
+

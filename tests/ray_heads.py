@@ -1,0 +1,160 @@
+"""A Ray head a test starts as a user would (``ray start --head``), in a user's environment.
+
+The head runs on 127.0.0.1 with its own ports and temp dir (``ray start --head --block``), and
+is stopped by process id: its whole process tree, then anything left that names its temp dir
+(``ray stop`` would stop every Ray cluster on the machine, not only this one).
+
+``user_env`` is the environment of a user's shell with a HOME of the test's own, so Ray's
+``~/.ray/auth_token`` is the test's and not this machine's: no ``RAY_AUTH_*`` or ``RAY_ADDRESS``
+set, as in the README.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from servetune.engine.server import free_port
+
+RAY = Path(sys.executable).with_name("ray")  # the venv's, so Ray's workers run the venv's Python
+START_TIMEOUT_S = 120
+
+# Asks the cluster about a job from a process of its own, in the environment the test gives it
+# (this process may have imported Ray already, with its authentication settings fixed).
+JOB_INFO = r"""
+import json, sys
+from ray.job_submission import JobSubmissionClient
+info = JobSubmissionClient(sys.argv[1]).get_job_info(sys.argv[2])
+joined = info.driver_info is not None
+print(json.dumps({"status": info.status.value, "driver_joined": joined, "message": info.message}))
+"""
+
+
+def user_env(home: Path, **extra: str) -> dict[str, str]:
+    """A user's shell: this environment with HOME=``home`` and nothing of Ray's authentication set.
+
+    vLLM's argument table stays cached where it is (``XDG_CACHE_HOME``), so a new HOME does not
+    cost an import of vLLM.
+    """
+    drop = ("RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_TMPDIR")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env.setdefault("XDG_CACHE_HOME", str(Path.home() / ".cache"))
+    env.update(HOME=str(home), RAY_USAGE_STATS_ENABLED="0", **extra)
+    return env
+
+
+@dataclass(frozen=True)
+class RayHead:
+    dashboard_url: str
+    gcs_address: str
+    temp_dir: Path
+    env: dict[str, str]  # the shell the head was started from
+
+    def ray(self, *argv: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([str(RAY), *argv], capture_output=True, text=True, env=env or self.env, timeout=timeout)
+
+    def job_info(self, submission_id: str, env: dict[str, str] | None = None) -> dict:
+        done = subprocess.run([sys.executable, "-c", JOB_INFO, self.dashboard_url, submission_id],
+                              capture_output=True, text=True, env=env or self.env, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    def wait_for_job(self, submission_id: str, timeout_s: float, env: dict[str, str] | None = None) -> dict:
+        """Poll until the job ends (stopping it past ``timeout_s``); its info and its log."""
+        deadline = time.monotonic() + timeout_s
+        info = self.job_info(submission_id, env)
+        try:
+            while info["status"] not in ("SUCCEEDED", "FAILED", "STOPPED"):
+                assert time.monotonic() < deadline, f"the job did not finish within {timeout_s} s"
+                time.sleep(3)
+                info = self.job_info(submission_id, env)
+        finally:
+            if info["status"] not in ("SUCCEEDED", "FAILED", "STOPPED"):
+                self.ray("job", "stop", "--address", self.dashboard_url, submission_id, env=env)  # servetune tears vLLM down
+        info["logs"] = self.ray("job", "logs", "--address", self.dashboard_url, submission_id, env=env).stdout
+        return info
+
+
+@contextmanager
+def ray_head(env: dict[str, str], num_cpus: int = 2, num_gpus: int = 2) -> Iterator[RayHead]:
+    """``ray start --head --block`` from a shell with ``env``; answers ``ray job list`` before it yields."""
+    # A short path: Ray's unix sockets live under it and must stay within 107 bytes.
+    temp_dir = Path(tempfile.mkdtemp(prefix="st-ray-", dir="/tmp"))
+    gcs_port, dashboard_port = free_port(), free_port()
+    argv = [
+        str(RAY), "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(gcs_port),
+        "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port),
+        "--dashboard-agent-listen-port", str(free_port()), "--ray-client-server-port", str(free_port()),
+        "--num-cpus", str(num_cpus), "--num-gpus", str(num_gpus), "--disable-usage-stats", "--temp-dir", str(temp_dir),
+    ]  # fmt: skip
+    log = open(temp_dir / "ray-start.log", "w")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    head = RayHead(f"http://127.0.0.1:{dashboard_port}", f"127.0.0.1:{gcs_port}", temp_dir, env)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        # Asked with the head's token, whatever the shell sends: this only waits for the head.
+        asking = {**env, "RAY_AUTH_MODE": "token"} if head_uses_token(env) else env
+        while (listed := head.ray("job", "list", "--address", head.dashboard_url, "--log-style", "record", env=asking)).returncode:
+            if proc.poll() is not None:
+                log_tail = (temp_dir / "ray-start.log").read_text()[-3000:]
+                pytest.fail(f"ray start exited with {proc.returncode}:\n{log_tail}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"no answer from {head.dashboard_url} in {START_TIMEOUT_S} s: {listed.stderr[-1000:]}")
+            time.sleep(1)
+        yield head
+    finally:
+        stop_process_tree(proc, str(temp_dir))
+        log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def head_uses_token(env: dict[str, str]) -> bool:
+    """Whether ``ray start --head`` from ``env`` enables token authentication (Ray 2.60's rule)."""
+    mode = env.get("RAY_AUTH_MODE")
+    if mode is not None:
+        return mode.lower() == "token"
+    return bool(env.get("RAY_AUTH_TOKEN") or env.get("RAY_AUTH_TOKEN_PATH")) or (Path(env["HOME"]) / ".ray" / "auth_token").exists()
+
+
+def stop_process_tree(proc: subprocess.Popen, marker: str) -> None:
+    """SIGTERM the process and its descendants, SIGKILL what is left, then any process naming ``marker``."""
+    try:
+        root = psutil.Process(proc.pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        procs = []
+    for p in reversed(procs):  # children first
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=10)
+    stragglers = []
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if marker in " ".join(p.info["cmdline"] or []):
+                p.kill()
+                stragglers.append(p)
+        except psutil.Error:
+            continue
+    psutil.wait_procs(stragglers, timeout=10)
+    if proc.poll() is None:
+        proc.wait(timeout=10)

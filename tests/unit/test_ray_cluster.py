@@ -1,0 +1,82 @@
+"""Ray's token authentication around a study's local cluster (study/ray_cluster.py), without Ray running."""
+
+from pathlib import Path
+
+import pytest
+
+from servetune.errors import UserError
+from servetune.study import ray_cluster
+from servetune.study.ray_cluster import check_token_accepted, token_for_local_cluster, token_refused_message
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    return tmp_path
+
+
+def test_a_local_cluster_gets_a_token_of_its_own_and_none_is_written(home):
+    env: dict[str, str] = {}
+    assert token_for_local_cluster(env)
+    assert len(env["RAY_AUTH_TOKEN"]) >= 32 and "RAY_AUTH_MODE" not in env  # ray.init() turns the mode on itself
+    assert not (home / ".ray").exists()
+    other: dict[str, str] = {}
+    token_for_local_cluster(other)
+    assert other["RAY_AUTH_TOKEN"] != env["RAY_AUTH_TOKEN"]  # one per study, not a shared secret
+
+
+@pytest.mark.parametrize("name, value", [("RAY_AUTH_MODE", "disabled"), ("RAY_AUTH_MODE", "token"),
+                                         ("RAY_AUTH_TOKEN", "mine"), ("RAY_AUTH_TOKEN_PATH", "/secrets/ray")])  # fmt: skip
+def test_a_users_own_authentication_settings_are_kept(home, name, value):
+    env = {name: value}
+    assert not token_for_local_cluster(env)
+    assert env == {name: value}
+
+
+def test_a_users_token_file_is_used_as_ray_would(home):
+    (home / ".ray").mkdir()
+    (home / ".ray" / "auth_token").write_text("x" * 32)
+    env: dict[str, str] = {}
+    assert not token_for_local_cluster(env) and env == {}
+
+
+def test_refused_says_what_to_set():
+    assert token_refused_message("10.0.0.1:6379", {}).startswith(
+        "the Ray cluster at 10.0.0.1:6379 requires token authentication: set RAY_AUTH_MODE=token"
+    )
+    assert "set RAY_AUTH_TOKEN" in token_refused_message("10.0.0.1:6379", {"RAY_AUTH_MODE": "token"})
+    assert "\n" not in token_refused_message("h:1", {}) + token_refused_message("h:1", {"RAY_AUTH_MODE": "token"})
+
+
+def test_a_refusal_becomes_one_line_and_other_failures_are_left_to_ray(monkeypatch):
+    from ray import _raylet
+    from ray.exceptions import AuthenticationError
+
+    def refuse(address):
+        raise AuthenticationError("RPC error: InvalidAuthToken")
+
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.setattr(_raylet, "GcsClient", refuse)
+    with pytest.raises(UserError, match="requires token authentication: set RAY_AUTH_MODE=token"):
+        check_token_accepted("127.0.0.1:6379")
+    check_token_accepted("ray://head:10001")  # Ray Client: not a GCS address, ray.init judges it
+
+    def unreachable(address):
+        raise RuntimeError("Failed to connect to GCS")
+
+    monkeypatch.setattr(_raylet, "GcsClient", unreachable)
+    check_token_accepted("127.0.0.1:6379")  # ray.init reports it in its own words
+
+
+def test_init_ray_checks_the_token_before_joining(monkeypatch):
+    import ray
+
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(("init", kwargs.get("address"))))
+    monkeypatch.setattr(ray_cluster, "check_token_accepted", lambda address: calls.append(("check", address)))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    ray_cluster.init_ray("10.0.0.1:6379")
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")  # inside `ray job submit`
+    ray_cluster.init_ray(None)
+    assert calls == [("check", "10.0.0.1:6379"), ("init", "10.0.0.1:6379"), ("check", "10.0.0.2:6379"), ("init", None)]
