@@ -73,3 +73,17 @@ def test_the_baseline_is_vllm_defaults_in_one_way_everywhere(tmp_path):
     for text in (render_markdown(report), render_html(report), render_markdown(recorded), render_html(recorded)):
         assert "vLLM defaults" in text
         assert "(defaults)" not in text and "((vLLM" not in text
+
+
+def test_the_summary_names_the_model_without_the_recording_machine_s_paths(tmp_path):
+    from servetune.report import build_report, load_study, render_markdown
+    from tests.builders import demo_trials, study_info, write_study
+
+    hub = build_report(load_study(write_study(tmp_path / "hub", study_info(), demo_trials())))
+    assert hub.model_label == "org/tiny-chat"
+    root = tmp_path / "gen"
+    inside = write_study(root, study_info(model=str((root / "models" / "tiny").resolve())), demo_trials())
+    assert build_report(load_study(inside)).model_label == "models/tiny (in the study directory)"
+    elsewhere = write_study(tmp_path / "far", study_info(model="/home/someone/checkpoints/llama-8b"), demo_trials())
+    md = render_markdown(build_report(load_study(elsewhere)))
+    assert "- model: `llama-8b (a local directory)`" in md and "/home/someone" not in md

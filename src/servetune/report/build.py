@@ -85,6 +85,19 @@ class StudyReport:
         """Cost vs P99 TTFT: the table ``servetune export --pick N`` indexes."""
         return self.fronts[0]
 
+    @property
+    def model_label(self) -> str:
+        """The model as a reader of the report knows it: a hub id as it is; a directory inside the study
+        (the generated tiny model) relative to it; any other directory by its name, since the recording
+        machine's absolute path means nothing where the report is read."""
+        path = Path(self.info.model)
+        if not path.is_absolute():
+            return self.info.model
+        root = self.root.resolve()
+        if path.is_relative_to(root):
+            return f"{path.relative_to(root)} (in the study directory)"
+        return f"{path.name} (a local directory)"
+
     def slo_for(self, metric: str) -> list[SloLine]:
         return [line for line in self.slo if line.metric == metric]
 

@@ -170,7 +170,7 @@ def render_html(report: StudyReport) -> str:
         rec_html = f"<b>No recommendation:</b> {e(rec.reason)}."
     parts = [
         f"<h1>servetune report: {e(info.name)}</h1>",
-        f"<p class='muted'>model {e(info.model)} on {e(info.device)} · trials: {e(counts)} · "
+        f"<p class='muted'>model {e(report.model_label)} on {e(info.device)} · trials: {e(counts)} · "
         f"SLO: {e(', '.join(str(s) for s in report.slo) or 'none')}</p>",
         f"<div class='rec'>{rec_html}</div>",
     ]

@@ -95,7 +95,7 @@ def render_markdown(report: StudyReport) -> str:
     lines = [
         f"# servetune report: {info.name}",
         "",
-        f"- model: `{info.model}` on {info.device}, workload `{info.workload}`, search `{info.algorithm}`",
+        f"- model: `{report.model_label}` on {info.device}, workload `{info.workload}`, search `{info.algorithm}`",
         f"- price: ${price:g} per device-hour (from {source})",
         f"- SLO: {', '.join(f'`{line}`' for line in report.slo) or 'none'}",
         f"- objectives: {', '.join(f'{m} ({d})' for m, d in info.objectives) or 'none'}",

@@ -93,7 +93,7 @@ def study_description(report: StudyReport, experiment_id: str) -> str:
         ]
     counts = ", ".join(f"{n} {name}" for name, n in report.outcome_counts().items() if n)
     lines += [
-        f"Trials: {counts or 'none yet'}. Model `{report.info.model}`, workload `{report.info.workload}`, "
+        f"Trials: {counts or 'none yet'}. Model `{report.model_label}`, workload `{report.info.workload}`, "
         f"search `{report.info.algorithm}`, SLO: {', '.join(f'`{line}`' for line in report.slo) or 'none'}.",
         "",
         f"Compare the trials side by side: open [the trials view]({runs_view_link(experiment_id)}) "
