@@ -125,6 +125,15 @@ def test_the_replay_asks_the_study_s_searcher_with_n_trials_in_flight(surface, m
     assert len(scores) == 12 and live_at_tell == [4] * 9 + [3, 2, 1]
 
 
+def test_a_budget_caps_every_search_and_a_seed_that_misses_counts_as_the_grid(surface):
+    for algorithm in ALGORITHMS:
+        assert len(replay(surface, algorithm, seed=1, budget=5)) == 5
+    kept, _ = surface.space.grid()
+    assert kept.index(OPTIMUM) >= 5  # the grid's order reaches the optimum after its first five
+    grid = efficiency(surface, "grid", seeds=[0], tolerance=0.0, budget=5)
+    assert grid.needed == [None] and grid.mean == grid.grid_size
+
+
 def test_trials_to_reach_counts_from_one():
     assert trials_to_reach([1.0, 5.0, 9.0], 5.0) == 2
     assert trials_to_reach([1.0], 5.0) is None

@@ -104,13 +104,15 @@ class Surface:
         return score(self.results[key(params)])
 
 
-def space_for(surface: Surface, algorithm: str, seed: int, in_flight: int = 1) -> SearchSpace:
+def space_for(surface: Surface, algorithm: str, seed: int, in_flight: int = 1, budget: int | None = None) -> SearchSpace:
     """The surface's space searched by ``algorithm``: the baseline (vLLM's defaults, not a grid
     point, so not on the surface) left out; ``in_flight`` at once, as ``servetune run`` would
-    order them (the grid's order one at a time, packing order for several)."""
+    order them (the grid's order one at a time, packing order for several); ``budget`` trials
+    (``num_trials``; the whole grid if None)."""
     search = surface.space.search.model_copy(
-        update={"algorithm": algorithm, "seed": seed, "baseline": False, "max_concurrent": in_flight, "num_trials": len(surface.results)}
-    )
+        update={"algorithm": algorithm, "seed": seed, "baseline": False, "max_concurrent": in_flight,
+                "num_trials": min(budget or len(surface.results), len(surface.results))}
+    )  # fmt: skip
     return surface.space.model_copy(update={"search": search})
 
 
@@ -125,8 +127,8 @@ def replay(
     """
     from servetune.study.driver import proposals
 
-    space = space_for(surface, algorithm, seed, in_flight)
-    budget = min(budget or len(surface.results), len(surface.results))
+    space = space_for(surface, algorithm, seed, in_flight, budget)
+    budget = space.search.num_trials
     if algorithm in ("grid", "random"):
         scores = [surface.score_of(p) for p in proposals(space, budget)]
         reached = trials_to_reach(scores, until) if until is not None else None
@@ -203,7 +205,13 @@ class Efficiency:
         return max(n if n is not None else self.grid_size for n in self.needed)
 
 
-def efficiency(surface: Surface, algorithm: str, seeds: Iterable[int], tolerance: float = 0.05, in_flight: int = 1) -> Efficiency:
+def efficiency(
+    surface: Surface, algorithm: str, seeds: Iterable[int], tolerance: float = 0.05, in_flight: int = 1, budget: int | None = None
+) -> Efficiency:
+    """Trials each seed needed to come within ``tolerance`` of the best, searching at most ``budget``."""
     target = (1 - tolerance) * surface.best_score
-    needed = [trials_to_reach(replay(surface, algorithm, seed, in_flight=in_flight, until=target), target) for seed in seeds]
+    needed = [
+        trials_to_reach(replay(surface, algorithm, seed, budget=budget, in_flight=in_flight, until=target), target)
+        for seed in seeds
+    ]  # fmt: skip
     return Efficiency(algorithm, len(needed), len(surface.results), needed)
