@@ -8,10 +8,14 @@ reach a configuration within 5% of the grid's best goodput under the SLO. Target
 Bayesian option needs at most 25% of the grid's trials on average.
 
     .venv/bin/python bench/search_efficiency.py record STUDY_DIR --out bench/data/cpu-tiny-grid.json --command "..."
-    .venv/bin/python bench/search_efficiency.py replay bench/data/cpu-tiny-grid.json [--seeds 10] [--json out.json]
+    .venv/bin/python bench/search_efficiency.py replay bench/data/cpu-tiny-grid.json [--seeds 10] [--json out.json] \
+        [--in-flight N] [--budget TRIALS] [--tolerance 0.05]
 
 The grid runs in its own order (one answer whatever the seed); a seed that never reaches the
-target counts as the whole grid.
+target counts as the whole grid. ``--in-flight N`` replays a cluster running N trials at once:
+N proposals are outstanding whenever the searcher is asked, the oldest is told first.
+``--budget`` stops each search after that many trials ("reached" then counts the seeds that got
+there within the budget).
 """
 
 from __future__ import annotations
@@ -87,12 +91,13 @@ def replay(args: argparse.Namespace) -> int:
     near = sum(score(r) >= target for r in surface.results.values())  # how big the needle is
     print(f"{args.surface}: {len(surface.results)} grid points, {meeting} meet the SLO; best goodput {best:.2f} req/s, "
           f"target {target:.2f} (within {args.tolerance:.0%}, {near} point{'s reach' if near > 1 else ' reaches'} it); "
-          f"{args.seeds} seeds, {args.in_flight} in flight")  # fmt: skip
+          f"{args.seeds} seeds, {args.in_flight} in flight"
+          + (f", at most {args.budget} trials" if args.budget else ""))  # fmt: skip
     rows = []
     print(f"{'algorithm':<10} {'mean trials':>11} {'of grid':>8} {'median':>7} {'worst':>6} {'reached':>8} {'seconds':>8}")
     for algorithm in args.algorithms:
         began = time.perf_counter()
-        e = efficiency(surface, algorithm, [0] if algorithm == "grid" else seeds, args.tolerance, args.in_flight)
+        e = efficiency(surface, algorithm, [0] if algorithm == "grid" else seeds, args.tolerance, args.in_flight, args.budget)
         took = time.perf_counter() - began
         needed = [n if n is not None else e.grid_size for n in e.needed]
         rows.append({"algorithm": algorithm, "mean": e.mean, "share_of_grid": e.share_of_grid, "median": statistics.median(needed),
@@ -107,6 +112,7 @@ def replay(args: argparse.Namespace) -> int:
               f"(target <= {TARGET_SHARE:.0%}): {verdict}")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps({"surface": str(args.surface), "grid_size": len(surface.results), "best": best,
+                                               "in_flight": args.in_flight, "budget": args.budget,
                                                "tolerance": args.tolerance, "points_reaching": near, "rows": rows}, indent=2) + "\n")  # fmt: skip
     return 0
 
@@ -124,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--seeds", type=int, default=10)
     rep.add_argument("--seed0", type=int, default=0)
     rep.add_argument("--tolerance", type=float, default=0.05)
-    rep.add_argument("--in-flight", type=int, default=1, help="trials proposed before the first result comes back")
+    rep.add_argument("--in-flight", type=int, default=1, help="trials running at once: the searcher is asked for this many before "
+                     "the first result is told, then the oldest is told whenever a slot frees")  # fmt: skip
+    rep.add_argument("--budget", type=int, help="trials a search may run (the baseline not counted); default: the whole grid")
     rep.add_argument("--algorithms", nargs="+", choices=ALGORITHMS, default=list(ALGORITHMS))
     rep.add_argument("--json", type=Path)
     args = parser.parse_args(argv)

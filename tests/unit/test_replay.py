@@ -8,7 +8,7 @@ import yaml
 from servetune.config.space import SearchSpace
 from servetune.errors import UserError
 from servetune.results import best_level_index
-from servetune.study.replay import ALGORITHMS, Surface, efficiency, key, replay, score, trials_to_reach
+from servetune.study.replay import ALGORITHMS, Surface, efficiency, in_flight_order, key, replay, score, trials_to_reach
 from tests.builders import level, trial
 
 SPACE = {
@@ -76,6 +76,62 @@ def test_tpe_needs_far_fewer_trials_than_the_grid_on_a_smooth_surface(surface):
 def test_trials_in_flight_still_find_the_optimum(surface):
     scores = replay(surface, "tpe", seed=0, in_flight=4, until=surface.best_score)
     assert scores[-1] == surface.best_score
+
+
+class CountingSearcher:
+    """Proposes ``x`` from a list, then ``FINISHED``; records how many trials were outstanding at each tell."""
+
+    FINISHED = "FINISHED"
+
+    def __init__(self, xs):
+        self.xs, self.outstanding, self.outstanding_at_tell, self.told = list(xs), set(), [], []
+
+    def suggest(self, trial_id):
+        if not self.xs:
+            return self.FINISHED
+        self.outstanding.add(trial_id)
+        return {"params": {"x": self.xs.pop(0)}}
+
+    def on_trial_complete(self, trial_id, result=None, error=False):
+        self.outstanding_at_tell.append(len(self.outstanding))
+        self.outstanding.remove(trial_id)
+        self.told.append(result)
+
+
+@pytest.mark.parametrize(
+    "points, budget, in_flight, outstanding",
+    [(10, 10, 4, [4] * 7 + [3, 2, 1]), (10, 6, 4, [4, 4, 4, 3, 2, 1]), (3, 10, 4, [3, 2, 1]), (5, 5, 1, [1] * 5)],
+)  # fmt: skip
+def test_in_flight_keeps_n_trials_outstanding_and_tells_the_oldest(points, budget, in_flight, outstanding):
+    searcher = CountingSearcher(range(points))
+    order = [p["x"] for p in in_flight_order(searcher, lambda p: {"x": p["x"]}, budget, in_flight)]
+    assert order == list(range(min(points, budget)))
+    assert searcher.outstanding_at_tell == outstanding
+    assert searcher.told == [{"x": x} for x in order]  # each trial is told its own report
+
+
+def test_the_replay_asks_the_study_s_searcher_with_n_trials_in_flight(surface, monkeypatch):
+    import servetune.study.searcher as searcher_module
+
+    live_at_tell = []
+
+    class Recording(searcher_module.ConstrainedOptunaSearch):
+        def on_trial_complete(self, trial_id, result=None, error=False):
+            live_at_tell.append(len(self.live))
+            super().on_trial_complete(trial_id, result, error)
+
+    monkeypatch.setattr(searcher_module, "ConstrainedOptunaSearch", Recording)
+    scores = replay(surface, "tpe", seed=0, budget=12, in_flight=4)
+    assert len(scores) == 12 and live_at_tell == [4] * 9 + [3, 2, 1]
+
+
+def test_a_budget_caps_every_search_and_a_seed_that_misses_counts_as_the_grid(surface):
+    for algorithm in ALGORITHMS:
+        assert len(replay(surface, algorithm, seed=1, budget=5)) == 5
+    kept, _ = surface.space.grid()
+    assert kept.index(OPTIMUM) >= 5  # the grid's order reaches the optimum after its first five
+    grid = efficiency(surface, "grid", seeds=[0], tolerance=0.0, budget=5)
+    assert grid.needed == [None] and grid.mean == grid.grid_size
 
 
 def test_trials_to_reach_counts_from_one():

@@ -14,11 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from ray.tune import Callback
 
 from servetune import __version__
-from servetune.config.space import Range, SearchSpace
+from servetune.config.space import SearchSpace
 from servetune.errors import UserError
 from servetune.results import (
     RESULT_FILE,
@@ -33,7 +32,7 @@ from servetune.results import (
 from servetune.study.context import StudyContext
 from servetune.study.objectives import objectives_and_constraints
 from servetune.study.packing import order_for_packing
-from servetune.study.searcher import CONSTRAINTS_KEY, OBJECTIVES_KEY
+from servetune.study.searcher import CONSTRAINTS_KEY, OBJECTIVES_KEY, ConstrainedOptunaSearch
 from servetune.trial.runner import new_result, write_atomic
 
 RESULT_KEY = "servetune_result"
@@ -151,11 +150,12 @@ def resolve_model(space: SearchSpace, study_dir: Path, space_dir: Path) -> str:
 def proposals(space: SearchSpace, max_trials: int | None) -> list[dict[str, Any]]:
     """The configurations grid and random search run, in order.
 
-    One at a time: the baseline first, then the grid's order. Several at a time: smallest
+    One at a time: the baseline first, then the grid's order (random search: the order drawn,
+    see :func:`random_points`). Several at a time: smallest
     trials first, in groups that fill a node (study/packing.py), the order Ray places them in
     anyway; the largest come last, where they fill nodes among themselves.
     """
-    kept, _ = space.grid() if space.search.algorithm == "grid" else (_random_points(space), [])
+    kept, _ = space.grid() if space.search.algorithm == "grid" else (random_points(space), [])
     points = ([{}] if space.search.baseline else []) + kept
     limit = max_trials or (space.search.num_trials if space.search.algorithm != "grid" else None) or space.search.num_trials
     points = points[:limit] if limit else points
@@ -170,33 +170,21 @@ def packs(space: SearchSpace) -> bool:
     return (concurrent == "auto" and space.device == "gpu") or (isinstance(concurrent, int) and concurrent > 1)
 
 
-def _random_points(space: SearchSpace) -> list[dict[str, Any]]:
-    rng = np.random.default_rng(space.search.seed)
-    wanted = space.search.num_trials or 10
+def random_points(space: SearchSpace) -> list[dict[str, Any]]:
+    """Random search's points: ``num_trials`` (10 if unset) distinct points, in the order drawn.
+
+    Drawn by Optuna's ``RandomSampler`` (seeded with ``search.seed``) through the study's
+    searcher, all asked before any result comes back, as they run: none breaks the space's
+    constraints, none repeats a point; fewer when the space has fewer points.
+    """
+    searcher = ConstrainedOptunaSearch(space, baseline=False)
     points: list[dict[str, Any]] = []
-    seen: set[str] = set()
-    for _ in range(wanted * 200):
-        if len(points) >= wanted:
+    for number in range(space.search.num_trials or 10):
+        suggestion = searcher.suggest(f"random-{number}")
+        if suggestion in (None, searcher.FINISHED):
             break
-        params = {name: _draw(values, rng) for name, values in space.params.items()}
-        key = json.dumps(params, sort_keys=True, default=str)
-        if key in seen or space.constraint_violations(params):
-            continue
-        seen.add(key)
-        points.append(params)
+        points.append(suggestion["params"])
     return points
-
-
-def _draw(values: Any, rng: np.random.Generator) -> Any:
-    if not isinstance(values, Range):
-        return values[int(rng.integers(len(values)))]
-    if values.log:
-        x = float(np.exp(rng.uniform(np.log(values.low), np.log(values.high))))
-    else:
-        x = float(rng.uniform(values.low, values.high))
-    if values.step:
-        x = values.low + round((x - values.low) / values.step) * values.step
-    return int(round(x)) if values.is_int else x
 
 
 def study_info(space: SearchSpace, space_path: Path, model: str, levels: Sequence[object] = ()) -> StudyInfo:

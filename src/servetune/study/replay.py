@@ -16,10 +16,10 @@ from __future__ import annotations
 import json
 import statistics
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 
@@ -32,6 +32,20 @@ ALGORITHMS = ("grid", "random", "tpe", "nsga2", "gp")
 SCORE_METRIC = "goodput"
 #: What a surface keeps of a trial's result: enough for objectives, constraints and the score.
 DROPPED_FIELDS = {"log_tail", "environment", "capacity"}
+
+
+class Searcher(Protocol):
+    """What the replay drives: as much of Ray Tune's ``Searcher`` as Tune itself uses.
+
+    ``suggest`` proposes a trial's config (``{"params": ...}``), ``FINISHED`` when it has
+    nothing more to propose; ``on_trial_complete`` is told the trial's final report.
+    """
+
+    FINISHED: str
+
+    def suggest(self, trial_id: str) -> dict[str, Any] | str | None: ...
+
+    def on_trial_complete(self, trial_id: str, result: dict[str, Any] | None = None, error: bool = False) -> None: ...
 
 
 def key(params: dict[str, Any]) -> str:
@@ -90,58 +104,75 @@ class Surface:
         return score(self.results[key(params)])
 
 
-def space_for(surface: Surface, algorithm: str, seed: int, in_flight: int = 1) -> SearchSpace:
+def space_for(surface: Surface, algorithm: str, seed: int, in_flight: int = 1, budget: int | None = None) -> SearchSpace:
     """The surface's space searched by ``algorithm``: the baseline (vLLM's defaults, not a grid
     point, so not on the surface) left out; ``in_flight`` at once, as ``servetune run`` would
-    order them (the grid's order one at a time, packing order for several)."""
+    order them (the grid's order one at a time, packing order for several); ``budget`` trials
+    (``num_trials``; the whole grid if None)."""
     search = surface.space.search.model_copy(
-        update={"algorithm": algorithm, "seed": seed, "baseline": False, "max_concurrent": in_flight, "num_trials": len(surface.results)}
-    )
+        update={"algorithm": algorithm, "seed": seed, "baseline": False, "max_concurrent": in_flight,
+                "num_trials": min(budget or len(surface.results), len(surface.results))}
+    )  # fmt: skip
     return surface.space.model_copy(update={"search": search})
 
 
 def replay(
     surface: Surface, algorithm: str, seed: int, budget: int | None = None, in_flight: int = 1, until: float | None = None
 ) -> list[float]:
-    """The scores of the trials a search runs, in the order it runs them (at most ``budget``).
+    """The scores of the trials a search runs, in the order their results come back (at most ``budget``).
 
-    ``in_flight`` trials are proposed before the first result is told, as with
-    ``max_concurrent``; results come back in the order proposed. With ``until``, the replay
-    ends at the first trial scoring at least that much.
+    Grid and random search run their proposals (:func:`~servetune.study.driver.proposals`);
+    the Bayesian searchers run with ``in_flight`` trials at once (:func:`in_flight_order`).
+    With ``until``, the replay ends at the first trial scoring at least that much.
     """
     from servetune.study.driver import proposals
 
-    space = space_for(surface, algorithm, seed, in_flight)
-    budget = min(budget or len(surface.results), len(surface.results))
+    space = space_for(surface, algorithm, seed, in_flight, budget)
+    budget = space.search.num_trials
     if algorithm in ("grid", "random"):
         scores = [surface.score_of(p) for p in proposals(space, budget)]
         reached = trials_to_reach(scores, until) if until is not None else None
         return scores[:reached] if reached else scores
     from servetune.study.searcher import CONSTRAINTS_KEY, OBJECTIVES_KEY, ConstrainedOptunaSearch
 
-    searcher = ConstrainedOptunaSearch(space, baseline=False)
-    running: deque[tuple[str, dict[str, Any]]] = deque()
+    def report(params: dict[str, Any]) -> dict[str, str]:
+        values, constraints = objectives_and_constraints(surface.results[key(params)], space.search.objectives, space.slo_bounds)
+        return {OBJECTIVES_KEY: json.dumps(values), CONSTRAINTS_KEY: json.dumps(constraints)}
+
     scores: list[float] = []
+    for params in in_flight_order(ConstrainedOptunaSearch(space, baseline=False), report, budget, in_flight):
+        scores.append(surface.score_of(params))
+        if until is not None and scores[-1] >= until:
+            break
+    return scores
+
+
+def in_flight_order(
+    searcher: Searcher, report: Callable[[dict[str, Any]], dict[str, Any]], budget: int, in_flight: int
+) -> Iterator[dict[str, Any]]:
+    """Drive ``searcher`` as a cluster running ``in_flight`` trials at once would; yield each
+    trial's params as its result is told.
+
+    The searcher is asked until ``in_flight`` trials are outstanding (``budget`` in all), then
+    the oldest is told its ``report`` and its slot asked again: every proposal after the first
+    ``in_flight`` is made with ``in_flight - 1`` others still running. Ends once ``budget``
+    trials were told, or the searcher proposes nothing more and none is left running.
+    """
+    running: deque[tuple[str, dict[str, Any]]] = deque()
     proposed = 0
-    finished = False
-    while len(scores) < budget:
-        while not finished and proposed < budget and len(running) < in_flight:
+    while True:
+        while proposed < budget and len(running) < in_flight:
             suggestion = searcher.suggest(str(proposed))
-            if suggestion is None or suggestion == searcher.FINISHED:
-                finished = True
+            if suggestion in (None, searcher.FINISHED):
+                budget = proposed  # nothing changes while it waits: it has nothing more to propose
                 break
             running.append((str(proposed), suggestion["params"]))
             proposed += 1
         if not running:
-            break
+            return
         trial_id, params = running.popleft()
-        result = surface.results[key(params)]
-        values, constraints = objectives_and_constraints(result, space.search.objectives, space.slo_bounds)
-        searcher.on_trial_complete(trial_id, {OBJECTIVES_KEY: json.dumps(values), CONSTRAINTS_KEY: json.dumps(constraints)})
-        scores.append(score(result))
-        if until is not None and scores[-1] >= until:
-            break
-    return scores
+        searcher.on_trial_complete(trial_id, report(params))
+        yield params
 
 
 def trials_to_reach(scores: Sequence[float], target: float) -> int | None:
@@ -174,7 +205,13 @@ class Efficiency:
         return max(n if n is not None else self.grid_size for n in self.needed)
 
 
-def efficiency(surface: Surface, algorithm: str, seeds: Iterable[int], tolerance: float = 0.05, in_flight: int = 1) -> Efficiency:
+def efficiency(
+    surface: Surface, algorithm: str, seeds: Iterable[int], tolerance: float = 0.05, in_flight: int = 1, budget: int | None = None
+) -> Efficiency:
+    """Trials each seed needed to come within ``tolerance`` of the best, searching at most ``budget``."""
     target = (1 - tolerance) * surface.best_score
-    needed = [trials_to_reach(replay(surface, algorithm, seed, in_flight=in_flight, until=target), target) for seed in seeds]
+    needed = [
+        trials_to_reach(replay(surface, algorithm, seed, budget=budget, in_flight=in_flight, until=target), target)
+        for seed in seeds
+    ]  # fmt: skip
     return Efficiency(algorithm, len(needed), len(surface.results), needed)

@@ -4,9 +4,16 @@ Ray's ``OptunaSearch`` does not pass constraint values on, so this searcher driv
 study through ask/tell itself: ``suggest`` asks (and answers at once, as infeasible, a point
 that breaks the space's static constraints, without running it), ``on_trial_complete`` sets
 the trial's constraint values (``Trial.set_constraint``, which TPE, NSGA-II and GP all read:
-<= 0 is feasible) and tells the objective values. TPE runs with ``constant_liar`` so parallel
-trials spread out. The searcher's state is its history of told points: pickling keeps that
-history and rebuilds the Optuna study from it.
+<= 0 is feasible) and tells the objective values.
+
+Trials in flight stay RUNNING in the Optuna study until their result comes back, and are never
+told anything else: TPE (``constant_liar``) and GP (batch acquisition) steer away from running
+points, NSGA-II and random search ignore them. When the sampler proposes a point again:
+- if it is still running, that proposal is told FAIL, a state every sampler ignores, and the
+  searcher asks again (a running point has no result to tell);
+- if it has finished, the proposal is told its measured answer (real data, told again).
+The searcher's state is its history of finished, told points: pickling keeps only that history
+and rebuilds the Optuna study from it; trials in flight are not part of it.
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ Told = tuple[dict[str, Any], list[float], list[float]]  # params, objective valu
 
 
 def make_sampler(algorithm: str, seed: int) -> optuna.samplers.BaseSampler:
+    if algorithm == "random":
+        return optuna.samplers.RandomSampler(seed=seed)
     if algorithm == "tpe":
         return optuna.samplers.TPESampler(seed=seed, constant_liar=True, multivariate=True, n_startup_trials=4)
     if algorithm == "nsga2":
@@ -59,6 +68,11 @@ def constraint_names(space: SearchSpace) -> list[str]:
 
 
 class ConstrainedOptunaSearch(Searcher):
+    #: Proposals of known points before the searcher picks the closest unmeasured one itself.
+    REPEATS_BEFORE_NUDGE = 20
+    #: Asks per ``suggest`` before the searcher gives up (``FINISHED``).
+    MAX_ASKS = 60
+
     def __init__(self, space: SearchSpace, *, baseline: bool, history: list[Told] = ()) -> None:
         super().__init__(metric=None, mode=None)
         self.space = space
@@ -71,10 +85,10 @@ class ConstrainedOptunaSearch(Searcher):
             sampler=make_sampler(space.search.algorithm, space.search.seed),
         )
         self.history: list[Told] = []
-        self.seen: dict[str, tuple[list[float], list[float]]] = {}
+        self.finished: dict[str, tuple[list[float], list[float]]] = {}
         for params, values, constraints in history:
             self._add_finished(params, values, constraints)
-        self.live: dict[str, optuna.trial.Trial | None] = {}
+        self.live: dict[str, optuna.trial.Trial | None] = {}  # by Tune trial id; None: the baseline
 
     def __getstate__(self) -> dict[str, Any]:
         return {"space": self.space, "baseline": self.baseline, "history": self.history}
@@ -99,11 +113,15 @@ class ConstrainedOptunaSearch(Searcher):
     def _penalty(self) -> tuple[list[float], list[float]]:
         return [PENALTY[o.mode] for o in self.objectives], [1.0] * len(self.names)
 
+    def running(self) -> set[str]:
+        """The keys of the points in flight (proposed, no result yet)."""
+        return {self._key(dict(trial.params)) for trial in self.live.values() if trial is not None}
+
     def _add_finished(self, params: dict, values: list[float], constraints: list[float]) -> None:
         if set(params) != set(self.distributions):
             return  # the baseline, or a point of another space: nothing the sampler can use
         self.history.append((params, values, constraints))
-        self.seen[self._key(params)] = (values, constraints)
+        self.finished[self._key(params)] = (values, constraints)
         self.study.add_trial(
             optuna.trial.create_trial(
                 params=params, distributions=self.distributions, values=values,
@@ -112,49 +130,72 @@ class ConstrainedOptunaSearch(Searcher):
         )
 
     def _tell(self, trial: optuna.trial.Trial, values: list[float], constraints: list[float]) -> None:
+        """Tell a finished answer: the measured one, or a penalty for a point that cannot run."""
         for name, value in zip(self.names, constraints):
             trial.set_constraint(name, value)
         self.study.tell(trial, values)
         self.history.append((dict(trial.params), values, constraints))
+        self.finished[self._key(dict(trial.params))] = (values, constraints)
+
+    def _drop(self, trial: optuna.trial.Trial) -> None:
+        """End an ask that will not run, telling the sampler nothing (FAIL: every sampler ignores it)."""
+        self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
 
     def suggest(self, trial_id: str) -> dict | None:
+        """The next point to run; it stays RUNNING in the Optuna study until its result comes back.
+
+        Asks until the sampler proposes a new point that meets the static constraints: a known
+        finished point is told its answer again, a point in flight is dropped, a point breaking
+        a constraint is told a penalty. A sampler that keeps proposing known points is nudged to
+        the closest unmeasured point (discrete spaces); ``FINISHED`` when none is left.
+        """
         if self.baseline:
             self.baseline = False
             self.live[trial_id] = None
             return {"params": {}}
-        for attempt in range(60):
+        running = self.running()
+        for attempt in range(self.MAX_ASKS):
             trial = self.study.ask(self.distributions)
-            params = dict(trial.params)
-            key = self._key(params)
-            if key in self.seen and attempt >= 20:
-                # The sampler keeps coming back to measured points (GP on a small discrete
-                # space does): explore an unmeasured point instead, and learn from it as usual.
-                fresh = self._unseen_point(params)
-                if fresh is None:
-                    self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
+            key = self._key(dict(trial.params))
+            known = key in self.finished or key in running
+            if known and attempt >= self.REPEATS_BEFORE_NUDGE:
+                trial = self._nudge(trial, running)
+                if trial is None:
                     return Searcher.FINISHED
-                self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
-                self.study.enqueue_trial(fresh)
-                trial = self.study.ask(self.distributions)
-                params, key = dict(trial.params), self._key(fresh)
-            if key in self.seen:  # measured (or running) already: tell the known answer, ask again
-                self._tell(trial, *self.seen[key])
+                key = self._key(dict(trial.params))
+            if key in running:
+                self._drop(trial)
                 continue
-            if self.space.constraint_violations(params):
+            if key in self.finished:
+                self._tell(trial, *self.finished[key])
+                continue
+            if self.space.constraint_violations(dict(trial.params)):
                 self._tell(trial, *self._penalty())
                 continue
             self.live[trial_id] = trial
-            self.seen[key] = self._penalty()  # until the trial tells its own answer
-            return {"params": params}
+            return {"params": dict(trial.params)}
         return Searcher.FINISHED
 
-    def _unseen_point(self, near: dict[str, Any]) -> dict[str, Any] | None:
-        """The unmeasured grid point closest to what the sampler asked for (None if none is left)."""
+    def _nudge(self, trial: optuna.trial.Trial, running: set[str]) -> optuna.trial.Trial | None:
+        """Replace a repeated proposal by the closest point neither measured nor running (None: none left).
+
+        The sampler keeps coming back to known points (GP on a small discrete space does):
+        explore an unmeasured point instead, and learn from it as usual.
+        """
+        self._drop(trial)
+        fresh = self._unseen_point(dict(trial.params), running)
+        if fresh is None:
+            return None
+        self.study.enqueue_trial(fresh)
+        return self.study.ask(self.distributions)
+
+    def _unseen_point(self, near: dict[str, Any], running: set[str]) -> dict[str, Any] | None:
+        """The grid point neither measured nor running closest to ``near`` (None if none is left)."""
         try:
             kept, _ = self.space.grid()
         except ValueError:
             return None  # a continuous space: the sampler will not run out of new points
-        unseen = [p for p in kept if self._key(p) not in self.seen]
+        unseen = [p for p in kept if self._key(p) not in self.finished and self._key(p) not in running]
         if not unseen:
             return None
         return min(unseen, key=lambda p: self._distance(p, near))
@@ -169,6 +210,7 @@ class ConstrainedOptunaSearch(Searcher):
         return total
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
+        """Tell a trial's result: its objectives and constraints, or a penalty if it reported none."""
         trial = self.live.pop(trial_id, None)
         if trial is None:
             return
@@ -176,5 +218,4 @@ class ConstrainedOptunaSearch(Searcher):
             values, constraints = self._penalty()
         else:
             values, constraints = json.loads(result[OBJECTIVES_KEY]), json.loads(result[CONSTRAINTS_KEY])
-        self.seen[self._key(dict(trial.params))] = (values, constraints)
         self._tell(trial, values, constraints)
