@@ -32,14 +32,22 @@ STATS = ("mean", "p50", "p90", "p95", "p99")
 PERCENTILES = {"p50": 50.0, "p90": 90.0, "p95": 95.0, "p99": 99.0}
 #: Latency metrics that a single request can be held to (goodput). ITL is a level-wide pool.
 PER_REQUEST_METRICS = ("ttft_ms", "tpot_ms", "e2el_ms")
+#: The names code refers to by name (a flat name is ``<latency metric>_<stat>``).
+GOODPUT = "goodput"
+REQUEST_THROUGHPUT = "request_throughput"
+OUTPUT_THROUGHPUT = "output_throughput"
+ERROR_RATE = "error_rate"
+TTFT_P99 = "ttft_ms_p99"
+TPOT_P99 = "tpot_ms_p99"
+E2EL_P99 = "e2el_ms_p99"
 #: Level-wide metrics that are not latencies.
 RATE_METRICS = (
-    "request_throughput",
-    "output_throughput",
+    REQUEST_THROUGHPUT,
+    OUTPUT_THROUGHPUT,
     "input_throughput",
     "total_token_throughput",
-    "goodput",
-    "error_rate",
+    GOODPUT,
+    ERROR_RATE,
 )
 COST_METRIC = "cost_per_mtok_usd"
 #: Derived rates for reports: output tok/s per reserved device, and one user's streaming speed

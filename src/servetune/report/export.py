@@ -17,6 +17,7 @@ import yaml
 
 from servetune.engine.args import RESERVED, engine_argv, normalize_key
 from servetune.errors import UserError
+from servetune.metrics import GOODPUT, REQUEST_THROUGHPUT
 from servetune.report.build import StudyReport
 from servetune.report.points import ReportPoint, first_line, level_label
 from servetune.secrets import MASK, redact_engine_args, redact_env
@@ -55,7 +56,7 @@ def trial_point(report: StudyReport, trial_id: str) -> ReportPoint:
     meeting = [p for p in points if p.meets_slo]
     if not meeting:
         return points[-1]
-    return max(meeting, key=lambda p: p.value("goodput") or p.value("request_throughput") or 0.0)
+    return max(meeting, key=lambda p: p.value(GOODPUT) or p.value(REQUEST_THROUGHPUT) or 0.0)
 
 
 def masked_engine_args(point: ReportPoint) -> dict[str, Any]:

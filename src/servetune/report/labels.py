@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from servetune.metrics import COST_METRIC
+from servetune.metrics import (
+    COST_METRIC,
+    E2EL_P99,
+    ERROR_RATE,
+    GOODPUT,
+    OUTPUT_THROUGHPUT,
+    REQUEST_THROUGHPUT,
+    TPOT_P99,
+    TTFT_P99,
+)
 from servetune.report.points import OUTPUT_THROUGHPUT_PER_DEVICE, OUTPUT_THROUGHPUT_PER_USER, ReportPoint
 from servetune.report.trials import TRIAL_METRICS, SloBreak, TrialRow
 
@@ -14,27 +23,27 @@ SLO_COLOR = "crimson"
 
 _NAMES = {
     COST_METRIC: ("USD per million output tokens", "$/Mtok"),
-    "output_throughput": ("output tokens/s", "out tok/s"),
+    OUTPUT_THROUGHPUT: ("output tokens/s", "out tok/s"),
     OUTPUT_THROUGHPUT_PER_DEVICE: ("output tokens/s per device", "tok/s/device"),
     OUTPUT_THROUGHPUT_PER_USER: ("output tokens/s per user (1000 / mean TPOT)", "tok/s/user"),
-    "request_throughput": ("requests/s", "req/s"),
-    "goodput": ("goodput (requests/s within every SLO)", "goodput"),
-    "error_rate": ("error rate", "errors"),
+    REQUEST_THROUGHPUT: ("requests/s", "req/s"),
+    GOODPUT: ("goodput (requests/s within every SLO)", "goodput"),
+    ERROR_RATE: ("error rate", "errors"),
 }
 _LATENCY = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2el_ms": "E2E latency"}
 #: The unit a table heading adds to the short name (short names like ``out tok/s`` carry theirs).
-_UNITS = {COST_METRIC: "USD", "goodput": "req/s", "error_rate": "%"}
+_UNITS = {COST_METRIC: "USD", GOODPUT: "req/s", ERROR_RATE: "%"}
 
 #: Columns of the Pareto tables and lines of the hover text, in order.
 TABLE_METRICS = (
     COST_METRIC,
-    "ttft_ms_p99",
-    "tpot_ms_p99",
-    "e2el_ms_p99",
-    "output_throughput",
+    TTFT_P99,
+    TPOT_P99,
+    E2EL_P99,
+    OUTPUT_THROUGHPUT,
     OUTPUT_THROUGHPUT_PER_DEVICE,
     OUTPUT_THROUGHPUT_PER_USER,
-    "goodput",
+    GOODPUT,
 )
 
 
@@ -80,7 +89,7 @@ def fmt(metric: str, value: float | None) -> str:
         return "-"
     if metric == COST_METRIC:
         return f"{value:.4g}"
-    if metric == "error_rate":
+    if metric == ERROR_RATE:
         return f"{value:.2%}"
     return f"{value:,.1f}" if abs(value) >= 10 else f"{value:.3g}"
 

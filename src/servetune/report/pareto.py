@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from servetune.metrics import COST_METRIC
+from servetune.metrics import COST_METRIC, E2EL_P99, TPOT_P99, TTFT_P99
 from servetune.report.points import OUTPUT_THROUGHPUT_PER_DEVICE, OUTPUT_THROUGHPUT_PER_USER, ReportPoint
 
 Direction = Literal["min", "max"]
@@ -105,9 +105,9 @@ COST = Objective(COST_METRIC, "min")
 
 #: The fronts every report draws. The first one's table is what ``export --pick N`` indexes.
 FRONTS: tuple[FrontSpec, ...] = (
-    FrontSpec("cost-vs-ttft", "Cost vs P99 time to first token", (COST, Objective("ttft_ms_p99"))),
-    FrontSpec("cost-vs-tpot", "Cost vs P99 time per output token", (COST, Objective("tpot_ms_p99"))),
-    FrontSpec("cost-vs-e2el", "Cost vs P99 end-to-end latency", (COST, Objective("e2el_ms_p99"))),
+    FrontSpec("cost-vs-ttft", "Cost vs P99 time to first token", (COST, Objective(TTFT_P99))),
+    FrontSpec("cost-vs-tpot", "Cost vs P99 time per output token", (COST, Objective(TPOT_P99))),
+    FrontSpec("cost-vs-e2el", "Cost vs P99 end-to-end latency", (COST, Objective(E2EL_P99))),
     FrontSpec(
         "throughput-vs-interactivity",
         "Output tokens/s per device vs tokens/s per user",

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from servetune.metrics import COST_METRIC
+from servetune.metrics import COST_METRIC, TTFT_P99
 from servetune.report.points import (
     KV_CACHE_USAGE_MAX,
     PREEMPTIONS,
@@ -114,7 +114,7 @@ def candidates(points: Sequence[ReportPoint]) -> list[ReportPoint]:
     usable = [p for p in points if p.eligible and p.value(COST_METRIC) is not None]
 
     def order(p: ReportPoint) -> tuple:
-        ttft = p.value("ttft_ms_p99")
+        ttft = p.value(TTFT_P99)
         return (p.value(COST_METRIC), float("inf") if ttft is None else ttft, p.trial_id, p.level_index)
 
     return sorted(usable, key=order)

@@ -13,14 +13,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from servetune.metrics import COST_METRIC
+from servetune.metrics import COST_METRIC, GOODPUT, TPOT_P99, TTFT_P99
 from servetune.report.conclusion import Conclusion, conclude
 from servetune.report.params import short_config, varied_params
 from servetune.report.points import ReportPoint, first_line, level_label, violated_metrics
 from servetune.results import Outcome, TrialResult, best_level_index
 
 #: The numbers a row shows, at the trial's best level (the renderers add units to the headings).
-TRIAL_METRICS = ("goodput", "ttft_ms_p99", "tpot_ms_p99", COST_METRIC)
+TRIAL_METRICS = (GOODPUT, TTFT_P99, TPOT_P99, COST_METRIC)
 
 _VERDICT_ORDER = {"keep": 0, "next round": 1, "eliminate": 2}
 

@@ -33,12 +33,12 @@ from typing import Any
 
 from servetune.accounting import DOMINATED
 from servetune.load.runner import Level
-from servetune.metrics import COST_METRIC
+from servetune.metrics import COST_METRIC, TTFT_P99
 from servetune.results import LevelResult, OperatingPoint, TrialResult
 from servetune.trial.runner import StopRule
 
 #: What dominance compares (lower is better for both).
-TTFT_METRIC = "ttft_ms_p99"
+TTFT_METRIC = TTFT_P99
 #: The margin of a level run once: five runs of one configuration at 32 in flight on a two-core
 #: host (256 requests each) measured 23.0 to 27.7 req/s, about 10% either side of the median.
 MARGIN = 0.10

@@ -11,6 +11,7 @@ from rich.live import Live
 from rich.table import Table
 
 from servetune.config.space import SearchSpace, describe_params
+from servetune.metrics import COST_METRIC, GOODPUT, OUTPUT_THROUGHPUT, TPOT_P99, TTFT_P99
 from servetune.results import TrialResult
 
 
@@ -58,8 +59,8 @@ class LiveTable(Callback):
             self._update(f"{row['id']} {row['state']}: best goodput {_fmt(row['goodput'], 2)} req/s {row.get('reason', '')}".rstrip())
         elif "level_index" in result:
             row["levels"] = result["level_index"] + 1
-            if result.get("meets_slo") and (row.get("goodput") or 0) <= (result.get("goodput") or 0):
-                row.update(goodput=result.get("goodput"), ttft=result.get("ttft_ms_p99"), tpot=result.get("tpot_ms_p99"))
+            if result.get("meets_slo") and (row.get("goodput") or 0) <= (result.get(GOODPUT) or 0):
+                row.update(goodput=result.get(GOODPUT), ttft=result.get(TTFT_P99), tpot=result.get(TPOT_P99))
             self._update(None)
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
@@ -105,8 +106,8 @@ def summary_table(results: list[TrialResult], space: SearchSpace, top: int = 5) 
     for result, best in meeting[:top]:
         m = best.metrics
         level = ", ".join(f"{k} {v:g}" for k, v in best.level.items())
-        table.add_row(result.trial_id, describe_params(result.params), level, _fmt(m.get("goodput"), 2), _fmt(m.get("output_throughput")),
-                      _fmt(m.get("ttft_ms_p99")), _fmt(m.get("tpot_ms_p99")), _fmt(m.get("cost_per_mtok_usd"), 3))  # fmt: skip
+        table.add_row(result.trial_id, describe_params(result.params), level, _fmt(m.get(GOODPUT), 2), _fmt(m.get(OUTPUT_THROUGHPUT)),
+                      _fmt(m.get(TTFT_P99)), _fmt(m.get(TPOT_P99)), _fmt(m.get(COST_METRIC), 3))  # fmt: skip
     return table
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from servetune.config.space import ENV_PREFIX
-from servetune.metrics import COST_METRIC
+from servetune.metrics import COST_METRIC, GOODPUT, REQUEST_THROUGHPUT
 from servetune.report.params import short_config
 from servetune.report.points import level_label
 from servetune.results import OperatingPoint, StudyInfo, TrialResult, best_level_index
@@ -235,5 +235,5 @@ def study_metrics(trials: Sequence[TrialResult]) -> dict[str, float]:
 
 
 def _goodput(metrics: Mapping[str, float]) -> float | None:
-    value = metrics.get("goodput", metrics.get("request_throughput"))
+    value = metrics.get(GOODPUT, metrics.get(REQUEST_THROUGHPUT))
     return value if value is not None and math.isfinite(value) else None

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from string import Template
 
+from servetune.metrics import COST_METRIC, E2EL_P99, TPOT_P99, TTFT_P99
 from servetune.report.conclusion import Conclusion, Verdict, conclude  # noqa: F401 (sync.py, __init__ import them here)
 from servetune.report.points import first_line, is_out_of_memory, level_label
 from servetune.results import LevelResult, StudyInfo, TrialResult
@@ -181,7 +182,7 @@ def _performance_text(trial: TrialResult, rep: tuple[int, LevelResult, str] | No
     )
     text = (f"at {level_label(s.level)} ({note}): {lat}; throughput {_fmt(s.output_throughput, ' output tok/s')}, "
             f"{_fmt(s.request_throughput, ' req/s', 2)}, goodput {_fmt(s.goodput, ' req/s', 2)}")  # fmt: skip
-    cost = trial.operating_points()[index].metrics.get("cost_per_mtok_usd")
+    cost = trial.operating_points()[index].metrics.get(COST_METRIC)
     text += f", {_fmt(cost, '', 3)} USD per million output tokens"
     return text + "; " + _memory_text(level)
 
@@ -239,8 +240,8 @@ def _level_rows(trial: TrialResult) -> list[str]:
         m, s = op.metrics, level.summary
         verdict = "meets the SLO" if level.meets_slo else "breaks: " + "; ".join(level.slo_violations)
         rows.append(" | ".join([str(op.level_index), level_label(s.level), f"{s.completed}/{s.completed + s.failed}",
-                                _fmt(m.get("ttft_ms_p99")), _fmt(m.get("tpot_ms_p99")), _fmt(m.get("e2el_ms_p99")),
-                                _fmt(s.output_throughput), _fmt(s.goodput, digits=2), _fmt(m.get("cost_per_mtok_usd"), digits=3),
+                                _fmt(m.get(TTFT_P99)), _fmt(m.get(TPOT_P99)), _fmt(m.get(E2EL_P99)),
+                                _fmt(s.output_throughput), _fmt(s.goodput, digits=2), _fmt(m.get(COST_METRIC), digits=3),
                                 _cell(verdict)]))  # fmt: skip
     return rows
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 
-from servetune.metrics import COST_METRIC
+from servetune.metrics import COST_METRIC, GOODPUT, TPOT_P99, TTFT_P99
 from servetune.report.build import StudyReport
 from servetune.report.labels import point_metrics
 from servetune.report.points import level_label
@@ -29,7 +29,7 @@ SHARED_VIEW_PREFIX = "mlflow.sharedViewState."
 VIEW_KEY = "servetune-trials"
 RECOMMENDED_TAG = "servetune.recommended"
 #: The chosen operating point's metrics a user compares trials by, in column order.
-COMPARED_METRICS = ("goodput", "ttft_ms_p99", "tpot_ms_p99", COST_METRIC, "meets_slo")
+COMPARED_METRICS = (GOODPUT, TTFT_P99, TPOT_P99, COST_METRIC, "meets_slo")
 
 
 def _column(kind: str, name: str) -> str:
@@ -44,7 +44,7 @@ def runs_view(varied: Sequence[str]) -> dict[str, object]:
     columns += [_column("tags", "servetune.level"), _column("tags", RECOMMENDED_TAG), _column("tags", "conclusion")]
     return {
         "searchFilter": "tags.`servetune.role` = 'trial'",
-        "orderByKey": _column("metrics", "goodput"),
+        "orderByKey": _column("metrics", GOODPUT),
         "orderByAsc": False,
         "selectedColumns": columns,
         "runsHiddenMode": "SHOW_ALL",
