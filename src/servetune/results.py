@@ -149,11 +149,13 @@ class TrialResult(BaseModel):
     best_level_index: int | None = None
     environment: dict[str, str] = {}  # hardware and software stack of the trial: see environment.py
 
-    def operating_points(self) -> list[OperatingPoint]:
+    def operating_points(self, price_per_device_hour: float | None = None) -> list[OperatingPoint]:
+        """Every measured level as a point; ``price_per_device_hour`` replaces the recorded price in the cost."""
+        price = self.price_per_device_hour if price_per_device_hour is None else price_per_device_hour
         points = []
         for index, level in enumerate(self.levels):
             metrics = level.summary.flat()
-            metrics[COST_METRIC] = cost_per_mtok_usd(self.price_per_device_hour, self.devices, level.summary.output_throughput)
+            metrics[COST_METRIC] = cost_per_mtok_usd(price, self.devices, level.summary.output_throughput)
             points.append(
                 OperatingPoint(
                     trial_id=self.trial_id, level_index=index, level=level.summary.level, config=self.params,

@@ -20,7 +20,6 @@ from servetune.metrics import (
     COST_METRIC,
     OUTPUT_THROUGHPUT_PER_DEVICE,
     OUTPUT_THROUGHPUT_PER_USER,
-    cost_per_mtok_usd,
     LATENCY_METRICS,
     STATS,
     metric_names,
@@ -190,11 +189,9 @@ def outline(trial: TrialResult) -> TrialOutline:
 
 def trial_points(trial: TrialResult, price_per_device_hour: float | None = None) -> list[ReportPoint]:
     """Every measured level of a trial; ``price_per_device_hour`` replaces the recorded price."""
-    price = trial.price_per_device_hour if price_per_device_hour is None else price_per_device_hour
     points = []
-    for op, level in zip(trial.operating_points(), trial.levels):
+    for op, level in zip(trial.operating_points(price_per_device_hour), trial.levels):
         metrics = dict(op.metrics)
-        metrics[COST_METRIC] = cost_per_mtok_usd(price, trial.devices, level.summary.output_throughput)
         metrics[OUTPUT_THROUGHPUT_PER_DEVICE] = level.summary.output_throughput / max(trial.devices, 1)
         tpot_mean = level.summary.tpot_ms.mean
         if tpot_mean is not None and tpot_mean > 0:
