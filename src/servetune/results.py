@@ -7,6 +7,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from servetune.config.slo import SloBound
 from servetune.errors import UserError
 from servetune.metrics import COST_METRIC, LevelSummary, cost_per_mtok_usd
 
@@ -206,7 +207,8 @@ class StudyInfo(BaseModel):
     device: Literal["gpu", "cpu"]
     algorithm: str
     objectives: list[tuple[str, Literal["min", "max"]]]  # e.g. [("cost_per_mtok_usd", "min"), ("ttft_ms_p99", "min")]
-    slo: list[str]
+    slo: list[str]  # as text, for people and for older readers
+    slo_bounds: list[SloBound] = []  # the same bounds, typed (empty in study.json files before schema 2)
     price_per_device_hour: float
     servetune_version: str
     levels: list[str] = []  # the load ladder each trial climbs, e.g. "concurrency 8" (empty in older study.json files)

@@ -51,3 +51,18 @@ def test_files_say_which_layout_wrote_them_and_any_version_opens():
     result.pop("schema_version")
     loaded = TrialResult.model_validate(result)
     assert loaded.schema_version == 1 and loaded.resolved_engine_args == {} and loaded.levels[0].cache_note is None
+
+
+def test_slo_bounds_are_stored_typed_and_a_report_reads_them_without_parsing_text(tmp_path):
+    from servetune.config.slo import SloBound
+    from servetune.report import build_report, load_study
+    from servetune.report.points import SloLine
+    from tests.builders import demo_trials, write_study
+
+    typed = study_info(slo=["(text for people)"], slo_bounds=[SloBound(metric="ttft_ms", stat="p95", max=500)])
+    data = json.loads(typed.model_dump_json())
+    assert data["slo_bounds"] == [{"metric": "ttft_ms", "stat": "p95", "max": 500.0}]
+    report = build_report(load_study(write_study(tmp_path / "typed", typed, demo_trials())))
+    assert report.slo == (SloLine("ttft_ms_p95", 500.0),)
+    older = build_report(load_study(write_study(tmp_path / "older", study_info(), demo_trials())))
+    assert older.slo == (SloLine("ttft_ms_p99", 2000.0), SloLine("tpot_ms_p99", 100.0))  # parsed from text

@@ -129,12 +129,19 @@ def build_report(study: LoadedStudy, price_per_device_hour: float | None = None)
         trials=tuple(outlines),
         not_read=study.not_read,
         points=tuple(points),
-        slo=tuple(parse_slo_lines(study.info.slo, source=f"{study.root / 'study.json'}: slo")),
+        slo=tuple(slo_lines(study)),
         fronts=fronts,
         recommendation=recommendation,
         device_time=tuple(device_time_lines(list(study.trials), study.info.device, planned_levels(study))),
         trial_table=tuple(trial_rows(study.trials, points, recommendation.point)),
     )
+
+
+def slo_lines(study: LoadedStudy) -> list[SloLine]:
+    """The study's SLO bounds as lines to draw: typed in study.json since schema 2, parsed from text before."""
+    if study.info.slo_bounds:
+        return [SloLine(bound.name, bound.max) for bound in study.info.slo_bounds]
+    return parse_slo_lines(study.info.slo, source=f"{study.root / 'study.json'}: slo")
 
 
 def planned_levels(study: LoadedStudy) -> int:

@@ -195,7 +195,8 @@ def study_info(space: SearchSpace, space_path: Path, model: str, levels: Sequenc
         workload=space.workload if isinstance(space.workload, str) else space.workload.name,
         device=space.device, algorithm=space.search.algorithm,
         objectives=[(o.metric, o.mode) for o in space.search.objectives],
-        slo=[str(b) for b in space.slo_bounds.bounds], price_per_device_hour=space.price_per_device_hour,
+        slo=[str(b) for b in space.slo_bounds.bounds], slo_bounds=list(space.slo_bounds.bounds),
+        price_per_device_hour=space.price_per_device_hour,
         servetune_version=__version__, levels=[str(lv) for lv in levels],
     )  # fmt: skip
 
