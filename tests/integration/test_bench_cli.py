@@ -79,7 +79,7 @@ def test_an_engine_that_dies_mid_level_keeps_what_was_measured(tmp_path, capsys,
         "--concurrency", "8,1", "--num-requests", "8", "--json", str(out_file),
     )  # fmt: skip
     assert code == 3
-    assert "servetune bench: error: vLLM died during concurrency 1" in err and "engine log (last lines)" in err, err
+    assert "servetune bench: error: the engine died during concurrency 1" in err and "engine log (last lines)" in err, err
     result = BenchResult.model_validate_json(out_file.read_text())
     finished, died_in = result.levels
     assert finished.summary.completed == 8 and finished.summary.failed == 0

@@ -32,7 +32,7 @@ from servetune.load.runner import Level
 from servetune.results import BenchResult, KvCapacityReport, LevelResult
 from servetune.secrets import redact_engine_args, redact_env
 from servetune.telemetry import TelemetrySampler, visible_gpu_indices
-from servetune.trial.measure import AUTO, LevelPlan, measure_level, measure_repeated, record_tags, run_stream
+from servetune.trial.measure import AUTO, LevelPlan, check_alive, measure_rung
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -242,25 +242,20 @@ def _run_levels(console, url, served, workload, prompts, plans, slo, args, resul
                         failed += 0 if record.ok else 1
                         progress.update(task, advance=1, failed=failed)
 
-                    async def measure_once(run: int, plan: LevelPlan = plan, index: int = index):
+                    def on_run(run: int, plan: LevelPlan = plan) -> None:
                         nonlocal failed
                         if run:
                             failed = 0
                             progress.reset(task, failed=0, description=f"{plan.level}, run {run + 1} of {args.repeats}")
-                        level_result, level_records = await measure_level(
-                            client, url, workload, prompts, plan, stream=run_stream(index, run, args.repeats), slo=slo,
-                            on_done=on_done, telemetry=None if server is None else lambda: TelemetrySampler(gpus, server.process.pid),
-                        )  # fmt: skip
-                        tags = record_tags(index, run, args.repeats)
-                        records.extend({**tags, **r.to_dict()} for r in level_records)
-                        return level_result, level_records
 
-                    gone = (lambda: not server.alive()) if server is not None else (lambda: False)
-                    level_result, _ = await measure_repeated(measure_once, args.repeats, slo, gone=gone)
+                    level_result = await measure_rung(
+                        client, url, workload, prompts, plan, index, repeats=args.repeats, slo=slo, record=records.append,
+                        engine=server, on_done=on_done, on_run=on_run,
+                        telemetry=None if server is None else lambda: TelemetrySampler(gpus, server.process.pid),
+                    )  # fmt: skip
                 result.levels.append(level_result)
                 console.print(level_table([level_result], slo, title=str(plan.level)))
-                if server is not None and not server.alive():
-                    raise EngineDiedError(f"vLLM died during {plan.level} ({server.failure_reason()})", server.log_tail())
+                check_alive(server, plan.level)
 
     asyncio.run(main())
     if len(result.levels) > 1:

@@ -27,12 +27,14 @@ import contextlib
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import aiohttp
 
 from servetune.config.slo import Slo
 from servetune.config.workload import Workload
 from servetune.engine.metrics import MetricsSnapshot, level_delta
+from servetune.errors import EngineDiedError
 from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory, iter_requests
 from servetune.load.runner import Level, run_level
@@ -254,6 +256,53 @@ def median_run(runs: list[LevelResult], slo: Slo) -> LevelResult:
     chosen = sorted(runs, key=lambda run: slo_standing(run, slo))[len(runs) // 2]
     kept = [LevelRun(summary=run.summary, slo_violations=run.slo_violations) for run in runs]
     return chosen.model_copy(update={"runs": kept})
+
+
+class Engine(Protocol):
+    """What measuring needs of the server it measures (``engine.server.VllmServer`` is one)."""
+
+    def alive(self) -> bool: ...
+
+    def failure_reason(self) -> str: ...
+
+    def log_tail(self, lines: int = 40) -> str: ...
+
+
+async def measure_rung(
+    client: StreamingClient, url: str, workload: Workload, prompts: PromptFactory, plan: LevelPlan, index: int, *,
+    repeats: int, slo: Slo, record: Callable[[dict], None], engine: Engine | None = None,
+    telemetry: Callable[[], TelemetrySampler] | None = None, on_done: Callable[[RequestRecord], None] | None = None,
+    on_run: Callable[[int], None] | None = None,
+) -> LevelResult:  # fmt: skip
+    """One rung of a ladder, the one path ``servetune run`` trials and ``servetune bench`` both take.
+
+    Runs the level ``repeats`` times (:func:`measure_repeated`), each run on its own prompt stream,
+    hands every request's record to ``record`` tagged with where it was measured, and reports the
+    median run. ``on_run(run)`` is called before each run; ``engine`` (when servetune started the
+    server) ends the repeats once it is gone: :func:`check_alive` then says so, after the caller kept the result.
+    """
+
+    async def once(run: int) -> tuple[LevelResult, list[RequestRecord]]:
+        if on_run is not None:
+            on_run(run)
+        result, records = await measure_level(
+            client, url, workload, prompts, plan, stream=run_stream(index, run, repeats), slo=slo,
+            on_done=on_done, telemetry=telemetry,
+        )  # fmt: skip
+        tags = record_tags(index, run, repeats)
+        for request in records:
+            record({**tags, **request.to_dict()})
+        return result, records
+
+    gone = (lambda: not engine.alive()) if engine is not None else (lambda: False)
+    result, _ = await measure_repeated(once, repeats, slo, gone=gone)
+    return result
+
+
+def check_alive(engine: Engine | None, level: Level) -> None:
+    """Raise :class:`EngineDiedError`, with the engine log's tail, when the engine died during ``level``."""
+    if engine is not None and not engine.alive():
+        raise EngineDiedError(f"the engine died during {level} ({engine.failure_reason()})", engine.log_tail())
 
 
 async def measure_repeated(

@@ -43,7 +43,7 @@ from servetune.results import (
 from servetune.secrets import redact_engine_args, redact_env, redact_params
 from servetune.telemetry import TelemetrySampler, visible_gpu_indices
 from servetune.trial.ladder import ladder
-from servetune.trial.measure import LevelPlan, measure_level, measure_repeated, record_tags, run_stream
+from servetune.trial.measure import LevelPlan, check_alive, measure_rung
 
 Report = Callable[[dict[str, Any]], None]
 #: Asked after each level but the last with that level's operating point: a reason to stop
@@ -206,22 +206,13 @@ async def _climb(spec, server, result, report, prompts, records_file, stop_rule=
         level = next(steps)
         while True:
             plan = LevelPlan.sized(level, spec.requests_per_level, spec.seconds_per_level, spec.warmup_requests)
-            index = len(result.levels)
-
-            async def measure_once(run: int, plan: LevelPlan = plan, index: int = index) -> tuple[LevelResult, list]:
-                level_result, records = await measure_level(
-                    client, server.url, spec.workload, prompts, plan, stream=run_stream(index, run, spec.repeats), slo=spec.slo,
-                    telemetry=lambda: TelemetrySampler(gpu_indices, server.process.pid),
-                )  # fmt: skip
-                tags = record_tags(index, run, spec.repeats)
-                for record in records:
-                    records_file.write(json.dumps({**tags, **record.to_dict()}) + "\n")
-                return level_result, records
-
-            level_result, _ = await measure_repeated(measure_once, spec.repeats, spec.slo, gone=lambda: not server.alive())
+            level_result = await measure_rung(
+                client, server.url, spec.workload, prompts, plan, len(result.levels), repeats=spec.repeats, slo=spec.slo,
+                record=lambda row: records_file.write(json.dumps(row) + "\n"), engine=server,
+                telemetry=lambda: TelemetrySampler(gpu_indices, server.process.pid),
+            )  # fmt: skip
             result.levels.append(level_result)  # kept even when the engine died during it
-            if not server.alive():
-                raise EngineDiedError(f"the engine died during {level} ({server.failure_reason()})", server.log_tail())
+            check_alive(server, level)
             report(level_report(result, level_result))
             try:
                 level = steps.send(level_result)
