@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 from servetune.config.slo import Slo
 from servetune.config.workload import Workload
@@ -43,6 +43,7 @@ from servetune.results import (
 from servetune.secrets import redact_engine_args, redact_env, redact_params
 from servetune.telemetry import TelemetrySampler, visible_gpu_indices
 from servetune.trial.ladder import ladder
+from servetune.trial.measure import Engine as MeasuredEngine
 from servetune.trial.measure import LevelPlan, check_alive, measure_rung
 
 Report = Callable[[dict[str, Any]], None]
@@ -141,11 +142,39 @@ def capacity_check(spec: TrialSpec) -> CapacityReport | None:
     )  # fmt: skip
 
 
-def run_trial(spec: TrialSpec, report: Report, prompts: Callable[[], PromptFactory], stop_rule: StopRule | None = None) -> TrialResult:
+class Engine(MeasuredEngine, Protocol):
+    """The server a trial measures, as the trial uses it: a context manager that starts it (raising
+    ``EngineStartError``) and stops it, with its address, its start-up time, the KV capacity it
+    reported, and its process (the telemetry sampler follows its memory)."""
+
+    url: str
+    startup_s: float | None
+    process: Any
+
+    def kv_capacity(self) -> Any: ...
+
+    def __enter__(self) -> "Engine": ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+
+EngineFactory = Callable[[TrialSpec, Path], Engine]
+
+
+def vllm_engine(spec: TrialSpec, trial_dir: Path) -> VllmServer:
+    """The real engine: vLLM's OpenAI server in its own process group, logging to ``engine.log``."""
+    kwargs = {"python": spec.python} if spec.python else {}
+    return VllmServer(spec.model, spec.engine_args, {**spec.env, **spec.extra_env}, log_path=trial_dir / "engine.log",
+                      startup_timeout_s=spec.startup_timeout_s, **kwargs)  # fmt: skip
+
+
+def run_trial(spec: TrialSpec, report: Report, prompts: Callable[[], PromptFactory], stop_rule: StopRule | None = None,
+              engine: EngineFactory = vllm_engine) -> TrialResult:  # fmt: skip
     """Run one trial to its outcome; never raises for a failure of the configuration.
 
     ``prompts`` makes the prompt factory (loading the tokenizer) once the trial passed its
-    capacity check, so an infeasible trial is rejected in seconds.
+    capacity check, so an infeasible trial is rejected in seconds. ``engine`` makes the server
+    to measure (vLLM unless a test gives another).
     """
     trial_dir = spec.trial_dir
     trial_dir.mkdir(parents=True, exist_ok=True)
@@ -158,7 +187,7 @@ def run_trial(spec: TrialSpec, report: Report, prompts: Callable[[], PromptFacto
         if result.capacity is not None and not result.capacity.fits:
             result.outcome, result.reason = "INFEASIBLE", f"capacity check: {result.capacity.reason}"
             return result
-        _measure(spec, result, report, prompts(), trial_dir, stop_rule)
+        _measure(engine(spec, trial_dir), spec, result, report, prompts(), trial_dir, stop_rule)
     except EngineStartError as exc:
         result.outcome, result.reason, result.log_tail = "FAILED", f"engine start: {exc.args[0]}", exc.log_tail
     except EngineDiedError as exc:
@@ -173,12 +202,8 @@ def run_trial(spec: TrialSpec, report: Report, prompts: Callable[[], PromptFacto
     return result
 
 
-def _measure(spec: TrialSpec, result: TrialResult, report: Report, prompts: PromptFactory, trial_dir: Path,
-             stop_rule: StopRule | None = None) -> None:  # fmt: skip
-    env = {**spec.env, **spec.extra_env}
-    kwargs = {"python": spec.python} if spec.python else {}
-    server = VllmServer(spec.model, spec.engine_args, env, log_path=trial_dir / "engine.log",
-                        startup_timeout_s=spec.startup_timeout_s, **kwargs)  # fmt: skip
+def _measure(server: Engine, spec: TrialSpec, result: TrialResult, report: Report, prompts: PromptFactory,
+             trial_dir: Path, stop_rule: StopRule | None = None) -> None:  # fmt: skip
     with server:
         result.startup_s = server.startup_s
         result.resolved_engine_args = fetch_resolved(server.url)
