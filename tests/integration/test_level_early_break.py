@@ -10,7 +10,7 @@ from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory
 from servetune.load.runner import Level
 from servetune.testing.fake_openai import FakeOpenAI
-from servetune.trial.measure import LevelPlan, measure_level
+from servetune.trial.measure import EarlyBreak, LevelPlan, measure_level
 from tests.conftest import serve_fake
 
 
@@ -38,3 +38,21 @@ def test_a_level_twice_over_its_ttft_bound_stops_at_half_and_keeps_its_numbers(t
 def test_a_level_within_its_bound_runs_every_request(tiny_tokenizer):
     result, records = measure(20, "ttft_ms.p95=1000", tiny_tokenizer)
     assert result.stopped_early is None and result.summary.completed == 40
+
+
+def test_an_open_loop_above_the_server_s_capacity_stops_once_its_queue_keeps_growing(tiny_tokenizer):
+    workload = load_workload("cpu-tiny")
+    plan = LevelPlan(Level("rate", 40), num_requests=400, duration_s=None, warmup_requests=0)
+    slo = Slo()
+    watch = EarlyBreak(slo, plan.level, plan.num_requests, queue_window_s=2.0, queue_growth=8)
+
+    async def go(url: str):
+        async with StreamingClient(url, "fake", api=workload.api, ignore_eos=True) as client:
+            return await measure_level(client, url, workload, PromptFactory(tokenizer=tiny_tokenizer), plan, stream=1,
+                                       slo=slo, sample_every_s=0.2, watch=watch)  # fmt: skip
+
+    # 2 at once, 32 tokens at 5 ms: about 6 requests/s served against 40 offered
+    with serve_fake(FakeOpenAI(ttft_ms=5, itl_ms=5, max_num_seqs=2)) as url:
+        result, records = asyncio.run(go(url))
+    assert result.stopped_early.startswith("saturated: vLLM's waiting queue grew from")
+    assert 0 < result.summary.completed < 400 and len(records) < 400

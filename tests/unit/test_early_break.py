@@ -41,3 +41,25 @@ def test_it_judges_only_at_half_so_a_slow_start_alone_does_not_stop_it():
 def test_timed_levels_and_slos_without_latency_bounds_are_never_cut():
     assert not watch([5.0] * 40, planned=None).broken()
     assert not watch([5.0] * 40, slo="error_rate=0.01").broken()
+
+
+def test_an_open_loop_whose_waiting_queue_grows_steadily_is_saturated():
+    early = EarlyBreak(Slo(), Level("rate", 50), planned=1000, queue_window_s=10)
+    for i in range(21):  # one sample every half second, the queue growing by one each
+        early.waiting(i * 0.5, float(i))
+    assert early.broken() and early.reason == "saturated: vLLM's waiting queue grew from 0 to 20 requests over 10 s: stopped early"
+
+
+def test_a_queue_that_drains_or_a_closed_loop_is_not_saturated():
+    early = EarlyBreak(Slo(), Level("rate", 50), planned=1000, queue_window_s=10)
+    for i in range(21):
+        early.waiting(i * 0.5, float(i if i != 15 else 3))  # it caught up once: the window starts over
+    assert not early.broken()
+    closed = EarlyBreak(Slo(), Level("concurrency", 64), planned=1000, queue_window_s=10)
+    for i in range(40):
+        closed.waiting(i * 0.5, float(i))
+    assert not closed.broken()
+    slow = EarlyBreak(Slo(), Level("rate", 50), planned=1000, queue_window_s=10)
+    for i in range(40):
+        slow.waiting(i * 0.5, float(i // 6))  # 0 to 6 over 19.5 s: creeping, not 8 requests behind
+    assert not slow.broken()

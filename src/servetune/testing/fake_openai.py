@@ -33,6 +33,7 @@ class FakeOpenAI:
         # Like a batch: at most max_num_seqs requests generate at once, the rest wait (TTFT grows).
         self.slots = asyncio.Semaphore(max_num_seqs) if max_num_seqs else None
         self.running = 0
+        self.waiting = 0  # requests queued for a slot (max_num_seqs)
         self.finished = 0
         self.generated = 0
         # A prefix cache of whole prompts, as vLLM counts it: prompt tokens queried, and hit when the
@@ -69,6 +70,8 @@ class FakeOpenAI:
         text = (
             "# TYPE vllm:num_requests_running gauge\n"
             f'vllm:num_requests_running{{model_name="{self.model}"}} {self.running}\n'
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f'vllm:num_requests_waiting{{model_name="{self.model}"}} {self.waiting}\n'
             "# TYPE vllm:generation_tokens_total counter\n"
             f'vllm:generation_tokens_total{{model_name="{self.model}"}} {self.generated}\n'
             "# TYPE vllm:request_success_total counter\n"
@@ -94,7 +97,11 @@ class FakeOpenAI:
             self.cache_hits += prompt_tokens
         self.cached.add(prompt)
         if self.slots is not None:
-            await self.slots.acquire()
+            self.waiting += 1
+            try:
+                await self.slots.acquire()
+            finally:
+                self.waiting -= 1
             start = time.perf_counter()  # waiting for a slot is queueing: TTFT counts it via the client
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -88,21 +89,46 @@ async def _scrape(session: aiohttp.ClientSession, url: str, gauges_only: bool = 
 BREAK_FACTOR = 2.0
 
 
-class EarlyBreak:
-    """Watches a level's finished requests; :meth:`broken` when, at half of them, the SLO is clearly broken.
+#: An open loop is saturated when vLLM's waiting queue grew through this many seconds of samples
+#: (never shrinking by more than one request between two) by at least QUEUE_GROWTH requests.
+QUEUE_WINDOW_S = 10.0
+QUEUE_GROWTH = 8
 
-    Only latency bounds count (TTFT, TPOT, ITL, E2EL percentiles and means); the error rate is
-    left to the whole level. ``planned`` is the level's measured request count (None for a
-    timed level, which is never cut short).
+
+class EarlyBreak:
+    """Watches a level; :meth:`broken` once it has clearly broken, with the reason in :attr:`reason`.
+
+    - **SLO**: at half its finished requests, a latency percentile (or mean) is ``factor`` times its
+      bound. The error rate is left to the whole level. ``planned`` is the level's measured request
+      count (None for a timed level, which this rule never cuts).
+    - **saturation** (open loops only, where arrivals do not wait for answers): vLLM's waiting queue
+      grew steadily for ``queue_window_s`` (the server is not keeping up: throughput is flat at its
+      capacity and every later request only waits longer). A closed loop's queue is bounded by its
+      clients, so it is not judged this way.
     """
 
-    def __init__(self, slo: Slo, level: Level, planned: int | None, factor: float = BREAK_FACTOR) -> None:
+    def __init__(self, slo: Slo, level: Level, planned: int | None, factor: float = BREAK_FACTOR,
+                 queue_window_s: float = QUEUE_WINDOW_S, queue_growth: int = QUEUE_GROWTH) -> None:  # fmt: skip
         self.bounds = [b for b in slo.bounds if b.stat is not None]
         self.level = level
         self.half = None if planned is None else max(planned // 2, 8)
         self.factor = factor
+        self.queue_window_s, self.queue_growth = queue_window_s, queue_growth
+        self.queue: list[tuple[float, float]] = []  # (seconds, requests waiting) since the queue last shrank
         self.done: list[RequestRecord] = []
         self.reason: str | None = None
+
+    def waiting(self, at_s: float, requests: float) -> None:
+        """A sample of vLLM's waiting queue (``requests_waiting``), ``at_s`` seconds into the level."""
+        if self.level.kind != "rate" or self.reason is not None:
+            return
+        if self.queue and requests < self.queue[-1][1] - 1:
+            self.queue = []  # it shrank: the server caught up, start over
+        self.queue.append((at_s, requests))
+        (first_s, first), (last_s, last) = self.queue[0], self.queue[-1]
+        if last_s - first_s >= self.queue_window_s and last - first >= self.queue_growth:
+            self.reason = (f"saturated: vLLM's waiting queue grew from {first:g} to {last:g} requests over "
+                           f"{last_s - first_s:.0f} s: stopped early")  # fmt: skip
 
     def finished(self, record: RequestRecord) -> None:
         if record.warmup or self.reason is not None or self.half is None or not self.bounds:
@@ -158,12 +184,16 @@ def cache_note(server: dict[str, float], workload: Workload, mean_prompt_tokens:
     return None
 
 
-async def _sample_gauges(session: aiohttp.ClientSession, url: str, peaks: dict[str, float], every_s: float) -> None:
+async def _sample_gauges(session: aiohttp.ClientSession, url: str, peaks: dict[str, float], every_s: float,
+                         watch: EarlyBreak | None = None) -> None:  # fmt: skip
+    start = time.perf_counter()
     while True:
         snap = await _scrape(session, url, gauges_only=True)
         if snap is not None:
             for name, value in snap.gauges.items():
                 peaks[f"{name}_max"] = max(peaks.get(f"{name}_max", 0.0), value)
+            if watch is not None and "requests_waiting" in snap.gauges:
+                watch.waiting(time.perf_counter() - start, snap.gauges["requests_waiting"])
         await asyncio.sleep(every_s)
 
 
@@ -179,13 +209,14 @@ async def measure_level(
     on_done: Callable[[RequestRecord], None] | None = None,
     sample_every_s: float = 0.5,
     telemetry: Callable[[], TelemetrySampler] | None = None,
+    watch: EarlyBreak | None = None,
 ) -> tuple[LevelResult, list[RequestRecord]]:
     """Run one level and return its result and the per-request records.
 
     ``telemetry`` makes a sampler of the devices (or host) that runs while the level does.
     """
     requests = iter_requests(workload, prompts, stream=stream)
-    watch = EarlyBreak(slo, plan.level, plan.num_requests)
+    watch = watch if watch is not None else EarlyBreak(slo, plan.level, plan.num_requests)
 
     def done(record: RequestRecord) -> None:
         watch.finished(record)
@@ -196,7 +227,7 @@ async def measure_level(
         reset = await _reset_prefix_cache(session, url)
         before = await _scrape(session, url)
         peaks: dict[str, float] = {}
-        sampler = asyncio.ensure_future(_sample_gauges(session, url, peaks, sample_every_s)) if before else None
+        sampler = asyncio.ensure_future(_sample_gauges(session, url, peaks, sample_every_s, watch)) if before else None
         devices = telemetry() if telemetry is not None else contextlib.nullcontext()
         try:
             with devices:
