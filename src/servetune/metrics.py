@@ -62,6 +62,21 @@ def metric_names() -> list[str]:
     return names + list(RATE_METRICS)
 
 
+def send_sync_share(records: Iterable["RequestRecord"], window_s: float = 0.010) -> float | None:
+    """How synchronized a level's clients were: the share of measured requests sent within
+    ``window_s`` of another request (any, warm-up included). Near 1: the clients move in waves."""
+    everything = sorted(records, key=lambda r: r.sent)
+    sends = [r.sent for r in everything]
+    measured = [i for i, r in enumerate(everything) if not r.warmup]
+    if len(sends) < 2 or not measured:
+        return None
+    close = sum(
+        (i > 0 and sends[i] - sends[i - 1] <= window_s) or (i + 1 < len(sends) and sends[i + 1] - sends[i] <= window_s)
+        for i in measured
+    )
+    return close / len(measured)
+
+
 def cost_per_mtok_usd(price_per_gpu_hour: float, gpus: int, output_throughput: float) -> float:
     """USD per million output tokens: price per GPU-hour x GPUs / (output tok/s x 3600) x 1e6."""
     if output_throughput <= 0:

@@ -140,3 +140,26 @@ def test_workload_ignore_eos_and_chat_payload():
     assert body["messages"] == [{"role": "user", "content": "hi"}] and body["max_tokens"] == 7
     assert body["stream_options"] == {"include_usage": True} and "ignore_eos" not in body
     assert Workload.model_validate({"name": "w", "input_tokens": {"dist": "fixed", "value": 1}, "output_tokens": {"dist": "fixed", "value": 1}}).ignore_eos
+
+
+def test_closed_loop_clients_start_staggered_and_the_level_says_how_synchronized_it_was(tiny_tokenizer):
+    """Equal requests from clients started together stay in lock-step (every send within 10 ms of
+    another); staggered within the first request's duration, most are not."""
+    from servetune.config.workload import load_workload
+    from servetune.load.requests import PromptFactory, iter_requests
+    from servetune.metrics import send_sync_share
+
+    workload = load_workload("cpu-tiny")  # 32 output tokens each: equal durations
+
+    async def go(url, stagger):
+        async with StreamingClient(url, "fake", api=workload.api, ignore_eos=True) as client:
+            requests = iter_requests(workload, PromptFactory(tiny_tokenizer), stream=1)
+            records = await run_level(client, requests, Level("concurrency", 8), num_requests=64, warmup_requests=8,
+                                      stagger=stagger)  # fmt: skip
+            return send_sync_share(records), records
+
+    with serve_fake(FakeOpenAI(ttft_ms=200, itl_ms=2)) as url:
+        together, _ = asyncio.run(go(url, stagger=False))
+        staggered, records = asyncio.run(go(url, stagger=True))
+    assert together >= 0.9 and staggered <= 0.6, (together, staggered)
+    assert sum(r.ok for r in records) == 72  # nothing lost to the ramp

@@ -61,8 +61,15 @@ async def run_level(
     seed: int = 0,
     on_done: Callable[[RequestRecord], None] | None = None,
     stop: Callable[[], bool] | None = None,
+    stagger: bool = True,
 ) -> list[RequestRecord]:
-    """Run one level and return every request's record (warm-up ones flagged)."""
+    """Run one level and return every request's record (warm-up ones flagged).
+
+    ``stagger`` (closed loops): the first client starts at once and the others at seeded random
+    moments within the first request's duration, as real users do, rather than all together. With
+    equal output lengths, clients started together stay in lock-step and every request arrives in
+    a wave behind the others' prefills, which measures the waves more than the server.
+    """
     if num_requests is None and duration_s is None:
         raise ValueError("a level needs num_requests or duration_s")
     total = None if num_requests is None else num_requests + warmup_requests
@@ -94,12 +101,28 @@ async def run_level(
             on_done(record)
 
     if level.kind == "concurrency":
+        clients = max(1, int(level.value))
+        first_done = asyncio.Event()
+        first_took: list[float] = []
+        offsets = np.random.default_rng(seed).uniform(0.0, 1.0, clients)
 
-        async def worker() -> None:
-            while (item := next_record()) is not None:
-                await send(*item)
+        async def worker(k: int) -> None:
+            if stagger and k:
+                await first_done.wait()
+                await asyncio.sleep(float(offsets[k]) * first_took[0])
+            try:
+                while (item := next_record()) is not None:
+                    started = time.perf_counter()
+                    await send(*item)
+                    if not first_done.is_set():
+                        first_took.append(time.perf_counter() - started)
+                        first_done.set()
+            finally:
+                if not first_done.is_set():  # nothing was sent: release the others at once
+                    first_took.append(0.0)
+                    first_done.set()
 
-        await asyncio.gather(*(worker() for _ in range(max(1, int(level.value)))))
+        await asyncio.gather(*(worker(k) for k in range(clients)))
         return records
 
     limit = asyncio.Semaphore(level.max_concurrency) if level.max_concurrency else None

@@ -39,7 +39,7 @@ from servetune.errors import EngineDiedError
 from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory, iter_requests
 from servetune.load.runner import Level, run_level
-from servetune.metrics import RequestRecord, summarize
+from servetune.metrics import RequestRecord, send_sync_share, summarize
 from servetune.results import LevelResult, LevelRun
 from servetune.telemetry import TelemetrySampler
 
@@ -250,6 +250,7 @@ async def measure_level(
     result = LevelResult(
         summary=summary, server_metrics=server, telemetry=measured, slo_violations=slo.violations(summary),
         cache_note=cache_note(server, workload, mean_prompt, reset), stopped_early=watch.reason,
+        send_sync_share=send_sync_share(records),
     )  # fmt: skip
     return result, records
 
