@@ -19,7 +19,8 @@ there within the budget).
 
 ``--early-stopping`` instead searches each seed twice, with the study's dominance rule
 (study/early_stop.py) off and on, the rule run on the recorded levels one at a time, and prints
-per algorithm: ``best_lost_share``, the share of seeds whose best with early stopping scored
+per algorithm: ``lowered``, cut trials (all seeds) whose own best goodput fell because a
+higher level that scored more was not run; ``best_lost_share``, the share of seeds whose best with early stopping scored
 lower than without (target: under 5%), with the cut trial, level and dominator that explain
 each loss; ``device_minutes_saved``, the recorded measuring time of the levels cut (times the
 trial's devices, mean per seed); and ``mean_trials`` against the grid size.
@@ -136,17 +137,17 @@ def replay_early_stopping(args: argparse.Namespace) -> int:
     seeds = range(args.seed0, args.seed0 + args.seeds)
     print(f"{args.surface}: {len(surface.results)} grid points, best goodput {surface.best_score:.2f} req/s; early stopping "
           f"off and on, {args.seeds} seeds, {args.in_flight} in flight" + (f", at most {args.budget} trials" if args.budget else ""))  # fmt: skip
-    print(f"{'algorithm':<10} {'mean trials':>11} {'grid':>5} {'cut/seed':>9} {'best lost':>10} {'device min saved':>17} {'seconds':>8}")
+    print(f"{'algorithm':<10} {'mean trials':>11} {'grid':>5} {'cut/seed':>9} {'lowered':>8} {'best lost':>10} {'device min saved':>17} {'seconds':>8}")
     rows = []
     for algorithm in args.algorithms:
         began = time.perf_counter()
         e = early_stopping_effect(surface, algorithm, [0] if algorithm == "grid" else seeds, args.in_flight, args.budget)
         took = time.perf_counter() - began
         rows.append({"algorithm": algorithm, "seeds": e.seeds, "grid_size": e.grid_size, "mean_trials": e.mean_trials,
-                     "mean_cut": statistics.fmean(e.cut), "best_lost_share": e.best_lost_share,
+                     "mean_cut": statistics.fmean(e.cut), "lowered": sum(e.lowered), "best_lost_share": e.best_lost_share,
                      "device_minutes_saved": e.device_minutes_saved, "losses": [vars(loss) for loss in e.losses],
                      "seconds": took})  # fmt: skip
-        print(f"{algorithm:<10} {e.mean_trials:>11.1f} {e.grid_size:>5} {statistics.fmean(e.cut):>9.1f} "
+        print(f"{algorithm:<10} {e.mean_trials:>11.1f} {e.grid_size:>5} {statistics.fmean(e.cut):>9.1f} {sum(e.lowered):>8} "
               f"{len(e.losses):>5}/{e.seeds:<4} {e.device_minutes_saved:>17.2f} {took:>8.1f}")  # fmt: skip
         for loss in e.losses:
             why = (f"cut {loss.cut_params} after level {loss.cut_at_level}: {loss.reason}" if loss.cut_params

@@ -350,6 +350,7 @@ class EarlyStoppingEffect:
     grid_size: int
     trials: list[int]  # per seed, with early stopping
     cut: list[int]  # trials cut per seed
+    lowered: list[int]  # per seed, cut trials whose own score fell (the cut dropped a level that scored higher)
     device_seconds_saved: list[float]  # per seed
     losses: list[Loss]
 
@@ -375,16 +376,17 @@ def early_stopping_effect(
     surface: Surface, algorithm: str, seeds: Iterable[int], in_flight: int = 1, budget: int | None = None, slack: float = 1e-9
 ) -> EarlyStoppingEffect:
     """Each seed searched twice, early stopping off and on: did it find as good a best, and what did it save?"""
-    trials, cut, saved, losses = [], [], [], []
+    trials, cut, lowered, saved, losses = [], [], [], [], []
     for seed in seeds:
         off = replay_trials(surface, algorithm, seed, budget, in_flight)
         on = replay_trials(surface, algorithm, seed, budget, in_flight, early_stopping=True)
         best_off, best_on = max(score(t.result) for t in off), max(score(t.result) for t in on)
         trials.append(len(on))
         cut.append(sum(t.cut for t in on))
+        lowered.append(sum(t.cut and score(t.result) < score(t.recorded) - slack for t in on))
         saved.append(sum(t.device_seconds_saved for t in on))
         if best_on < best_off - slack:
             culprit = next((t for t in on if t.cut and score(t.recorded) > best_on + slack), None)
             losses.append(Loss(seed, best_off, best_on, culprit.params if culprit else None,
                                len(culprit.result.levels) - 1 if culprit else None, culprit.result.stopped_because if culprit else None))  # fmt: skip
-    return EarlyStoppingEffect(algorithm, len(surface.results), trials, cut, saved, losses)
+    return EarlyStoppingEffect(algorithm, len(surface.results), trials, cut, lowered, saved, losses)
