@@ -104,7 +104,7 @@ class CountingSearcher:
 )  # fmt: skip
 def test_in_flight_keeps_n_trials_outstanding_and_tells_the_oldest(points, budget, in_flight, outstanding):
     searcher = CountingSearcher(range(points))
-    order = [p["x"] for p in in_flight_order(searcher, lambda p: {"x": p["x"]}, budget, in_flight)]
+    order = [p["x"] for p in in_flight_order(searcher, lambda _id, p: {"x": p["x"]}, budget, in_flight)]
     assert order == list(range(min(points, budget)))
     assert searcher.outstanding_at_tell == outstanding
     assert searcher.told == [{"x": x} for x in order]  # each trial is told its own report

@@ -9,6 +9,15 @@ a search's cost can be counted in trials over many seeds in seconds.
 The score of a trial is its best goodput that met the SLO (0 when none did, or when it failed
 or did not fit); a search has *reached* the optimum once a trial scored within ``tolerance``
 of the best score on the surface.
+
+With ``early_stopping``, the replay also runs the study's stop rule (study/early_stop.py
+:func:`~servetune.study.early_stop.judge`) on the recorded levels, revealed one at a time: a
+trial cut at level ``k`` is told (and scored) as its recording truncated to ``levels[:k+1]``.
+A recording may itself have stopped early (SLO broken, saturated), so the replay can only cut
+further. A trial is compared with the trials finished when it started: with one in flight
+that is every trial before it, exactly as in a study; with several, the trials running
+alongside it may finish while it climbs and would then count, which the replay leaves out
+(it cuts a little less than a study could).
 """
 
 from __future__ import annotations
@@ -25,7 +34,8 @@ import yaml
 
 from servetune.config.space import Range, SearchSpace
 from servetune.errors import UserError
-from servetune.results import TrialResult
+from servetune.load.runner import Level
+from servetune.results import OperatingPoint, TrialResult, best_level_index
 from servetune.study.objectives import objectives_and_constraints
 
 ALGORITHMS = ("grid", "random", "tpe", "nsga2", "gp")
@@ -116,39 +126,139 @@ def space_for(surface: Surface, algorithm: str, seed: int, in_flight: int = 1, b
     return surface.space.model_copy(update={"search": search})
 
 
+def planned_levels(surface: Surface, base_dir: Path = Path()) -> tuple[Level, ...]:
+    """The load levels every trial of the surface's space plans to climb, as ``servetune run`` resolves them."""
+    from servetune.study.context import resolve_levels
+
+    return resolve_levels(surface.space, surface.space.resolved_workload(base_dir))
+
+
+def stop_early(recorded: TrialResult, planned: Sequence[Level], finished: Sequence[OperatingPoint]) -> TrialResult:
+    """The recorded result as a ladder with the dominance rule would have ended it.
+
+    The rule is asked after each level the recorded ladder went on from (it is not asked at the
+    last planned level, nor where the ladder stopped for its own reasons: trial/ladder.py), with
+    the planned levels left. Only a complete trial is cut.
+    """
+    if recorded.outcome != "COMPLETE":
+        return recorded
+    from servetune.study.early_stop import judge
+
+    for index in range(min(len(recorded.levels), len(planned)) - 1):
+        levels = recorded.levels[: index + 1]
+        reason = judge(recorded.model_copy(update={"levels": levels}), planned[index + 1 :], finished)
+        if reason:
+            return recorded.model_copy(update={"levels": levels, "stopped_because": reason, "best_level_index": best_level_index(levels)})
+    return recorded
+
+
+@dataclass(frozen=True)
+class Told:
+    """One trial of a replay as the searcher was told it."""
+
+    params: dict[str, Any]
+    result: TrialResult  # the recording, truncated where early stopping cut it
+    recorded: TrialResult
+
+    @property
+    def cut(self) -> bool:
+        return len(self.result.levels) < len(self.recorded.levels)
+
+    @property
+    def device_seconds_saved(self) -> float:
+        """Measuring time of the recorded levels not run, times the devices the trial held."""
+        return sum(level.measured_s for level in self.recorded.levels[len(self.result.levels) :]) * self.recorded.devices
+
+
+class ReplayRun:
+    """One search over a surface: answers each trial from the recording, cut by early stopping when on."""
+
+    def __init__(self, surface: Surface, early_stopping: bool = False) -> None:
+        self.surface = surface
+        self.planned = planned_levels(surface) if early_stopping else ()
+        self.early_stopping = early_stopping
+        self.told: list[Told] = []
+        self._finished_at_start: dict[str, list[OperatingPoint]] = {}
+
+    def start(self, trial_id: str, params: dict[str, Any]) -> None:
+        if self.early_stopping:
+            from servetune.study.early_stop import FinishedPoints
+
+            self._finished_at_start[trial_id] = FinishedPoints(t.result for t in self.told).points()
+
+    def tell(self, trial_id: str, params: dict[str, Any]) -> Told:
+        recorded = self.surface.results[key(params)]
+        result = recorded
+        if self.early_stopping:
+            result = stop_early(recorded, self.planned, self._finished_at_start.pop(trial_id))
+        self.told.append(Told(params, result, recorded))
+        return self.told[-1]
+
+
 def replay(
-    surface: Surface, algorithm: str, seed: int, budget: int | None = None, in_flight: int = 1, until: float | None = None
-) -> list[float]:
-    """The scores of the trials a search runs, in the order their results come back (at most ``budget``).
+    surface: Surface, algorithm: str, seed: int, budget: int | None = None, in_flight: int = 1, until: float | None = None,
+    early_stopping: bool = False,
+) -> list[float]:  # fmt: skip
+    """The scores of the trials a search runs, in the order their results come back (at most ``budget``)."""
+    return [score(t.result) for t in replay_trials(surface, algorithm, seed, budget, in_flight, until, early_stopping)]
+
+
+def replay_trials(
+    surface: Surface, algorithm: str, seed: int, budget: int | None = None, in_flight: int = 1, until: float | None = None,
+    early_stopping: bool = False,
+) -> list[Told]:  # fmt: skip
+    """The trials a search runs, as told, in the order their results come back (at most ``budget``).
 
     Grid and random search run their proposals (:func:`~servetune.study.driver.proposals`);
-    the Bayesian searchers run with ``in_flight`` trials at once (:func:`in_flight_order`).
-    With ``until``, the replay ends at the first trial scoring at least that much.
+    the Bayesian searchers are told each result. All run with ``in_flight`` trials at once
+    (:func:`in_flight_order`). With ``until``, the replay ends at the first trial scoring at
+    least that much.
     """
-    from servetune.study.driver import proposals
-
     space = space_for(surface, algorithm, seed, in_flight, budget)
     budget = space.search.num_trials
+    run = ReplayRun(surface, early_stopping)
     if algorithm in ("grid", "random"):
-        scores = [surface.score_of(p) for p in proposals(space, budget)]
-        reached = trials_to_reach(scores, until) if until is not None else None
-        return scores[:reached] if reached else scores
-    from servetune.study.searcher import CONSTRAINTS_KEY, OBJECTIVES_KEY, ConstrainedOptunaSearch
+        from servetune.study.driver import proposals
 
-    def report(params: dict[str, Any]) -> dict[str, str]:
-        values, constraints = objectives_and_constraints(surface.results[key(params)], space.search.objectives, space.slo_bounds)
-        return {OBJECTIVES_KEY: json.dumps(values), CONSTRAINTS_KEY: json.dumps(constraints)}
+        searcher: Searcher = ListSearcher(proposals(space, budget))
 
-    scores: list[float] = []
-    for params in in_flight_order(ConstrainedOptunaSearch(space, baseline=False), report, budget, in_flight):
-        scores.append(surface.score_of(params))
-        if until is not None and scores[-1] >= until:
+        def report(trial_id: str, params: dict[str, Any]) -> dict[str, Any]:
+            run.tell(trial_id, params)
+            return {}
+    else:
+        from servetune.study.searcher import CONSTRAINTS_KEY, OBJECTIVES_KEY, ConstrainedOptunaSearch
+
+        searcher = ConstrainedOptunaSearch(space, baseline=False)
+
+        def report(trial_id: str, params: dict[str, Any]) -> dict[str, Any]:
+            told = run.tell(trial_id, params)
+            values, constraints = objectives_and_constraints(told.result, space.search.objectives, space.slo_bounds)
+            return {OBJECTIVES_KEY: json.dumps(values), CONSTRAINTS_KEY: json.dumps(constraints)}
+
+    for _ in in_flight_order(searcher, report, budget, in_flight, on_start=run.start):
+        if until is not None and score(run.told[-1].result) >= until:
             break
-    return scores
+    return run.told
+
+
+class ListSearcher:
+    """A fixed list of proposals (grid and random search) behind the :class:`Searcher` protocol; results change nothing."""
+
+    FINISHED = "FINISHED"
+
+    def __init__(self, points: Sequence[dict[str, Any]]) -> None:
+        self._points = deque(points)
+
+    def suggest(self, trial_id: str) -> dict[str, Any] | str:
+        return {"params": self._points.popleft()} if self._points else self.FINISHED
+
+    def on_trial_complete(self, trial_id: str, result: dict[str, Any] | None = None, error: bool = False) -> None:
+        pass
 
 
 def in_flight_order(
-    searcher: Searcher, report: Callable[[dict[str, Any]], dict[str, Any]], budget: int, in_flight: int
+    searcher: Searcher, report: Callable[[str, dict[str, Any]], dict[str, Any]], budget: int, in_flight: int,
+    on_start: Callable[[str, dict[str, Any]], None] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Drive ``searcher`` as a cluster running ``in_flight`` trials at once would; yield each
     trial's params as its result is told.
@@ -157,6 +267,7 @@ def in_flight_order(
     the oldest is told its ``report`` and its slot asked again: every proposal after the first
     ``in_flight`` is made with ``in_flight - 1`` others still running. Ends once ``budget``
     trials were told, or the searcher proposes nothing more and none is left running.
+    ``on_start`` hears each trial as it is proposed; ``report`` is called with its id and params.
     """
     running: deque[tuple[str, dict[str, Any]]] = deque()
     proposed = 0
@@ -167,11 +278,13 @@ def in_flight_order(
                 budget = proposed  # nothing changes while it waits: it has nothing more to propose
                 break
             running.append((str(proposed), suggestion["params"]))
+            if on_start is not None:
+                on_start(*running[-1])
             proposed += 1
         if not running:
             return
         trial_id, params = running.popleft()
-        searcher.on_trial_complete(trial_id, report(params))
+        searcher.on_trial_complete(trial_id, report(trial_id, params))
         yield params
 
 
@@ -215,3 +328,65 @@ def efficiency(
         for seed in seeds
     ]  # fmt: skip
     return Efficiency(algorithm, len(needed), len(surface.results), needed)
+
+
+@dataclass(frozen=True)
+class Loss:
+    """A seed where the search found a worse best with early stopping, and the cut that explains it (if one does)."""
+
+    seed: int
+    best_off: float
+    best_on: float
+    cut_params: dict[str, Any] | None  # a trial cut below best_off that its recording reaches, else the search went elsewhere
+    cut_at_level: int | None  # the last level it ran
+    reason: str | None  # stopped_because: the level and the dominating trial
+
+
+@dataclass(frozen=True)
+class EarlyStoppingEffect:
+    """One algorithm over seeds: the best found with early stopping against without, and the time it saved."""
+
+    algorithm: str
+    grid_size: int
+    trials: list[int]  # per seed, with early stopping
+    cut: list[int]  # trials cut per seed
+    lowered: list[int]  # per seed, cut trials whose own score fell (the cut dropped a level that scored higher)
+    device_seconds_saved: list[float]  # per seed
+    losses: list[Loss]
+
+    @property
+    def seeds(self) -> int:
+        return len(self.trials)
+
+    @property
+    def mean_trials(self) -> float:
+        return statistics.fmean(self.trials)
+
+    @property
+    def best_lost_share(self) -> float:
+        return len(self.losses) / self.seeds
+
+    @property
+    def device_minutes_saved(self) -> float:
+        """Mean per seed."""
+        return statistics.fmean(self.device_seconds_saved) / 60
+
+
+def early_stopping_effect(
+    surface: Surface, algorithm: str, seeds: Iterable[int], in_flight: int = 1, budget: int | None = None, slack: float = 1e-9
+) -> EarlyStoppingEffect:
+    """Each seed searched twice, early stopping off and on: did it find as good a best, and what did it save?"""
+    trials, cut, lowered, saved, losses = [], [], [], [], []
+    for seed in seeds:
+        off = replay_trials(surface, algorithm, seed, budget, in_flight)
+        on = replay_trials(surface, algorithm, seed, budget, in_flight, early_stopping=True)
+        best_off, best_on = max(score(t.result) for t in off), max(score(t.result) for t in on)
+        trials.append(len(on))
+        cut.append(sum(t.cut for t in on))
+        lowered.append(sum(t.cut and score(t.result) < score(t.recorded) - slack for t in on))
+        saved.append(sum(t.device_seconds_saved for t in on))
+        if best_on < best_off - slack:
+            culprit = next((t for t in on if t.cut and score(t.recorded) > best_on + slack), None)
+            losses.append(Loss(seed, best_off, best_on, culprit.params if culprit else None,
+                               len(culprit.result.levels) - 1 if culprit else None, culprit.result.stopped_because if culprit else None))  # fmt: skip
+    return EarlyStoppingEffect(algorithm, len(surface.results), trials, cut, lowered, saved, losses)
