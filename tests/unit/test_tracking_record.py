@@ -270,3 +270,13 @@ def test_mlflow_env_bounds_retries_and_restores_what_it_set(monkeypatch):
         assert os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "5"  # the user's choice stands
         assert os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] == "true"
     assert "MLFLOW_HTTP_REQUEST_MAX_RETRIES" not in os.environ and os.environ["MLFLOW_HTTP_REQUEST_TIMEOUT"] == "5"
+
+
+def test_the_record_names_levels_whose_prefix_cache_may_have_been_warm():
+    t = {x.trial_id: x for x in demo_trials()}["t32"]
+    warm = t.levels[1].model_copy(update={"cache_note": "the prefix cache could not be emptied"})
+    t = t.model_copy(update={"levels": [t.levels[0], warm, t.levels[2]]})
+    record = build_record(t, study_info(), None, ModelFingerprint("unknown", None), conclude(t, [t]))
+    assert record.tags["stability.warm_cache"] == "concurrency 32: the prefix cache could not be emptied"
+    cold = {x.trial_id: x for x in demo_trials()}["t16"]
+    assert build_record(cold, study_info(), None, ModelFingerprint("unknown", None), conclude(cold, [cold])).tags["stability.warm_cache"] == "none"

@@ -16,6 +16,7 @@ from string import Template
 from servetune.metrics import COST_METRIC, E2EL_P99, TPOT_P99, TTFT_P99
 from servetune.report.conclusion import Conclusion, Verdict, conclude  # noqa: F401 (sync.py, __init__ import them here)
 from servetune.report.points import first_line, is_out_of_memory, level_label
+from servetune.report.trials import cache_notes
 from servetune.results import LevelResult, StudyInfo, TrialResult
 from servetune.shipped import trials_dir
 from servetune.tracking.fields import (
@@ -229,8 +230,7 @@ def _stability_tags(
         "stability.cancelled": str(errors.get("cancelled", 0)), "stability.ttft_p99_jitter": jitter,
         "stability.ttft_p99_range": spread,
         "stability.errors": ", ".join(f"{k} {v}" for k, v in sorted(errors.items())) or "none",
-        "stability.warm_cache": "; ".join(f"{level_label(lv.summary.level)}: {lv.cache_note}"
-                                          for lv in trial.levels if lv.cache_note) or "none",
+        "stability.warm_cache": "; ".join(cache_notes(trial)) or "none",
     }  # fmt: skip
 
 
