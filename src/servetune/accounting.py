@@ -20,11 +20,11 @@ def time_accounting(results: Iterable[TrialResult]) -> dict[str, Any]:
 
     Device-seconds (GPU-seconds; core-seconds on the CPU stand-in) are a trial's duration times
     its devices. ``measuring`` is the measured part of every load level; ``starting`` is engine
-    startup (process start to healthy); ``other`` is the rest: capacity check, tokenizer
-    loading, warm-up requests, failed starts and teardown. Shares are of the total (0 when
-    nothing ran).
+    startup (process start to healthy); ``quality`` is the quality probe (config/quality.py);
+    ``other`` is the rest: capacity check, tokenizer loading, warm-up requests, failed starts and
+    teardown. Shares are of the total (0 when nothing ran).
     """
-    total = measuring = starting = 0.0
+    total = measuring = starting = quality = 0.0
     startups: list[float] = []
     trials = 0
     for result in results:
@@ -37,7 +37,9 @@ def time_accounting(results: Iterable[TrialResult]) -> dict[str, Any]:
         total += duration * result.devices
         measuring += min(measured, duration) * result.devices
         starting += min(startup, max(duration - measured, 0.0)) * result.devices
-    other = max(total - measuring - starting, 0.0)
+        probe = result.quality.duration_s if result.quality is not None and result.quality.duration_s else 0.0
+        quality += min(probe, max(duration - measured - startup, 0.0)) * result.devices
+    other = max(total - measuring - starting - quality, 0.0)
 
     def share(x: float) -> float:
         return x / total if total > 0 else 0.0
@@ -47,9 +49,11 @@ def time_accounting(results: Iterable[TrialResult]) -> dict[str, Any]:
         "device_seconds": total,
         "measuring_device_seconds": measuring,
         "starting_device_seconds": starting,
+        "quality_device_seconds": quality,
         "other_device_seconds": other,
         "measuring_share": share(measuring),
         "starting_share": share(starting),
+        "quality_share": share(quality),
         "other_share": share(other),
         "engine_starts": len(startups),
         "startup_s_mean": sum(startups) / len(startups) if startups else None,
@@ -106,7 +110,8 @@ def device_time_lines(results: list[TrialResult], device: str, planned_levels: i
     lines = [
         f"{unit} time: {spent['device_seconds'] / 60:,.1f} {unit}-min reserved by {spent['trials']} trial(s): "
         f"{spent['measuring_share']:.0%} measuring, {spent['starting_share']:.0%} starting engines{starts}, "
-        f"{spent['other_share']:.0%} warm-up, teardown and checks"
+        + (f"{spent['quality_share']:.0%} quality probe, " if spent["quality_device_seconds"] else "")
+        + f"{spent['other_share']:.0%} warm-up, teardown and checks"
     ]
     savings = early_stop_savings(results, planned_levels)
     if savings["trials_stopped"]:

@@ -117,6 +117,40 @@ class CapacityReport(BaseModel):
     advice: list[str] = []
 
 
+class ReferenceAnswers(BaseModel):
+    """What the quality reference answered: what every other trial's probe is compared with."""
+
+    model_config = RECORD
+
+    trial_id: str
+    params: dict[str, Any]
+    max_model_len: int | None = None  # the window the recall suite was built for
+    prompt_ids: list[list[int]] = []  # agreement prompts as the server tokenized them
+    continuations: list[list[int]] = []  # the reference's greedy continuations
+    nll: list[float | None] = []  # the reference's own teacher-forced NLL per token
+    scores: dict[str, float] = {}  # suite -> share of items passed
+
+
+class QualityResult(BaseModel):
+    """A trial's quality probe (quality/probe.py): scores, drops against the reference, verdict."""
+
+    model_config = RECORD
+
+    reference_trial: str
+    agreement: float | None = None  # mean share of the reference's tokens reproduced before the first difference
+    exact_match: float | None = None  # share of agreement prompts continued exactly as the reference did
+    nll_delta: float | None = None  # nats per token: this trial's NLL of the reference's tokens minus the reference's own
+    suites: dict[str, float] = {}  # suite -> share of items passed
+    drops: dict[str, float] = {}  # score -> the reference's value minus this trial's (nll_delta as is)
+    bounds: dict[str, float] = {}  # score -> the largest drop allowed
+    failures: list[str] = []  # the bounds broken, as sentences
+    passed: bool | None = None
+    duration_s: float | None = None
+    errors: list[str] = []  # requests of the probe that failed (first 20)
+    answers: dict[str, list[Any]] = {}  # per prompt: agreement token ids, suite answers (texts)
+    reference_answers: ReferenceAnswers | None = None  # on the reference trial only
+
+
 class TrialResult(BaseModel):
     """``result.json`` of one trial directory: everything a report needs, GPUs not required."""
 
@@ -150,6 +184,7 @@ class TrialResult(BaseModel):
     stopped_because: str | None = None
     best_level_index: int | None = None
     environment: dict[str, str] = {}  # hardware and software stack of the trial: see environment.py
+    quality: QualityResult | None = None  # the quality probe, when the space has a ``quality:`` section
 
     def operating_points(self, price_per_device_hour: float | None = None) -> list[OperatingPoint]:
         """Every measured level as a point; ``price_per_device_hour`` replaces the recorded price in the cost."""
@@ -220,6 +255,7 @@ STUDY_FILE = "study.json"
 SPACE_FILE = "space.yaml"
 TRIALS_DIR = "trials"
 RESULT_FILE = "result.json"
+QUALITY_FILE = "quality.jsonl"  # the quality probe's answers, a row per prompt (quality/probe.py)
 
 
 Model = TypeVar("Model", bound=BaseModel)

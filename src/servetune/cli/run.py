@@ -6,6 +6,7 @@ import argparse
 import signal
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from rich.table import Table
@@ -118,15 +119,35 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
     write_study_info(study_dir, study_info(space, args.space, model, levels))
     context = StudyContext(space, workload, study_dir.resolve(), model, levels, python=args.python)
     signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(SystemExit(128 + signum)))
+    callbacks = None
+
+    def ray_started() -> list:
+        nonlocal callbacks
+        if callbacks is None:
+            init_ray(args.address)
+            callbacks = [ResultMirror(context), LiveTable(space, console), MlflowCallback(study_dir.resolve(), args.tracking_uri)]
+        return callbacks
+
+    reference = space.quality_reference
+    if reference is not None:  # the quality reference runs first: every later trial is compared with its answers
+        from servetune.quality.probe import make_plan
+        from servetune.study.driver import keep_reference, read_reference
+
+        kept = read_reference(study_dir, reference)
+        context = replace(context, quality=make_plan(space.quality, args.space.parent, reference, kept))
+        if kept is None:
+            console.print(f"quality: the reference ({describe_params(reference)}) runs first; later trials are compared with its answers")
+            run_tuner(context, [reference], None, 1, ray_started(), 1)
+            context = keep_reference(context)
 
     points, searcher, num_samples = None, None, 0
     if space.search.algorithm in ("grid", "random"):
-        points = proposals(space, args.max_trials)
+        points = [p for p in proposals(space, args.max_trials) if p != reference]
         num_samples = len(points)
     else:
         history = []
         for r in finished_results(study_dir):
-            values, constraints = objectives_and_constraints(r, space.search.objectives, space.slo_bounds)
+            values, constraints = objectives_and_constraints(r, space.search.objectives, space.slo_bounds, space.quality_bounds)
             history.append((r.params, values, constraints))
         done = len(history)
         wanted = args.max_trials or space.search.num_trials or 20
@@ -135,11 +156,10 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
         searcher = ConstrainedOptunaSearch(space, baseline=baseline, history=history)
     console.print(f"study {space.name}: {space.search.algorithm} search, {num_samples} trial(s) to run, results in {study_dir}")
     if num_samples:
-        init_ray(args.address)
+        ray_started()
         at_once = resolve_max_concurrent(space, cluster_devices(space))
         console.print(f"{at_once} trial(s) at once" + (" (max_concurrent: auto)" if space.search.max_concurrent == "auto" else ""))
-        callbacks = [ResultMirror(context), LiveTable(space, console), MlflowCallback(study_dir.resolve(), args.tracking_uri)]
-        run_tuner(context, points, searcher, num_samples, callbacks, at_once)
+        run_tuner(context, points, searcher, num_samples, ray_started(), at_once)
     results = finished_results(study_dir)
     out = make_console()
     out.print(summary_table(results, space))

@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
+from servetune.config.quality import QualitySpec, suite_name
 from servetune.config.slo import Slo, SloBound
 from servetune.config.workload import Workload, load_workload
 from servetune.errors import UserError
@@ -198,6 +199,7 @@ class SearchSpace(BaseModel):
     params: dict[str, ParamValues] = {}
     constraints: tuple[str, ...] = ()
     search: Search = Search()
+    quality: QualitySpec | None = None  # the quality probe each trial runs (config/quality.py)
 
     @field_validator("params")
     @classmethod
@@ -243,6 +245,18 @@ class SearchSpace(BaseModel):
             else:
                 engine[name] = value
         return engine, env
+
+    @property
+    def quality_bounds(self) -> dict[str, float]:
+        """The quality scores a trial must not drop by more than their bound (empty without a quality section)."""
+        return self.quality.bounds() if self.quality is not None else {}
+
+    @property
+    def quality_reference(self) -> dict[str, Any] | None:
+        """The parameters of the quality reference: ``{}`` for the baseline; None without a quality section."""
+        if self.quality is None:
+            return None
+        return {} if self.quality.reference == "baseline" else dict(self.quality.reference)
 
     def devices(self, params: dict[str, Any]) -> int:
         engine, _ = self.engine_params(params)
@@ -374,7 +388,43 @@ def load_space(path: str | Path, argspecs: dict | None = None) -> SearchSpace:
     if space.params and not kept:
         reasons = sorted({r for _, broken in rejected for r in broken})
         raise UserError(f"{path}: constraints: they exclude every point of the space ({'; '.join(reasons)[:300]})")
+    if space.quality is not None:
+        _check_quality(space, path)
     return space
+
+
+def _check_quality(space: SearchSpace, path: Path) -> None:
+    """Every suite readable, and a reference that is a configuration of the study."""
+    from servetune.quality.suites import load_suite
+
+    assert space.quality is not None
+    for index, suite in enumerate(space.quality.suites):
+        try:
+            load_suite(suite, path.parent)
+        except UserError as exc:
+            raise UserError(f"{path}: quality.suites[{index}]: {exc}") from None
+    names = [suite_name(s) for s in space.quality.suites]
+    if len(set(names)) != len(names):
+        raise UserError(f"{path}: quality.suites: two suites share the name '{next(n for n in names if names.count(n) > 1)}'")
+    reference = space.quality.reference
+    if reference == "baseline":
+        return
+    where = f"{path}: quality.reference"
+    unknown = [name for name in reference if name not in space.params]
+    if unknown:
+        raise UserError(f"{where}: '{unknown[0]}' is not a parameter of the space ({', '.join(space.params) or 'none'})")
+    missing = [name for name in space.params if name not in reference]
+    if missing:
+        raise UserError(f"{where}: give a value for every parameter (missing: {', '.join(missing)}), or use 'baseline'")
+    for name, value in reference.items():
+        values = space.params[name]
+        inside = (values.low <= value <= values.high) if isinstance(values, Range) and isinstance(value, (int, float)) else (
+            not isinstance(values, Range) and value in values)  # fmt: skip
+        if not inside:
+            raise UserError(f"{where}: {name}={value!r} is not among the space's values for {name}")
+    broken = space.constraint_violations(dict(reference))
+    if broken:
+        raise UserError(f"{where}: the reference breaks a constraint: {broken[0]}")
 
 
 def _check_constraint_names(space: SearchSpace, path: Path) -> None:

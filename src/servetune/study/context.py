@@ -11,6 +11,7 @@ from typing import Any
 from servetune.config.space import SearchSpace
 from servetune.config.workload import Workload
 from servetune.load.runner import Level
+from servetune.quality.probe import QualityPlan
 from servetune.trial.runner import TrialSpec
 
 
@@ -22,6 +23,7 @@ class StudyContext:
     model: str  # resolved: a directory or a hub id
     levels: tuple[Level, ...]
     python: str = sys.executable
+    quality: QualityPlan | None = None  # the probe every trial runs, with the reference's answers once known
 
     @property
     def trials_dir(self) -> Path:
@@ -50,7 +52,7 @@ class StudyContext:
             request_timeout_s=load.request_timeout_s, startup_timeout_s=load.startup_timeout_s,
             stop_on_slo_break=load.stop_on_slo_break, min_throughput_gain=load.min_throughput_gain,
             slo=space.slo_bounds, gpu=space.hardware.gpu, gpu_memory_gib=space.hardware.gpu_memory_gib,
-            python=self.python, extra_env=extra_env, repeats=load.repeats,
+            python=self.python, extra_env=extra_env, repeats=load.repeats, quality=self.quality,
         )  # fmt: skip
 
 

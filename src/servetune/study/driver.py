@@ -6,6 +6,7 @@ exists is never run again, so ``--resume`` after a killed driver re-runs only wh
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -17,7 +18,7 @@ from typing import Any
 from ray.tune import Callback
 
 from servetune import __version__
-from servetune.config.space import SearchSpace
+from servetune.config.space import SearchSpace, describe_params
 from servetune.errors import UserError
 from servetune.results import (
     RESULT_FILE,
@@ -25,8 +26,10 @@ from servetune.results import (
     SPACE_FILE,
     STUDY_FILE,
     TRIALS_DIR,
+    ReferenceAnswers,
     StudyInfo,
     TrialResult,
+    read_model,
     read_result,
 )
 from servetune.study.context import StudyContext
@@ -79,7 +82,8 @@ def normal_priority() -> int:
 
 
 def final_report(result: TrialResult, context: StudyContext) -> dict[str, Any]:
-    values, constraints = objectives_and_constraints(result, context.space.search.objectives, context.space.slo_bounds)
+    values, constraints = objectives_and_constraints(result, context.space.search.objectives, context.space.slo_bounds,
+                                                    context.space.quality_bounds)  # fmt: skip
     best = result.best
     report: dict[str, Any] = {
         "servetune_trial_id": result.trial_id, "outcome": result.outcome, "reason": result.reason or "",
@@ -89,6 +93,8 @@ def final_report(result: TrialResult, context: StudyContext) -> dict[str, Any]:
     }  # fmt: skip
     if best is not None:
         report.update({f"best_{k}": v for k, v in best.metrics.items()})
+    if result.quality is not None:
+        report["quality_passed"] = bool(result.quality.passed)
     return report
 
 
@@ -221,6 +227,38 @@ def prepare_study_dir(study_dir: Path, space_path: Path, resume: bool) -> None:
         raise UserError(f"{study_dir} already holds {len(existing)} finished trials: pass --resume to continue that study, or choose another --storage")
     (study_dir / TRIALS_DIR).mkdir(parents=True, exist_ok=True)
     shutil.copyfile(space_path, study_dir / SPACE_FILE)
+
+
+REFERENCE_FILE = Path("quality") / "reference.json"
+
+
+def read_reference(study_dir: Path, params: dict[str, Any]) -> ReferenceAnswers | None:
+    """The answers the study kept for the quality reference ``params`` (None before it ran, or
+    when the space now names another reference: that one runs first)."""
+    path = study_dir / REFERENCE_FILE
+    kept = read_model(path, ReferenceAnswers) if path.exists() else None
+    return kept if kept is not None and kept.params == params else None
+
+
+def keep_reference(context: StudyContext) -> StudyContext:
+    """After the reference trial: keep its answers with the study and hand them to every later trial.
+
+    A reference that did not answer (it failed to start, or its probe failed) leaves nothing to
+    compare with: a :class:`UserError` that says why.
+    """
+    assert context.quality is not None
+    params = context.quality.reference_params
+    result = read_result(context.spec_for(params).trial_dir)
+    answers = result.quality.reference_answers if result is not None and result.quality is not None else None
+    if answers is None or (not answers.continuations and not answers.scores):
+        why = "it did not run" if result is None else (result.reason or "its probe answered nothing")
+        if result is not None and result.quality is not None and result.quality.errors:
+            why += f" ({result.quality.errors[0]})"
+        raise UserError(f"quality: the reference trial ({describe_params(params)}) gave no answers to compare with: {why}")
+    path = context.study_dir / REFERENCE_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, answers.model_dump_json(indent=1) + "\n")
+    return dataclasses.replace(context, quality=context.quality.model_copy(update={"reference": answers}))
 
 
 def write_study_info(study_dir: Path, info: StudyInfo) -> None:

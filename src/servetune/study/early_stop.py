@@ -141,7 +141,8 @@ class FinishedPoints:
     """The operating points of finished trials: what a running trial compares itself to.
 
     Plain Python; during a study it runs as a Ray actor (:func:`start_finished_points`).
-    Only trials that ran to completion count, and only their levels that met the SLO.
+    Only trials that ran to completion and passed their quality probe count, and only their
+    levels that met the SLO: a configuration that cannot be shipped stops no other.
     """
 
     def __init__(self, results: Iterable[TrialResult] = ()) -> None:
@@ -150,7 +151,7 @@ class FinishedPoints:
             self.add(result)
 
     def add(self, result: TrialResult) -> None:
-        if result.outcome != "COMPLETE":
+        if result.outcome != "COMPLETE" or (result.quality is not None and result.quality.passed is False):
             return
         self._points += [point for point in result.operating_points() if point.meets_slo]
 

@@ -1,14 +1,15 @@
 """What a finished trial tells the search: objective values and constraint values.
 
 Constraint values follow Optuna's convention (<= 0 is satisfied): one per SLO bound, the
-relative slack ``value / bound - 1`` at the trial's chosen level, plus one that is 1 when the
-trial did not run to completion (infeasible or failed) and 0 otherwise. So a sampler with a
+relative slack ``value / bound - 1`` at the trial's chosen level, one per bounded quality score
+(``drop / max_drop - 1``, config/quality.py; 1 when the probe did not measure it), plus one that
+is 1 when the trial did not run to completion (infeasible or failed) and 0 otherwise. So a sampler with a
 ``constraints_func`` learns to avoid both SLO breakers and configurations that do not fit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from servetune.config.slo import Slo
 from servetune.config.space import Objective
@@ -32,10 +33,21 @@ def chosen_level(result: TrialResult, slo: Slo) -> int | None:
     return min(range(len(result.levels)), key=worst_slack)
 
 
-def objectives_and_constraints(result: TrialResult, objectives: Sequence[Objective], slo: Slo) -> tuple[list[float], list[float]]:
+def quality_slack(result: TrialResult, quality_bounds: Mapping[str, float]) -> list[float]:
+    """One value per bounded quality score: ``drop / bound - 1`` (<= 0 within the bound), 1 when not measured."""
+    drops = result.quality.drops if result.quality is not None else {}
+    slack = []
+    for name, bound in quality_bounds.items():
+        drop = drops.get(name)
+        slack.append(1.0 if drop is None else (drop - bound) / max(bound, 0.01))
+    return slack
+
+
+def objectives_and_constraints(result: TrialResult, objectives: Sequence[Objective], slo: Slo,
+                               quality_bounds: Mapping[str, float] = {}) -> tuple[list[float], list[float]]:  # fmt: skip
     index = chosen_level(result, slo) if result.outcome == "COMPLETE" else None
     if index is None:
-        return [PENALTY[o.mode] for o in objectives], [1.0] * (len(slo.bounds) + 1)
+        return [PENALTY[o.mode] for o in objectives], [1.0] * (len(slo.bounds) + len(quality_bounds) + 1)
     metrics = result.operating_points()[index].metrics
     values = []
     for o in objectives:
@@ -47,4 +59,4 @@ def objectives_and_constraints(result: TrialResult, objectives: Sequence[Objecti
     for bound in slo.bounds:
         measured = metrics.get(bound.name)
         slack.append(1.0 if measured is None else measured / bound.max - 1.0)
-    return values, [*slack, 0.0]
+    return values, [*slack, *quality_slack(result, quality_bounds), 0.0]

@@ -53,6 +53,8 @@ class LiveTable(Callback):
     def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
         row = self._row(trial)
         row["id"] = result.get("servetune_trial_id", row.get("id"))  # our hash (Tune overwrites "trial_id")
+        if "quality_passed" in result:
+            row["quality"] = "pass" if result["quality_passed"] else "FAIL"
         if "outcome" in result:
             row.update(state=result["outcome"], reason=result.get("reason", ""), goodput=result.get("best_goodput"),
                        ttft=result.get("best_ttft_ms_p99"), tpot=result.get("best_tpot_ms_p99"), levels=result.get("levels_run", 0))  # fmt: skip
@@ -81,24 +83,26 @@ class LiveTable(Callback):
 
     def table(self) -> Table:
         table = Table(title=f"study {self.space.name}", title_justify="left")
-        for col in ("trial", "state", "configuration", "levels", "best goodput", "TTFT p99", "TPOT p99"):
+        quality = self.space.quality is not None
+        for col in ("trial", "state", "configuration", "levels", "best goodput", "TTFT p99", "TPOT p99", *(("quality",) if quality else ())):
             table.add_column(col)
         for trial_id, row in self.rows.items():
             table.add_row(row.get("id") or trial_id, row["state"], describe_params(row["params"]), str(row["levels"]),
-                          _fmt(row.get("goodput"), 2), _fmt(row.get("ttft")), _fmt(row.get("tpot")))  # fmt: skip
+                          _fmt(row.get("goodput"), 2), _fmt(row.get("ttft")), _fmt(row.get("tpot")),
+                          *((row.get("quality", "-"),) if quality else ()))  # fmt: skip
         return table
 
 
 def summary_table(results: list[TrialResult], space: SearchSpace, top: int = 5) -> Table:
     """The best configurations under the SLO, by the first objective."""
     objective = space.search.objectives[0]
-    meeting = [(r, r.best) for r in results if r.best is not None]
+    meeting = [(r, r.best) for r in results if r.best is not None and not quality_failed(r)]
     meeting.sort(key=lambda rb: rb[1].metrics.get(objective.metric, 0.0), reverse=objective.mode == "max")
     counts = {o: sum(r.outcome == o for r in results) for o in ("COMPLETE", "INFEASIBLE", "FAILED")}
     table = Table(
         title=f"best configurations under the SLO (by {objective.metric}, {objective.mode}) — "
         f"{counts['COMPLETE']} complete, {counts['INFEASIBLE']} infeasible, {counts['FAILED']} failed; "
-        f"{len(meeting)} met the SLO",
+        f"{len(meeting)} met the SLO" + (f", {sum(map(quality_failed, results))} failed the quality probe" if space.quality else ""),
         title_justify="left",
     )
     for col in ("trial", "configuration", "level", "goodput", "out tok/s", "TTFT p99", "TPOT p99", "$/Mtok"):
@@ -109,6 +113,11 @@ def summary_table(results: list[TrialResult], space: SearchSpace, top: int = 5) 
         table.add_row(result.trial_id, describe_params(result.params), level, _fmt(m.get(GOODPUT), 2), _fmt(m.get(OUTPUT_THROUGHPUT)),
                       _fmt(m.get(TTFT_P99)), _fmt(m.get(TPOT_P99)), _fmt(m.get(COST_METRIC), 3))  # fmt: skip
     return table
+
+
+def quality_failed(result: TrialResult) -> bool:
+    """The trial's quality probe broke a bound (a trial without a probe has not failed one)."""
+    return result.quality is not None and result.quality.passed is False
 
 
 def stderr_console() -> Console:

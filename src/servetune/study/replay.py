@@ -232,7 +232,7 @@ def replay_trials(
 
         def report(trial_id: str, params: dict[str, Any]) -> dict[str, Any]:
             told = run.tell(trial_id, params)
-            values, constraints = objectives_and_constraints(told.result, space.search.objectives, space.slo_bounds)
+            values, constraints = objectives_and_constraints(told.result, space.search.objectives, space.slo_bounds, space.quality_bounds)
             return {OBJECTIVES_KEY: json.dumps(values), CONSTRAINTS_KEY: json.dumps(constraints)}
 
     for _ in in_flight_order(searcher, report, budget, in_flight, on_start=run.start):

@@ -63,8 +63,8 @@ def distributions(space: SearchSpace) -> dict[str, optuna.distributions.BaseDist
 
 
 def constraint_names(space: SearchSpace) -> list[str]:
-    """One constraint per SLO bound, and ``ran`` (the trial fitted and ran to completion)."""
-    return [bound.name for bound in space.slo_bounds.bounds] + ["ran"]
+    """One constraint per SLO bound, one per bounded quality score, and ``ran`` (the trial fitted and ran to completion)."""
+    return [bound.name for bound in space.slo_bounds.bounds] + [f"quality.{name}" for name in space.quality_bounds] + ["ran"]
 
 
 class ConstrainedOptunaSearch(Searcher):

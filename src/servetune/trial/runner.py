@@ -30,7 +30,9 @@ from servetune.errors import EngineDiedError, EngineStartError, UserError
 from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory
 from servetune.load.runner import Level
+from servetune.quality.probe import QualityPlan, run_probe
 from servetune.results import (
+    QUALITY_FILE,
     RESULT_FILE,
     SCHEMA_VERSION,
     CapacityReport,
@@ -80,6 +82,7 @@ class TrialSpec:
     repeats: int = 1  # runs of each level; the level reports the median run
     python: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)  # placement (CUDA_VISIBLE_DEVICES, binding)
+    quality: QualityPlan | None = None  # the quality probe, run before the ladder (quality/probe.py)
 
     @property
     def trial_id(self) -> str:
@@ -91,6 +94,8 @@ class TrialSpec:
         }  # fmt: skip
         if self.repeats != 1:  # absent when 1, so trials measured before repeats existed keep their ids
             key["repeats"] = self.repeats
+        if self.quality is not None:  # likewise absent without a quality probe
+            key["quality"] = self.quality.digest_key()
         return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
     @property
@@ -212,6 +217,13 @@ def _measure(server: Engine, spec: TrialSpec, result: TrialResult, report: Repor
             result.kv_capacity = KvCapacityReport(**vars(kv))
             if result.capacity is not None and result.capacity.kv_cache_tokens:
                 result.kv_prediction_error = (result.capacity.kv_cache_tokens - kv.tokens) / kv.tokens
+        if spec.quality is not None:  # before the ladder: the probe needs the engine, not the load
+            model = spec.engine_args.get("served_model_name") or spec.model
+            result.quality, rows = asyncio.run(run_probe(server.url, model, spec.quality, prompts.count, spec.trial_id,
+                                                         spec.params, timeout_s=spec.request_timeout_s))  # fmt: skip
+            write_atomic(trial_dir / QUALITY_FILE, "".join(json.dumps(row) + "\n" for row in rows))
+            if not server.alive():
+                raise EngineDiedError(f"the engine died during the quality probe ({server.failure_reason()})", server.log_tail())
         records_path = trial_dir / "requests.jsonl"
         with records_path.open("w") as records_file:
             result.stopped_because = asyncio.run(_climb(spec, server, result, report, prompts, records_file, stop_rule))
@@ -248,7 +260,10 @@ async def _climb(spec, server, result, report, prompts, records_file, stop_rule=
 def level_report(result: TrialResult, level: LevelResult) -> dict[str, Any]:
     """What a trial reports to Tune after each level (flat metrics and where it stands)."""
     point = result.operating_points()[-1]
-    return {**point.metrics, "level_index": point.level_index, "meets_slo": level.meets_slo, "servetune_trial_id": result.trial_id}
+    report = {**point.metrics, "level_index": point.level_index, "meets_slo": level.meets_slo, "servetune_trial_id": result.trial_id}
+    if result.quality is not None:
+        report["quality_passed"] = bool(result.quality.passed)
+    return report
 
 
 def _now() -> str:
