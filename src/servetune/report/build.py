@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,8 +24,9 @@ from servetune.report.points import (
 )
 from servetune.report.recommend import Recommendation, recommend
 from servetune.report.study import LoadedStudy, NotRead
+from servetune.report.quality import QualityRow, RuleCheck, precision_rule, quality_rows
 from servetune.report.trials import TrialRow, trial_rows
-from servetune.results import StudyInfo
+from servetune.results import StudyInfo, TrialResult
 
 OUTCOMES = ("COMPLETE", "INFEASIBLE", "FAILED")
 
@@ -55,6 +57,8 @@ class StudyReport:
     recommendation: Recommendation
     device_time: tuple[str, ...] = ()  # where the reserved device time went (servetune/accounting.py)
     trial_table: tuple[TrialRow, ...] = ()  # a row per trial (report/trials.py)
+    quality_table: tuple[QualityRow, ...] = ()  # a row per trial that ran the quality probe (report/quality.py)
+    precision_rule: tuple[RuleCheck, ...] | None = None  # section 2's rule, for a lower-precision recommendation
 
     def outcome_counts(self) -> dict[str, int]:
         """Trials by outcome, plus ``not read`` (every trial directory is counted once)."""
@@ -134,7 +138,14 @@ def build_report(study: LoadedStudy, price_per_device_hour: float | None = None)
         recommendation=recommendation,
         device_time=tuple(device_time_lines(list(study.trials), study.info.device, planned_levels(study))),
         trial_table=tuple(trial_rows(study.trials, points, recommendation.point)),
+        quality_table=tuple(quality_rows(study.trials)),
+        precision_rule=_rule(recommendation.point, study.trials, points),
     )
+
+
+def _rule(point: ReportPoint | None, trials: Sequence[TrialResult], points: Sequence[ReportPoint]) -> tuple[RuleCheck, ...] | None:
+    checks = precision_rule(point, trials, points) if point is not None else None
+    return tuple(checks) if checks is not None else None
 
 
 def slo_lines(study: LoadedStudy) -> list[SloLine]:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from servetune.report.pareto import FRONTS, pareto_front
-from servetune.report.points import first_line, gather_points, level_label
+from servetune.report.points import first_line, gather_points, level_label, quality_failures
 from servetune.results import TrialResult
 
 Verdict = Literal["keep", "eliminate", "next round"]
@@ -37,6 +37,9 @@ def conclude(trial: TrialResult, study_trials: Sequence[TrialResult]) -> Conclus
     """Keep a point on the cost vs P99 TTFT front, eliminate a trial that never met the SLO, else next round."""
     if trial.outcome != "COMPLETE":
         return Conclusion("eliminate", f"trial {trial.outcome}: {first_line(trial.reason) or 'no reason given'}")
+    failed = quality_failures(trial)
+    if failed:
+        return Conclusion("eliminate", "failed the quality probe: " + "; ".join(failed))
     meeting = [lv for lv in trial.levels if lv.meets_slo and lv.summary.completed > 0]
     if not meeting:
         return Conclusion(

@@ -36,6 +36,7 @@ from servetune.report.markdown import pareto_rows, warm_cache_lines
 from servetune.report.params import BASELINE
 from servetune.report.points import ReportPoint, level_label
 from servetune.report.recommend import describe
+from servetune.report.quality import QUALITY_NOTE, quality_cells, quality_headings, rule_summary, suite_names
 from servetune.report.trials import TrialRow
 
 
@@ -144,6 +145,23 @@ def _trial_row(row: TrialRow) -> str:
     return f"<tr data-trial='{e(row.trial_id)}' class='{classes}'>{tds}</tr>"
 
 
+def quality_html(report: StudyReport) -> str:
+    """The quality probe's table, and section 2's rule when the recommendation is at a lower precision."""
+    e = html.escape
+    suites = suite_names(report.quality_table)
+    body = "".join(
+        f"<tr class='{'failed' if row.passed is False else ''}'>" + "".join(f"<td>{e(c)}</td>" for c in quality_cells(row, suites)) + "</tr>"
+        for row in report.quality_table
+    )  # fmt: skip
+    out = f"<h2 id='quality'>Quality</h2><table id='quality-table'>{_head(quality_headings(suites))}<tbody>{body}</tbody></table>"
+    out += f"<p class='muted'>{e(QUALITY_NOTE)}</p>"
+    if report.precision_rule is not None:
+        marks = {True: "PASS", False: "FAIL", None: "NOT MEASURED"}
+        items = "".join(f"<li><b>{marks[c.held]}</b>: {e(c.text)}</li>" for c in report.precision_rule)
+        out += f"<p id='precision-rule'>{e(rule_summary(report.precision_rule))}</p><ul>{items}</ul>"
+    return out
+
+
 def trials_table_html(rows: Sequence[TrialRow]) -> str:
     body = "".join(_trial_row(row) for row in rows)
     return f"<table id='trials'>{_head(TRIAL_HEADINGS)}<tbody>{body}</tbody></table>"
@@ -154,7 +172,7 @@ body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px 
 table{border-collapse:collapse;font-size:13px;margin:8px 0 24px}td,th{border:1px solid #ddd;padding:3px 8px}
 th{background:#f4f4f4}.rec{background:#eef7ee;border-left:4px solid #5a9a5a;padding:8px 12px}
 .muted{color:#666;font-size:13px}tr.recommended td{background:#eef7ee;font-weight:600}
-tr.eliminate td{color:#777}.rec ul{margin:4px 0;padding:0}.rec li{display:inline-block;margin-right:18px}
+tr.eliminate td{color:#777}tr.failed td{color:#a33}.rec ul{margin:4px 0;padding:0}.rec li{display:inline-block;margin-right:18px}
 """
 
 
@@ -195,6 +213,8 @@ def render_html(report: StudyReport) -> str:
         warm = warm_cache_lines(report.trial_table)
         if warm:
             parts.append("<h3>Warm prefix cache</h3><ul>" + "".join(f"<li>{e(line)}</li>" for line in warm) + "</ul>")
+    if report.quality_table:
+        parts.append(quality_html(report))
     body = "\n".join(parts)
     return (
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"

@@ -17,6 +17,7 @@ from servetune.report.labels import (
 )
 from servetune.report.points import config_label, level_label
 from servetune.report.recommend import describe
+from servetune.report.quality import QUALITY_NOTE, quality_cells, quality_headings, rule_summary, suite_names
 from servetune.report.trials import TrialRow
 
 
@@ -83,6 +84,21 @@ def _recommendation(report: StudyReport) -> list[str]:
     return lines
 
 
+def quality_section(report: StudyReport) -> list[str]:
+    """The quality probe's table, and section 2's rule when the recommendation is at a lower precision."""
+    if not report.quality_table:
+        return []
+    suites = suite_names(report.quality_table)
+    lines = ["### Quality", ""]
+    lines += _table(quality_headings(suites), [quality_cells(row, suites) for row in report.quality_table])
+    lines += ["", QUALITY_NOTE, ""]
+    if report.precision_rule is not None:
+        lines += [rule_summary(report.precision_rule), ""]
+        lines += [f"- {'PASS' if c.held else 'FAIL' if c.held is False else 'NOT MEASURED'}: {c.text}" for c in report.precision_rule]
+        lines.append("")
+    return lines
+
+
 def warm_cache_lines(rows: Sequence[TrialRow]) -> list[str]:
     """``trial T, concurrency 8: prefix-cache hit rate ...`` for every level flagged by its measurement."""
     return [f"trial {row.trial_id}, {note}" for row in rows for note in row.cache_notes]
@@ -115,6 +131,7 @@ def render_markdown(report: StudyReport) -> str:
         warm = warm_cache_lines(report.trial_table)
         if warm:
             lines += ["### Warm prefix cache", "", *(f"- {line}" for line in warm), ""]
+    lines += quality_section(report)
     reasons = report.failure_reasons()
     if reasons:
         lines += ["### Why trials did not complete", ""]

@@ -72,6 +72,7 @@ class ReportPoint:
     metrics: Mapping[str, float] = field(default_factory=dict)
     server_metrics: Mapping[str, float] = field(default_factory=dict)
     slo_violations: tuple[str, ...] = ()
+    quality_failures: tuple[str, ...] = ()  # the quality bounds the trial's probe broke (config/quality.py)
 
     @property
     def key(self) -> str:
@@ -83,8 +84,9 @@ class ReportPoint:
 
     @property
     def eligible(self) -> bool:
-        """May stand on a Pareto front or be recommended: its trial completed and it meets every SLO."""
-        return self.outcome == "COMPLETE" and self.meets_slo
+        """May stand on a Pareto front or be recommended: its trial completed, it meets every SLO, and
+        the trial kept its quality within the bounds."""
+        return self.outcome == "COMPLETE" and self.meets_slo and not self.quality_failures
 
     def value(self, metric: str) -> float | None:
         """The metric's value when it is a finite number, else None."""
@@ -103,6 +105,8 @@ class ReportPoint:
             return f"trial {self.outcome}" + (f": {first_line(self.reason)}" if self.reason else "")
         if self.slo_violations:
             return "SLO broken: " + "; ".join(self.slo_violations)
+        if self.quality_failures:
+            return "quality failed: " + "; ".join(self.quality_failures)
         return ""
 
 
@@ -203,9 +207,17 @@ def trial_points(trial: TrialResult, price_per_device_hour: float | None = None)
                 env=dict(trial.env), model=trial.model, device=trial.device,
                 devices=trial.devices, outcome=trial.outcome, reason=trial.reason, metrics=metrics,
                 server_metrics=dict(level.server_metrics), slo_violations=tuple(level.slo_violations),
+                quality_failures=quality_failures(trial),
             )  # fmt: skip
         )
     return points
+
+
+def quality_failures(trial: TrialResult) -> tuple[str, ...]:
+    """The quality bounds a trial broke (empty when it passed or ran no probe)."""
+    if trial.quality is None or trial.quality.passed is not False:
+        return ()
+    return tuple(trial.quality.failures) or ("the quality probe failed",)
 
 
 def gather_points(trials: Iterable[TrialResult], price_per_device_hour: float | None = None) -> list[ReportPoint]:

@@ -205,7 +205,20 @@ def trial_metrics(trial: TrialResult) -> list[MetricPoint]:
         "kv_prediction_error": trial.kv_prediction_error,
         "kv_cache_tokens": trial.kv_capacity.tokens if trial.kv_capacity else None,
     }  # fmt: skip
-    return points + _finite(totals.items(), 0)
+    return points + _finite(totals.items(), 0) + _finite(quality_metrics(trial).items(), 0)
+
+
+def quality_metrics(trial: TrialResult) -> dict[str, float | None]:
+    """The quality probe's scores as ``quality/`` metrics (none without a probe)."""
+    q = trial.quality
+    if q is None:
+        return {}
+    values: dict[str, float | None] = {"quality/agreement": q.agreement, "quality/exact_match": q.exact_match,
+                                       "quality/nll_delta": q.nll_delta, "quality/probe_s": q.duration_s}  # fmt: skip
+    if q.passed is not None:
+        values["quality/passed"] = float(q.passed)
+    values.update({f"quality/{name}": score for name, score in q.suites.items()})
+    return values
 
 
 def level_tags(trial: TrialResult) -> dict[str, str]:

@@ -87,7 +87,8 @@ def build_record(
     rep = _representative(trial)
     stability = _stability_tags(trial, engine_log_tail, rep)
     tags.update(stability)
-    tags.update({"quality": NOT_EVALUATED, "conclusion": conclusion.verdict, "conclusion.why": conclusion.why})
+    quality = quality_tags(trial)
+    tags.update({**quality, "conclusion": conclusion.verdict, "conclusion.why": conclusion.why})
 
     fields = {
         "experiment": f"{trial.study}/{trial.trial_id}, {date}",
@@ -98,13 +99,48 @@ def build_record(
         "request_distribution": _requests_text(tags),
         "core_parameters": _core_text(trial),
         "performance": _performance_text(trial, rep),
-        "quality": NOT_EVALUATED,
+        "quality": quality_text(trial),
         "stability": f"OOM {stability['stability.oom']}; 5xx {stability['stability.http_5xx']}; cancelled "
         f"{stability['stability.cancelled']}; P99 jitter {stability['stability.ttft_p99_jitter']}",
         "conclusion": str(conclusion),
     }
     outcome = trial.outcome + (f": {first_line(trial.reason, 500)}" if trial.reason else "")
     return ExperimentRecord(trial.trial_id, trial.study, fields, tags, outcome, _level_rows(trial))
+
+
+#: Section 16's three quality results, and the suites that measure each.
+QUALITY_RESULTS = {"task_accuracy": ("arithmetic", "instructions", "multiturn"), "structured_output": ("json", "tools"),
+                   "long_context_recall": ("recall",)}  # fmt: skip
+
+
+def quality_tags(trial: TrialResult) -> dict[str, str]:
+    """``quality`` (pass, FAIL: why, reference, or not evaluated) and section 16's three results, where measured."""
+    q = trial.quality
+    if q is None:
+        return {"quality": NOT_EVALUATED}
+    verdict = "reference" if q.reference_trial == trial.trial_id else ("pass" if q.passed else "FAIL: " + "; ".join(q.failures))
+    tags = {"quality": verdict, "quality.reference_trial": q.reference_trial}
+    for name, suites in QUALITY_RESULTS.items():
+        scores = [q.suites[s] for s in suites if s in q.suites]
+        if scores:
+            tags[f"quality.{name}"] = f"{sum(scores) / len(scores):.0%} ({', '.join(s for s in suites if s in q.suites)})"
+    if q.agreement is not None:
+        tags["quality.agreement"] = f"{q.agreement:.0%}"
+    return tags
+
+
+def quality_text(trial: TrialResult) -> str:
+    """The record's quality field: scores against the reference and the verdict."""
+    q = trial.quality
+    if q is None:
+        return NOT_EVALUATED
+    parts = []
+    if q.agreement is not None:
+        nll = f", NLL delta {q.nll_delta:+.3f} nats/token" if q.nll_delta is not None else ""
+        parts.append(f"agreement {q.agreement:.0%}, exact match {q.exact_match or 0:.0%}{nll}")
+    parts += [f"{name} {score:.0%}" for name, score in q.suites.items()]
+    verdict = quality_tags(trial)["quality"]
+    return f"{'; '.join(parts)} against trial {q.reference_trial}: {verdict}"
 
 
 def _representative(trial: TrialResult) -> tuple[int, LevelResult, str] | None:

@@ -29,6 +29,7 @@ from servetune.tracking.connection import (
     mlflow_env,
     resolve_tracking_uri,
 )
+from servetune.results import QUALITY_FILE
 from servetune.tracking.fields import level_tags, run_name, study_metrics, study_params, trial_metrics, trial_params
 from servetune.tracking.inputs import (
     ENGINE_LOG,
@@ -136,7 +137,7 @@ class StudySync:
                 continue
             record = self.record(trial, study.trials, study.info, recommendation)
             trial_dir = self.study_dir / TRIALS_DIR / trial.trial_id
-            files = [trial_dir / RESULT_FILE, trial_dir / ENGINE_LOG, trial_dir / REQUESTS_FILE]
+            files = [trial_dir / RESULT_FILE, trial_dir / ENGINE_LOG, trial_dir / REQUESTS_FILE, trial_dir / QUALITY_FILE]
             tags = trial_tags(trial, record, recommendation)
             run_id = writer.log_trial(self.experiment_id, self.parent_run_id, trial, run_name(trial), trial_params(trial),
                                       trial_metrics(trial), tags, render_record(record), files)  # fmt: skip
