@@ -94,7 +94,7 @@ def stack_versions_pinned(ctx: Context) -> tuple[Status, str]:
         if differs:
             k = differs[0]
             return FAIL, f"verify ran on {k} {verify_env[k]}, the study on {env.get(k)}"
-    same = f"the same on all {sum(t.outcome == 'COMPLETE' for t in ctx.trials)} complete trials"
+    same = f"the same on the study's {sum(t.outcome == 'COMPLETE' for t in ctx.trials)} complete trials"
     same += " and verify" if isinstance(verify_env, Mapping) else ""
     cpu = "" if ctx.gpu else " (CPU build: no driver, CUDA or NCCL)"
     return PASS, f"{versions}{cpu}; {same}"
@@ -119,13 +119,13 @@ def input_length_from_distribution(ctx: Context) -> tuple[Status, str]:
         return NOT_CHECKED, f"max_model_len {max_len}; no {REQUESTS_FILE} in the trial directory to compare with"
     p99_in = stats.input_tokens.p99
     p99_out = stats.output_tokens.p99 if stats.output_tokens else 0.0
-    measured = f"the workload's P99 input {p99_in:g} + P99 output {p99_out:g} tokens ({stats.requests} requests sent)"
+    measured = f"the workload's P99 input {p99_in:,.0f} + P99 output {p99_out:,.0f} tokens ({stats.requests} requests sent)"
     if "max_model_len" not in ctx.result.engine_args:
         return FAIL, f"max_model_len left to the model ({max_len}), not set from the distribution: {measured}"
     if p99_in + p99_out > max_len:
         return FAIL, f"max_model_len {max_len} is shorter than {measured}: P99 requests are refused"
     return PASS, (f"vLLM bounds input by max_model_len {max_len} (it has no separate max_input_tokens); "
-                  f"{measured} = {p99_in + p99_out:g}, {max_len / (p99_in + p99_out):.1f}x room")  # fmt: skip
+                  f"{measured} = {p99_in + p99_out:,.0f}, {max_len / (p99_in + p99_out):.1f}x room")  # fmt: skip
 
 
 def output_limited_by_server(ctx: Context) -> tuple[Status, str]:

@@ -43,8 +43,11 @@ class Context:
 
     @property
     def trials(self) -> list[TrialResult]:
-        """The study's trials (the verified one alone when the study could not be read)."""
-        return list(self.study.trials) if self.study is not None else [self.result]
+        """The study's trials, the verified one as given (it alone when the study could not be read)."""
+        if self.study is None:
+            return [self.result]
+        others = [t for t in self.study.trials if t.trial_id != self.result.trial_id]
+        return [self.result, *others]
 
     def scenario(self, name: str) -> tuple[Mapping[str, Any] | None, str]:
         """(the scenario's numbers, '') or (None, why it is missing)."""
