@@ -1,4 +1,5 @@
-"""Everything a report shows, computed once: counts, points, fronts, SLO lines, recommendation, the trials table."""
+"""Everything a report shows, computed once: counts, points, fronts, SLO lines, recommendation, the trials
+table, and what ``servetune verify`` found."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from servetune.report.points import (
 from servetune.report.recommend import Recommendation, recommend
 from servetune.report.study import LoadedStudy, NotRead
 from servetune.report.trials import TrialRow, trial_rows
+from servetune.report.verification import Verification, verification
 from servetune.results import StudyInfo
 
 OUTCOMES = ("COMPLETE", "INFEASIBLE", "FAILED")
@@ -55,6 +57,7 @@ class StudyReport:
     recommendation: Recommendation
     device_time: tuple[str, ...] = ()  # where the reserved device time went (servetune/accounting.py)
     trial_table: tuple[TrialRow, ...] = ()  # a row per trial (report/trials.py)
+    verification: Verification | None = None  # verify.json, or how to run verify (report/verification.py)
 
     def outcome_counts(self) -> dict[str, int]:
         """Trials by outcome, plus ``not read`` (every trial directory is counted once)."""
@@ -134,6 +137,7 @@ def build_report(study: LoadedStudy, price_per_device_hour: float | None = None)
         recommendation=recommendation,
         device_time=tuple(device_time_lines(list(study.trials), study.info.device, planned_levels(study))),
         trial_table=tuple(trial_rows(study.trials, points, recommendation.point)),
+        verification=verification(study.root, study.verify),
     )
 
 

@@ -282,6 +282,8 @@ def prefix_cache_monitored(ctx: Context) -> tuple[Status, str]:
     if ctx.level is None:
         return NOT_CHECKED, "no measured level"
     server = ctx.level.server_metrics
+    if not server:
+        return NOT_CHECKED, f"no /metrics counters recorded at {level_label(ctx.level.summary.level)}"
     if "prefix_cache_queries" not in server:
         return FAIL, "prefix caching is on but vLLM's /metrics had no vllm:prefix_cache_queries counter"
     rate = server.get("prefix_cache_hit_rate")

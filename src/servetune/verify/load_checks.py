@@ -113,6 +113,8 @@ def latency_monitored(ctx: Context) -> tuple[Status, str]:
     if ctx.level is None:
         return NOT_CHECKED, "no measured level"
     server = ctx.level.server_metrics
+    if not server:
+        return NOT_CHECKED, f"no /metrics counters recorded at {level_label(ctx.level.summary.level)}"
     families = {"TTFT": "server_ttft_ms_mean", "TPOT/ITL": "server_itl_ms_mean", "queue time": "server_queue_ms_mean"}
     missing = [name for name, key in families.items() if key not in server]
     found = "; ".join(f"{name} mean {amount(server[key], ' ms')}" for name, key in families.items() if key in server)
@@ -133,6 +135,8 @@ def device_monitored(ctx: Context) -> tuple[Status, str]:
     if ctx.level is None:
         return NOT_CHECKED, "no measured level"
     telemetry = ctx.level.telemetry
+    if not telemetry:
+        return NOT_CHECKED, f"no telemetry sampled at {level_label(ctx.level.summary.level)}"
     missing = [name for name, key in GPU_SIGNALS.items() if key not in telemetry]
     if missing:
         return FAIL, f"NVML gave no {', '.join(missing)} during the level"
