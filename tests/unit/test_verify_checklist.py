@@ -302,6 +302,15 @@ def test_kv_capacity_against_concurrency_times_mean_sequence(gpu):
     assert one(study, result, "15.8").status == "FAIL"
 
 
+def test_kv_capacity_at_a_rate_level_takes_the_requests_in_flight_from_littles_law(gpu):
+    study, result = gpu
+    result.levels[1].summary.level = {"rate": 4.0}
+    e2el_s = result.levels[1].summary.e2el_ms.mean / 1000
+    item = one(study, result, "15.8", {"level": 1})
+    assert item.status == "PASS"
+    assert f"rate 4 req/s x mean E2E {e2el_s:.2f} s = {4 * e2el_s:.1f} in flight x mean sequence 620 tokens" in item.evidence
+
+
 def test_kv_capacity_falls_back_to_the_planner_then_is_not_checked(gpu):
     study, result = gpu
     result.kv_capacity = None

@@ -194,7 +194,7 @@ def kv_covers_concurrency(ctx: Context) -> tuple[Status, str]:
         return NOT_CHECKED, "no measured level to take the target concurrency from"
     s = level.summary
     concurrency = s.level.get("concurrency")
-    how = f"concurrency {concurrency:g}"
+    how = f"concurrency {concurrency:g}" if concurrency is not None else ""
     if concurrency is None and "rate" in s.level and s.e2el_ms.mean is not None:
         concurrency = s.level["rate"] * s.e2el_ms.mean / 1000.0  # Little's law
         how = f"rate {s.level['rate']:g} req/s x mean E2E {s.e2el_ms.mean / 1000:.2f} s = {concurrency:.1f} in flight"
