@@ -372,6 +372,9 @@ def test_cuda_graphs(gpu, cpu):
     result.engine_args["compilation_config"] = json.dumps({"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32]})
     item = one(study, result, "15.13")
     assert item.status == "PASS" and "batch sizes 1 to 32 (6 shapes), max_num_seqs 32" in item.evidence
+    result.engine_args["cuda_graph_sizes"] = 32  # one value: the largest size captured
+    assert "captures batch sizes up to 32" in one(study, result, "15.13").evidence
+    del result.engine_args["cuda_graph_sizes"]
     result.engine_args["compilation_config"] = {"cudagraph_capture_sizes": [1, 64, 256]}
     assert one(study, result, "15.13").status == "FAIL"
     result.engine_args["enforce_eager"] = True
@@ -388,6 +391,11 @@ def test_cancellation_frees_work_when_running_requests_fall_back(gpu):
     item = one(study, result, "15.14", with_scenario("disconnects", running_fell_back=False, passed=False, cancellation_success_rate=0.5))
     assert item.status == "FAIL" and "did not fall back" in item.evidence
     assert one(study, result, "15.14", with_scenario("disconnects", running_fell_back=None)).status == "NOT CHECKED"
+    leaky = with_scenario("disconnects", cancellation_success_rate=0.9)
+    item = one(study, result, "15.14", leaky)
+    assert item.status == "FAIL" and "cancellation success rate 90%" in item.evidence
+    del leaky["scenarios"]["disconnects"]["cancellation_success_rate"]  # then the stability record's is read
+    assert "cancellation success rate 100%" in one(study, result, "15.14", leaky).evidence
 
 
 def test_vllm_has_no_hard_queue_limit_and_the_fix_is_sized(gpu):

@@ -313,7 +313,8 @@ def cuda_graphs_frequent_shapes(ctx: Context) -> tuple[Status, str]:
     if not sizes:
         return NOT_CHECKED, (f"capture sizes left to vLLM (up to min(2 x max_num_seqs, 512)); pin "
                              f"compilation_config.cudagraph_capture_sizes to the batch sizes the load reaches{seen}")  # fmt: skip
-    text = f"captures batch sizes {min(sizes)} to {max(sizes)} ({len(sizes)} shapes), max_num_seqs {seqs}{seen}"
+    span = f"up to {sizes[0]}" if len(sizes) == 1 else f"{min(sizes)} to {max(sizes)} ({len(sizes)} shapes)"
+    text = f"captures batch sizes {span}, max_num_seqs {seqs}{seen}"
     if isinstance(seqs, int) and max(sizes) > seqs:
         return FAIL, text + ": shapes above max_num_seqs are never run and cost memory"
     return PASS, text

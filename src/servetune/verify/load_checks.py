@@ -28,6 +28,9 @@ from servetune.verify.context import (
 
 #: Section 1's SLO example: 5xx below 0.1 %.
 ERROR_RATE_5XX_LIMIT = 0.001
+#: Dropped streams whose generation must stop for cancellation to count as working (1 in 100 may be
+#: a request that finished on its own between the drop and the next scrape).
+MIN_CANCELLATION_SUCCESS = 0.99
 #: A soak window is steady when its P99 TTFT is at most this times the later windows' median.
 STABLE_RATIO = 1.5
 
@@ -83,6 +86,8 @@ def cancellation_frees_work(ctx: Context) -> tuple[Status, str]:
         return NOT_CHECKED, text
     if not fell_back or flag(drops, "passed") is False:
         return FAIL, text
+    if rate is not None and rate < MIN_CANCELLATION_SUCCESS:
+        return FAIL, text + f" (below {MIN_CANCELLATION_SUCCESS:.0%})"
     return PASS, text
 
 
