@@ -14,6 +14,9 @@ Read a study directory (study.json and trials/*/result.json), gather every opera
   pareto-<front>.png   the same fronts as PNG figures
   summary.md           outcomes, failure reasons, Pareto tables, the recommendation
 
+Both files carry a Verification section: the verdict of `servetune verify STUDY_DIR`, its
+stability numbers, scenarios and acceptance checklist (verify.json), or how to run it.
+
 Fronts: cost per million output tokens vs P99 TTFT, vs P99 TPOT, vs P99 end-to-end latency;
 output tokens/s per device vs tokens/s per user (both higher is better). Points whose trial
 failed or that break an SLO are drawn apart and never on a front.
@@ -55,7 +58,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from servetune.report.write import recommendation_lines, write_report
+    from servetune.report.write import recommendation_lines, verification_line, write_report
 
     report, files = write_report(args.study_dir, args.out, args.price_per_gpu_hour, args.skip_unreadable)
     out = files[0].parent
@@ -65,6 +68,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
     for line in recommendation_lines(report, args.study_dir):
         print(line)
+    if report.recommendation.point is not None:
+        print(verification_line(report))
     if args.log_to_mlflow or args.tracking_uri:
         from servetune.tracking import sync_study
 

@@ -1,4 +1,5 @@
-"""Everything a report shows, computed once: counts, points, fronts, SLO lines, recommendation, the trials table."""
+"""Everything a report shows, computed once: counts, points, fronts, SLO lines, recommendation, the trials
+table, and what ``servetune verify`` found."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from servetune.report.recommend import Recommendation, recommend
 from servetune.report.study import LoadedStudy, NotRead
 from servetune.report.quality import QualityRow, RuleCheck, precision_rule, quality_rows
 from servetune.report.trials import TrialRow, trial_rows
+from servetune.report.verification import Verification, verification
 from servetune.results import StudyInfo, TrialResult
 
 OUTCOMES = ("COMPLETE", "INFEASIBLE", "FAILED")
@@ -59,6 +61,7 @@ class StudyReport:
     trial_table: tuple[TrialRow, ...] = ()  # a row per trial (report/trials.py)
     quality_table: tuple[QualityRow, ...] = ()  # a row per trial that ran the quality probe (report/quality.py)
     precision_rule: tuple[RuleCheck, ...] | None = None  # section 2's rule, for a lower-precision recommendation
+    verification: Verification | None = None  # verify.json, or how to run verify (report/verification.py)
 
     def outcome_counts(self) -> dict[str, int]:
         """Trials by outcome, plus ``not read`` (every trial directory is counted once)."""
@@ -140,6 +143,7 @@ def build_report(study: LoadedStudy, price_per_device_hour: float | None = None)
         trial_table=tuple(trial_rows(study.trials, points, recommendation.point)),
         quality_table=tuple(quality_rows(study.trials)),
         precision_rule=_rule(recommendation.point, study.trials, points),
+        verification=verification(study.root, study.verify),
     )
 
 

@@ -6,7 +6,8 @@ recommendation as a star, every SLO bound of the axes' metric families as red li
 for the axis's own statistic, dotted for another, e.g. a P95 bound on a P99 axis). A point
 that broke the SLO is labelled with the bounds it broke. Hovering a point shows its trial,
 load level, configuration, numbers and SLO verdict. A table of all trials, a row each,
-ends the page.
+follows, and the verification (``servetune verify``'s verdict, stability numbers, scenarios
+and the acceptance checklist) ends the page; its verdict is also named under the recommendation.
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ from servetune.report.labels import (
     point_metrics,
     trial_cells,
 )
-from servetune.report.markdown import pareto_rows, warm_cache_lines
+from servetune.report.markdown import VERIFY_HINT, pareto_rows, warm_cache_lines
 from servetune.report.params import BASELINE
 from servetune.report.points import ReportPoint, level_label
 from servetune.report.recommend import describe
 from servetune.report.quality import QUALITY_NOTE, quality_cells, quality_headings, rule_summary, suite_names
 from servetune.report.trials import TrialRow
+from servetune.report.verification import Verification
 
 
 def hover_text(point: ReportPoint) -> str:
@@ -167,12 +169,63 @@ def trials_table_html(rows: Sequence[TrialRow]) -> str:
     return f"<table id='trials'>{_head(TRIAL_HEADINGS)}<tbody>{body}</tbody></table>"
 
 
+def _rows_html(headings: Sequence[str], rows: Sequence[Sequence[str]], row_class: Sequence[str] = (), table_id: str = "") -> str:
+    e = html.escape
+    body = "".join(
+        (f"<tr class='{e(row_class[i])}'>" if i < len(row_class) else "<tr>") + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>"
+        for i, row in enumerate(rows)
+    )  # fmt: skip
+    ident = f" id='{e(table_id)}'" if table_id else ""
+    return f"<table{ident}>{_head(headings)}<tbody>{body}</tbody></table>"
+
+
+def verification_summary_html(v: Verification | None) -> str:
+    """One line under the recommendation: the verdict, or that verify has not run."""
+    e = html.escape
+    if v is None:
+        return ""
+    if not v.found:
+        return f"<p class='muted'>Not verified yet: <code>{e(v.command)}</code> (<a href='#verification'>below</a>).</p>"
+    if v.problem:
+        return f"<p class='muted'>verify.json could not be read (<a href='#verification'>below</a>).</p>"
+    return (f"<p class='verdict {e(v.verdict.replace(' ', '-'))}'><b>Verification: {e(v.verdict)}</b> · {e(v.subject)}"
+            f"{' · ' + e(v.counts_line) if v.checklist else ''} (<a href='#verification'>details</a>)</p>")  # fmt: skip
+
+
+def verification_html(v: Verification | None) -> str:
+    """The section: verdict, stability, scenarios, checklist; or how to run verify."""
+    e = html.escape
+    if v is None:
+        return ""
+    parts = ["<h2 id='verification'>Verification</h2>"]
+    if not v.found:
+        return parts[0] + f"<p>Not verified yet. Run <code>{e(v.command)}</code>: {e(VERIFY_HINT)}.</p>"
+    if v.problem:
+        return parts[0] + f"<p><code>{e(str(v.path))}</code> could not be read: {e(v.problem)}. Run <code>{e(v.command)}</code> again.</p>"
+    reason = f". {e(v.reason.rstrip('.'))}" if v.reason else ""
+    parts.append(f"<p class='verdict {e(v.verdict.replace(' ', '-'))}'><b>{e(v.verdict.capitalize())}</b>: {e(v.subject)}{reason}.</p>")
+    parts += ["<h3>Stability</h3>", _rows_html(["number", "value"], v.stability, table_id="stability")]
+    if v.scenarios:
+        rows = [[r.name, r.result, r.numbers, r.reason] for r in v.scenarios]
+        parts += ["<h3>Scenarios</h3>", _rows_html(["scenario", "result", "numbers", "reason"], rows,
+                                                   [r.result.replace(" ", "-") for r in v.scenarios], "scenarios")]  # fmt: skip
+    if v.checklist:
+        rows = [[r.id, r.text, r.status, r.evidence] for r in v.checklist]
+        parts += [f"<h3>Acceptance checklist ({e(v.counts_line)})</h3>",
+                  _rows_html(["#", "item", "status", "evidence"], rows, [r.css_class for r in v.checklist], "checklist")]  # fmt: skip
+    else:
+        parts.append("<p class='muted'>verify.json holds no acceptance checklist.</p>")
+    return "\n".join(parts)
+
+
 _STYLE = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px auto;max-width:1200px;padding:0 16px;color:#222}
 table{border-collapse:collapse;font-size:13px;margin:8px 0 24px}td,th{border:1px solid #ddd;padding:3px 8px}
 th{background:#f4f4f4}.rec{background:#eef7ee;border-left:4px solid #5a9a5a;padding:8px 12px}
 .muted{color:#666;font-size:13px}tr.recommended td{background:#eef7ee;font-weight:600}
 tr.eliminate td{color:#777}tr.failed td{color:#a33}.rec ul{margin:4px 0;padding:0}.rec li{display:inline-block;margin-right:18px}
+tr.pass td,tr.passed td{background:#eef7ee}tr.fail td,tr.failed td{background:#fdecea}tr.not-checked td{color:#666}
+.verdict.accepted{color:#2e6b2e}.verdict.rejected{color:#b3261e}
 """
 
 
@@ -191,6 +244,7 @@ def render_html(report: StudyReport) -> str:
         f"<p class='muted'>model {e(report.model_label)} on {e(info.device)} · trials: {e(counts)} · "
         f"SLO: {e(', '.join(str(s) for s in report.slo) or 'none')}</p>",
         f"<div class='rec'>{rec_html}</div>",
+        verification_summary_html(report.verification),
     ]
     if report.device_time:
         parts.append("<p class='muted'>" + "<br>".join(e(line) for line in report.device_time) + "</p>")
@@ -215,6 +269,7 @@ def render_html(report: StudyReport) -> str:
             parts.append("<h3>Warm prefix cache</h3><ul>" + "".join(f"<li>{e(line)}</li>" for line in warm) + "</ul>")
     if report.quality_table:
         parts.append(quality_html(report))
+    parts.append(verification_html(report.verification))
     body = "\n".join(parts)
     return (
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"

@@ -1,4 +1,4 @@
-"""The Markdown summary: outcomes, failure reasons, Pareto tables, and the recommendation."""
+"""The Markdown summary: the recommendation and its verification, outcomes, failure reasons, Pareto tables."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from servetune.report.points import config_label, level_label
 from servetune.report.recommend import describe
 from servetune.report.quality import QUALITY_NOTE, quality_cells, quality_headings, rule_summary, suite_names
 from servetune.report.trials import TrialRow
+from servetune.report.verification import Verification
 
 
 UNITS = "Latencies in ms; $/Mtok is USD per million output tokens; tok/s/user is 1000 / mean TPOT."
@@ -99,6 +100,36 @@ def quality_section(report: StudyReport) -> list[str]:
     return lines
 
 
+#: What ``servetune verify`` does, for a study it has not verified yet.
+VERIFY_HINT = (
+    "it starts the recommended configuration again, runs a soak, a peak, bursts, long/short mixes, very long "
+    "outputs, disconnects, headroom and repeats at its level, and evaluates the acceptance checklist (section 15)"
+)
+
+
+def _verification(v: Verification | None) -> list[str]:
+    if v is None:
+        return []
+    lines = ["## Verification", ""]
+    if not v.found:
+        return lines + [f"Not verified yet. Run `{v.command}`: {VERIFY_HINT}.", ""]
+    if v.problem:
+        return lines + [f"`{v.path}` could not be read: {v.problem}. Run `{v.command}` again.", ""]
+    lines += [f"**{v.verdict.capitalize()}**: {v.subject}" + (f". {v.reason.rstrip('.')}" if v.reason else "") + ".", ""]
+    lines += ["### Stability", ""] + _table(["number", "value"], [list(row) for row in v.stability]) + [""]
+    if v.scenarios:
+        lines += ["### Scenarios", ""]
+        lines += _table(["scenario", "result", "numbers", "reason"], [[r.name, r.result, r.numbers, r.reason] for r in v.scenarios])
+        lines.append("")
+    if v.checklist:
+        lines += [f"### Acceptance checklist ({v.counts_line})", ""]
+        lines += _table(["#", "item", "status", "evidence"], [[r.id, r.text, r.status, r.evidence] for r in v.checklist])
+        lines.append("")
+    else:
+        lines += ["verify.json holds no acceptance checklist.", ""]
+    return lines
+
+
 def warm_cache_lines(rows: Sequence[TrialRow]) -> list[str]:
     """``trial T, concurrency 8: prefix-cache hit rate ...`` for every level flagged by its measurement."""
     return [f"trial {row.trial_id}, {note}" for row in rows for note in row.cache_notes]
@@ -119,6 +150,7 @@ def render_markdown(report: StudyReport) -> str:
         "",
     ]
     lines += _recommendation(report)
+    lines += _verification(report.verification)
     counts = report.outcome_counts()
     lines += ["## Trials", ""]
     lines += _table(["outcome", "trials"], [[name, str(n)] for name, n in counts.items()])

@@ -39,3 +39,14 @@ def recommendation_lines(report: StudyReport, study_dir: Path) -> list[str]:
         f"  why: {rec.reason}",
         f"  export: servetune export {study_dir} --pick best --format vllm",
     ]
+
+
+def verification_line(report: StudyReport) -> str:
+    """``verification: rejected (trial t16 at concurrency 16; 3 FAIL, ...)``, or how to run verify."""
+    v = report.verification
+    if v is None or not v.found:
+        return f"verification: none yet: {v.command if v is not None else 'servetune verify STUDY_DIR'}"
+    if v.problem:
+        return f"verification: {v.path} could not be read: {v.problem}"
+    counts = f"; {v.counts_line}" if v.checklist else ""
+    return f"verification: {v.verdict} ({v.subject}{counts})"

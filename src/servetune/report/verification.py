@@ -1,0 +1,206 @@
+"""The report's "Verification" section as plain data: the verdict of ``servetune verify``, its
+stability numbers, a row per scenario and a row per acceptance-checklist item.
+
+``servetune verify STUDY_DIR`` writes ``STUDY_DIR/verify.json``; :func:`read_verify_file` reads
+it (the one I/O here, called by ``report/study.py``) and :func:`verification` turns it into rows
+the renderers draw. The keys read, all optional (a missing one shows as "-", never an error):
+
+- ``accepted`` (bool) and ``reason`` (text): the verdict and why;
+- ``trial_id`` and ``level`` (an index into the trial's levels, or a load such as
+  ``{"concurrency": 8}``): what was verified;
+- ``stability``: ``cancellation_success_rate``, ``p99_jitter``, ``oom``, ``error_rate_5xx``;
+- ``scenarios``: name -> numbers plus ``passed`` (bool) and ``reason``;
+- ``checklist``: a list of ``{id, text, status, evidence}`` (``verify/checklist.py``).
+
+The report does not evaluate the checklist itself: it shows what verify recorded.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+VERIFY_FILE = "verify.json"
+#: Checklist statuses in the order a reader looks for them.
+STATUSES = ("FAIL", "NOT CHECKED", "PASS")
+#: Stability numbers (section 16's record), in order: key -> label.
+STABILITY = {
+    "oom": "out of memory",
+    "error_rate_5xx": "5xx error rate",
+    "cancellation_success_rate": "cancellation success rate",
+    "p99_jitter": "P99 jitter (max over min of the windowed P99)",
+}
+#: Scenarios in the order verify runs them; any others follow by name.
+SCENARIO_ORDER = ("soak", "peak", "burst", "mix", "long_output", "disconnects", "headroom", "repeats")
+#: Numbers that are shares (shown as percentages).
+_SHARES = {"error_rate_5xx", "cancellation_success_rate", "kv_usage_peak", "memory_peak_fraction", "long_share", "error_rate"}
+
+
+@dataclass(frozen=True)
+class VerifyFile:
+    """``verify.json`` as read: its content, or why it could not be used."""
+
+    path: Path
+    content: Mapping[str, Any] | None
+    problem: str = ""
+
+
+@dataclass(frozen=True)
+class ScenarioRow:
+    name: str
+    result: str  # "passed", "failed", "no verdict"
+    numbers: str  # ``requests_waiting_max 7, error_rate 0.1%``
+    reason: str
+
+
+@dataclass(frozen=True)
+class ChecklistRow:
+    id: str
+    text: str
+    status: str  # PASS, FAIL, NOT CHECKED (or what the file said)
+    evidence: str
+
+    @property
+    def css_class(self) -> str:
+        return self.status.lower().replace(" ", "-")
+
+
+@dataclass(frozen=True)
+class Verification:
+    """What the section shows; ``found`` False: verify has not run (``command`` says how)."""
+
+    path: Path
+    found: bool
+    command: str  # ``servetune verify STUDY_DIR``
+    problem: str = ""  # verify.json is there but could not be read
+    accepted: bool | None = None
+    reason: str = ""
+    subject: str = ""  # ``trial t32 at concurrency 16``
+    stability: tuple[tuple[str, str], ...] = ()
+    scenarios: tuple[ScenarioRow, ...] = ()
+    checklist: tuple[ChecklistRow, ...] = ()
+
+    @property
+    def verdict(self) -> str:
+        """``accepted``, ``rejected`` or ``no verdict recorded``."""
+        return "no verdict recorded" if self.accepted is None else "accepted" if self.accepted else "rejected"
+
+    def counts(self) -> dict[str, int]:
+        """Checklist items by status (every status of :data:`STATUSES`, then any other the file used)."""
+        out = {status: 0 for status in STATUSES}
+        for row in self.checklist:
+            out[row.status] = out.get(row.status, 0) + 1
+        return out
+
+    @property
+    def counts_line(self) -> str:
+        return ", ".join(f"{n} {status}" for status, n in self.counts().items())
+
+
+def read_verify_file(study_dir: Path) -> VerifyFile | None:
+    """``STUDY_DIR/verify.json``: None when absent; one that cannot be read or parsed says why."""
+    path = Path(study_dir) / VERIFY_FILE
+    if not path.is_file():
+        return None
+    try:
+        content = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        return VerifyFile(path, None, f"cannot read: {exc}")
+    except ValueError as exc:
+        return VerifyFile(path, None, f"not valid JSON: {exc}")
+    if not isinstance(content, dict):
+        return VerifyFile(path, None, "not a JSON object")
+    return VerifyFile(path, content)
+
+
+def verification(study_dir: Path, file: VerifyFile | None) -> Verification:
+    """The section's data (pure)."""
+    path = Path(study_dir) / VERIFY_FILE
+    command = f"servetune verify {study_dir}"
+    if file is None:
+        return Verification(path, False, command)
+    if file.content is None:
+        return Verification(file.path, True, command, problem=file.problem)
+    data = file.content
+    accepted = data.get("accepted")
+    reason = data.get("reason")
+    return Verification(
+        path=file.path, found=True, command=command,
+        accepted=accepted if isinstance(accepted, bool) else None,
+        reason=reason if isinstance(reason, str) else "",
+        subject=_subject(data),
+        stability=tuple(_stability(data.get("stability"))),
+        scenarios=tuple(_scenarios(data.get("scenarios"))),
+        checklist=tuple(_checklist(data.get("checklist"))),
+    )  # fmt: skip
+
+
+def _subject(data: Mapping[str, Any]) -> str:
+    trial = data.get("trial_id")
+    level = data.get("level")
+    text = f"trial {trial}" if isinstance(trial, str) and trial else "trial -"
+    if isinstance(level, Mapping) and level:
+        text += " at " + ", ".join(f"{k} {_value(k, v)}" for k, v in level.items())
+    elif isinstance(level, int) and not isinstance(level, bool):
+        text += f", level #{level}"
+    return text
+
+
+def _stability(values: Any) -> list[tuple[str, str]]:
+    values = values if isinstance(values, Mapping) else {}
+    rows = [(label, _value(key, values.get(key))) for key, label in STABILITY.items()]
+    rows += [(str(key), _value(str(key), value)) for key, value in values.items() if key not in STABILITY]
+    return rows
+
+
+def _scenarios(values: Any) -> list[ScenarioRow]:
+    if not isinstance(values, Mapping):
+        return []
+    names = [n for n in SCENARIO_ORDER if n in values] + sorted(str(n) for n in values if n not in SCENARIO_ORDER)
+    rows = []
+    for name in names:
+        numbers = values[name]
+        if not isinstance(numbers, Mapping):
+            rows.append(ScenarioRow(name, "no verdict", "-", "not a set of numbers in verify.json"))
+            continue
+        passed = numbers.get("passed")
+        result = "passed" if passed is True else "failed" if passed is False else "no verdict"
+        shown = [f"{key} {_value(str(key), value)}" for key, value in numbers.items() if key not in ("passed", "reason")]
+        reason = numbers.get("reason")
+        rows.append(ScenarioRow(name, result, ", ".join(shown) or "-", reason if isinstance(reason, str) else ""))
+    return rows
+
+
+def _checklist(values: Any) -> list[ChecklistRow]:
+    if not isinstance(values, Sequence) or isinstance(values, str):
+        return []
+    rows = []
+    for item in values:
+        if isinstance(item, Mapping):
+            rows.append(ChecklistRow(*(str(item.get(key, "") or "-") for key in ("id", "text", "status", "evidence"))))
+    return rows
+
+
+def _value(key: str, value: Any) -> str:
+    """A number as a reader wants it: shares as percentages, lists as their range, booleans as yes/no."""
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (int, float)):
+        if key in _SHARES:
+            return f"{value:.2%}" if value < 0.01 and value > 0 else f"{value:.0%}"
+        return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+    if isinstance(value, (list, tuple)):
+        numbers = [v for v in value if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        if numbers and len(numbers) == len(value):
+            if len(numbers) > 4:
+                return f"{len(numbers)} values, {_value(key, min(numbers))} to {_value(key, max(numbers))}"
+            return "[" + ", ".join(_value(key, v) for v in numbers) + "]"
+        return f"{len(value)} entries"
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k} {_value(str(k), v)}" for k, v in value.items()) + "}"
+    return str(value)

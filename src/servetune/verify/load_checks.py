@@ -1,0 +1,241 @@
+"""Checks under load and of the service around vLLM (section 15: items 6, 11, 14-23).
+
+Most read verify's scenarios (the module docstring of :mod:`servetune.verify.checklist` names
+every number); the ones about the deployment in front of vLLM say what to set and where.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from servetune.errors import UserError
+from servetune.report.points import level_label, outline, parse_slo_lines, trial_points
+from servetune.report.recommend import KV_USAGE_THIN, margin_signals
+from servetune.tracking.fields import engine_setting
+from servetune.verify.context import (
+    FAIL,
+    NOT_CHECKED,
+    PASS,
+    Context,
+    Status,
+    amount,
+    flag,
+    number,
+    pct,
+    verdict,
+)
+
+#: Section 1's SLO example: 5xx below 0.1 %.
+ERROR_RATE_5XX_LIMIT = 0.001
+#: Dropped streams whose generation must stop for cancellation to count as working (1 in 100 may be
+#: a request that finished on its own between the drop and the next scrape).
+MIN_CANCELLATION_SUCCESS = 0.99
+#: A soak window is steady when its P99 TTFT is at most this times the later windows' median.
+STABLE_RATIO = 1.5
+
+
+def long_short_pools_decided(ctx: Context) -> tuple[Status, str]:
+    mix, why = ctx.scenario("mix")
+    if mix is None:
+        return NOT_CHECKED, f"needs the long/short mix scenario: {why}"
+    numbers = (f"{pct(number(mix, 'long_share'))} long requests of {amount(number(mix, 'long_input_tokens'))} tokens "
+               f"took short requests' TTFT P99 to {amount(number(mix, 'short_ttft_p99_ms'), ' ms')} "
+               f"({amount(number(mix, 'baseline_ttft_p99_ms'), ' ms')} without them), {verdict(mix)}")  # fmt: skip
+    passed = flag(mix, "passed")
+    if passed is None:
+        return NOT_CHECKED, f"the mix scenario gave no verdict: {numbers}"
+    if passed:
+        return PASS, f"one pool serves both at this level: {numbers}"
+    return FAIL, f"long prompts hurt short ones: {numbers}; serve them from separate pools or cap their share"
+
+
+def chunked_prefill_long_prompts(ctx: Context) -> tuple[Status, str]:
+    enabled = engine_setting(ctx.result, "enable_chunked_prefill")
+    state = "off" if enabled is False else "on" if enabled else "left to vLLM (on by default)"
+    mix, why = ctx.scenario("mix")
+    if mix is None:
+        return NOT_CHECKED, f"chunked prefill {state}; needs the long/short mix scenario: {why}"
+    long_tokens, budget = number(mix, "long_input_tokens"), engine_setting(ctx.result, "max_num_batched_tokens")
+    split = ""
+    if long_tokens is not None and isinstance(budget, int) and budget > 0:
+        chunks = math.ceil(long_tokens / budget)
+        split = (f"; each long prompt took {chunks} steps of max_num_batched_tokens {budget}" if chunks > 1
+                 else f"; a long prompt fits one step's budget ({budget} tokens)")  # fmt: skip
+    text = (f"chunked prefill {state}; long prompts of {amount(long_tokens)} tokens among short ones: short TTFT P99 "
+            f"{amount(number(mix, 'short_ttft_p99_ms'), ' ms')} against {amount(number(mix, 'baseline_ttft_p99_ms'), ' ms')}, "
+            f"{verdict(mix)}{split}")  # fmt: skip
+    passed = flag(mix, "passed")
+    if passed is None:
+        return NOT_CHECKED, text
+    return (PASS, text) if passed else (FAIL, text)
+
+
+def cancellation_frees_work(ctx: Context) -> tuple[Status, str]:
+    drops, why = ctx.scenario("disconnects")
+    if drops is None:
+        return NOT_CHECKED, f"needs the disconnect scenario: {why}"
+    fell_back = flag(drops, "running_fell_back")
+    rate = number(drops, "cancellation_success_rate")
+    if rate is None:
+        rate = number(ctx.stability(), "cancellation_success_rate")
+    text = (f"{amount(number(drops, 'dropped'))} streams dropped after their first tokens; vLLM's running requests "
+            f"{'fell back' if fell_back else 'did not fall back' if fell_back is False else '(not seen)'}"
+            f" in {amount(number(drops, 'fallback_s'), ' s')}; cancellation success rate {pct(rate)}; {verdict(drops)}")  # fmt: skip
+    if fell_back is None:
+        return NOT_CHECKED, text
+    if not fell_back or flag(drops, "passed") is False:
+        return FAIL, text
+    if rate is not None and rate < MIN_CANCELLATION_SUCCESS:
+        return FAIL, text + f" (below {MIN_CANCELLATION_SUCCESS:.0%})"
+    return PASS, text
+
+
+def hard_queue_limit(ctx: Context) -> tuple[Status, str]:
+    peak, _ = ctx.scenario("peak")
+    waiting = number(peak, "requests_waiting_max")
+    seen = f"; at 1.25x the level {waiting:g} requests waited in its queue" if waiting is not None else ""
+    size = ""
+    level = ctx.level
+    try:
+        ttft = [line.max for line in parse_slo_lines(ctx.result.slo) if line.metric == "ttft_ms_p99"]
+    except UserError:
+        ttft = []
+    if level is not None and ttft and level.summary.request_throughput > 0:
+        queue = max(1, math.ceil(level.summary.request_throughput * ttft[0] / 1000.0))
+        size = (f", about {level.summary.request_throughput:.2f} req/s x {ttft[0] / 1000:g} s tolerable wait "
+                f"= {queue} (section 10)")  # fmt: skip
+    return FAIL, (f"vLLM has no bound on its waiting queue: it queues every request until the client gives up{seen}. "
+                  f"Put one in front: Ray Serve's max_queued_requests in the deployment config (503 beyond it){size}")  # fmt: skip
+
+
+def per_user_limits(ctx: Context) -> tuple[Status, str]:
+    return NOT_CHECKED, ("per-user RPS, concurrency and token limits belong to the API gateway in front of the "
+                         "service; neither vLLM nor Ray Serve has per-user limits")  # fmt: skip
+
+
+def latency_monitored(ctx: Context) -> tuple[Status, str]:
+    if ctx.level is None:
+        return NOT_CHECKED, "no measured level"
+    server = ctx.level.server_metrics
+    if not server:
+        return NOT_CHECKED, f"no /metrics counters recorded at {level_label(ctx.level.summary.level)}"
+    families = {"TTFT": "server_ttft_ms_mean", "TPOT/ITL": "server_itl_ms_mean", "queue time": "server_queue_ms_mean"}
+    missing = [name for name, key in families.items() if key not in server]
+    found = "; ".join(f"{name} mean {amount(server[key], ' ms')}" for name, key in families.items() if key in server)
+    p99 = f"; TTFT P99 {amount(server['server_ttft_ms_p99'], ' ms')} from its histogram" if "server_ttft_ms_p99" in server else ""
+    if missing:
+        return FAIL, f"vLLM's /metrics lacked {', '.join(missing)} histograms" + (f" (read: {found})" if found else "")
+    return PASS, f"vLLM's /metrics histograms read at {level_label(ctx.level.summary.level)}: {found}{p99}"
+
+
+#: GPU telemetry that monitoring needs (telemetry.py names).
+GPU_SIGNALS = {"memory": "gpu_memory_used_gib_max", "utilization": "gpu_util_mean",
+               "temperature": "gpu_temperature_c_max", "power": "gpu_power_w_mean"}  # fmt: skip
+
+
+def device_monitored(ctx: Context) -> tuple[Status, str]:
+    if not ctx.gpu:
+        return NOT_CHECKED, "no GPU: the CPU stand-in samples host CPU and memory; temperature, power and hardware errors are GPU signals"
+    if ctx.level is None:
+        return NOT_CHECKED, "no measured level"
+    telemetry = ctx.level.telemetry
+    if not telemetry:
+        return NOT_CHECKED, f"no telemetry sampled at {level_label(ctx.level.summary.level)}"
+    missing = [name for name, key in GPU_SIGNALS.items() if key not in telemetry]
+    if missing:
+        return FAIL, f"NVML gave no {', '.join(missing)} during the level"
+    return PASS, (f"NVML sampled memory peak {telemetry['gpu_memory_used_gib_max']:.1f} GiB, utilization "
+                  f"{telemetry['gpu_util_mean']:.0f} %, temperature {telemetry['gpu_temperature_c_max']:.0f} C, power "
+                  f"{telemetry['gpu_power_w_mean']:.0f} W; hardware errors (ECC, Xid) need DCGM's exporter")  # fmt: skip
+
+
+def autoscaling_signals(ctx: Context) -> tuple[Status, str]:
+    return NOT_CHECKED, ("autoscaling is the deployment's: servetune verify runs one replica. servetune export "
+                         "--format ray-serve scales on ongoing requests per replica (target_ongoing_requests), not GPU "
+                         "utilization; queue wait and KV usage (section 11) need the deployment's metrics")  # fmt: skip
+
+
+def warm_before_traffic(ctx: Context) -> tuple[Status, str]:
+    soak, why = ctx.scenario("soak")
+    if soak is None:
+        return NOT_CHECKED, f"needs the soak scenario: {why}"
+    windows = soak.get("p99_ttft_ms_windows")
+    width = number(soak, "window_s")
+    if not isinstance(windows, list) or len(windows) < 3 or width is None:
+        return NOT_CHECKED, "the soak scenario has fewer than 3 windows of P99 TTFT (p99_ttft_ms_windows, window_s)"
+    values = [float(w) for w in windows if isinstance(w, (int, float)) and not isinstance(w, bool)]
+    if len(values) != len(windows):
+        return NOT_CHECKED, "p99_ttft_ms_windows holds values that are not numbers"
+    steady = statistics.median(values[len(values) // 2:])
+    first_steady = next(i for i in range(len(values)) if all(v <= STABLE_RATIO * steady for v in values[i:]))
+    startup = f"/health answered {ctx.result.startup_s:.0f} s after start" if ctx.result.startup_s else "startup time not recorded"
+    first = f"first {width:g} s window's P99 TTFT {values[0]:,.0f} ms, steady {steady:,.0f} ms"
+    if first_steady == 0:
+        return PASS, f"{startup}; latency was steady from the first window ({first}): ready meant warm"
+    settle = first_steady * width
+    return FAIL, (f"{startup}; latency settled only {settle:g} s after traffic began ({first}): hold traffic "
+                  f"back that long after /health (warm-up requests, or a readiness check that sends them)")  # fmt: skip
+
+
+#: The stress scenarios item 15.21 names.
+STRESS_SCENARIOS = ("peak", "burst", "mix", "disconnects")
+
+
+def stress_scenarios_passed(ctx: Context) -> tuple[Status, str]:
+    if ctx.verify is None:
+        return NOT_CHECKED, "verify did not run (servetune verify STUDY_DIR)"
+    parts, missing, failed = [], [], []
+    for name in STRESS_SCENARIOS:
+        values, why = ctx.scenario(name)
+        if values is None:
+            missing.append(why)
+            continue
+        parts.append(f"{name} {verdict(values)}")
+        if flag(values, "passed") is False:
+            failed.append(name)
+        elif flag(values, "passed") is None:
+            missing.append(f"{name} gave no verdict")
+    stability = ctx.stability()
+    oom, errors = flag(stability, "oom"), number(stability, "error_rate_5xx")
+    if oom is not None:
+        parts.append("out of memory" if oom else "no OOM")
+    if errors is not None:
+        parts.append(f"5xx rate {errors:.2%}")
+    if oom:
+        failed.append("OOM")
+    if errors is not None and errors > ERROR_RATE_5XX_LIMIT:
+        failed.append(f"5xx above {ERROR_RATE_5XX_LIMIT:.1%}")
+    text = "; ".join(parts + missing)
+    if failed:
+        return FAIL, f"failed: {', '.join(failed)}; {text}"
+    if missing:
+        return NOT_CHECKED, text
+    return PASS, text
+
+
+def oom_notch_back(ctx: Context) -> tuple[Status, str]:
+    if ctx.level_index is None:
+        return NOT_CHECKED, "no measured level"
+    point = trial_points(ctx.result)[ctx.level_index]
+    signals = margin_signals(point, [outline(t) for t in ctx.trials])
+    headroom, why = ctx.scenario("headroom")
+    kv, preemptions = number(headroom, "kv_usage_peak"), number(headroom, "preemptions")
+    if kv is not None and kv >= KV_USAGE_THIN:
+        signals.append(f"under peak load KV cache usage reached {kv:.0%} (>= {KV_USAGE_THIN:.0%})")
+    if preemptions:
+        signals.append(f"the server preempted {preemptions:g} requests under peak load")
+    if flag(ctx.stability(), "oom"):
+        signals.append("the engine ran out of memory during verify")
+    if signals:
+        return FAIL, "; ".join(signals)
+    under_load = (f"under peak load KV peaked at {pct(kv)}, {amount(preemptions)} preemptions" if headroom is not None
+                  else f"not checked under load ({why})")  # fmt: skip
+    return PASS, (f"no out-of-memory neighbour among the study's {len(ctx.trials)} trials for "
+                  f"max_num_seqs, gpu_memory_utilization or max_num_batched_tokens; {under_load}")  # fmt: skip
+
+
+def changes_canary_rollback(ctx: Context) -> tuple[Status, str]:
+    return NOT_CHECKED, (f"canary and rollback are the deployment's. servetune links a configuration to its data: "
+                         f"trial {ctx.result.trial_id} is the hash of its configuration, trials/{ctx.result.trial_id}/"
+                         "result.json holds both, and servetune verify exits 1 on a rejected one so CI can gate a change")  # fmt: skip
