@@ -222,6 +222,21 @@ def test_quality_regression_needs_a_person_unless_verify_probed_it(gpu):
     assert one(*gpu, "15.3", full_verify() | {"quality": {"passed": True}}).status == "PASS"
 
 
+def test_quality_regression_reads_the_trials_quality_probe(gpu):
+    from servetune.results import QualityResult
+
+    study, result = gpu
+    result = result.model_copy(deep=True)
+    result.quality = QualityResult(reference_trial="ref", agreement=0.97, suites={"json": 1.0}, passed=True)
+    item = one(study, result, "15.3")
+    assert item.status == "PASS" and "reference trial ref" in item.evidence and "json 100%" in item.evidence
+    result.quality = QualityResult(reference_trial="ref", agreement=0.5, failures=["agreement dropped 0.5 > 0.05"], passed=False)
+    item = one(study, result, "15.3")
+    assert item.status == "FAIL" and "agreement dropped 0.5 > 0.05" in item.evidence
+    result.quality = QualityResult(reference_trial=result.trial_id, passed=True)
+    assert "the study's quality reference" in one(study, result, "15.3").evidence
+
+
 # --- 15.4 input, 15.5 output -------------------------------------------------------------------
 
 

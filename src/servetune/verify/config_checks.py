@@ -104,13 +104,25 @@ def stack_versions_pinned(ctx: Context) -> tuple[Status, str]:
 
 
 def quality_regression(ctx: Context) -> tuple[Status, str]:
-    quality = ctx.verify.get("quality") if ctx.verify is not None else None
+    """The trial's quality probe against the study's reference (config/quality.py), else verify's, else not checked."""
     precision = (f"dtype {engine_setting(ctx.result, 'dtype') or 'default'}, quantization "
-                 f"{engine_setting(ctx.result, 'quantization') or 'none'}")  # fmt: skip
+                 f"{engine_setting(ctx.result, 'quantization') or 'none'}, KV cache "
+                 f"{engine_setting(ctx.result, 'kv_cache_dtype') or 'auto'}")  # fmt: skip
+    probe = ctx.result.quality
+    if probe is not None:
+        scores = ", ".join(f"{name} {score:.0%}" for name, score in probe.suites.items())
+        agreement = f"agreement {probe.agreement:.0%}" if probe.agreement is not None else ""
+        measured = "; ".join(part for part in (agreement, scores) if part)
+        if probe.reference_trial == ctx.result.trial_id:
+            return PASS, f"{precision}: the study's quality reference ({measured})"
+        if probe.passed:
+            return PASS, f"{precision}: within every bound against reference trial {probe.reference_trial} ({measured})"
+        return FAIL, f"{precision}: against reference trial {probe.reference_trial}: {'; '.join(probe.failures)}"
+    quality = ctx.verify.get("quality") if ctx.verify is not None else None
     if isinstance(quality, Mapping) and flag(quality, "passed") is not None:
         return (PASS if quality["passed"] else FAIL), f"{precision}: quality probes {verdict(quality)}"
-    return NOT_CHECKED, (f"{precision}: needs the business's quality regression (instruction following, long "
-                         "text, math, code, JSON, tool calls, multi-turn; section 2), which servetune does not hold")  # fmt: skip
+    return NOT_CHECKED, (f"{precision}: the study ran no quality probe (add a quality: section to the search space; "
+                         "the business's own regression set can be a JSONL suite there)")  # fmt: skip
 
 
 def input_length_from_distribution(ctx: Context) -> tuple[Status, str]:
