@@ -149,12 +149,12 @@ def profile(requests: Sequence[LoggedRequest], count: Counter | None = None, sou
         groups = list(conversations.values()) + singles
         first_turns = sorted((g[0] for g in groups), key=lambda r: r.time_s)
         later = [(g[k - 1], g[k]) for g in groups for k in range(1, len(g))]
-        grows = sum(inputs[index[b]] >= inputs[index[a]] + outputs[index[a]] for a, b in later)
+        grows = sum(inputs[index[id(b)]] >= inputs[index[id(a)]] + outputs[index[id(a)]] for a, b in later)
         carries = bool(later) and grows >= HISTORY_SHARE * len(later)
         new_inputs = list(inputs)
         if carries:
             for a, b in later:
-                new_inputs[index[b]] = max(1, inputs[index[b]] - inputs[index[a]] - outputs[index[a]])
+                new_inputs[index[id(b)]] = max(1, inputs[index[id(b)]] - inputs[index[id(a)]] - outputs[index[id(a)]])
         inputs = new_inputs
         thinks = [max(0.0, b.time_s - a.time_s - (a.duration_s or 0.0)) for a, b in later]
         sessions = SessionFit(
