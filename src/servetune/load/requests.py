@@ -53,6 +53,7 @@ class RequestSpec:
     session: int | None = None  # the conversation this turn belongs to (workloads with sessions)
     turn: int = 0
     think_s: float = 0.0  # seconds to wait after the previous turn's answer before sending
+    reused_tokens: int = 0  # of input_tokens, those an earlier prompt began with (what a prefix cache can hit)
 
 
 class PromptFactory:
@@ -105,8 +106,8 @@ def iter_requests(workload: Workload, prompts: PromptFactory, stream: int = 0) -
     draw = _Draw(workload, prompts)
     index = 0
     while True:
-        text, n_in, n_out, name = draw.first(rng)
-        yield RequestSpec(index=index, prompt=text, input_tokens=n_in, output_tokens=n_out, request_class=name)
+        text, n_in, n_out, name, reused = draw.first(rng)
+        yield RequestSpec(index=index, prompt=text, input_tokens=n_in, output_tokens=n_out, request_class=name, reused_tokens=reused)
         index += 1
 
 
@@ -128,8 +129,9 @@ class _Draw:
         classes = self.classes
         return classes[int(rng.choice(len(classes), p=self.weights))] if len(classes) > 1 else classes[0]
 
-    def first(self, rng: np.random.Generator) -> tuple[str, int, int, str]:
-        """A request on its own (or a conversation's first turn): prompt, input and output tokens, class."""
+    def first(self, rng: np.random.Generator) -> tuple[str, int, int, str, int]:
+        """A request on its own (or a conversation's first turn): prompt, input and output tokens, class,
+        and the shared prefix's tokens when it starts with it."""
         workload, prompts = self.workload, self.prompts
         cls = self.request_class(rng)
         n_out = int(cls.output_tokens.sample(rng, 1)[0])
@@ -143,7 +145,7 @@ class _Draw:
             if prefix:
                 n_in = max(n_in, workload.shared_prefix.tokens + 1)
             text = prompts.text(n_in, rng, prefix=prefix)
-        return text, n_in, n_out, cls.name
+        return text, n_in, n_out, cls.name, workload.shared_prefix.tokens if prefix else 0
 
     def next_turn(self, rng: np.random.Generator, cls_name: str, history: str) -> tuple[str, int, int]:
         """A later turn: ``history`` followed by a new message drawn from the class's input lengths."""
@@ -165,16 +167,17 @@ def _conversations(workload: Workload, prompts: PromptFactory, rng: np.random.Ge
     index = session = 0
     while True:
         turns = max(1, int(sessions.turns.sample(rng, 1)[0]))
-        text, n_in, n_out, name = draw.first(rng)
-        yield RequestSpec(index, text, n_in, n_out, name, session=session, turn=0)
+        text, n_in, n_out, name, reused = draw.first(rng)
+        yield RequestSpec(index, text, n_in, n_out, name, session=session, turn=0, reused_tokens=reused)
         index += 1
         for turn in range(1, turns):
             # The answer as the conversation carries it: text of the answer's length.
             history = prompts.text(n_in + n_out, rng, prefix=text)
+            reused = n_in  # the previous prompt (the answer here is servetune's text, not the model's)
             text, n_in, n_out = draw.next_turn(rng, name, history)
             if limit is not None and n_in + n_out > limit:
                 break
             think = float(sessions.think_time_s.sample(rng, 1)[0])
-            yield RequestSpec(index, text, n_in, n_out, name, session=session, turn=turn, think_s=think)
+            yield RequestSpec(index, text, n_in, n_out, name, session=session, turn=turn, think_s=think, reused_tokens=reused)
             index += 1
         session += 1
