@@ -1,11 +1,13 @@
 """Request logs: reading them, the traffic they measure, and ``servetune workload from-log``."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from servetune.cli import main
+from servetune.cli.workload import trace_path
 from servetune.config.workload import WORKLOADS_DIR, load_workload
 from servetune.errors import UserError
 from servetune.load.runner import workload_levels
@@ -176,3 +178,16 @@ def test_the_shipped_log_and_workload_are_what_the_code_makes(tmp_path, capsys):
     for name in ("from-log.yaml", "from-log.lengths.jsonl", "from-log.sessions.jsonl"):
         made = (tmp_path / name).read_text().replace(str(shipped_log.name), "synthetic-chat.jsonl")
         assert made == (WORKLOADS_DIR / name).read_text(), name
+
+
+def test_a_trace_is_named_relative_to_the_workload_when_they_share_a_parent(tmp_path):
+    assert trace_path(tmp_path / "logs" / "a.jsonl", tmp_path / "workloads" / "w.yaml") == "../logs/a.jsonl"
+    assert trace_path(Path("/srv/a.jsonl"), Path("/home/me/w.yaml")) == "/srv/a.jsonl"
+
+
+def test_with_sessions_a_rate_counts_conversations(tmp_path):
+    out = tmp_path / "w.yaml"
+    assert main(["workload", "from-log", str(write_log(tmp_path / "log.jsonl", synthetic_log(60))), "--out", str(out)]) == 0
+    levels = workload_levels(load_workload(out), None, None)
+    assert all(lv.conversations and str(lv).endswith("conversations/s") for lv in levels)
+    assert all(not lv.conversations for lv in workload_levels(load_workload(out), "concurrency", (2,)))

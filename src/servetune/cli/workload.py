@@ -61,13 +61,22 @@ def run_from_log(args: argparse.Namespace) -> int:
     files = {out.with_name(lengths_name): _jsonl({"input_tokens": i, "output_tokens": o} for i, o in zip(traffic.input_tokens, traffic.output_tokens))}
     if traffic.sessions is not None:
         files[out.with_name(sessions_name)] = _jsonl({"turns": t} for t in traffic.sessions.turns)
-    trace_file = os.path.relpath(args.log.resolve(), out.parent.resolve()) if args.trace else None
+    trace_file = trace_path(args.log, out) if args.trace else None
     files[out] = workload_yaml(traffic, name, args.log, lengths_name, sessions_name, trace_file, requests)
     write_all(files)
     print(summary(traffic, args.log, requests))
     written = ", ".join(str(p) for p in files)
     print(f"wrote {written}")
     return 0
+
+
+def trace_path(log: Path, out: Path) -> str:
+    """The log as the workload names it: relative to the workload's directory where the two share
+    a parent below the root (they move together), else absolute."""
+    log, home = log.resolve(), out.parent.resolve()
+    if os.path.commonpath([log, home]) == log.anchor:
+        return str(log)
+    return os.path.relpath(log, home)
 
 
 def _jsonl(rows) -> str:

@@ -34,6 +34,7 @@ class Level:
     burstiness: float = 1.0
     max_concurrency: int | None = None  # cap on requests in flight for open loops
     trace: tuple[float, ...] | None = None  # trace replay: the recorded gaps between sends, in seconds
+    conversations: bool = False  # the workload has sessions: a rate counts conversations started
 
     def as_dict(self) -> dict[str, float]:
         return {self.kind: self.value}
@@ -48,9 +49,10 @@ class Level:
     def __str__(self) -> str:
         if self.kind == "concurrency":
             return f"concurrency {self.value:g}"
+        per = "conversations/s" if self.conversations else "req/s"
         if self.trace:
-            return f"trace x{self.speedup:.3g} ({self.value:.3g} req/s)"
-        return f"rate {self.value:g} req/s"
+            return f"trace x{self.speedup:.3g} ({self.value:.3g} {per})"
+        return f"rate {self.value:g} {per}"
 
 
 def trace_rate(gaps: tuple[float, ...]) -> float:
@@ -71,8 +73,12 @@ def workload_levels(workload: Workload, kind: str | None, values: tuple[float, .
     trace's mean rate times the speed-up, so reports, early stopping and the ladder see rates as for
     any open loop. With ``kind: rate`` the values are rates and the trace is scaled to each; with
     ``kind: concurrency`` its times are not used (a closed loop).
+
+    With sessions, rates count conversations started a second (and a trace times conversations'
+    first turns; think times between turns are the workload's, not scaled by the speed-up).
     """
     arrival = workload.arrival
+    talk = workload.sessions is not None
     speedups = arrival.process == "trace" and kind is None
     kind = kind or ("concurrency" if arrival.process == "concurrency" else "rate")
     if arrival.process == "trace" and kind == "rate":
@@ -85,10 +91,10 @@ def workload_levels(workload: Workload, kind: str | None, values: tuple[float, .
             rates = tuple(base * s for s in (values or arrival.levels or (arrival.speedup,)))
         else:
             rates = tuple(values or tuple(base * s for s in (arrival.levels or (arrival.speedup,))))
-        return tuple(Level("rate", float(r), "trace", 1.0, max_concurrency, gaps) for r in rates)
+        return tuple(Level("rate", float(r), "trace", 1.0, max_concurrency, gaps, talk) for r in rates)
     values = values or arrival.levels or ((1, 4, 16) if kind == "concurrency" else (1, 2, 4))
     process = "concurrency" if kind == "concurrency" else ("gamma" if arrival.process == "gamma" else "poisson")
-    return tuple(Level(kind, float(v), process, arrival.burstiness, max_concurrency) for v in values)
+    return tuple(Level(kind, float(v), process, arrival.burstiness, max_concurrency, None, talk and kind == "rate") for v in values)
 
 
 def arrival_gaps(level: Level, rng: np.random.Generator) -> Iterator[float]:
