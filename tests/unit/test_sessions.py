@@ -101,3 +101,13 @@ def test_a_bad_trace_line_names_the_log_and_line(tmp_path):
     path.write_text("name: t\ninput_tokens: {dist: fixed, value: 3}\noutput_tokens: {dist: fixed, value: 1}\narrival: {process: trace, file: log.jsonl}\n")
     with pytest.raises(UserError, match=r"log.jsonl line 2: no input size"):
         load_workload(path)
+
+
+def test_later_turns_take_the_sessions_own_lengths(tmp_path, tiny_tokenizer):
+    text = SESSIONS.replace("sessions:\n", "sessions:\n  input_tokens: {dist: fixed, value: 7}\n  output_tokens: {dist: fixed, value: 3}\n")
+    reqs = turns(workload(tmp_path, text), tiny_tokenizer, 60)
+    for before, after in zip(reqs, reqs[1:]):
+        if after.turn:
+            assert after.output_tokens == 3 and after.input_tokens - before.input_tokens - before.output_tokens == 7
+        else:
+            assert after.output_tokens == 12 and 10 <= after.input_tokens <= 30  # first turns: the class's lengths

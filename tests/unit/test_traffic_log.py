@@ -122,7 +122,12 @@ def test_from_log_writes_a_workload_that_loads(tmp_path, capsys):
     assert w.arrival.process == "gamma" and 0 < w.arrival.burstiness < 1
     traffic = profile(read_log(log))
     assert w.arrival.levels[1] == pytest.approx(traffic.arrival.rate, rel=0.01)
-    assert sorted(w.input_tokens.sample(np.random.default_rng(0), 5000)) and set(w.input_tokens._values) == set(traffic.input_tokens)
+    firsts = [(i, o) for i, o, first in zip(traffic.input_tokens, traffic.output_tokens, traffic.first_turn) if first]
+    later = [(i, o) for i, o, first in zip(traffic.input_tokens, traffic.output_tokens, traffic.first_turn) if not first]
+    assert len(firsts) == len(traffic.sessions.turns) and later
+    assert list(zip(w.input_tokens._values, w.output_tokens._values)) == firsts  # first turns: whole prompts
+    assert list(zip(w.sessions.input_tokens._values, w.sessions.output_tokens._values)) == later  # later: new messages
+    assert max(w.sessions.input_tokens._values) < 64 < max(w.input_tokens._values)  # the synthetic log's messages are 8..63
     assert w.sessions.turns._values == traffic.sessions.turns
 
 
@@ -175,7 +180,7 @@ def test_the_shipped_log_and_workload_are_what_the_code_makes(tmp_path, capsys):
     assert shipped_log.read_text() == "".join(json.dumps(r) + "\n" for r in synthetic_log())
     out = tmp_path / "from-log.yaml"
     assert main(["workload", "from-log", str(shipped_log), "--out", str(out)]) == 0
-    for name in ("from-log.yaml", "from-log.lengths.jsonl", "from-log.sessions.jsonl"):
+    for name in ("from-log.yaml", "from-log.lengths.jsonl", "from-log.sessions.jsonl", "from-log.turns.jsonl"):
         made = (tmp_path / name).read_text().replace(str(shipped_log.name), "synthetic-chat.jsonl")
         assert made == (WORKLOADS_DIR / name).read_text(), name
 

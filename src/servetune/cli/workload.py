@@ -57,12 +57,15 @@ def run_from_log(args: argparse.Namespace) -> int:
     traffic = profile(requests, count, source=str(args.log))
     name = args.name or out.stem
     stem = out.name.rsplit(".", 1)[0]
-    lengths_name, sessions_name = f"{stem}.lengths.jsonl", f"{stem}.sessions.jsonl"
-    files = {out.with_name(lengths_name): _jsonl({"input_tokens": i, "output_tokens": o} for i, o in zip(traffic.input_tokens, traffic.output_tokens))}
+    names = {"lengths": f"{stem}.lengths.jsonl", "turns": f"{stem}.turns.jsonl", "sessions": f"{stem}.sessions.jsonl"}
+    rows = list(zip(traffic.input_tokens, traffic.output_tokens, traffic.first_turn))
+    files = {out.with_name(names["lengths"]): _jsonl({"input_tokens": i, "output_tokens": o} for i, o, first in rows if first)}
     if traffic.sessions is not None:
-        files[out.with_name(sessions_name)] = _jsonl({"turns": t} for t in traffic.sessions.turns)
+        files[out.with_name(names["sessions"])] = _jsonl({"turns": t} for t in traffic.sessions.turns)
+        if not all(traffic.first_turn):
+            files[out.with_name(names["turns"])] = _jsonl({"input_tokens": i, "output_tokens": o} for i, o, first in rows if not first)
     trace_file = trace_path(args.log, out) if args.trace else None
-    files[out] = workload_yaml(traffic, name, args.log, lengths_name, sessions_name, trace_file, requests)
+    files[out] = workload_yaml(traffic, name, args.log, names, trace_file, requests)
     write_all(files)
     print(summary(traffic, args.log, requests))
     written = ", ".join(str(p) for p in files)
@@ -105,12 +108,14 @@ def _sig(value: float) -> str:
     return f"{value:.3g}"
 
 
-def workload_yaml(traffic, name: str, log: Path, lengths_name: str, sessions_name: str, trace_file: str | None, requests) -> str:
+def workload_yaml(traffic, name: str, log: Path, names: dict[str, str], trace_file: str | None, requests) -> str:
     arrival = traffic.arrival
     per = "conversations" if traffic.sessions is not None else "requests"
+    lengths_name = names["lengths"]
+    firsts = ", conversations' first turns" if traffic.sessions is not None else ""
     lines = [
         f"# Made by `servetune workload from-log {log.name}`: {traffic.requests} requests over {arrival.span_s:.0f} s.",
-        f"# Lengths are the logged ones ({lengths_name}); arrivals are {per}.",
+        f"# Lengths are the logged ones ({lengths_name}{firsts}); arrivals are {per}.",
         f"name: {json.dumps(name)}",
         f"description: {json.dumps(f'from {log.name}: {traffic.requests} requests, {arrival.rate:.3g} {per}/s, CV {arrival.cv:.2f}')}",
         "seed: 0",
@@ -128,10 +133,14 @@ def workload_yaml(traffic, name: str, log: Path, lengths_name: str, sessions_nam
     sessions = traffic.sessions
     if sessions is not None:
         lines.append(f"# {len(sessions.turns)} conversations, {np.mean(sessions.turns):.2f} turns on average; "
-                     + ("later turns' inputs carried the conversation: input_tokens are each turn's new message."
-                        if sessions.carries_history else "later turns' inputs did not carry the conversation."))  # fmt: skip
+                     + ("later turns' logged inputs carried the conversation: their lengths here are the new messages."
+                        if sessions.carries_history else "later turns' logged inputs did not carry the conversation."))  # fmt: skip
         lines.append("sessions:")
-        lines.append(f"  turns: {{dist: empirical, file: {json.dumps(sessions_name)}, field: turns}}")
+        lines.append(f"  turns: {{dist: empirical, file: {json.dumps(names['sessions'])}, field: turns}}")
+        if not all(traffic.first_turn):  # later turns' own lengths
+            what = "new message" if sessions.carries_history else "input"
+            lines.append(f"  input_tokens: {{dist: empirical, file: {json.dumps(names['turns'])}, field: input_tokens}}   # later turns' {what}")
+            lines.append(f"  output_tokens: {{dist: empirical, file: {json.dumps(names['turns'])}, field: output_tokens}}")
         lines.append(f"  think_time_s: {think_time(sessions.think_times_s)}")
         if sessions.think_includes_response:
             lines.append("  # the log has no durations: think times include each answer's time")
@@ -175,7 +184,14 @@ def summary(traffic, log: Path, requests) -> str:
     per = "conversations" if traffic.sessions is not None else "requests"
     fitted = "Poisson" if arrival.process == "poisson" else f"gamma, burstiness {arrival.burstiness:.3g}"
     lines.append(f"  arrivals: {arrival.rate:.4g} {per}/s, gaps' coefficient of variation {arrival.cv:.2f} -> {fitted}")
-    lines.append(f"  input tokens: {_spread(traffic.input_tokens)}" + (" (each turn's new message)" if traffic.sessions and traffic.sessions.carries_history else ""))
+    firsts = [i for i, first in zip(traffic.input_tokens, traffic.first_turn) if first]
+    later = [i for i, first in zip(traffic.input_tokens, traffic.first_turn) if not first]
+    if later:
+        lines.append(f"  input tokens: first turns {_spread(firsts)}")
+        what = "new message" if traffic.sessions.carries_history else "input"
+        lines.append(f"                later turns' {what} {_spread(later)}")
+    else:
+        lines.append(f"  input tokens: {_spread(traffic.input_tokens)}")
     lines.append(f"  output tokens: {_spread(traffic.output_tokens)}")
     if traffic.prefix is not None:
         p = traffic.prefix

@@ -257,7 +257,8 @@ class Sessions(BaseModel):
 
     A conversation has ``turns`` turns. Its first prompt is drawn as any request's; every later
     prompt is the conversation so far (earlier prompts, then each answer as text of its output
-    length) followed by a new message of ``input_tokens``, and is sent ``think_time_s`` seconds
+    length) followed by a new message of ``input_tokens`` (the sessions' own, when given, else
+    the request class's), and is sent ``think_time_s`` seconds
     after the previous answer ended. So a later turn's prompt starts with the previous one: what a
     prefix cache reuses in real chat. A conversation whose next prompt and answer would pass
     ``max_context_tokens`` ends there. The answers in later prompts are servetune's text, not what
@@ -270,6 +271,8 @@ class Sessions(BaseModel):
     turns: Dist
     think_time_s: Seconds = ThinkFixed(dist="fixed", value=0.0)
     max_context_tokens: int | None = Field(default=None, ge=2)
+    input_tokens: Dist | None = None  # later turns' new messages (default: the request class's input_tokens)
+    output_tokens: Dist | None = None  # later turns' answers (default: the request class's output_tokens)
 
 
 class Workload(BaseModel):
@@ -299,8 +302,11 @@ class Workload(BaseModel):
             raise ValueError("input_tokens and output_tokens go together")
         if isinstance(self.output_tokens, Empirical) and self.output_tokens.prompts is not None:
             raise ValueError("output_tokens: an empirical output distribution needs lengths, not prompts")
-        if self.sessions is not None and isinstance(self.sessions.turns, Empirical) and self.sessions.turns.prompts is not None:
-            raise ValueError("sessions.turns: an empirical distribution of turns needs numbers, not prompts")
+        if self.sessions is not None:
+            for field_name in ("turns", "output_tokens"):
+                dist = getattr(self.sessions, field_name)
+                if isinstance(dist, Empirical) and dist.prompts is not None:
+                    raise ValueError(f"sessions.{field_name}: an empirical distribution here needs numbers, not prompts")
         return self
 
     @property

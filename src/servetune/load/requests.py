@@ -148,13 +148,16 @@ class _Draw:
         return text, n_in, n_out, cls.name, workload.shared_prefix.tokens if prefix else 0
 
     def next_turn(self, rng: np.random.Generator, cls_name: str, history: str) -> tuple[str, int, int]:
-        """A later turn: ``history`` followed by a new message drawn from the class's input lengths."""
+        """A later turn: ``history`` followed by a new message (the sessions' lengths, else the class's)."""
         cls = next((c for c in self.classes if c.name == cls_name), self.classes[0])
-        n_out = int(cls.output_tokens.sample(rng, 1)[0])
-        if isinstance(cls.input_tokens, Empirical) and cls.input_tokens.prompts is not None:
-            text = history + cls.input_tokens.prompts[int(cls.input_tokens.sample_indices(rng, 1)[0])]
+        sessions = self.workload.sessions
+        message = (sessions.input_tokens if sessions is not None else None) or cls.input_tokens
+        answer = (sessions.output_tokens if sessions is not None else None) or cls.output_tokens
+        n_out = int(answer.sample(rng, 1)[0])
+        if isinstance(message, Empirical) and message.prompts is not None:
+            text = history + message.prompts[int(message.sample_indices(rng, 1)[0])]
             return text, self.prompts.count(text), n_out
-        n_new = int(cls.input_tokens.sample(rng, 1)[0])
+        n_new = int(message.sample(rng, 1)[0])
         n_in = self.prompts.count(history) + n_new
         return self.prompts.text(n_in, rng, prefix=history), n_in, n_out
 

@@ -72,8 +72,9 @@ class SessionFit:
 @dataclass(frozen=True)
 class TrafficProfile:
     requests: int
-    input_tokens: list[int]  # per request (each turn's new message, with conversations)
+    input_tokens: list[int]  # per request (each later turn's new message, with conversations)
     output_tokens: list[int]
+    first_turn: list[bool]  # per request: on its own, or a conversation's first turn
     arrival: ArrivalFit
     prefix: PrefixFit | None
     prefix_note: str  # why no prefix was measured, or how it was
@@ -166,7 +167,8 @@ def profile(requests: Sequence[LoggedRequest], count: Counter | None = None, sou
     except ValueError as exc:
         raise LogError(f"{source}: {exc}") from None
     prefix, note = _prefix(requests, first_turns, inputs, count)
-    return TrafficProfile(len(requests), inputs, list(outputs), arrival, prefix, note, sessions)
+    firsts = {id(r) for r in first_turns}
+    return TrafficProfile(len(requests), inputs, list(outputs), [id(r) in firsts for r in requests], arrival, prefix, note, sessions)
 
 
 def _prefix(requests: Sequence[LoggedRequest], first_turns: Sequence[LoggedRequest], inputs: list[int],
