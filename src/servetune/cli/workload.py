@@ -16,7 +16,8 @@ RATE_FACTORS = (0.5, 1.0, 2.0, 4.0)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("workload", help="make workloads from request logs", description="Make workloads from real traffic.")
+    p = subparsers.add_parser("workload", help="make workloads from request logs",
+                              description="Make workloads from real traffic.")  # fmt: skip
     sub = p.add_subparsers(dest="workload_command", metavar="ACTION", required=True)
     log = sub.add_parser(
         "from-log",
@@ -59,11 +60,11 @@ def run_from_log(args: argparse.Namespace) -> int:
     stem = out.name.rsplit(".", 1)[0]
     names = {"lengths": f"{stem}.lengths.jsonl", "turns": f"{stem}.turns.jsonl", "sessions": f"{stem}.sessions.jsonl"}
     rows = list(zip(traffic.input_tokens, traffic.output_tokens, traffic.first_turn))
-    files = {out.with_name(names["lengths"]): _jsonl({"input_tokens": i, "output_tokens": o} for i, o, first in rows if first)}
+    files = {out.with_name(names["lengths"]): _lengths(rows, first=True)}
     if traffic.sessions is not None:
         files[out.with_name(names["sessions"])] = _jsonl({"turns": t} for t in traffic.sessions.turns)
         if not all(traffic.first_turn):
-            files[out.with_name(names["turns"])] = _jsonl({"input_tokens": i, "output_tokens": o} for i, o, first in rows if not first)
+            files[out.with_name(names["turns"])] = _lengths(rows, first=False)
     trace_file = trace_path(args.log, out) if args.trace else None
     files[out] = workload_yaml(traffic, name, args.log, names, trace_file, requests)
     write_all(files)
@@ -80,6 +81,11 @@ def trace_path(log: Path, out: Path) -> str:
     if os.path.commonpath([log, home]) == log.anchor:
         return str(log)
     return os.path.relpath(log, home)
+
+
+def _lengths(rows: list[tuple[int, int, bool]], first: bool) -> str:
+    """The lengths of the first turns (and requests on their own), or of the later turns."""
+    return _jsonl({"input_tokens": i, "output_tokens": o} for i, o, is_first in rows if is_first == first)
 
 
 def _jsonl(rows) -> str:
@@ -145,8 +151,8 @@ def workload_yaml(traffic, name: str, log: Path, names: dict[str, str], trace_fi
         if sessions.think_includes_response:
             lines.append("  # the log has no durations: think times include each answer's time")
         if sessions.carries_history:
-            longest = max(r.input_tokens + r.output_tokens for r in requests if r.input_tokens is not None and r.output_tokens is not None) \
-                if all(r.input_tokens is not None and r.output_tokens is not None for r in requests) else None  # fmt: skip
+            counted = [r.input_tokens + r.output_tokens for r in requests if r.input_tokens is not None and r.output_tokens is not None]
+            longest = max(counted) if len(counted) == len(requests) else None  # texts counted by --tokenizer: left out
             if longest:
                 lines.append(f"  max_context_tokens: {longest}   # the longest logged prompt and answer")
     if trace_file is not None:

@@ -110,6 +110,16 @@ def _text(key: str, value: object) -> str:
     raise ValueError(f"'{key}' must be text")
 
 
+def _usage(usage: dict, key: str) -> tuple[str, object] | None:
+    """``usage.prompt_tokens`` of an OpenAI response body, as ``_first`` finds a key."""
+    return (f"usage.{key}", usage[key]) if usage.get(key) is not None else None
+
+
+def _seconds(value: object) -> float | None:
+    """A duration; one that is not a number is left out (it is optional)."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
 def parse_record(record: object, line: int) -> LoggedRequest:
     """One decoded line; a ValueError says what is wrong with it."""
     if not isinstance(record, dict):
@@ -119,9 +129,9 @@ def parse_record(record: object, line: int) -> LoggedRequest:
         raise ValueError(f"no time (one of {', '.join(TIME_KEYS)})")
     time_s = _time(*found)
     usage = record.get("usage") if isinstance(record.get("usage"), dict) else {}
-    found = _first(record, INPUT_TOKEN_KEYS) or (("usage.prompt_tokens", usage["prompt_tokens"]) if usage.get("prompt_tokens") is not None else None)
+    found = _first(record, INPUT_TOKEN_KEYS) or _usage(usage, "prompt_tokens")
     input_tokens = _count(*found) if found else None
-    found = _first(record, OUTPUT_TOKEN_KEYS) or (("usage.completion_tokens", usage["completion_tokens"]) if usage.get("completion_tokens") is not None else None)
+    found = _first(record, OUTPUT_TOKEN_KEYS) or _usage(usage, "completion_tokens")
     output_tokens = _count(*found) if found else None
     found = _first(record, (*INPUT_TEXT_KEYS, "messages"))
     prompt = _text(*found) if found else None
@@ -135,9 +145,9 @@ def parse_record(record: object, line: int) -> LoggedRequest:
     session = None if found is None else str(found[1])
     duration_s = None
     if (found := _first(record, SECONDS_KEYS)) is not None:
-        duration_s = float(found[1]) if isinstance(found[1], (int, float)) and not isinstance(found[1], bool) else None
+        duration_s = _seconds(found[1])
     elif (found := _first(record, MILLISECONDS_KEYS)) is not None:
-        duration_s = float(found[1]) / 1000.0 if isinstance(found[1], (int, float)) and not isinstance(found[1], bool) else None
+        duration_s = None if (ms := _seconds(found[1])) is None else ms / 1000.0
     return LoggedRequest(line, time_s, input_tokens, output_tokens, prompt, output, session, duration_s)
 
 
