@@ -196,3 +196,19 @@ def test_with_sessions_a_rate_counts_conversations(tmp_path):
     levels = workload_levels(load_workload(out), None, None)
     assert all(lv.conversations and str(lv).endswith("conversations/s") for lv in levels)
     assert all(not lv.conversations for lv in workload_levels(load_workload(out), "concurrency", (2,)))
+
+
+def test_a_studys_levels_for_a_trace_are_speedups(tmp_path):
+    """``servetune run``: the space's load.levels are a trace workload's speed-ups unless load.kind says otherwise."""
+    from servetune.config.space import SearchSpace
+    from servetune.study.context import resolve_levels
+
+    log = write_log(tmp_path / "log.jsonl", synthetic_log(100, sessions=False, seed=4))
+    assert main(["workload", "from-log", str(log), "--out", str(tmp_path / "replay.yaml"), "--trace"]) == 0
+    workload = load_workload(tmp_path / "replay.yaml")
+    rate = profile(read_log(log)).arrival.rate
+    base = {"name": "s", "model": "tiny", "device": "cpu", "workload": str(tmp_path / "replay.yaml"), "params": {"max_num_seqs": [2]}}
+    space = SearchSpace.model_validate({**base, "load": {"levels": [0.5, 3]}})
+    assert [lv.value for lv in resolve_levels(space, workload)] == pytest.approx([0.5 * rate, 3 * rate])
+    space = SearchSpace.model_validate({**base, "load": {"kind": "rate", "levels": [0.5, 3]}})
+    assert [lv.value for lv in resolve_levels(space, workload)] == [0.5, 3.0]
