@@ -100,10 +100,15 @@ def test_an_engine_that_dies_mid_level_keeps_what_was_measured(tmp_path, capsys,
         (["--model", "{tmp}", "--workload", "{tmp}/w.yaml"], "w.yaml: output_tokens.value: Input should be greater than or equal to 1"),
         (["--model", "{tmp}", "--env", "NOEQUALS"], "--env 'NOEQUALS' is not KEY=VALUE"),
         (["--model", "{tmp}", "--repeats", "0"], "--repeats must be 1 to 9, got 0"),
+        (["--model", "{tmp}", "--workload", "cpu-tiny", "--speedup", "2"], "--speedup is for a workload that replays a trace"),
+        (["--model", "{tmp}", "--workload", "{tmp}/trace.yaml", "--speedup", "0"], "--speedup needs positive numbers, got '0'"),
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(tmp_path, capsys, argv, needle):
     (tmp_path / "w.yaml").write_text("name: w\ninput_tokens: {dist: fixed, value: 3}\noutput_tokens: {dist: fixed, value: 0}\n")
+    (tmp_path / "log.jsonl").write_text("".join(f'{{"ts": {t}, "input_tokens": 3, "output_tokens": 1}}\n' for t in (0, 1)))
+    (tmp_path / "trace.yaml").write_text("name: t\ninput_tokens: {dist: fixed, value: 3}\noutput_tokens: {dist: fixed, value: 1}\n"
+                                         "arrival: {process: trace, file: log.jsonl}\n")  # fmt: skip
     code, out, err = run_cli(capsys, *(a.replace("{tmp}", str(tmp_path)) for a in argv))
     assert code == 2
     assert needle in err, err

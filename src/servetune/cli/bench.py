@@ -28,7 +28,7 @@ from servetune.engine.server import VllmServer
 from servetune.errors import EngineDiedError, UserError
 from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory, load_tokenizer
-from servetune.load.runner import Level
+from servetune.load.runner import Level, workload_levels
 from servetune.results import BenchResult, KvCapacityReport, LevelResult
 from servetune.secrets import redact_engine_args, redact_env
 from servetune.telemetry import TelemetrySampler, visible_gpu_indices
@@ -65,7 +65,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", help="closed-loop levels: clients in flight, e.g. 1,4,16")
     load.add_argument("--rate", help="open-loop levels: requests per second, e.g. 2,8 (Poisson, or the workload's gamma burstiness)")
-    p.add_argument("--max-concurrency", type=int, help="with --rate: cap on requests in flight")
+    load.add_argument("--speedup", help="levels of a trace replay (a workload with arrival: {process: trace}): speed-ups of the recorded times, e.g. 1,2,4")
+    p.add_argument("--max-concurrency", type=int, help="with --rate or --speedup: cap on requests in flight")
     p.add_argument("--num-requests", type=int, help="measured requests per level (default: 8 x concurrency, or 30 s of the rate; 32..500)")
     p.add_argument("--duration", type=float, help="seconds per level at most (the level also ends after --num-requests)")
     p.add_argument("--warmup-requests", type=int, help="requests at the start of each level left out of the numbers (default: one per client, at most 32)")
@@ -81,26 +82,29 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def parse_levels(args: argparse.Namespace, workload: Workload) -> list[Level]:
     arrival = workload.arrival
+    kind: str | None
     if args.rate:
         kind, text = "rate", args.rate
     elif args.concurrency:
         kind, text = "concurrency", args.concurrency
-    elif arrival.levels:
-        kind = "concurrency" if arrival.process == "concurrency" else "rate"
-        text = ",".join(str(v) for v in arrival.levels)
+    elif args.speedup:
+        if arrival.process != "trace":
+            raise UserError(f"--speedup is for a workload that replays a trace (arrival: {{process: trace}}); {workload.name} has process {arrival.process}")
+        kind, text = None, args.speedup
+    elif arrival.levels or arrival.process == "trace":
+        kind, text = None, ""
     else:
         kind, text = "concurrency", "1,4,16"
-    flag = f"--{kind}"
+    flag = f"--{kind or 'speedup'}"
     try:
         values = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise UserError(f"{flag} '{text}' is not a comma-separated list of numbers") from None
-    if not values or min(values) <= 0:
+    if text and (not values or min(values) <= 0):
         raise UserError(f"{flag} needs positive numbers, got '{text}'")
     if kind == "concurrency" and any(v != int(v) for v in values):
         raise UserError(f"{flag} levels are whole numbers of clients, got '{text}'")
-    process = "concurrency" if kind == "concurrency" else ("gamma" if arrival.process == "gamma" else "poisson")
-    return [Level(kind, v, process, arrival.burstiness, args.max_concurrency) for v in values]
+    return list(workload_levels(workload, kind, tuple(values) or None, args.max_concurrency))
 
 
 def level_plan(level: Level, args: argparse.Namespace) -> LevelPlan:

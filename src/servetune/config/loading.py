@@ -13,7 +13,7 @@ from servetune.errors import UserError
 M = TypeVar("M", bound=BaseModel)
 
 #: Tags of the tagged unions in servetune's config models (workload lengths, parameter values).
-UNION_TAGS = {"fixed", "uniform", "normal", "lognormal", "empirical", "values", "range"}
+UNION_TAGS = {"fixed", "uniform", "normal", "lognormal", "empirical", "exponential", "values", "range"}
 
 
 def describe_validation_error(exc: ValidationError, source: str) -> str:

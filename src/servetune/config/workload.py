@@ -5,6 +5,11 @@ empirical from a JSONL file). A workload is either one request class (``input_to
 ``output_tokens``) or a weighted ``mix`` of classes (long/short mixes). ``shared_prefix``
 makes a fraction of requests start with the same N tokens (prefix-cache scenarios); the input
 length is the whole prompt, prefix included.
+
+``sessions`` makes multi-turn conversations: each turn's prompt is the conversation so far (the
+earlier prompts and answers) followed by a new message of ``input_tokens``, sent ``think_time_s``
+after the previous answer ended. ``arrival: {process: trace, file: LOG.jsonl}`` replays a request
+log's send times (``servetune workload from-log`` writes workloads from such logs).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, 
 from servetune.config.loading import load_yaml_model
 from servetune.errors import UserError
 from servetune.shipped import trials_dir
+from servetune.traffic.log import read_log
 
 
 class _Dist(BaseModel):
@@ -146,18 +152,25 @@ class SharedPrefix(BaseModel):
 
 
 class Arrival(BaseModel):
-    """How requests arrive at a level.
+    """How requests (or, with ``sessions``, conversations) arrive at a level.
 
     ``concurrency``: a closed loop of N clients, each sending its next request when the last
     one ends. ``poisson``: open loop at a rate (exponential gaps). ``gamma``: open loop whose
     gaps are gamma-distributed; ``burstiness`` < 1 is burstier than Poisson, 1 is Poisson.
+    ``trace``: open loop that sends at the times recorded in ``file`` (a request log, relative to
+    the workload file), ``speedup`` times faster; its levels are speed-ups (see
+    ``load.runner.workload_levels``). With sessions, the trace times each conversation's start.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    process: Literal["concurrency", "poisson", "gamma"] = "concurrency"
+    process: Literal["concurrency", "poisson", "gamma", "trace"] = "concurrency"
     burstiness: float = Field(default=1.0, gt=0)
-    levels: tuple[float, ...] | None = None  # default levels (concurrencies or rates)
+    levels: tuple[float, ...] | None = None  # default levels (concurrencies, rates, or a trace's speed-ups)
+    file: Path | None = None  # trace: the request log to replay
+    speedup: float = Field(default=1.0, gt=0)  # trace: the level when no levels are given
+    _times: tuple[float, ...] = PrivateAttr(default=())  # trace: every request's send time, from 0
+    _starts: tuple[float, ...] = PrivateAttr(default=())  # trace: every conversation's first send
 
     @field_validator("levels")
     @classmethod
@@ -165,6 +178,101 @@ class Arrival(BaseModel):
         if levels is not None and (not levels or min(levels) <= 0):
             raise ValueError("levels must be a non-empty list of positive numbers")
         return levels
+
+    @model_validator(mode="after")
+    def _read_trace(self, info: ValidationInfo) -> "Arrival":
+        if self.process != "trace":
+            if self.file is not None:
+                raise ValueError("file is for process: trace")
+            return self
+        if self.file is None:
+            raise ValueError("process: trace needs file: the request log to replay")
+        base = Path((info.context or {}).get("base_dir", "."))
+        path = self.file if self.file.is_absolute() else base / self.file
+        try:
+            requests = read_log(path)
+        except UserError as exc:
+            raise ValueError(str(exc)) from None
+        first = requests[0].time_s
+        seen: set[str] = set()
+        starts = []
+        for r in requests:
+            if r.session is None or r.session not in seen:
+                starts.append(r.time_s - first)
+            if r.session is not None:
+                seen.add(r.session)
+        self._times = tuple(r.time_s - first for r in requests)
+        self._starts = tuple(starts)
+        if self._times[-1] <= 0:
+            raise ValueError(f"{path}: every request has the same time: nothing to replay")
+        return self
+
+    def trace_times(self, sessions: bool = False) -> tuple[float, ...]:
+        """A trace's send times in seconds from its first (conversations' first turns with ``sessions``)."""
+        return self._starts if sessions else self._times
+
+
+class ThinkFixed(_Dist):
+    dist: Literal["fixed"]
+    value: float = Field(ge=0)
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        return np.full(n, self.value, dtype=float)
+
+
+class ThinkUniform(_Dist):
+    dist: Literal["uniform"]
+    min: float = Field(default=0.0, ge=0)
+    max: float = Field(ge=0)
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        return rng.uniform(self.min, self.max, size=n)
+
+
+class ThinkExponential(_Dist):
+    dist: Literal["exponential"]
+    mean: float = Field(gt=0)
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        return rng.exponential(self.mean, size=n)
+
+
+class ThinkLogNormal(_Dist):
+    dist: Literal["lognormal"]
+    median: float = Field(gt=0)
+    sigma: float = Field(gt=0)
+    max: float | None = Field(default=None, gt=0)
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        values = rng.lognormal(np.log(self.median), self.sigma, size=n)
+        return values if self.max is None else np.minimum(values, self.max)
+
+
+#: Seconds (think times): fixed, uniform, exponential or lognormal.
+Seconds = Annotated[Union[ThinkFixed, ThinkUniform, ThinkExponential, ThinkLogNormal], Field(discriminator="dist")]
+
+
+class Sessions(BaseModel):
+    """Multi-turn conversations.
+
+    A conversation has ``turns`` turns. Its first prompt is drawn as any request's; every later
+    prompt is the conversation so far (earlier prompts, then each answer as text of its output
+    length) followed by a new message of ``input_tokens`` (the sessions' own, when given, else
+    the request class's), and is sent ``think_time_s`` seconds
+    after the previous answer ended. So a later turn's prompt starts with the previous one: what a
+    prefix cache reuses in real chat. A conversation whose next prompt and answer would pass
+    ``max_context_tokens`` ends there. The answers in later prompts are servetune's text, not what
+    the model said: the cache can reuse the earlier prompts, not the generated tokens.
+    Concurrency levels count conversations in flight; rates count conversations started a second.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    turns: Dist
+    think_time_s: Seconds = ThinkFixed(dist="fixed", value=0.0)
+    max_context_tokens: int | None = Field(default=None, ge=2)
+    input_tokens: Dist | None = None  # later turns' new messages (default: the request class's input_tokens)
+    output_tokens: Dist | None = None  # later turns' answers (default: the request class's output_tokens)
 
 
 class Workload(BaseModel):
@@ -179,6 +287,7 @@ class Workload(BaseModel):
     mix: tuple[RequestClass, ...] | None = None
     shared_prefix: SharedPrefix | None = None
     arrival: Arrival = Arrival()
+    sessions: Sessions | None = None
     ignore_eos: bool = True  # hold output lengths to what the workload asked for
     temperature: float = Field(default=0.0, ge=0)
 
@@ -193,6 +302,11 @@ class Workload(BaseModel):
             raise ValueError("input_tokens and output_tokens go together")
         if isinstance(self.output_tokens, Empirical) and self.output_tokens.prompts is not None:
             raise ValueError("output_tokens: an empirical output distribution needs lengths, not prompts")
+        if self.sessions is not None:
+            for field_name in ("turns", "output_tokens"):
+                dist = getattr(self.sessions, field_name)
+                if isinstance(dist, Empirical) and dist.prompts is not None:
+                    raise ValueError(f"sessions.{field_name}: an empirical distribution here needs numbers, not prompts")
         return self
 
     @property

@@ -50,6 +50,10 @@ class RequestSpec:
     input_tokens: int
     output_tokens: int
     request_class: str
+    session: int | None = None  # the conversation this turn belongs to (workloads with sessions)
+    turn: int = 0
+    think_s: float = 0.0  # seconds to wait after the previous turn's answer before sending
+    reused_tokens: int = 0  # of input_tokens, those an earlier prompt began with (what a prefix cache can hit)
 
 
 class PromptFactory:
@@ -92,23 +96,47 @@ def iter_requests(workload: Workload, prompts: PromptFactory, stream: int = 0) -
     """An endless, deterministic stream of requests.
 
     ``stream`` separates independent streams of the same workload (warm-up, each load level),
-    so a level never replays prompts an earlier level left in the prefix cache.
+    so a level never replays prompts an earlier level left in the prefix cache. With
+    ``sessions``, a conversation's turns come one after the other, numbered by ``session``.
     """
     rng = np.random.default_rng([workload.seed, stream])
-    classes = workload.classes
-    weights = np.asarray([c.weight for c in classes], dtype=float)
-    weights /= weights.sum()
-    prefix_text = ""
-    if workload.shared_prefix:
-        # The shared prefix is the same in every stream: it is what the prefix cache reuses.
-        prefix_rng = np.random.default_rng([workload.seed, 2**31 - 1])
-        prefix_text = prompts.text(workload.shared_prefix.tokens, prefix_rng)
+    if workload.sessions is not None:
+        yield from _conversations(workload, prompts, rng)
+        return
+    draw = _Draw(workload, prompts)
     index = 0
     while True:
-        cls = classes[int(rng.choice(len(classes), p=weights))] if len(classes) > 1 else classes[0]
+        text, n_in, n_out, name, reused = draw.first(rng)
+        yield RequestSpec(index=index, prompt=text, input_tokens=n_in, output_tokens=n_out, request_class=name, reused_tokens=reused)
+        index += 1
+
+
+class _Draw:
+    """Draws one request of a workload: its class, lengths, shared prefix and prompt."""
+
+    def __init__(self, workload: Workload, prompts: PromptFactory) -> None:
+        self.workload, self.prompts = workload, prompts
+        self.classes = workload.classes
+        weights = np.asarray([c.weight for c in self.classes], dtype=float)
+        self.weights = weights / weights.sum()
+        self.prefix_text = ""
+        if workload.shared_prefix:
+            # The shared prefix is the same in every stream: it is what the prefix cache reuses.
+            prefix_rng = np.random.default_rng([workload.seed, 2**31 - 1])
+            self.prefix_text = prompts.text(workload.shared_prefix.tokens, prefix_rng)
+
+    def request_class(self, rng: np.random.Generator):
+        classes = self.classes
+        return classes[int(rng.choice(len(classes), p=self.weights))] if len(classes) > 1 else classes[0]
+
+    def first(self, rng: np.random.Generator) -> tuple[str, int, int, str, int]:
+        """A request on its own (or a conversation's first turn): prompt, input and output tokens, class,
+        and the shared prefix's tokens when it starts with it."""
+        workload, prompts = self.workload, self.prompts
+        cls = self.request_class(rng)
         n_out = int(cls.output_tokens.sample(rng, 1)[0])
         shares = bool(workload.shared_prefix) and rng.random() < workload.shared_prefix.fraction
-        prefix = prefix_text if shares else ""
+        prefix = self.prefix_text if shares else ""
         if isinstance(cls.input_tokens, Empirical) and cls.input_tokens.prompts is not None:
             text = prefix + cls.input_tokens.prompts[int(cls.input_tokens.sample_indices(rng, 1)[0])]
             n_in = prompts.count(text)
@@ -117,5 +145,42 @@ def iter_requests(workload: Workload, prompts: PromptFactory, stream: int = 0) -
             if prefix:
                 n_in = max(n_in, workload.shared_prefix.tokens + 1)
             text = prompts.text(n_in, rng, prefix=prefix)
-        yield RequestSpec(index=index, prompt=text, input_tokens=n_in, output_tokens=n_out, request_class=cls.name)
+        return text, n_in, n_out, cls.name, workload.shared_prefix.tokens if prefix else 0
+
+    def next_turn(self, rng: np.random.Generator, cls_name: str, history: str) -> tuple[str, int, int]:
+        """A later turn: ``history`` followed by a new message (the sessions' lengths, else the class's)."""
+        cls = next((c for c in self.classes if c.name == cls_name), self.classes[0])
+        sessions = self.workload.sessions
+        message = (sessions.input_tokens if sessions is not None else None) or cls.input_tokens
+        answer = (sessions.output_tokens if sessions is not None else None) or cls.output_tokens
+        n_out = int(answer.sample(rng, 1)[0])
+        if isinstance(message, Empirical) and message.prompts is not None:
+            text = history + message.prompts[int(message.sample_indices(rng, 1)[0])]
+            return text, self.prompts.count(text), n_out
+        n_new = int(message.sample(rng, 1)[0])
+        n_in = self.prompts.count(history) + n_new
+        return self.prompts.text(n_in, rng, prefix=history), n_in, n_out
+
+
+def _conversations(workload: Workload, prompts: PromptFactory, rng: np.random.Generator) -> Iterator[RequestSpec]:
+    sessions = workload.sessions
+    assert sessions is not None
+    draw = _Draw(workload, prompts)
+    limit = sessions.max_context_tokens
+    index = session = 0
+    while True:
+        turns = max(1, int(sessions.turns.sample(rng, 1)[0]))
+        text, n_in, n_out, name, reused = draw.first(rng)
+        yield RequestSpec(index, text, n_in, n_out, name, session=session, turn=0, reused_tokens=reused)
         index += 1
+        for turn in range(1, turns):
+            # The answer as the conversation carries it: text of the answer's length.
+            history = prompts.text(n_in + n_out, rng, prefix=text)
+            reused = n_in  # the previous prompt (the answer here is servetune's text, not the model's)
+            text, n_in, n_out = draw.next_turn(rng, name, history)
+            if limit is not None and n_in + n_out > limit:
+                break
+            think = float(sessions.think_time_s.sample(rng, 1)[0])
+            yield RequestSpec(index, text, n_in, n_out, name, session=session, turn=turn, think_s=think, reused_tokens=reused)
+            index += 1
+        session += 1

@@ -17,8 +17,10 @@ from typing import Literal
 
 import numpy as np
 
+from servetune.config.workload import Workload
 from servetune.load.client import StreamingClient
 from servetune.load.requests import RequestSpec
+from servetune.errors import UserError
 from servetune.metrics import RequestRecord
 
 
@@ -28,19 +30,82 @@ class Level:
 
     kind: Literal["concurrency", "rate"]
     value: float
-    process: Literal["concurrency", "poisson", "gamma"] = "concurrency"
+    process: Literal["concurrency", "poisson", "gamma", "trace"] = "concurrency"
     burstiness: float = 1.0
     max_concurrency: int | None = None  # cap on requests in flight for open loops
+    trace: tuple[float, ...] | None = None  # trace replay: the recorded gaps between sends, in seconds
+    conversations: bool = False  # the workload has sessions: a rate counts conversations started
 
     def as_dict(self) -> dict[str, float]:
         return {self.kind: self.value}
 
+    @property
+    def speedup(self) -> float | None:
+        """A trace replay's speed-up: its rate over the trace's own mean rate."""
+        if not self.trace:
+            return None
+        return self.value / trace_rate(self.trace)
+
     def __str__(self) -> str:
-        return f"concurrency {self.value:g}" if self.kind == "concurrency" else f"rate {self.value:g} req/s"
+        if self.kind == "concurrency":
+            return f"concurrency {self.value:g}"
+        per = "conversations/s" if self.conversations else "req/s"
+        if self.trace:
+            return f"trace x{self.speedup:.3g} ({self.value:.3g} {per})"
+        return f"rate {self.value:g} {per}"
+
+
+def trace_rate(gaps: tuple[float, ...]) -> float:
+    """A trace's mean rate: its gaps per second of trace."""
+    return len(gaps) / sum(gaps)
+
+
+def workload_levels(workload: Workload, kind: str | None, values: tuple[float, ...] | None,
+                    max_concurrency: int | None = None) -> tuple[Level, ...]:  # fmt: skip
+    """The ladder's levels for ``workload``, one path for ``servetune run`` and ``servetune bench``.
+
+    ``kind`` (``load.kind``) defaults to the workload's arrival: a closed loop for
+    ``concurrency``, an open loop otherwise. ``values`` default to the arrival's ``levels``, else
+    1, 4, 16 clients or 1, 2, 4 req/s.
+
+    A trace (``process: trace``) with no ``kind`` given takes its values as **speed-ups** (default:
+    its ``speedup``): speed-up 2 sends at twice the recorded pace. Each becomes a rate level at the
+    trace's mean rate times the speed-up, so reports, early stopping and the ladder see rates as for
+    any open loop. With ``kind: rate`` the values are rates and the trace is scaled to each; with
+    ``kind: concurrency`` its times are not used (a closed loop).
+
+    With sessions, rates count conversations started a second (and a trace times conversations'
+    first turns; think times between turns are the workload's, not scaled by the speed-up).
+    """
+    arrival = workload.arrival
+    talk = workload.sessions is not None
+    speedups = arrival.process == "trace" and kind is None
+    kind = kind or ("concurrency" if arrival.process == "concurrency" else "rate")
+    if arrival.process == "trace" and kind == "rate":
+        times = arrival.trace_times(sessions=workload.sessions is not None)
+        gaps = tuple(float(b - a) for a, b in zip(times, times[1:]))
+        if sum(gaps) <= 0:
+            raise UserError(f"the trace {arrival.file} has nothing to replay (one arrival, or all at one time)")
+        base = trace_rate(gaps)
+        if speedups:
+            rates = tuple(base * s for s in (values or arrival.levels or (arrival.speedup,)))
+        else:
+            rates = tuple(values or tuple(base * s for s in (arrival.levels or (arrival.speedup,))))
+        return tuple(Level("rate", float(r), "trace", 1.0, max_concurrency, gaps, talk) for r in rates)
+    values = values or arrival.levels or ((1, 4, 16) if kind == "concurrency" else (1, 2, 4))
+    process = "concurrency" if kind == "concurrency" else ("gamma" if arrival.process == "gamma" else "poisson")
+    return tuple(Level(kind, float(v), process, arrival.burstiness, max_concurrency, None, talk and kind == "rate") for v in values)
 
 
 def arrival_gaps(level: Level, rng: np.random.Generator) -> Iterator[float]:
-    """Seconds between consecutive sends of an open loop (Poisson, or gamma with burstiness)."""
+    """Seconds between consecutive sends of an open loop (Poisson, gamma with burstiness, or a trace)."""
+    if level.process == "trace" and level.trace:
+        scale = 1.0 / level.speedup
+        between = sum(level.trace) / len(level.trace)  # from the trace's end to its start again
+        while True:
+            for gap in level.trace:
+                yield gap * scale
+            yield between * scale
     if level.process == "gamma":
         shape = level.burstiness
         scale = 1.0 / (level.value * shape)
@@ -77,28 +142,62 @@ async def run_level(
     records: list[RequestRecord] = []
     t0 = time.perf_counter()
     deadline = None if duration_s is None else t0 + duration_s
+    ahead: list[RequestSpec] = []  # the first turn of the next conversation, read ahead
 
-    def next_record() -> tuple[RequestSpec, RequestRecord] | None:
+    def over() -> bool:
         if total is not None and len(records) >= total:
-            return None
+            return True
         if deadline is not None and time.perf_counter() >= deadline:
-            return None
-        if stop is not None and stop():
-            return None
-        spec = next(stream, None)
-        if spec is None:
+            return True
+        return stop is not None and stop()
+
+    def take() -> list[RequestSpec]:
+        """The next request, or the next conversation's turns (empty when the stream ended)."""
+        first = ahead.pop() if ahead else next(stream, None)
+        if first is None:
+            return []
+        unit = [first]
+        if first.session is not None:
+            for spec in stream:
+                if spec.session != first.session:
+                    ahead.append(spec)
+                    break
+                unit.append(spec)
+        return unit
+
+    def admit(spec: RequestSpec) -> RequestRecord | None:
+        if over():
             return None
         record = RequestRecord(
             index=len(records), sent=0.0, input_tokens=spec.input_tokens, max_tokens=spec.output_tokens,
             warmup=len(records) < warmup_requests, request_class=spec.request_class,
         )  # fmt: skip
         records.append(record)
-        return spec, record
+        return record
+
+    limit = asyncio.Semaphore(level.max_concurrency) if level.max_concurrency and level.kind == "rate" else None
 
     async def send(spec: RequestSpec, record: RequestRecord) -> None:
-        await client.send(spec, record, t0)
+        if limit is None:
+            await client.send(spec, record, t0)
+        else:
+            async with limit:
+                await client.send(spec, record, t0)
         if on_done is not None:
             on_done(record)
+
+    async def later_turns(unit: list[RequestSpec]) -> bool:
+        """Send a conversation's turns after its first, each after its think time; False once the level is over."""
+        for spec in unit[1:]:
+            if over():
+                return False
+            if spec.think_s > 0:
+                await asyncio.sleep(spec.think_s)
+            record = admit(spec)
+            if record is None:
+                return False
+            await send(spec, record)
+        return True
 
     if level.kind == "concurrency":
         clients = max(1, int(level.value))
@@ -111,12 +210,17 @@ async def run_level(
                 await first_done.wait()
                 await asyncio.sleep(float(offsets[k]) * first_took[0])
             try:
-                while (item := next_record()) is not None:
+                while not over() and (unit := take()):
+                    record = admit(unit[0])
+                    if record is None:
+                        return
                     started = time.perf_counter()
-                    await send(*item)
+                    await send(unit[0], record)
                     if not first_done.is_set():
                         first_took.append(time.perf_counter() - started)
                         first_done.set()
+                    if not await later_turns(unit):
+                        return
             finally:
                 if not first_done.is_set():  # nothing was sent: release the others at once
                     first_took.append(0.0)
@@ -125,19 +229,18 @@ async def run_level(
         await asyncio.gather(*(worker(k) for k in range(clients)))
         return records
 
-    limit = asyncio.Semaphore(level.max_concurrency) if level.max_concurrency else None
-
-    async def limited(spec: RequestSpec, record: RequestRecord) -> None:
-        if limit is None:
-            return await send(spec, record)
-        async with limit:
-            return await send(spec, record)
+    async def conversation(unit: list[RequestSpec], record: RequestRecord) -> None:
+        await send(unit[0], record)
+        await later_turns(unit)
 
     tasks = []
     gaps = arrival_gaps(level, np.random.default_rng(seed))
     next_send = time.perf_counter()
-    while (item := next_record()) is not None:
-        tasks.append(asyncio.ensure_future(limited(*item)))
+    while not over() and (unit := take()):
+        record = admit(unit[0])
+        if record is None:
+            break
+        tasks.append(asyncio.ensure_future(conversation(unit, record)))
         next_send += next(gaps)
         delay = next_send - time.perf_counter()
         if delay > 0:

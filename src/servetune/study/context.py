@@ -10,7 +10,7 @@ from typing import Any
 
 from servetune.config.space import SearchSpace
 from servetune.config.workload import Workload
-from servetune.load.runner import Level
+from servetune.load.runner import Level, workload_levels
 from servetune.quality.probe import QualityPlan
 from servetune.trial.runner import TrialSpec
 
@@ -57,8 +57,5 @@ class StudyContext:
 
 
 def resolve_levels(space: SearchSpace, workload: Workload) -> tuple[Level, ...]:
-    arrival = workload.arrival
-    kind = space.load.kind or ("concurrency" if arrival.process == "concurrency" else "rate")
-    values = space.load.levels or arrival.levels or ((1, 4, 16) if kind == "concurrency" else (1, 2, 4))
-    process = "concurrency" if kind == "concurrency" else ("gamma" if arrival.process == "gamma" else "poisson")
-    return tuple(Level(kind, float(v), process, arrival.burstiness) for v in values)
+    """The study's levels: ``load.kind`` and ``load.levels`` over the workload's (see ``workload_levels``)."""
+    return workload_levels(workload, space.load.kind, space.load.levels)

@@ -37,7 +37,7 @@ from servetune.config.workload import Workload
 from servetune.engine.metrics import MetricsSnapshot, level_delta
 from servetune.errors import EngineDiedError
 from servetune.load.client import StreamingClient
-from servetune.load.requests import PromptFactory, iter_requests
+from servetune.load.requests import PromptFactory, RequestSpec, iter_requests
 from servetune.load.runner import Level, run_level
 from servetune.metrics import RequestRecord, send_sync_share, summarize
 from servetune.results import LevelResult, LevelRun
@@ -163,19 +163,26 @@ async def _reset_prefix_cache(session: aiohttp.ClientSession, url: str) -> bool:
 HIT_RATE_MARGIN = 0.05
 
 
-def explained_hit_rate(workload: Workload, mean_prompt_tokens: float) -> float:
-    """The prefix-cache hit rate the workload's shared prefix explains (prompts are otherwise unique)."""
+def explained_hit_rate(workload: Workload, mean_prompt_tokens: float, reused_share: float | None = None) -> float:
+    """The prefix-cache hit rate the workload's shared prefix explains (prompts are otherwise unique).
+
+    With sessions, later turns reuse their conversation: ``reused_share`` is the share of the
+    level's prompt tokens that an earlier prompt began with (``RequestSpec.reused_tokens``).
+    """
+    if reused_share is not None:
+        return min(1.0, reused_share)
     shared = workload.shared_prefix
     if shared is None or mean_prompt_tokens <= 0:
         return 0.0
     return min(1.0, shared.fraction * shared.tokens / mean_prompt_tokens)
 
 
-def cache_note(server: dict[str, float], workload: Workload, mean_prompt_tokens: float, reset: bool) -> str | None:
+def cache_note(server: dict[str, float], workload: Workload, mean_prompt_tokens: float, reset: bool,
+               reused_share: float | None = None) -> str | None:  # fmt: skip
     """Why this level's prefix cache may have been warm (None when nothing says so)."""
     measured = server.get("prefix_cache_hit_rate")
     if measured is not None:
-        explained = explained_hit_rate(workload, mean_prompt_tokens)
+        explained = explained_hit_rate(workload, mean_prompt_tokens, reused_share)
         if measured > explained + HIT_RATE_MARGIN:
             return (f"prefix-cache hit rate {measured:.0%} is above the {explained:.0%} the workload's shared "
                     "prefix explains: a warm cache may flatter this level")  # fmt: skip
@@ -215,7 +222,13 @@ async def measure_level(
 
     ``telemetry`` makes a sampler of the devices (or host) that runs while the level does.
     """
-    requests = iter_requests(workload, prompts, stream=stream)
+    drawn: list[RequestSpec] = []
+
+    def requests():  # the level's requests, kept to tell what its prompts reuse
+        for spec in iter_requests(workload, prompts, stream=stream):
+            drawn.append(spec)
+            yield spec
+
     watch = watch if watch is not None else EarlyBreak(slo, plan.level, plan.num_requests)
 
     def done(record: RequestRecord) -> None:
@@ -232,7 +245,7 @@ async def measure_level(
         try:
             with devices:
                 records = await run_level(
-                    client, requests, plan.level, num_requests=plan.num_requests, duration_s=plan.duration_s,
+                    client, requests(), plan.level, num_requests=plan.num_requests, duration_s=plan.duration_s,
                     warmup_requests=plan.warmup_requests, seed=workload.seed + stream, on_done=done, stop=watch.broken,
                 )  # fmt: skip
         finally:
@@ -247,9 +260,12 @@ async def measure_level(
     if "gpu_energy_j" in measured and summary.total_output_tokens:
         measured["gpu_energy_j_per_output_token"] = measured["gpu_energy_j"] / summary.total_output_tokens
     mean_prompt = summary.total_input_tokens / summary.completed if summary.completed else 0.0
+    reused = None
+    if workload.sessions is not None and drawn:
+        reused = sum(s.reused_tokens for s in drawn) / max(sum(s.input_tokens for s in drawn), 1)
     result = LevelResult(
         summary=summary, server_metrics=server, telemetry=measured, slo_violations=slo.violations(summary),
-        cache_note=cache_note(server, workload, mean_prompt, reset), stopped_early=watch.reason,
+        cache_note=cache_note(server, workload, mean_prompt, reset, reused), stopped_early=watch.reason,
         send_sync_share=send_sync_share(records),
     )  # fmt: skip
     return result, records

@@ -1,0 +1,1 @@
+"""Real traffic: reading request logs and measuring what they say (``servetune workload from-log``)."""

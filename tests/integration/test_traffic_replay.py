@@ -1,0 +1,102 @@
+"""Trace replay and conversations against the fake server: when requests are sent."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from servetune.config.workload import load_workload
+from servetune.load.client import StreamingClient
+from servetune.load.requests import RequestSpec
+from servetune.load.runner import Level, run_level, workload_levels
+from tests.conftest import fake_server_process
+
+#: Scheduling slack on a shared two-core host: a stall of a busy host (an engine starting beside
+#: the test) reached 0.05 s; still well under the 0.3 s think time whose absence the test catches.
+SLACK_S = 0.2
+
+
+def run(url: str, specs: list[RequestSpec], level: Level, n: int) -> list:
+    async def go():
+        async with StreamingClient(url, "fake", api="completions", ignore_eos=True) as client:
+            return await run_level(client, specs, level, num_requests=n, warmup_requests=0)
+
+    return asyncio.run(go())
+
+
+def trace_workload(tmp_path, times: list[float], sessions: list[str] | None = None, extra: str = ""):
+    log = tmp_path / "log.jsonl"
+    rows = [{"timestamp": 1_700_000_000 + t, "input_tokens": 5, "output_tokens": 2} for t in times]
+    for row, session in zip(rows, sessions or []):
+        row["session_id"] = session
+    log.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = tmp_path / "w.yaml"
+    path.write_text("name: t\ninput_tokens: {dist: fixed, value: 5}\noutput_tokens: {dist: fixed, value: 2}\n"
+                    f"arrival: {{process: trace, file: log.jsonl, speedup: 2}}\n{extra}")  # fmt: skip
+    return load_workload(path)
+
+
+def test_trace_replay_sends_at_the_recorded_times_over_the_speedup(tmp_path):
+    times = [0.0, 0.2, 0.25, 0.9, 1.0, 1.6]
+    (level,) = workload_levels(trace_workload(tmp_path, times), None, None)
+    assert level.speedup == pytest.approx(2.0) and level.value == pytest.approx(2 * 5 / 1.6)
+    specs = [RequestSpec(i, "a b c", 3, 2, "default") for i in range(8)]
+    with fake_server_process("--ttft-ms", "5", "--itl-ms", "1") as url:
+        records = run(url, specs, level, 8)
+    sent = [r.sent - records[0].sent for r in records]
+    mean_gap = 1.6 / 5
+    # After its last request the trace starts over, one mean gap later.
+    expected = [t / 2 for t in times] + [(1.6 + mean_gap) / 2, (1.6 + mean_gap + 0.2) / 2]
+    assert all(r.ok for r in records)
+    for got, want in zip(sent, expected):
+        assert want - 0.005 <= got <= want + SLACK_S, (sent, expected)
+
+
+def test_conversations_follow_their_answers_after_the_think_time(tmp_path):
+    """A closed loop of 2 holds 2 conversations at a time; each turn waits for the last answer and the think time."""
+    think = 0.3
+    specs = []
+    for session in range(4):
+        for turn in range(3):
+            index = len(specs)  # input_tokens tell the records apart
+            specs.append(RequestSpec(index, "a b c", 100 + index, 4, "default", session=session, turn=turn,
+                                     think_s=think if turn else 0.0))  # fmt: skip
+    with fake_server_process("--ttft-ms", "20", "--itl-ms", "5") as url:
+        records = run(url, specs, Level("concurrency", 2), 12)
+    by_spec = {r.input_tokens - 100: r for r in records}
+    assert sorted(by_spec) == list(range(12)) and all(r.ok for r in records)
+    spans = []
+    for session in range(4):
+        turns = [by_spec[3 * session + t] for t in range(3)]
+        for before, after in zip(turns, turns[1:]):
+            assert before.end + think - 0.005 <= after.sent <= before.end + think + SLACK_S
+        spans.append((turns[0].sent, turns[-1].end))
+    for t, _ in spans:  # never more than two conversations in flight
+        assert sum(start <= t < end for start, end in spans) <= 2
+
+
+def test_an_open_loop_starts_conversations_at_the_trace_times(tmp_path):
+    """With sessions, a trace times each conversation's first turn; later turns follow their think time."""
+    times = [0.0, 0.1, 0.4, 0.5, 0.6, 1.2]
+    w = trace_workload(tmp_path, times, sessions=["a", "a", "b", "a", "b", "c"], extra="sessions: {turns: {dist: fixed, value: 2}}\n")
+    (level,) = workload_levels(w, None, None)
+    assert level.trace == pytest.approx((0.4, 0.8))  # conversations a, b, c start at 0, 0.4, 1.2
+    think = 0.2
+    specs = []
+    for session in range(3):
+        for turn in range(2):
+            index = len(specs)
+            specs.append(RequestSpec(index, "a b c", 100 + index, 2, "default", session=session, turn=turn,
+                                     think_s=think if turn else 0.0))  # fmt: skip
+    with fake_server_process("--ttft-ms", "5", "--itl-ms", "1") as url:
+        records = run(url, specs, level, 6)
+    by_spec = {r.input_tokens - 100: r for r in records}
+    t0 = by_spec[0].sent
+    starts = [by_spec[2 * s].sent - t0 for s in range(3)]
+    for got, want in zip(starts, (0.0, 0.2, 0.6)):  # speed-up 2
+        assert want - 0.005 <= got <= want + SLACK_S, starts
+    for s in range(3):
+        first, second = by_spec[2 * s], by_spec[2 * s + 1]
+        assert first.end + think - 0.005 <= second.sent <= first.end + think + SLACK_S
