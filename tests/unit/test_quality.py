@@ -119,6 +119,7 @@ def test_quality_section_defaults_and_bounds(tmp_path):
         ("quality: {reference: {dtype: float32}}", "quality.reference: give a value for every parameter (missing: max_num_seqs)"),
         ("quality: {reference: {block_size: 16, dtype: float32, max_num_seqs: 4}}", "quality.reference: 'block_size' is not a parameter"),
         ("quality: {suites: [bad.jsonl]}", "quality.suites[0]: "),
+        ("quality: {suites: [agreement]}\nsearch: {algorithm: tpe}\nconstraints: [modle != 'x']", "'modle' is neither"),
     ],
 )
 def test_bad_quality_section_is_one_line(tmp_path, quality, needle):
@@ -288,3 +289,37 @@ def test_a_kept_reference_is_reused_only_for_the_same_configuration(tmp_path):
     (tmp_path / REFERENCE_FILE).write_text("{")
     with pytest.raises(UserError, match="reference.json"):
         read_reference(tmp_path, {"dtype": "float32"})
+
+
+def test_checkpoints_as_a_parameter_each_checked_with_its_own_weights(tmp_path):
+    from servetune.study.context import StudyContext, resolve_levels
+    from servetune.study.driver import resolve_models
+    from servetune.trial.runner import capacity_check
+
+    path = tmp_path / "space.yaml"
+    path.write_text("""
+name: ckpt
+model: meta-llama/Llama-3.1-8B-Instruct
+workload: chat
+hardware: {devices_per_node: 1, gpu: L4}
+engine_args: {max_model_len: 8192}
+params:
+  model: [meta-llama/Llama-3.1-8B-Instruct, RedHatAI/Meta-Llama-3.1-8B-Instruct-FP8, hugging-quants/Meta-Llama-3.1-8B-Instruct-AWQ-INT4]
+constraints:
+  - model != 'nobody/none'
+quality: {reference: {model: meta-llama/Llama-3.1-8B-Instruct}}
+""")
+    space = load_space(path)
+    assert space.engine_params({"model": "x/y"})[0] == {"max_model_len": 8192}  # not an engine argument
+    models = resolve_models(space, tmp_path, tmp_path)
+    workload = space.resolved_workload(tmp_path)
+    context = StudyContext(space, workload, tmp_path, space.model, resolve_levels(space, workload), models=models)
+    specs = {name: context.spec_for({"model": name}) for name in space.params["model"]}
+    assert {name: s.model for name, s in specs.items()} == {name: name for name in space.params["model"]}
+    assert len({s.trial_id for s in specs.values()}) == 3
+    kv = {name: capacity_check(s).kv_cache_tokens for name, s in specs.items()}
+    bf16, fp8, awq = (kv[name] for name in space.params["model"])
+    assert bf16 < fp8 < awq  # lighter weights leave more of the L4's 24 GB to the KV cache
+    with pytest.raises(UserError, match="params.model: 'nowhere' is neither a directory nor a hub id"):
+        bad = space.model_copy(update={"params": {"model": ["nowhere"]}})
+        resolve_models(bad, tmp_path, tmp_path)

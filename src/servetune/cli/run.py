@@ -43,7 +43,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from servetune.study.driver import resolve_model
+    from servetune.study.driver import resolve_model, resolve_models
 
     if args.max_trials is not None and args.max_trials < 1:
         raise UserError("--max-trials must be at least 1")
@@ -51,18 +51,18 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         with tempfile.TemporaryDirectory() as tmp:
             model = resolve_model(space, Path(tmp), args.space.parent)
-            return dry_run(space, args, model)
+            return dry_run(space, args, model, resolve_models(space, Path(tmp), args.space.parent))
     return run_study(space, args)
 
 
-def dry_run(space: SearchSpace, args: argparse.Namespace, model: str) -> int:
+def dry_run(space: SearchSpace, args: argparse.Namespace, model: str, models: dict[str, str] | None = None) -> int:
     from servetune.study.context import StudyContext, resolve_levels
     from servetune.study.driver import proposals
     from servetune.trial.runner import capacity_check
 
     console = make_console()
     workload = space.resolved_workload(args.space.parent)
-    context = StudyContext(space, workload, args.storage / space.name, model, resolve_levels(space, workload))
+    context = StudyContext(space, workload, args.storage / space.name, model, resolve_levels(space, workload), models=models or {})
     try:
         kept, rejected = space.grid()
     except ValueError:  # continuous ranges: the sampler draws from them, there is no grid to list
@@ -88,6 +88,10 @@ def dry_run(space: SearchSpace, args: argparse.Namespace, model: str) -> int:
     if space.search.algorithm not in ("grid", "random"):
         n = args.max_trials or space.search.num_trials or 20
         console.print(f"{space.search.algorithm} proposes up to {n} trials from these parameters; the table lists the grid they come from")
+    if space.quality is not None:
+        console.print(f"quality probe before each ladder: {', '.join(space.quality.suites)}; the reference, "
+                      f"{describe_params(space.quality_reference or {})}, runs first; bounds: "
+                      + (", ".join(f"{k} {v:g}" for k, v in space.quality_bounds.items()) or "none"))  # fmt: skip
     return 0
 
 
@@ -99,6 +103,7 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
         prepare_study_dir,
         proposals,
         resolve_model,
+        resolve_models,
         study_info,
         write_study_info,
     )
@@ -117,7 +122,8 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
     workload = space.resolved_workload(args.space.parent)
     levels = resolve_levels(space, workload)
     write_study_info(study_dir, study_info(space, args.space, model, levels))
-    context = StudyContext(space, workload, study_dir.resolve(), model, levels, python=args.python)
+    context = StudyContext(space, workload, study_dir.resolve(), model, levels, python=args.python,
+                           models=resolve_models(space, study_dir, args.space.parent))  # fmt: skip
     signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(SystemExit(128 + signum)))
     callbacks = None
 

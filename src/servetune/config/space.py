@@ -2,7 +2,9 @@
 
 One YAML file per scenario (``search_spaces/*.yaml``). Unknown keys are rejected; every error
 names the file and the field. Parameters are vLLM engine arguments (snake_case) or, with an
-``env.`` prefix, environment variables of the engine (``env.VLLM_CPU_KVCACHE_SPACE``).
+``env.`` prefix, environment variables of the engine (``env.VLLM_CPU_KVCACHE_SPACE``); ``model``
+as a parameter lists checkpoints to compare (a BF16 id and its FP8 and AWQ variants), each
+checked for capacity with its own weights.
 A list is a categorical (grid) dimension; ``{low, high, log, step}`` is a numeric range.
 Constraints are small boolean expressions over parameters, fixed engine arguments,
 ``devices_per_node`` and vLLM's defaults for the parallel sizes, e.g.
@@ -30,6 +32,7 @@ from servetune.metrics import COST_METRIC, metric_names
 #: vLLM's defaults for the arguments constraints and placement read.
 ENGINE_DEFAULTS = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1}
 ENV_PREFIX = "env."
+MODEL_PARAM = "model"  # a parameter naming checkpoints, not an engine argument
 
 
 class Range(BaseModel):
@@ -207,6 +210,9 @@ class SearchSpace(BaseModel):
         for name, values in params.items():
             if isinstance(values, list) and not values:
                 raise ValueError(f"{name}: empty list of values")
+        model = params.get(MODEL_PARAM)
+        if model is not None and not (isinstance(model, list) and all(isinstance(v, str) and v for v in model)):
+            raise ValueError(f"{MODEL_PARAM}: list the checkpoints to compare (directories or hub ids)")
         return params
 
     @field_validator("constraints")
@@ -242,9 +248,13 @@ class SearchSpace(BaseModel):
         for name, value in params.items():
             if name.startswith(ENV_PREFIX):
                 env[name[len(ENV_PREFIX) :]] = str(value)
-            else:
+            elif name != MODEL_PARAM:
                 engine[name] = value
         return engine, env
+
+    def model_for(self, params: dict[str, Any]) -> str:
+        """The checkpoint a choice serves: its ``model`` parameter, else the space's model."""
+        return str(params.get(MODEL_PARAM, self.model))
 
     @property
     def quality_bounds(self) -> dict[str, float]:
@@ -267,6 +277,7 @@ class SearchSpace(BaseModel):
         engine, _ = self.engine_params(params)
         names = {**ENGINE_DEFAULTS, **engine, **{ENV_PREFIX + k: v for k, v in self.env.items()}}
         names.update((k, v) for k, v in params.items() if k.startswith(ENV_PREFIX))
+        names[MODEL_PARAM] = self.model_for(params)
         names["devices_per_node"] = self.hardware.devices_per_node
         broken = [text for text in self.constraints if not _evaluate(text, names)]
         if self.devices(params) > self.hardware.devices_per_node:
@@ -366,7 +377,7 @@ def load_space(path: str | Path, argspecs: dict | None = None) -> SearchSpace:
     space = load_yaml_model(path, SearchSpace)
     checks: list[tuple[str, dict[str, Any]]] = [("engine_args", dict(space.engine_args))]
     for name, values in space.params.items():
-        if not name.startswith(ENV_PREFIX):  # each listed value against vLLM's choices too
+        if not name.startswith(ENV_PREFIX) and name != MODEL_PARAM:  # each listed value against vLLM's choices too
             checks += [("params", {name: v}) for v in (values if isinstance(values, list) else [None])]
     for field, args in checks:
         try:
@@ -429,7 +440,7 @@ def _check_quality(space: SearchSpace, path: Path) -> None:
 
 def _check_constraint_names(space: SearchSpace, path: Path) -> None:
     """Every name a constraint reads must exist, even where evaluation would never reach it."""
-    known = {*ENGINE_DEFAULTS, "devices_per_node", *space.params, *space.engine_args, *(ENV_PREFIX + k for k in space.env)}
+    known = {*ENGINE_DEFAULTS, "devices_per_node", MODEL_PARAM, *space.params, *space.engine_args, *(ENV_PREFIX + k for k in space.env)}
     for text in space.constraints:
         for name in _names(_compile(text)):
             if name not in known:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from servetune.config.space import SearchSpace
+from servetune.config.space import MODEL_PARAM, SearchSpace
 from servetune.config.workload import Workload
 from servetune.load.runner import Level, workload_levels
 from servetune.quality.probe import QualityPlan
@@ -24,6 +24,7 @@ class StudyContext:
     levels: tuple[Level, ...]
     python: str = sys.executable
     quality: QualityPlan | None = None  # the probe every trial runs, with the reference's answers once known
+    models: dict[str, str] = field(default_factory=dict)  # the ``model`` parameter's checkpoints, resolved
 
     @property
     def trials_dir(self) -> Path:
@@ -46,7 +47,8 @@ class StudyContext:
         load = space.load
         return TrialSpec(
             study=space.name, trials_dir=self.trials_dir, params=dict(params), engine_args=engine_args, env=env,
-            model=self.model, device=space.device, devices=devices, price_per_device_hour=space.price_per_device_hour,
+            model=self.models.get(space.model_for(params), space.model_for(params)) if MODEL_PARAM in params else self.model,
+            device=space.device, devices=devices, price_per_device_hour=space.price_per_device_hour,
             workload=self.workload, levels=self.levels, requests_per_level=load.requests_per_level,
             seconds_per_level=load.seconds_per_level, warmup_requests=load.warmup_requests,
             request_timeout_s=load.request_timeout_s, startup_timeout_s=load.startup_timeout_s,

@@ -18,7 +18,7 @@ from typing import Any
 from ray.tune import Callback
 
 from servetune import __version__
-from servetune.config.space import SearchSpace, describe_params
+from servetune.config.space import MODEL_PARAM, SearchSpace, describe_params
 from servetune.errors import UserError
 from servetune.results import (
     RESULT_FILE,
@@ -60,7 +60,7 @@ def trainable(config: dict[str, Any], context: StudyContext, finished_points: An
     result = load_result(spec.trial_dir)
     if result is None:  # never measured (or --resume after a kill): run it
         rule = dominance_rule(finished_points) if finished_points is not None else None
-        result = run_trial(spec, tune.report, lambda: PromptFactory(load_tokenizer(context.model)), stop_rule=rule)
+        result = run_trial(spec, tune.report, lambda: PromptFactory(load_tokenizer(spec.model)), stop_rule=rule)
         if finished_points is not None:  # before the final report: trials that start next see it
             ray.wait([finished_points.add.remote(result)], timeout=10)
     tune.report(final_report(result, context))
@@ -139,18 +139,29 @@ def _ray_error(trial: Any) -> str:
 
 
 def resolve_model(space: SearchSpace, study_dir: Path, space_dir: Path) -> str:
-    if space.model == "tiny":
+    """The space's model as trials load it: a directory (the tiny model built here) or a hub id."""
+    return _resolve(space.model, study_dir, space_dir, "model")
+
+
+def resolve_models(space: SearchSpace, study_dir: Path, space_dir: Path) -> dict[str, str]:
+    """Each checkpoint the ``model`` parameter lists, as trials load it (empty without one)."""
+    values = space.params.get(MODEL_PARAM)
+    return {name: _resolve(name, study_dir, space_dir, f"params.{MODEL_PARAM}") for name in values or ()}
+
+
+def _resolve(name: str, study_dir: Path, space_dir: Path, field: str) -> str:
+    if name == "tiny":
         from servetune.models.tiny import build_tiny_model
 
         return str(build_tiny_model(study_dir / "models" / "tiny").resolve())
-    path = Path(space.model).expanduser()
+    path = Path(name).expanduser()
     if not path.is_absolute() and (space_dir / path).exists():
         path = space_dir / path
     if path.exists():
         return str(path.resolve())
-    if space.model.startswith((".", "/", "~")) or space.model.count("/") != 1:
-        raise UserError(f"model: '{space.model}' is neither a directory nor a hub id (org/name)")
-    return space.model  # a hub id: vLLM and the tokenizer fetch it on the cluster
+    if name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise UserError(f"{field}: '{name}' is neither a directory nor a hub id (org/name)")
+    return name  # a hub id: vLLM and the tokenizer fetch it on the cluster
 
 
 def proposals(space: SearchSpace, max_trials: int | None) -> list[dict[str, Any]]:
