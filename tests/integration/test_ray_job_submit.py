@@ -67,6 +67,7 @@ def small_space() -> str:
         params={"max_num_seqs": [2, 8]},
         constraints=[],
         search={"algorithm": "grid", "baseline": False},
+        quality={"suites": ["agreement", "arithmetic"], "reference": {"max_num_seqs": 2}},
     )
     space["load"].update(levels=[1, 4], requests_per_level=16)
     return yaml.safe_dump(space, sort_keys=False)
@@ -101,6 +102,10 @@ def test_study_runs_as_a_ray_job(head: RayHead, tmp_path: Path) -> None:
         assert r.kv_capacity is not None  # read from vLLM's own start-up log
         first = r.levels[0].summary
         assert first.completed > 0 and first.output_throughput > 0
+    # The quality reference ran first and its answers reached the other trial through Ray.
+    reference, other = sorted(results, key=lambda r: r.params["max_num_seqs"])
+    assert reference.quality.reference_trial == reference.trial_id and reference.started_at <= other.started_at
+    assert other.quality.reference_trial == reference.trial_id and other.quality.agreement == 1.0 and other.quality.passed
     assert (storage / "job-submit" / "study.json").exists()
     assert "job-submit" in logs  # the study's summary table reached the job's log
     assert not _vllm_pids(storage), "a vLLM server outlived its trial"
