@@ -1,0 +1,97 @@
+"""``servetune init``: a search space from a model, GPUs and a scenario, pruned by the memory ledger."""
+
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from servetune.capacity import load_model_arch, plan_capacity, resolve_hardware
+from servetune.config.scenarios import SCENARIOS, render_space
+from servetune.config.space import load_space
+from servetune.config.workload import load_workload
+from servetune.errors import UserError
+
+
+def servetune(*argv, cwd=None):
+    return subprocess.run([sys.executable, "-m", "servetune", *map(str, argv)], capture_output=True, text=True, timeout=300, cwd=cwd)
+
+
+def test_a_70b_long_context_space_is_pruned_by_the_ledger(tmp_path):
+    text = render_space("meta-llama/Llama-3.1-70B-Instruct", "long-context", "H100-SXM", 8)
+    data = yaml.safe_load(text)
+    params = data["params"]
+    assert params["tensor_parallel_size"] == [2, 4]  # TP 1 cannot hold 140 GB of weights; 2 and the next one
+    assert "TP 1: does not fit (weights need" in text
+    assert params["max_model_len"] == [32768, 65536, 131072] and params["kv_cache_dtype"] == ["auto", "fp8"]
+    assert data["search"]["baseline"] is False  # vLLM's default TP 1 would not fit
+    hardware, arch = resolve_hardware("gpu", "H100-SXM"), load_model_arch("meta-llama/Llama-3.1-70B-Instruct")
+    for constraint in data["constraints"][3:]:  # each generated pair is one the ledger rejects
+        tp, ctx = (int(part.split("==")[1].strip(" )")) for part in constraint.split(" and "))
+        args = {"tensor_parallel_size": tp, "max_model_len": ctx, "gpu_memory_utilization": 0.92, "max_num_seqs": 4}
+        assert not plan_capacity(arch, args, hardware).fits
+    assert data["constraints"][3:], "TP 2 cannot hold a 128K-token request of a 70B model"
+    assert data["quality"]["reference"]["kv_cache_dtype"] == "auto"  # FP8 KV is checked against BF16 KV
+    path = tmp_path / "space.yaml"
+    path.write_text(text)
+    space = load_space(path)
+    assert space.quality_reference["tensor_parallel_size"] == 2
+
+
+def test_contexts_above_the_model_limit_are_dropped_with_a_reason():
+    text = render_space("Qwen/Qwen2.5-7B-Instruct", "long-context", "H100-SXM", 2)  # a 32K model
+    data = yaml.safe_load(text)
+    assert data["params"]["max_model_len"] == [32768]
+    assert "65536: above the model's 32768-token limit" in text and "131072: above" in text
+    assert data["params"]["tensor_parallel_size"] == [1, 2]
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_every_scenario_writes_a_space_that_loads_and_dry_runs(tmp_path, scenario):
+    out = tmp_path / "space.yaml"
+    done = servetune("init", "--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "L40S", "--gpus", "4",
+                     "--scenario", scenario, "--price", "1.5", "--out", out)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    space = load_space(out)
+    assert space.price_per_device_hour == 1.5 and space.hardware.devices_per_node == 4
+    assert space.params["tensor_parallel_size"] == [1, 2]
+    load_workload(space.workload)  # a shipped workload (agent included)
+    dry = servetune("run", out, "--dry-run", "--storage", tmp_path / "results")
+    assert dry.returncode == 0 and "would run" in dry.stdout, dry.stderr[-2000:]
+
+
+def test_slo_replaces_the_scenarios():
+    data = yaml.safe_load(render_space("meta-llama/Llama-3.1-8B-Instruct", "chat", "H100-SXM", 1, slo="ttft_ms.p99=500,error_rate=0.01"))
+    assert data["slo"] == {"ttft_ms": {"p99": 500}, "error_rate": 0.01}
+    assert data["params"]["tensor_parallel_size"] == [1]
+
+
+def test_agent_workload_is_multi_turn_with_long_outputs():
+    w = load_workload("agent")
+    assert w.sessions is not None and w.sessions.max_context_tokens == 32768
+    assert w.output_tokens.median >= 500 and w.shared_prefix.fraction >= 0.9
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--model", "nobody/none", "--scenario", "chat"], "not a local model directory and not in servetune's catalogue"),
+        (["--model", "meta-llama/Llama-3.1-70B-Instruct", "--gpu", "L4", "--gpus", "2", "--scenario", "chat"],
+         "no tensor-parallel size up to 2 GPUs holds it"),
+        (["--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "H100-SXM", "--scenario", "chat", "--slo", "ttft.p99=1"], "--slo: unknown metric 'ttft'"),
+        (["--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "H9000", "--scenario", "chat"], "H9000"),
+        (["--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "H100-SXM", "--scenario", "chat", "--gpus", "0"], "--gpus must be at least 1"),
+    ],
+)
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, argv, needle):
+    out = tmp_path / "space.yaml"
+    done = servetune("init", *argv, "--out", out)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in done.stderr
+    assert not out.exists() and not list(tmp_path.iterdir())
+
+
+def test_unknown_scenario_is_refused():
+    with pytest.raises(UserError, match="known scenarios are chat, rag, batch"):
+        render_space("meta-llama/Llama-3.1-8B-Instruct", "gaming", "H100-SXM", 1)
