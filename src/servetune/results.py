@@ -177,6 +177,7 @@ class TrialResult(BaseModel):
     kv_capacity: KvCapacityReport | None = None
     kv_prediction_error: float | None = None  # (predicted - reported) / reported
     startup_s: float | None = None
+    startup_phases: dict[str, float] = {}  # seconds per start-up phase vLLM logged (engine/startup.py)
     started_at: str | None = None
     finished_at: str | None = None
     duration_s: float | None = None

@@ -205,7 +205,8 @@ def trial_metrics(trial: TrialResult) -> list[MetricPoint]:
         "kv_prediction_error": trial.kv_prediction_error,
         "kv_cache_tokens": trial.kv_capacity.tokens if trial.kv_capacity else None,
     }  # fmt: skip
-    return points + _finite(totals.items(), 0) + _finite(quality_metrics(trial).items(), 0)
+    startup = {f"startup/{k}": v for k, v in trial.startup_phases.items()}
+    return points + _finite(totals.items(), 0) + _finite(quality_metrics(trial).items(), 0) + _finite(startup.items(), 0)
 
 
 def quality_metrics(trial: TrialResult) -> dict[str, float | None]:

@@ -25,6 +25,7 @@ from servetune.config.slo import Slo
 from servetune.config.workload import Workload
 from servetune.engine.resolved import fetch_resolved
 from servetune.engine.server import VllmServer
+from servetune.engine.startup import startup_phases
 from servetune.environment import collect_environment
 from servetune.errors import EngineDiedError, EngineStartError, UserError
 from servetune.load.client import StreamingClient
@@ -211,6 +212,7 @@ def _measure(server: Engine, spec: TrialSpec, result: TrialResult, report: Repor
              trial_dir: Path, stop_rule: StopRule | None = None) -> None:  # fmt: skip
     with server:
         result.startup_s = server.startup_s
+        result.startup_phases = startup_phases(_read(trial_dir / "engine.log"), server.startup_s)
         result.resolved_engine_args = fetch_resolved(server.url)
         kv = server.kv_capacity()
         if kv is not None:
@@ -264,6 +266,13 @@ def level_report(result: TrialResult, level: LevelResult) -> dict[str, Any]:
     if result.quality is not None:
         report["quality_passed"] = bool(result.quality.passed)
     return report
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def _now() -> str:

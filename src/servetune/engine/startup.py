@@ -1,0 +1,58 @@
+"""Where an engine's start-up went, read from the lines vLLM logs while it starts.
+
+vLLM (0.32) times its own phases and logs them:
+
+- ``Model loading took 14.99 GiB memory and 5.27 seconds`` (GPU) or ``Loading weights took
+  0.03 seconds`` and ``Initializing model took 0.12 seconds`` (CPU): loading the weights;
+- ``torch.compile took 21.30 s in total`` (once per compiled model): ``torch.compile``;
+- ``Graph capturing finished in 12 secs``: CUDA-graph capture;
+- ``init engine (profile, create kv cache, warmup model) took 45.1 s``: memory profiling, the KV
+  cache and warm-up, compilation and graph capture included;
+- ``Directly load the compiled graph(s) ... from the cache``: the compile cache was hit
+  (``VLLM_CACHE_ROOT``, ``~/.cache/vllm``, shared by the trials of a node that share a home).
+
+:func:`startup_phases` turns them into seconds per phase; ``other_s`` is what the total start-up
+(process start to a healthy server) leaves: Python imports, the API server, the tokenizer.
+"""
+
+from __future__ import annotations
+
+import re
+
+_LOAD_GPU = re.compile(r"Model loading took [\d.]+ \w+ memory and ([\d.]+) seconds")
+_LOAD_WEIGHTS = re.compile(r"Loading weights took ([\d.]+) seconds")
+_INIT_MODEL = re.compile(r"Initializing model took ([\d.]+) seconds")
+_COMPILE = re.compile(r"torch\.compile took ([\d.]+) s in total")
+_GRAPHS = re.compile(r"Graph capturing finished in ([\d.]+) secs")
+_INIT_ENGINE = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")
+_CACHE_HIT = re.compile(r"Directly load the compiled graph\(s\)|Directly load AOT compilation")
+
+
+def _first(pattern: re.Pattern[str], text: str) -> float | None:
+    match = pattern.search(text)
+    return float(match.group(1)) if match else None
+
+
+def startup_phases(log: str, startup_s: float | None) -> dict[str, float]:
+    """Seconds per start-up phase (only the phases vLLM logged), and ``compile_cache_hit`` (1 or 0)."""
+    phases: dict[str, float] = {}
+    load = _first(_LOAD_GPU, log)
+    if load is None:
+        parts = [v for v in (_first(_LOAD_WEIGHTS, log), _first(_INIT_MODEL, log)) if v is not None]
+        load = sum(parts) if parts else None
+    compile_s = sum(float(m) for m in _COMPILE.findall(log)) or None
+    graphs = _first(_GRAPHS, log)
+    init_engine = _first(_INIT_ENGINE, log)
+    if load is not None:
+        phases["load_weights_s"] = round(load, 3)
+    if compile_s is not None:
+        phases["compile_s"] = round(compile_s, 3)
+    if graphs is not None:
+        phases["cuda_graphs_s"] = round(graphs, 3)
+    if init_engine is not None:  # compilation and graph capture happen inside it
+        phases["kv_profile_warmup_s"] = round(max(init_engine - (compile_s or 0.0) - (graphs or 0.0), 0.0), 3)
+    if startup_s is not None and phases:
+        phases["other_s"] = round(max(startup_s - sum(phases.values()), 0.0), 3)
+    if phases:
+        phases["compile_cache_hit"] = 1.0 if _CACHE_HIT.search(log) else 0.0
+    return phases
