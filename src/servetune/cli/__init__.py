@@ -14,7 +14,7 @@ from servetune import __version__
 from servetune.errors import UserError
 
 # Sub-commands, in the order ``--help`` lists them.
-COMMANDS = ("run", "bench", "plan", "models", "report", "export")
+COMMANDS = ("run", "bench", "plan", "models", "report", "export", "verify")
 
 
 def build_parser() -> argparse.ArgumentParser:
