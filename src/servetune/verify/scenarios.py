@@ -151,9 +151,25 @@ def scaled(level: Level, factor: float) -> Level:
     return Level("rate", level.value * factor, level.process, level.burstiness, level.max_concurrency)
 
 
-def _never_break(level: Level) -> EarlyBreak:
-    """A watch with no SLO bound: the scenario runs its whole span (an open loop may still stop saturated)."""
-    return EarlyBreak(Slo(), level, None)
+class _Watch(EarlyBreak):
+    """No SLO bound ends a scenario early (it runs its whole span; an open loop may still stop
+    saturated), but a dead engine does: checked at most twice a second."""
+
+    def __init__(self, level: Level, engine: Engine | None) -> None:
+        super().__init__(Slo(), level, None)
+        self.engine = engine
+        self.checked = 0.0
+
+    def broken(self) -> bool:
+        if self.reason is None and self.engine is not None and time.monotonic() - self.checked >= 0.5:
+            self.checked = time.monotonic()
+            if not self.engine.alive():
+                self.reason = "the engine died: stopped"
+        return self.reason is not None
+
+
+def _never_break(level: Level, engine: Engine | None = None) -> EarlyBreak:
+    return _Watch(level, engine)
 
 
 def _warmup(level: Level, budget: Budget) -> int:
@@ -191,7 +207,7 @@ def _error_samples(records: list[RequestRecord], limit: int = 3) -> list[str]:
 async def _measure(t: Target, plan: LevelPlan, scenario: str, workload: Workload | None = None) -> tuple[LevelResult, list[RequestRecord]]:
     result, records = await measure_level(
         t.client, t.url, workload or t.workload, t.prompts, plan, stream=STREAMS[scenario], slo=t.slo,
-        watch=_never_break(plan.level),
+        watch=_never_break(plan.level, t.engine),
     )  # fmt: skip
     t.records.extend(records)
     errors = _error_samples(records)
@@ -489,7 +505,7 @@ async def repeat_runs(t: Target, stream_base: int) -> list[LevelResult]:
     for run in range(t.budget.repeats):
         plan = LevelPlan(t.level, num_requests=None, duration_s=t.budget.repeat_s, warmup_requests=_warmup(t.level, t.budget))
         result, records = await measure_level(t.client, t.url, t.workload, t.prompts, plan, stream=stream_base + run,
-                                              slo=t.slo, watch=_never_break(t.level))  # fmt: skip
+                                              slo=t.slo, watch=_never_break(t.level, t.engine))  # fmt: skip
         t.records.extend(records)
         results.append(result)
         if t.engine is not None and not t.engine.alive():
