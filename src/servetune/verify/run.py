@@ -29,6 +29,7 @@ from servetune.load.requests import PromptFactory
 from servetune.metrics import RequestRecord
 from servetune.report.points import is_out_of_memory
 from servetune.verify import scenarios as sc
+from servetune.verify.disconnects import disconnects
 from servetune.verify.choose import Chosen, Selection
 from servetune.verify.stats import lead
 
@@ -160,7 +161,7 @@ async def _winner(t: sc.Target, progress: Progress) -> dict[str, sc.ScenarioResu
         elif name == "long_output":
             result = await sc.long_output(t)
         elif name == "disconnects":
-            result = await sc.disconnects(t)
+            result = await disconnects(t)
         elif name == "headroom":
             if peak_state is None:
                 result = sc.not_run(name, "the peak did not run")

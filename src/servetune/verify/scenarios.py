@@ -16,9 +16,8 @@ peaks); what is new here is the load each scenario asks for and how it is judged
   the short ones' TTFT P99 stays within the SLO's TTFT bound (without one: twice the soak's).
 - **long_output**: requests up to the server's output limit (``max_model_len`` minus the prompt;
   capped by ``Budget.long_output_cap`` on CPU). Passes when every one ends with every token asked.
-- **disconnects**: rounds of streams where half are dropped after their first tokens; vLLM's
-  running and waiting requests must fall back to the survivors within ``FALLBACK_S`` and its
-  generated tokens must then match what the survivors receive (``stats.DropRound``).
+- **disconnects** (``disconnects.py``): rounds of streams where half are dropped after their
+  first tokens; vLLM must release them in time and stop generating for them.
 - **headroom**: from the peak: KV-cache usage peak, preemptions, no out-of-memory. Passes with no
   preemption, no OOM and a KV peak under ``recommend.KV_USAGE_THIN``.
 - **repeats**: the level ``Budget.repeats`` times; bootstrap intervals on goodput and P99 TTFT.
@@ -27,36 +26,25 @@ peaks); what is new here is the load each scenario asks for and how it is judged
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import numpy as np
 
 from servetune.config.slo import Slo
 from servetune.config.workload import Fixed, RequestClass, Workload
 from servetune.load.client import DROPPED, StreamingClient
-from servetune.load.requests import PromptFactory, iter_requests
+from servetune.load.requests import PromptFactory
 from servetune.load.runner import Level
 from servetune.metrics import GOODPUT, RequestRecord, summarize
 from servetune.report.points import is_out_of_memory
 from servetune.report.recommend import KV_USAGE_THIN
 from servetune.results import LevelResult
 from servetune.trial.measure import EarlyBreak, Engine, LevelPlan, measure_level
-from servetune.verify.stats import (
-    DropRound,
-    bootstrap_mean,
-    cancellation_success_rate,
-    drift,
-    growth,
-    jitter,
-    tokens_stopped,
-    windows,
-)
-from servetune.verify.watch import Trace, in_flight, scrape
+from servetune.verify.stats import bootstrap_mean, drift, growth, jitter, windows
+from servetune.verify.watch import Trace
 
 #: Scenario names, in the order they run (verify.json's ``scenarios`` keys).
 SCENARIOS = ("soak", "peak", "burst", "mix", "long_output", "disconnects", "headroom", "repeats")
@@ -67,10 +55,6 @@ RSS_GROWTH_MAX = 0.10  # the engine's resident memory, growth over the soak rela
 PEAK_FACTOR = 1.25
 BURST_CV = 3.0  # coefficient of variation of the gaps between arrivals; gamma shape = 1 / CV^2
 LONG_SHARE = 0.10
-DROP_SHARE = 0.5
-FALLBACK_S = 2.0  # vLLM must release dropped requests within this
-GAUGE_WAIT_S = 5.0  # how long the disconnect scenario waits for /metrics to show the streams it sent
-TOKEN_SPAN_S = 1.0  # then its generated tokens are compared with what survivors receive
 DEFAULT_ERROR_RATE = 0.001  # allowed error rate where the SLO sets none
 #: Each scenario draws its own prompts: streams far from the trial's (1 + level x repeats + run).
 STREAMS = {name: 10_000 + 1_000 * i for i, name in enumerate(SCENARIOS)}
@@ -226,7 +210,7 @@ def _errors_ok(result: LevelResult, slo: Slo) -> tuple[bool, str]:
     return True, f"{s.completed} requests, error rate {s.error_rate:.2%}"
 
 
-def _fmt(value: float | None, unit: str = "", digits: int = 3) -> str:
+def fmt(value: float | None, unit: str = "", digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}g}{unit}"
 
 
@@ -257,8 +241,8 @@ async def soak(t: Target) -> ScenarioResult:
     if not ok:
         problems.append(errors)
     reason = "; ".join(problems) if problems else (
-        f"{b.soak_s:g} s at {t.level}: P99 TTFT per window {', '.join(_fmt(v, '', 3) for v in ttft)} ms, "
-        f"jitter {_fmt(numbers['ttft_p99_jitter'])}, drift {_fmt(numbers['ttft_p99_drift'])}")  # fmt: skip
+        f"{b.soak_s:g} s at {t.level}: P99 TTFT per window {', '.join(fmt(v, '', 3) for v in ttft)} ms, "
+        f"jitter {fmt(numbers['ttft_p99_jitter'])}, drift {fmt(numbers['ttft_p99_drift'])}")  # fmt: skip
     return ScenarioResult("soak", not problems, reason, numbers)
 
 
@@ -289,7 +273,7 @@ async def burst(t: Target) -> ScenarioResult:
     cv = gap_cv(records)
     numbers = {**_core(result), "mean_rate": rate, "target_cv": BURST_CV, "measured_cv": cv}
     slo_note = f"; SLO in the bursts: {'; '.join(result.slo_violations)}" if result.slo_violations else "; meets the SLO"
-    return ScenarioResult("burst", ok, f"gamma arrivals at {rate:.3g} req/s, gaps' CV {_fmt(cv)}: {why}{slo_note}", numbers)
+    return ScenarioResult("burst", ok, f"gamma arrivals at {rate:.3g} req/s, gaps' CV {fmt(cv)}: {why}{slo_note}", numbers)
 
 
 def p99_input_tokens(workload: Workload, seed: int = 0, samples: int = 20_000) -> int:
@@ -333,8 +317,8 @@ async def mix(t: Target, soak_ttft_p99: float | None) -> ScenarioResult:
     ok, why = _errors_ok(result, t.slo)
     has_bound = any(b.metric == "ttft_ms" for b in t.slo.bounds)
     broken = ttft_breaks(t.slo, short)
-    head = (f"with 10% of requests at {long_tokens} input tokens, the short ones' P99 TTFT is {_fmt(short_p99)} ms "
-            f"(soak: {_fmt(soak_ttft_p99)} ms, x{_fmt(ratio)})")  # fmt: skip
+    head = (f"with 10% of requests at {long_tokens} input tokens, the short ones' P99 TTFT is {fmt(short_p99)} ms "
+            f"(soak: {fmt(soak_ttft_p99)} ms, x{fmt(ratio)})")  # fmt: skip
     if short_p99 is None:
         passed, reason = False, "no short request completed"
     elif has_bound:
@@ -347,7 +331,7 @@ async def mix(t: Target, soak_ttft_p99: float | None) -> ScenarioResult:
     return ScenarioResult("mix", passed, reason, numbers)
 
 
-def _fixed_workload(workload: Workload, name: str, input_tokens: int, output_tokens: int) -> Workload:
+def fixed_workload(workload: Workload, name: str, input_tokens: int, output_tokens: int) -> Workload:
     return Workload(name=name, seed=workload.seed, api=workload.api, ignore_eos=True, temperature=workload.temperature,
                     input_tokens=Fixed(dist="fixed", value=input_tokens), output_tokens=Fixed(dist="fixed", value=output_tokens))  # fmt: skip
 
@@ -360,7 +344,7 @@ async def long_output(t: Target) -> ScenarioResult:
     n = t.budget.long_requests
     level = Level("concurrency", float(n))
     plan = LevelPlan(level, num_requests=n, duration_s=None, warmup_requests=0)
-    result, records = await _measure(t, plan, "long_output", _fixed_workload(t.workload, "long-output", prompt, asked))
+    result, records = await _measure(t, plan, "long_output", fixed_workload(t.workload, "long-output", prompt, asked))
     got = [r.output_tokens for r in records if r.ok]
     numbers = {**_core(result), "asked_output_tokens": asked, "server_output_limit": t.max_model_len - prompt,
                "output_tokens": got}  # fmt: skip
@@ -371,104 +355,7 @@ async def long_output(t: Target) -> ScenarioResult:
     if short:
         return ScenarioResult("long_output", False, f"asked {asked} output tokens, got {short}", numbers)
     e2el = result.summary.e2el_ms.p99
-    return ScenarioResult("long_output", True, f"{n} requests of {asked} output tokens all ended whole (E2E P99 {_fmt(e2el)} ms)", numbers)
-
-
-async def _wait_first_tokens(records: list[RequestRecord], tasks: list[asyncio.Task], chunks: int, timeout_s: float) -> None:
-    deadline = time.perf_counter() + timeout_s
-    while time.perf_counter() < deadline:
-        if all(len(r.chunk_times) >= chunks or task.done() for r, task in zip(records, tasks)):
-            return
-        await asyncio.sleep(0.02)
-
-
-async def _drop_round(t: Target, session: aiohttp.ClientSession, requests, streams: int, dropped: int) -> DropRound:
-    t0 = time.perf_counter()
-    specs = [next(requests) for _ in range(streams)]
-    records = [RequestRecord(index=i, sent=0.0, input_tokens=s.input_tokens, max_tokens=s.output_tokens,
-                             request_class="dropped" if i < dropped else "survivor") for i, s in enumerate(specs)]  # fmt: skip
-    tasks = [asyncio.ensure_future(t.client.send(s, r, t0)) for s, r in zip(specs, records)]
-    try:
-        await _wait_first_tokens(records, tasks, 2, 60.0)
-        # vLLM's gauges follow its steps: wait (a little) until they show every stream in flight.
-        before, seen_by = float("nan"), time.perf_counter() + GAUGE_WAIT_S
-        while time.perf_counter() < seen_by:
-            snap = await scrape(session, t.url, gauges_only=True)
-            if snap is not None:
-                before = in_flight(snap)
-                if before >= sum(r.end is None for r in records):
-                    break
-            await asyncio.sleep(0.1)
-        for task in tasks[:dropped]:
-            task.cancel()  # the client goes away: aiohttp closes the connection mid-stream
-        await asyncio.gather(*tasks[:dropped], return_exceptions=True)
-        for r in records[:dropped]:
-            r.error_kind, r.error = DROPPED, "closed by the client after its first tokens"
-        dropped_at = time.perf_counter()
-        survivors = records[dropped:]
-        # The last sample asked within FALLBACK_S decides: vLLM released the dropped streams in
-        # time when what it holds is no more than the survivors the client still holds open.
-        fell_back, settled, open_now = None, before, sum(r.end is None for r in survivors)
-        while (asked := time.perf_counter() - dropped_at) <= FALLBACK_S:
-            open_then = sum(r.end is None for r in survivors)
-            snap = await scrape(session, t.url, gauges_only=True)
-            if snap is not None:
-                settled, open_now = in_flight(snap), open_then
-                if settled <= open_now:
-                    fell_back = asked
-                    break
-            await asyncio.sleep(0.1)
-        server_tokens = client_tokens = None
-        first = await scrape(session, t.url)
-        start = time.perf_counter() - t0
-        await asyncio.sleep(TOKEN_SPAN_S)
-        last = await scrape(session, t.url)
-        end = time.perf_counter() - t0
-        if first is not None and last is not None and "generation_tokens" in last.counters:
-            server_tokens = last.counters["generation_tokens"] - first.counters.get("generation_tokens", 0.0)
-            client_tokens = sum(start <= c <= end for r in survivors for c in r.chunk_times)
-        return DropRound(dropped, open_now, before, settled, fell_back, server_tokens, client_tokens)
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        t.records.extend(records)
-
-
-async def _drained(session: aiohttp.ClientSession, url: str, timeout_s: float = 10.0) -> None:
-    deadline = time.perf_counter() + timeout_s
-    while time.perf_counter() < deadline:
-        snap = await scrape(session, url, gauges_only=True)
-        if snap is None or in_flight(snap) == 0:
-            return
-        await asyncio.sleep(0.2)
-
-
-async def disconnects(t: Target) -> ScenarioResult:
-    streams = int(max(4, min(t.level.value if t.level.kind == "concurrency" else 8, 64)))
-    dropped = max(1, round(streams * DROP_SHARE))
-    prompt = min(16, t.max_model_len // 4)
-    out = t.max_model_len - prompt - 1  # survivors must outlast the check: as long as the server allows
-    requests = iter_requests(_fixed_workload(t.workload, "disconnects", prompt, out), t.prompts, stream=STREAMS["disconnects"])
-    rounds: list[DropRound] = []
-    async with aiohttp.ClientSession() as session:
-        for _ in range(t.budget.drop_rounds):
-            await _drained(session, t.url)
-            rounds.append(await _drop_round(t, session, requests, streams, dropped))
-        await _drained(session, t.url)
-    rate = cancellation_success_rate(rounds)
-    stopped = tokens_stopped(rounds)
-    numbers = {"streams": streams, "dropped_per_round": dropped, "output_tokens": out, "fallback_s_max": FALLBACK_S,
-               "rounds": [r.as_dict() for r in rounds], "cancellation_success_rate": rate, "tokens_stopped": stopped}  # fmt: skip
-    if rate is None:
-        return ScenarioResult("disconnects", False, "vLLM's /metrics never showed the streams in flight: cancellation not observed", numbers)
-    times = [r.fell_back_s for r in rounds]
-    passed = rate >= 1.0 and stopped
-    reason = (f"{len(rounds)} rounds dropping {dropped} of {streams} streams: in flight fell back to the survivors in "
-              f"{', '.join(_fmt(s, ' s', 2) if s is not None else f'more than {FALLBACK_S:g} s' for s in times)}; "
-              f"cancellation success {rate:.0%}; generated tokens after the fall-back "
-              f"{'matched the survivors' if stopped else 'exceeded what the survivors received'}")  # fmt: skip
-    return ScenarioResult("disconnects", passed, reason, numbers)
+    return ScenarioResult("long_output", True, f"{n} requests of {asked} output tokens all ended whole (E2E P99 {fmt(e2el)} ms)", numbers)
 
 
 def headroom(peak_result: LevelResult, trace: Trace, engine: Engine | None, log_text: str) -> ScenarioResult:
