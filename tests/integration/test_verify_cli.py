@@ -69,6 +69,16 @@ def test_a_failed_trial_picked(study):
     nothing_started(study)
 
 
+def test_no_configuration_met_the_slo(study):
+    path = study / "trials" / WINNER / "result.json"
+    data = json.loads(path.read_text())
+    for level in data["levels"]:
+        level["slo_violations"] = ["ttft_ms_p99 = 900 > 300"]
+    path.write_text(json.dumps(data))
+    one_line_exit_2(servetune("verify", study), "--pick best: nothing to verify", "no configuration met every SLO")
+    nothing_started(study)
+
+
 def test_a_trial_that_never_met_the_slo(study):
     one_line_exit_2(servetune("verify", study, "--pick", BROKEN), BROKEN, "never met the SLO")
     nothing_started(study)

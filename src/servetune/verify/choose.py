@@ -81,6 +81,8 @@ def select(study_dir: Path, pick: str, python: str = sys.executable) -> Selectio
         counts = ", ".join(f"{t.trial_id} {t.outcome}" for t in study.trials) or "no trial finished"
         raise UserError(f"{study_dir}: no completed trial to verify ({counts})")
     report = build_report(study)
+    if pick == "best" and report.recommendation.point is None:
+        raise UserError(f"--pick best: nothing to verify, {report.recommendation.reason}")
     point = pick_point(report, pick)
     trial = next(t for t in study.trials if t.trial_id == point.trial_id)
     if trial.outcome != "COMPLETE":
