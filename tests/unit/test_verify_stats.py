@@ -77,15 +77,18 @@ def test_lead_is_real_only_beyond_the_noise():
 
 
 def test_cancellation_success_counts_what_vllm_still_holds_beyond_the_survivors():
-    released = DropRound(dropped=4, survivors=4, before=8, settled=4, fell_back_s=0.2, server_tokens=1100, client_tokens=980, streams=8)
-    leaking = DropRound(dropped=4, survivors=4, before=8, settled=7, fell_back_s=None, server_tokens=3000, client_tokens=1000, streams=8)
+    released = DropRound(dropped=4, survivors=4, before=8, settled=4, fell_back_s=0.2, server_tokens=600, client_tokens=512, streams=8)
+    leaking = DropRound(dropped=4, survivors=4, before=8, settled=7, fell_back_s=None, server_tokens=1000, client_tokens=500, streams=8)
     unseen = DropRound(dropped=4, survivors=4, before=2, settled=0, fell_back_s=0.0)  # the gauge never showed the load
-    assert released.leaked == 0 and leaking.leaked == 3 and not unseen.observed
+    ended = DropRound(dropped=4, survivors=0, before=8, settled=0, fell_back_s=0.0)  # all had ended on the server
+    assert released.leaked == 0 and leaking.leaked == 3
+    assert released.observed and leaking.observed and not unseen.observed and not ended.observed
     assert cancellation_success_rate([released]) == 1.0
     assert cancellation_success_rate([released, leaking]) == pytest.approx(5 / 8)
-    assert cancellation_success_rate([released, unseen]) == 1.0  # an unobserved round is not judged
-    assert cancellation_success_rate([unseen]) is None
-    assert tokens_stopped([released]) and not tokens_stopped([leaking])  # 2000 tokens nobody received
+    assert cancellation_success_rate([released, unseen, ended]) == 1.0  # rounds that prove nothing are not judged
+    assert cancellation_success_rate([unseen, ended]) is None
+    assert tokens_stopped([released]) and not tokens_stopped([leaking])  # 500 tokens nobody received
+    assert tokens_stopped([DropRound(4, 4, 8, 4, 0.1)])  # no token span (a survivor ended first): nothing against it
     assert cancellation_success_rate([DropRound(4, 4, math.nan, 4, None)]) is None
 
 

@@ -53,6 +53,8 @@ TIMEOUT_IDLE = "timeout_idle"
 TIMEOUT_TOTAL = "timeout"
 #: A stream the client closed on purpose after its first tokens (``drop_after``).
 DROPPED = "dropped"
+#: Seconds an idle connection stays in the pool (under the server's keep-alive timeout).
+KEEPALIVE_S = 2.0
 
 
 def _has_content(chunk: _Chunk) -> bool:
@@ -96,7 +98,9 @@ class StreamingClient:
         self._url = f"{self.base_url}/v1/{'chat/completions' if api == 'chat' else 'completions'}"
 
     async def __aenter__(self) -> "StreamingClient":
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
+        # Idle connections are let go before the server's keep-alive (uvicorn: 5 s) closes them:
+        # a request written on a connection the server just closed fails ("Can not write request body").
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True, keepalive_timeout=KEEPALIVE_S)
         self._session = aiohttp.ClientSession(connector=connector, headers=self.headers)
         return self
 
