@@ -91,6 +91,9 @@ async def _drop_round(t: Target, session: aiohttp.ClientSession, requests, strea
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        for r in records:
+            if r.error_kind == "cancelled":  # the survivors, closed on purpose at the round's end
+                r.error_kind, r.error = DROPPED, "closed by verify at the end of the round"
         t.records.extend(records)
 
 

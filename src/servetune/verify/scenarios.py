@@ -378,7 +378,7 @@ def headroom(peak_result: LevelResult, trace: Trace, engine: Engine | None, log_
         problems.append(f"KV-cache usage peaked at {kv:.0%} (>= {KV_USAGE_THIN:.0%})")
     if problems:
         return ScenarioResult("headroom", False, "; ".join(problems), numbers)
-    kv_text = f"KV cache peaked at {kv:.0%}" if kv is not None else "KV usage not reported"
+    kv_text = f"KV cache peaked at {kv:.1%}" if kv is not None else "KV usage not reported"
     return ScenarioResult("headroom", True, f"at peak: {kv_text}, {preemptions or 0:g} preemptions, no OOM", numbers)
 
 
