@@ -89,7 +89,16 @@ def test_not_a_study_and_a_bad_duration(tmp_path, study):
     one_line_exit_2(servetune("verify", study, "--duration", "0"), "--duration")
 
 
+def test_without_vllm_nothing_starts(study, tmp_path):
+    python = tmp_path / "python-without-vllm"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S \"$@\"\n")  # no site-packages: no vLLM
+    python.chmod(0o755)
+    one_line_exit_2(servetune("verify", study, "--python", python), "vLLM is not installed")
+    nothing_started(study)
+
+
 def test_an_engine_that_dies_fails_the_configuration_with_its_log_tail(study, tmp_path):
+    pytest.importorskip("vllm", reason="verify asks the interpreter behind the fake engine for vLLM")
     fake = write_fake_python(tmp_path)
     out = tmp_path / "out" / "verify.json"
     done = servetune("verify", study, "--python", fake, "--duration", "30", "--no-runner-up", "--json", out,

@@ -79,6 +79,7 @@ class ConsoleProgress:
 
 def run(args: argparse.Namespace) -> int:
     from servetune.cli.display import console as make_console
+    from servetune.engine.args import vllm_version
     from servetune.errors import UserError
     from servetune.load.requests import PromptFactory, load_tokenizer
     from servetune.tracking.stability import log_stability
@@ -89,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
     if args.duration is not None and args.duration <= 0:
         raise UserError(f"--duration must be positive, got {args.duration:g}")
     selection = select(args.study_dir, args.pick, args.python)  # bad input stops here, before anything starts
+    if vllm_version(args.python) is None:
+        raise UserError(f"vLLM is not installed for {args.python} (install servetune[cpu] or servetune[gpu], or pass --python)")
     budget = Budget.for_device(selection.info.device, args.duration)
     console = make_console(stderr=True)
     winner = selection.winner
