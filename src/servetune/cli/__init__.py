@@ -14,7 +14,7 @@ from servetune import __version__
 from servetune.errors import UserError
 
 # Sub-commands, in the order ``--help`` lists them.
-COMMANDS = ("init", "run", "bench", "plan", "models", "workload", "report", "export")
+COMMANDS = ("init", "run", "bench", "plan", "models", "workload", "report", "export", "verify")
 
 
 def build_parser() -> argparse.ArgumentParser:

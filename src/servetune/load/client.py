@@ -4,6 +4,12 @@ Each request fills a :class:`~servetune.metrics.RequestRecord`: send time, the a
 every content chunk, end time, token counts from the server's ``usage``, and, when it fails,
 the kind of error. Failures are recorded, never raised. Chunks are decoded with msgspec into
 just the fields the client needs, so the client spends little CPU per streamed token.
+
+Timeouts (tuning checklist, section 10), each its own error kind: ``timeout_first_token`` (no
+token within ``first_token_timeout_s`` of sending: the request queued or prefilled too long),
+``timeout_idle`` (a stream fell silent for ``idle_timeout_s`` between two reads), and ``timeout``
+(the whole request took longer than ``timeout_s``). A request sent with ``drop_after`` closes
+its connection after that many content chunks, as a user who leaves does (``dropped``).
 """
 
 from __future__ import annotations
@@ -41,6 +47,15 @@ class _Chunk(msgspec.Struct):
 
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode
 
+#: Error kinds of the timeouts (``RequestRecord.error_kind``); ``timeout`` is the total one.
+TIMEOUT_FIRST_TOKEN = "timeout_first_token"
+TIMEOUT_IDLE = "timeout_idle"
+TIMEOUT_TOTAL = "timeout"
+#: A stream the client closed on purpose after its first tokens (``drop_after``).
+DROPPED = "dropped"
+#: Seconds an idle connection stays in the pool (under the server's keep-alive timeout).
+KEEPALIVE_S = 2.0
+
 
 def _has_content(chunk: _Chunk) -> bool:
     for choice in chunk.choices:
@@ -62,6 +77,8 @@ class StreamingClient:
         *,
         api: str = "completions",
         timeout_s: float = 600.0,
+        first_token_timeout_s: float | None = None,
+        idle_timeout_s: float | None = None,
         ignore_eos: bool = True,
         temperature: float = 0.0,
         headers: dict[str, str] | None = None,
@@ -69,7 +86,11 @@ class StreamingClient:
         self.base_url = base_url.rstrip("/")
         self.model = model
         self.api = api
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.timeout_s = timeout_s
+        self.first_token_timeout_s = first_token_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        # aiohttp's own limit is a backstop only: the deadlines in send() name which one ran out.
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s + 5.0)
         self.ignore_eos = ignore_eos
         self.temperature = temperature
         self.headers = headers or {}
@@ -77,7 +98,9 @@ class StreamingClient:
         self._url = f"{self.base_url}/v1/{'chat/completions' if api == 'chat' else 'completions'}"
 
     async def __aenter__(self) -> "StreamingClient":
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True)
+        # Idle connections are let go before the server's keep-alive (uvicorn: 5 s) closes them:
+        # a request written on a connection the server just closed fails ("Can not write request body").
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True, keepalive_timeout=KEEPALIVE_S)
         self._session = aiohttp.ClientSession(connector=connector, headers=self.headers)
         return self
 
@@ -102,47 +125,72 @@ class StreamingClient:
             body["prompt"] = spec.prompt
         return body
 
-    async def send(self, spec: RequestSpec, record: RequestRecord, t0: float) -> RequestRecord:
-        """Send one request; ``t0`` is the level's clock origin (``time.perf_counter()``)."""
+    async def send(self, spec: RequestSpec, record: RequestRecord, t0: float, drop_after: int | None = None) -> RequestRecord:
+        """Send one request; ``t0`` is the level's clock origin (``time.perf_counter()``).
+
+        ``drop_after``: close the connection once that many content chunks arrived (error kind
+        ``dropped``; the server should cancel the request and free its KV cache).
+        """
         assert self._session is not None, "use StreamingClient as an async context manager"
         clock = time.perf_counter
         chunk_times = record.chunk_times
         record.sent = clock() - t0
+        loop = asyncio.get_running_loop()
+        total_at = loop.time() + self.timeout_s
+        first_s, idle_s = self.first_token_timeout_s, self.idle_timeout_s
+        # The deadline that binds now, and which kind it is: before the first token the
+        # first-token one, after it the idle one (moved on at every read), the total one always.
+        binding = TIMEOUT_FIRST_TOKEN if first_s is not None and loop.time() + first_s < total_at else TIMEOUT_TOTAL
         try:
-            async with self._session.post(self._url, json=self.payload(spec), timeout=self.timeout) as resp:
-                if resp.status != 200:
-                    body = (await resp.text())[:300]
-                    record.error_kind = f"http_{resp.status // 100}xx"
-                    record.error = f"HTTP {resp.status}: {body}"
+            async with asyncio.timeout_at(total_at if binding == TIMEOUT_TOTAL else loop.time() + first_s) as scope:
+                async with self._session.post(self._url, json=self.payload(spec), timeout=self.timeout) as resp:
+                    if resp.status != 200:
+                        body = (await resp.text())[:300]
+                        record.error_kind = f"http_{resp.status // 100}xx"
+                        record.error = f"HTTP {resp.status}: {body}"
+                        record.end = clock() - t0
+                        return record
+                    buffer = b""
+                    async for data in resp.content.iter_any():
+                        now = clock() - t0
+                        buffer += data
+                        while (cut := buffer.find(b"\n\n")) >= 0:
+                            event, buffer = buffer[:cut], buffer[cut + 2 :]
+                            if not event.startswith(b"data:"):
+                                continue
+                            body = event[5:].strip()
+                            if body == b"[DONE]":
+                                continue
+                            chunk = _decode_chunk(body)
+                            if chunk.error is not None:
+                                record.error_kind = "stream_error"
+                                record.error = str(chunk.error)[:300]
+                            if chunk.choices and _has_content(chunk):
+                                chunk_times.append(now)
+                            if chunk.usage is not None:
+                                record.prompt_tokens = chunk.usage.prompt_tokens
+                                record.output_tokens = chunk.usage.completion_tokens
+                        if drop_after is not None and len(chunk_times) >= drop_after:
+                            resp.close()  # the user leaves: the connection goes, the server should cancel
+                            record.error_kind, record.error = DROPPED, f"closed by the client after {len(chunk_times)} chunks"
+                            break
+                        if chunk_times and binding != TIMEOUT_TOTAL:
+                            idle_at = loop.time() + idle_s if idle_s is not None else None
+                            if idle_at is not None and idle_at < total_at:
+                                binding = TIMEOUT_IDLE
+                                scope.reschedule(idle_at)
+                            else:
+                                binding = TIMEOUT_TOTAL
+                                scope.reschedule(total_at)
                     record.end = clock() - t0
-                    return record
-                buffer = b""
-                async for data in resp.content.iter_any():
-                    now = clock() - t0
-                    buffer += data
-                    while (cut := buffer.find(b"\n\n")) >= 0:
-                        event, buffer = buffer[:cut], buffer[cut + 2 :]
-                        if not event.startswith(b"data:"):
-                            continue
-                        body = event[5:].strip()
-                        if body == b"[DONE]":
-                            continue
-                        chunk = _decode_chunk(body)
-                        if chunk.error is not None:
-                            record.error_kind = "stream_error"
-                            record.error = str(chunk.error)[:300]
-                        if chunk.choices and _has_content(chunk):
-                            chunk_times.append(now)
-                        if chunk.usage is not None:
-                            record.prompt_tokens = chunk.usage.prompt_tokens
-                            record.output_tokens = chunk.usage.completion_tokens
-                record.end = clock() - t0
         except asyncio.CancelledError:
             record.error_kind, record.error = "cancelled", "cancelled by the load generator"
             record.end = clock() - t0
             raise
-        except asyncio.TimeoutError:
-            record.error_kind, record.error = "timeout", f"no answer within {self.timeout.total:g} s"
+        except TimeoutError:
+            limit = {TIMEOUT_FIRST_TOKEN: first_s, TIMEOUT_IDLE: idle_s}.get(binding, self.timeout_s)
+            what = {TIMEOUT_FIRST_TOKEN: "no token", TIMEOUT_IDLE: "no data between two reads"}.get(binding, "no complete answer")
+            record.error_kind, record.error = binding, f"{what} within {limit:g} s"
         except aiohttp.ClientConnectionError as exc:
             record.error_kind, record.error = "connection", str(exc)[:300] or type(exc).__name__
         except aiohttp.ClientError as exc:

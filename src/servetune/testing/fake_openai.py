@@ -25,9 +25,14 @@ from aiohttp import web
 
 class FakeOpenAI:
     def __init__(self, ttft_ms: float = 20.0, itl_ms: float = 5.0, model: str = "fake", fail_status: int | None = None,
-                 max_num_seqs: int | None = None, dev_mode: bool = True) -> None:  # fmt: skip
+                 max_num_seqs: int | None = None, dev_mode: bool = True, stall_after: int | None = None,
+                 stall_ms: float = 0.0) -> None:  # fmt: skip
         self.ttft_s = ttft_ms / 1000.0
         self.itl_s = itl_ms / 1000.0
+        # A stream that falls silent: after ``stall_after`` tokens, ``stall_ms`` without a byte.
+        self.stall_after = stall_after
+        self.stall_s = stall_ms / 1000.0
+        self.disconnected = 0  # streams the client closed before their end
         self.model = model
         self.fail_status = fail_status
         # Like a batch: at most max_num_seqs requests generate at once, the rest wait (TTFT grows).
@@ -110,6 +115,8 @@ class FakeOpenAI:
             for i in range(n_out):
                 # Sleep to an absolute schedule, so gaps do not drift with event-loop delays.
                 due = start + self.ttft_s + i * self.itl_s
+                if self.stall_after is not None and i >= self.stall_after:
+                    due += self.stall_s
                 await asyncio.sleep(max(0.0, due - time.perf_counter()))
                 choice = {"index": 0, "delta": {"content": "x"}} if chat else {"index": 0, "text": "x"}
                 await resp.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
@@ -118,6 +125,9 @@ class FakeOpenAI:
             await resp.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
             self.finished += 1
+        except (ConnectionError, asyncio.CancelledError):
+            self.disconnected += 1  # the client went away: stop generating, as vLLM aborts the request
+            raise
         finally:
             self.running -= 1
             if self.slots is not None:
@@ -138,6 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ttft-ms", type=float, default=float(_env("TTFT_MS", 20.0)))
     parser.add_argument("--itl-ms", type=float, default=float(_env("ITL_MS", 5.0)))
     parser.add_argument("--max-num-seqs", type=int, help="requests generating at once (vLLM's engine argument)")
+    parser.add_argument("--stall-after", type=int, help="after this many tokens of every stream, pause (--stall-ms)")
+    parser.add_argument("--stall-ms", type=float, default=0.0, help="the pause of --stall-after, in ms")
     parser.add_argument("--startup-delay-s", type=float, default=float(_env("STARTUP_DELAY_S", 0.0)))
     parser.add_argument("--fail-startup", action="store_true", default=bool(_env("FAIL_STARTUP", "")),
                         help="exit with an error during startup, as a failing engine does")
@@ -166,7 +178,8 @@ def main(argv: list[str] | None = None) -> None:
         async def on_startup(app: web.Application) -> None:
             asyncio.get_running_loop().call_later(loop_kill, os.kill, os.getpid(), signal.SIGKILL)
 
-    app = FakeOpenAI(args.ttft_ms, args.itl_ms, args.model, max_num_seqs=args.max_num_seqs).app()
+    app = FakeOpenAI(args.ttft_ms, args.itl_ms, args.model, max_num_seqs=args.max_num_seqs,
+                     stall_after=args.stall_after, stall_ms=args.stall_ms).app()
     if args.crash_after_s is not None:
         app.on_startup.append(on_startup)
     web.run_app(app, host=args.host, port=args.port, print=None)

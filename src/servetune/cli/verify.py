@@ -1,0 +1,119 @@
+"""``servetune verify``: start a study's recommendation again and test whether it is ready to ship."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import time
+from pathlib import Path
+
+DESCRIPTION = """\
+Start the chosen configuration of a study again and run the stability stage of the tuning
+checklist at its operating level:
+
+  soak         steady load for --duration: P99 TTFT and TPOT per window, their jitter and drift,
+               growth of KV-cache usage and of the engine's memory
+  peak         1.25x the level          burst        gamma arrivals, CV 3, same mean rate
+  mix          10% of requests at the workload's P99 input length: the short ones' TTFT P99
+  long_output  requests up to the server's output limit
+  disconnects  half the streams dropped after their first tokens: vLLM must release them
+               within 2 s (/metrics: requests running, generated tokens)
+  headroom     KV-cache usage, preemptions and OOM at the peak
+  repeats      the level 5 times, bootstrap intervals on goodput and P99 TTFT; the runner-up's
+               too, started after the winner's engine stopped: is the winner's lead real?
+
+Requests time out (each its own error kind) at 10x the SLO's TTFT bound for the first token,
+20x its TPOT bound between chunks, and the study's request_timeout_s in all.
+
+Writes verify.json in the study directory (or --json OUT): every scenario's numbers, passed and
+reason, a "stability" object (cancellation_success_rate, p99_jitter, oom, error_rate_5xx), and
+"accepted". Logs the stability numbers on the trial's MLflow run when the study was logged.
+Exit status: 0 accepted, 1 rejected, 2 bad input (nothing started).
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("verify", help="test a study's recommendation under soak, peak, bursts and disconnects",
+                              description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+                              epilog="example: servetune verify servetune-results/cpu-tiny --duration 60")  # fmt: skip
+    p.add_argument("study_dir", type=Path, metavar="STUDY_DIR", help="the study directory (servetune-results/<study>)")
+    p.add_argument("--pick", default="best", metavar="best|N|TRIAL_ID",
+                   help="best (the recommendation, default), a row of the cost vs P99 TTFT Pareto table, or a trial id")  # fmt: skip
+    p.add_argument("--duration", type=float, metavar="S",
+                   help="seconds of the soak (default: 600 on GPUs, 60 on the CPU stand-in, whose other scenarios shrink to match)")  # fmt: skip
+    p.add_argument("--json", type=Path, metavar="OUT", help="where to write the result (default: STUDY_DIR/verify.json)")
+    p.add_argument("--no-runner-up", action="store_true", help="do not start the runner-up to compare the repeats with")
+    p.add_argument("--tracking-uri", metavar="URI",
+                   help="MLflow store the study was logged to (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")  # fmt: skip
+    p.add_argument("--python", default=sys.executable, help="Python interpreter that has vLLM (default: this one)")
+    p.set_defaults(run=run)
+
+
+class ConsoleProgress:
+    """Steps as a spinner with the time they take, scenarios as one line each (``servetune bench``'s style)."""
+
+    def __init__(self, console) -> None:
+        self.console = console
+        self.status = None
+        self.started = time.monotonic()
+
+    def step(self, text: str, seconds: float | None = None) -> None:
+        planned = f" (about {seconds:.0f} s)" if seconds else ""
+        self.stop()
+        self.status = self.console.status(f"{text}{planned}")
+        self.status.start()
+
+    def scenario(self, name: str, passed: bool, reason: str) -> None:
+        self.stop()
+        mark = "[green]PASS[/]" if passed else "[red]FAIL[/]"
+        if name == "runner-up":
+            mark = "[cyan]----[/]"
+        self.console.print(f"{mark} {name}: {reason}", soft_wrap=True, highlight=False)
+
+    def stop(self) -> None:
+        if self.status is not None:
+            self.status.stop()
+            self.status = None
+
+
+def run(args: argparse.Namespace) -> int:
+    from servetune.cli.display import console as make_console
+    from servetune.engine.args import vllm_version
+    from servetune.errors import UserError
+    from servetune.load.requests import PromptFactory, load_tokenizer
+    from servetune.tracking.stability import log_stability
+    from servetune.verify import run as verification
+    from servetune.verify.choose import select
+    from servetune.verify.scenarios import Budget
+
+    if args.duration is not None and args.duration <= 0:
+        raise UserError(f"--duration must be positive, got {args.duration:g}")
+    selection = select(args.study_dir, args.pick, args.python)  # bad input stops here, before anything starts
+    if vllm_version(args.python) is None:
+        raise UserError(f"vLLM is not installed for {args.python} (install servetune[cpu] or servetune[gpu], or pass --python)")
+    budget = Budget.for_device(selection.info.device, args.duration)
+    console = make_console(stderr=True)
+    winner = selection.winner
+    console.print(f"verifying trial {winner.trial_id} at {winner.level}"
+                  + (f"; runner-up: trial {selection.runner_up.trial_id}" if selection.runner_up and not args.no_runner_up else ""),
+                  soft_wrap=True)  # fmt: skip
+    with console.status(f"loading the tokenizer of {winner.spec.model}"):
+        prompts = PromptFactory(load_tokenizer(winner.spec.model))
+    signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(SystemExit(128 + signum)))
+    progress = ConsoleProgress(console)
+    try:
+        doc = verification.verify(selection, budget, prompts, progress, runner_up=not args.no_runner_up)
+    finally:
+        progress.stop()
+    items = verification.checklist(selection, doc)
+    if items is not None:
+        doc["checklist"] = items
+    out = args.json or args.study_dir / verification.VERIFY_FILE
+    verification.write_document(doc, out)
+    console.print(f"wrote {out}", soft_wrap=True)
+    console.print(log_stability(args.tracking_uri, selection.info.name, winner.trial_id, doc["stability"], doc["accepted"], out),
+                  soft_wrap=True, highlight=False)  # fmt: skip
+    verdict = "[green]ACCEPTED[/]" if doc["accepted"] else "[red]REJECTED[/]"
+    console.print(f"{verdict}: " + "; ".join(doc["reasons"]), soft_wrap=True, highlight=False)
+    return 0 if doc["accepted"] else 1

@@ -1,0 +1,69 @@
+"""Section 16's stability field, as ``servetune verify`` measured it, on the verified trial's run.
+
+The trial's run is the study experiment's run tagged ``servetune.trial_id``. Written as metrics
+(``stability.cancellation_success_rate``, ``stability.p99_jitter``, ``stability.error_rate_5xx``,
+``stability.oom`` 0/1, ``verify.accepted`` 0/1), a ``verify.accepted`` tag and ``verify.json`` as
+an artifact under ``verify/``. MLflow being unreachable, or the study never logged there, is one
+line; verification's results are in verify.json either way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from servetune.tracking.connection import (
+    TRACKING_ERRORS,
+    check_reachable,
+    describe_error,
+    mlflow_env,
+    resolve_tracking_uri,
+)
+from servetune.tracking.writer import TRIAL_TAG
+
+METRICS = {
+    "stability.cancellation_success_rate": "cancellation_success_rate",
+    "stability.p99_jitter": "p99_jitter",
+    "stability.error_rate_5xx": "error_rate_5xx",
+}
+
+
+def stability_metrics(stability: Mapping[str, Any], accepted: bool) -> dict[str, float]:
+    """The numbers to log (those measured), booleans as 0/1."""
+    out = {key: float(stability[name]) for key, name in METRICS.items() if isinstance(stability.get(name), (int, float))}
+    out["stability.oom"] = 1.0 if stability.get("oom") else 0.0
+    out["verify.accepted"] = 1.0 if accepted else 0.0
+    return out
+
+
+def log_stability(tracking_uri: str | None, study: str, trial_id: str, stability: Mapping[str, Any], accepted: bool,
+                  verify_file: Path | None = None) -> str:  # fmt: skip
+    """Log on the trial's run; returns one line saying what happened (never raises for MLflow)."""
+    uri = resolve_tracking_uri(tracking_uri)
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not Path(uri[len(prefix) :]).is_file():
+        return f"MLflow: no store at {uri} (the study was not logged there): stability not logged (pass --tracking-uri)"
+    try:
+        with mlflow_env(bounded=True):
+            check_reachable(uri)
+            from mlflow import MlflowClient
+            from mlflow.entities import Metric, RunTag
+
+            client = MlflowClient(uri)
+            experiment = client.get_experiment_by_name(study)
+            if experiment is None:
+                return f"MLflow {uri}: no experiment '{study}': stability not logged"
+            runs = client.search_runs([experiment.experiment_id], f"tags.`{TRIAL_TAG}` = '{trial_id}'", max_results=1)
+            if not runs:
+                return f"MLflow {uri}: no run of trial {trial_id} in experiment '{study}': stability not logged"
+            run_id = runs[0].info.run_id
+            stamp = int(time.time() * 1000)
+            metrics = [Metric(k, v, stamp, 0) for k, v in stability_metrics(stability, accepted).items()]
+            client.log_batch(run_id, metrics=metrics, tags=[RunTag("verify.accepted", "yes" if accepted else "no")])
+            if verify_file is not None and verify_file.is_file():
+                client.log_artifact(run_id, str(verify_file), "verify")
+            return f"MLflow {uri}: stability logged on the run of trial {trial_id} ({run_id})"
+    except TRACKING_ERRORS as exc:
+        return f"MLflow {uri}: stability not logged ({describe_error(exc)})"

@@ -1,0 +1,116 @@
+"""Which configuration verify starts again, and the runner-up it is compared with.
+
+The pick is ``servetune export``'s (``report/export.py pick_point``: ``best``, a row of the cost
+vs P99 TTFT Pareto table, or a trial id). A configuration is rebuilt from the study as its trial
+ran it: the space copied beside ``study.json`` gives the engine arguments and the environment
+(``result.json`` masks secrets), the study's resolved model, and the level the point names.
+Bad input (no completed trial, a row out of range, a failed or infeasible trial, a trial that
+never met the SLO) is a one-line ``UserError`` before anything starts.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from servetune.config.space import SearchSpace, load_space
+from servetune.config.workload import Workload
+from servetune.errors import UserError
+from servetune.load.runner import Level
+from servetune.report import build_report, load_study
+from servetune.report.build import StudyReport
+from servetune.report.export import pick_point
+from servetune.report.points import ReportPoint, first_line
+from servetune.report.recommend import candidates
+from servetune.results import SPACE_FILE, TRIALS_DIR, StudyInfo, TrialResult, read_result
+from servetune.trial.runner import TrialSpec
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """One configuration to start again, at one level."""
+
+    point: ReportPoint
+    result: TrialResult
+    spec: TrialSpec  # engine arguments, environment and timeouts, as the trial ran
+    level: Level
+
+    @property
+    def trial_id(self) -> str:
+        return self.result.trial_id
+
+
+@dataclass(frozen=True)
+class Selection:
+    study_dir: Path
+    info: StudyInfo
+    space: SearchSpace
+    workload: Workload
+    report: StudyReport
+    winner: Chosen
+    runner_up: Chosen | None
+
+
+def _workload(space: SearchSpace, info: StudyInfo, study_dir: Path) -> Workload:
+    for base in (Path(info.space_file).parent, study_dir, Path.cwd()):
+        try:
+            return space.resolved_workload(base)
+        except UserError:
+            continue
+    return space.resolved_workload(study_dir)  # raises the one-line error naming the workload
+
+
+def _level(point: ReportPoint, levels: tuple[Level, ...], workload: Workload) -> Level:
+    (kind, value), = point.level.items()
+    for level in levels:
+        if level.kind == kind and level.value == value:
+            return level
+    arrival = workload.arrival
+    process = "concurrency" if kind == "concurrency" else ("gamma" if arrival.process == "gamma" else "poisson")
+    return Level(kind, float(value), process, arrival.burstiness)
+
+
+def select(study_dir: Path, pick: str, python: str = sys.executable) -> Selection:
+    """The configuration to verify and its runner-up (the best other candidate); UserError on bad input."""
+    from servetune.study.context import StudyContext, resolve_levels
+
+    study = load_study(study_dir)
+    complete = [t for t in study.trials if t.outcome == "COMPLETE"]
+    if not complete:
+        counts = ", ".join(f"{t.trial_id} {t.outcome}" for t in study.trials) or "no trial finished"
+        raise UserError(f"{study_dir}: no completed trial to verify ({counts})")
+    report = build_report(study)
+    if pick == "best" and report.recommendation.point is None:
+        raise UserError(f"--pick best: nothing to verify, {report.recommendation.reason}")
+    point = pick_point(report, pick)
+    trial = next(t for t in study.trials if t.trial_id == point.trial_id)
+    if trial.outcome != "COMPLETE":
+        raise UserError(f"--pick {pick}: trial {trial.trial_id} is {trial.outcome} "
+                        f"({first_line(trial.reason) or 'no reason given'}): only a completed trial can be verified")  # fmt: skip
+    if not point.meets_slo:
+        raise UserError(f"--pick {pick}: trial {trial.trial_id} never met the SLO ({'; '.join(point.slo_violations)}): "
+                        "nothing to verify")  # fmt: skip
+    space_path = study_dir / SPACE_FILE
+    if not space_path.is_file():
+        raise UserError(f"{space_path}: no such file (verify starts the trial's configuration from the study's space)")
+    space = load_space(space_path)
+    workload = _workload(space, study.info, study_dir)
+    model = study.info.model
+    if model.startswith("/") and not Path(model).is_dir():
+        if space.model != "tiny":
+            raise UserError(f"{study_dir / 'study.json'}: model {model} is not there any more (was the study moved?)")
+        from servetune.models.tiny import build_tiny_model
+
+        # The generated tiny model is deterministic (seeded): build it again inside the study.
+        model = str(build_tiny_model(study_dir / "models" / "tiny").resolve())
+    levels = resolve_levels(space, workload)
+    context = StudyContext(space, workload, study_dir.resolve(), model, levels, python=python)
+
+    def chosen(p: ReportPoint) -> Chosen:
+        result = read_result(study_dir / TRIALS_DIR / p.trial_id)
+        assert result is not None  # the report read it
+        return Chosen(p, result, context.spec_for(dict(result.params)), _level(p, levels, workload))
+
+    others = [c for c in candidates(report.points) if c.trial_id != point.trial_id]
+    return Selection(study_dir, study.info, space, workload, report, chosen(point), chosen(others[0]) if others else None)

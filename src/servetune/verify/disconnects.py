@@ -1,0 +1,134 @@
+"""The disconnect scenario: do dropped streams stop costing the engine anything?
+
+Each round sends streams that last as long as the server allows, waits until every one has its
+first tokens and vLLM's gauges show them all in flight, then closes half the connections (the
+client's task is cancelled: aiohttp drops the connection mid-stream). vLLM's running and waiting
+requests must fall back to the survivors the client still holds open within ``FALLBACK_S``,
+while those survivors, as long as the dropped ones, still run: a round whose requests had all
+ended on the server (a fast engine outruns a client on a loaded host) proves nothing and is not
+judged. Then, for ``TOKEN_SPAN_S``, the tokens vLLM generates (``vllm:generation_tokens_total``)
+must follow what the survivors receive. ``stats.DropRound`` holds a round,
+``stats.cancellation_success_rate`` and ``stats.tokens_stopped`` judge them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+
+from servetune.load.client import DROPPED
+from servetune.load.requests import iter_requests
+from servetune.metrics import RequestRecord
+from servetune.verify.scenarios import STREAMS, ScenarioResult, Target, fixed_workload, fmt
+from servetune.verify.stats import DropRound, cancellation_success_rate, tokens_stopped
+from servetune.verify.watch import in_flight, scrape
+
+DROP_SHARE = 0.5
+FALLBACK_S = 2.0  # vLLM must release dropped requests within this
+GAUGE_WAIT_S = 5.0  # how long a round waits for /metrics to show the streams it sent
+TOKEN_SPAN_S = 1.0  # then vLLM's generated tokens are compared with what the survivors receive
+
+
+async def _wait_first_tokens(records: list[RequestRecord], tasks: list[asyncio.Task], chunks: int, timeout_s: float) -> None:
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline:
+        if all(len(r.chunk_times) >= chunks or task.done() for r, task in zip(records, tasks)):
+            return
+        await asyncio.sleep(0.02)
+
+
+async def _drop_round(t: Target, session: aiohttp.ClientSession, requests, streams: int, dropped: int) -> tuple[DropRound, list[RequestRecord]]:
+    t0 = time.perf_counter()
+    specs = [next(requests) for _ in range(streams)]
+    records = [RequestRecord(index=i, sent=0.0, input_tokens=s.input_tokens, max_tokens=s.output_tokens,
+                             request_class="dropped" if i < dropped else "survivor") for i, s in enumerate(specs)]  # fmt: skip
+    tasks = [asyncio.ensure_future(t.client.send(s, r, t0)) for s, r in zip(specs, records)]
+    try:
+        await _wait_first_tokens(records, tasks, 2, 60.0)
+        # vLLM's gauges follow its steps: wait (a little) until they show every stream in flight.
+        before, seen_by = float("nan"), time.perf_counter() + GAUGE_WAIT_S
+        while time.perf_counter() < seen_by:
+            snap = await scrape(session, t.url, gauges_only=True)
+            if snap is not None:
+                before = in_flight(snap)
+                if before >= sum(r.end is None for r in records):
+                    break
+            await asyncio.sleep(0.1)
+        for task in tasks[:dropped]:
+            task.cancel()  # the client goes away: aiohttp closes the connection mid-stream
+        await asyncio.gather(*tasks[:dropped], return_exceptions=True)
+        for r in records[:dropped]:
+            r.error_kind, r.error = DROPPED, "closed by the client after its first tokens"
+        dropped_at = time.perf_counter()
+        survivors = records[dropped:]
+        # The last sample asked within FALLBACK_S decides: vLLM released the dropped streams in
+        # time when what it holds is no more than the survivors the client still holds open.
+        fell_back, settled, open_now = None, before, sum(r.end is None for r in survivors)
+        while (asked := time.perf_counter() - dropped_at) <= FALLBACK_S:
+            open_then = sum(r.end is None for r in survivors)
+            snap = await scrape(session, t.url, gauges_only=True)
+            if snap is not None:
+                settled, open_now = in_flight(snap), open_then
+                if settled <= open_now:
+                    fell_back = asked
+                    break
+            await asyncio.sleep(0.1)
+        # Then vLLM's generated tokens must follow what the survivors receive: a dropped request
+        # it still ran would add its own (judged only while every survivor streams on).
+        server_tokens = client_tokens = None
+        first = await scrape(session, t.url)
+        start = time.perf_counter() - t0
+        await asyncio.sleep(TOKEN_SPAN_S)
+        last = await scrape(session, t.url)
+        end = time.perf_counter() - t0
+        if first is not None and last is not None and "generation_tokens" in last.counters and all(r.end is None for r in survivors):
+            server_tokens = last.counters["generation_tokens"] - first.counters.get("generation_tokens", 0.0)
+            client_tokens = sum(start <= c <= end for r in survivors for c in r.chunk_times)
+        return DropRound(dropped, open_now, before, settled, fell_back, server_tokens, client_tokens, streams), records
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for r in records:
+            if r.error_kind == "cancelled":  # the survivors, closed on purpose at the round's end
+                r.error_kind, r.error = DROPPED, "closed by verify at the end of the round"
+        t.records.extend(records)
+
+
+async def _drained(session: aiohttp.ClientSession, url: str, timeout_s: float = 10.0) -> None:
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline:
+        snap = await scrape(session, url, gauges_only=True)
+        if snap is None or in_flight(snap) == 0:
+            return
+        await asyncio.sleep(0.2)
+
+
+async def disconnects(t: Target) -> ScenarioResult:
+    streams = int(max(4, min(t.level.value if t.level.kind == "concurrency" else 8, 64)))
+    dropped = max(1, round(streams * DROP_SHARE))
+    prompt = min(16, t.max_model_len // 4)
+    out = t.max_model_len - prompt - 1  # survivors must outlast the check: as long as the server allows
+    requests = iter_requests(fixed_workload(t.workload, "disconnects", prompt, out), t.prompts, stream=STREAMS["disconnects"])
+    rounds: list[DropRound] = []
+    async with aiohttp.ClientSession() as session:
+        for _ in range(t.budget.drop_rounds):
+            await _drained(session, t.url)
+            round_, _ = await _drop_round(t, session, requests, streams, dropped)
+            rounds.append(round_)
+        await _drained(session, t.url)
+    rate = cancellation_success_rate(rounds)
+    stopped = tokens_stopped(rounds)
+    numbers = {"streams": streams, "dropped_per_round": dropped, "output_tokens": out, "fallback_s_max": FALLBACK_S,
+               "rounds": [r.as_dict() for r in rounds], "cancellation_success_rate": rate, "tokens_stopped": stopped}  # fmt: skip
+    if rate is None:
+        return ScenarioResult("disconnects", False, "vLLM's /metrics never showed the streams in flight: cancellation not observed", numbers)
+    times = [r.fell_back_s for r in rounds]
+    passed = rate >= 1.0 and stopped
+    reason = (f"{len(rounds)} rounds dropping {dropped} of {streams} streams: in flight fell back to the survivors in "
+              f"{', '.join(fmt(s, ' s', 2) if s is not None else f'more than {FALLBACK_S:g} s' for s in times)}; "
+              f"cancellation success {rate:.0%}; tokens vLLM generated "
+              f"{'matched what the client received' if stopped else 'exceeded what the client received'}")  # fmt: skip
+    return ScenarioResult("disconnects", passed, reason, numbers)

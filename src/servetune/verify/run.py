@@ -1,0 +1,339 @@
+"""Run verification: the winner's engine through every scenario, the runner-up's through the
+repeats, then the document ``verify.json`` holds.
+
+An engine that does not start, or dies during a scenario, fails the configuration: the scenario
+says so with the engine log's tail, the ones after it are not run, and the process group is
+always stopped (``VllmServer`` is a context manager). Nothing here raises for a failure of the
+configuration; only bad input (``choose.py``) does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+import math
+import os
+import urllib.request
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from servetune import __version__
+from servetune.config.slo import Slo
+from servetune.engine.server import VllmServer
+from servetune.errors import EngineStartError
+from servetune.load.client import StreamingClient
+from servetune.load.requests import PromptFactory
+from servetune.metrics import RequestRecord
+from servetune.report.points import is_out_of_memory
+from servetune.verify import scenarios as sc
+from servetune.verify.disconnects import disconnects
+from servetune.verify.choose import Chosen, Selection
+from servetune.verify.stats import lead
+
+VERIFY_FILE = "verify.json"
+VERIFY_DIR = "verify"  # engine logs, per trial, beside the study's trials
+T = TypeVar("T")
+
+#: First-token timeout = this many times the SLO's TTFT bound (at least FIRST_TOKEN_MIN_S);
+#: idle-stream timeout = this many times the TPOT bound (at least IDLE_MIN_S). A user waiting
+#: ten times the promised latency has gone: the request counts as failed.
+FIRST_TOKEN_FACTOR, FIRST_TOKEN_MIN_S = 10.0, 5.0
+IDLE_FACTOR, IDLE_MIN_S = 20.0, 5.0
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    first_token_s: float
+    idle_s: float
+    total_s: float
+
+    @classmethod
+    def from_slo(cls, slo: Slo, total_s: float) -> "Timeouts":
+        ttft = min((b.max for b in slo.bounds if b.metric == "ttft_ms"), default=None)
+        tpot = min((b.max for b in slo.bounds if b.metric in ("tpot_ms", "itl_ms")), default=None)
+        first = max(FIRST_TOKEN_MIN_S, FIRST_TOKEN_FACTOR * ttft / 1000.0) if ttft else max(FIRST_TOKEN_MIN_S, total_s / 4)
+        idle = max(IDLE_MIN_S, IDLE_FACTOR * tpot / 1000.0) if tpot else max(IDLE_MIN_S, total_s / 10)
+        return cls(min(first, total_s), min(idle, total_s), total_s)
+
+
+class Progress(Protocol):
+    """How verify tells what it does: a step begins (with its planned seconds), a scenario ends."""
+
+    def step(self, text: str, seconds: float | None = None) -> None: ...
+
+    def scenario(self, name: str, passed: bool, reason: str) -> None: ...
+
+
+@dataclass
+class EngineRun:
+    """One engine launch: what it measured, or why it failed."""
+
+    trial_id: str
+    log_path: Path
+    startup_s: float | None = None
+    failure: str | None = None
+    log_tail: str | None = None
+
+
+def max_model_len(url: str, fallback: int) -> int:
+    """The server's context length, from ``/v1/models`` (vLLM reports ``max_model_len``)."""
+    try:
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as resp:
+            data = json.load(resp).get("data", [])
+        return int(data[0]["max_model_len"]) if data and data[0].get("max_model_len") else fallback
+    except (OSError, ValueError, KeyError):
+        return fallback
+
+
+def _configured_len(chosen: Chosen) -> int:
+    args = {**chosen.spec.engine_args, **chosen.result.resolved_engine_args}
+    value = args.get("max_model_len")
+    return int(value) if isinstance(value, (int, float)) and value > 0 else 2048
+
+
+def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: PromptFactory, budget: sc.Budget,
+                progress: Progress, body: Callable[[sc.Target], Awaitable[T]]) -> tuple[EngineRun, T | None, list[RequestRecord]]:  # fmt: skip
+    """Start the chosen configuration, run ``body`` against it, always stop it."""
+    spec = chosen.spec
+    run = EngineRun(chosen.trial_id, log_path)
+    kwargs = {"python": spec.python} if spec.python else {}
+    server = VllmServer(spec.model, spec.engine_args, {**spec.env, **spec.extra_env}, log_path=log_path,
+                        startup_timeout_s=spec.startup_timeout_s, **kwargs)  # fmt: skip
+    records: list[RequestRecord] = []
+    progress.step(f"starting vLLM for trial {chosen.trial_id} (log: {log_path})")
+    try:
+        with server:
+            run.startup_s = server.startup_s
+            served = spec.engine_args.get("served_model_name") or spec.model
+
+            async def main() -> T:
+                async with StreamingClient(
+                    server.url, served, api=spec.workload.api, timeout_s=timeouts.total_s,
+                    first_token_timeout_s=timeouts.first_token_s, idle_timeout_s=timeouts.idle_s,
+                    ignore_eos=spec.workload.ignore_eos, temperature=spec.workload.temperature,
+                ) as client:  # fmt: skip
+                    target = sc.Target(
+                        client=client, url=server.url, workload=spec.workload, prompts=prompts, slo=spec.slo,
+                        level=chosen.level, budget=budget, max_model_len=max_model_len(server.url, _configured_len(chosen)),
+                        measured_rate=chosen.result.levels[chosen.point.level_index].summary.request_throughput,
+                        engine=server, pid=server.process.pid if server.process else None, records=records,
+                    )  # fmt: skip
+                    return await body(target)
+
+            value = asyncio.run(main())
+            if not server.alive():
+                run.failure = f"the engine died ({server.failure_reason()})"
+                run.log_tail = server.log_tail()
+            return run, value, records
+    except EngineStartError as exc:
+        run.failure, run.log_tail = f"engine start: {exc.args[0]}", exc.log_tail
+        return run, None, records
+
+
+async def _winner(t: sc.Target, progress: Progress) -> dict[str, sc.ScenarioResult]:
+    """Every scenario in order; after an engine death the rest are not run."""
+    out: dict[str, sc.ScenarioResult] = {}
+    b = t.budget
+    soak_p99: float | None = None
+    peak_state: tuple[Any, Any] | None = None
+    plan: list[tuple[str, float | None]] = [
+        ("soak", b.soak_s), ("peak", b.scenario_s), ("burst", b.scenario_s), ("mix", b.scenario_s),
+        ("long_output", None), ("disconnects", None), ("headroom", None), ("repeats", b.repeats * b.repeat_s),
+    ]  # fmt: skip
+    for name, seconds in plan:
+        if t.engine is not None and not t.engine.alive():
+            out[name] = sc.not_run(name, "the engine died in an earlier scenario")
+            continue
+        progress.step(f"{name}", seconds)
+        if name == "soak":
+            result = await sc.soak(t)
+            soak_p99 = result.numbers.get("ttft_ms_p99")
+        elif name == "peak":
+            result, peak_result, trace = await sc.peak(t)
+            peak_state = (peak_result, trace)
+        elif name == "burst":
+            result = await sc.burst(t)
+        elif name == "mix":
+            result = await sc.mix(t, soak_p99)
+        elif name == "long_output":
+            result = await sc.long_output(t)
+        elif name == "disconnects":
+            result = await disconnects(t)
+        elif name == "headroom":
+            if peak_state is None:
+                result = sc.not_run(name, "the peak did not run")
+            else:
+                log_text = t.engine.log_text() if isinstance(t.engine, VllmServer) else ""
+                result = sc.headroom(peak_state[0], peak_state[1], t.engine, log_text)
+        else:
+            result, runs = await sc.repeats(t)
+            result.numbers["_runs"] = runs
+        if name in t.errors:
+            result.numbers["error_samples"] = t.errors[name]
+        if t.engine is not None and not t.engine.alive():
+            result.passed = False
+            result.reason = f"the engine died during {name} ({t.engine.failure_reason()}); " + result.reason
+            result.numbers["log_tail"] = t.engine.log_tail()
+        out[name] = result
+        progress.scenario(name, result.passed, result.reason)
+    return out
+
+
+def goodput_per_device(values: list[float], devices: int) -> list[float]:
+    return [v / max(devices, 1) for v in values]
+
+
+def verify(selection: Selection, budget: sc.Budget, prompts: PromptFactory, progress: Progress,
+           runner_up: bool = True) -> dict[str, Any]:  # fmt: skip
+    """Run everything and return verify.json's content (see :func:`document`)."""
+    winner = selection.winner
+    verify_dir = selection.study_dir / VERIFY_DIR
+    timeouts = Timeouts.from_slo(winner.spec.slo, winner.spec.request_timeout_s)
+    run, results, records = with_engine(
+        winner, verify_dir / winner.trial_id / "engine.log", timeouts, prompts, budget, progress,
+        lambda t: _winner(t, progress),
+    )  # fmt: skip
+    scenarios = results or {}
+    if run.failure and not scenarios:
+        for name in sc.SCENARIOS:
+            scenarios[name] = sc.ScenarioResult(name, False, f"not run: {run.failure}")
+    runs = scenarios["repeats"].numbers.pop("_runs", []) if "repeats" in scenarios else []
+    runner: dict[str, Any] | None = None
+    if runner_up and selection.runner_up is not None and runs:
+        other = selection.runner_up
+        other_timeouts = Timeouts.from_slo(other.spec.slo, other.spec.request_timeout_s)
+        other_run, other_runs, _ = with_engine(
+            other, verify_dir / other.trial_id / "engine.log", other_timeouts, prompts, budget, progress,
+            lambda t: sc.repeat_runs(t, sc.STREAMS["repeats"]),
+        )  # fmt: skip
+        runner = {"trial_id": other.trial_id, "level": dict(other.point.level), "startup_s": other_run.startup_s}
+        if other_runs:
+            runner.update(sc.repeats_numbers(other_runs))
+            mine = goodput_per_device([sc.served_per_s(r) for r in runs], winner.result.devices)
+            theirs = goodput_per_device([sc.served_per_s(r) for r in other_runs], other.result.devices)
+            verdict = lead(mine, theirs, "goodput per device (req/s)")
+            runner["lead"] = {"verdict": verdict.verdict, "real": verdict.real, "reason": verdict.reason}
+            progress.scenario("runner-up", True, f"trial {other.trial_id}: the winner's lead is {verdict.verdict}: {verdict.reason}")
+        if other_run.failure:
+            runner.update(failure=other_run.failure, log_tail=other_run.log_tail)
+    if "repeats" in scenarios:
+        scenarios["repeats"].numbers["runner_up"] = runner
+    return document(selection, budget, timeouts, run, scenarios, records)
+
+
+def stability(scenarios: dict[str, sc.ScenarioResult], records: list[RequestRecord], run: EngineRun) -> dict[str, Any]:
+    """Section 16's stability field, measured: OOM, 5xx, cancellation success rate, P99 jitter."""
+    sent = len(records)
+    fives = sum(r.error_kind == "http_5xx" for r in records)
+    headroom = scenarios.get("headroom")
+    oom = bool(headroom and headroom.numbers.get("oom")) or is_out_of_memory(run.log_tail or "") or is_out_of_memory(run.failure or "")
+    errors: dict[str, int] = {}
+    for r in records:
+        if r.error_kind and r.error_kind != sc.DROPPED:
+            errors[r.error_kind] = errors.get(r.error_kind, 0) + 1
+    return {
+        "cancellation_success_rate": scenarios["disconnects"].numbers.get("cancellation_success_rate") if "disconnects" in scenarios else None,
+        "p99_jitter": scenarios["soak"].numbers.get("ttft_p99_jitter") if "soak" in scenarios else None,
+        "oom": oom,
+        "error_rate_5xx": fives / sent if sent else None,
+        "requests": sent,
+        "errors_by_kind": errors,
+    }  # fmt: skip
+
+
+def document(selection: Selection, budget: sc.Budget, timeouts: Timeouts, run: EngineRun,
+             scenarios: dict[str, sc.ScenarioResult], records: list[RequestRecord]) -> dict[str, Any]:  # fmt: skip
+    """verify.json: ``trial_id``, ``level``, ``scenarios`` (each with ``passed`` and ``reason``),
+    ``stability``, ``accepted`` and the ``reasons`` for the verdict."""
+    failed = [f"{name}: {s.reason}" for name, s in scenarios.items() if not s.passed]
+    if run.failure:
+        failed.insert(0, f"engine: {run.failure}")
+    winner = selection.winner
+    return {
+        "servetune_version": __version__,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "study": selection.info.name,
+        "trial_id": winner.trial_id,
+        "level": dict(winner.point.level),
+        "params": dict(winner.result.params),
+        "device": winner.result.device,
+        "budget": asdict(budget),
+        "timeouts": asdict(timeouts),
+        "engine": {"startup_s": run.startup_s, "log": str(run.log_path), "failure": run.failure, "log_tail": run.log_tail},
+        "scenarios": checklist_fields({name: scenarios[name].as_dict() for name in sc.SCENARIOS if name in scenarios}),
+        "stability": stability(scenarios, records, run),
+        "accepted": not failed,
+        "reasons": failed or ["every scenario passed"],
+    }
+
+
+def checklist_fields(scenarios: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Add to each scenario the numbers the acceptance checklist reads (``verify/checklist.py``'s
+    docstring names them), derived from what the scenario measured."""
+    soak = scenarios.get("soak")
+    if soak is not None:
+        windows = soak.get("windows") or []
+        soak["p99_ttft_ms_windows"] = [w.get("ttft_ms_p99") for w in windows]
+        if windows:
+            soak["window_s"] = windows[0]["end_s"] - windows[0]["start_s"]
+        if soak.get("rss_growth_mib") is not None:
+            soak["memory_growth_gib"] = soak["rss_growth_mib"] / 1024
+    mix = scenarios.get("mix")
+    if mix is not None:
+        mix["long_share"] = sc.LONG_SHARE
+        mix["short_ttft_p99_ms"] = mix.get("short_ttft_ms_p99")
+        mix["baseline_ttft_p99_ms"] = mix.get("soak_ttft_ms_p99")
+    long_output = scenarios.get("long_output")
+    if long_output is not None:
+        produced = [n for n in long_output.get("output_tokens") or [] if n is not None]
+        long_output["max_output_tokens"] = max(produced, default=None)
+        long_output["limit_tokens"] = long_output.get("server_output_limit")
+    drops = scenarios.get("disconnects")
+    if drops is not None:
+        seen = [r for r in drops.get("rounds") or [] if r.get("observed")]
+        drops["dropped"] = sum(r.get("dropped", 0) for r in seen)
+        times = [r.get("fell_back_s") for r in seen]
+        drops["running_fell_back"] = bool(seen) and all(t is not None for t in times)
+        drops["fallback_s"] = max((t for t in times if t is not None), default=None)
+    headroom = scenarios.get("headroom")
+    if headroom is not None:
+        headroom["kv_usage_peak"] = headroom.get("kv_cache_usage_max")
+    repeats = scenarios.get("repeats")
+    if repeats is not None:
+        lead = (repeats.get("runner_up") or {}).get("lead") or {}
+        if "real" in lead:
+            repeats["lead_is_real"] = lead["real"]
+    return scenarios
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def finite(value: Any) -> Any:
+    """JSON has no NaN or infinity: such numbers become null (recursively)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+def write_document(doc: dict[str, Any], path: Path) -> None:
+    write_atomic(path, json.dumps(finite(doc), indent=2, default=str, allow_nan=False) + "\n")
+
+
+def checklist(selection: Selection, doc: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Section 15's acceptance list, evaluated with this verification's numbers."""
+    from servetune.verify.checklist import evaluate
+
+    items = evaluate(selection.study_dir, selection.winner.result, doc)
+    return [{"id": i.id, "text": i.text, "status": i.status, "evidence": i.evidence} for i in items]

@@ -1,0 +1,213 @@
+"""The pure arithmetic of verification: windows of a soak, jitter and drift, growth of a gauge,
+bootstrap confidence intervals and whether a lead is real, and the cancellation success rate.
+
+Nothing here does I/O; the scenarios (``scenarios.py``) measure, these functions judge.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from servetune.metrics import RequestRecord, summarize
+
+
+@dataclass(frozen=True)
+class Window:
+    """One slice of a soak, by send time: its requests' P99 TTFT and TPOT (ms)."""
+
+    index: int
+    start_s: float
+    end_s: float
+    requests: int
+    ttft_ms_p99: float | None
+    tpot_ms_p99: float | None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def windows(records: Sequence[RequestRecord], count: int, level: dict[str, float]) -> list[Window]:
+    """Cut the measured requests into ``count`` equal spans of send time and summarize each."""
+    measured = [r for r in records if not r.warmup]
+    if not measured or count < 1:
+        return []
+    start = min(r.sent for r in measured)
+    span = max(max(r.sent for r in measured) - start, 1e-9)
+    width = span / count
+    out = []
+    for index in range(count):
+        lo, hi = start + index * width, start + (index + 1) * width
+        inside = [r for r in measured if lo <= r.sent < hi or (index == count - 1 and r.sent == hi)]
+        summary = summarize(inside, level)
+        out.append(Window(index, lo, hi, len(inside), summary.ttft_ms.p99, summary.tpot_ms.p99))
+    return out
+
+
+def jitter(values: Sequence[float | None]) -> float | None:
+    """Max over min of the positive values (1.0 = perfectly steady); None with fewer than two."""
+    kept = [v for v in values if v is not None and v > 0]
+    return max(kept) / min(kept) if len(kept) >= 2 else None
+
+
+def drift(values: Sequence[float | None]) -> float | None:
+    """Last over first of the values that were measured (above 1: it got worse as the soak went on)."""
+    kept = [v for v in values if v is not None and v > 0]
+    return kept[-1] / kept[0] if len(kept) >= 2 else None
+
+
+def growth(samples: Sequence[tuple[float, float]], share: float = 0.2) -> float | None:
+    """How much a sampled value grew: the mean of its last ``share`` of samples (by time) minus the
+    mean of its first; None with fewer than two samples."""
+    if len(samples) < 2:
+        return None
+    ordered = sorted(samples)
+    n = max(1, int(len(ordered) * share))
+    first = [v for _, v in ordered[:n]]
+    last = [v for _, v in ordered[-n:]]
+    return float(np.mean(last) - np.mean(first))
+
+
+@dataclass(frozen=True)
+class Interval:
+    mean: float
+    low: float
+    high: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def bootstrap_mean(values: Sequence[float], confidence: float = 0.95, seed: int = 0) -> Interval | None:
+    """The mean of repeated runs with a bootstrap confidence interval (scipy's ``bootstrap``, percentile)."""
+    from scipy.stats import bootstrap
+
+    data = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=float)
+    if len(data) < 2:
+        return None
+    if np.ptp(data) == 0:
+        return Interval(float(data[0]), float(data[0]), float(data[0]))
+    res = bootstrap((data,), np.mean, confidence_level=confidence, n_resamples=4000, method="percentile",
+                    random_state=np.random.default_rng(seed))  # fmt: skip
+    ci = res.confidence_interval
+    return Interval(float(data.mean()), float(ci.low), float(ci.high))
+
+
+def bootstrap_difference(a: Sequence[float], b: Sequence[float], confidence: float = 0.95, seed: int = 0) -> Interval | None:
+    """mean(a) - mean(b) with a bootstrap interval, the two samples resampled independently."""
+    from scipy.stats import bootstrap
+
+    x = np.asarray([v for v in a if v is not None and math.isfinite(v)], dtype=float)
+    y = np.asarray([v for v in b if v is not None and math.isfinite(v)], dtype=float)
+    if len(x) < 2 or len(y) < 2:
+        return None
+    diff = float(x.mean() - y.mean())
+    if np.ptp(x) == 0 and np.ptp(y) == 0:
+        return Interval(diff, diff, diff)
+
+    def stat(u, v, axis):
+        return u.mean(axis=axis) - v.mean(axis=axis)
+
+    res = bootstrap((x, y), stat, confidence_level=confidence, n_resamples=4000, method="percentile",
+                    vectorized=True, random_state=np.random.default_rng(seed))  # fmt: skip
+    ci = res.confidence_interval
+    return Interval(diff, float(ci.low), float(ci.high))
+
+
+@dataclass(frozen=True)
+class Lead:
+    """Whether the winner is ahead of the runner-up by more than run-to-run noise."""
+
+    verdict: str  # "real" | "within noise" | "runner-up ahead" | "not compared"
+    reason: str
+
+    @property
+    def real(self) -> bool:
+        return self.verdict == "real"
+
+
+def lead(winner: Sequence[float], runner_up: Sequence[float], metric: str, higher_is_better: bool = True) -> Lead:
+    """Real when the two confidence intervals do not overlap, or the bootstrap of the difference
+    excludes 0, in the winner's favour."""
+    a, b = bootstrap_mean(winner), bootstrap_mean(runner_up)
+    diff = bootstrap_difference(winner, runner_up)
+    if a is None or b is None or diff is None:
+        return Lead("not compared", f"{metric}: fewer than two runs of one of them")
+    sign = 1.0 if higher_is_better else -1.0
+    ahead = (a.low > b.high) if higher_is_better else (a.high < b.low)
+    behind = (b.low > a.high) if higher_is_better else (b.high < a.low)
+    lo, hi = sorted((sign * diff.low, sign * diff.high))
+    text = (f"{metric}: winner {a.mean:.4g} [{a.low:.4g}, {a.high:.4g}], runner-up {b.mean:.4g} [{b.low:.4g}, "
+            f"{b.high:.4g}], difference {diff.mean:.4g} [{diff.low:.4g}, {diff.high:.4g}] (95% bootstrap)")  # fmt: skip
+    if ahead or lo > 0:
+        return Lead("real", text)
+    if behind or hi < 0:
+        return Lead("runner-up ahead", text)
+    return Lead("within noise", text)
+
+
+@dataclass(frozen=True)
+class DropRound:
+    """One round of the disconnect scenario, as the client and vLLM's ``/metrics`` saw it.
+
+    ``before``: requests running or waiting in vLLM just before the drop; ``settled``: the same
+    gauge when it first fell to the survivors the client still held open (``survivors``) within
+    the allowed time, else at its last sample in that time; ``fell_back_s``: how long that took
+    (None: it did not). ``server_tokens`` / ``client_tokens``: tokens vLLM generated, and the
+    survivors received, in the same span after the fall-back (None when a survivor ended first).
+    """
+
+    dropped: int
+    survivors: int
+    before: float
+    settled: float
+    fell_back_s: float | None
+    server_tokens: float | None = None
+    client_tokens: int | None = None
+    streams: int = 0
+
+    @property
+    def observed(self) -> bool:
+        """Whether the round can judge cancellation: vLLM's gauge showed every stream before the
+        drop, and at the end some were still running on the server (the survivors, as long as the
+        dropped ones): had every request already ended there, a fall-back would prove nothing."""
+        return not math.isnan(self.before) and self.before >= self.dropped + self.survivors and self.settled > 0
+
+    @property
+    def leaked(self) -> int:
+        """Dropped requests vLLM still held after the allowed time."""
+        return int(min(self.dropped, max(0.0, self.settled - self.survivors)))
+
+    @property
+    def extra_tokens(self) -> float | None:
+        if self.server_tokens is None or self.client_tokens is None:
+            return None
+        return max(0.0, self.server_tokens - self.client_tokens)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "observed": self.observed, "leaked": self.leaked, "extra_tokens": self.extra_tokens}
+
+
+def cancellation_success_rate(rounds: Sequence[DropRound]) -> float | None:
+    """Share of dropped streams that vLLM released in time, over the rounds its gauge observed
+    (None when it observed none)."""
+    seen = [r for r in rounds if r.observed]
+    dropped = sum(r.dropped for r in seen)
+    if not dropped:
+        return None
+    return sum(r.dropped - r.leaked for r in seen) / dropped
+
+
+def tokens_stopped(rounds: Sequence[DropRound], share: float = 0.5, per_stream: int = 16) -> bool:
+    """Whether, after each fall-back, vLLM generated no more than the survivors received, give or
+    take ``share`` of it plus ``per_stream`` tokens per survivor (a client on a loaded host reads
+    behind, by up to a fifth of the span seen on two cores); dropped requests it still ran would
+    add as many tokens as the survivors received."""
+    for r in rounds:
+        extra = r.extra_tokens
+        if extra is not None and extra > share * (r.client_tokens or 0) + per_stream * r.survivors:
+            return False
+    return True

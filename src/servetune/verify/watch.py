@@ -1,0 +1,86 @@
+"""What verify watches while it loads the engine: vLLM's ``/metrics`` and the engine's memory.
+
+:class:`Trace` samples, once a second, vLLM's gauges (requests running and waiting, KV-cache
+usage) and the resident memory of the engine's processes; ``scrape`` reads ``/metrics`` once,
+counters included (the disconnect scenario follows running requests and generated tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import aiohttp
+import psutil
+
+from servetune.engine.metrics import MetricsSnapshot
+
+
+async def scrape(session: aiohttp.ClientSession, url: str, gauges_only: bool = False) -> MetricsSnapshot | None:
+    """One read of ``/metrics``; None when the server has none or did not answer."""
+    try:
+        async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+            if resp.status != 200:
+                return None
+            text = await resp.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return None
+    try:
+        return MetricsSnapshot.parse_gauges(text) if gauges_only else MetricsSnapshot.parse(text)
+    except ValueError:
+        return None
+
+
+def in_flight(snap: MetricsSnapshot) -> float:
+    """Requests vLLM holds: running plus waiting."""
+    return snap.gauges.get("requests_running", 0.0) + snap.gauges.get("requests_waiting", 0.0)
+
+
+def engine_rss_bytes(pid: int | None) -> float | None:
+    """Resident memory of a process and all its descendants (the engine under its reaper)."""
+    if pid is None:
+        return None
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return None
+    total = 0
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            total += proc.memory_info().rss
+    return float(total)
+
+
+class Trace:
+    """Samples in the background while a scenario runs: ``async with Trace(url, pid) as trace``."""
+
+    def __init__(self, url: str, pid: int | None, every_s: float = 1.0) -> None:
+        self.url, self.pid, self.every_s = url, pid, every_s
+        self.kv_usage: list[tuple[float, float]] = []  # (seconds, fraction)
+        self.rss_mib: list[tuple[float, float]] = []
+        self._task: asyncio.Task | None = None
+
+    async def _run(self) -> None:
+        start = time.perf_counter()
+        async with aiohttp.ClientSession() as session:
+            while True:
+                at = time.perf_counter() - start
+                snap = await scrape(session, self.url, gauges_only=True)
+                if snap is not None and "kv_cache_usage" in snap.gauges:
+                    self.kv_usage.append((at, snap.gauges["kv_cache_usage"]))
+                rss = engine_rss_bytes(self.pid)
+                if rss is not None:
+                    self.rss_mib.append((at, rss / 2**20))
+                await asyncio.sleep(self.every_s)
+
+    async def __aenter__(self) -> "Trace":
+        self._task = asyncio.ensure_future(self._run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task

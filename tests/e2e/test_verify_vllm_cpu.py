@@ -1,0 +1,77 @@
+"""``servetune verify`` on the real vLLM CPU build: the stored ``make demo`` study's recommendation
+started again (its tiny model rebuilt, as verify does for a study moved off its machine) and run
+through every scenario with short windows."""
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.processes import processes_mentioning
+
+pytestmark = pytest.mark.e2e
+pytest.importorskip("vllm", reason="the e2e tests need vLLM (the CPU build: pip install servetune[cpu])")
+
+STUDY = Path(__file__).parent.parent / "data" / "cpu-tiny-study"
+
+
+def test_verify_on_real_vllm(tmp_path):
+    study = tmp_path / "cpu-tiny"
+    shutil.copytree(STUDY, study)
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "servetune", "verify", str(study), "--duration", "12",
+                           "--tracking-uri", str(tmp_path / "mlflow.db")],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    took = time.monotonic() - started
+    assert done.returncode in (0, 1), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    doc = json.loads((study / "verify.json").read_text())
+    assert (done.returncode == 0) == doc["accepted"], doc["reasons"]
+    assert doc["trial_id"] == "e57a166985b8" and doc["level"] == {"concurrency": 8.0}
+    scenarios = doc["scenarios"]
+    assert list(scenarios) == ["soak", "peak", "burst", "mix", "long_output", "disconnects", "headroom", "repeats"]
+    assert all(isinstance(s["passed"], bool) and s["reason"] for s in scenarios.values())
+    assert not any(s["reason"].startswith("not run") for s in scenarios.values()), doc["reasons"]
+
+    # Disconnects: vLLM's own gauge showed every stream in flight, then fell back to the survivors
+    # once half were dropped, and generated no more than the survivors received.
+    rounds = scenarios["disconnects"]["rounds"]
+    streams = scenarios["disconnects"]["streams"]
+    fell = [r for r in rounds if r["observed"] and r["fell_back_s"] is not None]
+    assert fell, rounds
+    assert all(r["before"] >= streams and r["settled"] <= r["survivors"] < streams and r["fell_back_s"] <= 2.0 for r in fell)
+    stability = doc["stability"]
+    assert stability["cancellation_success_rate"] == scenarios["disconnects"]["cancellation_success_rate"] > 0
+    assert stability["oom"] is False and stability["error_rate_5xx"] == 0.0 and stability["requests"] > 100
+    assert stability["p99_jitter"] == scenarios["soak"]["ttft_p99_jitter"] >= 1.0
+
+    soak = scenarios["soak"]
+    assert len(soak["windows"]) == 6 and all(w["requests"] > 0 for w in soak["windows"])
+    assert soak["rss_start_mib"] > 50  # the engine's memory was followed
+    assert scenarios["peak"]["level"] == {"concurrency": 10.0}
+    assert scenarios["burst"]["measured_cv"] > 2.0  # gamma arrivals, far burstier than Poisson (CV 1)
+    assert scenarios["mix"]["long_requests"] > 0 and scenarios["mix"]["short_ttft_ms_p99"] > 0
+    long = scenarios["long_output"]
+    assert long["server_output_limit"] == 1024 - 32  # max_model_len (from vLLM's /v1/models) minus the prompt
+    assert all(n == long["asked_output_tokens"] for n in long["output_tokens"])
+    assert scenarios["headroom"]["kv_cache_usage_max"] is not None and scenarios["headroom"]["engine_alive"]
+    repeats = scenarios["repeats"]
+    assert repeats["runs"] == 5 and repeats["goodput_ci"]["low"] <= repeats["goodput_ci"]["mean"] <= repeats["goodput_ci"]["high"]
+    assert "MLflow" in done.stderr  # one line about MLflow (no store there), and verify went on
+    # Section 15's checklist, evaluated with these numbers: every item has a status and evidence.
+    items = {item["id"]: item for item in doc["checklist"]}
+    assert len(items) == 23 and all(item["evidence"] for item in items.values())
+    evaluated = [i for i in items.values() if i["status"] in ("PASS", "FAIL")]
+    assert len(evaluated) >= 15, [(i["id"], i["status"], i["evidence"]) for i in items.values()]
+    assert items["15.14"]["status"] == "PASS", items["15.14"]  # cancellation released the dropped streams
+    assert items["15.15"]["status"] == "FAIL"  # vLLM has no hard queue limit: the finding, not a guess
+    report = subprocess.run([sys.executable, "-m", "servetune", "report", str(study)], capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0, report.stderr[-2000:]
+    summary = (study / "report" / "summary.md").read_text()
+    assert "## Verification" in summary and "### Acceptance checklist" in summary
+    assert processes_mentioning(study, "vllm") == []
+    print(f"servetune verify took {took:.0f} s")

@@ -1,0 +1,58 @@
+"""The load client's timeouts and dropped streams against the fake server (section 10 of the checklist)."""
+
+import asyncio
+import time
+
+from servetune.load.client import DROPPED, TIMEOUT_FIRST_TOKEN, TIMEOUT_IDLE, TIMEOUT_TOTAL, StreamingClient
+from servetune.load.requests import RequestSpec
+from servetune.metrics import RequestRecord
+from servetune.testing.fake_openai import FakeOpenAI
+from tests.conftest import serve_fake
+
+
+def send_one(url, out=10, drop_after=None, **timeouts):
+    async def go():
+        async with StreamingClient(url, "fake", **timeouts) as client:
+            record = RequestRecord(index=0, sent=0.0, input_tokens=1, max_tokens=out)
+            return await client.send(RequestSpec(0, "x", 1, out, "d"), record, time.perf_counter(), drop_after=drop_after)
+
+    return asyncio.run(go())
+
+
+def test_first_token_timeout_is_its_own_kind():
+    with serve_fake(FakeOpenAI(ttft_ms=1500, itl_ms=5)) as url:
+        started = time.perf_counter()
+        r = send_one(url, first_token_timeout_s=0.3, idle_timeout_s=0.2, timeout_s=30)
+        took = time.perf_counter() - started
+    assert not r.ok and r.error_kind == TIMEOUT_FIRST_TOKEN and r.chunk_times == []
+    assert took < 1.2  # it gave up at the first-token deadline, not the request's end
+
+
+def test_idle_stream_timeout_after_tokens_arrived():
+    with serve_fake(FakeOpenAI(ttft_ms=10, itl_ms=5, stall_after=3, stall_ms=1500)) as url:
+        r = send_one(url, first_token_timeout_s=1.0, idle_timeout_s=0.3, timeout_s=30)
+    assert not r.ok and r.error_kind == TIMEOUT_IDLE and len(r.chunk_times) == 3
+
+
+def test_a_slow_but_steady_stream_passes_the_idle_timeout():
+    with serve_fake(FakeOpenAI(ttft_ms=10, itl_ms=100)) as url:
+        r = send_one(url, out=8, first_token_timeout_s=1.0, idle_timeout_s=0.3, timeout_s=30)
+    assert r.ok and r.output_tokens == 8  # every gap (0.1 s) stays under 0.3 s, the whole takes longer
+
+
+def test_total_timeout_on_a_steady_stream():
+    with serve_fake(FakeOpenAI(ttft_ms=10, itl_ms=50)) as url:
+        r = send_one(url, out=40, first_token_timeout_s=1.0, idle_timeout_s=0.5, timeout_s=0.6)
+    assert not r.ok and r.error_kind == TIMEOUT_TOTAL and 3 <= len(r.chunk_times) < 40
+
+
+def test_a_dropped_stream_closes_the_connection_and_the_server_sees_it():
+    fake = FakeOpenAI(ttft_ms=10, itl_ms=20)
+    with serve_fake(fake) as url:
+        r = send_one(url, out=200, drop_after=3)
+        deadline = time.monotonic() + 2.0
+        while fake.running and time.monotonic() < deadline:
+            time.sleep(0.02)
+        running, generated, disconnected = fake.running, fake.generated, fake.disconnected
+    assert not r.ok and r.error_kind == DROPPED and len(r.chunk_times) == 3
+    assert running == 0 and disconnected == 1 and generated < 20  # it stopped long before its 200 tokens

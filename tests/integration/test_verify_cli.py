@@ -1,0 +1,116 @@
+"""``servetune verify`` on a stored study: bad input is one line and exit 2 with nothing started;
+an engine that dies during verification fails the configuration with its log tail (the fake
+engine stands in for vLLM)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from servetune.testing.fake_openai import write_fake_python
+from tests.processes import processes_mentioning
+
+STUDY = Path(__file__).parent.parent / "data" / "cpu-tiny-study"
+WINNER = "e57a166985b8"  # the one trial of the stored study meeting the SLO
+BROKEN = "18ae6e731937"  # completed, broke the SLO at its only level
+
+
+@pytest.fixture
+def study(tmp_path):
+    root = tmp_path / "study"
+    shutil.copytree(STUDY, root)
+    return root
+
+
+def servetune(*argv, env=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "servetune", *map(str, argv)], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})  # fmt: skip
+
+
+def set_outcome(study, trial_id, outcome, reason):
+    path = study / "trials" / trial_id / "result.json"
+    data = json.loads(path.read_text())
+    data.update(outcome=outcome, reason=reason)
+    path.write_text(json.dumps(data))
+
+
+def one_line_exit_2(done, *words):
+    assert done.returncode == 2, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("servetune verify: error:"), done.stderr
+    for word in words:
+        assert word in lines[0], lines[0]
+
+
+def nothing_started(study):
+    assert not (study / "verify").exists() and not (study / "verify.json").exists()
+    assert processes_mentioning(study) == []
+
+
+def test_a_row_out_of_range(study):
+    one_line_exit_2(servetune("verify", study, "--pick", "7"), "--pick 7", "rows 0-")
+    nothing_started(study)
+
+
+def test_no_completed_trial(study):
+    for trial_dir in (study / "trials").iterdir():
+        set_outcome(study, trial_dir.name, "FAILED", "engine start: vLLM exited with code 1")
+    one_line_exit_2(servetune("verify", study), "no completed trial")
+    nothing_started(study)
+
+
+def test_a_failed_trial_picked(study):
+    set_outcome(study, WINNER, "FAILED", "the engine died during concurrency 32 (RuntimeError: boom)")
+    one_line_exit_2(servetune("verify", study, "--pick", WINNER), WINNER, "FAILED", "only a completed trial")
+    nothing_started(study)
+
+
+def test_no_configuration_met_the_slo(study):
+    path = study / "trials" / WINNER / "result.json"
+    data = json.loads(path.read_text())
+    for level in data["levels"]:
+        level["slo_violations"] = ["ttft_ms_p99 = 900 > 300"]
+    path.write_text(json.dumps(data))
+    one_line_exit_2(servetune("verify", study), "--pick best: nothing to verify", "no configuration met every SLO")
+    nothing_started(study)
+
+
+def test_a_trial_that_never_met_the_slo(study):
+    one_line_exit_2(servetune("verify", study, "--pick", BROKEN), BROKEN, "never met the SLO")
+    nothing_started(study)
+
+
+def test_not_a_study_and_a_bad_duration(tmp_path, study):
+    one_line_exit_2(servetune("verify", tmp_path / "nowhere"), "no such study directory")
+    one_line_exit_2(servetune("verify", study, "--duration", "0"), "--duration")
+
+
+def test_without_vllm_nothing_starts(study, tmp_path):
+    python = tmp_path / "python-without-vllm"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S \"$@\"\n")  # no site-packages: no vLLM
+    python.chmod(0o755)
+    one_line_exit_2(servetune("verify", study, "--python", python), "vLLM is not installed")
+    nothing_started(study)
+
+
+def test_an_engine_that_dies_fails_the_configuration_with_its_log_tail(study, tmp_path):
+    pytest.importorskip("vllm", reason="verify asks the interpreter behind the fake engine for vLLM")
+    fake = write_fake_python(tmp_path)
+    out = tmp_path / "out" / "verify.json"
+    done = servetune("verify", study, "--python", fake, "--duration", "30", "--no-runner-up", "--json", out,
+                     "--tracking-uri", tmp_path / "mlruns", env={"SERVETUNE_FAKE_CRASH_AFTER_S": "3"})  # fmt: skip
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "REJECTED" in done.stderr
+    doc = json.loads(out.read_text())
+    assert doc["trial_id"] == WINNER and doc["level"] == {"concurrency": 8.0} and doc["accepted"] is False
+    soak = doc["scenarios"]["soak"]
+    assert not soak["passed"] and "the engine died during soak" in soak["reason"] and "fake engine" in soak["log_tail"]
+    assert soak["duration_s"] < 20  # the soak stopped once the engine was gone, not at its 30 s
+    assert all(doc["scenarios"][name]["reason"].startswith("not run") for name in ("peak", "disconnects", "repeats"))
+    assert set(doc["stability"]) >= {"cancellation_success_rate", "p99_jitter", "oom", "error_rate_5xx"}
+    assert doc["stability"]["cancellation_success_rate"] is None  # never measured, never made up
+    assert processes_mentioning(study) == [] and processes_mentioning(fake) == []

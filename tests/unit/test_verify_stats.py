@@ -1,0 +1,129 @@
+"""verify's arithmetic: soak windows, jitter and drift, bootstrap verdicts, cancellation success."""
+
+import math
+
+import numpy as np
+import pytest
+
+from servetune.config.slo import Slo
+from servetune.config.workload import load_workload
+from servetune.load.runner import Level
+from servetune.metrics import RequestRecord
+from servetune.verify.run import Timeouts, finite
+from servetune.verify.scenarios import Budget, gap_cv, mixed_workload, p99_input_tokens, scaled
+from servetune.verify.stats import (
+    DropRound,
+    bootstrap_difference,
+    bootstrap_mean,
+    cancellation_success_rate,
+    drift,
+    growth,
+    jitter,
+    lead,
+    tokens_stopped,
+    windows,
+)
+
+
+def request(i, sent, ttft, warmup=False):
+    return RequestRecord(index=i, sent=sent, input_tokens=8, max_tokens=4, warmup=warmup, chunk_times=[sent + ttft + k * 0.01 for k in range(4)],
+                         end=sent + ttft + 0.03, output_tokens=4, ok=True)  # fmt: skip
+
+
+def test_windows_follow_send_time_and_leave_warmup_out():
+    # TTFT 100 ms in the first half of the soak, 300 ms in the second; warm-up requests at 1 s TTFT.
+    records = [request(i, i * 0.1, 1.0, warmup=True) for i in range(5)]
+    records += [request(5 + i, 0.5 + i * 0.1, 0.1 if i < 50 else 0.3) for i in range(100)]
+    ws = windows(records, 4, {"concurrency": 2})
+    assert [w.requests for w in ws] == [25, 25, 25, 25]
+    p99 = [w.ttft_ms_p99 for w in ws]
+    assert p99[0] == pytest.approx(100) and p99[-1] == pytest.approx(300)
+    assert jitter(p99) == pytest.approx(3.0) and drift(p99) == pytest.approx(3.0)
+
+
+def test_jitter_and_drift_need_two_values():
+    assert jitter([None, 5.0]) is None and drift([]) is None
+    assert jitter([2.0, 4.0, 3.0]) == 2.0 and drift([4.0, 2.0]) == 0.5  # drift can improve
+
+
+def test_growth_compares_the_last_samples_with_the_first():
+    flat = [(t, 100.0) for t in range(10)]
+    leaking = [(t, 100.0 + 10 * t) for t in range(10)]
+    assert growth(flat) == 0.0
+    assert growth(leaking) == pytest.approx(80.0)  # mean of the last 2 (180, 190) minus the first 2 (100, 110)
+    assert growth([(0, 1.0)]) is None
+
+
+def test_bootstrap_interval_holds_the_mean_and_narrows_with_less_spread():
+    rng = np.random.default_rng(1)
+    wide, narrow = rng.normal(10, 3, 6), rng.normal(10, 0.3, 6)
+    a, b = bootstrap_mean(wide), bootstrap_mean(narrow)
+    assert a.low <= a.mean <= a.high and b.low <= b.mean <= b.high
+    assert (b.high - b.low) < (a.high - a.low) / 3
+    assert bootstrap_mean([1.0]) is None
+    same = bootstrap_mean([2.0] * 5)
+    assert same.low == same.high == 2.0
+
+
+def test_lead_is_real_only_beyond_the_noise():
+    winner = [10.0, 10.4, 9.8, 10.1, 10.2]
+    assert lead(winner, [8.0, 8.3, 7.9, 8.1, 8.2], "goodput").verdict == "real"
+    assert lead(winner, [10.1, 9.9, 10.3, 9.7, 10.0], "goodput").verdict == "within noise"
+    assert lead(winner, [12.0, 12.2, 11.9, 12.1, 12.3], "goodput").verdict == "runner-up ahead"
+    assert lead([100.0, 101, 99, 100, 102], [150.0, 149, 151, 150, 152], "ttft", higher_is_better=False).real
+    assert lead(winner, [8.0], "goodput").verdict == "not compared"
+    diff = bootstrap_difference(winner, [8.0, 8.3, 7.9, 8.1, 8.2])
+    assert diff.low > 0 and diff.mean == pytest.approx(2.0)
+
+
+def test_cancellation_success_counts_what_vllm_still_holds_beyond_the_survivors():
+    released = DropRound(dropped=4, survivors=4, before=8, settled=4, fell_back_s=0.2, server_tokens=600, client_tokens=512, streams=8)
+    leaking = DropRound(dropped=4, survivors=4, before=8, settled=7, fell_back_s=None, server_tokens=1000, client_tokens=500, streams=8)
+    unseen = DropRound(dropped=4, survivors=4, before=2, settled=0, fell_back_s=0.0)  # the gauge never showed the load
+    ended = DropRound(dropped=4, survivors=0, before=8, settled=0, fell_back_s=0.0)  # all had ended on the server
+    assert released.leaked == 0 and leaking.leaked == 3
+    assert released.observed and leaking.observed and not unseen.observed and not ended.observed
+    assert cancellation_success_rate([released]) == 1.0
+    assert cancellation_success_rate([released, leaking]) == pytest.approx(5 / 8)
+    assert cancellation_success_rate([released, unseen, ended]) == 1.0  # rounds that prove nothing are not judged
+    assert cancellation_success_rate([unseen, ended]) is None
+    assert tokens_stopped([released]) and not tokens_stopped([leaking])  # 500 tokens nobody received
+    assert tokens_stopped([DropRound(4, 4, 8, 4, 0.1)])  # no token span (a survivor ended first): nothing against it
+    assert cancellation_success_rate([DropRound(4, 4, math.nan, 4, None)]) is None
+
+
+def test_peak_burst_and_mix_loads():
+    assert scaled(Level("concurrency", 8), 1.25).value == 10 and scaled(Level("concurrency", 2), 1.25).value == 3
+    assert scaled(Level("rate", 4.0, "poisson"), 1.25).value == 5.0
+    burst = Level("rate", 20.0, "gamma", burstiness=1 / 9)
+    from servetune.load.runner import arrival_gaps
+
+    gaps = arrival_gaps(burst, np.random.default_rng(0))
+    sends = np.cumsum([next(gaps) for _ in range(20000)])
+    records = [RequestRecord(index=i, sent=float(s), input_tokens=1, max_tokens=1) for i, s in enumerate(sends)]
+    assert gap_cv(records) == pytest.approx(3.0, rel=0.1)
+    workload = load_workload("cpu-tiny")  # input normal(128, 32) clipped to 32..256
+    p99 = p99_input_tokens(workload)
+    assert 128 + 2 * 32 <= p99 <= 256
+    mixed = mixed_workload(workload, p99)
+    weights = {c.name: c.weight for c in mixed.classes}
+    assert weights["long"] == pytest.approx(0.1) and sum(weights.values()) == pytest.approx(1.0)
+
+
+def test_timeouts_follow_the_slo():
+    slo = Slo.parse("ttft_ms.p99=2000,tpot_ms.p95=50")
+    t = Timeouts.from_slo(slo, 300)
+    assert t.first_token_s == 20.0 and t.idle_s == 5.0 and t.total_s == 300  # 10x TTFT; 20x TPOT is 1 s, raised to 5
+    assert Timeouts.from_slo(Slo(), 40).first_token_s == 10.0  # no TTFT bound: a quarter of the total
+    assert Timeouts.from_slo(Slo.parse("ttft_ms.p99=60000"), 100).first_token_s == 100  # never past the total
+
+
+def test_budget_is_short_on_cpu_and_full_on_gpus():
+    gpu, cpu = Budget.for_device("gpu"), Budget.for_device("cpu")
+    assert gpu.soak_s == 600 and gpu.repeats >= 5 and cpu.repeats >= 5
+    assert cpu.soak_s <= 120 and cpu.long_output_cap is not None
+    assert Budget.for_device("cpu", 20).scenario_s == 10
+
+
+def test_verify_json_has_no_nan():
+    assert finite({"a": [float("nan"), 1.0, {"b": float("inf")}]}) == {"a": [None, 1.0, {"b": None}]}
