@@ -451,6 +451,8 @@ def test_warm_up_from_the_soak_windows(gpu):
     item = one(study, result, "15.20", cold)
     assert item.status == "FAIL" and "settled only 40 s after traffic began" in item.evidence
     assert one(study, result, "15.20", with_scenario("soak", p99_ttft_ms_windows=[600, 610])).status == "NOT CHECKED"
+    rising = one(study, result, "15.20", with_scenario("soak", p99_ttft_ms_windows=[50, 60, 55, 60, 300, 900]))
+    assert rising.status == "FAIL" and "never settled" in rising.evidence  # the last window is the worst: no settling point
 
 
 def test_stress_scenarios_and_stability(gpu):

@@ -168,9 +168,12 @@ def warm_before_traffic(ctx: Context) -> tuple[Status, str]:
     if len(values) != len(windows):
         return NOT_CHECKED, "p99_ttft_ms_windows holds values that are not numbers"
     steady = statistics.median(values[len(values) // 2:])
-    first_steady = next(i for i in range(len(values)) if all(v <= STABLE_RATIO * steady for v in values[i:]))
+    first_steady = next((i for i in range(len(values)) if all(v <= STABLE_RATIO * steady for v in values[i:])), None)
     startup = f"/health answered {ctx.result.startup_s:.0f} s after start" if ctx.result.startup_s else "startup time not recorded"
     first = f"first {width:g} s window's P99 TTFT {values[0]:,.0f} ms, steady {steady:,.0f} ms"
+    if first_steady is None:  # the last window itself is above the steady level: latency never settled
+        return FAIL, (f"{startup}; latency never settled over the soak ({first}, last {values[-1]:,.0f} ms): "
+                      "no warm-up length can be read from it")  # fmt: skip
     if first_steady == 0:
         return PASS, f"{startup}; latency was steady from the first window ({first}): ready meant warm"
     settle = first_steady * width
