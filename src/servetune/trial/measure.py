@@ -73,7 +73,8 @@ class LevelPlan:
         return cls(level=level, num_requests=requests, duration_s=seconds, warmup_requests=warmup)
 
 
-async def _scrape(session: aiohttp.ClientSession, url: str, gauges_only: bool = False) -> MetricsSnapshot | None:
+async def scrape(session: aiohttp.ClientSession, url: str, gauges_only: bool = False) -> MetricsSnapshot | None:
+    """One read of ``/metrics``; None when the server has none or did not answer."""
     try:
         async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
             if resp.status != 200:
@@ -195,7 +196,7 @@ async def _sample_gauges(session: aiohttp.ClientSession, url: str, peaks: dict[s
                          watch: EarlyBreak | None = None) -> None:  # fmt: skip
     start = time.perf_counter()
     while True:
-        snap = await _scrape(session, url, gauges_only=True)
+        snap = await scrape(session, url, gauges_only=True)
         if snap is not None:
             for name, value in snap.gauges.items():
                 peaks[f"{name}_max"] = max(peaks.get(f"{name}_max", 0.0), value)
@@ -238,7 +239,7 @@ async def measure_level(
 
     async with aiohttp.ClientSession() as session:
         reset = await _reset_prefix_cache(session, url)
-        before = await _scrape(session, url)
+        before = await scrape(session, url)
         peaks: dict[str, float] = {}
         sampler = asyncio.ensure_future(_sample_gauges(session, url, peaks, sample_every_s, watch)) if before else None
         devices = telemetry() if telemetry is not None else contextlib.nullcontext()
@@ -253,7 +254,7 @@ async def measure_level(
                 sampler.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await sampler
-        after = await _scrape(session, url) if before else None
+        after = await scrape(session, url) if before else None
     server = {**level_delta(before, after), **peaks} if before and after else {}
     summary = summarize(records, plan.level.as_dict(), slo.request_bounds_ms() or None)
     measured = devices.summary() if isinstance(devices, TelemetrySampler) else {}

@@ -1,8 +1,9 @@
 """What verify watches while it loads the engine: vLLM's ``/metrics`` and the engine's memory.
 
 :class:`Trace` samples, once a second, vLLM's gauges (requests running and waiting, KV-cache
-usage) and the resident memory of the engine's processes; ``scrape`` reads ``/metrics`` once,
-counters included (the disconnect scenario follows running requests and generated tokens).
+usage) and the resident memory of the engine's processes; ``scrape`` (the trial's own reader,
+``trial/measure.py``) reads ``/metrics`` once, counters included (the disconnect scenario follows
+running requests and generated tokens).
 """
 
 from __future__ import annotations
@@ -15,21 +16,7 @@ import aiohttp
 import psutil
 
 from servetune.engine.metrics import MetricsSnapshot
-
-
-async def scrape(session: aiohttp.ClientSession, url: str, gauges_only: bool = False) -> MetricsSnapshot | None:
-    """One read of ``/metrics``; None when the server has none or did not answer."""
-    try:
-        async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
-            if resp.status != 200:
-                return None
-            text = await resp.text()
-    except (aiohttp.ClientError, asyncio.TimeoutError):
-        return None
-    try:
-        return MetricsSnapshot.parse_gauges(text) if gauges_only else MetricsSnapshot.parse(text)
-    except ValueError:
-        return None
+from servetune.trial.measure import scrape
 
 
 def in_flight(snap: MetricsSnapshot) -> float:
