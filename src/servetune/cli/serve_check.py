@@ -88,9 +88,11 @@ def run(args: argparse.Namespace) -> int:
     with console.status(f"starting Ray and Serve ({where})"):
         cluster = ServeCluster(args.address, need.resources()).__enter__()
     left: list[int] = []
+    owned = False  # the application is serve-check's to delete only once it did not refuse someone else's
     try:
         refuse_running(cluster, name, args.replace)
         check_cluster_fits(cluster, need, f"the Ray cluster at {args.address}" if args.address else "the local Ray")
+        owned = True
         result = run_check(
             picked, replicas, cluster, name, measure, teardown, address=args.address,
             on_ready=lambda n, s: console.print(f"{n} replica{'s' if n > 1 else ''} RUNNING after {s:.0f} s"),
@@ -98,12 +100,14 @@ def run(args: argparse.Namespace) -> int:
     finally:
         with console.status(f"deleting the Serve application {name}"):
             try:
-                cluster.delete(name)
+                if owned:
+                    cluster.delete(name)
             finally:
                 cluster.__exit__(None, None, None)
                 left = wait_gone(sorted(teardown.pids))
     if left:
         raise UserError(f"replica processes still running after the teardown: pids {left}")
+    result.replica_pids = sorted(teardown.pids)
     requests_path = out.with_suffix(".requests.jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
     _write_atomic(requests_path, "".join(json.dumps(r) + "\n" for r in records))
