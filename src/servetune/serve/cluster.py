@@ -114,14 +114,17 @@ class ServeCluster:
 
     def replica_pids(self, name: str) -> list[int]:
         """Process ids of the application's replica actors and everything they started (vLLM's engine)."""
-        from ray.util.state import list_actors
+        import ray
 
+        # The GCS actor table: ray.util.state would need the dashboard, which serve-check does not start.
+        actors = ray._private.state.actors()
         pids: list[int] = []
-        for actor in list_actors(filters=[("state", "=", "ALIVE")], limit=10_000):
-            if f"ServeReplica:{name}:" in (actor.class_name or "") and actor.pid:
-                pids.append(actor.pid)
+        for actor in actors.values():
+            alive = actor.get("State") == "ALIVE"
+            if alive and str(actor.get("ActorClassName", "")).startswith(f"ServeReplica:{name}:") and actor.get("Pid"):
+                pids.append(int(actor["Pid"]))
                 with contextlib.suppress(psutil.Error):
-                    pids += [child.pid for child in psutil.Process(actor.pid).children(recursive=True)]
+                    pids += [child.pid for child in psutil.Process(actor["Pid"]).children(recursive=True)]
         return sorted(set(pids))
 
     def requests_per_replica(self, name: str, deployment_prefix: str = "LLMServer") -> dict[str, int]:
@@ -132,6 +135,7 @@ class ServeCluster:
 
         import ray
 
+        time.sleep(2.5)  # Ray's metrics agent takes a report interval (1 s here) to see the latest counts
         node = ray._private.worker._global_node  # the metrics agent's port has no public accessor
         port = getattr(node, "metrics_export_port", None) if node is not None else None
         if not port:
@@ -145,7 +149,7 @@ class ServeCluster:
         for labels, value in _REQUEST_COUNTER.findall(text):
             tags = dict(_LABEL.findall(labels))
             if tags.get("application") == name and tags.get("deployment", "").startswith(deployment_prefix):
-                replica = tags.get("replica", "?")
+                replica = tags.get("replica") or tags.get("WorkerId", "?")  # a replica is one worker
                 counts[replica] = counts.get(replica, 0) + int(float(value))
         return counts
 

@@ -64,6 +64,7 @@ class ServeCheckResult(BaseModel):
     slo: list[str]
     runs: list[ReplicaRun] = []
     rows: list[ScalingRow] = []
+    replica_pids: list[int] = []  # the replicas' processes (actors and vLLM's engines), gone at the end
 
 
 def scaling_rows(runs: list[ReplicaRun], bare_levels: list[LevelResult]) -> list[ScalingRow]:
