@@ -54,3 +54,25 @@ def test_an_application_of_the_same_name_is_refused_and_left_running(local_ray, 
     assert "pass --replace" in err[-1]
     assert list(serve.status().applications) == ["taken"]  # theirs stays; nothing of serve-check's was deployed
     assert not (study / "serve-check.json").exists()
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class Broken:
+    def __init__(self) -> None:
+        print("loading the weights: cannot find model.safetensors", flush=True)
+        raise RuntimeError("cannot find model.safetensors")
+
+
+def test_a_deployment_that_fails_is_one_error_with_its_log_tail_and_is_deleted(local_ray):
+    from servetune.errors import EngineStartError
+    from servetune.serve.cluster import ServeCluster
+
+    with ServeCluster(None, {"CPU": 2}) as cluster:
+        assert not cluster.started_ray  # the test's Ray: serve-check leaves it to its owner
+        with pytest.raises(EngineStartError) as failed:
+            cluster.run_app("broken", Broken.bind(), timeout_s=120)
+        message = str(failed.value)
+        assert message.splitlines()[0].startswith("the Serve deployment of broken failed: ")
+        assert "cannot find model.safetensors" in message.splitlines()[0]
+        assert "cannot find model.safetensors" in failed.value.log_tail
+        assert "broken" not in cluster.applications()

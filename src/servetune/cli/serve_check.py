@@ -13,7 +13,8 @@ from rich.table import Table
 DESCRIPTION = """\
 Deploy one operating point of a study as the Ray Serve LLM application `servetune export
 --format ray-serve` prints (ray.serve.llm LLMConfig + build_openai_app), at each replica count
-of --replicas in turn (scaled in place: replicas already warm stay), and measure it through
+of --replicas in turn (each count a new version of the application, rolled out by Serve), and
+measure it through
 Serve's OpenAI ingress with the study's workload and load ladder. Each replica is one placement
 group holding the engine's TP x PP devices.
 

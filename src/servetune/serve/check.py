@@ -1,5 +1,5 @@
-"""One serve-check: deploy the picked configuration at each replica count in turn (scaling in
-place, so replicas already warm stay), measure the study's ladder through Serve's ingress, count
+"""One serve-check: deploy the picked configuration at each replica count in turn (each a new
+version of the application, which Serve rolls out), measure the study's ladder through Serve's ingress, count
 what each replica served, and tear everything down, proving by process id that nothing is left.
 
 The measuring itself is handed in (``measure``): the CLI passes ``servetune bench``'s level loop,

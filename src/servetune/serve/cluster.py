@@ -84,14 +84,23 @@ class ServeCluster:
 
     # --- one application --------------------------------------------------------------------
     def deploy(self, name: str, llm_config: Mapping[str, Any], timeout_s: float) -> float:
-        """Deploy (or update in place: a new replica count keeps the replicas already running) and
-        wait until it is RUNNING; returns the seconds it took. A failed deployment is deleted and
-        raised as :class:`EngineStartError` with Serve's message and the replicas' log tail."""
-        from ray import serve
+        """Deploy the Ray Serve LLM application (``build_openai_app``) and wait until it is RUNNING;
+        returns the seconds it took. Deploying it again at another replica count is a new version:
+        Serve rolls it out, starting new replicas before it stops the old ones."""
         from ray.serve.llm import build_openai_app
 
+        return self.run_app(name, build_openai_app({"llm_configs": [dict(llm_config)]}), timeout_s)
+
+    def run_app(self, name: str, app: Any, timeout_s: float) -> float:
+        """``serve.run`` one application at ``/`` and wait for every deployment to be HEALTHY. One that
+        fails (or is not up within ``timeout_s``) is deleted and raised as :class:`EngineStartError`
+        with Serve's message and the tail of its replicas' logs."""
+        from ray import serve
+        from ray.serve.api import RunTarget
+
         start = time.monotonic()
-        serve.run(build_openai_app({"llm_configs": [dict(llm_config)]}), name=name, route_prefix="/", blocking=False)
+        # run_many can return before the application is up (serve.run waits, with no time limit).
+        serve.run_many([RunTarget(target=app, name=name, route_prefix="/")], wait_for_applications_running=False)
         time.sleep(1.0)  # let the controller take the new target before its status is read
         while True:
             app = serve.status().applications.get(name)
@@ -154,17 +163,22 @@ class ServeCluster:
         return counts
 
     def log_tail(self, name: str, lines: int = 40) -> str:
-        """The last lines of the application's replica logs on this node (Serve's own files)."""
+        """The last lines the application's replicas wrote on this node: their workers' stdout and
+        stderr (vLLM's own log and tracebacks) and Serve's replica logs, oldest file first."""
         import ray
 
         node = ray._private.worker._global_node
         if node is None:
             return ""
-        files = sorted(Path(node.get_logs_dir_path(), "serve").glob(f"replica_{name}_*"), key=lambda p: p.stat().st_mtime)
+        logs = Path(node.get_logs_dir_path())
+        pids = [int(a["Pid"]) for a in ray._private.state.actors().values()
+                if str(a.get("ActorClassName", "")).startswith(f"ServeReplica:{name}:") and a.get("Pid")]  # fmt: skip
+        files = [f for pid in pids for f in logs.glob(f"worker-*-{pid}.*") if f.suffix in (".out", ".err")]
+        files += list((logs / "serve").glob(f"replica_{name}_*"))
         text: list[str] = []
-        for path in files[-2:]:
+        for path in sorted(files, key=lambda p: p.stat().st_mtime)[-4:]:
             with contextlib.suppress(OSError):
-                text += path.read_text(errors="replace").splitlines()[-lines:]
+                text += [line for line in path.read_text(errors="replace").splitlines()[-lines:] if line.strip()]
         return "\n".join(text[-lines:])
 
 
