@@ -9,6 +9,7 @@ with it; on a cluster given by address, only the application serve-check deploye
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import time
 from collections.abc import Mapping
@@ -43,11 +44,13 @@ class ServeCluster:
         import ray
         from ray import serve
 
+        for logger in ("ray.serve", "ray.llm"):  # their INFO lines would bury serve-check's own progress
+            logging.getLogger(logger).setLevel(logging.WARNING)
         if self.address is None:
             if not ray.is_initialized():
+                # CPUs are declared (what Serve schedules by); GPUs are left for Ray to detect.
                 ray.init(
-                    num_cpus=int(self.resources.get("CPU", 1) + 0.999), num_gpus=int(self.resources.get("GPU", 0)),
-                    include_dashboard=False, log_to_driver=False,
+                    num_cpus=int(self.resources.get("CPU", 1) + 0.999), include_dashboard=False, log_to_driver=False,
                     _system_config={"metrics_report_interval_ms": 1000},
                 )  # fmt: skip
                 self.started_ray = True
