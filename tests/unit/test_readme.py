@@ -29,7 +29,7 @@ def usage_lines() -> list[tuple[str, str]]:
     for block in re.findall(r"```bash\n(.*?)```", README, re.S):
         command = None
         for line in block.splitlines():
-            if m := re.match(r"\s*servetune (\w+(?: [a-z][\w-]*)?)", line):
+            if m := re.match(r"\s*servetune ([\w-]+(?: [a-z][\w-]*)?)", line):
                 command = m.group(1)
             elif not line.startswith(" "):
                 command = None

@@ -14,7 +14,7 @@ from servetune import __version__
 from servetune.errors import UserError
 
 # Sub-commands, in the order ``--help`` lists them.
-COMMANDS = ("init", "run", "bench", "plan", "models", "workload", "report", "export", "verify")
+COMMANDS = ("init", "run", "bench", "plan", "models", "workload", "report", "export", "verify", "serve-check")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"servetune {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMANDS:
-        importlib.import_module(f"servetune.cli.{name}").add_parser(subparsers)
+        importlib.import_module(f"servetune.cli.{name.replace('-', '_')}").add_parser(subparsers)
     return parser
 
 

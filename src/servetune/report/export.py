@@ -104,10 +104,12 @@ def ray_serve_app(point: ReportPoint, accelerator_type: str | None = None, app_n
     """A ``serve run`` config with one ``ray.serve.llm`` ``LLMConfig`` (as a plain dict).
 
     Data parallelism becomes Serve replicas (``min_replicas = max_replicas = DP``) and leaves
-    ``engine_kwargs``; with expert parallelism it stays in the engine and the DP builder is used.
+    ``engine_kwargs`` (so does ``distributed_executor_backend``, which Ray Serve LLM sets itself); with expert parallelism it stays in the engine and the DP builder is used.
     The measured concurrency per replica becomes ``target_ongoing_requests``.
     """
     kwargs = masked_engine_args(point)
+    # Ray Serve LLM chooses the executor itself (Ray on GPUs, mp on CPUs) and refuses another one.
+    kwargs.pop("distributed_executor_backend", None)
     served = kwargs.pop("served_model_name", None)
     if isinstance(served, (list, tuple)):
         served = served[0] if served else None

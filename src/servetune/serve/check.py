@@ -1,0 +1,113 @@
+"""One serve-check: deploy the picked configuration at each replica count in turn (each a new
+version of the application, which Serve rolls out), measure the study's ladder through Serve's ingress, count
+what each replica served, and tear everything down, proving by process id that nothing is left.
+
+The measuring itself is handed in (``measure``): the CLI passes ``servetune bench``'s level loop,
+with its progress bars, so there is one way to measure a ladder.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from servetune import __version__
+from servetune.errors import UserError
+from servetune.results import LevelResult
+from servetune.secrets import redact_env
+from servetune.serve.plan import Needs, check_fits, llm_config, needs
+from servetune.serve.result import ReplicaRun, ServeCheckResult, scaling_rows
+from servetune.serve.study import PickedStudy
+
+
+class Cluster(Protocol):
+    """What a serve-check needs of Ray and Serve (``serve.cluster.ServeCluster`` is one)."""
+
+    url: str
+
+    def available(self) -> dict[str, float]: ...
+
+    def applications(self) -> dict[str, str]: ...
+
+    def deploy(self, name: str, llm_config: Mapping, timeout_s: float) -> float: ...
+
+    def delete(self, name: str) -> None: ...
+
+    def replica_pids(self, name: str) -> list[int]: ...
+
+    def requests_per_replica(self, name: str) -> dict[str, int]: ...
+
+
+#: measure(url, served model name, replica count) -> the ladder's level results.
+Measure = Callable[[str, str, int], list[LevelResult]]
+
+
+@dataclass
+class Teardown:
+    """Replica process ids seen while deployed: what must be gone once the application is."""
+
+    pids: set[int]
+
+
+def local_devices(need: Needs) -> float | None:
+    """Devices a local Ray can give before it is started: cores this process may run on (the CPU
+    build's ranks are cores); None on GPUs, which Ray detects once started."""
+    return float(len(os.sched_getaffinity(0))) if need.device == "CPU" else None
+
+
+def check_before_start(picked: PickedStudy, replicas: list[int], address: str | None) -> Needs:
+    """Everything that can be refused before Ray is touched; the needs of the largest replica count."""
+    need = needs(picked.point, llm_config(picked.point, 1), max(replicas))
+    devices = local_devices(need) if address is None else None
+    if devices is not None:
+        check_fits(need, devices, need.cpus, "this machine")
+    return need
+
+
+def refuse_running(cluster: Cluster, name: str, replace: bool) -> None:
+    running = cluster.applications()
+    if name not in running:
+        return
+    if not replace:
+        raise UserError(f"a Serve application named {name} is already running ({running[name]}): "
+                        "pass --replace to replace it, or --app-name to deploy beside it")  # fmt: skip
+    cluster.delete(name)
+
+
+def check_cluster_fits(cluster: Cluster, need: Needs, where: str) -> None:
+    free = cluster.available()
+    devices = free.get("GPU", 0.0) if need.device == "GPU" else free.get("CPU", 0.0)
+    check_fits(need, devices, free.get("CPU", 0.0), where)
+
+
+def run_check(
+    picked: PickedStudy, replicas: list[int], cluster: Cluster, name: str, measure: Measure, teardown: Teardown,
+    address: str | None = None, on_ready: Callable[[int, float], None] | None = None,
+) -> ServeCheckResult:  # fmt: skip
+    """Deploy and measure each replica count; the caller deletes the application (``teardown``
+    gathers the replica pids to prove gone)."""
+    point = picked.point
+    first = llm_config(point, 1)
+    served = first["model_loading_config"]["model_id"]
+    timeout_s = picked.space.load.startup_timeout_s
+    runs: list[ReplicaRun] = []
+    for count in replicas:
+        ready_s = cluster.deploy(name, llm_config(point, count), timeout_s)
+        teardown.pids.update(cluster.replica_pids(name))
+        if on_ready is not None:
+            on_ready(count, ready_s)
+        before = cluster.requests_per_replica(name)
+        levels = measure(cluster.url, served, count)
+        after = cluster.requests_per_replica(name)
+        handled = {r: n - before.get(r, 0) for r, n in after.items() if n - before.get(r, 0) > 0}
+        runs.append(ReplicaRun(replicas=count, ready_s=ready_s, levels=levels, requests_per_replica=handled))
+    shown = {**first, "runtime_env": {"env_vars": redact_env(first.get("runtime_env", {}).get("env_vars", {}))}}
+    return ServeCheckResult(
+        servetune_version=__version__, created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        study=picked.study, trial_id=point.trial_id, picked_level=dict(point.level), model=point.model, app_name=name,
+        url=cluster.url, address=address, llm_config=shown, slo=[str(b) for b in picked.slo.bounds], runs=runs,
+        rows=scaling_rows(runs, picked.trial.levels),
+    )  # fmt: skip

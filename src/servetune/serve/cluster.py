@@ -1,0 +1,225 @@
+"""Ray and Serve, as serve-check uses them: connect (or start a local Ray sized for the
+application), deploy one Ray Serve LLM application, wait for it, count what each replica served,
+and tear down what was started, proving by process id that no replica process is left.
+
+Only this module imports Ray. A local Ray is started by the driver (``ray.init``) and stopped
+with it; on a cluster given by address, only the application serve-check deployed is deleted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from servetune.engine.server import free_port
+from servetune.errors import EngineStartError, UserError
+
+#: Serve's own per-replica request counter, as Ray's metrics agent exports it.
+_REQUEST_COUNTER = re.compile(r'^ray_serve_deployment_request_counter_total\{([^}]*)\}\s+([0-9.eE+-]+)', re.M)
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+
+
+class ServeCluster:
+    """``with ServeCluster(address, resources) as cluster:`` a Ray cluster with Serve on it.
+
+    ``address`` None starts a local Ray declaring ``resources`` (CPUs the replicas and the ingress
+    need: Ray's CPUs are what it schedules by, not the cores vLLM runs on) with Serve's HTTP proxy
+    on 127.0.0.1 at a free port; leaving shuts Serve and that Ray down.
+    """
+
+    def __init__(self, address: str | None, resources: Mapping[str, float]) -> None:
+        self.address = address
+        self.resources = dict(resources)
+        self.started_ray = False
+        self.url = ""
+
+    def __enter__(self) -> ServeCluster:
+        import ray
+        from ray import serve
+
+        for logger in ("ray.serve", "ray.llm"):  # their INFO lines would bury serve-check's own progress
+            logging.getLogger(logger).setLevel(logging.WARNING)
+        if self.address is None:
+            if not ray.is_initialized():
+                # CPUs are declared (what Serve schedules by); GPUs are left for Ray to detect.
+                ray.init(
+                    num_cpus=int(self.resources.get("CPU", 1) + 0.999), include_dashboard=False, log_to_driver=False,
+                    _system_config={"metrics_report_interval_ms": 1000},
+                )  # fmt: skip
+                self.started_ray = True
+            serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+        else:
+            try:
+                ray.init(address=self.address, log_to_driver=False)
+            except (ConnectionError, RuntimeError, ValueError) as exc:
+                raise UserError(f"--address {self.address}: cannot connect to Ray ({exc})") from None
+            serve.start()
+        self.url = _ingress_url(self.address)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import ray
+        from ray import serve
+
+        if self.started_ray:
+            with contextlib.suppress(Exception):
+                serve.shutdown()
+            ray.shutdown()
+
+    # --- what the cluster has -------------------------------------------------------------
+    def available(self) -> dict[str, float]:
+        import ray
+
+        return dict(ray.available_resources())
+
+    def applications(self) -> dict[str, str]:
+        """Serve applications on the cluster and their status."""
+        from ray import serve
+
+        return {name: str(app.status) for name, app in serve.status().applications.items()}
+
+    # --- one application --------------------------------------------------------------------
+    def deploy(self, name: str, llm_config: Mapping[str, Any], timeout_s: float) -> float:
+        """Deploy the Ray Serve LLM application (``build_openai_app``) and wait until it is RUNNING;
+        returns the seconds it took. Deploying it again at another replica count is a new version:
+        Serve rolls it out, starting new replicas before it stops the old ones."""
+        from ray.serve.llm import build_openai_app
+
+        return self.run_app(name, build_openai_app({"llm_configs": [dict(llm_config)]}), timeout_s)
+
+    def run_app(self, name: str, app: Any, timeout_s: float) -> float:
+        """``serve.run`` one application at ``/`` and wait for every deployment to be HEALTHY. One that
+        fails (or is not up within ``timeout_s``) is deleted and raised as :class:`EngineStartError`
+        with Serve's message and the tail of its replicas' logs."""
+        from ray import serve
+        from ray.serve.api import RunTarget
+
+        start = time.monotonic()
+        # run_many can return before the application is up (serve.run waits, with no time limit).
+        serve.run_many([RunTarget(target=app, name=name, route_prefix="/")], wait_for_applications_running=False)
+        time.sleep(1.0)  # let the controller take the new target before its status is read
+        while True:
+            app = serve.status().applications.get(name)
+            status = str(app.status) if app is not None else "NOT_STARTED"
+            if status.endswith("RUNNING") and all(str(d.status).endswith("HEALTHY") for d in app.deployments.values()):
+                return time.monotonic() - start
+            failed = status.endswith(("DEPLOY_FAILED", "UNHEALTHY"))
+            if failed or time.monotonic() - start > timeout_s:
+                message = _status_message(app) if failed else f"not RUNNING after {timeout_s:.0f} s ({status})"
+                tail = self.log_tail(name)
+                self.delete(name)
+                raise EngineStartError(f"the Serve deployment of {name} failed: {message}", tail)
+            time.sleep(2.0)
+
+    def delete(self, name: str) -> None:
+        from ray import serve
+
+        if name in serve.status().applications:
+            serve.delete(name, _blocking=True)
+
+    def replica_pids(self, name: str) -> list[int]:
+        """Process ids of the application's replica actors and everything they started (vLLM's engine)."""
+        import ray
+
+        # The GCS actor table: ray.util.state would need the dashboard, which serve-check does not start.
+        actors = ray._private.state.actors()
+        pids: list[int] = []
+        for actor in actors.values():
+            alive = actor.get("State") == "ALIVE"
+            if alive and str(actor.get("ActorClassName", "")).startswith(f"ServeReplica:{name}:") and actor.get("Pid"):
+                pids.append(int(actor["Pid"]))
+                with contextlib.suppress(psutil.Error):
+                    pids += [child.pid for child in psutil.Process(actor["Pid"]).children(recursive=True)]
+        return sorted(set(pids))
+
+    def requests_per_replica(self, name: str, deployment_prefix: str = "LLMServer") -> dict[str, int]:
+        """Requests each replica of the LLM deployment handled, from Serve's own counter
+        (``ray_serve_deployment_request_counter``, per replica, exported by Ray's metrics agent
+        on this node). Empty when the agent cannot be read."""
+        import urllib.request
+
+        import ray
+
+        time.sleep(2.5)  # Ray's metrics agent takes a report interval (1 s here) to see the latest counts
+        node = ray._private.worker._global_node  # the metrics agent's port has no public accessor
+        port = getattr(node, "metrics_export_port", None) if node is not None else None
+        if not port:
+            return {}
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+                text = resp.read().decode()
+        except OSError:
+            return {}
+        counts: dict[str, int] = {}
+        for labels, value in _REQUEST_COUNTER.findall(text):
+            tags = dict(_LABEL.findall(labels))
+            if tags.get("application") == name and tags.get("deployment", "").startswith(deployment_prefix):
+                replica = tags.get("replica") or tags.get("WorkerId", "?")  # a replica is one worker
+                counts[replica] = counts.get(replica, 0) + int(float(value))
+        return counts
+
+    def log_tail(self, name: str, lines: int = 40) -> str:
+        """The last lines the application's replicas wrote on this node: their workers' stdout and
+        stderr (vLLM's own log and tracebacks) and Serve's replica logs, oldest file first."""
+        import ray
+
+        node = ray._private.worker._global_node
+        if node is None:
+            return ""
+        logs = Path(node.get_logs_dir_path())
+        pids = [int(a["Pid"]) for a in ray._private.state.actors().values()
+                if str(a.get("ActorClassName", "")).startswith(f"ServeReplica:{name}:") and a.get("Pid")]  # fmt: skip
+        files = [f for pid in pids for f in logs.glob(f"worker-*-{pid}.*") if f.suffix in (".out", ".err")]
+        files += list((logs / "serve").glob(f"replica_{name}_*"))
+        text: list[str] = []
+        for path in sorted(files, key=lambda p: p.stat().st_mtime)[-4:]:
+            with contextlib.suppress(OSError):
+                text += [line for line in path.read_text(errors="replace").splitlines()[-lines:] if line.strip()]
+        return "\n".join(text[-lines:])
+
+
+def _status_message(app: Any) -> str:
+    parts = [app.message] if getattr(app, "message", "") else []
+    for name, deployment in app.deployments.items():
+        if getattr(deployment, "message", ""):
+            parts.append(f"{name}: {deployment.message}")
+    text = " | ".join(parts) or str(app.status)
+    lines = [line for line in text.splitlines() if line.strip()]
+    return " ".join(lines[-3:])[:600]
+
+
+def _ingress_url(address: str | None) -> str:
+    from ray.serve.context import _get_global_client
+
+    config = _get_global_client().http_config  # Serve's HTTP options (host, port) as the controller has them
+    host = config.host
+    if host in ("0.0.0.0", "", "::"):
+        host = address.split("://")[-1].rsplit(":", 1)[0] if address and address != "auto" else "127.0.0.1"
+    return f"http://{host}:{config.port}"
+
+
+def alive(pids: list[int]) -> list[int]:
+    """The ids in ``pids`` still running (a zombie is not)."""
+    found = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                found.append(pid)
+    return found
+
+
+def wait_gone(pids: list[int], timeout_s: float = 60.0) -> list[int]:
+    """Wait until none of ``pids`` runs; the ones still running after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    left = alive(pids)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = alive(left)
+    return left

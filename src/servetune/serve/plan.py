@@ -1,0 +1,133 @@
+"""What serve-check deploys and what it needs, computed without Ray.
+
+The application is the one ``servetune export --format ray-serve`` prints
+(:func:`servetune.report.export.ray_serve_app`), with the replica count fixed
+(``min_replicas = max_replicas = N``). Each replica is one placement group: the engine's
+TP x PP devices (GPUs, or cores on the CPU build), plus one CPU for the replica actor, which
+Ray Serve LLM adds to the first bundle. The OpenAI ingress is one more replica with one CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from servetune.errors import UserError
+from servetune.report.export import ray_serve_app
+from servetune.report.points import ReportPoint
+from servetune.secrets import MASK
+
+#: The Serve application serve-check deploys, unless --app-name says otherwise.
+APP_NAME = "servetune-serve-check"
+#: CPUs of the OpenAI ingress replica (Serve's default for a deployment).
+INGRESS_CPUS = 1.0
+#: CPUs of each LLM replica actor, added by Ray Serve LLM to its first placement bundle.
+REPLICA_ACTOR_CPUS = 1.0
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What ``replicas`` replicas of one configuration take from a Ray cluster."""
+
+    replicas: int
+    device: str  # "GPU" or "CPU" (the CPU build's ranks are cores)
+    devices_per_replica: int  # TP x PP
+    cpus_per_replica: float  # the engine's CPU bundles plus the replica actor
+
+    @property
+    def devices(self) -> int:
+        return self.replicas * self.devices_per_replica
+
+    @property
+    def cpus(self) -> float:
+        return self.replicas * self.cpus_per_replica + INGRESS_CPUS
+
+    def resources(self) -> dict[str, float]:
+        """Ray resources the application needs in all (what a local Ray is started with)."""
+        found = {"CPU": self.cpus}
+        if self.device == "GPU":
+            found["GPU"] = float(self.devices)
+        return found
+
+
+def parse_replicas(text: str) -> list[int]:
+    """``1,2,4`` -> [1, 2, 4] (sorted, no repeats): scaling up one replica count at a time."""
+    try:
+        counts = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        raise UserError(f"--replicas '{text}' is not a comma-separated list of whole numbers") from None
+    if not counts or counts[0] < 1:
+        raise UserError(f"--replicas needs replica counts of 1 or more, got '{text}'")
+    return counts
+
+
+def llm_config(point: ReportPoint, replicas: int, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The ``LLMConfig`` (as a dict) of ``export --format ray-serve``, at ``replicas`` fixed replicas.
+
+    Secrets the study did not store (shown as ``***``) are taken from ``env`` (the caller's
+    environment); one missing there is an error, not a deployment that fails later.
+    """
+    app = ray_serve_app(point)["applications"][0]
+    if app["import_path"] != "ray.serve.llm:build_openai_app":
+        raise UserError(f"trial {point.trial_id} runs expert parallelism across data-parallel ranks "
+                        "(build_dp_openai_app); serve-check measures build_openai_app replicas only")  # fmt: skip
+    config = copy.deepcopy(app["args"]["llm_configs"][0])
+    autoscaling = config.setdefault("deployment_config", {}).setdefault("autoscaling_config", {})
+    autoscaling.update(min_replicas=replicas, max_replicas=replicas, initial_replicas=replicas)
+    env = os.environ if env is None else env
+    env_vars = config.get("runtime_env", {}).get("env_vars", {})
+    for name, value in env_vars.items():
+        if value == MASK:
+            if name not in env:
+                raise UserError(f"the study stored {name} masked; set {name} in the environment to deploy it")
+            env_vars[name] = env[name]
+    return config
+
+
+def needs(point: ReportPoint, config: Mapping[str, Any], replicas: int) -> Needs:
+    kwargs = config.get("engine_kwargs", {})
+    per_replica = int(kwargs.get("tensor_parallel_size") or 1) * int(kwargs.get("pipeline_parallel_size") or 1)
+    bundles = (config.get("placement_group_config") or {}).get("bundles") or []
+    bundle_cpus = sum(float(b.get("CPU", 0)) for b in bundles)
+    return Needs(
+        replicas=replicas, device="GPU" if point.device == "gpu" else "CPU", devices_per_replica=per_replica,
+        cpus_per_replica=bundle_cpus + REPLICA_ACTOR_CPUS,
+    )  # fmt: skip
+
+
+def check_fits(need: Needs, devices: float, cpus: float, where: str) -> None:
+    """Refuse, before anything is deployed, a replica count the cluster cannot hold.
+
+    ``devices``: GPUs (or, on the CPU build, cores the engines can run on); ``cpus``: Ray's CPUs.
+    """
+    unit = "GPUs" if need.device == "GPU" else "CPU cores"
+    if need.devices > devices:
+        raise UserError(
+            f"--replicas {need.replicas}: {need.replicas} replicas of {need.devices_per_replica} "
+            f"{unit[:-1] if need.devices_per_replica == 1 else unit} (TP x PP) need {need.devices} {unit}; "
+            f"{where} has {devices:g}: nothing was deployed"
+        )
+    if need.cpus > cpus:
+        raise UserError(
+            f"--replicas {need.replicas}: the replicas and the ingress need {need.cpus:g} Ray CPUs; "
+            f"{where} has {cpus:g}: nothing was deployed"
+        )
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    if numerator is None or denominator is None or not math.isfinite(denominator) or denominator <= 0:
+        return None
+    return numerator / denominator
+
+
+def same_level(a: Mapping[str, float], b: Mapping[str, float]) -> bool:
+    return dict(a) == dict(b)
+
+
+def find_level(levels: Sequence[Any], level: Mapping[str, float]) -> Any | None:
+    """The level result measured at ``level`` (``{"concurrency": 8}``), or None."""
+    return next((lv for lv in levels if same_level(lv.summary.level, level)), None)

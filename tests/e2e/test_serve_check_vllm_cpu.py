@@ -1,0 +1,73 @@
+"""``servetune serve-check`` on a local Ray with Ray Serve LLM and the real vLLM CPU build.
+
+The study is one COMPLETE trial of the checked-in CPU study (tests/data/cpu-tiny-study, vLLM's
+defaults, measured on this kind of host) with its model pointed at the test's tiny model: what
+serve-check needs of a study is the trial's engine arguments, environment, model and measured
+levels, and the space's workload, ladder and SLO.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+from servetune.serve.result import ServeCheckResult
+
+pytestmark = pytest.mark.e2e
+pytest.importorskip("vllm", reason="the e2e tests need vLLM (the CPU build: pip install servetune[cpu])")
+pytest.importorskip("ray.serve.llm", reason="serve-check needs ray[serve,llm]")
+
+FIXTURE = Path(__file__).parents[1] / "data" / "cpu-tiny-study"
+TRIAL = "e57a166985b8"  # vLLM's defaults: measured at concurrency 2, 8 and 32
+
+SPACE = """
+name: cpu-tiny
+model: tiny
+device: cpu
+workload: cpu-tiny
+load: {levels: [8], requests_per_level: 24, request_timeout_s: 120, startup_timeout_s: 400}
+slo: {ttft_ms: {p99: 5000}}
+hardware: {devices_per_node: 2}
+engine_args: {enforce_eager: true, max_model_len: 1024, dtype: bfloat16}
+env: {VLLM_CPU_KVCACHE_SPACE: 1}
+"""
+
+
+def one_trial_study(root: Path, model: Path) -> Path:
+    (root / "trials" / TRIAL).mkdir(parents=True)
+    shutil.copy(FIXTURE / "study.json", root / "study.json")
+    result = json.loads((FIXTURE / "trials" / TRIAL / "result.json").read_text())
+    result["model"] = str(model)
+    (root / "trials" / TRIAL / "result.json").write_text(json.dumps(result))
+    (root / "space.yaml").write_text(SPACE)
+    return root
+
+
+def servetune(*argv, timeout=600):
+    return subprocess.run([sys.executable, "-m", "servetune", *map(str, argv)], capture_output=True, text=True, timeout=timeout)
+
+
+def test_one_and_two_replicas_deploy_take_traffic_and_are_torn_down(tiny_model, tmp_path):
+    study = one_trial_study(tmp_path / "study", tiny_model)
+    done = servetune("serve-check", study, "--pick", TRIAL, "--replicas", "1,2")
+    assert done.returncode == 0, done.stderr[-4000:]
+    result = ServeCheckResult.model_validate_json((study / "serve-check.json").read_text())
+    assert [run.replicas for run in result.runs] == [1, 2]
+    for run in result.runs:
+        (lv,) = run.levels
+        assert lv.summary.level == {"concurrency": 8.0} and lv.summary.completed == 24 and lv.summary.failed == 0
+    one, two = result.runs
+    assert len(one.requests_per_replica) == 1
+    assert len(two.requests_per_replica) == 2 and min(two.requests_per_replica.values()) > 0, two.requests_per_replica
+    assert sum(two.requests_per_replica.values()) >= 24 + 8  # measured + warm-up requests, all through the LLM replicas
+    row = next(r for r in result.rows if r.replicas == 2)
+    assert row.scaling_efficiency is not None and row.scaling_efficiency > 0
+    assert row.bare_output_throughput == pytest.approx(938, abs=1) and row.ttft_p50_overhead_ms is not None
+    assert "scaling eff." in done.stdout and "router TTFT p50" in done.stdout
+    assert result.replica_pids and not [p for p in result.replica_pids if psutil.pid_exists(p) and
+                                        psutil.Process(p).status() != psutil.STATUS_ZOMBIE]  # fmt: skip
+    assert (study / "serve-check.requests.jsonl").is_file()

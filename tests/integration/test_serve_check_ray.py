@@ -1,0 +1,78 @@
+"""serve-check against a real local Ray with Serve, no vLLM: a Serve application of the same name
+that is already running is refused (one line, exit 2) and left running; nothing else is deployed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from servetune.cli import main
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+FIXTURE = Path(__file__).parents[1] / "data" / "cpu-tiny-study"
+TRIAL = "e57a166985b8"
+
+
+@pytest.fixture
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def one_trial_study(root: Path, model: Path) -> Path:
+    (root / "trials" / TRIAL).mkdir(parents=True)
+    shutil.copy(FIXTURE / "study.json", root / "study.json")
+    shutil.copy(FIXTURE / "space.yaml", root / "space.yaml")
+    result = json.loads((FIXTURE / "trials" / TRIAL / "result.json").read_text())
+    result["model"] = str(model)
+    (root / "trials" / TRIAL / "result.json").write_text(json.dumps(result))
+    return root
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class Someone:
+    def __call__(self, request) -> str:
+        return "theirs"
+
+
+def test_an_application_of_the_same_name_is_refused_and_left_running(local_ray, tiny_model, tmp_path, capsys):
+    study = one_trial_study(tmp_path / "study", tiny_model)
+    serve.run(Someone.bind(), name="taken", route_prefix="/theirs")
+    code = main(["serve-check", str(study), "--pick", TRIAL, "--replicas", "1", "--app-name", "taken"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith("servetune serve-check: error: a Serve application named taken is already running")
+    assert "pass --replace" in err[-1]
+    assert list(serve.status().applications) == ["taken"]  # theirs stays; nothing of serve-check's was deployed
+    assert not (study / "serve-check.json").exists()
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class Broken:
+    def __init__(self) -> None:
+        print("loading the weights: cannot find model.safetensors", flush=True)
+        raise RuntimeError("cannot find model.safetensors")
+
+
+def test_a_deployment_that_fails_is_one_error_with_its_log_tail_and_is_deleted(local_ray):
+    from servetune.errors import EngineStartError
+    from servetune.serve.cluster import ServeCluster
+
+    with ServeCluster(None, {"CPU": 2}) as cluster:
+        assert not cluster.started_ray  # the test's Ray: serve-check leaves it to its owner
+        with pytest.raises(EngineStartError) as failed:
+            cluster.run_app("broken", Broken.bind(), timeout_s=120)
+        message = str(failed.value)
+        assert message.splitlines()[0].startswith("the Serve deployment of broken failed: ")
+        assert "cannot find model.safetensors" in message.splitlines()[0]
+        assert "cannot find model.safetensors" in failed.value.log_tail
+        assert "broken" not in cluster.applications()

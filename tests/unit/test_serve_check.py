@@ -1,0 +1,155 @@
+"""serve-check without Ray: what it deploys, what that needs, refusals before anything starts,
+and the scaling rows it computes (a fake cluster stands in for Ray and Serve)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from servetune.cli import main
+from servetune.errors import EngineStartError, UserError
+from servetune.report import ReportPoint
+from servetune.serve.check import Teardown, refuse_running, run_check
+from servetune.serve.plan import check_fits, llm_config, needs, parse_replicas
+from servetune.serve.result import ReplicaRun, scaling_rows
+from servetune.serve.study import read_picked
+from tests.builders import level, study_info, trial, write_study
+
+
+def point(engine_args: dict, env: dict | None = None, device: str = "cpu") -> ReportPoint:
+    return ReportPoint(
+        trial_id="abc", level={"concurrency": 8.0}, engine_args=engine_args, env=env or {}, model="/m/tiny",
+        device=device, metrics={},
+    )  # fmt: skip
+
+
+def test_replica_counts_are_sorted_whole_numbers():
+    assert parse_replicas("4,1,2,2") == [1, 2, 4]
+    for bad in ("", "0,1", "1.5", "two"):
+        with pytest.raises(UserError, match="--replicas"):
+            parse_replicas(bad)
+
+
+def test_the_deployed_config_is_the_exported_one_at_a_fixed_replica_count():
+    config = llm_config(point({"max_num_seqs": 8, "data_parallel_size": 2, "distributed_executor_backend": "mp"},
+                              env={"VLLM_CPU_KVCACHE_SPACE": "1"}), 3)  # fmt: skip
+    assert config["deployment_config"]["autoscaling_config"] == {
+        "min_replicas": 3, "max_replicas": 3, "initial_replicas": 3, "target_ongoing_requests": 4,
+    }  # fmt: skip
+    assert config["engine_kwargs"] == {"max_num_seqs": 8}  # Ray Serve LLM picks the executor itself
+    assert config["runtime_env"] == {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": "1"}}
+    assert config["placement_group_config"] == {"bundles": [{"CPU": 1}]}
+
+
+def test_a_masked_secret_comes_from_the_environment_or_is_refused():
+    p = point({}, env={"HF_TOKEN": "***"})
+    assert llm_config(p, 1, env={"HF_TOKEN": "hf_real"})["runtime_env"]["env_vars"] == {"HF_TOKEN": "hf_real"}
+    with pytest.raises(UserError, match="set HF_TOKEN in the environment"):
+        llm_config(p, 1, env={})
+
+
+def test_needs_count_each_replicas_devices_its_actor_and_the_ingress():
+    gpu = point({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, device="gpu")
+    need = needs(gpu, llm_config(gpu, 1), 2)
+    assert (need.devices, need.cpus, need.resources()) == (8, 3.0, {"CPU": 3.0, "GPU": 8.0})
+    cpu = point({"tensor_parallel_size": 2})
+    need = needs(cpu, llm_config(cpu, 1), 2)
+    assert (need.devices, need.cpus, need.resources()) == (4, 7.0, {"CPU": 7.0})  # 2 x (2 ranks + actor) + ingress
+    with pytest.raises(UserError, match=r"--replicas 2: 2 replicas of 2 CPU cores \(TP x PP\) need 4 CPU cores; "
+                                        r"this machine has 2: nothing was deployed"):  # fmt: skip
+        check_fits(need, 2, 16, "this machine")
+    with pytest.raises(UserError, match="need 7 Ray CPUs; the cluster has 5"):
+        check_fits(need, 8, 5, "the cluster")
+
+
+def test_scaling_rows_set_each_level_against_the_bare_engine_and_one_replica():
+    bare = [level(8, 400, 300), level(32, 900, 800)]
+    one = level(8, 380, 320)
+    two = level(8, 700, 330)
+    runs = [ReplicaRun(replicas=1, levels=[one]), ReplicaRun(replicas=2, levels=[two])]
+    first, second = scaling_rows(runs, bare)
+    assert first.bare_output_throughput == 400 and first.ttft_p50_overhead_ms == pytest.approx(160 - 150)
+    assert first.scaling_efficiency == pytest.approx(1.0)
+    assert second.scaling_efficiency == pytest.approx(700 / (2 * 380))
+    assert scaling_rows([ReplicaRun(replicas=2, levels=[level(4, 1, 1)])], bare)[0].bare_output_throughput is None
+
+
+class FakeCluster:
+    """Ray and Serve as run_check sees them; ``fail`` makes the deployment fail as Serve reports it."""
+
+    url = "http://127.0.0.1:1"
+
+    def __init__(self, running: dict[str, str] | None = None, fail: bool = False) -> None:
+        self.running = dict(running or {})
+        self.fail = fail
+        self.deployed: list[int] = []
+        self.scrapes = 0  # Serve's counters grow by 10 requests per replica between two scrapes
+
+    def available(self):
+        return {"CPU": 8.0}
+
+    def applications(self):
+        return dict(self.running)
+
+    def deploy(self, name, config, timeout_s):
+        if self.fail:
+            raise EngineStartError(f"the Serve deployment of {name} failed: boom", "last log line")
+        self.deployed.append(config["deployment_config"]["autoscaling_config"]["min_replicas"])
+        self.running[name] = "RUNNING"
+        return 1.0
+
+    def delete(self, name):
+        self.running.pop(name, None)
+
+    def replica_pids(self, name):
+        return [100 + n for n in self.deployed]
+
+    def requests_per_replica(self, name):
+        self.scrapes += 1
+        return {f"r{i}": 10 * self.scrapes for i in range(self.deployed[-1])}
+
+
+def tiny_study(root: Path) -> Path:
+    levels = [level(8, 400, 300)]
+    t = trial("t1", {"max_num_seqs": 8}, levels, device="cpu", env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    write_study(root, study_info(device="cpu"), [t])
+    (root / "space.yaml").write_text(
+        "name: demo\nmodel: tiny\ndevice: cpu\nworkload: cpu-tiny\n"
+        "load: {levels: [8], requests_per_level: 16}\nslo: {ttft_ms: {p99: 2000}}\n"
+    )  # fmt: skip
+    return root
+
+
+def test_run_check_scales_in_place_and_counts_each_replicas_requests(tmp_path):
+    picked = read_picked(tiny_study(tmp_path / "s"), "t1")
+    assert [str(p.level) for p in picked.plans] == ["concurrency 8"] and picked.plans[0].num_requests == 16
+    cluster, teardown = FakeCluster(), Teardown(pids=set())
+    result = run_check(picked, [1, 2], cluster, "app", lambda url, served, n: [level(8, 380 * n, 320)], teardown)
+    assert cluster.deployed == [1, 2] and teardown.pids == {101, 102}
+    assert [run.requests_per_replica for run in result.runs] == [{"r0": 10}, {"r0": 10, "r1": 10}]
+    assert [row.scaling_efficiency for row in result.rows] == [pytest.approx(1.0), pytest.approx(1.0)]
+    assert result.llm_config["runtime_env"]["env_vars"] == {"VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+def test_an_application_of_the_same_name_is_refused_unless_replaced():
+    cluster = FakeCluster(running={"app": "RUNNING"})
+    with pytest.raises(UserError, match="a Serve application named app is already running .* pass --replace"):
+        refuse_running(cluster, "app", replace=False)
+    refuse_running(cluster, "app", replace=True)
+    assert cluster.running == {}
+
+
+def test_cli_refuses_too_many_replicas_before_starting_ray(tmp_path, capsys):
+    study = tiny_study(tmp_path / "s")
+    assert main(["serve-check", str(study), "--pick", "t1", "--replicas", "1,4096"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "4096 replicas of 1 CPU core (TP x PP) need 4096 CPU cores" in err[0]
+    assert "nothing was deployed" in err[0]
+    assert not (study / "serve-check.json").exists()
+
+
+def test_cli_help_names_the_command():
+    from servetune.cli import build_parser
+
+    assert "serve-check" in build_parser().format_help()
