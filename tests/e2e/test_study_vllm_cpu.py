@@ -1,4 +1,11 @@
-"""``servetune run`` on the real vLLM CPU build: one configuration that serves, one that cannot start."""
+"""``servetune run`` on the real vLLM CPU build, one study shared by its checks (engine starts are the cost):
+configurations that serve, one that cannot start, and quality as a constraint (float32 against bfloat16).
+
+The quality reference (float32, max_num_seqs 4) runs first. A second float32 trial (max_num_seqs 16)
+must agree with it exactly; the bfloat16 trial diverges for real (its greedy tokens and its
+log-probabilities of the reference's tokens differ), breaks a bound tighter than that divergence,
+and is kept out of the recommendation.
+"""
 
 import json
 import shlex
@@ -20,11 +27,22 @@ workload: cpu-tiny
 load: {{levels: [2, 8], requests_per_level: 24, startup_timeout_s: 300}}
 slo: {{ttft_ms: {{p99: 5000}}}}
 hardware: {{devices_per_node: 2}}
-engine_args: {{enforce_eager: true, max_model_len: 1024}}
+engine_args: {{enforce_eager: true, max_model_len: 512}}
 env: {{VLLM_CPU_KVCACHE_SPACE: 1}}
 params:
+  dtype: [float32, bfloat16]
+  max_num_seqs: [4, 16]
   block_size: [128, 7]     # 7 is not a block size vLLM accepts: the engine fails at startup
+constraints:               # four trials: the reference, the same numerics batched wider, bfloat16, and one that cannot start
+  - dtype == 'float32' or max_num_seqs == 4
+  - block_size == 128 or (dtype == 'float32' and max_num_seqs == 4)
+  - block_size == 128 or max_num_seqs == 4
 search: {{algorithm: grid, baseline: false}}
+quality:
+  suites: [agreement, arithmetic, recall]
+  prompts: 16
+  reference: {{dtype: float32, max_num_seqs: 4, block_size: 128}}
+  max_drop: {{agreement: 0.01}}
 """
 
 
@@ -60,10 +78,16 @@ def test_study_report_and_export_on_real_vllm(tmp_path):
     done = servetune("run", tmp_path / "space.yaml", "--storage", tmp_path / "results", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     study_dir = tmp_path / "results" / "e2e"
-    results = {json.loads(p.read_text())["params"]["block_size"]: json.loads(p.read_text()) for p in study_dir.glob("trials/*/result.json")}
-    ok, bad = results[128], results[7]
+    results = {}
+    for path in study_dir.glob("trials/*/result.json"):
+        result = json.loads(path.read_text())
+        results[tuple(result["params"][k] for k in ("dtype", "max_num_seqs", "block_size"))] = result
+    assert sorted(results) == [("bfloat16", 4, 128), ("float32", 4, 7), ("float32", 4, 128), ("float32", 16, 128)]
+    ok, bad = results[("float32", 4, 128)], results[("float32", 4, 7)]
+    same, bf16 = results[("float32", 16, 128)], results[("bfloat16", 4, 128)]
     assert ok["outcome"] == "COMPLETE" and len(ok["levels"]) == 2
-    assert ok["kv_capacity"]["tokens"] == 524288 and ok["kv_prediction_error"] == 0.0  # the ledger, exactly
+    assert ok["kv_capacity"]["tokens"] == 262144 and ok["kv_prediction_error"] == 0.0  # the ledger, exactly (float32)
+    assert bf16["kv_capacity"]["tokens"] == 524288 and bf16["kv_prediction_error"] == 0.0  # half the bytes per token
     assert ok["environment"]["vllm"].startswith("vllm") and ok["environment"]["device"] == "cpu"
     assert ok["levels"][1]["telemetry"]["host_cpu_percent_mean"] > 0
     assert ok["levels"][1]["summary"]["output_throughput"] > ok["levels"][0]["summary"]["output_throughput"]
@@ -71,12 +95,42 @@ def test_study_report_and_export_on_real_vllm(tmp_path):
     assert [lv.get("cache_note") for lv in ok["levels"]] == [None, None]  # each level began on an emptied cache
     resolved = ok["resolved_engine_args"]  # what vLLM chose for what the launch left to it
     assert resolved["max_num_seqs"] > 0 and resolved["max_num_batched_tokens"] > 0 and resolved["block_size"] == 128
+    assert ok["startup_phases"]["load_weights_s"] > 0 and ok["startup_phases"]["other_s"] > 0  # read from vLLM's log
     assert processes_mentioning(study_dir, "vllm") == []
+
+    # Quality: the reference ran first; the same numerics agree exactly, whatever the batch size.
+    assert ok["quality"]["reference_trial"] == ok["trial_id"] and ok["started_at"] <= min(r["started_at"] for r in results.values())
+    q = same["quality"]
+    assert q["reference_trial"] == ok["trial_id"] and q["passed"] is True
+    assert q["agreement"] == 1.0 and q["exact_match"] == 1.0 and abs(q["nll_delta"]) < 1e-6
+    assert q["suites"] == ok["quality"]["suites"]
+    # bfloat16 diverges for real: fewer matching tokens and another likelihood of the reference's.
+    q = bf16["quality"]
+    assert 0 < q["agreement"] < 1.0 and q["exact_match"] < 1.0 and abs(q["nll_delta"]) > 1e-5
+    assert q["passed"] is False and q["failures"][0].startswith("agreement dropped")
+    rows = [json.loads(line) for line in (study_dir / "trials" / bf16["trial_id"] / "quality.jsonl").read_text().splitlines()]
+    assert {row["suite"] for row in rows} == {"agreement", "arithmetic", "recall"}
+    assert any(row["suite"] == "agreement" and row["agreement"] < 1 for row in rows)
+    recall = [row for row in rows if row["suite"] == "recall"]
+    assert len(recall) == 9 and max(len(row["prompt"]) for row in recall) > 400  # up to 9/10 of max_model_len
+    reference = json.loads((study_dir / "quality" / "reference.json").read_text())
+    assert reference["trial_id"] == ok["trial_id"] and len(reference["continuations"]) == 16
+    from mlflow.tracking import MlflowClient  # MLflow has the scores and the record's quality field
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("e2e").experiment_id], "tags.`servetune.role` = 'trial'")
+    by_trial = {run.data.tags["servetune.trial_id"]: run for run in runs}
+    assert by_trial[bf16["trial_id"]].data.metrics["quality/agreement"] < 1.0
+    assert by_trial[bf16["trial_id"]].data.tags["quality"].startswith("FAIL")
+    assert by_trial[same["trial_id"]].data.metrics["quality/passed"] == 1.0
 
     report = servetune("report", study_dir)
     assert report.returncode == 0, report.stderr[-2000:]
     summary = (study_dir / "report" / "summary.md").read_text()
     assert ok["trial_id"] in summary and "FAILED" in summary
+    assert "### Quality" in summary and "FAIL: agreement dropped" in summary  # the failing trial is never recommended
+    recommended = summary.split("## Recommendation", 1)[1].split("\n\n", 2)[1]
+    assert bf16["trial_id"] not in recommended and "quality probe" in summary
     export = servetune("export", study_dir, "--format", "vllm")
     assert export.returncode == 0 and "VLLM_CPU_KVCACHE_SPACE=1" in export.stdout and "--block-size 128" in export.stdout
     picked = servetune("export", study_dir, "--pick", ok["trial_id"], "--format", "vllm")
