@@ -159,8 +159,16 @@ class ResultMirror(Callback):
     overwrites a result but a lost one.
     """
 
-    def __init__(self, context: StudyContext) -> None:
+    def __init__(self, context: StudyContext, node_death_wait_s: float = 60.0) -> None:
         self.context = context
+        self.node_death_wait_s = node_death_wait_s  # Ray's health check declares a silent node dead in about 30 s
+        self._actors: dict[str, str] = {}  # Tune's trial id -> the id of the Ray actor that runs it
+
+    def on_trial_start(self, iteration, trials, trial, **info) -> None:
+        actor = getattr(getattr(trial, "temporary_state", None), "ray_actor", None)
+        actor_id = getattr(actor, "_actor_id", None)
+        if actor_id is not None:
+            self._actors[trial.trial_id] = actor_id.hex()
 
     def _write(self, trial_id: str, text: str, files: dict[str, str] | None = None) -> None:
         trial_dir = self.context.trials_dir / trial_id
@@ -180,13 +188,39 @@ class ResultMirror(Callback):
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
         spec = self.context.spec_for(trial.config.get("params", {}))
         error = _ray_error(trial)
-        if _node_died(error):
+        node = dead_node_of(self._actors.get(trial.trial_id), self.node_death_wait_s)
+        if node is not None:
+            reason = f"the trial's node died while it ran (node {node[:12]}; Ray: {error})"
+        elif _node_died(error):
             reason = f"the trial's node died while it ran ({error})"
         else:
             reason = f"the trial's process died before it finished ({error})"
         failed = new_result(spec, "FAILED", reason)
         failed.finished_at, failed.lost = failed.started_at, True
         self._write(spec.trial_id, failed.model_dump_json(indent=2) + "\n")
+
+
+def dead_node_of(actor_id: str | None, wait_s: float) -> str | None:
+    """The id of the node the trial's actor ran on, if that node is dead (waiting up to ``wait_s``
+    for Ray to declare it so); None when it lives, or when Ray cannot tell."""
+    if actor_id is None:
+        return None
+    import time
+
+    import ray
+
+    try:
+        node_id = ray._private.state.actors(actor_id)["Address"]["NodeID"]  # GCS's actor table (no dashboard needed)
+    except Exception:  # noqa: BLE001 - an unknown actor, or Ray's private API changed: the error text decides
+        return None
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = {n["NodeID"]: n.get("Alive") for n in ray.nodes()}
+        if not alive.get(node_id, False):
+            return node_id
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(1.0)
 
 
 def _node_died(error: str) -> bool:
