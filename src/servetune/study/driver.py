@@ -227,7 +227,7 @@ def _node_died(error: str) -> bool:
     """Whether Ray's error says the node under the trial went away (``NodeDiedError``, or an
     actor that died with its node)."""
     lowered = error.lower()
-    return "nodediederror" in lowered or "node has died" in lowered or "node died" in lowered or "raylet" in lowered and "died" in lowered
+    return any(words in lowered for words in ("nodediederror", "node has died", "node died")) or ("raylet" in lowered and "died" in lowered)
 
 
 def _ray_error(trial: Any) -> str:
