@@ -158,3 +158,90 @@ def stop_process_tree(proc: subprocess.Popen, marker: str) -> None:
     psutil.wait_procs(stragglers, timeout=10)
     if proc.poll() is None:
         proc.wait(timeout=10)
+
+
+@dataclass
+class RayNode:
+    """A node of a test's cluster: its ``ray start --block`` process and its own temp dir."""
+
+    proc: subprocess.Popen
+    temp_dir: Path
+    num_cpus: int
+    num_gpus: int
+
+    def raylet(self) -> psutil.Process:
+        """The node's raylet (a child of its ``ray start --block``)."""
+        kids = psutil.Process(self.proc.pid).children(recursive=True)
+        found = [p for p in kids if p.name() == "raylet"]
+        assert found, f"no raylet under {self.proc.pid}"
+        return found[0]
+
+
+@dataclass
+class LocalCluster:
+    """A head and worker nodes on this machine, each with its own resources, ports and temp dir."""
+
+    head: RayHead
+    workers: list[RayNode]
+
+    @property
+    def address(self) -> str:
+        return self.head.gcs_address
+
+    def nodes(self) -> list[dict]:
+        """The live nodes as the cluster sees them: id, resources, temp dir (from a process of its own)."""
+        done = subprocess.run([sys.executable, "-c", NODES, self.address], capture_output=True, text=True,
+                              env=self.head.env, timeout=120)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    def node_id_of(self, worker: RayNode) -> str:
+        return next(n["id"] for n in self.nodes() if str(worker.temp_dir) in n["socket"])
+
+
+# The live nodes, from a driver of its own: Ray's node id, resources, raylet socket (under the node's temp dir).
+NODES = r"""
+import json, sys, ray
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+print(json.dumps([{"id": n["NodeID"], "resources": n["Resources"], "socket": n["RayletSocketName"]}
+                  for n in ray.nodes() if n["Alive"]]))
+"""
+
+
+@contextmanager
+def ray_cluster(env: dict[str, str], workers: list[tuple[int, int]], head_cpus: int = 0) -> Iterator[LocalCluster]:
+    """A head (``head_cpus`` CPUs, no GPU: the driver's node, as in cluster/) and one worker node
+    per (CPUs, GPUs) in ``workers``, each joined with ``ray start --address --block``; yields
+    once every node is up. Stopped node by node, by process id."""
+    started: list[RayNode] = []
+    with ray_head(env, num_cpus=head_cpus, num_gpus=0) as head:
+        try:
+            for num_cpus, num_gpus in workers:
+                started.append(_start_worker(head, env, num_cpus, num_gpus))
+            cluster = LocalCluster(head, started)
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while len(cluster.nodes()) < 1 + len(workers):
+                for node in started:
+                    if node.proc.poll() is not None:
+                        pytest.fail(f"ray start exited with {node.proc.returncode}:\n{(node.temp_dir / 'ray-start.log').read_text()[-3000:]}")
+                assert time.monotonic() < deadline, f"the worker nodes did not join in {START_TIMEOUT_S} s"
+                time.sleep(1)
+            yield cluster
+        finally:
+            for node in started:
+                stop_process_tree(node.proc, str(node.temp_dir))
+                shutil.rmtree(node.temp_dir, ignore_errors=True)
+
+
+def _start_worker(head: RayHead, env: dict[str, str], num_cpus: int, num_gpus: int) -> RayNode:
+    temp_dir = Path(tempfile.mkdtemp(prefix="st-rayw-", dir="/tmp"))
+    argv = [
+        str(RAY), "start", "--address", head.gcs_address, "--block", "--node-ip-address", "127.0.0.1",
+        "--num-cpus", str(num_cpus), "--num-gpus", str(num_gpus), "--temp-dir", str(temp_dir), "--disable-usage-stats",
+        "--node-manager-port", str(free_port()), "--object-manager-port", str(free_port()),
+        "--metrics-export-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
+        "--dashboard-agent-grpc-port", str(free_port()), "--runtime-env-agent-port", str(free_port()),
+    ]  # fmt: skip
+    with open(temp_dir / "ray-start.log", "w") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return RayNode(proc, temp_dir, num_cpus, num_gpus)

@@ -186,6 +186,9 @@ class TrialResult(BaseModel):
     best_level_index: int | None = None
     environment: dict[str, str] = {}  # hardware and software stack of the trial: see environment.py
     quality: QualityResult | None = None  # the quality probe, when the space has a ``quality:`` section
+    # FAILED because the trial's process or node died under it (recorded by the driver): no verdict
+    # on the configuration, so ``--resume`` runs it again.
+    lost: bool = False
 
     def operating_points(self, price_per_device_hour: float | None = None) -> list[OperatingPoint]:
         """Every measured level as a point; ``price_per_device_hour`` replaces the recorded price in the cost."""

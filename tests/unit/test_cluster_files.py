@@ -223,3 +223,45 @@ def test_readme_commands_name_existing_files():
         assert command in readme, command
     for path in set(re.findall(r"\b((?:cluster|search_spaces)/[\w.-]+\.(?:yaml|md)|cluster/Dockerfile)\b", readme)):
         assert (ROOT / path).exists(), path
+
+
+# --- the nodes against the spaces (study/nodes.py: a trial runs inside one node) --------------
+
+#: vCPUs of the launcher's GPU instance types (AWS), beside their GPUs.
+INSTANCE_CPUS = {"p5.48xlarge": 192, "p5e.48xlarge": 192, "p4d.24xlarge": 96, "p4de.24xlarge": 96}
+
+
+def worker_nodes() -> dict[str, dict[str, float]]:
+    """Each worker node of cluster/ as Ray would see it: its CPUs and GPUs."""
+    config = load(LAUNCHER)
+    nodes = {}
+    for name, t in config["available_node_types"].items():
+        if name != config["head_node_type"]:
+            kind = t["node_config"]["InstanceType"]
+            nodes[f"launcher {name}"] = {"CPU": float(INSTANCE_CPUS[kind]), "GPU": float(GPU_INSTANCES[kind]), **t.get("resources", {})}
+    docs = [d for d in yaml.safe_load_all(RAYJOB.read_text()) if d]
+    job = next(d for d in docs if d["kind"] == "RayJob")
+    for group in job["spec"]["rayClusterSpec"]["workerGroupSpecs"]:
+        limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+        cpus = float(group["rayStartParams"].get("num-cpus", limits["cpu"]))
+        nodes[f"rayjob {group['groupName']}"] = {"CPU": cpus, "GPU": float(limits["nvidia.com/gpu"])}
+    return nodes
+
+
+@pytest.mark.parametrize("space_path", GPU_SPACES, ids=lambda p: p.stem)
+def test_every_trial_of_the_gpu_spaces_fits_one_worker_node_and_a_full_node_has_its_cpus(space_path):
+    from servetune.study.nodes import bundle, placement_problem
+    from servetune.study.packing import trial_sizes
+
+    space = load_space(space_path)
+    kept, _ = space.grid() if space.search.algorithm == "grid" else ([{}], [])
+    sizes = trial_sizes(space)
+    for name, node in worker_nodes().items():
+        for size in sizes:  # one trial of each size the space can propose
+            want = {"CPU": float(space.hardware.cpus_per_trial), "GPU": float(size)}
+            assert placement_problem(want, [node]) is None, (name, size, placement_problem(want, [node]))
+        # the smallest trials filling the node's GPUs still have their CPUs beside them
+        at_once = int(node["GPU"]) // max(min(sizes), 1)
+        assert at_once * space.hardware.cpus_per_trial <= node["CPU"], (name, at_once, node)
+        for params in kept[:50]:
+            assert placement_problem(bundle(space, params), [node]) is None, (name, params)

@@ -1,3 +1,4 @@
+import json
 from types import SimpleNamespace
 
 from servetune.config.space import SearchSpace
@@ -36,3 +37,30 @@ def test_a_trial_whose_process_died_is_recorded_as_failed(tmp_path):
     result = load_result(spec.trial_dir)
     assert result.outcome == "FAILED" and "NodeDiedError" in result.reason and result.params == {"max_num_seqs": 4}
     assert result.engine_args == {"enforce_eager": True, "max_num_seqs": 4}
+
+
+def test_the_trial_s_files_come_back_in_its_final_report_and_leave_tune_s_logs(tmp_path):
+    from servetune.study.driver import ENGINE_LOG_CARRIED, FILES_KEY, carried_files
+
+    space = SearchSpace.model_validate({"name": "s", "model": "m", "workload": "cpu-tiny"})
+    workload = space.resolved_workload(tmp_path)
+    context = StudyContext(space, workload, tmp_path / "driver", "m", resolve_levels(space, workload))
+    node = tmp_path / "node" / "abc123"  # the trial's directory on its node
+    node.mkdir(parents=True)
+    (node / "requests.jsonl").write_text('{"level": 0}\n')
+    (node / "quality.jsonl").write_text('{"prompt": 0}\n')
+    (node / "engine.log").write_bytes(b"start\n" + b"x" * ENGINE_LOG_CARRIED + b"\nthe end\n")
+    (node / "core.1234").write_bytes(b"not carried")
+    files = carried_files(node)
+    assert set(files) == {"requests.jsonl", "quality.jsonl", "engine.log"}
+    assert files["engine.log"].endswith("the end\n") and "start" not in files["engine.log"]
+    assert files["engine.log"].startswith(f"[servetune: the engine log's last {ENGINE_LOG_CARRIED} of")
+    result = trial("abc123", {"max_num_seqs": 8}, [level(1, 100, 50)])
+    report = {**final_report(result, context), FILES_KEY: json.dumps({**files, "../escape": "no"})}
+    ResultMirror(context).on_trial_result(0, [], SimpleNamespace(trial_id="tune_0"), report)
+    kept = tmp_path / "driver" / "trials" / "abc123"
+    assert (kept / "requests.jsonl").read_text() == '{"level": 0}\n' and (kept / "quality.jsonl").exists()
+    assert (kept / "engine.log").read_text() == files["engine.log"]
+    assert load_result(kept) == result
+    assert FILES_KEY not in report  # taken out before Tune's loggers write the report again
+    assert not (tmp_path / "driver" / "trials" / "escape").exists() and not (tmp_path / "driver" / "escape").exists()

@@ -25,12 +25,20 @@ class StudyContext:
     python: str = sys.executable
     quality: QualityPlan | None = None  # the probe every trial runs, with the reference's answers once known
     models: dict[str, str] = field(default_factory=dict)  # the ``model`` parameter's checkpoints, resolved
+    nodes: tuple[dict[str, float], ...] = ()  # each live node's resources when the trials were proposed (study/nodes.py)
 
     @property
     def trials_dir(self) -> Path:
         return self.study_dir / "trials"
 
-    def spec_for(self, params: dict[str, Any], gpu_ids: list[str] | None = None, cores: list[int] | None = None) -> TrialSpec:
+    def placement_problem(self, params: dict[str, Any]) -> str | None:
+        """Why no node of the cluster can hold this trial's bundle (None: one can, or no nodes known)."""
+        from servetune.study.nodes import bundle, placement_problem
+
+        return placement_problem(bundle(self.space, params), self.nodes)
+
+    def spec_for(self, params: dict[str, Any], gpu_ids: list[str] | None = None, cores: list[int] | None = None,
+                 node_id: str | None = None) -> TrialSpec:  # fmt: skip
         space = self.space
         engine_args, env = space.engine_params(params)
         devices = space.devices(params)
@@ -54,7 +62,7 @@ class StudyContext:
             request_timeout_s=load.request_timeout_s, startup_timeout_s=load.startup_timeout_s,
             stop_on_slo_break=load.stop_on_slo_break, min_throughput_gain=load.min_throughput_gain,
             slo=space.slo_bounds, gpu=space.hardware.gpu, gpu_memory_gib=space.hardware.gpu_memory_gib,
-            python=self.python, extra_env=extra_env, repeats=load.repeats, quality=self.quality,
+            python=self.python, extra_env=extra_env, repeats=load.repeats, quality=self.quality, node_id=node_id,
         )  # fmt: skip
 
 

@@ -21,6 +21,7 @@ from servetune import __version__
 from servetune.config.space import MODEL_PARAM, SearchSpace, describe_params
 from servetune.errors import UserError
 from servetune.results import (
+    QUALITY_FILE,
     RESULT_FILE,
     SCHEMA_VERSION,
     SPACE_FILE,
@@ -36,9 +37,14 @@ from servetune.study.context import StudyContext
 from servetune.study.objectives import objectives_and_constraints
 from servetune.study.packing import order_for_packing
 from servetune.study.searcher import CONSTRAINTS_KEY, OBJECTIVES_KEY, ConstrainedOptunaSearch
+from servetune.tracking.inputs import ENGINE_LOG, REQUESTS_FILE
 from servetune.trial.runner import new_result, write_atomic
 
 RESULT_KEY = "servetune_result"
+#: The trial's files, carried to the driver in its final report (a JSON object: file name -> text).
+FILES_KEY = "servetune_files"
+#: How much of a trial's engine log comes back to the driver: its end, where a failure shows.
+ENGINE_LOG_CARRIED = 1 << 20
 
 
 def trainable(config: dict[str, Any], context: StudyContext, finished_points: Any = None) -> None:
@@ -55,15 +61,57 @@ def trainable(config: dict[str, Any], context: StudyContext, finished_points: An
     from servetune.trial.runner import load_result, run_trial
 
     normal_priority()
+    context = dataclasses.replace(context, study_dir=node_local_dir())  # trials write only on their own node
     gpu_ids = [str(g) for g in ray.get_gpu_ids()] if context.space.device == "gpu" else None
-    spec = context.spec_for(config["params"], gpu_ids)
+    spec = context.spec_for(config["params"], gpu_ids, node_id=ray.get_runtime_context().get_node_id())
     result = load_result(spec.trial_dir)
-    if result is None:  # never measured (or --resume after a kill): run it
+    problem = context.placement_problem(config["params"])
+    if result is None and problem:  # no node can hold it: it holds a sliver of the head, to say so
+        result = unplaceable(spec, problem)
+    elif result is None:  # never measured (or --resume after a kill): run it
         rule = dominance_rule(finished_points) if finished_points is not None else None
         result = run_trial(spec, tune.report, lambda: PromptFactory(load_tokenizer(spec.model)), stop_rule=rule)
         if finished_points is not None:  # before the final report: trials that start next see it
             ray.wait([finished_points.add.remote(result)], timeout=10)
-    tune.report(final_report(result, context))
+    tune.report({**final_report(result, context), FILES_KEY: json.dumps(carried_files(spec.trial_dir))})
+
+
+def node_local_dir() -> Path:
+    """Where a trial writes its files: Tune's working directory for it, on its own node.
+
+    Tune runs each trial in ``<node's Ray temp dir>/session_*/artifacts/.../working_dirs/<trial>``
+    (unless ``RAY_CHDIR_TO_TRIAL_DIR=0``: then the job's working directory, local too). Nothing
+    is written to the driver's study directory from a node: what the driver needs comes back in
+    the final report (:func:`carried_files`, :class:`ResultMirror`).
+    """
+    return Path.cwd() / "servetune"
+
+
+def carried_files(trial_dir: Path) -> dict[str, str]:
+    """The trial's files the driver keeps, as text: the per-request records and the quality
+    probe's answers whole, the engine log's last ``ENGINE_LOG_CARRIED`` bytes."""
+    files = {}
+    for name in (REQUESTS_FILE, QUALITY_FILE):
+        path = trial_dir / name
+        if path.exists():
+            files[name] = path.read_text(errors="replace")
+    log = trial_dir / ENGINE_LOG
+    if log.exists():
+        with log.open("rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(size - ENGINE_LOG_CARRIED, 0))
+            text = f.read().decode(errors="replace")
+        files[ENGINE_LOG] = text if size <= ENGINE_LOG_CARRIED else f"[servetune: the engine log's last {ENGINE_LOG_CARRIED} of {size} bytes]\n" + text
+    return files
+
+
+def unplaceable(spec: Any, problem: str) -> TrialResult:
+    """INFEASIBLE before anything starts: no node of the cluster can hold the trial's bundle."""
+    result = new_result(spec, "INFEASIBLE", f"placement: {problem}")
+    result.finished_at = result.started_at
+    spec.trial_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(spec.trial_dir / RESULT_FILE, result.model_dump_json(indent=2) + "\n")
+    return result
 
 
 def normal_priority() -> int:
@@ -99,33 +147,87 @@ def final_report(result: TrialResult, context: StudyContext) -> dict[str, Any]:
 
 
 class ResultMirror(Callback):
-    """Keeps every trial's ``result.json`` on the driver.
+    """Writes every trial's files into the driver's study directory, the only one read after.
 
-    A trial writes its directory on the node that ran it; without storage shared between the
-    nodes, the copy written here from its final report is what the summary, MLflow and the
-    report read. A trial whose process or node died never reports: it is recorded here as
-    FAILED with Ray's reason. Runs before the other callbacks; never overwrites a result.
+    A trial writes its directory on the node that ran it (:func:`node_local_dir`); the nodes
+    share no disk. Its final report carries ``result.json``, ``requests.jsonl``,
+    ``quality.jsonl`` and the engine log's end (``FILES_KEY``), which are written here, the
+    result last (a result on disk means the trial finished). ``FILES_KEY`` is taken out of the
+    report, so Tune's own loggers do not copy the records again. A trial whose process or node
+    died never reports: it is recorded here as FAILED with Ray's reason, and ``lost`` (``--resume``
+    runs it again). Runs before the other callbacks (MLflow's reads what this wrote); never
+    overwrites a result but a lost one.
     """
 
-    def __init__(self, context: StudyContext) -> None:
+    def __init__(self, context: StudyContext, node_death_wait_s: float = 60.0) -> None:
         self.context = context
+        self.node_death_wait_s = node_death_wait_s  # Ray's health check declares a silent node dead in about 30 s
+        self._actors: dict[str, str] = {}  # Tune's trial id -> the id of the Ray actor that runs it
 
-    def _write(self, trial_id: str, text: str) -> None:
+    def on_trial_start(self, iteration, trials, trial, **info) -> None:
+        actor = getattr(getattr(trial, "temporary_state", None), "ray_actor", None)
+        actor_id = getattr(actor, "_actor_id", None)
+        if actor_id is not None:
+            self._actors[trial.trial_id] = actor_id.hex()
+
+    def _write(self, trial_id: str, text: str, files: dict[str, str] | None = None) -> None:
         trial_dir = self.context.trials_dir / trial_id
-        if not (trial_dir / RESULT_FILE).exists():
+        kept = read_result(trial_dir) if (trial_dir / RESULT_FILE).exists() else None
+        if kept is None or kept.lost:  # a lost trial's record gives way to the run that replaced it
             trial_dir.mkdir(parents=True, exist_ok=True)
+            for name, content in (files or {}).items():
+                if name in (REQUESTS_FILE, QUALITY_FILE, ENGINE_LOG):  # names this driver chose, never a path
+                    write_atomic(trial_dir / name, content)
             write_atomic(trial_dir / RESULT_FILE, text)
 
     def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
+        files = json.loads(result.pop(FILES_KEY, None) or "{}")
         if result.get(RESULT_KEY):
-            self._write(result["servetune_trial_id"], result[RESULT_KEY])
+            self._write(result["servetune_trial_id"], result[RESULT_KEY], files)
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
         spec = self.context.spec_for(trial.config.get("params", {}))
-        reason = f"the trial's process or node died before it finished ({_ray_error(trial)})"
+        error = _ray_error(trial)
+        node = dead_node_of(self._actors.get(trial.trial_id), self.node_death_wait_s)
+        if node is not None:
+            reason = f"the trial's node died while it ran (node {node[:12]}; Ray: {error})"
+        elif _node_died(error):
+            reason = f"the trial's node died while it ran ({error})"
+        else:
+            reason = f"the trial's process died before it finished ({error})"
         failed = new_result(spec, "FAILED", reason)
-        failed.finished_at = failed.started_at
+        failed.finished_at, failed.lost = failed.started_at, True
         self._write(spec.trial_id, failed.model_dump_json(indent=2) + "\n")
+
+
+def dead_node_of(actor_id: str | None, wait_s: float) -> str | None:
+    """The id of the node the trial's actor ran on, if that node is dead (waiting up to ``wait_s``
+    for Ray to declare it so); None when it lives, or when Ray cannot tell."""
+    if actor_id is None:
+        return None
+    import time
+
+    import ray
+
+    try:
+        node_id = ray._private.state.actors(actor_id)["Address"]["NodeID"]  # GCS's actor table (no dashboard needed)
+    except Exception:  # noqa: BLE001 - an unknown actor, or Ray's private API changed: the error text decides
+        return None
+    deadline = time.monotonic() + wait_s
+    while True:
+        alive = {n["NodeID"]: n.get("Alive") for n in ray.nodes()}
+        if not alive.get(node_id, False):
+            return node_id
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(1.0)
+
+
+def _node_died(error: str) -> bool:
+    """Whether Ray's error says the node under the trial went away (``NodeDiedError``, or an
+    actor that died with its node)."""
+    lowered = error.lower()
+    return any(words in lowered for words in ("nodediederror", "node has died", "node died")) or ("raylet" in lowered and "died" in lowered)
 
 
 def _ray_error(trial: Any) -> str:

@@ -77,23 +77,28 @@ def max_concurrent_to_fill(capacity: int, sizes: Iterable[int]) -> int:
     return 2 * max(capacity // smallest, 1) + 1
 
 
-def resolve_max_concurrent(space: SearchSpace, cluster_devices: float | None) -> int:
-    """``search.max_concurrent`` as a number: ``auto`` fills the cluster's GPUs.
+def resolve_max_concurrent(space: SearchSpace, cluster_devices: float | Sequence[float] | None) -> int:
+    """``search.max_concurrent`` as a number: ``auto`` fills the cluster's GPUs, node by node.
 
-    Grid and random search: :func:`max_concurrent_to_fill` (trials waiting for GPUs count, so
-    a margin lets Ray backfill). Bayesian search: as many as the GPUs can run at once, no more,
-    so each proposal still learns from as many results as it can. On CPU, one: trials on one
-    host would share the cores their measurements run on.
+    ``cluster_devices``: the GPUs of each node (a single number: one node). A trial runs inside
+    one node, so what counts is how many of the smallest trials each node holds: two nodes of 3
+    GPUs run two 2-GPU trials, not three. Grid and random search: twice that, plus one (trials
+    waiting for GPUs count, so a margin lets Ray backfill; :func:`max_concurrent_to_fill`).
+    Bayesian search: as many as the nodes run at once, no more, so each proposal still learns
+    from as many results as it can. On CPU, one: trials on one host would share the cores their
+    measurements run on.
     """
     wanted = space.search.max_concurrent
     if wanted != "auto":
         return int(wanted)
-    if space.device != "gpu" or not cluster_devices:
+    nodes = [cluster_devices] if isinstance(cluster_devices, (int, float)) else list(cluster_devices or ())
+    if space.device != "gpu" or not any(nodes):
         return 1
-    sizes = trial_sizes(space)
+    smallest = max(min(trial_sizes(space)), 1)
+    at_once = sum(int(n) // smallest for n in nodes)
     if space.search.algorithm in ("grid", "random"):
-        return max_concurrent_to_fill(int(cluster_devices), sizes)
-    return max(int(cluster_devices) // max(min(sizes), 1), 1)
+        return 2 * max(at_once, 1) + 1
+    return max(at_once, 1)
 
 
 def trial_sizes(space: SearchSpace) -> list[int]:

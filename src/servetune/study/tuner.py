@@ -2,29 +2,31 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 from typing import Any
 
 from servetune.config.space import SearchSpace
 from servetune.study.context import StudyContext
 from servetune.study.driver import finished_results, trainable
+from servetune.study.nodes import bundle
 from servetune.study.ray_cluster import init_ray  # noqa: F401 - `servetune run` starts Ray through here
 from servetune.study.searcher import ConstrainedOptunaSearch
 
 
-def bundle(space: SearchSpace, params: dict[str, Any]) -> dict[str, float]:
-    """One bundle per trial: with GPUs in other bundles ``ray.get_gpu_ids()`` would be empty."""
-    devices = space.devices(params)
-    if space.device == "gpu":
-        return {"CPU": float(space.hardware.cpus_per_trial), "GPU": float(devices)}
-    return {"CPU": float(devices)}
+def cluster_devices(space: SearchSpace) -> list[float]:
+    """The devices (GPUs, or CPUs for a CPU space) of each live node of the Ray cluster."""
+    from servetune.study.nodes import alive_nodes
+
+    return [node.get("GPU" if space.device == "gpu" else "CPU", 0.0) for node in alive_nodes()]
 
 
-def cluster_devices(space: SearchSpace) -> float:
-    """The devices (GPUs, or CPUs for a CPU space) the Ray cluster has in all."""
-    import ray
+def trial_resources(context: StudyContext, params: dict[str, Any]) -> list[dict[str, float]]:
+    """The trial's one bundle; a sliver of the head for a trial no node can hold, which only records
+    that it is INFEASIBLE (in Ray's queue it would wait forever)."""
+    from servetune.study.nodes import HEAD_SLIVER
 
-    return float(ray.cluster_resources().get("GPU" if space.device == "gpu" else "CPU", 0.0))
+    return [dict(HEAD_SLIVER)] if context.placement_problem(params) else [bundle(context.space, params)]
 
 
 def run_tuner(context: StudyContext, points: list[dict[str, Any]] | None, searcher: ConstrainedOptunaSearch | None,
@@ -36,12 +38,15 @@ def run_tuner(context: StudyContext, points: list[dict[str, Any]] | None, search
 
     from servetune.study.early_stop import start_finished_points
 
+    from servetune.study.nodes import alive_nodes
+
+    context = dataclasses.replace(context, nodes=tuple(alive_nodes()))
     space = context.space
     if max_concurrent is None:
         from servetune.study.packing import resolve_max_concurrent
 
         max_concurrent = resolve_max_concurrent(space, cluster_devices(space))
-    resources = lambda config: tune.PlacementGroupFactory([bundle(space, config["params"])])  # noqa: E731
+    resources = lambda config: tune.PlacementGroupFactory(trial_resources(context, config["params"]))  # noqa: E731
     # Trials stop at levels finished trials dominate: they ask this actor (study/early_stop.py).
     finished_points = start_finished_points(finished_results(context.study_dir)) if space.stops_when_dominated else None
     fn = tune.with_resources(tune.with_parameters(trainable, context=context, finished_points=finished_points), resources)

@@ -84,6 +84,7 @@ class TrialSpec:
     python: str | None = None
     extra_env: dict[str, str] = field(default_factory=dict)  # placement (CUDA_VISIBLE_DEVICES, binding)
     quality: QualityPlan | None = None  # the quality probe, run before the ladder (quality/probe.py)
+    node_id: str | None = None  # the Ray node the trial runs on, recorded in its environment (not in its id)
 
     @property
     def trial_id(self) -> str:
@@ -125,6 +126,14 @@ def new_result(spec: TrialSpec, outcome: str, reason: str | None = None) -> Tria
         price_per_device_hour=spec.price_per_device_hour, slo=[str(b) for b in spec.slo.bounds],
         outcome=outcome, reason=reason, started_at=_now(),
     )  # fmt: skip
+
+
+def placement_record(spec: TrialSpec) -> dict[str, str]:
+    """Where the trial ran: its Ray node and the devices it was given (``CUDA_VISIBLE_DEVICES``)."""
+    record = {"ray_node_id": spec.node_id} if spec.node_id else {}
+    if "CUDA_VISIBLE_DEVICES" in spec.extra_env:
+        record["cuda_visible_devices"] = spec.extra_env["CUDA_VISIBLE_DEVICES"]
+    return record
 
 
 def capacity_check(spec: TrialSpec) -> CapacityReport | None:
@@ -189,6 +198,7 @@ def run_trial(spec: TrialSpec, report: Report, prompts: Callable[[], PromptFacto
     try:
         gpus = visible_gpu_indices(spec.extra_env) if spec.device == "gpu" else []
         result.environment = collect_environment(spec.device, gpus, spec.python or sys.executable, cores=spec.devices)
+        result.environment.update(placement_record(spec))
         result.capacity = capacity_check(spec)
         if result.capacity is not None and not result.capacity.fits:
             result.outcome, result.reason = "INFEASIBLE", f"capacity check: {result.capacity.reason}"

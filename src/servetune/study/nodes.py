@@ -1,0 +1,64 @@
+"""The cluster as nodes: what one trial's bundle needs of a single node, and how many fit.
+
+A trial's bundle (study/tuner.py ``bundle``) must fit inside one node: Ray places a
+placement-group bundle on one node or not at all, and a bundle no node can hold waits in Ray's
+queue forever (Ray only warns). So the driver reads the nodes once (:func:`alive_nodes`) and
+a trial that no node can hold is INFEASIBLE at once, with the reason in the user's words:
+"needs 4 GPUs on one node; the largest node has 2". A cluster that has no node with the
+resource at all (an autoscaler that starts GPU nodes on demand) is not judged: nothing here
+knows which nodes it would start.
+
+Pure apart from :func:`alive_nodes`, which asks Ray.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from servetune.config.space import SearchSpace
+
+#: The resources a bundle names, in the order a reason names the first one missing, with the user's word.
+NOUNS = {"GPU": "GPUs", "CPU": "CPUs", "memory": "bytes of memory"}
+#: Every Ray head node has this resource (1.0): a bundle of a sliver of it fits there whatever the
+#: head's CPUs (the cluster files give the head none). It holds a trial that only records its outcome.
+HEAD_SLIVER = {"node:__internal_head__": 0.001}
+
+
+def bundle(space: SearchSpace, params: dict[str, Any]) -> dict[str, float]:
+    """One bundle per trial: with GPUs in other bundles ``ray.get_gpu_ids()`` would be empty."""
+    devices = space.devices(params)
+    if space.device == "gpu":
+        return {"CPU": float(space.hardware.cpus_per_trial), "GPU": float(devices)}
+    return {"CPU": float(devices)}
+
+
+def alive_nodes() -> list[dict[str, float]]:
+    """The total resources of each live node of the connected Ray cluster."""
+    import ray
+
+    return [dict(node["Resources"]) for node in ray.nodes() if node.get("Alive")]
+
+
+def placement_problem(bundle: Mapping[str, float], nodes: Sequence[Mapping[str, float]]) -> str | None:
+    """Why no node can hold ``bundle``, or None when one can (or when nothing can be judged).
+
+    Judged only for resources some node has: with no node declaring GPUs yet, an autoscaler may
+    still add one.
+    """
+    wanted = {k: v for k, v in bundle.items() if v > 0}
+    if not nodes or any(all(node.get(k, 0.0) >= v for k, v in wanted.items()) for node in nodes):
+        return None
+    if any(not any(node.get(k, 0.0) > 0 for node in nodes) for k in wanted):
+        return None  # a resource no node has (yet): the autoscaler's call, not ours
+    for key, amount in wanted.items():
+        largest = max(node.get(key, 0.0) for node in nodes)
+        if amount > largest:
+            return f"needs {_amount(amount)} {NOUNS.get(key, key)} on one node; the largest node has {_amount(largest)}"
+    needs = ", ".join(f"{_amount(v)} {NOUNS.get(k, k)}" for k, v in wanted.items())
+    return f"needs {needs} on one node; no node has all of them"
+
+
+def _amount(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"

@@ -1,0 +1,88 @@
+"""A study on real vLLM (CPU build) across two Ray worker nodes, one of which is lost mid-trial.
+
+Two worker nodes declare 2 CPUs each (this machine has 2 real cores: the declared ones are what
+Ray places by); each trial reserves 2 cores (tensor parallel 2), so one trial runs per node.
+When the first engine answers on one node, that node's raylet is killed: its trial is FAILED
+for its node, the other three COMPLETE on the node that is left, the report is written, and no
+vLLM process is left.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.integration.test_multinode import _trial_dirs_on, results
+from tests.processes import processes_mentioning
+from tests.ray_heads import ray_cluster, user_env
+
+pytestmark = pytest.mark.e2e
+pytest.importorskip("vllm", reason="the e2e tests need vLLM (the CPU build: pip install servetune[cpu])")
+
+SPACE = """
+name: nodes-e2e
+model: tiny
+device: cpu
+workload: cpu-tiny
+load: {{levels: [2], requests_per_level: 8, warmup_requests: 1, startup_timeout_s: 300, request_timeout_s: 120}}
+slo: {{ttft_ms: {{p99: 20000}}}}
+hardware: {{devices_per_node: 2}}
+engine_args: {{enforce_eager: true, max_model_len: 512, dtype: float32, tensor_parallel_size: 2}}
+env: {{VLLM_CPU_KVCACHE_SPACE: 1}}
+price_per_device_hour: 0.05
+params:
+  max_num_seqs: [2, 8]
+  enable_prefix_caching: [true, false]
+search: {{algorithm: grid, baseline: false, max_concurrent: 2}}
+"""
+
+
+def test_a_cpu_tiny_study_over_two_nodes_survives_losing_one(tmp_path):
+    (tmp_path / "space.yaml").write_text(SPACE.format())
+    storage = tmp_path / "results"
+    study_dir = storage / "nodes-e2e"
+    began = time.monotonic()
+    with ray_cluster(user_env(tmp_path / "home"), workers=[(2, 0), (2, 0)]) as cluster:
+        argv = [sys.executable, "-m", "servetune", "run", str(tmp_path / "space.yaml"), "--address", cluster.address,
+                "--storage", str(storage), "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}"]  # fmt: skip
+        log = open(tmp_path / "driver.log", "w")
+        driver = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env=cluster.head.env, start_new_session=True)
+        try:
+            victim, trial_id = None, None
+            deadline = time.monotonic() + 240
+            while victim is None and time.monotonic() < deadline:  # a trial measuring: its requests are being recorded
+                assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
+                for worker in cluster.workers:
+                    for tid, trial_dir in _trial_dirs_on(worker.temp_dir).items():
+                        if (trial_dir / "requests.jsonl").exists() and not (trial_dir / "result.json").exists():
+                            victim, trial_id = worker, tid
+                time.sleep(0.5)
+            assert victim is not None, "no trial began measuring in 240 s"
+            victim.raylet().kill()
+            driver.wait(timeout=420)
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+            log.close()
+        output = (tmp_path / "driver.log").read_text()
+        assert driver.returncode == 0, output[-4000:]
+    by_id = results(study_dir)
+    assert len(by_id) == 4, output[-3000:]
+    lost = by_id[trial_id]
+    assert lost["outcome"] == "FAILED" and lost["lost"] and lost["reason"].startswith("the trial's node died"), lost["reason"]
+    others = [r for t, r in by_id.items() if t != trial_id]
+    assert all(r["outcome"] == "COMPLETE" and r["levels"] for r in others), [(r["outcome"], r["reason"]) for r in others]
+    for r in others:  # the per-request records came back from the node that ran it
+        rows = (study_dir / "trials" / r["trial_id"] / "requests.jsonl").read_text().splitlines()
+        assert len(rows) >= 8 and json.loads(rows[0])["level"] == 0
+    assert (study_dir / "report" / "summary.md").exists()
+    deadline = time.monotonic() + 30
+    while processes_mentioning("vllm.entrypoints.openai.api_server", str(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert processes_mentioning("vllm.entrypoints.openai.api_server", str(tmp_path)) == []
+    assert processes_mentioning(str(study_dir), "vllm") == []
+    print(f"e2e over two nodes: {time.monotonic() - began:.0f} s")

@@ -1,0 +1,214 @@
+"""A study across a real multi-node Ray cluster on this machine, with the fake engine for vLLM.
+
+The cluster is a head (no GPU, no CPU for trials: the driver's node, as in cluster/) and two
+worker nodes that each declare 2 GPUs, started as a user would (``ray start --head``, then
+``ray start --address``), each with its own temp dir: the nodes' working directories are
+their own, as on a cluster whose nodes share no disk (tests/ray_heads.py). ``servetune run``
+joins it with ``--address``.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from servetune.study.packing import Reservation, overlapping
+from servetune.testing.fake_openai import write_fake_python
+from tests.processes import processes_mentioning
+from tests.ray_heads import LocalCluster, ray_cluster, user_env
+
+SPACE = """
+name: nodes
+model: {model}
+device: gpu
+workload: cpu-tiny
+load: {{levels: [1, 2], requests_per_level: 6, warmup_requests: 1, startup_timeout_s: 60, min_throughput_gain: 0.0}}
+slo: {{ttft_ms: {{p99: 1000}}}}
+hardware: {{devices_per_node: 4, gpu: H100-SXM, cpus_per_trial: 1}}   # the space expects 4-GPU nodes; the cluster has 2
+price_per_device_hour: 2.5
+engine_args: {{max_model_len: 2048}}
+params:
+{params}
+search: {{algorithm: grid, baseline: false}}
+"""
+
+
+def results(study_dir: Path) -> dict[str, dict]:
+    return {p.parent.name: json.loads(p.read_text()) for p in (study_dir / "trials").glob("*/result.json")}
+
+
+def write_space(tmp_path: Path, model: Path, params: str) -> Path:
+    path = tmp_path / "space.yaml"
+    path.write_text(SPACE.format(model=model, params=params))
+    return path
+
+
+def run_argv(space: Path, cluster: LocalCluster, storage: Path, fake: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "servetune", "run", str(space), "--address", cluster.address, "--storage", str(storage),
+            "--python", str(fake), "--tracking-uri", f"sqlite:///{storage.parent / 'mlflow.db'}", *extra]  # fmt: skip
+
+
+def trial_files_on(node_dir: Path) -> dict[str, set[str]]:
+    """The files each trial wrote under the node's own temp dir, by trial id."""
+    return {trial_id: {p.name for p in trial_dir.iterdir()} for trial_id, trial_dir in _trial_dirs_on(node_dir).items()}
+
+
+def test_trials_stay_inside_one_node_spread_over_both_and_come_back_to_the_driver(tmp_path, tiny_model):
+    fake = write_fake_python(tmp_path)
+    # 1, 2 and 4 GPUs, twice each (two token paces): four trials that fit a node, two that none holds.
+    space = write_space(tmp_path, tiny_model, "  tensor_parallel_size: [1, 2, 4]\n  env.SERVETUNE_FAKE_ITL_MS: [5, 6]\n"
+                                              "  env.SERVETUNE_FAKE_STARTUP_DELAY_S: [2]\n")  # fmt: skip
+    storage = tmp_path / "results"
+    with ray_cluster(user_env(tmp_path / "home"), workers=[(3, 2), (3, 2)]) as cluster:
+        began = time.monotonic()
+        done = subprocess.run(run_argv(space, cluster, storage, fake), capture_output=True, text=True, timeout=300,
+                              cwd=tmp_path, env=cluster.head.env)  # fmt: skip
+        wall_s = time.monotonic() - began
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        node_of_worker = {cluster.node_id_of(w): w for w in cluster.workers}
+        on_node = {node_id: trial_files_on(w.temp_dir) for node_id, w in node_of_worker.items()}
+    study_dir = storage / "nodes"
+    by_id = results(study_dir)
+    assert len(by_id) == 6
+    # Per node: two nodes of 2 GPUs hold four 1-GPU trials at once; grid search keeps twice that, plus one, in flight.
+    assert "9 trial(s) at once (max_concurrent: auto)" in done.stderr, done.stderr
+    unplaceable = [r for r in by_id.values() if r["devices"] == 4]
+    assert len(unplaceable) == 2
+    for r in unplaceable:  # before anything started: no engine, no environment, no time
+        assert r["outcome"] == "INFEASIBLE", r
+        assert r["reason"] == "placement: needs 4 GPUs on one node; the largest node has 2"
+        assert r["startup_s"] is None and r["levels"] == [] and not (study_dir / "trials" / r["trial_id"] / "engine.log").exists()
+    ran = [r for r in by_id.values() if r["devices"] < 4]
+    assert sorted(r["devices"] for r in ran) == [1, 1, 2, 2]
+    assert all(r["outcome"] == "COMPLETE" for r in ran), [r["reason"] for r in ran]
+    # Each trial ran inside one worker node, with as many GPU ids as it reserved, among the node's two.
+    nodes_used = {r["environment"]["ray_node_id"] for r in ran}
+    assert nodes_used == set(node_of_worker), "the trials did not spread over both workers"
+    for r in ran:
+        gpus = r["environment"]["cuda_visible_devices"].split(",")
+        assert len(set(gpus)) == r["devices"] and set(gpus) <= {"0", "1"}, r["environment"]
+    # No GPU id shared by two trials that ran at the same time on one node.
+    spans = [Reservation(_t(r["started_at"]), _t(r["finished_at"]), r["devices"], r["trial_id"]) for r in ran]
+    for a, b in overlapping(spans):
+        ra, rb = by_id[a.label], by_id[b.label]
+        if ra["environment"]["ray_node_id"] == rb["environment"]["ray_node_id"]:
+            shared = set(ra["environment"]["cuda_visible_devices"].split(",")) & set(rb["environment"]["cuda_visible_devices"].split(","))
+            assert not shared, (ra["trial_id"], rb["trial_id"], shared)
+    # No shared disk: each trial wrote its files under its own node's temp dir, and only there ...
+    for r in ran:
+        local = on_node[r["environment"]["ray_node_id"]]
+        assert {"result.json", "requests.jsonl", "engine.log"} <= local.get(r["trial_id"], set()), (r["trial_id"], local)
+        others = [ids for node_id, ids in on_node.items() if node_id != r["environment"]["ray_node_id"]]
+        assert all(r["trial_id"] not in ids for ids in others)
+    # ... and the driver's study directory holds what came back through Ray: result, records, engine log.
+    for r in ran:
+        trial_dir = study_dir / "trials" / r["trial_id"]
+        rows = [json.loads(line) for line in (trial_dir / "requests.jsonl").read_text().splitlines()]
+        assert {row["level"] for row in rows} == {0, 1} and len(rows) >= 12
+        assert "Uvicorn" in (trial_dir / "engine.log").read_text() or (trial_dir / "engine.log").stat().st_size > 0
+    assert (study_dir / "report" / "summary.md").exists()
+    assert processes_mentioning(fake) == []
+    # The nodes and their directories are gone: the report and the MLflow sync read the driver's directory only.
+    fresh = tmp_path / "fresh.db"
+    again = subprocess.run([sys.executable, "-m", "servetune", "report", str(study_dir), "--out", str(tmp_path / "again"),
+                            "--log-to-mlflow", "--tracking-uri", f"sqlite:///{fresh}"],
+                           capture_output=True, text=True, timeout=180, cwd=tmp_path)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (tmp_path / "again" / "summary.md").exists()
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{fresh}")
+    experiment = client.get_experiment_by_name("nodes")
+    runs = client.search_runs([experiment.experiment_id], filter_string="tags.`servetune.role` != 'study'")
+    assert {r.data.tags["servetune.trial_id"] for r in runs} == set(by_id)
+    for run in runs:
+        if by_id[run.data.tags["servetune.trial_id"]]["outcome"] == "COMPLETE":
+            names = {a.path for a in client.list_artifacts(run.info.run_id)}
+            assert {"requests.jsonl", "engine.log"} <= {Path(n).name for n in names} | _nested(client, run.info.run_id, names), names
+    print(f"study over 2 worker nodes: {wall_s:.0f} s")
+
+
+def _nested(client, run_id: str, names: set[str]) -> set[str]:
+    out = set()
+    for name in names:
+        out |= {Path(a.path).name for a in client.list_artifacts(run_id, name)}
+    return out
+
+
+def _t(stamp: str) -> float:
+    import datetime as dt
+
+    return dt.datetime.fromisoformat(stamp).timestamp()
+
+
+def test_a_node_lost_under_a_trial_fails_that_trial_and_the_study_goes_on(tmp_path, tiny_model):
+    fake = write_fake_python(tmp_path)
+    # Four 2-GPU trials: one per node at a time. Engines take 6 s to start, as vLLM takes its time.
+    space = write_space(tmp_path, tiny_model, "  tensor_parallel_size: [2]\n  env.SERVETUNE_FAKE_ITL_MS: [5, 6, 7, 8]\n"
+                                              "  env.SERVETUNE_FAKE_STARTUP_DELAY_S: [6]\n  env.SERVETUNE_FAKE_CHILD: [1]\n")  # fmt: skip
+    storage = tmp_path / "results"
+    study_dir = storage / "nodes"
+    with ray_cluster(user_env(tmp_path / "home"), workers=[(3, 2), (3, 2)]) as cluster:
+        argv = run_argv(space, cluster, storage, fake)
+        log = open(tmp_path / "driver.log", "w")
+        driver = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env=cluster.head.env, start_new_session=True)
+        try:
+            victim, trial_id = _wait_for_a_running_engine(cluster, driver)
+            engines_before = processes_mentioning(fake)
+            finished_before = results(study_dir)  # none yet, or the other node's first
+            victim.raylet().kill()  # the node is lost: its raylet, and with it the trial's worker
+            driver.wait(timeout=300)
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+            log.close()
+        output = (tmp_path / "driver.log").read_text()
+        assert driver.returncode == 0, output[-4000:]
+        by_id = results(study_dir)
+        assert len(by_id) == 4, output[-3000:]
+        lost = by_id[trial_id]
+        assert lost["outcome"] == "FAILED" and lost["lost"], lost
+        assert lost["reason"].startswith("the trial's node died while it ran"), lost["reason"]
+        others = [r for t, r in by_id.items() if t != trial_id]
+        assert all(r["outcome"] == "COMPLETE" for r in others), [r["reason"] for r in others]
+        survivor = next(cluster.node_id_of(w) for w in cluster.workers if w is not victim)
+        assert {r["environment"]["ray_node_id"] for r in others if r["trial_id"] not in finished_before} == {survivor}
+        assert all(t in by_id and by_id[t] == r for t, r in finished_before.items())  # no finished result lost
+        # Nothing of the lost trial's engine (a server and its child) is left, on any node.
+        deadline = time.monotonic() + 30
+        while set(processes_mentioning(fake)) & set(engines_before) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert processes_mentioning(fake) == []
+        assert f"FAILED" in output and (study_dir / "report" / "summary.md").exists()
+
+        # --resume runs only what never finished: the lost trial, on the node that is left.
+        stamps = {t: (study_dir / "trials" / t / "result.json").stat().st_mtime_ns for t in by_id if t != trial_id}
+        resumed = subprocess.run([*argv, "--resume"], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=cluster.head.env)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert "1 trial(s) to run" in resumed.stderr, resumed.stderr
+    final = results(study_dir)
+    assert final[trial_id]["outcome"] == "COMPLETE" and not final[trial_id]["lost"]
+    assert {t: (study_dir / "trials" / t / "result.json").stat().st_mtime_ns for t in stamps} == stamps
+    assert processes_mentioning(fake) == []
+
+
+def _wait_for_a_running_engine(cluster: LocalCluster, driver: subprocess.Popen, timeout_s: float = 120):
+    """The worker node and trial id of the first trial whose engine started (its log exists on the node)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert driver.poll() is None, "the study ended before any engine started"
+        for worker in cluster.workers:
+            for trial_id, trial_dir in _trial_dirs_on(worker.temp_dir).items():
+                if (trial_dir / "engine.log").exists() and not (trial_dir / "result.json").exists():
+                    return worker, trial_id
+        time.sleep(0.2)
+    pytest.fail(f"no engine started in {timeout_s} s")
+
+
+def _trial_dirs_on(node_dir: Path) -> dict[str, Path]:
+    return {p.name: p for p in node_dir.glob("session_*/artifacts/*/*/working_dirs/*/servetune/trials/*") if p.is_dir()}
