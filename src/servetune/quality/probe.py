@@ -158,7 +158,8 @@ async def run_probe(url: str, model: str, plan: QualityPlan, count_tokens: Calla
         nll = list(await asyncio.gather(*(probe.nll(p, c) for p, c in forced)))
         names = list(items)
         answers = {name: list(await asyncio.gather(*(probe.answer(i) for i in items[name]))) for name in names}
-    scores = {name: sum(item.passes(a) for item, a in zip(items[name], answers[name])) / max(len(items[name]), 1) for name in names}
+    passed = {name: [item.passes(a) for item, a in zip(items[name], answers[name])] for name in names}  # scored once
+    scores = {name: sum(passed[name]) / max(len(items[name]), 1) for name in names}
     if reference is None:
         reference = ReferenceAnswers(trial_id=trial_id, params=params, max_model_len=window, prompt_ids=prompt_ids,
                                      continuations=continuations, nll=nll, scores=scores)  # fmt: skip
@@ -174,9 +175,9 @@ async def run_probe(url: str, model: str, plan: QualityPlan, count_tokens: Calla
                      "reference_token_ids": expected, "agreement": common_prefix_share(tokens, expected or []),
                      "nll": nll[index] if index < len(nll) else None})  # fmt: skip
     for name in names:
-        for item, answer in zip(items[name], answers[name]):
+        for item, answer, ok in zip(items[name], answers[name], passed[name]):
             rows.append({"suite": name, "id": item.id, "prompt": item.prompt if item.prompt is not None else
-                         [m.model_dump() for m in item.messages or ()], "answer": answer, "passed": item.passes(answer)})  # fmt: skip
+                         [m.model_dump() for m in item.messages or ()], "answer": answer, "passed": ok})  # fmt: skip
     return result, rows
 
 
