@@ -13,7 +13,6 @@ import asyncio
 import datetime as dt
 import json
 import math
-import os
 import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
@@ -28,6 +27,7 @@ from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory
 from servetune.metrics import RequestRecord
 from servetune.report.points import is_out_of_memory
+from servetune.trial.runner import write_atomic
 from servetune.verify import scenarios as sc
 from servetune.verify.disconnects import disconnects
 from servetune.verify.choose import Chosen, Selection
@@ -309,13 +309,6 @@ def checklist_fields(scenarios: dict[str, dict[str, Any]]) -> dict[str, dict[str
     return scenarios
 
 
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def finite(value: Any) -> Any:
     """JSON has no NaN or infinity: such numbers become null (recursively)."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -328,6 +321,7 @@ def finite(value: Any) -> Any:
 
 
 def write_document(doc: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps(finite(doc), indent=2, default=str, allow_nan=False) + "\n")
 
 
