@@ -323,3 +323,28 @@ quality: {reference: {model: meta-llama/Llama-3.1-8B-Instruct}}
     with pytest.raises(UserError, match="params.model: 'nowhere' is neither a directory nor a hub id"):
         bad = space.model_copy(update={"params": {"model": ["nowhere"]}})
         resolve_models(bad, tmp_path, tmp_path)
+
+
+def test_a_reference_that_gave_no_answers_stops_the_study_with_why(tmp_path):
+    from servetune.study.context import StudyContext, resolve_levels
+    from servetune.study.driver import REFERENCE_FILE, keep_reference
+    from servetune.trial.runner import new_result
+
+    s = space(tmp_path, "quality: {suites: [agreement], reference: {dtype: float32, max_num_seqs: 4}}")
+    workload = s.resolved_workload(tmp_path)
+    plan = make_plan(s.quality, tmp_path, s.quality_reference)
+    context = StudyContext(s, workload, tmp_path, "m", resolve_levels(s, workload), quality=plan)
+    with pytest.raises(UserError, match=r"the reference trial \(dtype=float32, max_num_seqs=4\) gave no answers.*it did not run"):
+        keep_reference(context)
+    spec = context.spec_for(s.quality_reference)
+    failed = new_result(spec, "FAILED", "engine start: vLLM exited with code 1")
+    spec.trial_dir.mkdir(parents=True)
+    (spec.trial_dir / "result.json").write_text(failed.model_dump_json())
+    with pytest.raises(UserError, match="gave no answers to compare with: engine start: vLLM exited with code 1"):
+        keep_reference(context)
+    assert not (tmp_path / REFERENCE_FILE).exists()  # nothing kept from a reference that did not answer
+    answered = failed.model_copy(update={"outcome": "COMPLETE", "reason": None, "quality": QualityResult(
+        reference_trial=spec.trial_id, passed=True, reference_answers=reference(trial_id=spec.trial_id))})  # fmt: skip
+    (spec.trial_dir / "result.json").write_text(answered.model_dump_json())
+    kept = keep_reference(context)
+    assert kept.quality.reference.continuations == reference().continuations and (tmp_path / REFERENCE_FILE).exists()
