@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: setup
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q --durations=25
 
 unit: setup
 	$(PY) -m pytest tests/unit -q

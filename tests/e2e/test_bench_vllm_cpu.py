@@ -19,6 +19,16 @@ def servetune(*argv, timeout=600):
     return subprocess.run([sys.executable, "-m", "servetune", *argv], capture_output=True, text=True, timeout=timeout)
 
 
+def most_in_flight(records: list[dict]) -> int:
+    """The most requests that were open at one moment (sent, not yet ended)."""
+    events = sorted([(r["sent"], 1) for r in records] + [(r["end"], -1) for r in records], key=lambda e: (e[0], e[1]))
+    open_now = most = 0
+    for _, step in events:
+        open_now += step
+        most = max(most, open_now)
+    return most
+
+
 def test_bench_concurrency_1_and_16(tiny_model, tmp_path):
     out = tmp_path / "bench.json"
     done = servetune(
@@ -29,7 +39,6 @@ def test_bench_concurrency_1_and_16(tiny_model, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     result = BenchResult.model_validate_json(out.read_text())
     one, sixteen = (lv.summary for lv in result.levels)
-    assert sixteen.output_throughput > one.output_throughput * 1.5
     for summary in (one, sixteen):
         assert summary.completed == 48 and summary.failed == 0
         assert set(summary.flat()) == set(metric_names())
@@ -39,6 +48,10 @@ def test_bench_concurrency_1_and_16(tiny_model, tmp_path):
     assert "--enforce-eager" in result.command
     records = [json.loads(line) for line in (tmp_path / "bench.requests.jsonl").read_text().splitlines()]
     assert len(records) == 48 + 1 + 48 + 16 and all(r["ok"] for r in records)
+    # The client kept the level's concurrency: one request at a time, then up to 16 together.
+    # (How much 16 gains in throughput is the engine's and this shared host's, not bench's.)
+    assert most_in_flight([r for r in records if r["level"] == 0]) == 1
+    assert most_in_flight([r for r in records if r["level"] == 1 and not r["warmup"]]) >= 12
     assert (tmp_path / "bench.engine.log").read_text().count("KV cache size") == 1
     assert processes_mentioning(tiny_model) == []
 
