@@ -246,3 +246,23 @@ def test_callback_logs_each_trial_as_tune_completes_it_and_survives_pickling(sto
     assert "next round: meets the SLO" in record
     parent = client.search_runs([experiment_id], "tags.`servetune.role` = 'study'")
     assert len(parent) == 1 and parent[0].info.status == "FINISHED" and parent[0].data.metrics["trials_total"] == 2
+
+
+def test_a_trial_that_ran_again_replaces_its_earlier_run(store, tmp_path):
+    # A trial whose node was lost is FAILED on disk and logged; --resume runs it again under the
+    # same id, and the new result is the one the experiment keeps (one run per trial).
+    root = make_study(tmp_path / "rerun", "rerun")
+    lost = trial("t48", {"max_num_seqs": 48}, outcome="FAILED", reason="the node running this trial died")
+    add_trial(root, lost.model_copy(update={"started_at": "2026-12-01T06:00:00+00:00"}))
+    first = sync_study(root, store)
+    client = MlflowClient(store)
+    assert trial_runs(client, first.experiment_id)["t48"].data.tags["servetune.outcome"] == "FAILED"
+    again = trial("t48", {"max_num_seqs": 48}, [level(24, 900, 700)])
+    (root / "trials" / "t48" / "result.json").write_text(
+        again.model_copy(update={"study": root.name, "started_at": "2026-12-01T07:00:00+00:00"}).model_dump_json()
+    )
+    report = sync_study(root, store)
+    assert report.replaced == ["t48"] and report.logged == ["t48"] and "1 replaced by a re-run" in report.summary()
+    runs = trial_runs(client, first.experiment_id)
+    assert runs["t48"].data.tags["servetune.outcome"] == "COMPLETE" and len(runs) == 5
+    assert sync_study(root, store).replaced == []  # the new run holds the result: nothing to replace next time

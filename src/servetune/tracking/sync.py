@@ -11,7 +11,7 @@ twice.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -48,7 +48,9 @@ from servetune.tracking.view import (
     study_description,
     ui_hint,
 )
-from servetune.tracking.writer import CONCLUSION_TAG, STUDY_DIR_TAG, STUDY_TAG, MlflowStudyWriter, TrialRun
+from servetune.tracking.writer import (
+    CONCLUSION_TAG, OUTCOME_TAG, STUDY_DIR_TAG, STUDY_TAG, MlflowStudyWriter, TrialRun, millis,
+)  # fmt: skip
 
 #: The tags whose change means a logged trial's record must be written again.
 _REFRESHED_TAGS = (CONCLUSION_TAG, f"{CONCLUSION_TAG}.why", RECOMMENDED_TAG)
@@ -67,6 +69,7 @@ class SyncReport:
     logged: list[str] = field(default_factory=list)  # trial ids logged by this sync
     already: list[str] = field(default_factory=list)  # trial ids that were in MLflow before
     refreshed: list[str] = field(default_factory=list)  # trials whose conclusion changed
+    replaced: list[str] = field(default_factory=list)  # trials that ran again: their earlier run deleted, the new logged
     not_read: list[str] = field(default_factory=list)  # trial directories without a usable result
     error: str | None = None
 
@@ -81,6 +84,8 @@ class SyncReport:
         parts = [f"{len(self.logged)} trial(s) logged", f"{len(self.already)} already there"]
         if self.refreshed:
             parts.append(f"{len(self.refreshed)} conclusion(s) updated")
+        if self.replaced:
+            parts.append(f"{len(self.replaced)} replaced by a re-run")
         if self.not_read:
             parts.append(f"{len(self.not_read)} without a result yet")
         return (
@@ -131,6 +136,11 @@ class StudySync:
         report.not_read = [n.path.name for n in study.not_read]
         recommendation = recommend_of(study)
         for trial in study.trials:
+            earlier = self.runs.get(trial.trial_id)
+            if earlier is not None and not earlier.holds(trial):
+                writer.discard(earlier.run_id)  # one run per trial: the result on disk is the one that counts
+                del self.runs[trial.trial_id]
+                report.replaced.append(trial.trial_id)
             if trial.trial_id in self.runs:
                 if trial.trial_id not in report.logged and trial.trial_id not in report.already:
                     report.already.append(trial.trial_id)
@@ -141,7 +151,8 @@ class StudySync:
             tags = trial_tags(trial, record, recommendation)
             run_id = writer.log_trial(self.experiment_id, self.parent_run_id, trial, run_name(trial), trial_params(trial),
                                       trial_metrics(trial), tags, render_record(record), files)  # fmt: skip
-            self.runs[trial.trial_id] = TrialRun(trial.trial_id, run_id, "FINISHED", tags)
+            self.runs[trial.trial_id] = TrialRun(trial.trial_id, run_id, "FINISHED", {**tags, OUTCOME_TAG: trial.outcome},
+                                                 millis(trial.started_at) if trial.started_at else None)  # fmt: skip
             report.logged.append(trial.trial_id)
 
     def finish(self, report: SyncReport, end: bool = True, report_dir: Path | None = None) -> None:
@@ -160,7 +171,7 @@ class StudySync:
             if all(run.tags.get(key, "") == tags.get(key, "") for key in _REFRESHED_TAGS):
                 continue
             writer.update_record(run.run_id, tags, render_record(record), run_name(trial))
-            self.runs[trial.trial_id] = TrialRun(trial.trial_id, run.run_id, run.status, tags)
+            self.runs[trial.trial_id] = replace(run, tags={**run.tags, **tags})
             report.refreshed.append(trial.trial_id)
         self._describe(study, study_report)
         metrics = study_metrics(study.trials)

@@ -46,11 +46,19 @@ class TrialRun:
     run_id: str
     status: str
     tags: Mapping[str, str]
+    start_time: int | None = None  # epoch ms: the logged result's started_at
 
     @property
     def complete(self) -> bool:
         """Every write of the trial landed (the run was terminated last)."""
         return self.status != "RUNNING"
+
+    def holds(self, trial: TrialResult) -> bool:
+        """The run logged this result, not an earlier one of the same trial id (a trial whose node
+        was lost ran again on ``--resume``: same id, new outcome and start)."""
+        if self.tags.get(OUTCOME_TAG, trial.outcome) != trial.outcome:
+            return False
+        return trial.started_at is None or self.start_time is None or self.start_time == millis(trial.started_at)
 
 
 def millis(iso: str | None) -> int:
@@ -120,14 +128,15 @@ class MlflowStudyWriter:
                 [experiment_id], f"tags.`{ROLE_TAG}` = 'trial'", max_results=1000, page_token=token
             )
             runs += [
-                TrialRun(r.data.tags.get(TRIAL_TAG, ""), r.info.run_id, r.info.status, dict(r.data.tags)) for r in page
+                TrialRun(r.data.tags.get(TRIAL_TAG, ""), r.info.run_id, r.info.status, dict(r.data.tags), r.info.start_time)
+                for r in page
             ]
             token = page.token
             if not token:
                 return runs
 
     def discard(self, run_id: str) -> None:
-        """Delete a trial run that was cut short (it is logged again from disk)."""
+        """Delete a trial run that was cut short, or whose trial ran again (it is logged again from disk)."""
         self.client.delete_run(run_id)
 
     def log_trial(
