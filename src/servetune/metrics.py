@@ -77,6 +77,19 @@ def send_sync_share(records: Iterable["RequestRecord"], window_s: float = 0.010)
     return close / len(measured)
 
 
+#: The percentiles a level keeps of its TTFTs, to draw their distribution (0, 5, ..., 100).
+DISTRIBUTION_PERCENTILES = tuple(range(0, 101, 5))
+
+
+def ttft_distribution_ms(records: Iterable["RequestRecord"]) -> list[float] | None:
+    """The measured requests' TTFT in ms at :data:`DISTRIBUTION_PERCENTILES`: the whole shape
+    (waves show as a step), not just P50/P99. None without a measured first token."""
+    ttfts = [r.ttft_s * 1000.0 for r in records if not r.warmup and r.ok and r.ttft_s is not None]
+    if not ttfts:
+        return None
+    return [float(v) for v in np.percentile(ttfts, DISTRIBUTION_PERCENTILES)]
+
+
 def cost_per_mtok_usd(price_per_gpu_hour: float, gpus: int, output_throughput: float) -> float:
     """USD per million output tokens: price per GPU-hour x GPUs / (output tok/s x 3600) x 1e6."""
     if output_throughput <= 0:

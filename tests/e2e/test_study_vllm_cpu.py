@@ -131,6 +131,9 @@ def test_study_report_and_export_on_real_vllm(tmp_path):
     assert "### Quality" in summary and "FAIL: agreement dropped" in summary  # the failing trial is never recommended
     recommended = summary.split("## Recommendation", 1)[1].split("\n\n", 2)[1]
     assert bf16["trial_id"] not in recommended and "quality probe" in summary
+    # The recommended trial's TTFT distribution, a row per level, from what each real level kept.
+    spread = summary.split("### TTFT distribution of the recommended trial", 1)[1].split("\n\n", 2)[1]
+    assert len([line for line in spread.splitlines() if line.startswith("| concurrency")]) >= 1
     export = servetune("export", study_dir, "--format", "vllm")
     assert export.returncode == 0 and "VLLM_CPU_KVCACHE_SPACE=1" in export.stdout and "--block-size 128" in export.stdout
     picked = servetune("export", study_dir, "--pick", ok["trial_id"], "--format", "vllm")

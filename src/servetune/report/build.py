@@ -10,6 +10,7 @@ from pathlib import Path
 
 from servetune.accounting import device_time_lines
 from servetune.errors import UserError
+from servetune.report.distribution import LevelSpread, ttft_spreads
 from servetune.report.pareto import FRONTS, FrontSpec, ParetoFront, pareto_front, study_front
 from servetune.report.points import (
     AxisBound,
@@ -62,6 +63,7 @@ class StudyReport:
     quality_table: tuple[QualityRow, ...] = ()  # a row per trial that ran the quality probe (report/quality.py)
     precision_rule: tuple[RuleCheck, ...] | None = None  # section 2's rule, for a lower-precision recommendation
     verification: Verification | None = None  # verify.json, or how to run verify (report/verification.py)
+    ttft_spreads: tuple[LevelSpread, ...] = ()  # the recommended trial's TTFT distribution per level (report/distribution.py)
 
     def outcome_counts(self) -> dict[str, int]:
         """Trials by outcome, plus ``not read`` (every trial directory is counted once)."""
@@ -144,6 +146,7 @@ def build_report(study: LoadedStudy, price_per_device_hour: float | None = None)
         quality_table=tuple(quality_rows(study.trials)),
         precision_rule=_rule(recommendation.point, study.trials, points),
         verification=verification(study.root, study.verify),
+        ttft_spreads=ttft_spreads(study.trials, recommendation.point),
     )
 
 

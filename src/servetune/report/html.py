@@ -17,7 +17,9 @@ from collections.abc import Callable, Sequence
 
 import plotly.graph_objects as go
 
+from servetune.metrics import DISTRIBUTION_PERCENTILES
 from servetune.report.build import Front, StudyReport
+from servetune.report.distribution import SPREAD_NOTE, spread_cells, spread_headings
 from servetune.report.labels import (
     APART_COLOR,
     FRONT_COLOR,
@@ -229,6 +231,38 @@ tr.pass td,tr.passed td{background:#eef7ee}tr.fail td,tr.failed td{background:#f
 """
 
 
+def spread_figure(report: StudyReport) -> go.Figure:
+    """The recommended trial's TTFT per level as empirical CDFs, with the SLO's TTFT bounds."""
+    fig = go.Figure()
+    for spread in report.ttft_spreads:
+        together = "" if spread.sent_together is None else f" · {spread.sent_together:.0%} sent together"
+        fig.add_trace(go.Scatter(
+            x=list(spread.ttft_ms), y=list(DISTRIBUTION_PERCENTILES), mode="lines+markers", name=spread.level + together,
+            hovertemplate="P%{y}: %{x:.0f} ms<extra>" + html.escape(spread.level) + "</extra>",
+        ))  # fmt: skip
+    for line in report.slo:
+        if line.family == "ttft_ms":
+            fig.add_vline(x=line.max, line_dash="dash", line_color=SLO_COLOR, annotation_text=str(line),
+                          annotation_textangle=-90, annotation_position="top left")  # fmt: skip
+    fig.update_layout(
+        title="TTFT distribution of the recommended trial, per level",
+        xaxis=dict(title="TTFT (ms, log scale)", type="log"), yaxis=dict(title="percentile of requests", range=[0, 100]),
+        template="plotly_white", height=440, legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0), margin=dict(t=90),
+    )  # fmt: skip
+    return fig
+
+
+def spread_html(report: StudyReport) -> str:
+    fig = spread_figure(report)
+    plot = fig.to_html(full_html=False, include_plotlyjs=not report.fronts, div_id="ttft-distribution-plot",
+                       config={"displaylogo": False, "responsive": True})  # fmt: skip
+    rows = [spread_cells(s) for s in report.ttft_spreads]
+    return (
+        "<h2 id='ttft-distribution'>TTFT distribution</h2>" + plot + _rows_html(spread_headings(), rows)
+        + f"<p class='muted'>{html.escape(SPREAD_NOTE)}</p>"
+    )
+
+
 def render_html(report: StudyReport) -> str:
     """The whole page as a string; the first figure carries plotly.js inline."""
     e = html.escape
@@ -269,6 +303,8 @@ def render_html(report: StudyReport) -> str:
             parts.append("<h3>Warm prefix cache</h3><ul>" + "".join(f"<li>{e(line)}</li>" for line in warm) + "</ul>")
     if report.quality_table:
         parts.append(quality_html(report))
+    if report.ttft_spreads:
+        parts.append(spread_html(report))
     parts.append(verification_html(report.verification))
     body = "\n".join(parts)
     return (

@@ -15,6 +15,7 @@ from servetune.report.labels import (
     point_metrics,
     trial_cells,
 )
+from servetune.report.distribution import SPREAD_NOTE, spread_cells, spread_headings
 from servetune.report.points import config_label, level_label
 from servetune.report.recommend import describe
 from servetune.report.quality import QUALITY_NOTE, quality_cells, quality_headings, rule_summary, suite_names
@@ -130,6 +131,15 @@ def _verification(v: Verification | None) -> list[str]:
     return lines
 
 
+def spread_section(report: StudyReport) -> list[str]:
+    if not report.ttft_spreads:
+        return []
+    point = report.recommendation.point
+    lines = [f"### TTFT distribution of the recommended trial ({point.trial_id if point else '-'})", ""]
+    lines += _table(spread_headings(), [spread_cells(s) for s in report.ttft_spreads])
+    return lines + ["", SPREAD_NOTE, ""]
+
+
 def warm_cache_lines(rows: Sequence[TrialRow]) -> list[str]:
     """``trial T, concurrency 8: prefix-cache hit rate ...`` for every level flagged by its measurement."""
     return [f"trial {row.trial_id}, {note}" for row in rows for note in row.cache_notes]
@@ -164,6 +174,7 @@ def render_markdown(report: StudyReport) -> str:
         if warm:
             lines += ["### Warm prefix cache", "", *(f"- {line}" for line in warm), ""]
     lines += quality_section(report)
+    lines += spread_section(report)
     reasons = report.failure_reasons()
     if reasons:
         lines += ["### Why trials did not complete", ""]
