@@ -195,6 +195,13 @@ def test_a_node_lost_under_a_trial_fails_that_trial_and_the_study_goes_on(tmp_pa
     assert final[trial_id]["outcome"] == "COMPLETE" and not final[trial_id]["lost"]
     assert {t: (study_dir / "trials" / t / "result.json").stat().st_mtime_ns for t in stamps} == stamps
     assert processes_mentioning(fake) == []
+    # MLflow holds one run per trial: the lost trial's FAILED run gave way to the run that completed it.
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{storage.parent / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("nodes").experiment_id], "tags.`servetune.role` = 'trial'")
+    assert sorted(r.data.tags["servetune.trial_id"] for r in runs) == sorted(final)
+    assert {r.data.tags["servetune.trial_id"]: r.data.tags["servetune.outcome"] for r in runs}[trial_id] == "COMPLETE"
 
 
 def _wait_for_a_running_engine(cluster: LocalCluster, driver: subprocess.Popen, timeout_s: float = 120):
