@@ -16,13 +16,16 @@ from servetune.verify.stats import (
     bootstrap_difference,
     bootstrap_mean,
     cancellation_success_rate,
+    chance_of_spread,
     drift,
     growth,
     jitter,
     lead,
     tokens_stopped,
+    window_samples,
     windows,
 )
+from servetune.verify.scenarios import _beyond_chance
 
 
 def request(i, sent, ttft, warmup=False):
@@ -39,6 +42,33 @@ def test_windows_follow_send_time_and_leave_warmup_out():
     p99 = [w.ttft_ms_p99 for w in ws]
     assert p99[0] == pytest.approx(100) and p99[-1] == pytest.approx(300)
     assert jitter(p99) == pytest.approx(3.0) and drift(p99) == pytest.approx(3.0)
+
+
+def soak_records(ttft_ms_of) -> list[RequestRecord]:
+    """120 requests over 12 s, 6 windows of 20, TTFT from ``ttft_ms_of(index)``."""
+    return [request(i, i * 0.1, ttft_ms_of(i) / 1000.0) for i in range(120)]
+
+
+def test_one_slow_request_is_sampling_noise_a_slower_second_half_is_not():
+    rng = np.random.default_rng(1)
+    # Steady 50 +- 5 ms, one request at 400 ms: its window's P99 is near it, jitter far above 2.
+    noisy = soak_records(lambda i: 400.0 if i == 70 else 50.0 + rng.uniform(-5, 5))
+    samples = window_samples(noisy, 6)
+    assert [len(s) for s in samples] == [w.requests for w in windows(noisy, 6, {})] == [20] * 6
+    p99 = [w.ttft_ms_p99 for w in windows(noisy, 6, {})]
+    assert jitter(p99) > 4.0
+    chance = chance_of_spread(samples, jitter(p99), jitter, rounds=400)
+    assert chance > 0.2  # wherever the slow request lands, its window looks as bad (about half the reshuffles)
+    assert not _beyond_chance(jitter(p99), 2.0, chance)
+    # Latency that doubled and more for the second half of the soak: no reshuffle gives as much.
+    slower = soak_records(lambda i: (50.0 if i < 60 else 130.0) + rng.uniform(-5, 5))
+    samples = window_samples(slower, 6)
+    p99 = [w.ttft_ms_p99 for w in windows(slower, 6, {})]
+    for statistic in (jitter, drift):
+        chance = chance_of_spread(samples, statistic(p99), statistic, rounds=400)
+        assert chance < 0.05 and _beyond_chance(statistic(p99), 2.0, chance)
+    assert _beyond_chance(3.0, 2.0, None) and not _beyond_chance(1.5, 2.0, 0.0)
+    assert chance_of_spread([[50.0] * 5, []], 1.0) is None  # one window with requests: nothing to compare
 
 
 def test_jitter_and_drift_need_two_values():

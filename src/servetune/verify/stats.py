@@ -59,6 +59,41 @@ def drift(values: Sequence[float | None]) -> float | None:
     return kept[-1] / kept[0] if len(kept) >= 2 else None
 
 
+def window_samples(records: Sequence[RequestRecord], count: int) -> list[list[float]]:
+    """The TTFTs (ms) of each window's completed requests, cut as :func:`windows` cuts them."""
+    measured = [r for r in records if not r.warmup]
+    if not measured or count < 1:
+        return []
+    start = min(r.sent for r in measured)
+    width = max(max(r.sent for r in measured) - start, 1e-9) / count
+    out: list[list[float]] = [[] for _ in range(count)]
+    for r in measured:
+        if r.ok and r.ttft_s is not None:
+            out[min(int((r.sent - start) / width), count - 1)].append(r.ttft_s * 1000.0)
+    return out
+
+
+def chance_of_spread(samples: Sequence[Sequence[float]], observed: float | None, statistic=jitter,
+                     rounds: int = 1000, seed: int = 0) -> float | None:  # fmt: skip
+    """How often windows as different as observed arise by chance alone: the share of ``rounds``
+    random reassignments of the same requests to windows of the same sizes whose windowed P99s
+    give ``statistic`` (jitter, drift) at least ``observed``. A P99 of a few dozen requests is
+    close to their maximum, so one slow request makes a window look bad; a small chance (under
+    5%) says the soak's latency really moved, not its sampling. None when it cannot be judged."""
+    sizes = [len(s) for s in samples]
+    if observed is None or sum(1 for n in sizes if n) < 2:
+        return None
+    pooled = np.concatenate([np.asarray(s, dtype=float) for s in samples])
+    cuts = np.cumsum(sizes)[:-1]
+    rng = np.random.default_rng(seed)
+    hits = 0
+    for _ in range(rounds):
+        parts = np.split(rng.permutation(pooled), cuts)
+        value = statistic([float(np.percentile(p, 99)) if len(p) else None for p in parts])
+        hits += value is not None and value >= observed - 1e-12
+    return hits / rounds
+
+
 def growth(samples: Sequence[tuple[float, float]], share: float = 0.2) -> float | None:
     """How much a sampled value grew: the mean of its last ``share`` of samples (by time) minus the
     mean of its first; None with fewer than two samples."""
