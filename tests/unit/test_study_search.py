@@ -124,3 +124,29 @@ def test_searcher_resumes_from_history():
     assert len(searcher.study.trials) == 3
     assert [t.constraints for t in searcher.study.trials][1]["ttft_ms_p99"] > 0
     assert np.isfinite(searcher.study.trials[0].value)
+
+
+def test_gp_fits_on_one_torch_thread_and_gives_the_driver_its_threads_back(monkeypatch):
+    import optuna
+    import torch
+
+    seen = []
+    fit = optuna.samplers.GPSampler.sample_relative
+
+    def watched(self, *args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return fit(self, *args, **kwargs)
+
+    monkeypatch.setattr(optuna.samplers.GPSampler, "sample_relative", watched)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        searcher = ConstrainedOptunaSearch(make_space("gp"), baseline=False)
+        for i in range(6):  # past the 4 start-up trials: GP fits its model for the last ones
+            params = searcher.suggest(f"t{i}")["params"]
+            values, constraints = answer(params)
+            searcher.on_trial_complete(f"t{i}", {OBJECTIVES_KEY: json.dumps(values), CONSTRAINTS_KEY: json.dumps(constraints)})
+        assert seen and set(seen) == {1}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
