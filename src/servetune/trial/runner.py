@@ -232,7 +232,8 @@ def _measure(server: Engine, spec: TrialSpec, result: TrialResult, report: Repor
         if spec.quality is not None:  # before the ladder: the probe needs the engine, not the load
             model = spec.engine_args.get("served_model_name") or spec.model
             result.quality, rows = asyncio.run(run_probe(server.url, model, spec.quality, prompts.count, spec.trial_id,
-                                                         spec.params, timeout_s=spec.request_timeout_s))  # fmt: skip
+                                                         spec.params, timeout_s=spec.request_timeout_s, tokenizer=spec.model,
+                                                         out_dir=trial_dir / "lm_eval"))  # fmt: skip
             write_atomic(trial_dir / QUALITY_FILE, "".join(json.dumps(row) + "\n" for row in rows))
             if not server.alive():
                 raise EngineDiedError(f"the engine died during the quality probe ({server.failure_reason()})", server.log_tail())
