@@ -167,3 +167,27 @@ def test_a_run_past_its_timeout_is_stopped_with_its_process_group(tmp_path):
     assert time.monotonic() - started < 10 and outcome.scores == {}
     assert outcome.errors[0].startswith("lm-eval: no result after 2 s (stopped; log in ")
     assert processes_mentioning("lm_eval", tmp_path / "out") == []  # lm-eval and anything it started
+
+
+def test_a_reference_without_an_lm_eval_score_stops_the_study_with_why(tmp_path):
+    from servetune.results import QualityResult
+    from servetune.study.context import StudyContext, resolve_levels
+    from servetune.study.driver import REFERENCE_FILE, keep_reference
+    from servetune.trial.runner import new_result
+
+    task_folder(tmp_path, "mine")
+    s = space(tmp_path, "quality: {suites: [agreement], lm_eval: {tasks: [mine], include_path: lm_eval_tasks},"
+                        " reference: {dtype: float32, max_num_seqs: 4}}")  # fmt: skip
+    workload = s.resolved_workload(tmp_path)
+    context = StudyContext(s, workload, tmp_path, "m", resolve_levels(s, workload), quality=make_plan(s.quality, tmp_path, s.quality_reference))
+    spec = context.spec_for(s.quality_reference)
+    answers = ReferenceAnswers(trial_id=spec.trial_id, params=s.quality_reference, prompt_ids=[[1]], continuations=[[2]], nll=[0.5])
+    probe = QualityResult(reference_trial=spec.trial_id, reference_answers=answers, errors=["lm-eval exited 1: no data"])
+    spec.trial_dir.mkdir(parents=True)
+    (spec.trial_dir / "result.json").write_text(new_result(spec, "COMPLETE").model_copy(update={"quality": probe}).model_dump_json())
+    with pytest.raises(UserError, match=r"has no lm_eval/mine score to compare with: lm-eval exited 1: no data"):
+        keep_reference(context)
+    assert not (tmp_path / REFERENCE_FILE).exists()
+    answers.scores = {"lm_eval/mine": 0.5}
+    (spec.trial_dir / "result.json").write_text(new_result(spec, "COMPLETE").model_copy(update={"quality": probe}).model_dump_json())
+    assert keep_reference(context).quality.reference.scores == {"lm_eval/mine": 0.5}

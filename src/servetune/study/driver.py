@@ -18,6 +18,7 @@ from typing import Any
 from ray.tune import Callback
 
 from servetune import __version__
+from servetune.config.quality import LM_EVAL_PREFIX
 from servetune.config.space import MODEL_PARAM, SearchSpace, describe_params
 from servetune.errors import UserError
 from servetune.results import (
@@ -368,6 +369,10 @@ def keep_reference(context: StudyContext) -> StudyContext:
         if result is not None and result.quality is not None and result.quality.errors:
             why += f" ({result.quality.errors[0]})"
         raise UserError(f"quality: the reference trial ({describe_params(params)}) gave no answers to compare with: {why}")
+    unscored = [name for name in context.quality.bounds if name.startswith(LM_EVAL_PREFIX) and name not in answers.scores]
+    if unscored:  # lm-eval failed on the reference (no task data on the node, a timeout): every trial would fail it
+        why = next((e for e in result.quality.errors if e.startswith("lm-eval")), "no score") if result.quality else "no score"
+        raise UserError(f"quality: the reference trial ({describe_params(params)}) has no {unscored[0]} score to compare with: {why}")
     path = context.study_dir / REFERENCE_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, answers.model_dump_json(indent=1) + "\n")
