@@ -142,15 +142,21 @@ def run_lm_eval(plan: LmEvalPlan, url: str, model: str, tokenizer: str, out_dir:
             _kill_group(process)
     if code is None:
         return LmEvalOutcome(errors=[f"lm-eval: no result after {plan.timeout_s:g} s (stopped; log in {log_path})"])
-    results = sorted(out_dir.rglob("results_*.json"), key=lambda p: p.stat().st_mtime)
-    if code != 0 or not results:
+    results = results_file(out_dir)
+    if code != 0 or results is None:
         return LmEvalOutcome(errors=[f"lm-eval exited {code}: {_last_line(log_path)}"])
     try:
-        data = json.loads(results[-1].read_text())
+        data = json.loads(results.read_text())
         scores, errors = primary_scores(data, plan.tasks)
-        return LmEvalOutcome(scores=scores, errors=errors, rows=sample_rows(results[-1].parent, plan.tasks, data))
+        return LmEvalOutcome(scores=scores, errors=errors, rows=sample_rows(results.parent, plan.tasks, data))
     except (OSError, ValueError, TypeError, AttributeError) as exc:  # a results file lm-eval did not finish
-        return LmEvalOutcome(errors=[f"lm-eval: unreadable {results[-1].name}: {type(exc).__name__}: {str(exc)[:200]}"])
+        return LmEvalOutcome(errors=[f"lm-eval: unreadable {results.name}: {type(exc).__name__}: {str(exc)[:200]}"])
+
+
+def results_file(out_dir: Path) -> Path | None:
+    """The results JSON lm-eval wrote last under ``out_dir`` (``<model>/results_<time>.json``)."""
+    found = sorted(out_dir.rglob("results_*.json"), key=lambda p: p.stat().st_mtime) if out_dir.is_dir() else []
+    return found[-1] if found else None
 
 
 def _kill_group(process: subprocess.Popen) -> None:
