@@ -261,6 +261,7 @@ SPACE_FILE = "space.yaml"
 TRIALS_DIR = "trials"
 RESULT_FILE = "result.json"
 QUALITY_FILE = "quality.jsonl"  # the quality probe's answers, a row per prompt (quality/probe.py)
+LM_EVAL_RESULTS_FILE = "lm_eval_results.json"  # lm-eval's results JSON, when the probe ran lm-eval tasks (quality/lm_eval.py)
 
 
 Model = TypeVar("Model", bound=BaseModel)

@@ -4,16 +4,19 @@ configurations that serve, one that cannot start, and quality as a constraint (f
 The quality reference (float32, max_num_seqs 4) runs first. A second float32 trial (max_num_seqs 16)
 must agree with it exactly; the bfloat16 trial diverges for real (its greedy tokens and its
 log-probabilities of the reference's tokens differ), breaks a bound tighter than that divergence,
-and is kept out of the recommendation.
+and is kept out of the recommendation. Where lm-eval is installed, the same trials also run a
+custom lm-eval task over a local JSONL file through its ``local-completions`` model.
 """
 
 import json
 import shlex
 import subprocess
 import sys
+from importlib.util import find_spec
 
 import pytest
 
+from servetune.quality.suites import agreement_prompts
 from tests.processes import processes_mentioning
 
 pytestmark = pytest.mark.e2e
@@ -42,8 +45,39 @@ quality:
   suites: [agreement, arithmetic, recall]
   prompts: 16
   reference: {{dtype: float32, max_num_seqs: 4, block_size: 128}}
-  max_drop: {{agreement: 0.01}}
+  max_drop: {{agreement: 0.01{lm_eval_bound}}}{lm_eval}
 """
+
+#: A custom lm-eval task over a local JSONL file (relative to the task folder): greedy
+#: continuations scored by exact match against float32 targets that transformers computed.
+ECHO_TASK = """task: echo
+dataset_path: json
+dataset_kwargs: {data_files: {test: echo.jsonl}}
+test_split: test
+output_type: generate_until
+doc_to_text: question
+doc_to_target: answer
+generation_kwargs: {until: ["\\n"], max_gen_toks: 32, do_sample: false, temperature: 0}
+metric_list: [{metric: exact_match, aggregation: mean, higher_is_better: true}]
+"""
+#: The agreement suite's prompts: bfloat16 continues some of them otherwise within 32 tokens.
+ECHO_PROMPTS = agreement_prompts(16)
+
+
+def echo_targets(model_dir) -> list[str]:
+    """The tiny model's float32 greedy continuations, from transformers (the reference trial's numerics)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    targets = []
+    for prompt in ECHO_PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=32, do_sample=False)
+        targets.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).split("\n")[0])
+    return targets
 
 
 PARSE_WITH_VLLM = """
@@ -73,8 +107,22 @@ def servetune(*argv, cwd=None):
 
 
 
-def test_study_report_and_export_on_real_vllm(tmp_path):
-    (tmp_path / "space.yaml").write_text(SPACE.format())
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    """The study every check here reads: run once (its engine starts are the cost)."""
+    tmp_path = tmp_path_factory.mktemp("study")
+    lm_eval = find_spec("lm_eval") is not None
+    if lm_eval:
+        from servetune.models.tiny import build_tiny_model
+
+        tasks = tmp_path / "lm_eval_tasks"
+        tasks.mkdir()
+        (tasks / "echo.yaml").write_text(ECHO_TASK)
+        targets = echo_targets(build_tiny_model(tmp_path / "hf-tiny"))
+        (tasks / "echo.jsonl").write_text("".join(json.dumps({"question": p, "answer": t}) + "\n" for p, t in zip(ECHO_PROMPTS, targets)))
+    (tmp_path / "space.yaml").write_text(SPACE.format(
+        lm_eval="\n  lm_eval: {tasks: [echo], include_path: lm_eval_tasks, limit: 16, num_fewshot: 0}" if lm_eval else "",
+        lm_eval_bound=", lm_eval/echo: 0.0" if lm_eval else ""))  # fmt: skip
     done = servetune("run", tmp_path / "space.yaml", "--storage", tmp_path / "results", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     study_dir = tmp_path / "results" / "e2e"
@@ -82,6 +130,11 @@ def test_study_report_and_export_on_real_vllm(tmp_path):
     for path in study_dir.glob("trials/*/result.json"):
         result = json.loads(path.read_text())
         results[tuple(result["params"][k] for k in ("dtype", "max_num_seqs", "block_size"))] = result
+    return tmp_path, study_dir, results
+
+
+def test_study_report_and_export_on_real_vllm(study):
+    tmp_path, study_dir, results = study
     assert sorted(results) == [("bfloat16", 4, 128), ("float32", 4, 7), ("float32", 4, 128), ("float32", 16, 128)]
     ok, bad = results[("float32", 4, 128)], results[("float32", 4, 7)]
     same, bf16 = results[("float32", 16, 128)], results[("bfloat16", 4, 128)]
@@ -109,7 +162,7 @@ def test_study_report_and_export_on_real_vllm(tmp_path):
     assert 0 < q["agreement"] < 1.0 and q["exact_match"] < 1.0 and abs(q["nll_delta"]) > 1e-5
     assert q["passed"] is False and q["failures"][0].startswith("agreement dropped")
     rows = [json.loads(line) for line in (study_dir / "trials" / bf16["trial_id"] / "quality.jsonl").read_text().splitlines()]
-    assert {row["suite"] for row in rows} == {"agreement", "arithmetic", "recall"}
+    assert {row["suite"] for row in rows} == {"agreement", "arithmetic", "recall"} | ({"lm_eval/echo"} if find_spec("lm_eval") else set())
     assert any(row["suite"] == "agreement" and row["agreement"] < 1 for row in rows)
     recall = [row for row in rows if row["suite"] == "recall"]
     assert len(recall) == 9 and max(len(row["prompt"]) for row in recall) > 400  # up to 9/10 of max_model_len
@@ -140,3 +193,33 @@ def test_study_report_and_export_on_real_vllm(tmp_path):
     assert picked.returncode == 0, picked.stderr
     parsed = parsed_by_vllm(picked.stdout)  # pinned at what vLLM resolved, and accepted by vLLM's parser
     assert parsed["max_num_seqs"] == resolved["max_num_seqs"] and parsed["max_num_batched_tokens"] == resolved["max_num_batched_tokens"]
+
+
+def test_lm_eval_task_is_a_quality_score_and_a_constraint_on_real_vllm(study):
+    pytest.importorskip("lm_eval", reason="lm-eval is an optional extra: pip install servetune[lm-eval]")
+    tmp_path, study_dir, results = study
+    ok, same, bf16 = results[("float32", 4, 128)], results[("float32", 16, 128)], results[("bfloat16", 4, 128)]
+    scores = {}
+    for trial in (ok, same, bf16):
+        score = trial["quality"]["suites"]["lm_eval/echo"]
+        written = json.loads((study_dir / "trials" / trial["trial_id"] / "lm_eval_results.json").read_text())  # carried back
+        assert 0.0 <= score <= 1.0 and score == written["results"]["echo"]["exact_match,none"]  # what lm-eval wrote
+        assert written["n-samples"]["echo"]["effective"] == 16
+        scores[trial["trial_id"]] = score
+        rows = [json.loads(line) for line in (study_dir / "trials" / trial["trial_id"] / "quality.jsonl").read_text().splitlines()]
+        echo = [row for row in rows if row["suite"] == "lm_eval/echo"]
+        assert len(echo) == 16 and sum(row["passed"] for row in echo) / 16 == score
+    # The reference's numerics are the targets' (float32): it answers most items exactly; so does the same numerics batched wider.
+    assert scores[ok["trial_id"]] >= 0.5 and scores[same["trial_id"]] == scores[ok["trial_id"]]
+    assert same["quality"]["drops"]["lm_eval/echo"] == 0.0 and same["quality"]["passed"] is True
+    # bfloat16 continues some prompts otherwise: its drop breaks the bound of 0 and fails the trial on it.
+    q = bf16["quality"]
+    assert scores[bf16["trial_id"]] < scores[ok["trial_id"]]
+    assert q["drops"]["lm_eval/echo"] == pytest.approx(scores[ok["trial_id"]] - scores[bf16["trial_id"]])
+    assert any(f.startswith("lm_eval/echo dropped") for f in q["failures"]) and q["passed"] is False
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("e2e").experiment_id], "tags.`servetune.role` = 'trial'")
+    assert {run.data.tags["servetune.trial_id"]: run.data.metrics.get("quality/lm_eval/echo") for run in runs
+            if run.data.tags["servetune.trial_id"] in scores} == scores  # fmt: skip

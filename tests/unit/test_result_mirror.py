@@ -49,10 +49,11 @@ def test_the_trial_s_files_come_back_in_its_final_report_and_leave_tune_s_logs(t
     node.mkdir(parents=True)
     (node / "requests.jsonl").write_text('{"level": 0}\n')
     (node / "quality.jsonl").write_text('{"prompt": 0}\n')
+    (node / "lm_eval_results.json").write_text('{"results": {}}\n')
     (node / "engine.log").write_bytes(b"start\n" + b"x" * ENGINE_LOG_CARRIED + b"\nthe end\n")
     (node / "core.1234").write_bytes(b"not carried")
     files = carried_files(node)
-    assert set(files) == {"requests.jsonl", "quality.jsonl", "engine.log"}
+    assert set(files) == {"requests.jsonl", "quality.jsonl", "lm_eval_results.json", "engine.log"}
     assert files["engine.log"].endswith("the end\n") and "start" not in files["engine.log"]
     assert files["engine.log"].startswith(f"[servetune: the engine log's last {ENGINE_LOG_CARRIED} of")
     result = trial("abc123", {"max_num_seqs": 8}, [level(1, 100, 50)])
@@ -60,6 +61,7 @@ def test_the_trial_s_files_come_back_in_its_final_report_and_leave_tune_s_logs(t
     ResultMirror(context).on_trial_result(0, [], SimpleNamespace(trial_id="tune_0"), report)
     kept = tmp_path / "driver" / "trials" / "abc123"
     assert (kept / "requests.jsonl").read_text() == '{"level": 0}\n' and (kept / "quality.jsonl").exists()
+    assert (kept / "lm_eval_results.json").read_text() == "{\"results\": {}}\n"
     assert (kept / "engine.log").read_text() == files["engine.log"]
     assert load_result(kept) == result
     assert FILES_KEY not in report  # taken out before Tune's loggers write the report again

@@ -15,6 +15,13 @@ share of prompts whose continuation matched entirely) and ``nll_delta`` (how muc
 in nats per token, the trial finds the reference's continuations) may be bounded too. Every
 listed suite is a constraint: with the default bound (0.05 for agreement, 0.02 for a task suite)
 unless ``max_drop`` gives one, or ``null`` to measure it without a bound.
+
+Optionally, lm-evaluation-harness tasks (``pip install servetune[lm-eval]``) run against the
+trial's server through lm-eval's ``local-completions`` model, offline (``quality/lm_eval.py``);
+each task's primary metric is the score ``lm_eval/<task>``, bounded like a suite::
+
+      lm_eval: {tasks: [my_task], include_path: ./lm_eval_tasks, limit: 50, num_fewshot: 0}
+      max_drop: {lm_eval/my_task: 0.02}
 """
 
 from __future__ import annotations
@@ -29,6 +36,32 @@ DEFAULT_MAX_DROP = {"agreement": 0.05}
 DEFAULT_SUITE_MAX_DROP = 0.02
 #: Scores derived from the agreement suite that ``max_drop`` may bound as well.
 AGREEMENT_SCORES = ("exact_match", "nll_delta")
+#: lm-eval tasks score as ``lm_eval/<task>``.
+LM_EVAL_PREFIX = "lm_eval/"
+
+
+class LmEvalSpec(BaseModel):
+    """lm-evaluation-harness tasks each trial runs against its server (checked where it is installed)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tasks: tuple[str, ...]  # task names, found in ``include_path`` or among lm-eval's own
+    include_path: str | None = None  # a folder of task YAMLs, relative to the space file; on every node
+    limit: int | None = Field(default=None, ge=1)  # items per task (all when unset)
+    num_fewshot: int | None = Field(default=None, ge=0)  # the task's own default when unset
+    timeout_s: float = Field(default=1800.0, gt=0)  # the whole lm-eval run; past it the scores are not measured
+
+    @field_validator("tasks")
+    @classmethod
+    def _tasks(cls, tasks: tuple[str, ...]) -> tuple[str, ...]:
+        if not tasks:
+            raise ValueError("list at least one task")
+        if len(set(tasks)) != len(tasks):
+            raise ValueError("a task is listed twice")
+        for task in tasks:
+            if not task or any(c in task for c in ",= \t"):
+                raise ValueError(f"'{task}' is not a task name")
+        return tasks
 
 
 class QualitySpec(BaseModel):
@@ -41,6 +74,7 @@ class QualitySpec(BaseModel):
     tokens: int = Field(default=16, ge=1, le=1024)  # agreement: tokens compared per prompt
     concurrency: int = Field(default=16, ge=1, le=1024)  # probe requests in flight
     recall_max_tokens: int = Field(default=16384, ge=64)  # longest recall prompt, tokens
+    lm_eval: LmEvalSpec | None = None  # lm-evaluation-harness tasks, scored as ``lm_eval/<task>``
 
     @field_validator("suites")
     @classmethod
@@ -61,7 +95,7 @@ class QualitySpec(BaseModel):
 
     @model_validator(mode="after")
     def _known_bounds(self) -> "QualitySpec":
-        names = {suite_name(s) for s in self.suites}
+        names = set(self.score_names())
         allowed = names | (set(AGREEMENT_SCORES) if "agreement" in names else set())
         for name in self.max_drop:
             if name not in allowed:
@@ -71,11 +105,15 @@ class QualitySpec(BaseModel):
     def bounds(self) -> dict[str, float]:
         """Every bounded score and its largest allowed drop."""
         out: dict[str, float] = {}
-        for suite in self.suites:
-            name = suite_name(suite)
+        for name in self.score_names():
             out[name] = DEFAULT_MAX_DROP.get(name, DEFAULT_SUITE_MAX_DROP)
         out.update({k: v for k, v in self.max_drop.items() if v is not None})
         return {k: v for k, v in out.items() if self.max_drop.get(k, 0.0) is not None}
+
+    def score_names(self) -> list[str]:
+        """Every suite's score name, the lm-eval tasks' (``lm_eval/<task>``) after them."""
+        tasks = self.lm_eval.tasks if self.lm_eval is not None else ()
+        return [suite_name(s) for s in self.suites] + [LM_EVAL_PREFIX + t for t in tasks]
 
 
 def suite_name(suite: str) -> str:

@@ -417,6 +417,13 @@ def _check_quality(space: SearchSpace, path: Path) -> None:
     names = [suite_name(s) for s in space.quality.suites]
     if len(set(names)) != len(names):
         raise UserError(f"{path}: quality.suites: two suites share the name '{next(n for n in names if names.count(n) > 1)}'")
+    if space.quality.lm_eval is not None:  # installed, its include path, its tasks: before any engine starts
+        from servetune.quality import lm_eval
+
+        try:
+            lm_eval.check(space.quality.lm_eval, path.parent)
+        except UserError as exc:
+            raise UserError(f"{path}: quality.lm_eval: {exc}") from None
     reference = space.quality.reference
     if reference == "baseline":
         return

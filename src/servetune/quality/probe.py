@@ -6,7 +6,8 @@ OpenAI-compatible API the load uses (greedy, temperature 0):
 1. ``agreement``: each prompt's continuation as token ids (``return_token_ids``);
 2. teacher forcing: the reference's continuation appended to the prompt, scored with
    ``prompt_logprobs``: how likely this configuration finds the reference's tokens (nats per token);
-3. every item of the task suites, scored by its rule (``quality/items.py``).
+3. every item of the task suites, scored by its rule (``quality/items.py``);
+4. optionally, lm-evaluation-harness tasks (``quality/lm_eval.py``), as ``lm_eval/<task>`` scores.
 
 The reference trial (which the study runs first) answers the same set; its answers travel to the
 other trials inside their spec (``QualityPlan.reference``), so nodes need no shared disk, and
@@ -26,6 +27,7 @@ from pydantic import BaseModel, ConfigDict
 
 from servetune.config.quality import QualitySpec, suite_name
 from servetune.quality.items import QualityItem
+from servetune.quality.lm_eval import LmEvalPlan, run_lm_eval
 from servetune.quality.suites import BUILT, agreement_prompts, load_suite, recall_items
 from servetune.results import QualityResult, ReferenceAnswers
 
@@ -46,14 +48,18 @@ class QualityPlan(BaseModel):
     recall_max_tokens: int = 16384
     reference_params: dict[str, Any] = {}  # the reference configuration, as the space names it
     reference: ReferenceAnswers | None = None  # its answers; None while it has not run (this trial is it)
+    lm_eval: LmEvalPlan | None = None  # lm-evaluation-harness tasks, run after the suites
 
     def digest_key(self) -> dict[str, Any]:
         """What decides the probe's measurement (part of the trial's id)."""
-        return {
+        key = {
             "suites": self.suites, "items": {k: [i.model_dump(mode="json") for i in v] for k, v in self.items.items()},
             "prompts": self.prompts, "tokens": self.tokens, "recall_max_tokens": self.recall_max_tokens,
             "bounds": self.bounds, "reference": self.reference_params,
         }  # fmt: skip
+        if self.lm_eval is not None:  # absent without lm-eval tasks, so earlier trials keep their ids
+            key["lm_eval"] = self.lm_eval.digest_key()
+        return key
 
 
 def make_plan(spec: QualitySpec, base_dir: Path, reference_params: dict[str, Any], reference: ReferenceAnswers | None = None) -> QualityPlan:
@@ -64,6 +70,7 @@ def make_plan(spec: QualitySpec, base_dir: Path, reference_params: dict[str, Any
         suites=names, items=items, bounds=spec.bounds(), prompts=spec.prompts, tokens=spec.tokens,
         concurrency=spec.concurrency, recall_max_tokens=spec.recall_max_tokens,
         reference_params=dict(reference_params), reference=reference,
+        lm_eval=LmEvalPlan.from_spec(spec.lm_eval, base_dir) if spec.lm_eval is not None else None,
     )  # fmt: skip
 
 
@@ -134,11 +141,13 @@ class _Probe:
 
 
 async def run_probe(url: str, model: str, plan: QualityPlan, count_tokens: Callable[[str], int], trial_id: str,
-                    params: dict[str, Any], timeout_s: float = 300.0) -> tuple[QualityResult, list[dict[str, Any]]]:  # fmt: skip
+                    params: dict[str, Any], timeout_s: float = 300.0, tokenizer: str | None = None,
+                    out_dir: Path | None = None) -> tuple[QualityResult, list[dict[str, Any]]]:  # fmt: skip
     """Answer the probe set on the server at ``url`` and score it against the plan's reference.
 
     Returns the result and a row per prompt (suite, id, prompt, answer, passed), the trial's
-    ``quality.jsonl``."""
+    ``quality.jsonl``. lm-eval's tasks (when the plan has some) load ``tokenizer`` (the model's
+    folder or hub id; ``model`` when None) and write their output under ``out_dir``."""
     started = time.monotonic()
     async with aiohttp.ClientSession() as session:
         probe = _Probe(session, url, model, plan.concurrency, timeout_s)
@@ -160,6 +169,15 @@ async def run_probe(url: str, model: str, plan: QualityPlan, count_tokens: Calla
         answers = {name: list(await asyncio.gather(*(probe.answer(i) for i in items[name]))) for name in names}
     passed = {name: [item.passes(a) for item, a in zip(items[name], answers[name])] for name in names}  # scored once
     scores = {name: sum(passed[name]) / max(len(items[name]), 1) for name in names}
+    lm_eval_rows: list[dict[str, Any]] = []
+    if plan.lm_eval is not None:
+        if out_dir is None:
+            raise ValueError("lm-eval tasks need an output folder")
+        outcome = await asyncio.to_thread(run_lm_eval, plan.lm_eval, url, model, tokenizer or model, out_dir, window,
+                                          plan.concurrency)  # fmt: skip
+        scores.update(outcome.scores)
+        probe.errors += outcome.errors
+        lm_eval_rows = outcome.rows
     if reference is None:
         reference = ReferenceAnswers(trial_id=trial_id, params=params, max_model_len=window, prompt_ids=prompt_ids,
                                      continuations=continuations, nll=nll, scores=scores)  # fmt: skip
@@ -178,7 +196,7 @@ async def run_probe(url: str, model: str, plan: QualityPlan, count_tokens: Calla
         for item, answer, ok in zip(items[name], answers[name], passed[name]):
             rows.append({"suite": name, "id": item.id, "prompt": item.prompt if item.prompt is not None else
                          [m.model_dump() for m in item.messages or ()], "answer": answer, "passed": ok})  # fmt: skip
-    return result, rows
+    return result, rows + lm_eval_rows
 
 
 def common_prefix_share(answer: list[int], reference: list[int]) -> float:

@@ -18,9 +18,11 @@ from typing import Any
 from ray.tune import Callback
 
 from servetune import __version__
+from servetune.config.quality import LM_EVAL_PREFIX
 from servetune.config.space import MODEL_PARAM, SearchSpace, describe_params
 from servetune.errors import UserError
 from servetune.results import (
+    LM_EVAL_RESULTS_FILE,
     QUALITY_FILE,
     RESULT_FILE,
     SCHEMA_VERSION,
@@ -88,10 +90,10 @@ def node_local_dir() -> Path:
 
 
 def carried_files(trial_dir: Path) -> dict[str, str]:
-    """The trial's files the driver keeps, as text: the per-request records and the quality
-    probe's answers whole, the engine log's last ``ENGINE_LOG_CARRIED`` bytes."""
+    """The trial's files the driver keeps, as text: the per-request records, the quality
+    probe's answers and lm-eval's results whole, the engine log's last ``ENGINE_LOG_CARRIED`` bytes."""
     files = {}
-    for name in (REQUESTS_FILE, QUALITY_FILE):
+    for name in (REQUESTS_FILE, QUALITY_FILE, LM_EVAL_RESULTS_FILE):
         path = trial_dir / name
         if path.exists():
             files[name] = path.read_text(errors="replace")
@@ -176,7 +178,7 @@ class ResultMirror(Callback):
         if kept is None or kept.lost:  # a lost trial's record gives way to the run that replaced it
             trial_dir.mkdir(parents=True, exist_ok=True)
             for name, content in (files or {}).items():
-                if name in (REQUESTS_FILE, QUALITY_FILE, ENGINE_LOG):  # names this driver chose, never a path
+                if name in (REQUESTS_FILE, QUALITY_FILE, LM_EVAL_RESULTS_FILE, ENGINE_LOG):  # names this driver chose, never a path
                     write_atomic(trial_dir / name, content)
             write_atomic(trial_dir / RESULT_FILE, text)
 
@@ -368,6 +370,10 @@ def keep_reference(context: StudyContext) -> StudyContext:
         if result is not None and result.quality is not None and result.quality.errors:
             why += f" ({result.quality.errors[0]})"
         raise UserError(f"quality: the reference trial ({describe_params(params)}) gave no answers to compare with: {why}")
+    unscored = [name for name in context.quality.bounds if name.startswith(LM_EVAL_PREFIX) and name not in answers.scores]
+    if unscored:  # lm-eval failed on the reference (no task data on the node, a timeout): every trial would fail it
+        why = next((e for e in result.quality.errors if e.startswith("lm-eval")), "no score") if result.quality else "no score"
+        raise UserError(f"quality: the reference trial ({describe_params(params)}) has no {unscored[0]} score to compare with: {why}")
     path = context.study_dir / REFERENCE_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, answers.model_dump_json(indent=1) + "\n")

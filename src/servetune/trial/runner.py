@@ -31,8 +31,10 @@ from servetune.errors import EngineDiedError, EngineStartError, UserError
 from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory
 from servetune.load.runner import Level
+from servetune.quality.lm_eval import results_file
 from servetune.quality.probe import QualityPlan, run_probe
 from servetune.results import (
+    LM_EVAL_RESULTS_FILE,
     QUALITY_FILE,
     RESULT_FILE,
     SCHEMA_VERSION,
@@ -232,8 +234,12 @@ def _measure(server: Engine, spec: TrialSpec, result: TrialResult, report: Repor
         if spec.quality is not None:  # before the ladder: the probe needs the engine, not the load
             model = spec.engine_args.get("served_model_name") or spec.model
             result.quality, rows = asyncio.run(run_probe(server.url, model, spec.quality, prompts.count, spec.trial_id,
-                                                         spec.params, timeout_s=spec.request_timeout_s))  # fmt: skip
+                                                         spec.params, timeout_s=spec.request_timeout_s, tokenizer=spec.model,
+                                                         out_dir=trial_dir / "lm_eval"))  # fmt: skip
             write_atomic(trial_dir / QUALITY_FILE, "".join(json.dumps(row) + "\n" for row in rows))
+            lm_eval_results = results_file(trial_dir / "lm_eval") if spec.quality.lm_eval is not None else None
+            if lm_eval_results is not None:  # under a fixed name, carried back to the driver with quality.jsonl
+                write_atomic(trial_dir / LM_EVAL_RESULTS_FILE, lm_eval_results.read_text())
             if not server.alive():
                 raise EngineDiedError(f"the engine died during the quality probe ({server.failure_reason()})", server.log_tail())
         records_path = trial_dir / "requests.jsonl"
