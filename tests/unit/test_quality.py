@@ -286,6 +286,9 @@ def test_a_kept_reference_is_reused_only_for_the_same_configuration(tmp_path):
     (tmp_path / REFERENCE_FILE).write_text(reference(params={"dtype": "float32"}).model_dump_json())
     assert read_reference(tmp_path, {"dtype": "float32"}).continuations == reference().continuations
     assert read_reference(tmp_path, {"dtype": "bfloat16"}) is None and read_reference(tmp_path, {}) is None
+    # The reference trial as the probe is now: a probe that changed (a suite added) has another id.
+    assert read_reference(tmp_path, {"dtype": "float32"}, "ref") is not None
+    assert read_reference(tmp_path, {"dtype": "float32"}, "0123456789ab") is None
     (tmp_path / REFERENCE_FILE).write_text("{")
     with pytest.raises(UserError, match="reference.json"):
         read_reference(tmp_path, {"dtype": "float32"})

@@ -139,8 +139,9 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
         from servetune.quality.probe import make_plan
         from servetune.study.driver import keep_reference, read_reference
 
-        kept = read_reference(study_dir, reference)
-        context = replace(context, quality=make_plan(space.quality, args.space.parent, reference, kept))
+        context = replace(context, quality=make_plan(space.quality, args.space.parent, reference))
+        kept = read_reference(study_dir, reference, context.spec_for(reference).trial_id)
+        context = replace(context, quality=context.quality.model_copy(update={"reference": kept}))
         if kept is None:
             console.print(f"quality: the reference ({describe_params(reference)}) runs first; later trials are compared with its answers")
             run_tuner(context, [reference], None, 1, ray_started(), 1)

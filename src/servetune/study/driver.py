@@ -347,12 +347,16 @@ def prepare_study_dir(study_dir: Path, space_path: Path, resume: bool) -> None:
 REFERENCE_FILE = Path("quality") / "reference.json"
 
 
-def read_reference(study_dir: Path, params: dict[str, Any]) -> ReferenceAnswers | None:
+def read_reference(study_dir: Path, params: dict[str, Any], trial_id: str | None = None) -> ReferenceAnswers | None:
     """The answers the study kept for the quality reference ``params`` (None before it ran, or
-    when the space now names another reference: that one runs first)."""
+    when the space now names another reference: that one runs first). With ``trial_id``, the
+    reference trial as the probe is now (its id covers the suites, lm-eval tasks and bounds): a
+    probe that changed since, a suite added say, has the reference answer it again."""
     path = study_dir / REFERENCE_FILE
     kept = read_model(path, ReferenceAnswers) if path.exists() else None
-    return kept if kept is not None and kept.params == params else None
+    if kept is None or kept.params != params or (trial_id is not None and kept.trial_id != trial_id):
+        return None
+    return kept
 
 
 def keep_reference(context: StudyContext) -> StudyContext:
