@@ -51,9 +51,10 @@ def servetune(*argv, timeout=600):
     return subprocess.run([sys.executable, "-m", "servetune", *map(str, argv)], capture_output=True, text=True, timeout=timeout)
 
 
-def test_one_and_two_replicas_deploy_take_traffic_and_are_torn_down(tiny_model, tmp_path):
+def test_one_and_two_replicas_deploy_take_traffic_scale_out_on_a_ramp_and_are_torn_down(tiny_model, tmp_path):
     study = one_trial_study(tmp_path / "study", tiny_model)
-    done = servetune("serve-check", study, "--pick", TRIAL, "--replicas", "1,2")
+    done = servetune("serve-check", study, "--pick", TRIAL, "--replicas", "1,2", "--ramp", "--ramp-hold", "10",
+                     "--delay-scale", "0.05", timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     result = ServeCheckResult.model_validate_json((study / "serve-check.json").read_text())
     assert [run.replicas for run in result.runs] == [1, 2]
@@ -71,3 +72,15 @@ def test_one_and_two_replicas_deploy_take_traffic_and_are_torn_down(tiny_model, 
     assert result.replica_pids and not [p for p in result.replica_pids if psutil.pid_exists(p) and
                                         psutil.Process(p).status() != psutil.STATUS_ZOMBIE]  # fmt: skip
     assert (study / "serve-check.requests.jsonl").is_file()
+    # The ramp: the derived autoscaling (knee 8 in flight, 1-2 replicas) under 8, 24, 8 clients.
+    ramp = result.ramp
+    assert ramp is not None and [p.name for p in ramp.phases] == ["1x", "3x", "back to 1x"]
+    assert ramp.knee_concurrency == 8 and ramp.autoscaling_config["target_ongoing_requests"] == 8
+    assert ramp.autoscaling_config["max_replicas"] == 2 and ramp.autoscaling_config["upscale_delay_s"] == 6.0
+    assert ramp.replicas_before == 1 and ramp.replicas_peak == 2, [(s.t_s, s.running, s.starting) for s in ramp.samples]
+    assert ramp.time_to_scale_up_s is not None and ramp.time_to_scale_up_s > ramp.autoscaling_config["upscale_delay_s"]
+    assert ramp.new_replicas and not ramp.traffic_before_ready
+    assert ramp.new_replica_first_served_s >= ramp.new_replica_running_s
+    assert all(p.requests > 0 and p.errors == 0 for p in ramp.phases), ramp.phases
+    assert sum(len(w.served) > 1 for w in ramp.windows) >= 1  # both replicas served within one window
+    assert "time to scale up" in done.stdout

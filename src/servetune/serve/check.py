@@ -18,7 +18,8 @@ from servetune import __version__
 from servetune.errors import UserError
 from servetune.results import LevelResult
 from servetune.secrets import redact_env
-from servetune.serve.plan import Needs, check_fits, llm_config, needs
+from servetune.serve.plan import Needs, autoscaled_llm_config, check_fits, llm_config, needs
+from servetune.serve.ramp import RampResult
 from servetune.serve.result import ReplicaRun, ServeCheckResult, scaling_rows
 from servetune.serve.study import PickedStudy
 
@@ -43,6 +44,15 @@ class Cluster(Protocol):
 
 #: measure(url, served model name, replica count) -> the ladder's level results.
 Measure = Callable[[str, str, int], list[LevelResult]]
+
+
+@dataclass
+class Ramp:
+    """The autoscaling ramp to run after the first replica count: the deployment config to deploy
+    (derived autoscaling) and ``run(url, served model name)``, which drives it."""
+
+    deployment_config: Mapping
+    run: Callable[[str, str], RampResult]
 
 
 @dataclass
@@ -85,15 +95,17 @@ def check_cluster_fits(cluster: Cluster, need: Needs, where: str) -> None:
 
 def run_check(
     picked: PickedStudy, replicas: list[int], cluster: Cluster, name: str, measure: Measure, teardown: Teardown,
-    address: str | None = None, on_ready: Callable[[int, float], None] | None = None,
+    address: str | None = None, on_ready: Callable[[int, float], None] | None = None, ramp: Ramp | None = None,
 ) -> ServeCheckResult:  # fmt: skip
-    """Deploy and measure each replica count; the caller deletes the application (``teardown``
+    """Deploy and measure each replica count; with ``ramp``, after the first count, deploy the
+    derived autoscaling and run the ramp. The caller deletes the application (``teardown``
     gathers the replica pids to prove gone)."""
     point = picked.point
     first = llm_config(point, 1)
     served = first["model_loading_config"]["model_id"]
     timeout_s = picked.space.load.startup_timeout_s
     runs: list[ReplicaRun] = []
+    ramped: RampResult | None = None
     for count in replicas:
         ready_s = cluster.deploy(name, llm_config(point, count), timeout_s)
         teardown.pids.update(cluster.replica_pids(name))
@@ -104,10 +116,14 @@ def run_check(
         after = cluster.requests_per_replica(name)
         handled = {r: n - before.get(r, 0) for r, n in after.items() if n - before.get(r, 0) > 0}
         runs.append(ReplicaRun(replicas=count, ready_s=ready_s, levels=levels, requests_per_replica=handled))
+        if ramp is not None and ramped is None:
+            cluster.deploy(name, autoscaled_llm_config(point, ramp.deployment_config), timeout_s)
+            ramped = ramp.run(cluster.url, served)
+            teardown.pids.update(cluster.replica_pids(name))
     shown = {**first, "runtime_env": {"env_vars": redact_env(first.get("runtime_env", {}).get("env_vars", {}))}}
     return ServeCheckResult(
         servetune_version=__version__, created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         study=picked.study, trial_id=point.trial_id, picked_level=dict(point.level), model=point.model, app_name=name,
         url=cluster.url, address=address, llm_config=shown, slo=[str(b) for b in picked.slo.bounds], runs=runs,
-        rows=scaling_rows(runs, picked.trial.levels),
+        rows=scaling_rows(runs, picked.trial.levels), ramp=ramped,
     )  # fmt: skip

@@ -88,6 +88,13 @@ def llm_config(point: ReportPoint, replicas: int, env: Mapping[str, str] | None 
     return config
 
 
+def autoscaled_llm_config(point: ReportPoint, deployment_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``LLMConfig`` of :func:`llm_config` with the derived autoscaling's deployment config."""
+    config = llm_config(point, 1)
+    config["deployment_config"] = copy.deepcopy(dict(deployment_config))
+    return config
+
+
 def needs(point: ReportPoint, config: Mapping[str, Any], replicas: int) -> Needs:
     kwargs = config.get("engine_kwargs", {})
     per_replica = int(kwargs.get("tensor_parallel_size") or 1) * int(kwargs.get("pipeline_parallel_size") or 1)
