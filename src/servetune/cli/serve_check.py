@@ -23,8 +23,8 @@ study measured for that trial at the same level (the router's TTFT overhead), an
 efficiency (throughput at N replicas / (N x throughput at 1)); the requests each replica handled
 (Serve's own per-replica counter). Writes serve-check.json in the study directory.
 
---ramp validates the autoscaling `export --format ray-serve` derives (peak 3x the knee, max
-replicas capped at the top of --replicas): after the first replica count it deploys that
+--ramp validates the autoscaling `export --format ray-serve` derives (peak 3x the knee, at
+most --ramp-max-replicas replicas): after the first replica count it deploys that
 autoscaling_config, offers 1x the knee (clients in flight), then 3x until Serve has scaled out
 and --ramp-hold seconds more, then 1x again. Per 5 s window: replicas RUNNING, requests per
 replica (Serve's counter), SLO violations; the time to scale up, and whether a new replica
@@ -56,6 +56,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--request-timeout", type=float, default=None, help="seconds before one request counts as timed out (default: the study's)")
     p.add_argument("--ramp", action="store_true", help="also validate the derived autoscaling with a 1x, 3x, 1x ramp of the knee")
     p.add_argument("--ramp-hold", type=float, default=60.0, metavar="S", help="seconds at 1x, at 3x once scaled out, and back at 1x (default: 60)")
+    p.add_argument("--ramp-max-replicas", type=int, metavar="N", help="the most replicas the ramp may scale to (default: the derived max_replicas for 3x the knee)")
     p.add_argument("--delay-scale", type=float, default=1.0, metavar="F", help="multiply the derived autoscaling delays by F for the ramp (default: 1)")
     p.set_defaults(run=run)
 
@@ -72,12 +73,16 @@ def run(args: argparse.Namespace) -> int:
     from servetune.serve.study import read_picked
 
     console = make_console(stderr=True)
-    if args.ramp_hold < 0 or not 0 < args.delay_scale <= 1:
-        raise UserError("--ramp-hold needs 0 s or more and --delay-scale a factor in (0, 1]")
+    if args.ramp_hold < 0 or not 0 < args.delay_scale <= 1 or (args.ramp_max_replicas or 1) < 1:
+        raise UserError("--ramp-hold needs 0 s or more, --delay-scale a factor in (0, 1], --ramp-max-replicas 1 or more")
     replicas = parse_replicas(args.replicas)
     picked = read_picked(args.study_dir, args.pick)
     name = args.app_name or APP_NAME
+    derived = ramp_autoscaling(args, picked) if args.ramp else None
     need = check_before_start(picked, replicas, args.address)
+    if derived is not None and derived.max_replicas > max(replicas):
+        asked = f"--ramp (scaling up to {derived.max_replicas} replicas; --ramp-max-replicas sets the most)"
+        need = check_before_start(picked, [derived.max_replicas], args.address, asked)
     model = picked.point.model
     if args.address is None and not Path(model).exists() and model.startswith(("/", ".")):
         raise UserError(f"the trial's model {model} is not on this machine")
@@ -99,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
 
     ramp = None
     if args.ramp:
-        ramp = make_ramp(args, picked, replicas, prompts, name, records, console, lambda: cluster)
+        ramp = make_ramp(args, picked, derived, prompts, name, records, console, lambda: cluster)
 
     teardown = Teardown(pids=set())
     where = args.address or "the local Ray"
@@ -138,20 +143,27 @@ def run(args: argparse.Namespace) -> int:
     return 0 if completed and not (result.ramp is not None and result.ramp.traffic_before_ready) else 1
 
 
-def make_ramp(args, picked, replicas, prompts, name, records, console, cluster):
-    """The ramp's deployment config (derived for a peak of 3x the knee, at most the top of
-    --replicas) and its driver; ``cluster()`` is the ServeCluster once started."""
+def ramp_autoscaling(args, picked):
+    """The autoscaling the ramp deploys: derived for a peak of 3x the knee, with at most
+    --ramp-max-replicas replicas."""
+    from servetune.report.autoscale import derive_autoscaling
+
+    slo = [str(b) for b in picked.slo.bounds]
+    knee = derive_autoscaling(picked.trial_points, slo).knee_per_replica
+    derived = derive_autoscaling(picked.trial_points, slo, peak=3 * knee, delay_scale=args.delay_scale)
+    if args.ramp_max_replicas is not None:
+        derived = derived.with_max_replicas(args.ramp_max_replicas, "--ramp-max-replicas")
+    return derived
+
+
+def make_ramp(args, picked, derived, prompts, name, records, console, cluster):
+    """The ramp: its deployment config and its driver; ``cluster()`` is the ServeCluster once started."""
     import asyncio
 
-    from servetune.report.autoscale import derive_autoscaling
     from servetune.serve.check import Ramp
     from servetune.serve.ramp import RampResult, ramp_phases, run_ramp
 
-    found = derive_autoscaling(picked.trial_points, [str(b) for b in picked.slo.bounds], delay_scale=args.delay_scale)
-    knee = max(1, round(found.in_flight_per_replica))
-    derived = derive_autoscaling(picked.trial_points, [str(b) for b in picked.slo.bounds], peak=3 * found.knee_per_replica,
-                                 delay_scale=args.delay_scale)  # fmt: skip
-    derived = derived.with_max_replicas(max(replicas), f"the top of --replicas ({max(replicas)}), what the cluster was sized for")
+    knee = max(1, round(derived.in_flight_per_replica))
     phases = ramp_phases(knee, derived.max_replicas, args.ramp_hold)
     load = picked.space.load
     scale_up_timeout_s = load.startup_timeout_s + derived.upscale_delay_s + derived.look_back_period_s + 30.0

@@ -8,6 +8,7 @@ with its progress bars, so there is one way to measure a ladder.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import os
 from collections.abc import Callable, Mapping
@@ -68,9 +69,9 @@ def local_devices(need: Needs) -> float | None:
     return float(len(os.sched_getaffinity(0))) if need.device == "CPU" else None
 
 
-def check_before_start(picked: PickedStudy, replicas: list[int], address: str | None) -> Needs:
+def check_before_start(picked: PickedStudy, replicas: list[int], address: str | None, asked_by: str = "") -> Needs:
     """Everything that can be refused before Ray is touched; the needs of the largest replica count."""
-    need = needs(picked.point, llm_config(picked.point, 1), max(replicas))
+    need = dataclasses.replace(needs(picked.point, llm_config(picked.point, 1), max(replicas)), asked_by=asked_by)
     devices = local_devices(need) if address is None else None
     if devices is not None:
         check_fits(need, devices, need.cpus, "this machine")
