@@ -44,6 +44,7 @@ def test_scale_up_time_phases_and_a_new_replica_that_waited_for_running():
     windows = {w.start_s: w for w in s["windows"]}
     assert windows[30.0].running == 2 and windows[30.0].served == {"old": 60, "new": 4}  # since the last sample before the window (12 s)
     assert windows[10.0].slo_violations == 1 and windows[10.0].ttft_ms_p95 == pytest.approx(500)
+    assert (windows[20.0].offered, windows[20.0].running, windows[20.0].served) == (6, 1, {})  # no sample: the last one
 
 
 def test_a_new_replica_counted_while_serve_still_ran_one_is_traffic_before_ready():

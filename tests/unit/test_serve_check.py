@@ -175,6 +175,7 @@ def test_run_check_deploys_the_derived_autoscaling_after_the_first_count_and_run
                        ramp=Ramp(deployment_config=deployment, run=ramp_run))  # fmt: skip
     assert seen == [[1, 1]]  # the fixed replica measured first, then the autoscaled config deployed
     assert result.ramp is not None and result.ramp.replicas_peak == 2 and [r.replicas for r in result.runs] == [1]
+    assert result.ramp.ready_s == 1.0  # how long the autoscaled deployment took to be RUNNING
     assert 102 in teardown.pids  # the replica the ramp added is among those proven gone
 
 

@@ -55,7 +55,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--json", type=Path, metavar="OUT", help="where to write the result (default: STUDY_DIR/serve-check.json)")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds before one request counts as timed out (default: the study's)")
     p.add_argument("--ramp", action="store_true", help="also validate the derived autoscaling with a 1x, 3x, 1x ramp of the knee")
-    p.add_argument("--ramp-hold", type=float, default=60.0, metavar="S", help="seconds at 1x, at 3x once scaled out, and back at 1x (default: 60)")
+    p.add_argument("--ramp-hold", type=float, default=60.0, metavar="S", help="seconds at 1x, at 3x once scaled out, and back at 1x (at least 5; default: 60)")
     p.add_argument("--ramp-max-replicas", type=int, metavar="N", help="the most replicas the ramp may scale to (default: the derived max_replicas for 3x the knee)")
     p.add_argument("--delay-scale", type=float, default=1.0, metavar="F", help="multiply the derived autoscaling delays by F for the ramp (default: 1)")
     p.set_defaults(run=run)
@@ -73,8 +73,9 @@ def run(args: argparse.Namespace) -> int:
     from servetune.serve.study import read_picked
 
     console = make_console(stderr=True)
-    if args.ramp_hold < 0 or not 0 < args.delay_scale <= 1 or (args.ramp_max_replicas or 1) < 1:
-        raise UserError("--ramp-hold needs 0 s or more, --delay-scale a factor in (0, 1], --ramp-max-replicas 1 or more")
+    # The 1x phase must outlast Serve's counter's lag, so the replica serving before the ramp is known as old.
+    if args.ramp_hold < 5 or not 0 < args.delay_scale <= 1 or (args.ramp_max_replicas or 1) < 1:
+        raise UserError("--ramp-hold needs 5 s or more, --delay-scale a factor in (0, 1], --ramp-max-replicas 1 or more")
     replicas = parse_replicas(args.replicas)
     picked = read_picked(args.study_dir, args.pick)
     name = args.app_name or APP_NAME
@@ -191,12 +192,13 @@ def ramp_table(ramp) -> Table:
     for col in ("t (s)", "phase", "clients", "replicas", "done", "SLO broken", "TTFT p95", "requests per replica"):
         table.add_column(col, justify="right")
     for w in ramp.windows:
-        served = ", ".join(f"{rid[-6:]}: {n}" for rid, n in sorted(w.served.items()))
+        served = ", ".join(f"{rid}: {n}" for rid, n in sorted(w.served.items()))
         table.add_row(f"{w.start_s:.0f}", w.phase, str(w.offered), str(w.running), str(w.completed),
                       str(w.slo_violations), _fmt(w.ttft_ms_p95, 0), served or "-")  # fmt: skip
     up = "never" if ramp.time_to_scale_up_s is None else f"{ramp.time_to_scale_up_s:.1f} s"
     table.caption = (
-        f"replicas {ramp.replicas_before} -> {ramp.replicas_peak}; time to scale up {up}; "
+        f"autoscaled deployment RUNNING after {_fmt(ramp.ready_s, 0)} s; replicas {ramp.replicas_before} -> "
+        f"{ramp.replicas_peak}; time to scale up {up}; "
         f"SLO broken by {ramp.slo_violations} of {ramp.requests} requests; "
         + ("[red]a new replica served before it was RUNNING[/]" if ramp.traffic_before_ready
            else "no new replica served before it was RUNNING")

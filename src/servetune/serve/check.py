@@ -118,8 +118,8 @@ def run_check(
         handled = {r: n - before.get(r, 0) for r, n in after.items() if n - before.get(r, 0) > 0}
         runs.append(ReplicaRun(replicas=count, ready_s=ready_s, levels=levels, requests_per_replica=handled))
         if ramp is not None and ramped is None:
-            cluster.deploy(name, autoscaled_llm_config(point, ramp.deployment_config), timeout_s)
-            ramped = ramp.run(cluster.url, served)
+            ramp_ready_s = cluster.deploy(name, autoscaled_llm_config(point, ramp.deployment_config), timeout_s)
+            ramped = ramp.run(cluster.url, served).model_copy(update={"ready_s": ramp_ready_s})
             teardown.pids.update(cluster.replica_pids(name))
     shown = {**first, "runtime_env": {"env_vars": redact_env(first.get("runtime_env", {}).get("env_vars", {}))}}
     return ServeCheckResult(

@@ -96,6 +96,7 @@ class RampResult(BaseModel):
     max_ongoing_requests: int
     max_queued_requests: int
     reasons: dict[str, str]
+    ready_s: float | None = None  # serve.run of the autoscaled config until it was RUNNING
     phases: list[RampPhaseResult] = []
     windows: list[RampWindow] = []
     samples: list[RampSample] = []
@@ -144,9 +145,10 @@ def summarize_ramp(
         if last is not None:
             base = before.served if before is not None else {}
             served = {rid: n - base.get(rid, 0) for rid, n in last.served.items() if n - base.get(rid, 0) > 0}
+        seen = inside or ([before] if before is not None else [])  # a window without a sample keeps the last one
         windows.append(RampWindow(
-            start_s=lo, phase=inside[0].phase if inside else (before.phase if before else ""),
-            offered=max((s.offered for s in inside), default=0), running=max((s.running for s in inside), default=0),
+            start_s=lo, phase=seen[0].phase if seen else "",
+            offered=max((s.offered for s in seen), default=0), running=max((s.running for s in seen), default=0),
             completed=len(sent), slo_violations=sum(broke(r) for r in sent),
             ttft_ms_p95=ttfts[min(len(ttfts) - 1, math.ceil(0.95 * len(ttfts)) - 1)] if ttfts else None, served=served,
         ))  # fmt: skip
