@@ -3,7 +3,9 @@
 The study is one COMPLETE trial of the checked-in CPU study (tests/data/cpu-tiny-study, vLLM's
 defaults, measured on this kind of host) with its model pointed at the test's tiny model: what
 serve-check needs of a study is the trial's engine arguments, environment, model and measured
-levels, and the space's workload, ladder and SLO.
+levels, and the space's workload, ladder and SLO. One fixed replica is measured, then the ramp
+deploys the derived autoscaling (1-2 replicas, delays x 0.05) and offers 8, 24 and 8 clients: the
+second replica must start, be RUNNING before it serves, and take traffic.
 """
 
 import json
@@ -51,23 +53,35 @@ def servetune(*argv, timeout=600):
     return subprocess.run([sys.executable, "-m", "servetune", *map(str, argv)], capture_output=True, text=True, timeout=timeout)
 
 
-def test_one_and_two_replicas_deploy_take_traffic_and_are_torn_down(tiny_model, tmp_path):
+def test_one_replica_takes_traffic_a_ramp_scales_out_to_two_and_all_are_torn_down(tiny_model, tmp_path):
     study = one_trial_study(tmp_path / "study", tiny_model)
-    done = servetune("serve-check", study, "--pick", TRIAL, "--replicas", "1,2")
+    # One fixed replica, then the ramp in place of a fixed two-replica run: it scales out to two.
+    done = servetune("serve-check", study, "--pick", TRIAL, "--replicas", "1", "--ramp", "--ramp-max-replicas", "2",
+                     "--ramp-hold", "8", "--delay-scale", "0.05", timeout=900)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     result = ServeCheckResult.model_validate_json((study / "serve-check.json").read_text())
-    assert [run.replicas for run in result.runs] == [1, 2]
-    for run in result.runs:
-        (lv,) = run.levels
-        assert lv.summary.level == {"concurrency": 8.0} and lv.summary.completed == 24 and lv.summary.failed == 0
-    one, two = result.runs
-    assert len(one.requests_per_replica) == 1
-    assert len(two.requests_per_replica) == 2 and min(two.requests_per_replica.values()) > 0, two.requests_per_replica
-    assert sum(two.requests_per_replica.values()) >= 24 + 8  # measured + warm-up requests, all through the LLM replicas
-    row = next(r for r in result.rows if r.replicas == 2)
-    assert row.scaling_efficiency is not None and row.scaling_efficiency > 0
+    (one,) = result.runs
+    (lv,) = one.levels
+    assert one.replicas == 1 and len(one.requests_per_replica) == 1
+    assert lv.summary.level == {"concurrency": 8.0} and lv.summary.completed == 24 and lv.summary.failed == 0
+    (row,) = result.rows
+    assert row.scaling_efficiency == pytest.approx(1.0)
     assert row.bare_output_throughput == pytest.approx(938, abs=1) and row.ttft_p50_overhead_ms is not None
     assert "scaling eff." in done.stdout and "router TTFT p50" in done.stdout
     assert result.replica_pids and not [p for p in result.replica_pids if psutil.pid_exists(p) and
                                         psutil.Process(p).status() != psutil.STATUS_ZOMBIE]  # fmt: skip
     assert (study / "serve-check.requests.jsonl").is_file()
+    # The ramp: the derived autoscaling (knee 8 in flight, 1-2 replicas) under 8, 24, 8 clients.
+    ramp = result.ramp
+    assert ramp is not None and [p.name for p in ramp.phases] == ["1x", "3x", "back to 1x"]
+    assert ramp.knee_concurrency == 8 and ramp.autoscaling_config["target_ongoing_requests"] == 8
+    assert ramp.autoscaling_config["max_replicas"] == 2 and ramp.autoscaling_config["upscale_delay_s"] == 6.0
+    assert ramp.replicas_before == 1 and ramp.replicas_peak == 2, [(s.t_s, s.running, s.starting) for s in ramp.samples]
+    assert ramp.time_to_scale_up_s is not None and ramp.time_to_scale_up_s > ramp.autoscaling_config["upscale_delay_s"]
+    assert ramp.new_replicas and not ramp.traffic_before_ready
+    assert ramp.new_replica_first_served_s >= ramp.new_replica_running_s
+    assert all(p.requests > 0 and p.errors == 0 for p in ramp.phases), ramp.phases
+    assert sum(len(w.served) > 1 for w in ramp.windows) >= 1  # both replicas served within one window
+    new = ramp.new_replicas[0]
+    assert ramp.samples[-1].served.get(new, 0) >= 8  # the new replica took a real share of the 3x load
+    assert "time to scale up" in done.stdout

@@ -153,3 +153,39 @@ def test_cli_help_names_the_command():
     from servetune.cli import build_parser
 
     assert "serve-check" in build_parser().format_help()
+
+
+def test_run_check_deploys_the_derived_autoscaling_after_the_first_count_and_runs_the_ramp(tmp_path):
+    from servetune.serve.check import Ramp
+    from servetune.serve.ramp import RampResult
+
+    picked = read_picked(tiny_study(tmp_path / "s"), "t1")
+    cluster, teardown = FakeCluster(), Teardown(pids=set())
+    deployment = {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 8},
+                  "max_ongoing_requests": 10, "max_queued_requests": 4}  # fmt: skip
+    seen: list[list[int]] = []
+
+    def ramp_run(url, served):
+        seen.append(list(cluster.deployed))
+        cluster.deployed.append(2)  # the ramp scaled out: a new replica process to prove gone
+        return RampResult(knee_concurrency=8, autoscaling_config=deployment["autoscaling_config"], max_ongoing_requests=10,
+                          max_queued_requests=4, reasons={}, replicas_before=1, replicas_peak=2)  # fmt: skip
+
+    result = run_check(picked, [1], cluster, "app", lambda url, served, n: [level(8, 380, 320)], teardown,
+                       ramp=Ramp(deployment_config=deployment, run=ramp_run))  # fmt: skip
+    assert seen == [[1, 1]]  # the fixed replica measured first, then the autoscaled config deployed
+    assert result.ramp is not None and result.ramp.replicas_peak == 2 and [r.replicas for r in result.runs] == [1]
+    assert result.ramp.ready_s == 1.0  # how long the autoscaled deployment took to be RUNNING
+    assert 102 in teardown.pids  # the replica the ramp added is among those proven gone
+
+
+def test_cli_ramp_refusals_come_before_ray_starts(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("servetune.serve.check.os.sched_getaffinity", lambda pid: {0, 1})  # a two-core machine
+    study = tiny_study(tmp_path / "s")
+    assert main(["serve-check", str(study), "--pick", "t1", "--replicas", "1", "--ramp", "--ramp-max-replicas", "4096"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("servetune serve-check: error: --ramp (scaling up to 3 replicas; ")
+    assert "3 replicas of 1 CPU core (TP x PP) need 3 CPU cores" in err[0]  # the peak 3x the knee: 3 replicas
+    assert main(["serve-check", str(study), "--pick", "t1", "--ramp", "--delay-scale", "2"]) == 2
+    assert "--delay-scale a factor in (0, 1]" in capsys.readouterr().err
+    assert not (study / "serve-check.json").exists()

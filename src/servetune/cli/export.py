@@ -13,7 +13,11 @@ Print the configuration of one operating point of a study:
                       (secrets shown as ***)
   --format ray-serve  a Ray Serve LLM application config for `serve run` (ray.serve.llm
                       LLMConfig: model_loading_config, engine_kwargs, deployment_config with
-                      data parallelism as replicas, accelerator_type when given)
+                      data parallelism as replicas, accelerator_type when given),
+                      with Serve's autoscaling derived from the trial's measured knee
+                      (the highest level meeting the SLO): min/max replicas,
+                      target_ongoing_requests, max_ongoing_requests, the hard queue cap
+                      max_queued_requests, delays; the reasoning as comments
   --format json       the configuration and its measured numbers
 
 --pick best (default) is the recommendation of `servetune report`; --pick N is row N
@@ -46,20 +50,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="cost with this price per device-hour, as `servetune report --price-per-gpu-hour` does",
     )  # fmt: skip
     p.add_argument("--accelerator-type", metavar="NAME", help="Ray accelerator type for --format ray-serve, e.g. H100")
+    p.add_argument(
+        "--peak", type=float, metavar="X",
+        help="for --format ray-serve: the peak load to scale out to, in the ladder's unit (clients in flight, or "
+             "req/s for a rate ladder); default: the top of the study's ladder",
+    )  # fmt: skip
     p.add_argument("--skip-unreadable", action="store_true", help="do not stop at an invalid result.json")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from servetune.report import build_report, load_study
-    from servetune.report.export import pick_point, point_json, ray_serve_yaml, vllm_command
+    from servetune.report.export import autoscaling_for, pick_point, point_json, ray_serve_yaml, vllm_command
 
     report = build_report(load_study(args.study_dir, args.skip_unreadable), args.price_per_gpu_hour)
     point = pick_point(report, args.pick)
     if args.format == "vllm":
         text = vllm_command(point)
     elif args.format == "ray-serve":
-        text = ray_serve_yaml(point, args.accelerator_type)
+        text = ray_serve_yaml(point, args.accelerator_type, autoscaling_for(report, point, args.peak))
     else:
         text = point_json(report, point)
     sys.stdout.write(text)

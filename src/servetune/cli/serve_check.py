@@ -23,6 +23,14 @@ study measured for that trial at the same level (the router's TTFT overhead), an
 efficiency (throughput at N replicas / (N x throughput at 1)); the requests each replica handled
 (Serve's own per-replica counter). Writes serve-check.json in the study directory.
 
+--ramp validates the autoscaling `export --format ray-serve` derives (peak 3x the knee, at
+most --ramp-max-replicas replicas): after the first replica count it deploys that
+autoscaling_config, offers 1x the knee (clients in flight), then 3x until Serve has scaled out
+and --ramp-hold seconds more, then 1x again. Per 5 s window: replicas RUNNING, requests per
+replica (Serve's counter), SLO violations; the time to scale up, and whether a new replica
+served a request before Serve had it RUNNING (its engine started): it must not (exit 1).
+--delay-scale shrinks section 11's delays (120 s up, 600 s down, 30 s window) for a quick check.
+
 Without --address a local Ray is started, declaring the CPUs the replicas and the ingress need,
 with Serve's HTTP proxy on 127.0.0.1 at a free port; it is shut down at the end. With --address
 only the application serve-check deployed is deleted at the end. Either way serve-check proves,
@@ -46,6 +54,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--replace", action="store_true", help="replace a Serve application of the same name that is already running")
     p.add_argument("--json", type=Path, metavar="OUT", help="where to write the result (default: STUDY_DIR/serve-check.json)")
     p.add_argument("--request-timeout", type=float, default=None, help="seconds before one request counts as timed out (default: the study's)")
+    p.add_argument("--ramp", action="store_true", help="also validate the derived autoscaling with a 1x, 3x, 1x ramp of the knee")
+    p.add_argument("--ramp-hold", type=float, default=60.0, metavar="S", help="seconds at 1x, at 3x once scaled out, and back at 1x (at least 5; default: 60)")
+    p.add_argument("--ramp-max-replicas", type=int, metavar="N", help="the most replicas the ramp may scale to (default: the derived max_replicas for 3x the knee)")
+    p.add_argument("--delay-scale", type=float, default=1.0, metavar="F", help="multiply the derived autoscaling delays by F for the ramp (default: 1)")
     p.set_defaults(run=run)
 
 
@@ -61,10 +73,17 @@ def run(args: argparse.Namespace) -> int:
     from servetune.serve.study import read_picked
 
     console = make_console(stderr=True)
+    # The 1x phase must outlast Serve's counter's lag, so the replica serving before the ramp is known as old.
+    if args.ramp_hold < 5 or not 0 < args.delay_scale <= 1 or (args.ramp_max_replicas or 1) < 1:
+        raise UserError("--ramp-hold needs 5 s or more, --delay-scale a factor in (0, 1], --ramp-max-replicas 1 or more")
     replicas = parse_replicas(args.replicas)
     picked = read_picked(args.study_dir, args.pick)
     name = args.app_name or APP_NAME
+    derived = ramp_autoscaling(args, picked) if args.ramp else None
     need = check_before_start(picked, replicas, args.address)
+    if derived is not None and derived.max_replicas > max(replicas):
+        asked = f"--ramp (scaling up to {derived.max_replicas} replicas; --ramp-max-replicas sets the most)"
+        need = check_before_start(picked, [derived.max_replicas], args.address, asked)
     model = picked.point.model
     if args.address is None and not Path(model).exists() and model.startswith(("/", ".")):
         raise UserError(f"the trial's model {model} is not on this machine")
@@ -84,6 +103,10 @@ def run(args: argparse.Namespace) -> int:
                     holder, records)  # fmt: skip
         return holder.levels
 
+    ramp = None
+    if args.ramp:
+        ramp = make_ramp(args, picked, derived, prompts, name, records, console, lambda: cluster)
+
     teardown = Teardown(pids=set())
     where = args.address or "the local Ray"
     with console.status(f"starting Ray and Serve ({where})"):
@@ -96,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         owned = True
         result = run_check(
             picked, replicas, cluster, name, measure, teardown, address=args.address,
-            on_ready=lambda n, s: console.print(f"{n} replica{'s' if n > 1 else ''} RUNNING after {s:.0f} s"),
+            on_ready=lambda n, s: console.print(f"{n} replica{'s' if n > 1 else ''} RUNNING after {s:.0f} s"), ramp=ramp,
         )  # fmt: skip
     finally:
         with console.status(f"deleting the Serve application {name}"):
@@ -114,8 +137,74 @@ def run(args: argparse.Namespace) -> int:
     _write_atomic(requests_path, "".join(json.dumps(r) + "\n" for r in records))
     _write_atomic(out, result.model_dump_json(indent=2) + "\n")
     make_console().print(scaling_table(result))
+    if result.ramp is not None:
+        make_console().print(ramp_table(result.ramp))
     console.print(f"wrote {out} and {requests_path}; Serve torn down, {len(teardown.pids)} replica processes gone")
-    return 0 if all(lv.summary.completed for run in result.runs for lv in run.levels) else 1
+    completed = all(lv.summary.completed for run in result.runs for lv in run.levels)
+    return 0 if completed and not (result.ramp is not None and result.ramp.traffic_before_ready) else 1
+
+
+def ramp_autoscaling(args, picked):
+    """The autoscaling the ramp deploys: derived for a peak of 3x the knee, with at most
+    --ramp-max-replicas replicas."""
+    from servetune.report.autoscale import derive_autoscaling
+
+    slo = [str(b) for b in picked.slo.bounds]
+    knee = derive_autoscaling(picked.trial_points, slo).knee_per_replica
+    derived = derive_autoscaling(picked.trial_points, slo, peak=3 * knee, delay_scale=args.delay_scale)
+    if args.ramp_max_replicas is not None:
+        derived = derived.with_max_replicas(args.ramp_max_replicas, "--ramp-max-replicas")
+    return derived
+
+
+def make_ramp(args, picked, derived, prompts, name, records, console, cluster):
+    """The ramp: its deployment config and its driver; ``cluster()`` is the ServeCluster once started."""
+    import asyncio
+
+    from servetune.serve.check import Ramp
+    from servetune.serve.ramp import RampResult, ramp_phases, run_ramp
+
+    knee = max(1, round(derived.in_flight_per_replica))
+    phases = ramp_phases(knee, derived.max_replicas, args.ramp_hold)
+    load = picked.space.load
+    scale_up_timeout_s = load.startup_timeout_s + derived.upscale_delay_s + derived.look_back_period_s + 30.0
+
+    def run_it(url: str, served: str) -> RampResult:
+        console.print(f"[bold]ramp[/]: autoscaling {derived.min_replicas}-{derived.max_replicas} replicas, target "
+                      f"{derived.target_ongoing_requests} in flight; clients {knee}, {3 * knee}, {knee}")  # fmt: skip
+        summary, samples, recs, phase_of = asyncio.run(run_ramp(
+            cluster(), name, url, served, picked.workload, prompts, phases, picked.slo.request_bounds_ms(),
+            args.request_timeout or load.request_timeout_s, scale_up_timeout_s,
+            on_phase=lambda ph, t: console.print(f"  {t:6.1f} s  {ph}"),
+        ))  # fmt: skip
+        records.extend({**r.to_dict(), "ramp_phase": ph} for r, ph in zip(recs, phase_of))
+        return RampResult(
+            knee_concurrency=knee, autoscaling_config=derived.autoscaling_config(),
+            max_ongoing_requests=derived.max_ongoing_requests, max_queued_requests=derived.max_queued_requests,
+            reasons=derived.reasons, samples=samples, **summary,
+        )  # fmt: skip
+
+    return Ramp(deployment_config=derived.deployment_config(), run=run_it)
+
+
+def ramp_table(ramp) -> Table:
+    table = Table(title="serve-check --ramp: the derived autoscaling under 1x, 3x and 1x the knee", title_justify="left")
+    for col in ("t (s)", "phase", "clients", "replicas", "done", "SLO broken", "TTFT p95", "requests per replica"):
+        table.add_column(col, justify="right")
+    for w in ramp.windows:
+        served = ", ".join(f"{rid}: {n}" for rid, n in sorted(w.served.items()))
+        table.add_row(f"{w.start_s:.0f}", w.phase, str(w.offered), str(w.running), str(w.completed),
+                      str(w.slo_violations), _fmt(w.ttft_ms_p95, 0), served or "-")  # fmt: skip
+    up = "never" if ramp.time_to_scale_up_s is None else f"{ramp.time_to_scale_up_s:.1f} s"
+    table.caption = (
+        f"autoscaled deployment RUNNING after {_fmt(ramp.ready_s, 0)} s; replicas {ramp.replicas_before} -> "
+        f"{ramp.replicas_peak}; time to scale up {up}; "
+        f"SLO broken by {ramp.slo_violations} of {ramp.requests} requests; "
+        + ("[red]a new replica served before it was RUNNING[/]" if ramp.traffic_before_ready
+           else "no new replica served before it was RUNNING")
+        + "\n" + "; ".join(f"{p.name}: {p.slo_violations}/{p.requests} broken" for p in ramp.phases)
+    )  # fmt: skip
+    return table
 
 
 def _fmt(value: float | None, digits: int = 1, signed: bool = False) -> str:

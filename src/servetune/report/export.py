@@ -18,6 +18,7 @@ import yaml
 from servetune.engine.args import RESERVED, engine_argv, normalize_key
 from servetune.errors import UserError
 from servetune.metrics import GOODPUT, REQUEST_THROUGHPUT
+from servetune.report.autoscale import Autoscaling, derive_autoscaling
 from servetune.report.build import StudyReport
 from servetune.report.points import ReportPoint, first_line, level_label
 from servetune.secrets import MASK, redact_engine_args, redact_env
@@ -100,12 +101,17 @@ def vllm_command(point: ReportPoint) -> str:
     return note + command + "\n"
 
 
-def ray_serve_app(point: ReportPoint, accelerator_type: str | None = None, app_name: str = "llm") -> dict[str, Any]:
+def ray_serve_app(
+    point: ReportPoint, accelerator_type: str | None = None, app_name: str = "llm", autoscaling: Autoscaling | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """A ``serve run`` config with one ``ray.serve.llm`` ``LLMConfig`` (as a plain dict).
 
-    Data parallelism becomes Serve replicas (``min_replicas = max_replicas = DP``) and leaves
-    ``engine_kwargs`` (so does ``distributed_executor_backend``, which Ray Serve LLM sets itself); with expert parallelism it stays in the engine and the DP builder is used.
-    The measured concurrency per replica becomes ``target_ongoing_requests``.
+    Data parallelism becomes Serve replicas and leaves ``engine_kwargs`` (so does
+    ``distributed_executor_backend``, which Ray Serve LLM sets itself); with expert parallelism it
+    stays in the engine and the DP builder is used. With ``autoscaling`` (derived from the trial's
+    measured knee, :mod:`servetune.report.autoscale`) the deployment config is that; without, the
+    replicas are fixed (``min_replicas = max_replicas = DP``) and the measured concurrency per
+    replica becomes ``target_ongoing_requests``.
     """
     kwargs = masked_engine_args(point)
     # Ray Serve LLM chooses the executor itself (Ray on GPUs, mp on CPUs) and refuses another one.
@@ -119,14 +125,14 @@ def ray_serve_app(point: ReportPoint, accelerator_type: str | None = None, app_n
     replicas = 1 if expert_parallel else dp
     if not expert_parallel:
         kwargs.pop("data_parallel_size", None)
-    autoscaling: dict[str, Any] = {"min_replicas": replicas, "max_replicas": replicas}
+    fixed: dict[str, Any] = {"min_replicas": replicas, "max_replicas": replicas}
     concurrency = point.level.get("concurrency")
     if concurrency:
-        autoscaling["target_ongoing_requests"] = max(1, round(concurrency / max(dp, 1)))
+        fixed["target_ongoing_requests"] = max(1, round(concurrency / max(dp, 1)))
     config: dict[str, Any] = {
         "model_loading_config": {"model_id": model_id, "model_source": point.model},
         "engine_kwargs": kwargs,
-        "deployment_config": {"autoscaling_config": autoscaling},
+        "deployment_config": {"autoscaling_config": fixed} if autoscaling is None else autoscaling.deployment_config(),
     }
     if accelerator_type:
         if point.device == "cpu":
@@ -147,17 +153,38 @@ def ray_serve_app(point: ReportPoint, accelerator_type: str | None = None, app_n
     return {"applications": [{"name": app_name, "route_prefix": "/", "import_path": import_path, "args": args}]}
 
 
-def ray_serve_yaml(point: ReportPoint, accelerator_type: str | None = None) -> str:
+def ray_serve_yaml(
+    point: ReportPoint, accelerator_type: str | None = None, autoscaling: Autoscaling | str | None = None,
+) -> str:  # fmt: skip
+    """The ``serve run`` YAML; ``autoscaling`` is the derived settings (their reasons become
+    comments) or, as a string, why none could be derived (the replicas stay fixed)."""
     header = (
         f"# Ray Serve LLM application (servetune trial {point.trial_id}, measured at {level_label(point.level)}).\n"
         "# Deploy: serve run this.yaml\n"
     )
+    if isinstance(autoscaling, str):
+        header += f"# Fixed replicas, no autoscaling derived: {autoscaling}\n"
+        autoscaling = None
+    elif autoscaling is not None:
+        header += "# Autoscaling derived from the study's measurements (checklist sections 10 and 11):\n"
+        header += "".join(f"#   {name}: {why}\n" for name, why in autoscaling.reasons.items())
     if not accelerator_type and point.device == "gpu":
         header += "# accelerator_type unknown: add it (e.g. H100) or pass --accelerator-type.\n"
-    body = yaml.safe_dump(ray_serve_app(point, accelerator_type), sort_keys=False, default_flow_style=False)
+    body = yaml.safe_dump(ray_serve_app(point, accelerator_type, autoscaling=autoscaling), sort_keys=False, default_flow_style=False)
     if f"'{MASK}'" in body:
         header += f"# {MASK} marks a secret servetune does not print: put the real value there.\n"
     return header + body
+
+
+def autoscaling_for(report: StudyReport, point: ReportPoint, peak: float | None = None) -> Autoscaling | str:
+    """The autoscaling derived from the picked point's trial (all its levels), or why there is none."""
+    points = [p for p in report.points if p.trial_id == point.trial_id]
+    try:
+        return derive_autoscaling(points, [str(line) for line in report.slo], peak)
+    except UserError as exc:
+        if peak is not None and "--peak" in str(exc):
+            raise
+        return str(exc).removeprefix("autoscaling: ")
 
 
 def point_document(report: StudyReport, point: ReportPoint) -> dict[str, Any]:

@@ -8,6 +8,7 @@ with its progress bars, so there is one way to measure a ladder.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import os
 from collections.abc import Callable, Mapping
@@ -18,7 +19,8 @@ from servetune import __version__
 from servetune.errors import UserError
 from servetune.results import LevelResult
 from servetune.secrets import redact_env
-from servetune.serve.plan import Needs, check_fits, llm_config, needs
+from servetune.serve.plan import Needs, autoscaled_llm_config, check_fits, llm_config, needs
+from servetune.serve.ramp import RampResult
 from servetune.serve.result import ReplicaRun, ServeCheckResult, scaling_rows
 from servetune.serve.study import PickedStudy
 
@@ -46,6 +48,15 @@ Measure = Callable[[str, str, int], list[LevelResult]]
 
 
 @dataclass
+class Ramp:
+    """The autoscaling ramp to run after the first replica count: the deployment config to deploy
+    (derived autoscaling) and ``run(url, served model name)``, which drives it."""
+
+    deployment_config: Mapping
+    run: Callable[[str, str], RampResult]
+
+
+@dataclass
 class Teardown:
     """Replica process ids seen while deployed: what must be gone once the application is."""
 
@@ -58,9 +69,9 @@ def local_devices(need: Needs) -> float | None:
     return float(len(os.sched_getaffinity(0))) if need.device == "CPU" else None
 
 
-def check_before_start(picked: PickedStudy, replicas: list[int], address: str | None) -> Needs:
+def check_before_start(picked: PickedStudy, replicas: list[int], address: str | None, asked_by: str = "") -> Needs:
     """Everything that can be refused before Ray is touched; the needs of the largest replica count."""
-    need = needs(picked.point, llm_config(picked.point, 1), max(replicas))
+    need = dataclasses.replace(needs(picked.point, llm_config(picked.point, 1), max(replicas)), asked_by=asked_by)
     devices = local_devices(need) if address is None else None
     if devices is not None:
         check_fits(need, devices, need.cpus, "this machine")
@@ -85,15 +96,17 @@ def check_cluster_fits(cluster: Cluster, need: Needs, where: str) -> None:
 
 def run_check(
     picked: PickedStudy, replicas: list[int], cluster: Cluster, name: str, measure: Measure, teardown: Teardown,
-    address: str | None = None, on_ready: Callable[[int, float], None] | None = None,
+    address: str | None = None, on_ready: Callable[[int, float], None] | None = None, ramp: Ramp | None = None,
 ) -> ServeCheckResult:  # fmt: skip
-    """Deploy and measure each replica count; the caller deletes the application (``teardown``
+    """Deploy and measure each replica count; with ``ramp``, after the first count, deploy the
+    derived autoscaling and run the ramp. The caller deletes the application (``teardown``
     gathers the replica pids to prove gone)."""
     point = picked.point
     first = llm_config(point, 1)
     served = first["model_loading_config"]["model_id"]
     timeout_s = picked.space.load.startup_timeout_s
     runs: list[ReplicaRun] = []
+    ramped: RampResult | None = None
     for count in replicas:
         ready_s = cluster.deploy(name, llm_config(point, count), timeout_s)
         teardown.pids.update(cluster.replica_pids(name))
@@ -104,10 +117,14 @@ def run_check(
         after = cluster.requests_per_replica(name)
         handled = {r: n - before.get(r, 0) for r, n in after.items() if n - before.get(r, 0) > 0}
         runs.append(ReplicaRun(replicas=count, ready_s=ready_s, levels=levels, requests_per_replica=handled))
+        if ramp is not None and ramped is None:
+            ramp_ready_s = cluster.deploy(name, autoscaled_llm_config(point, ramp.deployment_config), timeout_s)
+            ramped = ramp.run(cluster.url, served).model_copy(update={"ready_s": ramp_ready_s})
+            teardown.pids.update(cluster.replica_pids(name))
     shown = {**first, "runtime_env": {"env_vars": redact_env(first.get("runtime_env", {}).get("env_vars", {}))}}
     return ServeCheckResult(
         servetune_version=__version__, created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         study=picked.study, trial_id=point.trial_id, picked_level=dict(point.level), model=point.model, app_name=name,
         url=cluster.url, address=address, llm_config=shown, slo=[str(b) for b in picked.slo.bounds], runs=runs,
-        rows=scaling_rows(runs, picked.trial.levels),
+        rows=scaling_rows(runs, picked.trial.levels), ramp=ramped,
     )  # fmt: skip

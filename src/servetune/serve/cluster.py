@@ -143,11 +143,15 @@ class ServeCluster:
         """Requests each replica of the LLM deployment handled, from Serve's own counter
         (``ray_serve_deployment_request_counter``, per replica, exported by Ray's metrics agent
         on this node). Empty when the agent cannot be read."""
+        time.sleep(2.5)  # Ray's metrics agent takes a report interval (1 s here) to see the latest counts
+        return self.served_per_replica(name, deployment_prefix)
+
+    def served_per_replica(self, name: str, deployment_prefix: str = "LLMServer") -> dict[str, int]:
+        """Serve's per-replica request counter as the metrics agent has it now (a report interval behind)."""
         import urllib.request
 
         import ray
 
-        time.sleep(2.5)  # Ray's metrics agent takes a report interval (1 s here) to see the latest counts
         node = ray._private.worker._global_node  # the metrics agent's port has no public accessor
         port = getattr(node, "metrics_export_port", None) if node is not None else None
         if not port:
@@ -163,6 +167,19 @@ class ServeCluster:
             if tags.get("application") == name and tags.get("deployment", "").startswith(deployment_prefix):
                 replica = tags.get("replica") or tags.get("WorkerId", "?")  # a replica is one worker
                 counts[replica] = counts.get(replica, 0) + int(float(value))
+        return counts
+
+    def replica_states(self, name: str, deployment_prefix: str = "LLMServer") -> dict[str, int]:
+        """Replicas of the application's LLM deployment by state (RUNNING, STARTING, ...), as Serve reports them."""
+        from ray import serve
+
+        app = serve.status().applications.get(name)
+        counts: dict[str, int] = {}
+        for deployment_name, deployment in (app.deployments.items() if app is not None else ()):
+            if deployment_name.startswith(deployment_prefix):
+                for state, n in deployment.replica_states.items():
+                    key = str(getattr(state, "value", state))
+                    counts[key] = counts.get(key, 0) + int(n)
         return counts
 
     def log_tail(self, name: str, lines: int = 40) -> str:

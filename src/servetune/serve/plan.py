@@ -37,6 +37,7 @@ class Needs:
     device: str  # "GPU" or "CPU" (the CPU build's ranks are cores)
     devices_per_replica: int  # TP x PP
     cpus_per_replica: float  # the engine's CPU bundles plus the replica actor
+    asked_by: str = ""  # the option that asked for this many replicas, for refusals (default: --replicas N)
 
     @property
     def devices(self) -> int:
@@ -88,6 +89,13 @@ def llm_config(point: ReportPoint, replicas: int, env: Mapping[str, str] | None 
     return config
 
 
+def autoscaled_llm_config(point: ReportPoint, deployment_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``LLMConfig`` of :func:`llm_config` with the derived autoscaling's deployment config."""
+    config = llm_config(point, 1)
+    config["deployment_config"] = copy.deepcopy(dict(deployment_config))
+    return config
+
+
 def needs(point: ReportPoint, config: Mapping[str, Any], replicas: int) -> Needs:
     kwargs = config.get("engine_kwargs", {})
     per_replica = int(kwargs.get("tensor_parallel_size") or 1) * int(kwargs.get("pipeline_parallel_size") or 1)
@@ -105,15 +113,16 @@ def check_fits(need: Needs, devices: float, cpus: float, where: str) -> None:
     ``devices``: GPUs (or, on the CPU build, cores the engines can run on); ``cpus``: Ray's CPUs.
     """
     unit = "GPUs" if need.device == "GPU" else "CPU cores"
+    asked = need.asked_by or f"--replicas {need.replicas}"
     if need.devices > devices:
         raise UserError(
-            f"--replicas {need.replicas}: {need.replicas} replicas of {need.devices_per_replica} "
+            f"{asked}: {need.replicas} replicas of {need.devices_per_replica} "
             f"{unit[:-1] if need.devices_per_replica == 1 else unit} (TP x PP) need {need.devices} {unit}; "
             f"{where} has {devices:g}: nothing was deployed"
         )
     if need.cpus > cpus:
         raise UserError(
-            f"--replicas {need.replicas}: the replicas and the ingress need {need.cpus:g} Ray CPUs; "
+            f"{asked}: the replicas and the ingress need {need.cpus:g} Ray CPUs; "
             f"{where} has {cpus:g}: nothing was deployed"
         )
 

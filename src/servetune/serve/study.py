@@ -26,6 +26,7 @@ class PickedStudy:
     space: SearchSpace
     workload: Workload
     plans: tuple[LevelPlan, ...]  # the study's ladder, sized as its trials sized it
+    trial_points: tuple[ReportPoint, ...] = ()  # every level of the picked trial, as the report sees it
 
     @property
     def slo(self) -> Slo:
@@ -35,7 +36,8 @@ class PickedStudy:
 def read_picked(study_dir: Path, pick: str) -> PickedStudy:
     """The configuration ``servetune export --pick`` would print, with what measuring it needs."""
     loaded = load_study(study_dir)
-    point = pick_point(build_report(loaded), pick)
+    report = build_report(loaded)
+    point = pick_point(report, pick)
     trial = next(t for t in loaded.trials if t.trial_id == point.trial_id)
     space_path = study_dir / SPACE_FILE
     if not space_path.is_file():
@@ -47,4 +49,5 @@ def read_picked(study_dir: Path, pick: str) -> PickedStudy:
         LevelPlan.sized(level, load.requests_per_level, load.seconds_per_level, load.warmup_requests)
         for level in resolve_levels(space, workload)
     )
-    return PickedStudy(loaded.info.name, point, trial, space, workload, plans)
+    points = tuple(p for p in report.points if p.trial_id == point.trial_id)
+    return PickedStudy(loaded.info.name, point, trial, space, workload, plans, points)

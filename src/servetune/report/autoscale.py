@@ -1,0 +1,195 @@
+"""Ray Serve autoscaling derived from what the study measured (checklist sections 10 and 11).
+
+The rule, one field at a time (``Autoscaling.reasons`` carries each as a sentence for the
+exported file):
+
+- **knee**: the highest load level of the trial that met every SLO bound, per replica (a trial
+  with data parallelism DP measured DP replicas at once, so its level and throughput are divided
+  by DP). Without such a level there is nothing safe to scale on, and the derivation refuses.
+- ``target_ongoing_requests`` = the knee's requests in flight per replica (its concurrency; for
+  an open-loop level, Little's law: request throughput x mean E2E latency). Serve adds replicas
+  when the requests in flight per replica stay above it, so a replica is kept at load it was
+  measured to serve within the SLO.
+- ``max_ongoing_requests`` = ceil(1.25 x target): Serve's guidance (20-50% above the target) so
+  the autoscaler sees load above the target while the excess waits in Serve's queue, not in the
+  engine's, where no one bounds it.
+- ``min_replicas`` = 1 (a replica starts in minutes: scaling to zero trades every first request
+  for a cold start); ``max_replicas`` = ceil(peak / knee), the peak being what the user states or
+  else the top of the study's ladder.
+- ``max_queued_requests`` (section 10: a queue has a hard cap) = ceil(arrival rate x tolerable
+  wait): the rate all ``max_replicas`` serve at the knee, and the tolerable wait the SLO's TTFT
+  bound (its P99, else the tightest TTFT bound; without one, section 11's 300 ms queue wait).
+  Requests beyond it get 503 at once rather than a wait longer than the SLO.
+- delays (section 11): scale up when queue wait has stayed high for 2 minutes
+  (``upscale_delay_s`` 120), down after 10 minutes of low load (``downscale_delay_s`` 600),
+  the load averaged over Serve's 30 s window (``look_back_period_s``). ``delay_scale`` shrinks all
+  three for a quick check (serve-check's ramp on the CPU stand-in); exported files keep them.
+
+Section 11's other triggers (KV-cache usage above 85%, never GPU utilization alone) are not
+expressible in Serve's request-based policy; the knee's measured KV usage is stated beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from servetune.errors import UserError
+from servetune.metrics import REQUEST_THROUGHPUT
+from servetune.report.points import KV_CACHE_USAGE_MAX, ReportPoint, level_label
+
+#: Section 11: scale up after the queue wait stayed high for 2 minutes; down after 10-20 minutes low.
+UPSCALE_DELAY_S = 120.0
+DOWNSCALE_DELAY_S = 600.0
+#: Serve's default window over which requests in flight are averaged.
+LOOK_BACK_PERIOD_S = 30.0
+#: Section 11's queue-wait threshold: the tolerable wait when the SLO bounds no TTFT.
+QUEUE_WAIT_S = 0.3
+#: Serve's guidance: max_ongoing_requests 20-50% above target_ongoing_requests.
+ONGOING_HEADROOM = 1.25
+#: Section 11: scale up beyond this KV-cache usage.
+KV_USAGE_LIMIT = 0.85
+
+
+@dataclass(frozen=True)
+class Autoscaling:
+    """Serve's settings for one configuration, and why each has its value."""
+
+    knee: Mapping[str, float]  # the trial's level it rests on (whole trial, all DP ranks)
+    knee_per_replica: float  # that level's value per replica (concurrency, or rate)
+    in_flight_per_replica: float  # requests in flight per replica at the knee
+    throughput_per_replica: float  # req/s per replica at the knee
+    peak: float  # in the level's unit (concurrency or rate), for the whole deployment
+    peak_source: str
+    min_replicas: int
+    max_replicas: int
+    target_ongoing_requests: int
+    max_ongoing_requests: int
+    max_queued_requests: int
+    tolerable_wait_s: float
+    upscale_delay_s: float
+    downscale_delay_s: float
+    look_back_period_s: float
+    kv_cache_usage_at_knee: float | None = None
+    reasons: dict[str, str] = field(default_factory=dict)
+
+    def autoscaling_config(self) -> dict[str, Any]:
+        """Serve's ``autoscaling_config`` (ray.serve.config.AutoscalingConfig fields)."""
+        return {
+            "min_replicas": self.min_replicas, "initial_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+            "target_ongoing_requests": self.target_ongoing_requests, "upscale_delay_s": self.upscale_delay_s,
+            "downscale_delay_s": self.downscale_delay_s, "look_back_period_s": self.look_back_period_s,
+            "upscaling_factor": 1.0,
+        }  # fmt: skip
+
+    def deployment_config(self) -> dict[str, Any]:
+        """The LLM deployment's ``deployment_config``: autoscaling plus the per-replica and queue caps."""
+        return {
+            "autoscaling_config": self.autoscaling_config(),
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "max_queued_requests": self.max_queued_requests,
+        }
+
+    def with_max_replicas(self, cap: int, why: str) -> Autoscaling:
+        """The same settings with at most ``cap`` replicas (what a smaller cluster holds)."""
+        if cap >= self.max_replicas:
+            return self
+        reasons = {**self.reasons, "max_replicas": f"{self.reasons['max_replicas']}; capped at {cap}: {why}"}
+        return dataclasses.replace(self, max_replicas=max(cap, self.min_replicas), reasons=reasons)
+
+
+def _level_value(level: Mapping[str, float]) -> tuple[str, float] | None:
+    for kind in ("concurrency", "rate"):
+        if level.get(kind):
+            return kind, float(level[kind])
+    return None
+
+
+def tolerable_wait_s(slo_lines: Sequence[str]) -> tuple[float, str]:
+    """The longest a request may wait in Serve's queue: the SLO's TTFT P99 bound, else its tightest
+    TTFT bound, else section 11's 300 ms queue wait."""
+    ttft: dict[str, float] = {}
+    for line in slo_lines:
+        name, _, bound = str(line).partition(" <= ")
+        if name.startswith("ttft_ms_"):
+            ttft[name] = float(bound)
+    if "ttft_ms_p99" in ttft:
+        return ttft["ttft_ms_p99"] / 1000.0, f"the SLO's ttft_ms_p99 bound ({ttft['ttft_ms_p99']:g} ms)"
+    if ttft:
+        name = min(ttft, key=ttft.__getitem__)
+        return ttft[name] / 1000.0, f"the SLO's {name} bound ({ttft[name]:g} ms)"
+    return QUEUE_WAIT_S, "section 11's 300 ms queue wait (the SLO bounds no TTFT)"
+
+
+def derive_autoscaling(
+    trial_points: Sequence[ReportPoint], slo_lines: Sequence[str], peak: float | None = None,
+    delay_scale: float = 1.0,
+) -> Autoscaling:  # fmt: skip
+    """Serve's autoscaling for one trial, from its measured levels (see the module's rule)."""
+    if not trial_points:
+        raise UserError("autoscaling: the trial measured no load level")
+    trial_id = trial_points[0].trial_id
+    measured = [(p, _level_value(p.level)) for p in trial_points]
+    meeting = [(p, lv) for p, lv in measured if p.meets_slo and lv is not None]
+    if not meeting:
+        raise UserError(f"autoscaling: trial {trial_id} met the SLO at no load level, so it has no knee to scale on")
+    knee, (kind, value) = max(meeting, key=lambda m: m[1][1])
+    engine = {**knee.resolved_engine_args, **{k: v for k, v in knee.engine_args.items() if v is not None}}
+    expert_parallel = bool(engine.get("enable_expert_parallel"))
+    dp = 1 if expert_parallel else max(1, int(engine.get("data_parallel_size") or 1))
+    throughput = float(knee.metrics.get(REQUEST_THROUGHPUT) or 0.0) / dp
+    per_replica = value / dp
+    if kind == "concurrency":
+        in_flight = per_replica
+        in_flight_why = f"its {value:g} clients in flight"
+    else:
+        e2el_s = float(knee.metrics.get("e2el_ms_mean") or 0.0) / 1000.0
+        in_flight = throughput * e2el_s
+        in_flight_why = f"Little's law: {throughput * dp:.2f} req/s x {e2el_s:.2f} s mean E2E latency"
+    per = f" / {dp} data-parallel replicas" if dp > 1 else ""
+    top = max((lv[1] for _, lv in measured if lv is not None and lv[0] == kind), default=value)
+    if peak is None:
+        peak, peak_source = top, f"the top of the study's ladder ({kind} {top:g})"
+    else:
+        if peak <= 0:
+            raise UserError(f"--peak {peak:g}: the peak load must be above 0")
+        peak_source = f"the stated peak ({kind} {peak:g})"
+    target = max(1, math.floor(in_flight))
+    max_replicas = max(1, math.ceil(peak / per_replica - 1e-9))
+    wait_s, wait_why = tolerable_wait_s(slo_lines)
+    queue = max(1, math.ceil(max_replicas * throughput * wait_s))
+    max_ongoing = max(target + 1, math.ceil(ONGOING_HEADROOM * target))
+    kv = knee.server_metrics.get(KV_CACHE_USAGE_MAX)
+    scale = f" (section 11's value x {delay_scale:g} for a quick check)" if delay_scale != 1.0 else ""
+    reasons = {
+        "knee": (f"trial {trial_id}'s highest level meeting every SLO bound: {level_label(knee.level)}{per}, "
+                 f"{throughput:.2f} req/s per replica"),
+        "target_ongoing_requests": (f"{target}: requests in flight per replica at the knee ({in_flight_why}{per}); "
+                                    "above it Serve adds replicas"),
+        "max_ongoing_requests": (f"{max_ongoing}: ceil({ONGOING_HEADROOM:g} x target), Serve's 20-50% headroom; "
+                                 "the rest waits in Serve's bounded queue, not in vLLM's unbounded one"),
+        "min_replicas": "1: a replica starts in minutes, so one stays warm (no scale to zero)",
+        "max_replicas": f"{max_replicas}: ceil(peak {peak:g} / knee {per_replica:g} per replica), the peak being {peak_source}",
+        "max_queued_requests": (f"{queue}: {max_replicas} replicas x {throughput:.2f} req/s x {wait_s:g} s tolerable wait "
+                                f"({wait_why}); section 10's hard queue cap, 503 beyond it"),
+        "upscale_delay_s": f"{UPSCALE_DELAY_S * delay_scale:g}: section 11, load above target for 2 minutes{scale}",
+        "downscale_delay_s": f"{DOWNSCALE_DELAY_S * delay_scale:g}: section 11, 10 minutes of low load before scaling down{scale}",
+        "look_back_period_s": f"{LOOK_BACK_PERIOD_S * delay_scale:g}: Serve's window for averaging the load{scale}",
+        "upscaling_factor": "1.0: straight to the replicas the load needs (each takes minutes to warm up)",
+        "kv_cache": (f"KV-cache usage peaked at {kv:.1%} at the knee"
+                     + (f", above section 11's {KV_USAGE_LIMIT:.0%}: lower target_ongoing_requests" if kv > KV_USAGE_LIMIT
+                        else f", under section 11's {KV_USAGE_LIMIT:.0%}")
+                     if kv is not None else "KV-cache usage at the knee was not recorded")
+                    + "; Serve scales on requests in flight, not on KV usage or GPU utilization",
+    }  # fmt: skip
+    return Autoscaling(
+        knee=dict(knee.level), knee_per_replica=per_replica, in_flight_per_replica=in_flight,
+        throughput_per_replica=throughput, peak=float(peak), peak_source=peak_source, min_replicas=1,
+        max_replicas=max_replicas, target_ongoing_requests=target, max_ongoing_requests=max_ongoing,
+        max_queued_requests=queue, tolerable_wait_s=wait_s, upscale_delay_s=UPSCALE_DELAY_S * delay_scale,
+        downscale_delay_s=DOWNSCALE_DELAY_S * delay_scale, look_back_period_s=LOOK_BACK_PERIOD_S * delay_scale,
+        kv_cache_usage_at_knee=kv, reasons=reasons,
+    )  # fmt: skip

@@ -1,0 +1,106 @@
+"""Serve's autoscaling derived from a stored study's measurements, and written by export."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from servetune.cli import main
+from servetune.errors import UserError
+from servetune.report import ReportPoint, build_report, load_study
+from servetune.report.autoscale import derive_autoscaling, tolerable_wait_s
+from servetune.report.export import autoscaling_for, ray_serve_yaml
+
+STUDY = Path(__file__).parents[1] / "data" / "cpu-tiny-study"
+BASELINE = "e57a166985b8"  # met the SLO at concurrency 2 and 8 (29.31 req/s), broke it at 32
+
+
+@pytest.fixture(scope="module")
+def report():
+    return build_report(load_study(STUDY))
+
+
+def trial_points(report, trial_id: str) -> list[ReportPoint]:
+    return [p for p in report.points if p.trial_id == trial_id]
+
+
+def test_the_knee_is_the_highest_level_meeting_the_slo_and_sets_every_field(report):
+    points = trial_points(report, BASELINE)
+    knee = next(p for p in points if p.level == {"concurrency": 8.0})
+    assert knee.meets_slo and not next(p for p in points if p.level == {"concurrency": 32.0}).meets_slo
+    a = derive_autoscaling(points, [str(s) for s in report.slo])
+    assert a.knee == {"concurrency": 8.0}
+    assert a.target_ongoing_requests == 8 and a.max_ongoing_requests == 10  # ceil(1.25 x 8)
+    assert a.min_replicas == 1 and a.max_replicas == 4  # the ladder's top 32 / 8 per replica
+    rate = knee.metrics["request_throughput"]
+    assert a.throughput_per_replica == pytest.approx(rate)
+    assert a.tolerable_wait_s == 0.3  # the study's ttft_ms.p99 <= 300
+    assert a.max_queued_requests == math.ceil(4 * rate * 0.3) == 36
+    assert (a.upscale_delay_s, a.downscale_delay_s, a.look_back_period_s) == (120.0, 600.0, 30.0)
+    assert "29.31 req/s" in a.reasons["knee"] and "0.3%" in a.reasons["kv_cache"]
+
+
+def test_a_stated_peak_and_a_delay_scale_change_only_what_they_size(report):
+    points = trial_points(report, BASELINE)
+    slo = [str(s) for s in report.slo]
+    base = derive_autoscaling(points, slo)
+    a = derive_autoscaling(points, slo, peak=100, delay_scale=0.05)
+    assert a.max_replicas == 13 and "the stated peak (concurrency 100)" in a.reasons["max_replicas"]
+    assert a.max_queued_requests == math.ceil(13 * base.throughput_per_replica * 0.3)
+    assert (a.upscale_delay_s, a.downscale_delay_s, a.look_back_period_s) == pytest.approx((6.0, 30.0, 1.5))
+    assert a.target_ongoing_requests == base.target_ongoing_requests
+    capped = a.with_max_replicas(2, "the local machine has 2 cores")
+    assert capped.max_replicas == 2 and capped.reasons["max_replicas"].endswith("capped at 2: the local machine has 2 cores")
+    with pytest.raises(UserError, match="--peak 0: the peak load must be above 0"):
+        derive_autoscaling(points, slo, peak=0)
+
+
+def test_data_parallel_levels_are_per_replica_and_a_trial_without_a_knee_is_refused(report):
+    dp2 = ReportPoint(
+        trial_id="dp", level={"concurrency": 16.0}, engine_args={"data_parallel_size": 2},
+        metrics={"request_throughput": 40.0},
+    )  # fmt: skip
+    a = derive_autoscaling([dp2], ["ttft_ms_p95 <= 200"], peak=64)
+    assert a.target_ongoing_requests == 8 and a.throughput_per_replica == 20.0 and a.max_replicas == 8
+    assert a.max_queued_requests == math.ceil(8 * 20.0 * 0.2)  # the tightest TTFT bound when there is no P99
+    with pytest.raises(UserError, match="trial 18ae6e731937 met the SLO at no load level"):
+        derive_autoscaling(trial_points(report, "18ae6e731937"), [])
+
+
+def test_an_open_loop_knee_uses_littles_law():
+    p = ReportPoint(trial_id="r", level={"rate": 10.0},
+                    metrics={"request_throughput": 9.5, "e2el_ms_mean": 2000.0})  # fmt: skip
+    a = derive_autoscaling([p], [])
+    assert a.target_ongoing_requests == 19  # 9.5 req/s x 2 s
+    assert a.tolerable_wait_s == 0.3 and "section 11's 300 ms" in a.reasons["max_queued_requests"]
+
+
+def test_tolerable_wait_prefers_the_ttft_p99_bound():
+    assert tolerable_wait_s(["ttft_ms_p95 <= 150", "ttft_ms_p99 <= 900"])[0] == 0.9
+    assert tolerable_wait_s(["tpot_ms_p95 <= 20"])[0] == 0.3
+
+
+def test_export_writes_the_derived_settings_serve_accepts_with_the_reasons_as_comments(report, capsys):
+    assert main(["export", str(STUDY), "--pick", BASELINE, "--format", "ray-serve", "--peak", "24"]) == 0
+    text = capsys.readouterr().out
+    config = yaml.safe_load(text)["applications"][0]["args"]["llm_configs"][0]
+    deployment = config["deployment_config"]
+    assert deployment["autoscaling_config"]["max_replicas"] == 3 and deployment["max_queued_requests"] == 27
+    assert deployment["autoscaling_config"]["target_ongoing_requests"] == 8 and deployment["max_ongoing_requests"] == 10
+    assert "#   max_replicas: 3: ceil(peak 24 / knee 8 per replica)" in text
+    assert "#   max_queued_requests: 27: 3 replicas x 29.31 req/s x 0.3 s tolerable wait" in text
+    serve_config = pytest.importorskip("ray.serve._private.config")
+    checked = serve_config.DeploymentConfig(**deployment)  # the installed Ray's own validation
+    assert checked.autoscaling_config.upscale_delay_s == 120.0 and checked.max_queued_requests == 27
+
+
+def test_export_of_a_trial_without_a_knee_keeps_fixed_replicas_and_says_why(report):
+    point = next(p for p in report.points if p.trial_id == "18ae6e731937")
+    why = autoscaling_for(report, point)
+    text = ray_serve_yaml(point, autoscaling=why)
+    assert "# Fixed replicas, no autoscaling derived: trial 18ae6e731937 met the SLO at no load level" in text
+    config = yaml.safe_load(text)["applications"][0]["args"]["llm_configs"][0]
+    assert config["deployment_config"] == {"autoscaling_config": {"min_replicas": 1, "max_replicas": 1, "target_ongoing_requests": 2}}
