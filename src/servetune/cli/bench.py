@@ -33,6 +33,7 @@ from servetune.results import BenchResult, KvCapacityReport, LevelResult
 from servetune.secrets import redact_engine_args, redact_env
 from servetune.telemetry import TelemetrySampler, visible_gpu_indices
 from servetune.trial.measure import AUTO, LevelPlan, check_alive, measure_rung
+from servetune.trial.runner import write_atomic
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -171,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
         prompts = PromptFactory(load_tokenizer(tokenizer_name))
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
 
     result = BenchResult(
         servetune_version=__version__, created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -183,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
     records: list[dict] = []
     died: EngineDiedError | None = None
     if args.url:
-        _run_levels(console, args.url, served, workload, prompts, plans, slo, args, result, records)
+        run_levels(console, args.url, served, workload, prompts, plans, slo, args, result, records)
     else:
         log_path = engine_log_path(args.json)
         finished = False
@@ -202,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
                 result.url = server.url
                 result.startup_s = server.startup_s
                 result.kv_capacity = KvCapacityReport(**vars(kv)) if kv else None
-                _run_levels(console, server.url, served, workload, prompts, plans, slo, args, result, records, server)
+                run_levels(console, server.url, served, workload, prompts, plans, slo, args, result, records, server)
             except EngineDiedError as err:
                 died = err  # what was measured, the level it died in included, is still written
             finally:
@@ -215,8 +216,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json is not None:
         requests_path = args.json.with_suffix(".requests.jsonl")
         result.requests_file = requests_path.name
-        _write_atomic(requests_path, "".join(json.dumps(r) + "\n" for r in records))
-        _write_atomic(args.json, result.model_dump_json(indent=2) + "\n")
+        write_atomic(requests_path, "".join(json.dumps(r) + "\n" for r in records))
+        write_atomic(args.json, result.model_dump_json(indent=2) + "\n")
         console.print(f"wrote {args.json} and {requests_path}")
     if died is not None:
         raise died
@@ -224,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
     return 1 if failed_levels else 0
 
 
-def _run_levels(console, url, served, workload, prompts, plans, slo, args, result, records, server=None) -> None:
+def run_levels(console, url, served, workload, prompts, plans, slo, args, result, records, server=None) -> None:
     gpus = visible_gpu_indices({**os.environ, **server.env}) if server is not None else []
 
     async def main() -> None:
@@ -281,11 +282,5 @@ def settle_temporary_log(log_path: Path, keep: bool, console) -> None:
         shutil.rmtree(log_path.parent, ignore_errors=True)
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
-def _exit_on_sigterm(signum: int, frame: object) -> None:
+def exit_on_sigterm(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)

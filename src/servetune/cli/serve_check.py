@@ -62,7 +62,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from servetune.cli.bench import _exit_on_sigterm, _run_levels, _write_atomic
+    from servetune.cli.bench import exit_on_sigterm, run_levels
+    from servetune.trial.runner import write_atomic
     from servetune.cli.display import console as make_console
     from servetune.errors import UserError
     from servetune.load.requests import PromptFactory, load_tokenizer
@@ -90,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     out = args.json or args.study_dir / SERVE_CHECK_FILE
     with console.status(f"loading the tokenizer of {model}"):
         prompts = PromptFactory(load_tokenizer(model))
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     records: list[dict] = []
     measure_args = types.SimpleNamespace(
         repeats=picked.space.load.repeats, request_timeout=args.request_timeout or picked.space.load.request_timeout_s,
@@ -99,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     def measure(url: str, served: str, count: int):
         holder = types.SimpleNamespace(levels=[])  # what bench's level loop appends to
         console.print(f"[bold]{count} replica{'s' if count > 1 else ''}[/] through {url}")
-        _run_levels(console, url, served, picked.workload, prompts, list(picked.plans), picked.slo, measure_args,
+        run_levels(console, url, served, picked.workload, prompts, list(picked.plans), picked.slo, measure_args,
                     holder, records)  # fmt: skip
         return holder.levels
 
@@ -134,8 +135,8 @@ def run(args: argparse.Namespace) -> int:
     result.replica_pids = sorted(teardown.pids)
     requests_path = out.with_suffix(".requests.jsonl")
     out.parent.mkdir(parents=True, exist_ok=True)
-    _write_atomic(requests_path, "".join(json.dumps(r) + "\n" for r in records))
-    _write_atomic(out, result.model_dump_json(indent=2) + "\n")
+    write_atomic(requests_path, "".join(json.dumps(r) + "\n" for r in records))
+    write_atomic(out, result.model_dump_json(indent=2) + "\n")
     make_console().print(scaling_table(result))
     if result.ramp is not None:
         make_console().print(ramp_table(result.ramp))
