@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from servetune.errors import UserError
 from servetune.study.context import StudyContext
 from servetune.verify.choose import Selection
 from servetune.verify.scenarios import Budget
@@ -173,7 +174,11 @@ def verify_top(study_dir: Path, context: StudyContext, say: Callable[[str], None
     space = context.space
     wanted = space.search.verify
     assert wanted is not None
-    selections = select_top(study_dir, wanted.top, context.python)
+    try:
+        selections = select_top(study_dir, wanted.top, context.python)
+    except UserError as exc:  # the study's files do not rebuild a configuration: said, and the report is still written
+        say(f"verify: cannot verify: {exc}")
+        return [Verified("-", Path(study_dir) / VERIFY_DIR, None, ran=False, problem=str(exc))]
     if not selections:
         from servetune.report import build_report, load_study
 
