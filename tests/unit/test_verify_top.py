@@ -141,5 +141,5 @@ def test_one_verification_needs_no_conclusion_and_verify_json_stays_the_recommen
     only = verifications(study, verified(study, "a", None, True), [])
     assert conclusion(only, "a", study) == "" and primary(only, "a", study).path == study / "verify.json"
     both = verifications(study, verified(study, "a", None, False), [verified(study, "a", 0, True)])
-    assert primary(both, "a", study).rank is None  # servetune verify ran after the study: its verdict is the newer one
+    assert primary(both, "a", study).rank is None  # servetune verify's own verify.json stays the verdict stated first
     assert not primary((), "a", study).found

@@ -144,7 +144,7 @@ def verifications(study_dir: Path, single: VerifyFile | None, per_point: Sequenc
 
 def primary(all_verified: Sequence[Verification], recommended_trial: str | None, study_dir: Path) -> Verification:
     """The verification the recommendation's summary line states: the recommended trial's (the
-    newest file first: ``verify.json`` before the study's own), else the first listed, else how to run verify."""
+    ``servetune verify``'s own ``verify.json`` before the study's file), else the first listed, else how to run verify."""
     mine = [v for v in all_verified if recommended_trial and v.trial_id == recommended_trial and not v.problem]
     if mine:
         return next((v for v in mine if v.rank is None), mine[0])
