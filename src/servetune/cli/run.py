@@ -23,6 +23,11 @@ configuration needs (TP x PP x DP GPUs on one node, or CPU cores on the CPU buil
 memory ledger, starts vLLM on exactly those devices, climbs the load ladder on one launch and
 records its outcome. Results go to STORAGE/<study name>/trials/<hash of the config>/result.json.
 
+With `search: {verify: {top: K}}` the study ends by running `servetune verify`'s scenarios on its
+K best points, each on devices reserved through Ray as a trial's are: STORAGE/<study name>/verify/
+<trial id>.json. Exit status: 0; 1 when a verified point was rejected or its verification did not finish (the
+report is written either way); 2 for bad input.
+
 On a cluster:  ray job submit --working-dir . -- servetune run search_spaces/chat-latency.yaml
 """
 
@@ -88,6 +93,10 @@ def dry_run(space: SearchSpace, args: argparse.Namespace, model: str, models: di
     if space.search.algorithm not in ("grid", "random"):
         n = args.max_trials or space.search.num_trials or 20
         console.print(f"{space.search.algorithm} proposes up to {n} trials from these parameters; the table lists the grid they come from")
+    if space.search.verify is not None:
+        soak = f"{space.search.verify.duration_s:g} s soak" if space.search.verify.duration_s else "verify's default soak"
+        console.print(f"at the end: servetune verify's scenarios on the {space.search.verify.top} best point(s) ({soak}), "
+                      "each on devices reserved through Ray")  # fmt: skip
     if space.quality is not None:
         console.print(f"quality probe before each ladder: {', '.join(space.quality.suites)}; the reference, "
                       f"{describe_params(space.quality_reference or {})}, runs first; bounds: "
@@ -172,13 +181,19 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
         console.print(f"{at_once} trial(s) at once" + (" (max_concurrent: auto)" if space.search.max_concurrent == "auto" else ""))
         run_tuner(context, points, searcher, num_samples, ray_started(), at_once)
     results = finished_results(study_dir)
+    verified = []
+    if space.search.verify is not None and results:
+        from servetune.study.verify_top import verify_top
+
+        say = lambda line: console.print(line, soft_wrap=True, highlight=False, markup=False)  # noqa: E731
+        verified = verify_top(study_dir, context, say, ray_started, args.tracking_uri)
     out = make_console()
     out.print(summary_table(results, space))
     for line in device_time_lines(results, space.device, len(context.levels)):
         out.print(line, soft_wrap=True)
     if not results:
         return 0
-    from servetune.report.write import recommendation_lines, write_report
+    from servetune.report.write import recommendation_lines, verification_line, write_report
     from servetune.tracking import sync_study
 
     report, files = write_report(study_dir)
@@ -188,4 +203,6 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
     synced = sync_study(study_dir, args.tracking_uri, report_dir=files[0].parent)  # the report joins the study's run
     if not synced.ok:
         console.print(synced.summary())
-    return 0
+    if verified:
+        console.print(verification_line(report), soft_wrap=True, highlight=False, markup=False)
+    return 1 if any(not v.accepted for v in verified) else 0  # as servetune verify: 1 when a verified point was rejected

@@ -144,6 +144,17 @@ class Objective(BaseModel):
         return metric
 
 
+class VerifyTop(BaseModel):
+    """``search.verify``: at the study's end, ``servetune verify``'s scenarios on its ``top`` best
+    points (the recommendation first, then the other candidates cheapest first), each on devices
+    reserved through Ray as a trial's are (study/verify_top.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    top: int = Field(ge=1)  # how many points, at most (fewer when fewer meet the SLO)
+    duration_s: float | None = Field(default=None, gt=0)  # the soak; default: verify's own (600 s on GPUs, 60 on CPU)
+
+
 class Search(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -154,6 +165,7 @@ class Search(BaseModel):
     objectives: tuple[Objective, ...] = (Objective(metric="goodput", mode="max"),)
     seed: int = 0
     baseline: bool = True  # run vLLM's defaults (only the fixed engine arguments) too: first, or in packing order
+    verify: VerifyTop | None = None  # verify the best points once the trials are done
 
     @model_validator(mode="after")
     def _objectives(self) -> "Search":

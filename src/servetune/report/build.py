@@ -28,7 +28,7 @@ from servetune.report.recommend import Recommendation, recommend
 from servetune.report.study import LoadedStudy, NotRead
 from servetune.report.quality import QualityRow, RuleCheck, precision_rule, quality_rows
 from servetune.report.trials import TrialRow, trial_rows
-from servetune.report.verification import Verification, verification
+from servetune.report.verification import Verification, conclusion, primary, verifications
 from servetune.results import StudyInfo, TrialResult
 
 OUTCOMES = ("COMPLETE", "INFEASIBLE", "FAILED")
@@ -62,7 +62,9 @@ class StudyReport:
     trial_table: tuple[TrialRow, ...] = ()  # a row per trial (report/trials.py)
     quality_table: tuple[QualityRow, ...] = ()  # a row per trial that ran the quality probe (report/quality.py)
     precision_rule: tuple[RuleCheck, ...] | None = None  # section 2's rule, for a lower-precision recommendation
-    verification: Verification | None = None  # verify.json, or how to run verify (report/verification.py)
+    verification: Verification | None = None  # the recommendation's verification, or how to run verify (report/verification.py)
+    verifications: tuple[Verification, ...] = ()  # every verified point, in verify order, then verify.json
+    verification_conclusion: str = ""  # what the verdicts mean together (several points verified)
     ttft_spreads: tuple[LevelSpread, ...] = ()  # the recommended trial's TTFT distribution per level (report/distribution.py)
 
     def outcome_counts(self) -> dict[str, int]:
@@ -131,6 +133,8 @@ def build_report(study: LoadedStudy, price_per_device_hour: float | None = None)
         specs.append(extra)
     fronts = tuple(Front(spec, pareto_front(points, spec.objectives)) for spec in specs)
     recommendation = recommend(points, outlines)
+    verified = verifications(study.root, study.verify, study.verified)
+    rec_trial = recommendation.point.trial_id if recommendation.point is not None else None
     return StudyReport(
         root=study.root,
         info=study.info,
@@ -145,7 +149,9 @@ def build_report(study: LoadedStudy, price_per_device_hour: float | None = None)
         trial_table=tuple(trial_rows(study.trials, points, recommendation.point)),
         quality_table=tuple(quality_rows(study.trials)),
         precision_rule=_rule(recommendation.point, study.trials, points),
-        verification=verification(study.root, study.verify),
+        verification=primary(verified, rec_trial, study.root),
+        verifications=verified,
+        verification_conclusion=conclusion(verified, rec_trial, study.root),
         ttft_spreads=ttft_spreads(study.trials, recommendation.point),
     )
 

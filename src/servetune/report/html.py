@@ -181,9 +181,14 @@ def _rows_html(headings: Sequence[str], rows: Sequence[Sequence[str]], row_class
     return f"<table{ident}>{_head(headings)}<tbody>{body}</tbody></table>"
 
 
-def verification_summary_html(v: Verification | None) -> str:
-    """One line under the recommendation: the verdict, or that verify has not run."""
+def verification_summary_html(v: Verification | None, several: Sequence[Verification] = (), conclusion: str = "") -> str:
+    """One line under the recommendation: the verdict, or that verify has not run; with several
+    verified points, each point's verdict and what they mean together."""
     e = html.escape
+    if len(several) > 1:
+        verdicts = " · ".join(f"<span class='verdict {e(x.verdict.replace(' ', '-'))}'>{e(x.subject)}: {e(x.verdict)}</span>" for x in several)
+        said = f"<br>{e(conclusion)}" if conclusion else ""
+        return f"<p><b>Verification</b> ({len(several)} points): {verdicts} (<a href='#verification'>details</a>){said}</p>"
     if v is None:
         return ""
     if not v.found:
@@ -194,9 +199,20 @@ def verification_summary_html(v: Verification | None) -> str:
             f"{' · ' + e(v.counts_line) if v.checklist else ''} (<a href='#verification'>details</a>)</p>")  # fmt: skip
 
 
-def verification_html(v: Verification | None) -> str:
-    """The section: verdict, stability, scenarios, checklist; or how to run verify."""
+def verification_html(v: Verification | None, several: Sequence[Verification] = (), conclusion: str = "") -> str:
+    """The section: verdict, stability, scenarios, checklist; or how to run verify. With several
+    verified points: a row per point, what the verdicts mean together, then each point's details."""
     e = html.escape
+    if len(several) > 1:
+        parts = ["<h2 id='verification'>Verification</h2>", f"<p>{len(several)} points verified:</p>",
+                 _rows_html(["point", "verdict", "file", "why"], [[x.subject, x.verdict, str(x.path), x.problem or x.reason or "-"] for x in several],
+                            [x.verdict.replace(" ", "-") for x in several], "verified-points")]  # fmt: skip
+        if conclusion:
+            parts.append(f"<p><b>{e(conclusion)}</b></p>")
+        for index, x in enumerate(several, 1):
+            parts.append(f"<h3 id='verified-{index}'>{index}. {e(x.subject)}: {e(x.verdict)}</h3>")
+            parts += [f"<p><code>{e(str(x.path))}</code> could not be read: {e(x.problem)}.</p>"] if x.problem else _verified_html(x, "h4", f"-{index}")
+        return "\n".join(parts)
     if v is None:
         return ""
     parts = ["<h2 id='verification'>Verification</h2>"]
@@ -204,20 +220,26 @@ def verification_html(v: Verification | None) -> str:
         return parts[0] + f"<p>Not verified yet. Run <code>{e(v.command)}</code>: {e(VERIFY_HINT)}.</p>"
     if v.problem:
         return parts[0] + f"<p><code>{e(str(v.path))}</code> could not be read: {e(v.problem)}. Run <code>{e(v.command)}</code> again.</p>"
+    return "\n".join(parts + _verified_html(v, "h3", ""))
+
+
+def _verified_html(v: Verification, heading: str, suffix: str) -> list[str]:
+    """One verification's verdict, stability, scenarios and checklist (table ids end with ``suffix``)."""
+    e = html.escape
     reason = f". {e(v.reason.rstrip('.'))}" if v.reason else ""
-    parts.append(f"<p class='verdict {e(v.verdict.replace(' ', '-'))}'><b>{e(v.verdict.capitalize())}</b>: {e(v.subject)}{reason}.</p>")
-    parts += ["<h3>Stability</h3>", _rows_html(["number", "value"], v.stability, table_id="stability")]
+    parts = [f"<p class='verdict {e(v.verdict.replace(' ', '-'))}'><b>{e(v.verdict.capitalize())}</b>: {e(v.subject)}{reason}.</p>"]
+    parts += [f"<{heading}>Stability</{heading}>", _rows_html(["number", "value"], v.stability, table_id="stability" + suffix)]
     if v.scenarios:
         rows = [[r.name, r.result, r.numbers, r.reason] for r in v.scenarios]
-        parts += ["<h3>Scenarios</h3>", _rows_html(["scenario", "result", "numbers", "reason"], rows,
-                                                   [r.result.replace(" ", "-") for r in v.scenarios], "scenarios")]  # fmt: skip
+        parts += [f"<{heading}>Scenarios</{heading}>", _rows_html(["scenario", "result", "numbers", "reason"], rows,
+                                                   [r.result.replace(" ", "-") for r in v.scenarios], "scenarios" + suffix)]  # fmt: skip
     if v.checklist:
         rows = [[r.id, r.text, r.status, r.evidence] for r in v.checklist]
-        parts += [f"<h3>Acceptance checklist ({e(v.counts_line)})</h3>",
-                  _rows_html(["#", "item", "status", "evidence"], rows, [r.css_class for r in v.checklist], "checklist")]  # fmt: skip
+        parts += [f"<{heading}>Acceptance checklist ({e(v.counts_line)})</{heading}>",
+                  _rows_html(["#", "item", "status", "evidence"], rows, [r.css_class for r in v.checklist], "checklist" + suffix)]  # fmt: skip
     else:
         parts.append("<p class='muted'>verify.json holds no acceptance checklist.</p>")
-    return "\n".join(parts)
+    return parts
 
 
 _STYLE = """
@@ -278,7 +300,7 @@ def render_html(report: StudyReport) -> str:
         f"<p class='muted'>model {e(report.model_label)} on {e(info.device)} · trials: {e(counts)} · "
         f"SLO: {e(', '.join(str(s) for s in report.slo) or 'none')}</p>",
         f"<div class='rec'>{rec_html}</div>",
-        verification_summary_html(report.verification),
+        verification_summary_html(report.verification, report.verifications, report.verification_conclusion),
     ]
     if report.device_time:
         parts.append("<p class='muted'>" + "<br>".join(e(line) for line in report.device_time) + "</p>")
@@ -305,7 +327,7 @@ def render_html(report: StudyReport) -> str:
         parts.append(quality_html(report))
     if report.ttft_spreads:
         parts.append(spread_html(report))
-    parts.append(verification_html(report.verification))
+    parts.append(verification_html(report.verification, report.verifications, report.verification_conclusion))
     body = "\n".join(parts)
     return (
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"

@@ -83,6 +83,8 @@ def _recommendation(report: StudyReport) -> list[str]:
         if passed.point is not point:
             lines.append(f"- passed over: {describe(passed.point)}: {'; '.join(passed.signals)}")
     lines += ["", f"Export it: `servetune export {report.root} --pick best --format vllm` (or `ray-serve`, `json`).", ""]
+    if report.verification_conclusion:
+        lines += [f"Verification: {report.verification_conclusion}", ""]
     return lines
 
 
@@ -116,14 +118,19 @@ def _verification(v: Verification | None) -> list[str]:
         return lines + [f"Not verified yet. Run `{v.command}`: {VERIFY_HINT}.", ""]
     if v.problem:
         return lines + [f"`{v.path}` could not be read: {v.problem}. Run `{v.command}` again.", ""]
-    lines += [f"**{v.verdict.capitalize()}**: {v.subject}" + (f". {v.reason.rstrip('.')}" if v.reason else "") + ".", ""]
-    lines += ["### Stability", ""] + _table(["number", "value"], [list(row) for row in v.stability]) + [""]
+    return lines + _verified(v, "###")
+
+
+def _verified(v: Verification, heading: str) -> list[str]:
+    """One verification's verdict, stability, scenarios and checklist, under ``heading`` sub-headings."""
+    lines = [f"**{v.verdict.capitalize()}**: {v.subject}" + (f". {v.reason.rstrip('.')}" if v.reason else "") + ".", ""]
+    lines += [f"{heading} Stability", ""] + _table(["number", "value"], [list(row) for row in v.stability]) + [""]
     if v.scenarios:
-        lines += ["### Scenarios", ""]
+        lines += [f"{heading} Scenarios", ""]
         lines += _table(["scenario", "result", "numbers", "reason"], [[r.name, r.result, r.numbers, r.reason] for r in v.scenarios])
         lines.append("")
     if v.checklist:
-        lines += [f"### Acceptance checklist ({v.counts_line})", ""]
+        lines += [f"{heading} Acceptance checklist ({v.counts_line})", ""]
         lines += _table(["#", "item", "status", "evidence"], [[r.id, r.text, r.status, r.evidence] for r in v.checklist])
         lines.append("")
     else:
@@ -138,6 +145,25 @@ def spread_section(report: StudyReport) -> list[str]:
     lines = [f"### TTFT distribution of the recommended trial ({point.trial_id if point else '-'})", ""]
     lines += _table(spread_headings(), [spread_cells(s) for s in report.ttft_spreads])
     return lines + ["", SPREAD_NOTE, ""]
+
+
+def verification_section(report: StudyReport) -> list[str]:
+    """The Verification section: as for one verification, or a list of every verified point, what the
+    verdicts mean together, then each point's details."""
+    several = report.verifications
+    if len(several) < 2:
+        return _verification(several[0] if several else report.verification)
+    lines = ["## Verification", "", f"{len(several)} points verified:", ""]
+    lines += _table(["point", "verdict", "file", "why"],
+                    [[v.subject, v.verdict, f"`{v.path.relative_to(report.root) if v.path.is_relative_to(report.root) else v.path}`",
+                      v.problem or v.reason or "-"] for v in several])  # fmt: skip
+    lines.append("")
+    if report.verification_conclusion:
+        lines += [f"**{report.verification_conclusion}**", ""]
+    for index, v in enumerate(several, 1):
+        lines += [f"### {index}. {v.subject}: {v.verdict}", ""]
+        lines += [f"`{v.path}` could not be read: {v.problem}.", ""] if v.problem else _verified(v, "####")
+    return lines
 
 
 def warm_cache_lines(rows: Sequence[TrialRow]) -> list[str]:
@@ -160,7 +186,7 @@ def render_markdown(report: StudyReport) -> str:
         "",
     ]
     lines += _recommendation(report)
-    lines += _verification(report.verification)
+    lines += verification_section(report)
     counts = report.outcome_counts()
     lines += ["## Trials", ""]
     lines += _table(["outcome", "trials"], [[name, str(n)] for name, n in counts.items()])

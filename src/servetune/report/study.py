@@ -1,5 +1,5 @@
 """Reading a study directory from disk: ``study.json``, ``trials/*/result.json`` and, when
-``servetune verify`` ran, ``verify.json``.
+``servetune verify`` ran, ``verify.json``, and ``verify/*.json`` when the study verified its best points.
 
 Nothing is skipped silently. A trial directory without ``result.json`` (a trial still
 running, or killed before it wrote one) is listed as not read. A ``result.json`` that is not
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from servetune.errors import UserError
-from servetune.report.verification import VerifyFile, read_verify_file
+from servetune.report.verification import VerifyFile, read_verify_file, read_verify_files
 from servetune.results import RESULT_FILE, STUDY_FILE, TRIALS_DIR, StudyInfo, TrialResult, read_model, read_result
 
 
@@ -32,6 +32,7 @@ class LoadedStudy:
     trials: tuple[TrialResult, ...]
     not_read: tuple[NotRead, ...]
     verify: VerifyFile | None = None  # verify.json (report/verification.py); None when verify has not run
+    verified: tuple[VerifyFile, ...] = ()  # verify/<trial id>.json, one per point the study verified (search.verify)
 
 
 def load_study(root: Path | str, skip_unreadable: bool = False) -> LoadedStudy:
@@ -61,4 +62,5 @@ def load_study(root: Path | str, skip_unreadable: bool = False) -> LoadedStudy:
             not_read.append(NotRead(trial_dir, f"no {RESULT_FILE} (still running, or stopped before writing it)"))
         else:
             trials.append(result)
-    return LoadedStudy(root=root, info=info, trials=tuple(trials), not_read=tuple(not_read), verify=read_verify_file(root))
+    return LoadedStudy(root=root, info=info, trials=tuple(trials), not_read=tuple(not_read), verify=read_verify_file(root),
+                       verified=read_verify_files(root))

@@ -1,9 +1,12 @@
 """The report's "Verification" section as plain data: the verdict of ``servetune verify``, its
-stability numbers, a row per scenario and a row per acceptance-checklist item.
+stability numbers, a row per scenario and a row per acceptance-checklist item; one such set per
+verified point, and what the verdicts mean together (:func:`conclusion`).
 
-``servetune verify STUDY_DIR`` writes ``STUDY_DIR/verify.json``; :func:`read_verify_file` reads
-it (the one I/O here, called by ``report/study.py``) and :func:`verification` turns it into rows
-the renderers draw. The keys read, all optional (a missing one shows as "-", never an error):
+``servetune verify STUDY_DIR`` writes ``STUDY_DIR/verify.json``; a study with ``search.verify:
+{top: K}`` writes ``STUDY_DIR/verify/<trial id>.json`` for each of its K best points (with
+``settings.rank``, the point's place: 0 is the recommendation). :func:`read_verify_file` and
+:func:`read_verify_files` read them (the only I/O here, called by ``report/study.py``) and
+:func:`verification` turns each into rows the renderers draw. The keys read, all optional (a missing one shows as "-", never an error):
 
 - ``accepted`` (bool) and ``reason`` (text): the verdict and why;
 - ``trial_id`` and ``level`` (an index into the trial's levels, or a load such as
@@ -24,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 VERIFY_FILE = "verify.json"
+#: ``search.verify: {top: K}`` writes one file per verified point: ``STUDY/verify/<trial id>.json``.
+VERIFY_DIR = "verify"
 #: Checklist statuses in the order a reader looks for them.
 STATUSES = ("FAIL", "NOT CHECKED", "PASS")
 #: Stability numbers (section 16's record), in order: key -> label.
@@ -82,6 +87,8 @@ class Verification:
     stability: tuple[tuple[str, str], ...] = ()
     scenarios: tuple[ScenarioRow, ...] = ()
     checklist: tuple[ChecklistRow, ...] = ()
+    trial_id: str = ""
+    rank: int | None = None  # the point's place in the study's verify order (0: the recommendation); None: verify.json
 
     @property
     def verdict(self) -> str:
@@ -103,8 +110,17 @@ class Verification:
 def read_verify_file(study_dir: Path) -> VerifyFile | None:
     """``STUDY_DIR/verify.json``: None when absent; one that cannot be read or parsed says why."""
     path = Path(study_dir) / VERIFY_FILE
-    if not path.is_file():
-        return None
+    return _read(path) if path.is_file() else None
+
+
+def read_verify_files(study_dir: Path) -> tuple[VerifyFile, ...]:
+    """``STUDY_DIR/verify/*.json``, one per point the study verified (``search.verify``), by name."""
+    folder = Path(study_dir) / VERIFY_DIR
+    paths = sorted(p for p in folder.glob("*.json") if p.is_file()) if folder.is_dir() else []
+    return tuple(_read(path) for path in paths)
+
+
+def _read(path: Path) -> VerifyFile:
     try:
         content = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as exc:
@@ -114,6 +130,48 @@ def read_verify_file(study_dir: Path) -> VerifyFile | None:
     if not isinstance(content, dict):
         return VerifyFile(path, None, "not a JSON object")
     return VerifyFile(path, content)
+
+
+def verifications(study_dir: Path, single: VerifyFile | None, per_point: Sequence[VerifyFile]) -> tuple[Verification, ...]:
+    """Every verification of the study, as the report lists them: the study's points in their
+    verify order (the recommendation first), then ``verify.json`` (``servetune verify``'s own)."""
+    points = [verification(study_dir, file) for file in per_point]
+    points.sort(key=lambda v: (v.rank is None, v.rank if v.rank is not None else 0, v.trial_id, str(v.path)))
+    if single is not None:
+        points.append(verification(study_dir, single))
+    return tuple(points)
+
+
+def primary(all_verified: Sequence[Verification], recommended_trial: str | None, study_dir: Path) -> Verification:
+    """The verification the recommendation's summary line states: the recommended trial's (the
+    ``servetune verify``'s own ``verify.json`` before the study's file), else the first listed, else how to run verify."""
+    mine = [v for v in all_verified if recommended_trial and v.trial_id == recommended_trial and not v.problem]
+    if mine:
+        return next((v for v in mine if v.rank is None), mine[0])
+    if all_verified:
+        return next((v for v in all_verified if v.rank is None), all_verified[0])
+    return verification(study_dir, None)
+
+
+def conclusion(all_verified: Sequence[Verification], recommended_trial: str | None, study_dir: Path) -> str:
+    """What the verdicts mean for the choice to ship, in one sentence ('' with one verification or none).
+
+    The recommendation accepted: ship it. Rejected while another verified point was accepted: that
+    one is the configuration to ship, with the command that exports it. None accepted: none is ready.
+    """
+    judged = [v for v in all_verified if v.accepted is not None]
+    if len(judged) < 2:
+        return ""
+    accepted = [v for v in judged if v.accepted]
+    mine = next((v for v in judged if recommended_trial and v.trial_id == recommended_trial), None)
+    if mine is not None and mine.accepted:
+        return f"The recommendation (trial {mine.trial_id}) passed verification: ship it."
+    if not accepted:
+        return f"Every verified point was rejected ({len(judged)}): none is ready to ship as measured."
+    first = accepted[0]
+    said = f"the recommendation (trial {recommended_trial}) was rejected by verification" if mine is not None else "the recommendation was not verified"
+    return (f"{said[0].upper()}{said[1:]}; trial {first.trial_id}, verified next, was accepted: "
+            f"ship it instead (servetune export {study_dir} --pick {first.trial_id}).")
 
 
 def verification(study_dir: Path, file: VerifyFile | None) -> Verification:
@@ -127,6 +185,12 @@ def verification(study_dir: Path, file: VerifyFile | None) -> Verification:
     data = file.content
     accepted = data.get("accepted")
     reason = data.get("reason")
+    reasons = data.get("reasons")
+    if not isinstance(reason, str) and isinstance(reasons, list):  # verify writes ``reasons``, a list
+        reason = "; ".join(str(r) for r in reasons)
+    trial = data.get("trial_id")
+    settings = data.get("settings")
+    rank = settings.get("rank") if isinstance(settings, Mapping) else None
     return Verification(
         path=file.path, found=True, command=command,
         accepted=accepted if isinstance(accepted, bool) else None,
@@ -135,6 +199,8 @@ def verification(study_dir: Path, file: VerifyFile | None) -> Verification:
         stability=tuple(_stability(data.get("stability"))),
         scenarios=tuple(_scenarios(data.get("scenarios"))),
         checklist=tuple(_checklist(data.get("checklist"))),
+        trial_id=trial if isinstance(trial, str) else "",
+        rank=rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
     )  # fmt: skip
 
 

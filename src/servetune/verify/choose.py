@@ -13,6 +13,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from servetune.config.space import SearchSpace, load_space
 from servetune.config.workload import Workload
@@ -20,11 +21,15 @@ from servetune.errors import UserError
 from servetune.load.runner import Level
 from servetune.report import build_report, load_study
 from servetune.report.build import StudyReport
+from servetune.report.study import LoadedStudy
 from servetune.report.export import pick_point
 from servetune.report.points import ReportPoint, first_line
 from servetune.report.recommend import candidates
 from servetune.results import SPACE_FILE, TRIALS_DIR, StudyInfo, TrialResult, read_result
 from servetune.trial.runner import TrialSpec
+
+if TYPE_CHECKING:
+    from servetune.study.context import StudyContext
 
 
 @dataclass(frozen=True)
@@ -73,8 +78,6 @@ def _level(point: ReportPoint, levels: tuple[Level, ...], workload: Workload) ->
 
 def select(study_dir: Path, pick: str, python: str = sys.executable) -> Selection:
     """The configuration to verify and its runner-up (the best other candidate); UserError on bad input."""
-    from servetune.study.context import StudyContext, resolve_levels
-
     study = load_study(study_dir)
     complete = [t for t in study.trials if t.outcome == "COMPLETE"]
     if not complete:
@@ -91,26 +94,77 @@ def select(study_dir: Path, pick: str, python: str = sys.executable) -> Selectio
     if not point.meets_slo:
         raise UserError(f"--pick {pick}: trial {trial.trial_id} never met the SLO ({'; '.join(point.slo_violations)}): "
                         "nothing to verify")  # fmt: skip
-    space_path = study_dir / SPACE_FILE
-    if not space_path.is_file():
-        raise UserError(f"{space_path}: no such file (verify starts the trial's configuration from the study's space)")
-    space = load_space(space_path)
-    workload = _workload(space, study.info, study_dir)
-    model = study.info.model
-    if model.startswith("/") and not Path(model).is_dir():
-        if space.model != "tiny":
-            raise UserError(f"{study_dir / 'study.json'}: model {model} is not there any more (was the study moved?)")
-        from servetune.models.tiny import build_tiny_model
-
-        # The generated tiny model is deterministic (seeded): build it again inside the study.
-        model = str(build_tiny_model(study_dir / "models" / "tiny").resolve())
-    levels = resolve_levels(space, workload)
-    context = StudyContext(space, workload, study_dir.resolve(), model, levels, python=python)
-
-    def chosen(p: ReportPoint) -> Chosen:
-        result = read_result(study_dir / TRIALS_DIR / p.trial_id)
-        assert result is not None  # the report read it
-        return Chosen(p, result, context.spec_for(dict(result.params)), _level(p, levels, workload))
-
+    rebuild = _Rebuild.of(study_dir, study, report, python)
     others = [c for c in candidates(report.points) if c.trial_id != point.trial_id]
-    return Selection(study_dir, study.info, space, workload, report, chosen(point), chosen(others[0]) if others else None)
+    return rebuild.selection(point, others[0] if others else None)
+
+
+def top_points(report: StudyReport, k: int) -> list[ReportPoint]:
+    """The ``k`` best points to verify, one per trial, in recommendation order: the recommendation
+    (``verify --pick best``), then the other candidates cheapest first (as verify's runner-up is
+    chosen), each trial at its cheapest level meeting every SLO. Fewer when fewer trials have one;
+    none without a recommendation."""
+    first = report.recommendation.point
+    if first is None:
+        return []
+    chosen, seen = [first], {first.trial_id}
+    for point in candidates(report.points):
+        if len(chosen) >= k:
+            break
+        if point.trial_id not in seen:
+            chosen.append(point)
+            seen.add(point.trial_id)
+    return chosen[:k]
+
+
+def select_top(study_dir: Path, k: int, python: str = sys.executable) -> list[Selection]:
+    """A selection per point of :func:`top_points` (no runner-up: the points are each verified)."""
+    study = load_study(study_dir)
+    report = build_report(study)
+    points = top_points(report, k)
+    if not points:
+        return []
+    rebuild = _Rebuild.of(study_dir, study, report, python)
+    return [rebuild.selection(point, None) for point in points]
+
+
+@dataclass(frozen=True)
+class _Rebuild:
+    """What turns a point of the study back into a configuration to start."""
+
+    study_dir: Path
+    info: StudyInfo
+    space: SearchSpace
+    workload: Workload
+    report: StudyReport
+    context: "StudyContext"
+
+    @classmethod
+    def of(cls, study_dir: Path, study: LoadedStudy, report: StudyReport, python: str) -> "_Rebuild":
+        from servetune.study.context import StudyContext, resolve_levels
+
+        space_path = study_dir / SPACE_FILE
+        if not space_path.is_file():
+            raise UserError(f"{space_path}: no such file (verify starts the trial's configuration from the study's space)")
+        space = load_space(space_path)
+        workload = _workload(space, study.info, study_dir)
+        model = study.info.model
+        if model.startswith("/") and not Path(model).is_dir():
+            if space.model != "tiny":
+                raise UserError(f"{study_dir / 'study.json'}: model {model} is not there any more (was the study moved?)")
+            from servetune.models.tiny import build_tiny_model
+
+            # The generated tiny model is deterministic (seeded): build it again inside the study.
+            model = str(build_tiny_model(study_dir / "models" / "tiny").resolve())
+        levels = resolve_levels(space, workload)
+        context = StudyContext(space, workload, study_dir.resolve(), model, levels, python=python)
+        return cls(study_dir, study.info, space, workload, report, context)
+
+    def chosen(self, point: ReportPoint) -> Chosen:
+        result = read_result(self.study_dir / TRIALS_DIR / point.trial_id)
+        assert result is not None  # the report read it
+        return Chosen(point, result, self.context.spec_for(dict(result.params)), _level(point, self.context.levels, self.workload))
+
+    def selection(self, point: ReportPoint, runner_up: ReportPoint | None) -> Selection:
+        return Selection(self.study_dir, self.info, self.space, self.workload, self.report, self.chosen(point),
+                         self.chosen(runner_up) if runner_up is not None else None)  # fmt: skip
