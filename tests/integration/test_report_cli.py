@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -103,9 +104,15 @@ def test_export_ray_serve_config(tmp_path, capsys):
     assert config["accelerator_type"] == "H100"
     assert config["engine_kwargs"] == {"enforce_eager": True, "max_model_len": 2048, "max_num_seqs": 32,
                                        "tensor_parallel_size": 2}  # fmt: skip
-    assert config["deployment_config"] == {
-        "autoscaling_config": {"min_replicas": 2, "max_replicas": 2, "target_ongoing_requests": 32}
-    }
+    # Autoscaling derived from the measured knee: 64 in flight over 2 data-parallel replicas is 32 a
+    # replica; the ladder's top (64) needs 2; the queue holds 2 s (the TTFT P99 bound) of 2 x 33.3 req/s.
+    deployment = config["deployment_config"]
+    scaling = deployment["autoscaling_config"]
+    assert (scaling["min_replicas"], scaling["max_replicas"], scaling["target_ongoing_requests"]) == (1, 2, 32)
+    assert (scaling["upscale_delay_s"], scaling["downscale_delay_s"]) == (120.0, 600.0)  # section 11
+    assert deployment["max_ongoing_requests"] == 40  # 1.25 x target
+    assert deployment["max_queued_requests"] == math.ceil(2 * (4000 / 60) / 2 * 2.0)
+    assert "#   max_queued_requests: 134: 2 replicas x 33.33 req/s x 2 s tolerable wait" in out
     assert config["runtime_env"] == {"env_vars": {"HF_TOKEN": "***"}}
 
 
