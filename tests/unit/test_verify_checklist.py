@@ -418,7 +418,7 @@ def test_vllm_has_no_hard_queue_limit_and_the_fix_is_sized(gpu):
     item = one(study, result, "15.15", full_verify())
     # builders.level(16, 700): 700/60 req/s; the SLO's TTFT P99 bound is 2000 ms
     assert item.status == "FAIL" and "max_queued_requests" in item.evidence
-    assert "7 requests waited" in item.evidence and "11.67 req/s x 2 s tolerable wait = 24" in item.evidence
+    assert "7 requests waited" in item.evidence and "11.67 req/s x 2 s tolerable wait = 24 a replica" in item.evidence
 
 
 def test_latency_histograms_and_device_telemetry(gpu, cpu):

@@ -9,8 +9,8 @@ from __future__ import annotations
 import math
 import statistics
 
-from servetune.errors import UserError
-from servetune.report.points import level_label, outline, parse_slo_lines, trial_points
+from servetune.report.autoscale import tolerable_wait_s
+from servetune.report.points import level_label, outline, trial_points
 from servetune.report.recommend import KV_USAGE_THIN, margin_signals
 from servetune.tracking.fields import engine_setting
 from servetune.verify.context import (
@@ -97,14 +97,13 @@ def hard_queue_limit(ctx: Context) -> tuple[Status, str]:
     seen = f"; at 1.25x the level {waiting:g} requests waited in its queue" if waiting is not None else ""
     size = ""
     level = ctx.level
-    try:
-        ttft = [line.max for line in parse_slo_lines(ctx.result.slo) if line.metric == "ttft_ms_p99"]
-    except UserError:
-        ttft = []
-    if level is not None and ttft and level.summary.request_throughput > 0:
-        queue = max(1, math.ceil(level.summary.request_throughput * ttft[0] / 1000.0))
-        size = (f", about {level.summary.request_throughput:.2f} req/s x {ttft[0] / 1000:g} s tolerable wait "
-                f"= {queue} (section 10)")  # fmt: skip
+    if level is not None and level.summary.request_throughput > 0:
+        # Sized as `export --format ray-serve` sizes it (report/autoscale.py), for one replica.
+        wait_s, why = tolerable_wait_s(ctx.result.slo)
+        queue = max(1, math.ceil(level.summary.request_throughput * wait_s))
+        size = (f", about {level.summary.request_throughput:.2f} req/s x {wait_s:g} s tolerable wait "
+                f"= {queue} a replica ({why}; section 10); `servetune export --format ray-serve` writes it for "
+                "the replicas it derives")  # fmt: skip
     return FAIL, (f"vLLM has no bound on its waiting queue: it queues every request until the client gives up{seen}. "
                   f"Put one in front: Ray Serve's max_queued_requests in the deployment config (503 beyond it){size}")  # fmt: skip
 
