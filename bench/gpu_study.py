@@ -43,7 +43,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from packing import STARTUP_MEDIAN_S, run_study, write_engine_python  # noqa: E402
 
-from servetune.accounting import time_accounting  # noqa: E402
+from servetune.accounting import stop_cause, time_accounting  # noqa: E402
 from servetune.results import TrialResult  # noqa: E402
 from servetune.study.packing import Reservation, utilization  # noqa: E402
 
@@ -104,7 +104,8 @@ def real_accounting(results: list[TrialResult], scale: float, probe_share: float
     """The study's GPU time as it would be at full size: what ``--scale`` shrank, divided by it.
 
     Per trial: start-up / scale; each level's arrivals span (its requests over its rate) / scale,
-    plus its tail (duration less that span) as measured; warm-up, teardown, checks and the rest
+    plus its tail (duration less that span) as measured, but a level cut for saturation (a queue
+    that grew for ``QUEUE_WINDOW_S``, trial/measure.py) as measured; warm-up, teardown, checks and the rest
     as measured. The quality probe, not run, is ``probe_share`` of the trial's real measuring
     time. Device-seconds are those times the trial's devices, as in ``time_accounting``.
     """
@@ -116,6 +117,8 @@ def real_accounting(results: list[TrialResult], scale: float, probe_share: float
             summary = level.summary
             rate = summary.level.get("rate")
             span = (summary.completed + summary.failed) / rate if rate else summary.duration_s
+            if stop_cause(level.stopped_early) == "saturated":
+                span = 0.0  # cut after a queue grew for a set number of seconds: as long at any size
             span = min(span, level.measured_s)
             spans += span
             measured += level.measured_s

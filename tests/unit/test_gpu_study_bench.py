@@ -19,10 +19,10 @@ def bench():
     return module
 
 
-def rate_level(rate, requests, duration_s):
+def rate_level(rate, requests, duration_s, stopped_early=None):
     lv = level(1, 100, 300)
     summary = lv.summary.model_copy(update={"level": {"rate": rate}, "completed": requests, "failed": 0, "duration_s": duration_s})
-    return lv.model_copy(update={"summary": summary})
+    return lv.model_copy(update={"summary": summary, "stopped_early": stopped_early})
 
 
 def timed(devices, duration_s, startup_s, levels):
@@ -56,3 +56,13 @@ def test_at_full_size_without_a_probe_it_is_the_study_s_own_accounting(bench):
     for share in ("measuring_share", "starting_share", "quality_share", "other_share"):
         assert out[share] == pytest.approx(own[share])
     assert out["gpu_minutes"] == pytest.approx(own["device_seconds"] / 60)
+
+
+def test_a_level_cut_after_its_queue_grew_for_seconds_is_as_long_at_full_size(bench):
+    saturated = "saturated: vLLM's waiting queue grew from 0 to 40 requests over 10 s: stopped early"
+    cut = timed(1, 32.0, 20.0, [rate_level(32.0, 300, 12.0, stopped_early=saturated)])
+    out = bench.real_accounting([cut], scale=0.2, probe_share=0.0)
+    assert out["gpu_minutes"] == pytest.approx((12.0 + 20.0 / 0.2) / 60)
+    slo = "ttft_ms_p99 = 4000 after 150 requests, over 2 x its bound 2000: stopped early"  # cut at half its requests: scales
+    halved = bench.real_accounting([timed(1, 32.0, 20.0, [rate_level(32.0, 300, 12.0, stopped_early=slo)])], 0.2, 0.0)
+    assert halved["gpu_minutes"] > out["gpu_minutes"]
