@@ -74,13 +74,40 @@ def gpu_space(path: Path, model: Path, scale: float) -> tuple[dict[str, Any], di
     load["requests_per_level"] = scaled_requests(real_requests, scale)
     load["stop_when_dominated"] = original.stops_when_dominated  # as the space's own searcher does it
     quality = data.pop("quality", None)
-    data["model"] = str(model)
+    served, data["model"] = data["model"], str(model)  # trials load stand-ins (checkpoint_stand_in)
     data["search"] = {**data.get("search", {}), "algorithm": "random"}
     data["search"].pop("objectives", None)
     changes = {"real_requests_per_level": real_requests, "requests_per_level": load["requests_per_level"],
                "algorithm": original.search.algorithm, "stop_when_dominated": original.stops_when_dominated,
-               "quality_suites": (quality or {}).get("suites")}  # fmt: skip
+               "quality_suites": (quality or {}).get("suites"), "model": served}  # fmt: skip
     return data, changes
+
+
+def checkpoint_stand_in(name: str, tiny: Path, out: Path) -> Path:
+    """A directory the trial loads as checkpoint ``name``: the tiny model's tokenizer (the fake
+    engine serves any text) with ``name``'s architecture from servetune's catalogue as its
+    ``config.json``, so the capacity check weighs the real model on the space's GPU."""
+    import shutil
+
+    from servetune.capacity.arch import load_catalog, load_model_arch
+
+    arch = load_catalog()[name]
+    out.mkdir(parents=True, exist_ok=True)
+    for file in tiny.iterdir():
+        if file.name.startswith("tokenizer") or file.name == "special_tokens_map.json":
+            shutil.copy(file, out / file.name)
+    config = {"architectures": [arch.architecture], "model_type": "llama", "num_hidden_layers": arch.num_layers,
+              "hidden_size": arch.hidden_size, "num_attention_heads": arch.num_attention_heads,
+              "num_key_value_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "intermediate_size": arch.intermediate_size,
+              "vocab_size": arch.vocab_size, "tie_word_embeddings": arch.tie_word_embeddings,
+              "max_position_embeddings": arch.max_position_embeddings, "torch_dtype": arch.torch_dtype}  # fmt: skip
+    if arch.quant.method != "none":
+        config["quantization_config"] = {"quant_method": arch.quant.method, "bits": arch.quant.bits, "group_size": arch.quant.group_size}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    read = load_model_arch(out)
+    if read.model_dump(exclude={"name", "source"}) != arch.model_dump(exclude={"name", "source"}):
+        raise SystemExit(f"{out}: reads back as another architecture than {name}'s")
+    return out
 
 
 def draw_paces(points: list[dict], space, scale: float, seed: int) -> list[dict]:
@@ -152,9 +179,10 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     study_dir = (workdir / "studies" / space.name).resolve()
     prepare_study_dir(study_dir, space_path, resume=False)
     workload = space.resolved_workload(ROOT)
-    # Every checkpoint the space lists is served by the tiny model: the fake engine only needs a tokenizer.
-    models = {name: str(model) for name in space.params.get("model") or ()}
-    context = StudyContext(space, workload, study_dir, str(model), resolve_levels(space, workload),
+    served = changes["model"]
+    models = {name: str(checkpoint_stand_in(name, model, workdir / "models" / name.replace("/", "--")))
+              for name in dict.fromkeys([served, *(space.params.get("model") or ())])}  # fmt: skip
+    context = StudyContext(space, workload, study_dir, models[served], resolve_levels(space, workload),
                            python=str(write_engine_python(workdir)), models=models)  # fmt: skip
     cpus = args.cpus or space.hardware.cpus_per_trial * args.gpus + 2
     print(f"{len(points)} trials of {args.space.name} on {args.gpus} declared GPUs, {space.search.max_concurrent} at most in flight, "
