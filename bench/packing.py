@@ -142,13 +142,10 @@ def engine_gpus(trial_dir: Path) -> list[str] | None:
 
 
 def run(args: argparse.Namespace, workdir: Path) -> dict:
-    import ray
-
     from servetune.config.space import load_space
     from servetune.models.tiny import build_tiny_model
     from servetune.study.context import StudyContext, resolve_levels
-    from servetune.study.driver import ResultMirror, finished_results, prepare_study_dir
-    from servetune.study.tuner import run_tuner
+    from servetune.study.driver import prepare_study_dir
 
     model = build_tiny_model(workdir / "models" / "tiny")
     space_path = workdir / "space.yaml"
@@ -166,18 +163,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
     print(f"{len(points)} trials ({', '.join(f'{n} x {s} GPU' for s, n in sorted(_count(points, space).items(), reverse=True))}) "
           f"on {args.gpus} declared GPUs, {max_concurrent} at most in flight, {args.order} order", file=sys.stderr, flush=True)  # fmt: skip
 
-    ray.init(num_gpus=args.gpus, num_cpus=args.cpus or args.gpus + 2, include_dashboard=False, logging_level="WARNING",
-             log_to_driver=False, configure_logging=True)  # fmt: skip
-    timeline = Timeline()
-    began = time.monotonic()
-    try:
-        run_tuner(context, points, None, len(points), [ResultMirror(context), timeline])
-    finally:
-        ray.shutdown()
-    wall_s = time.monotonic() - began
-
-    results = {r.trial_id: r for r in finished_results(study_dir)}
-    spans = timeline.reservations()
+    results, spans, wall_s = run_study(context, points, args.gpus, args.cpus or args.gpus + 2)
     trials, reservations = [], []
     for trial_id, (start, end) in sorted(spans.items(), key=lambda kv: kv[1][0]):
         result = results.get(trial_id)
@@ -215,6 +201,29 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
         "mean_trial_s": sum(r.end - r.start for r in reservations) / len(reservations) if reservations else None,
         "time_accounting": time_accounting(results.values()), "trials": trials,
     }  # fmt: skip
+
+
+def run_study(context, points: list[dict], gpus: int, cpus: int, max_concurrent: int | None = None) -> tuple[dict, dict, float]:
+    """Run ``points`` through Ray Tune on a local Ray cluster declaring ``gpus`` GPUs and ``cpus`` CPUs.
+
+    Returns the finished results by servetune trial id, each trial's reservation (Tune's start
+    and completion on the driver's clock) by the same id, and the wall seconds of the study.
+    """
+    import ray
+
+    from servetune.study.driver import ResultMirror, finished_results
+    from servetune.study.tuner import run_tuner
+
+    ray.init(num_gpus=gpus, num_cpus=cpus, include_dashboard=False, logging_level="WARNING",
+             log_to_driver=False, configure_logging=True)  # fmt: skip
+    timeline = Timeline()
+    began = time.monotonic()
+    try:
+        run_tuner(context, points, None, len(points), [ResultMirror(context), timeline], max_concurrent=max_concurrent)
+    finally:
+        ray.shutdown()
+    wall_s = time.monotonic() - began
+    return {r.trial_id: r for r in finished_results(context.study_dir)}, timeline.reservations(), wall_s
 
 
 def _count(points: list[dict], space) -> dict[int, int]:

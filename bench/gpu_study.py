@@ -1,0 +1,241 @@
+"""How much of a GPU-sized study's reserved GPU time goes to measuring: target >= 70%.
+
+Runs a study shaped like ``--space`` (default ``search_spaces/chat-latency.yaml``) through Ray
+Tune on a local Ray cluster declaring ``--gpus`` GPUs (no GPU needed; see packing.py), with the
+fake engine in place of vLLM. What is the space's: its workload, its ladder (Poisson rates), its
+SLO, its trial count and trials in flight, its capacity check against its GPU, and early stopping
+as the study does it (the SLO, saturation, and dominance by finished trials for the Bayesian
+searchers). What is changed:
+
+- The points are the baseline and random draws from the space (Optuna's seeded sampler, as
+  ``random`` search proposes them), not NSGA-II's: the fake engine's answers do not depend on the
+  configuration beyond ``max_num_seqs``, so a Bayesian searcher would have nothing to learn.
+- Each trial's engine start-up is drawn around realistic GPU medians (packing.py's
+  ``STARTUP_MEDIAN_S``, by GPU count) and its token pace around an 8B model on an H100: TTFT
+  40-100 ms (tens of ms plus a ~600-token prefill; the fake's TTFT does not grow with the
+  prompt), ITL 10-20 ms. ``max_num_seqs`` bounds the requests the fake generates at once, so
+  small ones queue and break the SLO at high rates, as on a GPU.
+- Durations are scaled by ``--scale``: start-ups through ``SERVETUNE_FAKE_STARTUP_DELAY_S``, and
+  each level's request count (256 -> 256 x scale), so a level's arrivals span scale x its real
+  span. What does not scale is counted once: a level's tail (the last requests finishing after
+  the last arrival), warm-up, teardown and Ray's gaps. :func:`real_accounting` unscales each part
+  accordingly.
+- The quality probe is not run: it needs greedy completions and ``prompt_logprobs``, and the fake
+  engine answers neither (every token is ``x``, no logprobs). Its cost is counted from
+  bench/README.md's quality_probe numbers instead: ``PROBE_SHARE_OF_MEASURING`` of each trial's
+  real measuring time.
+
+    PYTHONPATH=src .venv/bin/python bench/gpu_study.py [--space search_spaces/chat-latency.yaml] [--scale 0.2] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from packing import STARTUP_MEDIAN_S, run_study, write_engine_python  # noqa: E402
+
+from servetune.accounting import stop_cause, time_accounting  # noqa: E402
+from servetune.results import TrialResult  # noqa: E402
+from servetune.study.packing import Reservation, utilization  # noqa: E402
+
+TARGET = 0.70
+ROOT = Path(__file__).resolve().parent.parent
+#: The probe's cost against a trial's measuring time: bench/README.md, quality_probe.py, the
+#: median cpu-tiny trial (6.6%; 8.7% of the shortest). Measured on the CPU stand-in.
+PROBE_SHARE_OF_MEASURING = 0.066
+TTFT_MS = (40.0, 100.0)  # an 8B model on one H100: tens of ms plus a ~600-token prefill
+ITL_MS = (10.0, 20.0)
+
+
+def scaled_requests(requests_per_level: int, scale: float) -> int:
+    """A level's request count at ``scale``: its arrivals then span ``scale`` times as long."""
+    return max(1, round(requests_per_level * scale))
+
+
+def gpu_space(path: Path, model: Path, scale: float) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The space to run (as YAML data) and what was changed from ``path``, for the printout."""
+    data = yaml.safe_load(path.read_text())
+    load = data.setdefault("load", {})
+    real_requests = load.get("requests_per_level", 256)
+    if not isinstance(real_requests, int):
+        raise SystemExit(f"{path}: load.requests_per_level must be a number of requests to scale, not {real_requests!r}")
+    from servetune.config.space import SearchSpace
+
+    original = SearchSpace.model_validate({**data, "model": str(model)})
+    load["requests_per_level"] = scaled_requests(real_requests, scale)
+    load["stop_when_dominated"] = original.stops_when_dominated  # as the space's own searcher does it
+    quality = data.pop("quality", None)
+    served, data["model"] = data["model"], str(model)  # trials load stand-ins (checkpoint_stand_in)
+    data["search"] = {**data.get("search", {}), "algorithm": "random"}
+    data["search"].pop("objectives", None)
+    changes = {"real_requests_per_level": real_requests, "requests_per_level": load["requests_per_level"],
+               "algorithm": original.search.algorithm, "stop_when_dominated": original.stops_when_dominated,
+               "quality_suites": (quality or {}).get("suites"), "model": served}  # fmt: skip
+    return data, changes
+
+
+def checkpoint_stand_in(name: str, tiny: Path, out: Path) -> Path:
+    """A directory the trial loads as checkpoint ``name``: the tiny model's tokenizer (the fake
+    engine serves any text) with ``name``'s architecture from servetune's catalogue as its
+    ``config.json``, so the capacity check weighs the real model on the space's GPU."""
+    import shutil
+
+    from servetune.capacity.arch import load_catalog, load_model_arch
+
+    arch = load_catalog()[name]
+    out.mkdir(parents=True, exist_ok=True)
+    for file in tiny.iterdir():
+        if file.name.startswith("tokenizer") or file.name == "special_tokens_map.json":
+            shutil.copy(file, out / file.name)
+    config = {"architectures": [arch.architecture], "model_type": "llama", "num_hidden_layers": arch.num_layers,
+              "hidden_size": arch.hidden_size, "num_attention_heads": arch.num_attention_heads,
+              "num_key_value_heads": arch.num_kv_heads, "head_dim": arch.head_dim, "intermediate_size": arch.intermediate_size,
+              "vocab_size": arch.vocab_size, "tie_word_embeddings": arch.tie_word_embeddings,
+              "max_position_embeddings": arch.max_position_embeddings, "torch_dtype": arch.torch_dtype}  # fmt: skip
+    if arch.quant.method != "none":
+        config["quantization_config"] = {"quant_method": arch.quant.method, "bits": arch.quant.bits, "group_size": arch.quant.group_size}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    read = load_model_arch(out)
+    if read.model_dump(exclude={"name", "source"}) != arch.model_dump(exclude={"name", "source"}):
+        raise SystemExit(f"{out}: reads back as another architecture than {name}'s")
+    return out
+
+
+def draw_paces(points: list[dict], space, scale: float, seed: int) -> list[dict]:
+    """Each point with its own start-up delay (scaled) and token pace."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for params in points:
+        devices = space.devices(params)
+        dp = space.engine_params(params)[0].get("data_parallel_size", 1)
+        startup = STARTUP_MEDIAN_S[devices] * (1.1 if dp > 1 else 1.0) * float(rng.lognormal(0.0, 0.3))
+        out.append({
+            **params,
+            "env.SERVETUNE_FAKE_STARTUP_DELAY_S": round(startup * scale, 2),
+            "env.SERVETUNE_FAKE_TTFT_MS": round(float(rng.uniform(*TTFT_MS)), 1),
+            "env.SERVETUNE_FAKE_ITL_MS": round(float(rng.uniform(*ITL_MS)), 1),
+        })  # fmt: skip
+    return out
+
+
+def real_accounting(results: list[TrialResult], scale: float, probe_share: float = PROBE_SHARE_OF_MEASURING) -> dict[str, Any]:
+    """The study's GPU time as it would be at full size: what ``--scale`` shrank, divided by it.
+
+    Per trial: start-up / scale; each level's arrivals span (its requests over its rate) / scale,
+    plus its tail (duration less that span) as measured, but a level cut for saturation (a queue
+    that grew for ``QUEUE_WINDOW_S``, trial/measure.py) as measured; warm-up, teardown, checks and the rest
+    as measured. The quality probe, not run, is ``probe_share`` of the trial's real measuring
+    time. Device-seconds are those times the trial's devices, as in ``time_accounting``.
+    """
+    measuring = starting = quality = other = 0.0
+    for result in results:
+        duration = result.duration_s or 0.0
+        measured = spans = 0.0
+        for level in result.levels:
+            summary = level.summary
+            rate = summary.level.get("rate")
+            span = (summary.completed + summary.failed) / rate if rate else summary.duration_s
+            if stop_cause(level.stopped_early) == "saturated":
+                span = 0.0  # cut after a queue grew for a set number of seconds: as long at any size
+            span = min(span, level.measured_s)
+            spans += span
+            measured += level.measured_s
+        startup = min(result.startup_s or 0.0, max(duration - measured, 0.0))
+        real_measuring = (measured - spans) + spans / scale
+        measuring += real_measuring * result.devices
+        starting += startup / scale * result.devices
+        quality += probe_share * real_measuring * result.devices
+        other += max(duration - measured - startup, 0.0) * result.devices
+    total = measuring + starting + quality + other
+
+    def share(x: float) -> float:
+        return x / total if total > 0 else 0.0
+
+    return {"gpu_minutes": total / 60.0, "measuring_share": share(measuring), "starting_share": share(starting),
+            "quality_share": share(quality), "other_share": share(other), "probe_share_of_measuring": probe_share}  # fmt: skip
+
+
+def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    from servetune.config.space import load_space
+    from servetune.models.tiny import build_tiny_model
+    from servetune.study.context import StudyContext, resolve_levels
+    from servetune.study.driver import prepare_study_dir, proposals
+
+    model = build_tiny_model(workdir / "models" / "tiny").resolve()
+    data, changes = gpu_space(args.space, model, args.scale)
+    space_path = workdir / "space.yaml"
+    space_path.write_text(yaml.safe_dump(data, sort_keys=False))
+    space = load_space(space_path)
+    points = draw_paces(proposals(space, None), space, args.scale, args.seed)
+    study_dir = (workdir / "studies" / space.name).resolve()
+    prepare_study_dir(study_dir, space_path, resume=False)
+    workload = space.resolved_workload(ROOT)
+    served = changes["model"]
+    models = {name: str(checkpoint_stand_in(name, model, workdir / "models" / name.replace("/", "--")))
+              for name in dict.fromkeys([served, *(space.params.get("model") or ())])}  # fmt: skip
+    context = StudyContext(space, workload, study_dir, models[served], resolve_levels(space, workload),
+                           python=str(write_engine_python(workdir)), models=models)  # fmt: skip
+    cpus = args.cpus or space.hardware.cpus_per_trial * args.gpus + 2
+    print(f"{len(points)} trials of {args.space.name} on {args.gpus} declared GPUs, {space.search.max_concurrent} at most in flight, "
+          f"{space.load.requests_per_level} requests per level (real {changes['real_requests_per_level']})", file=sys.stderr, flush=True)  # fmt: skip
+    results, spans, wall_s = run_study(context, points, args.gpus, cpus)
+    reservations = [Reservation(s, e, results[t].devices if t in results else 0, t) for t, (s, e) in spans.items()]
+    done = [results[t] for t in spans if t in results]
+    return {
+        "space": str(args.space), "scale": args.scale, "gpus": args.gpus, "seed": args.seed, "wall_s": wall_s,
+        "changes": changes, "trials_proposed": len(points), "target": TARGET,
+        "utilization": utilization(reservations, args.gpus),
+        "scaled": time_accounting(done), "real": real_accounting(done, args.scale),
+        "trials": [{"trial_id": r.trial_id, "devices": r.devices, "outcome": r.outcome, "reason": r.reason,
+                    "stopped_because": r.stopped_because, "levels_run": len(r.levels), "startup_s": r.startup_s,
+                    "duration_s": r.duration_s, "params": dict(r.params)} for r in done],
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--space", type=Path, default=ROOT / "search_spaces" / "chat-latency.yaml")
+    parser.add_argument("--gpus", type=int, help="GPUs the local Ray cluster declares (default: the space's devices_per_node)")
+    parser.add_argument("--cpus", type=int, help="CPUs it declares (default: the space's cpus_per_trial x GPUs + 2)")
+    parser.add_argument("--scale", type=float, default=0.2, help="real durations times this (default 0.2: 256 requests a level -> 51)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds the start-ups and token paces drawn")
+    parser.add_argument("--workdir", type=Path, help="keep the study here (default: a temporary directory)")
+    parser.add_argument("--json", type=Path, help="write the measurements here")
+    args = parser.parse_args(argv)
+    if args.gpus is None:
+        args.gpus = yaml.safe_load(args.space.read_text()).get("hardware", {}).get("devices_per_node", 8)
+
+    if args.workdir:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        out = run(args, args.workdir)
+    else:
+        with tempfile.TemporaryDirectory(prefix="servetune-gpu-study-") as tmp:
+            out = run(args, Path(tmp))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    scaled, real = out["scaled"], out["real"]
+    stopped = sum(1 for t in out["trials"] if t["stopped_because"])
+    failed = [t for t in out["trials"] if t["outcome"] == "FAILED"]
+    print(f"trials: {len(out['trials'])} of {out['trials_proposed']} ran, {len(failed)} FAILED, "
+          f"{stopped} stopped their ladder early; wall {out['wall_s']:.0f} s; GPU-time utilization {out['utilization']:.0%}")
+    print(f"as run (scale {out['scale']}): {scaled['device_seconds'] / 60:.1f} GPU-min, {scaled['measuring_share']:.0%} measuring, "
+          f"{scaled['starting_share']:.0%} starting engines, {scaled['other_share']:.0%} the rest")
+    print(f"at full size: {real['gpu_minutes']:.1f} GPU-min reserved; {real['measuring_share']:.1%} measuring, "
+          f"{real['starting_share']:.1%} starting engines, {real['quality_share']:.1%} quality probe (estimated: "
+          f"{real['probe_share_of_measuring']:.1%} of measuring, bench/README.md), {real['other_share']:.1%} warm-up, teardown and the rest")
+    verdict = "meets" if real["measuring_share"] >= TARGET else "misses"
+    print(f"measuring share {real['measuring_share']:.1%}: {verdict} the {TARGET:.0%} target")
+    return 0 if not failed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""bench/gpu_study.py: a scaled-down study's GPU time, unscaled back to full size."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from servetune.accounting import time_accounting
+from tests.builders import level, trial
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu_study.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("gpu_study", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def rate_level(rate, requests, duration_s, stopped_early=None):
+    lv = level(1, 100, 300)
+    summary = lv.summary.model_copy(update={"level": {"rate": rate}, "completed": requests, "failed": 0, "duration_s": duration_s})
+    return lv.model_copy(update={"summary": summary, "stopped_early": stopped_early})
+
+
+def timed(devices, duration_s, startup_s, levels):
+    return trial("t", {"tensor_parallel_size": devices}, levels, devices=devices).model_copy(
+        update={"duration_s": duration_s, "startup_s": startup_s}
+    )
+
+
+def test_a_level_keeps_its_rate_and_sends_scale_times_the_requests(bench):
+    assert bench.scaled_requests(256, 0.2) == 51 and bench.scaled_requests(256, 1.0) == 256
+    assert bench.scaled_requests(256, 0.001) == 1  # never an empty level
+
+
+def test_arrivals_and_start_up_are_unscaled_but_the_tail_and_the_rest_are_not(bench):
+    # 2 GPUs; start-up 20 s; one level of 51 requests at 2 req/s: arrivals 25.5 s, tail 4.5 s; 5 s of the rest.
+    result = timed(2, 55.0, 20.0, [rate_level(2.0, 51, 30.0)])
+    out = bench.real_accounting([result], scale=0.2, probe_share=0.1)
+    measuring, starting, other = 4.5 + 25.5 / 0.2, 20.0 / 0.2, 5.0
+    quality = 0.1 * measuring
+    total = measuring + starting + other + quality
+    assert out["gpu_minutes"] == pytest.approx(2 * total / 60)
+    assert out["measuring_share"] == pytest.approx(measuring / total)
+    assert out["starting_share"] == pytest.approx(starting / total)
+    assert out["quality_share"] == pytest.approx(quality / total)
+    assert out["other_share"] == pytest.approx(other / total)
+
+
+def test_at_full_size_without_a_probe_it_is_the_study_s_own_accounting(bench):
+    results = [timed(1, 400.0, 90.0, [rate_level(2.0, 256, 140.0), rate_level(8.0, 256, 40.0)]), timed(2, 130.0, 120.0, [])]
+    out, own = bench.real_accounting(results, scale=1.0, probe_share=0.0), time_accounting(results)
+    for share in ("measuring_share", "starting_share", "quality_share", "other_share"):
+        assert out[share] == pytest.approx(own[share])
+    assert out["gpu_minutes"] == pytest.approx(own["device_seconds"] / 60)
+
+
+def test_a_level_cut_after_its_queue_grew_for_seconds_is_as_long_at_full_size(bench):
+    saturated = "saturated: vLLM's waiting queue grew from 0 to 40 requests over 10 s: stopped early"
+    cut = timed(1, 32.0, 20.0, [rate_level(32.0, 300, 12.0, stopped_early=saturated)])
+    out = bench.real_accounting([cut], scale=0.2, probe_share=0.0)
+    assert out["gpu_minutes"] == pytest.approx((12.0 + 20.0 / 0.2) / 60)
+    slo = "ttft_ms_p99 = 4000 after 150 requests, over 2 x its bound 2000: stopped early"  # cut at half its requests: scales
+    halved = bench.real_accounting([timed(1, 32.0, 20.0, [rate_level(32.0, 300, 12.0, stopped_early=slo)])], 0.2, 0.0)
+    assert halved["gpu_minutes"] > out["gpu_minutes"]
