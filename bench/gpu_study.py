@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,7 @@ import numpy as np
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from packing import STARTUP_MEDIAN_S, run_study, write_engine_python  # noqa: E402
+from packing import STARTUP_MEDIAN_S, run_in_workdir, run_study, write_engine_python  # noqa: E402
 
 from servetune.accounting import stop_cause, time_accounting  # noqa: E402
 from servetune.results import TrialResult  # noqa: E402
@@ -214,14 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpus is None:
         args.gpus = yaml.safe_load(args.space.read_text()).get("hardware", {}).get("devices_per_node", 8)
 
-    if args.workdir:
-        args.workdir.mkdir(parents=True, exist_ok=True)
-        out = run(args, args.workdir)
-    else:
-        with tempfile.TemporaryDirectory(prefix="servetune-gpu-study-") as tmp:
-            out = run(args, Path(tmp))
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    out = run_in_workdir(args, run, "servetune-gpu-study-")
     scaled, real = out["scaled"], out["real"]
     stopped = sum(1 for t in out["trials"] if t["stopped_because"])
     failed = [t for t in out["trials"] if t["outcome"] == "FAILED"]

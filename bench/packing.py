@@ -233,6 +233,19 @@ def _count(points: list[dict], space) -> dict[int, int]:
     return counts
 
 
+def run_in_workdir(args: argparse.Namespace, run, prefix: str) -> dict:
+    """``run(args, workdir)`` in ``--workdir`` (kept) or a temporary directory; the result also to ``--json``."""
+    if args.workdir:
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        out = run(args, args.workdir)
+    else:
+        with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+            out = run(args, Path(tmp))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpus", type=int, default=8, help="GPUs the local Ray cluster declares (default 8)")
@@ -251,14 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the measurements here")
     args = parser.parse_args(argv)
 
-    if args.workdir:
-        args.workdir.mkdir(parents=True, exist_ok=True)
-        out = run(args, args.workdir)
-    else:
-        with tempfile.TemporaryDirectory(prefix="servetune-packing-") as tmp:
-            out = run(args, Path(tmp))
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    out = run_in_workdir(args, run, "servetune-packing-")
     acc = out["time_accounting"]
     failed = [t for t in out["trials"] if t["outcome"] != "COMPLETE"]
     print(f"trials: {len(out['trials'])} of {out['trials_proposed']} ran, {len(failed)} not COMPLETE; wall {out['wall_s']:.0f} s")
