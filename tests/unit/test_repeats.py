@@ -1,6 +1,7 @@
 """Repeated levels (``load.repeats``): the median run decides, and a broken majority ends the repeats."""
 
 import asyncio
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,9 @@ def test_repeats_name_a_different_trial():
 def test_repeats_outside_one_to_nine_are_rejected(repeats):
     with pytest.raises(ValueError, match="repeats"):
         LoadProtocol(repeats=repeats)
+
+
+def test_prompts_are_counted_with_the_tokenizer_the_engine_uses():
+    assert spec(1).tokenizer == "m"  # the model's own
+    other = dataclasses.replace(spec(1), engine_args={"max_num_seqs": 8, "tokenizer": "/models/tok"})
+    assert other.tokenizer == "/models/tok"

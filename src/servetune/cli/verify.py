@@ -98,8 +98,8 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"verifying trial {winner.trial_id} at {winner.level}"
                   + (f"; runner-up: trial {selection.runner_up.trial_id}" if selection.runner_up and not args.no_runner_up else ""),
                   soft_wrap=True)  # fmt: skip
-    with console.status(f"loading the tokenizer of {winner.spec.model}"):
-        prompts = PromptFactory(load_tokenizer(winner.spec.model))
+    with console.status(f"loading the tokenizer of {winner.spec.tokenizer}"):
+        prompts = PromptFactory(load_tokenizer(winner.spec.tokenizer))
     signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(SystemExit(128 + signum)))
     progress = ConsoleProgress(console)
     try:

@@ -72,7 +72,7 @@ def trainable(config: dict[str, Any], context: StudyContext, finished_points: An
         result = unplaceable(spec, problem)
     elif result is None:  # never measured (or --resume after a kill): run it
         rule = dominance_rule(finished_points) if finished_points is not None else None
-        result = run_trial(spec, tune.report, lambda: PromptFactory(load_tokenizer(spec.model)), stop_rule=rule)
+        result = run_trial(spec, tune.report, lambda: PromptFactory(load_tokenizer(spec.tokenizer)), stop_rule=rule)
         if finished_points is not None:  # before the final report: trials that start next see it
             ray.wait([finished_points.add.remote(result)], timeout=10)
     tune.report({**final_report(result, context), FILES_KEY: json.dumps(carried_files(spec.trial_dir))})

@@ -119,7 +119,7 @@ def verify_on_node(selection: Selection, context: StudyContext, budget: Budget, 
     spec = context.spec_for(dict(winner.result.params), gpu_ids, node_id=runtime.get_node_id())
     local = Path(tempfile.mkdtemp(prefix="servetune-verify-"))  # this node's disk: nothing is shared
     selection = dataclasses.replace(selection, study_dir=local, winner=dataclasses.replace(winner, spec=spec), runner_up=None)
-    prompts = PromptFactory(load_tokenizer(spec.model))
+    prompts = PromptFactory(load_tokenizer(spec.tokenizer))
     doc = verify(selection, budget, prompts, QueueProgress(queue, winner.trial_id), runner_up=False)
     log = local / VERIFY_DIR / winner.trial_id / "engine.log"
     placement = {

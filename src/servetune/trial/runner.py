@@ -106,6 +106,12 @@ class TrialSpec:
     def trial_dir(self) -> Path:
         return self.trials_dir / self.trial_id
 
+    @property
+    def tokenizer(self) -> str:
+        """What the engine tokenizes with, so prompts are counted as it counts them: its
+        ``tokenizer`` argument when the trial sets one, else the model's own."""
+        return str(self.engine_args.get("tokenizer") or self.model)
+
 
 def load_result(trial_dir: Path) -> TrialResult | None:
     """The trial's finished result, None when it has none (``results.read_result``: one reader, one policy)."""
@@ -234,7 +240,7 @@ def _measure(server: Engine, spec: TrialSpec, result: TrialResult, report: Repor
         if spec.quality is not None:  # before the ladder: the probe needs the engine, not the load
             model = spec.engine_args.get("served_model_name") or spec.model
             result.quality, rows = asyncio.run(run_probe(server.url, model, spec.quality, prompts.count, spec.trial_id,
-                                                         spec.params, timeout_s=spec.request_timeout_s, tokenizer=spec.model,
+                                                         spec.params, timeout_s=spec.request_timeout_s, tokenizer=spec.tokenizer,
                                                          out_dir=trial_dir / "lm_eval"))  # fmt: skip
             write_atomic(trial_dir / QUALITY_FILE, "".join(json.dumps(row) + "\n" for row in rows))
             lm_eval_results = results_file(trial_dir / "lm_eval") if spec.quality.lm_eval is not None else None
