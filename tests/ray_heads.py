@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -245,3 +245,52 @@ def _start_worker(head: RayHead, env: dict[str, str], num_cpus: int, num_gpus: i
     with open(temp_dir / "ray-start.log", "w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return RayNode(proc, temp_dir, num_cpus, num_gpus)
+
+
+def trial_dirs_on(node_dir: Path) -> dict[str, Path]:
+    """The trial directories a study's trials made under a node's own temp dir, by trial id."""
+    return {p.name: p for p in node_dir.glob("session_*/artifacts/*/*/working_dirs/*/servetune/trials/*") if p.is_dir()}
+
+
+@dataclass(frozen=True)
+class LostNode:
+    """What :func:`lose_a_node_mid_trial` did: the node it killed, the trial running there, how the driver ended."""
+
+    victim: RayNode
+    trial_id: str
+    returncode: int
+    output: str
+
+
+def lose_a_node_mid_trial(cluster: LocalCluster, argv: list[str], cwd: Path, running: Callable[[Path], bool],
+                          find_s: float, finish_s: float, before_kill: Callable[[], None] = lambda: None) -> LostNode:  # fmt: skip
+    """Run ``servetune run`` (``argv``, its output in ``cwd/driver.log``) on the cluster; once a trial
+    directory on a worker is ``running`` (and has no result yet), call ``before_kill``, kill that
+    worker's raylet (the node is lost, and with it the trial's worker) and wait for the driver."""
+    log_path = cwd / "driver.log"
+    with log_path.open("w") as log:
+        driver = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=cluster.head.env,
+                                  start_new_session=True)  # fmt: skip
+        try:
+            found = _running_trial(cluster, driver, log_path, running, find_s)
+            before_kill()
+            found[0].raylet().kill()
+            driver.wait(timeout=finish_s)
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+                driver.wait()
+    return LostNode(*found, driver.returncode, log_path.read_text())
+
+
+def _running_trial(cluster: LocalCluster, driver: subprocess.Popen, log_path: Path, running: Callable[[Path], bool],
+                   timeout_s: float) -> tuple[RayNode, str]:  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert driver.poll() is None, "the study ended before a trial ran:\n" + log_path.read_text()[-3000:]
+        for worker in cluster.workers:
+            for trial_id, trial_dir in trial_dirs_on(worker.temp_dir).items():
+                if running(trial_dir) and not (trial_dir / "result.json").exists():
+                    return worker, trial_id
+        time.sleep(0.2)
+    pytest.fail(f"no trial was running on a worker after {timeout_s:g} s")

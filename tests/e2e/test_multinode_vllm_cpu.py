@@ -10,15 +10,14 @@ vLLM process is left.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import time
 
 import pytest
 
-from tests.integration.test_multinode import _trial_dirs_on, results
+from tests.integration.test_multinode import results
 from tests.processes import processes_mentioning
-from tests.ray_heads import ray_cluster, user_env
+from tests.ray_heads import lose_a_node_mid_trial, ray_cluster, user_env
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("vllm", reason="the e2e tests need vLLM (the CPU build: pip install servetune[cpu])")
@@ -49,27 +48,11 @@ def test_a_cpu_tiny_study_over_two_nodes_survives_losing_one(tmp_path):
     with ray_cluster(user_env(tmp_path / "home"), workers=[(2, 0), (2, 0)]) as cluster:
         argv = [sys.executable, "-m", "servetune", "run", str(tmp_path / "space.yaml"), "--address", cluster.address,
                 "--storage", str(storage), "--tracking-uri", f"sqlite:///{tmp_path / 'mlflow.db'}"]  # fmt: skip
-        log = open(tmp_path / "driver.log", "w")
-        driver = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env=cluster.head.env, start_new_session=True)
-        try:
-            victim, trial_id = None, None
-            deadline = time.monotonic() + 240
-            while victim is None and time.monotonic() < deadline:  # a trial measuring: its requests are being recorded
-                assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
-                for worker in cluster.workers:
-                    for tid, trial_dir in _trial_dirs_on(worker.temp_dir).items():
-                        if (trial_dir / "requests.jsonl").exists() and not (trial_dir / "result.json").exists():
-                            victim, trial_id = worker, tid
-                time.sleep(0.5)
-            assert victim is not None, "no trial began measuring in 240 s"
-            victim.raylet().kill()
-            driver.wait(timeout=420)
-        finally:
-            if driver.poll() is None:
-                driver.kill()
-            log.close()
-        output = (tmp_path / "driver.log").read_text()
-        assert driver.returncode == 0, output[-4000:]
+        # The first trial measuring (its requests being recorded on the node) loses its node.
+        lost_node = lose_a_node_mid_trial(cluster, argv, tmp_path, lambda d: (d / "requests.jsonl").exists(),
+                                          find_s=240, finish_s=420)  # fmt: skip
+        trial_id, output = lost_node.trial_id, lost_node.output
+        assert lost_node.returncode == 0, output[-4000:]
     by_id = results(study_dir)
     assert len(by_id) == 4, output[-3000:]
     lost = by_id[trial_id]

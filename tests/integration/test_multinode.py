@@ -15,12 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from servetune.study.packing import Reservation, overlapping
 from servetune.testing.fake_openai import write_fake_python
 from tests.processes import processes_mentioning
-from tests.ray_heads import LocalCluster, ray_cluster, user_env
+from tests.ray_heads import LocalCluster, lose_a_node_mid_trial, ray_cluster, trial_dirs_on, user_env
 
 SPACE = """
 name: nodes
@@ -55,7 +53,7 @@ def run_argv(space: Path, cluster: LocalCluster, storage: Path, fake: Path, *ext
 
 def trial_files_on(node_dir: Path) -> dict[str, set[str]]:
     """The files each trial wrote under the node's own temp dir, by trial id."""
-    return {trial_id: {p.name for p in trial_dir.iterdir()} for trial_id, trial_dir in _trial_dirs_on(node_dir).items()}
+    return {trial_id: {p.name for p in trial_dir.iterdir()} for trial_id, trial_dir in trial_dirs_on(node_dir).items()}
 
 
 def test_trials_stay_inside_one_node_spread_over_both_and_come_back_to_the_driver(tmp_path, tiny_model):
@@ -155,20 +153,18 @@ def test_a_node_lost_under_a_trial_fails_that_trial_and_the_study_goes_on(tmp_pa
     study_dir = storage / "nodes"
     with ray_cluster(user_env(tmp_path / "home"), workers=[(3, 2), (3, 2)]) as cluster:
         argv = run_argv(space, cluster, storage, fake)
-        log = open(tmp_path / "driver.log", "w")
-        driver = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path, env=cluster.head.env, start_new_session=True)
-        try:
-            victim, trial_id = _wait_for_a_running_engine(cluster, driver)
-            engines_before = processes_mentioning(fake)
-            finished_before = results(study_dir)  # none yet, or the other node's first
-            victim.raylet().kill()  # the node is lost: its raylet, and with it the trial's worker
-            driver.wait(timeout=300)
-        finally:
-            if driver.poll() is None:
-                driver.kill()
-            log.close()
-        output = (tmp_path / "driver.log").read_text()
-        assert driver.returncode == 0, output[-4000:]
+        before: dict = {}
+
+        def look() -> None:
+            before["engines"] = processes_mentioning(fake)
+            before["finished"] = results(study_dir)  # none yet, or the other node's first
+
+        # The first trial whose engine started (its log exists on the node) loses its node.
+        lost_node = lose_a_node_mid_trial(cluster, argv, tmp_path, lambda d: (d / "engine.log").exists(),
+                                          find_s=120, finish_s=300, before_kill=look)  # fmt: skip
+        victim, trial_id, output = lost_node.victim, lost_node.trial_id, lost_node.output
+        engines_before, finished_before = before["engines"], before["finished"]
+        assert lost_node.returncode == 0, output[-4000:]
         by_id = results(study_dir)
         assert len(by_id) == 4, output[-3000:]
         lost = by_id[trial_id]
@@ -202,20 +198,3 @@ def test_a_node_lost_under_a_trial_fails_that_trial_and_the_study_goes_on(tmp_pa
     runs = client.search_runs([client.get_experiment_by_name("nodes").experiment_id], "tags.`servetune.role` = 'trial'")
     assert sorted(r.data.tags["servetune.trial_id"] for r in runs) == sorted(final)
     assert {r.data.tags["servetune.trial_id"]: r.data.tags["servetune.outcome"] for r in runs}[trial_id] == "COMPLETE"
-
-
-def _wait_for_a_running_engine(cluster: LocalCluster, driver: subprocess.Popen, timeout_s: float = 120):
-    """The worker node and trial id of the first trial whose engine started (its log exists on the node)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert driver.poll() is None, "the study ended before any engine started"
-        for worker in cluster.workers:
-            for trial_id, trial_dir in _trial_dirs_on(worker.temp_dir).items():
-                if (trial_dir / "engine.log").exists() and not (trial_dir / "result.json").exists():
-                    return worker, trial_id
-        time.sleep(0.2)
-    pytest.fail(f"no engine started in {timeout_s} s")
-
-
-def _trial_dirs_on(node_dir: Path) -> dict[str, Path]:
-    return {p.name: p for p in node_dir.glob("session_*/artifacts/*/*/working_dirs/*/servetune/trials/*") if p.is_dir()}
