@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import psutil
 import pytest
@@ -87,9 +88,35 @@ class RayHead:
         return info
 
 
+START_TRIES = 2  # Ray's client server gives up if the raylet has not registered in 30 s: a loaded host's race
+
+
 @contextmanager
 def ray_head(env: dict[str, str], num_cpus: int = 2, num_gpus: int = 2) -> Iterator[RayHead]:
-    """``ray start --head --block`` from a shell with ``env``; answers ``ray job list`` before it yields."""
+    """``ray start --head --block`` from a shell with ``env``; answers ``ray job list`` before it yields.
+
+    A ``ray start`` that exits while starting is started once more (fresh ports and temp dir): on a
+    busy two-core host Ray's client server can time out waiting for its own raylet and take the
+    head down with it."""
+    for attempt in range(1, START_TRIES + 1):
+        proc, head, log = _start_head(env, num_cpus, num_gpus)
+        try:
+            exited = _wait_for_head(proc, head)
+            if exited is None:
+                break
+        except BaseException:
+            _stop_head(proc, head, log)
+            raise
+        _stop_head(proc, head, log)
+        if attempt == START_TRIES:
+            pytest.fail(f"ray start exited with {proc.returncode} ({START_TRIES} tries):\n{exited}")
+    try:
+        yield head
+    finally:
+        _stop_head(proc, head, log)
+
+
+def _start_head(env: dict[str, str], num_cpus: int, num_gpus: int) -> tuple[subprocess.Popen, RayHead, IO[str]]:
     # A short path: Ray's unix sockets live under it and must stay within 107 bytes.
     temp_dir = Path(tempfile.mkdtemp(prefix="st-ray-", dir="/tmp"))
     gcs_port, dashboard_port = free_port(), free_port()
@@ -101,23 +128,27 @@ def ray_head(env: dict[str, str], num_cpus: int = 2, num_gpus: int = 2) -> Itera
     ]  # fmt: skip
     log = open(temp_dir / "ray-start.log", "w")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    head = RayHead(f"http://127.0.0.1:{dashboard_port}", f"127.0.0.1:{gcs_port}", temp_dir, env)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        # Asked with the head's token, whatever the shell sends: this only waits for the head.
-        asking = {**env, "RAY_AUTH_MODE": "token"} if head_uses_token(env) else env
-        while (listed := head.ray("job", "list", "--address", head.dashboard_url, "--log-style", "record", env=asking)).returncode:
-            if proc.poll() is not None:
-                log_tail = (temp_dir / "ray-start.log").read_text()[-3000:]
-                pytest.fail(f"ray start exited with {proc.returncode}:\n{log_tail}")
-            if time.monotonic() > deadline:
-                pytest.fail(f"no answer from {head.dashboard_url} in {START_TIMEOUT_S} s: {listed.stderr[-1000:]}")
-            time.sleep(1)
-        yield head
-    finally:
-        stop_process_tree(proc, str(temp_dir))
-        log.close()
-        shutil.rmtree(temp_dir, ignore_errors=True)
+    return proc, RayHead(f"http://127.0.0.1:{dashboard_port}", f"127.0.0.1:{gcs_port}", temp_dir, env), log
+
+
+def _wait_for_head(proc: subprocess.Popen, head: RayHead) -> str | None:
+    """None once the head answers ``ray job list``; the tail of its log if ``ray start`` exited first."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    # Asked with the head's token, whatever the shell sends: this only waits for the head.
+    asking = {**head.env, "RAY_AUTH_MODE": "token"} if head_uses_token(head.env) else head.env
+    while (listed := head.ray("job", "list", "--address", head.dashboard_url, "--log-style", "record", env=asking)).returncode:
+        if proc.poll() is not None:
+            return (head.temp_dir / "ray-start.log").read_text()[-3000:]
+        if time.monotonic() > deadline:
+            pytest.fail(f"no answer from {head.dashboard_url} in {START_TIMEOUT_S} s: {listed.stderr[-1000:]}")
+        time.sleep(1)
+    return None
+
+
+def _stop_head(proc: subprocess.Popen, head: RayHead, log: IO[str]) -> None:
+    stop_process_tree(proc, str(head.temp_dir))
+    log.close()
+    shutil.rmtree(head.temp_dir, ignore_errors=True)
 
 
 def head_uses_token(env: dict[str, str]) -> bool:
