@@ -152,7 +152,10 @@ def test_budget_is_short_on_cpu_and_full_on_gpus():
     gpu, cpu = Budget.for_device("gpu"), Budget.for_device("cpu")
     assert gpu.soak_s == 600 and gpu.repeats >= 5 and cpu.repeats >= 5
     assert cpu.soak_s <= 120 and cpu.long_output_cap is not None
-    assert Budget.for_device("cpu", 20).scenario_s == 10
+    assert Budget.for_device("cpu", 20).scenario_s == 10 and Budget.for_device("cpu", 20).repeat_s == 6
+    assert Budget.for_device("cpu", 200).scenario_s == 20  # a quarter of the soak, at most 20 s
+    short = Budget.for_device("cpu", 4)  # a soak shorter than the scenarios' floor: they shrink to match
+    assert short.scenario_s == 4 and short.repeat_s == 2
 
 
 def test_verify_json_has_no_nan():

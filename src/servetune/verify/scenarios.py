@@ -84,9 +84,11 @@ class Budget:
         if device == "gpu":
             return cls(soak_s=duration_s or 600.0, windows=10, scenario_s=120.0, long_requests=8, long_output_cap=None,
                        drop_rounds=5, repeats=5, repeat_s=60.0, warmup_cap=32)  # fmt: skip
+        # A quarter of the soak for peak, burst and mix, kept within 10-20 s, and never longer than
+        # the soak itself; a repeat is 6 s, or half a soak shorter than 12 s (at least 2 s).
         soak = duration_s or 60.0
-        return cls(soak_s=soak, windows=6, scenario_s=max(10.0, min(20.0, soak / 4)), long_requests=2,
-                   long_output_cap=1024, drop_rounds=3, repeats=5, repeat_s=6.0, warmup_cap=4)  # fmt: skip
+        return cls(soak_s=soak, windows=6, scenario_s=max(min(10.0, soak), min(20.0, soak / 4)), long_requests=2,
+                   long_output_cap=1024, drop_rounds=3, repeats=5, repeat_s=min(6.0, max(2.0, soak / 2)), warmup_cap=4)  # fmt: skip
 
 
 @dataclass
