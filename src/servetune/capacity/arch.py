@@ -8,6 +8,7 @@ same numbers for popular hub ids). Only architecture numbers are read; never wei
 
 from __future__ import annotations
 
+import functools
 import json
 from importlib import resources
 from pathlib import Path
@@ -234,7 +235,12 @@ def arch_from_hf_config(config: dict[str, Any], name: str, source: str = "config
 
 
 def load_catalog() -> dict[str, ModelArch]:
-    """The shipped catalogue of popular models, keyed by hub id."""
+    """The shipped catalogue of popular models, keyed by hub id (parsed once: a dry run asks per trial)."""
+    return dict(_parsed_catalog())
+
+
+@functools.cache
+def _parsed_catalog() -> dict[str, ModelArch]:
     text = resources.files("servetune.capacity").joinpath("catalog/models.yaml").read_text(encoding="utf-8")
     entries = yaml.safe_load(text) or {}
     return {hub_id: ModelArch(name=hub_id, **fields) for hub_id, fields in entries.items()}

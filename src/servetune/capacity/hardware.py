@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from importlib import resources
 from typing import Literal
@@ -46,6 +47,12 @@ class Hardware(BaseModel):
 
 
 def load_gpu_catalog() -> dict[str, GpuSpec]:
+    """The shipped GPU catalogue by name (parsed once: a dry run asks per trial)."""
+    return dict(_parsed_gpu_catalog())
+
+
+@functools.cache
+def _parsed_gpu_catalog() -> dict[str, GpuSpec]:
     text = resources.files("servetune.capacity").joinpath("catalog/gpus.yaml").read_text(encoding="utf-8")
     entries = yaml.safe_load(text) or {}
     return {name: GpuSpec(name=name, **fields) for name, fields in entries.items()}
