@@ -143,3 +143,30 @@ def test_one_verification_needs_no_conclusion_and_verify_json_stays_the_recommen
     both = verifications(study, verified(study, "a", None, False), [verified(study, "a", 0, True)])
     assert primary(both, "a", study).rank is None  # servetune verify's own verify.json stays the verdict stated first
     assert not primary((), "a", study).found
+
+
+def test_a_point_no_longer_in_the_top_has_its_verification_set_aside_not_reported(tmp_path):
+    from servetune.report.verification import read_verify_files
+    from servetune.study.verify_top import set_aside_superseded
+
+    here = tmp_path / "verify"
+    for trial_id, rank in (("aaa", 0), ("bbb", 1), ("ccc", 2)):
+        (here / trial_id).mkdir(parents=True)
+        (here / trial_id / "engine.log").write_text(f"{trial_id} log")
+        (here / f"{trial_id}.json").write_text(json.dumps({"trial_id": trial_id, "accepted": True, "settings": {"rank": rank}}))
+    said: list[str] = []
+    set_aside_superseded(tmp_path, {"bbb", "ddd"}, said.append)  # a resumed study: bbb still in, aaa and ccc out
+    assert sorted(p.name for p in here.iterdir()) == ["bbb", "bbb.json", "superseded"]
+    aside = here / "superseded"
+    assert sorted(p.name for p in aside.iterdir()) == ["aaa", "aaa.json", "ccc", "ccc.json"]
+    assert (aside / "aaa" / "engine.log").read_text() == "aaa log"  # kept, with its log
+    assert said == [f"verify: trials aaa, ccc are no longer among the points to verify: their verification moved to {aside}"]
+    assert [f.path.stem for f in read_verify_files(tmp_path)] == ["bbb"]  # the report shows the current top only
+    # Set aside again later (verified anew, then dropped again): the newer one replaces the older.
+    (here / "bbb.json").replace(here / "aaa.json")
+    set_aside_superseded(tmp_path, set(), said.append)
+    assert json.loads((aside / "aaa.json").read_text())["trial_id"] == "bbb"
+    assert said[-1] == f"verify: trial aaa is no longer among the points to verify: its verification moved to {aside}"
+    said.clear()
+    set_aside_superseded(tmp_path, set(), said.append)
+    assert said == []  # nothing left to set aside: nothing said

@@ -14,7 +14,9 @@ Each result is ``STUDY/verify/<trial id>.json`` (``servetune verify``'s document
 disk: the engine log's end comes back too, to ``STUDY/verify/<trial id>/engine.log``).
 ``--resume`` keeps a document whose ``settings`` (trial, level, parameters, budget) are the same,
 whatever its verdict; an engine that failed is a finished, rejected verification. A task that
-did not return (its node died) leaves no file: ``--resume`` runs it again. Progress (each step,
+did not return (its node died) leaves no file: ``--resume`` runs it again. A point no longer among
+the top K (a resumed study found better ones, or asks for fewer) has its files moved to
+``STUDY/verify/superseded/``, kept but out of the report. Progress (each step,
 each scenario's verdict) comes to the driver through a Ray queue while the tasks run.
 """
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -156,6 +159,30 @@ def unplaceable_document(selection: Selection, budget: Budget, problem: str) -> 
     return document(selection, budget, timeouts, run, scenarios, [])
 
 
+SUPERSEDED_DIR = "superseded"
+
+
+def set_aside_superseded(study_dir: Path, top: set[str], say: Callable[[str], None]) -> None:
+    """Move the verification of each point no longer among the top (a resumed study found better ones,
+    or asks for fewer) to ``verify/superseded/``, out of the report, where it is kept."""
+    here = Path(study_dir) / VERIFY_DIR
+    stale = sorted(p for p in here.glob("*.json") if p.stem not in top)
+    if not stale:
+        return
+    aside = here / SUPERSEDED_DIR
+    aside.mkdir(exist_ok=True)
+    for path in stale:
+        for item in (path, here / path.stem):  # its document and its engine log's directory
+            if item.exists():
+                target = aside / item.name
+                if target.is_dir():
+                    shutil.rmtree(target)
+                item.replace(target)
+    one = len(stale) == 1
+    say(f"verify: trial{'' if one else 's'} {', '.join(p.stem for p in stale)} {'is' if one else 'are'} no longer among "
+        f"the points to verify: {'its' if one else 'their'} verification moved to {aside}")  # fmt: skip
+
+
 def verify_top(study_dir: Path, context: StudyContext, say: Callable[[str], None], start_ray: Callable[[], object],
                tracking_uri: str | None = None) -> list[Verified]:  # fmt: skip
     """Verify the study's ``search.verify.top`` best points through Ray (``start_ray`` connects, called
@@ -179,6 +206,7 @@ def verify_top(study_dir: Path, context: StudyContext, say: Callable[[str], None
     except UserError as exc:  # the study's files do not rebuild a configuration: said, and the report is still written
         say(f"verify: cannot verify: {exc}")
         return [Verified("-", Path(study_dir) / VERIFY_DIR, None, ran=False, problem=str(exc))]
+    set_aside_superseded(study_dir, {s.winner.trial_id for s in selections}, say)
     if not selections:
         from servetune.report import build_report, load_study
 
