@@ -71,6 +71,7 @@ def test_grid_study_records_every_outcome_and_goes_on_after_a_crash(study):
         assert crashed["outcome"] == "FAILED" and "engine died" in crashed["reason"], crashed["reason"]
         assert crashed["log_tail"], "a trial whose engine died mid-ladder keeps the engine log's tail"
     assert "met the SLO" in done.stdout and good["trial_id"] in done.stdout
+    assert "Configuration for experiment" not in done.stdout + done.stderr  # Ray Tune's own box: servetune has its table
     assert (study_dir / "report" / "summary.md").exists() and f"recommendation: trial {good['trial_id']}" in done.stderr
     assert json.loads((study_dir / "study.json").read_text())["name"] == "fake"
     assert processes_mentioning(fake) == []

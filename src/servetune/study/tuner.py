@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import os
 from typing import Any
 
 from servetune.config.space import SearchSpace
@@ -62,6 +63,9 @@ def run_tuner(context: StudyContext, points: list[dict[str, Any]] | None, search
         storage_path=str(context.study_dir.resolve() / "tune"),
         callbacks=callbacks, verbose=0, failure_config=tune.FailureConfig(max_failures=0),
     )  # fmt: skip
+    # Ray 2.60's default reporter prints its "Configuration for experiment" box even at verbose=0;
+    # the older one keeps quiet, and servetune shows its own progress.
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     try:
         tune.Tuner(fn, param_space=param_space, tune_config=tune_config, run_config=run_config).fit()
     finally:
