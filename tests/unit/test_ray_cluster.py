@@ -80,3 +80,26 @@ def test_init_ray_checks_the_token_before_joining(monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")  # inside `ray job submit`
     ray_cluster.init_ray(None)
     assert calls == [("check", "10.0.0.1:6379"), ("init", "10.0.0.1:6379"), ("check", "10.0.0.2:6379"), ("init", None)]
+
+
+def test_a_ray_that_does_not_come_up_is_one_line_and_what_it_started_is_stopped(monkeypatch):
+    import ray
+
+    calls = []
+
+    def timed_out(**kwargs):
+        calls.append("init")
+        raise Exception("The current node timed out during startup. This could happen because ...\nmore")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", timed_out)
+    monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
+    monkeypatch.setattr(ray_cluster, "token_for_local_cluster", lambda: None)
+    monkeypatch.setattr(ray_cluster, "check_token_accepted", lambda address: None)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(UserError) as local:
+        ray_cluster.init_ray(None)
+    assert str(local.value) == "could not start a local Ray cluster: The current node timed out during startup. This could happen because ..."
+    with pytest.raises(UserError, match=r"^cannot join the Ray cluster at 10.0.0.1:6379: The current node timed out"):
+        ray_cluster.init_ray("10.0.0.1:6379")
+    assert calls == ["init", "shutdown", "init", "shutdown"]

@@ -97,10 +97,19 @@ def init_ray(address: str | None) -> None:
     joining = address or os.environ.get("RAY_ADDRESS")
     if joining:
         check_token_accepted(joining)
-        ray.init(address=address, **kwargs) if address else ray.init(**kwargs)
     else:
         token_for_local_cluster()
-        ray.init(include_dashboard=False, **kwargs)  # a local cluster on this machine
+    try:
+        if joining:
+            ray.init(address=address, **kwargs) if address else ray.init(**kwargs)
+        else:
+            ray.init(include_dashboard=False, **kwargs)  # a local cluster on this machine
+    except Exception as exc:  # noqa: BLE001 - Ray raises plain Exception when its processes do not come up
+        with contextlib.suppress(Exception):
+            ray.shutdown()  # what this ray.init started, stopped
+        lines = str(exc).strip().splitlines() or [type(exc).__name__]
+        where = f"cannot join the Ray cluster at {joining}" if joining else "could not start a local Ray cluster"
+        raise UserError(f"{where}: {lines[0]}") from None
 
 
 @contextlib.contextmanager
