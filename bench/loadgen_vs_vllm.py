@@ -6,10 +6,20 @@ requests from a workload, and runs both clients on it one after the other (alter
 client CPU seconds each spent driving the load (measured inside the client process around the
 load phase only, so interpreter start-up, imports and tokenizer loading are not counted).
 
+Each round prints TTFT P10/P50/P99, throughput, client CPU and how synchronized the client's
+sends were (the share of requests sent within 10 ms of another, ``servetune.metrics.send_sync_share``).
+
+``--pin ENGINE:CLIENT`` runs the engine on one set of cores and both clients on another (taskset
+core lists, e.g. ``--pin 0:1``): the engine's processes under ``taskset`` with vLLM's
+``VLLM_CPU_OMP_THREADS_BIND`` set to its cores, each client process under ``taskset`` with the
+client's, so a client cannot take CPU from the engine. The affinity in force is read back and
+printed.
+
 Targets: output throughput within 3% and TTFT P50 within 5% of vLLM's client; less client CPU
 per streamed token.
 
     .venv/bin/python bench/loadgen_vs_vllm.py [--concurrency 16] [--num-requests 400] [--repeats 2]
+        [--input-tokens 256 --output-tokens 128] [--pin 0:1] [--json OUT]
 """
 
 from __future__ import annotations
@@ -18,12 +28,59 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import resource
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+from types import SimpleNamespace
+
+
+def parse_cores(text: str) -> list[int]:
+    """A taskset core list (``0``, ``0,2``, ``0-3``) as sorted core numbers."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()) or (dash and int(last) < int(first)):
+            raise argparse.ArgumentTypeError(f"not a core list: {text!r} (e.g. 0, 0,2 or 0-3)")
+        cores.update(range(int(first), int(last or first) + 1))
+    return sorted(cores)
+
+
+def parse_pin(text: str) -> tuple[list[int], list[int]]:
+    """``--pin ENGINE:CLIENT``: the engine's cores and the clients' cores, which must not overlap."""
+    engine, sep, client = text.partition(":")
+    if not sep or not engine or not client:
+        raise argparse.ArgumentTypeError(f"--pin wants ENGINE:CLIENT core lists (e.g. 0:1), got {text!r}")
+    engine_cores, client_cores = parse_cores(engine), parse_cores(client)
+    if shared := sorted(set(engine_cores) & set(client_cores)):
+        raise argparse.ArgumentTypeError(f"--pin {text}: cores {shared} are both the engine's and the client's")
+    return engine_cores, client_cores
+
+
+def core_list(cores: list[int] | None) -> str:
+    return ",".join(str(c) for c in cores or [])
+
+
+def pinned(argv: list[str], cores: list[int] | None) -> list[str]:
+    """``argv`` run on ``cores`` only (``taskset``; children inherit it), or as it is without cores."""
+    return ["taskset", "--cpu-list", core_list(cores), *argv] if cores else list(argv)
+
+
+def threads_affinity(pids: list[int]) -> list[str]:
+    """The distinct ``Cpus_allowed_list`` of every thread of ``pids`` (what the kernel enforces)."""
+    seen: set[str] = set()
+    for pid in pids:
+        for status in Path(f"/proc/{pid}/task").glob("*/status"):
+            try:
+                text = status.read_text()
+            except OSError:  # the thread ended
+                continue
+            seen.update(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Cpus_allowed_list"))
+    return sorted(seen)
 
 
 def cpu_seconds() -> float:
@@ -35,14 +92,15 @@ def worker_servetune(args: argparse.Namespace) -> dict:
     from servetune.load.client import StreamingClient
     from servetune.load.requests import RequestSpec
     from servetune.load.runner import Level, run_level
-    from servetune.metrics import summarize
+    from servetune.metrics import DISTRIBUTION_PERCENTILES, send_sync_share, summarize, ttft_distribution_ms
 
     rows = [json.loads(line) for line in Path(args.requests).read_text().splitlines()]
     specs = [RequestSpec(i, r["prompt"], r["input_tokens"], r["output_tokens"], "default") for i, r in enumerate(rows)]
 
     async def go():
         async with StreamingClient(args.url, args.model) as client:
-            return await run_level(client, specs, Level("concurrency", args.concurrency), num_requests=len(specs))
+            level = Level("concurrency", args.concurrency)
+            return await run_level(client, specs, level, num_requests=len(specs), stagger=args.worker != "servetune-lockstep")
 
     try:
         import uvloop
@@ -54,11 +112,14 @@ def worker_servetune(args: argparse.Namespace) -> dict:
     records = run(go())
     cpu = cpu_seconds() - before
     s = summarize(records, {"concurrency": args.concurrency})
+    ttft = ttft_distribution_ms(records) or [float("nan")] * len(DISTRIBUTION_PERCENTILES)
     return {
         "output_throughput": s.output_throughput, "request_throughput": s.request_throughput,
+        "ttft_ms_p10": ttft[DISTRIBUTION_PERCENTILES.index(10)],
         "ttft_ms_p50": s.ttft_ms.p50, "ttft_ms_p99": s.ttft_ms.p99, "tpot_ms_p50": s.tpot_ms.p50,
         "itl_ms_p50": s.itl_ms.p50, "e2el_ms_p50": s.e2el_ms.p50, "completed": s.completed,
         "output_tokens": s.total_output_tokens, "client_cpu_s": cpu,
+        "send_sync_share": send_sync_share(records), "client_cores": sorted(os.sched_getaffinity(0)),
     }  # fmt: skip
 
 
@@ -72,9 +133,11 @@ def worker_vllm(args: argparse.Namespace) -> dict:
     async def timed_benchmark(*a, **kw):  # time only the load phase
         before = cpu_seconds()
         try:
-            return await original(*a, **kw)
+            result = await original(*a, **kw)
         finally:
             spent["cpu"] = cpu_seconds() - before
+        spent["start_times"] = list(result.get("start_times", []))  # main() deletes them from result
+        return result
 
     vserve.benchmark = timed_benchmark
     n = sum(1 for _ in open(args.requests))
@@ -87,20 +150,29 @@ def worker_vllm(args: argparse.Namespace) -> dict:
         "--skip-chat-template", "--disable-shuffle",
         "--num-prompts", str(n), "--max-concurrency", str(args.concurrency), "--request-rate", "inf",
         "--ignore-eos", "--temperature", "0", "--disable-tqdm", "--ready-check-timeout-sec", "0",
-        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
+        "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "10,50,99",
     ])  # fmt: skip
     r = vserve.main(vargs)
+    from servetune.metrics import send_sync_share
+
+    sends = [SimpleNamespace(sent=t, warmup=False) for t in spent["start_times"]]
     return {
         "output_throughput": r["output_throughput"], "request_throughput": r["request_throughput"],
-        "ttft_ms_p50": r["median_ttft_ms"], "ttft_ms_p99": r["p99_ttft_ms"], "tpot_ms_p50": r["median_tpot_ms"],
+        "ttft_ms_p10": r["p10_ttft_ms"], "ttft_ms_p50": r["median_ttft_ms"], "ttft_ms_p99": r["p99_ttft_ms"], "tpot_ms_p50": r["median_tpot_ms"],
         "itl_ms_p50": r["median_itl_ms"], "e2el_ms_p50": r["median_e2el_ms"], "completed": r["completed"],
         "output_tokens": r["total_output_tokens"], "client_cpu_s": spent["cpu"],
+        "send_sync_share": send_sync_share(sends), "client_cores": sorted(os.sched_getaffinity(0)),
     }  # fmt: skip
 
 
-def run_worker(kind: str, url: str, model: str, requests: Path, concurrency: int) -> dict:
+def worker_argv(kind: str, url: str, model: str, requests: Path, concurrency: int, cores: list[int] | None = None) -> list[str]:
     argv = [sys.executable, __file__, "--worker", kind, "--url", url, "--model", model,
             "--requests", str(requests), "--concurrency", str(concurrency)]  # fmt: skip
+    return pinned(argv, cores)
+
+
+def run_worker(kind: str, url: str, model: str, requests: Path, concurrency: int, cores: list[int] | None = None) -> dict:
+    argv = worker_argv(kind, url, model, requests, concurrency, cores)
     done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("RESULT "):
@@ -108,62 +180,126 @@ def run_worker(kind: str, url: str, model: str, requests: Path, concurrency: int
     raise RuntimeError(f"{kind} client failed:\n{done.stderr[-3000:]}")
 
 
+#: The clients compared: servetune's (staggered starts), vLLM's, and servetune's with every client
+#: started at once (``--lockstep``).
+CLIENTS = ("servetune", "vllm", "servetune-lockstep")
+
+
+def round_order(kinds: tuple[str, ...], round_: int) -> tuple[str, ...]:
+    """The clients of round ``round_`` (from 0), rotated by one each round so none always goes first."""
+    k = round_ % len(kinds)
+    return kinds[k:] + kinds[:k]
+
+
+def engine_env(env: dict[str, str], cores: list[int] | None) -> dict[str, str]:
+    """The engine's environment: pinned, vLLM's CPU worker binds its OpenMP threads to the engine's
+    cores (unless ``--env`` set the binding already)."""
+    if not cores:
+        return dict(env)
+    return {"VLLM_CPU_OMP_THREADS_BIND": core_list(cores), **env}
+
+
+def pinned_server(cores: list[int] | None, *args, **kwargs):
+    """A :class:`VllmServer` whose processes (reaper, API server, engine core) run on ``cores``."""
+    from servetune.engine.server import VllmServer
+
+    class PinnedServer(VllmServer):
+        def launch_argv(self) -> list[str]:
+            return pinned(super().launch_argv(), cores)
+
+    return PinnedServer(*args, **kwargs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worker", choices=["servetune", "vllm"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=CLIENTS, help=argparse.SUPPRESS)
     parser.add_argument("--url")
     parser.add_argument("--requests")
     parser.add_argument("--model", help="model directory (default: the tiny model, built in a temporary directory)")
     parser.add_argument("--workload", default="cpu-tiny")
+    parser.add_argument("--input-tokens", type=int, help="every prompt this many tokens (replaces the workload's)")
+    parser.add_argument("--output-tokens", type=int, help="every answer this many tokens (replaces the workload's)")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--num-requests", type=int, default=400)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--env", action="append", default=["VLLM_CPU_KVCACHE_SPACE=1"])
     parser.add_argument("--engine-arg", action="append", default=["enforce_eager=true"])
+    parser.add_argument("--pin", type=parse_pin, metavar="ENGINE:CLIENT",
+                        help="engine on these cores, clients on those (taskset core lists, e.g. 0:1)")  # fmt: skip
+    parser.add_argument("--lockstep", action="store_true",
+                        help="also run servetune's client with every client started at once (no stagger) in each round")  # fmt: skip
+    parser.add_argument("--json", type=Path, metavar="OUT", help="write every round's numbers to OUT")
     args = parser.parse_args()
     if args.worker:
-        result = (worker_servetune if args.worker == "servetune" else worker_vllm)(args)
+        result = (worker_vllm if args.worker == "vllm" else worker_servetune)(args)
         print("RESULT " + json.dumps(result), flush=True)
         return
+    engine_cores, client_cores = args.pin or (None, None)
+    if args.pin and (missing := sorted(set(engine_cores + client_cores) - os.sched_getaffinity(0))):
+        parser.error(f"--pin: cores {missing} are not available here (allowed: {core_list(sorted(os.sched_getaffinity(0)))})")
+    for flag, value in (("--input-tokens", args.input_tokens), ("--output-tokens", args.output_tokens)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} must be at least 1, got {value}")
 
     from transformers import AutoTokenizer
 
-    from servetune.config.workload import load_workload
+    from servetune.config.workload import Fixed, load_workload
     from servetune.engine.args import load_argspecs, parse_key_values, parse_value
-    from servetune.engine.server import VllmServer
+    from servetune.engine.server import group_members
     from servetune.load.requests import PromptFactory, iter_requests
     from servetune.models.tiny import build_tiny_model
+    from servetune.secrets import redact_engine_args
+    from servetune.trial.runner import write_atomic
 
+    workload = load_workload(args.workload)
+    lengths = {k: Fixed(dist="fixed", value=v) for k, v in (("input_tokens", args.input_tokens), ("output_tokens", args.output_tokens)) if v}
+    if lengths:
+        if workload.mix:
+            parser.error(f"--input-tokens/--output-tokens: workload {workload.name} is a mix of request classes")
+        workload = workload.model_copy(update=lengths)
     work = Path(tempfile.mkdtemp(prefix="servetune-loadgen-"))
     model = args.model or str(build_tiny_model(work / "tiny"))
-    workload = load_workload(args.workload)
     prompts = PromptFactory(AutoTokenizer.from_pretrained(model))
     requests = work / "requests.jsonl"
     with requests.open("w") as f:
         for spec in itertools.islice(iter_requests(workload, prompts, stream=1), args.num_requests):
             f.write(json.dumps({"prompt": spec.prompt, "input_tokens": spec.input_tokens, "output_tokens": spec.output_tokens}) + "\n")
     engine_args = {k: parse_value(v) for k, v in parse_key_values(args.engine_arg, "--engine-arg").items()}
-    env = parse_key_values(args.env, "--env")
-    results: dict[str, list[dict]] = {"servetune": [], "vllm": []}
-    with VllmServer(model, engine_args, env, log_path=work / "engine.log", argspecs=load_argspecs()) as server:
-        print(f"vLLM up at {server.url}; {args.num_requests} requests of workload {workload.name}, concurrency {args.concurrency}", flush=True)
-        run_worker("servetune", server.url, model, requests, args.concurrency)  # warm the server once
+    env = engine_env(parse_key_values(args.env, "--env"), engine_cores)
+    kinds = CLIENTS if args.lockstep else CLIENTS[:2]
+    results: dict[str, list[dict]] = {kind: [] for kind in kinds}
+    rounds: list[dict] = []
+    started = time.time()
+    server = pinned_server(engine_cores, model, engine_args, env, log_path=work / "engine.log", argspecs=load_argspecs())
+    with server:
+        engine_affinity = threads_affinity(group_members(server.process.pid))
+        print(f"vLLM up at {server.url} in {server.startup_s:.0f} s; {args.num_requests} requests of workload "
+              f"{workload.name}, concurrency {args.concurrency}; engine threads on cores {engine_affinity}, "
+              f"clients on {core_list(client_cores) or 'any'}", flush=True)  # fmt: skip
+        run_worker("servetune", server.url, model, requests, args.concurrency, client_cores)  # warm the server once
+        print(f"{'round':>5s} {'client':18s} {'tok/s':>7s} {'TTFT P10':>9s} {'P50':>7s} {'P99':>7s} {'CPU s':>6s} {'in sync':>7s} {'cores':>6s}", flush=True)
         for round_ in range(args.repeats):
-            order = ("servetune", "vllm") if round_ % 2 == 0 else ("vllm", "servetune")
-            for kind in order:
-                results[kind].append(run_worker(kind, server.url, model, requests, args.concurrency))
-                print(f"  round {round_ + 1}: {kind:9s} {results[kind][-1]['output_throughput']:8.1f} tok/s", flush=True)
+            for kind in round_order(kinds, round_):
+                r = run_worker(kind, server.url, model, requests, args.concurrency, client_cores)
+                results[kind].append(r)
+                rounds.append({"round": round_ + 1, "client": kind, **r})
+                sync = "-" if r["send_sync_share"] is None else f"{r['send_sync_share']:.2f}"
+                print(f"{round_ + 1:5d} {kind:18s} {r['output_throughput']:7.1f} {r['ttft_ms_p10']:9.1f} {r['ttft_ms_p50']:7.1f} "
+                      f"{r['ttft_ms_p99']:7.1f} {r['client_cpu_s']:6.2f} {sync:>7s} {core_list(r['client_cores']):>6s}", flush=True)  # fmt: skip
 
     def median(kind: str, key: str) -> float:
         return statistics.median(r[key] for r in results[kind])
 
-    keys = ["output_throughput", "request_throughput", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50",
+    keys = ["output_throughput", "request_throughput", "ttft_ms_p10", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50",
             "itl_ms_p50", "e2el_ms_p50", "completed", "output_tokens", "client_cpu_s"]  # fmt: skip
-    print(f"\n{'metric (median of ' + str(args.repeats) + ')':34s} {'servetune':>12s} {'vllm bench':>12s} {'diff':>8s}")
+    lockstep = "servetune-lockstep" in results
+    extra = f" {'lock-step':>12s}" if lockstep else ""
+    print(f"\n{'metric (median of ' + str(args.repeats) + ')':34s} {'servetune':>12s} {'vllm bench':>12s} {'diff':>8s}{extra}")
     for key in keys:
         ours, theirs = median("servetune", key), median("vllm", key)
         diff = (ours - theirs) / theirs * 100 if theirs else float("nan")
-        print(f"{key:34s} {ours:12.3f} {theirs:12.3f} {diff:+7.1f}%")
+        extra = f" {median('servetune-lockstep', key):12.3f}" if lockstep else ""
+        print(f"{key:34s} {ours:12.3f} {theirs:12.3f} {diff:+7.1f}%{extra}")
     per_tok = {k: median(k, "client_cpu_s") / median(k, "output_tokens") * 1e6 for k in results}
     print(f"{'client CPU µs per streamed token':34s} {per_tok['servetune']:12.1f} {per_tok['vllm']:12.1f} "
           f"{(per_tok['servetune'] / per_tok['vllm'] - 1) * 100:+7.1f}%")  # fmt: skip
@@ -172,6 +308,15 @@ def main() -> None:
     print(f"\ntargets: throughput within 3%: {tput:.1f}% {'ok' if tput <= 3 else 'MISSED'}; "
           f"TTFT P50 within 5%: {ttft:.1f}% {'ok' if ttft <= 5 else 'MISSED'}; "
           f"less CPU per token: {'ok' if per_tok['servetune'] < per_tok['vllm'] else 'MISSED'}")
+    if args.json:
+        report = {
+            "command": sys.argv, "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+            "wall_s": round(time.time() - started, 1), "engine_cores": engine_cores, "client_cores": client_cores,
+            "engine_threads_affinity": engine_affinity, "workload": workload.model_dump(mode="json"),
+            "engine_args": redact_engine_args(engine_args), "rounds": rounds,
+        }  # fmt: skip
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(args.json, json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":
