@@ -11,13 +11,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from servetune.report.serving import SERVE_CHECK_FILE  # noqa: F401  (defined where the report reads it)
 from servetune.results import RECORD, LevelResult
 from servetune.serve.plan import find_level, ratio
 from servetune.serve.ramp import RampResult
 from servetune.serve.routing import RoutingResult
-
-#: The file serve-check writes in the study directory (unless --json says where).
-SERVE_CHECK_FILE = "serve-check.json"
 
 
 class ReplicaRun(BaseModel):
