@@ -161,9 +161,20 @@ def test_routers_are_each_deployed_fresh_after_the_replica_counts_and_measured_a
     assert {101, 102} <= teardown.pids
 
 
+def small_model_study(root):
+    """tiny_study's trial with max_model_len 1024, as the CPU stand-in's."""
+    from tests.builders import study_info, trial, write_study
+
+    t = trial("t1", {"max_num_seqs": 8, "max_model_len": 1024}, [level(8, 400, 300)], device="cpu",
+              env={"VLLM_CPU_KVCACHE_SPACE": "1"})  # fmt: skip
+    write_study(root, study_info(device="cpu"), [t])
+    (root / "space.yaml").write_text((tiny_study(root.parent / "plain") / "space.yaml").read_text())
+    return root
+
+
 def test_cli_refuses_bad_routing_options_in_one_line_before_ray_starts(tmp_path, capsys):
     ray = pytest.importorskip("ray")
-    study = tiny_study(tmp_path / "s")
+    study = small_model_study(tmp_path / "s")
     cases = {
         ("--routers", "default,round-robin"): "--routers 'default,round-robin': unknown router 'round-robin' "
                                               "(known: default, prefix-aware)",
@@ -171,6 +182,8 @@ def test_cli_refuses_bad_routing_options_in_one_line_before_ray_starts(tmp_path,
         ("--routers", "default", "--workload", "cpu-tiny"): "--workload cpu-tiny: no shared_prefix",
         ("--routers", "default", "--workload", str(tmp_path / "nope.yaml")): "nope.yaml: file not found",
         ("--workload", "rag"): "--routing-replicas and --workload go with --routers",
+        ("--routers", "default,prefix-aware"): "--workload rag: its smallest request (1532 tokens with its answer) passes "
+                                               "the trial's max_model_len 1024",
     }
     for argv, message in cases.items():
         assert main(["serve-check", str(study), "--pick", "t1", *argv]) == 2, argv

@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     picked = read_picked(args.study_dir, args.pick)
     name = args.app_name or APP_NAME
     derived = ramp_autoscaling(args, picked) if args.ramp else None
-    routing_workload, routers, routing_replicas = routing_args(args, replicas)
+    routing_workload, routers, routing_replicas = routing_args(args, replicas, picked.point.engine_args)
     need = check_before_start(picked, replicas, args.address)
     if derived is not None and derived.max_replicas > max(replicas):
         asked = f"--ramp (scaling up to {derived.max_replicas} replicas; --ramp-max-replicas sets the most)"
@@ -186,8 +186,9 @@ def run(args: argparse.Namespace) -> int:
     return 0 if completed and not (result.ramp is not None and result.ramp.traffic_before_ready) else 1
 
 
-def routing_args(args, replicas: list[int]):
-    """--routers, --routing-replicas and --workload, checked before Ray starts: (workload, routers, replicas)."""
+def routing_args(args, replicas: list[int], engine_args: dict):
+    """--routers, --routing-replicas and --workload, checked before Ray starts: (workload, routers, replicas).
+    A workload none of whose requests fits the trial's max_model_len is refused (every request would fail)."""
     from servetune.config.workload import load_workload
     from servetune.errors import UserError
     from servetune.serve.routing import parse_routers
@@ -205,6 +206,13 @@ def routing_args(args, replicas: list[int]):
     if workload.shared_prefix is None and workload.sessions is None:
         raise UserError(f"--workload {args.workload or 'rag'}: no shared_prefix (nor sessions): routers that follow the "
                         "prefix cache need prompts that share prefixes")  # fmt: skip
+    limit = engine_args.get("max_model_len")
+    smallest = [getattr(d, "min", getattr(d, "value", None)) for c in workload.classes for d in (c.input_tokens, c.output_tokens)]
+    if limit and None not in smallest:
+        least = min(smallest[i] + smallest[i + 1] for i in range(0, len(smallest), 2))
+        if least > int(limit):
+            raise UserError(f"--workload {args.workload or 'rag'}: its smallest request ({least} tokens with its answer) "
+                            f"passes the trial's max_model_len {limit}: give a workload scaled to the model")  # fmt: skip
     return workload, routers, count
 
 
