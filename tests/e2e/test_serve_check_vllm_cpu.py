@@ -116,3 +116,5 @@ def test_one_replica_takes_traffic_a_ramp_scales_out_to_two_routers_compared_and
     # The prefix-aware router keeps the shared prefix on the replica that has it: the load piles up there.
     assert prefix_aware.imbalance > default.imbalance and prefix_aware.imbalance >= 1.3, (default.per_replica, prefix_aware.per_replica)
     assert routing.verdict is not None and "verdict:" in done.stdout and "hit rate" in done.stdout
+    sent = [json.loads(line) for line in (study / "serve-check.requests.jsonl").read_text().splitlines()]
+    assert [sum(r.get("router") == name for r in sent) for name in ("default", "prefix-aware")] == [24, 24]

@@ -140,7 +140,9 @@ def run(args: argparse.Namespace) -> int:
         def measure_router(url: str, served: str, router: str):
             holder = types.SimpleNamespace(levels=[])
             console.print(f"[bold]router {router}[/]: {routing_replicas} replicas, workload {routing_workload.name}, {level}")
-            run_levels(console, url, served, routing_workload, prompts, [plan], picked.slo, measure_args, holder, records)
+            sent: list[dict] = []
+            run_levels(console, url, served, routing_workload, prompts, [plan], picked.slo, measure_args, holder, sent)
+            records.extend({**r, "router": router} for r in sent)  # serve-check.requests.jsonl says which router
             return holder.levels[0]
 
         routing = Routing(routers=routers, replicas=routing_replicas, workload=routing_workload.name, measure=measure_router)

@@ -22,7 +22,6 @@ from servetune.errors import EngineStartError, UserError
 from servetune.serve.routing import read_replica_counters
 
 
-
 class ServeCluster:
     """``with ServeCluster(address, resources) as cluster:`` a Ray cluster with Serve on it.
 
