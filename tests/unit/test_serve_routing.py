@@ -30,6 +30,7 @@ ray_serve_deployment_request_counter_total{Component="core_worker",application="
 # TYPE ray_vllm_prompt_tokens_total counter
 ray_vllm_prompt_tokens_total{Component="core_worker",ReplicaId="r1",WorkerId="w1",engine="0",model_name="tiny"} 2800.0
 ray_vllm_prompt_tokens_total{Component="core_worker",ReplicaId="r2",WorkerId="w2",engine="0",model_name="tiny"} 1200.0
+ray_vllm_prompt_tokens_total{Component="core_worker",ReplicaId="o1",WorkerId="w3",engine="0",model_name="x"} 999.0
 # HELP ray_vllm_generation_tokens_total Number of generation tokens processed.
 # TYPE ray_vllm_generation_tokens_total counter
 ray_vllm_generation_tokens_total{Component="core_worker",ReplicaId="r1",WorkerId="w1",engine="0",model_name="tiny"} 112.0
@@ -73,7 +74,7 @@ def test_counters_per_replica_come_from_the_agents_text_for_the_applications_llm
                "prefix_cache_hits": 1600},
         "r2": {"requests": 3, "prompt_tokens": 1200, "generation_tokens": 48, "prefix_cache_queries": 1200,
                "prefix_cache_hits": 320},
-    }  # fmt: skip  (the ingress, another application and gauges are not counted)
+    }  # fmt: skip  (the ingress, another application's replicas and gauges are not counted)
     assert read_replica_counters("not { prometheus", "app") == {}
 
 

@@ -75,8 +75,8 @@ def _engine_sample_names(ours: str) -> tuple[str, ...]:
 def read_replica_counters(text: str, app_name: str, deployment_prefix: str = "LLMServer") -> dict[str, dict[str, float]]:
     """Per replica id: ``requests`` (Serve's counter for the application's LLM deployment) and vLLM's
     ``prompt_tokens``, ``generation_tokens``, ``prefix_cache_queries``, ``prefix_cache_hits`` --
-    everything Ray's metrics agent holds now (counters since each replica started). Text that does
-    not parse gives nothing."""
+    everything Ray's metrics agent holds now (counters since each replica started), for the replicas
+    Serve counted requests for in ``app_name``'s LLM deployment. Text that does not parse gives nothing."""
     engine = {name: ours for ours in ENGINE_COUNTERS for name in _engine_sample_names(ours)}
     found: dict[str, dict[str, float]] = {}
     try:
@@ -96,7 +96,8 @@ def read_replica_counters(text: str, app_name: str, deployment_prefix: str = "LL
                 continue
             counts = found.setdefault(replica, {})
             counts[key] = counts.get(key, 0.0) + float(sample.value)
-    return found
+    # vLLM's samples carry no application: a replica is the application's when Serve counted requests for it there.
+    return {replica: counts for replica, counts in found.items() if "requests" in counts}
 
 
 class ReplicaTraffic(BaseModel):
