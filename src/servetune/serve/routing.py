@@ -233,7 +233,7 @@ def verdict(runs: Sequence[RouterRun]) -> Verdict | None:
             return Verdict(ship=None, reason=f"no difference above noise between {run.router} and {base.router}: {said}",
                            margins=margins)  # fmt: skip
     imb = next(r.imbalance for r in runs if r.router == best)
-    tail = f"; its load imbalance {imb:.2f}" if imb is not None and math.isfinite(imb) else ""
+    tail = f"; {best}'s load imbalance {imb:.2f}" if imb is not None and math.isfinite(imb) else ""
     return Verdict(ship=best, reason="; ".join(reasons) + tail, margins=margins)
 
 
