@@ -5,7 +5,9 @@ defaults, measured on this kind of host) with its model pointed at the test's ti
 serve-check needs of a study is the trial's engine arguments, environment, model and measured
 levels, and the space's workload, ladder and SLO. One fixed replica is measured, then the ramp
 deploys the derived autoscaling (1-2 replicas, delays x 0.05) and offers 8, 24 and 8 clients: the
-second replica must start, be RUNNING before it serves, and take traffic.
+second replica must start, be RUNNING before it serves, and take traffic. Then --routers deploys two
+replicas afresh with Serve's default router and with Ray Serve LLM's prefix-aware one, each offered a
+RAG-like workload scaled to the tiny model (most prompts start with one shared prefix).
 """
 
 import json
@@ -39,6 +41,15 @@ env: {VLLM_CPU_KVCACHE_SPACE: 1}
 """
 
 
+RAG_TINY = """
+name: rag-tiny
+description: rag scaled to the tiny model (max_model_len 1024)
+input_tokens: {dist: lognormal, median: 320, sigma: 0.3, min: 200, max: 600}
+output_tokens: {dist: fixed, value: 16}
+shared_prefix: {tokens: 160, fraction: 0.8}
+"""
+
+
 def one_trial_study(root: Path, model: Path) -> Path:
     (root / "trials" / TRIAL).mkdir(parents=True)
     shutil.copy(FIXTURE / "study.json", root / "study.json")
@@ -53,11 +64,13 @@ def servetune(*argv, timeout=600):
     return subprocess.run([sys.executable, "-m", "servetune", *map(str, argv)], capture_output=True, text=True, timeout=timeout)
 
 
-def test_one_replica_takes_traffic_a_ramp_scales_out_to_two_and_all_are_torn_down(tiny_model, tmp_path):
+def test_one_replica_takes_traffic_a_ramp_scales_out_to_two_routers_compared_and_all_are_torn_down(tiny_model, tmp_path):
     study = one_trial_study(tmp_path / "study", tiny_model)
+    (tmp_path / "rag-tiny.yaml").write_text(RAG_TINY)
     # One fixed replica, then the ramp in place of a fixed two-replica run: it scales out to two.
     done = servetune("serve-check", study, "--pick", TRIAL, "--replicas", "1", "--ramp", "--ramp-max-replicas", "2",
-                     "--ramp-hold", "8", "--delay-scale", "0.05", timeout=900)  # fmt: skip
+                     "--ramp-hold", "8", "--delay-scale", "0.05", "--routers", "default,prefix-aware",
+                     "--routing-replicas", "2", "--workload", tmp_path / "rag-tiny.yaml", timeout=1200)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     result = ServeCheckResult.model_validate_json((study / "serve-check.json").read_text())
     (one,) = result.runs
@@ -85,3 +98,23 @@ def test_one_replica_takes_traffic_a_ramp_scales_out_to_two_and_all_are_torn_dow
     new = ramp.new_replicas[0]
     assert ramp.samples[-1].served.get(new, 0) >= 8  # the new replica took a real share of the 3x load
     assert "time to scale up" in done.stdout
+    # The routers: each deployed afresh at two replicas, the same 24 requests at concurrency 8.
+    routing = result.routing
+    assert routing is not None and [r.router for r in routing.runs] == ["default", "prefix-aware"]
+    assert routing.runs[1].router_class.endswith("PrefixCacheAffinityRouter") and routing.level == {"concurrency": 8.0}
+    for run in routing.runs:
+        s = run.level.summary
+        assert s.completed == 24 and s.failed == 0 and s.warmup_excluded == 0, run.router
+        traffic = list(run.per_replica.values())
+        assert sum(t.requests for t in traffic) == 24, run.per_replica  # Serve's counter, per replica
+        # vLLM's own counters, per replica through Ray's metrics agent, add up to what the client saw.
+        assert sum(t.generation_tokens for t in traffic) == s.total_output_tokens == 24 * 16, run.per_replica
+        assert sum(t.prompt_tokens for t in traffic) >= s.total_input_tokens, run.per_replica
+        assert 0 < run.prefix_cache_hit_rate < 1, run.per_replica  # the shared prefix is reused, the rest is not
+    default, prefix_aware = routing.runs
+    assert len(default.per_replica) == 2  # power of two choices spreads the load over both replicas
+    # The prefix-aware router keeps the shared prefix on the replica that has it: the load piles up there.
+    assert prefix_aware.imbalance > default.imbalance and prefix_aware.imbalance >= 1.3, (default.per_replica, prefix_aware.per_replica)
+    assert routing.verdict is not None and "verdict:" in done.stdout and "hit rate" in done.stdout
+    sent = [json.loads(line) for line in (study / "serve-check.requests.jsonl").read_text().splitlines()]
+    assert [sum(r.get("router") == name for r in sent) for name in ("default", "prefix-aware")] == [24, 24]

@@ -31,6 +31,18 @@ replica (Serve's counter), SLO violations; the time to scale up, and whether a n
 served a request before Serve had it RUNNING (its engine started): it must not (exit 1).
 --delay-scale shrinks section 11's delays (120 s up, 600 s down, 30 s window) for a quick check.
 
+--routers compares request routers at the end: `default` (Serve's own, power of two choices by
+queue length) and `prefix-aware` (Ray Serve LLM's PrefixCacheAffinityRouter). Each is deployed
+fresh (cold prefix caches) at --routing-replicas replicas and offered --workload (a shared-prefix
+workload, default: rag; on the CPU stand-in, a file scaled to the tiny model) at the picked
+point's level, without warm-up. Per router and replica: requests (Serve's counter), tokens served
+(vLLM's prompt + generated tokens), prefix-cache queries and hits (vLLM's counters, in tokens, as
+Ray Serve LLM exports them per replica through Ray's metrics agent) and the hit rate; per router:
+the overall hit rate, the load imbalance (max over mean of tokens served across the replicas),
+goodput and TTFT P50/P99, and a verdict: which router to ship, named only when the TTFT P50 differs
+beyond max(20 ms, 15%), goodput drops by more than 10%, or the hit rate rises by 5 points or more
+at no latency cost.
+
 Without --address a local Ray is started, declaring the CPUs the replicas and the ingress need,
 with Serve's HTTP proxy on 127.0.0.1 at a free port; it is shut down at the end. With --address
 only the application serve-check deployed is deleted at the end. Either way serve-check proves,
@@ -58,6 +70,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ramp-hold", type=float, default=60.0, metavar="S", help="seconds at 1x, at 3x once scaled out, and back at 1x (at least 5; default: 60)")
     p.add_argument("--ramp-max-replicas", type=int, metavar="N", help="the most replicas the ramp may scale to (default: the derived max_replicas for 3x the knee)")
     p.add_argument("--delay-scale", type=float, default=1.0, metavar="F", help="multiply the derived autoscaling delays by F for the ramp (default: 1)")
+    p.add_argument("--routers", metavar="A,B", help="compare request routers on a shared-prefix workload: default, prefix-aware "
+                   "(e.g. default,prefix-aware; the first is the baseline)")
+    p.add_argument("--routing-replicas", type=int, metavar="N", help="replicas for --routers (at least 2; default: the largest of --replicas)")
+    p.add_argument("--workload", metavar="NAME|FILE", help="the shared-prefix workload for --routers: a shipped workload or a "
+                   "workload file (default: rag)")
     p.set_defaults(run=run)
 
 
@@ -72,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     from servetune.serve.plan import APP_NAME, parse_replicas
     from servetune.serve.result import SERVE_CHECK_FILE
     from servetune.serve.study import read_picked
+    from servetune.trial.measure import LevelPlan
 
     console = make_console(stderr=True)
     # The 1x phase must outlast Serve's counter's lag, so the replica serving before the ramp is known as old.
@@ -81,10 +99,13 @@ def run(args: argparse.Namespace) -> int:
     picked = read_picked(args.study_dir, args.pick)
     name = args.app_name or APP_NAME
     derived = ramp_autoscaling(args, picked) if args.ramp else None
+    routing_workload, routers, routing_replicas = routing_args(args, replicas, picked.point.engine_args)
     need = check_before_start(picked, replicas, args.address)
     if derived is not None and derived.max_replicas > max(replicas):
         asked = f"--ramp (scaling up to {derived.max_replicas} replicas; --ramp-max-replicas sets the most)"
         need = check_before_start(picked, [derived.max_replicas], args.address, asked)
+    if routers and routing_replicas > need.replicas:
+        need = check_before_start(picked, [routing_replicas], args.address, f"--routers at {routing_replicas} replicas")
     model = picked.point.model
     if args.address is None and not Path(model).exists() and model.startswith(("/", ".")):
         raise UserError(f"the trial's model {model} is not on this machine")
@@ -108,6 +129,24 @@ def run(args: argparse.Namespace) -> int:
     if args.ramp:
         ramp = make_ramp(args, picked, derived, prompts, name, records, console, lambda: cluster)
 
+    routing = None
+    if routers:
+        from servetune.serve.check import Routing
+
+        load = picked.space.load
+        level = next((p.level for p in picked.plans if p.level.as_dict() == dict(picked.point.level)), picked.plans[0].level)
+        plan = LevelPlan.sized(level, load.requests_per_level, load.seconds_per_level, warmup=0)
+
+        def measure_router(url: str, served: str, router: str):
+            holder = types.SimpleNamespace(levels=[])
+            console.print(f"[bold]router {router}[/]: {routing_replicas} replicas, workload {routing_workload.name}, {level}")
+            sent: list[dict] = []
+            run_levels(console, url, served, routing_workload, prompts, [plan], picked.slo, measure_args, holder, sent)
+            records.extend({**r, "router": router} for r in sent)  # serve-check.requests.jsonl says which router
+            return holder.levels[0]
+
+        routing = Routing(routers=routers, replicas=routing_replicas, workload=routing_workload.name, measure=measure_router)
+
     teardown = Teardown(pids=set())
     where = args.address or "the local Ray"
     with console.status(f"starting Ray and Serve ({where})"):
@@ -121,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
         result = run_check(
             picked, replicas, cluster, name, measure, teardown, address=args.address,
             on_ready=lambda n, s: console.print(f"{n} replica{'s' if n > 1 else ''} RUNNING after {s:.0f} s"), ramp=ramp,
+            routing=routing,
         )  # fmt: skip
     finally:
         with console.status(f"deleting the Serve application {name}"):
@@ -140,9 +180,42 @@ def run(args: argparse.Namespace) -> int:
     make_console().print(scaling_table(result))
     if result.ramp is not None:
         make_console().print(ramp_table(result.ramp))
+    if result.routing is not None:
+        make_console().print(routing_table(result.routing))
     console.print(f"wrote {out} and {requests_path}; Serve torn down, {len(teardown.pids)} replica processes gone")
     completed = all(lv.summary.completed for run in result.runs for lv in run.levels)
+    completed = completed and all(run.level.summary.completed for run in (result.routing.runs if result.routing else []))
     return 0 if completed and not (result.ramp is not None and result.ramp.traffic_before_ready) else 1
+
+
+def routing_args(args, replicas: list[int], engine_args: dict):
+    """--routers, --routing-replicas and --workload, checked before Ray starts: (workload, routers, replicas).
+    A workload none of whose requests fits the trial's max_model_len is refused (every request would fail)."""
+    from servetune.config.workload import load_workload
+    from servetune.errors import UserError
+    from servetune.serve.routing import parse_routers
+
+    if not args.routers:
+        if args.routing_replicas is not None or args.workload is not None:
+            raise UserError("--routing-replicas and --workload go with --routers")
+        return None, [], 0
+    routers = parse_routers(args.routers)
+    count = args.routing_replicas if args.routing_replicas is not None else max(replicas)
+    if count < 2:
+        raise UserError(f"--routers compares how requests are spread over replicas: it needs 2 or more, got {count} "
+                        "(--routing-replicas N, or a count of 2 or more in --replicas)")  # fmt: skip
+    workload = load_workload(args.workload or "rag")
+    if workload.shared_prefix is None and workload.sessions is None:
+        raise UserError(f"--workload {args.workload or 'rag'}: no shared_prefix (nor sessions): routers that follow the "
+                        "prefix cache need prompts that share prefixes")  # fmt: skip
+    limit = engine_args.get("max_model_len")
+    smallest = [getattr(d, "min", getattr(d, "value", None)) for c in workload.classes for d in (c.input_tokens, c.output_tokens)]
+    if limit and None not in smallest:
+        least = min(smallest[i] + smallest[i + 1] for i in range(0, len(smallest), 2))
+        if least > int(limit):
+            raise UserError(f"--workload {args.workload or 'rag'}: its smallest request ({least} tokens with its answer) "
+                            f"passes the trial's max_model_len {limit}: give a workload scaled to the model")  # fmt: skip
+    return workload, routers, count
 
 
 def ramp_autoscaling(args, picked):
@@ -212,6 +285,34 @@ def _fmt(value: float | None, digits: int = 1, signed: bool = False) -> str:
     if value is None:
         return "-"
     return f"{value:+,.{digits}f}" if signed else f"{value:,.{digits}f}"
+
+
+def routing_table(routing) -> Table:
+    table = Table(title=f"serve-check --routers: {routing.replicas} replicas, workload {routing.workload}, "
+                        + ", ".join(f"{k} {v:g}" for k, v in routing.level.items()), title_justify="left")  # fmt: skip
+    for col in ("router", "replica", "requests", "tokens served", "prefix queries", "prefix hits", "hit rate",
+                "imbalance", "goodput", "TTFT p50", "TTFT p99"):  # fmt: skip
+        table.add_column(col, justify="right")
+    for run in routing.runs:
+        s = run.level.summary
+        table.add_row(f"[bold]{run.router}[/]", "all", str(sum(t.requests for t in run.per_replica.values())),
+                      f"{sum(t.tokens_served for t in run.per_replica.values()):,}",
+                      f"{sum(t.prefix_cache_queries for t in run.per_replica.values()):,}",
+                      f"{sum(t.prefix_cache_hits for t in run.per_replica.values()):,}", _pct(run.prefix_cache_hit_rate),
+                      _fmt(run.imbalance, 2), _fmt(s.goodput, 2), _fmt(s.ttft_ms.p50), _fmt(s.ttft_ms.p99))  # fmt: skip
+        for rid, t in sorted(run.per_replica.items(), key=lambda kv: -kv[1].tokens_served):
+            table.add_row("", rid, str(t.requests), f"{t.tokens_served:,}", f"{t.prefix_cache_queries:,}",
+                          f"{t.prefix_cache_hits:,}", _pct(t.prefix_cache_hit_rate), "", "", "", "")  # fmt: skip
+    v = routing.verdict
+    table.caption = ("imbalance: max over mean of tokens served across the replicas; hit rate: prefix-cache hits over "
+                     "queries, in tokens; latencies in ms")  # fmt: skip
+    if v is not None:
+        table.caption += f"\nverdict: {'ship ' + v.ship if v.ship else 'no router named'}: {v.reason}"
+    return table
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
 
 
 def scaling_table(result) -> Table:

@@ -28,6 +28,7 @@ from servetune.report.recommend import Recommendation, recommend
 from servetune.report.study import LoadedStudy, NotRead
 from servetune.report.quality import QualityRow, RuleCheck, precision_rule, quality_rows
 from servetune.report.trials import TrialRow, trial_rows
+from servetune.report.serving import ServeSection, serve_section
 from servetune.report.verification import Verification, conclusion, primary, verifications
 from servetune.results import StudyInfo, TrialResult
 
@@ -66,6 +67,7 @@ class StudyReport:
     verifications: tuple[Verification, ...] = ()  # every verified point, in verify order, then verify.json
     verification_conclusion: str = ""  # what the verdicts mean together (several points verified)
     ttft_spreads: tuple[LevelSpread, ...] = ()  # the recommended trial's TTFT distribution per level (report/distribution.py)
+    serve_check: ServeSection | None = None  # what serve-check measured on Ray Serve (report/serving.py)
 
     def outcome_counts(self) -> dict[str, int]:
         """Trials by outcome, plus ``not read`` (every trial directory is counted once)."""
@@ -153,6 +155,7 @@ def build_report(study: LoadedStudy, price_per_device_hour: float | None = None)
         verifications=verified,
         verification_conclusion=conclusion(verified, rec_trial, study.root),
         ttft_spreads=ttft_spreads(study.trials, recommendation.point),
+        serve_check=serve_section(study.serve_check),
     )
 
 

@@ -41,6 +41,7 @@ from servetune.report.points import ReportPoint, level_label
 from servetune.report.recommend import describe
 from servetune.report.quality import QUALITY_NOTE, quality_cells, quality_headings, rule_summary, suite_names
 from servetune.report.trials import TrialRow
+from servetune.report.serving import ROUTER_HEADINGS, SCALING_HEADINGS, ServeSection
 from servetune.report.verification import Verification
 
 
@@ -285,6 +286,30 @@ def spread_html(report: StudyReport) -> str:
     )
 
 
+def serve_check_html(section: ServeSection) -> str:
+    """serve-check's scaling rows and routers, as the Markdown summary has them."""
+    e = html.escape
+
+    def table(headings, rows) -> str:
+        head = "".join(f"<th>{e(h)}</th>" for h in headings)
+        body = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in rows)
+        return f"<table><tr>{head}</tr>{body}</table>"
+
+    parts = ["<h2 id='serve-check'>Ray Serve (serve-check)</h2>"]
+    if section.problem:
+        return parts[0] + f"<p><code>{e(str(section.path))}</code> could not be read: {e(section.problem)}.</p>"
+    parts.append(f"<p class='muted'>Trial {e(section.trial_id)} deployed as a Ray Serve LLM application.</p>")
+    if section.scaling:
+        parts.append(table(SCALING_HEADINGS, section.scaling))
+    if section.routers:
+        parts += [f"<h3>Routers: {e(section.routing_title)}</h3>", table(ROUTER_HEADINGS, section.routers),
+                  "<p class='muted'>hit rate: prefix-cache hits over queries, in tokens; imbalance: max over mean "
+                  "of tokens served across the replicas; latencies in ms</p>"]  # fmt: skip
+        if section.verdict:
+            parts.append(f"<p><b>Verdict:</b> {e(section.verdict)}</p>")
+    return "\n".join(parts)
+
+
 def render_html(report: StudyReport) -> str:
     """The whole page as a string; the first figure carries plotly.js inline."""
     e = html.escape
@@ -328,6 +353,8 @@ def render_html(report: StudyReport) -> str:
     if report.ttft_spreads:
         parts.append(spread_html(report))
     parts.append(verification_html(report.verification, report.verifications, report.verification_conclusion))
+    if report.serve_check is not None:
+        parts.append(serve_check_html(report.serve_check))
     body = "\n".join(parts)
     return (
         "<!DOCTYPE html>\n<html lang='en'><head><meta charset='utf-8'>"

@@ -20,6 +20,7 @@ from servetune.report.points import config_label, level_label
 from servetune.report.recommend import describe
 from servetune.report.quality import QUALITY_NOTE, quality_cells, quality_headings, rule_summary, suite_names
 from servetune.report.trials import TrialRow
+from servetune.report.serving import ROUTER_HEADINGS, SCALING_HEADINGS, ServeSection
 from servetune.report.verification import Verification
 
 
@@ -171,6 +172,28 @@ def warm_cache_lines(rows: Sequence[TrialRow]) -> list[str]:
     return [f"trial {row.trial_id}, {note}" for row in rows for note in row.cache_notes]
 
 
+def serve_check_section(section: ServeSection | None) -> list[str]:
+    """What ``servetune serve-check`` measured on Ray Serve: scaling, and the routers compared."""
+    if section is None:
+        return []
+    lines = ["## Ray Serve (serve-check)", ""]
+    if section.problem:
+        return lines + [f"`{section.path}` could not be read: {section.problem}.", ""]
+    lines += [f"Trial {section.trial_id} deployed as a Ray Serve LLM application (`{section.path.name}`).", ""]
+    if section.scaling:
+        lines += _table(SCALING_HEADINGS, section.scaling)
+        lines += ["", "latencies in ms; router TTFT p50: through Serve minus the bare engine at the same level; "
+                      "scaling eff.: tok/s at N / (N x tok/s at 1)", ""]  # fmt: skip
+    if section.routers:
+        lines += [f"### Routers: {section.routing_title}", ""]
+        lines += _table(ROUTER_HEADINGS, section.routers)
+        lines += ["", "hit rate: prefix-cache hits over queries, in tokens; imbalance: max over mean of tokens served "
+                      "across the replicas; latencies in ms", ""]  # fmt: skip
+        if section.verdict:
+            lines += [f"**Verdict: {section.verdict}**", ""]
+    return lines
+
+
 def render_markdown(report: StudyReport) -> str:
     info = report.info
     price = report.price_override if report.price_override is not None else info.price_per_device_hour
@@ -201,6 +224,7 @@ def render_markdown(report: StudyReport) -> str:
             lines += ["### Warm prefix cache", "", *(f"- {line}" for line in warm), ""]
     lines += quality_section(report)
     lines += spread_section(report)
+    lines += serve_check_section(report.serve_check)
     reasons = report.failure_reasons()
     if reasons:
         lines += ["### Why trials did not complete", ""]

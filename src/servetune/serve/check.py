@@ -22,6 +22,7 @@ from servetune.secrets import redact_env
 from servetune.serve.plan import Needs, autoscaled_llm_config, check_fits, llm_config, needs
 from servetune.serve.ramp import RampResult
 from servetune.serve.result import ReplicaRun, ServeCheckResult, scaling_rows
+from servetune.serve.routing import ROUTERS, RouterRun, RoutingResult, routed_llm_config, traffic_between, verdict
 from servetune.serve.study import PickedStudy
 
 
@@ -42,6 +43,8 @@ class Cluster(Protocol):
 
     def requests_per_replica(self, name: str) -> dict[str, int]: ...
 
+    def replica_counters(self, name: str) -> dict[str, dict[str, float]]: ...
+
 
 #: measure(url, served model name, replica count) -> the ladder's level results.
 Measure = Callable[[str, str, int], list[LevelResult]]
@@ -54,6 +57,18 @@ class Ramp:
 
     deployment_config: Mapping
     run: Callable[[str, str], RampResult]
+
+
+@dataclass
+class Routing:
+    """The routers to compare after the replica counts (and the ramp): each deployed fresh (cold
+    prefix caches) at ``replicas`` replicas, then ``measure(url, served model name, router)`` drives
+    the shared-prefix workload at one level."""
+
+    routers: list[str]
+    replicas: int
+    workload: str
+    measure: Callable[[str, str, str], LevelResult]
 
 
 @dataclass
@@ -97,10 +112,11 @@ def check_cluster_fits(cluster: Cluster, need: Needs, where: str) -> None:
 def run_check(
     picked: PickedStudy, replicas: list[int], cluster: Cluster, name: str, measure: Measure, teardown: Teardown,
     address: str | None = None, on_ready: Callable[[int, float], None] | None = None, ramp: Ramp | None = None,
+    routing: Routing | None = None,
 ) -> ServeCheckResult:  # fmt: skip
     """Deploy and measure each replica count; with ``ramp``, after the first count, deploy the
-    derived autoscaling and run the ramp. The caller deletes the application (``teardown``
-    gathers the replica pids to prove gone)."""
+    derived autoscaling and run the ramp; with ``routing``, at the end, compare the routers. The
+    caller deletes the application (``teardown`` gathers the replica pids to prove gone)."""
     point = picked.point
     first = llm_config(point, 1)
     served = first["model_loading_config"]["model_id"]
@@ -121,10 +137,33 @@ def run_check(
             ramp_ready_s = cluster.deploy(name, autoscaled_llm_config(point, ramp.deployment_config), timeout_s)
             ramped = ramp.run(cluster.url, served).model_copy(update={"ready_s": ramp_ready_s})
             teardown.pids.update(cluster.replica_pids(name))
+    routed = compare_routers(picked, cluster, name, served, routing, teardown) if routing is not None else None
     shown = {**first, "runtime_env": {"env_vars": redact_env(first.get("runtime_env", {}).get("env_vars", {}))}}
     return ServeCheckResult(
         servetune_version=__version__, created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         study=picked.study, trial_id=point.trial_id, picked_level=dict(point.level), model=point.model, app_name=name,
         url=cluster.url, address=address, llm_config=shown, slo=[str(b) for b in picked.slo.bounds], runs=runs,
-        rows=scaling_rows(runs, picked.trial.levels), ramp=ramped,
+        rows=scaling_rows(runs, picked.trial.levels), ramp=ramped, routing=routed,
     )  # fmt: skip
+
+
+def compare_routers(
+    picked: PickedStudy, cluster: Cluster, name: str, served: str, routing: Routing, teardown: Teardown
+) -> RoutingResult:  # fmt: skip
+    """Each router on a fresh application (deleted first: cold prefix caches and a new prefix tree,
+    so no router inherits another's cache), the same workload at the same level."""
+    runs: list[RouterRun] = []
+    level: dict[str, float] = {}
+    for router in routing.routers:
+        teardown.pids.update(cluster.replica_pids(name))
+        cluster.delete(name)
+        config = routed_llm_config(llm_config(picked.point, routing.replicas), router)
+        ready_s = cluster.deploy(name, config, picked.space.load.startup_timeout_s)
+        teardown.pids.update(cluster.replica_pids(name))
+        before = cluster.replica_counters(name)
+        measured = routing.measure(cluster.url, served, router)
+        after = cluster.replica_counters(name)
+        level = dict(measured.summary.level)
+        runs.append(RouterRun(router=router, router_class=ROUTERS[router], replicas=routing.replicas, ready_s=ready_s,
+                              level=measured, per_replica=traffic_between(before, after)))  # fmt: skip
+    return RoutingResult(workload=routing.workload, replicas=routing.replicas, level=level, runs=runs, verdict=verdict(runs))

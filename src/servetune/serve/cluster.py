@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,10 +19,7 @@ import psutil
 
 from servetune.engine.server import free_port
 from servetune.errors import EngineStartError, UserError
-
-#: Serve's own per-replica request counter, as Ray's metrics agent exports it.
-_REQUEST_COUNTER = re.compile(r'^ray_serve_deployment_request_counter_total\{([^}]*)\}\s+([0-9.eE+-]+)', re.M)
-_LABEL = re.compile(r'(\w+)="([^"]*)"')
+from servetune.serve.routing import read_replica_counters
 
 
 class ServeCluster:
@@ -148,6 +144,17 @@ class ServeCluster:
 
     def served_per_replica(self, name: str, deployment_prefix: str = "LLMServer") -> dict[str, int]:
         """Serve's per-replica request counter as the metrics agent has it now (a report interval behind)."""
+        counters = read_replica_counters(self.metrics_text(), name, deployment_prefix)
+        return {replica: int(c["requests"]) for replica, c in counters.items() if "requests" in c}
+
+    def replica_counters(self, name: str, deployment_prefix: str = "LLMServer") -> dict[str, dict[str, float]]:
+        """Per replica: Serve's request counter and vLLM's token and prefix-cache counters
+        (``serve.routing.read_replica_counters``), once the metrics agent has the latest counts."""
+        time.sleep(2.5)  # Ray's metrics agent takes a report interval (1 s here) to see the latest counts
+        return read_replica_counters(self.metrics_text(), name, deployment_prefix)
+
+    def metrics_text(self) -> str:
+        """What Ray's metrics agent on this node exports (Prometheus text); empty when it cannot be read."""
         import urllib.request
 
         import ray
@@ -155,19 +162,12 @@ class ServeCluster:
         node = ray._private.worker._global_node  # the metrics agent's port has no public accessor
         port = getattr(node, "metrics_export_port", None) if node is not None else None
         if not port:
-            return {}
+            return ""
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-                text = resp.read().decode()
+                return resp.read().decode()
         except OSError:
-            return {}
-        counts: dict[str, int] = {}
-        for labels, value in _REQUEST_COUNTER.findall(text):
-            tags = dict(_LABEL.findall(labels))
-            if tags.get("application") == name and tags.get("deployment", "").startswith(deployment_prefix):
-                replica = tags.get("replica") or tags.get("WorkerId", "?")  # a replica is one worker
-                counts[replica] = counts.get(replica, 0) + int(float(value))
-        return counts
+            return ""
 
     def replica_states(self, name: str, deployment_prefix: str = "LLMServer") -> dict[str, int]:
         """Replicas of the application's LLM deployment by state (RUNNING, STARTING, ...), as Serve reports them."""

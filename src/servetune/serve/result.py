@@ -11,12 +11,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from servetune.report.serving import SERVE_CHECK_FILE  # noqa: F401  (defined where the report reads it)
 from servetune.results import RECORD, LevelResult
 from servetune.serve.plan import find_level, ratio
 from servetune.serve.ramp import RampResult
-
-#: The file serve-check writes in the study directory (unless --json says where).
-SERVE_CHECK_FILE = "serve-check.json"
+from servetune.serve.routing import RoutingResult
 
 
 class ReplicaRun(BaseModel):
@@ -67,6 +66,7 @@ class ServeCheckResult(BaseModel):
     rows: list[ScalingRow] = []
     replica_pids: list[int] = []  # the replicas' processes (actors and vLLM's engines), gone at the end
     ramp: RampResult | None = None  # --ramp: the derived autoscaling under 1x, 3x and 1x the knee
+    routing: RoutingResult | None = None  # --routers: each router on a shared-prefix workload
 
 
 def scaling_rows(runs: list[ReplicaRun], bare_levels: list[LevelResult]) -> list[ScalingRow]:

@@ -1,0 +1,109 @@
+"""The report's "Ray Serve" section as plain data: what ``servetune serve-check`` measured
+(``STUDY_DIR/serve-check.json``): a row per replica count and level (scaling), and with
+``--routers`` a row per router (requests, tokens served, prefix-cache hit rate, load imbalance,
+goodput, TTFT) with the verdict.
+
+The file is read as JSON, not through ``serve/`` (which builds on ``report/``): every key is
+optional, and a missing one shows as "-". :func:`read_serve_check_file` is the only I/O here,
+called by ``report/study.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: The file serve-check writes in the study directory (unless --json says where).
+SERVE_CHECK_FILE = "serve-check.json"
+
+
+@dataclass(frozen=True)
+class ServeCheckFile:
+    path: Path
+    content: Mapping[str, Any] | None
+    problem: str = ""
+
+
+@dataclass(frozen=True)
+class ServeSection:
+    path: Path
+    problem: str = ""  # the file could not be read: why
+    trial_id: str = ""
+    scaling: tuple[tuple[str, ...], ...] = ()  # SCALING_HEADINGS
+    routing_title: str = ""  # "2 replicas, workload rag, concurrency 8"
+    routers: tuple[tuple[str, ...], ...] = ()  # ROUTER_HEADINGS
+    verdict: str = ""
+
+
+SCALING_HEADINGS = ("replicas", "level", "goodput", "out tok/s", "TTFT p50", "TTFT p99", "router TTFT p50", "scaling eff.", "SLO")
+ROUTER_HEADINGS = ("router", "requests", "tokens served", "hit rate", "replicas' hit rates", "imbalance", "goodput",
+                   "TTFT p50", "TTFT p99")  # fmt: skip
+
+
+def read_serve_check_file(root: Path) -> ServeCheckFile | None:
+    """``serve-check.json`` in the study directory; None when serve-check has not written one."""
+    path = root / SERVE_CHECK_FILE
+    if not path.is_file():
+        return None
+    try:
+        content = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        return ServeCheckFile(path, None, f"not readable JSON ({exc})")
+    if not isinstance(content, dict):
+        return ServeCheckFile(path, None, "not a JSON object")
+    return ServeCheckFile(path, content)
+
+
+def _num(value: Any, digits: int = 1, signed: bool = False) -> str:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return "-"
+    return f"{value:+,.{digits}f}" if signed else f"{value:,.{digits}f}"
+
+
+def _pct(value: Any) -> str:
+    return f"{value:.0%}" if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
+
+
+def _level(level: Any) -> str:
+    return ", ".join(f"{k} {v:g}" for k, v in level.items()) if isinstance(level, dict) else "-"
+
+
+def serve_section(file: ServeCheckFile | None) -> ServeSection | None:
+    """What the section shows, from serve-check.json as read (None: serve-check has not run)."""
+    if file is None:
+        return None
+    if file.content is None:
+        return ServeSection(file.path, problem=file.problem)
+    data = file.content
+    scaling = []
+    for row in data.get("rows") or []:
+        eff = row.get("scaling_efficiency")
+        scaling.append((str(row.get("replicas", "-")), _level(row.get("level")), _num(row.get("goodput"), 2),
+                        _num(row.get("output_throughput")), _num(row.get("ttft_ms_p50")), _num(row.get("ttft_ms_p99")),
+                        _num(row.get("ttft_p50_overhead_ms"), signed=True), _pct(eff),
+                        {True: "met", False: "broken"}.get(row.get("meets_slo"), "-")))  # fmt: skip
+    routing = data.get("routing") or {}
+    routers = [_router_row(run) for run in routing.get("runs") or []]
+    title = ""
+    if routing:
+        title = f"{routing.get('replicas', '-')} replicas, workload {routing.get('workload', '-')}, {_level(routing.get('level'))}"
+    verdict = routing.get("verdict") or {}
+    said = ""
+    if verdict:
+        said = (f"ship {verdict['ship']}" if verdict.get("ship") else "no router named") + f": {verdict.get('reason', '')}"
+    return ServeSection(file.path, trial_id=str(data.get("trial_id", "")), scaling=tuple(scaling), routing_title=title,
+                        routers=tuple(routers), verdict=said)  # fmt: skip
+
+
+def _router_row(run: Mapping[str, Any]) -> tuple[str, ...]:
+    replicas: Sequence[Mapping[str, Any]] = list((run.get("per_replica") or {}).values())
+    summary = (run.get("level") or {}).get("summary") or {}
+    ttft = summary.get("ttft_ms") or {}
+    each = sorted(replicas, key=lambda t: -(t.get("tokens_served") or 0))
+    return (str(run.get("router", "-")), str(sum(t.get("requests", 0) for t in replicas)),
+            f"{sum(t.get('tokens_served', 0) for t in replicas):,}", _pct(run.get("prefix_cache_hit_rate")),
+            " / ".join(_pct(t.get("prefix_cache_hit_rate")) for t in each) or "-", _num(run.get("imbalance"), 2),
+            _num(summary.get("goodput"), 2), _num(ttft.get("p50")), _num(ttft.get("p99")))  # fmt: skip

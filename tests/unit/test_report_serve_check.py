@@ -1,0 +1,36 @@
+"""The report's Ray Serve section: serve-check.json (as serve-check writes it) drawn in summary.md and
+the HTML page, and a file that cannot be read said so."""
+
+from __future__ import annotations
+
+from servetune.serve.routing import verdict
+from tests.builders import level
+from tests.unit.test_serve_check import tiny_study
+from tests.unit.test_serve_routing import run_of
+
+
+def test_the_report_shows_serve_checks_scaling_and_routers_with_the_verdict(tmp_path):
+    from servetune.report import build_report, load_study
+    from servetune.report.html import render_html
+    from servetune.report.markdown import render_markdown
+    from servetune.serve.result import ReplicaRun, ServeCheckResult, scaling_rows
+    from servetune.serve.routing import RoutingResult
+
+    study = tiny_study(tmp_path / "s")
+    runs = [ReplicaRun(replicas=1, levels=[level(8, 380, 320)])]
+    routed = [run_of("default", 200, 400), run_of("prefix-aware", 210, 500)]
+    result = ServeCheckResult(
+        servetune_version="0", created="now", study="demo", trial_id="t1", picked_level={"concurrency": 8}, model="m",
+        app_name="app", url="http://x", address=None, llm_config={}, slo=[], runs=runs, rows=scaling_rows(runs, []),
+        routing=RoutingResult(workload="rag-tiny", replicas=2, level={"concurrency": 8}, runs=routed, verdict=verdict(routed)),
+    )  # fmt: skip
+    (study / "serve-check.json").write_text(result.model_dump_json())
+    report = build_report(load_study(study))
+    md = render_markdown(report)
+    assert "## Ray Serve (serve-check)" in md and "### Routers: 2 replicas, workload rag-tiny, concurrency 8" in md
+    assert "| prefix-aware | 12 | 1,100 | 50% | 50% / - | 1.82 |" in md  # 1000 of 1100 tokens on one of 2 replicas
+    assert "| 1 | concurrency 8 | 6.33 | 380.0 | 160.0 | 320.0 | - | 100% | met |" in md
+    assert "**Verdict: ship prefix-aware: prefix-aware reuses more of the prefix cache" in md
+    assert "<h3>Routers: 2 replicas, workload rag-tiny, concurrency 8</h3>" in render_html(report)
+    (study / "serve-check.json").write_text("{not json")
+    assert "could not be read: not readable JSON" in render_markdown(build_report(load_study(study)))
