@@ -32,8 +32,10 @@ class Engine:
         start = max(sent, heapq.heappop(self.free)) + float(self.rng.uniform(*TTFT_S))
         chunks = [start + k * ITL_S for k in range(output_tokens)]
         heapq.heappush(self.free, chunks[-1])
-        return RequestRecord(index=index, sent=sent, input_tokens=600, max_tokens=output_tokens, warmup=warmup,
-                             chunk_times=chunks, end=chunks[-1], prompt_tokens=600, output_tokens=output_tokens, ok=True)  # fmt: skip
+        return RequestRecord(
+            index=index, sent=sent, input_tokens=600, max_tokens=output_tokens, warmup=warmup, chunk_times=chunks,
+            end=chunks[-1], prompt_tokens=600, output_tokens=output_tokens, ok=True,
+        )  # fmt: skip
 
 
 def open_loop(engine: Engine, rate: float, requests: int, seed: int, warmup: int = 2) -> list[RequestRecord]:
@@ -44,7 +46,8 @@ def open_loop(engine: Engine, rate: float, requests: int, seed: int, warmup: int
     return [engine.serve(i, float(t), int(n), warmup=i < warmup) for i, (t, n) in enumerate(zip(sends, lengths))]
 
 
-def closed_loop(engine: Engine, clients: int, requests: int, seed: int, output_tokens: int = 250) -> list[RequestRecord]:
+def closed_loop(engine: Engine, clients: int, requests: int, seed: int,
+                output_tokens: int = 250) -> list[RequestRecord]:  # fmt: skip
     """``clients`` clients, staggered over the first request's duration, each sending again on its answer."""
     first = np.mean(TTFT_S) + (output_tokens - 1) * ITL_S
     ready = [(0.0 if k == 0 else first + float(u) * first, k)
@@ -67,6 +70,20 @@ def result(records: list[RequestRecord], level: Level) -> LevelResult:
     return LevelResult(summary=summarize(records, level.as_dict()))
 
 
+def open_levels(slots: int, requests: int, kept: dict | None = None):
+    """``measure(level)`` for :func:`climb`: an open loop against an engine of ``slots`` (its records kept by rate)."""
+    def measure(level: Level) -> LevelResult:
+        records = open_loop(Engine(slots), level.value, requests, seed=int(level.value))
+        if kept is not None:
+            kept[level.value] = records
+        return result(records, level)
+    return measure
+
+
+def closed_levels(slots: int, requests: int):
+    return lambda level: result(closed_loop(Engine(slots), int(level.value), requests, seed=1), level)
+
+
 def climb(levels: list[Level], measure, min_gain: float = 0.03) -> tuple[list[LevelResult], str | None]:
     """Run the ladder to its end against ``measure(level) -> LevelResult``: what it measured and why it stopped."""
     steps = ladder(levels, min_gain=min_gain)
@@ -81,7 +98,7 @@ def climb(levels: list[Level], measure, min_gain: float = 0.03) -> tuple[list[Le
 
 def test_an_open_loop_that_keeps_up_climbs_every_rate_though_its_drain_flattens_throughput():
     levels = [Level("rate", r, "poisson") for r in RATES]
-    measured, stopped = climb(levels, lambda level: result(open_loop(Engine(1000), level.value, 26, seed=int(level.value)), level))
+    measured, stopped = climb(levels, open_levels(1000, 26))
     assert stopped is None and len(measured) == len(RATES)
     # The bug this guards: over [first send, last answer] a short level is mostly its drain (the
     # last ~250-token answers), so the old rule (3% over the best so far) saw no gain.
@@ -94,7 +111,7 @@ def test_an_open_loop_past_its_engine_stops_where_the_queue_grows():
     slots = 16  # about 16 / 4.5 s = 3.6 req/s
     levels = [Level("rate", r, "poisson") for r in RATES]
     runs = {}
-    measured, stopped = climb(levels, lambda level: result(runs.setdefault(level.value, open_loop(Engine(slots), level.value, 64, seed=int(level.value))), level))
+    measured, stopped = climb(levels, open_levels(slots, 64, runs))
     assert stopped is not None and stopped.startswith("saturated at rate 8 req/s: TTFT grew")
     assert len(measured) == 3
     engine = float(stopped.split("the engine finished about ")[1].split(" ")[0])
@@ -110,7 +127,8 @@ def test_an_open_loop_cut_for_a_growing_waiting_queue_is_saturated():
     steps.send(calm)
     with pytest.raises(StopIteration) as stop:
         steps.send(calm.model_copy(update={"stopped_early": cut}))
-    assert stop.value.value == "saturated at rate 4 req/s: vLLM's waiting queue grew from 0 to 20 requests over 10 s (the level was cut)"
+    assert stop.value.value == ("saturated at rate 4 req/s: vLLM's waiting queue grew from 0 to 20 requests over 10 s "
+                                "(the level was cut)")
 
 
 def test_a_noisy_or_repeated_open_loop_needs_growth_beyond_its_noise_margin():
@@ -148,7 +166,7 @@ def test_a_judgement_mid_level_leaves_the_saturation_measures_out():
 def test_a_closed_loop_is_judged_with_every_client_busy():
     # 48 requests a level: at 32 clients the staggered start and the last wave are most of it.
     levels = [Level("concurrency", c) for c in (4, 8, 16, 32)]
-    measured, stopped = climb(levels, lambda level: result(closed_loop(Engine(1000), int(level.value), 48, seed=1), level))
+    measured, stopped = climb(levels, closed_levels(1000, 48))
     assert stopped is None and len(measured) == 4
     busy = [lv.summary.busy_output_throughput for lv in measured]
     per_request = 250 / (np.mean(TTFT_S) + 249 * ITL_S)  # tok/s of one stream
@@ -158,7 +176,7 @@ def test_a_closed_loop_is_judged_with_every_client_busy():
 
 def test_a_closed_loop_past_its_engine_s_slots_stops_climbing():
     levels = [Level("concurrency", c) for c in (4, 8, 16, 32)]
-    measured, stopped = climb(levels, lambda level: result(closed_loop(Engine(8), int(level.value), 128, seed=1), level))
+    measured, stopped = climb(levels, closed_levels(8, 128))
     assert len(measured) == 3 and stopped.startswith("saturated at concurrency 16: output throughput")
 
 
