@@ -14,6 +14,10 @@ Definitions (per request):
 
 Per level: throughputs over the measured window (first measured send -> last measured end),
 goodput = requests per second that met every per-request SLO bound.
+
+That window holds the level's ramp-up and its drain (the last answers after the last send), so
+its throughput understates a short level's. What the ladder judges saturation on leaves them out
+(:func:`busy_output_throughput` for closed loops, :func:`ttft_growth` for open loops).
 """
 
 from __future__ import annotations
@@ -88,6 +92,68 @@ def ttft_distribution_ms(records: Iterable["RequestRecord"]) -> list[float] | No
     if not ttfts:
         return None
     return [float(v) for v in np.percentile(ttfts, DISTRIBUTION_PERCENTILES)]
+
+
+#: The fewest measured requests with a first token that :func:`ttft_growth` fits a slope to, and
+#: the most (evenly picked by send time): the fit compares every pair, 35 ms for 500 on two cores.
+MIN_GROWTH_SAMPLES = 8
+MAX_GROWTH_SAMPLES = 500
+
+
+def ttft_growth(records: Iterable["RequestRecord"]) -> tuple[float, float] | None:
+    """Open loops: how fast TTFT grew through the level, in seconds per second of sending, and the
+    low end of its 95% confidence interval (Theil-Sen slope of TTFT against send time, measured
+    requests only; None with fewer than :data:`MIN_GROWTH_SAMPLES`).
+
+    Arrivals do not wait for answers, so an engine that keeps up with ``r`` req/s holds TTFT level
+    (about 0, whatever the level's drain), and one that finishes only ``m`` req/s queues the rest:
+    each request waits ``r/m - 1`` seconds longer per second sent.
+    """
+    points = sorted((r.sent, r.ttft_s) for r in records if not r.warmup and r.ok and r.ttft_s is not None)
+    if len(points) < MIN_GROWTH_SAMPLES or points[-1][0] <= points[0][0]:
+        return None
+    if len(points) > MAX_GROWTH_SAMPLES:
+        points = [points[int(i)] for i in np.linspace(0, len(points) - 1, MAX_GROWTH_SAMPLES)]
+    from scipy.stats import theilslopes  # scipy comes with MLflow (as for verify/stats.py); only open loops need it
+
+    sent, ttft = zip(*points)
+    fit = theilslopes(ttft, sent, alpha=0.95)
+    return float(fit.slope), float(fit.low_slope)
+
+
+def busy_output_throughput(records: Iterable["RequestRecord"], clients: int) -> float | None:
+    """Closed loops: output tok/s while all ``clients`` had a request in flight.
+
+    The window opens once every client has sent (the staggered start is over), not before the
+    first measured send, and closes at the last send: from then on a client that finishes has
+    nothing left to send and the last wave drains with ever fewer requests in flight. Tokens are
+    counted by their chunks' arrival inside the window. None when the level never had every
+    client busy, or for less than one request per client (too short to tell).
+    """
+    everything = list(records)
+    measured = [r.sent for r in everything if not r.warmup]
+    if clients < 1 or not measured:
+        return None
+    events = sorted([(r.sent, 1) for r in everything] + [(r.end, -1) for r in everything if r.end is not None],
+                    key=lambda event: (event[0], event[1]))  # an end before a send at the same moment  # fmt: skip
+    in_flight, full_at = 0, None
+    for moment, step in events:
+        in_flight += step
+        if in_flight >= clients:
+            full_at = moment
+            break
+    if full_at is None:
+        return None
+    start, end = max(full_at, min(measured)), max(r.sent for r in everything)
+    finished = sum(1 for r in everything if r.end is not None and start < r.end <= end)
+    if end <= start or finished < clients:
+        return None
+    tokens = 0.0
+    for r in everything:
+        if r.ok and r.output_tokens and r.chunk_times:
+            inside = sum(1 for t in r.chunk_times if start <= t <= end)
+            tokens += inside * r.output_tokens / len(r.chunk_times)
+    return tokens / (end - start)
 
 
 def cost_per_mtok_usd(price_per_gpu_hour: float, gpus: int, output_throughput: float) -> float:
@@ -188,6 +254,12 @@ class LevelSummary(BaseModel):
     tpot_ms: LatencyStats
     itl_ms: LatencyStats
     e2el_ms: LatencyStats
+    # What the ladder judges saturation on, free of the level's ramp-up and drain (None for the
+    # other kind of level, a level too short to tell, or a record from before they were kept):
+    busy_output_throughput: float | None = None  # closed loops: output tok/s with every client busy
+    send_span_s: float | None = None  # open loops: first measured send -> last
+    ttft_growth: float | None = None  # open loops: s of TTFT gained per s of sending (see ttft_growth)
+    ttft_growth_low: float | None = None  # the low end of its 95% confidence interval
 
     def flat(self) -> dict[str, float]:
         """``{"ttft_ms_p99": ..., "output_throughput": ...}`` with every metric that has a value."""
@@ -223,8 +295,14 @@ def summarize(
     records: Iterable[RequestRecord],
     level: Mapping[str, float],
     request_slo_ms: Mapping[str, float] | None = None,
+    saturation: bool = True,
 ) -> LevelSummary:
-    """Summarize one level; warm-up requests are left out of every number."""
+    """Summarize one level; warm-up requests are left out of every number.
+
+    ``saturation``: also what the ladder judges saturation on (``busy_output_throughput``,
+    ``ttft_growth``...); a judgement in the middle of a level, in the client's event loop, leaves
+    them out (the growth's fit takes tens of ms that would delay the token timestamps it records).
+    """
     all_records = list(records)
     measured = [r for r in all_records if not r.warmup]
     ok = [r for r in measured if r.ok]
@@ -245,6 +323,12 @@ def summarize(
     if request_slo_ms:
         goodput = rate(sum(meets_request_slo(r, request_slo_ms) for r in ok))
     itls = [gap * 1000.0 for r in ok for gap in r.itls_s()]
+    busy = span = growth = None
+    if saturation and "concurrency" in level:
+        busy = busy_output_throughput(all_records, int(level["concurrency"]))
+    elif saturation and "rate" in level and measured:
+        span = max(r.sent for r in measured) - min(r.sent for r in measured)
+        growth = ttft_growth(measured)
     return LevelSummary(
         level=dict(level),
         duration_s=duration,
@@ -264,4 +348,8 @@ def summarize(
         tpot_ms=LatencyStats.of([r.tpot_s * 1000.0 for r in ok if r.tpot_s is not None]),
         itl_ms=LatencyStats.of(itls),
         e2el_ms=LatencyStats.of([r.e2el_s * 1000.0 for r in ok if r.e2el_s is not None]),
+        busy_output_throughput=busy,
+        send_span_s=span,
+        ttft_growth=None if growth is None else growth[0],
+        ttft_growth_low=None if growth is None else growth[1],
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -51,6 +52,28 @@ class LevelResult(BaseModel):
     def measured_s(self) -> float:
         """Seconds spent measuring this level, every run counted."""
         return sum(run.summary.duration_s for run in self.runs) if self.runs else self.summary.duration_s
+
+
+#: How much a level run once could differ on a repeat: five runs of one configuration at 32 in
+#: flight on a two-core host (256 requests each) measured 23.0 to 27.7 req/s, about 10% either
+#: side of the median (bench/README.md, "Results on data/cpu-tiny-grid-r4.json").
+MARGIN = 0.10
+#: The least margin, however close a level's repeats came.
+MIN_MARGIN = 0.05
+
+
+def noise_margin(level: LevelResult) -> float:
+    """How much a repeat of this level could differ: half the spread of its runs' throughput and
+    P99 TTFT relative to their median (``load.repeats``), at least MIN_MARGIN; MARGIN when run once."""
+    if len(level.runs) < 2:
+        return MARGIN
+    spreads = []
+    for values in ([r.summary.output_throughput for r in level.runs], [r.summary.ttft_ms.p99 for r in level.runs]):
+        values = [v for v in values if v is not None]
+        middle = statistics.median(values) if values else 0.0
+        if middle > 0:
+            spreads.append((max(values) - min(values)) / (2 * middle))
+    return max([MIN_MARGIN, *spreads])
 
 
 class KvCapacityReport(BaseModel):
@@ -230,8 +253,10 @@ def best_level_index(levels: list[LevelResult]) -> int | None:
 #: The layout of ``study.json`` and ``result.json`` this servetune writes. Readers take any version:
 #: a field they do not know is ignored and one they miss takes its default, so a study opens in an
 #: older or a newer servetune alike; the number says which layout wrote a file. 1: before it was
-#: recorded; 2: results carry ``resolved_engine_args`` and a level its ``cache_note``.
-SCHEMA_VERSION = 2
+#: recorded; 2: results carry ``resolved_engine_args`` and a level its ``cache_note``; 3: a level's
+#: summary carries what the ladder judges saturation on (``busy_output_throughput``,
+#: ``send_span_s``, ``ttft_growth``, ``ttft_growth_low``).
+SCHEMA_VERSION = 3
 
 
 class StudyInfo(BaseModel):

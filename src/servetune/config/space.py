@@ -99,7 +99,9 @@ class LoadProtocol(BaseModel):
     request_timeout_s: float = Field(default=300.0, gt=0)
     startup_timeout_s: float = Field(default=900.0, gt=0)
     stop_on_slo_break: bool = True
-    min_throughput_gain: float = Field(default=0.03, ge=0)  # stop climbing below this relative gain
+    # Closed loops: stop climbing below this gain of output tok/s with every client busy. An open loop
+    # stops once the engine falls behind its rate, beyond the level's noise (trial/ladder.py).
+    min_throughput_gain: float = Field(default=0.03, ge=0)
     # Stop at a level where a finished trial was cheaper and had a lower P99 TTFT there
     # (study/early_stop.py). Default: on for Bayesian search (tpe, nsga2, gp), off for grid and random.
     stop_when_dominated: bool | None = None

@@ -14,9 +14,9 @@ optimistic on purpose:
 A finished point that meets the SLO, at any level, and is cheaper than that optimistic cost and
 faster than now, by the noise margin on both counts, dominates every point the trial could
 still measure: the trial stops. The margin is the measured spread of the level's own repeats
-(``load.repeats``), at least :data:`MIN_MARGIN`; a level run once takes :data:`MARGIN`,
-measured on this kind of host. It is on by default for Bayesian search and off for grid and
-random search (``load.stop_when_dominated``).
+(``load.repeats``), at least ``MIN_MARGIN``; a level run once takes ``MARGIN``, measured on this
+kind of host (results.py's ``noise_margin``; the ladder's saturation rule uses it too). It is on
+by default for Bayesian search and off for grid and random search (``load.stop_when_dominated``).
 
 Finished trials' points reach running trials through :class:`FinishedPoints`, a small Ray
 actor the driver starts with the points already on disk (``--resume``) and every trial adds
@@ -27,41 +27,22 @@ configuration would not.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from servetune.accounting import DOMINATED
 from servetune.load.runner import Level
 from servetune.metrics import COST_METRIC, TTFT_P99
-from servetune.results import LevelResult, OperatingPoint, TrialResult
+from servetune.results import MARGIN, MIN_MARGIN, noise_margin  # noqa: F401 (the margins live in results.py)
+from servetune.results import OperatingPoint, TrialResult
 from servetune.trial.runner import StopRule
 
 #: What dominance compares (lower is better for both).
 TTFT_METRIC = TTFT_P99
-#: The margin of a level run once: five runs of one configuration at 32 in flight on a two-core
-#: host (256 requests each) measured 23.0 to 27.7 req/s, about 10% either side of the median.
-MARGIN = 0.10
-#: The least margin, however close a level's repeats came.
-MIN_MARGIN = 0.05
 
 
 def _level_text(level: Mapping[str, float]) -> str:
     return ", ".join(f"rate {v:g} req/s" if k == "rate" else f"{k} {v:g}" for k, v in level.items())
-
-
-def noise_margin(level: LevelResult) -> float:
-    """How much a repeat of this level could differ: half the spread of its runs' throughput and
-    P99 TTFT relative to their median (``load.repeats``), at least MIN_MARGIN; MARGIN when run once."""
-    if len(level.runs) < 2:
-        return MARGIN
-    spreads = []
-    for values in ([r.summary.output_throughput for r in level.runs], [r.summary.ttft_ms.p99 for r in level.runs]):
-        values = [v for v in values if v is not None]
-        middle = statistics.median(values) if values else 0.0
-        if middle > 0:
-            spreads.append((max(values) - min(values)) / (2 * middle))
-    return max([MIN_MARGIN, *spreads])
 
 
 def _number(value: Any) -> float | None:

@@ -137,7 +137,7 @@ class EarlyBreak:
         self.done.append(record)
         if len(self.done) != self.half:
             return  # judged once, at half the level: one summary, no load on the client while it drives
-        flat = summarize(self.done, self.level.as_dict()).flat()
+        flat = summarize(self.done, self.level.as_dict(), saturation=False).flat()
         for bound in self.bounds:
             value = flat.get(bound.name)
             if value is not None and value >= self.factor * bound.max:
