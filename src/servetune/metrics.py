@@ -114,7 +114,7 @@ def ttft_growth(records: Iterable["RequestRecord"]) -> tuple[float, float] | Non
         return None
     if len(points) > MAX_GROWTH_SAMPLES:
         points = [points[int(i)] for i in np.linspace(0, len(points) - 1, MAX_GROWTH_SAMPLES)]
-    from scipy.stats import theilslopes  # scipy comes with MLflow (as for verify/stats.py); only open loops need it
+    from scipy.stats import theilslopes  # imported here: only open loops need it
 
     sent, ttft = zip(*points)
     fit = theilslopes(ttft, sent, alpha=0.95)
