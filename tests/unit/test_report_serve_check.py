@@ -33,4 +33,4 @@ def test_the_report_shows_serve_checks_scaling_and_routers_with_the_verdict(tmp_
     assert "**Verdict: ship prefix-aware: prefix-aware reuses more of the prefix cache" in md
     assert "<h3>Routers: 2 replicas, workload rag-tiny, concurrency 8</h3>" in render_html(report)
     (study / "serve-check.json").write_text("{not json")
-    assert "could not be read: not readable JSON" in render_markdown(build_report(load_study(study)))
+    assert "could not be read: not valid JSON" in render_markdown(build_report(load_study(study)))

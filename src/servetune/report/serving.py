@@ -10,21 +10,18 @@ called by ``report/study.py``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from servetune.report.verification import JsonFile, read_json_file
+
 #: The file serve-check writes in the study directory (unless --json says where).
 SERVE_CHECK_FILE = "serve-check.json"
 
 
-@dataclass(frozen=True)
-class ServeCheckFile:
-    path: Path
-    content: Mapping[str, Any] | None
-    problem: str = ""
+ServeCheckFile = JsonFile
 
 
 @dataclass(frozen=True)
@@ -46,15 +43,7 @@ ROUTER_HEADINGS = ("router", "requests", "tokens served", "hit rate", "replicas'
 def read_serve_check_file(root: Path) -> ServeCheckFile | None:
     """``serve-check.json`` in the study directory; None when serve-check has not written one."""
     path = root / SERVE_CHECK_FILE
-    if not path.is_file():
-        return None
-    try:
-        content = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        return ServeCheckFile(path, None, f"not readable JSON ({exc})")
-    if not isinstance(content, dict):
-        return ServeCheckFile(path, None, "not a JSON object")
-    return ServeCheckFile(path, content)
+    return read_json_file(path) if path.is_file() else None
 
 
 def _num(value: Any, digits: int = 1, signed: bool = False) -> str:

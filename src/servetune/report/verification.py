@@ -45,12 +45,15 @@ _SHARES = {"error_rate_5xx", "cancellation_success_rate", "kv_usage_peak", "memo
 
 
 @dataclass(frozen=True)
-class VerifyFile:
-    """``verify.json`` as read: its content, or why it could not be used."""
+class JsonFile:
+    """A JSON document the report reads (``verify.json``, ``serve-check.json``): its content, or why it could not be used."""
 
     path: Path
     content: Mapping[str, Any] | None
     problem: str = ""
+
+
+VerifyFile = JsonFile
 
 
 @dataclass(frozen=True)
@@ -110,17 +113,18 @@ class Verification:
 def read_verify_file(study_dir: Path) -> VerifyFile | None:
     """``STUDY_DIR/verify.json``: None when absent; one that cannot be read or parsed says why."""
     path = Path(study_dir) / VERIFY_FILE
-    return _read(path) if path.is_file() else None
+    return read_json_file(path) if path.is_file() else None
 
 
 def read_verify_files(study_dir: Path) -> tuple[VerifyFile, ...]:
     """``STUDY_DIR/verify/*.json``, one per point the study verified (``search.verify``), by name."""
     folder = Path(study_dir) / VERIFY_DIR
     paths = sorted(p for p in folder.glob("*.json") if p.is_file()) if folder.is_dir() else []
-    return tuple(_read(path) for path in paths)
+    return tuple(read_json_file(path) for path in paths)
 
 
-def _read(path: Path) -> VerifyFile:
+def read_json_file(path: Path) -> JsonFile:
+    """``path`` as a JSON object; one that cannot be read or parsed, or is not an object, says why."""
     try:
         content = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError) as exc:
