@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
+from types import ModuleType
 
 from servetune.metrics import LatencyStats, LevelSummary
 from servetune.results import LevelResult, StudyInfo, TrialResult
@@ -92,3 +94,12 @@ def demo_study(root: Path) -> Path:
 
 
 # --- tests -----------------------------------------------------------------------------------
+
+
+def bench_script(name: str) -> ModuleType:
+    """A script of ``bench/`` (``gpu_study``, say) imported as a module, for its functions' tests."""
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

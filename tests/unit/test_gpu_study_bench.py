@@ -1,22 +1,14 @@
 """bench/gpu_study.py: a scaled-down study's GPU time, unscaled back to full size."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from servetune.accounting import time_accounting
-from tests.builders import level, trial
-
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "gpu_study.py"
+from tests.builders import bench_script, level, trial
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("gpu_study", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("gpu_study")
 
 
 def rate_level(rate, requests, duration_s, stopped_early=None):

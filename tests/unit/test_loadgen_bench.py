@@ -1,21 +1,17 @@
 """bench/loadgen_vs_vllm.py: the engine and the clients pinned to cores apart (``--pin``)."""
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "loadgen_vs_vllm.py"
+from tests.builders import bench_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("loadgen_vs_vllm", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_script("loadgen_vs_vllm")
 
 
 @pytest.mark.parametrize(

@@ -166,15 +166,9 @@ def test_a_surface_where_nothing_met_the_slo_has_no_optimum_to_find():
 
 
 def test_the_bench_records_a_study_that_ran_its_grid_and_replays_it(surface, tmp_path, capsys):
-    import importlib.util
-    from pathlib import Path
+    from tests.builders import bench_script, study_info, write_study
 
-    from tests.builders import study_info, write_study
-
-    bench = Path(__file__).resolve().parents[2] / "bench" / "search_efficiency.py"
-    spec = importlib.util.spec_from_file_location("search_efficiency", bench)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = bench_script("search_efficiency")
 
     kept = list(surface.results.values())
     study = write_study(tmp_path / "study", study_info(name="made-up"), [r.model_copy(update={"trial_id": f"t{i}"}) for i, r in enumerate(kept)])
@@ -204,15 +198,9 @@ def test_the_bench_records_a_study_that_ran_its_grid_and_replays_it(surface, tmp
 
 
 def test_recording_keeps_trials_of_a_wider_grid_only_where_they_ran_the_fixed_value(surface, tmp_path, capsys):
-    import importlib.util
-    from pathlib import Path
+    from tests.builders import bench_script, study_info, write_study
 
-    from tests.builders import study_info, write_study
-
-    bench = Path(__file__).resolve().parents[2] / "bench" / "search_efficiency.py"
-    spec = importlib.util.spec_from_file_location("search_efficiency", bench)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = bench_script("search_efficiency")
 
     fixed = {**SPACE, "env": {"VLLM_CPU_KVCACHE_SPACE": 1}}
     wide = [r.model_copy(update={"trial_id": f"t{i}", "params": {**r.params, "env.VLLM_CPU_KVCACHE_SPACE": 1}})
