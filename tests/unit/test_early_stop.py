@@ -5,16 +5,8 @@ import pytest
 from servetune.accounting import early_stop_savings, stop_cause
 from servetune.load.runner import Level
 from servetune.results import KvCapacityReport, LevelRun
-from servetune.study.early_stop import (
-    MARGIN,
-    MIN_MARGIN,
-    FinishedPoints,
-    dominating_point,
-    judge,
-    noise_margin,
-    optimistic_scale,
-    stop_reason,
-)
+from servetune.results import MARGIN, MIN_MARGIN, noise_margin
+from servetune.study.early_stop import FinishedPoints, dominating_point, judge, optimistic_scale, stop_reason
 from tests.builders import level, trial
 
 SLOW = ("ttft_ms_p99 = 3000 > 2000",)

@@ -33,8 +33,7 @@ from typing import Any
 from servetune.accounting import DOMINATED
 from servetune.load.runner import Level
 from servetune.metrics import COST_METRIC, TTFT_P99
-from servetune.results import MARGIN, MIN_MARGIN, noise_margin  # noqa: F401 (the margins live in results.py)
-from servetune.results import OperatingPoint, TrialResult
+from servetune.results import MARGIN, OperatingPoint, TrialResult, noise_margin
 from servetune.trial.runner import StopRule
 
 #: What dominance compares (lower is better for both).
