@@ -41,7 +41,7 @@ from servetune.report.points import ReportPoint, level_label
 from servetune.report.recommend import describe
 from servetune.report.quality import QUALITY_NOTE, quality_cells, quality_headings, rule_summary, suite_names
 from servetune.report.trials import TrialRow
-from servetune.report.serving import ROUTER_HEADINGS, SCALING_HEADINGS, ServeSection
+from servetune.report.serving import ROUTER_HEADINGS, ROUTER_NOTE, SCALING_HEADINGS, ServeSection
 from servetune.report.verification import Verification
 
 
@@ -303,8 +303,7 @@ def serve_check_html(section: ServeSection) -> str:
         parts.append(table(SCALING_HEADINGS, section.scaling))
     if section.routers:
         parts += [f"<h3>Routers: {e(section.routing_title)}</h3>", table(ROUTER_HEADINGS, section.routers),
-                  "<p class='muted'>hit rate: prefix-cache hits over queries, in tokens; imbalance: max over mean "
-                  "of tokens served across the replicas; latencies in ms</p>"]  # fmt: skip
+                  f"<p class='muted'>{e(ROUTER_NOTE)}</p>"]
         if section.verdict:
             parts.append(f"<p><b>Verdict:</b> {e(section.verdict)}</p>")
     return "\n".join(parts)

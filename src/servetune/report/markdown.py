@@ -20,7 +20,7 @@ from servetune.report.points import config_label, level_label
 from servetune.report.recommend import describe
 from servetune.report.quality import QUALITY_NOTE, quality_cells, quality_headings, rule_summary, suite_names
 from servetune.report.trials import TrialRow
-from servetune.report.serving import ROUTER_HEADINGS, SCALING_HEADINGS, ServeSection
+from servetune.report.serving import ROUTER_HEADINGS, ROUTER_NOTE, SCALING_HEADINGS, ServeSection
 from servetune.report.verification import Verification
 
 
@@ -187,8 +187,7 @@ def serve_check_section(section: ServeSection | None) -> list[str]:
     if section.routers:
         lines += [f"### Routers: {section.routing_title}", ""]
         lines += _table(ROUTER_HEADINGS, section.routers)
-        lines += ["", "hit rate: prefix-cache hits over queries, in tokens; imbalance: max over mean of tokens served "
-                      "across the replicas; latencies in ms", ""]  # fmt: skip
+        lines += ["", ROUTER_NOTE, ""]
         if section.verdict:
             lines += [f"**Verdict: {section.verdict}**", ""]
     return lines

@@ -38,6 +38,8 @@ class ServeSection:
 SCALING_HEADINGS = ("replicas", "level", "goodput", "out tok/s", "TTFT p50", "TTFT p99", "router TTFT p50", "scaling eff.", "SLO")
 ROUTER_HEADINGS = ("router", "requests", "tokens served", "hit rate", "replicas' hit rates", "imbalance", "goodput",
                    "TTFT p50", "TTFT p99")  # fmt: skip
+#: What the routers table's numbers mean, under it in the Markdown summary and the HTML page.
+ROUTER_NOTE = "hit rate: prefix-cache hits over queries, in tokens; imbalance: max over mean of tokens served across the replicas; latencies in ms"
 
 
 def read_serve_check_file(root: Path) -> ServeCheckFile | None:
