@@ -38,14 +38,17 @@ def test_verify_on_real_vllm(tmp_path):
     assert not any(s["reason"].startswith("not run") for s in scenarios.values()), doc["reasons"]
 
     # Disconnects: vLLM's own gauge showed every stream in flight, then fell back to the survivors
-    # once half were dropped, and generated no more than the survivors received.
+    # once half were dropped (in time, or late on a loaded host, but never not at all), and
+    # generated no more than the survivors received.
     rounds = scenarios["disconnects"]["rounds"]
     streams = scenarios["disconnects"]["streams"]
-    fell = [r for r in rounds if r["observed"] and r["fell_back_s"] is not None]
-    assert fell, rounds
-    assert all(r["before"] >= streams and r["settled"] <= r["survivors"] < streams and r["fell_back_s"] <= 2.0 for r in fell)
+    seen = [r for r in rounds if r["observed"]]
+    assert seen and all(r["released_s"] is not None for r in seen), rounds
+    assert all(r["before"] >= streams and r["survivors"] < streams and r["allowed_s"] >= 2.0 for r in seen), seen
+    assert all(r["settled"] <= r["survivors"] and r["fell_back_s"] <= r["allowed_s"] for r in seen if r["fell_back_s"] is not None), seen
     stability = doc["stability"]
-    assert stability["cancellation_success_rate"] == scenarios["disconnects"]["cancellation_success_rate"] > 0
+    rate = scenarios["disconnects"]["cancellation_success_rate"]
+    assert rate is not None and stability["cancellation_success_rate"] == rate, (rate, stability)
     assert stability["oom"] is False and stability["error_rate_5xx"] == 0.0 and stability["requests"] > 100
     assert stability["p99_jitter"] == scenarios["soak"]["ttft_p99_jitter"] >= 1.0
 
@@ -67,10 +70,9 @@ def test_verify_on_real_vllm(tmp_path):
     assert len(items) == 23 and all(item["evidence"] for item in items.values())
     evaluated = [i for i in items.values() if i["status"] in ("PASS", "FAIL")]
     assert len(evaluated) >= 15, [(i["id"], i["status"], i["evidence"]) for i in items.values()]
-    # Cancellation: PASS when every round's dropped streams were released within the scenario's 2 s
-    # (on a loaded host a round can take longer, and the item then FAILs with that evidence).
-    seen = [r for r in rounds if r["observed"]]
-    released = bool(seen) and all(r["fell_back_s"] is not None for r in seen)
+    # Cancellation: PASS when every round's dropped streams were released within the allowance (on a
+    # loaded host a round can take longer, and the item then FAILs with that evidence).
+    released = all(r["fell_back_s"] is not None for r in seen)
     assert items["15.14"]["status"] == ("PASS" if released and scenarios["disconnects"]["passed"] else "FAIL"), (items["15.14"], rounds)
     assert items["15.15"]["status"] == "FAIL", items["15.15"]  # vLLM has no hard queue limit: the finding, not a guess
     report = subprocess.run([sys.executable, "-m", "servetune", "report", str(study)], capture_output=True, text=True, timeout=300)

@@ -404,7 +404,10 @@ def test_cancellation_frees_work_when_running_requests_fall_back(gpu):
     item = one(study, result, "15.14", full_verify())
     assert item.status == "PASS" and "fell back in 0.6 s; cancellation success rate 100%" in item.evidence
     item = one(study, result, "15.14", with_scenario("disconnects", running_fell_back=False, passed=False, cancellation_success_rate=0.5))
-    assert item.status == "FAIL" and "did not fall back" in item.evidence
+    assert item.status == "FAIL" and "did not fall back within the watch" in item.evidence
+    late = with_scenario("disconnects", running_fell_back=False, passed=False, cancellation_success_rate=0.0, released_late_s=3.2)
+    item = one(study, result, "15.14", late)
+    assert item.status == "FAIL" and "fell back only after 3.2 s, beyond the allowance" in item.evidence, item.evidence
     assert one(study, result, "15.14", with_scenario("disconnects", running_fell_back=None)).status == "NOT CHECKED"
     leaky = with_scenario("disconnects", cancellation_success_rate=0.9)
     item = one(study, result, "15.14", leaky)

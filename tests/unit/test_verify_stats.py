@@ -21,6 +21,7 @@ from servetune.verify.stats import (
     growth,
     jitter,
     lead,
+    step_s,
     tokens_stopped,
     window_samples,
     windows,
@@ -120,6 +121,14 @@ def test_cancellation_success_counts_what_vllm_still_holds_beyond_the_survivors(
     assert tokens_stopped([released]) and not tokens_stopped([leaking])  # 500 tokens nobody received
     assert tokens_stopped([DropRound(4, 4, 8, 4, 0.1)])  # no token span (a survivor ended first): nothing against it
     assert cancellation_success_rate([DropRound(4, 4, math.nan, 4, None)]) is None
+    late = DropRound(4, 4, 8, 8, None, released_s=3.1, allowed_s=2.0)  # released, but after the allowance
+    assert late.observed and late.leaked == 4 and cancellation_success_rate([released, late]) == 0.5
+
+
+def test_the_engine_step_is_the_median_stream_gap_after_the_first_chunk():
+    # The first chunk's wait (the prefill) is left out; a stream with one chunk says nothing.
+    assert step_s([[1.0, 1.1, 1.2, 1.3], [5.0, 5.3, 5.6], [2.0, 2.2, 2.4], [9.0]]) == pytest.approx(0.2)
+    assert step_s([[1.0], []]) == 0.0
 
 
 def test_peak_burst_and_mix_loads():

@@ -26,13 +26,15 @@ from aiohttp import web
 class FakeOpenAI:
     def __init__(self, ttft_ms: float = 20.0, itl_ms: float = 5.0, model: str = "fake", fail_status: int | None = None,
                  max_num_seqs: int | None = None, dev_mode: bool = True, stall_after: int | None = None,
-                 stall_ms: float = 0.0) -> None:  # fmt: skip
+                 stall_ms: float = 0.0, release_ms: float = 0.0) -> None:  # fmt: skip
         self.ttft_s = ttft_ms / 1000.0
         self.itl_s = itl_ms / 1000.0
         # A stream that falls silent: after ``stall_after`` tokens, ``stall_ms`` without a byte.
         self.stall_after = stall_after
         self.stall_s = stall_ms / 1000.0
         self.disconnected = 0  # streams the client closed before their end
+        # An engine slow to notice a client gone: a dropped stream stays running this long.
+        self.release_s = release_ms / 1000.0
         self.model = model
         self.fail_status = fail_status
         # Like a batch: at most max_num_seqs requests generate at once, the rest wait (TTFT grows).
@@ -111,6 +113,7 @@ class FakeOpenAI:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         self.running += 1
+        dropped = False
         try:
             for i in range(n_out):
                 # Sleep to an absolute schedule, so gaps do not drift with event-loop delays.
@@ -127,12 +130,19 @@ class FakeOpenAI:
             self.finished += 1
         except (ConnectionError, asyncio.CancelledError):
             self.disconnected += 1  # the client went away: stop generating, as vLLM aborts the request
+            dropped = True
             raise
         finally:
-            self.running -= 1
-            if self.slots is not None:
-                self.slots.release()
+            if dropped and self.release_s > 0:
+                asyncio.get_running_loop().call_later(self.release_s, self._release)
+            else:
+                self._release()
         return resp
+
+    def _release(self) -> None:
+        self.running -= 1
+        if self.slots is not None:
+            self.slots.release()
 
 
 def _env(name: str, default: object) -> object:
@@ -160,6 +170,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--child", action="store_true", default=bool(_env("CHILD", "")),
                         help="start a child process, as vLLM starts its engine cores: it outlives a killed server")
     parser.add_argument("--kv-tokens", type=int, default=524288)
+    parser.add_argument("--release-ms", type=float, default=float(_env("RELEASE_MS", 0.0)),
+                        help="a stream the client closed stays running this long (an engine slow to abort)")
     args, _ = parser.parse_known_args(argv)  # ignore the engine arguments vLLM would take
     print(f"fake engine starting for model {args.model}", flush=True)
     if args.stubborn_child:
@@ -179,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
             asyncio.get_running_loop().call_later(loop_kill, os.kill, os.getpid(), signal.SIGKILL)
 
     app = FakeOpenAI(args.ttft_ms, args.itl_ms, args.model, max_num_seqs=args.max_num_seqs,
-                     stall_after=args.stall_after, stall_ms=args.stall_ms).app()
+                     stall_after=args.stall_after, stall_ms=args.stall_ms, release_ms=args.release_ms).app()
     if args.crash_after_s is not None:
         app.on_startup.append(on_startup)
     web.run_app(app, host=args.host, port=args.port, print=None)

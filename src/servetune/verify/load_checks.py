@@ -79,9 +79,12 @@ def cancellation_frees_work(ctx: Context) -> tuple[Status, str]:
     rate = number(drops, "cancellation_success_rate")
     if rate is None:
         rate = number(ctx.stability(), "cancellation_success_rate")
+    late = number(drops, "released_late_s")
+    held = (f"fell back only after {late:.1f} s, beyond the allowance" if late is not None
+            else "did not fall back within the watch")  # fmt: skip
     text = (f"{amount(number(drops, 'dropped'))} streams dropped after their first tokens; vLLM's running requests "
-            f"{'fell back' if fell_back else 'did not fall back' if fell_back is False else '(not seen)'}"
-            f" in {amount(number(drops, 'fallback_s'), ' s')}; cancellation success rate {pct(rate)}; {verdict(drops)}")  # fmt: skip
+            f"{'fell back in ' + amount(number(drops, 'fallback_s'), ' s') if fell_back else held if fell_back is False else '(not seen)'}"
+            f"; cancellation success rate {pct(rate)}; {verdict(drops)}")  # fmt: skip
     if fell_back is None:
         return NOT_CHECKED, text
     if not fell_back or flag(drops, "passed") is False:

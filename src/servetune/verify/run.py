@@ -298,6 +298,8 @@ def checklist_fields(scenarios: dict[str, dict[str, Any]]) -> dict[str, dict[str
         times = [r.get("fell_back_s") for r in seen]
         drops["running_fell_back"] = bool(seen) and all(t is not None for t in times)
         drops["fallback_s"] = max((t for t in times if t is not None), default=None)
+        late = [r.get("released_s") for r in seen if r.get("fell_back_s") is None]
+        drops["released_late_s"] = max(late) if late and None not in late else None  # None: some never fell back
     headroom = scenarios.get("headroom")
     if headroom is not None:
         headroom["kv_usage_peak"] = headroom.get("kv_cache_usage_max")

@@ -190,8 +190,10 @@ class DropRound:
 
     ``before``: requests running or waiting in vLLM just before the drop; ``settled``: the same
     gauge when it first fell to the survivors the client still held open (``survivors``) within
-    the allowed time, else at its last sample in that time; ``fell_back_s``: how long that took
-    (None: it did not). ``server_tokens`` / ``client_tokens``: tokens vLLM generated, and the
+    the allowed time (``allowed_s``), else at its last sample in that time; ``fell_back_s``: how
+    long that took (None: not within the allowance). ``released_s``: when the gauge fell back at
+    all, within the longer watch (later than ``allowed_s``: a late release; None: still held at
+    the watch's end, a leak). ``server_tokens`` / ``client_tokens``: tokens vLLM generated, and the
     survivors received, in the same span after the fall-back (None when a survivor ended first).
     """
 
@@ -203,6 +205,8 @@ class DropRound:
     server_tokens: float | None = None
     client_tokens: int | None = None
     streams: int = 0
+    released_s: float | None = None
+    allowed_s: float | None = None
 
     @property
     def observed(self) -> bool:
@@ -224,6 +228,13 @@ class DropRound:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "observed": self.observed, "leaked": self.leaked, "extra_tokens": self.extra_tokens}
+
+
+def step_s(chunk_times: Sequence[Sequence[float]]) -> float:
+    """The engine's step as streams show it: per stream, the mean gap between its chunks (from the
+    first on, so the prefill is left out), the median over streams; 0 when none has two."""
+    gaps = [(times[-1] - times[0]) / (len(times) - 1) for times in chunk_times if len(times) >= 2]
+    return float(np.median(gaps)) if gaps else 0.0
 
 
 def cancellation_success_rate(rounds: Sequence[DropRound]) -> float | None:

@@ -1,0 +1,56 @@
+"""The disconnect scenario against the fake engine, whose release of a dropped stream can be
+delayed: a prompt release passes, a release slower than the allowance fails as late (not as a
+leak), and an engine whose steps are slow is allowed as many steps, not a fixed 2 s."""
+
+import asyncio
+
+import pytest
+
+from servetune.config.slo import Slo
+from servetune.config.workload import Workload
+from servetune.load.client import StreamingClient
+from servetune.load.requests import PromptFactory
+from servetune.load.runner import Level
+from servetune.testing.fake_openai import FakeOpenAI
+from servetune.verify.disconnects import FALLBACK_S, RELEASE_STEPS, disconnects
+from servetune.verify.scenarios import Budget, Target
+from tests.conftest import serve_fake
+
+WORKLOAD = Workload(name="chat", input_tokens={"dist": "fixed", "value": 16}, output_tokens={"dist": "fixed", "value": 16})
+BUDGET = Budget(soak_s=4.0, windows=4, scenario_s=2.0, long_requests=2, long_output_cap=64, drop_rounds=1, repeats=5,
+                repeat_s=1.0, warmup_cap=2)  # fmt: skip
+
+
+def run_scenario(fake: FakeOpenAI, tokenizer, max_model_len: int = 1024):
+    async def main(url):
+        async with StreamingClient(url, "fake", timeout_s=120, first_token_timeout_s=10, idle_timeout_s=10) as client:
+            target = Target(client=client, url=url, workload=WORKLOAD, prompts=PromptFactory(tokenizer), slo=Slo(),
+                            level=Level("concurrency", 4.0), budget=BUDGET, max_model_len=max_model_len)  # fmt: skip
+            return await disconnects(target)
+
+    with serve_fake(fake) as url:
+        return asyncio.run(main(url))
+
+
+def test_a_prompt_release_passes(tiny_tokenizer):
+    result = run_scenario(FakeOpenAI(ttft_ms=10, itl_ms=5), tiny_tokenizer)
+    (round_,) = result.numbers["rounds"]
+    assert result.passed, result.reason
+    assert round_["observed"] and round_["fell_back_s"] is not None and round_["released_s"] == round_["fell_back_s"]
+    assert round_["allowed_s"] == FALLBACK_S  # 5 ms steps: the fixed allowance is the larger
+
+
+def test_a_release_after_the_allowance_is_late_not_a_leak(tiny_tokenizer):
+    result = run_scenario(FakeOpenAI(ttft_ms=10, itl_ms=5, release_ms=3000), tiny_tokenizer)
+    (round_,) = result.numbers["rounds"]
+    assert not result.passed and result.numbers["cancellation_success_rate"] == 0.0, result.reason
+    assert round_["fell_back_s"] is None and round_["released_s"] == pytest.approx(3.0, abs=1.0), round_
+    assert round_["leaked"] == 2 and "late" in result.reason, result.reason
+
+
+def test_slow_steps_are_allowed_as_many_steps(tiny_tokenizer):
+    # 350 ms a token: ten steps are 3.5 s, so a release after 2.5 s is in time.
+    result = run_scenario(FakeOpenAI(ttft_ms=10, itl_ms=350, release_ms=2500), tiny_tokenizer)
+    (round_,) = result.numbers["rounds"]
+    assert round_["allowed_s"] == pytest.approx(RELEASE_STEPS * 0.35, rel=0.2), round_
+    assert round_["fell_back_s"] == pytest.approx(2.5, abs=0.8) and result.numbers["cancellation_success_rate"] == 1.0, round_
