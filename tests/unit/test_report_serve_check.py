@@ -34,3 +34,47 @@ def test_the_report_shows_serve_checks_scaling_and_routers_with_the_verdict(tmp_
     assert "<h3>Routers: 2 replicas, workload rag-tiny, concurrency 8</h3>" in render_html(report)
     (study / "serve-check.json").write_text("{not json")
     assert "could not be read: not valid JSON" in render_markdown(build_report(load_study(study)))
+
+
+def routed_study(tmp_path, routed, trial_id="t1"):
+    from servetune.serve.result import ServeCheckResult
+    from servetune.serve.routing import RoutingResult
+
+    study = tiny_study(tmp_path / "s")
+    result = ServeCheckResult(
+        servetune_version="0", created="now", study="demo", trial_id=trial_id, picked_level={"concurrency": 8}, model="m",
+        app_name="app", url="http://x", address=None, llm_config={}, slo=[], runs=[], rows=[],
+        routing=RoutingResult(workload="rag-tiny", replicas=2, level={"concurrency": 8}, runs=routed, verdict=verdict(routed)),
+    )  # fmt: skip
+    (study / "serve-check.json").write_text(result.model_dump_json())
+    return study
+
+
+def exported(study, capsys):
+    import yaml
+
+    from servetune.cli import main
+
+    assert main(["export", str(study), "--pick", "t1", "--format", "ray-serve"]) == 0
+    text = capsys.readouterr().out
+    (config,) = yaml.safe_load(text)["applications"][0]["args"]["llm_configs"]
+    return text, config["deployment_config"]
+
+
+PREFIX_CLASS = "ray.serve.llm.request_router:PrefixCacheAffinityRouter"
+
+
+def test_export_ships_the_router_serve_check_measured_best_for_that_trial(tmp_path, capsys):
+    prefix = run_of("prefix-aware", 210, 500).model_copy(update={"router_class": PREFIX_CLASS})
+    text, deployment = exported(routed_study(tmp_path, [run_of("default", 200, 400), prefix]), capsys)
+    assert deployment["request_router_config"] == {"request_router_class": PREFIX_CLASS}, deployment
+    assert "# Router: prefix-aware, measured by serve-check: prefix-aware reuses more of the prefix cache" in text
+
+
+def test_export_keeps_serves_default_router_when_none_won_or_another_trial_was_checked(tmp_path, capsys):
+    even = run_of("prefix-aware", 205, 410).model_copy(update={"router_class": PREFIX_CLASS})  # within every margin
+    text, deployment = exported(routed_study(tmp_path / "a", [run_of("default", 200, 400), even]), capsys)
+    assert "request_router_config" not in deployment and "# Router: Serve's default; serve-check named none: no difference" in text
+    better = run_of("prefix-aware", 100, 400).model_copy(update={"router_class": PREFIX_CLASS})
+    text, deployment = exported(routed_study(tmp_path / "b", [run_of("default", 200, 400), better], trial_id="other"), capsys)
+    assert "request_router_config" not in deployment and "# Router" not in text  # measured for another trial

@@ -17,7 +17,9 @@ Print the configuration of one operating point of a study:
                       with Serve's autoscaling derived from the trial's measured knee
                       (the highest level meeting the SLO): min/max replicas,
                       target_ongoing_requests, max_ongoing_requests, the hard queue cap
-                      max_queued_requests, delays; the reasoning as comments
+                      max_queued_requests, delays; the reasoning as comments; and
+                      the router `servetune serve-check --routers` measured best for
+                      this trial (request_router_config), when it named one
   --format json       the configuration and its measured numbers
 
 --pick best (default) is the recommendation of `servetune report`; --pick N is row N
@@ -68,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "vllm":
         text = vllm_command(point)
     elif args.format == "ray-serve":
-        text = ray_serve_yaml(point, args.accelerator_type, autoscaling_for(report, point, args.peak))
+        router = report.serve_check.router if report.serve_check is not None else None
+        text = ray_serve_yaml(point, args.accelerator_type, autoscaling_for(report, point, args.peak), router)
     else:
         text = point_json(report, point)
     sys.stdout.write(text)

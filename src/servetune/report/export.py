@@ -21,6 +21,7 @@ from servetune.metrics import GOODPUT, REQUEST_THROUGHPUT
 from servetune.report.autoscale import Autoscaling, derive_autoscaling
 from servetune.report.build import StudyReport
 from servetune.report.points import ReportPoint, first_line, level_label
+from servetune.report.serving import RouterChoice
 from servetune.secrets import MASK, redact_engine_args, redact_env
 
 
@@ -103,6 +104,7 @@ def vllm_command(point: ReportPoint) -> str:
 
 def ray_serve_app(
     point: ReportPoint, accelerator_type: str | None = None, app_name: str = "llm", autoscaling: Autoscaling | None = None,
+    router_class: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """A ``serve run`` config with one ``ray.serve.llm`` ``LLMConfig`` (as a plain dict).
 
@@ -111,7 +113,8 @@ def ray_serve_app(
     stays in the engine and the DP builder is used. With ``autoscaling`` (derived from the trial's
     measured knee, :mod:`servetune.report.autoscale`) the deployment config is that; without, the
     replicas are fixed (``min_replicas = max_replicas = DP``) and the measured concurrency per
-    replica becomes ``target_ongoing_requests``.
+    replica becomes ``target_ongoing_requests``. ``router_class`` sets the deployment's
+    ``request_router_config`` (None: Serve's default router).
     """
     kwargs = masked_engine_args(point)
     # Ray Serve LLM chooses the executor itself (Ray on GPUs, mp on CPUs) and refuses another one.
@@ -134,6 +137,8 @@ def ray_serve_app(
         "engine_kwargs": kwargs,
         "deployment_config": {"autoscaling_config": fixed} if autoscaling is None else autoscaling.deployment_config(),
     }
+    if router_class:
+        config["deployment_config"]["request_router_config"] = {"request_router_class": router_class}
     if accelerator_type:
         if point.device == "cpu":
             raise UserError(f"--accelerator-type {accelerator_type}: the study ran on CPUs (vLLM's CPU build)")
@@ -155,9 +160,11 @@ def ray_serve_app(
 
 def ray_serve_yaml(
     point: ReportPoint, accelerator_type: str | None = None, autoscaling: Autoscaling | str | None = None,
+    router: RouterChoice | None = None,
 ) -> str:  # fmt: skip
     """The ``serve run`` YAML; ``autoscaling`` is the derived settings (their reasons become
-    comments) or, as a string, why none could be derived (the replicas stay fixed)."""
+    comments) or, as a string, why none could be derived (the replicas stay fixed); ``router``
+    is what ``serve-check --routers`` measured for this point's trial (ignored for another)."""
     header = (
         f"# Ray Serve LLM application (servetune trial {point.trial_id}, measured at {level_label(point.level)}).\n"
         "# Deploy: serve run this.yaml\n"
@@ -170,7 +177,15 @@ def ray_serve_yaml(
         header += "".join(f"#   {name}: {why}\n" for name, why in autoscaling.reasons.items())
     if not accelerator_type and point.device == "gpu":
         header += "# accelerator_type unknown: add it (e.g. H100) or pass --accelerator-type.\n"
-    body = yaml.safe_dump(ray_serve_app(point, accelerator_type, autoscaling=autoscaling), sort_keys=False, default_flow_style=False)
+    router_class = None
+    if router is not None and router.trial_id == point.trial_id:
+        if router.name is None:
+            header += f"# Router: Serve's default; serve-check named none: {router.reason}\n"
+        else:
+            router_class = router.router_class
+            header += f"# Router: {router.name}, measured by serve-check: {router.reason}\n"
+    app = ray_serve_app(point, accelerator_type, autoscaling=autoscaling, router_class=router_class)
+    body = yaml.safe_dump(app, sort_keys=False, default_flow_style=False)
     if f"'{MASK}'" in body:
         header += f"# {MASK} marks a secret servetune does not print: put the real value there.\n"
     return header + body

@@ -33,6 +33,18 @@ class ServeSection:
     routing_title: str = ""  # "2 replicas, workload rag, concurrency 8"
     routers: tuple[tuple[str, ...], ...] = ()  # ROUTER_HEADINGS
     verdict: str = ""
+    router: RouterChoice | None = None  # what `export --format ray-serve` ships, when routers were compared
+
+
+@dataclass(frozen=True)
+class RouterChoice:
+    """The router serve-check measured for ``trial_id``: ``name`` (None: no router beat the
+    others beyond the margins), its ``request_router_class`` (None: Serve's default) and why."""
+
+    trial_id: str
+    name: str | None
+    router_class: str | None
+    reason: str
 
 
 SCALING_HEADINGS = ("replicas", "level", "goodput", "out tok/s", "TTFT p50", "TTFT p99", "router TTFT p50", "scaling eff.", "SLO")
@@ -85,8 +97,22 @@ def serve_section(file: ServeCheckFile | None) -> ServeSection | None:
     said = ""
     if verdict:
         said = (f"ship {verdict['ship']}" if verdict.get("ship") else "no router named") + f": {verdict.get('reason', '')}"
-    return ServeSection(file.path, trial_id=str(data.get("trial_id", "")), scaling=tuple(scaling), routing_title=title,
-                        routers=tuple(routers), verdict=said)  # fmt: skip
+    trial_id = str(data.get("trial_id", ""))
+    return ServeSection(file.path, trial_id=trial_id, scaling=tuple(scaling), routing_title=title,
+                        routers=tuple(routers), verdict=said, router=_router_choice(trial_id, routing))  # fmt: skip
+
+
+def _router_choice(trial_id: str, routing: Mapping[str, Any]) -> RouterChoice | None:
+    verdict = routing.get("verdict")
+    if not isinstance(verdict, Mapping) or not trial_id:
+        return None
+    ship, reason = verdict.get("ship"), str(verdict.get("reason") or "")
+    if not ship:
+        return RouterChoice(trial_id, None, None, reason)
+    classes = {run.get("router"): run.get("router_class") for run in routing.get("runs") or [] if isinstance(run, Mapping)}
+    if ship not in classes:
+        return None  # a verdict naming a router that did not run: not something to ship
+    return RouterChoice(trial_id, str(ship), classes[ship] or None, reason)
 
 
 def _router_row(run: Mapping[str, Any]) -> tuple[str, ...]:
