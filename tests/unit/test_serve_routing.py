@@ -10,8 +10,8 @@ from servetune.cli import main
 from servetune.errors import UserError
 from servetune.serve.check import Routing, Teardown, run_check
 from servetune.serve.routing import (
-    ReplicaTraffic, RouterRun, imbalance, parse_routers, read_replica_counters, routed_llm_config, traffic_between,
-    verdict,
+    ReplicaTraffic, RouterRun, imbalance, merge_counters, parse_routers, read_replica_counters, routed_llm_config,
+    traffic_between, verdict,
 )  # fmt: skip
 from servetune.serve.study import read_picked
 from tests.builders import level
@@ -76,6 +76,17 @@ def test_counters_per_replica_come_from_the_agents_text_for_the_applications_llm
                "prefix_cache_hits": 320},
     }  # fmt: skip  (the ingress, another application's replicas and gauges are not counted)
     assert read_replica_counters("not { prometheus", "app") == {}
+
+
+def test_replicas_on_two_nodes_are_read_from_each_nodes_agent_and_merged():
+    # Each node's metrics agent exports the samples of the replicas on that node only.
+    def node_text(replica):
+        return "\n".join(line for line in AGENT_TEXT.splitlines() if line.startswith("#") or f'"{replica}"' in line) + "\n"
+
+    per_node = [read_replica_counters(node_text(r), "app") for r in ("r1", "r2")]
+    assert [set(c) for c in per_node] == [{"r1"}, {"r2"}]
+    assert merge_counters(per_node) == read_replica_counters(AGENT_TEXT, "app")
+    assert merge_counters([{"r1": {"requests": 2}}, {"r1": {"requests": 3, "prompt_tokens": 5}}]) == {"r1": {"requests": 5, "prompt_tokens": 5}}
 
 
 def test_traffic_is_what_the_counters_grew_by_and_hit_rates_and_imbalance_follow():

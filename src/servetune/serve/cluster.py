@@ -19,7 +19,7 @@ import psutil
 
 from servetune.engine.server import free_port
 from servetune.errors import EngineStartError, UserError
-from servetune.serve.routing import read_replica_counters
+from servetune.serve.routing import merge_counters, read_replica_counters
 
 
 class ServeCluster:
@@ -143,31 +143,40 @@ class ServeCluster:
         return self.served_per_replica(name, deployment_prefix)
 
     def served_per_replica(self, name: str, deployment_prefix: str = "LLMServer") -> dict[str, int]:
-        """Serve's per-replica request counter as the metrics agent has it now (a report interval behind)."""
-        counters = read_replica_counters(self.metrics_text(), name, deployment_prefix)
+        """Serve's per-replica request counter as the metrics agents have it now (a report interval behind)."""
+        counters = self._read_counters(name, deployment_prefix)
         return {replica: int(c["requests"]) for replica, c in counters.items() if "requests" in c}
 
     def replica_counters(self, name: str, deployment_prefix: str = "LLMServer") -> dict[str, dict[str, float]]:
         """Per replica: Serve's request counter and vLLM's token and prefix-cache counters
-        (``serve.routing.read_replica_counters``), once the metrics agent has the latest counts."""
+        (``serve.routing.read_replica_counters``), once the metrics agents have the latest counts."""
         time.sleep(2.5)  # Ray's metrics agent takes a report interval (1 s here) to see the latest counts
-        return read_replica_counters(self.metrics_text(), name, deployment_prefix)
+        return self._read_counters(name, deployment_prefix)
 
-    def metrics_text(self) -> str:
-        """What Ray's metrics agent on this node exports (Prometheus text); empty when it cannot be read."""
+    def _read_counters(self, name: str, deployment_prefix: str) -> dict[str, dict[str, float]]:
+        # A replica's counters are exported by the metrics agent of the node it runs on.
+        return merge_counters([read_replica_counters(text, name, deployment_prefix) for text in self.metrics_texts()])
+
+    def metrics_texts(self) -> list[str]:
+        """What Ray's metrics agent on every alive node exports (Prometheus text), one per node
+        that could be read: this node's on 127.0.0.1, the others' on their node address."""
         import urllib.request
 
         import ray
 
-        node = ray._private.worker._global_node  # the metrics agent's port has no public accessor
-        port = getattr(node, "metrics_export_port", None) if node is not None else None
-        if not port:
-            return ""
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-                return resp.read().decode()
-        except OSError:
-            return ""
+        here = ray.get_runtime_context().get_node_id()
+        texts = []
+        for node in ray.nodes():
+            port = node.get("MetricsExportPort")
+            if not node.get("Alive") or not port:
+                continue
+            host = "127.0.0.1" if node.get("NodeID") == here else node.get("NodeManagerAddress")
+            try:
+                with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=10) as resp:
+                    texts.append(resp.read().decode())
+            except OSError:
+                continue
+        return texts
 
     def replica_states(self, name: str, deployment_prefix: str = "LLMServer") -> dict[str, int]:
         """Replicas of the application's LLM deployment by state (RUNNING, STARTING, ...), as Serve reports them."""

@@ -100,6 +100,17 @@ def read_replica_counters(text: str, app_name: str, deployment_prefix: str = "LL
     return {replica: counts for replica, counts in found.items() if "requests" in counts}
 
 
+def merge_counters(per_node: Sequence[Mapping[str, Mapping[str, float]]]) -> dict[str, dict[str, float]]:
+    """The counters of several metrics agents (one per node) as one: a replica's counts add up."""
+    merged: dict[str, dict[str, float]] = {}
+    for counters in per_node:
+        for replica, counts in counters.items():
+            into = merged.setdefault(replica, {})
+            for key, value in counts.items():
+                into[key] = into.get(key, 0.0) + value
+    return merged
+
+
 class ReplicaTraffic(BaseModel):
     """What one replica did during a router's run (counter differences)."""
 
