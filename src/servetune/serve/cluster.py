@@ -121,14 +121,17 @@ class ServeCluster:
             serve.delete(name, _blocking=True)
 
     def replica_pids(self, name: str) -> list[int]:
-        """Process ids of the application's replica actors and everything they started (vLLM's engine)."""
+        """Process ids of the application's replica actors on this host and everything they started
+        (vLLM's engine). Replicas on other hosts are left to Serve's teardown: their pids mean
+        nothing here."""
         import ray
 
         # The GCS actor table: ray.util.state would need the dashboard, which serve-check does not start.
         actors = ray._private.state.actors()
+        here = ray.util.get_node_ip_address()
         pids: list[int] = []
         for actor in actors.values():
-            alive = actor.get("State") == "ALIVE"
+            alive = actor.get("State") == "ALIVE" and (actor.get("Address") or {}).get("IPAddress") == here
             if alive and str(actor.get("ActorClassName", "")).startswith(f"ServeReplica:{name}:") and actor.get("Pid"):
                 pids.append(int(actor["Pid"]))
                 with contextlib.suppress(psutil.Error):
