@@ -78,3 +78,27 @@ def test_export_keeps_serves_default_router_when_none_won_or_another_trial_was_c
     better = run_of("prefix-aware", 100, 400).model_copy(update={"router_class": PREFIX_CLASS})
     text, deployment = exported(routed_study(tmp_path / "b", [run_of("default", 200, 400), better], trial_id="other"), capsys)
     assert "request_router_config" not in deployment and "# Router" not in text  # measured for another trial
+
+
+def test_serve_checks_printed_tables_show_the_rows_and_the_verdict():
+    from rich.console import Console
+
+    from servetune.cli.serve_check import routing_table, scaling_table
+    from servetune.report.serving import ROUTER_NOTE
+    from servetune.serve.result import ReplicaRun, ServeCheckResult, scaling_rows
+    from servetune.serve.routing import RoutingResult
+
+    routed = [run_of("default", 200, 400), run_of("prefix-aware", 210, 500)]
+    runs = [ReplicaRun(replicas=1, levels=[level(8, 380, 320)])]
+    result = ServeCheckResult(
+        servetune_version="0", created="now", study="demo", trial_id="t1", picked_level={"concurrency": 8}, model="m",
+        app_name="app", url="http://x", address=None, llm_config={}, slo=[], runs=runs, rows=scaling_rows(runs, []),
+    )  # fmt: skip
+    console = Console(width=250, record=True)
+    console.print(scaling_table(result))
+    console.print(routing_table(RoutingResult(workload="rag-tiny", replicas=2, level={"concurrency": 8}, runs=routed,
+                                              verdict=verdict(routed))))  # fmt: skip
+    text = console.export_text()
+    assert "serve-check: trial t1 through Ray Serve" in text and "6.33" in text and "380.0" in text  # goodput, out tok/s
+    assert "prefix-aware" in text and "50%" in text and "1.82" in text and ROUTER_NOTE in " ".join(text.split())
+    assert "verdict: ship prefix-aware: prefix-aware reuses more of the prefix cache" in " ".join(text.split())

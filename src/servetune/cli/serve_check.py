@@ -262,16 +262,18 @@ def make_ramp(args, picked, derived, prompts, name, records, console, cluster):
 
 
 def ramp_table(ramp) -> Table:
+    from servetune.report.serving import num_text
+
     table = Table(title="serve-check --ramp: the derived autoscaling under 1x, 3x and 1x the knee", title_justify="left")
     for col in ("t (s)", "phase", "clients", "replicas", "done", "SLO broken", "TTFT p95", "requests per replica"):
         table.add_column(col, justify="right")
     for w in ramp.windows:
         served = ", ".join(f"{rid}: {n}" for rid, n in sorted(w.served.items()))
         table.add_row(f"{w.start_s:.0f}", w.phase, str(w.offered), str(w.running), str(w.completed),
-                      str(w.slo_violations), _fmt(w.ttft_ms_p95, 0), served or "-")  # fmt: skip
+                      str(w.slo_violations), num_text(w.ttft_ms_p95, 0), served or "-")  # fmt: skip
     up = "never" if ramp.time_to_scale_up_s is None else f"{ramp.time_to_scale_up_s:.1f} s"
     table.caption = (
-        f"autoscaled deployment RUNNING after {_fmt(ramp.ready_s, 0)} s; replicas {ramp.replicas_before} -> "
+        f"autoscaled deployment RUNNING after {num_text(ramp.ready_s, 0)} s; replicas {ramp.replicas_before} -> "
         f"{ramp.replicas_peak}; time to scale up {up}; "
         f"SLO broken by {ramp.slo_violations} of {ramp.requests} requests; "
         + ("[red]a new replica served before it was RUNNING[/]" if ramp.traffic_before_ready
@@ -281,13 +283,9 @@ def ramp_table(ramp) -> Table:
     return table
 
 
-def _fmt(value: float | None, digits: int = 1, signed: bool = False) -> str:
-    if value is None:
-        return "-"
-    return f"{value:+,.{digits}f}" if signed else f"{value:,.{digits}f}"
-
-
 def routing_table(routing) -> Table:
+    from servetune.report.serving import ROUTER_NOTE, num_text, pct_text
+
     table = Table(title=f"serve-check --routers: {routing.replicas} replicas, workload {routing.workload}, "
                         + ", ".join(f"{k} {v:g}" for k, v in routing.level.items()), title_justify="left")  # fmt: skip
     for col in ("router", "replica", "requests", "tokens served", "prefix queries", "prefix hits", "hit rate",
@@ -298,24 +296,21 @@ def routing_table(routing) -> Table:
         table.add_row(f"[bold]{run.router}[/]", "all", str(sum(t.requests for t in run.per_replica.values())),
                       f"{sum(t.tokens_served for t in run.per_replica.values()):,}",
                       f"{sum(t.prefix_cache_queries for t in run.per_replica.values()):,}",
-                      f"{sum(t.prefix_cache_hits for t in run.per_replica.values()):,}", _pct(run.prefix_cache_hit_rate),
-                      _fmt(run.imbalance, 2), _fmt(s.goodput, 2), _fmt(s.ttft_ms.p50), _fmt(s.ttft_ms.p99))  # fmt: skip
+                      f"{sum(t.prefix_cache_hits for t in run.per_replica.values()):,}", pct_text(run.prefix_cache_hit_rate),
+                      num_text(run.imbalance, 2), num_text(s.goodput, 2), num_text(s.ttft_ms.p50), num_text(s.ttft_ms.p99))  # fmt: skip
         for rid, t in sorted(run.per_replica.items(), key=lambda kv: -kv[1].tokens_served):
             table.add_row("", rid, str(t.requests), f"{t.tokens_served:,}", f"{t.prefix_cache_queries:,}",
-                          f"{t.prefix_cache_hits:,}", _pct(t.prefix_cache_hit_rate), "", "", "", "")  # fmt: skip
+                          f"{t.prefix_cache_hits:,}", pct_text(t.prefix_cache_hit_rate), "", "", "", "")  # fmt: skip
     v = routing.verdict
-    table.caption = ("imbalance: max over mean of tokens served across the replicas; hit rate: prefix-cache hits over "
-                     "queries, in tokens; latencies in ms")  # fmt: skip
+    table.caption = ROUTER_NOTE
     if v is not None:
         table.caption += f"\nverdict: {'ship ' + v.ship if v.ship else 'no router named'}: {v.reason}"
     return table
 
 
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{value:.0%}"
-
-
 def scaling_table(result) -> Table:
+    from servetune.report.serving import num_text
+
     table = Table(title=f"serve-check: trial {result.trial_id} through Ray Serve", title_justify="left")
     for col in ("replicas", "level", "goodput", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
                 "bare tok/s", "bare TTFT p50", "router TTFT p50", "scaling eff.", "SLO"):  # fmt: skip
@@ -323,9 +318,9 @@ def scaling_table(result) -> Table:
     for row in result.rows:
         level = ", ".join(f"{k} {v:g}" for k, v in row.level.items())
         table.add_row(
-            str(row.replicas), level, _fmt(row.goodput, 2), _fmt(row.request_throughput, 2), _fmt(row.output_throughput),
-            _fmt(row.ttft_ms_p50), _fmt(row.ttft_ms_p99), _fmt(row.tpot_ms_p50), _fmt(row.tpot_ms_p99),
-            _fmt(row.bare_output_throughput), _fmt(row.bare_ttft_ms_p50), _fmt(row.ttft_p50_overhead_ms, signed=True),
+            str(row.replicas), level, num_text(row.goodput, 2), num_text(row.request_throughput, 2), num_text(row.output_throughput),
+            num_text(row.ttft_ms_p50), num_text(row.ttft_ms_p99), num_text(row.tpot_ms_p50), num_text(row.tpot_ms_p99),
+            num_text(row.bare_output_throughput), num_text(row.bare_ttft_ms_p50), num_text(row.ttft_p50_overhead_ms, signed=True),
             "-" if row.scaling_efficiency is None else f"{row.scaling_efficiency:.0%}",
             "[green]met[/]" if row.meets_slo else "[red]broken[/]",
         )  # fmt: skip

@@ -60,13 +60,15 @@ def read_serve_check_file(root: Path) -> ServeCheckFile | None:
     return read_json_file(path) if path.is_file() else None
 
 
-def _num(value: Any, digits: int = 1, signed: bool = False) -> str:
+def num_text(value: Any, digits: int = 1, signed: bool = False) -> str:
+    """A number as the Ray Serve tables show it (thousands separated); "-" for anything else."""
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return "-"
     return f"{value:+,.{digits}f}" if signed else f"{value:,.{digits}f}"
 
 
-def _pct(value: Any) -> str:
+def pct_text(value: Any) -> str:
+    """A share as a whole percentage; "-" for anything that is not a number."""
     return f"{value:.0%}" if isinstance(value, (int, float)) and not isinstance(value, bool) else "-"
 
 
@@ -84,9 +86,9 @@ def serve_section(file: ServeCheckFile | None) -> ServeSection | None:
     scaling = []
     for row in data.get("rows") or []:
         eff = row.get("scaling_efficiency")
-        scaling.append((str(row.get("replicas", "-")), _level(row.get("level")), _num(row.get("goodput"), 2),
-                        _num(row.get("output_throughput")), _num(row.get("ttft_ms_p50")), _num(row.get("ttft_ms_p99")),
-                        _num(row.get("ttft_p50_overhead_ms"), signed=True), _pct(eff),
+        scaling.append((str(row.get("replicas", "-")), _level(row.get("level")), num_text(row.get("goodput"), 2),
+                        num_text(row.get("output_throughput")), num_text(row.get("ttft_ms_p50")), num_text(row.get("ttft_ms_p99")),
+                        num_text(row.get("ttft_p50_overhead_ms"), signed=True), pct_text(eff),
                         {True: "met", False: "broken"}.get(row.get("meets_slo"), "-")))  # fmt: skip
     routing = data.get("routing") or {}
     routers = [_router_row(run) for run in routing.get("runs") or []]
@@ -121,6 +123,6 @@ def _router_row(run: Mapping[str, Any]) -> tuple[str, ...]:
     ttft = summary.get("ttft_ms") or {}
     each = sorted(replicas, key=lambda t: -(t.get("tokens_served") or 0))
     return (str(run.get("router", "-")), str(sum(t.get("requests", 0) for t in replicas)),
-            f"{sum(t.get('tokens_served', 0) for t in replicas):,}", _pct(run.get("prefix_cache_hit_rate")),
-            " / ".join(_pct(t.get("prefix_cache_hit_rate")) for t in each) or "-", _num(run.get("imbalance"), 2),
-            _num(summary.get("goodput"), 2), _num(ttft.get("p50")), _num(ttft.get("p99")))  # fmt: skip
+            f"{sum(t.get('tokens_served', 0) for t in replicas):,}", pct_text(run.get("prefix_cache_hit_rate")),
+            " / ".join(pct_text(t.get("prefix_cache_hit_rate")) for t in each) or "-", num_text(run.get("imbalance"), 2),
+            num_text(summary.get("goodput"), 2), num_text(ttft.get("p50")), num_text(ttft.get("p99")))  # fmt: skip
