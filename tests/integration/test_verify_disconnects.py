@@ -1,13 +1,16 @@
 """The disconnect scenario against the fake engine, whose release of a dropped stream can be
 delayed: a prompt release passes, a release slower than the allowance fails as late (not as a
-leak), and an engine whose steps are slow is allowed as many steps, not a fixed 2 s."""
+leak), an engine whose steps are slow is allowed as many steps, not a fixed 2 s, and an engine
+that cannot be read is not watched nor tried again."""
 
 import asyncio
+import time
 
 import pytest
 
 from servetune.config.slo import Slo
 from servetune.config.workload import Workload
+from servetune.engine.server import free_port
 from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory
 from servetune.load.runner import Level
@@ -21,13 +24,15 @@ BUDGET = Budget(soak_s=4.0, windows=4, scenario_s=2.0, long_requests=2, long_out
                 repeat_s=1.0, warmup_cap=2)  # fmt: skip
 
 
-def run_scenario(fake: FakeOpenAI, tokenizer, max_model_len: int = 1024):
+def run_scenario(fake: FakeOpenAI | None, tokenizer, max_model_len: int = 1024):
     async def main(url):
         async with StreamingClient(url, "fake", timeout_s=120, first_token_timeout_s=10, idle_timeout_s=10) as client:
             target = Target(client=client, url=url, workload=WORKLOAD, prompts=PromptFactory(tokenizer), slo=Slo(),
                             level=Level("concurrency", 4.0), budget=BUDGET, max_model_len=max_model_len)  # fmt: skip
             return await disconnects(target)
 
+    if fake is None:  # nothing listening there: an engine that died
+        return asyncio.run(main(f"http://127.0.0.1:{free_port()}"))
     with serve_fake(fake) as url:
         return asyncio.run(main(url))
 
@@ -54,3 +59,11 @@ def test_slow_steps_are_allowed_as_many_steps(tiny_tokenizer):
     (round_,) = result.numbers["rounds"]
     assert round_["allowed_s"] == pytest.approx(RELEASE_STEPS * 0.35, rel=0.2), round_
     assert round_["fell_back_s"] == pytest.approx(2.5, abs=0.8) and result.numbers["cancellation_success_rate"] == 1.0, round_
+
+
+def test_an_engine_that_cannot_be_read_ends_the_scenario_at_once(tiny_tokenizer):
+    started = time.monotonic()
+    result = run_scenario(None, tiny_tokenizer)
+    took = time.monotonic() - started
+    assert not result.passed and "never showed the streams in flight" in result.reason, result.reason
+    assert len(result.numbers["rounds"]) == 1 and took < 12, (took, result.numbers["rounds"])  # no retries, no 10 s watch

@@ -17,6 +17,7 @@ holds a round, ``stats.cancellation_success_rate`` and ``stats.tokens_stopped`` 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import aiohttp
@@ -32,6 +33,7 @@ DROP_SHARE = 0.5
 FALLBACK_S = 2.0  # vLLM must release dropped requests within this, or within RELEASE_STEPS steps
 RELEASE_STEPS = 10  # engine steps a release may take: notice the closed connection, abort, step, report
 WATCH_S = 10.0  # how long the gauge is followed after a drop, to tell a late release from a leak
+UNREAD_LIMIT = 3  # scrapes in a row that fail end the watch
 GAUGE_WAIT_S = 5.0  # how long a round waits for /metrics to show the streams it sent
 TOKEN_SPAN_S = 1.0  # then vLLM's generated tokens are compared with what the survivors receive
 
@@ -71,11 +73,15 @@ async def _drop_round(t: Target, session: aiohttp.ClientSession, requests, strea
         allowed = max(FALLBACK_S, RELEASE_STEPS * step_s([r.chunk_times for r in records]))
         # vLLM released the dropped streams once what it holds is no more than the survivors the
         # client still holds open; ``settled`` is the last sample asked within the allowance.
-        released = None
+        released, unread = None, 0
         settled, open_now = before, sum(r.end is None for r in survivors)
-        while (asked := time.perf_counter() - dropped_at) <= max(WATCH_S, 2 * allowed):
+        # Without a gauge before the drop (the engine cannot be read, or died) there is nothing to watch.
+        while not math.isnan(before) and (asked := time.perf_counter() - dropped_at) <= max(WATCH_S, 2 * allowed):
             open_then = sum(r.end is None for r in survivors)
             snap = await scrape(session, t.url, gauges_only=True)
+            unread = 0 if snap is not None else unread + 1
+            if unread >= UNREAD_LIMIT:
+                break  # the engine stopped answering: what it holds cannot be told
             if snap is not None:
                 held = in_flight(snap)
                 if asked <= allowed:
@@ -130,8 +136,8 @@ async def disconnects(t: Target) -> ScenarioResult:
             await _drained(session, t.url)
             round_, _ = await _drop_round(t, session, requests, streams, dropped)
             rounds.append(round_)
-            if sum(r.observed for r in rounds) >= t.budget.drop_rounds:
-                break
+            if sum(r.observed for r in rounds) >= t.budget.drop_rounds or math.isnan(round_.before):
+                break  # enough rounds judged, or the engine's gauges cannot be read: another round would not change that
         await _drained(session, t.url)
     rate = cancellation_success_rate(rounds)
     stopped = tokens_stopped(rounds)
