@@ -41,3 +41,28 @@ def test_shared_prefix_is_shared_by_the_given_fraction(tiny_tokenizer):
     assert abs(len(sharing) / len(reqs) - 0.5) < 0.08
     assert all(r.input_tokens > 64 for r in sharing)
     assert any(r.prompt.startswith(prefix) for r in other)  # the same prefix in every stream
+
+
+def test_shared_prefixes_in_groups_follow_their_popularity(tiny_tokenizer):
+    factory = PromptFactory(tiny_tokenizer)
+    prefixes = None
+    for popularity, share_of_first in ((0.0, (0.15, 0.35)), (2.0, (0.55, 0.8))):
+        w = workload(shared_prefix={"tokens": 64, "fraction": 1.0, "groups": 4, "popularity": popularity})
+        reqs = list(itertools.islice(iter_requests(w, factory, stream=1), 400))
+        heads = [tiny_tokenizer.decode(tiny_tokenizer.encode(r.prompt, add_special_tokens=False)[:64]) for r in reqs]
+        counts = sorted(((heads.count(h), h) for h in set(heads)), reverse=True)
+        assert len(counts) == 4, [c for c, _ in counts]  # four distinct prefixes, each used
+        assert share_of_first[0] < counts[0][0] / len(reqs) < share_of_first[1], [c for c, _ in counts]
+        found = {h for _, h in counts}
+        assert prefixes is None or found == prefixes  # the same prefixes whatever their popularity
+        prefixes = found
+        other = list(itertools.islice(iter_requests(w, factory, stream=9), 20))
+        assert all(any(r.prompt.startswith(p) for p in prefixes) for r in other)  # shared by every stream
+
+
+def test_a_group_count_out_of_range_is_refused():
+    import pytest
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="groups"):
+        workload(shared_prefix={"tokens": 64, "groups": 0})

@@ -145,10 +145,20 @@ class RequestClass(BaseModel):
 
 
 class SharedPrefix(BaseModel):
+    """``fraction`` of the requests start with a shared prefix of ``tokens`` tokens. With
+    ``groups`` > 1 there are that many distinct prefixes (system prompts of several tenants or
+    apps, documents), the k-th drawn with a weight of k^-``popularity`` (Zipf; 0: all alike)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     tokens: int = Field(ge=1)
     fraction: float = Field(default=1.0, gt=0, le=1)
+    groups: int = Field(default=1, ge=1, le=10_000)
+    popularity: float = Field(default=1.0, ge=0)
+
+    def group_weights(self) -> np.ndarray:
+        weights = np.arange(1, self.groups + 1, dtype=float) ** -self.popularity
+        return weights / weights.sum()
 
 
 class Arrival(BaseModel):

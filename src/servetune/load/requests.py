@@ -119,11 +119,13 @@ class _Draw:
         self.classes = workload.classes
         weights = np.asarray([c.weight for c in self.classes], dtype=float)
         self.weights = weights / weights.sum()
-        self.prefix_text = ""
+        self.prefix_texts: list[str] = []
+        self.prefix_weights = None
         if workload.shared_prefix:
-            # The shared prefix is the same in every stream: it is what the prefix cache reuses.
+            # The shared prefixes are the same in every stream: they are what the prefix cache reuses.
             prefix_rng = np.random.default_rng([workload.seed, 2**31 - 1])
-            self.prefix_text = prompts.text(workload.shared_prefix.tokens, prefix_rng)
+            self.prefix_texts = [prompts.text(workload.shared_prefix.tokens, prefix_rng) for _ in range(workload.shared_prefix.groups)]
+            self.prefix_weights = workload.shared_prefix.group_weights()
 
     def request_class(self, rng: np.random.Generator):
         classes = self.classes
@@ -136,7 +138,10 @@ class _Draw:
         cls = self.request_class(rng)
         n_out = int(cls.output_tokens.sample(rng, 1)[0])
         shares = bool(workload.shared_prefix) and rng.random() < workload.shared_prefix.fraction
-        prefix = self.prefix_text if shares else ""
+        prefix = ""
+        if shares:  # one prefix: no draw, so a one-prefix workload's requests stay as they were
+            k = int(rng.choice(len(self.prefix_texts), p=self.prefix_weights)) if len(self.prefix_texts) > 1 else 0
+            prefix = self.prefix_texts[k]
         if isinstance(cls.input_tokens, Empirical) and cls.input_tokens.prompts is not None:
             text = prefix + cls.input_tokens.prompts[int(cls.input_tokens.sample_indices(rng, 1)[0])]
             n_in = prompts.count(text)
