@@ -81,6 +81,27 @@ def send_sync_share(records: Iterable["RequestRecord"], window_s: float = 0.010)
     return close / len(measured)
 
 
+#: A gap between two chunks of one stream shorter than this was not an engine step: the chunks
+#: were read together (the client, or the server's HTTP loop, fell behind).
+BURST_GAP_S = 0.001
+#: From this share of burst gaps on, a level's ITL is flagged (``itl_note``).
+BURST_NOTE_SHARE = 0.2
+
+
+def itl_burst_share(records: Iterable["RequestRecord"], gap_s: float = BURST_GAP_S) -> float | None:
+    """Share of the measured, finished requests' token gaps shorter than ``gap_s`` (None without gaps)."""
+    gaps = [g for r in records if not r.warmup and r.ok for g in r.itls_s()]
+    return sum(g < gap_s for g in gaps) / len(gaps) if gaps else None
+
+
+def itl_note(share: float | None) -> str | None:
+    """What a level says when its tokens were read in bursts (None when they were not)."""
+    if share is None or share < BURST_NOTE_SHARE:
+        return None
+    return (f"tokens read in bursts: {share:.0%} of token gaps under {BURST_GAP_S * 1000:g} ms (the client or the "
+            "server's HTTP loop fell behind): ITL percentiles understate the engine's step, TPOT does not")
+
+
 #: The percentiles a level keeps of its TTFTs, to draw their distribution (0, 5, ..., 100).
 DISTRIBUTION_PERCENTILES = tuple(range(0, 101, 5))
 

@@ -41,6 +41,7 @@ class LevelResult(BaseModel):
     cache_note: str | None = None  # why the prefix cache may have been warm (trial/measure.py), else None
     stopped_early: str | None = None  # why the level ended before its planned requests (trial/measure.py)
     send_sync_share: float | None = None  # share of requests sent within 10 ms of another (metrics.send_sync_share)
+    itl_burst_share: float | None = None  # share of token gaps under 1 ms: read in bursts (metrics.itl_burst_share)
     ttft_ms_distribution: list[float] | None = None  # TTFT at percentiles 0, 5, ..., 100 (metrics.ttft_distribution_ms)
     runs: list[LevelRun] = Field(default=[], exclude_if=lambda runs: not runs)  # absent when run once
 

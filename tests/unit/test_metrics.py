@@ -84,3 +84,25 @@ def test_cost_per_million_tokens():
     # $2/GPU-hour, 2 GPUs, 1000 tok/s -> 3.6M tok/h for $4 -> $1.111/Mtok
     assert cost_per_mtok_usd(2.0, 2, 1000.0) == pytest.approx(4 / 3.6)
     assert cost_per_mtok_usd(2.0, 1, 0.0) == float("inf")
+
+
+def test_tokens_read_in_bursts_are_counted_and_flagged_on_the_level_table():
+    from rich.console import Console
+
+    from servetune.cli.display import level_table
+    from servetune.config.slo import Slo
+    from servetune.metrics import itl_burst_share, itl_note
+    from servetune.results import LevelResult
+
+    steady = record(0, sent=0.0, ttft=0.1, gaps=[0.02] * 9)
+    bunched = record(1, sent=0.0, ttft=0.1, gaps=[0.0001, 0.0001, 0.0001, 0.06] * 2 + [0.02])  # 6 of 9 gaps read at once
+    ignored = [record(2, 0.0, 0.1, [0.0] * 9, warmup=True), record(3, 0.0, 0.1, [0.0] * 9, ok=False)]
+    assert itl_burst_share([steady, *ignored]) == 0.0 and itl_note(0.0) is None
+    share = itl_burst_share([steady, bunched, *ignored])
+    assert share == pytest.approx(6 / 18) and itl_burst_share([]) is None
+    level = LevelResult(summary=summarize([steady, bunched], {"concurrency": 2}), itl_burst_share=share)
+    out = Console(width=200, record=True)
+    out.print(level_table([level], Slo()))
+    text = " ".join(out.export_text().split())
+    assert "concurrency 2: tokens read in bursts: 33% of token gaps under 1 ms" in text, text
+    assert "ITL percentiles understate" in text

@@ -7,6 +7,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
+from servetune.metrics import itl_note
 from servetune.config.slo import Slo
 from servetune.results import LevelResult
 
@@ -42,7 +43,7 @@ def level_table(results: list[LevelResult], slo: Slo, title: str = "") -> Table:
         table.add_row(*row)
     table.caption = "latencies in ms; in sync: requests sent within 10 ms of another"
     notes = [f"{', '.join(f'{k} {v:g}' for k, v in r.summary.level.items())}: {note}"
-             for r in results for note in (r.stopped_early, r.cache_note) if note]  # fmt: skip
+             for r in results for note in (r.stopped_early, r.cache_note, itl_note(r.itl_burst_share)) if note]  # fmt: skip
     if notes:
         table.caption += "\n" + "\n".join(notes)
     return table

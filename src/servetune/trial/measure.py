@@ -39,7 +39,7 @@ from servetune.errors import EngineDiedError
 from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory, RequestSpec, iter_requests
 from servetune.load.runner import Level, run_level
-from servetune.metrics import RequestRecord, send_sync_share, summarize, ttft_distribution_ms
+from servetune.metrics import RequestRecord, itl_burst_share, send_sync_share, summarize, ttft_distribution_ms
 from servetune.results import LevelResult, LevelRun
 from servetune.telemetry import TelemetrySampler
 
@@ -267,7 +267,8 @@ async def measure_level(
     result = LevelResult(
         summary=summary, server_metrics=server, telemetry=measured, slo_violations=slo.violations(summary),
         cache_note=cache_note(server, workload, mean_prompt, reset, reused), stopped_early=watch.reason,
-        send_sync_share=send_sync_share(records), ttft_ms_distribution=ttft_distribution_ms(records),
+        send_sync_share=send_sync_share(records), itl_burst_share=itl_burst_share(records),
+        ttft_ms_distribution=ttft_distribution_ms(records),
     )  # fmt: skip
     return result, records
 
