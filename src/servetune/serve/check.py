@@ -173,8 +173,9 @@ def compare_routers(
             cluster.delete(name)
         ready_s = cluster.deploy(name, config, picked.space.load.startup_timeout_s, engine_version(config))
         teardown.pids.update(cluster.replica_pids(name))
-        reused = None if not runs else bool(engines) and cluster.engine_replicas(name) == engines
-        engines = cluster.engine_replicas(name)
+        now = cluster.engine_replicas(name)
+        reused = None if not runs else bool(engines) and now == engines
+        engines = now
         if runs:
             cluster.reset_prefix_caches(name)  # Serve counts the reset as a request: read the counters after it
         before = cluster.replica_counters(name)
