@@ -6,8 +6,9 @@ serve-check needs of a study is the trial's engine arguments, environment, model
 levels, and the space's workload, ladder and SLO. One fixed replica is measured, then the ramp
 deploys the derived autoscaling (1-2 replicas, delays x 0.05) and offers 8, 24 and 8 clients: the
 second replica must start, be RUNNING before it serves, and take traffic. Then --routers deploys two
-replicas afresh with Serve's default router and with Ray Serve LLM's prefix-aware one, each offered a
-RAG-like workload scaled to the tiny model (most prompts start with one shared prefix).
+replicas afresh with Serve's default router and switches them, engines kept and prefix caches reset,
+to Ray Serve LLM's prefix-aware one, each offered a RAG-like workload scaled to the tiny model (most
+prompts start with one shared prefix).
 """
 
 import json
@@ -112,6 +113,16 @@ def test_one_replica_takes_traffic_a_ramp_scales_out_to_two_routers_compared_and
         assert sum(t.prompt_tokens for t in traffic) >= s.total_input_tokens, run.per_replica
         assert 0 < run.prefix_cache_hit_rate < 1, run.per_replica  # the shared prefix is reused, the rest is not
     default, prefix_aware = routing.runs
+    # The second router is switched to on the same engines: Serve kept the LLM replicas (same actors), so
+    # the switch took a fraction of a fresh deploy's time.
+    assert default.engines_reused is None and prefix_aware.engines_reused is True, routing.runs
+    assert prefix_aware.engine_replicas == default.engine_replicas and len(default.engine_replicas) == 2
+    assert prefix_aware.ready_s < default.ready_s / 2, (prefix_aware.ready_s, default.ready_s)
+    assert "switched" in done.stdout
+    # The caches were reset between the routers: the same prompts again hit only their shared 160-token prefix
+    # (a cache kept from the default run would also hit the rest of every prompt served again on its replica).
+    for run in routing.runs:
+        assert sum(t.prefix_cache_hits for t in run.per_replica.values()) <= 160 * 24, (run.router, run.per_replica)
     assert len(default.per_replica) == 2  # power of two choices spreads the load over both replicas
     # The prefix-aware router keeps the shared prefix on the replica that has it: the load piles up there.
     assert prefix_aware.imbalance > default.imbalance and prefix_aware.imbalance >= 1.3, (default.per_replica, prefix_aware.per_replica)

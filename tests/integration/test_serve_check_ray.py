@@ -1,5 +1,6 @@
 """serve-check against a real local Ray with Serve, no vLLM: a Serve application of the same name
-that is already running is refused (one line, exit 2) and left running; nothing else is deployed."""
+that is already running is refused (one line, exit 2) and left running; nothing else is deployed. A failed
+deployment is one error with its log tail; the LLM deployment is pinned to a version for --routers."""
 
 from __future__ import annotations
 
@@ -76,3 +77,19 @@ def test_a_deployment_that_fails_is_one_error_with_its_log_tail_and_is_deleted(l
         assert "cannot find model.safetensors" in message.splitlines()[0]
         assert "cannot find model.safetensors" in failed.value.log_tail
         assert "broken" not in cluster.applications()
+
+
+def test_the_llm_deployment_is_pinned_to_the_engine_version_and_the_ingress_is_not():
+    """What --routers rests on (a redeploy with only the router changed keeps the LLM replicas; the e2e run on
+    vLLM shows it): Ray Serve LLM's application built, its LLMServer deployment given the version, its ingress none."""
+    pytest.importorskip("ray.serve.llm")
+    from ray.serve.llm import build_openai_app
+
+    from servetune.serve.cluster import _pin_llm_servers
+
+    app = build_openai_app({"llm_configs": [{"model_loading_config": {"model_id": "m", "model_source": "/nowhere"},
+                                             "deployment_config": {"num_replicas": 2}}]})  # fmt: skip
+    _pin_llm_servers(app, "v1")
+    servers = app._bound_deployment.init_kwargs["llm_deployments"]
+    assert [(s._bound_deployment.name, s._bound_deployment._version) for s in servers.values()] == [("LLMServer:m", "v1")]
+    assert app._bound_deployment._version is None  # the ingress gets a new version, so a new router, each deploy

@@ -92,7 +92,7 @@ class FakeCluster:
     def applications(self):
         return dict(self.running)
 
-    def deploy(self, name, config, timeout_s):
+    def deploy(self, name, config, timeout_s, engine_version=None):
         if self.fail:
             raise EngineStartError(f"the Serve deployment of {name} failed: boom", "last log line")
         self.deployed.append(config["deployment_config"]["autoscaling_config"]["min_replicas"])
@@ -108,6 +108,12 @@ class FakeCluster:
     def requests_per_replica(self, name):
         self.scrapes += 1
         return {f"r{i}": 10 * self.scrapes for i in range(self.deployed[-1])}
+
+    def engine_replicas(self, name):
+        return [f"actor{i}" for i in range(self.deployed[-1])]
+
+    def reset_prefix_caches(self, name):
+        return self.deployed[-1]
 
 
 def tiny_study(root: Path) -> Path:

@@ -1,6 +1,6 @@
 """serve-check --routers without Ray: router names, the deployed router config, the per-replica
 counters read from Ray's metrics agent text, hit rates, imbalance, the verdict, the comparison's
-order of deployments (a fake cluster), and refusals before Ray starts."""
+order of deployments, switches and cache resets (a fake cluster), and refusals before Ray starts."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from servetune.cli import main
 from servetune.errors import UserError
 from servetune.serve.check import Routing, Teardown, run_check
 from servetune.serve.routing import (
-    ReplicaTraffic, RouterRun, imbalance, merge_counters, parse_routers, read_replica_counters, routed_llm_config,
-    traffic_between, verdict,
+    ReplicaTraffic, RouterRun, engine_version, imbalance, merge_counters, parse_routers, read_replica_counters,
+    routed_llm_config, traffic_between, verdict,
 )  # fmt: skip
 from servetune.serve.study import read_picked
 from tests.builders import level
@@ -65,6 +65,14 @@ def test_the_prefix_aware_router_is_ray_serve_llms_class_and_default_leaves_serv
     }
     assert "request_router_config" not in config["deployment_config"]  # the caller's config is not changed
     assert routed_llm_config(routed, "default")["deployment_config"] == {"autoscaling_config": {"min_replicas": 2}}
+
+
+def test_the_engine_version_ignores_the_router_and_nothing_else():
+    config = {"engine_kwargs": {"max_num_seqs": 8}, "deployment_config": {"autoscaling_config": {"min_replicas": 2}}}
+    version = engine_version(config)
+    assert engine_version(routed_llm_config(config, "prefix-aware")) == version  # a router switch keeps the engines
+    assert engine_version({**config, "engine_kwargs": {"max_num_seqs": 16}}) != version  # a new engine config does not
+    assert engine_version({**config, "deployment_config": {"autoscaling_config": {"min_replicas": 3}}}) != version
 
 
 def test_counters_per_replica_come_from_the_agents_text_for_the_applications_llm_deployment_only():
@@ -136,41 +144,78 @@ def test_verdict_names_a_router_only_beyond_the_margins():
     assert verdict([base]) is None
 
 
-def test_routers_are_each_deployed_fresh_after_the_replica_counts_and_measured_alike(tmp_path):
-    picked = read_picked(tiny_study(tmp_path / "s"), "t1")
-    deployed: list[dict] = []
-    reads: list[str] = []
+def routing_cluster(restarts: bool = False):
+    """A fake cluster that records deploys, deletes, resets and counter reads in order; ``restarts``: Serve
+    starts new LLM replicas on every deploy (new actor ids), as it would if the version pin did not hold."""
+    events: list[tuple] = []
 
     class Cluster(FakeCluster):
-        def deploy(self, name, config, timeout_s):
-            deployed.append(config["deployment_config"])
+        deploys = 0
+
+        def deploy(self, name, config, timeout_s, engine_version=None):
+            self.deploys += 1
+            events.append(("deploy", config["deployment_config"], engine_version))
             return super().deploy(name, config, timeout_s)
 
         def delete(self, name):
-            deployed.append({"deleted": name in self.running})
+            events.append(("delete", name in self.running))
             super().delete(name)
 
-        def replica_counters(self, name):  # before a router's level: nothing yet; after it: the agent's text
-            reads.append(name)
-            return read_replica_counters(AGENT_TEXT, "app") if len(reads) % 2 == 0 else {}
+        def engine_replicas(self, name):
+            return [f"d{self.deploys if restarts else 0}-{i}" for i in range(self.deployed[-1])]
 
-    cluster, teardown, measured = Cluster(), Teardown(pids=set()), []
+        def reset_prefix_caches(self, name):
+            events.append(("reset",))
+            return super().reset_prefix_caches(name)
+
+        def replica_counters(self, name):  # before a router's level: nothing yet; after it: the agent's text
+            events.append(("counters",))
+            reads = sum(e == ("counters",) for e in events)
+            return read_replica_counters(AGENT_TEXT, "app") if reads % 2 == 0 else {}
+
+    return Cluster(), events
+
+
+def compare(tmp_path, cluster):
+    picked = read_picked(tiny_study(tmp_path / "s"), "t1")
+    measured: list[str] = []
 
     def measure(url, served, router):
         measured.append(router)
         return level(8, 300, 400)
 
     routing = Routing(routers=["default", "prefix-aware"], replicas=2, workload="rag-tiny", measure=measure)
+    teardown = Teardown(pids=set())
     result = run_check(picked, [1], cluster, "app", lambda url, served, n: [level(8, 380, 320)], teardown, routing=routing)
     assert measured == ["default", "prefix-aware"]
-    assert [d.get("deleted", "request_router_config" in d) for d in deployed] == [False, True, False, True, True]
-    assert deployed[2]["autoscaling_config"]["min_replicas"] == 2
-    assert deployed[4]["request_router_config"]["request_router_class"].endswith(":PrefixCacheAffinityRouter")
+    return result, teardown
+
+
+def test_routers_switch_on_the_same_engines_with_their_caches_reset_after_the_replica_counts(tmp_path):
+    cluster, events = routing_cluster()
+    result, teardown = compare(tmp_path, cluster)
+    kinds = [e[0] for e in events]
+    # The replica count, then one fresh deploy for the first router, a redeploy for the next (no delete between),
+    # and its caches reset before its counters are read (Serve counts the reset as a request per replica).
+    assert kinds == ["deploy", "delete", "deploy", "counters", "counters", "deploy", "reset", "counters", "counters"]
+    first, switched = events[2], events[5]
+    assert first[1]["autoscaling_config"]["min_replicas"] == 2 and "request_router_config" not in first[1]
+    assert switched[1]["request_router_config"]["request_router_class"].endswith(":PrefixCacheAffinityRouter")
+    assert events[0][2] is None and first[2] is not None and switched[2] == first[2]  # one pinned engine version
     routed = result.routing
     assert routed.replicas == 2 and routed.level == {"concurrency": 8.0} and routed.workload == "rag-tiny"
     assert [r.router for r in routed.runs] == ["default", "prefix-aware"] and routed.runs[1].per_replica["r1"].requests == 7
+    assert [r.engines_reused for r in routed.runs] == [None, True]
+    assert routed.runs[0].engine_replicas == routed.runs[1].engine_replicas == ["d0-0", "d0-1"]
     assert routed.verdict is not None and routed.verdict.ship is None  # the same numbers: no router named
     assert {101, 102} <= teardown.pids
+
+
+def test_a_switch_on_which_serve_restarted_the_engines_is_recorded(tmp_path):
+    cluster, _ = routing_cluster(restarts=True)
+    result, _ = compare(tmp_path, cluster)
+    default, prefix_aware = result.routing.runs
+    assert prefix_aware.engines_reused is False and prefix_aware.engine_replicas != default.engine_replicas
 
 
 def small_model_study(root):

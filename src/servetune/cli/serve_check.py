@@ -32,8 +32,10 @@ served a request before Serve had it RUNNING (its engine started): it must not (
 --delay-scale shrinks section 11's delays (120 s up, 600 s down, 30 s window) for a quick check.
 
 --routers compares request routers at the end: `default` (Serve's own, power of two choices by
-queue length) and `prefix-aware` (Ray Serve LLM's PrefixCacheAffinityRouter). Each is deployed
-fresh (cold prefix caches) at --routing-replicas replicas and offered --workload (a shared-prefix
+queue length) and `prefix-aware` (Ray Serve LLM's PrefixCacheAffinityRouter), at
+--routing-replicas replicas. The first is deployed fresh; the next ones are switched to on the same
+engines (Serve reconfigures the LLM replicas, a new ingress routes with the new router) with every
+replica's prefix cache reset, and whether Serve kept the engines is recorded. Each is offered --workload (a shared-prefix
 workload, default: rag; on the CPU stand-in, a file scaled to the tiny model) at the picked
 point's level, without warm-up. Per router and replica: requests (Serve's counter), tokens served
 (vLLM's prompt + generated tokens), prefix-cache queries and hits (vLLM's counters, in tokens, as
@@ -303,6 +305,11 @@ def routing_table(routing) -> Table:
                           f"{t.prefix_cache_hits:,}", pct_text(t.prefix_cache_hit_rate), "", "", "", "")  # fmt: skip
     v = routing.verdict
     table.caption = ROUTER_NOTE
+    for run in routing.runs:
+        if run.engines_reused is not None:
+            how = ("switched on the same engines" if run.engines_reused
+                   else "[red]Serve restarted the engines[/] (fresh engines, as a fresh deploy)")  # fmt: skip
+            table.caption += f"\n{run.router}: {how} in {num_text(run.ready_s)} s, prefix caches reset"
     if v is not None:
         table.caption += f"\nverdict: {'ship ' + v.ship if v.ship else 'no router named'}: {v.reason}"
     return table

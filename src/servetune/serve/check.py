@@ -22,7 +22,9 @@ from servetune.secrets import redact_env
 from servetune.serve.plan import Needs, autoscaled_llm_config, check_fits, llm_config, needs
 from servetune.serve.ramp import RampResult
 from servetune.serve.result import ReplicaRun, ServeCheckResult, scaling_rows
-from servetune.serve.routing import ROUTERS, RouterRun, RoutingResult, routed_llm_config, traffic_between, verdict
+from servetune.serve.routing import (
+    ROUTERS, RouterRun, RoutingResult, engine_version, routed_llm_config, traffic_between, verdict,
+)  # fmt: skip
 from servetune.serve.study import PickedStudy
 
 
@@ -35,7 +37,7 @@ class Cluster(Protocol):
 
     def applications(self) -> dict[str, str]: ...
 
-    def deploy(self, name: str, llm_config: Mapping, timeout_s: float) -> float: ...
+    def deploy(self, name: str, llm_config: Mapping, timeout_s: float, engine_version: str | None = None) -> float: ...
 
     def delete(self, name: str) -> None: ...
 
@@ -44,6 +46,10 @@ class Cluster(Protocol):
     def requests_per_replica(self, name: str) -> dict[str, int]: ...
 
     def replica_counters(self, name: str) -> dict[str, dict[str, float]]: ...
+
+    def engine_replicas(self, name: str) -> list[str]: ...
+
+    def reset_prefix_caches(self, name: str) -> int: ...
 
 
 #: measure(url, served model name, replica count) -> the ladder's level results.
@@ -61,9 +67,9 @@ class Ramp:
 
 @dataclass
 class Routing:
-    """The routers to compare after the replica counts (and the ramp): each deployed fresh (cold
-    prefix caches) at ``replicas`` replicas, then ``measure(url, served model name, router)`` drives
-    the shared-prefix workload at one level."""
+    """The routers to compare after the replica counts (and the ramp), at ``replicas`` replicas on the
+    same engines (prefix caches reset between routers; see ``compare_routers``), then
+    ``measure(url, served model name, router)`` drives the shared-prefix workload at one level."""
 
     routers: list[str]
     replicas: int
@@ -150,20 +156,33 @@ def run_check(
 def compare_routers(
     picked: PickedStudy, cluster: Cluster, name: str, served: str, routing: Routing, teardown: Teardown
 ) -> RoutingResult:  # fmt: skip
-    """Each router on a fresh application (deleted first: cold prefix caches and a new prefix tree,
-    so no router inherits another's cache), the same workload at the same level."""
+    """The routers on the same engines, the same workload at the same level. The first router is
+    deployed fresh (the application deleted first: cold prefix caches) with the LLM deployment's
+    version pinned (``engine_version``); each next one is the same deployment with only its request
+    router changed, which Serve applies to the running replicas (a new ingress routes with it),
+    and every replica's prefix cache is reset before its run, so no router inherits another's cache.
+    The LLM replicas' actor ids before and after each switch say whether the engines were reused; if
+    Serve restarted them, the run is on fresh engines (as a fresh deploy would be) and says so."""
     runs: list[RouterRun] = []
     level: dict[str, float] = {}
+    engines: list[str] = []
     for router in routing.routers:
-        teardown.pids.update(cluster.replica_pids(name))
-        cluster.delete(name)
         config = routed_llm_config(llm_config(picked.point, routing.replicas), router)
-        ready_s = cluster.deploy(name, config, picked.space.load.startup_timeout_s)
+        if not runs:
+            teardown.pids.update(cluster.replica_pids(name))
+            cluster.delete(name)
+        ready_s = cluster.deploy(name, config, picked.space.load.startup_timeout_s, engine_version(config))
         teardown.pids.update(cluster.replica_pids(name))
+        now = cluster.engine_replicas(name)
+        reused = None if not runs else bool(engines) and now == engines
+        engines = now
+        if runs:
+            cluster.reset_prefix_caches(name)  # Serve counts the reset as a request: read the counters after it
         before = cluster.replica_counters(name)
         measured = routing.measure(cluster.url, served, router)
         after = cluster.replica_counters(name)
         level = dict(measured.summary.level)
         runs.append(RouterRun(router=router, router_class=ROUTERS[router], replicas=routing.replicas, ready_s=ready_s,
-                              level=measured, per_replica=traffic_between(before, after)))  # fmt: skip
+                              engines_reused=reused, engine_replicas=engines, level=measured,
+                              per_replica=traffic_between(before, after)))  # fmt: skip
     return RoutingResult(workload=routing.workload, replicas=routing.replicas, level=level, runs=runs, verdict=verdict(runs))

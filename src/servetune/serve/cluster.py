@@ -82,13 +82,45 @@ class ServeCluster:
         return {name: str(app.status) for name, app in serve.status().applications.items()}
 
     # --- one application --------------------------------------------------------------------
-    def deploy(self, name: str, llm_config: Mapping[str, Any], timeout_s: float) -> float:
+    def deploy(
+        self, name: str, llm_config: Mapping[str, Any], timeout_s: float, engine_version: str | None = None
+    ) -> float:  # fmt: skip
         """Deploy the Ray Serve LLM application (``build_openai_app``) and wait until it is RUNNING;
         returns the seconds it took. Deploying it again at another replica count is a new version:
-        Serve rolls it out, starting new replicas before it stops the old ones."""
+        Serve rolls it out, starting new replicas before it stops the old ones.
+
+        ``engine_version`` pins the LLM deployment's version (``serve.routing.engine_version``): deployed
+        again with the same one and only options Serve reconfigures in place changed (the request
+        router), Serve keeps its replicas and their engines. The ingress is never pinned, so it is
+        restarted: a handle builds its request router once, so only a new ingress routes with a new one."""
         from ray.serve.llm import build_openai_app
 
-        return self.run_app(name, build_openai_app({"llm_configs": [dict(llm_config)]}), timeout_s)
+        app = build_openai_app({"llm_configs": [dict(llm_config)]})
+        if engine_version is not None:
+            _pin_llm_servers(app, engine_version)
+        return self.run_app(name, app, timeout_s)
+
+    def engine_replicas(self, name: str, deployment_prefix: str = "LLMServer") -> list[str]:
+        """Actor ids of the application's live LLM deployment replicas (each holds one engine): the same
+        ids before and after a redeploy mean Serve kept the replicas, a new id is a replica it started."""
+        import ray
+
+        prefix = f"ServeReplica:{name}:{deployment_prefix}"
+        return sorted(str(actor_id) for actor_id, actor in ray._private.state.actors().items()
+                      if actor.get("State") == "ALIVE" and str(actor.get("ActorClassName", "")).startswith(prefix))  # fmt: skip
+
+    def reset_prefix_caches(self, name: str, deployment_prefix: str = "LLMServer", timeout_s: float = 60.0) -> int:
+        """Empty the prefix cache of every replica of the application's LLM deployment (Ray Serve LLM's
+        ``LLMServer.reset_prefix_cache``, broadcast by Serve to each running replica); the number reset."""
+        from ray import serve
+
+        app = serve.status().applications.get(name)
+        reset = 0
+        for deployment in (app.deployments if app is not None else ()):
+            if deployment.startswith(deployment_prefix):
+                handle = serve.get_deployment_handle(deployment, name)
+                reset += len(handle.broadcast("reset_prefix_cache").results(timeout_s=timeout_s))
+        return reset
 
     def run_app(self, name: str, app: Any, timeout_s: float) -> float:
         """``serve.run`` one application at ``/`` and wait for every deployment to be HEALTHY. One that
@@ -212,6 +244,15 @@ class ServeCluster:
             with contextlib.suppress(OSError):
                 text += [line for line in path.read_text(errors="replace").splitlines()[-lines:] if line.strip()]
         return "\n".join(text[-lines:])
+
+
+def _pin_llm_servers(app: Any, version: str) -> None:
+    """Give the LLM deployments ``build_openai_app`` bound into its ingress a fixed version. Ray 2.60 has no
+    public way: ``Deployment.options(version=...)`` is refused unless ``_internal``, and ``serve deploy``'s
+    config puts the request router into the code version (a router change restarts every replica)."""
+    servers = app._bound_deployment.init_kwargs.get("llm_deployments") or {}
+    for server in servers.values():
+        server._bound_deployment = server._bound_deployment.options(version=version, _internal=True)
 
 
 def _status_message(app: Any) -> str:

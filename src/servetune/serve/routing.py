@@ -16,6 +16,8 @@ docstring). Everything here is pure; ``serve/cluster.py`` reads the agent and ``
 from __future__ import annotations
 
 import copy
+import hashlib
+import json
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -65,6 +67,15 @@ def routed_llm_config(config: Mapping[str, Any], router: str) -> dict[str, Any]:
     if ROUTERS[router] is not None:
         deployment["request_router_config"] = {"request_router_class": ROUTERS[router]}
     return routed
+
+
+def engine_version(config: Mapping[str, Any]) -> str:
+    """The version the LLM deployment is pinned to for ``--routers``: a hash of ``config`` (an LLMConfig
+    as a dict) without its request router. Serve keeps a deployment's replicas when a redeploy changes
+    only options that reconfigure them (the request router is one) and not its version, so routers
+    switch on the same engines while any other change to the configuration still starts new ones."""
+    unrouted = routed_llm_config(config, "default")
+    return hashlib.sha256(json.dumps(unrouted, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _engine_sample_names(ours: str) -> tuple[str, ...]:
@@ -160,7 +171,8 @@ def hit_rate(traffic: Sequence[ReplicaTraffic]) -> float | None:
 
 
 class RouterRun(BaseModel):
-    """One router: a fresh deployment of ``replicas`` replicas with it, the workload at one level."""
+    """One router at ``replicas`` replicas, the workload at one level: the first on a fresh deployment,
+    the next ones switched to on the same engines (prefix caches reset before the run)."""
 
     model_config = RECORD
 
@@ -168,6 +180,9 @@ class RouterRun(BaseModel):
     router_class: str | None  # None: Serve's default
     replicas: int
     ready_s: float | None = None
+    # None: deployed fresh; True: switched to on the engines the run before used; False: Serve restarted them.
+    engines_reused: bool | None = None
+    engine_replicas: list[str] = []  # the LLM deployment's replica actors during the run
     level: LevelResult
     per_replica: dict[str, ReplicaTraffic] = {}  # Serve replica id -> its traffic during the level
 
