@@ -5,15 +5,23 @@ worker nodes that each declare 2 GPUs, started as a user would (``ray start --he
 ``ray start --address``), each with its own temp dir: the nodes' working directories are
 their own, as on a cluster whose nodes share no disk (tests/ray_heads.py). ``servetune run``
 joins it with ``--address``.
+
+The module's tests share one cluster (a cluster start is half a minute of this host): the spread
+test runs first, on the fresh cluster, and removes its trials' directories from the nodes; the
+node-loss test, which kills a worker's raylet, runs last (pytest keeps the file's order).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from servetune.study.packing import Reservation, overlapping
 from servetune.testing.fake_openai import write_fake_python
@@ -51,25 +59,34 @@ def run_argv(space: Path, cluster: LocalCluster, storage: Path, fake: Path, *ext
             "--python", str(fake), "--tracking-uri", f"sqlite:///{storage.parent / 'mlflow.db'}", *extra]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """A head and two worker nodes of 3 CPUs and 2 GPUs, for every test of the module (see above)."""
+    with ray_cluster(user_env(tmp_path_factory.mktemp("home")), workers=[(3, 2), (3, 2)]) as started:
+        yield started
+
+
 def trial_files_on(node_dir: Path) -> dict[str, set[str]]:
     """The files each trial wrote under the node's own temp dir, by trial id."""
     return {trial_id: {p.name for p in trial_dir.iterdir()} for trial_id, trial_dir in trial_dirs_on(node_dir).items()}
 
 
-def test_trials_stay_inside_one_node_spread_over_both_and_come_back_to_the_driver(tmp_path, tiny_model):
+def test_trials_stay_inside_one_node_spread_over_both_and_come_back_to_the_driver(tmp_path, tiny_model, cluster):
     fake = write_fake_python(tmp_path)
     # 1, 2 and 4 GPUs, twice each (two token paces): four trials that fit a node, two that none holds.
     space = write_space(tmp_path, tiny_model, "  tensor_parallel_size: [1, 2, 4]\n  env.SERVETUNE_FAKE_ITL_MS: [5, 6]\n"
                                               "  env.SERVETUNE_FAKE_STARTUP_DELAY_S: [2]\n")  # fmt: skip
     storage = tmp_path / "results"
-    with ray_cluster(user_env(tmp_path / "home"), workers=[(3, 2), (3, 2)]) as cluster:
-        began = time.monotonic()
-        done = subprocess.run(run_argv(space, cluster, storage, fake), capture_output=True, text=True, timeout=300,
-                              cwd=tmp_path, env=cluster.head.env)  # fmt: skip
-        wall_s = time.monotonic() - began
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-        node_of_worker = {cluster.node_id_of(w): w for w in cluster.workers}
-        on_node = {node_id: trial_files_on(w.temp_dir) for node_id, w in node_of_worker.items()}
+    began = time.monotonic()
+    done = subprocess.run(run_argv(space, cluster, storage, fake), capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path, env=cluster.head.env)  # fmt: skip
+    wall_s = time.monotonic() - began
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    node_of_worker = {cluster.node_id_of(w): w for w in cluster.workers}
+    on_node = {node_id: trial_files_on(w.temp_dir) for node_id, w in node_of_worker.items()}
+    for worker in cluster.workers:  # gone from the nodes: what follows reads the driver's directory only
+        for trial_dir in trial_dirs_on(worker.temp_dir).values():
+            shutil.rmtree(trial_dir)
     study_dir = storage / "nodes"
     by_id = results(study_dir)
     assert len(by_id) == 6
@@ -111,7 +128,7 @@ def test_trials_stay_inside_one_node_spread_over_both_and_come_back_to_the_drive
         assert "Uvicorn" in (trial_dir / "engine.log").read_text() or (trial_dir / "engine.log").stat().st_size > 0
     assert (study_dir / "report" / "summary.md").exists()
     assert processes_mentioning(fake) == []
-    # The nodes and their directories are gone: the report and the MLflow sync read the driver's directory only.
+    # The trials' directories on the nodes are gone: the report and the MLflow sync read the driver's directory only.
     fresh = tmp_path / "fresh.db"
     again = subprocess.run([sys.executable, "-m", "servetune", "report", str(study_dir), "--out", str(tmp_path / "again"),
                             "--log-to-mlflow", "--tracking-uri", f"sqlite:///{fresh}"],
@@ -144,49 +161,49 @@ def _t(stamp: str) -> float:
     return dt.datetime.fromisoformat(stamp).timestamp()
 
 
-def test_a_node_lost_under_a_trial_fails_that_trial_and_the_study_goes_on(tmp_path, tiny_model):
+def test_a_node_lost_under_a_trial_fails_that_trial_and_the_study_goes_on(tmp_path, tiny_model, cluster):
+    """Runs last: it kills one of the module cluster's workers."""
     fake = write_fake_python(tmp_path)
     # Four 2-GPU trials: one per node at a time. Engines take 6 s to start, as vLLM takes its time.
     space = write_space(tmp_path, tiny_model, "  tensor_parallel_size: [2]\n  env.SERVETUNE_FAKE_ITL_MS: [5, 6, 7, 8]\n"
                                               "  env.SERVETUNE_FAKE_STARTUP_DELAY_S: [6]\n  env.SERVETUNE_FAKE_CHILD: [1]\n")  # fmt: skip
     storage = tmp_path / "results"
     study_dir = storage / "nodes"
-    with ray_cluster(user_env(tmp_path / "home"), workers=[(3, 2), (3, 2)]) as cluster:
-        argv = run_argv(space, cluster, storage, fake)
-        before: dict = {}
+    argv = run_argv(space, cluster, storage, fake)
+    before: dict = {}
 
-        def look() -> None:
-            before["engines"] = processes_mentioning(fake)
-            before["finished"] = results(study_dir)  # none yet, or the other node's first
+    def look() -> None:
+        before["engines"] = processes_mentioning(fake)
+        before["finished"] = results(study_dir)  # none yet, or the other node's first
 
-        # The first trial whose engine started (its log exists on the node) loses its node.
-        lost_node = lose_a_node_mid_trial(cluster, argv, tmp_path, lambda d: (d / "engine.log").exists(),
-                                          find_s=120, finish_s=300, before_kill=look)  # fmt: skip
-        victim, trial_id, output = lost_node.victim, lost_node.trial_id, lost_node.output
-        engines_before, finished_before = before["engines"], before["finished"]
-        assert lost_node.returncode == 0, output[-4000:]
-        by_id = results(study_dir)
-        assert len(by_id) == 4, output[-3000:]
-        lost = by_id[trial_id]
-        assert lost["outcome"] == "FAILED" and lost["lost"], lost
-        assert lost["reason"].startswith("the trial's node died while it ran"), lost["reason"]
-        others = [r for t, r in by_id.items() if t != trial_id]
-        assert all(r["outcome"] == "COMPLETE" for r in others), [r["reason"] for r in others]
-        survivor = next(cluster.node_id_of(w) for w in cluster.workers if w is not victim)
-        assert {r["environment"]["ray_node_id"] for r in others if r["trial_id"] not in finished_before} == {survivor}
-        assert all(t in by_id and by_id[t] == r for t, r in finished_before.items())  # no finished result lost
-        # Nothing of the lost trial's engine (a server and its child) is left, on any node.
-        deadline = time.monotonic() + 30
-        while set(processes_mentioning(fake)) & set(engines_before) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert processes_mentioning(fake) == []
-        assert f"FAILED" in output and (study_dir / "report" / "summary.md").exists()
+    # The first trial whose engine started (its log exists on the node) loses its node.
+    lost_node = lose_a_node_mid_trial(cluster, argv, tmp_path, lambda d: (d / "engine.log").exists(),
+                                      find_s=120, finish_s=300, before_kill=look)  # fmt: skip
+    victim, trial_id, output = lost_node.victim, lost_node.trial_id, lost_node.output
+    engines_before, finished_before = before["engines"], before["finished"]
+    assert lost_node.returncode == 0, output[-4000:]
+    by_id = results(study_dir)
+    assert len(by_id) == 4, output[-3000:]
+    lost = by_id[trial_id]
+    assert lost["outcome"] == "FAILED" and lost["lost"], lost
+    assert lost["reason"].startswith("the trial's node died while it ran"), lost["reason"]
+    others = [r for t, r in by_id.items() if t != trial_id]
+    assert all(r["outcome"] == "COMPLETE" for r in others), [r["reason"] for r in others]
+    survivor = next(cluster.node_id_of(w) for w in cluster.workers if w is not victim)
+    assert {r["environment"]["ray_node_id"] for r in others if r["trial_id"] not in finished_before} == {survivor}
+    assert all(t in by_id and by_id[t] == r for t, r in finished_before.items())  # no finished result lost
+    # Nothing of the lost trial's engine (a server and its child) is left, on any node.
+    deadline = time.monotonic() + 30
+    while set(processes_mentioning(fake)) & set(engines_before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert processes_mentioning(fake) == []
+    assert f"FAILED" in output and (study_dir / "report" / "summary.md").exists()
 
-        # --resume runs only what never finished: the lost trial, on the node that is left.
-        stamps = {t: (study_dir / "trials" / t / "result.json").stat().st_mtime_ns for t in by_id if t != trial_id}
-        resumed = subprocess.run([*argv, "--resume"], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=cluster.head.env)
-        assert resumed.returncode == 0, resumed.stderr[-3000:]
-        assert "1 trial(s) to run" in resumed.stderr, resumed.stderr
+    # --resume runs only what never finished: the lost trial, on the node that is left.
+    stamps = {t: (study_dir / "trials" / t / "result.json").stat().st_mtime_ns for t in by_id if t != trial_id}
+    resumed = subprocess.run([*argv, "--resume"], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=cluster.head.env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "1 trial(s) to run" in resumed.stderr, resumed.stderr
     final = results(study_dir)
     assert final[trial_id]["outcome"] == "COMPLETE" and not final[trial_id]["lost"]
     assert {t: (study_dir / "trials" / t / "result.json").stat().st_mtime_ns for t in stamps} == stamps

@@ -1,12 +1,14 @@
-"""A study submitted with ``ray job submit`` to a Ray cluster, as on a real one (real vLLM, CPU build).
+"""Studies submitted with ``ray job submit`` to a Ray cluster, as on a real one.
 
 As the README has it, from a user's shell (a HOME of the test's own, no ``RAY_AUTH_MODE``) on a
-machine where a local study ran before (``make demo``): a Ray head starts on 127.0.0.1 with two
-declared GPUs (``ray start --head --block``, its own ports and temp dir); ``ray job submit
---no-wait`` sends ``python -m servetune run`` with a small working directory; ``servetune run``
-joins that cluster through the ``RAY_ADDRESS`` the job supervisor sets; two trials start vLLM's
-CPU build on the tiny model (about a minute each). The test checks the job succeeded, its driver
-joined this cluster, and both trials' result.json. The head is stopped by process id
+machine where a local study ran before (``make demo``: here ``servetune run`` with the fake
+engine): a Ray head starts on 127.0.0.1 with two declared GPUs (``ray start --head --block``,
+its own ports and temp dir); ``ray job submit --no-wait`` sends ``python -m servetune run`` with a
+small working directory; ``servetune run`` joins that cluster through the ``RAY_ADDRESS`` the job
+supervisor sets. The module's tests share the shell and the head (a head start is half a minute
+of this host): one submits a study on the fake engine, the other one whose two trials start
+vLLM's CPU build on the tiny model (about a minute each). They check the job succeeded, its
+driver joined this cluster, and the trials' result.json. The head is stopped by process id
 (tests/ray_heads.py).
 """
 
@@ -18,6 +20,7 @@ import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
@@ -25,38 +28,62 @@ import pytest
 import yaml
 
 from servetune.results import TrialResult
+from servetune.testing.fake_openai import write_fake_python
+from tests.integration.test_ray_token_auth import servetune_run, submit, write_space
+from tests.processes import processes_mentioning
 from tests.ray_heads import RayHead, ray_head, user_env
-
-pytestmark = pytest.mark.e2e
-
-pytest.importorskip("vllm", reason="the trials start vLLM (the CPU build: pip install servetune[cpu])")
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT_S = 600
 
-# What a local study does with Ray (``servetune run`` without --address): Ray 2.60 used to leave
-# ~/.ray/auth_token behind, and every later ``ray start --head`` then asked for the token.
-LOCAL_STUDY_RAY = "from servetune.study.tuner import init_ray; init_ray(None); import ray; ray.shutdown()"
+
+@dataclass(frozen=True)
+class Shell:
+    """A user's shell after a local study (``servetune run`` without --address, the fake engine)."""
+
+    env: dict[str, str]
+    local_results: Path  # the local study's --storage
+    token_after_local: bool  # ~/.ray/auth_token existed once the local study was done
+    fake: Path  # the fake engine's Python
 
 
 @pytest.fixture(scope="module")
-def shell(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """The user's shell, after a local study on this machine."""
-    home = tmp_path_factory.mktemp("home")
+def shell(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Shell:
+    """The user's shell, after a local study on this machine. Ray 2.60 used to leave
+    ~/.ray/auth_token behind, and every later ``ray start --head`` then asked for the token."""
+    base = tmp_path_factory.mktemp("shell")
+    home = base / "home"
+    home.mkdir()
+    fake = write_fake_python(base)
     ray_tmpdir = Path(tempfile.mkdtemp(prefix="st-", dir="/tmp"))  # the local cluster's, short for Ray's sockets
     try:
-        done = subprocess.run([sys.executable, "-c", LOCAL_STUDY_RAY], capture_output=True, text=True,
-                              env=user_env(home, RAY_TMPDIR=str(ray_tmpdir)), timeout=180)  # fmt: skip
+        local = subprocess.run(servetune_run(write_space(base / "local", "local", tiny_model), base / "results", fake),
+                               capture_output=True, text=True, env=user_env(home, RAY_TMPDIR=str(ray_tmpdir)), cwd=base,
+                               timeout=300)  # fmt: skip
     finally:
         shutil.rmtree(ray_tmpdir, ignore_errors=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return user_env(home)
+    assert local.returncode == 0, local.stderr[-3000:]
+    return Shell(user_env(home), base / "results", (home / ".ray" / "auth_token").exists(), fake)
 
 
 @pytest.fixture(scope="module")
-def head(shell: dict[str, str]) -> Iterator[RayHead]:
-    with ray_head(shell) as started:
+def head(shell: Shell) -> Iterator[RayHead]:
+    with ray_head(shell.env) as started:
         yield started
+
+
+def test_after_a_local_study_the_readme_cluster_commands_work_as_they_are(shell: Shell, head: RayHead, tmp_path: Path,
+                                                                          tiny_model: Path) -> None:  # fmt: skip
+    """``make demo`` (a local study), then ``ray start --head`` and ``ray job submit``, from one plain shell."""
+    assert (shell.local_results / "local" / "trials").is_dir()
+    assert not shell.token_after_local, "the local study left a token that switches later clusters to token mode"
+    job_dir = tmp_path / "job"
+    write_space(job_dir, "job", tiny_model)
+    info = submit(head, job_dir, servetune_run(Path("space.yaml"), tmp_path / "results", shell.fake), shell.env)
+    assert info["status"] == "SUCCEEDED", f"job {info['status']} ({info['message']}):\n{info['logs'][-4000:]}"
+    assert info["driver_joined"]
+    assert list((tmp_path / "results" / "job" / "trials").glob("*/result.json"))
+    assert processes_mentioning(shell.fake) == []
 
 
 def small_space() -> str:
@@ -73,7 +100,9 @@ def small_space() -> str:
     return yaml.safe_dump(space, sort_keys=False)
 
 
+@pytest.mark.e2e
 def test_study_runs_as_a_ray_job(head: RayHead, tmp_path: Path) -> None:
+    pytest.importorskip("vllm", reason="the trials start vLLM (the CPU build: pip install servetune[cpu])")
     job_dir = tmp_path / "job"  # the working dir Ray uploads: the space file only, not the repository
     job_dir.mkdir()
     (job_dir / "space.yaml").write_text(small_space())

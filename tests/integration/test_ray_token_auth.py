@@ -1,18 +1,18 @@
 """Ray 2.60's token authentication, met the way the README's commands meet it (fake engine, real Ray).
 
 Each test has a HOME of its own (so ``~/.ray/auth_token`` is the test's) and a user's shell: no
-``RAY_AUTH_MODE`` set. The trials run the fake engine, so no vLLM starts.
+``RAY_AUTH_MODE`` set. The trials run the fake engine, so no vLLM starts. The README's commands
+in a plain shell after a local study (no token: a head without authentication) are
+tests/integration/test_ray_job_submit.py's, which shares one such head between its tests; a head
+in token mode cannot be shared with them (the mode is fixed when the head starts).
 """
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,15 +45,6 @@ def home(tmp_path: Path) -> Path:
     return home
 
 
-@pytest.fixture
-def ray_tmpdir() -> Iterator[Path]:
-    """A short RAY_TMPDIR of a local cluster's own (Ray's unix sockets: at most 107 bytes), so it
-    neither joins nor disturbs another cluster on this machine."""
-    path = Path(tempfile.mkdtemp(prefix="st-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
 def write_space(directory: Path, name: str, model: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "space.yaml"
@@ -71,27 +62,6 @@ def submit(head, job_dir: Path, argv: list[str], env: dict[str, str]) -> dict:
                     "--submission-id", submission_id, "--no-wait", "--", *argv, env=env)  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     return head.wait_for_job(submission_id, JOB_TIMEOUT_S, env=env)
-
-
-def test_after_a_local_study_the_readme_cluster_commands_work_as_they_are(tmp_path, home, ray_tmpdir, tiny_model):
-    """``make demo`` (a local study), then ``ray start --head`` and ``ray job submit``, from one plain shell."""
-    fake = write_fake_python(tmp_path)
-    env = user_env(home, RAY_TMPDIR=str(ray_tmpdir))
-    local = subprocess.run(servetune_run(write_space(tmp_path / "local", "local", tiny_model), tmp_path / "results", fake),
-                           capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)  # fmt: skip
-    assert local.returncode == 0, local.stderr[-3000:]
-    assert (tmp_path / "results" / "local" / "trials").is_dir()
-    assert not (home / ".ray" / "auth_token").exists(), "the local study left a token that switches later clusters to token mode"
-
-    shell = user_env(home)
-    with ray_head(shell) as head:
-        job_dir = tmp_path / "job"
-        write_space(job_dir, "job", tiny_model)
-        info = submit(head, job_dir, servetune_run(Path("space.yaml"), tmp_path / "results", fake), shell)
-    assert info["status"] == "SUCCEEDED", f"job {info['status']} ({info['message']}):\n{info['logs'][-4000:]}"
-    assert info["driver_joined"]
-    assert list((tmp_path / "results" / "job" / "trials").glob("*/result.json"))
-    assert processes_mentioning(fake) == []
 
 
 def test_a_head_in_token_mode_asks_for_one_line_then_works(tmp_path, home, tiny_model):
