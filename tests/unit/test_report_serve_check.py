@@ -14,11 +14,12 @@ def test_the_report_shows_serve_checks_scaling_and_routers_with_the_verdict(tmp_
     from servetune.report.html import render_html
     from servetune.report.markdown import render_markdown
     from servetune.serve.result import ReplicaRun, ServeCheckResult, scaling_rows
+    from servetune.report.serving import ROUTER_NOTE
     from servetune.serve.routing import RoutingResult
 
     study = tiny_study(tmp_path / "s")
     runs = [ReplicaRun(replicas=1, levels=[level(8, 380, 320)])]
-    routed = [run_of("default", 200, 400), run_of("prefix-aware", 210, 500)]
+    routed = [run_of("default", 200, 400), run_of("prefix-aware", 210, 500).model_copy(update={"engines_reused": True, "ready_s": 19.6})]
     result = ServeCheckResult(
         servetune_version="0", created="now", study="demo", trial_id="t1", picked_level={"concurrency": 8}, model="m",
         app_name="app", url="http://x", address=None, llm_config={}, slo=[], runs=runs, rows=scaling_rows(runs, []),
@@ -31,7 +32,11 @@ def test_the_report_shows_serve_checks_scaling_and_routers_with_the_verdict(tmp_
     assert "| prefix-aware | 12 | 1,100 | 50% | 50% / - | 1.82 |" in md  # 1000 of 1100 tokens on one of 2 replicas
     assert "| 1 | concurrency 8 | 6.33 | 380.0 | 160.0 | 320.0 | - | 100% | met |" in md
     assert "**Verdict: ship prefix-aware: prefix-aware reuses more of the prefix cache" in md
-    assert "<h3>Routers: 2 replicas, workload rag-tiny, concurrency 8</h3>" in render_html(report)
+    assert "- prefix-aware: switched to on the same engines in 19.6 s, prefix caches reset" in md
+    assert "default: " not in md.split("### Routers")[1].split("**Verdict")[0].split(ROUTER_NOTE)[1]  # deployed fresh: no note
+    page = render_html(report)
+    assert "<h3>Routers: 2 replicas, workload rag-tiny, concurrency 8</h3>" in page
+    assert "<li>prefix-aware: switched to on the same engines in 19.6 s, prefix caches reset</li>" in page
     (study / "serve-check.json").write_text("{not json")
     assert "could not be read: not valid JSON" in render_markdown(build_report(load_study(study)))
 

@@ -304,6 +304,8 @@ def serve_check_html(section: ServeSection) -> str:
     if section.routers:
         parts += [f"<h3>Routers: {e(section.routing_title)}</h3>", table(ROUTER_HEADINGS, section.routers),
                   f"<p class='muted'>{e(ROUTER_NOTE)}</p>"]
+        if section.engines:
+            parts.append("<ul>" + "".join(f"<li>{e(note)}</li>" for note in section.engines) + "</ul>")
         if section.verdict:
             parts.append(f"<p><b>Verdict:</b> {e(section.verdict)}</p>")
     return "\n".join(parts)

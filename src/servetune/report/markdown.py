@@ -188,6 +188,7 @@ def serve_check_section(section: ServeSection | None) -> list[str]:
         lines += [f"### Routers: {section.routing_title}", ""]
         lines += _table(ROUTER_HEADINGS, section.routers)
         lines += ["", ROUTER_NOTE, ""]
+        lines += [f"- {note}" for note in section.engines] + ([""] if section.engines else [])
         if section.verdict:
             lines += [f"**Verdict: {section.verdict}**", ""]
     return lines

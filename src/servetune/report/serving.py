@@ -33,6 +33,7 @@ class ServeSection:
     routing_title: str = ""  # "2 replicas, workload rag, concurrency 8"
     routers: tuple[tuple[str, ...], ...] = ()  # ROUTER_HEADINGS
     verdict: str = ""
+    engines: tuple[str, ...] = ()  # per router after the first: on the same engines, or Serve restarted them
     router: RouterChoice | None = None  # what `export --format ray-serve` ships, when routers were compared
 
 
@@ -101,7 +102,19 @@ def serve_section(file: ServeCheckFile | None) -> ServeSection | None:
         said = (f"ship {verdict['ship']}" if verdict.get("ship") else "no router named") + f": {verdict.get('reason', '')}"
     trial_id = str(data.get("trial_id", ""))
     return ServeSection(file.path, trial_id=trial_id, scaling=tuple(scaling), routing_title=title,
-                        routers=tuple(routers), verdict=said, router=_router_choice(trial_id, routing))  # fmt: skip
+                        routers=tuple(routers), verdict=said, engines=_engine_notes(routing.get("runs") or []),
+                        router=_router_choice(trial_id, routing))  # fmt: skip
+
+
+def _engine_notes(runs: Sequence[Any]) -> tuple[str, ...]:
+    """How each router after the first came to its engines (``engines_reused``; absent: deployed fresh)."""
+    notes = []
+    for run in runs:
+        reused = run.get("engines_reused") if isinstance(run, Mapping) else None
+        if isinstance(reused, bool):
+            how = "switched to on the same engines" if reused else "on engines Serve restarted (as a fresh deploy)"
+            notes.append(f"{run.get('router', '-')}: {how} in {num_text(run.get('ready_s'))} s, prefix caches reset")
+    return tuple(notes)
 
 
 def _router_choice(trial_id: str, routing: Mapping[str, Any]) -> RouterChoice | None:
