@@ -79,9 +79,10 @@ def test_a_deployment_that_fails_is_one_error_with_its_log_tail_and_is_deleted(l
         assert "broken" not in cluster.applications()
 
 
-def test_the_llm_deployment_is_pinned_to_the_engine_version_and_the_ingress_is_not():
+def test_the_llm_deployment_is_pinned_to_the_engine_version_and_the_ingress_is_not(local_ray):
     """What --routers rests on (a redeploy with only the router changed keeps the LLM replicas; the e2e run on
-    vLLM shows it): Ray Serve LLM's application built, its LLMServer deployment given the version, its ingress none."""
+    vLLM shows it): Ray Serve LLM's application built, its LLMServer deployment given the version, its ingress none.
+    (Building the application starts Ray when none runs: ``local_ray`` stops it, for the tests after this one.)"""
     pytest.importorskip("ray.serve.llm")
     from ray.serve.llm import build_openai_app
 
