@@ -93,7 +93,7 @@ def test_serve_checks_printed_tables_show_the_rows_and_the_verdict():
     from servetune.serve.result import ReplicaRun, ServeCheckResult, scaling_rows
     from servetune.serve.routing import RoutingResult
 
-    routed = [run_of("default", 200, 400), run_of("prefix-aware", 210, 500)]
+    routed = [run_of("default", 200, 400), run_of("prefix-aware", 210, 500).model_copy(update={"engines_reused": False, "ready_s": 80.0})]
     runs = [ReplicaRun(replicas=1, levels=[level(8, 380, 320)])]
     result = ServeCheckResult(
         servetune_version="0", created="now", study="demo", trial_id="t1", picked_level={"concurrency": 8}, model="m",
@@ -107,3 +107,5 @@ def test_serve_checks_printed_tables_show_the_rows_and_the_verdict():
     assert "serve-check: trial t1 through Ray Serve" in text and "6.33" in text and "380.0" in text  # goodput, out tok/s
     assert "prefix-aware" in text and "50%" in text and "1.82" in text and ROUTER_NOTE in " ".join(text.split())
     assert "verdict: ship prefix-aware: prefix-aware reuses more of the prefix cache" in " ".join(text.split())
+    # the caption says as the report does how the second router came to its engines
+    assert "prefix-aware: on engines Serve restarted (as a fresh deploy) in 80.0 s, prefix caches reset" in " ".join(text.split())

@@ -7,8 +7,8 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from servetune.metrics import itl_note
 from servetune.config.slo import Slo
+from servetune.metrics import itl_note
 from servetune.results import LevelResult
 
 

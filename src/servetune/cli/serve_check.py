@@ -286,7 +286,7 @@ def ramp_table(ramp) -> Table:
 
 
 def routing_table(routing) -> Table:
-    from servetune.report.serving import ROUTER_NOTE, num_text, pct_text
+    from servetune.report.serving import ROUTER_NOTE, engine_note, num_text, pct_text
 
     table = Table(title=f"serve-check --routers: {routing.replicas} replicas, workload {routing.workload}, "
                         + ", ".join(f"{k} {v:g}" for k, v in routing.level.items()), title_justify="left")  # fmt: skip
@@ -306,10 +306,9 @@ def routing_table(routing) -> Table:
     v = routing.verdict
     table.caption = ROUTER_NOTE
     for run in routing.runs:
-        if run.engines_reused is not None:
-            how = ("switched on the same engines" if run.engines_reused
-                   else "[red]Serve restarted the engines[/] (fresh engines, as a fresh deploy)")  # fmt: skip
-            table.caption += f"\n{run.router}: {how} in {num_text(run.ready_s)} s, prefix caches reset"
+        note = engine_note(run.router, run.engines_reused, run.ready_s)
+        if note:
+            table.caption += "\n" + (f"[red]{note}[/]" if run.engines_reused is False else note)
     if v is not None:
         table.caption += f"\nverdict: {'ship ' + v.ship if v.ship else 'no router named'}: {v.reason}"
     return table

@@ -106,15 +106,19 @@ def serve_section(file: ServeCheckFile | None) -> ServeSection | None:
                         router=_router_choice(trial_id, routing))  # fmt: skip
 
 
+def engine_note(router: Any, reused: Any, ready_s: Any) -> str | None:
+    """How a router after the first came to its engines (``engines_reused``: True, switched to on the
+    same ones; False, Serve restarted them); None for one deployed fresh (``reused`` None)."""
+    if not isinstance(reused, bool):
+        return None
+    how = "switched to on the same engines" if reused else "on engines Serve restarted (as a fresh deploy)"
+    return f"{router}: {how} in {num_text(ready_s)} s, prefix caches reset"
+
+
 def _engine_notes(runs: Sequence[Any]) -> tuple[str, ...]:
-    """How each router after the first came to its engines (``engines_reused``; absent: deployed fresh)."""
-    notes = []
-    for run in runs:
-        reused = run.get("engines_reused") if isinstance(run, Mapping) else None
-        if isinstance(reused, bool):
-            how = "switched to on the same engines" if reused else "on engines Serve restarted (as a fresh deploy)"
-            notes.append(f"{run.get('router', '-')}: {how} in {num_text(run.get('ready_s'))} s, prefix caches reset")
-    return tuple(notes)
+    notes = (engine_note(run.get("router", "-"), run.get("engines_reused"), run.get("ready_s"))
+             for run in runs if isinstance(run, Mapping))  # fmt: skip
+    return tuple(note for note in notes if note)
 
 
 def _router_choice(trial_id: str, routing: Mapping[str, Any]) -> RouterChoice | None:

@@ -103,11 +103,7 @@ class ServeCluster:
     def engine_replicas(self, name: str, deployment_prefix: str = "LLMServer") -> list[str]:
         """Actor ids of the application's live LLM deployment replicas (each holds one engine): the same
         ids before and after a redeploy mean Serve kept the replicas, a new id is a replica it started."""
-        import ray
-
-        prefix = f"ServeReplica:{name}:{deployment_prefix}"
-        return sorted(str(actor_id) for actor_id, actor in ray._private.state.actors().items()
-                      if actor.get("State") == "ALIVE" and str(actor.get("ActorClassName", "")).startswith(prefix))  # fmt: skip
+        return sorted(actor_id for actor_id, _ in _live_replicas(name, deployment_prefix))
 
     def reset_prefix_caches(self, name: str, deployment_prefix: str = "LLMServer", timeout_s: float = 60.0) -> int:
         """Empty the prefix cache of every replica of the application's LLM deployment (Ray Serve LLM's
@@ -158,13 +154,10 @@ class ServeCluster:
         nothing here."""
         import ray
 
-        # The GCS actor table: ray.util.state would need the dashboard, which serve-check does not start.
-        actors = ray._private.state.actors()
         here = ray.util.get_node_ip_address()
         pids: list[int] = []
-        for actor in actors.values():
-            alive = actor.get("State") == "ALIVE" and (actor.get("Address") or {}).get("IPAddress") == here
-            if alive and str(actor.get("ActorClassName", "")).startswith(f"ServeReplica:{name}:") and actor.get("Pid"):
+        for _, actor in _live_replicas(name):
+            if (actor.get("Address") or {}).get("IPAddress") == here and actor.get("Pid"):
                 pids.append(int(actor["Pid"]))
                 with contextlib.suppress(psutil.Error):
                     pids += [child.pid for child in psutil.Process(actor["Pid"]).children(recursive=True)]
@@ -244,6 +237,17 @@ class ServeCluster:
             with contextlib.suppress(OSError):
                 text += [line for line in path.read_text(errors="replace").splitlines()[-lines:] if line.strip()]
         return "\n".join(text[-lines:])
+
+
+def _live_replicas(name: str, deployment_prefix: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """The application's live replica actors (of the deployments whose names start with
+    ``deployment_prefix``), as (actor id, the GCS actor table's entry)."""
+    import ray
+
+    # The GCS actor table: ray.util.state would need the dashboard, which serve-check does not start.
+    prefix = f"ServeReplica:{name}:{deployment_prefix}"
+    return [(str(actor_id), actor) for actor_id, actor in ray._private.state.actors().items()
+            if actor.get("State") == "ALIVE" and str(actor.get("ActorClassName", "")).startswith(prefix)]  # fmt: skip
 
 
 def _pin_llm_servers(app: Any, version: str) -> None:
