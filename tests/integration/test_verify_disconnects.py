@@ -67,3 +67,10 @@ def test_an_engine_that_cannot_be_read_ends_the_scenario_at_once(tiny_tokenizer)
     took = time.monotonic() - started
     assert not result.passed and "never showed the streams in flight" in result.reason, result.reason
     assert len(result.numbers["rounds"]) == 1 and took < 12, (took, result.numbers["rounds"])  # no retries, no 10 s watch
+
+
+def test_a_stream_never_released_within_the_watch_is_a_leak(tiny_tokenizer):
+    result = run_scenario(FakeOpenAI(ttft_ms=10, itl_ms=5, release_ms=60_000), tiny_tokenizer)
+    (round_,) = result.numbers["rounds"]
+    assert round_["observed"] and round_["fell_back_s"] is None and round_["released_s"] is None, round_
+    assert not result.passed and round_["leaked"] == 2 and "never (2 dropped still held" in result.reason, result.reason
