@@ -175,8 +175,11 @@ def main(argv: list[str] | None = None) -> None:
     args, _ = parser.parse_known_args(argv)  # ignore the engine arguments vLLM would take
     print(f"fake engine starting for model {args.model}", flush=True)
     if args.stubborn_child:
-        code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nwhile True: time.sleep(1)"
-        subprocess.Popen([sys.executable, "-c", code])
+        # Ready only once the child ignores SIGTERM: on a slow host its interpreter can take long
+        # enough to start that a stop would otherwise find it still defenceless.
+        code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\nwhile True: time.sleep(1)"
+        child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        child.stdout.readline()
     if args.child:  # its command line names this server's, so tests can find it
         subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(1)", sys.argv[0]])
     time.sleep(args.startup_delay_s)
