@@ -10,6 +10,7 @@ from typing import Any
 
 from servetune.config.space import MODEL_PARAM, SearchSpace
 from servetune.config.workload import Workload
+from servetune.engine.compile_cache import compile_cache_env
 from servetune.load.runner import Level, workload_levels
 from servetune.quality.probe import QualityPlan
 from servetune.trial.runner import TrialSpec
@@ -52,6 +53,7 @@ class StudyContext:
             # The CPU build runs several ranks when each is bound to its own core.
             cores = cores or sorted(os.sched_getaffinity(0))
             extra_env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in cores[:devices])
+        extra_env.update(compile_cache_env(env))  # the node's trials share vLLM's compile cache, safely
         load = space.load
         return TrialSpec(
             study=space.name, trials_dir=self.trials_dir, params=dict(params), engine_args=engine_args, env=env,

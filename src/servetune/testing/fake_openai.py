@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import signal
@@ -145,6 +146,51 @@ class FakeOpenAI:
             self.slots.release()
 
 
+#: vLLM's engine arguments that shape the compiled graph (its ``VllmConfig.compute_hash``); the
+#: rest (memory fraction, KV-cache size, prefix caching, the port) do not, so engines that differ
+#: only in those share one compiled graph.
+GRAPH_ARGS = (
+    "--model", "--dtype", "--quantization", "--kv-cache-dtype", "--block-size", "--max-model-len",
+    "--tensor-parallel-size", "--pipeline-parallel-size", "--data-parallel-size", "--max-num-seqs",
+    "--max-num-batched-tokens", "--enforce-eager",
+)  # fmt: skip
+
+
+def compile_key(argv: list[str]) -> str:
+    """The compile cache's key for these engine arguments (vLLM's hash, in miniature)."""
+    picked = []
+    for i, arg in enumerate(argv):
+        name, _, value = arg.partition("=")
+        if name in GRAPH_ARGS:
+            if not value and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                value = argv[i + 1]
+            picked.append((name, value))
+    return hashlib.sha256(json.dumps(sorted(picked)).encode()).hexdigest()[:10]
+
+
+def compile_graph(argv: list[str], compile_s: float, hit_s: float) -> None:
+    """``torch.compile`` as vLLM does it on a GPU: ``compile_s`` the first time these arguments'
+    graph is built, ``hit_s`` when ``VLLM_CACHE_ROOT`` already holds it (written atomically, as
+    PyTorch 2.10+ writes its artifacts), with vLLM's log lines."""
+    from servetune.engine.compile_cache import vllm_default_root
+
+    root = Path(os.environ.get("VLLM_CACHE_ROOT") or vllm_default_root(os.environ))
+    graph = root / "torch_compile_cache" / compile_key(argv) / "fake-graph"
+    if graph.exists():
+        time.sleep(hit_s)
+        print(f"INFO [backends.py] Directly load the compiled graph(s) for compile range (1, 8192) from the cache, took {hit_s:.3f} s", flush=True)
+        print(f"INFO [monitor.py] torch.compile took {hit_s:.2f} s in total", flush=True)
+        return
+    print("INFO [monitor.py] Starting torch.compile", flush=True)
+    time.sleep(compile_s)
+    graph.parent.mkdir(parents=True, exist_ok=True)
+    tmp = graph.with_name(f".fake-graph.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(argv))
+    tmp.replace(graph)
+    print(f"INFO [monitor.py] torch.compile took {compile_s:.2f} s in total", flush=True)
+
+
+
 def _env(name: str, default: object) -> object:
     """Flags default to ``SERVETUNE_FAKE_<NAME>`` so a study can vary them as ``env.`` parameters."""
     return os.environ.get(f"SERVETUNE_FAKE_{name}", default)
@@ -170,6 +216,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--child", action="store_true", default=bool(_env("CHILD", "")),
                         help="start a child process, as vLLM starts its engine cores: it outlives a killed server")
     parser.add_argument("--kv-tokens", type=int, default=524288)
+    compile_s = _env("COMPILE_S", None)
+    parser.add_argument("--compile-s", type=float, default=None if compile_s is None else float(compile_s),
+                        help="compile the graph at start-up for this long, unless VLLM_CACHE_ROOT holds it")
+    parser.add_argument("--compile-hit-s", type=float, default=float(_env("COMPILE_HIT_S", 0.0)),
+                        help="the start-up's load from the compile cache when it holds the graph")
     parser.add_argument("--release-ms", type=float, default=float(_env("RELEASE_MS", 0.0)),
                         help="a stream the client closed stays running this long (an engine slow to abort)")
     args, _ = parser.parse_known_args(argv)  # ignore the engine arguments vLLM would take
@@ -183,6 +234,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:  # its command line names this server's, so tests can find it
         subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(1)", sys.argv[0]])
     time.sleep(args.startup_delay_s)
+    if args.compile_s is not None:
+        compile_graph(list(sys.argv[1:] if argv is None else argv), args.compile_s, args.compile_hit_s)
     if args.fail_startup:
         print("ValueError: injected startup failure for the test", flush=True)
         sys.exit(1)

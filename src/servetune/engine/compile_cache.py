@@ -1,0 +1,73 @@
+"""Where a trial's engine keeps vLLM's compile cache: one directory per node, shared by its trials.
+
+On a GPU, ``torch.compile`` is a large part of an engine's start (tens of seconds), and vLLM
+caches what it compiled under ``VLLM_CACHE_ROOT`` (default ``~/.cache/vllm``), keyed by a hash of
+everything that shapes the compiled graph: the model, dtype, quantization, KV-cache dtype, block
+size, parallel sizes, ``max_num_seqs`` and ``max_num_batched_tokens`` (vLLM's
+``VllmConfig.compute_hash``), but not ``gpu_memory_utilization``, the KV-cache size or prefix
+caching. A later trial on the same node whose graph is the same loads it instead of compiling.
+
+Sharing is safe where the writers are on one machine: PyTorch 2.10 and later (vLLM pins newer)
+writes its artifacts atomically. It is not safe where engines on several nodes write one directory
+over a network filesystem: that is how "corrupted compilation artifact" start-up failures came
+about. So a home directory on NFS, Lustre and the like gets a node-local cache instead
+(``<temp dir>/servetune-vllm-cache-<uid>``). A ``VLLM_CACHE_ROOT`` (or
+``VLLM_DISABLE_COMPILE_CACHE``) the user set, in the search space's ``env`` or the worker's
+environment, is left as it is.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import psutil
+
+#: Filesystems whose files other machines see: a directory on one is written by every node.
+NETWORK_FILESYSTEMS = frozenset({
+    "nfs", "nfs4", "cifs", "smbfs", "smb3", "lustre", "gpfs", "beegfs", "cephfs", "ceph", "glusterfs",
+    "fuse.glusterfs", "fuse.sshfs", "fuse.cephfs", "fuse.juicefs", "fuse.gcsfuse", "fuse.s3fs", "fuse.lustre",
+    "9p", "afs", "wekafs", "panfs", "pvfs2", "orangefs", "fuse.weka",
+})  # fmt: skip
+
+USER_SETTINGS = ("VLLM_CACHE_ROOT", "VLLM_DISABLE_COMPILE_CACHE")
+
+
+def vllm_default_root(environ: Mapping[str, str]) -> Path:
+    """Where vLLM keeps its cache when nothing says otherwise (its ``envs.VLLM_CACHE_ROOT``)."""
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "vllm"
+
+
+def filesystem_type(path: Path, partitions: Sequence[tuple[str, str]]) -> str | None:
+    """The type of the filesystem ``path`` is (or would be) on: its longest mount point prefix."""
+    resolved = str(path.resolve())
+    best: tuple[int, str] | None = None
+    for mountpoint, fstype in partitions:
+        inside = resolved == mountpoint or resolved.startswith(mountpoint.rstrip("/") + "/")
+        if inside and (best is None or len(mountpoint) > best[0]):
+            best = (len(mountpoint), fstype)
+    return best[1] if best else None
+
+
+def _partitions() -> list[tuple[str, str]]:
+    return [(p.mountpoint, p.fstype) for p in psutil.disk_partitions(all=True)]
+
+
+def compile_cache_env(
+    env: Mapping[str, str],
+    environ: Mapping[str, str] | None = None,
+    partitions: Callable[[], Sequence[tuple[str, str]]] = _partitions,
+) -> dict[str, str]:
+    """What to add to an engine's environment so that the trials of a node share a compile cache
+    safely: nothing where vLLM's default is node-local or the user chose; a node-local
+    ``VLLM_CACHE_ROOT`` where the default lies on a network filesystem."""
+    environ = os.environ if environ is None else environ
+    if any(name in env or name in environ for name in USER_SETTINGS):
+        return {}
+    default = vllm_default_root(environ)
+    if (filesystem_type(default, partitions()) or "").lower() not in NETWORK_FILESYSTEMS:
+        return {}
+    return {"VLLM_CACHE_ROOT": str(Path(tempfile.gettempdir()) / f"servetune-vllm-cache-{os.getuid()}")}
