@@ -51,6 +51,11 @@ ROOT = Path(__file__).resolve().parent.parent
 #: The probe's cost against a trial's measuring time: bench/README.md, quality_probe.py, the
 #: median cpu-tiny trial (6.6%; 8.7% of the shortest). Measured on the CPU stand-in.
 PROBE_SHARE_OF_MEASURING = 0.066
+#: ``torch.compile``'s part of a GPU start, and what loading it from the compile cache takes
+#: instead: vLLM 0.28 with torch 2.11 on a B200, 4 engines sharing one VLLM_CACHE_ROOT, started
+#: in 63.9 s cold and 30.5 s warm (SkyRL pull request #2138): 33 s of a start is compiling.
+COMPILE_COLD_S = 36.0
+COMPILE_HIT_S = 3.0
 TTFT_MS = (40.0, 100.0)  # an 8B model on one H100: tens of ms plus a ~600-token prefill
 ITL_MS = (10.0, 20.0)
 
@@ -109,8 +114,10 @@ def checkpoint_stand_in(name: str, tiny: Path, out: Path) -> Path:
     return out
 
 
-def draw_paces(points: list[dict], space, scale: float, seed: int) -> list[dict]:
-    """Each point with its own start-up delay (scaled) and token pace."""
+def draw_paces(points: list[dict], space, scale: float, seed: int, cache_root: Path) -> list[dict]:
+    """Each point with its own start-up delay (scaled) and token pace. The start-up's compiling
+    part is the fake engine's: cold, or loaded from the node's compile cache (``cache_root``, as
+    the trials of one node share it) when an earlier trial built the same graph."""
     rng = np.random.default_rng(seed)
     out = []
     for params in points:
@@ -119,7 +126,10 @@ def draw_paces(points: list[dict], space, scale: float, seed: int) -> list[dict]
         startup = STARTUP_MEDIAN_S[devices] * (1.1 if dp > 1 else 1.0) * float(rng.lognormal(0.0, 0.3))
         out.append({
             **params,
-            "env.SERVETUNE_FAKE_STARTUP_DELAY_S": round(startup * scale, 2),
+            "env.SERVETUNE_FAKE_STARTUP_DELAY_S": round(max(startup - COMPILE_COLD_S, 0.0) * scale, 2),
+            "env.SERVETUNE_FAKE_COMPILE_S": round(COMPILE_COLD_S * scale, 2),
+            "env.SERVETUNE_FAKE_COMPILE_HIT_S": round(COMPILE_HIT_S * scale, 2),
+            "env.VLLM_CACHE_ROOT": str(cache_root),
             "env.SERVETUNE_FAKE_TTFT_MS": round(float(rng.uniform(*TTFT_MS)), 1),
             "env.SERVETUNE_FAKE_ITL_MS": round(float(rng.uniform(*ITL_MS)), 1),
         })  # fmt: skip
@@ -174,7 +184,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     space_path = workdir / "space.yaml"
     space_path.write_text(yaml.safe_dump(data, sort_keys=False))
     space = load_space(space_path)
-    points = draw_paces(proposals(space, None), space, args.scale, args.seed)
+    points = draw_paces(proposals(space, None), space, args.scale, args.seed, (workdir / "vllm-cache").resolve())
     study_dir = (workdir / "studies" / space.name).resolve()
     prepare_study_dir(study_dir, space_path, resume=False)
     workload = space.resolved_workload(ROOT)
@@ -194,6 +204,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "changes": changes, "trials_proposed": len(points), "target": TARGET,
         "utilization": utilization(reservations, args.gpus),
         "scaled": time_accounting(done), "real": real_accounting(done, args.scale),
+        "compile_cache_hits": sum(r.startup_phases.get("compile_cache_hit", 0.0) > 0 for r in done),
         "trials": [{"trial_id": r.trial_id, "devices": r.devices, "outcome": r.outcome, "reason": r.reason,
                     "stopped_because": r.stopped_because, "levels_run": len(r.levels), "startup_s": r.startup_s,
                     "duration_s": r.duration_s, "params": dict(r.params)} for r in done],
@@ -218,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     stopped = sum(1 for t in out["trials"] if t["stopped_because"])
     failed = [t for t in out["trials"] if t["outcome"] == "FAILED"]
     print(f"trials: {len(out['trials'])} of {out['trials_proposed']} ran, {len(failed)} FAILED, "
-          f"{stopped} stopped their ladder early; wall {out['wall_s']:.0f} s; GPU-time utilization {out['utilization']:.0%}")
+          f"{stopped} stopped their ladder early; wall {out['wall_s']:.0f} s; GPU-time utilization {out['utilization']:.0%}; "
+          f"compile cache hit in {out['compile_cache_hits']} of {len(out['trials'])} starts")
     print(f"as run (scale {out['scale']}): {scaled['device_seconds'] / 60:.1f} GPU-min, {scaled['measuring_share']:.0%} measuring, "
           f"{scaled['starting_share']:.0%} starting engines, {scaled['other_share']:.0%} the rest")
     print(f"at full size: {real['gpu_minutes']:.1f} GPU-min reserved; {real['measuring_share']:.1%} measuring, "
