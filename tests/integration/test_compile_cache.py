@@ -38,7 +38,7 @@ def test_a_later_trial_with_the_same_graph_loads_it_and_one_with_another_compile
     assert [r.outcome for r in (first, same_graph, other_graph)] == ["COMPLETE"] * 3
     assert first.startup_phases["compile_cache_hit"] == 0.0 and first.startup_phases["compile_s"] == COMPILE_S, first.startup_phases
     assert same_graph.startup_phases["compile_cache_hit"] == 1.0, same_graph.startup_phases
-    assert same_graph.startup_phases["compile_s"] < 1.0 and same_graph.startup_s < first.startup_s, (first.startup_s, same_graph.startup_s)
+    assert same_graph.startup_phases["compile_s"] < 1.0, same_graph.startup_phases  # loaded, not compiled
     assert other_graph.startup_phases["compile_cache_hit"] == 0.0, other_graph.startup_phases  # max_num_seqs shapes the graph
     graphs = list((tmp_path / "cache" / "vllm" / "torch_compile_cache").glob("*/fake-graph"))
     assert len(graphs) == 2, graphs
