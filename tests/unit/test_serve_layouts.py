@@ -282,3 +282,27 @@ def test_export_ships_the_winning_layouts_replicas_and_tp_for_that_trial_only(tm
     study, _ = laid_out_study(tmp_path / "b", trial_id="other")
     text, deployment = exported(study, capsys)
     assert "# Layout" not in text and "tensor_parallel_size" not in text  # measured for another trial
+
+
+def test_a_layout_that_fails_to_deploy_is_recorded_and_the_others_are_still_compared(tmp_path):
+    from servetune.errors import EngineStartError
+    from servetune.report.serving import layout_notes, layout_row
+
+    class TpFails(LayoutCluster):
+        def deploy(self, name, config, timeout_s, engine_version=None):
+            if config["engine_kwargs"].get("tensor_parallel_size") == 2:
+                raise EngineStartError(f"the Serve deployment of {name} failed: ranks", "RuntimeError: no cores")
+            return super().deploy(name, config, timeout_s, engine_version)
+
+    picked = read_picked(tiny_study(tmp_path / "s"), "t1")
+    layouts = Layouts(layouts=[Layout(1, 2), Layout(2, 1), Layout(4, 1)], budget=2, level={"concurrency": 16.0},
+                      measure=lambda url, served, layout: level(16, 900 / layout.replicas, 300))  # fmt: skip
+    result = run_check(picked, [], TpFails(), "app", lambda *a: [], Teardown(pids=set()), layouts=layouts)
+    failed, two, four = result.layouts.runs
+    assert failed.level is None and "failed: ranks" in failed.error and "no cores" in failed.error
+    assert not failed.meets_slo and failed.cost_per_mtok_usd is None and two.level is not None
+    v = result.layouts.verdict
+    assert v.ship == "2x1" and "1x2 failed to deploy" in v.reason
+    dumped = result.layouts.model_dump(mode="json")
+    assert layout_row(dumped["runs"][0])[-1] == "failed" and layout_row(dumped["runs"][0])[4] == "-"
+    assert "1x2: deployment failed: the Serve deployment of app failed: ranks" in layout_notes(dumped)

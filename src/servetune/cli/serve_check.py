@@ -239,7 +239,8 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"wrote {out} and {requests_path}; Serve torn down, {len(teardown.pids)} replica processes gone")
     completed = all(lv.summary.completed for run in result.runs for lv in run.levels)
     completed = completed and all(run.level.summary.completed for run in (result.routing.runs if result.routing else []))
-    completed = completed and all(run.level.summary.completed for run in (result.layouts.runs if result.layouts else []))
+    completed = completed and all(run.level is not None and run.level.summary.completed
+                                  for run in (result.layouts.runs if result.layouts else []))  # fmt: skip
     return 0 if completed and not (result.ramp is not None and result.ramp.traffic_before_ready) else 1
 
 

@@ -138,13 +138,13 @@ def layout_row(run: Mapping[str, Any]) -> tuple[str, ...]:
     summary = level.get("summary") or {}
     ttft, tpot = summary.get("ttft_ms") or {}, summary.get("tpot_ms") or {}
     served = sorted((run.get("requests_per_replica") or {}).values(), reverse=True)
-    met = not level.get("slo_violations") and not summary.get("failed") if level else None
+    met = (not level.get("slo_violations") and not summary.get("failed")) if level else None
     return (str(run.get("layout", "-")), str(run.get("devices", "-")), str(run.get("replicas", "-")),
             str(run.get("tensor_parallel_size", "-")), num_text(summary.get("output_throughput")),
             num_text(summary.get("goodput"), 2), num_text(ttft.get("p50")), num_text(ttft.get("p99")),
             num_text(tpot.get("p50")), num_text(tpot.get("p99")), num_text(run.get("cost_per_hour_usd"), 2),
             num_text(run.get("cost_per_mtok_usd"), 2), ", ".join(str(n) for n in served) or "-",
-            {True: "met", False: "broken"}.get(met, "-"))  # fmt: skip
+            {True: "met", False: "broken"}.get(met, "failed" if run.get("error") else "-"))  # fmt: skip
 
 
 def layout_notes(laid: Mapping[str, Any]) -> tuple[str, ...]:
@@ -153,6 +153,8 @@ def layout_notes(laid: Mapping[str, Any]) -> tuple[str, ...]:
     notes = [f"every layout offered {_level(laid.get('level'))} (the picked level scaled to the budget); latencies in ms; "
              f"$: devices x ${num_text(laid.get('price_per_device_hour'), 2)} per device-hour"]  # fmt: skip
     notes += [f"left out: {why}" for why in laid.get("skipped") or []]
+    notes += [f"{run.get('layout')}: deployment failed: {str(run.get('error')).splitlines()[0]}"
+              for run in laid.get("runs") or [] if isinstance(run, Mapping) and run.get("error")]  # fmt: skip
     notes += [f"{run.get('layout')}: measured on the engines already running (the routers'), prefix caches reset"
               for run in laid.get("runs") or [] if isinstance(run, Mapping) and run.get("engines_reused")]  # fmt: skip
     verdict = laid.get("verdict")

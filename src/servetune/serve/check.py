@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from servetune import __version__
-from servetune.errors import UserError
+from servetune.errors import EngineStartError, UserError
 from servetune.results import LevelResult
 from servetune.secrets import redact_env
 from servetune.serve.layouts import (
@@ -217,7 +217,8 @@ def compare_layouts(
     level. A layout whose engines are the ones running (version ``running``, e.g. the routers' replicas)
     goes first and is deployed in place: Serve keeps its engines, their prefix caches are reset. Any
     other is deployed fresh (the application deleted first), so no layout inherits a warm cache and no
-    rollout waits for the devices the previous layout still holds."""
+    rollout waits for the devices the previous layout still holds. A layout whose deployment fails is
+    recorded with Serve's message and its replicas' log tail, and the next one is deployed."""
     point = picked.point
     pp = point_pp(point)
     configs = {layout: llm_config(layout_point(point, layout, spec.cores), layout.replicas) for layout in spec.layouts}
@@ -230,7 +231,13 @@ def compare_layouts(
         if version != running:
             teardown.pids.update(cluster.replica_pids(name))
             cluster.delete(name)
-        ready_s = cluster.deploy(name, config, picked.space.load.startup_timeout_s, version)
+        try:
+            ready_s = cluster.deploy(name, config, picked.space.load.startup_timeout_s, version)
+        except EngineStartError as exc:  # a layout that does not deploy is data: the others are still compared
+            teardown.pids.update(cluster.replica_pids(name))
+            running = None  # the failed application was deleted
+            runs.append(layout_run(layout, pp, None, picked.space.price_per_device_hour, error=str(exc)))
+            continue
         running = version
         teardown.pids.update(cluster.replica_pids(name))
         reused = bool(engines) and cluster.engine_replicas(name) == engines

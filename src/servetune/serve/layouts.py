@@ -152,27 +152,29 @@ class LayoutRun(BaseModel):
     devices: int
     ready_s: float | None = None
     engines_reused: bool | None = None  # True: Serve kept the engines of the deployment before (same engine config)
-    level: LevelResult
+    level: LevelResult | None = None  # None: the layout's deployment failed (``error`` says how)
+    error: str | None = None
     requests_per_replica: dict[str, int] = {}
     cost_per_hour_usd: float | None = None  # devices x the study's price per device-hour
     cost_per_mtok_usd: float | None = None  # None without a price or without output
 
     @property
     def meets_slo(self) -> bool:
-        return self.level.meets_slo and not self.level.summary.failed
+        return self.level is not None and self.level.meets_slo and not self.level.summary.failed
 
     @property
     def device_hours_per_mtok(self) -> float | None:
         """Device-hours per 1M output tokens: the cost without a price (the verdict ranks by it)."""
-        throughput = self.level.summary.output_throughput
+        throughput = self.level.summary.output_throughput if self.level is not None else 0.0
         return self.devices / (throughput * 3600.0) * 1e6 if throughput > 0 else None
 
 
 def layout_run(
-    layout: Layout, pp: int, level: LevelResult, price_per_device_hour: float | None, **measured: Any
+    layout: Layout, pp: int, level: LevelResult | None, price_per_device_hour: float | None, **measured: Any
 ) -> LayoutRun:  # fmt: skip
+    """One layout's record; ``level`` None for a layout whose deployment failed (``error=`` says how)."""
     devices = layout.devices(pp)
-    throughput = level.summary.output_throughput
+    throughput = level.summary.output_throughput if level is not None else 0.0
     priced = price_per_device_hour is not None and price_per_device_hour > 0
     return LayoutRun(
         layout=str(layout), replicas=layout.replicas, tensor_parallel_size=layout.tp, devices=devices, level=level,
@@ -220,12 +222,14 @@ def layout_verdict(runs: Sequence[LayoutRun]) -> LayoutVerdict | None:
     """
     if len(runs) < 2:
         return None
-    margin = max(noise_margin(run.level) for run in runs)
+    margin = max([noise_margin(run.level) for run in runs if run.level is not None], default=None)
     ok = [run for run in runs if run.meets_slo and run.device_hours_per_mtok is not None]
-    broken = [run.layout for run in runs if run not in ok]
+    broken = [run.layout for run in runs if run not in ok and run.level is not None]
+    failed = [run.layout for run in runs if run.level is None]
     broke = f"; {', '.join(broken)} broke the SLO" if broken else ""
+    broke += f"; {', '.join(failed)} failed to deploy" if failed else ""
     if not ok:
-        return LayoutVerdict(ship=None, reason="no layout met the SLO at this load", margin=margin)
+        return LayoutVerdict(ship=None, reason=f"no layout met the SLO at this load{broke}", margin=margin)
     cheapest = min(ok, key=lambda r: r.device_hours_per_mtok)
     best = cheapest.device_hours_per_mtok
     tied = [run for run in ok if run.device_hours_per_mtok <= best * (1 + margin)]
