@@ -8,7 +8,10 @@ deploys the derived autoscaling (1-2 replicas, delays x 0.05) and offers 8, 24 a
 second replica must start, be RUNNING before it serves, and take traffic. Then --routers deploys two
 replicas afresh with Serve's default router and switches them, engines kept and prefix caches reset,
 to Ray Serve LLM's prefix-aware one, each offered a RAG-like workload scaled to the tiny model (most
-prompts start with one shared prefix).
+prompts start with one shared prefix). Last, --layouts compares a two-core budget laid out as 2x1 (the
+routers' two replicas, switched back to Serve's default router, prefix caches reset) and 1x2 (one
+replica with TP=2, its ranks bound to the two cores, deployed fresh), both at concurrency 16 (the
+picked level, 8 on one core, scaled to two).
 """
 
 import json
@@ -65,13 +68,14 @@ def servetune(*argv, timeout=600):
     return subprocess.run([sys.executable, "-m", "servetune", *map(str, argv)], capture_output=True, text=True, timeout=timeout)
 
 
-def test_one_replica_takes_traffic_a_ramp_scales_out_to_two_routers_compared_and_all_are_torn_down(tiny_model, tmp_path):
+def test_one_replica_a_ramp_to_two_routers_and_layouts_compared_and_all_are_torn_down(tiny_model, tmp_path):
     study = one_trial_study(tmp_path / "study", tiny_model)
     (tmp_path / "rag-tiny.yaml").write_text(RAG_TINY)
     # One fixed replica, then the ramp in place of a fixed two-replica run: it scales out to two.
     done = servetune("serve-check", study, "--pick", TRIAL, "--replicas", "1", "--ramp", "--ramp-max-replicas", "2",
                      "--ramp-hold", "8", "--delay-scale", "0.05", "--routers", "default,prefix-aware",
-                     "--routing-replicas", "2", "--workload", tmp_path / "rag-tiny.yaml", timeout=1200)  # fmt: skip
+                     "--routing-replicas", "2", "--workload", tmp_path / "rag-tiny.yaml", "--layouts", "2x1,1x2",
+                     timeout=1500)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
     result = ServeCheckResult.model_validate_json((study / "serve-check.json").read_text())
     (one,) = result.runs
@@ -129,3 +133,21 @@ def test_one_replica_takes_traffic_a_ramp_scales_out_to_two_routers_compared_and
     assert routing.verdict is not None and "verdict:" in done.stdout and "hit rate" in done.stdout
     sent = [json.loads(line) for line in (study / "serve-check.requests.jsonl").read_text().splitlines()]
     assert [sum(r.get("router") == name for r in sent) for name in ("default", "prefix-aware")] == [24, 24]
+    # The layouts: two cores as 2x1 and 1x2, at the same offered load, each served, a verdict naming one.
+    laid = result.layouts
+    assert laid is not None and laid.budget == 2 and laid.level == {"concurrency": 16.0}
+    small, big = laid.runs
+    assert (small.layout, small.replicas, small.tensor_parallel_size) == ("2x1", 2, 1)
+    assert (big.layout, big.replicas, big.tensor_parallel_size, big.devices) == ("1x2", 1, 2, 2)
+    for run in laid.runs:
+        s = run.level.summary
+        assert s.level == {"concurrency": 16.0} and s.completed == 24 and s.failed == 0, run.layout
+        assert sum(run.requests_per_replica.values()) >= 24, run.requests_per_replica  # Serve's counter, warm-up too
+        assert s.output_throughput > 0 and run.cost_per_mtok_usd is not None and run.cost_per_hour_usd is not None
+    assert len(small.requests_per_replica) == 2 and len(big.requests_per_replica) == 1
+    # 2x1 is the routers' engines, switched back to the default router; 1x2 a fresh deployment.
+    assert small.engines_reused is True and big.engines_reused is False and big.ready_s > small.ready_s
+    assert laid.verdict is not None and laid.verdict.ship in ("2x1", "1x2"), laid.verdict
+    assert "serve-check --layouts" in done.stdout and "verdict: ship" in " ".join(done.stdout.split())
+    sent_small, sent_big = (sum(r.get("layout") == name for r in sent) for name in ("2x1", "1x2"))
+    assert sent_small == sent_big >= 24  # the same plan (warm-up and 24 measured) offered to both

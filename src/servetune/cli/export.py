@@ -71,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
         text = vllm_command(point)
     elif args.format == "ray-serve":
         router = report.serve_check.router if report.serve_check is not None else None
-        text = ray_serve_yaml(point, args.accelerator_type, autoscaling_for(report, point, args.peak), router)
+        layout = report.serve_check.layout if report.serve_check is not None else None
+        text = ray_serve_yaml(point, args.accelerator_type, autoscaling_for(report, point, args.peak), router, layout)
     else:
         text = point_json(report, point)
     sys.stdout.write(text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import signal
 import types
@@ -45,6 +46,23 @@ goodput and TTFT P50/P99, and a verdict: which router to ship, named only when t
 beyond max(20 ms, 15%), goodput drops by more than 10%, or the hit rate rises by 5 points or more
 at no latency cost.
 
+--layouts 2x1,1x2 (REPLICASxTP) compares layouts of one device budget, many small replicas against
+fewer with tensor parallelism (checklist section 11); --budget D compares every REPLICASxTP that
+fills D devices with TP a power of two, leaving out (and naming) those the model's heads do not
+split into. Each layout is the picked configuration with its TP replaced, each replica a placement
+group of its TP devices (on the CPU build one core per rank, bound with VLLM_CPU_OMP_THREADS_BIND).
+Every layout is offered the same load: the picked point's level scaled from the devices it was
+measured on to the budget (concurrency 8 on 1 device -> 16 on 2), with the study's warm-up and
+requests. Per layout: devices, replicas, TP, throughput, goodput, TTFT/TPOT P50/P99, SLO, cost
+(devices x the study's price per device-hour, and per 1M output tokens), and a verdict naming the
+layout that meets the SLO at the lowest cost per 1M output tokens; costs within the noise margin
+(10%, or the spread of the study's repeats) count as a tie, won by the simpler layout (fewer
+replicas, then less TP), and the verdict says so. A layout the model or the budget cannot take, or
+one that needs more devices than the cluster has, is refused before anything is deployed. Layouts
+run last; one of the engines already running (the routers') is measured on them, prefix caches
+reset; every other layout is deployed fresh. With --layouts or --budget and no --replicas, no
+replica counts are measured.
+
 Without --address a local Ray is started, declaring the CPUs the replicas and the ingress need,
 with Serve's HTTP proxy on 127.0.0.1 at a free port; it is shut down at the end. With --address
 only the application serve-check deployed is deleted at the end. Either way serve-check proves,
@@ -62,7 +80,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("study_dir", type=Path, metavar="STUDY_DIR", help="the study directory (servetune-results/<study>)")
     p.add_argument("--pick", default="best", metavar="best|N|TRIAL_ID", help="which operating point, as `servetune export --pick` (default: best)")
-    p.add_argument("--replicas", default="1,2", metavar="N,M", help="replica counts to measure, e.g. 1,2,4 (default: 1,2)")
+    p.add_argument("--replicas", default=None, metavar="N,M", help="replica counts to measure, e.g. 1,2,4 (default: 1,2; "
+                   "none with --layouts or --budget)")
     p.add_argument("--address", metavar="ADDR", help="a running Ray cluster (e.g. auto, or ray://head:10001); default: start a local Ray")
     p.add_argument("--app-name", default=None, metavar="NAME", help="the Serve application's name (default: servetune-serve-check)")
     p.add_argument("--replace", action="store_true", help="replace a Serve application of the same name that is already running")
@@ -77,6 +96,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--routing-replicas", type=int, metavar="N", help="replicas for --routers (at least 2; default: the largest of --replicas)")
     p.add_argument("--workload", metavar="NAME|FILE", help="the shared-prefix workload for --routers: a shipped workload or a "
                    "workload file (default: rag)")
+    p.add_argument("--layouts", metavar="RxT,...", help="layouts of one device budget to compare, REPLICASxTP, e.g. 2x1,1x2 "
+                   "(each uses the same devices)")
+    p.add_argument("--budget", type=int, metavar="D", help="a device budget: compare every REPLICASxTP that uses D devices "
+                   "(TP a power of two the model splits into); with --layouts, each layout must use D")
     p.set_defaults(run=run)
 
 
@@ -97,17 +120,24 @@ def run(args: argparse.Namespace) -> int:
     # The 1x phase must outlast Serve's counter's lag, so the replica serving before the ramp is known as old.
     if args.ramp_hold < 5 or not 0 < args.delay_scale <= 1 or (args.ramp_max_replicas or 1) < 1:
         raise UserError("--ramp-hold needs 5 s or more, --delay-scale a factor in (0, 1], --ramp-max-replicas 1 or more")
-    replicas = parse_replicas(args.replicas)
+    layouts_asked = bool(args.layouts) or args.budget is not None
+    replicas = parse_replicas(args.replicas) if args.replicas is not None else ([] if layouts_asked else [1, 2])
+    if args.ramp and not replicas:
+        raise UserError("--ramp runs after the first replica count: give --replicas N with --layouts or --budget")
     picked = read_picked(args.study_dir, args.pick)
     name = args.app_name or APP_NAME
     derived = ramp_autoscaling(args, picked) if args.ramp else None
     routing_workload, routers, routing_replicas = routing_args(args, replicas, picked.point.engine_args)
-    need = check_before_start(picked, replicas, args.address)
+    need = check_before_start(picked, replicas, args.address) if replicas else None
     if derived is not None and derived.max_replicas > max(replicas):
         asked = f"--ramp (scaling up to {derived.max_replicas} replicas; --ramp-max-replicas sets the most)"
         need = check_before_start(picked, [derived.max_replicas], args.address, asked)
-    if routers and routing_replicas > need.replicas:
+    if routers and (need is None or routing_replicas > need.replicas):
         need = check_before_start(picked, [routing_replicas], args.address, f"--routers at {routing_replicas} replicas")
+    laid = layout_args(args, picked, console) if layouts_asked else None
+    needed = [need] if need is not None else []
+    needed += laid.needs if laid is not None else []
+    need = max(needed, key=lambda n: n.cpus)
     model = picked.point.model
     if args.address is None and not Path(model).exists() and model.startswith(("/", ".")):
         raise UserError(f"the trial's model {model} is not on this machine")
@@ -149,6 +179,25 @@ def run(args: argparse.Namespace) -> int:
 
         routing = Routing(routers=routers, replicas=routing_replicas, workload=routing_workload.name, measure=measure_router)
 
+    layouts = None
+    if laid is not None:
+        from servetune.serve.check import Layouts
+
+        lp_load = picked.space.load
+        layout_plan = LevelPlan.sized(laid.level, lp_load.requests_per_level, lp_load.seconds_per_level, lp_load.warmup_requests)
+
+        def measure_layout(url: str, served: str, layout):
+            holder = types.SimpleNamespace(levels=[])
+            console.print(f"[bold]layout {layout}[/]: {layout.replicas} replica{'s' if layout.replicas > 1 else ''} "
+                          f"of TP {layout.tp}, {laid.level}")  # fmt: skip
+            sent: list[dict] = []
+            run_levels(console, url, served, picked.workload, prompts, [layout_plan], picked.slo, measure_args, holder, sent)
+            records.extend({**r, "layout": str(layout)} for r in sent)  # serve-check.requests.jsonl says which layout
+            return holder.levels[0]
+
+        layouts = Layouts(layouts=laid.layouts, budget=laid.budget, level=laid.level.as_dict(), measure=measure_layout,
+                          skipped=laid.skipped, cores=laid.cores)  # fmt: skip
+
     teardown = Teardown(pids=set())
     where = args.address or "the local Ray"
     with console.status(f"starting Ray and Serve ({where})"):
@@ -157,12 +206,13 @@ def run(args: argparse.Namespace) -> int:
     owned = False  # the application is serve-check's to delete only once it did not refuse someone else's
     try:
         refuse_running(cluster, name, args.replace)
-        check_cluster_fits(cluster, need, f"the Ray cluster at {args.address}" if args.address else "the local Ray")
+        for each in needed:
+            check_cluster_fits(cluster, each, f"the Ray cluster at {args.address}" if args.address else "the local Ray")
         owned = True
         result = run_check(
             picked, replicas, cluster, name, measure, teardown, address=args.address,
             on_ready=lambda n, s: console.print(f"{n} replica{'s' if n > 1 else ''} RUNNING after {s:.0f} s"), ramp=ramp,
-            routing=routing,
+            routing=routing, layouts=layouts,
         )  # fmt: skip
     finally:
         with console.status(f"deleting the Serve application {name}"):
@@ -184,10 +234,63 @@ def run(args: argparse.Namespace) -> int:
         make_console().print(ramp_table(result.ramp))
     if result.routing is not None:
         make_console().print(routing_table(result.routing))
+    if result.layouts is not None:
+        make_console().print(layouts_table(result.layouts))
     console.print(f"wrote {out} and {requests_path}; Serve torn down, {len(teardown.pids)} replica processes gone")
     completed = all(lv.summary.completed for run in result.runs for lv in run.levels)
     completed = completed and all(run.level.summary.completed for run in (result.routing.runs if result.routing else []))
+    completed = completed and all(run.level is not None and run.level.summary.completed
+                                  for run in (result.layouts.runs if result.layouts else []))  # fmt: skip
     return 0 if completed and not (result.ramp is not None and result.ramp.traffic_before_ready) else 1
+
+
+@dataclasses.dataclass
+class LayoutArgs:
+    layouts: list
+    budget: int
+    level: object  # the load every layout is offered (load.runner.Level)
+    skipped: list[str]
+    cores: list[int]
+    needs: list  # serve.plan.Needs of each layout
+
+
+def layout_args(args, picked, console) -> LayoutArgs:
+    """--layouts and --budget, checked before Ray starts: the layouts to deploy (refusing one the model
+    does not split into, one off the budget, one this machine cannot hold) and the load they are offered."""
+    import os
+
+    from servetune.errors import UserError
+    from servetune.serve.check import local_devices
+    from servetune.serve.layouts import budget_layouts, budget_level, check_layouts, layout_point, model_fits, parse_layouts, point_pp
+    from servetune.serve.plan import check_fits, llm_config, needs
+
+    point = picked.point
+    pp = point_pp(point)
+    fits, note = model_fits(point)
+    if args.layouts:
+        given = parse_layouts(args.layouts)
+        off = [layout for layout in given if args.budget is not None and layout.devices(pp) != args.budget]
+        if off:
+            raise UserError(f"--layouts {off[0]} uses {off[0].devices(pp)} devices (replicas x TP x PP {pp}), "
+                            f"not --budget {args.budget}: nothing was deployed")  # fmt: skip
+        layouts, skipped = check_layouts(given, pp, fits)
+    else:
+        layouts, skipped = check_layouts(budget_layouts(args.budget, pp), pp, fits, args.budget)
+    budget = layouts[0].devices(pp)
+    cores = sorted(os.sched_getaffinity(0)) if args.address is None and point.device == "cpu" else []
+    found = []
+    for layout in layouts:
+        lp = layout_point(point, layout, cores)
+        asked = f"--layouts {layout}" if args.layouts else f"--budget {budget} (layout {layout})"
+        need = dataclasses.replace(needs(lp, llm_config(lp, 1), layout.replicas), asked_by=asked)
+        devices = local_devices(need) if args.address is None else None
+        if devices is not None:
+            check_fits(need, devices, need.cpus, "this machine")
+        found.append(need)
+    if note:
+        console.print(f"[yellow]{note}[/]")
+    level = next((p.level for p in picked.plans if p.level.as_dict() == dict(point.level)), picked.plans[0].level)
+    return LayoutArgs(layouts, budget, budget_level(level, point.devices, budget), skipped, cores, found)
 
 
 def routing_args(args, replicas: list[int], engine_args: dict):
@@ -202,7 +305,7 @@ def routing_args(args, replicas: list[int], engine_args: dict):
             raise UserError("--routing-replicas and --workload go with --routers")
         return None, [], 0
     routers = parse_routers(args.routers)
-    count = args.routing_replicas if args.routing_replicas is not None else max(replicas)
+    count = args.routing_replicas if args.routing_replicas is not None else max(replicas, default=2)
     if count < 2:
         raise UserError(f"--routers compares how requests are spread over replicas: it needs 2 or more, got {count} "
                         "(--routing-replicas N, or a count of 2 or more in --replicas)")  # fmt: skip
@@ -336,4 +439,20 @@ def scaling_table(result) -> Table:
                      "Serve minus bare; scaling eff.: tok/s at N / (N x tok/s at 1)")  # fmt: skip
     if served:
         table.caption += "\nrequests per replica (replicas: counts): " + "; ".join(served)
+    return table
+
+
+def layouts_table(laid) -> Table:
+    from servetune.report.serving import LAYOUT_HEADINGS, layout_notes, layout_row
+
+    unit = "GPUs" if laid.device == "GPU" else "CPU cores"
+    table = Table(title=f"serve-check --layouts: {laid.budget} {unit} each, "
+                        + ", ".join(f"{k} {v:g}" for k, v in laid.level.items()), title_justify="left")  # fmt: skip
+    for col in LAYOUT_HEADINGS:
+        table.add_column(col, justify="right")
+    for run in laid.runs:
+        row = list(layout_row(run.model_dump(mode="json")))
+        row[-1] = "[green]met[/]" if row[-1] == "met" else "[red]broken[/]" if row[-1] == "broken" else row[-1]
+        table.add_row(*row)
+    table.caption = "\n".join(layout_notes(laid.model_dump(mode="json")))
     return table

@@ -7,6 +7,7 @@ TTFT Pareto table, cheapest first, as the Markdown and HTML reports number it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shlex
@@ -21,7 +22,7 @@ from servetune.metrics import GOODPUT, REQUEST_THROUGHPUT
 from servetune.report.autoscale import Autoscaling, derive_autoscaling
 from servetune.report.build import StudyReport
 from servetune.report.points import ReportPoint, first_line, level_label
-from servetune.report.serving import RouterChoice
+from servetune.report.serving import LayoutChoice, RouterChoice
 from servetune.secrets import MASK, redact_engine_args, redact_env
 
 
@@ -158,17 +159,48 @@ def ray_serve_app(
     return {"applications": [{"name": app_name, "route_prefix": "/", "import_path": import_path, "args": args}]}
 
 
+#: The environment variable that binds the CPU build's ranks to cores (ranks separated by ``|``).
+CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def with_tp(point: ReportPoint, tp: int, cores: Any = ()) -> ReportPoint:
+    """``point`` with tensor parallelism ``tp`` in place of its own (unchanged when it is its own). On
+    the CPU build, more than one rank needs each bound to its own core (``VLLM_CPU_OMP_THREADS_BIND``:
+    the first ranks of ``cores``, else cores 0, 1, ...)."""
+    if tp == int(point.engine_args.get("tensor_parallel_size") or 1):
+        return point
+    engine_args = {k: v for k, v in point.engine_args.items() if k != "tensor_parallel_size"}
+    engine_args["tensor_parallel_size"] = tp
+    ranks = tp * int(engine_args.get("pipeline_parallel_size") or 1)
+    env = {k: v for k, v in point.env.items() if k != CPU_BIND}
+    if point.device == "cpu" and ranks > 1:
+        env[CPU_BIND] = "|".join(str(c) for c in (list(cores) or range(ranks))[:ranks])
+    return dataclasses.replace(point, engine_args=engine_args, env=env)
+
+
 def ray_serve_yaml(
     point: ReportPoint, accelerator_type: str | None = None, autoscaling: Autoscaling | str | None = None,
-    router: RouterChoice | None = None,
+    router: RouterChoice | None = None, layout: LayoutChoice | None = None,
 ) -> str:  # fmt: skip
     """The ``serve run`` YAML; ``autoscaling`` is the derived settings (their reasons become
     comments) or, as a string, why none could be derived (the replicas stay fixed); ``router``
-    is what ``serve-check --routers`` measured for this point's trial (ignored for another)."""
+    is what ``serve-check --routers`` measured for this point's trial (ignored for another);
+    ``layout`` the replicas x TP ``serve-check --layouts`` named for it (ignored for another): shipped
+    as fixed replicas of that TP, in place of the derived autoscaling (derived for the trial's own TP
+    at its own load)."""
     header = (
         f"# Ray Serve LLM application (servetune trial {point.trial_id}, measured at {level_label(point.level)}).\n"
         "# Deploy: serve run this.yaml\n"
     )
+    if layout is not None and layout.trial_id != point.trial_id:
+        layout = None
+    if layout is not None:
+        point = with_tp(point, layout.tp)
+        header += (f"# Layout: {layout.replicas} replica(s) of TP {layout.tp}, named by serve-check at "
+                   f"{level_label(layout.level)}: {layout.reason}\n")  # fmt: skip
+        if autoscaling is not None and not isinstance(autoscaling, str):
+            header += "# Fixed replicas (the layout measured); the autoscaling derived for the trial is not applied.\n"
+        autoscaling = None
     if isinstance(autoscaling, str):
         header += f"# Fixed replicas, no autoscaling derived: {autoscaling}\n"
         autoscaling = None
@@ -185,6 +217,13 @@ def ray_serve_yaml(
             router_class = router.router_class
             header += f"# Router: {router.name}, measured by serve-check: {router.reason}\n"
     app = ray_serve_app(point, accelerator_type, autoscaling=autoscaling, router_class=router_class)
+    if layout is not None:
+        args = app["applications"][0]["args"]
+        for config in args.get("llm_configs") or [args.get("llm_config")]:
+            fixed = {"min_replicas": layout.replicas, "max_replicas": layout.replicas}
+            if layout.level.get("concurrency"):
+                fixed["target_ongoing_requests"] = max(1, round(layout.level["concurrency"] / layout.replicas))
+            config["deployment_config"]["autoscaling_config"] = fixed
     body = yaml.safe_dump(app, sort_keys=False, default_flow_style=False)
     if f"'{MASK}'" in body:
         header += f"# {MASK} marks a secret servetune does not print: put the real value there.\n"

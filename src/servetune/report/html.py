@@ -41,7 +41,7 @@ from servetune.report.points import ReportPoint, level_label
 from servetune.report.recommend import describe
 from servetune.report.quality import QUALITY_NOTE, quality_cells, quality_headings, rule_summary, suite_names
 from servetune.report.trials import TrialRow
-from servetune.report.serving import ROUTER_HEADINGS, ROUTER_NOTE, SCALING_HEADINGS, ServeSection
+from servetune.report.serving import LAYOUT_HEADINGS, ROUTER_HEADINGS, ROUTER_NOTE, SCALING_HEADINGS, ServeSection
 from servetune.report.verification import Verification
 
 
@@ -308,6 +308,9 @@ def serve_check_html(section: ServeSection) -> str:
             parts.append("<ul>" + "".join(f"<li>{e(note)}</li>" for note in section.engines) + "</ul>")
         if section.verdict:
             parts.append(f"<p><b>Verdict:</b> {e(section.verdict)}</p>")
+    if section.layouts:
+        parts += [f"<h3>Layouts: {e(section.layouts_title)}</h3>", table(LAYOUT_HEADINGS, section.layouts)]
+        parts.append("<ul>" + "".join(f"<li>{e(note)}</li>" for note in section.layout_notes) + "</ul>")
     return "\n".join(parts)
 
 

@@ -20,7 +20,7 @@ from servetune.report.points import config_label, level_label
 from servetune.report.recommend import describe
 from servetune.report.quality import QUALITY_NOTE, quality_cells, quality_headings, rule_summary, suite_names
 from servetune.report.trials import TrialRow
-from servetune.report.serving import ROUTER_HEADINGS, ROUTER_NOTE, SCALING_HEADINGS, ServeSection
+from servetune.report.serving import LAYOUT_HEADINGS, ROUTER_HEADINGS, ROUTER_NOTE, SCALING_HEADINGS, ServeSection
 from servetune.report.verification import Verification
 
 
@@ -191,6 +191,10 @@ def serve_check_section(section: ServeSection | None) -> list[str]:
         lines += [f"- {note}" for note in section.engines] + ([""] if section.engines else [])
         if section.verdict:
             lines += [f"**Verdict: {section.verdict}**", ""]
+    if section.layouts:
+        lines += [f"### Layouts: {section.layouts_title}", ""]
+        lines += _table(LAYOUT_HEADINGS, section.layouts)
+        lines += [""] + [f"- {note}" for note in section.layout_notes] + [""]
     return lines
 
 

@@ -1,7 +1,8 @@
 """The report's "Ray Serve" section as plain data: what ``servetune serve-check`` measured
-(``STUDY_DIR/serve-check.json``): a row per replica count and level (scaling), and with
+(``STUDY_DIR/serve-check.json``): a row per replica count and level (scaling), with
 ``--routers`` a row per router (requests, tokens served, prefix-cache hit rate, load imbalance,
-goodput, TTFT) with the verdict.
+goodput, TTFT) with the verdict, and with ``--layouts``/``--budget`` a row per layout (devices,
+replicas, TP, throughput, latency, cost) with the verdict.
 
 The file is read as JSON, not through ``serve/`` (which builds on ``report/``): every key is
 optional, and a missing one shows as "-". :func:`read_serve_check_file` is the only I/O here,
@@ -35,6 +36,10 @@ class ServeSection:
     verdict: str = ""
     engines: tuple[str, ...] = ()  # per router after the first: on the same engines, or Serve restarted them
     router: RouterChoice | None = None  # what `export --format ray-serve` ships, when routers were compared
+    layouts_title: str = ""  # "2 CPU cores each, concurrency 16"
+    layouts: tuple[tuple[str, ...], ...] = ()  # LAYOUT_HEADINGS
+    layout_notes: tuple[str, ...] = ()  # the offered load, layouts left out, the verdict
+    layout: LayoutChoice | None = None  # what `export --format ray-serve` ships, when layouts were compared
 
 
 @dataclass(frozen=True)
@@ -48,9 +53,23 @@ class RouterChoice:
     reason: str
 
 
+@dataclass(frozen=True)
+class LayoutChoice:
+    """The layout serve-check named for ``trial_id``: ``replicas`` x ``tp`` at the offered ``level``
+    (``{"concurrency": 16}``), and why."""
+
+    trial_id: str
+    replicas: int
+    tp: int
+    level: dict[str, float]
+    reason: str
+
+
 SCALING_HEADINGS = ("replicas", "level", "goodput", "out tok/s", "TTFT p50", "TTFT p99", "router TTFT p50", "scaling eff.", "SLO")
 ROUTER_HEADINGS = ("router", "requests", "tokens served", "hit rate", "replicas' hit rates", "imbalance", "goodput",
                    "TTFT p50", "TTFT p99")  # fmt: skip
+LAYOUT_HEADINGS = ("layout", "devices", "replicas", "TP", "out tok/s", "goodput", "TTFT p50", "TTFT p99", "TPOT p50",
+                   "TPOT p99", "$/hour", "$/1M out tok", "requests per replica", "SLO")  # fmt: skip
 #: What the routers table's numbers mean, under it in the Markdown summary and the HTML page.
 ROUTER_NOTE = "hit rate: prefix-cache hits over queries, in tokens; imbalance: max over mean of tokens served across the replicas; latencies in ms"
 
@@ -101,9 +120,63 @@ def serve_section(file: ServeCheckFile | None) -> ServeSection | None:
     if verdict:
         said = (f"ship {verdict['ship']}" if verdict.get("ship") else "no router named") + f": {verdict.get('reason', '')}"
     trial_id = str(data.get("trial_id", ""))
+    laid = data.get("layouts") if isinstance(data.get("layouts"), Mapping) else {}
+    laid_title = ""
+    if laid:
+        unit = "GPUs" if laid.get("device") == "GPU" else "CPU cores"
+        laid_title = f"{laid.get('budget', '-')} {unit} each, {_level(laid.get('level'))}"
     return ServeSection(file.path, trial_id=trial_id, scaling=tuple(scaling), routing_title=title,
                         routers=tuple(routers), verdict=said, engines=_engine_notes(routing.get("runs") or []),
-                        router=_router_choice(trial_id, routing))  # fmt: skip
+                        router=_router_choice(trial_id, routing), layouts_title=laid_title,
+                        layouts=tuple(layout_row(run) for run in laid.get("runs") or [] if isinstance(run, Mapping)),
+                        layout_notes=layout_notes(laid) if laid else (), layout=_layout_choice(trial_id, laid))  # fmt: skip
+
+
+def layout_row(run: Mapping[str, Any]) -> tuple[str, ...]:
+    """One layout as the tables show it (LAYOUT_HEADINGS)."""
+    level = run.get("level") or {}
+    summary = level.get("summary") or {}
+    ttft, tpot = summary.get("ttft_ms") or {}, summary.get("tpot_ms") or {}
+    served = sorted((run.get("requests_per_replica") or {}).values(), reverse=True)
+    met = (not level.get("slo_violations") and not summary.get("failed")) if level else None
+    return (str(run.get("layout", "-")), str(run.get("devices", "-")), str(run.get("replicas", "-")),
+            str(run.get("tensor_parallel_size", "-")), num_text(summary.get("output_throughput")),
+            num_text(summary.get("goodput"), 2), num_text(ttft.get("p50")), num_text(ttft.get("p99")),
+            num_text(tpot.get("p50")), num_text(tpot.get("p99")), num_text(run.get("cost_per_hour_usd"), 2),
+            num_text(run.get("cost_per_mtok_usd"), 2), ", ".join(str(n) for n in served) or "-",
+            {True: "met", False: "broken"}.get(met, "failed" if run.get("error") else "-"))  # fmt: skip
+
+
+def layout_notes(laid: Mapping[str, Any]) -> tuple[str, ...]:
+    """Under the layouts table: the load they were offered, the ones left out, how each came to its
+    engines, and the verdict."""
+    notes = [f"every layout offered {_level(laid.get('level'))} (the picked level scaled to the budget); latencies in ms; "
+             f"$: devices x ${num_text(laid.get('price_per_device_hour'), 2)} per device-hour"]  # fmt: skip
+    notes += [f"left out: {why}" for why in laid.get("skipped") or []]
+    notes += [f"{run.get('layout')}: deployment failed: {str(run.get('error')).splitlines()[0]}"
+              for run in laid.get("runs") or [] if isinstance(run, Mapping) and run.get("error")]  # fmt: skip
+    notes += [f"{run.get('layout')}: measured on the engines already running (the routers'), prefix caches reset"
+              for run in laid.get("runs") or [] if isinstance(run, Mapping) and run.get("engines_reused")]  # fmt: skip
+    verdict = laid.get("verdict")
+    if isinstance(verdict, Mapping):
+        ship = verdict.get("ship")
+        notes.append(f"verdict: {'ship ' + str(ship) if ship else 'no layout named'}: {verdict.get('reason', '')}")
+    return tuple(notes)
+
+
+def _layout_choice(trial_id: str, laid: Mapping[str, Any]) -> LayoutChoice | None:
+    verdict = laid.get("verdict") if laid else None
+    if not isinstance(verdict, Mapping) or not verdict.get("ship") or not trial_id:
+        return None
+    run = next((r for r in laid.get("runs") or [] if isinstance(r, Mapping) and r.get("layout") == verdict["ship"]), None)
+    if run is None:
+        return None  # a verdict naming a layout that did not run: not something to ship
+    try:
+        replicas, tp = int(run["replicas"]), int(run["tensor_parallel_size"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    level = laid.get("level") if isinstance(laid.get("level"), dict) else {}
+    return LayoutChoice(trial_id, replicas, tp, dict(level), str(verdict.get("reason") or ""))
 
 
 def engine_note(router: Any, reused: Any, ready_s: Any) -> str | None:

@@ -16,9 +16,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from servetune import __version__
-from servetune.errors import UserError
+from servetune.errors import EngineStartError, UserError
 from servetune.results import LevelResult
 from servetune.secrets import redact_env
+from servetune.serve.layouts import (
+    Layout, LayoutResult, LayoutRun, layout_point, layout_run, layout_verdict, point_pp, served_between,
+)  # fmt: skip
 from servetune.serve.plan import Needs, autoscaled_llm_config, check_fits, llm_config, needs
 from servetune.serve.ramp import RampResult
 from servetune.serve.result import ReplicaRun, ServeCheckResult, scaling_rows
@@ -78,6 +81,20 @@ class Routing:
 
 
 @dataclass
+class Layouts:
+    """The layouts to compare at the end, each at ``replicas`` x ``tp`` (``serve.layouts``), all under one
+    device ``budget`` and offered the same ``level``; ``measure(url, served model name, layout)`` drives it.
+    ``cores``: where the CPU build binds a replica's TP ranks."""
+
+    layouts: list[Layout]
+    budget: int
+    level: dict[str, float]
+    measure: Callable[[str, str, Layout], LevelResult]
+    skipped: list[str] = dataclasses.field(default_factory=list)
+    cores: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclass
 class Teardown:
     """Replica process ids seen while deployed: what must be gone once the application is."""
 
@@ -118,11 +135,12 @@ def check_cluster_fits(cluster: Cluster, need: Needs, where: str) -> None:
 def run_check(
     picked: PickedStudy, replicas: list[int], cluster: Cluster, name: str, measure: Measure, teardown: Teardown,
     address: str | None = None, on_ready: Callable[[int, float], None] | None = None, ramp: Ramp | None = None,
-    routing: Routing | None = None,
+    routing: Routing | None = None, layouts: Layouts | None = None,
 ) -> ServeCheckResult:  # fmt: skip
     """Deploy and measure each replica count; with ``ramp``, after the first count, deploy the
-    derived autoscaling and run the ramp; with ``routing``, at the end, compare the routers. The
-    caller deletes the application (``teardown`` gathers the replica pids to prove gone)."""
+    derived autoscaling and run the ramp; with ``routing``, then compare the routers; with ``layouts``,
+    at the end, compare the layouts. The caller deletes the application (``teardown`` gathers the
+    replica pids to prove gone)."""
     point = picked.point
     first = llm_config(point, 1)
     served = first["model_loading_config"]["model_id"]
@@ -144,12 +162,15 @@ def run_check(
             ramped = ramp.run(cluster.url, served).model_copy(update={"ready_s": ramp_ready_s})
             teardown.pids.update(cluster.replica_pids(name))
     routed = compare_routers(picked, cluster, name, served, routing, teardown) if routing is not None else None
+    # The routers leave their engines running, pinned to this version: a layout of the same engines reuses them.
+    running = engine_version(llm_config(point, routing.replicas)) if routing is not None else None
+    laid = compare_layouts(picked, cluster, name, served, layouts, teardown, running) if layouts is not None else None
     shown = {**first, "runtime_env": {"env_vars": redact_env(first.get("runtime_env", {}).get("env_vars", {}))}}
     return ServeCheckResult(
         servetune_version=__version__, created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         study=picked.study, trial_id=point.trial_id, picked_level=dict(point.level), model=point.model, app_name=name,
         url=cluster.url, address=address, llm_config=shown, slo=[str(b) for b in picked.slo.bounds], runs=runs,
-        rows=scaling_rows(runs, picked.trial.levels), ramp=ramped, routing=routed,
+        rows=scaling_rows(runs, picked.trial.levels), ramp=ramped, routing=routed, layouts=laid,
     )  # fmt: skip
 
 
@@ -186,3 +207,50 @@ def compare_routers(
                               engines_reused=reused, engine_replicas=engines, level=measured,
                               per_replica=traffic_between(before, after)))  # fmt: skip
     return RoutingResult(workload=routing.workload, replicas=routing.replicas, level=level, runs=runs, verdict=verdict(runs))
+
+
+def compare_layouts(
+    picked: PickedStudy, cluster: Cluster, name: str, served: str, spec: Layouts, teardown: Teardown,
+    running: str | None = None,
+) -> LayoutResult:  # fmt: skip
+    """Each layout deployed with its engine version pinned (``engine_version``) and measured at the same
+    level. A layout whose engines are the ones running (version ``running``, e.g. the routers' replicas)
+    goes first and is deployed in place: Serve keeps its engines, their prefix caches are reset. Any
+    other is deployed fresh (the application deleted first), so no layout inherits a warm cache and no
+    rollout waits for the devices the previous layout still holds. A layout whose deployment fails is
+    recorded with Serve's message and its replicas' log tail, and the next one is deployed."""
+    point = picked.point
+    pp = point_pp(point)
+    configs = {layout: llm_config(layout_point(point, layout, spec.cores), layout.replicas) for layout in spec.layouts}
+    order = sorted(spec.layouts, key=lambda layout: engine_version(configs[layout]) != running)
+    runs: list[LayoutRun] = []
+    for layout in order:
+        config = configs[layout]
+        version = engine_version(config)
+        engines = cluster.engine_replicas(name) if version == running else []
+        if version != running:
+            teardown.pids.update(cluster.replica_pids(name))
+            cluster.delete(name)
+        try:
+            ready_s = cluster.deploy(name, config, picked.space.load.startup_timeout_s, version)
+        except EngineStartError as exc:  # a layout that does not deploy is data: the others are still compared
+            teardown.pids.update(cluster.replica_pids(name))
+            running = None  # the failed application was deleted
+            runs.append(layout_run(layout, pp, None, picked.space.price_per_device_hour, error=str(exc)))
+            continue
+        running = version
+        teardown.pids.update(cluster.replica_pids(name))
+        reused = bool(engines) and cluster.engine_replicas(name) == engines
+        if reused:
+            cluster.reset_prefix_caches(name)  # Serve counts the reset as a request: read the counter after it
+        before = cluster.requests_per_replica(name)
+        measured = spec.measure(cluster.url, served, layout)
+        after = cluster.requests_per_replica(name)
+        runs.append(layout_run(layout, pp, measured, picked.space.price_per_device_hour, ready_s=ready_s,
+                               engines_reused=reused, requests_per_replica=served_between(before, after)))  # fmt: skip
+    runs.sort(key=lambda run: spec.layouts.index(Layout(run.replicas, run.tensor_parallel_size)))
+    return LayoutResult(
+        budget=spec.budget, device="GPU" if point.device == "gpu" else "CPU", level=dict(spec.level),
+        price_per_device_hour=picked.space.price_per_device_hour, skipped=list(spec.skipped), runs=runs,
+        verdict=layout_verdict(runs),
+    )  # fmt: skip

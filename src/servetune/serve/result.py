@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from servetune.report.serving import SERVE_CHECK_FILE  # noqa: F401  (defined where the report reads it)
 from servetune.results import RECORD, LevelResult
 from servetune.serve.plan import find_level, ratio
+from servetune.serve.layouts import LayoutResult
 from servetune.serve.ramp import RampResult
 from servetune.serve.routing import RoutingResult
 
@@ -67,6 +68,7 @@ class ServeCheckResult(BaseModel):
     replica_pids: list[int] = []  # the replicas' processes (actors and vLLM's engines), gone at the end
     ramp: RampResult | None = None  # --ramp: the derived autoscaling under 1x, 3x and 1x the knee
     routing: RoutingResult | None = None  # --routers: each router on a shared-prefix workload
+    layouts: LayoutResult | None = None  # --layouts / --budget: replicas x TP under one device budget, at one load
 
 
 def scaling_rows(runs: list[ReplicaRun], bare_levels: list[LevelResult]) -> list[ScalingRow]:
