@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 from servetune.study.packing import Reservation, overlapping
-from servetune.testing.fake_openai import write_fake_python
 from tests.processes import processes_mentioning
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,8 +62,8 @@ search: {{algorithm: grid, baseline: false}}
 """
 
 
-def test_a_trial_finished_trials_dominate_stops_at_that_level(tmp_path, tiny_model):
-    fake = write_fake_python(tmp_path)
+def test_a_trial_finished_trials_dominate_stops_at_that_level(tmp_path, tiny_model, fake_python):
+    fake = fake_python
     (tmp_path / "space.yaml").write_text(SPACE.format(model=tiny_model))
     argv = [sys.executable, "-m", "servetune", "run", str(tmp_path / "space.yaml"), "--storage", str(tmp_path / "results"),
             "--python", str(fake)]  # fmt: skip

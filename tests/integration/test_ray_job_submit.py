@@ -28,7 +28,6 @@ import pytest
 import yaml
 
 from servetune.results import TrialResult
-from servetune.testing.fake_openai import write_fake_python
 from tests.integration.test_ray_token_auth import servetune_run, submit, write_space
 from tests.processes import processes_mentioning
 from tests.ray_heads import RayHead, ray_head, user_env
@@ -48,13 +47,13 @@ class Shell:
 
 
 @pytest.fixture(scope="module")
-def shell(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Shell:
+def shell(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, fake_python: Path) -> Shell:
     """The user's shell, after a local study on this machine. Ray 2.60 used to leave
     ~/.ray/auth_token behind, and every later ``ray start --head`` then asked for the token."""
     base = tmp_path_factory.mktemp("shell")
     home = base / "home"
     home.mkdir()
-    fake = write_fake_python(base)
+    fake = fake_python
     ray_tmpdir = Path(tempfile.mkdtemp(prefix="st-", dir="/tmp"))  # the local cluster's, short for Ray's sockets
     try:
         local = subprocess.run(servetune_run(write_space(base / "local", "local", tiny_model), base / "results", fake),

@@ -13,7 +13,6 @@ import time
 
 import pytest
 
-from servetune.testing.fake_openai import write_fake_python
 from tests.processes import processes_mentioning
 
 SPACE = """
@@ -32,8 +31,8 @@ search: {{algorithm: grid, baseline: false}}
 
 
 @pytest.fixture
-def study(tmp_path, tiny_model):
-    fake = write_fake_python(tmp_path)
+def study(tmp_path, tiny_model, fake_python):
+    fake = fake_python
 
     def write(params: str, load: str = "") -> list[str]:
         text = SPACE.format(model=tiny_model, params=params).replace("warmup_requests: 1,", f"warmup_requests: 1, {load}")

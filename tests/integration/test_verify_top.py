@@ -9,7 +9,6 @@ import json
 import subprocess
 import sys
 
-from servetune.testing.fake_openai import write_fake_python
 from tests.processes import processes_mentioning
 
 SPACE = """
@@ -31,8 +30,8 @@ search: {{algorithm: grid, baseline: false, verify: {{top: 3, duration_s: 4}}}}
 """
 
 
-def test_two_best_points_verified_on_reserved_resources_stored_reported_and_kept_on_resume(tmp_path, tiny_model):
-    fake = write_fake_python(tmp_path)
+def test_two_best_points_verified_on_reserved_resources_stored_reported_and_kept_on_resume(tmp_path, tiny_model, fake_python):
+    fake = fake_python
     (tmp_path / "space.yaml").write_text(SPACE.format(model=tiny_model))
     argv = [sys.executable, "-m", "servetune", "run", str(tmp_path / "space.yaml"), "--storage", str(tmp_path / "results"),
             "--python", str(fake)]  # fmt: skip
