@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_trials_of_1_2_and_4_gpus_share_a_node_without_oversubscribing_it(tmp_path):
-    # Five trials (1, 2, 2, 4 and 4 GPUs), engines up in 2 to 4 s, two levels of 4 s each.
+    # Five trials (1, 2, 2, 4 and 4 GPUs), engines up in 2 to 4 s, two levels of 2 s each.
     argv = [sys.executable, str(ROOT / "bench" / "packing.py"), "--gpus", "4", "--repeats", "1", "--max-num-seqs", "8",
-            "--levels", "1, 4", "--scale", "0.02", "--level-seconds", "200",
+            "--levels", "1, 4", "--scale", "0.02", "--level-seconds", "100",
             "--workdir", str(tmp_path), "--json", str(tmp_path / "packing.json")]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
