@@ -15,13 +15,25 @@ from aiohttp import web
 
 from servetune.engine.server import free_port
 from servetune.models.tiny import build_tiny_model
-from servetune.testing.fake_openai import FakeOpenAI
+from servetune.testing.fake_openai import FakeOpenAI, write_fake_python
 from tests.processes import wait_until_healthy
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+
+
+@pytest.fixture(scope="session")
+def fake_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The fake engine's interpreter (``write_fake_python``), one path for the whole session.
+
+    servetune keeps vLLM's argument table per interpreter path (``engine.args.load_argspecs``): a
+    fake of each test's own made every ``servetune run --python`` import vLLM once more to read it
+    (12-25 s on a two-core host). Tests run one at a time and each checks that none of its engines
+    outlived it, so processes that name this path are the running test's.
+    """
+    return write_fake_python(tmp_path_factory.mktemp("fake-engine"))
 
 
 @pytest.fixture(scope="session")

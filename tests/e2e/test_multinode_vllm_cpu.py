@@ -3,8 +3,8 @@
 Two worker nodes declare 2 CPUs each (this machine has 2 real cores: the declared ones are what
 Ray places by); each trial reserves 2 cores (tensor parallel 2), so one trial runs per node.
 When the first engine answers on one node, that node's raylet is killed: its trial is FAILED
-for its node, the other three COMPLETE on the node that is left, the report is written, and no
-vLLM process is left.
+for its node, the other two COMPLETE (the third trial, waiting for a node, starts on the one that
+is left once the second is done), the report is written, and no vLLM process is left.
 """
 
 from __future__ import annotations
@@ -33,9 +33,8 @@ hardware: {{devices_per_node: 2}}
 engine_args: {{enforce_eager: true, max_model_len: 512, dtype: float32, tensor_parallel_size: 2}}
 env: {{VLLM_CPU_KVCACHE_SPACE: 1}}
 price_per_device_hour: 0.05
-params:
-  max_num_seqs: [2, 8]
-  enable_prefix_caching: [true, false]
+params:  # three trials: two at once, one per node, then the third on the node that is left
+  max_num_seqs: [2, 4, 8]
 search: {{algorithm: grid, baseline: false, max_concurrent: 2}}
 """
 
@@ -54,7 +53,7 @@ def test_a_cpu_tiny_study_over_two_nodes_survives_losing_one(tmp_path):
         trial_id, output = lost_node.trial_id, lost_node.output
         assert lost_node.returncode == 0, output[-4000:]
     by_id = results(study_dir)
-    assert len(by_id) == 4, output[-3000:]
+    assert len(by_id) == 3, output[-3000:]
     lost = by_id[trial_id]
     assert lost["outcome"] == "FAILED" and lost["lost"] and lost["reason"].startswith("the trial's node died"), lost["reason"]
     others = [r for t, r in by_id.items() if t != trial_id]

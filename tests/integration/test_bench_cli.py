@@ -6,7 +6,6 @@ import pytest
 
 from servetune.cli import main
 from servetune.results import BenchResult
-from servetune.testing.fake_openai import write_fake_python
 from tests.conftest import fake_server_process
 from tests.processes import processes_mentioning
 
@@ -68,10 +67,9 @@ def test_bench_repeats_a_level_that_meets_the_slo_three_times(tmp_path, capsys, 
     assert level.measured_s == pytest.approx(sum(run.summary.duration_s for run in level.runs))
 
 
-def test_an_engine_that_dies_mid_level_keeps_what_was_measured(tmp_path, capsys, tiny_model):
+def test_an_engine_that_dies_mid_level_keeps_what_was_measured(tmp_path, capsys, tiny_model, fake_python):
     # The fake engine dies 2 s after it is ready: after the level at 8 in flight (about 0.7 s),
     # during the one at 1 (nine requests of about 0.34 s each).
-    fake_python = write_fake_python(tmp_path)
     out_file = tmp_path / "b.json"
     code, out, err = run_cli(
         capsys, "--model", str(tiny_model), "--python", str(fake_python), "--workload", "cpu-tiny",
@@ -116,11 +114,10 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, capsys, argv, needle):
 
 
 @pytest.mark.parametrize("crash_after_s, kept", [("1000", False), ("2", True)])
-def test_without_json_the_engine_log_is_removed_unless_vllm_failed(tmp_path, capsys, monkeypatch, tiny_model, crash_after_s, kept):
+def test_without_json_the_engine_log_is_removed_unless_vllm_failed(tmp_path, capsys, monkeypatch, tiny_model, fake_python, crash_after_s, kept):
     temp = tmp_path / "tmp"
     temp.mkdir()
     monkeypatch.setattr("tempfile.tempdir", str(temp))  # where mkdtemp puts the log's directory
-    fake_python = write_fake_python(tmp_path)
     code, out, err = run_cli(
         capsys, "--model", str(tiny_model), "--python", str(fake_python), "--workload", "cpu-tiny",
         "--env", f"SERVETUNE_FAKE_CRASH_AFTER_S={crash_after_s}", "--env", "SERVETUNE_FAKE_ITL_MS=10",

@@ -11,16 +11,15 @@ import sys
 from pathlib import Path
 
 from servetune.study.packing import Reservation, overlapping
-from servetune.testing.fake_openai import write_fake_python
 from tests.processes import processes_mentioning
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_trials_of_1_2_and_4_gpus_share_a_node_without_oversubscribing_it(tmp_path):
-    # Five trials (1, 2, 2, 4 and 4 GPUs), engines up in 2 to 4 s, two levels of 4 s each.
+    # Five trials (1, 2, 2, 4 and 4 GPUs), engines up in 2 to 4 s, two levels of 2 s each.
     argv = [sys.executable, str(ROOT / "bench" / "packing.py"), "--gpus", "4", "--repeats", "1", "--max-num-seqs", "8",
-            "--levels", "1, 4", "--scale", "0.02", "--level-seconds", "200",
+            "--levels", "1, 4", "--scale", "0.02", "--level-seconds", "100",
             "--workdir", str(tmp_path), "--json", str(tmp_path / "packing.json")]  # fmt: skip
     done = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -63,8 +62,8 @@ search: {{algorithm: grid, baseline: false}}
 """
 
 
-def test_a_trial_finished_trials_dominate_stops_at_that_level(tmp_path, tiny_model):
-    fake = write_fake_python(tmp_path)
+def test_a_trial_finished_trials_dominate_stops_at_that_level(tmp_path, tiny_model, fake_python):
+    fake = fake_python
     (tmp_path / "space.yaml").write_text(SPACE.format(model=tiny_model))
     argv = [sys.executable, "-m", "servetune", "run", str(tmp_path / "space.yaml"), "--storage", str(tmp_path / "results"),
             "--python", str(fake)]  # fmt: skip

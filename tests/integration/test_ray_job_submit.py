@@ -6,10 +6,11 @@ engine): a Ray head starts on 127.0.0.1 with two declared GPUs (``ray start --he
 its own ports and temp dir); ``ray job submit --no-wait`` sends ``python -m servetune run`` with a
 small working directory; ``servetune run`` joins that cluster through the ``RAY_ADDRESS`` the job
 supervisor sets. The module's tests share the shell and the head (a head start is half a minute
-of this host): one submits a study on the fake engine, the other one whose two trials start
-vLLM's CPU build on the tiny model (about a minute each). They check the job succeeded, its
-driver joined this cluster, and the trials' result.json. The head is stopped by process id
-(tests/ray_heads.py).
+of this host): one submits a study on the fake engine, the other one whose trial starts vLLM's
+CPU build on the tiny model (about a minute) and runs the quality probe as the study's reference.
+They check the job succeeded, its driver joined this cluster, and the trials' result.json. (Later
+trials compared with the reference's answers: tests/e2e/test_study_vllm_cpu.py, the same
+with_parameters path through Ray.) The head is stopped by process id (tests/ray_heads.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import pytest
 import yaml
 
 from servetune.results import TrialResult
-from servetune.testing.fake_openai import write_fake_python
 from tests.integration.test_ray_token_auth import servetune_run, submit, write_space
 from tests.processes import processes_mentioning
 from tests.ray_heads import RayHead, ray_head, user_env
@@ -48,13 +48,13 @@ class Shell:
 
 
 @pytest.fixture(scope="module")
-def shell(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Shell:
+def shell(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path, fake_python: Path) -> Shell:
     """The user's shell, after a local study on this machine. Ray 2.60 used to leave
     ~/.ray/auth_token behind, and every later ``ray start --head`` then asked for the token."""
     base = tmp_path_factory.mktemp("shell")
     home = base / "home"
     home.mkdir()
-    fake = write_fake_python(base)
+    fake = fake_python
     ray_tmpdir = Path(tempfile.mkdtemp(prefix="st-", dir="/tmp"))  # the local cluster's, short for Ray's sockets
     try:
         local = subprocess.run(servetune_run(write_space(base / "local", "local", tiny_model), base / "results", fake),
@@ -87,11 +87,11 @@ def test_after_a_local_study_the_readme_cluster_commands_work_as_they_are(shell:
 
 
 def small_space() -> str:
-    """cpu-tiny made fast: two trials (max_num_seqs 2 and 8), two load levels, no baseline."""
+    """cpu-tiny made fast: one trial (max_num_seqs 2, the quality reference), two load levels, no baseline."""
     space = yaml.safe_load((ROOT / "search_spaces" / "cpu-tiny.yaml").read_text())
     space.update(
         name="job-submit",
-        params={"max_num_seqs": [2, 8]},
+        params={"max_num_seqs": [2]},
         constraints=[],
         search={"algorithm": "grid", "baseline": False},
         quality={"suites": ["agreement", "arithmetic"], "reference": {"max_num_seqs": 2}},
@@ -121,7 +121,7 @@ def test_study_runs_as_a_ray_job(head: RayHead, tmp_path: Path) -> None:
 
     paths = sorted(storage.glob("job-submit/trials/*/result.json"))
     results = [TrialResult.model_validate_json(p.read_text()) for p in paths]
-    assert sorted(r.params["max_num_seqs"] for r in results) == [2, 8], logs[-4000:]
+    assert [r.params["max_num_seqs"] for r in results] == [2], logs[-4000:]
     for r in results:
         seqs, took, start = r.params["max_num_seqs"], r.duration_s or 0, r.startup_s or 0
         print(f"trial max_num_seqs={seqs}: {r.outcome} in {took:.0f} s (engine start {start:.0f} s)")
@@ -131,10 +131,10 @@ def test_study_runs_as_a_ray_job(head: RayHead, tmp_path: Path) -> None:
         assert r.kv_capacity is not None  # read from vLLM's own start-up log
         first = r.levels[0].summary
         assert first.completed > 0 and first.output_throughput > 0
-    # The quality reference ran first and its answers reached the other trial through Ray.
-    reference, other = sorted(results, key=lambda r: r.params["max_num_seqs"])
-    assert reference.quality.reference_trial == reference.trial_id and reference.started_at <= other.started_at
-    assert other.quality.reference_trial == reference.trial_id and other.quality.agreement == 1.0 and other.quality.passed
+    # The quality reference ran its probe inside the job and the driver kept its answers for later trials.
+    reference = results[0]
+    assert reference.quality.reference_trial == reference.trial_id and reference.quality.agreement == 1.0 and reference.quality.passed
+    assert reference.quality.reference_answers and (storage / "job-submit" / "quality" / "reference.json").exists()
     assert (storage / "job-submit" / "study.json").exists()
     assert "job-submit" in logs  # the study's summary table reached the job's log
     assert not _vllm_pids(storage), "a vLLM server outlived its trial"

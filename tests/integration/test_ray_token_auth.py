@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from servetune.testing.fake_openai import write_fake_python
 from tests.processes import processes_mentioning
 from tests.ray_heads import ray_head, user_env
 
@@ -64,13 +63,13 @@ def submit(head, job_dir: Path, argv: list[str], env: dict[str, str]) -> dict:
     return head.wait_for_job(submission_id, JOB_TIMEOUT_S, env=env)
 
 
-def test_a_head_in_token_mode_asks_for_one_line_then_works(tmp_path, home, tiny_model):
+def test_a_head_in_token_mode_asks_for_one_line_then_works(tmp_path, home, tiny_model, fake_python):
     """A user who already has ~/.ray/auth_token: ``ray start --head`` turns token authentication on."""
     from ray._private.authentication.authentication_token_generator import generate_new_authentication_token
 
     (home / ".ray").mkdir()
     (home / ".ray" / "auth_token").write_text(generate_new_authentication_token())
-    fake = write_fake_python(tmp_path)
+    fake = fake_python
     shell = user_env(home)
     space = write_space(tmp_path / "driver", "joined", tiny_model)
     with ray_head(shell) as head:

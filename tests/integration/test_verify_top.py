@@ -9,7 +9,6 @@ import json
 import subprocess
 import sys
 
-from servetune.testing.fake_openai import write_fake_python
 from tests.processes import processes_mentioning
 
 SPACE = """
@@ -22,17 +21,17 @@ slo: {{ttft_ms: {{p99: 60}}}}
 hardware: {{devices_per_node: 2}}
 price_per_device_hour: 0.05
 params:  # three trials: two meet the SLO (the one-core 5 ms and the two-core 10 ms), one breaks it;
-  env.SERVETUNE_FAKE_TTFT_MS: [5, 10, 200]  # the two-core one's engine dies 40 s after it starts:
-  data_parallel_size: [1, 2]                # after its trial (about 15 s), during its verification
-  env.SERVETUNE_FAKE_CRASH_AFTER_S: [1000, 40]
+  env.SERVETUNE_FAKE_TTFT_MS: [5, 10, 200]  # the two-core one's engine dies 20 s after it is ready: after
+  data_parallel_size: [1, 2]                # its trial's ladder (about 3 s of the engine's life), halfway
+  env.SERVETUNE_FAKE_CRASH_AFTER_S: [1000, 20]  # through its verification (about 40 s of scenarios)
 constraints: ["(env.SERVETUNE_FAKE_TTFT_MS == 10) == (data_parallel_size == 2)",
-              "(env.SERVETUNE_FAKE_CRASH_AFTER_S == 40) == (data_parallel_size == 2)"]
+              "(env.SERVETUNE_FAKE_CRASH_AFTER_S == 20) == (data_parallel_size == 2)"]
 search: {{algorithm: grid, baseline: false, verify: {{top: 3, duration_s: 4}}}}
 """
 
 
-def test_two_best_points_verified_on_reserved_resources_stored_reported_and_kept_on_resume(tmp_path, tiny_model):
-    fake = write_fake_python(tmp_path)
+def test_two_best_points_verified_on_reserved_resources_stored_reported_and_kept_on_resume(tmp_path, tiny_model, fake_python):
+    fake = fake_python
     (tmp_path / "space.yaml").write_text(SPACE.format(model=tiny_model))
     argv = [sys.executable, "-m", "servetune", "run", str(tmp_path / "space.yaml"), "--storage", str(tmp_path / "results"),
             "--python", str(fake)]  # fmt: skip
