@@ -11,7 +11,6 @@ from servetune.config.slo import Slo
 from servetune.config.workload import load_workload
 from servetune.load.requests import PromptFactory
 from servetune.load.runner import Level
-from servetune.testing.fake_openai import write_fake_python
 from servetune.trial.runner import TrialSpec, run_trial
 
 COMPILE_S = 3.0
@@ -28,9 +27,9 @@ def spec(tmp_path, python, engine_args):
     )  # fmt: skip
 
 
-def test_a_later_trial_with_the_same_graph_loads_it_and_one_with_another_compiles(tmp_path, tiny_tokenizer, monkeypatch):
+def test_a_later_trial_with_the_same_graph_loads_it_and_one_with_another_compiles(tmp_path, tiny_tokenizer, fake_python, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # vLLM's default root, node-local here
-    python = str(write_fake_python(tmp_path))
+    python = str(fake_python)
     first, same_graph, other_graph = (
         run_trial(spec(tmp_path, python, args), lambda report: None, lambda: PromptFactory(tiny_tokenizer))
         for args in ({"max_num_seqs": 8}, {"max_num_seqs": 8, "enable_prefix_caching": False}, {"max_num_seqs": 16})
