@@ -37,6 +37,7 @@ from servetune.report.export import with_tp
 from servetune.report.points import ReportPoint
 from servetune.results import RECORD, LevelResult, noise_margin
 
+
 @dataclass(frozen=True)
 class Layout:
     replicas: int
