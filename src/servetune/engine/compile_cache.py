@@ -18,6 +18,7 @@ environment, is left as it is.
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
@@ -52,8 +53,10 @@ def filesystem_type(path: Path, partitions: Sequence[tuple[str, str]]) -> str | 
     return best[1] if best else None
 
 
-def _partitions() -> list[tuple[str, str]]:
-    return [(p.mountpoint, p.fstype) for p in psutil.disk_partitions(all=True)]
+@functools.cache
+def _partitions() -> tuple[tuple[str, str], ...]:
+    """The mount table, read once per process: every trial spec asks (the driver makes one per proposal)."""
+    return tuple((p.mountpoint, p.fstype) for p in psutil.disk_partitions(all=True))
 
 
 def compile_cache_env(

@@ -20,7 +20,7 @@ from servetune.errors import EngineStartError, UserError
 from servetune.results import LevelResult
 from servetune.secrets import redact_env
 from servetune.serve.layouts import (
-    Layout, LayoutResult, LayoutRun, layout_point, layout_run, layout_verdict, point_pp, served_between,
+    Layout, LayoutResult, LayoutRun, layout_point, layout_run, layout_verdict, point_pp,
 )  # fmt: skip
 from servetune.serve.plan import Needs, autoscaled_llm_config, check_fits, llm_config, needs
 from servetune.serve.ramp import RampResult
@@ -155,7 +155,7 @@ def run_check(
         before = cluster.requests_per_replica(name)
         levels = measure(cluster.url, served, count)
         after = cluster.requests_per_replica(name)
-        handled = {r: n - before.get(r, 0) for r, n in after.items() if n - before.get(r, 0) > 0}
+        handled = served_between(before, after)
         runs.append(ReplicaRun(replicas=count, ready_s=ready_s, levels=levels, requests_per_replica=handled))
         if ramp is not None and ramped is None:
             ramp_ready_s = cluster.deploy(name, autoscaled_llm_config(point, ramp.deployment_config), timeout_s)
@@ -254,3 +254,8 @@ def compare_layouts(
         price_per_device_hour=picked.space.price_per_device_hour, skipped=list(spec.skipped), runs=runs,
         verdict=layout_verdict(runs),
     )  # fmt: skip
+
+
+def served_between(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int]:
+    """Requests each replica handled between two reads of Serve's counter (replicas that handled none left out)."""
+    return {r: n - before.get(r, 0) for r, n in after.items() if n - before.get(r, 0) > 0}

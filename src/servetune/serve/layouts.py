@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -259,8 +259,3 @@ def _costs(runs: Sequence[LayoutRun]) -> str:
         return f"{run.layout} {run.device_hours_per_mtok:,.2f} device-hours"
 
     return ", ".join(one(run) for run in runs) + " per 1M output tokens"
-
-
-def served_between(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int]:
-    """Requests each replica handled between two reads of Serve's counter (replicas that handled none left out)."""
-    return {r: n - before.get(r, 0) for r, n in after.items() if n - before.get(r, 0) > 0}
