@@ -211,6 +211,8 @@ class TrialResult(BaseModel):
     best_level_index: int | None = None
     environment: dict[str, str] = {}  # hardware and software stack of the trial: see environment.py
     quality: QualityResult | None = None  # the quality probe, when the space has a ``quality:`` section
+    # Through Ray Serve (``serve.num_replicas``): the application, its replicas and what each served.
+    serve: dict[str, Any] | None = None
     # FAILED because the trial's process or node died under it (recorded by the driver): no verdict
     # on the configuration, so ``--resume`` runs it again.
     lost: bool = False

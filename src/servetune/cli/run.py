@@ -139,7 +139,13 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
     def ray_started() -> list:
         nonlocal callbacks
         if callbacks is None:
-            init_ray(args.address)
+            if space.through_serve:
+                from servetune.serve.cluster import start_serve
+                from servetune.serve.trial import local_serve_cpus
+
+                start_serve(init_ray(args.address, local_serve_cpus(space)))
+            else:
+                init_ray(args.address)
             callbacks = [ResultMirror(context), LiveTable(space, console), MlflowCallback(study_dir.resolve(), args.tracking_uri)]
         return callbacks
 

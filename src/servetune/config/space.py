@@ -4,7 +4,10 @@ One YAML file per scenario (``search_spaces/*.yaml``). Unknown keys are rejected
 names the file and the field. Parameters are vLLM engine arguments (snake_case) or, with an
 ``env.`` prefix, environment variables of the engine (``env.VLLM_CPU_KVCACHE_SPACE``); ``model``
 as a parameter lists checkpoints to compare (a BF16 id and its FP8 and AWQ variants), each
-checked for capacity with its own weights.
+checked for capacity with its own weights. ``serve.num_replicas`` as a parameter runs each trial
+through Ray Serve LLM with that many replicas of the engine (many small or one big, beside
+``tensor_parallel_size``): a trial's devices are then all its replicas', the budget a constraint
+such as ``serve.num_replicas * tensor_parallel_size <= 8``.
 A list is a categorical (grid) dimension; ``{low, high, log, step}`` is a numeric range.
 Constraints are small boolean expressions over parameters, fixed engine arguments,
 ``devices_per_node`` and vLLM's defaults for the parallel sizes, e.g.
@@ -33,6 +36,9 @@ from servetune.metrics import COST_METRIC, metric_names
 ENGINE_DEFAULTS = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1}
 ENV_PREFIX = "env."
 MODEL_PARAM = "model"  # a parameter naming checkpoints, not an engine argument
+SERVE_PREFIX = "serve."
+#: Replicas of the engine behind one Ray Serve LLM application: the trial runs through Serve.
+SERVE_REPLICAS = SERVE_PREFIX + "num_replicas"
 
 
 class Range(BaseModel):
@@ -224,6 +230,12 @@ class SearchSpace(BaseModel):
         for name, values in params.items():
             if isinstance(values, list) and not values:
                 raise ValueError(f"{name}: empty list of values")
+        for name in params:
+            if name.startswith(SERVE_PREFIX) and name != SERVE_REPLICAS:
+                raise ValueError(f"{name}: the only Serve parameter is {SERVE_REPLICAS}")
+        replicas = params.get(SERVE_REPLICAS)
+        if replicas is not None and not (isinstance(replicas, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in replicas)):
+            raise ValueError(f"{SERVE_REPLICAS}: list the replica counts to compare (whole numbers, 1 or more)")
         model = params.get(MODEL_PARAM)
         if model is not None and not (isinstance(model, list) and all(isinstance(v, str) and v for v in model)):
             raise ValueError(f"{MODEL_PARAM}: list the checkpoints to compare (directories or hub ids)")
@@ -262,7 +274,7 @@ class SearchSpace(BaseModel):
         for name, value in params.items():
             if name.startswith(ENV_PREFIX):
                 env[name[len(ENV_PREFIX) :]] = str(value)
-            elif name != MODEL_PARAM:
+            elif name != MODEL_PARAM and not name.startswith(SERVE_PREFIX):
                 engine[name] = value
         return engine, env
 
@@ -282,20 +294,36 @@ class SearchSpace(BaseModel):
             return None
         return {} if self.quality.reference == "baseline" else dict(self.quality.reference)
 
-    def devices(self, params: dict[str, Any]) -> int:
+    def serve_replicas(self, params: dict[str, Any]) -> int | None:
+        """The Serve replicas a choice runs behind (``serve.num_replicas``); None: the bare engine."""
+        value = params.get(SERVE_REPLICAS)
+        return int(value) if value is not None else None
+
+    @property
+    def through_serve(self) -> bool:
+        """Whether the study's trials run through Ray Serve (``serve.num_replicas`` is a parameter)."""
+        return SERVE_REPLICAS in self.params
+
+    def replica_devices(self, params: dict[str, Any]) -> int:
+        """The devices one engine takes: tensor x pipeline x data parallel size."""
         engine, _ = self.engine_params(params)
         return math.prod(int(engine.get(k, ENGINE_DEFAULTS[k])) for k in ENGINE_DEFAULTS)
+
+    def devices(self, params: dict[str, Any]) -> int:
+        """The devices a trial takes (and is priced for): one engine's, times its Serve replicas."""
+        return self.replica_devices(params) * (self.serve_replicas(params) or 1)
 
     def constraint_violations(self, params: dict[str, Any]) -> list[str]:
         """The constraints a choice breaks (with the implicit one: a trial fits on one node)."""
         engine, _ = self.engine_params(params)
         names = {**ENGINE_DEFAULTS, **engine, **{ENV_PREFIX + k: v for k, v in self.env.items()}}
-        names.update((k, v) for k, v in params.items() if k.startswith(ENV_PREFIX))
+        names.update((k, v) for k, v in params.items() if k.startswith((ENV_PREFIX, SERVE_PREFIX)))
         names[MODEL_PARAM] = self.model_for(params)
         names["devices_per_node"] = self.hardware.devices_per_node
         broken = [text for text in self.constraints if not _evaluate(text, names)]
-        if self.devices(params) > self.hardware.devices_per_node:
-            broken.append(f"needs {self.devices(params)} devices, a node has {self.hardware.devices_per_node}")
+        # A Serve replica runs inside one node (its placement group); replicas spread over nodes.
+        if self.replica_devices(params) > self.hardware.devices_per_node:
+            broken.append(f"needs {self.replica_devices(params)} devices, a node has {self.hardware.devices_per_node}")
         return broken
 
     def grid(self) -> tuple[list[dict[str, Any]], list[tuple[dict[str, Any], list[str]]]]:
@@ -391,7 +419,7 @@ def load_space(path: str | Path, argspecs: dict | None = None) -> SearchSpace:
     space = load_yaml_model(path, SearchSpace)
     checks: list[tuple[str, dict[str, Any]]] = [("engine_args", dict(space.engine_args))]
     for name, values in space.params.items():
-        if not name.startswith(ENV_PREFIX) and name != MODEL_PARAM:  # each listed value against vLLM's choices too
+        if not name.startswith((ENV_PREFIX, SERVE_PREFIX)) and name != MODEL_PARAM:  # each listed value against vLLM's choices too
             checks += [("params", {name: v}) for v in (values if isinstance(values, list) else [None])]
     for field, args in checks:
         try:
@@ -399,6 +427,8 @@ def load_space(path: str | Path, argspecs: dict | None = None) -> SearchSpace:
         except UserError as exc:
             raise UserError(f"{path}: {field}: {exc}") from None
     _check_constraint_names(space, path)
+    if space.through_serve:
+        _check_serve(space, path)
     fewest = _fewest_devices(space)
     if fewest > space.hardware.devices_per_node:
         raise UserError(f"{path}: hardware.devices_per_node: a node has {space.hardware.devices_per_node}, but a trial "
@@ -457,6 +487,13 @@ def _check_quality(space: SearchSpace, path: Path) -> None:
     broken = space.constraint_violations(dict(reference))
     if broken:
         raise UserError(f"{where}: the reference breaks a constraint: {broken[0]}")
+
+
+def _check_serve(space: SearchSpace, path: Path) -> None:
+    """Serve replicas stand in for data parallelism (``export`` makes one of the other): not both."""
+    dp = space.params.get("data_parallel_size", [space.engine_args.get("data_parallel_size", 1)])
+    if isinstance(dp, Range) or any(int(v) != 1 for v in dp):
+        raise UserError(f"{path}: params.{SERVE_REPLICAS}: Serve replicas replace data_parallel_size; vary one of them, not both")
 
 
 def _check_constraint_names(space: SearchSpace, path: Path) -> None:

@@ -4,8 +4,8 @@ The rule, one field at a time (``Autoscaling.reasons`` carries each as a sentenc
 exported file):
 
 - **knee**: the highest load level of the trial that met every SLO bound, per replica (a trial
-  with data parallelism DP measured DP replicas at once, so its level and throughput are divided
-  by DP). Without such a level there is nothing safe to scale on, and the derivation refuses.
+  with data parallelism DP, or run through Serve at ``serve.num_replicas`` N, measured DP or N
+  replicas at once, so its level and throughput are divided by them). Without such a level there is nothing safe to scale on, and the derivation refuses.
 - ``target_ongoing_requests`` = the knee's requests in flight per replica (its concurrency; for
   an open-loop level, Little's law: request throughput x mean E2E latency). Serve adds replicas
   when the requests in flight per replica stay above it, so a replica is kept at load it was
@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from servetune.config.space import SERVE_REPLICAS
 from servetune.errors import UserError
 from servetune.metrics import REQUEST_THROUGHPUT
 from servetune.report.points import KV_CACHE_USAGE_MAX, ReportPoint, level_label
@@ -140,6 +141,7 @@ def derive_autoscaling(
     engine = {**knee.resolved_engine_args, **{k: v for k, v in knee.engine_args.items() if v is not None}}
     expert_parallel = bool(engine.get("enable_expert_parallel"))
     dp = 1 if expert_parallel else max(1, int(engine.get("data_parallel_size") or 1))
+    dp = int(knee.params.get(SERVE_REPLICAS) or dp)  # measured through Serve: spread over its replicas
     throughput = float(knee.metrics.get(REQUEST_THROUGHPUT) or 0.0) / dp
     per_replica = value / dp
     if kind == "concurrency":
@@ -149,7 +151,7 @@ def derive_autoscaling(
         e2el_s = float(knee.metrics.get("e2el_ms_mean") or 0.0) / 1000.0
         in_flight = throughput * e2el_s
         in_flight_why = f"Little's law: {throughput * dp:.2f} req/s x {e2el_s:.2f} s mean E2E latency"
-    per = f" / {dp} data-parallel replicas" if dp > 1 else ""
+    per = f" / {dp} {'Serve' if knee.params.get(SERVE_REPLICAS) else 'data-parallel'} replicas" if dp > 1 else ""
     top = max((lv[1] for _, lv in measured if lv is not None and lv[0] == kind), default=value)
     if peak is None:
         peak, peak_source = top, f"the top of the study's ladder ({kind} {top:g})"

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from servetune.config.space import SERVE_REPLICAS
 from servetune.engine.args import RESERVED, engine_argv, normalize_key
 from servetune.errors import UserError
 from servetune.metrics import GOODPUT, REQUEST_THROUGHPUT
@@ -129,10 +130,13 @@ def ray_serve_app(
     replicas = 1 if expert_parallel else dp
     if not expert_parallel:
         kwargs.pop("data_parallel_size", None)
+    spread = max(dp, 1)  # the engines the measured load was spread over
+    if point.params.get(SERVE_REPLICAS):  # measured through Serve at that many replicas
+        replicas = spread = int(point.params[SERVE_REPLICAS])
     fixed: dict[str, Any] = {"min_replicas": replicas, "max_replicas": replicas}
     concurrency = point.level.get("concurrency")
     if concurrency:
-        fixed["target_ongoing_requests"] = max(1, round(concurrency / max(dp, 1)))
+        fixed["target_ongoing_requests"] = max(1, round(concurrency / spread))
     config: dict[str, Any] = {
         "model_loading_config": {"model_id": model_id, "model_source": point.model},
         "engine_kwargs": kwargs,

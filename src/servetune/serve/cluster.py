@@ -60,6 +60,16 @@ class ServeCluster:
         self.url = _ingress_url(self.address)
         return self
 
+    @classmethod
+    def attached(cls) -> ServeCluster:
+        """The cluster this process already belongs to (a Ray worker: a study's trial), with Serve
+        running on it (:func:`start_serve`); nothing to start or stop."""
+        import ray
+
+        cluster = cls(ray.get_runtime_context().gcs_address, {})
+        cluster.url = _ingress_url(cluster.address)
+        return cluster
+
     def __exit__(self, *exc: object) -> None:
         import ray
         from ray import serve
@@ -83,7 +93,8 @@ class ServeCluster:
 
     # --- one application --------------------------------------------------------------------
     def deploy(
-        self, name: str, llm_config: Mapping[str, Any], timeout_s: float, engine_version: str | None = None
+        self, name: str, llm_config: Mapping[str, Any], timeout_s: float, engine_version: str | None = None,
+        route_prefix: str = "/",
     ) -> float:  # fmt: skip
         """Deploy the Ray Serve LLM application (``build_openai_app``) and wait until it is RUNNING;
         returns the seconds it took. Deploying it again at another replica count is a new version:
@@ -98,7 +109,7 @@ class ServeCluster:
         app = build_openai_app({"llm_configs": [dict(llm_config)]})
         if engine_version is not None:
             _pin_llm_servers(app, engine_version)
-        return self.run_app(name, app, timeout_s)
+        return self.run_app(name, app, timeout_s, route_prefix)
 
     def engine_replicas(self, name: str, deployment_prefix: str = "LLMServer") -> list[str]:
         """Actor ids of the application's live LLM deployment replicas (each holds one engine): the same
@@ -118,8 +129,8 @@ class ServeCluster:
                 reset += len(handle.broadcast("reset_prefix_cache").results(timeout_s=timeout_s))
         return reset
 
-    def run_app(self, name: str, app: Any, timeout_s: float) -> float:
-        """``serve.run`` one application at ``/`` and wait for every deployment to be HEALTHY. One that
+    def run_app(self, name: str, app: Any, timeout_s: float, route_prefix: str = "/") -> float:
+        """``serve.run`` one application at ``route_prefix`` and wait for every deployment to be HEALTHY. One that
         fails (or is not up within ``timeout_s``) is deleted and raised as :class:`EngineStartError`
         with Serve's message and the tail of its replicas' logs."""
         from ray import serve
@@ -127,7 +138,7 @@ class ServeCluster:
 
         start = time.monotonic()
         # run_many can return before the application is up (serve.run waits, with no time limit).
-        serve.run_many([RunTarget(target=app, name=name, route_prefix="/")], wait_for_applications_running=False)
+        serve.run_many([RunTarget(target=app, name=name, route_prefix=route_prefix)], wait_for_applications_running=False)
         time.sleep(1.0)  # let the controller take the new target before its status is read
         while True:
             app = serve.status().applications.get(name)
@@ -237,6 +248,17 @@ class ServeCluster:
             with contextlib.suppress(OSError):
                 text += [line for line in path.read_text(errors="replace").splitlines()[-lines:] if line.strip()]
         return "\n".join(text[-lines:])
+
+
+def start_serve(local: bool) -> None:
+    """Serve on the connected cluster, once, before a study's trials deploy through it: its HTTP proxy on
+    127.0.0.1 at a free port for a local cluster; on a cluster, on every address of the head (trials
+    on other nodes reach it there). Serve already running keeps its options."""
+    from ray import serve
+
+    for logger in ("ray.serve", "ray.llm"):  # their INFO lines would bury the study's progress
+        logging.getLogger(logger).setLevel(logging.WARNING)
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()} if local else {"host": "0.0.0.0"})
 
 
 def _live_replicas(name: str, deployment_prefix: str = "") -> list[tuple[str, dict[str, Any]]]:

@@ -49,7 +49,7 @@ class StudyContext:
                 extra_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
             if devices > 1:
                 engine_args.setdefault("distributed_executor_backend", "mp")
-        elif devices > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        elif devices > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env and not space.through_serve:
             # The CPU build runs several ranks when each is bound to its own core.
             cores = cores or sorted(os.sched_getaffinity(0))
             extra_env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in cores[:devices])
@@ -65,6 +65,7 @@ class StudyContext:
             stop_on_slo_break=load.stop_on_slo_break, min_throughput_gain=load.min_throughput_gain,
             slo=space.slo_bounds, gpu=space.hardware.gpu, gpu_memory_gib=space.hardware.gpu_memory_gib,
             python=self.python, extra_env=extra_env, repeats=load.repeats, quality=self.quality, node_id=node_id,
+            serve_replicas=space.serve_replicas(params),
         )  # fmt: skip
 
 

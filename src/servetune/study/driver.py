@@ -60,7 +60,7 @@ def trainable(config: dict[str, Any], context: StudyContext, finished_points: An
 
     from servetune.load.requests import PromptFactory, load_tokenizer
     from servetune.study.early_stop import dominance_rule
-    from servetune.trial.runner import load_result, run_trial
+    from servetune.trial.runner import load_result, run_trial, vllm_engine
 
     normal_priority()
     context = dataclasses.replace(context, study_dir=node_local_dir())  # trials write only on their own node
@@ -72,7 +72,10 @@ def trainable(config: dict[str, Any], context: StudyContext, finished_points: An
         result = unplaceable(spec, problem)
     elif result is None:  # never measured (or --resume after a kill): run it
         rule = dominance_rule(finished_points) if finished_points is not None else None
-        result = run_trial(spec, tune.report, lambda: PromptFactory(load_tokenizer(spec.tokenizer)), stop_rule=rule)
+        engine = vllm_engine
+        if spec.serve_replicas is not None:
+            from servetune.serve.trial import serve_engine as engine
+        result = run_trial(spec, tune.report, lambda: PromptFactory(load_tokenizer(spec.tokenizer)), stop_rule=rule, engine=engine)
         if finished_points is not None:  # before the final report: trials that start next see it
             ray.wait([finished_points.add.remote(result)], timeout=10)
     tune.report({**final_report(result, context), FILES_KEY: json.dumps(carried_files(spec.trial_dir))})
@@ -288,6 +291,8 @@ def proposals(space: SearchSpace, max_trials: int | None) -> list[dict[str, Any]
 def packs(space: SearchSpace) -> bool:
     """Whether several trials may run at once (``auto`` is one at a time on CPU)."""
     concurrent = space.search.max_concurrent
+    if space.through_serve:
+        return False  # one at a time (study/packing.py resolve_max_concurrent)
     return (concurrent == "auto" and space.device == "gpu") or (isinstance(concurrent, int) and concurrent > 1)
 
 

@@ -27,7 +27,13 @@ HEAD_SLIVER = {"node:__internal_head__": 0.001}
 
 
 def bundle(space: SearchSpace, params: dict[str, Any]) -> dict[str, float]:
-    """One bundle per trial: with GPUs in other bundles ``ray.get_gpu_ids()`` would be empty."""
+    """One bundle per trial: with GPUs in other bundles ``ray.get_gpu_ids()`` would be empty.
+
+    A trial through Serve holds one CPU, for its load client: Serve's replicas take their devices
+    in placement groups of their own (``serve/trial.py``).
+    """
+    if space.serve_replicas(params) is not None:
+        return {"CPU": 1.0}
     devices = space.devices(params)
     if space.device == "gpu":
         return {"CPU": float(space.hardware.cpus_per_trial), "GPU": float(devices)}

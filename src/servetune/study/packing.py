@@ -86,8 +86,11 @@ def resolve_max_concurrent(space: SearchSpace, cluster_devices: float | Sequence
     waiting for GPUs count, so a margin lets Ray backfill; :func:`max_concurrent_to_fill`).
     Bayesian search: as many as the nodes run at once, no more, so each proposal still learns
     from as many results as it can. On CPU, one: trials on one host would share the cores their
-    measurements run on.
+    measurements run on. Trials through Serve: one at a time, whatever was asked, as Serve's replicas
+    take their devices in placement groups Tune does not count.
     """
+    if space.through_serve:
+        return 1
     wanted = space.search.max_concurrent
     if wanted != "auto":
         return int(wanted)

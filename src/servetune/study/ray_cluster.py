@@ -87,12 +87,14 @@ def check_token_accepted(address: str) -> None:
         return
 
 
-def init_ray(address: str | None) -> None:
-    """Join ``address`` (else ``$RAY_ADDRESS``, as inside ``ray job submit``), else start a local cluster."""
+def init_ray(address: str | None, local_cpus: int | None = None) -> bool:
+    """Join ``address`` (else ``$RAY_ADDRESS``, as inside ``ray job submit``), else start a local cluster;
+    whether it started one. ``local_cpus``: the CPUs a local cluster declares (default: the cores), with
+    the metrics agent reporting every second (what a trial through Serve reads its replicas' counts from)."""
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     kwargs: dict[str, Any] = {"logging_level": "WARNING", "log_to_driver": False, "configure_logging": True}
     joining = address or os.environ.get("RAY_ADDRESS")
     if joining:
@@ -103,6 +105,8 @@ def init_ray(address: str | None) -> None:
         if joining:
             ray.init(address=address, **kwargs) if address else ray.init(**kwargs)
         else:
+            if local_cpus is not None:
+                kwargs.update(num_cpus=local_cpus, _system_config={"metrics_report_interval_ms": 1000})
             ray.init(include_dashboard=False, **kwargs)  # a local cluster on this machine
     except Exception as exc:  # noqa: BLE001 - Ray raises plain Exception when its processes do not come up
         with contextlib.suppress(Exception):
@@ -110,6 +114,7 @@ def init_ray(address: str | None) -> None:
         lines = str(exc).strip().splitlines() or [type(exc).__name__]
         where = f"cannot join the Ray cluster at {joining}" if joining else "could not start a local Ray cluster"
         raise UserError(f"{where}: {lines[0]}") from None
+    return not joining
 
 
 @contextlib.contextmanager

@@ -218,10 +218,13 @@ async def measure_level(
     sample_every_s: float = 0.5,
     telemetry: Callable[[], TelemetrySampler] | None = None,
     watch: EarlyBreak | None = None,
+    reset_cache: Callable[[], bool] | None = None,
 ) -> tuple[LevelResult, list[RequestRecord]]:
     """Run one level and return its result and the per-request records.
 
     ``telemetry`` makes a sampler of the devices (or host) that runs while the level does.
+    ``reset_cache`` empties the prefix cache before it where ``POST /reset_prefix_cache`` cannot
+    (Ray Serve's ingress has no such endpoint: its replicas are reset through Serve).
     """
     drawn: list[RequestSpec] = []
 
@@ -238,7 +241,7 @@ async def measure_level(
             on_done(record)
 
     async with aiohttp.ClientSession() as session:
-        reset = await _reset_prefix_cache(session, url)
+        reset = await asyncio.to_thread(reset_cache) if reset_cache is not None else await _reset_prefix_cache(session, url)
         before = await scrape(session, url)
         peaks: dict[str, float] = {}
         sampler = asyncio.ensure_future(_sample_gauges(session, url, peaks, sample_every_s, watch)) if before else None
@@ -337,7 +340,7 @@ async def measure_rung(
             on_run(run)
         result, records = await measure_level(
             client, url, workload, prompts, plan, stream=run_stream(index, run, repeats), slo=slo,
-            on_done=on_done, telemetry=telemetry,
+            on_done=on_done, telemetry=telemetry, reset_cache=getattr(engine, "reset_prefix_cache", None),
         )  # fmt: skip
         tags = record_tags(index, run, repeats)
         for request in records:

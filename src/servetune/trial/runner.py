@@ -87,6 +87,7 @@ class TrialSpec:
     extra_env: dict[str, str] = field(default_factory=dict)  # placement (CUDA_VISIBLE_DEVICES, binding)
     quality: QualityPlan | None = None  # the quality probe, run before the ladder (quality/probe.py)
     node_id: str | None = None  # the Ray node the trial runs on, recorded in its environment (not in its id)
+    serve_replicas: int | None = None  # run through Ray Serve LLM with this many replicas (None: the bare engine)
 
     @property
     def trial_id(self) -> str:
@@ -100,6 +101,8 @@ class TrialSpec:
             key["repeats"] = self.repeats
         if self.quality is not None:  # likewise absent without a quality probe
             key["quality"] = self.quality.digest_key()
+        if self.serve_replicas is not None:  # likewise absent for the bare engine
+            key["serve_replicas"] = self.serve_replicas
         return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
     @property
@@ -254,6 +257,9 @@ def _measure(server: Engine, spec: TrialSpec, result: TrialResult, report: Repor
         records_path = trial_dir / "requests.jsonl"
         with records_path.open("w") as records_file:
             result.stopped_because = asyncio.run(_climb(spec, server, result, report, prompts, records_file, stop_rule))
+        record = getattr(server, "record", None)  # through Serve: what each replica served
+        if callable(record):
+            result.serve = record()
         if not server.alive():
             raise EngineDiedError(f"the engine died during the ladder ({server.failure_reason()})", server.log_tail())
     result.outcome = "COMPLETE"
@@ -273,7 +279,7 @@ async def _climb(spec, server, result, report, prompts, records_file, stop_rule=
             level_result = await measure_rung(
                 client, server.url, spec.workload, prompts, plan, len(result.levels), repeats=spec.repeats, slo=spec.slo,
                 record=lambda row: records_file.write(json.dumps(row) + "\n"), engine=server,
-                telemetry=lambda: TelemetrySampler(gpu_indices, server.process.pid),
+                telemetry=lambda: TelemetrySampler(gpu_indices, server.process.pid if server.process is not None else None),
             )  # fmt: skip
             result.levels.append(level_result)  # kept even when the engine died during it
             check_alive(server, level)

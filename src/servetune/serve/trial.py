@@ -1,0 +1,128 @@
+"""A study's trial through Ray Serve: the configuration deployed as a Ray Serve LLM application of
+``serve.num_replicas`` replicas, measured through Serve's OpenAI ingress like a bare engine.
+
+The application is the one ``export --format ray-serve`` prints for the trial (``serve.plan.llm_config``),
+named and routed after the trial (``/servetune-trial-<id>``), so trials of several studies can share
+one Serve. Each replica takes its devices in a placement group of its own; the trial's Tune bundle
+holds one CPU, for the load client. Every level starts on emptied prefix caches (Serve broadcasts
+the reset to each replica); the result keeps what each replica served (Serve's own counter).
+Leaving deletes the application and waits until its replica processes on this node are gone.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from servetune.config.space import SERVE_REPLICAS, SearchSpace
+from servetune.errors import UserError
+from servetune.report.points import ReportPoint
+from servetune.serve.cluster import ServeCluster, wait_gone
+from servetune.serve.plan import INGRESS_CPUS, REPLICA_ACTOR_CPUS, llm_config
+from servetune.trial.runner import TrialSpec
+
+#: Placement the engine gets from Serve, not from the trial's environment.
+NOT_SHIPPED = ("CUDA_VISIBLE_DEVICES",)
+
+
+def app_name(spec: TrialSpec) -> str:
+    return f"servetune-trial-{spec.trial_id}"
+
+
+def trial_llm_config(spec: TrialSpec) -> dict[str, Any]:
+    """The trial's ``LLMConfig`` (a dict): its engine arguments and environment, at its replica count."""
+    assert spec.serve_replicas is not None
+    env = {**spec.env, **{k: v for k, v in spec.extra_env.items() if k not in NOT_SHIPPED}}
+    point = ReportPoint(trial_id=spec.trial_id, params=spec.params, engine_args=spec.engine_args, env=env,
+                        model=spec.model, device=spec.device, devices=spec.devices)  # fmt: skip
+    return llm_config(point, spec.serve_replicas, env=env)
+
+
+class ServeEngine:
+    """The :class:`~servetune.trial.runner.Engine` of a trial through Serve (see the module's doc)."""
+
+    def __init__(self, spec: TrialSpec, trial_dir: Path, cluster: ServeCluster | None = None) -> None:
+        self.spec = spec
+        self.trial_dir = trial_dir
+        self.name = app_name(spec)
+        self.cluster = cluster
+        self.url = ""
+        self.startup_s: float | None = None
+        self.process: psutil.Process | None = None  # a replica on this node (telemetry follows its memory)
+        self.pids: list[int] = []
+
+    def __enter__(self) -> ServeEngine:
+        self.cluster = self.cluster or ServeCluster.attached()
+        self.cluster.delete(self.name)  # a killed driver's deployment of this very trial (--resume)
+        route = f"/{self.name}"
+        self.startup_s = self.cluster.deploy(self.name, trial_llm_config(self.spec), self.spec.startup_timeout_s, route_prefix=route)
+        self.url = self.cluster.url + route
+        self.pids = self.cluster.replica_pids(self.name)
+        if self.pids:
+            self.process = psutil.Process(self.pids[0])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        assert self.cluster is not None
+        pids = sorted(set(self.pids) | set(self.cluster.replica_pids(self.name)))
+        self.cluster.delete(self.name)
+        left = wait_gone(pids, timeout_s=60.0)
+        for pid in left:  # Serve stopped them in its own time before; never leave an engine behind
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
+
+    # --- what measuring asks ---------------------------------------------------------------
+    def alive(self) -> bool:
+        assert self.cluster is not None
+        return self.cluster.applications().get(self.name, "").endswith("RUNNING")
+
+    def failure_reason(self) -> str:
+        assert self.cluster is not None
+        status = self.cluster.applications().get(self.name, "deleted")
+        return f"the Serve application {self.name} is {status.rsplit('.', 1)[-1]}"
+
+    def log_tail(self, lines: int = 40) -> str:
+        assert self.cluster is not None
+        return self.cluster.log_tail(self.name, lines)
+
+    def kv_capacity(self) -> None:
+        return None  # each replica's engine has its own; Serve's ingress does not say
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty every replica's prefix cache (Serve broadcasts it); whether every replica did."""
+        assert self.cluster is not None and self.spec.serve_replicas is not None
+        try:
+            return self.cluster.reset_prefix_caches(self.name) >= self.spec.serve_replicas
+        except Exception:  # noqa: BLE001 - a replica that cannot: the level says its cache may be warm
+            return False
+
+    def record(self) -> dict[str, Any]:
+        """What the result keeps of the deployment: its name, replicas, and the requests each served."""
+        assert self.cluster is not None and self.spec.serve_replicas is not None
+        return {"application": self.name, "replicas": self.spec.serve_replicas,
+                "requests_per_replica": self.cluster.requests_per_replica(self.name)}  # fmt: skip
+
+
+def serve_engine(spec: TrialSpec, trial_dir: Path) -> ServeEngine:
+    """The engine factory the study's trainable gives ``run_trial`` for a trial through Serve."""
+    return ServeEngine(spec, trial_dir)
+
+
+def local_serve_cpus(space: SearchSpace) -> int:
+    """The CPUs a local Ray declares for a study through Serve: its largest trial's replicas (each its
+    engine's CPU bundles, one per rank on the CPU build, and the replica actor's one), Serve's OpenAI
+    ingress and the trial's load client; at least the host's cores. Ray schedules by these, not by the
+    cores vLLM runs on: with two on this host, the ingress would wait for a CPU forever."""
+    try:
+        points, _ = space.grid()
+    except (ValueError, UserError):  # a continuous range: the largest replica a node holds
+        points = []
+    replicas = max(space.params[SERVE_REPLICAS])
+    per_engine = max((space.replica_devices(p) for p in points), default=space.hardware.devices_per_node)
+    per_replica = (per_engine if space.device == "cpu" else 0) + REPLICA_ACTOR_CPUS
+    return max(int(replicas * per_replica + INGRESS_CPUS + 1), os.cpu_count() or 1)

@@ -1,0 +1,72 @@
+"""A study whose trials run through Ray Serve LLM (``serve.num_replicas``) on a local Ray with the real
+vLLM CPU build: one and two replicas of the tiny model, each deployed as its own Serve application
+by ``servetune run``, measured through Serve's OpenAI ingress, recorded with what each replica served,
+and torn down; the winner exports as a Ray Serve config at its replica count."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tests.processes import processes_mentioning
+
+pytestmark = pytest.mark.e2e
+pytest.importorskip("vllm", reason="the e2e tests need vLLM (the CPU build: pip install servetune[cpu])")
+pytest.importorskip("ray.serve.llm", reason="trials through Serve need ray[serve,llm]")
+
+SPACE = """
+name: serve-trials
+model: tiny
+device: cpu
+workload: cpu-tiny
+load: {levels: [4], requests_per_level: 24, warmup_requests: 0, request_timeout_s: 120, startup_timeout_s: 400}
+slo: {ttft_ms: {p99: 5000}}
+hardware: {devices_per_node: 2}
+engine_args: {enforce_eager: true, max_model_len: 512, dtype: bfloat16}
+env: {VLLM_CPU_KVCACHE_SPACE: 1}
+params:
+  serve.num_replicas: [1, 2]
+constraints: ["serve.num_replicas * tensor_parallel_size <= devices_per_node"]
+search: {algorithm: grid, baseline: false}
+"""
+
+
+def servetune(*argv, cwd=None):
+    return subprocess.run([sys.executable, "-m", "servetune", *map(str, argv)], capture_output=True, text=True, timeout=1200, cwd=cwd)
+
+
+def test_one_and_two_replicas_measured_through_serve_recorded_and_torn_down(tmp_path):
+    (tmp_path / "space.yaml").write_text(SPACE)
+    done = servetune("run", tmp_path / "space.yaml", "--storage", tmp_path / "results", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    study_dir = tmp_path / "results" / "serve-trials"
+    results = {}
+    for path in study_dir.glob("trials/*/result.json"):
+        result = json.loads(path.read_text())
+        results[result["params"]["serve.num_replicas"]] = result
+    assert sorted(results) == [1, 2], list(results)
+    for replicas, result in results.items():
+        assert result["outcome"] == "COMPLETE", (replicas, result["reason"], result.get("log_tail"))
+        assert result["devices"] == replicas  # priced for every replica's core
+        serve = result["serve"]
+        assert serve["replicas"] == replicas and serve["application"].endswith(result["trial_id"])
+        served = serve["requests_per_replica"]  # Serve's own counter, per replica
+        assert len(served) == replicas and all(n > 0 for n in served.values()), served
+        (level,) = result["levels"]
+        assert level["summary"]["completed"] == 24 and level["summary"]["failed"] == 0
+        # the quality probe and the load all went through Serve: at least the level's requests
+        assert sum(served.values()) >= 24, served
+        assert level.get("cache_note") is None  # each level began on emptied caches (reset through Serve)
+        assert result["startup_s"] > 0
+    assert results[1]["trial_id"] != results[2]["trial_id"]
+    assert processes_mentioning("ServeReplica") == [] and processes_mentioning(study_dir, "vllm") == []
+    # The exported Serve application scales on what one of the trial's replicas served: 4 clients
+    # over 2 replicas is 2 in flight per replica, and the ladder's top (4) needs both.
+    export = servetune("export", study_dir, "--pick", results[2]["trial_id"], "--format", "ray-serve")
+    assert export.returncode == 0, export.stderr
+    config = yaml.safe_load(export.stdout)["applications"][0]["args"]["llm_configs"][0]
+    autoscaling = config["deployment_config"]["autoscaling_config"]
+    assert autoscaling["target_ongoing_requests"] == 2 and autoscaling["max_replicas"] == 2, autoscaling
+    assert "serve.num_replicas" not in config["engine_kwargs"] and "/ 2 Serve replicas" in export.stdout

@@ -1,0 +1,103 @@
+"""``serve.num_replicas`` in a search space: trials through Ray Serve, without Ray (the e2e test deploys them)."""
+
+import pytest
+
+from servetune.config.space import SearchSpace, load_space
+from servetune.errors import UserError
+from servetune.report.export import ray_serve_app
+from servetune.report.points import ReportPoint
+from servetune.serve.trial import local_serve_cpus, trial_llm_config
+from servetune.study.context import StudyContext, resolve_levels
+from servetune.study.nodes import bundle
+from servetune.study.packing import resolve_max_concurrent
+
+BASE = """
+name: t
+model: tiny
+device: cpu
+workload: cpu-tiny
+hardware: {devices_per_node: 2}
+engine_args: {max_model_len: 1024}
+env: {VLLM_CPU_KVCACHE_SPACE: 1, HF_TOKEN: hf_secret}
+search: {max_concurrent: 4}
+"""
+
+
+def space(tmp_path, text):
+    path = tmp_path / "space.yaml"
+    path.write_text(BASE + text)
+    return load_space(path)
+
+
+def test_replicas_and_tensor_parallelism_under_a_budget(tmp_path):
+    s = space(tmp_path, """
+params:
+  serve.num_replicas: [1, 2, 4]
+  tensor_parallel_size: [1, 2]
+constraints: ["serve.num_replicas * tensor_parallel_size <= 4"]
+""")
+    kept, rejected = s.grid()
+    assert sorted((p["serve.num_replicas"], p["tensor_parallel_size"]) for p in kept) == [(1, 1), (1, 2), (2, 1), (2, 2), (4, 1)]
+    assert s.through_serve and s.devices({"serve.num_replicas": 2, "tensor_parallel_size": 2}) == 4  # priced for all
+    # Replicas spread over nodes: only one replica's engine must fit a node (2 devices here).
+    assert s.constraint_violations({"serve.num_replicas": 4, "tensor_parallel_size": 1}) == []
+    engine, _ = s.engine_params({"serve.num_replicas": 2, "tensor_parallel_size": 2})
+    assert engine == {"max_model_len": 1024, "tensor_parallel_size": 2}  # not an engine argument
+    assert bundle(s, {"serve.num_replicas": 2}) == {"CPU": 1.0}  # the load client; Serve holds the devices
+    assert resolve_max_concurrent(s, [8.0]) == 1  # Tune does not count Serve's placement groups
+
+
+@pytest.mark.parametrize(("params", "words"), [
+    ("serve.max_ongoing: [1]", "params: serve.max_ongoing: the only Serve parameter is serve.num_replicas"),
+    ("serve.num_replicas: [0, 2]", "serve.num_replicas: list the replica counts"),
+    ("serve.num_replicas: {low: 1, high: 4}", "serve.num_replicas: list the replica counts"),
+    ("serve.num_replicas: [1, 2]\n  data_parallel_size: [1, 2]", "params.serve.num_replicas: Serve replicas replace data_parallel_size"),
+])  # fmt: skip
+def test_bad_serve_parameters_are_one_line_naming_the_file(tmp_path, params, words):
+    with pytest.raises(UserError) as err:
+        space(tmp_path, f"params:\n  {params}\n")
+    assert str(err.value).startswith(str(tmp_path / "space.yaml")) and words in str(err.value), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_each_replica_count_is_its_own_trial_deployed_at_that_count(tmp_path):
+    s = space(tmp_path, "params:\n  serve.num_replicas: [1, 2]\n")
+    workload = s.resolved_workload(tmp_path)
+    context = StudyContext(s, workload, tmp_path, "/models/tiny", resolve_levels(s, workload))
+    one, two = context.spec_for({"serve.num_replicas": 1}), context.spec_for({"serve.num_replicas": 2})
+    assert (one.serve_replicas, two.serve_replicas) == (1, 2) and one.trial_id != two.trial_id
+    assert two.devices == 2 and "VLLM_CPU_OMP_THREADS_BIND" not in two.extra_env  # Serve places the replicas
+    config = trial_llm_config(two)
+    autoscaling = config["deployment_config"]["autoscaling_config"]
+    assert autoscaling["min_replicas"] == autoscaling["max_replicas"] == 2
+    assert config["model_loading_config"] == {"model_id": "/models/tiny", "model_source": "/models/tiny"}
+    assert config["placement_group_config"] == {"bundles": [{"CPU": 1}]}  # one rank: one core
+    env = config["runtime_env"]["env_vars"]
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["HF_TOKEN"] == "hf_secret"  # deployed as given, not masked
+    # A bare-engine study's trial ids are untouched by the field.
+    bare = SearchSpace.model_validate({"name": "t", "model": "m", "workload": "cpu-tiny", "params": {"max_num_seqs": [4]}})
+    assert context.spec_for({}).serve_replicas is None and not bare.through_serve
+
+
+def test_a_local_ray_declares_what_the_largest_trial_needs(tmp_path):
+    s = space(tmp_path, "params:\n  serve.num_replicas: [1, 2]\n  tensor_parallel_size: [1, 2]\n")
+    # 2 replicas x (2 cores + the replica actor) + the ingress + the load client
+    assert local_serve_cpus(s) == max(2 * 3 + 1 + 1, __import__("os").cpu_count())
+
+
+def test_the_export_of_a_trial_through_serve_keeps_its_replicas():
+    point = ReportPoint(trial_id="t1", params={"serve.num_replicas": 3}, engine_args={"max_num_seqs": 8},
+                        model="/m", device="gpu", level={"concurrency": 24})  # fmt: skip
+    config = ray_serve_app(point)["applications"][0]["args"]["llm_configs"][0]
+    fixed = config["deployment_config"]["autoscaling_config"]
+    assert fixed == {"min_replicas": 3, "max_replicas": 3, "target_ongoing_requests": 8}
+
+
+def test_autoscaling_from_a_trial_through_serve_is_per_replica():
+    from servetune.report.autoscale import derive_autoscaling
+
+    knee = ReportPoint(trial_id="s2", params={"serve.num_replicas": 2}, level={"concurrency": 16.0},
+                       metrics={"request_throughput": 40.0})  # fmt: skip
+    a = derive_autoscaling([knee], ["ttft_ms_p99 <= 500"], peak=64)
+    assert a.target_ongoing_requests == 8 and a.throughput_per_replica == 20.0 and a.max_replicas == 8
+    assert "/ 2 Serve replicas" in a.reasons["knee"]
