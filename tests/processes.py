@@ -33,3 +33,12 @@ def wait_until_healthy(url: str, proc: subprocess.Popen, timeout_s: float, poll_
             if proc.poll() is not None or time.monotonic() > deadline:
                 return False
             time.sleep(poll_s)
+
+
+def still_running_after(timeout_s: float, *needles: object) -> list[int]:
+    """:func:`processes_mentioning` once none is left or ``timeout_s`` passed: what another process
+    (Ray's shutdown, a reaper) stops is gone a moment after the command that asked for it returns."""
+    deadline = time.monotonic() + timeout_s
+    while (found := processes_mentioning(*needles)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return found

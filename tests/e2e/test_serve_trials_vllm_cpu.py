@@ -10,7 +10,7 @@ import sys
 import pytest
 import yaml
 
-from tests.processes import processes_mentioning
+from tests.processes import processes_mentioning, still_running_after
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("vllm", reason="the e2e tests need vLLM (the CPU build: pip install servetune[cpu])")
@@ -60,8 +60,9 @@ def test_one_and_two_replicas_measured_through_serve_recorded_and_torn_down(tmp_
         assert sum(served.values()) >= 24, served
         assert level.get("cache_note") is None  # each level began on emptied caches (reset through Serve)
         assert result["startup_s"] > 0
+        assert serve["replica_niceness"] == [0]  # not Ray's 15: the engines get the CPU a bare engine gets
     assert results[1]["trial_id"] != results[2]["trial_id"]
-    assert processes_mentioning("ServeReplica") == [] and processes_mentioning(study_dir, "vllm") == []
+    assert still_running_after(60, "ServeReplica:servetune-trial-") == [] and processes_mentioning(study_dir, "vllm") == []
     # The exported Serve application scales on what one of the trial's replicas served: 4 clients
     # over 2 replicas is 2 in flight per replica, and the ladder's top (4) needs both.
     export = servetune("export", study_dir, "--pick", results[2]["trial_id"], "--format", "ray-serve")

@@ -20,6 +20,7 @@ import psutil
 from servetune.engine.server import free_port
 from servetune.errors import EngineStartError, UserError
 from servetune.serve.routing import merge_counters, read_replica_counters
+from servetune.study.ray_cluster import SERVE_SYSTEM_CONFIG
 
 
 class ServeCluster:
@@ -47,7 +48,7 @@ class ServeCluster:
                 # CPUs are declared (what Serve schedules by); GPUs are left for Ray to detect.
                 ray.init(
                     num_cpus=int(self.resources.get("CPU", 1) + 0.999), include_dashboard=False, log_to_driver=False,
-                    _system_config={"metrics_report_interval_ms": 1000},
+                    _system_config=SERVE_SYSTEM_CONFIG,
                 )  # fmt: skip
                 self.started_ray = True
             serve.start(http_options={"host": "127.0.0.1", "port": free_port()})

@@ -102,10 +102,18 @@ class ServeEngine:
             return False
 
     def record(self) -> dict[str, Any]:
-        """What the result keeps of the deployment: its name, replicas, and the requests each served."""
+        """What the result keeps of the deployment: its name, replicas, the requests each served, and the
+        niceness its replica processes on this node ran at (Ray gives its workers 15 unless told otherwise)."""
         assert self.cluster is not None and self.spec.serve_replicas is not None
+        niceness = set()
+        for pid in self.pids:
+            try:
+                niceness.add(psutil.Process(pid).nice())
+            except psutil.Error:
+                continue
         return {"application": self.name, "replicas": self.spec.serve_replicas,
-                "requests_per_replica": self.cluster.requests_per_replica(self.name)}  # fmt: skip
+                "requests_per_replica": self.cluster.requests_per_replica(self.name),
+                "replica_niceness": sorted(niceness)}  # fmt: skip
 
 
 def serve_engine(spec: TrialSpec, trial_dir: Path) -> ServeEngine:

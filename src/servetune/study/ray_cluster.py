@@ -87,10 +87,17 @@ def check_token_accepted(address: str) -> None:
         return
 
 
+#: A local Ray that runs Serve replicas to be measured: its metrics agent reports every second (the
+#: replicas' request counts are read from it), and its workers run at niceness 0, not Ray's 15. A Serve
+#: replica's engine inherits its worker's niceness; at 15 it lost the CPU to the load client and Ray's
+#: daemons on the two-core stand-in, where a bare engine started by servetune runs at 0.
+SERVE_SYSTEM_CONFIG = {"metrics_report_interval_ms": 1000, "worker_niceness": 0}
+
+
 def init_ray(address: str | None, local_cpus: int | None = None) -> bool:
     """Join ``address`` (else ``$RAY_ADDRESS``, as inside ``ray job submit``), else start a local cluster;
-    whether it started one. ``local_cpus``: the CPUs a local cluster declares (default: the cores), with
-    the metrics agent reporting every second (what a trial through Serve reads its replicas' counts from)."""
+    whether it started one. ``local_cpus``: the CPUs a local cluster declares (default: the cores), for
+    Serve replicas (:data:`SERVE_SYSTEM_CONFIG`)."""
     import ray
 
     if ray.is_initialized():
@@ -106,7 +113,7 @@ def init_ray(address: str | None, local_cpus: int | None = None) -> bool:
             ray.init(address=address, **kwargs) if address else ray.init(**kwargs)
         else:
             if local_cpus is not None:
-                kwargs.update(num_cpus=local_cpus, _system_config={"metrics_report_interval_ms": 1000})
+                kwargs.update(num_cpus=local_cpus, _system_config=SERVE_SYSTEM_CONFIG)
             ray.init(include_dashboard=False, **kwargs)  # a local cluster on this machine
     except Exception as exc:  # noqa: BLE001 - Ray raises plain Exception when its processes do not come up
         with contextlib.suppress(Exception):
