@@ -17,7 +17,7 @@ def fake_python(tmp_path):
 
 def server(fake_python, tmp_path, **engine_args):
     return VllmServer("fake-model", engine_args, {"SERVETUNE_TEST": "1"}, log_path=tmp_path / "engine.log",
-                      python=fake_python, startup_timeout_s=engine_args.pop("timeout", 30), stop_grace_s=1.0)  # fmt: skip
+                      python=fake_python, startup_timeout_s=engine_args.pop("timeout", 120), stop_grace_s=1.0)  # fmt: skip
 
 
 def test_starts_reports_kv_and_leaves_nothing(fake_python, tmp_path):
