@@ -79,7 +79,8 @@ def fake_server_process(*args: str) -> Iterator[str]:
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        if not wait_until_healthy(url + "/health", proc, timeout_s=30, poll_s=0.05):
+        # An interpreter starting beside running engines can take 5-15 s here: room for that, and more.
+        if not wait_until_healthy(url + "/health", proc, timeout_s=120, poll_s=0.05):
             raise RuntimeError("the fake server did not start")
         yield url
     finally:

@@ -143,11 +143,14 @@ def test_study_report_and_export_on_real_vllm(study):
     assert bf16["kv_capacity"]["tokens"] == 524288 and bf16["kv_prediction_error"] == 0.0  # half the bytes per token
     assert ok["environment"]["vllm"].startswith("vllm") and ok["environment"]["device"] == "cpu"
     assert ok["levels"][1]["telemetry"]["host_cpu_percent_mean"] > 0
-    # Eight clients on four sequence slots queue (half of them wait for a whole request): TTFT grows many
-    # times over, far above this host's noise, where throughput at 2 and 8 can come out either way here.
+    # Eight clients on four sequence slots queue: half of them wait for a whole request, so the first token
+    # takes over half of a request's latency (0.54-0.61 in 15 runs here; 0.11-0.21 at 8 clients on 16
+    # slots, where none waits). A share within one level: a load that changes between the levels (seen
+    # here: TTFT 164 ms at 2 clients against 292 at 8) or stretches the engine stretches both its parts.
     levels = [lv["summary"] for lv in ok["levels"]]
     assert [lv["level"]["concurrency"] for lv in levels] == [2, 8]
-    assert levels[1]["ttft_ms"]["mean"] > 2 * levels[0]["ttft_ms"]["mean"], [lv["ttft_ms"] for lv in levels]
+    waiting = [lv["ttft_ms"]["mean"] / lv["e2el_ms"]["mean"] for lv in levels]
+    assert waiting[1] > 0.4, (waiting, [(lv["ttft_ms"]["mean"], lv["e2el_ms"]["mean"]) for lv in levels])
     assert bad["outcome"] == "FAILED" and bad["reason"].startswith("engine start: vLLM exited") and bad["log_tail"]
     assert [lv.get("cache_note") for lv in ok["levels"]] == [None, None]  # each level began on an emptied cache
     resolved = ok["resolved_engine_args"]  # what vLLM chose for what the launch left to it

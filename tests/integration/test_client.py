@@ -87,7 +87,7 @@ def test_open_loop_rate_and_duration_limit():
 
         records, elapsed = asyncio.run(go())
     sends = np.array(sorted(r.sent for r in records))
-    assert elapsed < 3.0
+    assert elapsed < 15.0, f"{elapsed:.1f} s"  # the 2 s limit ended the level (10,000 requests at 50/s would take 200 s)
     assert 60 <= len(records) <= 140  # 50 req/s for 2 s
     assert all(r.ok for r in records)
     assert sends[-1] <= 2.0

@@ -45,11 +45,18 @@ def test_the_ramp_follows_its_phases_and_waits_for_the_scale_out(tiny_model):
             watch, "app", url, "fake", load_workload("cpu-tiny"), PromptFactory(load_tokenizer(str(tiny_model))),
             phases, {"ttft_ms": 5000}, request_timeout_s=30, scale_up_timeout_s=30,
         ))  # fmt: skip
-    assert watch.peak_in_flight == 6  # 3x the knee of 2
+    # 3x the knee of 2, counted from the clients' own records (the watch's samples, once a second,
+    # need not catch all six at once on a loaded host); the server never saw more.
+    events = sorted([(r.sent, 1) for r in records] + [(r.end, -1) for r in records if r.end is not None])
+    in_flight = [sum(step for _, step in events[: i + 1]) for i in range(len(events))]
+    assert max(in_flight) == 6 and watch.peak_in_flight <= 6, (max(in_flight), watch.peak_in_flight)
     assert [p.name for p in summary["phases"]] == ["1x", "3x", "back to 1x"]
     assert all(p.requests > 0 and p.errors == 0 and p.slo_violations == 0 for p in summary["phases"])
     assert summary["replicas_before"] == 1 and summary["replicas_peak"] == 2
-    assert 1.5 <= summary["time_to_scale_up_s"] < 4.0
+    # Not before the watch's 1.5 s; after it, up to a sample (1 s) to see the load and one to see the
+    # replica, each stretched on a loaded host: 3.5 s here, so a bound only against nonsense above.
+    took = summary["time_to_scale_up_s"]
+    assert 1.5 <= took < 10.0, (took, [(s.t_s, s.running, s.starting) for s in samples])
     three = summary["phases"][1]
     assert three.end_s - three.start_s >= summary["time_to_scale_up_s"] + 1.0  # held 1 s after the scale-out
     assert summary["new_replicas"] == ["b"] and summary["traffic_before_ready"] is False

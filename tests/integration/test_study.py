@@ -21,7 +21,7 @@ model: {model}
 device: cpu
 workload: cpu-tiny
 load: {{levels: [1, 4], requests_per_level: 8, warmup_requests: 1, startup_timeout_s: 60}}
-slo: {{ttft_ms: {{p99: 50}}}}
+slo: {{ttft_ms: {{p99: 400}}}}  # far above the fake's 5 ms (a loaded host here saw a P99 of 241 ms), far below 900
 hardware: {{devices_per_node: 2}}
 price_per_device_hour: 0.05
 params:
@@ -52,23 +52,25 @@ def results(study_dir):
 
 def test_grid_study_records_every_outcome_and_goes_on_after_a_crash(study):
     write, study_dir, fake = study
-    # Three trials: one that meets the SLO, one that breaks it, one whose engine dies mid-ladder.
-    argv = write("  env.SERVETUNE_FAKE_TTFT_MS: [5, 80]\n  env.SERVETUNE_FAKE_CRASH_AFTER_S: [1000, 0.8]\n", load="repeats: 3,",
+    # Three trials: one that meets the SLO, one that breaks it, one whose engine dies mid-ladder (2.5 s
+    # after it started: well after its first health check, 0.5 s apart, and inside a ladder of about 5 s).
+    argv = write("  env.SERVETUNE_FAKE_TTFT_MS: [5, 900]\n  env.SERVETUNE_FAKE_CRASH_AFTER_S: [1000, 2.5]\n", load="repeats: 3,",
                  constraints="['env.SERVETUNE_FAKE_TTFT_MS == 5 or env.SERVETUNE_FAKE_CRASH_AFTER_S == 1000']")
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=study_dir.parent.parent)
     assert done.returncode == 0, done.stderr[-3000:]
     by_config = {(r["params"]["env.SERVETUNE_FAKE_TTFT_MS"], r["params"]["env.SERVETUNE_FAKE_CRASH_AFTER_S"]): r for r in results(study_dir).values()}
     assert len(by_config) == 3
     good = by_config[(5, 1000)]
-    assert good["outcome"] == "COMPLETE" and len(good["levels"]) == 2 and good["best_level_index"] == 1
+    good_p99 = [[run["summary"]["ttft_ms"]["p99"] for run in level.get("runs") or []] for level in good["levels"]]
+    assert good["outcome"] == "COMPLETE" and len(good["levels"]) == 2 and good["best_level_index"] == 1, (good["reason"], good_p99)
     assert [len(level["runs"]) for level in good["levels"]] == [3, 3]  # load.repeats: every level run three times
-    slow = by_config[(80, 1000)]
+    slow = by_config[(900, 1000)]
     assert slow["outcome"] == "COMPLETE" and len(slow["levels"]) == 1 and slow["best_level_index"] is None
     assert slow["stopped_because"].startswith("SLO broken at concurrency 1")
     assert len(slow["levels"][0]["runs"]) == 2  # two broken runs decide the level: no third
     records = [json.loads(line) for line in (study_dir / "trials" / good["trial_id"] / "requests.jsonl").read_text().splitlines()]
     assert {(r["level"], r["repeat"]) for r in records} == {(lv, run) for lv in (0, 1) for run in range(3)}
-    crashed = by_config[(5, 0.8)]
+    crashed = by_config[(5, 2.5)]
     assert crashed["outcome"] == "FAILED" and "engine died" in crashed["reason"], crashed["reason"]
     assert crashed["log_tail"], "a trial whose engine died mid-ladder keeps the engine log's tail"
     assert "met the SLO" in done.stdout and good["trial_id"] in done.stdout

@@ -49,16 +49,19 @@ def test_a_release_after_the_allowance_is_late_not_a_leak(tiny_tokenizer):
     result = run_scenario(FakeOpenAI(ttft_ms=10, itl_ms=5, release_ms=3000), tiny_tokenizer)
     (round_,) = result.numbers["rounds"]
     assert not result.passed and result.numbers["cancellation_success_rate"] == 0.0, result.reason
-    assert round_["fell_back_s"] is None and round_["released_s"] == pytest.approx(3.0, abs=1.0), round_
+    # Released 3 s after the fake saw the drop (5 ms on), seen by a poll every 0.1 s: a loaded host can only make it later.
+    assert round_["fell_back_s"] is None and 2.9 <= round_["released_s"] < 6.0, round_
     assert round_["leaked"] == 2 and "late" in result.reason, result.reason
 
 
 def test_slow_steps_are_allowed_as_many_steps(tiny_tokenizer):
-    # 350 ms a token: ten steps are 3.5 s, so a release after 2.5 s is in time.
-    result = run_scenario(FakeOpenAI(ttft_ms=10, itl_ms=350, release_ms=2500), tiny_tokenizer)
+    # 500 ms a token: ten steps are 5 s, so a release 2.5 s after the fake saw the drop (at its next
+    # token, up to 0.5 s on) is in time, with 2 s to spare for a loaded host; a fixed 2 s would not be.
+    result = run_scenario(FakeOpenAI(ttft_ms=10, itl_ms=500, release_ms=2500), tiny_tokenizer)
     (round_,) = result.numbers["rounds"]
-    assert round_["allowed_s"] == pytest.approx(RELEASE_STEPS * 0.35, rel=0.2), round_
-    assert round_["fell_back_s"] == pytest.approx(2.5, abs=0.8) and result.numbers["cancellation_success_rate"] == 1.0, round_
+    assert round_["allowed_s"] == pytest.approx(RELEASE_STEPS * 0.5, rel=0.2), round_
+    assert round_["fell_back_s"] is not None and round_["fell_back_s"] >= 2.4, round_
+    assert round_["fell_back_s"] > FALLBACK_S and result.numbers["cancellation_success_rate"] == 1.0, round_
 
 
 def test_an_engine_that_cannot_be_read_ends_the_scenario_at_once(tiny_tokenizer):
@@ -66,7 +69,9 @@ def test_an_engine_that_cannot_be_read_ends_the_scenario_at_once(tiny_tokenizer)
     result = run_scenario(None, tiny_tokenizer)
     took = time.monotonic() - started
     assert not result.passed and "never showed the streams in flight" in result.reason, result.reason
-    assert len(result.numbers["rounds"]) == 1 and took < 12, (took, result.numbers["rounds"])  # no retries, no 10 s watch
+    # One round (no retries), and no 10 s watch: the round's 5 s wait for gauges and a second or two of
+    # its own take about 6 s here, a watch would make it 16 s or more.
+    assert len(result.numbers["rounds"]) == 1 and took < 14, (took, result.numbers["rounds"])
 
 
 def test_a_stream_never_released_within_the_watch_is_a_leak(tiny_tokenizer):

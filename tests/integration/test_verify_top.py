@@ -17,11 +17,11 @@ model: {model}
 device: cpu
 workload: cpu-tiny
 load: {{levels: [1, 2], requests_per_level: 8, warmup_requests: 1, startup_timeout_s: 60}}
-slo: {{ttft_ms: {{p99: 60}}}}
+slo: {{ttft_ms: {{p99: 400}}}}  # far above 5 and 10 ms (a 5 ms fake was recorded here at a P99 of 241 ms), below 900
 hardware: {{devices_per_node: 2}}
 price_per_device_hour: 0.05
 params:  # three trials: two meet the SLO (the one-core 5 ms and the two-core 10 ms), one breaks it;
-  env.SERVETUNE_FAKE_TTFT_MS: [5, 10, 200]  # the two-core one's engine dies 20 s after it is ready: after
+  env.SERVETUNE_FAKE_TTFT_MS: [5, 10, 900]  # the two-core one's engine dies 20 s after it is ready: after
   data_parallel_size: [1, 2]                # its trial's ladder (about 3 s of the engine's life), halfway
   env.SERVETUNE_FAKE_CRASH_AFTER_S: [1000, 20]  # through its verification (about 40 s of scenarios)
 constraints: ["(env.SERVETUNE_FAKE_TTFT_MS == 10) == (data_parallel_size == 2)",
@@ -40,9 +40,10 @@ def test_two_best_points_verified_on_reserved_resources_stored_reported_and_kept
     study = tmp_path / "results" / "top"
     results = {json.loads(p.read_text())["params"]["env.SERVETUNE_FAKE_TTFT_MS"]: json.loads(p.read_text())
                for p in study.glob("trials/*/result.json")}  # fmt: skip
-    assert sorted(results) == [5, 10, 200]
+    assert sorted(results) == [5, 10, 900]
     meeting = {results[5]["trial_id"]: 1, results[10]["trial_id"]: 2}  # devices each reserved
-    assert "top 3 asked, but only 2 trial(s) met every SLO: verifying 2" in done.stderr
+    p99 = {ttft: [lv["summary"]["ttft_ms"]["p99"] for lv in r["levels"]] for ttft, r in results.items()}
+    assert "top 3 asked, but only 2 trial(s) met every SLO: verifying 2" in done.stderr, (p99, done.stderr[-2000:])
 
     docs = {p.stem: json.loads(p.read_text()) for p in (study / "verify").glob("*.json")}
     assert set(docs) == set(meeting)
