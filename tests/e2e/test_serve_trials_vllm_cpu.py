@@ -62,7 +62,7 @@ def test_one_and_two_replicas_measured_through_serve_recorded_and_torn_down(tmp_
         assert result["startup_s"] > 0
         assert serve["replica_niceness"] == [0]  # not Ray's 15: the engines get the CPU a bare engine gets
     assert results[1]["trial_id"] != results[2]["trial_id"]
-    assert still_running_after(60, "ServeReplica:servetune-trial-") == [] and processes_mentioning(study_dir, "vllm") == []
+    assert still_running_after(60, "ServeReplica:servetune-serve-trials-") == [] and processes_mentioning(study_dir, "vllm") == []
     # The exported Serve application scales on what one of the trial's replicas served: 4 clients
     # over 2 replicas is 2 in flight per replica, and the ladder's top (4) needs both.
     export = servetune("export", study_dir, "--pick", results[2]["trial_id"], "--format", "ray-serve")

@@ -94,3 +94,18 @@ def test_the_llm_deployment_is_pinned_to_the_engine_version_and_the_ingress_is_n
     servers = app._bound_deployment.init_kwargs["llm_deployments"]
     assert [(s._bound_deployment.name, s._bound_deployment._version) for s in servers.values()] == [("LLMServer:m", "v1")]
     assert app._bound_deployment._version is None  # the ingress gets a new version, so a new router, each deploy
+
+
+def test_a_study_deletes_the_serve_applications_a_stopped_run_of_it_left_and_no_others(local_ray):
+    """What a trial through Serve leaves when its driver is killed on a cluster (Serve outlives it): the
+    study's next run deletes its own, matched by study name and trial id, and leaves every other one."""
+    from servetune.engine.server import free_port
+    from servetune.serve.trial import remove_study_apps
+
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+    names = ["servetune-s1-0123456789ab", "servetune-s1-extra-0123456789ab", "servetune-s1-notatrialid", "theirs"]
+    for name in names:
+        serve.run(Someone.bind(), name=name, route_prefix=f"/{name}")
+    assert remove_study_apps("s1") == ["servetune-s1-0123456789ab"]
+    assert sorted(serve.status().applications) == sorted(names[1:])
+    assert remove_study_apps("s1") == []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import signal
 import sys
 import tempfile
@@ -141,9 +142,13 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
         if callbacks is None:
             if space.through_serve:
                 from servetune.serve.cluster import start_serve
-                from servetune.serve.trial import local_serve_cpus
+                from servetune.serve.trial import local_serve_cpus, remove_study_apps
 
                 start_serve(init_ray(args.address, local_serve_cpus(space)))
+                left = remove_study_apps(space.name)
+                if left:
+                    console.print(f"deleted {len(left)} Serve application(s) a stopped run of this study left deployed: {', '.join(left)}")
+                atexit.register(remove_study_apps, space.name)  # a stopped driver's trials cannot delete theirs
             else:
                 init_ray(args.address)
             callbacks = [ResultMirror(context), LiveTable(space, console), MlflowCallback(study_dir.resolve(), args.tracking_uri)]

@@ -2,8 +2,9 @@
 ``serve.num_replicas`` replicas, measured through Serve's OpenAI ingress like a bare engine.
 
 The application is the one ``export --format ray-serve`` prints for the trial (``serve.plan.llm_config``),
-named and routed after the trial (``/servetune-trial-<id>``), so trials of several studies can share
-one Serve. Each replica takes its devices in a placement group of its own; the trial's Tune bundle
+named and routed after the study and the trial (``/servetune-<study>-<trial id>``), so studies can share
+one Serve, and a study finds what a killed run of it left: Serve outlives the driver on a cluster, and
+so would the replicas and their devices (:func:`remove_study_apps`). Each replica takes its devices in a placement group of its own; the trial's Tune bundle
 holds one CPU, for the load client. Every level starts on emptied prefix caches (Serve broadcasts
 the reset to each replica); the result keeps what each replica served (Serve's own counter).
 Leaving deletes the application and waits until its replica processes on this node are gone.
@@ -12,6 +13,7 @@ Leaving deletes the application and waits until its replica processes on this no
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,19 @@ NOT_SHIPPED = ("CUDA_VISIBLE_DEVICES",)
 
 
 def app_name(spec: TrialSpec) -> str:
-    return f"servetune-trial-{spec.trial_id}"
+    return f"servetune-{spec.study}-{spec.trial_id}"
+
+
+def remove_study_apps(study: str) -> list[str]:
+    """Delete the Serve applications of ``study``'s trials still deployed (a killed run's: the trial's
+    own teardown deletes its application); the names deleted. Another study's are left alone."""
+    from ray import serve
+
+    mine = re.compile(rf"servetune-{re.escape(study)}-[0-9a-f]{{12}}")
+    names = sorted(name for name in serve.status().applications if mine.fullmatch(name))
+    for name in names:
+        serve.delete(name, _blocking=True)
+    return names
 
 
 def trial_llm_config(spec: TrialSpec) -> dict[str, Any]:
