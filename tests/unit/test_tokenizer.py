@@ -86,15 +86,16 @@ def test_prompts_are_the_same_for_a_seed_on_either_tokenizer(model, request):
     assert stream(fast) == stream(auto)
 
 
-def test_a_trial_s_prompts_are_made_without_importing_transformers(tiny_model):
+def test_a_trial_worker_imports_neither_transformers_nor_mlflow(tiny_model):
+    # What a Ray Tune worker imports to run a trial: the trainable's module, the runner, the prompts.
     code = (
         "import sys, itertools\n"
+        "import servetune.study.driver, servetune.study.early_stop, servetune.trial.runner\n"
         "from servetune.config.workload import load_workload\n"
         "from servetune.load.requests import PromptFactory, iter_requests, load_tokenizer\n"
-        "import servetune.trial.runner\n"
         f"factory = PromptFactory(load_tokenizer({str(tiny_model)!r}))\n"
         "list(itertools.islice(iter_requests(load_workload('cpu-tiny'), factory), 5))\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'mlflow'}))\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
