@@ -102,14 +102,19 @@ def test_a_trial_worker_imports_neither_transformers_nor_mlflow(tiny_model):
     assert done.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("tokenizer_class", ["GPT2Tokenizer", None])
-def test_a_directory_transformers_would_change_goes_through_auto_tokenizer(tiny_model, tmp_path, tokenizer_class):
-    # A model-specific class rebuilds the pipeline in transformers 5, and without a class transformers
-    # picks one from config.json: servetune leaves both to transformers.
+@pytest.mark.parametrize("update", [
+    {"tokenizer_class": "GPT2Tokenizer"},  # transformers 5 rebuilds a model-specific class's pipeline
+    {"tokenizer_class": None},  # transformers picks a class from config.json
+    {"additional_special_tokens": ["<image>"]},  # transformers adds it to the vocabulary
+])
+def test_a_directory_transformers_would_change_goes_through_auto_tokenizer(tiny_model, tmp_path, update):
     model = shutil.copytree(tiny_model, tmp_path / "model", ignore=shutil.ignore_patterns("*.safetensors"))
     config = json.loads((model / "tokenizer_config.json").read_text())
-    (model / "tokenizer_config.json").write_text(json.dumps({**config, "tokenizer_class": tokenizer_class}))
-    assert not isinstance(load_tokenizer(str(model)), FastTokenizer)
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, **update}))
+    tokenizer = load_tokenizer(str(model))
+    assert not isinstance(tokenizer, FastTokenizer)
+    if "additional_special_tokens" in update:
+        assert len(tokenizer) == len(load_tokenizer(str(tiny_model))) + 1
 
 
 def test_a_broken_tokenizer_json_is_one_line_naming_the_file(tiny_model, tmp_path):

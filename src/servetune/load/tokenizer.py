@@ -1,15 +1,18 @@
 """The served model's tokenizer, loaded without importing transformers where it can be.
 
 ``import transformers`` takes 7-9 s and half a gigabyte on a small host, and every trial worker,
-``bench``, ``verify`` and ``serve-check`` loads a tokenizer. A model directory whose tokenizer is
-a plain ``tokenizer.json`` (``tokenizer_class`` ``PreTrainedTokenizerFast`` or ``TokenizersBackend``
-in ``tokenizer_config.json``) is what transformers itself hands to Hugging Face's ``tokenizers``, so reading that file
-with ``tokenizers`` directly gives the same ids, text and vocabulary size as ``AutoTokenizer``
-(which vLLM counts with); transformers too ignores ``add_bos_token`` / ``add_eos_token`` beside a
-``tokenizer.json``, whose post-processor decides. Anything else (a hub id, a slow tokenizer, a model-specific class, which
-transformers 5 rebuilds from the file's vocabulary with its own pre-tokenizer, no class named, where
-transformers picks one from ``config.json``, a config that asks it to change the file's behaviour) still goes
-through ``AutoTokenizer``.
+``bench``, ``verify`` and ``serve-check`` loads a tokenizer. Where ``tokenizer_config.json`` names
+``PreTrainedTokenizerFast`` (or ``TokenizersBackend``), transformers serves the directory's
+``tokenizer.json`` as it is through Hugging Face's ``tokenizers``, so reading that file with
+``tokenizers`` gives the same ids, text and vocabulary size as ``AutoTokenizer`` (which vLLM counts
+with). transformers ignores ``add_bos_token`` / ``add_eos_token`` beside a ``tokenizer.json`` (its
+post-processor decides), and so does this.
+
+Everything else goes through ``AutoTokenizer``: a hub id, a directory without ``tokenizer.json``,
+a model-specific class (transformers 5 rebuilds those from the file's vocabulary with the class's
+own pre-tokenizer), no class named (transformers picks one from ``config.json``), a config that
+asks transformers to change what the file does (cleaning up decoded spaces, a special token the
+vocabulary lacks).
 """
 
 from __future__ import annotations
@@ -82,8 +85,11 @@ def _load_fast(directory: Path) -> FastTokenizer | None:
         raise UserError(f"{path}: not a tokenizer: {str(exc).splitlines()[0][:200]}") from None
     if config.get("clean_up_tokenization_spaces") and type(backend.model).__name__ != "BPE":
         return None  # transformers rewrites decoded text for these (" ." -> "."): leave it to it
-    named = {key: _content(config.get(key)) for key in _NAMED_SPECIALS}
-    if any(token is not None and backend.token_to_id(token) is None for token in named.values()):
+    named = [config.get(key) for key in _NAMED_SPECIALS]
+    for key in ("additional_special_tokens", "extra_special_tokens"):  # a list, or (transformers 5) a dict by name
+        listed = config.get(key)
+        named += list(listed.values()) if isinstance(listed, dict) else listed if isinstance(listed, list) else []
+    if any(backend.token_to_id(token) is None for token in map(_content, named) if token is not None):
         return None  # transformers would add it to the vocabulary
     backend.no_truncation()
     backend.no_padding()
