@@ -38,9 +38,11 @@ def fake_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model: Path):
-    from transformers import AutoTokenizer
+    """The tiny model's tokenizer as servetune loads it (tests/unit/test_tokenizer.py checks that it
+    agrees with transformers' AutoTokenizer)."""
+    from servetune.load.requests import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(tiny_model)
+    return load_tokenizer(str(tiny_model))
 
 
 @contextmanager

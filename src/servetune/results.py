@@ -290,6 +290,8 @@ TRIALS_DIR = "trials"
 RESULT_FILE = "result.json"
 QUALITY_FILE = "quality.jsonl"  # the quality probe's answers, a row per prompt (quality/probe.py)
 LM_EVAL_RESULTS_FILE = "lm_eval_results.json"  # lm-eval's results JSON, when the probe ran lm-eval tasks (quality/lm_eval.py)
+ENGINE_LOG = "engine.log"  # the engine's stdout and stderr (trial/runner.py)
+REQUESTS_FILE = "requests.jsonl"  # the per-request records, a row per request (trial/runner.py)
 
 
 Model = TypeVar("Model", bound=BaseModel)

@@ -20,7 +20,10 @@ def test_architecture_and_size(tiny_model):
     assert 2_000_000 < parameter_count() < 3_000_000
 
 
-def test_byte_level_tokenizer_round_trips_any_text(tiny_tokenizer):
+def test_byte_level_tokenizer_round_trips_any_text(tiny_model):
+    from transformers import AutoTokenizer  # as vLLM loads it, chat template included
+
+    tiny_tokenizer = AutoTokenizer.from_pretrained(tiny_model)
     text = "héllo, 世界! {\"json\": [1, 2]}"
     ids = tiny_tokenizer.encode(text, add_special_tokens=False)
     assert len(ids) == len(text.encode())

@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from servetune.config.workload import Empirical, Workload
-from servetune.errors import UserError
+from servetune.load.tokenizer import load_tokenizer  # noqa: F401 (callers import it from here, beside PromptFactory)
 
 _WORD = re.compile(r" [A-Za-z]{2,12}")
 _CHAR = re.compile(r"[ -~]")
@@ -31,16 +31,6 @@ class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
     def decode(self, ids: list[int]) -> str: ...
     def batch_decode(self, ids: list[list[int]]) -> list[str]: ...
-
-
-def load_tokenizer(name: str) -> Tokenizer:
-    """The served model's tokenizer (a directory or a hub id); a failure is a UserError."""
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(name)
-    except Exception as exc:  # transformers raises many kinds for a missing or broken tokenizer
-        raise UserError(f"cannot load the tokenizer of '{name}': {str(exc).splitlines()[0][:200]}") from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -22,8 +22,10 @@ from servetune.config.quality import LM_EVAL_PREFIX
 from servetune.config.space import MODEL_PARAM, SearchSpace, describe_params
 from servetune.errors import UserError
 from servetune.results import (
+    ENGINE_LOG,
     LM_EVAL_RESULTS_FILE,
     QUALITY_FILE,
+    REQUESTS_FILE,
     RESULT_FILE,
     SCHEMA_VERSION,
     SPACE_FILE,
@@ -39,7 +41,6 @@ from servetune.study.context import StudyContext
 from servetune.study.objectives import objectives_and_constraints
 from servetune.study.packing import order_for_packing
 from servetune.study.searcher import CONSTRAINTS_KEY, OBJECTIVES_KEY, ConstrainedOptunaSearch
-from servetune.tracking.inputs import ENGINE_LOG, REQUESTS_FILE
 from servetune.trial.runner import new_result, write_atomic
 
 RESULT_KEY = "servetune_result"

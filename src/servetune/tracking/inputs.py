@@ -12,9 +12,6 @@ from pathlib import Path
 
 import numpy as np
 
-#: Files of a trial directory (trial/runner.py writes them beside result.json).
-ENGINE_LOG = "engine.log"
-REQUESTS_FILE = "requests.jsonl"
 UNKNOWN = "unknown"
 
 

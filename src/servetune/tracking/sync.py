@@ -29,11 +29,9 @@ from servetune.tracking.connection import (
     mlflow_env,
     resolve_tracking_uri,
 )
-from servetune.results import QUALITY_FILE
+from servetune.results import ENGINE_LOG, QUALITY_FILE, REQUESTS_FILE
 from servetune.tracking.fields import level_tags, run_name, study_metrics, study_params, trial_metrics, trial_params
 from servetune.tracking.inputs import (
-    ENGINE_LOG,
-    REQUESTS_FILE,
     ModelFingerprint,
     log_tail,
     model_fingerprint,

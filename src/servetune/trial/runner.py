@@ -34,8 +34,10 @@ from servetune.load.runner import Level
 from servetune.quality.lm_eval import results_file
 from servetune.quality.probe import QualityPlan, run_probe
 from servetune.results import (
+    ENGINE_LOG,
     LM_EVAL_RESULTS_FILE,
     QUALITY_FILE,
+    REQUESTS_FILE,
     RESULT_FILE,
     SCHEMA_VERSION,
     CapacityReport,
@@ -193,7 +195,7 @@ EngineFactory = Callable[[TrialSpec, Path], Engine]
 def vllm_engine(spec: TrialSpec, trial_dir: Path) -> VllmServer:
     """The real engine: vLLM's OpenAI server in its own process group, logging to ``engine.log``."""
     kwargs = {"python": spec.python} if spec.python else {}
-    return VllmServer(spec.model, spec.engine_args, {**spec.env, **spec.extra_env}, log_path=trial_dir / "engine.log",
+    return VllmServer(spec.model, spec.engine_args, {**spec.env, **spec.extra_env}, log_path=trial_dir / ENGINE_LOG,
                       startup_timeout_s=spec.startup_timeout_s, **kwargs)  # fmt: skip
 
 
@@ -236,7 +238,7 @@ def _measure(server: Engine, spec: TrialSpec, result: TrialResult, report: Repor
              trial_dir: Path, stop_rule: StopRule | None = None) -> None:  # fmt: skip
     with server:
         result.startup_s = server.startup_s
-        result.startup_phases = startup_phases(_read(trial_dir / "engine.log"), server.startup_s)
+        result.startup_phases = startup_phases(_read(trial_dir / ENGINE_LOG), server.startup_s)
         result.resolved_engine_args = fetch_resolved(server.url)
         kv = server.kv_capacity()
         if kv is not None:
@@ -254,7 +256,7 @@ def _measure(server: Engine, spec: TrialSpec, result: TrialResult, report: Repor
                 write_atomic(trial_dir / LM_EVAL_RESULTS_FILE, lm_eval_results.read_text())
             if not server.alive():
                 raise EngineDiedError(f"the engine died during the quality probe ({server.failure_reason()})", server.log_tail())
-        records_path = trial_dir / "requests.jsonl"
+        records_path = trial_dir / REQUESTS_FILE
         with records_path.open("w") as records_file:
             result.stopped_because = asyncio.run(_climb(spec, server, result, report, prompts, records_file, stop_rule))
         record = getattr(server, "record", None)  # through Serve: what each replica served

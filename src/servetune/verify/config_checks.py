@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from servetune.report.points import level_label
-from servetune.results import LevelResult, TrialResult
+from servetune.results import REQUESTS_FILE, LevelResult, TrialResult
 from servetune.tracking.fields import engine_setting
-from servetune.tracking.inputs import REQUESTS_FILE, read_request_stats
+from servetune.tracking.inputs import read_request_stats
 from servetune.verify import fingerprint
 from servetune.verify.context import (
     FAIL,

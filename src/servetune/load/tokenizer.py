@@ -1,0 +1,116 @@
+"""The served model's tokenizer, loaded without importing transformers where it can be.
+
+``import transformers`` takes 7-9 s and half a gigabyte on a small host, and every trial worker,
+``bench``, ``verify`` and ``serve-check`` loads a tokenizer. Where ``tokenizer_config.json`` names
+``PreTrainedTokenizerFast`` (or ``TokenizersBackend``), transformers serves the directory's
+``tokenizer.json`` as it is through Hugging Face's ``tokenizers``, so reading that file with
+``tokenizers`` gives the same ids, text and vocabulary size as ``AutoTokenizer`` (which vLLM counts
+with). transformers ignores ``add_bos_token`` / ``add_eos_token`` beside a ``tokenizer.json`` (its
+post-processor decides), and so does this.
+
+Everything else goes through ``AutoTokenizer``: a hub id, a directory without ``tokenizer.json``,
+a model-specific class (transformers 5 rebuilds those from the file's vocabulary with the class's
+own pre-tokenizer), no class named (transformers picks one from ``config.json``), a config that
+asks transformers to change what the file does (cleaning up decoded spaces, a special token the
+vocabulary lacks).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from servetune.errors import UserError
+
+if TYPE_CHECKING:
+    from servetune.load.requests import Tokenizer
+
+#: Classes whose ``from_pretrained`` serves ``tokenizer.json`` as it is.
+_PLAIN_CLASSES = {"PreTrainedTokenizerFast", "TokenizersBackend"}
+#: The named special tokens transformers adds to the vocabulary when they are missing from it.
+_NAMED_SPECIALS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class FastTokenizer:
+    """A ``tokenizers.Tokenizer`` with the part of transformers' interface servetune calls.
+
+    ``all_special_ids`` are the added tokens marked special in ``tokenizer.json``, in id order.
+    """
+
+    def __init__(self, backend: Any, special_ids: list[int]) -> None:
+        self.backend = backend
+        self.all_special_ids = special_ids
+
+    def __len__(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def batch_decode(self, ids: list[list[int]]) -> list[str]:
+        return self.backend.decode_batch([[int(i) for i in row] for row in ids], skip_special_tokens=False)
+
+
+def load_tokenizer(name: str) -> Tokenizer:
+    """The served model's tokenizer (a directory or a hub id); a failure is a UserError."""
+    fast = _load_fast(Path(name))
+    if fast is not None:
+        return fast
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except Exception as exc:  # transformers raises many kinds for a missing or broken tokenizer
+        raise UserError(f"cannot load the tokenizer of '{name}': {str(exc).splitlines()[0][:200]}") from None
+
+
+def _load_fast(directory: Path) -> FastTokenizer | None:
+    """The directory's ``tokenizer.json`` read by ``tokenizers``, or None where transformers would
+    not serve that file unchanged."""
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        return None
+    config = _read_json(directory / "special_tokens_map.json") | _read_json(directory / "tokenizer_config.json")
+    if config.get("tokenizer_class") not in _PLAIN_CLASSES:
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        backend = Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises its own Exception for unreadable or unknown JSON
+        raise UserError(f"{path}: not a tokenizer: {str(exc).splitlines()[0][:200]}") from None
+    if config.get("clean_up_tokenization_spaces") and type(backend.model).__name__ != "BPE":
+        return None  # transformers rewrites decoded text for these (" ." -> "."): leave it to it
+    named = [config.get(key) for key in _NAMED_SPECIALS]
+    for key in ("additional_special_tokens", "extra_special_tokens"):  # a list, or (transformers 5) a dict by name
+        listed = config.get(key)
+        named += list(listed.values()) if isinstance(listed, dict) else listed if isinstance(listed, list) else []
+    if any(backend.token_to_id(token) is None for token in map(_content, named) if token is not None):
+        return None  # transformers would add it to the vocabulary
+    backend.no_truncation()
+    backend.no_padding()
+    special = sorted(i for i, token in backend.get_added_tokens_decoder().items() if token.special)
+    return FastTokenizer(backend, special)
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path}: cannot read it as JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path}: expected a JSON object")
+    return data
+
+
+def _content(token: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string or an AddedToken's dict."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else None
