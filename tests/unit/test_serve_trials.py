@@ -1,7 +1,12 @@
 """``serve.num_replicas`` in a search space: trials through Ray Serve, without Ray (the e2e test deploys them)."""
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 
+from servetune.cli import main
 from servetune.config.space import SearchSpace, load_space
 from servetune.errors import UserError
 from servetune.report.export import ray_serve_app
@@ -10,6 +15,9 @@ from servetune.serve.trial import local_serve_cpus, trial_llm_config
 from servetune.study.context import StudyContext, resolve_levels
 from servetune.study.nodes import bundle
 from servetune.study.packing import resolve_max_concurrent
+
+FIXTURE = Path(__file__).parents[1] / "data" / "cpu-tiny-study"
+FIXTURE_TRIAL = "e57a166985b8"
 
 BASE = """
 name: t
@@ -101,3 +109,21 @@ def test_autoscaling_from_a_trial_through_serve_is_per_replica():
     a = derive_autoscaling([knee], ["ttft_ms_p99 <= 500"], peak=64)
     assert a.target_ongoing_requests == 8 and a.throughput_per_replica == 20.0 and a.max_replicas == 8
     assert "/ 2 Serve replicas" in a.reasons["knee"]
+
+
+def test_verify_of_a_trial_through_serve_is_refused_before_anything_starts(tmp_path, capsys):
+    path = tmp_path / "space.yaml"
+    path.write_text(BASE.replace("search: {max_concurrent: 4}", "search: {verify: {top: 1}}") + "params:\n  serve.num_replicas: [1, 2]\n")
+    with pytest.raises(UserError, match=r"search.verify: trials through Serve \(serve.num_replicas\) cannot be verified yet"):
+        load_space(path)
+    # servetune verify on a study whose pick ran through Serve: one line, exit 2 (it would start a bare engine).
+    study = tmp_path / "study"
+    shutil.copytree(FIXTURE, study)
+    result_file = study / "trials" / FIXTURE_TRIAL / "result.json"
+    result = json.loads(result_file.read_text())
+    result["params"] = {**result["params"], "serve.num_replicas": 2}
+    result_file.write_text(json.dumps(result))
+    assert main(["verify", str(study), "--pick", FIXTURE_TRIAL]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert f"trial {FIXTURE_TRIAL} was measured through Ray Serve at 2 replicas" in err[-1], err
+    assert f"--pick {FIXTURE_TRIAL} --replicas 2" in err[-1] and not (study / "verify.json").exists()

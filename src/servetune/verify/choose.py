@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from servetune.config.space import SearchSpace, load_space
+from servetune.config.space import SERVE_REPLICAS, SearchSpace, load_space
 from servetune.config.workload import Workload
 from servetune.errors import UserError
 from servetune.load.runner import Level
@@ -163,6 +163,11 @@ class _Rebuild:
     def chosen(self, point: ReportPoint) -> Chosen:
         result = read_result(self.study_dir / TRIALS_DIR / point.trial_id)
         assert result is not None  # the report read it
+        replicas = result.params.get(SERVE_REPLICAS)
+        if replicas is not None:  # verify starts one bare engine: its verdict would be about another deployment
+            raise UserError(f"trial {point.trial_id} was measured through Ray Serve at {replicas} replicas, and verify starts "
+                            f"the bare engine; check that deployment with servetune serve-check {self.study_dir} --pick "
+                            f"{point.trial_id} --replicas {replicas} (verify through Serve is not built yet)")  # fmt: skip
         return Chosen(point, result, self.context.spec_for(dict(result.params)), _level(point, self.context.levels, self.workload))
 
     def selection(self, point: ReportPoint, runner_up: ReportPoint | None) -> Selection:
