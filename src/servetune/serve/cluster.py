@@ -41,8 +41,7 @@ class ServeCluster:
         import ray
         from ray import serve
 
-        for logger in ("ray.serve", "ray.llm"):  # their INFO lines would bury serve-check's own progress
-            logging.getLogger(logger).setLevel(logging.WARNING)
+        _quiet_serve_logs()
         if self.address is None:
             if not ray.is_initialized():
                 # CPUs are declared (what Serve schedules by); GPUs are left for Ray to detect.
@@ -257,9 +256,14 @@ def start_serve(local: bool) -> None:
     on other nodes reach it there). Serve already running keeps its options."""
     from ray import serve
 
-    for logger in ("ray.serve", "ray.llm"):  # their INFO lines would bury the study's progress
-        logging.getLogger(logger).setLevel(logging.WARNING)
+    _quiet_serve_logs()
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()} if local else {"host": "0.0.0.0"})
+
+
+def _quiet_serve_logs() -> None:
+    """Serve's and Ray Serve LLM's INFO lines would bury servetune's own progress."""
+    for logger in ("ray.serve", "ray.llm"):
+        logging.getLogger(logger).setLevel(logging.WARNING)
 
 
 def _live_replicas(name: str, deployment_prefix: str = "") -> list[tuple[str, dict[str, Any]]]:

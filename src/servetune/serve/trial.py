@@ -56,7 +56,8 @@ def trial_llm_config(spec: TrialSpec) -> dict[str, Any]:
 
 
 class ServeEngine:
-    """The :class:`~servetune.trial.runner.Engine` of a trial through Serve (see the module's doc)."""
+    """The :class:`~servetune.trial.runner.Engine` of a trial through Serve (see the module's doc); the class
+    is the engine factory the study's trainable gives ``run_trial``."""
 
     def __init__(self, spec: TrialSpec, trial_dir: Path, cluster: ServeCluster | None = None) -> None:
         self.spec = spec
@@ -128,11 +129,6 @@ class ServeEngine:
         return {"application": self.name, "replicas": self.spec.serve_replicas,
                 "requests_per_replica": self.cluster.requests_per_replica(self.name),
                 "replica_niceness": sorted(niceness)}  # fmt: skip
-
-
-def serve_engine(spec: TrialSpec, trial_dir: Path) -> ServeEngine:
-    """The engine factory the study's trainable gives ``run_trial`` for a trial through Serve."""
-    return ServeEngine(spec, trial_dir)
 
 
 def local_serve_cpus(space: SearchSpace) -> int:

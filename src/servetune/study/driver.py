@@ -75,7 +75,7 @@ def trainable(config: dict[str, Any], context: StudyContext, finished_points: An
         rule = dominance_rule(finished_points) if finished_points is not None else None
         engine = vllm_engine
         if spec.serve_replicas is not None:
-            from servetune.serve.trial import serve_engine as engine
+            from servetune.serve.trial import ServeEngine as engine
         result = run_trial(spec, tune.report, lambda: PromptFactory(load_tokenizer(spec.tokenizer)), stop_rule=rule, engine=engine)
         if finished_points is not None:  # before the final report: trials that start next see it
             ray.wait([finished_points.add.remote(result)], timeout=10)
