@@ -42,12 +42,14 @@ def test_one_and_two_replicas_measured_through_serve_recorded_and_torn_down(tmp_
     done = servetune("run", tmp_path / "space.yaml", "--storage", tmp_path / "results", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     study_dir = tmp_path / "results" / "serve-trials"
-    results = {}
+    results, paths = {}, {}
     for path in study_dir.glob("trials/*/result.json"):
         result = json.loads(path.read_text())
         results[result["params"]["serve.num_replicas"]] = result
+        paths[result["params"]["serve.num_replicas"]] = path
     assert sorted(results) == [1, 2], list(results)
     for replicas, result in results.items():
+        path = paths[replicas]
         assert result["outcome"] == "COMPLETE", (replicas, result["reason"], result.get("log_tail"))
         assert result["devices"] == replicas  # priced for every replica's core
         serve = result["serve"]
@@ -60,6 +62,15 @@ def test_one_and_two_replicas_measured_through_serve_recorded_and_torn_down(tmp_
         assert sum(served.values()) >= 24, served
         assert level.get("cache_note") is None  # each level began on emptied caches (reset through Serve)
         assert result["startup_s"] > 0
+        # vLLM's own metrics, every replica's added up, read from Ray's metrics agents (Serve's ingress has no /metrics)
+        server = level["server_metrics"]
+        out = level["summary"]["total_output_tokens"]
+        assert abs(server.get("generation_tokens", 0) - out) <= 0.05 * out, (server, out)
+        assert server.get("requests_running_max", 0) >= 1 and server.get("prefix_cache_queries", 0) > 0, server
+        # the replicas' vLLM log is the trial's engine log: the KV capacity comes from it, as a bare engine's does
+        log = path.parent / "engine.log"
+        assert log.exists() and "KV cache" in log.read_text(), sorted(p.name for p in path.parent.iterdir())
+        assert result["kv_capacity"]["tokens"] > 0, result.get("kv_capacity")
         assert serve["replica_niceness"] == [0]  # not Ray's 15: the engines get the CPU a bare engine gets
     assert results[1]["trial_id"] != results[2]["trial_id"]
     assert still_running_after(60, "ServeReplica:servetune-serve-trials-") == [] and processes_mentioning(study_dir, "vllm") == []

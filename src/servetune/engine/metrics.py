@@ -18,6 +18,8 @@ GAUGES = {
     "requests_waiting": ("vllm:num_requests_waiting",),
     "kv_cache_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
 }
+#: Gauges that are a share of one engine's capacity: several engines' do not add up.
+SHARE_GAUGES = ("kv_cache_usage",)
 #: Counters (family names, without ``_total``).
 COUNTERS = {
     "preemptions": ("vllm:num_preemptions",),
@@ -96,6 +98,11 @@ class MetricsSnapshot:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 samples.setdefault(sample.name, []).append(sample)
+        return cls.from_samples(samples)
+
+    @classmethod
+    def from_samples(cls, samples: dict[str, list]) -> "MetricsSnapshot":
+        """One server's snapshot from its samples (prometheus_client's), indexed by vLLM's sample names."""
         snap = cls()
         for ours, names in GAUGES.items():
             if (found := _first(samples, names)) is not None:
@@ -116,6 +123,25 @@ class MetricsSnapshot:
                 hist.buckets[le] = hist.buckets.get(le, 0.0) + s.value
             snap.histograms[ours] = hist
         return snap
+
+
+    @classmethod
+    def combined(cls, snaps: "list[MetricsSnapshot]") -> "MetricsSnapshot":
+        """Several engines (a deployment's replicas) as one server: counters, histograms and request
+        gauges add up; KV-cache usage is the fullest engine's (its share of its own cache)."""
+        out = cls()
+        for snap in snaps:
+            for name, value in snap.gauges.items():
+                out.gauges[name] = max(out.gauges.get(name, 0.0), value) if name in SHARE_GAUGES else out.gauges.get(name, 0.0) + value
+            for name, value in snap.counters.items():
+                out.counters[name] = out.counters.get(name, 0.0) + value
+            for name, hist in snap.histograms.items():
+                into = out.histograms.setdefault(name, Histogram())
+                into.sum += hist.sum
+                into.count += hist.count
+                for le, count in hist.buckets.items():
+                    into.buckets[le] = into.buckets.get(le, 0.0) + count
+        return out
 
 
 def _first(samples: dict[str, list], names: tuple[str, ...]) -> list | None:

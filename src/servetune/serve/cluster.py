@@ -116,6 +116,22 @@ class ServeCluster:
         ids before and after a redeploy mean Serve kept the replicas, a new id is a replica it started."""
         return sorted(actor_id for actor_id, _ in _live_replicas(name, deployment_prefix))
 
+    def replica_ids(self, name: str, deployment_prefix: str = "LLMServer") -> list[str]:
+        """Serve's unique ids of the application's live LLM replicas: the ``ReplicaId`` their engines'
+        metrics carry (the replica actor's name is ``SERVE_REPLICA::<app>#<deployment>#<unique id>``)."""
+        return sorted(str(actor.get("Name", "")).rsplit("#", 1)[-1] for _, actor in _live_replicas(name, deployment_prefix))
+
+    def metrics_lag_s(self) -> float:
+        """How far what Ray's metrics agents export lags a worker's own counts: two report intervals
+        (1 s on a local Ray servetune starts for Serve; Ray's default is 10 s), and half a second."""
+        import ray
+
+        try:
+            interval_s = max(float(ray._config.metrics_report_interval_ms()), 1000.0) / 1000.0
+        except Exception:  # noqa: BLE001 - an older Ray: its default
+            interval_s = 10.0
+        return 2 * interval_s + 0.5
+
     def reset_prefix_caches(self, name: str, deployment_prefix: str = "LLMServer", timeout_s: float = 60.0) -> int:
         """Empty the prefix cache of every replica of the application's LLM deployment (Ray Serve LLM's
         ``LLMServer.reset_prefix_cache``, broadcast by Serve to each running replica); the number reset."""
@@ -229,6 +245,27 @@ class ServeCluster:
                     key = str(getattr(state, "value", state))
                     counts[key] = counts.get(key, 0) + int(n)
         return counts
+
+    def replica_logs(self, name: str, max_bytes: int = 4 << 20) -> str:
+        """Everything the application's LLM replicas on this node wrote to their workers' stderr and stdout
+        (vLLM's log: start-up phases, KV-cache size), replica after replica, each file's last ``max_bytes``."""
+        text = []
+        for _, actor in _live_replicas(name, "LLMServer"):
+            for path in self._worker_files(int(actor.get("Pid") or 0)):
+                with contextlib.suppress(OSError), path.open("rb") as f:
+                    f.seek(max(path.stat().st_size - max_bytes, 0))
+                    text.append(f.read().decode(errors="replace"))
+        return "\n".join(text)
+
+    def _worker_files(self, pid: int) -> list[Path]:
+        """A Ray worker's stderr and stdout files on this node (none for another node's worker)."""
+        import ray
+
+        node = ray._private.worker._global_node
+        if node is None or not pid:
+            return []
+        logs = Path(node.get_logs_dir_path())
+        return sorted(f for f in logs.glob(f"worker-*-{pid}.*") if f.suffix in (".err", ".out"))
 
     def log_tail(self, name: str, lines: int = 40) -> str:
         """The last lines the application's replicas wrote on this node: their workers' stdout and

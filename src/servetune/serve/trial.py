@@ -12,6 +12,7 @@ Leaving deletes the application and waits until its replica processes on this no
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
@@ -20,11 +21,15 @@ from typing import Any
 import psutil
 
 from servetune.config.space import SERVE_REPLICAS, SearchSpace
+from servetune.engine.metrics import MetricsSnapshot
+from servetune.engine.server import KvCapacity
 from servetune.errors import UserError
 from servetune.report.points import ReportPoint
 from servetune.serve.cluster import ServeCluster, wait_gone
+from servetune.results import ENGINE_LOG
+from servetune.serve.metrics import replicas_snapshot
 from servetune.serve.plan import INGRESS_CPUS, REPLICA_ACTOR_CPUS, llm_config
-from servetune.trial.runner import TrialSpec
+from servetune.trial.runner import TrialSpec, write_atomic
 
 #: Placement the engine gets from Serve, not from the trial's environment.
 NOT_SHIPPED = ("CUDA_VISIBLE_DEVICES",)
@@ -68,6 +73,7 @@ class ServeEngine:
         self.startup_s: float | None = None
         self.process: psutil.Process | None = None  # a replica on this node (telemetry follows its memory)
         self.pids: list[int] = []
+        self.server_metrics: ReplicaMetrics | None = None  # the replicas' vLLM metrics, once deployed
 
     def __enter__(self) -> ServeEngine:
         self.cluster = self.cluster or ServeCluster.attached()
@@ -78,10 +84,22 @@ class ServeEngine:
         self.pids = self.cluster.replica_pids(self.name)
         if self.pids:
             self.process = psutil.Process(self.pids[0])
+        self.server_metrics = ReplicaMetrics(self.cluster, self.name)
+        self._keep_log()
         return self
+
+    def _keep_log(self) -> None:
+        """The replicas' vLLM logs (those on this node) as the trial's engine log: its start-up phases
+        and KV capacity are read from it, as a bare engine's are."""
+        assert self.cluster is not None
+        text = self.cluster.replica_logs(self.name)
+        if text:
+            write_atomic(self.trial_dir / ENGINE_LOG, text)
 
     def __exit__(self, *exc: object) -> None:
         assert self.cluster is not None
+        with contextlib.suppress(Exception):  # the whole log, the ladder's part included, while the replicas still run
+            self._keep_log()
         pids = sorted(set(self.pids) | set(self.cluster.replica_pids(self.name)))
         self.cluster.delete(self.name)
         left = wait_gone(pids, timeout_s=60.0)
@@ -105,8 +123,10 @@ class ServeEngine:
         assert self.cluster is not None
         return self.cluster.log_tail(self.name, lines)
 
-    def kv_capacity(self) -> None:
-        return None  # each replica's engine has its own; Serve's ingress does not say
+    def kv_capacity(self) -> KvCapacity | None:
+        """One replica's KV capacity (every replica's engine is configured alike), from its log."""
+        path = self.trial_dir / ENGINE_LOG
+        return KvCapacity.from_log(path.read_text(errors="replace")) if path.exists() else None
 
     def reset_prefix_cache(self) -> bool:
         """Empty every replica's prefix cache (Serve broadcasts it); whether every replica did."""
@@ -129,6 +149,21 @@ class ServeEngine:
         return {"application": self.name, "replicas": self.spec.serve_replicas,
                 "requests_per_replica": self.cluster.requests_per_replica(self.name),
                 "replica_niceness": sorted(niceness)}  # fmt: skip
+
+
+class ReplicaMetrics:
+    """The deployment's vLLM metrics, its replicas' added up (``serve.metrics``), read from Ray's metrics
+    agents: what a bare engine's ``/metrics`` gives a level (:class:`~servetune.trial.measure.MetricsSource`)."""
+
+    def __init__(self, cluster: ServeCluster, name: str) -> None:
+        self.cluster, self.name = cluster, name
+        self.lag_s = cluster.metrics_lag_s()
+        self.replicas: set[str] = set(cluster.replica_ids(name))
+
+    def read(self, gauges_only: bool = False) -> MetricsSnapshot | None:
+        if not gauges_only or not self.replicas:  # a replica Serve restarted has a new id
+            self.replicas = set(self.cluster.replica_ids(self.name)) or self.replicas
+        return replicas_snapshot(self.cluster.metrics_texts(), self.replicas, gauges_only)
 
 
 def local_serve_cpus(space: SearchSpace) -> int:

@@ -75,7 +75,11 @@ class FakeOpenAI:
         return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        text = (
+        return web.Response(text=self.metrics_text(), content_type="text/plain")
+
+    def metrics_text(self) -> str:
+        """What ``/metrics`` serves now (vLLM's names)."""
+        return (
             "# TYPE vllm:num_requests_running gauge\n"
             f'vllm:num_requests_running{{model_name="{self.model}"}} {self.running}\n'
             "# TYPE vllm:num_requests_waiting gauge\n"
@@ -89,7 +93,6 @@ class FakeOpenAI:
             "# TYPE vllm:prefix_cache_hits counter\n"
             f'vllm:prefix_cache_hits_total{{model_name="{self.model}"}} {self.cache_hits}\n'
         )
-        return web.Response(text=text, content_type="text/plain")
 
     async def complete(self, request: web.Request) -> web.StreamResponse:
         start = time.perf_counter()  # TTFT counts from the request's arrival

@@ -192,11 +192,21 @@ def cache_note(server: dict[str, float], workload: Workload, mean_prompt_tokens:
     return None
 
 
-async def _sample_gauges(session: aiohttp.ClientSession, url: str, peaks: dict[str, float], every_s: float,
+class MetricsSource(Protocol):
+    """Where a server's metrics come from when it has no ``/metrics`` of its own (a Serve deployment's
+    replicas export theirs through Ray's metrics agents): ``read`` is one read, blocking; the values
+    read lag the server's by up to ``lag_s``, so the read that closes a level waits that long first."""
+
+    lag_s: float
+
+    def read(self, gauges_only: bool = False) -> MetricsSnapshot | None: ...
+
+
+async def _sample_gauges(read: Callable[[bool], Awaitable[MetricsSnapshot | None]], peaks: dict[str, float], every_s: float,
                          watch: EarlyBreak | None = None) -> None:  # fmt: skip
     start = time.perf_counter()
     while True:
-        snap = await scrape(session, url, gauges_only=True)
+        snap = await read(True)
         if snap is not None:
             for name, value in snap.gauges.items():
                 peaks[f"{name}_max"] = max(peaks.get(f"{name}_max", 0.0), value)
@@ -219,12 +229,15 @@ async def measure_level(
     telemetry: Callable[[], TelemetrySampler] | None = None,
     watch: EarlyBreak | None = None,
     reset_cache: Callable[[], bool] | None = None,
+    metrics: MetricsSource | None = None,
 ) -> tuple[LevelResult, list[RequestRecord]]:
     """Run one level and return its result and the per-request records.
 
     ``telemetry`` makes a sampler of the devices (or host) that runs while the level does.
     ``reset_cache`` empties the prefix cache before it where ``POST /reset_prefix_cache`` cannot
     (Ray Serve's ingress has no such endpoint: its replicas are reset through Serve).
+    ``metrics`` reads the server's metrics where ``{url}/metrics`` cannot (Serve's ingress has none);
+    its gauges are then sampled no more often than it lags.
     """
     drawn: list[RequestSpec] = []
 
@@ -241,10 +254,19 @@ async def measure_level(
             on_done(record)
 
     async with aiohttp.ClientSession() as session:
+
+        async def read(gauges_only: bool = False) -> MetricsSnapshot | None:
+            if metrics is not None:
+                return await asyncio.to_thread(metrics.read, gauges_only)
+            return await scrape(session, url, gauges_only=gauges_only)
+
         reset = await asyncio.to_thread(reset_cache) if reset_cache is not None else await _reset_prefix_cache(session, url)
-        before = await scrape(session, url)
+        before = await read()
+        if before is None and metrics is not None:
+            before = MetricsSnapshot()  # fresh replicas report a counter once it counts: none yet is zero
         peaks: dict[str, float] = {}
-        sampler = asyncio.ensure_future(_sample_gauges(session, url, peaks, sample_every_s, watch)) if before else None
+        every_s = max(sample_every_s, metrics.lag_s / 2) if metrics is not None else sample_every_s
+        sampler = asyncio.ensure_future(_sample_gauges(read, peaks, every_s, watch)) if before else None
         devices = telemetry() if telemetry is not None else contextlib.nullcontext()
         try:
             with devices:
@@ -257,7 +279,9 @@ async def measure_level(
                 sampler.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await sampler
-        after = await scrape(session, url) if before else None
+        if before and metrics is not None:
+            await asyncio.sleep(metrics.lag_s)  # the level's last counts reach the source
+        after = await read() if before else None
     server = {**level_delta(before, after), **peaks} if before and after else {}
     summary = summarize(records, plan.level.as_dict(), slo.request_bounds_ms() or None)
     measured = devices.summary() if isinstance(devices, TelemetrySampler) else {}
@@ -341,6 +365,7 @@ async def measure_rung(
         result, records = await measure_level(
             client, url, workload, prompts, plan, stream=run_stream(index, run, repeats), slo=slo,
             on_done=on_done, telemetry=telemetry, reset_cache=getattr(engine, "reset_prefix_cache", None),
+            metrics=getattr(engine, "server_metrics", None),
         )  # fmt: skip
         tags = record_tags(index, run, repeats)
         for request in records:

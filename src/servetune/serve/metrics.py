@@ -1,0 +1,50 @@
+"""vLLM's server metrics of a Serve deployment's replicas, as one server's ``/metrics`` would give them.
+
+Ray Serve LLM's engines have no ``/metrics`` of their own that a client reaches: they export vLLM's
+metrics through Ray's metrics agent (``log_engine_metrics``, on by default), renamed (``vllm:x`` ->
+``ray_vllm_x``) and labelled with the Serve replica they come from (``ReplicaId``, the replica's
+unique id). :func:`replicas_snapshot` keeps the given replicas' samples from the agents' texts (one
+per node), reads each replica as vLLM's own text would read (``engine.metrics``), and adds them up:
+the deployment as one server, queue and KV usage included. Pure; ``serve/cluster.py`` reads the agents.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from servetune.engine.metrics import GAUGES, MetricsSnapshot
+
+#: How Ray's metrics agent names vLLM's metrics: ``vllm:num_requests_waiting`` -> ``ray_vllm_num_requests_waiting``.
+RAY_PREFIX, VLLM_PREFIX = "ray_vllm_", "vllm:"
+_RAY_GAUGES = tuple(RAY_PREFIX + name.removeprefix(VLLM_PREFIX) for names in GAUGES.values() for name in names)
+
+
+def _gauge_lines(text: str) -> str:
+    """Only the gauges' lines (samples, and their ``# TYPE``/``# HELP``): what sampling twice a second reads."""
+    kept = [line for line in text.splitlines()
+            if (line.split(" ", 3)[2] if line.startswith("# ") and line.count(" ") >= 2 else line).startswith(_RAY_GAUGES)]  # fmt: skip
+    return "\n".join(kept) + "\n"
+
+
+def replicas_snapshot(texts: Iterable[str], replica_ids: Collection[str], gauges_only: bool = False) -> MetricsSnapshot | None:
+    """The replicas' vLLM metrics in the agents' ``texts``, added up as one server's
+    (:meth:`MetricsSnapshot.combined`); None when no sample of theirs is there (yet: an agent
+    exports what a worker reported a report interval ago)."""
+    per_replica: dict[str, dict[str, list]] = {}
+    for text in texts:
+        try:
+            families = list(text_string_to_metric_families(_gauge_lines(text) if gauges_only else text))
+        except ValueError:
+            continue
+        for family in families:
+            for sample in family.samples:
+                replica = sample.labels.get("ReplicaId")
+                if replica not in replica_ids or not sample.name.startswith(RAY_PREFIX):
+                    continue
+                name = VLLM_PREFIX + sample.name.removeprefix(RAY_PREFIX)
+                per_replica.setdefault(replica, {}).setdefault(name, []).append(sample)
+    if not per_replica:
+        return None
+    return MetricsSnapshot.combined([MetricsSnapshot.from_samples(samples) for samples in per_replica.values()])

@@ -1,0 +1,59 @@
+"""A level measured against a server whose metrics come from elsewhere than its ``/metrics`` (a Serve
+deployment's replicas, read from Ray's metrics agents): the level's server metrics, its gauge peaks and
+its warm-cache check come from that source (fake server, its metrics rewritten as Ray's agent names them)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+from servetune.config.slo import Slo
+from servetune.config.workload import load_workload
+from servetune.load.client import StreamingClient
+from servetune.load.requests import PromptFactory
+from servetune.load.runner import Level
+from servetune.serve.metrics import replicas_snapshot
+from servetune.testing.fake_openai import FakeOpenAI
+from servetune.trial.measure import LevelPlan, measure_level
+from tests.conftest import serve_fake
+
+
+class AgentSource:
+    """The fake's metrics as Ray's agent exports a replica's (``ray_vllm_*``, ``ReplicaId``); the first
+    read finds nothing yet, as before a fresh replica has counted anything."""
+
+    lag_s = 0.3
+
+    def __init__(self, fake: FakeOpenAI) -> None:
+        self.fake, self.reads, self.gauge_reads = fake, 0, 0
+
+    def read(self, gauges_only: bool = False):
+        self.reads += 1
+        self.gauge_reads += gauges_only
+        if self.reads == 1:
+            return None
+        text = re.sub(r"vllm:(\w+)\{", r'ray_vllm_\1{ReplicaId="r1",', self.fake.metrics_text())
+        return replicas_snapshot([text.replace("# TYPE vllm:", "# TYPE ray_vllm_")], {"r1"}, gauges_only)
+
+
+def test_a_levels_server_metrics_come_from_the_source_given(tiny_tokenizer):
+    fake = FakeOpenAI(ttft_ms=5, itl_ms=20, max_num_seqs=2)
+    source = AgentSource(fake)
+    workload = load_workload("cpu-tiny")
+    plan = LevelPlan(Level("concurrency", 6), num_requests=18, duration_s=None, warmup_requests=0)
+
+    async def go(url: str):
+        async with StreamingClient(url, "fake", api=workload.api, ignore_eos=True) as client:
+            return await measure_level(client, url, workload, PromptFactory(tiny_tokenizer), plan, stream=1, slo=Slo(),
+                                       reset_cache=lambda: True, metrics=source, sample_every_s=0.05)  # fmt: skip
+
+    with serve_fake(fake) as url:
+        result, records = asyncio.run(go(url))
+    server = result.server_metrics
+    # the first read found nothing: the level counts from zero, so it has every token and request it sent
+    assert server["generation_tokens"] == result.summary.total_output_tokens == fake.generated, server
+    assert server["requests_finished"] == 18 and server["prefix_cache_queries"] > 0
+    # gauges were sampled from the source, no faster than it lags (0.3 / 2 s, not 0.05 s)
+    assert source.gauge_reads >= 2, source.gauge_reads
+    assert server["requests_waiting_max"] >= 1 and server["requests_running_max"] == 2, server
+    assert result.cache_note is None

@@ -1,0 +1,99 @@
+"""A Serve deployment's vLLM metrics, read from Ray's metrics agents, as one server's /metrics."""
+
+from __future__ import annotations
+
+import pytest
+
+from servetune.engine.metrics import Histogram, MetricsSnapshot, level_delta
+from servetune.serve.metrics import replicas_snapshot
+
+#: Two nodes' agents (shape as Ray 2.60 exports vLLM's metrics): replicas r1 and r2 of the trial's
+#: deployment, o1 of another application's, and Serve's own request counter (not vLLM's).
+NODE_A = """\
+# HELP ray_vllm_num_requests_running Number of requests in model execution batches.
+# TYPE ray_vllm_num_requests_running gauge
+ray_vllm_num_requests_running{Component="core_worker",ReplicaId="r1",WorkerId="w1",engine="0",model_name="tiny"} 3.0
+ray_vllm_num_requests_running{Component="core_worker",ReplicaId="o1",WorkerId="w3",engine="0",model_name="x"} 9.0
+# HELP ray_vllm_num_requests_waiting Number of requests waiting to be processed.
+# TYPE ray_vllm_num_requests_waiting gauge
+ray_vllm_num_requests_waiting{Component="core_worker",ReplicaId="r1",WorkerId="w1",engine="0",model_name="tiny"} 2.0
+ray_vllm_num_requests_waiting{Component="core_worker",ReplicaId="o1",WorkerId="w3",engine="0",model_name="x"} 50.0
+# HELP ray_vllm_kv_cache_usage_perc KV-cache usage.
+# TYPE ray_vllm_kv_cache_usage_perc gauge
+ray_vllm_kv_cache_usage_perc{Component="core_worker",ReplicaId="r1",WorkerId="w1",engine="0",model_name="tiny"} 0.4
+# HELP ray_vllm_prompt_tokens_total Number of prefill tokens processed.
+# TYPE ray_vllm_prompt_tokens_total counter
+ray_vllm_prompt_tokens_total{Component="core_worker",ReplicaId="r1",WorkerId="w1",engine="0",model_name="tiny"} 2800.0
+ray_vllm_prompt_tokens_total{Component="core_worker",ReplicaId="o1",WorkerId="w3",engine="0",model_name="x"} 999.0
+# HELP ray_vllm_prefix_cache_queries_total Prefix cache queries.
+# TYPE ray_vllm_prefix_cache_queries_total counter
+ray_vllm_prefix_cache_queries_total{Component="core_worker",ReplicaId="r1",WorkerId="w1",engine="0",model_name="tiny"} 2800.0
+# HELP ray_vllm_prefix_cache_hits_total Prefix cache hits.
+# TYPE ray_vllm_prefix_cache_hits_total counter
+ray_vllm_prefix_cache_hits_total{Component="core_worker",ReplicaId="r1",WorkerId="w1",engine="0",model_name="tiny"} 700.0
+# HELP ray_vllm_time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE ray_vllm_time_to_first_token_seconds histogram
+ray_vllm_time_to_first_token_seconds_bucket{Component="core_worker",ReplicaId="r1",WorkerId="w1",engine="0",le="0.1",model_name="tiny"} 6.0
+ray_vllm_time_to_first_token_seconds_bucket{Component="core_worker",ReplicaId="r1",WorkerId="w1",engine="0",le="1.0",model_name="tiny"} 10.0
+ray_vllm_time_to_first_token_seconds_bucket{Component="core_worker",ReplicaId="r1",WorkerId="w1",engine="0",le="+Inf",model_name="tiny"} 10.0
+ray_vllm_time_to_first_token_seconds_count{Component="core_worker",ReplicaId="r1",WorkerId="w1",engine="0",model_name="tiny"} 10.0
+ray_vllm_time_to_first_token_seconds_sum{Component="core_worker",ReplicaId="r1",WorkerId="w1",engine="0",model_name="tiny"} 1.5
+# HELP ray_serve_deployment_request_counter_total The number of queries.
+# TYPE ray_serve_deployment_request_counter_total counter
+ray_serve_deployment_request_counter_total{Component="core_worker",application="app",deployment="LLMServer:tiny",replica="r1",route="/"} 7.0
+"""
+NODE_B = """\
+# TYPE ray_vllm_num_requests_running gauge
+ray_vllm_num_requests_running{Component="core_worker",ReplicaId="r2",WorkerId="w2",engine="0",model_name="tiny"} 4.0
+# TYPE ray_vllm_num_requests_waiting gauge
+ray_vllm_num_requests_waiting{Component="core_worker",ReplicaId="r2",WorkerId="w2",engine="0",model_name="tiny"} 5.0
+# TYPE ray_vllm_kv_cache_usage_perc gauge
+ray_vllm_kv_cache_usage_perc{Component="core_worker",ReplicaId="r2",WorkerId="w2",engine="0",model_name="tiny"} 0.9
+# TYPE ray_vllm_prompt_tokens_total counter
+ray_vllm_prompt_tokens_total{Component="core_worker",ReplicaId="r2",WorkerId="w2",engine="0",model_name="tiny"} 1200.0
+# TYPE ray_vllm_prefix_cache_queries_total counter
+ray_vllm_prefix_cache_queries_total{Component="core_worker",ReplicaId="r2",WorkerId="w2",engine="0",model_name="tiny"} 1200.0
+# TYPE ray_vllm_prefix_cache_hits_total counter
+ray_vllm_prefix_cache_hits_total{Component="core_worker",ReplicaId="r2",WorkerId="w2",engine="0",model_name="tiny"} 100.0
+# TYPE ray_vllm_time_to_first_token_seconds histogram
+ray_vllm_time_to_first_token_seconds_bucket{Component="core_worker",ReplicaId="r2",WorkerId="w2",engine="0",le="0.1",model_name="tiny"} 0.0
+ray_vllm_time_to_first_token_seconds_bucket{Component="core_worker",ReplicaId="r2",WorkerId="w2",engine="0",le="1.0",model_name="tiny"} 10.0
+ray_vllm_time_to_first_token_seconds_bucket{Component="core_worker",ReplicaId="r2",WorkerId="w2",engine="0",le="+Inf",model_name="tiny"} 10.0
+ray_vllm_time_to_first_token_seconds_count{Component="core_worker",ReplicaId="r2",WorkerId="w2",engine="0",model_name="tiny"} 10.0
+ray_vllm_time_to_first_token_seconds_sum{Component="core_worker",ReplicaId="r2",WorkerId="w2",engine="0",model_name="tiny"} 5.5
+"""
+
+
+def test_the_replicas_add_up_as_one_server_and_other_applications_are_left_out():
+    snap = replicas_snapshot([NODE_A, NODE_B], {"r1", "r2"})
+    assert snap is not None
+    assert snap.gauges["requests_running"] == 7 and snap.gauges["requests_waiting"] == 7  # o1's 9 and 50 left out
+    assert snap.gauges["kv_cache_usage"] == pytest.approx(0.9)  # the fullest replica's share, not 1.3
+    assert snap.counters["prompt_tokens"] == 4000 and snap.counters["prefix_cache_hits"] == 800
+    ttft = snap.histograms["server_ttft"]
+    assert ttft.count == 20 and ttft.sum == pytest.approx(7.0) and ttft.buckets[0.1] == 6 and ttft.buckets[1.0] == 20
+
+
+def test_one_replica_alone_and_a_level_delta_from_the_agents():
+    before = replicas_snapshot([NODE_A], {"r1"})
+    after = replicas_snapshot([NODE_A.replace("} 2800.0", "} 3800.0").replace("} 700.0", "} 950.0")], {"r1"})
+    delta = level_delta(before, after)
+    assert delta["prompt_tokens"] == 1000 and delta["prefix_cache_queries"] == 1000
+    assert delta["prefix_cache_hit_rate"] == pytest.approx(0.25)
+
+
+def test_gauges_only_reads_no_counter_and_nothing_of_the_replicas_is_none():
+    gauges = replicas_snapshot([NODE_A, NODE_B], {"r1", "r2"}, gauges_only=True)
+    assert gauges.counters == {} and gauges.histograms == {}
+    assert gauges.gauges == {"requests_running": 7.0, "requests_waiting": 7.0, "kv_cache_usage": pytest.approx(0.9)}
+    assert replicas_snapshot([NODE_A, NODE_B], {"r9"}) is None  # not exported yet (or gone)
+    assert replicas_snapshot(["not { prometheus"], {"r1"}) is None
+
+
+def test_combined_snapshots_add_histogram_buckets_and_keep_a_single_engines_values():
+    one = MetricsSnapshot(gauges={"requests_waiting": 3.0, "kv_cache_usage": 0.5}, counters={"preemptions": 2.0},
+                          histograms={"server_itl": Histogram(sum=1.0, count=4.0, buckets={0.01: 1.0, 0.1: 4.0})})  # fmt: skip
+    assert MetricsSnapshot.combined([one]) == one
+    two = MetricsSnapshot.combined([one, one])
+    assert two.gauges == {"requests_waiting": 6.0, "kv_cache_usage": 0.5} and two.counters == {"preemptions": 4.0}
+    assert two.histograms["server_itl"] == Histogram(sum=2.0, count=8.0, buckets={0.01: 2.0, 0.1: 8.0})
