@@ -6,7 +6,10 @@ workload and level), and runs ``servetune serve-check`` on it at 1 and 2 replica
 P50 through Serve against the bare engine at the same load (target: within 5 ms or 5%, whichever
 is larger) and the scaling efficiency at 2 replicas (throughput at 2 / (2 x throughput at 1)).
 
-    .venv/bin/python bench/serve_overhead.py [--concurrency 8] [--num-requests 64]
+    .venv/bin/python bench/serve_overhead.py [--concurrency 8] [--num-requests 64] [--stream-batching-ms MS]
+
+``--stream-batching-ms`` deploys with Ray Serve LLM's stream batching at that interval (default: Ray's,
+50 ms, which holds each replica's tokens, the first included, until its next send).
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--stream-batching-ms", type=float, default=None, help="Ray Serve LLM's stream batching interval (default: Ray's)")
     args = parser.parse_args()
     from servetune.models.tiny import build_tiny_model
 
@@ -71,13 +75,16 @@ def main() -> None:
         "--workload", "cpu-tiny", "--concurrency", args.concurrency, "--num-requests", args.num_requests, "--json", bench_json,
     )  # fmt: skip
     study = one_trial_study(work / "study", model, json.loads(bench_json.read_text()), args.concurrency, args.num_requests)
-    servetune("serve-check", study, "--pick", "bare", "--replicas", "1,2")
+    batching = ["--stream-batching-ms", args.stream_batching_ms] if args.stream_batching_ms is not None else []
+    servetune("serve-check", study, "--pick", "bare", "--replicas", "1,2", *batching)
     result = json.loads((study / "serve-check.json").read_text())
     rows = {row["replicas"]: row for row in result["rows"]}
     one, two = rows[1], rows[2]
     overhead = one["ttft_p50_overhead_ms"]
     allowed = max(5.0, 0.05 * one["bare_ttft_ms_p50"])
-    print(f"concurrency {args.concurrency}, {args.num_requests} requests per level, tiny model on vLLM's CPU build")
+    interval = "Ray's default" if args.stream_batching_ms is None else f"{args.stream_batching_ms:g} ms"
+    print(f"concurrency {args.concurrency}, {args.num_requests} requests per level, tiny model on vLLM's CPU build, "
+          f"stream batching {interval}")  # fmt: skip
     print(f"bare engine:      TTFT P50 {one['bare_ttft_ms_p50']:.1f} ms, {one['bare_output_throughput']:.0f} output tok/s")
     print(f"Serve, 1 replica: TTFT P50 {one['ttft_ms_p50']:.1f} ms, {one['output_throughput']:.0f} output tok/s")
     print(f"router TTFT P50 overhead: {overhead:+.1f} ms ({overhead / one['bare_ttft_ms_p50']:+.0%}); "

@@ -1,7 +1,8 @@
 """A study whose trials run through Ray Serve LLM (``serve.num_replicas``) on a local Ray with the real
 vLLM CPU build: one and two replicas of the tiny model, each deployed as its own Serve application
 by ``servetune run``, measured through Serve's OpenAI ingress, recorded with what each replica served,
-and torn down; the winner exports as a Ray Serve config at its replica count."""
+and torn down; the winner exports as a Ray Serve config at its replica count. One replica is also measured
+with Ray Serve LLM's stream batching off (``serve.stream_batching_interval_ms`` 0 against 50)."""
 
 import json
 import subprocess
@@ -28,7 +29,8 @@ engine_args: {enforce_eager: true, max_model_len: 512, dtype: bfloat16}
 env: {VLLM_CPU_KVCACHE_SPACE: 1}
 params:
   serve.num_replicas: [1, 2]
-constraints: ["serve.num_replicas * tensor_parallel_size <= devices_per_node"]
+  serve.stream_batching_interval_ms: [0, 50]
+constraints: ["serve.num_replicas * tensor_parallel_size <= devices_per_node", "serve.num_replicas == 1 or serve.stream_batching_interval_ms == 50"]
 search: {algorithm: grid, baseline: false}
 """
 
@@ -42,12 +44,20 @@ def test_one_and_two_replicas_measured_through_serve_recorded_and_torn_down(tmp_
     done = servetune("run", tmp_path / "space.yaml", "--storage", tmp_path / "results", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     study_dir = tmp_path / "results" / "serve-trials"
-    results, paths = {}, {}
+    results, paths, unbatched = {}, {}, None
     for path in study_dir.glob("trials/*/result.json"):
         result = json.loads(path.read_text())
+        if result["params"]["serve.stream_batching_interval_ms"] == 0:
+            unbatched = result
+            continue
         results[result["params"]["serve.num_replicas"]] = result
         paths[result["params"]["serve.num_replicas"]] = path
-    assert sorted(results) == [1, 2], list(results)
+    assert sorted(results) == [1, 2] and unbatched is not None, list(results)
+    # Ray Serve LLM's stream batching, a parameter: at 50 ms a replica sends its tokens in batches (most
+    # token gaps under 1 ms at the client); at 0 each token as it comes (one replica, the same load).
+    assert unbatched["outcome"] == "COMPLETE", unbatched["reason"]
+    burst_50, burst_0 = results[1]["levels"][0]["itl_burst_share"], unbatched["levels"][0]["itl_burst_share"]
+    assert burst_50 > burst_0 + 0.2, (burst_50, burst_0)
     for replicas, result in results.items():
         path = paths[replicas]
         assert result["outcome"] == "COMPLETE", (replicas, result["reason"], result.get("log_tail"))
@@ -72,7 +82,7 @@ def test_one_and_two_replicas_measured_through_serve_recorded_and_torn_down(tmp_
         assert log.exists() and "KV cache" in log.read_text(), sorted(p.name for p in path.parent.iterdir())
         assert result["kv_capacity"]["tokens"] > 0, result.get("kv_capacity")
         assert serve["replica_niceness"] == [0]  # not Ray's 15: the engines get the CPU a bare engine gets
-    assert results[1]["trial_id"] != results[2]["trial_id"]
+    assert len({results[1]["trial_id"], results[2]["trial_id"], unbatched["trial_id"]}) == 3
     assert still_running_after(60, "ServeReplica:servetune-serve-trials-") == [] and processes_mentioning(study_dir, "vllm") == []
     # The exported Serve application scales on what one of the trial's replicas served: 4 clients
     # over 2 replicas is 2 in flight per replica, and the ladder's top (4) needs both.
@@ -82,3 +92,4 @@ def test_one_and_two_replicas_measured_through_serve_recorded_and_torn_down(tmp_
     autoscaling = config["deployment_config"]["autoscaling_config"]
     assert autoscaling["target_ongoing_requests"] == 2 and autoscaling["max_replicas"] == 2, autoscaling
     assert "serve.num_replicas" not in config["engine_kwargs"] and "/ 2 Serve replicas" in export.stdout
+    assert config["experimental_configs"] == {"stream_batching_interval_ms": 50}  # the interval it was measured at

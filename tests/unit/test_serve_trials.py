@@ -56,7 +56,10 @@ constraints: ["serve.num_replicas * tensor_parallel_size <= 4"]
 
 
 @pytest.mark.parametrize(("params", "words"), [
-    ("serve.max_ongoing: [1]", "params: serve.max_ongoing: the only Serve parameter is serve.num_replicas"),
+    ("serve.max_ongoing: [1]", "params: serve.max_ongoing: the Serve parameters are serve.num_replicas and serve.stream_batching_interval_ms"),
+    ("serve.num_replicas: [1]\n  serve.stream_batching_interval_ms: [-1, 50]", "serve.stream_batching_interval_ms: list the intervals"),
+    ("serve.num_replicas: [1]\n  serve.stream_batching_interval_ms: {low: 0, high: 50}", "serve.stream_batching_interval_ms: list the intervals"),
+    ("serve.stream_batching_interval_ms: [0, 50]", "only trials through Serve batch their streams; list serve.num_replicas too"),
     ("serve.num_replicas: [0, 2]", "serve.num_replicas: list the replica counts"),
     ("serve.num_replicas: {low: 1, high: 4}", "serve.num_replicas: list the replica counts"),
     ("serve.num_replicas: [1, 2]\n  data_parallel_size: [1, 2]", "params.serve.num_replicas: Serve replicas replace data_parallel_size"),
@@ -85,6 +88,36 @@ def test_each_replica_count_is_its_own_trial_deployed_at_that_count(tmp_path):
     # A bare-engine study's trial ids are untouched by the field.
     bare = SearchSpace.model_validate({"name": "t", "model": "m", "workload": "cpu-tiny", "params": {"max_num_seqs": [4]}})
     assert context.spec_for({}).serve_replicas is None and not bare.through_serve
+
+
+def test_the_stream_batching_interval_is_its_own_trial_deployed_and_exported_at_that_interval(tmp_path):
+    s = space(tmp_path, "params:\n  serve.num_replicas: [1]\n  serve.stream_batching_interval_ms: [0, 50]\n")
+    kept, _ = s.grid()
+    assert sorted(p["serve.stream_batching_interval_ms"] for p in kept) == [0, 50]
+    workload = s.resolved_workload(tmp_path)
+    context = StudyContext(s, workload, tmp_path, "/models/tiny", resolve_levels(s, workload))
+    none, fifty = (context.spec_for({"serve.num_replicas": 1, "serve.stream_batching_interval_ms": v}) for v in (0, 50))
+    plain = context.spec_for({"serve.num_replicas": 1})
+    assert (none.stream_batching_ms, fifty.stream_batching_ms, plain.stream_batching_ms) == (0.0, 50.0, None)
+    assert len({none.trial_id, fifty.trial_id, plain.trial_id}) == 3  # Ray's default (unset) is a trial of its own
+    assert none.engine_args == plain.engine_args  # not an engine argument
+    assert trial_llm_config(none)["experimental_configs"] == {"stream_batching_interval_ms": 0}
+    assert "experimental_configs" not in trial_llm_config(plain)  # Ray Serve LLM's default
+    point = ReportPoint(trial_id="t1", params={"serve.num_replicas": 2, "serve.stream_batching_interval_ms": 12.5}, model="/m")
+    assert ray_serve_app(point)["applications"][0]["args"]["llm_configs"][0]["experimental_configs"] == {"stream_batching_interval_ms": 12.5}
+
+
+def test_serve_check_deploys_at_the_stream_batching_interval_asked(tmp_path):
+    from servetune.cli.serve_check import with_stream_batching
+    from servetune.serve.plan import llm_config
+    from servetune.serve.study import read_picked
+
+    study = tmp_path / "study"
+    shutil.copytree(FIXTURE, study)
+    picked = with_stream_batching(read_picked(study, FIXTURE_TRIAL), 0)
+    assert llm_config(picked.point, 2)["experimental_configs"] == {"stream_batching_interval_ms": 0}
+    with pytest.raises(UserError, match=r"--stream-batching-ms -5: an interval of 0 ms or more"):
+        with_stream_batching(picked, -5)
 
 
 def test_a_local_ray_declares_what_the_largest_trial_needs(tmp_path):

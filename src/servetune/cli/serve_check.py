@@ -100,7 +100,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    "(each uses the same devices)")
     p.add_argument("--budget", type=int, metavar="D", help="a device budget: compare every REPLICASxTP that uses D devices "
                    "(TP a power of two the model splits into); with --layouts, each layout must use D")
+    p.add_argument("--stream-batching-ms", type=float, default=None, metavar="MS",
+                   help="Ray Serve LLM's stream batching interval for every deployment (experimental_configs."
+                        "stream_batching_interval_ms; 0 sends each token as it comes). Default: the trial's, "
+                        "else Ray's (50 ms), which holds the first token until the next send")  # fmt: skip
     p.set_defaults(run=run)
+
+
+def with_stream_batching(picked, interval_ms: float):
+    """``picked`` deployed with Ray Serve LLM's stream batching at ``interval_ms``."""
+    import dataclasses
+
+    from servetune.config.space import SERVE_STREAM_BATCHING
+    from servetune.errors import UserError
+
+    if not interval_ms >= 0:
+        raise UserError(f"--stream-batching-ms {interval_ms:g}: an interval of 0 ms or more")
+    point = dataclasses.replace(picked.point, params={**picked.point.params, SERVE_STREAM_BATCHING: interval_ms})
+    return dataclasses.replace(picked, point=point)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -125,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
     if args.ramp and not replicas:
         raise UserError("--ramp runs after the first replica count: give --replicas N with --layouts or --budget")
     picked = read_picked(args.study_dir, args.pick)
+    if args.stream_batching_ms is not None:
+        picked = with_stream_batching(picked, args.stream_batching_ms)
     name = args.app_name or APP_NAME
     derived = ramp_autoscaling(args, picked) if args.ramp else None
     routing_workload, routers, routing_replicas = routing_args(args, replicas, picked.point.engine_args)

@@ -39,6 +39,11 @@ MODEL_PARAM = "model"  # a parameter naming checkpoints, not an engine argument
 SERVE_PREFIX = "serve."
 #: Replicas of the engine behind one Ray Serve LLM application: the trial runs through Serve.
 SERVE_REPLICAS = SERVE_PREFIX + "num_replicas"
+#: Ray Serve LLM's stream batching (``experimental_configs.stream_batching_interval_ms``): a replica
+#: sends its tokens every this many ms (Ray's default 50; 0 sends each as it comes). The first token
+#: waits for the next send, so it trades TTFT and ITL against the CPU each streamed chunk costs.
+SERVE_STREAM_BATCHING = SERVE_PREFIX + "stream_batching_interval_ms"
+SERVE_PARAMS = (SERVE_REPLICAS, SERVE_STREAM_BATCHING)
 
 
 class Range(BaseModel):
@@ -231,11 +236,17 @@ class SearchSpace(BaseModel):
             if isinstance(values, list) and not values:
                 raise ValueError(f"{name}: empty list of values")
         for name in params:
-            if name.startswith(SERVE_PREFIX) and name != SERVE_REPLICAS:
-                raise ValueError(f"{name}: the only Serve parameter is {SERVE_REPLICAS}")
+            if name.startswith(SERVE_PREFIX) and name not in SERVE_PARAMS:
+                raise ValueError(f"{name}: the Serve parameters are {' and '.join(SERVE_PARAMS)}")
         replicas = params.get(SERVE_REPLICAS)
         if replicas is not None and not (isinstance(replicas, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in replicas)):
             raise ValueError(f"{SERVE_REPLICAS}: list the replica counts to compare (whole numbers, 1 or more)")
+        batching = params.get(SERVE_STREAM_BATCHING)
+        if batching is not None:
+            if not (isinstance(batching, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in batching)):
+                raise ValueError(f"{SERVE_STREAM_BATCHING}: list the intervals to compare (milliseconds, 0 or more)")
+            if replicas is None:
+                raise ValueError(f"{SERVE_STREAM_BATCHING}: only trials through Serve batch their streams; list {SERVE_REPLICAS} too")
         model = params.get(MODEL_PARAM)
         if model is not None and not (isinstance(model, list) and all(isinstance(v, str) and v for v in model)):
             raise ValueError(f"{MODEL_PARAM}: list the checkpoints to compare (directories or hub ids)")
@@ -298,6 +309,11 @@ class SearchSpace(BaseModel):
         """The Serve replicas a choice runs behind (``serve.num_replicas``); None: the bare engine."""
         value = params.get(SERVE_REPLICAS)
         return int(value) if value is not None else None
+
+    def stream_batching_ms(self, params: dict[str, Any]) -> float | None:
+        """The Serve replicas' stream batching interval a choice sets (``serve.stream_batching_interval_ms``); None: Ray's default."""
+        value = params.get(SERVE_STREAM_BATCHING)
+        return float(value) if value is not None else None
 
     @property
     def through_serve(self) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from servetune.config.space import SERVE_REPLICAS
+from servetune.config.space import SERVE_REPLICAS, SERVE_STREAM_BATCHING
 from servetune.engine.args import RESERVED, engine_argv, normalize_key
 from servetune.errors import UserError
 from servetune.metrics import GOODPUT, REQUEST_THROUGHPUT
@@ -144,6 +144,9 @@ def ray_serve_app(
     }
     if router_class:
         config["deployment_config"]["request_router_config"] = {"request_router_class": router_class}
+    batching = point.params.get(SERVE_STREAM_BATCHING)
+    if batching is not None:  # measured at that interval (else Ray Serve LLM's default, 50 ms)
+        config["experimental_configs"] = {"stream_batching_interval_ms": _number(batching)}
     if accelerator_type:
         if point.device == "cpu":
             raise UserError(f"--accelerator-type {accelerator_type}: the study ran on CPUs (vLLM's CPU build)")
@@ -269,3 +272,9 @@ def point_document(report: StudyReport, point: ReportPoint) -> dict[str, Any]:
 
 def point_json(report: StudyReport, point: ReportPoint) -> str:
     return json.dumps(point_document(report, point), indent=2, default=str) + "\n"
+
+
+def _number(value: Any) -> int | float:
+    """A whole number as an int (``50``, not ``50.0``, in the printed config)."""
+    number = float(value)
+    return int(number) if number.is_integer() else number

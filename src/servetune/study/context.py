@@ -65,7 +65,7 @@ class StudyContext:
             stop_on_slo_break=load.stop_on_slo_break, min_throughput_gain=load.min_throughput_gain,
             slo=space.slo_bounds, gpu=space.hardware.gpu, gpu_memory_gib=space.hardware.gpu_memory_gib,
             python=self.python, extra_env=extra_env, repeats=load.repeats, quality=self.quality, node_id=node_id,
-            serve_replicas=space.serve_replicas(params),
+            serve_replicas=space.serve_replicas(params), stream_batching_ms=space.stream_batching_ms(params),
         )  # fmt: skip
 
 

@@ -90,6 +90,7 @@ class TrialSpec:
     quality: QualityPlan | None = None  # the quality probe, run before the ladder (quality/probe.py)
     node_id: str | None = None  # the Ray node the trial runs on, recorded in its environment (not in its id)
     serve_replicas: int | None = None  # run through Ray Serve LLM with this many replicas (None: the bare engine)
+    stream_batching_ms: float | None = None  # through Serve: the replicas' stream batching interval (None: Ray's default)
 
     @property
     def trial_id(self) -> str:
@@ -105,6 +106,8 @@ class TrialSpec:
             key["quality"] = self.quality.digest_key()
         if self.serve_replicas is not None:  # likewise absent for the bare engine
             key["serve_replicas"] = self.serve_replicas
+        if self.stream_batching_ms is not None:  # likewise absent at Ray's default
+            key["stream_batching_ms"] = self.stream_batching_ms
         return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
     @property
