@@ -160,3 +160,41 @@ def test_verify_of_a_trial_through_serve_is_refused_before_anything_starts(tmp_p
     err = capsys.readouterr().err.strip().splitlines()
     assert f"trial {FIXTURE_TRIAL} was measured through Ray Serve at 2 replicas" in err[-1], err
     assert f"--pick {FIXTURE_TRIAL} --replicas 2" in err[-1] and not (study / "verify.json").exists()
+
+
+class HalfwayCluster:
+    """A cluster where the deployment comes up and reading its replicas then fails."""
+
+    url = "http://127.0.0.1:1"
+
+    def __init__(self):
+        self.deployed, self.deleted = [], []
+
+    def deploy(self, name, config, timeout_s, route_prefix="/"):
+        self.deployed.append(name)
+        return 1.0
+
+    def delete(self, name):
+        self.deleted.append(name)
+
+    def replica_pids(self, name):
+        return []
+
+    def metrics_lag_s(self):
+        return 2.5
+
+    def replica_ids(self, name):
+        raise RuntimeError("the GCS did not answer")
+
+
+def test_a_trial_deployment_that_fails_after_deploying_is_deleted(tmp_path):
+    from servetune.serve.trial import ServeEngine
+
+    s = space(tmp_path, "params:\n  serve.num_replicas: [1]\n")
+    workload = s.resolved_workload(tmp_path)
+    spec = StudyContext(s, workload, tmp_path, "/models/tiny", resolve_levels(s, workload)).spec_for({"serve.num_replicas": 1})
+    cluster = HalfwayCluster()
+    with pytest.raises(RuntimeError, match="the GCS did not answer"):
+        ServeEngine(spec, tmp_path, cluster).__enter__()
+    name = f"servetune-t-{spec.trial_id}"
+    assert cluster.deployed == [name] and cluster.deleted == [name, name]  # before (a killed run's), and after

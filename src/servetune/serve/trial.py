@@ -81,11 +81,15 @@ class ServeEngine:
         route = f"/{self.name}"
         self.startup_s = self.cluster.deploy(self.name, trial_llm_config(self.spec), self.spec.startup_timeout_s, route_prefix=route)
         self.url = self.cluster.url + route
-        self.pids = self.cluster.replica_pids(self.name)
-        if self.pids:
-            self.process = psutil.Process(self.pids[0])
-        self.server_metrics = ReplicaMetrics(self.cluster, self.name)
-        self._keep_log()
+        try:
+            self.pids = self.cluster.replica_pids(self.name)
+            if self.pids:
+                self.process = psutil.Process(self.pids[0])
+            self.server_metrics = ReplicaMetrics(self.cluster, self.name)
+            self._keep_log()
+        except BaseException:  # deployed, but not entered: nothing else would delete it
+            self.__exit__()
+            raise
         return self
 
     def _keep_log(self) -> None:
