@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 
 from servetune.config.slo import Slo
 from servetune.config.workload import load_workload
@@ -19,20 +20,24 @@ from tests.conftest import serve_fake
 
 
 class AgentSource:
-    """The fake's metrics as Ray's agent exports a replica's (``ray_vllm_*``, ``ReplicaId``); the first
-    read finds nothing yet, as before a fresh replica has counted anything."""
+    """The fake's metrics as Ray's agent exports a replica's (``ray_vllm_*``, ``ReplicaId``), ``delay_s``
+    late, as an agent is a report interval behind; the first read finds nothing yet, as before a fresh
+    replica has counted anything."""
 
-    lag_s = 0.3
+    lag_s = 3.0  # what the source promises: the closing read waits at most this long
+    delay_s = 1.0  # how late it really is
 
     def __init__(self, fake: FakeOpenAI) -> None:
-        self.fake, self.reads, self.gauge_reads = fake, 0, 0
+        self.fake, self.history, self.gauge_reads = fake, [], 0
 
     def read(self, gauges_only: bool = False):
-        self.reads += 1
+        now = time.monotonic()
+        self.history.append((now, self.fake.metrics_text()))
         self.gauge_reads += gauges_only
-        if self.reads == 1:
+        text = next((text for at, text in reversed(self.history) if at <= now - self.delay_s), None)
+        if text is None:
             return None
-        text = re.sub(r"vllm:(\w+)\{", r'ray_vllm_\1{ReplicaId="r1",', self.fake.metrics_text())
+        text = re.sub(r"vllm:(\w+)\{", r'ray_vllm_\1{ReplicaId="r1",', text)
         return replicas_snapshot([text.replace("# TYPE vllm:", "# TYPE ray_vllm_")], {"r1"}, gauges_only)
 
 
@@ -50,10 +55,38 @@ def test_a_levels_server_metrics_come_from_the_source_given(tiny_tokenizer):
     with serve_fake(fake) as url:
         result, records = asyncio.run(go(url))
     server = result.server_metrics
-    # the first read found nothing: the level counts from zero, so it has every token and request it sent
+    # the first read found nothing: the level counts from zero; the closing read waited until the late
+    # source counted every request (one read after the level would have missed the last second's)
     assert server["generation_tokens"] == result.summary.total_output_tokens == fake.generated, server
     assert server["requests_finished"] == 18 and server["prefix_cache_queries"] > 0
     # gauges were sampled from the source, no faster than it lags (0.3 / 2 s, not 0.05 s)
     assert source.gauge_reads >= 2, source.gauge_reads
     assert server["requests_waiting_max"] >= 1 and server["requests_running_max"] == 2, server
     assert result.cache_note is None
+
+
+def test_the_closing_read_waits_only_until_the_source_has_counted_the_level():
+    from servetune.engine.metrics import MetricsSnapshot
+    from servetune.trial.measure import _settled
+
+    reads = []
+
+    async def counting(finished_by_read):
+        async def read(gauges_only=False):
+            reads.append(time.monotonic())
+            return MetricsSnapshot(counters={"requests_finished": finished_by_read[min(len(reads), len(finished_by_read)) - 1]})
+        return read
+
+    async def go(finished_by_read, wait_s):
+        reads.clear()
+        start = time.monotonic()
+        after = await _settled(await counting(finished_by_read), MetricsSnapshot(counters={"requests_finished": 10.0}), 8,
+                               wait_s=wait_s, every_s=0.05)  # fmt: skip
+        return after.counters["requests_finished"], time.monotonic() - start
+
+    # the source reaches 18 (10 before + the level's 8) on its third read: no longer
+    counted, took = asyncio.run(go([12.0, 15.0, 18.0, 18.0], wait_s=5.0))
+    assert counted == 18.0 and len(reads) == 3 and took < 2.0, (counted, len(reads), took)
+    # it never does (a request the engine did not count): the last read, after the promised lag
+    counted, took = asyncio.run(go([12.0], wait_s=0.5))
+    assert counted == 12.0 and took >= 0.5, (counted, took)

@@ -195,11 +195,24 @@ def cache_note(server: dict[str, float], workload: Workload, mean_prompt_tokens:
 class MetricsSource(Protocol):
     """Where a server's metrics come from when it has no ``/metrics`` of its own (a Serve deployment's
     replicas export theirs through Ray's metrics agents): ``read`` is one read, blocking; the values
-    read lag the server's by up to ``lag_s``, so the read that closes a level waits that long first."""
+    read lag the server's by up to ``lag_s``, so the read that closes a level may wait that long."""
 
     lag_s: float
 
     def read(self, gauges_only: bool = False) -> MetricsSnapshot | None: ...
+
+
+async def _settled(read: Callable[[], Awaitable[MetricsSnapshot | None]], before: MetricsSnapshot, finished: int,
+                   wait_s: float, every_s: float = 0.25) -> MetricsSnapshot | None:  # fmt: skip
+    """A lagging source's read once it counts ``finished`` more requests than ``before`` did (vLLM's
+    ``request_success``), or its last read after ``wait_s``: no longer than the lag needs."""
+    deadline = time.perf_counter() + wait_s
+    while True:
+        after = await read()
+        counted = after.counters.get("requests_finished", 0.0) - before.counters.get("requests_finished", 0.0) if after else 0.0
+        if counted >= finished or time.perf_counter() >= deadline:
+            return after
+        await asyncio.sleep(every_s)
 
 
 async def _sample_gauges(read: Callable[[bool], Awaitable[MetricsSnapshot | None]], peaks: dict[str, float], every_s: float,
@@ -237,7 +250,8 @@ async def measure_level(
     ``reset_cache`` empties the prefix cache before it where ``POST /reset_prefix_cache`` cannot
     (Ray Serve's ingress has no such endpoint: its replicas are reset through Serve).
     ``metrics`` reads the server's metrics where ``{url}/metrics`` cannot (Serve's ingress has none);
-    its gauges are then sampled no more often than it lags.
+    its gauges are then sampled no more often than it lags, and the level's closing read waits (at most
+    its lag) until the source has counted the level's finished requests.
     """
     drawn: list[RequestSpec] = []
 
@@ -279,9 +293,10 @@ async def measure_level(
                 sampler.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await sampler
-        if before and metrics is not None:
-            await asyncio.sleep(metrics.lag_s)  # the level's last counts reach the source
-        after = await read() if before else None
+        if before and metrics is not None:  # the source lags: wait until it has counted the level's requests
+            after = await _settled(read, before, sum(r.ok for r in records), metrics.lag_s)
+        else:
+            after = await read() if before else None
     server = {**level_delta(before, after), **peaks} if before and after else {}
     summary = summarize(records, plan.level.as_dict(), slo.request_bounds_ms() or None)
     measured = devices.summary() if isinstance(devices, TelemetrySampler) else {}
