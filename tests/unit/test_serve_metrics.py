@@ -97,3 +97,58 @@ def test_combined_snapshots_add_histogram_buckets_and_keep_a_single_engines_valu
     two = MetricsSnapshot.combined([one, one])
     assert two.gauges == {"requests_waiting": 6.0, "kv_cache_usage": 0.5} and two.counters == {"preemptions": 4.0}
     assert two.histograms["server_itl"] == Histogram(sum=2.0, count=8.0, buckets={0.01: 2.0, 0.1: 8.0})
+
+
+def finished(replica: str, count: float, running: float = 0.0) -> str:
+    """One replica's lines as Ray's agent exports them: requests finished, and running now."""
+    return (f'ray_vllm_request_success_total{{ReplicaId="{replica}",engine="0",finished_reason="stop",model_name="tiny"}} {count}\n'
+            f'ray_vllm_num_requests_running{{ReplicaId="{replica}",engine="0",model_name="tiny"}} {running}\n')  # fmt: skip
+
+
+def test_counts_stay_monotonic_when_serve_replaces_a_replica_or_a_node_is_not_read():
+    from servetune.serve.metrics import ReplicaCounts, replica_snapshots
+
+    counts = ReplicaCounts()
+    ids = {"r1", "r2", "r3"}
+    first = counts.update(replica_snapshots([finished("r1", 100, 3), finished("r2", 50, 2)], ids))
+    assert first.counters["requests_finished"] == 150 and first.gauges["requests_running"] == 5
+    # r2's node did not answer this time: r2 keeps its 50, its running requests are not guessed
+    second = counts.update(replica_snapshots([finished("r1", 110, 1)], ids))
+    assert second.counters["requests_finished"] == 160 and second.gauges["requests_running"] == 1
+    # r1 died, Serve started r3 (its counters from 0): r1's 110 stay counted, so a level's delta is never negative
+    third = counts.update(replica_snapshots([finished("r3", 4, 4), finished("r2", 60)], ids))
+    assert third.counters["requests_finished"] == 110 + 60 + 4 and third.gauges["requests_running"] == 4
+    assert level_delta(second, third)["requests_finished"] == 14
+    assert ReplicaCounts().update({}) is None
+
+
+class ReplayedAgents:
+    """A cluster whose metrics agents give one text after another (the last one from then on)."""
+
+    def __init__(self, texts: list[str], lag_s: float = 1.5) -> None:
+        self.texts, self.reads, self.lag_s = texts, 0, lag_s
+
+    def metrics_lag_s(self) -> float:
+        return self.lag_s
+
+    def replica_ids(self, name: str) -> list[str]:
+        return ["r1"]
+
+    def metrics_texts(self) -> list[str]:
+        self.reads += 1
+        return [self.texts[min(self.reads, len(self.texts)) - 1]]
+
+
+def test_the_first_read_waits_until_what_ran_before_the_ladder_is_counted():
+    from servetune.serve.trial import ReplicaMetrics
+
+    # the quality probe's 16 requests reach the agent over two report intervals
+    agents = ReplayedAgents([finished("r1", 9), finished("r1", 16), finished("r1", 16)])
+    source = ReplicaMetrics(agents, "app")
+    assert source.read().counters["requests_finished"] == 16 and agents.reads == 3
+    assert source.read().counters["requests_finished"] == 16 and agents.reads == 4  # later reads do not wait
+    # counts that never settle: the last read after the lag
+    moving = ReplayedAgents([finished("r1", n) for n in range(1, 50)], lag_s=1.5)
+    start = __import__("time").monotonic()
+    assert ReplicaMetrics(moving, "app").read().counters["requests_finished"] >= 2
+    assert __import__("time").monotonic() - start < 1.5 + 1.0

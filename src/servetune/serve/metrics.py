@@ -28,10 +28,10 @@ def _gauge_lines(text: str) -> str:
     return "\n".join(kept) + "\n"
 
 
-def replicas_snapshot(texts: Iterable[str], replica_ids: Collection[str], gauges_only: bool = False) -> MetricsSnapshot | None:
-    """The replicas' vLLM metrics in the agents' ``texts``, added up as one server's
-    (:meth:`MetricsSnapshot.combined`); None when no sample of theirs is there (yet: an agent
-    exports what a worker reported a report interval ago)."""
+def replica_snapshots(texts: Iterable[str], replica_ids: Collection[str], gauges_only: bool = False) -> dict[str, MetricsSnapshot]:
+    """Each of the given replicas' vLLM metrics in the agents' ``texts``, read as vLLM's own text would
+    be; a replica with no sample there (yet: an agent exports what a worker reported a report interval
+    ago) is absent."""
     per_replica: dict[str, dict[str, list]] = {}
     for text in texts:
         try:
@@ -45,6 +45,28 @@ def replicas_snapshot(texts: Iterable[str], replica_ids: Collection[str], gauges
                     continue
                 name = VLLM_PREFIX + sample.name.removeprefix(RAY_PREFIX)
                 per_replica.setdefault(replica, {}).setdefault(name, []).append(sample)
-    if not per_replica:
-        return None
-    return MetricsSnapshot.combined([MetricsSnapshot.from_samples(samples) for samples in per_replica.values()])
+    return {replica: MetricsSnapshot.from_samples(samples) for replica, samples in per_replica.items()}
+
+
+def replicas_snapshot(texts: Iterable[str], replica_ids: Collection[str], gauges_only: bool = False) -> MetricsSnapshot | None:
+    """The replicas' vLLM metrics in the agents' ``texts``, added up as one server's
+    (:meth:`MetricsSnapshot.combined`); None when no sample of theirs is there."""
+    found = replica_snapshots(texts, replica_ids, gauges_only)
+    return MetricsSnapshot.combined(list(found.values())) if found else None
+
+
+class ReplicaCounts:
+    """A deployment's counters kept monotonic while replicas come and go: each replica's last full read
+    stays counted once it is gone (Serve replaced it, or its node's agent did not answer this time), and
+    a new replica counts from its own start. Gauges are the replicas read now."""
+
+    def __init__(self) -> None:
+        self.last: dict[str, MetricsSnapshot] = {}
+
+    def update(self, now: dict[str, MetricsSnapshot]) -> MetricsSnapshot | None:
+        self.last.update(now)
+        if not self.last:
+            return None
+        total = MetricsSnapshot.combined(list(self.last.values()))
+        total.gauges = MetricsSnapshot.combined(list(now.values())).gauges
+        return total

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from servetune.errors import UserError
 from servetune.report.points import ReportPoint
 from servetune.serve.cluster import ServeCluster, wait_gone
 from servetune.results import ENGINE_LOG
-from servetune.serve.metrics import replicas_snapshot
+from servetune.serve.metrics import ReplicaCounts, replica_snapshots
 from servetune.serve.plan import INGRESS_CPUS, REPLICA_ACTOR_CPUS, llm_config
 from servetune.trial.runner import TrialSpec, write_atomic
 
@@ -104,9 +105,11 @@ class ServeEngine:
         assert self.cluster is not None
         with contextlib.suppress(Exception):  # the whole log, the ladder's part included, while the replicas still run
             self._keep_log()
-        pids = sorted(set(self.pids) | set(self.cluster.replica_pids(self.name)))
+        found = set(self.pids)
+        with contextlib.suppress(Exception):  # unreadable replicas must not keep the application deployed
+            found |= set(self.cluster.replica_pids(self.name))
         self.cluster.delete(self.name)
-        left = wait_gone(pids, timeout_s=60.0)
+        left = wait_gone(sorted(found), timeout_s=60.0)
         for pid in left:  # Serve stopped them in its own time before; never leave an engine behind
             try:
                 psutil.Process(pid).kill()
@@ -157,17 +160,48 @@ class ServeEngine:
 
 class ReplicaMetrics:
     """The deployment's vLLM metrics, its replicas' added up (``serve.metrics``), read from Ray's metrics
-    agents: what a bare engine's ``/metrics`` gives a level (:class:`~servetune.trial.measure.MetricsSource`)."""
+    agents: what a bare engine's ``/metrics`` gives a level (:class:`~servetune.trial.measure.MetricsSource`).
+
+    The first full read (the first level's opening one) waits until the counts stop moving for one
+    report interval, at most the lag: what ran before the ladder (the quality probe) is then counted
+    before the level, not in it."""
 
     def __init__(self, cluster: ServeCluster, name: str) -> None:
         self.cluster, self.name = cluster, name
         self.lag_s = cluster.metrics_lag_s()
         self.replicas: set[str] = set(cluster.replica_ids(name))
+        self.counts = ReplicaCounts()
+        self.settled = False
 
     def read(self, gauges_only: bool = False) -> MetricsSnapshot | None:
+        if gauges_only:
+            found = self._read(True)
+            return MetricsSnapshot.combined(list(found.values())) if found else None
+        if not self.settled:
+            self.settled = True
+            return self._settle()
+        return self.counts.update(self._read(False))
+
+    def _read(self, gauges_only: bool) -> dict[str, MetricsSnapshot]:
         if not gauges_only or not self.replicas:  # a replica Serve restarted has a new id
             self.replicas = set(self.cluster.replica_ids(self.name)) or self.replicas
-        return replicas_snapshot(self.cluster.metrics_texts(), self.replicas, gauges_only)
+        return replica_snapshots(self.cluster.metrics_texts(), self.replicas, gauges_only)
+
+    def _settle(self) -> MetricsSnapshot | None:
+        interval_s = max((self.lag_s - 0.5) / 2, 0.5)  # one report interval (metrics_lag_s: two, and half a second)
+        deadline = time.monotonic() + self.lag_s
+        last = self.counts.update(self._read(False))
+        while time.monotonic() < deadline:
+            time.sleep(interval_s)
+            now = self.counts.update(self._read(False))
+            if _finished(now) == _finished(last):
+                return now
+            last = now
+        return last
+
+
+def _finished(snap: MetricsSnapshot | None) -> float | None:
+    return snap.counters.get("requests_finished") if snap is not None else None
 
 
 def local_serve_cpus(space: SearchSpace) -> int:

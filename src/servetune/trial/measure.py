@@ -205,10 +205,13 @@ class MetricsSource(Protocol):
 async def _settled(read: Callable[[], Awaitable[MetricsSnapshot | None]], before: MetricsSnapshot, finished: int,
                    wait_s: float, every_s: float = 0.25) -> MetricsSnapshot | None:  # fmt: skip
     """A lagging source's read once it counts ``finished`` more requests than ``before`` did (vLLM's
-    ``request_success``), or its last read after ``wait_s``: no longer than the lag needs."""
+    ``request_success``), or its last read after ``wait_s``: no longer than the lag needs. A source
+    with nothing to read is not waited for."""
     deadline = time.perf_counter() + wait_s
     while True:
         after = await read()
+        if after is None:
+            return None  # nothing to read after a whole level (a replica's counters appear within an interval): it cannot be read
         counted = after.counters.get("requests_finished", 0.0) - before.counters.get("requests_finished", 0.0) if after else 0.0
         if counted >= finished or time.perf_counter() >= deadline:
             return after
@@ -250,8 +253,9 @@ async def measure_level(
     ``reset_cache`` empties the prefix cache before it where ``POST /reset_prefix_cache`` cannot
     (Ray Serve's ingress has no such endpoint: its replicas are reset through Serve).
     ``metrics`` reads the server's metrics where ``{url}/metrics`` cannot (Serve's ingress has none);
-    its gauges are then sampled no more often than it lags, and the level's closing read waits (at most
-    its lag) until the source has counted the level's finished requests.
+    its gauges are then sampled every half of its lag, and the level's closing read waits (at most
+    its lag) until the source has counted the level's finished requests; that read's gauges, the level's
+    last moments as the source saw them late, count toward the peaks.
     """
     drawn: list[RequestSpec] = []
 
@@ -295,6 +299,8 @@ async def measure_level(
                     await sampler
         if before and metrics is not None:  # the source lags: wait until it has counted the level's requests
             after = await _settled(read, before, sum(r.ok for r in records), metrics.lag_s)
+            for name, value in (after.gauges.items() if after is not None else ()):  # the level's last interval, read late
+                peaks[f"{name}_max"] = max(peaks.get(f"{name}_max", 0.0), value)
         else:
             after = await read() if before else None
     server = {**level_delta(before, after), **peaks} if before and after else {}
