@@ -58,6 +58,7 @@ constraints: ["serve.num_replicas * tensor_parallel_size <= 4"]
 @pytest.mark.parametrize(("params", "words"), [
     ("serve.max_ongoing: [1]", "params: serve.max_ongoing: the Serve parameters are serve.num_replicas and serve.stream_batching_interval_ms"),
     ("serve.num_replicas: [1]\n  serve.stream_batching_interval_ms: [-1, 50]", "serve.stream_batching_interval_ms: list the intervals"),
+    ("serve.num_replicas: [1]\n  serve.stream_batching_interval_ms: [.inf]", "serve.stream_batching_interval_ms: list the intervals"),
     ("serve.num_replicas: [1]\n  serve.stream_batching_interval_ms: {low: 0, high: 50}", "serve.stream_batching_interval_ms: list the intervals"),
     ("serve.stream_batching_interval_ms: [0, 50]", "only trials through Serve batch their streams; list serve.num_replicas too"),
     ("serve.num_replicas: [0, 2]", "serve.num_replicas: list the replica counts"),
@@ -116,8 +117,9 @@ def test_serve_check_deploys_at_the_stream_batching_interval_asked(tmp_path):
     shutil.copytree(FIXTURE, study)
     picked = with_stream_batching(read_picked(study, FIXTURE_TRIAL), 0)
     assert llm_config(picked.point, 2)["experimental_configs"] == {"stream_batching_interval_ms": 0}
-    with pytest.raises(UserError, match=r"--stream-batching-ms -5: an interval of 0 ms or more"):
-        with_stream_batching(picked, -5)
+    for bad in (-5, float("inf")):
+        with pytest.raises(UserError, match=rf"--stream-batching-ms {bad:g}: a finite interval of 0 ms or more"):
+            with_stream_batching(picked, bad)
 
 
 def test_a_local_ray_declares_what_the_largest_trial_needs(tmp_path):
@@ -178,13 +180,9 @@ class HalfwayCluster:
         self.deleted.append(name)
 
     def replica_pids(self, name):
+        if self.deployed:
+            raise RuntimeError("the GCS did not answer")
         return []
-
-    def metrics_lag_s(self):
-        return 2.5
-
-    def replica_ids(self, name):
-        raise RuntimeError("the GCS did not answer")
 
 
 def test_a_trial_deployment_that_fails_after_deploying_is_deleted(tmp_path):

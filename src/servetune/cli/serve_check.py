@@ -114,8 +114,8 @@ def with_stream_batching(picked, interval_ms: float):
     from servetune.config.space import SERVE_STREAM_BATCHING
     from servetune.errors import UserError
 
-    if not interval_ms >= 0:
-        raise UserError(f"--stream-batching-ms {interval_ms:g}: an interval of 0 ms or more")
+    if not 0 <= interval_ms < float("inf"):
+        raise UserError(f"--stream-batching-ms {interval_ms:g}: a finite interval of 0 ms or more")
     point = dataclasses.replace(picked.point, params={**picked.point.params, SERVE_STREAM_BATCHING: interval_ms})
     return dataclasses.replace(picked, point=point)
 

@@ -243,7 +243,7 @@ class SearchSpace(BaseModel):
             raise ValueError(f"{SERVE_REPLICAS}: list the replica counts to compare (whole numbers, 1 or more)")
         batching = params.get(SERVE_STREAM_BATCHING)
         if batching is not None:
-            if not (isinstance(batching, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 for v in batching)):
+            if not (isinstance(batching, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf for v in batching)):
                 raise ValueError(f"{SERVE_STREAM_BATCHING}: list the intervals to compare (milliseconds, 0 or more)")
             if replicas is None:
                 raise ValueError(f"{SERVE_STREAM_BATCHING}: only trials through Serve batch their streams; list {SERVE_REPLICAS} too")
