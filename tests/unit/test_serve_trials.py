@@ -59,6 +59,7 @@ constraints: ["serve.num_replicas * tensor_parallel_size <= 4"]
     ("serve.max_ongoing: [1]", "params: serve.max_ongoing: the Serve parameters are serve.num_replicas and serve.stream_batching_interval_ms"),
     ("serve.num_replicas: [1]\n  serve.stream_batching_interval_ms: [-1, 50]", "serve.stream_batching_interval_ms: list the intervals"),
     ("serve.num_replicas: [1]\n  serve.stream_batching_interval_ms: [.inf]", "serve.stream_batching_interval_ms: list the intervals"),
+    ("serve.num_replicas: [1]\n  serve.stream_batching_interval_ms: [50, 50.0]", "serve.stream_batching_interval_ms: an interval is listed twice"),
     ("serve.num_replicas: [1]\n  serve.stream_batching_interval_ms: {low: 0, high: 50}", "serve.stream_batching_interval_ms: list the intervals"),
     ("serve.stream_batching_interval_ms: [0, 50]", "only trials through Serve batch their streams; list serve.num_replicas too"),
     ("serve.num_replicas: [0, 2]", "serve.num_replicas: list the replica counts"),

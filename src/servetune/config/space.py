@@ -245,6 +245,8 @@ class SearchSpace(BaseModel):
         if batching is not None:
             if not (isinstance(batching, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf for v in batching)):
                 raise ValueError(f"{SERVE_STREAM_BATCHING}: list the intervals to compare (milliseconds, 0 or more)")
+            if len({float(v) for v in batching}) < len(batching):
+                raise ValueError(f"{SERVE_STREAM_BATCHING}: an interval is listed twice (50 and 50.0 are one)")
             if replicas is None:
                 raise ValueError(f"{SERVE_STREAM_BATCHING}: only trials through Serve batch their streams; list {SERVE_REPLICAS} too")
         model = params.get(MODEL_PARAM)
