@@ -111,10 +111,10 @@ def with_stream_batching(picked, interval_ms: float):
     """``picked`` deployed with Ray Serve LLM's stream batching at ``interval_ms``."""
     import dataclasses
 
-    from servetune.config.space import SERVE_STREAM_BATCHING
+    from servetune.config.space import SERVE_STREAM_BATCHING, stream_batching_ok
     from servetune.errors import UserError
 
-    if not 0 <= interval_ms < float("inf"):
+    if not stream_batching_ok(interval_ms):
         raise UserError(f"--stream-batching-ms {interval_ms:g}: a finite interval of 0 ms or more")
     point = dataclasses.replace(picked.point, params={**picked.point.params, SERVE_STREAM_BATCHING: interval_ms})
     return dataclasses.replace(picked, point=point)

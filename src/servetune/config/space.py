@@ -46,6 +46,11 @@ SERVE_STREAM_BATCHING = SERVE_PREFIX + "stream_batching_interval_ms"
 SERVE_PARAMS = (SERVE_REPLICAS, SERVE_STREAM_BATCHING)
 
 
+def stream_batching_ok(value: object) -> bool:
+    """Whether ``value`` is a stream batching interval: a finite number of milliseconds, 0 or more."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf
+
+
 class Range(BaseModel):
     """A numeric range: integers when ``low`` and ``high`` are integers, else floats."""
 
@@ -243,7 +248,7 @@ class SearchSpace(BaseModel):
             raise ValueError(f"{SERVE_REPLICAS}: list the replica counts to compare (whole numbers, 1 or more)")
         batching = params.get(SERVE_STREAM_BATCHING)
         if batching is not None:
-            if not (isinstance(batching, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < math.inf for v in batching)):
+            if not (isinstance(batching, list) and all(stream_batching_ok(v) for v in batching)):
                 raise ValueError(f"{SERVE_STREAM_BATCHING}: list the intervals to compare (milliseconds, 0 or more)")
             if len({float(v) for v in batching}) < len(batching):
                 raise ValueError(f"{SERVE_STREAM_BATCHING}: an interval is listed twice (50 and 50.0 are one)")

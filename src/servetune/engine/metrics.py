@@ -85,10 +85,7 @@ class MetricsSnapshot:
         The full text runs to thousands of histogram lines; parsing them all in the load
         client's event loop, twice a second, would delay the very token timestamps it records.
         """
-        names = tuple(name for family in GAUGES.values() for name in family)
-        # A sample line starts with its name; "# TYPE name ..." and "# HELP name ..." name it third.
-        kept = [line for line in text.splitlines() if (line.split(" ", 3)[2] if line.startswith("# ") and line.count(" ") >= 2 else line).startswith(names)]
-        return cls.parse("\n".join(kept) + "\n")
+        return cls.parse(lines_of(text, tuple(name for family in GAUGES.values() for name in family)))
 
     @classmethod
     def parse(cls, text: str) -> "MetricsSnapshot":
@@ -142,6 +139,14 @@ class MetricsSnapshot:
                 for le, count in hist.buckets.items():
                     into.buckets[le] = into.buckets.get(le, 0.0) + count
         return out
+
+
+def lines_of(text: str, names: tuple[str, ...]) -> str:
+    """Only the lines of Prometheus ``text`` about metrics whose names start with one of ``names``:
+    their samples, and their ``# TYPE``/``# HELP`` lines."""
+    # A sample line starts with its name; "# TYPE name ..." and "# HELP name ..." name it third.
+    kept = [line for line in text.splitlines() if (line.split(" ", 3)[2] if line.startswith("# ") and line.count(" ") >= 2 else line).startswith(names)]
+    return "\n".join(kept) + "\n"
 
 
 def _first(samples: dict[str, list], names: tuple[str, ...]) -> list | None:

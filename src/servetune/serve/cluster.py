@@ -278,7 +278,7 @@ class ServeCluster:
         logs = Path(node.get_logs_dir_path())
         pids = [int(a["Pid"]) for a in ray._private.state.actors().values()
                 if str(a.get("ActorClassName", "")).startswith(f"ServeReplica:{name}:") and a.get("Pid")]  # fmt: skip
-        files = [f for pid in pids for f in logs.glob(f"worker-*-{pid}.*") if f.suffix in (".out", ".err")]
+        files = [f for pid in pids for f in self._worker_files(pid)]
         files += list((logs / "serve").glob(f"replica_{name}_*"))
         text: list[str] = []
         for path in sorted(files, key=lambda p: p.stat().st_mtime)[-4:]:

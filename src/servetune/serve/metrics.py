@@ -14,18 +14,11 @@ from collections.abc import Collection, Iterable
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from servetune.engine.metrics import GAUGES, MetricsSnapshot
+from servetune.engine.metrics import GAUGES, MetricsSnapshot, lines_of
 
 #: How Ray's metrics agent names vLLM's metrics: ``vllm:num_requests_waiting`` -> ``ray_vllm_num_requests_waiting``.
 RAY_PREFIX, VLLM_PREFIX = "ray_vllm_", "vllm:"
 _RAY_GAUGES = tuple(RAY_PREFIX + name.removeprefix(VLLM_PREFIX) for names in GAUGES.values() for name in names)
-
-
-def _gauge_lines(text: str) -> str:
-    """Only the gauges' lines (samples, and their ``# TYPE``/``# HELP``): what sampling twice a second reads."""
-    kept = [line for line in text.splitlines()
-            if (line.split(" ", 3)[2] if line.startswith("# ") and line.count(" ") >= 2 else line).startswith(_RAY_GAUGES)]  # fmt: skip
-    return "\n".join(kept) + "\n"
 
 
 def replica_snapshots(texts: Iterable[str], replica_ids: Collection[str], gauges_only: bool = False) -> dict[str, MetricsSnapshot]:
@@ -35,7 +28,7 @@ def replica_snapshots(texts: Iterable[str], replica_ids: Collection[str], gauges
     per_replica: dict[str, dict[str, list]] = {}
     for text in texts:
         try:
-            families = list(text_string_to_metric_families(_gauge_lines(text) if gauges_only else text))
+            families = list(text_string_to_metric_families(lines_of(text, _RAY_GAUGES) if gauges_only else text))
         except ValueError:
             continue
         for family in families:

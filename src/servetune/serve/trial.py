@@ -28,7 +28,7 @@ from servetune.errors import UserError
 from servetune.report.points import ReportPoint
 from servetune.serve.cluster import ServeCluster, wait_gone
 from servetune.results import ENGINE_LOG
-from servetune.serve.metrics import ReplicaCounts, replica_snapshots
+from servetune.serve.metrics import ReplicaCounts, replica_snapshots, replicas_snapshot
 from servetune.serve.plan import INGRESS_CPUS, REPLICA_ACTOR_CPUS, llm_config
 from servetune.trial.runner import TrialSpec, write_atomic
 
@@ -174,26 +174,28 @@ class ReplicaMetrics:
         self.settled = False
 
     def read(self, gauges_only: bool = False) -> MetricsSnapshot | None:
-        if gauges_only:
-            found = self._read(True)
-            return MetricsSnapshot.combined(list(found.values())) if found else None
+        if gauges_only:  # twice a second: the replica ids known are looked up again on full reads only
+            return replicas_snapshot(self.cluster.metrics_texts(), self._replica_ids(refresh=not self.replicas), gauges_only=True)
         if not self.settled:
             self.settled = True
             return self._settle()
-        return self.counts.update(self._read(False))
+        return self._counted()
 
-    def _read(self, gauges_only: bool) -> dict[str, MetricsSnapshot]:
-        if not gauges_only or not self.replicas:  # a replica Serve restarted has a new id
+    def _replica_ids(self, refresh: bool) -> set[str]:
+        if refresh:  # a replica Serve restarted has a new id
             self.replicas = set(self.cluster.replica_ids(self.name)) or self.replicas
-        return replica_snapshots(self.cluster.metrics_texts(), self.replicas, gauges_only)
+        return self.replicas
+
+    def _counted(self) -> MetricsSnapshot | None:
+        return self.counts.update(replica_snapshots(self.cluster.metrics_texts(), self._replica_ids(refresh=True)))
 
     def _settle(self) -> MetricsSnapshot | None:
         interval_s = max((self.lag_s - 0.5) / 2, 0.5)  # one report interval (metrics_lag_s: two, and half a second)
         deadline = time.monotonic() + self.lag_s
-        last = self.counts.update(self._read(False))
+        last = self._counted()
         while time.monotonic() < deadline:
             time.sleep(interval_s)
-            now = self.counts.update(self._read(False))
+            now = self._counted()
             if _finished(now) == _finished(last):
                 return now
             last = now

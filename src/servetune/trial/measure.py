@@ -212,10 +212,16 @@ async def _settled(read: Callable[[], Awaitable[MetricsSnapshot | None]], before
         after = await read()
         if after is None:
             return None  # nothing to read after a whole level (a replica's counters appear within an interval): it cannot be read
-        counted = after.counters.get("requests_finished", 0.0) - before.counters.get("requests_finished", 0.0) if after else 0.0
+        counted = after.counters.get("requests_finished", 0.0) - before.counters.get("requests_finished", 0.0)
         if counted >= finished or time.perf_counter() >= deadline:
             return after
         await asyncio.sleep(every_s)
+
+
+def _keep_peaks(peaks: dict[str, float], snap: MetricsSnapshot) -> None:
+    """Raise each gauge's peak (``<gauge>_max``) to what ``snap`` read."""
+    for name, value in snap.gauges.items():
+        peaks[f"{name}_max"] = max(peaks.get(f"{name}_max", 0.0), value)
 
 
 async def _sample_gauges(read: Callable[[bool], Awaitable[MetricsSnapshot | None]], peaks: dict[str, float], every_s: float,
@@ -224,8 +230,7 @@ async def _sample_gauges(read: Callable[[bool], Awaitable[MetricsSnapshot | None
     while True:
         snap = await read(True)
         if snap is not None:
-            for name, value in snap.gauges.items():
-                peaks[f"{name}_max"] = max(peaks.get(f"{name}_max", 0.0), value)
+            _keep_peaks(peaks, snap)
             if watch is not None and "requests_waiting" in snap.gauges:
                 watch.waiting(time.perf_counter() - start, snap.gauges["requests_waiting"])
         await asyncio.sleep(every_s)
@@ -299,8 +304,8 @@ async def measure_level(
                     await sampler
         if before and metrics is not None:  # the source lags: wait until it has counted the level's requests
             after = await _settled(read, before, sum(r.ok for r in records), metrics.lag_s)
-            for name, value in (after.gauges.items() if after is not None else ()):  # the level's last interval, read late
-                peaks[f"{name}_max"] = max(peaks.get(f"{name}_max", 0.0), value)
+            if after is not None:  # the level's last interval, read late
+                _keep_peaks(peaks, after)
         else:
             after = await read() if before else None
     server = {**level_delta(before, after), **peaks} if before and after else {}
