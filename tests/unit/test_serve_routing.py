@@ -97,6 +97,26 @@ def test_replicas_on_two_nodes_are_read_from_each_nodes_agent_and_merged():
     assert merge_counters([{"r1": {"requests": 2}}, {"r1": {"requests": 3, "prompt_tokens": 5}}]) == {"r1": {"requests": 5, "prompt_tokens": 5}}
 
 
+@pytest.mark.parametrize("interval_ms, lag_s", [(1000, 2.5), (10_000, 20.5)])
+def test_the_counters_are_read_after_the_agents_lag_not_a_fixed_wait(monkeypatch, interval_ms, lag_s):
+    # A local Ray servetune starts reports every second; a cluster at Ray's default every 10 s, and a
+    # read 2.5 s after a level would miss its last requests there.
+    from types import SimpleNamespace
+
+    import ray
+
+    from servetune.serve import cluster as cluster_module
+
+    waits = []
+    monkeypatch.setattr(ray, "_config", SimpleNamespace(metrics_report_interval_ms=lambda: interval_ms))
+    monkeypatch.setattr(cluster_module.time, "sleep", waits.append)
+    serve_cluster = cluster_module.ServeCluster("ray://nowhere:1", {})
+    monkeypatch.setattr(serve_cluster, "metrics_texts", lambda: [AGENT_TEXT])
+    assert serve_cluster.requests_per_replica("app") == {"r1": 7, "r2": 3}
+    assert serve_cluster.replica_counters("app") == read_replica_counters(AGENT_TEXT, "app")
+    assert waits == [lag_s, lag_s]
+
+
 def test_traffic_is_what_the_counters_grew_by_and_hit_rates_and_imbalance_follow():
     before = {"r1": {"requests": 2, "prompt_tokens": 800, "prefix_cache_queries": 800, "prefix_cache_hits": 0},
               "old": {"requests": 9, "prompt_tokens": 999}}  # fmt: skip

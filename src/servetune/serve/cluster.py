@@ -194,7 +194,7 @@ class ServeCluster:
         """Requests each replica of the LLM deployment handled, from Serve's own counter
         (``ray_serve_deployment_request_counter``, per replica, exported by Ray's metrics agent
         on this node). Empty when the agent cannot be read."""
-        time.sleep(2.5)  # Ray's metrics agent takes a report interval (1 s here) to see the latest counts
+        time.sleep(self.metrics_lag_s())  # until the metrics agents have the latest counts
         return self.served_per_replica(name, deployment_prefix)
 
     def served_per_replica(self, name: str, deployment_prefix: str = "LLMServer") -> dict[str, int]:
@@ -205,7 +205,7 @@ class ServeCluster:
     def replica_counters(self, name: str, deployment_prefix: str = "LLMServer") -> dict[str, dict[str, float]]:
         """Per replica: Serve's request counter and vLLM's token and prefix-cache counters
         (``serve.routing.read_replica_counters``), once the metrics agents have the latest counts."""
-        time.sleep(2.5)  # Ray's metrics agent takes a report interval (1 s here) to see the latest counts
+        time.sleep(self.metrics_lag_s())  # until the metrics agents have the latest counts
         return self._read_counters(name, deployment_prefix)
 
     def _read_counters(self, name: str, deployment_prefix: str) -> dict[str, dict[str, float]]:
