@@ -85,6 +85,28 @@ def test_export_keeps_serves_default_router_when_none_won_or_another_trial_was_c
     assert "request_router_config" not in deployment and "# Router" not in text  # measured for another trial
 
 
+def test_export_ships_the_stream_batching_interval_serve_check_deployed_that_trial_at(tmp_path, capsys):
+    import json
+
+    import yaml
+
+    from servetune.cli import main
+
+    for trial_id, sub in (("t1", "a"), ("other", "b")):
+        study = routed_study(tmp_path / sub, [run_of("default", 200, 400)], trial_id=trial_id)
+        data = json.loads((study / "serve-check.json").read_text())
+        data["llm_config"] = {"experimental_configs": {"stream_batching_interval_ms": 0.0}}  # --stream-batching-ms 0
+        (study / "serve-check.json").write_text(json.dumps(data))
+        assert main(["export", str(study), "--pick", "t1", "--format", "ray-serve"]) == 0
+        text = capsys.readouterr().out
+        (config,) = yaml.safe_load(text)["applications"][0]["args"]["llm_configs"]
+        if trial_id == "t1":
+            assert config["experimental_configs"] == {"stream_batching_interval_ms": 0}, config
+            assert "# Stream batching: 0 ms, as serve-check deployed and measured the replicas" in text
+        else:  # measured for another trial: Ray's default stays (the trial set none)
+            assert "experimental_configs" not in config and "Stream batching" not in text
+
+
 def test_serve_checks_printed_tables_show_the_rows_and_the_verdict():
     from rich.console import Console
 

@@ -19,7 +19,9 @@ Print the configuration of one operating point of a study:
                       target_ongoing_requests, max_ongoing_requests, the hard queue cap
                       max_queued_requests, delays; the reasoning as comments; and
                       the router `servetune serve-check --routers` measured best for
-                      this trial (request_router_config), when it named one
+                      this trial (request_router_config), when it named one,
+                      and the stream batching interval serve-check deployed it at
+                      (--stream-batching-ms), in place of the trial's own
   --format json       the configuration and its measured numbers
 
 --pick best (default) is the recommendation of `servetune report`; --pick N is row N
@@ -70,9 +72,12 @@ def run(args: argparse.Namespace) -> int:
     if args.format == "vllm":
         text = vllm_command(point)
     elif args.format == "ray-serve":
-        router = report.serve_check.router if report.serve_check is not None else None
-        layout = report.serve_check.layout if report.serve_check is not None else None
-        text = ray_serve_yaml(point, args.accelerator_type, autoscaling_for(report, point, args.peak), router, layout)
+        checked = report.serve_check
+        text = ray_serve_yaml(
+            point, args.accelerator_type, autoscaling_for(report, point, args.peak),
+            checked.router if checked else None, checked.layout if checked else None,
+            checked.stream_batching if checked else None,
+        )  # fmt: skip
     else:
         text = point_json(report, point)
     sys.stdout.write(text)

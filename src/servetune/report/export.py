@@ -23,7 +23,7 @@ from servetune.metrics import GOODPUT, REQUEST_THROUGHPUT
 from servetune.report.autoscale import Autoscaling, derive_autoscaling
 from servetune.report.build import StudyReport
 from servetune.report.points import ReportPoint, first_line, level_label
-from servetune.report.serving import LayoutChoice, RouterChoice
+from servetune.report.serving import LayoutChoice, RouterChoice, StreamBatchingChoice
 from servetune.secrets import MASK, redact_engine_args, redact_env
 
 
@@ -188,13 +188,15 @@ def with_tp(point: ReportPoint, tp: int, cores: Any = ()) -> ReportPoint:
 def ray_serve_yaml(
     point: ReportPoint, accelerator_type: str | None = None, autoscaling: Autoscaling | str | None = None,
     router: RouterChoice | None = None, layout: LayoutChoice | None = None,
+    stream_batching: StreamBatchingChoice | None = None,
 ) -> str:  # fmt: skip
     """The ``serve run`` YAML; ``autoscaling`` is the derived settings (their reasons become
     comments) or, as a string, why none could be derived (the replicas stay fixed); ``router``
     is what ``serve-check --routers`` measured for this point's trial (ignored for another);
     ``layout`` the replicas x TP ``serve-check --layouts`` named for it (ignored for another): shipped
     as fixed replicas of that TP, in place of the derived autoscaling (derived for the trial's own TP
-    at its own load)."""
+    at its own load); ``stream_batching`` the replicas' stream batching interval serve-check deployed
+    it at (ignored for another trial), in place of the trial's own."""
     header = (
         f"# Ray Serve LLM application (servetune trial {point.trial_id}, measured at {level_label(point.level)}).\n"
         "# Deploy: serve run this.yaml\n"
@@ -223,6 +225,12 @@ def ray_serve_yaml(
         else:
             router_class = router.router_class
             header += f"# Router: {router.name}, measured by serve-check: {router.reason}\n"
+    if stream_batching is not None and stream_batching.trial_id == point.trial_id:
+        own = point.params.get(SERVE_STREAM_BATCHING)
+        was = f" (the trial's own: {_number(own)} ms)" if own is not None and float(own) != stream_batching.interval_ms else ""
+        header += (f"# Stream batching: {_number(stream_batching.interval_ms)} ms, as serve-check deployed and "
+                   f"measured the replicas{was}\n")  # fmt: skip
+        point = dataclasses.replace(point, params={**point.params, SERVE_STREAM_BATCHING: stream_batching.interval_ms})
     app = ray_serve_app(point, accelerator_type, autoscaling=autoscaling, router_class=router_class)
     if layout is not None:
         args = app["applications"][0]["args"]

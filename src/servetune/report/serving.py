@@ -11,6 +11,7 @@ called by ``report/study.py``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ class ServeSection:
     layouts: tuple[tuple[str, ...], ...] = ()  # LAYOUT_HEADINGS
     layout_notes: tuple[str, ...] = ()  # the offered load, layouts left out, the verdict
     layout: LayoutChoice | None = None  # what `export --format ray-serve` ships, when layouts were compared
+    stream_batching: StreamBatchingChoice | None = None  # the interval serve-check deployed, when it set one
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,14 @@ class LayoutChoice:
     tp: int
     level: dict[str, float]
     reason: str
+
+
+@dataclass(frozen=True)
+class StreamBatchingChoice:
+    """The stream batching interval (ms) of Ray Serve LLM's replicas that serve-check measured ``trial_id`` at."""
+
+    trial_id: str
+    interval_ms: float
 
 
 SCALING_HEADINGS = ("replicas", "level", "goodput", "out tok/s", "TTFT p50", "TTFT p99", "router TTFT p50", "scaling eff.", "SLO")
@@ -129,7 +139,17 @@ def serve_section(file: ServeCheckFile | None) -> ServeSection | None:
                         routers=tuple(routers), verdict=said, engines=_engine_notes(routing.get("runs") or []),
                         router=_router_choice(trial_id, routing), layouts_title=laid_title,
                         layouts=tuple(layout_row(run) for run in laid.get("runs") or [] if isinstance(run, Mapping)),
-                        layout_notes=layout_notes(laid) if laid else (), layout=_layout_choice(trial_id, laid))  # fmt: skip
+                        layout_notes=layout_notes(laid) if laid else (), layout=_layout_choice(trial_id, laid),
+                        stream_batching=_stream_batching(trial_id, data.get("llm_config")))  # fmt: skip
+
+
+def _stream_batching(trial_id: str, config: Any) -> StreamBatchingChoice | None:
+    """The ``stream_batching_interval_ms`` of the LLM config serve-check deployed (None: not set, Ray's default)."""
+    experimental = config.get("experimental_configs") if isinstance(config, Mapping) else None
+    value = experimental.get("stream_batching_interval_ms") if isinstance(experimental, Mapping) else None
+    if not trial_id or not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+        return None
+    return StreamBatchingChoice(trial_id, float(value))
 
 
 def layout_row(run: Mapping[str, Any]) -> tuple[str, ...]:
