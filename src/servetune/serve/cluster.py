@@ -22,6 +22,9 @@ from servetune.errors import EngineStartError, UserError
 from servetune.serve.routing import merge_counters, read_replica_counters
 from servetune.study.ray_cluster import SERVE_SYSTEM_CONFIG
 
+#: Seconds of slack around a replica actor's lifetime when its worker log files are matched by pid.
+WORKER_LOG_SLACK_S = 5.0
+
 
 class ServeCluster:
     """``with ServeCluster(address, resources) as cluster:`` a Ray cluster with Serve on it.
@@ -246,26 +249,40 @@ class ServeCluster:
                     counts[key] = counts.get(key, 0) + int(n)
         return counts
 
-    def replica_logs(self, name: str, max_bytes: int = 4 << 20) -> str:
+    def replica_logs(self, name: str, max_bytes: int = 4 << 20, since_ms: int = 0) -> str:
         """Everything the application's LLM replicas on this node wrote to their workers' stderr and stdout
-        (vLLM's log: start-up phases, KV-cache size), replica after replica, each file's last ``max_bytes``."""
+        (vLLM's log: start-up phases, KV-cache size), replica after replica, each file's last ``max_bytes``.
+        Replicas Serve replaced are included (the GCS keeps dead actors); ``since_ms`` leaves out those
+        started before it (milliseconds since the epoch: an earlier deployment of the same name)."""
         text = []
-        for _, actor in _live_replicas(name, "LLMServer"):
-            for path in self._worker_files(int(actor.get("Pid") or 0)):
+        for _, actor in _replicas(name, "LLMServer", live_only=False):
+            if int(actor.get("StartTime") or 0) < since_ms:
+                continue
+            for path in self._worker_files(actor):
                 with contextlib.suppress(OSError), path.open("rb") as f:
                     f.seek(max(path.stat().st_size - max_bytes, 0))
                     text.append(f.read().decode(errors="replace"))
         return "\n".join(text)
 
-    def _worker_files(self, pid: int) -> list[Path]:
-        """A Ray worker's stderr and stdout files on this node (none for another node's worker)."""
+    def _worker_files(self, actor: Mapping[str, Any]) -> list[Path]:
+        """A replica actor's worker stderr and stdout files (``worker-<id>-<job>-<pid>.err``), if it ran on this
+        host. Files are named by pid, which the OS reuses: only files last written while the actor lived
+        (from its start to its end, or now, with a few seconds' slack) are its own."""
         import ray
 
         node = ray._private.worker._global_node
-        if node is None or not pid:
+        pid = int(actor.get("Pid") or 0)
+        if node is None or not pid or (actor.get("Address") or {}).get("IPAddress") != ray.util.get_node_ip_address():
             return []
+        start_s = int(actor.get("StartTime") or 0) / 1000 - WORKER_LOG_SLACK_S
+        end_s = int(actor.get("EndTime") or 0) / 1000 or time.time()
         logs = Path(node.get_logs_dir_path())
-        return sorted(f for f in logs.glob(f"worker-*-{pid}.*") if f.suffix in (".err", ".out"))
+        files = []
+        for path in sorted(logs.glob(f"worker-*-{pid}.*")):
+            with contextlib.suppress(OSError):
+                if path.suffix in (".err", ".out") and start_s <= path.stat().st_mtime <= end_s + WORKER_LOG_SLACK_S:
+                    files.append(path)
+        return files
 
     def log_tail(self, name: str, lines: int = 40) -> str:
         """The last lines the application's replicas wrote on this node: their workers' stdout and
@@ -276,9 +293,7 @@ class ServeCluster:
         if node is None:
             return ""
         logs = Path(node.get_logs_dir_path())
-        pids = [int(a["Pid"]) for a in ray._private.state.actors().values()
-                if str(a.get("ActorClassName", "")).startswith(f"ServeReplica:{name}:") and a.get("Pid")]  # fmt: skip
-        files = [f for pid in pids for f in self._worker_files(pid)]
+        files = [f for _, actor in _replicas(name, live_only=False) for f in self._worker_files(actor)]
         files += list((logs / "serve").glob(f"replica_{name}_*"))
         text: list[str] = []
         for path in sorted(files, key=lambda p: p.stat().st_mtime)[-4:]:
@@ -306,12 +321,17 @@ def _quiet_serve_logs() -> None:
 def _live_replicas(name: str, deployment_prefix: str = "") -> list[tuple[str, dict[str, Any]]]:
     """The application's live replica actors (of the deployments whose names start with
     ``deployment_prefix``), as (actor id, the GCS actor table's entry)."""
+    return _replicas(name, deployment_prefix, live_only=True)
+
+
+def _replicas(name: str, deployment_prefix: str = "", live_only: bool = True) -> list[tuple[str, dict[str, Any]]]:
+    """The application's replica actors, live ones only or every one the GCS still knows (dead ones too)."""
     import ray
 
     # The GCS actor table: ray.util.state would need the dashboard, which serve-check does not start.
     prefix = f"ServeReplica:{name}:{deployment_prefix}"
     return [(str(actor_id), actor) for actor_id, actor in ray._private.state.actors().items()
-            if actor.get("State") == "ALIVE" and str(actor.get("ActorClassName", "")).startswith(prefix)]  # fmt: skip
+            if (not live_only or actor.get("State") == "ALIVE") and str(actor.get("ActorClassName", "")).startswith(prefix)]  # fmt: skip
 
 
 def _pin_llm_servers(app: Any, version: str) -> None:
