@@ -6,7 +6,13 @@ workload and level), and runs ``servetune serve-check`` on it at 1 and 2 replica
 P50 through Serve against the bare engine at the same load (target: within 5 ms or 5%, whichever
 is larger) and the scaling efficiency at 2 replicas (throughput at 2 / (2 x throughput at 1)).
 
-    .venv/bin/python bench/serve_overhead.py [--concurrency 8] [--num-requests 64] [--stream-batching-ms MS]
+A shared host drifts by a few ms between runs, as much as the target. So the bare engine and
+Serve are measured in turn, ``--rounds`` times (bare, Serve, bare, Serve, ..., bare). Each round's
+overhead is its Serve run against the mean of the bare runs on either side. The verdict is the
+median round's (one disturbed run moves it less than a mean), and it says when the bare engine's
+own drift (the median step between consecutive bare runs) reaches from the overhead to the target.
+
+    .venv/bin/python bench/serve_overhead.py [--concurrency 8] [--num-requests 64] [--stream-batching-ms MS] [--rounds 3]
 
 ``--stream-batching-ms`` deploys with Ray Serve LLM's stream batching at that interval (default: Ray's,
 50 ms, which holds each replica's tokens, the first included, until its next send).
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,40 +64,77 @@ def one_trial_study(root: Path, model: Path, bench: dict, concurrency: int, requ
     return root
 
 
+def bare_run(model: Path, work: Path, concurrency: int, requests: int, index: int) -> dict:
+    """One ``servetune bench`` of the bare engine at the level (its own engine start)."""
+    out = work / f"bare-{index}.json"
+    servetune(
+        "bench", "--model", model, *[a for k, v in ENV.items() for a in ("--env", f"{k}={v}")],
+        *[a for k, v in ENGINE_ARGS.items() for a in ("--engine-arg", f"{k}={str(v).lower() if isinstance(v, bool) else v}")],
+        "--workload", "cpu-tiny", "--concurrency", concurrency, "--num-requests", requests, "--json", out,
+    )  # fmt: skip
+    return json.loads(out.read_text())
+
+
+def ttft_p50(bench: dict) -> float:
+    return float(bench["levels"][0]["summary"]["ttft_ms"]["p50"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--stream-batching-ms", type=float, default=None, help="Ray Serve LLM's stream batching interval (default: Ray's)")
+    parser.add_argument("--rounds", type=int, default=3, help="Serve runs, each between two bare runs (bare, Serve, bare, ...): "
+                        "a round's overhead is its Serve run against the mean of the bare runs on either side")
     args = parser.parse_args()
+    if args.rounds < 1:
+        sys.exit("--rounds: at least 1")
     from servetune.models.tiny import build_tiny_model
 
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="serve-overhead-"))
     model = build_tiny_model(work / "tiny")
-    bench_json = work / "bare.json"
-    servetune(
-        "bench", "--model", model, *[a for k, v in ENV.items() for a in ("--env", f"{k}={v}")],
-        *[a for k, v in ENGINE_ARGS.items() for a in ("--engine-arg", f"{k}={str(v).lower() if isinstance(v, bool) else v}")],
-        "--workload", "cpu-tiny", "--concurrency", args.concurrency, "--num-requests", args.num_requests, "--json", bench_json,
-    )  # fmt: skip
-    study = one_trial_study(work / "study", model, json.loads(bench_json.read_text()), args.concurrency, args.num_requests)
+    bare = [bare_run(model, work, args.concurrency, args.num_requests, 0)]
+    study = one_trial_study(work / "study", model, bare[0], args.concurrency, args.num_requests)
     batching = ["--stream-batching-ms", args.stream_batching_ms] if args.stream_batching_ms is not None else []
-    servetune("serve-check", study, "--pick", "bare", "--replicas", "1,2", *batching)
-    result = json.loads((study / "serve-check.json").read_text())
-    rows = {row["replicas"]: row for row in result["rows"]}
-    one, two = rows[1], rows[2]
-    overhead = one["ttft_p50_overhead_ms"]
-    allowed = max(5.0, 0.05 * one["bare_ttft_ms_p50"])
+    served: list[dict] = []  # serve-check's row at 1 replica, per round
+    two: dict | None = None
+    first: dict | None = None
+    for index in range(args.rounds):
+        replicas = "1,2" if index == 0 else "1"  # scaling is measured once, in the first round
+        servetune("serve-check", study, "--pick", "bare", "--replicas", replicas, *batching)
+        result = json.loads((study / "serve-check.json").read_text())
+        rows = {row["replicas"]: row for row in result["rows"]}
+        served.append(rows[1])
+        if index == 0:
+            two, first = rows[2], result
+        bare.append(bare_run(model, work, args.concurrency, args.num_requests, index + 1))
+    bare_p50 = [ttft_p50(b) for b in bare]
+    serve_p50 = [row["ttft_ms_p50"] for row in served]
+    overheads = [s - (bare_p50[i] + bare_p50[i + 1]) / 2 for i, s in enumerate(serve_p50)]
+    overhead = statistics.median(overheads)
+    reference = statistics.median(bare_p50)
+    allowed = max(5.0, 0.05 * reference)
+    # How far the bare engine alone moves from one run to the next (the median step: one disturbed run does not set it).
+    noise = statistics.median(abs(b - a) for a, b in zip(bare_p50, bare_p50[1:]))
+    if abs(overhead) <= allowed:
+        verdict = "met"
+    else:
+        verdict = "NOT met"
+    if abs(abs(overhead) - allowed) <= noise:
+        verdict += f", within the bare engine's own run-to-run drift ({noise:.1f} ms) of the target"
     interval = "Ray's default" if args.stream_batching_ms is None else f"{args.stream_batching_ms:g} ms"
     print(f"concurrency {args.concurrency}, {args.num_requests} requests per level, tiny model on vLLM's CPU build, "
-          f"stream batching {interval}")  # fmt: skip
-    print(f"bare engine:      TTFT P50 {one['bare_ttft_ms_p50']:.1f} ms, {one['bare_output_throughput']:.0f} output tok/s")
-    print(f"Serve, 1 replica: TTFT P50 {one['ttft_ms_p50']:.1f} ms, {one['output_throughput']:.0f} output tok/s")
-    print(f"router TTFT P50 overhead: {overhead:+.1f} ms ({overhead / one['bare_ttft_ms_p50']:+.0%}); "
-          f"target within {allowed:.1f} ms: {'met' if abs(overhead) <= allowed else 'NOT met'}")  # fmt: skip
-    print(f"Serve, 2 replicas: {two['output_throughput']:.0f} output tok/s; scaling efficiency {two['scaling_efficiency']:.0%}; "
-          f"requests per replica {[run['requests_per_replica'] for run in result['runs']]}")  # fmt: skip
+          f"stream batching {interval}, {args.rounds} round(s)")  # fmt: skip
+    print("bare engine TTFT P50 (ms), in order:  " + ", ".join(f"{v:.1f}" for v in bare_p50))
+    print("Serve, 1 replica, TTFT P50 (ms):      " + ", ".join(f"{v:.1f}" for v in serve_p50))
+    print("overhead per round (ms):              " + ", ".join(f"{v:+.1f}" for v in overheads))
+    print(f"router TTFT P50 overhead: {overhead:+.1f} ms, the median round ({overhead / reference:+.0%} of the bare "
+          f"engine's median {reference:.1f} ms); target within {allowed:.1f} ms: {verdict}")  # fmt: skip
+    one_tps = served[0]["output_throughput"]
+    print(f"output tok/s, first round: bare {bare[0]['levels'][0]['summary']['output_throughput']:.0f}, Serve 1 replica "
+          f"{one_tps:.0f}, 2 replicas {two['output_throughput']:.0f}; scaling efficiency {two['scaling_efficiency']:.0%}; "
+          f"requests per replica {[run['requests_per_replica'] for run in first['runs']]}")  # fmt: skip
     print(f"took {time.monotonic() - started:.0f} s; files in {work}")
 
 
