@@ -185,6 +185,9 @@ class HalfwayCluster:
             raise RuntimeError("the GCS did not answer")
         return []
 
+    def engine_replicas(self, name, live_only=True):
+        return []
+
 
 def test_a_trial_deployment_that_fails_after_deploying_is_deleted(tmp_path):
     from servetune.serve.trial import ServeEngine
@@ -197,3 +200,50 @@ def test_a_trial_deployment_that_fails_after_deploying_is_deleted(tmp_path):
         ServeEngine(spec, tmp_path, cluster).__enter__()
     name = f"servetune-t-{spec.trial_id}"
     assert cluster.deployed == [name] and cluster.deleted == [name, name]  # before (a killed run's), and after
+
+
+class ReplacingCluster(HalfwayCluster):
+    """Replicas by actor id (alive or dead, each with its log): one left from an earlier deployment of the
+    name, one that fails while deploying, and the one Serve replaces during the trial."""
+
+    def __init__(self):
+        super().__init__()
+        self.actors = {"old": (False, "old: an earlier deployment\n")}
+
+    def deploy(self, name, config, timeout_s, route_prefix="/"):
+        self.actors |= {"r0": (False, "r0: failed while deploying, KV cache size: 1,000 tokens\n"),
+                        "r1": (True, "r1: KV cache size: 2,000 tokens\n")}  # fmt: skip
+        return super().deploy(name, config, timeout_s, route_prefix)
+
+    def replica_pids(self, name):
+        return []
+
+    def engine_replicas(self, name, live_only=True):
+        return sorted(i for i, (alive, _) in self.actors.items() if alive or not live_only)
+
+    def replica_logs(self, name, leave_out=()):
+        return "".join(text for i, (_, text) in sorted(self.actors.items()) if i not in leave_out)
+
+    def replica_ids(self, name):
+        return self.engine_replicas(name)
+
+    def metrics_lag_s(self):
+        return 2.5
+
+
+def test_a_trials_engine_log_is_its_replicas_a_replaced_one_kept_and_failed_or_earlier_ones_left_out(tmp_path, monkeypatch):
+    from servetune.serve import trial as serve_trial
+    from servetune.serve.trial import ServeEngine
+
+    monkeypatch.setattr(serve_trial, "wait_gone", lambda pids, timeout_s: [])
+    s = space(tmp_path, "params:\n  serve.num_replicas: [1]\n")
+    workload = s.resolved_workload(tmp_path)
+    spec = StudyContext(s, workload, tmp_path, "/models/tiny", resolve_levels(s, workload)).spec_for({"serve.num_replicas": 1})
+    cluster = ReplacingCluster()
+    engine = ServeEngine(spec, tmp_path, cluster).__enter__()
+    log = (tmp_path / "engine.log").read_text()
+    assert log == "r1: KV cache size: 2,000 tokens\n"  # read now for the start-up phases and the KV capacity: one engine
+    assert engine.kv_capacity().engines == 1 and engine.kv_capacity().tokens == 2000
+    cluster.actors |= {"r1": (False, cluster.actors["r1"][1]), "r2": (True, "r2: started by Serve mid-trial\n")}
+    engine.__exit__(None, None, None)
+    assert (tmp_path / "engine.log").read_text() == "r1: KV cache size: 2,000 tokens\nr2: started by Serve mid-trial\n"

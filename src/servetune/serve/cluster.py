@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +22,10 @@ from servetune.errors import EngineStartError, UserError
 from servetune.serve.routing import merge_counters, read_replica_counters
 from servetune.study.ray_cluster import SERVE_SYSTEM_CONFIG
 
-#: Seconds of slack around a replica actor's lifetime when its worker log files are matched by pid.
+#: Seconds of slack around a replica actor's lifetime when its worker log files are matched by pid:
+#: before its start (the clocks of the GCS and of this host), and after its end (late flushes).
 WORKER_LOG_SLACK_S = 5.0
+WORKER_LOG_AFTER_END_S = 60.0
 
 
 class ServeCluster:
@@ -114,10 +116,11 @@ class ServeCluster:
             _pin_llm_servers(app, engine_version)
         return self.run_app(name, app, timeout_s, route_prefix)
 
-    def engine_replicas(self, name: str, deployment_prefix: str = "LLMServer") -> list[str]:
+    def engine_replicas(self, name: str, deployment_prefix: str = "LLMServer", live_only: bool = True) -> list[str]:
         """Actor ids of the application's live LLM deployment replicas (each holds one engine): the same
-        ids before and after a redeploy mean Serve kept the replicas, a new id is a replica it started."""
-        return sorted(actor_id for actor_id, _ in _live_replicas(name, deployment_prefix))
+        ids before and after a redeploy mean Serve kept the replicas, a new id is a replica it started.
+        ``live_only`` False: dead ones the GCS still knows too (replaced, or of an earlier deployment)."""
+        return sorted(actor_id for actor_id, _ in _replicas(name, deployment_prefix, live_only))
 
     def replica_ids(self, name: str, deployment_prefix: str = "LLMServer") -> list[str]:
         """Serve's unique ids of the application's live LLM replicas: the ``ReplicaId`` their engines'
@@ -182,12 +185,9 @@ class ServeCluster:
         """Process ids of the application's replica actors on this host and everything they started
         (vLLM's engine). Replicas on other hosts are left to Serve's teardown: their pids mean
         nothing here."""
-        import ray
-
-        here = ray.util.get_node_ip_address()
         pids: list[int] = []
         for _, actor in _live_replicas(name):
-            if (actor.get("Address") or {}).get("IPAddress") == here and actor.get("Pid"):
+            if _on_this_host(actor) and actor.get("Pid"):
                 pids.append(int(actor["Pid"]))
                 with contextlib.suppress(psutil.Error):
                     pids += [child.pid for child in psutil.Process(actor["Pid"]).children(recursive=True)]
@@ -249,14 +249,14 @@ class ServeCluster:
                     counts[key] = counts.get(key, 0) + int(n)
         return counts
 
-    def replica_logs(self, name: str, max_bytes: int = 4 << 20, since_ms: int = 0) -> str:
+    def replica_logs(self, name: str, max_bytes: int = 4 << 20, leave_out: Collection[str] = ()) -> str:
         """Everything the application's LLM replicas on this node wrote to their workers' stderr and stdout
         (vLLM's log: start-up phases, KV-cache size), replica after replica, each file's last ``max_bytes``.
-        Replicas Serve replaced are included (the GCS keeps dead actors); ``since_ms`` leaves out those
-        started before it (milliseconds since the epoch: an earlier deployment of the same name)."""
+        Replicas Serve replaced are included (the GCS keeps dead actors), except the actor ids in
+        ``leave_out`` (an earlier deployment of the same name, replicas that failed while deploying)."""
         text = []
-        for _, actor in _replicas(name, "LLMServer", live_only=False):
-            if int(actor.get("StartTime") or 0) < since_ms:
+        for actor_id, actor in _replicas(name, "LLMServer", live_only=False):
+            if actor_id in leave_out:
                 continue
             for path in self._worker_files(actor):
                 with contextlib.suppress(OSError), path.open("rb") as f:
@@ -267,20 +267,22 @@ class ServeCluster:
     def _worker_files(self, actor: Mapping[str, Any]) -> list[Path]:
         """A replica actor's worker stderr and stdout files (``worker-<id>-<job>-<pid>.err``), if it ran on this
         host. Files are named by pid, which the OS reuses: only files last written while the actor lived
-        (from its start to its end, or now, with a few seconds' slack) are its own."""
+        are its own (from its start, less a few seconds, to a minute after its end, or now: what its
+        engine's processes flush as they exit still counts). A dead actor whose address the GCS cleared
+        is taken to be on this host."""
         import ray
 
         node = ray._private.worker._global_node
         pid = int(actor.get("Pid") or 0)
-        if node is None or not pid or (actor.get("Address") or {}).get("IPAddress") != ray.util.get_node_ip_address():
+        if node is None or not pid or not _on_this_host(actor, unknown=True):
             return []
         start_s = int(actor.get("StartTime") or 0) / 1000 - WORKER_LOG_SLACK_S
-        end_s = int(actor.get("EndTime") or 0) / 1000 or time.time()
+        end_s = (int(actor.get("EndTime") or 0) / 1000 or time.time()) + WORKER_LOG_AFTER_END_S
         logs = Path(node.get_logs_dir_path())
         files = []
         for path in sorted(logs.glob(f"worker-*-{pid}.*")):
             with contextlib.suppress(OSError):
-                if path.suffix in (".err", ".out") and start_s <= path.stat().st_mtime <= end_s + WORKER_LOG_SLACK_S:
+                if path.suffix in (".err", ".out") and start_s <= path.stat().st_mtime <= end_s:
                     files.append(path)
         return files
 
@@ -322,6 +324,14 @@ def _live_replicas(name: str, deployment_prefix: str = "") -> list[tuple[str, di
     """The application's live replica actors (of the deployments whose names start with
     ``deployment_prefix``), as (actor id, the GCS actor table's entry)."""
     return _replicas(name, deployment_prefix, live_only=True)
+
+
+def _on_this_host(actor: Mapping[str, Any], unknown: bool = False) -> bool:
+    """Whether the actor runs (or ran) on this host; ``unknown`` when the GCS has no address for it."""
+    import ray
+
+    ip = (actor.get("Address") or {}).get("IPAddress")
+    return unknown if not ip else ip == ray.util.get_node_ip_address()
 
 
 def _replicas(name: str, deployment_prefix: str = "", live_only: bool = True) -> list[tuple[str, dict[str, Any]]]:

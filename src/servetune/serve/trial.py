@@ -74,17 +74,20 @@ class ServeEngine:
         self.startup_s: float | None = None
         self.process: psutil.Process | None = None  # a replica on this node (telemetry follows its memory)
         self.pids: list[int] = []
-        self.deployed_ms = 0  # when this trial deployed (ms since the epoch)
+        self.not_ours: set[str] = set()  # replica actor ids whose logs are not this trial's
         self.server_metrics: ReplicaMetrics | None = None  # the replicas' vLLM metrics, once deployed
 
     def __enter__(self) -> ServeEngine:
         self.cluster = self.cluster or ServeCluster.attached()
         self.cluster.delete(self.name)  # a killed driver's deployment of this very trial (--resume)
-        self.deployed_ms = int(time.time() * 1000)  # its replicas' logs are not this trial's
+        self.not_ours = set(self.cluster.engine_replicas(self.name, live_only=False))  # its replicas' logs are not this trial's
         route = f"/{self.name}"
         self.startup_s = self.cluster.deploy(self.name, trial_llm_config(self.spec), self.spec.startup_timeout_s, route_prefix=route)
         self.url = self.cluster.url + route
         try:
+            # Replicas that failed while deploying: their logs would count an engine (and its start) twice.
+            live = set(self.cluster.engine_replicas(self.name))
+            self.not_ours |= set(self.cluster.engine_replicas(self.name, live_only=False)) - live
             self.pids = self.cluster.replica_pids(self.name)
             if self.pids:
                 self.process = psutil.Process(self.pids[0])
@@ -97,9 +100,10 @@ class ServeEngine:
 
     def _keep_log(self) -> None:
         """The replicas' vLLM logs (those on this node, replicas Serve replaced during the trial included)
-        as the trial's engine log: its start-up phases and KV capacity are read from it, as a bare engine's are."""
+        as the trial's engine log: its start-up phases and KV capacity are read from it, as a bare engine's
+        are, when the deployment is up (before any replica was replaced)."""
         assert self.cluster is not None
-        text = self.cluster.replica_logs(self.name, since_ms=self.deployed_ms)
+        text = self.cluster.replica_logs(self.name, leave_out=self.not_ours)
         if text:
             write_atomic(self.trial_dir / ENGINE_LOG, text)
 
