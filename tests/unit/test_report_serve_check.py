@@ -102,7 +102,17 @@ def test_export_ships_the_stream_batching_interval_serve_check_deployed_that_tri
         (config,) = yaml.safe_load(text)["applications"][0]["args"]["llm_configs"]
         if trial_id == "t1":
             assert config["experimental_configs"] == {"stream_batching_interval_ms": 0}, config
-            assert "# Stream batching: 0 ms, as serve-check deployed and measured the replicas" in text
+            assert "# Stream batching: 0 ms, as serve-check deployed and measured the replicas\n" in text
+            # a trial measured at its own interval: serve-check's, measured later, is shipped, and the comment says so
+            result_file = study / "trials" / "t1" / "result.json"
+            result = json.loads(result_file.read_text())
+            result["params"] |= {"serve.num_replicas": 1, "serve.stream_batching_interval_ms": 50}
+            result_file.write_text(json.dumps(result))
+            assert main(["export", str(study), "--pick", "t1", "--format", "ray-serve"]) == 0
+            text = capsys.readouterr().out
+            (config,) = yaml.safe_load(text)["applications"][0]["args"]["llm_configs"]
+            assert config["experimental_configs"] == {"stream_batching_interval_ms": 0}, config
+            assert "# Stream batching: 0 ms, as serve-check deployed and measured the replicas (the trial's own: 50 ms)" in text
         else:  # measured for another trial: Ray's default stays (the trial set none)
             assert "experimental_configs" not in config and "Stream batching" not in text
 
