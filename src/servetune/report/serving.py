@@ -11,12 +11,12 @@ called by ``report/study.py``.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from servetune.config.space import stream_batching_ok
 from servetune.report.verification import JsonFile, read_json_file
 
 #: The file serve-check writes in the study directory (unless --json says where).
@@ -147,7 +147,7 @@ def _stream_batching(trial_id: str, config: Any) -> StreamBatchingChoice | None:
     """The ``stream_batching_interval_ms`` of the LLM config serve-check deployed (None: not set, Ray's default)."""
     experimental = config.get("experimental_configs") if isinstance(config, Mapping) else None
     value = experimental.get("stream_batching_interval_ms") if isinstance(experimental, Mapping) else None
-    if not trial_id or not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+    if not trial_id or not stream_batching_ok(value):
         return None
     return StreamBatchingChoice(trial_id, float(value))
 
