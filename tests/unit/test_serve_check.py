@@ -76,15 +76,21 @@ def test_scaling_rows_set_each_level_against_the_bare_engine_and_one_replica():
 
 
 class FakeCluster:
-    """Ray and Serve as run_check sees them; ``fail`` makes the deployment fail as Serve reports it."""
+    """Ray and Serve as run_check sees them; ``fail`` makes the deployment fail as Serve reports it. Its LLM
+    replicas behave as Serve's do: deployed again with the pinned version running, the engines are kept (as
+    many as the new count, more added); any other deploy, or every deploy with ``restarts``, starts new ones."""
 
     url = "http://127.0.0.1:1"
 
-    def __init__(self, running: dict[str, str] | None = None, fail: bool = False) -> None:
+    def __init__(self, running: dict[str, str] | None = None, fail: bool = False, restarts: bool = False) -> None:
         self.running = dict(running or {})
         self.fail = fail
+        self.restarts = restarts
         self.deployed: list[int] = []
         self.scrapes = 0  # Serve's counters grow by 10 requests per replica between two scrapes
+        self.version: str | None = None
+        self.engines: list[str] = []
+        self.started = 0  # engines started, in all
 
     def available(self):
         return {"CPU": 8.0}
@@ -95,12 +101,19 @@ class FakeCluster:
     def deploy(self, name, config, timeout_s, engine_version=None):
         if self.fail:
             raise EngineStartError(f"the Serve deployment of {name} failed: boom", "last log line")
-        self.deployed.append(config["deployment_config"]["autoscaling_config"]["min_replicas"])
+        count = config["deployment_config"]["autoscaling_config"]["min_replicas"]
+        self.deployed.append(count)
+        same = engine_version is not None and engine_version == self.version and name in self.running
+        kept = self.engines[:count] if same and not self.restarts else []
+        self.engines = kept + [f"actor{self.started + i}" for i in range(count - len(kept))]
+        self.started += count - len(kept)
+        self.version = engine_version
         self.running[name] = "RUNNING"
         return 1.0
 
     def delete(self, name):
-        self.running.pop(name, None)
+        if self.running.pop(name, None) is not None:
+            self.engines, self.version = [], None
 
     def replica_pids(self, name):
         return [100 + n for n in self.deployed]
@@ -110,10 +123,10 @@ class FakeCluster:
         return {f"r{i}": 10 * self.scrapes for i in range(self.deployed[-1])}
 
     def engine_replicas(self, name):
-        return [f"actor{i}" for i in range(self.deployed[-1])]
+        return list(self.engines) if name in self.running else []
 
     def reset_prefix_caches(self, name):
-        return self.deployed[-1]
+        return len(self.engines)
 
 
 def tiny_study(root: Path) -> Path:
@@ -131,10 +144,13 @@ def test_run_check_scales_in_place_and_counts_each_replicas_requests(tmp_path):
     picked = read_picked(tiny_study(tmp_path / "s"), "t1")
     assert [str(p.level) for p in picked.plans] == ["concurrency 8"] and picked.plans[0].num_requests == 16
     cluster, teardown = FakeCluster(), Teardown(pids=set())
-    result = run_check(picked, [1, 2], cluster, "app", lambda url, served, n: [level(8, 380 * n, 320)], teardown)
-    assert cluster.deployed == [1, 2] and teardown.pids == {101, 102}
-    assert [run.requests_per_replica for run in result.runs] == [{"r0": 10}, {"r0": 10, "r1": 10}]
-    assert [row.scaling_efficiency for row in result.rows] == [pytest.approx(1.0), pytest.approx(1.0)]
+    result = run_check(picked, [1, 2, 4], cluster, "app", lambda url, served, n: [level(8, 380 * n, 320)], teardown)
+    assert cluster.deployed == [1, 2, 4] and teardown.pids == {101, 102, 104}
+    # Each count on the engines of the one before (the same engine configuration), only the added replicas started.
+    assert [run.engines_reused for run in result.runs] == [None, True, True] and cluster.started == 4
+    assert cluster.engines == ["actor0", "actor1", "actor2", "actor3"]
+    assert [run.requests_per_replica for run in result.runs] == [{"r0": 10}, {"r0": 10, "r1": 10}, {f"r{i}": 10 for i in range(4)}]
+    assert [row.scaling_efficiency for row in result.rows] == [pytest.approx(1.0)] * 3
     assert result.llm_config["runtime_env"]["env_vars"] == {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
@@ -183,6 +199,13 @@ def test_run_check_deploys_the_derived_autoscaling_after_the_first_count_and_run
     assert result.ramp is not None and result.ramp.replicas_peak == 2 and [r.replicas for r in result.runs] == [1]
     assert result.ramp.ready_s == 1.0  # how long the autoscaled deployment took to be RUNNING
     assert 102 in teardown.pids  # the replica the ramp added is among those proven gone
+    # The ramp starts from its minimum, one replica: the one the count left running, its prefix cache reset.
+    assert result.ramp.engines_reused is True and cluster.started == 1
+    # After two replicas it starts fresh: kept, the second would serve the ramp's 1x and it would not scale out.
+    cluster = FakeCluster()
+    result = run_check(picked, [2], cluster, "app", lambda url, served, n: [level(8, 380, 320)], Teardown(pids=set()),
+                       ramp=Ramp(deployment_config=deployment, run=ramp_run))  # fmt: skip
+    assert result.ramp.engines_reused is None and cluster.started == 3 and cluster.engines == ["actor2"]
 
 
 def test_cli_ramp_refusals_come_before_ray_starts(tmp_path, capsys, monkeypatch):

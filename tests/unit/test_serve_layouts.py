@@ -126,7 +126,7 @@ def test_costs_within_the_noise_margin_go_to_the_simpler_layout():
 
 
 class LayoutCluster(FakeCluster):
-    """Records each deployment's engine version and TP; the routers' engines stay when the version does."""
+    """Records each deployment's engine version and TP, the deletes and the prefix-cache resets."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -134,23 +134,16 @@ class LayoutCluster(FakeCluster):
         self.tps: list[int] = []
         self.deleted = 0
         self.resets = 0
-        self.engines: list[str] = []
 
     def deploy(self, name, config, timeout_s, engine_version=None):
-        kept = bool(self.versions) and engine_version is not None and self.versions[-1] == engine_version and name in self.running
         super().deploy(name, config, timeout_s, engine_version)
         self.versions.append(engine_version)
         self.tps.append(int(config["engine_kwargs"].get("tensor_parallel_size") or 1))
-        if not kept:
-            self.engines = [f"actor{len(self.versions)}-{i}" for i in range(self.deployed[-1])]
         return 1.0
 
     def delete(self, name):
         self.deleted += 1
         super().delete(name)
-
-    def engine_replicas(self, name):
-        return list(self.engines) if name in self.running else []
 
     def replica_counters(self, name):
         return {}

@@ -67,12 +67,17 @@ def test_the_prefix_aware_router_is_ray_serve_llms_class_and_default_leaves_serv
     assert routed_llm_config(routed, "default")["deployment_config"] == {"autoscaling_config": {"min_replicas": 2}}
 
 
-def test_the_engine_version_ignores_the_router_and_nothing_else():
+def test_the_engine_version_ignores_what_serve_applies_in_place_and_nothing_else():
     config = {"engine_kwargs": {"max_num_seqs": 8}, "deployment_config": {"autoscaling_config": {"min_replicas": 2}}}
     version = engine_version(config)
     assert engine_version(routed_llm_config(config, "prefix-aware")) == version  # a router switch keeps the engines
+    # So do another replica count, the ramp's autoscaling and its queue limits: Serve applies them to running replicas.
+    assert engine_version({**config, "deployment_config": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 3},
+                                                           "max_ongoing_requests": 10, "max_queued_requests": 4}}) == version
+    assert engine_version({**config, "deployment_config": {"num_replicas": 3}}) == version
     assert engine_version({**config, "engine_kwargs": {"max_num_seqs": 16}}) != version  # a new engine config does not
-    assert engine_version({**config, "deployment_config": {"autoscaling_config": {"min_replicas": 3}}}) != version
+    assert engine_version({**config, "runtime_env": {"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}}) != version
+    assert engine_version({**config, "deployment_config": {"autoscaling_config": {}, "ray_actor_options": {"num_cpus": 2}}}) != version
 
 
 def test_counters_per_replica_come_from_the_agents_text_for_the_applications_llm_deployment_only():
@@ -170,19 +175,13 @@ def routing_cluster(restarts: bool = False):
     events: list[tuple] = []
 
     class Cluster(FakeCluster):
-        deploys = 0
-
         def deploy(self, name, config, timeout_s, engine_version=None):
-            self.deploys += 1
             events.append(("deploy", config["deployment_config"], engine_version))
-            return super().deploy(name, config, timeout_s)
+            return super().deploy(name, config, timeout_s, engine_version)
 
         def delete(self, name):
             events.append(("delete", name in self.running))
             super().delete(name)
-
-        def engine_replicas(self, name):
-            return [f"d{self.deploys if restarts else 0}-{i}" for i in range(self.deployed[-1])]
 
         def reset_prefix_caches(self, name):
             events.append(("reset",))
@@ -193,7 +192,7 @@ def routing_cluster(restarts: bool = False):
             reads = sum(e == ("counters",) for e in events)
             return read_replica_counters(AGENT_TEXT, "app") if reads % 2 == 0 else {}
 
-    return Cluster(), events
+    return Cluster(restarts=restarts), events
 
 
 def compare(tmp_path, cluster):
@@ -215,18 +214,21 @@ def test_routers_switch_on_the_same_engines_with_their_caches_reset_after_the_re
     cluster, events = routing_cluster()
     result, teardown = compare(tmp_path, cluster)
     kinds = [e[0] for e in events]
-    # The replica count, then one fresh deploy for the first router, a redeploy for the next (no delete between),
-    # and its caches reset before its counters are read (Serve counts the reset as a request per replica).
-    assert kinds == ["deploy", "delete", "deploy", "counters", "counters", "deploy", "reset", "counters", "counters"]
-    first, switched = events[2], events[5]
+    # The replica count deployed fresh; the first router on its engine (one replica added) and the next switched
+    # to on the same two (no delete between), the caches reset before each router's counters are read (Serve
+    # counts the reset as a request per replica).
+    assert kinds == ["delete", "deploy", "deploy", "reset", "counters", "counters", "deploy", "reset", "counters", "counters"]
+    counted, first, switched = events[1], events[2], events[6]
+    assert counted[1]["autoscaling_config"]["min_replicas"] == 1
     assert first[1]["autoscaling_config"]["min_replicas"] == 2 and "request_router_config" not in first[1]
     assert switched[1]["request_router_config"]["request_router_class"].endswith(":PrefixCacheAffinityRouter")
-    assert events[0][2] is None and first[2] is not None and switched[2] == first[2]  # one pinned engine version
+    assert counted[2] is not None and counted[2] == first[2] == switched[2]  # one pinned engine version
+    assert cluster.started == 2  # one engine for the count, one added for the routers: none started twice
     routed = result.routing
     assert routed.replicas == 2 and routed.level == {"concurrency": 8.0} and routed.workload == "rag-tiny"
     assert [r.router for r in routed.runs] == ["default", "prefix-aware"] and routed.runs[1].per_replica["r1"].requests == 7
-    assert [r.engines_reused for r in routed.runs] == [None, True]
-    assert routed.runs[0].engine_replicas == routed.runs[1].engine_replicas == ["d0-0", "d0-1"]
+    assert [r.engines_reused for r in routed.runs] == [True, True]
+    assert routed.runs[0].engine_replicas == routed.runs[1].engine_replicas == ["actor0", "actor1"]
     assert routed.verdict is not None and routed.verdict.ship is None  # the same numbers: no router named
     assert {101, 102} <= teardown.pids
 

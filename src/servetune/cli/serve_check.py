@@ -14,9 +14,9 @@ from rich.table import Table
 DESCRIPTION = """\
 Deploy one operating point of a study as the Ray Serve LLM application `servetune export
 --format ray-serve` prints (ray.serve.llm LLMConfig + build_openai_app), at each replica count
-of --replicas in turn (each count a new version of the application, rolled out by Serve), and
-measure it through
-Serve's OpenAI ingress with the study's workload and load ladder. Each replica is one placement
+of --replicas in turn (Serve keeps the engines running and adds replicas; see "Engine starts
+are shared" below), and measure it through Serve's OpenAI ingress with the study's workload and
+load ladder. Each replica is one placement
 group holding the engine's TP x PP devices.
 
 Per replica count and level: goodput, throughput, TTFT/TPOT P50/P99; against the bare engine the
@@ -34,9 +34,9 @@ served a request before Serve had it RUNNING (its engine started): it must not (
 
 --routers compares request routers at the end: `default` (Serve's own, power of two choices by
 queue length) and `prefix-aware` (Ray Serve LLM's PrefixCacheAffinityRouter), at
---routing-replicas replicas. The first is deployed fresh; the next ones are switched to on the same
-engines (Serve reconfigures the LLM replicas, a new ingress routes with the new router) with every
-replica's prefix cache reset, and whether Serve kept the engines is recorded. Each is offered --workload (a shared-prefix
+--routing-replicas replicas, each on the same engines (Serve reconfigures the LLM replicas, a new
+ingress routes with the new router) with every replica's prefix cache reset, and whether Serve kept
+the engines is recorded. Each is offered --workload (a shared-prefix
 workload, default: rag; on the CPU stand-in, a file scaled to the tiny model) at the picked
 point's level, without warm-up. Per router and replica: requests (Serve's counter), tokens served
 (vLLM's prompt + generated tokens), prefix-cache queries and hits (vLLM's counters, in tokens, as
@@ -59,9 +59,15 @@ layout that meets the SLO at the lowest cost per 1M output tokens; costs within 
 (10%, or the spread of the study's repeats) count as a tie, won by the simpler layout (fewer
 replicas, then less TP), and the verdict says so. A layout the model or the budget cannot take, or
 one that needs more devices than the cluster has, is refused before anything is deployed. Layouts
-run last; one of the engines already running (the routers') is measured on them, prefix caches
-reset; every other layout is deployed fresh. With --layouts or --budget and no --replicas, no
-replica counts are measured.
+run last; one of the engines already running is measured on them, prefix caches reset; every other
+layout is deployed fresh. With --layouts or --budget and no --replicas, no replica counts are measured.
+
+Engine starts are shared. Every step deploys the LLM deployment pinned to a version of its engine
+configuration, so where the engine configuration stays the same (replica counts, the ramp, the
+routers, a layout of the picked TP) Serve keeps the engines already running, adds or stops replicas
+as the step says, and each kept engine's prefix cache is reset before it is measured. The ramp keeps
+the running engine only when the count before it is its minimum. Everything else is deployed fresh,
+the application deleted first.
 
 Without --address a local Ray is started, declaring the CPUs the replicas and the ingress need,
 with Serve's HTTP proxy on 127.0.0.1 at a free port; it is shut down at the end. With --address
@@ -397,7 +403,9 @@ def ramp_table(ramp) -> Table:
                       str(w.slo_violations), num_text(w.ttft_ms_p95, 0), served or "-")  # fmt: skip
     up = "never" if ramp.time_to_scale_up_s is None else f"{ramp.time_to_scale_up_s:.1f} s"
     table.caption = (
-        f"autoscaled deployment RUNNING after {num_text(ramp.ready_s, 0)} s; replicas {ramp.replicas_before} -> "
+        f"autoscaled deployment RUNNING after {num_text(ramp.ready_s, 0)} s"
+        + (" on the engine already running (prefix cache reset)" if ramp.engines_reused else "")
+        + f"; replicas {ramp.replicas_before} -> "
         f"{ramp.replicas_peak}; time to scale up {up}; "
         f"SLO broken by {ramp.slo_violations} of {ramp.requests} requests; "
         + ("[red]a new replica served before it was RUNNING[/]" if ramp.traffic_before_ready
@@ -458,6 +466,13 @@ def scaling_table(result) -> Table:
                      "Serve minus bare; scaling eff.: tok/s at N / (N x tok/s at 1)")  # fmt: skip
     if served:
         table.caption += "\nrequests per replica (replicas: counts): " + "; ".join(served)
+    kept = [str(run.replicas) for run in result.runs if run.engines_reused]
+    if kept:
+        table.caption += (f"\n{', '.join(kept)} replicas: on the engines the count before left running (Serve kept them, "
+                          "prefix caches reset) and the replicas it added")  # fmt: skip
+    restarted = [str(run.replicas) for run in result.runs if run.engines_reused is False]
+    if restarted:
+        table.caption += f"\n[red]{', '.join(restarted)} replicas: Serve restarted the engines (as a fresh deploy)[/]"
     return table
 
 

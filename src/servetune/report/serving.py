@@ -175,7 +175,7 @@ def layout_notes(laid: Mapping[str, Any]) -> tuple[str, ...]:
     notes += [f"left out: {why}" for why in laid.get("skipped") or []]
     notes += [f"{run.get('layout')}: deployment failed: {str(run.get('error')).splitlines()[0]}"
               for run in laid.get("runs") or [] if isinstance(run, Mapping) and run.get("error")]  # fmt: skip
-    notes += [f"{run.get('layout')}: measured on the engines already running (the routers'), prefix caches reset"
+    notes += [f"{run.get('layout')}: measured on the engines already running, prefix caches reset"
               for run in laid.get("runs") or [] if isinstance(run, Mapping) and run.get("engines_reused")]  # fmt: skip
     verdict = laid.get("verdict")
     if isinstance(verdict, Mapping):
@@ -200,11 +200,11 @@ def _layout_choice(trial_id: str, laid: Mapping[str, Any]) -> LayoutChoice | Non
 
 
 def engine_note(router: Any, reused: Any, ready_s: Any) -> str | None:
-    """How a router after the first came to its engines (``engines_reused``: True, switched to on the
-    same ones; False, Serve restarted them); None for one deployed fresh (``reused`` None)."""
+    """How a router came to its engines (``engines_reused``: True, deployed on the ones already running;
+    False, Serve restarted them); None for one deployed fresh (``reused`` None)."""
     if not isinstance(reused, bool):
         return None
-    how = "switched to on the same engines" if reused else "on engines Serve restarted (as a fresh deploy)"
+    how = "on the engines already running (Serve kept them)" if reused else "on engines Serve restarted (as a fresh deploy)"
     return f"{router}: {how} in {num_text(ready_s)} s, prefix caches reset"
 
 

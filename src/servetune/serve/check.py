@@ -1,6 +1,6 @@
-"""One serve-check: deploy the picked configuration at each replica count in turn (each a new
-version of the application, which Serve rolls out), measure the study's ladder through Serve's ingress, count
-what each replica served, and tear everything down, proving by process id that nothing is left.
+"""One serve-check: deploy the picked configuration at each replica count in turn (Serve keeps the engines
+already running and adds replicas), measure the study's ladder through Serve's ingress, count what each
+replica served, and tear everything down, proving by process id that nothing is left.
 
 The measuring itself is handed in (``measure``): the CLI passes ``servetune bench``'s level loop,
 with its progress bars, so there is one way to measure a ladder.
@@ -132,6 +132,49 @@ def check_cluster_fits(cluster: Cluster, need: Needs, where: str) -> None:
     check_fits(need, devices, free.get("CPU", 0.0), where)
 
 
+@dataclass
+class Deployed:
+    """One deployment: seconds until RUNNING, whether Serve kept the engines running before it (None: deployed
+    fresh, the application deleted first; True: kept, prefix caches reset; False: meant to keep, Serve restarted
+    them), and the LLM replicas' actor ids."""
+
+    ready_s: float
+    reused: bool | None
+    engines: list[str]
+
+
+class Deployer:
+    """Deploys serve-check's configurations one after another, each with its LLM deployment pinned to its
+    engine version (``serve.routing.engine_version``). A configuration of the version already running is
+    deployed in place: Serve keeps the engines (adding or stopping replicas as the count says, switching the
+    autoscaling or the router) and every kept engine's prefix cache is reset before it is measured, so nothing
+    is measured on a warm cache. Any other configuration is deployed fresh, the application deleted first, so
+    no rollout waits for the devices the previous one still holds. On GPUs each engine start is minutes of
+    device time; on the CPU stand-in it is most of a check's time."""
+
+    def __init__(self, cluster: Cluster, name: str, timeout_s: float, teardown: Teardown) -> None:
+        self.cluster, self.name, self.timeout_s, self.teardown = cluster, name, timeout_s, teardown
+        self.running: str | None = None  # the engine version the application runs now
+
+    def deploy(self, config: Mapping, keep: bool = True) -> Deployed:
+        """Deploy ``config``; ``keep`` False: fresh even if its engines are running. A deployment that fails
+        raises :class:`EngineStartError` (the cluster has deleted the application)."""
+        version = engine_version(config)
+        before = self.cluster.engine_replicas(self.name) if keep and version == self.running else []
+        if not before:
+            self.teardown.pids.update(self.cluster.replica_pids(self.name))
+            self.cluster.delete(self.name)
+        self.running = None
+        ready_s = self.cluster.deploy(self.name, config, self.timeout_s, version)
+        self.running = version
+        self.teardown.pids.update(self.cluster.replica_pids(self.name))
+        now = self.cluster.engine_replicas(self.name)
+        reused = bool(set(now) & set(before)) if before else None
+        if before:
+            self.cluster.reset_prefix_caches(self.name)  # Serve counts it as a request: read counters after it
+        return Deployed(ready_s=ready_s, reused=reused, engines=now)
+
+
 def run_check(
     picked: PickedStudy, replicas: list[int], cluster: Cluster, name: str, measure: Measure, teardown: Teardown,
     address: str | None = None, on_ready: Callable[[int, float], None] | None = None, ramp: Ramp | None = None,
@@ -139,32 +182,34 @@ def run_check(
 ) -> ServeCheckResult:  # fmt: skip
     """Deploy and measure each replica count; with ``ramp``, after the first count, deploy the
     derived autoscaling and run the ramp; with ``routing``, then compare the routers; with ``layouts``,
-    at the end, compare the layouts. The caller deletes the application (``teardown`` gathers the
-    replica pids to prove gone)."""
+    at the end, compare the layouts. All of them share the engines that are running where the engine
+    configuration is the same (:class:`Deployer`). The caller deletes the application (``teardown``
+    gathers the replica pids to prove gone)."""
     point = picked.point
     first = llm_config(point, 1)
     served = first["model_loading_config"]["model_id"]
-    timeout_s = picked.space.load.startup_timeout_s
+    deployer = Deployer(cluster, name, picked.space.load.startup_timeout_s, teardown)
     runs: list[ReplicaRun] = []
     ramped: RampResult | None = None
     for count in replicas:
-        ready_s = cluster.deploy(name, llm_config(point, count), timeout_s)
-        teardown.pids.update(cluster.replica_pids(name))
+        deployed = deployer.deploy(llm_config(point, count))
         if on_ready is not None:
-            on_ready(count, ready_s)
+            on_ready(count, deployed.ready_s)
         before = cluster.requests_per_replica(name)
         levels = measure(cluster.url, served, count)
         after = cluster.requests_per_replica(name)
         handled = served_between(before, after)
-        runs.append(ReplicaRun(replicas=count, ready_s=ready_s, levels=levels, requests_per_replica=handled))
+        runs.append(ReplicaRun(replicas=count, ready_s=deployed.ready_s, engines_reused=deployed.reused, levels=levels,
+                               requests_per_replica=handled))  # fmt: skip
         if ramp is not None and ramped is None:
-            ramp_ready_s = cluster.deploy(name, autoscaled_llm_config(point, ramp.deployment_config), timeout_s)
-            ramped = ramp.run(cluster.url, served).model_copy(update={"ready_s": ramp_ready_s})
+            # The ramp starts from its minimum: the engines running are kept only if there are no more of them.
+            least = int((ramp.deployment_config.get("autoscaling_config") or {}).get("min_replicas") or 1)
+            config = autoscaled_llm_config(point, ramp.deployment_config)
+            up = deployer.deploy(config, keep=count <= least)
+            ramped = ramp.run(cluster.url, served).model_copy(update={"ready_s": up.ready_s, "engines_reused": up.reused})
             teardown.pids.update(cluster.replica_pids(name))
-    routed = compare_routers(picked, cluster, name, served, routing, teardown) if routing is not None else None
-    # The routers leave their engines running, pinned to this version: a layout of the same engines reuses them.
-    running = engine_version(llm_config(point, routing.replicas)) if routing is not None else None
-    laid = compare_layouts(picked, cluster, name, served, layouts, teardown, running) if layouts is not None else None
+    routed = compare_routers(picked, cluster, name, served, routing, deployer) if routing is not None else None
+    laid = compare_layouts(picked, cluster, name, served, layouts, deployer) if layouts is not None else None
     shown = {**first, "runtime_env": {"env_vars": redact_env(first.get("runtime_env", {}).get("env_vars", {}))}}
     return ServeCheckResult(
         servetune_version=__version__, created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -175,79 +220,53 @@ def run_check(
 
 
 def compare_routers(
-    picked: PickedStudy, cluster: Cluster, name: str, served: str, routing: Routing, teardown: Teardown
+    picked: PickedStudy, cluster: Cluster, name: str, served: str, routing: Routing, deployer: Deployer
 ) -> RoutingResult:  # fmt: skip
-    """The routers on the same engines, the same workload at the same level. The first router is
-    deployed fresh (the application deleted first: cold prefix caches) with the LLM deployment's
-    version pinned (``engine_version``); each next one is the same deployment with only its request
-    router changed, which Serve applies to the running replicas (a new ingress routes with it),
-    and every replica's prefix cache is reset before its run, so no router inherits another's cache.
-    The LLM replicas' actor ids before and after each switch say whether the engines were reused; if
-    Serve restarted them, the run is on fresh engines (as a fresh deploy would be) and says so."""
+    """The routers on the same engines, the same workload at the same level. Each router is the same
+    LLM deployment with only its request router changed, which Serve applies to the running replicas (a
+    new ingress routes with it): the first is deployed on the engines the replica counts or the ramp left
+    running (fresh if there are none), each next one switches on them, and every kept replica's prefix
+    cache is reset before a run, so no router inherits another's cache. The LLM replicas' actor ids before
+    and after each deploy say whether the engines were reused; if Serve restarted them, the run is on
+    fresh engines (as a fresh deploy would be) and says so."""
     runs: list[RouterRun] = []
     level: dict[str, float] = {}
-    engines: list[str] = []
     for router in routing.routers:
-        config = routed_llm_config(llm_config(picked.point, routing.replicas), router)
-        if not runs:
-            teardown.pids.update(cluster.replica_pids(name))
-            cluster.delete(name)
-        ready_s = cluster.deploy(name, config, picked.space.load.startup_timeout_s, engine_version(config))
-        teardown.pids.update(cluster.replica_pids(name))
-        now = cluster.engine_replicas(name)
-        reused = None if not runs else bool(engines) and now == engines
-        engines = now
-        if runs:
-            cluster.reset_prefix_caches(name)  # Serve counts the reset as a request: read the counters after it
+        deployed = deployer.deploy(routed_llm_config(llm_config(picked.point, routing.replicas), router))
         before = cluster.replica_counters(name)
         measured = routing.measure(cluster.url, served, router)
         after = cluster.replica_counters(name)
         level = dict(measured.summary.level)
-        runs.append(RouterRun(router=router, router_class=ROUTERS[router], replicas=routing.replicas, ready_s=ready_s,
-                              engines_reused=reused, engine_replicas=engines, level=measured,
-                              per_replica=traffic_between(before, after)))  # fmt: skip
+        runs.append(RouterRun(router=router, router_class=ROUTERS[router], replicas=routing.replicas,
+                              ready_s=deployed.ready_s, engines_reused=deployed.reused, engine_replicas=deployed.engines,
+                              level=measured, per_replica=traffic_between(before, after)))  # fmt: skip
     return RoutingResult(workload=routing.workload, replicas=routing.replicas, level=level, runs=runs, verdict=verdict(runs))
 
 
 def compare_layouts(
-    picked: PickedStudy, cluster: Cluster, name: str, served: str, spec: Layouts, teardown: Teardown,
-    running: str | None = None,
+    picked: PickedStudy, cluster: Cluster, name: str, served: str, spec: Layouts, deployer: Deployer
 ) -> LayoutResult:  # fmt: skip
-    """Each layout deployed with its engine version pinned (``engine_version``) and measured at the same
-    level. A layout whose engines are the ones running (version ``running``, e.g. the routers' replicas)
-    goes first and is deployed in place: Serve keeps its engines, their prefix caches are reset. Any
-    other is deployed fresh (the application deleted first), so no layout inherits a warm cache and no
-    rollout waits for the devices the previous layout still holds. A layout whose deployment fails is
-    recorded with Serve's message and its replicas' log tail, and the next one is deployed."""
+    """Each layout deployed and measured at the same level. A layout whose engines are the ones running
+    (e.g. the routers' replicas) goes first and is deployed on them, prefix caches reset; any other is
+    deployed fresh (:class:`Deployer`), so no layout inherits a warm cache. A layout whose deployment
+    fails is recorded with Serve's message and its replicas' log tail, and the next one is deployed."""
     point = picked.point
     pp = point_pp(point)
     configs = {layout: llm_config(layout_point(point, layout, spec.cores), layout.replicas) for layout in spec.layouts}
-    order = sorted(spec.layouts, key=lambda layout: engine_version(configs[layout]) != running)
+    order = sorted(spec.layouts, key=lambda layout: engine_version(configs[layout]) != deployer.running)
     runs: list[LayoutRun] = []
     for layout in order:
-        config = configs[layout]
-        version = engine_version(config)
-        engines = cluster.engine_replicas(name) if version == running else []
-        if version != running:
-            teardown.pids.update(cluster.replica_pids(name))
-            cluster.delete(name)
         try:
-            ready_s = cluster.deploy(name, config, picked.space.load.startup_timeout_s, version)
+            deployed = deployer.deploy(configs[layout])
         except EngineStartError as exc:  # a layout that does not deploy is data: the others are still compared
-            teardown.pids.update(cluster.replica_pids(name))
-            running = None  # the failed application was deleted
+            deployer.teardown.pids.update(cluster.replica_pids(name))
             runs.append(layout_run(layout, pp, None, picked.space.price_per_device_hour, error=str(exc)))
             continue
-        running = version
-        teardown.pids.update(cluster.replica_pids(name))
-        reused = bool(engines) and cluster.engine_replicas(name) == engines
-        if reused:
-            cluster.reset_prefix_caches(name)  # Serve counts the reset as a request: read the counter after it
         before = cluster.requests_per_replica(name)
         measured = spec.measure(cluster.url, served, layout)
         after = cluster.requests_per_replica(name)
-        runs.append(layout_run(layout, pp, measured, picked.space.price_per_device_hour, ready_s=ready_s,
-                               engines_reused=reused, requests_per_replica=served_between(before, after)))  # fmt: skip
+        runs.append(layout_run(layout, pp, measured, picked.space.price_per_device_hour, ready_s=deployed.ready_s,
+                               engines_reused=bool(deployed.reused), requests_per_replica=served_between(before, after)))  # fmt: skip
     runs.sort(key=lambda run: spec.layouts.index(Layout(run.replicas, run.tensor_parallel_size)))
     return LayoutResult(
         budget=spec.budget, device="GPU" if point.device == "gpu" else "CPU", level=dict(spec.level),

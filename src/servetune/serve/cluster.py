@@ -102,13 +102,14 @@ class ServeCluster:
         route_prefix: str = "/",
     ) -> float:  # fmt: skip
         """Deploy the Ray Serve LLM application (``build_openai_app``) and wait until it is RUNNING;
-        returns the seconds it took. Deploying it again at another replica count is a new version:
-        Serve rolls it out, starting new replicas before it stops the old ones.
+        returns the seconds it took. Deployed again unpinned, it is a new version: Serve rolls it out,
+        starting new replicas before it stops the old ones.
 
         ``engine_version`` pins the LLM deployment's version (``serve.routing.engine_version``): deployed
-        again with the same one and only options Serve reconfigures in place changed (the request
-        router), Serve keeps its replicas and their engines. The ingress is never pinned, so it is
-        restarted: a handle builds its request router once, so only a new ingress routes with a new one."""
+        again with the same one and only options Serve applies in place changed (the replica count, the
+        autoscaling, the request router), Serve keeps its replicas and their engines. The ingress is never
+        pinned, so it is restarted: a handle builds its request router once, so only a new ingress routes
+        with a new one."""
         from ray.serve.llm import build_openai_app
 
         app = build_openai_app({"llm_configs": [dict(llm_config)]})

@@ -97,6 +97,7 @@ class RampResult(BaseModel):
     max_queued_requests: int
     reasons: dict[str, str]
     ready_s: float | None = None  # serve.run of the autoscaled config until it was RUNNING
+    engines_reused: bool | None = None  # True: it started from the engine the replica count left (prefix cache reset)
     phases: list[RampPhaseResult] = []
     windows: list[RampWindow] = []
     samples: list[RampSample] = []

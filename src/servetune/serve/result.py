@@ -26,6 +26,7 @@ class ReplicaRun(BaseModel):
 
     replicas: int
     ready_s: float | None = None  # serve.run until the application was RUNNING
+    engines_reused: bool | None = None  # True: on the engines of the count before (kept, prefix caches reset) and any added
     levels: list[LevelResult] = []
     requests_per_replica: dict[str, int] = {}  # Serve replica id -> requests it handled (Serve's own counter)
 

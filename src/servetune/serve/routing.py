@@ -69,13 +69,21 @@ def routed_llm_config(config: Mapping[str, Any], router: str) -> dict[str, Any]:
     return routed
 
 
+#: LLM deployment options Serve applies to the running replicas (Ray 2.60's ``DeploymentConfig`` marks them
+#: light-weight or reconfigured in place): a redeploy of the same version that changes only these keeps the engines.
+IN_PLACE_OPTIONS = ("num_replicas", "autoscaling_config", "max_ongoing_requests", "max_queued_requests", "request_router_config")
+
+
 def engine_version(config: Mapping[str, Any]) -> str:
-    """The version the LLM deployment is pinned to for ``--routers``: a hash of ``config`` (an LLMConfig
-    as a dict) without its request router. Serve keeps a deployment's replicas when a redeploy changes
-    only options that reconfigure them (the request router is one) and not its version, so routers
-    switch on the same engines while any other change to the configuration still starts new ones."""
-    unrouted = routed_llm_config(config, "default")
-    return hashlib.sha256(json.dumps(unrouted, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    """The version serve-check pins the LLM deployment to: a hash of ``config`` (an LLMConfig as a dict)
+    without the deployment options Serve applies in place (``IN_PLACE_OPTIONS``: the replica count, the
+    autoscaling, the request router). Serve keeps a deployment's replicas when a redeploy changes only such
+    options and not its version, so replica counts, the ramp's autoscaling and the routers all run on the
+    engines already up (adding or stopping replicas as the count says), while any other change to the
+    configuration still starts new ones."""
+    deployment = {k: v for k, v in (config.get("deployment_config") or {}).items() if k not in IN_PLACE_OPTIONS}
+    engine = {**config, "deployment_config": deployment}
+    return hashlib.sha256(json.dumps(engine, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def _engine_sample_names(ours: str) -> tuple[str, ...]:
