@@ -109,3 +109,44 @@ def test_a_study_deletes_the_serve_applications_a_stopped_run_of_it_left_and_no_
     assert remove_study_apps("s1") == ["servetune-s1-0123456789ab"]
     assert sorted(serve.status().applications) == sorted(names[1:])
     assert remove_study_apps("s1") == []
+
+
+RESET_IN_THROUGHPUT_MODE = """
+import ray
+from ray import serve
+
+from servetune.engine.server import free_port
+from servetune.serve.cluster import ServeCluster
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, num_replicas=2)
+class Engine:
+    def reset_prefix_cache(self) -> bool:
+        return True
+
+    def __call__(self, request) -> str:
+        return "ok"
+
+
+ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+try:
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+    serve.run(Engine.options(name="LLMServer:m").bind(), name="app", route_prefix="/app")
+    print("reset", ServeCluster(None, {}).reset_prefix_caches("app"))
+finally:
+    ray.shutdown()  # Serve's processes go with the Ray this script started
+"""
+
+
+def test_prefix_caches_are_reset_from_a_driver_in_serves_throughput_optimized_mode(tmp_path):
+    """Ray's advice for LLM serving, RAY_SERVE_THROUGHPUT_OPTIMIZED=1 in the environment, makes a handle build
+    its router on the caller's event loop; serve-check calls from none. Each replica is still reset."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+    done = subprocess.run([sys.executable, "-c", RESET_IN_THROUGHPUT_MODE], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "reset 2" in done.stdout.splitlines(), done.stdout
