@@ -7,8 +7,9 @@ P50 through Serve against the bare engine at the same load (target: within 5 ms 
 is larger) and the scaling efficiency at 2 replicas (throughput at 2 / (2 x throughput at 1)).
 
 A shared host drifts by a few ms between runs, as much as the target. So the bare engine and
-Serve are measured in turn, ``--rounds`` times (bare, Serve, bare, Serve, ..., bare). Each round's
-overhead is its Serve run against the mean of the bare runs on either side. The verdict is the
+Serve are measured in turn, ``--rounds`` times (bare, Serve, bare, Serve, ..., bare), each run once the
+host's CPUs are quiet (a Ray just shut down still exits for a while). Each round's overhead is its Serve
+run against the mean of the bare runs on either side, leaving out one over 1.5x their median (disturbed). The verdict is the
 median round's (one disturbed run moves it less than a mean), and it says when the bare engine's
 own drift (the median step between consecutive bare runs) reaches from the overhead to the target.
 
@@ -75,6 +76,27 @@ def bare_run(model: Path, work: Path, concurrency: int, requests: int, index: in
     return json.loads(out.read_text())
 
 
+def wait_quiet(limit_s: float = 120.0, busy: float = 25.0, calm_s: int = 3) -> float:
+    """Wait until the host's CPUs are less than ``busy`` percent used for ``calm_s`` seconds in a row (a Ray
+    that was just shut down still exits for a while: a bare run started beside it measured 100 ms streaks);
+    at most ``limit_s``. Returns the seconds waited."""
+    import psutil
+
+    start, calm = time.monotonic(), 0
+    while calm < calm_s and time.monotonic() - start < limit_s:
+        calm = calm + 1 if psutil.cpu_percent(interval=1.0) < busy else 0
+    return time.monotonic() - start
+
+
+def neighbours(bare_p50: list[float], index: int) -> float:
+    """The bare engine around Serve run ``index``: the mean of the bare runs before and after it. A bare run
+    over 1.5x the median of them all was disturbed, and only its other neighbour counts (both disturbed: both)."""
+    median = statistics.median(bare_p50)
+    pair = [bare_p50[index], bare_p50[index + 1]]
+    kept = [v for v in pair if v <= 1.5 * median] or pair
+    return sum(kept) / len(kept)
+
+
 def ttft_p50(bench: dict) -> float:
     return float(bench["levels"][0]["summary"]["ttft_ms"]["p50"])
 
@@ -100,18 +122,21 @@ def main() -> None:
     served: list[dict] = []  # serve-check's row at 1 replica, per round
     two: dict | None = None
     first: dict | None = None
+    waited = 0.0
     for index in range(args.rounds):
         replicas = "1,2" if index == 0 else "1"  # scaling is measured once, in the first round
+        waited += wait_quiet()
         servetune("serve-check", study, "--pick", "bare", "--replicas", replicas, *batching)
         result = json.loads((study / "serve-check.json").read_text())
         rows = {row["replicas"]: row for row in result["rows"]}
         served.append(rows[1])
         if index == 0:
             two, first = rows[2], result
+        waited += wait_quiet()
         bare.append(bare_run(model, work, args.concurrency, args.num_requests, index + 1))
     bare_p50 = [ttft_p50(b) for b in bare]
     serve_p50 = [row["ttft_ms_p50"] for row in served]
-    overheads = [s - (bare_p50[i] + bare_p50[i + 1]) / 2 for i, s in enumerate(serve_p50)]
+    overheads = [s - neighbours(bare_p50, i) for i, s in enumerate(serve_p50)]
     overhead = statistics.median(overheads)
     reference = statistics.median(bare_p50)
     allowed = max(5.0, 0.05 * reference)
@@ -135,7 +160,10 @@ def main() -> None:
     print(f"output tok/s, first round: bare {bare[0]['levels'][0]['summary']['output_throughput']:.0f}, Serve 1 replica "
           f"{one_tps:.0f}, 2 replicas {two['output_throughput']:.0f}; scaling efficiency {two['scaling_efficiency']:.0%}; "
           f"requests per replica {[run['requests_per_replica'] for run in first['runs']]}")  # fmt: skip
-    print(f"took {time.monotonic() - started:.0f} s; files in {work}")
+    disturbed = [f"{v:.1f}" for v in bare_p50 if v > 1.5 * reference]
+    if disturbed:
+        print(f"disturbed bare runs (over 1.5x the median), left out of the rounds beside them: {', '.join(disturbed)} ms")
+    print(f"took {time.monotonic() - started:.0f} s ({waited:.0f} s waiting for a quiet host); files in {work}")
 
 
 if __name__ == "__main__":
