@@ -151,7 +151,8 @@ class ServeCluster:
                 handle = serve.get_deployment_handle(deployment, name)
                 # Its router on its own loop: this caller has none running (Serve's throughput-optimized mode,
                 # RAY_SERVE_THROUGHPUT_OPTIMIZED=1, would otherwise build it on the caller's and refuse).
-                handle._init(_run_router_in_separate_loop=True)
+                if not handle.is_initialized:  # Serve hands out one handle per deployment, initialized once
+                    handle._init(_run_router_in_separate_loop=True)
                 reset += len(handle.broadcast("reset_prefix_cache").results(timeout_s=timeout_s))
         return reset
 
