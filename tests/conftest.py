@@ -19,6 +19,18 @@ from servetune.testing.fake_openai import FakeOpenAI, write_fake_python
 from tests.processes import wait_until_healthy
 
 
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """A SIGTERM (CI's timeout, a user's kill) stops the session as Ctrl-C does: every ``finally`` and fixture
+    teardown runs, so the Ray clusters, engines and drivers the running test started are stopped by process
+    group, not left behind (Python's default for SIGTERM exits at once, running none of them)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupted)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
