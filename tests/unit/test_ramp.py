@@ -43,6 +43,10 @@ def test_scale_up_time_phases_and_a_new_replica_that_waited_for_running():
     assert (s["requests"], s["slo_violations"]) == (5, 3)
     windows = {w.start_s: w for w in s["windows"]}
     assert windows[30.0].running == 2 and windows[30.0].served == {"old": 60, "new": 4}  # since the last sample before the window (12 s)
+    assert windows[0.0].served == {"old": 5}  # no sample before the first window: the counter's own start
+    # A replica kept from the step before the ramp had served 2 requests: the first window counts from there.
+    kept = summarize_ramp(samples, records, phase_of, PHASES, STARTS, {"ttft_ms": 300}, end_s=50, baseline={"old": 2})
+    assert {w.start_s: w for w in kept["windows"]}[0.0].served == {"old": 3}
     assert windows[10.0].slo_violations == 1 and windows[10.0].ttft_ms_p95 == pytest.approx(500)
     assert (windows[20.0].offered, windows[20.0].running, windows[20.0].served) == (6, 1, {})  # no sample: the last one
 

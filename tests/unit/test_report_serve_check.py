@@ -32,11 +32,11 @@ def test_the_report_shows_serve_checks_scaling_and_routers_with_the_verdict(tmp_
     assert "| prefix-aware | 12 | 1,100 | 50% | 50% / - | 1.82 |" in md  # 1000 of 1100 tokens on one of 2 replicas
     assert "| 1 | concurrency 8 | 6.33 | 380.0 | 160.0 | 320.0 | - | 100% | met |" in md
     assert "**Verdict: ship prefix-aware: prefix-aware reuses more of the prefix cache" in md
-    assert "- prefix-aware: on the engines already running (Serve kept them) in 19.6 s, prefix caches reset" in md
+    assert "- prefix-aware: on the engines already running (Serve kept them, and started any more the count needs) in 19.6 s, prefix caches reset" in md
     assert "default: " not in md.split("### Routers")[1].split("**Verdict")[0].split(ROUTER_NOTE)[1]  # deployed fresh: no note
     page = render_html(report)
     assert "<h3>Routers: 2 replicas, workload rag-tiny, concurrency 8</h3>" in page
-    assert "<li>prefix-aware: on the engines already running (Serve kept them) in 19.6 s, prefix caches reset</li>" in page
+    assert "<li>prefix-aware: on the engines already running (Serve kept them, and started any more the count needs) in 19.6 s, prefix caches reset</li>" in page
     (study / "serve-check.json").write_text("{not json")
     assert "could not be read: not valid JSON" in render_markdown(build_report(load_study(study)))
 

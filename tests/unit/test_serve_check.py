@@ -201,11 +201,11 @@ def test_run_check_deploys_the_derived_autoscaling_after_the_first_count_and_run
     assert 102 in teardown.pids  # the replica the ramp added is among those proven gone
     # The ramp starts from its minimum, one replica: the one the count left running, its prefix cache reset.
     assert result.ramp.engines_reused is True and cluster.started == 1
-    # After two replicas it starts fresh: kept, the second would serve the ramp's 1x and it would not scale out.
+    # After two replicas too: the autoscaling starts at its minimum (Serve stops the second), on the first's engine.
     cluster = FakeCluster()
     result = run_check(picked, [2], cluster, "app", lambda url, served, n: [level(8, 380, 320)], Teardown(pids=set()),
                        ramp=Ramp(deployment_config=deployment, run=ramp_run))  # fmt: skip
-    assert result.ramp.engines_reused is None and cluster.started == 3 and cluster.engines == ["actor2"]
+    assert result.ramp.engines_reused is True and cluster.started == 2 and cluster.engines == ["actor0"]
 
 
 def test_cli_ramp_refusals_come_before_ray_starts(tmp_path, capsys, monkeypatch):

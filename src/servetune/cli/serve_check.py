@@ -65,9 +65,9 @@ layout is deployed fresh. With --layouts or --budget and no --replicas, no repli
 Engine starts are shared. Every step deploys the LLM deployment pinned to a version of its engine
 configuration, so where the engine configuration stays the same (replica counts, the ramp, the
 routers, a layout of the picked TP) Serve keeps the engines already running, adds or stops replicas
-as the step says, and each kept engine's prefix cache is reset before it is measured. The ramp keeps
-the running engine only when the count before it is its minimum. Everything else is deployed fresh,
-the application deleted first.
+as the step says, and each kept engine's prefix cache is reset before it is measured (the ramp's
+autoscaling starts at its minimum: Serve stops any replica beyond it). Everything else is deployed
+fresh, the application deleted first.
 
 Without --address a local Ray is started, declaring the CPUs the replicas and the ingress need,
 with Serve's HTTP proxy on 127.0.0.1 at a free port; it is shut down at the end. With --address
@@ -404,7 +404,8 @@ def ramp_table(ramp) -> Table:
     up = "never" if ramp.time_to_scale_up_s is None else f"{ramp.time_to_scale_up_s:.1f} s"
     table.caption = (
         f"autoscaled deployment RUNNING after {num_text(ramp.ready_s, 0)} s"
-        + (" on the engine already running (prefix cache reset)" if ramp.engines_reused else "")
+        + (" on the engine already running (prefix cache reset)" if ramp.engines_reused
+           else " [red]on an engine Serve restarted (as a fresh deploy)[/]" if ramp.engines_reused is False else "")
         + f"; replicas {ramp.replicas_before} -> "
         f"{ramp.replicas_peak}; time to scale up {up}; "
         f"SLO broken by {ramp.slo_violations} of {ramp.requests} requests; "
@@ -468,8 +469,8 @@ def scaling_table(result) -> Table:
         table.caption += "\nrequests per replica (replicas: counts): " + "; ".join(served)
     kept = [str(run.replicas) for run in result.runs if run.engines_reused]
     if kept:
-        table.caption += (f"\n{', '.join(kept)} replicas: on the engines the count before left running (Serve kept them, "
-                          "prefix caches reset) and the replicas it added")  # fmt: skip
+        table.caption += (f"\n{', '.join(kept)} replicas: on the engines the step before left running (Serve kept them, "
+                          "prefix caches reset), and any replicas it added")  # fmt: skip
     restarted = [str(run.replicas) for run in result.runs if run.engines_reused is False]
     if restarted:
         table.caption += f"\n[red]{', '.join(restarted)} replicas: Serve restarted the engines (as a fresh deploy)[/]"

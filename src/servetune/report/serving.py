@@ -204,7 +204,8 @@ def engine_note(router: Any, reused: Any, ready_s: Any) -> str | None:
     False, Serve restarted them); None for one deployed fresh (``reused`` None)."""
     if not isinstance(reused, bool):
         return None
-    how = "on the engines already running (Serve kept them)" if reused else "on engines Serve restarted (as a fresh deploy)"
+    how = ("on the engines already running (Serve kept them, and started any more the count needs)" if reused
+           else "on engines Serve restarted (as a fresh deploy)")
     return f"{router}: {how} in {num_text(ready_s)} s, prefix caches reset"
 
 

@@ -156,11 +156,11 @@ class Deployer:
         self.cluster, self.name, self.timeout_s, self.teardown = cluster, name, timeout_s, teardown
         self.running: str | None = None  # the engine version the application runs now
 
-    def deploy(self, config: Mapping, keep: bool = True) -> Deployed:
-        """Deploy ``config``; ``keep`` False: fresh even if its engines are running. A deployment that fails
-        raises :class:`EngineStartError` (the cluster has deleted the application)."""
+    def deploy(self, config: Mapping) -> Deployed:
+        """Deploy ``config``. A deployment that fails raises :class:`EngineStartError` (the cluster has
+        deleted the application)."""
         version = engine_version(config)
-        before = self.cluster.engine_replicas(self.name) if keep and version == self.running else []
+        before = self.cluster.engine_replicas(self.name) if version == self.running else []
         if not before:
             self.teardown.pids.update(self.cluster.replica_pids(self.name))
             self.cluster.delete(self.name)
@@ -202,10 +202,9 @@ def run_check(
         runs.append(ReplicaRun(replicas=count, ready_s=deployed.ready_s, engines_reused=deployed.reused, levels=levels,
                                requests_per_replica=handled))  # fmt: skip
         if ramp is not None and ramped is None:
-            # The ramp starts from its minimum: the engines running are kept only if there are no more of them.
-            least = int((ramp.deployment_config.get("autoscaling_config") or {}).get("min_replicas") or 1)
-            config = autoscaled_llm_config(point, ramp.deployment_config)
-            up = deployer.deploy(config, keep=count <= least)
+            # On the engines running: the derived autoscaling's initial_replicas is its minimum, so Serve scales
+            # a larger count down to it before the deployment is HEALTHY, and the ramp starts from there.
+            up = deployer.deploy(autoscaled_llm_config(point, ramp.deployment_config))
             ramped = ramp.run(cluster.url, served).model_copy(update={"ready_s": up.ready_s, "engines_reused": up.reused})
             teardown.pids.update(cluster.replica_pids(name))
     routed = compare_routers(picked, cluster, name, served, routing, deployer) if routing is not None else None

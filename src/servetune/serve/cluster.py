@@ -103,7 +103,7 @@ class ServeCluster:
     ) -> float:  # fmt: skip
         """Deploy the Ray Serve LLM application (``build_openai_app``) and wait until it is RUNNING;
         returns the seconds it took. Deployed again unpinned, it is a new version: Serve rolls it out,
-        starting new replicas before it stops the old ones.
+        replacing every replica.
 
         ``engine_version`` pins the LLM deployment's version (``serve.routing.engine_version``): deployed
         again with the same one and only options Serve applies in place changed (the replica count, the

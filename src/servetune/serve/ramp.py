@@ -115,9 +115,12 @@ class RampResult(BaseModel):
 def summarize_ramp(
     samples: Sequence[RampSample], records: Sequence[RequestRecord], record_phase: Sequence[str],
     phases: Sequence[Phase], phase_starts: Mapping[str, float], slo_ms: Mapping[str, float], end_s: float,
+    baseline: Mapping[str, int] | None = None,
 ) -> dict:  # fmt: skip
     """The ramp's phases, windows and scale-up facts, from the samples and the request records
-    (times on the ramp's clock; ``record_phase[i]`` is the phase record ``i`` was sent in)."""
+    (times on the ramp's clock; ``record_phase[i]`` is the phase record ``i`` was sent in). ``baseline``:
+    Serve's per-replica counter before the ramp (a replica kept from the step before has served already),
+    what the first window's counts start from."""
     def broke(r: RequestRecord) -> bool:
         return not meets_request_slo(r, slo_ms) if slo_ms else not r.ok
 
@@ -144,7 +147,7 @@ def summarize_ramp(
         last = inside[-1] if inside else before
         served = {}
         if last is not None:
-            base = before.served if before is not None else {}
+            base = before.served if before is not None else (baseline or {})
             served = {rid: n - base.get(rid, 0) for rid, n in last.served.items() if n - base.get(rid, 0) > 0}
         seen = inside or ([before] if before is not None else [])  # a window without a sample keeps the last one
         windows.append(RampWindow(
@@ -200,6 +203,7 @@ async def run_ramp(
     starts: dict[str, float] = {}
     state = {"phase": phases[0].name, "offered": 0, "over": False}
     specs = iter_requests(workload, prompts, stream=7)  # a stream no study level used
+    baseline = await asyncio.to_thread(watch.served_per_replica, name)  # a kept replica has served already
     t0 = time.perf_counter()
 
     def now() -> float:
@@ -249,5 +253,5 @@ async def run_ramp(
             end = now()
             await asyncio.gather(*workers, return_exceptions=True)
             await sampling
-    summary = summarize_ramp(samples, records, record_phase, phases, starts, slo_ms, end)
+    summary = summarize_ramp(samples, records, record_phase, phases, starts, slo_ms, end, baseline)
     return summary, samples, records, record_phase

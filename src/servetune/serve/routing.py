@@ -188,7 +188,8 @@ class RouterRun(BaseModel):
     router_class: str | None  # None: Serve's default
     replicas: int
     ready_s: float | None = None
-    # None: deployed fresh; True: switched to on the engines the run before used; False: Serve restarted them.
+    # None: deployed fresh; True: on engines the step before left running (Serve kept them, and added any the
+    # count needs); False: meant to keep them, Serve restarted them.
     engines_reused: bool | None = None
     engine_replicas: list[str] = []  # the LLM deployment's replica actors during the run
     level: LevelResult
