@@ -19,16 +19,26 @@ from servetune.testing.fake_openai import FakeOpenAI, write_fake_python
 from tests.processes import wait_until_healthy
 
 
-def _interrupted(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
+def _terminated(signum: int, frame: object) -> None:
+    pytest.exit(f"stopped by signal {signum}", returncode=128 + signum)
+
+
+def _stop_on_sigterm() -> None:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _terminated)
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """A SIGTERM (CI's timeout, a user's kill) stops the session as Ctrl-C does: every ``finally`` and fixture
-    teardown runs, so the Ray clusters, engines and drivers the running test started are stopped by process
-    group, not left behind (Python's default for SIGTERM exits at once, running none of them)."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _interrupted)
+    """A SIGTERM (CI's timeout, a user's kill) stops the session: the running test's ``finally`` blocks and every
+    fixture teardown run, so the Ray clusters, engines and drivers it started are stopped by process group, not
+    left behind (Python's default for SIGTERM exits at once, running none of them). ``pytest.exit`` rather than
+    KeyboardInterrupt, which servetune's CLI catches when a test calls it in-process."""
+    _stop_on_sigterm()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Again before each test: an in-process ``ray.init`` replaces the handler with Ray's own."""
+    _stop_on_sigterm()
 
 
 @pytest.fixture(scope="session")

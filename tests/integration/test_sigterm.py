@@ -30,11 +30,13 @@ def test_holds_a_server(tmp_path):
 def test_sigterm_runs_the_running_tests_cleanup(tmp_path):
     pidfile = tmp_path / "child.pid"
     pytest_run = None
-    test_file = ROOT / "tests" / "integration" / f"test_held_{os.getpid()}.py"  # under tests/: the suite's conftest
+    test_file = tmp_path / "test_held.py"
     test_file.write_text(SLOW_TEST.format(pidfile=str(pidfile)))
     try:
-        pytest_run = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file)],
-                                      cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        # The suite's conftest as a plugin (run from the repository, where ``tests`` imports), the test outside it.
+        argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
+                "--rootdir", str(tmp_path), str(test_file)]  # fmt: skip
+        pytest_run = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 120
         while not pidfile.exists() and time.monotonic() < deadline and pytest_run.poll() is None:
             time.sleep(0.2)
@@ -45,7 +47,6 @@ def test_sigterm_runs_the_running_tests_cleanup(tmp_path):
         assert pytest_run.returncode != 0, out
         assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE, out
     finally:
-        test_file.unlink(missing_ok=True)
         if pytest_run is not None and pytest_run.poll() is None:
             os.killpg(pytest_run.pid, signal.SIGKILL)
         if pidfile.exists():  # a child the run left (this test failing): stopped by its own process group

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 
 from servetune import __version__
 from servetune.errors import UserError
@@ -38,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    previous = signal.getsignal(signal.SIGTERM)  # commands set their own; a caller in-process gets its back
     try:
         return args.run(args)
     except UserError as exc:
@@ -46,3 +49,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"servetune {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
