@@ -1,7 +1,8 @@
 """A study whose trials run through Ray Serve LLM (``serve.num_replicas``) on a local Ray with the real
 vLLM CPU build: one and two replicas of the tiny model, each deployed as its own Serve application
 by ``servetune run``, measured through Serve's OpenAI ingress, recorded with what each replica served,
-and torn down; the winner exports as a Ray Serve config at its replica count. One replica is also measured
+and torn down; the winner exports as a Ray Serve config at its replica count, and ``servetune verify``
+deploys the two-replica trial through Serve again. One replica is also measured
 with Ray Serve LLM's stream batching off (``serve.stream_batching_interval_ms`` 0 against 50)."""
 
 import json
@@ -39,9 +40,17 @@ def servetune(*argv, cwd=None):
     return subprocess.run([sys.executable, "-m", "servetune", *map(str, argv)], capture_output=True, text=True, timeout=1200, cwd=cwd)
 
 
-def test_one_and_two_replicas_measured_through_serve_recorded_and_torn_down(tmp_path):
-    (tmp_path / "space.yaml").write_text(SPACE)
-    done = servetune("run", tmp_path / "space.yaml", "--storage", tmp_path / "results", cwd=tmp_path)
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    """The study, run once: the tests below read it, and verify deploys its two-replica trial again."""
+    root = tmp_path_factory.mktemp("serve-trials")
+    (root / "space.yaml").write_text(SPACE)
+    done = servetune("run", root / "space.yaml", "--storage", root / "results", cwd=root)
+    return root, done
+
+
+def test_one_and_two_replicas_measured_through_serve_recorded_and_torn_down(study):
+    tmp_path, done = study
     assert done.returncode == 0, done.stderr[-4000:]
     study_dir = tmp_path / "results" / "serve-trials"
     results, paths, unbatched = {}, {}, None
@@ -93,3 +102,35 @@ def test_one_and_two_replicas_measured_through_serve_recorded_and_torn_down(tmp_
     assert autoscaling["target_ongoing_requests"] == 2 and autoscaling["max_replicas"] == 2, autoscaling
     assert "serve.num_replicas" not in config["engine_kwargs"] and "/ 2 Serve replicas" in export.stdout
     assert config["experimental_configs"] == {"stream_batching_interval_ms": 50}  # the interval it was measured at
+
+
+def test_verify_deploys_a_trial_through_serve_and_reads_its_replicas(study):
+    """servetune verify on the two-replica trial: the same Serve application again, every scenario loaded
+    through Serve's ingress, vLLM's gauges and counters read from the replicas through Ray's agents."""
+    tmp_path, done = study
+    assert done.returncode == 0, done.stderr[-4000:]
+    study_dir = tmp_path / "results" / "serve-trials"
+    two = next(json.loads(p.read_text()) for p in study_dir.glob("trials/*/result.json")
+               if json.loads(p.read_text())["params"]["serve.num_replicas"] == 2)  # fmt: skip
+    verified = servetune("verify", study_dir, "--pick", two["trial_id"], "--duration", "12", "--no-runner-up",
+                         "--tracking-uri", tmp_path / "verify-mlflow.db", cwd=tmp_path)  # fmt: skip
+    assert verified.returncode in (0, 1), verified.stderr[-4000:]
+    assert "Traceback" not in verified.stderr
+    doc = json.loads((study_dir / "verify.json").read_text())
+    assert (verified.returncode == 0) == doc["accepted"], doc["reasons"]
+    assert doc["trial_id"] == two["trial_id"] and "through Ray Serve (2 replicas)" in verified.stderr
+    served = doc["engine"]["serve"]["requests_per_replica"]  # both replicas took verify's load
+    assert doc["engine"]["serve"]["replicas"] == 2 and len(served) == 2 and all(n > 0 for n in served.values()), doc["engine"]
+    scenarios = doc["scenarios"]
+    assert list(scenarios) == ["soak", "peak", "burst", "mix", "long_output", "disconnects", "headroom", "repeats"]
+    assert not any(s["reason"].startswith("not run") for s in scenarios.values()), doc["reasons"]
+    # The replicas' gauges, through Ray's agents (Serve's ingress has no /metrics): the streams were seen in
+    # flight before the drop, and the allowance grew by the agents' lag (2.5 s on the local Ray).
+    rounds = scenarios["disconnects"]["rounds"]
+    seen = [r for r in rounds if r["observed"]]
+    assert seen and all(r["allowed_s"] >= 2.0 + 2.5 and r["released_s"] is not None for r in seen), rounds
+    assert scenarios["headroom"]["kv_cache_usage_max"] is not None and scenarios["headroom"]["engine_alive"], scenarios["headroom"]
+    assert scenarios["soak"]["rss_start_mib"] > 50  # a replica's engine memory was followed
+    assert doc["stability"]["error_rate_5xx"] == 0.0
+    assert "KV cache" in (study_dir / "verify" / two["trial_id"] / "engine.log").read_text()
+    assert still_running_after(60, "ServeReplica:servetune-serve-trials-") == [] and processes_mentioning(study_dir, "vllm") == []

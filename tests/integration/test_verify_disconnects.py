@@ -1,12 +1,15 @@
 """The disconnect scenario against the fake engine, whose release of a dropped stream can be
 delayed: a prompt release passes, a release slower than the allowance fails as late (not as a
 leak), an engine whose steps are slow is allowed as many steps, not a fixed 2 s, and an engine
-that cannot be read is not watched nor tried again."""
+that cannot be read is not watched nor tried again. Through a metrics source that is late (a Serve
+deployment's replicas, read through Ray's agents), the allowance grows by its lag, and a leak is
+still a leak."""
 
 import asyncio
 import time
 
 import pytest
+from aiohttp import web
 
 from servetune.config.slo import Slo
 from servetune.config.workload import Workload
@@ -18,6 +21,7 @@ from servetune.testing.fake_openai import FakeOpenAI
 from servetune.verify.disconnects import FALLBACK_S, RELEASE_STEPS, disconnects
 from servetune.verify.scenarios import Budget, Target
 from tests.conftest import serve_fake
+from tests.integration.test_metrics_source import AgentSource
 
 WORKLOAD = Workload(name="chat", input_tokens={"dist": "fixed", "value": 16}, output_tokens={"dist": "fixed", "value": 16})
 BUDGET = Budget(soak_s=4.0, windows=4, scenario_s=2.0, long_requests=2, long_output_cap=64, drop_rounds=1, repeats=5,
@@ -79,3 +83,48 @@ def test_a_stream_never_released_within_the_watch_is_a_leak(tiny_tokenizer):
     (round_,) = result.numbers["rounds"]
     assert round_["observed"] and round_["fell_back_s"] is None and round_["released_s"] is None, round_
     assert not result.passed and round_["leaked"] == 2 and "never (2 dropped still held" in result.reason, result.reason
+
+
+class LateSource(AgentSource):
+    """The fake's gauges and counters as Ray's metrics agents give a Serve replica's: half a second late."""
+
+    lag_s, delay_s = 1.5, 0.5
+
+
+class NoMetricsFake(FakeOpenAI):
+    """Like Serve's ingress: no ``/metrics`` at the URL the client loads."""
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(status=404)
+
+
+def run_through_source(fake: FakeOpenAI, tokenizer) -> tuple:
+    source = LateSource(fake)
+
+    async def main(url):
+        async with StreamingClient(url, "fake", timeout_s=120, first_token_timeout_s=10, idle_timeout_s=10) as client:
+            target = Target(client=client, url=url, workload=WORKLOAD, prompts=PromptFactory(tokenizer), slo=Slo(),
+                            level=Level("concurrency", 4.0), budget=BUDGET, max_model_len=1024, metrics=source)  # fmt: skip
+            return await disconnects(target)
+
+    with serve_fake(fake) as url:
+        return asyncio.run(main(url)), source
+
+
+def test_through_a_late_metrics_source_the_allowance_and_the_token_span_grow_by_its_lag(tiny_tokenizer):
+    # A Serve deployment: no /metrics at the URL, the replicas' gauges read late through Ray's agents.
+    result, source = run_through_source(NoMetricsFake(ttft_ms=10, itl_ms=10), tiny_tokenizer)
+    (round_,) = result.numbers["rounds"]
+    assert result.passed, result.reason
+    assert round_["allowed_s"] == FALLBACK_S + LateSource.lag_s, round_
+    # the fake released at once; the source shows it half a second late, within the grown allowance
+    assert round_["fell_back_s"] is not None and round_["fell_back_s"] >= LateSource.delay_s - 0.1, round_
+    # the survivors' tokens were compared with what the engine counted, over the span grown by twice the lag
+    assert round_["server_tokens"] is not None and round_["client_tokens"] > 0, round_
+    assert len(source.history) > 5
+
+
+def test_through_a_late_metrics_source_a_leak_is_still_a_leak(tiny_tokenizer):
+    result, _ = run_through_source(NoMetricsFake(ttft_ms=10, itl_ms=10, release_ms=60_000), tiny_tokenizer)
+    (round_,) = result.numbers["rounds"]
+    assert round_["observed"] and round_["released_s"] is None and not result.passed, round_

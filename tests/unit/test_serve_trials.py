@@ -1,6 +1,7 @@
 """``serve.num_replicas`` in a search space: trials through Ray Serve, without Ray (the e2e test deploys them)."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -147,22 +148,38 @@ def test_autoscaling_from_a_trial_through_serve_is_per_replica():
     assert "/ 2 Serve replicas" in a.reasons["knee"]
 
 
-def test_verify_of_a_trial_through_serve_is_refused_before_anything_starts(tmp_path, capsys):
+def test_verify_of_a_trial_through_serve_runs_after_the_study_not_in_it(tmp_path, capsys):
     path = tmp_path / "space.yaml"
     path.write_text(BASE.replace("search: {max_concurrent: 4}", "search: {verify: {top: 1}}") + "params:\n  serve.num_replicas: [1, 2]\n")
-    with pytest.raises(UserError, match=r"search.verify: trials through Serve \(serve.num_replicas\) cannot be verified yet"):
+    with pytest.raises(UserError, match=r"search.verify: trials through Serve \(serve.num_replicas\) are not verified inside the study"):
         load_space(path)
-    # servetune verify on a study whose pick ran through Serve: one line, exit 2 (it would start a bare engine).
+
+
+def serve_study(tmp_path, replicas):
+    """The fixture study, its pick measured through Serve at ``replicas`` replicas."""
     study = tmp_path / "study"
     shutil.copytree(FIXTURE, study)
     result_file = study / "trials" / FIXTURE_TRIAL / "result.json"
     result = json.loads(result_file.read_text())
-    result["params"] = {**result["params"], "serve.num_replicas": 2}
+    result["params"] = {**result["params"], "serve.num_replicas": replicas}
     result_file.write_text(json.dumps(result))
+    return study
+
+
+def test_verify_deploys_a_trial_through_serve_as_measured(tmp_path):
+    from servetune.verify.choose import select
+
+    selection = select(serve_study(tmp_path, 1), FIXTURE_TRIAL)
+    assert selection.winner.spec.serve_replicas == 1  # verify.run.started deploys it through Serve, not a bare engine
+
+
+def test_verify_refuses_serve_replicas_this_machine_cannot_hold_before_anything_starts(tmp_path, capsys):
+    replicas = len(os.sched_getaffinity(0)) + 1  # one CPU core (TP 1) each on the CPU build
+    study = serve_study(tmp_path, replicas)
     assert main(["verify", str(study), "--pick", FIXTURE_TRIAL]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert f"trial {FIXTURE_TRIAL} was measured through Ray Serve at 2 replicas" in err[-1], err
-    assert f"--pick {FIXTURE_TRIAL} --replicas 2" in err[-1] and not (study / "verify.json").exists()
+    assert f"trial {FIXTURE_TRIAL}'s serve.num_replicas {replicas}: {replicas} replicas of 1 CPU core" in err[-1], err
+    assert "this machine" in err[-1] and "--address" in err[-1] and not (study / "verify.json").exists()
 
 
 class HalfwayCluster:

@@ -23,6 +23,11 @@ checklist at its operating level:
   repeats      the level 5 times, bootstrap intervals on goodput and P99 TTFT; the runner-up's
                too, started after the winner's engine stopped: is the winner's lead real?
 
+A trial the study measured through Ray Serve (serve.num_replicas) is verified through Serve: the
+same Serve LLM application at the same replica count, on a local Ray (or the cluster at --address),
+loaded through Serve's OpenAI ingress; vLLM's gauges and counters come from the replicas through
+Ray's metrics agents (late by up to 2.5 s on a local Ray: the disconnect allowance grows by that).
+
 Requests time out (each its own error kind) at 10x the SLO's TTFT bound for the first token,
 20x its TPOT bound between chunks, and the study's request_timeout_s in all.
 
@@ -47,6 +52,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tracking-uri", metavar="URI",
                    help="MLflow store the study was logged to (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")  # fmt: skip
     p.add_argument("--python", default=sys.executable, help="Python interpreter that has vLLM (default: this one)")
+    p.add_argument("--address", metavar="ADDR",
+                   help="Ray cluster to deploy a trial through Serve on (default: a local Ray, started and stopped here)")  # fmt: skip
     p.set_defaults(run=run)
 
 
@@ -89,13 +96,15 @@ def run(args: argparse.Namespace) -> int:
 
     if args.duration is not None and args.duration <= 0:
         raise UserError(f"--duration must be positive, got {args.duration:g}")
-    selection = select(args.study_dir, args.pick, args.python)  # bad input stops here, before anything starts
+    selection = select(args.study_dir, args.pick, args.python, args.address)  # bad input stops here, before anything starts
     if vllm_version(args.python) is None:
         raise UserError(f"vLLM is not installed for {args.python} (install servetune[cpu] or servetune[gpu], or pass --python)")
     budget = Budget.for_device(selection.info.device, args.duration)
     console = make_console(stderr=True)
     winner = selection.winner
-    console.print(f"verifying trial {winner.trial_id} at {winner.level}"
+    replicas = winner.spec.serve_replicas
+    through = f" through Ray Serve ({replicas} replica{'s' if replicas != 1 else ''})" if replicas else ""
+    console.print(f"verifying trial {winner.trial_id} at {winner.level}{through}"
                   + (f"; runner-up: trial {selection.runner_up.trial_id}" if selection.runner_up and not args.no_runner_up else ""),
                   soft_wrap=True)  # fmt: skip
     with console.status(f"loading the tokenizer of {winner.spec.tokenizer}"):
@@ -103,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(SystemExit(128 + signum)))
     progress = ConsoleProgress(console)
     try:
-        doc = verification.verify(selection, budget, prompts, progress, runner_up=not args.no_runner_up)
+        doc = verification.verify(selection, budget, prompts, progress, runner_up=not args.no_runner_up, address=args.address)
     finally:
         progress.stop()
     items = verification.checklist(selection, doc)

@@ -29,7 +29,7 @@ from servetune.report.points import ReportPoint
 from servetune.serve.cluster import ServeCluster, wait_gone
 from servetune.results import ENGINE_LOG
 from servetune.serve.metrics import ReplicaCounts, replica_snapshots, replicas_snapshot
-from servetune.serve.plan import INGRESS_CPUS, REPLICA_ACTOR_CPUS, llm_config
+from servetune.serve.plan import INGRESS_CPUS, REPLICA_ACTOR_CPUS, Needs, llm_config, needs
 from servetune.trial.runner import TrialSpec, write_atomic
 
 #: Placement the engine gets from Serve, not from the trial's environment.
@@ -52,13 +52,25 @@ def remove_study_apps(study: str) -> list[str]:
     return names
 
 
-def trial_llm_config(spec: TrialSpec) -> dict[str, Any]:
-    """The trial's ``LLMConfig`` (a dict): its engine arguments and environment, at its replica count."""
-    assert spec.serve_replicas is not None
+def _shipped(spec: TrialSpec) -> tuple[ReportPoint, dict[str, str]]:
     env = {**spec.env, **{k: v for k, v in spec.extra_env.items() if k not in NOT_SHIPPED}}
     point = ReportPoint(trial_id=spec.trial_id, params=spec.params, engine_args=spec.engine_args, env=env,
                         model=spec.model, device=spec.device, devices=spec.devices)  # fmt: skip
+    return point, env
+
+
+def trial_llm_config(spec: TrialSpec) -> dict[str, Any]:
+    """The trial's ``LLMConfig`` (a dict): its engine arguments and environment, at its replica count."""
+    assert spec.serve_replicas is not None
+    point, env = _shipped(spec)
     return llm_config(point, spec.serve_replicas, env=env)
+
+
+def trial_needs(spec: TrialSpec) -> Needs:
+    """What the trial's replicas and Serve's ingress take from a Ray cluster (a local Ray is started with it)."""
+    assert spec.serve_replicas is not None
+    point, _ = _shipped(spec)
+    return needs(point, trial_llm_config(spec), spec.serve_replicas)
 
 
 class ServeEngine:
@@ -135,6 +147,13 @@ class ServeEngine:
     def log_tail(self, lines: int = 40) -> str:
         assert self.cluster is not None
         return self.cluster.log_tail(self.name, lines)
+
+    def log_text(self) -> str:
+        """The replicas' vLLM log so far (on this node), as :meth:`_keep_log` keeps it."""
+        with contextlib.suppress(Exception):
+            self._keep_log()
+        path = self.trial_dir / ENGINE_LOG
+        return path.read_text(errors="replace") if path.exists() else ""
 
     def kv_capacity(self) -> KvCapacity | None:
         """One replica's KV capacity (every replica's engine is configured alike), from its log."""

@@ -5,11 +5,13 @@ vs P99 TTFT Pareto table, or a trial id). A configuration is rebuilt from the st
 ran it: the space copied beside ``study.json`` gives the engine arguments and the environment
 (``result.json`` masks secrets), the study's resolved model, and the level the point names.
 Bad input (no completed trial, a row out of range, a failed or infeasible trial, a trial that
-never met the SLO) is a one-line ``UserError`` before anything starts.
+never met the SLO, a trial through Serve whose replicas this machine cannot hold) is a one-line
+``UserError`` before anything starts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,8 +78,9 @@ def _level(point: ReportPoint, levels: tuple[Level, ...], workload: Workload) ->
     return Level(kind, float(value), process, arrival.burstiness)
 
 
-def select(study_dir: Path, pick: str, python: str = sys.executable) -> Selection:
-    """The configuration to verify and its runner-up (the best other candidate); UserError on bad input."""
+def select(study_dir: Path, pick: str, python: str = sys.executable, address: str | None = None) -> Selection:
+    """The configuration to verify and its runner-up (the best other candidate); UserError on bad input.
+    ``address``: the Ray cluster trials through Serve are deployed on (default: a local Ray)."""
     study = load_study(study_dir)
     complete = [t for t in study.trials if t.outcome == "COMPLETE"]
     if not complete:
@@ -96,7 +99,31 @@ def select(study_dir: Path, pick: str, python: str = sys.executable) -> Selectio
                         "nothing to verify")  # fmt: skip
     rebuild = _Rebuild.of(study_dir, study, report, python)
     others = [c for c in candidates(report.points) if c.trial_id != point.trial_id]
-    return rebuild.selection(point, others[0] if others else None)
+    selection = rebuild.selection(point, others[0] if others else None)
+    for chosen in (selection.winner, selection.runner_up):
+        if chosen is not None and chosen.spec.serve_replicas is not None:
+            check_serve(chosen, address)
+    return selection
+
+
+def check_serve(chosen: Chosen, address: str | None) -> None:
+    """A trial the study measured through Ray Serve is verified through Serve, as that deployment: refused
+    before anything starts where Ray Serve LLM is missing, or where this machine cannot hold its replicas
+    (a local Ray; a cluster at ``address`` is asked once joined, when Serve deploys)."""
+    import importlib.util
+
+    from servetune.serve.check import local_devices
+    from servetune.serve.plan import check_fits
+    from servetune.serve.trial import trial_needs
+
+    replicas = chosen.spec.serve_replicas
+    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
+        raise UserError(f"trial {chosen.trial_id} was measured through Ray Serve ({SERVE_REPLICAS} {replicas}): "
+                        "verify deploys it through Serve, which needs ray[serve,llm] (pip install 'ray[serve,llm]')")  # fmt: skip
+    need = dataclasses.replace(trial_needs(chosen.spec), asked_by=f"trial {chosen.trial_id}'s {SERVE_REPLICAS} {replicas}")
+    devices = local_devices(need) if address is None else None
+    if devices is not None:
+        check_fits(need, devices, need.cpus, "this machine (verify deploys on a local Ray; --address joins a cluster)")
 
 
 def top_points(report: StudyReport, k: int) -> list[ReportPoint]:
@@ -163,11 +190,6 @@ class _Rebuild:
     def chosen(self, point: ReportPoint) -> Chosen:
         result = read_result(self.study_dir / TRIALS_DIR / point.trial_id)
         assert result is not None  # the report read it
-        replicas = result.params.get(SERVE_REPLICAS)
-        if replicas is not None:  # verify starts one bare engine: its verdict would be about another deployment
-            raise UserError(f"trial {point.trial_id} was measured through Ray Serve at {replicas} replicas, and verify starts "
-                            f"the bare engine; check that deployment with servetune serve-check {self.study_dir} --pick "
-                            f"{point.trial_id} --replicas {replicas} (verify through Serve is not built yet)")  # fmt: skip
         return Chosen(point, result, self.context.spec_for(dict(result.params)), _level(point, self.context.levels, self.workload))
 
     def selection(self, point: ReportPoint, runner_up: ReportPoint | None) -> Selection:

@@ -12,6 +12,10 @@ outruns a client on a loaded host) proves nothing, is not judged, and is tried a
 many extra rounds). Then, for ``TOKEN_SPAN_S``, the tokens vLLM generates
 (``vllm:generation_tokens_total``) must follow what the survivors receive. ``stats.DropRound``
 holds a round, ``stats.cancellation_success_rate`` and ``stats.tokens_stopped`` judge them.
+
+Through Serve the gauges are the replicas' added up, read through Ray's metrics agents up to the
+source's lag late: the waits, the allowance and the token span grow by it (the span by twice it,
+so that two reads each late by up to the lag still cover mostly the same tokens as the client's).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from servetune.load.requests import iter_requests
 from servetune.metrics import RequestRecord
 from servetune.verify.scenarios import STREAMS, ScenarioResult, Target, fixed_workload, fmt
 from servetune.verify.stats import DropRound, cancellation_success_rate, step_s, tokens_stopped
-from servetune.verify.watch import in_flight, scrape
+from servetune.verify.watch import in_flight, lag_s, read_metrics
 
 DROP_SHARE = 0.5
 FALLBACK_S = 2.0  # vLLM must release dropped requests within this, or within RELEASE_STEPS steps
@@ -48,6 +52,12 @@ async def _wait_first_tokens(records: list[RequestRecord], tasks: list[asyncio.T
 
 async def _drop_round(t: Target, session: aiohttp.ClientSession, requests, streams: int, dropped: int) -> tuple[DropRound, list[RequestRecord]]:
     t0 = time.perf_counter()
+    lag = lag_s(t.metrics)
+    poll_s = 0.1 if lag == 0 else 0.25  # a lagging source changes once a report interval
+
+    async def read(gauges_only: bool = False):
+        return await read_metrics(session, t.url, t.metrics, gauges_only=gauges_only)
+
     specs = [next(requests) for _ in range(streams)]
     records = [RequestRecord(index=i, sent=0.0, input_tokens=s.input_tokens, max_tokens=s.output_tokens,
                              request_class="dropped" if i < dropped else "survivor") for i, s in enumerate(specs)]  # fmt: skip
@@ -55,14 +65,14 @@ async def _drop_round(t: Target, session: aiohttp.ClientSession, requests, strea
     try:
         await _wait_first_tokens(records, tasks, 2, 60.0)
         # vLLM's gauges follow its steps: wait (a little) until they show every stream in flight.
-        before, seen_by = float("nan"), time.perf_counter() + GAUGE_WAIT_S
+        before, seen_by = float("nan"), time.perf_counter() + GAUGE_WAIT_S + lag
         while time.perf_counter() < seen_by:
-            snap = await scrape(session, t.url, gauges_only=True)
+            snap = await read(gauges_only=True)
             if snap is not None:
                 before = in_flight(snap)
                 if before >= sum(r.end is None for r in records):
                     break
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(poll_s)
         for task in tasks[:dropped]:
             task.cancel()  # the client goes away: aiohttp closes the connection mid-stream
         await asyncio.gather(*tasks[:dropped], return_exceptions=True)
@@ -70,7 +80,7 @@ async def _drop_round(t: Target, session: aiohttp.ClientSession, requests, strea
             r.error_kind, r.error = DROPPED, "closed by the client after its first tokens"
         dropped_at = time.perf_counter()
         survivors = records[dropped:]
-        allowed = max(FALLBACK_S, RELEASE_STEPS * step_s([r.chunk_times for r in records]))
+        allowed = max(FALLBACK_S, RELEASE_STEPS * step_s([r.chunk_times for r in records])) + lag
         # vLLM released the dropped streams once what it holds is no more than the survivors the
         # client still holds open; ``settled`` is the last sample asked within the allowance.
         released, unread = None, 0
@@ -78,7 +88,7 @@ async def _drop_round(t: Target, session: aiohttp.ClientSession, requests, strea
         # Without a gauge before the drop (the engine cannot be read, or died) there is nothing to watch.
         while not math.isnan(before) and (asked := time.perf_counter() - dropped_at) <= max(WATCH_S, 2 * allowed):
             open_then = sum(r.end is None for r in survivors)
-            snap = await scrape(session, t.url, gauges_only=True)
+            snap = await read(gauges_only=True)
             unread = 0 if snap is not None else unread + 1
             if unread >= UNREAD_LIMIT:
                 break  # the engine stopped answering: what it holds cannot be told
@@ -89,15 +99,15 @@ async def _drop_round(t: Target, session: aiohttp.ClientSession, requests, strea
                 if held <= open_then:
                     released = asked
                     break
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(poll_s)
         fell_back = released if released is not None and released <= allowed else None
         # Then vLLM's generated tokens must follow what the survivors receive: a dropped request
         # it still ran would add its own (judged only while every survivor streams on).
         server_tokens = client_tokens = None
-        first = await scrape(session, t.url)
+        first = await read()
         start = time.perf_counter() - t0
-        await asyncio.sleep(TOKEN_SPAN_S)
-        last = await scrape(session, t.url)
+        await asyncio.sleep(TOKEN_SPAN_S + 2 * lag)
+        last = await read()
         end = time.perf_counter() - t0
         if first is not None and last is not None and "generation_tokens" in last.counters and all(r.end is None for r in survivors):
             server_tokens = last.counters["generation_tokens"] - first.counters.get("generation_tokens", 0.0)
@@ -114,10 +124,10 @@ async def _drop_round(t: Target, session: aiohttp.ClientSession, requests, strea
         t.records.extend(records)
 
 
-async def _drained(session: aiohttp.ClientSession, url: str, timeout_s: float = 10.0) -> None:
-    deadline = time.perf_counter() + timeout_s
+async def _drained(session: aiohttp.ClientSession, t: Target, timeout_s: float = 10.0) -> None:
+    deadline = time.perf_counter() + timeout_s + lag_s(t.metrics)
     while time.perf_counter() < deadline:
-        snap = await scrape(session, url, gauges_only=True)
+        snap = await read_metrics(session, t.url, t.metrics, gauges_only=True)
         if snap is None or in_flight(snap) == 0:
             return
         await asyncio.sleep(0.2)
@@ -133,12 +143,12 @@ async def disconnects(t: Target) -> ScenarioResult:
     async with aiohttp.ClientSession() as session:
         # A round that proves nothing (not observed) is tried again, up to as many extra rounds.
         for _ in range(2 * t.budget.drop_rounds):
-            await _drained(session, t.url)
+            await _drained(session, t)
             round_, _ = await _drop_round(t, session, requests, streams, dropped)
             rounds.append(round_)
             if sum(r.observed for r in rounds) >= t.budget.drop_rounds or math.isnan(round_.before):
                 break  # enough rounds judged, or the engine's gauges cannot be read: another round would not change that
-        await _drained(session, t.url)
+        await _drained(session, t)
     rate = cancellation_success_rate(rounds)
     stopped = tokens_stopped(rounds)
     numbers = {"streams": streams, "dropped_per_round": dropped, "output_tokens": out, "fallback_s_max": FALLBACK_S,

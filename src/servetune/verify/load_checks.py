@@ -153,8 +153,9 @@ def device_monitored(ctx: Context) -> tuple[Status, str]:
 
 
 def autoscaling_signals(ctx: Context) -> tuple[Status, str]:
-    return NOT_CHECKED, ("autoscaling is the deployment's: servetune verify runs one replica. servetune export "
-                         "--format ray-serve scales on ongoing requests per replica (target_ongoing_requests), not GPU "
+    return NOT_CHECKED, ("autoscaling is the deployment's: servetune verify runs the replica count the study measured "
+                         "(a bare engine is one), and servetune serve-check's ramp tests the derived autoscaling. servetune "
+                         "export --format ray-serve scales on ongoing requests per replica (target_ongoing_requests), not GPU "
                          "utilization; queue wait and KV usage (section 11) need the deployment's metrics")  # fmt: skip
 
 

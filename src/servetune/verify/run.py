@@ -5,16 +5,21 @@ An engine that does not start, or dies during a scenario, fails the configuratio
 says so with the engine log's tail, the ones after it are not run, and the process group is
 always stopped (``VllmServer`` is a context manager). Nothing here raises for a failure of the
 configuration; only bad input (``choose.py``) does.
+
+A trial the study measured through Ray Serve (``serve.num_replicas``) is verified through Serve too: the
+same application and replica count (``serve.trial.ServeEngine``), loaded through Serve's OpenAI ingress,
+its replicas' vLLM metrics read through Ray's metrics agents and their prefix caches reset through Serve.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import json
 import math
 import urllib.request
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -22,11 +27,14 @@ from typing import Any, Protocol, TypeVar
 from servetune import __version__
 from servetune.config.slo import Slo
 from servetune.engine.server import VllmServer
+from servetune.serve.cluster import ServeCluster
 from servetune.errors import EngineStartError
 from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory
 from servetune.metrics import RequestRecord
 from servetune.report.points import is_out_of_memory
+from servetune.results import ENGINE_LOG
+from servetune.serve.trial import ServeEngine, trial_needs
 from servetune.trial.runner import write_atomic
 from servetune.verify import scenarios as sc
 from servetune.verify.disconnects import disconnects
@@ -76,6 +84,7 @@ class EngineRun:
     startup_s: float | None = None
     failure: str | None = None
     log_tail: str | None = None
+    serve: dict[str, Any] | None = None  # through Serve: the application, its replicas and what each served
 
 
 def max_model_len(url: str, fallback: int) -> int:
@@ -94,18 +103,35 @@ def _configured_len(chosen: Chosen) -> int:
     return int(value) if isinstance(value, (int, float)) and value > 0 else 2048
 
 
+@contextlib.contextmanager
+def started(chosen: Chosen, log_path: Path, address: str | None = None) -> Iterator[VllmServer | ServeEngine]:
+    """The chosen configuration, running as the study measured it: one vLLM server, or a trial through Ray
+    Serve (``serve.num_replicas``) as that Serve application on a local Ray (or the one at ``address``), whose
+    replicas' vLLM log is kept at ``log_path``. Leaving stops it, and a Ray it started."""
+    spec = chosen.spec
+    if spec.serve_replicas is None:
+        kwargs = {"python": spec.python} if spec.python else {}
+        with VllmServer(spec.model, spec.engine_args, {**spec.env, **spec.extra_env}, log_path=log_path,
+                        startup_timeout_s=spec.startup_timeout_s, **kwargs) as server:  # fmt: skip
+            yield server
+        return
+    assert log_path.name == ENGINE_LOG  # where ServeEngine keeps the replicas' log
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with ServeCluster(address, trial_needs(spec).resources()) as cluster, ServeEngine(spec, log_path.parent, cluster) as engine:
+        yield engine
+
+
 def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: PromptFactory, budget: sc.Budget,
-                progress: Progress, body: Callable[[sc.Target], Awaitable[T]]) -> tuple[EngineRun, T | None, list[RequestRecord]]:  # fmt: skip
-    """Start the chosen configuration, run ``body`` against it, always stop it."""
+                progress: Progress, body: Callable[[sc.Target], Awaitable[T]],
+                address: str | None = None) -> tuple[EngineRun, T | None, list[RequestRecord]]:  # fmt: skip
+    """Start the chosen configuration (:func:`started`), run ``body`` against it, always stop it."""
     spec = chosen.spec
     run = EngineRun(chosen.trial_id, log_path)
-    kwargs = {"python": spec.python} if spec.python else {}
-    server = VllmServer(spec.model, spec.engine_args, {**spec.env, **spec.extra_env}, log_path=log_path,
-                        startup_timeout_s=spec.startup_timeout_s, **kwargs)  # fmt: skip
     records: list[RequestRecord] = []
-    progress.step(f"starting vLLM for trial {chosen.trial_id} (log: {log_path})")
+    through = f" through Ray Serve, {spec.serve_replicas} replica{'s' if spec.serve_replicas != 1 else ''}" if spec.serve_replicas else ""
+    progress.step(f"starting vLLM for trial {chosen.trial_id}{through} (log: {log_path})")
     try:
-        with server:
+        with started(chosen, log_path, address) as server:
             run.startup_s = server.startup_s
             served = spec.engine_args.get("served_model_name") or spec.model
 
@@ -120,10 +146,15 @@ def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: Pro
                         level=chosen.level, budget=budget, max_model_len=max_model_len(server.url, _configured_len(chosen)),
                         measured_rate=chosen.result.levels[chosen.point.level_index].summary.request_throughput,
                         engine=server, pid=server.process.pid if server.process else None, records=records,
+                        metrics=getattr(server, "server_metrics", None),
+                        reset_cache=server.reset_prefix_cache if isinstance(server, ServeEngine) else None,
                     )  # fmt: skip
                     return await body(target)
 
             value = asyncio.run(main())
+            if isinstance(server, ServeEngine):
+                with contextlib.suppress(Exception):  # what each replica served: a record, never a failure
+                    run.serve = server.record()
             if not server.alive():
                 run.failure = f"the engine died ({server.failure_reason()})"
                 run.log_tail = server.log_tail()
@@ -166,7 +197,7 @@ async def _winner(t: sc.Target, progress: Progress) -> dict[str, sc.ScenarioResu
             if peak_state is None:
                 result = sc.not_run(name, "the peak did not run")
             else:
-                log_text = t.engine.log_text() if isinstance(t.engine, VllmServer) else ""
+                log_text = t.engine.log_text() if isinstance(t.engine, (VllmServer, ServeEngine)) else ""
                 result = sc.headroom(peak_state[0], peak_state[1], t.engine, log_text)
         else:
             result, runs = await sc.repeats(t)
@@ -187,14 +218,15 @@ def goodput_per_device(values: list[float], devices: int) -> list[float]:
 
 
 def verify(selection: Selection, budget: sc.Budget, prompts: PromptFactory, progress: Progress,
-           runner_up: bool = True) -> dict[str, Any]:  # fmt: skip
-    """Run everything and return verify.json's content (see :func:`document`)."""
+           runner_up: bool = True, address: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """Run everything and return verify.json's content (see :func:`document`); trials through Serve are
+    deployed on a local Ray, or on the cluster at ``address``."""
     winner = selection.winner
     verify_dir = selection.study_dir / VERIFY_DIR
     timeouts = Timeouts.from_slo(winner.spec.slo, winner.spec.request_timeout_s)
     run, results, records = with_engine(
         winner, verify_dir / winner.trial_id / "engine.log", timeouts, prompts, budget, progress,
-        lambda t: _winner(t, progress),
+        lambda t: _winner(t, progress), address,
     )  # fmt: skip
     scenarios = results or {}
     if run.failure and not scenarios:
@@ -207,7 +239,7 @@ def verify(selection: Selection, budget: sc.Budget, prompts: PromptFactory, prog
         other_timeouts = Timeouts.from_slo(other.spec.slo, other.spec.request_timeout_s)
         other_run, other_runs, _ = with_engine(
             other, verify_dir / other.trial_id / "engine.log", other_timeouts, prompts, budget, progress,
-            lambda t: sc.repeat_runs(t, sc.STREAMS["repeats"]),
+            lambda t: sc.repeat_runs(t, sc.STREAMS["repeats"]), address,
         )  # fmt: skip
         runner = {"trial_id": other.trial_id, "level": dict(other.point.level), "startup_s": other_run.startup_s}
         if other_runs:
@@ -262,7 +294,8 @@ def document(selection: Selection, budget: sc.Budget, timeouts: Timeouts, run: E
         "device": winner.result.device,
         "budget": asdict(budget),
         "timeouts": asdict(timeouts),
-        "engine": {"startup_s": run.startup_s, "log": str(run.log_path), "failure": run.failure, "log_tail": run.log_tail},
+        "engine": {"startup_s": run.startup_s, "log": str(run.log_path), "failure": run.failure, "log_tail": run.log_tail,
+                   **({"serve": run.serve} if run.serve is not None else {})},
         "scenarios": checklist_fields({name: scenarios[name].as_dict() for name in sc.SCENARIOS if name in scenarios}),
         "stability": stability(scenarios, records, run),
         "accepted": not failed,

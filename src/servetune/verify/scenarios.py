@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +45,7 @@ from servetune.metrics import GOODPUT, RequestRecord, summarize
 from servetune.report.points import is_out_of_memory
 from servetune.report.recommend import KV_USAGE_THIN
 from servetune.results import LevelResult
-from servetune.trial.measure import EarlyBreak, Engine, LevelPlan, measure_level
+from servetune.trial.measure import EarlyBreak, Engine, LevelPlan, MetricsSource, measure_level
 from servetune.verify.stats import bootstrap_mean, chance_of_spread, drift, growth, jitter, window_samples, windows
 from servetune.verify.watch import Trace
 
@@ -117,6 +118,10 @@ class Target:
     measured_rate: float | None = None  # requests per second the study measured at the level
     engine: Engine | None = None
     pid: int | None = None  # the engine's process (memory)
+    # A deployment with no /metrics or /reset_prefix_cache at ``url`` (Serve's ingress): its replicas' metrics
+    # (read late, by up to ``metrics.lag_s``) and how to empty their prefix caches.
+    metrics: MetricsSource | None = None
+    reset_cache: Callable[[], bool] | None = None
     records: list[RequestRecord] = field(default_factory=list)  # every request verify sent
     errors: dict[str, list[str]] = field(default_factory=dict)  # a few error messages per scenario
 
@@ -198,7 +203,7 @@ def _error_samples(records: list[RequestRecord], limit: int = 3) -> list[str]:
 async def _measure(t: Target, plan: LevelPlan, scenario: str, workload: Workload | None = None) -> tuple[LevelResult, list[RequestRecord]]:
     result, records = await measure_level(
         t.client, t.url, workload or t.workload, t.prompts, plan, stream=STREAMS[scenario], slo=t.slo,
-        watch=_never_break(plan.level, t.engine),
+        watch=_never_break(plan.level, t.engine), reset_cache=t.reset_cache, metrics=t.metrics,
     )  # fmt: skip
     t.records.extend(records)
     errors = _error_samples(records)
@@ -224,7 +229,7 @@ def fmt(value: float | None, unit: str = "", digits: int = 3) -> str:
 async def soak(t: Target) -> ScenarioResult:
     b = t.budget
     plan = LevelPlan(t.level, num_requests=None, duration_s=b.soak_s, warmup_requests=_warmup(t.level, b))
-    async with Trace(t.url, t.pid) as trace:
+    async with Trace(t.url, t.pid, t.metrics) as trace:
         result, records = await _measure(t, plan, "soak")
     ws = windows(records, b.windows, t.level.as_dict())
     ttft = [w.ttft_ms_p99 for w in ws]
@@ -280,7 +285,7 @@ def _within_chance(numbers: dict[str, Any]) -> str:
 async def peak(t: Target) -> tuple[ScenarioResult, LevelResult, Trace]:
     level = scaled(t.level, PEAK_FACTOR)
     plan = LevelPlan(level, num_requests=None, duration_s=t.budget.scenario_s, warmup_requests=_warmup(level, t.budget))
-    async with Trace(t.url, t.pid) as trace:
+    async with Trace(t.url, t.pid, t.metrics) as trace:
         result, _ = await _measure(t, plan, "peak")
     ok, why = _errors_ok(result, t.slo)
     slo_note = f"; SLO at peak: {'; '.join(result.slo_violations)}" if result.slo_violations else "; meets the SLO"
@@ -423,7 +428,8 @@ async def repeat_runs(t: Target, stream_base: int) -> list[LevelResult]:
     for run in range(t.budget.repeats):
         plan = LevelPlan(t.level, num_requests=None, duration_s=t.budget.repeat_s, warmup_requests=_warmup(t.level, t.budget))
         result, records = await measure_level(t.client, t.url, t.workload, t.prompts, plan, stream=stream_base + run,
-                                              slo=t.slo, watch=_never_break(t.level, t.engine))  # fmt: skip
+                                              slo=t.slo, watch=_never_break(t.level, t.engine),
+                                              reset_cache=t.reset_cache, metrics=t.metrics)  # fmt: skip
         t.records.extend(records)
         results.append(result)
         if t.engine is not None and not t.engine.alive():

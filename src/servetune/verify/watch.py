@@ -1,9 +1,11 @@
 """What verify watches while it loads the engine: vLLM's ``/metrics`` and the engine's memory.
 
 :class:`Trace` samples, once a second, vLLM's gauges (requests running and waiting, KV-cache
-usage) and the resident memory of the engine's processes; ``scrape`` (the trial's own reader,
-``trial/measure.py``) reads ``/metrics`` once, counters included (the disconnect scenario follows
-running requests and generated tokens).
+usage) and the resident memory of the engine's processes; :func:`read_metrics` reads them once,
+counters included (the disconnect scenario follows running requests and generated tokens): from
+``/metrics`` (``scrape``, the trial's own reader, ``trial/measure.py``), or from a
+:class:`~servetune.trial.measure.MetricsSource` where the URL has none (a Serve deployment's replicas,
+read through Ray's metrics agents, late by up to the source's ``lag_s``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import aiohttp
 import psutil
 
 from servetune.engine.metrics import MetricsSnapshot
-from servetune.trial.measure import scrape
+from servetune.trial.measure import MetricsSource, scrape
 
 
 def in_flight(snap: MetricsSnapshot) -> float:
@@ -40,11 +42,26 @@ def engine_rss_bytes(pid: int | None) -> float | None:
     return float(total)
 
 
-class Trace:
-    """Samples in the background while a scenario runs: ``async with Trace(url, pid) as trace``."""
+async def read_metrics(session: aiohttp.ClientSession, url: str, metrics: MetricsSource | None,
+                       gauges_only: bool = False) -> MetricsSnapshot | None:  # fmt: skip
+    """One read of the engine's vLLM metrics: ``metrics`` where given, else ``{url}/metrics``."""
+    if metrics is not None:
+        return await asyncio.to_thread(metrics.read, gauges_only)
+    return await scrape(session, url, gauges_only=gauges_only)
 
-    def __init__(self, url: str, pid: int | None, every_s: float = 1.0) -> None:
-        self.url, self.pid, self.every_s = url, pid, every_s
+
+def lag_s(metrics: MetricsSource | None) -> float:
+    """How late the engine's metrics can be read: 0 from its own ``/metrics``."""
+    return metrics.lag_s if metrics is not None else 0.0
+
+
+class Trace:
+    """Samples in the background while a scenario runs: ``async with Trace(url, pid, metrics) as trace``
+    (a lagging source is read every half of its lag: it changes no faster)."""
+
+    def __init__(self, url: str, pid: int | None, metrics: MetricsSource | None = None, every_s: float = 1.0) -> None:
+        self.url, self.pid, self.metrics = url, pid, metrics
+        self.every_s = max(every_s, lag_s(metrics) / 2)
         self.kv_usage: list[tuple[float, float]] = []  # (seconds, fraction)
         self.rss_mib: list[tuple[float, float]] = []
         self._task: asyncio.Task | None = None
@@ -54,7 +71,7 @@ class Trace:
         async with aiohttp.ClientSession() as session:
             while True:
                 at = time.perf_counter() - start
-                snap = await scrape(session, self.url, gauges_only=True)
+                snap = await read_metrics(session, self.url, self.metrics, gauges_only=True)
                 if snap is not None and "kv_cache_usage" in snap.gauges:
                     self.kv_usage.append((at, snap.gauges["kv_cache_usage"]))
                 rss = engine_rss_bytes(self.pid)
