@@ -6,6 +6,7 @@ deploys the two-replica trial through Serve again. One replica is also measured
 with Ray Serve LLM's stream batching off (``serve.stream_batching_interval_ms`` 0 against 50)."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -89,6 +90,9 @@ def test_one_and_two_replicas_measured_through_serve_recorded_and_torn_down(stud
         # the replicas' vLLM log is the trial's engine log: the KV capacity comes from it, as a bare engine's does
         log = path.parent / "engine.log"
         assert log.exists() and "KV cache" in log.read_text(), sorted(p.name for p in path.parent.iterdir())
+        # each replica's engine on a core of its own (vLLM's CPU build would bind them all to core 0)
+        cores = re.findall(r"core ids=\[([0-9, ]+)\]", log.read_text())
+        assert len(cores) == replicas and len(set(cores)) == replicas, cores
         assert result["kv_capacity"]["tokens"] > 0, result.get("kv_capacity")
         assert serve["replica_niceness"] == [0]  # not Ray's 15: the engines get the CPU a bare engine gets
     assert len({results[1]["trial_id"], results[2]["trial_id"], unbatched["trial_id"]}) == 3

@@ -27,6 +27,8 @@ APP_NAME = "servetune-serve-check"
 INGRESS_CPUS = 1.0
 #: CPUs of each LLM replica actor, added by Ray Serve LLM to its first placement bundle.
 REPLICA_ACTOR_CPUS = 1.0
+#: The Ray Serve LLM callback that gives each replica's engine cores of its own on the CPU build.
+CLAIM_CORES = "servetune.serve.cores:ClaimCores"
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,8 @@ def parse_replicas(text: str) -> list[int]:
 
 
 def llm_config(point: ReportPoint, replicas: int, env: Mapping[str, str] | None = None) -> dict[str, Any]:
-    """The ``LLMConfig`` (as a dict) of ``export --format ray-serve``, at ``replicas`` fixed replicas.
+    """The ``LLMConfig`` (as a dict) of ``export --format ray-serve``, at ``replicas`` fixed replicas; on the CPU
+    build, each replica claims cores of its own for its engine (:data:`CLAIM_CORES`).
 
     Secrets the study did not store (shown as ``***``) are taken from ``env`` (the caller's
     environment); one missing there is an error, not a deployment that fails later.
@@ -79,6 +82,10 @@ def llm_config(point: ReportPoint, replicas: int, env: Mapping[str, str] | None 
     config = copy.deepcopy(app["args"]["llm_configs"][0])
     autoscaling = config.setdefault("deployment_config", {}).setdefault("autoscaling_config", {})
     autoscaling.update(min_replicas=replicas, max_replicas=replicas, initial_replicas=replicas)
+    if point.device == "cpu":  # each replica's engine on cores of its own, not all on the first (serve/cores.py)
+        kwargs = config.get("engine_kwargs", {})
+        ranks = int(kwargs.get("tensor_parallel_size") or 1) * int(kwargs.get("pipeline_parallel_size") or 1)
+        config["callback_config"] = {"callback_class": CLAIM_CORES, "callback_kwargs": {"cores": ranks}}
     env = os.environ if env is None else env
     env_vars = config.get("runtime_env", {}).get("env_vars", {})
     for name, value in env_vars.items():

@@ -1,0 +1,67 @@
+"""Each Serve replica's engine on the CPU build claims cores of its own (``serve/cores.py``): a lock per
+core, the first free ones taken, let go when the holder ends; a bind the user set is kept."""
+
+import asyncio
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("ray.llm._internal.common.callbacks.base", reason="needs ray[serve,llm]")
+
+from servetune.report.export import ray_serve_app  # noqa: E402
+from servetune.report.points import ReportPoint  # noqa: E402
+from servetune.serve import cores  # noqa: E402
+from servetune.serve.cores import BIND, ClaimCores, claim  # noqa: E402
+from servetune.serve.plan import CLAIM_CORES, llm_config  # noqa: E402
+
+
+def test_replicas_take_distinct_cores_and_a_full_host_gives_none(tmp_path):
+    first, held_a = claim(1, [0, 1, 2], tmp_path)
+    second, held_b = claim(1, [2, 1, 0], tmp_path)
+    assert first == [0] and second == [1]
+    assert claim(2, [0, 1, 2], tmp_path) == ([], [])  # one core left for a two-rank replica: nothing taken
+    third, held_c = claim(1, [0, 1, 2], tmp_path)  # ... and that try let go of what it had taken
+    assert third == [2]
+    for handle in held_a:
+        handle.close()  # a replica that ended
+    assert claim(1, [0, 1, 2], tmp_path)[0] == [0]
+
+
+def test_a_core_held_by_another_process_is_let_go_when_it_ends(tmp_path):
+    code = (f"import sys, time; from pathlib import Path; from servetune.serve.cores import claim; "
+            f"cores, held = claim(1, [0, 1], Path({str(tmp_path)!r})); print(cores, flush=True); time.sleep(60)")  # fmt: skip
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "[0]"
+        assert claim(1, [0, 1], tmp_path)[0] == [1]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert claim(1, [0], tmp_path)[0] == [0]  # killed: the kernel let its lock go
+
+
+def test_the_callback_binds_the_engine_it_starts_unless_the_user_did(tmp_path, monkeypatch):
+    monkeypatch.setattr("servetune.serve.cores.lock_dir", lambda: tmp_path)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 5, 7})
+    monkeypatch.delenv(BIND, raising=False)
+    monkeypatch.setattr(cores, "HELD", [])
+    callback = ClaimCores(llm_config=None, cores=2)
+    asyncio.run(callback.on_before_node_init())
+    assert os.environ[BIND] == "3|5" and len(cores.HELD) == 2  # a core per rank, held for the process's life
+    pickle.dumps(callback)  # Ray pickles the callback with its config: it holds no file
+    monkeypatch.setenv(BIND, "7")
+    asyncio.run(ClaimCores(llm_config=None, cores=1).on_before_node_init())
+    assert os.environ[BIND] == "7" and len(cores.HELD) == 2
+    for handle in cores.HELD:
+        handle.close()
+
+
+def test_only_servetunes_own_cpu_deployments_carry_the_callback():
+    cpu = ReportPoint(trial_id="t1", params={}, engine_args={"tensor_parallel_size": 2}, model="/m", device="cpu")
+    assert llm_config(cpu, 2)["callback_config"] == {"callback_class": CLAIM_CORES, "callback_kwargs": {"cores": 2}}
+    gpu = ReportPoint(trial_id="t1", params={}, engine_args={}, model="/m", device="gpu")
+    assert "callback_config" not in llm_config(gpu, 2)
+    assert "callback_config" not in ray_serve_app(cpu)["applications"][0]["args"]["llm_configs"][0]  # what users ship
