@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Collection, Mapping
 from pathlib import Path
@@ -19,6 +20,7 @@ import psutil
 
 from servetune.engine.server import free_port
 from servetune.errors import EngineStartError, UserError
+from servetune.serve.plan import REPLICAS_PER_HOST
 from servetune.serve.routing import merge_counters, read_replica_counters
 from servetune.study.ray_cluster import SERVE_SYSTEM_CONFIG
 
@@ -36,11 +38,13 @@ class ServeCluster:
     on 127.0.0.1 at a free port; leaving shuts Serve and that Ray down.
     """
 
-    def __init__(self, address: str | None, resources: Mapping[str, float]) -> None:
+    def __init__(self, address: str | None, resources: Mapping[str, float], replicas_per_host: int = 1) -> None:
         self.address = address
         self.resources = dict(resources)
+        self.replicas_per_host = replicas_per_host
         self.started_ray = False
         self.url = ""
+        self._env_before: str | None = None
 
     def __enter__(self) -> ServeCluster:
         import ray
@@ -49,10 +53,14 @@ class ServeCluster:
         _quiet_serve_logs()
         if self.address is None:
             if not ray.is_initialized():
-                # CPUs are declared (what Serve schedules by); GPUs are left for Ray to detect.
+                # The replicas split this host's cores (serve/cores.py): its workers inherit the variable.
+                self._env_before = os.environ.get(REPLICAS_PER_HOST)
+                os.environ[REPLICAS_PER_HOST] = str(max(self.replicas_per_host, 1))
+                # CPUs are declared (what Serve schedules by); GPUs are left for Ray to detect. "local": a new
+                # Ray here, even where $RAY_ADDRESS or a `ray start` names another (--address joins one).
                 ray.init(
-                    num_cpus=int(self.resources.get("CPU", 1) + 0.999), include_dashboard=False, log_to_driver=False,
-                    _system_config=SERVE_SYSTEM_CONFIG,
+                    address="local", num_cpus=int(self.resources.get("CPU", 1) + 0.999), include_dashboard=False,
+                    log_to_driver=False, _system_config=SERVE_SYSTEM_CONFIG,
                 )  # fmt: skip
                 self.started_ray = True
             serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
@@ -83,6 +91,10 @@ class ServeCluster:
             with contextlib.suppress(Exception):
                 serve.shutdown()
             ray.shutdown()
+            if self._env_before is None:
+                os.environ.pop(REPLICAS_PER_HOST, None)
+            else:
+                os.environ[REPLICAS_PER_HOST] = self._env_before
 
     # --- what the cluster has -------------------------------------------------------------
     def available(self) -> dict[str, float]:
@@ -166,19 +178,24 @@ class ServeCluster:
         start = time.monotonic()
         # run_many can return before the application is up (serve.run waits, with no time limit).
         serve.run_many([RunTarget(target=app, name=name, route_prefix=route_prefix)], wait_for_applications_running=False)
-        time.sleep(1.0)  # let the controller take the new target before its status is read
-        while True:
-            app = serve.status().applications.get(name)
-            status = str(app.status) if app is not None else "NOT_STARTED"
-            if status.endswith("RUNNING") and all(str(d.status).endswith("HEALTHY") for d in app.deployments.values()):
-                return time.monotonic() - start
-            failed = status.endswith(("DEPLOY_FAILED", "UNHEALTHY"))
-            if failed or time.monotonic() - start > timeout_s:
-                message = _status_message(app) if failed else f"not RUNNING after {timeout_s:.0f} s ({status})"
-                tail = self.log_tail(name)
+        try:
+            time.sleep(1.0)  # let the controller take the new target before its status is read
+            while True:
+                app = serve.status().applications.get(name)
+                status = str(app.status) if app is not None else "NOT_STARTED"
+                if status.endswith("RUNNING") and all(str(d.status).endswith("HEALTHY") for d in app.deployments.values()):
+                    return time.monotonic() - start
+                failed = status.endswith(("DEPLOY_FAILED", "UNHEALTHY"))
+                if failed or time.monotonic() - start > timeout_s:
+                    message = _status_message(app) if failed else f"not RUNNING after {timeout_s:.0f} s ({status})"
+                    tail = self.log_tail(name)
+                    self.delete(name)
+                    raise EngineStartError(f"the Serve deployment of {name} failed: {message}", tail)
+                time.sleep(2.0)
+        except (KeyboardInterrupt, SystemExit):  # stopped while it deploys: on a cluster Serve would keep it (and its devices)
+            with contextlib.suppress(Exception):
                 self.delete(name)
-                raise EngineStartError(f"the Serve deployment of {name} failed: {message}", tail)
-            time.sleep(2.0)
+            raise
 
     def delete(self, name: str) -> None:
         from ray import serve

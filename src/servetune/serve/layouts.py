@@ -21,6 +21,7 @@ less TP) and the verdict says the difference is inside the noise.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,9 +34,10 @@ from servetune.capacity.ledger import resolve_quant, structural_problem
 from servetune.errors import UserError
 from servetune.load.runner import Level
 from servetune.metrics import cost_per_mtok_usd
-from servetune.report.export import with_tp
+from servetune.report.export import CPU_BIND, with_tp
 from servetune.report.points import ReportPoint
 from servetune.results import RECORD, LevelResult, noise_margin
+from servetune.serve.plan import REPLICAS_PER_HOST
 
 
 @dataclass(frozen=True)
@@ -114,8 +116,12 @@ def layout_point(point: ReportPoint, layout: Layout, cores: Sequence[int] = ()) 
     (``plan.llm_config(point, layout.replicas)``). A layout of the point's own TP leaves its engine
     arguments and environment as they are, so it deploys the very configuration the replica counts and
     the routers deploy (the same engines, when Serve has them running). Every replica of a deployment
-    gets the same binding: Serve gives them one environment."""
-    return dataclasses.replace(with_tp(point, layout.tp, cores), devices=layout.devices(point_pp(point)))
+    gets the same binding: Serve gives them one environment. In a local Ray servetune started, each replica
+    claims cores of its own instead (``serve.cores``), so the binding is left out."""
+    laid = with_tp(point, layout.tp, cores)
+    if laid is not point and laid.device == "cpu" and os.environ.get(REPLICAS_PER_HOST):
+        laid = dataclasses.replace(laid, env={k: v for k, v in laid.env.items() if k != CPU_BIND})
+    return dataclasses.replace(laid, devices=layout.devices(point_pp(point)))
 
 
 def model_fits(point: ReportPoint) -> tuple[Callable[[int], str | None], str | None]:

@@ -29,6 +29,10 @@ INGRESS_CPUS = 1.0
 REPLICA_ACTOR_CPUS = 1.0
 #: The Ray Serve LLM callback that gives each replica's engine cores of its own on the CPU build.
 CLAIM_CORES = "servetune.serve.cores:ClaimCores"
+#: The most replicas servetune deploys on this host: set before it starts a local Ray (whose workers
+#: inherit it), so that the CPU build's replicas split the host's cores (serve/cores.py). Unset (a cluster
+#: servetune joins), replicas carry no callback and vLLM binds them as it does.
+REPLICAS_PER_HOST = "SERVETUNE_REPLICAS_PER_HOST"
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,7 @@ def parse_replicas(text: str) -> list[int]:
 
 def llm_config(point: ReportPoint, replicas: int, env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The ``LLMConfig`` (as a dict) of ``export --format ray-serve``, at ``replicas`` fixed replicas; on the CPU
-    build, each replica claims cores of its own for its engine (:data:`CLAIM_CORES`).
+    build in a local Ray servetune started, each replica claims cores of its own for its engine (:data:`CLAIM_CORES`).
 
     Secrets the study did not store (shown as ``***``) are taken from ``env`` (the caller's
     environment); one missing there is an error, not a deployment that fails later.
@@ -82,10 +86,10 @@ def llm_config(point: ReportPoint, replicas: int, env: Mapping[str, str] | None 
     config = copy.deepcopy(app["args"]["llm_configs"][0])
     autoscaling = config.setdefault("deployment_config", {}).setdefault("autoscaling_config", {})
     autoscaling.update(min_replicas=replicas, max_replicas=replicas, initial_replicas=replicas)
-    if point.device == "cpu":  # each replica's engine on cores of its own, not all on the first (serve/cores.py)
+    if point.device == "cpu" and os.environ.get(REPLICAS_PER_HOST):  # each replica's engine on cores of its own
         kwargs = config.get("engine_kwargs", {})
         ranks = int(kwargs.get("tensor_parallel_size") or 1) * int(kwargs.get("pipeline_parallel_size") or 1)
-        config["callback_config"] = {"callback_class": CLAIM_CORES, "callback_kwargs": {"cores": ranks}}
+        config["callback_config"] = {"callback_class": CLAIM_CORES, "callback_kwargs": {"ranks": ranks}}
     env = os.environ if env is None else env
     env_vars = config.get("runtime_env", {}).get("env_vars", {})
     for name, value in env_vars.items():
