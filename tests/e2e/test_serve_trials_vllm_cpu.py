@@ -135,6 +135,8 @@ def test_verify_deploys_a_trial_through_serve_and_reads_its_replicas(study):
     assert seen and all(r["allowed_s"] >= 2.0 + 2.5 and r["released_s"] is not None for r in seen), rounds
     assert scenarios["headroom"]["kv_cache_usage_max"] is not None and scenarios["headroom"]["engine_alive"], scenarios["headroom"]
     assert scenarios["soak"]["rss_start_mib"] > 50  # a replica's engine memory was followed
+    # the context length from the replicas' log (Serve's models list has none): max_model_len minus the prompt
+    assert scenarios["long_output"]["server_output_limit"] == 512 - 32, scenarios["long_output"]
     assert doc["stability"]["error_rate_5xx"] == 0.0
     assert "KV cache" in (study_dir / "verify" / two["trial_id"] / "engine.log").read_text()
     assert still_running_after(60, "ServeReplica:servetune-serve-trials-") == [] and processes_mentioning(study_dir, "vllm") == []

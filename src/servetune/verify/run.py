@@ -117,8 +117,19 @@ def started(chosen: Chosen, log_path: Path, address: str | None = None) -> Itera
         return
     assert log_path.name == ENGINE_LOG  # where ServeEngine keeps the replicas' log
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with ServeCluster(address, trial_needs(spec).resources()) as cluster, ServeEngine(spec, log_path.parent, cluster) as engine:
+    need = trial_needs(spec)
+    with ServeCluster(address, need.resources(), replicas_per_host=need.replicas) as cluster, \
+            ServeEngine(spec, log_path.parent, cluster) as engine:  # fmt: skip
         yield engine
+
+
+def served_len(server: VllmServer | ServeEngine, chosen: Chosen) -> int:
+    """The running engine's context length: vLLM's ``/v1/models``; through Serve (whose models list has none)
+    the one its replicas' log reports (the KV cache line's tokens per request), else the configured one."""
+    if isinstance(server, ServeEngine):
+        capacity = server.kv_capacity()
+        return capacity.at_tokens_per_request if capacity and capacity.at_tokens_per_request else _configured_len(chosen)
+    return max_model_len(server.url, _configured_len(chosen))
 
 
 def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: PromptFactory, budget: sc.Budget,
@@ -143,7 +154,7 @@ def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: Pro
                 ) as client:  # fmt: skip
                     target = sc.Target(
                         client=client, url=server.url, workload=spec.workload, prompts=prompts, slo=spec.slo,
-                        level=chosen.level, budget=budget, max_model_len=max_model_len(server.url, _configured_len(chosen)),
+                        level=chosen.level, budget=budget, max_model_len=served_len(server, chosen),
                         measured_rate=chosen.result.levels[chosen.point.level_index].summary.request_throughput,
                         engine=server, pid=server.process.pid if server.process else None, records=records,
                         metrics=getattr(server, "server_metrics", None),
