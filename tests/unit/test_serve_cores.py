@@ -1,6 +1,6 @@
-"""Each Serve replica's engine on the CPU build claims cores of its own (``serve/cores.py``): the host's cores
-but one split among the replicas it holds, a lock per core, the first free ones taken (waiting for a replica
-being replaced), let go when the holder ends; a bind the user set is kept."""
+"""Each Serve replica's engine on the CPU build claims cores of its own (``serve/cores.py``): a core per rank,
+a lock per core, the first free ones taken (waiting for a replica being replaced), let go when the holder
+ends; a bind the user set is kept."""
 
 import asyncio
 import os
@@ -17,8 +17,8 @@ pytest.importorskip("ray.llm._internal.common.callbacks.base", reason="needs ray
 from servetune.report.export import ray_serve_app  # noqa: E402
 from servetune.report.points import ReportPoint  # noqa: E402
 from servetune.serve import cores  # noqa: E402
-from servetune.serve.cores import BIND, ClaimCores, bind_text, claim, per_rank  # noqa: E402
-from servetune.serve.plan import CLAIM_CORES, REPLICAS_PER_HOST, llm_config  # noqa: E402
+from servetune.serve.cores import BIND, ClaimCores, claim  # noqa: E402
+from servetune.serve.plan import CLAIM_CORES, CLAIM_CORES_ENV, llm_config  # noqa: E402
 
 
 def test_replicas_take_distinct_cores_and_a_full_host_gives_none(tmp_path):
@@ -46,22 +46,14 @@ def test_a_core_held_by_another_process_is_let_go_when_it_ends(tmp_path):
     assert claim(1, [0], tmp_path)[0] == [0]  # killed: the kernel let its lock go
 
 
-def test_cores_are_split_among_the_replicas_a_host_holds_one_kept_for_the_frontends():
-    assert per_rank(2, 1, 1) == 1 and per_rank(2, 1, 2) == 1  # the stand-in: core 0, then cores 0 and 1
-    assert per_rank(8, 1, 1) == 7  # one replica alone: what vLLM's own binding gives it
-    assert per_rank(8, 1, 2) == 3 and per_rank(8, 2, 2) == 1 and per_rank(16, 2, 2) == 3
-    assert bind_text([0, 1, 2, 3], 2) == "0,1|2,3" and bind_text([5], 1) == "5"
-
-
 def test_the_callback_binds_the_engine_it_starts_unless_the_user_did(tmp_path, monkeypatch):
     monkeypatch.setattr("servetune.serve.cores.lock_dir", lambda: tmp_path)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 5, 7, 9, 11})
-    monkeypatch.setenv(REPLICAS_PER_HOST, "2")
-    monkeypatch.delenv(BIND, raising=False)
+    monkeypatch.setenv(BIND, "auto")  # vLLM's default; restored after the test whatever the callback sets
     monkeypatch.setattr(cores, "HELD", [])
     callback = ClaimCores(llm_config=None, ranks=2)
     asyncio.run(callback.on_before_node_init())
-    assert os.environ[BIND] == "3|5" and len(cores.HELD) == 2  # (5 - 1) // (2 x 2): a core per rank
+    assert os.environ[BIND] == "3|5" and len(cores.HELD) == 2  # a core per rank, the first free
     pickle.dumps(callback)  # Ray pickles the callback with its config: it holds no file
     monkeypatch.setenv(BIND, "7")
     asyncio.run(ClaimCores(llm_config=None, ranks=1).on_before_node_init())
@@ -73,8 +65,7 @@ def test_the_callback_binds_the_engine_it_starts_unless_the_user_did(tmp_path, m
 def test_a_claim_waits_for_cores_a_replaced_replica_still_holds(tmp_path, monkeypatch):
     monkeypatch.setattr("servetune.serve.cores.lock_dir", lambda: tmp_path)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setenv(REPLICAS_PER_HOST, "1")
-    monkeypatch.delenv(BIND, raising=False)
+    monkeypatch.setenv(BIND, "auto")
     monkeypatch.setattr(cores, "HELD", [])
     _, old = claim(2, [0, 1], tmp_path)  # replicas Serve is stopping hold every core
     threading.Timer(1.5, lambda: [h.close() for h in old]).start()
@@ -85,11 +76,26 @@ def test_a_claim_waits_for_cores_a_replaced_replica_still_holds(tmp_path, monkey
         handle.close()
 
 
+def test_several_ranks_without_free_cores_are_bound_as_export_binds_them(tmp_path, monkeypatch):
+    monkeypatch.setattr("servetune.serve.cores.lock_dir", lambda: tmp_path)
+    monkeypatch.setattr("servetune.serve.cores.WAIT_S", 0.0)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setenv(BIND, "auto")
+    _, others = claim(2, [0, 1], tmp_path)
+    asyncio.run(ClaimCores(llm_config=None, ranks=2).on_before_node_init())
+    assert os.environ[BIND] == "0|1"  # vLLM's auto would refuse two ranks on one NUMA node
+    monkeypatch.setenv(BIND, "auto")
+    asyncio.run(ClaimCores(llm_config=None, ranks=1).on_before_node_init())
+    assert os.environ[BIND] == "auto"  # one rank: vLLM's own binding
+    for handle in others:
+        handle.close()
+
+
 def test_only_servetunes_own_cpu_deployments_on_a_local_ray_carry_the_callback(monkeypatch):
     cpu = ReportPoint(trial_id="t1", params={}, engine_args={"tensor_parallel_size": 2}, model="/m", device="cpu")
-    monkeypatch.delenv(REPLICAS_PER_HOST, raising=False)
+    monkeypatch.delenv(CLAIM_CORES_ENV, raising=False)
     assert "callback_config" not in llm_config(cpu, 2)  # a cluster servetune joins: vLLM binds as it does
-    monkeypatch.setenv(REPLICAS_PER_HOST, "2")
+    monkeypatch.setenv(CLAIM_CORES_ENV, "1")
     assert llm_config(cpu, 2)["callback_config"] == {"callback_class": CLAIM_CORES, "callback_kwargs": {"ranks": 2}}
     gpu = ReportPoint(trial_id="t1", params={}, engine_args={}, model="/m", device="gpu")
     assert "callback_config" not in llm_config(gpu, 2)

@@ -142,13 +142,12 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
         nonlocal callbacks
         if callbacks is None:
             if space.through_serve:
-                from servetune.config.space import SERVE_REPLICAS
                 from servetune.serve.cluster import start_serve
-                from servetune.serve.plan import REPLICAS_PER_HOST
+                from servetune.serve.plan import CLAIM_CORES_ENV
                 from servetune.serve.trial import local_serve_cpus, remove_study_apps
 
-                if not (args.address or os.environ.get("RAY_ADDRESS")):  # a local Ray: trials' replicas split its cores
-                    os.environ[REPLICAS_PER_HOST] = str(max(space.params[SERVE_REPLICAS]))
+                if not (args.address or os.environ.get("RAY_ADDRESS")):  # a local Ray: trials' replicas claim a core per rank
+                    os.environ[CLAIM_CORES_ENV] = "1"
                 start_serve(init_ray(args.address, local_serve_cpus(space)))
                 left = remove_study_apps(space.name)
                 if left:

@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
     teardown = Teardown(pids=set())
     where = args.address or "the local Ray"
     with console.status(f"starting Ray and Serve ({where})"):
-        cluster = ServeCluster(args.address, need.resources(), replicas_per_host=max(n.replicas for n in needed)).__enter__()
+        cluster = ServeCluster(args.address, need.resources()).__enter__()
     left: list[int] = []
     owned = False  # the application is serve-check's to delete only once it did not refuse someone else's
     try:

@@ -20,7 +20,7 @@ import psutil
 
 from servetune.engine.server import free_port
 from servetune.errors import EngineStartError, UserError
-from servetune.serve.plan import REPLICAS_PER_HOST
+from servetune.serve.plan import CLAIM_CORES_ENV
 from servetune.serve.routing import merge_counters, read_replica_counters
 from servetune.study.ray_cluster import SERVE_SYSTEM_CONFIG
 
@@ -38,10 +38,9 @@ class ServeCluster:
     on 127.0.0.1 at a free port; leaving shuts Serve and that Ray down.
     """
 
-    def __init__(self, address: str | None, resources: Mapping[str, float], replicas_per_host: int = 1) -> None:
+    def __init__(self, address: str | None, resources: Mapping[str, float]) -> None:
         self.address = address
         self.resources = dict(resources)
-        self.replicas_per_host = replicas_per_host
         self.started_ray = False
         self.url = ""
         self._env_before: str | None = None
@@ -53,15 +52,19 @@ class ServeCluster:
         _quiet_serve_logs()
         if self.address is None:
             if not ray.is_initialized():
-                # The replicas split this host's cores (serve/cores.py): its workers inherit the variable.
-                self._env_before = os.environ.get(REPLICAS_PER_HOST)
-                os.environ[REPLICAS_PER_HOST] = str(max(self.replicas_per_host, 1))
+                # The replicas claim a core per rank on the CPU build (serve/cores.py): its workers inherit the variable.
+                self._env_before = os.environ.get(CLAIM_CORES_ENV)
+                os.environ[CLAIM_CORES_ENV] = "1"
                 # CPUs are declared (what Serve schedules by); GPUs are left for Ray to detect. "local": a new
                 # Ray here, even where $RAY_ADDRESS or a `ray start` names another (--address joins one).
-                ray.init(
-                    address="local", num_cpus=int(self.resources.get("CPU", 1) + 0.999), include_dashboard=False,
-                    log_to_driver=False, _system_config=SERVE_SYSTEM_CONFIG,
-                )  # fmt: skip
+                try:
+                    ray.init(
+                        address="local", num_cpus=int(self.resources.get("CPU", 1) + 0.999), include_dashboard=False,
+                        log_to_driver=False, _system_config=SERVE_SYSTEM_CONFIG,
+                    )  # fmt: skip
+                except BaseException:
+                    self._restore_env()
+                    raise
                 self.started_ray = True
             serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
         else:
@@ -91,10 +94,13 @@ class ServeCluster:
             with contextlib.suppress(Exception):
                 serve.shutdown()
             ray.shutdown()
-            if self._env_before is None:
-                os.environ.pop(REPLICAS_PER_HOST, None)
-            else:
-                os.environ[REPLICAS_PER_HOST] = self._env_before
+            self._restore_env()
+
+    def _restore_env(self) -> None:
+        if self._env_before is None:
+            os.environ.pop(CLAIM_CORES_ENV, None)
+        else:
+            os.environ[CLAIM_CORES_ENV] = self._env_before
 
     # --- what the cluster has -------------------------------------------------------------
     def available(self) -> dict[str, float]:

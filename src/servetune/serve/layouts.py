@@ -37,7 +37,7 @@ from servetune.metrics import cost_per_mtok_usd
 from servetune.report.export import CPU_BIND, with_tp
 from servetune.report.points import ReportPoint
 from servetune.results import RECORD, LevelResult, noise_margin
-from servetune.serve.plan import REPLICAS_PER_HOST
+from servetune.serve.plan import CLAIM_CORES_ENV
 
 
 @dataclass(frozen=True)
@@ -119,7 +119,7 @@ def layout_point(point: ReportPoint, layout: Layout, cores: Sequence[int] = ()) 
     gets the same binding: Serve gives them one environment. In a local Ray servetune started, each replica
     claims cores of its own instead (``serve.cores``), so the binding is left out."""
     laid = with_tp(point, layout.tp, cores)
-    if laid is not point and laid.device == "cpu" and os.environ.get(REPLICAS_PER_HOST):
+    if laid is not point and laid.device == "cpu" and os.environ.get(CLAIM_CORES_ENV):
         laid = dataclasses.replace(laid, env={k: v for k, v in laid.env.items() if k != CPU_BIND})
     return dataclasses.replace(laid, devices=layout.devices(point_pp(point)))
 

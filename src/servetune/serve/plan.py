@@ -29,10 +29,10 @@ INGRESS_CPUS = 1.0
 REPLICA_ACTOR_CPUS = 1.0
 #: The Ray Serve LLM callback that gives each replica's engine cores of its own on the CPU build.
 CLAIM_CORES = "servetune.serve.cores:ClaimCores"
-#: The most replicas servetune deploys on this host: set before it starts a local Ray (whose workers
-#: inherit it), so that the CPU build's replicas split the host's cores (serve/cores.py). Unset (a cluster
-#: servetune joins), replicas carry no callback and vLLM binds them as it does.
-REPLICAS_PER_HOST = "SERVETUNE_REPLICAS_PER_HOST"
+#: Set ("1") before servetune starts a local Ray (whose workers inherit it): the CPU build's replicas
+#: then claim a core per rank (serve/cores.py). Unset (a cluster servetune joins), replicas carry no
+#: callback (its nodes need no servetune) and vLLM binds them as it does.
+CLAIM_CORES_ENV = "SERVETUNE_CLAIM_CORES"
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def llm_config(point: ReportPoint, replicas: int, env: Mapping[str, str] | None 
     config = copy.deepcopy(app["args"]["llm_configs"][0])
     autoscaling = config.setdefault("deployment_config", {}).setdefault("autoscaling_config", {})
     autoscaling.update(min_replicas=replicas, max_replicas=replicas, initial_replicas=replicas)
-    if point.device == "cpu" and os.environ.get(REPLICAS_PER_HOST):  # each replica's engine on cores of its own
+    if point.device == "cpu" and os.environ.get(CLAIM_CORES_ENV):  # each replica's engine on cores of its own
         kwargs = config.get("engine_kwargs", {})
         ranks = int(kwargs.get("tensor_parallel_size") or 1) * int(kwargs.get("pipeline_parallel_size") or 1)
         config["callback_config"] = {"callback_class": CLAIM_CORES, "callback_kwargs": {"ranks": ranks}}

@@ -117,9 +117,7 @@ def started(chosen: Chosen, log_path: Path, address: str | None = None) -> Itera
         return
     assert log_path.name == ENGINE_LOG  # where ServeEngine keeps the replicas' log
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    need = trial_needs(spec)
-    with ServeCluster(address, need.resources(), replicas_per_host=need.replicas) as cluster, \
-            ServeEngine(spec, log_path.parent, cluster) as engine:  # fmt: skip
+    with ServeCluster(address, trial_needs(spec).resources()) as cluster, ServeEngine(spec, log_path.parent, cluster) as engine:
         yield engine
 
 
