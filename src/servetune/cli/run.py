@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import os
 import signal
 import sys
 import tempfile
@@ -143,11 +142,8 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
         if callbacks is None:
             if space.through_serve:
                 from servetune.serve.cluster import start_serve
-                from servetune.serve.plan import CLAIM_CORES_ENV
                 from servetune.serve.trial import local_serve_cpus, remove_study_apps
 
-                if not (args.address or os.environ.get("RAY_ADDRESS")):  # a local Ray: trials' replicas claim a core per rank
-                    os.environ[CLAIM_CORES_ENV] = "1"
                 start_serve(init_ray(args.address, local_serve_cpus(space)))
                 left = remove_study_apps(space.name)
                 if left:

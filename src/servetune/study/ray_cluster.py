@@ -97,7 +97,7 @@ SERVE_SYSTEM_CONFIG = {"metrics_report_interval_ms": 1000, "worker_niceness": 0}
 def init_ray(address: str | None, local_cpus: int | None = None) -> bool:
     """Join ``address`` (else ``$RAY_ADDRESS``, as inside ``ray job submit``), else start a local cluster;
     whether it started one. ``local_cpus``: the CPUs a local cluster declares (default: the cores), for
-    Serve replicas (:data:`SERVE_SYSTEM_CONFIG`)."""
+    Serve replicas (:data:`SERVE_SYSTEM_CONFIG`; on the CPU build each claims a core per rank, serve/cores.py)."""
     import ray
 
     if ray.is_initialized():
@@ -113,7 +113,10 @@ def init_ray(address: str | None, local_cpus: int | None = None) -> bool:
             ray.init(address=address, **kwargs) if address else ray.init(**kwargs)
         else:
             if local_cpus is not None:
+                from servetune.serve.plan import CLAIM_CORES_ENV
+
                 kwargs.update(num_cpus=local_cpus, _system_config=SERVE_SYSTEM_CONFIG)
+                os.environ[CLAIM_CORES_ENV] = "1"  # its workers inherit it: CPU replicas claim a core per rank
             ray.init(include_dashboard=False, **kwargs)  # a local cluster on this machine
     except Exception as exc:  # noqa: BLE001 - Ray raises plain Exception when its processes do not come up
         with contextlib.suppress(Exception):

@@ -202,6 +202,14 @@ class MetricsSource(Protocol):
     def read(self, gauges_only: bool = False) -> MetricsSnapshot | None: ...
 
 
+async def read_metrics(session: aiohttp.ClientSession, url: str, metrics: MetricsSource | None,
+                       gauges_only: bool = False) -> MetricsSnapshot | None:  # fmt: skip
+    """One read of the server's vLLM metrics: ``metrics`` where given, else ``{url}/metrics``."""
+    if metrics is not None:
+        return await asyncio.to_thread(metrics.read, gauges_only)
+    return await scrape(session, url, gauges_only=gauges_only)
+
+
 async def _settled(read: Callable[[], Awaitable[MetricsSnapshot | None]], before: MetricsSnapshot, finished: int,
                    wait_s: float, every_s: float = 0.25) -> MetricsSnapshot | None:  # fmt: skip
     """A lagging source's read once it counts ``finished`` more requests than ``before`` did (vLLM's
@@ -279,9 +287,7 @@ async def measure_level(
     async with aiohttp.ClientSession() as session:
 
         async def read(gauges_only: bool = False) -> MetricsSnapshot | None:
-            if metrics is not None:
-                return await asyncio.to_thread(metrics.read, gauges_only)
-            return await scrape(session, url, gauges_only=gauges_only)
+            return await read_metrics(session, url, metrics, gauges_only)
 
         reset = await asyncio.to_thread(reset_cache) if reset_cache is not None else await _reset_prefix_cache(session, url)
         before = await read()

@@ -27,13 +27,13 @@ from typing import Any, Protocol, TypeVar
 from servetune import __version__
 from servetune.config.slo import Slo
 from servetune.engine.server import VllmServer
-from servetune.serve.cluster import ServeCluster
 from servetune.errors import EngineStartError
 from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory
 from servetune.metrics import RequestRecord
 from servetune.report.points import is_out_of_memory
 from servetune.results import ENGINE_LOG
+from servetune.serve.cluster import ServeCluster
 from servetune.serve.trial import ServeEngine, trial_needs
 from servetune.trial.runner import write_atomic
 from servetune.verify import scenarios as sc

@@ -200,12 +200,19 @@ def _error_samples(records: list[RequestRecord], limit: int = 3) -> list[str]:
     return seen
 
 
-async def _measure(t: Target, plan: LevelPlan, scenario: str, workload: Workload | None = None) -> tuple[LevelResult, list[RequestRecord]]:
+async def _level(t: Target, plan: LevelPlan, stream: int, workload: Workload | None = None) -> tuple[LevelResult, list[RequestRecord]]:
+    """One level against the target (its metrics and prefix-cache reset where its URL has none), run whole
+    unless the engine dies; its requests join ``t.records``."""
     result, records = await measure_level(
-        t.client, t.url, workload or t.workload, t.prompts, plan, stream=STREAMS[scenario], slo=t.slo,
+        t.client, t.url, workload or t.workload, t.prompts, plan, stream=stream, slo=t.slo,
         watch=_never_break(plan.level, t.engine), reset_cache=t.reset_cache, metrics=t.metrics,
     )  # fmt: skip
     t.records.extend(records)
+    return result, records
+
+
+async def _measure(t: Target, plan: LevelPlan, scenario: str, workload: Workload | None = None) -> tuple[LevelResult, list[RequestRecord]]:
+    result, records = await _level(t, plan, STREAMS[scenario], workload)
     errors = _error_samples(records)
     if errors:
         t.errors[scenario] = errors
@@ -427,10 +434,7 @@ async def repeat_runs(t: Target, stream_base: int) -> list[LevelResult]:
     results = []
     for run in range(t.budget.repeats):
         plan = LevelPlan(t.level, num_requests=None, duration_s=t.budget.repeat_s, warmup_requests=_warmup(t.level, t.budget))
-        result, records = await measure_level(t.client, t.url, t.workload, t.prompts, plan, stream=stream_base + run,
-                                              slo=t.slo, watch=_never_break(t.level, t.engine),
-                                              reset_cache=t.reset_cache, metrics=t.metrics)  # fmt: skip
-        t.records.extend(records)
+        result, _ = await _level(t, plan, stream_base + run)
         results.append(result)
         if t.engine is not None and not t.engine.alive():
             break

@@ -1,9 +1,9 @@
 """What verify watches while it loads the engine: vLLM's ``/metrics`` and the engine's memory.
 
 :class:`Trace` samples, once a second, vLLM's gauges (requests running and waiting, KV-cache
-usage) and the resident memory of the engine's processes; :func:`read_metrics` reads them once,
-counters included (the disconnect scenario follows running requests and generated tokens): from
-``/metrics`` (``scrape``, the trial's own reader, ``trial/measure.py``), or from a
+usage) and the resident memory of the engine's processes; ``read_metrics`` (the trial's own reader,
+``trial/measure.py``) reads them once, counters included (the disconnect scenario follows running
+requests and generated tokens): from ``/metrics``, or from a
 :class:`~servetune.trial.measure.MetricsSource` where the URL has none (a Serve deployment's replicas,
 read through Ray's metrics agents, late by up to the source's ``lag_s``).
 """
@@ -18,7 +18,7 @@ import aiohttp
 import psutil
 
 from servetune.engine.metrics import MetricsSnapshot
-from servetune.trial.measure import MetricsSource, scrape
+from servetune.trial.measure import MetricsSource, read_metrics
 
 
 def in_flight(snap: MetricsSnapshot) -> float:
@@ -40,14 +40,6 @@ def engine_rss_bytes(pid: int | None) -> float | None:
         with contextlib.suppress(psutil.Error):
             total += proc.memory_info().rss
     return float(total)
-
-
-async def read_metrics(session: aiohttp.ClientSession, url: str, metrics: MetricsSource | None,
-                       gauges_only: bool = False) -> MetricsSnapshot | None:  # fmt: skip
-    """One read of the engine's vLLM metrics: ``metrics`` where given, else ``{url}/metrics``."""
-    if metrics is not None:
-        return await asyncio.to_thread(metrics.read, gauges_only)
-    return await scrape(session, url, gauges_only=gauges_only)
 
 
 def lag_s(metrics: MetricsSource | None) -> float:
