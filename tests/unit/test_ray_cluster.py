@@ -79,7 +79,11 @@ def test_init_ray_checks_the_token_before_joining(monkeypatch):
     ray_cluster.init_ray("10.0.0.1:6379")
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")  # inside `ray job submit`
     ray_cluster.init_ray(None)
-    assert calls == [("check", "10.0.0.1:6379"), ("init", "10.0.0.1:6379"), ("check", "10.0.0.2:6379"), ("init", None)]
+    monkeypatch.delenv("RAY_ADDRESS")
+    monkeypatch.setattr(ray_cluster, "token_for_local_cluster", lambda: calls.append(("token", None)))
+    assert ray_cluster.init_ray(None) is True  # a new local Ray, not a `ray start` running on this machine
+    assert calls == [("check", "10.0.0.1:6379"), ("init", "10.0.0.1:6379"), ("check", "10.0.0.2:6379"), ("init", None),
+                     ("token", None), ("init", "local")]  # fmt: skip
 
 
 def test_a_ray_that_does_not_come_up_is_one_line_and_what_it_started_is_stopped(monkeypatch):
@@ -103,3 +107,27 @@ def test_a_ray_that_does_not_come_up_is_one_line_and_what_it_started_is_stopped(
     with pytest.raises(UserError, match=r"^cannot join the Ray cluster at 10.0.0.1:6379: The current node timed out"):
         ray_cluster.init_ray("10.0.0.1:6379")
     assert calls == ["init", "shutdown", "init", "shutdown"]
+
+
+def test_a_local_ray_leaves_the_commands_sigterm_handler_in_place(monkeypatch):
+    """Ray's local start installs its own SIGTERM handler (exit 15); the command's (exit 143, teardown) stays."""
+    import signal
+
+    import ray
+
+    def ours(signum, frame):
+        raise SystemExit(128 + signum)
+
+    def rays_init(**kwargs):
+        signal.signal(signal.SIGTERM, lambda signum, frame: __import__("sys").exit(signum))
+
+    before = signal.signal(signal.SIGTERM, ours)
+    try:
+        monkeypatch.setattr(ray, "is_initialized", lambda: False)
+        monkeypatch.setattr(ray, "init", rays_init)
+        monkeypatch.setattr(ray_cluster, "token_for_local_cluster", lambda: None)
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        assert ray_cluster.init_ray(None) is True
+        assert signal.getsignal(signal.SIGTERM) is ours
+    finally:
+        signal.signal(signal.SIGTERM, before)

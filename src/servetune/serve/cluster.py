@@ -22,7 +22,7 @@ from servetune.engine.server import free_port
 from servetune.errors import EngineStartError, UserError
 from servetune.serve.plan import CLAIM_CORES_ENV
 from servetune.serve.routing import merge_counters, read_replica_counters
-from servetune.study.ray_cluster import SERVE_SYSTEM_CONFIG
+from servetune.study.ray_cluster import SERVE_SYSTEM_CONFIG, keeping_sigterm
 
 #: Seconds of slack around a replica actor's lifetime when its worker log files are matched by pid:
 #: before its start (the clocks of the GCS and of this host), and after its end (late flushes).
@@ -58,10 +58,11 @@ class ServeCluster:
                 # CPUs are declared (what Serve schedules by); GPUs are left for Ray to detect. "local": a new
                 # Ray here, even where $RAY_ADDRESS or a `ray start` names another (--address joins one).
                 try:
-                    ray.init(
-                        address="local", num_cpus=int(self.resources.get("CPU", 1) + 0.999), include_dashboard=False,
-                        log_to_driver=False, _system_config=SERVE_SYSTEM_CONFIG,
-                    )  # fmt: skip
+                    with keeping_sigterm():
+                        ray.init(
+                            address="local", num_cpus=int(self.resources.get("CPU", 1) + 0.999), include_dashboard=False,
+                            log_to_driver=False, _system_config=SERVE_SYSTEM_CONFIG,
+                        )  # fmt: skip
                 except BaseException:
                     self._restore_env()
                     raise
@@ -69,7 +70,8 @@ class ServeCluster:
             serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
         else:
             try:
-                ray.init(address=self.address, log_to_driver=False)
+                with keeping_sigterm():
+                    ray.init(address=self.address, log_to_driver=False)
             except (ConnectionError, RuntimeError, ValueError) as exc:
                 raise UserError(f"--address {self.address}: cannot connect to Ray ({exc})") from None
             serve.start()

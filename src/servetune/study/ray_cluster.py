@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
+import threading
 from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -109,15 +111,8 @@ def init_ray(address: str | None, local_cpus: int | None = None) -> bool:
     else:
         token_for_local_cluster()
     try:
-        if joining:
-            ray.init(address=address, **kwargs) if address else ray.init(**kwargs)
-        else:
-            if local_cpus is not None:
-                from servetune.serve.plan import CLAIM_CORES_ENV
-
-                kwargs.update(num_cpus=local_cpus, _system_config=SERVE_SYSTEM_CONFIG)
-                os.environ[CLAIM_CORES_ENV] = "1"  # its workers inherit it: CPU replicas claim a core per rank
-            ray.init(include_dashboard=False, **kwargs)  # a local cluster on this machine
+        with keeping_sigterm():
+            _init(ray, joining, address, local_cpus, kwargs)
     except Exception as exc:  # noqa: BLE001 - Ray raises plain Exception when its processes do not come up
         with contextlib.suppress(Exception):
             ray.shutdown()  # what this ray.init started, stopped
@@ -125,6 +120,32 @@ def init_ray(address: str | None, local_cpus: int | None = None) -> bool:
         where = f"cannot join the Ray cluster at {joining}" if joining else "could not start a local Ray cluster"
         raise UserError(f"{where}: {lines[0]}") from None
     return not joining
+
+
+@contextlib.contextmanager
+def keeping_sigterm() -> Iterator[None]:
+    """The process's SIGTERM handler as it was before: a ``ray.init`` that starts a local Ray installs its own
+    (``sys.exit(15)``), and the command's (exit 128 + 15, teardown on the way) must stay."""
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if before is not None and threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is not before:
+            signal.signal(signal.SIGTERM, before)
+
+
+def _init(ray: Any, joining: str | None, address: str | None, local_cpus: int | None, kwargs: dict[str, Any]) -> None:
+    if joining:
+        ray.init(address=address, **kwargs) if address else ray.init(**kwargs)
+        return
+    if local_cpus is not None:
+        from servetune.serve.plan import CLAIM_CORES_ENV
+
+        kwargs.update(num_cpus=local_cpus, _system_config=SERVE_SYSTEM_CONFIG)
+        os.environ[CLAIM_CORES_ENV] = "1"  # its workers inherit it: CPU replicas claim a core per rank
+    # "local": a new Ray on this machine, even where a `ray start` runs here (--address joins one; and with
+    # the CPUs declared, joining would fail in Ray's words).
+    ray.init(address="local", include_dashboard=False, **kwargs)
 
 
 @contextlib.contextmanager
