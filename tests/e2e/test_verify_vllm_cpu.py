@@ -23,7 +23,7 @@ def test_verify_on_real_vllm(tmp_path):
     study = tmp_path / "cpu-tiny"
     shutil.copytree(STUDY, study)
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-m", "servetune", "verify", str(study), "--duration", "12",
+    done = subprocess.run([sys.executable, "-m", "servetune", "verify", str(study), "--duration", "6",
                            "--tracking-uri", str(tmp_path / "mlflow.db")],
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     took = time.monotonic() - started

@@ -15,7 +15,7 @@ from servetune.report.points import ReportPoint
 from servetune.serve.trial import local_serve_cpus, trial_llm_config
 from servetune.study.context import StudyContext, resolve_levels
 from servetune.study.nodes import bundle
-from servetune.study.packing import resolve_max_concurrent
+from servetune.study.packing import resolve_max_concurrent, serve_capacity
 
 FIXTURE = Path(__file__).parents[1] / "data" / "cpu-tiny-study"
 FIXTURE_TRIAL = "e57a166985b8"
@@ -53,7 +53,7 @@ constraints: ["serve.num_replicas * tensor_parallel_size <= 4"]
     engine, _ = s.engine_params({"serve.num_replicas": 2, "tensor_parallel_size": 2})
     assert engine == {"max_model_len": 1024, "tensor_parallel_size": 2}  # not an engine argument
     assert bundle(s, {"serve.num_replicas": 2}) == {"CPU": 1.0}  # the load client; Serve holds the devices
-    assert resolve_max_concurrent(s, [8.0]) == 1  # Tune does not count Serve's placement groups
+    assert resolve_max_concurrent(s, [8.0]) == 4  # as asked: the trials take their devices from the study's ledger
 
 
 @pytest.mark.parametrize(("params", "words"), [
@@ -124,10 +124,26 @@ def test_serve_check_deploys_at_the_stream_batching_interval_asked(tmp_path):
             with_stream_batching(picked, bad)
 
 
-def test_a_local_ray_declares_what_the_largest_trial_needs(tmp_path):
+def test_a_local_ray_declares_what_the_largest_trial_needs_for_each_trial_in_flight(tmp_path):
     s = space(tmp_path, "params:\n  serve.num_replicas: [1, 2]\n  tensor_parallel_size: [1, 2]\n")
-    # 2 replicas x (2 cores + the replica actor) + the ingress + the load client
-    assert local_serve_cpus(s) == max(2 * 3 + 1 + 1, __import__("os").cpu_count())
+    # 4 in flight x (2 replicas x (2 cores + the replica actor) + the ingress + the load client)
+    assert local_serve_cpus(s) == max(4 * (2 * 3 + 1 + 1), os.cpu_count())
+    one = SearchSpace.model_validate({**s.model_dump(), "search": {**s.search.model_dump(), "max_concurrent": 1}})
+    assert local_serve_cpus(one) == max(2 * 3 + 1 + 1, os.cpu_count())
+
+
+def test_trials_in_flight_through_serve_fill_the_clusters_devices_together(tmp_path):
+    s = space(tmp_path, "params:\n  serve.num_replicas: [2, 4]\n  tensor_parallel_size: [1, 2]\n")
+    gpu = SearchSpace.model_validate({**s.model_dump(), "device": "gpu", "search": {"algorithm": "tpe", "max_concurrent": "auto"}})
+    # The smallest trial takes 2 devices (2 replicas of TP 1); replicas spread over nodes, so 3 + 3 GPUs hold 3 of them.
+    assert resolve_max_concurrent(gpu, [3.0, 3.0]) == 3 and resolve_max_concurrent(gpu, [8.0]) == 4
+    bare = SearchSpace.model_validate({**gpu.model_dump(), "params": {"tensor_parallel_size": [2, 4]}})
+    assert resolve_max_concurrent(bare, [3.0, 3.0]) == 2  # a bare trial stays on one node
+    cpu_auto = SearchSpace.model_validate({**s.model_dump(), "search": {"max_concurrent": "auto"}})
+    assert resolve_max_concurrent(cpu_auto, [2.0]) == 1  # on CPU, one at a time unless asked
+    # The ledger's capacity: the cluster's GPUs; on the CPU stand-in, devices_per_node cores of each node.
+    assert serve_capacity(gpu, [{"GPU": 8.0, "CPU": 96.0}, {"CPU": 4.0}]) == 8
+    assert serve_capacity(s, [{"CPU": 32.0}, {"CPU": 1.0}]) == 2 + 1
 
 
 def test_the_export_of_a_trial_through_serve_keeps_its_replicas():
@@ -148,11 +164,47 @@ def test_autoscaling_from_a_trial_through_serve_is_per_replica():
     assert "/ 2 Serve replicas" in a.reasons["knee"]
 
 
-def test_verify_of_a_trial_through_serve_runs_after_the_study_not_in_it(tmp_path, capsys):
+def test_a_studys_verification_through_serve_deploys_on_the_studys_ray_and_verify_on_its_own(tmp_path, monkeypatch):
+    from servetune.verify import run
+    from servetune.verify.choose import select
+
     path = tmp_path / "space.yaml"
     path.write_text(BASE.replace("search: {max_concurrent: 4}", "search: {verify: {top: 1}}") + "params:\n  serve.num_replicas: [1, 2]\n")
-    with pytest.raises(UserError, match=r"search.verify: trials through Serve \(serve.num_replicas\) are not verified inside the study"):
-        load_space(path)
+    assert load_space(path).search.verify.top == 1  # search.verify of trials through Serve: verified through Serve
+    chosen = select(serve_study(tmp_path, 2), FIXTURE_TRIAL).winner
+    made = []
+
+    class Engine:
+        def __init__(self, spec, trial_dir, cluster=None):
+            made.append(("engine", spec.serve_replicas, cluster))
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            made.append(("left", None, None))
+
+    class Cluster:
+        def __init__(self, address, resources):
+            made.append(("cluster", address, None))
+
+        def __enter__(self):
+            return "own Ray"
+
+        def __exit__(self, *exc):
+            made.append(("stopped", None, None))
+
+    monkeypatch.setattr(run, "ServeEngine", Engine)
+    monkeypatch.setattr(run, "ServeCluster", Cluster)
+    log = tmp_path / "v" / "engine.log"
+    monkeypatch.setattr(run, "_in_ray", lambda: True)  # a study's verification task: the study's Serve, attached
+    with run.started(chosen, log):
+        pass
+    monkeypatch.setattr(run, "_in_ray", lambda: False)  # servetune verify: a local Ray of its own, stopped after
+    with run.started(chosen, log):
+        pass
+    assert made == [("engine", 2, None), ("left", None, None),
+                    ("cluster", None, None), ("engine", 2, "own Ray"), ("left", None, None), ("stopped", None, None)]  # fmt: skip
 
 
 def serve_study(tmp_path, replicas):
@@ -264,3 +316,25 @@ def test_a_trials_engine_log_is_its_replicas_a_replaced_one_kept_and_failed_or_e
     cluster.actors |= {"r1": (False, cluster.actors["r1"][1]), "r2": (True, "r2: started by Serve mid-trial\n")}
     engine.__exit__(None, None, None)
     assert (tmp_path / "engine.log").read_text() == "r1: KV cache size: 2,000 tokens\nr2: started by Serve mid-trial\n"
+
+
+def test_what_each_replica_served_leaves_out_an_earlier_deployment_of_the_name(tmp_path, monkeypatch):
+    """A study verifying its trial deploys the trial's application name again: Ray's metrics agents still export the
+    trial's gone replica's request counter, which is not this deployment's."""
+    from servetune.serve import trial as serve_trial
+    from servetune.serve.trial import ServeEngine
+
+    class Counted(ReplacingCluster):
+        def served_per_replica(self, name):
+            return {"old": 25}  # before deploying: the trial's replica, gone
+
+        def requests_per_replica(self, name):
+            return {"old": 25, "r1": 7, "r2": 3}  # r2: Serve replaced r1 during the run, and it counts
+
+    monkeypatch.setattr(serve_trial, "wait_gone", lambda pids, timeout_s: [])
+    s = space(tmp_path, "params:\n  serve.num_replicas: [1]\n")
+    workload = s.resolved_workload(tmp_path)
+    spec = StudyContext(s, workload, tmp_path, "/models/tiny", resolve_levels(s, workload)).spec_for({"serve.num_replicas": 1})
+    engine = ServeEngine(spec, tmp_path, Counted()).__enter__()
+    assert engine.record()["requests_per_replica"] == {"r1": 7, "r2": 3}
+    engine.__exit__(None, None, None)

@@ -513,13 +513,7 @@ def _check_quality(space: SearchSpace, path: Path) -> None:
 
 
 def _check_serve(space: SearchSpace, path: Path) -> None:
-    """Serve replicas stand in for data parallelism (``export`` makes one of the other): not both. The
-    study's own verification runs bare engines on devices it reserves as a trial's, so it cannot judge a
-    deployment through Serve; ``servetune verify`` after the study can."""
-    if space.search.verify is not None:
-        raise UserError(f"{path}: search.verify: trials through Serve ({SERVE_REPLICAS}) are not verified inside the "
-                        "study (it reserves a bare engine's devices); run servetune verify STUDY_DIR once it ends, "
-                        "which deploys the winner through Serve")  # fmt: skip
+    """Serve replicas stand in for data parallelism (``export`` makes one of the other): not both."""
     dp = space.params.get("data_parallel_size", [space.engine_args.get("data_parallel_size", 1)])
     if isinstance(dp, Range) or any(int(v) != 1 for v in dp):
         raise UserError(f"{path}: params.{SERVE_REPLICAS}: Serve replicas replace data_parallel_size; vary one of them, not both")

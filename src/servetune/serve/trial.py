@@ -87,12 +87,17 @@ class ServeEngine:
         self.process: psutil.Process | None = None  # a replica on this node (telemetry follows its memory)
         self.pids: list[int] = []
         self.not_ours: set[str] = set()  # replica actor ids whose logs are not this trial's
+        self.earlier: set[str] = set()  # Serve replica ids of an earlier deployment of this name, counted by Ray still
         self.server_metrics: ReplicaMetrics | None = None  # the replicas' vLLM metrics, once deployed
 
     def __enter__(self) -> ServeEngine:
         self.cluster = self.cluster or ServeCluster.attached()
         self.cluster.delete(self.name)  # a killed driver's deployment of this very trial (--resume)
         self.not_ours = set(self.cluster.engine_replicas(self.name, live_only=False))  # its replicas' logs are not this trial's
+        # Replicas an earlier deployment of this name had (the trial's, when a study verifies it; a killed run's): Ray's
+        # metrics agents keep exporting their request counters after they are gone.
+        with contextlib.suppress(Exception):
+            self.earlier = set(self.cluster.served_per_replica(self.name))
         route = f"/{self.name}"
         self.startup_s = self.cluster.deploy(self.name, trial_llm_config(self.spec), self.spec.startup_timeout_s, route_prefix=route)
         self.url = self.cluster.url + route
@@ -179,7 +184,8 @@ class ServeEngine:
             except psutil.Error:
                 continue
         return {"application": self.name, "replicas": self.spec.serve_replicas,
-                "requests_per_replica": self.cluster.requests_per_replica(self.name),
+                "requests_per_replica": {replica: n for replica, n in self.cluster.requests_per_replica(self.name).items()
+                                         if replica not in self.earlier},
                 "replica_niceness": sorted(niceness)}  # fmt: skip
 
 
@@ -234,8 +240,10 @@ def _finished(snap: MetricsSnapshot | None) -> float | None:
 def local_serve_cpus(space: SearchSpace) -> int:
     """The CPUs a local Ray declares for a study through Serve: its largest trial's replicas (each its
     engine's CPU bundles, one per rank on the CPU build, and the replica actor's one), Serve's OpenAI
-    ingress and the trial's load client; at least the host's cores. Ray schedules by these, not by the
-    cores vLLM runs on: with two on this host, the ingress would wait for a CPU forever."""
+    ingress and the trial's load client, for each trial in flight; at least the host's cores. Ray schedules
+    by these, not by the cores vLLM runs on: with two on this host, the ingress would wait for a CPU forever."""
+    from servetune.study.packing import resolve_max_concurrent
+
     try:
         points, _ = space.grid()
     except (ValueError, UserError):  # a continuous range: the largest replica a node holds
@@ -243,4 +251,5 @@ def local_serve_cpus(space: SearchSpace) -> int:
     replicas = max(space.params[SERVE_REPLICAS])
     per_engine = max((space.replica_devices(p) for p in points), default=space.hardware.devices_per_node)
     per_replica = (per_engine if space.device == "cpu" else 0) + REPLICA_ACTOR_CPUS
-    return max(int(replicas * per_replica + INGRESS_CPUS + 1), os.cpu_count() or 1)
+    at_once = resolve_max_concurrent(space, space.hardware.devices_per_node)  # a local Ray: one node
+    return max(int(at_once * (replicas * per_replica + INGRESS_CPUS + 1)), os.cpu_count() or 1)

@@ -27,6 +27,7 @@ class StudyContext:
     quality: QualityPlan | None = None  # the probe every trial runs, with the reference's answers once known
     models: dict[str, str] = field(default_factory=dict)  # the ``model`` parameter's checkpoints, resolved
     nodes: tuple[dict[str, float], ...] = ()  # each live node's resources when the trials were proposed (study/nodes.py)
+    ledger: str | None = None  # the run's device ledger, when trials through Serve run several at once (serve/ledger.py)
 
     @property
     def trials_dir(self) -> Path:

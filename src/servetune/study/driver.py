@@ -6,6 +6,7 @@ exists is never run again, so ``--resume`` after a killed driver re-runs only wh
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import json
@@ -73,10 +74,14 @@ def trainable(config: dict[str, Any], context: StudyContext, finished_points: An
         result = unplaceable(spec, problem)
     elif result is None:  # never measured (or --resume after a kill): run it
         rule = dominance_rule(finished_points) if finished_points is not None else None
-        engine = vllm_engine
+        engine, held = vllm_engine, contextlib.nullcontext()
         if spec.serve_replicas is not None:
+            from servetune.serve.ledger import devices_held
             from servetune.serve.trial import ServeEngine as engine
-        result = run_trial(spec, tune.report, lambda: PromptFactory(load_tokenizer(spec.tokenizer)), stop_rule=rule, engine=engine)
+
+            held = devices_held(context.ledger, spec.trial_id, spec.devices)  # trials in flight share no device
+        with held:
+            result = run_trial(spec, tune.report, lambda: PromptFactory(load_tokenizer(spec.tokenizer)), stop_rule=rule, engine=engine)
         if finished_points is not None:  # before the final report: trials that start next see it
             ray.wait([finished_points.add.remote(result)], timeout=10)
     tune.report({**final_report(result, context), FILES_KEY: json.dumps(carried_files(spec.trial_dir))})
@@ -292,8 +297,6 @@ def proposals(space: SearchSpace, max_trials: int | None) -> list[dict[str, Any]
 def packs(space: SearchSpace) -> bool:
     """Whether several trials may run at once (``auto`` is one at a time on CPU)."""
     concurrent = space.search.max_concurrent
-    if space.through_serve:
-        return False  # one at a time (study/packing.py resolve_max_concurrent)
     return (concurrent == "auto" and space.device == "gpu") or (isinstance(concurrent, int) and concurrent > 1)
 
 

@@ -28,7 +28,7 @@ Everything here is pure: it reads points and reservations, never Ray.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -86,11 +86,9 @@ def resolve_max_concurrent(space: SearchSpace, cluster_devices: float | Sequence
     waiting for GPUs count, so a margin lets Ray backfill; :func:`max_concurrent_to_fill`).
     Bayesian search: as many as the nodes run at once, no more, so each proposal still learns
     from as many results as it can. On CPU, one: trials on one host would share the cores their
-    measurements run on. Trials through Serve: one at a time, whatever was asked, as Serve's replicas
-    take their devices in placement groups Tune does not count.
+    measurements run on. Trials through Serve count the cluster's devices together (their replicas spread
+    over nodes); they take their devices from the study's ledger before they deploy (``serve/ledger.py``).
     """
-    if space.through_serve:
-        return 1
     wanted = space.search.max_concurrent
     if wanted != "auto":
         return int(wanted)
@@ -98,18 +96,29 @@ def resolve_max_concurrent(space: SearchSpace, cluster_devices: float | Sequence
     if space.device != "gpu" or not any(nodes):
         return 1
     smallest = max(min(trial_sizes(space)), 1)
+    if space.through_serve:  # no margin to backfill: the ledger serves trials in arrival order
+        return max(int(sum(nodes)) // smallest, 1)
     at_once = sum(int(n) // smallest for n in nodes)
     if space.search.algorithm in ("grid", "random"):
         return 2 * max(at_once, 1) + 1
     return max(at_once, 1)
 
 
+def serve_capacity(space: SearchSpace, nodes: Sequence[Mapping[str, float]]) -> int:
+    """The devices a study's trials through Serve share (the ledger's capacity): the cluster's GPUs; on the
+    CPU stand-in, ``devices_per_node`` cores of each node (a replica claims a core per rank, serve/cores.py)."""
+    if space.device == "gpu":
+        return int(sum(node.get("GPU", 0.0) for node in nodes))
+    per_node = space.hardware.devices_per_node
+    return int(sum(min(per_node, node.get("CPU", 0.0)) for node in nodes))
+
+
 def trial_sizes(space: SearchSpace) -> list[int]:
-    """The devices each combination of the parallel sizes the space varies would reserve."""
-    from servetune.config.space import ENGINE_DEFAULTS, Range
+    """The devices each combination of the parallel sizes (and Serve replica counts) the space varies would reserve."""
+    from servetune.config.space import ENGINE_DEFAULTS, SERVE_REPLICAS, Range
 
     axes = {name: values.grid_values() if isinstance(values, Range) else values
-            for name, values in space.params.items() if name in ENGINE_DEFAULTS}  # fmt: skip
+            for name, values in space.params.items() if name in ENGINE_DEFAULTS or name == SERVE_REPLICAS}  # fmt: skip
     return sorted({space.devices(dict(zip(axes, combo))) for combo in itertools.product(*axes.values())})
 
 

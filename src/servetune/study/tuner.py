@@ -47,6 +47,16 @@ def run_tuner(context: StudyContext, points: list[dict[str, Any]] | None, search
         from servetune.study.packing import resolve_max_concurrent
 
         max_concurrent = resolve_max_concurrent(space, cluster_devices(space))
+    ledger = None
+    if space.through_serve and max_concurrent > 1:  # trials in flight take their devices from the run's ledger
+        from servetune.serve.ledger import GiveBack, ledger_name, start_ledger
+        from servetune.serve.trial import app_name
+        from servetune.study.packing import serve_capacity
+
+        context = dataclasses.replace(context, ledger=ledger_name(space.name))
+        ledger = start_ledger(context.ledger, serve_capacity(space, context.nodes))
+        spec_of = context.spec_for
+        callbacks = [*callbacks, GiveBack(ledger, lambda params: spec_of(params).trial_id, lambda params: app_name(spec_of(params)))]
     resources = lambda config: tune.PlacementGroupFactory(trial_resources(context, config["params"]))  # noqa: E731
     # Trials stop at levels finished trials dominate: they ask this actor (study/early_stop.py).
     finished_points = start_finished_points(finished_results(context.study_dir)) if space.stops_when_dominated else None
@@ -69,5 +79,6 @@ def run_tuner(context: StudyContext, points: list[dict[str, Any]] | None, search
     try:
         tune.Tuner(fn, param_space=param_space, tune_config=tune_config, run_config=run_config).fit()
     finally:
-        if finished_points is not None:
-            ray.kill(finished_points)
+        for actor in (finished_points, ledger):
+            if actor is not None:
+                ray.kill(actor)

@@ -7,7 +7,10 @@ runs as a Ray task inside a placement group of the trial's own bundle (study/nod
 so the driver needs no GPU and the engine sees exactly the GPUs Ray reserved
 (``CUDA_VISIBLE_DEVICES`` from ``ray.get_gpu_ids()``, as a trial's). As many run at once as
 ``search.max_concurrent`` resolves to (one at a time on CPU); a point no node can hold is
-rejected at once with the reason, as an INFEASIBLE trial is.
+rejected at once with the reason, as an INFEASIBLE trial is. A trial measured through Ray Serve
+(``serve.num_replicas``) is verified as that Serve application, deployed on the study's Serve from
+a task that holds its load client's CPU; its replicas' devices come from the study's ledger
+(``serve/ledger.py``), as a trial's do.
 
 Each result is ``STUDY/verify/<trial id>.json`` (``servetune verify``'s document, plus
 ``settings`` and ``placement``), written by the driver from what the task returns (nodes share no
@@ -22,6 +25,7 @@ each scenario's verdict) comes to the driver through a Ray queue while the tasks
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -104,6 +108,11 @@ class QueueProgress:
         self._put(("scenario", name, passed, reason))
 
 
+def holder(trial_id: str) -> str:
+    """A verification's name in the study's device ledger (a trial's is its trial id)."""
+    return f"verify-{trial_id}"
+
+
 def verify_on_node(selection: Selection, context: StudyContext, budget: Budget, queue: Any) -> dict[str, Any]:
     """The Ray task: verify ``selection.winner`` on the devices Ray reserved for this task.
 
@@ -123,7 +132,13 @@ def verify_on_node(selection: Selection, context: StudyContext, budget: Budget, 
     local = Path(tempfile.mkdtemp(prefix="servetune-verify-"))  # this node's disk: nothing is shared
     selection = dataclasses.replace(selection, study_dir=local, winner=dataclasses.replace(winner, spec=spec), runner_up=None)
     prompts = PromptFactory(load_tokenizer(spec.tokenizer))
-    doc = verify(selection, budget, prompts, QueueProgress(queue, winner.trial_id), runner_up=False)
+    held = contextlib.nullcontext()
+    if spec.serve_replicas is not None:  # deployed through the study's Serve: its devices from the study's ledger
+        from servetune.serve.ledger import devices_held
+
+        held = devices_held(context.ledger, holder(winner.trial_id), spec.devices)
+    with held:
+        doc = verify(selection, budget, prompts, QueueProgress(queue, winner.trial_id), runner_up=False)
     log = local / VERIFY_DIR / winner.trial_id / "engine.log"
     placement = {
         "node_id": runtime.get_node_id(),
@@ -234,6 +249,13 @@ def verify_top(study_dir: Path, context: StudyContext, say: Callable[[str], None
     nodes = alive_nodes()
     at_once = max(resolve_max_concurrent(space, [n.get("GPU" if space.device == "gpu" else "CPU", 0.0) for n in nodes]), 1)
     queue = Queue(maxsize=10_000, actor_options={"num_cpus": 0})  # the head may have no CPU to give
+    ledger = None
+    if space.through_serve and at_once > 1:  # verifications through Serve take their devices from a ledger, as trials do
+        from servetune.serve.ledger import ledger_name, start_ledger
+        from servetune.study.packing import serve_capacity
+
+        context = dataclasses.replace(context, ledger=ledger_name(space.name))
+        ledger = start_ledger(context.ledger, serve_capacity(space, nodes))
     task = ray.remote(verify_on_node)
     running: dict[Any, tuple[int, Selection, dict[str, Any], Any]] = {}
 
@@ -309,10 +331,15 @@ def verify_top(study_dir: Path, context: StudyContext, say: Callable[[str], None
                     finish(selection, mine, None, None, None, f"{type(exc).__name__}: {lines[-1][:300] if lines else 'no message'}")
                 finally:
                     remove_placement_group(group)
+                    if ledger is not None:  # a task that died gave nothing back (nor stopped its wait)
+                        with contextlib.suppress(Exception):
+                            ray.get(ledger.give_back.remote(holder(selection.winner.trial_id)), timeout=30)
         drain()
     finally:
         for rank, selection, mine, group in running.values():
             remove_placement_group(group)
         ray.kill(queue.actor)
+        if ledger is not None:
+            ray.kill(ledger)
     order = {s.winner.trial_id: i for i, s in enumerate(selections)}
     return sorted(out, key=lambda v: order[v.trial_id])

@@ -18,6 +18,7 @@ import contextlib
 import datetime as dt
 import json
 import math
+import sys
 import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -117,8 +118,18 @@ def started(chosen: Chosen, log_path: Path, address: str | None = None) -> Itera
         return
     assert log_path.name == ENGINE_LOG  # where ServeEngine keeps the replicas' log
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    if address is None and _in_ray():  # a study's verification (study/verify_top.py): on the study's Ray and Serve
+        with ServeEngine(spec, log_path.parent) as engine:
+            yield engine
+        return
     with ServeCluster(address, trial_needs(spec).resources()) as cluster, ServeEngine(spec, log_path.parent, cluster) as engine:
         yield engine
+
+
+def _in_ray() -> bool:
+    """Whether this process already belongs to a Ray cluster (a study's task), with Serve on it."""
+    ray = sys.modules.get("ray")
+    return ray is not None and ray.is_initialized()
 
 
 def served_len(server: VllmServer | ServeEngine, chosen: Chosen) -> int:

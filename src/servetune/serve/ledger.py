@@ -1,0 +1,133 @@
+"""The devices a study's trials through Serve hold, so that several run at once without sharing any.
+
+A trial through Serve reserves only its load client's CPU in Tune (``study/nodes.py`` ``bundle``): its
+replicas take their devices in placement groups Serve creates, which Tune does not count. With several
+trials in flight, one would deploy into devices another's replicas hold, and wait inside its start-up
+(its start-up time, and perhaps its timeout, would be the other trial's measuring). So before it deploys
+a trial takes its devices (``serve.num_replicas`` x one replica's) from the study's ledger, an actor the
+driver starts with the cluster's devices, and waits there, first come first served, while the devices
+are held; it gives them back once its replicas are gone. The driver gives back a trial's devices too
+when the trial ends: a killed trial process gives back nothing, and leaves its Serve application
+deployed, which the driver deletes first. The ledger ends with the driver.
+
+The ledger counts devices, not where they are: on one node (an 8-GPU host) any free device fits any
+replica. On several nodes a replica of TP > 1 needs its devices on one node, and Serve may still wait
+for a node with enough of them free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ray.tune import Callback
+
+#: Where the ledgers live among Ray's named actors; each run of a study names its own (:func:`ledger_name`).
+NAMESPACE = "servetune"
+
+
+def ledger_name(study: str) -> str:
+    """A name for one run's ledger: the study's, and a part of its own, so another run (or a ledger Ray is
+    still taking down) is never found in its place."""
+    return f"servetune-serve-devices-{study}-{uuid.uuid4().hex[:12]}"
+
+
+class DeviceLedger:
+    """Devices held, by holder (a trial id); :meth:`take` waits in arrival order until enough are free."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(int(capacity), 1)
+        self.held: dict[str, int] = {}
+        self.queue: list[str] = []  # holders waiting, in arrival order
+        self.abandoned: set[str] = set()  # waiting holders given back (their process died): they take nothing
+        self.changed = asyncio.Condition()
+
+    def free(self) -> int:
+        return self.capacity - sum(self.held.values())
+
+    async def take(self, holder: str, devices: int) -> int:
+        """Wait until ``devices`` (at most the capacity: a trial larger than the cluster runs alone and
+        leaves Serve to say it cannot be placed) are free and every earlier arrival has been served;
+        hold them for ``holder``. Returns the devices held: 0 when the holder was given back while it
+        waited (Ray does not stop an actor's call when its caller dies)."""
+        wanted = min(max(int(devices), 0), self.capacity)
+        async with self.changed:
+            if holder in self.held:  # the same trial again (a retried call): it holds them already
+                return self.held[holder]
+            self.queue.append(holder)
+            try:
+                await self.changed.wait_for(lambda: holder in self.abandoned or (self.queue[0] == holder and self.free() >= wanted))
+            finally:
+                self.queue.remove(holder)
+                self.changed.notify_all()
+            if holder in self.abandoned:
+                self.abandoned.discard(holder)
+                return 0
+            self.held[holder] = wanted
+            return wanted
+
+    async def give_back(self, holder: str) -> int:
+        """Free what ``holder`` holds (nothing when it holds nothing), and stop its wait if it waits; the
+        devices freed."""
+        async with self.changed:
+            freed = self.held.pop(holder, 0)
+            if holder in self.queue:
+                self.abandoned.add(holder)
+            self.changed.notify_all()
+            return freed
+
+    async def state(self) -> dict[str, Any]:
+        return {"capacity": self.capacity, "held": dict(self.held), "waiting": list(self.queue)}
+
+
+def start_ledger(name: str, capacity: int) -> Any:
+    """The ledger ``name`` as a Ray actor on this (the driver's) job: it ends with the driver."""
+    import ray
+
+    remote = ray.remote(num_cpus=0, max_concurrency=1000)(DeviceLedger)
+    return remote.options(name=name, namespace=NAMESPACE).remote(capacity)
+
+
+@contextlib.contextmanager
+def devices_held(ledger_name: str | None, holder: str, devices: int) -> Iterator[None]:
+    """``with devices_held(...)``: the trial's devices taken from the run's ledger (waiting for them), and
+    given back on leaving; nothing to take where the run has no ledger (one trial at a time)."""
+    import ray
+
+    if ledger_name is None:
+        yield
+        return
+    ledger = ray.get_actor(ledger_name, namespace=NAMESPACE)
+    try:
+        ray.get(ledger.take.remote(holder, devices))
+        yield
+    finally:
+        with contextlib.suppress(Exception):  # the ledger died with the driver: nothing is held anywhere
+            ray.get(ledger.give_back.remote(holder), timeout=30)
+
+
+class GiveBack(Callback):
+    """The driver's side: a trial that ended holds nothing. One whose process was killed never deleted its
+    Serve application, whose replicas would keep the devices the ledger hands on: it is deleted first."""
+
+    def __init__(self, ledger: Any, holder_of: Callable[[dict[str, Any]], str], app_of: Callable[[dict[str, Any]], str]) -> None:
+        self.ledger, self.holder_of, self.app_of = ledger, holder_of, app_of
+
+    def _give_back(self, trial: Any) -> None:
+        import ray
+
+        with contextlib.suppress(Exception):  # the ledger is gone with its Ray: nothing is held
+            ray.get(self.ledger.give_back.remote(self.holder_of(trial.config.get("params", {}))), timeout=30)
+
+    def on_trial_complete(self, iteration, trials, trial, **info) -> None:
+        self._give_back(trial)
+
+    def on_trial_error(self, iteration, trials, trial, **info) -> None:
+        from ray import serve
+
+        with contextlib.suppress(Exception):  # none deployed, or Serve is gone: nothing holds the devices
+            serve.delete(self.app_of(trial.config.get("params", {})), _blocking=True)
+        self._give_back(trial)

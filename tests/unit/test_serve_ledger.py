@@ -1,0 +1,91 @@
+"""The devices a study's trials through Serve hold (serve/ledger.py), without Ray: first come, first served,
+never more than the capacity, and a trial larger than the cluster runs alone."""
+
+import asyncio
+
+import pytest
+
+from servetune.serve.ledger import DeviceLedger
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def started(coro):
+    task = asyncio.ensure_future(coro)
+    await asyncio.sleep(0.01)
+    return task
+
+
+def test_trials_wait_for_devices_in_arrival_order_and_never_hold_more_than_there_are():
+    async def scenario():
+        ledger = DeviceLedger(4)
+        assert await ledger.take("a", 2) == 2 and await ledger.take("b", 1) == 1
+        big = await started(ledger.take("c", 2))  # 1 free: waits
+        small = await started(ledger.take("d", 1))  # 1 free, but c came first: waits behind it
+        assert not big.done() and not small.done()
+        assert (await ledger.state())["waiting"] == ["c", "d"]
+        assert await ledger.give_back("b") == 1  # 2 free: c takes both, d still waits
+        await asyncio.sleep(0.01)
+        assert big.done() and not small.done()
+        await ledger.give_back("a")
+        await asyncio.sleep(0.01)
+        assert small.done()
+        state = await ledger.state()
+        assert state["held"] == {"c": 2, "d": 1} and state["waiting"] == [] and ledger.free() == 1
+
+    run(scenario())
+
+
+def test_giving_back_what_is_not_held_frees_nothing_and_a_holder_asking_again_keeps_its_share():
+    async def scenario():
+        ledger = DeviceLedger(2)
+        assert await ledger.give_back("nobody") == 0
+        assert await ledger.take("a", 1) == 1 and await ledger.take("a", 1) == 1  # a retried call, not two shares
+        assert ledger.free() == 1
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(("capacity", "asked", "held"), [(2, 5, 2), (0, 1, 1), (3, 0, 0)])
+def test_a_trial_larger_than_the_cluster_holds_all_of_it_and_runs_alone(capacity, asked, held):
+    async def scenario():
+        ledger = DeviceLedger(capacity)
+        assert await ledger.take("big", asked) == held
+
+    run(scenario())
+
+
+def test_a_trial_stopped_while_it_waits_leaves_the_queue():
+    async def scenario():
+        ledger = DeviceLedger(1)
+        await ledger.take("a", 1)
+        waiting = await started(ledger.take("b", 1))
+        later = await started(ledger.take("c", 1))
+        waiting.cancel()
+        await asyncio.sleep(0.01)
+        assert (await ledger.state())["waiting"] == ["c"]
+        await ledger.give_back("a")
+        await asyncio.sleep(0.01)
+        assert later.done() and (await ledger.state())["held"] == {"c": 1}
+
+    run(scenario())
+
+
+def test_a_trial_given_back_while_it_waits_takes_nothing_and_stops_holding_up_the_queue():
+    """Its process died while it waited (Ray does not stop the ledger's call): the driver gives it back."""
+
+    async def scenario():
+        ledger = DeviceLedger(2)
+        await ledger.take("a", 2)
+        dead = await started(ledger.take("dead", 2))
+        behind = await started(ledger.take("b", 1))
+        assert await ledger.give_back("dead") == 0
+        await asyncio.sleep(0.01)
+        assert dead.done() and dead.result() == 0 and not behind.done()  # b still waits for a, not for dead
+        await ledger.give_back("a")
+        await asyncio.sleep(0.01)
+        assert behind.done() and (await ledger.state())["held"] == {"b": 1} and ledger.abandoned == set()
+
+    run(scenario())
