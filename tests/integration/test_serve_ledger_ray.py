@@ -14,7 +14,7 @@ ray = pytest.importorskip("ray")
 
 @pytest.fixture
 def local_ray():
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         yield
     finally:
@@ -33,7 +33,7 @@ def test_a_trial_waits_for_devices_another_holds_and_the_driver_frees_a_killed_t
         pass
     name = ledger_name("s")
     assert name != ledger_name("s")  # each run its own
-    ledger = start_ledger(name, 2)
+    ledger = start_ledger(name, "cpu", 2)  # the CPU stand-in: devices_per_node cores of each node, counted from Ray
     events = []
 
     def second():

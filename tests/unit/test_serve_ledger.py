@@ -89,3 +89,36 @@ def test_a_trial_given_back_while_it_waits_takes_nothing_and_stops_holding_up_th
         assert behind.done() and (await ledger.state())["held"] == {"b": 1} and ledger.abandoned == set()
 
     run(scenario())
+
+
+def test_while_trials_wait_the_clusters_devices_are_counted_again():
+    """An autoscaler adds a node (the trial waiting takes its devices), a node is lost (no more is handed out)."""
+    nodes = {"devices": 1}
+
+    def count():
+        if nodes["devices"] is None:
+            raise RuntimeError("the GCS did not answer")
+        return nodes["devices"]
+
+    async def scenario():
+        ledger = DeviceLedger(1, count, every_s=0.02)
+        assert await ledger.take("a", 1) == 1
+        waiting = await started(ledger.take("b", 2))
+        nodes["devices"] = None  # unreadable: the last count stands
+        await asyncio.sleep(0.1)
+        assert not waiting.done() and ledger.capacity == 1
+        nodes["devices"] = 3  # a node with 2 more joined
+        await asyncio.sleep(0.1)
+        assert waiting.done() and waiting.result() == 2 and ledger.free() == 0
+        nodes["devices"] = 2  # a node was lost: over-committed, so the next one waits
+        late = await started(ledger.take("c", 1))
+        await asyncio.sleep(0.1)
+        assert not late.done() and ledger.capacity == 2
+        await ledger.give_back("a")
+        await asyncio.sleep(0.05)
+        assert not late.done()  # b's 2 fill the 2 left
+        await ledger.give_back("b")
+        await asyncio.sleep(0.05)
+        assert late.done()
+
+    run(scenario())

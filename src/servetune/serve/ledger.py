@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -36,10 +37,14 @@ def ledger_name(study: str) -> str:
 
 
 class DeviceLedger:
-    """Devices held, by holder (a trial id); :meth:`take` waits in arrival order until enough are free."""
+    """Devices held, by holder (a trial id); :meth:`take` waits in arrival order until enough are free.
 
-    def __init__(self, capacity: int) -> None:
+    ``count``, when given, counts the cluster's devices again while a trial waits (every ``every_s``): an
+    autoscaler adds nodes, a node is lost."""
+
+    def __init__(self, capacity: int, count: Callable[[], int] | None = None, every_s: float = 5.0) -> None:
         self.capacity = max(int(capacity), 1)
+        self.count, self.every_s = count, every_s
         self.held: dict[str, int] = {}
         self.queue: list[str] = []  # holders waiting, in arrival order
         self.abandoned: set[str] = set()  # waiting holders given back (their process died): they take nothing
@@ -48,26 +53,40 @@ class DeviceLedger:
     def free(self) -> int:
         return self.capacity - sum(self.held.values())
 
+    def _recount(self) -> None:
+        try:
+            self.capacity = max(int(self.count()), 1) if self.count is not None else self.capacity
+        except Exception:  # noqa: BLE001 - the cluster did not answer this time: the last count stands
+            pass
+
     async def take(self, holder: str, devices: int) -> int:
         """Wait until ``devices`` (at most the capacity: a trial larger than the cluster runs alone and
         leaves Serve to say it cannot be placed) are free and every earlier arrival has been served;
         hold them for ``holder``. Returns the devices held: 0 when the holder was given back while it
         waited (Ray does not stop an actor's call when its caller dies)."""
-        wanted = min(max(int(devices), 0), self.capacity)
+        asked = max(int(devices), 0)
+
+        def admitted() -> bool:
+            return holder in self.abandoned or (self.queue[0] == holder and self.free() >= min(asked, self.capacity))
+
         async with self.changed:
             if holder in self.held:  # the same trial again (a retried call): it holds them already
                 return self.held[holder]
             self.queue.append(holder)
             try:
-                await self.changed.wait_for(lambda: holder in self.abandoned or (self.queue[0] == holder and self.free() >= wanted))
+                while not admitted():
+                    try:
+                        await asyncio.wait_for(self.changed.wait(), timeout=self.every_s if self.count else None)
+                    except asyncio.TimeoutError:
+                        self._recount()
             finally:
                 self.queue.remove(holder)
                 self.changed.notify_all()
             if holder in self.abandoned:
                 self.abandoned.discard(holder)
                 return 0
-            self.held[holder] = wanted
-            return wanted
+            self.held[holder] = min(asked, self.capacity)
+            return self.held[holder]
 
     async def give_back(self, holder: str) -> int:
         """Free what ``holder`` holds (nothing when it holds nothing), and stop its wait if it waits; the
@@ -83,12 +102,22 @@ class DeviceLedger:
         return {"capacity": self.capacity, "held": dict(self.held), "waiting": list(self.queue)}
 
 
-def start_ledger(name: str, capacity: int) -> Any:
-    """The ledger ``name`` as a Ray actor on this (the driver's) job: it ends with the driver."""
+def devices_now(device: str, per_node: int) -> int:
+    """The devices the live nodes of the connected Ray cluster have now (``study.packing.devices_of``)."""
+    import ray
+
+    from servetune.study.packing import devices_of
+
+    return devices_of(device, per_node, [dict(node["Resources"]) for node in ray.nodes() if node.get("Alive")])
+
+
+def start_ledger(name: str, device: str, per_node: int) -> Any:
+    """The ledger ``name`` as a Ray actor on this (the driver's) job, counting the cluster's ``device``
+    (``devices_per_node`` ``per_node`` for the CPU stand-in) now and while trials wait; it ends with the driver."""
     import ray
 
     remote = ray.remote(num_cpus=0, max_concurrency=1000)(DeviceLedger)
-    return remote.options(name=name, namespace=NAMESPACE).remote(capacity)
+    return remote.options(name=name, namespace=NAMESPACE).remote(devices_now(device, per_node), functools.partial(devices_now, device, per_node))
 
 
 @contextlib.contextmanager

@@ -51,10 +51,9 @@ def run_tuner(context: StudyContext, points: list[dict[str, Any]] | None, search
     if space.through_serve and max_concurrent > 1:  # trials in flight take their devices from the run's ledger
         from servetune.serve.ledger import GiveBack, ledger_name, start_ledger
         from servetune.serve.trial import app_name
-        from servetune.study.packing import serve_capacity
 
         context = dataclasses.replace(context, ledger=ledger_name(space.name))
-        ledger = start_ledger(context.ledger, serve_capacity(space, context.nodes))
+        ledger = start_ledger(context.ledger, space.device, space.hardware.devices_per_node)
         spec_of = context.spec_for
         callbacks = [*callbacks, GiveBack(ledger, lambda params: spec_of(params).trial_id, lambda params: app_name(spec_of(params)))]
     resources = lambda config: tune.PlacementGroupFactory(trial_resources(context, config["params"]))  # noqa: E731

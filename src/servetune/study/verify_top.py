@@ -252,10 +252,9 @@ def verify_top(study_dir: Path, context: StudyContext, say: Callable[[str], None
     ledger = None
     if space.through_serve and at_once > 1:  # verifications through Serve take their devices from a ledger, as trials do
         from servetune.serve.ledger import ledger_name, start_ledger
-        from servetune.study.packing import serve_capacity
 
         context = dataclasses.replace(context, ledger=ledger_name(space.name))
-        ledger = start_ledger(context.ledger, serve_capacity(space, nodes))
+        ledger = start_ledger(context.ledger, space.device, space.hardware.devices_per_node)
     task = ray.remote(verify_on_node)
     running: dict[Any, tuple[int, Selection, dict[str, Any], Any]] = {}
 
