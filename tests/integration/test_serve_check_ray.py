@@ -19,16 +19,6 @@ FIXTURE = Path(__file__).parents[1] / "data" / "cpu-tiny-study"
 TRIAL = "e57a166985b8"
 
 
-@pytest.fixture
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-
-
 def one_trial_study(root: Path, model: Path) -> Path:
     (root / "trials" / TRIAL).mkdir(parents=True)
     shutil.copy(FIXTURE / "study.json", root / "study.json")

@@ -12,15 +12,6 @@ from servetune.serve.ledger import GiveBack, devices_held, ledger_name, start_le
 ray = pytest.importorskip("ray")
 
 
-@pytest.fixture
-def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
 def until(predicate, timeout_s=30.0):
     deadline = time.monotonic() + timeout_s
     while not predicate():
