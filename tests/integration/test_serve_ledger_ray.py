@@ -24,7 +24,7 @@ def test_a_trial_waits_for_devices_another_holds_and_the_driver_frees_a_killed_t
         pass
     name = ledger_name("s")
     assert name != ledger_name("s")  # each run its own
-    ledger = start_ledger(name, "cpu", 2)  # the CPU stand-in: devices_per_node cores of each node, counted from Ray
+    ledger = start_ledger(name, "cpu", 2, every_s=0.2)  # the CPU stand-in: devices_per_node cores of each node, from Ray
     events = []
 
     def second():
@@ -35,12 +35,13 @@ def test_a_trial_waits_for_devices_another_holds_and_the_driver_frees_a_killed_t
         waiting = threading.Thread(target=second)
         waiting.start()
         until(lambda: ray.get(ledger.state.remote())["waiting"] == ["b"])
-        time.sleep(0.5)
-        assert events == []
+        until(lambda: ray.get(ledger.state.remote())["counts"] >= 2)  # counted again from inside the actor, while b waits
+        assert events == [] and ray.get(ledger.state.remote())["capacity"] == 2
         events.append("a gives back")
     waiting.join(timeout=30)
     assert events == ["a gives back", "b took"]
-    assert ray.get(ledger.state.remote()) == {"capacity": 2, "held": {}, "waiting": []}
+    state = ray.get(ledger.state.remote())
+    assert (state["capacity"], state["held"], state["waiting"]) == (2, {}, [])
     # A trial whose process was killed never gives back: the driver's callback does, by the trial's id, once it
     # deleted the trial's Serve application (none here: Serve is not running, and that is no error).
     ray.get(ledger.take.remote("killed", 2))

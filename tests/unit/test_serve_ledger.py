@@ -48,11 +48,18 @@ def test_giving_back_what_is_not_held_frees_nothing_and_a_holder_asking_again_ke
     run(scenario())
 
 
-@pytest.mark.parametrize(("capacity", "asked", "held"), [(2, 5, 2), (0, 1, 1), (3, 0, 0)])
-def test_a_trial_larger_than_the_cluster_holds_all_of_it_and_runs_alone(capacity, asked, held):
+def test_a_trial_larger_than_the_cluster_waits_until_nothing_is_held_and_then_runs_alone():
     async def scenario():
-        ledger = DeviceLedger(capacity)
-        assert await ledger.take("big", asked) == held
+        ledger = DeviceLedger(2)
+        assert await ledger.take("small", 1) == 1
+        big = await started(ledger.take("big", 5))  # more than the cluster: it holds what it asked, alone
+        behind = await started(ledger.take("after", 1))
+        assert not big.done()
+        await ledger.give_back("small")
+        assert await asyncio.wait_for(big, 5) == 5 and not behind.done()
+        await ledger.give_back("big")
+        assert await asyncio.wait_for(behind, 5) == 1
+        assert await DeviceLedger(3).take("none", 0) == 0
 
     run(scenario())
 
@@ -103,13 +110,12 @@ def test_while_trials_wait_the_clusters_devices_are_counted_again():
     async def scenario():
         ledger = DeviceLedger(1, count, every_s=0.02)
         assert await ledger.take("a", 1) == 1
-        waiting = await started(ledger.take("b", 2))
         nodes["devices"] = None  # unreadable: the last count stands
+        waiting = await started(ledger.take("b", 2))
         await asyncio.sleep(0.1)
-        assert not waiting.done() and ledger.capacity == 1
+        assert not waiting.done() and ledger.capacity == 1 and ledger.counts == 0
         nodes["devices"] = 3  # a node with 2 more joined
-        await asyncio.sleep(0.1)
-        assert waiting.done() and waiting.result() == 2 and ledger.free() == 0
+        assert await asyncio.wait_for(waiting, 5) == 2 and ledger.free() == 0
         nodes["devices"] = 2  # a node was lost: over-committed, so the next one waits
         late = await started(ledger.take("c", 1))
         await asyncio.sleep(0.1)
@@ -118,7 +124,25 @@ def test_while_trials_wait_the_clusters_devices_are_counted_again():
         await asyncio.sleep(0.05)
         assert not late.done()  # b's 2 fill the 2 left
         await ledger.give_back("b")
-        await asyncio.sleep(0.05)
-        assert late.done()
+        assert await asyncio.wait_for(late, 5) == 1
+
+    run(scenario())
+
+
+def test_a_recount_is_not_put_off_by_a_busy_ledger():
+    """Trials coming and going every few milliseconds do not keep the waiting one from seeing a new node."""
+    nodes = {"devices": 1}
+
+    async def scenario():
+        ledger = DeviceLedger(1, lambda: nodes["devices"], every_s=0.05)
+        await ledger.take("a", 1)
+        waiting = await started(ledger.take("b", 2))
+        nodes["devices"] = 3
+        for i in range(30):  # a notification every 10 ms, shorter than the count's period
+            await ledger.give_back(f"nobody-{i}")
+            await asyncio.sleep(0.01)
+            if waiting.done():
+                break
+        assert waiting.done() and waiting.result() == 2
 
     run(scenario())

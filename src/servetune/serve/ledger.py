@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -39,12 +40,13 @@ def ledger_name(study: str) -> str:
 class DeviceLedger:
     """Devices held, by holder (a trial id); :meth:`take` waits in arrival order until enough are free.
 
-    ``count``, when given, counts the cluster's devices again while a trial waits (every ``every_s``): an
-    autoscaler adds nodes, a node is lost."""
+    ``count``, when given, counts the cluster's devices again while trials wait (at most every ``every_s``):
+    an autoscaler adds nodes, a node is lost."""
 
     def __init__(self, capacity: int, count: Callable[[], int] | None = None, every_s: float = 5.0) -> None:
         self.capacity = max(int(capacity), 1)
         self.count, self.every_s = count, every_s
+        self.counted_at, self.counts = time.monotonic(), 0  # counts: the counts that succeeded
         self.held: dict[str, int] = {}
         self.queue: list[str] = []  # holders waiting, in arrival order
         self.abandoned: set[str] = set()  # waiting holders given back (their process died): they take nothing
@@ -53,21 +55,27 @@ class DeviceLedger:
     def free(self) -> int:
         return self.capacity - sum(self.held.values())
 
-    def _recount(self) -> None:
+    def _recount(self) -> bool:
+        """Count the cluster's devices again; whether the capacity changed."""
+        self.counted_at = time.monotonic()
         try:
-            self.capacity = max(int(self.count()), 1) if self.count is not None else self.capacity
+            counted = max(int(self.count()), 1) if self.count is not None else self.capacity
         except Exception:  # noqa: BLE001 - the cluster did not answer this time: the last count stands
-            pass
+            return False
+        changed, self.capacity, self.counts = counted != self.capacity, counted, self.counts + 1
+        return changed
 
     async def take(self, holder: str, devices: int) -> int:
-        """Wait until ``devices`` (at most the capacity: a trial larger than the cluster runs alone and
-        leaves Serve to say it cannot be placed) are free and every earlier arrival has been served;
-        hold them for ``holder``. Returns the devices held: 0 when the holder was given back while it
-        waited (Ray does not stop an actor's call when its caller dies)."""
+        """Wait until ``devices`` are free and every earlier arrival has been served (a trial larger than the
+        cluster waits until nothing is held: it runs alone, and Serve says whether it can be placed); hold them
+        for ``holder``. Returns the devices held: 0 when the holder was given back while it waited (Ray does
+        not stop an actor's call when its caller dies)."""
         asked = max(int(devices), 0)
 
         def admitted() -> bool:
-            return holder in self.abandoned or (self.queue[0] == holder and self.free() >= min(asked, self.capacity))
+            if holder in self.abandoned:
+                return True
+            return self.queue[0] == holder and (self.free() >= asked or not any(self.held.values()))
 
         async with self.changed:
             if holder in self.held:  # the same trial again (a retried call): it holds them already
@@ -75,18 +83,24 @@ class DeviceLedger:
             self.queue.append(holder)
             try:
                 while not admitted():
-                    try:
-                        await asyncio.wait_for(self.changed.wait(), timeout=self.every_s if self.count else None)
-                    except asyncio.TimeoutError:
-                        self._recount()
+                    timeout = None
+                    if self.count is not None:
+                        due = self.counted_at + self.every_s - time.monotonic()
+                        if due <= 0:
+                            if self._recount():
+                                self.changed.notify_all()  # the other waiters judge the new count too
+                            continue
+                        timeout = due
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self.changed.wait(), timeout=timeout)
             finally:
                 self.queue.remove(holder)
                 self.changed.notify_all()
             if holder in self.abandoned:
                 self.abandoned.discard(holder)
                 return 0
-            self.held[holder] = min(asked, self.capacity)
-            return self.held[holder]
+            self.held[holder] = asked
+            return asked
 
     async def give_back(self, holder: str) -> int:
         """Free what ``holder`` holds (nothing when it holds nothing), and stop its wait if it waits; the
@@ -99,7 +113,7 @@ class DeviceLedger:
             return freed
 
     async def state(self) -> dict[str, Any]:
-        return {"capacity": self.capacity, "held": dict(self.held), "waiting": list(self.queue)}
+        return {"capacity": self.capacity, "held": dict(self.held), "waiting": list(self.queue), "counts": self.counts}
 
 
 def devices_now(device: str, per_node: int) -> int:
@@ -111,13 +125,14 @@ def devices_now(device: str, per_node: int) -> int:
     return devices_of(device, per_node, [dict(node["Resources"]) for node in ray.nodes() if node.get("Alive")])
 
 
-def start_ledger(name: str, device: str, per_node: int) -> Any:
+def start_ledger(name: str, device: str, per_node: int, every_s: float = 5.0) -> Any:
     """The ledger ``name`` as a Ray actor on this (the driver's) job, counting the cluster's ``device``
     (``devices_per_node`` ``per_node`` for the CPU stand-in) now and while trials wait; it ends with the driver."""
     import ray
 
     remote = ray.remote(num_cpus=0, max_concurrency=1000)(DeviceLedger)
-    return remote.options(name=name, namespace=NAMESPACE).remote(devices_now(device, per_node), functools.partial(devices_now, device, per_node))
+    count = functools.partial(devices_now, device, per_node)
+    return remote.options(name=name, namespace=NAMESPACE).remote(devices_now(device, per_node), count, every_s)
 
 
 @contextlib.contextmanager
