@@ -50,6 +50,7 @@ class DeviceLedger:
         self.held: dict[str, int] = {}
         self.queue: list[str] = []  # holders waiting, in arrival order
         self.abandoned: set[str] = set()  # waiting holders given back (their process died): they take nothing
+        self.ended: set[str] = set()  # holders given back: a call of theirs still on its way takes nothing
         self.changed = asyncio.Condition()
 
     def free(self) -> int:
@@ -80,6 +81,8 @@ class DeviceLedger:
         async with self.changed:
             if holder in self.held:  # the same trial again (a retried call): it holds them already
                 return self.held[holder]
+            if holder in self.ended:  # given back before its call came in (its process died): it takes nothing
+                return 0
             self.queue.append(holder)
             try:
                 while not admitted():
@@ -103,12 +106,14 @@ class DeviceLedger:
             return asked
 
     async def give_back(self, holder: str) -> int:
-        """Free what ``holder`` holds (nothing when it holds nothing), and stop its wait if it waits; the
-        devices freed."""
+        """Free what ``holder`` holds (nothing when it holds nothing), and stop its wait if it waits, or a
+        call of its not yet here (a holder is a trial or a verification of one run: it takes once); the devices
+        freed."""
         async with self.changed:
             freed = self.held.pop(holder, 0)
             if holder in self.queue:
                 self.abandoned.add(holder)
+            self.ended.add(holder)
             self.changed.notify_all()
             return freed
 
