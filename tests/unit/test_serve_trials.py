@@ -15,7 +15,7 @@ from servetune.report.points import ReportPoint
 from servetune.serve.trial import local_serve_cpus, trial_llm_config
 from servetune.study.context import StudyContext, resolve_levels
 from servetune.study.nodes import bundle
-from servetune.study.packing import resolve_max_concurrent, serve_capacity
+from servetune.study.packing import devices_of, resolve_max_concurrent
 
 FIXTURE = Path(__file__).parents[1] / "data" / "cpu-tiny-study"
 FIXTURE_TRIAL = "e57a166985b8"
@@ -142,8 +142,8 @@ def test_trials_in_flight_through_serve_fill_the_clusters_devices_together(tmp_p
     cpu_auto = SearchSpace.model_validate({**s.model_dump(), "search": {"max_concurrent": "auto"}})
     assert resolve_max_concurrent(cpu_auto, [2.0]) == 1  # on CPU, one at a time unless asked
     # The ledger's capacity: the cluster's GPUs; on the CPU stand-in, devices_per_node cores of each node.
-    assert serve_capacity(gpu, [{"GPU": 8.0, "CPU": 96.0}, {"CPU": 4.0}]) == 8
-    assert serve_capacity(s, [{"CPU": 32.0}, {"CPU": 1.0}]) == 2 + 1
+    assert devices_of(gpu.device, gpu.hardware.devices_per_node, [{"GPU": 8.0, "CPU": 96.0}, {"CPU": 4.0}]) == 8
+    assert devices_of(s.device, s.hardware.devices_per_node, [{"CPU": 32.0}, {"CPU": 1.0}]) == 2 + 1
 
 
 def test_the_export_of_a_trial_through_serve_keeps_its_replicas():

@@ -49,8 +49,9 @@ class DeviceLedger:
         self.counted_at, self.counts = time.monotonic(), 0  # counts: the counts that succeeded
         self.held: dict[str, int] = {}
         self.queue: list[str] = []  # holders waiting, in arrival order
-        self.abandoned: set[str] = set()  # waiting holders given back (their process died): they take nothing
-        self.ended: set[str] = set()  # holders given back: a call of theirs still on its way takes nothing
+        # Holders given back (each takes once): one still waiting, or whose call is still on its way (its process
+        # died), takes nothing.
+        self.ended: set[str] = set()
         self.changed = asyncio.Condition()
 
     def free(self) -> int:
@@ -74,7 +75,7 @@ class DeviceLedger:
         asked = max(int(devices), 0)
 
         def admitted() -> bool:
-            if holder in self.abandoned:
+            if holder in self.ended:  # given back while it waited: its process died
                 return True
             return self.queue[0] == holder and (self.free() >= asked or not any(self.held.values()))
 
@@ -99,8 +100,7 @@ class DeviceLedger:
             finally:
                 self.queue.remove(holder)
                 self.changed.notify_all()
-            if holder in self.abandoned:
-                self.abandoned.discard(holder)
+            if holder in self.ended:
                 return 0
             self.held[holder] = asked
             return asked
@@ -111,8 +111,6 @@ class DeviceLedger:
         freed."""
         async with self.changed:
             freed = self.held.pop(holder, 0)
-            if holder in self.queue:
-                self.abandoned.add(holder)
             self.ended.add(holder)
             self.changed.notify_all()
             return freed
@@ -154,8 +152,24 @@ def devices_held(ledger_name: str | None, holder: str, devices: int) -> Iterator
         ray.get(ledger.take.remote(holder, devices))
         yield
     finally:
-        with contextlib.suppress(Exception):  # the ledger died with the driver: nothing is held anywhere
-            ray.get(ledger.give_back.remote(holder), timeout=30)
+        give_back(ledger, holder)
+
+
+def give_back(ledger: Any, holder: str) -> None:
+    """Free what ``holder`` holds in ``ledger`` (a trial's own exit, the driver's callback, a dead verification)."""
+    import ray
+
+    with contextlib.suppress(Exception):  # the ledger died with the driver: nothing is held anywhere
+        ray.get(ledger.give_back.remote(holder), timeout=30)
+
+
+def delete_left_app(name: str) -> None:
+    """Delete the Serve application ``name`` that a killed trial or verification task left deployed (its own
+    teardown did not run), so its replicas free the devices the ledger hands on."""
+    from servetune.serve.cluster import ServeCluster
+
+    with contextlib.suppress(Exception):  # Serve is gone: nothing holds the devices
+        ServeCluster.attached().delete(name)
 
 
 class GiveBack(Callback):
@@ -165,18 +179,10 @@ class GiveBack(Callback):
     def __init__(self, ledger: Any, holder_of: Callable[[dict[str, Any]], str], app_of: Callable[[dict[str, Any]], str]) -> None:
         self.ledger, self.holder_of, self.app_of = ledger, holder_of, app_of
 
-    def _give_back(self, trial: Any) -> None:
-        import ray
-
-        with contextlib.suppress(Exception):  # the ledger is gone with its Ray: nothing is held
-            ray.get(self.ledger.give_back.remote(self.holder_of(trial.config.get("params", {}))), timeout=30)
-
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:
-        self._give_back(trial)
+        give_back(self.ledger, self.holder_of(trial.config.get("params", {})))
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
-        from ray import serve
-
-        with contextlib.suppress(Exception):  # none deployed, or Serve is gone: nothing holds the devices
-            serve.delete(self.app_of(trial.config.get("params", {})), _blocking=True)
-        self._give_back(trial)
+        params = trial.config.get("params", {})
+        delete_left_app(self.app_of(params))
+        give_back(self.ledger, self.holder_of(params))

@@ -104,14 +104,10 @@ def resolve_max_concurrent(space: SearchSpace, cluster_devices: float | Sequence
     return max(at_once, 1)
 
 
-def serve_capacity(space: SearchSpace, nodes: Sequence[Mapping[str, float]]) -> int:
-    """The devices a study's trials through Serve share (the ledger's capacity): the cluster's GPUs; on the
-    CPU stand-in, ``devices_per_node`` cores of each node (a replica claims a core per rank, serve/cores.py)."""
-    return devices_of(space.device, space.hardware.devices_per_node, nodes)
-
-
 def devices_of(device: str, per_node: int, nodes: Sequence[Mapping[str, float]]) -> int:
-    """:func:`serve_capacity` from the space's device kind and ``devices_per_node``."""
+    """The devices a study's trials through Serve share (the ledger's capacity, serve/ledger.py): the nodes'
+    GPUs; on the CPU stand-in, ``devices_per_node`` (``per_node``) cores of each node (a replica claims a core
+    per rank, serve/cores.py)."""
     if device == "gpu":
         return int(sum(node.get("GPU", 0.0) for node in nodes))
     return int(sum(min(per_node, node.get("CPU", 0.0)) for node in nodes))

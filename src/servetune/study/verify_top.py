@@ -108,16 +108,6 @@ class QueueProgress:
         self._put(("scenario", name, passed, reason))
 
 
-def delete_app(spec: Any) -> None:
-    """Delete the Serve application of a point whose verification task died (its own teardown did not run)."""
-    from ray import serve
-
-    from servetune.serve.trial import app_name
-
-    with contextlib.suppress(Exception):  # none deployed, or Serve is gone: nothing holds the devices
-        serve.delete(app_name(spec), _blocking=True)
-
-
 def holder(trial_id: str) -> str:
     """A verification's name in the study's device ledger (a trial's is its trial id)."""
     return f"verify-{trial_id}"
@@ -339,12 +329,16 @@ def verify_top(study_dir: Path, context: StudyContext, say: Callable[[str], None
                     lines = str(exc).strip().splitlines()
                     finish(selection, mine, None, None, None, f"{type(exc).__name__}: {lines[-1][:300] if lines else 'no message'}")
                     if space.through_serve:  # its Serve application, never deleted, would keep its devices
-                        delete_app(context.spec_for(dict(selection.winner.result.params)))
+                        from servetune.serve.ledger import delete_left_app
+                        from servetune.serve.trial import app_name
+
+                        delete_left_app(app_name(context.spec_for(dict(selection.winner.result.params))))
                 finally:
                     remove_placement_group(group)
                     if ledger is not None:  # a task that died gave nothing back (nor stopped its wait)
-                        with contextlib.suppress(Exception):
-                            ray.get(ledger.give_back.remote(holder(selection.winner.trial_id)), timeout=30)
+                        from servetune.serve.ledger import give_back
+
+                        give_back(ledger, holder(selection.winner.trial_id))
         drain()
     finally:
         for rank, selection, mine, group in running.values():
