@@ -338,3 +338,42 @@ def test_what_each_replica_served_leaves_out_an_earlier_deployment_of_the_name(t
     engine = ServeEngine(spec, tmp_path, Counted()).__enter__()
     assert engine.record()["requests_per_replica"] == {"r1": 7, "r2": 3}
     engine.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize(("kv_bytes", "waits"), [(2_000, False), (1 << 30, True)])
+def test_a_trial_the_capacity_check_rejects_is_rejected_without_waiting_for_devices(tmp_path, tiny_model, monkeypatch, kv_bytes, waits):
+    """Trials through Serve take their devices from the study's ledger before they deploy; one that cannot hold a
+    single request (a 2,000-byte KV cache) is INFEASIBLE at once, however long others hold the devices."""
+    import ray
+    from ray import tune
+
+    from servetune.serve import ledger
+    from servetune.study import driver
+
+    path = tmp_path / "space.yaml"  # the KV cache sized by kv_cache_memory_bytes, not VLLM_CPU_KVCACHE_SPACE
+    path.write_text(BASE.replace("VLLM_CPU_KVCACHE_SPACE: 1, ", "") + f"params:\n  serve.num_replicas: [1]\n  kv_cache_memory_bytes: [{kv_bytes}]\n")
+    s = load_space(path)
+    workload = s.resolved_workload(tmp_path)
+    context = StudyContext(s, workload, tmp_path, str(tiny_model), resolve_levels(s, workload), ledger="the-study's")
+    asked, reports = [], []
+
+    class Held(Exception):
+        pass
+
+    def devices_held(name, holder, devices):  # every device held by other trials: a wait with no end
+        asked.append((name, devices))
+        raise Held
+
+    monkeypatch.setattr(ledger, "devices_held", devices_held)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: type("R", (), {"get_node_id": lambda self: "node"})())
+    monkeypatch.setattr(tune, "report", reports.append)
+    monkeypatch.chdir(tmp_path)
+    params = {"serve.num_replicas": 1, "kv_cache_memory_bytes": kv_bytes}
+    if waits:
+        with pytest.raises(Held):
+            driver.trainable({"params": params}, context)
+        assert asked == [("the-study's", 1)] and reports == []
+        return
+    driver.trainable({"params": params}, context)
+    result = json.loads(reports[-1][driver.RESULT_KEY])
+    assert asked == [] and result["outcome"] == "INFEASIBLE" and result["reason"].startswith("capacity check: "), result["reason"]

@@ -62,7 +62,7 @@ def trainable(config: dict[str, Any], context: StudyContext, finished_points: An
 
     from servetune.load.requests import PromptFactory, load_tokenizer
     from servetune.study.early_stop import dominance_rule
-    from servetune.trial.runner import load_result, run_trial, vllm_engine
+    from servetune.trial.runner import fits, load_result, run_trial, vllm_engine
 
     normal_priority()
     context = dataclasses.replace(context, study_dir=node_local_dir())  # trials write only on their own node
@@ -79,7 +79,8 @@ def trainable(config: dict[str, Any], context: StudyContext, finished_points: An
             from servetune.serve.ledger import devices_held
             from servetune.serve.trial import ServeEngine as engine
 
-            held = devices_held(context.ledger, spec.trial_id, spec.devices)  # trials in flight share no device
+            if fits(spec):  # one the capacity check rejects is rejected in seconds, without waiting for devices
+                held = devices_held(context.ledger, spec.trial_id, spec.devices)  # trials in flight share no device
         with held:
             result = run_trial(spec, tune.report, lambda: PromptFactory(load_tokenizer(spec.tokenizer)), stop_rule=rule, engine=engine)
         if finished_points is not None:  # before the final report: trials that start next see it

@@ -176,6 +176,12 @@ def capacity_check(spec: TrialSpec) -> CapacityReport | None:
     )  # fmt: skip
 
 
+def fits(spec: TrialSpec) -> bool:
+    """Whether the trial passes its capacity check (or has none): what ``run_trial`` checks first."""
+    capacity = capacity_check(spec)
+    return capacity is None or capacity.fits
+
+
 class Engine(MeasuredEngine, Protocol):
     """The server a trial measures, as the trial uses it: a context manager that starts it (raising
     ``EngineStartError``) and stops it, with its address, its start-up time, the KV capacity it
