@@ -23,7 +23,9 @@ per algorithm: ``lowered``, cut trials (all seeds) whose own best goodput fell b
 higher level that scored more was not run; ``best_lost_share``, the share of seeds whose best with early stopping scored
 lower than without (target: under 5%), with the cut trial, level and dominator that explain
 each loss; ``device_minutes_saved``, the recorded measuring time of the levels cut (times the
-trial's devices, mean per seed); and ``mean_trials`` against the grid size.
+trial's devices, mean per seed); ``mean_trials`` against the grid size; and ``mean_trials_to_best`` ("to best"),
+the trials each seed needed, early stopping on, to come within ``--tolerance`` of the grid's best (mean over the
+``reached`` seeds).
 
     .venv/bin/python bench/search_efficiency.py replay bench/data/cpu-tiny-grid-r4.json --early-stopping --in-flight 4 \
         --seeds 10 --json out.json
@@ -138,17 +140,21 @@ def replay_early_stopping(args: argparse.Namespace) -> int:
     seeds = range(args.seed0, args.seed0 + args.seeds)
     print(f"{args.surface}: {len(surface.results)} grid points, best goodput {surface.best_score:.2f} req/s; early stopping "
           f"off and on, {args.seeds} seeds, {args.in_flight} in flight" + (f", at most {args.budget} trials" if args.budget else ""))  # fmt: skip
-    print(f"{'algorithm':<10} {'mean trials':>11} {'grid':>5} {'cut/seed':>9} {'lowered':>8} {'best lost':>10} {'device min saved':>17} {'seconds':>8}")
+    print(f"{'algorithm':<10} {'mean trials':>11} {'grid':>5} {'to best':>8} {'cut/seed':>9} {'lowered':>8} {'best lost':>10} "
+          f"{'device min saved':>17} {'seconds':>8}")  # fmt: skip
     rows = []
     for algorithm in args.algorithms:
         began = time.perf_counter()
-        e = early_stopping_effect(surface, algorithm, [0] if algorithm == "grid" else seeds, args.in_flight, args.budget)
+        e = early_stopping_effect(surface, algorithm, [0] if algorithm == "grid" else seeds, args.in_flight, args.budget,
+                                  tolerance=args.tolerance)  # fmt: skip
         took = time.perf_counter() - began
         rows.append({"algorithm": algorithm, "seeds": e.seeds, "grid_size": e.grid_size, "mean_trials": e.mean_trials,
                      "mean_cut": statistics.fmean(e.cut), "lowered": sum(e.lowered), "best_lost_share": e.best_lost_share,
                      "device_minutes_saved": e.device_minutes_saved, "losses": [vars(loss) for loss in e.losses],
+                     "mean_trials_to_best": e.mean_needed, "reached": sum(n is not None for n in e.needed),
                      "seconds": took})  # fmt: skip
-        print(f"{algorithm:<10} {e.mean_trials:>11.1f} {e.grid_size:>5} {statistics.fmean(e.cut):>9.1f} {sum(e.lowered):>8} "
+        to_best = "-" if e.mean_needed is None else f"{e.mean_needed:.1f}"
+        print(f"{algorithm:<10} {e.mean_trials:>11.1f} {e.grid_size:>5} {to_best:>8} {statistics.fmean(e.cut):>9.1f} {sum(e.lowered):>8} "
               f"{len(e.losses):>5}/{e.seeds:<4} {e.device_minutes_saved:>17.2f} {took:>8.1f}")  # fmt: skip
         for loss in e.losses:
             why = (f"cut {loss.cut_params} after level {loss.cut_at_level}: {loss.reason}" if loss.cut_params

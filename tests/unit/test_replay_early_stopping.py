@@ -50,6 +50,7 @@ def test_a_trial_slower_at_low_load_but_best_at_high_load_is_not_cut():
     assert len(told["batcher"].result.levels) == 3
     effect = early_stopping_effect(made_up(), "grid", seeds=[0])
     assert effect.best_lost_share == 0.0 and effect.losses == []
+    assert effect.needed == [3] and effect.mean_needed == 3  # BATCHER, third in the grid's order, reached the best
 
 
 def test_a_clearly_dominated_trial_is_cut_and_its_levels_not_run_count_as_saved():
@@ -84,6 +85,7 @@ def test_a_cut_that_loses_the_winner_is_reported_with_its_level_and_dominator():
     surface.results[key(BATCHER)] = batcher.model_copy(update={"engine_args": {**batcher.engine_args, "max_num_seqs": 2}})
     effect = early_stopping_effect(surface, "grid", seeds=[0])
     assert effect.best_lost_share == 1.0 and effect.lowered == [2]
+    assert effect.needed == [None] and effect.mean_needed is None  # the best was cut before its level: never reached
     (loss,) = effect.losses
     assert loss.cut_params == BATCHER and loss.cut_at_level == 0 and "trial fast-low" in loss.reason
     assert loss.best_off == pytest.approx(2000 / 60) and loss.best_on == pytest.approx(200 / 60)

@@ -26,7 +26,7 @@ import json
 import statistics
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -353,10 +353,17 @@ class EarlyStoppingEffect:
     lowered: list[int]  # per seed, cut trials whose own score fell (the cut dropped a level that scored higher)
     device_seconds_saved: list[float]  # per seed
     losses: list[Loss]
+    needed: list[int | None] = field(default_factory=list)  # per seed, with early stopping: trials until one came within the tolerance
 
     @property
     def seeds(self) -> int:
         return len(self.trials)
+
+    @property
+    def mean_needed(self) -> float | None:
+        """Mean trials to come within the tolerance of the best, with early stopping, over the seeds that did."""
+        reached = [n for n in self.needed if n is not None]
+        return statistics.fmean(reached) if reached else None
 
     @property
     def mean_trials(self) -> float:
@@ -373,15 +380,18 @@ class EarlyStoppingEffect:
 
 
 def early_stopping_effect(
-    surface: Surface, algorithm: str, seeds: Iterable[int], in_flight: int = 1, budget: int | None = None, slack: float = 1e-9
+    surface: Surface, algorithm: str, seeds: Iterable[int], in_flight: int = 1, budget: int | None = None, slack: float = 1e-9,
+    tolerance: float = 0.05,
 ) -> EarlyStoppingEffect:
-    """Each seed searched twice, early stopping off and on: did it find as good a best, and what did it save?"""
-    trials, cut, lowered, saved, losses = [], [], [], [], []
+    """Each seed searched twice, early stopping off and on: did it find as good a best, how many trials did it take
+    to come within ``tolerance`` of the surface's best with early stopping on, and what did it save?"""
+    trials, cut, lowered, saved, losses, needed = [], [], [], [], [], []
     for seed in seeds:
         off = replay_trials(surface, algorithm, seed, budget, in_flight)
         on = replay_trials(surface, algorithm, seed, budget, in_flight, early_stopping=True)
         best_off, best_on = max(score(t.result) for t in off), max(score(t.result) for t in on)
         trials.append(len(on))
+        needed.append(trials_to_reach([score(t.result) for t in on], (1 - tolerance) * surface.best_score))
         cut.append(sum(t.cut for t in on))
         lowered.append(sum(t.cut and score(t.result) < score(t.recorded) - slack for t in on))
         saved.append(sum(t.device_seconds_saved for t in on))
@@ -389,4 +399,4 @@ def early_stopping_effect(
             culprit = next((t for t in on if t.cut and score(t.recorded) > best_on + slack), None)
             losses.append(Loss(seed, best_off, best_on, culprit.params if culprit else None,
                                len(culprit.result.levels) - 1 if culprit else None, culprit.result.stopped_because if culprit else None))  # fmt: skip
-    return EarlyStoppingEffect(algorithm, len(surface.results), trials, cut, lowered, saved, losses)
+    return EarlyStoppingEffect(algorithm, len(surface.results), trials, cut, lowered, saved, losses, needed)
