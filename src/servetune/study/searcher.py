@@ -11,7 +11,10 @@ told anything else: TPE (``constant_liar``) and GP (batch acquisition) steer awa
 points, NSGA-II and random search ignore them. When the sampler proposes a point again:
 - if it is still running, that proposal is told FAIL, a state every sampler ignores, and the
   searcher asks again (a running point has no result to tell);
-- if it has finished, the proposal is told its measured answer (real data, told again).
+- if it has finished, the proposal is told its measured answer (real data, told again); GP, whose
+  proposal would be the same again, explores the closest unmeasured point instead where the space
+  is lists only.
+GP sees a list of three or more numbers as its index (``ordered``): 8 lies between 2 and 32.
 The searcher's state is its history of finished, told points: pickling keeps only that history
 and rebuilds the Optuna study from it; trials in flight are not part of it.
 """
@@ -68,7 +71,32 @@ def one_torch_thread(algorithm: str) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+#: The samplers that see a list of numbers as its index (:func:`ordered`). GP models the index as a number, so
+#: it learns that 8 lies between 2 and 32; replayed on the recorded surfaces, it then needs fewer trials
+#: (bench/README.md, "Lists of numbers in order"). TPE needed more, NSGA-II the same: they see categories.
+ORDERED_FOR = frozenset({"gp"})
+
+
+def ordered(values: list[Any]) -> list[Any] | None:
+    """A list of three or more distinct numbers, sorted: GP sees its index, so it knows 8 lies between 2 and 32
+    (as a category, each value is learnt on its own). None for any other list."""
+    numbers = all(isinstance(v, int | float) and not isinstance(v, bool) for v in values)
+    if not numbers or len(values) < 3 or len(set(values)) != len(values):
+        return None
+    return sorted(values)
+
+
+def orders(space: SearchSpace) -> dict[str, list[Any]]:
+    """The lists the space's sampler sees as their index (:data:`ORDERED_FOR`), each sorted."""
+    if space.search.algorithm not in ORDERED_FOR:
+        return {}
+    return {name: order for name, values in space.params.items() if not isinstance(values, Range) and (order := ordered(values)) is not None}
+
+
 def distributions(space: SearchSpace) -> dict[str, optuna.distributions.BaseDistribution]:
+    """The sampler's view of each parameter: ranges as they are, a list in :func:`orders` as its index, any
+    other list as categories."""
+    indexed = orders(space)
     out: dict[str, optuna.distributions.BaseDistribution] = {}
     for name, values in space.params.items():
         if isinstance(values, Range):
@@ -77,6 +105,8 @@ def distributions(space: SearchSpace) -> dict[str, optuna.distributions.BaseDist
                 out[name] = optuna.distributions.IntDistribution(int(values.low), int(values.high), log=values.log, step=step)
             else:
                 out[name] = optuna.distributions.FloatDistribution(values.low, values.high, log=values.log, step=values.step)
+        elif name in indexed:
+            out[name] = optuna.distributions.IntDistribution(0, len(values) - 1)
         else:
             out[name] = optuna.distributions.CategoricalDistribution(values)
     return out
@@ -100,6 +130,12 @@ class ConstrainedOptunaSearch(Searcher):
         self.objectives = space.search.objectives
         self.names = constraint_names(space)
         self.distributions = distributions(space)
+        self.orders = orders(space)
+        # GP's proposal is its acquisition's maximum: a point it proposes again, it will propose again (each time
+        # told anew, a copy that slows every later fit). Where the grid is the sampler's whole domain (lists only:
+        # a range's grid is a sample of it), its closest unmeasured point is explored at once.
+        lists_only = all(isinstance(values, list) for values in space.params.values())
+        self.repeats_before_nudge = 0 if space.search.algorithm == "gp" and lists_only else self.REPEATS_BEFORE_NUDGE
         self.study = optuna.create_study(
             directions=["maximize" if o.mode == "max" else "minimize" for o in self.objectives],
             sampler=make_sampler(space.search.algorithm, space.search.seed),
@@ -130,21 +166,35 @@ class ConstrainedOptunaSearch(Searcher):
     def _key(self, params: dict[str, Any]) -> str:
         return json.dumps(params, sort_keys=True, default=str)
 
+    def _values(self, trial: optuna.trial.BaseTrial) -> dict[str, Any]:
+        """The point an Optuna trial stands for: each ordered list's index turned back into its value."""
+        return {name: self.orders[name][v] if name in self.orders else v for name, v in trial.params.items()}
+
+    def _indexed(self, params: dict[str, Any]) -> dict[str, Any] | None:
+        """``params`` as the sampler sees them (None: a value no longer in its list)."""
+        out = dict(params)
+        for name, order in self.orders.items():
+            if params[name] not in order:
+                return None
+            out[name] = order.index(params[name])
+        return out
+
     def _penalty(self) -> tuple[list[float], list[float]]:
         return [PENALTY[o.mode] for o in self.objectives], [1.0] * len(self.names)
 
     def running(self) -> set[str]:
         """The keys of the points in flight (proposed, no result yet)."""
-        return {self._key(dict(trial.params)) for trial in self.live.values() if trial is not None}
+        return {self._key(self._values(trial)) for trial in self.live.values() if trial is not None}
 
     def _add_finished(self, params: dict, values: list[float], constraints: list[float]) -> None:
-        if set(params) != set(self.distributions):
+        indexed = self._indexed(params) if set(params) == set(self.distributions) else None
+        if indexed is None:
             return  # the baseline, or a point of another space: nothing the sampler can use
         self.history.append((params, values, constraints))
         self.finished[self._key(params)] = (values, constraints)
         self.study.add_trial(
             optuna.trial.create_trial(
-                params=params, distributions=self.distributions, values=values,
+                params=indexed, distributions=self.distributions, values=values,
                 constraints=dict(zip(self.names, constraints)),
             )  # fmt: skip
         )
@@ -154,8 +204,8 @@ class ConstrainedOptunaSearch(Searcher):
         for name, value in zip(self.names, constraints):
             trial.set_constraint(name, value)
         self.study.tell(trial, values)
-        self.history.append((dict(trial.params), values, constraints))
-        self.finished[self._key(dict(trial.params))] = (values, constraints)
+        self.history.append((self._values(trial), values, constraints))
+        self.finished[self._key(self._values(trial))] = (values, constraints)
 
     def _drop(self, trial: optuna.trial.Trial) -> None:
         """End an ask that will not run, telling the sampler nothing (FAIL: every sampler ignores it)."""
@@ -179,24 +229,25 @@ class ConstrainedOptunaSearch(Searcher):
     def _suggest(self, trial_id: str, running: set[str]) -> dict | None:
         for attempt in range(self.MAX_ASKS):
             trial = self.study.ask(self.distributions)
-            key = self._key(dict(trial.params))
-            known = key in self.finished or key in running
-            if known and attempt >= self.REPEATS_BEFORE_NUDGE:
+            point = self._values(trial)
+            known = self._key(point) in self.finished or self._key(point) in running
+            if known and attempt >= self.repeats_before_nudge:
                 trial = self._nudge(trial, running)
                 if trial is None:
                     return Searcher.FINISHED
-                key = self._key(dict(trial.params))
+                point = self._values(trial)
+            key = self._key(point)
             if key in running:
                 self._drop(trial)
                 continue
             if key in self.finished:
                 self._tell(trial, *self.finished[key])
                 continue
-            if self.space.constraint_violations(dict(trial.params)):
+            if self.space.constraint_violations(point):
                 self._tell(trial, *self._penalty())
                 continue
             self.live[trial_id] = trial
-            return {"params": dict(trial.params)}
+            return {"params": point}
         return Searcher.FINISHED
 
     def _nudge(self, trial: optuna.trial.Trial, running: set[str]) -> optuna.trial.Trial | None:
@@ -206,10 +257,10 @@ class ConstrainedOptunaSearch(Searcher):
         explore an unmeasured point instead, and learn from it as usual.
         """
         self._drop(trial)
-        fresh = self._unseen_point(dict(trial.params), running)
+        fresh = self._unseen_point(self._values(trial), running)
         if fresh is None:
             return None
-        self.study.enqueue_trial(fresh)
+        self.study.enqueue_trial(self._indexed(fresh))
         return self.study.ask(self.distributions)
 
     def _unseen_point(self, near: dict[str, Any], running: set[str]) -> dict[str, Any] | None:
@@ -226,7 +277,9 @@ class ConstrainedOptunaSearch(Searcher):
     def _distance(self, a: dict[str, Any], b: dict[str, Any]) -> float:
         total = 0.0
         for name, dist in self.distributions.items():
-            if isinstance(dist, optuna.distributions.CategoricalDistribution):
+            if name in self.orders:  # steps along the sorted list
+                total += abs(self.orders[name].index(a[name]) - self.orders[name].index(b[name])) / (len(self.orders[name]) - 1)
+            elif isinstance(dist, optuna.distributions.CategoricalDistribution):
                 total += float(a[name] != b[name])
             else:
                 total += abs(a[name] - b[name]) / max(dist.high - dist.low, 1e-12)
