@@ -98,8 +98,9 @@ def test_searcher_learns_the_constraint(algorithm):
     if algorithm == "tpe":  # TPE learns fastest on a discrete space: mostly feasible late on
         assert sum(x <= 30 for x in proposed[-12:]) >= 8, proposed
     best = [t for t in searcher.study.best_trials]
-    assert best and all(t.params["x"] <= 30 for t in best)  # the best feasible point, not the highest x
-    assert max(t.params["x"] for t in best) >= 22
+    best_x = [searcher._values(t)["x"] for t in best]  # GP sees x as its index in the list
+    assert best and all(x <= 30 for x in best_x)  # the best feasible point, not the highest x
+    assert max(best_x) >= 22
 
 
 def test_searcher_never_reruns_a_measured_point_and_survives_pickling():
@@ -217,3 +218,21 @@ def test_gp_on_lists_explores_the_closest_unmeasured_point_instead_of_proposing_
     assert len(told) == len(set(told)) >= 30  # no measured point told twice (a point breaking a constraint: told its penalty)
     ranged = make_space("gp", params={"x": {"low": 1, "high": 60}, "y": [1, 2]})
     assert ConstrainedOptunaSearch(ranged, baseline=False).repeats_before_nudge == ConstrainedOptunaSearch.REPEATS_BEFORE_NUDGE
+
+
+@pytest.mark.parametrize("algorithm", ["tpe", "gp"])
+def test_resume_over_a_changed_space_skips_what_it_no_longer_holds_and_keys_values_as_listed(algorithm):
+    """--resume after the space was edited: a value no longer listed, or out of its range now, is left out (it
+    once stopped the run); a value recorded as 4.0 is the listed 4, so that point is not measured again."""
+    params = {"x": [1, 4, 16], "y": [True, False], "z": {"low": 1, "high": 10}}
+    space = make_space(algorithm, params=params, constraints=[])
+    ok = [0.0, 0.0]
+    history = [({"x": 1.0, "y": True, "z": 3}, [1.0], ok), ({"x": 4.0, "y": True, "z": 3}, [2.0], ok),
+               ({"x": 16.0, "y": True, "z": 3}, [3.0], ok),
+               ({"x": 8, "y": True, "z": 3}, [9.0], ok), ({"x": 4, "y": 1, "z": 3}, [9.0], ok),  # 8: no longer listed; 1: not True
+               ({"x": 4, "y": False, "z": 20}, [9.0], ok)]  # fmt: skip  # z 20: out of its range now
+    searcher = ConstrainedOptunaSearch(space, baseline=False, history=history)
+    assert [p for p, _, _ in searcher.history] == [{"x": x, "y": True, "z": 3} for x in (1, 4, 16)]
+    assert all(type(p["x"]) is int for p, _, _ in searcher.history)  # as listed
+    assert len(searcher.study.trials) == 3
+    assert {json.dumps(p, sort_keys=True) for p, _, _ in searcher.history} <= set(searcher.finished)

@@ -170,13 +170,26 @@ class ConstrainedOptunaSearch(Searcher):
         """The point an Optuna trial stands for: each ordered list's index turned back into its value."""
         return {name: self.orders[name][v] if name in self.orders else v for name, v in trial.params.items()}
 
-    def _indexed(self, params: dict[str, Any]) -> dict[str, Any] | None:
-        """``params`` as the sampler sees them (None: a value no longer in its list)."""
-        out = dict(params)
-        for name, order in self.orders.items():
-            if params[name] not in order:
+    def _indexed(self, params: dict[str, Any]) -> dict[str, Any]:
+        """A point of the space (its values as listed) as the sampler sees it."""
+        return {name: self.orders[name].index(v) if name in self.orders else v for name, v in params.items()}
+
+    def _as_listed(self, params: dict[str, Any]) -> dict[str, Any] | None:
+        """``params`` with each listed value as the space lists it (``4.0`` recorded, ``4`` listed: ``4``), or
+        None where a parameter is missing or extra, or a value is no longer in its list (the space changed since
+        it was measured): a point the sampler cannot be told. A value out of its range is Optuna's to refuse."""
+        if set(params) != set(self.distributions):
+            return None
+        out = {}
+        for name, value in params.items():
+            listed = self.space.params[name]
+            if isinstance(listed, Range):  # Optuna checks it against the range (_add_finished)
+                out[name] = value
+                continue
+            same = [v for v in listed if v == value and isinstance(v, bool) == isinstance(value, bool)]
+            if not same:
                 return None
-            out[name] = order.index(params[name])
+            out[name] = same[0]
         return out
 
     def _penalty(self) -> tuple[list[float], list[float]]:
@@ -187,17 +200,19 @@ class ConstrainedOptunaSearch(Searcher):
         return {self._key(self._values(trial)) for trial in self.live.values() if trial is not None}
 
     def _add_finished(self, params: dict, values: list[float], constraints: list[float]) -> None:
-        indexed = self._indexed(params) if set(params) == set(self.distributions) else None
-        if indexed is None:
+        listed = self._as_listed(params)
+        if listed is None:
             return  # the baseline, or a point of another space: nothing the sampler can use
-        self.history.append((params, values, constraints))
-        self.finished[self._key(params)] = (values, constraints)
-        self.study.add_trial(
-            optuna.trial.create_trial(
-                params=indexed, distributions=self.distributions, values=values,
+        try:
+            told = optuna.trial.create_trial(
+                params=self._indexed(listed), distributions=self.distributions, values=values,
                 constraints=dict(zip(self.names, constraints)),
             )  # fmt: skip
-        )
+        except ValueError:
+            return  # a value outside its range now (the space changed): not a point of this space
+        self.history.append((listed, values, constraints))
+        self.finished[self._key(listed)] = (values, constraints)
+        self.study.add_trial(told)
 
     def _tell(self, trial: optuna.trial.Trial, values: list[float], constraints: list[float]) -> None:
         """Tell a finished answer: the measured one, or a penalty for a point that cannot run."""
