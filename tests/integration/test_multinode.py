@@ -160,6 +160,41 @@ def _t(stamp: str) -> float:
     return dt.datetime.fromisoformat(stamp).timestamp()
 
 
+LEDGER_DRIVER = """
+import json, sys, time
+import ray
+from servetune.serve.ledger import start_ledger
+
+ray.init(address=sys.argv[1], logging_level="ERROR")
+ledger = start_ledger("servetune-serve-devices-nodes-test", "gpu", 4, every_s=0.2)
+take = lambda holder, devices, each: ray.get(ledger.take.remote(holder, devices, each))
+back = lambda holder: ray.get(ledger.give_back.remote(holder))
+take("x", 1, 1); take("tp2", 2, 2); take("y", 1, 1)  # x and y share one worker, tp2 has the other
+back("tp2"); take("z", 1, 1); back("x")  # now one GPU is free on each worker
+waiting = ledger.take.remote("late-tp2", 2, 2)  # 2 free in all, but no worker has 2
+time.sleep(1.0)
+waited = not ray.wait([waiting], timeout=0)[0]
+back("y")
+ray.get(waiting, timeout=30)
+print(json.dumps({"waited": waited, **ray.get(ledger.state.remote())}))
+"""
+
+
+def test_the_serve_ledger_places_each_replica_inside_one_node_of_the_real_cluster(cluster):
+    """Trials through Serve take their devices from the study's ledger (serve/ledger.py), counted node by node
+    from the real cluster's nodes: a TP2 replica waits while the 2 free GPUs are on different workers."""
+    done = subprocess.run([sys.executable, "-c", LEDGER_DRIVER, cluster.address], capture_output=True, text=True,
+                          env=cluster.head.env, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    state = json.loads(done.stdout.strip().splitlines()[-1])
+    workers = {node_id for node_id, gpus in state["nodes"].items() if gpus}
+    assert len(workers) == 2 and sorted(state["nodes"].values()) == [0, 2, 2]  # the head lends none
+    assert state["waited"], state
+    placed = state["placed"]
+    assert set(placed) == {"z", "late-tp2"} and set(placed["z"]) | set(placed["late-tp2"]) == workers
+    assert list(placed["late-tp2"].values()) == [2]  # both its GPUs on one worker, the one y left
+
+
 def test_a_node_lost_under_a_trial_fails_that_trial_and_the_study_goes_on(tmp_path, tiny_model, cluster, fake_python):
     """Runs last: it kills one of the module cluster's workers."""
     fake = fake_python

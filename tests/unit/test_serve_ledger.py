@@ -148,3 +148,51 @@ def test_a_recount_is_not_put_off_by_a_busy_ledger():
         assert waiting.done() and waiting.result() == 2
 
     run(scenario())
+
+
+def test_a_replica_waits_for_one_node_with_room_even_when_the_cluster_has_enough_devices_in_all():
+    """Two 4-device nodes with 3 held on each: 2 are free, but a TP2 replica needs both on one node."""
+
+    async def scenario():
+        ledger = DeviceLedger({"a": 4, "b": 4})
+        assert await ledger.take("t1", 3, each=3) == 3 and await ledger.take("t2", 3, each=3) == 3
+        assert (await ledger.state())["placed"] == {"t1": {"a": 3}, "t2": {"b": 3}} and ledger.free() == 2
+        tp2 = await started(ledger.take("tp2", 2, each=2))
+        ones = await started(ledger.take("ones", 2, each=1))  # two 1-device replicas would fit, but it came later
+        await asyncio.sleep(0.05)
+        assert not tp2.done() and not ones.done()
+        await ledger.give_back("t1")  # node a is empty: tp2 goes there, then the two ones fill b's 1 and a's 2
+        assert await asyncio.wait_for(tp2, 5) == 2 and await asyncio.wait_for(ones, 5) == 2
+        placed = (await ledger.state())["placed"]
+        assert placed["tp2"] == {"a": 2} and placed["ones"] == {"a": 1, "b": 1} and ledger.free_by_node() == {"a": 1, "b": 0}
+
+    run(scenario())
+
+
+def test_replicas_go_to_the_fullest_node_that_fits_so_a_whole_node_is_left_for_a_large_one():
+    async def scenario():
+        ledger = DeviceLedger({"a": 8, "b": 8})
+        assert await ledger.take("x", 2, each=2) == 2 and await ledger.take("y", 4, each=2) == 4
+        assert (await ledger.state())["placed"] == {"x": {"a": 2}, "y": {"a": 4}}
+        # Spread over both nodes, the TP8 replica would have waited for one of them.
+        assert await asyncio.wait_for(ledger.take("tp8", 8, each=8), 1) == 8
+        assert (await ledger.state())["placed"]["tp8"] == {"b": 8}
+
+    run(scenario())
+
+
+def test_a_lost_node_takes_its_devices_with_it_and_a_new_one_is_placed_on():
+    nodes = {"a": 4, "b": 4}
+
+    async def scenario():
+        ledger = DeviceLedger(dict(nodes), lambda: dict(nodes), every_s=0.02)
+        assert await ledger.take("on-a", 4, each=4) == 4 and await ledger.take("on-b", 2, each=2) == 2
+        del nodes["b"]  # b is lost (with on-b's replica): a is full, so the next one waits
+        await asyncio.sleep(0.05)
+        waiting = await started(ledger.take("next", 2, each=2))
+        await asyncio.sleep(0.1)
+        assert not waiting.done() and ledger.capacity == 4
+        nodes["c"] = 2  # the autoscaler's new node
+        assert await asyncio.wait_for(waiting, 5) == 2 and (await ledger.state())["placed"]["next"] == {"c": 2}
+
+    run(scenario())

@@ -15,7 +15,7 @@ from servetune.report.points import ReportPoint
 from servetune.serve.trial import local_serve_cpus, trial_llm_config
 from servetune.study.context import StudyContext, resolve_levels
 from servetune.study.nodes import bundle
-from servetune.study.packing import devices_of, resolve_max_concurrent
+from servetune.study.packing import devices_by_node, resolve_max_concurrent
 
 FIXTURE = Path(__file__).parents[1] / "data" / "cpu-tiny-study"
 FIXTURE_TRIAL = "e57a166985b8"
@@ -137,13 +137,16 @@ def test_trials_in_flight_through_serve_fill_the_clusters_devices_together(tmp_p
     gpu = SearchSpace.model_validate({**s.model_dump(), "device": "gpu", "search": {"algorithm": "tpe", "max_concurrent": "auto"}})
     # The smallest trial takes 2 devices (2 replicas of TP 1); replicas spread over nodes, so 3 + 3 GPUs hold 3 of them.
     assert resolve_max_concurrent(gpu, [3.0, 3.0]) == 3 and resolve_max_concurrent(gpu, [8.0]) == 4
+    # A replica stays inside one node: two nodes of 3 GPUs hold two TP2 replicas, not three.
+    tp2 = SearchSpace.model_validate({**gpu.model_dump(), "params": {"serve.num_replicas": [1], "tensor_parallel_size": [2]}})
+    assert resolve_max_concurrent(tp2, [3.0, 3.0]) == 2 and resolve_max_concurrent(tp2, [6.0]) == 3
     bare = SearchSpace.model_validate({**gpu.model_dump(), "params": {"tensor_parallel_size": [2, 4]}})
     assert resolve_max_concurrent(bare, [3.0, 3.0]) == 2  # a bare trial stays on one node
     cpu_auto = SearchSpace.model_validate({**s.model_dump(), "search": {"max_concurrent": "auto"}})
     assert resolve_max_concurrent(cpu_auto, [2.0]) == 1  # on CPU, one at a time unless asked
     # The ledger's capacity: the cluster's GPUs; on the CPU stand-in, devices_per_node cores of each node.
-    assert devices_of(gpu.device, gpu.hardware.devices_per_node, [{"GPU": 8.0, "CPU": 96.0}, {"CPU": 4.0}]) == 8
-    assert devices_of(s.device, s.hardware.devices_per_node, [{"CPU": 32.0}, {"CPU": 1.0}]) == 2 + 1
+    assert devices_by_node(gpu.device, gpu.hardware.devices_per_node, {"a": {"GPU": 8.0, "CPU": 96.0}, "b": {"CPU": 4.0}}) == {"a": 8, "b": 0}
+    assert devices_by_node(s.device, s.hardware.devices_per_node, {"a": {"CPU": 32.0}, "b": {"CPU": 1.0}}) == {"a": 2, "b": 1}
 
 
 def test_the_export_of_a_trial_through_serve_keeps_its_replicas():
@@ -360,7 +363,7 @@ def test_a_trial_the_capacity_check_rejects_is_rejected_without_waiting_for_devi
     class Held(Exception):
         pass
 
-    def devices_held(name, holder, devices):  # every device held by other trials: a wait with no end
+    def devices_held(name, holder, devices, each):  # every device held by other trials: a wait with no end
         asked.append((name, devices))
         raise Held
 

@@ -10,9 +10,12 @@ are held; it gives them back once its replicas are gone. The driver gives back a
 when the trial ends: a killed trial process gives back nothing, and leaves its Serve application
 deployed, which the driver deletes first. The ledger ends with the driver.
 
-The ledger counts devices, not where they are: on one node (an 8-GPU host) any free device fits any
-replica. On several nodes a replica of TP > 1 needs its devices on one node, and Serve may still wait
-for a node with enough of them free.
+The ledger counts devices node by node. A replica runs inside one node (its placement group), so a trial
+is admitted only when each of its replicas fits on some node's free devices: on two 8-GPU nodes with 6 and
+4 held, a TP4 replica waits although 6 are free in all. Admitted, it would wait for a node inside its
+start-up, or be stretched over both nodes by Ray Serve LLM's PACK strategy and measure tensor parallelism
+across the network. The ledger's placement is a plan (the fullest node that fits each replica, as Ray packs
+bundles); Serve places the replicas itself.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import contextlib
 import functools
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from ray.tune import Callback
@@ -37,54 +40,104 @@ def ledger_name(study: str) -> str:
     return f"servetune-serve-devices-{study}-{uuid.uuid4().hex[:12]}"
 
 
+#: The node of a ledger started with a device count alone (one node; the unit tests).
+ONE_NODE = "node"
+#: Where a trial the cluster could not hold even empty holds its devices: it runs alone, without a plan.
+UNPLANNED = ""
+Counts = Mapping[str, int]
+
+
+def placed(free: Mapping[str, int], replicas: int, each: int) -> dict[str, int] | None:
+    """Where ``replicas`` replicas of ``each`` devices go on nodes with ``free`` devices, each inside one node:
+    the fullest node that still fits (as Ray packs bundles, leaving whole nodes for larger replicas); the devices
+    taken per node, or None where they do not all fit."""
+    left, taken = dict(free), dict.fromkeys(free, 0)
+    for _ in range(replicas):
+        fits = [node for node in sorted(left) if left[node] >= each]
+        if not fits:
+            return None
+        node = min(fits, key=lambda n: left[n])
+        left[node] -= each
+        taken[node] += each
+    return {node: n for node, n in taken.items() if n}
+
+
 class DeviceLedger:
-    """Devices held, by holder (a trial id); :meth:`take` waits in arrival order until enough are free.
+    """Devices held node by node, by holder (a trial id); :meth:`take` waits in arrival order until each of the
+    holder's replicas fits on one node's free devices.
 
-    ``count``, when given, counts the cluster's devices again while trials wait (at most every ``every_s``):
-    an autoscaler adds nodes, a node is lost."""
+    ``capacity``: the devices of each node (a number: one node). ``count``, when given, counts the cluster's nodes
+    again while trials wait (at most every ``every_s``): an autoscaler adds nodes, a node is lost."""
 
-    def __init__(self, capacity: int, count: Callable[[], int] | None = None, every_s: float = 5.0) -> None:
-        self.capacity = max(int(capacity), 1)
+    def __init__(self, capacity: int | Counts, count: Callable[[], int | Counts] | None = None, every_s: float = 5.0) -> None:
+        self.nodes = _nodes(capacity)
         self.count, self.every_s = count, every_s
         self.counted_at, self.counts = time.monotonic(), 0  # counts: the counts that succeeded
-        self.held: dict[str, int] = {}
+        self.held: dict[str, dict[str, int]] = {}  # holder -> devices per node
         self.queue: list[str] = []  # holders waiting, in arrival order
         # Holders given back (each takes once): one still waiting, or whose call is still on its way (its process
         # died), takes nothing.
         self.ended: set[str] = set()
         self.changed = asyncio.Condition()
 
+    @property
+    def capacity(self) -> int:
+        return sum(self.nodes.values())
+
+    def free_by_node(self) -> dict[str, int]:
+        """Each node's devices less the holders' there; none anywhere while a trial too large to plan runs alone."""
+        if any(where.get(UNPLANNED) for where in self.held.values()):
+            return dict.fromkeys(self.nodes, 0)
+        used = dict.fromkeys(self.nodes, 0)
+        for where in self.held.values():
+            for node, n in where.items():
+                if node in used:  # a lost node's devices are gone, held or not
+                    used[node] += n
+        return {node: max(self.nodes[node] - used[node], 0) for node in self.nodes}
+
     def free(self) -> int:
-        return self.capacity - sum(self.held.values())
+        return sum(self.free_by_node().values())
 
     def _recount(self) -> bool:
-        """Count the cluster's devices again; whether the capacity changed."""
+        """Count the cluster's nodes again; whether their devices changed."""
         self.counted_at = time.monotonic()
         try:
-            counted = max(int(self.count()), 1) if self.count is not None else self.capacity
+            counted = _nodes(self.count()) if self.count is not None else self.nodes
         except Exception:  # noqa: BLE001 - the cluster did not answer this time: the last count stands
             return False
-        changed, self.capacity, self.counts = counted != self.capacity, counted, self.counts + 1
+        changed, self.nodes, self.counts = counted != self.nodes, counted, self.counts + 1
         return changed
 
-    async def take(self, holder: str, devices: int) -> int:
-        """Wait until ``devices`` are free and every earlier arrival has been served (a trial larger than the
-        cluster waits until nothing is held: it runs alone, and Serve says whether it can be placed); hold them
-        for ``holder``. Returns the devices held: 0 when the holder was given back while it waited (Ray does
-        not stop an actor's call when its caller dies)."""
+    async def take(self, holder: str, devices: int, each: int | None = None) -> int:
+        """Wait until every earlier arrival has been served and ``devices`` fit, in replicas of ``each`` devices
+        (default: one replica of all), each inside one node; hold them for ``holder``. A trial the cluster could not
+        hold even empty waits until nothing is held: it runs alone, and Serve says whether it can be placed.
+        Returns the devices held: 0 when the holder was given back while it waited (Ray does not stop an actor's
+        call when its caller dies)."""
         asked = max(int(devices), 0)
+        size = min(max(int(each or asked), 1), max(asked, 1))
+        replicas = -(-asked // size) if asked else 0
+        where: dict[str, int] | None = None
 
         def admitted() -> bool:
+            nonlocal where
             if holder in self.ended:  # given back while it waited: its process died
                 return True
-            return self.queue[0] == holder and (self.free() >= asked or not any(self.held.values()))
+            if self.queue[0] != holder:
+                return False
+            where = placed(self.free_by_node(), replicas, size)
+            if where is None and not any(any(w.values()) for w in self.held.values()):
+                where = {UNPLANNED: asked}  # it runs alone
+            return where is not None
 
         async with self.changed:
             if holder in self.held:  # the same trial again (a retried call): it holds them already
-                return self.held[holder]
+                return sum(self.held[holder].values())
             if holder in self.ended:  # given back before its call came in (its process died): it takes nothing
                 return 0
             self.queue.append(holder)
+            if self.count is not None and time.monotonic() >= self.counted_at + self.every_s:
+                self._recount()  # not judged by a count gone stale while nobody waited (a node lost since)
             try:
                 while not admitted():
                     timeout = None
@@ -102,7 +155,7 @@ class DeviceLedger:
                 self.changed.notify_all()
             if holder in self.ended:
                 return 0
-            self.held[holder] = asked
+            self.held[holder] = where or {}
             return asked
 
     async def give_back(self, holder: str) -> int:
@@ -110,22 +163,29 @@ class DeviceLedger:
         call of its not yet here (a holder is a trial or a verification of one run: it takes once); the devices
         freed."""
         async with self.changed:
-            freed = self.held.pop(holder, 0)
+            freed = sum(self.held.pop(holder, {}).values())
             self.ended.add(holder)
             self.changed.notify_all()
             return freed
 
     async def state(self) -> dict[str, Any]:
-        return {"capacity": self.capacity, "held": dict(self.held), "waiting": list(self.queue), "counts": self.counts}
+        return {"capacity": self.capacity, "nodes": dict(self.nodes), "held": {h: sum(w.values()) for h, w in self.held.items()},
+                "placed": {h: dict(w) for h, w in self.held.items()}, "waiting": list(self.queue), "counts": self.counts}  # fmt: skip
 
 
-def devices_now(device: str, per_node: int) -> int:
-    """The devices the live nodes of the connected Ray cluster have now (``study.packing.devices_of``)."""
+def _nodes(capacity: int | Counts) -> dict[str, int]:
+    if isinstance(capacity, Mapping):
+        return {str(node): max(int(n), 0) for node, n in capacity.items()}
+    return {ONE_NODE: max(int(capacity), 1)}
+
+
+def devices_now(device: str, per_node: int) -> dict[str, int]:
+    """The devices each live node of the connected Ray cluster has now (``study.packing.devices_by_node``)."""
     import ray
 
-    from servetune.study.packing import devices_of
+    from servetune.study.packing import devices_by_node
 
-    return devices_of(device, per_node, [dict(node["Resources"]) for node in ray.nodes() if node.get("Alive")])
+    return devices_by_node(device, per_node, {node["NodeID"]: dict(node["Resources"]) for node in ray.nodes() if node.get("Alive")})
 
 
 def start_ledger(name: str, device: str, per_node: int, every_s: float = 5.0) -> Any:
@@ -139,9 +199,9 @@ def start_ledger(name: str, device: str, per_node: int, every_s: float = 5.0) ->
 
 
 @contextlib.contextmanager
-def devices_held(ledger_name: str | None, holder: str, devices: int) -> Iterator[None]:
-    """``with devices_held(...)``: the trial's devices taken from the run's ledger (waiting for them), and
-    given back on leaving; nothing to take where the run has no ledger (one trial at a time)."""
+def devices_held(ledger_name: str | None, holder: str, devices: int, each: int | None = None) -> Iterator[None]:
+    """``with devices_held(...)``: the trial's devices (replicas of ``each``) taken from the run's ledger (waiting
+    for them), and given back on leaving; nothing to take where the run has no ledger (one trial at a time)."""
     import ray
 
     if ledger_name is None:
@@ -149,10 +209,15 @@ def devices_held(ledger_name: str | None, holder: str, devices: int) -> Iterator
         return
     ledger = ray.get_actor(ledger_name, namespace=NAMESPACE)
     try:
-        ray.get(ledger.take.remote(holder, devices))
+        ray.get(ledger.take.remote(holder, devices, each))
         yield
     finally:
         give_back(ledger, holder)
+
+
+def replica_share(spec: Any) -> tuple[int, int]:
+    """(devices, one replica's devices) of a trial through Serve, as :func:`devices_held` takes them."""
+    return spec.devices, max(spec.devices // max(spec.serve_replicas or 1, 1), 1)
 
 
 def give_back(ledger: Any, holder: str) -> None:

@@ -76,11 +76,11 @@ def trainable(config: dict[str, Any], context: StudyContext, finished_points: An
         rule = dominance_rule(finished_points) if finished_points is not None else None
         engine, held = vllm_engine, contextlib.nullcontext()
         if spec.serve_replicas is not None:
-            from servetune.serve.ledger import devices_held
+            from servetune.serve.ledger import devices_held, replica_share
             from servetune.serve.trial import ServeEngine as engine
 
             if fits(spec):  # one the capacity check rejects is rejected in seconds, without waiting for devices
-                held = devices_held(context.ledger, spec.trial_id, spec.devices)  # trials in flight share no device
+                held = devices_held(context.ledger, spec.trial_id, *replica_share(spec))  # trials in flight share no device
         with held:
             result = run_trial(spec, tune.report, lambda: PromptFactory(load_tokenizer(spec.tokenizer)), stop_rule=rule, engine=engine)
         if finished_points is not None:  # before the final report: trials that start next see it

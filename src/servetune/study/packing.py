@@ -28,9 +28,9 @@ Everything here is pure: it reads points and reservations, never Ray.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
     from servetune.config.space import SearchSpace
@@ -86,7 +86,7 @@ def resolve_max_concurrent(space: SearchSpace, cluster_devices: float | Sequence
     waiting for GPUs count, so a margin lets Ray backfill; :func:`max_concurrent_to_fill`).
     Bayesian search: as many as the nodes run at once, no more, so each proposal still learns
     from as many results as it can. On CPU, one: trials on one host would share the cores their
-    measurements run on. Trials through Serve count the cluster's devices together (their replicas spread
+    measurements run on. Trials through Serve count replicas, each inside one node (a trial's replicas spread
     over nodes); they take their devices from the study's ledger before they deploy (``serve/ledger.py``).
     """
     wanted = space.search.max_concurrent
@@ -97,29 +97,39 @@ def resolve_max_concurrent(space: SearchSpace, cluster_devices: float | Sequence
         return 1
     smallest = max(min(trial_sizes(space)), 1)
     if space.through_serve:  # no margin to backfill: the ledger serves trials in arrival order
-        return max(int(sum(nodes)) // smallest, 1)
+        return max(max(sum(int(n) // each for n in nodes) // replicas for each, replicas in replica_shapes(space)), 1)
     at_once = sum(int(n) // smallest for n in nodes)
     if space.search.algorithm in ("grid", "random"):
         return 2 * max(at_once, 1) + 1
     return max(at_once, 1)
 
 
-def devices_of(device: str, per_node: int, nodes: Sequence[Mapping[str, float]]) -> int:
-    """The devices a study's trials through Serve share (the ledger's capacity, serve/ledger.py): the nodes'
-    GPUs; on the CPU stand-in, ``devices_per_node`` (``per_node``) cores of each node (a replica claims a core
-    per rank, serve/cores.py)."""
+def devices_by_node(device: str, per_node: int, nodes: Mapping[str, Mapping[str, float]]) -> dict[str, int]:
+    """The devices each node lends a study's trials through Serve (the ledger's capacity, serve/ledger.py), by
+    node id: its GPUs; on the CPU stand-in, ``devices_per_node`` (``per_node``) of its cores (a replica claims a
+    core per rank, serve/cores.py)."""
     if device == "gpu":
-        return int(sum(node.get("GPU", 0.0) for node in nodes))
-    return int(sum(min(per_node, node.get("CPU", 0.0)) for node in nodes))
+        return {node: int(resources.get("GPU", 0.0)) for node, resources in nodes.items()}
+    return {node: int(min(per_node, resources.get("CPU", 0.0))) for node, resources in nodes.items()}
+
+
+def replica_shapes(space: SearchSpace) -> set[tuple[int, int]]:
+    """(one replica's devices, replicas) of each combination of the parallel sizes and Serve replica counts the space varies."""
+    return {(space.replica_devices(combo), space.serve_replicas(combo) or 1) for combo in _parallel_combos(space)}
 
 
 def trial_sizes(space: SearchSpace) -> list[int]:
     """The devices each combination of the parallel sizes (and Serve replica counts) the space varies would reserve."""
+    return sorted({space.devices(combo) for combo in _parallel_combos(space)})
+
+
+def _parallel_combos(space: SearchSpace) -> Iterator[dict[str, Any]]:
     from servetune.config.space import ENGINE_DEFAULTS, SERVE_REPLICAS, Range
 
     axes = {name: values.grid_values() if isinstance(values, Range) else values
             for name, values in space.params.items() if name in ENGINE_DEFAULTS or name == SERVE_REPLICAS}  # fmt: skip
-    return sorted({space.devices(dict(zip(axes, combo))) for combo in itertools.product(*axes.values())})
+    for combo in itertools.product(*axes.values()):
+        yield dict(zip(axes, combo))
 
 
 @dataclass(frozen=True)

@@ -134,9 +134,9 @@ def verify_on_node(selection: Selection, context: StudyContext, budget: Budget, 
     prompts = PromptFactory(load_tokenizer(spec.tokenizer))
     held = contextlib.nullcontext()
     if spec.serve_replicas is not None:  # deployed through the study's Serve: its devices from the study's ledger
-        from servetune.serve.ledger import devices_held
+        from servetune.serve.ledger import devices_held, replica_share
 
-        held = devices_held(context.ledger, holder(winner.trial_id), spec.devices)
+        held = devices_held(context.ledger, holder(winner.trial_id), *replica_share(spec))
     with held:
         doc = verify(selection, budget, prompts, QueueProgress(queue, winner.trial_id), runner_up=False)
     log = local / VERIFY_DIR / winner.trial_id / "engine.log"
