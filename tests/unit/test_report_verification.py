@@ -99,3 +99,20 @@ def test_odd_keys_show_as_dashes_and_numbers_read_as_people_read_them(tmp_path):
     assert v.scenarios[0].numbers == "p99_ttft_ms_windows 5 values, 400 to 900"
     assert [(r.id, r.text, r.status, r.evidence) for r in v.checklist] == [("15.1", "-", "PASS", "-")]
     assert v.counts() == {"FAIL": 0, "NOT CHECKED": 0, "PASS": 1}
+
+
+def test_a_stopped_verification_never_replaces_a_verdict(tmp_path):
+    """verify writes a stopped verification beside a finished verify.json (verify.stopped.json), not over it."""
+    import json
+
+    from servetune.verify.run import finished_document, stop_status
+
+    path = tmp_path / "verify.json"
+    assert not finished_document(path)  # none yet
+    path.write_text("{not json")
+    assert not finished_document(path)
+    path.write_text(json.dumps({"accepted": False, "stopped": "SIGTERM"}))
+    assert not finished_document(path)  # an earlier stopped one is replaced
+    path.write_text(json.dumps({"accepted": False, "reasons": ["peak: broke the SLO"]}))
+    assert finished_document(path)
+    assert (stop_status("SIGTERM"), stop_status("SIGINT"), stop_status("interrupted"), stop_status("exit 3"), stop_status("odd")) == (143, 130, 130, 3, 1)

@@ -119,10 +119,20 @@ def run(args: argparse.Namespace) -> int:
     if items is not None:
         doc["checklist"] = items
     out = args.json or args.study_dir / verification.VERIFY_FILE
+    if doc.get("stopped") and verification.finished_document(out):  # a stopped one does not replace a verdict
+        out = out.with_name(f"{out.stem}.stopped{out.suffix}")
     verification.write_document(doc, out)
     console.print(f"wrote {out}", soft_wrap=True)
+    if doc.get("stopped"):  # what finished is kept; a partial verification is no verdict, so MLflow is not told one
+        print(f"servetune verify: stopped ({doc['stopped']}): {doc['reasons'][0]}; the scenarios that finished are in {out}",
+              file=sys.stderr)  # fmt: skip
+        return verification.stop_status(doc["stopped"])
     console.print(log_stability(args.tracking_uri, selection.info.name, winner.trial_id, doc["stability"], doc["accepted"], out),
                   soft_wrap=True, highlight=False)  # fmt: skip
     verdict = "[green]ACCEPTED[/]" if doc["accepted"] else "[red]REJECTED[/]"
     console.print(f"{verdict}: " + "; ".join(doc["reasons"]), soft_wrap=True, highlight=False)
+    if stopped := verification.stopped_by(doc):  # during the runner-up's repeats: the verdict above stands
+        print(f"servetune verify: stopped ({stopped}) during the runner-up's repeats: the winner's verdict stands, "
+              "the comparison was not made", file=sys.stderr)  # fmt: skip
+        return verification.stop_status(stopped)
     return 0 if doc["accepted"] else 1

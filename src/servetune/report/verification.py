@@ -197,7 +197,7 @@ def verification(study_dir: Path, file: VerifyFile | None) -> Verification:
     rank = settings.get("rank") if isinstance(settings, Mapping) else None
     return Verification(
         path=file.path, found=True, command=command,
-        accepted=accepted if isinstance(accepted, bool) else None,
+        accepted=accepted if isinstance(accepted, bool) and not data.get("stopped") else None,  # stopped: no verdict
         reason=reason if isinstance(reason, str) else "",
         subject=_subject(data),
         stability=tuple(_stability(data.get("stability"))),

@@ -4,7 +4,8 @@ repeats, then the document ``verify.json`` holds.
 An engine that does not start, or dies during a scenario, fails the configuration: the scenario
 says so with the engine log's tail, the ones after it are not run, and the process group is
 always stopped (``VllmServer`` is a context manager). Nothing here raises for a failure of the
-configuration; only bad input (``choose.py``) does.
+configuration; only bad input (``choose.py``) does. A verification stopped by SIGTERM or Ctrl-C while an
+engine runs stops the engine and returns what finished (``stopped`` in the document: no verdict).
 
 A trial the study measured through Ray Serve (``serve.num_replicas``) is verified through Serve too: the
 same application and replica count (``serve.trial.ServeEngine``), loaded through Serve's OpenAI ingress,
@@ -18,6 +19,7 @@ import contextlib
 import datetime as dt
 import json
 import math
+import signal
 import sys
 import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
@@ -86,6 +88,7 @@ class EngineRun:
     failure: str | None = None
     log_tail: str | None = None
     serve: dict[str, Any] | None = None  # through Serve: the application, its replicas and what each served
+    stopped: str | None = None  # the verification was stopped while this engine ran ("SIGTERM", "interrupted")
 
 
 def max_model_len(url: str, fallback: int) -> int:
@@ -171,7 +174,11 @@ def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: Pro
                     )  # fmt: skip
                     return await body(target)
 
-            value = asyncio.run(main())
+            try:
+                value = asyncio.run(main())
+            except (SystemExit, KeyboardInterrupt) as exc:  # stopped: the engine is stopped on the way out, and
+                run.stopped = _stop_name(exc)  # what finished before is kept (verify's `partial`)
+                return run, None, records
             if isinstance(server, ServeEngine):
                 with contextlib.suppress(Exception):  # what each replica served: a record, never a failure
                     run.serve = server.record()
@@ -184,9 +191,32 @@ def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: Pro
         return run, None, records
 
 
-async def _winner(t: sc.Target, progress: Progress) -> dict[str, sc.ScenarioResult]:
-    """Every scenario in order; after an engine death the rest are not run."""
-    out: dict[str, sc.ScenarioResult] = {}
+def stop_status(stopped: str) -> int:
+    """The exit status of a command whose verification was stopped (``verify.json``'s ``stopped``)."""
+    if stopped == "interrupted":
+        return 130
+    with contextlib.suppress(KeyError):
+        return 128 + signal.Signals[stopped].value
+    number = stopped.removeprefix("exit ")
+    return int(number) if number.isdigit() else 1
+
+
+def _stop_name(exc: BaseException) -> str:
+    """What stopped a verification: ``interrupted`` (Ctrl-C), a signal's name (the commands exit 128 + its number on
+    SIGTERM), or ``exit N``; :func:`stop_status` reads it back."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
+    if code > 128:
+        with contextlib.suppress(ValueError):
+            return signal.Signals(code - 128).name
+    return f"exit {code}"
+
+
+async def _winner(t: sc.Target, progress: Progress, out: dict[str, sc.ScenarioResult] | None = None) -> dict[str, sc.ScenarioResult]:
+    """Every scenario in order, each kept in ``out`` as it finishes (what a stopped verification keeps); after an
+    engine death the rest are not run."""
+    out = {} if out is None else out
     b = t.budget
     soak_p99: float | None = None
     peak_state: tuple[Any, Any] | None = None
@@ -244,11 +274,20 @@ def verify(selection: Selection, budget: sc.Budget, prompts: PromptFactory, prog
     winner = selection.winner
     verify_dir = selection.study_dir / VERIFY_DIR
     timeouts = Timeouts.from_slo(winner.spec.slo, winner.spec.request_timeout_s)
+    partial: dict[str, sc.ScenarioResult] = {}
     run, results, records = with_engine(
         winner, verify_dir / winner.trial_id / "engine.log", timeouts, prompts, budget, progress,
-        lambda t: _winner(t, progress), address,
+        lambda t: _winner(t, progress, partial), address,
     )  # fmt: skip
     scenarios = results or {}
+    if run.stopped:  # what finished stands; the scenario it stopped in, and the rest, did not run
+        scenarios = dict(partial)
+        if "repeats" in scenarios:
+            scenarios["repeats"].numbers.pop("_runs", None)
+        left = [name for name in sc.SCENARIOS if name not in scenarios]
+        for i, name in enumerate(left):
+            scenarios[name] = sc.not_run(name, f"the verification was stopped ({run.stopped}){' during it' if i == 0 else ''}")
+        return document(selection, budget, timeouts, run, scenarios, records)
     if run.failure and not scenarios:
         for name in sc.SCENARIOS:
             scenarios[name] = sc.ScenarioResult(name, False, f"not run: {run.failure}")
@@ -271,6 +310,8 @@ def verify(selection: Selection, budget: sc.Budget, prompts: PromptFactory, prog
             progress.scenario("runner-up", True, f"trial {other.trial_id}: the winner's lead is {verdict.verdict}: {verdict.reason}")
         if other_run.failure:
             runner.update(failure=other_run.failure, log_tail=other_run.log_tail)
+        if other_run.stopped:  # the winner's scenarios all ran: their verdict stands, the comparison is not made
+            runner["stopped"] = other_run.stopped
     if "repeats" in scenarios:
         scenarios["repeats"].numbers["runner_up"] = runner
     return document(selection, budget, timeouts, run, scenarios, records)
@@ -303,6 +344,9 @@ def document(selection: Selection, budget: sc.Budget, timeouts: Timeouts, run: E
     failed = [f"{name}: {s.reason}" for name, s in scenarios.items() if not s.passed]
     if run.failure:
         failed.insert(0, f"engine: {run.failure}")
+    if run.stopped:
+        done = [name for name, s in scenarios.items() if not s.reason.startswith("not run:")]
+        failed.insert(0, f"stopped ({run.stopped}) after {len(done)} of {len(sc.SCENARIOS)} scenarios: not a verdict")
     winner = selection.winner
     return {
         "servetune_version": __version__,
@@ -320,6 +364,7 @@ def document(selection: Selection, budget: sc.Budget, timeouts: Timeouts, run: E
         "stability": stability(scenarios, records, run),
         "accepted": not failed,
         "reasons": failed or ["every scenario passed"],
+        **({"stopped": run.stopped} if run.stopped else {}),
     }
 
 
@@ -378,6 +423,21 @@ def finite(value: Any) -> Any:
 def write_document(doc: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps(finite(doc), indent=2, default=str, allow_nan=False) + "\n")
+
+
+def stopped_by(doc: dict[str, Any]) -> str | None:
+    """What stopped the verification ``doc`` (a signal's name), in the winner's scenarios or the runner-up's repeats."""
+    runner = ((doc.get("scenarios") or {}).get("repeats") or {}).get("runner_up") or {}
+    return doc.get("stopped") or runner.get("stopped")
+
+
+def finished_document(path: Path) -> bool:
+    """Whether ``path`` holds a verification that ran to its verdict (not one that was stopped)."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and isinstance(doc.get("accepted"), bool) and not doc.get("stopped")
 
 
 def checklist(selection: Selection, doc: dict[str, Any]) -> list[dict[str, Any]] | None:
