@@ -192,7 +192,42 @@ def test_a_lost_node_takes_its_devices_with_it_and_a_new_one_is_placed_on():
         waiting = await started(ledger.take("next", 2, each=2))
         await asyncio.sleep(0.1)
         assert not waiting.done() and ledger.capacity == 4
-        nodes["c"] = 2  # the autoscaler's new node
+        nodes["c"] = 2  # the autoscaler's new node: Serve starts on-b's lost replica there first
+        await asyncio.sleep(0.1)
+        assert not waiting.done() and (await ledger.state())["placed"]["on-b"] == {"c": 2}
+        await ledger.give_back("on-b")
         assert await asyncio.wait_for(waiting, 5) == 2 and (await ledger.state())["placed"]["next"] == {"c": 2}
+
+    run(scenario())
+
+
+def test_a_replica_on_a_lost_node_is_planned_where_serve_starts_it_again_before_a_newcomer_is_let_in():
+    nodes = {"a": 4, "b": 4}
+
+    async def scenario():
+        ledger = DeviceLedger(dict(nodes), lambda: dict(nodes), every_s=0.02)
+        assert await ledger.take("t1", 4, each=2) == 4 and await ledger.take("t2", 2, each=2) == 2
+        assert (await ledger.state())["placed"] == {"t1": {"a": 4}, "t2": {"b": 2}}
+        del nodes["a"]  # t1's two replicas are started again on b: only one fits there, so t1's plan stays
+        await asyncio.sleep(0.05)
+        late = await started(ledger.take("t3", 2, each=2))
+        await asyncio.sleep(0.1)
+        assert late.done()  # b's last 2 (t1's lost replicas fit nowhere whole)
+        await ledger.give_back("t3")
+        nodes["c"] = 2  # a new node: t1's replicas are planned on b's 2 free and on c, so t4 waits for them
+        await asyncio.sleep(0.05)
+        t4 = await started(ledger.take("t4", 2, each=2))
+        await asyncio.sleep(0.1)
+        assert not t4.done() and (await ledger.state())["placed"]["t1"] == {"b": 2, "c": 2}
+        await ledger.give_back("t2")
+        assert await asyncio.wait_for(t4, 5) == 2 and (await ledger.state())["placed"]["t4"] == {"b": 2}
+
+    run(scenario())
+
+
+def test_devices_that_are_not_a_multiple_of_a_replica_are_a_smaller_last_replica():
+    async def scenario():
+        ledger = DeviceLedger({"a": 5})
+        assert await asyncio.wait_for(ledger.take("x", 5, each=2), 1) == 5 and ledger.free() == 0
 
     run(scenario())

@@ -15,7 +15,9 @@ is admitted only when each of its replicas fits on some node's free devices: on 
 4 held, a TP4 replica waits although 6 are free in all. Admitted, it would wait for a node inside its
 start-up, or be stretched over both nodes by Ray Serve LLM's PACK strategy and measure tensor parallelism
 across the network. The ledger's placement is a plan (the fullest node that fits each replica, as Ray packs
-bundles); Serve places the replicas itself.
+bundles); Serve places the replicas itself, and the plan is not read back from Ray, so where Ray's choice
+differs (it weighs CPUs and memory too) the two can drift apart. A replica on a node that is lost is planned
+again on the nodes left, where Serve starts it again, before a newcomer is let in.
 """
 
 from __future__ import annotations
@@ -47,12 +49,19 @@ UNPLANNED = ""
 Counts = Mapping[str, int]
 
 
-def placed(free: Mapping[str, int], replicas: int, each: int) -> dict[str, int] | None:
-    """Where ``replicas`` replicas of ``each`` devices go on nodes with ``free`` devices, each inside one node:
+def replica_sizes(devices: int, each: int | None) -> list[int]:
+    """``devices`` as replicas of ``each`` (default: one of all); a remainder is one smaller replica."""
+    devices = max(int(devices), 0)
+    size = min(max(int(each or devices), 1), max(devices, 1))
+    return [size] * (devices // size) + ([devices % size] if devices % size else [])
+
+
+def placed(free: Mapping[str, int], sizes: list[int]) -> dict[str, int] | None:
+    """Where replicas of ``sizes`` devices go on nodes with ``free`` devices, each inside one node, largest first:
     the fullest node that still fits (as Ray packs bundles, leaving whole nodes for larger replicas); the devices
     taken per node, or None where they do not all fit."""
     left, taken = dict(free), dict.fromkeys(free, 0)
-    for _ in range(replicas):
+    for each in sorted(sizes, reverse=True):
         fits = [node for node in sorted(left) if left[node] >= each]
         if not fits:
             return None
@@ -74,6 +83,7 @@ class DeviceLedger:
         self.count, self.every_s = count, every_s
         self.counted_at, self.counts = time.monotonic(), 0  # counts: the counts that succeeded
         self.held: dict[str, dict[str, int]] = {}  # holder -> devices per node
+        self.each: dict[str, int] = {}  # holder -> one replica's devices
         self.queue: list[str] = []  # holders waiting, in arrival order
         # Holders given back (each takes once): one still waiting, or whose call is still on its way (its process
         # died), takes nothing.
@@ -106,7 +116,24 @@ class DeviceLedger:
         except Exception:  # noqa: BLE001 - the cluster did not answer this time: the last count stands
             return False
         changed, self.nodes, self.counts = counted != self.nodes, counted, self.counts + 1
+        if changed:
+            self._replan_lost()
         return changed
+
+    def _replan_lost(self) -> None:
+        """A holder's replicas on a node that is gone: Serve starts them again on the nodes left, so the plan moves
+        them there too, where they fit (what fits nowhere stays on the lost node, counted nowhere)."""
+        for holder, where in self.held.items():
+            lost = {node: n for node, n in where.items() if node not in self.nodes and node != UNPLANNED and n}
+            if not lost:
+                continue
+            sizes = [size for n in lost.values() for size in replica_sizes(n, self.each.get(holder))]
+            moved = placed(self.free_by_node(), sizes)
+            if moved is not None:
+                for node in lost:
+                    del where[node]
+                for node, n in moved.items():
+                    where[node] = where.get(node, 0) + n
 
     async def take(self, holder: str, devices: int, each: int | None = None) -> int:
         """Wait until every earlier arrival has been served and ``devices`` fit, in replicas of ``each`` devices
@@ -115,8 +142,7 @@ class DeviceLedger:
         Returns the devices held: 0 when the holder was given back while it waited (Ray does not stop an actor's
         call when its caller dies)."""
         asked = max(int(devices), 0)
-        size = min(max(int(each or asked), 1), max(asked, 1))
-        replicas = -(-asked // size) if asked else 0
+        sizes = replica_sizes(asked, each)
         where: dict[str, int] | None = None
 
         def admitted() -> bool:
@@ -125,7 +151,7 @@ class DeviceLedger:
                 return True
             if self.queue[0] != holder:
                 return False
-            where = placed(self.free_by_node(), replicas, size)
+            where = placed(self.free_by_node(), sizes)
             if where is None and not any(any(w.values()) for w in self.held.values()):
                 where = {UNPLANNED: asked}  # it runs alone
             return where is not None
@@ -156,6 +182,7 @@ class DeviceLedger:
             if holder in self.ended:
                 return 0
             self.held[holder] = where or {}
+            self.each[holder] = sizes[0] if sizes else 1
             return asked
 
     async def give_back(self, holder: str) -> int:
@@ -164,6 +191,7 @@ class DeviceLedger:
         freed."""
         async with self.changed:
             freed = sum(self.held.pop(holder, {}).values())
+            self.each.pop(holder, None)
             self.ended.add(holder)
             self.changed.notify_all()
             return freed
