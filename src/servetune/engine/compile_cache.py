@@ -4,7 +4,8 @@ On a GPU, ``torch.compile`` is a large part of an engine's start (tens of second
 caches what it compiled under ``VLLM_CACHE_ROOT`` (default ``~/.cache/vllm``), keyed by a hash of
 everything that shapes the compiled graph: the model, dtype, quantization, KV-cache dtype, block
 size, parallel sizes, ``max_num_seqs`` and ``max_num_batched_tokens`` (vLLM's
-``VllmConfig.compute_hash``), but not ``gpu_memory_utilization``, the KV-cache size or prefix
+``VllmConfig.compute_hash``; the last two through the compilation config, as its CUDA-graph capture
+sizes and compile ranges: the scheduler config's own hash is empty), but not ``gpu_memory_utilization``, the KV-cache size or prefix
 caching. A later trial on the same node whose graph is the same loads it instead of compiling.
 
 Sharing is safe where the writers are on one machine: PyTorch 2.10 and later (vLLM pins newer)
