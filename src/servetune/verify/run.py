@@ -159,6 +159,10 @@ def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: Pro
             served = spec.engine_args.get("served_model_name") or spec.model
 
             async def main() -> T:
+                with _cancelled_on(signal.SIGTERM, run):
+                    return await measure()
+
+            async def measure() -> T:
                 async with StreamingClient(
                     server.url, served, api=spec.workload.api, timeout_s=timeouts.total_s,
                     first_token_timeout_s=timeouts.first_token_s, idle_timeout_s=timeouts.idle_s,
@@ -176,8 +180,8 @@ def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: Pro
 
             try:
                 value = asyncio.run(main())
-            except (SystemExit, KeyboardInterrupt) as exc:  # stopped: the engine is stopped on the way out, and
-                run.stopped = _stop_name(exc)  # what finished before is kept (verify's `partial`)
+            except (asyncio.CancelledError, SystemExit, KeyboardInterrupt) as exc:  # stopped: the engine is stopped
+                run.stopped = run.stopped or _stop_name(exc)  # on the way out; what finished is kept (verify's `partial`)
                 return run, None, records
             if isinstance(server, ServeEngine):
                 with contextlib.suppress(Exception):  # what each replica served: a record, never a failure
@@ -189,6 +193,31 @@ def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: Pro
     except EngineStartError as exc:
         run.failure, run.log_tail = f"engine start: {exc.args[0]}", exc.log_tail
         return run, None, records
+
+
+@contextlib.contextmanager
+def _cancelled_on(sig: signal.Signals, run: EngineRun) -> Iterator[None]:
+    """While the measuring coroutine runs, ``sig`` cancels it (recorded in ``run.stopped``): the scenarios unwind at
+    their awaits and close their connections, where an exception raised from a signal handler would land anywhere in
+    the event loop. Ctrl-C does the same through ``asyncio.run``. Outside the main thread there is nothing to catch."""
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    before = signal.getsignal(sig)
+
+    def stop() -> None:
+        run.stopped = sig.name
+        if task is not None:
+            task.cancel()
+
+    try:
+        loop.add_signal_handler(sig, stop)
+    except (ValueError, RuntimeError, NotImplementedError):  # not the main thread (a study's Ray task)
+        yield
+        return
+    try:
+        yield
+    finally:
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, before)  # the command's own handler again, for the teardown (remove_... leaves SIG_DFL)
 
 
 def stop_status(stopped: str) -> int:
@@ -206,6 +235,8 @@ def _stop_name(exc: BaseException) -> str:
     SIGTERM), or ``exit N``; :func:`stop_status` reads it back."""
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted"
+    if isinstance(exc, asyncio.CancelledError):
+        return "cancelled"
     code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
     if code > 128:
         with contextlib.suppress(ValueError):
