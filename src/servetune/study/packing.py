@@ -95,9 +95,9 @@ def resolve_max_concurrent(space: SearchSpace, cluster_devices: float | Sequence
     nodes = [cluster_devices] if isinstance(cluster_devices, (int, float)) else list(cluster_devices or ())
     if space.device != "gpu" or not any(nodes):
         return 1
-    smallest = max(min(trial_sizes(space)), 1)
     if space.through_serve:  # no margin to backfill: the ledger serves trials in arrival order
         return max(max(sum(int(n) // each for n in nodes) // replicas for each, replicas in replica_shapes(space)), 1)
+    smallest = max(min(trial_sizes(space)), 1)
     at_once = sum(int(n) // smallest for n in nodes)
     if space.search.algorithm in ("grid", "random"):
         return 2 * max(at_once, 1) + 1

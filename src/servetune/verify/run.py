@@ -210,14 +210,15 @@ def _cancelled_on(sig: signal.Signals, run: EngineRun) -> Iterator[None]:
 
     try:
         loop.add_signal_handler(sig, stop)
+        installed = True
     except (ValueError, RuntimeError, NotImplementedError):  # not the main thread (a study's Ray task)
-        yield
-        return
+        installed = False
     try:
         yield
     finally:
-        loop.remove_signal_handler(sig)
-        signal.signal(sig, before)  # the command's own handler again, for the teardown (remove_... leaves SIG_DFL)
+        if installed:
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, before)  # the command's own handler again, for the teardown (remove_... leaves SIG_DFL)
 
 
 def stop_status(stopped: str) -> int:
@@ -464,11 +465,10 @@ def stopped_by(doc: dict[str, Any]) -> str | None:
 
 def finished_document(path: Path) -> bool:
     """Whether ``path`` holds a verification that ran to its verdict (not one that was stopped)."""
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(doc, dict) and isinstance(doc.get("accepted"), bool) and not doc.get("stopped")
+    from servetune.report.verification import read_json_file
+
+    doc = read_json_file(path).content if path.is_file() else None
+    return doc is not None and isinstance(doc.get("accepted"), bool) and not doc.get("stopped")
 
 
 def checklist(selection: Selection, doc: dict[str, Any]) -> list[dict[str, Any]] | None:
