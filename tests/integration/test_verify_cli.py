@@ -117,9 +117,13 @@ def test_an_engine_that_dies_fails_the_configuration_with_its_log_tail(study, tm
     assert processes_mentioning(study) == [] and processes_mentioning(fake) == []
 
 
-def test_a_verification_stopped_with_sigterm_keeps_the_scenarios_that_finished_and_leaves_nothing_running(study, tmp_path):
-    """`ray job stop`, a scheduler's preemption, a user's kill: the engine is stopped, and verify.json holds what
-    finished (no verdict: not accepted, and MLflow is not told one), with the exit status of the signal."""
+@pytest.mark.parametrize(("how", "name", "status"), [("SIGTERM", "SIGTERM", 143), ("Ctrl-C", "interrupted", 130)])
+def test_a_verification_stopped_with_sigterm_or_ctrl_c_keeps_the_scenarios_that_finished_and_leaves_nothing_running(
+        study, tmp_path, how, name, status):  # fmt: skip
+    """`ray job stop`, a scheduler's preemption, a user's kill or Ctrl-C: the engine is stopped, and verify.json holds
+    what finished (no verdict: not accepted, and MLflow is not told one), with the exit status of the signal. Ctrl-C
+    is SIGINT to the terminal's foreground process group (the command's own, not the engine's)."""
+    import os
     import signal
     import time
 
@@ -129,28 +133,31 @@ def test_a_verification_stopped_with_sigterm_keeps_the_scenarios_that_finished_a
     with err_path.open("w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "servetune", "verify", str(study), "--python", str(fake), "--duration", "6",
                                  "--no-runner-up", "--tracking-uri", str(tmp_path / "mlruns")],
-                                stdout=subprocess.PIPE, stderr=err, text=True)  # fmt: skip
+                                stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)  # fmt: skip
         try:
             deadline = time.monotonic() + 120
             while "soak:" not in err_path.read_text():  # the soak's verdict: the peak has begun
                 assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()[-3000:]
                 time.sleep(0.2)
             time.sleep(1.0)
-            proc.send_signal(signal.SIGTERM)
+            if how == "SIGTERM":
+                proc.send_signal(signal.SIGTERM)
+            else:
+                os.killpg(proc.pid, signal.SIGINT)
             out, _ = proc.communicate(timeout=120)
         finally:
             if proc.poll() is None:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)
     stderr = err_path.read_text()
-    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr[-3000:]
-    assert "servetune verify: stopped (SIGTERM)" in stderr and "MLflow" not in out, (out, stderr)
+    assert proc.returncode == status and "Traceback" not in stderr, stderr[-3000:]
+    assert f"servetune verify: stopped ({name})" in stderr and "MLflow" not in out, (out, stderr)
     doc = json.loads((study / "verify.json").read_text())
-    assert doc["stopped"] == "SIGTERM" and doc["accepted"] is False
-    assert doc["reasons"][0] == "stopped (SIGTERM) after 1 of 8 scenarios: not a verdict", doc["reasons"]
+    assert doc["stopped"] == name and doc["accepted"] is False
+    assert doc["reasons"][0] == f"stopped ({name}) after 1 of 8 scenarios: not a verdict", doc["reasons"]
     scenarios = doc["scenarios"]
     assert not scenarios["soak"]["reason"].startswith("not run") and scenarios["soak"]["ttft_ms_p99"] > 0, scenarios["soak"]
-    assert scenarios["peak"]["reason"] == "not run: the verification was stopped (SIGTERM) during it"
-    assert all(scenarios[name]["reason"] == "not run: the verification was stopped (SIGTERM)" for name in ("burst", "repeats"))
+    assert scenarios["peak"]["reason"] == f"not run: the verification was stopped ({name}) during it"
+    assert all(scenarios[n]["reason"] == f"not run: the verification was stopped ({name})" for n in ("burst", "repeats"))
     assert doc["stability"]["requests"] > 0  # the soak's and the peak's requests, as sent
     assert processes_mentioning(study) == [] and processes_mentioning(fake) == []
     from servetune.report.verification import read_verify_file, verification

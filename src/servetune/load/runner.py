@@ -24,6 +24,14 @@ from servetune.errors import UserError
 from servetune.metrics import RequestRecord
 
 
+async def cancel_and_wait(task: asyncio.Future[object]) -> None:
+    """Cancel a background task of ours and wait until it has ended. A cancellation of the caller (SIGTERM, Ctrl-C)
+    while it waits still propagates: only the task's own CancelledError is absorbed, which a
+    ``suppress(CancelledError)`` around ``await task`` cannot tell apart from the caller's."""
+    task.cancel()
+    await asyncio.wait([task])
+
+
 @dataclass(frozen=True)
 class Level:
     """One rung of the load ladder."""

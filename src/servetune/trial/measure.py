@@ -38,7 +38,7 @@ from servetune.engine.metrics import MetricsSnapshot, level_delta
 from servetune.errors import EngineDiedError
 from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory, RequestSpec, iter_requests
-from servetune.load.runner import Level, run_level
+from servetune.load.runner import Level, cancel_and_wait, run_level
 from servetune.metrics import RequestRecord, itl_burst_share, send_sync_share, summarize, ttft_distribution_ms
 from servetune.results import LevelResult, LevelRun
 from servetune.telemetry import TelemetrySampler
@@ -305,9 +305,7 @@ async def measure_level(
                 )  # fmt: skip
         finally:
             if sampler is not None:
-                sampler.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await sampler
+                await cancel_and_wait(sampler)
         if before and metrics is not None:  # the source lags: wait until it has counted the level's requests
             after = await _settled(read, before, sum(r.ok for r in records), metrics.lag_s)
             if after is not None:  # the level's last interval, read late

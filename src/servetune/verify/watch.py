@@ -18,6 +18,7 @@ import aiohttp
 import psutil
 
 from servetune.engine.metrics import MetricsSnapshot
+from servetune.load.runner import cancel_and_wait
 from servetune.trial.measure import MetricsSource, read_metrics
 
 
@@ -77,6 +78,4 @@ class Trace:
 
     async def __aexit__(self, *exc: object) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
