@@ -50,3 +50,16 @@ def test_a_cancellation_of_the_caller_while_it_waits_goes_through():
 
     asyncio.run(main())
     assert after == []
+
+
+def test_a_task_that_had_failed_before_it_was_stopped_raises_its_error():
+    async def fails() -> None:
+        raise ValueError("the metrics source broke")
+
+    async def main() -> None:
+        task = asyncio.ensure_future(fails())
+        await asyncio.sleep(0.01)
+        await cancel_and_wait(task)
+
+    with pytest.raises(ValueError, match="metrics source broke"):
+        asyncio.run(main())

@@ -30,6 +30,8 @@ async def cancel_and_wait(task: asyncio.Future[object]) -> None:
     ``suppress(CancelledError)`` around ``await task`` cannot tell apart from the caller's."""
     task.cancel()
     await asyncio.wait([task])
+    if not task.cancelled() and task.exception() is not None:  # it had failed before: as ``await task`` raised it
+        raise task.exception()  # type: ignore[misc]
 
 
 @dataclass(frozen=True)
