@@ -195,6 +195,64 @@ def test_the_serve_ledger_places_each_replica_inside_one_node_of_the_real_cluste
     assert list(placed["late-tp2"].values()) == [2]  # both its GPUs on one worker, the one y left
 
 
+PLACED_DRIVER = """
+import json, sys
+import ray
+from ray import serve
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from servetune.engine.server import free_port
+from servetune.serve.cluster import ServeCluster
+from servetune.serve.ledger import devices_held, report_placement, start_ledger
+
+ray.init(address=sys.argv[1], logging_level="ERROR")
+serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+ledger = start_ledger("servetune-serve-devices-placed-test", "gpu", 4, every_s=0.2)
+
+
+@ray.remote(num_cpus=0, num_gpus=2)
+class SomeoneElse:  # what the ledger does not know of: another job's actor on the node it planned
+    def ready(self):
+        return True
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0, "num_gpus": 2})
+class LLMServerStandIn:  # a TP2 replica: its devices in its own actor
+    def __call__(self, request):
+        return "ok"
+
+
+cluster, told = ServeCluster(sys.argv[1], {}), []
+with devices_held("servetune-serve-devices-placed-test", "tp2", 2, 2):
+    (planned,) = ray.get(ledger.state.remote())["placed"]["tp2"]
+    other = SomeoneElse.options(scheduling_strategy=NodeAffinitySchedulingStrategy(planned, soft=False)).remote()
+    ray.get(other.ready.remote())
+    poll = lambda: told.append(report_placement(cluster.replica_nodes("placed")))
+    cluster.run_app("placed", LLMServerStandIn.bind(), 120, route_prefix="/placed", on_poll=poll)
+    held = ray.get(ledger.state.remote())["placed"]["tp2"]
+    actors = ray._private.state.actors().values()
+    ran_on = [a["Address"]["NodeID"] for a in actors if a["State"] == "ALIVE" and a["ActorClassName"].startswith("ServeReplica:placed:")]
+    cluster.delete("placed")
+after = ray.get(ledger.state.remote())["placed"]
+serve.shutdown()  # the module's cluster goes on without Serve's controller and proxy
+print(json.dumps({"planned": planned, "told": [t for t in told if t], "held": held, "ran_on": ran_on, "after": after}))
+"""
+
+
+def test_where_ray_placed_a_serve_replica_is_read_back_into_the_ledger_in_place_of_its_plan(cluster):
+    """The ledger plans a replica on the fullest node that fits; Ray places it by what it sees, here another
+    node, because a job the ledger does not know of took the planned one's GPUs. While the deployment starts,
+    the replica's node is read from Ray's actor table and replaces the plan (serve/ledger.py placed_at)."""
+    done = subprocess.run([sys.executable, "-c", PLACED_DRIVER, cluster.address], capture_output=True, text=True,
+                          env=cluster.head.env, timeout=240)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    state = json.loads(done.stdout.strip().splitlines()[-1])
+    workers = {cluster.node_id_of(w) for w in cluster.workers}
+    (ran_on,) = state["ran_on"]
+    assert state["planned"] in workers and ran_on in workers - {state["planned"]}, state
+    assert state["held"] == {ran_on: 2} and state["told"][-1] == {ran_on: 2}, state
+    assert state["after"] == {}, state  # given back on leaving
+
+
 def test_a_node_lost_under_a_trial_fails_that_trial_and_the_study_goes_on(tmp_path, tiny_model, cluster, fake_python):
     """Runs last: it kills one of the module cluster's workers."""
     fake = fake_python

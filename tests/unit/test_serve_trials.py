@@ -245,7 +245,7 @@ class HalfwayCluster:
     def __init__(self):
         self.deployed, self.deleted = [], []
 
-    def deploy(self, name, config, timeout_s, route_prefix="/"):
+    def deploy(self, name, config, timeout_s, route_prefix="/", on_poll=None):
         self.deployed.append(name)
         return 1.0
 
@@ -282,7 +282,7 @@ class ReplacingCluster(HalfwayCluster):
         super().__init__()
         self.actors = {"old": (False, "old: an earlier deployment\n")}
 
-    def deploy(self, name, config, timeout_s, route_prefix="/"):
+    def deploy(self, name, config, timeout_s, route_prefix="/", on_poll=None):
         self.actors |= {"r0": (False, "r0: failed while deploying, KV cache size: 1,000 tokens\n"),
                         "r1": (True, "r1: KV cache size: 2,000 tokens\n")}  # fmt: skip
         return super().deploy(name, config, timeout_s, route_prefix)

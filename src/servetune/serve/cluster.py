@@ -12,7 +12,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +119,7 @@ class ServeCluster:
     # --- one application --------------------------------------------------------------------
     def deploy(
         self, name: str, llm_config: Mapping[str, Any], timeout_s: float, engine_version: str | None = None,
-        route_prefix: str = "/",
+        route_prefix: str = "/", on_poll: Callable[[], None] | None = None,
     ) -> float:  # fmt: skip
         """Deploy the Ray Serve LLM application (``build_openai_app``) and wait until it is RUNNING;
         returns the seconds it took. Deployed again unpinned, it is a new version: Serve rolls it out,
@@ -129,19 +129,30 @@ class ServeCluster:
         again with the same one and only options Serve applies in place changed (the replica count, the
         autoscaling, the request router), Serve keeps its replicas and their engines. The ingress is never
         pinned, so it is restarted: a handle builds its request router once, so only a new ingress routes
-        with a new one."""
+        with a new one. ``on_poll`` is called each time the deployment's status is read (every 2 s) and once
+        it is up: where its replicas went can be read while their engines start."""
         from ray.serve.llm import build_openai_app
 
         app = build_openai_app({"llm_configs": [dict(llm_config)]})
         if engine_version is not None:
             _pin_llm_servers(app, engine_version)
-        return self.run_app(name, app, timeout_s, route_prefix)
+        return self.run_app(name, app, timeout_s, route_prefix, on_poll)
 
     def engine_replicas(self, name: str, deployment_prefix: str = "LLMServer", live_only: bool = True) -> list[str]:
         """Actor ids of the application's live LLM deployment replicas (each holds one engine): the same
         ids before and after a redeploy mean Serve kept the replicas, a new id is a replica it started.
         ``live_only`` False: dead ones the GCS still knows too (replaced, or of an earlier deployment)."""
         return sorted(actor_id for actor_id, _ in _replicas(name, deployment_prefix, live_only))
+
+    def replica_nodes(self, name: str, deployment_prefix: str = "LLMServer") -> dict[str, int]:
+        """Where Ray placed the application's live LLM replicas: replicas per node id (the GCS actor table's; a
+        replica's actor runs in its placement group's first bundle). Replicas not yet placed are not counted."""
+        counts: dict[str, int] = {}
+        for _, actor in _live_replicas(name, deployment_prefix):
+            node = str((actor.get("Address") or {}).get("NodeID") or "")
+            if node.strip("0"):
+                counts[node] = counts.get(node, 0) + 1
+        return counts
 
     def replica_ids(self, name: str, deployment_prefix: str = "LLMServer") -> list[str]:
         """Serve's unique ids of the application's live LLM replicas: the ``ReplicaId`` their engines'
@@ -176,7 +187,7 @@ class ServeCluster:
                 reset += len(handle.broadcast("reset_prefix_cache").results(timeout_s=timeout_s))
         return reset
 
-    def run_app(self, name: str, app: Any, timeout_s: float, route_prefix: str = "/") -> float:
+    def run_app(self, name: str, app: Any, timeout_s: float, route_prefix: str = "/", on_poll: Callable[[], None] | None = None) -> float:
         """``serve.run`` one application at ``route_prefix`` and wait for every deployment to be HEALTHY. One that
         fails (or is not up within ``timeout_s``) is deleted and raised as :class:`EngineStartError`
         with Serve's message and the tail of its replicas' logs."""
@@ -191,6 +202,9 @@ class ServeCluster:
             while True:
                 app = serve.status().applications.get(name)
                 status = str(app.status) if app is not None else "NOT_STARTED"
+                if on_poll is not None:
+                    with contextlib.suppress(Exception):  # what the caller reads on the way never fails the deploy
+                        on_poll()
                 if status.endswith("RUNNING") and all(str(d.status).endswith("HEALTHY") for d in app.deployments.values()):
                     return time.monotonic() - start
                 failed = status.endswith(("DEPLOY_FAILED", "UNHEALTHY"))

@@ -15,15 +15,19 @@ is admitted only when each of its replicas fits on some node's free devices: on 
 4 held, a TP4 replica waits although 6 are free in all. Admitted, it would wait for a node inside its
 start-up, or be stretched over both nodes by Ray Serve LLM's PACK strategy and measure tensor parallelism
 across the network. The ledger's placement is a plan (the fullest node that fits each replica, as Ray packs
-bundles); Serve places the replicas itself, and the plan is not read back from Ray, so where Ray's choice
-differs (it weighs CPUs and memory too) the two can drift apart. A replica on a node that is lost is planned
-again on the nodes left, where Serve starts it again, before a newcomer is let in.
+bundles); Serve places the replicas itself, and Ray weighs CPUs and memory too, so its choice can differ. So
+while a trial deploys, where Ray put its replicas (the replica actors' nodes) is read back and replaces the
+plan (:meth:`DeviceLedger.placed_at`): a later arrival is judged by where the devices really went, from the
+moment Ray placed them, not after the engines started. Between the admission and that read a newcomer is still
+judged by the plan. A replica on a node that is lost is planned again on the nodes left, where Serve starts it
+again, before a newcomer is let in.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import time
 import uuid
@@ -185,6 +189,24 @@ class DeviceLedger:
             self.each[holder] = sizes[0] if sizes else 1
             return asked
 
+    async def placed_at(self, holder: str, replicas: Mapping[str, int]) -> dict[str, int] | None:
+        """Where Ray placed ``holder``'s replicas (replicas per node, read from Ray) in place of the plan, once every
+        replica it holds devices for is placed; the devices per node it now holds, or None (it holds nothing, or
+        not every replica is placed yet: the plan stands)."""
+        async with self.changed:
+            where, each = self.held.get(holder), self.each.get(holder, 1)
+            if where is None:
+                return None
+            actual = {str(node): int(n) * each for node, n in replicas.items() if int(n) > 0}
+            if sum(actual.values()) != sum(where.values()) or UNPLANNED in where:
+                return None  # not every replica placed yet; or a trial that runs alone, stretched over nodes
+            if any(n > self.nodes.get(node, 0) for node, n in actual.items()):
+                return None  # a replica actor's node is not where all its devices are (stretched): the plan stands
+            if actual != where:
+                self.held[holder] = actual
+                self.changed.notify_all()  # a node the plan held may be free after all: waiters judge again
+            return dict(actual)
+
     async def give_back(self, holder: str) -> int:
         """Free what ``holder`` holds (nothing when it holds nothing), and stop its wait if it waits, or a
         call of its not yet here (a holder is a trial or a verification of one run: it takes once); the devices
@@ -226,21 +248,43 @@ def start_ledger(name: str, device: str, per_node: int, every_s: float = 5.0) ->
     return remote.options(name=name, namespace=NAMESPACE).remote(devices_now(device, per_node), count, every_s)
 
 
+#: The ledger and holder of the devices this process holds (:func:`devices_held`), for :func:`report_placement`.
+_HOLDING: contextvars.ContextVar[tuple[Any, str] | None] = contextvars.ContextVar("servetune_serve_holding", default=None)
+
+
 @contextlib.contextmanager
 def devices_held(ledger_name: str | None, holder: str, devices: int, each: int | None = None) -> Iterator[None]:
     """``with devices_held(...)``: the trial's devices (replicas of ``each``) taken from the run's ledger (waiting
-    for them), and given back on leaving; nothing to take where the run has no ledger (one trial at a time)."""
+    for them), and given back on leaving; nothing to take where the run has no ledger (one trial at a time).
+    Inside, :func:`report_placement` tells the ledger where Ray placed the replicas."""
     import ray
 
     if ledger_name is None:
         yield
         return
     ledger = ray.get_actor(ledger_name, namespace=NAMESPACE)
+    token = _HOLDING.set((ledger, holder))
     try:
         ray.get(ledger.take.remote(holder, devices, each))
         yield
     finally:
         give_back(ledger, holder)
+        _HOLDING.reset(token)
+
+
+def report_placement(replicas: Mapping[str, int]) -> dict[str, int] | None:
+    """Tell the ledger of the devices this process holds (:func:`devices_held`) where Ray placed its replicas
+    (replicas per node); the devices per node it now holds there, None where nothing is held or it was not taken."""
+    import ray
+
+    holding = _HOLDING.get()
+    if holding is None or not replicas:
+        return None
+    ledger, holder = holding
+    try:
+        return ray.get(ledger.placed_at.remote(holder, dict(replicas)), timeout=30)
+    except Exception:  # noqa: BLE001 - the ledger died with the driver: the plan is all there is
+        return None
 
 
 def replica_share(spec: Any) -> tuple[int, int]:

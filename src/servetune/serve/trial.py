@@ -89,6 +89,7 @@ class ServeEngine:
         self.not_ours: set[str] = set()  # replica actor ids whose logs are not this trial's
         self.earlier: set[str] = set()  # Serve replica ids of an earlier deployment of this name, counted by Ray still
         self.server_metrics: ReplicaMetrics | None = None  # the replicas' vLLM metrics, once deployed
+        self.replica_nodes: dict[str, int] = {}  # replicas per Ray node, as placed (told to the study's ledger)
 
     def __enter__(self) -> ServeEngine:
         self.cluster = self.cluster or ServeCluster.attached()
@@ -99,7 +100,8 @@ class ServeEngine:
         with contextlib.suppress(Exception):
             self.earlier = set(self.cluster.served_per_replica(self.name))
         route = f"/{self.name}"
-        self.startup_s = self.cluster.deploy(self.name, trial_llm_config(self.spec), self.spec.startup_timeout_s, route_prefix=route)
+        self.startup_s = self.cluster.deploy(self.name, trial_llm_config(self.spec), self.spec.startup_timeout_s,
+                                             route_prefix=route, on_poll=self._placed)  # fmt: skip
         self.url = self.cluster.url + route
         try:
             # Replicas that failed while deploying: their logs would count an engine (and its start) twice.
@@ -114,6 +116,18 @@ class ServeEngine:
             self.__exit__()
             raise
         return self
+
+    def _placed(self) -> None:
+        """Where Ray placed the replicas, read while they start; told to the study's ledger when it changes (a
+        replica placed, or replaced elsewhere) and every replica is placed."""
+        from servetune.serve.ledger import report_placement  # Ray Tune's, imported only where a study runs
+
+        assert self.cluster is not None
+        with contextlib.suppress(Exception):  # the actor table could not be read this time: the next poll reads it
+            where = self.cluster.replica_nodes(self.name)
+            if where != self.replica_nodes and sum(where.values()) == self.spec.serve_replicas:
+                self.replica_nodes = where
+                report_placement(where)
 
     def _keep_log(self) -> None:
         """The replicas' vLLM logs (those on this node, replicas Serve replaced during the trial included)
@@ -186,7 +200,7 @@ class ServeEngine:
         return {"application": self.name, "replicas": self.spec.serve_replicas,
                 "requests_per_replica": {replica: n for replica, n in self.cluster.requests_per_replica(self.name).items()
                                          if replica not in self.earlier},
-                "replica_niceness": sorted(niceness)}  # fmt: skip
+                "replica_niceness": sorted(niceness), "replica_nodes": dict(self.replica_nodes)}  # fmt: skip
 
 
 class ReplicaMetrics:
