@@ -101,6 +101,7 @@ def test_one_and_two_replicas_measured_through_serve_recorded_and_torn_down(stud
         assert result["kv_capacity"]["tokens"] > 0, result.get("kv_capacity")
         assert serve["replica_niceness"] == [0]  # not Ray's 15: the engines get the CPU a bare engine gets
         assert list(serve["replica_nodes"].values()) == [replicas], serve  # where Ray placed them (one node here)
+        assert serve["device_nodes"] == serve["replica_nodes"], serve  # and their devices: one rank (CPU bundle) each
     assert len({results[1]["trial_id"], results[2]["trial_id"], unbatched["trial_id"]}) == 3
     # In flight together: the one-replica trials overlapped, on different cores; the two-replica trial, which
     # needs both cores, started only once both had finished (it waited for them in the study's ledger).

@@ -207,49 +207,79 @@ from servetune.serve.ledger import devices_held, report_placement, start_ledger
 ray.init(address=sys.argv[1], logging_level="ERROR")
 serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
 ledger = start_ledger("servetune-serve-devices-placed-test", "gpu", 4, every_s=0.2)
+workers = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU")]
 
 
-@ray.remote(num_cpus=0, num_gpus=2)
-class SomeoneElse:  # what the ledger does not know of: another job's actor on the node it planned
+@ray.remote(num_cpus=0)
+class SomeoneElse:  # what the ledger does not know of: another job's actor holding GPUs
     def ready(self):
         return True
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0, "num_gpus": 2})
-class LLMServerStandIn:  # a TP2 replica: its devices in its own actor
+def someone_else(node, gpus):
+    other = SomeoneElse.options(num_gpus=gpus, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+    ray.get(other.ready.remote())
+    return other
+
+
+# A TP2 replica as Ray Serve LLM deploys one: a placement group of one bundle per rank, the actor in the first.
+@serve.deployment(ray_actor_options={"num_cpus": 0}, placement_group_bundles=[{"GPU": 1}, {"GPU": 1}],
+                  placement_group_strategy="PACK")
+class LLMServerStandIn:
     def __call__(self, request):
         return "ok"
 
 
-cluster, told = ServeCluster(sys.argv[1], {}), []
+def deploy(app, holder):
+    cluster, told = ServeCluster(sys.argv[1], {}), []
+    poll = lambda: told.append(report_placement(cluster.replica_devices(app, 2)[1]))
+    cluster.run_app(app, LLMServerStandIn.bind(), 120, route_prefix="/" + app, on_poll=poll)
+    held = ray.get(ledger.state.remote())["placed"][holder]
+    table = ray.util.placement_group_table().values()
+    (group,) = [g for g in table if g["name"].startswith("SERVE_REPLICA::" + app + "#") and g["state"] == "CREATED"]
+    bundles = sorted(group["bundles_to_node_id"].values())
+    cluster.delete(app)
+    return {"told": [t for t in told if t], "held": held, "bundles": bundles}
+
+
+# Another job takes the planned worker's GPUs: Ray puts the replica on the other worker.
 with devices_held("servetune-serve-devices-placed-test", "tp2", 2, 2):
     (planned,) = ray.get(ledger.state.remote())["placed"]["tp2"]
-    other = SomeoneElse.options(scheduling_strategy=NodeAffinitySchedulingStrategy(planned, soft=False)).remote()
-    ray.get(other.ready.remote())
-    poll = lambda: told.append(report_placement(cluster.replica_nodes("placed")))
-    cluster.run_app("placed", LLMServerStandIn.bind(), 120, route_prefix="/placed", on_poll=poll)
-    held = ray.get(ledger.state.remote())["placed"]["tp2"]
-    actors = ray._private.state.actors().values()
-    ran_on = [a["Address"]["NodeID"] for a in actors if a["State"] == "ALIVE" and a["ActorClassName"].startswith("ServeReplica:placed:")]
-    cluster.delete("placed")
+    others = [someone_else(planned, 2)]
+    moved = dict(deploy("placed", "tp2"), planned=planned)
+ray.kill(others.pop())
+# Another job holds one GPU of each worker: PACK stretches the replica's two bundles over both.
+with devices_held("servetune-serve-devices-placed-test", "tp2-stretched", 2, 2):
+    planned = ray.get(ledger.state.remote())["placed"]["tp2-stretched"]
+    others = [someone_else(node, 1) for node in workers]
+    stretched = dict(deploy("stretched", "tp2-stretched"), planned=planned)
 after = ray.get(ledger.state.remote())["placed"]
 serve.shutdown()  # the module's cluster goes on without Serve's controller and proxy
-print(json.dumps({"planned": planned, "told": [t for t in told if t], "held": held, "ran_on": ran_on, "after": after}))
+for other in others:
+    ray.kill(other)
+print(json.dumps({"moved": moved, "stretched": stretched, "after": after}))
 """
 
 
-def test_where_ray_placed_a_serve_replica_is_read_back_into_the_ledger_in_place_of_its_plan(cluster):
-    """The ledger plans a replica on the fullest node that fits; Ray places it by what it sees, here another
-    node, because a job the ledger does not know of took the planned one's GPUs. While the deployment starts,
-    the replica's node is read from Ray's actor table and replaces the plan (serve/ledger.py placed_at)."""
+def test_where_ray_placed_a_serve_replicas_devices_is_read_back_into_the_ledger_in_place_of_its_plan(cluster):
+    """The ledger plans a replica on the fullest node that fits; Ray places it by what it sees. While the
+    deployment starts, its placement group's bundles are read node by node from Ray and replace the plan
+    (serve/ledger.py placed_at): a replica Ray put on another node than planned (a job the ledger does not know
+    of took the planned one's GPUs) is held there, and one that PACK stretched over both nodes (that job holds
+    one GPU of each) is held on both, one device each."""
     done = subprocess.run([sys.executable, "-c", PLACED_DRIVER, cluster.address], capture_output=True, text=True,
                           env=cluster.head.env, timeout=240)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     state = json.loads(done.stdout.strip().splitlines()[-1])
     workers = {cluster.node_id_of(w) for w in cluster.workers}
-    (ran_on,) = state["ran_on"]
-    assert state["planned"] in workers and ran_on in workers - {state["planned"]}, state
-    assert state["held"] == {ran_on: 2} and state["told"][-1] == {ran_on: 2}, state
+    moved, stretched = state["moved"], state["stretched"]
+    assert moved["planned"] in workers, state
+    (other,) = workers - {moved["planned"]}
+    assert moved["bundles"] == [other, other], state  # Ray put both bundles on the worker not planned
+    assert moved["held"] == {other: 2} and moved["told"][-1] == {other: 2}, state
+    assert sum(stretched["planned"].values()) == 2 and len(stretched["planned"]) == 1, state  # planned on one node
+    assert sorted(stretched["bundles"]) == sorted(workers), state  # Ray put one bundle on each worker
+    assert stretched["held"] == dict.fromkeys(workers, 1) and stretched["told"][-1] == stretched["held"], state
     assert state["after"] == {}, state  # given back on leaving
 
 

@@ -144,15 +144,29 @@ class ServeCluster:
         ``live_only`` False: dead ones the GCS still knows too (replaced, or of an earlier deployment)."""
         return sorted(actor_id for actor_id, _ in _replicas(name, deployment_prefix, live_only))
 
-    def replica_nodes(self, name: str, deployment_prefix: str = "LLMServer") -> dict[str, int]:
-        """Where Ray placed the application's live LLM replicas: replicas per node id (the GCS actor table's; a
-        replica's actor runs in its placement group's first bundle). Replicas not yet placed are not counted."""
-        counts: dict[str, int] = {}
+    def replica_devices(self, name: str, each: int, deployment_prefix: str = "LLMServer") -> tuple[dict[str, int], dict[str, int]]:
+        """Where Ray placed the application's live LLM replicas, exactly: (replicas per node, by each one's actor;
+        devices per node). A replica's devices are its placement group's bundles (Ray Serve LLM's: one per rank,
+        the replica actor in the first; Serve names the group after the replica's actor), each on the node Ray put
+        it on, so a replica that PACK stretched over two nodes counts on both. A replica without a placement group
+        (its devices in its actor) holds ``each`` on its actor's node. A replica whose actor or bundles are not all
+        placed yet (a group being rescheduled after a lost node) counts in neither."""
+        import ray
+
+        groups = {entry.get("name"): entry for entry in ray.util.placement_group_table().values()
+                  if entry.get("name") and entry.get("state") == "CREATED"}  # fmt: skip
+        replicas: dict[str, int] = {}
+        devices: dict[str, int] = {}
         for _, actor in _live_replicas(name, deployment_prefix):
-            node = str((actor.get("Address") or {}).get("NodeID") or "")
-            if node.strip("0"):
-                counts[node] = counts.get(node, 0) + 1
-        return counts
+            node = _node_of(actor)
+            group = groups.get(actor.get("Name"))
+            bundles = [str(n) for n in (group.get("bundles_to_node_id") or {}).values()] if group is not None else [node] * each
+            if not node or not bundles or not all(b.strip("0") for b in bundles):
+                continue
+            replicas[node] = replicas.get(node, 0) + 1
+            for bundle_node in bundles:
+                devices[bundle_node] = devices.get(bundle_node, 0) + 1
+        return replicas, devices
 
     def replica_ids(self, name: str, deployment_prefix: str = "LLMServer") -> list[str]:
         """Serve's unique ids of the application's live LLM replicas: the ``ReplicaId`` their engines'
@@ -368,6 +382,12 @@ def _live_replicas(name: str, deployment_prefix: str = "") -> list[tuple[str, di
     """The application's live replica actors (of the deployments whose names start with
     ``deployment_prefix``), as (actor id, the GCS actor table's entry)."""
     return _replicas(name, deployment_prefix, live_only=True)
+
+
+def _node_of(actor: Mapping[str, Any]) -> str:
+    """The node id the GCS actor table places ``actor`` on; empty while it is not placed."""
+    node = str((actor.get("Address") or {}).get("NodeID") or "")
+    return node if node.strip("0") else ""
 
 
 def _on_this_host(actor: Mapping[str, Any], unknown: bool = False) -> bool:

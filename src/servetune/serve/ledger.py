@@ -16,8 +16,9 @@ is admitted only when each of its replicas fits on some node's free devices: on 
 start-up, or be stretched over both nodes by Ray Serve LLM's PACK strategy and measure tensor parallelism
 across the network. The ledger's placement is a plan (the fullest node that fits each replica, as Ray packs
 bundles); Serve places the replicas itself, and Ray weighs CPUs and memory too, so its choice can differ. So
-while a trial deploys, where Ray put its replicas (the replica actors' nodes) is read back and replaces the
-plan (:meth:`DeviceLedger.placed_at`): a later arrival is judged by where the devices really went, from the
+while a trial deploys, where Ray put its replicas' devices (each replica's placement-group bundles, node by
+node: a replica PACK stretched over two nodes counts on both) is read back and replaces the plan
+(:meth:`DeviceLedger.placed_at`): a later arrival is judged by where the devices really went, from the
 moment Ray placed them, not after the engines started. Between the admission and that read a newcomer is still
 judged by the plan. A replica on a node that is lost is planned again on the nodes left, where Serve starts it
 again, before a newcomer is let in.
@@ -189,19 +190,19 @@ class DeviceLedger:
             self.each[holder] = sizes[0] if sizes else 1
             return asked
 
-    async def placed_at(self, holder: str, replicas: Mapping[str, int]) -> dict[str, int] | None:
-        """Where Ray placed ``holder``'s replicas (replicas per node, read from Ray) in place of the plan, once every
-        replica it holds devices for is placed; the devices per node it now holds, or None (it holds nothing, or
-        not every replica is placed yet: the plan stands)."""
+    async def placed_at(self, holder: str, devices: Mapping[str, int]) -> dict[str, int] | None:
+        """Where Ray placed ``holder``'s replicas (devices per node, read from Ray: each replica's placement-group
+        bundles) in place of the plan, once every device it holds is placed; the devices per node it now holds, or
+        None (it holds nothing, not every replica is placed yet, or the read cannot be right: the plan stands)."""
         async with self.changed:
-            where, each = self.held.get(holder), self.each.get(holder, 1)
+            where = self.held.get(holder)
             if where is None:
                 return None
-            actual = {str(node): int(n) * each for node, n in replicas.items() if int(n) > 0}
+            actual = {str(node): int(n) for node, n in devices.items() if int(n) > 0}
             if sum(actual.values()) != sum(where.values()) or UNPLANNED in where:
                 return None  # not every replica placed yet; or a trial that runs alone, stretched over nodes
             if any(n > self.nodes.get(node, 0) for node, n in actual.items()):
-                return None  # a replica actor's node is not where all its devices are (stretched): the plan stands
+                return None  # more on a node than it has (a node the count does not know yet): the plan stands
             if actual != where:
                 self.held[holder] = actual
                 self.changed.notify_all()  # a node the plan held may be free after all: waiters judge again
@@ -272,17 +273,17 @@ def devices_held(ledger_name: str | None, holder: str, devices: int, each: int |
         _HOLDING.reset(token)
 
 
-def report_placement(replicas: Mapping[str, int]) -> dict[str, int] | None:
-    """Tell the ledger of the devices this process holds (:func:`devices_held`) where Ray placed its replicas
-    (replicas per node); the devices per node it now holds there, None where nothing is held or it was not taken."""
+def report_placement(devices: Mapping[str, int]) -> dict[str, int] | None:
+    """Tell the ledger of the devices this process holds (:func:`devices_held`) where Ray placed them (devices per
+    node); the devices per node it now holds there, None where nothing is held or it was not taken."""
     import ray
 
     holding = _HOLDING.get()
-    if holding is None or not replicas:
+    if holding is None or not devices:
         return None
     ledger, holder = holding
     try:
-        return ray.get(ledger.placed_at.remote(holder, dict(replicas)), timeout=30)
+        return ray.get(ledger.placed_at.remote(holder, dict(devices)), timeout=30)
     except Exception:  # noqa: BLE001 - the ledger died with the driver: the plan is all there is
         return None
 

@@ -89,7 +89,8 @@ class ServeEngine:
         self.not_ours: set[str] = set()  # replica actor ids whose logs are not this trial's
         self.earlier: set[str] = set()  # Serve replica ids of an earlier deployment of this name, counted by Ray still
         self.server_metrics: ReplicaMetrics | None = None  # the replicas' vLLM metrics, once deployed
-        self.replica_nodes: dict[str, int] = {}  # replicas per Ray node, as placed (told to the study's ledger)
+        self.replica_nodes: dict[str, int] = {}  # replicas per Ray node, as placed
+        self.device_nodes: dict[str, int] = {}  # their devices per Ray node (told to the study's ledger)
 
     def __enter__(self) -> ServeEngine:
         self.cluster = self.cluster or ServeCluster.attached()
@@ -118,16 +119,16 @@ class ServeEngine:
         return self
 
     def _placed(self) -> None:
-        """Where Ray placed the replicas, read while they start; told to the study's ledger when it changes (a
-        replica placed, or replaced elsewhere) and every replica is placed."""
-        from servetune.serve.ledger import report_placement  # Ray Tune's, imported only where a study runs
+        """Where Ray placed the replicas and their devices, read while they start; told to the study's ledger when
+        it changes (a replica placed, or replaced elsewhere) and every replica is placed."""
+        from servetune.serve.ledger import replica_share, report_placement  # Ray Tune's, imported only where a study runs
 
         assert self.cluster is not None
-        with contextlib.suppress(Exception):  # the actor table could not be read this time: the next poll reads it
-            where = self.cluster.replica_nodes(self.name)
-            if where != self.replica_nodes and sum(where.values()) == self.spec.serve_replicas:
-                self.replica_nodes = where
-                report_placement(where)
+        with contextlib.suppress(Exception):  # the GCS tables could not be read this time: the next poll reads them
+            replicas, devices = self.cluster.replica_devices(self.name, replica_share(self.spec)[1])
+            if devices != self.device_nodes and sum(replicas.values()) == self.spec.serve_replicas:
+                self.replica_nodes, self.device_nodes = replicas, devices
+                report_placement(devices)
 
     def _keep_log(self) -> None:
         """The replicas' vLLM logs (those on this node, replicas Serve replaced during the trial included)
@@ -200,7 +201,8 @@ class ServeEngine:
         return {"application": self.name, "replicas": self.spec.serve_replicas,
                 "requests_per_replica": {replica: n for replica, n in self.cluster.requests_per_replica(self.name).items()
                                          if replica not in self.earlier},
-                "replica_niceness": sorted(niceness), "replica_nodes": dict(self.replica_nodes)}  # fmt: skip
+                "replica_niceness": sorted(niceness), "replica_nodes": dict(self.replica_nodes),
+                "device_nodes": dict(self.device_nodes)}  # fmt: skip
 
 
 class ReplicaMetrics:
