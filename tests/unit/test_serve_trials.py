@@ -343,6 +343,51 @@ def test_what_each_replica_served_leaves_out_an_earlier_deployment_of_the_name(t
     engine.__exit__(None, None, None)
 
 
+def test_where_the_replicas_devices_are_is_told_to_the_ledger_while_deploying_and_again_once_serve_replaced_one(tmp_path, monkeypatch):
+    from servetune.serve import ledger as serve_ledger
+    from servetune.serve import trial as serve_trial
+    from servetune.serve.trial import ServeEngine
+
+    class Placing(ReplacingCluster):
+        """Two TP1 replicas: one placed at the first status poll, both at the second; later Serve replaces the
+        one on node a by one on node b."""
+
+        def __init__(self):
+            super().__init__()
+            self.where = ({}, {})
+
+        def deploy(self, name, config, timeout_s, route_prefix="/", on_poll=None):
+            for where in (({"a": 1}, {"a": 1}), ({"a": 1, "b": 1}, {"a": 1, "b": 1})):
+                self.where = where
+                on_poll()
+            return super().deploy(name, config, timeout_s, route_prefix)
+
+        def replica_devices(self, name, each):
+            assert each == 1
+            return self.where
+
+        def applications(self):
+            return {name: "RUNNING" for name in self.deployed}
+
+        def requests_per_replica(self, name):
+            return {}
+
+    told = []
+    monkeypatch.setattr(serve_ledger, "report_placement", lambda devices: told.append(dict(devices)))
+    monkeypatch.setattr(serve_trial, "wait_gone", lambda pids, timeout_s: [])
+    s = space(tmp_path, "params:\n  serve.num_replicas: [2]\n")
+    workload = s.resolved_workload(tmp_path)
+    spec = StudyContext(s, workload, tmp_path, "/models/tiny", resolve_levels(s, workload)).spec_for({"serve.num_replicas": 2})
+    cluster = Placing()
+    engine = ServeEngine(spec, tmp_path, cluster).__enter__()
+    assert told == [{"a": 1, "b": 1}]  # once every replica was placed, not at the partial read
+    assert engine.alive() and told == [{"a": 1, "b": 1}]  # nothing moved: nothing told again
+    cluster.where = ({"b": 2}, {"b": 2})  # the replica on a died; Serve started it again on b
+    assert engine.alive() and told == [{"a": 1, "b": 1}, {"b": 2}]
+    assert engine.record()["device_nodes"] == {"b": 2}
+    engine.__exit__(None, None, None)
+
+
 @pytest.mark.parametrize(("kv_bytes", "waits"), [(2_000, False), (1 << 30, True)])
 def test_a_trial_the_capacity_check_rejects_is_rejected_without_waiting_for_devices(tmp_path, tiny_model, monkeypatch, kv_bytes, waits):
     """Trials through Serve take their devices from the study's ledger before they deploy; one that cannot hold a

@@ -19,9 +19,10 @@ bundles); Serve places the replicas itself, and Ray weighs CPUs and memory too, 
 while a trial deploys, where Ray put its replicas' devices (each replica's placement-group bundles, node by
 node: a replica PACK stretched over two nodes counts on both) is read back and replaces the plan
 (:meth:`DeviceLedger.placed_at`): a later arrival is judged by where the devices really went, from the
-moment Ray placed them, not after the engines started. Between the admission and that read a newcomer is still
-judged by the plan. A replica on a node that is lost is planned again on the nodes left, where Serve starts it
-again, before a newcomer is let in.
+moment Ray placed them, not after the engines started, and again after each level (a replica Serve replaced
+meanwhile, perhaps on another node). Between the admission and that read a newcomer is still judged by the
+plan. A replica on a node that is lost is planned again on the nodes left, where Serve starts it again,
+before a newcomer is let in.
 """
 
 from __future__ import annotations

@@ -119,8 +119,9 @@ class ServeEngine:
         return self
 
     def _placed(self) -> None:
-        """Where Ray placed the replicas and their devices, read while they start; told to the study's ledger when
-        it changes (a replica placed, or replaced elsewhere) and every replica is placed."""
+        """Where Ray placed the replicas and their devices, read while they start and whenever measuring asks
+        whether they are alive; told to the study's ledger when it changes (a replica placed, or replaced
+        elsewhere) and every replica is placed."""
         from servetune.serve.ledger import replica_share, report_placement  # Ray Tune's, imported only where a study runs
 
         assert self.cluster is not None
@@ -156,8 +157,13 @@ class ServeEngine:
 
     # --- what measuring asks ---------------------------------------------------------------
     def alive(self) -> bool:
+        """Whether the application runs; asked after each level and the probe, which is when a replica that Serve
+        replaced since, perhaps on another node, is read back into the study's ledger."""
         assert self.cluster is not None
-        return self.cluster.applications().get(self.name, "").endswith("RUNNING")
+        running = self.cluster.applications().get(self.name, "").endswith("RUNNING")
+        if running:
+            self._placed()
+        return running
 
     def failure_reason(self) -> str:
         assert self.cluster is not None
