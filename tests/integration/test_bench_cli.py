@@ -88,6 +88,20 @@ def test_an_engine_that_dies_mid_level_keeps_what_was_measured(tmp_path, capsys,
     assert processes_mentioning(fake_python) == []
 
 
+def test_an_engine_that_fails_to_start_is_one_error_with_its_log_tail_and_writes_nothing(tmp_path, capsys, tiny_model, fake_python):
+    # On real vLLM the study's end-to-end test has an engine fail at start-up (a block size vLLM refuses).
+    code, out, err = run_cli(
+        capsys, "--model", str(tiny_model), "--python", str(fake_python), "--workload", "cpu-tiny",
+        "--env", "SERVETUNE_FAKE_FAIL_STARTUP=1", "--concurrency", "1", "--json", str(tmp_path / "b.json"),
+    )  # fmt: skip
+    assert code == 3
+    first = err.strip().splitlines()[0]
+    assert first.startswith("servetune bench: error: vLLM exited with code 1"), err
+    assert "engine log (last lines)" in err and "injected startup failure" in err, err
+    assert not (tmp_path / "b.json").exists() and not (tmp_path / "b.requests.jsonl").exists()
+    assert processes_mentioning(fake_python) == []
+
+
 @pytest.mark.parametrize(
     "argv, needle",
     [
