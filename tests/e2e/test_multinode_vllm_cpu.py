@@ -2,9 +2,11 @@
 
 Two worker nodes declare 2 CPUs each (this machine has 2 real cores: the declared ones are what
 Ray places by); each trial reserves 2 cores (tensor parallel 2), so one trial runs per node.
-When the first engine answers on one node, that node's raylet is killed: its trial is FAILED
-for its node, the other two COMPLETE (the third trial, waiting for a node, starts on the one that
-is left once the second is done), the report is written, and no vLLM process is left.
+Two trials start at once, one on each node. When the first engine answers on one node, that
+node's raylet is killed: its trial is FAILED for its node, the other COMPLETEs on the node that is
+left, the report is written, and no vLLM process is left. (A third trial waiting for a node and then
+running on the one left, and --resume after the loss, are tested on the same kind of cluster with the
+fake engine: tests/integration/test_multinode.py; a third TP=2 engine start here cost about a minute.)
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ hardware: {{devices_per_node: 2}}
 engine_args: {{enforce_eager: true, max_model_len: 512, dtype: float32, tensor_parallel_size: 2}}
 env: {{VLLM_CPU_KVCACHE_SPACE: 1}}
 price_per_device_hour: 0.05
-params:  # three trials: two at once, one per node, then the third on the node that is left
-  max_num_seqs: [2, 4, 8]
+params:  # two trials at once, one per node
+  max_num_seqs: [2, 4]
 search: {{algorithm: grid, baseline: false, max_concurrent: 2}}
 """
 
@@ -53,15 +55,17 @@ def test_a_cpu_tiny_study_over_two_nodes_survives_losing_one(tmp_path):
                                           find_s=480, finish_s=600)  # fmt: skip
         trial_id, output = lost_node.trial_id, lost_node.output
         assert lost_node.returncode == 0, output[-4000:]
+        survivor = next(cluster.node_id_of(w) for w in cluster.workers if w is not lost_node.victim)
     by_id = results(study_dir)
-    assert len(by_id) == 3, output[-3000:]
+    assert len(by_id) == 2, output[-3000:]
     lost = by_id[trial_id]
     assert lost["outcome"] == "FAILED" and lost["lost"] and lost["reason"].startswith("the trial's node died"), lost["reason"]
-    others = [r for t, r in by_id.items() if t != trial_id]
-    assert all(r["outcome"] == "COMPLETE" and r["levels"] for r in others), [(r["outcome"], r["reason"]) for r in others]
-    for r in others:  # the per-request records came back from the node that ran it
-        rows = (study_dir / "trials" / r["trial_id"] / "requests.jsonl").read_text().splitlines()
-        assert len(rows) >= 8 and json.loads(rows[0])["level"] == 0
+    (other,) = [r for t, r in by_id.items() if t != trial_id]
+    assert other["outcome"] == "COMPLETE" and other["levels"], (other["outcome"], other["reason"])
+    assert other["environment"]["ray_node_id"] == survivor, other["environment"]
+    # the per-request records came back from the node that ran it
+    rows = (study_dir / "trials" / other["trial_id"] / "requests.jsonl").read_text().splitlines()
+    assert len(rows) >= 8 and json.loads(rows[0])["level"] == 0
     assert (study_dir / "report" / "summary.md").exists()
     deadline = time.monotonic() + 30
     while processes_mentioning("vllm.entrypoints.openai.api_server", str(tmp_path)) and time.monotonic() < deadline:
