@@ -165,7 +165,7 @@ import json, sys, time
 import ray
 from servetune.serve.ledger import start_ledger
 
-ray.init(address=sys.argv[1], logging_level="ERROR")
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
 ledger = start_ledger("servetune-serve-devices-nodes-test", "gpu", 4, every_s=0.2)
 take = lambda holder, devices, each: ray.get(ledger.take.remote(holder, devices, each))
 back = lambda holder: ray.get(ledger.give_back.remote(holder))
@@ -204,7 +204,7 @@ from servetune.engine.server import free_port
 from servetune.serve.cluster import ServeCluster
 from servetune.serve.ledger import devices_held, report_placement, start_ledger
 
-ray.init(address=sys.argv[1], logging_level="ERROR")
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
 serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
 ledger = start_ledger("servetune-serve-devices-placed-test", "gpu", 4, every_s=0.2)
 workers = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("GPU")]
