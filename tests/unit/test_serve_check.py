@@ -125,6 +125,9 @@ class FakeCluster:
     def engine_replicas(self, name):
         return list(self.engines) if name in self.running else []
 
+    def replica_counters(self, name):  # vLLM's per-replica counters: none read here
+        return {}
+
     def reset_prefix_caches(self, name):
         return len(self.engines)
 
@@ -218,3 +221,145 @@ def test_cli_ramp_refusals_come_before_ray_starts(tmp_path, capsys, monkeypatch)
     assert main(["serve-check", str(study), "--pick", "t1", "--ramp", "--delay-scale", "2"]) == 2
     assert "--delay-scale a factor in (0, 1]" in capsys.readouterr().err
     assert not (study / "serve-check.json").exists()
+
+
+def test_run_check_keeps_each_part_as_it_finishes_and_routers_and_layouts_so_far_carry_no_verdict(tmp_path):
+    from servetune.serve.check import Layouts, Routing
+    from servetune.serve.layouts import Layout
+
+    picked = read_picked(tiny_study(tmp_path / "s"), "t1")
+    kept = []
+    one_level = lambda url, served, n: [level(8, 380 * n, 320)]  # noqa: E731
+
+    def stopped_at_the_second_router(url, served, router):
+        if router == "prefix-aware":
+            raise KeyboardInterrupt
+        return level(8, 700, 330)
+
+    routing = Routing(routers=["default", "prefix-aware"], replicas=2, workload="rag", measure=stopped_at_the_second_router)
+    with pytest.raises(KeyboardInterrupt):
+        run_check(picked, [1, 2], FakeCluster(), "app", one_level, Teardown(pids=set()), routing=routing, keep=kept.append)
+    # Each replica count, then the first router, as each finished; the routers so far name no router to ship.
+    assert [[run.replicas for run in r.runs] for r in kept] == [[1], [1, 2], [1, 2]]
+    assert [len(r.rows) for r in kept] == [1, 2, 2] and kept[1].rows[1].scaling_efficiency == pytest.approx(1.0)
+    assert kept[-1].routing is not None and [run.router for run in kept[-1].routing.runs] == ["default"]
+    assert kept[-1].routing.verdict is None and kept[-1].stopped is None
+
+    kept.clear()
+
+    def stopped_at_the_second_layout(url, served, layout):
+        if layout.replicas == 1:
+            raise SystemExit(143)
+        return level(16, 900, 300)
+
+    layouts = Layouts(layouts=[Layout(2, 1), Layout(1, 2)], budget=2, level={"concurrency": 16.0},
+                      measure=stopped_at_the_second_layout, cores=[0, 1])  # fmt: skip
+    with pytest.raises(SystemExit):
+        run_check(picked, [], FakeCluster(), "app", one_level, Teardown(pids=set()), layouts=layouts, keep=kept.append)
+    (only,) = kept
+    assert only.runs == [] and [(r.replicas, r.tensor_parallel_size) for r in only.layouts.runs] == [(2, 1)]
+    assert only.layouts.verdict is None
+    # Run to the end, the last part kept is the result, verdicts and all.
+    kept.clear()
+    layouts = dataclasses_replace(layouts, measure=lambda url, served, layout: level(16, 900, 300))
+    result = run_check(picked, [1], FakeCluster(), "app", one_level, Teardown(pids=set()), layouts=layouts, keep=kept.append)
+    assert len(kept) == 3 and kept[-1].layouts == result.layouts and result.layouts.verdict is not None
+
+
+def dataclasses_replace(obj, **changes):
+    import dataclasses
+
+    return dataclasses.replace(obj, **changes)
+
+
+class ServedCluster(FakeCluster):
+    """FakeCluster as the CLI opens it (``ServeCluster(address, resources)`` as a context)."""
+
+    opened: list = []
+
+    def __init__(self, address=None, resources=None) -> None:
+        super().__init__()
+        ServedCluster.opened.append(self)
+        self.exited = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.exited = True
+
+
+@pytest.mark.parametrize("stop, code, reason", [
+    ("sigterm", 143, "stopped by SIGTERM"),
+    ("ctrl-c", 130, "interrupted (Ctrl-C)"),
+    ("engine", 3, "EngineDiedError: the engine died"),
+])  # fmt: skip
+def test_a_serve_check_stopped_half_way_keeps_what_finished_deletes_its_application_and_the_report_says_so(
+    tmp_path, capsys, monkeypatch, tiny_tokenizer, stop, code, reason
+):  # fmt: skip
+    import html
+    import json
+    import os
+    import signal
+
+    from servetune.errors import EngineDiedError
+    from servetune.report import build_report, load_study
+    from servetune.report.html import render_html
+    from servetune.report.markdown import render_markdown
+    from servetune.results import LevelResult
+
+    study = tiny_study(tmp_path / "s")
+    monkeypatch.setattr("servetune.load.requests.load_tokenizer", lambda model: tiny_tokenizer)
+    monkeypatch.setattr("servetune.serve.cluster.ServeCluster", ServedCluster)
+    monkeypatch.setattr("servetune.serve.cluster.wait_gone", lambda pids: [])
+    monkeypatch.setattr(ServedCluster, "opened", [])
+    calls = []
+
+    def run_levels(console, url, served, workload, prompts, plans, slo, args, holder, records):
+        calls.append(url)
+        records.append({"level": len(calls) - 1, "ok": True})
+        if len(calls) == 2:  # while the second replica count is measured
+            if stop == "sigterm":
+                os.kill(os.getpid(), signal.SIGTERM)  # serve-check's own handler: SystemExit(143)
+            elif stop == "ctrl-c":
+                raise KeyboardInterrupt
+            else:
+                raise EngineDiedError("the engine died during concurrency 8", "last log line")
+        summary = level(8, 380, 320).summary
+        holder.levels.append(LevelResult(summary=summary))
+
+    monkeypatch.setattr("servetune.cli.bench.run_levels", run_levels)
+    argv = ["serve-check", str(study), "--pick", "t1", "--replicas", "1,2"]
+    if stop == "sigterm":
+        with pytest.raises(SystemExit) as stopped:
+            main(argv)
+        assert stopped.value.code == code
+    else:
+        assert main(argv) == code
+    (cluster,) = ServedCluster.opened
+    assert cluster.running == {} and cluster.exited  # the application deleted, Ray let go
+    doc = json.loads((study / "serve-check.json").read_text())
+    assert doc["stopped"] == reason or doc["stopped"].startswith(reason), doc["stopped"]
+    assert [run["replicas"] for run in doc["runs"]] == [1] and len(doc["rows"]) == 1  # the finished count, not the cut one
+    assert [json.loads(line)["level"] for line in (study / "serve-check.requests.jsonl").read_text().splitlines()] == [0, 1]
+    err = capsys.readouterr().err
+    assert f"serve-check stopped ({doc['stopped']}): what finished is kept in" in " ".join(err.split())
+    report = build_report(load_study(study))
+    assert f"serve-check stopped before every part ran ({doc['stopped']})" in render_markdown(report)
+    assert f"serve-check stopped before every part ran ({html.escape(doc['stopped'])})" in render_html(report)
+
+
+def test_a_serve_check_stopped_before_anything_finished_writes_nothing(tmp_path, capsys, monkeypatch, tiny_tokenizer):
+    study = tiny_study(tmp_path / "s")
+    monkeypatch.setattr("servetune.load.requests.load_tokenizer", lambda model: tiny_tokenizer)
+    monkeypatch.setattr("servetune.serve.cluster.ServeCluster", ServedCluster)
+    monkeypatch.setattr("servetune.serve.cluster.wait_gone", lambda pids: [])
+    monkeypatch.setattr(ServedCluster, "opened", [])
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("servetune.cli.bench.run_levels", interrupted)
+    assert main(["serve-check", str(study), "--pick", "t1", "--replicas", "1"]) == 130
+    assert not (study / "serve-check.json").exists() and not (study / "serve-check.requests.jsonl").exists()
+    assert ServedCluster.opened[0].running == {} and "stopped" not in capsys.readouterr().err

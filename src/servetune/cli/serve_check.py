@@ -73,6 +73,10 @@ Without --address a local Ray is started, declaring the CPUs the replicas and th
 with Serve's HTTP proxy on 127.0.0.1 at a free port; it is shut down at the end. With --address
 only the application serve-check deployed is deleted at the end. Either way serve-check proves,
 by process id, that no replica process is left.
+
+Stopped half-way (Ctrl-C, SIGTERM) or broken by a later step (an engine that dies), serve-check
+deletes its application just the same and keeps what finished (each replica count, the ramp, each
+router and each layout as it ends) in serve-check.json, with `stopped` saying why the rest is missing.
 """
 
 
@@ -128,14 +132,13 @@ def with_stream_batching(picked, interval_ms: float):
 
 def run(args: argparse.Namespace) -> int:
     from servetune.cli.bench import exit_on_sigterm, run_levels
-    from servetune.trial.runner import write_atomic
     from servetune.cli.display import console as make_console
     from servetune.errors import UserError
     from servetune.load.requests import PromptFactory, load_tokenizer
     from servetune.serve.check import Teardown, check_before_start, check_cluster_fits, refuse_running, run_check
     from servetune.serve.cluster import ServeCluster, wait_gone
     from servetune.serve.plan import APP_NAME, parse_replicas
-    from servetune.serve.result import SERVE_CHECK_FILE
+    from servetune.serve.result import SERVE_CHECK_FILE, ServeCheckResult
     from servetune.serve.study import read_picked
     from servetune.trial.measure import LevelPlan
 
@@ -229,6 +232,11 @@ def run(args: argparse.Namespace) -> int:
         cluster = ServeCluster(args.address, need.resources()).__enter__()
     left: list[int] = []
     owned = False  # the application is serve-check's to delete only once it did not refuse someone else's
+    so_far: list[ServeCheckResult] = []  # the result as of the last part that finished (run_check's keep)
+    requests_path = out.with_suffix(".requests.jsonl")
+
+    def keep(partial: ServeCheckResult) -> None:
+        so_far[:] = [partial]
     try:
         refuse_running(cluster, name, args.replace)
         for each in needed:
@@ -237,8 +245,15 @@ def run(args: argparse.Namespace) -> int:
         result = run_check(
             picked, replicas, cluster, name, measure, teardown, address=args.address,
             on_ready=lambda n, s: console.print(f"{n} replica{'s' if n > 1 else ''} RUNNING after {s:.0f} s"), ramp=ramp,
-            routing=routing, layouts=layouts,
+            routing=routing, layouts=layouts, keep=keep,
         )  # fmt: skip
+    except BaseException as exc:
+        if so_far:  # stopped or broken after some part finished: that part is kept, and says why the rest is not
+            so_far[0].stopped = stopped_reason(exc)
+            so_far[0].replica_pids = sorted(teardown.pids)
+            write_result(out, requests_path, so_far[0], records)
+            console.print(f"[yellow]serve-check stopped ({so_far[0].stopped}): what finished is kept in {out}[/]")
+        raise
     finally:
         with console.status(f"deleting the Serve application {name}"):
             try:
@@ -250,10 +265,7 @@ def run(args: argparse.Namespace) -> int:
     if left:
         raise UserError(f"replica processes still running after the teardown: pids {left}")
     result.replica_pids = sorted(teardown.pids)
-    requests_path = out.with_suffix(".requests.jsonl")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(requests_path, "".join(json.dumps(r) + "\n" for r in records))
-    write_atomic(out, result.model_dump_json(indent=2) + "\n")
+    write_result(out, requests_path, result, records)
     make_console().print(scaling_table(result))
     if result.ramp is not None:
         make_console().print(ramp_table(result.ramp))
@@ -267,6 +279,26 @@ def run(args: argparse.Namespace) -> int:
     completed = completed and all(run.level is not None and run.level.summary.completed
                                   for run in (result.layouts.runs if result.layouts else []))  # fmt: skip
     return 0 if completed and not (result.ramp is not None and result.ramp.traffic_before_ready) else 1
+
+
+def stopped_reason(exc: BaseException) -> str:
+    """Why a serve-check ended before every part ran, in a few words."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted (Ctrl-C)"
+    if isinstance(exc, SystemExit):
+        code = exc.code if isinstance(exc.code, int) else 1
+        return f"stopped by {signal.Signals(code - 128).name}" if 128 < code < 128 + 65 else f"exited with code {code}"
+    first = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {first[0] if first else ''}".rstrip(": ")
+
+
+def write_result(out: Path, requests_path: Path, result, records: list[dict]) -> None:
+    """serve-check.json and every request sent beside it, each written whole."""
+    from servetune.trial.runner import write_atomic
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(requests_path, "".join(json.dumps(r) + "\n" for r in records))
+    write_atomic(out, result.model_dump_json(indent=2) + "\n")
 
 
 @dataclasses.dataclass

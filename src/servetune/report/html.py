@@ -299,6 +299,8 @@ def serve_check_html(section: ServeSection) -> str:
     if section.problem:
         return parts[0] + f"<p><code>{e(str(section.path))}</code> could not be read: {e(section.problem)}.</p>"
     parts.append(f"<p class='muted'>Trial {e(section.trial_id)} deployed as a Ray Serve LLM application.</p>")
+    if section.stopped:
+        parts.append(f"<p><strong>serve-check stopped before every part ran ({e(section.stopped)}): below is what finished.</strong></p>")
     if section.scaling:
         parts.append(table(SCALING_HEADINGS, section.scaling))
     if section.routers:

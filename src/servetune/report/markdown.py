@@ -180,6 +180,8 @@ def serve_check_section(section: ServeSection | None) -> list[str]:
     if section.problem:
         return lines + [f"`{section.path}` could not be read: {section.problem}.", ""]
     lines += [f"Trial {section.trial_id} deployed as a Ray Serve LLM application (`{section.path.name}`).", ""]
+    if section.stopped:
+        lines += [f"**serve-check stopped before every part ran ({section.stopped}): below is what finished.**", ""]
     if section.scaling:
         lines += _table(SCALING_HEADINGS, section.scaling)
         lines += ["", "latencies in ms; router TTFT p50: through Serve minus the bare engine at the same level; "

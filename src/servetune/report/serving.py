@@ -42,6 +42,7 @@ class ServeSection:
     layout_notes: tuple[str, ...] = ()  # the offered load, layouts left out, the verdict
     layout: LayoutChoice | None = None  # what `export --format ray-serve` ships, when layouts were compared
     stream_batching: StreamBatchingChoice | None = None  # the interval serve-check deployed, when it set one
+    stopped: str = ""  # serve-check ended before every part ran (why); the rest is what finished
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,8 @@ def serve_section(file: ServeCheckFile | None) -> ServeSection | None:
                         router=_router_choice(trial_id, routing), layouts_title=laid_title,
                         layouts=tuple(layout_row(run) for run in laid.get("runs") or [] if isinstance(run, Mapping)),
                         layout_notes=layout_notes(laid) if laid else (), layout=_layout_choice(trial_id, laid),
-                        stream_batching=_stream_batching(trial_id, data.get("llm_config")))  # fmt: skip
+                        stream_batching=_stream_batching(trial_id, data.get("llm_config")),
+                        stopped=str(data.get("stopped") or ""))  # fmt: skip
 
 
 def _stream_batching(trial_id: str, config: Any) -> StreamBatchingChoice | None:

@@ -178,19 +178,41 @@ class Deployer:
 def run_check(
     picked: PickedStudy, replicas: list[int], cluster: Cluster, name: str, measure: Measure, teardown: Teardown,
     address: str | None = None, on_ready: Callable[[int, float], None] | None = None, ramp: Ramp | None = None,
-    routing: Routing | None = None, layouts: Layouts | None = None,
+    routing: Routing | None = None, layouts: Layouts | None = None, keep: Callable[[ServeCheckResult], None] | None = None,
 ) -> ServeCheckResult:  # fmt: skip
     """Deploy and measure each replica count; with ``ramp``, after the first count, deploy the
     derived autoscaling and run the ramp; with ``routing``, then compare the routers; with ``layouts``,
     at the end, compare the layouts. All of them share the engines that are running where the engine
     configuration is the same (:class:`Deployer`). The caller deletes the application (``teardown``
-    gathers the replica pids to prove gone)."""
+    gathers the replica pids to prove gone).
+
+    ``keep`` is given the result so far each time a part finishes (a replica count, the ramp, a router, a
+    layout), so a check stopped or broken half-way still has what it measured (routers and layouts so far
+    carry no verdict: the comparison is not complete)."""
     point = picked.point
     first = llm_config(point, 1)
     served = first["model_loading_config"]["model_id"]
     deployer = Deployer(cluster, name, picked.space.load.startup_timeout_s, teardown)
     runs: list[ReplicaRun] = []
     ramped: RampResult | None = None
+    routed: RoutingResult | None = None
+    laid: LayoutResult | None = None
+    shown = {**first, "runtime_env": {"env_vars": redact_env(first.get("runtime_env", {}).get("env_vars", {}))}}
+
+    def result() -> ServeCheckResult:
+        return ServeCheckResult(
+            servetune_version=__version__, created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            study=picked.study, trial_id=point.trial_id, picked_level=dict(point.level), model=point.model, app_name=name,
+            url=cluster.url, address=address, llm_config=shown, slo=[str(b) for b in picked.slo.bounds], runs=list(runs),
+            rows=scaling_rows(runs, picked.trial.levels), ramp=ramped, routing=routed, layouts=laid,
+        )  # fmt: skip
+
+    def kept(**parts: object) -> None:
+        nonlocal routed, laid
+        routed, laid = parts.get("routing", routed), parts.get("layouts", laid)  # type: ignore[assignment]
+        if keep is not None:
+            keep(result())
+
     for count in replicas:
         deployed = deployer.deploy(llm_config(point, count))
         if on_ready is not None:
@@ -201,25 +223,24 @@ def run_check(
         handled = served_between(before, after)
         runs.append(ReplicaRun(replicas=count, ready_s=deployed.ready_s, engines_reused=deployed.reused, levels=levels,
                                requests_per_replica=handled))  # fmt: skip
+        kept()
         if ramp is not None and ramped is None:
             # On the engines running: the derived autoscaling's initial_replicas is its minimum, so Serve scales
             # a larger count down to it before the deployment is HEALTHY, and the ramp starts from there.
             up = deployer.deploy(autoscaled_llm_config(point, ramp.deployment_config))
             ramped = ramp.run(cluster.url, served).model_copy(update={"ready_s": up.ready_s, "engines_reused": up.reused})
             teardown.pids.update(cluster.replica_pids(name))
-    routed = compare_routers(picked, cluster, name, served, routing, deployer) if routing is not None else None
-    laid = compare_layouts(picked, cluster, name, served, layouts, deployer) if layouts is not None else None
-    shown = {**first, "runtime_env": {"env_vars": redact_env(first.get("runtime_env", {}).get("env_vars", {}))}}
-    return ServeCheckResult(
-        servetune_version=__version__, created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        study=picked.study, trial_id=point.trial_id, picked_level=dict(point.level), model=point.model, app_name=name,
-        url=cluster.url, address=address, llm_config=shown, slo=[str(b) for b in picked.slo.bounds], runs=runs,
-        rows=scaling_rows(runs, picked.trial.levels), ramp=ramped, routing=routed, layouts=laid,
-    )  # fmt: skip
+            kept()
+    if routing is not None:
+        kept(routing=compare_routers(picked, cluster, name, served, routing, deployer, lambda so_far: kept(routing=so_far)))
+    if layouts is not None:
+        kept(layouts=compare_layouts(picked, cluster, name, served, layouts, deployer, lambda so_far: kept(layouts=so_far)))
+    return result()
 
 
 def compare_routers(
-    picked: PickedStudy, cluster: Cluster, name: str, served: str, routing: Routing, deployer: Deployer
+    picked: PickedStudy, cluster: Cluster, name: str, served: str, routing: Routing, deployer: Deployer,
+    so_far: Callable[[RoutingResult], None] = lambda result: None,
 ) -> RoutingResult:  # fmt: skip
     """The routers on the same engines, the same workload at the same level. Each router is the same
     LLM deployment with only its request router changed, which Serve applies to the running replicas (a
@@ -239,11 +260,14 @@ def compare_routers(
         runs.append(RouterRun(router=router, router_class=ROUTERS[router], replicas=routing.replicas,
                               ready_s=deployed.ready_s, engines_reused=deployed.reused, engine_replicas=deployed.engines,
                               level=measured, per_replica=traffic_between(before, after)))  # fmt: skip
+        if len(runs) < len(routing.routers):
+            so_far(RoutingResult(workload=routing.workload, replicas=routing.replicas, level=level, runs=list(runs)))
     return RoutingResult(workload=routing.workload, replicas=routing.replicas, level=level, runs=runs, verdict=verdict(runs))
 
 
 def compare_layouts(
-    picked: PickedStudy, cluster: Cluster, name: str, served: str, spec: Layouts, deployer: Deployer
+    picked: PickedStudy, cluster: Cluster, name: str, served: str, spec: Layouts, deployer: Deployer,
+    so_far: Callable[[LayoutResult], None] = lambda result: None,
 ) -> LayoutResult:  # fmt: skip
     """Each layout deployed and measured at the same level. A layout whose engines are the ones running
     (e.g. the routers' replicas) goes first and is deployed on them, prefix caches reset; any other is
@@ -254,24 +278,30 @@ def compare_layouts(
     configs = {layout: llm_config(layout_point(point, layout, spec.cores), layout.replicas) for layout in spec.layouts}
     order = sorted(spec.layouts, key=lambda layout: engine_version(configs[layout]) != deployer.running)
     runs: list[LayoutRun] = []
+
+    def result(final: bool) -> LayoutResult:
+        ordered = sorted(runs, key=lambda run: spec.layouts.index(Layout(run.replicas, run.tensor_parallel_size)))
+        return LayoutResult(
+            budget=spec.budget, device="GPU" if point.device == "gpu" else "CPU", level=dict(spec.level),
+            price_per_device_hour=picked.space.price_per_device_hour, skipped=list(spec.skipped), runs=ordered,
+            verdict=layout_verdict(ordered) if final else None,
+        )  # fmt: skip
+
     for layout in order:
         try:
             deployed = deployer.deploy(configs[layout])
         except EngineStartError as exc:  # a layout that does not deploy is data: the others are still compared
             deployer.teardown.pids.update(cluster.replica_pids(name))
             runs.append(layout_run(layout, pp, None, picked.space.price_per_device_hour, error=str(exc)))
-            continue
-        before = cluster.requests_per_replica(name)
-        measured = spec.measure(cluster.url, served, layout)
-        after = cluster.requests_per_replica(name)
-        runs.append(layout_run(layout, pp, measured, picked.space.price_per_device_hour, ready_s=deployed.ready_s,
-                               engines_reused=bool(deployed.reused), requests_per_replica=served_between(before, after)))  # fmt: skip
-    runs.sort(key=lambda run: spec.layouts.index(Layout(run.replicas, run.tensor_parallel_size)))
-    return LayoutResult(
-        budget=spec.budget, device="GPU" if point.device == "gpu" else "CPU", level=dict(spec.level),
-        price_per_device_hour=picked.space.price_per_device_hour, skipped=list(spec.skipped), runs=runs,
-        verdict=layout_verdict(runs),
-    )  # fmt: skip
+        else:
+            before = cluster.requests_per_replica(name)
+            measured = spec.measure(cluster.url, served, layout)
+            after = cluster.requests_per_replica(name)
+            runs.append(layout_run(layout, pp, measured, picked.space.price_per_device_hour, ready_s=deployed.ready_s,
+                                   engines_reused=bool(deployed.reused), requests_per_replica=served_between(before, after)))  # fmt: skip
+        if len(runs) < len(order):
+            so_far(result(final=False))
+    return result(final=True)
 
 
 def served_between(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int]:

@@ -70,6 +70,7 @@ class ServeCheckResult(BaseModel):
     ramp: RampResult | None = None  # --ramp: the derived autoscaling under 1x, 3x and 1x the knee
     routing: RoutingResult | None = None  # --routers: each router on a shared-prefix workload
     layouts: LayoutResult | None = None  # --layouts / --budget: replicas x TP under one device budget, at one load
+    stopped: str | None = None  # why the check ended before every part ran; what is here finished (None: it all ran)
 
 
 def scaling_rows(runs: list[ReplicaRun], bare_levels: list[LevelResult]) -> list[ScalingRow]:
