@@ -363,3 +363,13 @@ def test_a_serve_check_stopped_before_anything_finished_writes_nothing(tmp_path,
     assert main(["serve-check", str(study), "--pick", "t1", "--replicas", "1"]) == 130
     assert not (study / "serve-check.json").exists() and not (study / "serve-check.requests.jsonl").exists()
     assert ServedCluster.opened[0].running == {} and "stopped" not in capsys.readouterr().err
+
+
+def test_what_stopped_a_serve_check_is_named_as_verify_names_it():
+    from servetune.cli.serve_check import stopped_reason
+    from servetune.errors import EngineDiedError
+
+    assert stopped_reason(SystemExit(143)) == "stopped by SIGTERM" and stopped_reason(KeyboardInterrupt()) == "interrupted (Ctrl-C)"
+    assert stopped_reason(SystemExit(160)) == "exited with code 160"  # 128 + 32: no signal of that number
+    assert stopped_reason(SystemExit(2)) == "exited with code 2"
+    assert stopped_reason(EngineDiedError("the engine died\nmore", "tail")) == "EngineDiedError: the engine died"

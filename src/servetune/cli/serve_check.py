@@ -283,11 +283,13 @@ def run(args: argparse.Namespace) -> int:
 
 def stopped_reason(exc: BaseException) -> str:
     """Why a serve-check ended before every part ran, in a few words."""
-    if isinstance(exc, KeyboardInterrupt):
-        return "interrupted (Ctrl-C)"
-    if isinstance(exc, SystemExit):
-        code = exc.code if isinstance(exc.code, int) else 1
-        return f"stopped by {signal.Signals(code - 128).name}" if 128 < code < 128 + 65 else f"exited with code {code}"
+    from servetune.verify.run import stop_name  # verify names its stops the same way: "interrupted", "SIGTERM", "exit N"
+
+    if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+        name = stop_name(exc)
+        if name == "interrupted":
+            return "interrupted (Ctrl-C)"
+        return f"exited with code {name.removeprefix('exit ')}" if name.startswith("exit ") else f"stopped by {name}"
     first = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {first[0] if first else ''}".rstrip(": ")
 

@@ -181,7 +181,7 @@ def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: Pro
             try:
                 value = asyncio.run(main())
             except (asyncio.CancelledError, SystemExit, KeyboardInterrupt) as exc:  # stopped: the engine is stopped
-                run.stopped = run.stopped or _stop_name(exc)  # on the way out; what finished is kept (verify's `partial`)
+                run.stopped = run.stopped or stop_name(exc)  # on the way out; what finished is kept (verify's `partial`)
                 return run, None, records
             if isinstance(server, ServeEngine):
                 with contextlib.suppress(Exception):  # what each replica served: a record, never a failure
@@ -231,7 +231,7 @@ def stop_status(stopped: str) -> int:
     return int(number) if number.isdigit() else 1
 
 
-def _stop_name(exc: BaseException) -> str:
+def stop_name(exc: BaseException) -> str:
     """What stopped a verification: ``interrupted`` (Ctrl-C), a signal's name (the commands exit 128 + its number on
     SIGTERM), or ``exit N``; :func:`stop_status` reads it back."""
     if isinstance(exc, KeyboardInterrupt):
