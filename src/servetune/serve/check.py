@@ -207,9 +207,9 @@ def run_check(
             rows=scaling_rows(runs, picked.trial.levels), ramp=ramped, routing=routed, layouts=laid,
         )  # fmt: skip
 
-    def kept(**parts: object) -> None:
+    def kept(routed_now: RoutingResult | None = None, laid_now: LayoutResult | None = None) -> None:
         nonlocal routed, laid
-        routed, laid = parts.get("routing", routed), parts.get("layouts", laid)  # type: ignore[assignment]
+        routed, laid = routed_now or routed, laid_now or laid
         if keep is not None:
             keep(result())
 
@@ -232,9 +232,9 @@ def run_check(
             teardown.pids.update(cluster.replica_pids(name))
             kept()
     if routing is not None:
-        kept(routing=compare_routers(picked, cluster, name, served, routing, deployer, lambda so_far: kept(routing=so_far)))
+        kept(routed_now=compare_routers(picked, cluster, name, served, routing, deployer, lambda so_far: kept(routed_now=so_far)))
     if layouts is not None:
-        kept(layouts=compare_layouts(picked, cluster, name, served, layouts, deployer, lambda so_far: kept(layouts=so_far)))
+        kept(laid_now=compare_layouts(picked, cluster, name, served, layouts, deployer, lambda so_far: kept(laid_now=so_far)))
     return result()
 
 
