@@ -224,6 +224,8 @@ def test_cli_ramp_refusals_come_before_ray_starts(tmp_path, capsys, monkeypatch)
 
 
 def test_run_check_keeps_each_part_as_it_finishes_and_routers_and_layouts_so_far_carry_no_verdict(tmp_path):
+    import dataclasses
+
     from servetune.serve.check import Layouts, Routing
     from servetune.serve.layouts import Layout
 
@@ -261,15 +263,9 @@ def test_run_check_keeps_each_part_as_it_finishes_and_routers_and_layouts_so_far
     assert only.layouts.verdict is None
     # Run to the end, the last part kept is the result, verdicts and all.
     kept.clear()
-    layouts = dataclasses_replace(layouts, measure=lambda url, served, layout: level(16, 900, 300))
+    layouts = dataclasses.replace(layouts, measure=lambda url, served, layout: level(16, 900, 300))
     result = run_check(picked, [1], FakeCluster(), "app", one_level, Teardown(pids=set()), layouts=layouts, keep=kept.append)
     assert len(kept) == 3 and kept[-1].layouts == result.layouts and result.layouts.verdict is not None
-
-
-def dataclasses_replace(obj, **changes):
-    import dataclasses
-
-    return dataclasses.replace(obj, **changes)
 
 
 class ServedCluster(FakeCluster):
