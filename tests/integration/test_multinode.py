@@ -43,6 +43,12 @@ search: {{algorithm: grid, baseline: false}}
 """
 
 
+def driver_state(stdout: str) -> dict:
+    """The JSON line a driver below printed last. Ray can print a raylet's error to a driver's stdout after it
+    (seen: "(raylet) Task ServeController.listen_for_change failed", with log_to_driver off), so that is skipped."""
+    return json.loads(next(line for line in reversed(stdout.splitlines()) if line.startswith("{")))
+
+
 def results(study_dir: Path) -> dict[str, dict]:
     return {p.parent.name: json.loads(p.read_text()) for p in (study_dir / "trials").glob("*/result.json")}
 
@@ -186,7 +192,7 @@ def test_the_serve_ledger_places_each_replica_inside_one_node_of_the_real_cluste
     done = subprocess.run([sys.executable, "-c", LEDGER_DRIVER, cluster.address], capture_output=True, text=True,
                           env=cluster.head.env, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    state = json.loads(done.stdout.strip().splitlines()[-1])
+    state = driver_state(done.stdout)
     workers = {node_id for node_id, gpus in state["nodes"].items() if gpus}
     assert len(workers) == 2 and sorted(state["nodes"].values()) == [0, 2, 2]  # the head lends none
     assert state["waited"], state
@@ -270,7 +276,7 @@ def test_where_ray_placed_a_serve_replicas_devices_is_read_back_into_the_ledger_
     done = subprocess.run([sys.executable, "-c", PLACED_DRIVER, cluster.address], capture_output=True, text=True,
                           env=cluster.head.env, timeout=240)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    state = json.loads(done.stdout.strip().splitlines()[-1])
+    state = driver_state(done.stdout)
     workers = {cluster.node_id_of(w) for w in cluster.workers}
     moved, stretched = state["moved"], state["stretched"]
     assert moved["planned"] in workers, state
