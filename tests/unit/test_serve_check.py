@@ -369,3 +369,45 @@ def test_what_stopped_a_serve_check_is_named_as_verify_names_it():
     assert stopped_reason(SystemExit(160)) == "exited with code 160"  # 128 + 32: no signal of that number
     assert stopped_reason(SystemExit(2)) == "exited with code 2"
     assert stopped_reason(EngineDiedError("the engine died\nmore", "tail")) == "EngineDiedError: the engine died"
+
+
+def test_a_stopped_serve_check_never_replaces_one_that_ran_to_the_end(tmp_path, capsys, monkeypatch, tiny_tokenizer):
+    """As verify's verify.stopped.json: the complete check stays, the stopped one's parts go beside it."""
+    import json
+
+    from servetune.results import LevelResult
+
+    study = tiny_study(tmp_path / "s")
+    monkeypatch.setattr("servetune.load.requests.load_tokenizer", lambda model: tiny_tokenizer)
+    monkeypatch.setattr("servetune.serve.cluster.ServeCluster", ServedCluster)
+    monkeypatch.setattr("servetune.serve.cluster.wait_gone", lambda pids: [])
+    monkeypatch.setattr(ServedCluster, "opened", [])
+    stop_at = {"call": None}
+    calls = []
+
+    def run_levels(console, url, served, workload, prompts, plans, slo, args, holder, records):
+        calls.append(url)
+        records.append({"call": len(calls)})
+        if len(calls) == stop_at["call"]:
+            raise KeyboardInterrupt
+        holder.levels.append(LevelResult(summary=level(8, 380, 320).summary))
+
+    monkeypatch.setattr("servetune.cli.bench.run_levels", run_levels)
+    argv = ["serve-check", str(study), "--pick", "t1", "--replicas", "1,2"]
+    assert main(argv) == 0
+    complete = {name: (study / name).read_bytes() for name in ("serve-check.json", "serve-check.requests.jsonl")}
+    stop_at["call"] = 4  # the second run's 2-replica count
+    assert main(argv) == 130
+    assert {name: (study / name).read_bytes() for name in complete} == complete  # the complete one, as it was
+    stopped = json.loads((study / "serve-check.stopped.json").read_text())
+    assert stopped["stopped"] == "interrupted (Ctrl-C)" and [run["replicas"] for run in stopped["runs"]] == [1]
+    sent = (study / "serve-check.stopped.requests.jsonl").read_text().splitlines()
+    assert [json.loads(line)["call"] for line in sent] == [3, 4]
+    err = " ".join(capsys.readouterr().err.split())
+    assert "what finished is kept in" in err and "serve-check.stopped.json" in err and "kept as it was" in err
+    # A stopped check over a stopped one (no complete one to keep) takes its place, as before.
+    (study / "serve-check.stopped.json").rename(study / "serve-check.json")
+    stop_at["call"] = 6
+    assert main(argv) == 130
+    assert json.loads((study / "serve-check.json").read_text())["stopped"] == "interrupted (Ctrl-C)"
+    assert [json.loads(line)["call"] for line in (study / "serve-check.requests.jsonl").read_text().splitlines()] == [5, 6]

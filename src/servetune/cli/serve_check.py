@@ -77,6 +77,8 @@ by process id, that no replica process is left.
 Stopped half-way (Ctrl-C, SIGTERM) or broken by a later step (an engine that dies), serve-check
 deletes its application just the same and keeps what finished (each replica count, the ramp, each
 router and each layout as it ends) in serve-check.json, with `stopped` saying why the rest is missing.
+An earlier serve-check there that ran to the end is not replaced: the stopped one goes beside it, in
+serve-check.stopped.json.
 """
 
 
@@ -251,8 +253,12 @@ def run(args: argparse.Namespace) -> int:
         if so_far:  # stopped or broken after some part finished: that part is kept, and says why the rest is not
             so_far[0].stopped = stopped_reason(exc)
             so_far[0].replica_pids = sorted(teardown.pids)
-            write_result(out, requests_path, so_far[0], records)
-            console.print(f"[yellow]serve-check stopped ({so_far[0].stopped}): what finished is kept in {out}[/]")
+            # never over a complete check, as verify: serve-check.stopped.json (and .stopped.requests.jsonl) beside it
+            kept_at = out.with_name(f"{out.stem}.stopped{out.suffix}") if holds_complete_check(out) else out
+            write_result(kept_at, kept_at.with_suffix(".requests.jsonl"), so_far[0], records)
+            console.print(f"[yellow]serve-check stopped ({so_far[0].stopped}): what finished is kept in {kept_at}[/]")
+            if kept_at != out:
+                console.print(f"[yellow]{out} holds an earlier serve-check that ran to the end: kept as it was[/]")
         raise
     finally:
         with console.status(f"deleting the Serve application {name}"):
@@ -292,6 +298,16 @@ def stopped_reason(exc: BaseException) -> str:
         return f"exited with code {name.removeprefix('exit ')}" if name.startswith("exit ") else f"stopped by {name}"
     first = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {first[0] if first else ''}".rstrip(": ")
+
+
+def holds_complete_check(path: Path) -> bool:
+    """Whether ``path`` holds a serve-check that ran every part it was asked for (not one that stopped)."""
+    from servetune.serve.result import ServeCheckResult
+
+    try:
+        return ServeCheckResult.model_validate_json(path.read_bytes()).stopped is None
+    except (OSError, ValueError):  # none there, or not a serve-check result: nothing to keep
+        return False
 
 
 def write_result(out: Path, requests_path: Path, result, records: list[dict]) -> None:
