@@ -20,12 +20,13 @@ load: {{levels: [1, 2], requests_per_level: 8, warmup_requests: 1, startup_timeo
 slo: {{ttft_ms: {{p99: 400}}}}  # far above 5 and 10 ms (a 5 ms fake was recorded here at a P99 of 241 ms), below 900
 hardware: {{devices_per_node: 2}}
 price_per_device_hour: 0.05
+env: {{SERVETUNE_FAKE_ITL_MS: 1}}  # tokens at 1 ms: the long outputs (1024 tokens) and the repeats take seconds
 params:  # three trials: two meet the SLO (the one-core 5 ms and the two-core 10 ms), one breaks it;
-  env.SERVETUNE_FAKE_TTFT_MS: [5, 10, 900]  # the two-core one's engine dies 20 s after it is ready: after
-  data_parallel_size: [1, 2]                # its trial's ladder (about 3 s of the engine's life), halfway
-  env.SERVETUNE_FAKE_CRASH_AFTER_S: [1000, 20]  # through its verification (about 40 s of scenarios)
+  env.SERVETUNE_FAKE_TTFT_MS: [5, 10, 900]  # the two-core one's engine dies 12 s after it is ready: after
+  data_parallel_size: [1, 2]                # its trial's ladder (about 3 s of the engine's life), during
+  env.SERVETUNE_FAKE_CRASH_AFTER_S: [1000, 12]  # its verification (soak and peak 4 s each, then the bursts)
 constraints: ["(env.SERVETUNE_FAKE_TTFT_MS == 10) == (data_parallel_size == 2)",
-              "(env.SERVETUNE_FAKE_CRASH_AFTER_S == 20) == (data_parallel_size == 2)"]
+              "(env.SERVETUNE_FAKE_CRASH_AFTER_S == 12) == (data_parallel_size == 2)"]
 search: {{algorithm: grid, baseline: false, verify: {{top: 3, duration_s: 4}}}}
 """
 
