@@ -8,7 +8,9 @@ and is kept out of the recommendation. Where lm-eval is installed, the same tria
 custom lm-eval task over a local JSONL file through its ``local-completions`` model.
 """
 
+import itertools
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -157,6 +159,17 @@ def test_study_report_and_export_on_real_vllm(study):
     assert resolved["max_num_seqs"] > 0 and resolved["max_num_batched_tokens"] > 0 and resolved["block_size"] == 128
     assert ok["startup_phases"]["load_weights_s"] > 0 and ok["startup_phases"]["other_s"] > 0  # read from vLLM's log
     assert processes_mentioning(study_dir, "vllm") == []
+    # Trials side by side ran on cores of their own (engine/cores.py), each on the core it reserved, as its
+    # engine log says: with vLLM's own binding every one-rank engine took core 0 of the two.
+    cores = {}
+    for trial in (ok, same, bf16):
+        log = (study_dir / "trials" / trial["trial_id"] / "engine.log").read_text()
+        cores[trial["trial_id"]] = re.findall(r"core ids=\[([0-9, ]+)\]", log)
+        assert cores[trial["trial_id"]] == [trial["environment"]["cpu_binding"]], (cores, trial["environment"])
+    side_by_side = [(a, b) for a, b in itertools.combinations((ok, same, bf16), 2)
+                    if a["started_at"] < b["finished_at"] and b["started_at"] < a["finished_at"]]  # fmt: skip
+    assert side_by_side, [(r["started_at"], r["finished_at"]) for r in (ok, same, bf16)]  # max_concurrent: 2
+    assert all(cores[a["trial_id"]] != cores[b["trial_id"]] for a, b in side_by_side), cores
 
     # Quality: the reference ran first; the same numerics agree exactly, whatever the batch size.
     assert ok["quality"]["reference_trial"] == ok["trial_id"] and ok["started_at"] <= min(r["started_at"] for r in results.values())

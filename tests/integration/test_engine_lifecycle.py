@@ -140,3 +140,44 @@ def test_a_crash_is_seen_at_once_though_the_reaper_is_still_clearing(fake_python
         while srv.alive() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not srv.alive()
+
+
+def engine_env(srv: VllmServer) -> dict[str, str]:
+    """The environment the engine process itself runs with (under the reaper)."""
+    import psutil
+
+    (engine,) = [p for p in psutil.Process(srv.process.pid).children() if "--guard" not in p.cmdline()]
+    return engine.environ()
+
+
+def test_engines_side_by_side_run_on_cores_of_their_own_and_let_them_go_when_stopped(fake_python, tmp_path, monkeypatch):
+    """On the CPU build each bare engine claims a core per rank (engine/cores.py): two at once never share
+    one, a stopped engine's cores are free again, a bind the user set is kept, and GPUs bind nothing."""
+    import os
+
+    from servetune.engine.cores import BIND
+
+    monkeypatch.setattr("servetune.engine.cores.lock_dir", lambda: tmp_path)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6})
+    monkeypatch.delenv(BIND, raising=False)
+
+    def cpu(name, ranks, **env):
+        return VllmServer("fake-model", {}, env, log_path=tmp_path / name / "engine.log", python=fake_python,
+                          stop_grace_s=1.0, cpu_ranks=ranks)  # fmt: skip
+
+    with cpu("a", 1) as one, cpu("b", 2) as two:
+        assert (one.cpu_binding, two.cpu_binding) == ("4", "5|6")
+        assert engine_env(one)[BIND] == "4" and engine_env(two)[BIND] == "5|6"
+        with cpu("c", 1) as none_free:  # every core taken: one rank is left to vLLM's own binding
+            assert none_free.cpu_binding is None and BIND not in engine_env(none_free)
+        with cpu("d", 2) as crowded:  # ... and several ranks are bound as export binds them (vLLM's would refuse)
+            assert crowded.cpu_binding == "4|5"
+    with cpu("e", 2) as again:  # the stopped engines let their cores go
+        assert again.cpu_binding == "4|5"
+        with cpu("f", 1, **{BIND: "6"}) as users:  # the user's bind wins, and claims nothing
+            assert users.cpu_binding == "6" and engine_env(users)[BIND] == "6"
+        with cpu("g", 1) as last:
+            assert last.cpu_binding == "6"
+    gpu = VllmServer("fake-model", {}, {}, log_path=tmp_path / "gpu" / "engine.log", python=fake_python, stop_grace_s=1.0)
+    with gpu:
+        assert gpu.cpu_binding is None and BIND not in engine_env(gpu)

@@ -28,6 +28,7 @@ from typing import Any
 import psutil
 
 from servetune.engine.args import ArgSpec, engine_argv
+from servetune.engine.cores import BIND, claim_now
 from servetune.engine.reaper import group_processes
 from servetune.engine.resolved import DEV_MODE_ENV
 from servetune.errors import EngineStartError
@@ -82,7 +83,10 @@ class VllmServer:
         startup_timeout_s: float = 900.0,
         stop_grace_s: float = 20.0,
         argspecs: Mapping[str, ArgSpec] | None = None,
+        cpu_ranks: int | None = None,
     ) -> None:
+        """``cpu_ranks``: on vLLM's CPU build, the engine's ranks (TP x DP x PP), each bound to a core of its own
+        that no other engine on this host holds while this one runs (engine/cores.py); None: vLLM binds it."""
         self.model = str(model)
         self.engine_args = dict(engine_args or {})
         self.env = {k: str(v) for k, v in (env or {}).items()}
@@ -93,8 +97,10 @@ class VllmServer:
         self.startup_timeout_s = startup_timeout_s
         self.stop_grace_s = stop_grace_s
         self.argspecs = argspecs
+        self.cpu_ranks = cpu_ranks
         self.process: subprocess.Popen | None = None
         self.startup_s: float | None = None
+        self._core_locks: list = []  # the cores this engine claimed, held until it is gone
 
     @property
     def url(self) -> str:
@@ -118,16 +124,34 @@ class VllmServer:
         if self.port is None:
             self.port = free_port(self.host)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.cpu_ranks and {**os.environ, **self.env}.get(BIND, "auto") == "auto":  # a bind the user set is kept
+            bind, self._core_locks = claim_now(self.cpu_ranks)
+            if bind is not None:
+                self.env[BIND] = bind
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         if self.host in LOOPBACK:
             # vLLM's development endpoints, reachable from this machine only: /server_info (what
             # vLLM resolved, engine/resolved.py) and /reset_prefix_cache (a cold cache per level).
             env.setdefault(DEV_MODE_ENV, "1")
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                self.launch_argv(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=env, start_new_session=True,
-            )  # fmt: skip
+        try:
+            with open(self.log_path, "wb") as log:
+                self.process = subprocess.Popen(
+                    self.launch_argv(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    env=env, start_new_session=True,
+                )  # fmt: skip
+        except BaseException:
+            self._release_cores()
+            raise
+
+    @property
+    def cpu_binding(self) -> str | None:
+        """The cores the engine's ranks are bound to (``VLLM_CPU_OMP_THREADS_BIND``), where servetune or the user set it."""
+        return {**os.environ, **self.env}.get(BIND) if self.cpu_ranks else None
+
+    def _release_cores(self) -> None:
+        for handle in self._core_locks:
+            handle.close()
+        self._core_locks = []
 
     def wait_ready(self) -> None:
         """Poll ``/health`` until it answers 200; raise with the log tail if the process dies."""
@@ -169,7 +193,13 @@ class VllmServer:
             return False
 
     def stop(self) -> None:
-        """TERM the process group, KILL it after the grace period, wait until it is gone."""
+        """TERM the process group, KILL it after the grace period, wait until it is gone; then let its cores go."""
+        try:
+            self._stop_group()
+        finally:
+            self._release_cores()
+
+    def _stop_group(self) -> None:
         if self.process is None:
             return
         pgid = self.process.pid  # leader of its own session: pgid == pid

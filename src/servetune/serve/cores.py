@@ -10,7 +10,8 @@ as core ids.
 replica's process before its engine starts. Each rank of the engine takes one core, the CPU build's
 device as servetune counts it (a replica count needs as many cores, ``plan.check_fits``), so every
 layout of a device budget runs on as many cores, in a study, in serve-check and in verify alike. A
-replica takes the first free cores by a lock file per core (``flock``: held for the replica
+replica takes the first free cores by a lock file per core (engine/cores.py, the same locks bare
+engines take; ``flock``: held for the replica
 process's life, let go by the kernel when it ends however it ends; a replica being replaced may hold
 them a while, so a claim waits up to ``WAIT_S``), and sets ``VLLM_CPU_OMP_THREADS_BIND`` for the
 engine it then starts (``0|1`` for two ranks). A bind the user set is kept. Too few free cores: one
@@ -23,50 +24,22 @@ ray-serve`` never does. Cores are logical CPUs: on a host with SMT, two ranks ma
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import logging
 import os
-import tempfile
 import time
-from pathlib import Path
 from typing import IO, Any
 
 from ray.llm._internal.common.callbacks.base import CallbackBase
 
-BIND = "VLLM_CPU_OMP_THREADS_BIND"
+from servetune.engine.cores import BIND, binding, claim, lock_dir
+
+__all__ = ["BIND", "HELD", "WAIT_S", "ClaimCores", "claim", "lock_dir"]
+
 WAIT_S = 60.0  # how long a claim waits for cores a replica being replaced still holds
 
 logger = logging.getLogger("servetune.serve.cores")
 #: The locks this process holds, for its life: module state, as Ray pickles the callback with its config.
 HELD: list[IO[str]] = []
-
-
-def lock_dir() -> Path:
-    """Where this host's core locks are (shared by every replica on it, of any application)."""
-    path = Path(tempfile.gettempdir()) / "servetune-cpu-cores"
-    path.mkdir(exist_ok=True)
-    return path
-
-
-def claim(count: int, allowed: list[int], directory: Path) -> tuple[list[int], list[IO[str]]]:
-    """The first ``count`` cores of ``allowed`` no other process holds, and their held locks; nothing
-    (all let go) when fewer are free."""
-    held: list[tuple[int, IO[str]]] = []
-    for core in sorted(allowed):
-        if len(held) == count:
-            break
-        handle = open(directory / f"core-{core}.lock", "a")  # noqa: SIM115 - held for the process's life
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            handle.close()
-            continue
-        held.append((core, handle))
-    if len(held) < count:
-        for _, handle in held:
-            handle.close()
-        return [], []
-    return [core for core, _ in held], [handle for _, handle in held]
 
 
 class ClaimCores(CallbackBase):
@@ -93,10 +66,9 @@ class ClaimCores(CallbackBase):
             await asyncio.sleep(1.0)
         if cores:
             HELD.extend(held)
-        elif self.ranks > 1:  # vLLM's own binding refuses several ranks on one NUMA node: bind them as export does
-            cores = allowed[: self.ranks]
-        else:
+        bind = binding(self.ranks, cores, allowed)  # without free cores: several ranks bound as export binds them
+        if bind is None:
             logger.warning("servetune: no free core on this host after %.0f s; vLLM binds the engine itself", WAIT_S)
             return
-        os.environ[BIND] = "|".join(map(str, cores))  # a core per rank; the engine process the replica starts inherits it
+        os.environ[BIND] = bind  # a core per rank; the engine process the replica starts inherits it
         logger.info("servetune: this replica's engine runs on cores %s", os.environ[BIND])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,8 +38,7 @@ class StudyContext:
 
         return placement_problem(bundle(self.space, params), self.nodes)
 
-    def spec_for(self, params: dict[str, Any], gpu_ids: list[str] | None = None, cores: list[int] | None = None,
-                 node_id: str | None = None) -> TrialSpec:  # fmt: skip
+    def spec_for(self, params: dict[str, Any], gpu_ids: list[str] | None = None, node_id: str | None = None) -> TrialSpec:
         space = self.space
         engine_args, env = space.engine_params(params)
         devices = space.devices(params)
@@ -50,10 +48,8 @@ class StudyContext:
                 extra_env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
             if devices > 1:
                 engine_args.setdefault("distributed_executor_backend", "mp")
-        elif devices > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env and not space.through_serve:
-            # The CPU build runs several ranks when each is bound to its own core.
-            cores = cores or sorted(os.sched_getaffinity(0))
-            extra_env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in cores[:devices])
+        # On the CPU build each rank is bound to a core of its own when the engine starts (engine/cores.py: the
+        # first free cores of the host, so trials side by side never share one); a Serve replica claims its own.
         extra_env.update(compile_cache_env(env))  # the node's trials share vLLM's compile cache, safely
         load = space.load
         return TrialSpec(

@@ -145,7 +145,7 @@ def verify_on_node(selection: Selection, context: StudyContext, budget: Budget, 
         "placement_group_id": runtime.get_placement_group_id(),
         "assigned_resources": {k: v for k, v in runtime.get_assigned_resources().items() if not k.startswith("node:")},
         "cuda_visible_devices": spec.extra_env.get("CUDA_VISIBLE_DEVICES"),
-        "cpu_binding": spec.extra_env.get("VLLM_CPU_OMP_THREADS_BIND"),
+        "cpu_binding": doc.get("engine", {}).get("cpu_binding"),  # the cores its engine's ranks ran on
         "pid": os.getpid(),
     }
     return {"doc": doc, "engine_log": _tail(log), "placement": placement}

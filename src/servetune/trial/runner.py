@@ -205,7 +205,12 @@ def vllm_engine(spec: TrialSpec, trial_dir: Path) -> VllmServer:
     """The real engine: vLLM's OpenAI server in its own process group, logging to ``engine.log``."""
     kwargs = {"python": spec.python} if spec.python else {}
     return VllmServer(spec.model, spec.engine_args, {**spec.env, **spec.extra_env}, log_path=trial_dir / ENGINE_LOG,
-                      startup_timeout_s=spec.startup_timeout_s, **kwargs)  # fmt: skip
+                      startup_timeout_s=spec.startup_timeout_s, cpu_ranks=cpu_ranks(spec), **kwargs)  # fmt: skip
+
+
+def cpu_ranks(spec: TrialSpec) -> int | None:
+    """On the CPU build, the cores a bare engine of ``spec`` binds, a rank each (its devices); None on GPUs."""
+    return spec.devices if spec.device == "cpu" else None
 
 
 def run_trial(spec: TrialSpec, report: Report, prompts: Callable[[], PromptFactory], stop_rule: StopRule | None = None,
@@ -247,6 +252,8 @@ def _measure(server: Engine, spec: TrialSpec, result: TrialResult, report: Repor
              trial_dir: Path, stop_rule: StopRule | None = None) -> None:  # fmt: skip
     with server:
         result.startup_s = server.startup_s
+        if getattr(server, "cpu_binding", None):  # the cores its ranks ran on (engine/cores.py)
+            result.environment["cpu_binding"] = server.cpu_binding
         result.startup_phases = startup_phases(_read(trial_dir / ENGINE_LOG), server.startup_s)
         result.resolved_engine_args = fetch_resolved(server.url)
         kv = server.kv_capacity()

@@ -38,7 +38,7 @@ from servetune.report.points import is_out_of_memory
 from servetune.results import ENGINE_LOG
 from servetune.serve.cluster import ServeCluster
 from servetune.serve.trial import ServeEngine, trial_needs
-from servetune.trial.runner import write_atomic
+from servetune.trial.runner import cpu_ranks, write_atomic
 from servetune.verify import scenarios as sc
 from servetune.verify.disconnects import disconnects
 from servetune.verify.choose import Chosen, Selection
@@ -88,6 +88,7 @@ class EngineRun:
     failure: str | None = None
     log_tail: str | None = None
     serve: dict[str, Any] | None = None  # through Serve: the application, its replicas and what each served
+    cpu_binding: str | None = None  # on the CPU build, the cores its ranks ran on (engine/cores.py)
     stopped: str | None = None  # the verification was stopped while this engine ran ("SIGTERM", "interrupted")
 
 
@@ -116,7 +117,7 @@ def started(chosen: Chosen, log_path: Path, address: str | None = None) -> Itera
     if spec.serve_replicas is None:
         kwargs = {"python": spec.python} if spec.python else {}
         with VllmServer(spec.model, spec.engine_args, {**spec.env, **spec.extra_env}, log_path=log_path,
-                        startup_timeout_s=spec.startup_timeout_s, **kwargs) as server:  # fmt: skip
+                        startup_timeout_s=spec.startup_timeout_s, cpu_ranks=cpu_ranks(spec), **kwargs) as server:  # fmt: skip
             yield server
         return
     assert log_path.name == ENGINE_LOG  # where ServeEngine keeps the replicas' log
@@ -156,6 +157,7 @@ def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: Pro
     try:
         with started(chosen, log_path, address) as server:
             run.startup_s = server.startup_s
+            run.cpu_binding = getattr(server, "cpu_binding", None)
             served = spec.engine_args.get("served_model_name") or spec.model
 
             async def main() -> T:
@@ -391,7 +393,8 @@ def document(selection: Selection, budget: sc.Budget, timeouts: Timeouts, run: E
         "budget": asdict(budget),
         "timeouts": asdict(timeouts),
         "engine": {"startup_s": run.startup_s, "log": str(run.log_path), "failure": run.failure, "log_tail": run.log_tail,
-                   **({"serve": run.serve} if run.serve is not None else {})},
+                   **({"serve": run.serve} if run.serve is not None else {}),
+                   **({"cpu_binding": run.cpu_binding} if run.cpu_binding else {})},
         "scenarios": checklist_fields({name: scenarios[name].as_dict() for name in sc.SCENARIOS if name in scenarios}),
         "stability": stability(scenarios, records, run),
         "accepted": not failed,

@@ -1,0 +1,73 @@
+"""Cores of its own for each engine servetune starts on vLLM's CPU build.
+
+On the CPU build a device is a core: a trial of TP x DP x PP ranks reserves as many cores (DESIGN.md),
+and is priced for them. vLLM binds its OpenMP threads itself (``VLLM_CPU_OMP_THREADS_BIND=auto``) to
+the cores of one NUMA node, the first of them first, and every engine started with the same
+environment makes the same choice: two trials side by side ran on the same core, and a one-rank
+engine on a many-core host ran on every core but one, not on the core it reserved.
+
+So each engine claims free cores, a rank per core, before it starts: a lock file per core in a
+directory shared by every engine on the host (``flock``: held for the claimant's life, let go by the
+kernel however it ends), and ``VLLM_CPU_OMP_THREADS_BIND`` set to them (``0|1`` for two ranks). A bind
+the user set is kept. Too few free cores: one rank keeps vLLM's own binding; several are bound to the
+first cores, as ``export`` binds them (vLLM's own would refuse several ranks on one NUMA node). A
+bare engine claims in :class:`~servetune.engine.server.VllmServer`; a Serve replica in its process
+(serve/cores.py). Cores are logical CPUs: on a host with SMT, two ranks may share a physical core.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+from pathlib import Path
+from typing import IO
+
+BIND = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def lock_dir() -> Path:
+    """Where this host's core locks are (shared by every engine on it, bare or a Serve replica)."""
+    path = Path(tempfile.gettempdir()) / "servetune-cpu-cores"
+    path.mkdir(exist_ok=True)
+    return path
+
+
+def claim(count: int, allowed: list[int], directory: Path) -> tuple[list[int], list[IO[str]]]:
+    """The first ``count`` cores of ``allowed`` no other process holds, and their held locks; nothing
+    (all let go) when fewer are free."""
+    held: list[tuple[int, IO[str]]] = []
+    for core in sorted(allowed):
+        if len(held) == count:
+            break
+        handle = open(directory / f"core-{core}.lock", "a")  # noqa: SIM115 - held for the claimant's life
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.close()
+            continue
+        held.append((core, handle))
+    if len(held) < count:
+        for _, handle in held:
+            handle.close()
+        return [], []
+    return [core for core, _ in held], [handle for _, handle in held]
+
+
+def binding(ranks: int, claimed: list[int], allowed: list[int]) -> str | None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for an engine of ``ranks`` ranks: the cores it claimed, a rank per core;
+    without a claim, several ranks on the first allowed cores and one rank left to vLLM (None)."""
+    if claimed:
+        return "|".join(map(str, claimed))
+    return "|".join(map(str, sorted(allowed)[:ranks])) if ranks > 1 else None
+
+
+def claim_now(ranks: int) -> tuple[str | None, list[IO[str]]]:
+    """The binding of a bare engine about to start, and the locks its starter holds until the engine is gone.
+    No wait: the study's scheduler (Ray) gives a trial its cores only once the trial before it let them go."""
+    allowed = sorted(os.sched_getaffinity(0))
+    try:
+        claimed, held = claim(ranks, allowed, lock_dir())
+    except OSError:  # the lock directory cannot be used: as without free cores
+        claimed, held = [], []
+    return binding(ranks, claimed, allowed), held
