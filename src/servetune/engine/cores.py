@@ -12,7 +12,8 @@ kernel however it ends), and ``VLLM_CPU_OMP_THREADS_BIND`` set to them (``0|1`` 
 the user set is kept. Too few free cores: one rank keeps vLLM's own binding; several are bound to the
 first cores, as ``export`` binds them (vLLM's own would refuse several ranks on one NUMA node). A
 bare engine claims in :class:`~servetune.engine.server.VllmServer`; a Serve replica in its process
-(serve/cores.py). Cores are logical CPUs: on a host with SMT, two ranks may share a physical core.
+(serve/cores.py). Cores are logical CPUs, taken one per physical core first (:func:`physical_first`):
+on a host with SMT, a rank shares a physical core with another only when no whole core is free.
 """
 
 from __future__ import annotations
@@ -33,11 +34,39 @@ def lock_dir() -> Path:
     return path
 
 
+SYSFS_CPU = Path("/sys/devices/system/cpu")
+
+
+def id_list(text: str) -> list[int]:
+    """The kernel's CPU list format: ``0-3,8,10-11``."""
+    ids: list[int] = []
+    for part in text.strip().split(","):
+        first, _, last = part.partition("-")
+        ids.extend(range(int(first), int(last or first) + 1))
+    return ids
+
+
+def physical_first(allowed: list[int], sysfs: Path | None = None) -> list[int]:
+    """``allowed`` with the first thread of every physical core before any core's second (SMT siblings, from
+    ``cpuN/topology/thread_siblings_list``), each group in CPU order, as vLLM's own binding takes one logical CPU
+    per core. Where the kernel does not say, CPU order."""
+    sysfs = sysfs or SYSFS_CPU
+
+    def key(cpu: int) -> tuple[int, int]:
+        try:
+            siblings = sorted(id_list((sysfs / f"cpu{cpu}" / "topology" / "thread_siblings_list").read_text()))
+        except (OSError, ValueError):
+            return 0, cpu
+        return (siblings.index(cpu) if cpu in siblings else 0), cpu
+
+    return sorted(allowed, key=key)
+
+
 def claim(count: int, allowed: list[int], directory: Path) -> tuple[list[int], list[IO[str]]]:
-    """The first ``count`` cores of ``allowed`` no other process holds, and their held locks; nothing
-    (all let go) when fewer are free."""
+    """The first ``count`` cores of ``allowed`` (:func:`physical_first`) no other process holds, and their held
+    locks; nothing (all let go) when fewer are free."""
     held: list[tuple[int, IO[str]]] = []
-    for core in sorted(allowed):
+    for core in physical_first(allowed):
         if len(held) == count:
             break
         handle = open(directory / f"core-{core}.lock", "a")  # noqa: SIM115 - held for the claimant's life
@@ -59,7 +88,7 @@ def binding(ranks: int, claimed: list[int], allowed: list[int]) -> str | None:
     without a claim, several ranks on the first allowed cores and one rank left to vLLM (None)."""
     if claimed:
         return "|".join(map(str, claimed))
-    return "|".join(map(str, sorted(allowed)[:ranks])) if ranks > 1 else None
+    return "|".join(map(str, physical_first(allowed)[:ranks])) if ranks > 1 else None
 
 
 def claim_now(ranks: int) -> tuple[str | None, list[IO[str]]]:

@@ -18,7 +18,7 @@ engine it then starts (``0|1`` for two ranks). A bind the user set is kept. Too 
 rank keeps vLLM's own binding; several are bound to the first cores, as ``export`` binds them
 (vLLM's own would refuse several ranks on one NUMA node). Only deployments in a local Ray servetune
 started carry the callback (:data:`~servetune.serve.plan.CLAIM_CORES_ENV`); ``export --format
-ray-serve`` never does. Cores are logical CPUs: on a host with SMT, two ranks may share a physical core.
+ray-serve`` never does. Cores are logical CPUs, a physical core each first (engine/cores.py `physical_first`).
 """
 
 from __future__ import annotations

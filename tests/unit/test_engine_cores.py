@@ -1,0 +1,37 @@
+"""Bare engines' core claims (engine/cores.py): a physical core each before any SMT sibling, the kernel's CPU lists read."""
+
+from pathlib import Path
+
+from servetune.engine import cores
+from servetune.engine.cores import binding, claim, id_list, physical_first
+
+
+def topology(root: Path, siblings: dict[int, str]) -> Path:
+    for cpu, text in siblings.items():
+        (root / f"cpu{cpu}" / "topology").mkdir(parents=True)
+        (root / f"cpu{cpu}" / "topology" / "thread_siblings_list").write_text(text + "\n")
+    return root
+
+
+def test_the_kernels_cpu_lists_are_read():
+    assert id_list("0-3,8,10-11\n") == [0, 1, 2, 3, 8, 10, 11] and id_list("5") == [5]
+
+
+def test_one_thread_of_every_physical_core_comes_before_any_sibling(tmp_path):
+    paired = topology(tmp_path / "paired", {0: "0-1", 1: "0-1", 2: "2-3", 3: "2-3"})  # siblings numbered side by side
+    assert physical_first([3, 2, 1, 0], paired) == [0, 2, 1, 3]
+    split = topology(tmp_path / "split", {0: "0,4", 1: "1,5", 4: "0,4", 5: "1,5"})  # siblings a half apart
+    assert physical_first([5, 4, 1, 0], split) == [0, 1, 4, 5]
+    assert physical_first([1, 0, 7], tmp_path / "none") == [0, 1, 7]  # the kernel does not say: CPU order
+
+
+def test_two_ranks_claim_two_physical_cores_and_share_one_only_when_no_whole_core_is_free(tmp_path, monkeypatch):
+    monkeypatch.setattr(cores, "SYSFS_CPU", topology(tmp_path / "sys", {0: "0-1", 1: "0-1", 2: "2-3", 3: "2-3"}))
+    (tmp_path / "locks").mkdir()
+    two, held = claim(2, [0, 1, 2, 3], tmp_path / "locks")
+    assert two == [0, 2] and binding(2, two, [0, 1, 2, 3]) == "0|2"
+    siblings, more = claim(2, [0, 1, 2, 3], tmp_path / "locks")
+    assert siblings == [1, 3]
+    assert binding(2, [], [0, 1, 2, 3]) == "0|2" and binding(1, [], [0, 1, 2, 3]) is None  # nothing claimed
+    for handle in held + more:
+        handle.close()
