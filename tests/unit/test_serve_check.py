@@ -285,13 +285,23 @@ class ServedCluster(FakeCluster):
         self.exited = True
 
 
+@pytest.fixture
+def served_study(tmp_path, monkeypatch, tiny_tokenizer):
+    """A one-trial study that the CLI checks on a :class:`ServedCluster` (no Ray, no tokenizer download)."""
+    monkeypatch.setattr("servetune.load.requests.load_tokenizer", lambda model: tiny_tokenizer)
+    monkeypatch.setattr("servetune.serve.cluster.ServeCluster", ServedCluster)
+    monkeypatch.setattr("servetune.serve.cluster.wait_gone", lambda pids: [])
+    monkeypatch.setattr(ServedCluster, "opened", [])
+    return tiny_study(tmp_path / "s")
+
+
 @pytest.mark.parametrize("stop, code, reason", [
     ("sigterm", 143, "stopped by SIGTERM"),
     ("ctrl-c", 130, "interrupted (Ctrl-C)"),
     ("engine", 3, "EngineDiedError: the engine died"),
 ])  # fmt: skip
 def test_a_serve_check_stopped_half_way_keeps_what_finished_deletes_its_application_and_the_report_says_so(
-    tmp_path, capsys, monkeypatch, tiny_tokenizer, stop, code, reason
+    served_study, capsys, monkeypatch, stop, code, reason
 ):  # fmt: skip
     import html
     import json
@@ -304,11 +314,7 @@ def test_a_serve_check_stopped_half_way_keeps_what_finished_deletes_its_applicat
     from servetune.report.markdown import render_markdown
     from servetune.results import LevelResult
 
-    study = tiny_study(tmp_path / "s")
-    monkeypatch.setattr("servetune.load.requests.load_tokenizer", lambda model: tiny_tokenizer)
-    monkeypatch.setattr("servetune.serve.cluster.ServeCluster", ServedCluster)
-    monkeypatch.setattr("servetune.serve.cluster.wait_gone", lambda pids: [])
-    monkeypatch.setattr(ServedCluster, "opened", [])
+    study = served_study
     calls = []
 
     def run_levels(console, url, served, workload, prompts, plans, slo, args, holder, records):
@@ -345,12 +351,8 @@ def test_a_serve_check_stopped_half_way_keeps_what_finished_deletes_its_applicat
     assert f"serve-check stopped before every part ran ({html.escape(doc['stopped'])})" in render_html(report)
 
 
-def test_a_serve_check_stopped_before_anything_finished_writes_nothing(tmp_path, capsys, monkeypatch, tiny_tokenizer):
-    study = tiny_study(tmp_path / "s")
-    monkeypatch.setattr("servetune.load.requests.load_tokenizer", lambda model: tiny_tokenizer)
-    monkeypatch.setattr("servetune.serve.cluster.ServeCluster", ServedCluster)
-    monkeypatch.setattr("servetune.serve.cluster.wait_gone", lambda pids: [])
-    monkeypatch.setattr(ServedCluster, "opened", [])
+def test_a_serve_check_stopped_before_anything_finished_writes_nothing(served_study, capsys, monkeypatch):
+    study = served_study
 
     def interrupted(*args):
         raise KeyboardInterrupt
@@ -371,17 +373,13 @@ def test_what_stopped_a_serve_check_is_named_as_verify_names_it():
     assert stopped_reason(EngineDiedError("the engine died\nmore", "tail")) == "EngineDiedError: the engine died"
 
 
-def test_a_stopped_serve_check_never_replaces_one_that_ran_to_the_end(tmp_path, capsys, monkeypatch, tiny_tokenizer):
+def test_a_stopped_serve_check_never_replaces_one_that_ran_to_the_end(served_study, capsys, monkeypatch):
     """As verify's verify.stopped.json: the complete check stays, the stopped one's parts go beside it."""
     import json
 
     from servetune.results import LevelResult
 
-    study = tiny_study(tmp_path / "s")
-    monkeypatch.setattr("servetune.load.requests.load_tokenizer", lambda model: tiny_tokenizer)
-    monkeypatch.setattr("servetune.serve.cluster.ServeCluster", ServedCluster)
-    monkeypatch.setattr("servetune.serve.cluster.wait_gone", lambda pids: [])
-    monkeypatch.setattr(ServedCluster, "opened", [])
+    study = served_study
     stop_at = {"call": None}
     calls = []
 
