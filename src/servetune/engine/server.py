@@ -23,7 +23,7 @@ import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import psutil
 
@@ -100,7 +100,7 @@ class VllmServer:
         self.cpu_ranks = cpu_ranks
         self.process: subprocess.Popen | None = None
         self.startup_s: float | None = None
-        self._core_locks: list = []  # the cores this engine claimed, held until it is gone
+        self._core_locks: list[IO[str]] = []  # the cores this engine claimed, held until it is gone
 
     @property
     def url(self) -> str:

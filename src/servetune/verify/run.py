@@ -38,7 +38,7 @@ from servetune.report.points import is_out_of_memory
 from servetune.results import ENGINE_LOG
 from servetune.serve.cluster import ServeCluster
 from servetune.serve.trial import ServeEngine, trial_needs
-from servetune.trial.runner import cpu_ranks, write_atomic
+from servetune.trial.runner import vllm_engine, write_atomic
 from servetune.verify import scenarios as sc
 from servetune.verify.disconnects import disconnects
 from servetune.verify.choose import Chosen, Selection
@@ -114,13 +114,11 @@ def started(chosen: Chosen, log_path: Path, address: str | None = None) -> Itera
     Serve (``serve.num_replicas``) as that Serve application on a local Ray (or the one at ``address``), whose
     replicas' vLLM log is kept at ``log_path``. Leaving stops it, and a Ray it started."""
     spec = chosen.spec
+    assert log_path.name == ENGINE_LOG  # where a trial's engine, bare or through Serve, keeps its log
     if spec.serve_replicas is None:
-        kwargs = {"python": spec.python} if spec.python else {}
-        with VllmServer(spec.model, spec.engine_args, {**spec.env, **spec.extra_env}, log_path=log_path,
-                        startup_timeout_s=spec.startup_timeout_s, cpu_ranks=cpu_ranks(spec), **kwargs) as server:  # fmt: skip
+        with vllm_engine(spec, log_path.parent) as server:  # as the trial started it (its cores claimed on the CPU build)
             yield server
         return
-    assert log_path.name == ENGINE_LOG  # where ServeEngine keeps the replicas' log
     log_path.parent.mkdir(parents=True, exist_ok=True)
     if address is None and _in_ray():  # a study's verification (study/verify_top.py): on the study's Ray and Serve
         with ServeEngine(spec, log_path.parent) as engine:
