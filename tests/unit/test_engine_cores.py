@@ -35,3 +35,27 @@ def test_two_ranks_claim_two_physical_cores_and_share_one_only_when_no_whole_cor
     assert binding(2, [], [0, 1, 2, 3]) == "0|2" and binding(1, [], [0, 1, 2, 3]) is None  # nothing claimed
     for handle in held + more:
         handle.close()
+
+
+def test_a_lock_directory_that_cannot_be_used_leaves_the_binding_as_without_free_cores(monkeypatch):
+    def unusable():
+        raise PermissionError("/tmp/servetune-cpu-cores: another user's")
+
+    monkeypatch.setattr(cores, "lock_dir", unusable)
+    monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert cores.claim_now(1) == (None, []) and cores.claim_now(2) == ("0|1", [])
+
+
+def test_an_engine_that_cannot_be_launched_lets_its_cores_go(tmp_path, monkeypatch):
+    import pytest
+
+    from servetune.engine.server import VllmServer
+
+    monkeypatch.setattr(cores, "lock_dir", lambda: tmp_path)
+    monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.delenv(cores.BIND, raising=False)
+    server = VllmServer("m", {}, {}, log_path=tmp_path / "engine.log", cpu_ranks=1)
+    monkeypatch.setattr(server, "launch_argv", lambda: [str(tmp_path / "no-such-interpreter")])
+    with pytest.raises(FileNotFoundError):
+        server.start()
+    assert claim(1, [0], tmp_path)[0] == [0]  # the failed launch held core 0 no longer
