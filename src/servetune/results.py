@@ -110,6 +110,7 @@ class BenchResult(BaseModel):
     startup_s: float | None
     levels: list[LevelResult]
     requests_file: str | None = None
+    cpu_binding: str | None = None  # the CPU build: the cores its ranks were bound to (VLLM_CPU_OMP_THREADS_BIND)
 
 
 Outcome = Literal["COMPLETE", "INFEASIBLE", "FAILED"]

