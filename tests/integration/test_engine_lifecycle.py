@@ -181,3 +181,33 @@ def test_engines_side_by_side_run_on_cores_of_their_own_and_let_them_go_when_sto
     gpu = VllmServer("fake-model", {}, {}, log_path=tmp_path / "gpu" / "engine.log", python=fake_python, stop_grace_s=1.0)
     with gpu:
         assert gpu.cpu_binding is None and BIND not in engine_env(gpu)
+
+
+def test_an_engine_started_by_a_ray_actor_does_not_inherit_rays_omp_threads(local_ray, fake_python, tmp_path, monkeypatch):
+    """Ray gives a trial's actor OMP_NUM_THREADS = its CPUs; vLLM leaves a set value alone and serves with that
+    many torch threads, where `vllm serve` serves with one. The engine an actor starts gets the environment it
+    would get from a shell; a value the user set (the space's env, or the actor's own environment) is kept."""
+    import ray
+
+    @ray.remote(num_cpus=2)
+    class Trial:  # as Tune's trainable: an actor holding the trial's CPUs
+        def threads(self, env, log):
+            import os
+
+            import psutil
+
+            from servetune.engine.server import VllmServer
+
+            with VllmServer("fake-model", {}, env, log_path=log, python=fake_python, stop_grace_s=1.0) as srv:
+                (engine,) = [p for p in psutil.Process(srv.process.pid).children() if "--guard" not in p.cmdline()]
+                return os.environ.get("OMP_NUM_THREADS"), engine.environ().get("OMP_NUM_THREADS")
+
+    trial = Trial.remote()
+    assert ray.get(trial.threads.remote({}, tmp_path / "a.log")) == ("2", None)  # Ray set 2; the engine has none
+    assert ray.get(trial.threads.remote({"OMP_NUM_THREADS": "3"}, tmp_path / "b.log")) == ("2", "3")  # the space's env
+    ray.kill(trial)  # its CPUs back, for the next
+    users = Trial.options(runtime_env={"env_vars": {"OMP_NUM_THREADS": "4"}}).remote()
+    assert ray.get(users.threads.remote({}, tmp_path / "c.log")) == ("4", "4")  # set before Ray: not Ray's
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the driver is no Ray worker: what its shell set is kept
+    with VllmServer("fake-model", {}, {}, log_path=tmp_path / "d.log", python=fake_python, stop_grace_s=1.0) as srv:
+        assert engine_env(srv).get("OMP_NUM_THREADS") == "2"
