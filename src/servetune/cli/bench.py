@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import datetime as dt
 import json
-import math
 import os
 import re
 import shutil
@@ -24,7 +23,7 @@ from servetune.cli.display import console as make_console
 from servetune.cli.display import level_table
 from servetune.config.slo import Slo
 from servetune.config.workload import Workload, load_workload
-from servetune.config.space import ENGINE_DEFAULTS
+from servetune.config.space import engine_devices
 from servetune.engine.args import cpu_build, load_argspecs, parse_key_values, parse_value, validate_engine_args, vllm_version
 from servetune.engine.server import VllmServer
 from servetune.errors import EngineDiedError, UserError
@@ -237,7 +236,7 @@ def cpu_ranks(engine_args: dict, version: str | None) -> int | None:
     started holds (as a trial's are: engine/cores.py); None on GPUs, where vLLM places its ranks."""
     if not cpu_build(version):
         return None
-    return math.prod(int(engine_args.get(k) or default) for k, default in ENGINE_DEFAULTS.items())
+    return engine_devices(engine_args)
 
 
 def run_levels(console, url, served, workload, prompts, plans, slo, args, result, records, server=None) -> None:

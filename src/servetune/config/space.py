@@ -46,6 +46,12 @@ SERVE_STREAM_BATCHING = SERVE_PREFIX + "stream_batching_interval_ms"
 SERVE_PARAMS = (SERVE_REPLICAS, SERVE_STREAM_BATCHING)
 
 
+def engine_devices(engine_args: dict[str, Any]) -> int:
+    """The devices (cores on the CPU build) one engine of these arguments takes: tensor x pipeline x data
+    parallel size, vLLM's 1 for a size not given (or given as null, which passes no flag)."""
+    return math.prod(int(engine_args.get(k) or default) for k, default in ENGINE_DEFAULTS.items())
+
+
 def stream_batching_ok(value: object) -> bool:
     """Whether ``value`` is a stream batching interval: a finite number of milliseconds, 0 or more."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf
@@ -330,7 +336,7 @@ class SearchSpace(BaseModel):
     def replica_devices(self, params: dict[str, Any]) -> int:
         """The devices one engine takes: tensor x pipeline x data parallel size."""
         engine, _ = self.engine_params(params)
-        return math.prod(int(engine.get(k, ENGINE_DEFAULTS[k])) for k in ENGINE_DEFAULTS)
+        return engine_devices(engine)
 
     def devices(self, params: dict[str, Any]) -> int:
         """The devices a trial takes (and is priced for): one engine's, times its Serve replicas."""
