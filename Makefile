@@ -30,8 +30,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
+# -X faulthandler: a crash in a C extension (Ray, gRPC, torch) prints every thread's stack, during the
+# tests and after them (tests/conftest.py ends the process without the interpreter's teardown).
 test: setup
-	$(PY) -m pytest tests -q --durations=25
+	$(PY) -X faulthandler -m pytest tests -q --durations=25
 
 unit: setup
 	$(PY) -m pytest tests/unit -q

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import os
 import signal
 import subprocess
@@ -28,12 +29,47 @@ def _stop_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, _terminated)
 
 
+_verdict: list[int] = []
+
+
+def _exit_with_the_verdict() -> None:
+    """The session's exit status, without the interpreter's teardown that follows the last ``atexit`` handler.
+
+    Tests start and shut down Ray in this process (``local_ray``, the CLI called in-process), and Ray leaves
+    native threads running after ``ray.shutdown`` (its GCS client's io thread, gRPC's pollers and timers;
+    ``ray.init``/``ray.shutdown`` on Ray 2.60 leaves seven, a ``GcsClient`` that failed to connect as many).
+    Tearing the interpreter and the libraries' C++ statics down under them crashed one full run here
+    (SIGSEGV after "1076 passed", so ``make test`` failed with every test passed; Ray documents the hazard
+    of restarting it in one process with threads still using it, ray-project/ray#31145). Registered first,
+    this handler runs after every other ``atexit`` handler (pytest's, Ray's, MLflow's) and ends the process
+    with pytest's own status; a crash before it still prints its stacks (the Makefile runs pytest with
+    ``-X faulthandler``)."""
+    if _verdict:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_verdict[-1])
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """A SIGTERM (CI's timeout, a user's kill) stops the session: the running test's ``finally`` blocks and every
     fixture teardown run, so the Ray clusters, engines and drivers it started are stopped by process group, not
     left behind (Python's default for SIGTERM exits at once, running none of them). ``pytest.exit`` rather than
     KeyboardInterrupt, which servetune's CLI catches when a test calls it in-process."""
     _stop_on_sigterm()
+    atexit.register(_exit_with_the_verdict)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The status pytest is about to exit with, for :func:`_exit_with_the_verdict` (set once the session ended,
+    so an import or usage error still exits as pytest would)."""
+    session = getattr(config, "_servetune_session", None)
+    if session is not None:
+        _verdict.append(int(session.exitstatus))
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    session.config._servetune_session = session  # type: ignore[attr-defined]
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
