@@ -6,7 +6,8 @@ import pytest
 
 from servetune.report import ReportPoint, TrialOutline, build_report, load_study, margin_signals, recommend
 from servetune.report.points import is_out_of_memory
-from tests.builders import demo_study
+from servetune.results import LevelRun
+from tests.builders import demo_study, level, study_info, trial, write_study
 
 
 def pt(trial_id: str, cost: float, params: dict, level_index: int = 0, **kwargs) -> ReportPoint:
@@ -130,3 +131,53 @@ def test_demo_study_steps_back_from_max_num_seqs_32_to_16(tmp_path):
 )  # fmt: skip
 def test_out_of_memory_reasons(reason, memory):
     assert is_out_of_memory(reason) is memory
+
+
+def test_a_tuned_point_inside_the_noise_of_vllms_defaults_gives_way_to_them():
+    """Rule 4: 5% cheaper than the defaults, each level run once (a repeat could differ by 10%): the defaults."""
+    tuned, defaults = pt("t", 0.95, {"max_num_seqs": 32}), pt("d", 1.0, {})
+    rec = recommend([tuned, defaults], [complete("t", {"max_num_seqs": 32}), complete("d", {})])
+    assert rec.point is defaults and rec.passed_over == () and rec.warnings == ()
+    assert rec.reason.startswith("vLLM's defaults: the best tuned point, trial t (max_num_seqs=32)")
+    assert "only 5% cheaper than the defaults, within the ±10% a repeat could differ" in rec.reason
+
+
+def test_a_tuned_point_cheaper_beyond_the_noise_stands_and_says_by_how_much():
+    tuned, defaults = pt("t", 0.8, {"max_num_seqs": 32}), pt("d", 1.0, {})
+    rec = recommend([tuned, defaults], [complete("t", {"max_num_seqs": 32}), complete("d", {})])
+    assert rec.point is tuned
+    assert rec.reason.endswith("; 20% cheaper than vLLM's defaults (trial d (vLLM defaults) at concurrency 8, "
+                               "$1 per million output tokens), beyond the ±10% a repeat could differ")  # fmt: skip
+
+
+@pytest.mark.parametrize(("tuned_noise", "defaults_noise", "winner"), [(0.05, 0.05, "t"), (0.05, 0.08, "d"), (0.08, 0.05, "d")])
+def test_repeats_narrow_the_noise_to_what_they_measured_and_the_wider_of_the_two_counts(tuned_noise, defaults_noise, winner):
+    """7% cheaper: a gain when both levels' repeats spread under 7%, not when either spread more."""
+    tuned, defaults = pt("t", 0.93, {"max_num_seqs": 32}, noise=tuned_noise), pt("d", 1.0, {}, noise=defaults_noise)
+    rec = recommend([tuned, defaults], [complete("t", {"max_num_seqs": 32}), complete("d", {})])
+    assert rec.point.trial_id == winner
+
+
+def test_defaults_that_broke_the_slo_or_run_thin_do_not_take_the_recommendation():
+    tuned = pt("t", 0.95, {"max_num_seqs": 16})
+    slow = pt("d", 1.0, {}, slo_violations=("ttft_ms_p99 = 9000 > 2000",))
+    assert recommend([tuned, slow], [complete("t", {"max_num_seqs": 16}), complete("d", {})]).point is tuned
+    full = pt("d", 1.0, {}, server_metrics={"kv_cache_usage_max": 0.95})  # a thin margin of its own
+    rec = recommend([tuned, full], [complete("t", {"max_num_seqs": 16}), complete("d", {})])
+    assert rec.point is tuned and "vLLM's defaults" not in rec.reason
+
+
+def test_the_levels_repeats_reach_the_recommendation_through_the_report(tmp_path):
+    """A study whose levels ran three times each: a tuned trial 12% cheaper than the defaults wins when the repeats
+    spread 5%, and gives way when they spread 20% (results.py noise_margin, read into each point)."""
+    def repeated(tps: float, spread: float):
+        once = level(8, tps, 400)
+        runs = [LevelRun(summary=level(8, tps * f, 400).summary) for f in (1 - spread, 1.0, 1 + spread)]
+        return once.model_copy(update={"runs": runs})
+
+    for spread, winner in ((0.05, "tuned"), (0.2, "defaults")):
+        root = write_study(tmp_path / str(spread), study_info(), [
+            trial("defaults", {}, [repeated(1000, spread)]), trial("tuned", {"max_num_seqs": 32}, [repeated(1136, spread)])])  # fmt: skip
+        report = build_report(load_study(root))
+        assert {p.trial_id: p.noise for p in report.points} == pytest.approx({"defaults": spread, "tuned": spread})
+        assert report.recommendation.point.trial_id == winner, report.recommendation.reason

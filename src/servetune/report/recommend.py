@@ -18,12 +18,18 @@ one safety notch back from the out-of-memory boundary. The rule, kept simple:
 3. The recommendation is the first candidate without a thin margin. When that is not the
    cheapest one, the report says which cheaper points were passed over and why. When every
    candidate is thin, the cheapest is recommended with its warnings.
+4. Tuning has to pay beyond the noise. When the study measured vLLM's defaults (the baseline
+   trial, which sets no parameter) and they have a candidate without a thin margin, the tuned
+   recommendation must cost less than the defaults' cheapest by more than a repeat of either
+   level could differ (results.py ``noise_margin``: 10% for a level run once, the repeats'
+   spread with ``load.repeats``). Otherwise vLLM's defaults are recommended, and the reason says
+   how close the tuned point came: a gain inside the noise is not one a team can count on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from servetune.metrics import COST_METRIC, TTFT_P99
 from servetune.report.points import (
@@ -142,6 +148,34 @@ def recommend(points: Sequence[ReportPoint], trials: Sequence[TrialOutline]) -> 
     if not ranked:
         counted = f"{_plural(len(points), 'operating point')} from {_plural(len(trials), 'trial')}"
         return Recommendation(None, f"no configuration met every SLO ({counted})")
+    return against_defaults(cheapest_with_room(ranked, trials), ranked, trials)
+
+
+def against_defaults(rec: Recommendation, ranked: Sequence[ReportPoint], trials: Sequence[TrialOutline]) -> Recommendation:
+    """Rule 4: a tuned recommendation stands only when it is cheaper than vLLM's defaults beyond the noise."""
+    point = rec.point
+    if point is None or not point.params:
+        return rec
+    defaults = next((p for p in ranked if not p.params and not margin_signals(p, trials)), None)
+    cost = point.value(COST_METRIC)
+    base_cost = defaults.value(COST_METRIC) if defaults is not None else None
+    if defaults is None or cost is None or not base_cost:
+        return rec
+    saving, noise = 1.0 - cost / base_cost, max(point.noise, defaults.noise)
+    if saving > noise:
+        return replace(rec, reason=f"{rec.reason}; {saving:.0%} cheaper than vLLM's defaults ({describe(defaults)}), "
+                                   f"beyond the ±{noise:.0%} a repeat could differ")  # fmt: skip
+    return Recommendation(  # (the tuned point is no dearer: the defaults would have been the cheapest with room)
+        defaults,
+        f"vLLM's defaults: the best tuned point, {describe(point)}, is only {saving:.0%} cheaper than the defaults, "
+        f"within the ±{noise:.0%} a repeat could differ, so tuning gained nothing measurable here "
+        f"(load.repeats measures the noise, and narrows it when it is smaller); the defaults meet every SLO with "
+        f"room to spare: {_room(defaults)}",
+    )
+
+
+def cheapest_with_room(ranked: Sequence[ReportPoint], trials: Sequence[TrialOutline]) -> Recommendation:
+    """Rules 1-3: the cheapest of the candidates (at least one) without a thin memory margin."""
     passed: list[PassedOver] = []
     for point in ranked:
         signals = margin_signals(point, trials)
