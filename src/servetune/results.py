@@ -68,13 +68,25 @@ def noise_margin(level: LevelResult) -> float:
     P99 TTFT relative to their median (``load.repeats``), at least MIN_MARGIN; MARGIN when run once."""
     if len(level.runs) < 2:
         return MARGIN
-    spreads = []
-    for values in ([r.summary.output_throughput for r in level.runs], [r.summary.ttft_ms.p99 for r in level.runs]):
-        values = [v for v in values if v is not None]
-        middle = statistics.median(values) if values else 0.0
-        if middle > 0:
-            spreads.append((max(values) - min(values)) / (2 * middle))
-    return max([MIN_MARGIN, *spreads])
+    ttft = _half_spread([r.summary.ttft_ms.p99 for r in level.runs])
+    return max(throughput_noise(level), ttft if ttft is not None else MIN_MARGIN)
+
+
+def throughput_noise(level: LevelResult) -> float:
+    """How much a repeat of this level's output throughput could differ (so its cost per token: the cost
+    is the devices' price over it): half its runs' spread relative to their median, at least
+    MIN_MARGIN; MARGIN when run once. A P99 TTFT spreads far more between repeats than throughput
+    (tens of percent on a shared host), and does not move the cost."""
+    if len(level.runs) < 2:
+        return MARGIN
+    return max(MIN_MARGIN, _half_spread([r.summary.output_throughput for r in level.runs]) or 0.0)
+
+
+def _half_spread(values: list[float | None]) -> float | None:
+    """Half the spread of the values relative to their median; None without a positive median."""
+    known = [v for v in values if v is not None]
+    middle = statistics.median(known) if known else 0.0
+    return (max(known) - min(known)) / (2 * middle) if middle > 0 else None
 
 
 class KvCapacityReport(BaseModel):

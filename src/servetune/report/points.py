@@ -25,7 +25,7 @@ from servetune.metrics import (
     metric_names,
 )
 from servetune.report.params import BASELINE
-from servetune.results import MARGIN, Outcome, TrialResult, noise_margin
+from servetune.results import MARGIN, Outcome, TrialResult, throughput_noise
 
 DERIVED_METRICS = (OUTPUT_THROUGHPUT_PER_DEVICE, OUTPUT_THROUGHPUT_PER_USER)
 
@@ -73,7 +73,7 @@ class ReportPoint:
     server_metrics: Mapping[str, float] = field(default_factory=dict)
     slo_violations: tuple[str, ...] = ()
     quality_failures: tuple[str, ...] = ()  # the quality bounds the trial's probe broke (config/quality.py)
-    noise: float = MARGIN  # how much a repeat of this level could differ (results.py noise_margin)
+    noise: float = MARGIN  # how much a repeat of this level's cost could differ (results.py throughput_noise)
 
     @property
     def key(self) -> str:
@@ -208,7 +208,7 @@ def trial_points(trial: TrialResult, price_per_device_hour: float | None = None)
                 env=dict(trial.env), model=trial.model, device=trial.device,
                 devices=trial.devices, outcome=trial.outcome, reason=trial.reason, metrics=metrics,
                 server_metrics=dict(level.server_metrics), slo_violations=tuple(level.slo_violations),
-                quality_failures=quality_failures(trial), noise=noise_margin(level),
+                quality_failures=quality_failures(trial), noise=throughput_noise(level),
             )  # fmt: skip
         )
     return points

@@ -21,8 +21,8 @@ one safety notch back from the out-of-memory boundary. The rule, kept simple:
 4. Tuning has to pay beyond the noise. When the study measured vLLM's defaults (the baseline
    trial, which sets no parameter) and they have a candidate without a thin margin, the tuned
    recommendation must cost less than the defaults' cheapest by more than a repeat of either
-   level could differ (results.py ``noise_margin``: 10% for a level run once, the repeats'
-   spread with ``load.repeats``). Otherwise vLLM's defaults are recommended, and the reason says
+   level's cost could differ (results.py ``throughput_noise``: 10% for a level run once, half
+   the spread of the repeats' throughput with ``load.repeats``). Otherwise vLLM's defaults are recommended, and the reason says
    how close the tuned point came: a gain inside the noise is not one a team can count on.
 """
 
