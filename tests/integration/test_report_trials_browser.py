@@ -87,7 +87,7 @@ def test_the_rendered_page_has_a_row_per_trial_and_draws_every_ttft_bound(tmp_pa
     assert base["trial"] == "e57a166985b8 (recommended)" and base["config (varied parameters)"] == "vLLM defaults"
     assert (base["best level"], base["goodput (req/s)"], base["TTFT P99 (ms)"]) == ("concurrency 8", "29.3", "88.7")
     assert base["SLO broken (first level)"] == "concurrency 32: ttft_ms_p95 = 160 > 150"
-    assert base["conclusion"].startswith("keep: on the Pareto front")
+    assert base["conclusion"].startswith("keep: recommended to ship (")
     cheap = rows["18ae6e731937"]
     assert cheap["config (varied parameters)"] == "seqs=32 mbt=4096 chunk=on prefix=on kvGiB=2 dp=1"
     assert cheap["$/Mtok (USD)"] == "0.04175" and cheap["stopped because"] == "SLO broken at concurrency 2"

@@ -183,3 +183,24 @@ def test_the_levels_repeats_reach_the_recommendation_through_the_report(tmp_path
         report = build_report(load_study(root))
         assert {p.trial_id: p.noise for p in report.points} == pytest.approx({"defaults": spread, "tuned": spread})
         assert report.recommendation.point.trial_id == winner, report.recommendation.reason
+        # the trial table concludes the recommended trial as recommended (as MLflow does), first
+        top = report.trial_table[0]
+        assert top.trial_id == winner and top.recommended and str(top.conclusion).startswith("keep: recommended to ship (")
+
+
+def test_vllms_defaults_are_judged_at_the_values_vllm_resolved_for_them():
+    """The baseline sets no parameter: its out-of-memory neighbour is the trial that set only a knob above the value
+    vLLM resolved for it. With that neighbour failed the defaults run thin and the tuned point inside their noise
+    stands; a cheaper point passed over for its own thin margin stays listed when the defaults are recommended."""
+    resolved = {"max_num_seqs": 256, "max_num_batched_tokens": 8192}
+    defaults = pt("d", 1.0, {}, resolved_engine_args=resolved)
+    tuned = pt("t", 0.95, {"max_num_seqs": 128})
+    trials = [complete("d", {}), complete("t", {"max_num_seqs": 128})]
+    assert recommend([tuned, defaults], trials).point is defaults
+    rec = recommend([tuned, defaults], [*trials, oom("o", {"max_num_seqs": 512})])
+    assert rec.point is tuned
+    assert margin_signals(defaults, [oom("o", {"max_num_seqs": 512})]) == [
+        "the next-higher max_num_seqs (512, trial o) failed: CUDA out of memory. Tried to allocate 1 GiB"]  # fmt: skip
+    full = pt("f", 0.9, {"max_num_seqs": 64}, server_metrics={"kv_cache_usage_max": 0.97})
+    rec = recommend([full, tuned, defaults], [*trials, complete("f", {"max_num_seqs": 64})])
+    assert rec.point is defaults and [p.point.trial_id for p in rec.passed_over] == ["f"]

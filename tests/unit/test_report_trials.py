@@ -70,7 +70,7 @@ def test_the_cells_say_the_bound_that_broke_and_where():
     assert base["trial"] == "e57a166985b8 (recommended)" and base["config (varied parameters)"] == "vLLM defaults"
     assert base["best level"] == "concurrency 8" and base["TTFT P99 (ms)"] == "88.7"
     assert base["SLO broken (first level)"] == "concurrency 32: ttft_ms_p95 = 160 > 150"
-    assert base["conclusion"].startswith("keep: on the Pareto front of cost vs P99 TTFT at concurrency 8")
+    assert base["conclusion"].startswith("keep: recommended to ship (the cheapest configuration meeting every SLO")
     cheap = cells["18ae6e731937"]
     assert cheap["config (varied parameters)"] == "seqs=32 mbt=4096 chunk=on prefix=on kvGiB=2 dp=1"
     assert cheap["best level"] == "none met the SLO (numbers at concurrency 2)"

@@ -24,7 +24,10 @@ failed or that break an SLO are drawn apart and never on a front.
 The recommendation is the cheapest operating point meeting every SLO, stepped back to the
 next one when its memory margin is thin: the next-higher max_num_seqs,
 gpu_memory_utilization or max_num_batched_tokens ran out of memory, the KV cache peaked at
-90 % or more, or the server preempted requests (tuning checklist, section 15).
+90 % or more, or the server preempted requests (tuning checklist, section 15). A tuned
+configuration must also cost less than vLLM's defaults (the baseline trial) by more than a
+repeat could differ (10 % for a level run once; the repeats' spread with load.repeats), or the
+defaults are recommended.
 """
 
 

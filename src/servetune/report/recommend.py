@@ -80,7 +80,8 @@ def oom_neighbours(point: ReportPoint, trials: Sequence[TrialOutline]) -> list[t
     """(knob, trial) for each memory knob whose next-higher value, all else equal, ran out of memory."""
     found = []
     for knob in MEMORY_KNOBS:
-        mine = _number(point.params.get(knob))
+        # A knob the point left to vLLM (vLLM's defaults leave all three) counts at the value vLLM resolved.
+        mine = _number(point.params[knob] if knob in point.params else point.resolved_engine_args.get(knob))
         if mine is None:
             continue
         others = {k: v for k, v in point.params.items() if k != knob}
@@ -165,13 +166,14 @@ def against_defaults(rec: Recommendation, ranked: Sequence[ReportPoint], trials:
     if saving > noise:
         return replace(rec, reason=f"{rec.reason}; {saving:.0%} cheaper than vLLM's defaults ({describe(defaults)}), "
                                    f"beyond the ±{noise:.0%} a repeat could differ")  # fmt: skip
-    return Recommendation(  # (the tuned point is no dearer: the defaults would have been the cheapest with room)
-        defaults,
+    # (The tuned point is no dearer: the defaults would have been the cheapest with room.)
+    why = (
         f"vLLM's defaults: the best tuned point, {describe(point)}, is only {saving:.0%} cheaper than the defaults, "
         f"within the ±{noise:.0%} a repeat could differ, so tuning gained nothing measurable here "
         f"(load.repeats measures the noise, and narrows it when it is smaller); the defaults meet every SLO with "
-        f"room to spare: {_room(defaults)}",
+        f"room to spare: {_room(defaults)}"
     )
+    return Recommendation(defaults, why, passed_over=rec.passed_over)
 
 
 def cheapest_with_room(ranked: Sequence[ReportPoint], trials: Sequence[TrialOutline]) -> Recommendation:
