@@ -36,7 +36,7 @@ test: setup
 	$(PY) -X faulthandler -m pytest tests -q --durations=25
 
 unit: setup
-	$(PY) -m pytest tests/unit -q
+	$(PY) -X faulthandler -m pytest tests/unit -q
 
 # The study on the embedded default: the tiny model on vLLM's CPU build, TPE over batching,
 # chunked prefill, prefix caching, KV space and DP (search_spaces/cpu-tiny.yaml); it ends in
