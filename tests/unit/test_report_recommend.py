@@ -134,26 +134,27 @@ def test_out_of_memory_reasons(reason, memory):
 
 
 def test_a_tuned_point_inside_the_noise_of_vllms_defaults_gives_way_to_them():
-    """Rule 4: 5% cheaper than the defaults, each level run once (a repeat could differ by 10%): the defaults."""
-    tuned, defaults = pt("t", 0.95, {"max_num_seqs": 32}), pt("d", 1.0, {})
+    """Rule 4: 15% cheaper than the defaults, each level run once (each could be off by 10% either side, so two
+    runs of one configuration by 20%): the defaults."""
+    tuned, defaults = pt("t", 0.85, {"max_num_seqs": 32}), pt("d", 1.0, {})
     rec = recommend([tuned, defaults], [complete("t", {"max_num_seqs": 32}), complete("d", {})])
     assert rec.point is defaults and rec.passed_over == () and rec.warnings == ()
     assert rec.reason.startswith("vLLM's defaults: the best tuned point, trial t (max_num_seqs=32)")
-    assert "only 5% cheaper than the defaults, within the ±10% a repeat could differ" in rec.reason
+    assert "only 15% cheaper than the defaults, within the two measurements' noise (±10% each)" in rec.reason
 
 
 def test_a_tuned_point_cheaper_beyond_the_noise_stands_and_says_by_how_much():
-    tuned, defaults = pt("t", 0.8, {"max_num_seqs": 32}), pt("d", 1.0, {})
+    tuned, defaults = pt("t", 0.75, {"max_num_seqs": 32}), pt("d", 1.0, {})
     rec = recommend([tuned, defaults], [complete("t", {"max_num_seqs": 32}), complete("d", {})])
     assert rec.point is tuned
-    assert rec.reason.endswith("; 20% cheaper than vLLM's defaults (trial d (vLLM defaults) at concurrency 8, "
-                               "$1 per million output tokens), beyond the ±10% a repeat could differ")  # fmt: skip
+    assert rec.reason.endswith("; 25% cheaper than vLLM's defaults (trial d (vLLM defaults) at concurrency 8, "
+                               "$1 per million output tokens), beyond the two measurements' noise (±10% each)")  # fmt: skip
 
 
 @pytest.mark.parametrize(("tuned_noise", "defaults_noise", "winner"), [(0.05, 0.05, "t"), (0.05, 0.08, "d"), (0.08, 0.05, "d")])
-def test_repeats_narrow_the_noise_to_what_they_measured_and_the_wider_of_the_two_counts(tuned_noise, defaults_noise, winner):
-    """7% cheaper: a gain when both levels' repeats spread under 7%, not when either spread more."""
-    tuned, defaults = pt("t", 0.93, {"max_num_seqs": 32}, noise=tuned_noise), pt("d", 1.0, {}, noise=defaults_noise)
+def test_repeats_narrow_the_noise_to_what_they_measured_and_both_count(tuned_noise, defaults_noise, winner):
+    """12% cheaper: a gain when both levels' repeats spread 5% (10% together), not when either spread 8%."""
+    tuned, defaults = pt("t", 0.88, {"max_num_seqs": 32}, noise=tuned_noise), pt("d", 1.0, {}, noise=defaults_noise)
     rec = recommend([tuned, defaults], [complete("t", {"max_num_seqs": 32}), complete("d", {})])
     assert rec.point.trial_id == winner
 

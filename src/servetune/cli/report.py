@@ -25,9 +25,9 @@ The recommendation is the cheapest operating point meeting every SLO, stepped ba
 next one when its memory margin is thin: the next-higher max_num_seqs,
 gpu_memory_utilization or max_num_batched_tokens ran out of memory, the KV cache peaked at
 90 % or more, or the server preempted requests (tuning checklist, section 15). A tuned
-configuration must also cost less than vLLM's defaults (the baseline trial) by more than a
-repeat could differ (10 % for a level run once; the repeats' spread with load.repeats), or the
-defaults are recommended.
+configuration must also cost less than vLLM's defaults (the baseline trial) by more than the
+two measurements' noise together (10 % each for a level run once; the repeats' spread with
+load.repeats), or the defaults are recommended.
 """
 
 

@@ -20,10 +20,12 @@ one safety notch back from the out-of-memory boundary. The rule, kept simple:
    candidate is thin, the cheapest is recommended with its warnings.
 4. Tuning has to pay beyond the noise. When the study measured vLLM's defaults (the baseline
    trial, which sets no parameter) and they have a candidate without a thin margin, the tuned
-   recommendation must cost less than the defaults' cheapest by more than a repeat of either
-   level's cost could differ (results.py ``throughput_noise``: 10% for a level run once, half
-   the spread of the repeats' throughput with ``load.repeats``). Otherwise vLLM's defaults are recommended, and the reason says
-   how close the tuned point came: a gain inside the noise is not one a team can count on.
+   recommendation must cost less than the defaults' cheapest by more than the two levels' noise
+   together: each level's cost could be off by its own (results.py ``throughput_noise``: 10%
+   either side for a level run once, half the spread of the repeats' throughput with
+   ``load.repeats``), so two single runs of one configuration can differ by 20%. Otherwise vLLM's
+   defaults are recommended, and the reason says how close the tuned point came: a gain inside
+   the noise is not one a team can count on.
 """
 
 from __future__ import annotations
@@ -162,14 +164,16 @@ def against_defaults(rec: Recommendation, ranked: Sequence[ReportPoint], trials:
     base_cost = defaults.value(COST_METRIC) if defaults is not None else None
     if defaults is None or cost is None or not base_cost:
         return rec
-    saving, noise = 1.0 - cost / base_cost, max(point.noise, defaults.noise)
+    saving, noise = 1.0 - cost / base_cost, point.noise + defaults.noise
+    same = f"{point.noise:.0%}" == f"{defaults.noise:.0%}"
+    each = f"±{point.noise:.0%} each" if same else f"±{point.noise:.0%} and ±{defaults.noise:.0%}"
     if saving > noise:
         return replace(rec, reason=f"{rec.reason}; {saving:.0%} cheaper than vLLM's defaults ({describe(defaults)}), "
-                                   f"beyond the ±{noise:.0%} a repeat could differ")  # fmt: skip
+                                   f"beyond the two measurements' noise ({each})")  # fmt: skip
     # (The tuned point is no dearer: the defaults would have been the cheapest with room.)
     why = (
         f"vLLM's defaults: the best tuned point, {describe(point)}, is only {saving:.0%} cheaper than the defaults, "
-        f"within the ±{noise:.0%} a repeat could differ, so tuning gained nothing measurable here "
+        f"within the two measurements' noise ({each}), so tuning gained nothing measurable here "
         f"(load.repeats measures the noise, and narrows it when it is smaller); the defaults meet every SLO with "
         f"room to spare: {_room(defaults)}"
     )
