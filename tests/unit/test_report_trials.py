@@ -9,6 +9,7 @@ import pytest
 from servetune.report import build_report, gather_points, load_study, render_markdown
 from servetune.report.labels import TRIAL_HEADINGS, trial_cells
 from servetune.report.params import BASELINE, short_config, varied_params
+from servetune.report.recommend import Recommendation
 from servetune.report.trials import trial_rows
 from tests.builders import demo_study, demo_trials, level, study_info, trial, write_study
 
@@ -37,7 +38,7 @@ def test_a_row_per_trial_with_its_best_level_numbers_break_stop_and_conclusion()
     stopped = stopped.model_copy(update={"stopped_because": "SLO broken at concurrency 8: ttft_ms_p99 = 2500 > 2000"})
     trials = [*demo_trials(), stopped]  # fmt: skip
     points = gather_points(trials)
-    recommended = next(p for p in points if p.trial_id == "t16" and p.level_index == 1)
+    recommended = Recommendation(next(p for p in points if p.trial_id == "t16" and p.level_index == 1), "why")
     rows = {row.trial_id: row for row in trial_rows(trials, points, recommended)}
     assert [r.trial_id for r in trial_rows(trials, points, recommended)] == ["t16", "t32", "t8", "t256", "t64"]
 

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from servetune.report.pareto import FRONTS, pareto_front
 from servetune.report.points import first_line, gather_points, level_label, quality_failures
 from servetune.results import TrialResult
+
+if TYPE_CHECKING:
+    from servetune.report.recommend import Recommendation
 
 Verdict = Literal["keep", "eliminate", "next round"]
 
@@ -33,8 +36,12 @@ class Conclusion:
         return f"{self.verdict}: {self.why}"
 
 
-def conclude(trial: TrialResult, study_trials: Sequence[TrialResult]) -> Conclusion:
-    """Keep a point on the cost vs P99 TTFT front, eliminate a trial that never met the SLO, else next round."""
+def conclude(trial: TrialResult, study_trials: Sequence[TrialResult], recommendation: Recommendation | None = None) -> Conclusion:
+    """Keep a point on the cost vs P99 TTFT front, eliminate a trial that never met the SLO, else next round.
+    The trial the study recommends is kept to ship, wherever it stands: vLLM's defaults may be recommended
+    over a cheaper tuned point within the noise (report/recommend.py, rule 4)."""
+    if recommendation is not None and recommendation.names(trial.trial_id):
+        return recommended_conclusion(recommendation.reason)
     if trial.outcome != "COMPLETE":
         return Conclusion("eliminate", f"trial {trial.outcome}: {first_line(trial.reason) or 'no reason given'}")
     failed = quality_failures(trial)

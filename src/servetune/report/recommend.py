@@ -63,6 +63,10 @@ class Recommendation:
     passed_over: tuple[PassedOver, ...] = ()  # cheaper candidates skipped for a thin margin
     warnings: tuple[str, ...] = ()  # thin-margin signals of the recommended point itself
 
+    def names(self, trial_id: str) -> bool:
+        """Whether this recommends the trial ``trial_id``."""
+        return self.point is not None and self.point.trial_id == trial_id
+
     @property
     def stepped_back(self) -> bool:
         return bool(self.passed_over) and self.point is not self.passed_over[0].point

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from servetune.metrics import COST_METRIC, GOODPUT, TPOT_P99, TTFT_P99
-from servetune.report.conclusion import Conclusion, conclude, recommended_conclusion
+from servetune.report.conclusion import Conclusion, conclude
 from servetune.report.params import short_config, varied_params
 from servetune.report.points import ReportPoint, first_line, level_label, violated_metrics
 from servetune.results import Outcome, TrialResult, best_level_index
+
+if TYPE_CHECKING:
+    from servetune.report.recommend import Recommendation
 
 #: The numbers a row shows, at the trial's best level (the renderers add units to the headings).
 TRIAL_METRICS = (GOODPUT, TTFT_P99, TPOT_P99, COST_METRIC)
@@ -80,21 +84,15 @@ def why_stopped(trial: TrialResult) -> tuple[str, str]:
 
 
 def trial_rows(
-    trials: Sequence[TrialResult], points: Sequence[ReportPoint], recommended: ReportPoint | None = None,
-    recommended_why: str = "",
-) -> list[TrialRow]:  # fmt: skip
-    """A row per trial. ``points`` are the study's (they carry the report's price); ``recommended`` is marked, and
-    concluded as MLflow concludes it (``recommended_why``: the recommendation's reason), not by its place on a
-    front: vLLM's defaults may be recommended over a cheaper tuned point within the noise."""
+    trials: Sequence[TrialResult], points: Sequence[ReportPoint], recommendation: Recommendation | None = None
+) -> list[TrialRow]:
+    """A row per trial. ``points`` are the study's (they carry the report's price); the recommended trial is
+    marked, and concluded as MLflow concludes it (:func:`conclude`)."""
     varied = varied_params(t.params for t in trials)
     by_trial: dict[str, dict[int, ReportPoint]] = {}
     for point in points:
         by_trial.setdefault(point.trial_id, {})[point.level_index] = point
     rows = []
-
-    def is_it(trial: TrialResult) -> bool:
-        return recommended is not None and recommended.trial_id == trial.trial_id
-
     for trial in trials:
         best = trial.best_level_index if trial.best_level_index is not None else best_level_index(trial.levels)
         mine = by_trial.get(trial.trial_id, {})
@@ -107,8 +105,8 @@ def trial_rows(
                 numbers_level=level_label(shown.level) if shown is not None else None,
                 values={m: shown.value(m) if shown is not None else None for m in TRIAL_METRICS},
                 slo_break=slo_break(trial), stopped=stopped, stopped_detail=detail,
-                conclusion=recommended_conclusion(recommended_why) if is_it(trial) else conclude(trial, trials),
-                recommended=is_it(trial),
+                conclusion=conclude(trial, trials, recommendation),
+                recommended=recommendation is not None and recommendation.names(trial.trial_id),
                 cache_notes=cache_notes(trial),
             )  # fmt: skip
         )

@@ -19,7 +19,7 @@ from mlflow import MlflowClient
 
 from servetune.errors import UserError
 from servetune.report import LoadedStudy, Recommendation, StudyReport, build_report, load_study
-from servetune.report.conclusion import conclude, recommended_conclusion
+from servetune.report.conclusion import conclude
 from servetune.results import RESULT_FILE, SPACE_FILE, STUDY_FILE, TRIALS_DIR, StudyInfo, TrialResult
 from servetune.tracking.connection import (
     TRACKING_ERRORS,
@@ -182,10 +182,7 @@ class StudySync:
         if trial.model not in self._fingerprints:
             self._fingerprints[trial.model] = model_fingerprint(trial.model)
         tail = log_tail(trial_dir / ENGINE_LOG) if trial.outcome == "FAILED" else ""
-        if is_recommended(trial, recommendation):
-            conclusion = recommended_conclusion(recommendation.reason)
-        else:
-            conclusion = conclude(trial, trials)
+        conclusion = conclude(trial, trials, recommendation)
         return build_record(trial, info, read_request_stats(trial_dir / REQUESTS_FILE), self._fingerprints[trial.model],
                             conclusion, tail)  # fmt: skip
 
@@ -240,13 +237,9 @@ def recommend_of(study: LoadedStudy) -> Recommendation | None:
     return report.recommendation if report is not None else None
 
 
-def is_recommended(trial: TrialResult, recommendation: Recommendation | None) -> bool:
-    return bool(recommendation and recommendation.point and recommendation.point.trial_id == trial.trial_id)
-
-
 def trial_tags(trial: TrialResult, record: ExperimentRecord, recommendation: Recommendation | None) -> dict[str, str]:
     """A trial run's tags: its record's, which level its plain metrics hold, and whether it is the one to ship."""
-    return {**record.all_tags(), **level_tags(trial), RECOMMENDED_TAG: str(is_recommended(trial, recommendation)).lower()}
+    return {**record.all_tags(), **level_tags(trial), RECOMMENDED_TAG: str(bool(recommendation and recommendation.names(trial.trial_id))).lower()}
 
 
 def sync_study(study_dir: Path | str, tracking_uri: str | None = None, finish: bool = True,
