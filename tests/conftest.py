@@ -60,16 +60,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 @pytest.hookimpl(trylast=True)
-def pytest_unconfigure(config: pytest.Config) -> None:
-    """The status pytest is about to exit with, for :func:`_exit_with_the_verdict` (set once the session ended,
-    so an import or usage error still exits as pytest would)."""
-    session = getattr(config, "_servetune_session", None)
-    if session is not None:
-        _verdict.append(int(session.exitstatus))
-
-
-def pytest_sessionstart(session: pytest.Session) -> None:
-    session.config._servetune_session = session  # type: ignore[attr-defined]
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """The status pytest exits with, for :func:`_exit_with_the_verdict`, after every other plugin's say on it
+    (unset where the session never started, so an import or usage error exits as pytest would)."""
+    _verdict.append(int(session.exitstatus))
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
