@@ -15,6 +15,16 @@ about. So a home directory on NFS, Lustre and the like gets a node-local cache i
 (``<temp dir>/servetune-vllm-cache-<uid>``). A ``VLLM_CACHE_ROOT`` (or
 ``VLLM_DISABLE_COMPILE_CACHE``) the user set, in the search space's ``env`` or the worker's
 environment, is left as it is.
+
+Triton's kernel cache is shared more widely than vLLM's graphs. vLLM points Inductor's and
+Triton's caches inside the keyed directory, so a trial with another ``max_num_batched_tokens``
+compiles every kernel again, though most come out the same (the same source for any bound on the
+token count). vLLM keeps a ``TRITON_CACHE_DIR`` its caller set (``InductorAdaptor.initialize_cache``),
+and Triton keys each kernel on its source, target and compile options, writing each file
+atomically, as its default cache shared by all of a user's processes already requires. So the
+trials of a node share one Triton cache beside vLLM's (``<vLLM's cache root>/servetune-triton-cache``,
+node-local as above); a ``TRITON_CACHE_DIR`` the user set is kept, and a disabled compile cache
+turns this off too. How much of a cold compile it saves on a GPU: ``bench/triton_cache.py``.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ NETWORK_FILESYSTEMS = frozenset({
 })  # fmt: skip
 
 USER_SETTINGS = ("VLLM_CACHE_ROOT", "VLLM_DISABLE_COMPILE_CACHE")
+TRITON_DIR_NAME = "servetune-triton-cache"
 
 
 def vllm_default_root(environ: Mapping[str, str]) -> Path:
@@ -60,18 +71,31 @@ def _partitions() -> tuple[tuple[str, str], ...]:
     return tuple((p.mountpoint, p.fstype) for p in psutil.disk_partitions(all=True))
 
 
+def node_local_root() -> Path:
+    """The compile cache servetune gives a node whose vLLM default lies on a network filesystem."""
+    return Path(tempfile.gettempdir()) / f"servetune-vllm-cache-{os.getuid()}"
+
+
 def compile_cache_env(
     env: Mapping[str, str],
     environ: Mapping[str, str] | None = None,
     partitions: Callable[[], Sequence[tuple[str, str]]] = _partitions,
 ) -> dict[str, str]:
     """What to add to an engine's environment so that the trials of a node share a compile cache
-    safely: nothing where vLLM's default is node-local or the user chose; a node-local
-    ``VLLM_CACHE_ROOT`` where the default lies on a network filesystem."""
+    safely: a node-local ``VLLM_CACHE_ROOT`` where vLLM's default lies on a network filesystem, and a
+    Triton cache beside it; nothing the user chose is overridden."""
     environ = os.environ if environ is None else environ
-    if any(name in env or name in environ for name in USER_SETTINGS):
-        return {}
-    default = vllm_default_root(environ)
-    if (filesystem_type(default, partitions()) or "").lower() not in NETWORK_FILESYSTEMS:
-        return {}
-    return {"VLLM_CACHE_ROOT": str(Path(tempfile.gettempdir()) / f"servetune-vllm-cache-{os.getuid()}")}
+
+    def chosen(name: str) -> str | None:
+        return env.get(name, environ.get(name))
+
+    if chosen("VLLM_DISABLE_COMPILE_CACHE") not in (None, "", "0"):
+        return {}  # cold starts asked for: nothing shared
+    added: dict[str, str] = {}
+    root = Path(chosen("VLLM_CACHE_ROOT") or vllm_default_root(environ))
+    on_network = (filesystem_type(root, partitions()) or "").lower() in NETWORK_FILESYSTEMS
+    if on_network and chosen("VLLM_CACHE_ROOT") is None:
+        added["VLLM_CACHE_ROOT"] = str(node_local_root())
+    if chosen("TRITON_CACHE_DIR") is None:
+        added["TRITON_CACHE_DIR"] = str((node_local_root() if on_network else root) / TRITON_DIR_NAME)
+    return added

@@ -146,12 +146,14 @@ def new_result(spec: TrialSpec, outcome: str, reason: str | None = None) -> Tria
 
 def placement_record(spec: TrialSpec) -> dict[str, str]:
     """Where the trial ran: its Ray node, the devices it was given (``CUDA_VISIBLE_DEVICES``) and,
-    when servetune chose it, the node's compile cache."""
+    when servetune chose them, the node's compile cache and Triton cache."""
     record = {"ray_node_id": spec.node_id} if spec.node_id else {}
     if "CUDA_VISIBLE_DEVICES" in spec.extra_env:
         record["cuda_visible_devices"] = spec.extra_env["CUDA_VISIBLE_DEVICES"]
     if "VLLM_CACHE_ROOT" in spec.extra_env:  # node-local, the home being on a network filesystem
         record["vllm_cache_root"] = spec.extra_env["VLLM_CACHE_ROOT"]
+    if "TRITON_CACHE_DIR" in spec.extra_env:  # the kernels the node's trials share
+        record["triton_cache_dir"] = spec.extra_env["TRITON_CACHE_DIR"]
     return record
 
 
