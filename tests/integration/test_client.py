@@ -56,8 +56,6 @@ def test_closed_loop_keeps_exactly_c_in_flight(fake_server):
     peak = 0
 
     async def go():
-        nonlocal peak
-
         async def watch():
             nonlocal peak
             while True:

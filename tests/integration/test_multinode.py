@@ -326,7 +326,7 @@ def test_a_node_lost_under_a_trial_fails_that_trial_and_the_study_goes_on(tmp_pa
     while set(processes_mentioning(fake)) & set(engines_before) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert processes_mentioning(fake) == []
-    assert f"FAILED" in output and (study_dir / "report" / "summary.md").exists()
+    assert "FAILED" in output and (study_dir / "report" / "summary.md").exists()
 
     # --resume runs only what never finished: the lost trial, on the node that is left.
     stamps = {t: (study_dir / "trials" / t / "result.json").stat().st_mtime_ns for t in by_id if t != trial_id}

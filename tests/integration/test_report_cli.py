@@ -11,7 +11,6 @@ import textwrap
 import pytest
 import yaml
 
-import servetune.cli
 from servetune.cli import main
 from tests.builders import demo_study, demo_trials, level, study_info, trial, write_study
 

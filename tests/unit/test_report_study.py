@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from servetune.errors import UserError
 from servetune.report import build_report, load_study
-from tests.builders import SLO, demo_study, study_info, write_study
+from tests.builders import demo_study, study_info, write_study
 
 
 def test_loads_every_trial_and_lists_the_ones_without_a_result(tmp_path):

@@ -3,8 +3,6 @@ never more than the capacity, and a trial larger than the cluster runs alone."""
 
 import asyncio
 
-import pytest
-
 from servetune.serve.ledger import DeviceLedger
 
 
