@@ -136,10 +136,20 @@ def draw_paces(points: list[dict], space, scale: float, seed: int, cache_root: P
     return out
 
 
+def drawn_startup(result: TrialResult) -> float | None:
+    """The part of a trial's start-up that ``--scale`` shrank: the delay drawn for it and the fake
+    engine's compile, cold or loaded, as its log says (None: not a point of this script)."""
+    delay = result.params.get("env.SERVETUNE_FAKE_STARTUP_DELAY_S")
+    if delay is None:
+        return None
+    return float(delay) + result.startup_phases.get("compile_s", 0.0)
+
+
 def real_accounting(results: list[TrialResult], scale: float, probe_share: float = PROBE_SHARE_OF_MEASURING) -> dict[str, Any]:
     """The study's GPU time as it would be at full size: what ``--scale`` shrank, divided by it.
 
-    Per trial: start-up / scale; each level's arrivals span (its requests over its rate) / scale,
+    Per trial: the drawn start-up / scale, and the rest of the start-up (the fake engine's own
+    process start, the health check seeing it up) as measured, since it does not shrink; each level's arrivals span (its requests over its rate) / scale,
     plus its tail (duration less that span) as measured, but a level cut for saturation (a queue
     that grew for ``QUEUE_WINDOW_S``, trial/measure.py) as measured; warm-up, teardown, checks and the rest
     as measured. The quality probe, not run, is ``probe_share`` of the trial's real measuring
@@ -159,9 +169,10 @@ def real_accounting(results: list[TrialResult], scale: float, probe_share: float
             spans += span
             measured += level.measured_s
         startup = min(result.startup_s or 0.0, max(duration - measured, 0.0))
+        drawn = min(drawn_startup(result) or startup, startup)
         real_measuring = (measured - spans) + spans / scale
         measuring += real_measuring * result.devices
-        starting += startup / scale * result.devices
+        starting += (drawn / scale + startup - drawn) * result.devices
         quality += probe_share * real_measuring * result.devices
         other += max(duration - measured - startup, 0.0) * result.devices
     total = measuring + starting + quality + other

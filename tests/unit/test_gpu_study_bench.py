@@ -58,3 +58,13 @@ def test_a_level_cut_after_its_queue_grew_for_seconds_is_as_long_at_full_size(be
     slo = "ttft_ms_p99 = 4000 after 150 requests, over 2 x its bound 2000: stopped early"  # cut at half its requests: scales
     halved = bench.real_accounting([timed(1, 32.0, 20.0, [rate_level(32.0, 300, 12.0, stopped_early=slo)])], 0.2, 0.0)
     assert halved["gpu_minutes"] > out["gpu_minutes"]
+
+
+def test_only_the_drawn_start_up_is_unscaled_not_the_fake_engine_s_own_process_start(bench):
+    # drawn: a 10 s delay and a 3.6 s compile at scale 0.1 (136 s at full size); measured 15 s: 1.4 s is the process
+    drawn = timed(1, 40.0, 15.0, []).model_copy(
+        update={"params": {"env.SERVETUNE_FAKE_STARTUP_DELAY_S": "10.0"}, "startup_phases": {"compile_s": 3.6}})
+    out = bench.real_accounting([drawn], scale=0.1, probe_share=0.0)
+    assert out["gpu_minutes"] == pytest.approx((13.6 / 0.1 + 1.4 + 25.0) / 60)
+    assert bench.drawn_startup(timed(1, 40.0, 15.0, [])) is None  # a trial this script did not draw: all of it unscaled
+    assert bench.real_accounting([timed(1, 40.0, 15.0, [])], 0.1, 0.0)["gpu_minutes"] == pytest.approx((150.0 + 25.0) / 60)
