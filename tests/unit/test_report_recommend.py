@@ -37,6 +37,13 @@ def test_cheapest_point_with_room_to_spare_is_recommended_as_is():
     )
 
 
+def test_the_room_names_the_kv_cache_peak_and_never_reads_a_small_one_as_none():
+    for usage, said in ((0.0034, "KV cache peaked under 1%"), (0.42, "KV cache peaked at 42%")):
+        point = pt("a", 1.0, {}, server_metrics={"kv_cache_usage_max": usage, "preemptions": 0.0})
+        assert recommend([point], [complete("a", {})]).reason == (
+            f"the cheapest configuration meeting every SLO, with room to spare: no out-of-memory neighbour, {said}, no preemptions")
+
+
 def test_steps_back_when_the_next_higher_max_num_seqs_ran_out_of_memory():
     points = [pt("s16", 1.5, {"max_num_seqs": 16, "block_size": 16}), pt("s32", 1.0, {"max_num_seqs": 32, "block_size": 16})]
     trials = [

@@ -138,7 +138,8 @@ def _room(point: ReportPoint) -> str:
     preemptions = point.server_metrics.get(PREEMPTIONS)
     return ", ".join([
         "no out-of-memory neighbour",
-        f"KV cache peaked at {kv:.0%}" if kv is not None else "KV-cache peak not measured",
+        ("KV cache peaked under 1%" if kv < 0.005 else f"KV cache peaked at {kv:.0%}") if kv is not None
+        else "KV-cache peak not measured",
         "no preemptions" if preemptions is not None else "preemptions not measured",
     ])  # fmt: skip
 
