@@ -184,6 +184,28 @@ def real_accounting(results: list[TrialResult], scale: float, probe_share: float
             "quality_share": share(quality), "other_share": share(other), "probe_share_of_measuring": probe_share}  # fmt: skip
 
 
+#: What Triton's kernels depend on among a point's parameters (not max_num_seqs,
+#: max_num_batched_tokens or max_model_len): trials alike here share kernels through the node's
+#: Triton cache (engine/compile_cache.py).
+TRITON_KEY = ("model", "quantization", "kv_cache_dtype", "tensor_parallel_size")
+
+
+def triton_what_if(out: dict[str, Any], warm_compile_s: float) -> float:
+    """The measuring share at full size had every trial whose Triton key an earlier trial (in the
+    order they started) compiled taken ``warm_compile_s`` instead of ``COMPILE_COLD_S`` to compile:
+    an upper bound, since a trial in flight can start before the one it would reuse has finished."""
+    total = out["real"]["gpu_minutes"] * 60.0
+    measuring = out["real"]["measuring_share"] * total
+    seen: set[tuple] = set()
+    saved = 0.0
+    for t in out["trials"]:
+        key = tuple(t["params"].get(name) for name in TRITON_KEY)
+        if key in seen:
+            saved += max(COMPILE_COLD_S - warm_compile_s, 0.0) * t["devices"]
+        seen.add(key)
+    return measuring / (total - saved) if total > saved else 0.0
+
+
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from servetune.config.space import load_space
     from servetune.models.tiny import build_tiny_model
@@ -231,7 +253,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seeds the start-ups and token paces drawn")
     parser.add_argument("--workdir", type=Path, help="keep the study here (default: a temporary directory)")
     parser.add_argument("--json", type=Path, help="write the measurements here")
+    parser.add_argument("--what-if", type=Path, metavar="JSON",
+                        help="run nothing: read an earlier run's --json and print its share with a shared Triton cache")
     args = parser.parse_args(argv)
+    if args.what_if:
+        out = json.loads(args.what_if.read_text())
+        for warm in (3.0, 10.0, 15.0, 20.0, 25.0):
+            print(f"a Triton-warm compile of {warm:.0f} s (cold {COMPILE_COLD_S:.0f} s): measuring share at most "
+                  f"{triton_what_if(out, warm):.1%} (as run: {out['real']['measuring_share']:.1%})")
+        return 0
     if args.gpus is None:
         args.gpus = yaml.safe_load(args.space.read_text()).get("hardware", {}).get("devices_per_node", 8)
 

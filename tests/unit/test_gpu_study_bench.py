@@ -68,3 +68,14 @@ def test_only_the_drawn_start_up_is_unscaled_not_the_fake_engine_s_own_process_s
     assert out["gpu_minutes"] == pytest.approx((13.6 / 0.1 + 1.4 + 25.0) / 60)
     assert bench.drawn_startup(timed(1, 40.0, 15.0, [])) is None  # a trial this script did not draw: all of it unscaled
     assert bench.real_accounting([timed(1, 40.0, 15.0, [])], 0.1, 0.0)["gpu_minutes"] == pytest.approx((150.0 + 25.0) / 60)
+
+
+def test_the_triton_what_if_saves_only_on_trials_whose_kernels_an_earlier_trial_compiled(bench):
+    def t(model, seqs, devices=1):
+        return {"devices": devices, "params": {"model": model, "quantization": None, "kv_cache_dtype": "auto",
+                                               "tensor_parallel_size": devices, "max_num_seqs": seqs}}  # fmt: skip
+
+    out = {"real": {"gpu_minutes": 10.0, "measuring_share": 0.6}, "trials": [t("a", 16), t("a", 32), t("b", 16), t("a", 64, 2)]}
+    # the second "a" saves 36 - 6 = 30 s, the TP=2 one is another key: 600 s total, 360 measuring
+    assert bench.triton_what_if(out, 6.0) == pytest.approx(360.0 / (600.0 - 30.0))
+    assert bench.triton_what_if(out, bench.COMPILE_COLD_S) == pytest.approx(0.6)  # no faster: as run
