@@ -44,7 +44,6 @@ NETWORK_FILESYSTEMS = frozenset({
     "9p", "afs", "wekafs", "panfs", "pvfs2", "orangefs", "fuse.weka",
 })  # fmt: skip
 
-USER_SETTINGS = ("VLLM_CACHE_ROOT", "VLLM_DISABLE_COMPILE_CACHE")
 TRITON_DIR_NAME = "servetune-triton-cache"
 
 
