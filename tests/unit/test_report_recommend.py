@@ -154,7 +154,7 @@ def test_a_tuned_point_cheaper_beyond_the_noise_stands_and_says_by_how_much():
     tuned, defaults = pt("t", 0.75, {"max_num_seqs": 32}), pt("d", 1.0, {})
     rec = recommend([tuned, defaults], [complete("t", {"max_num_seqs": 32}), complete("d", {})])
     assert rec.point is tuned
-    assert rec.reason.endswith("; 25% cheaper than vLLM's defaults (trial d (vLLM defaults) at concurrency 8, "
+    assert rec.reason.endswith("; 25% cheaper than vLLM's defaults (trial d at concurrency 8, "
                                "$1 per million output tokens), beyond the two measurements' noise (±10% each)")  # fmt: skip
 
 

@@ -163,7 +163,8 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
         kept = read_reference(study_dir, reference, context.spec_for(reference).trial_id)
         context = replace(context, quality=context.quality.model_copy(update={"reference": kept}))
         if kept is None:
-            console.print(f"quality: the reference ({describe_params(reference)}) runs first; later trials are compared with its answers")
+            label = describe_params(reference) if reference else "vLLM defaults"
+            console.print(f"quality: the reference ({label}) runs first; later trials are compared with its answers")
             run_tuner(context, [reference], None, 1, ray_started(), 1)
             context = keep_reference(context)
 

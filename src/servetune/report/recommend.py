@@ -144,10 +144,13 @@ def _room(point: ReportPoint) -> str:
     ])  # fmt: skip
 
 
-def describe(point: ReportPoint) -> str:
+def describe(point: ReportPoint, configuration: bool = True) -> str:
+    """``trial abc (max_num_seqs=32) at concurrency 8, $0.5 per million output tokens``; without the
+    configuration where the sentence has named it already."""
     cost = point.value(COST_METRIC)
     price = f"${cost:.4g} per million output tokens" if cost is not None else "cost unknown"
-    return f"trial {point.trial_id} ({config_label(point.params)}) at {level_label(point.level)}, {price}"
+    named = f" ({config_label(point.params)})" if configuration else ""
+    return f"trial {point.trial_id}{named} at {level_label(point.level)}, {price}"
 
 
 def recommend(points: Sequence[ReportPoint], trials: Sequence[TrialOutline]) -> Recommendation:
@@ -173,7 +176,7 @@ def against_defaults(rec: Recommendation, ranked: Sequence[ReportPoint], trials:
     same = f"{point.noise:.0%}" == f"{defaults.noise:.0%}"
     each = f"±{point.noise:.0%} each" if same else f"±{point.noise:.0%} and ±{defaults.noise:.0%}"
     if saving > noise:
-        return replace(rec, reason=f"{rec.reason}; {saving:.0%} cheaper than vLLM's defaults ({describe(defaults)}), "
+        return replace(rec, reason=f"{rec.reason}; {saving:.0%} cheaper than vLLM's defaults ({describe(defaults, configuration=False)}), "
                                    f"beyond the two measurements' noise ({each})")  # fmt: skip
     # (The tuned point is no dearer: the defaults would have been the cheapest with room.)
     why = (
