@@ -96,7 +96,7 @@ def small_space() -> str:
         search={"algorithm": "grid", "baseline": False},
         quality={"suites": ["agreement", "arithmetic"], "reference": {"max_num_seqs": 2}},
     )
-    space["load"].update(levels=[1, 4], requests_per_level=16)
+    space["load"].update(levels=[1, 4], requests_per_level=16, repeats=1)
     return yaml.safe_dump(space, sort_keys=False)
 
 
