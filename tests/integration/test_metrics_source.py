@@ -92,6 +92,22 @@ def test_the_closing_read_waits_only_until_the_source_has_counted_the_level():
     assert counted == 12.0 and took >= 0.5, (counted, took)
 
 
+def test_the_closing_reads_keep_the_gauges_of_a_level_shorter_than_the_lag():
+    from servetune.engine.metrics import MetricsSnapshot
+    from servetune.trial.measure import _settled
+
+    # the source, late: the level's middle (4 running) before it counts the level's requests, then idle
+    shown = iter([({"requests_running": 4.0}, 14.0), ({"requests_running": 0.0}, 18.0)])
+
+    async def read(gauges_only=False):
+        gauges, finished = next(shown)
+        return MetricsSnapshot(gauges=gauges, counters={"requests_finished": finished})
+
+    peaks: dict[str, float] = {}
+    after = asyncio.run(_settled(read, MetricsSnapshot(counters={"requests_finished": 10.0}), 8, wait_s=5.0, every_s=0.01, peaks=peaks))
+    assert after.counters["requests_finished"] == 18.0 and peaks == {"requests_running_max": 4.0}, peaks
+
+
 def test_a_source_with_nothing_to_read_is_not_waited_for():
     from servetune.engine.metrics import MetricsSnapshot
     from servetune.trial.measure import _settled

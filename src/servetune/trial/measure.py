@@ -211,15 +211,19 @@ async def read_metrics(session: aiohttp.ClientSession, url: str, metrics: Metric
 
 
 async def _settled(read: Callable[[], Awaitable[MetricsSnapshot | None]], before: MetricsSnapshot, finished: int,
-                   wait_s: float, every_s: float = 0.25) -> MetricsSnapshot | None:  # fmt: skip
+                   wait_s: float, every_s: float = 0.25, peaks: dict[str, float] | None = None) -> MetricsSnapshot | None:  # fmt: skip
     """A lagging source's read once it counts ``finished`` more requests than ``before`` did (vLLM's
     ``request_success``), or its last read after ``wait_s``: no longer than the lag needs. A source
-    with nothing to read is not waited for."""
+    with nothing to read is not waited for. Each read's gauges raise ``peaks``: until the source has
+    counted the level, what it shows is the level itself, late (a level shorter than the lag is
+    seen only here)."""
     deadline = time.perf_counter() + wait_s
     while True:
         after = await read()
         if after is None:
             return None  # nothing to read after a whole level (a replica's counters appear within an interval): it cannot be read
+        if peaks is not None:
+            _keep_peaks(peaks, after)
         counted = after.counters.get("requests_finished", 0.0) - before.counters.get("requests_finished", 0.0)
         if counted >= finished or time.perf_counter() >= deadline:
             return after
@@ -307,9 +311,7 @@ async def measure_level(
             if sampler is not None:
                 await cancel_and_wait(sampler)
         if before and metrics is not None:  # the source lags: wait until it has counted the level's requests
-            after = await _settled(read, before, sum(r.ok for r in records), metrics.lag_s)
-            if after is not None:  # the level's last interval, read late
-                _keep_peaks(peaks, after)
+            after = await _settled(read, before, sum(r.ok for r in records), metrics.lag_s, peaks=peaks)
         else:
             after = await read() if before else None
     server = {**level_delta(before, after), **peaks} if before and after else {}
