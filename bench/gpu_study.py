@@ -71,7 +71,9 @@ def gpu_space(path: Path, model: Path, scale: float) -> tuple[dict[str, Any], di
     load = data.setdefault("load", {})
     real_requests = load.get("requests_per_level", 256)
     if not isinstance(real_requests, int):
-        raise SystemExit(f"{path}: load.requests_per_level must be a number of requests to scale, not {real_requests!r}")
+        raise SystemExit(
+            f"{path}: load.requests_per_level must be a number of requests to scale, not {real_requests!r}"
+        )
     from servetune.config.space import SearchSpace
 
     original = SearchSpace.model_validate({**data, "model": str(model)})
@@ -106,7 +108,11 @@ def checkpoint_stand_in(name: str, tiny: Path, out: Path) -> Path:
               "vocab_size": arch.vocab_size, "tie_word_embeddings": arch.tie_word_embeddings,
               "max_position_embeddings": arch.max_position_embeddings, "torch_dtype": arch.torch_dtype}  # fmt: skip
     if arch.quant.method != "none":
-        config["quantization_config"] = {"quant_method": arch.quant.method, "bits": arch.quant.bits, "group_size": arch.quant.group_size}
+        config["quantization_config"] = {
+            "quant_method": arch.quant.method,
+            "bits": arch.quant.bits,
+            "group_size": arch.quant.group_size,
+        }
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     read = load_model_arch(out)
     if read.model_dump(exclude={"name", "source"}) != arch.model_dump(exclude={"name", "source"}):
@@ -145,7 +151,9 @@ def drawn_startup(result: TrialResult) -> float | None:
     return float(delay) + result.startup_phases.get("compile_s", 0.0)
 
 
-def real_accounting(results: list[TrialResult], scale: float, probe_share: float = PROBE_SHARE_OF_MEASURING) -> dict[str, Any]:
+def real_accounting(
+    results: list[TrialResult], scale: float, probe_share: float = PROBE_SHARE_OF_MEASURING
+) -> dict[str, Any]:
     """The study's GPU time as it would be at full size: what ``--scale`` shrank, divided by it.
 
     Per trial: the drawn start-up / scale, and the rest of the start-up (the fake engine's own
@@ -247,20 +255,30 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--space", type=Path, default=ROOT / "search_spaces" / "chat-latency.yaml")
-    parser.add_argument("--gpus", type=int, help="GPUs the local Ray cluster declares (default: the space's devices_per_node)")
+    parser.add_argument(
+        "--gpus", type=int, help="GPUs the local Ray cluster declares (default: the space's devices_per_node)"
+    )
     parser.add_argument("--cpus", type=int, help="CPUs it declares (default: the space's cpus_per_trial x GPUs + 2)")
-    parser.add_argument("--scale", type=float, default=0.2, help="real durations times this (default 0.2: 256 requests a level -> 51)")
+    parser.add_argument(
+        "--scale", type=float, default=0.2, help="real durations times this (default 0.2: 256 requests a level -> 51)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="seeds the start-ups and token paces drawn")
     parser.add_argument("--workdir", type=Path, help="keep the study here (default: a temporary directory)")
     parser.add_argument("--json", type=Path, help="write the measurements here")
-    parser.add_argument("--what-if", type=Path, metavar="JSON",
-                        help="run nothing: read an earlier run's --json and print its share with a shared Triton cache")
+    parser.add_argument(
+        "--what-if",
+        type=Path,
+        metavar="JSON",
+        help="run nothing: read an earlier run's --json and print its share with a shared Triton cache",
+    )
     args = parser.parse_args(argv)
     if args.what_if:
         out = json.loads(args.what_if.read_text())
         for warm in (3.0, 10.0, 15.0, 20.0, 25.0):
-            print(f"a Triton-warm compile of {warm:.0f} s (cold {COMPILE_COLD_S:.0f} s): measuring share at most "
-                  f"{triton_what_if(out, warm):.1%} (as run: {out['real']['measuring_share']:.1%})")
+            print(
+                f"a Triton-warm compile of {warm:.0f} s (cold {COMPILE_COLD_S:.0f} s): measuring share at most "
+                f"{triton_what_if(out, warm):.1%} (as run: {out['real']['measuring_share']:.1%})"
+            )
         return 0
     if args.gpus is None:
         args.gpus = yaml.safe_load(args.space.read_text()).get("hardware", {}).get("devices_per_node", 8)
@@ -269,14 +287,20 @@ def main(argv: list[str] | None = None) -> int:
     scaled, real = out["scaled"], out["real"]
     stopped = sum(1 for t in out["trials"] if t["stopped_because"])
     failed = [t for t in out["trials"] if t["outcome"] == "FAILED"]
-    print(f"trials: {len(out['trials'])} of {out['trials_proposed']} ran, {len(failed)} FAILED, "
-          f"{stopped} stopped their ladder early; wall {out['wall_s']:.0f} s; GPU-time utilization {out['utilization']:.0%}; "
-          f"compile cache hit in {out['compile_cache_hits']} of {len(out['trials'])} starts")
-    print(f"as run (scale {out['scale']}): {scaled['device_seconds'] / 60:.1f} GPU-min, {scaled['measuring_share']:.0%} measuring, "
-          f"{scaled['starting_share']:.0%} starting engines, {scaled['other_share']:.0%} the rest")
-    print(f"at full size: {real['gpu_minutes']:.1f} GPU-min reserved; {real['measuring_share']:.1%} measuring, "
-          f"{real['starting_share']:.1%} starting engines, {real['quality_share']:.1%} quality probe (estimated: "
-          f"{real['probe_share_of_measuring']:.1%} of measuring, bench/README.md), {real['other_share']:.1%} warm-up, teardown and the rest")
+    print(
+        f"trials: {len(out['trials'])} of {out['trials_proposed']} ran, {len(failed)} FAILED, "
+        f"{stopped} stopped their ladder early; wall {out['wall_s']:.0f} s; GPU-time utilization {out['utilization']:.0%}; "
+        f"compile cache hit in {out['compile_cache_hits']} of {len(out['trials'])} starts"
+    )
+    print(
+        f"as run (scale {out['scale']}): {scaled['device_seconds'] / 60:.1f} GPU-min, {scaled['measuring_share']:.0%} measuring, "
+        f"{scaled['starting_share']:.0%} starting engines, {scaled['other_share']:.0%} the rest"
+    )
+    print(
+        f"at full size: {real['gpu_minutes']:.1f} GPU-min reserved; {real['measuring_share']:.1%} measuring, "
+        f"{real['starting_share']:.1%} starting engines, {real['quality_share']:.1%} quality probe (estimated: "
+        f"{real['probe_share_of_measuring']:.1%} of measuring, bench/README.md), {real['other_share']:.1%} warm-up, teardown and the rest"
+    )
     verdict = "meets" if real["measuring_share"] >= TARGET else "misses"
     print(f"measuring share {real['measuring_share']:.1%}: {verdict} the {TARGET:.0%} target")
     return 0 if not failed else 1

@@ -79,7 +79,9 @@ def threads_affinity(pids: list[int]) -> list[str]:
                 text = status.read_text()
             except OSError:  # the thread ended
                 continue
-            seen.update(line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Cpus_allowed_list"))
+            seen.update(
+                line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Cpus_allowed_list")
+            )
     return sorted(seen)
 
 
@@ -100,7 +102,9 @@ def worker_servetune(args: argparse.Namespace) -> dict:
     async def go():
         async with StreamingClient(args.url, args.model) as client:
             level = Level("concurrency", args.concurrency)
-            return await run_level(client, specs, level, num_requests=len(specs), stagger=args.worker != "servetune-lockstep")
+            return await run_level(
+                client, specs, level, num_requests=len(specs), stagger=args.worker != "servetune-lockstep"
+            )
 
     try:
         import uvloop
@@ -165,13 +169,17 @@ def worker_vllm(args: argparse.Namespace) -> dict:
     }  # fmt: skip
 
 
-def worker_argv(kind: str, url: str, model: str, requests: Path, concurrency: int, cores: list[int] | None = None) -> list[str]:
+def worker_argv(
+    kind: str, url: str, model: str, requests: Path, concurrency: int, cores: list[int] | None = None
+) -> list[str]:
     argv = [sys.executable, __file__, "--worker", kind, "--url", url, "--model", model,
             "--requests", str(requests), "--concurrency", str(concurrency)]  # fmt: skip
     return pinned(argv, cores)
 
 
-def run_worker(kind: str, url: str, model: str, requests: Path, concurrency: int, cores: list[int] | None = None) -> dict:
+def run_worker(
+    kind: str, url: str, model: str, requests: Path, concurrency: int, cores: list[int] | None = None
+) -> dict:
     argv = worker_argv(kind, url, model, requests, concurrency, cores)
     done = subprocess.run(argv, capture_output=True, text=True, timeout=1800)
     for line in reversed(done.stdout.splitlines()):
@@ -236,7 +244,9 @@ def main() -> None:
         return
     engine_cores, client_cores = args.pin or (None, None)
     if args.pin and (missing := sorted(set(engine_cores + client_cores) - os.sched_getaffinity(0))):
-        parser.error(f"--pin: cores {missing} are not available here (allowed: {core_list(sorted(os.sched_getaffinity(0)))})")
+        parser.error(
+            f"--pin: cores {missing} are not available here (allowed: {core_list(sorted(os.sched_getaffinity(0)))})"
+        )
     for flag, value in (("--input-tokens", args.input_tokens), ("--output-tokens", args.output_tokens)):
         if value is not None and value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
@@ -252,7 +262,11 @@ def main() -> None:
     from servetune.trial.runner import write_atomic
 
     workload = load_workload(args.workload)
-    lengths = {k: Fixed(dist="fixed", value=v) for k, v in (("input_tokens", args.input_tokens), ("output_tokens", args.output_tokens)) if v}
+    lengths = {
+        k: Fixed(dist="fixed", value=v)
+        for k, v in (("input_tokens", args.input_tokens), ("output_tokens", args.output_tokens))
+        if v
+    }
     if lengths:
         if workload.mix:
             parser.error(f"--input-tokens/--output-tokens: workload {workload.name} is a mix of request classes")
@@ -263,21 +277,31 @@ def main() -> None:
     requests = work / "requests.jsonl"
     with requests.open("w") as f:
         for spec in itertools.islice(iter_requests(workload, prompts, stream=1), args.num_requests):
-            f.write(json.dumps({"prompt": spec.prompt, "input_tokens": spec.input_tokens, "output_tokens": spec.output_tokens}) + "\n")
+            f.write(
+                json.dumps(
+                    {"prompt": spec.prompt, "input_tokens": spec.input_tokens, "output_tokens": spec.output_tokens}
+                )
+                + "\n"
+            )
     engine_args = {k: parse_value(v) for k, v in parse_key_values(args.engine_arg, "--engine-arg").items()}
     env = engine_env(parse_key_values(args.env, "--env"), engine_cores)
     kinds = CLIENTS if args.lockstep else CLIENTS[:2]
     results: dict[str, list[dict]] = {kind: [] for kind in kinds}
     rounds: list[dict] = []
     started = time.time()
-    server = pinned_server(engine_cores, model, engine_args, env, log_path=work / "engine.log", argspecs=load_argspecs())
+    server = pinned_server(
+        engine_cores, model, engine_args, env, log_path=work / "engine.log", argspecs=load_argspecs()
+    )
     with server:
         engine_affinity = threads_affinity(group_members(server.process.pid))
         print(f"vLLM up at {server.url} in {server.startup_s:.0f} s; {args.num_requests} requests of workload "
               f"{workload.name}, concurrency {args.concurrency}; engine threads on cores {engine_affinity}, "
               f"clients on {core_list(client_cores) or 'any'}", flush=True)  # fmt: skip
         run_worker("servetune", server.url, model, requests, args.concurrency, client_cores)  # warm the server once
-        print(f"{'round':>5s} {'client':18s} {'tok/s':>7s} {'TTFT P10':>9s} {'P50':>7s} {'P99':>7s} {'CPU s':>6s} {'in sync':>7s} {'cores':>6s}", flush=True)
+        print(
+            f"{'round':>5s} {'client':18s} {'tok/s':>7s} {'TTFT P10':>9s} {'P50':>7s} {'P99':>7s} {'CPU s':>6s} {'in sync':>7s} {'cores':>6s}",
+            flush=True,
+        )
         for round_ in range(args.repeats):
             for kind in round_order(kinds, round_):
                 r = run_worker(kind, server.url, model, requests, args.concurrency, client_cores)
@@ -294,7 +318,9 @@ def main() -> None:
             "itl_ms_p50", "e2el_ms_p50", "completed", "output_tokens", "client_cpu_s"]  # fmt: skip
     lockstep = "servetune-lockstep" in results
     extra = f" {'lock-step':>12s}" if lockstep else ""
-    print(f"\n{'metric (median of ' + str(args.repeats) + ')':34s} {'servetune':>12s} {'vllm bench':>12s} {'diff':>8s}{extra}")
+    print(
+        f"\n{'metric (median of ' + str(args.repeats) + ')':34s} {'servetune':>12s} {'vllm bench':>12s} {'diff':>8s}{extra}"
+    )
     for key in keys:
         ours, theirs = median("servetune", key), median("vllm", key)
         diff = (ours - theirs) / theirs * 100 if theirs else float("nan")
@@ -305,9 +331,11 @@ def main() -> None:
           f"{(per_tok['servetune'] / per_tok['vllm'] - 1) * 100:+7.1f}%")  # fmt: skip
     tput = abs(median("servetune", "output_throughput") / median("vllm", "output_throughput") - 1) * 100
     ttft = abs(median("servetune", "ttft_ms_p50") / median("vllm", "ttft_ms_p50") - 1) * 100
-    print(f"\ntargets: throughput within 3%: {tput:.1f}% {'ok' if tput <= 3 else 'MISSED'}; "
-          f"TTFT P50 within 5%: {ttft:.1f}% {'ok' if ttft <= 5 else 'MISSED'}; "
-          f"less CPU per token: {'ok' if per_tok['servetune'] < per_tok['vllm'] else 'MISSED'}")
+    print(
+        f"\ntargets: throughput within 3%: {tput:.1f}% {'ok' if tput <= 3 else 'MISSED'}; "
+        f"TTFT P50 within 5%: {ttft:.1f}% {'ok' if ttft <= 5 else 'MISSED'}; "
+        f"less CPU per token: {'ok' if per_tok['servetune'] < per_tok['vllm'] else 'MISSED'}"
+    )
     if args.json:
         report = {
             "command": sys.argv, "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),

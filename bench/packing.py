@@ -159,7 +159,9 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
     prepare_study_dir(study_dir, space_path, resume=False)
     workload = space.resolved_workload(workdir)
     engine_python = str(write_engine_python(workdir))
-    context = StudyContext(space, workload, study_dir, str(model), resolve_levels(space, workload), python=engine_python)
+    context = StudyContext(
+        space, workload, study_dir, str(model), resolve_levels(space, workload), python=engine_python
+    )
     print(f"{len(points)} trials ({', '.join(f'{n} x {s} GPU' for s, n in sorted(_count(points, space).items(), reverse=True))}) "
           f"on {args.gpus} declared GPUs, {max_concurrent} at most in flight, {args.order} order", file=sys.stderr, flush=True)  # fmt: skip
 
@@ -203,7 +205,9 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
     }  # fmt: skip
 
 
-def run_study(context, points: list[dict], gpus: int, cpus: int, max_concurrent: int | None = None) -> tuple[dict, dict, float]:
+def run_study(
+    context, points: list[dict], gpus: int, cpus: int, max_concurrent: int | None = None
+) -> tuple[dict, dict, float]:
     """Run ``points`` through Ray Tune on a local Ray cluster declaring ``gpus`` GPUs and ``cpus`` CPUs.
 
     Returns the finished results by servetune trial id, each trial's reservation (Tune's start
@@ -250,15 +254,30 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gpus", type=int, default=8, help="GPUs the local Ray cluster declares (default 8)")
     parser.add_argument("--cpus", type=int, help="CPUs it declares (default: GPUs + 2)")
-    parser.add_argument("--repeats", type=int, default=2, help="times the grid is run, each time with fresh durations (default 2)")
-    parser.add_argument("--max-num-seqs", default="2, 8, 32", help="the grid's max_num_seqs values (default '2, 8, 32')")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="times the grid is run, each time with fresh durations (default 2)"
+    )
+    parser.add_argument(
+        "--max-num-seqs", default="2, 8, 32", help="the grid's max_num_seqs values (default '2, 8, 32')"
+    )
     parser.add_argument("--levels", default="1, 2, 4, 8", help="the ladder's concurrency levels (default '1, 2, 4, 8')")
-    parser.add_argument("--scale", type=float, default=0.2, help="real durations times this (default 0.2: 90 s -> 18 s)")
-    parser.add_argument("--level-seconds", type=float, default=60.0, help="real seconds per load level, before scaling (default 60)")
-    parser.add_argument("--order", choices=["packed", "grid", "largest"], default="packed",
-                        help="packed: study/packing.py's order (default); grid: as drawn; largest: largest trials first")
-    parser.add_argument("--max-concurrent", type=int,
-                        help="trials in flight (default: the study's auto, twice what the smallest trials need to fill the GPUs, plus one)")
+    parser.add_argument(
+        "--scale", type=float, default=0.2, help="real durations times this (default 0.2: 90 s -> 18 s)"
+    )
+    parser.add_argument(
+        "--level-seconds", type=float, default=60.0, help="real seconds per load level, before scaling (default 60)"
+    )
+    parser.add_argument(
+        "--order",
+        choices=["packed", "grid", "largest"],
+        default="packed",
+        help="packed: study/packing.py's order (default); grid: as drawn; largest: largest trials first",
+    )
+    parser.add_argument(
+        "--max-concurrent",
+        type=int,
+        help="trials in flight (default: the study's auto, twice what the smallest trials need to fill the GPUs, plus one)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, help="keep the study here (default: a temporary directory)")
     parser.add_argument("--json", type=Path, help="write the measurements here")
@@ -267,9 +286,13 @@ def main(argv: list[str] | None = None) -> int:
     out = run_in_workdir(args, run, "servetune-packing-")
     acc = out["time_accounting"]
     failed = [t for t in out["trials"] if t["outcome"] != "COMPLETE"]
-    print(f"trials: {len(out['trials'])} of {out['trials_proposed']} ran, {len(failed)} not COMPLETE; wall {out['wall_s']:.0f} s")
-    print(f"peak GPUs reserved: {out['peak_devices']} of {out['gpus']}; "
-          f"GPU id conflicts between concurrent trials: {len(out['gpu_id_conflicts'])}")
+    print(
+        f"trials: {len(out['trials'])} of {out['trials_proposed']} ran, {len(failed)} not COMPLETE; wall {out['wall_s']:.0f} s"
+    )
+    print(
+        f"peak GPUs reserved: {out['peak_devices']} of {out['gpus']}; "
+        f"GPU id conflicts between concurrent trials: {len(out['gpu_id_conflicts'])}"
+    )
     if out["mean_trial_s"] is not None and out["mean_start_gap_s"] is not None:
         print(f"trials ran {out['mean_trial_s']:.1f} s on average; a trial started {out['mean_start_gap_s']:.1f} s after "
               f"the trial end before it, on average (Tune stopping one trial's actor and starting the next)")  # fmt: skip
@@ -277,7 +300,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{acc['other_share']:.0%} warm-up, teardown and checks")  # fmt: skip
     verdict = "meets" if out["meets_target"] else "misses"
     print(f"GPU-time utilization: {out['utilization']:.1%} ({verdict} the {TARGET:.0%} target)")
-    ok = out["peak_devices"] <= out["gpus"] and not out["gpu_id_conflicts"] and not failed and not math.isnan(out["utilization"])
+    ok = (
+        out["peak_devices"] <= out["gpus"]
+        and not out["gpu_id_conflicts"]
+        and not failed
+        and not math.isnan(out["utilization"])
+    )
     return 0 if ok else 1
 
 

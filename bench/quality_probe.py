@@ -45,7 +45,9 @@ def main() -> None:
         model = str(build_tiny_model(Path(tmp) / "tiny"))
         count = PromptFactory(load_tokenizer(model)).count
         env = {k: str(v) for k, v in space.env.items()}
-        with VllmServer(model, dict(space.engine_args), env, log_path=Path(tmp) / "engine.log", startup_timeout_s=600) as server:
+        with VllmServer(
+            model, dict(space.engine_args), env, log_path=Path(tmp) / "engine.log", startup_timeout_s=600
+        ) as server:
             plan = make_plan(spec, ROOT, {})
             as_reference, as_trial = [], []
             for _ in range(args.repeats):
@@ -60,7 +62,9 @@ def main() -> None:
     measured = measuring_seconds(args.surface)
     probe = statistics.median(as_trial)
     print(f"suites: {', '.join(spec.suites)}; {len(rows)} prompts; {args.repeats} runs each")
-    print(f"probe as the reference: median {statistics.median(as_reference):.1f} s (runs: {', '.join(f'{s:.1f}' for s in as_reference)})")
+    print(
+        f"probe as the reference: median {statistics.median(as_reference):.1f} s (runs: {', '.join(f'{s:.1f}' for s in as_reference)})"
+    )
     print(f"probe as a trial:       median {probe:.1f} s (runs: {', '.join(f'{s:.1f}' for s in as_trial)})")
     print(f"a cpu-tiny trial measures {statistics.median(measured):.0f} s (median of {len(measured)} trials, "
           f"{min(measured):.0f} to {max(measured):.0f} s; {args.surface.name})")  # fmt: skip

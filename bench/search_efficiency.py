@@ -65,7 +65,9 @@ def record(args: argparse.Namespace) -> int:
         # this space fixes.
         for name, value in result.params.items():
             if name not in space.params and str(value) != str(fixed_value(space, name)):
-                raise UserError(f"{result.trial_id}: ran with {name}={value}, but {space_path} fixes it at {fixed_value(space, name)}")
+                raise UserError(
+                    f"{result.trial_id}: ran with {name}={value}, but {space_path} fixes it at {fixed_value(space, name)}"
+                )
         params = {k: v for k, v in result.params.items() if k in space.params}
         if key(params) in seen:
             raise UserError(f"{result.trial_id} and {seen[key(params)]} ran the same grid point {params}")
@@ -94,7 +96,7 @@ def record(args: argparse.Namespace) -> int:
 def fixed_value(space, name: str):
     """What a space fixes a parameter at: its engine argument or environment variable (``env.``)."""
     if name.startswith(ENV_PREFIX):
-        return space.env.get(name[len(ENV_PREFIX):])
+        return space.env.get(name[len(ENV_PREFIX) :])
     return space.engine_args.get(name)
 
 
@@ -112,10 +114,14 @@ def replay(args: argparse.Namespace) -> int:
           f"{args.seeds} seeds, {args.in_flight} in flight"
           + (f", at most {args.budget} trials" if args.budget else ""))  # fmt: skip
     rows = []
-    print(f"{'algorithm':<10} {'mean trials':>11} {'of grid':>8} {'median':>7} {'worst':>6} {'reached':>8} {'seconds':>8}")
+    print(
+        f"{'algorithm':<10} {'mean trials':>11} {'of grid':>8} {'median':>7} {'worst':>6} {'reached':>8} {'seconds':>8}"
+    )
     for algorithm in args.algorithms:
         began = time.perf_counter()
-        e = efficiency(surface, algorithm, [0] if algorithm == "grid" else seeds, args.tolerance, args.in_flight, args.budget)
+        e = efficiency(
+            surface, algorithm, [0] if algorithm == "grid" else seeds, args.tolerance, args.in_flight, args.budget
+        )
         took = time.perf_counter() - began
         needed = [n if n is not None else e.grid_size for n in e.needed]
         rows.append({"algorithm": algorithm, "mean": e.mean, "share_of_grid": e.share_of_grid, "median": statistics.median(needed),
@@ -163,7 +169,9 @@ def replay_early_stopping(args: argparse.Namespace) -> int:
     worst = max(rows, key=lambda r: r["best_lost_share"], default=None)
     if worst is not None:
         verdict = "met" if worst["best_lost_share"] < TARGET_LOST_SHARE else "missed"
-        print(f"most seeds losing the best: {worst['algorithm']}, {worst['best_lost_share']:.0%} (target < {TARGET_LOST_SHARE:.0%}): {verdict}")
+        print(
+            f"most seeds losing the best: {worst['algorithm']}, {worst['best_lost_share']:.0%} (target < {TARGET_LOST_SHARE:.0%}): {verdict}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"surface": str(args.surface), "grid_size": len(surface.results), "best": surface.best_score,
                                                "in_flight": args.in_flight, "budget": args.budget, "early_stopping": True,
@@ -186,7 +194,9 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--tolerance", type=float, default=0.05)
     rep.add_argument("--in-flight", type=int, default=1, help="trials running at once: the searcher is asked for this many before "
                      "the first result is told, then the oldest is told whenever a slot frees")  # fmt: skip
-    rep.add_argument("--budget", type=int, help="trials a search may run (the baseline not counted); default: the whole grid")
+    rep.add_argument(
+        "--budget", type=int, help="trials a search may run (the baseline not counted); default: the whole grid"
+    )
     rep.add_argument("--early-stopping", action="store_true", help="search each seed with early stopping off and on: "
                      "how often it loses the best, and the device-minutes it saves")  # fmt: skip
     rep.add_argument("--algorithms", nargs="+", choices=ALGORITHMS, default=list(ALGORITHMS))

@@ -112,7 +112,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of bare, Serve two hops, Serve one hop")
     parser.add_argument("--concurrency", type=int, default=1)
     parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--ttft-ms", type=float, default=15.0, help="the fake engine's TTFT (about the tiny model's on this host)")
+    parser.add_argument(
+        "--ttft-ms", type=float, default=15.0, help="the fake engine's TTFT (about the tiny model's on this host)"
+    )
     parser.add_argument("--itl-ms", type=float, default=5.0)
     args = parser.parse_args()
     if args.rounds < 1:
@@ -146,7 +148,9 @@ def main() -> None:
             wait_ready(url)
         for index in range(args.rounds):
             for label, url in urls.items():
-                ttft[label].append(bench(url, tokenizer, args.concurrency, args.num_requests, work / f"{label}-{index}.json"))
+                ttft[label].append(
+                    bench(url, tokenizer, args.concurrency, args.num_requests, work / f"{label}-{index}.json")
+                )
                 print(f"round {index + 1}, {label}: TTFT P50 {ttft[label][-1]:.1f} ms", flush=True)
     finally:
         bare.terminate()
@@ -157,7 +161,11 @@ def main() -> None:
           f"{args.num_requests} requests per run, {args.rounds} round(s)")  # fmt: skip
     base = ttft["bare"]
     for label, values in ttft.items():
-        extra = "" if label == "bare" else "; over bare, per round: " + ", ".join(f"{v - b:+.1f}" for v, b in zip(values, base))
+        extra = (
+            ""
+            if label == "bare"
+            else "; over bare, per round: " + ", ".join(f"{v - b:+.1f}" for v, b in zip(values, base))
+        )
         print(f"{label:16s} TTFT P50 (ms): " + ", ".join(f"{v:.1f}" for v in values) + extra)
     for label in ("serve, two hops", "serve, one hop"):
         floor = statistics.median(v - b for v, b in zip(ttft[label], base))

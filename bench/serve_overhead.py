@@ -57,11 +57,19 @@ def one_trial_study(root: Path, model: Path, bench: dict, concurrency: int, requ
     )  # fmt: skip
     (root / "study.json").write_text(info.model_dump_json(indent=2))
     (root / "trials" / "bare" / "result.json").write_text(trial.model_dump_json(indent=2))
-    (root / "space.yaml").write_text(json.dumps({
-        "name": info.name, "model": str(model), "device": "cpu", "workload": "cpu-tiny",
-        "load": {"levels": [concurrency], "requests_per_level": requests, "startup_timeout_s": 600},
-        "engine_args": ENGINE_ARGS, "env": ENV,
-    }))  # fmt: skip  (JSON is YAML)
+    (root / "space.yaml").write_text(
+        json.dumps(
+            {
+                "name": info.name,
+                "model": str(model),
+                "device": "cpu",
+                "workload": "cpu-tiny",
+                "load": {"levels": [concurrency], "requests_per_level": requests, "startup_timeout_s": 600},
+                "engine_args": ENGINE_ARGS,
+                "env": ENV,
+            }
+        )
+    )  # fmt: skip  (JSON is YAML)
     return root
 
 
@@ -105,9 +113,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--stream-batching-ms", type=float, default=None, help="Ray Serve LLM's stream batching interval (default: Ray's)")
-    parser.add_argument("--rounds", type=int, default=3, help="Serve runs, each between two bare runs (bare, Serve, bare, ...): "
-                        "a round's overhead is its Serve run against the mean of the bare runs on either side")
+    parser.add_argument(
+        "--stream-batching-ms",
+        type=float,
+        default=None,
+        help="Ray Serve LLM's stream batching interval (default: Ray's)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="Serve runs, each between two bare runs (bare, Serve, bare, ...): "
+        "a round's overhead is its Serve run against the mean of the bare runs on either side",
+    )
     args = parser.parse_args()
     if args.rounds < 1:
         sys.exit("--rounds: at least 1")
@@ -162,7 +180,9 @@ def main() -> None:
           f"requests per replica {[run['requests_per_replica'] for run in first['runs']]}")  # fmt: skip
     disturbed = [f"{v:.1f}" for v in bare_p50 if v > 1.5 * reference]
     if disturbed:
-        print(f"disturbed bare runs (over 1.5x the median), left out of the rounds beside them: {', '.join(disturbed)} ms")
+        print(
+            f"disturbed bare runs (over 1.5x the median), left out of the rounds beside them: {', '.join(disturbed)} ms"
+        )
     print(f"took {time.monotonic() - started:.0f} s ({waited:.0f} s waiting for a quiet host); files in {work}")
 
 

@@ -124,7 +124,9 @@ def worker(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--layers", type=int, default=4, help="decoder layers in the stack (Llama-3.1-8B has 32)")
     parser.add_argument("--json", type=Path, help="write the measurements here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -143,7 +145,10 @@ def main() -> None:
         if done.returncode != 0:
             out["variants"][name] = {"error": done.stderr[-2000:]}
         else:
-            out["variants"][name] = {**json.loads(done.stdout.strip().splitlines()[-1]), "process_s": round(time.perf_counter() - t0, 2)}
+            out["variants"][name] = {
+                **json.loads(done.stdout.strip().splitlines()[-1]),
+                "process_s": round(time.perf_counter() - t0, 2),
+            }
         print(name, json.dumps(out["variants"][name]), flush=True)
         if args.json:
             args.json.write_text(json.dumps(out, indent=1))

@@ -10,7 +10,6 @@ from servetune.metrics import LatencyStats, LevelSummary
 from servetune.results import LevelResult, StudyInfo, TrialResult
 
 
-
 def stats(p99: float, mean: float | None = None) -> LatencyStats:
     mean = p99 / 2 if mean is None else mean
     return LatencyStats(mean=mean, p50=mean, p90=p99 * 0.9, p95=p99 * 0.95, p99=p99, count=100)

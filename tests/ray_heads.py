@@ -83,7 +83,9 @@ class RayHead:
                 info = self.job_info(submission_id, env)
         finally:
             if info["status"] not in ("SUCCEEDED", "FAILED", "STOPPED"):
-                self.ray("job", "stop", "--address", self.dashboard_url, submission_id, env=env)  # servetune tears vLLM down
+                self.ray(
+                    "job", "stop", "--address", self.dashboard_url, submission_id, env=env
+                )  # servetune tears vLLM down
         info["logs"] = self.ray("job", "logs", "--address", self.dashboard_url, submission_id, env=env).stdout
         return info
 
@@ -136,7 +138,9 @@ def _wait_for_head(proc: subprocess.Popen, head: RayHead) -> str | None:
     deadline = time.monotonic() + START_TIMEOUT_S
     # Asked with the head's token, whatever the shell sends: this only waits for the head.
     asking = {**head.env, "RAY_AUTH_MODE": "token"} if head_uses_token(head.env) else head.env
-    while (listed := head.ray("job", "list", "--address", head.dashboard_url, "--log-style", "record", env=asking)).returncode:
+    while (
+        listed := head.ray("job", "list", "--address", head.dashboard_url, "--log-style", "record", env=asking)
+    ).returncode:
         if proc.poll() is not None:
             return (head.temp_dir / "ray-start.log").read_text()[-3000:]
         if time.monotonic() > deadline:
@@ -156,7 +160,10 @@ def head_uses_token(env: dict[str, str]) -> bool:
     mode = env.get("RAY_AUTH_MODE")
     if mode is not None:
         return mode.lower() == "token"
-    return bool(env.get("RAY_AUTH_TOKEN") or env.get("RAY_AUTH_TOKEN_PATH")) or (Path(env["HOME"]) / ".ray" / "auth_token").exists()
+    return (
+        bool(env.get("RAY_AUTH_TOKEN") or env.get("RAY_AUTH_TOKEN_PATH"))
+        or (Path(env["HOME"]) / ".ray" / "auth_token").exists()
+    )
 
 
 def stop_process_tree(proc: subprocess.Popen, marker: str) -> None:
@@ -254,7 +261,9 @@ def ray_cluster(env: dict[str, str], workers: list[tuple[int, int]], head_cpus: 
             while len(cluster.nodes()) < 1 + len(workers):
                 for node in started:
                     if node.proc.poll() is not None:
-                        pytest.fail(f"ray start exited with {node.proc.returncode}:\n{(node.temp_dir / 'ray-start.log').read_text()[-3000:]}")
+                        pytest.fail(
+                            f"ray start exited with {node.proc.returncode}:\n{(node.temp_dir / 'ray-start.log').read_text()[-3000:]}"
+                        )
                 assert time.monotonic() < deadline, f"the worker nodes did not join in {START_TIMEOUT_S} s"
                 time.sleep(1)
             yield cluster

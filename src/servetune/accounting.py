@@ -86,7 +86,12 @@ def stop_cause(stopped_because: str | None) -> str | None:
     """Which rule stopped the ladder: ``dominated``, ``slo``, ``saturated``, ``no requests`` or ``other`` (None: it did not stop early)."""
     if not stopped_because:
         return None
-    for prefix, cause in ((DOMINATED, "dominated"), ("SLO broken", "slo"), ("saturated", "saturated"), ("no request completed", "no requests")):
+    for prefix, cause in (
+        (DOMINATED, "dominated"),
+        ("SLO broken", "slo"),
+        ("saturated", "saturated"),
+        ("no request completed", "no requests"),
+    ):
         if stopped_because.startswith(prefix):
             return cause
     return "other"
@@ -112,7 +117,12 @@ def early_stop_savings(results: Iterable[TrialResult], planned_levels: int) -> d
         skipped = max(planned_levels - len(result.levels), 0)
         saved[cause] = saved.get(cause, 0.0) + per_level_s * skipped * result.devices / 60.0
         stopped[cause] = stopped.get(cause, 0) + 1
-    return {"device_minutes_spent": spent, "device_minutes_saved": sum(saved.values()), "saved_by_cause": saved, "trials_stopped": stopped}
+    return {
+        "device_minutes_spent": spent,
+        "device_minutes_saved": sum(saved.values()),
+        "saved_by_cause": saved,
+        "trials_stopped": stopped,
+    }
 
 
 def device_time_lines(results: list[TrialResult], device: str, planned_levels: int) -> list[str]:
@@ -138,9 +148,20 @@ def device_time_lines(results: list[TrialResult], device: str, planned_levels: i
     lines += phases
     savings = early_stop_savings(results, planned_levels)
     if savings["trials_stopped"]:
-        causes = {"dominated": "dominated", "slo": "SLO broken", "saturated": "saturated", "no requests": "no request completed", "other": "other"}
-        parts = [f"{causes[c]}: {n} trial(s), {savings['saved_by_cause'][c]:,.1f} {unit}-min" for c, n in savings["trials_stopped"].items()]
-        lines.append(f"early stopping saved about {savings['device_minutes_saved']:,.1f} {unit}-min ({'; '.join(parts)})")
+        causes = {
+            "dominated": "dominated",
+            "slo": "SLO broken",
+            "saturated": "saturated",
+            "no requests": "no request completed",
+            "other": "other",
+        }
+        parts = [
+            f"{causes[c]}: {n} trial(s), {savings['saved_by_cause'][c]:,.1f} {unit}-min"
+            for c, n in savings["trials_stopped"].items()
+        ]
+        lines.append(
+            f"early stopping saved about {savings['device_minutes_saved']:,.1f} {unit}-min ({'; '.join(parts)})"
+        )
     else:
         lines.append("early stopping: every ladder ran to its last level")
     return lines

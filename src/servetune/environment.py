@@ -47,7 +47,7 @@ BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
 
 
 def cpu_bf16(cpuinfo: str | None = None) -> str:
-    """"native" when the CPU does bfloat16 in hardware, "emulated" when not, "unknown" when
+    """ "native" when the CPU does bfloat16 in hardware, "emulated" when not, "unknown" when
     /proc/cpuinfo does not say.
 
     It decides the CPU stand-in's speed: on an AMD EPYC with AVX2 only, the tiny model in
@@ -57,7 +57,9 @@ def cpu_bf16(cpuinfo: str | None = None) -> str:
         text = Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo
     except OSError:
         return "unknown"
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith(("flags", "Features"))), None)
+    flags = next(
+        (line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith(("flags", "Features"))), None
+    )
     if flags is None:
         return "unknown"
     return "native" if any(flag in flags for flag in BF16_FLAGS) else "emulated"
@@ -90,7 +92,9 @@ def _gpus(indices: Sequence[int]) -> dict[str, str]:
         nv.nvmlShutdown()
 
 
-def collect_environment(device: str, gpu_indices: Sequence[int] = (), python: str = sys.executable, cores: int | None = None) -> dict[str, str]:
+def collect_environment(
+    device: str, gpu_indices: Sequence[int] = (), python: str = sys.executable, cores: int | None = None
+) -> dict[str, str]:
     env: dict[str, str] = {
         "device": device,
         "cpu_model": _cpu_model(),
@@ -102,7 +106,9 @@ def collect_environment(device: str, gpu_indices: Sequence[int] = (), python: st
         "torch": _version("torch"),
         "ray": _version("ray"),
         "nccl": _version("nvidia-nccl-cu12", "nvidia-nccl-cu13", "nvidia-nccl"),
-        "niceness": str(os.getpriority(os.PRIO_PROCESS, 0)),  # of the measuring thread; 0 unless it could not be lowered
+        "niceness": str(
+            os.getpriority(os.PRIO_PROCESS, 0)
+        ),  # of the measuring thread; 0 unless it could not be lowered
     }
     if device == "gpu":
         env.update(_gpus(gpu_indices) or {"gpu_model": "no NVIDIA GPU visible"})

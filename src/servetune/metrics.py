@@ -99,8 +99,10 @@ def itl_note(share: float | None) -> str | None:
     """What a level says when its tokens were read in bursts (None when they were not)."""
     if share is None or share < BURST_NOTE_SHARE:
         return None
-    return (f"tokens read in bursts: {share:.0%} of token gaps under {BURST_GAP_S * 1000:g} ms (sent together by the "
-            "server, or read late by the client): ITL percentiles understate the engine's step, TPOT does not")
+    return (
+        f"tokens read in bursts: {share:.0%} of token gaps under {BURST_GAP_S * 1000:g} ms (sent together by the "
+        "server, or read late by the client): ITL percentiles understate the engine's step, TPOT does not"
+    )
 
 
 #: The percentiles a level keeps of its TTFTs, to draw their distribution (0, 5, ..., 100).

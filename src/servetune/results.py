@@ -16,6 +16,7 @@ from servetune.metrics import COST_METRIC, LevelSummary, cost_per_mtok_usd
 #: version does not know (a newer servetune wrote it) is ignored rather than refused.
 RECORD = ConfigDict(extra="ignore")
 
+
 class LevelRun(BaseModel):
     """One run of a repeated level (``load.repeats``): what the client measured and its verdict."""
 
@@ -177,7 +178,9 @@ class QualityResult(BaseModel):
     reference_trial: str
     agreement: float | None = None  # mean share of the reference's tokens reproduced before the first difference
     exact_match: float | None = None  # share of agreement prompts continued exactly as the reference did
-    nll_delta: float | None = None  # nats per token: this trial's NLL of the reference's tokens minus the reference's own
+    nll_delta: float | None = (
+        None  # nats per token: this trial's NLL of the reference's tokens minus the reference's own
+    )
     suites: dict[str, float] = {}  # suite -> share of items passed
     drops: dict[str, float] = {}  # score -> the reference's value minus this trial's (nll_delta as is)
     bounds: dict[str, float] = {}  # score -> the largest drop allowed
@@ -239,8 +242,13 @@ class TrialResult(BaseModel):
             metrics[COST_METRIC] = cost_per_mtok_usd(price, self.devices, level.summary.output_throughput)
             points.append(
                 OperatingPoint(
-                    trial_id=self.trial_id, level_index=index, level=level.summary.level, config=self.params,
-                    devices=self.devices, metrics=metrics, meets_slo=level.meets_slo,
+                    trial_id=self.trial_id,
+                    level_index=index,
+                    level=level.summary.level,
+                    config=self.params,
+                    devices=self.devices,
+                    metrics=metrics,
+                    meets_slo=level.meets_slo,
                 )  # fmt: skip
             )
         return points
@@ -302,7 +310,9 @@ SPACE_FILE = "space.yaml"
 TRIALS_DIR = "trials"
 RESULT_FILE = "result.json"
 QUALITY_FILE = "quality.jsonl"  # the quality probe's answers, a row per prompt (quality/probe.py)
-LM_EVAL_RESULTS_FILE = "lm_eval_results.json"  # lm-eval's results JSON, when the probe ran lm-eval tasks (quality/lm_eval.py)
+LM_EVAL_RESULTS_FILE = (
+    "lm_eval_results.json"  # lm-eval's results JSON, when the probe ran lm-eval tasks (quality/lm_eval.py)
+)
 ENGINE_LOG = "engine.log"  # the engine's stdout and stderr (trial/runner.py)
 REQUESTS_FILE = "requests.jsonl"  # the per-request records, a row per request (trial/runner.py)
 

@@ -33,7 +33,9 @@ def _nvml():
 class TelemetrySampler:
     """``with TelemetrySampler(gpu_indices, engine_pid) as t: ...``; then ``t.summary()``."""
 
-    def __init__(self, gpu_indices: Sequence[int] | None = None, engine_pid: int | None = None, interval_s: float = 1.0) -> None:
+    def __init__(
+        self, gpu_indices: Sequence[int] | None = None, engine_pid: int | None = None, interval_s: float = 1.0
+    ) -> None:
         self.gpu_indices = list(gpu_indices or [])
         self.engine_pid = engine_pid
         self.interval_s = interval_s
@@ -101,7 +103,10 @@ class TelemetrySampler:
         }  # fmt: skip
 
     def _host_sample(self) -> dict[str, float]:
-        sample = {"host_cpu_percent": psutil.cpu_percent(None), "host_memory_used_gib": psutil.virtual_memory().used / GIB}
+        sample = {
+            "host_cpu_percent": psutil.cpu_percent(None),
+            "host_memory_used_gib": psutil.virtual_memory().used / GIB,
+        }
         if self.engine_pid is not None:
             try:
                 root = psutil.Process(self.engine_pid)

@@ -62,7 +62,9 @@ def test_bench_concurrency_1_and_16(tiny_model, tmp_path):
     log = (tmp_path / "bench.engine.log").read_text()
     assert log.count("KV cache size") == 1
     # The engine ran on the core it claimed (one rank), as a trial's does, and says which.
-    assert result.cpu_binding is not None and re.findall(r"core ids=\[([0-9, ]+)\]", log) == [result.cpu_binding], result.cpu_binding
+    assert result.cpu_binding is not None and re.findall(r"core ids=\[([0-9, ]+)\]", log) == [result.cpu_binding], (
+        result.cpu_binding
+    )
     assert f"bound to cores {result.cpu_binding}" in " ".join((done.stdout + done.stderr).split())
     assert processes_mentioning(tiny_model) == []
 

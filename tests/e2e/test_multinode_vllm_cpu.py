@@ -59,7 +59,9 @@ def test_a_cpu_tiny_study_over_two_nodes_survives_losing_one(tmp_path):
     by_id = results(study_dir)
     assert len(by_id) == 2, output[-3000:]
     lost = by_id[trial_id]
-    assert lost["outcome"] == "FAILED" and lost["lost"] and lost["reason"].startswith("the trial's node died"), lost["reason"]
+    assert lost["outcome"] == "FAILED" and lost["lost"] and lost["reason"].startswith("the trial's node died"), lost[
+        "reason"
+    ]
     (other,) = [r for t, r in by_id.items() if t != trial_id]
     assert other["outcome"] == "COMPLETE" and other["levels"], (other["outcome"], other["reason"])
     assert other["environment"]["ray_node_id"] == survivor, other["environment"]

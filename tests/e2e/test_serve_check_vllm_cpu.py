@@ -66,7 +66,9 @@ def one_trial_study(root: Path, model: Path) -> Path:
 
 
 def servetune(*argv, timeout=600):
-    return subprocess.run([sys.executable, "-m", "servetune", *map(str, argv)], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "servetune", *map(str, argv)], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_one_replica_a_ramp_to_two_routers_and_layouts_compared_and_all_are_torn_down(tiny_model, tmp_path):
@@ -132,7 +134,10 @@ def test_one_replica_a_ramp_to_two_routers_and_layouts_compared_and_all_are_torn
         assert sum(t.prefix_cache_hits for t in run.per_replica.values()) <= 160 * 24, (run.router, run.per_replica)
     assert len(default.per_replica) == 2  # power of two choices spreads the load over both replicas
     # The prefix-aware router keeps the shared prefix on the replica that has it: the load piles up there.
-    assert prefix_aware.imbalance > default.imbalance and prefix_aware.imbalance >= 1.3, (default.per_replica, prefix_aware.per_replica)
+    assert prefix_aware.imbalance > default.imbalance and prefix_aware.imbalance >= 1.3, (
+        default.per_replica,
+        prefix_aware.per_replica,
+    )
     assert routing.verdict is not None and "verdict:" in done.stdout and "hit rate" in done.stdout
     sent = [json.loads(line) for line in (study / "serve-check.requests.jsonl").read_text().splitlines()]
     assert [sum(r.get("router") == name for r in sent) for name in ("default", "prefix-aware")] == [24, 24]

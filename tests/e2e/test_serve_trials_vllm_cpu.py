@@ -43,7 +43,9 @@ search:  # the one-replica trials side by side, a core each; the recommendation 
 
 
 def servetune(*argv, cwd=None):
-    return subprocess.run([sys.executable, "-m", "servetune", *map(str, argv)], capture_output=True, text=True, timeout=1200, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "servetune", *map(str, argv)], capture_output=True, text=True, timeout=1200, cwd=cwd
+    )
 
 
 @pytest.fixture(scope="module")
@@ -106,13 +108,21 @@ def test_one_and_two_replicas_measured_through_serve_recorded_and_torn_down(stud
     # In flight together: the one-replica trials overlapped, on different cores; the two-replica trial, which
     # needs both cores, started only once both had finished (it waited for them in the study's ledger).
     ones = [results[1], unbatched]
-    assert max(r["started_at"] for r in ones) < min(r["finished_at"] for r in ones), [(r["started_at"], r["finished_at"]) for r in ones]
-    assert results[2]["started_at"] >= max(r["finished_at"] for r in ones), (results[2]["started_at"], [r["finished_at"] for r in ones])
+    assert max(r["started_at"] for r in ones) < min(r["finished_at"] for r in ones), [
+        (r["started_at"], r["finished_at"]) for r in ones
+    ]
+    assert results[2]["started_at"] >= max(r["finished_at"] for r in ones), (
+        results[2]["started_at"],
+        [r["finished_at"] for r in ones],
+    )
     one_cores = [re.findall(r"core ids=\[([0-9, ]+)\]", (p.parent / "engine.log").read_text()) for p in
                  (paths[1], next(p for p in study_dir.glob("trials/*/result.json") if json.loads(p.read_text())["trial_id"] == unbatched["trial_id"]))]  # fmt: skip
     assert one_cores[0] != one_cores[1], one_cores
     assert "2 trial(s) at once" in done.stderr
-    assert still_running_after(60, "ServeReplica:servetune-serve-trials-") == [] and processes_mentioning(study_dir, "vllm") == []
+    assert (
+        still_running_after(60, "ServeReplica:servetune-serve-trials-") == []
+        and processes_mentioning(study_dir, "vllm") == []
+    )
     # The exported Serve application scales on what one of the trial's replicas served: 4 clients
     # over 2 replicas is 2 in flight per replica, and the ladder's top (4) needs both.
     export = servetune("export", study_dir, "--pick", results[2]["trial_id"], "--format", "ray-serve")
@@ -139,7 +149,11 @@ def test_the_study_verifies_its_recommendation_through_its_own_serve(study):
     trial = json.loads((study_dir / "trials" / doc["trial_id"] / "result.json").read_text())
     replicas = trial["params"]["serve.num_replicas"]
     served = doc["engine"]["serve"]["requests_per_replica"]
-    assert doc["engine"]["serve"]["replicas"] == replicas and len(served) == replicas and all(n > 0 for n in served.values()), doc["engine"]
+    assert (
+        doc["engine"]["serve"]["replicas"] == replicas
+        and len(served) == replicas
+        and all(n > 0 for n in served.values())
+    ), doc["engine"]
     scenarios = doc["scenarios"]
     assert list(scenarios) == ["soak", "peak", "burst", "mix", "long_output", "disconnects", "headroom", "repeats"]
     assert not any(s["reason"].startswith("not run") for s in scenarios.values()), doc["reasons"]
@@ -148,12 +162,19 @@ def test_the_study_verifies_its_recommendation_through_its_own_serve(study):
     rounds = scenarios["disconnects"]["rounds"]
     seen = [r for r in rounds if r["observed"]]
     assert seen and all(r["allowed_s"] >= 2.0 + 2.5 and r["released_s"] is not None for r in seen), rounds
-    assert scenarios["headroom"]["kv_cache_usage_max"] is not None and scenarios["headroom"]["engine_alive"], scenarios["headroom"]
+    assert scenarios["headroom"]["kv_cache_usage_max"] is not None and scenarios["headroom"]["engine_alive"], scenarios[
+        "headroom"
+    ]
     assert scenarios["soak"]["rss_start_mib"] > 50  # a replica's engine memory was followed
     # the context length from the replicas' log (Serve's models list has none): max_model_len minus the prompt
     assert scenarios["long_output"]["server_output_limit"] == 512 - 32, scenarios["long_output"]
     assert doc["stability"]["error_rate_5xx"] == 0.0
-    assert doc["placement"]["assigned_resources"].get("CPU") == 1.0 and "GPU" not in doc["placement"]["assigned_resources"]  # the load client's: Serve holds the devices
+    assert (
+        doc["placement"]["assigned_resources"].get("CPU") == 1.0 and "GPU" not in doc["placement"]["assigned_resources"]
+    )  # the load client's: Serve holds the devices
     assert "KV cache" in (study_dir / "verify" / doc["trial_id"] / "engine.log").read_text()
     assert f"verify: trial {doc['trial_id']} {'ACCEPTED' if doc['accepted'] else 'REJECTED'}" in done.stderr
-    assert still_running_after(60, "ServeReplica:servetune-serve-trials-") == [] and processes_mentioning(study_dir, "vllm") == []
+    assert (
+        still_running_after(60, "ServeReplica:servetune-serve-trials-") == []
+        and processes_mentioning(study_dir, "vllm") == []
+    )

@@ -32,11 +32,19 @@ def test_later_turns_hit_the_prefix_cache(tiny_model, tiny_tokenizer, tmp_path):
     single, talk = load_workload(tmp_path / "single.yaml"), load_workload(tmp_path / "talk.yaml")
     plan = LevelPlan(Level("concurrency", 2), num_requests=16, duration_s=None, warmup_requests=0)
     engine_args = {"enforce_eager": True, "max_model_len": 1024, "dtype": "float32", "block_size": 32}
-    server = VllmServer(tiny_model, engine_args, {"VLLM_CPU_KVCACHE_SPACE": "1"}, log_path=tmp_path / "engine.log", startup_timeout_s=300)
+    server = VllmServer(
+        tiny_model,
+        engine_args,
+        {"VLLM_CPU_KVCACHE_SPACE": "1"},
+        log_path=tmp_path / "engine.log",
+        startup_timeout_s=300,
+    )
 
     async def measure(url, workload):
         async with StreamingClient(url, str(tiny_model), api="completions", ignore_eos=True) as client:
-            result, records = await measure_level(client, url, workload, PromptFactory(tiny_tokenizer), plan, stream=1, slo=Slo())
+            result, records = await measure_level(
+                client, url, workload, PromptFactory(tiny_tokenizer), plan, stream=1, slo=Slo()
+            )
             return result, records
 
     with server:

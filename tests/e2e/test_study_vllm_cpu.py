@@ -98,15 +98,17 @@ def parsed_by_vllm(command: str) -> dict:
     """The exported ``vllm serve MODEL ...`` command as vLLM's own server parser reads it (exit 0 or the test fails)."""
     tokens = shlex.split(" ".join(line.rstrip("\\") for line in command.splitlines() if not line.startswith("#")))
     argv = tokens[tokens.index("serve") + 1 :]
-    done = subprocess.run([sys.executable, "-c", PARSE_WITH_VLLM, "--model", *argv], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", PARSE_WITH_VLLM, "--model", *argv], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def servetune(*argv, cwd=None):
-    return subprocess.run([sys.executable, "-m", "servetune", *map(str, argv)], capture_output=True, text=True, timeout=900, cwd=cwd)
-
-
+    return subprocess.run(
+        [sys.executable, "-m", "servetune", *map(str, argv)], capture_output=True, text=True, timeout=900, cwd=cwd
+    )
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +123,9 @@ def study(tmp_path_factory):
         tasks.mkdir()
         (tasks / "echo.yaml").write_text(ECHO_TASK)
         targets = echo_targets(build_tiny_model(tmp_path / "hf-tiny"))
-        (tasks / "echo.jsonl").write_text("".join(json.dumps({"question": p, "answer": t}) + "\n" for p, t in zip(ECHO_PROMPTS, targets)))
+        (tasks / "echo.jsonl").write_text(
+            "".join(json.dumps({"question": p, "answer": t}) + "\n" for p, t in zip(ECHO_PROMPTS, targets))
+        )
     (tmp_path / "space.yaml").write_text(SPACE.format(
         lm_eval="\n  lm_eval: {tasks: [echo], include_path: lm_eval_tasks, limit: 16, num_fewshot: 0}" if lm_eval else "",
         lm_eval_bound=", lm_eval/echo: 0.0" if lm_eval else ""))  # fmt: skip
@@ -172,7 +176,9 @@ def test_study_report_and_export_on_real_vllm(study):
     assert all(cores[a["trial_id"]] != cores[b["trial_id"]] for a, b in side_by_side), cores
 
     # Quality: the reference ran first; the same numerics agree exactly, whatever the batch size.
-    assert ok["quality"]["reference_trial"] == ok["trial_id"] and ok["started_at"] <= min(r["started_at"] for r in results.values())
+    assert ok["quality"]["reference_trial"] == ok["trial_id"] and ok["started_at"] <= min(
+        r["started_at"] for r in results.values()
+    )
     q = same["quality"]
     assert q["reference_trial"] == ok["trial_id"] and q["passed"] is True
     assert q["agreement"] == 1.0 and q["exact_match"] == 1.0 and abs(q["nll_delta"]) < 1e-6
@@ -181,8 +187,13 @@ def test_study_report_and_export_on_real_vllm(study):
     q = bf16["quality"]
     assert 0 < q["agreement"] < 1.0 and q["exact_match"] < 1.0 and abs(q["nll_delta"]) > 1e-5
     assert q["passed"] is False and q["failures"][0].startswith("agreement dropped")
-    rows = [json.loads(line) for line in (study_dir / "trials" / bf16["trial_id"] / "quality.jsonl").read_text().splitlines()]
-    assert {row["suite"] for row in rows} == {"agreement", "arithmetic", "recall"} | ({"lm_eval/echo"} if find_spec("lm_eval") else set())
+    rows = [
+        json.loads(line)
+        for line in (study_dir / "trials" / bf16["trial_id"] / "quality.jsonl").read_text().splitlines()
+    ]
+    assert {row["suite"] for row in rows} == {"agreement", "arithmetic", "recall"} | (
+        {"lm_eval/echo"} if find_spec("lm_eval") else set()
+    )
     assert any(row["suite"] == "agreement" and row["agreement"] < 1 for row in rows)
     recall = [row for row in rows if row["suite"] == "recall"]
     assert len(recall) == 9 and max(len(row["prompt"]) for row in recall) > 400  # up to 9/10 of max_model_len
@@ -208,11 +219,16 @@ def test_study_report_and_export_on_real_vllm(study):
     spread = summary.split("### TTFT distribution of the recommended trial", 1)[1].split("\n\n", 2)[1]
     assert len([line for line in spread.splitlines() if line.startswith("| concurrency")]) >= 1
     export = servetune("export", study_dir, "--format", "vllm")
-    assert export.returncode == 0 and "VLLM_CPU_KVCACHE_SPACE=1" in export.stdout and "--block-size 128" in export.stdout
+    assert (
+        export.returncode == 0 and "VLLM_CPU_KVCACHE_SPACE=1" in export.stdout and "--block-size 128" in export.stdout
+    )
     picked = servetune("export", study_dir, "--pick", ok["trial_id"], "--format", "vllm")
     assert picked.returncode == 0, picked.stderr
     parsed = parsed_by_vllm(picked.stdout)  # pinned at what vLLM resolved, and accepted by vLLM's parser
-    assert parsed["max_num_seqs"] == resolved["max_num_seqs"] and parsed["max_num_batched_tokens"] == resolved["max_num_batched_tokens"]
+    assert (
+        parsed["max_num_seqs"] == resolved["max_num_seqs"]
+        and parsed["max_num_batched_tokens"] == resolved["max_num_batched_tokens"]
+    )
 
 
 def test_lm_eval_task_is_a_quality_score_and_a_constraint_on_real_vllm(study):
@@ -222,11 +238,16 @@ def test_lm_eval_task_is_a_quality_score_and_a_constraint_on_real_vllm(study):
     scores = {}
     for trial in (ok, same, bf16):
         score = trial["quality"]["suites"]["lm_eval/echo"]
-        written = json.loads((study_dir / "trials" / trial["trial_id"] / "lm_eval_results.json").read_text())  # carried back
+        written = json.loads(
+            (study_dir / "trials" / trial["trial_id"] / "lm_eval_results.json").read_text()
+        )  # carried back
         assert 0.0 <= score <= 1.0 and score == written["results"]["echo"]["exact_match,none"]  # what lm-eval wrote
         assert written["n-samples"]["echo"]["effective"] == 16
         scores[trial["trial_id"]] = score
-        rows = [json.loads(line) for line in (study_dir / "trials" / trial["trial_id"] / "quality.jsonl").read_text().splitlines()]
+        rows = [
+            json.loads(line)
+            for line in (study_dir / "trials" / trial["trial_id"] / "quality.jsonl").read_text().splitlines()
+        ]
         echo = [row for row in rows if row["suite"] == "lm_eval/echo"]
         assert len(echo) == 16 and sum(row["passed"] for row in echo) / 16 == score
     # The reference's numerics are the targets' (float32): it answers most items exactly; so does the same numerics batched wider.

@@ -45,7 +45,11 @@ def test_verify_on_real_vllm(tmp_path):
     seen = [r for r in rounds if r["observed"]]
     assert seen and all(r["released_s"] is not None for r in seen), rounds
     assert all(r["before"] >= streams and r["survivors"] < streams and r["allowed_s"] >= 2.0 for r in seen), seen
-    assert all(r["settled"] <= r["survivors"] and r["fell_back_s"] <= r["allowed_s"] for r in seen if r["fell_back_s"] is not None), seen
+    assert all(
+        r["settled"] <= r["survivors"] and r["fell_back_s"] <= r["allowed_s"]
+        for r in seen
+        if r["fell_back_s"] is not None
+    ), seen
     stability = doc["stability"]
     rate = scenarios["disconnects"]["cancellation_success_rate"]
     assert rate is not None and stability["cancellation_success_rate"] == rate, (rate, stability)
@@ -61,9 +65,14 @@ def test_verify_on_real_vllm(tmp_path):
     long = scenarios["long_output"]
     assert long["server_output_limit"] == 1024 - 32  # max_model_len (from vLLM's /v1/models) minus the prompt
     assert all(n == long["asked_output_tokens"] for n in long["output_tokens"]), long
-    assert scenarios["headroom"]["kv_cache_usage_max"] is not None and scenarios["headroom"]["engine_alive"], scenarios["headroom"]
+    assert scenarios["headroom"]["kv_cache_usage_max"] is not None and scenarios["headroom"]["engine_alive"], scenarios[
+        "headroom"
+    ]
     repeats = scenarios["repeats"]
-    assert repeats["runs"] == 5 and repeats["goodput_ci"]["low"] <= repeats["goodput_ci"]["mean"] <= repeats["goodput_ci"]["high"]
+    assert (
+        repeats["runs"] == 5
+        and repeats["goodput_ci"]["low"] <= repeats["goodput_ci"]["mean"] <= repeats["goodput_ci"]["high"]
+    )
     assert "MLflow" in done.stderr  # one line about MLflow (no store there), and verify went on
     # Section 15's checklist, evaluated with these numbers: every item has a status and evidence.
     items = {item["id"]: item for item in doc["checklist"]}
@@ -73,9 +82,14 @@ def test_verify_on_real_vllm(tmp_path):
     # Cancellation: PASS when every round's dropped streams were released within the allowance (on a
     # loaded host a round can take longer, and the item then FAILs with that evidence).
     released = all(r["fell_back_s"] is not None for r in seen)
-    assert items["15.14"]["status"] == ("PASS" if released and scenarios["disconnects"]["passed"] else "FAIL"), (items["15.14"], rounds)
+    assert items["15.14"]["status"] == ("PASS" if released and scenarios["disconnects"]["passed"] else "FAIL"), (
+        items["15.14"],
+        rounds,
+    )
     assert items["15.15"]["status"] == "FAIL", items["15.15"]  # vLLM has no hard queue limit: the finding, not a guess
-    report = subprocess.run([sys.executable, "-m", "servetune", "report", str(study)], capture_output=True, text=True, timeout=300)
+    report = subprocess.run(
+        [sys.executable, "-m", "servetune", "report", str(study)], capture_output=True, text=True, timeout=300
+    )
     assert report.returncode == 0, report.stderr[-2000:]
     summary = (study / "report" / "summary.md").read_text()
     assert "## Verification" in summary and "### Acceptance checklist" in summary

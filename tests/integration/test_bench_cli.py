@@ -58,7 +58,9 @@ def test_bench_repeats_each_level_and_reports_its_median_run(tmp_path, capsys, t
     assert level.summary in [run.summary for run in level.runs]
     assert [sum(r["repeat"] == k for r in rows) for k in range(3)] == [7, 7, 0]
     # Each run draws its own prompts.
-    assert {r["input_tokens"] for r in rows if r["repeat"] == 0} != {r["input_tokens"] for r in rows if r["repeat"] == 1}
+    assert {r["input_tokens"] for r in rows if r["repeat"] == 0} != {
+        r["input_tokens"] for r in rows if r["repeat"] == 1
+    }
 
 
 def test_bench_repeats_a_level_that_meets_the_slo_three_times(tmp_path, capsys, tiny_model):
@@ -78,7 +80,9 @@ def test_an_engine_that_dies_mid_level_keeps_what_was_measured(tmp_path, capsys,
         "--concurrency", "8,1", "--num-requests", "8", "--json", str(out_file),
     )  # fmt: skip
     assert code == 3
-    assert "servetune bench: error: the engine died during concurrency 1" in err and "engine log (last lines)" in err, err
+    assert "servetune bench: error: the engine died during concurrency 1" in err and "engine log (last lines)" in err, (
+        err
+    )
     result = BenchResult.model_validate_json(out_file.read_text())
     finished, died_in = result.levels
     assert finished.summary.completed == 8 and finished.summary.failed == 0
@@ -88,7 +92,9 @@ def test_an_engine_that_dies_mid_level_keeps_what_was_measured(tmp_path, capsys,
     assert processes_mentioning(fake_python) == []
 
 
-def test_an_engine_that_fails_to_start_is_one_error_with_its_log_tail_and_writes_nothing(tmp_path, capsys, tiny_model, fake_python):
+def test_an_engine_that_fails_to_start_is_one_error_with_its_log_tail_and_writes_nothing(
+    tmp_path, capsys, tiny_model, fake_python
+):
     # On real vLLM the study's end-to-end test has an engine fail at start-up (a block size vLLM refuses).
     code, out, err = run_cli(
         capsys, "--model", str(tiny_model), "--python", str(fake_python), "--workload", "cpu-tiny",
@@ -110,16 +116,29 @@ def test_an_engine_that_fails_to_start_is_one_error_with_its_log_tail_and_writes
         (["--url", "http://127.0.0.1:9", "--model", "x"], "--url http://127.0.0.1:9: cannot reach the server"),
         (["--model", "{tmp}", "--concurrency", "1,x"], "--concurrency '1,x' is not a comma-separated list"),
         (["--model", "{tmp}", "--slo", "ttft.p99=1"], "--slo: unknown metric 'ttft'"),
-        (["--model", "{tmp}", "--workload", "{tmp}/w.yaml"], "w.yaml: output_tokens.value: Input should be greater than or equal to 1"),
+        (
+            ["--model", "{tmp}", "--workload", "{tmp}/w.yaml"],
+            "w.yaml: output_tokens.value: Input should be greater than or equal to 1",
+        ),
         (["--model", "{tmp}", "--env", "NOEQUALS"], "--env 'NOEQUALS' is not KEY=VALUE"),
         (["--model", "{tmp}", "--repeats", "0"], "--repeats must be 1 to 9, got 0"),
-        (["--model", "{tmp}", "--workload", "cpu-tiny", "--speedup", "2"], "--speedup is for a workload that replays a trace"),
-        (["--model", "{tmp}", "--workload", "{tmp}/trace.yaml", "--speedup", "0"], "--speedup needs positive numbers, got '0'"),
+        (
+            ["--model", "{tmp}", "--workload", "cpu-tiny", "--speedup", "2"],
+            "--speedup is for a workload that replays a trace",
+        ),
+        (
+            ["--model", "{tmp}", "--workload", "{tmp}/trace.yaml", "--speedup", "0"],
+            "--speedup needs positive numbers, got '0'",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_nonzero(tmp_path, capsys, argv, needle):
-    (tmp_path / "w.yaml").write_text("name: w\ninput_tokens: {dist: fixed, value: 3}\noutput_tokens: {dist: fixed, value: 0}\n")
-    (tmp_path / "log.jsonl").write_text("".join(f'{{"ts": {t}, "input_tokens": 3, "output_tokens": 1}}\n' for t in (0, 1)))
+    (tmp_path / "w.yaml").write_text(
+        "name: w\ninput_tokens: {dist: fixed, value: 3}\noutput_tokens: {dist: fixed, value: 0}\n"
+    )
+    (tmp_path / "log.jsonl").write_text(
+        "".join(f'{{"ts": {t}, "input_tokens": 3, "output_tokens": 1}}\n' for t in (0, 1))
+    )
     (tmp_path / "trace.yaml").write_text("name: t\ninput_tokens: {dist: fixed, value: 3}\noutput_tokens: {dist: fixed, value: 1}\n"
                                          "arrival: {process: trace, file: log.jsonl}\n")  # fmt: skip
     code, out, err = run_cli(capsys, *(a.replace("{tmp}", str(tmp_path)) for a in argv))
@@ -129,7 +148,9 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, capsys, argv, needle):
 
 
 @pytest.mark.parametrize("crash_after_s, kept", [("1000", False), ("2", True)])
-def test_without_json_the_engine_log_is_removed_unless_vllm_failed(tmp_path, capsys, monkeypatch, tiny_model, fake_python, crash_after_s, kept):
+def test_without_json_the_engine_log_is_removed_unless_vllm_failed(
+    tmp_path, capsys, monkeypatch, tiny_model, fake_python, crash_after_s, kept
+):
     temp = tmp_path / "tmp"
     temp.mkdir()
     monkeypatch.setattr("tempfile.tempdir", str(temp))  # where mkdtemp puts the log's directory

@@ -64,7 +64,9 @@ def test_closed_loop_keeps_exactly_c_in_flight(fake_server):
 
         watcher = asyncio.ensure_future(watch())
         async with StreamingClient(url, "fake") as client:
-            records = await run_level(client, specs(24, out=5), Level("concurrency", 6), num_requests=20, warmup_requests=4)
+            records = await run_level(
+                client, specs(24, out=5), Level("concurrency", 6), num_requests=20, warmup_requests=4
+            )
         watcher.cancel()
         return records
 
@@ -80,12 +82,21 @@ def test_open_loop_rate_and_duration_limit():
         async def go():
             async with StreamingClient(url, "fake") as client:
                 start = time.perf_counter()
-                records = await run_level(client, iter(specs(10_000, out=2)), Level("rate", 50.0, "poisson"), num_requests=None, duration_s=2.0, seed=1)
+                records = await run_level(
+                    client,
+                    iter(specs(10_000, out=2)),
+                    Level("rate", 50.0, "poisson"),
+                    num_requests=None,
+                    duration_s=2.0,
+                    seed=1,
+                )
                 return records, time.perf_counter() - start
 
         records, elapsed = asyncio.run(go())
     sends = np.array(sorted(r.sent for r in records))
-    assert elapsed < 15.0, f"{elapsed:.1f} s"  # the 2 s limit ended the level (10,000 requests at 50/s would take 200 s)
+    assert elapsed < 15.0, (
+        f"{elapsed:.1f} s"
+    )  # the 2 s limit ended the level (10,000 requests at 50/s would take 200 s)
     assert 60 <= len(records) <= 140  # 50 req/s for 2 s
     assert all(r.ok for r in records)
     # Requests are admitted until the deadline; the last one's send is stamped when its task runs, a
@@ -110,7 +121,11 @@ def test_gamma_burstiness_makes_gaps_more_variable():
 def run_one(url, timeout_s=30.0):
     async def go():
         async with StreamingClient(url, "fake", timeout_s=timeout_s) as client:
-            return await client.send(RequestSpec(0, "x", 1, 3, "d"), RequestRecord(index=0, sent=0.0, input_tokens=1, max_tokens=3), time.perf_counter())
+            return await client.send(
+                RequestSpec(0, "x", 1, 3, "d"),
+                RequestRecord(index=0, sent=0.0, input_tokens=1, max_tokens=3),
+                time.perf_counter(),
+            )
 
     return asyncio.run(go())
 
@@ -139,7 +154,9 @@ def test_workload_ignore_eos_and_chat_payload():
     body = client.payload(RequestSpec(0, "hi", 1, 7, "d"))
     assert body["messages"] == [{"role": "user", "content": "hi"}] and body["max_tokens"] == 7
     assert body["stream_options"] == {"include_usage": True} and "ignore_eos" not in body
-    assert Workload.model_validate({"name": "w", "input_tokens": {"dist": "fixed", "value": 1}, "output_tokens": {"dist": "fixed", "value": 1}}).ignore_eos
+    assert Workload.model_validate(
+        {"name": "w", "input_tokens": {"dist": "fixed", "value": 1}, "output_tokens": {"dist": "fixed", "value": 1}}
+    ).ignore_eos
 
 
 def test_closed_loop_clients_start_staggered_and_the_level_says_how_synchronized_it_was(tiny_tokenizer):

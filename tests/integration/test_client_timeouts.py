@@ -14,7 +14,9 @@ def send_one(url, out=10, drop_after=None, **timeouts):
     async def go():
         async with StreamingClient(url, "fake", **timeouts) as client:
             record = RequestRecord(index=0, sent=0.0, input_tokens=1, max_tokens=out)
-            return await client.send(RequestSpec(0, "x", 1, out, "d"), record, time.perf_counter(), drop_after=drop_after)
+            return await client.send(
+                RequestSpec(0, "x", 1, out, "d"), record, time.perf_counter(), drop_after=drop_after
+            )
 
     return asyncio.run(go())
 
@@ -39,7 +41,9 @@ def test_idle_stream_timeout_after_tokens_arrived():
 def test_a_slow_but_steady_stream_passes_the_idle_timeout():
     with serve_fake(FakeOpenAI(ttft_ms=10, itl_ms=100)) as url:
         r = send_one(url, out=12, first_token_timeout_s=2.0, idle_timeout_s=0.8, timeout_s=30)
-    assert r.ok and r.output_tokens == 12, r  # every gap (0.1 s) stays under 0.8 s (room for a loaded host), the whole takes longer
+    assert r.ok and r.output_tokens == 12, (
+        r
+    )  # every gap (0.1 s) stays under 0.8 s (room for a loaded host), the whole takes longer
 
 
 def test_total_timeout_on_a_steady_stream():
@@ -52,7 +56,9 @@ def test_a_dropped_stream_closes_the_connection_and_the_server_sees_it():
     fake = FakeOpenAI(ttft_ms=10, itl_ms=20)
     with serve_fake(fake) as url:
         r = send_one(url, out=200, drop_after=3)
-        deadline = time.monotonic() + 15.0  # the server notices at its next write, 20 ms on: ample room for a loaded host
+        deadline = (
+            time.monotonic() + 15.0
+        )  # the server notices at its next write, 20 ms on: ample room for a loaded host
         while fake.running and time.monotonic() < deadline:
             time.sleep(0.02)
         running, generated, disconnected = fake.running, fake.generated, fake.disconnected

@@ -27,7 +27,9 @@ def spec(tmp_path, python, engine_args):
     )  # fmt: skip
 
 
-def test_a_later_trial_with_the_same_graph_loads_it_and_one_with_another_compiles(tmp_path, tiny_tokenizer, fake_python, monkeypatch):
+def test_a_later_trial_with_the_same_graph_loads_it_and_one_with_another_compiles(
+    tmp_path, tiny_tokenizer, fake_python, monkeypatch
+):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # vLLM's default root, node-local here
     python = str(fake_python)
     first, same_graph, other_graph = (
@@ -35,10 +37,14 @@ def test_a_later_trial_with_the_same_graph_loads_it_and_one_with_another_compile
         for args in ({"max_num_seqs": 8}, {"max_num_seqs": 8, "enable_prefix_caching": False}, {"max_num_seqs": 16})
     )
     assert [r.outcome for r in (first, same_graph, other_graph)] == ["COMPLETE"] * 3
-    assert first.startup_phases["compile_cache_hit"] == 0.0 and first.startup_phases["compile_s"] == COMPILE_S, first.startup_phases
+    assert first.startup_phases["compile_cache_hit"] == 0.0 and first.startup_phases["compile_s"] == COMPILE_S, (
+        first.startup_phases
+    )
     assert same_graph.startup_phases["compile_cache_hit"] == 1.0, same_graph.startup_phases
     assert same_graph.startup_phases["compile_s"] < 1.0, same_graph.startup_phases  # loaded, not compiled
-    assert other_graph.startup_phases["compile_cache_hit"] == 0.0, other_graph.startup_phases  # max_num_seqs shapes the graph
+    assert other_graph.startup_phases["compile_cache_hit"] == 0.0, (
+        other_graph.startup_phases
+    )  # max_num_seqs shapes the graph
     graphs = list((tmp_path / "cache" / "vllm" / "torch_compile_cache").glob("*/fake-graph"))
     assert len(graphs) == 2, graphs
     assert "vllm_cache_root" not in first.environment  # vLLM's own default served: servetune chose nothing

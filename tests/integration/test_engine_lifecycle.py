@@ -121,7 +121,10 @@ def test_a_reaper_killed_outright_still_clears_the_group(fake_python, tmp_path):
         while group_members(pgid) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not group_members(pgid)
-    assert "the engine's reaper died; stopped its group (1 process(es) needed SIGKILL)" in (tmp_path / "engine.log").read_text()
+    assert (
+        "the engine's reaper died; stopped its group (1 process(es) needed SIGKILL)"
+        in (tmp_path / "engine.log").read_text()
+    )
 
 
 def test_a_crash_is_seen_at_once_though_the_reaper_is_still_clearing(fake_python, tmp_path):
@@ -150,7 +153,9 @@ def engine_env(srv: VllmServer) -> dict[str, str]:
     return engine.environ()
 
 
-def test_engines_side_by_side_run_on_cores_of_their_own_and_let_them_go_when_stopped(fake_python, tmp_path, monkeypatch):
+def test_engines_side_by_side_run_on_cores_of_their_own_and_let_them_go_when_stopped(
+    fake_python, tmp_path, monkeypatch
+):
     """On the CPU build each bare engine claims a core per rank (engine/cores.py): two at once never share
     one, a stopped engine's cores are free again, a bind the user set is kept, and GPUs bind nothing."""
     import os
@@ -178,12 +183,16 @@ def test_engines_side_by_side_run_on_cores_of_their_own_and_let_them_go_when_sto
             assert users.cpu_binding == "6" and engine_env(users)[BIND] == "6"
         with cpu("g", 1) as last:
             assert last.cpu_binding == "6"
-    gpu = VllmServer("fake-model", {}, {}, log_path=tmp_path / "gpu" / "engine.log", python=fake_python, stop_grace_s=1.0)
+    gpu = VllmServer(
+        "fake-model", {}, {}, log_path=tmp_path / "gpu" / "engine.log", python=fake_python, stop_grace_s=1.0
+    )
     with gpu:
         assert gpu.cpu_binding is None and BIND not in engine_env(gpu)
 
 
-def test_an_engine_started_by_a_ray_actor_does_not_inherit_rays_omp_threads(local_ray, fake_python, tmp_path, monkeypatch):
+def test_an_engine_started_by_a_ray_actor_does_not_inherit_rays_omp_threads(
+    local_ray, fake_python, tmp_path, monkeypatch
+):
     """Ray gives a trial's actor OMP_NUM_THREADS = its CPUs; vLLM leaves a set value alone and serves with that
     many torch threads, where `vllm serve` serves with one. The engine an actor starts gets the environment it
     would get from a shell; a value the user set (the space's env, or the actor's own environment) is kept."""

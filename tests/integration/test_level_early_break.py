@@ -20,7 +20,9 @@ def measure(ttft_ms: float, slo: str, tokenizer):
 
     async def go(url: str):
         async with StreamingClient(url, "fake", api=workload.api, ignore_eos=True) as client:
-            return await measure_level(client, url, workload, PromptFactory(tokenizer), plan, stream=1, slo=Slo.parse(slo))
+            return await measure_level(
+                client, url, workload, PromptFactory(tokenizer), plan, stream=1, slo=Slo.parse(slo)
+            )
 
     with serve_fake(FakeOpenAI(ttft_ms=ttft_ms, itl_ms=1)) as url:
         return asyncio.run(go(url))

@@ -74,7 +74,10 @@ def test_the_closing_read_waits_only_until_the_source_has_counted_the_level():
     async def counting(finished_by_read):
         async def read(gauges_only=False):
             reads.append(time.monotonic())
-            return MetricsSnapshot(counters={"requests_finished": finished_by_read[min(len(reads), len(finished_by_read)) - 1]})
+            return MetricsSnapshot(
+                counters={"requests_finished": finished_by_read[min(len(reads), len(finished_by_read)) - 1]}
+            )
+
         return read
 
     async def go(finished_by_read, wait_s):
@@ -104,7 +107,9 @@ def test_the_closing_reads_keep_the_gauges_of_a_level_shorter_than_the_lag():
         return MetricsSnapshot(gauges=gauges, counters={"requests_finished": finished})
 
     peaks: dict[str, float] = {}
-    after = asyncio.run(_settled(read, MetricsSnapshot(counters={"requests_finished": 10.0}), 8, wait_s=5.0, every_s=0.01, peaks=peaks))
+    after = asyncio.run(
+        _settled(read, MetricsSnapshot(counters={"requests_finished": 10.0}), 8, wait_s=5.0, every_s=0.01, peaks=peaks)
+    )
     assert after.counters["requests_finished"] == 18.0 and peaks == {"requests_running_max": 4.0}, peaks
 
 

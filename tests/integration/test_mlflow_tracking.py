@@ -152,7 +152,11 @@ def test_sync_logs_a_parent_run_and_one_nested_run_per_trial(store, tmp_path):
     assert f"{ui}/{link}" in report.summary()
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     view = json.loads(experiment.tags["mlflow.sharedViewState.servetune-trials"])
-    assert view["selectedColumns"][:3] == ["params.`max_num_seqs`", "params.`gpu_memory_utilization`", "metrics.`goodput`"]
+    assert view["selectedColumns"][:3] == [
+        "params.`max_num_seqs`",
+        "params.`gpu_memory_utilization`",
+        "metrics.`goodput`",
+    ]
     assert view["orderByKey"] == "metrics.`goodput`" and "servetune.role" in view["searchFilter"]
     assert {a.path for a in client.list_artifacts(t16.info.run_id)} == {
         "record.md",
@@ -241,7 +245,10 @@ def test_callback_logs_each_trial_as_tune_completes_it_and_survives_pickling(sto
     runs = trial_runs(client, experiment_id)
     assert set(runs) == {"dear", "t32"}
     assert runs["dear"].data.tags["conclusion"] == "next round"
-    assert runs["dear"].data.tags["servetune.recommended"] == "false" and runs["t32"].data.tags["servetune.recommended"] == "true"
+    assert (
+        runs["dear"].data.tags["servetune.recommended"] == "false"
+        and runs["t32"].data.tags["servetune.recommended"] == "true"
+    )
     record = Path(client.download_artifacts(runs["dear"].info.run_id, "record.md", str(tmp_path))).read_text()
     assert "next round: meets the SLO" in record
     parent = client.search_runs([experiment_id], "tags.`servetune.role` = 'study'")

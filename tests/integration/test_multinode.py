@@ -76,7 +76,9 @@ def trial_files_on(node_dir: Path) -> dict[str, set[str]]:
     return {trial_id: {p.name for p in trial_dir.iterdir()} for trial_id, trial_dir in trial_dirs_on(node_dir).items()}
 
 
-def test_trials_stay_inside_one_node_spread_over_both_and_come_back_to_the_driver(tmp_path, tiny_model, cluster, fake_python):
+def test_trials_stay_inside_one_node_spread_over_both_and_come_back_to_the_driver(
+    tmp_path, tiny_model, cluster, fake_python
+):
     fake = fake_python
     # 1, 2 and 4 GPUs, twice each (two token paces): four trials that fit a node, two that none holds.
     space = write_space(tmp_path, tiny_model, "  tensor_parallel_size: [1, 2, 4]\n  env.SERVETUNE_FAKE_ITL_MS: [5, 6]\n"
@@ -102,7 +104,11 @@ def test_trials_stay_inside_one_node_spread_over_both_and_come_back_to_the_drive
     for r in unplaceable:  # before anything started: no engine, no environment, no time
         assert r["outcome"] == "INFEASIBLE", r
         assert r["reason"] == "placement: needs 4 GPUs on one node; the largest node has 2"
-        assert r["startup_s"] is None and r["levels"] == [] and not (study_dir / "trials" / r["trial_id"] / "engine.log").exists()
+        assert (
+            r["startup_s"] is None
+            and r["levels"] == []
+            and not (study_dir / "trials" / r["trial_id"] / "engine.log").exists()
+        )
     ran = [r for r in by_id.values() if r["devices"] < 4]
     assert sorted(r["devices"] for r in ran) == [1, 1, 2, 2]
     assert all(r["outcome"] == "COMPLETE" for r in ran), [r["reason"] for r in ran]
@@ -117,12 +123,17 @@ def test_trials_stay_inside_one_node_spread_over_both_and_come_back_to_the_drive
     for a, b in overlapping(spans):
         ra, rb = by_id[a.label], by_id[b.label]
         if ra["environment"]["ray_node_id"] == rb["environment"]["ray_node_id"]:
-            shared = set(ra["environment"]["cuda_visible_devices"].split(",")) & set(rb["environment"]["cuda_visible_devices"].split(","))
+            shared = set(ra["environment"]["cuda_visible_devices"].split(",")) & set(
+                rb["environment"]["cuda_visible_devices"].split(",")
+            )
             assert not shared, (ra["trial_id"], rb["trial_id"], shared)
     # No shared disk: each trial wrote its files under its own node's temp dir, and only there ...
     for r in ran:
         local = on_node[r["environment"]["ray_node_id"]]
-        assert {"result.json", "requests.jsonl", "engine.log"} <= local.get(r["trial_id"], set()), (r["trial_id"], local)
+        assert {"result.json", "requests.jsonl", "engine.log"} <= local.get(r["trial_id"], set()), (
+            r["trial_id"],
+            local,
+        )
         others = [ids for node_id, ids in on_node.items() if node_id != r["environment"]["ray_node_id"]]
         assert all(r["trial_id"] not in ids for ids in others)
     # ... and the driver's study directory holds what came back through Ray: result, records, engine log.
@@ -149,7 +160,9 @@ def test_trials_stay_inside_one_node_spread_over_both_and_come_back_to_the_drive
     for run in runs:
         if by_id[run.data.tags["servetune.trial_id"]]["outcome"] == "COMPLETE":
             names = {a.path for a in client.list_artifacts(run.info.run_id)}
-            assert {"requests.jsonl", "engine.log"} <= {Path(n).name for n in names} | _nested(client, run.info.run_id, names), names
+            assert {"requests.jsonl", "engine.log"} <= {Path(n).name for n in names} | _nested(
+                client, run.info.run_id, names
+            ), names
     print(f"study over 2 worker nodes: {wall_s:.0f} s")
 
 
@@ -330,7 +343,9 @@ def test_a_node_lost_under_a_trial_fails_that_trial_and_the_study_goes_on(tmp_pa
 
     # --resume runs only what never finished: the lost trial, on the node that is left.
     stamps = {t: (study_dir / "trials" / t / "result.json").stat().st_mtime_ns for t in by_id if t != trial_id}
-    resumed = subprocess.run([*argv, "--resume"], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=cluster.head.env)
+    resumed = subprocess.run(
+        [*argv, "--resume"], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=cluster.head.env
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "1 trial(s) to run" in resumed.stderr, resumed.stderr
     final = results(study_dir)

@@ -77,6 +77,12 @@ def test_a_trial_finished_trials_dominate_stops_at_that_level(tmp_path, tiny_mod
     assert fast["outcome"] == "COMPLETE" and len(fast["levels"]) == 3 and fast["stopped_because"] is None
     assert slow["outcome"] == "COMPLETE" and len(slow["levels"]) == 1
     assert slow["stopped_because"].startswith(f"dominated at concurrency 1: trial {fast['trial_id']}"), (
-        slow["stopped_because"], [lv["summary"]["ttft_ms"]["p99"] for lv in fast["levels"]])
-    assert "core time:" in done.stdout and "early stopping saved about" in done.stdout and "(dominated: 1 trial(s)" in done.stdout
+        slow["stopped_because"],
+        [lv["summary"]["ttft_ms"]["p99"] for lv in fast["levels"]],
+    )
+    assert (
+        "core time:" in done.stdout
+        and "early stopping saved about" in done.stdout
+        and "(dominated: 1 trial(s)" in done.stdout
+    )
     assert processes_mentioning(fake) == []

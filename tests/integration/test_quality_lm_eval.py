@@ -54,13 +54,22 @@ def test_lm_eval_scores_a_custom_task_on_the_server(tmp_path, server):
     from servetune.models.tiny import build_tiny_model
 
     folder = task_folder(tmp_path, "mine")
-    (folder / "items.jsonl").write_text("".join(json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(4)))
+    (folder / "items.jsonl").write_text(
+        "".join(json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(4))
+    )
     plan = LmEvalPlan(tasks=["mine"], include_path=str(folder), limit=4, num_fewshot=0, timeout_s=300)
     Completions.seen = []
-    outcome = run_lm_eval(plan, server, "served", str(build_tiny_model(tmp_path / "tiny")), tmp_path / "out", max_length=512)
+    outcome = run_lm_eval(
+        plan, server, "served", str(build_tiny_model(tmp_path / "tiny")), tmp_path / "out", max_length=512
+    )
     assert outcome.errors == [], (tmp_path / "out" / "lm_eval.log").read_text()[-3000:]
     written = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())
     assert outcome.scores == {"lm_eval/mine": 0.5} == {"lm_eval/mine": written["results"]["mine"]["exact_match,none"]}
-    assert sorted((row["id"], row["passed"]) for row in outcome.rows) == [("mine-0", True), ("mine-1", False), ("mine-2", True), ("mine-3", False)]
+    assert sorted((row["id"], row["passed"]) for row in outcome.rows) == [
+        ("mine-0", True),
+        ("mine-1", False),
+        ("mine-2", True),
+        ("mine-3", False),
+    ]
     assert {row["prompt"] for row in outcome.rows} == {f"{i}+1=" for i in range(4)}
     assert {(r["path"], r["model"]) for r in Completions.seen} == {("/v1/completions", "served")}

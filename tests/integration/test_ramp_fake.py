@@ -33,7 +33,9 @@ class Watch:
 
     def served_per_replica(self, name: str) -> dict[str, int]:
         done = self.fake.finished
-        return {"a": done} if self.busy_since is None or time.monotonic() - self.busy_since < 2.5 else {"a": done, "b": 1}
+        return (
+            {"a": done} if self.busy_since is None or time.monotonic() - self.busy_since < 2.5 else {"a": done, "b": 1}
+        )
 
 
 def test_the_ramp_follows_its_phases_and_waits_for_the_scale_out(tiny_model):

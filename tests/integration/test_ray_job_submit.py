@@ -133,7 +133,11 @@ def test_study_runs_as_a_ray_job(head: RayHead, tmp_path: Path) -> None:
         assert first.completed > 0 and first.output_throughput > 0
     # The quality reference ran its probe inside the job and the driver kept its answers for later trials.
     reference = results[0]
-    assert reference.quality.reference_trial == reference.trial_id and reference.quality.agreement == 1.0 and reference.quality.passed
+    assert (
+        reference.quality.reference_trial == reference.trial_id
+        and reference.quality.agreement == 1.0
+        and reference.quality.passed
+    )
     assert reference.quality.reference_answers and (storage / "job-submit" / "quality" / "reference.json").exists()
     assert "quality: the reference (max_num_seqs=2) runs first" in logs, logs[-4000:]
     assert (storage / "job-submit" / "study.json").exists()

@@ -52,7 +52,18 @@ def write_space(directory: Path, name: str, model: Path) -> Path:
 
 
 def servetune_run(space: Path, storage: Path, fake: Path, *flags: str) -> list[str]:
-    return [sys.executable, "-m", "servetune", "run", str(space), "--storage", str(storage), "--python", str(fake), *flags]
+    return [
+        sys.executable,
+        "-m",
+        "servetune",
+        "run",
+        str(space),
+        "--storage",
+        str(storage),
+        "--python",
+        str(fake),
+        *flags,
+    ]
 
 
 def submit(head, job_dir: Path, argv: list[str], env: dict[str, str]) -> dict:
@@ -99,4 +110,3 @@ def test_a_head_in_token_mode_asks_for_one_line_then_works(tmp_path, home, tiny_
     for name in ("joined", "submitted"):
         assert len(list((tmp_path / "results" / name / "trials").glob("*/result.json"))) == 1, name
     assert processes_mentioning(fake) == []
-

@@ -132,7 +132,9 @@ def test_exported_ray_serve_configs_validate_with_ray_serve_llm(tmp_path, capsys
             LLMServingArgs.model_validate(doc)
         print("valid")
     """)
-    done = subprocess.run([sys.executable, "-c", check], input=json.dumps(docs), capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", check], input=json.dumps(docs), capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0 and done.stdout.strip().endswith("valid"), done.stderr[-2000:]
 
 

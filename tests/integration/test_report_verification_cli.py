@@ -17,7 +17,12 @@ STORED = Path(__file__).parents[1] / "data" / "cpu-tiny-study"
 def test_report_of_a_verified_study_carries_the_verdict_and_the_checklist(tmp_path, capsys):
     study = demo_study(tmp_path / "demo")
     result = next(t for t in load_study(study).trials if t.trial_id == "t16")
-    verify = full_verify() | {"trial_id": "t16", "level": {"concurrency": 16}, "accepted": True, "reason": "every scenario passed"}
+    verify = full_verify() | {
+        "trial_id": "t16",
+        "level": {"concurrency": 16},
+        "accepted": True,
+        "reason": "every scenario passed",
+    }
     verify["checklist"] = [item.model_dump() for item in evaluate(study, result, verify)]
     (study / "verify.json").write_text(json.dumps(verify))
     assert main(["report", str(study)]) == 0

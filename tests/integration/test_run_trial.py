@@ -68,7 +68,10 @@ def run(tmp_path, tokenizer, engine: FakeEngine):
 def test_a_trial_measures_every_level_on_its_engine_and_writes_its_result(tmp_path, tiny_tokenizer):
     engine = FakeEngine(FakeOpenAI(ttft_ms=5, itl_ms=1))
     result, reports = run(tmp_path, tiny_tokenizer, engine)
-    assert result.outcome == "COMPLETE" and [lv.summary.level for lv in result.levels] == [{"concurrency": 1}, {"concurrency": 4}]
+    assert result.outcome == "COMPLETE" and [lv.summary.level for lv in result.levels] == [
+        {"concurrency": 1},
+        {"concurrency": 4},
+    ]
     assert [r["level_index"] for r in reports] == [0, 1] and result.best_level_index == 1 and engine.stopped
     assert engine.fake.resets == 2  # a cold prefix cache for each level
     on_disk = json.loads((tmp_path / result.trial_id / "result.json").read_text())
@@ -77,7 +80,9 @@ def test_a_trial_measures_every_level_on_its_engine_and_writes_its_result(tmp_pa
     assert {row["level"] for row in rows} == {0, 1} and len(rows) == 2 * (8 + 1)  # one warm-up request a level
 
 
-def test_an_engine_that_dies_mid_ladder_is_failed_data_with_its_log_tail_and_the_level_it_died_in(tmp_path, tiny_tokenizer):
+def test_an_engine_that_dies_mid_ladder_is_failed_data_with_its_log_tail_and_the_level_it_died_in(
+    tmp_path, tiny_tokenizer
+):
     result, reports = run(tmp_path, tiny_tokenizer, FakeEngine(FakeOpenAI(ttft_ms=5, itl_ms=1), lives_for=0))
     assert result.outcome == "FAILED" and result.reason == "the engine died during concurrency 1 (exit code -9)"
     assert result.log_tail == "ERROR fake engine killed" and len(result.levels) == 1 and reports == []

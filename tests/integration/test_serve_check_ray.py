@@ -82,7 +82,9 @@ def test_the_llm_deployment_is_pinned_to_the_engine_version_and_the_ingress_is_n
                                              "deployment_config": {"num_replicas": 2}}]})  # fmt: skip
     _pin_llm_servers(app, "v1")
     servers = app._bound_deployment.init_kwargs["llm_deployments"]
-    assert [(s._bound_deployment.name, s._bound_deployment._version) for s in servers.values()] == [("LLMServer:m", "v1")]
+    assert [(s._bound_deployment.name, s._bound_deployment._version) for s in servers.values()] == [
+        ("LLMServer:m", "v1")
+    ]
     assert app._bound_deployment._version is None  # the ingress gets a new version, so a new router, each deploy
 
 

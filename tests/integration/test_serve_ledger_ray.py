@@ -24,7 +24,9 @@ def test_a_trial_waits_for_devices_another_holds_and_the_driver_frees_a_killed_t
         pass
     name = ledger_name("s")
     assert name != ledger_name("s")  # each run its own
-    ledger = start_ledger(name, "cpu", 2, every_s=0.2)  # the CPU stand-in: devices_per_node cores of each node, from Ray
+    ledger = start_ledger(
+        name, "cpu", 2, every_s=0.2
+    )  # the CPU stand-in: devices_per_node cores of each node, from Ray
     events = []
 
     def second():
@@ -35,7 +37,9 @@ def test_a_trial_waits_for_devices_another_holds_and_the_driver_frees_a_killed_t
         waiting = threading.Thread(target=second)
         waiting.start()
         until(lambda: ray.get(ledger.state.remote())["waiting"] == ["b"])
-        until(lambda: ray.get(ledger.state.remote())["counts"] >= 2)  # counted again from inside the actor, while b waits
+        until(
+            lambda: ray.get(ledger.state.remote())["counts"] >= 2
+        )  # counted again from inside the actor, while b waits
         assert events == [] and ray.get(ledger.state.remote())["capacity"] == 2
         events.append("a gives back")
     waiting.join(timeout=30)
@@ -51,7 +55,13 @@ def test_a_trial_waits_for_devices_another_holds_and_the_driver_frees_a_killed_t
         deleted.append(params["x"])
         return f"servetune-s-{params['x']}"
 
-    GiveBack(ledger, lambda params: f"trial-{params['x']}", app_of).on_trial_error(0, [], SimpleNamespace(config={"params": {"x": "killed"}}))
-    assert ray.get(ledger.state.remote())["held"] == {"killed": 2} and deleted == ["killed"]  # another id: nothing freed
-    GiveBack(ledger, lambda params: params["x"], app_of).on_trial_complete(0, [], SimpleNamespace(config={"params": {"x": "killed"}}))
+    GiveBack(ledger, lambda params: f"trial-{params['x']}", app_of).on_trial_error(
+        0, [], SimpleNamespace(config={"params": {"x": "killed"}})
+    )
+    assert ray.get(ledger.state.remote())["held"] == {"killed": 2} and deleted == [
+        "killed"
+    ]  # another id: nothing freed
+    GiveBack(ledger, lambda params: params["x"], app_of).on_trial_complete(
+        0, [], SimpleNamespace(config={"params": {"x": "killed"}})
+    )
     assert ray.get(ledger.state.remote())["held"] == {} and deleted == ["killed"]  # a finished trial deleted its own

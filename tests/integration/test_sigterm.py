@@ -36,7 +36,9 @@ def test_sigterm_runs_the_running_tests_cleanup(tmp_path):
         # The suite's conftest as a plugin (run from the repository, where ``tests`` imports), the test outside it.
         argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.conftest",
                 "--rootdir", str(tmp_path), str(test_file)]  # fmt: skip
-        pytest_run = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        pytest_run = subprocess.Popen(
+            argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
         deadline = time.monotonic() + 120
         while not pidfile.exists() and time.monotonic() < deadline and pytest_run.poll() is None:
             time.sleep(0.2)

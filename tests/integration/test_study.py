@@ -36,7 +36,9 @@ def study(tmp_path, tiny_model, fake_python):
     fake = fake_python
 
     def write(params: str, load: str = "", constraints: str = "[]") -> list[str]:
-        text = SPACE.format(model=tiny_model, params=params, constraints=constraints).replace("warmup_requests: 1,", f"warmup_requests: 1, {load}")
+        text = SPACE.format(model=tiny_model, params=params, constraints=constraints).replace(
+            "warmup_requests: 1,", f"warmup_requests: 1, {load}"
+        )
         (tmp_path / "space.yaml").write_text(text)
         return [sys.executable, "-m", "servetune", "run", str(tmp_path / "space.yaml"),
                 "--storage", str(tmp_path / "results"), "--python", str(fake)]  # fmt: skip
@@ -48,33 +50,45 @@ def results(study_dir):
     return {p.parent.name: json.loads(p.read_text()) for p in (study_dir / "trials").glob("*/result.json")}
 
 
-
-
 def test_grid_study_records_every_outcome_and_goes_on_after_a_crash(study):
     write, study_dir, fake = study
     # Three trials: one that meets the SLO, one that breaks it, one whose engine dies mid-ladder (2.5 s
     # after it started: well after its first health check, 0.5 s apart, and inside a ladder of about 5 s).
-    argv = write("  env.SERVETUNE_FAKE_TTFT_MS: [5, 900]\n  env.SERVETUNE_FAKE_CRASH_AFTER_S: [1000, 2.5]\n", load="repeats: 3,",
-                 constraints="['env.SERVETUNE_FAKE_TTFT_MS == 5 or env.SERVETUNE_FAKE_CRASH_AFTER_S == 1000']")
+    argv = write(
+        "  env.SERVETUNE_FAKE_TTFT_MS: [5, 900]\n  env.SERVETUNE_FAKE_CRASH_AFTER_S: [1000, 2.5]\n",
+        load="repeats: 3,",
+        constraints="['env.SERVETUNE_FAKE_TTFT_MS == 5 or env.SERVETUNE_FAKE_CRASH_AFTER_S == 1000']",
+    )
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=study_dir.parent.parent)
     assert done.returncode == 0, done.stderr[-3000:]
-    by_config = {(r["params"]["env.SERVETUNE_FAKE_TTFT_MS"], r["params"]["env.SERVETUNE_FAKE_CRASH_AFTER_S"]): r for r in results(study_dir).values()}
+    by_config = {
+        (r["params"]["env.SERVETUNE_FAKE_TTFT_MS"], r["params"]["env.SERVETUNE_FAKE_CRASH_AFTER_S"]): r
+        for r in results(study_dir).values()
+    }
     assert len(by_config) == 3
     good = by_config[(5, 1000)]
     good_p99 = [[run["summary"]["ttft_ms"]["p99"] for run in level.get("runs") or []] for level in good["levels"]]
-    assert good["outcome"] == "COMPLETE" and len(good["levels"]) == 2 and good["best_level_index"] == 1, (good["reason"], good_p99)
+    assert good["outcome"] == "COMPLETE" and len(good["levels"]) == 2 and good["best_level_index"] == 1, (
+        good["reason"],
+        good_p99,
+    )
     assert [len(level["runs"]) for level in good["levels"]] == [3, 3]  # load.repeats: every level run three times
     slow = by_config[(900, 1000)]
     assert slow["outcome"] == "COMPLETE" and len(slow["levels"]) == 1 and slow["best_level_index"] is None
     assert slow["stopped_because"].startswith("SLO broken at concurrency 1")
     assert len(slow["levels"][0]["runs"]) == 2  # two broken runs decide the level: no third
-    records = [json.loads(line) for line in (study_dir / "trials" / good["trial_id"] / "requests.jsonl").read_text().splitlines()]
+    records = [
+        json.loads(line)
+        for line in (study_dir / "trials" / good["trial_id"] / "requests.jsonl").read_text().splitlines()
+    ]
     assert {(r["level"], r["repeat"]) for r in records} == {(lv, run) for lv in (0, 1) for run in range(3)}
     crashed = by_config[(5, 2.5)]
     assert crashed["outcome"] == "FAILED" and "engine died" in crashed["reason"], crashed["reason"]
     assert crashed["log_tail"], "a trial whose engine died mid-ladder keeps the engine log's tail"
     assert "met the SLO" in done.stdout and good["trial_id"] in done.stdout
-    assert "Configuration for experiment" not in done.stdout + done.stderr  # Ray Tune's own box: servetune has its table
+    assert (
+        "Configuration for experiment" not in done.stdout + done.stderr
+    )  # Ray Tune's own box: servetune has its table
     assert (study_dir / "report" / "summary.md").exists() and f"recommendation: trial {good['trial_id']}" in done.stderr
     assert json.loads((study_dir / "study.json").read_text())["name"] == "fake"
     assert processes_mentioning(fake) == []
@@ -91,9 +105,13 @@ def test_killed_driver_then_resume_reruns_nothing_finished(study):
     write, study_dir, fake = study
     # Two trials, one at a time: the driver is killed once the first is done, with the second in flight.
     # Each engine starts a child, as vLLM does its engine cores: a killed study must take it down too.
-    argv = write("  env.SERVETUNE_FAKE_TTFT_MS: [5, 6]\n  env.SERVETUNE_FAKE_STARTUP_DELAY_S: [2]\n  env.SERVETUNE_FAKE_CHILD: [1]\n")
+    argv = write(
+        "  env.SERVETUNE_FAKE_TTFT_MS: [5, 6]\n  env.SERVETUNE_FAKE_STARTUP_DELAY_S: [2]\n  env.SERVETUNE_FAKE_CHILD: [1]\n"
+    )
     cwd = study_dir.parent.parent
-    driver = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=cwd)
+    driver = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, cwd=cwd
+    )
     deadline = time.monotonic() + 180
     while not results(study_dir) and time.monotonic() < deadline:
         time.sleep(0.5)

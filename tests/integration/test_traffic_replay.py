@@ -80,7 +80,9 @@ def test_conversations_follow_their_answers_after_the_think_time(tmp_path):
 def test_an_open_loop_starts_conversations_at_the_trace_times(tmp_path):
     """With sessions, a trace times each conversation's first turn; later turns follow their think time."""
     times = [0.0, 0.1, 0.4, 0.5, 0.6, 1.2]
-    w = trace_workload(tmp_path, times, sessions=["a", "a", "b", "a", "b", "c"], extra="sessions: {turns: {dist: fixed, value: 2}}\n")
+    w = trace_workload(
+        tmp_path, times, sessions=["a", "a", "b", "a", "b", "c"], extra="sessions: {turns: {dist: fixed, value: 2}}\n"
+    )
     (level,) = workload_levels(w, None, None)
     assert level.trace == pytest.approx((0.4, 0.8))  # conversations a, b, c start at 0, 0.4, 1.2
     think = 0.2

@@ -91,7 +91,7 @@ def test_not_a_study_and_a_bad_duration(tmp_path, study):
 
 def test_without_vllm_nothing_starts(study, tmp_path):
     python = tmp_path / "python-without-vllm"
-    python.write_text(f"#!/bin/sh\nexec {sys.executable} -I -S \"$@\"\n")  # no site-packages: no vLLM
+    python.write_text(f'#!/bin/sh\nexec {sys.executable} -I -S "$@"\n')  # no site-packages: no vLLM
     python.chmod(0o755)
     one_line_exit_2(servetune("verify", study, "--python", python), "vLLM is not installed")
     nothing_started(study)
@@ -155,11 +155,17 @@ def test_a_verification_stopped_with_sigterm_or_ctrl_c_keeps_the_scenarios_that_
     assert doc["stopped"] == name and doc["accepted"] is False
     assert doc["reasons"][0] == f"stopped ({name}) after 1 of 8 scenarios: not a verdict", doc["reasons"]
     scenarios = doc["scenarios"]
-    assert not scenarios["soak"]["reason"].startswith("not run") and scenarios["soak"]["ttft_ms_p99"] > 0, scenarios["soak"]
+    assert not scenarios["soak"]["reason"].startswith("not run") and scenarios["soak"]["ttft_ms_p99"] > 0, scenarios[
+        "soak"
+    ]
     assert scenarios["peak"]["reason"] == f"not run: the verification was stopped ({name}) during it"
-    assert all(scenarios[n]["reason"] == f"not run: the verification was stopped ({name})" for n in ("burst", "repeats"))
+    assert all(
+        scenarios[n]["reason"] == f"not run: the verification was stopped ({name})" for n in ("burst", "repeats")
+    )
     assert doc["stability"]["requests"] > 0  # the soak's and the peak's requests, as sent
     assert processes_mentioning(study) == [] and processes_mentioning(fake) == []
     from servetune.report.verification import read_verify_file, verification
 
-    assert verification(study, read_verify_file(study)).verdict == "no verdict recorded"  # the report says: stopped, no verdict
+    assert (
+        verification(study, read_verify_file(study)).verdict == "no verdict recorded"
+    )  # the report says: stopped, no verdict

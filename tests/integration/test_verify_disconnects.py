@@ -23,7 +23,9 @@ from servetune.verify.scenarios import Budget, Target
 from tests.conftest import serve_fake
 from tests.integration.test_metrics_source import AgentSource
 
-WORKLOAD = Workload(name="chat", input_tokens={"dist": "fixed", "value": 16}, output_tokens={"dist": "fixed", "value": 16})
+WORKLOAD = Workload(
+    name="chat", input_tokens={"dist": "fixed", "value": 16}, output_tokens={"dist": "fixed", "value": 16}
+)
 BUDGET = Budget(soak_s=4.0, windows=4, scenario_s=2.0, long_requests=2, long_output_cap=64, drop_rounds=1, repeats=5,
                 repeat_s=1.0, warmup_cap=2)  # fmt: skip
 

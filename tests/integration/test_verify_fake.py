@@ -55,7 +55,10 @@ def test_every_scenario_and_the_runner_up_on_the_fake_engine(tmp_path):
     repeats = doc["scenarios"]["repeats"]
     runner = repeats["runner_up"]
     assert repeats["runs"] == 5 and runner["trial_id"] == selection.runner_up.trial_id and runner["runs"] == 5
-    assert runner["lead"]["verdict"] in ("real", "within noise", "runner-up ahead") and "bootstrap" in runner["lead"]["reason"]
+    assert (
+        runner["lead"]["verdict"] in ("real", "within noise", "runner-up ahead")
+        and "bootstrap" in runner["lead"]["reason"]
+    )
     assert (study / "verify" / selection.runner_up.trial_id / "engine.log").is_file()
     assert sum("starting vLLM" in s for s in steps.steps) == 2
     assert processes_mentioning(fake) == []

@@ -31,7 +31,11 @@ def test_stability_on_the_trial_run(tmp_path):
     (run,) = client.search_runs([experiment.experiment_id], f"tags.`{TRIAL_TAG}` = '{WINNER}'")
     metrics = run.data.metrics
     assert metrics["stability.cancellation_success_rate"] == 0.75 and metrics["stability.p99_jitter"] == 1.4
-    assert metrics["stability.oom"] == 0.0 and metrics["stability.error_rate_5xx"] == 0.0 and metrics["verify.accepted"] == 0.0
+    assert (
+        metrics["stability.oom"] == 0.0
+        and metrics["stability.error_rate_5xx"] == 0.0
+        and metrics["verify.accepted"] == 0.0
+    )
     assert run.data.tags["verify.accepted"] == "no"
     assert [a.path for a in client.list_artifacts(run.info.run_id, "verify")] == ["verify/verify.json"]
     others = client.search_runs([experiment.experiment_id], f"tags.`{TRIAL_TAG}` != '{WINNER}'")

@@ -31,7 +31,9 @@ search: {{algorithm: grid, baseline: false, verify: {{top: 3, duration_s: 4}}}}
 """
 
 
-def test_two_best_points_verified_on_reserved_resources_stored_reported_and_kept_on_resume(tmp_path, tiny_model, fake_python):
+def test_two_best_points_verified_on_reserved_resources_stored_reported_and_kept_on_resume(
+    tmp_path, tiny_model, fake_python
+):
     fake = fake_python
     (tmp_path / "space.yaml").write_text(SPACE.format(model=tiny_model))
     argv = [sys.executable, "-m", "servetune", "run", str(tmp_path / "space.yaml"), "--storage", str(tmp_path / "results"),
@@ -71,7 +73,9 @@ def test_two_best_points_verified_on_reserved_resources_stored_reported_and_kept
     summary = (study / "report" / "summary.md").read_text()
     section = summary.split("## Verification", 1)[1].split("\n## ", 1)[0]
     assert all(f"`verify/{trial_id}.json`" in section for trial_id in meeting)  # a row per verified point
-    assert section.count("#### Scenarios") == 2 and section.count("#### Acceptance checklist") == 2  # and each one's details
+    assert (
+        section.count("#### Scenarios") == 2 and section.count("#### Acceptance checklist") == 2
+    )  # and each one's details
     html = (study / "report" / "report.html").read_text()
     assert all(f"verify/{trial_id}.json" in html for trial_id in meeting)
     assert processes_mentioning(fake) == []

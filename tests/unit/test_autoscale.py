@@ -53,7 +53,9 @@ def test_a_stated_peak_and_a_delay_scale_change_only_what_they_size(report):
     assert (a.upscale_delay_s, a.downscale_delay_s, a.look_back_period_s) == pytest.approx((6.0, 30.0, 1.5))
     assert a.target_ongoing_requests == base.target_ongoing_requests
     capped = a.with_max_replicas(2, "the local machine has 2 cores")
-    assert capped.max_replicas == 2 and capped.reasons["max_replicas"].endswith("capped at 2: the local machine has 2 cores")
+    assert capped.max_replicas == 2 and capped.reasons["max_replicas"].endswith(
+        "capped at 2: the local machine has 2 cores"
+    )
     with pytest.raises(UserError, match="--peak 0: the peak load must be above 0"):
         derive_autoscaling(points, slo, peak=0)
 
@@ -103,4 +105,6 @@ def test_export_of_a_trial_without_a_knee_keeps_fixed_replicas_and_says_why(repo
     text = ray_serve_yaml(point, autoscaling=why)
     assert "# Fixed replicas, no autoscaling derived: trial 18ae6e731937 met the SLO at no load level" in text
     config = yaml.safe_load(text)["applications"][0]["args"]["llm_configs"][0]
-    assert config["deployment_config"] == {"autoscaling_config": {"min_replicas": 1, "max_replicas": 1, "target_ongoing_requests": 2}}
+    assert config["deployment_config"] == {
+        "autoscaling_config": {"min_replicas": 1, "max_replicas": 1, "target_ongoing_requests": 2}
+    }

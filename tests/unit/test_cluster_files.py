@@ -105,7 +105,12 @@ def test_runtime_env_uploads_the_code_and_not_the_venv(tmp_path):
     # As Ray packs the working dir, relying on the excludes alone (not on .gitignore).
     create_package(str(ROOT), package, include_gitignore=False, excludes=env["excludes"])
     names = zipfile.ZipFile(package).namelist()
-    needed_files = ("pyproject.toml", "src/servetune/__init__.py", "trials/workloads/chat.yaml", "search_spaces/chat-latency.yaml")
+    needed_files = (
+        "pyproject.toml",
+        "src/servetune/__init__.py",
+        "trials/workloads/chat.yaml",
+        "search_spaces/chat-latency.yaml",
+    )
     for needed in needed_files:
         assert needed in names, needed
     for name in names:
@@ -238,7 +243,11 @@ def worker_nodes() -> dict[str, dict[str, float]]:
     for name, t in config["available_node_types"].items():
         if name != config["head_node_type"]:
             kind = t["node_config"]["InstanceType"]
-            nodes[f"launcher {name}"] = {"CPU": float(INSTANCE_CPUS[kind]), "GPU": float(GPU_INSTANCES[kind]), **t.get("resources", {})}
+            nodes[f"launcher {name}"] = {
+                "CPU": float(INSTANCE_CPUS[kind]),
+                "GPU": float(GPU_INSTANCES[kind]),
+                **t.get("resources", {}),
+            }
     docs = [d for d in yaml.safe_load_all(RAYJOB.read_text()) if d]
     job = next(d for d in docs if d["kind"] == "RayJob")
     for group in job["spec"]["rayClusterSpec"]["workerGroupSpecs"]:

@@ -19,7 +19,9 @@ def test_the_longest_mount_point_decides_the_filesystem():
     parts = [("/", "ext4"), ("/home", "nfs4"), ("/home/local", "xfs")]
     assert filesystem_type(vllm_default_root({"XDG_CACHE_HOME": "/home/ann/.cache"}), parts) == "nfs4"
     assert filesystem_type(vllm_default_root({"XDG_CACHE_HOME": "/home/local/.cache"}), parts) == "xfs"
-    assert filesystem_type(vllm_default_root({"XDG_CACHE_HOME": "/homework/.cache"}), parts) == "ext4"  # not under /home
+    assert (
+        filesystem_type(vllm_default_root({"XDG_CACHE_HOME": "/homework/.cache"}), parts) == "ext4"
+    )  # not under /home
 
 
 def test_a_node_local_default_is_left_to_vllm_with_a_triton_cache_beside_it():
@@ -73,7 +75,9 @@ def test_a_study_s_engines_get_the_node_s_triton_cache_and_their_record_names_it
     for env, expected in (({}, str(tmp_path / "vllm" / "servetune-triton-cache")), ({"TRITON_CACHE_DIR": "/t"}, None)):
         space = SearchSpace.model_validate({"name": "s", "model": "m", "workload": "cpu-tiny", "env": env})
         workload = space.resolved_workload(tmp_path)
-        spec = StudyContext(space, workload, tmp_path, "m", resolve_levels(space, workload)).spec_for({"max_num_seqs": 4})
+        spec = StudyContext(space, workload, tmp_path, "m", resolve_levels(space, workload)).spec_for(
+            {"max_num_seqs": 4}
+        )
         assert spec.extra_env.get("TRITON_CACHE_DIR") == expected, spec.extra_env
         assert placement_record(spec).get("triton_cache_dir") == expected
         assert "VLLM_CACHE_ROOT" not in spec.extra_env  # the worker's choice stands

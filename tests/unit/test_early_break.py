@@ -47,7 +47,10 @@ def test_an_open_loop_whose_waiting_queue_grows_steadily_is_saturated():
     early = EarlyBreak(Slo(), Level("rate", 50), planned=1000, queue_window_s=10)
     for i in range(21):  # one sample every half second, the queue growing by one each
         early.waiting(i * 0.5, float(i))
-    assert early.broken() and early.reason == "saturated: vLLM's waiting queue grew from 0 to 20 requests over 10 s: stopped early"
+    assert (
+        early.broken()
+        and early.reason == "saturated: vLLM's waiting queue grew from 0 to 20 requests over 10 s: stopped early"
+    )
 
 
 def test_a_queue_that_drains_or_a_closed_loop_is_not_saturated():

@@ -23,7 +23,7 @@ LADDER = [Level("concurrency", c) for c in (4, 16, 64)]
 
 
 def remaining(result):
-    return LADDER[len(result.levels):]
+    return LADDER[len(result.levels) :]
 
 
 def test_a_costlier_and_slower_point_with_no_levels_left_is_dominated():
@@ -45,7 +45,9 @@ def test_the_engine_s_limits_cap_the_optimistic_bound():
     capped = trial("run", {"max_num_seqs": 4}, [level(4, 500, 400)])
     assert optimistic_scale(capped, remaining(capped)) == 1.0  # 4 at once already: more clients only queue
     assert judge(capped, remaining(capped), FINISHED.operating_points()).startswith("dominated at concurrency 4")
-    kv = capped.model_copy(update={"engine_args": {}, "kv_capacity": KvCapacityReport(tokens=8192, max_concurrency=8.0)})
+    kv = capped.model_copy(
+        update={"engine_args": {}, "kv_capacity": KvCapacityReport(tokens=8192, max_concurrency=8.0)}
+    )
     assert optimistic_scale(kv, remaining(kv)) == 2.0  # the KV cache holds 8 requests of max_model_len
     dp = capped.model_copy(update={"engine_args": {"max_num_seqs": 4, "data_parallel_size": 4}})
     assert optimistic_scale(dp, remaining(dp)) == 4.0
@@ -65,7 +67,9 @@ def test_better_on_either_count_or_within_the_noise_is_not_dominated(out_tps, tt
 
 def test_a_finished_point_at_another_level_counts():
     running = trial("run", {"max_num_seqs": 8}, [level(1, 500, 1000)])  # concurrency 1; done's points are at 4 and 16
-    assert judge(running, [], FINISHED.operating_points()).startswith("dominated at concurrency 1: trial done at concurrency")
+    assert judge(running, [], FINISHED.operating_points()).startswith(
+        "dominated at concurrency 1: trial done at concurrency"
+    )
 
 
 def test_a_finished_point_that_broke_the_slo_is_no_alternative():

@@ -57,12 +57,14 @@ def test_the_ladder_s_own_rules_come_first_and_the_last_level_asks_nobody():
 
 
 def test_a_rule_over_finished_points_as_a_trial_would_use_it():
-    board = FinishedPoints([trial("done", {"max_num_seqs": 64}, [level(1, 300, 100), level(4, 1000, 300), level(16, 2000, 900)])])
+    board = FinishedPoints(
+        [trial("done", {"max_num_seqs": 64}, [level(1, 300, 100), level(4, 1000, 300), level(16, 2000, 900)])]
+    )
     running = trial("run", {"max_num_seqs": 8}, [])
 
     def rule(result):  # what the runner does with the study's rule: the trial so far and the levels left
         running.levels.append(result)
-        return judge(running, LEVELS[len(running.levels):], board.points())
+        return judge(running, LEVELS[len(running.levels) :], board.points())
 
     steps = ladder(LEVELS, stop_rule=rule)
     next(steps)

@@ -35,7 +35,11 @@ def test_store_true_false_value_is_left_out():
 
 
 def test_without_vllm_booleans_use_no_prefix():
-    assert engine_argv({"enable-chunked-prefill": False, "block_size": 32}) == ["--no-enable-chunked-prefill", "--block-size", "32"]
+    assert engine_argv({"enable-chunked-prefill": False, "block_size": 32}) == [
+        "--no-enable-chunked-prefill",
+        "--block-size",
+        "32",
+    ]
 
 
 def test_string_booleans_from_the_command_line():

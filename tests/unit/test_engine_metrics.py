@@ -54,7 +54,15 @@ def test_kv_capacity_line():
 
 def test_the_sampler_s_parse_reads_the_gauges_alone_and_the_same_values():
     text = TEMPLATE.format(running=3, kv=0.25, preempt=1, queries=100, hits=40, b1=2, b2=4, tsum=0.5)
-    text = "# HELP vllm:num_requests_running Running.\n" + text + "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine=\"0\"} 7\n"
+    text = (
+        "# HELP vllm:num_requests_running Running.\n"
+        + text
+        + '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine="0"} 7\n'
+    )
     gauges = MetricsSnapshot.parse_gauges(text)
-    assert gauges.gauges == MetricsSnapshot.parse(text).gauges == {"requests_running": 3, "requests_waiting": 7, "kv_cache_usage": 0.25}
+    assert (
+        gauges.gauges
+        == MetricsSnapshot.parse(text).gauges
+        == {"requests_running": 3, "requests_waiting": 7, "kv_cache_usage": 0.25}
+    )
     assert gauges.counters == {} and gauges.histograms == {}

@@ -42,7 +42,9 @@ def test_a_missing_section_or_a_server_without_the_endpoint_gives_nothing():
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}"
         assert fetch_resolved(url)["max_num_seqs"] == 128
-        server.RequestHandlerClass = type("NoDevMode", (Handler,), {"do_GET": lambda self: (self.send_response(404), self.end_headers())})
+        server.RequestHandlerClass = type(
+            "NoDevMode", (Handler,), {"do_GET": lambda self: (self.send_response(404), self.end_headers())}
+        )
         assert fetch_resolved(url) == {}
     finally:
         server.shutdown()

@@ -51,7 +51,9 @@ def test_served_model_name_becomes_the_model_id_and_tensor_parallel_cpu_ranks_ge
 
 
 def test_expert_parallel_keeps_data_parallel_in_the_engine_with_the_dp_builder():
-    app = ray_serve_app(point({"data_parallel_size": 4, "enable_expert_parallel": True}, concurrency=128))["applications"][0]
+    app = ray_serve_app(point({"data_parallel_size": 4, "enable_expert_parallel": True}, concurrency=128))[
+        "applications"
+    ][0]
     assert app["import_path"] == "ray.serve.llm:build_dp_openai_app"
     config = app["args"]["llm_config"]
     assert config["engine_kwargs"]["data_parallel_size"] == 4

@@ -13,7 +13,9 @@ def bench():
 
 def rate_level(rate, requests, duration_s, stopped_early=None):
     lv = level(1, 100, 300)
-    summary = lv.summary.model_copy(update={"level": {"rate": rate}, "completed": requests, "failed": 0, "duration_s": duration_s})
+    summary = lv.summary.model_copy(
+        update={"level": {"rate": rate}, "completed": requests, "failed": 0, "duration_s": duration_s}
+    )
     return lv.model_copy(update={"summary": summary, "stopped_early": stopped_early})
 
 
@@ -43,7 +45,10 @@ def test_arrivals_and_start_up_are_unscaled_but_the_tail_and_the_rest_are_not(be
 
 
 def test_at_full_size_without_a_probe_it_is_the_study_s_own_accounting(bench):
-    results = [timed(1, 400.0, 90.0, [rate_level(2.0, 256, 140.0), rate_level(8.0, 256, 40.0)]), timed(2, 130.0, 120.0, [])]
+    results = [
+        timed(1, 400.0, 90.0, [rate_level(2.0, 256, 140.0), rate_level(8.0, 256, 40.0)]),
+        timed(2, 130.0, 120.0, []),
+    ]
     out, own = bench.real_accounting(results, scale=1.0, probe_share=0.0), time_accounting(results)
     for share in ("measuring_share", "starting_share", "quality_share", "other_share"):
         assert out[share] == pytest.approx(own[share])
@@ -63,11 +68,14 @@ def test_a_level_cut_after_its_queue_grew_for_seconds_is_as_long_at_full_size(be
 def test_only_the_drawn_start_up_is_unscaled_not_the_fake_engine_s_own_process_start(bench):
     # drawn: a 10 s delay and a 3.6 s compile at scale 0.1 (136 s at full size); measured 15 s: 1.4 s is the process
     drawn = timed(1, 40.0, 15.0, []).model_copy(
-        update={"params": {"env.SERVETUNE_FAKE_STARTUP_DELAY_S": "10.0"}, "startup_phases": {"compile_s": 3.6}})
+        update={"params": {"env.SERVETUNE_FAKE_STARTUP_DELAY_S": "10.0"}, "startup_phases": {"compile_s": 3.6}}
+    )
     out = bench.real_accounting([drawn], scale=0.1, probe_share=0.0)
     assert out["gpu_minutes"] == pytest.approx((13.6 / 0.1 + 1.4 + 25.0) / 60)
     assert bench.drawn_startup(timed(1, 40.0, 15.0, [])) is None  # a trial this script did not draw: all of it unscaled
-    assert bench.real_accounting([timed(1, 40.0, 15.0, [])], 0.1, 0.0)["gpu_minutes"] == pytest.approx((150.0 + 25.0) / 60)
+    assert bench.real_accounting([timed(1, 40.0, 15.0, [])], 0.1, 0.0)["gpu_minutes"] == pytest.approx(
+        (150.0 + 25.0) / 60
+    )
 
 
 def test_the_triton_what_if_saves_only_on_trials_whose_kernels_an_earlier_trial_compiled(bench):
@@ -75,7 +83,10 @@ def test_the_triton_what_if_saves_only_on_trials_whose_kernels_an_earlier_trial_
         return {"devices": devices, "params": {"model": model, "quantization": None, "kv_cache_dtype": "auto",
                                                "tensor_parallel_size": devices, "max_num_seqs": seqs}}  # fmt: skip
 
-    out = {"real": {"gpu_minutes": 10.0, "measuring_share": 0.6}, "trials": [t("a", 16), t("a", 32), t("b", 16), t("a", 64, 2)]}
+    out = {
+        "real": {"gpu_minutes": 10.0, "measuring_share": 0.6},
+        "trials": [t("a", 16), t("a", 32), t("b", 16), t("a", 64, 2)],
+    }
     # the second "a" saves 36 - 6 = 30 s, the TP=2 one is another key: 600 s total, 360 measuring
     assert bench.triton_what_if(out, 6.0) == pytest.approx(360.0 / (600.0 - 30.0))
     assert bench.triton_what_if(out, bench.COMPILE_COLD_S) == pytest.approx(0.6)  # no faster: as run

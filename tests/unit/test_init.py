@@ -14,7 +14,9 @@ from servetune.errors import UserError
 
 
 def servetune(*argv, cwd=None):
-    return subprocess.run([sys.executable, "-m", "servetune", *map(str, argv)], capture_output=True, text=True, timeout=300, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "servetune", *map(str, argv)], capture_output=True, text=True, timeout=300, cwd=cwd
+    )
 
 
 def test_a_70b_long_context_space_is_pruned_by_the_ledger(tmp_path):
@@ -61,7 +63,9 @@ def test_every_scenario_writes_a_space_that_loads_and_dry_runs(tmp_path, scenari
 
 
 def test_slo_replaces_the_scenarios():
-    data = yaml.safe_load(render_space("meta-llama/Llama-3.1-8B-Instruct", "chat", "H100-SXM", 1, slo="ttft_ms.p99=500,error_rate=0.01"))
+    data = yaml.safe_load(
+        render_space("meta-llama/Llama-3.1-8B-Instruct", "chat", "H100-SXM", 1, slo="ttft_ms.p99=500,error_rate=0.01")
+    )
     assert data["slo"] == {"ttft_ms": {"p99": 500}, "error_rate": 0.01}
     assert data["params"]["tensor_parallel_size"] == [1]
 
@@ -75,12 +79,32 @@ def test_agent_workload_is_multi_turn_with_long_outputs():
 @pytest.mark.parametrize(
     "argv, needle",
     [
-        (["--model", "nobody/none", "--scenario", "chat"], "not a local model directory and not in servetune's catalogue"),
-        (["--model", "meta-llama/Llama-3.1-70B-Instruct", "--gpu", "L4", "--gpus", "2", "--scenario", "chat"],
-         "no tensor-parallel size up to 2 GPUs holds it"),
-        (["--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "H100-SXM", "--scenario", "chat", "--slo", "ttft.p99=1"], "--slo: unknown metric 'ttft'"),
+        (
+            ["--model", "nobody/none", "--scenario", "chat"],
+            "not a local model directory and not in servetune's catalogue",
+        ),
+        (
+            ["--model", "meta-llama/Llama-3.1-70B-Instruct", "--gpu", "L4", "--gpus", "2", "--scenario", "chat"],
+            "no tensor-parallel size up to 2 GPUs holds it",
+        ),
+        (
+            [
+                "--model",
+                "meta-llama/Llama-3.1-8B-Instruct",
+                "--gpu",
+                "H100-SXM",
+                "--scenario",
+                "chat",
+                "--slo",
+                "ttft.p99=1",
+            ],
+            "--slo: unknown metric 'ttft'",
+        ),
         (["--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "H9000", "--scenario", "chat"], "H9000"),
-        (["--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "H100-SXM", "--scenario", "chat", "--gpus", "0"], "--gpus must be at least 1"),
+        (
+            ["--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "H100-SXM", "--scenario", "chat", "--gpus", "0"],
+            "--gpus must be at least 1",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, argv, needle):

@@ -72,11 +72,13 @@ def result(records: list[RequestRecord], level: Level) -> LevelResult:
 
 def open_levels(slots: int, requests: int, kept: dict | None = None):
     """``measure(level)`` for :func:`climb`: an open loop against an engine of ``slots`` (its records kept by rate)."""
+
     def measure(level: Level) -> LevelResult:
         records = open_loop(Engine(slots), level.value, requests, seed=int(level.value))
         if kept is not None:
             kept[level.value] = records
         return result(records, level)
+
     return measure
 
 
@@ -103,7 +105,7 @@ def test_an_open_loop_that_keeps_up_climbs_every_rate_though_its_drain_flattens_
     # The bug this guards: over [first send, last answer] a short level is mostly its drain (the
     # last ~250-token answers), so the old rule (3% over the best so far) saw no gain.
     whole = [lv.summary.output_throughput for lv in measured]
-    assert any(b < max(whole[:i + 1]) * 1.03 for i, b in enumerate(whole[1:])), whole
+    assert any(b < max(whole[: i + 1]) * 1.03 for i, b in enumerate(whole[1:])), whole
     assert all(abs(lv.summary.ttft_growth) < 0.02 for lv in measured)
 
 
@@ -127,8 +129,9 @@ def test_an_open_loop_cut_for_a_growing_waiting_queue_is_saturated():
     steps.send(calm)
     with pytest.raises(StopIteration) as stop:
         steps.send(calm.model_copy(update={"stopped_early": cut}))
-    assert stop.value.value == ("saturated at rate 4 req/s: vLLM's waiting queue grew from 0 to 20 requests over 10 s "
-                                "(the level was cut)")
+    assert stop.value.value == (
+        "saturated at rate 4 req/s: vLLM's waiting queue grew from 0 to 20 requests over 10 s (the level was cut)"
+    )
 
 
 def test_a_noisy_or_repeated_open_loop_needs_growth_beyond_its_noise_margin():

@@ -62,7 +62,9 @@ def test_engine_runs_under_taskset_with_vllm_threads_bound_to_its_cores(bench, t
     server = bench.pinned_server([0, 2], "model-dir", {}, env, log_path=tmp_path / "engine.log", port=1)
     argv = server.launch_argv()
     assert argv[:3] == ["taskset", "--cpu-list", "0,2"]
-    assert argv[3:] == bench.pinned_server(None, "model-dir", {}, env, log_path=tmp_path / "e.log", port=1).launch_argv()
+    assert (
+        argv[3:] == bench.pinned_server(None, "model-dir", {}, env, log_path=tmp_path / "e.log", port=1).launch_argv()
+    )
     assert "servetune.engine.reaper" in argv  # the reaper, and everything it starts, runs pinned
 
 

@@ -63,4 +63,6 @@ def test_auto_keeps_the_grid_order_on_cpu_and_packs_on_gpu():
     assert [p.get("data_parallel_size") for p in on_cpu] == [None, 2, 2, 1, 1]  # the baseline, then the grid's order
     on_gpu = proposals(space("grid", device="gpu", **params), None)
     assert [p.get("data_parallel_size") for p in on_gpu] == [None, 1, 1, 2, 2]  # smallest first
-    assert [p.get("data_parallel_size") for p in proposals(space("grid", device="cpu", max_concurrent=2, **params), None)] == [None, 1, 1, 2, 2]
+    assert [
+        p.get("data_parallel_size") for p in proposals(space("grid", device="cpu", max_concurrent=2, **params), None)
+    ] == [None, 1, 1, 2, 2]

@@ -10,9 +10,17 @@ def record(index, sent, ttft, gaps, output_tokens=None, ok=True, warmup=False, e
         times.append(times[-1] + gap)
     n = len(times) if output_tokens is None else output_tokens
     return RequestRecord(
-        index=index, sent=sent, input_tokens=100, max_tokens=n, warmup=warmup,
-        chunk_times=times if ok else [], end=times[-1], prompt_tokens=100 if ok else None,
-        output_tokens=n if ok else None, ok=ok, error_kind=error_kind,
+        index=index,
+        sent=sent,
+        input_tokens=100,
+        max_tokens=n,
+        warmup=warmup,
+        chunk_times=times if ok else [],
+        end=times[-1],
+        prompt_tokens=100 if ok else None,
+        output_tokens=n if ok else None,
+        ok=ok,
+        error_kind=error_kind,
     )
 
 
@@ -63,7 +71,9 @@ def test_goodput_counts_requests_meeting_every_bound():
 
 def test_errors_counted_by_kind_and_not_in_latency():
     ok = record(0, 0.0, 0.1, [0.01])
-    bad = [record(i, 0.0, 0.1, [], ok=False, error_kind=k) for i, k in enumerate(["http_5xx", "http_5xx", "timeout"], 1)]
+    bad = [
+        record(i, 0.0, 0.1, [], ok=False, error_kind=k) for i, k in enumerate(["http_5xx", "http_5xx", "timeout"], 1)
+    ]
     s = summarize([ok, *bad], {"rate": 1.0})
     assert s.errors_by_kind == {"http_5xx": 2, "timeout": 1}
     assert s.failed == 3 and s.error_rate == pytest.approx(0.75)
@@ -95,7 +105,9 @@ def test_tokens_read_in_bursts_are_counted_and_flagged_on_the_level_table():
     from servetune.results import LevelResult
 
     steady = record(0, sent=0.0, ttft=0.1, gaps=[0.02] * 9)
-    bunched = record(1, sent=0.0, ttft=0.1, gaps=[0.0001, 0.0001, 0.0001, 0.06] * 2 + [0.02])  # 6 of 9 gaps read at once
+    bunched = record(
+        1, sent=0.0, ttft=0.1, gaps=[0.0001, 0.0001, 0.0001, 0.06] * 2 + [0.02]
+    )  # 6 of 9 gaps read at once
     ignored = [record(2, 0.0, 0.1, [0.0] * 9, warmup=True), record(3, 0.0, 0.1, [0.0] * 9, ok=False)]
     assert itl_burst_share([steady, *ignored]) == 0.0 and itl_note(0.0) is None
     share = itl_burst_share([steady, bunched, *ignored])

@@ -24,7 +24,10 @@ def test_several_at_a_time_propose_smallest_first_in_node_filling_groups():
     points = proposals(space(4), None)
     assert [space(4).devices(p) for p in points] == [1, 1, 1, 2, 2, 4, 4]
     assert points[0] == {}  # the baseline (1 device) stays first among the smallest
-    assert [p["max_num_seqs"] for p in points if p.get("tensor_parallel_size") == 4] == [64, 256]  # the grid's order among equals
+    assert [p["max_num_seqs"] for p in points if p.get("tensor_parallel_size") == 4] == [
+        64,
+        256,
+    ]  # the grid's order among equals
 
 
 def test_max_trials_picks_the_same_points_whatever_the_order():
@@ -33,7 +36,9 @@ def test_max_trials_picks_the_same_points_whatever_the_order():
 
 def timed(trial_id, devices, levels, because=None, startup_s=30.0):
     result = trial(trial_id, {"tensor_parallel_size": devices}, levels, devices=devices)
-    return result.model_copy(update={"duration_s": 60.0 * (len(levels) + 1), "startup_s": startup_s, "stopped_because": because})
+    return result.model_copy(
+        update={"duration_s": 60.0 * (len(levels) + 1), "startup_s": startup_s, "stopped_because": because}
+    )
 
 
 def test_the_summary_states_device_time_by_phase_and_what_early_stopping_saved():

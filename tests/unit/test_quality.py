@@ -64,9 +64,15 @@ def test_rules_score_answers():
     [
         ("{not json", "bad.jsonl:2: not valid JSON"),
         ('{"prompt": "x"}', "bad.jsonl:2: give exactly one of 'expected', 'regex' or 'json_schema'"),
-        ('{"prompt": "x", "messages": [{"role": "user", "content": "y"}], "expected": "1"}', "bad.jsonl:2: give exactly one of 'prompt' or 'messages'"),
+        (
+            '{"prompt": "x", "messages": [{"role": "user", "content": "y"}], "expected": "1"}',
+            "bad.jsonl:2: give exactly one of 'prompt' or 'messages'",
+        ),
         ('{"prompt": "x", "regex": "("}', "bad.jsonl:2: regex: regex does not compile"),
-        ('{"prompt": "x", "json_schema": {"type": "nonsense"}}', "bad.jsonl:2: json_schema: json_schema is not a valid JSON Schema"),
+        (
+            '{"prompt": "x", "json_schema": {"type": "nonsense"}}',
+            "bad.jsonl:2: json_schema: json_schema is not a valid JSON Schema",
+        ),
         ('{"prompt": "x", "expected": "1", "answer": 2}', "bad.jsonl:2: answer: unknown key"),
         ("[1, 2]", "bad.jsonl:2: expected a JSON object"),
     ],
@@ -82,7 +88,9 @@ def test_a_bad_suite_line_names_the_file_and_line(tmp_path, line, needle):
 def test_shipped_suites_are_what_the_generator_makes():
     for name in SHIPPED:
         path = shipped_dir() / f"{name}.jsonl"
-        assert path.read_text() == suite_text(shipped_items(name)), f"regenerate: python -m servetune.quality.suites ({name})"
+        assert path.read_text() == suite_text(shipped_items(name)), (
+            f"regenerate: python -m servetune.quality.suites ({name})"
+        )
         assert len(read_suite(path)) >= 12
     assert agreement_prompts(8) == agreement_prompts(8) and len(set(agreement_prompts(32))) == 32
 
@@ -103,7 +111,10 @@ def test_recall_items_fit_the_window_at_three_lengths_and_depths():
 
 
 def test_quality_section_defaults_and_bounds(tmp_path):
-    s = space(tmp_path, "quality: {suites: [agreement, json, recall], max_drop: {agreement: 0.1, nll_delta: 0.5, recall: null}}")
+    s = space(
+        tmp_path,
+        "quality: {suites: [agreement, json, recall], max_drop: {agreement: 0.1, nll_delta: 0.5, recall: null}}",
+    )
     assert s.quality_bounds == {"agreement": 0.1, "json": 0.02, "nll_delta": 0.5}
     assert s.quality_reference == {}
     assert constraint_names(s) == ["ttft_ms_p99", "quality.agreement", "quality.json", "quality.nll_delta", "ran"]
@@ -116,8 +127,14 @@ def test_quality_section_defaults_and_bounds(tmp_path):
         ("quality: {suites: [missing.jsonl]}", "quality.suites[0]: suite 'missing.jsonl':"),
         ("quality: {suites: [agreement], max_drop: {json: 0.1}}", "max_drop: 'json' is not a listed suite"),
         ("quality: {reference: {dtype: float16, max_num_seqs: 4}}", "quality.reference: dtype='float16' is not among"),
-        ("quality: {reference: {dtype: float32}}", "quality.reference: give a value for every parameter (missing: max_num_seqs)"),
-        ("quality: {reference: {block_size: 16, dtype: float32, max_num_seqs: 4}}", "quality.reference: 'block_size' is not a parameter"),
+        (
+            "quality: {reference: {dtype: float32}}",
+            "quality.reference: give a value for every parameter (missing: max_num_seqs)",
+        ),
+        (
+            "quality: {reference: {block_size: 16, dtype: float32, max_num_seqs: 4}}",
+            "quality.reference: 'block_size' is not a parameter",
+        ),
         ("quality: {suites: [bad.jsonl]}", "quality.suites[0]: "),
         ("quality: {suites: [agreement]}\nsearch: {algorithm: tpe}\nconstraints: [modle != 'x']", "'modle' is neither"),
     ],
@@ -254,13 +271,17 @@ def test_the_record_and_mlflow_carry_the_quality_results():
     t.quality.suites = {"arithmetic": 0.5, "json": 0.25, "tools": 0.75, "recall": 1.0}
     tags = quality_tags(t)
     assert tags["quality"].startswith("FAIL: agreement dropped") and tags["quality.reference_trial"] == "ref"
-    assert tags["quality.task_accuracy"] == "50% (arithmetic)" and tags["quality.structured_output"] == "50% (json, tools)"
+    assert (
+        tags["quality.task_accuracy"] == "50% (arithmetic)" and tags["quality.structured_output"] == "50% (json, tools)"
+    )
     assert tags["quality.long_context_recall"] == "100% (recall)"
     assert "agreement 60%" in quality_text(t) and "against trial ref" in quality_text(t)
     metrics = {m.key: m.value for m in trial_metrics(t)}
     assert metrics["quality/agreement"] == 0.6 and metrics["quality/passed"] == 0.0 and metrics["quality/json"] == 0.25
     t.quality = None
-    assert quality_tags(t) == {"quality": "not evaluated"} and not any(k.startswith("quality/") for k in (m.key for m in trial_metrics(t)))
+    assert quality_tags(t) == {"quality": "not evaluated"} and not any(
+        k.startswith("quality/") for k in (m.key for m in trial_metrics(t))
+    )
 
 
 def test_servetune_run_with_a_bad_suite_line_exits_2_before_anything_starts(tmp_path):
@@ -337,7 +358,9 @@ def test_a_reference_that_gave_no_answers_stops_the_study_with_why(tmp_path):
     workload = s.resolved_workload(tmp_path)
     plan = make_plan(s.quality, tmp_path, s.quality_reference)
     context = StudyContext(s, workload, tmp_path, "m", resolve_levels(s, workload), quality=plan)
-    with pytest.raises(UserError, match=r"the reference trial \(dtype=float32, max_num_seqs=4\) gave no answers.*it did not run"):
+    with pytest.raises(
+        UserError, match=r"the reference trial \(dtype=float32, max_num_seqs=4\) gave no answers.*it did not run"
+    ):
         keep_reference(context)
     spec = context.spec_for(s.quality_reference)
     failed = new_result(spec, "FAILED", "engine start: vLLM exited with code 1")

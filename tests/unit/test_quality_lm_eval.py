@@ -36,7 +36,13 @@ metric_list:
 RESULTS = {
     "results": {
         "mine": {"alias": "mine", "exact_match,none": 0.4, "exact_match_stderr,none": 0.2449},
-        "filtered": {"alias": "filtered", "acc,strict": 0.25, "acc_stderr,strict": 0.1, "acc,none": 0.75, "acc_stderr,none": 0.1},
+        "filtered": {
+            "alias": "filtered",
+            "acc,strict": 0.25,
+            "acc_stderr,strict": 0.1,
+            "acc,none": 0.75,
+            "acc_stderr,none": 0.1,
+        },
         "ppl": {"alias": "ppl", "word_perplexity,none": 31.5},
         "loose": {"alias": "loose", "exact_match,flexible-extract": 0.5, "exact_match_stderr,flexible-extract": 0.1},
     },
@@ -61,7 +67,9 @@ def task_folder(tmp_path, *names: str):
     folder.mkdir(exist_ok=True)
     for name in names:
         (folder / f"{name}.yaml").write_text(TASK.format(name=name))
-    (folder / "items.jsonl").write_text("".join(json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(3)))
+    (folder / "items.jsonl").write_text(
+        "".join(json.dumps({"question": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(3))
+    )
     return folder
 
 
@@ -99,7 +107,11 @@ def test_a_bad_lm_eval_section_is_one_line(tmp_path, quality, needle):
     task_folder(tmp_path, "mine")
     with pytest.raises(UserError) as exc:
         space(tmp_path, "quality: {suites: [agreement], " + quality + "}")
-    assert needle in str(exc.value) and str(exc.value).startswith(str(tmp_path / "space.yaml")) and "\n" not in str(exc.value)
+    assert (
+        needle in str(exc.value)
+        and str(exc.value).startswith(str(tmp_path / "space.yaml"))
+        and "\n" not in str(exc.value)
+    )
 
 
 def test_lm_eval_not_installed_says_which_extra(tmp_path, monkeypatch):
@@ -107,7 +119,10 @@ def test_lm_eval_not_installed_says_which_extra(tmp_path, monkeypatch):
     monkeypatch.setattr(lm_eval, "find_spec", lambda name: None)
     with pytest.raises(UserError) as exc:
         space(tmp_path, "quality: {lm_eval: {tasks: [mine], include_path: lm_eval_tasks}}")
-    assert str(exc.value) == f"{tmp_path / 'space.yaml'}: quality.lm_eval: lm-eval is not installed: pip install servetune[lm-eval]"
+    assert (
+        str(exc.value)
+        == f"{tmp_path / 'space.yaml'}: quality.lm_eval: lm-eval is not installed: pip install servetune[lm-eval]"
+    )
 
 
 def test_an_unknown_task_is_named_before_any_engine_starts(tmp_path, monkeypatch):
@@ -115,7 +130,9 @@ def test_an_unknown_task_is_named_before_any_engine_starts(tmp_path, monkeypatch
     task_folder(tmp_path, "mine")
     real = lm_eval._known_tasks
     # lm-eval's own index takes many seconds to build; the include path's is built for real.
-    monkeypatch.setattr(lm_eval, "_known_tasks", lambda include, defaults: {"gsm8k"} if defaults else real(include, False))
+    monkeypatch.setattr(
+        lm_eval, "_known_tasks", lambda include, defaults: {"gsm8k"} if defaults else real(include, False)
+    )
     with pytest.raises(UserError) as exc:
         space(tmp_path, "quality: {lm_eval: {tasks: [mine, mien], include_path: lm_eval_tasks}}")
     assert "quality.lm_eval: tasks: unknown task 'mien' (in " in str(exc.value)
@@ -148,7 +165,8 @@ def test_samples_become_quality_rows(tmp_path):
               "target": "3", "filtered_resps": ["3"], "exact_match": 1.0}  # fmt: skip
     (tmp_path / "samples_mine_2026-12-01T07-00-00.jsonl").write_text(json.dumps(sample) + "\n")
     assert sample_rows(tmp_path, ["mine"], RESULTS) == [
-        {"suite": "lm_eval/mine", "id": "mine-2", "prompt": "2+1=", "answer": "3", "target": "3", "passed": True}]
+        {"suite": "lm_eval/mine", "id": "mine-2", "prompt": "2+1=", "answer": "3", "target": "3", "passed": True}
+    ]
 
 
 def test_lm_eval_scores_are_bounded_against_the_reference():
@@ -179,15 +197,30 @@ def test_a_reference_without_an_lm_eval_score_stops_the_study_with_why(tmp_path)
     s = space(tmp_path, "quality: {suites: [agreement], lm_eval: {tasks: [mine], include_path: lm_eval_tasks},"
                         " reference: {dtype: float32, max_num_seqs: 4}}")  # fmt: skip
     workload = s.resolved_workload(tmp_path)
-    context = StudyContext(s, workload, tmp_path, "m", resolve_levels(s, workload), quality=make_plan(s.quality, tmp_path, s.quality_reference))
+    context = StudyContext(
+        s,
+        workload,
+        tmp_path,
+        "m",
+        resolve_levels(s, workload),
+        quality=make_plan(s.quality, tmp_path, s.quality_reference),
+    )
     spec = context.spec_for(s.quality_reference)
-    answers = ReferenceAnswers(trial_id=spec.trial_id, params=s.quality_reference, prompt_ids=[[1]], continuations=[[2]], nll=[0.5])
-    probe = QualityResult(reference_trial=spec.trial_id, reference_answers=answers, errors=["lm-eval exited 1: no data"])
+    answers = ReferenceAnswers(
+        trial_id=spec.trial_id, params=s.quality_reference, prompt_ids=[[1]], continuations=[[2]], nll=[0.5]
+    )
+    probe = QualityResult(
+        reference_trial=spec.trial_id, reference_answers=answers, errors=["lm-eval exited 1: no data"]
+    )
     spec.trial_dir.mkdir(parents=True)
-    (spec.trial_dir / "result.json").write_text(new_result(spec, "COMPLETE").model_copy(update={"quality": probe}).model_dump_json())
+    (spec.trial_dir / "result.json").write_text(
+        new_result(spec, "COMPLETE").model_copy(update={"quality": probe}).model_dump_json()
+    )
     with pytest.raises(UserError, match=r"has no lm_eval/mine score to compare with: lm-eval exited 1: no data"):
         keep_reference(context)
     assert not (tmp_path / REFERENCE_FILE).exists()
     answers.scores = {"lm_eval/mine": 0.5}
-    (spec.trial_dir / "result.json").write_text(new_result(spec, "COMPLETE").model_copy(update={"quality": probe}).model_dump_json())
+    (spec.trial_dir / "result.json").write_text(
+        new_result(spec, "COMPLETE").model_copy(update={"quality": probe}).model_dump_json()
+    )
     assert keep_reference(context).quality.reference.scores == {"lm_eval/mine": 0.5}

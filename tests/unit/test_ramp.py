@@ -14,7 +14,9 @@ STARTS = {"1x": 0.0, "3x": 10.0, "back to 1x": 40.0}
 
 def sample(t, running, served, starting=0):
     phase = "1x" if t < 10 else "3x" if t < 40 else "back to 1x"
-    return RampSample(t_s=t, phase=phase, offered=6 if phase == "3x" else 2, running=running, starting=starting, served=served)
+    return RampSample(
+        t_s=t, phase=phase, offered=6 if phase == "3x" else 2, running=running, starting=starting, served=served
+    )
 
 
 def request(sent, ttft, ok=True):
@@ -42,7 +44,10 @@ def test_scale_up_time_phases_and_a_new_replica_that_waited_for_running():
     ]  # fmt: skip
     assert (s["requests"], s["slo_violations"]) == (5, 3)
     windows = {w.start_s: w for w in s["windows"]}
-    assert windows[30.0].running == 2 and windows[30.0].served == {"old": 60, "new": 4}  # since the last sample before the window (12 s)
+    assert windows[30.0].running == 2 and windows[30.0].served == {
+        "old": 60,
+        "new": 4,
+    }  # since the last sample before the window (12 s)
     assert windows[0.0].served == {"old": 5}  # no sample before the first window: the counter's own start
     # A replica kept from the step before the ramp had served 2 requests: the first window counts from there.
     kept = summarize_ramp(samples, records, phase_of, PHASES, STARTS, {"ttft_ms": 300}, end_s=50, baseline={"old": 2})
@@ -52,7 +57,11 @@ def test_scale_up_time_phases_and_a_new_replica_that_waited_for_running():
 
 
 def test_a_new_replica_counted_while_serve_still_ran_one_is_traffic_before_ready():
-    samples = [sample(5, 1, {"old": 5}), sample(20, 1, {"old": 30, "new": 2}, starting=1), sample(25, 2, {"old": 40, "new": 8})]
+    samples = [
+        sample(5, 1, {"old": 5}),
+        sample(20, 1, {"old": 30, "new": 2}, starting=1),
+        sample(25, 2, {"old": 40, "new": 8}),
+    ]
     s = summarize_ramp(samples, [], [], PHASES, STARTS, {}, end_s=30)
     assert s["traffic_before_ready"] is True and s["new_replica_first_served_s"] == 20
     assert s["time_to_scale_up_s"] == pytest.approx(15.0)

@@ -103,7 +103,10 @@ def test_a_ray_that_does_not_come_up_is_one_line_and_what_it_started_is_stopped(
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with pytest.raises(UserError) as local:
         ray_cluster.init_ray(None)
-    assert str(local.value) == "could not start a local Ray cluster: The current node timed out during startup. This could happen because ..."
+    assert (
+        str(local.value)
+        == "could not start a local Ray cluster: The current node timed out during startup. This could happen because ..."
+    )
     with pytest.raises(UserError, match=r"^cannot join the Ray cluster at 10.0.0.1:6379: The current node timed out"):
         ray_cluster.init_ray("10.0.0.1:6379")
     assert calls == ["init", "shutdown", "init", "shutdown"]

@@ -30,7 +30,9 @@ def made_up(params) -> "trial":
         return trial(key(params), params, outcome="FAILED", reason="engine exited: CUDA out of memory")
     ttft = 3000 if s + b >= 12 else 500
     violations = ("ttft_ms_p99 = 3000 > 2000",) if ttft > 2000 else ()
-    result = trial(key(params), params, [level(4, out_tps / 2, ttft / 2), level(16, out_tps, ttft, violations=violations)])
+    result = trial(
+        key(params), params, [level(4, out_tps / 2, ttft / 2), level(16, out_tps, ttft, violations=violations)]
+    )
     result.best_level_index = best_level_index(result.levels)
     return result
 
@@ -160,7 +162,9 @@ def test_a_surface_missing_grid_points_or_not_a_surface_is_one_clear_error(surfa
 
 def test_a_surface_where_nothing_met_the_slo_has_no_optimum_to_find():
     space = SearchSpace.model_validate({**SPACE, "params": {"max_num_seqs": [1, 2]}, "constraints": []})
-    failed = Surface.from_results(space, [trial(key({"max_num_seqs": s}), {"max_num_seqs": s}, outcome="FAILED") for s in (1, 2)])
+    failed = Surface.from_results(
+        space, [trial(key({"max_num_seqs": s}), {"max_num_seqs": s}, outcome="FAILED") for s in (1, 2)]
+    )
     with pytest.raises(UserError, match="no recorded trial met the SLO"):
         efficiency(failed, "tpe", seeds=[0])
 
@@ -171,13 +175,36 @@ def test_the_bench_records_a_study_that_ran_its_grid_and_replays_it(surface, tmp
     module = bench_script("search_efficiency")
 
     kept = list(surface.results.values())
-    study = write_study(tmp_path / "study", study_info(name="made-up"), [r.model_copy(update={"trial_id": f"t{i}"}) for i, r in enumerate(kept)])
+    study = write_study(
+        tmp_path / "study",
+        study_info(name="made-up"),
+        [r.model_copy(update={"trial_id": f"t{i}"}) for i, r in enumerate(kept)],
+    )
     (study / "space.yaml").write_text(yaml.safe_dump(SPACE))
-    assert module.main(["record", str(study), "--out", str(tmp_path / "s.json"), "--command", "servetune run made-up.yaml"]) == 0
+    assert (
+        module.main(
+            ["record", str(study), "--out", str(tmp_path / "s.json"), "--command", "servetune run made-up.yaml"]
+        )
+        == 0
+    )
     made_by = json.loads((tmp_path / "s.json").read_text())["made_by"]
-    assert made_by["command"] == "servetune run made-up.yaml" and made_by["trials"] == 94 and made_by["outcomes"] == {"COMPLETE": 93, "FAILED": 1}
+    assert (
+        made_by["command"] == "servetune run made-up.yaml"
+        and made_by["trials"] == 94
+        and made_by["outcomes"] == {"COMPLETE": 93, "FAILED": 1}
+    )
 
-    argv = ["replay", str(tmp_path / "s.json"), "--seeds", "2", "--algorithms", "grid", "tpe", "--json", str(tmp_path / "r.json")]
+    argv = [
+        "replay",
+        str(tmp_path / "s.json"),
+        "--seeds",
+        "2",
+        "--algorithms",
+        "grid",
+        "tpe",
+        "--json",
+        str(tmp_path / "r.json"),
+    ]
     assert module.main(argv) == 0
     out = capsys.readouterr().out
     assert "94 grid points" in out and "best Bayesian option: tpe" in out
@@ -185,7 +212,16 @@ def test_the_bench_records_a_study_that_ran_its_grid_and_replays_it(surface, tmp
     assert rows["grid"]["seeds"] == 1 and rows["tpe"]["seeds"] == 2 and rows["tpe"]["reached"] == 2
 
     # Within 3% of the optimum (100): itself and its two neighbours at 97.5 (max_num_seqs 5 and 7).
-    argv = ["replay", str(tmp_path / "s.json"), "--tolerance", "0.03", "--algorithms", "grid", "--json", str(tmp_path / "r2.json")]
+    argv = [
+        "replay",
+        str(tmp_path / "s.json"),
+        "--tolerance",
+        "0.03",
+        "--algorithms",
+        "grid",
+        "--json",
+        str(tmp_path / "r2.json"),
+    ]
     assert module.main(argv) == 0
     out = capsys.readouterr().out
     assert "3 points reach it" in out, out.splitlines()[0]
@@ -210,7 +246,9 @@ def test_recording_keeps_trials_of_a_wider_grid_only_where_they_ran_the_fixed_va
     assert module.main(["record", str(study), "--out", str(tmp_path / "s.json"), "--command", "x"]) == 0
     assert Surface.load(tmp_path / "s.json").best_score == surface.best_score
 
-    other = wide[0].model_copy(update={"trial_id": "t-other", "params": {**wide[0].params, "env.VLLM_CPU_KVCACHE_SPACE": 2}})
+    other = wide[0].model_copy(
+        update={"trial_id": "t-other", "params": {**wide[0].params, "env.VLLM_CPU_KVCACHE_SPACE": 2}}
+    )
     (study / "trials" / "t-other").mkdir()
     (study / "trials" / "t-other" / "result.json").write_text(other.model_dump_json())
     assert module.main(["record", str(study), "--out", str(tmp_path / "t.json"), "--command", "x"]) == 2

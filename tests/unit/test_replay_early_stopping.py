@@ -63,7 +63,12 @@ def test_a_clearly_dominated_trial_is_cut_and_its_levels_not_run_count_as_saved(
     assert cut.device_seconds_saved == pytest.approx(2 * 60.0)  # two levels of 60 s on one device
     effect = early_stopping_effect(surface, "grid", seeds=[0])
     # Its own best fell (53 tok/s at 32 in flight not run), yet FAST_LOW beats even that: no loss.
-    assert effect.cut == [1] and effect.lowered == [1] and effect.losses == [] and effect.device_minutes_saved == pytest.approx(2.0)
+    assert (
+        effect.cut == [1]
+        and effect.lowered == [1]
+        and effect.losses == []
+        and effect.device_minutes_saved == pytest.approx(2.0)
+    )
     assert [len(t.result.levels) for t in replay_trials(surface, "grid", seed=0)] == [2, 3, 3, 0]  # off: nothing cut
 
 
@@ -82,7 +87,9 @@ def test_a_cut_that_loses_the_winner_is_reported_with_its_level_and_dominator():
     """A rule that could lose the winner must show up in best_lost_share: make BATCHER look capped at 2."""
     surface = made_up()
     batcher = surface.results[key(BATCHER)]
-    surface.results[key(BATCHER)] = batcher.model_copy(update={"engine_args": {**batcher.engine_args, "max_num_seqs": 2}})
+    surface.results[key(BATCHER)] = batcher.model_copy(
+        update={"engine_args": {**batcher.engine_args, "max_num_seqs": 2}}
+    )
     effect = early_stopping_effect(surface, "grid", seeds=[0])
     assert effect.best_lost_share == 1.0 and effect.lowered == [2]
     assert effect.needed == [None] and effect.mean_needed is None  # the best was cut before its level: never reached

@@ -28,7 +28,11 @@ def oom(trial_id: str, params: dict, reason: str = "CUDA out of memory. Tried to
 def test_cheapest_point_with_room_to_spare_is_recommended_as_is():
     points = [pt("a", 2.0, {"max_num_seqs": 16}), pt("b", 1.0, {"max_num_seqs": 32}), pt("c", 0.5, {"max_num_seqs": 64},
               slo_violations=("ttft_ms_p99 = 9000 > 2000",))]  # fmt: skip
-    trials = [complete("a", {"max_num_seqs": 16}), complete("b", {"max_num_seqs": 32}), complete("c", {"max_num_seqs": 64})]
+    trials = [
+        complete("a", {"max_num_seqs": 16}),
+        complete("b", {"max_num_seqs": 32}),
+        complete("c", {"max_num_seqs": 64}),
+    ]
     rec = recommend(points, trials)
     assert rec.point is points[1] and not rec.stepped_back and rec.passed_over == ()
     assert rec.reason == (
@@ -41,11 +45,15 @@ def test_the_room_names_the_kv_cache_peak_and_never_reads_a_small_one_as_none():
     for usage, said in ((0.0034, "KV cache peaked under 1%"), (0.42, "KV cache peaked at 42%")):
         point = pt("a", 1.0, {}, server_metrics={"kv_cache_usage_max": usage, "preemptions": 0.0})
         assert recommend([point], [complete("a", {})]).reason == (
-            f"the cheapest configuration meeting every SLO, with room to spare: no out-of-memory neighbour, {said}, no preemptions")
+            f"the cheapest configuration meeting every SLO, with room to spare: no out-of-memory neighbour, {said}, no preemptions"
+        )
 
 
 def test_steps_back_when_the_next_higher_max_num_seqs_ran_out_of_memory():
-    points = [pt("s16", 1.5, {"max_num_seqs": 16, "block_size": 16}), pt("s32", 1.0, {"max_num_seqs": 32, "block_size": 16})]
+    points = [
+        pt("s16", 1.5, {"max_num_seqs": 16, "block_size": 16}),
+        pt("s32", 1.0, {"max_num_seqs": 32, "block_size": 16}),
+    ]
     trials = [
         complete("s16", {"max_num_seqs": 16, "block_size": 16}),
         complete("s32", {"max_num_seqs": 32, "block_size": 16}),
@@ -63,13 +71,22 @@ def test_steps_back_when_the_next_higher_max_num_seqs_ran_out_of_memory():
 def test_only_the_next_higher_value_with_everything_else_equal_counts():
     params = {"max_num_seqs": 16, "gpu_memory_utilization": 0.9}
     point = pt("p", 1.0, params)
-    far = [complete("p", params), complete("n32", {**params, "max_num_seqs": 32}), oom("n64", {**params, "max_num_seqs": 64})]
+    far = [
+        complete("p", params),
+        complete("n32", {**params, "max_num_seqs": 32}),
+        oom("n64", {**params, "max_num_seqs": 64}),
+    ]
     assert margin_signals(point, far) == []  # one notch of margin left: 32 ran fine
     other = [oom("o32", {"max_num_seqs": 32, "gpu_memory_utilization": 0.95})]  # differs in another knob too
     assert margin_signals(point, other) == []
-    not_memory = [TrialOutline("f32", {**params, "max_num_seqs": 32}, "FAILED", "FP8 KV cache on CPU requires x86 with AVX-512")]
+    not_memory = [
+        TrialOutline("f32", {**params, "max_num_seqs": 32}, "FAILED", "FP8 KV cache on CPU requires x86 with AVX-512")
+    ]
     assert margin_signals(point, not_memory) == []
-    util = [oom("u95", {**params, "gpu_memory_utilization": 0.95}), complete("u93", {**params, "gpu_memory_utilization": 0.93})]
+    util = [
+        oom("u95", {**params, "gpu_memory_utilization": 0.95}),
+        complete("u93", {**params, "gpu_memory_utilization": 0.93}),
+    ]
     assert margin_signals(point, util) == []  # the next-higher util is 0.93, which completed
     util_edge = [oom("u93", {**params, "gpu_memory_utilization": 0.93})]
     assert margin_signals(point, util_edge)[0].startswith("the next-higher gpu_memory_utilization (0.93, trial u93)")
@@ -87,11 +104,15 @@ def test_kv_cache_peak_and_preemptions_make_a_margin_thin():
     assert margin_signals(pt("a", 1.0, {}, server_metrics={"kv_cache_usage_max": 0.95}), []) == [
         "KV cache usage peaked at 95% (>= 90%)"
     ]
-    assert margin_signals(pt("a", 1.0, {}, server_metrics={"preemptions": 3.0}), []) == ["the server preempted 3 requests"]
+    assert margin_signals(pt("a", 1.0, {}, server_metrics={"preemptions": 3.0}), []) == [
+        "the server preempted 3 requests"
+    ]
 
 
 def test_kv_pressure_steps_back_to_a_lower_load_level_of_the_same_trial():
-    hot = pt("t", 1.0, {"max_num_seqs": 32}, level_index=1, server_metrics={"kv_cache_usage_max": 0.97, "preemptions": 0})
+    hot = pt(
+        "t", 1.0, {"max_num_seqs": 32}, level_index=1, server_metrics={"kv_cache_usage_max": 0.97, "preemptions": 0}
+    )
     cool = pt("t", 1.2, {"max_num_seqs": 32}, level_index=0, server_metrics={"kv_cache_usage_max": 0.6})
     rec = recommend([hot, cool], [complete("t", {"max_num_seqs": 32})])
     assert rec.point is cool and rec.stepped_back
@@ -158,7 +179,9 @@ def test_a_tuned_point_cheaper_beyond_the_noise_stands_and_says_by_how_much():
                                "$1 per million output tokens), beyond the two measurements' noise (±10% each)")  # fmt: skip
 
 
-@pytest.mark.parametrize(("tuned_noise", "defaults_noise", "winner"), [(0.05, 0.05, "t"), (0.05, 0.08, "d"), (0.08, 0.05, "d")])
+@pytest.mark.parametrize(
+    ("tuned_noise", "defaults_noise", "winner"), [(0.05, 0.05, "t"), (0.05, 0.08, "d"), (0.08, 0.05, "d")]
+)
 def test_repeats_narrow_the_noise_to_what_they_measured_and_both_count(tuned_noise, defaults_noise, winner):
     """12% cheaper: a gain when both levels' repeats spread 5% (10% together), not when either spread 8%."""
     tuned, defaults = pt("t", 0.88, {"max_num_seqs": 32}, noise=tuned_noise), pt("d", 1.0, {}, noise=defaults_noise)
@@ -182,7 +205,10 @@ def test_the_levels_repeats_reach_the_recommendation_through_the_report(tmp_path
 
     def repeated(tps: float, spread: float):
         once = level(8, tps, 400)
-        runs = [LevelRun(summary=level(8, tps * f, ttft).summary) for f, ttft in ((1 - spread, 200), (1.0, 400), (1 + spread, 600))]
+        runs = [
+            LevelRun(summary=level(8, tps * f, ttft).summary)
+            for f, ttft in ((1 - spread, 200), (1.0, 400), (1 + spread, 600))
+        ]
         return once.model_copy(update={"runs": runs})
 
     for spread, winner in ((0.05, "tuned"), (0.2, "defaults")):
@@ -193,7 +219,9 @@ def test_the_levels_repeats_reach_the_recommendation_through_the_report(tmp_path
         assert report.recommendation.point.trial_id == winner, report.recommendation.reason
         # the trial table concludes the recommended trial as recommended (as MLflow does), first
         top = report.trial_table[0]
-        assert top.trial_id == winner and top.recommended and str(top.conclusion).startswith("keep: recommended to ship (")
+        assert (
+            top.trial_id == winner and top.recommended and str(top.conclusion).startswith("keep: recommended to ship (")
+        )
 
 
 def test_vllms_defaults_are_judged_at_the_values_vllm_resolved_for_them():

@@ -18,7 +18,9 @@ def report(tmp_path_factory):
 
 
 def test_cost_per_device_and_per_user_rates_and_the_price_override():
-    t = trial("t", {"tensor_parallel_size": 2}, [level(16, out_tps=900.0, ttft_p99=400, tpot_mean=20.0)], devices=2, price=3.0)
+    t = trial(
+        "t", {"tensor_parallel_size": 2}, [level(16, out_tps=900.0, ttft_p99=400, tpot_mean=20.0)], devices=2, price=3.0
+    )
     (point,) = gather_points([t])
     assert point.metrics["cost_per_mtok_usd"] == pytest.approx(3.0 * 2 / (900 * 3600) * 1e6)
     assert point.metrics["output_throughput_per_device"] == pytest.approx(450.0)
@@ -55,7 +57,9 @@ def test_figure_data_front_apart_recommended_and_slo_line(report):
     front = traces["Pareto front"]
     assert front.mode == "lines+markers"
     assert sorted(front.x) == list(front.x) == [300.0, 500.0, 1500.0]  # connected left to right
-    assert traces["apart: failed or SLO broken"].marker.symbol == "x" and list(traces["apart: failed or SLO broken"].x) == [3000.0]
+    assert traces["apart: failed or SLO broken"].marker.symbol == "x" and list(
+        traces["apart: failed or SLO broken"].x
+    ) == [3000.0]
     assert "ttft_ms_p99 = 3000 &gt; 2000" in traces["apart: failed or SLO broken"].hovertext[0]
     assert list(traces["recommended"].x) == [600.0]
     assert "max_num_seqs=32" in front.hovertext[2] and "concurrency 32" in front.hovertext[2]
@@ -107,7 +111,12 @@ def test_the_report_says_where_device_time_went_and_what_early_stopping_saved(tm
     info = study_info(levels=["concurrency 4", "concurrency 16", "concurrency 64"])
     md = render_markdown(build_report(load_study(write_study(tmp_path / "s", info, trials))))
     section = md.split("## Device time")[1].split("## ")[0]
-    assert "- GPU time: 20.0 GPU-min reserved by 2 trial(s): 30% measuring, 40% starting engines (2 starts, mean 120 s, max 120 s), 30% warm-up" in section
-    assert "- early stopping saved about 4.0 GPU-min (SLO broken: 1 trial(s), 4.0 GPU-min)" in section  # 2 levels of 60 s on 2 GPUs
+    assert (
+        "- GPU time: 20.0 GPU-min reserved by 2 trial(s): 30% measuring, 40% starting engines (2 starts, mean 120 s, max 120 s), 30% warm-up"
+        in section
+    )
+    assert (
+        "- early stopping saved about 4.0 GPU-min (SLO broken: 1 trial(s), 4.0 GPU-min)" in section
+    )  # 2 levels of 60 s on 2 GPUs
     older = render_markdown(build_report(load_study(write_study(tmp_path / "old", study_info(), trials))))
     assert "early stopping saved about 2.0 GPU-min" in older  # no ladder in study.json: the longest one run counts

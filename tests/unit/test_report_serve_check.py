@@ -19,7 +19,10 @@ def test_the_report_shows_serve_checks_scaling_and_routers_with_the_verdict(tmp_
 
     study = tiny_study(tmp_path / "s")
     runs = [ReplicaRun(replicas=1, levels=[level(8, 380, 320)])]
-    routed = [run_of("default", 200, 400), run_of("prefix-aware", 210, 500).model_copy(update={"engines_reused": True, "ready_s": 19.6})]
+    routed = [
+        run_of("default", 200, 400),
+        run_of("prefix-aware", 210, 500).model_copy(update={"engines_reused": True, "ready_s": 19.6}),
+    ]
     result = ServeCheckResult(
         servetune_version="0", created="now", study="demo", trial_id="t1", picked_level={"concurrency": 8}, model="m",
         app_name="app", url="http://x", address=None, llm_config={}, slo=[], runs=runs, rows=scaling_rows(runs, []),
@@ -32,11 +35,19 @@ def test_the_report_shows_serve_checks_scaling_and_routers_with_the_verdict(tmp_
     assert "| prefix-aware | 12 | 1,100 | 50% | 50% / - | 1.82 |" in md  # 1000 of 1100 tokens on one of 2 replicas
     assert "| 1 | concurrency 8 | 6.33 | 380.0 | 160.0 | 320.0 | - | 100% | met |" in md
     assert "**Verdict: ship prefix-aware: prefix-aware reuses more of the prefix cache" in md
-    assert "- prefix-aware: on the engines already running (Serve kept them, and started any more the count needs) in 19.6 s, prefix caches reset" in md
-    assert "default: " not in md.split("### Routers")[1].split("**Verdict")[0].split(ROUTER_NOTE)[1]  # deployed fresh: no note
+    assert (
+        "- prefix-aware: on the engines already running (Serve kept them, and started any more the count needs) in 19.6 s, prefix caches reset"
+        in md
+    )
+    assert (
+        "default: " not in md.split("### Routers")[1].split("**Verdict")[0].split(ROUTER_NOTE)[1]
+    )  # deployed fresh: no note
     page = render_html(report)
     assert "<h3>Routers: 2 replicas, workload rag-tiny, concurrency 8</h3>" in page
-    assert "<li>prefix-aware: on the engines already running (Serve kept them, and started any more the count needs) in 19.6 s, prefix caches reset</li>" in page
+    assert (
+        "<li>prefix-aware: on the engines already running (Serve kept them, and started any more the count needs) in 19.6 s, prefix caches reset</li>"
+        in page
+    )
     (study / "serve-check.json").write_text("{not json")
     assert "could not be read: not valid JSON" in render_markdown(build_report(load_study(study)))
 
@@ -79,9 +90,14 @@ def test_export_ships_the_router_serve_check_measured_best_for_that_trial(tmp_pa
 def test_export_keeps_serves_default_router_when_none_won_or_another_trial_was_checked(tmp_path, capsys):
     even = run_of("prefix-aware", 205, 410).model_copy(update={"router_class": PREFIX_CLASS})  # within every margin
     text, deployment = exported(routed_study(tmp_path / "a", [run_of("default", 200, 400), even]), capsys)
-    assert "request_router_config" not in deployment and "# Router: Serve's default; serve-check named none: no difference" in text
+    assert (
+        "request_router_config" not in deployment
+        and "# Router: Serve's default; serve-check named none: no difference" in text
+    )
     better = run_of("prefix-aware", 100, 400).model_copy(update={"router_class": PREFIX_CLASS})
-    text, deployment = exported(routed_study(tmp_path / "b", [run_of("default", 200, 400), better], trial_id="other"), capsys)
+    text, deployment = exported(
+        routed_study(tmp_path / "b", [run_of("default", 200, 400), better], trial_id="other"), capsys
+    )
     assert "request_router_config" not in deployment and "# Router" not in text  # measured for another trial
 
 
@@ -112,7 +128,10 @@ def test_export_ships_the_stream_batching_interval_serve_check_deployed_that_tri
             text = capsys.readouterr().out
             (config,) = yaml.safe_load(text)["applications"][0]["args"]["llm_configs"]
             assert config["experimental_configs"] == {"stream_batching_interval_ms": 0}, config
-            assert "# Stream batching: 0 ms, as serve-check deployed and measured the replicas (the trial's own: 50 ms)" in text
+            assert (
+                "# Stream batching: 0 ms, as serve-check deployed and measured the replicas (the trial's own: 50 ms)"
+                in text
+            )
         else:  # measured for another trial: Ray's default stays (the trial set none)
             assert "experimental_configs" not in config and "Stream batching" not in text
 
@@ -125,7 +144,10 @@ def test_serve_checks_printed_tables_show_the_rows_and_the_verdict():
     from servetune.serve.result import ReplicaRun, ServeCheckResult, scaling_rows
     from servetune.serve.routing import RoutingResult
 
-    routed = [run_of("default", 200, 400), run_of("prefix-aware", 210, 500).model_copy(update={"engines_reused": False, "ready_s": 80.0})]
+    routed = [
+        run_of("default", 200, 400),
+        run_of("prefix-aware", 210, 500).model_copy(update={"engines_reused": False, "ready_s": 80.0}),
+    ]
     runs = [ReplicaRun(replicas=1, levels=[level(8, 380, 320)])]
     result = ServeCheckResult(
         servetune_version="0", created="now", study="demo", trial_id="t1", picked_level={"concurrency": 8}, model="m",
@@ -136,8 +158,12 @@ def test_serve_checks_printed_tables_show_the_rows_and_the_verdict():
     console.print(routing_table(RoutingResult(workload="rag-tiny", replicas=2, level={"concurrency": 8}, runs=routed,
                                               verdict=verdict(routed))))  # fmt: skip
     text = console.export_text()
-    assert "serve-check: trial t1 through Ray Serve" in text and "6.33" in text and "380.0" in text  # goodput, out tok/s
+    assert (
+        "serve-check: trial t1 through Ray Serve" in text and "6.33" in text and "380.0" in text
+    )  # goodput, out tok/s
     assert "prefix-aware" in text and "50%" in text and "1.82" in text and ROUTER_NOTE in " ".join(text.split())
     assert "verdict: ship prefix-aware: prefix-aware reuses more of the prefix cache" in " ".join(text.split())
     # the caption says as the report does how the second router came to its engines
-    assert "prefix-aware: on engines Serve restarted (as a fresh deploy) in 80.0 s, prefix caches reset" in " ".join(text.split())
+    assert "prefix-aware: on engines Serve restarted (as a fresh deploy) in 80.0 s, prefix caches reset" in " ".join(
+        text.split()
+    )

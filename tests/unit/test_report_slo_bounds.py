@@ -36,7 +36,10 @@ def test_an_axis_gets_every_bound_of_its_family_its_own_statistic_first():
 def test_the_html_plots_draw_the_p95_bounds_on_p99_axes(report):
     ttft = front_figure(report, report.front("cost-vs-ttft"))
     assert [(s.x0, s.line.dash) for s in ttft.layout.shapes] == [(300, "dash"), (150, "dot")]
-    assert [a.text for a in ttft.layout.annotations] == ["SLO ttft_ms_p99 <= 300", "SLO ttft_ms_p95 <= 150 (axis is P99)"]
+    assert [a.text for a in ttft.layout.annotations] == [
+        "SLO ttft_ms_p99 <= 300",
+        "SLO ttft_ms_p95 <= 150 (axis is P99)",
+    ]
     tpot = front_figure(report, report.front("cost-vs-tpot"))
     assert [(s.x0, s.line.dash) for s in tpot.layout.shapes] == [(20, "dot")]
     assert [a.text for a in tpot.layout.annotations] == ["SLO tpot_ms_p95 <= 20 (axis is P99)"]

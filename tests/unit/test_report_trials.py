@@ -33,8 +33,11 @@ def test_a_configuration_in_few_words_names_only_what_the_study_varied():
 
 
 def test_a_row_per_trial_with_its_best_level_numbers_break_stop_and_conclusion():
-    stopped = trial("t8", {"max_num_seqs": 8, "gpu_memory_utilization": 0.9},
-                    [level(8, 100, 2500, violations=("ttft_ms_p99 = 2500 > 2000", "tpot_ms_p99 = 120 > 100"))])
+    stopped = trial(
+        "t8",
+        {"max_num_seqs": 8, "gpu_memory_utilization": 0.9},
+        [level(8, 100, 2500, violations=("ttft_ms_p99 = 2500 > 2000", "tpot_ms_p99 = 120 > 100"))],
+    )
     stopped = stopped.model_copy(update={"stopped_because": "SLO broken at concurrency 8: ttft_ms_p99 = 2500 > 2000"})
     trials = [*demo_trials(), stopped]  # fmt: skip
     points = gather_points(trials)
@@ -84,7 +87,10 @@ def test_the_cells_say_the_bound_that_broke_and_where():
 def test_summary_md_has_the_table_of_all_trials(tmp_path):
     md = render_markdown(build_report(load_study(demo_study(tmp_path / "demo"))))
     section = md.split("### All trials")[1].split("\n#")[0]
-    assert "| trial | config (varied parameters) | outcome | best level | goodput (req/s) | TTFT P99 (ms) | TPOT P99 (ms) " in section
+    assert (
+        "| trial | config (varied parameters) | outcome | best level | goodput (req/s) | TTFT P99 (ms) | TPOT P99 (ms) "
+        in section
+    )
     rows = [line for line in section.splitlines() if line.startswith("| t") and not line.startswith("| trial")]
     assert [r.split(" | ")[0] for r in rows] == ["| t16 (recommended)", "| t32", "| t256", "| t64"]
     assert "| t32 | seqs=32 gpu-mem=0.9 | COMPLETE | concurrency 32 |" in section
@@ -97,7 +103,9 @@ def test_levels_whose_prefix_cache_may_have_been_warm_are_listed(tmp_path):
     warm = trials[1].levels[1].model_copy(update={"cache_note": "prefix-cache hit rate 60% is above the 0% ..."})
     trials[1] = trials[1].model_copy(update={"levels": [trials[1].levels[0], warm, trials[1].levels[2]]})
     rows = trial_rows(trials, gather_points(trials))
-    assert {row.trial_id: row.cache_notes for row in rows}["t32"] == ("concurrency 32: prefix-cache hit rate 60% is above the 0% ...",)
+    assert {row.trial_id: row.cache_notes for row in rows}["t32"] == (
+        "concurrency 32: prefix-cache hit rate 60% is above the 0% ...",
+    )
     root = write_study(tmp_path / "warm", study_info(), trials)
     md = render_markdown(build_report(load_study(root)))
     assert "### Warm prefix cache\n\n- trial t32, concurrency 32: prefix-cache hit rate 60%" in md

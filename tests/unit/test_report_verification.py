@@ -51,13 +51,19 @@ def test_markdown_shows_the_verdict_stability_scenarios_and_every_checklist_item
     scenarios = [line.split(" | ")[0].lstrip("| ") for line in text.split("### Scenarios")[1].split("###")[0].splitlines()
                  if line.startswith("| ") and not line.startswith("| scenario")]  # fmt: skip
     assert scenarios == ["soak", "peak", "burst", "mix", "long_output", "disconnects", "headroom", "repeats"]
-    assert "| disconnects | passed | dropped 8, running_fell_back yes, fallback_s 0.6, cancellation_success_rate 100% |" in text
+    assert (
+        "| disconnects | passed | dropped 8, running_fell_back yes, fallback_s 0.6, cancellation_success_rate 100% |"
+        in text
+    )
     rows = [line for line in text.splitlines() if line.startswith("| 15.")]
     assert [r.split(" | ")[0].lstrip("| ") for r in rows] == [item["id"] for item in verify["checklist"]]
     statuses = [r.split(" | ")[2] for r in rows]
     assert statuses == [item["status"] for item in verify["checklist"]]
     counts = {s: statuses.count(s) for s in ("FAIL", "NOT CHECKED", "PASS")}
-    assert f"### Acceptance checklist ({counts['FAIL']} FAIL, {counts['NOT CHECKED']} NOT CHECKED, {counts['PASS']} PASS)" in text
+    assert (
+        f"### Acceptance checklist ({counts['FAIL']} FAIL, {counts['NOT CHECKED']} NOT CHECKED, {counts['PASS']} PASS)"
+        in text
+    )
 
 
 def test_html_escapes_text_and_marks_each_row_by_status(tmp_path):
@@ -95,7 +101,11 @@ def test_odd_keys_show_as_dashes_and_numbers_read_as_people_read_them(tmp_path):
     assert v.verdict == "no verdict recorded" and v.subject == "trial t1, level #2"
     assert dict(v.stability) == {"out of memory": "yes", "5xx error rate": "0.04%", "cancellation success rate": "-",
                                  "P99 jitter (max over min of the windowed P99)": "-", "extra": "[1, 2]"}  # fmt: skip
-    assert [(r.name, r.result) for r in v.scenarios] == [("soak", "no verdict"), ("peak", "no verdict"), ("zeta", "passed")]
+    assert [(r.name, r.result) for r in v.scenarios] == [
+        ("soak", "no verdict"),
+        ("peak", "no verdict"),
+        ("zeta", "passed"),
+    ]
     assert v.scenarios[0].numbers == "p99_ttft_ms_windows 5 values, 400 to 900"
     assert [(r.id, r.text, r.status, r.evidence) for r in v.checklist] == [("15.1", "-", "PASS", "-")]
     assert v.counts() == {"FAIL": 0, "NOT CHECKED": 0, "PASS": 1}
@@ -115,4 +125,10 @@ def test_a_stopped_verification_never_replaces_a_verdict(tmp_path):
     assert not finished_document(path)  # an earlier stopped one is replaced
     path.write_text(json.dumps({"accepted": False, "reasons": ["peak: broke the SLO"]}))
     assert finished_document(path)
-    assert (stop_status("SIGTERM"), stop_status("SIGINT"), stop_status("interrupted"), stop_status("exit 3"), stop_status("odd")) == (143, 130, 130, 3, 1)
+    assert (
+        stop_status("SIGTERM"),
+        stop_status("SIGINT"),
+        stop_status("interrupted"),
+        stop_status("exit 3"),
+        stop_status("odd"),
+    ) == (143, 130, 130, 3, 1)

@@ -60,8 +60,13 @@ def test_early_stopping_savings_say_their_unit():
 
     trials = [stopped("a", "dominated at concurrency 4: ..."), stopped("b", "saturated at concurrency 4: ...")]
     gpu = device_time_lines(trials, "gpu", 3)[1]
-    assert gpu == "early stopping saved about 8.0 GPU-min (dominated: 1 trial(s), 4.0 GPU-min; saturated: 1 trial(s), 4.0 GPU-min)"
-    assert device_time_lines(trials, "cpu", 3)[1].endswith("(dominated: 1 trial(s), 4.0 core-min; saturated: 1 trial(s), 4.0 core-min)")
+    assert (
+        gpu
+        == "early stopping saved about 8.0 GPU-min (dominated: 1 trial(s), 4.0 GPU-min; saturated: 1 trial(s), 4.0 GPU-min)"
+    )
+    assert device_time_lines(trials, "cpu", 3)[1].endswith(
+        "(dominated: 1 trial(s), 4.0 core-min; saturated: 1 trial(s), 4.0 core-min)"
+    )
 
 
 def test_the_baseline_is_vllm_defaults_in_one_way_everywhere(tmp_path):

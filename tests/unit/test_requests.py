@@ -7,7 +7,11 @@ from servetune.load.requests import PromptFactory, iter_requests
 
 
 def workload(**extra):
-    base = {"name": "t", "input_tokens": {"dist": "uniform", "min": 20, "max": 300}, "output_tokens": {"dist": "fixed", "value": 8}}
+    base = {
+        "name": "t",
+        "input_tokens": {"dist": "uniform", "min": 20, "max": 300},
+        "output_tokens": {"dist": "fixed", "value": 8},
+    }
     return Workload.model_validate({**base, **extra})
 
 

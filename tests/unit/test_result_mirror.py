@@ -20,18 +20,26 @@ def test_the_driver_keeps_a_copy_of_each_result(tmp_path):
     mirror.on_trial_result(0, [], SimpleNamespace(trial_id="tune_0"), report)
     assert load_result(tmp_path / "trials" / "abc123") == result
     # A result the trial wrote itself (shared storage) is never overwritten.
-    (tmp_path / "trials" / "abc123" / "result.json").write_text(result.model_copy(update={"reason": "mine"}).model_dump_json())
+    (tmp_path / "trials" / "abc123" / "result.json").write_text(
+        result.model_copy(update={"reason": "mine"}).model_dump_json()
+    )
     mirror.on_trial_result(0, [], SimpleNamespace(trial_id="tune_0"), report)
     assert load_result(tmp_path / "trials" / "abc123").reason == "mine"
     assert RESULT_KEY in report and report["servetune_trial_id"] == "abc123"
 
 
 def test_a_trial_whose_process_died_is_recorded_as_failed(tmp_path):
-    space = SearchSpace.model_validate({"name": "s", "model": "m", "workload": "cpu-tiny", "engine_args": {"enforce_eager": True}})
+    space = SearchSpace.model_validate(
+        {"name": "s", "model": "m", "workload": "cpu-tiny", "engine_args": {"enforce_eager": True}}
+    )
     workload = space.resolved_workload(tmp_path)
     context = StudyContext(space, workload, tmp_path, "m", resolve_levels(space, workload))
-    (tmp_path / "error.txt").write_text("Traceback...\nray.exceptions.NodeDiedError: the node running this trial died\n")
-    dead = SimpleNamespace(trial_id="tune_1", config={"params": {"max_num_seqs": 4}}, error_file=str(tmp_path / "error.txt"))
+    (tmp_path / "error.txt").write_text(
+        "Traceback...\nray.exceptions.NodeDiedError: the node running this trial died\n"
+    )
+    dead = SimpleNamespace(
+        trial_id="tune_1", config={"params": {"max_num_seqs": 4}}, error_file=str(tmp_path / "error.txt")
+    )
     ResultMirror(context).on_trial_error(0, [], dead)
     spec = context.spec_for({"max_num_seqs": 4})
     result = load_result(spec.trial_dir)
@@ -61,7 +69,7 @@ def test_the_trial_s_files_come_back_in_its_final_report_and_leave_tune_s_logs(t
     ResultMirror(context).on_trial_result(0, [], SimpleNamespace(trial_id="tune_0"), report)
     kept = tmp_path / "driver" / "trials" / "abc123"
     assert (kept / "requests.jsonl").read_text() == '{"level": 0}\n' and (kept / "quality.jsonl").exists()
-    assert (kept / "lm_eval_results.json").read_text() == "{\"results\": {}}\n"
+    assert (kept / "lm_eval_results.json").read_text() == '{"results": {}}\n'
     assert (kept / "engine.log").read_text() == files["engine.log"]
     assert load_result(kept) == result
     assert FILES_KEY not in report  # taken out before Tune's loggers write the report again

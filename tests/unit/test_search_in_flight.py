@@ -12,10 +12,16 @@ from servetune.study.driver import proposals, random_points
 from servetune.study.objectives import PENALTY
 from servetune.study.searcher import CONSTRAINTS_KEY, OBJECTIVES_KEY, ConstrainedOptunaSearch
 
-COMPLETE, FAIL, RUNNING = optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL, optuna.trial.TrialState.RUNNING
+COMPLETE, FAIL, RUNNING = (
+    optuna.trial.TrialState.COMPLETE,
+    optuna.trial.TrialState.FAIL,
+    optuna.trial.TrialState.RUNNING,
+)
 
 
-def make_space(algorithm="tpe", x=tuple(range(1, 61)), y=(1, 2), constraints=("y == 1 or x <= 45",), **search) -> SearchSpace:
+def make_space(
+    algorithm="tpe", x=tuple(range(1, 61)), y=(1, 2), constraints=("y == 1 or x <= 45",), **search
+) -> SearchSpace:
     return SearchSpace.model_validate({
         "name": "s", "model": "m", "workload": "cpu-tiny", "slo": {"ttft_ms": {"p99": 1000}},
         "params": {"x": list(x), "y": list(y)}, "constraints": list(constraints),
@@ -55,7 +61,9 @@ def test_a_re_proposed_running_point_is_never_told_a_result_nor_kept(algorithm):
     for trial_id in ("t1", "t2", "t3"):
         searcher.on_trial_complete(trial_id, report(running[trial_id]))
     assert all(values == answer(params)[0] and values != [PENALTY["max"]] for params, values in told_values(searcher))
-    assert {json.dumps(p, sort_keys=True) for p, _, _ in searcher.history} == {json.dumps(p, sort_keys=True) for p in running.values()}
+    assert {json.dumps(p, sort_keys=True) for p, _, _ in searcher.history} == {
+        json.dumps(p, sort_keys=True) for p in running.values()
+    }
 
 
 def test_pickling_mid_flight_keeps_only_finished_results():

@@ -131,7 +131,10 @@ def test_scenario_specifics(argspecs):
     chat = spaces["chat-latency"]
     slo = ["ttft_ms_p95 <= 800", "ttft_ms_p99 <= 2000", "tpot_ms_p95 <= 40", "error_rate <= 0.001"]
     assert [str(b) for b in chat.slo_bounds.bounds] == slo
-    assert [(o.metric, o.mode) for o in chat.search.objectives] == [("cost_per_mtok_usd", "min"), ("ttft_ms_p99", "min")]
+    assert [(o.metric, o.mode) for o in chat.search.objectives] == [
+        ("cost_per_mtok_usd", "min"),
+        ("ttft_ms_p99", "min"),
+    ]
     assert min(values(chat, "tensor_parallel_size")) == 1  # the smallest TP that holds an 8B model
     assert spaces["rag"].workload == "rag" and spaces["offline-batch"].workload == "batch"
     assert spaces["long-context"].workload == "summary"
@@ -170,7 +173,10 @@ ON_A_GPU_NODE = [
     ("device: cpu", "device: gpu"),
     ("devices_per_node: 2", "devices_per_node: 4\n  gpu: H100-SXM"),
 ]
-AS_TPE = [("algorithm: grid", "algorithm: tpe\n  num_trials: 4"), ("params:\n", "params:\n  gpu_memory_utilization: {low: 0.85, high: 0.95}\n")]
+AS_TPE = [
+    ("algorithm: grid", "algorithm: tpe\n  num_trials: 4"),
+    ("params:\n", "params:\n  gpu_memory_utilization: {low: 0.85, high: 0.95}\n"),
+]
 
 # (id, edits of BASE, what the one line must name: the field, then the culprit)
 MISTAKES = [

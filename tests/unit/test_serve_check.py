@@ -152,7 +152,11 @@ def test_run_check_scales_in_place_and_counts_each_replicas_requests(tmp_path):
     # Each count on the engines of the one before (the same engine configuration), only the added replicas started.
     assert [run.engines_reused for run in result.runs] == [None, True, True] and cluster.started == 4
     assert cluster.engines == ["actor0", "actor1", "actor2", "actor3"]
-    assert [run.requests_per_replica for run in result.runs] == [{"r0": 10}, {"r0": 10, "r1": 10}, {f"r{i}": 10 for i in range(4)}]
+    assert [run.requests_per_replica for run in result.runs] == [
+        {"r0": 10},
+        {"r0": 10, "r1": 10},
+        {f"r{i}": 10 for i in range(4)},
+    ]
     assert [row.scaling_efficiency for row in result.rows] == [pytest.approx(1.0)] * 3
     assert result.llm_config["runtime_env"]["env_vars"] == {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
@@ -214,7 +218,10 @@ def test_run_check_deploys_the_derived_autoscaling_after_the_first_count_and_run
 def test_cli_ramp_refusals_come_before_ray_starts(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("servetune.serve.check.os.sched_getaffinity", lambda pid: {0, 1})  # a two-core machine
     study = tiny_study(tmp_path / "s")
-    assert main(["serve-check", str(study), "--pick", "t1", "--replicas", "1", "--ramp", "--ramp-max-replicas", "4096"]) == 2
+    assert (
+        main(["serve-check", str(study), "--pick", "t1", "--replicas", "1", "--ramp", "--ramp-max-replicas", "4096"])
+        == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("servetune serve-check: error: --ramp (scaling up to 3 replicas; ")
     assert "3 replicas of 1 CPU core (TP x PP) need 3 CPU cores" in err[0]  # the peak 3x the knee: 3 replicas
@@ -238,9 +245,13 @@ def test_run_check_keeps_each_part_as_it_finishes_and_routers_and_layouts_so_far
             raise KeyboardInterrupt
         return level(8, 700, 330)
 
-    routing = Routing(routers=["default", "prefix-aware"], replicas=2, workload="rag", measure=stopped_at_the_second_router)
+    routing = Routing(
+        routers=["default", "prefix-aware"], replicas=2, workload="rag", measure=stopped_at_the_second_router
+    )
     with pytest.raises(KeyboardInterrupt):
-        run_check(picked, [1, 2], FakeCluster(), "app", one_level, Teardown(pids=set()), routing=routing, keep=kept.append)
+        run_check(
+            picked, [1, 2], FakeCluster(), "app", one_level, Teardown(pids=set()), routing=routing, keep=kept.append
+        )
     # Each replica count, then the first router, as each finished; the routers so far name no router to ship.
     assert [[run.replicas for run in r.runs] for r in kept] == [[1], [1, 2], [1, 2]]
     assert [len(r.rows) for r in kept] == [1, 2, 2] and kept[1].rows[1].scaling_efficiency == pytest.approx(1.0)
@@ -264,7 +275,9 @@ def test_run_check_keeps_each_part_as_it_finishes_and_routers_and_layouts_so_far
     # Run to the end, the last part kept is the result, verdicts and all.
     kept.clear()
     layouts = dataclasses.replace(layouts, measure=lambda url, served, layout: level(16, 900, 300))
-    result = run_check(picked, [1], FakeCluster(), "app", one_level, Teardown(pids=set()), layouts=layouts, keep=kept.append)
+    result = run_check(
+        picked, [1], FakeCluster(), "app", one_level, Teardown(pids=set()), layouts=layouts, keep=kept.append
+    )
     assert len(kept) == 3 and kept[-1].layouts == result.layouts and result.layouts.verdict is not None
 
 
@@ -342,8 +355,13 @@ def test_a_serve_check_stopped_half_way_keeps_what_finished_deletes_its_applicat
     assert cluster.running == {} and cluster.exited  # the application deleted, Ray let go
     doc = json.loads((study / "serve-check.json").read_text())
     assert doc["stopped"] == reason or doc["stopped"].startswith(reason), doc["stopped"]
-    assert [run["replicas"] for run in doc["runs"]] == [1] and len(doc["rows"]) == 1  # the finished count, not the cut one
-    assert [json.loads(line)["level"] for line in (study / "serve-check.requests.jsonl").read_text().splitlines()] == [0, 1]
+    assert [run["replicas"] for run in doc["runs"]] == [1] and len(
+        doc["rows"]
+    ) == 1  # the finished count, not the cut one
+    assert [json.loads(line)["level"] for line in (study / "serve-check.requests.jsonl").read_text().splitlines()] == [
+        0,
+        1,
+    ]
     err = capsys.readouterr().err
     assert f"serve-check stopped ({doc['stopped']}): what finished is kept in" in " ".join(err.split())
     report = build_report(load_study(study))
@@ -367,7 +385,10 @@ def test_what_stopped_a_serve_check_is_named_as_verify_names_it():
     from servetune.cli.serve_check import stopped_reason
     from servetune.errors import EngineDiedError
 
-    assert stopped_reason(SystemExit(143)) == "stopped by SIGTERM" and stopped_reason(KeyboardInterrupt()) == "interrupted (Ctrl-C)"
+    assert (
+        stopped_reason(SystemExit(143)) == "stopped by SIGTERM"
+        and stopped_reason(KeyboardInterrupt()) == "interrupted (Ctrl-C)"
+    )
     assert stopped_reason(SystemExit(160)) == "exited with code 160"  # 128 + 32: no signal of that number
     assert stopped_reason(SystemExit(2)) == "exited with code 2"
     assert stopped_reason(EngineDiedError("the engine died\nmore", "tail")) == "EngineDiedError: the engine died"
@@ -408,4 +429,7 @@ def test_a_stopped_serve_check_never_replaces_one_that_ran_to_the_end(served_stu
     stop_at["call"] = 6
     assert main(argv) == 130
     assert json.loads((study / "serve-check.json").read_text())["stopped"] == "interrupted (Ctrl-C)"
-    assert [json.loads(line)["call"] for line in (study / "serve-check.requests.jsonl").read_text().splitlines()] == [5, 6]
+    assert [json.loads(line)["call"] for line in (study / "serve-check.requests.jsonl").read_text().splitlines()] == [
+        5,
+        6,
+    ]

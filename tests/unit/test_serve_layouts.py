@@ -61,7 +61,8 @@ def test_layouts_the_model_or_the_budget_cannot_take_are_refused_or_left_out():
     # --budget leaves out what the model does not split into, and says why.
     kept, skipped = check_layouts(budget_layouts(8), 1, heads(4), budget=8)
     assert kept == [Layout(8, 1), Layout(4, 2), Layout(2, 4)] and skipped == [
-        "1x8: num_attention_heads 4 is not divisible by tensor_parallel_size 8"]
+        "1x8: num_attention_heads 4 is not divisible by tensor_parallel_size 8"
+    ]
     with pytest.raises(UserError, match="--budget 2: a comparison needs 2 or more layouts the model fits, got 2x1"):
         check_layouts(budget_layouts(2), 1, heads(3), budget=2)
 
@@ -90,7 +91,9 @@ def test_every_layout_is_offered_the_picked_level_scaled_to_the_budget():
     assert budget_level(Level("rate", 2.5), 1, 4).value == 10.0
 
 
-def run(layout: Layout, out_tps: float, broken: bool = False, repeats: tuple[float, ...] = (), price: float | None = 2.0):
+def run(
+    layout: Layout, out_tps: float, broken: bool = False, repeats: tuple[float, ...] = (), price: float | None = 2.0
+):
     measured = level(16, out_tps, 300, violations=("ttft_ms_p99 > 2000",) if broken else ())
     if repeats:
         measured.runs = [LevelRun(summary=level(16, r, 300).summary) for r in repeats]
@@ -174,8 +177,12 @@ def test_layouts_are_measured_at_one_load_the_routers_engines_reused_the_rest_fr
         offered.append((str(layout), cluster.tps[-1]))
         return level(16, 900 if layout.tp == 1 else 400, 300)
 
-    routing = Routing(routers=["default"], replicas=2, workload="rag", measure=lambda url, served, router: level(8, 500, 300))
-    layouts = Layouts(layouts=[Layout(1, 2), Layout(2, 1)], budget=2, level={"concurrency": 16.0}, measure=measure_layout)
+    routing = Routing(
+        routers=["default"], replicas=2, workload="rag", measure=lambda url, served, router: level(8, 500, 300)
+    )
+    layouts = Layouts(
+        layouts=[Layout(1, 2), Layout(2, 1)], budget=2, level={"concurrency": 16.0}, measure=measure_layout
+    )
     result = run_check(picked, [], cluster, "app", lambda *a: [], teardown, routing=routing, layouts=layouts)
     # 2x1 is the routers' deployment: measured first on its engines (caches reset); 1x2 deployed fresh.
     assert offered == [("2x1", 1), ("1x2", 2)]
@@ -208,13 +215,18 @@ def test_cli_refusals_come_before_ray_starts(tmp_path, capsys, monkeypatch):
         assert len(err) == 1, err
         return err[0]
 
-    assert "--layouts 1x2: num_attention_heads 3 is not divisible by tensor_parallel_size 2" in refused("--layouts", "2x1,1x2")
+    assert "--layouts 1x2: num_attention_heads 3 is not divisible by tensor_parallel_size 2" in refused(
+        "--layouts", "2x1,1x2"
+    )
     assert "--budget 4: a comparison needs 2 or more layouts the model fits, got 4x1" in refused("--budget", "4")
-    assert "--layouts 1x1 uses 1 devices (replicas x TP x PP 1), not --budget 2" in refused("--layouts", "2x1,1x1", "--budget", "2")
+    assert "--layouts 1x1 uses 1 devices (replicas x TP x PP 1), not --budget 2" in refused(
+        "--layouts", "2x1,1x1", "--budget", "2"
+    )
     assert "--layouts '2': give layouts as REPLICASxTP" in refused("--layouts", "2")
     result.write_text(result.read_text().replace(str(model), "org/tiny-chat"))  # heads unknown: TP checked at deploy
     assert "--layouts 4x1: 4 replicas of 1 CPU core (TP x PP) need 4 CPU cores; this machine has 2" in refused(
-        "--layouts", "4x1,2x2")
+        "--layouts", "4x1,2x2"
+    )
     assert "--ramp runs after the first replica count" in refused("--layouts", "2x1,1x2", "--ramp")
     assert not (study / "serve-check.json").exists()
 

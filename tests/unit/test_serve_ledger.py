@@ -162,7 +162,11 @@ def test_a_replica_waits_for_one_node_with_room_even_when_the_cluster_has_enough
         await ledger.give_back("t1")  # node a is empty: tp2 goes there, then the two ones fill b's 1 and a's 2
         assert await asyncio.wait_for(tp2, 5) == 2 and await asyncio.wait_for(ones, 5) == 2
         placed = (await ledger.state())["placed"]
-        assert placed["tp2"] == {"a": 2} and placed["ones"] == {"a": 1, "b": 1} and ledger.free_by_node() == {"a": 1, "b": 0}
+        assert (
+            placed["tp2"] == {"a": 2}
+            and placed["ones"] == {"a": 1, "b": 1}
+            and ledger.free_by_node() == {"a": 1, "b": 0}
+        )
 
     run(scenario())
 

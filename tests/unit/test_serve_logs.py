@@ -49,18 +49,28 @@ def test_the_engine_log_keeps_a_replaced_replica_and_leaves_out_pid_reuse_other_
     log_file(logs, "w9", 200, "a later worker that got pid 200\n", now - 10)
     actors["a3"] = replica("r3", 300, start_s=now - 200, ip="10.0.0.2")  # another host: pid 300 means nothing here
     log_file(logs, "w3", 300, "a local worker with pid 300\n", now - 5)
-    actors["a4"] = replica("r4", 400, start_s=now - 900, end_s=now - 400, state="DEAD")  # an earlier deployment of the name
+    actors["a4"] = replica(
+        "r4", 400, start_s=now - 900, end_s=now - 400, state="DEAD"
+    )  # an earlier deployment of the name
     log_file(logs, "w4", 400, "the earlier deployment\n", now - 401)
     actors["a5"] = replica("o1", 500, start_s=now - 200, app="other-app")
     log_file(logs, "w5", 500, "another application\n", now - 5)
-    actors["a6"] = replica("r6", 600, start_s=now - 150, end_s=now - 120, ip="", state="DEAD")  # the GCS cleared its address
+    actors["a6"] = replica(
+        "r6", 600, start_s=now - 150, end_s=now - 120, ip="", state="DEAD"
+    )  # the GCS cleared its address
     log_file(logs, "w6", 600, "r6: died, address unknown\n", now - 121)
 
     cluster = ServeCluster("ray://nowhere:1", {})
     text = cluster.replica_logs("trial-app", leave_out={"a4"})
     for ours in ("r1: KV cache", "r2: died mid-trial", "r6: died, address unknown"):
         assert ours in text
-    for other in ("earlier worker", "later worker", "local worker with pid 300", "earlier deployment", "another application"):
+    for other in (
+        "earlier worker",
+        "later worker",
+        "local worker with pid 300",
+        "earlier deployment",
+        "another application",
+    ):
         assert other not in text
     assert "the earlier deployment" in cluster.replica_logs("trial-app")  # nothing left out: every replica of the name
     assert cluster.engine_replicas("trial-app") == ["a1", "a3"]

@@ -72,21 +72,47 @@ def test_the_engine_version_ignores_what_serve_applies_in_place_and_nothing_else
     version = engine_version(config)
     assert engine_version(routed_llm_config(config, "prefix-aware")) == version  # a router switch keeps the engines
     # So do another replica count, the ramp's autoscaling and its queue limits: Serve applies them to running replicas.
-    assert engine_version({**config, "deployment_config": {"autoscaling_config": {"min_replicas": 1, "max_replicas": 3},
-                                                           "max_ongoing_requests": 10, "max_queued_requests": 4}}) == version
+    assert (
+        engine_version(
+            {
+                **config,
+                "deployment_config": {
+                    "autoscaling_config": {"min_replicas": 1, "max_replicas": 3},
+                    "max_ongoing_requests": 10,
+                    "max_queued_requests": 4,
+                },
+            }
+        )
+        == version
+    )
     assert engine_version({**config, "deployment_config": {"num_replicas": 3}}) == version
     assert engine_version({**config, "engine_kwargs": {"max_num_seqs": 16}}) != version  # a new engine config does not
     assert engine_version({**config, "runtime_env": {"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}}) != version
-    assert engine_version({**config, "deployment_config": {"autoscaling_config": {}, "ray_actor_options": {"num_cpus": 2}}}) != version
+    assert (
+        engine_version(
+            {**config, "deployment_config": {"autoscaling_config": {}, "ray_actor_options": {"num_cpus": 2}}}
+        )
+        != version
+    )
 
 
 def test_counters_per_replica_come_from_the_agents_text_for_the_applications_llm_deployment_only():
     counters = read_replica_counters(AGENT_TEXT, "app")
     assert counters == {
-        "r1": {"requests": 7, "prompt_tokens": 2800, "generation_tokens": 112, "prefix_cache_queries": 2800,
-               "prefix_cache_hits": 1600},
-        "r2": {"requests": 3, "prompt_tokens": 1200, "generation_tokens": 48, "prefix_cache_queries": 1200,
-               "prefix_cache_hits": 320},
+        "r1": {
+            "requests": 7,
+            "prompt_tokens": 2800,
+            "generation_tokens": 112,
+            "prefix_cache_queries": 2800,
+            "prefix_cache_hits": 1600,
+        },
+        "r2": {
+            "requests": 3,
+            "prompt_tokens": 1200,
+            "generation_tokens": 48,
+            "prefix_cache_queries": 1200,
+            "prefix_cache_hits": 320,
+        },
     }  # fmt: skip  (the ingress, another application's replicas and gauges are not counted)
     assert read_replica_counters("not { prometheus", "app") == {}
 
@@ -94,12 +120,16 @@ def test_counters_per_replica_come_from_the_agents_text_for_the_applications_llm
 def test_replicas_on_two_nodes_are_read_from_each_nodes_agent_and_merged():
     # Each node's metrics agent exports the samples of the replicas on that node only.
     def node_text(replica):
-        return "\n".join(line for line in AGENT_TEXT.splitlines() if line.startswith("#") or f'"{replica}"' in line) + "\n"
+        return (
+            "\n".join(line for line in AGENT_TEXT.splitlines() if line.startswith("#") or f'"{replica}"' in line) + "\n"
+        )
 
     per_node = [read_replica_counters(node_text(r), "app") for r in ("r1", "r2")]
     assert [set(c) for c in per_node] == [{"r1"}, {"r2"}]
     assert merge_counters(per_node) == read_replica_counters(AGENT_TEXT, "app")
-    assert merge_counters([{"r1": {"requests": 2}}, {"r1": {"requests": 3, "prompt_tokens": 5}}]) == {"r1": {"requests": 5, "prompt_tokens": 5}}
+    assert merge_counters([{"r1": {"requests": 2}}, {"r1": {"requests": 3, "prompt_tokens": 5}}]) == {
+        "r1": {"requests": 5, "prompt_tokens": 5}
+    }
 
 
 @pytest.mark.parametrize("interval_ms, lag_s", [(1000, 2.5), (10_000, 20.5)])
@@ -205,7 +235,9 @@ def compare(tmp_path, cluster):
 
     routing = Routing(routers=["default", "prefix-aware"], replicas=2, workload="rag-tiny", measure=measure)
     teardown = Teardown(pids=set())
-    result = run_check(picked, [1], cluster, "app", lambda url, served, n: [level(8, 380, 320)], teardown, routing=routing)
+    result = run_check(
+        picked, [1], cluster, "app", lambda url, served, n: [level(8, 380, 320)], teardown, routing=routing
+    )
     assert measured == ["default", "prefix-aware"]
     return result, teardown
 
@@ -217,7 +249,18 @@ def test_routers_switch_on_the_same_engines_with_their_caches_reset_after_the_re
     # The replica count deployed fresh; the first router on its engine (one replica added) and the next switched
     # to on the same two (no delete between), the caches reset before each router's counters are read (Serve
     # counts the reset as a request per replica).
-    assert kinds == ["delete", "deploy", "deploy", "reset", "counters", "counters", "deploy", "reset", "counters", "counters"]
+    assert kinds == [
+        "delete",
+        "deploy",
+        "deploy",
+        "reset",
+        "counters",
+        "counters",
+        "deploy",
+        "reset",
+        "counters",
+        "counters",
+    ]
     counted, first, switched = events[1], events[2], events[6]
     assert counted[1]["autoscaling_config"]["min_replicas"] == 1
     assert first[1]["autoscaling_config"]["min_replicas"] == 2 and "request_router_config" not in first[1]
@@ -226,7 +269,9 @@ def test_routers_switch_on_the_same_engines_with_their_caches_reset_after_the_re
     assert cluster.started == 2  # one engine for the count, one added for the routers: none started twice
     routed = result.routing
     assert routed.replicas == 2 and routed.level == {"concurrency": 8.0} and routed.workload == "rag-tiny"
-    assert [r.router for r in routed.runs] == ["default", "prefix-aware"] and routed.runs[1].per_replica["r1"].requests == 7
+    assert [r.router for r in routed.runs] == ["default", "prefix-aware"] and routed.runs[1].per_replica[
+        "r1"
+    ].requests == 7
     assert [r.engines_reused for r in routed.runs] == [True, True]
     assert routed.runs[0].engine_replicas == routed.runs[1].engine_replicas == ["actor0", "actor1"]
     assert routed.verdict is not None and routed.verdict.ship is None  # the same numbers: no router named
@@ -256,17 +301,18 @@ def test_cli_refuses_bad_routing_options_in_one_line_before_ray_starts(tmp_path,
     study = small_model_study(tmp_path / "s")
     cases = {
         ("--routers", "default,round-robin"): "--routers 'default,round-robin': unknown router 'round-robin' "
-                                              "(known: default, prefix-aware)",
+        "(known: default, prefix-aware)",
         ("--routers", "default,prefix-aware", "--replicas", "1"): "it needs 2 or more, got 1",
         ("--routers", "default", "--workload", "cpu-tiny"): "--workload cpu-tiny: no shared_prefix",
         ("--routers", "default", "--workload", str(tmp_path / "nope.yaml")): "nope.yaml: file not found",
         ("--workload", "rag"): "--routing-replicas and --workload go with --routers",
-        ("--routers", "default,prefix-aware"): "--workload rag: its smallest request (1532 tokens with its answer) passes "
-                                               "the trial's max_model_len 1024",
+        (
+            "--routers",
+            "default,prefix-aware",
+        ): "--workload rag: its smallest request (1532 tokens with its answer) passes the trial's max_model_len 1024",
     }
     for argv, message in cases.items():
         assert main(["serve-check", str(study), "--pick", "t1", *argv]) == 2, argv
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], (argv, err)
     assert not ray.is_initialized() and not (study / "serve-check.json").exists()
-

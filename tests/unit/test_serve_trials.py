@@ -39,14 +39,23 @@ def space(tmp_path, text):
 
 
 def test_replicas_and_tensor_parallelism_under_a_budget(tmp_path):
-    s = space(tmp_path, """
+    s = space(
+        tmp_path,
+        """
 params:
   serve.num_replicas: [1, 2, 4]
   tensor_parallel_size: [1, 2]
 constraints: ["serve.num_replicas * tensor_parallel_size <= 4"]
-""")
+""",
+    )
     kept, rejected = s.grid()
-    assert sorted((p["serve.num_replicas"], p["tensor_parallel_size"]) for p in kept) == [(1, 1), (1, 2), (2, 1), (2, 2), (4, 1)]
+    assert sorted((p["serve.num_replicas"], p["tensor_parallel_size"]) for p in kept) == [
+        (1, 1),
+        (1, 2),
+        (2, 1),
+        (2, 2),
+        (4, 1),
+    ]
     assert s.through_serve and s.devices({"serve.num_replicas": 2, "tensor_parallel_size": 2}) == 4  # priced for all
     # Replicas spread over nodes: only one replica's engine must fit a node (2 devices here).
     assert s.constraint_violations({"serve.num_replicas": 4, "tensor_parallel_size": 1}) == []
@@ -89,7 +98,9 @@ def test_each_replica_count_is_its_own_trial_deployed_at_that_count(tmp_path):
     env = config["runtime_env"]["env_vars"]
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["HF_TOKEN"] == "hf_secret"  # deployed as given, not masked
     # A bare-engine study's trial ids are untouched by the field.
-    bare = SearchSpace.model_validate({"name": "t", "model": "m", "workload": "cpu-tiny", "params": {"max_num_seqs": [4]}})
+    bare = SearchSpace.model_validate(
+        {"name": "t", "model": "m", "workload": "cpu-tiny", "params": {"max_num_seqs": [4]}}
+    )
     assert context.spec_for({}).serve_replicas is None and not bare.through_serve
 
 
@@ -106,8 +117,12 @@ def test_the_stream_batching_interval_is_its_own_trial_deployed_and_exported_at_
     assert none.engine_args == plain.engine_args  # not an engine argument
     assert trial_llm_config(none)["experimental_configs"] == {"stream_batching_interval_ms": 0}
     assert "experimental_configs" not in trial_llm_config(plain)  # Ray Serve LLM's default
-    point = ReportPoint(trial_id="t1", params={"serve.num_replicas": 2, "serve.stream_batching_interval_ms": 12.5}, model="/m")
-    assert ray_serve_app(point)["applications"][0]["args"]["llm_configs"][0]["experimental_configs"] == {"stream_batching_interval_ms": 12.5}
+    point = ReportPoint(
+        trial_id="t1", params={"serve.num_replicas": 2, "serve.stream_batching_interval_ms": 12.5}, model="/m"
+    )
+    assert ray_serve_app(point)["applications"][0]["args"]["llm_configs"][0]["experimental_configs"] == {
+        "stream_batching_interval_ms": 12.5
+    }
 
 
 def test_serve_check_deploys_at_the_stream_batching_interval_asked(tmp_path):
@@ -134,19 +149,28 @@ def test_a_local_ray_declares_what_the_largest_trial_needs_for_each_trial_in_fli
 
 def test_trials_in_flight_through_serve_fill_the_clusters_devices_together(tmp_path):
     s = space(tmp_path, "params:\n  serve.num_replicas: [2, 4]\n  tensor_parallel_size: [1, 2]\n")
-    gpu = SearchSpace.model_validate({**s.model_dump(), "device": "gpu", "search": {"algorithm": "tpe", "max_concurrent": "auto"}})
+    gpu = SearchSpace.model_validate(
+        {**s.model_dump(), "device": "gpu", "search": {"algorithm": "tpe", "max_concurrent": "auto"}}
+    )
     # The smallest trial takes 2 devices (2 replicas of TP 1); replicas spread over nodes, so 3 + 3 GPUs hold 3 of them.
     assert resolve_max_concurrent(gpu, [3.0, 3.0]) == 3 and resolve_max_concurrent(gpu, [8.0]) == 4
     # A replica stays inside one node: two nodes of 3 GPUs hold two TP2 replicas, not three.
-    tp2 = SearchSpace.model_validate({**gpu.model_dump(), "params": {"serve.num_replicas": [1], "tensor_parallel_size": [2]}})
+    tp2 = SearchSpace.model_validate(
+        {**gpu.model_dump(), "params": {"serve.num_replicas": [1], "tensor_parallel_size": [2]}}
+    )
     assert resolve_max_concurrent(tp2, [3.0, 3.0]) == 2 and resolve_max_concurrent(tp2, [6.0]) == 3
     bare = SearchSpace.model_validate({**gpu.model_dump(), "params": {"tensor_parallel_size": [2, 4]}})
     assert resolve_max_concurrent(bare, [3.0, 3.0]) == 2  # a bare trial stays on one node
     cpu_auto = SearchSpace.model_validate({**s.model_dump(), "search": {"max_concurrent": "auto"}})
     assert resolve_max_concurrent(cpu_auto, [2.0]) == 1  # on CPU, one at a time unless asked
     # The ledger's capacity: the cluster's GPUs; on the CPU stand-in, devices_per_node cores of each node.
-    assert devices_by_node(gpu.device, gpu.hardware.devices_per_node, {"a": {"GPU": 8.0, "CPU": 96.0}, "b": {"CPU": 4.0}}) == {"a": 8, "b": 0}
-    assert devices_by_node(s.device, s.hardware.devices_per_node, {"a": {"CPU": 32.0}, "b": {"CPU": 1.0}}) == {"a": 2, "b": 1}
+    assert devices_by_node(
+        gpu.device, gpu.hardware.devices_per_node, {"a": {"GPU": 8.0, "CPU": 96.0}, "b": {"CPU": 4.0}}
+    ) == {"a": 8, "b": 0}
+    assert devices_by_node(s.device, s.hardware.devices_per_node, {"a": {"CPU": 32.0}, "b": {"CPU": 1.0}}) == {
+        "a": 2,
+        "b": 1,
+    }
 
 
 def test_the_export_of_a_trial_through_serve_keeps_its_replicas():
@@ -172,7 +196,10 @@ def test_a_studys_verification_through_serve_deploys_on_the_studys_ray_and_verif
     from servetune.verify.choose import select
 
     path = tmp_path / "space.yaml"
-    path.write_text(BASE.replace("search: {max_concurrent: 4}", "search: {verify: {top: 1}}") + "params:\n  serve.num_replicas: [1, 2]\n")
+    path.write_text(
+        BASE.replace("search: {max_concurrent: 4}", "search: {verify: {top: 1}}")
+        + "params:\n  serve.num_replicas: [1, 2]\n"
+    )
     assert load_space(path).search.verify.top == 1  # search.verify of trials through Serve: verified through Serve
     chosen = select(serve_study(tmp_path, 2), FIXTURE_TRIAL).winner
     made = []
@@ -266,7 +293,9 @@ def test_a_trial_deployment_that_fails_after_deploying_is_deleted(tmp_path):
 
     s = space(tmp_path, "params:\n  serve.num_replicas: [1]\n")
     workload = s.resolved_workload(tmp_path)
-    spec = StudyContext(s, workload, tmp_path, "/models/tiny", resolve_levels(s, workload)).spec_for({"serve.num_replicas": 1})
+    spec = StudyContext(s, workload, tmp_path, "/models/tiny", resolve_levels(s, workload)).spec_for(
+        {"serve.num_replicas": 1}
+    )
     cluster = HalfwayCluster()
     with pytest.raises(RuntimeError, match="the GCS did not answer"):
         ServeEngine(spec, tmp_path, cluster).__enter__()
@@ -303,18 +332,24 @@ class ReplacingCluster(HalfwayCluster):
         return 2.5
 
 
-def test_a_trials_engine_log_is_its_replicas_a_replaced_one_kept_and_failed_or_earlier_ones_left_out(tmp_path, monkeypatch):
+def test_a_trials_engine_log_is_its_replicas_a_replaced_one_kept_and_failed_or_earlier_ones_left_out(
+    tmp_path, monkeypatch
+):
     from servetune.serve import trial as serve_trial
     from servetune.serve.trial import ServeEngine
 
     monkeypatch.setattr(serve_trial, "wait_gone", lambda pids, timeout_s: [])
     s = space(tmp_path, "params:\n  serve.num_replicas: [1]\n")
     workload = s.resolved_workload(tmp_path)
-    spec = StudyContext(s, workload, tmp_path, "/models/tiny", resolve_levels(s, workload)).spec_for({"serve.num_replicas": 1})
+    spec = StudyContext(s, workload, tmp_path, "/models/tiny", resolve_levels(s, workload)).spec_for(
+        {"serve.num_replicas": 1}
+    )
     cluster = ReplacingCluster()
     engine = ServeEngine(spec, tmp_path, cluster).__enter__()
     log = (tmp_path / "engine.log").read_text()
-    assert log == "r1: KV cache size: 2,000 tokens\n"  # read now for the start-up phases and the KV capacity: one engine
+    assert (
+        log == "r1: KV cache size: 2,000 tokens\n"
+    )  # read now for the start-up phases and the KV capacity: one engine
     assert engine.kv_capacity().engines == 1 and engine.kv_capacity().tokens == 2000
     cluster.actors |= {"r1": (False, cluster.actors["r1"][1]), "r2": (True, "r2: started by Serve mid-trial\n")}
     engine.__exit__(None, None, None)
@@ -337,13 +372,17 @@ def test_what_each_replica_served_leaves_out_an_earlier_deployment_of_the_name(t
     monkeypatch.setattr(serve_trial, "wait_gone", lambda pids, timeout_s: [])
     s = space(tmp_path, "params:\n  serve.num_replicas: [1]\n")
     workload = s.resolved_workload(tmp_path)
-    spec = StudyContext(s, workload, tmp_path, "/models/tiny", resolve_levels(s, workload)).spec_for({"serve.num_replicas": 1})
+    spec = StudyContext(s, workload, tmp_path, "/models/tiny", resolve_levels(s, workload)).spec_for(
+        {"serve.num_replicas": 1}
+    )
     engine = ServeEngine(spec, tmp_path, Counted()).__enter__()
     assert engine.record()["requests_per_replica"] == {"r1": 7, "r2": 3}
     engine.__exit__(None, None, None)
 
 
-def test_where_the_replicas_devices_are_is_told_to_the_ledger_while_deploying_and_again_once_serve_replaced_one(tmp_path, monkeypatch):
+def test_where_the_replicas_devices_are_is_told_to_the_ledger_while_deploying_and_again_once_serve_replaced_one(
+    tmp_path, monkeypatch
+):
     from servetune.serve import ledger as serve_ledger
     from servetune.serve import trial as serve_trial
     from servetune.serve.trial import ServeEngine
@@ -377,7 +416,9 @@ def test_where_the_replicas_devices_are_is_told_to_the_ledger_while_deploying_an
     monkeypatch.setattr(serve_trial, "wait_gone", lambda pids, timeout_s: [])
     s = space(tmp_path, "params:\n  serve.num_replicas: [2]\n")
     workload = s.resolved_workload(tmp_path)
-    spec = StudyContext(s, workload, tmp_path, "/models/tiny", resolve_levels(s, workload)).spec_for({"serve.num_replicas": 2})
+    spec = StudyContext(s, workload, tmp_path, "/models/tiny", resolve_levels(s, workload)).spec_for(
+        {"serve.num_replicas": 2}
+    )
     cluster = Placing()
     engine = ServeEngine(spec, tmp_path, cluster).__enter__()
     assert told == [{"a": 1, "b": 1}]  # once every replica was placed, not at the partial read
@@ -389,7 +430,9 @@ def test_where_the_replicas_devices_are_is_told_to_the_ledger_while_deploying_an
 
 
 @pytest.mark.parametrize(("kv_bytes", "waits"), [(2_000, False), (1 << 30, True)])
-def test_a_trial_the_capacity_check_rejects_is_rejected_without_waiting_for_devices(tmp_path, tiny_model, monkeypatch, kv_bytes, waits):
+def test_a_trial_the_capacity_check_rejects_is_rejected_without_waiting_for_devices(
+    tmp_path, tiny_model, monkeypatch, kv_bytes, waits
+):
     """Trials through Serve take their devices from the study's ledger before they deploy; one that cannot hold a
     single request (a 2,000-byte KV cache) is INFEASIBLE at once, however long others hold the devices."""
     import ray
@@ -399,7 +442,10 @@ def test_a_trial_the_capacity_check_rejects_is_rejected_without_waiting_for_devi
     from servetune.study import driver
 
     path = tmp_path / "space.yaml"  # the KV cache sized by kv_cache_memory_bytes, not VLLM_CPU_KVCACHE_SPACE
-    path.write_text(BASE.replace("VLLM_CPU_KVCACHE_SPACE: 1, ", "") + f"params:\n  serve.num_replicas: [1]\n  kv_cache_memory_bytes: [{kv_bytes}]\n")
+    path.write_text(
+        BASE.replace("VLLM_CPU_KVCACHE_SPACE: 1, ", "")
+        + f"params:\n  serve.num_replicas: [1]\n  kv_cache_memory_bytes: [{kv_bytes}]\n"
+    )
     s = load_space(path)
     workload = s.resolved_workload(tmp_path)
     context = StudyContext(s, workload, tmp_path, str(tiny_model), resolve_levels(s, workload), ledger="the-study's")
@@ -424,4 +470,6 @@ def test_a_trial_the_capacity_check_rejects_is_rejected_without_waiting_for_devi
         return
     driver.trainable({"params": params}, context)
     result = json.loads(reports[-1][driver.RESULT_KEY])
-    assert asked == [] and result["outcome"] == "INFEASIBLE" and result["reason"].startswith("capacity check: "), result["reason"]
+    assert asked == [] and result["outcome"] == "INFEASIBLE" and result["reason"].startswith("capacity check: "), (
+        result["reason"]
+    )

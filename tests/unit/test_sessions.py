@@ -62,7 +62,10 @@ def test_sessions_are_deterministic_and_streams_differ(tmp_path, tiny_tokenizer)
 
 
 def test_a_conversation_ends_before_it_outgrows_its_context(tmp_path, tiny_tokenizer):
-    text = SESSIONS.replace("turns: {dist: uniform, min: 2, max: 5}", "turns: {dist: fixed, value: 50}") + "  max_context_tokens: 200\n"
+    text = (
+        SESSIONS.replace("turns: {dist: uniform, min: 2, max: 5}", "turns: {dist: fixed, value: 50}")
+        + "  max_context_tokens: 200\n"
+    )
     reqs = turns(workload(tmp_path, text), tiny_tokenizer, 100)
     assert all(r.input_tokens + r.output_tokens <= 200 for r in reqs if r.turn)
     assert len({r.session for r in reqs}) > 5  # conversations end early, new ones start
@@ -80,7 +83,10 @@ def test_without_sessions_the_stream_is_unchanged(tmp_path, tiny_tokenizer):
     "extra, needle",
     [
         ("sessions: {think_time_s: {dist: fixed, value: 1}}\n", "sessions.turns: Field required"),
-        ("sessions: {turns: {dist: fixed, value: 2}, think_time_s: {dist: fixed, value: -1}}\n", "sessions.think_time_s.value"),
+        (
+            "sessions: {turns: {dist: fixed, value: 2}, think_time_s: {dist: fixed, value: -1}}\n",
+            "sessions.think_time_s.value",
+        ),
         ("sessions: {turns: {dist: fixed, value: 2}, bogus: 1}\n", "sessions.bogus: unknown key"),
         ("arrival: {process: trace}\n", "process: trace needs file"),
         ("arrival: {process: poisson, file: x.jsonl}\n", "file is for process: trace"),
@@ -98,13 +104,17 @@ def test_bad_sessions_and_traces_name_the_field(tmp_path, extra, needle):
 def test_a_bad_trace_line_names_the_log_and_line(tmp_path):
     (tmp_path / "log.jsonl").write_text('{"timestamp": 0, "input_tokens": 3, "output_tokens": 1}\n{"timestamp": 1}\n')
     path = tmp_path / "w.yaml"
-    path.write_text("name: t\ninput_tokens: {dist: fixed, value: 3}\noutput_tokens: {dist: fixed, value: 1}\narrival: {process: trace, file: log.jsonl}\n")
+    path.write_text(
+        "name: t\ninput_tokens: {dist: fixed, value: 3}\noutput_tokens: {dist: fixed, value: 1}\narrival: {process: trace, file: log.jsonl}\n"
+    )
     with pytest.raises(UserError, match=r"log.jsonl line 2: no input size"):
         load_workload(path)
 
 
 def test_later_turns_take_the_sessions_own_lengths(tmp_path, tiny_tokenizer):
-    text = SESSIONS.replace("sessions:\n", "sessions:\n  input_tokens: {dist: fixed, value: 7}\n  output_tokens: {dist: fixed, value: 3}\n")
+    text = SESSIONS.replace(
+        "sessions:\n", "sessions:\n  input_tokens: {dist: fixed, value: 7}\n  output_tokens: {dist: fixed, value: 3}\n"
+    )
     reqs = turns(workload(tmp_path, text), tiny_tokenizer, 60)
     for before, after in zip(reqs, reqs[1:]):
         if after.turn:

@@ -29,7 +29,9 @@ def test_bad_slo_is_one_clear_line(text, needle):
 
 
 def test_violations():
-    r = RequestRecord(index=0, sent=0.0, input_tokens=1, max_tokens=2, chunk_times=[1.5, 1.6], end=1.6, output_tokens=2, ok=True)
+    r = RequestRecord(
+        index=0, sent=0.0, input_tokens=1, max_tokens=2, chunk_times=[1.5, 1.6], end=1.6, output_tokens=2, ok=True
+    )
     s = summarize([r], {"concurrency": 1})
     assert Slo.parse("ttft_ms.p99=2000").violations(s) == []
     broken = Slo.parse("ttft_ms.p99=1000,e2el_ms.p50=5000").violations(s)

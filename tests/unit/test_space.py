@@ -20,14 +20,17 @@ def space(tmp_path, text, argspecs=None):
 
 
 def test_grid_with_constraints(tmp_path):
-    s = space(tmp_path, """
+    s = space(
+        tmp_path,
+        """
 params:
   max_num_batched_tokens: [512, 2048]
   enable_chunked_prefill: [true, false]
   tensor_parallel_size: [1, 2, 4]
 constraints:
   - enable_chunked_prefill or max_num_batched_tokens >= max_model_len
-""")
+""",
+    )
     kept, rejected = s.grid()
     assert len(kept) + len(rejected) == 12
     assert {"max_num_batched_tokens": 512, "enable_chunked_prefill": False, "tensor_parallel_size": 1} not in kept
@@ -38,9 +41,15 @@ constraints:
 
 
 def test_env_parameters_and_devices(tmp_path):
-    s = space(tmp_path, "env: {A: 1}\nparams:\n  env.VLLM_CPU_KVCACHE_SPACE: [1, 2]\n  data_parallel_size: [1, 2]\nconstraints: ['env.VLLM_CPU_KVCACHE_SPACE * data_parallel_size <= 2']\n")
+    s = space(
+        tmp_path,
+        "env: {A: 1}\nparams:\n  env.VLLM_CPU_KVCACHE_SPACE: [1, 2]\n  data_parallel_size: [1, 2]\nconstraints: ['env.VLLM_CPU_KVCACHE_SPACE * data_parallel_size <= 2']\n",
+    )
     engine, env = s.engine_params({"env.VLLM_CPU_KVCACHE_SPACE": 2, "data_parallel_size": 1})
-    assert env == {"A": "1", "VLLM_CPU_KVCACHE_SPACE": "2"} and engine == {"max_model_len": 1024, "data_parallel_size": 1}
+    assert env == {"A": "1", "VLLM_CPU_KVCACHE_SPACE": "2"} and engine == {
+        "max_model_len": 1024,
+        "data_parallel_size": 1,
+    }
     assert s.devices({"data_parallel_size": 2}) == 2
     kept, _ = s.grid()
     assert {"env.VLLM_CPU_KVCACHE_SPACE": 2, "data_parallel_size": 2} not in kept and len(kept) == 3
@@ -59,8 +68,14 @@ def test_ranges():
         ("serach: {algorithm: grid}\n", "serach: unknown key"),
         ("params: {max_num_seqs: []}\n", "params: max_num_seqs: empty list"),
         ("params: {max_num_seqs: {low: 64, high: 8}}\n", "empty range"),
-        ("params: {max_num_seqs: [1, 2]}\nconstraints: ['max_num_seqs > 5']\n", "constraints: they exclude every point"),
-        ("params: {max_num_seqs: [1]}\nconstraints: ['max_num_seqs > nonsense']\n", "'nonsense' is neither a parameter"),
+        (
+            "params: {max_num_seqs: [1, 2]}\nconstraints: ['max_num_seqs > 5']\n",
+            "constraints: they exclude every point",
+        ),
+        (
+            "params: {max_num_seqs: [1]}\nconstraints: ['max_num_seqs > nonsense']\n",
+            "'nonsense' is neither a parameter",
+        ),
         ("params: {max_num_seqs: [1]}\nconstraints: ['__import__(\"os\")']\n", "'Call' is not allowed"),
         ("slo: {ttft: {p99: 5}}\n", "slo.ttft: unknown key"),
         ("slo: {ttft_ms: {p42: 5}}\n", "slo.ttft_ms.p42"),
@@ -79,12 +94,20 @@ def test_bad_space_is_one_line_naming_file_and_field(tmp_path, text, needle):
 def test_unknown_vllm_argument_with_parser(tmp_path):
     from servetune.engine.args import ArgSpec
 
-    specs = {"max_num_seqs": ArgSpec("max_num_seqs", "--max-num-seqs", "value"), "max_model_len": ArgSpec("max_model_len", "--max-model-len", "value")}
-    with pytest.raises(UserError, match=r"space.yaml: params: unknown engine argument 'max_num_seq'.*did you mean max_num_seqs"):
+    specs = {
+        "max_num_seqs": ArgSpec("max_num_seqs", "--max-num-seqs", "value"),
+        "max_model_len": ArgSpec("max_model_len", "--max-model-len", "value"),
+    }
+    with pytest.raises(
+        UserError, match=r"space.yaml: params: unknown engine argument 'max_num_seq'.*did you mean max_num_seqs"
+    ):
         space(tmp_path, "params: {max_num_seq: [1, 2]}\n", specs)
 
 
 def test_objective_and_slo(tmp_path):
-    s = space(tmp_path, "slo: {ttft_ms: {p95: 800, p99: 2000}, error_rate: 0.001}\nsearch: {algorithm: nsga2, objectives: [{metric: cost_per_mtok_usd, mode: min}, {metric: ttft_ms_p99, mode: min}]}\n")
+    s = space(
+        tmp_path,
+        "slo: {ttft_ms: {p95: 800, p99: 2000}, error_rate: 0.001}\nsearch: {algorithm: nsga2, objectives: [{metric: cost_per_mtok_usd, mode: min}, {metric: ttft_ms_p99, mode: min}]}\n",
+    )
     assert [str(b) for b in s.slo_bounds.bounds] == ["ttft_ms_p95 <= 800", "ttft_ms_p99 <= 2000", "error_rate <= 0.001"]
     assert isinstance(s, SearchSpace) and len(s.search.objectives) == 2

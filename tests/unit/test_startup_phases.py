@@ -25,27 +25,41 @@ CPU_LOG = """\
 def test_gpu_start_up_phases():
     phases = startup_phases(GPU_LOG, startup_s=75.0)
     assert phases["load_weights_s"] == 5.27 and phases["compile_s"] == 21.3 and phases["cuda_graphs_s"] == 12.0
-    assert phases["kv_profile_warmup_s"] == pytest.approx(40.1 - 21.3 - 12.0)  # compile and graphs run inside init engine
+    assert phases["kv_profile_warmup_s"] == pytest.approx(
+        40.1 - 21.3 - 12.0
+    )  # compile and graphs run inside init engine
     assert phases["other_s"] == pytest.approx(75.0 - 5.27 - 40.1)
     assert phases["compile_cache_hit"] == 0.0
-    hit = GPU_LOG + "(Worker pid=2) INFO [backends.py:296] Directly load the compiled graph(s) for compile range (1, 8192) from the cache, took 2.1 s\n"
+    hit = (
+        GPU_LOG
+        + "(Worker pid=2) INFO [backends.py:296] Directly load the compiled graph(s) for compile range (1, 8192) from the cache, took 2.1 s\n"
+    )
     assert startup_phases(hit, 75.0)["compile_cache_hit"] == 1.0
 
 
 def test_cpu_start_up_phases_and_a_log_without_them():
     phases = startup_phases(CPU_LOG, startup_s=36.5)
-    assert phases["load_weights_s"] == pytest.approx(0.1529, abs=1e-3) and "compile_s" not in phases and "cuda_graphs_s" not in phases
+    assert (
+        phases["load_weights_s"] == pytest.approx(0.1529, abs=1e-3)
+        and "compile_s" not in phases
+        and "cuda_graphs_s" not in phases
+    )
     assert phases["other_s"] == pytest.approx(36.5 - 0.1529 - 1.25, abs=1e-3)
     assert startup_phases("no such lines\n", 30.0) == {}
 
 
 def test_the_summary_and_mlflow_carry_the_phases():
     a, b = trial("a", {}, [level(8, 1000, 300)]), trial("b", {}, [level(8, 1000, 300)])
-    for t, log in ((a, GPU_LOG), (b, GPU_LOG.replace("21.30 s in total", "1.00 s in total") + "Directly load the compiled graph(s)\n")):
+    for t, log in (
+        (a, GPU_LOG),
+        (b, GPU_LOG.replace("21.30 s in total", "1.00 s in total") + "Directly load the compiled graph(s)\n"),
+    ):
         t.startup_s, t.duration_s = 75.0, 200.0
         t.startup_phases = startup_phases(log, 75.0)
     line = startup_lines([a, b])[0]
-    assert line.startswith("engine start-up, mean of 2: loading weights 5.3 s, torch.compile 11.2 s, CUDA graphs 12.0 s")
+    assert line.startswith(
+        "engine start-up, mean of 2: loading weights 5.3 s, torch.compile 11.2 s, CUDA graphs 12.0 s"
+    )
     assert line.endswith("compile cache hit in 1 of 2")
     assert line in device_time_lines([a, b], "gpu", 1)
     assert {m.key: m.value for m in trial_metrics(a)}["startup/compile_s"] == 21.3

@@ -91,7 +91,9 @@ def test_searcher_learns_the_constraint(algorithm):
         params = config["params"]
         assert params["y"] == 1 or params["x"] <= 45  # static constraints never reach a trial
         values, constraints = answer(params)
-        searcher.on_trial_complete(f"t{i}", {OBJECTIVES_KEY: json.dumps(values), CONSTRAINTS_KEY: json.dumps(constraints)})
+        searcher.on_trial_complete(
+            f"t{i}", {OBJECTIVES_KEY: json.dumps(values), CONSTRAINTS_KEY: json.dumps(constraints)}
+        )
         proposed.append(params["x"])
     measured = [t for t in searcher.study.trials if t.state.name == "COMPLETE"]
     assert all(t.constraints for t in measured)  # every told point carries its constraint values
@@ -112,7 +114,9 @@ def test_searcher_never_reruns_a_measured_point_and_survives_pickling():
     for i in range(3):
         params = searcher.suggest(f"t{i}")["params"]
         seen.append(params["x"])
-        searcher.on_trial_complete(f"t{i}", {OBJECTIVES_KEY: json.dumps([1.0]), CONSTRAINTS_KEY: json.dumps([0.0, 0.0])})
+        searcher.on_trial_complete(
+            f"t{i}", {OBJECTIVES_KEY: json.dumps([1.0]), CONSTRAINTS_KEY: json.dumps([0.0, 0.0])}
+        )
     assert sorted(seen) == [1, 2, 3]
     clone = pickle.loads(pickle.dumps(searcher))
     assert len(clone.study.trials) == len(searcher.study.trials)
@@ -146,7 +150,9 @@ def test_gp_fits_on_one_torch_thread_and_gives_the_driver_its_threads_back(monke
         for i in range(6):  # past the 4 start-up trials: GP fits its model for the last ones
             params = searcher.suggest(f"t{i}")["params"]
             values, constraints = answer(params)
-            searcher.on_trial_complete(f"t{i}", {OBJECTIVES_KEY: json.dumps(values), CONSTRAINTS_KEY: json.dumps(constraints)})
+            searcher.on_trial_complete(
+                f"t{i}", {OBJECTIVES_KEY: json.dumps(values), CONSTRAINTS_KEY: json.dumps(constraints)}
+            )
         assert seen and set(seen) == {1}
         assert torch.get_num_threads() == 2
     finally:
@@ -165,13 +171,17 @@ def test_gp_sees_a_list_of_numbers_as_ordered_and_proposes_its_values():
                                  history=[({"x": 16, "y": True, "q": None, "z": 0.5}, [1.0], [0.0, 0.0]),
                                           ({"x": 32, "y": True, "q": None, "z": 0.5}, [9.0], [0.0, 0.0])])  # fmt: skip
     assert gp.distributions["x"] == optuna.distributions.IntDistribution(0, 3)  # 1, 4, 16, 64
-    assert all(isinstance(gp.distributions[n], optuna.distributions.CategoricalDistribution) for n in "yqz")  # bools, None, two numbers
+    assert all(
+        isinstance(gp.distributions[n], optuna.distributions.CategoricalDistribution) for n in "yqz"
+    )  # bools, None, two numbers
     assert [t.params["x"] for t in gp.study.trials] == [2]  # 16 is index 2; 32 is no longer listed: left out
     proposed = []
     for i in range(5):
         point = gp.suggest(f"t{i}")["params"]
         proposed.append(point["x"])
-        gp.on_trial_complete(f"t{i}", {OBJECTIVES_KEY: json.dumps([float(point["x"])]), CONSTRAINTS_KEY: json.dumps([0.0, 0.0])})
+        gp.on_trial_complete(
+            f"t{i}", {OBJECTIVES_KEY: json.dumps([float(point["x"])]), CONSTRAINTS_KEY: json.dumps([0.0, 0.0])}
+        )
     assert set(proposed) <= {1, 4, 16, 64}, proposed
     assert {p["x"] for p, _, _ in gp.history} == {16, *proposed}  # values (a known point proposed again is told again)
     clone = pickle.loads(pickle.dumps(gp))
@@ -179,7 +189,9 @@ def test_gp_sees_a_list_of_numbers_as_ordered_and_proposes_its_values():
     near = {"x": 64, "y": True, "q": None, "z": 0.5}
     assert gp._distance(near, {**near, "x": 16}) < gp._distance(near, {**near, "x": 1})  # steps along the list
     tpe = ConstrainedOptunaSearch(make_space("tpe", params=params, constraints=[]), baseline=False)
-    assert isinstance(tpe.distributions["x"], optuna.distributions.CategoricalDistribution)  # TPE learnt worse from the index
+    assert isinstance(
+        tpe.distributions["x"], optuna.distributions.CategoricalDistribution
+    )  # TPE learnt worse from the index
 
 
 def test_gp_climbs_a_list_of_numbers_to_its_peak_in_a_few_trials():
@@ -199,7 +211,9 @@ def test_gp_climbs_a_list_of_numbers_to_its_peak_in_a_few_trials():
             point = searcher.suggest(f"t{i}")["params"]
             if goodput(point) == 103.0:
                 break
-            searcher.on_trial_complete(f"t{i}", {OBJECTIVES_KEY: json.dumps([goodput(point)]), CONSTRAINTS_KEY: json.dumps([0.0, 0.0])})
+            searcher.on_trial_complete(
+                f"t{i}", {OBJECTIVES_KEY: json.dumps([goodput(point)]), CONSTRAINTS_KEY: json.dumps([0.0, 0.0])}
+            )
         needed.append(i)
     assert max(needed) <= 7, needed
 
@@ -213,11 +227,18 @@ def test_gp_on_lists_explores_the_closest_unmeasured_point_instead_of_proposing_
     for i in range(30):
         point = searcher.suggest(f"t{i}")["params"]
         values, constraints = answer(point)
-        searcher.on_trial_complete(f"t{i}", {OBJECTIVES_KEY: json.dumps(values), CONSTRAINTS_KEY: json.dumps(constraints)})
+        searcher.on_trial_complete(
+            f"t{i}", {OBJECTIVES_KEY: json.dumps(values), CONSTRAINTS_KEY: json.dumps(constraints)}
+        )
     told = [json.dumps(p, sort_keys=True) for p, _, _ in searcher.history]
-    assert len(told) == len(set(told)) >= 30  # no measured point told twice (a point breaking a constraint: told its penalty)
+    assert (
+        len(told) == len(set(told)) >= 30
+    )  # no measured point told twice (a point breaking a constraint: told its penalty)
     ranged = make_space("gp", params={"x": {"low": 1, "high": 60}, "y": [1, 2]})
-    assert ConstrainedOptunaSearch(ranged, baseline=False).repeats_before_nudge == ConstrainedOptunaSearch.REPEATS_BEFORE_NUDGE
+    assert (
+        ConstrainedOptunaSearch(ranged, baseline=False).repeats_before_nudge
+        == ConstrainedOptunaSearch.REPEATS_BEFORE_NUDGE
+    )
 
 
 @pytest.mark.parametrize("algorithm", ["tpe", "gp"])

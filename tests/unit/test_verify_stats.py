@@ -108,8 +108,12 @@ def test_lead_is_real_only_beyond_the_noise():
 
 
 def test_cancellation_success_counts_what_vllm_still_holds_beyond_the_survivors():
-    released = DropRound(dropped=4, survivors=4, before=8, settled=4, fell_back_s=0.2, server_tokens=600, client_tokens=512, streams=8)
-    leaking = DropRound(dropped=4, survivors=4, before=8, settled=7, fell_back_s=None, server_tokens=1000, client_tokens=500, streams=8)
+    released = DropRound(
+        dropped=4, survivors=4, before=8, settled=4, fell_back_s=0.2, server_tokens=600, client_tokens=512, streams=8
+    )
+    leaking = DropRound(
+        dropped=4, survivors=4, before=8, settled=7, fell_back_s=None, server_tokens=1000, client_tokens=500, streams=8
+    )
     unseen = DropRound(dropped=4, survivors=4, before=2, settled=0, fell_back_s=0.0)  # the gauge never showed the load
     ended = DropRound(dropped=4, survivors=0, before=8, settled=0, fell_back_s=0.0)  # all had ended on the server
     assert released.leaked == 0 and leaking.leaked == 3

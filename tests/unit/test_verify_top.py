@@ -66,7 +66,13 @@ def report_of(points: list[ReportPoint], trials: list[TrialOutline]):
 
 
 def test_top_points_are_the_recommendation_then_other_trials_cheapest_first_one_point_each():
-    points = [pt("b", 2.0), pt("a", 1.0), pt("a", 0.9, level_index=1), pt("c", 3.0), pt("d", 0.1, slo_violations=("ttft_ms_p99 = 9 > 2",))]
+    points = [
+        pt("b", 2.0),
+        pt("a", 1.0),
+        pt("a", 0.9, level_index=1),
+        pt("c", 3.0),
+        pt("d", 0.1, slo_violations=("ttft_ms_p99 = 9 > 2",)),
+    ]
     report = report_of(points, [TrialOutline(t, points[0].params, "COMPLETE") for t in "abcd"])
     assert [(p.trial_id, p.level_index) for p in top_points(report, 2)] == [("a", 1), ("b", 0)]
     assert [p.trial_id for p in top_points(report, 1)] == ["a"]
@@ -89,7 +95,13 @@ def test_no_recommendation_nothing_to_verify():
     assert top_points(report_of(points, [TrialOutline("a", points[0].params, "COMPLETE")]), 3) == []
 
 
-SETTINGS = {"trial_id": "a", "level": {"concurrency": 2.0}, "params": {"max_num_seqs": 8}, "budget": {"soak_s": 60.0}, "rank": 0}
+SETTINGS = {
+    "trial_id": "a",
+    "level": {"concurrency": 2.0},
+    "params": {"max_num_seqs": 8},
+    "budget": {"soak_s": 60.0},
+    "rank": 0,
+}
 
 
 @pytest.mark.parametrize("stored, kept", [
@@ -153,14 +165,18 @@ def test_a_point_no_longer_in_the_top_has_its_verification_set_aside_not_reporte
     for trial_id, rank in (("aaa", 0), ("bbb", 1), ("ccc", 2)):
         (here / trial_id).mkdir(parents=True)
         (here / trial_id / "engine.log").write_text(f"{trial_id} log")
-        (here / f"{trial_id}.json").write_text(json.dumps({"trial_id": trial_id, "accepted": True, "settings": {"rank": rank}}))
+        (here / f"{trial_id}.json").write_text(
+            json.dumps({"trial_id": trial_id, "accepted": True, "settings": {"rank": rank}})
+        )
     said: list[str] = []
     set_aside_superseded(tmp_path, {"bbb", "ddd"}, said.append)  # a resumed study: bbb still in, aaa and ccc out
     assert sorted(p.name for p in here.iterdir()) == ["bbb", "bbb.json", "superseded"]
     aside = here / "superseded"
     assert sorted(p.name for p in aside.iterdir()) == ["aaa", "aaa.json", "ccc", "ccc.json"]
     assert (aside / "aaa" / "engine.log").read_text() == "aaa log"  # kept, with its log
-    assert said == [f"verify: trials aaa, ccc are no longer among the points to verify: their verification moved to {aside}"]
+    assert said == [
+        f"verify: trials aaa, ccc are no longer among the points to verify: their verification moved to {aside}"
+    ]
     assert [f.path.stem for f in read_verify_files(tmp_path)] == ["bbb"]  # the report shows the current top only
     # Set aside again later (verified anew, then dropped again): the newer one replaces the older.
     (here / "bbb.json").replace(here / "aaa.json")

@@ -42,7 +42,12 @@ def test_distributions_stay_in_bounds_and_are_seeded(tmp_path, dist):
 
 
 def test_lognormal_median(tmp_path):
-    w = load_workload(write(tmp_path, "name: t\ninput_tokens: {dist: lognormal, median: 300, sigma: 0.5, max: 100000}\noutput_tokens: {dist: fixed, value: 1}\n"))
+    w = load_workload(
+        write(
+            tmp_path,
+            "name: t\ninput_tokens: {dist: lognormal, median: 300, sigma: 0.5, max: 100000}\noutput_tokens: {dist: fixed, value: 1}\n",
+        )
+    )
     assert np.median(w.input_tokens.sample(np.random.default_rng(0), 20000)) == pytest.approx(300, rel=0.03)
 
 
@@ -64,9 +69,18 @@ arrival: {process: gamma, burstiness: 0.5}
 @pytest.mark.parametrize(
     "text, needle",
     [
-        ("name: t\ninput_tokens: {dist: fixed, value: 3}\noutput_tokens: {dist: fixed, value: 1}\nbogus: 1\n", "bogus: unknown key"),
-        ("name: t\ninput_tokens: {dist: lognormal, median: 3, sigma: -1, max: 9}\noutput_tokens: {dist: fixed, value: 1}\n", "input_tokens.sigma"),
-        ("name: t\ninput_tokens: {dist: uniform, min: 9, max: 3}\noutput_tokens: {dist: fixed, value: 1}\n", "min (9) is larger than max (3)"),
+        (
+            "name: t\ninput_tokens: {dist: fixed, value: 3}\noutput_tokens: {dist: fixed, value: 1}\nbogus: 1\n",
+            "bogus: unknown key",
+        ),
+        (
+            "name: t\ninput_tokens: {dist: lognormal, median: 3, sigma: -1, max: 9}\noutput_tokens: {dist: fixed, value: 1}\n",
+            "input_tokens.sigma",
+        ),
+        (
+            "name: t\ninput_tokens: {dist: uniform, min: 9, max: 3}\noutput_tokens: {dist: fixed, value: 1}\n",
+            "min (9) is larger than max (3)",
+        ),
         ("name: t\ninput_tokens: {dist: zipf, value: 3}\noutput_tokens: {dist: fixed, value: 1}\n", "input_tokens"),
         ("name: t\ninput_tokens: {dist: fixed, value: 3}\n", "go together"),
         ("input_tokens: {dist: fixed, value: 3}\noutput_tokens: {dist: fixed, value: 1}\n", "name: Field required"),
@@ -88,8 +102,15 @@ def test_unknown_workload_name_lists_shipped_ones():
 
 def test_empirical_lengths_and_prompts(tmp_path, tiny_tokenizer):
     (tmp_path / "lens.jsonl").write_text("\n".join(json.dumps({"n": n}) for n in (5, 6, 7)) + "\n")
-    (tmp_path / "prompts.jsonl").write_text(json.dumps({"prompt": "hello there"}) + "\n" + json.dumps({"prompt": "bye"}) + "\n")
-    w = load_workload(write(tmp_path, "name: e\ninput_tokens: {dist: empirical, file: prompts.jsonl}\noutput_tokens: {dist: empirical, file: lens.jsonl, field: n}\n"))
+    (tmp_path / "prompts.jsonl").write_text(
+        json.dumps({"prompt": "hello there"}) + "\n" + json.dumps({"prompt": "bye"}) + "\n"
+    )
+    w = load_workload(
+        write(
+            tmp_path,
+            "name: e\ninput_tokens: {dist: empirical, file: prompts.jsonl}\noutput_tokens: {dist: empirical, file: lens.jsonl, field: n}\n",
+        )
+    )
     reqs = list(itertools.islice(iter_requests(w, PromptFactory(tiny_tokenizer)), 50))
     assert {r.prompt for r in reqs} == {"hello there", "bye"}
     assert {r.input_tokens for r in reqs} == {11, 3}
@@ -99,4 +120,9 @@ def test_empirical_lengths_and_prompts(tmp_path, tiny_tokenizer):
 def test_empirical_missing_field_names_the_line(tmp_path):
     (tmp_path / "p.jsonl").write_text('{"text": "x"}\n')
     with pytest.raises(UserError, match="line 1 has no field 'prompt'"):
-        load_workload(write(tmp_path, "name: e\ninput_tokens: {dist: empirical, file: p.jsonl}\noutput_tokens: {dist: fixed, value: 1}\n"))
+        load_workload(
+            write(
+                tmp_path,
+                "name: e\ninput_tokens: {dist: empirical, file: p.jsonl}\noutput_tokens: {dist: fixed, value: 1}\n",
+            )
+        )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from servetune.capacity.schema import CapacityPlan
 
+
 def compare_kv(plan: CapacityPlan, reported_tokens: int) -> dict[str, float | int | str]:
     """Predicted vs reported KV tokens; ``relative_error`` is (predicted - reported) / reported."""
     predicted = plan.kv_cache_tokens

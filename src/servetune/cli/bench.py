@@ -24,7 +24,14 @@ from servetune.cli.display import level_table
 from servetune.config.slo import Slo
 from servetune.config.workload import Workload, load_workload
 from servetune.config.space import engine_devices
-from servetune.engine.args import cpu_build, load_argspecs, parse_key_values, parse_value, validate_engine_args, vllm_version
+from servetune.engine.args import (
+    cpu_build,
+    load_argspecs,
+    parse_key_values,
+    parse_value,
+    validate_engine_args,
+    vllm_version,
+)
 from servetune.engine.server import VllmServer
 from servetune.errors import EngineDiedError, UserError
 from servetune.load.client import StreamingClient
@@ -63,23 +70,73 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--url", help="benchmark an already running OpenAI-compatible server instead of starting one")
     p.add_argument("--served-model-name", help="model name to put in requests (default: asked from --url, or --model)")
     p.add_argument("--tokenizer", help="tokenizer directory, when it differs from --model")
-    p.add_argument("--engine-arg", action="append", metavar="KEY=VALUE", help="vLLM engine argument, snake_case (repeatable), e.g. max_num_seqs=32")
-    p.add_argument("--env", action="append", metavar="KEY=VALUE", help="extra environment for vLLM (repeatable), e.g. VLLM_CPU_KVCACHE_SPACE=1")
-    p.add_argument("--workload", default="chat", help="workload file, or the name of a shipped one under trials/workloads (default: chat)")
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        metavar="KEY=VALUE",
+        help="vLLM engine argument, snake_case (repeatable), e.g. max_num_seqs=32",
+    )
+    p.add_argument(
+        "--env",
+        action="append",
+        metavar="KEY=VALUE",
+        help="extra environment for vLLM (repeatable), e.g. VLLM_CPU_KVCACHE_SPACE=1",
+    )
+    p.add_argument(
+        "--workload",
+        default="chat",
+        help="workload file, or the name of a shipped one under trials/workloads (default: chat)",
+    )
     load = p.add_mutually_exclusive_group()
     load.add_argument("--concurrency", help="closed-loop levels: clients in flight, e.g. 1,4,16")
-    load.add_argument("--rate", help="open-loop levels: requests per second, e.g. 2,8 (Poisson, or the workload's gamma burstiness)")
-    load.add_argument("--speedup", help="levels of a trace replay (a workload with arrival: {process: trace}): speed-ups of the recorded times, e.g. 1,2,4")
+    load.add_argument(
+        "--rate", help="open-loop levels: requests per second, e.g. 2,8 (Poisson, or the workload's gamma burstiness)"
+    )
+    load.add_argument(
+        "--speedup",
+        help="levels of a trace replay (a workload with arrival: {process: trace}): speed-ups of the recorded times, e.g. 1,2,4",
+    )
     p.add_argument("--max-concurrency", type=int, help="with --rate or --speedup: cap on requests in flight")
-    p.add_argument("--num-requests", type=int, help="measured requests per level (default: 8 x concurrency, or 30 s of the rate; 32..500)")
-    p.add_argument("--duration", type=float, help="seconds per level at most (the level also ends after --num-requests)")
-    p.add_argument("--warmup-requests", type=int, help="requests at the start of each level left out of the numbers (default: one per client, at most 32)")
-    p.add_argument("--repeats", type=int, default=1, help="runs of each level; a level reports its median run, so its SLO verdict is the majority's (default: 1)")
-    p.add_argument("--slo", default="", help="bounds for the SLO verdict and goodput, e.g. ttft_ms.p99=2000,tpot_ms.p95=40,error_rate=0.001")
-    p.add_argument("--json", type=Path, metavar="OUT", help="write the result here, per-request records and vLLM's log beside it (<stem>.requests.jsonl, <stem>.engine.log); "
-                   "without it vLLM's log goes to a temporary directory, removed unless vLLM fails")
-    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds before one request counts as timed out (default: 600)")
-    p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for vLLM to become healthy (default: 900)")
+    p.add_argument(
+        "--num-requests",
+        type=int,
+        help="measured requests per level (default: 8 x concurrency, or 30 s of the rate; 32..500)",
+    )
+    p.add_argument(
+        "--duration", type=float, help="seconds per level at most (the level also ends after --num-requests)"
+    )
+    p.add_argument(
+        "--warmup-requests",
+        type=int,
+        help="requests at the start of each level left out of the numbers (default: one per client, at most 32)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="runs of each level; a level reports its median run, so its SLO verdict is the majority's (default: 1)",
+    )
+    p.add_argument(
+        "--slo",
+        default="",
+        help="bounds for the SLO verdict and goodput, e.g. ttft_ms.p99=2000,tpot_ms.p95=40,error_rate=0.001",
+    )
+    p.add_argument(
+        "--json",
+        type=Path,
+        metavar="OUT",
+        help="write the result here, per-request records and vLLM's log beside it (<stem>.requests.jsonl, <stem>.engine.log); "
+        "without it vLLM's log goes to a temporary directory, removed unless vLLM fails",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600.0,
+        help="seconds before one request counts as timed out (default: 600)",
+    )
+    p.add_argument(
+        "--startup-timeout", type=float, default=900.0, help="seconds to wait for vLLM to become healthy (default: 900)"
+    )
     p.add_argument("--python", default=sys.executable, help="Python interpreter that has vLLM (default: this one)")
     p.set_defaults(run=run)
 
@@ -93,7 +150,9 @@ def parse_levels(args: argparse.Namespace, workload: Workload) -> list[Level]:
         kind, text = "concurrency", args.concurrency
     elif args.speedup:
         if arrival.process != "trace":
-            raise UserError(f"--speedup is for a workload that replays a trace (arrival: {{process: trace}}); {workload.name} has process {arrival.process}")
+            raise UserError(
+                f"--speedup is for a workload that replays a trace (arrival: {{process: trace}}); {workload.name} has process {arrival.process}"
+            )
         kind, text = None, args.speedup
     elif arrival.levels or arrival.process == "trace":
         kind, text = None, ""
@@ -165,7 +224,9 @@ def run(args: argparse.Namespace) -> int:
         check_model(args.model)
         specs = load_argspecs(args.python)
         if specs is None:
-            raise UserError(f"vLLM is not installed for {args.python} (install servetune[cpu] or servetune[gpu], or pass --python)")
+            raise UserError(
+                f"vLLM is not installed for {args.python} (install servetune[cpu] or servetune[gpu], or pass --python)"
+            )
         engine_args = validate_engine_args(raw_engine_args, specs)
         if args.served_model_name:
             engine_args["served_model_name"] = args.served_model_name
@@ -197,12 +258,16 @@ def run(args: argparse.Namespace) -> int:
                 args.model, engine_args, env, log_path=log_path, python=args.python,
                 startup_timeout_s=args.startup_timeout, argspecs=specs, cpu_ranks=cpu_ranks(engine_args, version),
             )  # fmt: skip
-            with console.status("starting vLLM (the first start imports vLLM: tens of seconds on CPU, minutes on GPUs)"):
+            with console.status(
+                "starting vLLM (the first start imports vLLM: tens of seconds on CPU, minutes on GPUs)"
+            ):
                 server.__enter__()
             try:
                 where = f"log: {log_path}" + ("" if args.json else ", removed at the end unless vLLM fails")
                 cores = f", bound to cores {server.cpu_binding}" if server.cpu_binding else ""
-                console.print(f"vLLM ready at {server.url} after {server.startup_s:.1f} s{cores} ({where})", soft_wrap=True)
+                console.print(
+                    f"vLLM ready at {server.url} after {server.startup_s:.1f} s{cores} ({where})", soft_wrap=True
+                )
                 kv = server.kv_capacity()
                 result.command = server.command(redacted=True)
                 result.url = server.url

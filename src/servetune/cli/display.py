@@ -24,8 +24,19 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 
 def level_table(results: list[LevelResult], slo: Slo, title: str = "") -> Table:
     table = Table(title=title or None, title_justify="left")
-    for col in ("level", "ok/failed", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "ITL p99", "E2EL p99",
-                "in sync"):
+    for col in (
+        "level",
+        "ok/failed",
+        "req/s",
+        "out tok/s",
+        "TTFT p50",
+        "TTFT p99",
+        "TPOT p50",
+        "TPOT p99",
+        "ITL p99",
+        "E2EL p99",
+        "in sync",
+    ):
         table.add_column(col, justify="right")
     if slo:
         table.add_column("goodput", justify="right")
@@ -39,7 +50,10 @@ def level_table(results: list[LevelResult], slo: Slo, title: str = "") -> Table:
             _fmt(s.itl_ms.p99), _fmt(s.e2el_ms.p99), "-" if r.send_sync_share is None else f"{r.send_sync_share:.0%}",
         ]  # fmt: skip
         if slo:
-            row += [_fmt(s.goodput, 2), "[green]met[/]" if r.meets_slo else "[red]broken[/]: " + "; ".join(r.slo_violations)]
+            row += [
+                _fmt(s.goodput, 2),
+                "[green]met[/]" if r.meets_slo else "[red]broken[/]: " + "; ".join(r.slo_violations),
+            ]
         table.add_row(*row)
     table.caption = "latencies in ms; in sync: requests sent within 10 ms of another"
     notes = [f"{', '.join(f'{k} {v:g}' for k, v in r.summary.level.items())}: {note}"

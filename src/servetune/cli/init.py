@@ -29,11 +29,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
     p = subparsers.add_parser("init", help="write a search space for a model, GPUs and a scenario (pruned by the planner)",
                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--model", required=True, metavar="DIR|HUB_ID", help="model directory with config.json, or a catalogue id")
+    p.add_argument(
+        "--model", required=True, metavar="DIR|HUB_ID", help="model directory with config.json, or a catalogue id"
+    )
     p.add_argument("--scenario", required=True, choices=list(SCENARIOS), help="what the deployment serves")
-    p.add_argument("--gpu", metavar="NAME", help="GPU from the catalogue (H100-SXM, A100-80GB, L40S, L4...; default: detected)")
+    p.add_argument(
+        "--gpu", metavar="NAME", help="GPU from the catalogue (H100-SXM, A100-80GB, L40S, L4...; default: detected)"
+    )
     p.add_argument("--gpus", type=int, default=1, metavar="N", help="GPUs per node (default: 1)")
-    p.add_argument("--slo", metavar="METRIC.STAT=BOUND,...", help="replace the scenario's SLO, e.g. ttft_ms.p99=2000,tpot_ms.p95=40,error_rate=0.001")
+    p.add_argument(
+        "--slo",
+        metavar="METRIC.STAT=BOUND,...",
+        help="replace the scenario's SLO, e.g. ttft_ms.p99=2000,tpot_ms.p95=40,error_rate=0.001",
+    )
     p.add_argument("--price", type=float, metavar="USD", help="price per GPU-hour (default: 3)")
     p.add_argument("--name", help="the study's name (default: SCENARIO-MODEL)")
     p.add_argument("--out", type=Path, metavar="FILE", help="write the space here (default: standard output)")

@@ -9,7 +9,9 @@ from servetune.errors import UserError
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("models", help="build the tiny test model for CPU runs", description="Build models servetune makes itself.")
+    p = subparsers.add_parser(
+        "models", help="build the tiny test model for CPU runs", description="Build models servetune makes itself."
+    )
     sub = p.add_subparsers(dest="model_command", metavar="MODEL", required=True)
     tiny = sub.add_parser(
         "tiny",

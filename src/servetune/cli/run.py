@@ -38,11 +38,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                               formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("space", type=Path, help="search-space YAML file (see search_spaces/)")
     p.add_argument("--address", help="Ray cluster to join (default: $RAY_ADDRESS, else a local cluster)")
-    p.add_argument("--storage", type=Path, default=Path("servetune-results"), help="where studies live (default: ./servetune-results)")
-    p.add_argument("--resume", action="store_true", help="continue the study in STORAGE/<name>: finished trials are not run again")
-    p.add_argument("--dry-run", action="store_true", help="list the trials a grid would run and those the constraints or capacity check reject; start nothing")
+    p.add_argument(
+        "--storage",
+        type=Path,
+        default=Path("servetune-results"),
+        help="where studies live (default: ./servetune-results)",
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="continue the study in STORAGE/<name>: finished trials are not run again"
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="list the trials a grid would run and those the constraints or capacity check reject; start nothing",
+    )
     p.add_argument("--max-trials", type=int, help="run at most N trials (the baseline included)")
-    p.add_argument("--python", default=sys.executable, help="Python interpreter that has vLLM on the trial nodes (default: this one)")
+    p.add_argument(
+        "--python",
+        default=sys.executable,
+        help="Python interpreter that has vLLM on the trial nodes (default: this one)",
+    )
     p.add_argument("--tracking-uri", metavar="URI",
                    help="MLflow tracking server or store for the study's runs (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")  # fmt: skip
     p.set_defaults(run=run)
@@ -68,7 +83,9 @@ def dry_run(space: SearchSpace, args: argparse.Namespace, model: str, models: di
 
     console = make_console()
     workload = space.resolved_workload(args.space.parent)
-    context = StudyContext(space, workload, args.storage / space.name, model, resolve_levels(space, workload), models=models or {})
+    context = StudyContext(
+        space, workload, args.storage / space.name, model, resolve_levels(space, workload), models=models or {}
+    )
     try:
         kept, rejected = space.grid()
     except ValueError:  # continuous ranges: the sampler draws from them, there is no grid to list
@@ -77,25 +94,37 @@ def dry_run(space: SearchSpace, args: argparse.Namespace, model: str, models: di
     for col in ("#", "configuration", "devices", "capacity check", "verdict"):
         table.add_column(col)
     runnable = 0
-    points = proposals(space, args.max_trials) if space.search.algorithm in ("grid", "random") else ([{}] if space.search.baseline else []) + kept
+    points = (
+        proposals(space, args.max_trials)
+        if space.search.algorithm in ("grid", "random")
+        else ([{}] if space.search.baseline else []) + kept
+    )
     for i, params in enumerate(points):
         spec = context.spec_for(params)
         cap = capacity_check(spec)
         fits = cap is None or cap.fits
         runnable += fits
         note = "not checked (architecture unknown offline)" if cap is None else cap.reason
-        table.add_row(str(i), describe_params(params), str(spec.devices), note, "[green]run[/]" if fits else "[red]infeasible[/]")
+        table.add_row(
+            str(i), describe_params(params), str(spec.devices), note, "[green]run[/]" if fits else "[red]infeasible[/]"
+        )
     for params, reasons in rejected:
-        table.add_row("-", describe_params(params), str(space.devices(params)), "", "[yellow]excluded[/]: " + "; ".join(reasons))
+        table.add_row(
+            "-", describe_params(params), str(space.devices(params)), "", "[yellow]excluded[/]: " + "; ".join(reasons)
+        )
     console.print(table)
     levels = ", ".join(str(lv) for lv in context.levels)
     console.print(f"{runnable} trial(s) would run, {len(points) - runnable} rejected by the capacity check, "
                   f"{len(rejected)} excluded by the constraints; levels: {levels}; workload {workload.name}")  # fmt: skip
     if space.search.algorithm not in ("grid", "random"):
         n = args.max_trials or space.search.num_trials or 20
-        console.print(f"{space.search.algorithm} proposes up to {n} trials from these parameters; the table lists the grid they come from")
+        console.print(
+            f"{space.search.algorithm} proposes up to {n} trials from these parameters; the table lists the grid they come from"
+        )
     if space.search.verify is not None:
-        soak = f"{space.search.verify.duration_s:g} s soak" if space.search.verify.duration_s else "verify's default soak"
+        soak = (
+            f"{space.search.verify.duration_s:g} s soak" if space.search.verify.duration_s else "verify's default soak"
+        )
         console.print(f"at the end: servetune verify's scenarios on the {space.search.verify.top} best point(s) ({soak}), "
                       "each on devices reserved through Ray")  # fmt: skip
     if space.quality is not None:
@@ -147,11 +176,17 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
                 start_serve(init_ray(args.address, local_serve_cpus(space)))
                 left = remove_study_apps(space.name)
                 if left:
-                    console.print(f"deleted {len(left)} Serve application(s) a stopped run of this study left deployed: {', '.join(left)}")
+                    console.print(
+                        f"deleted {len(left)} Serve application(s) a stopped run of this study left deployed: {', '.join(left)}"
+                    )
                 atexit.register(remove_study_apps, space.name)  # a stopped driver's trials cannot delete theirs
             else:
                 init_ray(args.address)
-            callbacks = [ResultMirror(context), LiveTable(space, console), MlflowCallback(study_dir.resolve(), args.tracking_uri)]
+            callbacks = [
+                ResultMirror(context),
+                LiveTable(space, console),
+                MlflowCallback(study_dir.resolve(), args.tracking_uri),
+            ]
         return callbacks
 
     reference = space.quality_reference
@@ -172,25 +207,33 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
     if space.search.algorithm in ("grid", "random"):
         # Only what never finished: the driver's study directory is the record (nodes share no disk).
         done = {r.trial_id for r in finished_results(study_dir) if not r.lost}  # a lost trial runs again
-        points = [p for p in proposals(space, args.max_trials) if p != reference and context.spec_for(p).trial_id not in done]
+        points = [
+            p for p in proposals(space, args.max_trials) if p != reference and context.spec_for(p).trial_id not in done
+        ]
         num_samples = len(points)
     else:
         history = []
         for r in finished_results(study_dir):
             if r.lost:  # its node or process died under it: the sampler may propose it again
                 continue
-            values, constraints = objectives_and_constraints(r, space.search.objectives, space.slo_bounds, space.quality_bounds)
+            values, constraints = objectives_and_constraints(
+                r, space.search.objectives, space.slo_bounds, space.quality_bounds
+            )
             history.append((r.params, values, constraints))
         done = len(history)
         wanted = args.max_trials or space.search.num_trials or 20
         num_samples = max(wanted - done, 0)
         baseline = space.search.baseline and not any(not params for params, _, _ in history)
         searcher = ConstrainedOptunaSearch(space, baseline=baseline, history=history)
-    console.print(f"study {space.name}: {space.search.algorithm} search, {num_samples} trial(s) to run, results in {study_dir}")
+    console.print(
+        f"study {space.name}: {space.search.algorithm} search, {num_samples} trial(s) to run, results in {study_dir}"
+    )
     if num_samples:
         ray_started()
         at_once = resolve_max_concurrent(space, cluster_devices(space))
-        console.print(f"{at_once} trial(s) at once" + (" (max_concurrent: auto)" if space.search.max_concurrent == "auto" else ""))
+        console.print(
+            f"{at_once} trial(s) at once" + (" (max_concurrent: auto)" if space.search.max_concurrent == "auto" else "")
+        )
         run_tuner(context, points, searcher, num_samples, ray_started(), at_once)
     results = finished_results(study_dir)
     verified = []
@@ -217,4 +260,6 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
         console.print(synced.summary())
     if verified:
         console.print(verification_line(report), soft_wrap=True, highlight=False, markup=False)
-    return 1 if any(not v.accepted for v in verified) else 0  # as servetune verify: 1 when a verified point was rejected
+    return (
+        1 if any(not v.accepted for v in verified) else 0
+    )  # as servetune verify: 1 when a verified point was rejected

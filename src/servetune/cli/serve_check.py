@@ -91,27 +91,90 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         epilog="example: servetune serve-check servetune-results/cpu-tiny --pick best --replicas 1,2",
     )
     p.add_argument("study_dir", type=Path, metavar="STUDY_DIR", help="the study directory (servetune-results/<study>)")
-    p.add_argument("--pick", default="best", metavar="best|N|TRIAL_ID", help="which operating point, as `servetune export --pick` (default: best)")
-    p.add_argument("--replicas", default=None, metavar="N,M", help="replica counts to measure, e.g. 1,2,4 (default: 1,2; "
-                   "none with --layouts or --budget)")
-    p.add_argument("--address", metavar="ADDR", help="a running Ray cluster (e.g. auto, or ray://head:10001); default: start a local Ray")
-    p.add_argument("--app-name", default=None, metavar="NAME", help="the Serve application's name (default: servetune-serve-check)")
-    p.add_argument("--replace", action="store_true", help="replace a Serve application of the same name that is already running")
-    p.add_argument("--json", type=Path, metavar="OUT", help="where to write the result (default: STUDY_DIR/serve-check.json)")
-    p.add_argument("--request-timeout", type=float, default=None, help="seconds before one request counts as timed out (default: the study's)")
-    p.add_argument("--ramp", action="store_true", help="also validate the derived autoscaling with a 1x, 3x, 1x ramp of the knee")
-    p.add_argument("--ramp-hold", type=float, default=60.0, metavar="S", help="seconds at 1x, at 3x once scaled out, and back at 1x (at least 5; default: 60)")
-    p.add_argument("--ramp-max-replicas", type=int, metavar="N", help="the most replicas the ramp may scale to (default: the derived max_replicas for 3x the knee)")
-    p.add_argument("--delay-scale", type=float, default=1.0, metavar="F", help="multiply the derived autoscaling delays by F for the ramp (default: 1)")
-    p.add_argument("--routers", metavar="A,B", help="compare request routers on a shared-prefix workload: default, prefix-aware "
-                   "(e.g. default,prefix-aware; the first is the baseline)")
-    p.add_argument("--routing-replicas", type=int, metavar="N", help="replicas for --routers (at least 2; default: the largest of --replicas)")
-    p.add_argument("--workload", metavar="NAME|FILE", help="the shared-prefix workload for --routers: a shipped workload or a "
-                   "workload file (default: rag)")
-    p.add_argument("--layouts", metavar="RxT,...", help="layouts of one device budget to compare, REPLICASxTP, e.g. 2x1,1x2 "
-                   "(each uses the same devices)")
-    p.add_argument("--budget", type=int, metavar="D", help="a device budget: compare every REPLICASxTP that uses D devices "
-                   "(TP a power of two the model splits into); with --layouts, each layout must use D")
+    p.add_argument(
+        "--pick",
+        default="best",
+        metavar="best|N|TRIAL_ID",
+        help="which operating point, as `servetune export --pick` (default: best)",
+    )
+    p.add_argument(
+        "--replicas",
+        default=None,
+        metavar="N,M",
+        help="replica counts to measure, e.g. 1,2,4 (default: 1,2; none with --layouts or --budget)",
+    )
+    p.add_argument(
+        "--address",
+        metavar="ADDR",
+        help="a running Ray cluster (e.g. auto, or ray://head:10001); default: start a local Ray",
+    )
+    p.add_argument(
+        "--app-name", default=None, metavar="NAME", help="the Serve application's name (default: servetune-serve-check)"
+    )
+    p.add_argument(
+        "--replace", action="store_true", help="replace a Serve application of the same name that is already running"
+    )
+    p.add_argument(
+        "--json", type=Path, metavar="OUT", help="where to write the result (default: STUDY_DIR/serve-check.json)"
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds before one request counts as timed out (default: the study's)",
+    )
+    p.add_argument(
+        "--ramp", action="store_true", help="also validate the derived autoscaling with a 1x, 3x, 1x ramp of the knee"
+    )
+    p.add_argument(
+        "--ramp-hold",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="seconds at 1x, at 3x once scaled out, and back at 1x (at least 5; default: 60)",
+    )
+    p.add_argument(
+        "--ramp-max-replicas",
+        type=int,
+        metavar="N",
+        help="the most replicas the ramp may scale to (default: the derived max_replicas for 3x the knee)",
+    )
+    p.add_argument(
+        "--delay-scale",
+        type=float,
+        default=1.0,
+        metavar="F",
+        help="multiply the derived autoscaling delays by F for the ramp (default: 1)",
+    )
+    p.add_argument(
+        "--routers",
+        metavar="A,B",
+        help="compare request routers on a shared-prefix workload: default, prefix-aware "
+        "(e.g. default,prefix-aware; the first is the baseline)",
+    )
+    p.add_argument(
+        "--routing-replicas",
+        type=int,
+        metavar="N",
+        help="replicas for --routers (at least 2; default: the largest of --replicas)",
+    )
+    p.add_argument(
+        "--workload",
+        metavar="NAME|FILE",
+        help="the shared-prefix workload for --routers: a shipped workload or a workload file (default: rag)",
+    )
+    p.add_argument(
+        "--layouts",
+        metavar="RxT,...",
+        help="layouts of one device budget to compare, REPLICASxTP, e.g. 2x1,1x2 (each uses the same devices)",
+    )
+    p.add_argument(
+        "--budget",
+        type=int,
+        metavar="D",
+        help="a device budget: compare every REPLICASxTP that uses D devices "
+        "(TP a power of two the model splits into); with --layouts, each layout must use D",
+    )
     p.add_argument("--stream-batching-ms", type=float, default=None, metavar="MS",
                    help="Ray Serve LLM's stream batching interval for every deployment (experimental_configs."
                         "stream_batching_interval_ms; 0 sends each token as it comes). Default: the trial's, "
@@ -147,7 +210,9 @@ def run(args: argparse.Namespace) -> int:
     console = make_console(stderr=True)
     # The 1x phase must outlast Serve's counter's lag, so the replica serving before the ramp is known as old.
     if args.ramp_hold < 5 or not 0 < args.delay_scale <= 1 or (args.ramp_max_replicas or 1) < 1:
-        raise UserError("--ramp-hold needs 5 s or more, --delay-scale a factor in (0, 1], --ramp-max-replicas 1 or more")
+        raise UserError(
+            "--ramp-hold needs 5 s or more, --delay-scale a factor in (0, 1], --ramp-max-replicas 1 or more"
+        )
     layouts_asked = bool(args.layouts) or args.budget is not None
     replicas = parse_replicas(args.replicas) if args.replicas is not None else ([] if layouts_asked else [1, 2])
     if args.ramp and not replicas:
@@ -196,32 +261,42 @@ def run(args: argparse.Namespace) -> int:
         from servetune.serve.check import Routing
 
         load = picked.space.load
-        level = next((p.level for p in picked.plans if p.level.as_dict() == dict(picked.point.level)), picked.plans[0].level)
+        level = next(
+            (p.level for p in picked.plans if p.level.as_dict() == dict(picked.point.level)), picked.plans[0].level
+        )
         plan = LevelPlan.sized(level, load.requests_per_level, load.seconds_per_level, warmup=0)
 
         def measure_router(url: str, served: str, router: str):
             holder = types.SimpleNamespace(levels=[])
-            console.print(f"[bold]router {router}[/]: {routing_replicas} replicas, workload {routing_workload.name}, {level}")
+            console.print(
+                f"[bold]router {router}[/]: {routing_replicas} replicas, workload {routing_workload.name}, {level}"
+            )
             sent: list[dict] = []
             run_levels(console, url, served, routing_workload, prompts, [plan], picked.slo, measure_args, holder, sent)
             records.extend({**r, "router": router} for r in sent)  # serve-check.requests.jsonl says which router
             return holder.levels[0]
 
-        routing = Routing(routers=routers, replicas=routing_replicas, workload=routing_workload.name, measure=measure_router)
+        routing = Routing(
+            routers=routers, replicas=routing_replicas, workload=routing_workload.name, measure=measure_router
+        )
 
     layouts = None
     if laid is not None:
         from servetune.serve.check import Layouts
 
         lp_load = picked.space.load
-        layout_plan = LevelPlan.sized(laid.level, lp_load.requests_per_level, lp_load.seconds_per_level, lp_load.warmup_requests)
+        layout_plan = LevelPlan.sized(
+            laid.level, lp_load.requests_per_level, lp_load.seconds_per_level, lp_load.warmup_requests
+        )
 
         def measure_layout(url: str, served: str, layout):
             holder = types.SimpleNamespace(levels=[])
             console.print(f"[bold]layout {layout}[/]: {layout.replicas} replica{'s' if layout.replicas > 1 else ''} "
                           f"of TP {layout.tp}, {laid.level}")  # fmt: skip
             sent: list[dict] = []
-            run_levels(console, url, served, picked.workload, prompts, [layout_plan], picked.slo, measure_args, holder, sent)
+            run_levels(
+                console, url, served, picked.workload, prompts, [layout_plan], picked.slo, measure_args, holder, sent
+            )
             records.extend({**r, "layout": str(layout)} for r in sent)  # serve-check.requests.jsonl says which layout
             return holder.levels[0]
 
@@ -239,6 +314,7 @@ def run(args: argparse.Namespace) -> int:
 
     def keep(partial: ServeCheckResult) -> None:
         so_far[:] = [partial]
+
     try:
         refuse_running(cluster, name, args.replace)
         for each in needed:
@@ -281,7 +357,9 @@ def run(args: argparse.Namespace) -> int:
         make_console().print(layouts_table(result.layouts))
     console.print(f"wrote {out} and {requests_path}; Serve torn down, {len(teardown.pids)} replica processes gone")
     completed = all(lv.summary.completed for run in result.runs for lv in run.levels)
-    completed = completed and all(run.level.summary.completed for run in (result.routing.runs if result.routing else []))
+    completed = completed and all(
+        run.level.summary.completed for run in (result.routing.runs if result.routing else [])
+    )
     completed = completed and all(run.level is not None and run.level.summary.completed
                                   for run in (result.layouts.runs if result.layouts else []))  # fmt: skip
     return 0 if completed and not (result.ramp is not None and result.ramp.traffic_before_ready) else 1
@@ -289,7 +367,9 @@ def run(args: argparse.Namespace) -> int:
 
 def stopped_reason(exc: BaseException) -> str:
     """Why a serve-check ended before every part ran, in a few words."""
-    from servetune.verify.run import stop_name  # verify names its stops the same way: "interrupted", "SIGTERM", "exit N"
+    from servetune.verify.run import (
+        stop_name,
+    )  # verify names its stops the same way: "interrupted", "SIGTERM", "exit N"
 
     if isinstance(exc, (KeyboardInterrupt, SystemExit)):
         name = stop_name(exc)
@@ -336,7 +416,15 @@ def layout_args(args, picked, console) -> LayoutArgs:
 
     from servetune.errors import UserError
     from servetune.serve.check import local_devices
-    from servetune.serve.layouts import budget_layouts, budget_level, check_layouts, layout_point, model_fits, parse_layouts, point_pp
+    from servetune.serve.layouts import (
+        budget_layouts,
+        budget_level,
+        check_layouts,
+        layout_point,
+        model_fits,
+        parse_layouts,
+        point_pp,
+    )
     from servetune.serve.plan import check_fits, llm_config, needs
 
     point = picked.point
@@ -389,7 +477,11 @@ def routing_args(args, replicas: list[int], engine_args: dict):
         raise UserError(f"--workload {args.workload or 'rag'}: no shared_prefix (nor sessions): routers that follow the "
                         "prefix cache need prompts that share prefixes")  # fmt: skip
     limit = engine_args.get("max_model_len")
-    smallest = [getattr(d, "min", getattr(d, "value", None)) for c in workload.classes for d in (c.input_tokens, c.output_tokens)]
+    smallest = [
+        getattr(d, "min", getattr(d, "value", None))
+        for c in workload.classes
+        for d in (c.input_tokens, c.output_tokens)
+    ]
     if limit and None not in smallest:
         least = min(smallest[i] + smallest[i + 1] for i in range(0, len(smallest), 2))
         if least > int(limit):
@@ -444,7 +536,9 @@ def make_ramp(args, picked, derived, prompts, name, records, console, cluster):
 def ramp_table(ramp) -> Table:
     from servetune.report.serving import num_text
 
-    table = Table(title="serve-check --ramp: the derived autoscaling under 1x, 3x and 1x the knee", title_justify="left")
+    table = Table(
+        title="serve-check --ramp: the derived autoscaling under 1x, 3x and 1x the knee", title_justify="left"
+    )
     for col in ("t (s)", "phase", "clients", "replicas", "done", "SLO broken", "TTFT p95", "requests per replica"):
         table.add_column(col, justify="right")
     for w in ramp.windows:

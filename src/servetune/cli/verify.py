@@ -47,7 +47,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="best (the recommendation, default), a row of the cost vs P99 TTFT Pareto table, or a trial id")  # fmt: skip
     p.add_argument("--duration", type=float, metavar="S",
                    help="seconds of the soak (default: 600 on GPUs, 60 on the CPU stand-in, whose other scenarios shrink to match)")  # fmt: skip
-    p.add_argument("--json", type=Path, metavar="OUT", help="where to write the result (default: STUDY_DIR/verify.json)")
+    p.add_argument(
+        "--json", type=Path, metavar="OUT", help="where to write the result (default: STUDY_DIR/verify.json)"
+    )
     p.add_argument("--no-runner-up", action="store_true", help="do not start the runner-up to compare the repeats with")
     p.add_argument("--tracking-uri", metavar="URI",
                    help="MLflow store the study was logged to (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")  # fmt: skip
@@ -96,9 +98,13 @@ def run(args: argparse.Namespace) -> int:
 
     if args.duration is not None and args.duration <= 0:
         raise UserError(f"--duration must be positive, got {args.duration:g}")
-    selection = select(args.study_dir, args.pick, args.python, args.address)  # bad input stops here, before anything starts
+    selection = select(
+        args.study_dir, args.pick, args.python, args.address
+    )  # bad input stops here, before anything starts
     if vllm_version(args.python) is None:
-        raise UserError(f"vLLM is not installed for {args.python} (install servetune[cpu] or servetune[gpu], or pass --python)")
+        raise UserError(
+            f"vLLM is not installed for {args.python} (install servetune[cpu] or servetune[gpu], or pass --python)"
+        )
     budget = Budget.for_device(selection.info.device, args.duration)
     console = make_console(stderr=True)
     winner = selection.winner
@@ -112,7 +118,9 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(SystemExit(128 + signum)))
     progress = ConsoleProgress(console)
     try:
-        doc = verification.verify(selection, budget, prompts, progress, runner_up=not args.no_runner_up, address=args.address)
+        doc = verification.verify(
+            selection, budget, prompts, progress, runner_up=not args.no_runner_up, address=args.address
+        )
     finally:
         progress.stop()
     items = verification.checklist(selection, doc)

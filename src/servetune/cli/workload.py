@@ -32,10 +32,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         epilog="example: servetune workload from-log traffic.jsonl --out trials/workloads/mine.yaml",
     )
     log.add_argument("log", type=Path, metavar="LOG", help="the request log (JSONL)")
-    log.add_argument("--out", type=Path, required=True, help="the workload to write (YAML); the lengths go beside it in <stem>.lengths.jsonl")
+    log.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="the workload to write (YAML); the lengths go beside it in <stem>.lengths.jsonl",
+    )
     log.add_argument("--name", help="the workload's name (default: the --out file's stem)")
-    log.add_argument("--tokenizer", help="a model directory or hub id whose tokenizer counts texts (needed when the log has texts without counts)")
-    log.add_argument("--trace", action="store_true", help="replay the log's times (arrival: {process: trace}) instead of the fitted process")
+    log.add_argument(
+        "--tokenizer",
+        help="a model directory or hub id whose tokenizer counts texts (needed when the log has texts without counts)",
+    )
+    log.add_argument(
+        "--trace",
+        action="store_true",
+        help="replay the log's times (arrival: {process: trace}) instead of the fitted process",
+    )
     log.set_defaults(run=run_from_log)
 
 
@@ -132,7 +144,9 @@ def workload_yaml(traffic, name: str, log: Path, names: dict[str, str], trace_fi
     if traffic.prefix is not None:
         prefix = traffic.prefix
         how = "estimated from characters" if prefix.estimated else "counted"
-        lines.append(f"# {prefix.fraction:.0%} of first prompts share their first {len(prefix.text)} characters ({prefix.tokens} tokens, {how}).")
+        lines.append(
+            f"# {prefix.fraction:.0%} of first prompts share their first {len(prefix.text)} characters ({prefix.tokens} tokens, {how})."
+        )
         lines.append(f"shared_prefix: {{tokens: {prefix.tokens}, fraction: {prefix.fraction:.3g}}}")
     else:
         lines.append(f"# shared prefix: {traffic.prefix_note}")
@@ -145,18 +159,28 @@ def workload_yaml(traffic, name: str, log: Path, names: dict[str, str], trace_fi
         lines.append(f"  turns: {{dist: empirical, file: {json.dumps(names['sessions'])}, field: turns}}")
         if not all(traffic.first_turn):  # later turns' own lengths
             what = "new message" if sessions.carries_history else "input"
-            lines.append(f"  input_tokens: {{dist: empirical, file: {json.dumps(names['turns'])}, field: input_tokens}}   # later turns' {what}")
-            lines.append(f"  output_tokens: {{dist: empirical, file: {json.dumps(names['turns'])}, field: output_tokens}}")
+            lines.append(
+                f"  input_tokens: {{dist: empirical, file: {json.dumps(names['turns'])}, field: input_tokens}}   # later turns' {what}"
+            )
+            lines.append(
+                f"  output_tokens: {{dist: empirical, file: {json.dumps(names['turns'])}, field: output_tokens}}"
+            )
         lines.append(f"  think_time_s: {think_time(sessions.think_times_s)}")
         if sessions.think_includes_response:
             lines.append("  # the log has no durations: think times include each answer's time")
         if sessions.carries_history:
-            counted = [r.input_tokens + r.output_tokens for r in requests if r.input_tokens is not None and r.output_tokens is not None]
+            counted = [
+                r.input_tokens + r.output_tokens
+                for r in requests
+                if r.input_tokens is not None and r.output_tokens is not None
+            ]
             longest = max(counted) if len(counted) == len(requests) else None  # texts counted by --tokenizer: left out
             if longest:
                 lines.append(f"  max_context_tokens: {longest}   # the longest logged prompt and answer")
     if trace_file is not None:
-        lines.append(f"# replays the log's times; levels are speed-ups (2: twice the recorded pace). Fitted: {arrival.process}, CV {arrival.cv:.2f}.")
+        lines.append(
+            f"# replays the log's times; levels are speed-ups (2: twice the recorded pace). Fitted: {arrival.process}, CV {arrival.cv:.2f}."
+        )
         lines.append(f"arrival: {{process: trace, file: {json.dumps(trace_file)}, levels: [1, 2, 4]}}")
     else:
         levels = ", ".join(_sig(arrival.rate * f) for f in RATE_FACTORS)
@@ -165,7 +189,9 @@ def workload_yaml(traffic, name: str, log: Path, names: dict[str, str], trace_fi
         if arrival.process == "poisson":
             lines.append(f"arrival: {{process: poisson, levels: [{levels}]}}")
         else:
-            lines.append(f"arrival: {{process: gamma, burstiness: {arrival.burstiness:.4g}, levels: [{levels}]}}   # burstiness = 1/CV^2")
+            lines.append(
+                f"arrival: {{process: gamma, burstiness: {arrival.burstiness:.4g}, levels: [{levels}]}}   # burstiness = 1/CV^2"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -201,13 +227,17 @@ def summary(traffic, log: Path, requests) -> str:
     lines.append(f"  output tokens: {_spread(traffic.output_tokens)}")
     if traffic.prefix is not None:
         p = traffic.prefix
-        lines.append(f"  shared prefix: {p.tokens} tokens{' (estimated)' if p.estimated else ''} on {p.fraction:.0%} of first prompts")
+        lines.append(
+            f"  shared prefix: {p.tokens} tokens{' (estimated)' if p.estimated else ''} on {p.fraction:.0%} of first prompts"
+        )
     else:
         lines.append(f"  shared prefix: {traffic.prefix_note}")
     if traffic.sessions is not None:
         s = traffic.sessions
         think = np.median(s.think_times_s) if s.think_times_s else 0.0
-        lines.append(f"  conversations: {len(s.turns)}, {np.mean(s.turns):.2f} turns on average (max {max(s.turns)}), think time median {think:.3g} s")
+        lines.append(
+            f"  conversations: {len(s.turns)}, {np.mean(s.turns):.2f} turns on average (max {max(s.turns)}), think time median {think:.3g} s"
+        )
     else:
         lines.append("  conversations: none (no session ids)")
     return "\n".join(lines)

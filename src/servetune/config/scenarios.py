@@ -84,7 +84,12 @@ class Choice:
 
 
 def _plan(arch, hardware, tp: int, context: int, memory: float, seqs: int):
-    args = {"tensor_parallel_size": tp, "max_model_len": context, "gpu_memory_utilization": memory, "max_num_seqs": seqs}
+    args = {
+        "tensor_parallel_size": tp,
+        "max_model_len": context,
+        "gpu_memory_utilization": memory,
+        "max_num_seqs": seqs,
+    }
     return plan_capacity(arch, args, hardware)
 
 
@@ -133,7 +138,9 @@ def choose(arch, hardware, scenario: Scenario, gpus: int) -> dict[str, Choice]:
         else:
             ctx_notes.append(f"{c}: the KV cache cannot hold one request at TP {tps[-1]}")
     if not ctx_kept:
-        raise UserError(f"--model {arch.name}: no context length of the {scenario.name} scenario fits ({'; '.join(ctx_notes)})")
+        raise UserError(
+            f"--model {arch.name}: no context length of the {scenario.name} scenario fits ({'; '.join(ctx_notes)})"
+        )
     ctx_why = f"section 12: {scenario.row.split(':')[0]}" + ("; dropped: " + "; ".join(ctx_notes) if ctx_notes else "")
 
     mem_kept, mem_notes = [], []
@@ -143,7 +150,9 @@ def choose(arch, hardware, scenario: Scenario, gpus: int) -> dict[str, Choice]:
         else:
             mem_notes.append(f"{m}: leaves no KV pool")
     if not mem_kept:
-        raise UserError(f"--model {arch.name}: no memory fraction of the {scenario.name} scenario leaves a KV pool ({'; '.join(mem_notes)})")
+        raise UserError(
+            f"--model {arch.name}: no memory fraction of the {scenario.name} scenario leaves a KV pool ({'; '.join(mem_notes)})"
+        )
     mem_why = ("section 12: offline batch may go to 0.97 (no latency to protect)" if max(scenario.memory) > 0.95
                else "section 12's range; above 0.95 only offline (section 4: keep a margin for peaks)")  # fmt: skip
     mem_why += "; dropped: " + "; ".join(mem_notes) if mem_notes else ""
@@ -152,7 +161,9 @@ def choose(arch, hardware, scenario: Scenario, gpus: int) -> dict[str, Choice]:
         "tensor_parallel_size": Choice(tps, tp_why),
         "max_model_len": Choice(ctx_kept, ctx_why),
         "gpu_memory_utilization": Choice(mem_kept, mem_why),
-        "excluded": Choice(pairs, "TP and context pairs whose KV cache cannot hold one request at the highest memory fraction"),
+        "excluded": Choice(
+            pairs, "TP and context pairs whose KV cache cannot hold one request at the highest memory fraction"
+        ),
     }
 
 
@@ -171,7 +182,9 @@ def render_space(model: str, scenario_name: str, gpu: str | None, gpus: int, slo
     picks = choose(arch, hardware, scenario, gpus)
     seqs = _powers(*scenario.seqs)
     batched = _powers(*scenario.batched)
-    space_name = name or f"{scenario.name}-{model.rstrip('/').split('/')[-1]}".lower().replace(".", "-").replace("_", "-")
+    space_name = name or f"{scenario.name}-{model.rstrip('/').split('/')[-1]}".lower().replace(".", "-").replace(
+        "_", "-"
+    )
 
     def dump(value: Any) -> str:
         if isinstance(value, str):
@@ -214,14 +227,18 @@ def render_space(model: str, scenario_name: str, gpu: str | None, gpus: int, slo
         f"  max_num_batched_tokens: {{low: {scenario.batched[0]}, high: {scenario.batched[1]}, log: true}}   # {', '.join(map(str, batched))} (sections 5 and 12)",
     ]  # fmt: skip
     if scenario.fp8_kv:
-        lines.append("  kv_cache_dtype: [auto, fp8]   # section 12: test the FP8 KV cache; the quality probe below guards it")
+        lines.append(
+            "  kv_cache_dtype: [auto, fp8]   # section 12: test the FP8 KV cache; the quality probe below guards it"
+        )
     lines += [
         "constraints:",
         "  - tensor_parallel_size * data_parallel_size <= devices_per_node",
         "  - enable_chunked_prefill or max_num_batched_tokens >= max_model_len",
         "  - max_num_batched_tokens >= max_num_seqs",
-        *(f"  - not (tensor_parallel_size == {tp} and max_model_len == {c})   # the ledger: TP {tp} cannot hold one {c}-token request"
-          for tp, c in picks["excluded"].values),
+        *(
+            f"  - not (tensor_parallel_size == {tp} and max_model_len == {c})   # the ledger: TP {tp} cannot hold one {c}-token request"
+            for tp, c in picks["excluded"].values
+        ),
         "search:",
         "  algorithm: tpe                # Optuna's TPE with the SLO as constraints",
         "  num_trials: 24                # the baseline (vLLM's defaults) and 23 proposals",

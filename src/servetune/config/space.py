@@ -79,7 +79,11 @@ class Range(BaseModel):
 
     @property
     def is_int(self) -> bool:
-        return float(self.low).is_integer() and float(self.high).is_integer() and (self.step is None or float(self.step).is_integer())
+        return (
+            float(self.low).is_integer()
+            and float(self.high).is_integer()
+            and (self.step is None or float(self.step).is_integer())
+        )
 
     def grid_values(self) -> list[float | int]:
         """The values a grid visits: every step, or powers of two for an integer log range."""
@@ -250,7 +254,10 @@ class SearchSpace(BaseModel):
             if name.startswith(SERVE_PREFIX) and name not in SERVE_PARAMS:
                 raise ValueError(f"{name}: the Serve parameters are {' and '.join(SERVE_PARAMS)}")
         replicas = params.get(SERVE_REPLICAS)
-        if replicas is not None and not (isinstance(replicas, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in replicas)):
+        if replicas is not None and not (
+            isinstance(replicas, list)
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in replicas)
+        ):
             raise ValueError(f"{SERVE_REPLICAS}: list the replica counts to compare (whole numbers, 1 or more)")
         batching = params.get(SERVE_STREAM_BATCHING)
         if batching is not None:
@@ -259,7 +266,9 @@ class SearchSpace(BaseModel):
             if len({float(v) for v in batching}) < len(batching):
                 raise ValueError(f"{SERVE_STREAM_BATCHING}: an interval is listed twice (50 and 50.0 are one)")
             if replicas is None:
-                raise ValueError(f"{SERVE_STREAM_BATCHING}: only trials through Serve batch their streams; list {SERVE_REPLICAS} too")
+                raise ValueError(
+                    f"{SERVE_STREAM_BATCHING}: only trials through Serve batch their streams; list {SERVE_REPLICAS} too"
+                )
         model = params.get(MODEL_PARAM)
         if model is not None and not (isinstance(model, list) and all(isinstance(v, str) and v for v in model)):
             raise ValueError(f"{MODEL_PARAM}: list the checkpoints to compare (directories or hub ids)")
@@ -386,7 +395,9 @@ def _compile(text: str) -> ast.Expression:
                    ast.Compare, ast.Name, ast.Load, ast.Constant, ast.Attribute, ast.List, ast.Tuple,
                    *_BINOPS, *_CMPOPS)  # fmt: skip
         if not isinstance(node, allowed):
-            raise ValueError(f"constraint '{text}': '{type(node).__name__}' is not allowed (use names, numbers, arithmetic, comparisons, and/or/not)")
+            raise ValueError(
+                f"constraint '{text}': '{type(node).__name__}' is not allowed (use names, numbers, arithmetic, comparisons, and/or/not)"
+            )
     return tree
 
 
@@ -401,7 +412,9 @@ def _evaluate(text: str, names: dict[str, Any]) -> bool:
         if isinstance(node, (ast.Name, ast.Attribute)):
             name = _dotted(node)
             if name not in names:
-                raise UserError(f"constraint '{text}': '{name}' is neither a parameter, a fixed engine argument, nor devices_per_node")
+                raise UserError(
+                    f"constraint '{text}': '{name}' is neither a parameter, a fixed engine argument, nor devices_per_node"
+                )
             return names[name]
         if isinstance(node, ast.BoolOp):
             values = (ev(v) for v in node.values)
@@ -448,7 +461,9 @@ def load_space(path: str | Path, argspecs: dict | None = None) -> SearchSpace:
     space = load_yaml_model(path, SearchSpace)
     checks: list[tuple[str, dict[str, Any]]] = [("engine_args", dict(space.engine_args))]
     for name, values in space.params.items():
-        if not name.startswith((ENV_PREFIX, SERVE_PREFIX)) and name != MODEL_PARAM:  # each listed value against vLLM's choices too
+        if (
+            not name.startswith((ENV_PREFIX, SERVE_PREFIX)) and name != MODEL_PARAM
+        ):  # each listed value against vLLM's choices too
             checks += [("params", {name: v}) for v in (values if isinstance(values, list) else [None])]
     for field, args in checks:
         try:
@@ -489,7 +504,9 @@ def _check_quality(space: SearchSpace, path: Path) -> None:
             raise UserError(f"{path}: quality.suites[{index}]: {exc}") from None
     names = [suite_name(s) for s in space.quality.suites]
     if len(set(names)) != len(names):
-        raise UserError(f"{path}: quality.suites: two suites share the name '{next(n for n in names if names.count(n) > 1)}'")
+        raise UserError(
+            f"{path}: quality.suites: two suites share the name '{next(n for n in names if names.count(n) > 1)}'"
+        )
     if space.quality.lm_eval is not None:  # installed, its include path, its tasks: before any engine starts
         from servetune.quality import lm_eval
 
@@ -503,7 +520,9 @@ def _check_quality(space: SearchSpace, path: Path) -> None:
     where = f"{path}: quality.reference"
     unknown = [name for name in reference if name not in space.params]
     if unknown:
-        raise UserError(f"{where}: '{unknown[0]}' is not a parameter of the space ({', '.join(space.params) or 'none'})")
+        raise UserError(
+            f"{where}: '{unknown[0]}' is not a parameter of the space ({', '.join(space.params) or 'none'})"
+        )
     missing = [name for name in space.params if name not in reference]
     if missing:
         raise UserError(f"{where}: give a value for every parameter (missing: {', '.join(missing)}), or use 'baseline'")
@@ -522,18 +541,29 @@ def _check_serve(space: SearchSpace, path: Path) -> None:
     """Serve replicas stand in for data parallelism (``export`` makes one of the other): not both."""
     dp = space.params.get("data_parallel_size", [space.engine_args.get("data_parallel_size", 1)])
     if isinstance(dp, Range) or any(int(v) != 1 for v in dp):
-        raise UserError(f"{path}: params.{SERVE_REPLICAS}: Serve replicas replace data_parallel_size; vary one of them, not both")
+        raise UserError(
+            f"{path}: params.{SERVE_REPLICAS}: Serve replicas replace data_parallel_size; vary one of them, not both"
+        )
 
 
 def _check_constraint_names(space: SearchSpace, path: Path) -> None:
     """Every name a constraint reads must exist, even where evaluation would never reach it."""
-    known = {*ENGINE_DEFAULTS, "devices_per_node", MODEL_PARAM, *space.params, *space.engine_args, *(ENV_PREFIX + k for k in space.env)}
+    known = {
+        *ENGINE_DEFAULTS,
+        "devices_per_node",
+        MODEL_PARAM,
+        *space.params,
+        *space.engine_args,
+        *(ENV_PREFIX + k for k in space.env),
+    }
     for text in space.constraints:
         for name in _names(_compile(text)):
             if name not in known:
                 close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
                 hint = f"; did you mean {close[0]}?" if close else ""
-                raise UserError(f"{path}: constraints: '{text}': '{name}' is neither a parameter, a fixed engine argument, nor devices_per_node{hint}")
+                raise UserError(
+                    f"{path}: constraints: '{text}': '{name}' is neither a parameter, a fixed engine argument, nor devices_per_node{hint}"
+                )
 
 
 def _names(node: ast.AST) -> list[str]:

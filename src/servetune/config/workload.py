@@ -316,7 +316,9 @@ class Workload(BaseModel):
             for field_name in ("turns", "output_tokens"):
                 dist = getattr(self.sessions, field_name)
                 if isinstance(dist, Empirical) and dist.prompts is not None:
-                    raise ValueError(f"sessions.{field_name}: an empirical distribution here needs numbers, not prompts")
+                    raise ValueError(
+                        f"sessions.{field_name}: an empirical distribution here needs numbers, not prompts"
+                    )
         return self
 
     @property
@@ -324,7 +326,11 @@ class Workload(BaseModel):
         if self.mix:
             return self.mix
         assert self.input_tokens is not None and self.output_tokens is not None
-        return (RequestClass.model_construct(name="default", weight=1.0, input_tokens=self.input_tokens, output_tokens=self.output_tokens),)
+        return (
+            RequestClass.model_construct(
+                name="default", weight=1.0, input_tokens=self.input_tokens, output_tokens=self.output_tokens
+            ),
+        )
 
 
 #: Where the shipped workloads live (``trials/workloads``: see servetune.shipped).

@@ -159,13 +159,17 @@ def _dump_argspecs(python: str) -> dict | None:
     return None
 
 
-def validate_engine_args(args: Mapping[str, Any], specs: Mapping[str, ArgSpec] | None, source: str = "engine argument") -> dict[str, Any]:
+def validate_engine_args(
+    args: Mapping[str, Any], specs: Mapping[str, ArgSpec] | None, source: str = "engine argument"
+) -> dict[str, Any]:
     """Normalize keys and check them (and choices) against vLLM's parser when known."""
     out: dict[str, Any] = {}
     for raw_key, value in args.items():
         key = normalize_key(raw_key)
         if key in RESERVED:
-            raise UserError(f"{source} '{raw_key}' is set by servetune (model via --model; host and port are picked free)")
+            raise UserError(
+                f"{source} '{raw_key}' is set by servetune (model via --model; host and port are picked free)"
+            )
         if specs is not None:
             spec = specs.get(key)
             if spec is None:

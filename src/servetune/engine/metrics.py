@@ -121,7 +121,6 @@ class MetricsSnapshot:
             snap.histograms[ours] = hist
         return snap
 
-
     @classmethod
     def combined(cls, snaps: "list[MetricsSnapshot]") -> "MetricsSnapshot":
         """Several engines (a deployment's replicas) as one server: counters, histograms and request
@@ -129,7 +128,9 @@ class MetricsSnapshot:
         out = cls()
         for snap in snaps:
             for name, value in snap.gauges.items():
-                out.gauges[name] = max(out.gauges.get(name, 0.0), value) if name in SHARE_GAUGES else out.gauges.get(name, 0.0) + value
+                out.gauges[name] = (
+                    max(out.gauges.get(name, 0.0), value) if name in SHARE_GAUGES else out.gauges.get(name, 0.0) + value
+                )
             for name, value in snap.counters.items():
                 out.counters[name] = out.counters.get(name, 0.0) + value
             for name, hist in snap.histograms.items():
@@ -145,7 +146,11 @@ def lines_of(text: str, names: tuple[str, ...]) -> str:
     """Only the lines of Prometheus ``text`` about metrics whose names start with one of ``names``:
     their samples, and their ``# TYPE``/``# HELP`` lines."""
     # A sample line starts with its name; "# TYPE name ..." and "# HELP name ..." name it third.
-    kept = [line for line in text.splitlines() if (line.split(" ", 3)[2] if line.startswith("# ") and line.count(" ") >= 2 else line).startswith(names)]
+    kept = [
+        line
+        for line in text.splitlines()
+        if (line.split(" ", 3)[2] if line.startswith("# ") and line.count(" ") >= 2 else line).startswith(names)
+    ]
     return "\n".join(kept) + "\n"
 
 

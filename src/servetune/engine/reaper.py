@@ -112,7 +112,11 @@ def guard(reaper_pid: int, grace_s: float) -> None:
         died.set()
     died.wait()
     left = clear_group(grace_s)
-    print(f"servetune: the engine's reaper died; stopped its group ({left} process(es) needed SIGKILL)", file=sys.stderr, flush=True)
+    print(
+        f"servetune: the engine's reaper died; stopped its group ({left} process(es) needed SIGKILL)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -137,13 +141,19 @@ def main(argv: list[str] | None = None) -> None:
     if os.getppid() != args.launcher_pid:  # the launcher died before the death signal was armed
         sys.exit(128 + signal.SIGTERM)
 
-    subprocess.Popen([sys.executable, "-m", "servetune.engine.reaper", str(os.getpid()), "--grace", f"{args.grace:g}", "--guard"])
+    subprocess.Popen(
+        [sys.executable, "-m", "servetune.engine.reaper", str(os.getpid()), "--grace", f"{args.grace:g}", "--guard"]
+    )
     engine = subprocess.Popen(command)  # same group, stdio and environment as the reaper
     while engine.poll() is None and not stop.is_set():
         stop.wait(0.2)
     left = clear_group(args.grace)
     if left:
-        print(f"servetune: killed {left} engine process(es) still running {args.grace:g} s after SIGTERM", file=sys.stderr, flush=True)
+        print(
+            f"servetune: killed {left} engine process(es) still running {args.grace:g} s after SIGTERM",
+            file=sys.stderr,
+            flush=True,
+        )
     exit_like(engine.wait())
 
 

@@ -144,7 +144,14 @@ class VllmServer:
 
     def launch_argv(self) -> list[str]:
         """The reaper (servetune's interpreter) around :meth:`command`."""
-        reaper = [sys.executable, "-m", "servetune.engine.reaper", str(os.getpid()), "--grace", f"{self.stop_grace_s:g}"]
+        reaper = [
+            sys.executable,
+            "-m",
+            "servetune.engine.reaper",
+            str(os.getpid()),
+            "--grace",
+            f"{self.stop_grace_s:g}",
+        ]
         return [*reaper, "--", *self.command()]
 
     def start(self) -> None:
@@ -191,12 +198,16 @@ class VllmServer:
         while True:
             code = self.process.poll()
             if code is not None:
-                raise EngineStartError(f"vLLM exited with code {code} during startup ({self.failure_reason()})", self.log_tail())
+                raise EngineStartError(
+                    f"vLLM exited with code {code} during startup ({self.failure_reason()})", self.log_tail()
+                )
             if self._healthy():
                 self.startup_s = time.monotonic() - started
                 return
             if time.monotonic() > deadline:
-                raise EngineStartError(f"vLLM did not become healthy within {self.startup_timeout_s:g} s", self.log_tail())
+                raise EngineStartError(
+                    f"vLLM did not become healthy within {self.startup_timeout_s:g} s", self.log_tail()
+                )
             time.sleep(0.5)
 
     def _healthy(self) -> bool:

@@ -100,7 +100,9 @@ class StreamingClient:
     async def __aenter__(self) -> "StreamingClient":
         # Idle connections are let go before the server's keep-alive (uvicorn: 5 s) closes them:
         # a request written on a connection the server just closed fails ("Can not write request body").
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True, keepalive_timeout=KEEPALIVE_S)
+        connector = aiohttp.TCPConnector(
+            limit=0, ttl_dns_cache=300, enable_cleanup_closed=True, keepalive_timeout=KEEPALIVE_S
+        )
         self._session = aiohttp.ClientSession(connector=connector, headers=self.headers)
         return self
 
@@ -125,7 +127,9 @@ class StreamingClient:
             body["prompt"] = spec.prompt
         return body
 
-    async def send(self, spec: RequestSpec, record: RequestRecord, t0: float, drop_after: int | None = None) -> RequestRecord:
+    async def send(
+        self, spec: RequestSpec, record: RequestRecord, t0: float, drop_after: int | None = None
+    ) -> RequestRecord:
         """Send one request; ``t0`` is the level's clock origin (``time.perf_counter()``).
 
         ``drop_after``: close the connection once that many content chunks arrived (error kind
@@ -172,7 +176,10 @@ class StreamingClient:
                                 record.output_tokens = chunk.usage.completion_tokens
                         if drop_after is not None and len(chunk_times) >= drop_after:
                             resp.close()  # the user leaves: the connection goes, the server should cancel
-                            record.error_kind, record.error = DROPPED, f"closed by the client after {len(chunk_times)} chunks"
+                            record.error_kind, record.error = (
+                                DROPPED,
+                                f"closed by the client after {len(chunk_times)} chunks",
+                            )
                             break
                         if chunk_times and binding != TIMEOUT_TOTAL:
                             idle_at = loop.time() + idle_s if idle_s is not None else None
@@ -189,7 +196,9 @@ class StreamingClient:
             raise
         except TimeoutError:
             limit = {TIMEOUT_FIRST_TOKEN: first_s, TIMEOUT_IDLE: idle_s}.get(binding, self.timeout_s)
-            what = {TIMEOUT_FIRST_TOKEN: "no token", TIMEOUT_IDLE: "no data between two reads"}.get(binding, "no complete answer")
+            what = {TIMEOUT_FIRST_TOKEN: "no token", TIMEOUT_IDLE: "no data between two reads"}.get(
+                binding, "no complete answer"
+            )
             record.error_kind, record.error = binding, f"{what} within {limit:g} s"
         except aiohttp.ClientConnectionError as exc:
             record.error_kind, record.error = "connection", str(exc)[:300] or type(exc).__name__

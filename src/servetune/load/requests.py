@@ -97,7 +97,9 @@ def iter_requests(workload: Workload, prompts: PromptFactory, stream: int = 0) -
     index = 0
     while True:
         text, n_in, n_out, name, reused = draw.first(rng)
-        yield RequestSpec(index=index, prompt=text, input_tokens=n_in, output_tokens=n_out, request_class=name, reused_tokens=reused)
+        yield RequestSpec(
+            index=index, prompt=text, input_tokens=n_in, output_tokens=n_out, request_class=name, reused_tokens=reused
+        )
         index += 1
 
 
@@ -114,7 +116,9 @@ class _Draw:
         if workload.shared_prefix:
             # The shared prefixes are the same in every stream: they are what the prefix cache reuses.
             prefix_rng = np.random.default_rng([workload.seed, 2**31 - 1])
-            self.prefix_texts = [prompts.text(workload.shared_prefix.tokens, prefix_rng) for _ in range(workload.shared_prefix.groups)]
+            self.prefix_texts = [
+                prompts.text(workload.shared_prefix.tokens, prefix_rng) for _ in range(workload.shared_prefix.groups)
+            ]
             self.prefix_weights = workload.shared_prefix.group_weights()
 
     def request_class(self, rng: np.random.Generator):
@@ -176,6 +180,8 @@ def _conversations(workload: Workload, prompts: PromptFactory, rng: np.random.Ge
             if limit is not None and n_in + n_out > limit:
                 break
             think = float(sessions.think_time_s.sample(rng, 1)[0])
-            yield RequestSpec(index, text, n_in, n_out, name, session=session, turn=turn, think_s=think, reused_tokens=reused)
+            yield RequestSpec(
+                index, text, n_in, n_out, name, session=session, turn=turn, think_s=think, reused_tokens=reused
+            )
             index += 1
         session += 1

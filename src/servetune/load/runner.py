@@ -104,7 +104,10 @@ def workload_levels(workload: Workload, kind: str | None, values: tuple[float, .
         return tuple(Level("rate", float(r), "trace", 1.0, max_concurrency, gaps, talk) for r in rates)
     values = values or arrival.levels or ((1, 4, 16) if kind == "concurrency" else (1, 2, 4))
     process = "concurrency" if kind == "concurrency" else ("gamma" if arrival.process == "gamma" else "poisson")
-    return tuple(Level(kind, float(v), process, arrival.burstiness, max_concurrency, None, talk and kind == "rate") for v in values)
+    return tuple(
+        Level(kind, float(v), process, arrival.burstiness, max_concurrency, None, talk and kind == "rate")
+        for v in values
+    )
 
 
 def arrival_gaps(level: Level, rng: np.random.Generator) -> Iterator[float]:

@@ -82,7 +82,9 @@ def check(spec: LmEvalSpec, base_dir: Path) -> None:
         known |= _known_tasks(include, defaults=True)
         missing = [t for t in spec.tasks if t not in known]
     if missing:
-        where = f" (in {include} or lm-eval's own)" if include is not None else " (lm-eval's own; include_path adds yours)"
+        where = (
+            f" (in {include} or lm-eval's own)" if include is not None else " (lm-eval's own; include_path adds yours)"
+        )
         raise UserError(f"tasks: unknown task {', '.join(repr(t) for t in missing)}{where}")
 
 
@@ -178,7 +180,9 @@ def primary_metric(data: dict[str, Any], task: str) -> tuple[str, str] | None:
     values = data.get("results", {}).get(task)
     if not isinstance(values, dict):
         return None
-    metrics = [m.get("metric") for m in (data.get("configs", {}).get(task, {}).get("metric_list") or []) if isinstance(m, dict)]
+    metrics = [
+        m.get("metric") for m in (data.get("configs", {}).get(task, {}).get("metric_list") or []) if isinstance(m, dict)
+    ]
     keys = [k for k in values if "," in k and "_stderr," not in k and isinstance(values[k], (int, float))]
     for metric in [m for m in metrics if isinstance(m, str)] or sorted({k.split(",", 1)[0] for k in keys}):
         found = [k for k in keys if k.split(",", 1)[0] == metric]

@@ -62,7 +62,9 @@ class QualityPlan(BaseModel):
         return key
 
 
-def make_plan(spec: QualitySpec, base_dir: Path, reference_params: dict[str, Any], reference: ReferenceAnswers | None = None) -> QualityPlan:
+def make_plan(
+    spec: QualitySpec, base_dir: Path, reference_params: dict[str, Any], reference: ReferenceAnswers | None = None
+) -> QualityPlan:
     """The probe every trial of a study runs (suites read here, once, on the driver)."""
     names = [suite_name(s) for s in spec.suites]
     items = {suite_name(s): load_suite(s, base_dir) for s in spec.suites if suite_name(s) not in BUILT}
@@ -75,7 +77,9 @@ def make_plan(spec: QualitySpec, base_dir: Path, reference_params: dict[str, Any
 
 
 class _Probe:
-    def __init__(self, session: aiohttp.ClientSession, url: str, model: str, concurrency: int, timeout_s: float) -> None:
+    def __init__(
+        self, session: aiohttp.ClientSession, url: str, model: str, concurrency: int, timeout_s: float
+    ) -> None:
         self.session, self.url, self.model = session, url, model
         self.gate = asyncio.Semaphore(concurrency)
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -84,7 +88,9 @@ class _Probe:
     async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
         async with self.gate:
             try:
-                async with self.session.post(self.url + path, json={"model": self.model, **body}, timeout=self.timeout) as r:
+                async with self.session.post(
+                    self.url + path, json={"model": self.model, **body}, timeout=self.timeout
+                ) as r:
                     data = await r.json(content_type=None)
                     if r.status != 200:
                         message = data.get("error", data) if isinstance(data, dict) else data
@@ -109,7 +115,9 @@ class _Probe:
             return None
 
     async def continue_prompt(self, prompt: str, tokens: int) -> tuple[list[int], list[int]] | None:
-        data = await self.post("/v1/completions", {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "return_token_ids": True})
+        data = await self.post(
+            "/v1/completions", {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "return_token_ids": True}
+        )
         if data is None:
             return None
         choice = data["choices"][0]
@@ -119,7 +127,10 @@ class _Probe:
         """Mean negative log-likelihood per token of ``continuation`` after ``prompt_ids`` (teacher forcing)."""
         if not continuation:
             return None
-        data = await self.post("/v1/completions", {"prompt": prompt_ids + continuation, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0})
+        data = await self.post(
+            "/v1/completions",
+            {"prompt": prompt_ids + continuation, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0},
+        )
         if data is None:
             return None
         entries = (data["choices"][0].get("prompt_logprobs") or [])[len(prompt_ids) :]
@@ -133,10 +144,14 @@ class _Probe:
 
     async def answer(self, item: QualityItem) -> str | None:
         if item.prompt is not None:
-            data = await self.post("/v1/completions", {"prompt": item.prompt, "max_tokens": item.max_tokens, "temperature": 0})
+            data = await self.post(
+                "/v1/completions", {"prompt": item.prompt, "max_tokens": item.max_tokens, "temperature": 0}
+            )
             return None if data is None else data["choices"][0].get("text")
         messages = [m.model_dump() for m in item.messages or ()]
-        data = await self.post("/v1/chat/completions", {"messages": messages, "max_tokens": item.max_tokens, "temperature": 0})
+        data = await self.post(
+            "/v1/chat/completions", {"messages": messages, "max_tokens": item.max_tokens, "temperature": 0}
+        )
         return None if data is None else (data["choices"][0].get("message") or {}).get("content")
 
 

@@ -34,7 +34,20 @@ SHIPPED = ("json", "arithmetic", "instructions", "tools", "multiturn")
 
 _NAMES = ["Ada", "Grace", "Alan", "Edsger", "Barbara", "Donald", "Frances", "Ken", "Radia", "Tim", "Margaret", "Linus"]
 _CITIES = ["Paris", "Lima", "Oslo", "Cairo", "Tokyo", "Quito", "Perth", "Dakar", "Hanoi", "Bern", "Riga", "Accra"]
-_WORDS = ["river", "stone", "lamp", "orchard", "signal", "harbor", "copper", "meadow", "engine", "violet", "summit", "ledger"]
+_WORDS = [
+    "river",
+    "stone",
+    "lamp",
+    "orchard",
+    "signal",
+    "harbor",
+    "copper",
+    "meadow",
+    "engine",
+    "violet",
+    "summit",
+    "ledger",
+]
 
 
 def shipped_dir() -> Path:
@@ -73,7 +86,9 @@ def agreement_prompts(count: int, seed: int = 0) -> list[str]:
     return prompts
 
 
-def recall_items(count_tokens: Callable[[str], int], max_model_len: int, limit: int, answer_tokens: int = 16) -> list[QualityItem]:
+def recall_items(
+    count_tokens: Callable[[str], int], max_model_len: int, limit: int, answer_tokens: int = 16
+) -> list[QualityItem]:
     """A fact planted at three depths of filler at three lengths, all within the context window."""
     rng = random.Random(7)
     filler = [f"The {rng.choice(_WORDS)} near {rng.choice(_CITIES)} was {rng.choice(_WORDS)}." for _ in range(64)]
@@ -104,7 +119,14 @@ def _arithmetic(rng: random.Random) -> list[QualityItem]:
     for i in range(24):
         a, b = rng.randint(2, 99), rng.randint(2, 99)
         op, value = [("+", a + b), ("-", a - b), ("*", a * b)][i % 3]
-        items.append(QualityItem(id=f"arithmetic-{i}", prompt=f"Q: What is {a} {op} {b}?\nA: {a} {op} {b} =", expected=str(value), max_tokens=8))
+        items.append(
+            QualityItem(
+                id=f"arithmetic-{i}",
+                prompt=f"Q: What is {a} {op} {b}?\nA: {a} {op} {b} =",
+                expected=str(value),
+                max_tokens=8,
+            )
+        )
     return items
 
 
@@ -149,7 +171,10 @@ def _tools(rng: random.Random) -> list[QualityItem]:
             "properties": {"name": {"const": "get_weather"},
                            "arguments": {"type": "object", "required": ["city"], "properties": {"city": {"const": city}}}},
         }  # fmt: skip
-        messages = (Message(role="system", content=system), Message(role="user", content=f"What is the weather in {city} today?"))
+        messages = (
+            Message(role="system", content=system),
+            Message(role="user", content=f"What is the weather in {city} today?"),
+        )
         items.append(QualityItem(id=f"tools-{i}", messages=messages, json_schema=schema, max_tokens=48))
     return items
 
@@ -169,7 +194,13 @@ def _multiturn(rng: random.Random) -> list[QualityItem]:
     return items
 
 
-_MAKERS = {"json": _json, "arithmetic": _arithmetic, "instructions": _instructions, "tools": _tools, "multiturn": _multiturn}
+_MAKERS = {
+    "json": _json,
+    "arithmetic": _arithmetic,
+    "instructions": _instructions,
+    "tools": _tools,
+    "multiturn": _multiturn,
+}
 
 
 def shipped_items(name: str) -> list[QualityItem]:
@@ -178,7 +209,9 @@ def shipped_items(name: str) -> list[QualityItem]:
 
 
 def suite_text(items: list[QualityItem]) -> str:
-    return "".join(json.dumps(item.model_dump(mode="json", exclude_defaults=True), sort_keys=True) + "\n" for item in items)
+    return "".join(
+        json.dumps(item.model_dump(mode="json", exclude_defaults=True), sort_keys=True) + "\n" for item in items
+    )
 
 
 def write_shipped(out: Path) -> list[Path]:

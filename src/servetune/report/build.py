@@ -63,10 +63,14 @@ class StudyReport:
     trial_table: tuple[TrialRow, ...] = ()  # a row per trial (report/trials.py)
     quality_table: tuple[QualityRow, ...] = ()  # a row per trial that ran the quality probe (report/quality.py)
     precision_rule: tuple[RuleCheck, ...] | None = None  # section 2's rule, for a lower-precision recommendation
-    verification: Verification | None = None  # the recommendation's verification, or how to run verify (report/verification.py)
+    verification: Verification | None = (
+        None  # the recommendation's verification, or how to run verify (report/verification.py)
+    )
     verifications: tuple[Verification, ...] = ()  # every verified point, in verify order, then verify.json
     verification_conclusion: str = ""  # what the verdicts mean together (several points verified)
-    ttft_spreads: tuple[LevelSpread, ...] = ()  # the recommended trial's TTFT distribution per level (report/distribution.py)
+    ttft_spreads: tuple[
+        LevelSpread, ...
+    ] = ()  # the recommended trial's TTFT distribution per level (report/distribution.py)
     serve_check: ServeSection | None = None  # what serve-check measured on Ray Serve (report/serving.py)
 
     def outcome_counts(self) -> dict[str, int]:
@@ -159,7 +163,9 @@ def build_report(study: LoadedStudy, price_per_device_hour: float | None = None)
     )
 
 
-def _rule(point: ReportPoint | None, trials: Sequence[TrialResult], points: Sequence[ReportPoint]) -> tuple[RuleCheck, ...] | None:
+def _rule(
+    point: ReportPoint | None, trials: Sequence[TrialResult], points: Sequence[ReportPoint]
+) -> tuple[RuleCheck, ...] | None:
     checks = precision_rule(point, trials, points) if point is not None else None
     return tuple(checks) if checks is not None else None
 

@@ -36,7 +36,9 @@ class Conclusion:
         return f"{self.verdict}: {self.why}"
 
 
-def conclude(trial: TrialResult, study_trials: Sequence[TrialResult], recommendation: Recommendation | None = None) -> Conclusion:
+def conclude(
+    trial: TrialResult, study_trials: Sequence[TrialResult], recommendation: Recommendation | None = None
+) -> Conclusion:
     """Keep a point on the cost vs P99 TTFT front, eliminate a trial that never met the SLO, else next round.
     The trial the study recommends is kept to ship, wherever it stands: vLLM's defaults may be recommended
     over a cheaper tuned point within the noise (report/recommend.py, rule 4)."""

@@ -227,7 +227,11 @@ def ray_serve_yaml(
             header += f"# Router: {router.name}, measured by serve-check: {router.reason}\n"
     if stream_batching is not None and stream_batching.trial_id == point.trial_id:
         own = point.params.get(SERVE_STREAM_BATCHING)
-        was = f" (the trial's own: {_number(own)} ms)" if own is not None and float(own) != stream_batching.interval_ms else ""
+        was = (
+            f" (the trial's own: {_number(own)} ms)"
+            if own is not None and float(own) != stream_batching.interval_ms
+            else ""
+        )
         header += (f"# Stream batching: {_number(stream_batching.interval_ms)} ms, as serve-check deployed and "
                    f"measured the replicas{was}\n")  # fmt: skip
         point = dataclasses.replace(point, params={**point.params, SERVE_STREAM_BATCHING: stream_batching.interval_ms})

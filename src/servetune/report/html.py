@@ -66,7 +66,10 @@ def hover_text(point: ReportPoint) -> str:
 
 
 def _scatter(
-    front: Front, points: Sequence[ReportPoint], name: str, label: Callable[[ReportPoint], str] | None = None,
+    front: Front,
+    points: Sequence[ReportPoint],
+    name: str,
+    label: Callable[[ReportPoint], str] | None = None,
     **style: object,
 ) -> go.Scatter:
     """A trace of the points the front can place, left to right; ``label(point)`` writes text beside each."""
@@ -172,7 +175,9 @@ def trials_table_html(rows: Sequence[TrialRow]) -> str:
     return f"<table id='trials'>{_head(TRIAL_HEADINGS)}<tbody>{body}</tbody></table>"
 
 
-def _rows_html(headings: Sequence[str], rows: Sequence[Sequence[str]], row_class: Sequence[str] = (), table_id: str = "") -> str:
+def _rows_html(
+    headings: Sequence[str], rows: Sequence[Sequence[str]], row_class: Sequence[str] = (), table_id: str = ""
+) -> str:
     e = html.escape
     body = "".join(
         (f"<tr class='{e(row_class[i])}'>" if i < len(row_class) else "<tr>") + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>"
@@ -182,18 +187,25 @@ def _rows_html(headings: Sequence[str], rows: Sequence[Sequence[str]], row_class
     return f"<table{ident}>{_head(headings)}<tbody>{body}</tbody></table>"
 
 
-def verification_summary_html(v: Verification | None, several: Sequence[Verification] = (), conclusion: str = "") -> str:
+def verification_summary_html(
+    v: Verification | None, several: Sequence[Verification] = (), conclusion: str = ""
+) -> str:
     """One line under the recommendation: the verdict, or that verify has not run; with several
     verified points, each point's verdict and what they mean together."""
     e = html.escape
     if len(several) > 1:
-        verdicts = " · ".join(f"<span class='verdict {e(x.verdict.replace(' ', '-'))}'>{e(x.subject)}: {e(x.verdict)}</span>" for x in several)
+        verdicts = " · ".join(
+            f"<span class='verdict {e(x.verdict.replace(' ', '-'))}'>{e(x.subject)}: {e(x.verdict)}</span>"
+            for x in several
+        )
         said = f"<br>{e(conclusion)}" if conclusion else ""
         return f"<p><b>Verification</b> ({len(several)} points): {verdicts} (<a href='#verification'>details</a>){said}</p>"
     if v is None:
         return ""
     if not v.found:
-        return f"<p class='muted'>Not verified yet: <code>{e(v.command)}</code> (<a href='#verification'>below</a>).</p>"
+        return (
+            f"<p class='muted'>Not verified yet: <code>{e(v.command)}</code> (<a href='#verification'>below</a>).</p>"
+        )
     if v.problem:
         return f"<p class='muted'>verify.json could not be read (<a href='#verification'>below</a>).</p>"
     return (f"<p class='verdict {e(v.verdict.replace(' ', '-'))}'><b>Verification: {e(v.verdict)}</b> · {e(v.subject)}"
@@ -212,7 +224,11 @@ def verification_html(v: Verification | None, several: Sequence[Verification] = 
             parts.append(f"<p><b>{e(conclusion)}</b></p>")
         for index, x in enumerate(several, 1):
             parts.append(f"<h3 id='verified-{index}'>{index}. {e(x.subject)}: {e(x.verdict)}</h3>")
-            parts += [f"<p><code>{e(str(x.path))}</code> could not be read: {e(x.problem)}.</p>"] if x.problem else _verified_html(x, "h4", f"-{index}")
+            parts += (
+                [f"<p><code>{e(str(x.path))}</code> could not be read: {e(x.problem)}.</p>"]
+                if x.problem
+                else _verified_html(x, "h4", f"-{index}")
+            )
         return "\n".join(parts)
     if v is None:
         return ""
@@ -220,7 +236,10 @@ def verification_html(v: Verification | None, several: Sequence[Verification] = 
     if not v.found:
         return parts[0] + f"<p>Not verified yet. Run <code>{e(v.command)}</code>: {e(VERIFY_HINT)}.</p>"
     if v.problem:
-        return parts[0] + f"<p><code>{e(str(v.path))}</code> could not be read: {e(v.problem)}. Run <code>{e(v.command)}</code> again.</p>"
+        return (
+            parts[0]
+            + f"<p><code>{e(str(v.path))}</code> could not be read: {e(v.problem)}. Run <code>{e(v.command)}</code> again.</p>"
+        )
     return "\n".join(parts + _verified_html(v, "h3", ""))
 
 
@@ -228,8 +247,13 @@ def _verified_html(v: Verification, heading: str, suffix: str) -> list[str]:
     """One verification's verdict, stability, scenarios and checklist (table ids end with ``suffix``)."""
     e = html.escape
     reason = f". {e(v.reason.rstrip('.'))}" if v.reason else ""
-    parts = [f"<p class='verdict {e(v.verdict.replace(' ', '-'))}'><b>{e(v.verdict.capitalize())}</b>: {e(v.subject)}{reason}.</p>"]
-    parts += [f"<{heading}>Stability</{heading}>", _rows_html(["number", "value"], v.stability, table_id="stability" + suffix)]
+    parts = [
+        f"<p class='verdict {e(v.verdict.replace(' ', '-'))}'><b>{e(v.verdict.capitalize())}</b>: {e(v.subject)}{reason}.</p>"
+    ]
+    parts += [
+        f"<{heading}>Stability</{heading}>",
+        _rows_html(["number", "value"], v.stability, table_id="stability" + suffix),
+    ]
     if v.scenarios:
         rows = [[r.name, r.result, r.numbers, r.reason] for r in v.scenarios]
         parts += [f"<{heading}>Scenarios</{heading}>", _rows_html(["scenario", "result", "numbers", "reason"], rows,
@@ -281,7 +305,9 @@ def spread_html(report: StudyReport) -> str:
                        config={"displaylogo": False, "responsive": True})  # fmt: skip
     rows = [spread_cells(s) for s in report.ttft_spreads]
     return (
-        "<h2 id='ttft-distribution'>TTFT distribution</h2>" + plot + _rows_html(spread_headings(), rows)
+        "<h2 id='ttft-distribution'>TTFT distribution</h2>"
+        + plot
+        + _rows_html(spread_headings(), rows)
         + f"<p class='muted'>{html.escape(SPREAD_NOTE)}</p>"
     )
 
@@ -300,12 +326,17 @@ def serve_check_html(section: ServeSection) -> str:
         return parts[0] + f"<p><code>{e(str(section.path))}</code> could not be read: {e(section.problem)}.</p>"
     parts.append(f"<p class='muted'>Trial {e(section.trial_id)} deployed as a Ray Serve LLM application.</p>")
     if section.stopped:
-        parts.append(f"<p><strong>serve-check stopped before every part ran ({e(section.stopped)}): below is what finished.</strong></p>")
+        parts.append(
+            f"<p><strong>serve-check stopped before every part ran ({e(section.stopped)}): below is what finished.</strong></p>"
+        )
     if section.scaling:
         parts.append(table(SCALING_HEADINGS, section.scaling))
     if section.routers:
-        parts += [f"<h3>Routers: {e(section.routing_title)}</h3>", table(ROUTER_HEADINGS, section.routers),
-                  f"<p class='muted'>{e(ROUTER_NOTE)}</p>"]
+        parts += [
+            f"<h3>Routers: {e(section.routing_title)}</h3>",
+            table(ROUTER_HEADINGS, section.routers),
+            f"<p class='muted'>{e(ROUTER_NOTE)}</p>",
+        ]
         if section.engines:
             parts.append("<ul>" + "".join(f"<li>{e(note)}</li>" for note in section.engines) + "</ul>")
         if section.verdict:

@@ -83,7 +83,11 @@ def _recommendation(report: StudyReport) -> list[str]:
     for passed in rec.passed_over[:5]:
         if passed.point is not point:
             lines.append(f"- passed over: {describe(passed.point)}: {'; '.join(passed.signals)}")
-    lines += ["", f"Export it: `servetune export {report.root} --pick best --format vllm` (or `ray-serve`, `json`).", ""]
+    lines += [
+        "",
+        f"Export it: `servetune export {report.root} --pick best --format vllm` (or `ray-serve`, `json`).",
+        "",
+    ]
     if report.verification_conclusion:
         lines += [f"Verification: {report.verification_conclusion}", ""]
     return lines
@@ -99,7 +103,10 @@ def quality_section(report: StudyReport) -> list[str]:
     lines += ["", QUALITY_NOTE, ""]
     if report.precision_rule is not None:
         lines += [rule_summary(report.precision_rule), ""]
-        lines += [f"- {'PASS' if c.held else 'FAIL' if c.held is False else 'NOT MEASURED'}: {c.text}" for c in report.precision_rule]
+        lines += [
+            f"- {'PASS' if c.held else 'FAIL' if c.held is False else 'NOT MEASURED'}: {c.text}"
+            for c in report.precision_rule
+        ]
         lines.append("")
     return lines
 
@@ -128,11 +135,15 @@ def _verified(v: Verification, heading: str) -> list[str]:
     lines += [f"{heading} Stability", ""] + _table(["number", "value"], [list(row) for row in v.stability]) + [""]
     if v.scenarios:
         lines += [f"{heading} Scenarios", ""]
-        lines += _table(["scenario", "result", "numbers", "reason"], [[r.name, r.result, r.numbers, r.reason] for r in v.scenarios])
+        lines += _table(
+            ["scenario", "result", "numbers", "reason"], [[r.name, r.result, r.numbers, r.reason] for r in v.scenarios]
+        )
         lines.append("")
     if v.checklist:
         lines += [f"{heading} Acceptance checklist ({v.counts_line})", ""]
-        lines += _table(["#", "item", "status", "evidence"], [[r.id, r.text, r.status, r.evidence] for r in v.checklist])
+        lines += _table(
+            ["#", "item", "status", "evidence"], [[r.id, r.text, r.status, r.evidence] for r in v.checklist]
+        )
         lines.append("")
     else:
         lines += ["verify.json holds no acceptance checklist.", ""]

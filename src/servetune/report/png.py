@@ -54,7 +54,9 @@ def front_png(report: StudyReport, front: Front) -> Figure:
     rec = report.recommendation.point
     if rec is not None and result.drawable([rec]):
         xs, ys = _xy(front, [rec])
-        ax.scatter(xs, ys, marker="*", s=260, color=RECOMMENDED_COLOR, edgecolors="black", zorder=5, label="recommended")
+        ax.scatter(
+            xs, ys, marker="*", s=260, color=RECOMMENDED_COLOR, edgecolors="black", zorder=5, label="recommended"
+        )
     for bound in report.bounds_on(spec.x.metric):
         ax.axvline(bound.line.max, color=SLO_COLOR, linestyle="--" if bound.same_statistic else ":", linewidth=1,
                    label=bound.label)  # fmt: skip

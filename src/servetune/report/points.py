@@ -203,12 +203,23 @@ def trial_points(trial: TrialResult, price_per_device_hour: float | None = None)
             metrics[OUTPUT_THROUGHPUT_PER_USER] = 1000.0 / tpot_mean
         points.append(
             ReportPoint(
-                trial_id=trial.trial_id, level_index=op.level_index, level=dict(op.level), params=dict(trial.params),
-                engine_args=dict(trial.engine_args), resolved_engine_args=dict(trial.resolved_engine_args),
-                env=dict(trial.env), model=trial.model, device=trial.device,
-                devices=trial.devices, outcome=trial.outcome, reason=trial.reason, metrics=metrics,
-                server_metrics=dict(level.server_metrics), slo_violations=tuple(level.slo_violations),
-                quality_failures=quality_failures(trial), noise=throughput_noise(level),
+                trial_id=trial.trial_id,
+                level_index=op.level_index,
+                level=dict(op.level),
+                params=dict(trial.params),
+                engine_args=dict(trial.engine_args),
+                resolved_engine_args=dict(trial.resolved_engine_args),
+                env=dict(trial.env),
+                model=trial.model,
+                device=trial.device,
+                devices=trial.devices,
+                outcome=trial.outcome,
+                reason=trial.reason,
+                metrics=metrics,
+                server_metrics=dict(level.server_metrics),
+                slo_violations=tuple(level.slo_violations),
+                quality_failures=quality_failures(trial),
+                noise=throughput_noise(level),
             )  # fmt: skip
         )
     return points

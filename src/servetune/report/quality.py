@@ -23,7 +23,16 @@ MIN_GAIN = 0.15
 ERROR_RATE = "error_rate"
 
 _BITS = {"float32": 32, "float": 32, "bfloat16": 16, "float16": 16, "half": 16, "auto": 16}
-_QUANT_BITS = {"fp8": 8, "int8": 8, "w8a8": 8, "awq": 4, "gptq": 4, "awq_marlin": 4, "gptq_marlin": 4, "bitsandbytes": 4}
+_QUANT_BITS = {
+    "fp8": 8,
+    "int8": 8,
+    "w8a8": 8,
+    "awq": 4,
+    "gptq": 4,
+    "awq_marlin": 4,
+    "gptq_marlin": 4,
+    "bitsandbytes": 4,
+}
 
 
 @dataclass(frozen=True)
@@ -61,7 +70,9 @@ def quality_rows(trials: Sequence[TrialResult]) -> list[QualityRow]:
             agreement=q.agreement, exact_match=q.exact_match, nll_delta=q.nll_delta, suites=dict(q.suites),
             passed=q.passed, failures=tuple(q.failures), seconds=q.duration_s,
         ))  # fmt: skip
-    return sorted(rows, key=lambda r: (not r.reference, -(r.agreement if r.agreement is not None else -1.0), r.trial_id))
+    return sorted(
+        rows, key=lambda r: (not r.reference, -(r.agreement if r.agreement is not None else -1.0), r.trial_id)
+    )
 
 
 def suite_names(rows: Sequence[QualityRow]) -> list[str]:
@@ -114,7 +125,9 @@ class RuleCheck:
     held: bool | None  # None: not measured
 
 
-def precision_rule(recommended: ReportPoint, trials: Sequence[TrialResult], points: Sequence[ReportPoint]) -> list[RuleCheck] | None:
+def precision_rule(
+    recommended: ReportPoint, trials: Sequence[TrialResult], points: Sequence[ReportPoint]
+) -> list[RuleCheck] | None:
     """Section 2's rule for the recommendation, when it runs at a lower precision than the reference (else None)."""
     trial = next((t for t in trials if t.trial_id == recommended.trial_id), None)
     if trial is None or trial.quality is None:
@@ -127,21 +140,37 @@ def precision_rule(recommended: ReportPoint, trials: Sequence[TrialResult], poin
     checks = [RuleCheck("quality within its thresholds" + ("" if trial.quality.passed else ": " + "; ".join(trial.quality.failures)),
                         trial.quality.passed)]  # fmt: skip
     if best is None:
-        return checks + [RuleCheck("the reference met the SLO at no level: throughput, cost and latency cannot be compared", None)]
+        return checks + [
+            RuleCheck("the reference met the SLO at no level: throughput, cost and latency cannot be compared", None)
+        ]
     checks.append(_compare(f"at least {MIN_GAIN:.0%} more goodput at the same SLO", recommended.value(GOODPUT), best.value(GOODPUT),
                            lambda mine, ref: mine >= ref * (1 + MIN_GAIN), "req/s"))  # fmt: skip
     checks.append(_compare("lower cost per million output tokens", recommended.value(COST_METRIC), best.value(COST_METRIC),
                            lambda mine, ref: mine < ref, "USD"))  # fmt: skip
     for metric, name in ((TTFT_P99, "TTFT P99"), (TPOT_P99, "TPOT P99")):
-        checks.append(_compare(f"{name} no worse", recommended.value(metric), best.value(metric), lambda mine, ref: mine <= ref, "ms"))
-    checks.append(_compare("error rate no worse", recommended.value(ERROR_RATE), best.value(ERROR_RATE), lambda mine, ref: mine <= ref, ""))
+        checks.append(
+            _compare(
+                f"{name} no worse", recommended.value(metric), best.value(metric), lambda mine, ref: mine <= ref, "ms"
+            )
+        )
+    checks.append(
+        _compare(
+            "error rate no worse",
+            recommended.value(ERROR_RATE),
+            best.value(ERROR_RATE),
+            lambda mine, ref: mine <= ref,
+            "",
+        )
+    )
     return checks
 
 
 def _compare(text: str, mine: float | None, ref: float | None, rule, unit: str) -> RuleCheck:
     if mine is None or ref is None:
         return RuleCheck(f"{text}: not measured", None)
-    return RuleCheck(f"{text}: {mine:.4g} against the reference's {ref:.4g}{' ' + unit if unit else ''}", bool(rule(mine, ref)))
+    return RuleCheck(
+        f"{text}: {mine:.4g} against the reference's {ref:.4g}{' ' + unit if unit else ''}", bool(rule(mine, ref))
+    )
 
 
 def rule_summary(checks: Sequence[RuleCheck]) -> str:

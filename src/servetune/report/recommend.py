@@ -162,7 +162,9 @@ def recommend(points: Sequence[ReportPoint], trials: Sequence[TrialOutline]) -> 
     return against_defaults(cheapest_with_room(ranked, trials), ranked, trials)
 
 
-def against_defaults(rec: Recommendation, ranked: Sequence[ReportPoint], trials: Sequence[TrialOutline]) -> Recommendation:
+def against_defaults(
+    rec: Recommendation, ranked: Sequence[ReportPoint], trials: Sequence[TrialOutline]
+) -> Recommendation:
     """Rule 4: a tuned recommendation stands only when it is cheaper than vLLM's defaults beyond the noise."""
     point = rec.point
     if point is None or not point.params:

@@ -76,7 +76,17 @@ class StreamBatchingChoice:
     interval_ms: float
 
 
-SCALING_HEADINGS = ("replicas", "level", "goodput", "out tok/s", "TTFT p50", "TTFT p99", "router TTFT p50", "scaling eff.", "SLO")
+SCALING_HEADINGS = (
+    "replicas",
+    "level",
+    "goodput",
+    "out tok/s",
+    "TTFT p50",
+    "TTFT p99",
+    "router TTFT p50",
+    "scaling eff.",
+    "SLO",
+)
 ROUTER_HEADINGS = ("router", "requests", "tokens served", "hit rate", "replicas' hit rates", "imbalance", "goodput",
                    "TTFT p50", "TTFT p99")  # fmt: skip
 LAYOUT_HEADINGS = ("layout", "devices", "replicas", "TP", "out tok/s", "goodput", "TTFT p50", "TTFT p99", "TPOT p50",
@@ -129,7 +139,9 @@ def serve_section(file: ServeCheckFile | None) -> ServeSection | None:
     verdict = routing.get("verdict") or {}
     said = ""
     if verdict:
-        said = (f"ship {verdict['ship']}" if verdict.get("ship") else "no router named") + f": {verdict.get('reason', '')}"
+        said = (
+            f"ship {verdict['ship']}" if verdict.get("ship") else "no router named"
+        ) + f": {verdict.get('reason', '')}"
     trial_id = str(data.get("trial_id", ""))
     laid = data.get("layouts") if isinstance(data.get("layouts"), Mapping) else {}
     laid_title = ""
@@ -190,7 +202,9 @@ def _layout_choice(trial_id: str, laid: Mapping[str, Any]) -> LayoutChoice | Non
     verdict = laid.get("verdict") if laid else None
     if not isinstance(verdict, Mapping) or not verdict.get("ship") or not trial_id:
         return None
-    run = next((r for r in laid.get("runs") or [] if isinstance(r, Mapping) and r.get("layout") == verdict["ship"]), None)
+    run = next(
+        (r for r in laid.get("runs") or [] if isinstance(r, Mapping) and r.get("layout") == verdict["ship"]), None
+    )
     if run is None:
         return None  # a verdict naming a layout that did not run: not something to ship
     try:
@@ -206,8 +220,11 @@ def engine_note(router: Any, reused: Any, ready_s: Any) -> str | None:
     False, Serve restarted them); None for one deployed fresh (``reused`` None)."""
     if not isinstance(reused, bool):
         return None
-    how = ("on the engines already running (Serve kept them, and started any more the count needs)" if reused
-           else "on engines Serve restarted (as a fresh deploy)")
+    how = (
+        "on the engines already running (Serve kept them, and started any more the count needs)"
+        if reused
+        else "on engines Serve restarted (as a fresh deploy)"
+    )
     return f"{router}: {how} in {num_text(ready_s)} s, prefix caches reset"
 
 
@@ -224,7 +241,9 @@ def _router_choice(trial_id: str, routing: Mapping[str, Any]) -> RouterChoice | 
     ship, reason = verdict.get("ship"), str(verdict.get("reason") or "")
     if not ship:
         return RouterChoice(trial_id, None, None, reason)
-    classes = {run.get("router"): run.get("router_class") for run in routing.get("runs") or [] if isinstance(run, Mapping)}
+    classes = {
+        run.get("router"): run.get("router_class") for run in routing.get("runs") or [] if isinstance(run, Mapping)
+    }
     if ship not in classes:
         return None  # a verdict naming a router that did not run: not something to ship
     return RouterChoice(trial_id, str(ship), classes[ship] or None, reason)

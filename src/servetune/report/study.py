@@ -65,5 +65,12 @@ def load_study(root: Path | str, skip_unreadable: bool = False) -> LoadedStudy:
             not_read.append(NotRead(trial_dir, f"no {RESULT_FILE} (still running, or stopped before writing it)"))
         else:
             trials.append(result)
-    return LoadedStudy(root=root, info=info, trials=tuple(trials), not_read=tuple(not_read), verify=read_verify_file(root),
-                       verified=read_verify_files(root), serve_check=read_serve_check_file(root))
+    return LoadedStudy(
+        root=root,
+        info=info,
+        trials=tuple(trials),
+        not_read=tuple(not_read),
+        verify=read_verify_file(root),
+        verified=read_verify_files(root),
+        serve_check=read_serve_check_file(root),
+    )

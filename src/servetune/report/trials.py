@@ -100,11 +100,15 @@ def trial_rows(
         stopped, detail = why_stopped(trial)
         rows.append(
             TrialRow(
-                trial_id=trial.trial_id, config=short_config(trial.params, varied), outcome=trial.outcome,
+                trial_id=trial.trial_id,
+                config=short_config(trial.params, varied),
+                outcome=trial.outcome,
                 best_level=level_label(trial.levels[best].summary.level) if best is not None else None,
                 numbers_level=level_label(shown.level) if shown is not None else None,
                 values={m: shown.value(m) if shown is not None else None for m in TRIAL_METRICS},
-                slo_break=slo_break(trial), stopped=stopped, stopped_detail=detail,
+                slo_break=slo_break(trial),
+                stopped=stopped,
+                stopped_detail=detail,
                 conclusion=conclude(trial, trials, recommendation),
                 recommended=recommendation is not None and recommendation.names(trial.trial_id),
                 cache_notes=cache_notes(trial),

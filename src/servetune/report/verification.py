@@ -41,7 +41,14 @@ STABILITY = {
 #: Scenarios in the order verify runs them; any others follow by name.
 SCENARIO_ORDER = ("soak", "peak", "burst", "mix", "long_output", "disconnects", "headroom", "repeats")
 #: Numbers that are shares (shown as percentages).
-_SHARES = {"error_rate_5xx", "cancellation_success_rate", "kv_usage_peak", "memory_peak_fraction", "long_share", "error_rate"}
+_SHARES = {
+    "error_rate_5xx",
+    "cancellation_success_rate",
+    "kv_usage_peak",
+    "memory_peak_fraction",
+    "long_share",
+    "error_rate",
+}
 
 
 @dataclass(frozen=True)
@@ -136,7 +143,9 @@ def read_json_file(path: Path) -> JsonFile:
     return VerifyFile(path, content)
 
 
-def verifications(study_dir: Path, single: VerifyFile | None, per_point: Sequence[VerifyFile]) -> tuple[Verification, ...]:
+def verifications(
+    study_dir: Path, single: VerifyFile | None, per_point: Sequence[VerifyFile]
+) -> tuple[Verification, ...]:
     """Every verification of the study, as the report lists them: the study's points in their
     verify order (the recommendation first), then ``verify.json`` (``servetune verify``'s own)."""
     points = [verification(study_dir, file) for file in per_point]
@@ -173,9 +182,15 @@ def conclusion(all_verified: Sequence[Verification], recommended_trial: str | No
     if not accepted:
         return f"Every verified point was rejected ({len(judged)}): none is ready to ship as measured."
     first = accepted[0]
-    said = f"the recommendation (trial {recommended_trial}) was rejected by verification" if mine is not None else "the recommendation was not verified"
-    return (f"{said[0].upper()}{said[1:]}; trial {first.trial_id}, verified next, was accepted: "
-            f"ship it instead (servetune export {study_dir} --pick {first.trial_id}).")
+    said = (
+        f"the recommendation (trial {recommended_trial}) was rejected by verification"
+        if mine is not None
+        else "the recommendation was not verified"
+    )
+    return (
+        f"{said[0].upper()}{said[1:]}; trial {first.trial_id}, verified next, was accepted: "
+        f"ship it instead (servetune export {study_dir} --pick {first.trial_id})."
+    )
 
 
 def verification(study_dir: Path, file: VerifyFile | None) -> Verification:
@@ -238,7 +253,9 @@ def _scenarios(values: Any) -> list[ScenarioRow]:
             continue
         passed = numbers.get("passed")
         result = "passed" if passed is True else "failed" if passed is False else "no verdict"
-        shown = [f"{key} {_value(str(key), value)}" for key, value in numbers.items() if key not in ("passed", "reason")]
+        shown = [
+            f"{key} {_value(str(key), value)}" for key, value in numbers.items() if key not in ("passed", "reason")
+        ]
         reason = numbers.get("reason")
         rows.append(ScenarioRow(name, result, ", ".join(shown) or "-", reason if isinstance(reason, str) else ""))
     return rows

@@ -45,7 +45,9 @@ def verification_line(report: StudyReport) -> str:
     """``verification: rejected (trial t16 at concurrency 16; 3 FAIL, ...)``, or how to run verify."""
     if len(report.verifications) > 1:
         each = "; ".join(f"{v.subject}: {v.problem and 'could not be read' or v.verdict}" for v in report.verifications)
-        return f"verification: {each}" + (f". {report.verification_conclusion}" if report.verification_conclusion else "")
+        return f"verification: {each}" + (
+            f". {report.verification_conclusion}" if report.verification_conclusion else ""
+        )
     v = report.verification
     if v is None or not v.found:
         return f"verification: none yet: {v.command if v is not None else 'servetune verify STUDY_DIR'}"

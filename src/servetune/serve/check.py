@@ -228,13 +228,23 @@ def run_check(
             # On the engines running: the derived autoscaling's initial_replicas is its minimum, so Serve scales
             # a larger count down to it before the deployment is HEALTHY, and the ramp starts from there.
             up = deployer.deploy(autoscaled_llm_config(point, ramp.deployment_config))
-            ramped = ramp.run(cluster.url, served).model_copy(update={"ready_s": up.ready_s, "engines_reused": up.reused})
+            ramped = ramp.run(cluster.url, served).model_copy(
+                update={"ready_s": up.ready_s, "engines_reused": up.reused}
+            )
             teardown.pids.update(cluster.replica_pids(name))
             kept()
     if routing is not None:
-        kept(routed_now=compare_routers(picked, cluster, name, served, routing, deployer, lambda so_far: kept(routed_now=so_far)))
+        kept(
+            routed_now=compare_routers(
+                picked, cluster, name, served, routing, deployer, lambda so_far: kept(routed_now=so_far)
+            )
+        )
     if layouts is not None:
-        kept(laid_now=compare_layouts(picked, cluster, name, served, layouts, deployer, lambda so_far: kept(laid_now=so_far)))
+        kept(
+            laid_now=compare_layouts(
+                picked, cluster, name, served, layouts, deployer, lambda so_far: kept(laid_now=so_far)
+            )
+        )
     return result()
 
 
@@ -262,7 +272,9 @@ def compare_routers(
                               level=measured, per_replica=traffic_between(before, after)))  # fmt: skip
         if len(runs) < len(routing.routers):
             so_far(RoutingResult(workload=routing.workload, replicas=routing.replicas, level=level, runs=list(runs)))
-    return RoutingResult(workload=routing.workload, replicas=routing.replicas, level=level, runs=runs, verdict=verdict(runs))
+    return RoutingResult(
+        workload=routing.workload, replicas=routing.replicas, level=level, runs=runs, verdict=verdict(runs)
+    )
 
 
 def compare_layouts(

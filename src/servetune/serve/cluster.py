@@ -144,7 +144,9 @@ class ServeCluster:
         ``live_only`` False: dead ones the GCS still knows too (replaced, or of an earlier deployment)."""
         return sorted(actor_id for actor_id, _ in _replicas(name, deployment_prefix, live_only))
 
-    def replica_devices(self, name: str, each: int, deployment_prefix: str = "LLMServer") -> tuple[dict[str, int], dict[str, int]]:
+    def replica_devices(
+        self, name: str, each: int, deployment_prefix: str = "LLMServer"
+    ) -> tuple[dict[str, int], dict[str, int]]:
         """Where Ray placed the application's live LLM replicas, exactly: (replicas per node, by each one's actor;
         devices per node). A replica's devices are its placement group's bundles (Ray Serve LLM's: one per rank,
         the replica actor in the first; Serve names the group after the replica's actor), each on the node Ray put
@@ -160,7 +162,11 @@ class ServeCluster:
         for _, actor in _live_replicas(name, deployment_prefix):
             node = _node_of(actor)
             group = groups.get(actor.get("Name"))
-            bundles = [str(n) for n in (group.get("bundles_to_node_id") or {}).values()] if group is not None else [node] * each
+            bundles = (
+                [str(n) for n in (group.get("bundles_to_node_id") or {}).values()]
+                if group is not None
+                else [node] * each
+            )
             if not node or not bundles or not all(b.strip("0") for b in bundles):
                 continue
             replicas[node] = replicas.get(node, 0) + 1
@@ -171,7 +177,9 @@ class ServeCluster:
     def replica_ids(self, name: str, deployment_prefix: str = "LLMServer") -> list[str]:
         """Serve's unique ids of the application's live LLM replicas: the ``ReplicaId`` their engines'
         metrics carry (the replica actor's name is ``SERVE_REPLICA::<app>#<deployment>#<unique id>``)."""
-        return sorted(str(actor.get("Name", "")).rsplit("#", 1)[-1] for _, actor in _live_replicas(name, deployment_prefix))
+        return sorted(
+            str(actor.get("Name", "")).rsplit("#", 1)[-1] for _, actor in _live_replicas(name, deployment_prefix)
+        )
 
     def metrics_lag_s(self) -> float:
         """How far what Ray's metrics agents export lags a worker's own counts: two report intervals
@@ -191,7 +199,7 @@ class ServeCluster:
 
         app = serve.status().applications.get(name)
         reset = 0
-        for deployment in (app.deployments if app is not None else ()):
+        for deployment in app.deployments if app is not None else ():
             if deployment.startswith(deployment_prefix):
                 handle = serve.get_deployment_handle(deployment, name)
                 # Its router on its own loop: this caller has none running (Serve's throughput-optimized mode,
@@ -201,7 +209,9 @@ class ServeCluster:
                 reset += len(handle.broadcast("reset_prefix_cache").results(timeout_s=timeout_s))
         return reset
 
-    def run_app(self, name: str, app: Any, timeout_s: float, route_prefix: str = "/", on_poll: Callable[[], None] | None = None) -> float:
+    def run_app(
+        self, name: str, app: Any, timeout_s: float, route_prefix: str = "/", on_poll: Callable[[], None] | None = None
+    ) -> float:
         """``serve.run`` one application at ``route_prefix`` and wait for every deployment to be HEALTHY. One that
         fails (or is not up within ``timeout_s``) is deleted and raised as :class:`EngineStartError`
         with Serve's message and the tail of its replicas' logs."""
@@ -210,7 +220,9 @@ class ServeCluster:
 
         start = time.monotonic()
         # run_many can return before the application is up (serve.run waits, with no time limit).
-        serve.run_many([RunTarget(target=app, name=name, route_prefix=route_prefix)], wait_for_applications_running=False)
+        serve.run_many(
+            [RunTarget(target=app, name=name, route_prefix=route_prefix)], wait_for_applications_running=False
+        )
         try:
             time.sleep(1.0)  # let the controller take the new target before its status is read
             while True:
@@ -219,7 +231,9 @@ class ServeCluster:
                 if on_poll is not None:
                     with contextlib.suppress(Exception):  # what the caller reads on the way never fails the deploy
                         on_poll()
-                if status.endswith("RUNNING") and all(str(d.status).endswith("HEALTHY") for d in app.deployments.values()):
+                if status.endswith("RUNNING") and all(
+                    str(d.status).endswith("HEALTHY") for d in app.deployments.values()
+                ):
                     return time.monotonic() - start
                 failed = status.endswith(("DEPLOY_FAILED", "UNHEALTHY"))
                 if failed or time.monotonic() - start > timeout_s:
@@ -228,7 +242,10 @@ class ServeCluster:
                     self.delete(name)
                     raise EngineStartError(f"the Serve deployment of {name} failed: {message}", tail)
                 time.sleep(2.0)
-        except (KeyboardInterrupt, SystemExit):  # stopped while it deploys: on a cluster Serve would keep it (and its devices)
+        except (
+            KeyboardInterrupt,
+            SystemExit,
+        ):  # stopped while it deploys: on a cluster Serve would keep it (and its devices)
             with contextlib.suppress(Exception):
                 self.delete(name)
             raise
@@ -300,7 +317,7 @@ class ServeCluster:
 
         app = serve.status().applications.get(name)
         counts: dict[str, int] = {}
-        for deployment_name, deployment in (app.deployments.items() if app is not None else ()):
+        for deployment_name, deployment in app.deployments.items() if app is not None else ():
             if deployment_name.startswith(deployment_prefix):
                 for state, n in deployment.replica_states.items():
                     key = str(getattr(state, "value", state))

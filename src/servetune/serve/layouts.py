@@ -242,7 +242,9 @@ def layout_verdict(runs: Sequence[LayoutRun]) -> LayoutVerdict | None:
     tied = [run for run in ok if run.device_hours_per_mtok <= best * (1 + margin)]
     ship = min(tied, key=simpler_key)
     if len(ok) == 1:
-        return LayoutVerdict(ship=ship.layout, reason=f"{ship.layout} is the only layout that met the SLO{broke}", margin=margin)
+        return LayoutVerdict(
+            ship=ship.layout, reason=f"{ship.layout} is the only layout that met the SLO{broke}", margin=margin
+        )
     if len(tied) > 1:
         names = " and ".join(run.layout for run in sorted(tied, key=simpler_key))
         return LayoutVerdict(

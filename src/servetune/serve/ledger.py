@@ -84,7 +84,9 @@ class DeviceLedger:
     ``capacity``: the devices of each node (a number: one node). ``count``, when given, counts the cluster's nodes
     again while trials wait (at most every ``every_s``): an autoscaler adds nodes, a node is lost."""
 
-    def __init__(self, capacity: int | Counts, count: Callable[[], int | Counts] | None = None, every_s: float = 5.0) -> None:
+    def __init__(
+        self, capacity: int | Counts, count: Callable[[], int | Counts] | None = None, every_s: float = 5.0
+    ) -> None:
         self.nodes = _nodes(capacity)
         self.count, self.every_s = count, every_s
         self.counted_at, self.counts = time.monotonic(), 0  # counts: the counts that succeeded
@@ -237,7 +239,9 @@ def devices_now(device: str, per_node: int) -> dict[str, int]:
 
     from servetune.study.packing import devices_by_node
 
-    return devices_by_node(device, per_node, {node["NodeID"]: dict(node["Resources"]) for node in ray.nodes() if node.get("Alive")})
+    return devices_by_node(
+        device, per_node, {node["NodeID"]: dict(node["Resources"]) for node in ray.nodes() if node.get("Alive")}
+    )
 
 
 def start_ledger(name: str, device: str, per_node: int, every_s: float = 5.0) -> Any:
@@ -251,7 +255,9 @@ def start_ledger(name: str, device: str, per_node: int, every_s: float = 5.0) ->
 
 
 #: The ledger and holder of the devices this process holds (:func:`devices_held`), for :func:`report_placement`.
-_HOLDING: contextvars.ContextVar[tuple[Any, str] | None] = contextvars.ContextVar("servetune_serve_holding", default=None)
+_HOLDING: contextvars.ContextVar[tuple[Any, str] | None] = contextvars.ContextVar(
+    "servetune_serve_holding", default=None
+)
 
 
 @contextlib.contextmanager
@@ -315,7 +321,9 @@ class GiveBack(Callback):
     """The driver's side: a trial that ended holds nothing. One whose process was killed never deleted its
     Serve application, whose replicas would keep the devices the ledger hands on: it is deleted first."""
 
-    def __init__(self, ledger: Any, holder_of: Callable[[dict[str, Any]], str], app_of: Callable[[dict[str, Any]], str]) -> None:
+    def __init__(
+        self, ledger: Any, holder_of: Callable[[dict[str, Any]], str], app_of: Callable[[dict[str, Any]], str]
+    ) -> None:
         self.ledger, self.holder_of, self.app_of = ledger, holder_of, app_of
 
     def on_trial_complete(self, iteration, trials, trial, **info) -> None:

@@ -21,7 +21,9 @@ RAY_PREFIX, VLLM_PREFIX = "ray_vllm_", "vllm:"
 _RAY_GAUGES = tuple(RAY_PREFIX + name.removeprefix(VLLM_PREFIX) for names in GAUGES.values() for name in names)
 
 
-def replica_snapshots(texts: Iterable[str], replica_ids: Collection[str], gauges_only: bool = False) -> dict[str, MetricsSnapshot]:
+def replica_snapshots(
+    texts: Iterable[str], replica_ids: Collection[str], gauges_only: bool = False
+) -> dict[str, MetricsSnapshot]:
     """Each of the given replicas' vLLM metrics in the agents' ``texts``, read as vLLM's own text would
     be; a replica with no sample there (yet: an agent exports what a worker reported a report interval
     ago) is absent."""
@@ -41,7 +43,9 @@ def replica_snapshots(texts: Iterable[str], replica_ids: Collection[str], gauges
     return {replica: MetricsSnapshot.from_samples(samples) for replica, samples in per_replica.items()}
 
 
-def replicas_snapshot(texts: Iterable[str], replica_ids: Collection[str], gauges_only: bool = False) -> MetricsSnapshot | None:
+def replicas_snapshot(
+    texts: Iterable[str], replica_ids: Collection[str], gauges_only: bool = False
+) -> MetricsSnapshot | None:
     """The replicas' vLLM metrics in the agents' ``texts``, added up as one server's
     (:meth:`MetricsSnapshot.combined`); None when no sample of theirs is there."""
     found = replica_snapshots(texts, replica_ids, gauges_only)

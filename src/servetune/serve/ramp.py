@@ -121,6 +121,7 @@ def summarize_ramp(
     (times on the ramp's clock; ``record_phase[i]`` is the phase record ``i`` was sent in). ``baseline``:
     Serve's per-replica counter before the ramp (a replica kept from the step before has served already),
     what the first window's counts start from."""
+
     def broke(r: RequestRecord) -> bool:
         return not meets_request_slo(r, slo_ms) if slo_ms else not r.ok
 
@@ -245,7 +246,9 @@ async def run_ramp(
                     on_phase(phase.name, starts[phase.name])
                 if phase.wait_for_replicas:
                     deadline = time.perf_counter() + scale_up_timeout_s
-                    while time.perf_counter() < deadline and not (samples and samples[-1].running >= phase.wait_for_replicas):
+                    while time.perf_counter() < deadline and not (
+                        samples and samples[-1].running >= phase.wait_for_replicas
+                    ):
                         await asyncio.sleep(SAMPLE_S / 2)
                 await asyncio.sleep(phase.hold_s)
         finally:

@@ -26,7 +26,9 @@ class ReplicaRun(BaseModel):
 
     replicas: int
     ready_s: float | None = None  # serve.run until the application was RUNNING
-    engines_reused: bool | None = None  # True: on the engines of the count before (kept, prefix caches reset) and any added
+    engines_reused: bool | None = (
+        None  # True: on the engines of the count before (kept, prefix caches reset) and any added
+    )
     levels: list[LevelResult] = []
     requests_per_replica: dict[str, int] = {}  # Serve replica id -> requests it handled (Serve's own counter)
 
@@ -89,13 +91,21 @@ def scaling_rows(runs: list[ReplicaRun], bare_levels: list[LevelResult]) -> list
             bare_ttft = bare.summary.ttft_ms.p50 if bare is not None else None
             rows.append(
                 ScalingRow(
-                    replicas=run.replicas, level=dict(s.level), goodput=s.goodput,
-                    request_throughput=s.request_throughput, output_throughput=s.output_throughput,
-                    ttft_ms_p50=s.ttft_ms.p50, ttft_ms_p99=s.ttft_ms.p99, tpot_ms_p50=s.tpot_ms.p50,
-                    tpot_ms_p99=s.tpot_ms.p99, meets_slo=level.meets_slo,
+                    replicas=run.replicas,
+                    level=dict(s.level),
+                    goodput=s.goodput,
+                    request_throughput=s.request_throughput,
+                    output_throughput=s.output_throughput,
+                    ttft_ms_p50=s.ttft_ms.p50,
+                    ttft_ms_p99=s.ttft_ms.p99,
+                    tpot_ms_p50=s.tpot_ms.p50,
+                    tpot_ms_p99=s.tpot_ms.p99,
+                    meets_slo=level.meets_slo,
                     bare_output_throughput=bare.summary.output_throughput if bare is not None else None,
                     bare_ttft_ms_p50=bare_ttft,
-                    ttft_p50_overhead_ms=None if bare_ttft is None or s.ttft_ms.p50 is None else s.ttft_ms.p50 - bare_ttft,
+                    ttft_p50_overhead_ms=None
+                    if bare_ttft is None or s.ttft_ms.p50 is None
+                    else s.ttft_ms.p50 - bare_ttft,
                     scaling_efficiency=ratio(
                         s.output_throughput, run.replicas * single.summary.output_throughput if single else None
                     ),

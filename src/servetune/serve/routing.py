@@ -71,7 +71,13 @@ def routed_llm_config(config: Mapping[str, Any], router: str) -> dict[str, Any]:
 
 #: LLM deployment options Serve applies to the running replicas (Ray 2.60's ``DeploymentConfig`` marks them
 #: light-weight or reconfigured in place): a redeploy of the same version that changes only these keeps the engines.
-IN_PLACE_OPTIONS = ("num_replicas", "autoscaling_config", "max_ongoing_requests", "max_queued_requests", "request_router_config")
+IN_PLACE_OPTIONS = (
+    "num_replicas",
+    "autoscaling_config",
+    "max_ongoing_requests",
+    "max_queued_requests",
+    "request_router_config",
+)
 
 
 def engine_version(config: Mapping[str, Any]) -> str:
@@ -91,7 +97,9 @@ def _engine_sample_names(ours: str) -> tuple[str, ...]:
     return tuple("ray_" + name.replace(":", "_") + "_total" for name in COUNTERS[ours])
 
 
-def read_replica_counters(text: str, app_name: str, deployment_prefix: str = "LLMServer") -> dict[str, dict[str, float]]:
+def read_replica_counters(
+    text: str, app_name: str, deployment_prefix: str = "LLMServer"
+) -> dict[str, dict[str, float]]:
     """Per replica id: ``requests`` (Serve's counter for the application's LLM deployment) and vLLM's
     ``prompt_tokens``, ``generation_tokens``, ``prefix_cache_queries``, ``prefix_cache_hits`` --
     everything Ray's metrics agent holds now (counters since each replica started), for the replicas
@@ -106,7 +114,9 @@ def read_replica_counters(text: str, app_name: str, deployment_prefix: str = "LL
         for sample in family.samples:
             labels = sample.labels
             if sample.name in (SERVE_REQUESTS + "_total", SERVE_REQUESTS):
-                if labels.get("application") != app_name or not labels.get("deployment", "").startswith(deployment_prefix):
+                if labels.get("application") != app_name or not labels.get("deployment", "").startswith(
+                    deployment_prefix
+                ):
                     continue
                 replica, key = labels.get("replica") or labels.get("WorkerId", "?"), "requests"
             elif sample.name in engine and labels.get("ReplicaId"):
@@ -152,7 +162,9 @@ class ReplicaTraffic(BaseModel):
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries > 0 else None
 
 
-def traffic_between(before: Mapping[str, Mapping[str, float]], after: Mapping[str, Mapping[str, float]]) -> dict[str, ReplicaTraffic]:
+def traffic_between(
+    before: Mapping[str, Mapping[str, float]], after: Mapping[str, Mapping[str, float]]
+) -> dict[str, ReplicaTraffic]:
     """Per replica, what its counters grew by between two reads; replicas whose counters did not grow are left out."""
     out: dict[str, ReplicaTraffic] = {}
     for replica, counts in after.items():

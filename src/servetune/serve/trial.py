@@ -95,7 +95,9 @@ class ServeEngine:
     def __enter__(self) -> ServeEngine:
         self.cluster = self.cluster or ServeCluster.attached()
         self.cluster.delete(self.name)  # a killed driver's deployment of this very trial (--resume)
-        self.not_ours = set(self.cluster.engine_replicas(self.name, live_only=False))  # its replicas' logs are not this trial's
+        self.not_ours = set(
+            self.cluster.engine_replicas(self.name, live_only=False)
+        )  # its replicas' logs are not this trial's
         # Replicas an earlier deployment of this name had (the trial's, when a study verifies it; a killed run's): Ray's
         # metrics agents keep exporting their request counters after they are gone.
         with contextlib.suppress(Exception):
@@ -122,7 +124,10 @@ class ServeEngine:
         """Where Ray placed the replicas and their devices, read while they start and whenever measuring asks
         whether they are alive; told to the study's ledger when it changes (a replica placed, or replaced
         elsewhere) and every replica is placed."""
-        from servetune.serve.ledger import replica_share, report_placement  # Ray Tune's, imported only where a study runs
+        from servetune.serve.ledger import (
+            replica_share,
+            report_placement,
+        )  # Ray Tune's, imported only where a study runs
 
         assert self.cluster is not None
         with contextlib.suppress(Exception):  # the GCS tables could not be read this time: the next poll reads them
@@ -228,7 +233,9 @@ class ReplicaMetrics:
 
     def read(self, gauges_only: bool = False) -> MetricsSnapshot | None:
         if gauges_only:  # twice a second: the replica ids known are looked up again on full reads only
-            return replicas_snapshot(self.cluster.metrics_texts(), self._replica_ids(refresh=not self.replicas), gauges_only=True)
+            return replicas_snapshot(
+                self.cluster.metrics_texts(), self._replica_ids(refresh=not self.replicas), gauges_only=True
+            )
         if not self.settled:
             self.settled = True
             return self._settle()

@@ -25,8 +25,12 @@ class StudyContext:
     python: str = sys.executable
     quality: QualityPlan | None = None  # the probe every trial runs, with the reference's answers once known
     models: dict[str, str] = field(default_factory=dict)  # the ``model`` parameter's checkpoints, resolved
-    nodes: tuple[dict[str, float], ...] = ()  # each live node's resources when the trials were proposed (study/nodes.py)
-    ledger: str | None = None  # the run's device ledger, when trials through Serve run several at once (serve/ledger.py)
+    nodes: tuple[
+        dict[str, float], ...
+    ] = ()  # each live node's resources when the trials were proposed (study/nodes.py)
+    ledger: str | None = (
+        None  # the run's device ledger, when trials through Serve run several at once (serve/ledger.py)
+    )
 
     @property
     def trials_dir(self) -> Path:
@@ -38,7 +42,9 @@ class StudyContext:
 
         return placement_problem(bundle(self.space, params), self.nodes)
 
-    def spec_for(self, params: dict[str, Any], gpu_ids: list[str] | None = None, node_id: str | None = None) -> TrialSpec:
+    def spec_for(
+        self, params: dict[str, Any], gpu_ids: list[str] | None = None, node_id: str | None = None
+    ) -> TrialSpec:
         space = self.space
         engine_args, env = space.engine_params(params)
         devices = space.devices(params)

@@ -80,9 +80,13 @@ def trainable(config: dict[str, Any], context: StudyContext, finished_points: An
             from servetune.serve.trial import ServeEngine as engine
 
             if fits(spec):  # one the capacity check rejects is rejected in seconds, without waiting for devices
-                held = devices_held(context.ledger, spec.trial_id, *replica_share(spec))  # trials in flight share no device
+                held = devices_held(
+                    context.ledger, spec.trial_id, *replica_share(spec)
+                )  # trials in flight share no device
         with held:
-            result = run_trial(spec, tune.report, lambda: PromptFactory(load_tokenizer(spec.tokenizer)), stop_rule=rule, engine=engine)
+            result = run_trial(
+                spec, tune.report, lambda: PromptFactory(load_tokenizer(spec.tokenizer)), stop_rule=rule, engine=engine
+            )
         if finished_points is not None:  # before the final report: trials that start next see it
             ray.wait([finished_points.add.remote(result)], timeout=10)
     tune.report({**final_report(result, context), FILES_KEY: json.dumps(carried_files(spec.trial_dir))})
@@ -113,7 +117,11 @@ def carried_files(trial_dir: Path) -> dict[str, str]:
             size = f.seek(0, os.SEEK_END)
             f.seek(max(size - ENGINE_LOG_CARRIED, 0))
             text = f.read().decode(errors="replace")
-        files[ENGINE_LOG] = text if size <= ENGINE_LOG_CARRIED else f"[servetune: the engine log's last {ENGINE_LOG_CARRIED} of {size} bytes]\n" + text
+        files[ENGINE_LOG] = (
+            text
+            if size <= ENGINE_LOG_CARRIED
+            else f"[servetune: the engine log's last {ENGINE_LOG_CARRIED} of {size} bytes]\n" + text
+        )
     return files
 
 
@@ -188,7 +196,12 @@ class ResultMirror(Callback):
         if kept is None or kept.lost:  # a lost trial's record gives way to the run that replaced it
             trial_dir.mkdir(parents=True, exist_ok=True)
             for name, content in (files or {}).items():
-                if name in (REQUESTS_FILE, QUALITY_FILE, LM_EVAL_RESULTS_FILE, ENGINE_LOG):  # names this driver chose, never a path
+                if name in (
+                    REQUESTS_FILE,
+                    QUALITY_FILE,
+                    LM_EVAL_RESULTS_FILE,
+                    ENGINE_LOG,
+                ):  # names this driver chose, never a path
                     write_atomic(trial_dir / name, content)
             write_atomic(trial_dir / RESULT_FILE, text)
 
@@ -239,7 +252,9 @@ def _node_died(error: str) -> bool:
     """Whether Ray's error says the node under the trial went away (``NodeDiedError``, or an
     actor that died with its node)."""
     lowered = error.lower()
-    return any(words in lowered for words in ("nodediederror", "node has died", "node died")) or ("raylet" in lowered and "died" in lowered)
+    return any(words in lowered for words in ("nodediederror", "node has died", "node died")) or (
+        "raylet" in lowered and "died" in lowered
+    )
 
 
 def _ray_error(trial: Any) -> str:
@@ -288,7 +303,9 @@ def proposals(space: SearchSpace, max_trials: int | None) -> list[dict[str, Any]
     """
     kept, _ = space.grid() if space.search.algorithm == "grid" else (random_points(space), [])
     points = ([{}] if space.search.baseline else []) + kept
-    limit = max_trials or (space.search.num_trials if space.search.algorithm != "grid" else None) or space.search.num_trials
+    limit = (
+        max_trials or (space.search.num_trials if space.search.algorithm != "grid" else None) or space.search.num_trials
+    )
     points = points[:limit] if limit else points
     if packs(space):
         points = order_for_packing(points, space.devices, space.hardware.devices_per_node)
@@ -349,7 +366,9 @@ def finished_results(study_dir: Path) -> list[TrialResult]:
 def prepare_study_dir(study_dir: Path, space_path: Path, resume: bool) -> None:
     existing = finished_results(study_dir)
     if existing and not resume:
-        raise UserError(f"{study_dir} already holds {len(existing)} finished trials: pass --resume to continue that study, or choose another --storage")
+        raise UserError(
+            f"{study_dir} already holds {len(existing)} finished trials: pass --resume to continue that study, or choose another --storage"
+        )
     (study_dir / TRIALS_DIR).mkdir(parents=True, exist_ok=True)
     shutil.copyfile(space_path, study_dir / SPACE_FILE)
 
@@ -383,11 +402,21 @@ def keep_reference(context: StudyContext) -> StudyContext:
         why = "it did not run" if result is None else (result.reason or "its probe answered nothing")
         if result is not None and result.quality is not None and result.quality.errors:
             why += f" ({result.quality.errors[0]})"
-        raise UserError(f"quality: the reference trial ({describe_params(params)}) gave no answers to compare with: {why}")
-    unscored = [name for name in context.quality.bounds if name.startswith(LM_EVAL_PREFIX) and name not in answers.scores]
+        raise UserError(
+            f"quality: the reference trial ({describe_params(params)}) gave no answers to compare with: {why}"
+        )
+    unscored = [
+        name for name in context.quality.bounds if name.startswith(LM_EVAL_PREFIX) and name not in answers.scores
+    ]
     if unscored:  # lm-eval failed on the reference (no task data on the node, a timeout): every trial would fail it
-        why = next((e for e in result.quality.errors if e.startswith("lm-eval")), "no score") if result.quality else "no score"
-        raise UserError(f"quality: the reference trial ({describe_params(params)}) has no {unscored[0]} score to compare with: {why}")
+        why = (
+            next((e for e in result.quality.errors if e.startswith("lm-eval")), "no score")
+            if result.quality
+            else "no score"
+        )
+        raise UserError(
+            f"quality: the reference trial ({describe_params(params)}) has no {unscored[0]} score to compare with: {why}"
+        )
     path = context.study_dir / REFERENCE_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, answers.model_dump_json(indent=1) + "\n")

@@ -38,7 +38,9 @@ if TYPE_CHECKING:
 Point = TypeVar("Point")
 
 
-def order_for_packing(points: Sequence[Point], devices_of: Callable[[Point], int], devices_per_node: int | None = None) -> list[Point]:
+def order_for_packing(
+    points: Sequence[Point], devices_of: Callable[[Point], int], devices_per_node: int | None = None
+) -> list[Point]:
     """The points smallest trials first, in groups that each fill a node.
 
     First-fit decreasing makes the groups (``devices_per_node`` devices each; default: the

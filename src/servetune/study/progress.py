@@ -44,7 +44,9 @@ class LiveTable(Callback):
             self.live.start()
 
     def _row(self, trial) -> dict[str, Any]:
-        return self.rows.setdefault(trial.trial_id, {"params": trial.config.get("params", {}), "state": "RUNNING", "levels": 0})
+        return self.rows.setdefault(
+            trial.trial_id, {"params": trial.config.get("params", {}), "state": "RUNNING", "levels": 0}
+        )
 
     def on_trial_start(self, iteration, trials, trial, **info) -> None:
         self._row(trial)
@@ -58,7 +60,9 @@ class LiveTable(Callback):
         if "outcome" in result:
             row.update(state=result["outcome"], reason=result.get("reason", ""), goodput=result.get("best_goodput"),
                        ttft=result.get("best_ttft_ms_p99"), tpot=result.get("best_tpot_ms_p99"), levels=result.get("levels_run", 0))  # fmt: skip
-            self._update(f"{row['id']} {row['state']}: best goodput {_fmt(row['goodput'], 2)} req/s {row.get('reason', '')}".rstrip())
+            self._update(
+                f"{row['id']} {row['state']}: best goodput {_fmt(row['goodput'], 2)} req/s {row.get('reason', '')}".rstrip()
+            )
         elif "level_index" in result:
             row["levels"] = result["level_index"] + 1
             if result.get("meets_slo") and (row.get("goodput") or 0) <= (result.get(GOODPUT) or 0):
@@ -84,7 +88,16 @@ class LiveTable(Callback):
     def table(self) -> Table:
         table = Table(title=f"study {self.space.name}", title_justify="left")
         quality = self.space.quality is not None
-        for col in ("trial", "state", "configuration", "levels", "best goodput", "TTFT p99", "TPOT p99", *(("quality",) if quality else ())):
+        for col in (
+            "trial",
+            "state",
+            "configuration",
+            "levels",
+            "best goodput",
+            "TTFT p99",
+            "TPOT p99",
+            *(("quality",) if quality else ()),
+        ):
             table.add_column(col)
         for trial_id, row in self.rows.items():
             table.add_row(row.get("id") or trial_id, row["state"], describe_params(row["params"]), str(row["levels"]),
@@ -102,7 +115,8 @@ def summary_table(results: list[TrialResult], space: SearchSpace, top: int = 5) 
     table = Table(
         title=f"best configurations under the SLO (by {objective.metric}, {objective.mode}) — "
         f"{counts['COMPLETE']} complete, {counts['INFEASIBLE']} infeasible, {counts['FAILED']} failed; "
-        f"{len(meeting)} met the SLO" + (f", {sum(map(quality_failed, results))} failed the quality probe" if space.quality else ""),
+        f"{len(meeting)} met the SLO"
+        + (f", {sum(map(quality_failed, results))} failed the quality probe" if space.quality else ""),
         title_justify="left",
     )
     for col in ("trial", "configuration", "level", "goodput", "out tok/s", "TTFT p99", "TPOT p99", "$/Mtok"):

@@ -130,7 +130,11 @@ def keeping_sigterm() -> Iterator[None]:
     try:
         yield
     finally:
-        if before is not None and threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is not before:
+        if (
+            before is not None
+            and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) is not before
+        ):
             signal.signal(signal.SIGTERM, before)
 
 

@@ -78,14 +78,18 @@ class Surface:
     made_by: dict[str, Any]
 
     @classmethod
-    def from_results(cls, space: SearchSpace, results: Iterable[TrialResult], made_by: dict[str, Any] | None = None) -> Surface:
+    def from_results(
+        cls, space: SearchSpace, results: Iterable[TrialResult], made_by: dict[str, Any] | None = None
+    ) -> Surface:
         if any(isinstance(values, Range) for values in space.params.values()):
             raise UserError(f"search space '{space.name}': a surface needs lists for every parameter, not ranges")
         by_key = {key(r.params): r for r in results}
         kept, _ = space.grid()
         missing = [p for p in kept if key(p) not in by_key]
         if missing:
-            raise UserError(f"search space '{space.name}': {len(missing)} of {len(kept)} grid points have no result, e.g. {missing[0]}")
+            raise UserError(
+                f"search space '{space.name}': {len(missing)} of {len(kept)} grid points have no result, e.g. {missing[0]}"
+            )
         return cls(space, {key(p): by_key[key(p)] for p in kept}, dict(made_by or {}))
 
     @classmethod
@@ -107,14 +111,18 @@ class Surface:
     def best_score(self) -> float:
         best = max(score(r) for r in self.results.values())
         if best <= 0:
-            raise UserError(f"search space '{self.space.name}': no recorded trial met the SLO, so there is no optimum to find")
+            raise UserError(
+                f"search space '{self.space.name}': no recorded trial met the SLO, so there is no optimum to find"
+            )
         return best
 
     def score_of(self, params: dict[str, Any]) -> float:
         return score(self.results[key(params)])
 
 
-def space_for(surface: Surface, algorithm: str, seed: int, in_flight: int = 1, budget: int | None = None) -> SearchSpace:
+def space_for(
+    surface: Surface, algorithm: str, seed: int, in_flight: int = 1, budget: int | None = None
+) -> SearchSpace:
     """The surface's space searched by ``algorithm``: the baseline (vLLM's defaults, not a grid
     point, so not on the surface) left out; ``in_flight`` at once, as ``servetune run`` would
     order them (the grid's order one at a time, packing order for several); ``budget`` trials
@@ -148,7 +156,9 @@ def stop_early(recorded: TrialResult, planned: Sequence[Level], finished: Sequen
         levels = recorded.levels[: index + 1]
         reason = judge(recorded.model_copy(update={"levels": levels}), planned[index + 1 :], finished)
         if reason:
-            return recorded.model_copy(update={"levels": levels, "stopped_because": reason, "best_level_index": best_level_index(levels)})
+            return recorded.model_copy(
+                update={"levels": levels, "stopped_because": reason, "best_level_index": best_level_index(levels)}
+            )
     return recorded
 
 
@@ -167,7 +177,9 @@ class Told:
     @property
     def device_seconds_saved(self) -> float:
         """Measuring time of the recorded levels not run, times the devices the trial held."""
-        return sum(level.measured_s for level in self.recorded.levels[len(self.result.levels) :]) * self.recorded.devices
+        return (
+            sum(level.measured_s for level in self.recorded.levels[len(self.result.levels) :]) * self.recorded.devices
+        )
 
 
 class ReplayRun:
@@ -232,7 +244,9 @@ def replay_trials(
 
         def report(trial_id: str, params: dict[str, Any]) -> dict[str, Any]:
             told = run.tell(trial_id, params)
-            values, constraints = objectives_and_constraints(told.result, space.search.objectives, space.slo_bounds, space.quality_bounds)
+            values, constraints = objectives_and_constraints(
+                told.result, space.search.objectives, space.slo_bounds, space.quality_bounds
+            )
             return {OBJECTIVES_KEY: json.dumps(values), CONSTRAINTS_KEY: json.dumps(constraints)}
 
     for _ in in_flight_order(searcher, report, budget, in_flight, on_start=run.start):
@@ -257,7 +271,10 @@ class ListSearcher:
 
 
 def in_flight_order(
-    searcher: Searcher, report: Callable[[str, dict[str, Any]], dict[str, Any]], budget: int, in_flight: int,
+    searcher: Searcher,
+    report: Callable[[str, dict[str, Any]], dict[str, Any]],
+    budget: int,
+    in_flight: int,
     on_start: Callable[[str, dict[str, Any]], None] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Drive ``searcher`` as a cluster running ``in_flight`` trials at once would; yield each
@@ -319,7 +336,12 @@ class Efficiency:
 
 
 def efficiency(
-    surface: Surface, algorithm: str, seeds: Iterable[int], tolerance: float = 0.05, in_flight: int = 1, budget: int | None = None
+    surface: Surface,
+    algorithm: str,
+    seeds: Iterable[int],
+    tolerance: float = 0.05,
+    in_flight: int = 1,
+    budget: int | None = None,
 ) -> Efficiency:
     """Trials each seed needed to come within ``tolerance`` of the best, searching at most ``budget``."""
     target = (1 - tolerance) * surface.best_score
@@ -337,7 +359,9 @@ class Loss:
     seed: int
     best_off: float
     best_on: float
-    cut_params: dict[str, Any] | None  # a trial cut below best_off that its recording reaches, else the search went elsewhere
+    cut_params: (
+        dict[str, Any] | None
+    )  # a trial cut below best_off that its recording reaches, else the search went elsewhere
     cut_at_level: int | None  # the last level it ran
     reason: str | None  # stopped_because: the level and the dominating trial
 
@@ -353,7 +377,9 @@ class EarlyStoppingEffect:
     lowered: list[int]  # per seed, cut trials whose own score fell (the cut dropped a level that scored higher)
     device_seconds_saved: list[float]  # per seed
     losses: list[Loss]
-    needed: list[int | None] = field(default_factory=list)  # per seed, with early stopping: trials until one came within the tolerance
+    needed: list[int | None] = field(
+        default_factory=list
+    )  # per seed, with early stopping: trials until one came within the tolerance
 
     @property
     def seeds(self) -> int:
@@ -380,7 +406,12 @@ class EarlyStoppingEffect:
 
 
 def early_stopping_effect(
-    surface: Surface, algorithm: str, seeds: Iterable[int], in_flight: int = 1, budget: int | None = None, slack: float = 1e-9,
+    surface: Surface,
+    algorithm: str,
+    seeds: Iterable[int],
+    in_flight: int = 1,
+    budget: int | None = None,
+    slack: float = 1e-9,
     tolerance: float = 0.05,
 ) -> EarlyStoppingEffect:
     """Each seed searched twice, early stopping off and on: did it find as good a best, how many trials did it take

@@ -90,7 +90,11 @@ def orders(space: SearchSpace) -> dict[str, list[Any]]:
     """The lists the space's sampler sees as their index (:data:`ORDERED_FOR`), each sorted."""
     if space.search.algorithm not in ORDERED_FOR:
         return {}
-    return {name: order for name, values in space.params.items() if not isinstance(values, Range) and (order := ordered(values)) is not None}
+    return {
+        name: order
+        for name, values in space.params.items()
+        if not isinstance(values, Range) and (order := ordered(values)) is not None
+    }
 
 
 def distributions(space: SearchSpace) -> dict[str, optuna.distributions.BaseDistribution]:
@@ -102,9 +106,13 @@ def distributions(space: SearchSpace) -> dict[str, optuna.distributions.BaseDist
         if isinstance(values, Range):
             if values.is_int:
                 step = int(values.step or 1)
-                out[name] = optuna.distributions.IntDistribution(int(values.low), int(values.high), log=values.log, step=step)
+                out[name] = optuna.distributions.IntDistribution(
+                    int(values.low), int(values.high), log=values.log, step=step
+                )
             else:
-                out[name] = optuna.distributions.FloatDistribution(values.low, values.high, log=values.log, step=values.step)
+                out[name] = optuna.distributions.FloatDistribution(
+                    values.low, values.high, log=values.log, step=values.step
+                )
         elif name in indexed:
             out[name] = optuna.distributions.IntDistribution(0, len(values) - 1)
         else:
@@ -114,7 +122,11 @@ def distributions(space: SearchSpace) -> dict[str, optuna.distributions.BaseDist
 
 def constraint_names(space: SearchSpace) -> list[str]:
     """One constraint per SLO bound, one per bounded quality score, and ``ran`` (the trial fitted and ran to completion)."""
-    return [bound.name for bound in space.slo_bounds.bounds] + [f"quality.{name}" for name in space.quality_bounds] + ["ran"]
+    return (
+        [bound.name for bound in space.slo_bounds.bounds]
+        + [f"quality.{name}" for name in space.quality_bounds]
+        + ["ran"]
+    )
 
 
 class ConstrainedOptunaSearch(Searcher):
@@ -293,7 +305,9 @@ class ConstrainedOptunaSearch(Searcher):
         total = 0.0
         for name, dist in self.distributions.items():
             if name in self.orders:  # steps along the sorted list
-                total += abs(self.orders[name].index(a[name]) - self.orders[name].index(b[name])) / (len(self.orders[name]) - 1)
+                total += abs(self.orders[name].index(a[name]) - self.orders[name].index(b[name])) / (
+                    len(self.orders[name]) - 1
+                )
             elif isinstance(dist, optuna.distributions.CategoricalDistribution):
                 total += float(a[name] != b[name])
             else:

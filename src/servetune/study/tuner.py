@@ -55,11 +55,16 @@ def run_tuner(context: StudyContext, points: list[dict[str, Any]] | None, search
         context = dataclasses.replace(context, ledger=ledger_name(space.name))
         ledger = start_ledger(context.ledger, space.device, space.hardware.devices_per_node)
         spec_of = context.spec_for
-        callbacks = [*callbacks, GiveBack(ledger, lambda params: spec_of(params).trial_id, lambda params: app_name(spec_of(params)))]
+        callbacks = [
+            *callbacks,
+            GiveBack(ledger, lambda params: spec_of(params).trial_id, lambda params: app_name(spec_of(params))),
+        ]
     resources = lambda config: tune.PlacementGroupFactory(trial_resources(context, config["params"]))  # noqa: E731
     # Trials stop at levels finished trials dominate: they ask this actor (study/early_stop.py).
     finished_points = start_finished_points(finished_results(context.study_dir)) if space.stops_when_dominated else None
-    fn = tune.with_resources(tune.with_parameters(trainable, context=context, finished_points=finished_points), resources)
+    fn = tune.with_resources(
+        tune.with_parameters(trainable, context=context, finished_points=finished_points), resources
+    )
     if points is not None:
         param_space = {"params": tune.grid_search(points)}
         tune_config = tune.TuneConfig(num_samples=1, max_concurrent_trials=max_concurrent)

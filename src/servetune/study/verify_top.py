@@ -130,7 +130,9 @@ def verify_on_node(selection: Selection, context: StudyContext, budget: Budget, 
     winner = selection.winner
     spec = context.spec_for(dict(winner.result.params), gpu_ids, node_id=runtime.get_node_id())
     local = Path(tempfile.mkdtemp(prefix="servetune-verify-"))  # this node's disk: nothing is shared
-    selection = dataclasses.replace(selection, study_dir=local, winner=dataclasses.replace(winner, spec=spec), runner_up=None)
+    selection = dataclasses.replace(
+        selection, study_dir=local, winner=dataclasses.replace(winner, spec=spec), runner_up=None
+    )
     prompts = PromptFactory(load_tokenizer(spec.tokenizer))
     held = contextlib.nullcontext()
     if spec.serve_replicas is not None:  # deployed through the study's Serve: its devices from the study's ledger
@@ -158,7 +160,11 @@ def _tail(path: Path) -> str | None:
         size = f.seek(0, os.SEEK_END)
         f.seek(max(size - ENGINE_LOG_CARRIED, 0))
         text = f.read().decode(errors="replace")
-    return text if size <= ENGINE_LOG_CARRIED else f"[servetune: the engine log's last {ENGINE_LOG_CARRIED} of {size} bytes]\n" + text
+    return (
+        text
+        if size <= ENGINE_LOG_CARRIED
+        else f"[servetune: the engine log's last {ENGINE_LOG_CARRIED} of {size} bytes]\n" + text
+    )
 
 
 def unplaceable_document(selection: Selection, budget: Budget, problem: str) -> dict[str, Any]:
@@ -228,7 +234,9 @@ def verify_top(study_dir: Path, context: StudyContext, say: Callable[[str], None
         say(f"verify: nothing to verify: {build_report(load_study(study_dir)).recommendation.reason}")
         return []
     if len(selections) < wanted.top:
-        say(f"verify: top {wanted.top} asked, but only {len(selections)} trial(s) met every SLO: verifying {len(selections)}")
+        say(
+            f"verify: top {wanted.top} asked, but only {len(selections)} trial(s) met every SLO: verifying {len(selections)}"
+        )
     budget = Budget.for_device(space.device, wanted.duration_s)
     out: list[Verified] = []
     pending: list[tuple[int, Selection, dict[str, Any]]] = []
@@ -247,10 +255,14 @@ def verify_top(study_dir: Path, context: StudyContext, say: Callable[[str], None
         return out
     start_ray()
     nodes = alive_nodes()
-    at_once = max(resolve_max_concurrent(space, [n.get("GPU" if space.device == "gpu" else "CPU", 0.0) for n in nodes]), 1)
+    at_once = max(
+        resolve_max_concurrent(space, [n.get("GPU" if space.device == "gpu" else "CPU", 0.0) for n in nodes]), 1
+    )
     queue = Queue(maxsize=10_000, actor_options={"num_cpus": 0})  # the head may have no CPU to give
     ledger = None
-    if space.through_serve and at_once > 1:  # verifications through Serve take their devices from a ledger, as trials do
+    if (
+        space.through_serve and at_once > 1
+    ):  # verifications through Serve take their devices from a ledger, as trials do
         from servetune.serve.ledger import ledger_name, start_ledger
 
         context = dataclasses.replace(context, ledger=ledger_name(space.name))
@@ -280,7 +292,10 @@ def verify_top(study_dir: Path, context: StudyContext, say: Callable[[str], None
         verification.write_document(doc, path)
         verdict = "ACCEPTED" if doc["accepted"] else "REJECTED"
         say(f"verify: trial {trial_id} {verdict}: " + "; ".join(doc["reasons"]) + f" ({path})")
-        say("verify: " + log_stability(tracking_uri, selection.info.name, trial_id, doc["stability"], doc["accepted"], path))
+        say(
+            "verify: "
+            + log_stability(tracking_uri, selection.info.name, trial_id, doc["stability"], doc["accepted"], path)
+        )
         out.append(Verified(trial_id, path, json.loads(path.read_text()), ran=True))
 
     def start(rank: int, selection: Selection, mine: dict[str, Any]) -> None:
@@ -292,7 +307,9 @@ def verify_top(study_dir: Path, context: StudyContext, say: Callable[[str], None
             finish(selection, mine, unplaceable_document(selection, budget, problem), None, None)
             return
         group = placement_group([needed], strategy="STRICT_PACK", name=f"servetune-verify-{trial_id}")
-        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)
+        strategy = PlacementGroupSchedulingStrategy(
+            group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
+        )
         ref = task.options(num_cpus=needed.get("CPU", 0.0), num_gpus=needed.get("GPU", 0.0), scheduling_strategy=strategy,
                            max_retries=0).remote(selection, context, budget, queue)  # fmt: skip
         say(f"verify: trial {trial_id} (point {rank + 1} of {len(selections)}) at {selection.winner.level}: waiting for "
@@ -327,7 +344,14 @@ def verify_top(study_dir: Path, context: StudyContext, say: Callable[[str], None
                     finish(selection, mine, value["doc"], value["engine_log"], value["placement"])
                 except Exception as exc:  # noqa: BLE001 - a task that died is said so; the study ends with its report
                     lines = str(exc).strip().splitlines()
-                    finish(selection, mine, None, None, None, f"{type(exc).__name__}: {lines[-1][:300] if lines else 'no message'}")
+                    finish(
+                        selection,
+                        mine,
+                        None,
+                        None,
+                        None,
+                        f"{type(exc).__name__}: {lines[-1][:300] if lines else 'no message'}",
+                    )
                     if space.through_serve:  # its Serve application, never deleted, would keep its devices
                         from servetune.serve.ledger import delete_left_app
                         from servetune.serve.trial import app_name

@@ -181,7 +181,10 @@ def compile_graph(argv: list[str], compile_s: float, hit_s: float) -> None:
     graph = root / "torch_compile_cache" / compile_key(argv) / "fake-graph"
     if graph.exists():
         time.sleep(hit_s)
-        print(f"INFO [backends.py] Directly load the compiled graph(s) for compile range (1, 8192) from the cache, took {hit_s:.3f} s", flush=True)
+        print(
+            f"INFO [backends.py] Directly load the compiled graph(s) for compile range (1, 8192) from the cache, took {hit_s:.3f} s",
+            flush=True,
+        )
         print(f"INFO [monitor.py] torch.compile took {hit_s:.2f} s in total", flush=True)
         return
     print("INFO [monitor.py] Starting torch.compile", flush=True)
@@ -191,7 +194,6 @@ def compile_graph(argv: list[str], compile_s: float, hit_s: float) -> None:
     tmp.write_text(json.dumps(argv))
     tmp.replace(graph)
     print(f"INFO [monitor.py] torch.compile took {compile_s:.2f} s in total", flush=True)
-
 
 
 def _env(name: str, default: object) -> object:
@@ -210,22 +212,46 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--stall-after", type=int, help="after this many tokens of every stream, pause (--stall-ms)")
     parser.add_argument("--stall-ms", type=float, default=0.0, help="the pause of --stall-after, in ms")
     parser.add_argument("--startup-delay-s", type=float, default=float(_env("STARTUP_DELAY_S", 0.0)))
-    parser.add_argument("--fail-startup", action="store_true", default=bool(_env("FAIL_STARTUP", "")),
-                        help="exit with an error during startup, as a failing engine does")
+    parser.add_argument(
+        "--fail-startup",
+        action="store_true",
+        default=bool(_env("FAIL_STARTUP", "")),
+        help="exit with an error during startup, as a failing engine does",
+    )
     crash = _env("CRASH_AFTER_S", None)
-    parser.add_argument("--crash-after-s", type=float, default=None if crash is None else float(crash),
-                        help="die this many seconds after becoming ready")
+    parser.add_argument(
+        "--crash-after-s",
+        type=float,
+        default=None if crash is None else float(crash),
+        help="die this many seconds after becoming ready",
+    )
     parser.add_argument("--stubborn-child", action="store_true", help="start a child process that ignores SIGTERM")
-    parser.add_argument("--child", action="store_true", default=bool(_env("CHILD", "")),
-                        help="start a child process, as vLLM starts its engine cores: it outlives a killed server")
+    parser.add_argument(
+        "--child",
+        action="store_true",
+        default=bool(_env("CHILD", "")),
+        help="start a child process, as vLLM starts its engine cores: it outlives a killed server",
+    )
     parser.add_argument("--kv-tokens", type=int, default=524288)
     compile_s = _env("COMPILE_S", None)
-    parser.add_argument("--compile-s", type=float, default=None if compile_s is None else float(compile_s),
-                        help="compile the graph at start-up for this long, unless VLLM_CACHE_ROOT holds it")
-    parser.add_argument("--compile-hit-s", type=float, default=float(_env("COMPILE_HIT_S", 0.0)),
-                        help="the start-up's load from the compile cache when it holds the graph")
-    parser.add_argument("--release-ms", type=float, default=float(_env("RELEASE_MS", 0.0)),
-                        help="a stream the client closed stays running this long (an engine slow to abort)")
+    parser.add_argument(
+        "--compile-s",
+        type=float,
+        default=None if compile_s is None else float(compile_s),
+        help="compile the graph at start-up for this long, unless VLLM_CACHE_ROOT holds it",
+    )
+    parser.add_argument(
+        "--compile-hit-s",
+        type=float,
+        default=float(_env("COMPILE_HIT_S", 0.0)),
+        help="the start-up's load from the compile cache when it holds the graph",
+    )
+    parser.add_argument(
+        "--release-ms",
+        type=float,
+        default=float(_env("RELEASE_MS", 0.0)),
+        help="a stream the client closed stays running this long (an engine slow to abort)",
+    )
     args, _ = parser.parse_known_args(argv)  # ignore the engine arguments vLLM would take
     print(f"fake engine starting for model {args.model}", flush=True)
     if args.stubborn_child:
@@ -242,15 +268,25 @@ def main(argv: list[str] | None = None) -> None:
     if args.fail_startup:
         print("ValueError: injected startup failure for the test", flush=True)
         sys.exit(1)
-    print(f"INFO [kv_cache_utils.py] CPU KV cache size: {args.kv_tokens:,} tokens, Maximum concurrency for 4,096 tokens per request: {args.kv_tokens / 4096:.2f}x", flush=True)
+    print(
+        f"INFO [kv_cache_utils.py] CPU KV cache size: {args.kv_tokens:,} tokens, Maximum concurrency for 4,096 tokens per request: {args.kv_tokens / 4096:.2f}x",
+        flush=True,
+    )
     if args.crash_after_s is not None:
         loop_kill = args.crash_after_s
 
         async def on_startup(app: web.Application) -> None:
             asyncio.get_running_loop().call_later(loop_kill, os.kill, os.getpid(), signal.SIGKILL)
 
-    app = FakeOpenAI(args.ttft_ms, args.itl_ms, args.model, max_num_seqs=args.max_num_seqs,
-                     stall_after=args.stall_after, stall_ms=args.stall_ms, release_ms=args.release_ms).app()
+    app = FakeOpenAI(
+        args.ttft_ms,
+        args.itl_ms,
+        args.model,
+        max_num_seqs=args.max_num_seqs,
+        stall_after=args.stall_after,
+        stall_ms=args.stall_ms,
+        release_ms=args.release_ms,
+    ).app()
     if args.crash_after_s is not None:
         app.on_startup.append(on_startup)
     web.run_app(app, host=args.host, port=args.port, print=None)

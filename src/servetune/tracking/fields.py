@@ -41,7 +41,6 @@ SIGNIFICANT = 4  # significant digits of a logged metric that is not a whole num
 _UNSAFE = re.compile(r"[^A-Za-z0-9_\-. :/]")
 
 
-
 @dataclass(frozen=True)
 class MetricPoint:
     key: str
@@ -206,7 +205,9 @@ def trial_metrics(trial: TrialResult) -> list[MetricPoint]:
         "kv_cache_tokens": trial.kv_capacity.tokens if trial.kv_capacity else None,
     }  # fmt: skip
     startup = {f"startup/{k}": v for k, v in trial.startup_phases.items()}
-    return points + _finite(totals.items(), 0) + _finite(quality_metrics(trial).items(), 0) + _finite(startup.items(), 0)
+    return (
+        points + _finite(totals.items(), 0) + _finite(quality_metrics(trial).items(), 0) + _finite(startup.items(), 0)
+    )
 
 
 def quality_metrics(trial: TrialResult) -> dict[str, float | None]:

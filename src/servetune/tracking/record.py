@@ -49,6 +49,7 @@ FIELDS = (
 HARDWARE_KEYS = ("gpu_model", "gpu_count", "gpu_memory_gib", "interconnect", "cpu_model", "host_memory_gib")
 SOFTWARE_KEYS = ("driver", "cuda", "nccl", "vllm", "torch", "ray")
 
+
 @dataclass(frozen=True)
 class ExperimentRecord:
     """The ten fields as text (``fields``), structured tags, and what the Markdown shows besides."""
@@ -118,12 +119,18 @@ def quality_tags(trial: TrialResult) -> dict[str, str]:
     q = trial.quality
     if q is None:
         return {"quality": NOT_EVALUATED}
-    verdict = "reference" if q.reference_trial == trial.trial_id else ("pass" if q.passed else "FAIL: " + "; ".join(q.failures))
+    verdict = (
+        "reference"
+        if q.reference_trial == trial.trial_id
+        else ("pass" if q.passed else "FAIL: " + "; ".join(q.failures))
+    )
     tags = {"quality": verdict, "quality.reference_trial": q.reference_trial}
     for name, suites in QUALITY_RESULTS.items():
         scores = [q.suites[s] for s in suites if s in q.suites]
         if scores:
-            tags[f"quality.{name}"] = f"{sum(scores) / len(scores):.0%} ({', '.join(s for s in suites if s in q.suites)})"
+            tags[f"quality.{name}"] = (
+                f"{sum(scores) / len(scores):.0%} ({', '.join(s for s in suites if s in q.suites)})"
+            )
     if q.agreement is not None:
         tags["quality.agreement"] = f"{q.agreement:.0%}"
     return tags

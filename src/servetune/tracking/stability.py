@@ -32,7 +32,9 @@ METRICS = {
 
 def stability_metrics(stability: Mapping[str, Any], accepted: bool) -> dict[str, float]:
     """The numbers to log (those measured), booleans as 0/1."""
-    out = {key: float(stability[name]) for key, name in METRICS.items() if isinstance(stability.get(name), (int, float))}
+    out = {
+        key: float(stability[name]) for key, name in METRICS.items() if isinstance(stability.get(name), (int, float))
+    }
     out["stability.oom"] = 1.0 if stability.get("oom") else 0.0
     out["verify.accepted"] = 1.0 if accepted else 0.0
     return out

@@ -67,7 +67,9 @@ class SyncReport:
     logged: list[str] = field(default_factory=list)  # trial ids logged by this sync
     already: list[str] = field(default_factory=list)  # trial ids that were in MLflow before
     refreshed: list[str] = field(default_factory=list)  # trials whose conclusion changed
-    replaced: list[str] = field(default_factory=list)  # trials that ran again: their earlier run deleted, the new logged
+    replaced: list[str] = field(
+        default_factory=list
+    )  # trials that ran again: their earlier run deleted, the new logged
     not_read: list[str] = field(default_factory=list)  # trial directories without a usable result
     error: str | None = None
 
@@ -145,7 +147,12 @@ class StudySync:
                 continue
             record = self.record(trial, study.trials, study.info, recommendation)
             trial_dir = self.study_dir / TRIALS_DIR / trial.trial_id
-            files = [trial_dir / RESULT_FILE, trial_dir / ENGINE_LOG, trial_dir / REQUESTS_FILE, trial_dir / QUALITY_FILE]
+            files = [
+                trial_dir / RESULT_FILE,
+                trial_dir / ENGINE_LOG,
+                trial_dir / REQUESTS_FILE,
+                trial_dir / QUALITY_FILE,
+            ]
             tags = trial_tags(trial, record, recommendation)
             run_id = writer.log_trial(self.experiment_id, self.parent_run_id, trial, run_name(trial), trial_params(trial),
                                       trial_metrics(trial), tags, render_record(record), files)  # fmt: skip
@@ -239,7 +246,11 @@ def recommend_of(study: LoadedStudy) -> Recommendation | None:
 
 def trial_tags(trial: TrialResult, record: ExperimentRecord, recommendation: Recommendation | None) -> dict[str, str]:
     """A trial run's tags: its record's, which level its plain metrics hold, and whether it is the one to ship."""
-    return {**record.all_tags(), **level_tags(trial), RECOMMENDED_TAG: str(bool(recommendation and recommendation.names(trial.trial_id))).lower()}
+    return {
+        **record.all_tags(),
+        **level_tags(trial),
+        RECOMMENDED_TAG: str(bool(recommendation and recommendation.names(trial.trial_id))).lower(),
+    }
 
 
 def sync_study(study_dir: Path | str, tracking_uri: str | None = None, finish: bool = True,

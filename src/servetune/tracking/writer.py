@@ -128,7 +128,9 @@ class MlflowStudyWriter:
                 [experiment_id], f"tags.`{ROLE_TAG}` = 'trial'", max_results=1000, page_token=token
             )
             runs += [
-                TrialRun(r.data.tags.get(TRIAL_TAG, ""), r.info.run_id, r.info.status, dict(r.data.tags), r.info.start_time)
+                TrialRun(
+                    r.data.tags.get(TRIAL_TAG, ""), r.info.run_id, r.info.status, dict(r.data.tags), r.info.start_time
+                )
                 for r in page
             ]
             token = page.token

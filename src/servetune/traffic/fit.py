@@ -168,7 +168,9 @@ def profile(requests: Sequence[LoggedRequest], count: Counter | None = None, sou
         raise LogError(f"{source}: {exc}") from None
     prefix, note = _prefix(requests, first_turns, inputs, count)
     firsts = {id(r) for r in first_turns}
-    return TrafficProfile(len(requests), inputs, list(outputs), [id(r) in firsts for r in requests], arrival, prefix, note, sessions)
+    return TrafficProfile(
+        len(requests), inputs, list(outputs), [id(r) in firsts for r in requests], arrival, prefix, note, sessions
+    )
 
 
 def _prefix(requests: Sequence[LoggedRequest], first_turns: Sequence[LoggedRequest], inputs: list[int],

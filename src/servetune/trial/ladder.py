@@ -30,7 +30,10 @@ from servetune.results import LevelResult, noise_margin
 
 
 def ladder(
-    levels: Sequence[Level], *, stop_on_slo_break: bool = True, min_gain: float = 0.0,
+    levels: Sequence[Level],
+    *,
+    stop_on_slo_break: bool = True,
+    min_gain: float = 0.0,
     stop_rule: Callable[[LevelResult], str | None] | None = None,
 ) -> Generator[Level, LevelResult, str | None]:
     """Yield levels in order; ``send`` each level's result. Returns why it stopped early, if it did."""

@@ -56,7 +56,9 @@ class LevelPlan:
     warmup_requests: int
 
     @classmethod
-    def sized(cls, level: Level, requests: int | str | None = AUTO, seconds: float | None = None, warmup: int | None = None) -> LevelPlan:
+    def sized(
+        cls, level: Level, requests: int | str | None = AUTO, seconds: float | None = None, warmup: int | None = None
+    ) -> LevelPlan:
         """A level's plan; ``requests`` "auto" sizes it by its load.
 
         "auto": eight requests per client in flight, or 30 s of an open loop's rate, 32 to 500,
@@ -293,7 +295,9 @@ async def measure_level(
         async def read(gauges_only: bool = False) -> MetricsSnapshot | None:
             return await read_metrics(session, url, metrics, gauges_only)
 
-        reset = await asyncio.to_thread(reset_cache) if reset_cache is not None else await _reset_prefix_cache(session, url)
+        reset = (
+            await asyncio.to_thread(reset_cache) if reset_cache is not None else await _reset_prefix_cache(session, url)
+        )
         before = await read()
         if before is None and metrics is not None:
             before = MetricsSnapshot()  # fresh replicas report a counter once it counts: none yet is zero
@@ -416,7 +420,9 @@ def check_alive(engine: Engine | None, level: Level) -> None:
 
 
 async def measure_repeated(
-    measure_once: Callable[[int], Awaitable[tuple[LevelResult, list[RequestRecord]]]], repeats: int, slo: Slo,
+    measure_once: Callable[[int], Awaitable[tuple[LevelResult, list[RequestRecord]]]],
+    repeats: int,
+    slo: Slo,
     gone: Callable[[], bool] = lambda: False,
 ) -> tuple[LevelResult, list[list[RequestRecord]]]:
     """Run a level up to ``repeats`` times (``measure_once(run_index)``) and report its median run.

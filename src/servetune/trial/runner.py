@@ -90,7 +90,9 @@ class TrialSpec:
     quality: QualityPlan | None = None  # the quality probe, run before the ladder (quality/probe.py)
     node_id: str | None = None  # the Ray node the trial runs on, recorded in its environment (not in its id)
     serve_replicas: int | None = None  # run through Ray Serve LLM with this many replicas (None: the bare engine)
-    stream_batching_ms: float | None = None  # through Serve: the replicas' stream batching interval (None: Ray's default)
+    stream_batching_ms: float | None = (
+        None  # through Serve: the replicas' stream batching interval (None: Ray's default)
+    )
 
     @property
     def trial_id(self) -> str:
@@ -161,7 +163,11 @@ def capacity_check(spec: TrialSpec) -> CapacityReport | None:
     """The memory ledger's verdict, or None where the model's architecture is unknown offline."""
     from servetune.capacity import load_model_arch, plan_capacity, resolve_hardware
 
-    if spec.device == "cpu" and not spec.env.get("VLLM_CPU_KVCACHE_SPACE") and "kv_cache_memory_bytes" not in spec.engine_args:
+    if (
+        spec.device == "cpu"
+        and not spec.env.get("VLLM_CPU_KVCACHE_SPACE")
+        and "kv_cache_memory_bytes" not in spec.engine_args
+    ):
         return None  # the CPU build then sizes its KV cache from host memory: nothing to predict
     try:
         arch = load_model_arch(spec.model)
@@ -273,7 +279,9 @@ def _measure(server: Engine, spec: TrialSpec, result: TrialResult, report: Repor
             if lm_eval_results is not None:  # under a fixed name, carried back to the driver with quality.jsonl
                 write_atomic(trial_dir / LM_EVAL_RESULTS_FILE, lm_eval_results.read_text())
             if not server.alive():
-                raise EngineDiedError(f"the engine died during the quality probe ({server.failure_reason()})", server.log_tail())
+                raise EngineDiedError(
+                    f"the engine died during the quality probe ({server.failure_reason()})", server.log_tail()
+                )
         records_path = trial_dir / REQUESTS_FILE
         with records_path.open("w") as records_file:
             result.stopped_because = asyncio.run(_climb(spec, server, result, report, prompts, records_file, stop_rule))
@@ -287,8 +295,10 @@ def _measure(server: Engine, spec: TrialSpec, result: TrialResult, report: Repor
 
 async def _climb(spec, server, result, report, prompts, records_file, stop_rule=None) -> str | None:
     gpu_indices = visible_gpu_indices(spec.extra_env) if spec.device == "gpu" else []
-    rule = (lambda level: stop_rule(result, spec.levels[len(result.levels):])) if stop_rule is not None else None
-    steps = ladder(spec.levels, stop_on_slo_break=spec.stop_on_slo_break, min_gain=spec.min_throughput_gain, stop_rule=rule)
+    rule = (lambda level: stop_rule(result, spec.levels[len(result.levels) :])) if stop_rule is not None else None
+    steps = ladder(
+        spec.levels, stop_on_slo_break=spec.stop_on_slo_break, min_gain=spec.min_throughput_gain, stop_rule=rule
+    )
     async with StreamingClient(
         server.url, spec.engine_args.get("served_model_name") or spec.model, api=spec.workload.api,
         timeout_s=spec.request_timeout_s, ignore_eos=spec.workload.ignore_eos, temperature=spec.workload.temperature,
@@ -313,7 +323,12 @@ async def _climb(spec, server, result, report, prompts, records_file, stop_rule=
 def level_report(result: TrialResult, level: LevelResult) -> dict[str, Any]:
     """What a trial reports to Tune after each level (flat metrics and where it stands)."""
     point = result.operating_points()[-1]
-    report = {**point.metrics, "level_index": point.level_index, "meets_slo": level.meets_slo, "servetune_trial_id": result.trial_id}
+    report = {
+        **point.metrics,
+        "level_index": point.level_index,
+        "meets_slo": level.meets_slo,
+        "servetune_trial_id": result.trial_id,
+    }
     if result.quality is not None:
         report["quality_passed"] = bool(result.quality.passed)
     return report

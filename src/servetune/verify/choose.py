@@ -69,7 +69,7 @@ def _workload(space: SearchSpace, info: StudyInfo, study_dir: Path) -> Workload:
 
 
 def _level(point: ReportPoint, levels: tuple[Level, ...], workload: Workload) -> Level:
-    (kind, value), = point.level.items()
+    ((kind, value),) = point.level.items()
     for level in levels:
         if level.kind == kind and level.value == value:
             return level
@@ -120,7 +120,9 @@ def check_serve(chosen: Chosen, address: str | None) -> None:
     if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
         raise UserError(f"trial {chosen.trial_id} was measured through Ray Serve ({SERVE_REPLICAS} {replicas}): "
                         "verify deploys it through Serve, which needs ray[serve,llm] (pip install 'ray[serve,llm]')")  # fmt: skip
-    need = dataclasses.replace(trial_needs(chosen.spec), asked_by=f"trial {chosen.trial_id}'s {SERVE_REPLICAS} {replicas}")
+    need = dataclasses.replace(
+        trial_needs(chosen.spec), asked_by=f"trial {chosen.trial_id}'s {SERVE_REPLICAS} {replicas}"
+    )
     devices = local_devices(need) if address is None else None
     if devices is not None:
         check_fits(need, devices, need.cpus, "this machine (verify deploys on a local Ray; --address joins a cluster)")
@@ -172,13 +174,17 @@ class _Rebuild:
 
         space_path = study_dir / SPACE_FILE
         if not space_path.is_file():
-            raise UserError(f"{space_path}: no such file (verify starts the trial's configuration from the study's space)")
+            raise UserError(
+                f"{space_path}: no such file (verify starts the trial's configuration from the study's space)"
+            )
         space = load_space(space_path)
         workload = _workload(space, study.info, study_dir)
         model = study.info.model
         if model.startswith("/") and not Path(model).is_dir():
             if space.model != "tiny":
-                raise UserError(f"{study_dir / 'study.json'}: model {model} is not there any more (was the study moved?)")
+                raise UserError(
+                    f"{study_dir / 'study.json'}: model {model} is not there any more (was the study moved?)"
+                )
             from servetune.models.tiny import build_tiny_model
 
             # The generated tiny model is deterministic (seeded): build it again inside the study.
@@ -190,7 +196,9 @@ class _Rebuild:
     def chosen(self, point: ReportPoint) -> Chosen:
         result = read_result(self.study_dir / TRIALS_DIR / point.trial_id)
         assert result is not None  # the report read it
-        return Chosen(point, result, self.context.spec_for(dict(result.params)), _level(point, self.context.levels, self.workload))
+        return Chosen(
+            point, result, self.context.spec_for(dict(result.params)), _level(point, self.context.levels, self.workload)
+        )
 
     def selection(self, point: ReportPoint, runner_up: ReportPoint | None) -> Selection:
         return Selection(self.study_dir, self.info, self.space, self.workload, self.report, self.chosen(point),

@@ -47,7 +47,9 @@ def weights_and_tokenizer_pinned(ctx: Context) -> tuple[Status, str]:
     revision = ctx.result.engine_args.get("revision")
     found = fingerprint.locate(model, ctx.study_dir, revision)
     if found is None:
-        pinned = (f" (revision {revision})" if revision else " (no revision pinned)") if fingerprint.is_hub_id(model) else ""
+        pinned = (
+            (f" (revision {revision})" if revision else " (no revision pinned)") if fingerprint.is_hub_id(model) else ""
+        )
         return NOT_CHECKED, f"{model} is not on this disk{pinned}: hash its files where they are served"
     weights = fingerprint.weight_files(found.path)
     if not weights:
@@ -90,7 +92,10 @@ def stack_versions_pinned(ctx: Context) -> tuple[Status, str]:
             differs = [k for k in keys if other.environment.get(k) != env.get(k)]
             if differs:
                 k = differs[0]
-                return FAIL, f"trials ran on different stacks: {k} {env.get(k)} here, {other.environment.get(k)} in trial {other.trial_id}"
+                return (
+                    FAIL,
+                    f"trials ran on different stacks: {k} {env.get(k)} here, {other.environment.get(k)} in trial {other.trial_id}",
+                )
     verify_env = ctx.verify.get("environment") if ctx.verify is not None else None
     if isinstance(verify_env, Mapping):
         differs = [k for k in keys if k in verify_env and verify_env[k] != env.get(k)]
@@ -134,7 +139,9 @@ def input_length_from_distribution(ctx: Context) -> tuple[Status, str]:
         return NOT_CHECKED, f"max_model_len {max_len}; no {REQUESTS_FILE} in the trial directory to compare with"
     p99_in = stats.input_tokens.p99
     p99_out = stats.output_tokens.p99 if stats.output_tokens else 0.0
-    measured = f"the workload's P99 input {p99_in:,.0f} + P99 output {p99_out:,.0f} tokens ({stats.requests} requests sent)"
+    measured = (
+        f"the workload's P99 input {p99_in:,.0f} + P99 output {p99_out:,.0f} tokens ({stats.requests} requests sent)"
+    )
     if "max_model_len" not in ctx.result.engine_args:
         return FAIL, f"max_model_len left to the model ({max_len}), not set from the distribution: {measured}"
     if p99_in + p99_out > max_len:
@@ -171,8 +178,11 @@ def memory_peak_margin(ctx: Context) -> tuple[Status, str]:
     problems: list[str] = []
     if ctx.gpu:
         util = engine_setting(ctx.result, "gpu_memory_utilization")
-        util_text = f"gpu_memory_utilization {util:g}" if isinstance(util, (int, float)) else (
-            f"gpu_memory_utilization left to vLLM ({VLLM_DEFAULT_GPU_MEMORY_UTILIZATION:g})")
+        util_text = (
+            f"gpu_memory_utilization {util:g}"
+            if isinstance(util, (int, float))
+            else (f"gpu_memory_utilization left to vLLM ({VLLM_DEFAULT_GPU_MEMORY_UTILIZATION:g})")
+        )
         util = util if isinstance(util, (int, float)) else VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
         if util > MAX_GPU_MEMORY_UTILIZATION:
             problems.append(f"{util_text} is above {MAX_GPU_MEMORY_UTILIZATION:g} (section 4)")
@@ -263,7 +273,9 @@ def max_num_seqs_load_tested(ctx: Context) -> tuple[Status, str]:
     slo = "met the SLO" if level.meets_slo else "broke the SLO: " + "; ".join(level.slo_violations)
     repeats, why = ctx.scenario("repeats")
     runs = number(repeats, "runs")
-    repeated = f"repeats {verdict(repeats)} over {amount(runs)} runs" if repeats is not None else f"not repeated ({why})"
+    repeated = (
+        f"repeats {verdict(repeats)} over {amount(runs)} runs" if repeats is not None else f"not repeated ({why})"
+    )
     text = f"{batch}; {compared}; the level {slo}; {repeated}"
     if not level.meets_slo or (repeats is not None and flag(repeats, "passed") is False):
         return FAIL, text

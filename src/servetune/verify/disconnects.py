@@ -42,7 +42,9 @@ GAUGE_WAIT_S = 5.0  # how long a round waits for /metrics to show the streams it
 TOKEN_SPAN_S = 1.0  # then vLLM's generated tokens are compared with what the survivors receive
 
 
-async def _wait_first_tokens(records: list[RequestRecord], tasks: list[asyncio.Task], chunks: int, timeout_s: float) -> None:
+async def _wait_first_tokens(
+    records: list[RequestRecord], tasks: list[asyncio.Task], chunks: int, timeout_s: float
+) -> None:
     deadline = time.perf_counter() + timeout_s
     while time.perf_counter() < deadline:
         if all(len(r.chunk_times) >= chunks or task.done() for r, task in zip(records, tasks)):
@@ -50,7 +52,9 @@ async def _wait_first_tokens(records: list[RequestRecord], tasks: list[asyncio.T
         await asyncio.sleep(0.02)
 
 
-async def _drop_round(t: Target, session: aiohttp.ClientSession, requests, streams: int, dropped: int) -> tuple[DropRound, list[RequestRecord]]:
+async def _drop_round(
+    t: Target, session: aiohttp.ClientSession, requests, streams: int, dropped: int
+) -> tuple[DropRound, list[RequestRecord]]:
     t0 = time.perf_counter()
     lag = lag_s(t.metrics)
     poll_s = 0.1 if lag == 0 else 0.25  # a lagging source changes once a report interval
@@ -109,11 +113,26 @@ async def _drop_round(t: Target, session: aiohttp.ClientSession, requests, strea
         await asyncio.sleep(TOKEN_SPAN_S + 2 * lag)
         last = await read()
         end = time.perf_counter() - t0
-        if first is not None and last is not None and "generation_tokens" in last.counters and all(r.end is None for r in survivors):
+        if (
+            first is not None
+            and last is not None
+            and "generation_tokens" in last.counters
+            and all(r.end is None for r in survivors)
+        ):
             server_tokens = last.counters["generation_tokens"] - first.counters.get("generation_tokens", 0.0)
             client_tokens = sum(start <= c <= end for r in survivors for c in r.chunk_times)
-        return DropRound(dropped, open_now, before, settled, fell_back, server_tokens, client_tokens, streams,
-                         released_s=released, allowed_s=allowed), records
+        return DropRound(
+            dropped,
+            open_now,
+            before,
+            settled,
+            fell_back,
+            server_tokens,
+            client_tokens,
+            streams,
+            released_s=released,
+            allowed_s=allowed,
+        ), records
     finally:
         for task in tasks:
             task.cancel()
@@ -138,7 +157,9 @@ async def disconnects(t: Target) -> ScenarioResult:
     dropped = max(1, round(streams * DROP_SHARE))
     prompt = min(16, t.max_model_len // 4)
     out = t.max_model_len - prompt - 1  # survivors must outlast the check: as long as the server allows
-    requests = iter_requests(fixed_workload(t.workload, "disconnects", prompt, out), t.prompts, stream=STREAMS["disconnects"])
+    requests = iter_requests(
+        fixed_workload(t.workload, "disconnects", prompt, out), t.prompts, stream=STREAMS["disconnects"]
+    )
     rounds: list[DropRound] = []
     async with aiohttp.ClientSession() as session:
         # A round that proves nothing (not observed) is tried again, up to as many extra rounds.
@@ -155,7 +176,12 @@ async def disconnects(t: Target) -> ScenarioResult:
                "release_steps": RELEASE_STEPS, "watch_s": WATCH_S, "rounds": [r.as_dict() for r in rounds],
                "cancellation_success_rate": rate, "tokens_stopped": stopped}  # fmt: skip
     if rate is None:
-        return ScenarioResult("disconnects", False, "vLLM's /metrics never showed the streams in flight: cancellation not observed", numbers)
+        return ScenarioResult(
+            "disconnects",
+            False,
+            "vLLM's /metrics never showed the streams in flight: cancellation not observed",
+            numbers,
+        )
     seen = [r for r in rounds if r.observed]
     passed = rate >= 1.0 and stopped
     reason = (f"{len(seen)} rounds dropping {dropped} of {streams} streams ({len(rounds) - len(seen)} more not observed): "

@@ -125,7 +125,11 @@ def latency_monitored(ctx: Context) -> tuple[Status, str]:
     families = {"TTFT": "server_ttft_ms_mean", "TPOT/ITL": "server_itl_ms_mean", "queue time": "server_queue_ms_mean"}
     missing = [name for name, key in families.items() if key not in server]
     found = "; ".join(f"{name} mean {amount(server[key], ' ms')}" for name, key in families.items() if key in server)
-    p99 = f"; TTFT P99 {amount(server['server_ttft_ms_p99'], ' ms')} from its histogram" if "server_ttft_ms_p99" in server else ""
+    p99 = (
+        f"; TTFT P99 {amount(server['server_ttft_ms_p99'], ' ms')} from its histogram"
+        if "server_ttft_ms_p99" in server
+        else ""
+    )
     if missing:
         return FAIL, f"vLLM's /metrics lacked {', '.join(missing)} histograms" + (f" (read: {found})" if found else "")
     return PASS, f"vLLM's /metrics histograms read at {level_label(ctx.level.summary.level)}: {found}{p99}"
@@ -138,7 +142,10 @@ GPU_SIGNALS = {"memory": "gpu_memory_used_gib_max", "utilization": "gpu_util_mea
 
 def device_monitored(ctx: Context) -> tuple[Status, str]:
     if not ctx.gpu:
-        return NOT_CHECKED, "no GPU: the CPU stand-in samples host CPU and memory; temperature, power and hardware errors are GPU signals"
+        return (
+            NOT_CHECKED,
+            "no GPU: the CPU stand-in samples host CPU and memory; temperature, power and hardware errors are GPU signals",
+        )
     if ctx.level is None:
         return NOT_CHECKED, "no measured level"
     telemetry = ctx.level.telemetry
@@ -170,9 +177,13 @@ def warm_before_traffic(ctx: Context) -> tuple[Status, str]:
     values = [float(w) for w in windows if isinstance(w, (int, float)) and not isinstance(w, bool)]
     if len(values) != len(windows):
         return NOT_CHECKED, "p99_ttft_ms_windows holds values that are not numbers"
-    steady = statistics.median(values[len(values) // 2:])
+    steady = statistics.median(values[len(values) // 2 :])
     first_steady = next((i for i in range(len(values)) if all(v <= STABLE_RATIO * steady for v in values[i:])), None)
-    startup = f"/health answered {ctx.result.startup_s:.0f} s after start" if ctx.result.startup_s else "startup time not recorded"
+    startup = (
+        f"/health answered {ctx.result.startup_s:.0f} s after start"
+        if ctx.result.startup_s
+        else "startup time not recorded"
+    )
     first = f"first {width:g} s window's P99 TTFT {values[0]:,.0f} ms, steady {steady:,.0f} ms"
     if first_steady is None:  # the last window itself is above the steady level: latency never settled
         return FAIL, (f"{startup}; latency never settled over the soak ({first}, last {values[-1]:,.0f} ms): "

@@ -65,7 +65,9 @@ class Timeouts:
     def from_slo(cls, slo: Slo, total_s: float) -> "Timeouts":
         ttft = min((b.max for b in slo.bounds if b.metric == "ttft_ms"), default=None)
         tpot = min((b.max for b in slo.bounds if b.metric in ("tpot_ms", "itl_ms")), default=None)
-        first = max(FIRST_TOKEN_MIN_S, FIRST_TOKEN_FACTOR * ttft / 1000.0) if ttft else max(FIRST_TOKEN_MIN_S, total_s / 4)
+        first = (
+            max(FIRST_TOKEN_MIN_S, FIRST_TOKEN_FACTOR * ttft / 1000.0) if ttft else max(FIRST_TOKEN_MIN_S, total_s / 4)
+        )
         idle = max(IDLE_MIN_S, IDLE_FACTOR * tpot / 1000.0) if tpot else max(IDLE_MIN_S, total_s / 10)
         return cls(min(first, total_s), min(idle, total_s), total_s)
 
@@ -116,7 +118,9 @@ def started(chosen: Chosen, log_path: Path, address: str | None = None) -> Itera
     spec = chosen.spec
     assert log_path.name == ENGINE_LOG  # where a trial's engine, bare or through Serve, keeps its log
     if spec.serve_replicas is None:
-        with vllm_engine(spec, log_path.parent) as server:  # as the trial started it (its cores claimed on the CPU build)
+        with vllm_engine(
+            spec, log_path.parent
+        ) as server:  # as the trial started it (its cores claimed on the CPU build)
             yield server
         return
     log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -124,7 +128,10 @@ def started(chosen: Chosen, log_path: Path, address: str | None = None) -> Itera
         with ServeEngine(spec, log_path.parent) as engine:
             yield engine
         return
-    with ServeCluster(address, trial_needs(spec).resources()) as cluster, ServeEngine(spec, log_path.parent, cluster) as engine:
+    with (
+        ServeCluster(address, trial_needs(spec).resources()) as cluster,
+        ServeEngine(spec, log_path.parent, cluster) as engine,
+    ):
         yield engine
 
 
@@ -139,7 +146,9 @@ def served_len(server: VllmServer | ServeEngine, chosen: Chosen) -> int:
     the one its replicas' log reports (the KV cache line's tokens per request), else the configured one."""
     if isinstance(server, ServeEngine):
         capacity = server.kv_capacity()
-        return capacity.at_tokens_per_request if capacity and capacity.at_tokens_per_request else _configured_len(chosen)
+        return (
+            capacity.at_tokens_per_request if capacity and capacity.at_tokens_per_request else _configured_len(chosen)
+        )
     return max_model_len(server.url, _configured_len(chosen))
 
 
@@ -150,7 +159,11 @@ def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: Pro
     spec = chosen.spec
     run = EngineRun(chosen.trial_id, log_path)
     records: list[RequestRecord] = []
-    through = f" through Ray Serve, {spec.serve_replicas} replica{'s' if spec.serve_replicas != 1 else ''}" if spec.serve_replicas else ""
+    through = (
+        f" through Ray Serve, {spec.serve_replicas} replica{'s' if spec.serve_replicas != 1 else ''}"
+        if spec.serve_replicas
+        else ""
+    )
     progress.step(f"starting vLLM for trial {chosen.trial_id}{through} (log: {log_path})")
     try:
         with started(chosen, log_path, address) as server:
@@ -181,7 +194,9 @@ def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: Pro
             try:
                 value = asyncio.run(main())
             except (asyncio.CancelledError, SystemExit, KeyboardInterrupt) as exc:  # stopped: the engine is stopped
-                run.stopped = run.stopped or stop_name(exc)  # on the way out; what finished is kept (verify's `partial`)
+                run.stopped = run.stopped or stop_name(
+                    exc
+                )  # on the way out; what finished is kept (verify's `partial`)
                 return run, None, records
             if isinstance(server, ServeEngine):
                 with contextlib.suppress(Exception):  # what each replica served: a record, never a failure
@@ -245,7 +260,9 @@ def stop_name(exc: BaseException) -> str:
     return f"exit {code}"
 
 
-async def _winner(t: sc.Target, progress: Progress, out: dict[str, sc.ScenarioResult] | None = None) -> dict[str, sc.ScenarioResult]:
+async def _winner(
+    t: sc.Target, progress: Progress, out: dict[str, sc.ScenarioResult] | None = None
+) -> dict[str, sc.ScenarioResult]:
     """Every scenario in order, each kept in ``out`` as it finishes (what a stopped verification keeps); after an
     engine death the rest are not run."""
     out = {} if out is None else out
@@ -318,7 +335,9 @@ def verify(selection: Selection, budget: sc.Budget, prompts: PromptFactory, prog
             scenarios["repeats"].numbers.pop("_runs", None)
         left = [name for name in sc.SCENARIOS if name not in scenarios]
         for i, name in enumerate(left):
-            scenarios[name] = sc.not_run(name, f"the verification was stopped ({run.stopped}){' during it' if i == 0 else ''}")
+            scenarios[name] = sc.not_run(
+                name, f"the verification was stopped ({run.stopped}){' during it' if i == 0 else ''}"
+            )
         return document(selection, budget, timeouts, run, scenarios, records)
     if run.failure and not scenarios:
         for name in sc.SCENARIOS:
@@ -339,7 +358,9 @@ def verify(selection: Selection, budget: sc.Budget, prompts: PromptFactory, prog
             theirs = goodput_per_device([sc.served_per_s(r) for r in other_runs], other.result.devices)
             verdict = lead(mine, theirs, "goodput per device (req/s)")
             runner["lead"] = {"verdict": verdict.verdict, "real": verdict.real, "reason": verdict.reason}
-            progress.scenario("runner-up", True, f"trial {other.trial_id}: the winner's lead is {verdict.verdict}: {verdict.reason}")
+            progress.scenario(
+                "runner-up", True, f"trial {other.trial_id}: the winner's lead is {verdict.verdict}: {verdict.reason}"
+            )
         if other_run.failure:
             runner.update(failure=other_run.failure, log_tail=other_run.log_tail)
         if other_run.stopped:  # the winner's scenarios all ran: their verdict stands, the comparison is not made
@@ -354,7 +375,11 @@ def stability(scenarios: dict[str, sc.ScenarioResult], records: list[RequestReco
     sent = len(records)
     fives = sum(r.error_kind == "http_5xx" for r in records)
     headroom = scenarios.get("headroom")
-    oom = bool(headroom and headroom.numbers.get("oom")) or is_out_of_memory(run.log_tail or "") or is_out_of_memory(run.failure or "")
+    oom = (
+        bool(headroom and headroom.numbers.get("oom"))
+        or is_out_of_memory(run.log_tail or "")
+        or is_out_of_memory(run.failure or "")
+    )
     errors: dict[str, int] = {}
     for r in records:
         if r.error_kind and r.error_kind != sc.DROPPED:
@@ -390,9 +415,14 @@ def document(selection: Selection, budget: sc.Budget, timeouts: Timeouts, run: E
         "device": winner.result.device,
         "budget": asdict(budget),
         "timeouts": asdict(timeouts),
-        "engine": {"startup_s": run.startup_s, "log": str(run.log_path), "failure": run.failure, "log_tail": run.log_tail,
-                   **({"serve": run.serve} if run.serve is not None else {}),
-                   **({"cpu_binding": run.cpu_binding} if run.cpu_binding else {})},
+        "engine": {
+            "startup_s": run.startup_s,
+            "log": str(run.log_path),
+            "failure": run.failure,
+            "log_tail": run.log_tail,
+            **({"serve": run.serve} if run.serve is not None else {}),
+            **({"cpu_binding": run.cpu_binding} if run.cpu_binding else {}),
+        },
         "scenarios": checklist_fields({name: scenarios[name].as_dict() for name in sc.SCENARIOS if name in scenarios}),
         "stability": stability(scenarios, records, run),
         "accepted": not failed,

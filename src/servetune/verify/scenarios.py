@@ -200,7 +200,9 @@ def _error_samples(records: list[RequestRecord], limit: int = 3) -> list[str]:
     return seen
 
 
-async def _level(t: Target, plan: LevelPlan, stream: int, workload: Workload | None = None) -> tuple[LevelResult, list[RequestRecord]]:
+async def _level(
+    t: Target, plan: LevelPlan, stream: int, workload: Workload | None = None
+) -> tuple[LevelResult, list[RequestRecord]]:
     """One level against the target (its metrics and prefix-cache reset where its URL has none), run whole
     unless the engine dies; its requests join ``t.records``."""
     result, records = await measure_level(
@@ -211,7 +213,9 @@ async def _level(t: Target, plan: LevelPlan, stream: int, workload: Workload | N
     return result, records
 
 
-async def _measure(t: Target, plan: LevelPlan, scenario: str, workload: Workload | None = None) -> tuple[LevelResult, list[RequestRecord]]:
+async def _measure(
+    t: Target, plan: LevelPlan, scenario: str, workload: Workload | None = None
+) -> tuple[LevelResult, list[RequestRecord]]:
     result, records = await _level(t, plan, STREAMS[scenario], workload)
     errors = _error_samples(records)
     if errors:
@@ -315,8 +319,12 @@ async def burst(t: Target) -> ScenarioResult:
     ok, why = _errors_ok(result, t.slo)
     cv = gap_cv(records)
     numbers = {**_core(result), "mean_rate": rate, "target_cv": BURST_CV, "measured_cv": cv}
-    slo_note = f"; SLO in the bursts: {'; '.join(result.slo_violations)}" if result.slo_violations else "; meets the SLO"
-    return ScenarioResult("burst", ok, f"gamma arrivals at {rate:.3g} req/s, gaps' CV {fmt(cv)}: {why}{slo_note}", numbers)
+    slo_note = (
+        f"; SLO in the bursts: {'; '.join(result.slo_violations)}" if result.slo_violations else "; meets the SLO"
+    )
+    return ScenarioResult(
+        "burst", ok, f"gamma arrivals at {rate:.3g} req/s, gaps' CV {fmt(cv)}: {why}{slo_note}", numbers
+    )
 
 
 def p99_input_tokens(workload: Workload, seed: int = 0, samples: int = 20_000) -> int:
@@ -346,7 +354,9 @@ def mixed_workload(workload: Workload, long_tokens: int) -> Workload:
 async def mix(t: Target, soak_ttft_p99: float | None) -> ScenarioResult:
     long_tokens = min(p99_input_tokens(t.workload), t.max_model_len // 2)
     workload = mixed_workload(t.workload, long_tokens)
-    plan = LevelPlan(t.level, num_requests=None, duration_s=t.budget.scenario_s, warmup_requests=_warmup(t.level, t.budget))
+    plan = LevelPlan(
+        t.level, num_requests=None, duration_s=t.budget.scenario_s, warmup_requests=_warmup(t.level, t.budget)
+    )
     result, records = await _measure(t, plan, "mix", workload)
     measured = [r for r in records if not r.warmup]
     bounds = t.slo.request_bounds_ms() or None
@@ -394,11 +404,15 @@ async def long_output(t: Target) -> ScenarioResult:
     short = [g for g in got if g != asked]
     if len(got) < n:
         kinds = ", ".join(f"{k} {v}" for k, v in sorted(result.summary.errors_by_kind.items()))
-        return ScenarioResult("long_output", False, f"{n - len(got)} of {n} requests of {asked} output tokens failed ({kinds})", numbers)
+        return ScenarioResult(
+            "long_output", False, f"{n - len(got)} of {n} requests of {asked} output tokens failed ({kinds})", numbers
+        )
     if short:
         return ScenarioResult("long_output", False, f"asked {asked} output tokens, got {short}", numbers)
     e2el = result.summary.e2el_ms.p99
-    return ScenarioResult("long_output", True, f"{n} requests of {asked} output tokens all ended whole (E2E P99 {fmt(e2el)} ms)", numbers)
+    return ScenarioResult(
+        "long_output", True, f"{n} requests of {asked} output tokens all ended whole (E2E P99 {fmt(e2el)} ms)", numbers
+    )
 
 
 def headroom(peak_result: LevelResult, trace: Trace, engine: Engine | None, log_text: str) -> ScenarioResult:
@@ -433,7 +447,9 @@ def served_per_s(result: LevelResult) -> float:
 async def repeat_runs(t: Target, stream_base: int) -> list[LevelResult]:
     results = []
     for run in range(t.budget.repeats):
-        plan = LevelPlan(t.level, num_requests=None, duration_s=t.budget.repeat_s, warmup_requests=_warmup(t.level, t.budget))
+        plan = LevelPlan(
+            t.level, num_requests=None, duration_s=t.budget.repeat_s, warmup_requests=_warmup(t.level, t.budget)
+        )
         result, _ = await _level(t, plan, stream_base + run)
         results.append(result)
         if t.engine is not None and not t.engine.alive():
@@ -462,4 +478,3 @@ async def repeats(t: Target) -> tuple[ScenarioResult, list[LevelResult]]:
 
 def not_run(name: str, why: str) -> ScenarioResult:
     return ScenarioResult(name, False, f"not run: {why}")
-

@@ -131,7 +131,9 @@ def bootstrap_mean(values: Sequence[float], confidence: float = 0.95, seed: int 
     return Interval(float(data.mean()), float(ci.low), float(ci.high))
 
 
-def bootstrap_difference(a: Sequence[float], b: Sequence[float], confidence: float = 0.95, seed: int = 0) -> Interval | None:
+def bootstrap_difference(
+    a: Sequence[float], b: Sequence[float], confidence: float = 0.95, seed: int = 0
+) -> Interval | None:
     """mean(a) - mean(b) with a bootstrap interval, the two samples resampled independently."""
     from scipy.stats import bootstrap
 
