@@ -18,6 +18,7 @@ from servetune.engine.server import free_port
 from servetune.models.tiny import build_tiny_model
 from servetune.testing.fake_openai import FakeOpenAI, write_fake_python
 from tests.processes import wait_until_healthy
+from tests.tiers import Tiers
 
 
 def _terminated(signum: int, frame: object) -> None:
@@ -57,6 +58,7 @@ def pytest_configure(config: pytest.Config) -> None:
     KeyboardInterrupt, which servetune's CLI catches when a test calls it in-process."""
     _stop_on_sigterm()
     atexit.register(_exit_with_the_verdict)
+    config.pluginmanager.register(Tiers(), "servetune-tiers")
 
 
 @pytest.hookimpl(trylast=True)
