@@ -47,7 +47,7 @@ def one_trial_study(root: Path, model: Path, bench: dict, concurrency: int, requ
 
     (root / "trials" / "bare").mkdir(parents=True)
     info = StudyInfo(
-        name="serve-overhead", created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        name="serve-overhead", created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         space_file="space.yaml", model=str(model), workload="cpu-tiny", device="cpu", algorithm="grid",
         objectives=[("goodput", "max")], slo=[], price_per_device_hour=0.05, servetune_version="bench",
     )  # fmt: skip

@@ -66,7 +66,7 @@ def metric_names() -> list[str]:
     return names + list(RATE_METRICS)
 
 
-def send_sync_share(records: Iterable["RequestRecord"], window_s: float = 0.010) -> float | None:
+def send_sync_share(records: Iterable[RequestRecord], window_s: float = 0.010) -> float | None:
     """How synchronized a level's clients were: the share of measured requests sent within
     ``window_s`` of another request (any, warm-up included). Near 1: the clients move in waves."""
     everything = sorted(records, key=lambda r: r.sent)
@@ -89,7 +89,7 @@ BURST_GAP_S = 0.001
 BURST_NOTE_SHARE = 0.2
 
 
-def itl_burst_share(records: Iterable["RequestRecord"], gap_s: float = BURST_GAP_S) -> float | None:
+def itl_burst_share(records: Iterable[RequestRecord], gap_s: float = BURST_GAP_S) -> float | None:
     """Share of the measured, finished requests' token gaps shorter than ``gap_s`` (None without gaps)."""
     gaps = [g for r in records if not r.warmup and r.ok for g in r.itls_s()]
     return sum(g < gap_s for g in gaps) / len(gaps) if gaps else None
@@ -109,7 +109,7 @@ def itl_note(share: float | None) -> str | None:
 DISTRIBUTION_PERCENTILES = tuple(range(0, 101, 5))
 
 
-def ttft_distribution_ms(records: Iterable["RequestRecord"]) -> list[float] | None:
+def ttft_distribution_ms(records: Iterable[RequestRecord]) -> list[float] | None:
     """The measured requests' TTFT in ms at :data:`DISTRIBUTION_PERCENTILES`: the whole shape
     (waves show as a step), not just P50/P99. None without a measured first token."""
     ttfts = [r.ttft_s * 1000.0 for r in records if not r.warmup and r.ok and r.ttft_s is not None]
@@ -124,7 +124,7 @@ MIN_GROWTH_SAMPLES = 8
 MAX_GROWTH_SAMPLES = 500
 
 
-def ttft_growth(records: Iterable["RequestRecord"]) -> tuple[float, float] | None:
+def ttft_growth(records: Iterable[RequestRecord]) -> tuple[float, float] | None:
     """Open loops: how fast TTFT grew through the level, in seconds per second of sending, and the
     low end of its 95% confidence interval (Theil-Sen slope of TTFT against send time, measured
     requests only; None with fewer than :data:`MIN_GROWTH_SAMPLES`).
@@ -145,7 +145,7 @@ def ttft_growth(records: Iterable["RequestRecord"]) -> tuple[float, float] | Non
     return float(fit.slope), float(fit.low_slope)
 
 
-def busy_output_throughput(records: Iterable["RequestRecord"], clients: int) -> float | None:
+def busy_output_throughput(records: Iterable[RequestRecord], clients: int) -> float | None:
     """Closed loops: output tok/s while all ``clients`` had a request in flight.
 
     The window opens once every client has sent (the staggered start is over), not before the
@@ -247,7 +247,7 @@ class LatencyStats(BaseModel):
     count: int = 0
 
     @classmethod
-    def of(cls, values_ms: Sequence[float]) -> "LatencyStats":
+    def of(cls, values_ms: Sequence[float]) -> LatencyStats:
         if not len(values_ms):
             return cls()
         arr = np.asarray(values_ms, dtype=float)

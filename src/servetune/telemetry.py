@@ -48,7 +48,7 @@ class TelemetrySampler:
         self._nvml = None
         self._handles: list = []
 
-    def __enter__(self) -> "TelemetrySampler":
+    def __enter__(self) -> TelemetrySampler:
         self._nvml = _nvml() if self.gpu_indices else None
         if self._nvml is not None:
             self._handles = [self._nvml.nvmlDeviceGetHandleByIndex(i) for i in self.gpu_indices]

@@ -21,7 +21,7 @@ class Completions(BaseHTTPRequestHandler):
 
     seen: list[dict] = []
 
-    def do_POST(self):  # noqa: N802 - http.server's name
+    def do_POST(self):  # http.server's name
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.seen.append({"path": self.path, **body})
         prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]

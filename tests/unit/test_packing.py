@@ -8,10 +8,10 @@ import pytest
 from servetune.accounting import time_accounting
 from servetune.study.packing import (
     Reservation,
+    max_concurrent_to_fill,
     order_for_packing,
     overlapping,
     peak_devices,
-    max_concurrent_to_fill,
     utilization,
 )
 from tests.builders import level, trial

@@ -11,10 +11,9 @@ from servetune.quality.items import QualityItem, read_suite
 from servetune.quality.probe import common_prefix_share, compare, make_plan
 from servetune.quality.suites import SHIPPED, agreement_prompts, recall_items, shipped_dir, shipped_items, suite_text
 from servetune.report.conclusion import conclude
-from servetune.report.points import trial_points
+from servetune.report.points import outline, trial_points
 from servetune.report.quality import lower_precision, precision_rule
 from servetune.report.recommend import recommend
-from servetune.report.points import outline
 from servetune.results import QualityResult, ReferenceAnswers
 from servetune.study.early_stop import FinishedPoints
 from servetune.study.objectives import objectives_and_constraints

@@ -14,11 +14,11 @@ import pytest
 
 pytest.importorskip("ray.llm._internal.common.callbacks.base", reason="needs ray[serve,llm]")
 
-from servetune.report.export import ray_serve_app  # noqa: E402
-from servetune.report.points import ReportPoint  # noqa: E402
-from servetune.serve import cores  # noqa: E402
-from servetune.serve.cores import BIND, ClaimCores, claim  # noqa: E402
-from servetune.serve.plan import CLAIM_CORES, CLAIM_CORES_ENV, llm_config  # noqa: E402
+from servetune.report.export import ray_serve_app
+from servetune.report.points import ReportPoint
+from servetune.serve import cores
+from servetune.serve.cores import BIND, ClaimCores, claim
+from servetune.serve.plan import CLAIM_CORES, CLAIM_CORES_ENV, llm_config
 
 
 def test_replicas_take_distinct_cores_and_a_full_host_gives_none(tmp_path):

@@ -15,8 +15,15 @@ from servetune.report import ReportPoint
 from servetune.results import LevelRun
 from servetune.serve.check import Layouts, Teardown, run_check
 from servetune.serve.layouts import (
-    Layout, budget_layouts, budget_level, check_layouts, layout_point, layout_run, layout_verdict, parse_layouts,
-)  # fmt: skip
+    Layout,
+    budget_layouts,
+    budget_level,
+    check_layouts,
+    layout_point,
+    layout_run,
+    layout_verdict,
+    parse_layouts,
+)
 from servetune.serve.plan import llm_config, needs
 from servetune.serve.routing import engine_version
 from servetune.serve.study import read_picked

@@ -406,7 +406,7 @@ def test_where_the_replicas_devices_are_is_told_to_the_ledger_while_deploying_an
             return self.where
 
         def applications(self):
-            return {name: "RUNNING" for name in self.deployed}
+            return dict.fromkeys(self.deployed, "RUNNING")
 
         def requests_per_replica(self, name):
             return {}

@@ -48,7 +48,7 @@ class KvCapacity:
     engines: int = 1
 
     @classmethod
-    def from_log(cls, text: str) -> "KvCapacity | None":
+    def from_log(cls, text: str) -> KvCapacity | None:
         found = _KV_TOKENS.findall(text)
         if not found:
             return None
@@ -91,7 +91,7 @@ def ray_omp_threads() -> str | None:
         if context.worker.mode != ray.WORKER_MODE:  # the driver: Ray sets nothing there
             return None
         cpus = context.get_assigned_resources().get("CPU") or 1
-    except Exception:  # noqa: BLE001 (a Ray without these: leave the environment as it is)
+    except Exception:  # a Ray without these: leave the environment as it is
         return None
     return value if value == str(max(int(cpus), 1)) else None
 
@@ -279,7 +279,7 @@ class VllmServer:
     def kv_capacity(self) -> KvCapacity | None:
         return KvCapacity.from_log(self.log_text())
 
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> VllmServer:
         self.start()
         try:
             self.wait_ready()

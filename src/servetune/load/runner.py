@@ -18,9 +18,9 @@ from typing import Literal
 import numpy as np
 
 from servetune.config.workload import Workload
+from servetune.errors import UserError
 from servetune.load.client import StreamingClient
 from servetune.load.requests import RequestSpec
-from servetune.errors import UserError
 from servetune.metrics import RequestRecord
 
 

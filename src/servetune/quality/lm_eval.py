@@ -46,7 +46,7 @@ class LmEvalPlan(BaseModel):
     fingerprint: str = ""  # a hash of the include path's task files: another task, another trial id
 
     @classmethod
-    def from_spec(cls, spec: LmEvalSpec, base_dir: Path) -> "LmEvalPlan":
+    def from_spec(cls, spec: LmEvalSpec, base_dir: Path) -> LmEvalPlan:
         include = resolve_include_path(spec, base_dir)
         return cls(tasks=list(spec.tasks), include_path=str(include) if include else None, limit=spec.limit,
                    num_fewshot=spec.num_fewshot, timeout_s=spec.timeout_s, fingerprint=_fingerprint(include))  # fmt: skip

@@ -98,7 +98,7 @@ class _Probe:
                         self._error(f"HTTP {r.status}: {str(message)[:200]}")
                         return None
                     return data
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
                 self._error(f"{type(exc).__name__}: {str(exc)[:200]}")
                 return None
 
@@ -111,7 +111,7 @@ class _Probe:
             async with self.session.get(self.url + "/v1/models", timeout=self.timeout) as r:
                 data = await r.json(content_type=None)
             return int(data["data"][0]["max_model_len"])
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError):
+        except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, IndexError, TypeError):
             return None
 
     async def continue_prompt(self, prompt: str, tokens: int) -> tuple[list[int], list[int]] | None:

@@ -38,10 +38,10 @@ from servetune.report.labels import (
 from servetune.report.markdown import VERIFY_HINT, pareto_rows, warm_cache_lines
 from servetune.report.params import BASELINE
 from servetune.report.points import ReportPoint, level_label
-from servetune.report.recommend import describe
 from servetune.report.quality import QUALITY_NOTE, quality_cells, quality_headings, rule_summary, suite_names
-from servetune.report.trials import TrialRow
+from servetune.report.recommend import describe
 from servetune.report.serving import LAYOUT_HEADINGS, ROUTER_HEADINGS, ROUTER_NOTE, SCALING_HEADINGS, ServeSection
+from servetune.report.trials import TrialRow
 from servetune.report.verification import Verification
 
 
@@ -207,7 +207,7 @@ def verification_summary_html(
             f"<p class='muted'>Not verified yet: <code>{e(v.command)}</code> (<a href='#verification'>below</a>).</p>"
         )
     if v.problem:
-        return f"<p class='muted'>verify.json could not be read (<a href='#verification'>below</a>).</p>"
+        return "<p class='muted'>verify.json could not be read (<a href='#verification'>below</a>).</p>"
     return (f"<p class='verdict {e(v.verdict.replace(' ', '-'))}'><b>Verification: {e(v.verdict)}</b> · {e(v.subject)}"
             f"{' · ' + e(v.counts_line) if v.checklist else ''} (<a href='#verification'>details</a>)</p>")  # fmt: skip
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from servetune.report.build import Front, StudyReport
+from servetune.report.distribution import SPREAD_NOTE, spread_cells, spread_headings
 from servetune.report.labels import (
     PARETO_HEADINGS,
     TABLE_METRICS,
@@ -15,14 +16,12 @@ from servetune.report.labels import (
     point_metrics,
     trial_cells,
 )
-from servetune.report.distribution import SPREAD_NOTE, spread_cells, spread_headings
 from servetune.report.points import config_label, level_label
-from servetune.report.recommend import describe
 from servetune.report.quality import QUALITY_NOTE, quality_cells, quality_headings, rule_summary, suite_names
-from servetune.report.trials import TrialRow
+from servetune.report.recommend import describe
 from servetune.report.serving import LAYOUT_HEADINGS, ROUTER_HEADINGS, ROUTER_NOTE, SCALING_HEADINGS, ServeSection
+from servetune.report.trials import TrialRow
 from servetune.report.verification import Verification
-
 
 UNITS = "Latencies in ms; $/Mtok is USD per million output tokens; tok/s/user is 1000 / mean TPOT."
 

@@ -18,9 +18,9 @@ from servetune.config.slo import Slo
 from servetune.errors import UserError
 from servetune.metrics import (
     COST_METRIC,
+    LATENCY_METRICS,
     OUTPUT_THROUGHPUT_PER_DEVICE,
     OUTPUT_THROUGHPUT_PER_USER,
-    LATENCY_METRICS,
     STATS,
     metric_names,
 )

@@ -236,7 +236,7 @@ def dead_node_of(actor_id: str | None, wait_s: float) -> str | None:
 
     try:
         node_id = ray._private.state.actors(actor_id)["Address"]["NodeID"]  # GCS's actor table (no dashboard needed)
-    except Exception:  # noqa: BLE001 - an unknown actor, or Ray's private API changed: the error text decides
+    except Exception:  # an unknown actor, or Ray's private API changed: the error text decides
         return None
     deadline = time.monotonic() + wait_s
     while True:
@@ -338,7 +338,7 @@ def random_points(space: SearchSpace) -> list[dict[str, Any]]:
 def study_info(space: SearchSpace, space_path: Path, model: str, levels: Sequence[object] = ()) -> StudyInfo:
     return StudyInfo(
         schema_version=SCHEMA_VERSION, name=space.name,
-        created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         space_file=str(space_path), model=model,
         workload=space.workload if isinstance(space.workload, str) else space.workload.name,
         device=space.device, algorithm=space.search.algorithm,

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from servetune.traffic.log import LoggedRequest, LogError
+from servetune.traffic.log import LogError, LoggedRequest
 
 #: Counts the tokens of a text (the served model's tokenizer).
 Counter = Callable[[str], int]

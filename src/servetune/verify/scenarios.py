@@ -81,7 +81,7 @@ class Budget:
     warmup_cap: int  # warm-up requests of a level at most
 
     @classmethod
-    def for_device(cls, device: str, duration_s: float | None = None) -> "Budget":
+    def for_device(cls, device: str, duration_s: float | None = None) -> Budget:
         if device == "gpu":
             return cls(soak_s=duration_s or 600.0, windows=10, scenario_s=120.0, long_requests=8, long_output_cap=None,
                        drop_rounds=5, repeats=5, repeat_s=60.0, warmup_cap=32)  # fmt: skip
