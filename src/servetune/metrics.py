@@ -22,6 +22,7 @@ its throughput understates a short level's. What the ladder judges saturation on
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -140,7 +141,7 @@ def ttft_growth(records: Iterable[RequestRecord]) -> tuple[float, float] | None:
         points = [points[int(i)] for i in np.linspace(0, len(points) - 1, MAX_GROWTH_SAMPLES)]
     from scipy.stats import theilslopes  # imported here: only open loops need it
 
-    sent, ttft = zip(*points)
+    sent, ttft = zip(*points, strict=True)
     fit = theilslopes(ttft, sent, alpha=0.95)
     return float(fit.slope), float(fit.low_slope)
 
@@ -222,7 +223,7 @@ class RequestRecord:
 
     def itls_s(self) -> list[float]:
         t = self.chunk_times
-        return [b - a for a, b in zip(t, t[1:])]
+        return [b - a for a, b in itertools.pairwise(t)]
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -252,7 +253,9 @@ class LatencyStats(BaseModel):
             return cls()
         arr = np.asarray(values_ms, dtype=float)
         pct = np.percentile(arr, list(PERCENTILES.values()))
-        return cls(mean=float(arr.mean()), count=len(arr), **{k: float(v) for k, v in zip(PERCENTILES, pct)})
+        return cls(
+            mean=float(arr.mean()), count=len(arr), **{k: float(v) for k, v in zip(PERCENTILES, pct, strict=True)}
+        )
 
 
 class LevelSummary(BaseModel):

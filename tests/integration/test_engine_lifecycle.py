@@ -43,7 +43,7 @@ def test_startup_failure_carries_the_log_tail(fake_python, tmp_path):
 
 def test_startup_timeout_stops_the_group(fake_python, tmp_path):
     srv = server(fake_python, tmp_path, startup_delay_s=60, timeout=1.5)
-    with pytest.raises(EngineStartError, match="did not become healthy within 1.5 s"), srv:
+    with pytest.raises(EngineStartError, match=r"did not become healthy within 1\.5 s"), srv:
         pass
     assert not group_members(srv.process.pid)
 

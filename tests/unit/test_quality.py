@@ -159,8 +159,8 @@ def test_user_suite_is_read_into_the_plan(tmp_path):
 
 
 def reference(**overrides) -> ReferenceAnswers:
-    fields = dict(trial_id="ref", params={}, prompt_ids=[[1, 2], [3, 4]], continuations=[[5, 6, 7, 8], [9, 10, 11, 12]],
-                  nll=[2.0, 3.0], scores={"json": 0.5})  # fmt: skip
+    fields = {"trial_id": "ref", "params": {}, "prompt_ids": [[1, 2], [3, 4]],
+              "continuations": [[5, 6, 7, 8], [9, 10, 11, 12]], "nll": [2.0, 3.0], "scores": {"json": 0.5}}  # fmt: skip
     return ReferenceAnswers(**{**fields, **overrides})
 
 
@@ -310,7 +310,7 @@ def test_a_kept_reference_is_reused_only_for_the_same_configuration(tmp_path):
     assert read_reference(tmp_path, {"dtype": "float32"}, "ref") is not None
     assert read_reference(tmp_path, {"dtype": "float32"}, "0123456789ab") is None
     (tmp_path / REFERENCE_FILE).write_text("{")
-    with pytest.raises(UserError, match="reference.json"):
+    with pytest.raises(UserError, match=r"reference\.json"):
         read_reference(tmp_path, {"dtype": "float32"})
 
 
@@ -343,7 +343,7 @@ quality: {reference: {model: meta-llama/Llama-3.1-8B-Instruct}}
     kv = {name: capacity_check(s).kv_cache_tokens for name, s in specs.items()}
     bf16, fp8, awq = (kv[name] for name in space.params["model"])
     assert bf16 < fp8 < awq  # lighter weights leave more of the L4's 24 GB to the KV cache
-    with pytest.raises(UserError, match="params.model: 'nowhere' is neither a directory nor a hub id"):
+    with pytest.raises(UserError, match=r"params\.model: 'nowhere' is neither a directory nor a hub id"):
         bad = space.model_copy(update={"params": {"model": ["nowhere"]}})
         resolve_models(bad, tmp_path, tmp_path)
 

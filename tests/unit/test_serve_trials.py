@@ -48,7 +48,7 @@ params:
 constraints: ["serve.num_replicas * tensor_parallel_size <= 4"]
 """,
     )
-    kept, rejected = s.grid()
+    kept, _ = s.grid()
     assert sorted((p["serve.num_replicas"], p["tensor_parallel_size"]) for p in kept) == [
         (1, 1),
         (1, 2),

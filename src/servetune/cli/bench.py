@@ -16,7 +16,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from servetune import __version__
 from servetune.cli.display import console as make_console
@@ -321,12 +321,13 @@ def run_levels(console, url, served, workload, prompts, plans, slo, args, result
                     task = progress.add_task(str(plan.level), total=total or None, failed=0)
                     failed = 0
 
-                    def on_done(record) -> None:
+                    # The level's task, bound: these run while this level is measured, never after.
+                    def on_done(record, task: TaskID = task) -> None:
                         nonlocal failed
                         failed += 0 if record.ok else 1
                         progress.update(task, advance=1, failed=failed)
 
-                    def on_run(run: int, plan: LevelPlan = plan) -> None:
+                    def on_run(run: int, plan: LevelPlan = plan, task: TaskID = task) -> None:
                         nonlocal failed
                         if run:
                             failed = 0

@@ -88,7 +88,7 @@ class Range(BaseModel):
     def grid_values(self) -> list[float | int]:
         """The values a grid visits: every step, or powers of two for an integer log range."""
         if self.step is not None:
-            n = int(math.floor((self.high - self.low) / self.step + 1e-9))
+            n = math.floor((self.high - self.low) / self.step + 1e-9)
             values = [self.low + i * self.step for i in range(n + 1)]
         elif self.is_int and self.log:
             values, v = [], self.low
@@ -425,7 +425,7 @@ def _evaluate(text: str, names: dict[str, Any]) -> bool:
             return _BINOPS[type(node.op)](ev(node.left), ev(node.right))
         if isinstance(node, ast.Compare):
             left = ev(node.left)
-            for op, comparator in zip(node.ops, node.comparators):
+            for op, comparator in zip(node.ops, node.comparators, strict=True):
                 right = ev(comparator)
                 if not _CMPOPS[type(op)](left, right):
                     return False

@@ -11,6 +11,7 @@ waits until no process of the group is left.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -245,10 +246,9 @@ class VllmServer:
             return
         pgid = self.process.pid  # leader of its own session: pgid == pid
         _signal_group(pgid, signal.SIGTERM)
-        try:  # reap the leader first, so that it does not linger as a zombie of the group
+        # Reap the leader first, so that it does not linger as a zombie of the group.
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=self.stop_grace_s)
-        except subprocess.TimeoutExpired:
-            pass
         # Workers may outlive the leader for a moment; give the group the rest of the grace.
         deadline = time.monotonic() + self.stop_grace_s
         while _group_alive(pgid) and time.monotonic() < deadline:
@@ -293,10 +293,8 @@ class VllmServer:
 
 
 def _signal_group(pgid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def group_members(pgid: int) -> list[int]:

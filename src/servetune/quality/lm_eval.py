@@ -11,6 +11,7 @@ score ``lm_eval/<task>``, compared with the reference's like a suite's.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -163,10 +164,8 @@ def results_file(out_dir: Path) -> Path | None:
 
 def _kill_group(process: subprocess.Popen) -> None:
     """lm-eval and anything it started: stopped whatever happened (it runs in its own process group)."""
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
     process.wait()
 
 

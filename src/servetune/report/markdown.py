@@ -71,7 +71,7 @@ def _recommendation(report: StudyReport) -> list[str]:
     rec = report.recommendation
     lines = ["## Recommendation", ""]
     if rec.point is None:
-        return lines + [f"None: {rec.reason}.", ""]
+        return [*lines, f"None: {rec.reason}.", ""]
     point = rec.point
     lines += [
         f"**{describe(point)}**",
@@ -122,16 +122,16 @@ def _verification(v: Verification | None) -> list[str]:
         return []
     lines = ["## Verification", ""]
     if not v.found:
-        return lines + [f"Not verified yet. Run `{v.command}`: {VERIFY_HINT}.", ""]
+        return [*lines, f"Not verified yet. Run `{v.command}`: {VERIFY_HINT}.", ""]
     if v.problem:
-        return lines + [f"`{v.path}` could not be read: {v.problem}. Run `{v.command}` again.", ""]
+        return [*lines, f"`{v.path}` could not be read: {v.problem}. Run `{v.command}` again.", ""]
     return lines + _verified(v, "###")
 
 
 def _verified(v: Verification, heading: str) -> list[str]:
     """One verification's verdict, stability, scenarios and checklist, under ``heading`` sub-headings."""
     lines = [f"**{v.verdict.capitalize()}**: {v.subject}" + (f". {v.reason.rstrip('.')}" if v.reason else "") + ".", ""]
-    lines += [f"{heading} Stability", ""] + _table(["number", "value"], [list(row) for row in v.stability]) + [""]
+    lines += [f"{heading} Stability", "", *_table(["number", "value"], [list(row) for row in v.stability]), ""]
     if v.scenarios:
         lines += [f"{heading} Scenarios", ""]
         lines += _table(
@@ -155,7 +155,7 @@ def spread_section(report: StudyReport) -> list[str]:
     point = report.recommendation.point
     lines = [f"### TTFT distribution of the recommended trial ({point.trial_id if point else '-'})", ""]
     lines += _table(spread_headings(), [spread_cells(s) for s in report.ttft_spreads])
-    return lines + ["", SPREAD_NOTE, ""]
+    return [*lines, "", SPREAD_NOTE, ""]
 
 
 def verification_section(report: StudyReport) -> list[str]:
@@ -188,7 +188,7 @@ def serve_check_section(section: ServeSection | None) -> list[str]:
         return []
     lines = ["## Ray Serve (serve-check)", ""]
     if section.problem:
-        return lines + [f"`{section.path}` could not be read: {section.problem}.", ""]
+        return [*lines, f"`{section.path}` could not be read: {section.problem}.", ""]
     lines += [f"Trial {section.trial_id} deployed as a Ray Serve LLM application (`{section.path.name}`).", ""]
     if section.stopped:
         lines += [f"**serve-check stopped before every part ran ({section.stopped}): below is what finished.**", ""]

@@ -109,6 +109,6 @@ def scaling_rows(runs: list[ReplicaRun], bare_levels: list[LevelResult]) -> list
                     scaling_efficiency=ratio(
                         s.output_throughput, run.replicas * single.summary.output_throughput if single else None
                     ),
-                )  # fmt: skip
+                )
             )
     return rows

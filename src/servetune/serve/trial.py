@@ -155,10 +155,8 @@ class ServeEngine:
         self.cluster.delete(self.name)
         left = wait_gone(sorted(found), timeout_s=60.0)
         for pid in left:  # Serve stopped them in its own time before; never leave an engine behind
-            try:
+            with contextlib.suppress(psutil.Error):
                 psutil.Process(pid).kill()
-            except psutil.Error:
-                pass
 
     # --- what measuring asks ---------------------------------------------------------------
     def alive(self) -> bool:

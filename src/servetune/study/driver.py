@@ -142,10 +142,9 @@ def normal_priority() -> int:
     both requests in flight stalling together for 0.2-0.8 s, and most trials breaking a TTFT P95
     bound they met between stalls. Linux niceness is per thread: this sets the calling one's.
     """
-    try:
+    # Lowering niceness needs CAP_SYS_NICE (a PermissionError); the environment record says what it was.
+    with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, 0, 0)
-    except (PermissionError, OSError):
-        pass  # lowering niceness needs CAP_SYS_NICE; the environment record says what it was
     return os.getpriority(os.PRIO_PROCESS, 0)
 
 

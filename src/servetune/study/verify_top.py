@@ -96,10 +96,8 @@ class QueueProgress:
         self.queue, self.trial_id = queue, trial_id
 
     def _put(self, item: tuple) -> None:
-        try:
+        with contextlib.suppress(Exception):  # a full or gone queue loses a progress line, never the verification
             self.queue.put_nowait((self.trial_id, *item))
-        except Exception:  # a full or gone queue loses a progress line, never the verification
-            pass
 
     def step(self, text: str, seconds: float | None = None) -> None:
         self._put(("step", text, seconds))
@@ -365,7 +363,7 @@ def verify_top(study_dir: Path, context: StudyContext, say: Callable[[str], None
                         give_back(ledger, holder(selection.winner.trial_id))
         drain()
     finally:
-        for rank, selection, mine, group in running.values():
+        for *_, group in running.values():
             remove_placement_group(group)
         ray.kill(queue.actor)
         if ledger is not None:

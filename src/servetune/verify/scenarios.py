@@ -333,7 +333,7 @@ def p99_input_tokens(workload: Workload, seed: int = 0, samples: int = 20_000) -
     classes = workload.classes
     weights = np.asarray([c.weight for c in classes], dtype=float)
     counts = rng.multinomial(samples, weights / weights.sum())
-    lengths = np.concatenate([c.input_tokens.sample(rng, int(n)) for c, n in zip(classes, counts) if n])
+    lengths = np.concatenate([c.input_tokens.sample(rng, int(n)) for c, n in zip(classes, counts, strict=True) if n])
     return int(np.percentile(lengths, 99))
 
 
