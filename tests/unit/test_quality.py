@@ -193,6 +193,29 @@ def test_a_score_that_was_not_measured_fails_its_bound():
     assert result.failures == ["nll_delta not measured", "json not measured"]
 
 
+@pytest.mark.parametrize(
+    ("logprobs", "expected"),
+    [
+        ([None, {"7": {"logprob": -1.0}}, {"8": {"logprob": -3.0}}], 2.0),  # one entry per prompt token
+        (None, None),  # a server without prompt_logprobs: not measured, never a perfect 0
+        ([None, {"7": {"logprob": -1.0}}], None),  # fewer entries than the continuation's tokens
+    ],
+)
+def test_nll_needs_a_logprob_for_every_token_of_the_continuation(logprobs, expected):
+    import asyncio
+
+    from servetune.quality.probe import _Probe
+
+    class Answered(_Probe):
+        async def post(self, path, body):
+            return {"choices": [{"prompt_logprobs": logprobs}]}
+
+    async def nll():
+        return await Answered(None, "http://unused", "m", 1, 1.0).nll([5], [7, 8])
+
+    assert asyncio.run(nll()) == expected
+
+
 # --- quality as a constraint, in early stopping and in the report ----------------------------
 
 

@@ -134,8 +134,10 @@ class _Probe:
         if data is None:
             return None
         entries = (data["choices"][0].get("prompt_logprobs") or [])[len(prompt_ids) :]
+        if len(entries) != len(continuation):  # no prompt_logprobs, or not one per token: not measured
+            return None
         total = 0.0
-        for token, entry in zip(continuation, entries, strict=False):  # fewer entries: see the next commit
+        for token, entry in zip(continuation, entries, strict=True):
             found = (entry or {}).get(str(token))
             if found is None:
                 return None
