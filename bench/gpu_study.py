@@ -40,11 +40,11 @@ import numpy as np
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from packing import STARTUP_MEDIAN_S, run_in_workdir, run_study, write_engine_python  # noqa: E402
+from packing import STARTUP_MEDIAN_S, run_in_workdir, run_study, write_engine_python
 
-from servetune.accounting import stop_cause, time_accounting  # noqa: E402
-from servetune.results import TrialResult  # noqa: E402
-from servetune.study.packing import Reservation, utilization  # noqa: E402
+from servetune.accounting import stop_cause, time_accounting
+from servetune.results import TrialResult
+from servetune.study.packing import Reservation, utilization
 
 TARGET = 0.70
 ROOT = Path(__file__).resolve().parent.parent

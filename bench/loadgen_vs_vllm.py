@@ -144,7 +144,8 @@ def worker_vllm(args: argparse.Namespace) -> dict:
         return result
 
     vserve.benchmark = timed_benchmark
-    n = sum(1 for _ in open(args.requests))
+    with open(args.requests) as lines:
+        n = sum(1 for _ in lines)
     parser = FlexibleArgumentParser()
     vserve.add_cli_args(parser)
     vargs = parser.parse_args([

@@ -164,11 +164,11 @@ def main() -> None:
         extra = (
             ""
             if label == "bare"
-            else "; over bare, per round: " + ", ".join(f"{v - b:+.1f}" for v, b in zip(values, base))
+            else "; over bare, per round: " + ", ".join(f"{v - b:+.1f}" for v, b in zip(values, base, strict=True))
         )
         print(f"{label:16s} TTFT P50 (ms): " + ", ".join(f"{v:.1f}" for v in values) + extra)
     for label in ("serve, two hops", "serve, one hop"):
-        floor = statistics.median(v - b for v, b in zip(ttft[label], base))
+        floor = statistics.median(v - b for v, b in zip(ttft[label], base, strict=True))
         print(f"{label}: Serve's floor {floor:+.1f} ms (median round)")
     print(f"took {time.monotonic() - started:.0f} s; files in {work}")
 

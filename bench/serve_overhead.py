@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
 import statistics
 import subprocess
@@ -47,7 +48,7 @@ def one_trial_study(root: Path, model: Path, bench: dict, concurrency: int, requ
 
     (root / "trials" / "bare").mkdir(parents=True)
     info = StudyInfo(
-        name="serve-overhead", created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        name="serve-overhead", created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         space_file="space.yaml", model=str(model), workload="cpu-tiny", device="cpu", algorithm="grid",
         objectives=[("goodput", "max")], slo=[], price_per_device_hour=0.05, servetune_version="bench",
     )  # fmt: skip
@@ -159,11 +160,8 @@ def main() -> None:
     reference = statistics.median(bare_p50)
     allowed = max(5.0, 0.05 * reference)
     # How far the bare engine alone moves from one run to the next (the median step: one disturbed run does not set it).
-    noise = statistics.median(abs(b - a) for a, b in zip(bare_p50, bare_p50[1:]))
-    if abs(overhead) <= allowed:
-        verdict = "met"
-    else:
-        verdict = "NOT met"
+    noise = statistics.median(abs(b - a) for a, b in itertools.pairwise(bare_p50))
+    verdict = "met" if abs(overhead) <= allowed else "NOT met"
     if abs(abs(overhead) - allowed) <= noise:
         verdict += f", within the bare engine's own run-to-run drift ({noise:.1f} ms) of the target"
     interval = "Ray's default" if args.stream_batching_ms is None else f"{args.stream_batching_ms:g} ms"

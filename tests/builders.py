@@ -46,11 +46,12 @@ SLO = ["ttft_ms_p99 <= 2000", "tpot_ms_p99 <= 100"]
 
 
 def study_info(**overrides) -> StudyInfo:
-    fields = dict(
-        name="demo", created="2025-01-01T00:00:00Z", space_file="space.yaml", model="org/tiny-chat", workload="chat",
-        device="gpu", algorithm="grid", objectives=[("cost_per_mtok_usd", "min"), ("ttft_ms_p99", "min")], slo=SLO,
-        price_per_device_hour=2.0, servetune_version="0.1.0",
-    )  # fmt: skip
+    fields = {
+        "name": "demo", "created": "2025-01-01T00:00:00Z", "space_file": "space.yaml", "model": "org/tiny-chat",
+        "workload": "chat", "device": "gpu", "algorithm": "grid",
+        "objectives": [("cost_per_mtok_usd", "min"), ("ttft_ms_p99", "min")], "slo": SLO,
+        "price_per_device_hour": 2.0, "servetune_version": "0.1.0",
+    }  # fmt: skip
     fields.update(overrides)
     return StudyInfo(**fields)
 

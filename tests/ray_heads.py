@@ -11,6 +11,7 @@ set, as in the README.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -22,7 +23,6 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 import psutil
 import pytest
@@ -101,24 +101,24 @@ def ray_head(env: dict[str, str], num_cpus: int = 2, num_gpus: int = 2) -> Itera
     busy two-core host Ray's client server can time out waiting for its own raylet and take the
     head down with it."""
     for attempt in range(1, START_TRIES + 1):
-        proc, head, log = _start_head(env, num_cpus, num_gpus)
+        proc, head = _start_head(env, num_cpus, num_gpus)
         try:
             exited = _wait_for_head(proc, head)
             if exited is None:
                 break
         except BaseException:
-            _stop_head(proc, head, log)
+            _stop_head(proc, head)
             raise
-        _stop_head(proc, head, log)
+        _stop_head(proc, head)
         if attempt == START_TRIES:
             pytest.fail(f"ray start exited with {proc.returncode} ({START_TRIES} tries):\n{exited}")
     try:
         yield head
     finally:
-        _stop_head(proc, head, log)
+        _stop_head(proc, head)
 
 
-def _start_head(env: dict[str, str], num_cpus: int, num_gpus: int) -> tuple[subprocess.Popen, RayHead, IO[str]]:
+def _start_head(env: dict[str, str], num_cpus: int, num_gpus: int) -> tuple[subprocess.Popen, RayHead]:
     # A short path: Ray's unix sockets live under it and must stay within 107 bytes.
     temp_dir = Path(tempfile.mkdtemp(prefix="st-ray-", dir="/tmp"))
     gcs_port, dashboard_port = free_port(), free_port()
@@ -128,9 +128,9 @@ def _start_head(env: dict[str, str], num_cpus: int, num_gpus: int) -> tuple[subp
         "--dashboard-agent-listen-port", str(free_port()), "--ray-client-server-port", str(free_port()),
         "--num-cpus", str(num_cpus), "--num-gpus", str(num_gpus), "--disable-usage-stats", "--temp-dir", str(temp_dir),
     ]  # fmt: skip
-    log = open(temp_dir / "ray-start.log", "w")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    return proc, RayHead(f"http://127.0.0.1:{dashboard_port}", f"127.0.0.1:{gcs_port}", temp_dir, env), log
+    with open(temp_dir / "ray-start.log", "w") as log:  # ray start writes to its own copy of the descriptor
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return proc, RayHead(f"http://127.0.0.1:{dashboard_port}", f"127.0.0.1:{gcs_port}", temp_dir, env)
 
 
 def _wait_for_head(proc: subprocess.Popen, head: RayHead) -> str | None:
@@ -149,9 +149,8 @@ def _wait_for_head(proc: subprocess.Popen, head: RayHead) -> str | None:
     return None
 
 
-def _stop_head(proc: subprocess.Popen, head: RayHead, log: IO[str]) -> None:
+def _stop_head(proc: subprocess.Popen, head: RayHead) -> None:
     stop_process_tree(proc, str(head.temp_dir))
-    log.close()
     shutil.rmtree(head.temp_dir, ignore_errors=True)
 
 
@@ -174,16 +173,12 @@ def stop_process_tree(proc: subprocess.Popen, marker: str) -> None:
     except psutil.NoSuchProcess:
         procs = []
     for p in reversed(procs):  # children first
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             p.terminate()
-        except psutil.NoSuchProcess:
-            pass
     _, alive = psutil.wait_procs(procs, timeout=10)
     for p in alive:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
-        except psutil.NoSuchProcess:
-            pass
     psutil.wait_procs(alive, timeout=10)
     stragglers = []
     for p in psutil.process_iter(["cmdline"]):

@@ -22,6 +22,7 @@ its throughput understates a short level's. What the ladder judges saturation on
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -66,7 +67,7 @@ def metric_names() -> list[str]:
     return names + list(RATE_METRICS)
 
 
-def send_sync_share(records: Iterable["RequestRecord"], window_s: float = 0.010) -> float | None:
+def send_sync_share(records: Iterable[RequestRecord], window_s: float = 0.010) -> float | None:
     """How synchronized a level's clients were: the share of measured requests sent within
     ``window_s`` of another request (any, warm-up included). Near 1: the clients move in waves."""
     everything = sorted(records, key=lambda r: r.sent)
@@ -89,7 +90,7 @@ BURST_GAP_S = 0.001
 BURST_NOTE_SHARE = 0.2
 
 
-def itl_burst_share(records: Iterable["RequestRecord"], gap_s: float = BURST_GAP_S) -> float | None:
+def itl_burst_share(records: Iterable[RequestRecord], gap_s: float = BURST_GAP_S) -> float | None:
     """Share of the measured, finished requests' token gaps shorter than ``gap_s`` (None without gaps)."""
     gaps = [g for r in records if not r.warmup and r.ok for g in r.itls_s()]
     return sum(g < gap_s for g in gaps) / len(gaps) if gaps else None
@@ -109,7 +110,7 @@ def itl_note(share: float | None) -> str | None:
 DISTRIBUTION_PERCENTILES = tuple(range(0, 101, 5))
 
 
-def ttft_distribution_ms(records: Iterable["RequestRecord"]) -> list[float] | None:
+def ttft_distribution_ms(records: Iterable[RequestRecord]) -> list[float] | None:
     """The measured requests' TTFT in ms at :data:`DISTRIBUTION_PERCENTILES`: the whole shape
     (waves show as a step), not just P50/P99. None without a measured first token."""
     ttfts = [r.ttft_s * 1000.0 for r in records if not r.warmup and r.ok and r.ttft_s is not None]
@@ -124,7 +125,7 @@ MIN_GROWTH_SAMPLES = 8
 MAX_GROWTH_SAMPLES = 500
 
 
-def ttft_growth(records: Iterable["RequestRecord"]) -> tuple[float, float] | None:
+def ttft_growth(records: Iterable[RequestRecord]) -> tuple[float, float] | None:
     """Open loops: how fast TTFT grew through the level, in seconds per second of sending, and the
     low end of its 95% confidence interval (Theil-Sen slope of TTFT against send time, measured
     requests only; None with fewer than :data:`MIN_GROWTH_SAMPLES`).
@@ -140,12 +141,12 @@ def ttft_growth(records: Iterable["RequestRecord"]) -> tuple[float, float] | Non
         points = [points[int(i)] for i in np.linspace(0, len(points) - 1, MAX_GROWTH_SAMPLES)]
     from scipy.stats import theilslopes  # imported here: only open loops need it
 
-    sent, ttft = zip(*points)
+    sent, ttft = zip(*points, strict=True)
     fit = theilslopes(ttft, sent, alpha=0.95)
     return float(fit.slope), float(fit.low_slope)
 
 
-def busy_output_throughput(records: Iterable["RequestRecord"], clients: int) -> float | None:
+def busy_output_throughput(records: Iterable[RequestRecord], clients: int) -> float | None:
     """Closed loops: output tok/s while all ``clients`` had a request in flight.
 
     The window opens once every client has sent (the staggered start is over), not before the
@@ -222,7 +223,7 @@ class RequestRecord:
 
     def itls_s(self) -> list[float]:
         t = self.chunk_times
-        return [b - a for a, b in zip(t, t[1:])]
+        return [b - a for a, b in itertools.pairwise(t)]
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -247,12 +248,14 @@ class LatencyStats(BaseModel):
     count: int = 0
 
     @classmethod
-    def of(cls, values_ms: Sequence[float]) -> "LatencyStats":
+    def of(cls, values_ms: Sequence[float]) -> LatencyStats:
         if not len(values_ms):
             return cls()
         arr = np.asarray(values_ms, dtype=float)
         pct = np.percentile(arr, list(PERCENTILES.values()))
-        return cls(mean=float(arr.mean()), count=len(arr), **{k: float(v) for k, v in zip(PERCENTILES, pct)})
+        return cls(
+            mean=float(arr.mean()), count=len(arr), **{k: float(v) for k, v in zip(PERCENTILES, pct, strict=True)}
+        )
 
 
 class LevelSummary(BaseModel):

@@ -249,7 +249,7 @@ class TrialResult(BaseModel):
                     devices=self.devices,
                     metrics=metrics,
                     meets_slo=level.meets_slo,
-                )  # fmt: skip
+                )
             )
         return points
 

@@ -18,6 +18,7 @@ the environment rule.
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -40,7 +41,7 @@ SECRET_ENGINE_ARGS = frozenset({"api_key", "hf_token"})
 def is_secret_env(name: str) -> bool:
     """Whether an environment variable's name says its value is a secret (see the module's rule)."""
     words = [w.upper() for w in _WORD.findall(name)]
-    return any(w in _SECRET_WORDS for w in words) or any(pair in _SECRET_PAIRS for pair in zip(words, words[1:]))
+    return any(w in _SECRET_WORDS for w in words) or any(pair in _SECRET_PAIRS for pair in itertools.pairwise(words))
 
 
 def is_secret_engine_arg(name: str, value: Any) -> bool:

@@ -10,6 +10,7 @@ the ``host_`` and ``engine_`` prefixes say which it was.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Sequence
@@ -48,7 +49,7 @@ class TelemetrySampler:
         self._nvml = None
         self._handles: list = []
 
-    def __enter__(self) -> "TelemetrySampler":
+    def __enter__(self) -> TelemetrySampler:
         self._nvml = _nvml() if self.gpu_indices else None
         if self._nvml is not None:
             self._handles = [self._nvml.nvmlDeviceGetHandleByIndex(i) for i in self.gpu_indices]
@@ -74,18 +75,14 @@ class TelemetrySampler:
             self._take_sample()
 
     def _take_sample(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # a sample that fails is skipped, never fatal to the level
             self._samples.append(self._gpu_sample() if self._nvml is not None else self._host_sample())
-        except Exception:  # a sample that fails is skipped, never fatal to the level
-            pass
 
     def _energy(self) -> dict[int, float]:
         out = {}
-        for i, handle in zip(self.gpu_indices, self._handles):
-            try:
+        for i, handle in zip(self.gpu_indices, self._handles, strict=True):
+            with contextlib.suppress(Exception):
                 out[i] = self._nvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1000.0  # mJ -> J
-            except Exception:
-                pass
         return out
 
     def _gpu_sample(self) -> dict[str, float]:

@@ -124,7 +124,7 @@ def study(tmp_path_factory):
         (tasks / "echo.yaml").write_text(ECHO_TASK)
         targets = echo_targets(build_tiny_model(tmp_path / "hf-tiny"))
         (tasks / "echo.jsonl").write_text(
-            "".join(json.dumps({"question": p, "answer": t}) + "\n" for p, t in zip(ECHO_PROMPTS, targets))
+            "".join(json.dumps({"question": p, "answer": t}) + "\n" for p, t in zip(ECHO_PROMPTS, targets, strict=True))
         )
     (tmp_path / "space.yaml").write_text(SPACE.format(
         lm_eval="\n  lm_eval: {tasks: [echo], include_path: lm_eval_tasks, limit: 16, num_fewshot: 0}" if lm_eval else "",

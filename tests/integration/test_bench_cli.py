@@ -41,7 +41,7 @@ def bench_repeats(tmp_path, capsys, tiny_model, ttft_ms: str, slo: str):
     """One level at 2 in flight, three runs asked, against the fake server: the level and its records."""
     out_file = tmp_path / "bench.json"
     with fake_server_process("--ttft-ms", ttft_ms, "--itl-ms", "2") as url:
-        code, out, err = run_cli(
+        code, _, err = run_cli(
             capsys, "--url", url, "--tokenizer", str(tiny_model), "--workload", "cpu-tiny", "--concurrency", "2",
             "--num-requests", "6", "--warmup-requests", "1", "--repeats", "3", "--slo", slo, "--json", str(out_file),
         )  # fmt: skip
@@ -74,7 +74,7 @@ def test_an_engine_that_dies_mid_level_keeps_what_was_measured(tmp_path, capsys,
     # about 0.64 s, done about 2 s after it started), during the one at 1 (nine requests of about 0.64 s
     # each, until about 8 s): some 2.5 s of room on either side for a loaded host.
     out_file = tmp_path / "b.json"
-    code, out, err = run_cli(
+    code, _, err = run_cli(
         capsys, "--model", str(tiny_model), "--python", str(fake_python), "--workload", "cpu-tiny",
         "--env", "SERVETUNE_FAKE_CRASH_AFTER_S=4.5", "--env", "SERVETUNE_FAKE_ITL_MS=20",
         "--concurrency", "8,1", "--num-requests", "8", "--json", str(out_file),
@@ -96,7 +96,7 @@ def test_an_engine_that_fails_to_start_is_one_error_with_its_log_tail_and_writes
     tmp_path, capsys, tiny_model, fake_python
 ):
     # On real vLLM the study's end-to-end test has an engine fail at start-up (a block size vLLM refuses).
-    code, out, err = run_cli(
+    code, _, err = run_cli(
         capsys, "--model", str(tiny_model), "--python", str(fake_python), "--workload", "cpu-tiny",
         "--env", "SERVETUNE_FAKE_FAIL_STARTUP=1", "--concurrency", "1", "--json", str(tmp_path / "b.json"),
     )  # fmt: skip
@@ -141,7 +141,7 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, capsys, argv, needle):
     )
     (tmp_path / "trace.yaml").write_text("name: t\ninput_tokens: {dist: fixed, value: 3}\noutput_tokens: {dist: fixed, value: 1}\n"
                                          "arrival: {process: trace, file: log.jsonl}\n")  # fmt: skip
-    code, out, err = run_cli(capsys, *(a.replace("{tmp}", str(tmp_path)) for a in argv))
+    code, _, err = run_cli(capsys, *(a.replace("{tmp}", str(tmp_path)) for a in argv))
     assert code == 2
     assert needle in err, err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
@@ -154,7 +154,7 @@ def test_without_json_the_engine_log_is_removed_unless_vllm_failed(
     temp = tmp_path / "tmp"
     temp.mkdir()
     monkeypatch.setattr("tempfile.tempdir", str(temp))  # where mkdtemp puts the log's directory
-    code, out, err = run_cli(
+    code, _, err = run_cli(
         capsys, "--model", str(tiny_model), "--python", str(fake_python), "--workload", "cpu-tiny",
         "--env", f"SERVETUNE_FAKE_CRASH_AFTER_S={crash_after_s}", "--env", "SERVETUNE_FAKE_ITL_MS=10",
         "--concurrency", "8,1", "--num-requests", "8",

@@ -46,7 +46,9 @@ def test_client_reads_back_ttft_and_itl(api):
             trip = base.ttft_ms.p50
             reading = (s.ttft_ms.p50 - trip, s.itl_ms.p50, s.tpot_ms.mean, s.e2el_ms.p50 - trip)
             readings.append((trip, *reading))
-            if trip < 10.0 and all(within(m, e) for m, e in zip(reading, (40.0, 10.0, 10.0, 40.0 + 19 * 10.0))):
+            if trip < 10.0 and all(
+                within(m, e) for m, e in zip(reading, (40.0, 10.0, 10.0, 40.0 + 19 * 10.0), strict=True)
+            ):
                 return
     pytest.fail(f"round trip, TTFT/ITL/TPOT/E2EL beyond it read back as {readings}, set to 40/10/10/230 ms")
 

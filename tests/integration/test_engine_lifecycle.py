@@ -34,9 +34,8 @@ def test_starts_reports_kv_and_leaves_nothing(fake_python, tmp_path):
 
 def test_startup_failure_carries_the_log_tail(fake_python, tmp_path):
     srv = server(fake_python, tmp_path, fail_startup=True)
-    with pytest.raises(EngineStartError) as info:
-        with srv:
-            pass
+    with pytest.raises(EngineStartError) as info, srv:
+        pass
     assert "injected startup failure" in info.value.log_tail
     assert "ValueError: injected startup failure" in str(info.value).splitlines()[0]
     assert not group_members(srv.process.pid)
@@ -44,9 +43,8 @@ def test_startup_failure_carries_the_log_tail(fake_python, tmp_path):
 
 def test_startup_timeout_stops_the_group(fake_python, tmp_path):
     srv = server(fake_python, tmp_path, startup_delay_s=60, timeout=1.5)
-    with pytest.raises(EngineStartError, match="did not become healthy within 1.5 s"):
-        with srv:
-            pass
+    with pytest.raises(EngineStartError, match=r"did not become healthy within 1\.5 s"), srv:
+        pass
     assert not group_members(srv.process.pid)
 
 

@@ -38,7 +38,7 @@ def test_a_level_twice_over_its_ttft_bound_stops_at_half_and_keeps_its_numbers(t
 
 
 def test_a_level_within_its_bound_runs_every_request(tiny_tokenizer):
-    result, records = measure(20, "ttft_ms.p95=1000", tiny_tokenizer)
+    result, _ = measure(20, "ttft_ms.p95=1000", tiny_tokenizer)
     assert result.stopped_early is None and result.summary.completed == 40
 
 

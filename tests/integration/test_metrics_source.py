@@ -53,7 +53,7 @@ def test_a_levels_server_metrics_come_from_the_source_given(tiny_tokenizer):
                                        reset_cache=lambda: True, metrics=source, sample_every_s=0.05)  # fmt: skip
 
     with serve_fake(fake) as url:
-        result, records = asyncio.run(go(url))
+        result, _ = asyncio.run(go(url))
     server = result.server_metrics
     # the first read found nothing: the level counts from zero; the closing read waited until the late
     # source counted every request (one read after the level would have missed the last second's)

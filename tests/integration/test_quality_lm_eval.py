@@ -7,6 +7,7 @@ import json
 import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
 
 import pytest
 
@@ -19,9 +20,9 @@ pytest.importorskip("lm_eval", reason="lm-eval is an optional extra: pip install
 class Completions(BaseHTTPRequestHandler):
     """``/v1/completions`` without streaming: ``N+1=`` is answered ``N+1`` for even N, ``0`` otherwise."""
 
-    seen: list[dict] = []
+    seen: ClassVar[list[dict]] = []  # every request, across the handler instances
 
-    def do_POST(self):  # noqa: N802 - http.server's name
+    def do_POST(self):  # http.server's name
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.seen.append({"path": self.path, **body})
         prompts = body["prompt"] if isinstance(body["prompt"], list) else [body["prompt"]]

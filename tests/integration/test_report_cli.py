@@ -39,7 +39,7 @@ def test_report_writes_html_png_markdown_and_prints_the_recommendation(tmp_path,
 
 def test_report_out_dir_and_another_price(tmp_path, capsys):
     root = demo_study(tmp_path / "demo")
-    code, out, err = run_cli(capsys, "report", root, "--out", tmp_path / "elsewhere", "--price-per-gpu-hour", "4")
+    code, _, err = run_cli(capsys, "report", root, "--out", tmp_path / "elsewhere", "--price-per-gpu-hour", "4")
     assert code == 0, err
     md = (tmp_path / "elsewhere" / "summary.md").read_text()
     assert "$4 per device-hour (from --price-per-gpu-hour)" in md

@@ -81,7 +81,7 @@ def test_the_rendered_page_has_a_row_per_trial_and_draws_every_ttft_bound(tmp_pa
         "TPOT P99 (ms)", "$/Mtok (USD)", "SLO broken (first level)", "stopped because", "conclusion",
     ]  # fmt: skip
     assert len(dom.rows) == 7 and all(len(cells) == len(dom.headings) for _, cells in dom.rows)
-    rows = {trial_id: dict(zip(dom.headings, cells)) for trial_id, cells in dom.rows}
+    rows = {trial_id: dict(zip(dom.headings, cells, strict=True)) for trial_id, cells in dom.rows}
     assert dom.rows[0][0] == "e57a166985b8"  # the recommended trial comes first
     base = rows["e57a166985b8"]
     assert base["trial"] == "e57a166985b8 (recommended)" and base["config (varied parameters)"] == "vLLM defaults"

@@ -25,7 +25,7 @@ class FakeEngine:
         self.process = SimpleNamespace(pid=os.getpid())
         self.startup_s, self.url, self.levels_seen, self.stopped = 0.01, "", 0, False
 
-    def __enter__(self) -> "FakeEngine":
+    def __enter__(self) -> FakeEngine:
         if self.start_error:
             raise EngineStartError(self.start_error, "ERROR: it never came up")
         self._serving = serve_fake(self.fake)

@@ -136,7 +136,7 @@ def test_killed_driver_then_resume_reruns_nothing_finished(study):
 
 
 def test_resume_over_a_corrupt_result_stops_before_anything_starts(study):
-    write, study_dir, fake = study
+    write, study_dir, _ = study
     argv = write("  env.SERVETUNE_FAKE_TTFT_MS: [5]\n")
     broken = study_dir / "trials" / "abc123"
     broken.mkdir(parents=True)

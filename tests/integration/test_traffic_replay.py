@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 
 import pytest
@@ -29,8 +30,9 @@ def run(url: str, specs: list[RequestSpec], level: Level, n: int) -> list:
 def trace_workload(tmp_path, times: list[float], sessions: list[str] | None = None, extra: str = ""):
     log = tmp_path / "log.jsonl"
     rows = [{"timestamp": 1_700_000_000 + t, "input_tokens": 5, "output_tokens": 2} for t in times]
-    for row, session in zip(rows, sessions or []):
-        row["session_id"] = session
+    if sessions is not None:
+        for row, session in zip(rows, sessions, strict=True):
+            row["session_id"] = session
     log.write_text("".join(json.dumps(r) + "\n" for r in rows))
     path = tmp_path / "w.yaml"
     path.write_text("name: t\ninput_tokens: {dist: fixed, value: 5}\noutput_tokens: {dist: fixed, value: 2}\n"
@@ -50,7 +52,7 @@ def test_trace_replay_sends_at_the_recorded_times_over_the_speedup(tmp_path):
     # After its last request the trace starts over, one mean gap later.
     expected = [t / 2 for t in times] + [(1.6 + mean_gap) / 2, (1.6 + mean_gap + 0.2) / 2]
     assert all(r.ok for r in records)
-    for got, want in zip(sent, expected):
+    for got, want in zip(sent, expected, strict=True):
         assert want - 0.005 <= got <= want + SLACK_S, (sent, expected)
 
 
@@ -70,7 +72,7 @@ def test_conversations_follow_their_answers_after_the_think_time(tmp_path):
     spans = []
     for session in range(4):
         turns = [by_spec[3 * session + t] for t in range(3)]
-        for before, after in zip(turns, turns[1:]):
+        for before, after in itertools.pairwise(turns):
             assert before.end + think - 0.005 <= after.sent <= before.end + think + SLACK_S
         spans.append((turns[0].sent, turns[-1].end))
     for t, _ in spans:  # never more than two conversations in flight
@@ -97,7 +99,7 @@ def test_an_open_loop_starts_conversations_at_the_trace_times(tmp_path):
     by_spec = {r.input_tokens - 100: r for r in records}
     t0 = by_spec[0].sent
     starts = [by_spec[2 * s].sent - t0 for s in range(3)]
-    for got, want in zip(starts, (0.0, 0.2, 0.6)):  # speed-up 2
+    for got, want in zip(starts, (0.0, 0.2, 0.6), strict=True):  # speed-up 2
         assert want - 0.005 <= got <= want + SLACK_S, starts
     for s in range(3):
         first, second = by_spec[2 * s], by_spec[2 * s + 1]

@@ -135,7 +135,7 @@ def test_awq_quantization_config_is_read(tmp_path) -> None:
 
 def test_catalogue_lookup_by_name_without_organisation_and_unknown_model() -> None:
     assert load_model_arch("qwen2.5-7b-instruct").name == "Qwen/Qwen2.5-7B-Instruct"
-    with pytest.raises(UserError, match="not in servetune's catalogue.*meta-llama/Llama-3.1-8B-Instruct"):
+    with pytest.raises(UserError, match=r"not in servetune's catalogue.*meta-llama/Llama-3\.1-8B-Instruct"):
         load_model_arch("no-such-org/no-such-model")
 
 

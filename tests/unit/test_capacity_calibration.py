@@ -22,7 +22,7 @@ GIB = 1 << 30
 
 # llm-d-benchmark, "vLLM Empirical Test Results Analysis": H100 (79.18 GiB total), util 0.9,
 # max-model-len 16000, vLLM defaults for H100 (max_num_seqs 1024, max_num_batched_tokens 8192).
-# https://github.com/llm-d/llm-d-benchmark/blob/259334868c5075da530cc6c90b43fceb11b6e6a7/config_explorer/empirical-vllm-memory-results.md  # noqa: E501
+# https://github.com/llm-d/llm-d-benchmark/blob/259334868c5075da530cc6c90b43fceb11b6e6a7/config_explorer/empirical-vllm-memory-results.md
 # (model, TP, logged weights GiB, logged peak activation GiB, logged "Available KV cache memory" GiB)
 LLMD_H100 = [
     ("meta-llama/Llama-3.1-8B-Instruct", 1, 14.99, 4.76, 51.38),

@@ -4,8 +4,7 @@ import pytest
 
 from servetune.accounting import early_stop_savings, stop_cause
 from servetune.load.runner import Level
-from servetune.results import KvCapacityReport, LevelRun
-from servetune.results import MARGIN, MIN_MARGIN, noise_margin
+from servetune.results import MARGIN, MIN_MARGIN, KvCapacityReport, LevelRun, noise_margin
 from servetune.study.early_stop import FinishedPoints, dominating_point, judge, optimistic_scale, stop_reason
 from tests.builders import level, trial
 

@@ -28,7 +28,7 @@ def test_a_missing_section_or_a_server_without_the_endpoint_gives_nothing():
     assert resolved_engine_args({"model_config": "not a mapping"}) == {}
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 (http.server's name)
+        def do_GET(self):  # http.server's name
             body = json.dumps(SERVER_INFO).encode() if self.path.startswith("/server_info") else b""
             self.send_response(200 if body else 404)
             self.end_headers()

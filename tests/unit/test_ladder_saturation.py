@@ -43,7 +43,10 @@ def open_loop(engine: Engine, rate: float, requests: int, seed: int, warmup: int
     rng = np.random.default_rng(seed)
     sends = np.cumsum(np.concatenate([[0.0], rng.exponential(1.0 / rate, warmup + requests - 1)]))
     lengths = np.clip(rng.lognormal(np.log(250), 0.6, warmup + requests), 16, 2048).astype(int)
-    return [engine.serve(i, float(t), int(n), warmup=i < warmup) for i, (t, n) in enumerate(zip(sends, lengths))]
+    return [
+        engine.serve(i, float(t), int(n), warmup=i < warmup)
+        for i, (t, n) in enumerate(zip(sends, lengths, strict=True))
+    ]
 
 
 def closed_loop(engine: Engine, clients: int, requests: int, seed: int,

@@ -1,9 +1,8 @@
 """`make setup` asks for PyTorch's CPU build explicitly (read from `make -n`, nothing installed)."""
 
-import re
 import shutil
 import subprocess
-import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -22,12 +21,8 @@ def setup_commands(tmp_path, *overrides: str) -> list[str]:
 
 def cpu_extra_torch_pin() -> str:
     text = (ROOT / "pyproject.toml").read_text()
-    if sys.version_info >= (3, 11):
-        import tomllib
-
-        cpu = tomllib.loads(text)["project"]["optional-dependencies"]["cpu"]
-        return next(req for req in cpu if req.startswith("torch"))
-    return re.search(r'^cpu = \[.*"(torch==[^"]+)"', text, re.M).group(1)
+    cpu = tomllib.loads(text)["project"]["optional-dependencies"]["cpu"]
+    return next(req for req in cpu if req.startswith("torch"))
 
 
 def test_torch_comes_first_from_pytorchs_cpu_index_at_the_extras_pin(tmp_path):

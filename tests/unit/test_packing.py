@@ -8,10 +8,10 @@ import pytest
 from servetune.accounting import time_accounting
 from servetune.study.packing import (
     Reservation,
+    max_concurrent_to_fill,
     order_for_packing,
     overlapping,
     peak_devices,
-    max_concurrent_to_fill,
     utilization,
 )
 from tests.builders import level, trial
@@ -129,7 +129,9 @@ def test_in_the_model_our_order_does_best_when_few_trials_are_in_flight(window, 
     mean = {order: sum(values) / len(values) for order, values in use.items()}
     assert mean["ours"] >= max(mean.values()) - 0.01, mean  # best on average over the mixes, or within a point
     assert mean["ours"] >= mean["largest first"] + 0.02, mean
-    for ours, smallest_first in zip(use["ours"], use["smallest first"]):  # and never worse than plain smallest first
+    for ours, smallest_first in zip(
+        use["ours"], use["smallest first"], strict=True
+    ):  # and never worse than plain smallest first
         assert ours >= smallest_first - 0.01, use
 
 

@@ -1,8 +1,8 @@
 """The study proposes grid points in packing order, and its summary says where device time went."""
 
+from servetune.accounting import device_time_lines
 from servetune.config.space import SearchSpace
 from servetune.study.driver import proposals
-from servetune.accounting import device_time_lines
 from tests.builders import level, trial
 
 

@@ -11,10 +11,9 @@ from servetune.quality.items import QualityItem, read_suite
 from servetune.quality.probe import common_prefix_share, compare, make_plan
 from servetune.quality.suites import SHIPPED, agreement_prompts, recall_items, shipped_dir, shipped_items, suite_text
 from servetune.report.conclusion import conclude
-from servetune.report.points import trial_points
+from servetune.report.points import outline, trial_points
 from servetune.report.quality import lower_precision, precision_rule
 from servetune.report.recommend import recommend
-from servetune.report.points import outline
 from servetune.results import QualityResult, ReferenceAnswers
 from servetune.study.early_stop import FinishedPoints
 from servetune.study.objectives import objectives_and_constraints
@@ -160,8 +159,8 @@ def test_user_suite_is_read_into_the_plan(tmp_path):
 
 
 def reference(**overrides) -> ReferenceAnswers:
-    fields = dict(trial_id="ref", params={}, prompt_ids=[[1, 2], [3, 4]], continuations=[[5, 6, 7, 8], [9, 10, 11, 12]],
-                  nll=[2.0, 3.0], scores={"json": 0.5})  # fmt: skip
+    fields = {"trial_id": "ref", "params": {}, "prompt_ids": [[1, 2], [3, 4]],
+              "continuations": [[5, 6, 7, 8], [9, 10, 11, 12]], "nll": [2.0, 3.0], "scores": {"json": 0.5}}  # fmt: skip
     return ReferenceAnswers(**{**fields, **overrides})
 
 
@@ -192,6 +191,29 @@ def test_a_divergent_trial_fails_the_bounds_it_breaks():
 def test_a_score_that_was_not_measured_fails_its_bound():
     result = compare([[], []], [None, None], {}, reference(), {"nll_delta": 1.0, "json": 0.1})
     assert result.failures == ["nll_delta not measured", "json not measured"]
+
+
+@pytest.mark.parametrize(
+    ("logprobs", "expected"),
+    [
+        ([None, {"7": {"logprob": -1.0}}, {"8": {"logprob": -3.0}}], 2.0),  # one entry per prompt token
+        (None, None),  # a server without prompt_logprobs: not measured, never a perfect 0
+        ([None, {"7": {"logprob": -1.0}}], None),  # fewer entries than the continuation's tokens
+    ],
+)
+def test_nll_needs_a_logprob_for_every_token_of_the_continuation(logprobs, expected):
+    import asyncio
+
+    from servetune.quality.probe import _Probe
+
+    class Answered(_Probe):
+        async def post(self, path, body):
+            return {"choices": [{"prompt_logprobs": logprobs}]}
+
+    async def nll():
+        return await Answered(None, "http://unused", "m", 1, 1.0).nll([5], [7, 8])
+
+    assert asyncio.run(nll()) == expected
 
 
 # --- quality as a constraint, in early stopping and in the report ----------------------------
@@ -311,7 +333,7 @@ def test_a_kept_reference_is_reused_only_for_the_same_configuration(tmp_path):
     assert read_reference(tmp_path, {"dtype": "float32"}, "ref") is not None
     assert read_reference(tmp_path, {"dtype": "float32"}, "0123456789ab") is None
     (tmp_path / REFERENCE_FILE).write_text("{")
-    with pytest.raises(UserError, match="reference.json"):
+    with pytest.raises(UserError, match=r"reference\.json"):
         read_reference(tmp_path, {"dtype": "float32"})
 
 
@@ -344,7 +366,7 @@ quality: {reference: {model: meta-llama/Llama-3.1-8B-Instruct}}
     kv = {name: capacity_check(s).kv_cache_tokens for name, s in specs.items()}
     bf16, fp8, awq = (kv[name] for name in space.params["model"])
     assert bf16 < fp8 < awq  # lighter weights leave more of the L4's 24 GB to the KV cache
-    with pytest.raises(UserError, match="params.model: 'nowhere' is neither a directory nor a hub id"):
+    with pytest.raises(UserError, match=r"params\.model: 'nowhere' is neither a directory nor a hub id"):
         bad = space.model_copy(update={"params": {"model": ["nowhere"]}})
         resolve_models(bad, tmp_path, tmp_path)
 

@@ -42,10 +42,10 @@ def usage_lines() -> list[tuple[str, str]]:
 def test_every_flag_in_a_usage_line_exists(command, line):
     parser = build_parser()
     name, _, action = command.partition(" ")
-    sub = parser._subparsers._group_actions[0].choices[name]  # noqa: SLF001 - argparse keeps them here
-    nested = [a for a in sub._actions if isinstance(a, argparse._SubParsersAction)]  # noqa: SLF001
+    sub = parser._subparsers._group_actions[0].choices[name]  # argparse keeps them here
+    nested = [a for a in sub._actions if isinstance(a, argparse._SubParsersAction)]
     if nested and action in nested[0].choices:  # servetune workload from-log: the action's own flags
         sub = nested[0].choices[action]
-    known = {flag for action in sub._actions for flag in action.option_strings}  # noqa: SLF001
+    known = {flag for action in sub._actions for flag in action.option_strings}
     named = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", line.split("#")[0]))
     assert named <= known, f"{line!r}: {sorted(named - known)} not options of servetune {command}"

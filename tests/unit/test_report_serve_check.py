@@ -13,8 +13,8 @@ def test_the_report_shows_serve_checks_scaling_and_routers_with_the_verdict(tmp_
     from servetune.report import build_report, load_study
     from servetune.report.html import render_html
     from servetune.report.markdown import render_markdown
-    from servetune.serve.result import ReplicaRun, ServeCheckResult, scaling_rows
     from servetune.report.serving import ROUTER_NOTE
+    from servetune.serve.result import ReplicaRun, ServeCheckResult, scaling_rows
     from servetune.serve.routing import RoutingResult
 
     study = tiny_study(tmp_path / "s")

@@ -49,12 +49,12 @@ def test_a_broken_point_is_labelled_with_the_bounds_it_broke(report):
     fig = front_figure(report, report.front("cost-vs-ttft"))
     apart = next(t for t in fig.data if t.name.startswith("apart"))
     assert apart.mode == "markers+text"
-    labels = dict(zip(apart.x, apart.text))
+    labels = dict(zip(apart.x, apart.text, strict=True))
     # The cheapest grey point, inside the P99 line: it broke only the P95 bound, and says so.
     (inside,) = [x for x in apart.x if x < 300]
     assert labels[inside] == "TTFT P95"
     assert "TTFT P95/P99, TPOT P95" in apart.text
-    hover = dict(zip(apart.x, apart.hovertext))[inside]
+    hover = dict(zip(apart.x, apart.hovertext, strict=True))[inside]
     assert "<b>SLO broken</b> (TTFT P95):<br>ttft_ms_p95 = 160 &gt; 150" in hover
 
 

@@ -54,7 +54,7 @@ def test_broken_result_names_the_file_and_field_or_is_counted_when_skipping(tmp_
     assert str(err.value).startswith(f"{broken}: outcome: Input should be 'COMPLETE'")
     study = load_study(root, skip_unreadable=True)
     assert sorted(n.path.name for n in study.not_read) == ["t-running", "t32"]
-    assert "outcome" in [n for n in study.not_read if n.path.name == "t32"][0].why
+    assert "outcome" in next(n for n in study.not_read if n.path.name == "t32").why
 
 
 def test_unknown_objective_or_slo_metric_is_a_user_error(tmp_path):

@@ -69,7 +69,7 @@ def test_a_row_per_trial_with_its_best_level_numbers_break_stop_and_conclusion()
 
 def test_the_cells_say_the_bound_that_broke_and_where():
     report = build_report(load_study(RECORDED))
-    cells = {row.trial_id: dict(zip(TRIAL_HEADINGS, trial_cells(row))) for row in report.trial_table}
+    cells = {row.trial_id: dict(zip(TRIAL_HEADINGS, trial_cells(row), strict=True)) for row in report.trial_table}
     base = cells["e57a166985b8"]
     assert base["trial"] == "e57a166985b8 (recommended)" and base["config (varied parameters)"] == "vLLM defaults"
     assert base["best level"] == "concurrency 8" and base["TTFT P99 (ms)"] == "88.7"

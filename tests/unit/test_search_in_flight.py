@@ -93,7 +93,7 @@ def test_random_search_draws_from_optuna_s_seeded_random_sampler_through_the_sea
     assert all(p["y"] == 1 or p["x"] <= 45 for p in points)
     assert random_points(space) == points  # seeded: reproducible
     assert random_points(make_space("random", num_trials=12, seed=4)) != points
-    assert proposals(space, None) == [{}] + points[:11]  # the baseline first, num_trials in all
+    assert proposals(space, None) == [{}, *points[:11]]  # the baseline first, num_trials in all
 
 
 def test_random_search_stops_at_the_space_s_size():

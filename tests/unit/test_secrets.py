@@ -41,7 +41,7 @@ def test_every_engine_argument_of_vllm_is_shown_except_the_credentials():
     names |= set(specs)
     assert {"max_num_batched_tokens", "max_num_seqs", "max_model_len", "api_key", "hf_token"} <= names
     for value in (4096, "some-text"):
-        shown = redact_engine_args({name: value for name in names})
+        shown = redact_engine_args(dict.fromkeys(names, value))
         assert {k for k, v in shown.items() if v == MASK} == set(SECRET_ENGINE_ARGS)
         assert all(v == value for k, v in shown.items() if k not in SECRET_ENGINE_ARGS)
 

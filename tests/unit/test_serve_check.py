@@ -4,6 +4,7 @@ and the scaling rows it computes (a fake cluster stands in for Ray and Serve).""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import ClassVar
 
 import pytest
 
@@ -163,7 +164,7 @@ def test_run_check_scales_in_place_and_counts_each_replicas_requests(tmp_path):
 
 def test_an_application_of_the_same_name_is_refused_unless_replaced():
     cluster = FakeCluster(running={"app": "RUNNING"})
-    with pytest.raises(UserError, match="a Serve application named app is already running .* pass --replace"):
+    with pytest.raises(UserError, match=r"a Serve application named app is already running .* pass --replace"):
         refuse_running(cluster, "app", replace=False)
     refuse_running(cluster, "app", replace=True)
     assert cluster.running == {}
@@ -284,7 +285,7 @@ def test_run_check_keeps_each_part_as_it_finishes_and_routers_and_layouts_so_far
 class ServedCluster(FakeCluster):
     """FakeCluster as the CLI opens it (``ServeCluster(address, resources)`` as a context)."""
 
-    opened: list = []
+    opened: ClassVar[list] = []  # every instance the CLI opened
 
     def __init__(self, address=None, resources=None) -> None:
         super().__init__()

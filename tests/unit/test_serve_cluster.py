@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-from servetune.serve.cluster import ServeCluster  # noqa: E402
-from servetune.serve.plan import CLAIM_CORES_ENV  # noqa: E402
+from servetune.serve.cluster import ServeCluster
+from servetune.serve.plan import CLAIM_CORES_ENV
 
 
 def test_a_deployment_stopped_while_it_waits_is_deleted(monkeypatch):

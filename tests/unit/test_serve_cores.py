@@ -14,19 +14,19 @@ import pytest
 
 pytest.importorskip("ray.llm._internal.common.callbacks.base", reason="needs ray[serve,llm]")
 
-from servetune.report.export import ray_serve_app  # noqa: E402
-from servetune.report.points import ReportPoint  # noqa: E402
-from servetune.serve import cores  # noqa: E402
-from servetune.serve.cores import BIND, ClaimCores, claim  # noqa: E402
-from servetune.serve.plan import CLAIM_CORES, CLAIM_CORES_ENV, llm_config  # noqa: E402
+from servetune.report.export import ray_serve_app
+from servetune.report.points import ReportPoint
+from servetune.serve import cores
+from servetune.serve.cores import BIND, ClaimCores, claim
+from servetune.serve.plan import CLAIM_CORES, CLAIM_CORES_ENV, llm_config
 
 
 def test_replicas_take_distinct_cores_and_a_full_host_gives_none(tmp_path):
     first, held_a = claim(1, [0, 1, 2], tmp_path)
-    second, held_b = claim(1, [2, 1, 0], tmp_path)
+    second, _held_b = claim(1, [2, 1, 0], tmp_path)  # the locks stay held while referenced
     assert first == [0] and second == [1]
     assert claim(2, [0, 1, 2], tmp_path) == ([], [])  # one core left for a two-rank replica: nothing taken
-    third, held_c = claim(1, [0, 1, 2], tmp_path)  # ... and that try let go of what it had taken
+    third, _held_c = claim(1, [0, 1, 2], tmp_path)  # ... and that try let go of what it had taken
     assert third == [2]
     for handle in held_a:
         handle.close()  # a replica that ended

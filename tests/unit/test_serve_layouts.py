@@ -15,8 +15,15 @@ from servetune.report import ReportPoint
 from servetune.results import LevelRun
 from servetune.serve.check import Layouts, Teardown, run_check
 from servetune.serve.layouts import (
-    Layout, budget_layouts, budget_level, check_layouts, layout_point, layout_run, layout_verdict, parse_layouts,
-)  # fmt: skip
+    Layout,
+    budget_layouts,
+    budget_level,
+    check_layouts,
+    layout_point,
+    layout_run,
+    layout_verdict,
+    parse_layouts,
+)
 from servetune.serve.plan import llm_config, needs
 from servetune.serve.routing import engine_version
 from servetune.serve.study import read_picked
@@ -30,7 +37,7 @@ def point(engine_args: dict, env: dict | None = None, device: str = "cpu", devic
 
 
 def test_layouts_parse_as_replicas_x_tp_in_the_order_given():
-    assert parse_layouts("2x1, 1X2,2x1,4×1") == [Layout(2, 1), Layout(1, 2), Layout(4, 1)]
+    assert parse_layouts("2x1, 1X2,2x1,4\N{MULTIPLICATION SIGN}1") == [Layout(2, 1), Layout(1, 2), Layout(4, 1)]
     assert str(Layout(4, 2)) == "4x2" and Layout(4, 2).devices(pp=2) == 16
     for bad in ("", "2", "2x", "0x2", "2x0", "2*1", "1x2,x"):
         with pytest.raises(UserError, match="REPLICASxTP"):
@@ -303,7 +310,7 @@ def test_a_layout_that_fails_to_deploy_is_recorded_and_the_others_are_still_comp
     layouts = Layouts(layouts=[Layout(1, 2), Layout(2, 1), Layout(4, 1)], budget=2, level={"concurrency": 16.0},
                       measure=lambda url, served, layout: level(16, 900 / layout.replicas, 300))  # fmt: skip
     result = run_check(picked, [], TpFails(), "app", lambda *a: [], Teardown(pids=set()), layouts=layouts)
-    failed, two, four = result.layouts.runs
+    failed, two, _ = result.layouts.runs
     assert failed.level is None and "failed: ranks" in failed.error and "no cores" in failed.error
     assert not failed.meets_slo and failed.cost_per_mtok_usd is None and two.level is not None
     v = result.layouts.verdict

@@ -10,9 +10,17 @@ from servetune.cli import main
 from servetune.errors import UserError
 from servetune.serve.check import Routing, Teardown, run_check
 from servetune.serve.routing import (
-    ReplicaTraffic, RouterRun, engine_version, imbalance, merge_counters, parse_routers, read_replica_counters,
-    routed_llm_config, traffic_between, verdict,
-)  # fmt: skip
+    ReplicaTraffic,
+    RouterRun,
+    engine_version,
+    imbalance,
+    merge_counters,
+    parse_routers,
+    read_replica_counters,
+    routed_llm_config,
+    traffic_between,
+    verdict,
+)
 from servetune.serve.study import read_picked
 from tests.builders import level
 from tests.unit.test_serve_check import FakeCluster, tiny_study

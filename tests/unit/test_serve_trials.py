@@ -48,7 +48,7 @@ params:
 constraints: ["serve.num_replicas * tensor_parallel_size <= 4"]
 """,
     )
-    kept, rejected = s.grid()
+    kept, _ = s.grid()
     assert sorted((p["serve.num_replicas"], p["tensor_parallel_size"]) for p in kept) == [
         (1, 1),
         (1, 2),
@@ -406,7 +406,7 @@ def test_where_the_replicas_devices_are_is_told_to_the_ledger_while_deploying_an
             return self.where
 
         def applications(self):
-            return {name: "RUNNING" for name in self.deployed}
+            return dict.fromkeys(self.deployed, "RUNNING")
 
         def requests_per_replica(self, name):
             return {}

@@ -42,7 +42,7 @@ def test_each_turn_carries_the_conversation_so_far(tmp_path, tiny_tokenizer):
     for conversation in complete:
         assert [r.turn for r in conversation] == list(range(len(conversation)))
         assert conversation[0].think_s == 0 and all(r.think_s > 0 for r in conversation[1:])
-        for before, after in zip(conversation, conversation[1:]):
+        for before, after in itertools.pairwise(conversation):
             assert after.prompt.startswith(before.prompt)
             # the previous prompt, its answer (12 tokens) and a new message of 10 to 30 tokens
             new = after.input_tokens - before.input_tokens - 12
@@ -116,7 +116,7 @@ def test_later_turns_take_the_sessions_own_lengths(tmp_path, tiny_tokenizer):
         "sessions:\n", "sessions:\n  input_tokens: {dist: fixed, value: 7}\n  output_tokens: {dist: fixed, value: 3}\n"
     )
     reqs = turns(workload(tmp_path, text), tiny_tokenizer, 60)
-    for before, after in zip(reqs, reqs[1:]):
+    for before, after in itertools.pairwise(reqs):
         if after.turn:
             assert after.output_tokens == 3 and after.input_tokens - before.input_tokens - before.output_tokens == 7
         else:

@@ -99,7 +99,7 @@ def test_searcher_learns_the_constraint(algorithm):
     assert all(t.constraints for t in measured)  # every told point carries its constraint values
     if algorithm == "tpe":  # TPE learns fastest on a discrete space: mostly feasible late on
         assert sum(x <= 30 for x in proposed[-12:]) >= 8, proposed
-    best = [t for t in searcher.study.best_trials]
+    best = list(searcher.study.best_trials)
     best_x = [searcher._values(t)["x"] for t in best]  # GP sees x as its index in the list
     assert best and all(x <= 30 for x in best_x)  # the best feasible point, not the highest x
     assert max(best_x) >= 22

@@ -144,13 +144,23 @@ def test_from_log_writes_a_workload_that_loads(tmp_path, capsys):
     assert w.arrival.process == "gamma" and 0 < w.arrival.burstiness < 1
     traffic = profile(read_log(log))
     assert w.arrival.levels[1] == pytest.approx(traffic.arrival.rate, rel=0.01)
-    firsts = [(i, o) for i, o, first in zip(traffic.input_tokens, traffic.output_tokens, traffic.first_turn) if first]
+    firsts = [
+        (i, o)
+        for i, o, first in zip(traffic.input_tokens, traffic.output_tokens, traffic.first_turn, strict=True)
+        if first
+    ]
     later = [
-        (i, o) for i, o, first in zip(traffic.input_tokens, traffic.output_tokens, traffic.first_turn) if not first
+        (i, o)
+        for i, o, first in zip(traffic.input_tokens, traffic.output_tokens, traffic.first_turn, strict=True)
+        if not first
     ]
     assert len(firsts) == len(traffic.sessions.turns) and later
-    assert list(zip(w.input_tokens._values, w.output_tokens._values)) == firsts  # first turns: whole prompts
-    assert list(zip(w.sessions.input_tokens._values, w.sessions.output_tokens._values)) == later  # later: new messages
+    assert (
+        list(zip(w.input_tokens._values, w.output_tokens._values, strict=True)) == firsts
+    )  # first turns: whole prompts
+    assert (
+        list(zip(w.sessions.input_tokens._values, w.sessions.output_tokens._values, strict=True)) == later
+    )  # later: new messages
     assert (
         max(w.sessions.input_tokens._values) < 64 < max(w.input_tokens._values)
     )  # the synthetic log's messages are 8..63

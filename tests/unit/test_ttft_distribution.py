@@ -20,7 +20,7 @@ def test_a_level_keeps_its_ttft_at_every_fifth_percentile_from_measured_requests
     records += [record(200, 5.0, warmup=True), record(201, 9.0, ok=False)]  # neither counts
     spread = ttft_distribution_ms(records)
     assert len(spread) == len(DISTRIBUTION_PERCENTILES) == 21
-    by = {p: round(ms, 6) for p, ms in zip(DISTRIBUTION_PERCENTILES, spread)}
+    by = {p: round(ms, 6) for p, ms in zip(DISTRIBUTION_PERCENTILES, spread, strict=True)}
     assert by[0] == by[50] == by[65] == 30.0 and by[75] == by[100] == 200.0  # the step is where the wave starts
     assert spread == sorted(spread)
     assert ttft_distribution_ms([record(0, 1.0, warmup=True)]) is None
@@ -30,7 +30,7 @@ def test_report_shows_the_recommended_trials_distribution_per_level(tmp_path):
     trials = demo_trials()
     t16 = trials[0]
     waves = [30.0] * 14 + [200.0] * 7  # at percentiles 0..65 alone, 70..100 behind a wave
-    for lv, share in zip(t16.levels, (0.1, 0.8)):
+    for lv, share in zip(t16.levels, (0.1, 0.8), strict=True):
         lv.ttft_ms_distribution, lv.send_sync_share = waves, share
     report = build_report(load_study(write_study(tmp_path / "s", study_info(), trials)))
     assert report.recommendation.point.trial_id == "t16"

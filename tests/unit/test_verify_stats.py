@@ -10,7 +10,7 @@ from servetune.config.workload import load_workload
 from servetune.load.runner import Level
 from servetune.metrics import RequestRecord
 from servetune.verify.run import Timeouts, finite
-from servetune.verify.scenarios import Budget, gap_cv, mixed_workload, p99_input_tokens, scaled
+from servetune.verify.scenarios import Budget, _beyond_chance, gap_cv, mixed_workload, p99_input_tokens, scaled
 from servetune.verify.stats import (
     DropRound,
     bootstrap_difference,
@@ -26,7 +26,6 @@ from servetune.verify.stats import (
     window_samples,
     windows,
 )
-from servetune.verify.scenarios import _beyond_chance
 
 
 def request(i, sent, ttft, warmup=False):

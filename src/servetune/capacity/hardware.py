@@ -43,7 +43,7 @@ class Hardware(BaseModel):
     def memory_bytes(self) -> int:
         if self.memory_gib is None:
             raise UserError(f"{self.name}: GPU memory unknown; pass --gpu NAME or --gpu-memory-gib X")
-        return int(round(self.memory_gib * GIB))
+        return round(self.memory_gib * GIB)
 
 
 def load_gpu_catalog() -> dict[str, GpuSpec]:

@@ -81,5 +81,5 @@ def cudagraph_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, blac
     The maximum is min(2 x max_num_seqs, 512) (1024 on Blackwell), never above the token budget.
     """
     top = min(2 * max_num_seqs, 1024 if blackwell else 512, max_num_batched_tokens)
-    sizes = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, top + 1, 16))
+    sizes = [1, 2, 4, *range(8, 256, 8), *range(256, top + 1, 16)]
     return [s for s in sizes if s <= top]

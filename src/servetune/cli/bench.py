@@ -16,14 +16,14 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
 from servetune import __version__
 from servetune.cli.display import console as make_console
 from servetune.cli.display import level_table
 from servetune.config.slo import Slo
-from servetune.config.workload import Workload, load_workload
 from servetune.config.space import engine_devices
+from servetune.config.workload import Workload, load_workload
 from servetune.engine.args import (
     cpu_build,
     load_argspecs,
@@ -37,7 +37,7 @@ from servetune.errors import EngineDiedError, UserError
 from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory, load_tokenizer
 from servetune.load.runner import Level, workload_levels
-from servetune.results import BenchResult, KvCapacityReport, LevelResult
+from servetune.results import BenchResult, KvCapacityReport
 from servetune.secrets import redact_engine_args, redact_env
 from servetune.telemetry import TelemetrySampler, visible_gpu_indices
 from servetune.trial.measure import AUTO, LevelPlan, check_alive, measure_rung
@@ -240,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
 
     version = None if args.url else vllm_version(args.python)
     result = BenchResult(
-        servetune_version=__version__, created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        servetune_version=__version__, created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         url=args.url or "", model=args.model or tokenizer_name, served_model_name=served,
         engine_args=redact_engine_args(engine_args), env=redact_env(env), command=None, vllm_version=version,
         workload_file=str(args.workload), workload=workload.model_dump(mode="json"), slo=[str(b) for b in slo.bounds],
@@ -321,12 +321,13 @@ def run_levels(console, url, served, workload, prompts, plans, slo, args, result
                     task = progress.add_task(str(plan.level), total=total or None, failed=0)
                     failed = 0
 
-                    def on_done(record) -> None:
+                    # The level's task, bound: these run while this level is measured, never after.
+                    def on_done(record, task: TaskID = task) -> None:
                         nonlocal failed
                         failed += 0 if record.ok else 1
                         progress.update(task, advance=1, failed=failed)
 
-                    def on_run(run: int, plan: LevelPlan = plan) -> None:
+                    def on_run(run: int, plan: LevelPlan = plan, task: TaskID = task) -> None:
                         nonlocal failed
                         if run:
                             failed = 0

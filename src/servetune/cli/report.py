@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-
 DESCRIPTION = """\
 Read a study directory (study.json and trials/*/result.json), gather every operating point
 (trial x load level), and write:

@@ -135,6 +135,7 @@ def dry_run(space: SearchSpace, args: argparse.Namespace, model: str, models: di
 
 
 def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
+    from servetune.accounting import device_time_lines
     from servetune.study.context import StudyContext, resolve_levels
     from servetune.study.driver import (
         ResultMirror,
@@ -147,10 +148,9 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
         write_study_info,
     )
     from servetune.study.objectives import objectives_and_constraints
-    from servetune.accounting import device_time_lines
+    from servetune.study.packing import resolve_max_concurrent
     from servetune.study.progress import LiveTable, stderr_console, summary_table
     from servetune.study.searcher import ConstrainedOptunaSearch
-    from servetune.study.packing import resolve_max_concurrent
     from servetune.study.tuner import cluster_devices, init_ray, run_tuner
     from servetune.tracking import MlflowCallback
 

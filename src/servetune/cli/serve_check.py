@@ -523,7 +523,7 @@ def make_ramp(args, picked, derived, prompts, name, records, console, cluster):
             args.request_timeout or load.request_timeout_s, scale_up_timeout_s,
             on_phase=lambda ph, t: console.print(f"  {t:6.1f} s  {ph}"),
         ))  # fmt: skip
-        records.extend({**r.to_dict(), "ramp_phase": ph} for r, ph in zip(recs, phase_of))
+        records.extend({**r.to_dict(), "ramp_phase": ph} for r, ph in zip(recs, phase_of, strict=True))
         return RampResult(
             knee_concurrency=knee, autoscaling_config=derived.autoscaling_config(),
             max_ongoing_requests=derived.max_ongoing_requests, max_queued_requests=derived.max_queued_requests,

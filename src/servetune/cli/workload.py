@@ -71,7 +71,7 @@ def run_from_log(args: argparse.Namespace) -> int:
     name = args.name or out.stem
     stem = out.name.rsplit(".", 1)[0]
     names = {"lengths": f"{stem}.lengths.jsonl", "turns": f"{stem}.turns.jsonl", "sessions": f"{stem}.sessions.jsonl"}
-    rows = list(zip(traffic.input_tokens, traffic.output_tokens, traffic.first_turn))
+    rows = list(zip(traffic.input_tokens, traffic.output_tokens, traffic.first_turn, strict=True))
     files = {out.with_name(names["lengths"]): _lengths(rows, first=True)}
     if traffic.sessions is not None:
         files[out.with_name(names["sessions"])] = _jsonl({"turns": t} for t in traffic.sessions.turns)
@@ -216,8 +216,8 @@ def summary(traffic, log: Path, requests) -> str:
     per = "conversations" if traffic.sessions is not None else "requests"
     fitted = "Poisson" if arrival.process == "poisson" else f"gamma, burstiness {arrival.burstiness:.3g}"
     lines.append(f"  arrivals: {arrival.rate:.4g} {per}/s, gaps' coefficient of variation {arrival.cv:.2f} -> {fitted}")
-    firsts = [i for i, first in zip(traffic.input_tokens, traffic.first_turn) if first]
-    later = [i for i, first in zip(traffic.input_tokens, traffic.first_turn) if not first]
+    firsts = [i for i, first in zip(traffic.input_tokens, traffic.first_turn, strict=True) if first]
+    later = [i for i, first in zip(traffic.input_tokens, traffic.first_turn, strict=True) if not first]
     if later:
         lines.append(f"  input tokens: first turns {_spread(firsts)}")
         what = "new message" if traffic.sessions.carries_history else "input"

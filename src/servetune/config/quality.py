@@ -94,7 +94,7 @@ class QualitySpec(BaseModel):
         return bounds
 
     @model_validator(mode="after")
-    def _known_bounds(self) -> "QualitySpec":
+    def _known_bounds(self) -> QualitySpec:
         names = set(self.score_names())
         allowed = names | (set(AGREEMENT_SCORES) if "agreement" in names else set())
         for name in self.max_drop:

@@ -12,10 +12,9 @@ with a comment saying why.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
-
-import json
 
 import yaml
 

@@ -71,7 +71,7 @@ class Slo(BaseModel):
         return broken
 
     @classmethod
-    def parse(cls, text: str, source: str = "--slo") -> "Slo":
+    def parse(cls, text: str, source: str = "--slo") -> Slo:
         """Parse ``ttft_ms.p99=2000,tpot_ms.p95=40,error_rate=0.001``."""
         bounds = []
         for part in filter(None, (p.strip() for p in text.split(","))):

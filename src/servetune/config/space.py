@@ -22,7 +22,7 @@ import itertools
 import math
 import operator
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
@@ -68,7 +68,7 @@ class Range(BaseModel):
     step: float | None = None
 
     @model_validator(mode="after")
-    def _valid(self) -> "Range":
+    def _valid(self) -> Range:
         if self.low > self.high:
             raise ValueError(f"empty range: low ({self.low:g}) is above high ({self.high:g})")
         if self.log and self.low <= 0:
@@ -88,7 +88,7 @@ class Range(BaseModel):
     def grid_values(self) -> list[float | int]:
         """The values a grid visits: every step, or powers of two for an integer log range."""
         if self.step is not None:
-            n = int(math.floor((self.high - self.low) / self.step + 1e-9))
+            n = math.floor((self.high - self.low) / self.step + 1e-9)
             values = [self.low + i * self.step for i in range(n + 1)]
         elif self.is_int and self.log:
             values, v = [], self.low
@@ -103,7 +103,7 @@ class Range(BaseModel):
 
 
 ParamValues = Annotated[
-    Union[Annotated[list[Any], Tag("values")], Annotated[Range, Tag("range")]],
+    Annotated[list[Any], Tag("values")] | Annotated[Range, Tag("range")],
     Discriminator(lambda v: "values" if isinstance(v, list) else "range"),
 ]
 
@@ -140,7 +140,7 @@ class LoadProtocol(BaseModel):
         raise ValueError(f'expected a whole number of requests (at least 1), "auto" or null, got {value!r}')
 
     @model_validator(mode="after")
-    def _ends(self) -> "LoadProtocol":
+    def _ends(self) -> LoadProtocol:
         if self.requests_per_level is None and self.seconds_per_level is None:
             raise ValueError("a level needs requests_per_level or seconds_per_level")
         if self.levels is not None and (not self.levels or min(self.levels) <= 0):
@@ -196,7 +196,7 @@ class Search(BaseModel):
     verify: VerifyTop | None = None  # verify the best points once the trials are done
 
     @model_validator(mode="after")
-    def _objectives(self) -> "Search":
+    def _objectives(self) -> Search:
         if not self.objectives:
             raise ValueError("objectives: give at least one")
         if self.algorithm in ("tpe", "gp") and len(self.objectives) > 1 and self.algorithm == "gp":
@@ -232,7 +232,7 @@ class SearchSpace(BaseModel):
     description: str = ""
     model: str  # a directory, a hub id, or "tiny" (servetune builds its CPU test model)
     device: Literal["gpu", "cpu"] = "gpu"
-    workload: Union[str, Workload]
+    workload: str | Workload
     load: LoadProtocol = LoadProtocol()
     slo: SloSpec = SloSpec()
     price_per_device_hour: float = Field(default=1.0, ge=0)  # USD per GPU-hour (CPU core-hour on CPU)
@@ -425,7 +425,7 @@ def _evaluate(text: str, names: dict[str, Any]) -> bool:
             return _BINOPS[type(node.op)](ev(node.left), ev(node.right))
         if isinstance(node, ast.Compare):
             left = ev(node.left)
-            for op, comparator in zip(node.ops, node.comparators):
+            for op, comparator in zip(node.ops, node.comparators, strict=True):
                 right = ev(comparator)
                 if not _CMPOPS[type(op)](left, right):
                     return False

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
@@ -47,7 +47,7 @@ class _Bounded(_Dist):
     max: int = Field(ge=1)
 
     @model_validator(mode="after")
-    def _ordered(self) -> "_Bounded":
+    def _ordered(self) -> _Bounded:
         if self.min > self.max:
             raise ValueError(f"min ({self.min}) is larger than max ({self.max})")
         return self
@@ -96,7 +96,7 @@ class Empirical(_Dist):
     _values: list = PrivateAttr(default_factory=list)
 
     @model_validator(mode="after")
-    def _read(self, info: ValidationInfo) -> "Empirical":
+    def _read(self, info: ValidationInfo) -> Empirical:
         base = Path((info.context or {}).get("base_dir", "."))
         path = self.file if self.file.is_absolute() else base / self.file
         try:
@@ -132,7 +132,7 @@ class Empirical(_Dist):
         return np.asarray(self._values, dtype=np.int64)[self.sample_indices(rng, n)]
 
 
-Dist = Annotated[Union[Fixed, Uniform, Normal, LogNormal, Empirical], Field(discriminator="dist")]
+Dist = Annotated[Fixed | Uniform | Normal | LogNormal | Empirical, Field(discriminator="dist")]
 
 
 class RequestClass(BaseModel):
@@ -190,7 +190,7 @@ class Arrival(BaseModel):
         return levels
 
     @model_validator(mode="after")
-    def _read_trace(self, info: ValidationInfo) -> "Arrival":
+    def _read_trace(self, info: ValidationInfo) -> Arrival:
         if self.process != "trace":
             if self.file is not None:
                 raise ValueError("file is for process: trace")
@@ -259,7 +259,7 @@ class ThinkLogNormal(_Dist):
 
 
 #: Seconds (think times): fixed, uniform, exponential or lognormal.
-Seconds = Annotated[Union[ThinkFixed, ThinkUniform, ThinkExponential, ThinkLogNormal], Field(discriminator="dist")]
+Seconds = Annotated[ThinkFixed | ThinkUniform | ThinkExponential | ThinkLogNormal, Field(discriminator="dist")]
 
 
 class Sessions(BaseModel):
@@ -302,7 +302,7 @@ class Workload(BaseModel):
     temperature: float = Field(default=0.0, ge=0)
 
     @model_validator(mode="after")
-    def _one_shape(self) -> "Workload":
+    def _one_shape(self) -> Workload:
         single = self.input_tokens is not None or self.output_tokens is not None
         if single and self.mix:
             raise ValueError("give either input_tokens/output_tokens or mix, not both")

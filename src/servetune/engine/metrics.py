@@ -47,7 +47,7 @@ class Histogram:
     count: float = 0.0
     buckets: dict[float, float] = field(default_factory=dict)  # upper bound -> cumulative count
 
-    def minus(self, other: "Histogram") -> "Histogram":
+    def minus(self, other: Histogram) -> Histogram:
         return Histogram(
             self.sum - other.sum,
             self.count - other.count,
@@ -79,7 +79,7 @@ class MetricsSnapshot:
     histograms: dict[str, Histogram] = field(default_factory=dict)
 
     @classmethod
-    def parse_gauges(cls, text: str) -> "MetricsSnapshot":
+    def parse_gauges(cls, text: str) -> MetricsSnapshot:
         """Only the gauges, from their own lines: what the sampler reads twice a second.
 
         The full text runs to thousands of histogram lines; parsing them all in the load
@@ -88,7 +88,7 @@ class MetricsSnapshot:
         return cls.parse(lines_of(text, tuple(name for family in GAUGES.values() for name in family)))
 
     @classmethod
-    def parse(cls, text: str) -> "MetricsSnapshot":
+    def parse(cls, text: str) -> MetricsSnapshot:
         # Index samples by their own names: a family's declared name varies between vLLM
         # versions (``x`` or ``x_total`` for counters), the samples' names do not.
         samples: dict[str, list] = {}
@@ -98,7 +98,7 @@ class MetricsSnapshot:
         return cls.from_samples(samples)
 
     @classmethod
-    def from_samples(cls, samples: dict[str, list]) -> "MetricsSnapshot":
+    def from_samples(cls, samples: dict[str, list]) -> MetricsSnapshot:
         """One server's snapshot from its samples (prometheus_client's), indexed by vLLM's sample names."""
         snap = cls()
         for ours, names in GAUGES.items():
@@ -122,7 +122,7 @@ class MetricsSnapshot:
         return snap
 
     @classmethod
-    def combined(cls, snaps: "list[MetricsSnapshot]") -> "MetricsSnapshot":
+    def combined(cls, snaps: list[MetricsSnapshot]) -> MetricsSnapshot:
         """Several engines (a deployment's replicas) as one server: counters, histograms and request
         gauges add up; KV-cache usage is the fullest engine's (its share of its own cache)."""
         out = cls()

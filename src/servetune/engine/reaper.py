@@ -22,6 +22,7 @@ Only the standard library and psutil: it starts in a few tens of milliseconds.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -66,20 +67,16 @@ def clear_group(grace_s: float) -> int:
     """SIGTERM the rest of the group, wait up to ``grace_s``, SIGKILL what is left; how many were left."""
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)  # the group's signals are not for the reaper now
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(os.getpgrp(), signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        pass
     deadline = time.monotonic() + grace_s
     left = others_in_group()
     while left and time.monotonic() < deadline:
         time.sleep(0.1)
         left = others_in_group()
     for proc in left:
-        try:
+        with contextlib.suppress(psutil.Error):
             proc.kill()
-        except psutil.Error:
-            pass
     psutil.wait_procs(left, timeout=5)
     return len(left)
 

@@ -11,6 +11,7 @@ waits until no process of the group is left.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -48,7 +49,7 @@ class KvCapacity:
     engines: int = 1
 
     @classmethod
-    def from_log(cls, text: str) -> "KvCapacity | None":
+    def from_log(cls, text: str) -> KvCapacity | None:
         found = _KV_TOKENS.findall(text)
         if not found:
             return None
@@ -91,7 +92,7 @@ def ray_omp_threads() -> str | None:
         if context.worker.mode != ray.WORKER_MODE:  # the driver: Ray sets nothing there
             return None
         cpus = context.get_assigned_resources().get("CPU") or 1
-    except Exception:  # noqa: BLE001 (a Ray without these: leave the environment as it is)
+    except Exception:  # a Ray without these: leave the environment as it is
         return None
     return value if value == str(max(int(cpus), 1)) else None
 
@@ -245,10 +246,9 @@ class VllmServer:
             return
         pgid = self.process.pid  # leader of its own session: pgid == pid
         _signal_group(pgid, signal.SIGTERM)
-        try:  # reap the leader first, so that it does not linger as a zombie of the group
+        # Reap the leader first, so that it does not linger as a zombie of the group.
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=self.stop_grace_s)
-        except subprocess.TimeoutExpired:
-            pass
         # Workers may outlive the leader for a moment; give the group the rest of the grace.
         deadline = time.monotonic() + self.stop_grace_s
         while _group_alive(pgid) and time.monotonic() < deadline:
@@ -279,7 +279,7 @@ class VllmServer:
     def kv_capacity(self) -> KvCapacity | None:
         return KvCapacity.from_log(self.log_text())
 
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> VllmServer:
         self.start()
         try:
             self.wait_ready()
@@ -293,10 +293,8 @@ class VllmServer:
 
 
 def _signal_group(pgid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def group_members(pgid: int) -> list[int]:

@@ -97,7 +97,7 @@ class StreamingClient:
         self._session: aiohttp.ClientSession | None = None
         self._url = f"{self.base_url}/v1/{'chat/completions' if api == 'chat' else 'completions'}"
 
-    async def __aenter__(self) -> "StreamingClient":
+    async def __aenter__(self) -> StreamingClient:
         # Idle connections are let go before the server's keep-alive (uvicorn: 5 s) closes them:
         # a request written on a connection the server just closed fails ("Can not write request body").
         connector = aiohttp.TCPConnector(

@@ -54,8 +54,8 @@ class PromptFactory:
         special = set(tokenizer.all_special_ids)
         ids = [i for i in range(len(tokenizer)) if i not in special]
         texts = tokenizer.batch_decode([[i] for i in ids])
-        words = [i for i, t in zip(ids, texts) if _WORD.fullmatch(t) and self.count(t) == 1]
-        chars = [i for i, t in zip(ids, texts) if _CHAR.fullmatch(t) and self.count(t) == 1]
+        words = [i for i, t in zip(ids, texts, strict=True) if _WORD.fullmatch(t) and self.count(t) == 1]
+        chars = [i for i, t in zip(ids, texts, strict=True) if _CHAR.fullmatch(t) and self.count(t) == 1]
         self.pool = np.asarray(words if len(words) >= 500 else chars, dtype=np.int64)
         if not len(self.pool):
             raise ValueError("the tokenizer has no plain-text tokens to build prompts from")

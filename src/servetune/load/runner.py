@@ -18,9 +18,9 @@ from typing import Literal
 import numpy as np
 
 from servetune.config.workload import Workload
+from servetune.errors import UserError
 from servetune.load.client import StreamingClient
 from servetune.load.requests import RequestSpec
-from servetune.errors import UserError
 from servetune.metrics import RequestRecord
 
 
@@ -93,7 +93,7 @@ def workload_levels(workload: Workload, kind: str | None, values: tuple[float, .
     kind = kind or ("concurrency" if arrival.process == "concurrency" else "rate")
     if arrival.process == "trace" and kind == "rate":
         times = arrival.trace_times(sessions=workload.sessions is not None)
-        gaps = tuple(float(b - a) for a, b in zip(times, times[1:]))
+        gaps = tuple(float(b - a) for a, b in itertools.pairwise(times))
         if sum(gaps) <= 0:
             raise UserError(f"the trace {arrival.file} has nothing to replay (one arrival, or all at one time)")
         base = trace_rate(gaps)

@@ -50,7 +50,7 @@ class QualityItem(BaseModel):
     max_tokens: int = Field(default=DEFAULT_MAX_TOKENS, ge=1, le=4096)
 
     @model_validator(mode="after")
-    def _one_of_each(self) -> "QualityItem":
+    def _one_of_each(self) -> QualityItem:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of 'prompt' or 'messages'")
         rules = [name for name in ("expected", "regex", "json_schema") if getattr(self, name) is not None]

@@ -11,6 +11,7 @@ score ``lm_eval/<task>``, compared with the reference's like a suite's.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -46,7 +47,7 @@ class LmEvalPlan(BaseModel):
     fingerprint: str = ""  # a hash of the include path's task files: another task, another trial id
 
     @classmethod
-    def from_spec(cls, spec: LmEvalSpec, base_dir: Path) -> "LmEvalPlan":
+    def from_spec(cls, spec: LmEvalSpec, base_dir: Path) -> LmEvalPlan:
         include = resolve_include_path(spec, base_dir)
         return cls(tasks=list(spec.tasks), include_path=str(include) if include else None, limit=spec.limit,
                    num_fewshot=spec.num_fewshot, timeout_s=spec.timeout_s, fingerprint=_fingerprint(include))  # fmt: skip
@@ -163,10 +164,8 @@ def results_file(out_dir: Path) -> Path | None:
 
 def _kill_group(process: subprocess.Popen) -> None:
     """lm-eval and anything it started: stopped whatever happened (it runs in its own process group)."""
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
     process.wait()
 
 

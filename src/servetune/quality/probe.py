@@ -98,7 +98,7 @@ class _Probe:
                         self._error(f"HTTP {r.status}: {str(message)[:200]}")
                         return None
                     return data
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+            except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
                 self._error(f"{type(exc).__name__}: {str(exc)[:200]}")
                 return None
 
@@ -111,7 +111,7 @@ class _Probe:
             async with self.session.get(self.url + "/v1/models", timeout=self.timeout) as r:
                 data = await r.json(content_type=None)
             return int(data["data"][0]["max_model_len"])
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, IndexError, TypeError):
+        except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, IndexError, TypeError):
             return None
 
     async def continue_prompt(self, prompt: str, tokens: int) -> tuple[list[int], list[int]] | None:
@@ -134,8 +134,10 @@ class _Probe:
         if data is None:
             return None
         entries = (data["choices"][0].get("prompt_logprobs") or [])[len(prompt_ids) :]
+        if len(entries) != len(continuation):  # no prompt_logprobs, or not one per token: not measured
+            return None
         total = 0.0
-        for token, entry in zip(continuation, entries):
+        for token, entry in zip(continuation, entries, strict=True):
             found = (entry or {}).get(str(token))
             if found is None:
                 return None
@@ -176,13 +178,14 @@ async def run_probe(url: str, model: str, plan: QualityPlan, count_tokens: Calla
         prompt_ids = [g[0] if g else [] for g in generated]
         continuations = [g[1] if g else [] for g in generated]
         if reference is not None:  # the reference's tokens after the reference's prompt ids
-            forced = zip(reference.prompt_ids, reference.continuations)
+            forced = zip(reference.prompt_ids, reference.continuations, strict=True)
         else:
-            forced = zip(prompt_ids, continuations)
+            forced = zip(prompt_ids, continuations, strict=True)
         nll = list(await asyncio.gather(*(probe.nll(p, c) for p, c in forced)))
         names = list(items)
         answers = {name: list(await asyncio.gather(*(probe.answer(i) for i in items[name]))) for name in names}
-    passed = {name: [item.passes(a) for item, a in zip(items[name], answers[name])] for name in names}  # scored once
+    # Each answer scored once.
+    passed = {name: [item.passes(a) for item, a in zip(items[name], answers[name], strict=True)] for name in names}
     scores = {name: sum(passed[name]) / max(len(items[name]), 1) for name in names}
     lm_eval_rows: list[dict[str, Any]] = []
     if plan.lm_eval is not None:
@@ -199,16 +202,16 @@ async def run_probe(url: str, model: str, plan: QualityPlan, count_tokens: Calla
     result = compare(continuations, nll, scores, reference, plan.bounds)
     result.duration_s = round(time.monotonic() - started, 3)
     result.errors = probe.errors
-    result.answers = {"agreement": [c for c in continuations], **{n: a for n, a in answers.items()}}
+    result.answers = {"agreement": list(continuations), **answers}
     result.reference_answers = reference if reference.trial_id == trial_id else None
     rows: list[dict[str, Any]] = []
-    for index, (prompt, tokens) in enumerate(zip(prompts, continuations)):
+    for index, (prompt, tokens) in enumerate(zip(prompts, continuations, strict=True)):
         expected = reference.continuations[index] if index < len(reference.continuations) else None
         rows.append({"suite": "agreement", "id": f"agreement-{index}", "prompt": prompt, "answer_token_ids": tokens,
                      "reference_token_ids": expected, "agreement": common_prefix_share(tokens, expected or []),
                      "nll": nll[index] if index < len(nll) else None})  # fmt: skip
     for name in names:
-        for item, answer, ok in zip(items[name], answers[name], passed[name]):
+        for item, answer, ok in zip(items[name], answers[name], passed[name], strict=True):
             rows.append({"suite": name, "id": item.id, "prompt": item.prompt if item.prompt is not None else
                          [m.model_dump() for m in item.messages or ()], "answer": answer, "passed": ok})  # fmt: skip
     return result, rows + lm_eval_rows
@@ -219,7 +222,7 @@ def common_prefix_share(answer: list[int], reference: list[int]) -> float:
     if not reference:
         return 1.0 if not answer else 0.0
     same = 0
-    for a, b in zip(answer, reference):
+    for a, b in zip(answer, reference, strict=False):  # an answer may be shorter or longer
         if a != b:
             break
         same += 1
@@ -232,10 +235,10 @@ def compare(continuations: list[list[int]], nll: list[float | None], scores: dic
     agreement = exact = nll_delta = None
     drops: dict[str, float] = {}
     if reference.continuations:
-        shares = [common_prefix_share(a, r) for a, r in zip(continuations, reference.continuations)]
+        shares = [common_prefix_share(a, r) for a, r in zip(continuations, reference.continuations, strict=True)]
         agreement = sum(shares) / len(shares)
-        exact = sum(a == r for a, r in zip(continuations, reference.continuations)) / len(shares)
-        pairs = [(n, r) for n, r in zip(nll, reference.nll) if n is not None and r is not None]
+        exact = sum(a == r for a, r in zip(continuations, reference.continuations, strict=True)) / len(shares)
+        pairs = [(n, r) for n, r in zip(nll, reference.nll, strict=True) if n is not None and r is not None]
         nll_delta = sum(n - r for n, r in pairs) / len(pairs) if pairs else None
         drops["agreement"], drops["exact_match"] = 1.0 - agreement, 1.0 - exact
         if nll_delta is not None:

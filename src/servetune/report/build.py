@@ -17,18 +17,18 @@ from servetune.report.points import (
     ReportPoint,
     SloLine,
     TrialOutline,
+    bounds_on_axis,
     first_line,
     gather_points,
     known_metrics,
     outline,
-    bounds_on_axis,
     parse_slo_lines,
 )
-from servetune.report.recommend import Recommendation, recommend
-from servetune.report.study import LoadedStudy, NotRead
 from servetune.report.quality import QualityRow, RuleCheck, precision_rule, quality_rows
-from servetune.report.trials import TrialRow, trial_rows
+from servetune.report.recommend import Recommendation, recommend
 from servetune.report.serving import ServeSection, serve_section
+from servetune.report.study import LoadedStudy, NotRead
+from servetune.report.trials import TrialRow, trial_rows
 from servetune.report.verification import Verification, conclusion, primary, verifications
 from servetune.results import StudyInfo, TrialResult
 

@@ -38,10 +38,10 @@ from servetune.report.labels import (
 from servetune.report.markdown import VERIFY_HINT, pareto_rows, warm_cache_lines
 from servetune.report.params import BASELINE
 from servetune.report.points import ReportPoint, level_label
-from servetune.report.recommend import describe
 from servetune.report.quality import QUALITY_NOTE, quality_cells, quality_headings, rule_summary, suite_names
-from servetune.report.trials import TrialRow
+from servetune.report.recommend import describe
 from servetune.report.serving import LAYOUT_HEADINGS, ROUTER_HEADINGS, ROUTER_NOTE, SCALING_HEADINGS, ServeSection
+from servetune.report.trials import TrialRow
 from servetune.report.verification import Verification
 
 
@@ -76,7 +76,9 @@ def _scatter(
     x, y = front.spec.x.metric, front.spec.y.metric
     points = sorted(front.result.drawable(points), key=lambda p: p.value(x) or 0.0)
     if label is not None:
-        style.update(text=[label(p) for p in points], textposition="top center", textfont=dict(size=9, color="#616161"))
+        style.update(
+            text=[label(p) for p in points], textposition="top center", textfont={"size": 9, "color": "#616161"}
+        )
     return go.Scatter(
         x=[p.value(x) for p in points],
         y=[p.value(y) for p in points],
@@ -93,22 +95,24 @@ def front_figure(report: StudyReport, front: Front) -> go.Figure:
     labelled = len(result.drawable(result.apart)) <= MAX_POINT_LABELS  # each broken point says which bounds
     fig.add_trace(
         _scatter(front, result.apart, "apart: failed or SLO broken", label=broken_label if labelled else None,
-                 mode="markers+text" if labelled else "markers", marker=dict(symbol="x", size=8, color=APART_COLOR))
+                 mode="markers+text" if labelled else "markers",
+                 marker={"symbol": "x", "size": 8, "color": APART_COLOR})
     )  # fmt: skip
     fig.add_trace(
         _scatter(front, result.dominated, "meets SLO, dominated",
-                 mode="markers", marker=dict(size=8, color=OTHER_COLOR, opacity=0.7))
+                 mode="markers", marker={"size": 8, "color": OTHER_COLOR, "opacity": 0.7})
     )  # fmt: skip
     fig.add_trace(
         _scatter(front, result.front, "Pareto front",
-                 mode="lines+markers", marker=dict(size=11, color=FRONT_COLOR), line=dict(color=FRONT_COLOR, width=2))
+                 mode="lines+markers", marker={"size": 11, "color": FRONT_COLOR},
+                 line={"color": FRONT_COLOR, "width": 2})
     )  # fmt: skip
     recommended = report.recommendation.point
     if recommended is not None and result.drawable([recommended]):
         fig.add_trace(
             _scatter(front, [recommended], "recommended",
-                     mode="markers", marker=dict(symbol="star", size=18, color=RECOMMENDED_COLOR,
-                                                 line=dict(width=1, color="black")))
+                     mode="markers", marker={"symbol": "star", "size": 18, "color": RECOMMENDED_COLOR,
+                                             "line": {"width": 1, "color": "black"}})
         )  # fmt: skip
     for bound in report.bounds_on(spec.x.metric):
         fig.add_vline(x=bound.line.max, line_dash="dash" if bound.same_statistic else "dot", line_color=SLO_COLOR,
@@ -123,8 +127,8 @@ def front_figure(report: StudyReport, front: Front) -> go.Figure:
         yaxis_title=axis_title(spec.y.metric, spec.y.direction),
         template="plotly_white",
         height=540,
-        legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0),
-        margin=dict(t=90),
+        legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "x": 0},
+        margin={"t": 90},
     )
     return fig
 
@@ -207,7 +211,7 @@ def verification_summary_html(
             f"<p class='muted'>Not verified yet: <code>{e(v.command)}</code> (<a href='#verification'>below</a>).</p>"
         )
     if v.problem:
-        return f"<p class='muted'>verify.json could not be read (<a href='#verification'>below</a>).</p>"
+        return "<p class='muted'>verify.json could not be read (<a href='#verification'>below</a>).</p>"
     return (f"<p class='verdict {e(v.verdict.replace(' ', '-'))}'><b>Verification: {e(v.verdict)}</b> · {e(v.subject)}"
             f"{' · ' + e(v.counts_line) if v.checklist else ''} (<a href='#verification'>details</a>)</p>")  # fmt: skip
 
@@ -293,8 +297,9 @@ def spread_figure(report: StudyReport) -> go.Figure:
                           annotation_textangle=-90, annotation_position="top left")  # fmt: skip
     fig.update_layout(
         title="TTFT distribution of the recommended trial, per level",
-        xaxis=dict(title="TTFT (ms, log scale)", type="log"), yaxis=dict(title="percentile of requests", range=[0, 100]),
-        template="plotly_white", height=440, legend=dict(orientation="h", yanchor="bottom", y=1.02, x=0), margin=dict(t=90),
+        xaxis={"title": "TTFT (ms, log scale)", "type": "log"},
+        yaxis={"title": "percentile of requests", "range": [0, 100]}, template="plotly_white", height=440,
+        legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "x": 0}, margin={"t": 90},
     )  # fmt: skip
     return fig
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from servetune.report.build import Front, StudyReport
+from servetune.report.distribution import SPREAD_NOTE, spread_cells, spread_headings
 from servetune.report.labels import (
     PARETO_HEADINGS,
     TABLE_METRICS,
@@ -15,14 +16,12 @@ from servetune.report.labels import (
     point_metrics,
     trial_cells,
 )
-from servetune.report.distribution import SPREAD_NOTE, spread_cells, spread_headings
 from servetune.report.points import config_label, level_label
-from servetune.report.recommend import describe
 from servetune.report.quality import QUALITY_NOTE, quality_cells, quality_headings, rule_summary, suite_names
-from servetune.report.trials import TrialRow
+from servetune.report.recommend import describe
 from servetune.report.serving import LAYOUT_HEADINGS, ROUTER_HEADINGS, ROUTER_NOTE, SCALING_HEADINGS, ServeSection
+from servetune.report.trials import TrialRow
 from servetune.report.verification import Verification
-
 
 UNITS = "Latencies in ms; $/Mtok is USD per million output tokens; tok/s/user is 1000 / mean TPOT."
 
@@ -72,7 +71,7 @@ def _recommendation(report: StudyReport) -> list[str]:
     rec = report.recommendation
     lines = ["## Recommendation", ""]
     if rec.point is None:
-        return lines + [f"None: {rec.reason}.", ""]
+        return [*lines, f"None: {rec.reason}.", ""]
     point = rec.point
     lines += [
         f"**{describe(point)}**",
@@ -123,16 +122,16 @@ def _verification(v: Verification | None) -> list[str]:
         return []
     lines = ["## Verification", ""]
     if not v.found:
-        return lines + [f"Not verified yet. Run `{v.command}`: {VERIFY_HINT}.", ""]
+        return [*lines, f"Not verified yet. Run `{v.command}`: {VERIFY_HINT}.", ""]
     if v.problem:
-        return lines + [f"`{v.path}` could not be read: {v.problem}. Run `{v.command}` again.", ""]
+        return [*lines, f"`{v.path}` could not be read: {v.problem}. Run `{v.command}` again.", ""]
     return lines + _verified(v, "###")
 
 
 def _verified(v: Verification, heading: str) -> list[str]:
     """One verification's verdict, stability, scenarios and checklist, under ``heading`` sub-headings."""
     lines = [f"**{v.verdict.capitalize()}**: {v.subject}" + (f". {v.reason.rstrip('.')}" if v.reason else "") + ".", ""]
-    lines += [f"{heading} Stability", ""] + _table(["number", "value"], [list(row) for row in v.stability]) + [""]
+    lines += [f"{heading} Stability", "", *_table(["number", "value"], [list(row) for row in v.stability]), ""]
     if v.scenarios:
         lines += [f"{heading} Scenarios", ""]
         lines += _table(
@@ -156,7 +155,7 @@ def spread_section(report: StudyReport) -> list[str]:
     point = report.recommendation.point
     lines = [f"### TTFT distribution of the recommended trial ({point.trial_id if point else '-'})", ""]
     lines += _table(spread_headings(), [spread_cells(s) for s in report.ttft_spreads])
-    return lines + ["", SPREAD_NOTE, ""]
+    return [*lines, "", SPREAD_NOTE, ""]
 
 
 def verification_section(report: StudyReport) -> list[str]:
@@ -189,7 +188,7 @@ def serve_check_section(section: ServeSection | None) -> list[str]:
         return []
     lines = ["## Ray Serve (serve-check)", ""]
     if section.problem:
-        return lines + [f"`{section.path}` could not be read: {section.problem}.", ""]
+        return [*lines, f"`{section.path}` could not be read: {section.problem}.", ""]
     lines += [f"Trial {section.trial_id} deployed as a Ray Serve LLM application (`{section.path.name}`).", ""]
     if section.stopped:
         lines += [f"**serve-check stopped before every part ran ({section.stopped}): below is what finished.**", ""]

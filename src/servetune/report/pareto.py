@@ -50,8 +50,8 @@ class ParetoFront:
 
 def dominates(a: Sequence[float], b: Sequence[float], objectives: Sequence[Objective]) -> bool:
     """``a`` dominates ``b``: no worse on every objective, strictly better on at least one."""
-    no_worse = all(o.better_or_equal(x, y) for o, x, y in zip(objectives, a, b))
-    return no_worse and any(x != y for x, y in zip(a, b))
+    no_worse = all(o.better_or_equal(x, y) for o, x, y in zip(objectives, a, b, strict=True))
+    return no_worse and any(x != y for x, y in zip(a, b, strict=True))
 
 
 def pareto_front(points: Sequence[ReportPoint], objectives: Sequence[Objective]) -> ParetoFront:
@@ -74,7 +74,7 @@ def pareto_front(points: Sequence[ReportPoint], objectives: Sequence[Objective])
 
     def order(item: tuple[ReportPoint, tuple[float, ...]]) -> tuple:
         point, values = item
-        return (*(o.sort_key(v) for o, v in zip(objectives, values)), point.trial_id, point.level_index)
+        return (*(o.sort_key(v) for o, v in zip(objectives, values, strict=True)), point.trial_id, point.level_index)
 
     return ParetoFront(
         objectives=objectives,

@@ -42,7 +42,7 @@ def front_png(report: StudyReport, front: Front) -> Figure:
     if xs:
         ax.scatter(xs, ys, marker="x", color=APART_COLOR, label=f"apart: failed or SLO broken ({len(xs)})")
         if len(xs) <= MAX_POINT_LABELS:  # each broken point says which bounds it broke
-            for x, y, point in zip(xs, ys, _drawn(front, result.apart)):
+            for x, y, point in zip(xs, ys, _drawn(front, result.apart), strict=True):
                 ax.annotate(broken_label(point), (x, y), xytext=(0, 5), textcoords="offset points", ha="center",
                             fontsize=6, color="#616161")  # fmt: skip
     xs, ys = _xy(front, result.dominated)

@@ -18,9 +18,9 @@ from servetune.config.slo import Slo
 from servetune.errors import UserError
 from servetune.metrics import (
     COST_METRIC,
+    LATENCY_METRICS,
     OUTPUT_THROUGHPUT_PER_DEVICE,
     OUTPUT_THROUGHPUT_PER_USER,
-    LATENCY_METRICS,
     STATS,
     metric_names,
 )
@@ -195,7 +195,7 @@ def outline(trial: TrialResult) -> TrialOutline:
 def trial_points(trial: TrialResult, price_per_device_hour: float | None = None) -> list[ReportPoint]:
     """Every measured level of a trial; ``price_per_device_hour`` replaces the recorded price."""
     points = []
-    for op, level in zip(trial.operating_points(price_per_device_hour), trial.levels):
+    for op, level in zip(trial.operating_points(price_per_device_hour), trial.levels, strict=True):
         metrics = dict(op.metrics)
         metrics[OUTPUT_THROUGHPUT_PER_DEVICE] = level.summary.output_throughput / max(trial.devices, 1)
         tpot_mean = level.summary.tpot_ms.mean
@@ -220,7 +220,7 @@ def trial_points(trial: TrialResult, price_per_device_hour: float | None = None)
                 slo_violations=tuple(level.slo_violations),
                 quality_failures=quality_failures(trial),
                 noise=throughput_noise(level),
-            )  # fmt: skip
+            )
         )
     return points
 

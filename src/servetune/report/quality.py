@@ -111,12 +111,12 @@ def precision_bits(engine_args: Mapping[str, Any]) -> tuple[int, int]:
     dtype_bits = _BITS.get(str(engine_args.get("dtype") or "auto").lower(), 16)
     weights = _QUANT_BITS.get(quantization, dtype_bits) if quantization else dtype_bits
     kv = str(engine_args.get("kv_cache_dtype") or "auto").lower()
-    return weights, (8 if kv.startswith("fp8") or kv.startswith("int8") else dtype_bits)
+    return weights, (8 if kv.startswith(("fp8", "int8")) else dtype_bits)
 
 
 def lower_precision(trial: TrialResult, reference: TrialResult) -> bool:
     mine, theirs = precision_bits(trial.engine_args), precision_bits(reference.engine_args)
-    return mine != theirs and all(m <= t for m, t in zip(mine, theirs))
+    return mine != theirs and all(m <= t for m, t in zip(mine, theirs, strict=True))
 
 
 @dataclass(frozen=True)
@@ -140,8 +140,9 @@ def precision_rule(
     checks = [RuleCheck("quality within its thresholds" + ("" if trial.quality.passed else ": " + "; ".join(trial.quality.failures)),
                         trial.quality.passed)]  # fmt: skip
     if best is None:
-        return checks + [
-            RuleCheck("the reference met the SLO at no level: throughput, cost and latency cannot be compared", None)
+        return [
+            *checks,
+            RuleCheck("the reference met the SLO at no level: throughput, cost and latency cannot be compared", None),
         ]
     checks.append(_compare(f"at least {MIN_GAIN:.0%} more goodput at the same SLO", recommended.value(GOODPUT), best.value(GOODPUT),
                            lambda mine, ref: mine >= ref * (1 + MIN_GAIN), "req/s"))  # fmt: skip

@@ -64,10 +64,10 @@ def cache_notes(trial: TrialResult) -> tuple[str, ...]:
 
 
 def slo_break(trial: TrialResult) -> SloBreak | None:
-    broken = [(index, level) for index, level in enumerate(trial.levels) if level.slo_violations]
+    broken = [level for level in trial.levels if level.slo_violations]
     if not broken:
         return None
-    index, level = broken[0]
+    level = broken[0]
     return SloBreak(level_label(level.summary.level), tuple(level.slo_violations), len(broken) - 1)
 
 
@@ -112,7 +112,7 @@ def trial_rows(
                 conclusion=conclude(trial, trials, recommendation),
                 recommended=recommendation is not None and recommendation.names(trial.trial_id),
                 cache_notes=cache_notes(trial),
-            )  # fmt: skip
+            )
         )
 
     def order(row: TrialRow) -> tuple:

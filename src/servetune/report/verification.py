@@ -107,7 +107,7 @@ class Verification:
 
     def counts(self) -> dict[str, int]:
         """Checklist items by status (every status of :data:`STATUSES`, then any other the file used)."""
-        out = {status: 0 for status in STATUSES}
+        out = dict.fromkeys(STATUSES, 0)
         for row in self.checklist:
             out[row.status] = out.get(row.status, 0) + 1
         return out

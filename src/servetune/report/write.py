@@ -44,7 +44,9 @@ def recommendation_lines(report: StudyReport, study_dir: Path) -> list[str]:
 def verification_line(report: StudyReport) -> str:
     """``verification: rejected (trial t16 at concurrency 16; 3 FAIL, ...)``, or how to run verify."""
     if len(report.verifications) > 1:
-        each = "; ".join(f"{v.subject}: {v.problem and 'could not be read' or v.verdict}" for v in report.verifications)
+        each = "; ".join(
+            f"{v.subject}: {'could not be read' if v.problem else v.verdict}" for v in report.verifications
+        )
         return f"verification: {each}" + (
             f". {report.verification_conclusion}" if report.verification_conclusion else ""
         )

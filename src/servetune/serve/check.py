@@ -20,14 +20,26 @@ from servetune.errors import EngineStartError, UserError
 from servetune.results import LevelResult
 from servetune.secrets import redact_env
 from servetune.serve.layouts import (
-    Layout, LayoutResult, LayoutRun, layout_point, layout_run, layout_verdict, point_pp,
-)  # fmt: skip
+    Layout,
+    LayoutResult,
+    LayoutRun,
+    layout_point,
+    layout_run,
+    layout_verdict,
+    point_pp,
+)
 from servetune.serve.plan import Needs, autoscaled_llm_config, check_fits, llm_config, needs
 from servetune.serve.ramp import RampResult
 from servetune.serve.result import ReplicaRun, ServeCheckResult, scaling_rows
 from servetune.serve.routing import (
-    ROUTERS, RouterRun, RoutingResult, engine_version, routed_llm_config, traffic_between, verdict,
-)  # fmt: skip
+    ROUTERS,
+    RouterRun,
+    RoutingResult,
+    engine_version,
+    routed_llm_config,
+    traffic_between,
+    verdict,
+)
 from servetune.serve.study import PickedStudy
 
 
@@ -201,7 +213,7 @@ def run_check(
 
     def result() -> ServeCheckResult:
         return ServeCheckResult(
-            servetune_version=__version__, created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            servetune_version=__version__, created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             study=picked.study, trial_id=point.trial_id, picked_level=dict(point.level), model=point.model, app_name=name,
             url=cluster.url, address=address, llm_config=shown, slo=[str(b) for b in picked.slo.bounds], runs=list(runs),
             rows=scaling_rows(runs, picked.trial.levels), ramp=ramped, routing=routed, layouts=laid,

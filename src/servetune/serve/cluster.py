@@ -188,7 +188,7 @@ class ServeCluster:
 
         try:
             interval_s = max(float(ray._config.metrics_report_interval_ms()), 1000.0) / 1000.0
-        except Exception:  # noqa: BLE001 - an older Ray: its default
+        except Exception:  # an older Ray: its default
             interval_s = 10.0
         return 2 * interval_s + 0.5
 

@@ -56,7 +56,7 @@ def parse_layouts(text: str) -> list[Layout]:
     """``2x1,1x2`` -> [Layout(2, 1), Layout(1, 2)] in the order given, without repeats."""
     layouts: list[Layout] = []
     for part in (p.strip() for p in text.split(",")):
-        match = re.fullmatch(r"(\d+)\s*[x×X]\s*(\d+)", part)
+        match = re.fullmatch(r"(\d+)\s*[x\N{MULTIPLICATION SIGN}X]\s*(\d+)", part)
         if match is None or int(match[1]) < 1 or int(match[2]) < 1:
             raise UserError(f"--layouts '{text}': give layouts as REPLICASxTP of 1 or more, e.g. 2x1,1x2")
         layout = Layout(int(match[1]), int(match[2]))

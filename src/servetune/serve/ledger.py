@@ -121,7 +121,7 @@ class DeviceLedger:
         self.counted_at = time.monotonic()
         try:
             counted = _nodes(self.count()) if self.count is not None else self.nodes
-        except Exception:  # noqa: BLE001 - the cluster did not answer this time: the last count stands
+        except Exception:  # the cluster did not answer this time: the last count stands
             return False
         changed, self.nodes, self.counts = counted != self.nodes, counted, self.counts + 1
         if changed:
@@ -291,7 +291,7 @@ def report_placement(devices: Mapping[str, int]) -> dict[str, int] | None:
     ledger, holder = holding
     try:
         return ray.get(ledger.placed_at.remote(holder, dict(devices)), timeout=30)
-    except Exception:  # noqa: BLE001 - the ledger died with the driver: the plan is all there is
+    except Exception:  # the ledger died with the driver: the plan is all there is
         return None
 
 

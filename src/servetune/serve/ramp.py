@@ -133,7 +133,7 @@ def summarize_ramp(
         if start is None:
             continue
         stop = phase_starts.get(names[i + 1], end_s) if i + 1 < len(names) else end_s
-        sent = [r for r, ph in zip(records, record_phase) if ph == p.name and r.end is not None]
+        sent = [r for r, ph in zip(records, record_phase, strict=True) if ph == p.name and r.end is not None]
         phase_results.append(RampPhaseResult(
             name=p.name, concurrency=p.concurrency, start_s=start, end_s=stop, requests=len(sent),
             slo_violations=sum(broke(r) for r in sent), errors=sum(not r.ok for r in sent),

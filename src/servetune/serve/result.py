@@ -13,8 +13,8 @@ from pydantic import BaseModel
 
 from servetune.report.serving import SERVE_CHECK_FILE  # noqa: F401  (defined where the report reads it)
 from servetune.results import RECORD, LevelResult
-from servetune.serve.plan import find_level, ratio
 from servetune.serve.layouts import LayoutResult
+from servetune.serve.plan import find_level, ratio
 from servetune.serve.ramp import RampResult
 from servetune.serve.routing import RoutingResult
 
@@ -109,6 +109,6 @@ def scaling_rows(runs: list[ReplicaRun], bare_levels: list[LevelResult]) -> list
                     scaling_efficiency=ratio(
                         s.output_throughput, run.replicas * single.summary.output_throughput if single else None
                     ),
-                )  # fmt: skip
+                )
             )
     return rows

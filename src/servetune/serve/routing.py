@@ -169,7 +169,7 @@ def traffic_between(
     out: dict[str, ReplicaTraffic] = {}
     for replica, counts in after.items():
         old = before.get(replica, {})
-        grown = {key: int(round(value - old.get(key, 0.0))) for key, value in counts.items()}
+        grown = {key: round(value - old.get(key, 0.0)) for key, value in counts.items()}
         if any(v > 0 for v in grown.values()):
             out[replica] = ReplicaTraffic(**{k: max(v, 0) for k, v in grown.items()})
     return out

@@ -26,8 +26,8 @@ from servetune.engine.metrics import MetricsSnapshot
 from servetune.engine.server import KvCapacity
 from servetune.errors import UserError
 from servetune.report.points import ReportPoint
-from servetune.serve.cluster import ServeCluster, wait_gone
 from servetune.results import ENGINE_LOG
+from servetune.serve.cluster import ServeCluster, wait_gone
 from servetune.serve.metrics import ReplicaCounts, replica_snapshots, replicas_snapshot
 from servetune.serve.plan import INGRESS_CPUS, REPLICA_ACTOR_CPUS, Needs, llm_config, needs
 from servetune.trial.runner import TrialSpec, write_atomic
@@ -155,10 +155,8 @@ class ServeEngine:
         self.cluster.delete(self.name)
         left = wait_gone(sorted(found), timeout_s=60.0)
         for pid in left:  # Serve stopped them in its own time before; never leave an engine behind
-            try:
+            with contextlib.suppress(psutil.Error):
                 psutil.Process(pid).kill()
-            except psutil.Error:
-                pass
 
     # --- what measuring asks ---------------------------------------------------------------
     def alive(self) -> bool:
@@ -196,7 +194,7 @@ class ServeEngine:
         assert self.cluster is not None and self.spec.serve_replicas is not None
         try:
             return self.cluster.reset_prefix_caches(self.name) >= self.spec.serve_replicas
-        except Exception:  # noqa: BLE001 - a replica that cannot: the level says its cache may be warm
+        except Exception:  # a replica that cannot: the level says its cache may be warm
             return False
 
     def record(self) -> dict[str, Any]:

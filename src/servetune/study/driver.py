@@ -142,10 +142,9 @@ def normal_priority() -> int:
     both requests in flight stalling together for 0.2-0.8 s, and most trials breaking a TTFT P95
     bound they met between stalls. Linux niceness is per thread: this sets the calling one's.
     """
-    try:
+    # Lowering niceness needs CAP_SYS_NICE (a PermissionError); the environment record says what it was.
+    with contextlib.suppress(OSError):
         os.setpriority(os.PRIO_PROCESS, 0, 0)
-    except (PermissionError, OSError):
-        pass  # lowering niceness needs CAP_SYS_NICE; the environment record says what it was
     return os.getpriority(os.PRIO_PROCESS, 0)
 
 
@@ -236,7 +235,7 @@ def dead_node_of(actor_id: str | None, wait_s: float) -> str | None:
 
     try:
         node_id = ray._private.state.actors(actor_id)["Address"]["NodeID"]  # GCS's actor table (no dashboard needed)
-    except Exception:  # noqa: BLE001 - an unknown actor, or Ray's private API changed: the error text decides
+    except Exception:  # an unknown actor, or Ray's private API changed: the error text decides
         return None
     deadline = time.monotonic() + wait_s
     while True:
@@ -338,7 +337,7 @@ def random_points(space: SearchSpace) -> list[dict[str, Any]]:
 def study_info(space: SearchSpace, space_path: Path, model: str, levels: Sequence[object] = ()) -> StudyInfo:
     return StudyInfo(
         schema_version=SCHEMA_VERSION, name=space.name,
-        created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         space_file=str(space_path), model=model,
         workload=space.workload if isinstance(space.workload, str) else space.workload.name,
         device=space.device, algorithm=space.search.algorithm,

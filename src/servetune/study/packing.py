@@ -63,7 +63,7 @@ def order_for_packing(
         groups[first].append(size)
         room[first] -= size
     by_size: dict[int, list[Point]] = {}
-    for point, size in zip(points, sizes):
+    for point, size in zip(points, sizes, strict=True):
         by_size.setdefault(size, []).append(point)
     queues = {size: iter(same) for size, same in by_size.items()}
     return [next(queues[size]) for group in reversed(groups) for size in reversed(group)]
@@ -131,7 +131,7 @@ def _parallel_combos(space: SearchSpace) -> Iterator[dict[str, Any]]:
     axes = {name: values.grid_values() if isinstance(values, Range) else values
             for name, values in space.params.items() if name in ENGINE_DEFAULTS or name == SERVE_REPLICAS}  # fmt: skip
     for combo in itertools.product(*axes.values()):
-        yield dict(zip(axes, combo))
+        yield dict(zip(axes, combo, strict=True))
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,7 @@ def check_token_accepted(address: str) -> None:
             GcsClient(address=address)
     except AuthenticationError:
         raise UserError(token_refused_message(address)) from None
-    except Exception:  # noqa: BLE001 - not ours to judge: ray.init reports it in its own words
+    except Exception:  # not ours to judge: ray.init reports it in its own words
         return
 
 
@@ -113,7 +113,7 @@ def init_ray(address: str | None, local_cpus: int | None = None) -> bool:
     try:
         with keeping_sigterm():
             _init(ray, joining, address, local_cpus, kwargs)
-    except Exception as exc:  # noqa: BLE001 - Ray raises plain Exception when its processes do not come up
+    except Exception as exc:  # Ray raises plain Exception when its processes do not come up
         with contextlib.suppress(Exception):
             ray.shutdown()  # what this ray.init started, stopped
         lines = str(exc).strip().splitlines() or [type(exc).__name__]

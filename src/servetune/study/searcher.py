@@ -218,7 +218,7 @@ class ConstrainedOptunaSearch(Searcher):
         try:
             told = optuna.trial.create_trial(
                 params=self._indexed(listed), distributions=self.distributions, values=values,
-                constraints=dict(zip(self.names, constraints)),
+                constraints=dict(zip(self.names, constraints, strict=True)),
             )  # fmt: skip
         except ValueError:
             return  # a value outside its range now (the space changed): not a point of this space
@@ -228,7 +228,7 @@ class ConstrainedOptunaSearch(Searcher):
 
     def _tell(self, trial: optuna.trial.Trial, values: list[float], constraints: list[float]) -> None:
         """Tell a finished answer: the measured one, or a penalty for a point that cannot run."""
-        for name, value in zip(self.names, constraints):
+        for name, value in zip(self.names, constraints, strict=True):
             trial.set_constraint(name, value)
         self.study.tell(trial, values)
         self.history.append((self._values(trial), values, constraints))

@@ -38,7 +38,6 @@ def run_tuner(context: StudyContext, points: list[dict[str, Any]] | None, search
     from ray.tune.search import ConcurrencyLimiter
 
     from servetune.study.early_stop import start_finished_points
-
     from servetune.study.nodes import alive_nodes
 
     context = dataclasses.replace(context, nodes=tuple(alive_nodes()))

@@ -96,10 +96,8 @@ class QueueProgress:
         self.queue, self.trial_id = queue, trial_id
 
     def _put(self, item: tuple) -> None:
-        try:
+        with contextlib.suppress(Exception):  # a full or gone queue loses a progress line, never the verification
             self.queue.put_nowait((self.trial_id, *item))
-        except Exception:  # noqa: BLE001 - a full or gone queue loses a progress line, never the verification
-            pass
 
     def step(self, text: str, seconds: float | None = None) -> None:
         self._put(("step", text, seconds))
@@ -320,7 +318,7 @@ def verify_top(study_dir: Path, context: StudyContext, say: Callable[[str], None
         while not queue.empty():
             try:
                 trial_id, kind, *rest = queue.get_nowait()
-            except Exception:  # noqa: BLE001 - empty after all
+            except Exception:  # empty after all
                 return
             if kind == "step":
                 text, seconds = rest
@@ -342,7 +340,7 @@ def verify_top(study_dir: Path, context: StudyContext, say: Callable[[str], None
                 try:
                     value = ray.get(ref)
                     finish(selection, mine, value["doc"], value["engine_log"], value["placement"])
-                except Exception as exc:  # noqa: BLE001 - a task that died is said so; the study ends with its report
+                except Exception as exc:  # a task that died is said so; the study ends with its report
                     lines = str(exc).strip().splitlines()
                     finish(
                         selection,
@@ -365,7 +363,7 @@ def verify_top(study_dir: Path, context: StudyContext, say: Callable[[str], None
                         give_back(ledger, holder(selection.winner.trial_id))
         drain()
     finally:
-        for rank, selection, mine, group in running.values():
+        for *_, group in running.values():
             remove_placement_group(group)
         ray.kill(queue.actor)
         if ledger is not None:

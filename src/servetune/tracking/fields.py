@@ -175,7 +175,7 @@ def tail_ratio(p50: float | None, p99: float | None) -> float | None:
 def level_metrics(trial: TrialResult) -> list[dict[str, float | None]]:
     """Per level: summary, cost, load, counts, SLO verdict, server counters and telemetry."""
     out = []
-    for op, level in zip(trial.operating_points(), trial.levels):
+    for op, level in zip(trial.operating_points(), trial.levels, strict=True):
         summary = level.summary
         values: dict[str, float | None] = dict(op.metrics)
         values.update({f"level_{k}": v for k, v in summary.level.items()})

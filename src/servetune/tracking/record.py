@@ -279,7 +279,7 @@ def _stability_tags(
 
 def _level_rows(trial: TrialResult) -> list[str]:
     rows = []
-    for op, level in zip(trial.operating_points(), trial.levels):
+    for op, level in zip(trial.operating_points(), trial.levels, strict=True):
         m, s = op.metrics, level.summary
         verdict = "meets the SLO" if level.meets_slo else "breaks: " + "; ".join(level.slo_violations)
         rows.append(" | ".join([str(op.level_index), level_label(s.level), f"{s.completed}/{s.completed + s.failed}",

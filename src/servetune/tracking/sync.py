@@ -20,7 +20,17 @@ from mlflow import MlflowClient
 from servetune.errors import UserError
 from servetune.report import LoadedStudy, Recommendation, StudyReport, build_report, load_study
 from servetune.report.conclusion import conclude
-from servetune.results import RESULT_FILE, SPACE_FILE, STUDY_FILE, TRIALS_DIR, StudyInfo, TrialResult
+from servetune.results import (
+    ENGINE_LOG,
+    QUALITY_FILE,
+    REQUESTS_FILE,
+    RESULT_FILE,
+    SPACE_FILE,
+    STUDY_FILE,
+    TRIALS_DIR,
+    StudyInfo,
+    TrialResult,
+)
 from servetune.tracking.connection import (
     TRACKING_ERRORS,
     TrackingError,
@@ -29,7 +39,6 @@ from servetune.tracking.connection import (
     mlflow_env,
     resolve_tracking_uri,
 )
-from servetune.results import ENGINE_LOG, QUALITY_FILE, REQUESTS_FILE
 from servetune.tracking.fields import level_tags, run_name, study_metrics, study_params, trial_metrics, trial_params
 from servetune.tracking.inputs import (
     ModelFingerprint,
@@ -47,8 +56,14 @@ from servetune.tracking.view import (
     ui_hint,
 )
 from servetune.tracking.writer import (
-    CONCLUSION_TAG, OUTCOME_TAG, STUDY_DIR_TAG, STUDY_TAG, MlflowStudyWriter, TrialRun, millis,
-)  # fmt: skip
+    CONCLUSION_TAG,
+    OUTCOME_TAG,
+    STUDY_DIR_TAG,
+    STUDY_TAG,
+    MlflowStudyWriter,
+    TrialRun,
+    millis,
+)
 
 #: The tags whose change means a logged trial's record must be written again.
 _REFRESHED_TAGS = (CONCLUSION_TAG, f"{CONCLUSION_TAG}.why", RECOMMENDED_TAG)

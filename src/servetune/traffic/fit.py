@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from servetune.traffic.log import LoggedRequest, LogError
+from servetune.traffic.log import LogError, LoggedRequest
 
 #: Counts the tokens of a text (the served model's tokenizer).
 Counter = Callable[[str], int]
@@ -127,9 +127,8 @@ def _common(a: str, b: str) -> int:
 def _lengths(requests: Sequence[LoggedRequest], count: Counter | None, source: str) -> tuple[list[int], list[int]]:
     inputs, outputs = [], []
     for r in requests:
-        if r.input_tokens is None or r.output_tokens is None:
-            if count is None:
-                raise LogError(f"{source} line {r.line}: has texts but no token counts; pass --tokenizer to count them")
+        if (r.input_tokens is None or r.output_tokens is None) and count is None:
+            raise LogError(f"{source} line {r.line}: has texts but no token counts; pass --tokenizer to count them")
         inputs.append(r.input_tokens if r.input_tokens is not None else count(r.prompt))  # type: ignore[misc,arg-type]
         outputs.append(r.output_tokens if r.output_tokens is not None else count(r.output))  # type: ignore[misc,arg-type]
     return inputs, outputs

@@ -43,7 +43,6 @@ from servetune.metrics import RequestRecord, itl_burst_share, send_sync_share, s
 from servetune.results import LevelResult, LevelRun
 from servetune.telemetry import TelemetrySampler
 
-
 #: ``requests`` that sizes a level by its load (:meth:`LevelPlan.sized`).
 AUTO = "auto"
 
@@ -83,7 +82,7 @@ async def scrape(session: aiohttp.ClientSession, url: str, gauges_only: bool = F
                 return None
             text = await resp.text()
             return MetricsSnapshot.parse_gauges(text) if gauges_only else MetricsSnapshot.parse(text)
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+    except (TimeoutError, aiohttp.ClientError, ValueError):
         return None
 
 
@@ -156,7 +155,7 @@ async def _reset_prefix_cache(session: aiohttp.ClientSession, url: str) -> bool:
     try:
         async with session.post(f"{url}/reset_prefix_cache", timeout=aiohttp.ClientTimeout(total=30)) as resp:
             return resp.status == 200
-    except (aiohttp.ClientError, asyncio.TimeoutError):
+    except (TimeoutError, aiohttp.ClientError):
         return False
 
 

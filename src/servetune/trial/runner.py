@@ -201,7 +201,7 @@ class Engine(MeasuredEngine, Protocol):
 
     def kv_capacity(self) -> Any: ...
 
-    def __enter__(self) -> "Engine": ...
+    def __enter__(self) -> Engine: ...
 
     def __exit__(self, *exc: object) -> None: ...
 
@@ -342,4 +342,4 @@ def _read(path: Path) -> str:
 
 
 def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")

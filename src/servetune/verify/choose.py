@@ -23,10 +23,10 @@ from servetune.errors import UserError
 from servetune.load.runner import Level
 from servetune.report import build_report, load_study
 from servetune.report.build import StudyReport
-from servetune.report.study import LoadedStudy
 from servetune.report.export import pick_point
 from servetune.report.points import ReportPoint, first_line
 from servetune.report.recommend import candidates
+from servetune.report.study import LoadedStudy
 from servetune.results import SPACE_FILE, TRIALS_DIR, StudyInfo, TrialResult, read_result
 from servetune.trial.runner import TrialSpec
 
@@ -166,10 +166,10 @@ class _Rebuild:
     space: SearchSpace
     workload: Workload
     report: StudyReport
-    context: "StudyContext"
+    context: StudyContext
 
     @classmethod
-    def of(cls, study_dir: Path, study: LoadedStudy, report: StudyReport, python: str) -> "_Rebuild":
+    def of(cls, study_dir: Path, study: LoadedStudy, report: StudyReport, python: str) -> _Rebuild:
         from servetune.study.context import StudyContext, resolve_levels
 
         space_path = study_dir / SPACE_FILE

@@ -47,7 +47,7 @@ async def _wait_first_tokens(
 ) -> None:
     deadline = time.perf_counter() + timeout_s
     while time.perf_counter() < deadline:
-        if all(len(r.chunk_times) >= chunks or task.done() for r, task in zip(records, tasks)):
+        if all(len(r.chunk_times) >= chunks or task.done() for r, task in zip(records, tasks, strict=True)):
             return
         await asyncio.sleep(0.02)
 
@@ -65,7 +65,7 @@ async def _drop_round(
     specs = [next(requests) for _ in range(streams)]
     records = [RequestRecord(index=i, sent=0.0, input_tokens=s.input_tokens, max_tokens=s.output_tokens,
                              request_class="dropped" if i < dropped else "survivor") for i, s in enumerate(specs)]  # fmt: skip
-    tasks = [asyncio.ensure_future(t.client.send(s, r, t0)) for s, r in zip(specs, records)]
+    tasks = [asyncio.ensure_future(t.client.send(s, r, t0)) for s, r in zip(specs, records, strict=True)]
     try:
         await _wait_first_tokens(records, tasks, 2, 60.0)
         # vLLM's gauges follow its steps: wait (a little) until they show every stream in flight.

@@ -40,8 +40,8 @@ from servetune.serve.cluster import ServeCluster
 from servetune.serve.trial import ServeEngine, trial_needs
 from servetune.trial.runner import vllm_engine, write_atomic
 from servetune.verify import scenarios as sc
-from servetune.verify.disconnects import disconnects
 from servetune.verify.choose import Chosen, Selection
+from servetune.verify.disconnects import disconnects
 from servetune.verify.stats import lead
 
 VERIFY_FILE = "verify.json"
@@ -62,7 +62,7 @@ class Timeouts:
     total_s: float
 
     @classmethod
-    def from_slo(cls, slo: Slo, total_s: float) -> "Timeouts":
+    def from_slo(cls, slo: Slo, total_s: float) -> Timeouts:
         ttft = min((b.max for b in slo.bounds if b.metric == "ttft_ms"), default=None)
         tpot = min((b.max for b in slo.bounds if b.metric in ("tpot_ms", "itl_ms")), default=None)
         first = (
@@ -407,7 +407,7 @@ def document(selection: Selection, budget: sc.Budget, timeouts: Timeouts, run: E
     winner = selection.winner
     return {
         "servetune_version": __version__,
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "study": selection.info.name,
         "trial_id": winner.trial_id,
         "level": dict(winner.point.level),

@@ -81,7 +81,7 @@ class Budget:
     warmup_cap: int  # warm-up requests of a level at most
 
     @classmethod
-    def for_device(cls, device: str, duration_s: float | None = None) -> "Budget":
+    def for_device(cls, device: str, duration_s: float | None = None) -> Budget:
         if device == "gpu":
             return cls(soak_s=duration_s or 600.0, windows=10, scenario_s=120.0, long_requests=8, long_output_cap=None,
                        drop_rounds=5, repeats=5, repeat_s=60.0, warmup_cap=32)  # fmt: skip
@@ -333,7 +333,7 @@ def p99_input_tokens(workload: Workload, seed: int = 0, samples: int = 20_000) -
     classes = workload.classes
     weights = np.asarray([c.weight for c in classes], dtype=float)
     counts = rng.multinomial(samples, weights / weights.sum())
-    lengths = np.concatenate([c.input_tokens.sample(rng, int(n)) for c, n in zip(classes, counts) if n])
+    lengths = np.concatenate([c.input_tokens.sample(rng, int(n)) for c, n in zip(classes, counts, strict=True) if n])
     return int(np.percentile(lengths, 99))
 
 

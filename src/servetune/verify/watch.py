@@ -72,7 +72,7 @@ class Trace:
                     self.rss_mib.append((at, rss / 2**20))
                 await asyncio.sleep(self.every_s)
 
-    async def __aenter__(self) -> "Trace":
+    async def __aenter__(self) -> Trace:
         self._task = asyncio.ensure_future(self._run())
         return self
 
