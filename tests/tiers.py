@@ -67,7 +67,7 @@ class Tiers:
         if report.failed:
             self._clock(report.location[0]).failed.add(report.nodeid)
 
-    def pytest_terminal_summary(self, terminalreporter) -> None:  # noqa: ANN001 (pytest's TerminalReporter)
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         if not self.clocks:
             return
         terminalreporter.section("time per tier")

@@ -235,10 +235,12 @@ def compare(continuations: list[list[int]], nll: list[float | None], scores: dic
     agreement = exact = nll_delta = None
     drops: dict[str, float] = {}
     if reference.continuations:
-        shares = [common_prefix_share(a, r) for a, r in zip(continuations, reference.continuations, strict=True)]
-        agreement = sum(shares) / len(shares)
-        exact = sum(a == r for a, r in zip(continuations, reference.continuations, strict=True)) / len(shares)
-        pairs = [(n, r) for n, r in zip(nll, reference.nll, strict=True) if n is not None and r is not None]
+        # Over the prompts both were probed with: a stored reference may hold more or fewer (a resumed
+        # study whose quality.prompts changed), and the rows below pair them by index the same way.
+        shares = [common_prefix_share(a, r) for a, r in zip(continuations, reference.continuations, strict=False)]
+        agreement = sum(shares) / len(shares) if shares else 0.0
+        exact = sum(a == r for a, r in zip(continuations, reference.continuations, strict=False)) / max(len(shares), 1)
+        pairs = [(n, r) for n, r in zip(nll, reference.nll, strict=False) if n is not None and r is not None]
         nll_delta = sum(n - r for n, r in pairs) / len(pairs) if pairs else None
         drops["agreement"], drops["exact_match"] = 1.0 - agreement, 1.0 - exact
         if nll_delta is not None:
