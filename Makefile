@@ -16,7 +16,7 @@ TORCH       ?= torch==2.13.0
 # finds the CPU wheel elsewhere, e.g. in pip's find-links) is not held up.
 TORCH_PIP_OPTS ?= --retries 1 --timeout 15
 
-.PHONY: setup test unit demo bench clean
+.PHONY: setup lint test unit demo bench clean
 
 setup: $(STAMP)
 
@@ -30,9 +30,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
+# Lint first (seconds), so a style or type slip fails before half an hour of tests.
+LINTED := src tests bench
+lint: setup
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
+
+# The tests run unit, then integration, then e2e (tests/tiers.py), and end with each tier's time.
 # -X faulthandler: a crash in a C extension (Ray, gRPC, torch) prints every thread's stack, during the
 # tests and after them (tests/conftest.py ends the process without the interpreter's teardown).
-test: setup
+test: setup lint
 	$(PY) -X faulthandler -m pytest tests -q --durations=25
 
 unit: setup
