@@ -303,6 +303,14 @@ def best_level_index(levels: list[LevelResult]) -> int | None:
     return max(meeting, key=score)[0]
 
 
+def highest_load_index(levels: list[LevelResult]) -> int | None:
+    """The level measured at the highest load (levels run in the order measured: the capacity search
+    may go on below the ladder's top, so the last level is not always the highest)."""
+    if not levels:
+        return None
+    return max(range(len(levels)), key=lambda i: max(levels[i].summary.level.values(), default=0.0))
+
+
 #: The layout of ``study.json`` and ``result.json`` this servetune writes. Readers take any version:
 #: a field they do not know is ignored and one they miss takes its default, so a study opens in an
 #: older or a newer servetune alike; the number says which layout wrote a file. 1: before it was

@@ -258,3 +258,13 @@ def test_a_trial_result_without_a_capacity_still_loads_and_one_with_it_round_tri
     recorded.capacity_at_slo = found.capacity
     again = TrialResult.model_validate_json(recorded.model_dump_json())
     assert again.capacity_at_slo == found.capacity and again.capacity_at_slo.bracket == (12, 13)
+
+
+def test_the_highest_load_measured_is_found_by_load_once_the_search_went_below_the_ladder():
+    from servetune.tracking.fields import chosen_level
+    from servetune.verify.checklist import verified_level
+
+    broken = ("ttft_ms_p99 = 3000 > 2000",)
+    recorded = trial("t1", {}, [made_level(c, 100 * c, 3000, violations=broken) for c in (8, 4, 2, 1)])
+    assert chosen_level(recorded).index == 0 and not chosen_level(recorded).meets_slo
+    assert verified_level(recorded, None) == 0
