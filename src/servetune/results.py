@@ -173,6 +173,9 @@ class Capacity(BaseModel):
     bracket: tuple[float | None, float | None]  # [meets the SLO, breaks it]
     bound: Literal["exact", "lower", "upper"]
     tolerance: float  # the search stops once bracket[1] / bracket[0] - 1 is at most this
+    # How far each end of the bracket stood from the SLO: ``value / bound - 1`` of its worst metric in its
+    # worst measurement (below 0 inside the SLO; None for an end not measured or with no finite margin).
+    slo_margins: tuple[float | None, float | None] = (None, None)
     # How much a repeat of the bracket's ends could differ (results.noise_margin, the largest of theirs):
     # a verdict whose SLO margin is within it is unsettled (trial/capacity.py).
     verdict_noise: float | None = None

@@ -63,6 +63,7 @@ def test_a_bracket_from_the_ladder_is_bisected_to_within_the_tolerance():
     assert capacity.bound == "exact" and capacity.unit == "concurrency" and capacity.extra_levels == 4
     assert capacity.tolerance == 0.10 and capacity.verdict_noise == 0.10  # levels run once
     assert capacity.breaking_slo == "ttft_ms_p99 <= 2000" and capacity.unsettled == []
+    assert capacity.slo_margins == pytest.approx((0.96**8 - 1, 1.04**8 - 1))  # 28% inside, 37% over
     assert capacity.ended.startswith("within 10%")
 
 
@@ -214,6 +215,7 @@ def test_split_verdicts_within_the_noise_count_as_breaking_the_slo_and_are_liste
     capacity = found.capacity
     assert capacity.value == 7 and capacity.bracket == (7, 8) and capacity.bound == "exact"
     assert capacity.unsettled == [8] and capacity.verdict_noise == 0.10
+    assert capacity.slo_margins[1] == pytest.approx(0.0156)  # its worse measurement, 1.56% over
     assert capacity.breaking_slo == "ttft_ms_p95 <= 500"  # the bound it came within the noise of
 
 

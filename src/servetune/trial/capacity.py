@@ -29,8 +29,8 @@ when run once). A verdict whose margin is within the noise is *unsettled*, neith
   SLO, it meets it; both broke it, it breaks it;
 - split measurements, or an unsettled load the budget cannot measure again, count as breaking the
   SLO: the capacity is a load known to meet it, so an unsettled verdict can only narrow the
-  bracket from above. Such loads are listed in ``Capacity.unsettled``, and the noise of the
-  bracket's ends is ``Capacity.verdict_noise``.
+  bracket from above. Such loads are listed in ``Capacity.unsettled``; how far each end of the
+  bracket stood from the SLO is ``Capacity.slo_margins``, and their noise ``Capacity.verdict_noise``.
 
 The study's stop rule (early stopping by dominance) and a level with no completed request end the
 search as they end the ladder; the capacity then records what was measured. With
@@ -127,6 +127,14 @@ class Point:
     def throughput(self) -> float:
         """Mean output tok/s with every client busy (ladder.py ``busy_throughput``) over its measurements."""
         return sum(busy_throughput(r) for r in self.results) / len(self.results)
+
+
+def _margin(point: Point | None) -> float | None:
+    """The SLO margin of a point's worst measurement (None: no point, or no finite margin)."""
+    if point is None:
+        return None
+    worst = max(v.margin for v in point.verdicts)
+    return worst if math.isfinite(worst) else None
 
 
 class CapacitySearch:
@@ -286,7 +294,8 @@ class CapacitySearch:
             value=lo.value if lo is not None else None, unit=self._unit(),
             bracket=(lo.value if lo is not None else None, hi.value if hi is not None else None),
             bound="exact" if lo is not None and hi is not None else ("lower" if lo is not None else "upper"),
-            tolerance=self.tolerance, verdict_noise=max((v.noise for p in ends for v in p.verdicts), default=None),
+            tolerance=self.tolerance, slo_margins=(_margin(lo), _margin(hi)),
+            verdict_noise=max((v.noise for p in ends for v in p.verdicts), default=None),
             breaking_slo=self._breaking_slo(hi), extra_levels=self.extra,
             unsettled=sorted(p.value for p in self.points.values() if p.unsettled), ended=why,
         )  # fmt: skip
