@@ -54,7 +54,7 @@ model: {model}
 device: gpu
 workload: cpu-tiny
 load: {{levels: [{levels}], requests_per_level: null, seconds_per_level: {level_s}, warmup_requests: 1,
-        startup_timeout_s: 300, min_throughput_gain: 0.0}}
+        startup_timeout_s: 300, min_throughput_gain: 0.0, capacity_levels: 0}}
 slo: {{ttft_ms: {{p99: 1000}}}}
 hardware: {{devices_per_node: {gpus}, gpu: H100-SXM, cpus_per_trial: 1}}
 price_per_device_hour: 2.5

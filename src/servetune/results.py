@@ -156,6 +156,37 @@ class CapacityReport(BaseModel):
     advice: list[str] = []
 
 
+class Capacity(BaseModel):
+    """The load a configuration carries while meeting its SLO, as the capacity search found it on
+    the trial's engine (trial/capacity.py). Not the memory ledger's prediction (:class:`CapacityReport`).
+
+    ``bracket`` is [the highest load that met the SLO, the lowest that broke it] among those measured;
+    ``value`` is its first end. ``bound`` says which ends are known: "exact" (both: the capacity lies
+    between them, within ``tolerance`` unless the budget or ``ended`` says otherwise), "lower" (no load
+    measured broke the SLO: capacity >= value), "upper" (none met it: capacity < the second end).
+    """
+
+    model_config = RECORD
+
+    value: float | None  # the highest load known to meet the SLO; None when none did
+    unit: Literal["concurrency", "req/s", "conversations/s"]
+    bracket: tuple[float | None, float | None]  # [meets the SLO, breaks it]
+    bound: Literal["exact", "lower", "upper"]
+    tolerance: float  # the search stops once bracket[1] / bracket[0] - 1 is at most this
+    # How far each end of the bracket stood from the SLO: ``value / bound - 1`` of its worst metric in its
+    # worst measurement (below 0 inside the SLO; None for an end not measured or with no finite margin).
+    slo_margins: tuple[float | None, float | None] = (None, None)
+    # How much a repeat of the bracket's ends could differ (results.noise_margin, the largest of theirs):
+    # a verdict whose SLO margin is within it is unsettled (trial/capacity.py).
+    verdict_noise: float | None = None
+    # The SLO bound the breaking end came nearest to or went furthest over, as ``str(SloBound)``
+    # ("ttft_ms_p99 <= 2000"); None when it broke none (an open loop that fell behind its rate).
+    breaking_slo: str | None = None
+    extra_levels: int = 0  # levels measured beyond the ladder (repeats included)
+    unsettled: list[float] = []  # loads whose verdict stayed within the noise, counted as breaking the SLO
+    ended: str | None = None  # why the search ended, in words
+
+
 class ReferenceAnswers(BaseModel):
     """What the quality reference answered: what every other trial's probe is compared with."""
 
@@ -214,7 +245,8 @@ class TrialResult(BaseModel):
     outcome: Outcome
     reason: str | None = None
     log_tail: str | None = None
-    capacity: CapacityReport | None = None
+    capacity: CapacityReport | None = None  # the memory ledger's prediction, before any launch
+    capacity_at_slo: Capacity | None = None  # the load it carries at the SLO (None: no capacity search ran)
     kv_capacity: KvCapacityReport | None = None
     kv_prediction_error: float | None = None  # (predicted - reported) / reported
     startup_s: float | None = None
@@ -274,13 +306,22 @@ def best_level_index(levels: list[LevelResult]) -> int | None:
     return max(meeting, key=score)[0]
 
 
+def highest_load_index(levels: list[LevelResult]) -> int | None:
+    """The level measured at the highest load (levels run in the order measured: the capacity search
+    may go on below the ladder's top, so the last level is not always the highest)."""
+    if not levels:
+        return None
+    return max(range(len(levels)), key=lambda i: max(levels[i].summary.level.values(), default=0.0))
+
+
 #: The layout of ``study.json`` and ``result.json`` this servetune writes. Readers take any version:
 #: a field they do not know is ignored and one they miss takes its default, so a study opens in an
 #: older or a newer servetune alike; the number says which layout wrote a file. 1: before it was
 #: recorded; 2: results carry ``resolved_engine_args`` and a level its ``cache_note``; 3: a level's
 #: summary carries what the ladder judges saturation on (``busy_output_throughput``,
-#: ``send_span_s``, ``ttft_growth``, ``ttft_growth_low``).
-SCHEMA_VERSION = 3
+#: ``send_span_s``, ``ttft_growth``, ``ttft_growth_low``); 4: results carry ``capacity_at_slo`` and
+#: their levels may go on past the ladder, in the order measured (trial/capacity.py).
+SCHEMA_VERSION = 4
 
 
 class StudyInfo(BaseModel):

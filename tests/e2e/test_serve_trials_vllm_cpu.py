@@ -28,7 +28,8 @@ name: serve-trials
 model: tiny
 device: cpu
 workload: cpu-tiny
-load: {levels: [4], requests_per_level: 24, warmup_requests: 0, request_timeout_s: 120, startup_timeout_s: 400}
+load: {levels: [4], requests_per_level: 24, warmup_requests: 0, request_timeout_s: 120, startup_timeout_s: 400,
+       capacity_levels: 0}  # one level: the capacity search would climb past it
 slo: {ttft_ms: {p99: 5000}}
 hardware: {devices_per_node: 2}
 engine_args: {enforce_eager: true, max_model_len: 512, dtype: bfloat16}

@@ -29,7 +29,7 @@ name: e2e
 model: tiny
 device: cpu
 workload: cpu-tiny
-load: {{levels: [2, 8], requests_per_level: 24, startup_timeout_s: 300}}
+load: {{levels: [2, 8], requests_per_level: 24, startup_timeout_s: 300, capacity_levels: 0}}  # the ladder alone
 slo: {{ttft_ms: {{p99: 5000}}}}
 hardware: {{devices_per_node: 2}}
 engine_args: {{enforce_eager: true, max_model_len: 512}}

@@ -23,7 +23,7 @@ def spec(tmp_path, python, engine_args):
         model="fake-model", device="cpu", devices=1, price_per_device_hour=1.0, workload=load_workload("cpu-tiny"),
         levels=(Level("concurrency", 1),), requests_per_level=2, seconds_per_level=None, warmup_requests=0,
         request_timeout_s=30, startup_timeout_s=60, stop_on_slo_break=False, min_throughput_gain=0.0,
-        slo=Slo.parse("ttft_ms.p99=5000"), python=python,
+        slo=Slo.parse("ttft_ms.p99=5000"), python=python, capacity_levels=0,
     )  # fmt: skip
 
 

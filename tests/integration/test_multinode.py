@@ -32,7 +32,8 @@ name: nodes
 model: {model}
 device: gpu
 workload: cpu-tiny
-load: {{levels: [1, 2], requests_per_level: 6, warmup_requests: 1, startup_timeout_s: 60, min_throughput_gain: 0.0}}
+load: {{levels: [1, 2], requests_per_level: 6, warmup_requests: 1, startup_timeout_s: 60, min_throughput_gain: 0.0,
+       capacity_levels: 0}}  # the ladder alone: these tests are about placement
 slo: {{ttft_ms: {{p99: 1000}}}}
 hardware: {{devices_per_node: 4, gpu: H100-SXM, cpus_per_trial: 1}}   # the space expects 4-GPU nodes; the cluster has 2
 price_per_device_hour: 2.5

@@ -50,7 +50,8 @@ name: dominance
 model: {model}
 device: cpu
 workload: cpu-tiny
-load: {{levels: [1, 2, 4], requests_per_level: 8, warmup_requests: 1, startup_timeout_s: 60, stop_when_dominated: true}}
+load: {{levels: [1, 2, 4], requests_per_level: 8, warmup_requests: 1, startup_timeout_s: 60, stop_when_dominated: true,
+       capacity_levels: 0}}  # the ladder alone: dominance over its levels is what this test is about
 slo: {{ttft_ms: {{p99: 1000}}}}
 hardware: {{devices_per_node: 1}}
 price_per_device_hour: 0.05

@@ -49,19 +49,21 @@ class FakeEngine:
         return "ERROR fake engine killed"
 
 
-def spec(tmp_path: Path) -> TrialSpec:
+def spec(tmp_path: Path, levels=(1, 4), slo: str = "ttft_ms.p99=2000", capacity_levels: int = 0) -> TrialSpec:
+    """The trial these tests run: the ladder alone unless ``capacity_levels`` asks for the capacity search."""
     return TrialSpec(
         study="direct", trials_dir=tmp_path, params={"max_num_seqs": 8}, engine_args={"max_num_seqs": 8}, env={},
         model="fake-model", device="cpu", devices=1, price_per_device_hour=0.05, workload=load_workload("cpu-tiny"),
-        levels=(Level("concurrency", 1), Level("concurrency", 4)), requests_per_level=8, seconds_per_level=None,
+        levels=tuple(Level("concurrency", c) for c in levels), requests_per_level=8, seconds_per_level=None,
         warmup_requests=1, request_timeout_s=30, startup_timeout_s=30, stop_on_slo_break=True,
-        min_throughput_gain=0.0, slo=Slo.parse("ttft_ms.p99=2000"),
+        min_throughput_gain=0.0, slo=Slo.parse(slo), capacity_levels=capacity_levels,
     )  # fmt: skip
 
 
-def run(tmp_path, tokenizer, engine: FakeEngine):
+def run(tmp_path, tokenizer, engine: FakeEngine, **kwargs):
     reports = []
-    result = run_trial(spec(tmp_path), reports.append, lambda: PromptFactory(tokenizer), engine=lambda s, d: engine)
+    result = run_trial(spec(tmp_path, **kwargs), reports.append, lambda: PromptFactory(tokenizer),
+                       engine=lambda s, d: engine)  # fmt: skip
     return result, reports
 
 
@@ -92,3 +94,25 @@ def test_an_engine_that_does_not_start_is_failed_data(tmp_path, tiny_tokenizer):
     result, _ = run(tmp_path, tiny_tokenizer, FakeEngine(FakeOpenAI(), start_error="vLLM exited with code 1"))
     assert result.outcome == "FAILED" and result.reason == "engine start: vLLM exited with code 1"
     assert result.log_tail == "ERROR: it never came up" and result.levels == []
+
+
+def test_the_capacity_search_measures_past_the_ladder_on_the_same_engine_and_records_its_capacity(
+    tmp_path, tiny_tokenizer
+):
+    # First tokens in 50 ms against a 20 ms bound: 2 clients break the SLO, the search goes down to 1 and
+    # breaks it there too, so the capacity is an upper bound (fewer than 1 client).
+    engine = FakeEngine(FakeOpenAI(ttft_ms=50, itl_ms=1))
+    result, reports = run(tmp_path, tiny_tokenizer, engine, levels=(2, 4), slo="ttft_ms.p99=20", capacity_levels=4)
+    assert result.outcome == "COMPLETE" and [lv.summary.level for lv in result.levels] == [
+        {"concurrency": 2},
+        {"concurrency": 1},
+    ]
+    assert result.stopped_because.startswith("SLO broken at concurrency 2")  # the ladder's reason, as before
+    assert [r["level_index"] for r in reports] == [0, 1] and engine.fake.resets == 2 and engine.stopped
+    capacity = result.capacity_at_slo
+    assert capacity is not None and capacity.bound == "upper" and capacity.bracket == (None, 1)
+    assert capacity.value is None and capacity.extra_levels == 1 and capacity.breaking_slo == "ttft_ms_p99 <= 20"
+    on_disk = json.loads((tmp_path / result.trial_id / "result.json").read_text())
+    assert on_disk["capacity_at_slo"]["bound"] == "upper" and len(on_disk["levels"]) == 2
+    rows = [json.loads(line) for line in (tmp_path / result.trial_id / "requests.jsonl").read_text().splitlines()]
+    assert {row["level"] for row in rows} == {0, 1}

@@ -20,7 +20,7 @@ name: fake
 model: {model}
 device: cpu
 workload: cpu-tiny
-load: {{levels: [1, 4], requests_per_level: 8, warmup_requests: 1, startup_timeout_s: 60}}
+load: {{levels: [1, 4], requests_per_level: 8, warmup_requests: 1, startup_timeout_s: 60, capacity_levels: 0}}  # the ladder alone: these tests are about outcomes
 slo: {{ttft_ms: {{p99: 400}}}}  # far above the fake's 5 ms (a loaded host here saw a P99 of 241 ms), far below 900
 hardware: {{devices_per_node: 2}}
 price_per_device_hour: 0.05

@@ -16,7 +16,7 @@ name: top
 model: {model}
 device: cpu
 workload: cpu-tiny
-load: {{levels: [1, 2], requests_per_level: 8, warmup_requests: 1, startup_timeout_s: 60}}
+load: {{levels: [1, 2], requests_per_level: 8, warmup_requests: 1, startup_timeout_s: 60, capacity_levels: 0}}  # the ladder alone
 slo: {{ttft_ms: {{p99: 400}}}}  # far above 5 and 10 ms (a 5 ms fake was recorded here at a P99 of 241 ms), below 900
 hardware: {{devices_per_node: 2}}
 price_per_device_hour: 0.05

@@ -128,6 +128,11 @@ class LoadProtocol(BaseModel):
     # Closed loops: stop climbing below this gain of output tok/s with every client busy. An open loop
     # stops once the engine falls behind its rate, beyond the level's noise (trial/ladder.py).
     min_throughput_gain: float = Field(default=0.03, ge=0)
+    # The capacity search (trial/capacity.py): after the ladder, up to this many more levels on the same
+    # engine bisect toward the highest load meeting the SLO, until the bracket is within
+    # ``capacity_tolerance`` (relative). 0: the ladder alone, as before.
+    capacity_levels: int = Field(default=4, ge=0, le=16)
+    capacity_tolerance: float = Field(default=0.10, gt=0, lt=1)
     # Stop at a level where a finished trial was cheaper and had a lower P99 TTFT there
     # (study/early_stop.py). Default: on for Bayesian search (tpe, nsga2, gp), off for grid and random.
     stop_when_dominated: bool | None = None

@@ -66,6 +66,7 @@ class StudyContext:
             seconds_per_level=load.seconds_per_level, warmup_requests=load.warmup_requests,
             request_timeout_s=load.request_timeout_s, startup_timeout_s=load.startup_timeout_s,
             stop_on_slo_break=load.stop_on_slo_break, min_throughput_gain=load.min_throughput_gain,
+            capacity_levels=load.capacity_levels, capacity_tolerance=load.capacity_tolerance,
             slo=space.slo_bounds, gpu=space.hardware.gpu, gpu_memory_gib=space.hardware.gpu_memory_gib,
             python=self.python, extra_env=extra_env, repeats=load.repeats, quality=self.quality, node_id=node_id,
             serve_replicas=space.serve_replicas(params), stream_batching_ms=space.stream_batching_ms(params),

@@ -24,7 +24,7 @@ from servetune.config.space import ENV_PREFIX
 from servetune.metrics import COST_METRIC, GOODPUT, REQUEST_THROUGHPUT
 from servetune.report.params import short_config
 from servetune.report.points import level_label
-from servetune.results import OperatingPoint, StudyInfo, TrialResult, best_level_index
+from servetune.results import OperatingPoint, StudyInfo, TrialResult, best_level_index, highest_load_index
 from servetune.secrets import redact_params
 
 #: Engine arguments every trial run records (checklist: TP PP DP, context, KV, batching, scheduling).
@@ -162,7 +162,11 @@ def chosen_level(trial: TrialResult) -> ChosenLevel | None:
     if not trial.levels:
         return None
     best = best_index(trial)
-    return ChosenLevel(best, True) if best is not None else ChosenLevel(len(trial.levels) - 1, False)
+    if best is not None:
+        return ChosenLevel(best, True)
+    highest = highest_load_index(trial.levels)
+    assert highest is not None  # it has levels
+    return ChosenLevel(highest, False)
 
 
 def tail_ratio(p50: float | None, p99: float | None) -> float | None:

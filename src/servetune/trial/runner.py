@@ -1,10 +1,10 @@
-"""One trial: capacity check -> engine start -> load ladder -> teardown -> result.json.
+"""One trial: capacity check -> engine start -> load ladder and capacity search -> teardown -> result.json.
 
 The outcome is a state: COMPLETE, INFEASIBLE (the capacity check rejected it, in seconds,
 with no engine started) or FAILED (with the reason and the engine's log tail). A failed trial
 is data: whatever levels finished are kept. Nothing here knows about Ray or MLflow: the study
 passes a ``report`` callback (Tune's), the GPU ids Ray assigned, and optionally a ``stop_rule``
-the ladder asks after each level (the study's early stopping by dominance).
+the ladder and the capacity search ask after each level (the study's early stopping by dominance).
 """
 
 from __future__ import annotations
@@ -49,13 +49,14 @@ from servetune.results import (
 )
 from servetune.secrets import redact_engine_args, redact_env, redact_params
 from servetune.telemetry import TelemetrySampler, visible_gpu_indices
-from servetune.trial.ladder import ladder
+from servetune.trial.capacity import CAPACITY_LEVELS, CAPACITY_TOLERANCE, CapacitySearch
 from servetune.trial.measure import Engine as MeasuredEngine
 from servetune.trial.measure import LevelPlan, check_alive, measure_rung
 
 Report = Callable[[dict[str, Any]], None]
-#: Asked after each level but the last with that level's operating point: a reason to stop
-#: climbing (it becomes ``stopped_because``), or None to go on.
+#: Asked before each further level with the trial so far and the levels it may still measure (the
+#: rest of the ladder and what the capacity search could add): a reason to stop climbing (it becomes
+#: ``stopped_because``), or None to go on.
 StopRule = Callable[[TrialResult, Sequence[Level]], str | None]  # study/early_stop.py makes one
 
 
@@ -82,6 +83,8 @@ class TrialSpec:
     stop_on_slo_break: bool
     min_throughput_gain: float
     slo: Slo
+    capacity_levels: int = CAPACITY_LEVELS  # the capacity search's budget of levels beyond the ladder (0: none)
+    capacity_tolerance: float = CAPACITY_TOLERANCE  # it stops once its bracket is this close (relative)
     gpu: str | None = None
     gpu_memory_gib: float | None = None
     repeats: int = 1  # runs of each level; the level reports the median run
@@ -294,11 +297,13 @@ def _measure(server: Engine, spec: TrialSpec, result: TrialResult, report: Repor
 
 
 async def _climb(spec, server, result, report, prompts, records_file, stop_rule=None) -> str | None:
+    """The ladder and the capacity search on the running engine; records ``result.capacity_at_slo``."""
     gpu_indices = visible_gpu_indices(spec.extra_env) if spec.device == "gpu" else []
-    rule = (lambda level: stop_rule(result, spec.levels[len(result.levels) :])) if stop_rule is not None else None
-    steps = ladder(
-        spec.levels, stop_on_slo_break=spec.stop_on_slo_break, min_gain=spec.min_throughput_gain, stop_rule=rule
-    )
+    rule = (lambda level, ahead: stop_rule(result, ahead)) if stop_rule is not None else None
+    search = CapacitySearch(spec.levels, spec.slo, tolerance=spec.capacity_tolerance, budget=spec.capacity_levels,
+                            stop_on_slo_break=spec.stop_on_slo_break, min_gain=spec.min_throughput_gain,
+                            stop_rule=rule)  # fmt: skip
+    steps = search.steps()
     async with StreamingClient(
         server.url, spec.engine_args.get("served_model_name") or spec.model, api=spec.workload.api,
         timeout_s=spec.request_timeout_s, ignore_eos=spec.workload.ignore_eos, temperature=spec.workload.temperature,
@@ -317,6 +322,7 @@ async def _climb(spec, server, result, report, prompts, records_file, stop_rule=
             try:
                 level = steps.send(level_result)
             except StopIteration as stop:
+                result.capacity_at_slo = search.capacity
                 return stop.value
 
 

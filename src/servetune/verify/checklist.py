@@ -56,7 +56,7 @@ from pydantic import BaseModel
 
 from servetune.errors import UserError
 from servetune.report.study import load_study
-from servetune.results import TrialResult
+from servetune.results import TrialResult, highest_load_index
 from servetune.tracking.fields import best_index
 from servetune.verify.config_checks import (
     batched_tokens_trade_off,
@@ -212,7 +212,7 @@ def verified_level(result: TrialResult, verify: Mapping[str, Any] | None) -> int
     best = best_index(result)
     if best is not None:
         return best
-    return len(result.levels) - 1 if result.levels else None
+    return highest_load_index(result.levels)
 
 
 def evaluate(study_dir: Path, result: TrialResult, verify: dict | None) -> list[ChecklistItem]:
