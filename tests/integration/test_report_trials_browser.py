@@ -77,7 +77,7 @@ def test_the_rendered_page_has_a_row_per_trial_and_draws_every_ttft_bound(tmp_pa
     dom.feed(done.stdout)
 
     assert dom.headings == [
-        "trial", "config (varied parameters)", "outcome", "best level", "goodput (req/s)", "TTFT P99 (ms)",
+        "trial", "config (varied parameters)", "outcome", "best level", "capacity at the SLO", "goodput (req/s)", "TTFT P99 (ms)",
         "TPOT P99 (ms)", "$/Mtok (USD)", "SLO broken (first level)", "stopped because", "conclusion",
     ]  # fmt: skip
     assert len(dom.rows) == 7 and all(len(cells) == len(dom.headings) for _, cells in dom.rows)
@@ -87,6 +87,7 @@ def test_the_rendered_page_has_a_row_per_trial_and_draws_every_ttft_bound(tmp_pa
     assert base["trial"] == "e57a166985b8 (recommended)" and base["config (varied parameters)"] == "vLLM defaults"
     assert (base["best level"], base["goodput (req/s)"], base["TTFT P99 (ms)"]) == ("concurrency 8", "29.3", "88.7")
     assert base["SLO broken (first level)"] == "concurrency 32: ttft_ms_p95 = 160 > 150"
+    assert base["capacity at the SLO"] == "-"  # recorded before trials searched for their capacity
     assert base["conclusion"].startswith("keep: recommended to ship (")
     cheap = rows["18ae6e731937"]
     assert cheap["config (varied parameters)"] == "seqs=32 mbt=4096 chunk=on prefix=on kvGiB=2 dp=1"

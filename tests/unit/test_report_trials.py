@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 
 from servetune.report import build_report, gather_points, load_study, render_markdown
-from servetune.report.labels import TRIAL_HEADINGS, trial_cells
+from servetune.report.labels import TRIAL_HEADINGS, capacity_text, trial_cells
 from servetune.report.params import BASELINE, short_config, varied_params
 from servetune.report.recommend import Recommendation
 from servetune.report.trials import trial_rows
+from servetune.results import Capacity, best_level_index
 from tests.builders import demo_study, demo_trials, level, study_info, trial, write_study
 
 RECORDED = Path(__file__).parents[1] / "data" / "cpu-tiny-study"
@@ -88,14 +89,14 @@ def test_summary_md_has_the_table_of_all_trials(tmp_path):
     md = render_markdown(build_report(load_study(demo_study(tmp_path / "demo"))))
     section = md.split("### All trials")[1].split("\n#")[0]
     assert (
-        "| trial | config (varied parameters) | outcome | best level | goodput (req/s) | TTFT P99 (ms) | TPOT P99 (ms) "
-        in section
+        "| trial | config (varied parameters) | outcome | best level | capacity at the SLO | goodput (req/s) "
+        "| TTFT P99 (ms) | TPOT P99 (ms) " in section
     )
     rows = [line for line in section.splitlines() if line.startswith("| t") and not line.startswith("| trial")]
     assert [r.split(" | ")[0] for r in rows] == ["| t16 (recommended)", "| t32", "| t256", "| t64"]
-    assert "| t32 | seqs=32 gpu-mem=0.9 | COMPLETE | concurrency 32 |" in section
+    assert "| t32 | seqs=32 gpu-mem=0.9 | COMPLETE | concurrency 32 | - |" in section  # no capacity search ran
     assert "concurrency 64: ttft_ms_p99 = 3000 > 2000 |" in section
-    assert "| t256 | seqs=256 gpu-mem=0.95 | INFEASIBLE | - | - | - | - | - | - | does not fit: KV pool" in section
+    assert "| t256 | seqs=256 gpu-mem=0.95 | INFEASIBLE | - | - | - | - | - | - | - | does not fit: KV pool" in section
 
 
 def test_levels_whose_prefix_cache_may_have_been_warm_are_listed(tmp_path):
@@ -110,3 +111,48 @@ def test_levels_whose_prefix_cache_may_have_been_warm_are_listed(tmp_path):
     md = render_markdown(build_report(load_study(root)))
     assert "### Warm prefix cache\n\n- trial t32, concurrency 32: prefix-cache hit rate 60%" in md
     assert "### Warm prefix cache" not in render_markdown(build_report(load_study(demo_study(tmp_path / "cold"))))
+
+
+def test_the_capacity_cell_says_what_the_search_found_and_how_sure_it_is():
+    exact = Capacity(value=11, unit="concurrency", bracket=(11, 12), bound="exact", tolerance=0.1,
+                     breaking_slo="ttft_ms_p95 <= 500", unsettled=[12])  # fmt: skip
+    assert capacity_text(exact) == "11 clients (12 broke the SLO: ttft_ms_p95 <= 500), unsettled at 12"
+    lower = Capacity(value=64, unit="concurrency", bracket=(64, None), bound="lower", tolerance=0.1)
+    assert capacity_text(lower) == ">= 64 clients (none broke the SLO)"
+    upper = Capacity(value=None, unit="req/s", bracket=(None, 0.5), bound="upper", tolerance=0.1)
+    assert capacity_text(upper) == "< 0.5 req/s (none met the SLO)"
+    assert capacity_text(None) == "-"
+
+
+def test_a_trials_capacity_reaches_its_row(tmp_path):
+    study = load_study(RECORDED)
+    trial = next(t for t in study.trials if t.trial_id == "e57a166985b8")
+    trial.capacity_at_slo = Capacity(value=20, unit="concurrency", bracket=(20, 24), bound="exact", tolerance=0.2,
+                                     breaking_slo="ttft_ms_p95 <= 150")  # fmt: skip
+    rows = {row.trial_id: row for row in build_report(study).trial_table}
+    cells = dict(zip(TRIAL_HEADINGS, trial_cells(rows["e57a166985b8"]), strict=True))
+    assert cells["capacity at the SLO"] == "20 clients (24 broke the SLO: ttft_ms_p95 <= 150)"
+    assert {c for t, r in rows.items() if t != "e57a166985b8" for c in [trial_cells(r)[4]]} == {"-"}
+
+
+def test_the_runs_closing_table_shows_each_trials_capacity_once_trials_searched_for_it():
+    from rich.console import Console
+
+    from servetune.config.space import load_space
+    from servetune.study.progress import summary_table
+
+    space = load_space(Path(__file__).parents[2] / "search_spaces" / "cpu-tiny.yaml")
+    trials = demo_trials()
+    for t in trials:
+        t.best_level_index = best_level_index(t.levels)  # as a trial records it
+
+    def printed() -> str:
+        console = Console(width=300, record=True)
+        console.print(summary_table(trials, space))
+        return console.export_text()
+
+    assert "capacity at the SLO" not in printed()  # recorded before trials searched for their capacity
+    trials[1].capacity_at_slo = Capacity(value=40, unit="concurrency", bracket=(40, 45), bound="exact",
+                                         tolerance=0.15, breaking_slo="ttft_ms_p99 <= 2000")  # fmt: skip
+    text = printed()
+    assert "capacity at the SLO" in text and "40 clients (45 broke the SLO: ttft_ms_p99 <= 2000)" in text

@@ -14,6 +14,7 @@ from servetune.metrics import (
 )
 from servetune.report.points import OUTPUT_THROUGHPUT_PER_DEVICE, OUTPUT_THROUGHPUT_PER_USER, ReportPoint
 from servetune.report.trials import TRIAL_METRICS, SloBreak, TrialRow
+from servetune.results import Capacity
 
 FRONT_COLOR = "#e4572e"
 OTHER_COLOR = "#4c78a8"
@@ -126,7 +127,8 @@ PARETO_HEADINGS = ("#", "trial", "config", "level", *(metric_heading(m) for m in
 
 #: Headings of the table of all trials, units included.
 TRIAL_HEADINGS = (
-    "trial", "config (varied parameters)", "outcome", "best level", *(metric_heading(m) for m in TRIAL_METRICS),
+    "trial", "config (varied parameters)", "outcome", "best level", "capacity at the SLO",
+    *(metric_heading(m) for m in TRIAL_METRICS),
     "SLO broken (first level)", "stopped because", "conclusion",
 )  # fmt: skip
 
@@ -148,6 +150,32 @@ def slo_break_text(found: SloBreak | None) -> str:
     return f"{found.level}: {'; '.join(found.violations)}{later}"
 
 
+def capacity_text(capacity: Capacity | None) -> str:
+    """The capacity search's answer in a few words ('-' where none ran):
+
+    - ``concurrency 11 (meets; 12 breaks ttft_ms_p95 <= 500)``: both ends of the bracket measured;
+    - ``concurrency >= 64 (none broke the SLO)``: a lower bound (the climb stopped first);
+    - ``concurrency < 2 (none met the SLO)``: an upper bound;
+    - ``, unsettled at 12`` is added for loads whose verdict stayed within the noise (counted as breaking).
+    """
+    if capacity is None:
+        return "-"
+    unit = "clients" if capacity.unit == "concurrency" else capacity.unit
+    met, broke = capacity.bracket
+    if capacity.bound == "exact" and met is not None and broke is not None:
+        why = f": {capacity.breaking_slo}" if capacity.breaking_slo else ""
+        text = f"{met:g} {unit} ({broke:g} broke the SLO{why})"
+    elif capacity.bound == "lower" and met is not None:
+        text = f">= {met:g} {unit} (none broke the SLO)"
+    elif broke is not None:
+        text = f"< {broke:g} {unit} (none met the SLO)"
+    else:
+        return "-"
+    if capacity.unsettled:
+        text += ", unsettled at " + ", ".join(f"{v:g}" for v in capacity.unsettled)
+    return text
+
+
 def trial_cells(row: TrialRow) -> list[str]:
     """One row of the trials table, as text in :data:`TRIAL_HEADINGS` order."""
     if row.best_level is not None:
@@ -161,6 +189,7 @@ def trial_cells(row: TrialRow) -> list[str]:
         row.config,
         row.outcome,
         best,
+        capacity_text(row.capacity),
         *(fmt(m, row.values.get(m)) for m in TRIAL_METRICS),
         slo_break_text(row.slo_break),
         row.stopped,

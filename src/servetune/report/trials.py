@@ -1,7 +1,8 @@
 """The table of all trials, a row per trial, as plain data (the renderers draw it; tests check it).
 
 A row says what the trial varied, how it ended, its best load level under the SLO and the
-numbers there (or at its last level when none met the SLO), which SLO bounds broke first and
+numbers there (or at its last level when none met the SLO), its capacity at the SLO (what its
+capacity search found: trial/capacity.py), which SLO bounds broke first and
 at which level, why its ladder stopped, and its conclusion (:mod:`servetune.report.conclusion`).
 
 Rows are ordered as a user picks: the recommended trial first, then kept trials, those for a
@@ -18,7 +19,7 @@ from servetune.metrics import COST_METRIC, GOODPUT, TPOT_P99, TTFT_P99
 from servetune.report.conclusion import Conclusion, conclude
 from servetune.report.params import short_config, varied_params
 from servetune.report.points import ReportPoint, first_line, level_label, violated_metrics
-from servetune.results import Outcome, TrialResult, best_level_index
+from servetune.results import Capacity, Outcome, TrialResult, best_level_index
 
 if TYPE_CHECKING:
     from servetune.report.recommend import Recommendation
@@ -57,6 +58,7 @@ class TrialRow:
     conclusion: Conclusion
     recommended: bool = False
     cache_notes: tuple[str, ...] = ()  # levels whose prefix cache may have been warm: ``concurrency 8: ...``
+    capacity: Capacity | None = None  # the load it carries at the SLO, as its capacity search found it
 
 
 def cache_notes(trial: TrialResult) -> tuple[str, ...]:
@@ -112,6 +114,7 @@ def trial_rows(
                 conclusion=conclude(trial, trials, recommendation),
                 recommended=recommendation is not None and recommendation.names(trial.trial_id),
                 cache_notes=cache_notes(trial),
+                capacity=trial.capacity_at_slo,
             )
         )
 

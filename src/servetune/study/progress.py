@@ -12,6 +12,7 @@ from rich.table import Table
 
 from servetune.config.space import SearchSpace, describe_params
 from servetune.metrics import COST_METRIC, GOODPUT, OUTPUT_THROUGHPUT, TPOT_P99, TTFT_P99
+from servetune.report.labels import capacity_text
 from servetune.results import TrialResult
 
 
@@ -119,13 +120,16 @@ def summary_table(results: list[TrialResult], space: SearchSpace, top: int = 5) 
         + (f", {sum(map(quality_failed, results))} failed the quality probe" if space.quality else ""),
         title_justify="left",
     )
-    for col in ("trial", "configuration", "level", "goodput", "out tok/s", "TTFT p99", "TPOT p99", "$/Mtok"):
+    columns = ["trial", "configuration", "level", "goodput", "out tok/s", "TTFT p99", "TPOT p99", "$/Mtok"]
+    searched = any(r.capacity_at_slo is not None for r, _ in meeting[:top])
+    for col in columns + (["capacity at the SLO"] if searched else []):
         table.add_column(col)
     for result, best in meeting[:top]:
         m = best.metrics
         level = ", ".join(f"{k} {v:g}" for k, v in best.level.items())
         table.add_row(result.trial_id, describe_params(result.params), level, _fmt(m.get(GOODPUT), 2), _fmt(m.get(OUTPUT_THROUGHPUT)),
-                      _fmt(m.get(TTFT_P99)), _fmt(m.get(TPOT_P99)), _fmt(m.get(COST_METRIC), 3))  # fmt: skip
+                      _fmt(m.get(TTFT_P99)), _fmt(m.get(TPOT_P99)), _fmt(m.get(COST_METRIC), 3),
+                      *([capacity_text(result.capacity_at_slo)] if searched else []))  # fmt: skip
     return table
 
 
