@@ -111,3 +111,36 @@ def test_objective_and_slo(tmp_path):
     )
     assert [str(b) for b in s.slo_bounds.bounds] == ["ttft_ms_p95 <= 800", "ttft_ms_p99 <= 2000", "error_rate <= 0.001"]
     assert isinstance(s, SearchSpace) and len(s.search.objectives) == 2
+
+
+def test_prefill_context_parallelism_counts_in_a_trials_devices(tmp_path):
+    """vLLM's world size is pipeline x tensor x prefill-context parallel: a PCP=2 engine runs two ranks."""
+    s = space(tmp_path, "params:\n  prefill_context_parallel_size: [1, 2]\n  tensor_parallel_size: [1, 2]\n")
+    assert s.devices({"prefill_context_parallel_size": 2, "tensor_parallel_size": 1}) == 2
+    kept, rejected = s.grid()  # a node has two devices: PCP 2 x TP 2 does not fit
+    assert {"prefill_context_parallel_size": 2, "tensor_parallel_size": 2} not in kept and len(kept) == 3
+    assert any("needs 4 devices" in r for _, broken in rejected for r in broken)
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        (
+            "engine_args: {max_model_len: 1024, distributed_executor_backend: ray}\n",
+            "engine_args.distributed_executor_backend",
+        ),
+        ("params: {distributed_executor_backend: [mp, ray]}\n", "params.distributed_executor_backend"),
+        ("params: {data_parallel_size: [2], data_parallel_backend: [ray]}\n", "params.data_parallel_backend"),
+    ],
+)
+def test_a_ray_executor_for_a_bare_engine_trial_is_refused_in_one_line(tmp_path, text, field):
+    with pytest.raises(UserError) as refused:
+        space(tmp_path, text)
+    message = str(refused.value)
+    assert message.startswith(f"{tmp_path / 'space.yaml'}: {field}: 'ray' makes each trial's engine a Ray driver")
+    assert "\n" not in message and "pipeline parallelism across nodes" in message
+
+
+def test_the_mp_executor_and_data_parallel_backends_other_than_ray_are_accepted(tmp_path):
+    s = space(tmp_path, "params: {distributed_executor_backend: [mp], data_parallel_backend: [mp]}\n")
+    assert s.params["distributed_executor_backend"] == ["mp"]

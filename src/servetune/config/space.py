@@ -32,8 +32,13 @@ from servetune.config.workload import Workload, load_workload
 from servetune.errors import UserError
 from servetune.metrics import COST_METRIC, metric_names
 
-#: vLLM's defaults for the arguments constraints and placement read.
-ENGINE_DEFAULTS = {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1}
+#: vLLM's defaults for the arguments constraints and placement read: their product is an engine's devices
+#: (vLLM 0.32's world size is pipeline x tensor x prefill-context parallel, one per data-parallel rank).
+ENGINE_DEFAULTS = {
+    "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1, "prefill_context_parallel_size": 1,
+}  # fmt: skip
+#: Executor backends that make a bare engine a Ray driver of its own (see :func:`_check_executors`).
+RAY_BACKENDS = {"distributed_executor_backend": "ray", "data_parallel_backend": "ray"}
 ENV_PREFIX = "env."
 MODEL_PARAM = "model"  # a parameter naming checkpoints, not an engine argument
 SERVE_PREFIX = "serve."
@@ -47,8 +52,8 @@ SERVE_PARAMS = (SERVE_REPLICAS, SERVE_STREAM_BATCHING)
 
 
 def engine_devices(engine_args: dict[str, Any]) -> int:
-    """The devices (cores on the CPU build) one engine of these arguments takes: tensor x pipeline x data
-    parallel size, vLLM's 1 for a size not given (or given as null, which passes no flag)."""
+    """The devices (cores on the CPU build) one engine of these arguments takes: tensor x pipeline x data x
+    prefill-context parallel size, vLLM's 1 for a size not given (or given as null, which passes no flag)."""
     return math.prod(int(engine_args.get(k) or default) for k, default in ENGINE_DEFAULTS.items())
 
 
@@ -478,6 +483,8 @@ def load_space(path: str | Path, argspecs: dict | None = None) -> SearchSpace:
     _check_constraint_names(space, path)
     if space.through_serve:
         _check_serve(space, path)
+    else:
+        _check_executors(space, path)
     fewest = _fewest_devices(space)
     if fewest > space.hardware.devices_per_node:
         raise UserError(f"{path}: hardware.devices_per_node: a node has {space.hardware.devices_per_node}, but a trial "
@@ -549,6 +556,24 @@ def _check_serve(space: SearchSpace, path: Path) -> None:
         raise UserError(
             f"{path}: params.{SERVE_REPLICAS}: Serve replicas replace data_parallel_size; vary one of them, not both"
         )
+
+
+def _check_executors(space: SearchSpace, path: Path) -> None:
+    """A bare-engine trial's engine runs its ranks as processes on the devices Ray reserved for the trial
+    (``--distributed-executor-backend mp``, DESIGN). With Ray as its executor or data-parallel backend the
+    engine joins the cluster as a driver of its own and places its workers with a placement group of its own:
+    on devices Tune gave another trial, or after a wait of up to vLLM's placement timeout."""
+    for name, ray in RAY_BACKENDS.items():
+        fixed = space.engine_args.get(name)
+        listed = space.params.get(name)
+        values = [fixed] if listed is None else ([] if isinstance(listed, Range) else list(listed))
+        if ray in values:
+            field = f"engine_args.{name}" if listed is None else f"params.{name}"
+            raise UserError(
+                f"{path}: {field}: '{ray}' makes each trial's engine a Ray driver that places its own workers outside "
+                "the devices its trial reserved; trials run their ranks as processes ('mp'), one node per engine "
+                "(pipeline parallelism across nodes is not a trial servetune runs)"
+            )
 
 
 def _check_constraint_names(space: SearchSpace, path: Path) -> None:
