@@ -38,6 +38,11 @@ test: setup
 unit: setup
 	$(PY) -X faulthandler -m pytest tests/unit -q
 
+# mypy over src/ as pyproject.toml's [tool.mypy] sets it (about a minute cold on 2 cores, seconds with its cache).
+.PHONY: typecheck
+typecheck: setup
+	$(VENV)/bin/mypy
+
 # The study on the embedded default: the tiny model on vLLM's CPU build, TPE over batching,
 # chunked prefill, prefix caching, KV space and DP (search_spaces/cpu-tiny.yaml); it ends in
 # the report. Re-running continues the same study (--resume); `make clean` resets it.
