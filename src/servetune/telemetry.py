@@ -14,13 +14,14 @@ import contextlib
 import threading
 import time
 from collections.abc import Sequence
+from types import ModuleType
 
 import psutil
 
 GIB = 1024**3
 
 
-def _nvml():
+def _nvml() -> ModuleType | None:
     """pynvml, initialized; None where there is no NVIDIA driver."""
     try:
         import pynvml
@@ -46,14 +47,14 @@ class TelemetrySampler:
         self._energy_start: dict[int, float] = {}
         self._energy_end: dict[int, float] = {}
         self._started = self._ended = 0.0
-        self._nvml = None
+        self._nvml: ModuleType | None = None
         self._handles: list = []
 
     def __enter__(self) -> TelemetrySampler:
-        self._nvml = _nvml() if self.gpu_indices else None
-        if self._nvml is not None:
-            self._handles = [self._nvml.nvmlDeviceGetHandleByIndex(i) for i in self.gpu_indices]
-            self._energy_start = self._energy()
+        self._nvml = nv = _nvml() if self.gpu_indices else None
+        if nv is not None:
+            self._handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in self.gpu_indices]
+            self._energy_start = self._energy(nv)
         psutil.cpu_percent(None)  # prime the counter: the next call measures from here
         self._started = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="servetune-telemetry", daemon=True)
@@ -67,7 +68,7 @@ class TelemetrySampler:
         self._take_sample()  # a last one: a level shorter than the interval still gets a sample
         self._ended = time.monotonic()
         if self._nvml is not None:
-            self._energy_end = self._energy()
+            self._energy_end = self._energy(self._nvml)
             self._nvml.nvmlShutdown()
 
     def _run(self) -> None:
@@ -75,18 +76,18 @@ class TelemetrySampler:
             self._take_sample()
 
     def _take_sample(self) -> None:
+        nv = self._nvml
         with contextlib.suppress(Exception):  # a sample that fails is skipped, never fatal to the level
-            self._samples.append(self._gpu_sample() if self._nvml is not None else self._host_sample())
+            self._samples.append(self._gpu_sample(nv) if nv is not None else self._host_sample())
 
-    def _energy(self) -> dict[int, float]:
+    def _energy(self, nv: ModuleType) -> dict[int, float]:
         out = {}
         for i, handle in zip(self.gpu_indices, self._handles, strict=True):
             with contextlib.suppress(Exception):
-                out[i] = self._nvml.nvmlDeviceGetTotalEnergyConsumption(handle) / 1000.0  # mJ -> J
+                out[i] = nv.nvmlDeviceGetTotalEnergyConsumption(handle) / 1000.0  # mJ -> J
         return out
 
-    def _gpu_sample(self) -> dict[str, float]:
-        nv = self._nvml
+    def _gpu_sample(self, nv: ModuleType) -> dict[str, float]:
         util, mem, power, temp, clock = [], [], [], [], []
         for handle in self._handles:
             util.append(nv.nvmlDeviceGetUtilizationRates(handle).gpu)

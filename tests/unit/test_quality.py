@@ -62,6 +62,8 @@ def test_rules_score_answers():
     "line, needle",
     [
         ("{not json", "bad.jsonl:2: not valid JSON"),
+        # json.loads's other ValueError (no .msg): an integer past Python's 4300-digit limit
+        ('{"prompt": "x", "expected": ' + "1" * 5000 + "}", "bad.jsonl:2: not valid JSON (Exceeds the limit"),
         ('{"prompt": "x"}', "bad.jsonl:2: give exactly one of 'expected', 'regex' or 'json_schema'"),
         (
             '{"prompt": "x", "messages": [{"role": "user", "content": "y"}], "expected": "1"}',

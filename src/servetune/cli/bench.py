@@ -15,6 +15,7 @@ import tempfile
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Literal
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
@@ -143,7 +144,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def parse_levels(args: argparse.Namespace, workload: Workload) -> list[Level]:
     arrival = workload.arrival
-    kind: str | None
+    kind: Literal["concurrency", "rate"] | None
     if args.rate:
         kind, text = "rate", args.rate
     elif args.concurrency:
@@ -175,7 +176,7 @@ def level_plan(level: Level, args: argparse.Namespace) -> LevelPlan:
         raise UserError("--num-requests must be at least 1")
     if not 1 <= args.repeats <= 9:
         raise UserError(f"--repeats must be 1 to 9, got {args.repeats}")
-    requests = args.num_requests if args.num_requests is not None else AUTO
+    requests: int | Literal["auto"] = args.num_requests if args.num_requests is not None else AUTO
     return LevelPlan.sized(level, requests, args.duration, args.warmup_requests)
 
 

@@ -190,13 +190,15 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
         return callbacks
 
     reference = space.quality_reference
-    if reference is not None:  # the quality reference runs first: every later trial is compared with its answers
+    # the quality reference runs first: every later trial is compared with its answers
+    if space.quality is not None and reference is not None:  # a reference comes with a quality section
         from servetune.quality.probe import make_plan
         from servetune.study.driver import keep_reference, read_reference
 
-        context = replace(context, quality=make_plan(space.quality, args.space.parent, reference))
+        plan = make_plan(space.quality, args.space.parent, reference)
+        context = replace(context, quality=plan)
         kept = read_reference(study_dir, reference, context.spec_for(reference).trial_id)
-        context = replace(context, quality=context.quality.model_copy(update={"reference": kept}))
+        context = replace(context, quality=plan.model_copy(update={"reference": kept}))
         if kept is None:
             label = describe_params(reference) if reference else "vLLM defaults"
             console.print(f"quality: the reference ({label}) runs first; later trials are compared with its answers")
@@ -220,9 +222,9 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
                 r, space.search.objectives, space.slo_bounds, space.quality_bounds
             )
             history.append((r.params, values, constraints))
-        done = len(history)
+        told = len(history)
         wanted = args.max_trials or space.search.num_trials or 20
-        num_samples = max(wanted - done, 0)
+        num_samples = max(wanted - told, 0)
         baseline = space.search.baseline and not any(not params for params, _, _ in history)
         searcher = ConstrainedOptunaSearch(space, baseline=baseline, history=history)
     console.print(

@@ -7,9 +7,14 @@ import dataclasses
 import json
 import signal
 import types
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from servetune.load.runner import Level
 
 DESCRIPTION = """\
 Deploy one operating point of a study as the Ray Serve LLM application `servetune export
@@ -252,6 +257,7 @@ def run(args: argparse.Namespace) -> int:
                     holder, records)  # fmt: skip
         return holder.levels
 
+    cluster: ServeCluster  # started below, before the ramp reads it
     ramp = None
     if args.ramp:
         ramp = make_ramp(args, picked, derived, prompts, name, records, console, lambda: cluster)
@@ -403,7 +409,7 @@ def write_result(out: Path, requests_path: Path, result, records: list[dict]) ->
 class LayoutArgs:
     layouts: list
     budget: int
-    level: object  # the load every layout is offered (load.runner.Level)
+    level: Level  # the load every layout is offered
     skipped: list[str]
     cores: list[int]
     needs: list  # serve.plan.Needs of each layout
@@ -456,7 +462,7 @@ def layout_args(args, picked, console) -> LayoutArgs:
     return LayoutArgs(layouts, budget, budget_level(level, point.devices, budget), skipped, cores, found)
 
 
-def routing_args(args, replicas: list[int], engine_args: dict):
+def routing_args(args, replicas: list[int], engine_args: Mapping[str, Any]):
     """--routers, --routing-replicas and --workload, checked before Ray starts: (workload, routers, replicas).
     A workload none of whose requests fits the trial's max_model_len is refused (every request would fail)."""
     from servetune.config.workload import load_workload
@@ -482,8 +488,9 @@ def routing_args(args, replicas: list[int], engine_args: dict):
         for c in workload.classes
         for d in (c.input_tokens, c.output_tokens)
     ]
-    if limit and None not in smallest:
-        least = min(smallest[i] + smallest[i + 1] for i in range(0, len(smallest), 2))
+    sizes = [s for s in smallest if s is not None]
+    if limit and len(sizes) == len(smallest):
+        least = min(sizes[i] + sizes[i + 1] for i in range(0, len(sizes), 2))
         if least > int(limit):
             raise UserError(f"--workload {args.workload or 'rag'}: its smallest request ({least} tokens with its answer) "
                             f"passes the trial's max_model_len {limit}: give a workload scaled to the model")  # fmt: skip

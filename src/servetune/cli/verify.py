@@ -7,6 +7,11 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.status import Status
 
 DESCRIPTION = """\
 Start the chosen configuration of a study again and run the stability stage of the tuning
@@ -62,9 +67,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 class ConsoleProgress:
     """Steps as a spinner with the time they take, scenarios as one line each (``servetune bench``'s style)."""
 
-    def __init__(self, console) -> None:
+    def __init__(self, console: Console) -> None:
         self.console = console
-        self.status = None
+        self.status: Status | None = None
         self.started = time.monotonic()
 
     def step(self, text: str, seconds: float | None = None) -> None:

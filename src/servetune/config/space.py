@@ -22,7 +22,7 @@ import itertools
 import math
 import operator
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeGuard
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
@@ -57,7 +57,7 @@ def engine_devices(engine_args: dict[str, Any]) -> int:
     return math.prod(int(engine_args.get(k) or default) for k, default in ENGINE_DEFAULTS.items())
 
 
-def stream_batching_ok(value: object) -> bool:
+def stream_batching_ok(value: object) -> TypeGuard[float]:
     """Whether ``value`` is a stream batching interval: a finite number of milliseconds, 0 or more."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf
 

@@ -69,7 +69,7 @@ def claim(count: int, allowed: list[int], directory: Path) -> tuple[list[int], l
     for core in physical_first(allowed):
         if len(held) == count:
             break
-        handle = open(directory / f"core-{core}.lock", "a")  # noqa: SIM115 - held for the claimant's life
+        handle: IO[str] = open(directory / f"core-{core}.lock", "a")  # noqa: SIM115 - held for the claimant's life
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

@@ -177,7 +177,7 @@ def level_delta(before: MetricsSnapshot, after: MetricsSnapshot) -> dict[str, fl
         if name not in FINE_BUCKETS:
             continue  # coarse buckets: interpolated percentiles would mislead
         for label, q in (("p50", 0.5), ("p99", 0.99)):
-            value = delta.quantile(q)
-            if value is not None:
-                out[f"{name}_ms_{label}"] = value * 1000.0
+            quantile = delta.quantile(q)
+            if quantile is not None:
+                out[f"{name}_ms_{label}"] = quantile * 1000.0
     return out

@@ -144,9 +144,13 @@ class StreamingClient:
         first_s, idle_s = self.first_token_timeout_s, self.idle_timeout_s
         # The deadline that binds now, and which kind it is: before the first token the
         # first-token one, after it the idle one (moved on at every read), the total one always.
-        binding = TIMEOUT_FIRST_TOKEN if first_s is not None and loop.time() + first_s < total_at else TIMEOUT_TOTAL
+        first_at = loop.time() + first_s if first_s is not None else None
+        if first_at is not None and first_at < total_at:
+            binding, deadline = TIMEOUT_FIRST_TOKEN, first_at
+        else:
+            binding, deadline = TIMEOUT_TOTAL, total_at
         try:
-            async with asyncio.timeout_at(total_at if binding == TIMEOUT_TOTAL else loop.time() + first_s) as scope:
+            async with asyncio.timeout_at(deadline) as scope:
                 async with self._session.post(self._url, json=self.payload(spec), timeout=self.timeout) as resp:
                     if resp.status != 200:
                         body = (await resp.text())[:300]
@@ -162,10 +166,10 @@ class StreamingClient:
                             event, buffer = buffer[:cut], buffer[cut + 2 :]
                             if not event.startswith(b"data:"):
                                 continue
-                            body = event[5:].strip()
-                            if body == b"[DONE]":
+                            message = event[5:].strip()
+                            if message == b"[DONE]":
                                 continue
-                            chunk = _decode_chunk(body)
+                            chunk = _decode_chunk(message)
                             if chunk.error is not None:
                                 record.error_kind = "stream_error"
                                 record.error = str(chunk.error)[:300]

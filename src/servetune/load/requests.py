@@ -25,12 +25,13 @@ _CHAR = re.compile(r"[ -~]")
 class Tokenizer(Protocol):
     """The part of a Hugging Face tokenizer the request stream uses."""
 
-    all_special_ids: list[int]
+    @property
+    def all_special_ids(self) -> list[int]: ...
 
     def __len__(self) -> int: ...
-    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
-    def decode(self, ids: list[int]) -> str: ...
-    def batch_decode(self, ids: list[list[int]]) -> list[str]: ...
+    def encode(self, text: str, /, add_special_tokens: bool = ...) -> list[int]: ...
+    def decode(self, ids: list[int], /) -> str: ...
+    def batch_decode(self, ids: list[list[int]], /) -> list[str]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,20 +132,21 @@ class _Draw:
         workload, prompts = self.workload, self.prompts
         cls = self.request_class(rng)
         n_out = int(cls.output_tokens.sample(rng, 1)[0])
-        shares = bool(workload.shared_prefix) and rng.random() < workload.shared_prefix.fraction
-        prefix = ""
-        if shares:  # one prefix: no draw, so a one-prefix workload's requests stay as they were
+        shared = workload.shared_prefix
+        prefix, prefix_tokens = "", 0
+        if shared is not None and rng.random() < shared.fraction:
+            # one prefix: no draw, so a one-prefix workload's requests stay as they were
             k = int(rng.choice(len(self.prefix_texts), p=self.prefix_weights)) if len(self.prefix_texts) > 1 else 0
-            prefix = self.prefix_texts[k]
+            prefix, prefix_tokens = self.prefix_texts[k], shared.tokens
         if isinstance(cls.input_tokens, Empirical) and cls.input_tokens.prompts is not None:
             text = prefix + cls.input_tokens.prompts[int(cls.input_tokens.sample_indices(rng, 1)[0])]
             n_in = prompts.count(text)
         else:
             n_in = int(cls.input_tokens.sample(rng, 1)[0])
             if prefix:
-                n_in = max(n_in, workload.shared_prefix.tokens + 1)
+                n_in = max(n_in, prefix_tokens + 1)
             text = prompts.text(n_in, rng, prefix=prefix)
-        return text, n_in, n_out, cls.name, workload.shared_prefix.tokens if prefix else 0
+        return text, n_in, n_out, cls.name, prefix_tokens if prefix else 0
 
     def next_turn(self, rng: np.random.Generator, cls_name: str, history: str) -> tuple[str, int, int]:
         """A later turn: ``history`` followed by a new message (the sessions' lengths, else the class's)."""

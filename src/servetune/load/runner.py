@@ -13,7 +13,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy as np
 
@@ -23,15 +23,17 @@ from servetune.load.client import StreamingClient
 from servetune.load.requests import RequestSpec
 from servetune.metrics import RequestRecord
 
+_T = TypeVar("_T")
 
-async def cancel_and_wait(task: asyncio.Future[object]) -> None:
+
+async def cancel_and_wait(task: asyncio.Future[_T]) -> None:
     """Cancel a background task of ours and wait until it has ended. A cancellation of the caller (SIGTERM, Ctrl-C)
     while it waits still propagates: only the task's own CancelledError is absorbed, which a
     ``suppress(CancelledError)`` around ``await task`` cannot tell apart from the caller's."""
     task.cancel()
     await asyncio.wait([task])
-    if not task.cancelled() and task.exception() is not None:  # it had failed before: as ``await task`` raised it
-        raise task.exception()  # type: ignore[misc]
+    if not task.cancelled() and (exc := task.exception()) is not None:
+        raise exc  # it had failed before: as ``await task`` raised it
 
 
 @dataclass(frozen=True)
@@ -70,7 +72,7 @@ def trace_rate(gaps: tuple[float, ...]) -> float:
     return len(gaps) / sum(gaps)
 
 
-def workload_levels(workload: Workload, kind: str | None, values: tuple[float, ...] | None,
+def workload_levels(workload: Workload, kind: Literal["concurrency", "rate"] | None, values: tuple[float, ...] | None,
                     max_concurrency: int | None = None) -> tuple[Level, ...]:  # fmt: skip
     """The ladder's levels for ``workload``, one path for ``servetune run`` and ``servetune bench``.
 
@@ -103,7 +105,9 @@ def workload_levels(workload: Workload, kind: str | None, values: tuple[float, .
             rates = tuple(values or tuple(base * s for s in (arrival.levels or (arrival.speedup,))))
         return tuple(Level("rate", float(r), "trace", 1.0, max_concurrency, gaps, talk) for r in rates)
     values = values or arrival.levels or ((1, 4, 16) if kind == "concurrency" else (1, 2, 4))
-    process = "concurrency" if kind == "concurrency" else ("gamma" if arrival.process == "gamma" else "poisson")
+    process: Literal["concurrency", "poisson", "gamma"] = (
+        "concurrency" if kind == "concurrency" else ("gamma" if arrival.process == "gamma" else "poisson")
+    )
     return tuple(
         Level(kind, float(v), process, arrival.burstiness, max_concurrency, None, talk and kind == "rate")
         for v in values
@@ -112,7 +116,7 @@ def workload_levels(workload: Workload, kind: str | None, values: tuple[float, .
 
 def arrival_gaps(level: Level, rng: np.random.Generator) -> Iterator[float]:
     """Seconds between consecutive sends of an open loop (Poisson, gamma with burstiness, or a trace)."""
-    if level.process == "trace" and level.trace:
+    if level.process == "trace" and level.trace and level.speedup is not None:  # a trace has a speed-up
         scale = 1.0 / level.speedup
         between = sum(level.trace) / len(level.trace)  # from the trace's end to its start again
         while True:

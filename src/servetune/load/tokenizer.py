@@ -63,7 +63,8 @@ def load_tokenizer(name: str) -> Tokenizer:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(name)
+        # transformers types decode() as str | list[str] (it also takes a batch); for one list of ids it is str
+        return AutoTokenizer.from_pretrained(name)  # type: ignore[return-value]
     except Exception as exc:  # transformers raises many kinds for a missing or broken tokenizer
         raise UserError(f"cannot load the tokenizer of '{name}': {str(exc).splitlines()[0][:200]}") from None
 

@@ -140,8 +140,9 @@ def read_suite(path: Path) -> list[QualityItem]:
             continue
         try:
             data = json.loads(line)
-        except ValueError as exc:
-            raise UserError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+        except ValueError as exc:  # JSONDecodeError, or e.g. an integer over Python's 4300-digit limit
+            detail = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+            raise UserError(f"{path}:{number}: not valid JSON ({detail})") from None
         if not isinstance(data, dict):
             raise UserError(f"{path}:{number}: expected a JSON object")
         try:

@@ -75,7 +75,7 @@ class StudyReport:
 
     def outcome_counts(self) -> dict[str, int]:
         """Trials by outcome, plus ``not read`` (every trial directory is counted once)."""
-        counts = Counter(t.outcome for t in self.trials)
+        counts: Counter[str] = Counter(t.outcome for t in self.trials)
         out = {outcome: counts.get(outcome, 0) for outcome in OUTCOMES}
         out["not read"] = len(self.not_read)
         return out

@@ -62,12 +62,13 @@ def pareto_front(points: Sequence[ReportPoint], objectives: Sequence[Objective])
     candidates: list[tuple[ReportPoint, tuple[float, ...]]] = []
     apart: list[ReportPoint] = []
     for point in points:
-        values = tuple(point.value(o.metric) for o in objectives)
-        if point.eligible and None not in values:
-            candidates.append((point, values))  # type: ignore[arg-type]
+        values = tuple(v for o in objectives if (v := point.value(o.metric)) is not None)
+        if point.eligible and len(values) == len(objectives):
+            candidates.append((point, values))
         else:
             apart.append(point)
-    front, dominated = [], []
+    front: list[tuple[ReportPoint, tuple[float, ...]]] = []
+    dominated: list[tuple[ReportPoint, tuple[float, ...]]] = []
     for point, values in candidates:
         beaten = any(dominates(other, values, objectives) for _, other in candidates)
         (dominated if beaten else front).append((point, values))

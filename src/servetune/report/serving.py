@@ -143,7 +143,8 @@ def serve_section(file: ServeCheckFile | None) -> ServeSection | None:
             f"ship {verdict['ship']}" if verdict.get("ship") else "no router named"
         ) + f": {verdict.get('reason', '')}"
     trial_id = str(data.get("trial_id", ""))
-    laid = data.get("layouts") if isinstance(data.get("layouts"), Mapping) else {}
+    layouts = data.get("layouts")
+    laid = layouts if isinstance(layouts, Mapping) else {}
     laid_title = ""
     if laid:
         unit = "GPUs" if laid.get("device") == "GPU" else "CPU cores"
@@ -178,7 +179,7 @@ def layout_row(run: Mapping[str, Any]) -> tuple[str, ...]:
             num_text(summary.get("goodput"), 2), num_text(ttft.get("p50")), num_text(ttft.get("p99")),
             num_text(tpot.get("p50")), num_text(tpot.get("p99")), num_text(run.get("cost_per_hour_usd"), 2),
             num_text(run.get("cost_per_mtok_usd"), 2), ", ".join(str(n) for n in served) or "-",
-            {True: "met", False: "broken"}.get(met, "failed" if run.get("error") else "-"))  # fmt: skip
+            ("failed" if run.get("error") else "-") if met is None else "met" if met else "broken")  # fmt: skip
 
 
 def layout_notes(laid: Mapping[str, Any]) -> tuple[str, ...]:
@@ -211,7 +212,8 @@ def _layout_choice(trial_id: str, laid: Mapping[str, Any]) -> LayoutChoice | Non
         replicas, tp = int(run["replicas"]), int(run["tensor_parallel_size"])
     except (KeyError, TypeError, ValueError):
         return None
-    level = laid.get("level") if isinstance(laid.get("level"), dict) else {}
+    laid_level = laid.get("level")
+    level = laid_level if isinstance(laid_level, dict) else {}
     return LayoutChoice(trial_id, replicas, tp, dict(level), str(verdict.get("reason") or ""))
 
 

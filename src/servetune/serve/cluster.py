@@ -447,7 +447,9 @@ def _status_message(app: Any) -> str:
 def _ingress_url(address: str | None) -> str:
     from ray.serve.context import _get_global_client
 
-    config = _get_global_client().http_config  # Serve's HTTP options (host, port) as the controller has them
+    client = _get_global_client()  # typed Optional, but raises rather than return None (raise_if_no_controller_running)
+    assert client is not None
+    config = client.http_config  # Serve's HTTP options (host, port) as the controller has them
     host = config.host
     if host in ("0.0.0.0", "", "::"):
         host = address.split("://")[-1].rsplit(":", 1)[0] if address and address != "auto" else "127.0.0.1"

@@ -182,11 +182,11 @@ def layout_run(
     """One layout's record; ``level`` None for a layout whose deployment failed (``error=`` says how)."""
     devices = layout.devices(pp)
     throughput = level.summary.output_throughput if level is not None else 0.0
-    priced = price_per_device_hour is not None and price_per_device_hour > 0
+    price = price_per_device_hour if price_per_device_hour is not None and price_per_device_hour > 0 else None
     return LayoutRun(
         layout=str(layout), replicas=layout.replicas, tensor_parallel_size=layout.tp, devices=devices, level=level,
-        cost_per_hour_usd=devices * price_per_device_hour if priced else None,
-        cost_per_mtok_usd=cost_per_mtok_usd(price_per_device_hour, devices, throughput) if priced and throughput > 0 else None,
+        cost_per_hour_usd=devices * price if price is not None else None,
+        cost_per_mtok_usd=cost_per_mtok_usd(price, devices, throughput) if price is not None and throughput > 0 else None,
         **measured,
     )  # fmt: skip
 
@@ -237,9 +237,10 @@ def layout_verdict(runs: Sequence[LayoutRun]) -> LayoutVerdict | None:
     broke += f"; {', '.join(failed)} failed to deploy" if failed else ""
     if not ok:
         return LayoutVerdict(ship=None, reason=f"no layout met the SLO at this load{broke}", margin=margin)
-    cheapest = min(ok, key=lambda r: r.device_hours_per_mtok)
-    best = cheapest.device_hours_per_mtok
-    tied = [run for run in ok if run.device_hours_per_mtok <= best * (1 + margin)]
+    assert margin is not None  # a layout that met the SLO has a level
+    cheapest = min(ok, key=_hours)
+    best = _hours(cheapest)
+    tied = [run for run in ok if _hours(run) <= best * (1 + margin)]
     ship = min(tied, key=simpler_key)
     if len(ok) == 1:
         return LayoutVerdict(
@@ -252,12 +253,19 @@ def layout_verdict(runs: Sequence[LayoutRun]) -> LayoutVerdict | None:
             reason=f"{names} cost within the noise margin ({margin:.0%}): {_costs(tied)}; "
                    f"{ship.layout} is the simpler layout (fewer replicas, then less TP){broke}",
         )  # fmt: skip
-    runner_up = min((run for run in ok if run is not cheapest), key=lambda r: r.device_hours_per_mtok)
+    runner_up = min((run for run in ok if run is not cheapest), key=_hours)
     return LayoutVerdict(
         ship=ship.layout, margin=margin,
         reason=f"{ship.layout} meets the SLO at the lowest cost, beyond the noise margin ({margin:.0%}): "
                f"{_costs([ship, runner_up])}{broke}",
     )  # fmt: skip
+
+
+def _hours(run: LayoutRun) -> float:
+    """Device-hours per 1M output tokens of a layout the verdict ranks (every one has them)."""
+    hours = run.device_hours_per_mtok
+    assert hours is not None
+    return hours
 
 
 def _costs(runs: Sequence[LayoutRun]) -> str:

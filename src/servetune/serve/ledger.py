@@ -249,7 +249,8 @@ def start_ledger(name: str, device: str, per_node: int, every_s: float = 5.0) ->
     (``devices_per_node`` ``per_node`` for the CPU stand-in) now and while trials wait; it ends with the driver."""
     import ray
 
-    remote = ray.remote(num_cpus=0, max_concurrency=1000)(DeviceLedger)
+    # ray.remote's keyword overload lists task options only; a class takes actor options too (as Ray documents)
+    remote = ray.remote(num_cpus=0, max_concurrency=1000)(DeviceLedger)  # type: ignore[call-overload]
     count = functools.partial(devices_now, device, per_node)
     return remote.options(name=name, namespace=NAMESPACE).remote(devices_now(device, per_node), count, every_s)
 

@@ -36,7 +36,7 @@ def replica_snapshots(
         for family in families:
             for sample in family.samples:
                 replica = sample.labels.get("ReplicaId")
-                if replica not in replica_ids or not sample.name.startswith(RAY_PREFIX):
+                if replica is None or replica not in replica_ids or not sample.name.startswith(RAY_PREFIX):
                     continue
                 name = VLLM_PREFIX + sample.name.removeprefix(RAY_PREFIX)
                 per_replica.setdefault(replica, {}).setdefault(name, []).append(sample)

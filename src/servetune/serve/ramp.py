@@ -20,7 +20,7 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypedDict
 
 from pydantic import BaseModel
 
@@ -191,6 +191,12 @@ def ramp_phases(knee: int, max_replicas: int, hold_s: float) -> list[Phase]:
     ]
 
 
+class _RampState(TypedDict):
+    phase: str  # the phase running now
+    offered: int  # the clients it asks for
+    over: bool  # the clients stop
+
+
 async def run_ramp(
     watch: ScaleWatch, name: str, url: str, served_model: str, workload: Workload, prompts: PromptFactory,
     phases: Sequence[Phase], slo_ms: Mapping[str, float], request_timeout_s: float, scale_up_timeout_s: float,
@@ -202,7 +208,7 @@ async def run_ramp(
     record_phase: list[str] = []
     samples: list[RampSample] = []
     starts: dict[str, float] = {}
-    state = {"phase": phases[0].name, "offered": 0, "over": False}
+    state: _RampState = {"phase": phases[0].name, "offered": 0, "over": False}
     specs = iter_requests(workload, prompts, stream=7)  # a stream no study level used
     baseline = await asyncio.to_thread(watch.served_per_replica, name)  # a kept replica has served already
     t0 = time.perf_counter()
@@ -241,7 +247,7 @@ async def run_ramp(
         try:
             for phase in phases:
                 starts[phase.name] = now()
-                state.update(phase=phase.name, offered=phase.concurrency)
+                state.update({"phase": phase.name, "offered": phase.concurrency})
                 if on_phase is not None:
                     on_phase(phase.name, starts[phase.name])
                 if phase.wait_for_replicas:

@@ -151,12 +151,12 @@ class ReplicaTraffic(BaseModel):
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # ... and found there
 
-    @computed_field
+    @computed_field  # type: ignore[prop-decorator]  # as pydantic documents; mypy rejects decorators on @property
     @property
     def tokens_served(self) -> int:
         return self.prompt_tokens + self.generation_tokens
 
-    @computed_field
+    @computed_field  # type: ignore[prop-decorator]  # as pydantic documents; mypy rejects decorators on @property
     @property
     def prefix_cache_hit_rate(self) -> float | None:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries > 0 else None
@@ -207,12 +207,12 @@ class RouterRun(BaseModel):
     level: LevelResult
     per_replica: dict[str, ReplicaTraffic] = {}  # Serve replica id -> its traffic during the level
 
-    @computed_field
+    @computed_field  # type: ignore[prop-decorator]  # as pydantic documents; mypy rejects decorators on @property
     @property
     def prefix_cache_hit_rate(self) -> float | None:
         return hit_rate(list(self.per_replica.values()))
 
-    @computed_field
+    @computed_field  # type: ignore[prop-decorator]  # as pydantic documents; mypy rejects decorators on @property
     @property
     def imbalance(self) -> float | None:
         return imbalance([t.tokens_served for t in self.per_replica.values()], self.replicas)

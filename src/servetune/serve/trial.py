@@ -275,7 +275,9 @@ def local_serve_cpus(space: SearchSpace) -> int:
         points, _ = space.grid()
     except (ValueError, UserError):  # a continuous range: the largest replica a node holds
         points = []
-    replicas = max(space.params[SERVE_REPLICAS])
+    counts = space.params[SERVE_REPLICAS]
+    assert isinstance(counts, list)  # the space's validator takes only a list of counts
+    replicas = max(counts)
     per_engine = max((space.replica_devices(p) for p in points), default=space.hardware.devices_per_node)
     per_replica = (per_engine if space.device == "cpu" else 0) + REPLICA_ACTOR_CPUS
     at_once = resolve_max_concurrent(space, space.hardware.devices_per_node)  # a local Ray: one node

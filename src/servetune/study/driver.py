@@ -62,7 +62,7 @@ def trainable(config: dict[str, Any], context: StudyContext, finished_points: An
 
     from servetune.load.requests import PromptFactory, load_tokenizer
     from servetune.study.early_stop import dominance_rule
-    from servetune.trial.runner import fits, load_result, run_trial, vllm_engine
+    from servetune.trial.runner import EngineFactory, fits, load_result, run_trial, vllm_engine
 
     normal_priority()
     context = dataclasses.replace(context, study_dir=node_local_dir())  # trials write only on their own node
@@ -74,10 +74,13 @@ def trainable(config: dict[str, Any], context: StudyContext, finished_points: An
         result = unplaceable(spec, problem)
     elif result is None:  # never measured (or --resume after a kill): run it
         rule = dominance_rule(finished_points) if finished_points is not None else None
-        engine, held = vllm_engine, contextlib.nullcontext()
+        engine: EngineFactory = vllm_engine
+        held: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         if spec.serve_replicas is not None:
             from servetune.serve.ledger import devices_held, replica_share
-            from servetune.serve.trial import ServeEngine as engine
+            from servetune.serve.trial import ServeEngine
+
+            engine = ServeEngine
 
             if fits(spec):  # one the capacity check rejects is rejected in seconds, without waiting for devices
                 held = devices_held(
@@ -273,8 +276,9 @@ def resolve_model(space: SearchSpace, study_dir: Path, space_dir: Path) -> str:
 
 def resolve_models(space: SearchSpace, study_dir: Path, space_dir: Path) -> dict[str, str]:
     """Each checkpoint the ``model`` parameter lists, as trials load it (empty without one)."""
-    values = space.params.get(MODEL_PARAM)
-    return {name: _resolve(name, study_dir, space_dir, f"params.{MODEL_PARAM}") for name in values or ()}
+    values = space.params.get(MODEL_PARAM) or []
+    assert isinstance(values, list)  # the space's validator takes only a list of checkpoints
+    return {name: _resolve(name, study_dir, space_dir, f"params.{MODEL_PARAM}") for name in values}
 
 
 def _resolve(name: str, study_dir: Path, space_dir: Path, field: str) -> str:
@@ -301,7 +305,7 @@ def proposals(space: SearchSpace, max_trials: int | None) -> list[dict[str, Any]
     anyway; the largest come last, where they fill nodes among themselves.
     """
     kept, _ = space.grid() if space.search.algorithm == "grid" else (random_points(space), [])
-    points = ([{}] if space.search.baseline else []) + kept
+    points: list[dict[str, Any]] = ([{}] if space.search.baseline else []) + kept
     limit = (
         max_trials or (space.search.num_trials if space.search.algorithm != "grid" else None) or space.search.num_trials
     )
@@ -328,7 +332,7 @@ def random_points(space: SearchSpace) -> list[dict[str, Any]]:
     points: list[dict[str, Any]] = []
     for number in range(space.search.num_trials or 10):
         suggestion = searcher.suggest(f"random-{number}")
-        if suggestion in (None, searcher.FINISHED):
+        if not isinstance(suggestion, dict):  # None or FINISHED
             break
         points.append(suggestion["params"])
     return points
@@ -408,11 +412,8 @@ def keep_reference(context: StudyContext) -> StudyContext:
         name for name in context.quality.bounds if name.startswith(LM_EVAL_PREFIX) and name not in answers.scores
     ]
     if unscored:  # lm-eval failed on the reference (no task data on the node, a timeout): every trial would fail it
-        why = (
-            next((e for e in result.quality.errors if e.startswith("lm-eval")), "no score")
-            if result.quality
-            else "no score"
-        )
+        errors = result.quality.errors if result is not None and result.quality is not None else []
+        why = next((e for e in errors if e.startswith("lm-eval")), "no score")
         raise UserError(
             f"quality: the reference trial ({describe_params(params)}) has no {unscored[0]} score to compare with: {why}"
         )

@@ -6,6 +6,7 @@ import sys
 from typing import Any
 
 from ray.tune import Callback
+from ray.tune.stopper import Stopper
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -36,10 +37,16 @@ class LiveTable(Callback):
         return {"space": self.space, "rows": self.rows}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["space"], stderr_console())
+        LiveTable.__init__(self, state["space"], stderr_console())
         self.rows = state["rows"]
 
-    def setup(self, **info: Any) -> None:
+    def setup(
+        self,
+        stop: Stopper | None = None,
+        num_samples: int | None = None,
+        total_num_samples: int | None = None,
+        **info: Any,
+    ) -> None:
         if self.interactive:
             self.live = Live(self.table(), console=self.console, refresh_per_second=2, transient=False)
             self.live.start()

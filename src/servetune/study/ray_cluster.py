@@ -77,7 +77,7 @@ def check_token_accepted(address: str) -> None:
     """
     if "://" in address or address in ("auto", "local"):
         return
-    from ray._raylet import GcsClient
+    from ray._raylet import GcsClient  # type: ignore[attr-defined]  # compiled in; ray's _raylet.pyi omits it
     from ray.exceptions import AuthenticationError
 
     try:

@@ -228,6 +228,7 @@ def replay_trials(
     """
     space = space_for(surface, algorithm, seed, in_flight, budget)
     budget = space.search.num_trials
+    assert budget is not None  # space_for sets it
     run = ReplayRun(surface, early_stopping)
     if algorithm in ("grid", "random"):
         from servetune.study.driver import proposals
@@ -291,7 +292,7 @@ def in_flight_order(
     while True:
         while proposed < budget and len(running) < in_flight:
             suggestion = searcher.suggest(str(proposed))
-            if suggestion in (None, searcher.FINISHED):
+            if not isinstance(suggestion, dict):  # None or FINISHED
                 budget = proposed  # nothing changes while it waits: it has nothing more to propose
                 break
             running.append((str(proposed), suggestion["params"]))

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import pickle
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import optuna
@@ -135,7 +135,7 @@ class ConstrainedOptunaSearch(Searcher):
     #: Asks per ``suggest`` before the searcher gives up (``FINISHED``).
     MAX_ASKS = 60
 
-    def __init__(self, space: SearchSpace, *, baseline: bool, history: list[Told] = ()) -> None:
+    def __init__(self, space: SearchSpace, *, baseline: bool, history: Sequence[Told] = ()) -> None:
         super().__init__(metric=None, mode=None)
         self.space = space
         self.baseline = baseline
@@ -162,7 +162,7 @@ class ConstrainedOptunaSearch(Searcher):
         return {"space": self.space, "baseline": self.baseline, "history": self.history}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["space"], baseline=state["baseline"], history=state["history"])
+        ConstrainedOptunaSearch.__init__(self, state["space"], baseline=state["baseline"], history=state["history"])
 
     def save(self, checkpoint_path: str) -> None:
         with open(checkpoint_path, "wb") as f:
@@ -238,7 +238,8 @@ class ConstrainedOptunaSearch(Searcher):
         """End an ask that will not run, telling the sampler nothing (FAIL: every sampler ignores it)."""
         self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
 
-    def suggest(self, trial_id: str) -> dict | None:
+    # Ray annotates Optional[Dict], but its docstring and its callers take Searcher.FINISHED (a str) too.
+    def suggest(self, trial_id: str) -> dict | str | None:  # type: ignore[override]
         """The next point to run; it stays RUNNING in the Optuna study until its result comes back.
 
         Asks until the sampler proposes a new point that meets the static constraints: a known
@@ -253,15 +254,16 @@ class ConstrainedOptunaSearch(Searcher):
         with one_torch_thread(self.space.search.algorithm):
             return self._suggest(trial_id, self.running())
 
-    def _suggest(self, trial_id: str, running: set[str]) -> dict | None:
+    def _suggest(self, trial_id: str, running: set[str]) -> dict | str | None:
         for attempt in range(self.MAX_ASKS):
             trial = self.study.ask(self.distributions)
             point = self._values(trial)
             known = self._key(point) in self.finished or self._key(point) in running
             if known and attempt >= self.repeats_before_nudge:
-                trial = self._nudge(trial, running)
-                if trial is None:
+                nudged = self._nudge(trial, running)
+                if nudged is None:
                     return Searcher.FINISHED
+                trial = nudged
                 point = self._values(trial)
             key = self._key(point)
             if key in running:
@@ -311,6 +313,8 @@ class ConstrainedOptunaSearch(Searcher):
             elif isinstance(dist, optuna.distributions.CategoricalDistribution):
                 total += float(a[name] != b[name])
             else:
+                # distributions() makes no other kind
+                assert isinstance(dist, (optuna.distributions.IntDistribution, optuna.distributions.FloatDistribution))
                 total += abs(a[name] - b[name]) / max(dist.high - dist.low, 1e-12)
         return total
 

@@ -51,8 +51,9 @@ def run_tuner(context: StudyContext, points: list[dict[str, Any]] | None, search
         from servetune.serve.ledger import GiveBack, ledger_name, start_ledger
         from servetune.serve.trial import app_name
 
-        context = dataclasses.replace(context, ledger=ledger_name(space.name))
-        ledger = start_ledger(context.ledger, space.device, space.hardware.devices_per_node)
+        ledger_id = ledger_name(space.name)
+        context = dataclasses.replace(context, ledger=ledger_id)
+        ledger = start_ledger(ledger_id, space.device, space.hardware.devices_per_node)
         spec_of = context.spec_for
         callbacks = [
             *callbacks,
@@ -68,6 +69,7 @@ def run_tuner(context: StudyContext, points: list[dict[str, Any]] | None, search
         param_space = {"params": tune.grid_search(points)}
         tune_config = tune.TuneConfig(num_samples=1, max_concurrent_trials=max_concurrent)
     else:
+        assert searcher is not None  # a study runs its points, else its searcher's
         param_space = {}
         limited = ConcurrencyLimiter(searcher, max_concurrent=max_concurrent)
         tune_config = tune.TuneConfig(search_alg=limited, num_samples=num_samples)

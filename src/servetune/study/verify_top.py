@@ -132,7 +132,7 @@ def verify_on_node(selection: Selection, context: StudyContext, budget: Budget, 
         selection, study_dir=local, winner=dataclasses.replace(winner, spec=spec), runner_up=None
     )
     prompts = PromptFactory(load_tokenizer(spec.tokenizer))
-    held = contextlib.nullcontext()
+    held: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if spec.serve_replicas is not None:  # deployed through the study's Serve: its devices from the study's ledger
         from servetune.serve.ledger import devices_held, replica_share
 
@@ -263,8 +263,9 @@ def verify_top(study_dir: Path, context: StudyContext, say: Callable[[str], None
     ):  # verifications through Serve take their devices from a ledger, as trials do
         from servetune.serve.ledger import ledger_name, start_ledger
 
-        context = dataclasses.replace(context, ledger=ledger_name(space.name))
-        ledger = start_ledger(context.ledger, space.device, space.hardware.devices_per_node)
+        ledger_id = ledger_name(space.name)
+        context = dataclasses.replace(context, ledger=ledger_id)
+        ledger = start_ledger(ledger_id, space.device, space.hardware.devices_per_node)
     task = ray.remote(verify_on_node)
     running: dict[Any, tuple[int, Selection, dict[str, Any], Any]] = {}
 
@@ -365,7 +366,7 @@ def verify_top(study_dir: Path, context: StudyContext, say: Callable[[str], None
     finally:
         for *_, group in running.values():
             remove_placement_group(group)
-        ray.kill(queue.actor)
+        ray.kill(queue.actor)  # type: ignore[arg-type]  # ray types Queue.actor as handle | class; it is the handle
         if ledger is not None:
             ray.kill(ledger)
     order = {s.winner.trial_id: i for i, s in enumerate(selections)}

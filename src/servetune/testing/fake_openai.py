@@ -20,8 +20,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TypeVar
 
 from aiohttp import web
+
+_T = TypeVar("_T")
 
 
 class FakeOpenAI:
@@ -196,7 +199,7 @@ def compile_graph(argv: list[str], compile_s: float, hit_s: float) -> None:
     print(f"INFO [monitor.py] torch.compile took {compile_s:.2f} s in total", flush=True)
 
 
-def _env(name: str, default: object) -> object:
+def _env(name: str, default: _T) -> str | _T:
     """Flags default to ``SERVETUNE_FAKE_<NAME>`` so a study can vary them as ``env.`` parameters."""
     return os.environ.get(f"SERVETUNE_FAKE_{name}", default)
 
@@ -259,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
         # enough to start that a stop would otherwise find it still defenceless.
         code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nprint('ready', flush=True)\nwhile True: time.sleep(1)"
         child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        assert child.stdout is not None  # stdout=PIPE
         child.stdout.readline()
     if args.child:  # its command line names this server's, so tests can find it
         subprocess.Popen([sys.executable, "-c", "import time\nwhile True: time.sleep(1)", sys.argv[0]])

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ray.tune import Callback
+from ray.tune.stopper import Stopper
 
 from servetune.errors import UserError
 from servetune.tracking.connection import (
@@ -26,6 +27,9 @@ from servetune.tracking.connection import (
     resolve_tracking_uri,
 )
 from servetune.tracking.sync import StudySync, SyncReport
+
+#: What makes the tracker stop logging for the rest of the study (MLflow unreachable, a bad store URI).
+GIVE_UP_ON: tuple[type[BaseException], ...] = (*TRACKING_ERRORS, UserError)
 
 
 class MlflowCallback(Callback):
@@ -45,12 +49,18 @@ class MlflowCallback(Callback):
         return {"study_dir": self.study_dir, "tracking_uri": self.tracking_uri, "disabled": self.disabled}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["study_dir"], state["tracking_uri"])
+        MlflowCallback.__init__(self, state["study_dir"], state["tracking_uri"])
         self.disabled = state["disabled"]
 
     # --- Tune hooks --------------------------------------------------------------------------
 
-    def setup(self, **info: Any) -> None:
+    def setup(
+        self,
+        stop: Stopper | None = None,
+        num_samples: int | None = None,
+        total_num_samples: int | None = None,
+        **info: Any,
+    ) -> None:
         self._run(lambda session, report: None)
 
     def on_trial_complete(self, iteration: int, trials: list, trial: Any, **info: Any) -> None:
@@ -82,7 +92,7 @@ class MlflowCallback(Callback):
                     self._session = session
                 assert self.report is not None
                 step(self._session, self.report)
-        except (*TRACKING_ERRORS, UserError) as exc:
+        except GIVE_UP_ON as exc:
             self._give_up(exc)
 
     def _give_up(self, exc: BaseException) -> None:

@@ -243,8 +243,7 @@ def study_metrics(trials: Sequence[TrialResult]) -> dict[str, float]:
         out[f"trials_{outcome.lower()}"] = float(sum(t.outcome == outcome for t in trials))
     meeting = [p for t in trials if t.outcome == "COMPLETE" for p in t.operating_points() if p.meets_slo]
     out["trials_meeting_slo"] = float(len({p.trial_id for p in meeting}))
-    goodputs = [_goodput(p.metrics) for p in meeting]
-    goodputs = [g for g in goodputs if g is not None]
+    goodputs = [g for p in meeting if (g := _goodput(p.metrics)) is not None]
     costs = [p.metrics[COST_METRIC] for p in meeting if math.isfinite(p.metrics.get(COST_METRIC, math.inf))]
     if goodputs:
         out["best_goodput"] = max(goodputs)

@@ -131,7 +131,10 @@ class StudySync:
         self.experiment_id = self.writer.experiment(info.name, {EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
         tags = {STUDY_TAG: info.name, STUDY_DIR_TAG: str(self.study_dir.resolve()), "model.name": info.model,
                 "requests.workload": info.workload, "hardware.device": info.device, "created": info.created}  # fmt: skip
-        inputs = [(self.study_dir / SPACE_FILE, None), (self.study_dir / STUDY_FILE, None)]
+        inputs: list[tuple[Path, str | None]] = [
+            (self.study_dir / SPACE_FILE, None),
+            (self.study_dir / STUDY_FILE, None),
+        ]
         workload = self._workload_file(info)
         if workload is not None:
             inputs.append((workload, "workload"))

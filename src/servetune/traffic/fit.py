@@ -87,15 +87,15 @@ def poisson_tolerance(gaps: int) -> float:
 
 
 def fit_arrival(times: Sequence[float]) -> ArrivalFit:
-    times = np.sort(np.asarray(times, dtype=float))
-    gaps = np.diff(times)
-    span = float(times[-1] - times[0]) if len(times) else 0.0
+    ordered = np.sort(np.asarray(times, dtype=float))
+    gaps = np.diff(ordered)
+    span = float(ordered[-1] - ordered[0]) if len(ordered) else 0.0
     if len(gaps) < 1 or span <= 0:
         raise ValueError("every arrival has the same time: no rate can be measured")
     mean = float(gaps.mean())
     cv = float(gaps.std(ddof=1) / mean) if len(gaps) > 1 else 1.0
     process = "poisson" if abs(cv - 1.0) <= poisson_tolerance(len(gaps)) or cv == 0 else "gamma"
-    return ArrivalFit(arrivals=len(times), span_s=span, rate=len(gaps) / span, cv=cv, process=process)
+    return ArrivalFit(arrivals=len(ordered), span_s=span, rate=len(gaps) / span, cv=cv, process=process)
 
 
 def shared_prefix(prompts: Sequence[str], min_chars: int = MIN_PREFIX_CHARS) -> tuple[str, int] | None:
@@ -129,9 +129,18 @@ def _lengths(requests: Sequence[LoggedRequest], count: Counter | None, source: s
     for r in requests:
         if (r.input_tokens is None or r.output_tokens is None) and count is None:
             raise LogError(f"{source} line {r.line}: has texts but no token counts; pass --tokenizer to count them")
-        inputs.append(r.input_tokens if r.input_tokens is not None else count(r.prompt))  # type: ignore[misc,arg-type]
-        outputs.append(r.output_tokens if r.output_tokens is not None else count(r.output))  # type: ignore[misc,arg-type]
+        inputs.append(_size(r.input_tokens, r.prompt, count))
+        outputs.append(_size(r.output_tokens, r.output, count))
     return inputs, outputs
+
+
+def _size(tokens: int | None, text: str | None, count: Counter | None) -> int:
+    """A request's token count as logged, else its text's as ``count`` counts it (``_lengths`` has seen that
+    there is a ``count``; ``parse_record``, that a record without the count has the text)."""
+    if tokens is not None:
+        return tokens
+    assert count is not None and text is not None
+    return count(text)
 
 
 def profile(requests: Sequence[LoggedRequest], count: Counter | None = None, source: str = "the log") -> TrafficProfile:

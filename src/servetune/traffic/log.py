@@ -128,7 +128,8 @@ def parse_record(record: object, line: int) -> LoggedRequest:
     if found is None:
         raise ValueError(f"no time (one of {', '.join(TIME_KEYS)})")
     time_s = _time(*found)
-    usage = record.get("usage") if isinstance(record.get("usage"), dict) else {}
+    raw_usage = record.get("usage")
+    usage = raw_usage if isinstance(raw_usage, dict) else {}
     found = _first(record, INPUT_TOKEN_KEYS) or _usage(usage, "prompt_tokens")
     input_tokens = _count(*found) if found else None
     found = _first(record, OUTPUT_TOKEN_KEYS) or _usage(usage, "completion_tokens")

@@ -48,7 +48,7 @@ def synthetic_log(requests: int = 400, *, rate: float = 0.5, cv: float = 1.5, ma
             new = int(len(prompt) / 4) if turn == 0 else int(rng.integers(8, 64))
             output = int(rng.integers(16, 64))
             duration = round(0.2 + 0.02 * output, 3)
-            record = {
+            record: dict[str, float | str] = {
                 "timestamp": round(sent, 3),
                 "input_tokens": history + new,
                 "output_tokens": output,

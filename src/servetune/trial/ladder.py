@@ -71,12 +71,14 @@ def busy_throughput(result: LevelResult) -> float:
 
 def fell_behind(level: Level, result: LevelResult) -> str | None:
     """Why an open-loop level shows the engine could not keep up with its rate (None: it kept up)."""
-    if stop_cause(result.stopped_early) == "saturated":  # "saturated: vLLM's waiting queue grew ...: stopped early"
-        return f"{result.stopped_early.removeprefix('saturated: ').removesuffix(': stopped early')} (the level was cut)"
+    stopped = result.stopped_early
+    # "saturated: vLLM's waiting queue grew ...: stopped early"
+    if stopped is not None and stop_cause(stopped) == "saturated":
+        return f"{stopped.removeprefix('saturated: ').removesuffix(': stopped early')} (the level was cut)"
     summary = result.summary
     margin = noise_margin(result)
-    if summary.ttft_growth_low is None or summary.ttft_growth_low <= margin:
-        return None
+    if summary.ttft_growth is None or summary.ttft_growth_low is None or summary.ttft_growth_low <= margin:
+        return None  # (the two are measured together)
     sent = summary.completed + summary.failed
     offered = (sent - 1) / summary.send_span_s if summary.send_span_s else level.value
     return (f"TTFT grew {summary.ttft_growth:.2f} s per second sent (at least {summary.ttft_growth_low:.2f}, over "

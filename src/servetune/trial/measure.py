@@ -28,7 +28,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Final, Literal, Protocol
 
 import aiohttp
 
@@ -44,7 +44,7 @@ from servetune.results import LevelResult, LevelRun
 from servetune.telemetry import TelemetrySampler
 
 #: ``requests`` that sizes a level by its load (:meth:`LevelPlan.sized`).
-AUTO = "auto"
+AUTO: Final = "auto"
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,11 @@ class LevelPlan:
 
     @classmethod
     def sized(
-        cls, level: Level, requests: int | str | None = AUTO, seconds: float | None = None, warmup: int | None = None
+        cls,
+        level: Level,
+        requests: int | Literal["auto"] | None = AUTO,
+        seconds: float | None = None,
+        warmup: int | None = None,
     ) -> LevelPlan:
         """A level's plan; ``requests`` "auto" sizes it by its load.
 

@@ -198,7 +198,9 @@ class Engine(MeasuredEngine, Protocol):
     ``EngineStartError``) and stops it, with its address, its start-up time, the KV capacity it
     reported, and its process (the telemetry sampler follows its memory)."""
 
-    url: str
+    @property
+    def url(self) -> str: ...
+
     startup_s: float | None
     process: Any
 
@@ -214,9 +216,9 @@ EngineFactory = Callable[[TrialSpec, Path], Engine]
 
 def vllm_engine(spec: TrialSpec, trial_dir: Path) -> VllmServer:
     """The real engine: vLLM's OpenAI server in its own process group, logging to ``engine.log``."""
-    kwargs = {"python": spec.python} if spec.python else {}
     return VllmServer(spec.model, spec.engine_args, {**spec.env, **spec.extra_env}, log_path=trial_dir / ENGINE_LOG,
-                      startup_timeout_s=spec.startup_timeout_s, cpu_ranks=cpu_ranks(spec), **kwargs)  # fmt: skip
+                      startup_timeout_s=spec.startup_timeout_s, cpu_ranks=cpu_ranks(spec),
+                      python=spec.python or sys.executable)  # fmt: skip
 
 
 def cpu_ranks(spec: TrialSpec) -> int | None:
@@ -263,8 +265,9 @@ def _measure(server: Engine, spec: TrialSpec, result: TrialResult, report: Repor
              trial_dir: Path, stop_rule: StopRule | None = None) -> None:  # fmt: skip
     with server:
         result.startup_s = server.startup_s
-        if getattr(server, "cpu_binding", None):  # the cores its ranks ran on (engine/cores.py)
-            result.environment["cpu_binding"] = server.cpu_binding
+        binding = getattr(server, "cpu_binding", None)
+        if binding:  # the cores its ranks ran on (engine/cores.py)
+            result.environment["cpu_binding"] = binding
         result.startup_phases = startup_phases(_read(trial_dir / ENGINE_LOG), server.startup_s)
         result.resolved_engine_args = fetch_resolved(server.url)
         kv = server.kv_capacity()

@@ -74,8 +74,11 @@ def _level(point: ReportPoint, levels: tuple[Level, ...], workload: Workload) ->
         if level.kind == kind and level.value == value:
             return level
     arrival = workload.arrival
-    process = "concurrency" if kind == "concurrency" else ("gamma" if arrival.process == "gamma" else "poisson")
-    return Level(kind, float(value), process, arrival.burstiness)
+    if kind == "concurrency":
+        return Level("concurrency", float(value), "concurrency", arrival.burstiness)
+    if kind == "rate":
+        return Level("rate", float(value), "gamma" if arrival.process == "gamma" else "poisson", arrival.burstiness)
+    raise ValueError(f"a level of unknown kind {kind!r}")  # Level.as_dict makes no other
 
 
 def select(study_dir: Path, pick: str, python: str = sys.executable, address: str | None = None) -> Selection:

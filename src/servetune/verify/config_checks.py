@@ -57,9 +57,10 @@ def weights_and_tokenizer_pinned(ctx: Context) -> tuple[Status, str]:
     tokenizer_arg = ctx.result.engine_args.get("tokenizer")
     tok_dir = found
     if isinstance(tokenizer_arg, str) and tokenizer_arg != model:
-        tok_dir = fingerprint.locate(tokenizer_arg, ctx.study_dir, ctx.result.engine_args.get("tokenizer_revision"))
-        if tok_dir is None:
+        located = fingerprint.locate(tokenizer_arg, ctx.study_dir, ctx.result.engine_args.get("tokenizer_revision"))
+        if located is None:
             return NOT_CHECKED, f"the tokenizer {tokenizer_arg} is not on this disk"
+        tok_dir = located
     tokenizer = fingerprint.tokenizer_files(tok_dir.path)
     if not tokenizer:
         return FAIL, f"no tokenizer files ({', '.join(fingerprint.TOKENIZER_FILES[:3])}...) in {tok_dir.path}"
@@ -187,12 +188,12 @@ def memory_peak_margin(ctx: Context) -> tuple[Status, str]:
         if util > MAX_GPU_MEMORY_UTILIZATION:
             problems.append(f"{util_text} is above {MAX_GPU_MEMORY_UTILIZATION:g} (section 4)")
         total = to_float(env.get("gpu_memory_gib"))
-        if peak is None and total and "gpu_memory_used_gib_max" in telemetry:
+        if level is not None and peak is None and total and "gpu_memory_used_gib_max" in telemetry:
             peak, where = telemetry["gpu_memory_used_gib_max"] / total, f"at {level_label(level.summary.level)}"
         setting = util_text
     else:
         total = to_float(env.get("host_memory_gib"))
-        if peak is None and total and "host_memory_used_gib_max" in telemetry:
+        if level is not None and peak is None and total and "host_memory_used_gib_max" in telemetry:
             peak, where = telemetry["host_memory_used_gib_max"] / total, f"at {level_label(level.summary.level)}"
         space = ctx.result.env.get(CPU_KV_SPACE)
         setting = f"{CPU_KV_SPACE} {space} GiB" if space else f"{CPU_KV_SPACE} left to vLLM"

@@ -134,7 +134,7 @@ def ttft_breaks(slo: Slo, summary) -> list[str]:
     """The SLO's TTFT bounds a summary breaks, each at its own statistic."""
     broken = []
     for b in slo.bounds:
-        if b.metric == "ttft_ms":
+        if b.metric == "ttft_ms" and b.stat is not None:  # (a latency bound has a statistic)
             value = getattr(summary.ttft_ms, b.stat)
             if value is not None and value > b.max:
                 broken.append(f"{b.name} = {value:.4g} > {b.max:g}")
