@@ -52,6 +52,7 @@ def test_common_spellings_are_read():
     "line, needle",
     [
         ('{"timestamp": 1, "input_tokens": 3', "not valid JSON"),
+        ('{"timestamp": 1, "input_tokens": ' + "9" * 5000 + "}", "not valid JSON"),  # past Python's digit limit
         ("[1, 2]", "not a JSON object"),
         ('{"input_tokens": 3, "output_tokens": 1}', "no time"),
         (

@@ -167,8 +167,9 @@ def read_log(path: str | Path) -> list[LoggedRequest]:
             continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise LogError(f"{path} line {number}: not valid JSON ({exc.msg})") from None
+        except ValueError as exc:  # JSONDecodeError, or an integer past Python's 4300-digit limit
+            reason = exc.msg if isinstance(exc, json.JSONDecodeError) else str(exc)
+            raise LogError(f"{path} line {number}: not valid JSON ({reason})") from None
         try:
             requests.append(parse_record(record, number))
         except ValueError as exc:
