@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -286,6 +287,11 @@ class TrialResult(BaseModel):
         return points
 
     @property
+    def unsettled_loads(self) -> frozenset[float]:
+        """The loads whose SLO verdict the capacity search left within the noise (none without a search)."""
+        return frozenset(self.capacity_at_slo.unsettled) if self.capacity_at_slo is not None else frozenset()
+
+    @property
     def best(self) -> OperatingPoint | None:
         """The level with the highest goodput that meets the SLO (None if none does)."""
         if self.best_level_index is None:
@@ -293,9 +299,17 @@ class TrialResult(BaseModel):
         return self.operating_points()[self.best_level_index]
 
 
-def best_level_index(levels: list[LevelResult]) -> int | None:
-    """Highest goodput (or request throughput without a per-request SLO) among levels meeting the SLO."""
-    meeting = [(i, lv) for i, lv in enumerate(levels) if lv.meets_slo and lv.summary.completed > 0]
+def level_load(level: LevelResult) -> float:
+    """The load a level was measured at (its clients or its rate), as the capacity search names loads."""
+    return max(level.summary.level.values(), default=0.0)
+
+
+def best_level_index(levels: list[LevelResult], unsettled: Collection[float] = ()) -> int | None:
+    """Highest goodput (or request throughput without a per-request SLO) among levels meeting the SLO,
+    leaving out the loads whose verdict the capacity search found within the noise (``unsettled``: a
+    measurement that met the SLO there could as well have broken it on a repeat)."""
+    meeting = [(i, lv) for i, lv in enumerate(levels)
+               if lv.meets_slo and lv.summary.completed > 0 and level_load(lv) not in unsettled]  # fmt: skip
     if not meeting:
         return None
 
@@ -311,7 +325,7 @@ def highest_load_index(levels: list[LevelResult]) -> int | None:
     may go on below the ladder's top, so the last level is not always the highest)."""
     if not levels:
         return None
-    return max(range(len(levels)), key=lambda i: max(levels[i].summary.level.values(), default=0.0))
+    return max(range(len(levels)), key=lambda i: level_load(levels[i]))
 
 
 #: The layout of ``study.json`` and ``result.json`` this servetune writes. Readers take any version:

@@ -14,7 +14,7 @@ import pytest
 
 from servetune.config.slo import Slo
 from servetune.load.runner import Level
-from servetune.results import LevelResult, LevelRun, TrialResult
+from servetune.results import Capacity, LevelResult, LevelRun, TrialResult
 from servetune.trial.capacity import CapacitySearch
 from servetune.trial.ladder import ladder
 from tests.builders import level as made_level
@@ -270,3 +270,22 @@ def test_the_highest_load_measured_is_found_by_load_once_the_search_went_below_t
     recorded = trial("t1", {}, [made_level(c, 100 * c, 3000, violations=broken) for c in (8, 4, 2, 1)])
     assert chosen_level(recorded).index == 0 and not chosen_level(recorded).meets_slo
     assert verified_level(recorded, None) == 0
+
+
+def test_a_load_left_unsettled_is_measured_but_neither_the_trials_best_level_nor_on_a_front():
+    """The capacity search counted 32 clients within the noise: its measurement met the SLO, a repeat could as well
+    have broken it, so the trial's best level, the report's eligible points and the recommendation stay below it."""
+    from servetune.report.points import trial_points
+    from servetune.report.recommend import candidates
+    from servetune.results import best_level_index
+
+    ladder_levels = [made_level(8, 400, 300), made_level(16, 700, 600), made_level(32, 1100, 1900)]
+    measured = trial("t", {"max_num_seqs": 32}, ladder_levels)
+    assert best_level_index(measured.levels) == 2  # the ladder alone: the cheapest level meeting the SLO is 32
+    measured.capacity_at_slo = Capacity(value=16, unit="concurrency", bracket=(16, 32), bound="exact",
+                                        tolerance=0.1, unsettled=[32.0])  # fmt: skip
+    assert measured.unsettled_loads == {32.0}
+    assert best_level_index(measured.levels, measured.unsettled_loads) == 1
+    points = trial_points(measured)
+    assert [p.unsettled for p in points] == [False, False, True] and points[2].meets_slo and not points[2].eligible
+    assert [p.level for p in candidates(points)] == [{"concurrency": 16.0}, {"concurrency": 8.0}]

@@ -25,7 +25,7 @@ from servetune.metrics import (
     metric_names,
 )
 from servetune.report.params import BASELINE
-from servetune.results import MARGIN, Outcome, TrialResult, throughput_noise
+from servetune.results import MARGIN, Outcome, TrialResult, level_load, throughput_noise
 
 DERIVED_METRICS = (OUTPUT_THROUGHPUT_PER_DEVICE, OUTPUT_THROUGHPUT_PER_USER)
 
@@ -74,6 +74,9 @@ class ReportPoint:
     slo_violations: tuple[str, ...] = ()
     quality_failures: tuple[str, ...] = ()  # the quality bounds the trial's probe broke (config/quality.py)
     noise: float = MARGIN  # how much a repeat of this level's cost could differ (results.py throughput_noise)
+    # The trial's capacity search found this load's SLO verdict within the noise (trial/capacity.py): a
+    # repeat could as well break the SLO, so the point is drawn but neither on a front nor recommended.
+    unsettled: bool = False
 
     @property
     def key(self) -> str:
@@ -85,9 +88,9 @@ class ReportPoint:
 
     @property
     def eligible(self) -> bool:
-        """May stand on a Pareto front or be recommended: its trial completed, it meets every SLO, and
-        the trial kept its quality within the bounds."""
-        return self.outcome == "COMPLETE" and self.meets_slo and not self.quality_failures
+        """May stand on a Pareto front or be recommended: its trial completed, it meets every SLO beyond
+        the noise (not an unsettled load of the capacity search), and the trial kept its quality within the bounds."""
+        return self.outcome == "COMPLETE" and self.meets_slo and not self.unsettled and not self.quality_failures
 
     def value(self, metric: str) -> float | None:
         """The metric's value when it is a finite number, else None."""
@@ -195,6 +198,7 @@ def outline(trial: TrialResult) -> TrialOutline:
 def trial_points(trial: TrialResult, price_per_device_hour: float | None = None) -> list[ReportPoint]:
     """Every measured level of a trial; ``price_per_device_hour`` replaces the recorded price."""
     points = []
+    unsettled = trial.unsettled_loads
     for op, level in zip(trial.operating_points(price_per_device_hour), trial.levels, strict=True):
         metrics = dict(op.metrics)
         metrics[OUTPUT_THROUGHPUT_PER_DEVICE] = level.summary.output_throughput / max(trial.devices, 1)
@@ -220,6 +224,7 @@ def trial_points(trial: TrialResult, price_per_device_hour: float | None = None)
                 slo_violations=tuple(level.slo_violations),
                 quality_failures=quality_failures(trial),
                 noise=throughput_noise(level),
+                unsettled=level_load(level) in unsettled,
             )
         )
     return points

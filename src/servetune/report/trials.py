@@ -96,7 +96,11 @@ def trial_rows(
         by_trial.setdefault(point.trial_id, {})[point.level_index] = point
     rows = []
     for trial in trials:
-        best = trial.best_level_index if trial.best_level_index is not None else best_level_index(trial.levels)
+        best = (
+            trial.best_level_index
+            if trial.best_level_index is not None
+            else best_level_index(trial.levels, trial.unsettled_loads)
+        )
         mine = by_trial.get(trial.trial_id, {})
         shown = mine.get(best) if best is not None else (mine[max(mine)] if mine else None)
         stopped, detail = why_stopped(trial)

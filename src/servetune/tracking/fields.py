@@ -138,7 +138,7 @@ def best_index(trial: TrialResult) -> int | None:
     """The trial's recorded best level, or the one ``best_level_index`` picks when none was recorded."""
     if trial.best_level_index is not None and trial.best_level_index < len(trial.levels):
         return trial.best_level_index
-    return best_level_index(trial.levels)
+    return best_level_index(trial.levels, trial.unsettled_loads)
 
 
 def best_point(trial: TrialResult) -> OperatingPoint | None:

@@ -256,7 +256,7 @@ def run_trial(spec: TrialSpec, report: Report, prompts: Callable[[], PromptFacto
     finally:
         result.finished_at = _now()
         result.duration_s = time.monotonic() - started
-        result.best_level_index = best_level_index(result.levels)
+        result.best_level_index = best_level_index(result.levels, result.unsettled_loads)
         write_atomic(trial_dir / RESULT_FILE, result.model_dump_json(indent=2) + "\n")
     return result
 
