@@ -123,8 +123,8 @@ def main() -> None:
     from ray import serve
 
     from servetune.engine.server import free_port
+    from servetune.local_ray import SERVE_SYSTEM_CONFIG
     from servetune.models.tiny import build_tiny_model
-    from servetune.study.ray_cluster import SERVE_SYSTEM_CONFIG
 
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="serve-floor-"))

@@ -20,9 +20,9 @@ import psutil
 
 from servetune.engine.server import free_port
 from servetune.errors import EngineStartError, UserError
+from servetune.local_ray import SERVE_SYSTEM_CONFIG, keeping_sigterm
 from servetune.serve.plan import CLAIM_CORES_ENV
 from servetune.serve.routing import merge_counters, read_replica_counters
-from servetune.study.ray_cluster import SERVE_SYSTEM_CONFIG, keeping_sigterm
 
 #: Seconds of slack around a replica actor's lifetime when its worker log files are matched by pid:
 #: before its start (the clocks of the GCS and of this host), and after its end (late flushes).
