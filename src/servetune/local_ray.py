@@ -1,7 +1,6 @@
-"""Starting a Ray of this machine's own from a servetune process: the rules every command that does so
-follows (``run``'s study, ``verify`` and ``serve-check`` through Serve), and Serve's system config for a
-local Ray that runs replicas. It imports Ray only when called, and nothing of servetune's: every room may
-use it.
+"""Starting a Ray of this machine's own from a servetune process: the rules every command and bench
+script that does so follows (``run``'s study, ``verify`` and ``serve-check`` through Serve, the bench
+scripts). It imports Ray only when called, and nothing of servetune's: every room may use it.
 
 Ray 2.60 turns token authentication on for a local ``ray.init()`` and, when the user has no
 token yet, writes one to ``~/.ray/auth_token``. From then on every ``ray start --head`` on the

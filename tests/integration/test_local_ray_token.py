@@ -87,7 +87,7 @@ def test_verify_through_serve_on_a_local_ray_leaves_no_token(tmp_path, home, she
 def test_serve_checks_local_ray_leaves_no_token(tmp_path, home, shell):
     """serve-check's local Ray and Serve (``ServeCluster`` without an address, as ``servetune serve-check`` and the
     verify above start them), up and torn down. The command costs a deployment more (about a minute here), and
-    starts no Ray but through ``ServeCluster`` (none of its own)."""
+    starts no Ray but through ``ServeCluster`` (no ``ray.init`` of its own: tests/unit/test_local_ray.py)."""
     script = (
         "from servetune.serve.cluster import ServeCluster\n"
         "with ServeCluster(None, {'CPU': 3}) as cluster:\n"
@@ -97,4 +97,21 @@ def test_serve_checks_local_ray_leaves_no_token(tmp_path, home, shell):
                           timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "started True applications []" in done.stdout.splitlines(), done.stdout  # (Ray's own lines follow)
+    assert not (home / ".ray" / "auth_token").exists()
+
+
+def test_a_local_ray_started_as_the_bench_scripts_start_one_leaves_no_token(tmp_path, home, shell):
+    """bench/packing.py (which left the file) and bench/serve_floor.py start their Ray with ``start_local_ray``, as
+    ``run``, ``verify`` and ``serve-check`` do: here as packing.py calls it, GPUs declared."""
+    script = (
+        "import ray\n"
+        "from servetune.local_ray import start_local_ray\n"
+        "start_local_ray(num_gpus=2, num_cpus=1, logging_level='WARNING', log_to_driver=False, configure_logging=True)\n"
+        "print('GPUs', ray.cluster_resources().get('GPU'), flush=True)\n"
+        "ray.shutdown()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=shell, cwd=tmp_path,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "GPUs 2.0" in done.stdout.splitlines(), done.stdout
     assert not (home / ".ray" / "auth_token").exists()

@@ -1,6 +1,9 @@
 """Starting a Ray of this machine's own (local_ray.py), without Ray running: a token of its own in the
-process's environment, never written to ``~/.ray``, unless the user has authentication settings of their own."""
+process's environment, never written to ``~/.ray``, unless the user has authentication settings of their own;
+and every place in servetune and its bench scripts that starts a local Ray starts it through here.
+(With Ray running: tests/integration/test_local_ray_token.py.)"""
 
+import ast
 import signal
 from pathlib import Path
 
@@ -8,6 +11,9 @@ import pytest
 
 from servetune import local_ray
 from servetune.local_ray import start_local_ray, token_for_local_cluster
+from tests.builders import bench_script
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -68,3 +74,51 @@ def test_a_local_ray_is_started_after_the_token_rule_with_the_sigterm_handler_ke
         ("token", None), ("init", {"address": "local", "include_dashboard": False, "num_cpus": 3, "log_to_driver": False}),
         ("token", None), ("init", {"address": "local", "include_dashboard": True}),
     ]  # fmt: skip
+
+
+def test_bench_packing_starts_its_local_ray_through_the_token_rule(monkeypatch):
+    """bench/packing.py left ~/.ray/auth_token behind: its study's Ray is started as `servetune run` starts one."""
+    started = []
+
+    class Stop(Exception):
+        pass
+
+    def start(**kwargs):
+        started.append(kwargs)
+        raise Stop
+
+    monkeypatch.setattr(local_ray, "start_local_ray", start)
+    with pytest.raises(Stop):
+        bench_script("packing").run_study(context=None, points=[], gpus=4, cpus=6)
+    assert started == [
+        {"num_gpus": 4, "num_cpus": 6, "logging_level": "WARNING", "log_to_driver": False, "configure_logging": True}
+    ]
+
+
+def ray_init_calls(path: Path) -> list[ast.Call]:
+    """The ``ray.init(...)`` calls of a Python file."""
+    return [
+        node
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr == "init"
+        and isinstance(node.func.value, ast.Name)
+        and node.func.value.id == "ray"
+    ]
+
+
+def test_no_command_or_bench_script_starts_a_local_ray_but_through_the_token_rule():
+    """Every ``ray.init`` of servetune and of bench/ outside local_ray.py joins a cluster by address (a
+    variable: --address, $RAY_ADDRESS); one without, or with address="local", would start a local Ray whose
+    token Ray writes to ~/.ray/auth_token: start_local_ray starts those."""
+    starts = []
+    for path in sorted([*(ROOT / "src" / "servetune").rglob("*.py"), *(ROOT / "bench").glob("*.py")]):
+        if path == ROOT / "src" / "servetune" / "local_ray.py":
+            continue
+        for call in ray_init_calls(path):
+            address = next((k.value for k in call.keywords if k.arg == "address"), None)
+            if address is None or isinstance(address, ast.Constant):
+                starts.append(f"{path.relative_to(ROOT)}:{call.lineno}")
+    assert starts == []
+    assert len(ray_init_calls(ROOT / "src" / "servetune" / "local_ray.py")) == 1
