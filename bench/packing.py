@@ -215,11 +215,12 @@ def run_study(
     """
     import ray
 
+    from servetune.local_ray import start_local_ray
     from servetune.study.driver import ResultMirror, finished_results
     from servetune.study.tuner import run_tuner
 
-    ray.init(num_gpus=gpus, num_cpus=cpus, include_dashboard=False, logging_level="WARNING",
-             log_to_driver=False, configure_logging=True)  # fmt: skip
+    # As `servetune run` starts its local Ray: a token of its own, none left in ~/.ray/auth_token.
+    start_local_ray(num_gpus=gpus, num_cpus=cpus, logging_level="WARNING", log_to_driver=False, configure_logging=True)
     timeline = Timeline()
     began = time.monotonic()
     try:

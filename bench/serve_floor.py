@@ -123,8 +123,8 @@ def main() -> None:
     from ray import serve
 
     from servetune.engine.server import free_port
+    from servetune.local_ray import SERVE_SYSTEM_CONFIG, start_local_ray
     from servetune.models.tiny import build_tiny_model
-    from servetune.study.ray_cluster import SERVE_SYSTEM_CONFIG
 
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="serve-floor-"))
@@ -137,8 +137,8 @@ def main() -> None:
     )  # fmt: skip
     ttft: dict[str, list[float]] = {"bare": [], "serve, two hops": [], "serve, one hop": []}
     try:
-        # As serve-check starts its local Ray: 4 CPUs declared, workers at niceness 0.
-        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _system_config=SERVE_SYSTEM_CONFIG)
+        # As serve-check starts its local Ray: 4 CPUs declared, workers at niceness 0, no token left in ~/.ray.
+        start_local_ray(num_cpus=4, log_to_driver=False, _system_config=SERVE_SYSTEM_CONFIG)
         serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
         urls = {"bare": f"http://127.0.0.1:{port}"}
         for label, name, two in (("serve, two hops", "two", True), ("serve, one hop", "one", False)):

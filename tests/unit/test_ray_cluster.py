@@ -1,43 +1,12 @@
-"""Ray's token authentication around a study's local cluster (study/ray_cluster.py), without Ray running."""
-
-from pathlib import Path
+"""Joining a cluster that asks for a token, and starting a study's local Ray (study/ray_cluster.py), without Ray
+running. The token rule of a local Ray (local_ray.py) is tests/unit/test_local_ray.py's."""
 
 import pytest
 
+from servetune import local_ray
 from servetune.errors import UserError
 from servetune.study import ray_cluster
-from servetune.study.ray_cluster import check_token_accepted, token_for_local_cluster, token_refused_message
-
-
-@pytest.fixture
-def home(tmp_path, monkeypatch) -> Path:
-    monkeypatch.setenv("HOME", str(tmp_path))
-    return tmp_path
-
-
-def test_a_local_cluster_gets_a_token_of_its_own_and_none_is_written(home):
-    env: dict[str, str] = {}
-    assert token_for_local_cluster(env)
-    assert len(env["RAY_AUTH_TOKEN"]) >= 32 and "RAY_AUTH_MODE" not in env  # ray.init() turns the mode on itself
-    assert not (home / ".ray").exists()
-    other: dict[str, str] = {}
-    token_for_local_cluster(other)
-    assert other["RAY_AUTH_TOKEN"] != env["RAY_AUTH_TOKEN"]  # one per study, not a shared secret
-
-
-@pytest.mark.parametrize("name, value", [("RAY_AUTH_MODE", "disabled"), ("RAY_AUTH_MODE", "token"),
-                                         ("RAY_AUTH_TOKEN", "mine"), ("RAY_AUTH_TOKEN_PATH", "/secrets/ray")])  # fmt: skip
-def test_a_users_own_authentication_settings_are_kept(home, name, value):
-    env = {name: value}
-    assert not token_for_local_cluster(env)
-    assert env == {name: value}
-
-
-def test_a_users_token_file_is_used_as_ray_would(home):
-    (home / ".ray").mkdir()
-    (home / ".ray" / "auth_token").write_text("x" * 32)
-    env: dict[str, str] = {}
-    assert not token_for_local_cluster(env) and env == {}
+from servetune.study.ray_cluster import check_token_accepted, token_refused_message
 
 
 def test_refused_says_what_to_set():
@@ -80,7 +49,7 @@ def test_init_ray_checks_the_token_before_joining(monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6379")  # inside `ray job submit`
     ray_cluster.init_ray(None)
     monkeypatch.delenv("RAY_ADDRESS")
-    monkeypatch.setattr(ray_cluster, "token_for_local_cluster", lambda: calls.append(("token", None)))
+    monkeypatch.setattr(local_ray, "token_for_local_cluster", lambda: calls.append(("token", None)))
     assert ray_cluster.init_ray(None) is True  # a new local Ray, not a `ray start` running on this machine
     assert calls == [("check", "10.0.0.1:6379"), ("init", "10.0.0.1:6379"), ("check", "10.0.0.2:6379"), ("init", None),
                      ("token", None), ("init", "local")]  # fmt: skip
@@ -98,7 +67,7 @@ def test_a_ray_that_does_not_come_up_is_one_line_and_what_it_started_is_stopped(
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", timed_out)
     monkeypatch.setattr(ray, "shutdown", lambda: calls.append("shutdown"))
-    monkeypatch.setattr(ray_cluster, "token_for_local_cluster", lambda: None)
+    monkeypatch.setattr(local_ray, "token_for_local_cluster", lambda: None)
     monkeypatch.setattr(ray_cluster, "check_token_accepted", lambda address: None)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with pytest.raises(UserError) as local:
@@ -128,7 +97,7 @@ def test_a_local_ray_leaves_the_commands_sigterm_handler_in_place(monkeypatch):
     try:
         monkeypatch.setattr(ray, "is_initialized", lambda: False)
         monkeypatch.setattr(ray, "init", rays_init)
-        monkeypatch.setattr(ray_cluster, "token_for_local_cluster", lambda: None)
+        monkeypatch.setattr(local_ray, "token_for_local_cluster", lambda: None)
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
         assert ray_cluster.init_ray(None) is True
         assert signal.getsignal(signal.SIGTERM) is ours

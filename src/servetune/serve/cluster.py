@@ -2,8 +2,9 @@
 application), deploy one Ray Serve LLM application, wait for it, count what each replica served,
 and tear down what was started, proving by process id that no replica process is left.
 
-Only this module imports Ray. A local Ray is started by the driver (``ray.init``) and stopped
-with it; on a cluster given by address, only the application serve-check deployed is deleted.
+Only this module of serve/ starts Ray. A local Ray is started by the driver as every command starts
+one (``local_ray.start_local_ray``: no token left in ``~/.ray``) and stopped with it; on a cluster
+given by address, only the application serve-check deployed is deleted.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ import psutil
 
 from servetune.engine.server import free_port
 from servetune.errors import EngineStartError, UserError
+from servetune.local_ray import SERVE_SYSTEM_CONFIG, keeping_sigterm, start_local_ray
 from servetune.serve.plan import CLAIM_CORES_ENV
 from servetune.serve.routing import merge_counters, read_replica_counters
-from servetune.study.ray_cluster import SERVE_SYSTEM_CONFIG, keeping_sigterm
 
 #: Seconds of slack around a replica actor's lifetime when its worker log files are matched by pid:
 #: before its start (the clocks of the GCS and of this host), and after its end (late flushes).
@@ -55,14 +56,11 @@ class ServeCluster:
                 # The replicas claim a core per rank on the CPU build (serve/cores.py): its workers inherit the variable.
                 self._env_before = os.environ.get(CLAIM_CORES_ENV)
                 os.environ[CLAIM_CORES_ENV] = "1"
-                # CPUs are declared (what Serve schedules by); GPUs are left for Ray to detect. "local": a new
-                # Ray here, even where $RAY_ADDRESS or a `ray start` names another (--address joins one).
+                # CPUs are declared (what Serve schedules by); GPUs are left for Ray to detect. A new Ray here, even
+                # where $RAY_ADDRESS or a `ray start` names another (--address joins one), with a token of its own.
                 try:
-                    with keeping_sigterm():
-                        ray.init(
-                            address="local", num_cpus=int(self.resources.get("CPU", 1) + 0.999), include_dashboard=False,
-                            log_to_driver=False, _system_config=SERVE_SYSTEM_CONFIG,
-                        )  # fmt: skip
+                    start_local_ray(num_cpus=int(self.resources.get("CPU", 1) + 0.999), log_to_driver=False,
+                                    _system_config=SERVE_SYSTEM_CONFIG)  # fmt: skip
                 except BaseException:
                     self._restore_env()
                     raise

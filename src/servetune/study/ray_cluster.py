@@ -1,64 +1,26 @@
-"""Joining a Ray cluster, or starting a local one, and Ray's token authentication (Ray 2.60).
+"""Joining a Ray cluster, or starting a local one, for a study (``servetune run``).
 
-Ray 2.60 turns token authentication on for a local ``ray.init()`` and, when the user has no
-token yet, writes one to ``~/.ray/auth_token``. From then on every ``ray start --head`` on the
-machine enables token authentication (it finds that file), while ``ray job submit`` and
-``ray.init(address=...)`` send the token only when ``RAY_AUTH_MODE=token`` is set: the README's
-cluster commands are refused ("Token authentication is enabled but no authentication token was
-found") after one local study. So:
-
-- the local cluster of a study keeps token authentication, with a token that lives in this
-  process's environment (and its workers') for as long as the study, not in ``~/.ray``;
-- joining a cluster that asks for a token this process will not send fails at once, in one line
-  that says what to set, instead of twenty seconds of retries and a traceback.
-
-A user's own choice (``RAY_AUTH_MODE``, ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``, or a token
-already in ``~/.ray/auth_token``) is left as it is.
+A local cluster is started as every servetune command starts one (:mod:`servetune.local_ray`: a token of
+its own, never written to ``~/.ray``). Joining a cluster that asks for a token this process will not send
+fails at once, in one line that says what to set, instead of twenty seconds of retries and a traceback:
+Ray 2.60's ``ray.init(address=...)`` sends the token only when ``RAY_AUTH_MODE=token`` is set.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import threading
 from collections.abc import Iterator, MutableMapping
-from pathlib import Path
 from typing import Any
 
+from servetune import local_ray
 from servetune.errors import UserError
-
-AUTH_MODE = "RAY_AUTH_MODE"
-AUTH_TOKEN = "RAY_AUTH_TOKEN"
-AUTH_TOKEN_PATH = "RAY_AUTH_TOKEN_PATH"
-
-
-def default_token_path() -> Path:
-    """Where Ray keeps a user's token (``ray get-auth-token --generate`` writes it there too)."""
-    return Path.home() / ".ray" / "auth_token"
-
-
-def token_for_local_cluster(environ: MutableMapping[str, str] | None = None) -> bool:
-    """Give a new local cluster a token of its own in ``environ``, so Ray writes none to ``~/.ray``.
-
-    Returns whether it did: not when the user set an authentication mode or token, or already has
-    ``~/.ray/auth_token`` (Ray then uses that one, as it would without servetune).
-    """
-    environ = os.environ if environ is None else environ
-    if any(environ.get(name) for name in (AUTH_MODE, AUTH_TOKEN, AUTH_TOKEN_PATH)) or default_token_path().exists():
-        return False
-    from ray._private.authentication.authentication_token_generator import generate_new_authentication_token
-
-    # RAY_AUTH_MODE stays unset: ray.init() turns token mode on itself for a new local cluster
-    # (and refreshes its cached config, which setting the variable here would not).
-    environ[AUTH_TOKEN] = generate_new_authentication_token()
-    return True
 
 
 def token_refused_message(address: str, environ: MutableMapping[str, str] | None = None) -> str:
     """The one line for a cluster that refused this process: what to set, given what is set."""
     environ = os.environ if environ is None else environ
-    if (environ.get(AUTH_MODE) or "").lower() != "token":
+    if (environ.get(local_ray.AUTH_MODE) or "").lower() != "token":
         return (
             f"the Ray cluster at {address} requires token authentication: set RAY_AUTH_MODE=token "
             "(Ray then sends the token in RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
@@ -89,17 +51,11 @@ def check_token_accepted(address: str) -> None:
         return
 
 
-#: A local Ray that runs Serve replicas to be measured: its metrics agent reports every second (the
-#: replicas' request counts are read from it), and its workers run at niceness 0, not Ray's 15. A Serve
-#: replica's engine inherits its worker's niceness; at 15 it lost the CPU to the load client and Ray's
-#: daemons on the two-core stand-in, where a bare engine started by servetune runs at 0.
-SERVE_SYSTEM_CONFIG = {"metrics_report_interval_ms": 1000, "worker_niceness": 0}
-
-
 def init_ray(address: str | None, local_cpus: int | None = None) -> bool:
     """Join ``address`` (else ``$RAY_ADDRESS``, as inside ``ray job submit``), else start a local cluster;
     whether it started one. ``local_cpus``: the CPUs a local cluster declares (default: the cores), for
-    Serve replicas (:data:`SERVE_SYSTEM_CONFIG`; on the CPU build each claims a core per rank, serve/cores.py)."""
+    Serve replicas (:data:`~servetune.local_ray.SERVE_SYSTEM_CONFIG`; on the CPU build each claims a core per
+    rank, serve/cores.py)."""
     import ray
 
     if ray.is_initialized():
@@ -108,11 +64,12 @@ def init_ray(address: str | None, local_cpus: int | None = None) -> bool:
     joining = address or os.environ.get("RAY_ADDRESS")
     if joining:
         check_token_accepted(joining)
-    else:
-        token_for_local_cluster()
     try:
-        with keeping_sigterm():
-            _init(ray, joining, address, local_cpus, kwargs)
+        if joining:
+            with local_ray.keeping_sigterm():
+                ray.init(address=address, **kwargs)  # None: $RAY_ADDRESS's
+        else:
+            _start_local(local_cpus, kwargs)
     except Exception as exc:  # Ray raises plain Exception when its processes do not come up
         with contextlib.suppress(Exception):
             ray.shutdown()  # what this ray.init started, stopped
@@ -122,34 +79,15 @@ def init_ray(address: str | None, local_cpus: int | None = None) -> bool:
     return not joining
 
 
-@contextlib.contextmanager
-def keeping_sigterm() -> Iterator[None]:
-    """The process's SIGTERM handler as it was before: a ``ray.init`` that starts a local Ray installs its own
-    (``sys.exit(15)``), and the command's (exit 128 + 15, teardown on the way) must stay."""
-    before = signal.getsignal(signal.SIGTERM)
-    try:
-        yield
-    finally:
-        if (
-            before is not None
-            and threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGTERM) is not before
-        ):
-            signal.signal(signal.SIGTERM, before)
-
-
-def _init(ray: Any, joining: str | None, address: str | None, local_cpus: int | None, kwargs: dict[str, Any]) -> None:
-    if joining:
-        ray.init(address=address, **kwargs) if address else ray.init(**kwargs)
-        return
+def _start_local(local_cpus: int | None, kwargs: dict[str, Any]) -> None:
     if local_cpus is not None:
         from servetune.serve.plan import CLAIM_CORES_ENV
 
-        kwargs.update(num_cpus=local_cpus, _system_config=SERVE_SYSTEM_CONFIG)
+        kwargs.update(num_cpus=local_cpus, _system_config=local_ray.SERVE_SYSTEM_CONFIG)
         os.environ[CLAIM_CORES_ENV] = "1"  # its workers inherit it: CPU replicas claim a core per rank
-    # "local": a new Ray on this machine, even where a `ray start` runs here (--address joins one; and with
-    # the CPUs declared, joining would fail in Ray's words).
-    ray.init(address="local", include_dashboard=False, **kwargs)
+    # A new Ray on this machine, even where a `ray start` runs here (--address joins one; and with the CPUs
+    # declared, joining would fail in Ray's words).
+    local_ray.start_local_ray(**kwargs)
 
 
 @contextlib.contextmanager
