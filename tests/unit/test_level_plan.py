@@ -43,3 +43,37 @@ def test_warmup_defaults_to_one_request_per_client_at_most_32(clients, warmup):
 def test_a_study_sizes_its_levels_unless_told():
     assert LoadProtocol().requests_per_level == "auto"
     assert LoadProtocol(requests_per_level=48).requests_per_level == 48
+
+
+class DyingEngine:
+    """An engine whose process still reads as alive for ``alive_reads`` reads after its socket closed."""
+
+    def __init__(self, alive_reads: int) -> None:
+        self.alive_reads = alive_reads
+
+    def alive(self) -> bool:
+        self.alive_reads -= 1
+        return self.alive_reads >= 0
+
+    def failure_reason(self) -> str:
+        return "killed by SIGKILL"
+
+    def log_tail(self) -> str:
+        return "the end of the log"
+
+
+def test_a_level_whose_requests_failed_waits_for_a_dying_engine_to_be_seen_gone():
+    from servetune.errors import EngineDiedError
+    from servetune.trial.measure import check_alive
+
+    with pytest.raises(EngineDiedError, match=r"the engine died during concurrency 1 \(killed by SIGKILL\)"):
+        check_alive(DyingEngine(alive_reads=3), Level("concurrency", 1), failed_requests=8)
+    check_alive(DyingEngine(alive_reads=3), Level("concurrency", 1), failed_requests=0)  # nothing failed: no wait
+    with pytest.raises(EngineDiedError):
+        check_alive(DyingEngine(alive_reads=0), Level("concurrency", 1))  # seen gone at once
+
+
+def test_an_engine_alive_after_the_settle_time_is_alive():
+    from servetune.trial.measure import check_alive
+
+    check_alive(DyingEngine(alive_reads=10**9), Level("concurrency", 1), failed_requests=8, settle_s=0.2)

@@ -341,7 +341,7 @@ def run_levels(console, url, served, workload, prompts, plans, slo, args, result
                     )  # fmt: skip
                 result.levels.append(level_result)
                 console.print(level_table([level_result], slo, title=str(plan.level)))
-                check_alive(server, plan.level)
+                check_alive(server, plan.level, level_result.summary.failed)
 
     asyncio.run(main())
     if len(result.levels) > 1:

@@ -416,10 +416,28 @@ async def measure_rung(
     return result
 
 
-def check_alive(engine: Engine | None, level: Level) -> None:
-    """Raise :class:`EngineDiedError`, with the engine log's tail, when the engine died during ``level``."""
-    if engine is not None and not engine.alive():
-        raise EngineDiedError(f"the engine died during {level} ({engine.failure_reason()})", engine.log_tail())
+#: How long a level whose requests failed waits for a dying engine to be seen gone (see :func:`check_alive`).
+DEATH_SETTLE_S = 2.0
+
+
+def check_alive(
+    engine: Engine | None, level: Level, failed_requests: int = 0, settle_s: float = DEATH_SETTLE_S
+) -> None:
+    """Raise :class:`EngineDiedError`, with the engine log's tail, when the engine died during ``level``.
+
+    A killed engine closes its sockets before its process is gone: requests sent in between fail at once
+    (connection refused), and a whole level of them can end while the process still reads as alive (seen in
+    CI: a bench level of 8 requests failed within milliseconds and the engine was taken for alive, so the
+    run ended as 'every request failed' instead of 'the engine died'). So after a level with failed
+    requests the engine's liveness is read again for up to ``settle_s`` before it counts as alive."""
+    if engine is None:
+        return
+    deadline = time.monotonic() + (settle_s if failed_requests else 0.0)
+    while engine.alive():
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.05)
+    raise EngineDiedError(f"the engine died during {level} ({engine.failure_reason()})", engine.log_tail())
 
 
 async def measure_repeated(

@@ -320,7 +320,7 @@ async def _climb(spec, server, result, report, prompts, records_file, stop_rule=
                 telemetry=lambda: TelemetrySampler(gpu_indices, server.process.pid if server.process is not None else None),
             )  # fmt: skip
             result.levels.append(level_result)  # kept even when the engine died during it
-            check_alive(server, level)
+            check_alive(server, level, level_result.summary.failed)
             report(level_report(result, level_result))
             try:
                 level = steps.send(level_result)
