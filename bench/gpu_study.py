@@ -217,8 +217,8 @@ def triton_what_if(out: dict[str, Any], warm_compile_s: float) -> float:
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from servetune.config.space import load_space
     from servetune.models.tiny import build_tiny_model
-    from servetune.study.context import StudyContext, resolve_levels
     from servetune.study.driver import prepare_study_dir, proposals
+    from servetune.trial.context import StudyContext, resolve_levels
 
     model = build_tiny_model(workdir / "models" / "tiny").resolve()
     data, changes = gpu_space(args.space, model, args.scale)

@@ -6,7 +6,7 @@ with Ray Serve LLM's stream batching off (``serve.stream_batching_interval_ms`` 
 
 Two trials run at once (``max_concurrent: 2``) on the two cores the space declares: the two one-replica
 trials side by side, each replica on a core of its own, and the two-replica trial after both gave their
-cores back to the study's ledger (serve/ledger.py). The study ends by verifying its recommendation
+cores back to the study's ledger (device_ledger.py). The study ends by verifying its recommendation
 (``search.verify``) as that Serve application, deployed on the study's own Serve."""
 
 import json

@@ -183,7 +183,7 @@ def _t(stamp: str) -> float:
 LEDGER_DRIVER = """
 import json, sys, time
 import ray
-from servetune.serve.ledger import start_ledger
+from servetune.device_ledger import start_ledger
 
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
 ledger = start_ledger("servetune-serve-devices-nodes-test", "gpu", 4, every_s=0.2)
@@ -201,7 +201,7 @@ print(json.dumps({"waited": waited, **ray.get(ledger.state.remote())}))
 
 
 def test_the_serve_ledger_places_each_replica_inside_one_node_of_the_real_cluster(cluster):
-    """Trials through Serve take their devices from the study's ledger (serve/ledger.py), counted node by node
+    """Trials through Serve take their devices from the study's ledger (device_ledger.py), counted node by node
     from the real cluster's nodes: a TP2 replica waits while the 2 free GPUs are on different workers."""
     done = subprocess.run([sys.executable, "-c", LEDGER_DRIVER, cluster.address], capture_output=True, text=True,
                           env=cluster.head.env, timeout=120)  # fmt: skip
@@ -222,7 +222,7 @@ from ray import serve
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from servetune.engine.server import free_port
 from servetune.serve.cluster import ServeCluster
-from servetune.serve.ledger import devices_held, report_placement, start_ledger
+from servetune.device_ledger import devices_held, report_placement, start_ledger
 
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
 serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
@@ -284,7 +284,7 @@ print(json.dumps({"moved": moved, "stretched": stretched, "after": after}))
 def test_where_ray_placed_a_serve_replicas_devices_is_read_back_into_the_ledger_in_place_of_its_plan(cluster):
     """The ledger plans a replica on the fullest node that fits; Ray places it by what it sees. While the
     deployment starts, its placement group's bundles are read node by node from Ray and replace the plan
-    (serve/ledger.py placed_at): a replica Ray put on another node than planned (a job the ledger does not know
+    (device_ledger.py placed_at): a replica Ray put on another node than planned (a job the ledger does not know
     of took the planned one's GPUs) is held there, and one that PACK stretched over both nodes (that job holds
     one GPU of each) is held on both, one device each."""
     done = subprocess.run([sys.executable, "-c", PLACED_DRIVER, cluster.address], capture_output=True, text=True,

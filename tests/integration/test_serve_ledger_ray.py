@@ -1,4 +1,4 @@
-"""The study's device ledger on a real local Ray (serve/ledger.py): a trial process waits for devices another
+"""The study's device ledger on a real local Ray (device_ledger.py): a trial process waits for devices another
 trial holds, takes them when it gives them back, and the driver frees what a killed trial held."""
 
 import threading
@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from servetune.serve.ledger import GiveBack, devices_held, ledger_name, start_ledger
+from servetune.device_ledger import devices_held, ledger_name, start_ledger
+from servetune.study.tuner import GiveBack
 
 ray = pytest.importorskip("ray")
 

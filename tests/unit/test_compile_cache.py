@@ -66,7 +66,7 @@ def test_the_fake_engine_keys_its_graph_on_what_shapes_it_as_vllm_does():
 
 def test_a_study_s_engines_get_the_node_s_triton_cache_and_their_record_names_it(tmp_path, monkeypatch):
     from servetune.config.space import SearchSpace
-    from servetune.study.context import StudyContext, resolve_levels
+    from servetune.trial.context import StudyContext, resolve_levels
     from servetune.trial.runner import placement_record
 
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)

@@ -340,8 +340,8 @@ def test_a_kept_reference_is_reused_only_for_the_same_configuration(tmp_path):
 
 
 def test_checkpoints_as_a_parameter_each_checked_with_its_own_weights(tmp_path):
-    from servetune.study.context import StudyContext, resolve_levels
     from servetune.study.driver import resolve_models
+    from servetune.trial.context import StudyContext, resolve_levels
     from servetune.trial.runner import capacity_check
 
     path = tmp_path / "space.yaml"
@@ -374,8 +374,8 @@ quality: {reference: {model: meta-llama/Llama-3.1-8B-Instruct}}
 
 
 def test_a_reference_that_gave_no_answers_stops_the_study_with_why(tmp_path):
-    from servetune.study.context import StudyContext, resolve_levels
     from servetune.study.driver import REFERENCE_FILE, keep_reference
+    from servetune.trial.context import StudyContext, resolve_levels
     from servetune.trial.runner import new_result
 
     s = space(tmp_path, "quality: {suites: [agreement], reference: {dtype: float32, max_num_seqs: 4}}")

@@ -189,8 +189,8 @@ def test_a_run_past_its_timeout_is_stopped_with_its_process_group(tmp_path):
 
 def test_a_reference_without_an_lm_eval_score_stops_the_study_with_why(tmp_path):
     from servetune.results import QualityResult
-    from servetune.study.context import StudyContext, resolve_levels
     from servetune.study.driver import REFERENCE_FILE, keep_reference
+    from servetune.trial.context import StudyContext, resolve_levels
     from servetune.trial.runner import new_result
 
     task_folder(tmp_path, "mine")

@@ -10,7 +10,7 @@ import yaml
 from servetune.cli import build_parser
 from servetune.config.space import SearchSpace
 from servetune.config.workload import load_workload
-from servetune.study.context import resolve_levels
+from servetune.trial.context import resolve_levels
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 

@@ -2,8 +2,8 @@ import json
 from types import SimpleNamespace
 
 from servetune.config.space import SearchSpace
-from servetune.study.context import StudyContext, resolve_levels
 from servetune.study.driver import RESULT_KEY, ResultMirror, final_report
+from servetune.trial.context import StudyContext, resolve_levels
 from servetune.trial.runner import load_result
 from tests.builders import level, trial
 

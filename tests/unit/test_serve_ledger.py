@@ -1,9 +1,9 @@
-"""The devices a study's trials through Serve hold (serve/ledger.py), without Ray: first come, first served,
+"""The devices a study's trials through Serve hold (device_ledger.py), without Ray: first come, first served,
 never more than the capacity, and a trial larger than the cluster runs alone."""
 
 import asyncio
 
-from servetune.serve.ledger import DeviceLedger
+from servetune.device_ledger import DeviceLedger
 
 
 def run(coro):

@@ -9,13 +9,15 @@ import pytest
 
 from servetune.cli import main
 from servetune.config.space import SearchSpace, load_space
+from servetune.device_ledger import devices_by_node
 from servetune.errors import UserError
 from servetune.report.export import ray_serve_app
 from servetune.report.points import ReportPoint
-from servetune.serve.trial import local_serve_cpus, trial_llm_config
-from servetune.study.context import StudyContext, resolve_levels
+from servetune.serve.trial import trial_llm_config
 from servetune.study.nodes import bundle
-from servetune.study.packing import devices_by_node, resolve_max_concurrent
+from servetune.study.packing import resolve_max_concurrent
+from servetune.study.ray_cluster import local_serve_cpus
+from servetune.trial.context import StudyContext, resolve_levels
 
 FIXTURE = Path(__file__).parents[1] / "data" / "cpu-tiny-study"
 FIXTURE_TRIAL = "e57a166985b8"
@@ -383,7 +385,7 @@ def test_what_each_replica_served_leaves_out_an_earlier_deployment_of_the_name(t
 def test_where_the_replicas_devices_are_is_told_to_the_ledger_while_deploying_and_again_once_serve_replaced_one(
     tmp_path, monkeypatch
 ):
-    from servetune.serve import ledger as serve_ledger
+    from servetune import device_ledger as serve_ledger
     from servetune.serve import trial as serve_trial
     from servetune.serve.trial import ServeEngine
 
@@ -438,7 +440,7 @@ def test_a_trial_the_capacity_check_rejects_is_rejected_without_waiting_for_devi
     import ray
     from ray import tune
 
-    from servetune.serve import ledger
+    from servetune import device_ledger as ledger
     from servetune.study import driver
 
     path = tmp_path / "space.yaml"  # the KV cache sized by kv_cache_memory_bytes, not VLLM_CPU_KVCACHE_SPACE

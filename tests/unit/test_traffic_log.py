@@ -243,7 +243,7 @@ def test_with_sessions_a_rate_counts_conversations(tmp_path):
 def test_a_studys_levels_for_a_trace_are_speedups(tmp_path):
     """``servetune run``: the space's load.levels are a trace workload's speed-ups unless load.kind says otherwise."""
     from servetune.config.space import SearchSpace
-    from servetune.study.context import resolve_levels
+    from servetune.trial.context import resolve_levels
 
     log = write_log(tmp_path / "log.jsonl", synthetic_log(100, sessions=False, seed=4))
     assert main(["workload", "from-log", str(log), "--out", str(tmp_path / "replay.yaml"), "--trace"]) == 0

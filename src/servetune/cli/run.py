@@ -77,8 +77,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def dry_run(space: SearchSpace, args: argparse.Namespace, model: str, models: dict[str, str] | None = None) -> int:
-    from servetune.study.context import StudyContext, resolve_levels
     from servetune.study.driver import proposals
+    from servetune.trial.context import StudyContext, resolve_levels
     from servetune.trial.runner import capacity_check
 
     console = make_console()
@@ -136,7 +136,6 @@ def dry_run(space: SearchSpace, args: argparse.Namespace, model: str, models: di
 
 def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
     from servetune.accounting import device_time_lines
-    from servetune.study.context import StudyContext, resolve_levels
     from servetune.study.driver import (
         ResultMirror,
         finished_results,
@@ -153,6 +152,7 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
     from servetune.study.searcher import ConstrainedOptunaSearch
     from servetune.study.tuner import cluster_devices, init_ray, run_tuner
     from servetune.tracking import MlflowCallback
+    from servetune.trial.context import StudyContext, resolve_levels
 
     console = stderr_console()
     study_dir = args.storage / space.name
@@ -171,7 +171,8 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
         if callbacks is None:
             if space.through_serve:
                 from servetune.serve.cluster import start_serve
-                from servetune.serve.trial import local_serve_cpus, remove_study_apps
+                from servetune.serve.trial import remove_study_apps
+                from servetune.study.ray_cluster import local_serve_cpus
 
                 start_serve(init_ray(args.address, local_serve_cpus(space)))
                 left = remove_study_apps(space.name)

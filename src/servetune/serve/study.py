@@ -14,7 +14,7 @@ from servetune.report import build_report, load_study
 from servetune.report.export import pick_point
 from servetune.report.points import ReportPoint
 from servetune.results import SPACE_FILE, TrialResult
-from servetune.study.context import resolve_levels
+from servetune.trial.context import resolve_levels
 from servetune.trial.measure import LevelPlan
 
 

@@ -13,7 +13,6 @@ Leaving deletes the application and waits until its replica processes on this no
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import time
 from pathlib import Path
@@ -21,15 +20,13 @@ from typing import Any
 
 import psutil
 
-from servetune.config.space import SERVE_REPLICAS, SearchSpace
 from servetune.engine.metrics import MetricsSnapshot
 from servetune.engine.server import KvCapacity
-from servetune.errors import UserError
 from servetune.report.points import ReportPoint
 from servetune.results import ENGINE_LOG
 from servetune.serve.cluster import ServeCluster, wait_gone
 from servetune.serve.metrics import ReplicaCounts, replica_snapshots, replicas_snapshot
-from servetune.serve.plan import INGRESS_CPUS, REPLICA_ACTOR_CPUS, Needs, llm_config, needs
+from servetune.serve.plan import Needs, llm_config, needs
 from servetune.trial.runner import TrialSpec, write_atomic
 
 #: Placement the engine gets from Serve, not from the trial's environment.
@@ -50,6 +47,13 @@ def remove_study_apps(study: str) -> list[str]:
     for name in names:
         serve.delete(name, _blocking=True)
     return names
+
+
+def delete_left_app(name: str) -> None:
+    """Delete the Serve application ``name`` that a killed trial or verification task left deployed (its own
+    teardown did not run), so its replicas free the devices the study's ledger hands on (device_ledger.py)."""
+    with contextlib.suppress(Exception):  # Serve is gone: nothing holds the devices
+        ServeCluster.attached().delete(name)
 
 
 def _shipped(spec: TrialSpec) -> tuple[ReportPoint, dict[str, str]]:
@@ -124,10 +128,7 @@ class ServeEngine:
         """Where Ray placed the replicas and their devices, read while they start and whenever measuring asks
         whether they are alive; told to the study's ledger when it changes (a replica placed, or replaced
         elsewhere) and every replica is placed."""
-        from servetune.serve.ledger import (
-            replica_share,
-            report_placement,
-        )  # Ray Tune's, imported only where a study runs
+        from servetune.device_ledger import replica_share, report_placement
 
         assert self.cluster is not None
         with contextlib.suppress(Exception):  # the GCS tables could not be read this time: the next poll reads them
@@ -262,23 +263,3 @@ class ReplicaMetrics:
 
 def _finished(snap: MetricsSnapshot | None) -> float | None:
     return snap.counters.get("requests_finished") if snap is not None else None
-
-
-def local_serve_cpus(space: SearchSpace) -> int:
-    """The CPUs a local Ray declares for a study through Serve: its largest trial's replicas (each its
-    engine's CPU bundles, one per rank on the CPU build, and the replica actor's one), Serve's OpenAI
-    ingress and the trial's load client, for each trial in flight; at least the host's cores. Ray schedules
-    by these, not by the cores vLLM runs on: with two on this host, the ingress would wait for a CPU forever."""
-    from servetune.study.packing import resolve_max_concurrent
-
-    try:
-        points, _ = space.grid()
-    except (ValueError, UserError):  # a continuous range: the largest replica a node holds
-        points = []
-    counts = space.params[SERVE_REPLICAS]
-    assert isinstance(counts, list)  # the space's validator takes only a list of counts
-    replicas = max(counts)
-    per_engine = max((space.replica_devices(p) for p in points), default=space.hardware.devices_per_node)
-    per_replica = (per_engine if space.device == "cpu" else 0) + REPLICA_ACTOR_CPUS
-    at_once = resolve_max_concurrent(space, space.hardware.devices_per_node)  # a local Ray: one node
-    return max(int(at_once * (replicas * per_replica + INGRESS_CPUS + 1)), os.cpu_count() or 1)

@@ -38,10 +38,10 @@ from servetune.results import (
     read_model,
     read_result,
 )
-from servetune.study.context import StudyContext
 from servetune.study.objectives import objectives_and_constraints
 from servetune.study.packing import order_for_packing
 from servetune.study.searcher import CONSTRAINTS_KEY, OBJECTIVES_KEY, ConstrainedOptunaSearch
+from servetune.trial.context import StudyContext
 from servetune.trial.runner import new_result, write_atomic
 
 RESULT_KEY = "servetune_result"
@@ -62,6 +62,7 @@ def trainable(config: dict[str, Any], context: StudyContext, finished_points: An
 
     from servetune.load.requests import PromptFactory, load_tokenizer
     from servetune.study.early_stop import dominance_rule
+    from servetune.study.nodes import placement_problem_of
     from servetune.trial.runner import EngineFactory, fits, load_result, run_trial, vllm_engine
 
     normal_priority()
@@ -69,7 +70,7 @@ def trainable(config: dict[str, Any], context: StudyContext, finished_points: An
     gpu_ids = [str(g) for g in ray.get_gpu_ids()] if context.space.device == "gpu" else None
     spec = context.spec_for(config["params"], gpu_ids, node_id=ray.get_runtime_context().get_node_id())
     result = load_result(spec.trial_dir)
-    problem = context.placement_problem(config["params"])
+    problem = placement_problem_of(context, config["params"])
     if result is None and problem:  # no node can hold it: it holds a sliver of the head, to say so
         result = unplaceable(spec, problem)
     elif result is None:  # never measured (or --resume after a kill): run it
@@ -77,7 +78,7 @@ def trainable(config: dict[str, Any], context: StudyContext, finished_points: An
         engine: EngineFactory = vllm_engine
         held: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         if spec.serve_replicas is not None:
-            from servetune.serve.ledger import devices_held, replica_share
+            from servetune.device_ledger import devices_held, replica_share
             from servetune.serve.trial import ServeEngine
 
             engine = ServeEngine

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from servetune.config.space import SearchSpace
+    from servetune.trial.context import StudyContext
 
 #: The resources a bundle names, in the order a reason names the first one missing, with the user's word.
 NOUNS = {"GPU": "GPUs", "CPU": "CPUs", "memory": "bytes of memory"}
@@ -64,6 +65,11 @@ def placement_problem(bundle: Mapping[str, float], nodes: Sequence[Mapping[str, 
             return f"needs {_amount(amount)} {NOUNS.get(key, key)} on one node; the largest node has {_amount(largest)}"
     needs = ", ".join(f"{_amount(v)} {NOUNS.get(k, k)}" for k, v in wanted.items())
     return f"needs {needs} on one node; no node has all of them"
+
+
+def placement_problem_of(context: StudyContext, params: dict[str, Any]) -> str | None:
+    """Why no node of the study's cluster can hold this trial's bundle (None: one can, or no nodes known)."""
+    return placement_problem(bundle(context.space, params), context.nodes)
 
 
 def _amount(value: float) -> str:

@@ -28,7 +28,7 @@ Everything here is pure: it reads points and reservations, never Ray.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -89,7 +89,7 @@ def resolve_max_concurrent(space: SearchSpace, cluster_devices: float | Sequence
     Bayesian search: as many as the nodes run at once, no more, so each proposal still learns
     from as many results as it can. On CPU, one: trials on one host would share the cores their
     measurements run on. Trials through Serve count replicas, each inside one node (a trial's replicas spread
-    over nodes); they take their devices from the study's ledger before they deploy (``serve/ledger.py``).
+    over nodes); they take their devices from the study's ledger before they deploy (``device_ledger.py``).
     """
     wanted = space.search.max_concurrent
     if wanted != "auto":
@@ -104,15 +104,6 @@ def resolve_max_concurrent(space: SearchSpace, cluster_devices: float | Sequence
     if space.search.algorithm in ("grid", "random"):
         return 2 * max(at_once, 1) + 1
     return max(at_once, 1)
-
-
-def devices_by_node(device: str, per_node: int, nodes: Mapping[str, Mapping[str, float]]) -> dict[str, int]:
-    """The devices each node lends a study's trials through Serve (the ledger's capacity, serve/ledger.py), by
-    node id: its GPUs; on the CPU stand-in, ``devices_per_node`` (``per_node``) of its cores (a replica claims a
-    core per rank, serve/cores.py)."""
-    if device == "gpu":
-        return {node: int(resources.get("GPU", 0.0)) for node, resources in nodes.items()}
-    return {node: int(min(per_node, resources.get("CPU", 0.0))) for node, resources in nodes.items()}
 
 
 def replica_shapes(space: SearchSpace) -> set[tuple[int, int]]:

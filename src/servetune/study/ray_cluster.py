@@ -11,10 +11,14 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from servetune import local_ray
+from servetune.config.space import SERVE_REPLICAS
 from servetune.errors import UserError
+
+if TYPE_CHECKING:
+    from servetune.config.space import SearchSpace
 
 
 def token_refused_message(address: str, environ: MutableMapping[str, str] | None = None) -> str:
@@ -77,6 +81,27 @@ def init_ray(address: str | None, local_cpus: int | None = None) -> bool:
         where = f"cannot join the Ray cluster at {joining}" if joining else "could not start a local Ray cluster"
         raise UserError(f"{where}: {lines[0]}") from None
     return not joining
+
+
+def local_serve_cpus(space: SearchSpace) -> int:
+    """The CPUs a local Ray declares for a study through Serve: its largest trial's replicas (each its
+    engine's CPU bundles, one per rank on the CPU build, and the replica actor's one), Serve's OpenAI
+    ingress and the trial's load client, for each trial in flight; at least the host's cores. Ray schedules
+    by these, not by the cores vLLM runs on: with two on this host, the ingress would wait for a CPU forever."""
+    from servetune.serve.plan import INGRESS_CPUS, REPLICA_ACTOR_CPUS
+    from servetune.study.packing import resolve_max_concurrent
+
+    try:
+        points, _ = space.grid()
+    except (ValueError, UserError):  # a continuous range: the largest replica a node holds
+        points = []
+    counts = space.params[SERVE_REPLICAS]
+    assert isinstance(counts, list)  # the space's validator takes only a list of counts
+    replicas = max(counts)
+    per_engine = max((space.replica_devices(p) for p in points), default=space.hardware.devices_per_node)
+    per_replica = (per_engine if space.device == "cpu" else 0) + REPLICA_ACTOR_CPUS
+    at_once = resolve_max_concurrent(space, space.hardware.devices_per_node)  # a local Ray: one node
+    return max(int(at_once * (replicas * per_replica + INGRESS_CPUS + 1)), os.cpu_count() or 1)
 
 
 def _start_local(local_cpus: int | None, kwargs: dict[str, Any]) -> None:

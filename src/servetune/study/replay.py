@@ -136,7 +136,7 @@ def space_for(
 
 def planned_levels(surface: Surface, base_dir: Path = Path()) -> tuple[Level, ...]:
     """The load levels every trial of the surface's space plans to climb, as ``servetune run`` resolves them."""
-    from servetune.study.context import resolve_levels
+    from servetune.trial.context import resolve_levels
 
     return resolve_levels(surface.space, surface.space.resolved_workload(base_dir))
 

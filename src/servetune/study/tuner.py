@@ -5,14 +5,19 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import os
+from collections.abc import Callable
 from typing import Any
 
+from ray.tune import Callback
+from ray.tune.experiment import Trial
+
 from servetune.config.space import SearchSpace
-from servetune.study.context import StudyContext
+from servetune.device_ledger import give_back
 from servetune.study.driver import finished_results, trainable
-from servetune.study.nodes import bundle
+from servetune.study.nodes import bundle, placement_problem_of
 from servetune.study.ray_cluster import init_ray  # noqa: F401 - `servetune run` starts Ray through here
 from servetune.study.searcher import ConstrainedOptunaSearch
+from servetune.trial.context import StudyContext
 
 
 def cluster_devices(space: SearchSpace) -> list[float]:
@@ -27,7 +32,7 @@ def trial_resources(context: StudyContext, params: dict[str, Any]) -> list[dict[
     that it is INFEASIBLE (in Ray's queue it would wait forever)."""
     from servetune.study.nodes import HEAD_SLIVER
 
-    return [dict(HEAD_SLIVER)] if context.placement_problem(params) else [bundle(context.space, params)]
+    return [dict(HEAD_SLIVER)] if placement_problem_of(context, params) else [bundle(context.space, params)]
 
 
 def run_tuner(context: StudyContext, points: list[dict[str, Any]] | None, searcher: ConstrainedOptunaSearch | None,
@@ -48,7 +53,7 @@ def run_tuner(context: StudyContext, points: list[dict[str, Any]] | None, search
         max_concurrent = resolve_max_concurrent(space, cluster_devices(space))
     ledger = None
     if space.through_serve and max_concurrent > 1:  # trials in flight take their devices from the run's ledger
-        from servetune.serve.ledger import GiveBack, ledger_name, start_ledger
+        from servetune.device_ledger import ledger_name, start_ledger
         from servetune.serve.trial import app_name
 
         ledger_id = ledger_name(space.name)
@@ -87,3 +92,24 @@ def run_tuner(context: StudyContext, points: list[dict[str, Any]] | None, search
         for actor in (finished_points, ledger):
             if actor is not None:
                 ray.kill(actor)
+
+
+class GiveBack(Callback):
+    """The driver's side of the study's device ledger (device_ledger.py): a trial that ended holds nothing. One
+    whose process was killed never deleted its Serve application, whose replicas would keep the devices the
+    ledger hands on: it is deleted first."""
+
+    def __init__(
+        self, ledger: Any, holder_of: Callable[[dict[str, Any]], str], app_of: Callable[[dict[str, Any]], str]
+    ) -> None:
+        self.ledger, self.holder_of, self.app_of = ledger, holder_of, app_of
+
+    def on_trial_complete(self, iteration: int, trials: list[Trial], trial: Trial, **info: Any) -> None:
+        give_back(self.ledger, self.holder_of(trial.config.get("params", {})))
+
+    def on_trial_error(self, iteration: int, trials: list[Trial], trial: Trial, **info: Any) -> None:
+        from servetune.serve.trial import delete_left_app
+
+        params = trial.config.get("params", {})
+        delete_left_app(self.app_of(params))
+        give_back(self.ledger, self.holder_of(params))

@@ -10,7 +10,7 @@ so the driver needs no GPU and the engine sees exactly the GPUs Ray reserved
 rejected at once with the reason, as an INFEASIBLE trial is. A trial measured through Ray Serve
 (``serve.num_replicas``) is verified as that Serve application, deployed on the study's Serve from
 a task that holds its load client's CPU; its replicas' devices come from the study's ledger
-(``serve/ledger.py``), as a trial's do.
+(``device_ledger.py``), as a trial's do.
 
 Each result is ``STUDY/verify/<trial id>.json`` (``servetune verify``'s document, plus
 ``settings`` and ``placement``), written by the driver from what the task returns (nodes share no
@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from servetune.errors import UserError
-from servetune.study.context import StudyContext
+from servetune.trial.context import StudyContext
 from servetune.verify.choose import Selection
 from servetune.verify.scenarios import Budget
 
@@ -134,7 +134,7 @@ def verify_on_node(selection: Selection, context: StudyContext, budget: Budget, 
     prompts = PromptFactory(load_tokenizer(spec.tokenizer))
     held: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
     if spec.serve_replicas is not None:  # deployed through the study's Serve: its devices from the study's ledger
-        from servetune.serve.ledger import devices_held, replica_share
+        from servetune.device_ledger import devices_held, replica_share
 
         held = devices_held(context.ledger, holder(winner.trial_id), *replica_share(spec))
     with held:
@@ -261,7 +261,7 @@ def verify_top(study_dir: Path, context: StudyContext, say: Callable[[str], None
     if (
         space.through_serve and at_once > 1
     ):  # verifications through Serve take their devices from a ledger, as trials do
-        from servetune.serve.ledger import ledger_name, start_ledger
+        from servetune.device_ledger import ledger_name, start_ledger
 
         ledger_id = ledger_name(space.name)
         context = dataclasses.replace(context, ledger=ledger_id)
@@ -352,14 +352,13 @@ def verify_top(study_dir: Path, context: StudyContext, say: Callable[[str], None
                         f"{type(exc).__name__}: {lines[-1][:300] if lines else 'no message'}",
                     )
                     if space.through_serve:  # its Serve application, never deleted, would keep its devices
-                        from servetune.serve.ledger import delete_left_app
-                        from servetune.serve.trial import app_name
+                        from servetune.serve.trial import app_name, delete_left_app
 
                         delete_left_app(app_name(context.spec_for(dict(selection.winner.result.params))))
                 finally:
                     remove_placement_group(group)
                     if ledger is not None:  # a task that died gave nothing back (nor stopped its wait)
-                        from servetune.serve.ledger import give_back
+                        from servetune.device_ledger import give_back
 
                         give_back(ledger, holder(selection.winner.trial_id))
         drain()

@@ -15,7 +15,6 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from servetune.config.space import SERVE_REPLICAS, SearchSpace, load_space
 from servetune.config.workload import Workload
@@ -28,10 +27,8 @@ from servetune.report.points import ReportPoint, first_line
 from servetune.report.recommend import candidates
 from servetune.report.study import LoadedStudy
 from servetune.results import SPACE_FILE, TRIALS_DIR, StudyInfo, TrialResult, read_result
+from servetune.trial.context import StudyContext, resolve_levels
 from servetune.trial.runner import TrialSpec
-
-if TYPE_CHECKING:
-    from servetune.study.context import StudyContext
 
 
 @dataclass(frozen=True)
@@ -173,8 +170,6 @@ class _Rebuild:
 
     @classmethod
     def of(cls, study_dir: Path, study: LoadedStudy, report: StudyReport, python: str) -> _Rebuild:
-        from servetune.study.context import StudyContext, resolve_levels
-
         space_path = study_dir / SPACE_FILE
         if not space_path.is_file():
             raise UserError(

@@ -1,4 +1,9 @@
-"""The devices a study's trials through Serve hold, so that several run at once without sharing any.
+"""The devices trials hold that Tune does not count, so that several run at once without sharing any.
+
+Any room may import this module (it imports nothing of servetune's, and Ray only inside the functions
+that call it): the study's driver starts the ledger, a trial takes its devices from it, a trial's engine
+through Serve tells it where Ray placed them, and ``servetune run --verify-top`` takes devices for a
+verification the same way.
 
 A trial through Serve reserves only its load client's CPU in Tune (``study/nodes.py`` ``bundle``): its
 replicas take their devices in placement groups Serve creates, which Tune does not count. With several
@@ -7,8 +12,8 @@ trials in flight, one would deploy into devices another's replicas hold, and wai
 a trial takes its devices (``serve.num_replicas`` x one replica's) from the study's ledger, an actor the
 driver starts with the cluster's devices, and waits there, first come first served, while the devices
 are held; it gives them back once its replicas are gone. The driver gives back a trial's devices too
-when the trial ends: a killed trial process gives back nothing, and leaves its Serve application
-deployed, which the driver deletes first. The ledger ends with the driver.
+when the trial ends (``study/tuner.py`` ``GiveBack``): a killed trial process gives back nothing, and
+leaves its Serve application deployed, which the driver deletes first. The ledger ends with the driver.
 
 The ledger counts devices node by node. A replica runs inside one node (its placement group), so a trial
 is admitted only when each of its replicas fits on some node's free devices: on two 8-GPU nodes with 6 and
@@ -35,8 +40,6 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
-
-from ray.tune import Callback
 
 #: Where the ledgers live among Ray's named actors; each run of a study names its own (:func:`ledger_name`).
 NAMESPACE = "servetune"
@@ -233,11 +236,17 @@ def _nodes(capacity: int | Counts) -> dict[str, int]:
     return {ONE_NODE: max(int(capacity), 1)}
 
 
-def devices_now(device: str, per_node: int) -> dict[str, int]:
-    """The devices each live node of the connected Ray cluster has now (``study.packing.devices_by_node``)."""
-    import ray
+def devices_by_node(device: str, per_node: int, nodes: Mapping[str, Mapping[str, float]]) -> dict[str, int]:
+    """The devices each node lends trials through Serve (the ledger's capacity), by node id: its GPUs; on the CPU
+    stand-in, ``devices_per_node`` (``per_node``) of its cores (a replica claims a core per rank, serve/cores.py)."""
+    if device == "gpu":
+        return {node: int(resources.get("GPU", 0.0)) for node, resources in nodes.items()}
+    return {node: int(min(per_node, resources.get("CPU", 0.0))) for node, resources in nodes.items()}
 
-    from servetune.study.packing import devices_by_node
+
+def devices_now(device: str, per_node: int) -> dict[str, int]:
+    """The devices each live node of the connected Ray cluster has now (:func:`devices_by_node`)."""
+    import ray
 
     return devices_by_node(
         device, per_node, {node["NodeID"]: dict(node["Resources"]) for node in ray.nodes() if node.get("Alive")}
@@ -307,30 +316,3 @@ def give_back(ledger: Any, holder: str) -> None:
 
     with contextlib.suppress(Exception):  # the ledger died with the driver: nothing is held anywhere
         ray.get(ledger.give_back.remote(holder), timeout=30)
-
-
-def delete_left_app(name: str) -> None:
-    """Delete the Serve application ``name`` that a killed trial or verification task left deployed (its own
-    teardown did not run), so its replicas free the devices the ledger hands on."""
-    from servetune.serve.cluster import ServeCluster
-
-    with contextlib.suppress(Exception):  # Serve is gone: nothing holds the devices
-        ServeCluster.attached().delete(name)
-
-
-class GiveBack(Callback):
-    """The driver's side: a trial that ended holds nothing. One whose process was killed never deleted its
-    Serve application, whose replicas would keep the devices the ledger hands on: it is deleted first."""
-
-    def __init__(
-        self, ledger: Any, holder_of: Callable[[dict[str, Any]], str], app_of: Callable[[dict[str, Any]], str]
-    ) -> None:
-        self.ledger, self.holder_of, self.app_of = ledger, holder_of, app_of
-
-    def on_trial_complete(self, iteration, trials, trial, **info) -> None:
-        give_back(self.ledger, self.holder_of(trial.config.get("params", {})))
-
-    def on_trial_error(self, iteration, trials, trial, **info) -> None:
-        params = trial.config.get("params", {})
-        delete_left_app(self.app_of(params))
-        give_back(self.ledger, self.holder_of(params))

@@ -1,4 +1,8 @@
-"""Everything the driver resolves once and every trial needs (picklable, shipped to workers)."""
+"""Everything the driver resolves once and every trial needs (picklable, shipped to workers).
+
+It sits beside the trial runner, under every room that builds a trial's spec from a study: the study's
+driver, ``verify`` (a chosen trial started again) and ``serve-check`` (the study's levels).
+"""
 
 from __future__ import annotations
 
@@ -25,22 +29,15 @@ class StudyContext:
     python: str = sys.executable
     quality: QualityPlan | None = None  # the probe every trial runs, with the reference's answers once known
     models: dict[str, str] = field(default_factory=dict)  # the ``model`` parameter's checkpoints, resolved
-    nodes: tuple[
-        dict[str, float], ...
-    ] = ()  # each live node's resources when the trials were proposed (study/nodes.py)
+    # each live node's resources when the trials were proposed (study/nodes.py placement_problem_of)
+    nodes: tuple[dict[str, float], ...] = ()
     ledger: str | None = (
-        None  # the run's device ledger, when trials through Serve run several at once (serve/ledger.py)
+        None  # the run's device ledger, when trials through Serve run several at once (device_ledger.py)
     )
 
     @property
     def trials_dir(self) -> Path:
         return self.study_dir / "trials"
-
-    def placement_problem(self, params: dict[str, Any]) -> str | None:
-        """Why no node of the cluster can hold this trial's bundle (None: one can, or no nodes known)."""
-        from servetune.study.nodes import bundle, placement_problem
-
-        return placement_problem(bundle(self.space, params), self.nodes)
 
     def spec_for(
         self, params: dict[str, Any], gpu_ids: list[str] | None = None, node_id: str | None = None
