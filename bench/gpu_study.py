@@ -215,8 +215,8 @@ def triton_what_if(out: dict[str, Any], warm_compile_s: float) -> float:
 
 
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    from servetune.config.space import load_space
     from servetune.models.tiny import build_tiny_model
+    from servetune.space_file import load_space
     from servetune.study.driver import prepare_study_dir, proposals
     from servetune.trial.context import StudyContext, resolve_levels
 

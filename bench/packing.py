@@ -142,8 +142,8 @@ def engine_gpus(trial_dir: Path) -> list[str] | None:
 
 
 def run(args: argparse.Namespace, workdir: Path) -> dict:
-    from servetune.config.space import load_space
     from servetune.models.tiny import build_tiny_model
+    from servetune.space_file import load_space
     from servetune.study.driver import prepare_study_dir
     from servetune.trial.context import StudyContext, resolve_levels
 

@@ -15,7 +15,7 @@ import pytest
 import ray
 import yaml
 
-from servetune.config.space import load_space
+from servetune.space_file import load_space
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "cluster"

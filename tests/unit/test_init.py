@@ -8,9 +8,9 @@ import yaml
 
 from servetune.capacity import load_model_arch, plan_capacity, resolve_hardware
 from servetune.config.scenarios import SCENARIOS, render_space
-from servetune.config.space import load_space
 from servetune.config.workload import load_workload
 from servetune.errors import UserError
+from servetune.space_file import load_space
 
 
 def servetune(*argv, cwd=None):

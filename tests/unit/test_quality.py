@@ -5,7 +5,6 @@ import json
 
 import pytest
 
-from servetune.config.space import load_space
 from servetune.errors import UserError
 from servetune.quality.items import QualityItem, read_suite
 from servetune.quality.probe import common_prefix_share, compare, make_plan
@@ -15,6 +14,7 @@ from servetune.report.points import outline, trial_points
 from servetune.report.quality import lower_precision, precision_rule
 from servetune.report.recommend import recommend
 from servetune.results import QualityResult, ReferenceAnswers
+from servetune.space_file import load_space
 from servetune.study.early_stop import FinishedPoints
 from servetune.study.objectives import objectives_and_constraints
 from servetune.study.searcher import constraint_names

@@ -6,12 +6,12 @@ import time
 
 import pytest
 
-from servetune.config.space import load_space
 from servetune.errors import UserError
 from servetune.quality import lm_eval
 from servetune.quality.lm_eval import LmEvalPlan, lm_eval_argv, primary_scores, run_lm_eval, sample_rows
 from servetune.quality.probe import compare, make_plan
 from servetune.results import ReferenceAnswers
+from servetune.space_file import load_space
 from servetune.study.searcher import constraint_names
 from tests.processes import processes_mentioning
 from tests.unit.test_quality import SPACE

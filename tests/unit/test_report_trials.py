@@ -138,7 +138,7 @@ def test_a_trials_capacity_reaches_its_row(tmp_path):
 def test_the_runs_closing_table_shows_each_trials_capacity_once_trials_searched_for_it():
     from rich.console import Console
 
-    from servetune.config.space import load_space
+    from servetune.space_file import load_space
     from servetune.study.progress import summary_table
 
     space = load_space(Path(__file__).parents[2] / "search_spaces" / "cpu-tiny.yaml")

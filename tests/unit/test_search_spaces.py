@@ -17,8 +17,9 @@ import ray
 import servetune.study.tuner as tuner
 from servetune.capacity import load_catalog
 from servetune.cli import main
-from servetune.config.space import Range, SearchSpace, load_space
+from servetune.config.space import Range, SearchSpace
 from servetune.engine.args import load_argspecs
+from servetune.space_file import load_space
 
 ROOT = Path(__file__).resolve().parents[2]
 SPACES = sorted((ROOT / "search_spaces").glob("*.yaml"))

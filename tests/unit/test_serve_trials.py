@@ -8,12 +8,13 @@ from pathlib import Path
 import pytest
 
 from servetune.cli import main
-from servetune.config.space import SearchSpace, load_space
+from servetune.config.space import SearchSpace
 from servetune.device_ledger import devices_by_node
 from servetune.errors import UserError
 from servetune.report.export import ray_serve_app
 from servetune.report.points import ReportPoint
 from servetune.serve.trial import trial_llm_config
+from servetune.space_file import load_space
 from servetune.study.nodes import bundle
 from servetune.study.packing import resolve_max_concurrent
 from servetune.study.ray_cluster import local_serve_cpus

@@ -1,7 +1,8 @@
 import pytest
 
-from servetune.config.space import Range, SearchSpace, load_space
+from servetune.config.space import Range, SearchSpace
 from servetune.errors import UserError
+from servetune.space_file import load_space
 
 BASE = """
 name: t

@@ -9,11 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from servetune.config.space import load_space
 from servetune.errors import UserError
 from servetune.report import ReportPoint, TrialOutline, recommend
 from servetune.report.points import is_out_of_memory
 from servetune.report.verification import VerifyFile, conclusion, primary, verifications
+from servetune.space_file import load_space
 from servetune.study.verify_top import kept_document
 from servetune.verify.choose import top_points
 

@@ -50,7 +50,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from servetune.config.scenarios import render_space
-    from servetune.config.space import load_space
+    from servetune.space_file import load_space
 
     if args.price is not None and args.price < 0:
         raise UserError("--price: a price cannot be negative")

@@ -13,9 +13,10 @@ from pathlib import Path
 from rich.table import Table
 
 from servetune.cli.display import console as make_console
-from servetune.config.space import SearchSpace, describe_params, load_space
+from servetune.config.space import SearchSpace, describe_params
 from servetune.engine.args import load_argspecs
 from servetune.errors import UserError
+from servetune.space_file import load_space
 
 DESCRIPTION = """\
 Run a study: Ray Tune proposes vLLM configurations from the search space (grid, random, or

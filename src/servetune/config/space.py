@@ -11,25 +11,25 @@ such as ``serve.num_replicas * tensor_parallel_size <= 8``.
 A list is a categorical (grid) dimension; ``{low, high, log, step}`` is a numeric range.
 Constraints are small boolean expressions over parameters, fixed engine arguments,
 ``devices_per_node`` and vLLM's defaults for the parallel sizes, e.g.
-``tensor_parallel_size * data_parallel_size <= devices_per_node``.
+``tensor_parallel_size * data_parallel_size <= devices_per_node`` (config/constraints.py).
+
+These are the typed models; a space file is read and checked against vLLM's parser and the quality
+suites by :func:`servetune.space_file.load_space`.
 """
 
 from __future__ import annotations
 
-import ast
-import difflib
 import itertools
 import math
-import operator
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeGuard
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from servetune.config.quality import QualitySpec, suite_name
+from servetune.config.constraints import evaluate_constraint, parse_constraint
+from servetune.config.quality import QualitySpec
 from servetune.config.slo import Slo, SloBound
 from servetune.config.workload import Workload, load_workload
-from servetune.errors import UserError
 from servetune.metrics import COST_METRIC, metric_names
 
 #: vLLM's defaults for the arguments constraints and placement read: their product is an engine's devices
@@ -37,7 +37,7 @@ from servetune.metrics import COST_METRIC, metric_names
 ENGINE_DEFAULTS = {
     "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1, "prefill_context_parallel_size": 1,
 }  # fmt: skip
-#: Executor backends that make a bare engine a Ray driver of its own (see :func:`_check_executors`).
+#: Executor backends that make a bare engine a Ray driver of its own (refused by space_file.py when a space loads).
 RAY_BACKENDS = {"distributed_executor_backend": "ray", "data_parallel_backend": "ray"}
 ENV_PREFIX = "env."
 MODEL_PARAM = "model"  # a parameter naming checkpoints, not an engine argument
@@ -288,7 +288,7 @@ class SearchSpace(BaseModel):
     @classmethod
     def _parse(cls, constraints: tuple[str, ...]) -> tuple[str, ...]:
         for text in constraints:
-            _compile(text)
+            parse_constraint(text)
         return constraints
 
     @property
@@ -368,7 +368,7 @@ class SearchSpace(BaseModel):
         names.update((k, v) for k, v in params.items() if k.startswith((ENV_PREFIX, SERVE_PREFIX)))
         names[MODEL_PARAM] = self.model_for(params)
         names["devices_per_node"] = self.hardware.devices_per_node
-        broken = [text for text in self.constraints if not _evaluate(text, names)]
+        broken = [text for text in self.constraints if not evaluate_constraint(text, names)]
         # A Serve replica runs inside one node (its placement group); replicas spread over nodes.
         if self.replica_devices(params) > self.hardware.devices_per_node:
             broken.append(f"needs {self.replica_devices(params)} devices, a node has {self.hardware.devices_per_node}")
@@ -387,241 +387,6 @@ class SearchSpace(BaseModel):
         return kept, rejected
 
 
-# --- constraint expressions: a small, safe subset of Python ---------------------------------
-
-_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}  # fmt: skip
-_CMPOPS = {ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt, ast.GtE: operator.ge,
-           ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b}  # fmt: skip
-
-
-def _compile(text: str) -> ast.Expression:
-    try:
-        tree = ast.parse(text, mode="eval")
-    except SyntaxError:
-        raise ValueError(f"constraint '{text}' is not an expression") from None
-    for node in ast.walk(tree):
-        allowed = (ast.Expression, ast.BoolOp, ast.And, ast.Or, ast.UnaryOp, ast.Not, ast.USub, ast.BinOp,
-                   ast.Compare, ast.Name, ast.Load, ast.Constant, ast.Attribute, ast.List, ast.Tuple,
-                   *_BINOPS, *_CMPOPS)  # fmt: skip
-        if not isinstance(node, allowed):
-            raise ValueError(
-                f"constraint '{text}': '{type(node).__name__}' is not allowed (use names, numbers, arithmetic, comparisons, and/or/not)"
-            )
-    return tree
-
-
-def _evaluate(text: str, names: dict[str, Any]) -> bool:
-    def ev(node: ast.AST) -> Any:
-        if isinstance(node, ast.Expression):
-            return ev(node.body)
-        if isinstance(node, ast.Constant):
-            return node.value
-        if isinstance(node, (ast.List, ast.Tuple)):
-            return [ev(e) for e in node.elts]
-        if isinstance(node, (ast.Name, ast.Attribute)):
-            name = _dotted(node)
-            if name not in names:
-                raise UserError(
-                    f"constraint '{text}': '{name}' is neither a parameter, a fixed engine argument, nor devices_per_node"
-                )
-            return names[name]
-        if isinstance(node, ast.BoolOp):
-            values = (ev(v) for v in node.values)
-            return all(values) if isinstance(node.op, ast.And) else any(values)
-        if isinstance(node, ast.UnaryOp):
-            return (not ev(node.operand)) if isinstance(node.op, ast.Not) else -ev(node.operand)
-        if isinstance(node, ast.BinOp):
-            return _BINOPS[type(node.op)](ev(node.left), ev(node.right))
-        if isinstance(node, ast.Compare):
-            left = ev(node.left)
-            for op, comparator in zip(node.ops, node.comparators, strict=True):
-                right = ev(comparator)
-                if not _CMPOPS[type(op)](left, right):
-                    return False
-                left = right
-            return True
-        raise UserError(f"constraint '{text}': cannot evaluate {type(node).__name__}")
-
-    return bool(ev(_compile(text)))
-
-
-def _dotted(node: ast.AST) -> str:
-    if isinstance(node, ast.Attribute):
-        return f"{_dotted(node.value)}.{node.attr}"
-    assert isinstance(node, ast.Name)
-    return node.id
-
-
 def describe_params(params: dict[str, Any]) -> str:
     """``max_num_seqs=32, enable_prefix_caching=True``; the baseline is vLLM's defaults."""
     return ", ".join(f"{k}={v}" for k, v in params.items()) or "(vLLM defaults)"
-
-
-def load_space(path: str | Path, argspecs: dict | None = None) -> SearchSpace:
-    """Load and check a search space; every problem is one line naming the file and field.
-
-    With ``argspecs`` (vLLM's options, see :func:`servetune.engine.args.load_argspecs`), the
-    names of parameters and fixed engine arguments are checked against vLLM's parser.
-    """
-    from servetune.config.loading import load_yaml_model
-    from servetune.engine.args import validate_engine_args
-
-    path = Path(path)
-    space = load_yaml_model(path, SearchSpace)
-    checks: list[tuple[str, dict[str, Any]]] = [("engine_args", dict(space.engine_args))]
-    for name, values in space.params.items():
-        if (
-            not name.startswith((ENV_PREFIX, SERVE_PREFIX)) and name != MODEL_PARAM
-        ):  # each listed value against vLLM's choices too
-            checks += [("params", {name: v}) for v in (values if isinstance(values, list) else [None])]
-    for field, args in checks:
-        try:
-            validate_engine_args(args, argspecs, source="engine argument")
-        except UserError as exc:
-            raise UserError(f"{path}: {field}: {exc}") from None
-    _check_constraint_names(space, path)
-    if space.through_serve:
-        _check_serve(space, path)
-    else:
-        _check_executors(space, path)
-    fewest = _fewest_devices(space)
-    if fewest > space.hardware.devices_per_node:
-        raise UserError(f"{path}: hardware.devices_per_node: a node has {space.hardware.devices_per_node}, but a trial "
-                        f"needs {fewest} devices or more (tensor x pipeline x data parallel size)")  # fmt: skip
-    try:
-        space.resolved_workload(path.parent)
-        kept, rejected = space.grid() if _gridable(space) else ([{}], [])
-    except UserError as exc:
-        raise UserError(f"{path}: {exc}" if not str(exc).startswith(str(path)) else str(exc)) from None
-    except ValueError as exc:
-        raise UserError(f"{path}: params: {exc}") from None
-    if space.params and not kept:
-        reasons = sorted({r for _, broken in rejected for r in broken})
-        raise UserError(f"{path}: constraints: they exclude every point of the space ({'; '.join(reasons)[:300]})")
-    if space.quality is not None:
-        _check_quality(space, path)
-    return space
-
-
-def _check_quality(space: SearchSpace, path: Path) -> None:
-    """Every suite readable, and a reference that is a configuration of the study."""
-    from servetune.quality.suites import load_suite
-
-    assert space.quality is not None
-    for index, suite in enumerate(space.quality.suites):
-        try:
-            load_suite(suite, path.parent)
-        except UserError as exc:
-            raise UserError(f"{path}: quality.suites[{index}]: {exc}") from None
-    names = [suite_name(s) for s in space.quality.suites]
-    if len(set(names)) != len(names):
-        raise UserError(
-            f"{path}: quality.suites: two suites share the name '{next(n for n in names if names.count(n) > 1)}'"
-        )
-    if space.quality.lm_eval is not None:  # installed, its include path, its tasks: before any engine starts
-        from servetune.quality import lm_eval
-
-        try:
-            lm_eval.check(space.quality.lm_eval, path.parent)
-        except UserError as exc:
-            raise UserError(f"{path}: quality.lm_eval: {exc}") from None
-    reference = space.quality.reference
-    if reference == "baseline":
-        return
-    where = f"{path}: quality.reference"
-    unknown = [name for name in reference if name not in space.params]
-    if unknown:
-        raise UserError(
-            f"{where}: '{unknown[0]}' is not a parameter of the space ({', '.join(space.params) or 'none'})"
-        )
-    missing = [name for name in space.params if name not in reference]
-    if missing:
-        raise UserError(f"{where}: give a value for every parameter (missing: {', '.join(missing)}), or use 'baseline'")
-    for name, value in reference.items():
-        values = space.params[name]
-        inside = (values.low <= value <= values.high) if isinstance(values, Range) and isinstance(value, (int, float)) else (
-            not isinstance(values, Range) and value in values)  # fmt: skip
-        if not inside:
-            raise UserError(f"{where}: {name}={value!r} is not among the space's values for {name}")
-    broken = space.constraint_violations(dict(reference))
-    if broken:
-        raise UserError(f"{where}: the reference breaks a constraint: {broken[0]}")
-
-
-def _check_serve(space: SearchSpace, path: Path) -> None:
-    """Serve replicas stand in for data parallelism (``export`` makes one of the other): not both."""
-    dp = space.params.get("data_parallel_size", [space.engine_args.get("data_parallel_size", 1)])
-    if isinstance(dp, Range) or any(int(v) != 1 for v in dp):
-        raise UserError(
-            f"{path}: params.{SERVE_REPLICAS}: Serve replicas replace data_parallel_size; vary one of them, not both"
-        )
-
-
-def _check_executors(space: SearchSpace, path: Path) -> None:
-    """A bare-engine trial's engine runs its ranks as processes on the devices Ray reserved for the trial
-    (``--distributed-executor-backend mp``, DESIGN). With Ray as its executor or data-parallel backend the
-    engine joins the cluster as a driver of its own and places its workers with a placement group of its own:
-    on devices Tune gave another trial, or after a wait of up to vLLM's placement timeout."""
-    for name, ray in RAY_BACKENDS.items():
-        fixed = space.engine_args.get(name)
-        listed = space.params.get(name)
-        values = [fixed] if listed is None else ([] if isinstance(listed, Range) else list(listed))
-        if ray in values:
-            field = f"engine_args.{name}" if listed is None else f"params.{name}"
-            raise UserError(
-                f"{path}: {field}: '{ray}' makes each trial's engine a Ray driver that places its own workers outside "
-                "the devices its trial reserved; trials run their ranks as processes ('mp'), one node per engine "
-                "(pipeline parallelism across nodes is not a trial servetune runs)"
-            )
-
-
-def _check_constraint_names(space: SearchSpace, path: Path) -> None:
-    """Every name a constraint reads must exist, even where evaluation would never reach it."""
-    known = {
-        *ENGINE_DEFAULTS,
-        "devices_per_node",
-        MODEL_PARAM,
-        *space.params,
-        *space.engine_args,
-        *(ENV_PREFIX + k for k in space.env),
-    }
-    for text in space.constraints:
-        for name in _names(_compile(text)):
-            if name not in known:
-                close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
-                hint = f"; did you mean {close[0]}?" if close else ""
-                raise UserError(
-                    f"{path}: constraints: '{text}': '{name}' is neither a parameter, a fixed engine argument, nor devices_per_node{hint}"
-                )
-
-
-def _names(node: ast.AST) -> list[str]:
-    """The variables an expression reads, ``env.X`` as one dotted name."""
-    if isinstance(node, (ast.Name, ast.Attribute)):
-        return [_dotted(node)]
-    return [name for child in ast.iter_child_nodes(node) for name in _names(child)]
-
-
-def _fewest_devices(space: SearchSpace) -> int:
-    """The fewest devices a trial of this space can need: the product of the smallest parallel sizes."""
-    sizes = []
-    for name, default in ENGINE_DEFAULTS.items():
-        values = space.params.get(name)
-        if values is None:
-            sizes.append(int(space.engine_args.get(name, default)))
-        else:
-            sizes.append(int(values.low) if isinstance(values, Range) else min(int(v) for v in values))
-    return math.prod(sizes)
-
-
-def _gridable(space: SearchSpace) -> bool:
-    try:
-        for values in space.params.values():
-            if isinstance(values, Range):
-                values.grid_values()
-    except ValueError:
-        if space.search.algorithm == "grid":
-            raise
-        return False
-    return True

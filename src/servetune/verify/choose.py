@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from servetune.config.space import SERVE_REPLICAS, SearchSpace, load_space
+from servetune.config.space import SERVE_REPLICAS, SearchSpace
 from servetune.config.workload import Workload
 from servetune.errors import UserError
 from servetune.load.runner import Level
@@ -27,6 +27,7 @@ from servetune.report.points import ReportPoint, first_line
 from servetune.report.recommend import candidates
 from servetune.report.study import LoadedStudy
 from servetune.results import SPACE_FILE, TRIALS_DIR, StudyInfo, TrialResult, read_result
+from servetune.space_file import load_space
 from servetune.trial.context import StudyContext, resolve_levels
 from servetune.trial.runner import TrialSpec
 

@@ -1,0 +1,189 @@
+"""A search space file, loaded and checked against everything it names before any trial runs.
+
+The typed space is :class:`~servetune.config.space.SearchSpace`; this adds what pydantic cannot see
+from the file alone: vLLM's parser for the parameters and fixed engine arguments (engine/args.py), the
+quality suites and lm-eval's tasks (quality/), the names the constraints read, whether a node holds the
+smallest trial, and whether the constraints leave any point. Every problem is one line naming the file
+and the field. It sits above ``config/``, ``engine/`` and ``quality/`` (the layers in pyproject.toml),
+which is why it is not in ``config/``: the space's models are read by rooms beneath those two.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from pathlib import Path
+from typing import Any
+
+from servetune.config.constraints import constraint_names
+from servetune.config.loading import load_yaml_model
+from servetune.config.quality import suite_name
+from servetune.config.space import (
+    ENGINE_DEFAULTS,
+    ENV_PREFIX,
+    MODEL_PARAM,
+    RAY_BACKENDS,
+    SERVE_PREFIX,
+    SERVE_REPLICAS,
+    Range,
+    SearchSpace,
+)
+from servetune.engine.args import validate_engine_args
+from servetune.errors import UserError
+from servetune.quality import lm_eval
+from servetune.quality.suites import load_suite
+
+
+def load_space(path: str | Path, argspecs: dict | None = None) -> SearchSpace:
+    """Load and check a search space; every problem is one line naming the file and field.
+
+    With ``argspecs`` (vLLM's options, see :func:`servetune.engine.args.load_argspecs`), the
+    names of parameters and fixed engine arguments are checked against vLLM's parser.
+    """
+    path = Path(path)
+    space = load_yaml_model(path, SearchSpace)
+    checks: list[tuple[str, dict[str, Any]]] = [("engine_args", dict(space.engine_args))]
+    for name, values in space.params.items():
+        if (
+            not name.startswith((ENV_PREFIX, SERVE_PREFIX)) and name != MODEL_PARAM
+        ):  # each listed value against vLLM's choices too
+            checks += [("params", {name: v}) for v in (values if isinstance(values, list) else [None])]
+    for field, args in checks:
+        try:
+            validate_engine_args(args, argspecs, source="engine argument")
+        except UserError as exc:
+            raise UserError(f"{path}: {field}: {exc}") from None
+    _check_constraint_names(space, path)
+    if space.through_serve:
+        _check_serve(space, path)
+    else:
+        _check_executors(space, path)
+    fewest = _fewest_devices(space)
+    if fewest > space.hardware.devices_per_node:
+        raise UserError(f"{path}: hardware.devices_per_node: a node has {space.hardware.devices_per_node}, but a trial "
+                        f"needs {fewest} devices or more (tensor x pipeline x data parallel size)")  # fmt: skip
+    try:
+        space.resolved_workload(path.parent)
+        kept, rejected = space.grid() if _gridable(space) else ([{}], [])
+    except UserError as exc:
+        raise UserError(f"{path}: {exc}" if not str(exc).startswith(str(path)) else str(exc)) from None
+    except ValueError as exc:
+        raise UserError(f"{path}: params: {exc}") from None
+    if space.params and not kept:
+        reasons = sorted({r for _, broken in rejected for r in broken})
+        raise UserError(f"{path}: constraints: they exclude every point of the space ({'; '.join(reasons)[:300]})")
+    if space.quality is not None:
+        _check_quality(space, path)
+    return space
+
+
+def _check_quality(space: SearchSpace, path: Path) -> None:
+    """Every suite readable, and a reference that is a configuration of the study."""
+    assert space.quality is not None
+    for index, suite in enumerate(space.quality.suites):
+        try:
+            load_suite(suite, path.parent)
+        except UserError as exc:
+            raise UserError(f"{path}: quality.suites[{index}]: {exc}") from None
+    names = [suite_name(s) for s in space.quality.suites]
+    if len(set(names)) != len(names):
+        raise UserError(
+            f"{path}: quality.suites: two suites share the name '{next(n for n in names if names.count(n) > 1)}'"
+        )
+    if space.quality.lm_eval is not None:  # installed, its include path, its tasks: before any engine starts
+        try:
+            lm_eval.check(space.quality.lm_eval, path.parent)
+        except UserError as exc:
+            raise UserError(f"{path}: quality.lm_eval: {exc}") from None
+    reference = space.quality.reference
+    if reference == "baseline":
+        return
+    where = f"{path}: quality.reference"
+    unknown = [name for name in reference if name not in space.params]
+    if unknown:
+        raise UserError(
+            f"{where}: '{unknown[0]}' is not a parameter of the space ({', '.join(space.params) or 'none'})"
+        )
+    missing = [name for name in space.params if name not in reference]
+    if missing:
+        raise UserError(f"{where}: give a value for every parameter (missing: {', '.join(missing)}), or use 'baseline'")
+    for name, value in reference.items():
+        values = space.params[name]
+        inside = (values.low <= value <= values.high) if isinstance(values, Range) and isinstance(value, (int, float)) else (
+            not isinstance(values, Range) and value in values)  # fmt: skip
+        if not inside:
+            raise UserError(f"{where}: {name}={value!r} is not among the space's values for {name}")
+    broken = space.constraint_violations(dict(reference))
+    if broken:
+        raise UserError(f"{where}: the reference breaks a constraint: {broken[0]}")
+
+
+def _check_serve(space: SearchSpace, path: Path) -> None:
+    """Serve replicas stand in for data parallelism (``export`` makes one of the other): not both."""
+    dp = space.params.get("data_parallel_size", [space.engine_args.get("data_parallel_size", 1)])
+    if isinstance(dp, Range) or any(int(v) != 1 for v in dp):
+        raise UserError(
+            f"{path}: params.{SERVE_REPLICAS}: Serve replicas replace data_parallel_size; vary one of them, not both"
+        )
+
+
+def _check_executors(space: SearchSpace, path: Path) -> None:
+    """A bare-engine trial's engine runs its ranks as processes on the devices Ray reserved for the trial
+    (``--distributed-executor-backend mp``, DESIGN). With Ray as its executor or data-parallel backend the
+    engine joins the cluster as a driver of its own and places its workers with a placement group of its own:
+    on devices Tune gave another trial, or after a wait of up to vLLM's placement timeout."""
+    for name, ray in RAY_BACKENDS.items():
+        fixed = space.engine_args.get(name)
+        listed = space.params.get(name)
+        values = [fixed] if listed is None else ([] if isinstance(listed, Range) else list(listed))
+        if ray in values:
+            field = f"engine_args.{name}" if listed is None else f"params.{name}"
+            raise UserError(
+                f"{path}: {field}: '{ray}' makes each trial's engine a Ray driver that places its own workers outside "
+                "the devices its trial reserved; trials run their ranks as processes ('mp'), one node per engine "
+                "(pipeline parallelism across nodes is not a trial servetune runs)"
+            )
+
+
+def _check_constraint_names(space: SearchSpace, path: Path) -> None:
+    """Every name a constraint reads must exist, even where evaluation would never reach it."""
+    known = {
+        *ENGINE_DEFAULTS,
+        "devices_per_node",
+        MODEL_PARAM,
+        *space.params,
+        *space.engine_args,
+        *(ENV_PREFIX + k for k in space.env),
+    }
+    for text in space.constraints:
+        for name in constraint_names(text):
+            if name not in known:
+                close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.6)
+                hint = f"; did you mean {close[0]}?" if close else ""
+                raise UserError(
+                    f"{path}: constraints: '{text}': '{name}' is neither a parameter, a fixed engine argument, nor devices_per_node{hint}"
+                )
+
+
+def _fewest_devices(space: SearchSpace) -> int:
+    """The fewest devices a trial of this space can need: the product of the smallest parallel sizes."""
+    sizes = []
+    for name, default in ENGINE_DEFAULTS.items():
+        values = space.params.get(name)
+        if values is None:
+            sizes.append(int(space.engine_args.get(name, default)))
+        else:
+            sizes.append(int(values.low) if isinstance(values, Range) else min(int(v) for v in values))
+    return math.prod(sizes)
+
+
+def _gridable(space: SearchSpace) -> bool:
+    try:
+        for values in space.params.values():
+            if isinstance(values, Range):
+                values.grid_values()
+    except ValueError:
+        if space.search.algorithm == "grid":
+            raise
+        return False
+    return True
