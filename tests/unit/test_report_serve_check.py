@@ -139,7 +139,7 @@ def test_export_ships_the_stream_batching_interval_serve_check_deployed_that_tri
 def test_serve_checks_printed_tables_show_the_rows_and_the_verdict():
     from rich.console import Console
 
-    from servetune.cli.serve_check import routing_table, scaling_table
+    from servetune.cli.serve_check_tables import routing_table, scaling_table
     from servetune.report.serving import ROUTER_NOTE
     from servetune.serve.result import ReplicaRun, ServeCheckResult, scaling_rows
     from servetune.serve.routing import RoutingResult

@@ -258,7 +258,7 @@ def laid_out_study(tmp_path, trial_id="t1", slow_big=True):
 def test_the_report_and_the_printed_table_show_each_layout_its_cost_and_the_verdict(tmp_path):
     from rich.console import Console
 
-    from servetune.cli.serve_check import layouts_table
+    from servetune.cli.serve_check_tables import layouts_table
     from servetune.report import build_report, load_study
     from servetune.report.html import render_html
     from servetune.report.markdown import render_markdown

@@ -7,14 +7,7 @@ import dataclasses
 import json
 import signal
 import types
-from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-from rich.table import Table
-
-if TYPE_CHECKING:
-    from servetune.load.runner import Level
 
 DESCRIPTION = """\
 Deploy one operating point of a study as the Ray Serve LLM application `servetune export
@@ -189,8 +182,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def with_stream_batching(picked, interval_ms: float):
     """``picked`` deployed with Ray Serve LLM's stream batching at ``interval_ms``."""
-    import dataclasses
-
     from servetune.config.space import SERVE_STREAM_BATCHING, stream_batching_ok
     from servetune.errors import UserError
 
@@ -203,6 +194,8 @@ def with_stream_batching(picked, interval_ms: float):
 def run(args: argparse.Namespace) -> int:
     from servetune.cli.bench import exit_on_sigterm, run_levels
     from servetune.cli.display import console as make_console
+    from servetune.cli.serve_check_parts import layout_args, make_ramp, ramp_autoscaling, routing_args
+    from servetune.cli.serve_check_tables import layouts_table, ramp_table, routing_table, scaling_table
     from servetune.errors import UserError
     from servetune.load.requests import PromptFactory, load_tokenizer
     from servetune.serve.check import Teardown, check_before_start, check_cluster_fits, refuse_running, run_check
@@ -259,11 +252,11 @@ def run(args: argparse.Namespace) -> int:
 
     cluster: ServeCluster  # started below, before the ramp reads it
     ramp = None
-    if args.ramp:
+    if derived is not None:  # --ramp
         ramp = make_ramp(args, picked, derived, prompts, name, records, console, lambda: cluster)
 
     routing = None
-    if routers:
+    if routing_workload is not None:  # --routers
         from servetune.serve.check import Routing
 
         load = picked.space.load
@@ -403,242 +396,3 @@ def write_result(out: Path, requests_path: Path, result, records: list[dict]) ->
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(requests_path, "".join(json.dumps(r) + "\n" for r in records))
     write_atomic(out, result.model_dump_json(indent=2) + "\n")
-
-
-@dataclasses.dataclass
-class LayoutArgs:
-    layouts: list
-    budget: int
-    level: Level  # the load every layout is offered
-    skipped: list[str]
-    cores: list[int]
-    needs: list  # serve.plan.Needs of each layout
-
-
-def layout_args(args, picked, console) -> LayoutArgs:
-    """--layouts and --budget, checked before Ray starts: the layouts to deploy (refusing one the model
-    does not split into, one off the budget, one this machine cannot hold) and the load they are offered."""
-    import os
-
-    from servetune.errors import UserError
-    from servetune.serve.check import local_devices
-    from servetune.serve.layouts import (
-        budget_layouts,
-        budget_level,
-        check_layouts,
-        layout_point,
-        model_fits,
-        parse_layouts,
-        point_pp,
-    )
-    from servetune.serve.plan import check_fits, llm_config, needs
-
-    point = picked.point
-    pp = point_pp(point)
-    fits, note = model_fits(point)
-    if args.layouts:
-        given = parse_layouts(args.layouts)
-        off = [layout for layout in given if args.budget is not None and layout.devices(pp) != args.budget]
-        if off:
-            raise UserError(f"--layouts {off[0]} uses {off[0].devices(pp)} devices (replicas x TP x PP {pp}), "
-                            f"not --budget {args.budget}: nothing was deployed")  # fmt: skip
-        layouts, skipped = check_layouts(given, pp, fits)
-    else:
-        layouts, skipped = check_layouts(budget_layouts(args.budget, pp), pp, fits, args.budget)
-    budget = layouts[0].devices(pp)
-    cores = sorted(os.sched_getaffinity(0)) if args.address is None and point.device == "cpu" else []
-    found = []
-    for layout in layouts:
-        lp = layout_point(point, layout, cores)
-        asked = f"--layouts {layout}" if args.layouts else f"--budget {budget} (layout {layout})"
-        need = dataclasses.replace(needs(lp, llm_config(lp, 1), layout.replicas), asked_by=asked)
-        devices = local_devices(need) if args.address is None else None
-        if devices is not None:
-            check_fits(need, devices, need.cpus, "this machine")
-        found.append(need)
-    if note:
-        console.print(f"[yellow]{note}[/]")
-    level = next((p.level for p in picked.plans if p.level.as_dict() == dict(point.level)), picked.plans[0].level)
-    return LayoutArgs(layouts, budget, budget_level(level, point.devices, budget), skipped, cores, found)
-
-
-def routing_args(args, replicas: list[int], engine_args: Mapping[str, Any]):
-    """--routers, --routing-replicas and --workload, checked before Ray starts: (workload, routers, replicas).
-    A workload none of whose requests fits the trial's max_model_len is refused (every request would fail)."""
-    from servetune.config.workload import load_workload
-    from servetune.errors import UserError
-    from servetune.serve.routing import parse_routers
-
-    if not args.routers:
-        if args.routing_replicas is not None or args.workload is not None:
-            raise UserError("--routing-replicas and --workload go with --routers")
-        return None, [], 0
-    routers = parse_routers(args.routers)
-    count = args.routing_replicas if args.routing_replicas is not None else max(replicas, default=2)
-    if count < 2:
-        raise UserError(f"--routers compares how requests are spread over replicas: it needs 2 or more, got {count} "
-                        "(--routing-replicas N, or a count of 2 or more in --replicas)")  # fmt: skip
-    workload = load_workload(args.workload or "rag")
-    if workload.shared_prefix is None and workload.sessions is None:
-        raise UserError(f"--workload {args.workload or 'rag'}: no shared_prefix (nor sessions): routers that follow the "
-                        "prefix cache need prompts that share prefixes")  # fmt: skip
-    limit = engine_args.get("max_model_len")
-    smallest = [
-        getattr(d, "min", getattr(d, "value", None))
-        for c in workload.classes
-        for d in (c.input_tokens, c.output_tokens)
-    ]
-    sizes = [s for s in smallest if s is not None]
-    if limit and len(sizes) == len(smallest):
-        least = min(sizes[i] + sizes[i + 1] for i in range(0, len(sizes), 2))
-        if least > int(limit):
-            raise UserError(f"--workload {args.workload or 'rag'}: its smallest request ({least} tokens with its answer) "
-                            f"passes the trial's max_model_len {limit}: give a workload scaled to the model")  # fmt: skip
-    return workload, routers, count
-
-
-def ramp_autoscaling(args, picked):
-    """The autoscaling the ramp deploys: derived for a peak of 3x the knee, with at most
-    --ramp-max-replicas replicas."""
-    from servetune.report.autoscale import derive_autoscaling
-
-    slo = [str(b) for b in picked.slo.bounds]
-    knee = derive_autoscaling(picked.trial_points, slo).knee_per_replica
-    derived = derive_autoscaling(picked.trial_points, slo, peak=3 * knee, delay_scale=args.delay_scale)
-    if args.ramp_max_replicas is not None:
-        derived = derived.with_max_replicas(args.ramp_max_replicas, "--ramp-max-replicas")
-    return derived
-
-
-def make_ramp(args, picked, derived, prompts, name, records, console, cluster):
-    """The ramp: its deployment config and its driver; ``cluster()`` is the ServeCluster once started."""
-    import asyncio
-
-    from servetune.serve.check import Ramp
-    from servetune.serve.ramp import RampResult, ramp_phases, run_ramp
-
-    knee = max(1, round(derived.in_flight_per_replica))
-    phases = ramp_phases(knee, derived.max_replicas, args.ramp_hold)
-    load = picked.space.load
-    scale_up_timeout_s = load.startup_timeout_s + derived.upscale_delay_s + derived.look_back_period_s + 30.0
-
-    def run_it(url: str, served: str) -> RampResult:
-        console.print(f"[bold]ramp[/]: autoscaling {derived.min_replicas}-{derived.max_replicas} replicas, target "
-                      f"{derived.target_ongoing_requests} in flight; clients {knee}, {3 * knee}, {knee}")  # fmt: skip
-        summary, samples, recs, phase_of = asyncio.run(run_ramp(
-            cluster(), name, url, served, picked.workload, prompts, phases, picked.slo.request_bounds_ms(),
-            args.request_timeout or load.request_timeout_s, scale_up_timeout_s,
-            on_phase=lambda ph, t: console.print(f"  {t:6.1f} s  {ph}"),
-        ))  # fmt: skip
-        records.extend({**r.to_dict(), "ramp_phase": ph} for r, ph in zip(recs, phase_of, strict=True))
-        return RampResult(
-            knee_concurrency=knee, autoscaling_config=derived.autoscaling_config(),
-            max_ongoing_requests=derived.max_ongoing_requests, max_queued_requests=derived.max_queued_requests,
-            reasons=derived.reasons, samples=samples, **summary,
-        )  # fmt: skip
-
-    return Ramp(deployment_config=derived.deployment_config(), run=run_it)
-
-
-def ramp_table(ramp) -> Table:
-    from servetune.report.serving import num_text
-
-    table = Table(
-        title="serve-check --ramp: the derived autoscaling under 1x, 3x and 1x the knee", title_justify="left"
-    )
-    for col in ("t (s)", "phase", "clients", "replicas", "done", "SLO broken", "TTFT p95", "requests per replica"):
-        table.add_column(col, justify="right")
-    for w in ramp.windows:
-        served = ", ".join(f"{rid}: {n}" for rid, n in sorted(w.served.items()))
-        table.add_row(f"{w.start_s:.0f}", w.phase, str(w.offered), str(w.running), str(w.completed),
-                      str(w.slo_violations), num_text(w.ttft_ms_p95, 0), served or "-")  # fmt: skip
-    up = "never" if ramp.time_to_scale_up_s is None else f"{ramp.time_to_scale_up_s:.1f} s"
-    table.caption = (
-        f"autoscaled deployment RUNNING after {num_text(ramp.ready_s, 0)} s"
-        + (" on the engine already running (prefix cache reset)" if ramp.engines_reused
-           else " [red]on an engine Serve restarted (as a fresh deploy)[/]" if ramp.engines_reused is False else "")
-        + f"; replicas {ramp.replicas_before} -> "
-        f"{ramp.replicas_peak}; time to scale up {up}; "
-        f"SLO broken by {ramp.slo_violations} of {ramp.requests} requests; "
-        + ("[red]a new replica served before it was RUNNING[/]" if ramp.traffic_before_ready
-           else "no new replica served before it was RUNNING")
-        + "\n" + "; ".join(f"{p.name}: {p.slo_violations}/{p.requests} broken" for p in ramp.phases)
-    )  # fmt: skip
-    return table
-
-
-def routing_table(routing) -> Table:
-    from servetune.report.serving import ROUTER_NOTE, engine_note, num_text, pct_text
-
-    table = Table(title=f"serve-check --routers: {routing.replicas} replicas, workload {routing.workload}, "
-                        + ", ".join(f"{k} {v:g}" for k, v in routing.level.items()), title_justify="left")  # fmt: skip
-    for col in ("router", "replica", "requests", "tokens served", "prefix queries", "prefix hits", "hit rate",
-                "imbalance", "goodput", "TTFT p50", "TTFT p99"):  # fmt: skip
-        table.add_column(col, justify="right")
-    for run in routing.runs:
-        s = run.level.summary
-        table.add_row(f"[bold]{run.router}[/]", "all", str(sum(t.requests for t in run.per_replica.values())),
-                      f"{sum(t.tokens_served for t in run.per_replica.values()):,}",
-                      f"{sum(t.prefix_cache_queries for t in run.per_replica.values()):,}",
-                      f"{sum(t.prefix_cache_hits for t in run.per_replica.values()):,}", pct_text(run.prefix_cache_hit_rate),
-                      num_text(run.imbalance, 2), num_text(s.goodput, 2), num_text(s.ttft_ms.p50), num_text(s.ttft_ms.p99))  # fmt: skip
-        for rid, t in sorted(run.per_replica.items(), key=lambda kv: -kv[1].tokens_served):
-            table.add_row("", rid, str(t.requests), f"{t.tokens_served:,}", f"{t.prefix_cache_queries:,}",
-                          f"{t.prefix_cache_hits:,}", pct_text(t.prefix_cache_hit_rate), "", "", "", "")  # fmt: skip
-    v = routing.verdict
-    table.caption = ROUTER_NOTE
-    for run in routing.runs:
-        note = engine_note(run.router, run.engines_reused, run.ready_s)
-        if note:
-            table.caption += "\n" + (f"[red]{note}[/]" if run.engines_reused is False else note)
-    if v is not None:
-        table.caption += f"\nverdict: {'ship ' + v.ship if v.ship else 'no router named'}: {v.reason}"
-    return table
-
-
-def scaling_table(result) -> Table:
-    from servetune.report.serving import num_text
-
-    table = Table(title=f"serve-check: trial {result.trial_id} through Ray Serve", title_justify="left")
-    for col in ("replicas", "level", "goodput", "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
-                "bare tok/s", "bare TTFT p50", "router TTFT p50", "scaling eff.", "SLO"):  # fmt: skip
-        table.add_column(col, justify="right")
-    for row in result.rows:
-        level = ", ".join(f"{k} {v:g}" for k, v in row.level.items())
-        table.add_row(
-            str(row.replicas), level, num_text(row.goodput, 2), num_text(row.request_throughput, 2), num_text(row.output_throughput),
-            num_text(row.ttft_ms_p50), num_text(row.ttft_ms_p99), num_text(row.tpot_ms_p50), num_text(row.tpot_ms_p99),
-            num_text(row.bare_output_throughput), num_text(row.bare_ttft_ms_p50), num_text(row.ttft_p50_overhead_ms, signed=True),
-            "-" if row.scaling_efficiency is None else f"{row.scaling_efficiency:.0%}",
-            "[green]met[/]" if row.meets_slo else "[red]broken[/]",
-        )  # fmt: skip
-    served = [f"{run.replicas}: " + ", ".join(f"{n}" for n in sorted(run.requests_per_replica.values(), reverse=True))
-              for run in result.runs if run.requests_per_replica]  # fmt: skip
-    table.caption = ("latencies in ms; bare: the study's own engine at the same level; router TTFT p50: through "
-                     "Serve minus bare; scaling eff.: tok/s at N / (N x tok/s at 1)")  # fmt: skip
-    if served:
-        table.caption += "\nrequests per replica (replicas: counts): " + "; ".join(served)
-    kept = [str(run.replicas) for run in result.runs if run.engines_reused]
-    if kept:
-        table.caption += (f"\n{', '.join(kept)} replicas: on the engines the step before left running (Serve kept them, "
-                          "prefix caches reset), and any replicas it added")  # fmt: skip
-    restarted = [str(run.replicas) for run in result.runs if run.engines_reused is False]
-    if restarted:
-        table.caption += f"\n[red]{', '.join(restarted)} replicas: Serve restarted the engines (as a fresh deploy)[/]"
-    return table
-
-
-def layouts_table(laid) -> Table:
-    from servetune.report.serving import LAYOUT_HEADINGS, layout_notes, layout_row
-
-    unit = "GPUs" if laid.device == "GPU" else "CPU cores"
-    table = Table(title=f"serve-check --layouts: {laid.budget} {unit} each, "
-                        + ", ".join(f"{k} {v:g}" for k, v in laid.level.items()), title_justify="left")  # fmt: skip
-    for col in LAYOUT_HEADINGS:
-        table.add_column(col, justify="right")
-    for run in laid.runs:
-        row = list(layout_row(run.model_dump(mode="json")))
-        row[-1] = "[green]met[/]" if row[-1] == "met" else "[red]broken[/]" if row[-1] == "broken" else row[-1]
-        table.add_row(*row)
-    table.caption = "\n".join(layout_notes(laid.model_dump(mode="json")))
-    return table

@@ -1,0 +1,164 @@
+"""serve-check's optional parts, checked before Ray starts: the layouts of one device budget (``--layouts``,
+``--budget``), the routers and their workload (``--routers``), and the ramp of the derived autoscaling
+(``--ramp``) with the driver that offers it. Each refuses what cannot run in one line, before anything deploys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from servetune.config.workload import Workload
+    from servetune.load.requests import PromptFactory
+    from servetune.load.runner import Level
+    from servetune.report.autoscale import Autoscaling
+    from servetune.serve.check import Ramp
+    from servetune.serve.cluster import ServeCluster
+    from servetune.serve.layouts import Layout
+    from servetune.serve.plan import Needs
+    from servetune.serve.study import PickedStudy
+
+
+@dataclasses.dataclass
+class LayoutArgs:
+    layouts: list[Layout]
+    budget: int
+    level: Level  # the load every layout is offered
+    skipped: list[str]
+    cores: list[int]
+    needs: list[Needs]  # of each layout
+
+
+def layout_args(args: argparse.Namespace, picked: PickedStudy, console: Console) -> LayoutArgs:
+    """--layouts and --budget, checked before Ray starts: the layouts to deploy (refusing one the model
+    does not split into, one off the budget, one this machine cannot hold) and the load they are offered."""
+    import os
+
+    from servetune.errors import UserError
+    from servetune.serve.check import local_devices
+    from servetune.serve.layouts import (
+        budget_layouts,
+        budget_level,
+        check_layouts,
+        layout_point,
+        model_fits,
+        parse_layouts,
+        point_pp,
+    )
+    from servetune.serve.plan import check_fits, llm_config, needs
+
+    point = picked.point
+    pp = point_pp(point)
+    fits, note = model_fits(point)
+    if args.layouts:
+        given = parse_layouts(args.layouts)
+        off = [layout for layout in given if args.budget is not None and layout.devices(pp) != args.budget]
+        if off:
+            raise UserError(f"--layouts {off[0]} uses {off[0].devices(pp)} devices (replicas x TP x PP {pp}), "
+                            f"not --budget {args.budget}: nothing was deployed")  # fmt: skip
+        layouts, skipped = check_layouts(given, pp, fits)
+    else:
+        layouts, skipped = check_layouts(budget_layouts(args.budget, pp), pp, fits, args.budget)
+    budget = layouts[0].devices(pp)
+    cores = sorted(os.sched_getaffinity(0)) if args.address is None and point.device == "cpu" else []
+    found = []
+    for layout in layouts:
+        lp = layout_point(point, layout, cores)
+        asked = f"--layouts {layout}" if args.layouts else f"--budget {budget} (layout {layout})"
+        need = dataclasses.replace(needs(lp, llm_config(lp, 1), layout.replicas), asked_by=asked)
+        devices = local_devices(need) if args.address is None else None
+        if devices is not None:
+            check_fits(need, devices, need.cpus, "this machine")
+        found.append(need)
+    if note:
+        console.print(f"[yellow]{note}[/]")
+    level = next((p.level for p in picked.plans if p.level.as_dict() == dict(point.level)), picked.plans[0].level)
+    return LayoutArgs(layouts, budget, budget_level(level, point.devices, budget), skipped, cores, found)
+
+
+def routing_args(
+    args: argparse.Namespace, replicas: list[int], engine_args: Mapping[str, Any]
+) -> tuple[Workload | None, list[str], int]:
+    """--routers, --routing-replicas and --workload, checked before Ray starts: (workload, routers, replicas).
+    A workload none of whose requests fits the trial's max_model_len is refused (every request would fail)."""
+    from servetune.config.workload import load_workload
+    from servetune.errors import UserError
+    from servetune.serve.routing import parse_routers
+
+    if not args.routers:
+        if args.routing_replicas is not None or args.workload is not None:
+            raise UserError("--routing-replicas and --workload go with --routers")
+        return None, [], 0
+    routers = parse_routers(args.routers)
+    count = args.routing_replicas if args.routing_replicas is not None else max(replicas, default=2)
+    if count < 2:
+        raise UserError(f"--routers compares how requests are spread over replicas: it needs 2 or more, got {count} "
+                        "(--routing-replicas N, or a count of 2 or more in --replicas)")  # fmt: skip
+    workload = load_workload(args.workload or "rag")
+    if workload.shared_prefix is None and workload.sessions is None:
+        raise UserError(f"--workload {args.workload or 'rag'}: no shared_prefix (nor sessions): routers that follow the "
+                        "prefix cache need prompts that share prefixes")  # fmt: skip
+    limit = engine_args.get("max_model_len")
+    smallest = [
+        getattr(d, "min", getattr(d, "value", None))
+        for c in workload.classes
+        for d in (c.input_tokens, c.output_tokens)
+    ]
+    sizes = [s for s in smallest if s is not None]
+    if limit and len(sizes) == len(smallest):
+        least = min(sizes[i] + sizes[i + 1] for i in range(0, len(sizes), 2))
+        if least > int(limit):
+            raise UserError(f"--workload {args.workload or 'rag'}: its smallest request ({least} tokens with its answer) "
+                            f"passes the trial's max_model_len {limit}: give a workload scaled to the model")  # fmt: skip
+    return workload, routers, count
+
+
+def ramp_autoscaling(args: argparse.Namespace, picked: PickedStudy) -> Autoscaling:
+    """The autoscaling the ramp deploys: derived for a peak of 3x the knee, with at most
+    --ramp-max-replicas replicas."""
+    from servetune.report.autoscale import derive_autoscaling
+
+    slo = [str(b) for b in picked.slo.bounds]
+    knee = derive_autoscaling(picked.trial_points, slo).knee_per_replica
+    derived = derive_autoscaling(picked.trial_points, slo, peak=3 * knee, delay_scale=args.delay_scale)
+    if args.ramp_max_replicas is not None:
+        derived = derived.with_max_replicas(args.ramp_max_replicas, "--ramp-max-replicas")
+    return derived
+
+
+def make_ramp(
+    args: argparse.Namespace, picked: PickedStudy, derived: Autoscaling, prompts: PromptFactory, name: str,
+    records: list[dict[str, Any]], console: Console, cluster: Callable[[], ServeCluster],
+) -> Ramp:  # fmt: skip
+    """The ramp: its deployment config and its driver; ``cluster()`` is the ServeCluster once started."""
+    import asyncio
+
+    from servetune.serve.check import Ramp
+    from servetune.serve.ramp import RampResult, ramp_phases, run_ramp
+
+    knee = max(1, round(derived.in_flight_per_replica))
+    phases = ramp_phases(knee, derived.max_replicas, args.ramp_hold)
+    load = picked.space.load
+    scale_up_timeout_s = load.startup_timeout_s + derived.upscale_delay_s + derived.look_back_period_s + 30.0
+
+    def run_it(url: str, served: str) -> RampResult:
+        console.print(f"[bold]ramp[/]: autoscaling {derived.min_replicas}-{derived.max_replicas} replicas, target "
+                      f"{derived.target_ongoing_requests} in flight; clients {knee}, {3 * knee}, {knee}")  # fmt: skip
+        summary, samples, recs, phase_of = asyncio.run(run_ramp(
+            cluster(), name, url, served, picked.workload, prompts, phases, picked.slo.request_bounds_ms(),
+            args.request_timeout or load.request_timeout_s, scale_up_timeout_s,
+            on_phase=lambda ph, t: console.print(f"  {t:6.1f} s  {ph}"),
+        ))  # fmt: skip
+        records.extend({**r.to_dict(), "ramp_phase": ph} for r, ph in zip(recs, phase_of, strict=True))
+        return RampResult(
+            knee_concurrency=knee, autoscaling_config=derived.autoscaling_config(),
+            max_ongoing_requests=derived.max_ongoing_requests, max_queued_requests=derived.max_queued_requests,
+            reasons=derived.reasons, samples=samples, **summary,
+        )  # fmt: skip
+
+    return Ramp(deployment_config=derived.deployment_config(), run=run_it)
