@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import statistics
-from collections.abc import Collection
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -257,7 +257,7 @@ class TrialResult(BaseModel):
     duration_s: float | None = None
     levels: list[LevelResult] = []
     stopped_because: str | None = None
-    best_level_index: int | None = None
+    best_level_index: int | None = None  # best_level() when the trial ended, for readers outside servetune
     environment: dict[str, str] = {}  # hardware and software stack of the trial: see environment.py
     quality: QualityResult | None = None  # the quality probe, when the space has a ``quality:`` section
     # Through Ray Serve (``serve.num_replicas``): the application, its replicas and what each served.
@@ -293,10 +293,9 @@ class TrialResult(BaseModel):
 
     @property
     def best(self) -> OperatingPoint | None:
-        """The level with the highest goodput that meets the SLO (None if none does)."""
-        if self.best_level_index is None:
-            return None
-        return self.operating_points()[self.best_level_index]
+        """The point of the trial's best level (:func:`best_level`; None if no level meets the SLO)."""
+        index = best_level(self)
+        return None if index is None else self.operating_points()[index]
 
 
 def level_load(level: LevelResult) -> float:
@@ -304,11 +303,18 @@ def level_load(level: LevelResult) -> float:
     return max(level.summary.level.values(), default=0.0)
 
 
-def best_level_index(levels: list[LevelResult], unsettled: Collection[float] = ()) -> int | None:
-    """Highest goodput (or request throughput without a per-request SLO) among levels meeting the SLO,
-    leaving out the loads whose verdict the capacity search found within the noise (``unsettled``: a
-    measurement that met the SLO there could as well have broken it on a repeat)."""
-    meeting = [(i, lv) for i, lv in enumerate(levels)
+def best_level(trial: TrialResult) -> int | None:
+    """The index of the level the trial is judged best at, None when no level meets the SLO: the highest goodput
+    (request throughput without a per-request SLO) among the levels that met the SLO with requests completed,
+    leaving out the loads whose verdict the capacity search found within the noise (a measurement that met the
+    SLO there could as well have broken it on a repeat).
+
+    The one rule every reader asks (the report's trial table and ``export --pick TRIAL_ID``, MLflow, verify,
+    the search's objectives), computed from the levels, so a study recorded before a change of the rule reads
+    as the others do. The trial writes it into ``result.json`` as ``best_level_index`` for readers outside
+    servetune."""
+    unsettled = trial.unsettled_loads
+    meeting = [(i, lv) for i, lv in enumerate(trial.levels)
                if lv.meets_slo and lv.summary.completed > 0 and level_load(lv) not in unsettled]  # fmt: skip
     if not meeting:
         return None
@@ -318,6 +324,32 @@ def best_level_index(levels: list[LevelResult], unsettled: Collection[float] = (
         return s.goodput if s.goodput is not None else s.request_throughput
 
     return max(meeting, key=score)[0]
+
+
+@dataclass(frozen=True)
+class ChosenLevel:
+    """The level a trial is judged by: its best meeting the SLO (:func:`best_level`), else the highest load it
+    measured."""
+
+    index: int
+    meets_slo: bool
+
+    @property
+    def note(self) -> str:
+        return "best level meeting the SLO" if self.meets_slo else "highest load measured; no level met the SLO"
+
+
+def chosen_level(trial: TrialResult) -> ChosenLevel | None:
+    """The level a trial's numbers are shown at (MLflow's plain metrics, the report's trial table, ``export
+    --pick TRIAL_ID``, verify's default level); None when it measured none."""
+    if not trial.levels:
+        return None
+    best = best_level(trial)
+    if best is not None:
+        return ChosenLevel(best, True)
+    highest = highest_load_index(trial.levels)
+    assert highest is not None  # it has levels
+    return ChosenLevel(highest, False)
 
 
 def highest_load_index(levels: list[LevelResult]) -> int | None:

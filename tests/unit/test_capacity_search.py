@@ -277,15 +277,15 @@ def test_a_load_left_unsettled_is_measured_but_neither_the_trials_best_level_nor
     have broken it, so the trial's best level, the report's eligible points and the recommendation stay below it."""
     from servetune.report.points import trial_points
     from servetune.report.recommend import candidates
-    from servetune.results import best_level_index
+    from servetune.results import best_level
 
     ladder_levels = [made_level(8, 400, 300), made_level(16, 700, 600), made_level(32, 1100, 1900)]
     measured = trial("t", {"max_num_seqs": 32}, ladder_levels)
-    assert best_level_index(measured.levels) == 2  # the ladder alone: the cheapest level meeting the SLO is 32
+    assert best_level(measured) == 2  # the ladder alone: the cheapest level meeting the SLO is 32
     measured.capacity_at_slo = Capacity(value=16, unit="concurrency", bracket=(16, 32), bound="exact",
                                         tolerance=0.1, unsettled=[32.0])  # fmt: skip
     assert measured.unsettled_loads == {32.0}
-    assert best_level_index(measured.levels, measured.unsettled_loads) == 1
+    assert best_level(measured) == 1
     points = trial_points(measured)
     assert [p.unsettled for p in points] == [False, False, True] and points[2].meets_slo and not points[2].eligible
     assert [p.level for p in candidates(points)] == [{"concurrency": 16.0}, {"concurrency": 8.0}]

@@ -7,7 +7,7 @@ import yaml
 
 from servetune.config.space import SearchSpace
 from servetune.errors import UserError
-from servetune.results import best_level_index
+from servetune.results import best_level
 from servetune.study.replay import ALGORITHMS, Surface, efficiency, in_flight_order, key, replay, score, trials_to_reach
 from tests.builders import level, trial
 
@@ -33,7 +33,7 @@ def made_up(params) -> "trial":
     result = trial(
         key(params), params, [level(4, out_tps / 2, ttft / 2), level(16, out_tps, ttft, violations=violations)]
     )
-    result.best_level_index = best_level_index(result.levels)
+    result.best_level_index = best_level(result)
     return result
 
 

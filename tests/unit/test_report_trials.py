@@ -11,7 +11,7 @@ from servetune.report.labels import TRIAL_HEADINGS, capacity_text, trial_cells
 from servetune.report.params import BASELINE, short_config, varied_params
 from servetune.report.recommend import Recommendation
 from servetune.report.trials import trial_rows
-from servetune.results import Capacity, best_level_index
+from servetune.results import Capacity, best_level
 from tests.builders import demo_study, demo_trials, level, study_info, trial, write_study
 
 RECORDED = Path(__file__).parents[1] / "data" / "cpu-tiny-study"
@@ -144,7 +144,7 @@ def test_the_runs_closing_table_shows_each_trials_capacity_once_trials_searched_
     space = load_space(Path(__file__).parents[2] / "search_spaces" / "cpu-tiny.yaml")
     trials = demo_trials()
     for t in trials:
-        t.best_level_index = best_level_index(t.levels)  # as a trial records it
+        t.best_level_index = best_level(t)  # as a trial records it
 
     def printed() -> str:
         console = Console(width=300, record=True)

@@ -374,7 +374,8 @@ def test_max_num_seqs_load_tested(gpu):
     item = one(study, result, "15.9", with_scenario("repeats", runs=3))
     assert item.status == "FAIL" and "fewer than 5" in item.evidence
     assert one(study, result, "15.9", with_scenario("repeats", passed=False)).status == "FAIL"
-    result.levels[1].slo_violations = ["ttft_ms_p99 = 2500 > 2000"]
+    for measured in result.levels:  # no level met the SLO: the one verify reads is the highest load, which broke it
+        measured.slo_violations = ["ttft_ms_p99 = 2500 > 2000"]
     assert one(study, result, "15.9").status == "FAIL"
 
 

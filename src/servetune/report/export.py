@@ -19,7 +19,6 @@ import yaml
 from servetune.config.space import SERVE_REPLICAS, SERVE_STREAM_BATCHING
 from servetune.engine.args import RESERVED, engine_argv, normalize_key
 from servetune.errors import UserError
-from servetune.metrics import GOODPUT, REQUEST_THROUGHPUT
 from servetune.report.autoscale import Autoscaling, derive_autoscaling
 from servetune.report.build import StudyReport
 from servetune.report.points import ReportPoint, first_line, level_label
@@ -47,7 +46,8 @@ def pick_point(report: StudyReport, pick: str) -> ReportPoint:
 
 
 def trial_point(report: StudyReport, trial_id: str) -> ReportPoint:
-    """The operating point a trial is judged by: its best level meeting the SLO, else its last one."""
+    """The operating point a trial is judged by (results.py ``chosen_level``): its best level meeting the SLO,
+    else the highest load it measured."""
     trial = next((t for t in report.trials if t.trial_id == trial_id), None)
     if trial is None:
         known = ", ".join(t.trial_id for t in report.trials) or "none"
@@ -57,10 +57,7 @@ def trial_point(report: StudyReport, trial_id: str) -> ReportPoint:
     if not points:
         raise UserError(f"--pick {trial_id}: the trial measured no load level ({trial.outcome}: "
                         f"{first_line(trial.reason) or 'no reason given'})")  # fmt: skip
-    meeting = [p for p in points if p.meets_slo]
-    if not meeting:
-        return points[-1]
-    return max(meeting, key=lambda p: p.value(GOODPUT) or p.value(REQUEST_THROUGHPUT) or 0.0)
+    return next(p for p in points if p.level_index == trial.chosen_level)  # outline() names a level it measured
 
 
 def masked_engine_args(point: ReportPoint) -> dict[str, Any]:

@@ -134,7 +134,7 @@ TRIAL_HEADINGS = (
 
 
 TRIALS_NOTE = (
-    "Numbers are at each trial's best level meeting the SLO, or at its last level when none did. "
+    "Numbers are at each trial's best level meeting the SLO, or at the highest load it measured when none did. "
     "The conclusion: keep a trial on the cost vs P99 TTFT front, eliminate one that never met the SLO, "
     "else next round."
 )

@@ -25,7 +25,7 @@ from servetune.metrics import (
     metric_names,
 )
 from servetune.report.params import BASELINE
-from servetune.results import MARGIN, Outcome, TrialResult, level_load, throughput_noise
+from servetune.results import MARGIN, Outcome, TrialResult, chosen_level, level_load, throughput_noise
 
 DERIVED_METRICS = (OUTPUT_THROUGHPUT_PER_DEVICE, OUTPUT_THROUGHPUT_PER_USER)
 
@@ -123,6 +123,7 @@ class TrialOutline:
     outcome: Outcome
     reason: str | None = None
     out_of_memory: bool = False  # failed or infeasible because memory ran out / would not fit
+    chosen_level: int | None = None  # the level it is judged by (results.py chosen_level); None: none measured
 
 
 @dataclass(frozen=True)
@@ -189,9 +190,10 @@ def first_line(text: str | None, limit: int = 160) -> str:
 
 def outline(trial: TrialResult) -> TrialOutline:
     oom = trial.outcome != "COMPLETE" and (is_out_of_memory(trial.reason) or is_out_of_memory(trial.log_tail))
+    chosen = chosen_level(trial)
     return TrialOutline(
         trial_id=trial.trial_id, params=dict(trial.params), outcome=trial.outcome, reason=trial.reason,
-        out_of_memory=oom,
+        out_of_memory=oom, chosen_level=chosen.index if chosen is not None else None,
     )  # fmt: skip
 
 

@@ -1,7 +1,7 @@
 """The table of all trials, a row per trial, as plain data (the renderers draw it; tests check it).
 
 A row says what the trial varied, how it ended, its best load level under the SLO and the
-numbers there (or at its last level when none met the SLO), its capacity at the SLO (what its
+numbers there (or at the highest load it measured when none met the SLO), its capacity at the SLO (what its
 capacity search found: trial/capacity.py), which SLO bounds broke first and
 at which level, why its ladder stopped, and its conclusion (:mod:`servetune.report.conclusion`).
 
@@ -19,7 +19,7 @@ from servetune.metrics import COST_METRIC, GOODPUT, TPOT_P99, TTFT_P99
 from servetune.report.conclusion import Conclusion, conclude
 from servetune.report.params import short_config, varied_params
 from servetune.report.points import ReportPoint, first_line, level_label, violated_metrics
-from servetune.results import Capacity, Outcome, TrialResult, best_level_index
+from servetune.results import Capacity, Outcome, TrialResult, best_level, chosen_level
 
 if TYPE_CHECKING:
     from servetune.report.recommend import Recommendation
@@ -50,7 +50,9 @@ class TrialRow:
     config: str  # the varied parameters, short: ``seqs=32 mbt=4096 chunk=off``
     outcome: Outcome
     best_level: str | None  # the best level meeting the SLO; None when none did
-    numbers_level: str | None  # the level ``values`` come from: the best one, else the last measured
+    numbers_level: (
+        str | None
+    )  # the level ``values`` come from (results.py chosen_level): the best, else the highest load
     values: Mapping[str, float | None]  # TRIAL_METRICS at ``numbers_level``
     slo_break: SloBreak | None
     stopped: str  # why the ladder stopped, in a few words: ``SLO broken at concurrency 2``
@@ -96,13 +98,8 @@ def trial_rows(
         by_trial.setdefault(point.trial_id, {})[point.level_index] = point
     rows = []
     for trial in trials:
-        best = (
-            trial.best_level_index
-            if trial.best_level_index is not None
-            else best_level_index(trial.levels, trial.unsettled_loads)
-        )
-        mine = by_trial.get(trial.trial_id, {})
-        shown = mine.get(best) if best is not None else (mine[max(mine)] if mine else None)
+        best, chosen = best_level(trial), chosen_level(trial)
+        shown = by_trial.get(trial.trial_id, {}).get(chosen.index) if chosen is not None else None
         stopped, detail = why_stopped(trial)
         rows.append(
             TrialRow(

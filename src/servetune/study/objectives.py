@@ -13,16 +13,18 @@ from collections.abc import Mapping, Sequence
 
 from servetune.config.slo import Slo
 from servetune.config.space import Objective
-from servetune.results import TrialResult
+from servetune.results import TrialResult, best_level
 
 #: Objective values for a trial that measured nothing (a finite "worst", as Optuna needs).
 PENALTY = {"max": 0.0, "min": 1e12}
 
 
-def chosen_level(result: TrialResult, slo: Slo) -> int | None:
-    """The best level meeting the SLO, else the one that broke it least."""
-    if result.best_level_index is not None:
-        return result.best_level_index
+def told_level(result: TrialResult, slo: Slo) -> int | None:
+    """The level the search is told: the best meeting the SLO (results.py ``best_level``), else the one that broke
+    it least."""
+    best = best_level(result)
+    if best is not None:
+        return best
     if not result.levels:
         return None
 
@@ -45,7 +47,7 @@ def quality_slack(result: TrialResult, quality_bounds: Mapping[str, float]) -> l
 
 def objectives_and_constraints(result: TrialResult, objectives: Sequence[Objective], slo: Slo,
                                quality_bounds: Mapping[str, float] = {}) -> tuple[list[float], list[float]]:  # fmt: skip
-    index = chosen_level(result, slo) if result.outcome == "COMPLETE" else None
+    index = told_level(result, slo) if result.outcome == "COMPLETE" else None
     if index is None:
         return [PENALTY[o.mode] for o in objectives], [1.0] * (len(slo.bounds) + len(quality_bounds) + 1)
     metrics = result.operating_points()[index].metrics

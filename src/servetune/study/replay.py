@@ -35,7 +35,7 @@ import yaml
 from servetune.config.space import Range, SearchSpace
 from servetune.errors import UserError
 from servetune.load.runner import Level
-from servetune.results import OperatingPoint, TrialResult, best_level_index
+from servetune.results import OperatingPoint, TrialResult, best_level
 from servetune.study.objectives import objectives_and_constraints
 
 ALGORITHMS = ("grid", "random", "tpe", "nsga2", "gp")
@@ -156,9 +156,9 @@ def stop_early(recorded: TrialResult, planned: Sequence[Level], finished: Sequen
         levels = recorded.levels[: index + 1]
         reason = judge(recorded.model_copy(update={"levels": levels}), planned[index + 1 :], finished)
         if reason:
-            return recorded.model_copy(
-                update={"levels": levels, "stopped_because": reason, "best_level_index": best_level_index(levels)}
-            )
+            cut = recorded.model_copy(update={"levels": levels, "stopped_because": reason})
+            cut.best_level_index = best_level(cut)
+            return cut
     return recorded
 
 

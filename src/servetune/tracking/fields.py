@@ -7,7 +7,7 @@ varied values and the devices reserved follow.
 
 Trial metrics: the unprefixed names (``ttft_ms_p99``, ``goodput``, ``cost_per_mtok_usd``...) are
 the trial's *chosen* operating point, so a column of the runs table compares like with like: its
-best level meeting the SLO, else the last level it measured (:func:`chosen_level` says which,
+best level meeting the SLO, else the highest load it measured (results.py ``chosen_level`` says which,
 and the run's ``servetune.level`` tags name it). Every level's numbers are also logged as series
 ``by_level/<name>`` with step = level index. Values are rounded to :data:`SIGNIFICANT` digits.
 """
@@ -24,7 +24,7 @@ from servetune.config.space import ENV_PREFIX
 from servetune.metrics import COST_METRIC, GOODPUT, REQUEST_THROUGHPUT
 from servetune.report.params import short_config
 from servetune.report.points import level_label
-from servetune.results import OperatingPoint, StudyInfo, TrialResult, best_level_index, highest_load_index
+from servetune.results import StudyInfo, TrialResult, chosen_level
 from servetune.secrets import redact_params
 
 #: Engine arguments every trial run records (checklist: TP PP DP, context, KV, batching, scheduling).
@@ -132,41 +132,6 @@ def _finite(items: Iterable[tuple[str, float | int | None]], step: int) -> list[
         if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             out.append(MetricPoint(metric_key(key), rounded(float(value)), step))
     return out
-
-
-def best_index(trial: TrialResult) -> int | None:
-    """The trial's recorded best level, or the one ``best_level_index`` picks when none was recorded."""
-    if trial.best_level_index is not None and trial.best_level_index < len(trial.levels):
-        return trial.best_level_index
-    return best_level_index(trial.levels, trial.unsettled_loads)
-
-
-def best_point(trial: TrialResult) -> OperatingPoint | None:
-    index = best_index(trial)
-    return None if index is None else trial.operating_points()[index]
-
-
-@dataclass(frozen=True)
-class ChosenLevel:
-    """The level a trial is judged by: its best meeting the SLO, else the highest load it measured."""
-
-    index: int
-    meets_slo: bool
-
-    @property
-    def note(self) -> str:
-        return "best level meeting the SLO" if self.meets_slo else "highest load measured; no level met the SLO"
-
-
-def chosen_level(trial: TrialResult) -> ChosenLevel | None:
-    if not trial.levels:
-        return None
-    best = best_index(trial)
-    if best is not None:
-        return ChosenLevel(best, True)
-    highest = highest_load_index(trial.levels)
-    assert highest is not None  # it has levels
-    return ChosenLevel(highest, False)
 
 
 def tail_ratio(p50: float | None, p99: float | None) -> float | None:

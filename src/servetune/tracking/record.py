@@ -17,12 +17,11 @@ from servetune.metrics import COST_METRIC, E2EL_P99, TPOT_P99, TTFT_P99
 from servetune.report.conclusion import Conclusion, Verdict, conclude  # noqa: F401 (sync.py, __init__ import them here)
 from servetune.report.points import first_line, is_out_of_memory, level_label
 from servetune.report.trials import cache_notes
-from servetune.results import LevelResult, StudyInfo, TrialResult
+from servetune.results import LevelResult, StudyInfo, TrialResult, chosen_level
 from servetune.shipped import trials_dir
 from servetune.tracking.fields import (
     CORE_ENGINE_ARGS,
     CPU_KV_SPACE,
-    chosen_level,
     chosen_params,
     engine_value,
     tail_ratio,
@@ -151,7 +150,7 @@ def quality_text(trial: TrialResult) -> str:
 
 
 def _representative(trial: TrialResult) -> tuple[int, LevelResult, str] | None:
-    """The level the trial is judged by (``fields.chosen_level``), with a note saying which."""
+    """The level the trial is judged by (results.py ``chosen_level``), with a note saying which."""
     chosen = chosen_level(trial)
     return None if chosen is None else (chosen.index, trial.levels[chosen.index], chosen.note)
 

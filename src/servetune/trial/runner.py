@@ -44,7 +44,7 @@ from servetune.results import (
     KvCapacityReport,
     LevelResult,
     TrialResult,
-    best_level_index,
+    best_level,
     read_result,
 )
 from servetune.secrets import redact_engine_args, redact_env, redact_params
@@ -256,7 +256,7 @@ def run_trial(spec: TrialSpec, report: Report, prompts: Callable[[], PromptFacto
     finally:
         result.finished_at = _now()
         result.duration_s = time.monotonic() - started
-        result.best_level_index = best_level_index(result.levels, result.unsettled_loads)
+        result.best_level_index = best_level(result)
         write_atomic(trial_dir / RESULT_FILE, result.model_dump_json(indent=2) + "\n")
     return result
 

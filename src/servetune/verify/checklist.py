@@ -56,8 +56,7 @@ from pydantic import BaseModel
 
 from servetune.errors import UserError
 from servetune.report.study import load_study
-from servetune.results import TrialResult, highest_load_index
-from servetune.tracking.fields import best_index
+from servetune.results import TrialResult, chosen_level
 from servetune.verify.config_checks import (
     batched_tokens_trade_off,
     cuda_graphs_frequent_shapes,
@@ -209,10 +208,8 @@ def verified_level(result: TrialResult, verify: Mapping[str, Any] | None) -> int
         for index, level in enumerate(result.levels):
             if level.summary.level == {k: float(v) for k, v in wanted.items() if isinstance(v, (int, float))}:
                 return index
-    best = best_index(result)
-    if best is not None:
-        return best
-    return highest_load_index(result.levels)
+    chosen = chosen_level(result)
+    return chosen.index if chosen is not None else None
 
 
 def evaluate(study_dir: Path, result: TrialResult, verify: dict | None) -> list[ChecklistItem]:
