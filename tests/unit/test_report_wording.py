@@ -10,8 +10,8 @@ from servetune.accounting import device_time_lines
 from servetune.report import build_report, load_study, render_markdown
 from servetune.report.html import front_figure, render_html
 from servetune.report.labels import metric_heading, point_metrics
+from servetune.report.params import config_label
 from servetune.report.png import front_png
-from servetune.report.points import config_label
 from servetune.report.recommend import describe
 from tests.builders import demo_study, level, study_info, trial, write_study
 
@@ -92,3 +92,36 @@ def test_the_summary_names_the_model_without_the_recording_machine_s_paths(tmp_p
     elsewhere = write_study(tmp_path / "far", study_info(model="/home/someone/checkpoints/llama-8b"), demo_trials())
     md = render_markdown(build_report(load_study(elsewhere)))
     assert "- model: `llama-8b (a local directory)`" in md and "/home/someone" not in md
+
+
+def test_the_baseline_label_is_bare_and_the_sentence_or_table_around_it_adds_the_punctuation(tmp_path):
+    """One label, ``vLLM defaults``, from both ways of naming a configuration; the run's console wraps it once
+    where a sentence does, and its tables show it as the report's tables do."""
+    from rich.console import Console
+
+    from servetune.errors import UserError
+    from servetune.quality.probe import make_plan
+    from servetune.report.params import BASELINE, short_config
+    from servetune.space_file import load_space
+    from servetune.study.driver import keep_reference
+    from servetune.study.progress import summary_table
+    from servetune.trial.context import StudyContext, resolve_levels
+
+    assert config_label({}) == short_config({}) == BASELINE == "vLLM defaults"
+    assert config_label({"max_num_seqs": 32, "enable_prefix_caching": True, "gpu_memory_utilization": 0.90}) == (
+        "max_num_seqs=32, enable_prefix_caching=true, gpu_memory_utilization=0.9"
+    )
+    shipped = Path(__file__).parents[2] / "search_spaces" / "cpu-tiny.yaml"
+    space_file = tmp_path / "space.yaml"
+    space_file.write_text(shipped.read_text() + "\nquality: {suites: [agreement], reference: baseline}\n")
+    space = load_space(space_file)
+    workload = space.resolved_workload(shipped.parent)
+    plan = make_plan(space.quality, tmp_path, space.quality_reference)
+    context = StudyContext(space, workload, tmp_path, "m", resolve_levels(space, workload), quality=plan)
+    with pytest.raises(UserError) as refused:  # the reference never ran
+        keep_reference(context)
+    assert "the reference trial (vLLM defaults) gave no answers" in str(refused.value)
+    console = Console(width=300, record=True)
+    console.print(summary_table([trial("base", {}, [level(8, 400, 300)])], space))
+    row = next(line for line in console.export_text().splitlines() if "base" in line)
+    assert "vLLM defaults" in row and "(vLLM defaults)" not in row

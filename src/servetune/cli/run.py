@@ -13,9 +13,10 @@ from pathlib import Path
 from rich.table import Table
 
 from servetune.cli.display import console as make_console
-from servetune.config.space import SearchSpace, describe_params
+from servetune.config.space import SearchSpace
 from servetune.engine.args import load_argspecs
 from servetune.errors import UserError
+from servetune.report.params import config_label
 from servetune.space_file import load_space
 
 DESCRIPTION = """\
@@ -107,11 +108,11 @@ def dry_run(space: SearchSpace, args: argparse.Namespace, model: str, models: di
         runnable += fits
         note = "not checked (architecture unknown offline)" if cap is None else cap.reason
         table.add_row(
-            str(i), describe_params(params), str(spec.devices), note, "[green]run[/]" if fits else "[red]infeasible[/]"
+            str(i), config_label(params), str(spec.devices), note, "[green]run[/]" if fits else "[red]infeasible[/]"
         )
     for params, reasons in rejected:
         table.add_row(
-            "-", describe_params(params), str(space.devices(params)), "", "[yellow]excluded[/]: " + "; ".join(reasons)
+            "-", config_label(params), str(space.devices(params)), "", "[yellow]excluded[/]: " + "; ".join(reasons)
         )
     console.print(table)
     levels = ", ".join(str(lv) for lv in context.levels)
@@ -130,7 +131,7 @@ def dry_run(space: SearchSpace, args: argparse.Namespace, model: str, models: di
                       "each on devices reserved through Ray")  # fmt: skip
     if space.quality is not None:
         console.print(f"quality probe before each ladder: {', '.join(space.quality.suites)}; the reference, "
-                      f"{describe_params(space.quality_reference or {})}, runs first; bounds: "
+                      f"{config_label(space.quality_reference or {})}, runs first; bounds: "
                       + (", ".join(f"{k} {v:g}" for k, v in space.quality_bounds.items()) or "none"))  # fmt: skip
     return 0
 
@@ -202,8 +203,9 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
         kept = read_reference(study_dir, reference, context.spec_for(reference).trial_id)
         context = replace(context, quality=plan.model_copy(update={"reference": kept}))
         if kept is None:
-            label = describe_params(reference) if reference else "vLLM defaults"
-            console.print(f"quality: the reference ({label}) runs first; later trials are compared with its answers")
+            console.print(
+                f"quality: the reference ({config_label(reference)}) runs first; later trials are compared with its answers"
+            )
             run_tuner(context, [reference], None, 1, ray_started(), 1)
             context = keep_reference(context)
 

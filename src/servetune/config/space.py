@@ -385,8 +385,3 @@ class SearchSpace(BaseModel):
             broken = self.constraint_violations(params)
             (rejected.append((params, broken)) if broken else kept.append(params))
         return kept, rejected
-
-
-def describe_params(params: dict[str, Any]) -> str:
-    """``max_num_seqs=32, enable_prefix_caching=True``; the baseline is vLLM's defaults."""
-    return ", ".join(f"{k}={v}" for k, v in params.items()) or "(vLLM defaults)"

@@ -16,7 +16,8 @@ from servetune.report.labels import (
     point_metrics,
     trial_cells,
 )
-from servetune.report.points import config_label, level_label
+from servetune.report.params import config_label
+from servetune.report.points import level_label
 from servetune.report.quality import QUALITY_NOTE, quality_cells, quality_headings, rule_summary, suite_names
 from servetune.report.recommend import describe
 from servetune.report.serving import LAYOUT_HEADINGS, ROUTER_HEADINGS, ROUTER_NOTE, SCALING_HEADINGS, ServeSection

@@ -1,7 +1,10 @@
-"""A configuration in few words: only the parameters the study varied, by short names.
+"""A configuration in words: every parameter a trial set (:func:`config_label`), or only those the study
+varied, by short names (:func:`short_config`).
 
-``{"max_num_seqs": 32, "max_num_batched_tokens": 4096, "enable_chunked_prefill": False}``
-reads ``seqs=32 mbt=4096 chunk=off``. A trial that set nothing runs on :data:`BASELINE`.
+``{"max_num_seqs": 32, "max_num_batched_tokens": 4096, "enable_chunked_prefill": False}`` reads
+``max_num_seqs=32, max_num_batched_tokens=4096, enable_chunked_prefill=false`` in full and
+``seqs=32 mbt=4096 chunk=off`` in short. A trial that set nothing runs on :data:`BASELINE`, which both
+return bare: a sentence or a table that wants it set apart adds its own punctuation.
 """
 
 from __future__ import annotations
@@ -9,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-#: How the report names a trial that sets no parameter (the search's baseline): one wording everywhere.
+#: How servetune names a trial that sets no parameter (the search's baseline): one wording everywhere, the
+#: report's, MLflow's and the console's.
 BASELINE = "vLLM defaults"
 
 #: Short names of the engine arguments and environment variables searches vary.
@@ -29,6 +33,19 @@ SHORT_NAMES = {
     "dtype": "dtype",
     "env.VLLM_CPU_KVCACHE_SPACE": "kvGiB",
 }
+
+
+def config_label(params: Mapping[str, Any], sep: str = ", ") -> str:
+    """``max_num_seqs=32, gpu_memory_utilization=0.9`` (every value the trial set), else :data:`BASELINE`."""
+    return sep.join(f"{k}={_full_value(v)}" for k, v in params.items()) or BASELINE
+
+
+def _full_value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, bool):
+        return str(value).lower()  # as YAML writes it
+    return str(value)
 
 
 def short_name(param: str) -> str:

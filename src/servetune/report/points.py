@@ -24,7 +24,6 @@ from servetune.metrics import (
     STATS,
     metric_names,
 )
-from servetune.report.params import BASELINE
 from servetune.results import MARGIN, Outcome, TrialResult, chosen_level, level_load, throughput_noise
 
 DERIVED_METRICS = (OUTPUT_THROUGHPUT_PER_DEVICE, OUTPUT_THROUGHPUT_PER_USER)
@@ -269,16 +268,3 @@ def level_label(level: Mapping[str, float]) -> str:
     for name, value in level.items():
         parts.append(f"{name} {value:g}" + (" req/s" if name == "rate" else ""))
     return ", ".join(parts) or "-"
-
-
-def config_label(params: Mapping[str, Any], sep: str = ", ") -> str:
-    """``max_num_seqs=32, gpu_memory_utilization=0.9`` (the search's chosen values)."""
-    return sep.join(f"{k}={_short(v)}" for k, v in params.items()) or BASELINE
-
-
-def _short(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:g}"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return str(value)

@@ -34,12 +34,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from servetune.metrics import COST_METRIC, TTFT_P99
+from servetune.report.params import config_label
 from servetune.report.points import (
     KV_CACHE_USAGE_MAX,
     PREEMPTIONS,
     ReportPoint,
     TrialOutline,
-    config_label,
     first_line,
     level_label,
 )

@@ -20,8 +20,9 @@ from ray.tune import Callback
 
 from servetune import __version__
 from servetune.config.quality import LM_EVAL_PREFIX
-from servetune.config.space import MODEL_PARAM, SearchSpace, describe_params
+from servetune.config.space import MODEL_PARAM, SearchSpace
 from servetune.errors import UserError
+from servetune.report.params import config_label
 from servetune.results import (
     ENGINE_LOG,
     LM_EVAL_RESULTS_FILE,
@@ -406,9 +407,7 @@ def keep_reference(context: StudyContext) -> StudyContext:
         why = "it did not run" if result is None else (result.reason or "its probe answered nothing")
         if result is not None and result.quality is not None and result.quality.errors:
             why += f" ({result.quality.errors[0]})"
-        raise UserError(
-            f"quality: the reference trial ({describe_params(params)}) gave no answers to compare with: {why}"
-        )
+        raise UserError(f"quality: the reference trial ({config_label(params)}) gave no answers to compare with: {why}")
     unscored = [
         name for name in context.quality.bounds if name.startswith(LM_EVAL_PREFIX) and name not in answers.scores
     ]
@@ -416,7 +415,7 @@ def keep_reference(context: StudyContext) -> StudyContext:
         errors = result.quality.errors if result is not None and result.quality is not None else []
         why = next((e for e in errors if e.startswith("lm-eval")), "no score")
         raise UserError(
-            f"quality: the reference trial ({describe_params(params)}) has no {unscored[0]} score to compare with: {why}"
+            f"quality: the reference trial ({config_label(params)}) has no {unscored[0]} score to compare with: {why}"
         )
     path = context.study_dir / REFERENCE_FILE
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -11,9 +11,10 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from servetune.config.space import SearchSpace, describe_params
+from servetune.config.space import SearchSpace
 from servetune.metrics import COST_METRIC, GOODPUT, OUTPUT_THROUGHPUT, TPOT_P99, TTFT_P99
 from servetune.report.labels import capacity_text
+from servetune.report.params import config_label
 from servetune.results import TrialResult
 
 
@@ -58,7 +59,7 @@ class LiveTable(Callback):
 
     def on_trial_start(self, iteration, trials, trial, **info) -> None:
         self._row(trial)
-        self._update(f"started: {describe_params(trial.config.get('params', {}))}")
+        self._update(f"started: {config_label(trial.config.get('params', {}))}")
 
     def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
         row = self._row(trial)
@@ -108,7 +109,7 @@ class LiveTable(Callback):
         ):
             table.add_column(col)
         for trial_id, row in self.rows.items():
-            table.add_row(row.get("id") or trial_id, row["state"], describe_params(row["params"]), str(row["levels"]),
+            table.add_row(row.get("id") or trial_id, row["state"], config_label(row["params"]), str(row["levels"]),
                           _fmt(row.get("goodput"), 2), _fmt(row.get("ttft")), _fmt(row.get("tpot")),
                           *((row.get("quality", "-"),) if quality else ()))  # fmt: skip
         return table
@@ -134,7 +135,7 @@ def summary_table(results: list[TrialResult], space: SearchSpace, top: int = 5) 
     for result, best in meeting[:top]:
         m = best.metrics
         level = ", ".join(f"{k} {v:g}" for k, v in best.level.items())
-        table.add_row(result.trial_id, describe_params(result.params), level, _fmt(m.get(GOODPUT), 2), _fmt(m.get(OUTPUT_THROUGHPUT)),
+        table.add_row(result.trial_id, config_label(result.params), level, _fmt(m.get(GOODPUT), 2), _fmt(m.get(OUTPUT_THROUGHPUT)),
                       _fmt(m.get(TTFT_P99)), _fmt(m.get(TPOT_P99)), _fmt(m.get(COST_METRIC), 3),
                       *([capacity_text(result.capacity_at_slo)] if searched else []))  # fmt: skip
     return table
