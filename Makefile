@@ -31,12 +31,15 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # Lint first, so a style or type slip fails before the tests: ruff (seconds), then mypy over src/ as
-# pyproject.toml's [tool.mypy] sets it (about 80 s cold on 2 cores, seconds with its cache).
+# pyproject.toml's [tool.mypy] sets it (about 80 s cold on 2 cores, seconds with its cache), then the
+# layer order of the rooms, [tool.importlinter] (a few seconds), read from this checkout's src/ whichever
+# servetune the environment has installed.
 LINTED := src tests bench
 lint: setup
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
 	$(VENV)/bin/mypy
+	PYTHONPATH=src $(VENV)/bin/lint-imports
 
 # The tests run unit, then integration, then e2e (tests/tiers.py), and end with each tier's time.
 # -X faulthandler: a crash in a C extension (Ray, gRPC, torch) prints every thread's stack, during the
