@@ -230,6 +230,23 @@ def test_record_of_failed_and_infeasible_trials():
     assert "${" not in fallback and "| Stability (稳定性) | OOM not run;" in fallback
 
 
+def test_a_failure_that_was_the_clusters_is_tagged_and_not_held_against_the_configuration():
+    from servetune.results import Failure
+
+    busy = Failure(kind="infrastructure", cause="device_busy", evidence="Free memory on device cuda:0 ...")
+    t = trial("f", {}, outcome="FAILED", reason="engine start: vLLM exited with code 1 during startup")
+    t.failure, t.retried = busy, [busy, busy]
+    record = build_record(t, None, None, ModelFingerprint("unknown", None), conclude(t, [t]))
+    assert (record.tags["failure.kind"], record.tags["failure.cause"]) == ("infrastructure", "device_busy")
+    assert record.tags["failure.retried"] == "device_busy, device_busy"
+    assert record.tags["conclusion"] == "next round" and "runs again on --resume" in record.tags["conclusion.why"]
+    t.failure = busy.model_copy(update={"kind": "configuration", "cause": "engine"})
+    assert (
+        build_record(t, None, None, ModelFingerprint("unknown", None), conclude(t, [t])).tags["conclusion"]
+        == "eliminate"
+    )
+
+
 def test_engine_log_tail_tells_an_oom_of_a_failed_trial():
     t = trial("f", {}, outcome="FAILED", reason="the engine died during concurrency 8 (exit code -9)")
     unknown = ModelFingerprint("unknown", None)

@@ -208,7 +208,7 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
     points, searcher, num_samples = None, None, 0
     if space.search.algorithm in ("grid", "random"):
         # Only what never finished: the driver's study directory is the record (nodes share no disk).
-        done = {r.trial_id for r in finished_results(study_dir) if not r.lost}  # a lost trial runs again
+        done = {r.trial_id for r in finished_results(study_dir) if not r.runs_again}  # a lost trial runs again
         points = [
             p for p in proposals(space, args.max_trials) if p != reference and context.spec_for(p).trial_id not in done
         ]
@@ -216,7 +216,7 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
     else:
         history = []
         for r in finished_results(study_dir):
-            if r.lost:  # its node or process died under it: the sampler may propose it again
+            if r.runs_again:  # lost, or failed for the cluster's reasons: the sampler may propose it again
                 continue
             values, constraints = objectives_and_constraints(
                 r, space.search.objectives, space.slo_bounds, space.quality_bounds

@@ -41,7 +41,7 @@ from servetune.results import (
 from servetune.study.context import StudyContext
 from servetune.study.objectives import objectives_and_constraints
 from servetune.study.packing import order_for_packing
-from servetune.study.searcher import CONSTRAINTS_KEY, OBJECTIVES_KEY, ConstrainedOptunaSearch
+from servetune.study.searcher import CONSTRAINTS_KEY, FAILURE_KEY, OBJECTIVES_KEY, ConstrainedOptunaSearch
 from servetune.trial.runner import new_result, write_atomic
 
 RESULT_KEY = "servetune_result"
@@ -165,6 +165,8 @@ def final_report(result: TrialResult, context: StudyContext) -> dict[str, Any]:
         report.update({f"best_{k}": v for k, v in best.metrics.items()})
     if result.quality is not None:
         report["quality_passed"] = bool(result.quality.passed)
+    if result.failure is not None:  # the searcher learns nothing from a failure that was not the configuration's
+        report[FAILURE_KEY] = result.failure.kind
     return report
 
 
@@ -195,7 +197,7 @@ class ResultMirror(Callback):
     def _write(self, trial_id: str, text: str, files: dict[str, str] | None = None) -> None:
         trial_dir = self.context.trials_dir / trial_id
         kept = read_result(trial_dir) if (trial_dir / RESULT_FILE).exists() else None
-        if kept is None or kept.lost:  # a lost trial's record gives way to the run that replaced it
+        if kept is None or kept.runs_again:  # a lost trial's record gives way to the run that replaced it
             trial_dir.mkdir(parents=True, exist_ok=True)
             for name, content in (files or {}).items():
                 if name in (
