@@ -69,11 +69,28 @@ def run(args: argparse.Namespace) -> int:
     if args.max_trials is not None and args.max_trials < 1:
         raise UserError("--max-trials must be at least 1")
     space = load_space(args.space, load_argspecs(args.python))
+    check_hub_models(space, args.space.parent)
     if args.dry_run:
         with tempfile.TemporaryDirectory() as tmp:
             model = resolve_model(space, Path(tmp), args.space.parent)
             return dry_run(space, args, model, resolve_models(space, Path(tmp), args.space.parent))
     return run_study(space, args)
+
+
+def check_hub_models(space: SearchSpace, space_dir: Path) -> None:
+    """Ask the hub, before anything is written or started, whether it serves each hub model of the space to the
+    trials' token (servetune/hub.py): a refusal ends the run here in one line, an unreachable hub is a warning."""
+    from servetune.config.space import MODEL_PARAM
+    from servetune.hub import check_access, is_hub_id
+    from servetune.study.progress import stderr_console
+
+    listed = space.params.get(MODEL_PARAM) or []
+    names = [space.model, *(listed if isinstance(listed, list) else [])]
+    for name in dict.fromkeys(str(n) for n in names):
+        if is_hub_id(name, space_dir):
+            warning = check_access(name, {k: str(v) for k, v in space.env.items()})
+            if warning:
+                stderr_console().print(f"warning: {warning}", soft_wrap=True, highlight=False, markup=False)
 
 
 def dry_run(space: SearchSpace, args: argparse.Namespace, model: str, models: dict[str, str] | None = None) -> int:
