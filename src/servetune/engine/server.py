@@ -110,6 +110,7 @@ class VllmServer:
         port: int | None = None,
         startup_timeout_s: float = 900.0,
         stop_grace_s: float = 20.0,
+        kill_wait_s: float = 30.0,
         argspecs: Mapping[str, ArgSpec] | None = None,
         cpu_ranks: int | None = None,
     ) -> None:
@@ -124,6 +125,8 @@ class VllmServer:
         self.port = port
         self.startup_timeout_s = startup_timeout_s
         self.stop_grace_s = stop_grace_s
+        self.kill_wait_s = kill_wait_s  # how long after SIGKILL the group may take to go before it is called stuck
+        self.stuck_pids: list[int] = []
         self.argspecs = argspecs
         self.cpu_ranks = cpu_ranks
         self.process: subprocess.Popen | None = None
@@ -255,10 +258,21 @@ class VllmServer:
             time.sleep(0.2)
         if _group_alive(pgid):
             _signal_group(pgid, signal.SIGKILL)
-            while _group_alive(pgid):
+            deadline = time.monotonic() + self.kill_wait_s
+            while _group_alive(pgid) and time.monotonic() < deadline:
                 time.sleep(0.1)
-        if self.process.poll() is None:
-            self.process.wait()
+            # A process SIGKILL does not end is stuck in the kernel (a GPU fault, a hung driver call): waiting on it
+            # would hang the trial for good. Name it and go on; its device, if it holds one, reads as busy to the
+            # next engine there (trial/failures.py: the cluster's failure, retried).
+            self.stuck_pids = group_members(pgid)
+            if self.stuck_pids:
+                note = (f"servetune: {len(self.stuck_pids)} process(es) of the engine survived SIGKILL for "
+                        f"{self.kill_wait_s:g} s (stuck in the kernel?): pid {', '.join(map(str, self.stuck_pids))}")  # fmt: skip
+                print(note, file=sys.stderr)
+                with contextlib.suppress(OSError), self.log_path.open("a") as log:
+                    log.write(note + "\n")
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=self.kill_wait_s)
 
     def log_text(self) -> str:
         try:
