@@ -94,7 +94,7 @@ def fake_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_tokenizer(tiny_model: Path):
     """The tiny model's tokenizer as servetune loads it (tests/unit/test_tokenizer.py checks that it
     agrees with transformers' AutoTokenizer)."""
-    from servetune.load.requests import load_tokenizer
+    from servetune.load.tokenizer import load_tokenizer
 
     return load_tokenizer(str(tiny_model))
 

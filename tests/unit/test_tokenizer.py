@@ -12,8 +12,8 @@ import pytest
 
 from servetune.config.workload import Workload
 from servetune.errors import UserError
-from servetune.load.requests import PromptFactory, iter_requests, load_tokenizer
-from servetune.load.tokenizer import FastTokenizer
+from servetune.load.requests import PromptFactory, iter_requests
+from servetune.load.tokenizer import FastTokenizer, load_tokenizer
 
 TEXTS = [
     "",
@@ -112,7 +112,8 @@ def test_a_trial_worker_imports_neither_transformers_nor_mlflow(tiny_model):
         "import sys, itertools\n"
         "import servetune.study.driver, servetune.study.early_stop, servetune.trial.runner\n"
         "from servetune.config.workload import load_workload\n"
-        "from servetune.load.requests import PromptFactory, iter_requests, load_tokenizer\n"
+        "from servetune.load.requests import PromptFactory, iter_requests\n"
+        "from servetune.load.tokenizer import load_tokenizer\n"
         f"factory = PromptFactory(load_tokenizer({str(tiny_model)!r}))\n"
         "list(itertools.islice(iter_requests(load_workload('cpu-tiny'), factory), 5))\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'mlflow'}))\n"

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from servetune.errors import UserError
 
 if TYPE_CHECKING:
+    # what the request stream needs of a tokenizer; this module serves it (requests.py imports nothing from here)
     from servetune.load.requests import Tokenizer
 
 #: Classes whose ``from_pretrained`` serves ``tokenizer.json`` as it is.
