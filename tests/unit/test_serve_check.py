@@ -302,7 +302,7 @@ class ServedCluster(FakeCluster):
 @pytest.fixture
 def served_study(tmp_path, monkeypatch, tiny_tokenizer):
     """A one-trial study that the CLI checks on a :class:`ServedCluster` (no Ray, no tokenizer download)."""
-    monkeypatch.setattr("servetune.load.requests.load_tokenizer", lambda model: tiny_tokenizer)
+    monkeypatch.setattr("servetune.load.tokenizer.load_tokenizer", lambda model: tiny_tokenizer)
     monkeypatch.setattr("servetune.serve.cluster.ServeCluster", ServedCluster)
     monkeypatch.setattr("servetune.serve.cluster.wait_gone", lambda pids: [])
     monkeypatch.setattr(ServedCluster, "opened", [])

@@ -204,7 +204,8 @@ def run(args: argparse.Namespace) -> int:
     from servetune.cli.bench import exit_on_sigterm, run_levels
     from servetune.cli.display import console as make_console
     from servetune.errors import UserError
-    from servetune.load.requests import PromptFactory, load_tokenizer
+    from servetune.load.requests import PromptFactory
+    from servetune.load.tokenizer import load_tokenizer
     from servetune.serve.check import Teardown, check_before_start, check_cluster_fits, refuse_running, run_check
     from servetune.serve.cluster import ServeCluster, wait_gone
     from servetune.serve.plan import APP_NAME, parse_replicas

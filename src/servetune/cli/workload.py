@@ -63,7 +63,7 @@ def run_from_log(args: argparse.Namespace) -> int:
     requests = read_log(args.log)
     count = None
     if args.tokenizer:
-        from servetune.load.requests import load_tokenizer
+        from servetune.load.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(args.tokenizer)
         count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731

@@ -60,7 +60,8 @@ def trainable(config: dict[str, Any], context: StudyContext, finished_points: An
     import ray
     from ray import tune
 
-    from servetune.load.requests import PromptFactory, load_tokenizer
+    from servetune.load.requests import PromptFactory
+    from servetune.load.tokenizer import load_tokenizer
     from servetune.study.early_stop import dominance_rule
     from servetune.trial.runner import EngineFactory, fits, load_result, run_trial, vllm_engine
 

@@ -118,7 +118,8 @@ def verify_on_node(selection: Selection, context: StudyContext, budget: Budget, 
     """
     import ray
 
-    from servetune.load.requests import PromptFactory, load_tokenizer
+    from servetune.load.requests import PromptFactory
+    from servetune.load.tokenizer import load_tokenizer
     from servetune.study.driver import normal_priority
     from servetune.verify.run import verify
 
