@@ -133,8 +133,13 @@ def load_result(trial_dir: Path) -> TrialResult | None:
 
 
 def write_atomic(path: Path, text: str) -> None:
+    write_bytes_atomic(path, text.encode())
+
+
+def write_bytes_atomic(path: Path, content: bytes) -> None:
+    """``path`` holds ``content`` whole or is as it was: written beside it, then renamed over it."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
+    tmp.write_bytes(content)
     tmp.replace(path)
 
 
