@@ -75,6 +75,25 @@ def test_a_process_sigkill_cannot_end_is_named_and_the_stop_goes_on(fake_python,
     assert f"survived SIGKILL for 1 s (stuck in the kernel?): pid {stuck}" in srv.log_text()
 
 
+def test_a_relative_pythonpath_reaches_the_engines_processes_absolute(fake_python, tmp_path, monkeypatch):
+    """A job's runtime env sets ``PYTHONPATH: src``; the trial runs elsewhere (its Tune directory). The reaper and
+    the engine get the entry as the trial's interpreter resolved it, so they import the submitted servetune."""
+    import sys
+
+    import psutil
+
+    job_src = tmp_path / "job" / "src"
+    job_src.mkdir(parents=True)
+    (tmp_path / "trial").mkdir()
+    monkeypatch.setenv("PYTHONPATH", "src")
+    # As Python resolved it in the job's directory: PYTHONPATH's entries come right after the script's folder.
+    monkeypatch.setattr(sys, "path", [sys.path[0], str(job_src), *sys.path[1:]])
+    monkeypatch.chdir(tmp_path / "trial")
+    with server(fake_python, tmp_path) as srv:
+        seen = psutil.Process(srv.process.pid).environ()["PYTHONPATH"]
+    assert seen == str(job_src)
+
+
 def test_a_crash_is_seen(fake_python, tmp_path):
     with server(fake_python, tmp_path, crash_after_s=0.5) as srv:
         deadline = time.monotonic() + 15  # the crash comes 0.5 s after the app started; a loaded host may be late
