@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,6 +59,7 @@ class StudyContext:
         # On the CPU build each rank is bound to a core of its own when the engine starts (engine/cores.py: the
         # first free cores of the host, so trials side by side never share one); a Serve replica claims its own.
         extra_env.update(compile_cache_env(env))  # the node's trials share vLLM's compile cache, safely
+        extra_env.update(compile_threads_env(space, params, env))
         load = space.load
         return TrialSpec(
             study=space.name, trials_dir=self.trials_dir, params=dict(params), engine_args=engine_args, env=env,
@@ -76,3 +79,18 @@ class StudyContext:
 def resolve_levels(space: SearchSpace, workload: Workload) -> tuple[Level, ...]:
     """The study's levels: ``load.kind`` and ``load.levels`` over the workload's (see ``workload_levels``)."""
     return workload_levels(workload, space.load.kind, space.load.levels)
+
+
+COMPILE_THREADS = "TORCHINDUCTOR_COMPILE_THREADS"
+
+
+def compile_threads_env(space: SearchSpace, params: dict[str, Any], env: Mapping[str, str]) -> dict[str, str]:
+    """``torch.compile``'s worker count for the trial: the CPUs the trial reserved (study/nodes.py's bundle), not
+    the host's. Inductor otherwise sizes its compile pool from every CPU of the node, so trials packed side by side
+    on a GPU node each start a pool as large as the node and compile against one another. A value the space's
+    ``env:`` or the environment sets is kept. Through Serve the replicas compile in Serve's processes: none set."""
+    from servetune.study.nodes import bundle
+
+    if space.serve_replicas(params) is not None or COMPILE_THREADS in env or COMPILE_THREADS in os.environ:
+        return {}
+    return {COMPILE_THREADS: str(max(1, int(bundle(space, params).get("CPU", 1))))}

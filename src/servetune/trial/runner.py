@@ -165,6 +165,8 @@ def placement_record(spec: TrialSpec) -> dict[str, str]:
         record["vllm_cache_root"] = spec.extra_env["VLLM_CACHE_ROOT"]
     if "TRITON_CACHE_DIR" in spec.extra_env:  # the kernels the node's trials share
         record["triton_cache_dir"] = spec.extra_env["TRITON_CACHE_DIR"]
+    if "TORCHINDUCTOR_COMPILE_THREADS" in spec.extra_env:  # torch.compile's pool, sized to the trial's CPUs
+        record["compile_threads"] = spec.extra_env["TORCHINDUCTOR_COMPILE_THREADS"]
     return record
 
 
