@@ -203,10 +203,18 @@ def with_stream_batching(picked, interval_ms: float):
 def run(args: argparse.Namespace) -> int:
     from servetune.cli.bench import exit_on_sigterm, run_levels
     from servetune.cli.display import console as make_console
+    from servetune.engine.args import vllm_version
     from servetune.errors import UserError
     from servetune.load.requests import PromptFactory
     from servetune.load.tokenizer import load_tokenizer
-    from servetune.serve.check import Teardown, check_before_start, check_cluster_fits, refuse_running, run_check
+    from servetune.serve.check import (
+        Teardown,
+        check_before_start,
+        check_cluster_fits,
+        check_vllm_matches,
+        refuse_running,
+        run_check,
+    )
     from servetune.serve.cluster import ServeCluster, wait_gone
     from servetune.serve.plan import APP_NAME, parse_replicas
     from servetune.serve.result import SERVE_CHECK_FILE, ServeCheckResult
@@ -224,6 +232,7 @@ def run(args: argparse.Namespace) -> int:
     if args.ramp and not replicas:
         raise UserError("--ramp runs after the first replica count: give --replicas N with --layouts or --budget")
     picked = read_picked(args.study_dir, args.pick)
+    check_vllm_matches(picked, vllm_version())
     if args.stream_batching_ms is not None:
         picked = with_stream_batching(picked, args.stream_batching_ms)
     name = args.app_name or APP_NAME
