@@ -30,9 +30,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(STAMP)
 
-# Lint first, so a style or type slip fails before the tests: ruff (seconds), then mypy over src/ as
-# pyproject.toml's [tool.mypy] sets it (about 80 s cold on 2 cores, seconds with its cache).
-LINTED := src tests bench
+# Lint first, so a style or type slip fails before the tests: ruff (seconds; docs/ holds the site's build
+# hook), then mypy over src/ as pyproject.toml's [tool.mypy] sets it (about 80 s cold on 2 cores, seconds
+# with its cache).
+LINTED := src tests bench docs
 lint: setup
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
