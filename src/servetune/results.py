@@ -318,6 +318,16 @@ class TrialResult(BaseModel):
         return frozenset(self.capacity_at_slo.unsettled) if self.capacity_at_slo is not None else frozenset()
 
     @property
+    def capacity_level_index(self) -> int | None:
+        """The level measured at the capacity the search found (the last measurement at that load that met the
+        SLO), whose cost and goodput are the trial's at capacity; None without a capacity or such a level."""
+        value = self.capacity_at_slo.value if self.capacity_at_slo is not None else None
+        if value is None:
+            return None
+        at = [i for i, lv in enumerate(self.levels) if lv.meets_slo and level_load(lv) == value]
+        return at[-1] if at else None
+
+    @property
     def best(self) -> OperatingPoint | None:
         """The level with the highest goodput that meets the SLO (None if none does)."""
         if self.best_level_index is None:
