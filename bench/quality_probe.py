@@ -21,7 +21,8 @@ from pathlib import Path
 
 from servetune.config.quality import QualitySpec
 from servetune.engine.server import VllmServer
-from servetune.load.requests import PromptFactory, load_tokenizer
+from servetune.load.requests import PromptFactory
+from servetune.load.tokenizer import load_tokenizer
 from servetune.models.tiny import build_tiny_model
 from servetune.quality.probe import make_plan, run_probe
 from servetune.space_file import load_space

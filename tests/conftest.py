@@ -82,10 +82,10 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def fake_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The fake engine's interpreter (``write_fake_python``), one path for the whole session.
 
-    servetune keeps vLLM's argument table per interpreter path (``engine.args.load_argspecs``): a
-    fake of each test's own made every ``servetune run --python`` import vLLM once more to read it
-    (12-25 s on a two-core host). Tests run one at a time and each checks that none of its engines
-    outlived it, so processes that name this path are the running test's.
+    The fake hands ``-c`` look-ups to the real interpreter, so it reads the vLLM argument table that
+    the real one cached (``engine.args.load_argspecs`` keeps one per vLLM version). Tests run one at
+    a time and each checks that none of its engines outlived it, so processes that name this path
+    are the running test's.
     """
     return write_fake_python(tmp_path_factory.mktemp("fake-engine"))
 
@@ -94,7 +94,7 @@ def fake_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_tokenizer(tiny_model: Path):
     """The tiny model's tokenizer as servetune loads it (tests/unit/test_tokenizer.py checks that it
     agrees with transformers' AutoTokenizer)."""
-    from servetune.load.requests import load_tokenizer
+    from servetune.load.tokenizer import load_tokenizer
 
     return load_tokenizer(str(tiny_model))
 

@@ -5,7 +5,7 @@ that call it): the study's driver starts the ledger, a trial takes its devices f
 through Serve tells it where Ray placed them, and ``servetune run --verify-top`` takes devices for a
 verification the same way.
 
-A trial through Serve reserves only its load client's CPU in Tune (``study/nodes.py`` ``bundle``): its
+A trial through Serve reserves only its load client's CPU in Tune (``trial/context.py`` ``bundle``): its
 replicas take their devices in placement groups Serve creates, which Tune does not count. With several
 trials in flight, one would deploy into devices another's replicas hold, and wait inside its start-up
 (its start-up time, and perhaps its timeout, would be the other trial's measuring). So before it deploys

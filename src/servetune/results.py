@@ -188,6 +188,20 @@ class Capacity(BaseModel):
     ended: str | None = None  # why the search ended, in words
 
 
+FailureKind = Literal["configuration", "infrastructure"]
+
+
+class Failure(BaseModel):
+    """Why a trial failed, as trial/failures.py read it from the engine's log."""
+
+    model_config = RECORD
+
+    kind: FailureKind
+    cause: str  # a short name: port_in_use, device_busy, hub_auth, hub_rate_limit, weights_download, ...
+    evidence: str  # the log line (or reason) it was read from, at most 300 characters
+    retry_after_s: float | None = None  # a retry may help, after this long; None: it would fail the same way
+
+
 class ReferenceAnswers(BaseModel):
     """What the quality reference answered: what every other trial's probe is compared with."""
 
@@ -265,6 +279,18 @@ class TrialResult(BaseModel):
     # FAILED because the trial's process or node died under it (recorded by the driver): no verdict
     # on the configuration, so ``--resume`` runs it again.
     lost: bool = False
+    # Whose fault a FAILED trial was (trial/failures.py): an infrastructure failure is no verdict on the
+    # configuration either. ``retried``: the start-up failures a retry followed, in order.
+    failure: Failure | None = None
+    retried: list[Failure] = []
+
+    @property
+    def runs_again(self) -> bool:
+        """Whether ``--resume`` runs this trial again and the searcher learns nothing from it: its process or
+        node died under it, or it failed for a reason outside its configuration."""
+        return self.lost or (
+            self.outcome == "FAILED" and self.failure is not None and self.failure.kind == "infrastructure"
+        )
 
     def operating_points(self, price_per_device_hour: float | None = None) -> list[OperatingPoint]:
         """Every measured level as a point; ``price_per_device_hour`` replaces the recorded price in the cost."""
@@ -290,6 +316,16 @@ class TrialResult(BaseModel):
     def unsettled_loads(self) -> frozenset[float]:
         """The loads whose SLO verdict the capacity search left within the noise (none without a search)."""
         return frozenset(self.capacity_at_slo.unsettled) if self.capacity_at_slo is not None else frozenset()
+
+    @property
+    def capacity_level_index(self) -> int | None:
+        """The level measured at the capacity the search found (the last measurement at that load that met the
+        SLO), whose cost and goodput are the trial's at capacity; None without a capacity or such a level."""
+        value = self.capacity_at_slo.value if self.capacity_at_slo is not None else None
+        if value is None:
+            return None
+        at = [i for i, lv in enumerate(self.levels) if lv.meets_slo and level_load(lv) == value]
+        return at[-1] if at else None
 
     @property
     def best(self) -> OperatingPoint | None:
@@ -366,8 +402,9 @@ def highest_load_index(levels: list[LevelResult]) -> int | None:
 #: recorded; 2: results carry ``resolved_engine_args`` and a level its ``cache_note``; 3: a level's
 #: summary carries what the ladder judges saturation on (``busy_output_throughput``,
 #: ``send_span_s``, ``ttft_growth``, ``ttft_growth_low``); 4: results carry ``capacity_at_slo`` and
-#: their levels may go on past the ladder, in the order measured (trial/capacity.py).
-SCHEMA_VERSION = 4
+#: their levels may go on past the ladder, in the order measured (trial/capacity.py); 5: a FAILED result
+#: carries ``failure`` (whose fault: trial/failures.py) and ``retried``.
+SCHEMA_VERSION = 5
 
 
 class StudyInfo(BaseModel):

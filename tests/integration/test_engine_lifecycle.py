@@ -57,6 +57,43 @@ def test_children_that_ignore_sigterm_are_killed(fake_python, tmp_path):
     assert not group_members(pgid)
 
 
+def test_a_process_sigkill_cannot_end_is_named_and_the_stop_goes_on(fake_python, tmp_path, monkeypatch):
+    """A process stuck in the kernel (after a GPU fault) outlives SIGKILL; here one that the group listing keeps
+    reporting stands in for it. The stop gives up on it after ``kill_wait_s``, names it, and returns."""
+    import servetune.engine.server as server_module
+
+    srv = server(fake_python, tmp_path, stubborn_child=True)
+    srv.stop_grace_s, srv.kill_wait_s = 0.5, 1.0
+    real_members = server_module.group_members
+    stuck = 2**22 + 12345  # beyond any pid this host hands out
+    with srv:
+        pgid = srv.process.pid
+        monkeypatch.setattr(server_module, "group_members", lambda group: [*real_members(group), stuck])
+        started = time.monotonic()
+    assert time.monotonic() - started < 15
+    assert srv.stuck_pids == [stuck] and not real_members(pgid)  # the rest of the group is gone
+    assert f"survived SIGKILL for 1 s (stuck in the kernel?): pid {stuck}" in srv.log_text()
+
+
+def test_a_relative_pythonpath_reaches_the_engines_processes_absolute(fake_python, tmp_path, monkeypatch):
+    """A job's runtime env sets ``PYTHONPATH: src``; the trial runs elsewhere (its Tune directory). The reaper and
+    the engine get the entry as the trial's interpreter resolved it, so they import the submitted servetune."""
+    import sys
+
+    import psutil
+
+    job_src = tmp_path / "job" / "src"
+    job_src.mkdir(parents=True)
+    (tmp_path / "trial").mkdir()
+    monkeypatch.setenv("PYTHONPATH", "src")
+    # As Python resolved it in the job's directory: PYTHONPATH's entries come right after the script's folder.
+    monkeypatch.setattr(sys, "path", [sys.path[0], str(job_src), *sys.path[1:]])
+    monkeypatch.chdir(tmp_path / "trial")
+    with server(fake_python, tmp_path) as srv:
+        seen = psutil.Process(srv.process.pid).environ()["PYTHONPATH"]
+    assert seen == str(job_src)
+
+
 def test_a_crash_is_seen(fake_python, tmp_path):
     with server(fake_python, tmp_path, crash_after_s=0.5) as srv:
         deadline = time.monotonic() + 15  # the crash comes 0.5 s after the app started; a loaded host may be late

@@ -215,6 +215,50 @@ def test_the_serve_ledger_places_each_replica_inside_one_node_of_the_real_cluste
     assert list(placed["late-tp2"].values()) == [2]  # both its GPUs on one worker, the one y left
 
 
+FETCH_DRIVER = """
+import json, sys
+from pathlib import Path
+from types import SimpleNamespace
+import ray
+from servetune.config.space import SearchSpace
+from servetune.trial.context import StudyContext, resolve_levels
+from servetune.study.driver import FETCH_KEY, FILES_KEY, ResultMirror, carried_files, final_report
+from tests.builders import level, trial
+
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+root, worker = Path(sys.argv[2]), sys.argv[3]
+node_dir = root / "node" / "abc123"  # the trial's directory on the worker
+node_dir.mkdir(parents=True)
+rows = "".join(json.dumps({"level": i % 2, "chunk_times": list(range(i % 97, i % 97 + 150))}) + "\\n" for i in range(3000))
+(node_dir / "requests.jsonl").write_text(rows)
+(node_dir / "engine.log").write_text("INFO started\\n")
+inline, fetch = carried_files(node_dir, worker)  # as the trial calls it on its node
+space = SearchSpace.model_validate({"name": "s", "model": "m", "workload": "cpu-tiny"})
+workload = space.resolved_workload(root)
+context = StudyContext(space, workload, root / "driver", "m", resolve_levels(space, workload))
+report = {**final_report(trial("abc123", {}, [level(1, 100, 50)]), context), FILES_KEY: json.dumps(inline),
+          FETCH_KEY: json.dumps(fetch)}
+size = len(json.dumps(report))
+ResultMirror(context).on_trial_result(0, [], SimpleNamespace(trial_id="tune_0"), report)
+kept = root / "driver" / "trials" / "abc123"
+print(json.dumps({"inline": sorted(inline), "fetch": fetch, "report_bytes": size, "records": len(rows),
+                  "same": (kept / "requests.jsonl").read_text() == rows, "log": (kept / "engine.log").read_text()}))
+"""
+
+
+def test_a_trials_large_records_come_back_from_its_node_as_a_file_not_through_tunes_results(cluster, tmp_path):
+    """An offline-batch trial's per-request records run to hundreds of MB: past INLINE_LIMIT they stay out of the
+    report, and the driver fetches them from the trial's node through Ray's object store (study/driver.py)."""
+    worker = cluster.node_id_of(cluster.workers[0])
+    done = subprocess.run([sys.executable, "-c", FETCH_DRIVER, cluster.address, str(tmp_path), worker],
+                          capture_output=True, text=True, env=cluster.head.env, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    state = driver_state(done.stdout)
+    assert state["inline"] == ["engine.log"] and state["fetch"]["node_id"] == worker
+    assert list(state["fetch"]["files"]) == ["requests.jsonl"] and state["records"] > 1 << 20
+    assert state["report_bytes"] < 100_000 and state["same"] and state["log"] == "INFO started\n"
+
+
 PLACED_DRIVER = """
 import json, sys
 import ray

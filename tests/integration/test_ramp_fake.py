@@ -9,7 +9,8 @@ import asyncio
 import time
 
 from servetune.config.workload import load_workload
-from servetune.load.requests import PromptFactory, load_tokenizer
+from servetune.load.requests import PromptFactory
+from servetune.load.tokenizer import load_tokenizer
 from servetune.serve.ramp import ramp_phases, run_ramp
 from servetune.testing.fake_openai import FakeOpenAI
 from tests.conftest import serve_fake

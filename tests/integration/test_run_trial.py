@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
 
 from servetune.config.slo import Slo
 from servetune.config.workload import load_workload
@@ -20,14 +23,15 @@ from tests.conftest import serve_fake
 class FakeEngine:
     """The Engine protocol over an in-process fake server; ``lives_for`` levels, then it is gone."""
 
-    def __init__(self, fake: FakeOpenAI, lives_for: int | None = None, start_error: str | None = None) -> None:
-        self.fake, self.lives_for, self.start_error = fake, lives_for, start_error
+    def __init__(self, fake: FakeOpenAI, lives_for: int | None = None, start_error: str | None = None,
+                 start_log: str = "ERROR: it never came up") -> None:  # fmt: skip
+        self.fake, self.lives_for, self.start_error, self.start_log = fake, lives_for, start_error, start_log
         self.process = SimpleNamespace(pid=os.getpid())
         self.startup_s, self.url, self.levels_seen, self.stopped = 0.01, "", 0, False
 
     def __enter__(self) -> FakeEngine:
         if self.start_error:
-            raise EngineStartError(self.start_error, "ERROR: it never came up")
+            raise EngineStartError(self.start_error, self.start_log)
         self._serving = serve_fake(self.fake)
         self.url = self._serving.__enter__()
         return self
@@ -94,6 +98,69 @@ def test_an_engine_that_does_not_start_is_failed_data(tmp_path, tiny_tokenizer):
     result, _ = run(tmp_path, tiny_tokenizer, FakeEngine(FakeOpenAI(), start_error="vLLM exited with code 1"))
     assert result.outcome == "FAILED" and result.reason == "engine start: vLLM exited with code 1"
     assert result.log_tail == "ERROR: it never came up" and result.levels == []
+    assert result.failure is not None and result.failure.kind == "configuration" and not result.runs_again
+    assert result.retried == []
+
+
+def test_a_port_taken_before_the_engine_binds_it_is_retried_on_a_fresh_port(
+    tmp_path, tiny_tokenizer, fake_python, monkeypatch
+):
+    """The collision for real: the first port handed to the engine is held by this test when the (fake) engine's
+    server binds it, so its own OSError lands in engine.log; the trial starts it again on another port and
+    measures, keeping the first start's log and its failure."""
+    import socket
+
+    import servetune.engine.server as server_module
+    from servetune.trial.runner import vllm_engine
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    handed: list[int] = []
+    real_free_port = server_module.free_port
+
+    def first_one_taken(host: str = "127.0.0.1") -> int:
+        handed.append(held.getsockname()[1] if not handed else real_free_port(host))
+        return handed[-1]
+
+    monkeypatch.setattr(server_module, "free_port", first_one_taken)
+    trial = replace(spec(tmp_path, levels=(1,)), python=str(fake_python), engine_args={})
+    try:
+        result = run_trial(trial, lambda report: None, lambda: PromptFactory(tiny_tokenizer), engine=vllm_engine)
+    finally:
+        held.close()
+    assert result.outcome == "COMPLETE", (result.reason, result.log_tail)
+    assert len(handed) == 2 and handed[1] != handed[0]
+    (first,) = result.retried
+    assert (first.kind, first.cause) == (
+        "infrastructure",
+        "port_in_use",
+    ) and "address already in use" in first.evidence.lower()
+    assert "address already in use" in (tmp_path / result.trial_id / "engine.attempt-1.log").read_text().lower()
+    assert result.failure is None and not result.runs_again
+
+
+def test_a_gated_model_is_not_the_configurations_failure_and_is_not_retried(tmp_path, tiny_tokenizer):
+    """huggingface_hub's own error for a gated repository, raised from a real 401 response: no retry (the token is
+    the same next time), recorded as the cluster's, and the trial runs again on --resume."""
+    import httpx2  # huggingface_hub's own HTTP client
+    from huggingface_hub.utils import hf_raise_for_status
+
+    response = httpx2.Response(401, headers={"X-Error-Code": "GatedRepo", "X-Error-Message": "Access to model org/gated "
+                              "is restricted."}, request=httpx2.Request("GET", "https://huggingface.co/api/models/org/gated"))  # fmt: skip
+    with pytest.raises(Exception) as raised:
+        hf_raise_for_status(response)
+    log = f"{type(raised.value).__name__}: {raised.value}"  # as a traceback ends in engine.log
+    starts = []
+
+    def gated(s, d):
+        starts.append(d)
+        return FakeEngine(FakeOpenAI(), start_error="vLLM exited with code 1 during startup", start_log=log)
+
+    result = run_trial(spec(tmp_path), lambda report: None, lambda: PromptFactory(tiny_tokenizer), engine=gated)
+    assert len(starts) == 1 and result.outcome == "FAILED"
+    assert result.failure is not None and (result.failure.kind, result.failure.cause) == ("infrastructure", "hub_auth")
+    assert result.runs_again and result.retried == []
 
 
 def test_the_capacity_search_measures_past_the_ladder_on_the_same_engine_and_records_its_capacity(

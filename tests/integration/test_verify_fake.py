@@ -6,7 +6,8 @@ import json
 import shutil
 from pathlib import Path
 
-from servetune.load.requests import PromptFactory, load_tokenizer
+from servetune.load.requests import PromptFactory
+from servetune.load.tokenizer import load_tokenizer
 from servetune.testing.fake_openai import write_fake_python
 from servetune.verify.choose import select
 from servetune.verify.run import verify, write_document

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shlex
 import zipfile
@@ -70,7 +71,9 @@ def test_launcher_installs_servetune_with_the_gpu_extra_from_the_mounted_reposit
     installs = [c for c in config["setup_commands"] if "install" in c and "[gpu]" in c]
     assert installs and remote.replace("/home/ubuntu", "$HOME") in installs[0]
     assert {".venv", ".git", "servetune-results"} <= set(config["rsync_exclude"])
-    assert any("/mnt/results" in c for c in config["setup_commands"])  # results on storage every node shares
+    assert any("mkdir -p /mnt/results" in c for c in config["setup_commands"])  # the driver's results, on the head
+    # Runs as written: no command depends on a shared file system the user must first create and name.
+    assert not [c for c in config["setup_commands"] if "mount -t nfs" in c or ".efs." in c]
 
 
 def test_launcher_commands_are_well_formed_shell():
@@ -116,6 +119,33 @@ def test_runtime_env_uploads_the_code_and_not_the_venv(tmp_path):
     for name in names:
         assert not name.startswith((".venv/", ".git/", "servetune-results/")) and "__pycache__" not in name, name
     assert package.stat().st_size < 10 * 2**20
+
+
+def test_a_large_untracked_folder_in_the_checkout_stays_out_of_the_upload(tmp_path):
+    """Models, results and scratch data in a checkout are normal: .rayignore keeps the job's upload to what a study
+    runs from, whatever else is there (the README's ``ray job submit`` failed with 97 MB of untracked output)."""
+    import shutil
+
+    from ray._private.runtime_env.packaging import create_package
+
+    checkout = tmp_path / "checkout"
+    shutil.copytree(ROOT / "src", checkout / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    for folder in ("trials", "search_spaces", "cluster"):
+        shutil.copytree(ROOT / folder, checkout / folder)
+    for name in (".rayignore", "pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, checkout / name)
+    (checkout / "my-space.yaml").write_text("name: mine\n")  # a user's own study, at the top
+    (checkout / "scratch" / "weights").mkdir(parents=True)
+    (checkout / "scratch" / "weights" / "model.safetensors").write_bytes(os.urandom(12 * 2**20))
+    (checkout / "big.bin").write_bytes(os.urandom(2**20))
+    package = tmp_path / "working_dir.zip"
+    create_package(str(checkout), package, include_gitignore=True, excludes=load(RUNTIME_ENV)["excludes"])
+    names = zipfile.ZipFile(package).namelist()
+    for needed in ("src/servetune/__init__.py", "trials/workloads/chat.yaml", "search_spaces/chat-latency.yaml",
+                   "cluster/runtime_env.yaml", "my-space.yaml", "pyproject.toml"):  # fmt: skip
+        assert needed in names, needed
+    assert not [n for n in names if n.startswith(("scratch", "big.bin", "README"))], names
+    assert package.stat().st_size < 2 * 2**20
 
 
 # --- KubeRay ---------------------------------------------------------------------------------
@@ -259,8 +289,9 @@ def worker_nodes() -> dict[str, dict[str, float]]:
 
 @pytest.mark.parametrize("space_path", GPU_SPACES, ids=lambda p: p.stem)
 def test_every_trial_of_the_gpu_spaces_fits_one_worker_node_and_a_full_node_has_its_cpus(space_path):
-    from servetune.study.nodes import bundle, placement_problem
+    from servetune.study.nodes import placement_problem
     from servetune.study.packing import trial_sizes
+    from servetune.trial.context import bundle
 
     space = load_space(space_path)
     kept, _ = space.grid() if space.search.algorithm == "grid" else ([{}], [])

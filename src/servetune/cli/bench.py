@@ -36,8 +36,9 @@ from servetune.engine.args import (
 from servetune.engine.server import VllmServer
 from servetune.errors import EngineDiedError, UserError
 from servetune.load.client import StreamingClient
-from servetune.load.requests import PromptFactory, load_tokenizer
+from servetune.load.requests import PromptFactory
 from servetune.load.runner import Level, workload_levels
+from servetune.load.tokenizer import load_tokenizer
 from servetune.results import BenchResult, KvCapacityReport
 from servetune.secrets import redact_engine_args, redact_env
 from servetune.telemetry import TelemetrySampler, visible_gpu_indices

@@ -71,11 +71,28 @@ def run(args: argparse.Namespace) -> int:
     if args.max_trials is not None and args.max_trials < 1:
         raise UserError("--max-trials must be at least 1")
     space = load_space(args.space, load_argspecs(args.python))
+    check_hub_models(space, args.space.parent)
     if args.dry_run:
         with tempfile.TemporaryDirectory() as tmp:
             model = resolve_model(space, Path(tmp), args.space.parent)
             return dry_run(space, args, model, resolve_models(space, Path(tmp), args.space.parent))
     return run_study(space, args)
+
+
+def check_hub_models(space: SearchSpace, space_dir: Path) -> None:
+    """Ask the hub, before anything is written or started, whether it serves each hub model of the space to the
+    trials' token (servetune/hub.py): a refusal ends the run here in one line, an unreachable hub is a warning."""
+    from servetune.config.space import MODEL_PARAM
+    from servetune.hub import check_access, is_hub_id
+    from servetune.study.progress import stderr_console
+
+    listed = space.params.get(MODEL_PARAM) or []
+    names = [space.model, *(listed if isinstance(listed, list) else [])]
+    for name in dict.fromkeys(str(n) for n in names):
+        if is_hub_id(name, space_dir):
+            warning = check_access(name, {k: str(v) for k, v in space.env.items()})
+            if warning:
+                stderr_console().print(f"warning: {warning}", soft_wrap=True, highlight=False, markup=False)
 
 
 def dry_run(space: SearchSpace, args: argparse.Namespace, model: str, models: dict[str, str] | None = None) -> int:
@@ -212,7 +229,7 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
     points, searcher, num_samples = None, None, 0
     if space.search.algorithm in ("grid", "random"):
         # Only what never finished: the driver's study directory is the record (nodes share no disk).
-        done = {r.trial_id for r in finished_results(study_dir) if not r.lost}  # a lost trial runs again
+        done = {r.trial_id for r in finished_results(study_dir) if not r.runs_again}  # a lost trial runs again
         points = [
             p for p in proposals(space, args.max_trials) if p != reference and context.spec_for(p).trial_id not in done
         ]
@@ -220,7 +237,7 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
     else:
         history = []
         for r in finished_results(study_dir):
-            if r.lost:  # its node or process died under it: the sampler may propose it again
+            if r.runs_again:  # lost, or failed for the cluster's reasons: the sampler may propose it again
                 continue
             values, constraints = objectives_and_constraints(
                 r, space.search.objectives, space.slo_bounds, space.quality_bounds

@@ -196,9 +196,18 @@ def run(args: argparse.Namespace) -> int:
     from servetune.cli.display import console as make_console
     from servetune.cli.serve_check_parts import layout_args, make_ramp, ramp_autoscaling, routing_args
     from servetune.cli.serve_check_tables import layouts_table, ramp_table, routing_table, scaling_table
+    from servetune.engine.args import vllm_version
     from servetune.errors import UserError
-    from servetune.load.requests import PromptFactory, load_tokenizer
-    from servetune.serve.check import Teardown, check_before_start, check_cluster_fits, refuse_running, run_check
+    from servetune.load.requests import PromptFactory
+    from servetune.load.tokenizer import load_tokenizer
+    from servetune.serve.check import (
+        Teardown,
+        check_before_start,
+        check_cluster_fits,
+        check_vllm_matches,
+        refuse_running,
+        run_check,
+    )
     from servetune.serve.cluster import ServeCluster, wait_gone
     from servetune.serve.plan import APP_NAME, parse_replicas
     from servetune.serve.result import SERVE_CHECK_FILE, ServeCheckResult
@@ -216,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
     if args.ramp and not replicas:
         raise UserError("--ramp runs after the first replica count: give --replicas N with --layouts or --budget")
     picked = read_picked(args.study_dir, args.pick)
+    check_vllm_matches(picked, vllm_version())
     if args.stream_batching_ms is not None:
         picked = with_stream_batching(picked, args.stream_batching_ms)
     name = args.app_name or APP_NAME

@@ -95,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
     from servetune.cli.display import console as make_console
     from servetune.engine.args import vllm_version
     from servetune.errors import UserError
-    from servetune.load.requests import PromptFactory, load_tokenizer
+    from servetune.load.requests import PromptFactory
+    from servetune.load.tokenizer import load_tokenizer
     from servetune.tracking.stability import log_stability
     from servetune.verify import run as verification
     from servetune.verify.choose import select

@@ -24,10 +24,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="a workload measured from a request log (JSONL, one request a line)",
         description=(
             "Read a request log (JSONL: a time, input and output token counts or texts, an optional "
-            "session id per line; see the README) and write a workload: the logged lengths as empirical "
-            "distributions, the arrival process fitted from the times (Poisson, or gamma with the measured "
-            "coefficient of variation), the shared prefix when the prompts are there, and conversations "
-            "when sessions are. Prints what it found."
+            "session id per line; docs/commands/workload.md lists the keys read) and write a workload: the "
+            "logged lengths as empirical distributions, the arrival process fitted from the times (Poisson, "
+            "or gamma with the measured coefficient of variation), the shared prefix when the prompts are "
+            "there, and conversations when sessions are. Prints what it found."
         ),
         epilog="example: servetune workload from-log traffic.jsonl --out trials/workloads/mine.yaml",
     )
@@ -63,7 +63,7 @@ def run_from_log(args: argparse.Namespace) -> int:
     requests = read_log(args.log)
     count = None
     if args.tokenizer:
-        from servetune.load.requests import load_tokenizer
+        from servetune.load.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(args.tokenizer)
         count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731

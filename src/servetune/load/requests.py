@@ -16,7 +16,6 @@ from typing import Protocol
 import numpy as np
 
 from servetune.config.workload import Empirical, Workload
-from servetune.load.tokenizer import load_tokenizer  # noqa: F401 (callers import it from here, beside PromptFactory)
 
 _WORD = re.compile(r" [A-Za-z]{2,12}")
 _CHAR = re.compile(r"[ -~]")

@@ -8,11 +8,16 @@
 with). transformers ignores ``add_bos_token`` / ``add_eos_token`` beside a ``tokenizer.json`` (its
 post-processor decides), and so does this.
 
-Everything else goes through ``AutoTokenizer``: a hub id, a directory without ``tokenizer.json``,
-a model-specific class (transformers 5 rebuilds those from the file's vocabulary with the class's
-own pre-tokenizer), no class named (transformers picks one from ``config.json``), a config that
-asks transformers to change what the file does (cleaning up decoded spaces, a special token the
-vocabulary lacks).
+A hub id is looked up in the Hugging Face cache (``huggingface_hub.try_to_load_from_cache``, no
+network): a snapshot that holds ``tokenizer.json``, at the revision the cache's ``refs/main``
+names, is read as a directory is, where the cache also knows of each other file read here whether
+the repository has it (transformers would fetch one it does not know of).
+
+Everything else goes through ``AutoTokenizer``: a hub id not in the cache, a directory without
+``tokenizer.json``, a model-specific class (transformers 5 rebuilds those from the file's
+vocabulary with the class's own pre-tokenizer), no class named (transformers picks one from
+``config.json``), a config that asks transformers to change what the file does (cleaning up
+decoded spaces, a special token the vocabulary lacks).
 """
 
 from __future__ import annotations
@@ -24,12 +29,15 @@ from typing import TYPE_CHECKING, Any
 from servetune.errors import UserError
 
 if TYPE_CHECKING:
+    # what the request stream needs of a tokenizer; this module serves it (requests.py imports nothing from here)
     from servetune.load.requests import Tokenizer
 
 #: Classes whose ``from_pretrained`` serves ``tokenizer.json`` as it is.
 _PLAIN_CLASSES = {"PreTrainedTokenizerFast", "TokenizersBackend"}
 #: The named special tokens transformers adds to the vocabulary when they are missing from it.
 _NAMED_SPECIALS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+#: The files :func:`_load_fast` reads, ``tokenizer.json`` first.
+_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 class FastTokenizer:
@@ -57,9 +65,15 @@ class FastTokenizer:
 
 def load_tokenizer(name: str) -> Tokenizer:
     """The served model's tokenizer (a directory or a hub id); a failure is a UserError."""
-    fast = _load_fast(Path(name))
+    directory = Path(name) if Path(name).is_dir() else _cached_snapshot(name)
+    fast = _load_fast(directory) if directory is not None else None
     if fast is not None:
         return fast
+    return _load_auto(name)
+
+
+def _load_auto(name: str) -> Tokenizer:
+    """The tokenizer as transformers' ``AutoTokenizer`` loads it (fetching a hub id it lacks)."""
     from transformers import AutoTokenizer
 
     try:
@@ -67,6 +81,24 @@ def load_tokenizer(name: str) -> Tokenizer:
         return AutoTokenizer.from_pretrained(name)  # type: ignore[return-value]
     except Exception as exc:  # transformers raises many kinds for a missing or broken tokenizer
         raise UserError(f"cannot load the tokenizer of '{name}': {str(exc).splitlines()[0][:200]}") from None
+
+
+def _cached_snapshot(repo_id: str) -> Path | None:
+    """The Hugging Face cache's snapshot of ``repo_id`` when it holds ``tokenizer.json`` and knows,
+    of the other files :func:`_load_fast` reads, whether the repository has each; else None."""
+    from huggingface_hub import try_to_load_from_cache  # a dependency of tokenizers
+
+    try:
+        found = [try_to_load_from_cache(repo_id, name) for name in _FILES]
+    except ValueError:  # not a hub id (huggingface_hub's HFValidationError)
+        return None
+    if not isinstance(found[0], str):
+        return None
+    snapshot = Path(found[0]).parent
+    # a file neither there nor known absent (None) may be in the repository; one that is there is in the same snapshot
+    if any(path is None or (isinstance(path, str) and Path(path).parent != snapshot) for path in found):
+        return None
+    return snapshot
 
 
 def _load_fast(directory: Path) -> FastTokenizer | None:

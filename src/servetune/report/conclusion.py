@@ -44,6 +44,11 @@ def conclude(
     over a cheaper tuned point within the noise (report/recommend.py, rule 4)."""
     if recommendation is not None and recommendation.names(trial.trial_id):
         return recommended_conclusion(recommendation.reason)
+    if trial.runs_again:  # its node or process died, or the cluster failed it: no verdict on the configuration
+        why = (
+            f"{trial.failure.cause} ({first_line(trial.reason)})" if trial.failure is not None else "the trial was lost"
+        )
+        return Conclusion("next round", f"not judged, {why}; it runs again on --resume")
     if trial.outcome != "COMPLETE":
         return Conclusion("eliminate", f"trial {trial.outcome}: {first_line(trial.reason) or 'no reason given'}")
     failed = quality_failures(trial)

@@ -189,9 +189,14 @@ def first_line(text: str | None, limit: int = 160) -> str:
 
 def outline(trial: TrialResult) -> TrialOutline:
     oom = trial.outcome != "COMPLETE" and (is_out_of_memory(trial.reason) or is_out_of_memory(trial.log_tail))
+    reason = trial.reason
+    if (
+        trial.runs_again and trial.failure is not None and not trial.lost
+    ):  # the reader should not blame the configuration
+        reason = f"not the configuration's ({trial.failure.cause}; runs again on --resume): {reason}"
     chosen = chosen_level(trial)
     return TrialOutline(
-        trial_id=trial.trial_id, params=dict(trial.params), outcome=trial.outcome, reason=trial.reason,
+        trial_id=trial.trial_id, params=dict(trial.params), outcome=trial.outcome, reason=reason,
         out_of_memory=oom, chosen_level=chosen.index if chosen is not None else None,
     )  # fmt: skip
 

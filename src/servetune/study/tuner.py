@@ -14,10 +14,10 @@ from ray.tune.experiment import Trial
 from servetune.config.space import SearchSpace
 from servetune.device_ledger import give_back
 from servetune.study.driver import finished_results, trainable
-from servetune.study.nodes import bundle, placement_problem_of
+from servetune.study.nodes import placement_problem_of
 from servetune.study.ray_cluster import init_ray  # noqa: F401 - `servetune run` starts Ray through here
 from servetune.study.searcher import ConstrainedOptunaSearch
-from servetune.trial.context import StudyContext
+from servetune.trial.context import StudyContext, bundle
 
 
 def cluster_devices(space: SearchSpace) -> list[float]:

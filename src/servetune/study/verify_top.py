@@ -2,7 +2,7 @@
 
 The points are :func:`servetune.verify.choose.top_points`'s: the recommendation, then the other
 candidates cheapest first, one per trial; fewer when fewer trials met every SLO (said so). Each
-runs as a Ray task inside a placement group of the trial's own bundle (study/nodes.py
+runs as a Ray task inside a placement group of the trial's own bundle (trial/context.py
 ``bundle``: TP x PP x DP GPUs and ``cpus_per_trial`` CPUs on one node, or TP x DP cores on CPU),
 so the driver needs no GPU and the engine sees exactly the GPUs Ray reserved
 (``CUDA_VISIBLE_DEVICES`` from ``ray.get_gpu_ids()``, as a trial's). As many run at once as
@@ -118,7 +118,8 @@ def verify_on_node(selection: Selection, context: StudyContext, budget: Budget, 
     """
     import ray
 
-    from servetune.load.requests import PromptFactory, load_tokenizer
+    from servetune.load.requests import PromptFactory
+    from servetune.load.tokenizer import load_tokenizer
     from servetune.study.driver import normal_priority
     from servetune.verify.run import verify
 
@@ -211,9 +212,10 @@ def verify_top(study_dir: Path, context: StudyContext, say: Callable[[str], None
     from ray.util.queue import Queue
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from servetune.study.nodes import alive_nodes, bundle, placement_problem
+    from servetune.study.nodes import alive_nodes, placement_problem
     from servetune.study.packing import resolve_max_concurrent
     from servetune.tracking.stability import log_stability
+    from servetune.trial.context import bundle
     from servetune.verify import run as verification
     from servetune.verify.choose import select_top
 

@@ -176,7 +176,24 @@ def trial_metrics(trial: TrialResult) -> list[MetricPoint]:
     startup = {f"startup/{k}": v for k, v in trial.startup_phases.items()}
     return (
         points + _finite(totals.items(), 0) + _finite(quality_metrics(trial).items(), 0) + _finite(startup.items(), 0)
-    )
+        + _finite(capacity_metrics(trial).items(), 0)
+    )  # fmt: skip
+
+
+def capacity_metrics(trial: TrialResult) -> dict[str, float | None]:
+    """The capacity search's answer (trial/capacity.py): ``capacity`` and its bracket ``capacity_lo`` (met the SLO)
+    and ``capacity_hi`` (broke it), the verdict noise, and the cost and goodput of the level measured at capacity,
+    the numbers a team ships on (none without a capacity search)."""
+    found = trial.capacity_at_slo
+    if found is None:
+        return {}
+    values: dict[str, float | None] = {"capacity": found.value, "capacity_lo": found.bracket[0],
+                                       "capacity_hi": found.bracket[1], "capacity_verdict_noise": found.verdict_noise}  # fmt: skip
+    index = trial.capacity_level_index
+    if index is not None:
+        at = trial.operating_points()[index].metrics
+        values.update({f"capacity/{COST_METRIC}": at.get(COST_METRIC), f"capacity/{GOODPUT}": at.get(GOODPUT)})
+    return values
 
 
 def quality_metrics(trial: TrialResult) -> dict[str, float | None]:

@@ -89,6 +89,10 @@ def build_record(
     tags.update(stability)
     quality = quality_tags(trial)
     tags.update({**quality, "conclusion": conclusion.verdict, "conclusion.why": conclusion.why})
+    if trial.failure is not None:  # whose fault (trial/failures.py): filter out the cluster's in the UI
+        tags.update({"failure.kind": trial.failure.kind, "failure.cause": trial.failure.cause})
+    if trial.retried:
+        tags["failure.retried"] = ", ".join(f.cause for f in trial.retried)
 
     fields = {
         "experiment": f"{trial.study}/{trial.trial_id}, {date}",

@@ -217,7 +217,7 @@ class StudySync:
         varied: dict[str, None] = {}
         for trial in study.trials:
             varied.update(dict.fromkeys(trial.params))
-        key, view = runs_view_tag(list(varied))
+        key, view = runs_view_tag(list(varied), capacity=any(t.capacity_at_slo is not None for t in study.trials))
         writer.set_experiment_tags(self.experiment_id, {key: view})
         if report is None:
             return  # a study.json this servetune cannot report on: the trials are logged all the same

@@ -37,22 +37,29 @@ def _column(kind: str, name: str) -> str:
     return f"{kind}.`{name}`"
 
 
-def runs_view(varied: Sequence[str]) -> dict[str, object]:
-    """The saved view: trial runs only (flat), best goodput first, varied params and compared metrics."""
+#: What a trial costs per million tokens at its capacity at the SLO (tracking/fields.py's capacity metrics).
+CAPACITY_COST = f"capacity/{COST_METRIC}"
+CAPACITY_METRICS = ("capacity", "capacity_lo", "capacity_hi", CAPACITY_COST)
+
+
+def runs_view(varied: Sequence[str], capacity: bool = False) -> dict[str, object]:
+    """The saved view: trial runs only (flat), varied params and compared metrics; cheapest at capacity first
+    where trials searched for their capacity at the SLO (``capacity``), else best goodput first."""
     columns = [_column("params", metric_key(name)) for name in varied]
-    columns += [_column("metrics", name) for name in COMPARED_METRICS]
+    metrics = (*CAPACITY_METRICS, *COMPARED_METRICS) if capacity else COMPARED_METRICS
+    columns += [_column("metrics", name) for name in metrics]
     columns += [_column("tags", "servetune.level"), _column("tags", RECOMMENDED_TAG), _column("tags", "conclusion")]
     return {
         "searchFilter": "tags.`servetune.role` = 'trial'",
-        "orderByKey": _column("metrics", GOODPUT),
-        "orderByAsc": False,
+        "orderByKey": _column("metrics", CAPACITY_COST if capacity else GOODPUT),
+        "orderByAsc": capacity,
         "selectedColumns": columns,
         "runsHiddenMode": "SHOW_ALL",
     }
 
 
-def runs_view_tag(varied: Sequence[str]) -> tuple[str, str]:
-    return SHARED_VIEW_PREFIX + VIEW_KEY, json.dumps(runs_view(varied))
+def runs_view_tag(varied: Sequence[str], capacity: bool = False) -> tuple[str, str]:
+    return SHARED_VIEW_PREFIX + VIEW_KEY, json.dumps(runs_view(varied, capacity))
 
 
 def runs_view_link(experiment_id: str) -> str:

@@ -6,7 +6,9 @@ driver, ``verify`` (a chosen trial started again) and ``serve-check`` (the study
 
 from __future__ import annotations
 
+import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +56,7 @@ class StudyContext:
         # On the CPU build each rank is bound to a core of its own when the engine starts (engine/cores.py: the
         # first free cores of the host, so trials side by side never share one); a Serve replica claims its own.
         extra_env.update(compile_cache_env(env))  # the node's trials share vLLM's compile cache, safely
+        extra_env.update(compile_threads_env(space, params, env))
         load = space.load
         return TrialSpec(
             study=space.name, trials_dir=self.trials_dir, params=dict(params), engine_args=engine_args, env=env,
@@ -73,3 +76,30 @@ class StudyContext:
 def resolve_levels(space: SearchSpace, workload: Workload) -> tuple[Level, ...]:
     """The study's levels: ``load.kind`` and ``load.levels`` over the workload's (see ``workload_levels``)."""
     return workload_levels(workload, space.load.kind, space.load.levels)
+
+
+COMPILE_THREADS = "TORCHINDUCTOR_COMPILE_THREADS"
+
+
+def compile_threads_env(space: SearchSpace, params: dict[str, Any], env: Mapping[str, str]) -> dict[str, str]:
+    """``torch.compile``'s worker count for the trial: the CPUs the trial reserved (its :func:`bundle`), not
+    the host's. Inductor otherwise sizes its compile pool from every CPU of the node, so trials packed side by side
+    on a GPU node each start a pool as large as the node and compile against one another. A value the space's
+    ``env:`` or the environment sets is kept. Through Serve the replicas compile in Serve's processes: none set."""
+    if space.serve_replicas(params) is not None or COMPILE_THREADS in env or COMPILE_THREADS in os.environ:
+        return {}
+    return {COMPILE_THREADS: str(max(1, int(bundle(space, params).get("CPU", 1))))}
+
+
+def bundle(space: SearchSpace, params: dict[str, Any]) -> dict[str, float]:
+    """One bundle per trial: with GPUs in other bundles ``ray.get_gpu_ids()`` would be empty.
+
+    A trial through Serve holds one CPU, for its load client: Serve's replicas take their devices
+    in placement groups of their own (``serve/trial.py``).
+    """
+    if space.serve_replicas(params) is not None:
+        return {"CPU": 1.0}
+    devices = space.devices(params)
+    if space.device == "gpu":
+        return {"CPU": float(space.hardware.cpus_per_trial), "GPU": float(devices)}
+    return {"CPU": float(devices)}

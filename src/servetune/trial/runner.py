@@ -50,6 +50,7 @@ from servetune.results import (
 from servetune.secrets import redact_engine_args, redact_env, redact_params
 from servetune.telemetry import TelemetrySampler, visible_gpu_indices
 from servetune.trial.capacity import CAPACITY_LEVELS, CAPACITY_TOLERANCE, CapacitySearch
+from servetune.trial.failures import INFRA_RETRIES, classify
 from servetune.trial.measure import Engine as MeasuredEngine
 from servetune.trial.measure import LevelPlan, check_alive, measure_rung
 
@@ -132,8 +133,13 @@ def load_result(trial_dir: Path) -> TrialResult | None:
 
 
 def write_atomic(path: Path, text: str) -> None:
+    write_bytes_atomic(path, text.encode())
+
+
+def write_bytes_atomic(path: Path, content: bytes) -> None:
+    """``path`` holds ``content`` whole or is as it was: written beside it, then renamed over it."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
+    tmp.write_bytes(content)
     tmp.replace(path)
 
 
@@ -159,6 +165,8 @@ def placement_record(spec: TrialSpec) -> dict[str, str]:
         record["vllm_cache_root"] = spec.extra_env["VLLM_CACHE_ROOT"]
     if "TRITON_CACHE_DIR" in spec.extra_env:  # the kernels the node's trials share
         record["triton_cache_dir"] = spec.extra_env["TRITON_CACHE_DIR"]
+    if "TORCHINDUCTOR_COMPILE_THREADS" in spec.extra_env:  # torch.compile's pool, sized to the trial's CPUs
+        record["compile_threads"] = spec.extra_env["TORCHINDUCTOR_COMPILE_THREADS"]
     return record
 
 
@@ -246,19 +254,48 @@ def run_trial(spec: TrialSpec, report: Report, prompts: Callable[[], PromptFacto
         if result.capacity is not None and not result.capacity.fits:
             result.outcome, result.reason = "INFEASIBLE", f"capacity check: {result.capacity.reason}"
             return result
-        _measure(engine(spec, trial_dir), spec, result, report, prompts(), trial_dir, stop_rule)
+        _start_and_measure(engine, spec, result, report, prompts(), trial_dir, stop_rule)
     except EngineStartError as exc:
         result.outcome, result.reason, result.log_tail = "FAILED", f"engine start: {exc.args[0]}", exc.log_tail
-    except EngineDiedError as exc:
+        result.failure = classify(exc.args[0], exc.log_tail or "", hub_model=is_hub_model(spec.model))
+    except EngineDiedError as exc:  # under load or the probe: the configuration's own
         result.outcome, result.reason, result.log_tail = "FAILED", exc.args[0], exc.log_tail
+        result.failure = classify(exc.args[0], exc.log_tail or "")
     except Exception as exc:  # a failed trial is data; the study goes on
         result.outcome, result.reason = "FAILED", f"{type(exc).__name__}: {exc}"
+        result.failure = classify(result.reason)
     finally:
         result.finished_at = _now()
         result.duration_s = time.monotonic() - started
         result.best_level_index = best_level(result)
         write_atomic(trial_dir / RESULT_FILE, result.model_dump_json(indent=2) + "\n")
     return result
+
+
+def is_hub_model(model: str) -> bool:
+    """Whether ``model`` names a model on the hub (its weights may download at start-up) rather than a local folder."""
+    return not Path(model).expanduser().exists()
+
+
+def _start_and_measure(engine: EngineFactory, spec: TrialSpec, result: TrialResult, report: Report,
+                       prompts: PromptFactory, trial_dir: Path, stop_rule: StopRule | None) -> None:  # fmt: skip
+    """:func:`_measure` on a fresh engine, started again (a new port, the same cores) after a start-up failure that
+    was not the configuration's and that a retry can help with (trial/failures.py), at most ``INFRA_RETRIES``
+    times. Each retried start's log is kept beside the trial's (``engine.attempt-N.log``) and its failure in
+    ``result.retried``."""
+    for attempt in range(INFRA_RETRIES + 1):
+        try:
+            _measure(engine(spec, trial_dir), spec, result, report, prompts, trial_dir, stop_rule)
+            return
+        except EngineStartError as exc:
+            failure = classify(exc.args[0], exc.log_tail or "", hub_model=is_hub_model(spec.model))
+            if failure.kind != "infrastructure" or failure.retry_after_s is None or attempt == INFRA_RETRIES:
+                raise
+            result.retried.append(failure)
+            log = trial_dir / ENGINE_LOG
+            if log.exists():
+                log.replace(trial_dir / f"engine.attempt-{attempt + 1}.log")
+            time.sleep(failure.retry_after_s)
 
 
 def _measure(server: Engine, spec: TrialSpec, result: TrialResult, report: Report, prompts: PromptFactory,

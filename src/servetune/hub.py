@@ -1,0 +1,58 @@
+"""The model hub, asked once from the driver before any trial: does it serve this model to this token?
+
+A gated model without an accepted token otherwise fails every trial the same way, each after its engine
+start (trial/failures.py calls that the cluster's, so nothing is learned). One request to the hub's
+``auth-check`` settles it in a second, in one line. A hub that cannot be reached (an air-gapped driver, the
+weights in a local cache or a mirror) is no verdict: the study goes on with a warning.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from servetune.errors import UserError
+
+TOKEN_VARIABLES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def is_hub_id(name: str, space_dir: Path) -> bool:
+    """Whether a space's model names a hub repository (``org/name``), not the tiny model or a local folder."""
+    if name == "tiny" or name.startswith((".", "/", "~")) or name.count("/") != 1:
+        return False
+    return not (Path(name).expanduser().exists() or (space_dir / name).exists())
+
+
+def _set(env: Mapping[str, str], names: Iterable[str]) -> str | None:
+    return next((env[n] for n in names if env.get(n)), None)
+
+
+def check_access(model: str, env: Mapping[str, str]) -> str | None:
+    """Raise :class:`UserError` when the hub refuses ``model`` to the token the trials will use (the space's
+    ``env`` first, then this process's); a warning when the hub could not be asked; None when it serves it."""
+    merged = {**os.environ, **env}
+    if _set(merged, OFFLINE_VARIABLES) not in (None, "0", "false", "False"):
+        return None  # offline by the user's choice: the weights come from a cache
+    from huggingface_hub import auth_check
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    token = _set(merged, TOKEN_VARIABLES)
+    where = "with the token in " + next(n for n in TOKEN_VARIABLES if merged.get(n)) if token else "without a token"
+    try:
+        auth_check(model, token=token or None)
+    except GatedRepoError:
+        raise UserError(f"model {model}: gated on the hub, and it refuses access {where}; accept its terms at "
+                        f"https://huggingface.co/{model} and set HF_TOKEN (in the space's env: or the shell)") from None  # fmt: skip
+    except RepositoryNotFoundError:
+        raise UserError(f"model {model}: not on the hub, or private and refused {where}") from None
+    except HfHubHTTPError as exc:
+        status = getattr(exc.response, "status_code", None)
+        if status in (401, 403):
+            raise UserError(f"model {model}: the hub refuses access {where} (HTTP {status})") from None
+        return f"model {model}: the hub answered HTTP {status} to an access check; the trials will find out"
+    except Exception as exc:  # no route to the hub, DNS, a proxy: not a verdict on access
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return f"model {model}: could not ask the hub for access ({first}); the trials will find out"
+    return None
