@@ -13,8 +13,9 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import ModuleType
+from typing import Any
 
 import psutil
 
@@ -88,17 +89,25 @@ class TelemetrySampler:
         return out
 
     def _gpu_sample(self, nv: ModuleType) -> dict[str, float]:
-        util, mem, power, temp, clock = [], [], [], [], []
-        for handle in self._handles:
-            util.append(nv.nvmlDeviceGetUtilizationRates(handle).gpu)
-            mem.append(nv.nvmlDeviceGetMemoryInfo(handle).used / GIB)
-            power.append(nv.nvmlDeviceGetPowerUsage(handle) / 1000.0)
-            temp.append(nv.nvmlDeviceGetTemperature(handle, nv.NVML_TEMPERATURE_GPU))
-            clock.append(nv.nvmlDeviceGetClockInfo(handle, nv.NVML_CLOCK_SM))
-        return {
-            "gpu_util": sum(util) / len(util), "gpu_memory_used_gib": max(mem), "gpu_power_w": sum(power),
-            "gpu_temperature_c": max(temp), "gpu_sm_clock_mhz": sum(clock) / len(clock),
-        }  # fmt: skip
+        """One reading of every field on every GPU. A field a GPU does not report (NVML's NotSupported: power on
+        some boards, clocks on a MIG slice) is left out of that GPU's reading, not the sample; a field no GPU
+        reported is left out of the sample."""
+        reads: dict[str, tuple[Callable[[Any], float], Callable[[list[float]], float]]] = {
+            "gpu_util": (lambda h: nv.nvmlDeviceGetUtilizationRates(h).gpu, _mean),
+            "gpu_memory_used_gib": (lambda h: nv.nvmlDeviceGetMemoryInfo(h).used / GIB, max),
+            "gpu_power_w": (lambda h: nv.nvmlDeviceGetPowerUsage(h) / 1000.0, sum),
+            "gpu_temperature_c": (lambda h: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU), max),
+            "gpu_sm_clock_mhz": (lambda h: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM), _mean),
+        }
+        sample: dict[str, float] = {}
+        for name, (read, combine) in reads.items():
+            values = []
+            for handle in self._handles:
+                with contextlib.suppress(Exception):  # nv.NVMLError and its NotSupported, NoPermission, ...
+                    values.append(float(read(handle)))
+            if values:
+                sample[name] = combine(values)
+        return sample
 
     def _host_sample(self) -> dict[str, float]:
         sample = {
@@ -128,9 +137,13 @@ class TelemetrySampler:
             duration = max(self._ended - self._started, 1e-9)
             if self._energy_start and len(self._energy_end) == len(self._energy_start):
                 out["gpu_energy_j"] = sum(self._energy_end[i] - self._energy_start[i] for i in self._energy_start)
-            else:
+            elif "gpu_power_w_mean" in out:  # no energy counter: power integrated over the window
                 out["gpu_energy_j"] = out["gpu_power_w_mean"] * duration
         return out
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 def visible_gpu_indices(env: dict[str, str]) -> list[int]:

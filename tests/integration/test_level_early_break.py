@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from servetune.config.slo import Slo
 from servetune.config.workload import load_workload
 from servetune.load.client import StreamingClient
@@ -58,3 +60,34 @@ def test_an_open_loop_above_the_server_s_capacity_stops_once_its_queue_keeps_gro
         result, records = asyncio.run(go(url))
     assert result.stopped_early.startswith("saturated: vLLM's waiting queue grew from")
     assert 0 < result.summary.completed < 400 and len(records) < 400
+
+
+def test_a_levels_energy_per_token_counts_the_tokens_of_the_window_it_measured(tiny_tokenizer):
+    """The device telemetry runs over the whole level, its warm-up requests included; so the energy per output
+    token divides by every token served in that window, not by the measured requests' alone."""
+    import servetune.telemetry as telemetry
+
+    class FixedEnergy(telemetry.TelemetrySampler):
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return None
+
+        def summary(self):
+            return {"gpu_energy_j": 1000.0}
+
+    fake = FakeOpenAI(ttft_ms=2, itl_ms=1)
+    workload = load_workload("cpu-tiny")
+    plan = LevelPlan(Level("concurrency", 2), num_requests=6, duration_s=None, warmup_requests=3)
+
+    async def go(url: str):
+        async with StreamingClient(url, "fake", api=workload.api, ignore_eos=True) as client:
+            return await measure_level(client, url, workload, PromptFactory(tiny_tokenizer), plan, stream=1,
+                                       slo=Slo(), telemetry=lambda: FixedEnergy())  # fmt: skip
+
+    with serve_fake(fake) as url:
+        result, records = asyncio.run(go(url))
+    served = sum(r.output_tokens for r in records)
+    assert served > result.summary.total_output_tokens  # the warm-up requests' tokens too
+    assert result.telemetry["gpu_energy_j_per_output_token"] == pytest.approx(1000.0 / served)

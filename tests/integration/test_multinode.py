@@ -259,6 +259,26 @@ def test_a_trials_large_records_come_back_from_its_node_as_a_file_not_through_tu
     assert state["report_bytes"] < 100_000 and state["same"] and state["log"] == "INFO started\n"
 
 
+def test_doctor_checks_every_node_and_fails_gpus_ray_advertises_that_nvml_cannot_see(cluster, tmp_path, tiny_model):
+    """``servetune doctor`` on the local cluster: a task on each of its three nodes. The workers advertise 2 GPUs
+    each and this host has none, so that check fails on both (what a node started with a wrong --num-gpus, or
+    without its driver, would show); versions match the driver's on every node; the model is on every node."""
+    space = write_space(tmp_path, tiny_model, "  max_num_seqs: [4]\n")
+    done = subprocess.run([sys.executable, "-m", "servetune", "doctor", str(space), "--address", cluster.address,
+                           "--json", str(tmp_path / "doctor.json")], capture_output=True, text=True,
+                          env=cluster.head.env, timeout=180)  # fmt: skip
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    checks = json.loads((tmp_path / "doctor.json").read_text())
+    workers = {cluster.node_id_of(w)[:12] for w in cluster.workers}
+    gpus = [c for c in checks if c["name"] == "GPUs"]
+    assert {c["node"] for c in gpus} == workers and all(c["status"] == "FAIL" for c in gpus), gpus
+    assert all("Ray advertises 2 GPU(s), NVML sees none" in c["evidence"] for c in gpus)
+    versions = [c for c in checks if c["name"] == "vllm version"]
+    assert len(versions) == 3 and all(c["status"] == "PASS" for c in versions), versions  # head and both workers
+    assert not [c for c in checks if c["name"] == "model"]  # the model folder is on every node
+    assert "2 check(s) failed" in " ".join(done.stdout.split())
+
+
 PLACED_DRIVER = """
 import json, sys
 import ray

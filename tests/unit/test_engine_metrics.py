@@ -66,3 +66,15 @@ def test_the_sampler_s_parse_reads_the_gauges_alone_and_the_same_values():
         == {"requests_running": 3, "requests_waiting": 7, "kv_cache_usage": 0.25}
     )
     assert gauges.counters == {} and gauges.histograms == {}
+
+
+def test_a_dp_server_s_engines_add_up_their_requests_but_not_their_kv_cache_shares():
+    two_engines = """# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3
+vllm:num_requests_running{engine="1",model_name="m"} 5
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.6
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.7
+"""
+    for parsed in (MetricsSnapshot.parse(two_engines), MetricsSnapshot.parse_gauges(two_engines)):
+        assert parsed.gauges == {"requests_running": 8, "kv_cache_usage": 0.7}  # not 1.3 of a cache

@@ -103,7 +103,10 @@ class MetricsSnapshot:
         snap = cls()
         for ours, names in GAUGES.items():
             if (found := _first(samples, names)) is not None:
-                snap.gauges[ours] = sum(s.value for s in found)
+                # A DP>1 server has a sample per engine (label ``engine``): requests add up, and KV-cache usage,
+                # each engine's share of its own cache, is the fullest engine's (as in :meth:`combined`).
+                values = [s.value for s in found]
+                snap.gauges[ours] = max(values) if ours in SHARE_GAUGES else sum(values)
         for ours, names in COUNTERS.items():
             if (found := _first(samples, tuple(n + "_total" for n in names))) is not None:
                 snap.counters[ours] = sum(s.value for s in found)

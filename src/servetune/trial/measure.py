@@ -324,8 +324,10 @@ async def measure_level(
     server = {**level_delta(before, after), **peaks} if before and after else {}
     summary = summarize(records, plan.level.as_dict(), slo.request_bounds_ms() or None)
     measured = devices.summary() if isinstance(devices, TelemetrySampler) else {}
-    if "gpu_energy_j" in measured and summary.total_output_tokens:
-        measured["gpu_energy_j_per_output_token"] = measured["gpu_energy_j"] / summary.total_output_tokens
+    # The energy is the whole window's, warm-up requests included: so are the tokens it is divided by.
+    served = sum(r.output_tokens or 0 for r in records)
+    if "gpu_energy_j" in measured and served:
+        measured["gpu_energy_j_per_output_token"] = measured["gpu_energy_j"] / served
     mean_prompt = summary.total_input_tokens / summary.completed if summary.completed else 0.0
     reused = None
     if workload.sessions is not None and drawn:

@@ -1,0 +1,84 @@
+"""``servetune doctor [SPACE.yaml] [--address ADDR]``: the Ray cluster a study will use, checked node by node
+before it spends GPU-hours (servetune/doctor.py). Exit 1 when a check fails."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from servetune.errors import UserError
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "doctor",
+        help="check the Ray cluster a study will use, node by node, before it spends GPU-hours",
+        description=(
+            "One Ray task per live node checks it: GPUs as Ray advertises them against NVML (names, memory, MIG, "
+            "memory another process holds), the vLLM, Ray, servetune and torch versions against this driver's, "
+            "/dev/shm, the niceness Ray's workers run at, the metrics interval (for Serve), vLLM's cache, and the "
+            "space's model on each node (a local folder) or on the hub (the token's access). Each check is PASS, "
+            "WARN or FAIL with one line of evidence; the exit status is 1 when one fails. Nothing is started but "
+            "the tasks (and a local Ray when no cluster is given)."
+        ),
+    )
+    p.add_argument("space", nargs="?", type=Path, metavar="SPACE.yaml",
+                   help="the study's search space: its device, GPU type, model and Serve use decide what is checked")  # fmt: skip
+    p.add_argument("--address", metavar="ADDR",
+                   help="the Ray cluster to check (default: $RAY_ADDRESS, else a local Ray started for the check)")  # fmt: skip
+    p.add_argument("--json", type=Path, metavar="PATH", help="also write the checks there as JSON")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.table import Table
+
+    from servetune.cli.display import console as make_console
+    from servetune.config.space import SERVE_REPLICAS
+    from servetune.doctor import Check, evaluate, failed, gather, node_facts
+    from servetune.hub import check_access, is_hub_id
+    from servetune.space_file import load_space
+
+    console = make_console()
+    space = load_space(args.space) if args.space is not None else None
+    model, checks = None, []
+    if space is not None:
+        if is_hub_id(space.model, args.space.parent):
+            try:
+                warning = check_access(space.model, {k: str(v) for k, v in space.env.items()})
+            except UserError as exc:
+                checks.append(Check("driver", "model access", "FAIL", str(exc)))
+            else:
+                checks.append(Check("driver", "model access", "WARN" if warning else "PASS",
+                                    warning or f"the hub serves {space.model} to the trials' token"))  # fmt: skip
+        elif space.model != "tiny":
+            local = Path(space.model).expanduser()
+            model = str((local if local.is_absolute() else args.space.parent / local).resolve())
+    import ray
+
+    from servetune.study.ray_cluster import init_ray
+
+    started = init_ray(args.address)
+    try:
+        with console.status("checking every node"):
+            nodes = gather(model)
+    finally:
+        if started:
+            ray.shutdown()
+    serve = space is not None and SERVE_REPLICAS in space.params
+    checks += evaluate(nodes, node_facts(), device=space.device if space else "gpu",
+                       gpu=space.hardware.gpu if space else None, serve=serve)  # fmt: skip
+    table = Table(title=f"servetune doctor: {len(nodes)} node(s)" + (f", for {args.space}" if args.space else ""))
+    for column in ("node", "check", "status", "evidence"):
+        table.add_column(column, overflow="fold")
+    colour = {"PASS": "green", "WARN": "yellow", "FAIL": "bold red"}
+    for check in checks:
+        table.add_row(check.node, check.name, f"[{colour[check.status]}]{check.status}[/]", check.evidence)
+    console.print(table)
+    if args.json is not None:
+        args.json.write_text(json.dumps([asdict(c) for c in checks], indent=2) + "\n")
+    bad = failed(checks)
+    console.print(f"{len(bad)} check(s) failed" if bad else "no check failed", style="bold red" if bad else "green")
+    return 1 if bad else 0
