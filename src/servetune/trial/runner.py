@@ -170,9 +170,14 @@ def placement_record(spec: TrialSpec) -> dict[str, str]:
     return record
 
 
-def capacity_check(spec: TrialSpec) -> CapacityReport | None:
-    """The memory ledger's verdict, or None where the model's architecture is unknown offline."""
-    from servetune.capacity import load_model_arch, plan_capacity, resolve_hardware
+def capacity_check(spec: TrialSpec, seen: dict[str, str] | None = None) -> CapacityReport | None:
+    """The memory ledger's verdict, or None where the model's architecture is unknown offline.
+
+    ``seen``: the trial's environment record, with the GPU it got as NVML names it (``gpu_model``,
+    ``gpu_memory_gib``). Without ``hardware.gpu`` in the space the check sizes the GPU from that; with it, the
+    space's GPU is used and a GPU of another kind is said in ``environment["hardware_note"]``."""
+    from servetune.capacity import gpu_hardware, load_model_arch, plan_capacity, resolve_hardware
+    from servetune.capacity.hardware import find_gpu
 
     if (
         spec.device == "cpu"
@@ -180,11 +185,23 @@ def capacity_check(spec: TrialSpec) -> CapacityReport | None:
         and "kv_cache_memory_bytes" not in spec.engine_args
     ):
         return None  # the CPU build then sizes its KV cache from host memory: nothing to predict
+    got = (seen or {}).get("gpu_model") if spec.device == "gpu" else None
     try:
         arch = load_model_arch(spec.model)
-        hardware = resolve_hardware(spec.device, spec.gpu, spec.gpu_memory_gib)
-    except UserError:
+        if got and spec.gpu is None and spec.gpu_memory_gib is None:  # the GPU the trial got, as NVML sees it
+            hardware = gpu_hardware(got, int(float((seen or {})["gpu_memory_gib"]) * 2**30))
+        else:
+            hardware = resolve_hardware(spec.device, spec.gpu, spec.gpu_memory_gib)
+    except (UserError, ValueError, KeyError):
         return None
+    if got and spec.gpu is not None and seen is not None:
+        try:
+            same = find_gpu(got).name == hardware.name
+        except UserError:
+            same = False
+        if not same:
+            seen_note = f"the space says {spec.gpu}; the trial got {got}: its capacity check sized {hardware.name}"
+            seen["hardware_note"] = seen_note
     try:
         plan = plan_capacity(arch, spec.engine_args, hardware, env=spec.env)
     except UserError as exc:
@@ -250,7 +267,7 @@ def run_trial(spec: TrialSpec, report: Report, prompts: Callable[[], PromptFacto
         gpus = visible_gpu_indices(spec.extra_env) if spec.device == "gpu" else []
         result.environment = collect_environment(spec.device, gpus, spec.python or sys.executable, cores=spec.devices)
         result.environment.update(placement_record(spec))
-        result.capacity = capacity_check(spec)
+        result.capacity = capacity_check(spec, result.environment)
         if result.capacity is not None and not result.capacity.fits:
             result.outcome, result.reason = "INFEASIBLE", f"capacity check: {result.capacity.reason}"
             return result
