@@ -34,3 +34,14 @@ def test_a_gpu_other_than_the_space_names_is_noted_and_the_named_one_is_sized(tm
     same = dict(H100)
     capacity_check(spec, same)
     assert "hardware_note" not in same
+
+
+def test_a_trial_through_serve_samples_no_gpu_of_the_load_clients_node(tmp_path):
+    import dataclasses
+
+    from servetune.trial.runner import trial_gpus
+
+    bare = dataclasses.replace(spec_for(tmp_path), extra_env={"CUDA_VISIBLE_DEVICES": "2,3"})
+    assert trial_gpus(bare) == [2, 3]  # the bundle's GPUs
+    # Through Serve the bundle is a CPU for the load client, and the replicas' GPUs are elsewhere: none.
+    assert trial_gpus(dataclasses.replace(bare, serve_replicas=2, extra_env={})) == []

@@ -246,6 +246,20 @@ def vllm_engine(spec: TrialSpec, trial_dir: Path) -> VllmServer:
                       python=spec.python or sys.executable)  # fmt: skip
 
 
+SERVE_TELEMETRY_NOTE = (
+    "through Serve the replicas' GPUs are in Serve's placement groups, not the trial's bundle: "
+    "no GPU telemetry recorded (the load client's node's GPUs are other trials')"
+)
+
+
+def trial_gpus(spec: TrialSpec) -> list[int]:
+    """The GPUs whose telemetry is the trial's: those its bundle holds (``CUDA_VISIBLE_DEVICES``). None through
+    Serve, whose bundle is a CPU for the load client: every GPU of that node would be sampled, other trials' too."""
+    if spec.device != "gpu" or spec.serve_replicas is not None:
+        return []
+    return visible_gpu_indices(spec.extra_env)
+
+
 def cpu_ranks(spec: TrialSpec) -> int | None:
     """On the CPU build, the cores a bare engine of ``spec`` binds, a rank each (its devices); None on GPUs."""
     return spec.devices if spec.device == "cpu" else None
@@ -264,8 +278,10 @@ def run_trial(spec: TrialSpec, report: Report, prompts: Callable[[], PromptFacto
     started = time.monotonic()
     result = new_result(spec, "FAILED")
     try:
-        gpus = visible_gpu_indices(spec.extra_env) if spec.device == "gpu" else []
+        gpus = trial_gpus(spec)
         result.environment = collect_environment(spec.device, gpus, spec.python or sys.executable, cores=spec.devices)
+        if spec.device == "gpu" and spec.serve_replicas is not None:
+            result.environment["telemetry_note"] = SERVE_TELEMETRY_NOTE
         result.environment.update(placement_record(spec))
         result.capacity = capacity_check(spec, result.environment)
         if result.capacity is not None and not result.capacity.fits:
@@ -355,7 +371,7 @@ def _measure(server: Engine, spec: TrialSpec, result: TrialResult, report: Repor
 
 async def _climb(spec, server, result, report, prompts, records_file, stop_rule=None) -> str | None:
     """The ladder and the capacity search on the running engine; records ``result.capacity_at_slo``."""
-    gpu_indices = visible_gpu_indices(spec.extra_env) if spec.device == "gpu" else []
+    gpu_indices = trial_gpus(spec)
     rule = (lambda level, ahead: stop_rule(result, ahead)) if stop_rule is not None else None
     search = CapacitySearch(spec.levels, spec.slo, tolerance=spec.capacity_tolerance, budget=spec.capacity_levels,
                             stop_on_slo_break=spec.stop_on_slo_break, min_gain=spec.min_throughput_gain,
