@@ -170,9 +170,14 @@ def placement_record(spec: TrialSpec) -> dict[str, str]:
     return record
 
 
-def capacity_check(spec: TrialSpec) -> CapacityReport | None:
-    """The memory ledger's verdict, or None where the model's architecture is unknown offline."""
-    from servetune.capacity import load_model_arch, plan_capacity, resolve_hardware
+def capacity_check(spec: TrialSpec, seen: dict[str, str] | None = None) -> CapacityReport | None:
+    """The memory ledger's verdict, or None where the model's architecture is unknown offline.
+
+    ``seen``: the trial's environment record, with the GPU it got as NVML names it (``gpu_model``,
+    ``gpu_memory_gib``). Without ``hardware.gpu`` in the space the check sizes the GPU from that; with it, the
+    space's GPU is used and a GPU of another kind is said in ``environment["hardware_note"]``."""
+    from servetune.capacity import gpu_hardware, load_model_arch, plan_capacity, resolve_hardware
+    from servetune.capacity.hardware import find_gpu
 
     if (
         spec.device == "cpu"
@@ -180,11 +185,23 @@ def capacity_check(spec: TrialSpec) -> CapacityReport | None:
         and "kv_cache_memory_bytes" not in spec.engine_args
     ):
         return None  # the CPU build then sizes its KV cache from host memory: nothing to predict
+    got = (seen or {}).get("gpu_model") if spec.device == "gpu" else None
     try:
         arch = load_model_arch(spec.model)
-        hardware = resolve_hardware(spec.device, spec.gpu, spec.gpu_memory_gib)
-    except UserError:
+        if got and spec.gpu is None and spec.gpu_memory_gib is None:  # the GPU the trial got, as NVML sees it
+            hardware = gpu_hardware(got, int(float((seen or {})["gpu_memory_gib"]) * 2**30))
+        else:
+            hardware = resolve_hardware(spec.device, spec.gpu, spec.gpu_memory_gib)
+    except (UserError, ValueError, KeyError):
         return None
+    if got and spec.gpu is not None and seen is not None:
+        try:
+            same = find_gpu(got).name == hardware.name
+        except UserError:
+            same = False
+        if not same:
+            seen_note = f"the space says {spec.gpu}; the trial got {got}: its capacity check sized {hardware.name}"
+            seen["hardware_note"] = seen_note
     try:
         plan = plan_capacity(arch, spec.engine_args, hardware, env=spec.env)
     except UserError as exc:
@@ -229,6 +246,20 @@ def vllm_engine(spec: TrialSpec, trial_dir: Path) -> VllmServer:
                       python=spec.python or sys.executable)  # fmt: skip
 
 
+SERVE_TELEMETRY_NOTE = (
+    "through Serve the replicas' GPUs are in Serve's placement groups, not the trial's bundle: "
+    "no GPU telemetry recorded (the load client's node's GPUs are other trials')"
+)
+
+
+def trial_gpus(spec: TrialSpec) -> list[int]:
+    """The GPUs whose telemetry is the trial's: those its bundle holds (``CUDA_VISIBLE_DEVICES``). None through
+    Serve, whose bundle is a CPU for the load client: every GPU of that node would be sampled, other trials' too."""
+    if spec.device != "gpu" or spec.serve_replicas is not None:
+        return []
+    return visible_gpu_indices(spec.extra_env)
+
+
 def cpu_ranks(spec: TrialSpec) -> int | None:
     """On the CPU build, the cores a bare engine of ``spec`` binds, a rank each (its devices); None on GPUs."""
     return spec.devices if spec.device == "cpu" else None
@@ -247,10 +278,12 @@ def run_trial(spec: TrialSpec, report: Report, prompts: Callable[[], PromptFacto
     started = time.monotonic()
     result = new_result(spec, "FAILED")
     try:
-        gpus = visible_gpu_indices(spec.extra_env) if spec.device == "gpu" else []
+        gpus = trial_gpus(spec)
         result.environment = collect_environment(spec.device, gpus, spec.python or sys.executable, cores=spec.devices)
+        if spec.device == "gpu" and spec.serve_replicas is not None:
+            result.environment["telemetry_note"] = SERVE_TELEMETRY_NOTE
         result.environment.update(placement_record(spec))
-        result.capacity = capacity_check(spec)
+        result.capacity = capacity_check(spec, result.environment)
         if result.capacity is not None and not result.capacity.fits:
             result.outcome, result.reason = "INFEASIBLE", f"capacity check: {result.capacity.reason}"
             return result
@@ -338,7 +371,7 @@ def _measure(server: Engine, spec: TrialSpec, result: TrialResult, report: Repor
 
 async def _climb(spec, server, result, report, prompts, records_file, stop_rule=None) -> str | None:
     """The ladder and the capacity search on the running engine; records ``result.capacity_at_slo``."""
-    gpu_indices = visible_gpu_indices(spec.extra_env) if spec.device == "gpu" else []
+    gpu_indices = trial_gpus(spec)
     rule = (lambda level, ahead: stop_rule(result, ahead)) if stop_rule is not None else None
     search = CapacitySearch(spec.levels, spec.slo, tolerance=spec.capacity_tolerance, budget=spec.capacity_levels,
                             stop_on_slo_break=spec.stop_on_slo_break, min_gain=spec.min_throughput_gain,
