@@ -61,8 +61,10 @@ def write_space(tmp_path: Path, model: Path, params: str) -> Path:
 
 
 def run_argv(space: Path, cluster: LocalCluster, storage: Path, fake: Path, *extra: str) -> list[str]:
+    """``servetune run`` joining the cluster, without doctor's checks: the cluster advertises GPUs this host has not."""
     return [sys.executable, "-m", "servetune", "run", str(space), "--address", cluster.address, "--storage", str(storage),
-            "--python", str(fake), "--tracking-uri", f"sqlite:///{storage.parent / 'mlflow.db'}", *extra]  # fmt: skip
+            "--python", str(fake), "--tracking-uri", f"sqlite:///{storage.parent / 'mlflow.db'}",
+            "--no-checks", *extra]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -277,6 +279,13 @@ def test_doctor_checks_every_node_and_fails_gpus_ray_advertises_that_nvml_cannot
     assert len(versions) == 3 and all(c["status"] == "PASS" for c in versions), versions  # head and both workers
     assert not [c for c in checks if c["name"] == "model"]  # the model folder is on every node
     assert "2 check(s) failed" in " ".join(done.stdout.split())
+    # servetune run joining the cluster runs the same checks first, and starts no trial on a FAIL.
+    argv = [a for a in run_argv(space, cluster, tmp_path / "results", tmp_path / "no-python") if a != "--no-checks"]
+    refused = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=cluster.head.env, timeout=180)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert "the cluster failed servetune doctor's checks (and 1 more): node" in refused.stderr
+    assert "Ray advertises 2 GPU(s), NVML sees none" in refused.stderr
+    assert not list((tmp_path / "results").glob("*/trials/*"))  # no trial ran
 
 
 PLACED_DRIVER = """

@@ -9,6 +9,7 @@ import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from rich.table import Table
 
@@ -55,6 +56,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="list the trials a grid would run and those the constraints or capacity check reject; start nothing",
     )
     p.add_argument("--max-trials", type=int, help="run at most N trials (the baseline included)")
+    p.add_argument("--no-checks", action="store_true",
+                   help="on a cluster joined with --address or $RAY_ADDRESS, start without servetune doctor's checks "
+                        "(for a cluster that stands in for GPUs it does not have)")  # fmt: skip
     p.add_argument(
         "--python",
         default=sys.executable,
@@ -77,6 +81,26 @@ def run(args: argparse.Namespace) -> int:
             model = resolve_model(space, Path(tmp), args.space.parent)
             return dry_run(space, args, model, resolve_models(space, Path(tmp), args.space.parent))
     return run_study(space, args)
+
+
+def preflight(space: SearchSpace, model: str, console: Any) -> None:
+    """``servetune doctor``'s checks on the cluster just joined, before the first trial: warnings printed, and a
+    failed check ends the run in one line (``--no-checks`` skips them; a local Ray servetune started needs none)."""
+    from servetune.doctor import evaluate, failed, gather, node_facts
+
+    with console.status("checking the cluster's nodes (servetune doctor)"):
+        nodes = gather(model if model.startswith("/") else None)
+    checks = evaluate(nodes, node_facts(), device=space.device, gpu=space.hardware.gpu, serve=space.through_serve)
+    for check in checks:
+        if check.status == "WARN":
+            console.print(f"doctor: {check.node} {check.name}: {check.evidence}", soft_wrap=True, highlight=False,
+                          markup=False)  # fmt: skip
+    bad = failed(checks)
+    if bad:
+        first = bad[0]
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise UserError(f"the cluster failed servetune doctor's checks{more}: node {first.node} {first.name}: "
+                        f"{first.evidence}; `servetune doctor` lists them all, --no-checks starts anyway")  # fmt: skip
 
 
 def check_hub_models(space: SearchSpace, space_dir: Path) -> None:
@@ -193,15 +217,18 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
                 from servetune.serve.trial import remove_study_apps
                 from servetune.study.ray_cluster import local_serve_cpus
 
-                start_serve(init_ray(args.address, local_serve_cpus(space)))
+                started_here = init_ray(args.address, local_serve_cpus(space))
+                if not started_here and not args.no_checks:
+                    preflight(space, model, console)
+                start_serve(started_here)
                 left = remove_study_apps(space.name)
                 if left:
                     console.print(
                         f"deleted {len(left)} Serve application(s) a stopped run of this study left deployed: {', '.join(left)}"
                     )
                 atexit.register(remove_study_apps, space.name)  # a stopped driver's trials cannot delete theirs
-            else:
-                init_ray(args.address)
+            elif not init_ray(args.address) and not args.no_checks:  # joined a cluster: check it first
+                preflight(space, model, console)
             callbacks = [
                 ResultMirror(context),
                 LiveTable(space, console),
