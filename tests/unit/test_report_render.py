@@ -120,3 +120,21 @@ def test_the_report_says_where_device_time_went_and_what_early_stopping_saved(tm
     )  # 2 levels of 60 s on 2 GPUs
     older = render_markdown(build_report(load_study(write_study(tmp_path / "old", study_info(), trials))))
     assert "early stopping saved about 2.0 GPU-min" in older  # no ladder in study.json: the longest one run counts
+
+
+def test_each_trials_capacity_at_the_slo_is_drawn_and_labelled_on_the_fronts(tmp_path):
+    from servetune.results import Capacity
+    from tests.builders import study_info, write_study
+
+    # Ladder 2, 8 and the search's 4 and 6: capacity 4 clients; the other trial ran the ladder alone.
+    searched = trial("c4", {"max_num_seqs": 8}, [level(2, 300, 400), level(8, 900, 3000, violations=("ttft",)),
+                                                 level(4, 560, 900), level(6, 700, 2500, violations=("ttft",))])  # fmt: skip
+    searched.capacity_at_slo = Capacity(value=4, unit="concurrency", bracket=(4, 6), bound="exact", tolerance=0.1)
+    ladder = trial("l", {"max_num_seqs": 4}, [level(2, 250, 300), level(8, 600, 1200)])
+    write_study(tmp_path / "s", study_info(), [searched, ladder])
+    built = build_report(load_study(tmp_path / "s"))
+    assert [p.key for p in built.points if p.at_capacity] == ["c4#2"]
+    traces = {t.name.split(" (")[0]: t for t in front_figure(built, built.front("cost-vs-ttft")).data}
+    capacity = traces["capacity at the SLO"]
+    assert list(capacity.x) == [900.0] and list(capacity.text) == ["c4: capacity concurrency 4"]
+    assert capacity.marker.symbol == "diamond-open"

@@ -65,6 +65,11 @@ def hover_text(point: ReportPoint) -> str:
     return "<br>".join(lines)
 
 
+def capacity_label(point: ReportPoint) -> str:
+    """The text beside a trial's capacity point: its trial and the load it carries at the SLO."""
+    return f"{point.trial_id[:6]}: capacity {level_label(point.level)}"
+
+
 def _scatter(
     front: Front,
     points: Sequence[ReportPoint],
@@ -107,6 +112,12 @@ def front_figure(report: StudyReport, front: Front) -> go.Figure:
                  mode="lines+markers", marker={"size": 11, "color": FRONT_COLOR},
                  line={"color": FRONT_COLOR, "width": 2})
     )  # fmt: skip
+    at_capacity = [p for p in report.points if p.at_capacity]
+    if at_capacity:  # each trial's capacity at the SLO, wherever it stands against the front
+        fig.add_trace(
+            _scatter(front, at_capacity, "capacity at the SLO", label=capacity_label, mode="markers+text",
+                     marker={"symbol": "diamond-open", "size": 15, "color": FRONT_COLOR, "line": {"width": 2}})
+        )  # fmt: skip
     recommended = report.recommendation.point
     if recommended is not None and result.drawable([recommended]):
         fig.add_trace(

@@ -76,6 +76,9 @@ class ReportPoint:
     # The trial's capacity search found this load's SLO verdict within the noise (trial/capacity.py): a
     # repeat could as well break the SLO, so the point is drawn but neither on a front nor recommended.
     unsettled: bool = False
+    # The level the trial's capacity search found to be its capacity at the SLO (results.py capacity_level_index):
+    # drawn and labelled on the fronts beside the ladder's points.
+    at_capacity: bool = False
 
     @property
     def key(self) -> str:
@@ -205,6 +208,7 @@ def trial_points(trial: TrialResult, price_per_device_hour: float | None = None)
     """Every measured level of a trial; ``price_per_device_hour`` replaces the recorded price."""
     points = []
     unsettled = trial.unsettled_loads
+    capacity_index = trial.capacity_level_index
     for op, level in zip(trial.operating_points(price_per_device_hour), trial.levels, strict=True):
         metrics = dict(op.metrics)
         metrics[OUTPUT_THROUGHPUT_PER_DEVICE] = level.summary.output_throughput / max(trial.devices, 1)
@@ -231,6 +235,7 @@ def trial_points(trial: TrialResult, price_per_device_hour: float | None = None)
                 quality_failures=quality_failures(trial),
                 noise=throughput_noise(level),
                 unsettled=level_load(level) in unsettled,
+                at_capacity=op.level_index == capacity_index,
             )
         )
     return points
