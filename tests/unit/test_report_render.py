@@ -138,3 +138,28 @@ def test_each_trials_capacity_at_the_slo_is_drawn_and_labelled_on_the_fronts(tmp
     capacity = traces["capacity at the SLO"]
     assert list(capacity.x) == [900.0] and list(capacity.text) == ["c4: capacity concurrency 4"]
     assert capacity.marker.symbol == "diamond-open"
+
+
+def test_two_capacities_that_overlap_within_their_noise_are_a_tie_and_the_reason_says_so(tmp_path):
+    from servetune.results import Capacity
+    from tests.builders import study_info, write_study
+
+    def searched(trial_id, seqs, capacity, broke, out_tps, noise=0.1):
+        levels = [level(2, 300, 400), level(capacity, out_tps, 900), level(broke, out_tps, 2500, violations=("ttft",))]
+        t = trial(trial_id, {"max_num_seqs": seqs}, levels)
+        t.capacity_at_slo = Capacity(value=capacity, unit="concurrency", bracket=(capacity, broke), bound="exact",
+                                     tolerance=0.1, verdict_noise=noise)  # fmt: skip
+        return t
+
+    write_study(tmp_path / "tie", study_info(), [searched("a", 8, 5, 6, 620), searched("b", 16, 6, 7, 600)])
+    rec = build_report(load_study(tmp_path / "tie")).recommendation
+    assert rec.point.trial_id == "a" and [p.trial_id for p in rec.ties] == ["b"]
+    assert (
+        "A tie within the noise: its capacity 5 [5, 6)" in rec.reason
+        and "trial b (max_num_seqs=16): capacity 6 [6, 7)" in rec.reason
+    )
+    # Capacities apart beyond their noise are no tie, however close the costs.
+    write_study(
+        tmp_path / "apart", study_info(), [searched("a", 8, 5, 6, 620, 0.02), searched("c", 32, 12, 14, 600, 0.02)]
+    )
+    assert build_report(load_study(tmp_path / "apart")).recommendation.ties == ()

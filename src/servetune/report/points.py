@@ -79,6 +79,10 @@ class ReportPoint:
     # The level the trial's capacity search found to be its capacity at the SLO (results.py capacity_level_index):
     # drawn and labelled on the fronts beside the ladder's points.
     at_capacity: bool = False
+    # On that point: the capacity's bracket [met the SLO, broke it] (None: no load broke it) and how far a repeat's
+    # verdict could differ (results.Capacity.verdict_noise).
+    capacity_bracket: tuple[float | None, float | None] | None = None
+    capacity_noise: float | None = None
 
     @property
     def key(self) -> str:
@@ -236,6 +240,12 @@ def trial_points(trial: TrialResult, price_per_device_hour: float | None = None)
                 noise=throughput_noise(level),
                 unsettled=level_load(level) in unsettled,
                 at_capacity=op.level_index == capacity_index,
+                capacity_bracket=trial.capacity_at_slo.bracket
+                if op.level_index == capacity_index and trial.capacity_at_slo
+                else None,
+                capacity_noise=trial.capacity_at_slo.verdict_noise
+                if op.level_index == capacity_index and trial.capacity_at_slo
+                else None,
             )
         )
     return points

@@ -26,6 +26,10 @@ one safety notch back from the out-of-memory boundary. The rule, kept simple:
    ``load.repeats``), so two single runs of one configuration can differ by 20%. Otherwise vLLM's
    defaults are recommended, and the reason says how close the tuned point came: a gain inside
    the noise is not one a team can count on.
+5. Capacities that cannot be told apart are a tie (checked last, on the recommendation): where the trials
+   searched for their capacity at the SLO, another trial whose capacity bracket overlaps the recommended one's
+   (each widened by its verdict noise) and whose cost at capacity is within the two levels' noise is named as a
+   tie. The choice stands; the reason says either would do, and why.
 """
 
 from __future__ import annotations
@@ -62,6 +66,7 @@ class Recommendation:
     reason: str
     passed_over: tuple[PassedOver, ...] = ()  # cheaper candidates skipped for a thin margin
     warnings: tuple[str, ...] = ()  # thin-margin signals of the recommended point itself
+    ties: tuple[ReportPoint, ...] = ()  # other trials' capacity points the recommendation cannot be told from (rule 5)
 
     def names(self, trial_id: str) -> bool:
         """Whether this recommends the trial ``trial_id``."""
@@ -159,7 +164,49 @@ def recommend(points: Sequence[ReportPoint], trials: Sequence[TrialOutline]) -> 
     if not ranked:
         counted = f"{_plural(len(points), 'operating point')} from {_plural(len(trials), 'trial')}"
         return Recommendation(None, f"no configuration met every SLO ({counted})")
-    return against_defaults(cheapest_with_room(ranked, trials), ranked, trials)
+    return capacity_ties(against_defaults(cheapest_with_room(ranked, trials), ranked, trials), points)
+
+
+def _widened(point: ReportPoint) -> tuple[float, float]:
+    lo, hi = point.capacity_bracket or (None, None)
+    noise = point.capacity_noise or 0.0
+    return (lo or 0.0) * (1 - noise), (hi if hi is not None else float("inf")) * (1 + noise)
+
+
+def _capacity_text(point: ReportPoint) -> str:
+    lo, hi = point.capacity_bracket or (None, None)
+    return f"{lo:g}" + (f" [{lo:g}, {hi:g})" if lo is not None and hi is not None else "+" if lo is not None else "")
+
+
+def capacity_ties(rec: Recommendation, points: Sequence[ReportPoint]) -> Recommendation:
+    """Rule 5: the trials whose capacity at the SLO, and cost there, the recommendation cannot be told from."""
+    if rec.point is None:
+        return rec
+    mine = next((p for p in points if p.trial_id == rec.point.trial_id and p.at_capacity), None)
+    if mine is None or mine.capacity_bracket is None or mine.capacity_bracket[0] is None:
+        return rec
+    low, high = _widened(mine)
+    cost = mine.value(COST_METRIC)
+    ties = []
+    for other in points:
+        if other.trial_id == mine.trial_id or not other.at_capacity or not other.eligible:
+            continue
+        if other.capacity_bracket is None or other.capacity_bracket[0] is None:
+            continue
+        other_low, other_high = _widened(other)
+        other_cost = other.value(COST_METRIC)
+        if cost is None or other_cost is None or max(low, other_low) > min(high, other_high):
+            continue
+        if abs(cost - other_cost) / min(cost, other_cost) <= mine.noise + other.noise:
+            ties.append(other)
+    if not ties:
+        return rec
+    named = "; ".join(f"trial {t.trial_id} ({config_label(t.params)}): capacity {_capacity_text(t)}, "
+                      f"${t.value(COST_METRIC):.4g}/Mtok" for t in ties)  # fmt: skip
+    why = (f"{rec.reason}. A tie within the noise: its capacity {_capacity_text(mine)} at ${cost:.4g}/Mtok cannot be "
+           f"told from {named} (brackets overlap once widened by their verdict noise, costs within the levels' "
+           "noise); either would do")  # fmt: skip
+    return replace(rec, reason=why, ties=tuple(ties))
 
 
 def against_defaults(
