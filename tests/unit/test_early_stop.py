@@ -163,13 +163,15 @@ def test_the_rule_a_trial_uses_asks_the_board_and_keeps_climbing_when_it_cannot(
     from servetune.study.early_stop import dominance_rule
 
     class Board:  # stands in for the actor handle: points.remote gives what ray.get returns
-        def __init__(self, answer):
+        def __init__(self, answer, capacities=()):
             self.points = type("Method", (), {"remote": staticmethod(lambda: answer)})()
+            self.capacities = type("Method", (), {"remote": staticmethod(lambda: list(capacities))})()
 
-    def get(answer, timeout):
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
+    def get(answers, timeout):
+        for answer in answers:
+            if isinstance(answer, Exception):
+                raise answer
+        return answers
 
     monkeypatch.setattr(ray, "get", get)
     running = trial("run", {"max_num_seqs": 8}, [level(4, 500, 400)])
@@ -178,3 +180,35 @@ def test_the_rule_a_trial_uses_asks_the_board_and_keeps_climbing_when_it_cannot(
     assert dominance_rule(Board([]))(running, []) is None
     assert dominance_rule(Board(GetTimeoutError("slow")))(running, []) is None
     assert dominance_rule(Board(RayActorError()))(running, []) is None
+
+
+def test_a_trial_whose_capacity_cannot_beat_a_finished_ones_at_a_lower_cost_stops():
+    """In capacity terms: a finished trial carries 16 clients within the SLO at 0.28 $/Mtok. A running trial that broke
+    the SLO at 8 clients can carry fewer than 8, at best at its cost now: it stops, though its latency is better
+    than the finished trial's there (which dominance by cost and TTFT alone would not stop)."""
+    from servetune.results import Capacity
+
+    done = trial(
+        "done",
+        {"max_num_seqs": 64},
+        [level(4, 1000, 300), level(16, 2000, 900), level(32, 2100, 3000, violations=SLOW)],
+    )
+    done.capacity_at_slo = Capacity(value=16, unit="concurrency", bracket=(16, 32), bound="exact", tolerance=0.1)
+    board = FinishedPoints([done])
+    (capacity,) = board.capacities()
+    assert (capacity.trial_id, capacity.kind, capacity.value) == ("done", "concurrency", 16)
+    # Its ladder met the SLO at 4 clients and broke it at 8; the search met it at 6, at 250 ms: it can carry fewer
+    # than 8 clients, at best at 7 (the search's next), where it still costs more than the finished trial at 16.
+    running = trial("run", {"max_num_seqs": 8}, [level(4, 700, 200), level(8, 900, 2500, violations=SLOW),
+                                                 level(6, 850, 250)])  # fmt: skip
+    ahead = [Level("concurrency", 7)]
+    assert judge(running, ahead, board.points()) is None  # its 250 ms: not dominated by cost and TTFT
+    reason = judge(running, ahead, board.points(), board.capacities())
+    assert reason.startswith("dominated at concurrency 6 in capacity: trial done carries 16 clients within the SLO")
+    assert "this one at most 8 clients" in reason
+    # One that could still carry more than the finished trial, or at a lower cost, goes on.
+    climbing = trial("up", {"max_num_seqs": 64}, [level(4, 700, 200)])
+    assert judge(climbing, LADDER[1:], board.points(), board.capacities()) is None  # up to 64 clients
+    cheap = trial("cheap", {"max_num_seqs": 8}, [level(4, 3000, 200), level(8, 3200, 2500, violations=SLOW),
+                                                 level(6, 3100, 250)])  # fmt: skip
+    assert judge(cheap, ahead, board.points(), board.capacities()) is None

@@ -18,6 +18,12 @@ still measure: the trial stops. The margin is the measured spread of the level's
 kind of host (results.py's ``noise_margin``; the ladder's saturation rule uses it too). It is on
 by default for Bayesian search and off for grid and random search (``load.stop_when_dominated``).
 
+In capacity terms too (trials that search for their capacity at the SLO): a trial stops once the most load it
+could still carry within the SLO (below the lowest load that broke it, else the top of what it may still measure,
+at most what its engine runs at once) cannot beat a finished trial's measured capacity at an equal or lower cost:
+the finished trial carries more than this one ever could, by the margin, at a cost at capacity below this one's
+optimistic cost by the margin too.
+
 Finished trials' points reach running trials through :class:`FinishedPoints`, a small Ray
 actor the driver starts with the points already on disk (``--resume``) and every trial adds
 its own to when it completes. Trials may run on other nodes with no disk shared with the
@@ -28,12 +34,13 @@ configuration would not.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from servetune.accounting import DOMINATED
 from servetune.load.runner import Level
 from servetune.metrics import COST_METRIC, TTFT_P99
-from servetune.results import MARGIN, OperatingPoint, TrialResult, noise_margin
+from servetune.results import MARGIN, OperatingPoint, TrialResult, level_load, noise_margin
 from servetune.trial.runner import StopRule
 
 #: What dominance compares (lower is better for both).
@@ -108,13 +115,66 @@ def stop_reason(point: OperatingPoint, dominator: OperatingPoint | None, scale: 
     )
 
 
-def judge(result: TrialResult, remaining: Sequence[Level], finished: Iterable[OperatingPoint]) -> str | None:
+@dataclass(frozen=True)
+class FinishedCapacity:
+    """A finished trial's capacity at the SLO and its cost per million output tokens there."""
+
+    trial_id: str
+    kind: str  # concurrency | rate
+    value: float
+    cost: float
+
+
+def optimistic_capacity(result: TrialResult, remaining: Sequence[Level]) -> tuple[str, float] | None:
+    """The most load the trial could still carry within the SLO, in its ladder's kind: below the lowest load that broke
+    the SLO (that load, as the exclusive bound), else the highest it measured or may still measure, at most what its
+    engine runs at once (concurrency)."""
+    if not result.levels:
+        return None
+    (kind, _), *_ = result.levels[-1].summary.level.items()
+    broke = [level_load(lv) for lv in result.levels if not lv.meets_slo and kind in lv.summary.level]
+    if broke:
+        return kind, min(broke)
+    loads = [level_load(lv) for lv in result.levels if kind in lv.summary.level]
+    loads += [level.value for level in remaining if level.kind == kind]
+    top = max(loads)
+    limit = engine_limit(result) if kind == "concurrency" else None
+    return kind, (min(top, limit) if limit is not None else top)
+
+
+def capacity_reason(result: TrialResult, remaining: Sequence[Level], finished: Iterable[FinishedCapacity],
+                    margin: float) -> str | None:  # fmt: skip
+    """Why the trial's capacity cannot beat a finished trial's at an equal or lower cost, or None."""
+    reach = optimistic_capacity(result, remaining)
+    if reach is None:
+        return None
+    kind, most = reach
+    point = result.operating_points()[-1]
+    cost = point.metrics.get(COST_METRIC)
+    if cost is None:
+        return None
+    best_cost = cost / optimistic_scale(result, remaining)
+    beaten = [f for f in finished if f.trial_id != result.trial_id and f.kind == kind
+              and f.value >= most * (1 + margin) and f.cost <= best_cost * (1 - margin)]  # fmt: skip
+    if not beaten:
+        return None
+    best = max(beaten, key=lambda f: (f.value, -f.cost))
+    unit = "req/s" if kind == "rate" else "clients"
+    return (f"{DOMINATED} {_level_text(point.level)} in capacity: trial {best.trial_id} carries {best.value:g} {unit} "
+            f"within the SLO at ${best.cost:.3g}/Mtok; this one at most {most:g} {unit}, at best ${best_cost:.3g}")  # fmt: skip
+
+
+def judge(result: TrialResult, remaining: Sequence[Level], finished: Iterable[OperatingPoint],
+          capacities: Iterable[FinishedCapacity] = ()) -> str | None:  # fmt: skip
     """The stop rule on plain data: why the trial cannot win any more, or None to keep climbing."""
     if not result.levels:
         return None
     point = result.operating_points()[-1]
     scale = optimistic_scale(result, remaining)
-    return stop_reason(point, dominating_point(point, finished, scale, noise_margin(result.levels[-1])), scale)
+    margin = noise_margin(result.levels[-1])
+    return stop_reason(point, dominating_point(point, finished, scale, margin), scale) or capacity_reason(
+        result, remaining, capacities, margin
+    )
 
 
 class FinishedPoints:
@@ -127,6 +187,7 @@ class FinishedPoints:
 
     def __init__(self, results: Iterable[TrialResult] = ()) -> None:
         self._points: list[OperatingPoint] = []
+        self._capacities: list[FinishedCapacity] = []
         for result in results:
             self.add(result)
 
@@ -134,9 +195,19 @@ class FinishedPoints:
         if result.outcome != "COMPLETE" or (result.quality is not None and result.quality.passed is False):
             return
         self._points += [point for point in result.operating_points() if point.meets_slo]
+        index = result.capacity_level_index
+        if index is not None and result.capacity_at_slo is not None and result.capacity_at_slo.value is not None:
+            at = result.operating_points()[index]
+            (kind, _), *_ = at.level.items()
+            cost = at.metrics.get(COST_METRIC)
+            if cost is not None:
+                self._capacities.append(FinishedCapacity(result.trial_id, kind, result.capacity_at_slo.value, cost))
 
     def points(self) -> list[OperatingPoint]:
         return list(self._points)
+
+    def capacities(self) -> list[FinishedCapacity]:
+        return list(self._capacities)
 
 
 def start_finished_points(results: Iterable[TrialResult]) -> Any:
@@ -157,9 +228,9 @@ def dominance_rule(board: Any, timeout_s: float = 10.0) -> StopRule:
 
     def rule(result: TrialResult, remaining: Sequence[Level]) -> str | None:
         try:
-            finished = ray.get(board.points.remote(), timeout=timeout_s)
+            finished, capacities = ray.get([board.points.remote(), board.capacities.remote()], timeout=timeout_s)
         except (GetTimeoutError, RayError):  # the actor is gone or slow: keep climbing
             return None
-        return judge(result, remaining, finished)
+        return judge(result, remaining, finished, capacities)
 
     return rule
