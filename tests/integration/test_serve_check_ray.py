@@ -108,6 +108,7 @@ import ray
 from ray import serve
 
 from servetune.engine.server import free_port
+from servetune.local_ray import start_local_ray
 from servetune.serve.cluster import ServeCluster
 
 
@@ -120,7 +121,7 @@ class Engine:
         return "ok"
 
 
-ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+start_local_ray(num_cpus=2, log_to_driver=False)  # as servetune starts one: no token file left in the home
 try:
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     serve.run(Engine.options(name="LLMServer:m").bind(), name="app", route_prefix="/app")
