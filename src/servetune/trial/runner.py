@@ -288,9 +288,8 @@ def run_trial(spec: TrialSpec, report: Report, prompts: Callable[[], PromptFacto
             result.outcome, result.reason = "INFEASIBLE", f"capacity check: {result.capacity.reason}"
             return result
         _start_and_measure(engine, spec, result, report, prompts(), trial_dir, stop_rule)
-    except EngineStartError as exc:
+    except EngineStartError as exc:  # its failure classified where the retry was decided (_start_and_measure)
         result.outcome, result.reason, result.log_tail = "FAILED", f"engine start: {exc.args[0]}", exc.log_tail
-        result.failure = classify(exc.args[0], exc.log_tail or "", hub_model=is_hub_model(spec.model))
     except EngineDiedError as exc:  # under load or the probe: the configuration's own
         result.outcome, result.reason, result.log_tail = "FAILED", exc.args[0], exc.log_tail
         result.failure = classify(exc.args[0], exc.log_tail or "")
@@ -315,7 +314,7 @@ def _start_and_measure(engine: EngineFactory, spec: TrialSpec, result: TrialResu
     """:func:`_measure` on a fresh engine, started again (a new port, the same cores) after a start-up failure that
     was not the configuration's and that a retry can help with (trial/failures.py), at most ``INFRA_RETRIES``
     times. Each retried start's log is kept beside the trial's (``engine.attempt-N.log``) and its failure in
-    ``result.retried``."""
+    ``result.retried``; the start that is not retried leaves its failure in ``result.failure``."""
     for attempt in range(INFRA_RETRIES + 1):
         try:
             _measure(engine(spec, trial_dir), spec, result, report, prompts, trial_dir, stop_rule)
@@ -323,6 +322,7 @@ def _start_and_measure(engine: EngineFactory, spec: TrialSpec, result: TrialResu
         except EngineStartError as exc:
             failure = classify(exc.args[0], exc.log_tail or "", hub_model=is_hub_model(spec.model))
             if failure.kind != "infrastructure" or failure.retry_after_s is None or attempt == INFRA_RETRIES:
+                result.failure = failure
                 raise
             result.retried.append(failure)
             log = trial_dir / ENGINE_LOG
