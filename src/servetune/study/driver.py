@@ -57,6 +57,8 @@ ENGINE_LOG_CARRIED = 1 << 20
 INLINE_LIMIT = 1 << 20
 #: The files the driver fetches: a JSON object ``{"node_id": ..., "files": {name: path on that node}}``.
 FETCH_KEY = "servetune_fetch"
+#: The trial's files that come back to the driver whole (carried in the report, or fetched past INLINE_LIMIT).
+CARRIED_WHOLE = (REQUESTS_FILE, QUALITY_FILE, LM_EVAL_RESULTS_FILE)
 
 
 def trainable(config: dict[str, Any], context: StudyContext, finished_points: Any = None) -> None:
@@ -123,7 +125,7 @@ def carried_files(trial_dir: Path, node_id: str | None = None) -> tuple[dict[str
     in the report; larger ones (given the trial's Ray node) as paths for the driver to fetch (``FETCH_KEY``)."""
     files: dict[str, str] = {}
     fetch: dict[str, str] = {}
-    for name in (REQUESTS_FILE, QUALITY_FILE, LM_EVAL_RESULTS_FILE):
+    for name in CARRIED_WHOLE:
         path = trial_dir / name
         if not path.exists():
             continue
@@ -235,17 +237,10 @@ class ResultMirror(Callback):
         if kept is None or kept.runs_again:  # a lost trial's record gives way to the run that replaced it
             trial_dir.mkdir(parents=True, exist_ok=True)
             for name, content in (files or {}).items():
-                if name in (
-                    REQUESTS_FILE,
-                    QUALITY_FILE,
-                    LM_EVAL_RESULTS_FILE,
-                    ENGINE_LOG,
-                ):  # names this driver chose, never a path
+                if name in (*CARRIED_WHOLE, ENGINE_LOG):  # names this driver chose, never a path
                     write_atomic(trial_dir / name, content)
             if fetch and fetch.get("files"):
-                named = {
-                    n: p for n, p in fetch["files"].items() if n in (REQUESTS_FILE, QUALITY_FILE, LM_EVAL_RESULTS_FILE)
-                }
+                named = {n: p for n, p in fetch["files"].items() if n in CARRIED_WHOLE}
                 try:
                     for name, content_bytes in fetch_from_node(fetch["node_id"], named).items():
                         write_bytes_atomic(trial_dir / name, content_bytes)

@@ -143,17 +143,17 @@ def optimistic_capacity(result: TrialResult, remaining: Sequence[Level]) -> tupl
 
 
 def capacity_reason(result: TrialResult, remaining: Sequence[Level], finished: Iterable[FinishedCapacity],
-                    margin: float) -> str | None:  # fmt: skip
-    """Why the trial's capacity cannot beat a finished trial's at an equal or lower cost, or None."""
+                    point: OperatingPoint, scale: float, margin: float) -> str | None:  # fmt: skip
+    """Why the trial's capacity cannot beat a finished trial's at an equal or lower cost, or None (``point``: its
+    last level's, ``scale``: :func:`optimistic_scale` over ``remaining``)."""
     reach = optimistic_capacity(result, remaining)
     if reach is None:
         return None
     kind, most = reach
-    point = result.operating_points()[-1]
     cost = point.metrics.get(COST_METRIC)
     if cost is None:
         return None
-    best_cost = cost / optimistic_scale(result, remaining)
+    best_cost = cost / scale
     beaten = [f for f in finished if f.trial_id != result.trial_id and f.kind == kind
               and f.value >= most * (1 + margin) and f.cost <= best_cost * (1 - margin)]  # fmt: skip
     if not beaten:
@@ -173,7 +173,7 @@ def judge(result: TrialResult, remaining: Sequence[Level], finished: Iterable[Op
     scale = optimistic_scale(result, remaining)
     margin = noise_margin(result.levels[-1])
     return stop_reason(point, dominating_point(point, finished, scale, margin), scale) or capacity_reason(
-        result, remaining, capacities, margin
+        result, remaining, capacities, point, scale, margin
     )
 
 
@@ -194,10 +194,11 @@ class FinishedPoints:
     def add(self, result: TrialResult) -> None:
         if result.outcome != "COMPLETE" or (result.quality is not None and result.quality.passed is False):
             return
-        self._points += [point for point in result.operating_points() if point.meets_slo]
+        points = result.operating_points()
+        self._points += [point for point in points if point.meets_slo]
         index = result.capacity_level_index
         if index is not None and result.capacity_at_slo is not None and result.capacity_at_slo.value is not None:
-            at = result.operating_points()[index]
+            at = points[index]
             (kind, _), *_ = at.level.items()
             cost = at.metrics.get(COST_METRIC)
             if cost is not None:
