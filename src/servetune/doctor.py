@@ -15,7 +15,10 @@ import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from servetune.config.space import SearchSpace
 
 Status = Literal["PASS", "WARN", "FAIL"]
 
@@ -227,6 +230,14 @@ def _gpu_checks(add: Any, declared: float, gpus: Sequence[Mapping[str, Any]] | N
         wanted = gpu.replace("-", " ").split()[0].lower()
         if not any(wanted in n.lower() for n in names):
             add("GPU type", "WARN", f"the space says {gpu}; this node has {', '.join(sorted(names))}")  # fmt: skip
+
+
+def space_checks(nodes: Mapping[str, Mapping[str, Any]], space: SearchSpace | None) -> list[Check]:
+    """:func:`evaluate` of the gathered nodes against this driver, as the space asks: GPU checks for a GPU space (and
+    without a space), its GPU type, the metrics interval where its trials run through Serve."""
+    return evaluate(nodes, node_facts(), device=space.device if space is not None else "gpu",
+                    gpu=space.hardware.gpu if space is not None else None,
+                    serve=space is not None and space.through_serve)  # fmt: skip
 
 
 def failed(checks: Sequence[Check]) -> list[Check]:

@@ -36,8 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     from servetune.cli.display import console as make_console
-    from servetune.config.space import SERVE_REPLICAS
-    from servetune.doctor import Check, evaluate, failed, gather, node_facts
+    from servetune.doctor import Check, failed, gather, space_checks
     from servetune.hub import check_access, is_hub_id
     from servetune.space_file import load_space
 
@@ -67,9 +66,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if started:
             ray.shutdown()
-    serve = space is not None and SERVE_REPLICAS in space.params
-    checks += evaluate(nodes, node_facts(), device=space.device if space else "gpu",
-                       gpu=space.hardware.gpu if space else None, serve=serve)  # fmt: skip
+    checks += space_checks(nodes, space)
     table = Table(title=f"servetune doctor: {len(nodes)} node(s)" + (f", for {args.space}" if args.space else ""))
     for column in ("node", "check", "status", "evidence"):
         table.add_column(column, overflow="fold")

@@ -86,11 +86,11 @@ def run(args: argparse.Namespace) -> int:
 def preflight(space: SearchSpace, model: str, console: Any) -> None:
     """``servetune doctor``'s checks on the cluster just joined, before the first trial: warnings printed, and a
     failed check ends the run in one line (``--no-checks`` skips them; a local Ray servetune started needs none)."""
-    from servetune.doctor import evaluate, failed, gather, node_facts
+    from servetune.doctor import failed, gather, space_checks
 
     with console.status("checking the cluster's nodes (servetune doctor)"):
         nodes = gather(model if model.startswith("/") else None)
-    checks = evaluate(nodes, node_facts(), device=space.device, gpu=space.hardware.gpu, serve=space.through_serve)
+    checks = space_checks(nodes, space)
     for check in checks:
         if check.status == "WARN":
             console.print(f"doctor: {check.node} {check.name}: {check.evidence}", soft_wrap=True, highlight=False,
