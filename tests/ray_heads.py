@@ -242,15 +242,18 @@ print(json.dumps([{"id": n["NodeID"], "resources": n["Resources"], "socket": n["
 
 
 @contextmanager
-def ray_cluster(env: dict[str, str], workers: list[tuple[int, int]], head_cpus: int = 0) -> Iterator[LocalCluster]:
+def ray_cluster(
+    env: dict[str, str], workers: list[tuple[int, int]], head_cpus: int = 0, resources: dict[str, float] | None = None
+) -> Iterator[LocalCluster]:
     """A head (``head_cpus`` CPUs, no GPU: the driver's node, as in cluster/) and one worker node
-    per (CPUs, GPUs) in ``workers``, each joined with ``ray start --address --block``; yields
-    once every node is up. Stopped node by node, by process id."""
+    per (CPUs, GPUs) in ``workers``, each joined with ``ray start --address --block`` and declaring
+    ``resources`` besides (e.g. the ``accelerator_type:H100`` Ray gives a GPU node); yields once every
+    node is up. Stopped node by node, by process id."""
     started: list[RayNode] = []
     with ray_head(env, num_cpus=head_cpus, num_gpus=0) as head:
         try:
             for num_cpus, num_gpus in workers:
-                started.append(_start_worker(head, env, num_cpus, num_gpus))
+                started.append(_start_worker(head, env, num_cpus, num_gpus, resources))
             cluster = LocalCluster(head, started)
             deadline = time.monotonic() + START_TIMEOUT_S
             while len(cluster.nodes()) < 1 + len(workers):
@@ -268,7 +271,9 @@ def ray_cluster(env: dict[str, str], workers: list[tuple[int, int]], head_cpus: 
                 shutil.rmtree(node.temp_dir, ignore_errors=True)
 
 
-def _start_worker(head: RayHead, env: dict[str, str], num_cpus: int, num_gpus: int) -> RayNode:
+def _start_worker(
+    head: RayHead, env: dict[str, str], num_cpus: int, num_gpus: int, resources: dict[str, float] | None = None
+) -> RayNode:
     temp_dir = Path(tempfile.mkdtemp(prefix="st-rayw-", dir="/tmp"))
     argv = [
         str(RAY), "start", "--address", head.gcs_address, "--block", "--node-ip-address", "127.0.0.1",
@@ -277,6 +282,8 @@ def _start_worker(head: RayHead, env: dict[str, str], num_cpus: int, num_gpus: i
         "--metrics-export-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
         "--dashboard-agent-grpc-port", str(free_port()), "--runtime-env-agent-port", str(free_port()),
     ]  # fmt: skip
+    if resources:
+        argv += ["--resources", json.dumps(resources)]
     with open(temp_dir / "ray-start.log", "w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return RayNode(proc, temp_dir, num_cpus, num_gpus)

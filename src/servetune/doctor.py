@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from servetune.capacity.hardware import ACCELERATOR, gpu_types, ray_accelerator_type
+
 if TYPE_CHECKING:
     from servetune.config.space import SearchSpace
 
@@ -125,7 +127,9 @@ def gather(model: str | None = None, timeout_s: float = 120.0) -> dict[str, dict
             facts[node_id] = ray.get(pending[node_id], timeout=timeout_s)
         except Exception as exc:  # a node that cannot run a task is itself the finding
             facts[node_id] = {"error": str(exc).splitlines()[0] if str(exc) else type(exc).__name__}
-        facts[node_id]["ray_resources"] = {k: v for k, v in node.get("Resources", {}).items() if k in ("CPU", "GPU")}
+        facts[node_id]["ray_resources"] = {
+            k: v for k, v in node.get("Resources", {}).items() if k in ("CPU", "GPU") or k.startswith(ACCELERATOR)
+        }
     return facts
 
 
@@ -198,7 +202,22 @@ def evaluate(
             )
         if facts.get("model_present") is False:
             add("model", "FAIL", "the space's model folder is not on this node (config.json missing)")
+    if device == "gpu" and gpu is not None:
+        checks.extend(_gpu_type_placement(nodes, gpu))
     return checks  # fmt: skip
+
+
+def _gpu_type_placement(nodes: Mapping[str, Mapping[str, Any]], gpu: str) -> list[Check]:
+    """Whether any node is of the space's GPU type, as Ray places trials (trial/context.py pinned_gpu_type)."""
+    declared = gpu_types(facts.get("ray_resources", {}) for facts in nodes.values())
+    wanted = ray_accelerator_type(gpu)
+    if not declared or wanted is None:  # nothing to pin to: no node declares a type, or the GPU is not catalogued
+        return []
+    if wanted not in declared:
+        evidence = f"the space's {gpu} (Ray type {wanted}) is on no node: the cluster's GPUs are {', '.join(declared)}"
+        return [Check("cluster", "GPU type placement", "FAIL", evidence)]
+    count = sum(1 for facts in nodes.values() if facts.get("ray_resources", {}).get(ACCELERATOR + wanted, 0) > 0)
+    return [Check("cluster", "GPU type placement", "PASS", f"trials pinned to {wanted}: {count} node(s) of that type")]
 
 
 def _gpu_checks(add: Any, declared: float, gpus: Sequence[Mapping[str, Any]] | None, gpu: str | None) -> None:

@@ -69,8 +69,10 @@ def run_argv(space: Path, cluster: LocalCluster, storage: Path, fake: Path, *ext
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    """A head and two worker nodes of 3 CPUs and 2 GPUs, for every test of the module (see above)."""
-    with ray_cluster(user_env(tmp_path_factory.mktemp("home")), workers=[(3, 2), (3, 2)]) as started:
+    """A head and two worker nodes of 3 CPUs and 2 GPUs, for every test of the module (see above). The workers
+    declare the GPU type Ray gives an H100 node, so the space's trials (hardware.gpu: H100-SXM) are pinned to it."""
+    with ray_cluster(user_env(tmp_path_factory.mktemp("home")), workers=[(3, 2), (3, 2)],
+                     resources={"accelerator_type:H100": 1.0}) as started:  # fmt: skip
         yield started
 
 
@@ -106,7 +108,7 @@ def test_trials_stay_inside_one_node_spread_over_both_and_come_back_to_the_drive
     assert len(unplaceable) == 2
     for r in unplaceable:  # before anything started: no engine, no environment, no time
         assert r["outcome"] == "INFEASIBLE", r
-        assert r["reason"] == "placement: needs 4 GPUs on one node; the largest node has 2"
+        assert r["reason"] == "placement: needs 4 GPUs on one H100 node; the largest H100 node has 2"
         assert (
             r["startup_s"] is None
             and r["levels"] == []
@@ -264,8 +266,10 @@ def test_a_trials_large_records_come_back_from_its_node_as_a_file_not_through_tu
 def test_doctor_checks_every_node_and_fails_gpus_ray_advertises_that_nvml_cannot_see(cluster, tmp_path, tiny_model):
     """``servetune doctor`` on the local cluster: a task on each of its three nodes. The workers advertise 2 GPUs
     each and this host has none, so that check fails on both (what a node started with a wrong --num-gpus, or
-    without its driver, would show); versions match the driver's on every node; the model is on every node."""
+    without its driver, would show); versions match the driver's on every node; the model is on every node. The
+    space asks for L40S GPUs where the nodes are H100s: no trial could be placed, and doctor says so."""
     space = write_space(tmp_path, tiny_model, "  max_num_seqs: [4]\n")
+    space.write_text(space.read_text().replace("gpu: H100-SXM", "gpu: L40S"))
     done = subprocess.run([sys.executable, "-m", "servetune", "doctor", str(space), "--address", cluster.address,
                            "--json", str(tmp_path / "doctor.json")], capture_output=True, text=True,
                           env=cluster.head.env, timeout=180)  # fmt: skip
@@ -278,12 +282,14 @@ def test_doctor_checks_every_node_and_fails_gpus_ray_advertises_that_nvml_cannot
     versions = [c for c in checks if c["name"] == "vllm version"]
     assert len(versions) == 3 and all(c["status"] == "PASS" for c in versions), versions  # head and both workers
     assert not [c for c in checks if c["name"] == "model"]  # the model folder is on every node
-    assert "2 check(s) failed" in " ".join(done.stdout.split())
+    (placement,) = [c for c in checks if c["name"] == "GPU type placement"]
+    assert placement["status"] == "FAIL" and "L40S (Ray type L40S) is on no node" in placement["evidence"], placement
+    assert "3 check(s) failed" in " ".join(done.stdout.split())
     # servetune run joining the cluster runs the same checks first, and starts no trial on a FAIL.
     argv = [a for a in run_argv(space, cluster, tmp_path / "results", tmp_path / "no-python") if a != "--no-checks"]
     refused = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path, env=cluster.head.env, timeout=180)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr, refused.stderr[-3000:]
-    assert "the cluster failed servetune doctor's checks (and 1 more): node" in refused.stderr
+    assert "the cluster failed servetune doctor's checks (and 2 more): node" in refused.stderr
     assert "Ray advertises 2 GPU(s), NVML sees none" in refused.stderr
     assert not list((tmp_path / "results").glob("*/trials/*"))  # no trial ran
 

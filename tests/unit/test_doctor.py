@@ -51,6 +51,18 @@ def test_ray_s_gpus_against_nvml_and_the_cpu_build_needing_none():
     assert not failed(evaluate({"n1": node(gpus=None)}, DRIVER, device="cpu"))  # the CPU stand-in: no GPU checks
 
 
+def test_the_space_s_gpu_type_must_be_a_type_some_node_declares():
+    h100 = node(ray_resources={"CPU": 32, "GPU": 2, "accelerator_type:H100": 1.0})
+    a100 = node(ray_resources={"CPU": 32, "GPU": 8, "accelerator_type:A100": 1.0})
+    (bad,) = [c for c in failed(evaluate({"n1": h100, "n2": a100}, DRIVER, gpu="L40S")) if c.node == "cluster"]
+    assert bad.name == "GPU type placement" and "L40S (Ray type L40S) is on no node" in bad.evidence
+    assert "the cluster's GPUs are A100, H100" in bad.evidence
+    ok = by_name(evaluate({"n1": h100, "n2": a100}, DRIVER, gpu="H100-PCIe"))[("cluster", "GPU type placement")]
+    assert ok.status == "PASS" and "1 node(s)" in ok.evidence
+    # Nodes that declare no type (GPUs given by hand) pin nothing, and are not judged.
+    assert ("cluster", "GPU type placement") not in by_name(evaluate({"n1": node()}, DRIVER, gpu="L40S"))
+
+
 def test_an_unreachable_node_a_missing_model_and_an_unwritable_cache_fail():
     checks = evaluate({"n1": {"error": "task failed"}, "n2": node(model_present=False,
                        vllm_cache={"path": "/ro/vllm", "filesystem": "ext4", "writable": False})}, DRIVER)  # fmt: skip

@@ -73,3 +73,23 @@ def test_rate_levels_set_no_target_and_gpu_without_accelerator_type_says_so():
 def test_accelerator_type_on_a_cpu_study_is_a_user_error():
     with pytest.raises(UserError, match="--accelerator-type H100: the study ran on CPUs"):
         ray_serve_app(point({}, device="cpu"), accelerator_type="H100")
+
+
+@pytest.mark.parametrize(
+    "engine_args, bundles, strategy",
+    [
+        ({"tensor_parallel_size": 2}, [{"GPU": 1}, {"GPU": 1}], "STRICT_PACK"),  # a TP group never split across nodes
+        ({}, [{"GPU": 1}], "STRICT_PACK"),
+        ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, None, "PACK"),  # stages may span nodes
+    ],
+)  # fmt: skip
+def test_a_gpu_replica_is_packed_on_one_node_of_its_type_as_ray_serve_llm_reads_it(engine_args, bundles, strategy):
+    from ray.serve.llm import LLMConfig
+
+    app = ray_serve_app(point(engine_args), accelerator_type="H100")
+    (config,) = app["applications"][0]["args"]["llm_configs"]
+    assert (config.get("placement_group_config") or {}).get("bundles") == bundles
+    engine = LLMConfig(**config).get_engine_config()  # Ray Serve LLM's own reading: what it will ask Ray for
+    assert engine.placement_strategy == strategy
+    assert len(engine.placement_bundles) == engine.num_devices
+    assert all(b["GPU"] == 1 and b["accelerator_type:H100"] > 0 for b in engine.placement_bundles)

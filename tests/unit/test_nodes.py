@@ -5,6 +5,7 @@ import pytest
 from servetune.config.space import SearchSpace
 from servetune.study.nodes import placement_problem
 from servetune.study.packing import resolve_max_concurrent
+from servetune.trial.context import bundle, pinned_gpu_type
 
 HEAD = {"CPU": 0.0, "node:__internal_head__": 1.0}
 WORKER = {"CPU": 3.0, "GPU": 2.0}
@@ -47,3 +48,32 @@ def space(algorithm: str, sizes: list[int]) -> SearchSpace:
 )  # fmt: skip
 def test_auto_counts_trials_per_node(algorithm, sizes, nodes, expected):
     assert resolve_max_concurrent(space(algorithm, sizes), nodes) == expected
+
+
+H100 = {"CPU": 3.0, "GPU": 2.0, "accelerator_type:H100": 1.0}
+A100 = {"CPU": 8.0, "GPU": 8.0, "accelerator_type:A100": 1.0}
+
+
+@pytest.mark.parametrize(
+    "gpu, tp, nodes, expected",
+    [
+        ("H100-SXM", 2, [HEAD, H100, A100], None),
+        ("H100-PCIe", 1, [HEAD, H100], None),  # Ray names both H100s "H100": the type pins, not the variant
+        ("L40S", 1, [HEAD, H100, A100], "needs GPUs of type L40S; the cluster's nodes have A100, H100"),
+        # 4 GPUs fit the A100 node, not an H100 one: the GPU count is judged on the nodes of the type
+        ("H100-SXM", 4, [HEAD, H100, A100], "needs 4 GPUs on one H100 node; the largest H100 node has 2"),
+        ("A100-80GB", 4, [HEAD, H100, A100], None),
+        ("L40S", 1, [HEAD, WORKER, WORKER], None),  # nodes that declare no type (GPUs by hand): not pinned
+    ],
+)  # fmt: skip
+def test_a_trial_is_pinned_to_its_gpu_type_where_the_cluster_declares_types(gpu, tp, nodes, expected):
+    s = SearchSpace.model_validate({
+        "name": "s", "model": "org/m", "workload": "chat", "device": "gpu", "hardware": {"devices_per_node": 8, "gpu": gpu},
+        "params": {"tensor_parallel_size": [tp]},
+    })  # fmt: skip
+    params = {"tensor_parallel_size": tp}
+    needed = bundle(s, params, pinned_gpu_type(s, nodes))
+    assert placement_problem(needed, nodes) == expected
+    pinned = [k for k in needed if k.startswith("accelerator_type:")]
+    ray_type = {"H100-SXM": "H100", "H100-PCIe": "H100", "A100-80GB": "A100", "L40S": "L40S"}[gpu]
+    assert pinned == ([] if nodes[1] is WORKER else [f"accelerator_type:{ray_type}"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Iterable, Mapping
 from importlib import resources
 from typing import Literal
 
@@ -26,6 +27,7 @@ class GpuSpec(BaseModel):
     nvidia_smi_mib: int | None = None
     fp8: bool = False
     blackwell: bool = False
+    ray_type: str | None = None  # Ray's accelerator type for it: nodes of it have resource accelerator_type:<ray_type>
 
 
 class Hardware(BaseModel):
@@ -96,6 +98,25 @@ def resolve_hardware(device: str = "gpu", gpu: str | None = None, memory_gib: fl
         fp8=spec.fp8,
         blackwell=spec.blackwell,
     )
+
+
+#: Ray gives every GPU node the resource ``accelerator_type:T`` (T from NVML's GPU name, e.g. ``H100``).
+ACCELERATOR = "accelerator_type:"
+
+
+def gpu_types(nodes: Iterable[Mapping[str, float]]) -> list[str]:
+    """The GPU types Ray nodes declare (their ``accelerator_type:T`` resources), sorted."""
+    return sorted(
+        {k[len(ACCELERATOR) :] for node in nodes for k, v in node.items() if k.startswith(ACCELERATOR) and v > 0}
+    )
+
+
+def ray_accelerator_type(gpu: str) -> str | None:
+    """The accelerator type Ray gives nodes of the catalogue GPU ``gpu`` (None: not in the catalogue, or unknown)."""
+    try:
+        return find_gpu(gpu).ray_type
+    except UserError:
+        return None
 
 
 def gpu_hardware(device_name: str, memory_bytes: int) -> Hardware:

@@ -148,9 +148,12 @@ def ray_serve_app(
         if point.device == "cpu":
             raise UserError(f"--accelerator-type {accelerator_type}: the study ran on CPUs (vLLM's CPU build)")
         config["accelerator_type"] = accelerator_type
+    pp = int(kwargs.get("pipeline_parallel_size") or 1)
+    ranks = int(kwargs.get("tensor_parallel_size") or 1) * pp
     if point.device == "cpu":
-        ranks = int(kwargs.get("tensor_parallel_size") or 1) * int(kwargs.get("pipeline_parallel_size") or 1)
         config["placement_group_config"] = {"bundles": [{"CPU": 1} for _ in range(ranks)]}
+    elif pp == 1:  # a replica's TP group on one node: Ray Serve LLM's default (PACK) may split it across nodes
+        config["placement_group_config"] = {"bundles": [{"GPU": 1} for _ in range(ranks)], "strategy": "STRICT_PACK"}
     env = masked_env(point.env)
     if env:
         config["runtime_env"] = {"env_vars": env}

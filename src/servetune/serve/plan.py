@@ -72,14 +72,17 @@ def parse_replicas(text: str) -> list[int]:
     return counts
 
 
-def llm_config(point: ReportPoint, replicas: int, env: Mapping[str, str] | None = None) -> dict[str, Any]:
+def llm_config(
+    point: ReportPoint, replicas: int, env: Mapping[str, str] | None = None, accelerator_type: str | None = None
+) -> dict[str, Any]:
     """The ``LLMConfig`` (as a dict) of ``export --format ray-serve``, at ``replicas`` fixed replicas; on the CPU
     build in a local Ray servetune started, each replica claims cores of its own for its engine (:data:`CLAIM_CORES`).
 
     Secrets the study did not store (shown as ``***``) are taken from ``env`` (the caller's
-    environment); one missing there is an error, not a deployment that fails later.
+    environment); one missing there is an error, not a deployment that fails later. ``accelerator_type``: Ray's
+    GPU type the replicas must run on (trial/context.py pinned_gpu_type).
     """
-    app = ray_serve_app(point)["applications"][0]
+    app = ray_serve_app(point, accelerator_type)["applications"][0]
     if app["import_path"] != "ray.serve.llm:build_openai_app":
         raise UserError(f"trial {point.trial_id} runs expert parallelism across data-parallel ranks "
                         "(build_dp_openai_app); serve-check measures build_openai_app replicas only")  # fmt: skip

@@ -67,7 +67,7 @@ def trial_llm_config(spec: TrialSpec) -> dict[str, Any]:
     """The trial's ``LLMConfig`` (a dict): its engine arguments and environment, at its replica count."""
     assert spec.serve_replicas is not None
     point, env = _shipped(spec)
-    return llm_config(point, spec.serve_replicas, env=env)
+    return llm_config(point, spec.serve_replicas, env=env, accelerator_type=spec.gpu_type)
 
 
 def trial_needs(spec: TrialSpec) -> Needs:

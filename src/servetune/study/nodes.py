@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from servetune.capacity.hardware import ACCELERATOR, gpu_types
 from servetune.trial.context import bundle
 
 if TYPE_CHECKING:
@@ -44,6 +45,16 @@ def placement_problem(bundle: Mapping[str, float], nodes: Sequence[Mapping[str, 
     wanted = {k: v for k, v in bundle.items() if v > 0}
     if not nodes or any(all(node.get(k, 0.0) >= v for k, v in wanted.items()) for node in nodes):
         return None
+    kind = next((k for k in wanted if k.startswith(ACCELERATOR)), None)
+    if kind is not None:  # pinned to a GPU type: only the nodes of that type count
+        of_kind = [node for node in nodes if node.get(kind, 0.0) > 0]
+        name = kind[len(ACCELERATOR) :]
+        if not of_kind:
+            return f"needs GPUs of type {name}; the cluster's nodes have {', '.join(gpu_types(nodes))}"
+        problem = placement_problem({k: v for k, v in wanted.items() if k != kind}, of_kind)
+        return problem and problem.replace("the largest node", f"the largest {name} node").replace(
+            "on one node", f"on one {name} node"
+        )
     if any(not any(node.get(k, 0.0) > 0 for node in nodes) for k in wanted):
         return None  # a resource no node has (yet): the autoscaler's call, not ours
     for key, amount in wanted.items():
@@ -56,7 +67,7 @@ def placement_problem(bundle: Mapping[str, float], nodes: Sequence[Mapping[str, 
 
 def placement_problem_of(context: StudyContext, params: dict[str, Any]) -> str | None:
     """Why no node of the study's cluster can hold this trial's bundle (None: one can, or no nodes known)."""
-    return placement_problem(bundle(context.space, params), context.nodes)
+    return placement_problem(bundle(context.space, params, context.gpu_type), context.nodes)
 
 
 def _amount(value: float) -> str:

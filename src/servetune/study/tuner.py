@@ -32,7 +32,11 @@ def trial_resources(context: StudyContext, params: dict[str, Any]) -> list[dict[
     that it is INFEASIBLE (in Ray's queue it would wait forever)."""
     from servetune.study.nodes import HEAD_SLIVER
 
-    return [dict(HEAD_SLIVER)] if placement_problem_of(context, params) else [bundle(context.space, params)]
+    return (
+        [dict(HEAD_SLIVER)]
+        if placement_problem_of(context, params)
+        else [bundle(context.space, params, context.gpu_type)]
+    )
 
 
 def run_tuner(context: StudyContext, points: list[dict[str, Any]] | None, searcher: ConstrainedOptunaSearch | None,

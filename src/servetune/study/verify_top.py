@@ -215,7 +215,7 @@ def verify_top(study_dir: Path, context: StudyContext, say: Callable[[str], None
     from servetune.study.nodes import alive_nodes, placement_problem
     from servetune.study.packing import resolve_max_concurrent
     from servetune.tracking.stability import log_stability
-    from servetune.trial.context import bundle
+    from servetune.trial.context import bundle, pinned_gpu_type
     from servetune.verify import run as verification
     from servetune.verify.choose import select_top
 
@@ -302,7 +302,7 @@ def verify_top(study_dir: Path, context: StudyContext, say: Callable[[str], None
     def start(rank: int, selection: Selection, mine: dict[str, Any]) -> None:
         trial_id = selection.winner.trial_id
         params = dict(selection.winner.result.params)
-        needed = bundle(space, params)
+        needed = bundle(space, params, pinned_gpu_type(space, nodes))
         problem = placement_problem(needed, nodes)
         if problem:
             finish(selection, mine, unplaceable_document(selection, budget, problem), None, None)

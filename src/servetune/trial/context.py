@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from servetune.capacity.hardware import ACCELERATOR, gpu_types, ray_accelerator_type
 from servetune.config.space import MODEL_PARAM, SearchSpace
 from servetune.config.workload import Workload
 from servetune.engine.compile_cache import compile_cache_env
@@ -36,6 +37,11 @@ class StudyContext:
     ledger: str | None = (
         None  # the run's device ledger, when trials through Serve run several at once (device_ledger.py)
     )
+
+    @property
+    def gpu_type(self) -> str | None:
+        """The Ray accelerator type the trials are pinned to (:func:`pinned_gpu_type`), from the nodes known."""
+        return pinned_gpu_type(self.space, self.nodes)
 
     @property
     def trials_dir(self) -> Path:
@@ -70,6 +76,7 @@ class StudyContext:
             slo=space.slo_bounds, gpu=space.hardware.gpu, gpu_memory_gib=space.hardware.gpu_memory_gib,
             python=self.python, extra_env=extra_env, repeats=load.repeats, quality=self.quality, node_id=node_id,
             serve_replicas=space.serve_replicas(params), stream_batching_ms=space.stream_batching_ms(params),
+            gpu_type=self.gpu_type,
         )  # fmt: skip
 
 
@@ -91,15 +98,33 @@ def compile_threads_env(space: SearchSpace, params: dict[str, Any], env: Mapping
     return {COMPILE_THREADS: str(max(1, int(bundle(space, params).get("CPU", 1))))}
 
 
-def bundle(space: SearchSpace, params: dict[str, Any]) -> dict[str, float]:
-    """One bundle per trial: with GPUs in other bundles ``ray.get_gpu_ids()`` would be empty.
+#: Asking a sliver of a node's ``accelerator_type:T`` places a bundle on a node of that type (Ray's own convention,
+#: as Ray Serve LLM asks 0.001).
+ACCELERATOR_SLIVER = 0.001
+
+
+def pinned_gpu_type(space: SearchSpace, nodes: Sequence[Mapping[str, float]]) -> str | None:
+    """The Ray accelerator type the space's trials must run on: ``hardware.gpu``'s (catalogue ``ray_type``), when
+    the cluster's nodes declare types at all. Nodes that declare none (GPUs given by hand with ``ray start
+    --num-gpus``, or an autoscaler yet to start its first GPU node) cannot be told apart: nothing is pinned."""
+    if space.device != "gpu" or not space.hardware.gpu or not gpu_types(nodes):
+        return None
+    return ray_accelerator_type(space.hardware.gpu)
+
+
+def bundle(space: SearchSpace, params: dict[str, Any], gpu_type: str | None = None) -> dict[str, float]:
+    """One bundle per trial: with GPUs in other bundles ``ray.get_gpu_ids()`` would be empty. With ``gpu_type``
+    (:func:`pinned_gpu_type`) it asks for a node of that GPU type.
 
     A trial through Serve holds one CPU, for its load client: Serve's replicas take their devices
-    in placement groups of their own (``serve/trial.py``).
+    in placement groups of their own (``serve/trial.py``), pinned to the type in their config.
     """
     if space.serve_replicas(params) is not None:
         return {"CPU": 1.0}
     devices = space.devices(params)
     if space.device == "gpu":
-        return {"CPU": float(space.hardware.cpus_per_trial), "GPU": float(devices)}
+        found = {"CPU": float(space.hardware.cpus_per_trial), "GPU": float(devices)}
+        if gpu_type:
+            found[ACCELERATOR + gpu_type] = ACCELERATOR_SLIVER
+        return found
     return {"CPU": float(devices)}

@@ -97,6 +97,7 @@ class TrialSpec:
     stream_batching_ms: float | None = (
         None  # through Serve: the replicas' stream batching interval (None: Ray's default)
     )
+    gpu_type: str | None = None  # the Ray accelerator type its devices are pinned to (trial/context.py pinned_gpu_type)
 
     @property
     def trial_id(self) -> str:
