@@ -426,6 +426,9 @@ class StudyInfo(BaseModel):
     price_per_device_hour: float
     servetune_version: str
     levels: list[str] = []  # the load ladder each trial climbs, e.g. "concurrency 8" (empty in older study.json files)
+    # the MLflow store the study logged to, without credentials (tracking/connection.py study_tracking_uri): verify and
+    # report log there unless told otherwise (None in older study.json files)
+    tracking_uri: str | None = None
 
 
 #: Layout of a study directory (``--storage``/<study name>/).

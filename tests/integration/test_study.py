@@ -127,12 +127,23 @@ def test_killed_driver_then_resume_reruns_nothing_finished(study):
 
     again = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=cwd)
     assert again.returncode == 2 and "--resume" in again.stderr  # no silent mixing of two runs
-    resumed = subprocess.run([*argv, "--resume"], capture_output=True, text=True, timeout=300, cwd=cwd)
+    # Resumed from another directory: it logs to the store the study recorded, not to a new one where it runs.
+    elsewhere = cwd / "elsewhere"
+    elsewhere.mkdir()
+    resumed = subprocess.run([*argv, "--resume"], capture_output=True, text=True, timeout=300, cwd=elsewhere)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     final = results(study_dir)
     assert len(final) == 2 and all(r["outcome"] == "COMPLETE" for r in final.values())
     assert {t: (study_dir / "trials" / t / "result.json").stat().st_mtime_ns for t in first} == stamps
     assert processes_mentioning(fake) == []
+    store = f"sqlite:///{cwd / 'mlflow.db'}"
+    assert json.loads((study_dir / "study.json").read_text())["tracking_uri"] == store
+    assert not (elsewhere / "mlflow.db").exists()
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=store)
+    runs = client.search_runs([client.get_experiment_by_name("fake").experiment_id], "tags.`servetune.role` != 'study'")
+    assert {r.data.tags["servetune.trial_id"] for r in runs} == set(final)
 
 
 def test_resume_over_a_corrupt_result_stops_before_anything_starts(study):

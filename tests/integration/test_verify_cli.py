@@ -26,9 +26,9 @@ def study(tmp_path):
     return root
 
 
-def servetune(*argv, env=None, timeout=300):
+def servetune(*argv, env=None, timeout=300, cwd=None):
     return subprocess.run([sys.executable, "-m", "servetune", *map(str, argv)], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})  # fmt: skip
+                          timeout=timeout, env={**os.environ, **(env or {})}, cwd=cwd)  # fmt: skip
 
 
 def set_outcome(study, trial_id, outcome, reason):
@@ -98,11 +98,23 @@ def test_without_vllm_nothing_starts(study, tmp_path):
 
 
 def test_an_engine_that_dies_fails_the_configuration_with_its_log_tail(study, tmp_path):
+    """...and the verdict reaches the trial's MLflow run in the store the study recorded (study.json's tracking_uri),
+    run from another directory without --tracking-uri: nothing is written to a store the user did not name."""
     pytest.importorskip("vllm", reason="verify asks the interpreter behind the fake engine for vLLM")
+    from mlflow import MlflowClient
+
+    from servetune.tracking import sync_study
+
+    store = f"sqlite:///{tmp_path / 'study-store.db'}"
+    assert sync_study(study, store).ok
+    info = json.loads((study / "study.json").read_text())
+    (study / "study.json").write_text(json.dumps({**info, "tracking_uri": store}))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
     fake = write_fake_python(tmp_path)
     out = tmp_path / "out" / "verify.json"
     done = servetune("verify", study, "--python", fake, "--duration", "30", "--no-runner-up", "--json", out,
-                     "--tracking-uri", tmp_path / "mlruns", env={"SERVETUNE_FAKE_CRASH_AFTER_S": "6"})  # fmt: skip
+                     env={"SERVETUNE_FAKE_CRASH_AFTER_S": "6", "MLFLOW_TRACKING_URI": ""}, cwd=elsewhere)  # fmt: skip
     # (6 s after it started serving: well into the soak, which begins about a second after the engine is up)
     assert done.returncode == 1, done.stderr[-3000:]
     assert "Traceback" not in done.stderr and "REJECTED" in done.stderr
@@ -115,6 +127,11 @@ def test_an_engine_that_dies_fails_the_configuration_with_its_log_tail(study, tm
     assert set(doc["stability"]) >= {"cancellation_success_rate", "p99_jitter", "oom", "error_rate_5xx"}
     assert doc["stability"]["cancellation_success_rate"] is None  # never measured, never made up
     assert processes_mentioning(study) == [] and processes_mentioning(fake) == []
+    client = MlflowClient(store)
+    (run,) = client.search_runs([client.get_experiment_by_name("cpu-tiny").experiment_id],
+                                f"tags.`servetune.trial_id` = '{WINNER}'")  # fmt: skip
+    assert run.data.metrics["verify.accepted"] == 0.0 and "stability.oom" in run.data.metrics, run.data.metrics
+    assert list(elsewhere.iterdir()) == []  # no mlflow.db where it ran
 
 
 @pytest.mark.parametrize(("how", "name", "status"), [("SIGTERM", "SIGTERM", 143), ("Ctrl-C", "interrupted", 130)])

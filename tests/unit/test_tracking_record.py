@@ -276,6 +276,23 @@ def test_tracking_uri_resolution(tmp_path, monkeypatch):
     assert resolve_tracking_uri("https://other") == "https://other"
 
 
+def test_a_study_s_recorded_store_is_where_later_work_logs_and_it_keeps_no_credentials(tmp_path, monkeypatch):
+    from servetune.tracking.connection import study_tracking_uri, without_credentials
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://env:5000")
+    study = tmp_path / "study"
+    study.mkdir()
+    assert study_tracking_uri(study, None) == "http://env:5000"  # no study.json: as any command would
+    (study / "study.json").write_text(json.dumps({"name": "s", "tracking_uri": "sqlite:////data/x.db"}))
+    assert study_tracking_uri(study, None) == "sqlite:////data/x.db"  # the study's store, not the environment's
+    assert study_tracking_uri(study, "http://told:5000") == "http://told:5000"  # unless told otherwise
+    (study / "study.json").write_text(json.dumps({"name": "s"}))  # a study from before the field
+    assert study_tracking_uri(study, None) == "http://env:5000"
+    assert without_credentials("https://alice:s3cret@mlflow.example:443/") == "https://mlflow.example:443/"
+    assert without_credentials("sqlite:////data/x.db") == "sqlite:////data/x.db"
+
+
 def test_a_closed_port_is_unreachable_at_once_and_local_stores_are_not_probed():
     reason = unreachable_reason(f"http://127.0.0.1:{free_port()}", timeout_s=2)
     assert reason is not None and "refused" in reason.lower()

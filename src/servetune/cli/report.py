@@ -54,7 +54,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument(
         "--tracking-uri", metavar="URI",
-        help="MLflow server or store for --log-to-mlflow (implies it; default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)",
+        help="MLflow server or store for --log-to-mlflow (implies it; default: the one the study recorded, else "
+             "$MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)",
     )  # fmt: skip
     p.set_defaults(run=run)
 
@@ -74,8 +75,9 @@ def run(args: argparse.Namespace) -> int:
         print(verification_line(report))
     if args.log_to_mlflow or args.tracking_uri:
         from servetune.tracking import sync_study
+        from servetune.tracking.connection import study_tracking_uri
 
-        synced = sync_study(args.study_dir, args.tracking_uri, report_dir=out)
+        synced = sync_study(args.study_dir, study_tracking_uri(args.study_dir, args.tracking_uri), report_dir=out)
         print(synced.summary())
         return 0 if synced.ok else 1
     return 0

@@ -65,7 +65,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="Python interpreter that has vLLM on the trial nodes (default: this one)",
     )
     p.add_argument("--tracking-uri", metavar="URI",
-                   help="MLflow tracking server or store for the study's runs (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")  # fmt: skip
+                   help="MLflow tracking server or store for the study's runs (default: with --resume the study's own, else "
+                        "$MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here); recorded in study.json")  # fmt: skip
     p.set_defaults(run=run)
 
 
@@ -195,6 +196,7 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
     from servetune.study.searcher import ConstrainedOptunaSearch
     from servetune.study.tuner import cluster_devices, init_ray, run_tuner
     from servetune.tracking import MlflowCallback
+    from servetune.tracking.connection import recorded_tracking_uri, resolve_tracking_uri, without_credentials
     from servetune.trial.context import StudyContext, resolve_levels
 
     console = stderr_console()
@@ -203,7 +205,10 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
     model = resolve_model(space, study_dir, args.space.parent)
     workload = space.resolved_workload(args.space.parent)
     levels = resolve_levels(space, workload)
-    write_study_info(study_dir, study_info(space, args.space, model, levels))
+    if args.resume and args.tracking_uri is None:  # a resumed study logs where it logged, wherever it runs from
+        args.tracking_uri = recorded_tracking_uri(study_dir)
+    args.tracking_uri = resolve_tracking_uri(args.tracking_uri)
+    write_study_info(study_dir, study_info(space, args.space, model, levels, without_credentials(args.tracking_uri)))
     context = StudyContext(space, workload, study_dir.resolve(), model, levels, python=args.python,
                            models=resolve_models(space, study_dir, args.space.parent))  # fmt: skip
     signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(SystemExit(128 + signum)))

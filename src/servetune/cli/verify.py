@@ -57,7 +57,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-runner-up", action="store_true", help="do not start the runner-up to compare the repeats with")
     p.add_argument("--tracking-uri", metavar="URI",
-                   help="MLflow store the study was logged to (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")  # fmt: skip
+                   help="MLflow store to log the stability numbers to (default: the one the study recorded, else "
+                        "$MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")  # fmt: skip
     p.add_argument("--python", default=sys.executable, help="Python interpreter that has vLLM (default: this one)")
     p.add_argument("--address", metavar="ADDR",
                    help="Ray cluster to deploy a trial through Serve on (default: a local Ray, started and stopped here)")  # fmt: skip
@@ -97,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     from servetune.errors import UserError
     from servetune.load.requests import PromptFactory
     from servetune.load.tokenizer import load_tokenizer
+    from servetune.tracking.connection import study_tracking_uri
     from servetune.tracking.stability import log_stability
     from servetune.verify import run as verification
     from servetune.verify.choose import select
@@ -141,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"servetune verify: stopped ({doc['stopped']}): {doc['reasons'][0]}; the scenarios that finished are in {out}",
               file=sys.stderr)  # fmt: skip
         return verification.stop_status(doc["stopped"])
-    console.print(log_stability(args.tracking_uri, selection.info.name, winner.trial_id, doc["stability"], doc["accepted"], out),
+    tracking_uri = study_tracking_uri(args.study_dir, args.tracking_uri)
+    console.print(log_stability(tracking_uri, selection.info.name, winner.trial_id, doc["stability"], doc["accepted"], out),
                   soft_wrap=True, highlight=False)  # fmt: skip
     verdict = "[green]ACCEPTED[/]" if doc["accepted"] else "[red]REJECTED[/]"
     console.print(f"{verdict}: " + "; ".join(doc["reasons"]), soft_wrap=True, highlight=False)

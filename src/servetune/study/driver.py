@@ -382,7 +382,9 @@ def random_points(space: SearchSpace) -> list[dict[str, Any]]:
     return points
 
 
-def study_info(space: SearchSpace, space_path: Path, model: str, levels: Sequence[object] = ()) -> StudyInfo:
+def study_info(
+    space: SearchSpace, space_path: Path, model: str, levels: Sequence[object] = (), tracking_uri: str | None = None
+) -> StudyInfo:
     return StudyInfo(
         schema_version=SCHEMA_VERSION, name=space.name,
         created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -392,7 +394,7 @@ def study_info(space: SearchSpace, space_path: Path, model: str, levels: Sequenc
         objectives=[(o.metric, o.mode) for o in space.search.objectives],
         slo=[str(b) for b in space.slo_bounds.bounds], slo_bounds=list(space.slo_bounds.bounds),
         price_per_device_hour=space.price_per_device_hour,
-        servetune_version=__version__, levels=[str(lv) for lv in levels],
+        servetune_version=__version__, levels=[str(lv) for lv in levels], tracking_uri=tracking_uri,
     )  # fmt: skip
 
 

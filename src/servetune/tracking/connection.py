@@ -2,21 +2,28 @@
 
 The tracking URI is ``--tracking-uri``, else ``$MLFLOW_TRACKING_URI``, else MLflow's own local
 default ``sqlite:///mlflow.db`` in the current directory, made absolute so that a callback
-Tune restores later still writes to the same file. A remote server is asked ``/health`` with a
+Tune restores later still writes to the same file. A study records the URI it logged to in its
+``study.json`` (credentials left out), and what works on the study later (``verify``, ``report
+--log-to-mlflow``, ``run --resume``) writes there unless told otherwise (:func:`study_tracking_uri`):
+never to a store the user did not name. A remote server is asked ``/health`` with a
 short timeout before anything is logged, so an unreachable server costs seconds, not MLflow's
 minutes of retries.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from mlflow.exceptions import MlflowException
+
+from servetune.results import STUDY_FILE
 
 #: MLflow's default local store (MLflow 3), relative to the current directory.
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
@@ -48,6 +55,30 @@ def resolve_tracking_uri(uri: str | None = None) -> str:
     if "://" not in uri and uri not in ("databricks", "databricks-uc"):
         return Path(uri).resolve().as_uri()  # a bare directory: MLflow's file store
     return uri
+
+
+def without_credentials(uri: str) -> str:
+    """``uri`` without the ``user:password@`` a server URI may carry: what a study may write down.
+    (MLflow reads credentials from ``$MLFLOW_TRACKING_USERNAME``/``PASSWORD`` or ``$MLFLOW_TRACKING_TOKEN``.)"""
+    parts = urllib.parse.urlsplit(uri)
+    if "@" not in parts.netloc:
+        return uri
+    return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+
+
+def recorded_tracking_uri(study_dir: Path) -> str | None:
+    """The tracking URI the study at ``study_dir`` recorded in its ``study.json`` (None: none recorded, or no file)."""
+    try:
+        recorded = json.loads((Path(study_dir) / STUDY_FILE).read_text(encoding="utf-8")).get("tracking_uri")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return recorded if isinstance(recorded, str) and recorded else None
+
+
+def study_tracking_uri(study_dir: Path, given: str | None) -> str:
+    """Where work on a study logs: ``given`` (``--tracking-uri``), else the store the study recorded, else
+    :func:`resolve_tracking_uri`'s default."""
+    return resolve_tracking_uri(given or recorded_tracking_uri(study_dir))
 
 
 def is_remote(uri: str) -> bool:
