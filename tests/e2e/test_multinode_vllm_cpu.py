@@ -70,8 +70,8 @@ def test_a_cpu_tiny_study_over_two_nodes_survives_losing_one(tmp_path):
     assert len(rows) >= 8 and json.loads(rows[0])["level"] == 0
     assert (study_dir / "report" / "summary.md").exists()
     deadline = time.monotonic() + 30
-    while processes_mentioning("vllm.entrypoints.openai.api_server", str(tmp_path)) and time.monotonic() < deadline:
+    while processes_mentioning("vllm.entrypoints.cli.main", str(tmp_path)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert processes_mentioning("vllm.entrypoints.openai.api_server", str(tmp_path)) == []
+    assert processes_mentioning("vllm.entrypoints.cli.main", str(tmp_path)) == []
     assert processes_mentioning(str(study_dir), "vllm") == []
     print(f"e2e over two nodes: {time.monotonic() - began:.0f} s")

@@ -26,7 +26,7 @@ def test_starts_reports_kv_and_leaves_nothing(fake_python, tmp_path):
         assert srv.alive() and srv.startup_s is not None
         assert srv.url.startswith("http://127.0.0.1:")
         assert srv.kv_capacity().tokens == 1000
-        assert srv.command()[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+        assert srv.command()[1] == "-c" and srv.command()[3:5] == ["serve", "fake-model"]  # vllm serve MODEL
         pgid = srv.process.pid
         assert group_members(pgid)
     assert not group_members(pgid) and not srv.alive()

