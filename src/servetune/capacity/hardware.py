@@ -15,6 +15,19 @@ from servetune.errors import UserError
 GIB = 1 << 30
 
 
+class GpuPerf(BaseModel):
+    """A GPU's peak rates for the performance estimate (dense tensor-core math, per GPU)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bf16_tflops: float = Field(gt=0, description="16-bit tensor-core peak (fp16 is the same)")
+    fp8_tflops: float | None = Field(None, gt=0, description="absent: no FP8 tensor cores")
+    hbm_gbps: float = Field(gt=0, description="memory bandwidth, GB/s")
+    link: Literal["nvlink", "pcie"]
+    link_gbps: float = Field(gt=0, description="GPU-to-GPU bandwidth per direction, GB/s")
+    source: str
+
+
 class GpuSpec(BaseModel):
     """One catalogue entry (``catalog/gpus.yaml``)."""
 
@@ -26,6 +39,7 @@ class GpuSpec(BaseModel):
     nvidia_smi_mib: int | None = None
     fp8: bool = False
     blackwell: bool = False
+    perf: GpuPerf | None = None
 
 
 class Hardware(BaseModel):
