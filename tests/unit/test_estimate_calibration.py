@@ -62,3 +62,14 @@ def test_an_unknown_model_row_is_counted_not_fatal():
     row = 'x,u,h100_sxm,acme/Unknown-1B,bf16,none,1,0.9,128,128,1,offline,,,,,100,""'
     points, skipped = cal.read_points(header + "\n" + row + "\n")
     assert points == [] and skipped["model or GPU not described"] == 1
+
+
+def test_a_row_faster_than_the_gpu_allows_is_left_out():
+    header = _text().splitlines()[0]
+    # Llama-3.1-8B on one H100 at batch 64 and 4k context cannot decode a token every 1 ms:
+    # its weights alone take ~5 ms to read at full bandwidth.
+    fast = 'x,u,h100_sxm,meta-llama/Llama-3.1-8B-Instruct,bf16,none,1,0.9,4000,1000,64,inf,,,1.0,,,""'
+    slow = 'x,u,h100_sxm,meta-llama/Llama-3.1-8B-Instruct,bf16,none,1,0.9,4000,1000,64,inf,,,40.0,,,""'
+    points, skipped = cal.read_points(header + "\n" + fast + "\n" + slow + "\n")
+    assert skipped["faster than the GPU's peaks allow"] == 1
+    assert [p.measured["tpot_ms"] for p in points] == [40.0]

@@ -10,7 +10,10 @@ a regime with its measured TTFT / TPOT / output throughput:
 - ``open``: Poisson arrivals at R req/s.
 
 Rows whose lengths are unknown (ShareGPT without an average), whose model has no architecture in
-``data/calibration_models.yaml``, or that do not fit in memory are left out and counted. The split
+``data/calibration_models.yaml``, or that do not fit in memory are left out and counted, and so
+are rows that measured faster than the GPU's peaks allow at the stated lengths (a decode step
+shorter than reading the weights and the KV cache at full bandwidth, or a batch finished sooner
+than its FLOPs at peak): their lengths, GPU or caching are not what the row says. The split
 is deterministic: a row is held out when the SHA-256 of its CSV line is 0 mod 5. The fit minimises
 the robust (soft-L1) sum of squared log errors, each residual weighted rows^-1/4 of its source (a
 source's pull grows as the square root of its rows: the 600 offline rows of one lab count more than
@@ -223,6 +226,9 @@ def read_points(text: str) -> tuple[list[CalibrationPoint], Counter[str]]:
         if replica is None:
             skipped["does not fit in memory"] += 1
             continue
+        if _beyond_peaks(replica, regime, i, max(o, 1), measured):
+            skipped["faster than the GPU's peaks allow"] += 1
+            continue
         digest = int(hashlib.sha256(line.encode("utf-8")).hexdigest(), 16)
         points.append(
             CalibrationPoint(
@@ -248,6 +254,21 @@ def _replica(arch: ModelArch, args: dict[str, Any], gpu: str) -> Replica | None:
     except UserError:
         return None
     return replica_from_plan(arch, plan, args) if plan.fits else None
+
+
+PEAK = Efficiency(
+    decode_bandwidth=1.0, prefill_flops=1.0, step_overhead_ms=0.0, sequence_overhead_ms=0.0, allreduce_us=0.0
+)
+
+
+def _beyond_peaks(replica: Replica, regime: tuple[str, float], i: int, o: int, measured: dict[str, float]) -> bool:
+    """Whether a row measured a TPOT below, or a throughput above, the roofline at 100 % of every peak."""
+    probe = CalibrationPoint(0, "", "", "", replica, regime[0], i, o, regime[1], measured, False)
+    bound, _ = predict(probe, PEAK)
+    if "tpot_ms" in measured and "tpot_ms" in bound and measured["tpot_ms"] < bound["tpot_ms"]:
+        return True
+    got, peak = measured.get("output_throughput"), bound.get("output_throughput")
+    return got is not None and peak is not None and got > peak
 
 
 # --- predicting and fitting ----------------------------------------------------------------------------
