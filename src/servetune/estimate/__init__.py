@@ -11,7 +11,7 @@ no vLLM: a pure function a test or a search can call.
 from servetune.estimate.factors import Efficiency, Factors, load_factors
 from servetune.estimate.model import Estimate, Load, estimate, replica_from_plan
 from servetune.estimate.roofline import Replica, decode_s, prefill_s
-from servetune.estimate.specs import DeviceRates, device_rates, gpu_class
+from servetune.estimate.specs import DeviceRates, cpu_rates, device_rates, gpu_class, measure_cpu_rates
 
 __all__ = [
     "DeviceRates",
@@ -20,11 +20,13 @@ __all__ = [
     "Factors",
     "Load",
     "Replica",
+    "cpu_rates",
     "decode_s",
     "device_rates",
     "estimate",
     "gpu_class",
     "load_factors",
+    "measure_cpu_rates",
     "prefill_s",
     "replica_from_plan",
 ]

@@ -307,7 +307,11 @@ def _residuals(points: Sequence[CalibrationPoint], eff: Efficiency, weights: dic
     return np.asarray(out)
 
 
-def fit_efficiency(points: Sequence[CalibrationPoint], start: Efficiency | None = None) -> Efficiency:
+def fit_efficiency(
+    points: Sequence[CalibrationPoint],
+    start: Efficiency | None = None,
+    bounds: tuple[tuple[float, ...], tuple[float, ...]] = BOUNDS,
+) -> Efficiency:
     """The factors that best predict ``points`` (deterministic: fixed start, no randomness)."""
     counts = Counter(p.source_id for p in points)
     weights = {source: n**-0.25 for source, n in counts.items()}
@@ -325,7 +329,7 @@ def fit_efficiency(points: Sequence[CalibrationPoint], start: Efficiency | None 
     result = least_squares(
         residuals,
         np.array([getattr(x0, name) for name in fitted]),
-        bounds=(BOUNDS[0][:n], BOUNDS[1][:n]),
+        bounds=(bounds[0][:n], bounds[1][:n]),
         loss="soft_l1",
         f_scale=0.2,
         diff_step=1e-3,

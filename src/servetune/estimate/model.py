@@ -13,7 +13,7 @@ from servetune.errors import UserError
 from servetune.estimate.factors import Factors, load_factors
 from servetune.estimate.queueing import closed_loop, knee, open_loop
 from servetune.estimate.roofline import Replica
-from servetune.estimate.specs import device_rates, gpu_class
+from servetune.estimate.specs import DeviceRates, device_rates, gpu_class
 
 
 class Load(BaseModel):
@@ -50,14 +50,19 @@ class Estimate(BaseModel):
     gpu_class: str
 
 
-def replica_from_plan(arch: ModelArch, plan: CapacityPlan, engine_args: Mapping[str, Any]) -> Replica:
-    """The roofline's view of a replica, with the settings and KV capacity the memory ledger resolved."""
+def replica_from_plan(
+    arch: ModelArch, plan: CapacityPlan, engine_args: Mapping[str, Any], rates: DeviceRates | None = None
+) -> Replica:
+    """The roofline's view of a replica, with the settings and KV capacity the memory ledger resolved.
+
+    ``rates`` default to the catalogue GPU's; the CPU build needs them given (:func:`cpu_rates`).
+    """
     s = plan.settings
     quant = resolve_quant(arch, engine_args.get("quantization"))
     chunked = engine_args.get("enable_chunked_prefill")
     return Replica(
         arch=arch,
-        rates=device_rates(s.gpu, quant),
+        rates=rates or device_rates(s.gpu, quant),
         quant=quant,
         tp=s.tensor_parallel_size,
         dtype_bytes=4 if s.dtype == "float32" else 2,
@@ -75,18 +80,23 @@ def estimate(
     hardware: Hardware,
     load: Load,
     factors: Factors | None = None,
+    env: Mapping[str, str] | None = None,
+    rates: DeviceRates | None = None,
 ) -> Estimate:
     """Predict TTFT, TPOT, throughput, saturation and the knee of ``arch`` served with ``engine_args``.
 
     ``engine_args`` is the trial config (vLLM engine arguments; ``data_parallel_size`` replicas
-    share the load evenly). A configuration that does not fit raises :class:`UserError`.
+    share the load evenly). On vLLM's CPU build, ``env`` carries ``VLLM_CPU_KVCACHE_SPACE`` and
+    ``rates`` the cores' FLOP/s and memory bandwidth (:func:`measure_cpu_rates` or :func:`cpu_rates`).
+    A configuration that does not fit raises :class:`UserError`.
     """
-    if hardware.device != "gpu":
-        raise UserError("the estimate covers GPUs only: pass --gpu NAME")
-    plan = plan_capacity(arch, engine_args, hardware, request_tokens=load.input_tokens + load.output_tokens)
+    if hardware.device == "cpu" and rates is None:
+        raise UserError("the estimate on the CPU build needs the cores' rates (measure_cpu_rates or cpu_rates)")
+    tokens = load.input_tokens + load.output_tokens
+    plan = plan_capacity(arch, engine_args, hardware, env=env, request_tokens=tokens)
     if not plan.fits:
         raise UserError(f"{arch.name} does not fit: {plan.reason}")
-    rep = replica_from_plan(arch, plan, engine_args)
+    rep = replica_from_plan(arch, plan, engine_args, rates)
     cls = gpu_class(rep.rates.gpu)
     eff = (factors or load_factors()).for_class(cls)
     dp = int(engine_args.get("data_parallel_size") or 1)

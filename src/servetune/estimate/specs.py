@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+
+import numpy as np
 
 from servetune.capacity import WeightQuant, find_gpu
 from servetune.errors import UserError
@@ -33,6 +36,35 @@ def device_rates(gpu: str, quant: WeightQuant) -> DeviceRates:
         link_bytes_s=perf.link_gbps * 1e9,
         link=perf.link,
     )
+
+
+def cpu_rates(gflops: float, memory_gbps: float) -> DeviceRates:
+    """Rates of the CPU cores one vLLM CPU rank runs on (ranks talk through shared memory)."""
+    return DeviceRates(
+        gpu="cpu", flops=gflops * 1e9, hbm_bytes_s=memory_gbps * 1e9, link_bytes_s=memory_gbps * 1e9, link="memory"
+    )
+
+
+def measure_cpu_rates(size: int = 512, copy_mib: int = 64, repeats: int = 5) -> DeviceRates:
+    """This host's float32 matmul FLOP/s and memory copy bandwidth (read + write), best of ``repeats``.
+
+    numpy's BLAS uses every core it is given, as vLLM's CPU build does with its OpenMP threads; on
+    a busy host the numbers are low, so measure when the host is quiet (or pass measured numbers
+    to :func:`cpu_rates`).
+    """
+    a = np.ones((size, size), dtype=np.float32)
+    src = np.ones(copy_mib << 20, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    np.copyto(dst, src)  # touch the pages once
+    matmul = copy = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ a
+        matmul = min(matmul, time.perf_counter() - start)
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        copy = min(copy, time.perf_counter() - start)
+    return cpu_rates(2 * size**3 / matmul / 1e9, 2 * src.nbytes / copy / 1e9)
 
 
 def gpu_class(gpu: str) -> str:
