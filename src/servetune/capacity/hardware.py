@@ -16,6 +16,19 @@ from servetune.errors import UserError
 GIB = 1 << 30
 
 
+class GpuPerf(BaseModel):
+    """A GPU's peak rates for the performance estimate (dense tensor-core math, per GPU)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bf16_tflops: float = Field(gt=0, description="16-bit tensor-core peak (fp16 is the same)")
+    fp8_tflops: float | None = Field(None, gt=0, description="absent: no FP8 tensor cores")
+    hbm_gbps: float = Field(gt=0, description="memory bandwidth, GB/s")
+    link: Literal["nvlink", "pcie"]
+    link_gbps: float = Field(gt=0, description="GPU-to-GPU bandwidth per direction, GB/s")
+    source: str
+
+
 class GpuSpec(BaseModel):
     """One catalogue entry (``catalog/gpus.yaml``)."""
 
@@ -28,6 +41,7 @@ class GpuSpec(BaseModel):
     fp8: bool = False
     blackwell: bool = False
     ray_type: str | None = None  # Ray's accelerator type for it: nodes of it have resource accelerator_type:<ray_type>
+    perf: GpuPerf | None = None
 
 
 class Hardware(BaseModel):

@@ -16,7 +16,20 @@ from servetune import __version__
 from servetune.errors import UserError
 
 # Sub-commands, in the order ``--help`` lists them.
-COMMANDS = ("init", "doctor", "run", "bench", "plan", "models", "workload", "report", "export", "verify", "serve-check")
+COMMANDS = (
+    "init",
+    "doctor",
+    "run",
+    "bench",
+    "plan",
+    "estimate",
+    "models",
+    "workload",
+    "report",
+    "export",
+    "verify",
+    "serve-check",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

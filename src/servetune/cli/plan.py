@@ -12,6 +12,7 @@ from servetune.capacity import CapacityPlan, load_model_arch, plan_capacity, res
 from servetune.capacity.ledger import resolve_quant, structural_problem
 from servetune.cli.display import console as make_console
 from servetune.errors import UserError
+from servetune.estimate import Estimate, Load, estimate, load_factors
 
 DESCRIPTION = """\
 Will this vLLM configuration fit, and how many tokens of KV cache will it get?
@@ -103,6 +104,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="request length for the concurrency figure (default max_model_len)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    e = p.add_argument_group("performance estimate (servetune estimate's model; GPUs only)")
+    e.add_argument("--estimate", action="store_true", help="also predict TTFT, TPOT and throughput under a load")
+    e.add_argument("--input-tokens", type=int, metavar="I", help="prompt tokens per request (with --estimate)")
+    e.add_argument("--output-tokens", type=int, metavar="O", help="output tokens per request (with --estimate)")
+    e.add_argument("--concurrency", type=int, metavar="C", help="closed loop: C clients (with --estimate)")
+    e.add_argument("--rate", type=float, metavar="R", help="open loop: R requests/s (with --estimate)")
     p.set_defaults(run=run)
 
 
@@ -123,8 +130,35 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise UserError("--device cpu needs --cpu-kvcache-space-gib X (VLLM_CPU_KVCACHE_SPACE, the KV space per rank)")
 
 
+def _estimate_load(args: argparse.Namespace) -> Load | None:
+    """The load of ``--estimate``, or None without it; a missing or malformed value is one clear line."""
+    if not args.estimate:
+        given = [f for f in ("input_tokens", "output_tokens", "concurrency", "rate") if getattr(args, f) is not None]
+        if given:
+            raise UserError(f"--{given[0].replace('_', '-')} is read only with --estimate")
+        return None
+    if args.input_tokens is None or args.output_tokens is None:
+        raise UserError("--estimate needs --input-tokens I and --output-tokens O")
+    if (args.concurrency is None) == (args.rate is None):
+        raise UserError("--estimate needs one of --concurrency C (closed loop) or --rate R (open loop)")
+    for flag in ("input_tokens", "concurrency"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
+    if args.output_tokens < 2:
+        raise UserError(f"--output-tokens {args.output_tokens}: must be >= 2 (TPOT needs two tokens)")
+    if args.rate is not None and args.rate <= 0:
+        raise UserError(f"--rate {args.rate:g}: must be > 0")
+    return Load(
+        input_tokens=args.input_tokens,
+        output_tokens=args.output_tokens,
+        concurrency=args.concurrency,
+        rate=args.rate,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     _check_flags(args)
+    load = _estimate_load(args)
     arch = load_model_arch(args.model)
     hardware = resolve_hardware(args.device, args.gpu, args.gpu_memory_gib)
     problem = structural_problem(arch, args.tp, args.pp, resolve_quant(arch, args.quantization))
@@ -151,11 +185,38 @@ def run(args: argparse.Namespace) -> int:
     }
     env = {"VLLM_CPU_KVCACHE_SPACE": str(int(args.cpu_kvcache_space_gib))} if args.device == "cpu" else None
     plan = plan_capacity(arch, engine_args, hardware, env=env, request_tokens=args.request_tokens)
+    predicted = estimate(arch, engine_args, hardware, load) if load is not None and plan.fits else None
     if args.json:
-        print(json.dumps(plan.model_dump(mode="json"), indent=2))
+        doc = plan.model_dump(mode="json")
+        if predicted is not None:
+            doc["estimate"] = predicted.model_dump(mode="json")
+        print(json.dumps(doc, indent=2))
     else:
-        render(plan, make_console())
+        console = make_console()
+        render(plan, console)
+        if predicted is not None:
+            render_estimate(predicted, console)
     return 0 if plan.fits else 1
+
+
+def render_estimate(est: Estimate, console: Console) -> None:
+    """The estimate under ``--estimate``'s load, with the expected error of the shipped fit."""
+    errors = load_factors().held_out_error
+    table = Table(title="estimate (roofline + queueing, calibrated)", title_justify="left", show_header=False)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    table.add_column("expected error (held-out median)")
+
+    def err(metric: str) -> str:
+        return f"±{100 * errors[metric].median:.0f}%" if metric in errors else ""
+
+    table.add_row("ttft_ms", "unbounded (saturated)" if est.ttft_ms is None else f"{est.ttft_ms:,.1f}", err("ttft_ms"))
+    table.add_row("tpot_ms / itl_ms", f"{est.tpot_ms:,.2f}", err("tpot_ms"))
+    table.add_row("output_throughput", f"{est.output_throughput:,.0f} tok/s", err("output_throughput"))
+    table.add_row("request_throughput", f"{est.request_throughput:,.2f} req/s", "")
+    table.add_row("saturated", "yes" if est.saturated else "no", "")
+    table.add_row("knee", f"{est.knee} in flight", "throughput grows < 10% past it")
+    console.print(table)
 
 
 def _gib(value: float) -> str:

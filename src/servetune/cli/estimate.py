@@ -1,0 +1,160 @@
+"""``servetune estimate SPACE.yaml``: what each configuration of a space should measure, before measuring."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from servetune.capacity import load_model_arch, resolve_hardware
+from servetune.config.workload import RequestClass, Workload
+from servetune.errors import UserError
+from servetune.estimate import Estimate, Load, estimate, load_factors
+from servetune.space_file import load_space
+from servetune.trial.context import resolve_levels
+
+DESCRIPTION = """\
+Predict TTFT, TPOT, throughput, saturation and the knee of every configuration of a search space's
+grid at every level of its load ladder, before starting any engine.
+
+The estimate is a roofline of each engine step (prefill bound by the GPU's FLOP/s, decode by its
+memory bandwidth: weights plus the KV cache read, tensor-parallel all-reduces on NVLink or PCIe)
+and a queueing model of the load (closed loop by Little's law, open loop at the level's rate; KV
+capacity from the memory ledger of `servetune plan`). The fraction of each peak vLLM reaches was
+fitted on public vLLM measurements (A100, H100, H200); the expected error printed above the table
+is the fit's median error on held-out measurements. Requests take the workload's mean input and
+output lengths; prefix caching is not modelled. GPU spaces only.
+"""
+
+SAMPLES = 4000  # requests drawn from the workload's length distributions for their means
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "estimate",
+        help="predict each configuration's latency and throughput at each load level, before measuring",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("space", type=Path, metavar="SPACE.yaml", help="the search space (search_spaces/*.yaml)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(run=run)
+
+
+def mean_lengths(workload: Workload) -> tuple[int, int]:
+    """The workload's mean input and output tokens per request (its mix weighted), drawn with its seed."""
+    classes = workload.mix or (RequestClass(input_tokens=workload.input_tokens, output_tokens=workload.output_tokens),)
+    rng = np.random.default_rng(workload.seed)
+    total = sum(c.weight for c in classes)
+    mean_in = sum(c.weight * float(np.mean(c.input_tokens.sample(rng, SAMPLES))) for c in classes) / total
+    mean_out = sum(c.weight * float(np.mean(c.output_tokens.sample(rng, SAMPLES))) for c in classes) / total
+    return max(1, round(mean_in)), max(2, round(mean_out))
+
+
+def run(args: argparse.Namespace) -> int:
+    space = load_space(args.space)
+    if space.device != "gpu" or not space.hardware.gpu:
+        raise UserError(f"{args.space}: hardware.gpu: the estimate covers catalogue GPUs only (device: gpu, gpu: NAME)")
+    workload = space.resolved_workload(args.space.parent)
+    levels = resolve_levels(space, workload)
+    input_tokens, output_tokens = mean_lengths(workload)
+    hardware = resolve_hardware("gpu", space.hardware.gpu, space.hardware.gpu_memory_gib)
+    configs, _ = space.grid()
+    factors = load_factors()
+    rows: list[dict[str, Any]] = []
+    for params in configs:
+        engine, _env = space.engine_params(params)
+        arch = load_model_arch(space.model_for(params))
+        for level in levels:
+            load = (
+                Load(input_tokens=input_tokens, output_tokens=output_tokens, concurrency=max(1, round(level.value)))
+                if level.kind == "concurrency"
+                else Load(input_tokens=input_tokens, output_tokens=output_tokens, rate=level.value)
+            )
+            row: dict[str, Any] = {"params": params, "level": {level.kind: level.value}}
+            try:
+                row["estimate"] = estimate(arch, engine, hardware, load, factors).model_dump(mode="json")
+            except UserError as exc:
+                row["infeasible"] = str(exc)
+            rows.append(row)
+    expected = {metric: err.median for metric, err in factors.held_out_error.items()}
+    if args.json:
+        report = {
+            "space": str(args.space),
+            "gpu": hardware.name,
+            "input_tokens": input_tokens,
+            "output_tokens": output_tokens,
+            "expected_error": expected,
+            "factors_fit_date": factors.fit_date,
+            "rows": rows,
+        }
+        print(json.dumps(report, indent=2))
+        return 0
+    print(
+        f"{space.name}: {len(configs)} configurations x {len(levels)} levels on {hardware.name}, "
+        f"requests of {input_tokens} in / {output_tokens} out tokens (the workload's means)"
+    )
+    print(
+        "expected error (median on held-out public measurements, fit of "
+        f"{factors.fit_date}): " + ", ".join(f"{metric} ±{100 * value:.0f}%" for metric, value in expected.items())
+    )
+    print(_table(rows))
+    return 0
+
+
+SHORT = {
+    "tensor_parallel_size": "tp",
+    "data_parallel_size": "dp",
+    "pipeline_parallel_size": "pp",
+    "max_model_len": "len",
+    "gpu_memory_utilization": "util",
+    "max_num_seqs": "seqs",
+    "max_num_batched_tokens": "batched",
+    "quantization": "quant",
+    "kv_cache_dtype": "kv",
+}
+
+
+def _params_text(params: dict[str, Any]) -> str:
+    """``tp=1 len=8192 ... model=Llama-3.1-8B-Instruct``: the table's short form (JSON keeps the full names)."""
+    parts = []
+    for name, value in params.items():
+        shown = str(value).rsplit("/", 1)[-1] if name == "model" else value
+        parts.append(f"{SHORT.get(name, name)}={shown}")
+    return " ".join(parts)
+
+
+def _row_cells(row: dict[str, Any]) -> list[str]:
+    ((kind, value),) = row["level"].items()
+    level = f"{'c' if kind == 'concurrency' else 'r'}={value:g}"
+    if "infeasible" in row:
+        return [_params_text(row["params"]), level, row["infeasible"], "", "", "", "", ""]
+    est = Estimate(**row["estimate"])
+    return [
+        _params_text(row["params"]),
+        level,
+        "-" if est.ttft_ms is None else f"{est.ttft_ms:,.0f}",
+        f"{est.tpot_ms:.1f}",
+        f"{est.output_throughput:,.0f}",
+        f"{est.request_throughput:.2f}",
+        "yes" if est.saturated else "",
+        str(est.knee),
+    ]
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    header = ["configuration", "level", "ttft_ms", "tpot_ms", "output tok/s", "req/s", "saturated", "knee"]
+    cells = [_row_cells(r) for r in rows]
+    feasible = [header, *(c for r, c in zip(rows, cells, strict=True) if "infeasible" not in r)]
+    widths = [max(len(c[i]) for c in [header, *cells] if i < 2 or c in feasible) for i in range(len(header))]
+    lines = []
+    for row, r in zip([{}, *rows], [header, *cells], strict=True):
+        first = f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}"
+        if "infeasible" in row:  # its reason runs to the end of the line
+            lines.append(f"{first}  {r[2]}")
+        else:
+            lines.append("  ".join([first] + [f"{c:>{w}}" for c, w in zip(r[2:], widths[2:], strict=True)]))
+    return "\n".join(lines)

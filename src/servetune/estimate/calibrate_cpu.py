@@ -1,0 +1,73 @@
+"""Calibrate the estimate for vLLM's CPU build (the stand-in) on recorded CPU surfaces.
+
+A surface is a study's ``bench/data/*.json`` (every trial of a grid with its measured levels, as
+``bench/search_efficiency.py`` replays them). Each trial x level becomes a closed-loop
+:class:`~servetune.estimate.calibrate.CalibrationPoint` of servetune's tiny model, with the KV
+capacity from the memory ledger (``VLLM_CPU_KVCACHE_SPACE``) and the measured mean TTFT, mean
+TPOT and output throughput. The recording hosts' rates were not measured, so they are given:
+``RECORDED_HOST`` (two AVX2 cores' nominal float32 FMA rate and a VM's share of memory bandwidth);
+the fitted efficiencies and overheads absorb the difference. On the tiny model the step overheads
+dominate: the roofline terms are fractions of a millisecond.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+
+from servetune.capacity import arch_from_hf_config, plan_capacity, resolve_hardware
+from servetune.estimate.calibrate import BOUNDS, CalibrationPoint, fit_efficiency
+from servetune.estimate.factors import Efficiency
+from servetune.estimate.model import replica_from_plan
+from servetune.estimate.specs import DeviceRates, cpu_rates
+from servetune.models.tiny import TINY_CONFIG
+
+# Two AVX2 cores at ~2.5 GHz: 2 FMA units x 8 float32 lanes x 2 FLOP = 32 FLOP/cycle/core.
+RECORDED_HOST = cpu_rates(gflops=160.0, memory_gbps=20.0)
+# On a CPU the fractions of peak a tiny model reaches are far below a GPU's, so the floor is lower.
+CPU_BOUNDS = ((1e-4, 1e-4, 0.0, 0.0, 0.0), BOUNDS[1])
+
+
+def read_surface(path: Path, held_out: bool, rates: DeviceRates = RECORDED_HOST) -> list[CalibrationPoint]:
+    """The completed trials' levels of one recorded surface as calibration points."""
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    arch = arch_from_hf_config(TINY_CONFIG, name="tiny")
+    points: list[CalibrationPoint] = []
+    for trial in doc["trials"]:
+        if trial.get("outcome") != "COMPLETE":
+            continue
+        args, env = trial["engine_args"], trial.get("env") or {}
+        plan = plan_capacity(arch, args, resolve_hardware("cpu"), env=env)
+        replica = replica_from_plan(arch, plan, args, rates)
+        for level in trial["levels"]:
+            s = level["summary"]
+            if "concurrency" not in s["level"] or not s.get("completed"):
+                continue
+            measured = {
+                "tpot_ms": s["tpot_ms"]["mean"],
+                "ttft_ms": s["ttft_ms"]["mean"],
+                "output_throughput": s["output_throughput"],
+            }
+            points.append(
+                CalibrationPoint(
+                    row=len(points),
+                    source_id=path.stem,
+                    gpu_class="CPU",
+                    model="tiny",
+                    replica=replica,
+                    regime="closed",
+                    input_tokens=max(1, round(s["total_input_tokens"] / s["completed"])),
+                    output_tokens=max(2, round(s["total_output_tokens"] / s["completed"])),
+                    load=float(s["level"]["concurrency"]),
+                    measured={k: v for k, v in measured.items() if v and v > 0},
+                    held_out=held_out,
+                )
+            )
+    return points
+
+
+def fit_cpu(train: Iterable[CalibrationPoint]) -> Efficiency:
+    """The CPU build's factors, fitted from a neutral start."""
+    start = Efficiency(decode_bandwidth=0.1, prefill_flops=0.01, step_overhead_ms=5.0, sequence_overhead_ms=0.1)
+    return fit_efficiency(list(train), start=start, bounds=CPU_BOUNDS)

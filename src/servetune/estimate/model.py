@@ -1,0 +1,120 @@
+"""The estimate of one configuration under one load: :func:`estimate`."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from servetune.capacity import CapacityPlan, Hardware, ModelArch, plan_capacity
+from servetune.capacity.ledger import resolve_quant
+from servetune.errors import UserError
+from servetune.estimate.factors import Factors, load_factors
+from servetune.estimate.queueing import closed_loop, knee, open_loop
+from servetune.estimate.roofline import Replica
+from servetune.estimate.specs import DeviceRates, device_rates, gpu_class
+
+
+class Load(BaseModel):
+    """Requests of ``input_tokens`` in and ``output_tokens`` out, from C clients (closed) or at R req/s (open)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    input_tokens: int = Field(ge=1)
+    output_tokens: int = Field(ge=2)
+    concurrency: int | None = Field(None, ge=1)
+    rate: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _one_loop(self) -> Load:
+        if (self.concurrency is None) == (self.rate is None):
+            raise ValueError("give either concurrency (closed loop) or rate (open loop)")
+        return self
+
+
+class Estimate(BaseModel):
+    """What a measurement of this configuration under this load should find (whole deployment, all DP replicas)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ttft_ms: float | None = Field(description="None: saturated open loop, the queue grows without bound")
+    tpot_ms: float
+    itl_ms: float
+    output_throughput: float
+    request_throughput: float
+    saturated: bool
+    knee: int = Field(description="concurrency (all replicas) past which throughput grows < 10 % more")
+    in_flight_per_replica: float
+    kv_preemption: bool
+    gpu_class: str
+
+
+def replica_from_plan(
+    arch: ModelArch, plan: CapacityPlan, engine_args: Mapping[str, Any], rates: DeviceRates | None = None
+) -> Replica:
+    """The roofline's view of a replica, with the settings and KV capacity the memory ledger resolved.
+
+    ``rates`` default to the catalogue GPU's; the CPU build needs them given (:func:`cpu_rates`).
+    """
+    s = plan.settings
+    quant = resolve_quant(arch, engine_args.get("quantization"))
+    chunked = engine_args.get("enable_chunked_prefill")
+    return Replica(
+        arch=arch,
+        rates=rates or device_rates(s.gpu, quant),
+        quant=quant,
+        tp=s.tensor_parallel_size,
+        dtype_bytes=4 if s.dtype == "float32" else 2,
+        kv_bytes_per_token=plan.kv_bytes_per_token,
+        max_num_seqs=s.max_num_seqs,
+        max_num_batched_tokens=s.max_num_batched_tokens,
+        chunked_prefill=True if chunked is None else bool(chunked),
+        kv_cache_tokens=plan.kv_cache_tokens,
+    )
+
+
+def estimate(
+    arch: ModelArch,
+    engine_args: Mapping[str, Any],
+    hardware: Hardware,
+    load: Load,
+    factors: Factors | None = None,
+    env: Mapping[str, str] | None = None,
+    rates: DeviceRates | None = None,
+) -> Estimate:
+    """Predict TTFT, TPOT, throughput, saturation and the knee of ``arch`` served with ``engine_args``.
+
+    ``engine_args`` is the trial config (vLLM engine arguments; ``data_parallel_size`` replicas
+    share the load evenly). On vLLM's CPU build, ``env`` carries ``VLLM_CPU_KVCACHE_SPACE`` and
+    ``rates`` the cores' FLOP/s and memory bandwidth (:func:`measure_cpu_rates` or :func:`cpu_rates`).
+    A configuration that does not fit raises :class:`UserError`.
+    """
+    if hardware.device == "cpu" and rates is None:
+        raise UserError("the estimate on the CPU build needs the cores' rates (measure_cpu_rates or cpu_rates)")
+    tokens = load.input_tokens + load.output_tokens
+    plan = plan_capacity(arch, engine_args, hardware, env=env, request_tokens=tokens)
+    if not plan.fits:
+        raise UserError(f"{arch.name} does not fit: {plan.reason}")
+    rep = replica_from_plan(arch, plan, engine_args, rates)
+    cls = gpu_class(rep.rates.gpu)
+    eff = (factors or load_factors()).for_class(cls)
+    dp = int(engine_args.get("data_parallel_size") or 1)
+    if load.concurrency is not None:
+        point = closed_loop(rep, eff, load.concurrency / dp, load.input_tokens, load.output_tokens)
+    else:
+        assert load.rate is not None
+        point = open_loop(rep, eff, load.rate / dp, load.input_tokens, load.output_tokens)
+    tpot_ms = point.tpot_s * 1e3
+    return Estimate(
+        ttft_ms=None if point.ttft_s is None else point.ttft_s * 1e3,
+        tpot_ms=tpot_ms,
+        itl_ms=tpot_ms,
+        output_throughput=point.request_rate * dp * load.output_tokens,
+        request_throughput=point.request_rate * dp,
+        saturated=point.saturated,
+        knee=knee(rep, eff, load.input_tokens, load.output_tokens) * dp,
+        in_flight_per_replica=point.in_flight,
+        kv_preemption=point.preempting,
+        gpu_class=cls,
+    )

@@ -1,0 +1,154 @@
+"""From step times to what a client measures: TTFT, TPOT, throughput, under a closed or open loop.
+
+In steady state a replica holds ``n`` requests at once (at most ``max_num_seqs`` and what the KV
+cache holds at the request's full length). Each request needs I prompt tokens and O decode steps,
+so every step decodes ``n`` tokens and, on average, prefills ``n x I / O`` prompt tokens; the
+step's time is the client's TPOT (ITL is the same on average). A prompt enters in chunks of the
+step's token budget left after the decodes (``max_num_batched_tokens - n``) with chunked prefill,
+or whole in a step of its own without. A request spends TTFT_engine + (O - 1) x TPOT in the
+replica, so it completes ``n / that`` requests per second (Little's law).
+
+- Closed loop, C clients per replica: n = min(C, capacity); the other C - n wait in the queue,
+  so the client's E2E is C / throughput and its TTFT is that E2E less the decode time.
+- Open loop, R requests/s per replica: the ``n`` (bisected) whose throughput equals R; past the
+  capacity's throughput the queue grows without bound (saturated, TTFT unbounded).
+- The knee: the smallest concurrency whose throughput reaches 90 % of the capacity's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from servetune.estimate.factors import Efficiency
+from servetune.estimate.roofline import Replica, decode_s, prefill_s, prefill_token_s
+
+KNEE_FRACTION = 0.9
+
+
+@dataclass(frozen=True)
+class Steady:
+    """A replica holding ``in_flight`` requests: the engine's side of every figure."""
+
+    in_flight: float
+    tpot_s: float
+    ttft_s: float  # from admission to the first token, no queueing
+
+    def residence_s(self, output_tokens: int) -> float:
+        return self.ttft_s + (output_tokens - 1) * self.tpot_s
+
+    def request_rate(self, output_tokens: int) -> float:
+        return self.in_flight / self.residence_s(output_tokens)
+
+
+def capacity(rep: Replica, input_tokens: int, output_tokens: int) -> int:
+    """Requests one replica runs at once: max_num_seqs, or fewer where the KV cache runs out."""
+    if rep.kv_cache_tokens is None:
+        return rep.max_num_seqs
+    return max(1, min(rep.max_num_seqs, rep.kv_cache_tokens // (input_tokens + output_tokens)))
+
+
+def steady(rep: Replica, eff: Efficiency, in_flight: float, input_tokens: int, output_tokens: int) -> Steady:
+    """Step time and TTFT with ``in_flight`` requests decoding and arriving at the rate they finish."""
+    n = max(in_flight, 1e-9)
+    context = input_tokens + output_tokens / 2
+    decode = decode_s(rep, eff, n, context)
+    per_prompt_token = prefill_token_s(rep, eff, input_tokens)
+    prefill_per_step = n * input_tokens / output_tokens
+    tpot = decode + prefill_per_step * per_prompt_token
+    if rep.chunked_prefill:
+        chunk = max(rep.max_num_batched_tokens - n, 1.0)
+        steps = math.ceil(input_tokens / chunk)
+        ttft = steps * decode + input_tokens * per_prompt_token + tpot / 2
+    else:
+        ttft = prefill_s(rep, eff, input_tokens, input_tokens) + tpot / 2
+    return Steady(in_flight=in_flight, tpot_s=tpot, ttft_s=ttft)
+
+
+@dataclass(frozen=True)
+class Point:
+    """What one replica serves under a load: the client's view."""
+
+    ttft_s: float | None
+    tpot_s: float
+    request_rate: float
+    saturated: bool
+    in_flight: float
+    preempting: bool
+
+
+def closed_loop(rep: Replica, eff: Efficiency, clients: float, input_tokens: int, output_tokens: int) -> Point:
+    cap = capacity(rep, input_tokens, output_tokens)
+    n = min(clients, cap)
+    s = steady(rep, eff, n, input_tokens, output_tokens)
+    rate = s.request_rate(output_tokens)
+    e2e = clients / rate
+    ttft = e2e - (output_tokens - 1) * s.tpot_s
+    return Point(
+        ttft,
+        s.tpot_s,
+        rate,
+        saturated=clients > cap,
+        in_flight=n,
+        preempting=_preempts(rep, clients, input_tokens, output_tokens),
+    )
+
+
+def open_loop(rep: Replica, eff: Efficiency, rate: float, input_tokens: int, output_tokens: int) -> Point:
+    cap = capacity(rep, input_tokens, output_tokens)
+    full = steady(rep, eff, cap, input_tokens, output_tokens)
+    if rate >= full.request_rate(output_tokens):
+        rate_max = full.request_rate(output_tokens)
+        return Point(
+            None, full.tpot_s, rate_max, True, cap, _preempts(rep, rep.max_num_seqs, input_tokens, output_tokens)
+        )
+    lo, hi = 0.0, float(cap)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if steady(rep, eff, mid, input_tokens, output_tokens).request_rate(output_tokens) < rate:
+            lo = mid
+        else:
+            hi = mid
+    s = steady(rep, eff, hi, input_tokens, output_tokens)
+    return Point(s.ttft_s, s.tpot_s, rate, saturated=False, in_flight=hi, preempting=False)
+
+
+def knee(rep: Replica, eff: Efficiency, input_tokens: int, output_tokens: int) -> int:
+    """The smallest concurrency whose request throughput reaches 90 % of the replica's capacity."""
+    cap = capacity(rep, input_tokens, output_tokens)
+    best = steady(rep, eff, cap, input_tokens, output_tokens).request_rate(output_tokens)
+    lo, hi = 1, cap
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if steady(rep, eff, mid, input_tokens, output_tokens).request_rate(output_tokens) >= KNEE_FRACTION * best:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def static_batch_s(
+    rep: Replica, eff: Efficiency, batch: int, input_tokens: int, output_tokens: int
+) -> tuple[float, float]:
+    """An offline batch started together (``benchmark_latency``): prefill time and end-to-end time.
+
+    The prompts prefill in steps of at most ``max_num_batched_tokens``; then O decode steps whose
+    context grows from I to I + O (integrated with Simpson's rule over the steps).
+    """
+    tokens = batch * input_tokens
+    steps = max(1, math.ceil(tokens / max(rep.max_num_batched_tokens, input_tokens)))
+    prefill = steps * prefill_s(rep, eff, tokens / steps, input_tokens)
+    first, mid, last = (decode_s(rep, eff, batch, input_tokens + k) for k in (0, output_tokens / 2, output_tokens))
+    decode = (output_tokens - 1) * (first + 4 * mid + last) / 6
+    return prefill, prefill + decode
+
+
+def _preempts(rep: Replica, demand: float, input_tokens: int, output_tokens: int) -> bool:
+    """Whether vLLM admits more requests than the KV cache holds at full length, and so preempts.
+
+    vLLM admits a request on the blocks it uses now; as the admitted requests grow, some are
+    preempted and recomputed. The estimate keeps the in-flight count at what fits (``capacity``).
+    """
+    if rep.kv_cache_tokens is None:
+        return False
+    return min(demand, rep.max_num_seqs) * (input_tokens + output_tokens) > rep.kv_cache_tokens

@@ -1,0 +1,124 @@
+"""Time of one vLLM engine step on one GPU of a replica, from a roofline.
+
+Per rank (tensor parallelism splits weights, heads and FLOPs; all-reduces join them):
+
+    prefill of n tokens   = max(weight bytes / (HBM x e_bw), n x FLOPs per token / (peak x e_flops))
+    decode of b sequences = max((weights touched + b x context x KV bytes) / (HBM x e_bw),
+                                b x FLOPs per token / (peak x e_flops))
+    FLOPs per token       = 2 x active parameters (MoE: the top-k experts only, lm_head included)
+                            + 2 x heads x (d_qk + d_v) x context x layers   (attention)
+    all-reduce            = 2 per layer, ring: 2 (TP-1)/TP x tokens x hidden x 2 bytes / link + latency
+
+Every step adds a fixed overhead (scheduling, kernel launches) and a cost per sequence (sampling,
+bookkeeping). The efficiencies, the overheads and the all-reduce latency come from
+:mod:`servetune.estimate.factors`.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from servetune.capacity import ModelArch, WeightQuant
+from servetune.capacity.params import rank_params
+from servetune.estimate.factors import Efficiency
+from servetune.estimate.specs import DeviceRates
+
+ACTIVATION_BYTES = 2  # all-reduced hidden states are 16-bit
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One vLLM replica (one engine: TP GPUs) as the roofline sees it; data parallel replicas are copies."""
+
+    arch: ModelArch
+    rates: DeviceRates
+    quant: WeightQuant
+    tp: int = 1
+    dtype_bytes: int = 2
+    kv_bytes_per_token: float = 0.0  # per rank, the KV cache dtype included
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    chunked_prefill: bool = True
+    kv_cache_tokens: int | None = None  # per replica; None: unlimited
+
+    @functools.cached_property
+    def expert_bytes(self) -> float:
+        """Bytes of routed-expert weights on one rank (read only for the experts a step touches)."""
+        a = self.arch
+        per_layer = a.num_experts * 3 * a.hidden_size * _cdiv(a.moe_intermediate_size, self.tp)
+        return a.num_moe_layers * per_layer * self.quant.bytes_per_weight(self.dtype_bytes)
+
+    @functools.cached_property
+    def weight_bytes(self) -> float:
+        p = rank_params(self.arch, self.tp)
+        return p.linear * self.quant.bytes_per_weight(self.dtype_bytes) + p.other * self.dtype_bytes
+
+    @functools.cached_property
+    def active_params(self) -> float:
+        """Parameters one token multiplies through on one rank: routed experts at top-k / experts."""
+        a = self.arch
+        p = rank_params(a, self.tp)
+        routed = a.num_moe_layers * a.num_experts * 3 * a.hidden_size * _cdiv(a.moe_intermediate_size, self.tp)
+        share = a.num_experts_per_tok / a.num_experts if a.is_moe else 0.0
+        lm_head = _cdiv(a.vocab_size, self.tp) * a.hidden_size
+        return p.linear - routed + routed * share + lm_head
+
+    def attention_flops(self, context: float) -> float:
+        """Attention FLOPs of one token against ``context`` earlier tokens, on one rank."""
+        a = self.arch
+        heads = max(1, a.num_attention_heads // self.tp)
+        if a.is_mla:  # absorbed MLA: scores and values against the latent
+            d_qk = (a.kv_lora_rank or 0) + a.qk_rope_head_dim
+            d_v = a.kv_lora_rank or 0
+        else:
+            d_qk = d_v = a.head_dim
+        return 2.0 * heads * (d_qk + d_v) * context * a.num_layers
+
+    def experts_touched(self, tokens: float) -> float:
+        """Expected fraction of routed experts that ``tokens`` tokens select (uniform routing)."""
+        a = self.arch
+        if not a.is_moe:
+            return 0.0
+        return 1.0 - (1.0 - a.num_experts_per_tok / a.num_experts) ** max(tokens, 1.0)
+
+    def allreduce_s(self, tokens: float, latency_us: float) -> float:
+        """Two all-reduces per layer of ``tokens`` hidden states (ring algorithm), on the GPU link."""
+        if self.tp == 1:
+            return 0.0
+        message = tokens * self.arch.hidden_size * ACTIVATION_BYTES
+        ring = 2 * (self.tp - 1) / self.tp * message / self.rates.link_bytes_s
+        return 2 * self.arch.num_layers * (ring + latency_us / 1e6)
+
+    def weights_read(self, tokens: float) -> float:
+        return self.weight_bytes - self.expert_bytes * (1.0 - self.experts_touched(tokens))
+
+
+def prefill_token_s(rep: Replica, eff: Efficiency, prompt_tokens: float) -> float:
+    """Compute time of one prompt token (attention over half the prompt on average), its all-reduce included."""
+    flops = 2 * rep.active_params + rep.attention_flops(prompt_tokens / 2)
+    return flops / (rep.rates.flops * eff.prefill_flops) + rep.allreduce_s(1, 0.0)
+
+
+def prefill_s(rep: Replica, eff: Efficiency, tokens: float, prompt_tokens: float) -> float:
+    """One step that prefills ``tokens`` tokens of prompts ``prompt_tokens`` long."""
+    flops = tokens * (2 * rep.active_params + rep.attention_flops(prompt_tokens / 2))
+    compute = flops / (rep.rates.flops * eff.prefill_flops)
+    memory = rep.weights_read(tokens) / (rep.rates.hbm_bytes_s * eff.decode_bandwidth)
+    return max(compute, memory) + rep.allreduce_s(tokens, eff.allreduce_us) + eff.step_overhead_ms / 1e3
+
+
+def decode_s(rep: Replica, eff: Efficiency, batch: float, context: float) -> float:
+    """One step that decodes one token for each of ``batch`` sequences at mean ``context`` tokens."""
+    if batch <= 0:
+        return eff.step_overhead_ms / 1e3
+    read = rep.weights_read(batch) + batch * context * rep.kv_bytes_per_token
+    memory = read / (rep.rates.hbm_bytes_s * eff.decode_bandwidth)
+    flops = batch * (2 * rep.active_params + rep.attention_flops(context))
+    compute = flops / (rep.rates.flops * eff.prefill_flops)
+    overhead = eff.step_overhead_ms + batch * eff.sequence_overhead_ms
+    return max(memory, compute) + rep.allreduce_s(batch, eff.allreduce_us) + overhead / 1e3

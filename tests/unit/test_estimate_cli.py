@@ -1,0 +1,97 @@
+"""``servetune estimate SPACE.yaml`` and ``servetune plan --estimate`` through the command line's entry point."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from servetune import cli
+
+REPO = Path(__file__).resolve().parents[2]
+SPACE = REPO / "search_spaces" / "offline-batch.yaml"
+PLAN = ["plan", "--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "H100-SXM", "--max-model-len", "8192"]
+
+
+@pytest.fixture(scope="module")
+def space_report():
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = cli.main(["estimate", str(SPACE), "--json"])
+    assert rc == 0
+    return json.loads(out.getvalue())
+
+
+def test_every_configuration_is_estimated_at_every_level(space_report):
+    rows = space_report["rows"]
+    configs = {json.dumps(r["params"], sort_keys=True) for r in rows}
+    levels = {json.dumps(r["level"]) for r in rows}
+    assert len(rows) == len(configs) * len(levels) > 1
+    assert set(space_report["expected_error"]) == {"tpot_ms", "ttft_ms", "output_throughput"}
+    for row in rows:
+        est = row["estimate"]
+        assert est["tpot_ms"] > 0 and est["output_throughput"] > 0 and est["knee"] >= 1
+        assert (est["ttft_ms"] is None) == (est["saturated"] and "rate" in row["level"])
+
+
+def test_along_the_ladder_throughput_never_falls_and_saturation_never_clears(space_report):
+    by_config = defaultdict(list)
+    for row in space_report["rows"]:
+        by_config[json.dumps(row["params"], sort_keys=True)].append(row)
+    for rows in by_config.values():
+        rows.sort(key=lambda r: next(iter(r["level"].values())))
+        throughputs = [r["estimate"]["request_throughput"] for r in rows]
+        assert throughputs == sorted(throughputs)
+        saturated = [r["estimate"]["saturated"] for r in rows]
+        assert saturated == sorted(saturated)  # False ... False True ... True
+
+
+def test_the_table_has_a_line_per_configuration_and_level(capsys, space_report):
+    assert cli.main(["estimate", str(SPACE)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].startswith("expected error")
+    assert "ttft_ms" in lines[2] and "knee" in lines[2]
+    assert len(lines) == 3 + len(space_report["rows"])
+
+
+def test_a_cpu_space_is_one_clear_error(capsys):
+    rc = cli.main(["estimate", str(REPO / "search_spaces" / "cpu-tiny.yaml")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.count("\n") == 1 and "cpu-tiny.yaml" in err and "hardware.gpu" in err and "Traceback" not in err
+
+
+def test_plan_estimate_adds_the_estimate_to_the_json(capsys):
+    rc = cli.main(
+        [*PLAN, "--estimate", "--input-tokens", "1000", "--output-tokens", "200", "--concurrency", "8", "--json"]
+    )
+    assert rc == 0
+    low = json.loads(capsys.readouterr().out)["estimate"]
+    cli.main([*PLAN, "--estimate", "--input-tokens", "1000", "--output-tokens", "200", "--concurrency", "64", "--json"])
+    high = json.loads(capsys.readouterr().out)["estimate"]
+    for key in ("ttft_ms", "tpot_ms", "itl_ms", "output_throughput", "request_throughput", "saturated", "knee"):
+        assert key in low
+    assert high["output_throughput"] > low["output_throughput"] and high["tpot_ms"] > low["tpot_ms"]
+    cli.main([*PLAN, "--json"])
+    assert "estimate" not in json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--concurrency", "8"], "--concurrency is read only with --estimate"),
+        (["--estimate", "--input-tokens", "100", "--output-tokens", "10"], "one of --concurrency"),
+        (["--estimate", "--output-tokens", "10", "--rate", "1"], "--input-tokens I"),
+        (["--estimate", "--input-tokens", "100", "--output-tokens", "1", "--rate", "1"], "--output-tokens 1"),
+        (["--estimate", "--input-tokens", "100", "--output-tokens", "10", "--rate", "-1"], "--rate -1"),
+    ],
+)
+def test_plan_estimate_bad_input_is_one_line(capsys, extra, message):
+    assert cli.main([*PLAN, *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
