@@ -6,6 +6,7 @@ import pytest
 
 from servetune.capacity import (
     Hardware,
+    NotPlanned,
     arch_from_hf_config,
     compare_kv,
     load_model_arch,
@@ -236,10 +237,13 @@ def test_malformed_engine_args_raise_user_error(tiny) -> None:
     hw = resolve_hardware(gpu="H100")
     with pytest.raises(UserError, match="gpu_memory_utilization"):
         plan_capacity(tiny, {"gpu_memory_utilization": 1.5}, hw)
-    with pytest.raises(UserError, match="--kv-cache-dtype"):
-        plan_capacity(tiny, {"kv_cache_dtype": "int3"}, hw)
-    with pytest.raises(UserError, match="--quantization"):
-        plan_capacity(tiny, {"quantization": "magic"}, hw)
+    # What vLLM may run but the ledger does not model is no verdict (NotPlanned), not a configuration that does not fit.
+    with pytest.raises(NotPlanned, match="kv_cache_dtype int4_per_token_head"):
+        plan_capacity(tiny, {"kv_cache_dtype": "int4_per_token_head"}, hw)
+    with pytest.raises(NotPlanned, match="quantization modelopt"):
+        plan_capacity(tiny, {"quantization": "modelopt"}, hw)
+    with pytest.raises(NotPlanned, match="above the model's max_position_embeddings"):
+        plan_capacity(tiny, {"max_model_len": tiny.max_position_embeddings + 1}, hw)
     # Keys the ledger does not read (prefix caching, ports, env of other tools) are ignored.
     assert plan_capacity(tiny, {"enable_prefix_caching": True, "port": 8000}, hw).fits
 

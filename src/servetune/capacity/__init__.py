@@ -28,7 +28,7 @@ from servetune.capacity.hardware import Hardware, find_gpu, gpu_hardware, load_g
 from servetune.capacity.ledger import plan_capacity
 from servetune.capacity.params import count_parameters, kv_bytes_per_token
 from servetune.capacity.profile import PROFILES, VLLM_0_11, VLLM_0_32, EngineProfile
-from servetune.capacity.schema import CapacityArgs, CapacityPlan, Settings, read_engine_args
+from servetune.capacity.schema import CapacityArgs, CapacityPlan, NotPlanned, Settings, read_engine_args
 
 __all__ = [
     "PROFILES",
@@ -39,6 +39,7 @@ __all__ = [
     "EngineProfile",
     "Hardware",
     "ModelArch",
+    "NotPlanned",
     "Settings",
     "WeightQuant",
     "arch_from_hf_config",

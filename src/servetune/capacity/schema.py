@@ -10,6 +10,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from servetune.errors import UserError
 
 
+class NotPlanned(UserError):
+    """A configuration the ledger cannot size (a KV cache dtype, quantization or context it does not model):
+    no verdict. vLLM may well run it, so a trial starts and records vLLM's own numbers; ``plan`` says so."""
+
+
 class CapacityArgs(BaseModel):
     """The vLLM engine arguments the ledger reads (snake_case, as in vLLM's ``EngineArgs``)."""
 

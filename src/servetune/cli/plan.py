@@ -8,7 +8,8 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from servetune.capacity import CapacityPlan, load_model_arch, plan_capacity, resolve_hardware
+from servetune.capacity import CapacityPlan, ModelArch, NotPlanned, load_model_arch, plan_capacity, resolve_hardware
+from servetune.capacity.hardware import Hardware
 from servetune.capacity.ledger import resolve_quant, structural_problem
 from servetune.cli.display import console as make_console
 from servetune.errors import UserError
@@ -26,7 +27,9 @@ servetune's catalogue or the Hugging Face hub, sized from its safetensors header
 and reports the KV tokens, how many requests of max_model_len (or --request-tokens) fit at
 once, whether max_num_seqs is reachable, a verdict, and what to change when it does not fit.
 Defaults follow `vllm serve` (vLLM 0.32). On --device cpu the KV pool is exactly
-VLLM_CPU_KVCACHE_SPACE GiB per rank. Exit status: 0 fits, 1 does not fit, 2 bad input.
+VLLM_CPU_KVCACHE_SPACE GiB per rank. A configuration the planner cannot size (a KV cache dtype or
+quantization it does not model, a context above max_position_embeddings) prints "not planned:
+REASON": vLLM decides when it starts. Exit status: 0 fits or not planned, 1 does not fit, 2 bad input.
 """
 
 EPILOG = """\
@@ -121,21 +124,45 @@ def _check_flags(args: argparse.Namespace) -> None:
         )
     if args.device == "cpu" and space is None:
         raise UserError("--device cpu needs --cpu-kvcache-space-gib X (VLLM_CPU_KVCACHE_SPACE, the KV space per rank)")
+    _check_vllm_choices(args)
+
+
+def _check_vllm_choices(args: argparse.Namespace) -> None:
+    """A value vLLM's own parser refuses is bad input; one vLLM takes and the ledger does not model is "not planned"."""
+    from servetune.engine.args import load_argspecs
+
+    given = {"kv_cache_dtype": args.kv_cache_dtype, "quantization": args.quantization}
+    specs = load_argspecs() if any(v not in (None, "auto") for v in given.values()) else None
+    for dest, value in given.items():
+        spec = (specs or {}).get(dest)
+        if value is not None and spec is not None and spec.choices and value not in spec.choices:
+            raise UserError(f"{spec.flag} {value}: not one of vLLM's {', '.join(spec.choices)}")
 
 
 def run(args: argparse.Namespace) -> int:
     _check_flags(args)
     arch = load_model_arch(args.model)
     hardware = resolve_hardware(args.device, args.gpu, args.gpu_memory_gib)
+    try:
+        plan = _plan(args, arch, hardware)
+    except NotPlanned as exc:
+        if args.json:
+            print(json.dumps({"model": arch.name, "planned": False, "reason": str(exc)}, indent=2))
+        else:
+            make_console().print(f"[bold yellow]not planned[/]: {exc}; vLLM sizes it when it starts")
+        return 0
+    if args.json:
+        print(json.dumps(plan.model_dump(mode="json"), indent=2))
+    else:
+        render(plan, make_console())
+    return 0 if plan.fits else 1
+
+
+def _plan(args: argparse.Namespace, arch: ModelArch, hardware: Hardware) -> CapacityPlan:
     problem = structural_problem(arch, args.tp, args.pp, resolve_quant(arch, args.quantization))
     if problem is not None:
         flag = "--pp" if problem.startswith("pipeline") else "--tp"
         raise UserError(f"{flag} {args.pp if flag == '--pp' else args.tp}: {problem}")
-    if args.max_model_len is not None and args.max_model_len > arch.max_position_embeddings:
-        raise UserError(
-            f"--max-model-len {args.max_model_len}: exceeds the model's max_position_embeddings "
-            f"{arch.max_position_embeddings}"
-        )
     engine_args = {
         "tensor_parallel_size": args.tp,
         "pipeline_parallel_size": args.pp,
@@ -150,12 +177,7 @@ def run(args: argparse.Namespace) -> int:
         "enforce_eager": args.enforce_eager,
     }
     env = {"VLLM_CPU_KVCACHE_SPACE": str(int(args.cpu_kvcache_space_gib))} if args.device == "cpu" else None
-    plan = plan_capacity(arch, engine_args, hardware, env=env, request_tokens=args.request_tokens)
-    if args.json:
-        print(json.dumps(plan.model_dump(mode="json"), indent=2))
-    else:
-        render(plan, make_console())
-    return 0 if plan.fits else 1
+    return plan_capacity(arch, engine_args, hardware, env=env, request_tokens=args.request_tokens)
 
 
 def _gib(value: float) -> str:
