@@ -187,7 +187,7 @@ def _settings(
         dtype=_resolve_dtype(arch, args, quant),
         quantization=quant.label,
         kv_cache_dtype=args.kv_cache_dtype,
-        gpu_memory_utilization=args.gpu_memory_utilization,
+        gpu_memory_utilization=args.gpu_memory_utilization or profile.default_gpu_memory_utilization,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=batched,

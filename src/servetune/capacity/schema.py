@@ -25,7 +25,7 @@ class CapacityArgs(BaseModel):
     dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="None: the profile's (vLLM's) default")
     max_model_len: int | None = Field(None, ge=-1, description="-1: the longest that fits (vLLM's auto-fit)")
     max_num_seqs: int | None = Field(None, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=1)

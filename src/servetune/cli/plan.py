@@ -8,7 +8,15 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from servetune.capacity import CapacityPlan, ModelArch, NotPlanned, load_model_arch, plan_capacity, resolve_hardware
+from servetune.capacity import (
+    VLLM_DEFAULT_GPU_MEMORY_UTILIZATION,
+    CapacityPlan,
+    ModelArch,
+    NotPlanned,
+    load_model_arch,
+    plan_capacity,
+    resolve_hardware,
+)
 from servetune.capacity.hardware import Hardware
 from servetune.capacity.ledger import resolve_quant, structural_problem
 from servetune.cli.display import console as make_console
@@ -79,9 +87,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=0.9,
         metavar="F",
-        help="fraction of GPU memory vLLM may use (default 0.9)",
+        help=f"fraction of GPU memory vLLM may use (default vLLM's, {VLLM_DEFAULT_GPU_MEMORY_UTILIZATION:g})",
     )
     p.add_argument(
         "--max-model-len",
@@ -114,7 +121,7 @@ def _check_flags(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1 and not (flag == "max_model_len" and value == -1):
             raise UserError(f"--{flag.replace('_', '-')} {value}: must be >= 1")
-    if not 0 < args.gpu_memory_utilization <= 1:
+    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
         raise UserError(f"--gpu-memory-utilization {args.gpu_memory_utilization:g}: must be in (0, 1]")
     space = args.cpu_kvcache_space_gib
     if space is not None and (space <= 0 or space != int(space)):
