@@ -176,3 +176,20 @@ def test_models_add_keeps_a_model_for_offline_planning(tmp_path, hub) -> None:
     assert "--model /path/to/model" in one_line(
         servetune(tmp_path, endpoint, "models", "add", "org/open", offline=True)
     )
+
+
+def test_init_writes_a_space_for_a_model_only_the_hub_knows(tmp_path, hub) -> None:
+    _, endpoint = hub
+    out = tmp_path / "space.yaml"
+    args = ("init", "--model", "org/open", "--gpu", "H100-SXM", "--gpus", "8", "--scenario", "chat", "--out", str(out))
+    done = servetune(tmp_path, endpoint, *args)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert 'model: "org/open"' in out.read_text() and "tensor_parallel_size: [1, 2]" in out.read_text()
+
+
+def test_an_unreachable_hub_with_nothing_cached_is_one_line(tmp_path) -> None:
+    from servetune.engine.server import free_port
+
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    line = one_line(plan(tmp_path, endpoint, "org/open"))
+    assert f"the hub at {endpoint} cannot be reached" in line and "servetune models add org/open" in line

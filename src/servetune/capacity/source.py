@@ -16,6 +16,7 @@ be reached: one :class:`UserError` line that says what to do. This module fetche
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,18 +132,30 @@ def _offline_error(repo_id: str, why: str) -> UserError:
     )
 
 
+@functools.cache
+def _unreachable(endpoint: str) -> str | None:
+    """Why the hub cannot be reached, asked once per process (a dry run checks every trial): one quick request,
+    where huggingface_hub itself retries an unreachable host for ~20 s."""
+    import httpx2
+    from huggingface_hub import get_session
+
+    try:
+        get_session().head(endpoint, timeout=PROBE_TIMEOUT_S)
+    except httpx2.TransportError as exc:
+        return str(exc) or type(exc).__name__
+    return None
+
+
 def hub_model(repo_id: str) -> ModelConfig:
     """Fetch ``config.json`` and the safetensors parameter counts from the hub, and keep them in the store."""
-    import httpx2
-    from huggingface_hub import constants, get_safetensors_metadata, get_session, hf_hub_download
+    from huggingface_hub import constants, get_safetensors_metadata, hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError, NotASafetensorsRepoError, SafetensorsParsingError
 
     if constants.HF_HUB_OFFLINE:
         raise _offline_error(repo_id, "offline (HF_HUB_OFFLINE)")
-    try:  # one quick request first: huggingface_hub retries an unreachable host for ~20 s
-        get_session().head(constants.ENDPOINT, timeout=PROBE_TIMEOUT_S)
-    except httpx2.TransportError as exc:
-        raise _offline_error(repo_id, f"the hub at {constants.ENDPOINT} cannot be reached ({exc})") from None
+    unreachable = _unreachable(constants.ENDPOINT)
+    if unreachable is not None:
+        raise _offline_error(repo_id, f"the hub at {constants.ENDPOINT} cannot be reached ({unreachable})")
     try:
         config_path = hf_hub_download(repo_id, CONFIG_FILE)
     except (HfHubHTTPError, OSError) as exc:
