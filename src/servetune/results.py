@@ -92,12 +92,17 @@ def _half_spread(values: list[float | None]) -> float | None:
 
 
 class KvCapacityReport(BaseModel):
+    """What vLLM's start-up log said of its memory: the KV cache and, where logged (GPU), the GiB it had for
+    it and the GiB the weights took (one engine's numbers; ``engines`` of them)."""
+
     model_config = RECORD
 
     tokens: int
     max_concurrency: float | None = None
     at_tokens_per_request: int | None = None
     engines: int = 1
+    available_kv_gib: float | None = None
+    model_load_gib: float | None = None
 
 
 class BenchResult(BaseModel):
@@ -145,12 +150,16 @@ class OperatingPoint(BaseModel):
 
 
 class CapacityReport(BaseModel):
-    """What the capacity planner predicted for a trial (before any launch)."""
+    """What the capacity planner predicted for a trial (before any launch).
+
+    ``planned`` False: the ledger cannot size this configuration (``reason`` says why, "not planned: ...");
+    the trial starts anyway (``fits`` True) and its ``kv_capacity`` holds vLLM's own numbers."""
 
     model_config = RECORD
 
     fits: bool
     reason: str
+    planned: bool = True
     kv_cache_tokens: int | None = None
     kv_cache_gib: float | None = None
     max_concurrency: float | None = None

@@ -183,3 +183,57 @@ def test_the_capacity_search_measures_past_the_ladder_on_the_same_engine_and_rec
     assert on_disk["capacity_at_slo"]["bound"] == "upper" and len(on_disk["levels"]) == 2
     rows = [json.loads(line) for line in (tmp_path / result.trial_id / "requests.jsonl").read_text().splitlines()]
     assert {row["level"] for row in rows} == {0, 1}
+
+
+GPU_START_LOG = (  # vLLM 0.32's own start-up lines on one H100 (gpu_model_runner.py, gpu_worker.py, kv_cache_utils.py)
+    "(EngineCore pid=7) INFO Model loading took 14.99 GiB memory and 5.270000 seconds\n"
+    "(EngineCore pid=7) INFO Available KV cache memory: 52.31 GiB\n"
+    "(EngineCore pid=7) INFO GPU KV cache size: 1,714,112 tokens\n"
+)
+
+
+class LoggingEngine(FakeEngine):
+    """A fake engine whose start-up log says what vLLM's says on a GPU."""
+
+    def kv_capacity(self):
+        from servetune.engine.server import KvCapacity
+
+        return KvCapacity.from_log(GPU_START_LOG)
+
+
+@pytest.mark.parametrize(
+    "engine_args, why",
+    [
+        ({"kv_cache_dtype": "int4_per_token_head"}, "kv_cache_dtype int4_per_token_head"),
+        ({"quantization": "modelopt"}, "quantization modelopt"),
+        ({"max_model_len": 262144}, "max_model_len 262144 is above the model's max_position_embeddings 131072"),
+    ],
+)
+def test_what_the_planner_cannot_size_starts_and_records_vllms_own_numbers(tmp_path, tiny_tokenizer, engine_args, why):
+    gpu = replace(spec(tmp_path, levels=(1,)), model="meta-llama/Llama-3.1-8B-Instruct", device="gpu",
+                  gpu="H100-SXM", engine_args={"max_model_len": 8192, **engine_args})  # fmt: skip
+    started = []
+
+    def engine(s, d):
+        started.append(d)
+        return LoggingEngine(FakeOpenAI(ttft_ms=5, itl_ms=1))
+
+    result = run_trial(gpu, lambda report: None, lambda: PromptFactory(tiny_tokenizer), engine=engine)
+    assert started and result.outcome == "COMPLETE", result.reason
+    assert (
+        result.capacity is not None
+        and not result.capacity.planned
+        and result.capacity.reason.startswith(f"not planned: {why}")
+    )
+    assert result.kv_capacity is not None
+    assert (result.kv_capacity.tokens, result.kv_capacity.available_kv_gib, result.kv_capacity.model_load_gib) == (
+        1714112,
+        52.31,
+        14.99,
+    )
+    # What is known not to fit (weights above 0.1 of the GPU) is still rejected before any engine starts.
+    small = replace(
+        gpu, trials_dir=tmp_path / "small", engine_args={"max_model_len": 8192, "gpu_memory_utilization": 0.1}
+    )
+    refused = run_trial(small, lambda report: None, lambda: PromptFactory(tiny_tokenizer), engine=engine)
+    assert refused.outcome == "INFEASIBLE" and len(started) == 1

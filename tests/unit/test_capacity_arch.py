@@ -8,6 +8,7 @@ import pytest
 
 from servetune.capacity import (
     ModelArch,
+    WeightQuant,
     arch_from_hf_config,
     count_parameters,
     kv_bytes_per_token,
@@ -135,8 +136,8 @@ def test_awq_quantization_config_is_read(tmp_path) -> None:
 
 def test_catalogue_lookup_by_name_without_organisation_and_unknown_model() -> None:
     assert load_model_arch("qwen2.5-7b-instruct").name == "Qwen/Qwen2.5-7B-Instruct"
-    with pytest.raises(UserError, match=r"not in servetune's catalogue.*meta-llama/Llama-3\.1-8B-Instruct"):
-        load_model_arch("no-such-org/no-such-model")
+    with pytest.raises(UserError, match=r"not a hub id \(org/name\) and not in servetune's catalogue.*Llama-3\.1-8B"):
+        load_model_arch("no-such-model")
 
 
 def test_catalogue_entries_are_consistent() -> None:
@@ -145,3 +146,34 @@ def test_catalogue_entries_are_consistent() -> None:
     for arch in catalog.values():
         assert arch.num_attention_heads % arch.num_kv_heads == 0
         assert arch.max_position_embeddings >= 4096
+
+
+def test_a_local_checkpoint_is_sized_from_its_safetensors_headers(tmp_path) -> None:
+    from servetune.models.tiny import build_tiny_model
+
+    build_tiny_model(tmp_path)
+    arch = load_model_arch(tmp_path)
+    assert arch.checkpoint is not None and sum(arch.checkpoint.parameters.values()) == parameter_count(TINY_CONFIG)
+    rope = arch.max_position_embeddings * arch.rope_dim * 2
+    # Served in bfloat16, every floating tensor of the float32 checkpoint costs 2 bytes (vLLM pads the vocabulary).
+    assert weight_bytes_per_rank(arch, arch.quant, 2) - rope == pytest.approx(
+        parameter_count(TINY_CONFIG) * 2, rel=0.02
+    )
+    (tmp_path / "model.safetensors").unlink()
+    assert load_model_arch(tmp_path).checkpoint is None  # no headers: the formula sizes it
+
+
+def test_checkpoint_bytes_replace_the_formula_split_as_the_formula_splits_them() -> None:
+    from servetune.capacity.checkpoint import Checkpoint
+
+    llama = load_model_arch("meta-llama/Llama-3.1-8B-Instruct")
+    formula = [weight_bytes_per_rank(llama, llama.quant, 2, tp=tp) for tp in (1, 2)]
+    larger = llama.model_copy(update={"checkpoint": Checkpoint(parameters={"BF16": 9_000_000_000, "F32": 10**6})})
+    stored = [weight_bytes_per_rank(larger, larger.quant, 2, tp=tp) for tp in (1, 2)]
+    rope = llama.max_position_embeddings * llama.rope_dim * 2
+    assert stored[0] - rope == pytest.approx((9_000_000_000 + 10**6) * 2, rel=1e-3)  # vocab padding aside
+    assert (stored[1] - rope) / (stored[0] - rope) == pytest.approx((formula[1] - rope) / (formula[0] - rope))
+    # Quantized on load (--quantization fp8 on a bf16 checkpoint): the stored bytes say nothing; the formula does.
+    fp8 = WeightQuant(method="fp8", bits=8)
+    assert weight_bytes_per_rank(larger, fp8, 2) == weight_bytes_per_rank(llama, fp8, 2)
+    assert Checkpoint(parameters={"BF16": 10, "Q9": 1}).bytes_served(2) is None  # an unknown dtype: no size

@@ -64,8 +64,9 @@ def test_activation_peak_with_256_sequences_matches_vllm_pr_10511() -> None:
 def test_default_profile_differs_only_in_sampler_graphs_and_buffers() -> None:
     arch = load_model_arch("meta-llama/Llama-3.1-8B-Instruct")
     h100 = resolve_hardware(memory_gib=79.18)
-    old = plan_capacity(arch, {"max_model_len": 16000}, h100, profile=VLLM_0_11)
-    new = plan_capacity(arch, {"max_model_len": 16000}, h100)
+    same = {"max_model_len": 16000, "gpu_memory_utilization": 0.9}  # the defaults differ too: 0.9 in 0.11, 0.92 now
+    old = plan_capacity(arch, same, h100, profile=VLLM_0_11)
+    new = plan_capacity(arch, same, h100)
     assert new.weights_gib == old.weights_gib and new.kv_bytes_per_token == old.kv_bytes_per_token
     assert new.activation_gib < old.activation_gib  # no sort in the top-k/top-p kernel
     assert new.cudagraph_gib > 0 and old.cudagraph_gib == 0

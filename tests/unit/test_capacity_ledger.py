@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 
 from servetune.capacity import (
+    VLLM_DEFAULT_GPU_MEMORY_UTILIZATION,
     Hardware,
+    NotPlanned,
     arch_from_hf_config,
     compare_kv,
     load_model_arch,
@@ -146,7 +148,7 @@ def test_vllm_serve_defaults_depend_on_the_gpu() -> None:
     assert (h100.max_num_seqs, h100.max_num_batched_tokens, h100.block_size) == (1024, 8192, 16)
     assert (a100.max_num_seqs, a100.max_num_batched_tokens) == (256, 2048)
     assert (b200.max_num_seqs, b200.max_num_batched_tokens) == (1024, 16384)
-    assert h100.max_model_len == 131072 and h100.gpu_memory_utilization == 0.9
+    assert h100.max_model_len == 131072 and h100.gpu_memory_utilization == VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
     assert (
         plan_capacity(
             load_model_arch("deepseek-ai/DeepSeek-V3"), {"tensor_parallel_size": 8}, resolve_hardware(gpu="H200")
@@ -236,10 +238,13 @@ def test_malformed_engine_args_raise_user_error(tiny) -> None:
     hw = resolve_hardware(gpu="H100")
     with pytest.raises(UserError, match="gpu_memory_utilization"):
         plan_capacity(tiny, {"gpu_memory_utilization": 1.5}, hw)
-    with pytest.raises(UserError, match="--kv-cache-dtype"):
-        plan_capacity(tiny, {"kv_cache_dtype": "int3"}, hw)
-    with pytest.raises(UserError, match="--quantization"):
-        plan_capacity(tiny, {"quantization": "magic"}, hw)
+    # What vLLM may run but the ledger does not model is no verdict (NotPlanned), not a configuration that does not fit.
+    with pytest.raises(NotPlanned, match="kv_cache_dtype int4_per_token_head"):
+        plan_capacity(tiny, {"kv_cache_dtype": "int4_per_token_head"}, hw)
+    with pytest.raises(NotPlanned, match="quantization modelopt"):
+        plan_capacity(tiny, {"quantization": "modelopt"}, hw)
+    with pytest.raises(NotPlanned, match="above the model's max_position_embeddings"):
+        plan_capacity(tiny, {"max_model_len": tiny.max_position_embeddings + 1}, hw)
     # Keys the ledger does not read (prefix caching, ports, env of other tools) are ignored.
     assert plan_capacity(tiny, {"enable_prefix_caching": True, "port": 8000}, hw).fits
 
@@ -303,3 +308,21 @@ def test_hardware_from_nvml_names_and_the_catalogue() -> None:
     assert unknown.name == "NVIDIA RTX PRO 6000 Blackwell" and unknown.memory_gib == 100
     with pytest.raises(UserError, match="known: A100-40GB, A100-80GB, H100-SXM"):
         resolve_hardware(gpu="TPU-v9")
+
+
+def test_the_default_gpu_memory_utilization_is_the_installed_vllms() -> None:
+    """The ledger, ``plan`` and verify's checklist assume vLLM's own default when a space sets none: the value in
+    the installed vLLM's CacheConfig (read from its source, without importing vLLM and torch)."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or spec.origin is None:
+        pytest.skip("vLLM is not installed here")
+    source = (Path(spec.origin).parent / "config" / "cache.py").read_text()
+    found = re.search(r"gpu_memory_utilization: float = Field\(default=([\d.]+)", source)
+    assert found, "vllm/config/cache.py no longer declares gpu_memory_utilization as this test reads it"
+    assert float(found.group(1)) == VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
+    plan = plan_capacity(load_model_arch("meta-llama/Llama-3.1-8B-Instruct"), {}, resolve_hardware(gpu="H100"))
+    assert plan.requested_gib == pytest.approx(VLLM_DEFAULT_GPU_MEMORY_UTILIZATION * 79.19, abs=0.01)

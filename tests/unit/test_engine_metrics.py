@@ -52,6 +52,19 @@ def test_kv_capacity_line():
     assert KvCapacity.from_log("nothing") is None
 
 
+def test_kv_capacity_keeps_the_gpu_memory_vllm_logged():
+    # vLLM 0.32's GPU start-up lines (gpu_model_runner.py, gpu_worker.py, kv_cache_utils.py), as it logs them.
+    log = (
+        "(EngineCore pid=7) INFO [gpu_model_runner.py:5150] Model loading took 14.99 GiB memory and 5.270000 seconds\n"
+        "(EngineCore pid=7) INFO [gpu_worker.py:760] Available KV cache memory: 52.31 GiB\n"
+        "(EngineCore pid=7) INFO [kv_cache_utils.py:2327] GPU KV cache size: 428,528 tokens\n"
+    )
+    kv = KvCapacity.from_log(log)
+    assert kv is not None and (kv.tokens, kv.available_kv_gib, kv.model_load_gib) == (428528, 52.31, 14.99)
+    cpu = KvCapacity.from_log("CPU KV cache size: 1,000 tokens")
+    assert cpu is not None and cpu.available_kv_gib is None and cpu.model_load_gib is None
+
+
 def test_the_sampler_s_parse_reads_the_gauges_alone_and_the_same_values():
     text = TEMPLATE.format(running=3, kv=0.25, preempt=1, queries=100, hits=40, b1=2, b2=4, tsum=0.5)
     text = (

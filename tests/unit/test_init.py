@@ -80,8 +80,8 @@ def test_agent_workload_is_multi_turn_with_long_outputs():
     "argv, needle",
     [
         (
-            ["--model", "nobody/none", "--scenario", "chat"],
-            "not a local model directory and not in servetune's catalogue",
+            ["--model", "no-such-model", "--scenario", "chat"],
+            "not a hub id (org/name) and not in servetune's catalogue",
         ),
         (
             ["--model", "meta-llama/Llama-3.1-70B-Instruct", "--gpu", "L4", "--gpus", "2", "--scenario", "chat"],

@@ -129,10 +129,8 @@ def test_utilization_out_of_range(capsys, value: str) -> None:
     [
         (["--device", "cpu"], "--cpu-kvcache-space-gib"),
         (["--device", "cpu", "--cpu-kvcache-space-gib", "1.5"], "--cpu-kvcache-space-gib"),
-        (["--gpu", "H100", "--max-model-len", "200000"], "--max-model-len"),
         (["--gpu", "H100", "--max-num-seqs", "0"], "--max-num-seqs"),
         (["--gpu", "H100", "--kv-cache-dtype", "int3"], "--kv-cache-dtype"),
-        (["--gpu", "H100", "--quantization", "magic"], "--quantization"),
         ([], "--gpu"),
     ],
 )
@@ -142,7 +140,26 @@ def test_other_bad_input_is_one_line(capsys, argv: list[str], flag: str) -> None
     assert rc == 2 and flag in line
 
 
+@pytest.mark.parametrize(
+    "argv, what",
+    [
+        (["--kv-cache-dtype", "int4_per_token_head"], "kv_cache_dtype int4_per_token_head"),
+        (["--kv-cache-dtype", "nvfp4"], "kv_cache_dtype nvfp4"),
+        (["--quantization", "modelopt"], "quantization modelopt"),
+        (["--quantization", "gguf"], "quantization gguf"),
+        (["--max-model-len", "200000"], "max_model_len 200000 is above the model's max_position_embeddings 131072"),
+    ],
+)
+def test_what_the_planner_cannot_size_is_not_planned_and_exits_0(capsys, argv: list[str], what: str) -> None:
+    rc = cli.main(["plan", "--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "H100", *argv])
+    out = " ".join(capsys.readouterr().out.split())
+    assert rc == 0 and out.startswith(f"not planned: {what}") and "does not fit" not in out
+    rc = cli.main(["plan", "--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "H100", "--json", *argv])
+    document = json.loads(capsys.readouterr().out)
+    assert rc == 0 and document["planned"] is False and document["reason"].startswith(what)
+
+
 def test_unknown_model_is_one_line(capsys) -> None:
-    rc = cli.main(["plan", "--model", "nobody/nothing", "--gpu", "H100"])
+    rc = cli.main(["plan", "--model", "nobody-nothing", "--gpu", "H100"])
     line = _one_line_error(capsys)
-    assert rc == 2 and "nobody/nothing" in line
+    assert rc == 2 and "nobody-nothing" in line

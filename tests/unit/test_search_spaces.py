@@ -241,3 +241,30 @@ def test_mistake_is_one_line_naming_file_and_field(edits, needles, dry_run, tmp_
     for needle in needles:
         assert needle in line, f"{needle!r} not in: {line}"
     assert not storage.exists(), "the study directory was created before the space was checked"
+
+
+UNPLANNED_SPACE = """
+name: unplanned
+model: meta-llama/Llama-3.1-8B-Instruct
+device: gpu
+workload: chat
+load: {levels: [2]}
+slo: {ttft_ms: {p99: 2000}}
+hardware: {devices_per_node: 8, gpu: H100-SXM}
+params:
+  kv_cache_dtype: [auto, int4_per_token_head, nvfp4]
+  quantization: [null, modelopt]
+  max_model_len: [8192, 262144]
+"""
+
+
+def test_what_the_planner_cannot_size_would_run_not_planned(tmp_path, capsys, argspecs, no_ray):
+    space = tmp_path / "unplanned.yaml"
+    space.write_text(UNPLANNED_SPACE)
+    assert main(["run", str(space), "--dry-run", "--storage", str(tmp_path / "results")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    found = SUMMARY.search(out)
+    # 3 x 2 x 2 points and the baseline (vLLM's defaults), none refused
+    assert found and tuple(map(int, found.groups())) == (13, 0, 0), out[-3000:]
+    assert out.count("not planned:") == 11  # all but (auto, null, 8192), which the ledger sizes
+    assert "infeasible" not in out

@@ -27,18 +27,26 @@ from servetune.capacity.compare import compare_kv
 from servetune.capacity.hardware import Hardware, find_gpu, gpu_hardware, load_gpu_catalog, resolve_hardware
 from servetune.capacity.ledger import plan_capacity
 from servetune.capacity.params import count_parameters, kv_bytes_per_token
-from servetune.capacity.profile import PROFILES, VLLM_0_11, VLLM_0_32, EngineProfile
-from servetune.capacity.schema import CapacityArgs, CapacityPlan, Settings, read_engine_args
+from servetune.capacity.profile import (
+    PROFILES,
+    VLLM_0_11,
+    VLLM_0_32,
+    VLLM_DEFAULT_GPU_MEMORY_UTILIZATION,
+    EngineProfile,
+)
+from servetune.capacity.schema import CapacityArgs, CapacityPlan, NotPlanned, Settings, read_engine_args
 
 __all__ = [
     "PROFILES",
     "VLLM_0_11",
     "VLLM_0_32",
+    "VLLM_DEFAULT_GPU_MEMORY_UTILIZATION",
     "CapacityArgs",
     "CapacityPlan",
     "EngineProfile",
     "Hardware",
     "ModelArch",
+    "NotPlanned",
     "Settings",
     "WeightQuant",
     "arch_from_hf_config",

@@ -66,10 +66,10 @@ def _fits_advice(plan: CapacityPlan) -> list[str]:
     return tips
 
 
-def _max_len_that_fits(plan: CapacityPlan, evaluate: Evaluate) -> CapacityPlan | None:
-    """The longest max_model_len (a multiple of 256 when possible) whose request fits the pool."""
+def _max_len_that_fits(plan: CapacityPlan, evaluate: Evaluate, limit: int) -> CapacityPlan | None:
+    """The longest max_model_len (a multiple of 256 when possible, at most ``limit``) whose request fits the pool."""
     s = plan.settings
-    usable = (plan.kv_cache_blocks - 1) * s.block_size  # vLLM holds one block back
+    usable = min((plan.kv_cache_blocks - 1) * s.block_size, limit)  # vLLM holds one block back
     length = usable // 256 * 256 or usable
     for _ in range(8):
         if length < s.block_size:
@@ -104,7 +104,7 @@ def advise(arch: ModelArch, plan: CapacityPlan, hardware: Hardware, evaluate: Ev
         caveat = "check long-context quality" if s.device == "gpu" else "the CPU build needs AVX-512 or AMX for it"
         tips.append(f"--kv-cache-dtype fp8 halves the KV bytes per token ({_outcome(fp8_kv)}); {caveat}")
     if not weights_alone and plan.kv_cache_blocks > 0:
-        shorter = _max_len_that_fits(plan, evaluate)
+        shorter = _max_len_that_fits(plan, evaluate, arch.max_position_embeddings)
         if shorter is not None:
             tips.append(
                 f"lower --max-model-len to {shorter.settings.max_model_len:,}: one full-length request must fit "

@@ -1,15 +1,15 @@
 """What the ledger needs to know about a model: its architecture numbers.
 
-A :class:`ModelArch` comes from a local directory's ``config.json`` (Hugging Face format: Llama,
-Mistral, Qwen2/Qwen3, Mixtral-style MoE, DeepSeek-V3-style MLA, the tiny test model) or, so that
-planning works offline, from the catalogue shipped with servetune (``catalog/models.yaml``, the
-same numbers for popular hub ids). Only architecture numbers are read; never weights.
+A :class:`ModelArch` comes from a Hugging Face ``config.json`` (Llama, Mistral, Qwen2/Qwen3,
+Mixtral-style MoE, DeepSeek-V3-style MLA, the tiny test model) found by ``source.py`` (a local
+directory, the local caches, the hub) or, so that planning works offline, from the catalogue shipped
+with servetune (``catalog/models.yaml``, the same numbers for popular hub ids). Only architecture
+numbers and safetensors headers are read; never weights.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -17,6 +17,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from servetune.capacity.checkpoint import Checkpoint
+from servetune.capacity.source import ModelConfig, cached_model, hub_model, local_model, looks_like_hub_id
 from servetune.errors import UserError
 
 Dtype = Literal["bfloat16", "float16", "float32"]
@@ -87,6 +89,7 @@ class ModelArch(BaseModel):
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     quant: WeightQuant = WeightQuant()
+    checkpoint: Checkpoint | None = Field(None, description="safetensors parameter counts, where known")
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelArch:
@@ -255,27 +258,31 @@ def _catalog_lookup(name: str, catalog: dict[str, ModelArch]) -> ModelArch | Non
     return tail[0] if len(tail) == 1 else None
 
 
+def _parsed(found: ModelConfig) -> ModelArch:
+    arch = arch_from_hf_config(found.config, name=found.name, source=found.source)
+    if found.parameters:
+        return arch.model_copy(update={"checkpoint": Checkpoint(parameters=found.parameters)})
+    return arch
+
+
 def load_model_arch(model: str | Path) -> ModelArch:
-    """A local model directory (reads its ``config.json``) or a catalogue id such as ``Qwen/Qwen2.5-7B-Instruct``."""
+    """A local model directory, a hub id such as ``google/gemma-3-27b-it`` (local caches, then the catalogue,
+    then the hub: see ``source.py``), or a catalogue name such as ``qwen2.5-7b-instruct``."""
     path = Path(model).expanduser()
-    if path.is_dir():
-        config_path = path / "config.json"
-        if not config_path.is_file():
-            raise UserError(f"{config_path}: no config.json in the model directory")
-        try:
-            config = json.loads(config_path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise UserError(f"{config_path}: not readable JSON ({exc})") from None
-        if not isinstance(config, dict):
-            raise UserError(f"{config_path}: expected a JSON object")
-        return arch_from_hf_config(config, name=str(path), source=str(config_path))
     if path.suffix == ".json" and path.is_file():
-        return load_model_arch(path.parent)
-    catalog = load_catalog()
-    found = _catalog_lookup(str(model), catalog)
-    if found is None:
-        known = ", ".join(sorted(catalog))
-        raise UserError(
-            f"--model {model}: not a local model directory and not in servetune's catalogue (known: {known})"
-        )
-    return found
+        path = path.parent
+    if path.is_dir():
+        return _parsed(local_model(path))
+    name = str(model)
+    cached = cached_model(name) if looks_like_hub_id(name) else None
+    if cached is not None:
+        return _parsed(cached)
+    found = _catalog_lookup(name, load_catalog())
+    if found is not None:
+        return found
+    if looks_like_hub_id(name):
+        return _parsed(hub_model(name))
+    raise UserError(
+        f"--model {model}: not a local model directory, not a hub id (org/name) and not in servetune's "
+        f"catalogue (known: {', '.join(sorted(load_catalog()))})"
+    )

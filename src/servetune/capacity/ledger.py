@@ -25,7 +25,7 @@ from servetune.capacity.params import (
     weight_bytes_per_rank,
 )
 from servetune.capacity.profile import VLLM_0_32, EngineProfile, cudagraph_capture_sizes
-from servetune.capacity.schema import CapacityArgs, CapacityPlan, Settings, read_engine_args
+from servetune.capacity.schema import CapacityArgs, CapacityPlan, NotPlanned, Settings, read_engine_args
 from servetune.errors import UserError
 
 _DTYPES = {
@@ -82,7 +82,7 @@ def resolve_quant(arch: ModelArch, flag: str | None) -> WeightQuant:
         return WeightQuant(method="bitsandbytes", bits=4, group_size=64)
     if name == "mxfp4":
         return WeightQuant(method="mxfp4", bits=4, group_size=32)
-    raise UserError(f"--quantization {flag}: the planner knows {', '.join(QUANTIZATIONS)}")
+    raise NotPlanned(f"quantization {flag}: the planner knows {', '.join(QUANTIZATIONS)}")
 
 
 def _kv_element_bytes(kv_cache_dtype: str, dtype: str, arch: ModelArch) -> float:
@@ -93,7 +93,7 @@ def _kv_element_bytes(kv_cache_dtype: str, dtype: str, arch: ModelArch) -> float
     if kv_cache_dtype in _KV_DTYPE_BYTES:
         return _KV_DTYPE_BYTES[kv_cache_dtype]
     known = ", ".join(["auto", *_KV_DTYPE_BYTES, "fp8_ds_mla (MLA models)"])
-    raise UserError(f"--kv-cache-dtype {kv_cache_dtype}: the planner knows {known}")
+    raise NotPlanned(f"kv_cache_dtype {kv_cache_dtype}: the planner knows {known}")
 
 
 def _batch_defaults(hardware: Hardware, world_size: int) -> tuple[int, int]:
@@ -187,7 +187,7 @@ def _settings(
         dtype=_resolve_dtype(arch, args, quant),
         quantization=quant.label,
         kv_cache_dtype=args.kv_cache_dtype,
-        gpu_memory_utilization=args.gpu_memory_utilization,
+        gpu_memory_utilization=args.gpu_memory_utilization or profile.default_gpu_memory_utilization,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=batched,
@@ -236,9 +236,6 @@ def _verdict(
 ) -> tuple[bool, str]:
     """Does it fit, and why (vLLM's start-up checks, in the order it makes them)."""
     problem = structural_problem(arch, s.tensor_parallel_size, s.pipeline_parallel_size, quant)
-    if problem is None and s.max_model_len > arch.max_position_embeddings:
-        problem = f"max_model_len {s.max_model_len} exceeds the model's max_position_embeddings"
-        problem += f" {arch.max_position_embeddings}"
     if problem is not None:
         return False, f"vLLM refuses this configuration: {problem}"
     budget = f"{requested / GIB:.2f} GiB"
@@ -270,6 +267,11 @@ def _ledger(
 ) -> CapacityPlan:
     s, quant = _settings(arch, args, hardware, env, profile)
     tp, pp, cpu = s.tensor_parallel_size, s.pipeline_parallel_size, s.device == "cpu"
+    if s.max_model_len > arch.max_position_embeddings:  # rope scaling may allow it: vLLM derives the limit
+        raise NotPlanned(
+            f"max_model_len {s.max_model_len} is above the model's max_position_embeddings "
+            f"{arch.max_position_embeddings}"
+        )
     request = request_tokens or s.max_model_len
     if request < 1:
         raise UserError(f"--request-tokens {request}: must be >= 1")

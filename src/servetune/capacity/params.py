@@ -112,10 +112,21 @@ def rank_params(arch: ModelArch, tp: int = 1, pp: int = 1, padded_vocab: bool = 
     return body + ParamSplit(linear=0, other=ends)
 
 
+def _formula_bytes(params: ParamSplit, quant: WeightQuant, dtype_bytes: int) -> float:
+    return params.linear * quant.bytes_per_weight(dtype_bytes) + params.other * dtype_bytes
+
+
 def weight_bytes_per_rank(arch: ModelArch, quant: WeightQuant, dtype_bytes: int, tp: int = 1, pp: int = 1) -> int:
-    """Bytes of weights (plus the rotary cos/sin cache) one GPU loads."""
-    params = rank_params(arch, tp, pp)
-    weights = params.linear * quant.bytes_per_weight(dtype_bytes) + params.other * dtype_bytes
+    """Bytes of weights (plus the rotary cos/sin cache) one GPU loads.
+
+    Where the checkpoint's safetensors headers are known (``arch.checkpoint``) and it is served as stored
+    (its own quantization), the whole is the checkpoint's bytes, split across ranks in the proportions the
+    parameter-count formula gives; otherwise the formula alone.
+    """
+    weights = _formula_bytes(rank_params(arch, tp, pp), quant, dtype_bytes)
+    stored = arch.checkpoint.bytes_served(dtype_bytes) if arch.checkpoint and quant == arch.quant else None
+    if stored:
+        weights *= stored / _formula_bytes(rank_params(arch, padded_vocab=False), quant, dtype_bytes)
     rope_cache = arch.max_position_embeddings * arch.rope_dim * dtype_bytes
     return int(weights) + rope_cache
 

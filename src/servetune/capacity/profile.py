@@ -26,6 +26,9 @@ class EngineProfile(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str
+    default_gpu_memory_utilization: float = Field(
+        gt=0, le=1, description="gpu_memory_utilization when none is given (vLLM's CacheConfig default)"
+    )
     sampler_bytes_per_logit: float = Field(
         gt=0, description="transient bytes per (request x vocab) logit in the dummy sampler run"
     )
@@ -57,6 +60,7 @@ class EngineProfile(BaseModel):
 
 VLLM_0_32 = EngineProfile(
     name="vllm-0.32",
+    default_gpu_memory_utilization=0.92,  # vllm/config/cache.py: CacheConfig.gpu_memory_utilization
     sampler_bytes_per_logit=16.0,
     runtime_buffers_gib=0.3,  # load-time extras (~0.1 GiB over the checkpoint) + input batch / sampler buffers
     count_block_table=True,
@@ -65,12 +69,16 @@ VLLM_0_32 = EngineProfile(
 
 VLLM_0_11 = EngineProfile(
     name="vllm-0.11",
+    default_gpu_memory_utilization=0.9,
     sampler_bytes_per_logit=38.5,
     activation_base_gib=0.0,
     runtime_buffers_gib=0.0,
     count_block_table=False,
     subtract_cudagraph=False,
 )
+
+#: vLLM's default ``gpu_memory_utilization`` in the release servetune pins (0.92 in 0.32; 0.9 in 0.11).
+VLLM_DEFAULT_GPU_MEMORY_UTILIZATION = VLLM_0_32.default_gpu_memory_utilization
 
 PROFILES: Mapping[str, EngineProfile] = MappingProxyType({p.name: p for p in (VLLM_0_32, VLLM_0_11)})
 

@@ -10,6 +10,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from servetune.errors import UserError
 
 
+class NotPlanned(UserError):
+    """A configuration the ledger cannot size (a KV cache dtype, quantization or context it does not model):
+    no verdict. vLLM may well run it, so a trial starts and records vLLM's own numbers; ``plan`` says so."""
+
+
 class CapacityArgs(BaseModel):
     """The vLLM engine arguments the ledger reads (snake_case, as in vLLM's ``EngineArgs``)."""
 
@@ -20,7 +25,7 @@ class CapacityArgs(BaseModel):
     dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1, description="None: the profile's (vLLM's) default")
     max_model_len: int | None = Field(None, ge=-1, description="-1: the longest that fits (vLLM's auto-fit)")
     max_num_seqs: int | None = Field(None, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=1)

@@ -19,8 +19,8 @@ request and memory fractions that leave no KV pool are left out, each with a com
   servetune init --model meta-llama/Llama-3.1-8B-Instruct --gpu H100-SXM --gpus 8 --scenario chat > space.yaml
   servetune run space.yaml --dry-run
 
-The model is a local directory (its config.json) or an id of servetune's offline catalogue
-(`servetune plan --help` lists how it reads models).
+The model is a local directory (its config.json) or a hub id (org/name: the local caches,
+servetune's catalogue, then the hub; `servetune plan --help` lists how it reads models).
 """
 
 
@@ -30,7 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("init", help="write a search space for a model, GPUs and a scenario (pruned by the planner)",
                               description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument(
-        "--model", required=True, metavar="DIR|HUB_ID", help="model directory with config.json, or a catalogue id"
+        "--model", required=True, metavar="DIR|HUB_ID", help="model directory with config.json, or a hub id (org/name)"
     )
     p.add_argument("--scenario", required=True, choices=list(SCENARIOS), help="what the deployment serves")
     p.add_argument(

@@ -1,4 +1,4 @@
-"""``servetune models``: build the models servetune can make itself."""
+"""``servetune models``: build the models servetune can make itself, and keep hub models for offline planning."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from servetune.errors import UserError
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "models", help="build the tiny test model for CPU runs", description="Build models servetune makes itself."
+        "models",
+        help="build the tiny test model for CPU runs; keep a hub model's config for offline planning",
+        description="Build models servetune makes itself, or keep a hub model's config for planning offline.",
     )
     sub = p.add_subparsers(dest="model_command", metavar="MODEL", required=True)
     tiny = sub.add_parser(
@@ -24,6 +26,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     tiny.add_argument("--out", type=Path, required=True, help="directory to write the model into")
     tiny.set_defaults(run=run_tiny)
+    add = sub.add_parser(
+        "add",
+        help="fetch a hub model's config.json and safetensors sizes, so that plan and run work offline",
+        description=(
+            "Fetch a model's config.json and its safetensors headers (parameter counts per dtype, no weights) "
+            "from the Hugging Face hub (HF_ENDPOINT; HF_TOKEN for gated models) and keep them beside the "
+            "Hugging Face cache (HF_HOME/servetune/models), where `servetune plan`, `init` and `run` find "
+            "them offline."
+        ),
+    )
+    add.add_argument("model_id", metavar="ID", help="hub id, e.g. google/gemma-3-27b-it")
+    add.set_defaults(run=run_add)
 
 
 def run_tiny(args: argparse.Namespace) -> int:
@@ -36,4 +50,17 @@ def run_tiny(args: argparse.Namespace) -> int:
     except OSError as exc:  # a parent that is a file, a read-only or missing mount, no permission
         raise UserError(f"--out {args.out}: cannot write the model there ({exc.strerror or exc})") from None
     print(f"wrote the tiny model to {args.out}")
+    return 0
+
+
+def run_add(args: argparse.Namespace) -> int:
+    from servetune.capacity.arch import arch_from_hf_config
+    from servetune.capacity.source import hub_model, looks_like_hub_id, model_store
+
+    if not looks_like_hub_id(args.model_id):
+        raise UserError(f"models add {args.model_id}: expected a hub id, org/name")
+    found = hub_model(args.model_id)
+    arch = arch_from_hf_config(found.config, name=found.name, source=found.source)  # fails now, not when planning
+    size = f"{sum(found.parameters.values()) / 1e9:.2f}B parameters" if found.parameters else "no safetensors"
+    print(f"kept {arch.name} ({arch.architecture}, {size}) in {model_store()}")
     return 0

@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from servetune.capacity import CapacityPlan, load_model_arch, plan_capacity, resolve_hardware
+from servetune.capacity import (
+    VLLM_DEFAULT_GPU_MEMORY_UTILIZATION,
+    CapacityPlan,
+    ModelArch,
+    NotPlanned,
+    load_model_arch,
+    plan_capacity,
+    resolve_hardware,
+)
+from servetune.capacity.hardware import Hardware
 from servetune.capacity.ledger import resolve_quant, structural_problem
 from servetune.cli.display import console as make_console
 from servetune.errors import UserError
@@ -17,8 +27,8 @@ from servetune.estimate import Estimate, Load, estimate, load_factors
 DESCRIPTION = """\
 Will this vLLM configuration fit, and how many tokens of KV cache will it get?
 
-Reads the model's architecture (a local directory's config.json, or a hub id from servetune's
-offline catalogue), then follows vLLM's own start-up accounting per GPU:
+Reads the model's architecture (a local directory's config.json; a hub id from the local caches,
+servetune's catalogue or the Hugging Face hub, sized from its safetensors headers), then follows vLLM's own start-up accounting per GPU:
 
   KV pool = gpu_memory_utilization x GPU memory - weights - activation peak
             - non-torch memory - CUDA-graph memory
@@ -27,7 +37,9 @@ offline catalogue), then follows vLLM's own start-up accounting per GPU:
 and reports the KV tokens, how many requests of max_model_len (or --request-tokens) fit at
 once, whether max_num_seqs is reachable, a verdict, and what to change when it does not fit.
 Defaults follow `vllm serve` (vLLM 0.32). On --device cpu the KV pool is exactly
-VLLM_CPU_KVCACHE_SPACE GiB per rank. Exit status: 0 fits, 1 does not fit, 2 bad input.
+VLLM_CPU_KVCACHE_SPACE GiB per rank. A configuration the planner cannot size (a KV cache dtype or
+quantization it does not model, a context above max_position_embeddings) prints "not planned:
+REASON": vLLM decides when it starts. Exit status: 0 fits or not planned, 1 does not fit, 2 bad input.
 """
 
 EPILOG = """\
@@ -46,7 +58,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--model", required=True, metavar="DIR|HUB_ID", help="model directory with config.json, or a catalogue id"
+        "--model", required=True, metavar="DIR|HUB_ID", help="model directory with config.json, or a hub id (org/name)"
     )
     p.add_argument("--gpu", metavar="NAME", help="GPU from the catalogue (A100-80GB, H100-SXM, H200, L40S, ...)")
     p.add_argument(
@@ -77,9 +89,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=0.9,
         metavar="F",
-        help="fraction of GPU memory vLLM may use (default 0.9)",
+        help=f"fraction of GPU memory vLLM may use (default vLLM's, {VLLM_DEFAULT_GPU_MEMORY_UTILIZATION:g})",
     )
     p.add_argument(
         "--max-model-len",
@@ -118,7 +129,7 @@ def _check_flags(args: argparse.Namespace) -> None:
         value = getattr(args, flag)
         if value is not None and value < 1 and not (flag == "max_model_len" and value == -1):
             raise UserError(f"--{flag.replace('_', '-')} {value}: must be >= 1")
-    if not 0 < args.gpu_memory_utilization <= 1:
+    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
         raise UserError(f"--gpu-memory-utilization {args.gpu_memory_utilization:g}: must be in (0, 1]")
     space = args.cpu_kvcache_space_gib
     if space is not None and (space <= 0 or space != int(space)):
@@ -128,6 +139,19 @@ def _check_flags(args: argparse.Namespace) -> None:
         )
     if args.device == "cpu" and space is None:
         raise UserError("--device cpu needs --cpu-kvcache-space-gib X (VLLM_CPU_KVCACHE_SPACE, the KV space per rank)")
+    _check_vllm_choices(args)
+
+
+def _check_vllm_choices(args: argparse.Namespace) -> None:
+    """A value vLLM's own parser refuses is bad input; one vLLM takes and the ledger does not model is "not planned"."""
+    from servetune.engine.args import load_argspecs
+
+    given = {"kv_cache_dtype": args.kv_cache_dtype, "quantization": args.quantization}
+    specs = load_argspecs() if any(v not in (None, "auto") for v in given.values()) else None
+    for dest, value in given.items():
+        spec = (specs or {}).get(dest)
+        if value is not None and spec is not None and spec.choices and value not in spec.choices:
+            raise UserError(f"{spec.flag} {value}: not one of vLLM's {', '.join(spec.choices)}")
 
 
 def _estimate_load(args: argparse.Namespace) -> Load | None:
@@ -161,15 +185,33 @@ def run(args: argparse.Namespace) -> int:
     load = _estimate_load(args)
     arch = load_model_arch(args.model)
     hardware = resolve_hardware(args.device, args.gpu, args.gpu_memory_gib)
+    try:
+        plan, engine_args = _plan(args, arch, hardware)
+    except NotPlanned as exc:
+        if args.json:
+            print(json.dumps({"model": arch.name, "planned": False, "reason": str(exc)}, indent=2))
+        else:
+            make_console().print(f"[bold yellow]not planned[/]: {exc}; vLLM sizes it when it starts")
+        return 0
+    predicted = estimate(arch, engine_args, hardware, load) if load is not None and plan.fits else None
+    if args.json:
+        doc = plan.model_dump(mode="json")
+        if predicted is not None:
+            doc["estimate"] = predicted.model_dump(mode="json")
+        print(json.dumps(doc, indent=2))
+    else:
+        console = make_console()
+        render(plan, console)
+        if predicted is not None:
+            render_estimate(predicted, console)
+    return 0 if plan.fits else 1
+
+
+def _plan(args: argparse.Namespace, arch: ModelArch, hardware: Hardware) -> tuple[CapacityPlan, dict[str, Any]]:
     problem = structural_problem(arch, args.tp, args.pp, resolve_quant(arch, args.quantization))
     if problem is not None:
         flag = "--pp" if problem.startswith("pipeline") else "--tp"
         raise UserError(f"{flag} {args.pp if flag == '--pp' else args.tp}: {problem}")
-    if args.max_model_len is not None and args.max_model_len > arch.max_position_embeddings:
-        raise UserError(
-            f"--max-model-len {args.max_model_len}: exceeds the model's max_position_embeddings "
-            f"{arch.max_position_embeddings}"
-        )
     engine_args = {
         "tensor_parallel_size": args.tp,
         "pipeline_parallel_size": args.pp,
@@ -184,19 +226,7 @@ def run(args: argparse.Namespace) -> int:
         "enforce_eager": args.enforce_eager,
     }
     env = {"VLLM_CPU_KVCACHE_SPACE": str(int(args.cpu_kvcache_space_gib))} if args.device == "cpu" else None
-    plan = plan_capacity(arch, engine_args, hardware, env=env, request_tokens=args.request_tokens)
-    predicted = estimate(arch, engine_args, hardware, load) if load is not None and plan.fits else None
-    if args.json:
-        doc = plan.model_dump(mode="json")
-        if predicted is not None:
-            doc["estimate"] = predicted.model_dump(mode="json")
-        print(json.dumps(doc, indent=2))
-    else:
-        console = make_console()
-        render(plan, console)
-        if predicted is not None:
-            render_estimate(predicted, console)
-    return 0 if plan.fits else 1
+    return plan_capacity(arch, engine_args, hardware, env=env, request_tokens=args.request_tokens), engine_args
 
 
 def render_estimate(est: Estimate, console: Console) -> None:

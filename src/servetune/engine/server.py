@@ -22,7 +22,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -37,6 +37,8 @@ from servetune.secrets import redact_engine_args
 
 _KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
 _KV_CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
+_KV_AVAILABLE = re.compile(r"Available KV cache memory: ([\d.]+) GiB")
+_MODEL_LOAD = re.compile(r"Model loading took ([\d.]+) GiB memory")
 
 
 #: ``vllm serve ARGS`` as ``python -c VLLM_SERVE serve ARGS``: vLLM's own command-line entry point (the ``vllm``
@@ -64,6 +66,8 @@ class KvCapacity:
     max_concurrency: float | None = None
     at_tokens_per_request: int | None = None
     engines: int = 1
+    available_kv_gib: float | None = None  # "Available KV cache memory: X GiB" (GPU)
+    model_load_gib: float | None = None  # "Model loading took X GiB memory" (GPU)
 
     @classmethod
     def from_log(cls, text: str) -> KvCapacity | None:
@@ -71,11 +75,18 @@ class KvCapacity:
         if not found:
             return None
         tokens = int(found[0].replace(",", ""))
+        available, load = _KV_AVAILABLE.search(text), _MODEL_LOAD.search(text)
+        kv = cls(
+            tokens,
+            engines=len(found),
+            available_kv_gib=float(available.group(1)) if available else None,
+            model_load_gib=float(load.group(1)) if load else None,
+        )
         conc = _KV_CONCURRENCY.findall(text)
         if conc:
             per_request, factor = conc[0]
-            return cls(tokens, float(factor), int(per_request.replace(",", "")), engines=len(found))
-        return cls(tokens, engines=len(found))
+            return replace(kv, max_concurrency=float(factor), at_tokens_per_request=int(per_request.replace(",", "")))
+        return kv
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -132,9 +132,9 @@ def model_fits(point: ReportPoint) -> tuple[Callable[[int], str | None], str | N
     try:
         arch = load_model_arch(point.model)
         quant = resolve_quant(arch, point.engine_args.get("quantization"))
-    except UserError:
-        return (lambda tp: None), (f"{point.model}: not a local model directory nor in servetune's catalogue, so its "
-                                   "heads are not known: TP is not checked before deploying")  # fmt: skip
+    except UserError as exc:
+        return (lambda tp: None), (f"{point.model}: not sized here ({exc}), so its heads are not "
+                                   "known: TP is not checked before deploying")  # fmt: skip
     pp = point_pp(point)
     return (lambda tp: structural_problem(arch, tp, pp, quant)), None
 

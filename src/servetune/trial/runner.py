@@ -172,12 +172,14 @@ def placement_record(spec: TrialSpec) -> dict[str, str]:
 
 
 def capacity_check(spec: TrialSpec, seen: dict[str, str] | None = None) -> CapacityReport | None:
-    """The memory ledger's verdict, or None where the model's architecture is unknown offline.
+    """The memory ledger's verdict, or None where the model's architecture is unknown offline; for what the ledger
+    cannot size (an unmodelled KV cache dtype or quantization, a context above max_position_embeddings) a report
+    that is "not planned" and lets the trial start.
 
     ``seen``: the trial's environment record, with the GPU it got as NVML names it (``gpu_model``,
     ``gpu_memory_gib``). Without ``hardware.gpu`` in the space the check sizes the GPU from that; with it, the
     space's GPU is used and a GPU of another kind is said in ``environment["hardware_note"]``."""
-    from servetune.capacity import gpu_hardware, load_model_arch, plan_capacity, resolve_hardware
+    from servetune.capacity import NotPlanned, gpu_hardware, load_model_arch, plan_capacity, resolve_hardware
     from servetune.capacity.hardware import find_gpu
 
     if (
@@ -205,6 +207,8 @@ def capacity_check(spec: TrialSpec, seen: dict[str, str] | None = None) -> Capac
             seen["hardware_note"] = seen_note
     try:
         plan = plan_capacity(arch, spec.engine_args, hardware, env=spec.env)
+    except NotPlanned as exc:  # no verdict: the trial starts, and records what vLLM itself reports
+        return CapacityReport(fits=True, planned=False, reason=f"not planned: {exc}")
     except UserError as exc:
         return CapacityReport(fits=False, reason=str(exc))
     return CapacityReport(

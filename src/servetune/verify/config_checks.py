@@ -11,6 +11,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from servetune.capacity import VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
 from servetune.report.points import level_label
 from servetune.results import REQUESTS_FILE, LevelResult, TrialResult
 from servetune.tracking.fields import engine_setting
@@ -37,8 +38,6 @@ MAX_GPU_MEMORY_UTILIZATION = 0.95
 MEMORY_PEAK_LIMIT = 0.95
 #: The issue: the recommended level run at least 5 times.
 MIN_REPEATS = 5
-#: vLLM 0.32's default ``gpu_memory_utilization``.
-VLLM_DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
 CPU_KV_SPACE = "VLLM_CPU_KVCACHE_SPACE"
 
 
