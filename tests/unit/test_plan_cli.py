@@ -97,9 +97,9 @@ def test_table_output_when_it_fits(capsys) -> None:
 
 
 def test_missing_config_field_names_the_field(capsys, tmp_path) -> None:
-    (tmp_path / "config.json").write_text(
-        json.dumps({k: v for k, v in TINY_CONFIG.items() if k != "num_attention_heads"})
-    )
+    config = {k: v for k, v in TINY_CONFIG.items() if k != "num_attention_heads"}
+    config["model_type"] = "some_new_arch"  # a model transformers knows gets its class's default instead
+    (tmp_path / "config.json").write_text(json.dumps(config))
     rc = cli.main(["plan", "--model", str(tmp_path), "--gpu", "L4"])
     line = _one_line_error(capsys)
     assert rc == 2 and "config.json" in line and "num_attention_heads" in line
@@ -146,3 +146,4 @@ def test_unknown_model_is_one_line(capsys) -> None:
     rc = cli.main(["plan", "--model", "nobody/nothing", "--gpu", "H100"])
     line = _one_line_error(capsys)
     assert rc == 2 and "nobody/nothing" in line
+

@@ -21,20 +21,22 @@ def _cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class ParamSplit:
-    """Parameter counts on one rank: linear weights a quantization method may pack, and the rest."""
+    """Parameter counts on one rank: linear weights a quantization method may pack (routed experts
+    apart: MXFP4 packs only those), and the rest."""
 
     linear: int
     other: int
+    experts: int = 0
 
     @property
     def total(self) -> int:
-        return self.linear + self.other
+        return self.linear + self.other + self.experts
 
     def __add__(self, other: ParamSplit) -> ParamSplit:
-        return ParamSplit(self.linear + other.linear, self.other + other.other)
+        return ParamSplit(self.linear + other.linear, self.other + other.other, self.experts + other.experts)
 
     def times(self, n: int) -> ParamSplit:
-        return ParamSplit(self.linear * n, self.other * n)
+        return ParamSplit(self.linear * n, self.other * n, self.experts * n)
 
 
 def kv_heads_per_rank(arch: ModelArch, tp: int) -> int:
@@ -62,6 +64,8 @@ def _attention(arch: ModelArch, tp: int) -> ParamSplit:
     other = (heads + 2 * kv) * d if arch.qkv_bias else 0
     if arch.qk_norm:
         other += 2 * d
+    if arch.attention_sinks:
+        other += heads
     return ParamSplit(linear=linear, other=other)
 
 
@@ -74,7 +78,7 @@ def _moe_mlp(arch: ModelArch, tp: int) -> ParamSplit:
     experts = arch.num_experts * 3 * h * _cdiv(arch.moe_intermediate_size, tp)
     shared = 3 * h * _cdiv(arch.shared_expert_intermediate_size, tp)
     router = h * arch.num_experts + arch.num_experts  # gate weight (+ DeepSeek's correction bias)
-    return ParamSplit(linear=experts + shared, other=router)
+    return ParamSplit(linear=shared, other=router, experts=experts)
 
 
 def _layer(arch: ModelArch, tp: int, moe: bool) -> ParamSplit:
@@ -105,33 +109,38 @@ def rank_params(arch: ModelArch, tp: int = 1, pp: int = 1, padded_vocab: bool = 
     if moe_layers:
         body = body + _layer(arch, tp, moe=True).times(moe_layers)
     embed = _vocab(arch, tp, padded_vocab)
+    vision = _cdiv(arch.vision_parameters, tp)  # the vision tower shards like the decoder, on the first stage
     if pp == 1:
-        ends = embed + (0 if arch.tie_word_embeddings else embed) + arch.hidden_size
-    else:
-        ends = embed + arch.hidden_size  # the last stage's lm_head + final norm is the heavier end
+        ends = embed + vision + (0 if arch.tie_word_embeddings else embed) + arch.hidden_size
+    else:  # the heavier end: the first stage's embedding and vision tower or the last's lm_head + final norm
+        ends = embed + max(vision, arch.hidden_size)
     return body + ParamSplit(linear=0, other=ends)
 
 
 def weight_bytes_per_rank(arch: ModelArch, quant: WeightQuant, dtype_bytes: int, tp: int = 1, pp: int = 1) -> int:
     """Bytes of weights (plus the rotary cos/sin cache) one GPU loads."""
     params = rank_params(arch, tp, pp)
-    weights = params.linear * quant.bytes_per_weight(dtype_bytes) + params.other * dtype_bytes
+    packed = quant.bytes_per_weight(dtype_bytes)
+    linear = float(dtype_bytes) if quant.experts_only else packed
+    weights = params.linear * linear + params.experts * packed + params.other * dtype_bytes
     rope_cache = arch.max_position_embeddings * arch.rope_dim * dtype_bytes
     return int(weights) + rope_cache
 
 
-def kv_bytes_per_token(arch: ModelArch, kv_dtype_bytes: float, tp: int = 1, pp: int = 1) -> int:
-    """KV cache bytes per token on one rank.
+def kv_bytes_per_layer_token(arch: ModelArch, kv_dtype_bytes: float, tp: int = 1) -> float:
+    """KV cache bytes one layer keeps per token on one rank.
 
-    Standard attention: 2 (K and V) x layers x KV heads on this rank x head_dim x bytes.
-    MLA: one latent (kv_lora_rank + qk_rope_head_dim) per token per layer, on every TP rank.
+    Standard attention: 2 (K and V) x KV heads on this rank x head_dim x bytes.
+    MLA: one latent (kv_lora_rank + qk_rope_head_dim) per token, on every TP rank.
     """
-    layers = _cdiv(arch.num_layers, pp)
     if arch.is_mla:
-        per_layer = ((arch.kv_lora_rank or 0) + arch.qk_rope_head_dim) * kv_dtype_bytes
-    else:
-        per_layer = 2 * kv_heads_per_rank(arch, tp) * arch.head_dim * kv_dtype_bytes
-    return int(layers * per_layer)
+        return ((arch.kv_lora_rank or 0) + arch.qk_rope_head_dim) * kv_dtype_bytes
+    return 2 * kv_heads_per_rank(arch, tp) * arch.head_dim * kv_dtype_bytes
+
+
+def kv_bytes_per_token(arch: ModelArch, kv_dtype_bytes: float, tp: int = 1, pp: int = 1) -> int:
+    """KV cache bytes per token on one rank if every layer of its stage kept every token."""
+    return int(_cdiv(arch.num_layers, pp) * kv_bytes_per_layer_token(arch, kv_dtype_bytes, tp))
 
 
 def activation_bytes_per_token(arch: ModelArch, act_bytes: int, tp: int = 1) -> int:
