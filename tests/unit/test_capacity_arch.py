@@ -31,6 +31,9 @@ PUBLISHED_B = {
     "mistralai/Mistral-7B-Instruct-v0.3": 7.25,
     "mistralai/Mixtral-8x7B-Instruct-v0.1": 46.7,
     "deepseek-ai/DeepSeek-V3": 671.0,
+    "google/gemma-3-27b-it": 27.43,
+    "openai/gpt-oss-120b": 116.83,
+    "openai/gpt-oss-20b": 20.91,
 }
 
 # Mixtral's and DeepSeek-V3's config.json, trimmed to the fields that matter.

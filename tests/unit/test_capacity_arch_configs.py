@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from servetune.capacity import arch_from_hf_config, count_parameters
+from servetune.capacity import arch_from_hf_config, count_parameters, load_model_arch
+from servetune.capacity.kvgroups import kv_layout
 from servetune.capacity.params import weight_bytes_per_rank
 
 # google/gemma-3-27b-it: the decoder under text_config, a SigLIP vision tower beside it.
@@ -70,6 +71,14 @@ LLAMA4_SCOUT = {
 }  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "config, hub_id", [(GEMMA3_27B, "google/gemma-3-27b-it"), (GPT_OSS_120B, "openai/gpt-oss-120b")]
+)
+def test_config_json_matches_the_catalogue_entry(config: dict, hub_id: str) -> None:
+    parsed = arch_from_hf_config(config, hub_id)
+    assert parsed == load_model_arch(hub_id)
+
+
 def test_gemma3_reads_the_decoder_from_text_config_with_transformers_defaults() -> None:
     arch = arch_from_hf_config(GEMMA3_27B, "gemma")
     # vocab_size, max_position_embeddings, tie_word_embeddings and the 5:1 layer pattern are left
@@ -119,6 +128,7 @@ def test_llama4_chunked_layers_and_interleaved_moe() -> None:
     assert scout.attention_chunk_size == 8192
     assert list(scout.layer_kinds[:4]) == ["chunked_attention"] * 3 + ["full_attention"]
     assert scout.max_position_embeddings == 10485760  # llama3 rope: the file states the stretched length
+    assert len(kv_layout(scout).groups) == 1  # vLLM keeps the hybrid manager off for chunked attention
     maverick_text = {**LLAMA4_SCOUT["text_config"], "num_local_experts": 128, "interleave_moe_layer_step": 2}
     maverick = arch_from_hf_config({**LLAMA4_SCOUT, "text_config": maverick_text}, "maverick")
     assert maverick.num_moe_layers == 24 and maverick.intermediate_size == 16384

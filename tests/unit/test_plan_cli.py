@@ -147,3 +147,28 @@ def test_unknown_model_is_one_line(capsys) -> None:
     line = _one_line_error(capsys)
     assert rc == 2 and "nobody/nothing" in line
 
+
+@pytest.mark.parametrize(
+    "hub_id, groups_note",
+    [
+        ("google/gemma-3-27b-it", "KV cache groups of 10 layers: 6 x sliding 1024, 1 x full"),
+        ("openai/gpt-oss-120b", "KV cache groups of 18 layers: 1 x sliding 128, 1 x full"),
+        ("openai/gpt-oss-20b", "KV cache groups of 12 layers: 1 x sliding 128, 1 x full"),
+    ],
+)
+def test_sliding_window_models_plan_offline_from_the_catalogue(capsys, hub_id: str, groups_note: str) -> None:
+    """#39: gemma-3 and gpt-oss answer offline; window layers hold only their window per request."""
+    rc = cli.main(["plan", "--model", hub_id, "--gpu", "H100-SXM", "--max-model-len", "32768", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["fits"] is True
+    assert groups_note in out["notes"]
+    # Every layer keeping every token would give kv_cache_gib / bytes per token; windows give more.
+    full_attention_tokens = out["kv_cache_gib"] * (1 << 30) / out["kv_bytes_per_token"]
+    assert out["kv_cache_tokens"] > 1.2 * full_attention_tokens
+
+
+def test_gemma3_at_its_full_context_on_one_h100_is_refused_with_advice(capsys) -> None:
+    rc = cli.main(["plan", "--model", "google/gemma-3-27b-it", "--gpu", "H100-SXM"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "not enough for one request of max_model_len 131,072" in out
+    assert "--kv-cache-dtype fp8" in out

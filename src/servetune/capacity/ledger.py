@@ -5,6 +5,10 @@
     KV blocks  = KV pool // (block_size x KV bytes per token on this rank)
     KV tokens  = blocks / ceil(max_model_len / block_size) x max_model_len   (vLLM's own formula)
 
+Models whose layers attend differently (sliding window, chunked local) are laid out in KV-cache
+groups as vLLM's hybrid manager does (``servetune.capacity.kvgroups``): a block then holds one
+page per layer of a group, and a request needs only its window's blocks in a window group.
+
 On vLLM's CPU build the pool is ``VLLM_CPU_KVCACHE_SPACE`` GiB per rank, nothing subtracted.
 Pure: no I/O, no vLLM import. See ``servetune.capacity`` for the terms.
 """
@@ -18,9 +22,11 @@ from typing import Any
 from servetune.capacity.advice import advise
 from servetune.capacity.arch import ModelArch, WeightQuant
 from servetune.capacity.hardware import GIB, Hardware
+from servetune.capacity.kvgroups import kv_layout
 from servetune.capacity.params import (
     activation_bytes_per_token,
     count_parameters,
+    kv_bytes_per_layer_token,
     kv_bytes_per_token,
     weight_bytes_per_rank,
 )
@@ -233,6 +239,7 @@ def _verdict(
     overheads: tuple[float, float, float],
     blocks: int,
     tokens: int,
+    blocks_per_request: int,
 ) -> tuple[bool, str]:
     """Does it fit, and why (vLLM's start-up checks, in the order it makes them)."""
     problem = structural_problem(arch, s.tensor_parallel_size, s.pipeline_parallel_size, quant)
@@ -254,10 +261,21 @@ def _verdict(
         spent = f"weights {weights / GIB:.2f} + activations {activation:.2f} + non-torch {non_torch:.2f}"
         return False, f"no memory left for the KV cache: {spent} + CUDA graphs {cudagraph:.2f} GiB exceed {budget}"
     pool = f"KV pool of {kv_bytes / GIB:.2f} GiB holds {tokens:,} tokens"
-    blocks_per_request = _cdiv(s.max_model_len, s.block_size)
     if blocks < blocks_per_request + 1:  # vLLM holds one block back (the null block) before this check
         return False, f"{pool}, not enough for one request of max_model_len {s.max_model_len:,}"
     return True, f"{pool}: {blocks / blocks_per_request:.2f} requests of max_model_len {s.max_model_len:,} at once"
+
+
+def _longest_fitting(per_request: Callable[[int], int], blocks: int, longest: int) -> int:
+    """The longest request whose blocks fit in ``blocks`` (vLLM's auto-fit binary search)."""
+    low, high = 1, longest
+    while low < high:
+        mid = (low + high + 1) // 2
+        if per_request(mid) <= blocks:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 def _ledger(
@@ -293,20 +311,42 @@ def _ledger(
             kv_bytes = float(s.kv_cache_memory_bytes)
             notes.append("kv_cache_memory_bytes is set: vLLM skips the utilization budget")
 
-    per_token = kv_bytes_per_token(arch, _kv_element_bytes(s.kv_cache_dtype, s.dtype, arch), tp, pp)
-    page = s.block_size * per_token
+    element = _kv_element_bytes(s.kv_cache_dtype, s.dtype, arch)
+    per_token = kv_bytes_per_token(arch, element, tp, pp)
+    layout = kv_layout(
+        arch, pp, None if args.disable_hybrid_kv_cache_manager is None else not args.disable_hybrid_kv_cache_manager
+    )
+    page = layout.bytes_per_block(s.block_size, kv_bytes_per_layer_token(arch, element, tp))
+    # Tokens scheduled but not yet freed: one batch per concurrent step (async scheduling: PP + 1).
+    in_flight = s.max_num_batched_tokens * (pp + 1 if args.async_scheduling is not False else pp)
     blocks = int(kv_bytes // page) if kv_bytes > 0 else 0
-    if args.max_model_len == -1 and 1 < blocks <= _cdiv(s.max_model_len, s.block_size):
+
+    def per_request(length: int) -> int:
+        return layout.blocks_per_request(length, s.block_size, in_flight)
+
+    if args.max_model_len == -1 and 1 < blocks <= per_request(s.max_model_len):
         # --max-model-len -1: vLLM fits the longest context one request can hold (minus the null block).
-        s = s.model_copy(update={"max_model_len": (blocks - 1) * s.block_size})
+        s = s.model_copy(update={"max_model_len": _longest_fitting(per_request, blocks - 1, s.max_model_len)})
         notes.append(f"max_model_len -1: vLLM would auto-fit it to {s.max_model_len:,} tokens")
-    blocks_per_request = _cdiv(s.max_model_len, s.block_size)
+    if layout.hybrid:
+        notes.append(layout.describe())
+    blocks_per_request = per_request(s.max_model_len)
     concurrency = blocks / blocks_per_request  # vLLM: num_blocks / blocks of one max_model_len request
     tokens = int(concurrency * s.max_model_len)
-    concurrency_at_request = blocks / _cdiv(request, s.block_size)
+    concurrency_at_request = blocks / per_request(min(request, s.max_model_len))
 
     fits, reason = _verdict(
-        arch, s, quant, hardware, weights, requested, kv_bytes, (activation, non_torch, cudagraph), blocks, tokens
+        arch,
+        s,
+        quant,
+        hardware,
+        weights,
+        requested,
+        kv_bytes,
+        (activation, non_torch, cudagraph),
+        blocks,
+        tokens,
+        blocks_per_request,
     )
     return CapacityPlan(
         model=arch.name,
