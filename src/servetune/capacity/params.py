@@ -13,6 +13,10 @@ from dataclasses import dataclass
 from servetune.capacity.arch import ModelArch, WeightQuant
 
 VOCAB_PADDING = 64  # vLLM's VocabParallelEmbedding pads the vocabulary to a multiple of 64
+# MXFP4 experts on Hopper (Triton and Marlin layouts) are stored with the hidden dimension padded to
+# a multiple of 256: gpt-oss-120b loads 64.38 GiB on an H100 under vLLM 0.14.1 (issue #33155),
+# 60.7 GiB unpadded. See tests/unit/test_capacity_calibration.py.
+MXFP4_HIDDEN_ALIGNMENT = 256
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -122,7 +126,10 @@ def weight_bytes_per_rank(arch: ModelArch, quant: WeightQuant, dtype_bytes: int,
     params = rank_params(arch, tp, pp)
     packed = quant.bytes_per_weight(dtype_bytes)
     linear = float(dtype_bytes) if quant.experts_only else packed
-    weights = params.linear * linear + params.experts * packed + params.other * dtype_bytes
+    experts = float(params.experts)
+    if quant.method == "mxfp4":
+        experts *= _cdiv(arch.hidden_size, MXFP4_HIDDEN_ALIGNMENT) * MXFP4_HIDDEN_ALIGNMENT / arch.hidden_size
+    weights = params.linear * linear + experts * packed + params.other * dtype_bytes
     rope_cache = arch.max_position_embeddings * arch.rope_dim * dtype_bytes
     return int(weights) + rope_cache
 
