@@ -55,7 +55,7 @@ class KVLayout:
     group_size: int
 
     def bytes_per_block(self, block_size: int, bytes_per_token_per_layer: float) -> int:
-        return int(self.group_size * block_size * bytes_per_token_per_layer)
+        return round(self.group_size * block_size * bytes_per_token_per_layer)
 
     def blocks_per_request(self, max_model_len: int, block_size: int, in_flight_tokens: int) -> int:
         return sum(g.blocks_per_request(max_model_len, block_size, in_flight_tokens) for g in self.groups)

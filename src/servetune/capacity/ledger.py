@@ -22,6 +22,7 @@ from typing import Any
 from servetune.capacity.advice import advise
 from servetune.capacity.arch import ModelArch, WeightQuant
 from servetune.capacity.hardware import GIB, Hardware
+from servetune.capacity.kvdtype import FP8_DS_MLA_BYTES_PER_LAYER, KV_CACHE_DTYPES, kv_slot_bytes
 from servetune.capacity.kvgroups import kv_layout
 from servetune.capacity.params import (
     activation_bytes_per_token,
@@ -42,8 +43,7 @@ _DTYPES = {
     "float": "float32",
     "float32": "float32",
 }
-_KV_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1}
-FP8_DS_MLA_BYTES_PER_LAYER = 656  # 512 fp8 latent + 4 fp32 scales + 64 bf16 rope dims
+_MLA_BYTES = {"bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1}
 QUANTIZATIONS = (
     "awq",
     "awq_marlin",
@@ -92,14 +92,18 @@ def resolve_quant(arch: ModelArch, flag: str | None) -> WeightQuant:
 
 
 def _kv_element_bytes(kv_cache_dtype: str, dtype: str, arch: ModelArch) -> float:
-    if kv_cache_dtype == "auto":
-        return 4 if dtype == "float32" else 2
-    if kv_cache_dtype == "fp8_ds_mla" and arch.is_mla:
-        return FP8_DS_MLA_BYTES_PER_LAYER / ((arch.kv_lora_rank or 0) + arch.qk_rope_head_dim)
-    if kv_cache_dtype in _KV_DTYPE_BYTES:
-        return _KV_DTYPE_BYTES[kv_cache_dtype]
-    known = ", ".join(["auto", *_KV_DTYPE_BYTES, "fp8_ds_mla (MLA models)"])
-    raise UserError(f"--kv-cache-dtype {kv_cache_dtype}: the planner knows {known}")
+    """Bytes per K or V element, averaged over the head's slot (scales and packing included)."""
+    if arch.is_mla:
+        if kv_cache_dtype == "fp8_ds_mla":
+            return FP8_DS_MLA_BYTES_PER_LAYER / ((arch.kv_lora_rank or 0) + arch.qk_rope_head_dim)
+        if kv_cache_dtype in ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc"):
+            return (4 if dtype == "float32" else 2) if kv_cache_dtype == "auto" else _MLA_BYTES[kv_cache_dtype]
+        raise UserError(f"--kv-cache-dtype {kv_cache_dtype}: the planner knows auto, fp8 and fp8_ds_mla for MLA models")
+    slot = kv_slot_bytes(kv_cache_dtype, arch.head_dim, 4 if dtype == "float32" else 2)
+    if slot is None or kv_cache_dtype == "fp8_ds_mla":
+        known = ", ".join(k for k in KV_CACHE_DTYPES if k != "fp8_ds_mla") + ", fp8_ds_mla (MLA models)"
+        raise UserError(f"--kv-cache-dtype {kv_cache_dtype}: vLLM 0.32 accepts {known}")
+    return slot / (2 * arch.head_dim)
 
 
 def _batch_defaults(hardware: Hardware, world_size: int) -> tuple[int, int]:

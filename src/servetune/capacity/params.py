@@ -147,7 +147,7 @@ def kv_bytes_per_layer_token(arch: ModelArch, kv_dtype_bytes: float, tp: int = 1
 
 def kv_bytes_per_token(arch: ModelArch, kv_dtype_bytes: float, tp: int = 1, pp: int = 1) -> int:
     """KV cache bytes per token on one rank if every layer of its stage kept every token."""
-    return int(_cdiv(arch.num_layers, pp) * kv_bytes_per_layer_token(arch, kv_dtype_bytes, tp))
+    return round(_cdiv(arch.num_layers, pp) * kv_bytes_per_layer_token(arch, kv_dtype_bytes, tp))
 
 
 def activation_bytes_per_token(arch: ModelArch, act_bytes: int, tp: int = 1) -> int:
