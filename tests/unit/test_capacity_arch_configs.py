@@ -144,3 +144,43 @@ def test_linear_rope_factor_stretches_the_context_except_where_vllm_does_not() -
     assert arch_from_hf_config(llama, "x").max_position_embeddings == 16384
     yarn = {**llama, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}}
     assert arch_from_hf_config(yarn, "x").max_position_embeddings == 4096
+
+
+@pytest.mark.parametrize(
+    "quantization_config, method, bytes_per_weight",
+    [
+        # nvidia/Llama-3.1-8B-Instruct-FP4 style (ModelOpt): fp4 + one fp8 scale per 16 weights
+        ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}, "nvfp4", 0.5625),
+        ({"quant_method": "modelopt", "quant_algo": "FP8"}, "fp8", 1.0),
+        ({"quant_method": "modelopt_mxfp8"}, "mxfp8", 1 + 1 / 32),
+        # RedHatAI/*-NVFP4 style (compressed-tensors): float weights of 4 bits in groups of 16
+        (
+            {"quant_method": "compressed-tensors", "config_groups": {"group_0": {"weights": {
+                "num_bits": 4, "type": "float", "group_size": 16, "strategy": "tensor_group"}}}},
+            "nvfp4",
+            0.5625,
+        ),
+        ({"quant_method": "mxfp4"}, "mxfp4", 0.53125),
+    ],
+)  # fmt: skip
+def test_fp4_and_fp8_weight_formats_cost_their_scales(
+    quantization_config: dict, method: str, bytes_per_weight: float
+) -> None:
+    config = {**QWEN25_VL_7B, "quantization_config": quantization_config}
+    quant = arch_from_hf_config(config, "q").quant
+    assert quant.method == method and quant.bytes_per_weight(2) == pytest.approx(bytes_per_weight)
+
+
+def test_modelopt_quantization_flag_takes_the_checkpoints_format() -> None:
+    from servetune.capacity import plan_capacity, resolve_hardware
+
+    base = load_model_arch("meta-llama/Llama-3.1-8B-Instruct")
+    h100 = resolve_hardware(gpu="H100-SXM")
+    fp8 = plan_capacity(base, {"quantization": "modelopt", "max_model_len": 8192}, h100)
+    fp4 = plan_capacity(base, {"quantization": "modelopt_fp4", "max_model_len": 8192}, h100)
+    bf16 = plan_capacity(base, {"max_model_len": 8192}, h100)
+    assert fp4.weights_gib < fp8.weights_gib < bf16.weights_gib
+    nvfp4_checkpoint = base.model_copy(update={"quant": arch_from_hf_config(
+        {**QWEN25_VL_7B, "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"}}, "q").quant})  # fmt: skip
+    same = plan_capacity(nvfp4_checkpoint, {"quantization": "modelopt", "max_model_len": 8192}, h100)
+    assert same.weights_gib == fp4.weights_gib

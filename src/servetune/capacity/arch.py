@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from servetune.errors import UserError
 
 Dtype = Literal["bfloat16", "float16", "float32"]
-QuantMethod = Literal["none", "awq", "gptq", "fp8", "int8", "bitsandbytes", "mxfp4"]
+QuantMethod = Literal["none", "awq", "gptq", "fp8", "int8", "bitsandbytes", "mxfp4", "nvfp4", "mxfp8"]
 LayerType = Literal["full_attention", "sliding_attention", "chunked_attention"]
 
 
@@ -43,6 +43,10 @@ class WeightQuant(BaseModel):
             return self.bits / 8 + 4 / 64  # nf4: fp32 absmax per 64 weights
         if self.method == "mxfp4":
             return self.bits / 8 + 1 / 32  # one e8m0 scale per 32 weights
+        if self.method == "nvfp4":
+            return 0.5 + 1 / 16  # fp4 e2m1, one fp8 e4m3 scale per 16 weights (+ a per-tensor fp32 scale)
+        if self.method == "mxfp8":
+            return 1.0 + 1 / 32  # fp8, one e8m0 scale per 32 weights
         # AWQ / GPTQ: packed ints, one fp16 scale and one packed zero point per group.
         return self.bits / 8 + (2 + self.bits / 8) / self.group_size
 
@@ -191,10 +195,23 @@ def _quant_from_config(qc: dict[str, Any], source: str) -> WeightQuant:
         return WeightQuant(method="bitsandbytes", bits=8 if qc.get("load_in_8bit") else 4, group_size=64)
     if method == "mxfp4":
         return WeightQuant(method="mxfp4", bits=4, group_size=32)
+    if method in ("modelopt", "modelopt_fp4", "modelopt_mxfp8"):
+        algo = str(qc.get("quant_algo") or (qc.get("quantization") or {}).get("quant_algo") or "").upper()
+        if method == "modelopt_fp4" or "NVFP4" in algo:
+            return WeightQuant(method="nvfp4", bits=4, group_size=16)
+        if method == "modelopt_mxfp8" or "MXFP8" in algo:
+            return WeightQuant(method="mxfp8", bits=8, group_size=32)
+        if algo.startswith("FP8"):
+            return WeightQuant(method="fp8", bits=8)
+        raise UserError(
+            f"{source}: quantization_config.quant_algo {algo!r} is not one the planner knows (FP8, NVFP4, MXFP8)"
+        )
     if method == "compressed-tensors":
         for group in (qc.get("config_groups") or {}).values():
             weights = group.get("weights") or {}
             bits, kind = int(weights.get("num_bits", 8)), weights.get("type", "int")
+            if kind == "float" and bits == 4:
+                return WeightQuant(method="nvfp4", bits=4, group_size=int(weights.get("group_size") or 16))
             if kind == "float":
                 return WeightQuant(method="fp8", bits=8)
             if bits == 8:
@@ -203,7 +220,7 @@ def _quant_from_config(qc: dict[str, Any], source: str) -> WeightQuant:
         raise UserError(f"{source}: quantization_config.config_groups has no weights entry")
     raise UserError(
         f"{source}: quantization_config.quant_method {method!r} is not one the planner knows "
-        "(awq, gptq, fp8, compressed-tensors, bitsandbytes, mxfp4)"
+        "(awq, gptq, fp8, compressed-tensors, bitsandbytes, mxfp4, modelopt, modelopt_fp4, modelopt_mxfp8)"
     )
 
 

@@ -54,6 +54,11 @@ QUANTIZATIONS = (
     "compressed-tensors",
     "bitsandbytes",
     "mxfp4",
+    "gpt_oss_mxfp4",
+    "modelopt",
+    "modelopt_fp4",
+    "modelopt_mxfp8",
+    "fbgemm_fp8",
 )
 
 
@@ -86,8 +91,18 @@ def resolve_quant(arch: ModelArch, flag: str | None) -> WeightQuant:
         return arch.quant
     if name == "bitsandbytes":
         return WeightQuant(method="bitsandbytes", bits=4, group_size=64)
-    if name == "mxfp4":
+    if name in ("mxfp4", "gpt_oss_mxfp4"):
         return WeightQuant(method="mxfp4", bits=4, group_size=32)
+    if name == "fbgemm_fp8":
+        return WeightQuant(method="fp8", bits=8)
+    if name.startswith("modelopt"):
+        if arch.quant.method in ("fp8", "nvfp4", "mxfp8"):
+            return arch.quant  # the checkpoint's hf_quant_config says which
+        if name == "modelopt_fp4":
+            return WeightQuant(method="nvfp4", bits=4, group_size=16)
+        if name == "modelopt_mxfp8":
+            return WeightQuant(method="mxfp8", bits=8, group_size=32)
+        return WeightQuant(method="fp8", bits=8)
     raise UserError(f"--quantization {flag}: the planner knows {', '.join(QUANTIZATIONS)}")
 
 
