@@ -184,3 +184,16 @@ def test_modelopt_quantization_flag_takes_the_checkpoints_format() -> None:
         {**QWEN25_VL_7B, "quantization_config": {"quant_method": "modelopt", "quant_algo": "NVFP4"}}, "q").quant})  # fmt: skip
     same = plan_capacity(nvfp4_checkpoint, {"quantization": "modelopt", "max_model_len": 8192}, h100)
     assert same.weights_gib == fp4.weights_gib
+
+
+def test_a_context_beyond_the_models_positions_needs_vllms_long_context_switch() -> None:
+    from servetune.capacity import plan_capacity, resolve_hardware
+
+    arch = load_model_arch("meta-llama/Llama-3.1-8B-Instruct")
+    args = {"max_model_len": 2 * arch.max_position_embeddings}
+    refused = plan_capacity(arch, args, resolve_hardware(gpu="B200"))
+    assert not refused.fits and "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1" in refused.reason
+    env = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}
+    allowed = plan_capacity(arch, args, resolve_hardware(gpu="B200"), env=env)
+    assert "vLLM refuses" not in allowed.reason
+    assert any("outputs may be wrong" in note for note in allowed.notes)

@@ -259,12 +259,13 @@ def _verdict(
     blocks: int,
     tokens: int,
     blocks_per_request: int,
+    allow_long: bool,
 ) -> tuple[bool, str]:
     """Does it fit, and why (vLLM's start-up checks, in the order it makes them)."""
     problem = structural_problem(arch, s.tensor_parallel_size, s.pipeline_parallel_size, quant)
-    if problem is None and s.max_model_len > arch.max_position_embeddings:
+    if problem is None and s.max_model_len > arch.max_position_embeddings and not allow_long:
         problem = f"max_model_len {s.max_model_len} exceeds the model's max_position_embeddings"
-        problem += f" {arch.max_position_embeddings}"
+        problem += f" {arch.max_position_embeddings} (VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 lets vLLM start anyway)"
     if problem is not None:
         return False, f"vLLM refuses this configuration: {problem}"
     budget = f"{requested / GIB:.2f} GiB"
@@ -354,6 +355,12 @@ def _ledger(
     tokens = int(concurrency * s.max_model_len)
     concurrency_at_request = blocks / per_request(min(request, s.max_model_len))
 
+    allow_long = (env or {}).get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true")
+    if allow_long and s.max_model_len > arch.max_position_embeddings:
+        notes.append(
+            f"max_model_len {s.max_model_len:,} is beyond the model's {arch.max_position_embeddings:,} positions: "
+            "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 lets vLLM start, and it warns that outputs may be wrong"
+        )
     fits, reason = _verdict(
         arch,
         s,
@@ -366,6 +373,7 @@ def _ledger(
         blocks,
         tokens,
         blocks_per_request,
+        allow_long,
     )
     return CapacityPlan(
         model=arch.name,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from rich.console import Console
 from rich.table import Table
@@ -149,7 +150,9 @@ def run(args: argparse.Namespace) -> int:
         "block_size": args.block_size,
         "enforce_eager": args.enforce_eager,
     }
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(int(args.cpu_kvcache_space_gib))} if args.device == "cpu" else None
+    env = {key: os.environ[key] for key in ("VLLM_ALLOW_LONG_MAX_MODEL_LEN",) if key in os.environ}
+    if args.device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(args.cpu_kvcache_space_gib))
     plan = plan_capacity(arch, engine_args, hardware, env=env, request_tokens=args.request_tokens)
     if args.json:
         print(json.dumps(plan.model_dump(mode="json"), indent=2))
