@@ -32,6 +32,9 @@ PUBLISHED_B = {
     "mistralai/Mistral-7B-Instruct-v0.3": 7.25,
     "mistralai/Mixtral-8x7B-Instruct-v0.1": 46.7,
     "deepseek-ai/DeepSeek-V3": 671.0,
+    "google/gemma-3-27b-it": 27.43,
+    "openai/gpt-oss-120b": 116.83,
+    "openai/gpt-oss-20b": 20.91,
 }
 
 # Mixtral's and DeepSeek-V3's config.json, trimmed to the fields that matter.
@@ -120,10 +123,29 @@ def test_load_model_arch_from_a_directory(tmp_path) -> None:
 @pytest.mark.parametrize(
     "field", ["hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "intermediate_size"]
 )
-def test_missing_config_field_is_named(tmp_path, field: str) -> None:
+def test_missing_config_field_is_named_when_transformers_does_not_know_the_model(tmp_path, field: str) -> None:
     config = {k: v for k, v in TINY_CONFIG.items() if k != field}
+    config["model_type"] = "some_new_arch"
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match=f"config.json: missing field '{field}'"):
+        load_model_arch(tmp_path)
+
+
+def test_a_field_left_to_the_library_default_gets_transformers_default(tmp_path) -> None:
+    """#39: a llama config without vocab_size was refused; LlamaConfig's default is 32000."""
+    from transformers import LlamaConfig
+
+    config = {k: v for k, v in TINY_CONFIG.items() if k not in ("vocab_size", "max_position_embeddings")}
+    assert config["model_type"] == "llama"
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    arch = load_model_arch(tmp_path)
+    assert arch.vocab_size == LlamaConfig().vocab_size
+    assert arch.max_position_embeddings == LlamaConfig().max_position_embeddings
+
+
+def test_a_config_transformers_rejects_is_one_line_naming_the_field(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_CONFIG, "vocab_size": "many"}))
+    with pytest.raises(UserError, match=r"config.json: Validation error for field 'vocab_size'.*int"):
         load_model_arch(tmp_path)
 
 

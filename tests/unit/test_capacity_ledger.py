@@ -239,12 +239,13 @@ def test_malformed_engine_args_raise_user_error(tiny) -> None:
     with pytest.raises(UserError, match="gpu_memory_utilization"):
         plan_capacity(tiny, {"gpu_memory_utilization": 1.5}, hw)
     # What vLLM may run but the ledger does not model is no verdict (NotPlanned), not a configuration that does not fit.
-    with pytest.raises(NotPlanned, match="kv_cache_dtype int4_per_token_head"):
-        plan_capacity(tiny, {"kv_cache_dtype": "int4_per_token_head"}, hw)
-    with pytest.raises(NotPlanned, match="quantization modelopt"):
-        plan_capacity(tiny, {"quantization": "modelopt"}, hw)
-    with pytest.raises(NotPlanned, match="above the model's max_position_embeddings"):
-        plan_capacity(tiny, {"max_model_len": tiny.max_position_embeddings + 1}, hw)
+    with pytest.raises(NotPlanned, match="kv_cache_dtype nvfp4_ds_mla"):
+        plan_capacity(tiny, {"kv_cache_dtype": "nvfp4_ds_mla"}, hw)
+    with pytest.raises(NotPlanned, match="quantization gguf"):
+        plan_capacity(tiny, {"quantization": "gguf"}, hw)
+    # A context past the model's positions is refused, as vLLM refuses it (unless VLLM_ALLOW_LONG_MAX_MODEL_LEN).
+    long = plan_capacity(tiny, {"max_model_len": tiny.max_position_embeddings + 1}, hw)
+    assert not long.fits and "exceeds the model's max_position_embeddings" in long.reason
     # Keys the ledger does not read (prefix caching, ports, env of other tools) are ignored.
     assert plan_capacity(tiny, {"enable_prefix_caching": True, "port": 8000}, hw).fits
 

@@ -97,9 +97,9 @@ def test_table_output_when_it_fits(capsys) -> None:
 
 
 def test_missing_config_field_names_the_field(capsys, tmp_path) -> None:
-    (tmp_path / "config.json").write_text(
-        json.dumps({k: v for k, v in TINY_CONFIG.items() if k != "num_attention_heads"})
-    )
+    config = {k: v for k, v in TINY_CONFIG.items() if k != "num_attention_heads"}
+    config["model_type"] = "some_new_arch"  # a model transformers knows gets its class's default instead
+    (tmp_path / "config.json").write_text(json.dumps(config))
     rc = cli.main(["plan", "--model", str(tmp_path), "--gpu", "L4"])
     line = _one_line_error(capsys)
     assert rc == 2 and "config.json" in line and "num_attention_heads" in line
@@ -143,11 +143,8 @@ def test_other_bad_input_is_one_line(capsys, argv: list[str], flag: str) -> None
 @pytest.mark.parametrize(
     "argv, what",
     [
-        (["--kv-cache-dtype", "int4_per_token_head"], "kv_cache_dtype int4_per_token_head"),
-        (["--kv-cache-dtype", "nvfp4"], "kv_cache_dtype nvfp4"),
-        (["--quantization", "modelopt"], "quantization modelopt"),
+        (["--kv-cache-dtype", "nvfp4_ds_mla"], "kv_cache_dtype nvfp4_ds_mla"),
         (["--quantization", "gguf"], "quantization gguf"),
-        (["--max-model-len", "200000"], "max_model_len 200000 is above the model's max_position_embeddings 131072"),
     ],
 )
 def test_what_the_planner_cannot_size_is_not_planned_and_exits_0(capsys, argv: list[str], what: str) -> None:
@@ -159,7 +156,54 @@ def test_what_the_planner_cannot_size_is_not_planned_and_exits_0(capsys, argv: l
     assert rc == 0 and document["planned"] is False and document["reason"].startswith(what)
 
 
+@pytest.mark.parametrize(
+    "argv", [["--kv-cache-dtype", "int4_per_token_head"], ["--kv-cache-dtype", "nvfp4"], ["--quantization", "modelopt"]]
+)
+def test_kv_dtypes_and_weight_formats_vllm_0_32_takes_are_planned(capsys, argv: list[str]) -> None:
+    rc = cli.main(["plan", "--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "H100", "--json", *argv])
+    document = json.loads(capsys.readouterr().out)
+    assert rc == 0 and document["fits"] is True and document.get("planned", True) is not False
+
+
+def test_a_context_past_the_model_s_positions_is_refused_as_vllm_refuses_it(capsys, monkeypatch) -> None:
+    monkeypatch.delenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", raising=False)
+    argv = ["plan", "--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "H100", "--max-model-len", "200000"]
+    rc = cli.main(argv)
+    out = " ".join(capsys.readouterr().out.split())
+    assert rc == 1 and "exceeds the model's max_position_embeddings 131072" in out
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")  # vLLM starts anyway, and so the plan sizes it
+    assert (
+        cli.main([*argv, "--json"]) == 0 and json.loads(capsys.readouterr().out)["settings"]["max_model_len"] == 200000
+    )
+
+
 def test_unknown_model_is_one_line(capsys) -> None:
     rc = cli.main(["plan", "--model", "nobody-nothing", "--gpu", "H100"])
     line = _one_line_error(capsys)
     assert rc == 2 and "nobody-nothing" in line
+
+
+@pytest.mark.parametrize(
+    "hub_id, groups_note",
+    [
+        ("google/gemma-3-27b-it", "KV cache groups of 10 layers: 6 x sliding 1024, 1 x full"),
+        ("openai/gpt-oss-120b", "KV cache groups of 18 layers: 1 x sliding 128, 1 x full"),
+        ("openai/gpt-oss-20b", "KV cache groups of 12 layers: 1 x sliding 128, 1 x full"),
+    ],
+)
+def test_sliding_window_models_plan_offline_from_the_catalogue(capsys, hub_id: str, groups_note: str) -> None:
+    """#39: gemma-3 and gpt-oss answer offline; window layers hold only their window per request."""
+    rc = cli.main(["plan", "--model", hub_id, "--gpu", "H100-SXM", "--max-model-len", "32768", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["fits"] is True
+    assert groups_note in out["notes"]
+    # Every layer keeping every token would give kv_cache_gib / bytes per token; windows give more.
+    full_attention_tokens = out["kv_cache_gib"] * (1 << 30) / out["kv_bytes_per_token"]
+    assert out["kv_cache_tokens"] > 1.2 * full_attention_tokens
+
+
+def test_gemma3_at_its_full_context_on_one_h100_is_refused_with_advice(capsys) -> None:
+    rc = cli.main(["plan", "--model", "google/gemma-3-27b-it", "--gpu", "H100-SXM"])
+    out = capsys.readouterr().out
+    assert rc == 1 and "not enough for one request of max_model_len 131,072" in out
+    assert "--kv-cache-dtype fp8" in out

@@ -22,7 +22,8 @@ from servetune.capacity.source import ModelConfig, cached_model, hub_model, loca
 from servetune.errors import UserError
 
 Dtype = Literal["bfloat16", "float16", "float32"]
-QuantMethod = Literal["none", "awq", "gptq", "fp8", "int8", "bitsandbytes", "mxfp4"]
+QuantMethod = Literal["none", "awq", "gptq", "fp8", "int8", "bitsandbytes", "mxfp4", "nvfp4", "mxfp8"]
+LayerType = Literal["full_attention", "sliding_attention", "chunked_attention"]
 
 
 class WeightQuant(BaseModel):
@@ -44,8 +45,17 @@ class WeightQuant(BaseModel):
             return self.bits / 8 + 4 / 64  # nf4: fp32 absmax per 64 weights
         if self.method == "mxfp4":
             return self.bits / 8 + 1 / 32  # one e8m0 scale per 32 weights
+        if self.method == "nvfp4":
+            return 0.5 + 1 / 16  # fp4 e2m1, one fp8 e4m3 scale per 16 weights (+ a per-tensor fp32 scale)
+        if self.method == "mxfp8":
+            return 1.0 + 1 / 32  # fp8, one e8m0 scale per 32 weights
         # AWQ / GPTQ: packed ints, one fp16 scale and one packed zero point per group.
         return self.bits / 8 + (2 + self.bits / 8) / self.group_size
+
+    @property
+    def experts_only(self) -> bool:
+        """vLLM's MXFP4 packs only the routed experts; attention and dense layers stay unquantized."""
+        return self.method == "mxfp4"
 
     @property
     def label(self) -> str:
@@ -88,8 +98,28 @@ class ModelArch(BaseModel):
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # Layer kinds (Gemma 2/3, gpt-oss, Llama 4, Mistral): empty means every layer is full attention.
+    layer_types: tuple[LayerType, ...] = ()
+    sliding_window: int | None = Field(None, ge=1, description="tokens a sliding_attention layer sees")
+    attention_chunk_size: int | None = Field(None, ge=1, description="tokens of a chunked_attention layer's chunk")
+    attention_sinks: bool = Field(False, description="one learned sink logit per attention head (gpt-oss)")
+    moe_layer_step: int = Field(1, ge=1, description="every n-th layer after the dense ones is MoE (Llama 4)")
+    vision_parameters: int = Field(0, ge=0, description="vision encoder and projector, kept in torch_dtype")
     quant: WeightQuant = WeightQuant()
     checkpoint: Checkpoint | None = Field(None, description="safetensors parameter counts, where known")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_pattern(cls, data: Any) -> Any:
+        """The catalogue's shorthand ``full_attention_every: n`` with ``local: sliding|chunked``."""
+        if isinstance(data, dict) and "full_attention_every" in data:
+            data = dict(data)
+            every, local = int(data.pop("full_attention_every")), data.pop("local", "sliding")
+            kind = f"{local}_attention"
+            data["layer_types"] = [
+                "full_attention" if (i + 1) % every == 0 else kind for i in range(int(data["num_layers"]))
+            ]
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> ModelArch:
@@ -103,7 +133,19 @@ class ModelArch(BaseModel):
             raise ValueError("a dense model needs intermediate_size")
         if self.is_mla and not (self.qk_rope_head_dim and self.qk_nope_head_dim and self.v_head_dim):
             raise ValueError("an MLA model needs qk_nope_head_dim, qk_rope_head_dim and v_head_dim")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types lists {len(self.layer_types)} layers, num_layers is {self.num_layers}")
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ValueError("sliding_attention layers need sliding_window")
+        if "chunked_attention" in self.layer_types and self.attention_chunk_size is None:
+            raise ValueError("chunked_attention layers need attention_chunk_size")
         return self
+
+    @property
+    def layer_kinds(self) -> tuple[LayerType, ...]:
+        """Every layer's attention kind (all full attention unless the config says otherwise)."""
+        full: tuple[LayerType, ...] = ("full_attention",)
+        return self.layer_types or full * self.num_layers
 
     @property
     def is_mla(self) -> bool:
@@ -115,7 +157,7 @@ class ModelArch(BaseModel):
 
     @property
     def num_moe_layers(self) -> int:
-        return self.num_layers - self.first_k_dense_layers if self.is_moe else 0
+        return (self.num_layers - self.first_k_dense_layers) // self.moe_layer_step if self.is_moe else 0
 
     @property
     def dtype_bytes(self) -> int:
@@ -156,10 +198,23 @@ def _quant_from_config(qc: dict[str, Any], source: str) -> WeightQuant:
         return WeightQuant(method="bitsandbytes", bits=8 if qc.get("load_in_8bit") else 4, group_size=64)
     if method == "mxfp4":
         return WeightQuant(method="mxfp4", bits=4, group_size=32)
+    if method in ("modelopt", "modelopt_fp4", "modelopt_mxfp8"):
+        algo = str(qc.get("quant_algo") or (qc.get("quantization") or {}).get("quant_algo") or "").upper()
+        if method == "modelopt_fp4" or "NVFP4" in algo:
+            return WeightQuant(method="nvfp4", bits=4, group_size=16)
+        if method == "modelopt_mxfp8" or "MXFP8" in algo:
+            return WeightQuant(method="mxfp8", bits=8, group_size=32)
+        if algo.startswith("FP8"):
+            return WeightQuant(method="fp8", bits=8)
+        raise UserError(
+            f"{source}: quantization_config.quant_algo {algo!r} is not one the planner knows (FP8, NVFP4, MXFP8)"
+        )
     if method == "compressed-tensors":
         for group in (qc.get("config_groups") or {}).values():
             weights = group.get("weights") or {}
             bits, kind = int(weights.get("num_bits", 8)), weights.get("type", "int")
+            if kind == "float" and bits == 4:
+                return WeightQuant(method="nvfp4", bits=4, group_size=int(weights.get("group_size") or 16))
             if kind == "float":
                 return WeightQuant(method="fp8", bits=8)
             if bits == 8:
@@ -168,14 +223,103 @@ def _quant_from_config(qc: dict[str, Any], source: str) -> WeightQuant:
         raise UserError(f"{source}: quantization_config.config_groups has no weights entry")
     raise UserError(
         f"{source}: quantization_config.quant_method {method!r} is not one the planner knows "
-        "(awq, gptq, fp8, compressed-tensors, bitsandbytes, mxfp4)"
+        "(awq, gptq, fp8, compressed-tensors, bitsandbytes, mxfp4, modelopt, modelopt_fp4, modelopt_mxfp8)"
     )
+
+
+# rope types whose ``factor`` stretches the context beyond max_position_embeddings (vLLM 0.32
+# ``_get_and_verify_max_len``: YaRN and Llama-3 style configs already state the stretched length).
+_ROPE_TYPES_NOT_SCALED = ("default", "su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
+
+
+def _library_config(config: dict[str, Any], source: str) -> dict[str, Any]:
+    """The config as transformers reads it: its own class fills every default the file leaves out.
+
+    ``AutoConfig.for_model`` only builds the class transformers ships for ``model_type`` (offline,
+    no remote code). A ``model_type`` transformers does not know is read as the file states it.
+    A multimodal config yields its decoder's ``text_config``, with the vision tower kept aside.
+    """
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        return dict(config)
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig  # slow import: only when a config is read
+    from transformers.utils import logging as hf_logging
+
+    fields = {key: value for key, value in config.items() if key != "model_type"}
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # deprecation chatter about torch_dtype and the like
+    try:
+        library = AutoConfig.for_model(model_type, **fields)
+    except StrictDataclassError as exc:  # "Validation error for field 'x': TypeError: ..."
+        raise UserError(f"{source}: {' '.join(str(exc).split())}") from None
+    except ValueError as exc:
+        if "Unrecognized model identifier" in str(exc):
+            return dict(config)
+        raise UserError(f"{source}: {exc}") from None
+    except (TypeError, KeyError) as exc:
+        raise UserError(f"{source}: transformers cannot read it as {model_type!r}: {exc}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    text = library.get_text_config(decoder=True)
+    merged = text.to_dict()
+    for key in ("architectures", "quantization_config", "torch_dtype", "dtype", "tie_word_embeddings"):
+        if merged.get(key) is None and config.get(key) is not None:
+            merged[key] = config[key]
+    if text is not library:
+        vision = getattr(library, "vision_config", None)
+        if vision is not None:
+            merged["_vision"] = vision.to_dict()
+        merged["_multimodal_architecture"] = (config.get("architectures") or [None])[0]
+    return merged
+
+
+def _vision_parameters(vision: dict[str, Any], text_hidden: int) -> int:
+    """Vision encoder (a ViT: patch embedding, position table, blocks, norms) plus a projector."""
+    hidden = int(vision.get("hidden_size") or 0)
+    layers = int(vision.get("num_hidden_layers") or vision.get("depth") or 0)
+    inter = int(vision.get("intermediate_size") or 4 * hidden)
+    if not hidden or not layers:
+        return 0
+    channels = int(vision.get("num_channels") or vision.get("in_channels") or 3)
+    patch = int(vision.get("patch_size") or 14)
+    temporal = int(vision.get("temporal_patch_size") or 1)
+    image = int(vision.get("image_size") or 0)
+    positions = (image // patch) ** 2 if image else 0
+    gated = str(vision.get("hidden_act", "")).lower() == "silu"  # Qwen2.5-VL: SwiGLU MLP
+    mlp = (3 if gated else 2) * hidden * inter + inter + hidden
+    block = 4 * hidden * hidden + 4 * hidden + mlp + 4 * hidden
+    embed = channels * temporal * patch * patch * hidden + hidden + positions * hidden
+    out = int(vision.get("out_hidden_size") or vision.get("projector_output_dim") or text_hidden)
+    merge = int(vision.get("spatial_merge_size") or 1) ** 2
+    projector = hidden * merge * out + (hidden * merge) ** 2 if merge > 1 else hidden * out
+    return layers * block + embed + projector
+
+
+def _layer_types(cfg: dict[str, Any], layers: int) -> tuple[list[str], int | None, int | None]:
+    """(layer_types, sliding_window, attention_chunk_size) as vLLM 0.32 builds its attention layers."""
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) is not False else None
+    chunk = cfg.get("attention_chunk_size")
+    kinds = [str(k) for k in cfg.get("layer_types") or []]
+    if chunk and cfg.get("no_rope_layers"):  # Llama 4: RoPE layers attend in chunks, NoPE layers globally
+        kinds = ["chunked_attention" if use_rope else "full_attention" for use_rope in cfg["no_rope_layers"]]
+    known = {"full_attention", "sliding_attention", "chunked_attention"}
+    if kinds and (len(kinds) != layers or not set(kinds) <= known):
+        kinds = []  # kinds the ledger does not model (linear attention, Mamba) are planned as full attention
+    if not kinds and window:
+        kinds = ["sliding_attention"] * layers  # Mistral-7B-v0.1 style: every layer has the window
+    if "sliding_attention" not in kinds:
+        window = None
+    if "chunked_attention" not in kinds:
+        chunk = None
+    if set(kinds) == {"full_attention"}:
+        kinds = []
+    return kinds, int(window) if window else None, int(chunk) if chunk else None
 
 
 def arch_from_hf_config(config: dict[str, Any], name: str, source: str = "config.json") -> ModelArch:
     """Normalise a Hugging Face ``config.json`` dict; a missing field raises :class:`UserError` naming it."""
-    text = config.get("text_config")
-    cfg = {**config, **text} if isinstance(text, dict) and "hidden_size" not in config else config
+    cfg = _library_config(config, source)
 
     def need(*keys: str) -> Any:
         for key in keys:
@@ -185,23 +329,42 @@ def arch_from_hf_config(config: dict[str, Any], name: str, source: str = "config
 
     heads = int(need("num_attention_heads"))
     hidden = int(need("hidden_size"))
-    model_type = str(cfg.get("model_type", ""))
+    layers = int(need("num_hidden_layers"))
+    model_type = str(cfg.get("model_type") or config.get("model_type") or "")
     experts = int(cfg.get("num_local_experts") or cfg.get("n_routed_experts") or cfg.get("num_experts") or 0)
+    positions = int(cfg.get("max_position_embeddings") or 2048)
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+    if isinstance(rope, dict) and "gemma3" not in model_type:
+        ropes = [r for r in rope.values() if isinstance(r, dict)] or [rope]
+        factors = [
+            float(r.get("factor") or 1.0)
+            for r in ropes
+            if str(r.get("rope_type") or r.get("type") or "default") not in _ROPE_TYPES_NOT_SCALED
+        ]
+        positions = int(positions * (factors[-1] if factors else 1.0))
+    kinds, window, chunk = _layer_types(cfg, layers)
+    architecture = cfg.get("_multimodal_architecture") or (cfg.get("architectures") or ["unknown"])[0]
     fields: dict[str, Any] = {
         "name": name,
-        "architecture": (cfg.get("architectures") or ["unknown"])[0],
-        "num_layers": int(need("num_hidden_layers")),
+        "architecture": architecture,
+        "num_layers": layers,
         "hidden_size": hidden,
         "num_attention_heads": heads,
         "num_kv_heads": int(cfg.get("num_key_value_heads") or heads),
         "head_dim": int(cfg.get("head_dim") or hidden // heads),
         "vocab_size": int(need("vocab_size")),
         "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
-        "max_position_embeddings": int(cfg.get("max_position_embeddings") or 2048),
+        "max_position_embeddings": positions,
         "torch_dtype": _TORCH_DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"), "bfloat16"),
-        "qkv_bias": bool(cfg.get("attention_bias", model_type in ("qwen2", "qwen2_moe"))),
-        "qk_norm": model_type.startswith("qwen3"),
+        "qkv_bias": bool(cfg.get("attention_bias", model_type in ("qwen2", "qwen2_moe", "qwen2_5_vl_text"))),
+        "qk_norm": model_type.startswith(("qwen3", "gemma3")),
+        "layer_types": kinds,
+        "sliding_window": window,
+        "attention_chunk_size": chunk,
+        "attention_sinks": model_type == "gpt_oss",
     }
+    if isinstance(cfg.get("_vision"), dict):
+        fields["vision_parameters"] = _vision_parameters(cfg["_vision"], hidden)
     if experts:
         fields["num_experts"] = experts
         fields["num_experts_per_tok"] = int(need("num_experts_per_tok"))
@@ -211,6 +374,10 @@ def arch_from_hf_config(config: dict[str, Any], name: str, source: str = "config
         shared = int(cfg.get("n_shared_experts") or 0) * fields["moe_intermediate_size"]
         fields["shared_expert_intermediate_size"] = shared or int(cfg.get("shared_expert_intermediate_size") or 0)
         fields["first_k_dense_layers"] = int(cfg.get("first_k_dense_replace") or 0)
+        if model_type.startswith("llama4"):  # one shared expert as wide as a routed one; dense layers between
+            fields["shared_expert_intermediate_size"] = fields["moe_intermediate_size"]
+            fields["moe_layer_step"] = int(cfg.get("interleave_moe_layer_step") or 1)
+            fields["intermediate_size"] = int(cfg.get("intermediate_size_mlp") or 0)
     else:
         fields["intermediate_size"] = int(need("intermediate_size"))
     if cfg.get("kv_lora_rank") is not None:
@@ -222,7 +389,7 @@ def arch_from_hf_config(config: dict[str, Any], name: str, source: str = "config
         fields["num_kv_heads"] = heads  # MLA: vLLM stores one latent per token; heads only shard q/o.
         fields["head_dim"] = fields["qk_nope_head_dim"] + fields["qk_rope_head_dim"]
     partial = cfg.get("partial_rotary_factor")
-    if partial and not cfg.get("kv_lora_rank"):
+    if partial and not cfg.get("kv_lora_rank") and float(partial) != 1.0:
         fields["rotary_dim"] = int(fields["head_dim"] * float(partial))
     if isinstance(cfg.get("quantization_config"), dict):
         fields["quant"] = _quant_from_config(cfg["quantization_config"], source)

@@ -5,6 +5,10 @@
     KV blocks  = KV pool // (block_size x KV bytes per token on this rank)
     KV tokens  = blocks / ceil(max_model_len / block_size) x max_model_len   (vLLM's own formula)
 
+Models whose layers attend differently (sliding window, chunked local) are laid out in KV-cache
+groups as vLLM's hybrid manager does (``servetune.capacity.kvgroups``): a block then holds one
+page per layer of a group, and a request needs only its window's blocks in a window group.
+
 On vLLM's CPU build the pool is ``VLLM_CPU_KVCACHE_SPACE`` GiB per rank, nothing subtracted.
 Pure: no I/O, no vLLM import. See ``servetune.capacity`` for the terms.
 """
@@ -18,9 +22,12 @@ from typing import Any
 from servetune.capacity.advice import advise
 from servetune.capacity.arch import ModelArch, WeightQuant
 from servetune.capacity.hardware import GIB, Hardware
+from servetune.capacity.kvdtype import FP8_DS_MLA_BYTES_PER_LAYER, KV_CACHE_DTYPES, kv_slot_bytes
+from servetune.capacity.kvgroups import kv_layout
 from servetune.capacity.params import (
     activation_bytes_per_token,
     count_parameters,
+    kv_bytes_per_layer_token,
     kv_bytes_per_token,
     weight_bytes_per_rank,
 )
@@ -36,8 +43,7 @@ _DTYPES = {
     "float": "float32",
     "float32": "float32",
 }
-_KV_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1}
-FP8_DS_MLA_BYTES_PER_LAYER = 656  # 512 fp8 latent + 4 fp32 scales + 64 bf16 rope dims
+_MLA_BYTES = {"bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1}
 QUANTIZATIONS = (
     "awq",
     "awq_marlin",
@@ -48,6 +54,11 @@ QUANTIZATIONS = (
     "compressed-tensors",
     "bitsandbytes",
     "mxfp4",
+    "gpt_oss_mxfp4",
+    "modelopt",
+    "modelopt_fp4",
+    "modelopt_mxfp8",
+    "fbgemm_fp8",
 )
 
 
@@ -80,20 +91,34 @@ def resolve_quant(arch: ModelArch, flag: str | None) -> WeightQuant:
         return arch.quant
     if name == "bitsandbytes":
         return WeightQuant(method="bitsandbytes", bits=4, group_size=64)
-    if name == "mxfp4":
+    if name in ("mxfp4", "gpt_oss_mxfp4"):
         return WeightQuant(method="mxfp4", bits=4, group_size=32)
+    if name == "fbgemm_fp8":
+        return WeightQuant(method="fp8", bits=8)
+    if name.startswith("modelopt"):
+        if arch.quant.method in ("fp8", "nvfp4", "mxfp8"):
+            return arch.quant  # the checkpoint's hf_quant_config says which
+        if name == "modelopt_fp4":
+            return WeightQuant(method="nvfp4", bits=4, group_size=16)
+        if name == "modelopt_mxfp8":
+            return WeightQuant(method="mxfp8", bits=8, group_size=32)
+        return WeightQuant(method="fp8", bits=8)
     raise NotPlanned(f"quantization {flag}: the planner knows {', '.join(QUANTIZATIONS)}")
 
 
 def _kv_element_bytes(kv_cache_dtype: str, dtype: str, arch: ModelArch) -> float:
-    if kv_cache_dtype == "auto":
-        return 4 if dtype == "float32" else 2
-    if kv_cache_dtype == "fp8_ds_mla" and arch.is_mla:
-        return FP8_DS_MLA_BYTES_PER_LAYER / ((arch.kv_lora_rank or 0) + arch.qk_rope_head_dim)
-    if kv_cache_dtype in _KV_DTYPE_BYTES:
-        return _KV_DTYPE_BYTES[kv_cache_dtype]
-    known = ", ".join(["auto", *_KV_DTYPE_BYTES, "fp8_ds_mla (MLA models)"])
-    raise NotPlanned(f"kv_cache_dtype {kv_cache_dtype}: the planner knows {known}")
+    """Bytes per K or V element, averaged over the head's slot (scales and packing included)."""
+    if arch.is_mla:
+        if kv_cache_dtype == "fp8_ds_mla":
+            return FP8_DS_MLA_BYTES_PER_LAYER / ((arch.kv_lora_rank or 0) + arch.qk_rope_head_dim)
+        if kv_cache_dtype in ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc"):
+            return (4 if dtype == "float32" else 2) if kv_cache_dtype == "auto" else _MLA_BYTES[kv_cache_dtype]
+        raise NotPlanned(f"kv_cache_dtype {kv_cache_dtype}: the planner knows auto, fp8 and fp8_ds_mla for MLA models")
+    slot = kv_slot_bytes(kv_cache_dtype, arch.head_dim, 4 if dtype == "float32" else 2)
+    if slot is None or kv_cache_dtype == "fp8_ds_mla":
+        known = ", ".join(k for k in KV_CACHE_DTYPES if k != "fp8_ds_mla") + ", fp8_ds_mla (MLA models)"
+        raise NotPlanned(f"kv_cache_dtype {kv_cache_dtype}: the planner knows {known}")
+    return slot / (2 * arch.head_dim)
 
 
 def _batch_defaults(hardware: Hardware, world_size: int) -> tuple[int, int]:
@@ -233,9 +258,14 @@ def _verdict(
     overheads: tuple[float, float, float],
     blocks: int,
     tokens: int,
+    blocks_per_request: int,
+    allow_long: bool,
 ) -> tuple[bool, str]:
     """Does it fit, and why (vLLM's start-up checks, in the order it makes them)."""
     problem = structural_problem(arch, s.tensor_parallel_size, s.pipeline_parallel_size, quant)
+    if problem is None and s.max_model_len > arch.max_position_embeddings and not allow_long:
+        problem = f"max_model_len {s.max_model_len} exceeds the model's max_position_embeddings"
+        problem += f" {arch.max_position_embeddings} (VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 lets vLLM start anyway)"
     if problem is not None:
         return False, f"vLLM refuses this configuration: {problem}"
     budget = f"{requested / GIB:.2f} GiB"
@@ -251,10 +281,21 @@ def _verdict(
         spent = f"weights {weights / GIB:.2f} + activations {activation:.2f} + non-torch {non_torch:.2f}"
         return False, f"no memory left for the KV cache: {spent} + CUDA graphs {cudagraph:.2f} GiB exceed {budget}"
     pool = f"KV pool of {kv_bytes / GIB:.2f} GiB holds {tokens:,} tokens"
-    blocks_per_request = _cdiv(s.max_model_len, s.block_size)
     if blocks < blocks_per_request + 1:  # vLLM holds one block back (the null block) before this check
         return False, f"{pool}, not enough for one request of max_model_len {s.max_model_len:,}"
     return True, f"{pool}: {blocks / blocks_per_request:.2f} requests of max_model_len {s.max_model_len:,} at once"
+
+
+def _longest_fitting(per_request: Callable[[int], int], blocks: int, longest: int) -> int:
+    """The longest request whose blocks fit in ``blocks`` (vLLM's auto-fit binary search)."""
+    low, high = 1, longest
+    while low < high:
+        mid = (low + high + 1) // 2
+        if per_request(mid) <= blocks:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 def _ledger(
@@ -267,11 +308,6 @@ def _ledger(
 ) -> CapacityPlan:
     s, quant = _settings(arch, args, hardware, env, profile)
     tp, pp, cpu = s.tensor_parallel_size, s.pipeline_parallel_size, s.device == "cpu"
-    if s.max_model_len > arch.max_position_embeddings:  # rope scaling may allow it: vLLM derives the limit
-        raise NotPlanned(
-            f"max_model_len {s.max_model_len} is above the model's max_position_embeddings "
-            f"{arch.max_position_embeddings}"
-        )
     request = request_tokens or s.max_model_len
     if request < 1:
         raise UserError(f"--request-tokens {request}: must be >= 1")
@@ -295,20 +331,49 @@ def _ledger(
             kv_bytes = float(s.kv_cache_memory_bytes)
             notes.append("kv_cache_memory_bytes is set: vLLM skips the utilization budget")
 
-    per_token = kv_bytes_per_token(arch, _kv_element_bytes(s.kv_cache_dtype, s.dtype, arch), tp, pp)
-    page = s.block_size * per_token
+    element = _kv_element_bytes(s.kv_cache_dtype, s.dtype, arch)
+    per_token = kv_bytes_per_token(arch, element, tp, pp)
+    layout = kv_layout(
+        arch, pp, None if args.disable_hybrid_kv_cache_manager is None else not args.disable_hybrid_kv_cache_manager
+    )
+    page = layout.bytes_per_block(s.block_size, kv_bytes_per_layer_token(arch, element, tp))
+    # Tokens scheduled but not yet freed: one batch per concurrent step (async scheduling: PP + 1).
+    in_flight = s.max_num_batched_tokens * (pp + 1 if args.async_scheduling is not False else pp)
     blocks = int(kv_bytes // page) if kv_bytes > 0 else 0
-    if args.max_model_len == -1 and 1 < blocks <= _cdiv(s.max_model_len, s.block_size):
+
+    def per_request(length: int) -> int:
+        return layout.blocks_per_request(length, s.block_size, in_flight)
+
+    if args.max_model_len == -1 and 1 < blocks <= per_request(s.max_model_len):
         # --max-model-len -1: vLLM fits the longest context one request can hold (minus the null block).
-        s = s.model_copy(update={"max_model_len": (blocks - 1) * s.block_size})
+        s = s.model_copy(update={"max_model_len": _longest_fitting(per_request, blocks - 1, s.max_model_len)})
         notes.append(f"max_model_len -1: vLLM would auto-fit it to {s.max_model_len:,} tokens")
-    blocks_per_request = _cdiv(s.max_model_len, s.block_size)
+    if layout.hybrid:
+        notes.append(layout.describe())
+    blocks_per_request = per_request(s.max_model_len)
     concurrency = blocks / blocks_per_request  # vLLM: num_blocks / blocks of one max_model_len request
     tokens = int(concurrency * s.max_model_len)
-    concurrency_at_request = blocks / _cdiv(request, s.block_size)
+    concurrency_at_request = blocks / per_request(min(request, s.max_model_len))
 
+    allow_long = (env or {}).get("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0").strip().lower() in ("1", "true")
+    if allow_long and s.max_model_len > arch.max_position_embeddings:
+        notes.append(
+            f"max_model_len {s.max_model_len:,} is beyond the model's {arch.max_position_embeddings:,} positions: "
+            "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 lets vLLM start, and it warns that outputs may be wrong"
+        )
     fits, reason = _verdict(
-        arch, s, quant, hardware, weights, requested, kv_bytes, (activation, non_torch, cudagraph), blocks, tokens
+        arch,
+        s,
+        quant,
+        hardware,
+        weights,
+        requested,
+        kv_bytes,
+        (activation, non_torch, cudagraph),
+        blocks,
+        tokens,
+        blocks_per_request,
+        allow_long,
     )
     return CapacityPlan(
         model=arch.name,

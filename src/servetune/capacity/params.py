@@ -13,6 +13,10 @@ from dataclasses import dataclass
 from servetune.capacity.arch import ModelArch, WeightQuant
 
 VOCAB_PADDING = 64  # vLLM's VocabParallelEmbedding pads the vocabulary to a multiple of 64
+# MXFP4 experts on Hopper (Triton and Marlin layouts) are stored with the hidden dimension padded to
+# a multiple of 256: gpt-oss-120b loads 64.38 GiB on an H100 under vLLM 0.14.1 (issue #33155),
+# 60.7 GiB unpadded. See tests/unit/test_capacity_calibration.py.
+MXFP4_HIDDEN_ALIGNMENT = 256
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -21,20 +25,22 @@ def _cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class ParamSplit:
-    """Parameter counts on one rank: linear weights a quantization method may pack, and the rest."""
+    """Parameter counts on one rank: linear weights a quantization method may pack (routed experts
+    apart: MXFP4 packs only those), and the rest."""
 
     linear: int
     other: int
+    experts: int = 0
 
     @property
     def total(self) -> int:
-        return self.linear + self.other
+        return self.linear + self.other + self.experts
 
     def __add__(self, other: ParamSplit) -> ParamSplit:
-        return ParamSplit(self.linear + other.linear, self.other + other.other)
+        return ParamSplit(self.linear + other.linear, self.other + other.other, self.experts + other.experts)
 
     def times(self, n: int) -> ParamSplit:
-        return ParamSplit(self.linear * n, self.other * n)
+        return ParamSplit(self.linear * n, self.other * n, self.experts * n)
 
 
 def kv_heads_per_rank(arch: ModelArch, tp: int) -> int:
@@ -62,6 +68,8 @@ def _attention(arch: ModelArch, tp: int) -> ParamSplit:
     other = (heads + 2 * kv) * d if arch.qkv_bias else 0
     if arch.qk_norm:
         other += 2 * d
+    if arch.attention_sinks:
+        other += heads
     return ParamSplit(linear=linear, other=other)
 
 
@@ -74,7 +82,7 @@ def _moe_mlp(arch: ModelArch, tp: int) -> ParamSplit:
     experts = arch.num_experts * 3 * h * _cdiv(arch.moe_intermediate_size, tp)
     shared = 3 * h * _cdiv(arch.shared_expert_intermediate_size, tp)
     router = h * arch.num_experts + arch.num_experts  # gate weight (+ DeepSeek's correction bias)
-    return ParamSplit(linear=experts + shared, other=router)
+    return ParamSplit(linear=shared, other=router, experts=experts)
 
 
 def _layer(arch: ModelArch, tp: int, moe: bool) -> ParamSplit:
@@ -105,15 +113,21 @@ def rank_params(arch: ModelArch, tp: int = 1, pp: int = 1, padded_vocab: bool = 
     if moe_layers:
         body = body + _layer(arch, tp, moe=True).times(moe_layers)
     embed = _vocab(arch, tp, padded_vocab)
+    vision = _cdiv(arch.vision_parameters, tp)  # the vision tower shards like the decoder, on the first stage
     if pp == 1:
-        ends = embed + (0 if arch.tie_word_embeddings else embed) + arch.hidden_size
-    else:
-        ends = embed + arch.hidden_size  # the last stage's lm_head + final norm is the heavier end
+        ends = embed + vision + (0 if arch.tie_word_embeddings else embed) + arch.hidden_size
+    else:  # the heavier end: the first stage's embedding and vision tower or the last's lm_head + final norm
+        ends = embed + max(vision, arch.hidden_size)
     return body + ParamSplit(linear=0, other=ends)
 
 
-def _formula_bytes(params: ParamSplit, quant: WeightQuant, dtype_bytes: int) -> float:
-    return params.linear * quant.bytes_per_weight(dtype_bytes) + params.other * dtype_bytes
+def _formula_bytes(arch: ModelArch, params: ParamSplit, quant: WeightQuant, dtype_bytes: int) -> float:
+    packed = quant.bytes_per_weight(dtype_bytes)
+    linear = float(dtype_bytes) if quant.experts_only else packed
+    experts = float(params.experts)
+    if quant.method == "mxfp4":
+        experts *= _cdiv(arch.hidden_size, MXFP4_HIDDEN_ALIGNMENT) * MXFP4_HIDDEN_ALIGNMENT / arch.hidden_size
+    return params.linear * linear + experts * packed + params.other * dtype_bytes
 
 
 def weight_bytes_per_rank(arch: ModelArch, quant: WeightQuant, dtype_bytes: int, tp: int = 1, pp: int = 1) -> int:
@@ -123,26 +137,28 @@ def weight_bytes_per_rank(arch: ModelArch, quant: WeightQuant, dtype_bytes: int,
     (its own quantization), the whole is the checkpoint's bytes, split across ranks in the proportions the
     parameter-count formula gives; otherwise the formula alone.
     """
-    weights = _formula_bytes(rank_params(arch, tp, pp), quant, dtype_bytes)
+    weights = _formula_bytes(arch, rank_params(arch, tp, pp), quant, dtype_bytes)
     stored = arch.checkpoint.bytes_served(dtype_bytes) if arch.checkpoint and quant == arch.quant else None
     if stored:
-        weights *= stored / _formula_bytes(rank_params(arch, padded_vocab=False), quant, dtype_bytes)
+        weights *= stored / _formula_bytes(arch, rank_params(arch, padded_vocab=False), quant, dtype_bytes)
     rope_cache = arch.max_position_embeddings * arch.rope_dim * dtype_bytes
     return int(weights) + rope_cache
 
 
-def kv_bytes_per_token(arch: ModelArch, kv_dtype_bytes: float, tp: int = 1, pp: int = 1) -> int:
-    """KV cache bytes per token on one rank.
+def kv_bytes_per_layer_token(arch: ModelArch, kv_dtype_bytes: float, tp: int = 1) -> float:
+    """KV cache bytes one layer keeps per token on one rank.
 
-    Standard attention: 2 (K and V) x layers x KV heads on this rank x head_dim x bytes.
-    MLA: one latent (kv_lora_rank + qk_rope_head_dim) per token per layer, on every TP rank.
+    Standard attention: 2 (K and V) x KV heads on this rank x head_dim x bytes.
+    MLA: one latent (kv_lora_rank + qk_rope_head_dim) per token, on every TP rank.
     """
-    layers = _cdiv(arch.num_layers, pp)
     if arch.is_mla:
-        per_layer = ((arch.kv_lora_rank or 0) + arch.qk_rope_head_dim) * kv_dtype_bytes
-    else:
-        per_layer = 2 * kv_heads_per_rank(arch, tp) * arch.head_dim * kv_dtype_bytes
-    return int(layers * per_layer)
+        return ((arch.kv_lora_rank or 0) + arch.qk_rope_head_dim) * kv_dtype_bytes
+    return 2 * kv_heads_per_rank(arch, tp) * arch.head_dim * kv_dtype_bytes
+
+
+def kv_bytes_per_token(arch: ModelArch, kv_dtype_bytes: float, tp: int = 1, pp: int = 1) -> int:
+    """KV cache bytes per token on one rank if every layer of its stage kept every token."""
+    return round(_cdiv(arch.num_layers, pp) * kv_bytes_per_layer_token(arch, kv_dtype_bytes, tp))
 
 
 def activation_bytes_per_token(arch: ModelArch, act_bytes: int, tp: int = 1) -> int:

@@ -33,6 +33,8 @@ class CapacityArgs(BaseModel):
     enforce_eager: bool = False
     enable_chunked_prefill: bool | None = None
     kv_cache_memory_bytes: int | None = Field(None, ge=0)
+    async_scheduling: bool | None = None
+    disable_hybrid_kv_cache_manager: bool | None = None
 
 
 def read_engine_args(engine_args: Mapping[str, Any]) -> CapacityArgs:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from typing import Any
 
 from rich.console import Console
@@ -225,7 +226,9 @@ def _plan(args: argparse.Namespace, arch: ModelArch, hardware: Hardware) -> tupl
         "block_size": args.block_size,
         "enforce_eager": args.enforce_eager,
     }
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(int(args.cpu_kvcache_space_gib))} if args.device == "cpu" else None
+    env = {key: os.environ[key] for key in ("VLLM_ALLOW_LONG_MAX_MODEL_LEN",) if key in os.environ}
+    if args.device == "cpu":
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(int(args.cpu_kvcache_space_gib))
     return plan_capacity(arch, engine_args, hardware, env=env, request_tokens=args.request_tokens), engine_args
 
 

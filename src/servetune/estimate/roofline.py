@@ -20,7 +20,7 @@ import functools
 from dataclasses import dataclass
 
 from servetune.capacity import ModelArch, WeightQuant
-from servetune.capacity.params import rank_params
+from servetune.capacity.params import rank_params, weight_bytes_per_rank
 from servetune.estimate.factors import Efficiency
 from servetune.estimate.specs import DeviceRates
 
@@ -49,24 +49,20 @@ class Replica:
     @functools.cached_property
     def expert_bytes(self) -> float:
         """Bytes of routed-expert weights on one rank (read only for the experts a step touches)."""
-        a = self.arch
-        per_layer = a.num_experts * 3 * a.hidden_size * _cdiv(a.moe_intermediate_size, self.tp)
-        return a.num_moe_layers * per_layer * self.quant.bytes_per_weight(self.dtype_bytes)
+        return rank_params(self.arch, self.tp).experts * self.quant.bytes_per_weight(self.dtype_bytes)
 
     @functools.cached_property
     def weight_bytes(self) -> float:
-        p = rank_params(self.arch, self.tp)
-        return p.linear * self.quant.bytes_per_weight(self.dtype_bytes) + p.other * self.dtype_bytes
+        return float(weight_bytes_per_rank(self.arch, self.quant, self.dtype_bytes, self.tp))
 
     @functools.cached_property
     def active_params(self) -> float:
         """Parameters one token multiplies through on one rank: routed experts at top-k / experts."""
         a = self.arch
-        p = rank_params(a, self.tp)
-        routed = a.num_moe_layers * a.num_experts * 3 * a.hidden_size * _cdiv(a.moe_intermediate_size, self.tp)
+        p = rank_params(a, self.tp)  # routed experts apart from the linear weights (capacity/params.py)
         share = a.num_experts_per_tok / a.num_experts if a.is_moe else 0.0
         lm_head = _cdiv(a.vocab_size, self.tp) * a.hidden_size
-        return p.linear - routed + routed * share + lm_head
+        return p.linear + p.experts * share + lm_head
 
     def attention_flops(self, context: float) -> float:
         """Attention FLOPs of one token against ``context`` earlier tokens, on one rank."""
