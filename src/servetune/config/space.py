@@ -30,7 +30,7 @@ from servetune.config.constraints import evaluate_constraint, parse_constraint
 from servetune.config.quality import QualitySpec
 from servetune.config.slo import Slo, SloBound
 from servetune.config.workload import Workload, load_workload
-from servetune.metrics import COST_METRIC, metric_names
+from servetune.metrics import COST_METRIC, ENERGY_METRICS, metric_names
 
 #: vLLM's defaults for the arguments constraints and placement read: their product is an engine's devices
 #: (vLLM 0.32's world size is pipeline x tensor x prefill-context parallel, one per data-parallel rank).
@@ -176,7 +176,7 @@ class Objective(BaseModel):
     @field_validator("metric")
     @classmethod
     def _known(cls, metric: str) -> str:
-        known = [*metric_names(), COST_METRIC]
+        known = [*metric_names(), COST_METRIC, *ENERGY_METRICS]
         if metric not in known:
             raise ValueError(f"unknown metric '{metric}'")
         return metric
