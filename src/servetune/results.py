@@ -9,6 +9,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from servetune.capacity.prices import DevicePrice
 from servetune.config.slo import SloBound
 from servetune.errors import UserError
 from servetune.metrics import (
@@ -265,6 +266,7 @@ class TrialResult(BaseModel):
     device: Literal["gpu", "cpu"]
     devices: int
     price_per_device_hour: float
+    price: DevicePrice | None = None  # where price_per_device_hour came from (None in results before schema 7)
     slo: list[str]
     outcome: Outcome
     reason: str | None = None
@@ -426,8 +428,9 @@ def highest_load_index(levels: list[LevelResult]) -> int | None:
 #: carries ``failure`` (whose fault: trial/failures.py) and ``retried``; 6: a level's telemetry carries the
 #: energy of its measured window alone (``gpu_energy_measured_j``, ``cpu_energy_measured_j``: telemetry.py) and
 #: the level its ``energy_note``, so operating points have ``energy_per_token`` and ``energy_per_request`` (a
-#: result from before has neither: its energy counted the warm-up too).
-SCHEMA_VERSION = 6
+#: result from before has neither: its energy counted the warm-up too); 7: a result carries ``price``, the price
+#: of its GPU type with its source and date (capacity/prices.py).
+SCHEMA_VERSION = 7
 
 
 class StudyInfo(BaseModel):

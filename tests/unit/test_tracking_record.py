@@ -346,3 +346,15 @@ def test_energy_per_token_and_request_are_metrics_and_a_missing_one_says_why():
     assert "servetune.energy_note" not in level_tags(t)
     t.levels[1].energy_note = "RAPL not readable: /sys/class/powercap absent"
     assert level_tags(t)["servetune.energy_note"] == "RAPL not readable: /sys/class/powercap absent"
+
+
+def test_the_price_a_trial_was_costed_at_is_a_param_with_its_source():
+    from servetune.capacity.prices import DevicePrice
+    from servetune.tracking.fields import trial_params
+
+    t = rich_trial()
+    assert "price_source" not in trial_params(t)  # a result from before the price list
+    t.price = DevicePrice(usd_per_device_hour=3.78, source="https://example.com/p", gpu="H100-SXM")
+    params = trial_params(t)
+    assert params["price_per_device_hour"] == "3.78"
+    assert params["price_source"] == "H100-SXM at $3.78 per device-hour (https://example.com/p)"

@@ -73,6 +73,7 @@ class StudyReport:
     ] = ()  # the recommended trial's TTFT distribution per level (report/distribution.py)
     serve_check: ServeSection | None = None  # what serve-check measured on Ray Serve (report/serving.py)
     energy: str = ""  # where the energy per token came from, or why it is missing (energy_line)
+    prices: tuple[str, ...] = ()  # the prices the trials were costed at, with source and date (none overridden)
 
     def outcome_counts(self) -> dict[str, int]:
         """Trials by outcome, plus ``not read`` (every trial directory is counted once)."""
@@ -164,7 +165,14 @@ def build_report(study: LoadedStudy, price_per_device_hour: float | None = None)
         ttft_spreads=ttft_spreads(study.trials, recommendation.point),
         serve_check=serve_section(study.serve_check),
         energy=energy_line(study.trials, points, study.info.device),
+        prices=() if price_per_device_hour is not None else prices_used(study.trials),
     )
+
+
+def prices_used(trials: Sequence[TrialResult]) -> tuple[str, ...]:
+    """Each price the trials were costed at, once, with its source and date (results from before schema 7 say
+    none: the study's one price then stands for them)."""
+    return tuple(sorted({t.price.describe() for t in trials if t.price is not None}))
 
 
 def energy_line(trials: Sequence[TrialResult], points: Sequence[ReportPoint], device: str) -> str:

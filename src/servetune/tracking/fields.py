@@ -92,6 +92,9 @@ def trial_params(trial: TrialResult) -> dict[str, str]:
         params[ENV_PREFIX + CPU_KV_SPACE] = trial.env[CPU_KV_SPACE]
     params.update({metric_key(name): value for name, value in chosen_params(trial).items()})
     params["devices"] = str(trial.devices)
+    if trial.price is not None:  # the price its cost is at, and where it came from (capacity/prices.py)
+        params["price_per_device_hour"] = format_value(trial.price.usd_per_device_hour)
+        params["price_source"] = trial.price.describe()
     return params
 
 
