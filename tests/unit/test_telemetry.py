@@ -58,6 +58,31 @@ def test_a_gpu_under_load_reads_busy_and_its_energy_matches_its_power():
 
 
 @needs_gpu
+def test_a_gpus_window_energy_leaves_an_idle_start_out_and_matches_its_power():
+    """Idle for 2 s, then 4 s of matmuls: the energy of the busy window from the counter is near its sampled
+    power integrated over it, and below the whole span's."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA device")
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    with TelemetrySampler([0], interval_s=0.25) as sampler:
+        time.sleep(2)
+        start = time.perf_counter()
+        while time.perf_counter() - start < 4:
+            for _ in range(20):
+                a @ a
+            torch.cuda.synchronize()
+        end = time.perf_counter()
+    window = sampler.window_energy(start, end)["gpu_energy_measured_j"]
+    powered = [(t, s["gpu_power_w"]) for t, s in zip(sampler._sample_times, sampler._samples, strict=True)]
+    from servetune.telemetry import power_energy
+
+    integrated = power_energy([t for t, _ in powered], [w for _, w in powered], start, end)
+    assert 0.7 < window / integrated < 1.3, (window, integrated)
+    assert window < sampler.window_energy(sampler._started, sampler._ended)["gpu_energy_measured_j"]
+
+
+@needs_gpu
 def test_the_environment_names_the_gpu_and_its_driver():
     from servetune.environment import _gpus
 
