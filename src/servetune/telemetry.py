@@ -123,7 +123,7 @@ class TelemetrySampler:
 
     def __init__(
         self, gpu_indices: Sequence[int] | None = None, engine_pid: int | None = None, interval_s: float = 1.0,
-        rapl_root: Path = POWERCAP,
+        rapl_root: Path | None = None,
     ) -> None:  # fmt: skip
         self.gpu_indices = list(gpu_indices or [])
         self.engine_pid = engine_pid
@@ -142,14 +142,14 @@ class TelemetrySampler:
         self._started = self._ended = 0.0
         self._nvml: ModuleType | None = None
         self._handles: list = []
-        self.rapl_root = rapl_root
+        self.rapl_root = rapl_root  # None: POWERCAP
 
     def __enter__(self) -> TelemetrySampler:
         self._nvml = nv = _nvml() if self.gpu_indices else None
         if nv is not None:
             self._handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in self.gpu_indices]
             self._energy_start = self._energy(nv)
-        self._rapl, self._rapl_note = rapl_zones(self.rapl_root)
+        self._rapl, self._rapl_note = rapl_zones(self.rapl_root if self.rapl_root is not None else POWERCAP)
         psutil.cpu_percent(None)  # prime the counter: the next call measures from here
         self._started = time.perf_counter()
         self._read_counters(self._started)
