@@ -11,7 +11,7 @@ A page asks for a generated part with a marker on a line of its own:
 ``<!-- generated: commands -->``
     a row per sub-command, as ``servetune --help`` lists them, each linked to its page.
 ``<!-- generated: metric-names -->``
-    the flat metric names a level has (``servetune.metrics.metric_names``) and the cost's.
+    the flat metric names a level has (``servetune.metrics.metric_names``), the cost's and the energy's.
 ``<!-- generated: mlflow -->``
     the names of what a study logs to MLflow: the stored demo study sent through servetune's own
     MLflow sync, with a client that keeps the names (docgen/mlflow_names.py).
@@ -66,9 +66,9 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
 
 
 def metric_names_list() -> str:
-    from servetune.metrics import COST_METRIC, metric_names
+    from servetune.metrics import COST_METRIC, ENERGY_METRICS, metric_names
 
-    return "\n".join(f"- `{name}`" for name in [*metric_names(), COST_METRIC])
+    return "\n".join(f"- `{name}`" for name in [*metric_names(), COST_METRIC, *ENERGY_METRICS])
 
 
 def included(path: str) -> str:

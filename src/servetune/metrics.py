@@ -55,6 +55,14 @@ RATE_METRICS = (
     ERROR_RATE,
 )
 COST_METRIC = "cost_per_mtok_usd"
+#: Joules the trial's devices drew over a level's measured window (warm-up left out), per output token and per
+#: completed request: its GPUs' energy (NVML) on GPUs, the host's CPU packages' (RAPL) on the CPU stand-in.
+#: Absent where the energy could not be measured (``LevelResult.energy_note`` says why).
+ENERGY_PER_TOKEN = "energy_per_token"
+ENERGY_PER_REQUEST = "energy_per_request"
+ENERGY_METRICS = (ENERGY_PER_TOKEN, ENERGY_PER_REQUEST)
+#: The telemetry keys of the measured window's energy (telemetry.py), by the device a trial reserves.
+MEASURED_ENERGY = {"gpu": "gpu_energy_measured_j", "cpu": "cpu_energy_measured_j"}
 #: Derived rates for reports: output tok/s per reserved device, and one user's streaming speed
 #: (1000 / mean TPOT, in output tok/s).
 OUTPUT_THROUGHPUT_PER_DEVICE = "output_throughput_per_device"
@@ -179,6 +187,13 @@ def busy_output_throughput(records: Iterable[RequestRecord], clients: int) -> fl
             inside = sum(1 for t in r.chunk_times if start <= t <= end)
             tokens += inside * r.output_tokens / len(r.chunk_times)
     return tokens / (end - start)
+
+
+def energy_per(energy_j: float | None, count: float) -> float | None:
+    """Joules per token (or request): None without an energy or a count to divide it by."""
+    if energy_j is None or count <= 0:
+        return None
+    return energy_j / count
 
 
 def cost_per_mtok_usd(price_per_gpu_hour: float, gpus: int, output_throughput: float) -> float:
@@ -318,6 +333,16 @@ def meets_request_slo(record: RequestRecord, bounds_ms: Mapping[str, float]) -> 
     return True
 
 
+def measured_window(records: Iterable[RequestRecord]) -> tuple[float, float] | None:
+    """The level's measured window on its clock: the first measured send -> the last measured end (a request
+    that never ended counts at its send). What throughputs and energy per token are over; None when nothing
+    was measured."""
+    measured = [r for r in records if not r.warmup]
+    if not measured:
+        return None
+    return min(r.sent for r in measured), max((r.end if r.end is not None else r.sent) for r in measured)
+
+
 def summarize(
     records: Iterable[RequestRecord],
     level: Mapping[str, float],
@@ -334,12 +359,8 @@ def summarize(
     measured = [r for r in all_records if not r.warmup]
     ok = [r for r in measured if r.ok]
     failed = [r for r in measured if not r.ok]
-    if measured:
-        start = min(r.sent for r in measured)
-        end = max((r.end if r.end is not None else r.sent) for r in measured)
-        duration = max(end - start, 1e-9)
-    else:
-        duration = 0.0
+    window = measured_window(all_records)
+    duration = max(window[1] - window[0], 1e-9) if window is not None else 0.0
     total_in = sum(r.prompt_tokens if r.prompt_tokens is not None else r.input_tokens for r in ok)
     total_out = sum(r.output_tokens or 0 for r in ok)
 

@@ -9,9 +9,18 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from servetune.capacity.prices import DevicePrice
 from servetune.config.slo import SloBound
 from servetune.errors import UserError
-from servetune.metrics import COST_METRIC, LevelSummary, cost_per_mtok_usd
+from servetune.metrics import (
+    COST_METRIC,
+    ENERGY_PER_REQUEST,
+    ENERGY_PER_TOKEN,
+    MEASURED_ENERGY,
+    LevelSummary,
+    cost_per_mtok_usd,
+    energy_per,
+)
 
 #: Results are records servetune writes and reads back, often with another version: a field this
 #: version does not know (a newer servetune wrote it) is ignored rather than refused.
@@ -45,6 +54,7 @@ class LevelResult(BaseModel):
     send_sync_share: float | None = None  # share of requests sent within 10 ms of another (metrics.send_sync_share)
     itl_burst_share: float | None = None  # share of token gaps under 1 ms: read in bursts (metrics.itl_burst_share)
     ttft_ms_distribution: list[float] | None = None  # TTFT at percentiles 0, 5, ..., 100 (metrics.ttft_distribution_ms)
+    energy_note: str | None = None  # why an energy of the measured window is missing (telemetry.py), else None
     runs: list[LevelRun] = Field(default=[], exclude_if=lambda runs: not runs)  # absent when run once
 
     @property
@@ -265,6 +275,7 @@ class TrialResult(BaseModel):
     device: Literal["gpu", "cpu"]
     devices: int
     price_per_device_hour: float
+    price: DevicePrice | None = None  # where price_per_device_hour came from (None in results before schema 7)
     slo: list[str]
     outcome: Outcome
     reason: str | None = None
@@ -308,6 +319,7 @@ class TrialResult(BaseModel):
         for index, level in enumerate(self.levels):
             metrics = level.summary.flat()
             metrics[COST_METRIC] = cost_per_mtok_usd(price, self.devices, level.summary.output_throughput)
+            metrics.update(self.energy_metrics(level))
             points.append(
                 OperatingPoint(
                     trial_id=self.trial_id,
@@ -320,6 +332,16 @@ class TrialResult(BaseModel):
                 )
             )
         return points
+
+    def energy_metrics(self, level: LevelResult) -> dict[str, float]:
+        """Joules per output token and per completed request over the level's measured window, from the
+        energy of the devices the trial reserved (metrics.MEASURED_ENERGY); empty where it was not measured."""
+        energy = level.telemetry.get(MEASURED_ENERGY[self.device])
+        per = {
+            ENERGY_PER_TOKEN: energy_per(energy, level.summary.total_output_tokens),
+            ENERGY_PER_REQUEST: energy_per(energy, level.summary.completed),
+        }
+        return {name: value for name, value in per.items() if value is not None}
 
     @property
     def unsettled_loads(self) -> frozenset[float]:
@@ -412,8 +434,12 @@ def highest_load_index(levels: list[LevelResult]) -> int | None:
 #: summary carries what the ladder judges saturation on (``busy_output_throughput``,
 #: ``send_span_s``, ``ttft_growth``, ``ttft_growth_low``); 4: results carry ``capacity_at_slo`` and
 #: their levels may go on past the ladder, in the order measured (trial/capacity.py); 5: a FAILED result
-#: carries ``failure`` (whose fault: trial/failures.py) and ``retried``.
-SCHEMA_VERSION = 5
+#: carries ``failure`` (whose fault: trial/failures.py) and ``retried``; 6: a level's telemetry carries the
+#: energy of its measured window alone (``gpu_energy_measured_j``, ``cpu_energy_measured_j``: telemetry.py) and
+#: the level its ``energy_note``, so operating points have ``energy_per_token`` and ``energy_per_request`` (a
+#: result from before has neither: its energy counted the warm-up too); 7: a result carries ``price``, the price
+#: of its GPU type with its source and date (capacity/prices.py).
+SCHEMA_VERSION = 7
 
 
 class StudyInfo(BaseModel):

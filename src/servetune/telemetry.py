@@ -6,20 +6,105 @@ utilization, memory used (peak), power, energy (the driver's energy counter wher
 else power integrated over time), temperature and SM clock. Without an NVIDIA GPU it records
 the host instead (CPU utilization, memory used, and the engine's process tree: CPU and RSS);
 the ``host_`` and ``engine_`` prefixes say which it was.
+
+Energy is also kept as a series (the GPUs' energy counters and power, the host's RAPL package counters), so
+:meth:`TelemetrySampler.summary` can give the energy of exactly the level's measured window, its warm-up left
+out: the counters interpolated at the window's ends (:func:`counter_energy`, wraparound included), or the
+sampled power integrated over it where a GPU has no counter (:func:`power_energy`). Where RAPL cannot be read
+(no ``/sys/class/powercap``, or ``energy_uj`` readable by root only) the host's energy is absent and
+:attr:`TelemetrySampler.energy_note` says why.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import psutil
 
 GIB = 1024**3
+#: Where Linux exposes RAPL's energy counters (``intel-rapl:N/energy_uj``, AMD's too).
+POWERCAP = Path("/sys/class/powercap")
+
+
+def counter_energy(
+    times: Sequence[float], readings: Sequence[float], start: float, end: float, wrap: float | None = None
+) -> float | None:
+    """Energy over [start, end] from a cumulative counter read at ``times`` (same unit as the readings).
+
+    The counter is taken as linear between reads and interpolated at the window's ends (ends outside the
+    reads are clamped to them). A reading below the one before is a wraparound: ``wrap`` (the counter's
+    range, RAPL's ``max_energy_range_uj``) is added; without one the counter was reset and None is returned.
+    None with fewer than two reads or an empty window."""
+    if len(times) < 2 or len(times) != len(readings) or end <= start:
+        return None
+    cumulative = [0.0]
+    for before, after in itertools.pairwise(readings):
+        step = after - before
+        if step < 0:
+            if wrap is None:
+                return None
+            step += wrap
+        cumulative.append(cumulative[-1] + step)
+    return float(np.interp(end, times, cumulative) - np.interp(start, times, cumulative))
+
+
+def power_energy(times: Sequence[float], watts: Sequence[float], start: float, end: float) -> float | None:
+    """Joules over [start, end] from power sampled at ``times`` (trapezoids between samples, interpolated at
+    the window's ends); None with fewer than two samples or an empty window."""
+    if len(times) < 2 or len(times) != len(watts) or end <= start:
+        return None
+    cumulative = [0.0]
+    for (t0, w0), (t1, w1) in itertools.pairwise(zip(times, watts, strict=True)):
+        cumulative.append(cumulative[-1] + (w0 + w1) / 2 * (t1 - t0))
+    return float(np.interp(end, times, cumulative) - np.interp(start, times, cumulative))
+
+
+@dataclass(frozen=True)
+class RaplZone:
+    """One RAPL package zone: its counter file (microjoules) and the counter's range."""
+
+    name: str
+    energy_uj: Path
+    max_energy_range_uj: float
+
+    def read_j(self) -> float:
+        return float(self.energy_uj.read_text()) / 1e6
+
+
+def rapl_zones(root: Path = POWERCAP) -> tuple[list[RaplZone], str | None]:
+    """The host's RAPL package zones (``intel-rapl:N``; their sub-zones are inside them, and ``psys`` holds the
+    whole platform), or none and why they cannot be read."""
+    if not root.is_dir():
+        return [], f"RAPL not readable: {root} absent"
+    zones = []
+    for zone in sorted(root.glob("intel-rapl:*")):
+        if zone.name.count(":") != 1:
+            continue
+        try:
+            name = (zone / "name").read_text().strip()
+        except OSError:
+            name = zone.name
+        if not name.startswith("package"):
+            continue
+        try:
+            found = RaplZone(name, zone / "energy_uj", float((zone / "max_energy_range_uj").read_text()))
+            found.read_j()
+        except (OSError, ValueError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            return [], f"RAPL not readable: {zone / 'energy_uj'}: {why}"
+        zones.append(found)
+    if not zones:
+        return [], f"RAPL not readable: no package zone (intel-rapl:N) under {root}"
+    return zones, None
 
 
 def _nvml() -> ModuleType | None:
@@ -37,27 +122,37 @@ class TelemetrySampler:
     """``with TelemetrySampler(gpu_indices, engine_pid) as t: ...``; then ``t.summary()``."""
 
     def __init__(
-        self, gpu_indices: Sequence[int] | None = None, engine_pid: int | None = None, interval_s: float = 1.0
-    ) -> None:
+        self, gpu_indices: Sequence[int] | None = None, engine_pid: int | None = None, interval_s: float = 1.0,
+        rapl_root: Path | None = None,
+    ) -> None:  # fmt: skip
         self.gpu_indices = list(gpu_indices or [])
         self.engine_pid = engine_pid
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._samples: list[dict[str, float]] = []
+        self._sample_times: list[float] = []  # time.perf_counter() of each sample
         self._energy_start: dict[int, float] = {}
         self._energy_end: dict[int, float] = {}
+        # The energy counters as a series: (time.perf_counter(), GPU index or RAPL zone -> joules).
+        self._gpu_counters: list[tuple[float, dict[int, float]]] = []
+        self._rapl_counters: list[tuple[float, dict[str, float]]] = []
+        self._rapl: list[RaplZone] = []
+        self._rapl_note: str | None = None
         self._started = self._ended = 0.0
         self._nvml: ModuleType | None = None
         self._handles: list = []
+        self.rapl_root = rapl_root  # None: POWERCAP
 
     def __enter__(self) -> TelemetrySampler:
         self._nvml = nv = _nvml() if self.gpu_indices else None
         if nv is not None:
             self._handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in self.gpu_indices]
             self._energy_start = self._energy(nv)
+        self._rapl, self._rapl_note = rapl_zones(self.rapl_root if self.rapl_root is not None else POWERCAP)
         psutil.cpu_percent(None)  # prime the counter: the next call measures from here
-        self._started = time.monotonic()
+        self._started = time.perf_counter()
+        self._read_counters(self._started)
         self._thread = threading.Thread(target=self._run, name="servetune-telemetry", daemon=True)
         self._thread.start()
         return self
@@ -67,10 +162,12 @@ class TelemetrySampler:
         if self._thread is not None:
             self._thread.join(timeout=5)
         self._take_sample()  # a last one: a level shorter than the interval still gets a sample
-        self._ended = time.monotonic()
+        self._ended = time.perf_counter()
         if self._nvml is not None:
             self._energy_end = self._energy(self._nvml)
+            self._gpu_counters.append((self._ended, self._energy_end))
             self._nvml.nvmlShutdown()
+        self._read_rapl(self._ended)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -78,8 +175,24 @@ class TelemetrySampler:
 
     def _take_sample(self) -> None:
         nv = self._nvml
+        now = time.perf_counter()
         with contextlib.suppress(Exception):  # a sample that fails is skipped, never fatal to the level
             self._samples.append(self._gpu_sample(nv) if nv is not None else self._host_sample())
+            self._sample_times.append(now)
+        self._read_counters(now)
+
+    def _read_counters(self, now: float) -> None:
+        if self._nvml is not None:
+            self._gpu_counters.append((now, self._energy(self._nvml)))
+        self._read_rapl(now)
+
+    def _read_rapl(self, now: float) -> None:
+        readings = {}
+        for zone in self._rapl:
+            with contextlib.suppress(OSError, ValueError):  # a read that fails leaves that zone out of the read
+                readings[zone.name] = zone.read_j()
+        if readings:
+            self._rapl_counters.append((now, readings))
 
     def _energy(self, nv: ModuleType) -> dict[int, float]:
         out = {}
@@ -123,9 +236,15 @@ class TelemetrySampler:
                 pass
         return sample
 
-    def summary(self) -> dict[str, float]:
-        """Means and peaks of the samples, and energy on GPUs (empty if nothing was sampled)."""
+    def summary(self, window: tuple[float, float] | None = None) -> dict[str, float]:
+        """Means and peaks of the samples, and energy on GPUs (empty if nothing was sampled).
+
+        ``window``: the measured window, in ``time.perf_counter()`` seconds; its energy is added as
+        ``gpu_energy_measured_j`` (the trial's GPUs) and ``cpu_energy_measured_j`` (the host's RAPL packages),
+        each where it could be measured (:attr:`energy_note` says why one is not)."""
         out: dict[str, float] = {}
+        if window is not None:
+            out.update(self.window_energy(*window))
         if not self._samples:
             return out
         keys = {k for s in self._samples for k in s}
@@ -140,6 +259,57 @@ class TelemetrySampler:
             elif "gpu_power_w_mean" in out:  # no energy counter: power integrated over the window
                 out["gpu_energy_j"] = out["gpu_power_w_mean"] * duration
         return out
+
+    def window_energy(self, start: float, end: float) -> dict[str, float]:
+        """Joules of [start, end] (``time.perf_counter()`` seconds): the GPUs' from their counters (each GPU's
+        interpolated at the window's ends), else from their summed power integrated over it; the host's from
+        its RAPL package counters, wraparound included."""
+        out: dict[str, float] = {}
+        if self._nvml is not None:
+            gpu = _counters_energy(self._gpu_counters, list(self.gpu_indices), start, end, {})
+            if gpu is None:
+                powered = [(t, s["gpu_power_w"]) for t, s in zip(self._sample_times, self._samples, strict=True)
+                           if "gpu_power_w" in s]  # fmt: skip
+                gpu = power_energy([t for t, _ in powered], [w for _, w in powered], start, end)
+            if gpu is not None:
+                out["gpu_energy_measured_j"] = gpu
+        if self._rapl:
+            wraps = {zone.name: zone.max_energy_range_uj / 1e6 for zone in self._rapl}
+            cpu = _counters_energy(self._rapl_counters, list(wraps), start, end, wraps)
+            if cpu is not None:
+                out["cpu_energy_measured_j"] = cpu
+        return out
+
+    @property
+    def energy_note(self) -> str | None:
+        """Why an energy of the measured window is missing (None when every energy it could have is there)."""
+        notes = []
+        if self.gpu_indices and self._nvml is None:
+            notes.append("GPU energy not measured: NVML not available")
+        elif (
+            self.gpu_indices
+            and not any("gpu_power_w" in s for s in self._samples)
+            and not all(len(read) == len(self.gpu_indices) for _, read in self._gpu_counters)
+        ):
+            notes.append("GPU energy not measured: no energy counter and no power readings")
+        if self._rapl_note is not None:
+            notes.append(self._rapl_note)
+        return "; ".join(notes) or None
+
+
+def _counters_energy(
+    series: Sequence[tuple[float, dict[Any, float]]], keys: list[Any], start: float, end: float,
+    wraps: dict[Any, float],
+) -> float | None:  # fmt: skip
+    """The sum over ``keys`` of :func:`counter_energy` on each key's reads; None when a key has fewer than two."""
+    total = 0.0
+    for key in keys:
+        reads = [(t, read[key]) for t, read in series if key in read]
+        energy = counter_energy([t for t, _ in reads], [v for _, v in reads], start, end, wraps.get(key))
+        if energy is None:
+            return None
+        total += energy
+    return total if keys else None
 
 
 def _mean(values: list[float]) -> float:

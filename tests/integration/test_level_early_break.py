@@ -62,20 +62,31 @@ def test_an_open_loop_above_the_server_s_capacity_stops_once_its_queue_keeps_gro
     assert 0 < result.summary.completed < 400 and len(records) < 400
 
 
-def test_a_levels_energy_per_token_counts_the_tokens_of_the_window_it_measured(tiny_tokenizer):
-    """The device telemetry runs over the whole level, its warm-up requests included; so the energy per output
-    token divides by every token served in that window, not by the measured requests' alone."""
+def test_a_levels_energy_is_asked_for_its_measured_window_alone(tiny_tokenizer):
+    """The device telemetry runs over the whole level, its warm-up requests included; the level asks it for the
+    energy of the measured window only (first measured send -> last measured end, on the sampler's clock), so
+    energy per token divides the measured requests' energy by their tokens."""
+    import time
+
     import servetune.telemetry as telemetry
+
+    windows = []
 
     class FixedEnergy(telemetry.TelemetrySampler):
         def __enter__(self):
+            self.entered = time.perf_counter()
             return self
 
         def __exit__(self, *exc):
-            return None
+            self.exited = time.perf_counter()
 
-        def summary(self):
-            return {"gpu_energy_j": 1000.0}
+        def summary(self, window=None):
+            windows.append((self.entered, window, self.exited))
+            return {"gpu_energy_measured_j": 1000.0} if window is not None else {}
+
+        @property
+        def energy_note(self):
+            return "RAPL not readable: /sys/class/powercap absent"
 
     fake = FakeOpenAI(ttft_ms=2, itl_ms=1)
     workload = load_workload("cpu-tiny")
@@ -88,6 +99,10 @@ def test_a_levels_energy_per_token_counts_the_tokens_of_the_window_it_measured(t
 
     with serve_fake(fake) as url:
         result, records = asyncio.run(go(url))
-    served = sum(r.output_tokens for r in records)
-    assert served > result.summary.total_output_tokens  # the warm-up requests' tokens too
-    assert result.telemetry["gpu_energy_j_per_output_token"] == pytest.approx(1000.0 / served)
+    (entered, (start, end), exited) = windows[0]
+    assert entered < start < end < exited  # inside the sampled span: the warm-up before it is left out
+    assert end - start == pytest.approx(result.summary.duration_s)
+    warmup_sent = max(r.sent for r in records if r.warmup)
+    assert start - entered > warmup_sent  # the first measured send came after the warm-up's
+    assert result.telemetry["gpu_energy_measured_j"] == 1000.0
+    assert result.energy_note == "RAPL not readable: /sys/class/powercap absent"

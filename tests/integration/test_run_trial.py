@@ -204,9 +204,8 @@ class LoggingEngine(FakeEngine):
 @pytest.mark.parametrize(
     "engine_args, why",
     [
-        ({"kv_cache_dtype": "int4_per_token_head"}, "kv_cache_dtype int4_per_token_head"),
-        ({"quantization": "modelopt"}, "quantization modelopt"),
-        ({"max_model_len": 262144}, "max_model_len 262144 is above the model's max_position_embeddings 131072"),
+        ({"kv_cache_dtype": "nvfp4_ds_mla"}, "kv_cache_dtype nvfp4_ds_mla"),
+        ({"quantization": "gguf"}, "quantization gguf"),
     ],
 )
 def test_what_the_planner_cannot_size_starts_and_records_vllms_own_numbers(tmp_path, tiny_tokenizer, engine_args, why):
@@ -237,3 +236,51 @@ def test_what_the_planner_cannot_size_starts_and_records_vllms_own_numbers(tmp_p
     )
     refused = run_trial(small, lambda report: None, lambda: PromptFactory(tiny_tokenizer), engine=engine)
     assert refused.outcome == "INFEASIBLE" and len(started) == 1
+
+
+def test_a_cpu_trials_energy_per_token_comes_from_rapl_where_readable_and_is_absent_with_a_reason_where_not(
+    tmp_path, tiny_tokenizer, monkeypatch
+):
+    """A study never fails for want of RAPL: without /sys/class/powercap (this host) each level says why it has no
+    energy; with a package counter (a powercap tree a thread advances, wrapping as RAPL's does) each level has the
+    energy of its measured window and its points energy per token and per request."""
+    import threading
+
+    import servetune.telemetry as telemetry
+
+    monkeypatch.setattr(telemetry, "POWERCAP", tmp_path / "no-powercap")
+    result, _ = run(tmp_path / "none", tiny_tokenizer, FakeEngine(FakeOpenAI(ttft_ms=5, itl_ms=1)))
+    assert result.outcome == "COMPLETE"
+    assert all(lv.energy_note == f"RAPL not readable: {tmp_path / 'no-powercap'} absent" for lv in result.levels)
+    assert not any("energy_per_token" in p.metrics for p in result.operating_points())
+
+    zone = tmp_path / "powercap" / "intel-rapl:0"
+    zone.mkdir(parents=True)
+    (zone / "name").write_text("package-0\n")
+    (zone / "max_energy_range_uj").write_text("20000000\n")  # wraps at 20 J: 4 s at 5 W, once between reads
+    (zone / "energy_uj").write_text("19000000\n")  # so the first level's counter wraps
+    stop = threading.Event()
+
+    def package():  # 5 W: 0.05 J every 10 ms
+        uj = 19_000_000
+        while not stop.wait(0.01):
+            uj = (uj + 50_000) % 20_000_000
+            (zone / "energy_uj.new").write_text(f"{uj}\n")
+            (zone / "energy_uj.new").replace(zone / "energy_uj")  # whole, as sysfs reads are
+
+    monkeypatch.setattr(telemetry, "POWERCAP", tmp_path / "powercap")
+    drawing = threading.Thread(target=package, daemon=True)
+    drawing.start()
+    try:
+        result, _ = run(tmp_path / "rapl", tiny_tokenizer, FakeEngine(FakeOpenAI(ttft_ms=5, itl_ms=1)))
+    finally:
+        stop.set()
+        drawing.join()
+    assert result.outcome == "COMPLETE" and all(lv.energy_note is None for lv in result.levels)
+    for point, level in zip(result.operating_points(), result.levels, strict=True):
+        joules = level.telemetry["cpu_energy_measured_j"]
+        assert joules > 0  # through the wraps
+        assert point.metrics["energy_per_token"] == pytest.approx(joules / level.summary.total_output_tokens)
+        assert point.metrics["energy_per_request"] == pytest.approx(joules / level.summary.completed)
+    on_disk = json.loads((tmp_path / "rapl" / result.trial_id / "result.json").read_text())
+    assert on_disk["levels"][0]["telemetry"]["cpu_energy_measured_j"] > 0

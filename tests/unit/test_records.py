@@ -66,3 +66,26 @@ def test_slo_bounds_are_stored_typed_and_a_report_reads_them_without_parsing_tex
     assert report.slo == (SloLine("ttft_ms_p95", 500.0),)
     older = build_report(load_study(write_study(tmp_path / "older", study_info(), demo_trials())))
     assert older.slo == (SloLine("ttft_ms_p99", 2000.0), SloLine("tpot_ms_p99", 100.0))  # parsed from text
+
+
+def test_a_result_from_before_window_energy_loads_without_energy_metrics():
+    """Schema 5 recorded the whole level's energy (warm-up included) and no note: such a level loads, and its
+    points carry no energy per token rather than one that counted the warm-up."""
+    data = json.loads(trial("t1", {}, [level(4, 500, 900)]).model_dump_json())
+    data["schema_version"] = 5
+    data["levels"][0]["telemetry"] = {"gpu_energy_j": 5000.0, "gpu_energy_j_per_output_token": 0.1}
+    data["levels"][0].pop("energy_note", None)
+    loaded = TrialResult.model_validate(data)
+    assert loaded.levels[0].energy_note is None
+    assert "energy_per_token" not in loaded.operating_points()[0].metrics
+
+
+def test_a_levels_energy_per_token_and_request_come_from_its_measured_window():
+    t = trial("t1", {}, [level(4, 500, 900)])
+    t.levels[0].telemetry = {"gpu_energy_measured_j": 3000.0, "cpu_energy_measured_j": 99.0}
+    metrics = t.operating_points()[0].metrics
+    summary = t.levels[0].summary
+    assert metrics["energy_per_token"] == 3000.0 / summary.total_output_tokens  # the GPUs', not the host's
+    assert metrics["energy_per_request"] == 3000.0 / summary.completed
+    reloaded = TrialResult.model_validate_json(t.model_dump_json())
+    assert reloaded.operating_points()[0].metrics["energy_per_token"] == metrics["energy_per_token"]

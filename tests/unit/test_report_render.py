@@ -163,3 +163,32 @@ def test_two_capacities_that_overlap_within_their_noise_are_a_tie_and_the_reason
         tmp_path / "apart", study_info(), [searched("a", 8, 5, 6, 620, 0.02), searched("c", 32, 12, 14, 600, 0.02)]
     )
     assert build_report(load_study(tmp_path / "apart")).recommendation.ties == ()
+
+
+def test_energy_per_token_gets_its_front_against_p99_latency_where_it_was_measured(tmp_path):
+    from servetune.report.pareto import ENERGY_FRONT
+    from tests.builders import demo_trials, study_info, write_study
+
+    trials = demo_trials()
+    # t16's levels drew little energy per token (less at its higher load), t32's much, at a higher E2E P99 too
+    for t, joules in zip(trials[:2], ([400.0, 560.0], [8000.0, 20000.0, 30000.0]), strict=True):
+        for lv, j in zip(t.levels, joules, strict=True):
+            lv.telemetry = {"gpu_energy_measured_j": j}
+    report = build_report(load_study(write_study(tmp_path / "energy", study_info(), trials)))
+    (front,) = [f.result for f in report.fronts if f.spec == ENERGY_FRONT]
+    points = {(p.trial_id, p.level_index): p for p in report.points}
+    assert points[("t16", 0)].value("energy_per_token") == pytest.approx(400.0 / (400 * 60))
+    on_front = {(p.trial_id, p.level_index) for p in front.front}
+    assert on_front == {("t16", 0), ("t16", 1)}  # fewer joules per token and quicker end to end than t32's
+    assert ("t32", 2) in {(p.trial_id, p.level_index) for p in front.apart}  # it broke the SLO
+    md = render_markdown(report)
+    assert "| J/tok |" in md  # the Pareto tables' column
+    assert "- energy per token measured at 5 of 5 points, from the GPUs' energy counters (NVML)" in md
+    assert 'id="front-energy-vs-e2el"' in render_html(report)
+    # without an energy measured (no RAPL on the CPU stand-in, a study from before) the front is not drawn
+    trials = demo_trials()
+    trials[0].levels[0].energy_note = "GPU energy not measured: NVML not available"
+    plain = build_report(load_study(write_study(tmp_path / "plain", study_info(), trials)))
+    assert ENERGY_FRONT not in [f.spec for f in plain.fronts]
+    assert plain.energy.startswith("energy per token measured at 0 of 5 points")
+    assert plain.energy.endswith("; GPU energy not measured: NVML not available")

@@ -274,3 +274,52 @@ def test_resume_over_a_changed_space_skips_what_it_no_longer_holds_and_keys_valu
     assert all(type(p["x"]) is int for p, _, _ in searcher.history)  # as listed
     assert len(searcher.study.trials) == 3
     assert {json.dumps(p, sort_keys=True) for p, _, _ in searcher.history} <= set(searcher.finished)
+
+
+def energy_trial(trial_id: str, params: dict, joules: list[float], device: str = "gpu"):
+    """A trial whose levels measured these joules over their measured windows (its devices' energy)."""
+    levels = [level(2**i, 600 * (i + 1), 500 * (i + 1)) for i in range(len(joules))]
+    key = "gpu_energy_measured_j" if device == "gpu" else "cpu_energy_measured_j"
+    for lv, j in zip(levels, joules, strict=True):
+        lv.telemetry = {key: j, "gpu_energy_j": 10 * j}  # the whole level's energy is not what counts
+    return trial(trial_id, params, levels, device=device)
+
+
+def test_energy_per_token_is_an_objective_at_the_told_level():
+    t = energy_trial("e", {"x": 1}, [3600.0, 7200.0])
+    t.levels[1].slo_violations = []
+    energy = (Objective(metric="energy_per_token", mode="min"), Objective(metric="energy_per_request", mode="min"))
+    values, constraints = objectives_and_constraints(t, energy, SLO)
+    told = t.levels[1].summary  # both meet the SLO: the higher goodput is told
+    assert values == [pytest.approx(7200.0 / told.total_output_tokens), pytest.approx(7200.0 / told.completed)]
+    assert constraints[-1] == 0.0
+    # a trial whose energy was not measured (no RAPL on the CPU stand-in) is told the penalty, not a zero
+    unmeasured = trial("u", {"x": 2}, [level(1, 600, 500)])
+    assert objectives_and_constraints(unmeasured, energy, SLO)[0] == [PENALTY["min"], PENALTY["min"]]
+    # the CPU stand-in's energy is its host's packages' (RAPL)
+    cpu = energy_trial("c", {"x": 3}, [600.0], device="cpu")
+    assert objectives_and_constraints(cpu, energy[:1], SLO)[0] == [pytest.approx(600.0 / 36000)]
+
+
+@pytest.mark.parametrize("algorithm", ["grid", "random", "tpe", "nsga2", "gp"])
+def test_every_searcher_minimizes_energy_per_token_under_the_slo(algorithm):
+    """x costs energy the less it batches, and x > 30 breaks the TTFT SLO: the searchers that learn find low
+    energy within the SLO, and every algorithm accepts the objective."""
+    objectives = [{"metric": "energy_per_token", "mode": "min"}]
+    space = make_space(algorithm, search={"algorithm": algorithm, "seed": 3, "objectives": objectives})
+    if algorithm in ("grid", "random"):  # no sampler: the study only reports the objective
+        assert space.search.objectives[0].metric == "energy_per_token"
+        return
+    searcher = ConstrainedOptunaSearch(space, baseline=False)
+    for i in range(25):
+        params = searcher.suggest(f"t{i}")["params"]
+        x = params["x"]
+        lv = level(8, 600 + 20 * x, 500 + 1000 * max(0, x - 30), violations=("ttft",) if x > 30 else ())
+        lv.telemetry = {"gpu_energy_measured_j": 36000.0 * (1 + 1 / x)}
+        values, constraints = objectives_and_constraints(trial(f"t{i}", params, [lv]), space.search.objectives,
+                                                         space.slo_bounds)  # fmt: skip
+        searcher.on_trial_complete(
+            f"t{i}", {OBJECTIVES_KEY: json.dumps(values), CONSTRAINTS_KEY: json.dumps(constraints)}
+        )
+    best = [searcher._values(t)["x"] for t in searcher.study.best_trials]
+    assert best and all(x <= 30 for x in best)  # the least energy that meets the SLO, not the highest x

@@ -347,3 +347,31 @@ def test_capacity_its_bracket_and_the_cost_and_goodput_there_are_metrics():
     assert with_capacity["orderByKey"] == f"metrics.`capacity/{COST_METRIC}`" and with_capacity["orderByAsc"] is True
     assert "metrics.`capacity_lo`" in with_capacity["selectedColumns"]
     assert without["orderByKey"] == "metrics.`goodput`" and "metrics.`capacity`" not in without["selectedColumns"]
+
+
+def test_energy_per_token_and_request_are_metrics_and_a_missing_one_says_why():
+    t = rich_trial()
+    for index, lv in enumerate(t.levels):
+        lv.telemetry = {**lv.telemetry, "gpu_energy_measured_j": 1000.0 * (index + 1)}
+    by_key: dict[str, dict[int, float]] = {}
+    for m in trial_metrics(t):
+        by_key.setdefault(m.key, {})[m.step] = m.value
+    chosen = t.levels[1].summary  # the best level meeting the SLO
+    assert by_key["energy_per_token"] == {0: rounded(2000.0 / chosen.total_output_tokens)}
+    assert by_key["energy_per_request"] == {0: rounded(2000.0 / chosen.completed)}
+    assert set(by_key["by_level/energy_per_token"]) == {0, 1, 2}
+    assert "servetune.energy_note" not in level_tags(t)
+    t.levels[1].energy_note = "RAPL not readable: /sys/class/powercap absent"
+    assert level_tags(t)["servetune.energy_note"] == "RAPL not readable: /sys/class/powercap absent"
+
+
+def test_the_price_a_trial_was_costed_at_is_a_param_with_its_source():
+    from servetune.capacity.prices import DevicePrice
+    from servetune.tracking.fields import trial_params
+
+    t = rich_trial()
+    assert "price_source" not in trial_params(t)  # a result from before the price list
+    t.price = DevicePrice(usd_per_device_hour=3.78, source="https://example.com/p", gpu="H100-SXM")
+    params = trial_params(t)
+    assert params["price_per_device_hour"] == "3.78"
+    assert params["price_source"] == "H100-SXM at $3.78 per device-hour (https://example.com/p)"

@@ -26,11 +26,12 @@ from typing import Annotated, Any, Literal, TypeGuard
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
+from servetune.capacity.prices import Price, Pricing, price_table
 from servetune.config.constraints import evaluate_constraint, parse_constraint
 from servetune.config.quality import QualitySpec
 from servetune.config.slo import Slo, SloBound
 from servetune.config.workload import Workload, load_workload
-from servetune.metrics import COST_METRIC, metric_names
+from servetune.metrics import COST_METRIC, ENERGY_METRICS, metric_names
 
 #: vLLM's defaults for the arguments constraints and placement read: their product is an engine's devices
 #: (vLLM 0.32's world size is pipeline x tensor x prefill-context parallel, one per data-parallel rank).
@@ -176,7 +177,7 @@ class Objective(BaseModel):
     @field_validator("metric")
     @classmethod
     def _known(cls, metric: str) -> str:
-        known = [*metric_names(), COST_METRIC]
+        known = [*metric_names(), COST_METRIC, *ENERGY_METRICS]
         if metric not in known:
             raise ValueError(f"unknown metric '{metric}'")
         return metric
@@ -245,7 +246,10 @@ class SearchSpace(BaseModel):
     workload: str | Workload
     load: LoadProtocol = LoadProtocol()
     slo: SloSpec = SloSpec()
-    price_per_device_hour: float = Field(default=1.0, ge=0)  # USD per GPU-hour (CPU core-hour on CPU)
+    # USD per GPU-hour (CPU core-hour on CPU); set, it overrides the price list for every GPU type
+    price_per_device_hour: float = Field(default=1.0, ge=0)
+    # GPU type -> its price per device-hour, with source and date: over the shipped list (capacity/prices.py)
+    prices: dict[str, Price] = {}
     hardware: Hardware = Hardware()
     engine_args: dict[str, Any] = {}
     env: dict[str, str | int | float] = {}
@@ -290,6 +294,15 @@ class SearchSpace(BaseModel):
         for text in constraints:
             parse_constraint(text)
         return constraints
+
+    @property
+    def pricing(self) -> Pricing:
+        """How trials are priced: by the GPU type each ran on, from the price list (the shipped one under the
+        space's ``prices:``), unless the space sets ``price_per_device_hour`` (or runs on the CPU stand-in)."""
+        fixed = self.price_per_device_hour if "price_per_device_hour" in self.model_fields_set else None
+        return Pricing(
+            device=self.device, table=price_table(self.prices), fixed=fixed, default=self.price_per_device_hour
+        )
 
     @property
     def slo_bounds(self) -> Slo:

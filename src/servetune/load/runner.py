@@ -144,8 +144,11 @@ async def run_level(
     on_done: Callable[[RequestRecord], None] | None = None,
     stop: Callable[[], bool] | None = None,
     stagger: bool = True,
+    on_start: Callable[[float], None] | None = None,
 ) -> list[RequestRecord]:
     """Run one level and return every request's record (warm-up ones flagged).
+
+    ``on_start`` is told the level's clock origin (``time.perf_counter()``), which records' times count from.
 
     ``stagger`` (closed loops): the first client starts at once and the others at seeded random
     moments within the first request's duration, as real users do, rather than all together. With
@@ -158,6 +161,8 @@ async def run_level(
     stream = iter(requests) if total is None else iter(list(itertools.islice(requests, total)))
     records: list[RequestRecord] = []
     t0 = time.perf_counter()
+    if on_start is not None:
+        on_start(t0)
     deadline = None if duration_s is None else t0 + duration_s
     ahead: list[RequestSpec] = []  # the first turn of the next conversation, read ahead
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from servetune.accounting import device_time_lines
 from servetune.errors import UserError
 from servetune.report.distribution import LevelSpread, ttft_spreads
-from servetune.report.pareto import FRONTS, FrontSpec, ParetoFront, pareto_front, study_front
+from servetune.report.pareto import ENERGY_FRONT, FRONTS, FrontSpec, ParetoFront, pareto_front, study_front
 from servetune.report.points import (
     AxisBound,
     ReportPoint,
@@ -72,6 +72,8 @@ class StudyReport:
         LevelSpread, ...
     ] = ()  # the recommended trial's TTFT distribution per level (report/distribution.py)
     serve_check: ServeSection | None = None  # what serve-check measured on Ray Serve (report/serving.py)
+    energy: str = ""  # where the energy per token came from, or why it is missing (energy_line)
+    prices: tuple[str, ...] = ()  # the prices the trials were costed at, with source and date (none overridden)
 
     def outcome_counts(self) -> dict[str, int]:
         """Trials by outcome, plus ``not read`` (every trial directory is counted once)."""
@@ -134,6 +136,8 @@ def build_report(study: LoadedStudy, price_per_device_hour: float | None = None)
     points = gather_points(study.trials, price_per_device_hour)
     outlines = [outline(t) for t in study.trials]
     specs = list(FRONTS)
+    if any(p.value(ENERGY_FRONT.y.metric) is not None for p in points):
+        specs.append(ENERGY_FRONT)
     extra = study_front(study.info.objectives)
     if extra is not None:
         specs.append(extra)
@@ -160,7 +164,27 @@ def build_report(study: LoadedStudy, price_per_device_hour: float | None = None)
         verification_conclusion=conclusion(verified, rec_trial, study.root),
         ttft_spreads=ttft_spreads(study.trials, recommendation.point),
         serve_check=serve_section(study.serve_check),
+        energy=energy_line(study.trials, points, study.info.device),
+        prices=() if price_per_device_hour is not None else prices_used(study.trials),
     )
+
+
+def prices_used(trials: Sequence[TrialResult]) -> tuple[str, ...]:
+    """Each price the trials were costed at, once, with its source and date (results from before schema 7 say
+    none: the study's one price then stands for them)."""
+    return tuple(sorted({t.price.describe() for t in trials if t.price is not None}))
+
+
+def energy_line(trials: Sequence[TrialResult], points: Sequence[ReportPoint], device: str) -> str:
+    """Where the points' energy per token came from, and why the levels without one have none ('' when no level
+    was measured)."""
+    if not points:
+        return ""
+    measured = sum(p.value(ENERGY_FRONT.y.metric) is not None for p in points)
+    source = "the GPUs' energy counters (NVML)" if device == "gpu" else "the host's CPU packages (RAPL)"
+    notes = sorted({lv.energy_note for t in trials for lv in t.levels if lv.energy_note is not None})
+    line = f"energy per token measured at {measured} of {len(points)} points, from {source}, warm-up left out"
+    return line + (f"; {'; '.join(notes)}" if notes else "")
 
 
 def _rule(

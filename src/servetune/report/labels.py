@@ -5,6 +5,8 @@ from __future__ import annotations
 from servetune.metrics import (
     COST_METRIC,
     E2EL_P99,
+    ENERGY_PER_REQUEST,
+    ENERGY_PER_TOKEN,
     ERROR_RATE,
     GOODPUT,
     OUTPUT_THROUGHPUT,
@@ -30,6 +32,8 @@ _NAMES = {
     REQUEST_THROUGHPUT: ("requests/s", "req/s"),
     GOODPUT: ("goodput (requests/s within every SLO)", "goodput"),
     ERROR_RATE: ("error rate", "errors"),
+    ENERGY_PER_TOKEN: ("joules per output token (the devices' energy)", "J/tok"),
+    ENERGY_PER_REQUEST: ("joules per request (the devices' energy)", "J/req"),
 }
 _LATENCY = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2el_ms": "E2E latency"}
 #: The unit a table heading adds to the short name (short names like ``out tok/s`` carry theirs).
@@ -45,6 +49,7 @@ TABLE_METRICS = (
     OUTPUT_THROUGHPUT_PER_DEVICE,
     OUTPUT_THROUGHPUT_PER_USER,
     GOODPUT,
+    ENERGY_PER_TOKEN,
 )
 
 

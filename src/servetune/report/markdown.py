@@ -219,7 +219,12 @@ def render_markdown(report: StudyReport) -> str:
         f"# servetune report: {info.name}",
         "",
         f"- model: `{report.model_label}` on {info.device}, workload `{info.workload}`, search `{info.algorithm}`",
-        f"- price: ${price:g} per device-hour (from {source})",
+        *(
+            [f"- prices: {'; '.join(report.prices)}"]
+            if report.prices
+            else [f"- price: ${price:g} per device-hour (from {source})"]
+        ),
+        *([f"- {report.energy}"] if report.energy else []),
         f"- SLO: {', '.join(f'`{line}`' for line in report.slo) or 'none'}",
         f"- objectives: {', '.join(f'{m} ({d})' for m, d in info.objectives) or 'none'}",
         f"- study directory: `{report.root}`",

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from servetune.metrics import COST_METRIC, E2EL_P99, TPOT_P99, TTFT_P99
+from servetune.metrics import COST_METRIC, E2EL_P99, ENERGY_PER_TOKEN, TPOT_P99, TTFT_P99
 from servetune.report.points import OUTPUT_THROUGHPUT_PER_DEVICE, OUTPUT_THROUGHPUT_PER_USER, ReportPoint
 
 Direction = Literal["min", "max"]
@@ -117,12 +117,20 @@ FRONTS: tuple[FrontSpec, ...] = (
 )
 
 
+#: Drawn when some point has an energy (telemetry.py: a GPU's NVML, the CPU stand-in's RAPL where readable).
+ENERGY_FRONT = FrontSpec(
+    "energy-vs-e2el",
+    "Energy per output token vs P99 end-to-end latency",
+    (Objective(ENERGY_PER_TOKEN), Objective(E2EL_P99)),
+)
+
+
 def study_front(objectives: Sequence[tuple[str, Direction]]) -> FrontSpec | None:
     """A front for the study's own objectives when they differ from every standard front."""
     if len(objectives) < 2:
         return None
     wanted = tuple(Objective(metric, direction) for metric, direction in objectives)
-    if any(set(spec.objectives) == set(wanted) for spec in FRONTS):
+    if any(set(spec.objectives) == set(wanted) for spec in (*FRONTS, ENERGY_FRONT)):
         return None
     title = "Study objectives: " + " vs ".join(f"{o.metric} ({o.direction})" for o in wanted)
     return FrontSpec("study-objectives", title, wanted)

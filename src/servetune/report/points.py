@@ -18,6 +18,7 @@ from servetune.config.slo import Slo
 from servetune.errors import UserError
 from servetune.metrics import (
     COST_METRIC,
+    ENERGY_METRICS,
     LATENCY_METRICS,
     OUTPUT_THROUGHPUT_PER_DEVICE,
     OUTPUT_THROUGHPUT_PER_USER,
@@ -45,7 +46,7 @@ _OUT_OF_MEMORY = re.compile(
 
 def known_metrics() -> list[str]:
     """Every metric name a report point can carry."""
-    return [*metric_names(), COST_METRIC, *DERIVED_METRICS]
+    return [*metric_names(), COST_METRIC, *ENERGY_METRICS, *DERIVED_METRICS]
 
 
 def is_out_of_memory(text: str | None) -> bool:

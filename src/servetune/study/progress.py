@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -119,7 +120,8 @@ def summary_table(results: list[TrialResult], space: SearchSpace, top: int = 5) 
     """The best configurations under the SLO, by the first objective."""
     objective = space.search.objectives[0]
     meeting = [(r, r.best) for r in results if r.best is not None and not quality_failed(r)]
-    meeting.sort(key=lambda rb: rb[1].metrics.get(objective.metric, 0.0), reverse=objective.mode == "max")
+    missing = -math.inf if objective.mode == "max" else math.inf  # a point without the metric sorts last
+    meeting.sort(key=lambda rb: rb[1].metrics.get(objective.metric, missing), reverse=objective.mode == "max")
     counts = {o: sum(r.outcome == o for r in results) for o in ("COMPLETE", "INFEASIBLE", "FAILED")}
     table = Table(
         title=f"best configurations under the SLO (by {objective.metric}, {objective.mode}) — "

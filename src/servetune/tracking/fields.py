@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from servetune.config.space import ENV_PREFIX
-from servetune.metrics import COST_METRIC, GOODPUT, REQUEST_THROUGHPUT
+from servetune.metrics import COST_METRIC, ENERGY_PER_TOKEN, GOODPUT, REQUEST_THROUGHPUT
 from servetune.report.params import short_config
 from servetune.report.points import level_label
 from servetune.results import StudyInfo, TrialResult, chosen_level
@@ -92,6 +92,9 @@ def trial_params(trial: TrialResult) -> dict[str, str]:
         params[ENV_PREFIX + CPU_KV_SPACE] = trial.env[CPU_KV_SPACE]
     params.update({metric_key(name): value for name, value in chosen_params(trial).items()})
     params["devices"] = str(trial.devices)
+    if trial.price is not None:  # the price its cost is at, and where it came from (capacity/prices.py)
+        params["price_per_device_hour"] = format_value(trial.price.usd_per_device_hour)
+        params["price_source"] = trial.price.describe()
     return params
 
 
@@ -192,7 +195,7 @@ def capacity_metrics(trial: TrialResult) -> dict[str, float | None]:
     index = trial.capacity_level_index
     if index is not None:
         at = trial.operating_points()[index].metrics
-        values.update({f"capacity/{COST_METRIC}": at.get(COST_METRIC), f"capacity/{GOODPUT}": at.get(GOODPUT)})
+        values.update({f"capacity/{name}": at.get(name) for name in (COST_METRIC, GOODPUT, ENERGY_PER_TOKEN)})
     return values
 
 
@@ -210,12 +213,16 @@ def quality_metrics(trial: TrialResult) -> dict[str, float | None]:
 
 
 def level_tags(trial: TrialResult) -> dict[str, str]:
-    """Which level the plain metric names hold (``servetune.level``) and why that one."""
+    """Which level the plain metric names hold (``servetune.level``) and why that one, and why that level has no
+    energy per token where it has none (``servetune.energy_note``)."""
     chosen = chosen_level(trial)
     if chosen is None:
         return {"servetune.level": "none measured"}
-    summary = trial.levels[chosen.index].summary
-    return {"servetune.level": level_label(summary.level), "servetune.level_choice": chosen.note}
+    level = trial.levels[chosen.index]
+    tags = {"servetune.level": level_label(level.summary.level), "servetune.level_choice": chosen.note}
+    if level.energy_note is not None:
+        tags["servetune.energy_note"] = level.energy_note
+    return tags
 
 
 def study_metrics(trials: Sequence[TrialResult]) -> dict[str, float]:

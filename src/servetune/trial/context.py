@@ -76,7 +76,7 @@ class StudyContext:
             slo=space.slo_bounds, gpu=space.hardware.gpu, gpu_memory_gib=space.hardware.gpu_memory_gib,
             python=self.python, extra_env=extra_env, repeats=load.repeats, quality=self.quality, node_id=node_id,
             serve_replicas=space.serve_replicas(params), stream_batching_ms=space.stream_batching_ms(params),
-            gpu_type=self.gpu_type,
+            gpu_type=self.gpu_type, pricing=space.pricing,
         )  # fmt: skip
 
 

@@ -39,7 +39,14 @@ from servetune.errors import EngineDiedError
 from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory, RequestSpec, iter_requests
 from servetune.load.runner import Level, cancel_and_wait, run_level
-from servetune.metrics import RequestRecord, itl_burst_share, send_sync_share, summarize, ttft_distribution_ms
+from servetune.metrics import (
+    RequestRecord,
+    itl_burst_share,
+    measured_window,
+    send_sync_share,
+    summarize,
+    ttft_distribution_ms,
+)
 from servetune.results import LevelResult, LevelRun
 from servetune.telemetry import TelemetrySampler
 
@@ -316,11 +323,13 @@ async def measure_level(
         every_s = max(sample_every_s, metrics.lag_s / 2) if metrics is not None else sample_every_s
         sampler = asyncio.ensure_future(_sample_gauges(read, peaks, every_s, watch)) if before else None
         devices = telemetry() if telemetry is not None else contextlib.nullcontext()
+        origin: list[float] = []  # the level's clock origin, in time.perf_counter() seconds
         try:
             with devices:
                 records = await run_level(
                     client, requests(), plan.level, num_requests=plan.num_requests, duration_s=plan.duration_s,
                     warmup_requests=plan.warmup_requests, seed=workload.seed + stream, on_done=done, stop=watch.broken,
+                    on_start=origin.append,
                 )  # fmt: skip
         finally:
             if sampler is not None:
@@ -331,11 +340,16 @@ async def measure_level(
             after = await read() if before else None
     server = {**level_delta(before, after), **peaks} if before and after else {}
     summary = summarize(records, plan.level.as_dict(), slo.request_bounds_ms() or None)
-    measured = devices.summary() if isinstance(devices, TelemetrySampler) else {}
-    # The energy is the whole window's, warm-up requests included: so are the tokens it is divided by.
-    served = sum(r.output_tokens or 0 for r in records)
-    if "gpu_energy_j" in measured and served:
-        measured["gpu_energy_j_per_output_token"] = measured["gpu_energy_j"] / served
+    measured: dict[str, float] = {}
+    energy_note = None
+    if isinstance(devices, TelemetrySampler):
+        # The energy of the measured window alone (the summary's: first measured send -> last measured end),
+        # so it is divided by the measured requests' tokens; the warm-up's is left out.
+        window = measured_window(records)
+        measured = devices.summary(
+            None if window is None or not origin else (origin[0] + window[0], origin[0] + window[1])
+        )
+        energy_note = devices.energy_note
     mean_prompt = summary.total_input_tokens / summary.completed if summary.completed else 0.0
     reused = None
     if workload.sessions is not None and drawn:
@@ -344,7 +358,7 @@ async def measure_level(
         summary=summary, server_metrics=server, telemetry=measured, slo_violations=slo.violations(summary),
         cache_note=cache_note(server, workload, mean_prompt, reset, reused), stopped_early=watch.reason,
         send_sync_share=send_sync_share(records), itl_burst_share=itl_burst_share(records),
-        ttft_ms_distribution=ttft_distribution_ms(records),
+        ttft_ms_distribution=ttft_distribution_ms(records), energy_note=energy_note,
     )  # fmt: skip
     return result, records
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from servetune.capacity.prices import Pricing
 from servetune.config.slo import Slo
 from servetune.config.workload import Workload
 from servetune.engine.resolved import fetch_resolved
@@ -94,6 +95,7 @@ class TrialSpec:
     quality: QualityPlan | None = None  # the quality probe, run before the ladder (quality/probe.py)
     node_id: str | None = None  # the Ray node the trial runs on, recorded in its environment (not in its id)
     serve_replicas: int | None = None  # run through Ray Serve LLM with this many replicas (None: the bare engine)
+    pricing: Pricing | None = None  # prices by GPU type (None: price_per_device_hour as it is)
     stream_batching_ms: float | None = (
         None  # through Serve: the replicas' stream batching interval (None: Ray's default)
     )
@@ -217,6 +219,16 @@ def capacity_check(spec: TrialSpec, seen: dict[str, str] | None = None) -> Capac
     )  # fmt: skip
 
 
+def price_trial(result: TrialResult, spec: TrialSpec) -> None:
+    """Price the trial by the GPU type it ran on (as NVML names it, else the space's ``hardware.gpu``)."""
+    if spec.pricing is None:
+        return
+    got = result.environment.get("gpu_model", "")
+    gpu = got if got and not got.startswith("no NVIDIA GPU") else spec.gpu
+    result.price = spec.pricing.resolve(gpu if spec.device == "gpu" else None)
+    result.price_per_device_hour = result.price.usd_per_device_hour
+
+
 def fits(spec: TrialSpec) -> bool:
     """Whether the trial passes its capacity check (or has none): what ``run_trial`` checks first."""
     capacity = capacity_check(spec)
@@ -289,6 +301,7 @@ def run_trial(spec: TrialSpec, report: Report, prompts: Callable[[], PromptFacto
             result.environment["telemetry_note"] = SERVE_TELEMETRY_NOTE
         result.environment.update(placement_record(spec))
         result.capacity = capacity_check(spec, result.environment)
+        price_trial(result, spec)
         if result.capacity is not None and not result.capacity.fits:
             result.outcome, result.reason = "INFEASIBLE", f"capacity check: {result.capacity.reason}"
             return result

@@ -1,0 +1,106 @@
+"""What a device-hour costs: a price per GPU type, with the date and source of each price.
+
+The shipped table (``catalog/prices.yaml``) carries public on-demand list prices; a space's ``prices:``
+overrides or adds entries, and its ``price_per_device_hour`` overrides them all. A trial is priced by the GPU
+type it ran on (:meth:`Pricing.resolve`); the CPU stand-in keeps its price per core-hour.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+from importlib import resources
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+
+from servetune.capacity.hardware import find_gpu
+from servetune.errors import UserError
+
+#: The price of a device-hour where nothing names one (the space's ``price_per_device_hour`` default).
+DEFAULT_PRICE = 1.0
+
+
+class Price(BaseModel):
+    """One GPU type's price per device-hour and where it came from."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    usd_per_device_hour: float = Field(ge=0)
+    source: str = Field(min_length=1)  # the page (or contract) the price was read from
+    date: datetime.date  # when it was read there
+    provider: str = ""
+    note: str = ""
+
+
+class DevicePrice(BaseModel):
+    """The price a trial was costed at, and why that one (recorded in its result)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)  # a record: see results.RECORD
+
+    usd_per_device_hour: float
+    source: str  # a page, or "price_per_device_hour in the space", or why the default was used
+    date: datetime.date | None = None
+    gpu: str | None = None  # the GPU type it is the price of (None on the CPU stand-in)
+
+    def describe(self) -> str:
+        """``H100-SXM at $3.78 per device-hour (https://..., read 2026-12-05)``."""
+        what = f"{self.gpu} at " if self.gpu else ""
+        when = f", read {self.date.isoformat()}" if self.date is not None else ""
+        return f"{what}${self.usd_per_device_hour:g} per device-hour ({self.source}{when})"
+
+
+def load_price_table() -> dict[str, Price]:
+    """The shipped prices by GPU type (a copy: callers may add to it)."""
+    return dict(_parsed_prices())
+
+
+@functools.cache
+def _parsed_prices() -> dict[str, Price]:
+    text = resources.files("servetune.capacity").joinpath("catalog/prices.yaml").read_text(encoding="utf-8")
+    return {name: Price.model_validate(fields) for name, fields in (yaml.safe_load(text) or {}).items()}
+
+
+def gpu_type(name: str) -> str:
+    """A GPU's catalogue name (``NVIDIA H100 80GB HBM3`` -> ``H100-SXM``); a name the catalogue lacks as given."""
+    try:
+        return find_gpu(name).name
+    except UserError:
+        return name
+
+
+class Pricing(BaseModel):
+    """How a study prices its devices: the table (shipped, then the space's own ``prices:``), and the space's
+    ``price_per_device_hour`` when it set one (which overrides the table)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    device: str = "gpu"
+    table: dict[str, Price] = {}
+    fixed: float | None = None  # the space's own price_per_device_hour
+    default: float = DEFAULT_PRICE
+
+    def resolve(self, gpu: str | None) -> DevicePrice:
+        """The price of one device of this GPU type (an NVML name or a catalogue name or alias)."""
+        if self.device == "cpu":
+            price = self.default if self.fixed is None else self.fixed
+            return DevicePrice(usd_per_device_hour=price, source="price_per_device_hour in the space (per core-hour)")
+        if self.fixed is not None:
+            return DevicePrice(usd_per_device_hour=self.fixed, source="price_per_device_hour in the space", gpu=gpu)
+        if gpu is None:
+            return DevicePrice(usd_per_device_hour=self.default, source="GPU type unknown: the default price")
+        name = gpu_type(gpu)
+        listed = self.table.get(name)
+        if listed is None:
+            known = ", ".join(self.table) or "none"
+            return DevicePrice(usd_per_device_hour=self.default, gpu=name,
+                               source=f"no price listed for {name} (listed: {known}): the default price")  # fmt: skip
+        source = f"{listed.provider}: {listed.source}" if listed.provider else listed.source
+        return DevicePrice(usd_per_device_hour=listed.usd_per_device_hour, source=source, date=listed.date, gpu=name)
+
+
+def price_table(overrides: dict[str, Price]) -> dict[str, Price]:
+    """The shipped table with a space's ``prices:`` over it, keyed by catalogue name (an alias is accepted)."""
+    table = load_price_table()
+    table.update({gpu_type(name): price for name, price in overrides.items()})
+    return table

@@ -1,0 +1,105 @@
+"""The price list: the shipped table, a space's own prices over it, and the price a trial is costed at."""
+
+import datetime
+
+import pytest
+
+from servetune.capacity.hardware import load_gpu_catalog
+from servetune.capacity.prices import Pricing, load_price_table, price_table
+from servetune.errors import UserError
+from tests.unit.test_space import space
+
+
+def test_every_shipped_price_is_a_known_gpus_with_a_public_source_and_a_date():
+    table = load_price_table()
+    assert {"H100-SXM", "H200", "A100-80GB", "L40S", "L4"} <= set(table)
+    catalog = load_gpu_catalog()
+    for name, price in table.items():
+        assert name in catalog, name  # keyed as the GPU catalogue names its GPUs, so NVML's names find them
+        assert price.source.startswith("https://") and price.provider, name
+        assert isinstance(price.date, datetime.date) and price.usd_per_device_hour > 0, name
+
+
+def test_a_trial_is_priced_by_the_gpu_type_it_ran_on():
+    pricing = Pricing(device="gpu", table=load_price_table())
+    h100 = pricing.resolve("NVIDIA H100 80GB HBM3")  # as NVML names it
+    listed = load_price_table()["H100-SXM"]
+    assert h100.gpu == "H100-SXM" and h100.usd_per_device_hour == listed.usd_per_device_hour
+    assert listed.source in h100.source and h100.date == listed.date
+    assert pricing.resolve("L4").usd_per_device_hour == load_price_table()["L4"].usd_per_device_hour
+    unknown = pricing.resolve("NVIDIA GeForce GTX 1080")
+    assert unknown.usd_per_device_hour == 1.0 and unknown.source.startswith("no price listed for NVIDIA GeForce GTX")
+
+
+def test_a_spaces_price_per_device_hour_overrides_the_list_and_the_cpu_keeps_its_core_hour():
+    fixed = Pricing(device="gpu", table=load_price_table(), fixed=2.5)
+    assert fixed.resolve("H100-SXM").usd_per_device_hour == 2.5
+    assert fixed.resolve("H100-SXM").source == "price_per_device_hour in the space"
+    cpu = Pricing(device="cpu", table=load_price_table(), default=0.05)
+    assert cpu.resolve(None).usd_per_device_hour == 0.05 and "per core-hour" in cpu.resolve(None).source
+
+
+def test_a_spaces_prices_override_the_shipped_ones_by_any_name_of_the_gpu(tmp_path):
+    s = space(tmp_path, "device: gpu\nprices:\n  h100: {usd_per_device_hour: 1.99, source: 'our contract', date: 2026-11-01}\n"
+              "  MI300X: {usd_per_device_hour: 2.5, source: 'https://example.com/mi300x', date: 2026-10-01}\n")  # fmt: skip
+    own = s.pricing.resolve("NVIDIA H100 80GB HBM3")
+    assert own.usd_per_device_hour == 1.99 and own.source == "our contract" and own.date == datetime.date(2026, 11, 1)
+    assert s.pricing.resolve("MI300X").usd_per_device_hour == 2.5  # a GPU the catalogue lacks, by its name
+    assert s.pricing.resolve("L4") == Pricing(device="gpu", table=load_price_table()).resolve("L4")  # the rest shipped
+    assert s.pricing.fixed is None  # price_per_device_hour not set: the list prices
+    assert space(tmp_path, "device: gpu\nprice_per_device_hour: 4.0\n").pricing.resolve("L4").usd_per_device_hour == 4.0
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("prices: {H200: {usd_per_device_hour: 3.0, source: x}}\n", "prices.H200.date: Field required"),
+        ("prices: {H200: {usd_per_device_hour: -1, source: x, date: 2026-01-01}}\n", "prices.H200.usd_per_device_hour"),
+        ("prices: {H200: {usd: 3, source: x, date: 2026-01-01}}\n", "prices.H200.usd"),
+    ],
+)
+def test_a_bad_price_is_one_line_naming_file_and_field(tmp_path, text, field):
+    with pytest.raises(UserError) as info:
+        space(tmp_path, text)
+    message = str(info.value)
+    assert message.startswith(str(tmp_path / "space.yaml")) and field in message and "\n" not in message
+
+
+def test_the_trial_records_the_price_it_was_costed_at_and_its_cost_uses_it():
+    from servetune.trial.runner import price_trial
+    from tests.builders import level, trial
+
+    result = trial("t", {}, [level(8, 900.0, 400)], devices=2, price=1.0)
+    result.environment = {"gpu_model": "NVIDIA L40S"}
+
+    class Spec:  # what price_trial reads of a TrialSpec
+        device, gpu = "gpu", None
+        pricing = Pricing(device="gpu", table=price_table({}))
+
+    price_trial(result, Spec())
+    l40s = load_price_table()["L40S"].usd_per_device_hour
+    assert result.price.gpu == "L40S" and result.price_per_device_hour == l40s
+    cost = result.operating_points()[0].metrics["cost_per_mtok_usd"]
+    assert cost == pytest.approx(l40s * 2 / (900.0 * 3600) * 1e6)
+    reloaded = type(result).model_validate_json(result.model_dump_json())
+    assert reloaded.price == result.price  # result.json keeps it, source and date included
+
+
+def test_the_report_states_which_prices_it_used(tmp_path):
+    from servetune.capacity.prices import DevicePrice
+    from servetune.report import build_report, load_study, render_markdown
+    from tests.builders import demo_trials, study_info, write_study
+
+    trials = demo_trials()
+    listed = load_price_table()["H100-SXM"]
+    trials[0].price = DevicePrice(usd_per_device_hour=listed.usd_per_device_hour, source=listed.source,
+                                  date=listed.date, gpu="H100-SXM")  # fmt: skip
+    trials[0].price_per_device_hour = listed.usd_per_device_hour
+    root = write_study(tmp_path / "s", study_info(), trials)
+    md = render_markdown(build_report(load_study(root)))
+    assert (
+        f"- prices: H100-SXM at ${listed.usd_per_device_hour:g} per device-hour ({listed.source}, read {listed.date})"
+        in md
+    )
+    overridden = render_markdown(build_report(load_study(root), price_per_device_hour=9.0))
+    assert "- price: $9 per device-hour (from --price-per-gpu-hour)" in overridden and "- prices:" not in overridden
