@@ -10,6 +10,11 @@ length is the whole prompt, prefix included.
 earlier prompts and answers) followed by a new message of ``input_tokens``, sent ``think_time_s``
 after the previous answer ended. ``arrival: {process: trace, file: LOG.jsonl}`` replays a request
 log's send times (``servetune workload from-log`` writes workloads from such logs).
+
+``text`` says what prompts are made of: ``random`` words of the served model's vocabulary (the
+default), ``corpus`` (passages of the public-domain English text servetune ships,
+``trials/corpus/``), or a UTF-8 text file of the user's (relative to the workload file) that
+prompts are cut from. Lengths stay the workload's either way.
 """
 
 from __future__ import annotations
@@ -300,6 +305,34 @@ class Workload(BaseModel):
     sessions: Sessions | None = None
     ignore_eos: bool = True  # hold output lengths to what the workload asked for
     temperature: float = Field(default=0.0, ge=0)
+    # What prompts are made of: "random" vocabulary words (the default, which the recorded studies measured),
+    # "corpus" (the shipped public-domain English text: what n-gram speculation needs to find repeats), or a
+    # UTF-8 text file (relative to the workload file) to cut prompts from.
+    text: str = Field(default="random", min_length=1)
+    _source_text: str | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _read_text(self, info: ValidationInfo) -> Workload:
+        if self.text == "random":
+            return self
+        if self.text == "corpus":
+            path = corpus_path()
+        else:
+            given = Path(self.text).expanduser()
+            path = given if given.is_absolute() else Path((info.context or {}).get("base_dir", ".")) / given
+        try:
+            content = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            raise ValueError(f"text: cannot read {path} as UTF-8 text (give random, corpus or a text file)") from None
+        if not content.strip():
+            raise ValueError(f"text: {path} has no text")
+        self._source_text = content
+        return self
+
+    @property
+    def source_text(self) -> str | None:
+        """The text prompts are cut from; None for random vocabulary words."""
+        return self._source_text
 
     @model_validator(mode="after")
     def _one_shape(self) -> Workload:
@@ -331,6 +364,14 @@ class Workload(BaseModel):
                 name="default", weight=1.0, input_tokens=self.input_tokens, output_tokens=self.output_tokens
             ),
         )
+
+
+#: The public-domain text ``text: corpus`` cuts prompts from (its source and licence: trials/corpus/README.md).
+CORPUS_FILE = "newton-opticks.txt"
+
+
+def corpus_path() -> Path:
+    return trials_dir() / "corpus" / CORPUS_FILE
 
 
 #: Where the shipped workloads live (``trials/workloads``: see servetune.shipped).
