@@ -122,3 +122,40 @@ def test_corpus_text_repeats_as_text_does_and_random_words_do_not(tiny_tokenizer
     corpus_hits = np.mean([lookup_hits(encode(p, add_special_tokens=False)) for p in corpus])
     random_hits = np.mean([lookup_hits(encode(p, add_special_tokens=False)) for p in random])
     assert corpus_hits > 5 * random_hits
+
+
+def test_each_request_carries_its_classs_sampling_over_the_workloads_and_the_client_sends_it(tiny_tokenizer):
+    from servetune.load.client import StreamingClient
+
+    w = Workload.model_validate(
+        {
+            "name": "t", "api": "completions", "sampling": {"top_p": 0.9, "stop": ["\n\n"]},
+            "mix": [
+                {"name": "strict", "weight": 1, "input_tokens": {"dist": "fixed", "value": 16},
+                 "output_tokens": {"dist": "fixed", "value": 8}},
+                {"name": "creative", "weight": 1, "input_tokens": {"dist": "fixed", "value": 16},
+                 "output_tokens": {"dist": "uniform", "min": 4, "max": 64},
+                 "sampling": {"temperature": 0.8, "top_k": 40, "n": 2, "logprobs": 3, "presence_penalty": 0.5,
+                              "ignore_eos": False}},
+            ],
+        }
+    )  # fmt: skip
+    reqs = list(itertools.islice(iter_requests(w, PromptFactory(tiny_tokenizer)), 40))
+    by_class = {r.request_class: dict(r.sampling) for r in reqs}
+    assert by_class["strict"] == {"top_p": 0.9, "stop": ["\n\n"]}
+    assert by_class["creative"] == {
+        "temperature": 0.8, "top_p": 0.9, "top_k": 40, "n": 2, "logprobs": 3, "presence_penalty": 0.5,
+        "stop": ["\n\n"], "ignore_eos": False,
+    }  # fmt: skip
+    client = StreamingClient("http://x", "m", ignore_eos=w.ignore_eos, temperature=w.temperature)
+    creative = next(r for r in reqs if r.request_class == "creative")
+    body = client.payload(creative)
+    assert body["ignore_eos"] is False and body["temperature"] == 0.8 and body["max_tokens"] == creative.output_tokens
+    strict = client.payload(next(r for r in reqs if r.request_class == "strict"))
+    assert strict["ignore_eos"] is True and strict["temperature"] == 0.0 and "top_k" not in strict
+    assert len({r.output_tokens for r in reqs if r.request_class == "creative"}) > 1  # max_tokens drawn per request
+
+
+def test_chat_asks_logprobs_as_the_chat_api_does():
+    w = workload(api="chat", sampling={"logprobs": 2})
+    assert w.sampling_of(w.classes[0]) == {"logprobs": True, "top_logprobs": 2}

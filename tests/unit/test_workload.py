@@ -148,3 +148,21 @@ def test_random_words_stay_the_default_and_the_corpus_ships():
 
     assert load_workload("chat").source_text is None
     assert corpus_path().is_file() and (corpus_path().parent / "README.md").is_file()
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("temperature: 0.5\nsampling: {temperature: 0.7}\n", "sampling.temperature: temperature is given twice"),
+        ("sampling: {top_p: 1.5}\n", "sampling.top_p"),
+        ("sampling: {best_of: 2}\n", "sampling.best_of"),
+    ],
+)
+def test_bad_sampling_is_one_line_naming_file_and_field(tmp_path, text, needle):
+    path = write(
+        tmp_path, "name: t\ninput_tokens: {dist: fixed, value: 8}\noutput_tokens: {dist: fixed, value: 1}\n" + text
+    )
+    with pytest.raises(UserError) as info:
+        load_workload(path)
+    message = str(info.value)
+    assert message.startswith(str(path)) and needle in message and "\n" not in message

@@ -140,6 +140,39 @@ class Empirical(_Dist):
 Dist = Annotated[Fixed | Uniform | Normal | LogNormal | Empirical, Field(discriminator="dist")]
 
 
+class Sampling(BaseModel):
+    """How a request samples, sent in its body as vLLM's OpenAI server reads it. A field left out is not sent
+    (the server's default; the workload's ``temperature`` and ``ignore_eos`` where it has them). ``logprobs``
+    asks that many log-probabilities per token (``logprobs: true, top_logprobs: k`` on chat). With ``n`` > 1 a
+    request's output tokens are all its choices' (the server's usage)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)  # vLLM: -1 (or 0) considers every token
+    n: int | None = Field(default=None, ge=1)
+    logprobs: int | None = Field(default=None, ge=0)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    stop: tuple[str, ...] | None = None
+    ignore_eos: bool | None = None  # false lets a request end early, at the model's end of sequence
+
+    def over(self, base: Sampling) -> Sampling:
+        """These fields over ``base``'s (a class's sampling over its workload's)."""
+        return Sampling.model_validate({**base.model_dump(exclude_none=True), **self.model_dump(exclude_none=True)})
+
+    def body(self, api: str) -> dict[str, object]:
+        """The request body's fields for ``api`` (``completions`` or ``chat``)."""
+        out: dict[str, object] = self.model_dump(exclude_none=True)
+        if "stop" in out:
+            out["stop"] = list(self.stop or ())
+        if api == "chat" and self.logprobs is not None:
+            out["logprobs"] = True
+            if self.logprobs:
+                out["top_logprobs"] = self.logprobs
+        return out
+
+
 class RequestClass(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -147,6 +180,7 @@ class RequestClass(BaseModel):
     weight: float = Field(default=1.0, gt=0)
     input_tokens: Dist
     output_tokens: Dist
+    sampling: Sampling | None = None  # over the workload's ``sampling``
 
 
 class SharedPrefix(BaseModel):
@@ -309,7 +343,21 @@ class Workload(BaseModel):
     # "corpus" (the shipped public-domain English text: what n-gram speculation needs to find repeats), or a
     # UTF-8 text file (relative to the workload file) to cut prompts from.
     text: str = Field(default="random", min_length=1)
+    # How requests sample (each class's own ``sampling`` over this): top_p, top_k, n, logprobs, stop...
+    sampling: Sampling = Sampling()
     _source_text: str | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _sampling_once(self) -> Workload:
+        for name in ("temperature", "ignore_eos"):
+            if name in self.model_fields_set and getattr(self.sampling, name) is not None:
+                raise ValueError(f"sampling.{name}: {name} is given twice (here and at the top of the workload)")
+        return self
+
+    def sampling_of(self, request_class: RequestClass) -> dict[str, object]:
+        """The sampling fields a request of ``request_class`` sends (the class's over the workload's)."""
+        sampling = request_class.sampling.over(self.sampling) if request_class.sampling else self.sampling
+        return sampling.body(self.api)
 
     @model_validator(mode="after")
     def _read_text(self, info: ValidationInfo) -> Workload:

@@ -46,6 +46,9 @@ class RequestSpec:
     turn: int = 0
     think_s: float = 0.0  # seconds to wait after the previous turn's answer before sending
     reused_tokens: int = 0  # of input_tokens, those an earlier prompt began with (what a prefix cache can hit)
+    sampling: tuple[
+        tuple[str, object], ...
+    ] = ()  # its class's sampling fields, sent in the body (Workload.sampling_of)
 
 
 class PromptFactory:
@@ -140,8 +143,9 @@ def iter_requests(workload: Workload, prompts: PromptFactory, stream: int = 0) -
     while True:
         text, n_in, n_out, name, reused = draw.first(rng)
         yield RequestSpec(
-            index=index, prompt=text, input_tokens=n_in, output_tokens=n_out, request_class=name, reused_tokens=reused
-        )
+            index=index, prompt=text, input_tokens=n_in, output_tokens=n_out, request_class=name, reused_tokens=reused,
+            sampling=draw.sampling[name],
+        )  # fmt: skip
         index += 1
 
 
@@ -152,6 +156,7 @@ class _Draw:
         self.workload, self.prompts = workload, prompts
         self.text = text_maker(workload, prompts)
         self.classes = workload.classes
+        self.sampling = {c.name: tuple(workload.sampling_of(c).items()) for c in self.classes}
         weights = np.asarray([c.weight for c in self.classes], dtype=float)
         self.weights = weights / weights.sum()
         self.prefix_texts: list[str] = []
@@ -214,7 +219,9 @@ def _conversations(workload: Workload, prompts: PromptFactory, rng: np.random.Ge
     while True:
         turns = max(1, int(sessions.turns.sample(rng, 1)[0]))
         text, n_in, n_out, name, reused = draw.first(rng)
-        yield RequestSpec(index, text, n_in, n_out, name, session=session, turn=0, reused_tokens=reused)
+        yield RequestSpec(
+            index, text, n_in, n_out, name, session=session, turn=0, reused_tokens=reused, sampling=draw.sampling[name]
+        )
         index += 1
         for turn in range(1, turns):
             # The answer as the conversation carries it: text of the answer's length.
@@ -225,7 +232,8 @@ def _conversations(workload: Workload, prompts: PromptFactory, rng: np.random.Ge
                 break
             think = float(sessions.think_time_s.sample(rng, 1)[0])
             yield RequestSpec(
-                index, text, n_in, n_out, name, session=session, turn=turn, think_s=think, reused_tokens=reused
-            )
+                index, text, n_in, n_out, name, session=session, turn=turn, think_s=think, reused_tokens=reused,
+                sampling=draw.sampling[name],
+            )  # fmt: skip
             index += 1
         session += 1
