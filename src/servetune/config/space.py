@@ -426,7 +426,8 @@ class SearchSpace(BaseModel):
             broken = self.constraint_violations(params)
             same = seen.get(self._run_key(params))
             if same is not None and not broken:
-                broken = [f"runs the same engine as {same} (a speculative.* field does nothing without speculation)"]
+                earlier = ", ".join(f"{k}={v}" for k, v in same.items())
+                broken = [f"runs the same engine as {earlier} (a speculative.* field does nothing without speculation)"]
             if broken:
                 rejected.append((params, broken))
             else:
