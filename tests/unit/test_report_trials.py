@@ -30,6 +30,9 @@ def test_a_configuration_in_few_words_names_only_what_the_study_varied():
     assert short_config(configs[0], varied) == BASELINE == "vLLM defaults"
     assert short_config({"env.VLLM_CPU_KVCACHE_SPACE": 2, "gpu_memory_utilization": 0.9}) == "kvGiB=2 gpu-mem=0.9"
     assert short_config({"some_new_arg": "x"}, varied) == "some_new_arg=x"  # set, though not varied: never blank
+    assert (
+        short_config({"speculative.method": "ngram", "speculative.num_speculative_tokens": 4}) == "spec=ngram spec-k=4"
+    )
     assert varied_params([{"max_num_seqs": 8}]) == ["max_num_seqs"]  # one trial: nothing varies, show what it set
 
 
