@@ -44,11 +44,22 @@ engine_args: {max_model_len: 1024, speculative.prompt_lookup_max: 3}
     engine, _ = s.engine_params({"speculative.method": "none", "speculative.num_speculative_tokens": 4})
     assert engine == {"max_model_len": 1024}
     assert "--speculative-config" not in engine_argv(engine)
-    # none with 2 or 4 drafted tokens is one engine: the grid runs it once
+    # none with 2 or 4 drafted tokens is the baseline's engine (the fixed prompt_lookup_max too): the baseline runs it
     kept, rejected = s.grid()
-    assert len(kept) == 1 + 2 * 2
-    [(repeat, reasons)] = rejected
-    assert repeat["speculative.method"] == "none" and "runs the same engine as" in reasons[0]
+    assert len(kept) == 2 * 2 and {p["speculative.method"] for p in kept} == {"ngram", "suffix"}
+    assert [p["speculative.method"] for p, _ in rejected] == ["none", "none"]
+    assert all(reasons[0].startswith("runs the same engine as the baseline") for _, reasons in rejected)
+    without_baseline = s.model_copy(update={"search": s.search.model_copy(update={"baseline": False})})
+    kept, [(repeat, reasons)] = without_baseline.grid()  # without one, the first none point runs
+    assert len(kept) == 1 + 2 * 2 and repeat["speculative.num_speculative_tokens"] == 4
+    assert "runs the same engine as speculative.method=none, speculative.num_speculative_tokens=2" in reasons[0]
+    # and with nothing else varied, none is the baseline's engine: the baseline runs it
+    alone = space(tmp_path, "params: {speculative.method: [none, ngram]}\n")
+    kept, [(repeat, reasons)] = alone.grid()
+    assert kept == [{"speculative.method": "ngram"}] and repeat == {"speculative.method": "none"}
+    assert reasons == [
+        "runs the same engine as the baseline (vLLM defaults) (a speculative.* field does nothing without speculation)"
+    ]
 
 
 def test_space_passes_vllms_own_parser(tmp_path):
@@ -127,3 +138,23 @@ def test_bad_speculative_fields_are_one_line_naming_file_and_field(tmp_path, tex
     message = str(info.value)
     assert message.startswith(str(tmp_path / "space.yaml")) and "\n" not in message
     assert needle in message, message
+
+
+def test_run_refuses_suffix_decoding_in_one_line_where_vllms_interpreter_lacks_arctic_inference(tmp_path, capsys):
+    import importlib.util
+
+    from servetune.cli import main
+
+    if load_argspecs() is None or importlib.util.find_spec("arctic_inference") is not None:
+        pytest.skip("needs vLLM here, without Arctic Inference (as vLLM 0.32's CPU build installs)")
+    path = tmp_path / "space.yaml"
+    path.write_text(BASE + "params: {speculative.method: [none, ngram, suffix]}\n")
+    storage = tmp_path / "results"
+    assert main(["run", str(path), "--dry-run", "--storage", str(storage)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and str(path) in err
+    assert "params.speculative.method: suffix decoding needs Arctic Inference beside vLLM" in err
+    path.write_text(BASE + "params: {speculative.method: [none, ngram]}\n")
+    assert main(["run", str(path), "--dry-run", "--storage", str(storage)]) == 0
+    assert "2 trial(s) would run" in " ".join(capsys.readouterr().out.split())  # the baseline (none), ngram
+    assert not storage.exists()

@@ -351,6 +351,14 @@ class SearchSpace(BaseModel):
             engine["speculative_config"] = spec
         return engine, env
 
+    def speculative_methods(self) -> list[str]:
+        """The speculative decoding methods the space's trials may run (``none`` included where listed)."""
+        listed = self.params.get(speculative.METHOD)
+        if isinstance(listed, list):
+            return [str(v) for v in listed]
+        fixed = self.engine_args.get(speculative.METHOD)
+        return [str(fixed)] if fixed is not None else []
+
     def speculative_values(self, params: dict[str, Any]) -> dict[str, Any]:
         """A choice's ``speculative.*`` values over the fixed ones in ``engine_args``."""
         fixed = {k: v for k, v in self.engine_args.items() if speculative.is_speculative(k)}
@@ -413,20 +421,21 @@ class SearchSpace(BaseModel):
 
     def grid(self) -> tuple[list[dict[str, Any]], list[tuple[dict[str, Any], list[str]]]]:
         """Every point of the grid: (kept, [(rejected, reasons)]). A point that would run the same engine as
-        one kept before it (``speculative.method: none`` with another ``speculative.num_speculative_tokens``)
-        is rejected as that point's repeat."""
+        one kept before it, or as the baseline (``speculative.method: none`` with another
+        ``speculative.num_speculative_tokens``, or with nothing else varied), is rejected as its repeat."""
         axes = []
         for name, values in self.params.items():
             axes.append([(name, v) for v in (values.grid_values() if isinstance(values, Range) else values)])
         kept: list[dict[str, Any]] = []
         rejected: list[tuple[dict[str, Any], list[str]]] = []
-        seen: dict[str, dict[str, Any]] = {}
+        # the baseline (run first when the search has one) passes no parameter
+        seen: dict[str, dict[str, Any]] = {self._run_key({}): {}} if self.search.baseline else {}
         for combo in itertools.product(*axes):
             params = dict(combo)
             broken = self.constraint_violations(params)
             same = seen.get(self._run_key(params))
             if same is not None and not broken:
-                earlier = ", ".join(f"{k}={v}" for k, v in same.items())
+                earlier = ", ".join(f"{k}={v}" for k, v in same.items()) or "the baseline (vLLM defaults)"
                 broken = [f"runs the same engine as {earlier} (a speculative.* field does nothing without speculation)"]
             if broken:
                 rejected.append((params, broken))
