@@ -16,6 +16,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub import try_to_load_from_cache
+
 from servetune.config import speculative
 from servetune.config.constraints import constraint_names
 from servetune.config.loading import load_yaml_model
@@ -32,6 +34,7 @@ from servetune.config.space import (
 )
 from servetune.engine.args import validate_engine_args
 from servetune.errors import UserError
+from servetune.hub import is_hub_id
 from servetune.models.tiny import TINY_CONFIG
 from servetune.quality import lm_eval
 from servetune.quality.suites import load_suite
@@ -159,8 +162,9 @@ def _check_executors(space: SearchSpace, path: Path) -> None:
 
 def _check_mtp(space: SearchSpace, path: Path) -> None:
     """MTP drafts with heads the checkpoint itself carries: every checkpoint a space may serve with it must
-    declare them (``num_nextn_predict_layers``). Read for ``tiny`` and local directories; a hub id's config is
-    not fetched here (vLLM refuses at start-up, a FAILED trial with its reason)."""
+    declare them (``num_nextn_predict_layers``). Read for ``tiny``, local directories and hub ids whose config is
+    in the local Hugging Face cache; nothing is downloaded here (where the config is not at hand, vLLM refuses at
+    start-up: a FAILED trial with its reason)."""
     listed = space.params.get(speculative.METHOD)
     methods = listed if isinstance(listed, list) else [space.engine_args.get(speculative.METHOD)]
     if "mtp" not in methods:
@@ -180,9 +184,14 @@ def _hf_config(model: str, base_dir: Path) -> dict[str, Any] | None:
     """A checkpoint's Hugging Face config where it is at hand (``tiny``, a local directory); None elsewhere."""
     if model == "tiny":
         return TINY_CONFIG
-    for directory in (Path(model).expanduser(), base_dir / model):
+    candidates = [Path(model).expanduser() / "config.json", base_dir / model / "config.json"]
+    if is_hub_id(model, base_dir):
+        cached = try_to_load_from_cache(model, "config.json")
+        if isinstance(cached, str):
+            candidates.append(Path(cached))
+    for path in candidates:
         try:
-            config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+            config = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
         return config if isinstance(config, dict) else None

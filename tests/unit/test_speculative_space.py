@@ -158,3 +158,19 @@ def test_run_refuses_suffix_decoding_in_one_line_where_vllms_interpreter_lacks_a
     assert main(["run", str(path), "--dry-run", "--storage", str(storage)]) == 0
     assert "2 trial(s) would run" in " ".join(capsys.readouterr().out.split())  # the baseline (none), ngram
     assert not storage.exists()
+
+
+def test_mtp_reads_a_hub_models_config_from_the_local_hugging_face_cache(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    snapshot = tmp_path / "hub" / "models--org--dense" / "snapshots" / "abc"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "hub" / "models--org--dense" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--dense" / "refs" / "main").write_text("abc")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    text = "params: {speculative.method: [mtp], model: [org/dense, org/not-cached]}\n"
+    with pytest.raises(UserError, match="mtp needs a checkpoint with multi-token-prediction heads; org/dense's config"):
+        space(tmp_path, text)
+    # a model whose config is not at hand is not fetched: vLLM judges it at start-up
+    assert space(tmp_path, "params: {speculative.method: [mtp], model: [org/not-cached]}\n").grid()[0]
