@@ -63,6 +63,29 @@ ENERGY_PER_REQUEST = "energy_per_request"
 ENERGY_METRICS = (ENERGY_PER_TOKEN, ENERGY_PER_REQUEST)
 #: The telemetry keys of the measured window's energy (telemetry.py), by the device a trial reserves.
 MEASURED_ENERGY = {"gpu": "gpu_energy_measured_j", "cpu": "cpu_energy_measured_j"}
+
+#: Speculative decoding over a level, from vLLM's counters (engine/metrics.py): verification steps that
+#: carried a draft, tokens drafted, drafted tokens the target model accepted.
+SPEC_DRAFTS = "spec_decode_drafts"
+SPEC_DRAFT_TOKENS = "spec_decode_draft_tokens"
+SPEC_ACCEPTED_TOKENS = "spec_decode_accepted_tokens"
+#: Accepted / drafted tokens (0..1).
+SPEC_ACCEPTANCE_RATE = "spec_decode_acceptance_rate"
+#: Tokens a verification step yields, 1 + accepted tokens / drafts (vLLM's "mean acceptance length",
+#: the bonus token included): 1 is no gain, 1 + num_speculative_tokens every draft accepted.
+SPEC_MEAN_ACCEPTED_LENGTH = "spec_decode_mean_accepted_length"
+
+
+def spec_accepted_at(position: int) -> str:
+    """Accepted tokens at a draft position (0: the first drafted token) over a level."""
+    return f"{SPEC_ACCEPTED_TOKENS}_pos{position}"
+
+
+def spec_acceptance_at(position: int) -> str:
+    """The share of drafts whose token at ``position`` was accepted (vLLM's per-position acceptance rate)."""
+    return f"{SPEC_ACCEPTANCE_RATE}_pos{position}"
+
+
 #: Derived rates for reports: output tok/s per reserved device, and one user's streaming speed
 #: (1000 / mean TPOT, in output tok/s).
 OUTPUT_THROUGHPUT_PER_DEVICE = "output_throughput_per_device"

@@ -11,10 +11,14 @@ which is why it is not in ``config/``: the space's models are read by rooms bene
 from __future__ import annotations
 
 import difflib
+import json
 import math
 from pathlib import Path
 from typing import Any
 
+from huggingface_hub import try_to_load_from_cache
+
+from servetune.config import speculative
 from servetune.config.constraints import constraint_names
 from servetune.config.loading import load_yaml_model
 from servetune.config.quality import suite_name
@@ -30,6 +34,8 @@ from servetune.config.space import (
 )
 from servetune.engine.args import validate_engine_args
 from servetune.errors import UserError
+from servetune.hub import is_hub_id
+from servetune.models.tiny import TINY_CONFIG
 from servetune.quality import lm_eval
 from servetune.quality.suites import load_suite
 
@@ -42,10 +48,15 @@ def load_space(path: str | Path, argspecs: dict | None = None) -> SearchSpace:
     """
     path = Path(path)
     space = load_yaml_model(path, SearchSpace)
-    checks: list[tuple[str, dict[str, Any]]] = [("engine_args", dict(space.engine_args))]
+    fixed = {k: v for k, v in space.engine_args.items() if not speculative.is_speculative(k)}
+    if space.speculative_values({}) or any(speculative.is_speculative(n) for n in space.params):
+        fixed["speculative_config"] = None  # the option the speculative.* fields become: vLLM's parser must know it
+    checks: list[tuple[str, dict[str, Any]]] = [("engine_args", fixed)]
     for name, values in space.params.items():
         if (
-            not name.startswith((ENV_PREFIX, SERVE_PREFIX)) and name != MODEL_PARAM
+            not name.startswith((ENV_PREFIX, SERVE_PREFIX))
+            and name != MODEL_PARAM
+            and not speculative.is_speculative(name)
         ):  # each listed value against vLLM's choices too
             checks += [("params", {name: v}) for v in (values if isinstance(values, list) else [None])]
     for field, args in checks:
@@ -54,6 +65,7 @@ def load_space(path: str | Path, argspecs: dict | None = None) -> SearchSpace:
         except UserError as exc:
             raise UserError(f"{path}: {field}: {exc}") from None
     _check_constraint_names(space, path)
+    _check_mtp(space, path)
     if space.through_serve:
         _check_serve(space, path)
     else:
@@ -69,6 +81,9 @@ def load_space(path: str | Path, argspecs: dict | None = None) -> SearchSpace:
         raise UserError(f"{path}: {exc}" if not str(exc).startswith(str(path)) else str(exc)) from None
     except ValueError as exc:
         raise UserError(f"{path}: params: {exc}") from None
+    fixed_broken = speculative.violations(space.speculative_values({}))
+    if not space.params and fixed_broken:  # no grid: the fixed speculation is the only choice
+        raise UserError(f"{path}: engine_args: {fixed_broken[0]}")
     if space.params and not kept:
         reasons = sorted({r for _, broken in rejected for r in broken})
         raise UserError(f"{path}: constraints: they exclude every point of the space ({'; '.join(reasons)[:300]})")
@@ -143,6 +158,44 @@ def _check_executors(space: SearchSpace, path: Path) -> None:
                 "the devices its trial reserved; trials run their ranks as processes ('mp'), one node per engine "
                 "(pipeline parallelism across nodes is not a trial servetune runs)"
             )
+
+
+def _check_mtp(space: SearchSpace, path: Path) -> None:
+    """MTP drafts with heads the checkpoint itself carries: every checkpoint a space may serve with it must
+    declare them (``num_nextn_predict_layers``). Read for ``tiny``, local directories and hub ids whose config is
+    in the local Hugging Face cache; nothing is downloaded here (where the config is not at hand, vLLM refuses at
+    start-up: a FAILED trial with its reason)."""
+    listed = space.params.get(speculative.METHOD)
+    methods = listed if isinstance(listed, list) else [space.engine_args.get(speculative.METHOD)]
+    if "mtp" not in methods:
+        return
+    field = f"params.{speculative.METHOD}" if isinstance(listed, list) else f"engine_args.{speculative.METHOD}"
+    models = space.params.get(MODEL_PARAM)
+    for model in models if isinstance(models, list) else [space.model]:
+        config = _hf_config(str(model), path.parent)
+        if config is not None and speculative.mtp_layers(config) == 0:
+            raise UserError(
+                f"{path}: {field}: mtp needs a checkpoint with multi-token-prediction heads; {model}'s config declares "
+                f"none ({' or '.join(speculative.MTP_KEYS)})"
+            )
+
+
+def _hf_config(model: str, base_dir: Path) -> dict[str, Any] | None:
+    """A checkpoint's Hugging Face config where it is at hand (``tiny``, a local directory); None elsewhere."""
+    if model == "tiny":
+        return TINY_CONFIG
+    candidates = [Path(model).expanduser() / "config.json", base_dir / model / "config.json"]
+    if is_hub_id(model, base_dir):
+        cached = try_to_load_from_cache(model, "config.json")
+        if isinstance(cached, str):
+            candidates.append(Path(cached))
+    for path in candidates:
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        return config if isinstance(config, dict) else None
+    return None
 
 
 def _check_constraint_names(space: SearchSpace, path: Path) -> None:

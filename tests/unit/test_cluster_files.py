@@ -145,7 +145,7 @@ def test_a_large_untracked_folder_in_the_checkout_stays_out_of_the_upload(tmp_pa
                    "cluster/runtime_env.yaml", "my-space.yaml", "pyproject.toml"):  # fmt: skip
         assert needed in names, needed
     assert not [n for n in names if n.startswith(("scratch", "big.bin", "README"))], names
-    assert package.stat().st_size < 2 * 2**20
+    assert package.stat().st_size < 4 * 2**20  # servetune and its data (about 2 MiB), not the 12 MiB of weights
 
 
 # --- KubeRay ---------------------------------------------------------------------------------

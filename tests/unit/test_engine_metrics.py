@@ -91,3 +91,54 @@ vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.7
 """
     for parsed in (MetricsSnapshot.parse(two_engines), MetricsSnapshot.parse_gauges(two_engines)):
         assert parsed.gauges == {"requests_running": 8, "kv_cache_usage": 0.7}  # not 1.3 of a cache
+
+
+# vLLM 0.32's speculative decoding counters as it writes them (vllm/v1/spec_decode/metrics.py), two engines of a DP server.
+SPEC = """# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {drafts0}
+vllm:spec_decode_num_drafts_total{{engine="1",model_name="m"}} {drafts1}
+# TYPE vllm:spec_decode_num_draft_tokens_total counter
+vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="m"}} {drafted0}
+vllm:spec_decode_num_draft_tokens_total{{engine="1",model_name="m"}} {drafted1}
+# TYPE vllm:spec_decode_num_accepted_tokens_total counter
+vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="m"}} {accepted0}
+vllm:spec_decode_num_accepted_tokens_total{{engine="1",model_name="m"}} {accepted1}
+# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter
+vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="0"}} {p00}
+vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="1"}} {p10}
+vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="1",model_name="m",position="0"}} {p01}
+vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="1",model_name="m",position="1"}} {p11}
+# TYPE vllm:spec_decode_num_drafts_created gauge
+vllm:spec_decode_num_drafts_created{{engine="0",model_name="m"}} 1.7964431670785155e+09
+"""
+
+
+def spec(*engines: tuple[int, int, int, int, int]) -> MetricsSnapshot:
+    """Each engine's (drafts, drafted tokens, accepted tokens, accepted at position 0, at position 1)."""
+    names = ("drafts", "drafted", "accepted", "p0", "p1")
+    padded = [*engines, (0, 0, 0, 0, 0)][:2]
+    return MetricsSnapshot.parse(
+        SPEC.format(**{f"{n}{i}": v for i, e in enumerate(padded) for n, v in zip(names, e, strict=True)})
+    )
+
+
+def test_speculative_decoding_counters_give_acceptance_per_level_and_per_position():
+    before = spec((5, 10, 4, 3, 1))
+    after = spec((15, 30, 20, 13, 7), (10, 20, 6, 5, 1))
+    assert after.counters["spec_decode_drafts"] == 25  # the engines add up
+    d = level_delta(before, after)
+    # the level: 20 drafts of 2 tokens (40 drafted), 22 accepted: 15 at the first position, 7 at the second
+    assert (d["spec_decode_drafts"], d["spec_decode_draft_tokens"], d["spec_decode_accepted_tokens"]) == (20, 40, 22)
+    assert d["spec_decode_acceptance_rate"] == pytest.approx(22 / 40)
+    assert d["spec_decode_mean_accepted_length"] == pytest.approx(1 + 22 / 20)
+    assert d["spec_decode_accepted_tokens_pos0"] == 15 and d["spec_decode_accepted_tokens_pos1"] == 7
+    assert d["spec_decode_acceptance_rate_pos0"] == pytest.approx(15 / 20)
+    assert d["spec_decode_acceptance_rate_pos1"] == pytest.approx(7 / 20)
+    assert "spec_decode_acceptance_rate_pos2" not in d
+
+
+def test_no_drafts_in_a_level_gives_no_acceptance_and_a_server_without_speculation_no_counters():
+    d = level_delta(spec((5, 10, 4, 3, 1)), spec((5, 10, 4, 3, 1)))
+    assert d["spec_decode_drafts"] == 0 and "spec_decode_acceptance_rate" not in d
+    plain = snap(running=0, kv=0, preempt=1, queries=100, hits=40, b1=2, b2=4, tsum=0.5)
+    assert not any(name.startswith("spec_decode") for name in level_delta(plain, plain))

@@ -30,6 +30,9 @@ def test_a_configuration_in_few_words_names_only_what_the_study_varied():
     assert short_config(configs[0], varied) == BASELINE == "vLLM defaults"
     assert short_config({"env.VLLM_CPU_KVCACHE_SPACE": 2, "gpu_memory_utilization": 0.9}) == "kvGiB=2 gpu-mem=0.9"
     assert short_config({"some_new_arg": "x"}, varied) == "some_new_arg=x"  # set, though not varied: never blank
+    assert (
+        short_config({"speculative.method": "ngram", "speculative.num_speculative_tokens": 4}) == "spec=ngram spec-k=4"
+    )
     assert varied_params([{"max_num_seqs": 8}]) == ["max_num_seqs"]  # one trial: nothing varies, show what it set
 
 
@@ -156,3 +159,41 @@ def test_the_runs_closing_table_shows_each_trials_capacity_once_trials_searched_
                                          tolerance=0.15, breaking_slo="ttft_ms_p99 <= 2000")  # fmt: skip
     text = printed()
     assert "capacity at the SLO" in text and "40 clients (45 broke the SLO: ttft_ms_p99 <= 2000)" in text
+
+
+def test_a_speculative_trials_acceptance_reaches_its_row_the_report_and_mlflows_fields(tmp_path):
+    from servetune.engine.metrics import MetricsSnapshot, level_delta
+    from servetune.report.html import hover_text
+    from servetune.results import read_result
+    from servetune.tracking.fields import level_metrics
+
+    def counters(drafts: int, accepted: tuple[int, int]) -> MetricsSnapshot:
+        per_pos = "".join(
+            f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",position="{i}"}} {n}\n'
+            for i, n in enumerate(accepted)
+        )
+        return MetricsSnapshot.parse(
+            f'vllm:spec_decode_num_drafts_total{{engine="0"}} {drafts}\n'
+            f'vllm:spec_decode_num_draft_tokens_total{{engine="0"}} {2 * drafts}\n'
+            f'vllm:spec_decode_num_accepted_tokens_total{{engine="0"}} {sum(accepted)}\n' + per_pos
+        )
+
+    server = level_delta(counters(0, (0, 0)), counters(40, (30, 12)))
+    trials = demo_trials()
+    spec = trial("tspec", {"speculative.method": "ngram"}, [level(16, 900, 500, server=server)])
+    trials.append(spec)
+    rows = {row.trial_id: row for row in trial_rows(trials, gather_points(trials))}
+    assert rows["tspec"].speculation == (
+        "accepted 52% of 80 drafted tokens, 2.05 tokens per step; by draft position 75% 30%"
+    )
+    assert rows["t16"].speculation is None  # no speculation: no line
+    root = write_study(tmp_path / "spec", study_info(), trials)
+    report = build_report(load_study(root))
+    md = render_markdown(report)
+    assert "### Speculative decoding\n\n- trial tspec (concurrency 16): accepted 52% of 80 drafted tokens" in md
+    point = next(p for p in report.points if p.trial_id == "tspec")
+    assert "speculation: accepted 52%" in hover_text(point)
+    [logged] = level_metrics(read_result(root / "trials" / "tspec"))  # as result.json keeps it
+    assert logged["spec_decode_acceptance_rate"] == pytest.approx(42 / 80)
+    assert logged["spec_decode_mean_accepted_length"] == pytest.approx(1 + 42 / 40)
+    assert logged["spec_decode_acceptance_rate_pos1"] == pytest.approx(12 / 40)

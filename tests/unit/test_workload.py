@@ -126,3 +126,43 @@ def test_empirical_missing_field_names_the_line(tmp_path):
                 "name: e\ninput_tokens: {dist: empirical, file: p.jsonl}\noutput_tokens: {dist: fixed, value: 1}\n",
             )
         )
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [("text: missing.txt\n", "text: cannot read"), ("text: empty.txt\n", "has no text")],
+)
+def test_a_text_source_that_cannot_be_read_is_one_line_naming_file_and_field(tmp_path, text, needle):
+    (tmp_path / "empty.txt").write_text("  \n")
+    path = write(
+        tmp_path, "name: t\ninput_tokens: {dist: fixed, value: 8}\noutput_tokens: {dist: fixed, value: 1}\n" + text
+    )
+    with pytest.raises(UserError) as info:
+        load_workload(path)
+    message = str(info.value)
+    assert message.startswith(str(path)) and needle in message and "\n" not in message
+
+
+def test_random_words_stay_the_default_and_the_corpus_ships():
+    from servetune.config.workload import corpus_path
+
+    assert load_workload("chat").source_text is None
+    assert corpus_path().is_file() and (corpus_path().parent / "README.md").is_file()
+
+
+@pytest.mark.parametrize(
+    "text, needle",
+    [
+        ("temperature: 0.5\nsampling: {temperature: 0.7}\n", "sampling.temperature: temperature is given twice"),
+        ("sampling: {top_p: 1.5}\n", "sampling.top_p"),
+        ("sampling: {best_of: 2}\n", "sampling.best_of"),
+    ],
+)
+def test_bad_sampling_is_one_line_naming_file_and_field(tmp_path, text, needle):
+    path = write(
+        tmp_path, "name: t\ninput_tokens: {dist: fixed, value: 8}\noutput_tokens: {dist: fixed, value: 1}\n" + text
+    )
+    with pytest.raises(UserError) as info:
+        load_workload(path)
+    message = str(info.value)
+    assert message.startswith(str(path)) and needle in message and "\n" not in message

@@ -75,7 +75,10 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_trials is not None and args.max_trials < 1:
         raise UserError("--max-trials must be at least 1")
-    space = load_space(args.space, load_argspecs(args.python))
+    argspecs = load_argspecs(args.python)
+    space = load_space(args.space, argspecs)
+    if argspecs is not None:  # vLLM is there to start: what it needs beside it for the space's speculation
+        check_speculation(space, args.space, args.python)
     check_hub_models(space, args.space.parent)
     if args.dry_run:
         with tempfile.TemporaryDirectory() as tmp:
@@ -102,6 +105,19 @@ def preflight(space: SearchSpace, model: str, console: Any) -> None:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         raise UserError(f"the cluster failed servetune doctor's checks{more}: node {first.node} {first.name}: "
                         f"{first.evidence}; `servetune doctor` lists them all, --no-checks starts anyway")  # fmt: skip
+
+
+def check_speculation(space: SearchSpace, path: Path, python: str) -> None:
+    """Suffix decoding needs Arctic Inference beside vLLM (vLLM 0.32's SpeculativeConfig refuses to start without
+    it): a space that lists it ends here in one line where the engines' interpreter has none, not in a FAILED
+    trial per point after each engine's start."""
+    from servetune.config.speculative import METHOD
+    from servetune.engine.args import has_module
+
+    if "suffix" in space.speculative_methods() and has_module("arctic_inference", python) is False:
+        field = f"params.{METHOD}" if METHOD in space.params else f"engine_args.{METHOD}"
+        raise UserError(f"{path}: {field}: suffix decoding needs Arctic Inference beside vLLM and {python} has none "
+                        "(pip install arctic-inference; vLLM refuses to start without it)")  # fmt: skip
 
 
 def check_hub_models(space: SearchSpace, space_dir: Path) -> None:

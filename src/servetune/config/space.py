@@ -7,7 +7,9 @@ as a parameter lists checkpoints to compare (a BF16 id and its FP8 and AWQ varia
 checked for capacity with its own weights. ``serve.num_replicas`` as a parameter runs each trial
 through Ray Serve LLM with that many replicas of the engine (many small or one big, beside
 ``tensor_parallel_size``): a trial's devices are then all its replicas', the budget a constraint
-such as ``serve.num_replicas * tensor_parallel_size <= 8``.
+such as ``serve.num_replicas * tensor_parallel_size <= 8``. ``speculative.method`` and the other
+``speculative.<field>`` names (parameters, or fixed in ``engine_args``) vary speculative decoding; a
+choice's fields become one ``speculative_config`` engine argument (config/speculative.py).
 A list is a categorical (grid) dimension; ``{low, high, log, step}`` is a numeric range.
 Constraints are small boolean expressions over parameters, fixed engine arguments,
 ``devices_per_node`` and vLLM's defaults for the parallel sizes, e.g.
@@ -20,6 +22,7 @@ suites by :func:`servetune.space_file.load_space`.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeGuard
@@ -27,6 +30,7 @@ from typing import Annotated, Any, Literal, TypeGuard
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from servetune.capacity.prices import Price, Pricing, price_table
+from servetune.config import speculative
 from servetune.config.constraints import evaluate_constraint, parse_constraint
 from servetune.config.quality import QualitySpec
 from servetune.config.slo import Slo, SloBound
@@ -283,10 +287,33 @@ class SearchSpace(BaseModel):
                 raise ValueError(
                     f"{SERVE_STREAM_BATCHING}: only trials through Serve batch their streams; list {SERVE_REPLICAS} too"
                 )
+        for name, values in params.items():
+            if speculative.is_speculative(name):
+                if isinstance(values, Range) and name == speculative.METHOD:
+                    raise ValueError(f"{name}: list the methods to compare ({', '.join(speculative.METHODS)})")
+                for value in [values.low, values.high] if isinstance(values, Range) else values:
+                    speculative.check_value(name, value)
         model = params.get(MODEL_PARAM)
         if model is not None and not (isinstance(model, list) and all(isinstance(v, str) and v for v in model)):
             raise ValueError(f"{MODEL_PARAM}: list the checkpoints to compare (directories or hub ids)")
         return params
+
+    @field_validator("engine_args")
+    @classmethod
+    def _speculative_args(cls, engine_args: dict[str, Any]) -> dict[str, Any]:
+        for name, value in engine_args.items():
+            if speculative.is_speculative(name):
+                speculative.check_value(name, value)
+        return engine_args
+
+    @model_validator(mode="after")
+    def _one_speculative_config(self) -> SearchSpace:
+        named = [n for n in (*self.engine_args, *self.params) if speculative.is_speculative(n)]
+        if named and "speculative_config" in {*self.engine_args, *self.params}:
+            raise ValueError(f"speculative_config and {named[0]}: give speculative decoding one way, not both")
+        if named and speculative.METHOD not in named:
+            raise ValueError(f"{named[0]}: give {speculative.METHOD} too (one of {', '.join(speculative.METHODS)})")
+        return self
 
     @field_validator("constraints")
     @classmethod
@@ -325,14 +352,30 @@ class SearchSpace(BaseModel):
 
     def engine_params(self, params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
         """Split chosen values into engine arguments and environment, over the fixed ones."""
-        engine = dict(self.engine_args)
+        engine = {k: v for k, v in self.engine_args.items() if not speculative.is_speculative(k)}
         env = {k: str(v) for k, v in self.env.items()}
         for name, value in params.items():
             if name.startswith(ENV_PREFIX):
                 env[name[len(ENV_PREFIX) :]] = str(value)
-            elif name != MODEL_PARAM and not name.startswith(SERVE_PREFIX):
+            elif name != MODEL_PARAM and not name.startswith(SERVE_PREFIX) and not speculative.is_speculative(name):
                 engine[name] = value
+        spec = speculative.config_of(self.speculative_values(params))
+        if spec is not None:
+            engine["speculative_config"] = spec
         return engine, env
+
+    def speculative_methods(self) -> list[str]:
+        """The speculative decoding methods the space's trials may run (``none`` included where listed)."""
+        listed = self.params.get(speculative.METHOD)
+        if isinstance(listed, list):
+            return [str(v) for v in listed]
+        fixed = self.engine_args.get(speculative.METHOD)
+        return [str(fixed)] if fixed is not None else []
+
+    def speculative_values(self, params: dict[str, Any]) -> dict[str, Any]:
+        """A choice's ``speculative.*`` values over the fixed ones in ``engine_args``."""
+        fixed = {k: v for k, v in self.engine_args.items() if speculative.is_speculative(k)}
+        return {**fixed, **{k: v for k, v in params.items() if speculative.is_speculative(k)}}
 
     def model_for(self, params: dict[str, Any]) -> str:
         """The checkpoint a choice serves: its ``model`` parameter, else the space's model."""
@@ -379,22 +422,43 @@ class SearchSpace(BaseModel):
         engine, _ = self.engine_params(params)
         names = {**ENGINE_DEFAULTS, **engine, **{ENV_PREFIX + k: v for k, v in self.env.items()}}
         names.update((k, v) for k, v in params.items() if k.startswith((ENV_PREFIX, SERVE_PREFIX)))
+        names.update(self.speculative_values(params))
         names[MODEL_PARAM] = self.model_for(params)
         names["devices_per_node"] = self.hardware.devices_per_node
         broken = [text for text in self.constraints if not evaluate_constraint(text, names)]
+        broken += speculative.violations(self.speculative_values(params))
         # A Serve replica runs inside one node (its placement group); replicas spread over nodes.
         if self.replica_devices(params) > self.hardware.devices_per_node:
             broken.append(f"needs {self.replica_devices(params)} devices, a node has {self.hardware.devices_per_node}")
         return broken
 
     def grid(self) -> tuple[list[dict[str, Any]], list[tuple[dict[str, Any], list[str]]]]:
-        """Every point of the grid: (kept, [(rejected, reasons)])."""
+        """Every point of the grid: (kept, [(rejected, reasons)]). A point that would run the same engine as
+        one kept before it, or as the baseline (``speculative.method: none`` with another
+        ``speculative.num_speculative_tokens``, or with nothing else varied), is rejected as its repeat."""
         axes = []
         for name, values in self.params.items():
             axes.append([(name, v) for v in (values.grid_values() if isinstance(values, Range) else values)])
-        kept, rejected = [], []
+        kept: list[dict[str, Any]] = []
+        rejected: list[tuple[dict[str, Any], list[str]]] = []
+        # the baseline (run first when the search has one) passes no parameter
+        seen: dict[str, dict[str, Any]] = {self._run_key({}): {}} if self.search.baseline else {}
         for combo in itertools.product(*axes):
             params = dict(combo)
             broken = self.constraint_violations(params)
-            (rejected.append((params, broken)) if broken else kept.append(params))
+            same = seen.get(self._run_key(params))
+            if same is not None and not broken:
+                earlier = ", ".join(f"{k}={v}" for k, v in same.items()) or "the baseline (vLLM defaults)"
+                broken = [f"runs the same engine as {earlier} (a speculative.* field does nothing without speculation)"]
+            if broken:
+                rejected.append((params, broken))
+            else:
+                kept.append(params)
+                seen[self._run_key(params)] = params
         return kept, rejected
+
+    def _run_key(self, params: dict[str, Any]) -> str:
+        """What a choice runs: its model, engine arguments, environment and Serve settings."""
+        engine, env = self.engine_params(params)
+        serve = {k: v for k, v in params.items() if k.startswith(SERVE_PREFIX)}
+        return json.dumps([self.model_for(params), engine, env, serve], sort_keys=True, default=str)

@@ -10,6 +10,11 @@ length is the whole prompt, prefix included.
 earlier prompts and answers) followed by a new message of ``input_tokens``, sent ``think_time_s``
 after the previous answer ended. ``arrival: {process: trace, file: LOG.jsonl}`` replays a request
 log's send times (``servetune workload from-log`` writes workloads from such logs).
+
+``text`` says what prompts are made of: ``random`` words of the served model's vocabulary (the
+default), ``corpus`` (passages of the public-domain English text servetune ships,
+``trials/corpus/``), or a UTF-8 text file of the user's (relative to the workload file) that
+prompts are cut from. Lengths stay the workload's either way.
 """
 
 from __future__ import annotations
@@ -135,6 +140,39 @@ class Empirical(_Dist):
 Dist = Annotated[Fixed | Uniform | Normal | LogNormal | Empirical, Field(discriminator="dist")]
 
 
+class Sampling(BaseModel):
+    """How a request samples, sent in its body as vLLM's OpenAI server reads it. A field left out is not sent
+    (the server's default; the workload's ``temperature`` and ``ignore_eos`` where it has them). ``logprobs``
+    asks that many log-probabilities per token (``logprobs: true, top_logprobs: k`` on chat). With ``n`` > 1 a
+    request's output tokens are all its choices' (the server's usage)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)  # vLLM: -1 (or 0) considers every token
+    n: int | None = Field(default=None, ge=1)
+    logprobs: int | None = Field(default=None, ge=0)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    stop: tuple[str, ...] | None = None
+    ignore_eos: bool | None = None  # false lets a request end early, at the model's end of sequence
+
+    def over(self, base: Sampling) -> Sampling:
+        """These fields over ``base``'s (a class's sampling over its workload's)."""
+        return Sampling.model_validate({**base.model_dump(exclude_none=True), **self.model_dump(exclude_none=True)})
+
+    def body(self, api: str) -> dict[str, object]:
+        """The request body's fields for ``api`` (``completions`` or ``chat``)."""
+        out: dict[str, object] = self.model_dump(exclude_none=True)
+        if "stop" in out:
+            out["stop"] = list(self.stop or ())
+        if api == "chat" and self.logprobs is not None:
+            out["logprobs"] = True
+            if self.logprobs:
+                out["top_logprobs"] = self.logprobs
+        return out
+
+
 class RequestClass(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -142,6 +180,7 @@ class RequestClass(BaseModel):
     weight: float = Field(default=1.0, gt=0)
     input_tokens: Dist
     output_tokens: Dist
+    sampling: Sampling | None = None  # over the workload's ``sampling``
 
 
 class SharedPrefix(BaseModel):
@@ -300,6 +339,48 @@ class Workload(BaseModel):
     sessions: Sessions | None = None
     ignore_eos: bool = True  # hold output lengths to what the workload asked for
     temperature: float = Field(default=0.0, ge=0)
+    # What prompts are made of: "random" vocabulary words (the default, which the recorded studies measured),
+    # "corpus" (the shipped public-domain English text: what n-gram speculation needs to find repeats), or a
+    # UTF-8 text file (relative to the workload file) to cut prompts from.
+    text: str = Field(default="random", min_length=1)
+    # How requests sample (each class's own ``sampling`` over this): top_p, top_k, n, logprobs, stop...
+    sampling: Sampling = Sampling()
+    _source_text: str | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _sampling_once(self) -> Workload:
+        for name in ("temperature", "ignore_eos"):
+            if name in self.model_fields_set and getattr(self.sampling, name) is not None:
+                raise ValueError(f"sampling.{name}: {name} is given twice (here and at the top of the workload)")
+        return self
+
+    def sampling_of(self, request_class: RequestClass) -> dict[str, object]:
+        """The sampling fields a request of ``request_class`` sends (the class's over the workload's)."""
+        sampling = request_class.sampling.over(self.sampling) if request_class.sampling else self.sampling
+        return sampling.body(self.api)
+
+    @model_validator(mode="after")
+    def _read_text(self, info: ValidationInfo) -> Workload:
+        if self.text == "random":
+            return self
+        if self.text == "corpus":
+            path = corpus_path()
+        else:
+            given = Path(self.text).expanduser()
+            path = given if given.is_absolute() else Path((info.context or {}).get("base_dir", ".")) / given
+        try:
+            content = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            raise ValueError(f"text: cannot read {path} as UTF-8 text (give random, corpus or a text file)") from None
+        if not content.strip():
+            raise ValueError(f"text: {path} has no text")
+        self._source_text = content
+        return self
+
+    @property
+    def source_text(self) -> str | None:
+        """The text prompts are cut from; None for random vocabulary words."""
+        return self._source_text
 
     @model_validator(mode="after")
     def _one_shape(self) -> Workload:
@@ -331,6 +412,14 @@ class Workload(BaseModel):
                 name="default", weight=1.0, input_tokens=self.input_tokens, output_tokens=self.output_tokens
             ),
         )
+
+
+#: The public-domain text ``text: corpus`` cuts prompts from (its source and licence: trials/corpus/README.md).
+CORPUS_FILE = "newton-opticks.txt"
+
+
+def corpus_path() -> Path:
+    return trials_dir() / "corpus" / CORPUS_FILE
 
 
 #: Where the shipped workloads live (``trials/workloads``: see servetune.shipped).

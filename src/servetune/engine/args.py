@@ -128,6 +128,21 @@ def vllm_version(python: str = sys.executable) -> str | None:
     return out.stdout.strip() or None
 
 
+def has_module(name: str, python: str = sys.executable) -> bool | None:
+    """Whether ``python`` can import ``name`` (found, not imported); None where that interpreter cannot be asked."""
+    if python == sys.executable:
+        import importlib.util
+
+        return importlib.util.find_spec(name) is not None
+    code = f"import importlib.util; print(importlib.util.find_spec({name!r}) is not None)"
+    try:
+        out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    answer = out.stdout.strip()
+    return {"True": True, "False": False}.get(answer)
+
+
 def load_argspecs(python: str = sys.executable) -> dict[str, ArgSpec] | None:
     """vLLM's server options, from the cache or by asking vLLM once; None without vLLM.
 

@@ -2,7 +2,9 @@
 
 A :class:`MetricsSnapshot` is one scrape. The difference of two snapshots gives what happened
 during a load level: preemptions, prefix-cache queries and hits, tokens, and vLLM's own TTFT,
-ITL and queue-time histograms (mean and bucket-interpolated percentiles).
+ITL and queue-time histograms (mean and bucket-interpolated percentiles), and speculative decoding's
+drafts, drafted and accepted tokens (per draft position too), with the acceptance rate and mean
+accepted length they give.
 """
 
 from __future__ import annotations
@@ -11,6 +13,16 @@ import math
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
+
+from servetune.metrics import (
+    SPEC_ACCEPTANCE_RATE,
+    SPEC_ACCEPTED_TOKENS,
+    SPEC_DRAFT_TOKENS,
+    SPEC_DRAFTS,
+    SPEC_MEAN_ACCEPTED_LENGTH,
+    spec_acceptance_at,
+    spec_accepted_at,
+)
 
 #: Gauges: our name -> vLLM family names (newest first).
 GAUGES = {
@@ -28,7 +40,13 @@ COUNTERS = {
     "prompt_tokens": ("vllm:prompt_tokens",),
     "generation_tokens": ("vllm:generation_tokens",),
     "requests_finished": ("vllm:request_success",),
+    # Only a server with --speculative-config has these (vllm/v1/spec_decode/metrics.py, SpecDecodingProm).
+    SPEC_DRAFTS: ("vllm:spec_decode_num_drafts",),
+    SPEC_DRAFT_TOKENS: ("vllm:spec_decode_num_draft_tokens",),
+    SPEC_ACCEPTED_TOKENS: ("vllm:spec_decode_num_accepted_tokens",),
 }
+#: Accepted tokens per draft position: one sample per position (label ``position``), per engine.
+SPEC_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 #: Histograms in seconds.
 HISTOGRAMS = {
     "server_ttft": ("vllm:time_to_first_token_seconds",),
@@ -110,6 +128,9 @@ class MetricsSnapshot:
         for ours, names in COUNTERS.items():
             if (found := _first(samples, tuple(n + "_total" for n in names))) is not None:
                 snap.counters[ours] = sum(s.value for s in found)
+        for s in samples.get(SPEC_PER_POSITION, []):
+            at_position = spec_accepted_at(int(s.labels["position"]))
+            snap.counters[at_position] = snap.counters.get(at_position, 0.0) + s.value
         for ours, names in HISTOGRAMS.items():
             name = next((n for n in names if n + "_count" in samples), None)
             if name is None:
@@ -164,6 +185,21 @@ def _first(samples: dict[str, list], names: tuple[str, ...]) -> list | None:
     return None
 
 
+def speculation(counted: dict[str, float]) -> dict[str, float]:
+    """Acceptance from a level's speculative decoding counters (none without drafts): accepted / drafted tokens,
+    1 + accepted tokens / drafts, and per draft position the share of drafts accepted there (vLLM's PromQL)."""
+    drafts, drafted = counted.get(SPEC_DRAFTS), counted.get(SPEC_DRAFT_TOKENS)
+    accepted = counted.get(SPEC_ACCEPTED_TOKENS, 0.0)
+    if not drafts or not drafted:
+        return {}
+    out = {SPEC_ACCEPTANCE_RATE: accepted / drafted, SPEC_MEAN_ACCEPTED_LENGTH: 1.0 + accepted / drafts}
+    position = 0
+    while (at := counted.get(spec_accepted_at(position))) is not None:
+        out[spec_acceptance_at(position)] = at / drafts
+        position += 1
+    return out
+
+
 def level_delta(before: MetricsSnapshot, after: MetricsSnapshot) -> dict[str, float]:
     """What the server counted between two scrapes, as flat named values."""
     out: dict[str, float] = {}
@@ -172,6 +208,7 @@ def level_delta(before: MetricsSnapshot, after: MetricsSnapshot) -> dict[str, fl
     queries, hits = out.get("prefix_cache_queries"), out.get("prefix_cache_hits")
     if queries:
         out["prefix_cache_hit_rate"] = (hits or 0.0) / queries
+    out.update(speculation(out))
     for name, hist in after.histograms.items():
         delta = hist.minus(before.histograms.get(name, Histogram()))
         if delta.count <= 0:

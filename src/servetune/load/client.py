@@ -121,6 +121,7 @@ class StreamingClient:
         }
         if self.ignore_eos:
             body["ignore_eos"] = True
+        body.update(spec.sampling)  # the request class's own sampling, over the workload's defaults
         if self.api == "chat":
             body["messages"] = [{"role": "user", "content": spec.prompt}]
         else:

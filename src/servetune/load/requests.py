@@ -2,14 +2,16 @@
 
 Prompts are made of "clean" pieces of the served model's vocabulary: whole words with a
 leading space where the vocabulary has them (they re-tokenize to themselves, so counts stay
-exact across joins), else single printable characters (byte-level tokenizers). Each prompt is
-checked by encoding it and trimmed or extended until its count is exact.
+exact across joins), else single printable characters (byte-level tokenizers). A workload with
+``text: corpus`` or a text file of its own has its prompts cut from that text instead, each from a
+random place (n-gram speculation and a real tokenizer then see text that behaves like text). Each
+prompt is checked by encoding it and trimmed or extended until its count is exact.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -44,6 +46,9 @@ class RequestSpec:
     turn: int = 0
     think_s: float = 0.0  # seconds to wait after the previous turn's answer before sending
     reused_tokens: int = 0  # of input_tokens, those an earlier prompt began with (what a prefix cache can hit)
+    sampling: tuple[
+        tuple[str, object], ...
+    ] = ()  # its class's sampling fields, sent in the body (Workload.sampling_of)
 
 
 class PromptFactory:
@@ -59,6 +64,7 @@ class PromptFactory:
         self.pool = np.asarray(words if len(words) >= 500 else chars, dtype=np.int64)
         if not len(self.pool):
             raise ValueError("the tokenizer has no plain-text tokens to build prompts from")
+        self._encoded: dict[str, np.ndarray] = {}  # source texts as token ids, each encoded once
 
     def count(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=False))
@@ -81,6 +87,45 @@ class PromptFactory:
             text = prefix + self.tokenizer.decode(ids)
         return text  # close enough; the server's usage reports the real count
 
+    def passage(self, source: str, n_tokens: int, rng: np.random.Generator, prefix: str = "") -> str:
+        """``prefix`` followed by a passage of ``source`` that starts at a random token, ``n_tokens`` tokens in
+        all (prefix included); a passage longer than what is left of ``source`` wraps around to its start."""
+        if n_tokens <= 0:
+            return prefix
+        ids = self._encoded.get(source)
+        if ids is None:
+            ids = self._encoded[source] = np.asarray(self.tokenizer.encode(source, add_special_tokens=False))
+        start = int(rng.integers(0, len(ids)))
+
+        def cut(length: int) -> str:
+            return prefix + self.tokenizer.decode(np.take(ids, np.arange(start, start + length), mode="wrap").tolist())
+
+        length = max(n_tokens - (self.count(prefix) if prefix else 0), 0)
+        text = cut(length)
+        for _ in range(16):
+            have = self.count(text)
+            if have == n_tokens:
+                return text
+            length = max(length - (have - n_tokens), 0)
+            text = cut(length)
+        return text  # close enough; the server's usage reports the real count
+
+
+#: Makes text of a number of tokens: (tokens, rng, prefix) -> text.
+TextMaker = Callable[..., str]
+
+
+def text_maker(workload: Workload, prompts: PromptFactory) -> TextMaker:
+    """How a workload's prompts are made: passages of its text (``text: corpus`` or a file), else random words."""
+    source = workload.source_text
+    if source is None:
+        return prompts.text
+
+    def passage(n_tokens: int, rng: np.random.Generator, prefix: str = "") -> str:
+        return prompts.passage(source, n_tokens, rng, prefix=prefix)
+
+    return passage
+
 
 def iter_requests(workload: Workload, prompts: PromptFactory, stream: int = 0) -> Iterator[RequestSpec]:
     """An endless, deterministic stream of requests.
@@ -98,8 +143,9 @@ def iter_requests(workload: Workload, prompts: PromptFactory, stream: int = 0) -
     while True:
         text, n_in, n_out, name, reused = draw.first(rng)
         yield RequestSpec(
-            index=index, prompt=text, input_tokens=n_in, output_tokens=n_out, request_class=name, reused_tokens=reused
-        )
+            index=index, prompt=text, input_tokens=n_in, output_tokens=n_out, request_class=name, reused_tokens=reused,
+            sampling=draw.sampling[name],
+        )  # fmt: skip
         index += 1
 
 
@@ -108,7 +154,9 @@ class _Draw:
 
     def __init__(self, workload: Workload, prompts: PromptFactory) -> None:
         self.workload, self.prompts = workload, prompts
+        self.text = text_maker(workload, prompts)
         self.classes = workload.classes
+        self.sampling = {c.name: tuple(workload.sampling_of(c).items()) for c in self.classes}
         weights = np.asarray([c.weight for c in self.classes], dtype=float)
         self.weights = weights / weights.sum()
         self.prefix_texts: list[str] = []
@@ -117,7 +165,7 @@ class _Draw:
             # The shared prefixes are the same in every stream: they are what the prefix cache reuses.
             prefix_rng = np.random.default_rng([workload.seed, 2**31 - 1])
             self.prefix_texts = [
-                prompts.text(workload.shared_prefix.tokens, prefix_rng) for _ in range(workload.shared_prefix.groups)
+                self.text(workload.shared_prefix.tokens, prefix_rng) for _ in range(workload.shared_prefix.groups)
             ]
             self.prefix_weights = workload.shared_prefix.group_weights()
 
@@ -144,7 +192,7 @@ class _Draw:
             n_in = int(cls.input_tokens.sample(rng, 1)[0])
             if prefix:
                 n_in = max(n_in, prefix_tokens + 1)
-            text = prompts.text(n_in, rng, prefix=prefix)
+            text = self.text(n_in, rng, prefix=prefix)
         return text, n_in, n_out, cls.name, prefix_tokens if prefix else 0
 
     def next_turn(self, rng: np.random.Generator, cls_name: str, history: str) -> tuple[str, int, int]:
@@ -159,7 +207,7 @@ class _Draw:
             return text, self.prompts.count(text), n_out
         n_new = int(message.sample(rng, 1)[0])
         n_in = self.prompts.count(history) + n_new
-        return self.prompts.text(n_in, rng, prefix=history), n_in, n_out
+        return self.text(n_in, rng, prefix=history), n_in, n_out
 
 
 def _conversations(workload: Workload, prompts: PromptFactory, rng: np.random.Generator) -> Iterator[RequestSpec]:
@@ -171,18 +219,21 @@ def _conversations(workload: Workload, prompts: PromptFactory, rng: np.random.Ge
     while True:
         turns = max(1, int(sessions.turns.sample(rng, 1)[0]))
         text, n_in, n_out, name, reused = draw.first(rng)
-        yield RequestSpec(index, text, n_in, n_out, name, session=session, turn=0, reused_tokens=reused)
+        yield RequestSpec(
+            index, text, n_in, n_out, name, session=session, turn=0, reused_tokens=reused, sampling=draw.sampling[name]
+        )
         index += 1
         for turn in range(1, turns):
             # The answer as the conversation carries it: text of the answer's length.
-            history = prompts.text(n_in + n_out, rng, prefix=text)
+            history = draw.text(n_in + n_out, rng, prefix=text)
             reused = n_in  # the previous prompt (the answer here is servetune's text, not the model's)
             text, n_in, n_out = draw.next_turn(rng, name, history)
             if limit is not None and n_in + n_out > limit:
                 break
             think = float(sessions.think_time_s.sample(rng, 1)[0])
             yield RequestSpec(
-                index, text, n_in, n_out, name, session=session, turn=turn, think_s=think, reused_tokens=reused
-            )
+                index, text, n_in, n_out, name, session=session, turn=turn, think_s=think, reused_tokens=reused,
+                sampling=draw.sampling[name],
+            )  # fmt: skip
             index += 1
         session += 1

@@ -35,13 +35,13 @@ from servetune.report.labels import (
     point_metrics,
     trial_cells,
 )
-from servetune.report.markdown import VERIFY_HINT, pareto_rows, warm_cache_lines
+from servetune.report.markdown import VERIFY_HINT, pareto_rows, speculation_lines, warm_cache_lines
 from servetune.report.params import BASELINE
 from servetune.report.points import ReportPoint, level_label
 from servetune.report.quality import QUALITY_NOTE, quality_cells, quality_headings, rule_summary, suite_names
 from servetune.report.recommend import describe
 from servetune.report.serving import LAYOUT_HEADINGS, ROUTER_HEADINGS, ROUTER_NOTE, SCALING_HEADINGS, ServeSection
-from servetune.report.trials import TrialRow
+from servetune.report.trials import TrialRow, speculation_text
 from servetune.report.verification import Verification
 
 
@@ -55,6 +55,9 @@ def hover_text(point: ReportPoint) -> str:
     kv = point.server_metrics.get("kv_cache_usage_max")
     if kv is not None:
         lines.append(f"KV cache peak: {kv:.0%}")
+    drafted = speculation_text(point.server_metrics)
+    if drafted is not None:
+        lines.append(f"speculation: {e(drafted)}")
     if point.eligible:
         lines.append("SLO met")
     elif point.outcome == "COMPLETE" and point.slo_violations:
@@ -401,6 +404,11 @@ def render_html(report: StudyReport) -> str:
         warm = warm_cache_lines(report.trial_table)
         if warm:
             parts.append("<h3>Warm prefix cache</h3><ul>" + "".join(f"<li>{e(line)}</li>" for line in warm) + "</ul>")
+        drafted = speculation_lines(report.trial_table)
+        if drafted:
+            parts.append(
+                "<h3>Speculative decoding</h3><ul>" + "".join(f"<li>{e(line)}</li>" for line in drafted) + "</ul>"
+            )
     if report.quality_table:
         parts.append(quality_html(report))
     if report.ttft_spreads:

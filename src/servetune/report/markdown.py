@@ -183,6 +183,11 @@ def warm_cache_lines(rows: Sequence[TrialRow]) -> list[str]:
     return [f"trial {row.trial_id}, {note}" for row in rows for note in row.cache_notes]
 
 
+def speculation_lines(rows: Sequence[TrialRow]) -> list[str]:
+    """``trial T (concurrency 8): accepted 55% of ...`` for every trial whose engine drafted tokens."""
+    return [f"trial {row.trial_id} ({row.numbers_level}): {row.speculation}" for row in rows if row.speculation]
+
+
 def serve_check_section(section: ServeSection | None) -> list[str]:
     """What ``servetune serve-check`` measured on Ray Serve: scaling, and the routers compared."""
     if section is None:
@@ -244,6 +249,9 @@ def render_markdown(report: StudyReport) -> str:
         warm = warm_cache_lines(report.trial_table)
         if warm:
             lines += ["### Warm prefix cache", "", *(f"- {line}" for line in warm), ""]
+        drafted = speculation_lines(report.trial_table)
+        if drafted:
+            lines += ["### Speculative decoding", "", *(f"- {line}" for line in drafted), ""]
     lines += quality_section(report)
     lines += spread_section(report)
     lines += serve_check_section(report.serve_check)

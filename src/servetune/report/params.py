@@ -32,6 +32,11 @@ SHORT_NAMES = {
     "quantization": "quant",
     "dtype": "dtype",
     "env.VLLM_CPU_KVCACHE_SPACE": "kvGiB",
+    "speculative.method": "spec",
+    "speculative.num_speculative_tokens": "spec-k",
+    "speculative.prompt_lookup_max": "lookup-max",
+    "speculative.prompt_lookup_min": "lookup-min",
+    "speculative.model": "draft",
 }
 
 

@@ -15,7 +15,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from servetune.metrics import COST_METRIC, GOODPUT, TPOT_P99, TTFT_P99
+from servetune.metrics import (
+    COST_METRIC,
+    GOODPUT,
+    SPEC_ACCEPTANCE_RATE,
+    SPEC_DRAFT_TOKENS,
+    SPEC_MEAN_ACCEPTED_LENGTH,
+    TPOT_P99,
+    TTFT_P99,
+    spec_acceptance_at,
+)
 from servetune.report.conclusion import Conclusion, conclude
 from servetune.report.params import short_config, varied_params
 from servetune.report.points import ReportPoint, first_line, level_label, violated_metrics
@@ -61,10 +70,28 @@ class TrialRow:
     recommended: bool = False
     cache_notes: tuple[str, ...] = ()  # levels whose prefix cache may have been warm: ``concurrency 8: ...``
     capacity: Capacity | None = None  # the load it carries at the SLO, as its capacity search found it
+    speculation: str | None = None  # speculative decoding's acceptance at ``numbers_level`` (:func:`speculation_text`)
 
 
 def cache_notes(trial: TrialResult) -> tuple[str, ...]:
     return tuple(f"{level_label(lv.summary.level)}: {lv.cache_note}" for lv in trial.levels if lv.cache_note)
+
+
+def speculation_text(server_metrics: Mapping[str, float]) -> str | None:
+    """``accepted 55% of 40 drafted tokens, 2.10 tokens per step; by draft position 75% 35%`` from a level's
+    counters (engine/metrics.py); None where the level drafted nothing."""
+    rate, drafted = server_metrics.get(SPEC_ACCEPTANCE_RATE), server_metrics.get(SPEC_DRAFT_TOKENS)
+    if rate is None or not drafted:
+        return None
+    text = f"accepted {rate:.0%} of {drafted:,.0f} drafted tokens"
+    length = server_metrics.get(SPEC_MEAN_ACCEPTED_LENGTH)
+    if length is not None:
+        text += f", {length:.2f} tokens per step"
+    by_position, position = [], 0
+    while (at := server_metrics.get(spec_acceptance_at(position))) is not None:
+        by_position.append(f"{at:.0%}")
+        position += 1
+    return text + (f"; by draft position {' '.join(by_position)}" if by_position else "")
 
 
 def slo_break(trial: TrialResult) -> SloBreak | None:
@@ -116,6 +143,7 @@ def trial_rows(
                 recommended=recommendation is not None and recommendation.names(trial.trial_id),
                 cache_notes=cache_notes(trial),
                 capacity=trial.capacity_at_slo,
+                speculation=speculation_text(trial.levels[chosen.index].server_metrics) if chosen is not None else None,
             )
         )
 
