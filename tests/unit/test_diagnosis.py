@@ -3,11 +3,14 @@ healthy recorded trial with no finding."""
 
 from __future__ import annotations
 
+import html
 from pathlib import Path
 
 import pytest
 
+from servetune.report import build_report, load_study, render_markdown
 from servetune.report.diagnosis import RULES, diagnose, limit_level, limited_by
+from servetune.report.html import render_html
 from servetune.results import TrialResult, read_result
 
 RECORDED = Path(__file__).parents[1] / "data" / "cpu-tiny-study" / "trials"
@@ -191,3 +194,23 @@ def test_trials_that_did_not_complete_are_not_diagnosed():
     assert diagnose(failed) == [] and limited_by(failed) == "not diagnosed: FAILED"
     empty = healthy().model_copy(update={"levels": []})
     assert limited_by(empty) == "not diagnosed: no level completed a request"
+
+
+def test_the_report_shows_what_limited_each_complete_trial():
+    report = build_report(load_study(RECORDED.parent))
+    rows = {row.trial_id: row for row in report.trial_table}
+    assert rows["e57a166985b8"].limited_by == limited_by(climbing())
+    assert rows["e57a166985b8"].limited_by.startswith("prefill queueing: TTFT mean grew")
+    md, page = render_markdown(report), render_html(report)
+    assert "### What limited each trial" in md and "What limited each trial" in page
+    for row in report.trial_table:
+        line = f"trial {row.trial_id}: {row.limited_by}"
+        assert (f"- {line}" in md) == (row.outcome == "COMPLETE")
+        assert (html.escape(line) in page) == (row.outcome == "COMPLETE")
+
+
+def test_a_trial_broken_at_its_only_level_asks_for_a_lower_load():
+    trial = recorded("18ae6e731937")  # one level, concurrency 2, broke TTFT P95; nothing else stood out
+    assert len(trial.levels) == 1 and trial.levels[0].slo_violations
+    assert diagnose(trial) == []
+    assert limited_by(trial).startswith("SLO broken at the lowest load measured (concurrency 2)")

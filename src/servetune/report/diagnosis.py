@@ -296,4 +296,6 @@ def limited_by(trial: TrialResult) -> str:
     if findings:
         return findings[0].line
     label = level_label(trial.levels[limit].summary.level)
+    if trial.levels[limit].slo_violations and _lowest(trial, limit) is None:
+        return f"SLO broken at the lowest load measured ({label}), no rule matched: a lower load would show the trend"
     return f"no limit found in what was recorded at {label}"
