@@ -12,6 +12,7 @@ from servetune.report import build_report, load_study, render_markdown
 from servetune.report.diagnosis import RULES, diagnose, limit_level, limited_by
 from servetune.report.html import render_html
 from servetune.results import TrialResult, read_result
+from servetune.tracking.fields import LIMITED_BY_TAG, diagnosis_tags
 
 RECORDED = Path(__file__).parents[1] / "data" / "cpu-tiny-study" / "trials"
 
@@ -214,3 +215,12 @@ def test_a_trial_broken_at_its_only_level_asks_for_a_lower_load():
     assert len(trial.levels) == 1 and trial.levels[0].slo_violations
     assert diagnose(trial) == []
     assert limited_by(trial).startswith("SLO broken at the lowest load measured (concurrency 2)")
+
+
+def test_mlflow_tags_say_what_limited_the_trial_and_every_rule_that_found_something():
+    trial = with_server(with_engine_args(climbing(), max_num_seqs=8), 1, preemptions=2.0)
+    trial.levels[2].server_metrics["preemptions"] = 9.0
+    tags = diagnosis_tags(trial)
+    assert tags[LIMITED_BY_TAG] == limited_by(trial) and tags[LIMITED_BY_TAG].startswith("KV-bound at concurrency 32")
+    assert tags["servetune.findings"] == "kv_bound, prefill_queueing"
+    assert diagnosis_tags(healthy()) == {LIMITED_BY_TAG: "no limit found in what was recorded at concurrency 8"}
