@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import html
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from servetune.cli.verify import opening_lines
 from servetune.report import build_report, load_study, render_markdown
 from servetune.report.diagnosis import RULES, diagnose, limit_level, limited_by
 from servetune.report.html import render_html
@@ -224,3 +226,14 @@ def test_mlflow_tags_say_what_limited_the_trial_and_every_rule_that_found_someth
     assert tags[LIMITED_BY_TAG] == limited_by(trial) and tags[LIMITED_BY_TAG].startswith("KV-bound at concurrency 32")
     assert tags["servetune.findings"] == "kv_bound, prefill_queueing"
     assert diagnosis_tags(healthy()) == {LIMITED_BY_TAG: "no limit found in what was recorded at concurrency 8"}
+
+
+def test_verify_says_what_limited_the_trial_it_starts_again():
+    trial = climbing()
+    winner = SimpleNamespace(trial_id=trial.trial_id, level="concurrency 8", result=trial,
+                             spec=SimpleNamespace(serve_replicas=None))  # fmt: skip
+    selection = SimpleNamespace(winner=winner, runner_up=SimpleNamespace(trial_id="8aede7346995"))
+    lines = opening_lines(selection, runner_up=True)
+    assert lines == [f"verifying trial {trial.trial_id} at concurrency 8; runner-up: trial 8aede7346995",
+                     f"in the study, what limited it: {limited_by(trial)}"]  # fmt: skip
+    assert opening_lines(selection, runner_up=False)[0] == f"verifying trial {trial.trial_id} at concurrency 8"
