@@ -21,6 +21,7 @@ import pytest
 from mlflow import MlflowClient
 
 from servetune.engine.server import free_port
+from servetune.report.diagnosis import limited_by
 from servetune.tracking import sync_study
 from servetune.tracking.callback import MlflowCallback
 from tests.builders import demo_trials, level, study_info, trial, write_study
@@ -136,6 +137,8 @@ def test_sync_logs_a_parent_run_and_one_nested_run_per_trial(store, tmp_path):
     assert t32.data.tags["servetune.level"] == "concurrency 32"
     assert t32.data.tags["servetune.outcome"] == "COMPLETE" and t32.data.tags["conclusion"] == "keep"
     assert t32.data.tags["servetune.recommended"] == "false"
+    demo = {t.trial_id: t for t in demo_trials()}
+    assert t32.data.tags["servetune.limited_by"] == limited_by(demo["t32"])  # report/diagnosis.py, as the report says
     assert t32.data.tags["quality"] == "not evaluated" and t32.data.tags["record.date"] == "unknown"
     assert "Experiment id (实验编号)" in t32.data.tags["mlflow.note.content"]
 
@@ -170,6 +173,7 @@ def test_sync_logs_a_parent_run_and_one_nested_run_per_trial(store, tmp_path):
 
     t64, t256 = runs["t64"], runs["t256"]
     assert t64.info.status == "FAILED" and "CUDA out of memory" in t64.data.tags["servetune.reason"]
+    assert t64.data.tags["servetune.limited_by"] == "not diagnosed: FAILED"
     assert t64.data.tags["stability.oom"] == "yes" and t64.data.tags["conclusion"] == "eliminate"
     assert t256.data.tags["servetune.outcome"] == "INFEASIBLE" and t256.data.tags["stability.oom"] == "not run"
     assert {a.path for a in client.list_artifacts(t256.info.run_id)} == {"record.md", "result.json"}

@@ -82,10 +82,11 @@ def test_the_results_reference_has_result_json_and_study_json(site):
 
 
 def test_the_mlflow_reference_has_the_names_the_sync_logs(site):
+    from servetune.tracking.fields import LIMITED_BY_TAG
     from servetune.tracking.view import RECOMMENDED_TAG
     from servetune.tracking.writer import ROLE_TAG, TRIAL_TAG
 
     text = page_text(site, "reference/mlflow")
     for name in (ROLE_TAG, TRIAL_TAG, RECOMMENDED_TAG, "by_level/goodput", "ttft_ms_p99", "max_num_seqs",
-                 "record.performance", "trials_meeting_slo", "stability.oom", "record.md"):  # fmt: skip
+                 "record.performance", "trials_meeting_slo", "stability.oom", "record.md", LIMITED_BY_TAG):  # fmt: skip
         assert name in text, name

@@ -13,6 +13,8 @@ if TYPE_CHECKING:
     from rich.console import Console
     from rich.status import Status
 
+    from servetune.verify.choose import Selection
+
 DESCRIPTION = """\
 Start the chosen configuration of a study again and run the stability stage of the tuning
 checklist at its operating level:
@@ -92,6 +94,19 @@ class ConsoleProgress:
             self.status = None
 
 
+def opening_lines(selection: Selection, runner_up: bool) -> list[str]:
+    """What verify is about to start (the trial, its level, the runner-up), and what limited the trial in the
+    study (report/diagnosis.py): what the scenarios may run into first."""
+    from servetune.report.diagnosis import limited_by
+
+    winner = selection.winner
+    replicas = winner.spec.serve_replicas
+    through = f" through Ray Serve ({replicas} replica{'s' if replicas != 1 else ''})" if replicas else ""
+    other = f"; runner-up: trial {selection.runner_up.trial_id}" if selection.runner_up and runner_up else ""
+    return [f"verifying trial {winner.trial_id} at {winner.level}{through}{other}",
+            f"in the study, what limited it: {limited_by(winner.result)}"]  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> int:
     from servetune.cli.display import console as make_console
     from servetune.engine.args import vllm_version
@@ -116,11 +131,8 @@ def run(args: argparse.Namespace) -> int:
     budget = Budget.for_device(selection.info.device, args.duration)
     console = make_console(stderr=True)
     winner = selection.winner
-    replicas = winner.spec.serve_replicas
-    through = f" through Ray Serve ({replicas} replica{'s' if replicas != 1 else ''})" if replicas else ""
-    console.print(f"verifying trial {winner.trial_id} at {winner.level}{through}"
-                  + (f"; runner-up: trial {selection.runner_up.trial_id}" if selection.runner_up and not args.no_runner_up else ""),
-                  soft_wrap=True)  # fmt: skip
+    for line in opening_lines(selection, runner_up=not args.no_runner_up):
+        console.print(line, soft_wrap=True, highlight=False)
     with console.status(f"loading the tokenizer of {winner.spec.tokenizer}"):
         prompts = PromptFactory(load_tokenizer(winner.spec.tokenizer))
     signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(SystemExit(128 + signum)))

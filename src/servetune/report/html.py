@@ -35,7 +35,14 @@ from servetune.report.labels import (
     point_metrics,
     trial_cells,
 )
-from servetune.report.markdown import VERIFY_HINT, pareto_rows, speculation_lines, warm_cache_lines
+from servetune.report.markdown import (
+    DIAGNOSIS_NOTE,
+    VERIFY_HINT,
+    limit_lines,
+    pareto_rows,
+    speculation_lines,
+    warm_cache_lines,
+)
 from servetune.report.params import BASELINE
 from servetune.report.points import ReportPoint, level_label
 from servetune.report.quality import QUALITY_NOTE, quality_cells, quality_headings, rule_summary, suite_names
@@ -401,6 +408,10 @@ def render_html(report: StudyReport) -> str:
         parts += [f"<h2 id='all-trials'>All trials ({len(report.trial_table)})</h2>",
                   trials_table_html(report.trial_table),
                   f"<p class='muted'>{e(TRIALS_NOTE)} Hover “stopped because” for the whole reason.</p>"]  # fmt: skip
+        limits = limit_lines(report.trial_table)
+        if limits:
+            parts.append("<h3 id='limits'>What limited each trial</h3><ul>" + "".join(f"<li>{e(line)}</li>" for line in limits)
+                         + f"</ul><p class='muted'>{e(DIAGNOSIS_NOTE)}</p>")  # fmt: skip
         warm = warm_cache_lines(report.trial_table)
         if warm:
             parts.append("<h3>Warm prefix cache</h3><ul>" + "".join(f"<li>{e(line)}</li>" for line in warm) + "</ul>")

@@ -111,6 +111,14 @@ def quality_section(report: StudyReport) -> list[str]:
     return lines
 
 
+#: How to read "What limited each trial" (report/diagnosis.py).
+DIAGNOSIS_NOTE = (
+    "Each trial is judged at the first level that broke the SLO, else its highest load; the first finding in the "
+    "order of the tuning checklist's section 13 is shown, from the server's /metrics, the device telemetry and the "
+    "client's latencies. See docs/concepts/diagnosis.md."
+)
+
+
 #: What ``servetune verify`` does, for a study it has not verified yet.
 VERIFY_HINT = (
     "it starts the recommended configuration again, runs a soak, a peak, bursts, long/short mixes, very long "
@@ -183,6 +191,11 @@ def warm_cache_lines(rows: Sequence[TrialRow]) -> list[str]:
     return [f"trial {row.trial_id}, {note}" for row in rows for note in row.cache_notes]
 
 
+def limit_lines(rows: Sequence[TrialRow]) -> list[str]:
+    """``trial T: symptom → lever`` for every complete trial (report/diagnosis.py), in the table's order."""
+    return [f"trial {row.trial_id}: {row.limited_by}" for row in rows if row.outcome == "COMPLETE" and row.limited_by]
+
+
 def speculation_lines(rows: Sequence[TrialRow]) -> list[str]:
     """``trial T (concurrency 8): accepted 55% of ...`` for every trial whose engine drafted tokens."""
     return [f"trial {row.trial_id} ({row.numbers_level}): {row.speculation}" for row in rows if row.speculation]
@@ -246,6 +259,9 @@ def render_markdown(report: StudyReport) -> str:
         lines += ["### All trials", ""]
         lines += _table(TRIAL_HEADINGS, [trial_cells(row) for row in report.trial_table])
         lines += ["", TRIALS_NOTE, ""]
+        limits = limit_lines(report.trial_table)
+        if limits:
+            lines += ["### What limited each trial", "", *(f"- {line}" for line in limits), "", DIAGNOSIS_NOTE, ""]
         warm = warm_cache_lines(report.trial_table)
         if warm:
             lines += ["### Warm prefix cache", "", *(f"- {line}" for line in warm), ""]

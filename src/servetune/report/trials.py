@@ -3,7 +3,8 @@
 A row says what the trial varied, how it ended, its best load level under the SLO and the
 numbers there (or at the highest load it measured when none met the SLO), its capacity at the SLO (what its
 capacity search found: trial/capacity.py), which SLO bounds broke first and
-at which level, why its ladder stopped, and its conclusion (:mod:`servetune.report.conclusion`).
+at which level, why its ladder stopped, what limited it (:mod:`servetune.report.diagnosis`), and its conclusion
+(:mod:`servetune.report.conclusion`).
 
 Rows are ordered as a user picks: the recommended trial first, then kept trials, those for a
 next round, the eliminated ones; within each, cheapest first.
@@ -26,6 +27,7 @@ from servetune.metrics import (
     spec_acceptance_at,
 )
 from servetune.report.conclusion import Conclusion, conclude
+from servetune.report.diagnosis import limited_by
 from servetune.report.params import short_config, varied_params
 from servetune.report.points import ReportPoint, first_line, level_label, violated_metrics
 from servetune.results import Capacity, Outcome, TrialResult, best_level, chosen_level
@@ -71,6 +73,7 @@ class TrialRow:
     cache_notes: tuple[str, ...] = ()  # levels whose prefix cache may have been warm: ``concurrency 8: ...``
     capacity: Capacity | None = None  # the load it carries at the SLO, as its capacity search found it
     speculation: str | None = None  # speculative decoding's acceptance at ``numbers_level`` (:func:`speculation_text`)
+    limited_by: str = ""  # what limited it and the next lever (report/diagnosis.py ``limited_by``)
 
 
 def cache_notes(trial: TrialResult) -> tuple[str, ...]:
@@ -144,6 +147,7 @@ def trial_rows(
                 cache_notes=cache_notes(trial),
                 capacity=trial.capacity_at_slo,
                 speculation=speculation_text(trial.levels[chosen.index].server_metrics) if chosen is not None else None,
+                limited_by=limited_by(trial),
             )
         )
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from servetune.config.space import ENV_PREFIX
 from servetune.metrics import COST_METRIC, ENERGY_PER_TOKEN, GOODPUT, REQUEST_THROUGHPUT
+from servetune.report.diagnosis import diagnose, limited_by
 from servetune.report.params import short_config
 from servetune.report.points import level_label
 from servetune.results import StudyInfo, TrialResult, chosen_level
@@ -222,6 +223,20 @@ def level_tags(trial: TrialResult) -> dict[str, str]:
     tags = {"servetune.level": level_label(level.summary.level), "servetune.level_choice": chosen.note}
     if level.energy_note is not None:
         tags["servetune.energy_note"] = level.energy_note
+    return tags
+
+
+#: The tag that says what limited a trial, and the next lever (report/diagnosis.py).
+LIMITED_BY_TAG = "servetune.limited_by"
+
+
+def diagnosis_tags(trial: TrialResult) -> dict[str, str]:
+    """What limited the trial (``servetune.limited_by``: its first finding, ``symptom → lever``, or why none) and
+    every rule that found something (``servetune.findings``, in the checklist's order, where any did)."""
+    tags = {LIMITED_BY_TAG: limited_by(trial)}
+    findings = diagnose(trial)
+    if findings:
+        tags["servetune.findings"] = ", ".join(finding.rule for finding in findings)
     return tags
 
 

@@ -39,7 +39,15 @@ from servetune.tracking.connection import (
     mlflow_env,
     resolve_tracking_uri,
 )
-from servetune.tracking.fields import level_tags, run_name, study_metrics, study_params, trial_metrics, trial_params
+from servetune.tracking.fields import (
+    diagnosis_tags,
+    level_tags,
+    run_name,
+    study_metrics,
+    study_params,
+    trial_metrics,
+    trial_params,
+)
 from servetune.tracking.inputs import (
     ModelFingerprint,
     log_tail,
@@ -263,10 +271,12 @@ def recommend_of(study: LoadedStudy) -> Recommendation | None:
 
 
 def trial_tags(trial: TrialResult, record: ExperimentRecord, recommendation: Recommendation | None) -> dict[str, str]:
-    """A trial run's tags: its record's, which level its plain metrics hold, and whether it is the one to ship."""
+    """A trial run's tags: its record's, which level its plain metrics hold, what limited it, and whether it is
+    the one to ship."""
     return {
         **record.all_tags(),
         **level_tags(trial),
+        **diagnosis_tags(trial),
         RECOMMENDED_TAG: str(bool(recommendation and recommendation.names(trial.trial_id))).lower(),
     }
 
