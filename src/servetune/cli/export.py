@@ -29,6 +29,12 @@ Print the configuration of one operating point of a study:
                       for ray-serve: an autoscaling/v2 HPA (--autoscaler hpa, the default) or a
                       KEDA ScaledObject with a Prometheus trigger (--autoscaler keda)
   --format kserve     a KServe InferenceService (serving.kserve.io/v1beta1) with the same container
+  --format prometheus-rules
+                      Prometheus alerting rules (groups:, a PrometheusRule's spec): latency
+                      percentiles over the SLO's bounds, a growing queue, KV-cache usage where
+                      the trial saw preemptions (else 0.9), preemptions, and request rate above
+                      80% of the capacity measured; each says where its threshold came from
+  --format grafana    a Grafana dashboard (JSON) with a panel per alert's signal and its threshold
 
 --pick best (default) is the recommendation of `servetune report`; --pick N is row N
 (counting from 0) of the cost vs P99 TTFT Pareto table, cheapest first, as summary.md and
@@ -41,7 +47,7 @@ does not change when vLLM's defaults do.
 """
 
 
-FORMATS = ("vllm", "ray-serve", "json", "kubernetes", "kserve")
+FORMATS = ("vllm", "ray-serve", "json", "kubernetes", "kserve", "prometheus-rules", "grafana")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -106,6 +112,13 @@ def run(args: argparse.Namespace) -> int:
         )  # fmt: skip
     elif args.format == "kserve":
         text = deploy.kserve_yaml(point, autoscaling_for(report, point, args.peak), args.image or deploy.DEFAULT_IMAGE)
+    elif args.format in ("prometheus-rules", "grafana"):
+        from servetune.report import alerts
+
+        trial_points = [p for p in report.points if p.trial_id == point.trial_id]
+        rules = alerts.alert_rules(point, trial_points, report.slo, autoscaling_for(report, point, args.peak))
+        write = alerts.prometheus_rules_yaml if args.format == "prometheus-rules" else alerts.grafana_json
+        text = write(point, rules)
     else:
         text = point_json(report, point)
     sys.stdout.write(text)

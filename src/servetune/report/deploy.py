@@ -172,7 +172,7 @@ def in_flight_query(point: ReportPoint, by_pod: bool = False) -> str:
     """PromQL: requests in flight (running + waiting) of this model's servers, summed (or per pod)."""
     selector = f'{{model_name="{served_model_name(point)}"}}'
     by = " by (pod)" if by_pod else ""
-    (running,), (waiting,) = GAUGES["requests_running"], GAUGES["requests_waiting"]
+    running, waiting = GAUGES["requests_running"][0], GAUGES["requests_waiting"][0]
     return f"sum{by}({running}{selector}) + sum{by}({waiting}{selector})"
 
 
@@ -293,8 +293,7 @@ def _header(point: ReportPoint, autoscaling: Autoscaling | str, what: str) -> st
 
 def adapter_rule(point: ReportPoint) -> str:
     """The prometheus-adapter rule that serves :data:`IN_FLIGHT_METRIC` per pod, for the HPA."""
-    (running,) = GAUGES["requests_running"]
-    (waiting,) = GAUGES["requests_waiting"]
+    running, waiting = GAUGES["requests_running"][0], GAUGES["requests_waiting"][0]
     return (
         "# The HPA reads the per-pod metric vllm_requests_in_flight from the custom metrics API; a prometheus-adapter\n"
         "# rule that serves it (running + waiting requests of each pod):\n"
