@@ -22,6 +22,7 @@ from kubernetes_validate.utils import schema_contents
 from referencing import Registry, Resource
 
 from servetune.cli import main
+from servetune.engine.args import load_argspecs
 from servetune.report import ReportPoint, build_report, deploy, load_study
 from servetune.report.export import autoscaling_for, pick_point, vllm_command
 
@@ -65,6 +66,7 @@ def test_every_kubernetes_object_is_valid_against_the_published_schema(gpu_point
     for autoscaler in ("hpa", "keda"):
         docs = deploy.documents(deploy.kubernetes_yaml(gpu_point, autoscaling, autoscaler=autoscaler))
         kinds = [d["kind"] for d in docs]
+        assert "Serve's bounded queue" not in deploy.kubernetes_yaml(gpu_point, autoscaling)  # no Serve-only reasons
         assert kinds == ["Deployment", "Service", "HorizontalPodAutoscaler" if autoscaler == "hpa" else "ScaledObject"]
         for doc in docs:
             if doc["apiVersion"].startswith("keda.sh/"):
@@ -106,6 +108,16 @@ def test_the_container_runs_the_exported_vllm_command_with_gpus_shm_and_probes(g
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert all(labels[k] == v for k, v in service["spec"]["selector"].items())
     assert deployment["spec"]["selector"]["matchLabels"] == service["spec"]["selector"]
+
+
+def test_every_flag_of_the_container_is_an_option_of_vllms_server(gpu_point):
+    specs = load_argspecs()  # vLLM's own parser's table (cached per vLLM version)
+    if specs is None:
+        pytest.skip("vLLM is not installed")
+    flags = {spec.flag for spec in specs.values()} | {"--no-" + spec.flag[2:] for spec in specs.values()}
+    given = [token for token in deploy.container_args(gpu_point) if token.startswith("--")]
+    assert "--tensor-parallel-size" in given and "--port" in given
+    assert [flag for flag in given if flag not in flags] == []
 
 
 def test_secrets_are_referenced_never_written(gpu_point, autoscaling):

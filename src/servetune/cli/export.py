@@ -71,7 +71,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--accelerator-type", metavar="NAME", help="Ray accelerator type for --format ray-serve, e.g. H100")
     p.add_argument(
         "--peak", type=float, metavar="X",
-        help="for --format ray-serve: the peak load to scale out to, in the ladder's unit (clients in flight, or "
+        help="for --format ray-serve|kubernetes|kserve|prometheus-rules: the peak load to scale out to, in the ladder's unit (clients in flight, or "
              "req/s for a rate ladder); default: the top of the study's ladder",
     )  # fmt: skip
     p.add_argument(

@@ -50,6 +50,9 @@ IN_FLIGHT_METRIC = "vllm_requests_in_flight"
 DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
 
 Autoscaler = Literal["hpa", "keda"]
+#: The derived settings a Kubernetes autoscaler uses (Serve's queue caps have no counterpart here).
+K8S_REASONS = ("knee", "target_ongoing_requests", "min_replicas", "max_replicas", "upscale_delay_s",
+               "downscale_delay_s", "kv_cache")  # fmt: skip
 
 
 def app_name(point: ReportPoint) -> str:
@@ -286,8 +289,10 @@ def _header(point: ReportPoint, autoscaling: Autoscaling | str, what: str) -> st
     if isinstance(autoscaling, str):
         lines.append(f"Fixed replicas, no autoscaling derived: {autoscaling}")
     else:
-        lines.append("Autoscaling derived from the study's measurements (checklist sections 10 and 11):")
-        lines += [f"  {key}: {why}" for key, why in autoscaling.reasons.items()]
+        lines.append(
+            "Autoscaling derived from the study's measurements (checklist sections 10 and 11), as for Ray Serve:"
+        )
+        lines += [f"  {key}: {autoscaling.reasons[key]}" for key in K8S_REASONS if key in autoscaling.reasons]
     return "".join(f"# {line}\n" for line in lines)
 
 
