@@ -155,7 +155,8 @@ def test_keda_queries_vllms_running_and_waiting_gauges_at_the_derived_target(gpu
     query = trigger["metadata"]["query"]
     assert "vllm:num_requests_running{" in query and "vllm:num_requests_waiting{" in query
     assert f'model_name="{deploy.served_model_name(gpu_point)}"' in query
-    assert trigger["metadata"]["threshold"] == str(autoscaling.target_ongoing_requests)  # KEDA: a string
+    assert trigger["metadata"]["threshold"] == str(autoscaling.target_ongoing_requests)
+    assert all(isinstance(v, str) for v in trigger["metadata"].values())  # the CRD: metadata is a map of strings
     # KEDA passes the behaviour through to the HPA it makes: a Kubernetes type
     validate_definition(
         spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"],
