@@ -23,6 +23,18 @@ Print the configuration of one operating point of a study:
                       and the stream batching interval serve-check deployed it at
                       (--stream-batching-ms), in place of the trial's own
   --format json       the configuration and its measured numbers
+  --format kubernetes a Deployment running `vllm serve` with the same flags (GPUs = TP x PP x DP,
+                      /dev/shm in memory, /health probes, secrets from a Secret by reference),
+                      a Service, and an autoscaler on requests in flight per replica derived as
+                      for ray-serve: an autoscaling/v2 HPA (--autoscaler hpa, the default) or a
+                      KEDA ScaledObject with a Prometheus trigger (--autoscaler keda)
+  --format kserve     a KServe InferenceService (serving.kserve.io/v1beta1) with the same container
+  --format prometheus-rules
+                      Prometheus alerting rules (groups:, a PrometheusRule's spec): latency
+                      percentiles over the SLO's bounds, a growing queue, KV-cache usage where
+                      the trial saw preemptions (else 0.9), preemptions, and request rate above
+                      80% of the capacity measured; each says where its threshold came from
+  --format grafana    a Grafana dashboard (JSON) with a panel per alert's signal and its threshold
 
 --pick best (default) is the recommendation of `servetune report`; --pick N is row N
 (counting from 0) of the cost vs P99 TTFT Pareto table, cheapest first, as summary.md and
@@ -35,10 +47,13 @@ does not change when vLLM's defaults do.
 """
 
 
+FORMATS = ("vllm", "ray-serve", "json", "kubernetes", "kserve", "prometheus-rules", "grafana")
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "export",
-        help="one operating point as a vllm serve command, a Ray Serve LLM config, or JSON",
+        help="one operating point as a vllm serve command, a Ray Serve LLM config, Kubernetes/KServe objects, or JSON",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="example: servetune export servetune-results/chat-latency --pick best --format ray-serve > serve.yaml",
@@ -48,7 +63,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--pick", default="best", metavar="best|N|TRIAL_ID",
         help="best (the recommendation, default), a row of the cost vs P99 TTFT Pareto table, or a trial id",
     )  # fmt: skip
-    p.add_argument("--format", required=True, choices=("vllm", "ray-serve", "json"), help="what to print")
+    p.add_argument("--format", required=True, choices=FORMATS, help="what to print")
     p.add_argument(
         "--price-per-gpu-hour", type=float, metavar="X",
         help="cost with this price per device-hour, as `servetune report --price-per-gpu-hour` does",
@@ -56,15 +71,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--accelerator-type", metavar="NAME", help="Ray accelerator type for --format ray-serve, e.g. H100")
     p.add_argument(
         "--peak", type=float, metavar="X",
-        help="for --format ray-serve: the peak load to scale out to, in the ladder's unit (clients in flight, or "
+        help="for --format ray-serve|kubernetes|kserve|prometheus-rules: the peak load to scale out to, in the ladder's unit (clients in flight, or "
              "req/s for a rate ladder); default: the top of the study's ladder",
+    )  # fmt: skip
+    p.add_argument(
+        "--image", metavar="IMAGE",
+        help="for --format kubernetes|kserve: the vLLM server image (default: vllm/vllm-openai:v0.32.0)",
+    )  # fmt: skip
+    p.add_argument(
+        "--autoscaler", choices=("hpa", "keda"), default="hpa",
+        help="for --format kubernetes: an autoscaling/v2 HPA (default) or a KEDA ScaledObject",
+    )  # fmt: skip
+    p.add_argument(
+        "--prometheus-url", metavar="URL",
+        help="for --autoscaler keda: the Prometheus KEDA queries (default: http://prometheus-operated.monitoring.svc:9090)",
     )  # fmt: skip
     p.add_argument("--skip-unreadable", action="store_true", help="do not stop at an invalid result.json")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from servetune.report import build_report, load_study
+    from servetune.report import build_report, deploy, load_study
     from servetune.report.export import autoscaling_for, pick_point, point_json, ray_serve_yaml, vllm_command
 
     report = build_report(load_study(args.study_dir, args.skip_unreadable), args.price_per_gpu_hour)
@@ -78,6 +105,20 @@ def run(args: argparse.Namespace) -> int:
             checked.router if checked else None, checked.layout if checked else None,
             checked.stream_batching if checked else None,
         )  # fmt: skip
+    elif args.format == "kubernetes":
+        text = deploy.kubernetes_yaml(
+            point, autoscaling_for(report, point, args.peak), args.image or deploy.DEFAULT_IMAGE, args.autoscaler,
+            args.prometheus_url or deploy.DEFAULT_PROMETHEUS,
+        )  # fmt: skip
+    elif args.format == "kserve":
+        text = deploy.kserve_yaml(point, autoscaling_for(report, point, args.peak), args.image or deploy.DEFAULT_IMAGE)
+    elif args.format in ("prometheus-rules", "grafana"):
+        from servetune.report import alerts
+
+        trial_points = [p for p in report.points if p.trial_id == point.trial_id]
+        rules = alerts.alert_rules(point, trial_points, report.slo, autoscaling_for(report, point, args.peak))
+        write = alerts.prometheus_rules_yaml if args.format == "prometheus-rules" else alerts.grafana_json
+        text = write(point, rules)
     else:
         text = point_json(report, point)
     sys.stdout.write(text)

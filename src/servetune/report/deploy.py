@@ -1,0 +1,337 @@
+"""A chosen operating point as Kubernetes objects: a Deployment with its Service and autoscaler
+(an ``autoscaling/v2`` HorizontalPodAutoscaler or a KEDA ``ScaledObject``), or a KServe
+``InferenceService``.
+
+The container runs ``vllm serve`` with the arguments :func:`servetune.report.export.vllm_command`
+prints (the same :func:`engine_argv` of the same pinned, resolved engine arguments), so the pod
+serves what the trial measured. The rules, one object at a time:
+
+- **GPUs**: ``nvidia.com/gpu`` = TP x PP x DP (one vLLM server holds all its ranks; DP is 1 unless
+  the trial ran data parallelism inside one server). A CPU study's point asks for no GPU.
+- **/dev/shm**: an ``emptyDir`` with ``medium: Memory`` (PyTorch's and NCCL's shared memory; the
+  container runtime's 64 MiB default breaks tensor parallelism).
+- **probes**: vLLM's ``/health`` answers 200 once the engine is up. A startup probe gives the
+  model up to 30 minutes to load; then readiness (out of the Service while unhealthy) and liveness
+  (restarted when the engine died) probe it every 10 s.
+- **environment**: the study's, except secrets (:mod:`servetune.secrets`' rule), which come from a
+  Secret (``secretKeyRef``), never as values; so do the engine's credentials (``api_key`` as
+  ``VLLM_API_KEY``, ``hf_token`` as ``HF_TOKEN``), which vLLM reads from the environment.
+- **autoscaling**: on requests in flight per replica (``vllm:num_requests_running`` +
+  ``vllm:num_requests_waiting``), the target and the replica bounds derived from the trial's knee
+  (:mod:`servetune.report.autoscale`); scale-up and scale-down windows are its delays. The HPA reads
+  a per-pod custom metric that a Prometheus adapter serves (the rule is printed as a comment); KEDA
+  queries Prometheus itself. Without a knee the replicas stay fixed at one and no autoscaler is made.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import yaml
+
+from servetune.engine.args import engine_argv
+from servetune.engine.metrics import GAUGES
+from servetune.report.autoscale import Autoscaling
+from servetune.report.export import masked_engine_args
+from servetune.report.points import ReportPoint, level_label
+from servetune.secrets import SECRET_ENGINE_ARGS, is_secret_env
+
+#: The vLLM OpenAI server image of the vLLM release servetune is tested with (pyproject's [gpu] extra).
+DEFAULT_IMAGE = "vllm/vllm-openai:v0.32.0"
+#: Where the container's server listens (vLLM's default port).
+PORT = 8000
+#: The environment variables vLLM reads the engine's credentials from.
+SECRET_ARG_ENV = {"api_key": "VLLM_API_KEY", "hf_token": "HF_TOKEN"}
+#: The per-pod metric the HPA scales on, as the Prometheus adapter rule below names it.
+IN_FLIGHT_METRIC = "vllm_requests_in_flight"
+#: Where KEDA finds Prometheus unless told (the Prometheus Operator's service in ``monitoring``).
+DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
+
+Autoscaler = Literal["hpa", "keda"]
+#: The derived settings a Kubernetes autoscaler uses (Serve's queue caps have no counterpart here).
+K8S_REASONS = ("knee", "target_ongoing_requests", "min_replicas", "max_replicas", "upscale_delay_s",
+               "downscale_delay_s", "kv_cache")  # fmt: skip
+
+
+def app_name(point: ReportPoint) -> str:
+    """A DNS-1123 name for the objects: ``vllm-`` and the served model's last path part, then the trial."""
+    served = masked_engine_args(point).get("served_model_name")
+    if isinstance(served, (list, tuple)):
+        served = served[0] if served else None
+    base = str(served or point.model).rstrip("/").rsplit("/", 1)[-1].lower()
+    base = re.sub(r"[^a-z0-9-]+", "-", base).strip("-")[:30].strip("-") or "model"
+    trial = re.sub(r"[^a-z0-9]+", "", point.trial_id.lower())[:12]
+    return "-".join(part for part in ("vllm", base, trial) if part)
+
+
+def served_model_name(point: ReportPoint) -> str:
+    """The name vLLM labels its metrics with (``model_name``): the first served name, else the model."""
+    served = point.engine_args.get("served_model_name") or point.resolved_engine_args.get("served_model_name")
+    if isinstance(served, (list, tuple)):
+        served = served[0] if served else None
+    return str(served or point.model)
+
+
+def gpus(point: ReportPoint) -> int:
+    """The GPUs one server holds: TP x PP x DP (0 on the CPU build)."""
+    if point.device == "cpu":
+        return 0
+    args = {**point.resolved_engine_args, **{k: v for k, v in point.engine_args.items() if v is not None}}
+    ranks = 1
+    for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+        ranks *= max(1, int(args.get(key) or 1))
+    return ranks
+
+
+def container_env(point: ReportPoint, secret_name: str) -> list[dict[str, Any]]:
+    """The study's environment as a container's ``env``: secrets by reference to ``secret_name``."""
+    env: list[dict[str, Any]] = []
+    for name, value in point.env.items():
+        if is_secret_env(name):
+            env.append({"name": name, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": name}}})
+        else:
+            env.append({"name": name, "value": str(value)})
+    for arg, name in SECRET_ARG_ENV.items():
+        if masked_engine_args(point).get(arg) is not None and all(e["name"] != name for e in env):
+            env.append({"name": name, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": name}}})
+    return env
+
+
+def container_args(point: ReportPoint) -> list[str]:
+    """``vllm serve``'s arguments: the model, the trial's flags as export prints them, the port.
+    Credentials are left out (they come from the environment, :func:`container_env`)."""
+    args = {k: v for k, v in masked_engine_args(point).items() if k not in SECRET_ENGINE_ARGS}
+    return [point.model, *engine_argv(args), "--port", str(PORT)]
+
+
+def _probe(path: str, period_s: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": PORT}, "periodSeconds": period_s, "failureThreshold": failures}
+
+
+def container(point: ReportPoint, image: str, secret_name: str, name: str = "vllm") -> dict[str, Any]:
+    """The vLLM server container (a ``core/v1`` Container)."""
+    resources: dict[str, Any] = {}
+    if gpus(point):
+        count = str(gpus(point))
+        resources = {"limits": {"nvidia.com/gpu": count}, "requests": {"nvidia.com/gpu": count}}
+    spec: dict[str, Any] = {
+        "name": name,
+        "image": image,
+        "command": ["vllm", "serve"],
+        "args": container_args(point),
+        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        "env": container_env(point, secret_name),
+        "resources": resources,
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}],
+        "startupProbe": _probe("/health", 10, 180),  # up to 30 minutes to load the model
+        "readinessProbe": _probe("/health", 10, 3),
+        "livenessProbe": _probe("/health", 10, 3),
+    }
+    if not spec["env"]:
+        del spec["env"]
+    return spec
+
+
+SHM_VOLUME = {"name": "dshm", "emptyDir": {"medium": "Memory"}}
+
+
+def deployment(point: ReportPoint, image: str, replicas: int = 1) -> dict[str, Any]:
+    name = app_name(point)
+    labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/managed-by": "servetune"}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": name, "labels": labels, "annotations": {"servetune/trial": point.trial_id}},
+        "spec": {
+            "replicas": replicas,
+            "selector": {"matchLabels": {"app.kubernetes.io/name": name}},
+            "template": {
+                "metadata": {"labels": labels},
+                "spec": {
+                    "containers": [container(point, image, f"{name}-secrets")],
+                    "volumes": [SHM_VOLUME],
+                },
+            },
+        },
+    }
+
+
+def service(point: ReportPoint) -> dict[str, Any]:
+    name = app_name(point)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": name, "labels": {"app.kubernetes.io/name": name}},
+        "spec": {
+            "selector": {"app.kubernetes.io/name": name},
+            "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def in_flight_query(point: ReportPoint, by_pod: bool = False) -> str:
+    """PromQL: requests in flight (running + waiting) of this model's servers, summed (or per pod)."""
+    selector = f'{{model_name="{served_model_name(point)}"}}'
+    by = " by (pod)" if by_pod else ""
+    running, waiting = GAUGES["requests_running"][0], GAUGES["requests_waiting"][0]
+    return f"sum{by}({running}{selector}) + sum{by}({waiting}{selector})"
+
+
+def hpa(point: ReportPoint, autoscaling: Autoscaling) -> dict[str, Any]:
+    """An ``autoscaling/v2`` HPA on the per-pod in-flight metric (served by a Prometheus adapter)."""
+    name = app_name(point)
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": {"name": name},
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+            "minReplicas": autoscaling.min_replicas,
+            "maxReplicas": autoscaling.max_replicas,
+            "metrics": [
+                {
+                    "type": "Pods",
+                    "pods": {
+                        "metric": {"name": IN_FLIGHT_METRIC},
+                        "target": {"type": "AverageValue", "averageValue": str(autoscaling.target_ongoing_requests)},
+                    },
+                }
+            ],
+            "behavior": {
+                "scaleUp": {"stabilizationWindowSeconds": int(autoscaling.upscale_delay_s)},
+                "scaleDown": {"stabilizationWindowSeconds": int(autoscaling.downscale_delay_s)},
+            },
+        },
+    }
+
+
+def keda_scaled_object(point: ReportPoint, autoscaling: Autoscaling, prometheus: str) -> dict[str, Any]:
+    """A KEDA ``ScaledObject`` with a Prometheus trigger: the deployment's requests in flight against
+    the per-replica target (KEDA's ``threshold`` is a per-replica average)."""
+    name = app_name(point)
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": {"name": name},
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+            "minReplicaCount": autoscaling.min_replicas,
+            "maxReplicaCount": autoscaling.max_replicas,
+            "pollingInterval": 15,
+            "cooldownPeriod": int(autoscaling.downscale_delay_s),
+            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": hpa(point, autoscaling)["spec"]["behavior"]}},
+            "triggers": [
+                {
+                    "type": "prometheus",
+                    "metadata": {
+                        "serverAddress": prometheus,
+                        "query": in_flight_query(point),
+                        "threshold": str(autoscaling.target_ongoing_requests),
+                    },
+                }
+            ],
+        },
+    }
+
+
+def kubernetes_documents(
+    point: ReportPoint, autoscaling: Autoscaling | str, image: str = DEFAULT_IMAGE, autoscaler: Autoscaler = "hpa",
+    prometheus: str = DEFAULT_PROMETHEUS,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Deployment, Service and (with a derived autoscaling) the HPA or the KEDA ScaledObject."""
+    docs = [deployment(point, image), service(point)]
+    if isinstance(autoscaling, Autoscaling):
+        docs.append(
+            hpa(point, autoscaling) if autoscaler == "hpa" else keda_scaled_object(point, autoscaling, prometheus)
+        )
+    return docs
+
+
+def kserve_inference_service(
+    point: ReportPoint, autoscaling: Autoscaling | str, image: str = DEFAULT_IMAGE
+) -> dict[str, Any]:
+    """A KServe ``InferenceService`` (``serving.kserve.io/v1beta1``) whose predictor is the same vLLM
+    container, scaled by KServe on concurrency at the derived target."""
+    name = app_name(point)
+    predictor: dict[str, Any] = {
+        "containers": [container(point, image, f"{name}-secrets", name="kserve-container")],
+        "volumes": [SHM_VOLUME],
+    }
+    if isinstance(autoscaling, Autoscaling):
+        predictor.update({
+            "minReplicas": autoscaling.min_replicas, "maxReplicas": autoscaling.max_replicas,
+            "scaleMetric": "concurrency", "scaleTarget": autoscaling.target_ongoing_requests,
+        })  # fmt: skip
+    else:
+        predictor.update({"minReplicas": 1, "maxReplicas": 1})
+    return {
+        "apiVersion": "serving.kserve.io/v1beta1",
+        "kind": "InferenceService",
+        "metadata": {"name": name, "annotations": {"servetune/trial": point.trial_id}},
+        "spec": {"predictor": predictor},
+    }
+
+
+def _header(point: ReportPoint, autoscaling: Autoscaling | str, what: str) -> str:
+    name = app_name(point)
+    lines = [
+        f"{what} (servetune trial {point.trial_id}, measured at {level_label(point.level)}).",
+        "Deploy: kubectl apply -f this.yaml",
+    ]
+    secrets = [e["name"] for e in container_env(point, "") if "valueFrom" in e]
+    if secrets:
+        lines.append(f"Secrets by reference, never by value: kubectl create secret generic {name}-secrets "
+                     + " ".join(f"--from-literal={s}=..." for s in secrets))  # fmt: skip
+    if point.device == "cpu":
+        lines.append("The study ran on vLLM's CPU build: use a CPU image of vLLM (the default image is the GPU one).")
+    if isinstance(autoscaling, str):
+        lines.append(f"Fixed replicas, no autoscaling derived: {autoscaling}")
+    else:
+        lines.append(
+            "Autoscaling derived from the study's measurements (checklist sections 10 and 11), as for Ray Serve:"
+        )
+        lines += [f"  {key}: {autoscaling.reasons[key]}" for key in K8S_REASONS if key in autoscaling.reasons]
+    return "".join(f"# {line}\n" for line in lines)
+
+
+def adapter_rule(point: ReportPoint) -> str:
+    """The prometheus-adapter rule that serves :data:`IN_FLIGHT_METRIC` per pod, for the HPA."""
+    running, waiting = GAUGES["requests_running"][0], GAUGES["requests_waiting"][0]
+    return (
+        "# The HPA reads the per-pod metric vllm_requests_in_flight from the custom metrics API; a prometheus-adapter\n"
+        "# rule that serves it (running + waiting requests of each pod):\n"
+        f'#   - seriesQuery: \'{running}{{namespace!="",pod!=""}}\'\n'
+        "#     resources: {overrides: {namespace: {resource: namespace}, pod: {resource: pod}}}\n"
+        f"#     name: {{matches: '^{running}$', as: '{IN_FLIGHT_METRIC}'}}\n"
+        f"#     metricsQuery: 'sum by (<<.GroupBy>>) ({running}{{<<.LabelMatchers>>}} or {waiting}{{<<.LabelMatchers>>}})'\n"
+    )
+
+
+class _Dumper(yaml.SafeDumper):
+    """Writes every mapping out in full (no ``&id001`` anchors): what a reader of the manifest expects."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def kubernetes_yaml(
+    point: ReportPoint, autoscaling: Autoscaling | str, image: str = DEFAULT_IMAGE, autoscaler: Autoscaler = "hpa",
+    prometheus: str = DEFAULT_PROMETHEUS,
+) -> str:  # fmt: skip
+    header = _header(point, autoscaling, "Kubernetes Deployment, Service and autoscaler")
+    if isinstance(autoscaling, Autoscaling) and autoscaler == "hpa":
+        header += adapter_rule(point)
+    docs = kubernetes_documents(point, autoscaling, image, autoscaler, prometheus)
+    return header + yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False, default_flow_style=False)
+
+
+def kserve_yaml(point: ReportPoint, autoscaling: Autoscaling | str, image: str = DEFAULT_IMAGE) -> str:
+    header = _header(point, autoscaling, "KServe InferenceService")
+    return header + yaml.dump(kserve_inference_service(point, autoscaling, image), Dumper=_Dumper, sort_keys=False)
+
+
+def documents(text: str) -> list[Mapping[str, Any]]:
+    """The YAML documents of an exported file (for tests and tools)."""
+    return [d for d in yaml.safe_load_all(text) if d]
