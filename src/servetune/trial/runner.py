@@ -230,7 +230,9 @@ def _installed_vllm(python: str) -> str | None:
 
 def trial_vllm_version(spec: TrialSpec, seen: dict[str, str] | None = None) -> str | None:
     """The vLLM the trial runs: its environment record's (``seen["vllm"]``, what the trial's node has), else the one
-    installed beside ``spec.python`` (the driver's view, before the trial runs); None where neither has vLLM."""
+    installed beside ``spec.python`` (the driver's view, before the trial runs: on a joined cluster servetune
+    doctor's checks fail a node whose vLLM differs from the driver's, so it is the cluster's too); None where
+    neither has vLLM."""
     recorded = (seen or {}).get("vllm")
     if recorded and recorded != "not installed":
         return recorded
