@@ -156,3 +156,17 @@ def test_results_written_before_the_field_still_show_the_error() -> None:
     by_id = {t.trial_id: t for t in load_study(RECORDED).trials}
     for row in checked:
         assert row.kv_plan.relative_error == pytest.approx(by_id[row.trial_id].kv_prediction_error)
+
+
+def test_the_estimate_plans_its_kv_cache_with_the_release_given() -> None:
+    """``plan --estimate`` passes the plan's profile on: a release whose default budget cannot hold the weights
+    makes the estimate refuse, where the pinned release's fits."""
+    from servetune.estimate import Load, estimate
+
+    arch = load_model_arch("meta-llama/Llama-3.1-8B-Instruct")
+    hardware, load = resolve_hardware(gpu="H100-SXM"), Load(input_tokens=1000, output_tokens=200, concurrency=8)
+    args = {"max_model_len": 8192}
+    assert estimate(arch, args, hardware, load, profile=VLLM_0_32).tpot_ms > 0
+    starved = VLLM_0_32.model_copy(update={"name": "starved", "default_gpu_memory_utilization": 0.2})
+    with pytest.raises(UserError, match="does not fit"):
+        estimate(arch, args, hardware, load, profile=starved)

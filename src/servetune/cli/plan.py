@@ -21,7 +21,7 @@ from servetune.capacity import (
 )
 from servetune.capacity.hardware import Hardware
 from servetune.capacity.ledger import resolve_quant, structural_problem
-from servetune.capacity.profile import EngineProfile, profile_for_version
+from servetune.capacity.profile import PROFILES, EngineProfile, profile_for_version
 from servetune.cli.display import console as make_console
 from servetune.errors import UserError
 from servetune.estimate import Estimate, Load, estimate, load_factors
@@ -204,7 +204,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             make_console().print(f"[bold yellow]not planned[/]: {exc}; vLLM sizes it when it starts")
         return 0
-    predicted = estimate(arch, engine_args, hardware, load) if load is not None and plan.fits else None
+    profile = PROFILES[plan.settings.profile]
+    predicted = estimate(arch, engine_args, hardware, load, profile=profile) if load is not None and plan.fits else None
     if args.json:
         doc = plan.model_dump(mode="json")
         if predicted is not None:
