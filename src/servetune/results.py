@@ -113,6 +113,7 @@ class KvCapacityReport(BaseModel):
     engines: int = 1
     available_kv_gib: float | None = None
     model_load_gib: float | None = None
+    planned_tokens: int | None = None  # what the capacity planner predicted for this engine (a trial's; None: none)
 
 
 class BenchResult(BaseModel):
@@ -174,6 +175,7 @@ class CapacityReport(BaseModel):
     kv_cache_gib: float | None = None
     max_concurrency: float | None = None
     advice: list[str] = []
+    profile: str | None = None  # the vLLM memory profile planned with (capacity/profile.py); None before it was kept
 
 
 class Capacity(BaseModel):

@@ -198,11 +198,17 @@ def _settings(
     quant = resolve_quant(arch, args.quantization)
     max_model_len = arch.max_position_embeddings if args.max_model_len in (None, -1) else args.max_model_len
     default_tokens, default_seqs = _batch_defaults(hardware, tp * pp)
+    chunked = args.enable_chunked_prefill is not False
+    if profile.v0_scheduler and not cpu:  # vLLM V0's EngineArgs and SchedulerConfig defaults
+        default_tokens, default_seqs = 2048, 256
+        chunked = args.enable_chunked_prefill or (args.enable_chunked_prefill is None and max_model_len > 32768)
     max_num_seqs = args.max_num_seqs or default_seqs
     batched = args.max_num_batched_tokens
     if batched is None:
-        batched = default_tokens if args.enable_chunked_prefill is not False else max(max_model_len, default_tokens)
-        batched = min(max_num_seqs * max_model_len, batched)
+        # Without chunked prefill a whole prompt is one batch: the profiling run is max_model_len tokens.
+        batched = default_tokens if chunked else max(max_model_len, default_tokens)
+        if not profile.v0_scheduler:
+            batched = min(max_num_seqs * max_model_len, batched)
     settings = Settings(
         device=hardware.device,
         gpu=hardware.name,

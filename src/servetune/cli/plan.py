@@ -21,6 +21,7 @@ from servetune.capacity import (
 )
 from servetune.capacity.hardware import Hardware
 from servetune.capacity.ledger import resolve_quant, structural_problem
+from servetune.capacity.profile import PROFILES, EngineProfile, profile_for_version
 from servetune.cli.display import console as make_console
 from servetune.errors import UserError
 from servetune.estimate import Estimate, Load, estimate, load_factors
@@ -37,7 +38,9 @@ servetune's catalogue or the Hugging Face hub, sized from its safetensors header
 
 and reports the KV tokens, how many requests of max_model_len (or --request-tokens) fit at
 once, whether max_num_seqs is reachable, a verdict, and what to change when it does not fit.
-Defaults follow `vllm serve` (vLLM 0.32). On --device cpu the KV pool is exactly
+Defaults follow `vllm serve` of the vLLM that will run (--vllm-version, else the installed one, else 0.32):
+the memory profile differs between releases (V0's max_model_len-sized profiling run before 0.8,
+CUDA-graph memory taken from the pool from 0.21, the 0.92 utilization default of 0.32). On --device cpu the KV pool is exactly
 VLLM_CPU_KVCACHE_SPACE GiB per rank. A configuration the planner cannot size (a KV cache dtype or
 quantization it does not model, a context above max_position_embeddings) prints "not planned:
 REASON": vLLM decides when it starts. Exit status: 0 fits or not planned, 1 does not fit, 2 bad input.
@@ -115,6 +118,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="N",
         help="request length for the concurrency figure (default max_model_len)",
     )
+    p.add_argument(
+        "--vllm-version",
+        metavar="X",
+        help="plan as this vLLM release starts (0.6.4, 0.28.1, 0.32.0+cpu; default: the installed vLLM, else 0.32)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     e = p.add_argument_group("performance estimate (servetune estimate's model; GPUs only)")
     e.add_argument("--estimate", action="store_true", help="also predict TTFT, TPOT and throughput under a load")
@@ -140,6 +148,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         )
     if args.device == "cpu" and space is None:
         raise UserError("--device cpu needs --cpu-kvcache-space-gib X (VLLM_CPU_KVCACHE_SPACE, the KV space per rank)")
+    if args.vllm_version is not None:
+        profile_for_version(args.vllm_version, "--vllm-version")
     _check_vllm_choices(args)
 
 
@@ -194,7 +204,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             make_console().print(f"[bold yellow]not planned[/]: {exc}; vLLM sizes it when it starts")
         return 0
-    predicted = estimate(arch, engine_args, hardware, load) if load is not None and plan.fits else None
+    profile = PROFILES[plan.settings.profile]
+    predicted = estimate(arch, engine_args, hardware, load, profile=profile) if load is not None and plan.fits else None
     if args.json:
         doc = plan.model_dump(mode="json")
         if predicted is not None:
@@ -229,7 +240,21 @@ def _plan(args: argparse.Namespace, arch: ModelArch, hardware: Hardware) -> tupl
     env = {key: os.environ[key] for key in ("VLLM_ALLOW_LONG_MAX_MODEL_LEN",) if key in os.environ}
     if args.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(int(args.cpu_kvcache_space_gib))
-    return plan_capacity(arch, engine_args, hardware, env=env, request_tokens=args.request_tokens), engine_args
+    profile = plan_profile(args.vllm_version)
+    plan = plan_capacity(arch, engine_args, hardware, env=env, request_tokens=args.request_tokens, profile=profile)
+    return plan, engine_args
+
+
+def plan_profile(flag: str | None) -> EngineProfile:
+    """The memory profile of ``--vllm-version``, else of the vLLM installed here, else of the release servetune pins."""
+    if flag is not None:
+        return profile_for_version(flag, "--vllm-version")
+    from servetune.engine.args import vllm_version
+
+    try:
+        return profile_for_version(vllm_version())
+    except UserError:  # an installed build whose version names no release: the pinned one
+        return profile_for_version(None)
 
 
 def render_estimate(est: Estimate, console: Console) -> None:
@@ -296,6 +321,7 @@ def render(plan: CapacityPlan, console: Console) -> None:
             f"{plan.max_concurrency_at_request:.2f}x",
             f"requests of {plan.request_tokens:,} tokens",
         )
+    ledger.add_row("vLLM memory profile", s.profile, "--vllm-version, else the installed vLLM")
     reach = "[green]yes[/]" if plan.max_num_seqs_reachable else "[yellow]no[/]"
     ledger.add_row("max_num_seqs reachable", reach, f"max_num_seqs {s.max_num_seqs}")
     console.print(ledger)

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from servetune.capacity import CapacityPlan, Hardware, ModelArch, plan_capacity
+from servetune.capacity import VLLM_0_32, CapacityPlan, EngineProfile, Hardware, ModelArch, plan_capacity
 from servetune.capacity.ledger import resolve_quant
 from servetune.errors import UserError
 from servetune.estimate.factors import Factors, load_factors
@@ -82,18 +82,20 @@ def estimate(
     factors: Factors | None = None,
     env: Mapping[str, str] | None = None,
     rates: DeviceRates | None = None,
+    profile: EngineProfile = VLLM_0_32,
 ) -> Estimate:
     """Predict TTFT, TPOT, throughput, saturation and the knee of ``arch`` served with ``engine_args``.
 
     ``engine_args`` is the trial config (vLLM engine arguments; ``data_parallel_size`` replicas
     share the load evenly). On vLLM's CPU build, ``env`` carries ``VLLM_CPU_KVCACHE_SPACE`` and
     ``rates`` the cores' FLOP/s and memory bandwidth (:func:`measure_cpu_rates` or :func:`cpu_rates`).
+    ``profile`` is the vLLM release's memory profile the KV capacity is planned with (capacity/profile.py).
     A configuration that does not fit raises :class:`UserError`.
     """
     if hardware.device == "cpu" and rates is None:
         raise UserError("the estimate on the CPU build needs the cores' rates (measure_cpu_rates or cpu_rates)")
     tokens = load.input_tokens + load.output_tokens
-    plan = plan_capacity(arch, engine_args, hardware, env=env, request_tokens=tokens)
+    plan = plan_capacity(arch, engine_args, hardware, env=env, request_tokens=tokens, profile=profile)
     if not plan.fits:
         raise UserError(f"{arch.name} does not fit: {plan.reason}")
     rep = replica_from_plan(arch, plan, engine_args, rates)

@@ -32,6 +32,7 @@ from servetune.report.labels import (
     TRIALS_NOTE,
     axis_title,
     broken_label,
+    kv_plan_summary,
     point_metrics,
     trial_cells,
 )
@@ -395,6 +396,9 @@ def render_html(report: StudyReport) -> str:
     if report.trial_table:
         parts.append(f"<p class='muted'><a href='#all-trials'>All {len(report.trial_table)} trials</a>: "
                      "a row each, below the plots.</p>")  # fmt: skip
+        planner = kv_plan_summary(report.trial_table)
+        if planner:
+            parts.append(f"<p class='muted' id='kv-plan'>{e(planner)}.</p>")
     for index, front in enumerate(report.fronts):
         fig = front_figure(report, front)
         parts.append(

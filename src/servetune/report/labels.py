@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from servetune.metrics import (
     COST_METRIC,
     E2EL_P99,
@@ -15,7 +17,7 @@ from servetune.metrics import (
     TTFT_P99,
 )
 from servetune.report.points import OUTPUT_THROUGHPUT_PER_DEVICE, OUTPUT_THROUGHPUT_PER_USER, ReportPoint
-from servetune.report.trials import TRIAL_METRICS, SloBreak, TrialRow
+from servetune.report.trials import TRIAL_METRICS, KvPlanCheck, SloBreak, TrialRow, worst_kv_plan
 from servetune.results import Capacity
 
 FRONT_COLOR = "#e4572e"
@@ -134,8 +136,28 @@ PARETO_HEADINGS = ("#", "trial", "config", "level", *(metric_heading(m) for m in
 TRIAL_HEADINGS = (
     "trial", "config (varied parameters)", "outcome", "best level", "capacity at the SLO",
     *(metric_heading(m) for m in TRIAL_METRICS),
-    "SLO broken (first level)", "stopped because", "conclusion",
+    "SLO broken (first level)", "stopped because", "conclusion", "KV tokens planned / vLLM",
 )  # fmt: skip
+
+
+def kv_plan_text(check: KvPlanCheck | None) -> str:
+    """``447,408 / 440,672 (+1.5%)``: the planner's KV tokens, vLLM's, and the planner's error ('-' without both)."""
+    if check is None:
+        return "-"
+    return f"{check.planned_tokens:,} / {check.measured_tokens:,} ({check.relative_error:+.1%})"
+
+
+def kv_plan_summary(rows: Sequence[TrialRow]) -> str | None:
+    """The study's worst planner error in one line (None where no trial has both numbers)."""
+    worst = worst_kv_plan(rows)
+    if worst is None or worst.kv_plan is None:
+        return None
+    checked = sum(row.kv_plan is not None for row in rows)
+    profile = f", profile {worst.kv_plan.profile}" if worst.kv_plan.profile else ""
+    return (
+        f"capacity planner: KV tokens planned against vLLM's on {checked} trial{'s' if checked > 1 else ''}; "
+        f"worst {worst.kv_plan.relative_error:+.1%} (trial {worst.trial_id}{profile})"
+    )
 
 
 TRIALS_NOTE = (
@@ -199,4 +221,5 @@ def trial_cells(row: TrialRow) -> list[str]:
         slo_break_text(row.slo_break),
         row.stopped,
         str(row.conclusion),
+        kv_plan_text(row.kv_plan),
     ]

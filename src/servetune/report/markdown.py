@@ -12,6 +12,7 @@ from servetune.report.labels import (
     TRIAL_HEADINGS,
     TRIALS_NOTE,
     fmt,
+    kv_plan_summary,
     metric_short,
     point_metrics,
     trial_cells,
@@ -255,6 +256,9 @@ def render_markdown(report: StudyReport) -> str:
     lines += _table(["outcome", "trials"], [[name, str(n)] for name, n in counts.items()])
     met = sum(p.eligible for p in report.points)
     lines += ["", f"{len(report.points)} operating points measured; {met} from complete trials meet every SLO.", ""]
+    planner = kv_plan_summary(report.trial_table)
+    if planner:
+        lines += [planner + ".", ""]
     if report.trial_table:
         lines += ["### All trials", ""]
         lines += _table(TRIAL_HEADINGS, [trial_cells(row) for row in report.trial_table])

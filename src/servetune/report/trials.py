@@ -3,8 +3,9 @@
 A row says what the trial varied, how it ended, its best load level under the SLO and the
 numbers there (or at the highest load it measured when none met the SLO), its capacity at the SLO (what its
 capacity search found: trial/capacity.py), which SLO bounds broke first and
-at which level, why its ladder stopped, what limited it (:mod:`servetune.report.diagnosis`), and its conclusion
-(:mod:`servetune.report.conclusion`).
+at which level, why its ladder stopped, what limited it (:mod:`servetune.report.diagnosis`), its conclusion
+(:mod:`servetune.report.conclusion`), and the capacity planner's KV tokens against those vLLM logged when it
+started (:func:`kv_plan_check`).
 
 Rows are ordered as a user picks: the recommended trial first, then kept trials, those for a
 next round, the eliminated ones; within each, cheapest first.
@@ -74,6 +75,39 @@ class TrialRow:
     capacity: Capacity | None = None  # the load it carries at the SLO, as its capacity search found it
     speculation: str | None = None  # speculative decoding's acceptance at ``numbers_level`` (:func:`speculation_text`)
     limited_by: str = ""  # what limited it and the next lever (report/diagnosis.py ``limited_by``)
+    kv_plan: KvPlanCheck | None = None  # the planner's KV tokens against vLLM's (:func:`kv_plan_check`)
+
+
+@dataclass(frozen=True)
+class KvPlanCheck:
+    """The capacity planner's KV tokens beside the ones vLLM logged at start-up, for one trial."""
+
+    planned_tokens: int
+    measured_tokens: int
+    profile: str | None  # the vLLM memory profile planned with (None in results before it was recorded)
+
+    @property
+    def relative_error(self) -> float:
+        """(planned - measured) / measured: positive where the planner promised more than vLLM gave."""
+        return (self.planned_tokens - self.measured_tokens) / self.measured_tokens
+
+
+def kv_plan_check(trial: TrialResult) -> KvPlanCheck | None:
+    """Planned against measured KV tokens; None where either is missing (no plan, no engine start, CPU build
+    sized from host memory). Results written before ``kv_capacity.planned_tokens`` read the plan's tokens."""
+    kv, plan = trial.kv_capacity, trial.capacity
+    planned = kv.planned_tokens if kv is not None and kv.planned_tokens is not None else None
+    if planned is None and plan is not None and plan.planned:
+        planned = plan.kv_cache_tokens
+    if kv is None or planned is None or kv.tokens <= 0:
+        return None
+    return KvPlanCheck(planned, kv.tokens, plan.profile if plan is not None else None)
+
+
+def worst_kv_plan(rows: Sequence[TrialRow]) -> TrialRow | None:
+    """The trial whose planned KV tokens were furthest from vLLM's (None where no trial has both)."""
+    checked = [row for row in rows if row.kv_plan is not None]
+    return max(checked, key=lambda row: abs(row.kv_plan.relative_error), default=None)  # type: ignore[union-attr]
 
 
 def cache_notes(trial: TrialResult) -> tuple[str, ...]:
@@ -148,6 +182,7 @@ def trial_rows(
                 capacity=trial.capacity_at_slo,
                 speculation=speculation_text(trial.levels[chosen.index].server_metrics) if chosen is not None else None,
                 limited_by=limited_by(trial),
+                kv_plan=kv_plan_check(trial),
             )
         )
 

@@ -96,6 +96,8 @@ def trial_params(trial: TrialResult) -> dict[str, str]:
     if trial.price is not None:  # the price its cost is at, and where it came from (capacity/prices.py)
         params["price_per_device_hour"] = format_value(trial.price.usd_per_device_hour)
         params["price_source"] = trial.price.describe()
+    if trial.capacity is not None and trial.capacity.profile is not None:  # the vLLM memory profile it was planned with
+        params["capacity_profile"] = trial.capacity.profile
     return params
 
 
@@ -176,6 +178,7 @@ def trial_metrics(trial: TrialResult) -> list[MetricPoint]:
         "levels_run": len(trial.levels), "startup_s": trial.startup_s, "duration_s": trial.duration_s,
         "kv_prediction_error": trial.kv_prediction_error,
         "kv_cache_tokens": trial.kv_capacity.tokens if trial.kv_capacity else None,
+        "kv_cache_tokens_planned": trial.kv_capacity.planned_tokens if trial.kv_capacity else None,
     }  # fmt: skip
     startup = {f"startup/{k}": v for k, v in trial.startup_phases.items()}
     return (

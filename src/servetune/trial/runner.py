@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import functools
 import hashlib
 import json
 import os
@@ -24,6 +25,7 @@ from typing import Any, Literal, Protocol
 from servetune.capacity.prices import Pricing
 from servetune.config.slo import Slo
 from servetune.config.workload import Workload
+from servetune.engine.args import vllm_version
 from servetune.engine.resolved import fetch_resolved
 from servetune.engine.server import VllmServer
 from servetune.engine.startup import startup_phases
@@ -183,6 +185,7 @@ def capacity_check(spec: TrialSpec, seen: dict[str, str] | None = None) -> Capac
     space's GPU is used and a GPU of another kind is said in ``environment["hardware_note"]``."""
     from servetune.capacity import NotPlanned, gpu_hardware, load_model_arch, plan_capacity, resolve_hardware
     from servetune.capacity.hardware import find_gpu
+    from servetune.capacity.profile import profile_for_version
 
     if (
         spec.device == "cpu"
@@ -208,15 +211,32 @@ def capacity_check(spec: TrialSpec, seen: dict[str, str] | None = None) -> Capac
             seen_note = f"the space says {spec.gpu}; the trial got {got}: its capacity check sized {hardware.name}"
             seen["hardware_note"] = seen_note
     try:
-        plan = plan_capacity(arch, spec.engine_args, hardware, env=spec.env)
+        profile = profile_for_version(trial_vllm_version(spec, seen), "the trial's vLLM version")
+        plan = plan_capacity(arch, spec.engine_args, hardware, env=spec.env, profile=profile)
     except NotPlanned as exc:  # no verdict: the trial starts, and records what vLLM itself reports
         return CapacityReport(fits=True, planned=False, reason=f"not planned: {exc}")
     except UserError as exc:
         return CapacityReport(fits=False, reason=str(exc))
     return CapacityReport(
         fits=plan.fits, reason=plan.reason, kv_cache_tokens=plan.kv_cache_tokens, kv_cache_gib=plan.kv_cache_gib,
-        max_concurrency=plan.max_concurrency, advice=list(plan.advice),
+        max_concurrency=plan.max_concurrency, advice=list(plan.advice), profile=profile.name,
     )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=8)
+def _installed_vllm(python: str) -> str | None:
+    return vllm_version(python)
+
+
+def trial_vllm_version(spec: TrialSpec, seen: dict[str, str] | None = None) -> str | None:
+    """The vLLM the trial runs: its environment record's (``seen["vllm"]``, what the trial's node has), else the one
+    installed beside ``spec.python`` (the driver's view, before the trial runs: on a joined cluster servetune
+    doctor's checks fail a node whose vLLM differs from the driver's, so it is the cluster's too); None where
+    neither has vLLM."""
+    recorded = (seen or {}).get("vllm")
+    if recorded and recorded != "not installed":
+        return recorded
+    return _installed_vllm(spec.python or sys.executable)
 
 
 def price_trial(result: TrialResult, spec: TrialSpec) -> None:
@@ -362,6 +382,7 @@ def _measure(server: Engine, spec: TrialSpec, result: TrialResult, report: Repor
         if kv is not None:
             result.kv_capacity = KvCapacityReport(**vars(kv))
             if result.capacity is not None and result.capacity.kv_cache_tokens:
+                result.kv_capacity.planned_tokens = result.capacity.kv_cache_tokens
                 result.kv_prediction_error = (result.capacity.kv_cache_tokens - kv.tokens) / kv.tokens
         if spec.quality is not None:  # before the ladder: the probe needs the engine, not the load
             model = spec.engine_args.get("served_model_name") or spec.model
