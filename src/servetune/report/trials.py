@@ -28,7 +28,7 @@ from servetune.metrics import (
 from servetune.report.conclusion import Conclusion, conclude
 from servetune.report.params import short_config, varied_params
 from servetune.report.points import ReportPoint, first_line, level_label, violated_metrics
-from servetune.results import Capacity, Outcome, TrialResult, best_level, chosen_level
+from servetune.results import Capacity, Knee, Outcome, TrialResult, best_level, chosen_level
 
 if TYPE_CHECKING:
     from servetune.report.recommend import Recommendation
@@ -70,6 +70,7 @@ class TrialRow:
     recommended: bool = False
     cache_notes: tuple[str, ...] = ()  # levels whose prefix cache may have been warm: ``concurrency 8: ...``
     capacity: Capacity | None = None  # the load it carries at the SLO, as its capacity search found it
+    knee: Knee | None = None  # where its throughput stopped growing with load (results.py find_knee)
     speculation: str | None = None  # speculative decoding's acceptance at ``numbers_level`` (:func:`speculation_text`)
 
 
@@ -143,6 +144,7 @@ def trial_rows(
                 recommended=recommendation is not None and recommendation.names(trial.trial_id),
                 cache_notes=cache_notes(trial),
                 capacity=trial.capacity_at_slo,
+                knee=trial.knee_found,
                 speculation=speculation_text(trial.levels[chosen.index].server_metrics) if chosen is not None else None,
             )
         )
