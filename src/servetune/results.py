@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
+import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -209,6 +212,62 @@ class Capacity(BaseModel):
     ended: str | None = None  # why the search ended, in words
 
 
+#: The knee's rule: throughput gains per load increase below this share of proportional growth.
+KNEE_FRACTION = 0.5
+
+
+class Knee(BaseModel):
+    """Where throughput stops growing with load, from the levels a trial measured (the ladder and the capacity
+    search: :func:`find_knee`). Derived from measured levels only, no extra level is spent bisecting it, so it
+    is as fine as the loads the trial measured: ``bracket`` is [the knee, the next load measured above it].
+
+    ``value`` is the lowest load past which output throughput grew by less than ``fraction`` of proportional
+    growth (``(t2 / t1 - 1) / (x2 / x1 - 1) < fraction`` between consecutive loads x1 < x2); ``bound`` is
+    "exact" there, and "lower" when throughput kept growing up to the highest load measured (the knee lies at
+    or beyond it: ``bracket`` [that load, None]).
+    """
+
+    model_config = RECORD
+
+    value: float
+    unit: Literal["concurrency", "req/s", "conversations/s"]
+    bracket: tuple[float, float | None]
+    bound: Literal["exact", "lower"]
+    throughput: float  # output tok/s measured at ``value`` (with every client busy, for a closed loop)
+    fraction: float = KNEE_FRACTION
+
+
+def level_throughput(level: LevelResult) -> float:
+    """A level's output tok/s with every client busy (closed loop), else over the whole level."""
+    summary = level.summary
+    return summary.busy_output_throughput if summary.busy_output_throughput is not None else summary.output_throughput
+
+
+def find_knee(
+    levels: Sequence[LevelResult], fraction: float = KNEE_FRACTION,
+    unit: Literal["concurrency", "req/s", "conversations/s"] | None = None,
+) -> Knee | None:  # fmt: skip
+    """The knee of ``levels`` (see :class:`Knee`), in ``unit`` (default: concurrency or req/s, as the levels
+    were measured); a load measured more than once counts at its mean throughput. None without a level at a
+    load above 0."""
+    by_load: dict[float, list[float]] = {}
+    for level in levels:
+        load = level_load(level)
+        if load > 0:
+            by_load.setdefault(load, []).append(level_throughput(level))
+    if not by_load:
+        return None
+    if unit is None:
+        unit = "concurrency" if levels[0].summary.level.get("concurrency") else "req/s"
+    points = sorted((load, sum(ts) / len(ts)) for load, ts in by_load.items())
+    for (x1, t1), (x2, t2) in itertools.pairwise(points):
+        gain = (t2 / t1 - 1) / (x2 / x1 - 1) if t1 > 0 else math.inf
+        if gain < fraction:
+            return Knee(value=x1, unit=unit, bracket=(x1, x2), bound="exact", throughput=t1, fraction=fraction)
+    top, throughput = points[-1]
+    return Knee(value=top, unit=unit, bracket=(top, None), bound="lower", throughput=throughput, fraction=fraction)
+
+
 FailureKind = Literal["configuration", "infrastructure"]
 
 
@@ -284,6 +343,7 @@ class TrialResult(BaseModel):
     log_tail: str | None = None
     capacity: CapacityReport | None = None  # the memory ledger's prediction, before any launch
     capacity_at_slo: Capacity | None = None  # the load it carries at the SLO (None: no capacity search ran)
+    knee: Knee | None = None  # where its throughput stopped growing with load (None: before schema 8, or no level)
     kv_capacity: KvCapacityReport | None = None
     kv_prediction_error: float | None = None  # (predicted - reported) / reported
     startup_s: float | None = None
@@ -359,6 +419,13 @@ class TrialResult(BaseModel):
             return None
         at = [i for i, lv in enumerate(self.levels) if lv.meets_slo and level_load(lv) == value]
         return at[-1] if at else None
+
+    @property
+    def knee_found(self) -> Knee | None:
+        """The knee the trial recorded, else the one its levels show (a result from before schema 8)."""
+        if self.knee is not None:
+            return self.knee
+        return find_knee(self.levels, unit=self.capacity_at_slo.unit if self.capacity_at_slo is not None else None)
 
     @property
     def best(self) -> OperatingPoint | None:
@@ -440,8 +507,9 @@ def highest_load_index(levels: list[LevelResult]) -> int | None:
 #: energy of its measured window alone (``gpu_energy_measured_j``, ``cpu_energy_measured_j``: telemetry.py) and
 #: the level its ``energy_note``, so operating points have ``energy_per_token`` and ``energy_per_request`` (a
 #: result from before has neither: its energy counted the warm-up too); 7: a result carries ``price``, the price
-#: of its GPU type with its source and date (capacity/prices.py).
-SCHEMA_VERSION = 7
+#: of its GPU type with its source and date (capacity/prices.py); 8: a result carries ``knee``, where throughput stopped growing with load (:func:`find_knee`;
+#: a result from before has none, and readers derive it from its levels with :attr:`TrialResult.knee_found`).
+SCHEMA_VERSION = 8
 
 
 class StudyInfo(BaseModel):

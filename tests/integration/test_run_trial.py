@@ -15,6 +15,7 @@ from servetune.config.workload import load_workload
 from servetune.errors import EngineStartError
 from servetune.load.requests import PromptFactory
 from servetune.load.runner import Level
+from servetune.results import find_knee
 from servetune.testing.fake_openai import FakeOpenAI
 from servetune.trial.runner import TrialSpec, run_trial
 from tests.conftest import serve_fake
@@ -181,6 +182,9 @@ def test_the_capacity_search_measures_past_the_ladder_on_the_same_engine_and_rec
     assert capacity.value is None and capacity.extra_levels == 1 and capacity.breaking_slo == "ttft_ms_p99 <= 20"
     on_disk = json.loads((tmp_path / result.trial_id / "result.json").read_text())
     assert on_disk["capacity_at_slo"]["bound"] == "upper" and len(on_disk["levels"]) == 2
+    # the knee, from the two loads measured (the ladder's and the search's), recorded beside the capacity
+    assert result.knee is not None and result.knee == find_knee(result.levels, unit="concurrency")
+    assert result.knee.value in (1, 2) and on_disk["knee"]["value"] == result.knee.value
     rows = [json.loads(line) for line in (tmp_path / result.trial_id / "requests.jsonl").read_text().splitlines()]
     assert {row["level"] for row in rows} == {0, 1}
 

@@ -86,7 +86,11 @@ def test_tolerable_wait_prefers_the_ttft_p99_bound():
 
 
 def test_export_writes_the_derived_settings_serve_accepts_with_the_reasons_as_comments(report, capsys):
-    assert main(["export", str(STUDY), "--pick", BASELINE, "--format", "ray-serve", "--peak", "24"]) == 0
+    # --headroom 1: at min(capacity, knee), here the highest level meeting the SLO (8 clients) and the knee alike
+    assert (
+        main(["export", str(STUDY), "--pick", BASELINE, "--format", "ray-serve", "--peak", "24", "--headroom", "1"])
+        == 0
+    )
     text = capsys.readouterr().out
     config = yaml.safe_load(text)["applications"][0]["args"]["llm_configs"][0]
     deployment = config["deployment_config"]
@@ -108,3 +112,42 @@ def test_export_of_a_trial_without_a_knee_keeps_fixed_replicas_and_says_why(repo
     assert config["deployment_config"] == {
         "autoscaling_config": {"min_replicas": 1, "max_replicas": 1, "target_ongoing_requests": 2}
     }
+
+
+def test_export_operates_at_the_headroom_below_the_lower_of_capacity_and_knee(report, capsys):
+    points = trial_points(report, BASELINE)
+    row = next(r for r in report.trial_table if r.trial_id == BASELINE)
+    assert row.knee is not None and row.knee.value == 8  # 8 -> 32 clients added little output throughput
+    rate2, rate = (
+        next(p for p in points if p.level == {"concurrency": c}).metrics["request_throughput"] for c in (2, 8)
+    )
+    a = autoscaling_for(report, next(p for p in points if p.level == {"concurrency": 8.0}), peak=24, headroom=0.8)
+    assert a.knee == {"concurrency": pytest.approx(6.4)} and a.target_ongoing_requests == 6
+    between = rate2 + (rate - rate2) * (6.4 - 2) / (8 - 2)  # between the levels measured at 2 and 8 clients
+    assert a.throughput_per_replica == pytest.approx(between)
+    assert a.max_replicas == math.ceil(24 / 6.4) and a.max_queued_requests == math.ceil(a.max_replicas * between * 0.3)
+    assert "0.8 x the knee 8" in a.reasons["knee"] or "0.8 x the highest load meeting the SLO 8" in a.reasons["knee"]
+    assert main(["export", str(STUDY), "--pick", BASELINE, "--format", "ray-serve", "--peak", "24"]) == 0  # default 0.8
+    deployment = yaml.safe_load(capsys.readouterr().out)["applications"][0]["args"]["llm_configs"][0][
+        "deployment_config"
+    ]
+    assert deployment["autoscaling_config"]["target_ongoing_requests"] == a.target_ongoing_requests
+
+
+def test_the_operating_load_is_the_headroom_times_the_lower_limit():
+    from servetune.report.autoscale import operating_load
+    from servetune.results import Capacity, Knee
+
+    def capacity(value):
+        return Capacity(value=value, unit="req/s", bracket=(value, 2 * value), bound="exact", tolerance=0.1)
+
+    knee = Knee(value=8.0, unit="req/s", bracket=(8.0, 16.0), bound="exact", throughput=800.0)
+    assert operating_load([4.0], capacity(10.0), knee, 0.5) == (
+        4.0,
+        "0.5 x the knee 8 (below the capacity at the SLO 10)",
+    )
+    load, why = operating_load([4.0], capacity(5.0), knee, 0.5)
+    assert load == 2.5 and why.startswith("0.5 x the capacity at the SLO 5")
+    assert operating_load([4.0], None, None, 1.0) == (4.0, "1 x the highest load meeting the SLO 4")
+    with pytest.raises(UserError, match=r"--headroom 1\.5: the headroom must be above 0 and at most 1"):
+        operating_load([4.0], None, knee, 1.5)

@@ -92,14 +92,16 @@ def test_summary_md_has_the_table_of_all_trials(tmp_path):
     md = render_markdown(build_report(load_study(demo_study(tmp_path / "demo"))))
     section = md.split("### All trials")[1].split("\n#")[0]
     assert (
-        "| trial | config (varied parameters) | outcome | best level | capacity at the SLO | goodput (req/s) "
+        "| trial | config (varied parameters) | outcome | best level | capacity at the SLO | knee | goodput (req/s) "
         "| TTFT P99 (ms) | TPOT P99 (ms) " in section
     )
     rows = [line for line in section.splitlines() if line.startswith("| t") and not line.startswith("| trial")]
     assert [r.split(" | ")[0] for r in rows] == ["| t16 (recommended)", "| t32", "| t256", "| t64"]
     assert "| t32 | seqs=32 gpu-mem=0.9 | COMPLETE | concurrency 32 | - |" in section  # no capacity search ran
     assert "concurrency 64: ttft_ms_p99 = 3000 > 2000 |" in section
-    assert "| t256 | seqs=256 gpu-mem=0.95 | INFEASIBLE | - | - | - | - | - | - | - | does not fit: KV pool" in section
+    assert (
+        "| t256 | seqs=256 gpu-mem=0.95 | INFEASIBLE | - | - | - | - | - | - | - | - | does not fit: KV pool" in section
+    )
 
 
 def test_levels_whose_prefix_cache_may_have_been_warm_are_listed(tmp_path):

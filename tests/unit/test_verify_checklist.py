@@ -459,6 +459,19 @@ def test_vllm_has_no_hard_queue_limit_and_the_fix_is_sized(gpu):
     # builders.level(16, 700): 700/60 req/s; the SLO's TTFT P99 bound is 2000 ms
     assert item.status == "FAIL" and "max_queued_requests" in item.evidence
     assert "7 requests waited" in item.evidence and "11.67 req/s x 2 s tolerable wait = 24 a replica" in item.evidence
+    assert "max_num_queued_reqs" in item.evidence  # the bound vLLM has, sized by export --format vllm
+
+
+def test_the_queue_limit_is_judged_by_the_overload_scenario_when_it_ran(gpu):
+    study, result = gpu
+    bounded = full_verify()
+    bounded["scenarios"]["overload"] = {"refused": 40, "passed": True,
+                                        "reason": "30 req/s (1.5x): 40 of 90 refused (503) in 2 ms (P99)"}  # fmt: skip
+    item = one(study, result, "15.15", bounded)
+    assert item.status == "PASS" and "40 of 90 refused (503)" in item.evidence
+    bounded["scenarios"]["overload"].update(passed=False, reason="admitted requests' TTFT P99 2600 ms broke the bound")
+    item = one(study, result, "15.15", bounded)
+    assert item.status == "FAIL" and "broke the bound" in item.evidence
 
 
 def test_latency_histograms_and_device_telemetry(gpu, cpu):

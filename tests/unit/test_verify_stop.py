@@ -12,7 +12,9 @@ from servetune.verify.run import _winner
 def test_a_cancellation_absorbed_in_a_scenario_still_stops_the_next_one_from_starting():
     started = []
     progress = SimpleNamespace(step=lambda name, seconds=None: started.append(name))
-    target = SimpleNamespace(engine=None, budget=SimpleNamespace(soak_s=1.0, scenario_s=1.0, repeats=1, repeat_s=1.0))
+    target = SimpleNamespace(
+        engine=None, admission_bound=False, budget=SimpleNamespace(soak_s=1.0, scenario_s=1.0, repeats=1, repeat_s=1.0)
+    )
 
     async def main():
         task = asyncio.current_task()

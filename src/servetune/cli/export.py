@@ -86,32 +86,46 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--prometheus-url", metavar="URL",
         help="for --autoscaler keda: the Prometheus KEDA queries (default: http://prometheus-operated.monitoring.svc:9090)",
     )  # fmt: skip
+    p.add_argument(
+        "--headroom", type=float, default=0.8, metavar="X",
+        help="for --format ray-serve, kubernetes, kserve: autoscale each replica at X times the lower of its capacity at the SLO and its "
+             "knee (where throughput stops growing with load); default 0.8",
+    )  # fmt: skip
     p.add_argument("--skip-unreadable", action="store_true", help="do not stop at an invalid result.json")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from servetune.report import build_report, deploy, load_study
-    from servetune.report.export import autoscaling_for, pick_point, point_json, ray_serve_yaml, vllm_command
+    from servetune.report.export import (
+        admission_for,
+        autoscaling_for,
+        pick_point,
+        point_json,
+        ray_serve_yaml,
+        vllm_command,
+    )
 
     report = build_report(load_study(args.study_dir, args.skip_unreadable), args.price_per_gpu_hour)
     point = pick_point(report, args.pick)
     if args.format == "vllm":
-        text = vllm_command(point)
+        text = vllm_command(point, admission_for(report, point))
     elif args.format == "ray-serve":
         checked = report.serve_check
         text = ray_serve_yaml(
-            point, args.accelerator_type, autoscaling_for(report, point, args.peak),
+            point, args.accelerator_type, autoscaling_for(report, point, args.peak, args.headroom),
             checked.router if checked else None, checked.layout if checked else None,
             checked.stream_batching if checked else None,
         )  # fmt: skip
     elif args.format == "kubernetes":
         text = deploy.kubernetes_yaml(
-            point, autoscaling_for(report, point, args.peak), args.image or deploy.DEFAULT_IMAGE, args.autoscaler,
+            point, autoscaling_for(report, point, args.peak, args.headroom), args.image or deploy.DEFAULT_IMAGE,
+            args.autoscaler,
             args.prometheus_url or deploy.DEFAULT_PROMETHEUS,
         )  # fmt: skip
     elif args.format == "kserve":
-        text = deploy.kserve_yaml(point, autoscaling_for(report, point, args.peak), args.image or deploy.DEFAULT_IMAGE)
+        autoscaling = autoscaling_for(report, point, args.peak, args.headroom)
+        text = deploy.kserve_yaml(point, autoscaling, args.image or deploy.DEFAULT_IMAGE)
     elif args.format in ("prometheus-rules", "grafana"):
         from servetune.report import alerts
 

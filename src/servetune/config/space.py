@@ -143,6 +143,9 @@ class LoadProtocol(BaseModel):
     # ``capacity_tolerance`` (relative). 0: the ladder alone, as before.
     capacity_levels: int = Field(default=4, ge=0, le=16)
     capacity_tolerance: float = Field(default=0.10, gt=0, lt=1)
+    # The knee (results.py find_knee): the lowest load past which output throughput grows by less than this
+    # share of proportional growth with load (0.5: doubling the load adds less than half).
+    knee_fraction: float = Field(default=0.5, gt=0, lt=1)
     # Stop at a level where a finished trial was cheaper and had a lower P99 TTFT there
     # (study/early_stop.py). Default: on for Bayesian search (tpe, nsga2, gp), off for grid and random.
     stop_when_dominated: bool | None = None

@@ -3,9 +3,17 @@
 The rule, one field at a time (``Autoscaling.reasons`` carries each as a sentence for the
 exported file):
 
-- **knee**: the highest load level of the trial that met every SLO bound, per replica (a trial
-  with data parallelism DP, or run through Serve at ``serve.num_replicas`` N, measured DP or N
-  replicas at once, so its level and throughput are divided by them). Without such a level there is nothing safe to scale on, and the derivation refuses.
+- **knee** (the operating load): with a ``headroom`` (``export --headroom``, default 0.8), headroom x
+  min(capacity, knee): the capacity at the SLO (results.py ``Capacity``, else the highest level that
+  met every SLO bound) and the knee where throughput stopped growing with load (results.py
+  ``find_knee``), whichever is lower, so a replica runs short of both. Its throughput is the measured
+  level's at or below it (the highest such level meeting the SLO, else the lowest meeting it), scaled
+  by load: below the knee throughput grows with load, which is what the knee means. Without a
+  ``headroom`` (serve-check's ramp, unchanged), the highest load level of the trial that met every
+  SLO bound. Either way per replica (a trial with data parallelism DP, or run through Serve at
+  ``serve.num_replicas`` N, measured DP or N replicas at once, so its level and throughput are
+  divided by them). Without a level that met the SLO there is nothing safe to scale on, and the
+  derivation refuses.
 - ``target_ongoing_requests`` = the knee's requests in flight per replica (its concurrency; for
   an open-loop level, Little's law: request throughput x mean E2E latency). Serve adds replicas
   when the requests in flight per replica stay above it, so a replica is kept at load it was
@@ -32,6 +40,7 @@ expressible in Serve's request-based policy; the knee's measured KV usage is sta
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +50,7 @@ from servetune.config.space import SERVE_REPLICAS
 from servetune.errors import UserError
 from servetune.metrics import REQUEST_THROUGHPUT
 from servetune.report.points import KV_CACHE_USAGE_MAX, ReportPoint, level_label
+from servetune.results import Capacity, Knee
 
 #: Section 11: scale up after the queue wait stayed high for 2 minutes; down after 10-20 minutes low.
 UPSCALE_DELAY_S = 120.0
@@ -59,7 +69,7 @@ KV_USAGE_LIMIT = 0.85
 class Autoscaling:
     """Serve's settings for one configuration, and why each has its value."""
 
-    knee: Mapping[str, float]  # the trial's level it rests on (whole trial, all DP ranks)
+    knee: Mapping[str, float]  # the trial's operating load it rests on, as a level (whole trial, all DP ranks)
     knee_per_replica: float  # that level's value per replica (concurrency, or rate)
     in_flight_per_replica: float  # requests in flight per replica at the knee
     throughput_per_replica: float  # req/s per replica at the knee
@@ -125,11 +135,41 @@ def tolerable_wait_s(slo_lines: Sequence[str]) -> tuple[float, str]:
     return QUEUE_WAIT_S, "section 11's 300 ms queue wait (the SLO bounds no TTFT)"
 
 
+def _interpolated(points: Sequence[tuple[float, float]], load: float) -> float:
+    """Request throughput at ``load``, linear between the measured (load, throughput) points and from (0, 0)
+    below the lowest; beyond the highest, that one's throughput per unit of load."""
+    ordered = [(0.0, 0.0), *sorted(points)]
+    for (x1, t1), (x2, t2) in itertools.pairwise(ordered):
+        if x1 <= load <= x2:
+            return t1 + (t2 - t1) * (load - x1) / (x2 - x1) if x2 > x1 else t2
+    top, throughput = ordered[-1]
+    return throughput * load / top if top > 0 else 0.0
+
+
+def operating_load(
+    meeting: Sequence[float], capacity: Capacity | None, knee: Knee | None, headroom: float
+) -> tuple[float, str]:
+    """headroom x min(capacity, knee), and how it was found (see the module's rule): the capacity the search
+    found, else the highest of the ``meeting`` loads (those that met the SLO)."""
+    if not 0 < headroom <= 1:
+        raise UserError(f"--headroom {headroom:g}: the headroom must be above 0 and at most 1")
+    limits = {"the highest load meeting the SLO": max(meeting)}
+    if capacity is not None and capacity.value is not None:
+        limits = {"the capacity at the SLO": capacity.value}
+    if knee is not None:
+        limits["the knee" + (" (a lower bound: throughput still grew)" if knee.bound == "lower" else "")] = knee.value
+    name = min(limits, key=limits.__getitem__)
+    others = ", ".join(f"{other} {value:g}" for other, value in limits.items() if other != name)
+    return headroom * limits[name], f"{headroom:g} x {name} {limits[name]:g}" + (f" (below {others})" if others else "")
+
+
 def derive_autoscaling(
     trial_points: Sequence[ReportPoint], slo_lines: Sequence[str], peak: float | None = None,
-    delay_scale: float = 1.0,
+    delay_scale: float = 1.0, *, headroom: float | None = None, capacity: Capacity | None = None,
+    knee: Knee | None = None,
 ) -> Autoscaling:  # fmt: skip
-    """Serve's autoscaling for one trial, from its measured levels (see the module's rule)."""
+    """Serve's autoscaling for one trial, from its measured levels (see the module's rule): with a ``headroom``,
+    at headroom x min(``capacity``, ``knee``); without, at the highest level meeting the SLO."""
     if not trial_points:
         raise UserError("autoscaling: the trial measured no load level")
     trial_id = trial_points[0].trial_id
@@ -137,21 +177,33 @@ def derive_autoscaling(
     meeting = [(p, lv) for p, lv in measured if p.meets_slo and lv is not None]
     if not meeting:
         raise UserError(f"autoscaling: trial {trial_id} met the SLO at no load level, so it has no knee to scale on")
-    knee, (kind, value) = max(meeting, key=lambda m: m[1][1])
-    engine = {**knee.resolved_engine_args, **{k: v for k, v in knee.engine_args.items() if v is not None}}
+    if headroom is None:
+        base, (kind, value) = max(meeting, key=lambda m: m[1][1])
+        rate_scale, operating_why = 1.0, ""
+    else:
+        value, operating_why = operating_load([lv[1] for _, lv in meeting], capacity, knee, headroom)
+        above = [m for m in meeting if m[1][1] >= value]
+        base, (kind, _) = min(above, key=lambda m: m[1][1]) if above else max(meeting, key=lambda m: m[1][1])
+        rate = _interpolated([(lv[1], float(p.metrics.get(REQUEST_THROUGHPUT) or 0.0)) for p, lv in meeting], value)
+        base_rate = float(base.metrics.get(REQUEST_THROUGHPUT) or 0.0)
+        rate_scale = rate / base_rate if base_rate > 0 else 0.0
+        operating_why += (
+            f", its throughput interpolated between the levels measured, latency as at {level_label(base.level)}"
+        )
+    engine = {**base.resolved_engine_args, **{k: v for k, v in base.engine_args.items() if v is not None}}
     expert_parallel = bool(engine.get("enable_expert_parallel"))
     dp = 1 if expert_parallel else max(1, int(engine.get("data_parallel_size") or 1))
-    dp = int(knee.params.get(SERVE_REPLICAS) or dp)  # measured through Serve: spread over its replicas
-    throughput = float(knee.metrics.get(REQUEST_THROUGHPUT) or 0.0) / dp
+    dp = int(base.params.get(SERVE_REPLICAS) or dp)  # measured through Serve: spread over its replicas
+    throughput = rate_scale * float(base.metrics.get(REQUEST_THROUGHPUT) or 0.0) / dp
     per_replica = value / dp
     if kind == "concurrency":
         in_flight = per_replica
         in_flight_why = f"its {value:g} clients in flight"
     else:
-        e2el_s = float(knee.metrics.get("e2el_ms_mean") or 0.0) / 1000.0
+        e2el_s = float(base.metrics.get("e2el_ms_mean") or 0.0) / 1000.0
         in_flight = throughput * e2el_s
         in_flight_why = f"Little's law: {throughput * dp:.2f} req/s x {e2el_s:.2f} s mean E2E latency"
-    per = f" / {dp} {'Serve' if knee.params.get(SERVE_REPLICAS) else 'data-parallel'} replicas" if dp > 1 else ""
+    per = f" / {dp} {'Serve' if base.params.get(SERVE_REPLICAS) else 'data-parallel'} replicas" if dp > 1 else ""
     top = max((lv[1] for _, lv in measured if lv is not None and lv[0] == kind), default=value)
     if peak is None:
         peak, peak_source = top, f"the top of the study's ladder ({kind} {top:g})"
@@ -164,10 +216,12 @@ def derive_autoscaling(
     wait_s, wait_why = tolerable_wait_s(slo_lines)
     queue = max(1, math.ceil(max_replicas * throughput * wait_s))
     max_ongoing = max(target + 1, math.ceil(ONGOING_HEADROOM * target))
-    kv = knee.server_metrics.get(KV_CACHE_USAGE_MAX)
+    kv = base.server_metrics.get(KV_CACHE_USAGE_MAX)
     scale = f" (section 11's value x {delay_scale:g} for a quick check)" if delay_scale != 1.0 else ""
     reasons = {
-        "knee": (f"trial {trial_id}'s highest level meeting every SLO bound: {level_label(knee.level)}{per}, "
+        "knee": (f"trial {trial_id}'s highest level meeting every SLO bound: {level_label(base.level)}{per}, "
+                 f"{throughput:.2f} req/s per replica" if headroom is None else
+                 f"trial {trial_id}'s operating load: {kind} {value:g}{per} ({operating_why}), "
                  f"{throughput:.2f} req/s per replica"),
         "target_ongoing_requests": (f"{target}: requests in flight per replica at the knee ({in_flight_why}{per}); "
                                     "above it Serve adds replicas"),
@@ -188,7 +242,7 @@ def derive_autoscaling(
                     + "; Serve scales on requests in flight, not on KV usage or GPU utilization",
     }  # fmt: skip
     return Autoscaling(
-        knee=dict(knee.level), knee_per_replica=per_replica, in_flight_per_replica=in_flight,
+        knee=dict(base.level) if headroom is None else {kind: value}, knee_per_replica=per_replica, in_flight_per_replica=in_flight,
         throughput_per_replica=throughput, peak=float(peak), peak_source=peak_source, min_replicas=1,
         max_replicas=max_replicas, target_ongoing_requests=target, max_ongoing_requests=max_ongoing,
         max_queued_requests=queue, tolerable_wait_s=wait_s, upscale_delay_s=UPSCALE_DELAY_S * delay_scale,

@@ -19,6 +19,7 @@ import yaml
 from servetune.config.space import SERVE_REPLICAS, SERVE_STREAM_BATCHING
 from servetune.engine.args import RESERVED, engine_argv, normalize_key
 from servetune.errors import UserError
+from servetune.report.admission import AdmissionBounds, derive_admission
 from servetune.report.autoscale import Autoscaling, derive_autoscaling
 from servetune.report.build import StudyReport
 from servetune.report.points import ReportPoint, first_line, level_label
@@ -73,14 +74,24 @@ def masked_env(env: Mapping[str, str]) -> dict[str, str]:
     return redact_env(env)
 
 
-def vllm_command(point: ReportPoint) -> str:
+def vllm_command(point: ReportPoint, admission: AdmissionBounds | str | None = None) -> str:
     """``ENV=... vllm serve MODEL --flag value ...``, one flag per line, quoted for a POSIX shell.
 
     Flags are made the way servetune launches the engine (:func:`engine_argv` without vLLM's
-    parser at hand: booleans as ``--x`` / ``--no-x``).
+    parser at hand: booleans as ``--x`` / ``--no-x``). With ``admission`` (report/admission.py), its
+    bounds are added with the reasons as comments; a text says why there are none.
     """
     env = [f"{k}={shlex.quote(v)}" for k, v in masked_env(point.env).items()]
-    argv = engine_argv(masked_engine_args(point))
+    shipped = masked_engine_args(point)
+    bounds = ""
+    if isinstance(admission, AdmissionBounds):
+        shipped.update(admission.engine_args())
+        bounds = "# Admission bounds (503 past them), derived from the trial's measurements:\n" + "".join(
+            f"#   {name}: {why}\n" for name, why in admission.reasons.items()
+        )
+    elif admission is not None:
+        bounds = f"# No admission bounds derived: {admission}\n"
+    argv = engine_argv(shipped)
     head = " ".join([*env, "vllm", "serve", shlex.quote(point.model)])
     chunks: list[str] = []
     for token in argv:
@@ -91,6 +102,7 @@ def vllm_command(point: ReportPoint) -> str:
     lines = [head, *("  " + c for c in chunks)]
     command = " \\\n".join(lines)
     note = f"# servetune: trial {point.trial_id}, measured at {level_label(point.level)}\n"
+    note += bounds
     if MASK in head or MASK in argv:
         note += f"# {MASK} marks a secret servetune does not print: put the real value there\n"
     if point.device == "cpu":
@@ -249,13 +261,18 @@ def ray_serve_yaml(
     return header + body
 
 
-def autoscaling_for(report: StudyReport, point: ReportPoint, peak: float | None = None) -> Autoscaling | str:
-    """The autoscaling derived from the picked point's trial (all its levels), or why there is none."""
+def autoscaling_for(
+    report: StudyReport, point: ReportPoint, peak: float | None = None, headroom: float | None = None
+) -> Autoscaling | str:
+    """The autoscaling derived from the picked point's trial (all its levels, its capacity and its knee: with a
+    ``headroom``, at headroom x min(capacity, knee)), or why there is none."""
     points = [p for p in report.points if p.trial_id == point.trial_id]
+    row = next((r for r in report.trial_table if r.trial_id == point.trial_id), None)
     try:
-        return derive_autoscaling(points, [str(line) for line in report.slo], peak)
+        return derive_autoscaling(points, [str(line) for line in report.slo], peak, headroom=headroom,
+                                  capacity=row.capacity if row else None, knee=row.knee if row else None)  # fmt: skip
     except UserError as exc:
-        if peak is not None and "--peak" in str(exc):
+        if any(flag in str(exc) for flag in ("--peak", "--headroom")):
             raise
         return str(exc).removeprefix("autoscaling: ")
 
@@ -290,3 +307,13 @@ def _number(value: Any) -> int | float:
     """A whole number as an int (``50``, not ``50.0``, in the printed config)."""
     number = float(value)
     return int(number) if number.is_integer() else number
+
+
+def admission_for(report: StudyReport, point: ReportPoint) -> AdmissionBounds | str:
+    """vLLM's admission bounds derived from the picked point's trial (report/admission.py), or why there are none."""
+    try:
+        return derive_admission(
+            [p for p in report.points if p.trial_id == point.trial_id], [str(s) for s in report.slo]
+        )
+    except UserError as exc:
+        return str(exc).removeprefix("admission bounds: ")

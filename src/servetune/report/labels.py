@@ -18,7 +18,7 @@ from servetune.metrics import (
 )
 from servetune.report.points import OUTPUT_THROUGHPUT_PER_DEVICE, OUTPUT_THROUGHPUT_PER_USER, ReportPoint
 from servetune.report.trials import TRIAL_METRICS, KvPlanCheck, SloBreak, TrialRow, worst_kv_plan
-from servetune.results import Capacity
+from servetune.results import Capacity, Knee
 
 FRONT_COLOR = "#e4572e"
 OTHER_COLOR = "#4c78a8"
@@ -134,7 +134,7 @@ PARETO_HEADINGS = ("#", "trial", "config", "level", *(metric_heading(m) for m in
 
 #: Headings of the table of all trials, units included.
 TRIAL_HEADINGS = (
-    "trial", "config (varied parameters)", "outcome", "best level", "capacity at the SLO",
+    "trial", "config (varied parameters)", "outcome", "best level", "capacity at the SLO", "knee",
     *(metric_heading(m) for m in TRIAL_METRICS),
     "SLO broken (first level)", "stopped because", "conclusion", "KV tokens planned / vLLM",
 )  # fmt: skip
@@ -177,6 +177,18 @@ def slo_break_text(found: SloBreak | None) -> str:
     return f"{found.level}: {'; '.join(found.violations)}{later}"
 
 
+def knee_text(knee: Knee | None) -> str:
+    """Where throughput stopped growing with load (results.py ``find_knee``), in a few words ('-': no level):
+    ``8 clients at 800 tok/s (to 16: grew < 50% as fast as the load)``, or ``>= 32 clients (still growing)`` as a lower bound."""
+    if knee is None:
+        return "-"
+    unit = "clients" if knee.unit == "concurrency" else knee.unit
+    above = knee.bracket[1]
+    if knee.bound == "lower" or above is None:
+        return f">= {knee.value:g} {unit} (still growing)"
+    return f"{knee.value:g} {unit} at {knee.throughput:.4g} tok/s (to {above:g}: grew < {knee.fraction:.0%} as fast as the load)"
+
+
 def capacity_text(capacity: Capacity | None) -> str:
     """The capacity search's answer in a few words ('-' where none ran):
 
@@ -217,6 +229,7 @@ def trial_cells(row: TrialRow) -> list[str]:
         row.outcome,
         best,
         capacity_text(row.capacity),
+        knee_text(row.knee),
         *(fmt(m, row.values.get(m)) for m in TRIAL_METRICS),
         slo_break_text(row.slo_break),
         row.stopped,

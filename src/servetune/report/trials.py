@@ -31,7 +31,7 @@ from servetune.report.conclusion import Conclusion, conclude
 from servetune.report.diagnosis import limited_by
 from servetune.report.params import short_config, varied_params
 from servetune.report.points import ReportPoint, first_line, level_label, violated_metrics
-from servetune.results import Capacity, Outcome, TrialResult, best_level, chosen_level
+from servetune.results import Capacity, Knee, Outcome, TrialResult, best_level, chosen_level
 
 if TYPE_CHECKING:
     from servetune.report.recommend import Recommendation
@@ -73,6 +73,7 @@ class TrialRow:
     recommended: bool = False
     cache_notes: tuple[str, ...] = ()  # levels whose prefix cache may have been warm: ``concurrency 8: ...``
     capacity: Capacity | None = None  # the load it carries at the SLO, as its capacity search found it
+    knee: Knee | None = None  # where its throughput stopped growing with load (results.py find_knee)
     speculation: str | None = None  # speculative decoding's acceptance at ``numbers_level`` (:func:`speculation_text`)
     limited_by: str = ""  # what limited it and the next lever (report/diagnosis.py ``limited_by``)
     kv_plan: KvPlanCheck | None = None  # the planner's KV tokens against vLLM's (:func:`kv_plan_check`)
@@ -180,6 +181,7 @@ def trial_rows(
                 recommended=recommendation is not None and recommendation.names(trial.trial_id),
                 cache_notes=cache_notes(trial),
                 capacity=trial.capacity_at_slo,
+                knee=trial.knee_found,
                 speculation=speculation_text(trial.levels[chosen.index].server_metrics) if chosen is not None else None,
                 limited_by=limited_by(trial),
                 kv_plan=kv_plan_check(trial),

@@ -30,7 +30,7 @@ _T = TypeVar("_T")
 class FakeOpenAI:
     def __init__(self, ttft_ms: float = 20.0, itl_ms: float = 5.0, model: str = "fake", fail_status: int | None = None,
                  max_num_seqs: int | None = None, dev_mode: bool = True, stall_after: int | None = None,
-                 stall_ms: float = 0.0, release_ms: float = 0.0) -> None:  # fmt: skip
+                 stall_ms: float = 0.0, release_ms: float = 0.0, max_num_queued_reqs: int | None = None) -> None:  # fmt: skip
         self.ttft_s = ttft_ms / 1000.0
         self.itl_s = itl_ms / 1000.0
         # A stream that falls silent: after ``stall_after`` tokens, ``stall_ms`` without a byte.
@@ -45,6 +45,9 @@ class FakeOpenAI:
         self.slots = asyncio.Semaphore(max_num_seqs) if max_num_seqs else None
         self.running = 0
         self.waiting = 0  # requests queued for a slot (max_num_seqs)
+        # vLLM's admission bound: past this many requests running and waiting, 503 at once (AsyncLLM.check_admission).
+        self.max_num_queued_reqs = max_num_queued_reqs
+        self.rejected = 0
         self.finished = 0
         self.generated = 0
         # A prefix cache of whole prompts, as vLLM counts it: prompt tokens queried, and hit when the
@@ -95,6 +98,8 @@ class FakeOpenAI:
             f'vllm:prefix_cache_queries_total{{model_name="{self.model}"}} {self.cache_queries}\n'
             "# TYPE vllm:prefix_cache_hits counter\n"
             f'vllm:prefix_cache_hits_total{{model_name="{self.model}"}} {self.cache_hits}\n'
+            "# TYPE vllm:admission_rejections counter\n"
+            f'vllm:admission_rejections_total{{model_name="{self.model}",reason="max_num_queued_reqs"}} {self.rejected}\n'
         )
 
     async def complete(self, request: web.Request) -> web.StreamResponse:
@@ -102,6 +107,10 @@ class FakeOpenAI:
         body = await request.json()
         if self.fail_status:
             return web.json_response({"error": {"message": "injected failure"}}, status=self.fail_status)
+        if self.max_num_queued_reqs is not None and self.running + self.waiting + 1 > self.max_num_queued_reqs:
+            self.rejected += 1
+            message = "The engine is currently busy and cannot accept new requests."  # vLLM's QueueOverflowError
+            return web.json_response({"error": {"message": message, "code": 503}}, status=503)
         chat = request.path.endswith("/chat/completions")
         n_out = int(body.get("max_tokens") or 16)
         prompt = body.get("prompt") or json.dumps(body.get("messages", ""))
@@ -212,6 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ttft-ms", type=float, default=float(_env("TTFT_MS", 20.0)))
     parser.add_argument("--itl-ms", type=float, default=float(_env("ITL_MS", 5.0)))
     parser.add_argument("--max-num-seqs", type=int, help="requests generating at once (vLLM's engine argument)")
+    parser.add_argument("--max-num-queued-reqs", type=int, help="past this many running and waiting requests, 503")
     parser.add_argument("--stall-after", type=int, help="after this many tokens of every stream, pause (--stall-ms)")
     parser.add_argument("--stall-ms", type=float, default=0.0, help="the pause of --stall-after, in ms")
     parser.add_argument("--startup-delay-s", type=float, default=float(_env("STARTUP_DELAY_S", 0.0)))
@@ -287,6 +297,7 @@ def main(argv: list[str] | None = None) -> None:
         args.itl_ms,
         args.model,
         max_num_seqs=args.max_num_seqs,
+        max_num_queued_reqs=args.max_num_queued_reqs,
         stall_after=args.stall_after,
         stall_ms=args.stall_ms,
         release_ms=args.release_ms,

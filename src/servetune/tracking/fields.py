@@ -183,8 +183,17 @@ def trial_metrics(trial: TrialResult) -> list[MetricPoint]:
     startup = {f"startup/{k}": v for k, v in trial.startup_phases.items()}
     return (
         points + _finite(totals.items(), 0) + _finite(quality_metrics(trial).items(), 0) + _finite(startup.items(), 0)
-        + _finite(capacity_metrics(trial).items(), 0)
+        + _finite(capacity_metrics(trial).items(), 0) + _finite(knee_metrics(trial).items(), 0)
     )  # fmt: skip
+
+
+def knee_metrics(trial: TrialResult) -> dict[str, float | None]:
+    """Where the trial's throughput stopped growing with load (results.py ``find_knee``): ``knee``, and the
+    output tok/s measured there as ``knee/output_throughput`` (none without a level measured)."""
+    knee = trial.knee_found
+    if knee is None:
+        return {}
+    return {"knee": knee.value, "knee/output_throughput": knee.throughput}
 
 
 def capacity_metrics(trial: TrialResult) -> dict[str, float | None]:

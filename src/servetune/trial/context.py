@@ -73,6 +73,7 @@ class StudyContext:
             request_timeout_s=load.request_timeout_s, startup_timeout_s=load.startup_timeout_s,
             stop_on_slo_break=load.stop_on_slo_break, min_throughput_gain=load.min_throughput_gain,
             capacity_levels=load.capacity_levels, capacity_tolerance=load.capacity_tolerance,
+            knee_fraction=load.knee_fraction,
             slo=space.slo_bounds, gpu=space.hardware.gpu, gpu_memory_gib=space.hardware.gpu_memory_gib,
             python=self.python, extra_env=extra_env, repeats=load.repeats, quality=self.quality, node_id=node_id,
             serve_replicas=space.serve_replicas(params), stream_batching_ms=space.stream_batching_ms(params),

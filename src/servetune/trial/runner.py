@@ -38,6 +38,7 @@ from servetune.quality.lm_eval import results_file
 from servetune.quality.probe import QualityPlan, run_probe
 from servetune.results import (
     ENGINE_LOG,
+    KNEE_FRACTION,
     LM_EVAL_RESULTS_FILE,
     QUALITY_FILE,
     REQUESTS_FILE,
@@ -48,6 +49,7 @@ from servetune.results import (
     LevelResult,
     TrialResult,
     best_level,
+    find_knee,
     read_result,
 )
 from servetune.secrets import redact_engine_args, redact_env, redact_params
@@ -89,6 +91,7 @@ class TrialSpec:
     slo: Slo
     capacity_levels: int = CAPACITY_LEVELS  # the capacity search's budget of levels beyond the ladder (0: none)
     capacity_tolerance: float = CAPACITY_TOLERANCE  # it stops once its bracket is this close (relative)
+    knee_fraction: float = KNEE_FRACTION  # the knee: throughput gain per load increase below this share (results.py)
     gpu: str | None = None
     gpu_memory_gib: float | None = None
     repeats: int = 1  # runs of each level; the level reports the median run
@@ -435,6 +438,7 @@ async def _climb(spec, server, result, report, prompts, records_file, stop_rule=
                 level = steps.send(level_result)
             except StopIteration as stop:
                 result.capacity_at_slo = search.capacity
+                result.knee = find_knee(result.levels, spec.knee_fraction, search.found().unit)
                 return stop.value
 
 

@@ -95,6 +95,11 @@ def cancellation_frees_work(ctx: Context) -> tuple[Status, str]:
 
 
 def hard_queue_limit(ctx: Context) -> tuple[Status, str]:
+    overloaded, _ = ctx.scenario("overload")  # run when the configuration sets vLLM's admission bound
+    if overloaded is not None:
+        passed = flag(overloaded, "passed")
+        text = f"overload scenario: {overloaded.get('reason', '')}"
+        return (PASS, text) if passed else (FAIL, text)
     peak, _ = ctx.scenario("peak")
     waiting = number(peak, "requests_waiting_max")
     seen = f"; at 1.25x the level {waiting:g} requests waited in its queue" if waiting is not None else ""
@@ -108,7 +113,9 @@ def hard_queue_limit(ctx: Context) -> tuple[Status, str]:
                 f"= {queue} a replica ({why}; section 10); `servetune export --format ray-serve` writes it for "
                 "the replicas it derives")  # fmt: skip
     return FAIL, (f"vLLM has no bound on its waiting queue: it queues every request until the client gives up{seen}. "
-                  f"Put one in front: Ray Serve's max_queued_requests in the deployment config (503 beyond it){size}")  # fmt: skip
+                  "Set vLLM's max_num_queued_reqs and max_num_queued_tokens (503 beyond them; `servetune export "
+                  "--format vllm` sizes them from the capacity, and verify then runs its overload scenario), or put "
+                  f"one in front: Ray Serve's max_queued_requests in the deployment config{size}")  # fmt: skip
 
 
 def per_user_limits(ctx: Context) -> tuple[Status, str]:

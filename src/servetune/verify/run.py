@@ -42,6 +42,7 @@ from servetune.trial.runner import vllm_engine, write_atomic
 from servetune.verify import scenarios as sc
 from servetune.verify.choose import Chosen, Selection
 from servetune.verify.disconnects import disconnects
+from servetune.verify.overload import ADMISSION_ARGS, OVERLOAD, overload
 from servetune.verify.stats import lead
 
 VERIFY_FILE = "verify.json"
@@ -188,6 +189,7 @@ def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: Pro
                         engine=server, pid=server.process.pid if server.process else None, records=records,
                         metrics=getattr(server, "server_metrics", None),
                         reset_cache=server.reset_prefix_cache if isinstance(server, ServeEngine) else None,
+                        admission_bound=any(spec.engine_args.get(k) is not None for k in ADMISSION_ARGS),
                     )  # fmt: skip
                     return await body(target)
 
@@ -276,6 +278,7 @@ async def _winner(
     plan: list[tuple[str, float | None]] = [
         ("soak", b.soak_s), ("peak", b.scenario_s), ("burst", b.scenario_s), ("mix", b.scenario_s),
         ("long_output", None), ("disconnects", None), ("headroom", None), ("repeats", b.repeats * b.repeat_s),
+        *([(OVERLOAD, 2 * b.scenario_s)] if t.admission_bound else []),
     ]  # fmt: skip
     for name, seconds in plan:
         task = asyncio.current_task()
@@ -305,6 +308,8 @@ async def _winner(
             else:
                 log_text = t.engine.log_text() if isinstance(t.engine, (VllmServer, ServeEngine)) else ""
                 result = sc.headroom(peak_state[0], peak_state[1], t.engine, log_text)
+        elif name == OVERLOAD:
+            result = await overload(t)
         else:
             result, runs = await sc.repeats(t)
             result.numbers["_runs"] = runs
@@ -430,7 +435,9 @@ def document(selection: Selection, budget: sc.Budget, timeouts: Timeouts, run: E
             **({"serve": run.serve} if run.serve is not None else {}),
             **({"cpu_binding": run.cpu_binding} if run.cpu_binding else {}),
         },
-        "scenarios": checklist_fields({name: scenarios[name].as_dict() for name in sc.SCENARIOS if name in scenarios}),
+        "scenarios": checklist_fields(
+            {name: scenarios[name].as_dict() for name in (*sc.SCENARIOS, OVERLOAD) if name in scenarios}
+        ),
         "stability": stability(scenarios, records, run),
         "accepted": not failed,
         "reasons": failed or ["every scenario passed"],

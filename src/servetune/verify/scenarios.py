@@ -123,6 +123,9 @@ class Target:
     metrics: MetricsSource | None = None
     reset_cache: Callable[[], bool] | None = None
     records: list[RequestRecord] = field(default_factory=list)  # every request verify sent
+    # The configuration sets vLLM's admission bound (max_num_queued_reqs or max_num_queued_tokens): verify then
+    # runs the overload scenario (verify/overload.py) after the others.
+    admission_bound: bool = False
     errors: dict[str, list[str]] = field(default_factory=dict)  # a few error messages per scenario
 
 

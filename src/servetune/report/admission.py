@@ -1,0 +1,97 @@
+"""vLLM's admission bounds sized from what a trial measured: ``--max-num-queued-reqs`` and
+``--max-num-queued-tokens`` (vLLM 0.32, ``vllm/config/scheduler.py``). Past either, vLLM's API server
+answers 503 at once (``AsyncLLM.check_admission``) instead of letting its waiting queue, which
+nothing else bounds, grow until every request breaks the TTFT bound (checklist item 15.15).
+
+The rule, for the level measured at the trial's capacity at the SLO (else its highest level that met
+the SLO), at request throughput ``X`` req/s, prompt-token throughput ``P`` tok/s, with ``N`` requests in
+flight (its clients; for an open loop, Little's law ``X`` x mean E2E latency), and the SLO's TTFT bound
+``W`` seconds (its P99, else its tightest TTFT bound, else section 11's 300 ms: autoscale.py
+``tolerable_wait_s``):
+
+- **queue depth** ``Q = ceil(X x W)``: an open loop served at ``X`` req/s drains a waiting queue of ``Q``
+  requests in ``Q / X <= W`` seconds, so the last request admitted still starts within the TTFT bound;
+  one more would wait past it.
+- ``max_num_queued_reqs = ceil(N) + Q``: vLLM counts waiting and running requests together, so the bound
+  is what the engine carried within the SLO plus the queue it can drain in time.
+- ``max_num_queued_tokens = ceil(P x W)``: vLLM's own formula (target TTFT x prefill throughput), the
+  prefill throughput being the prompt tokens the engine took in at capacity (a lower bound of what it
+  can prefill: it was not prefilling all the time).
+
+vLLM counts both across the data-parallel ranks one API server routes to, as the trial measured them,
+so nothing is divided by DP here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from servetune.errors import UserError
+from servetune.metrics import REQUEST_THROUGHPUT
+from servetune.report.autoscale import tolerable_wait_s
+from servetune.report.points import ReportPoint, level_label
+
+INPUT_THROUGHPUT = "input_throughput"  # prompt tok/s of a level (metrics.py LevelSummary)
+
+
+@dataclass(frozen=True)
+class AdmissionBounds:
+    """vLLM's two admission bounds for one configuration, and why each has its value."""
+
+    max_num_queued_reqs: int
+    max_num_queued_tokens: int | None  # None: the level recorded no prompt-token throughput
+    queue_depth: int
+    in_flight: float
+    request_throughput: float
+    wait_s: float
+    reasons: dict[str, str]
+
+    def engine_args(self) -> dict[str, int]:
+        """The engine arguments, as servetune's engine arguments are spelled."""
+        args = {"max_num_queued_reqs": self.max_num_queued_reqs}
+        if self.max_num_queued_tokens is not None:
+            args["max_num_queued_tokens"] = self.max_num_queued_tokens
+        return args
+
+
+def size_admission(
+    request_throughput: float, in_flight: float, wait_s: float, input_throughput: float | None = None
+) -> tuple[int, int | None, int]:
+    """(max_num_queued_reqs, max_num_queued_tokens, queue depth) by the module's rule."""
+    if request_throughput <= 0 or wait_s <= 0:
+        raise UserError("admission bounds: the level served no request, so there is no rate to size a queue on")
+    queue = max(1, math.ceil(request_throughput * wait_s - 1e-9))
+    tokens = max(1, math.ceil(input_throughput * wait_s - 1e-9)) if input_throughput else None
+    return max(1, math.ceil(in_flight - 1e-9)) + queue, tokens, queue
+
+
+def derive_admission(trial_points: Sequence[ReportPoint], slo_lines: Sequence[str]) -> AdmissionBounds:
+    """The bounds of one trial, from its level at capacity (else its highest meeting the SLO)."""
+    meeting = [p for p in trial_points if p.meets_slo]
+    if not meeting:
+        trial = trial_points[0].trial_id if trial_points else "?"
+        raise UserError(
+            f"admission bounds: trial {trial} met the SLO at no load level, so it has no capacity to size on"
+        )
+    at = next((p for p in meeting if p.at_capacity), None) or max(meeting, key=lambda p: max(p.level.values()))
+    rate = float(at.metrics.get(REQUEST_THROUGHPUT) or 0.0)
+    prompt_rate = at.metrics.get(INPUT_THROUGHPUT)
+    if at.level.get("concurrency"):
+        in_flight, in_flight_why = float(at.level["concurrency"]), f"its {at.level['concurrency']:g} clients"
+    else:
+        e2el_s = float(at.metrics.get("e2el_ms_mean") or 0.0) / 1000.0
+        in_flight, in_flight_why = rate * e2el_s, f"Little's law: {rate:.2f} req/s x {e2el_s:.2f} s mean E2E latency"
+    wait_s, wait_why = tolerable_wait_s(slo_lines)
+    reqs, tokens, queue = size_admission(rate, in_flight, wait_s, prompt_rate)
+    where = f"at {level_label(at.level)}, {'its capacity at the SLO' if at.at_capacity else 'its highest level meeting the SLO'}"
+    reasons = {
+        "max_num_queued_reqs": (f"{reqs}: {math.ceil(in_flight - 1e-9)} in flight ({in_flight_why}) + a queue of {queue} = "
+                                f"ceil({rate:.2f} req/s x {wait_s:g} s), what drains within {wait_why} ({where}); "
+                                "vLLM answers 503 past it"),
+        "max_num_queued_tokens": (f"{tokens}: ceil({prompt_rate:.1f} prompt tok/s x {wait_s:g} s), vLLM's target TTFT x "
+                                  f"prefill throughput ({where})" if tokens is not None
+                                  else "not set: the level recorded no prompt-token throughput"),
+    }  # fmt: skip
+    return AdmissionBounds(reqs, tokens, queue, in_flight, rate, wait_s, reasons)

@@ -1,0 +1,105 @@
+"""The overload scenario: the chosen configuration at 1.5x its capacity, then the load dropped.
+
+It checks what an admission bound (vLLM's ``max_num_queued_reqs`` / ``max_num_queued_tokens``, sized by
+report/admission.py and shipped by ``export --format vllm``) promises, checklist item 15.15 ("the request
+queue has a hard limit"):
+
+1. **overload**: Poisson arrivals at ``OVERLOAD_FACTOR`` x the rate measured at the level for the
+   scenario's time. Requests past the bound must be refused (HTTP 503) *quickly*: their P99 answer time
+   within the SLO's TTFT bound (a refusal that came later than a first token would have is no help to a
+   client that retries elsewhere); the requests admitted must meet the SLO's TTFT bound (P99).
+2. **recovery**: the load drops to ``RECOVERY_FACTOR`` x the rate for as long again. ``recovery_s`` is
+   when, after the drop, the last request was refused or started past the TTFT bound (0: none was); the
+   engine recovered when the last third of that phase had neither.
+
+An engine with no bound queues every request, refuses none and fails (the bound is what is checked). The
+judgement (:func:`judge_overload`) is a pure function of the two phases' requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from servetune.load.runner import Level
+from servetune.metrics import RequestRecord
+from servetune.report.autoscale import tolerable_wait_s
+from servetune.trial.measure import LevelPlan
+from servetune.verify.scenarios import ScenarioResult, Target, _level, fmt
+
+NAME = OVERLOAD = "overload"
+#: vLLM's engine arguments that bound admission (a configuration setting either gets this scenario in verify).
+ADMISSION_ARGS = ("max_num_queued_reqs", "max_num_queued_tokens")
+OVERLOAD_FACTOR = 1.5
+RECOVERY_FACTOR = 0.5
+STREAM = 30_000  # its arrivals' seed (scenarios.py STREAMS are 10_000 + 1_000 x i)
+
+
+def refused(record: RequestRecord) -> bool:
+    """Turned away by an admission bound: HTTP 503 (vLLM's QueueOverflowError and MaxQueuedTokensError)."""
+    return bool(record.error) and str(record.error).startswith("HTTP 503")
+
+
+def _p99_ms(values: Sequence[float]) -> float | None:
+    return float(np.percentile(np.asarray(values), 99)) * 1000.0 if values else None
+
+
+def judge_overload(over: Sequence[RequestRecord], after: Sequence[RequestRecord], wait_s: float,
+                   rate: float) -> ScenarioResult:  # fmt: skip
+    """The verdict on the two phases (see the module docstring); ``wait_s`` is the SLO's TTFT bound."""
+    over = [r for r in over if not r.warmup]
+    after = sorted((r for r in after if not r.warmup), key=lambda r: r.sent)
+    turned = [r for r in over if refused(r)]
+    admitted = [r for r in over if r.ok]
+    refuse_p99 = _p99_ms([r.e2el_s for r in turned if r.e2el_s is not None])
+    admitted_p99 = _p99_ms([r.ttft_s for r in admitted if r.ttft_s is not None])
+
+    def bad(r: RequestRecord) -> bool:
+        return refused(r) or not r.ok or (r.ttft_s is not None and r.ttft_s > wait_s)
+
+    late = [r.sent for r in after if bad(r)]
+    tail = after[len(after) - len(after) // 3 :] if len(after) >= 3 else after
+    recovered = bool(after) and not any(bad(r) for r in tail)
+    numbers: dict[str, Any] = {
+        "overload_rate": OVERLOAD_FACTOR * rate, "recovery_rate": RECOVERY_FACTOR * rate, "sent": len(over),
+        "refused": len(turned), "refused_share": len(turned) / len(over) if over else None,
+        "admitted": len(admitted), "refuse_ms_p99": refuse_p99, "admitted_ttft_ms_p99": admitted_p99,
+        "ttft_bound_ms": wait_s * 1000.0, "recovery_s": max(late, default=0.0), "recovered": recovered,
+        "other_errors": len([r for r in over if not r.ok and not refused(r)]),
+    }  # fmt: skip
+    bound_ms = wait_s * 1000.0
+    head = f"{fmt(OVERLOAD_FACTOR * rate)} req/s ({OVERLOAD_FACTOR:g}x): {len(turned)} of {len(over)} refused (503)"
+    if not turned:
+        return ScenarioResult(NAME, False, head + ": no bound on the queue, every request was queued", numbers)
+    problems = []
+    if refuse_p99 is not None and refuse_p99 > bound_ms:
+        problems.append(f"refusals took {fmt(refuse_p99, ' ms')} (P99), past the TTFT bound {bound_ms:g} ms")
+    if admitted_p99 is None:
+        problems.append("no request admitted completed")
+    elif admitted_p99 > bound_ms:
+        problems.append(f"admitted requests' TTFT P99 {fmt(admitted_p99, ' ms')} broke the bound {bound_ms:g} ms")
+    if not recovered:
+        problems.append(f"not recovered at {fmt(RECOVERY_FACTOR * rate)} req/s: the last third still refused or late")
+    detail = (f" in {fmt(refuse_p99, ' ms')} (P99); admitted TTFT P99 {fmt(admitted_p99, ' ms')}; recovered "
+              f"{fmt(numbers['recovery_s'], ' s')} after the drop")  # fmt: skip
+    if problems:
+        return ScenarioResult(NAME, False, head + ": " + "; ".join(problems), numbers)
+    return ScenarioResult(NAME, True, head + detail, numbers)
+
+
+async def overload(t: Target) -> ScenarioResult:
+    """Run the two phases against the target and judge them."""
+    rate = t.level.value if t.level.kind == "rate" else t.measured_rate
+    if not rate:
+        return ScenarioResult(NAME, False, "the study measured no request rate at this level to overload")
+    wait_s, _ = tolerable_wait_s([str(b) for b in t.slo.bounds])
+    seconds = t.budget.scenario_s
+    phases = []
+    for factor, stream in ((OVERLOAD_FACTOR, STREAM), (RECOVERY_FACTOR, STREAM + 1)):
+        plan = LevelPlan(Level("rate", factor * rate, "poisson"), num_requests=None, duration_s=seconds,
+                         warmup_requests=0)  # fmt: skip
+        _, records = await _level(t, plan, stream)
+        phases.append(records)
+    return judge_overload(phases[0], phases[1], wait_s, rate)

@@ -1,0 +1,52 @@
+"""The overload scenario against the fake engine: with an admission bound (the fake's max_num_queued_reqs,
+503 past it, as vLLM's) the excess is refused at once, the admitted meet the TTFT bound and the engine
+recovers when the load drops; without one every request queues and the scenario fails, naming it."""
+
+import asyncio
+
+from servetune.config.slo import Slo
+from servetune.config.workload import Workload
+from servetune.load.client import StreamingClient
+from servetune.load.requests import PromptFactory
+from servetune.load.runner import Level
+from servetune.testing.fake_openai import FakeOpenAI
+from servetune.verify.overload import overload, refused
+from servetune.verify.scenarios import Budget, Target
+from tests.conftest import serve_fake
+
+WORKLOAD = Workload(
+    name="chat", input_tokens={"dist": "fixed", "value": 16}, output_tokens={"dist": "fixed", "value": 16}
+)
+BUDGET = Budget(soak_s=4.0, windows=4, scenario_s=2.0, long_requests=2, long_output_cap=64, drop_rounds=1, repeats=5,
+                repeat_s=1.0, warmup_cap=2)  # fmt: skip
+SLO = Slo.parse("ttft_ms.p99=500")
+# 2 requests at once, 16 tokens at 10 ms + 15 x 5 ms: about 23 req/s served, so 1.5 x 20 req/s overloads it.
+RATE = 20.0
+
+
+def run_overload(fake: FakeOpenAI, tokenizer):
+    async def main(url):
+        async with StreamingClient(url, "fake", timeout_s=60, first_token_timeout_s=30, idle_timeout_s=30) as client:
+            target = Target(client=client, url=url, workload=WORKLOAD, prompts=PromptFactory(tokenizer), slo=SLO,
+                            level=Level("concurrency", 2.0), budget=BUDGET, max_model_len=1024,
+                            measured_rate=RATE)  # fmt: skip
+            return await overload(target), target.records
+
+    with serve_fake(fake) as url:
+        return asyncio.run(main(url))
+
+
+def test_a_bounded_queue_refuses_the_excess_quickly_and_recovers(tiny_tokenizer):
+    fake = FakeOpenAI(ttft_ms=10, itl_ms=5, max_num_seqs=2, max_num_queued_reqs=6)
+    result, records = run_overload(fake, tiny_tokenizer)
+    n = result.numbers
+    assert result.passed, result.reason
+    assert n["refused"] == fake.rejected > 0 and n["refused"] == sum(refused(r) for r in records)
+    assert n["admitted"] > 0 and n["admitted_ttft_ms_p99"] <= 500 and n["refuse_ms_p99"] <= 500
+    assert n["recovered"] and n["other_errors"] == 0
+
+
+def test_an_unbounded_queue_fails_and_says_so(tiny_tokenizer):
+    result, _ = run_overload(FakeOpenAI(ttft_ms=10, itl_ms=5, max_num_seqs=2), tiny_tokenizer)
+    assert not result.passed and result.numbers["refused"] == 0
+    assert "no bound on the queue" in result.reason

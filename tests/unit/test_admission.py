@@ -1,0 +1,56 @@
+"""vLLM's admission bounds sized from a trial's measurements (report/admission.py) and shipped by export."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from servetune.cli import main
+from servetune.engine.args import load_argspecs, validate_engine_args
+from servetune.report import build_report, load_study
+from servetune.report.admission import derive_admission, size_admission
+
+STUDY = Path(__file__).parents[1] / "data" / "cpu-tiny-study"
+BASELINE = "e57a166985b8"  # met the SLO at concurrency 2 and 8, broke it at 32 (ttft_ms.p99 <= 300)
+
+
+@pytest.mark.parametrize(("rate", "in_flight", "wait_s"), [(10.0, 8.0, 0.3), (29.31, 8.0, 2.0), (0.5, 1.5, 0.3)])
+def test_the_queue_is_what_drains_within_the_ttft_bound_on_top_of_what_runs(rate, in_flight, wait_s):
+    reqs, tokens, queue = size_admission(rate, in_flight, wait_s, input_throughput=1000.0)
+    assert queue >= 1 and (queue - 1) / rate < wait_s  # the last request admitted still starts in time...
+    assert queue == 1 or queue / rate >= wait_s - 1e-9  # ...and the queue is no shorter than that
+    assert reqs == math.ceil(in_flight) + queue  # vLLM counts running and waiting requests together
+    assert tokens == math.ceil(1000.0 * wait_s)
+
+
+def test_a_tighter_ttft_bound_and_a_slower_engine_admit_fewer():
+    assert size_admission(10.0, 8, 0.2)[0] < size_admission(10.0, 8, 1.0)[0]
+    assert size_admission(5.0, 8, 1.0)[0] < size_admission(10.0, 8, 1.0)[0]
+    assert size_admission(10.0, 8, 1.0)[1] is None  # no prompt-token throughput recorded: no token bound
+
+
+def test_the_bounds_rest_on_the_highest_level_meeting_the_slo_and_export_ships_them(capsys):
+    report = build_report(load_study(STUDY))
+    points = [p for p in report.points if p.trial_id == BASELINE]
+    at = next(p for p in points if p.level == {"concurrency": 8.0})
+    bounds = derive_admission(points, [str(s) for s in report.slo])
+    rate = at.metrics["request_throughput"]
+    assert bounds.queue_depth == math.ceil(rate * 0.3) and bounds.max_num_queued_reqs == 8 + bounds.queue_depth
+    assert bounds.max_num_queued_tokens == math.ceil(at.metrics["input_throughput"] * 0.3)
+    assert main(["export", str(STUDY), "--pick", BASELINE, "--format", "vllm"]) == 0
+    text = capsys.readouterr().out
+    assert f"--max-num-queued-reqs {bounds.max_num_queued_reqs}" in text
+    assert f"--max-num-queued-tokens {bounds.max_num_queued_tokens}" in text
+    assert "#   max_num_queued_reqs: " in text and "vLLM answers 503 past it" in text
+    specs = load_argspecs()  # vLLM's own parser's options (cached per vLLM version)
+    if specs is not None:
+        assert validate_engine_args(bounds.engine_args(), specs) == bounds.engine_args()
+
+
+def test_a_trial_that_met_no_slo_ships_no_bounds_and_says_why(capsys):
+    assert main(["export", str(STUDY), "--pick", "18ae6e731937", "--format", "vllm"]) == 0
+    text = capsys.readouterr().out
+    assert "# No admission bounds derived: trial 18ae6e731937 met the SLO at no load level" in text
+    assert "--max-num-queued-reqs" not in text

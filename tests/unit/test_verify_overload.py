@@ -1,0 +1,41 @@
+"""The overload scenario's verdict from its requests (verify/overload.py ``judge_overload``)."""
+
+from __future__ import annotations
+
+from servetune.metrics import RequestRecord
+from servetune.verify.overload import judge_overload
+
+
+def served(i: int, sent: float, ttft_s: float) -> RequestRecord:
+    return RequestRecord(index=i, sent=sent, input_tokens=16, max_tokens=16, chunk_times=[sent + ttft_s],
+                         end=sent + ttft_s + 0.1, output_tokens=16, ok=True)  # fmt: skip
+
+
+def turned_away(i: int, sent: float, after_s: float = 0.002) -> RequestRecord:
+    return RequestRecord(index=i, sent=sent, input_tokens=16, max_tokens=16, end=sent + after_s,
+                         error_kind="http_5xx", error="HTTP 503: busy")  # fmt: skip
+
+
+OVER = [served(i, 0.1 * i, 0.2) for i in range(10)] + [turned_away(10 + i, 0.1 * i + 0.05) for i in range(5)]
+AFTER = [served(i, 0.2 * i, 0.05) for i in range(9)]
+
+
+def test_quick_refusals_timely_admissions_and_a_recovery_pass():
+    result = judge_overload(OVER, AFTER, wait_s=0.5, rate=10.0)
+    assert result.passed, result.reason
+    assert result.numbers["refused"] == 5 and result.numbers["admitted"] == 10 and result.numbers["recovery_s"] == 0.0
+
+
+def test_no_refusal_is_no_bound():
+    result = judge_overload(OVER[:10], AFTER, wait_s=0.5, rate=10.0)
+    assert not result.passed and "no bound on the queue" in result.reason
+
+
+def test_slow_refusals_late_admissions_and_no_recovery_each_fail():
+    slow = [*OVER[:10], *(turned_away(20 + i, 0.1 * i, after_s=0.9) for i in range(5))]
+    assert "refusals took" in judge_overload(slow, AFTER, 0.5, 10.0).reason
+    late = [served(i, 0.1 * i, 0.8) for i in range(10)] + OVER[10:]
+    assert "broke the bound" in judge_overload(late, AFTER, 0.5, 10.0).reason
+    stuck = [*AFTER[:6], *(turned_away(30 + i, 1.2 + 0.2 * i) for i in range(3))]
+    result = judge_overload(OVER, stuck, 0.5, 10.0)
+    assert not result.passed and "not recovered" in result.reason and result.numbers["recovery_s"] > 1.2
