@@ -20,7 +20,9 @@ def on(gpu: str, trial_id: str, levels, extra: dict | None = None):
     t.model = MODEL
     t.engine_args = {k: v for k, v in t.engine_args.items() if k != "gpu"}  # as engine_params leaves it out
     listed = load_price_table()[gpu]
-    t.price = DevicePrice(usd_per_device_hour=listed.usd_per_device_hour, source=listed.source, date=listed.date, gpu=gpu)
+    t.price = DevicePrice(
+        usd_per_device_hour=listed.usd_per_device_hour, source=listed.source, date=listed.date, gpu=gpu
+    )
     t.price_per_device_hour = listed.usd_per_device_hour
     return t
 
@@ -51,7 +53,9 @@ def test_each_measured_type_has_its_best_configuration_at_its_capacity_with_its_
         row, price = rows[gpu], load_price_table()[gpu].usd_per_device_hour
         assert row.usd_per_device_hour == price and row.request_rate == pytest.approx(tput / 60)
         assert row.cost_per_mtok == pytest.approx(price / (tput * 3600) * 1e6)
-        assert row.replicas == math.ceil(100 / (tput / 60)) and row.fleet_usd_per_hour == pytest.approx(row.replicas * price)
+        assert row.replicas == math.ceil(100 / (tput / 60)) and row.fleet_usd_per_hour == pytest.approx(
+            row.replicas * price
+        )
     cheapest = min(rows.values(), key=lambda r: r.fleet_usd_per_hour)
     assert section.choice == cheapest.gpu and section.why.startswith(f"{cheapest.gpu}: {cheapest.replicas} replica(s)")
 
