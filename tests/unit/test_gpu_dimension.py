@@ -109,3 +109,10 @@ def test_gpu_types_are_compared_on_gpus_only_and_with_the_catalogues_memory():
         space(device="cpu")
     with pytest.raises(ValueError, match=r"hardware\.gpu_memory_gib: sizes one GPU"):
         space(hardware={"gpu_memory_gib": 40})
+
+
+def test_the_quality_reference_runs_on_the_first_gpu_type_unless_it_names_one():
+    quality = {"suites": ["agreement"]}
+    assert space(quality=quality).quality_reference == {"gpu": "H100-SXM"}
+    named = space(quality={**quality, "reference": {"gpu": "L40S", "tensor_parallel_size": 2}})
+    assert named.quality_reference == {"gpu": "L40S", "tensor_parallel_size": 2}

@@ -429,10 +429,12 @@ class SearchSpace(BaseModel):
 
     @property
     def quality_reference(self) -> dict[str, Any] | None:
-        """The parameters of the quality reference: ``{}`` for the baseline; None without a quality section."""
+        """The parameters of the quality reference: ``{}`` for the baseline; None without a quality section. Where
+        the space compares GPU types, the reference runs on the first type listed unless it names one."""
         if self.quality is None:
             return None
-        return {} if self.quality.reference == "baseline" else dict(self.quality.reference)
+        reference = {} if self.quality.reference == "baseline" else dict(self.quality.reference)
+        return {**self.baselines()[0], **reference}
 
     def serve_replicas(self, params: dict[str, Any]) -> int | None:
         """The Serve replicas a choice runs behind (``serve.num_replicas``); None: the bare engine."""
