@@ -85,3 +85,16 @@ def test_a_bad_target_is_one_clear_line_and_a_cpu_study_has_no_section(tmp_path)
         build_report(study(tmp_path), target_rps=-1)
     cpu = [trial("c", {}, [level(8, 900, 300)], device="cpu")]
     assert build_report(load_study(write_study(tmp_path / "cpu", study_info(device="cpu"), cpu))).which_gpu is None
+
+
+def test_the_command_prints_the_gpu_it_recommends_and_refuses_a_bad_target_in_one_line(tmp_path, capsys):
+    from servetune import cli
+
+    loaded = study(tmp_path)
+    assert cli.main(["report", str(loaded.root), "--target-rps", "120", "--out", str(tmp_path / "out")]) == 0
+    choice = build_report(loaded, target_rps=120).which_gpu
+    assert f"which GPU: {choice.why}" in capsys.readouterr().out
+    assert "## Which GPU for 120 req/s" in (tmp_path / "out" / "summary.md").read_text()
+    assert cli.main(["report", str(loaded.root), "--target-rps", "0", "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert "--target-rps 0: give a positive request rate" in err and err.count("\n") == 1 and "Traceback" not in err

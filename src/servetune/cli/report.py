@@ -85,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
         print(line)
     if report.recommendation.point is not None:
         print(verification_line(report))
+    if report.which_gpu is not None:
+        print(f"which GPU: {report.which_gpu.why}")
     if args.log_to_mlflow or args.tracking_uri:
         from servetune.tracking import sync_study
         from servetune.tracking.connection import study_tracking_uri
