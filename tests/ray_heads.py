@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -243,17 +243,22 @@ print(json.dumps([{"id": n["NodeID"], "resources": n["Resources"], "socket": n["
 
 @contextmanager
 def ray_cluster(
-    env: dict[str, str], workers: list[tuple[int, int]], head_cpus: int = 0, resources: dict[str, float] | None = None
+    env: dict[str, str],
+    workers: Sequence[tuple[int, int] | tuple[int, int, dict[str, float]]],
+    head_cpus: int = 0,
+    resources: dict[str, float] | None = None,
 ) -> Iterator[LocalCluster]:
     """A head (``head_cpus`` CPUs, no GPU: the driver's node, as in cluster/) and one worker node
     per (CPUs, GPUs) in ``workers``, each joined with ``ray start --address --block`` and declaring
-    ``resources`` besides (e.g. the ``accelerator_type:H100`` Ray gives a GPU node); yields once every
-    node is up. Stopped node by node, by process id."""
+    ``resources`` besides (e.g. the ``accelerator_type:H100`` Ray gives a GPU node), or a worker's own
+    given as (CPUs, GPUs, resources) (nodes of two GPU types); yields once every node is up. Stopped node by
+    node, by process id."""
     started: list[RayNode] = []
     with ray_head(env, num_cpus=head_cpus, num_gpus=0) as head:
         try:
-            for num_cpus, num_gpus in workers:
-                started.append(_start_worker(head, env, num_cpus, num_gpus, resources))
+            for worker in workers:
+                own = worker[2] if len(worker) == 3 else resources
+                started.append(_start_worker(head, env, worker[0], worker[1], own))
             cluster = LocalCluster(head, started)
             deadline = time.monotonic() + START_TIMEOUT_S
             while len(cluster.nodes()) < 1 + len(workers):

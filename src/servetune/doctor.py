@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from servetune.capacity.hardware import ACCELERATOR, gpu_types, ray_accelerator_type
+from servetune.config.space import GPU_PARAM
 
 if TYPE_CHECKING:
     from servetune.config.space import SearchSpace
@@ -135,10 +136,11 @@ def gather(model: str | None = None, timeout_s: float = 120.0) -> dict[str, dict
 
 def evaluate(
     nodes: Mapping[str, Mapping[str, Any]], driver: Mapping[str, Any], *, device: str = "gpu", gpu: str | None = None,
-    serve: bool = False,
+    serve: bool = False, compared: Sequence[str] = (),
 ) -> list[Check]:  # fmt: skip
     """Every check on every node, then the driver's. ``device``: the space's (GPU checks only for ``gpu``);
-    ``gpu``: the GPU type the space names (``hardware.gpu``); ``serve``: the space runs trials through Serve."""
+    ``gpu``: the GPU type the space names (``hardware.gpu``); ``serve``: the space runs trials through Serve;
+    ``compared``: the GPU types its ``gpu`` parameter lists, each placed on nodes of its own type."""
     checks: list[Check] = []
     for node_id, facts in nodes.items():
         name = node_id[:12]
@@ -202,8 +204,8 @@ def evaluate(
             )
         if facts.get("model_present") is False:
             add("model", "FAIL", "the space's model folder is not on this node (config.json missing)")
-    if device == "gpu" and gpu is not None:
-        checks.extend(_gpu_type_placement(nodes, gpu))
+    for wanted in ([gpu] if gpu is not None and not compared else list(compared)) if device == "gpu" else []:
+        checks.extend(_gpu_type_placement(nodes, wanted))
     return checks  # fmt: skip
 
 
@@ -255,8 +257,9 @@ def space_checks(nodes: Mapping[str, Mapping[str, Any]], space: SearchSpace | No
     """:func:`evaluate` of the gathered nodes against this driver, as the space asks: GPU checks for a GPU space (and
     without a space), its GPU type, the metrics interval where its trials run through Serve."""
     return evaluate(nodes, node_facts(), device=space.device if space is not None else "gpu",
-                    gpu=space.hardware.gpu if space is not None else None,
-                    serve=space is not None and space.through_serve)  # fmt: skip
+                    gpu=space.hardware.gpu if space is not None and GPU_PARAM not in space.params else None,
+                    serve=space is not None and space.through_serve,
+                    compared=space.gpu_types() if space is not None and GPU_PARAM in space.params else ())  # fmt: skip
 
 
 def failed(checks: Sequence[Check]) -> list[Check]:

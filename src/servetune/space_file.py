@@ -25,6 +25,7 @@ from servetune.config.quality import suite_name
 from servetune.config.space import (
     ENGINE_DEFAULTS,
     ENV_PREFIX,
+    GPU_PARAM,
     MODEL_PARAM,
     RAY_BACKENDS,
     SERVE_PREFIX,
@@ -55,7 +56,7 @@ def load_space(path: str | Path, argspecs: dict | None = None) -> SearchSpace:
     for name, values in space.params.items():
         if (
             not name.startswith((ENV_PREFIX, SERVE_PREFIX))
-            and name != MODEL_PARAM
+            and name not in (MODEL_PARAM, GPU_PARAM)
             and not speculative.is_speculative(name)
         ):  # each listed value against vLLM's choices too
             checks += [("params", {name: v}) for v in (values if isinstance(values, list) else [None])]
@@ -65,6 +66,7 @@ def load_space(path: str | Path, argspecs: dict | None = None) -> SearchSpace:
         except UserError as exc:
             raise UserError(f"{path}: {field}: {exc}") from None
     _check_constraint_names(space, path)
+    _check_gpus(space, path)
     _check_mtp(space, path)
     if space.through_serve:
         _check_serve(space, path)
@@ -180,6 +182,21 @@ def _check_mtp(space: SearchSpace, path: Path) -> None:
             )
 
 
+def _check_gpus(space: SearchSpace, path: Path) -> None:
+    """Every GPU type ``params.gpu`` lists must be a catalogue GPU: its memory sizes the capacity check, its Ray
+    type places the trial and its name prices it."""
+    from servetune.capacity.hardware import find_gpu, load_gpu_catalog
+
+    listed = space.params.get(GPU_PARAM)
+    for name in listed if isinstance(listed, list) else []:
+        try:
+            find_gpu(str(name))
+        except UserError:
+            raise UserError(
+                f"{path}: params: {GPU_PARAM}: unknown GPU {name}; known: {', '.join(load_gpu_catalog())}"
+            ) from None
+
+
 def _hf_config(model: str, base_dir: Path) -> dict[str, Any] | None:
     """A checkpoint's Hugging Face config where it is at hand (``tiny``, a local directory); None elsewhere."""
     if model == "tiny":
@@ -204,6 +221,7 @@ def _check_constraint_names(space: SearchSpace, path: Path) -> None:
         *ENGINE_DEFAULTS,
         "devices_per_node",
         MODEL_PARAM,
+        GPU_PARAM,
         *space.params,
         *space.engine_args,
         *(ENV_PREFIX + k for k in space.env),

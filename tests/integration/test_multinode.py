@@ -70,9 +70,10 @@ def run_argv(space: Path, cluster: LocalCluster, storage: Path, fake: Path, *ext
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """A head and two worker nodes of 3 CPUs and 2 GPUs, for every test of the module (see above). The workers
-    declare the GPU type Ray gives an H100 node, so the space's trials (hardware.gpu: H100-SXM) are pinned to it."""
-    with ray_cluster(user_env(tmp_path_factory.mktemp("home")), workers=[(3, 2), (3, 2)],
-                     resources={"accelerator_type:H100": 1.0}) as started:  # fmt: skip
+    declare the GPU types Ray gives an H100 node and an A100 node, so a space's trials are pinned to their type
+    (hardware.gpu: H100-SXM, or each trial's own with ``params: {gpu: [...]}``)."""
+    with ray_cluster(user_env(tmp_path_factory.mktemp("home")),
+                     workers=[(3, 2, {"accelerator_type:H100": 1.0}), (3, 2, {"accelerator_type:A100": 1.0})]) as started:  # fmt: skip
         yield started
 
 
@@ -85,9 +86,11 @@ def test_trials_stay_inside_one_node_spread_over_both_and_come_back_to_the_drive
     tmp_path, tiny_model, cluster, fake_python
 ):
     fake = fake_python
-    # 1, 2 and 4 GPUs, twice each (two token paces): four trials that fit a node, two that none holds.
-    space = write_space(tmp_path, tiny_model, "  tensor_parallel_size: [1, 2, 4]\n  env.SERVETUNE_FAKE_ITL_MS: [5, 6]\n"
-                                              "  env.SERVETUNE_FAKE_STARTUP_DELAY_S: [2]\n")  # fmt: skip
+    # 1, 2 and 4 GPUs on each of two GPU types (the workers' H100 and A100): four trials that fit a node of their
+    # type, two that none holds.
+    space = write_space(tmp_path, tiny_model, "  gpu: [H100-SXM, A100-80GB]\n  tensor_parallel_size: [1, 2, 4]\n"
+                                              "  env.SERVETUNE_FAKE_ITL_MS: [5]\n  env.SERVETUNE_FAKE_STARTUP_DELAY_S: [2]\n")  # fmt: skip
+    space.write_text(space.read_text().replace("price_per_device_hour: 2.5\n", ""))  # each type at its listed price
     storage = tmp_path / "results"
     began = time.monotonic()
     done = subprocess.run(run_argv(space, cluster, storage, fake), capture_output=True, text=True, timeout=300,
@@ -106,9 +109,11 @@ def test_trials_stay_inside_one_node_spread_over_both_and_come_back_to_the_drive
     assert "9 trial(s) at once (max_concurrent: auto)" in done.stderr, done.stderr
     unplaceable = [r for r in by_id.values() if r["devices"] == 4]
     assert len(unplaceable) == 2
+    assert sorted(r["params"]["gpu"] for r in unplaceable) == ["A100-80GB", "H100-SXM"]
     for r in unplaceable:  # before anything started: no engine, no environment, no time
+        ray_type = r["params"]["gpu"].split("-")[0]
         assert r["outcome"] == "INFEASIBLE", r
-        assert r["reason"] == "placement: needs 4 GPUs on one H100 node; the largest H100 node has 2"
+        assert r["reason"] == f"placement: needs 4 GPUs on one {ray_type} node; the largest {ray_type} node has 2"
         assert (
             r["startup_s"] is None
             and r["levels"] == []
@@ -120,6 +125,17 @@ def test_trials_stay_inside_one_node_spread_over_both_and_come_back_to_the_drive
     # Each trial ran inside one worker node, with as many GPU ids as it reserved, among the node's two.
     nodes_used = {r["environment"]["ray_node_id"] for r in ran}
     assert nodes_used == set(node_of_worker), "the trials did not spread over both workers"
+    # ... each on a node of its own GPU type, priced at that type's price, with a trial id of its own.
+    node_of_type = {
+        "H100-SXM": cluster.node_id_of(cluster.workers[0]),
+        "A100-80GB": cluster.node_id_of(cluster.workers[1]),
+    }
+    from servetune.capacity.prices import load_price_table
+
+    for r in ran:
+        assert r["environment"]["ray_node_id"] == node_of_type[r["params"]["gpu"]], (r["params"], r["environment"])
+        assert r["price"]["gpu"] == r["params"]["gpu"]
+        assert r["price"]["usd_per_device_hour"] == load_price_table()[r["params"]["gpu"]].usd_per_device_hour
     for r in ran:
         gpus = r["environment"]["cuda_visible_devices"].split(",")
         assert len(set(gpus)) == r["devices"] and set(gpus) <= {"0", "1"}, r["environment"]
@@ -389,6 +405,8 @@ def test_a_node_lost_under_a_trial_fails_that_trial_and_the_study_goes_on(tmp_pa
     # left. Engines take 6 s to start, as vLLM takes its time.
     space = write_space(tmp_path, tiny_model, "  tensor_parallel_size: [2]\n  env.SERVETUNE_FAKE_ITL_MS: [5, 6, 7]\n"
                                               "  env.SERVETUNE_FAKE_STARTUP_DELAY_S: [6]\n  env.SERVETUNE_FAKE_CHILD: [1]\n")  # fmt: skip
+    # no GPU type: the trials run on either worker (the H100 one and the A100 one)
+    space.write_text(space.read_text().replace("gpu: H100-SXM, ", ""))
     storage = tmp_path / "results"
     study_dir = storage / "nodes"
     argv = run_argv(space, cluster, storage, fake)

@@ -95,3 +95,25 @@ def test_plan_estimate_bad_input_is_one_line(capsys, extra, message):
     assert cli.main([*PLAN, *extra]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_a_space_comparing_gpu_types_estimates_each_configuration_on_its_own_type(tmp_path, capsys):
+    """``params: {gpu: [...]}``: each row is estimated on its own GPU type, the faster memory the faster decode."""
+    import yaml
+
+    doc = yaml.safe_load(SPACE.read_text())
+    doc["params"] = {"gpu": ["H100-SXM", "L40S"], "max_num_seqs": [128]}
+    doc["constraints"] = []
+    doc["hardware"].pop("gpu")
+    doc["workload"] = str(REPO / "trials" / "workloads" / "batch.yaml")
+    path = tmp_path / "types.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert cli.main(["estimate", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    by_gpu: dict[str, list[dict]] = defaultdict(list)
+    for row in report["rows"]:
+        by_gpu[row["params"]["gpu"]].append(row)
+    assert set(by_gpu) == {"H100-SXM", "L40S"} and report["gpu"] == "H100-SXM, L40S"
+    for h100, l40s in zip(by_gpu["H100-SXM"], by_gpu["L40S"], strict=True):
+        assert h100["level"] == l40s["level"]
+        assert h100["estimate"]["tpot_ms"] < l40s["estimate"]["tpot_ms"]  # 3.35 TB/s against 0.86

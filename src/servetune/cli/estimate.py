@@ -56,18 +56,19 @@ def mean_lengths(workload: Workload) -> tuple[int, int]:
 
 def run(args: argparse.Namespace) -> int:
     space = load_space(args.space)
-    if space.device != "gpu" or not space.hardware.gpu:
+    if space.device != "gpu" or not space.gpu_types():
         raise UserError(f"{args.space}: hardware.gpu: the estimate covers catalogue GPUs only (device: gpu, gpu: NAME)")
     workload = space.resolved_workload(args.space.parent)
     levels = resolve_levels(space, workload)
     input_tokens, output_tokens = mean_lengths(workload)
-    hardware = resolve_hardware("gpu", space.hardware.gpu, space.hardware.gpu_memory_gib)
+    hardware_of = {g: resolve_hardware("gpu", g, space.hardware.gpu_memory_gib) for g in space.gpu_types()}
     configs, _ = space.grid()
     factors = load_factors()
     rows: list[dict[str, Any]] = []
     for params in configs:
         engine, _env = space.engine_params(params)
         arch = load_model_arch(space.model_for(params))
+        hardware = hardware_of[str(space.gpu_for(params))]  # its own type where the space compares types
         for level in levels:
             load = (
                 Load(input_tokens=input_tokens, output_tokens=output_tokens, concurrency=max(1, round(level.value)))
@@ -84,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         report = {
             "space": str(args.space),
-            "gpu": hardware.name,
+            "gpu": ", ".join(h.name for h in hardware_of.values()),
             "input_tokens": input_tokens,
             "output_tokens": output_tokens,
             "expected_error": expected,
@@ -94,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
         return 0
     print(
-        f"{space.name}: {len(configs)} configurations x {len(levels)} levels on {hardware.name}, "
+        f"{space.name}: {len(configs)} configurations x {len(levels)} levels on "
+        f"{', '.join(h.name for h in hardware_of.values())}, "
         f"requests of {input_tokens} in / {output_tokens} out tokens (the workload's means)"
     )
     print(

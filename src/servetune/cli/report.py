@@ -13,6 +13,12 @@ Read a study directory (study.json and trials/*/result.json), gather every opera
   pareto-<front>.png   the same fronts as PNG figures
   summary.md           outcomes, failure reasons, Pareto tables, the recommendation
 
+Where trials ran on GPU types (params: {gpu: [...]}, or hardware.gpu), a "Which GPU" section gives each
+type's best configuration, its capacity at the SLO, cost per million tokens, energy per token and, with
+--target-rps, the replicas and the fleet's price per hour; it recommends one type. Catalogue GPUs the
+study did not measure are added as estimated rows (servetune estimate's model, calibrated on the measured
+type), marked with their expected error.
+
 Both files carry a Verification section: the verdict of `servetune verify STUDY_DIR`, its
 stability numbers, scenarios and acceptance checklist (verify.json), or how to run it.
 
@@ -45,6 +51,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="recompute costs with this price per device-hour in USD (default: each trial's recorded price)",
     )  # fmt: skip
     p.add_argument(
+        "--target-rps", type=float, metavar="N",
+        help="the load to serve, in requests per second: the 'which GPU' section counts each type's replicas for it",
+    )  # fmt: skip
+    p.add_argument(
         "--skip-unreadable", action="store_true",
         help="list an invalid result.json as 'not read' instead of stopping with an error",
     )  # fmt: skip
@@ -63,7 +73,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from servetune.report.write import recommendation_lines, verification_line, write_report
 
-    report, files = write_report(args.study_dir, args.out, args.price_per_gpu_hour, args.skip_unreadable)
+    report, files = write_report(
+        args.study_dir, args.out, args.price_per_gpu_hour, args.skip_unreadable, target_rps=args.target_rps
+    )
     out = files[0].parent
     counts = ", ".join(f"{n} {name}" for name, n in report.outcome_counts().items() if n)
     print(f"study {report.info.name}: {counts or 'no trials yet'}; {len(report.points)} operating points")
@@ -73,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
         print(line)
     if report.recommendation.point is not None:
         print(verification_line(report))
+    if report.which_gpu is not None:
+        print(f"which GPU: {report.which_gpu.why}")
     if args.log_to_mlflow or args.tracking_uri:
         from servetune.tracking import sync_study
         from servetune.tracking.connection import study_tracking_uri

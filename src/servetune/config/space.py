@@ -4,7 +4,9 @@ One YAML file per scenario (``search_spaces/*.yaml``). Unknown keys are rejected
 names the file and the field. Parameters are vLLM engine arguments (snake_case) or, with an
 ``env.`` prefix, environment variables of the engine (``env.VLLM_CPU_KVCACHE_SPACE``); ``model``
 as a parameter lists checkpoints to compare (a BF16 id and its FP8 and AWQ variants), each
-checked for capacity with its own weights. ``serve.num_replicas`` as a parameter runs each trial
+checked for capacity with its own weights; ``gpu`` as a parameter lists GPU types to compare
+(``gpu: [H100-SXM, H200, L40S]``, catalogue names as ``hardware.gpu``): each trial is placed on a node of its
+type, checked for capacity with that GPU's memory and priced at that type's price. ``serve.num_replicas`` as a parameter runs each trial
 through Ray Serve LLM with that many replicas of the engine (many small or one big, beside
 ``tensor_parallel_size``): a trial's devices are then all its replicas', the budget a constraint
 such as ``serve.num_replicas * tensor_parallel_size <= 8``. ``speculative.method`` and the other
@@ -46,6 +48,8 @@ ENGINE_DEFAULTS = {
 RAY_BACKENDS = {"distributed_executor_backend": "ray", "data_parallel_backend": "ray"}
 ENV_PREFIX = "env."
 MODEL_PARAM = "model"  # a parameter naming checkpoints, not an engine argument
+#: A parameter naming GPU types to compare (catalogue names, as ``hardware.gpu``): each trial runs on its own type.
+GPU_PARAM = "gpu"
 SERVE_PREFIX = "serve."
 #: Replicas of the engine behind one Ray Serve LLM application: the trial runs through Serve.
 SERVE_REPLICAS = SERVE_PREFIX + "num_replicas"
@@ -296,10 +300,25 @@ class SearchSpace(BaseModel):
                     raise ValueError(f"{name}: list the methods to compare ({', '.join(speculative.METHODS)})")
                 for value in [values.low, values.high] if isinstance(values, Range) else values:
                     speculative.check_value(name, value)
+        gpus = params.get(GPU_PARAM)
+        if gpus is not None and not (isinstance(gpus, list) and all(isinstance(v, str) and v for v in gpus)):
+            raise ValueError(f"{GPU_PARAM}: list the GPU types to compare (catalogue names, e.g. H100-SXM, H200)")
+        if isinstance(gpus, list) and len(set(gpus)) < len(gpus):
+            raise ValueError(f"{GPU_PARAM}: a GPU type is listed twice")
         model = params.get(MODEL_PARAM)
         if model is not None and not (isinstance(model, list) and all(isinstance(v, str) and v for v in model)):
             raise ValueError(f"{MODEL_PARAM}: list the checkpoints to compare (directories or hub ids)")
         return params
+
+    @model_validator(mode="after")
+    def _gpus_on_gpu(self) -> SearchSpace:
+        if GPU_PARAM in self.params and self.device != "gpu":
+            raise ValueError(f"params.{GPU_PARAM}: GPU types are compared with device: gpu, not on the CPU build")
+        if GPU_PARAM in self.params and self.hardware.gpu_memory_gib is not None:
+            raise ValueError(
+                f"hardware.gpu_memory_gib: sizes one GPU; with params.{GPU_PARAM} each type's memory is the catalogue's"
+            )
+        return self
 
     @field_validator("engine_args")
     @classmethod
@@ -360,7 +379,11 @@ class SearchSpace(BaseModel):
         for name, value in params.items():
             if name.startswith(ENV_PREFIX):
                 env[name[len(ENV_PREFIX) :]] = str(value)
-            elif name != MODEL_PARAM and not name.startswith(SERVE_PREFIX) and not speculative.is_speculative(name):
+            elif (
+                name not in (MODEL_PARAM, GPU_PARAM)
+                and not name.startswith(SERVE_PREFIX)
+                and not speculative.is_speculative(name)
+            ):
                 engine[name] = value
         spec = speculative.config_of(self.speculative_values(params))
         if spec is not None:
@@ -384,6 +407,24 @@ class SearchSpace(BaseModel):
         """The checkpoint a choice serves: its ``model`` parameter, else the space's model."""
         return str(params.get(MODEL_PARAM, self.model))
 
+    def gpu_for(self, params: dict[str, Any]) -> str | None:
+        """The GPU type a choice runs on: its ``gpu`` parameter, else ``hardware.gpu`` (None: detected)."""
+        value = params.get(GPU_PARAM, self.hardware.gpu)
+        return None if value is None else str(value)
+
+    def baselines(self) -> list[dict[str, Any]]:
+        """The search's baseline points (vLLM's defaults, only the fixed engine arguments): one per GPU type
+        compared (``{"gpu": "H200"}``), else the one that sets nothing."""
+        listed = self.params.get(GPU_PARAM)
+        return [{GPU_PARAM: g} for g in listed] if isinstance(listed, list) else [{}]
+
+    def gpu_types(self) -> list[str]:
+        """The GPU types the space's trials run on: the ``gpu`` parameter's, else ``hardware.gpu`` (or none)."""
+        listed = self.params.get(GPU_PARAM)
+        if isinstance(listed, list):
+            return [str(v) for v in listed]
+        return [self.hardware.gpu] if self.hardware.gpu else []
+
     @property
     def quality_bounds(self) -> dict[str, float]:
         """The quality scores a trial must not drop by more than their bound (empty without a quality section)."""
@@ -391,10 +432,12 @@ class SearchSpace(BaseModel):
 
     @property
     def quality_reference(self) -> dict[str, Any] | None:
-        """The parameters of the quality reference: ``{}`` for the baseline; None without a quality section."""
+        """The parameters of the quality reference: ``{}`` for the baseline; None without a quality section. Where
+        the space compares GPU types, the reference runs on the first type listed unless it names one."""
         if self.quality is None:
             return None
-        return {} if self.quality.reference == "baseline" else dict(self.quality.reference)
+        reference = {} if self.quality.reference == "baseline" else dict(self.quality.reference)
+        return {**self.baselines()[0], **reference}
 
     def serve_replicas(self, params: dict[str, Any]) -> int | None:
         """The Serve replicas a choice runs behind (``serve.num_replicas``); None: the bare engine."""
@@ -427,6 +470,7 @@ class SearchSpace(BaseModel):
         names.update((k, v) for k, v in params.items() if k.startswith((ENV_PREFIX, SERVE_PREFIX)))
         names.update(self.speculative_values(params))
         names[MODEL_PARAM] = self.model_for(params)
+        names[GPU_PARAM] = self.gpu_for(params)
         names["devices_per_node"] = self.hardware.devices_per_node
         broken = [text for text in self.constraints if not evaluate_constraint(text, names)]
         broken += speculative.violations(self.speculative_values(params))
@@ -445,13 +489,14 @@ class SearchSpace(BaseModel):
         kept: list[dict[str, Any]] = []
         rejected: list[tuple[dict[str, Any], list[str]]] = []
         # the baseline (run first when the search has one) passes no parameter
-        seen: dict[str, dict[str, Any]] = {self._run_key({}): {}} if self.search.baseline else {}
+        seen = {self._run_key(b): b for b in self.baselines()} if self.search.baseline else {}
         for combo in itertools.product(*axes):
             params = dict(combo)
             broken = self.constraint_violations(params)
             same = seen.get(self._run_key(params))
             if same is not None and not broken:
-                earlier = ", ".join(f"{k}={v}" for k, v in same.items()) or "the baseline (vLLM defaults)"
+                tuned = {k: v for k, v in same.items() if k != GPU_PARAM}
+                earlier = ", ".join(f"{k}={v}" for k, v in tuned.items()) or "the baseline (vLLM defaults)"
                 broken = [f"runs the same engine as {earlier} (a speculative.* field does nothing without speculation)"]
             if broken:
                 rejected.append((params, broken))
@@ -464,4 +509,7 @@ class SearchSpace(BaseModel):
         """What a choice runs: its model, engine arguments, environment and Serve settings."""
         engine, env = self.engine_params(params)
         serve = {k: v for k, v in params.items() if k.startswith(SERVE_PREFIX)}
-        return json.dumps([self.model_for(params), engine, env, serve], sort_keys=True, default=str)
+        run = [self.model_for(params), engine, env, serve]
+        if GPU_PARAM in params:  # another GPU type runs the same engine elsewhere: a point of its own
+            run.append(params[GPU_PARAM])
+        return json.dumps(run, sort_keys=True, default=str)

@@ -3,6 +3,7 @@ table, and what ``servetune verify`` found."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ from pathlib import Path
 from servetune.accounting import device_time_lines
 from servetune.errors import UserError
 from servetune.report.distribution import LevelSpread, ttft_spreads
+from servetune.report.gpus import WhichGpu, which_gpu
 from servetune.report.pareto import ENERGY_FRONT, FRONTS, FrontSpec, ParetoFront, pareto_front, study_front
 from servetune.report.points import (
     AxisBound,
@@ -74,6 +76,7 @@ class StudyReport:
     serve_check: ServeSection | None = None  # what serve-check measured on Ray Serve (report/serving.py)
     energy: str = ""  # where the energy per token came from, or why it is missing (energy_line)
     prices: tuple[str, ...] = ()  # the prices the trials were costed at, with source and date (none overridden)
+    which_gpu: WhichGpu | None = None  # each GPU type's best configuration and cost (report/gpus.py)
 
     def outcome_counts(self) -> dict[str, int]:
         """Trials by outcome, plus ``not read`` (every trial directory is counted once)."""
@@ -125,10 +128,15 @@ class StudyReport:
         return bounds_on_axis(self.slo, axis_metric)
 
 
-def build_report(study: LoadedStudy, price_per_device_hour: float | None = None) -> StudyReport:
-    """Compute the report of a loaded study (pure: no I/O)."""
+def build_report(
+    study: LoadedStudy, price_per_device_hour: float | None = None, target_rps: float | None = None
+) -> StudyReport:
+    """Compute the report of a loaded study (pure: no I/O). ``target_rps``: the load the "which GPU" section
+    counts replicas for."""
     if price_per_device_hour is not None and price_per_device_hour < 0:
         raise UserError(f"--price-per-gpu-hour {price_per_device_hour:g}: a price cannot be negative")
+    if target_rps is not None and not (0 < target_rps < math.inf):
+        raise UserError(f"--target-rps {target_rps:g}: give a positive request rate (requests per second)")
     known = known_metrics()
     for index, (metric, _) in enumerate(study.info.objectives):
         if metric not in known:
@@ -166,6 +174,7 @@ def build_report(study: LoadedStudy, price_per_device_hour: float | None = None)
         serve_check=serve_section(study.serve_check),
         energy=energy_line(study.trials, points, study.info.device),
         prices=() if price_per_device_hour is not None else prices_used(study.trials),
+        which_gpu=which_gpu(study.trials, points, outlines, target_rps, price_per_device_hour),
     )
 
 

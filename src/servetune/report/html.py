@@ -20,6 +20,7 @@ import plotly.graph_objects as go
 from servetune.metrics import DISTRIBUTION_PERCENTILES
 from servetune.report.build import Front, StudyReport
 from servetune.report.distribution import SPREAD_NOTE, spread_cells, spread_headings
+from servetune.report.gpus import GPU_HEADINGS, gpu_cells, gpu_notes
 from servetune.report.labels import (
     APART_COLOR,
     FRONT_COLOR,
@@ -374,6 +375,22 @@ def serve_check_html(section: ServeSection) -> str:
     return "\n".join(parts)
 
 
+def which_gpu_html(report: StudyReport) -> str:
+    """The "which GPU" table and its sentences ('' where no trial names a GPU type)."""
+    section = report.which_gpu
+    if section is None:
+        return ""
+    e = html.escape
+    target = f" for {section.target_rps:g} req/s" if section.target_rps is not None else ""
+    body = "".join(
+        "<tr" + (" class='muted'" if row.estimated else "") + ">"
+        + "".join(f"<td>{e(cell)}</td>" for cell in gpu_cells(row)) + "</tr>"
+        for row in section.rows
+    )  # fmt: skip
+    notes = "".join(f"<li>{e(line)}</li>" for line in gpu_notes(section))
+    return f"<h2 id='which-gpu'>Which GPU{e(target)}</h2><table>{_head(GPU_HEADINGS)}<tbody>{body}</tbody></table><ul>{notes}</ul>"
+
+
 def render_html(report: StudyReport) -> str:
     """The whole page as a string; the first figure carries plotly.js inline."""
     e = html.escape
@@ -389,6 +406,7 @@ def render_html(report: StudyReport) -> str:
         f"<p class='muted'>model {e(report.model_label)} on {e(info.device)} · trials: {e(counts)} · "
         f"SLO: {e(', '.join(str(s) for s in report.slo) or 'none')}</p>",
         f"<div class='rec'>{rec_html}</div>",
+        which_gpu_html(report),
         verification_summary_html(report.verification, report.verifications, report.verification_conclusion),
     ]
     if report.device_time:

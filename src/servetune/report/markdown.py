@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 from servetune.report.build import Front, StudyReport
 from servetune.report.distribution import SPREAD_NOTE, spread_cells, spread_headings
+from servetune.report.gpus import GPU_HEADINGS, gpu_cells, gpu_notes
 from servetune.report.labels import (
     PARETO_HEADINGS,
     TABLE_METRICS,
@@ -92,6 +93,17 @@ def _recommendation(report: StudyReport) -> list[str]:
     if report.verification_conclusion:
         lines += [f"Verification: {report.verification_conclusion}", ""]
     return lines
+
+
+def which_gpu_section(report: StudyReport) -> list[str]:
+    """Each GPU type's best configuration and cost, the estimated ones marked, and the type recommended."""
+    section = report.which_gpu
+    if section is None:
+        return []
+    target = f" for {section.target_rps:g} req/s" if section.target_rps is not None else ""
+    lines = [f"## Which GPU{target}", ""]
+    lines += _table(GPU_HEADINGS, [gpu_cells(row) for row in section.rows])
+    return [*lines, "", *(f"- {line}" for line in gpu_notes(section)), ""]
 
 
 def quality_section(report: StudyReport) -> list[str]:
@@ -250,6 +262,7 @@ def render_markdown(report: StudyReport) -> str:
         "",
     ]
     lines += _recommendation(report)
+    lines += which_gpu_section(report)
     lines += verification_section(report)
     counts = report.outcome_counts()
     lines += ["## Trials", ""]

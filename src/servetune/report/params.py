@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from servetune.config.space import GPU_PARAM
+
 #: How servetune names a trial that sets no parameter (the search's baseline): one wording everywhere, the
 #: report's, MLflow's and the console's.
 BASELINE = "vLLM defaults"
@@ -40,8 +42,16 @@ SHORT_NAMES = {
 }
 
 
+def tuned(params: Mapping[str, Any]) -> dict[str, Any]:
+    """What a trial tuned: its parameters but the GPU type it ran on (a trial that tuned nothing ran vLLM's
+    defaults, on its GPU type when the study compares types)."""
+    return {k: v for k, v in params.items() if k != GPU_PARAM}
+
+
 def config_label(params: Mapping[str, Any], sep: str = ", ") -> str:
     """``max_num_seqs=32, gpu_memory_utilization=0.9`` (every value the trial set), else :data:`BASELINE`."""
+    if not tuned(params) and GPU_PARAM in params:
+        return f"{BASELINE} on {params[GPU_PARAM]}"
     return sep.join(f"{k}={_full_value(v)}" for k, v in params.items()) or BASELINE
 
 

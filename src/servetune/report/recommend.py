@@ -37,8 +37,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+from servetune.config.space import GPU_PARAM
 from servetune.metrics import COST_METRIC, TTFT_P99
-from servetune.report.params import config_label
+from servetune.report.params import config_label, tuned
 from servetune.report.points import (
     KV_CACHE_USAGE_MAX,
     PREEMPTIONS,
@@ -214,9 +215,13 @@ def against_defaults(
 ) -> Recommendation:
     """Rule 4: a tuned recommendation stands only when it is cheaper than vLLM's defaults beyond the noise."""
     point = rec.point
-    if point is None or not point.params:
+    if point is None or not tuned(point.params):
         return rec
-    defaults = next((p for p in ranked if not p.params and not margin_signals(p, trials)), None)
+    gpu = point.params.get(GPU_PARAM)  # GPU types compared: vLLM's defaults on the same type
+    defaults = next(
+        (p for p in ranked if not tuned(p.params) and p.params.get(GPU_PARAM) == gpu and not margin_signals(p, trials)),
+        None,
+    )
     cost = point.value(COST_METRIC)
     base_cost = defaults.value(COST_METRIC) if defaults is not None else None
     if defaults is None or cost is None or not base_cost:

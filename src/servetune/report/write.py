@@ -11,12 +11,12 @@ from servetune.report.study import load_study
 
 
 def write_report(study_dir: Path, out: Path | None = None, price_per_device_hour: float | None = None,
-                 skip_unreadable: bool = False) -> tuple[StudyReport, list[Path]]:  # fmt: skip
+                 skip_unreadable: bool = False, target_rps: float | None = None) -> tuple[StudyReport, list[Path]]:  # fmt: skip
     """Build the report from disk and write it to ``out`` (default STUDY_DIR/report)."""
     from servetune.report.html import render_html
     from servetune.report.png import write_pngs
 
-    report = build_report(load_study(study_dir, skip_unreadable), price_per_device_hour)
+    report = build_report(load_study(study_dir, skip_unreadable), price_per_device_hour, target_rps)
     out = out if out is not None else Path(study_dir) / "report"
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -349,7 +349,7 @@ def proposals(space: SearchSpace, max_trials: int | None) -> list[dict[str, Any]
     anyway; the largest come last, where they fill nodes among themselves.
     """
     kept, _ = space.grid() if space.search.algorithm == "grid" else (random_points(space), [])
-    points: list[dict[str, Any]] = ([{}] if space.search.baseline else []) + kept
+    points: list[dict[str, Any]] = (space.baselines() if space.search.baseline else []) + kept
     limit = (
         max_trials or (space.search.num_trials if space.search.algorithm != "grid" else None) or space.search.num_trials
     )

@@ -67,7 +67,7 @@ def placement_problem(bundle: Mapping[str, float], nodes: Sequence[Mapping[str, 
 
 def placement_problem_of(context: StudyContext, params: dict[str, Any]) -> str | None:
     """Why no node of the study's cluster can hold this trial's bundle (None: one can, or no nodes known)."""
-    return placement_problem(bundle(context.space, params, context.gpu_type), context.nodes)
+    return placement_problem(bundle(context.space, params, context.gpu_type(params)), context.nodes)
 
 
 def _amount(value: float) -> str:

@@ -142,6 +142,7 @@ class ConstrainedOptunaSearch(Searcher):
         super().__init__(metric=None, mode=None)
         self.space = space
         self.baseline = baseline
+        self.baselines_left = space.baselines() if baseline else []  # vLLM's defaults, on each GPU type compared
         self.objectives = space.search.objectives
         self.names = constraint_names(space)
         self.distributions = distributions(space)
@@ -250,10 +251,11 @@ class ConstrainedOptunaSearch(Searcher):
         a constraint is told a penalty. A sampler that keeps proposing known points is nudged to
         the closest unmeasured point (discrete spaces); ``FINISHED`` when none is left.
         """
-        if self.baseline:
-            self.baseline = False
+        if self.baselines_left:
+            point = self.baselines_left.pop(0)
+            self.baseline = bool(self.baselines_left)
             self.live[trial_id] = None
-            return {"params": {}}
+            return {"params": point}
         with one_torch_thread(self.space.search.algorithm):
             return self._suggest(trial_id, self.running())
 

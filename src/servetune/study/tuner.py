@@ -35,7 +35,7 @@ def trial_resources(context: StudyContext, params: dict[str, Any]) -> list[dict[
     return (
         [dict(HEAD_SLIVER)]
         if placement_problem_of(context, params)
-        else [bundle(context.space, params, context.gpu_type)]
+        else [bundle(context.space, params, context.gpu_type(params))]
     )
 
 

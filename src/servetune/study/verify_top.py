@@ -302,7 +302,7 @@ def verify_top(study_dir: Path, context: StudyContext, say: Callable[[str], None
     def start(rank: int, selection: Selection, mine: dict[str, Any]) -> None:
         trial_id = selection.winner.trial_id
         params = dict(selection.winner.result.params)
-        needed = bundle(space, params, pinned_gpu_type(space, nodes))
+        needed = bundle(space, params, pinned_gpu_type(space, nodes, params))
         problem = placement_problem(needed, nodes)
         if problem:
             finish(selection, mine, unplaceable_document(selection, budget, problem), None, None)

@@ -38,10 +38,9 @@ class StudyContext:
         None  # the run's device ledger, when trials through Serve run several at once (device_ledger.py)
     )
 
-    @property
-    def gpu_type(self) -> str | None:
-        """The Ray accelerator type the trials are pinned to (:func:`pinned_gpu_type`), from the nodes known."""
-        return pinned_gpu_type(self.space, self.nodes)
+    def gpu_type(self, params: dict[str, Any]) -> str | None:
+        """The Ray accelerator type a trial of ``params`` is pinned to (:func:`pinned_gpu_type`), from the nodes known."""
+        return pinned_gpu_type(self.space, self.nodes, params)
 
     @property
     def trials_dir(self) -> Path:
@@ -74,10 +73,10 @@ class StudyContext:
             stop_on_slo_break=load.stop_on_slo_break, min_throughput_gain=load.min_throughput_gain,
             capacity_levels=load.capacity_levels, capacity_tolerance=load.capacity_tolerance,
             knee_fraction=load.knee_fraction,
-            slo=space.slo_bounds, gpu=space.hardware.gpu, gpu_memory_gib=space.hardware.gpu_memory_gib,
+            slo=space.slo_bounds, gpu=space.gpu_for(params), gpu_memory_gib=space.hardware.gpu_memory_gib,
             python=self.python, extra_env=extra_env, repeats=load.repeats, quality=self.quality, node_id=node_id,
             serve_replicas=space.serve_replicas(params), stream_batching_ms=space.stream_batching_ms(params),
-            gpu_type=self.gpu_type, pricing=space.pricing,
+            gpu_type=self.gpu_type(params), pricing=space.pricing,
         )  # fmt: skip
 
 
@@ -104,13 +103,17 @@ def compile_threads_env(space: SearchSpace, params: dict[str, Any], env: Mapping
 ACCELERATOR_SLIVER = 0.001
 
 
-def pinned_gpu_type(space: SearchSpace, nodes: Sequence[Mapping[str, float]]) -> str | None:
-    """The Ray accelerator type the space's trials must run on: ``hardware.gpu``'s (catalogue ``ray_type``), when
-    the cluster's nodes declare types at all. Nodes that declare none (GPUs given by hand with ``ray start
-    --num-gpus``, or an autoscaler yet to start its first GPU node) cannot be told apart: nothing is pinned."""
-    if space.device != "gpu" or not space.hardware.gpu or not gpu_types(nodes):
+def pinned_gpu_type(
+    space: SearchSpace, nodes: Sequence[Mapping[str, float]], params: Mapping[str, Any] | None = None
+) -> str | None:
+    """The Ray accelerator type a trial of ``params`` must run on: its GPU type's (the ``gpu`` parameter, else
+    ``hardware.gpu``; catalogue ``ray_type``), when the cluster's nodes declare types at all. Nodes that declare
+    none (GPUs given by hand with ``ray start --num-gpus``, or an autoscaler yet to start its first GPU node)
+    cannot be told apart: nothing is pinned."""
+    gpu = space.gpu_for(dict(params or {}))
+    if space.device != "gpu" or not gpu or not gpu_types(nodes):
         return None
-    return ray_accelerator_type(space.hardware.gpu)
+    return ray_accelerator_type(gpu)
 
 
 def bundle(space: SearchSpace, params: dict[str, Any], gpu_type: str | None = None) -> dict[str, float]:

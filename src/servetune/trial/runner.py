@@ -24,6 +24,7 @@ from typing import Any, Literal, Protocol
 
 from servetune.capacity.prices import Pricing
 from servetune.config.slo import Slo
+from servetune.config.space import GPU_PARAM
 from servetune.config.workload import Workload
 from servetune.engine.args import vllm_version
 from servetune.engine.resolved import fetch_resolved
@@ -122,6 +123,8 @@ class TrialSpec:
             key["serve_replicas"] = self.serve_replicas
         if self.stream_batching_ms is not None:  # likewise absent at Ray's default
             key["stream_batching_ms"] = self.stream_batching_ms
+        if GPU_PARAM in self.params:  # the GPU type as a search dimension: one engine on another type is another trial
+            key["gpu"] = self.gpu
         return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
     @property

@@ -1,0 +1,300 @@
+"""Which GPU: for each GPU type a study measured, its best configuration and what serving on it costs; for
+catalogue GPUs it did not measure, the estimate's answer, marked with its expected error.
+
+The rule, stated once:
+
+- A trial's GPU type is its ``gpu`` parameter (``params: {gpu: [...]}``), else the type it was priced as.
+- A type's best configuration is what the study's recommendation rule (report/recommend.py) picks among that
+  type's points alone. Its capacity is the highest load that met the SLO on that trial (its capacity search's,
+  else its best eligible level), and its request rate, cost per million output tokens and energy per token are
+  measured there.
+- ``--target-rps``: replicas = ceil(target / the capacity point's request rate); a replica takes the trial's
+  devices, so the fleet costs replicas x devices x the type's price per hour.
+- The recommended type is the measured type whose fleet costs least for the target, or, without a target, the
+  lowest cost per million tokens. Estimated rows are never recommended: the sentence says where one looks
+  cheaper and is worth measuring.
+- Estimated rows (GPU studies only): the recommended type's best configuration at its capacity load, estimated
+  on each catalogue GPU with a listed price (estimate/), scaled by measured / estimated throughput on the
+  measured type (the calibration), with the estimate's held-out median error on output throughput.
+
+Pure: no I/O beyond the catalogues; the renderers draw :class:`WhichGpu`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from servetune.capacity.prices import Price, load_price_table
+from servetune.config.space import GPU_PARAM
+from servetune.errors import UserError
+from servetune.metrics import COST_METRIC, ENERGY_PER_TOKEN, OUTPUT_THROUGHPUT, REQUEST_THROUGHPUT
+from servetune.report.params import config_label, tuned
+from servetune.report.points import ReportPoint, TrialOutline
+from servetune.report.recommend import recommend
+from servetune.results import TrialResult
+
+if TYPE_CHECKING:
+    from servetune.capacity import ModelArch
+    from servetune.estimate import Factors, Load
+
+
+@dataclass(frozen=True)
+class GpuRow:
+    """One GPU type: measured (its best trial) or estimated (``expected_error`` set)."""
+
+    gpu: str
+    configuration: str
+    devices: int  # per replica
+    usd_per_device_hour: float | None
+    capacity: str = ""  # the load at the SLO, in the level's words ("concurrency 12", "4 req/s")
+    request_rate: float | None = None  # req/s a replica serves there
+    cost_per_mtok: float | None = None
+    joules_per_token: float | None = None
+    replicas: int | None = None  # for --target-rps
+    fleet_usd_per_hour: float | None = None
+    trial_id: str | None = None  # None: estimated
+    expected_error: float | None = None  # estimated rows: the estimate's median relative error
+    note: str = ""  # why an estimated row has no numbers (does not fit), or how it was calibrated
+    level_index: int | None = None  # measured rows: the trial's level at its capacity
+
+    @property
+    def estimated(self) -> bool:
+        return self.trial_id is None
+
+
+@dataclass(frozen=True)
+class WhichGpu:
+    rows: tuple[GpuRow, ...]
+    target_rps: float | None
+    choice: str | None
+    why: str
+
+
+def gpu_of(trial: TrialResult) -> str | None:
+    """The GPU type a trial ran on: its ``gpu`` parameter, else the type its price names."""
+    named = trial.params.get(GPU_PARAM)
+    if named is not None:
+        return str(named)
+    return trial.price.gpu if trial.price is not None else None
+
+
+def which_gpu(
+    trials: Sequence[TrialResult],
+    points: Sequence[ReportPoint],
+    outlines: Sequence[TrialOutline],
+    target_rps: float | None = None,
+    price_override: float | None = None,
+    estimate_others: bool = True,
+) -> WhichGpu | None:
+    """The section's data, or None where no trial names a GPU type (the CPU stand-in, or older results).
+    ``price_override``: ``--price-per-gpu-hour``, which the points' costs were computed with."""
+    by_id = {t.trial_id: t for t in trials}
+    types: dict[str, list[str]] = {}
+    for trial in trials:
+        gpu = gpu_of(trial)
+        if gpu is not None and trial.device == "gpu":
+            types.setdefault(gpu, []).append(trial.trial_id)
+    if not types:
+        return None
+    rows = []
+    for gpu, ids in types.items():
+        mine = [p for p in points if p.trial_id in ids]
+        best = recommend(mine, [o for o in outlines if o.trial_id in ids]).point
+        rows.append(_measured_row(gpu, best, mine, by_id, target_rps, price_override))
+    measured = [r for r in rows if r.cost_per_mtok is not None]
+    choice = min(measured, key=lambda r: _rank(r, target_rps)) if measured else None
+    if choice is not None and estimate_others and price_override is None:
+        rows += _estimated_rows(choice, by_id[str(choice.trial_id)], points, set(types), target_rps)
+    return WhichGpu(tuple(rows), target_rps, choice.gpu if choice else None, _why(choice, rows, target_rps))
+
+
+def _rank(row: GpuRow, target_rps: float | None) -> float:
+    if target_rps is not None and row.fleet_usd_per_hour is not None:
+        return row.fleet_usd_per_hour
+    return row.cost_per_mtok if row.cost_per_mtok is not None else math.inf
+
+
+def _capacity_point(best: ReportPoint, mine: Sequence[ReportPoint]) -> ReportPoint:
+    """The best trial's point at its capacity: the capacity search's when eligible, else its highest eligible load."""
+    own = [p for p in mine if p.trial_id == best.trial_id and p.eligible]
+    at = [p for p in own if p.at_capacity]
+    if at:
+        return at[0]
+    return max(own, key=lambda p: p.value(REQUEST_THROUGHPUT) or 0.0, default=best)
+
+
+def _load_text(point: ReportPoint) -> str:
+    ((kind, value),) = dict(point.level).items() if len(point.level) == 1 else (("load", 0.0),)
+    return f"{kind} {value:g}" if kind == "concurrency" else f"{value:g} req/s" if kind == "rate" else str(kind)
+
+
+def _replicas(target_rps: float | None, rate: float | None) -> int | None:
+    if target_rps is None or not rate:
+        return None
+    return max(1, math.ceil(target_rps / rate - 1e-9))
+
+
+def _measured_row(
+    gpu: str,
+    best: ReportPoint | None,
+    mine: Sequence[ReportPoint],
+    by_id: Mapping[str, TrialResult],
+    target_rps: float | None,
+    price_override: float | None = None,
+) -> GpuRow:
+    if best is None:
+        reasons = sorted({p.why_apart for p in mine if p.why_apart}) or ["no trial completed"]
+        return GpuRow(gpu, "none met the SLO", 0, None, trial_id="-", note=reasons[0])
+    at = _capacity_point(best, mine)
+    trial = by_id[best.trial_id]
+    price = trial.price.usd_per_device_hour if trial.price is not None else trial.price_per_device_hour
+    price = price if price_override is None else price_override
+    rate = at.value(REQUEST_THROUGHPUT)
+    replicas = _replicas(target_rps, rate)
+    return GpuRow(
+        gpu=gpu, configuration=config_label(best.params), devices=best.devices, usd_per_device_hour=price,
+        capacity=_load_text(at), request_rate=rate, cost_per_mtok=at.value(COST_METRIC),
+        joules_per_token=at.value(ENERGY_PER_TOKEN), replicas=replicas,
+        fleet_usd_per_hour=replicas * best.devices * price if replicas is not None else None, trial_id=best.trial_id,
+        level_index=at.level_index,
+    )  # fmt: skip
+
+
+def _estimated_rows(
+    choice: GpuRow, trial: TrialResult, points: Sequence[ReportPoint], measured: set[str], target_rps: float | None
+) -> list[GpuRow]:
+    """The chosen configuration estimated on each priced catalogue GPU the study did not measure, calibrated on
+    the chosen type's measurement (see the module's rule). None where the estimate cannot run (an unknown model
+    architecture offline, a GPU without its performance specs)."""
+    from servetune.capacity import load_model_arch, resolve_hardware
+    from servetune.capacity.hardware import find_gpu
+    from servetune.estimate import Load, estimate, load_factors
+
+    at = next((p for p in points if p.trial_id == trial.trial_id and p.level_index == choice.level_index), None)
+    if at is None or at.level_index >= len(trial.levels):
+        return []
+    summary = trial.levels[at.level_index].summary
+    done = max(1, summary.completed)
+    tokens_in, tokens_out = max(1, round(summary.total_input_tokens / done)), max(2, round(summary.total_output_tokens / done))  # fmt: skip
+    kind, value = next(iter(summary.level.items()))
+    load = (
+        Load(input_tokens=tokens_in, output_tokens=tokens_out, concurrency=max(1, round(value)))
+        if kind == "concurrency"
+        else Load(input_tokens=tokens_in, output_tokens=tokens_out, rate=value)
+    )
+    try:
+        arch = load_model_arch(trial.model)
+        factors = load_factors()
+        measured_name = find_gpu(choice.gpu).name
+        reference = estimate(arch, trial.engine_args, resolve_hardware("gpu", measured_name), load, factors)
+    except (UserError, ValueError, KeyError):
+        return []
+    measured_out, measured_rate = at.value(OUTPUT_THROUGHPUT), at.value(REQUEST_THROUGHPUT)
+    if not measured_out or not measured_rate or not reference.output_throughput:
+        return []
+    scale_out = measured_out / reference.output_throughput
+    scale_rate = measured_rate / reference.request_throughput if reference.request_throughput else scale_out
+    error = factors.held_out_error.get(OUTPUT_THROUGHPUT)
+    calibrated = (
+        f"{measured_name}'s best configuration at its capacity load, estimated on each GPU (servetune estimate's "
+        f"model) and calibrated on {measured_name} (measured / estimated output throughput {scale_out:.2f}); the SLO "
+        "is not checked again there: measure a type before choosing it"
+    )
+    rows = []
+    taken = {find_gpu(g).name for g in measured if _known(g)}
+    for name, price in load_price_table().items():
+        if name in taken or not _known(name):
+            continue
+        rows.append(_estimated_row(name, price, arch, trial, load, factors, (scale_out, scale_rate), choice, target_rps,
+                                   error.median if error else None, calibrated))  # fmt: skip
+    return [r for r in rows if r is not None]
+
+
+def _known(name: str) -> bool:
+    from servetune.capacity.hardware import find_gpu
+
+    try:
+        find_gpu(name)
+    except UserError:
+        return False
+    return True
+
+
+def _estimated_row(name: str, price: Price, arch: ModelArch, trial: TrialResult, load: Load, factors: Factors,
+                   scales: tuple[float, float], choice: GpuRow, target_rps: float | None, error: float | None,
+                   calibrated: str) -> GpuRow | None:  # fmt: skip
+    from servetune.capacity import resolve_hardware
+    from servetune.estimate import estimate
+
+    configuration = f"{config_label(tuned(trial.params))} ({choice.gpu}'s best)"
+    base = GpuRow(name, configuration, trial.devices, price.usd_per_device_hour, f"{choice.capacity} ({choice.gpu}'s)",
+                  expected_error=error)  # fmt: skip
+    try:
+        est = estimate(arch, trial.engine_args, resolve_hardware("gpu", name), load, factors)
+    except (UserError, ValueError, KeyError) as exc:
+        return replace(base, note=f"not estimated: {str(exc).splitlines()[0]}")
+    out, rate = est.output_throughput * scales[0], est.request_throughput * scales[1]
+    if out <= 0:
+        return None
+    cost = price.usd_per_device_hour * trial.devices / (out * 3600) * 1e6
+    replicas = _replicas(target_rps, rate)
+    fleet = replicas * trial.devices * price.usd_per_device_hour if replicas is not None else None
+    return replace(base, request_rate=rate, cost_per_mtok=cost, replicas=replicas, fleet_usd_per_hour=fleet,
+                   note=calibrated)  # fmt: skip
+
+
+def _why(choice: GpuRow | None, rows: Sequence[GpuRow], target_rps: float | None) -> str:
+    if choice is None:
+        return "no GPU type met the SLO: nothing to recommend"
+    measured = [r for r in rows if not r.estimated and r.cost_per_mtok is not None]
+    if target_rps is not None and choice.fleet_usd_per_hour is not None:
+        why = (f"{choice.gpu}: {choice.replicas} replica(s) of {choice.devices} GPU(s) serve {target_rps:g} req/s for "
+               f"${choice.fleet_usd_per_hour:,.2f}/h, the least of the {len(measured)} type(s) measured")  # fmt: skip
+    else:
+        why = (f"{choice.gpu}: ${choice.cost_per_mtok:.4g} per million output tokens at the SLO, the least of the "
+               f"{len(measured)} type(s) measured")  # fmt: skip
+    others = [r for r in measured if r is not choice]
+    if others:
+        why += " (" + ", ".join(f"{r.gpu} ${r.cost_per_mtok:.4g}/Mtok" for r in others) + ")"
+    cheaper = [r for r in rows if r.estimated and r.cost_per_mtok is not None and _rank(r, target_rps) < _rank(choice, target_rps)]  # fmt: skip
+    if cheaper:
+        best = min(cheaper, key=lambda r: _rank(r, target_rps))
+        error = f" ±{best.expected_error:.0%}" if best.expected_error is not None else ""
+        why += (f". The estimate puts {best.gpu} at ${best.cost_per_mtok:.4g}/Mtok{error}: not measured, worth a trial "
+                f"(params: {{gpu: [{choice.gpu}, {best.gpu}]}})")  # fmt: skip
+    return why
+
+
+GPU_HEADINGS = ("GPU", "source", "best configuration", "capacity at the SLO", "req/s", "$/Mtok", "$/GPU-h", "J/token",
+                "replicas", "fleet $/h")  # fmt: skip
+
+
+def gpu_cells(row: GpuRow) -> list[str]:
+    """A row's cells as both renderers draw them (estimated rows say so, with their expected error)."""
+
+    def number(value: float | None, text: str) -> str:
+        return "-" if value is None else text.format(value)
+
+    source = (
+        f"estimated ±{row.expected_error:.0%}" if row.estimated and row.expected_error is not None
+        else "estimated" if row.estimated else f"trial {row.trial_id}"
+    )  # fmt: skip
+    replicas = "-" if row.replicas is None else f"{row.replicas} x {row.devices} GPU"
+    return [row.gpu, source, row.configuration, row.capacity or "-", number(row.request_rate, "{:.3g}"),
+            number(row.cost_per_mtok, "{:.4g}"), number(row.usd_per_device_hour, "{:.2f}"),
+            number(row.joules_per_token, "{:.3g}"), replicas, number(row.fleet_usd_per_hour, "{:,.2f}")]  # fmt: skip
+
+
+def gpu_notes(section: WhichGpu) -> list[str]:
+    """The sentences under the table: the recommendation, then what each row's note says."""
+    lines = [f"Recommended: {section.why}."]
+    if section.target_rps is None:
+        lines.append("Replicas for a target load: `servetune report STUDY_DIR --target-rps N`.")
+    notes = sorted({r.note for r in section.rows if r.note})
+    lines += [
+        f"{'Estimated rows: ' if any(r.estimated and r.note == n for r in section.rows) else ''}{n}." for n in notes
+    ]
+    return lines

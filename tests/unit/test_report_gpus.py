@@ -1,0 +1,100 @@
+"""The report's "which GPU" section (report/gpus.py): each GPU type's best configuration and what serving on
+it costs, estimated rows for catalogue GPUs not measured, and the type recommended."""
+
+import math
+
+import pytest
+
+from servetune.capacity.prices import DevicePrice, load_price_table
+from servetune.errors import UserError
+from servetune.estimate import load_factors
+from servetune.report import build_report, load_study, render_markdown
+from servetune.report.html import render_html
+from tests.builders import level, study_info, trial, write_study
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"  # in the catalogue: the estimate can price other GPUs
+
+
+def on(gpu: str, trial_id: str, levels, extra: dict | None = None):
+    t = trial(trial_id, {"gpu": gpu, **(extra or {})}, levels)
+    t.model = MODEL
+    t.engine_args = {k: v for k, v in t.engine_args.items() if k != "gpu"}  # as engine_params leaves it out
+    listed = load_price_table()[gpu]
+    t.price = DevicePrice(
+        usd_per_device_hour=listed.usd_per_device_hour, source=listed.source, date=listed.date, gpu=gpu
+    )
+    t.price_per_device_hour = listed.usd_per_device_hour
+    return t
+
+
+BROKEN = ("ttft_ms_p99 <= 2000",)
+
+
+def study(tmp_path, h200_scale: float = 1.0):
+    trials = [
+        on("H100-SXM", "h100", [level(8, 900, 300), level(16, 1500, 900), level(32, 1600, 4000, violations=BROKEN)]),
+        on("H200", "h200", [level(8, 1000 * h200_scale, 250), level(16, 1900 * h200_scale, 600),
+                            level(32, 2600 * h200_scale, 1500)]),
+        on("H200", "h200s", [level(8, 700, 400), level(16, 800, 3000, violations=BROKEN)], {"max_num_seqs": 8}),
+    ]  # fmt: skip
+    for t in trials:  # 64 output tokens a request whatever the pace: the same load for the estimate
+        for lv in t.levels:
+            lv.summary = lv.summary.model_copy(update={"total_output_tokens": 6400})
+    return load_study(write_study(tmp_path / f"s{h200_scale}", study_info(model=MODEL), trials))
+
+
+def test_each_measured_type_has_its_best_configuration_at_its_capacity_with_its_price(tmp_path):
+    section = build_report(study(tmp_path), target_rps=100).which_gpu
+    rows = {r.gpu: r for r in section.rows if not r.estimated}
+    assert set(rows) == {"H100-SXM", "H200"}
+    assert rows["H100-SXM"].trial_id == "h100" and rows["H100-SXM"].capacity == "concurrency 16"  # 32 broke the SLO
+    assert rows["H200"].trial_id == "h200" and rows["H200"].capacity == "concurrency 32"
+    for gpu, tput in (("H100-SXM", 1500), ("H200", 2600)):
+        row, price = rows[gpu], load_price_table()[gpu].usd_per_device_hour
+        assert row.usd_per_device_hour == price and row.request_rate == pytest.approx(tput / 60)
+        assert row.cost_per_mtok == pytest.approx(price / (tput * 3600) * 1e6)
+        assert row.replicas == math.ceil(100 / (tput / 60)) and row.fleet_usd_per_hour == pytest.approx(
+            row.replicas * price
+        )
+    cheapest = min(rows.values(), key=lambda r: r.fleet_usd_per_hour)
+    assert section.choice == cheapest.gpu and section.why.startswith(f"{cheapest.gpu}: {cheapest.replicas} replica(s)")
+
+
+def test_unmeasured_catalogue_gpus_are_estimated_calibrated_on_the_measured_type_and_never_recommended(tmp_path):
+    one = build_report(study(tmp_path)).which_gpu
+    estimated = {r.gpu: r for r in one.rows if r.estimated}
+    priced = set(load_price_table()) - {"H100-SXM", "H200"}
+    assert set(estimated) <= priced and len(estimated) >= 3
+    error = load_factors().held_out_error["output_throughput"].median
+    assert all(r.expected_error == error for r in estimated.values())
+    assert one.choice in ("H100-SXM", "H200")
+    # The calibration: the measured type twice as fast makes every estimated row's cost half (where it fits).
+    two = {r.gpu: r for r in build_report(study(tmp_path, 2.0)).which_gpu.rows if r.estimated}
+    if one.choice == "H200":
+        costed = [g for g, r in estimated.items() if r.cost_per_mtok is not None]
+        assert costed and all(two[g].cost_per_mtok == pytest.approx(estimated[g].cost_per_mtok / 2) for g in costed)
+    loaded = study(tmp_path / "again")
+    md = render_markdown(build_report(loaded, target_rps=50))
+    assert "## Which GPU for 50 req/s" in md and f"estimated ±{error:.0%}" in md and f"Recommended: {one.choice}" in md
+    page = render_html(build_report(loaded))
+    assert "<h2 id='which-gpu'>Which GPU</h2>" in page and "--target-rps" in page
+
+
+def test_a_bad_target_is_one_clear_line_and_a_cpu_study_has_no_section(tmp_path):
+    with pytest.raises(UserError, match="--target-rps -1: give a positive request rate"):
+        build_report(study(tmp_path), target_rps=-1)
+    cpu = [trial("c", {}, [level(8, 900, 300)], device="cpu")]
+    assert build_report(load_study(write_study(tmp_path / "cpu", study_info(device="cpu"), cpu))).which_gpu is None
+
+
+def test_the_command_prints_the_gpu_it_recommends_and_refuses_a_bad_target_in_one_line(tmp_path, capsys):
+    from servetune import cli
+
+    loaded = study(tmp_path)
+    assert cli.main(["report", str(loaded.root), "--target-rps", "120", "--out", str(tmp_path / "out")]) == 0
+    choice = build_report(loaded, target_rps=120).which_gpu
+    assert f"which GPU: {choice.why}" in capsys.readouterr().out
+    assert "## Which GPU for 120 req/s" in (tmp_path / "out" / "summary.md").read_text()
+    assert cli.main(["report", str(loaded.root), "--target-rps", "0", "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert "--target-rps 0: give a positive request rate" in err and err.count("\n") == 1 and "Traceback" not in err
