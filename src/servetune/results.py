@@ -36,6 +36,18 @@ class LevelRun(BaseModel):
     slo_violations: list[str] = []
 
 
+class LevelEstimate(BaseModel):
+    """The estimate of one measured level (servetune.estimate at the level's load, with the request lengths
+    it served and the factors the trial was given) beside its relative error against the measurement."""
+
+    model_config = RECORD
+
+    ttft_ms: float | None = None  # mean TTFT; None: the model calls the load a queue without bound
+    tpot_ms: float
+    output_throughput: float
+    error: dict[str, float] = {}  # metric -> predicted / measured - 1 (ttft_ms and tpot_ms against their means)
+
+
 class LevelResult(BaseModel):
     """One load level: the client's summary, the server's own counters, and the SLO verdict.
 
@@ -56,6 +68,7 @@ class LevelResult(BaseModel):
     ttft_ms_distribution: list[float] | None = None  # TTFT at percentiles 0, 5, ..., 100 (metrics.ttft_distribution_ms)
     energy_note: str | None = None  # why an energy of the measured window is missing (telemetry.py), else None
     runs: list[LevelRun] = Field(default=[], exclude_if=lambda runs: not runs)  # absent when run once
+    estimate: LevelEstimate | None = None  # what the estimate predicted for this level (trial/estimated.py)
 
     @property
     def meets_slo(self) -> bool:
@@ -303,6 +316,10 @@ class TrialResult(BaseModel):
     # configuration either. ``retried``: the start-up failures a retry followed, in order.
     failure: Failure | None = None
     retried: list[Failure] = []
+    # The estimate of every level (LevelResult.estimate) was made with these factors ("shipped", or "refit on N
+    # points"); where it could not be made, ``estimate_note`` says why (the trial is measured all the same).
+    estimate_factors: str | None = None
+    estimate_note: str | None = None
 
     @property
     def runs_again(self) -> bool:
@@ -438,8 +455,9 @@ def highest_load_index(levels: list[LevelResult]) -> int | None:
 #: energy of its measured window alone (``gpu_energy_measured_j``, ``cpu_energy_measured_j``: telemetry.py) and
 #: the level its ``energy_note``, so operating points have ``energy_per_token`` and ``energy_per_request`` (a
 #: result from before has neither: its energy counted the warm-up too); 7: a result carries ``price``, the price
-#: of its GPU type with its source and date (capacity/prices.py).
-SCHEMA_VERSION = 7
+#: of its GPU type with its source and date (capacity/prices.py); 8: a level carries its ``estimate`` (predicted
+#: TTFT, TPOT, throughput and their relative errors) and the result ``estimate_factors`` or ``estimate_note``.
+SCHEMA_VERSION = 8
 
 
 class StudyInfo(BaseModel):

@@ -1,0 +1,68 @@
+"""Every measured level beside its estimate and the estimate's error (trial/estimated.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from servetune.estimate import load_factors
+from servetune.models.tiny import TINY_CONFIG
+from servetune.results import CapacityReport, TrialResult
+from servetune.trial.estimated import estimate_levels
+
+SURFACES = Path(__file__).resolve().parents[2] / "bench" / "data"
+
+
+def _recorded(tmp_path: Path, name: str = "cpu-tiny-grid-r4.json", index: int = 0) -> TrialResult:
+    """A recorded CPU trial, its model pointed at a local copy of the tiny model's config."""
+    model = tmp_path / "tiny"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(TINY_CONFIG))
+    trial = json.loads((SURFACES / name).read_text())["trials"][index]
+    return TrialResult.model_validate({**trial, "model": str(model)})
+
+
+def test_each_level_records_its_estimate_and_the_relative_error(tmp_path):
+    result = _recorded(tmp_path)
+    assert all(level.estimate is None for level in result.levels)  # recorded before schema 8: loads as it was
+    estimate_levels(result, None, None)
+    assert result.estimate_factors == "shipped" and result.estimate_note is None
+    for level in result.levels:
+        est = level.estimate
+        assert est is not None and set(est.error) == {"ttft_ms", "tpot_ms", "output_throughput"}
+        s = level.summary
+        assert est.error["tpot_ms"] == pytest.approx(est.tpot_ms / s.tpot_ms.mean - 1)
+        assert est.error["output_throughput"] == pytest.approx(est.output_throughput / s.output_throughput - 1)
+    # more clients than max_num_seqs (2 here): the estimate, like the measurement, has them queue for the first token
+    by_load = sorted(result.levels, key=lambda lv: lv.summary.level["concurrency"])
+    assert result.engine_args["max_num_seqs"] < by_load[-1].summary.level["concurrency"]
+    assert by_load[-1].estimate.ttft_ms > 5 * by_load[0].estimate.ttft_ms
+    again = TrialResult.model_validate_json(result.model_dump_json())
+    assert again.levels[0].estimate == result.levels[0].estimate
+
+
+def test_refit_factors_change_the_estimate_and_are_named(tmp_path):
+    shipped, refit = _recorded(tmp_path), _recorded(tmp_path)
+    estimate_levels(shipped, None, None)
+    slower = load_factors().for_class("CPU").model_copy(update={"step_overhead_ms": 30.0})
+    estimate_levels(refit, None, None, slower)
+    assert refit.estimate_factors == "refit"
+    assert refit.levels[0].estimate.tpot_ms > shipped.levels[0].estimate.tpot_ms
+
+
+def test_where_no_estimate_can_be_made_a_note_says_why_and_nothing_fails(tmp_path):
+    unplanned = _recorded(tmp_path)
+    unplanned.capacity = CapacityReport(fits=True, planned=False, reason="not planned: an unknown architecture")
+    estimate_levels(unplanned, None, None)
+    assert unplanned.estimate_note.startswith("not estimated: the memory ledger did not plan")
+    assert all(level.estimate is None for level in unplanned.levels)
+
+    on_gpu = _recorded(tmp_path).model_copy(update={"device": "gpu", "environment": {}})
+    estimate_levels(on_gpu, None, None)
+    assert on_gpu.estimate_note == "not estimated: no GPU named in hardware.gpu and none seen by the trial"
+
+    unknown = _recorded(tmp_path).model_copy(update={"model": str(tmp_path / "nowhere")})
+    estimate_levels(unknown, None, None)
+    assert unknown.estimate_note.startswith("not estimated: ") and unknown.estimate_factors is None
