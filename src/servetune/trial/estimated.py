@@ -10,8 +10,10 @@ the trial itself never fails for it.
 
 from __future__ import annotations
 
+from servetune.capacity import Hardware, ModelArch, gpu_hardware, load_model_arch, plan_capacity, resolve_hardware
 from servetune.errors import UserError
-from servetune.estimate import Efficiency, Load, estimate, gpu_class, load_factors
+from servetune.estimate import Efficiency, Load, estimate, gpu_class, load_factors, replica_from_plan
+from servetune.estimate.calibrate import CalibrationPoint
 from servetune.estimate.calibrate_cpu import RECORDED_HOST
 from servetune.results import LevelEstimate, LevelResult, TrialResult
 
@@ -36,23 +38,15 @@ def estimate_levels(
         result.estimate_note = f"not estimated: the memory ledger did not plan the model ({result.capacity.reason})"
         return
     try:
-        from servetune.capacity import gpu_hardware, load_model_arch, resolve_hardware
-
-        arch = load_model_arch(result.model)
-        seen = result.environment.get("gpu_model")
-        if result.device == "cpu":
-            hardware = resolve_hardware("cpu")
-        elif gpu is not None:
-            hardware = resolve_hardware("gpu", gpu, gpu_memory_gib)
-        elif seen and not seen.startswith("no NVIDIA GPU"):
-            hardware = gpu_hardware(seen, int(float(result.environment.get("gpu_memory_gib", "0")) * 2**30))
-        else:
+        resolved = _resolve(result, gpu, gpu_memory_gib)
+        if resolved is None:
             result.estimate_note = "not estimated: no GPU named in hardware.gpu and none seen by the trial"
             return
+        arch, hardware = resolved
         factors = load_factors()
         rates = RECORDED_HOST if result.device == "cpu" else None
         if efficiency is not None:
-            cls = "CPU" if result.device == "cpu" else gpu_class(hardware.name)
+            cls = gpu_class(hardware.name)
             factors = factors.model_copy(update={"per_gpu_class": {**factors.per_gpu_class, cls: efficiency}})
         for level in levels:
             load = _load(level)
@@ -65,6 +59,54 @@ def estimate_levels(
         result.estimate_note = f"not estimated: {str(exc).splitlines()[0]}"
     except Exception as exc:  # the estimate is a side note of the measurement: it never costs the trial its result
         result.estimate_note = f"not estimated: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def _resolve(result: TrialResult, gpu: str | None, gpu_memory_gib: float | None) -> tuple[ModelArch, Hardware] | None:
+    """The model and the hardware the trial's estimate is made for; None where no GPU is known."""
+    arch = load_model_arch(result.model)
+    seen = result.environment.get("gpu_model")
+    if result.device == "cpu":
+        return arch, resolve_hardware("cpu")
+    if gpu is not None:
+        return arch, resolve_hardware("gpu", gpu, gpu_memory_gib)
+    if seen and not seen.startswith("no NVIDIA GPU"):
+        return arch, gpu_hardware(seen, int(float(result.environment.get("gpu_memory_gib", "0")) * 2**30))
+    return None
+
+
+def calibration_points(result: TrialResult, gpu: str | None, gpu_memory_gib: float | None) -> list[CalibrationPoint]:
+    """A COMPLETE trial's measured levels as points the factors can be refitted on (:mod:`servetune.estimate.refit`);
+    none for another outcome, or where the trial was not estimated."""
+    if result.outcome != "COMPLETE" or result.estimate_note is not None:
+        return []
+    resolved = _resolve(result, gpu, gpu_memory_gib)
+    if resolved is None:
+        return []
+    arch, hardware = resolved
+    points: list[CalibrationPoint] = []
+    for level in result.levels:
+        load = _load(level) if level.summary.completed else None
+        if load is None or (load.concurrency is None and load.rate is None):
+            continue
+        s = level.summary
+        plan = plan_capacity(arch, result.engine_args, hardware, env=result.env,
+                             request_tokens=load.input_tokens + load.output_tokens)  # fmt: skip
+        if not plan.fits:
+            return []
+        rates = RECORDED_HOST if result.device == "cpu" else None
+        replica = replica_from_plan(arch, plan, result.engine_args, rates)
+        dp = int(result.engine_args.get("data_parallel_size") or 1)
+        measured = {"ttft_ms": s.ttft_ms.mean, "tpot_ms": s.tpot_ms.mean, "output_throughput": s.output_throughput / dp}
+        points.append(
+            CalibrationPoint(
+                row=len(points), source_id=result.trial_id, gpu_class=gpu_class(replica.rates.gpu),
+                model=arch.name, replica=replica, regime="closed" if load.concurrency is not None else "open",
+                input_tokens=load.input_tokens, output_tokens=load.output_tokens,
+                load=float(load.concurrency if load.concurrency is not None else load.rate or 0) / dp,
+                measured={k: v for k, v in measured.items() if v is not None and v > 0}, held_out=False,
+            )
+        )  # fmt: skip
+    return points
 
 
 def _load(level: LevelResult) -> Load | None:
