@@ -444,6 +444,29 @@ def highest_load_index(levels: list[LevelResult]) -> int | None:
     return max(range(len(levels)), key=lambda i: level_load(levels[i]))
 
 
+@dataclass(frozen=True)
+class EstimateAccuracy:
+    """How far the estimate was from the measurements of a study, for one metric: |predicted / measured - 1|."""
+
+    metric: str  # ttft_ms, tpot_ms or output_throughput (LevelEstimate.error's keys)
+    median: float
+    worst: float
+    levels: int
+
+
+def estimate_accuracy(trials: list[TrialResult]) -> list[EstimateAccuracy]:
+    """The median and worst relative error of the estimate per metric, over every estimated level of ``trials``."""
+    errors: dict[str, list[float]] = {}
+    for trial in trials:
+        for level in trial.levels:
+            for metric, error in (level.estimate.error if level.estimate is not None else {}).items():
+                errors.setdefault(metric, []).append(abs(error))
+    return [
+        EstimateAccuracy(metric, statistics.median(values), max(values), len(values))
+        for metric, values in errors.items()
+    ]
+
+
 #: The layout of ``study.json`` and ``result.json`` this servetune writes. Readers take any version:
 #: a field they do not know is ignored and one they miss takes its default, so a study opens in an
 #: older or a newer servetune alike; the number says which layout wrote a file. 1: before it was

@@ -66,3 +66,34 @@ def test_where_no_estimate_can_be_made_a_note_says_why_and_nothing_fails(tmp_pat
     unknown = _recorded(tmp_path).model_copy(update={"model": str(tmp_path / "nowhere")})
     estimate_levels(unknown, None, None)
     assert unknown.estimate_note.startswith("not estimated: ") and unknown.estimate_factors is None
+
+
+def test_the_estimates_error_reaches_mlflow_and_the_report(tmp_path):
+    from servetune.report.build import estimate_lines
+    from servetune.results import estimate_accuracy
+    from servetune.tracking.fields import study_metrics, trial_metrics
+
+    trials = [_recorded(tmp_path, index=i) for i in range(3)]
+    assert estimate_accuracy(trials) == [] and estimate_lines(trials) == ()  # results from before: nothing said
+    for trial in trials:
+        estimate_levels(trial, None, None)
+    errors = [abs(lv.estimate.error["tpot_ms"]) for t in trials for lv in t.levels]
+    (tpot,) = [a for a in estimate_accuracy(trials) if a.metric == "tpot_ms"]
+    assert tpot.levels == len(errors) and tpot.worst == max(errors) and min(errors) <= tpot.median <= tpot.worst
+
+    metrics = {(m.key, m.step): m.value for m in trial_metrics(trials[0])}
+    first = trials[0].levels[0].estimate
+    assert metrics[("by_level/estimate/tpot_ms", 0)] == pytest.approx(first.tpot_ms, rel=1e-3)
+    assert metrics[("by_level/estimate_error/output_throughput", 0)] == pytest.approx(
+        first.error["output_throughput"], rel=1e-3, abs=1e-6
+    )
+    study = study_metrics(trials)
+    assert study["estimate_error_worst/tpot_ms"] == tpot.worst
+
+    unplanned = _recorded(tmp_path, index=3)
+    unplanned.capacity = CapacityReport(fits=True, planned=False, reason="not planned: an unknown architecture")
+    estimate_levels(unplanned, None, None)
+    lines = estimate_lines([*trials, unplanned])
+    assert any(line.startswith("TPOT (mean): median ") for line in lines)
+    assert "factors: shipped (0 trials estimated with the study's refit factors)" in lines
+    assert unplanned.estimate_note in lines
