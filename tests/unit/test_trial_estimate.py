@@ -97,3 +97,24 @@ def test_the_estimates_error_reaches_mlflow_and_the_report(tmp_path):
     assert any(line.startswith("TPOT (mean): median ") for line in lines)
     assert "factors: shipped (0 trials estimated with the study's refit factors)" in lines
     assert unplanned.estimate_note in lines
+
+
+def test_a_planned_estimate_before_the_trial_runs(tmp_path):
+    from servetune.trial.estimated import planned_estimate
+
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_CONFIG))
+    args, env = {"max_model_len": 1024, "dtype": "float32", "max_num_seqs": 4}, {"VLLM_CPU_KVCACHE_SPACE": "1"}
+    two = planned_estimate(str(model), "cpu", args, env, None, None, "concurrency", 2, 128, 32)
+    wider = planned_estimate(
+        str(model), "cpu", {**args, "data_parallel_size": 2}, env, None, None, "concurrency", 8, 128, 32
+    )
+    eight = planned_estimate(str(model), "cpu", args, env, None, None, "concurrency", 8, 128, 32)
+    assert not isinstance(two, str) and not isinstance(eight, str) and not isinstance(wider, str)
+    assert eight.saturated and not two.saturated  # 8 clients, 4 sequences at once
+    assert wider.output_throughput > eight.output_throughput  # two replicas share the 8 clients
+    assert planned_estimate(str(model), "gpu", args, env, None, None, "rate", 2, 128, 32) == "no hardware.gpu"
+    assert isinstance(
+        planned_estimate(str(tmp_path / "nowhere"), "cpu", args, env, None, None, "rate", 2, 128, 32), str
+    )

@@ -10,9 +10,11 @@ the trial itself never fails for it.
 
 from __future__ import annotations
 
+from typing import Any
+
 from servetune.capacity import Hardware, ModelArch, gpu_hardware, load_model_arch, plan_capacity, resolve_hardware
 from servetune.errors import UserError
-from servetune.estimate import Efficiency, Load, estimate, gpu_class, load_factors, replica_from_plan
+from servetune.estimate import Efficiency, Estimate, Load, estimate, gpu_class, load_factors, replica_from_plan
 from servetune.estimate.calibrate import CalibrationPoint
 from servetune.estimate.calibrate_cpu import RECORDED_HOST
 from servetune.results import LevelEstimate, LevelResult, TrialResult
@@ -133,3 +135,25 @@ def _compared(ttft_ms: float | None, tpot_ms: float, throughput: float, level: L
         if got is not None and measured:
             error[metric] = got / measured - 1
     return LevelEstimate(ttft_ms=ttft_ms, tpot_ms=tpot_ms, output_throughput=throughput, error=error)
+
+
+def planned_estimate(
+    model: str, device: str, engine_args: dict[str, Any], env: dict[str, str], gpu: str | None,
+    gpu_memory_gib: float | None, kind: str, value: float, input_tokens: int, output_tokens: int,
+) -> Estimate | str:  # fmt: skip
+    """The estimate of a trial before it runs, at one load (``kind`` concurrency or rate) with the workload's mean
+    lengths and the shipped factors; where none can be made, why, in words (``run --dry-run``'s column)."""
+    if device == "gpu" and gpu is None:
+        return "no hardware.gpu"
+    try:
+        arch = load_model_arch(model)
+        hardware = resolve_hardware("cpu") if device == "cpu" else resolve_hardware("gpu", gpu, gpu_memory_gib)
+        lengths = {"input_tokens": input_tokens, "output_tokens": output_tokens}
+        if kind == "concurrency":
+            load = Load(**lengths, concurrency=max(1, round(value)))
+        else:
+            load = Load(**lengths, rate=value)
+        rates = RECORDED_HOST if device == "cpu" else None
+        return estimate(arch, engine_args, hardware, load, env=env, rates=rates)
+    except (UserError, ValueError, KeyError) as exc:
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
