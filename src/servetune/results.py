@@ -39,6 +39,18 @@ class LevelRun(BaseModel):
     slo_violations: list[str] = []
 
 
+class LevelEstimate(BaseModel):
+    """The estimate of one measured level (servetune.estimate at the level's load, with the request lengths
+    it served and the factors the trial was given) beside its relative error against the measurement."""
+
+    model_config = RECORD
+
+    ttft_ms: float | None = None  # mean TTFT; None: the model calls the load a queue without bound
+    tpot_ms: float
+    output_throughput: float
+    error: dict[str, float] = {}  # metric -> predicted / measured - 1 (ttft_ms and tpot_ms against their means)
+
+
 class LevelResult(BaseModel):
     """One load level: the client's summary, the server's own counters, and the SLO verdict.
 
@@ -59,6 +71,7 @@ class LevelResult(BaseModel):
     ttft_ms_distribution: list[float] | None = None  # TTFT at percentiles 0, 5, ..., 100 (metrics.ttft_distribution_ms)
     energy_note: str | None = None  # why an energy of the measured window is missing (telemetry.py), else None
     runs: list[LevelRun] = Field(default=[], exclude_if=lambda runs: not runs)  # absent when run once
+    estimate: LevelEstimate | None = None  # what the estimate predicted for this level (trial/estimated.py)
 
     @property
     def meets_slo(self) -> bool:
@@ -365,6 +378,10 @@ class TrialResult(BaseModel):
     # configuration either. ``retried``: the start-up failures a retry followed, in order.
     failure: Failure | None = None
     retried: list[Failure] = []
+    # The estimate of every level (LevelResult.estimate) was made with these factors ("shipped", or "refit on N
+    # points"); where it could not be made, ``estimate_note`` says why (the trial is measured all the same).
+    estimate_factors: str | None = None
+    estimate_note: str | None = None
 
     @property
     def runs_again(self) -> bool:
@@ -496,6 +513,29 @@ def highest_load_index(levels: list[LevelResult]) -> int | None:
     return max(range(len(levels)), key=lambda i: level_load(levels[i]))
 
 
+@dataclass(frozen=True)
+class EstimateAccuracy:
+    """How far the estimate was from the measurements of a study, for one metric: |predicted / measured - 1|."""
+
+    metric: str  # ttft_ms, tpot_ms or output_throughput (LevelEstimate.error's keys)
+    median: float
+    worst: float
+    levels: int
+
+
+def estimate_accuracy(trials: list[TrialResult]) -> list[EstimateAccuracy]:
+    """The median and worst relative error of the estimate per metric, over every estimated level of ``trials``."""
+    errors: dict[str, list[float]] = {}
+    for trial in trials:
+        for level in trial.levels:
+            for metric, error in (level.estimate.error if level.estimate is not None else {}).items():
+                errors.setdefault(metric, []).append(abs(error))
+    return [
+        EstimateAccuracy(metric, statistics.median(values), max(values), len(values))
+        for metric, values in errors.items()
+    ]
+
+
 #: The layout of ``study.json`` and ``result.json`` this servetune writes. Readers take any version:
 #: a field they do not know is ignored and one they miss takes its default, so a study opens in an
 #: older or a newer servetune alike; the number says which layout wrote a file. 1: before it was
@@ -509,7 +549,9 @@ def highest_load_index(levels: list[LevelResult]) -> int | None:
 #: result from before has neither: its energy counted the warm-up too); 7: a result carries ``price``, the price
 #: of its GPU type with its source and date (capacity/prices.py); 8: a result carries ``knee``, where throughput stopped growing with load (:func:`find_knee`;
 #: a result from before has none, and readers derive it from its levels with :attr:`TrialResult.knee_found`).
-SCHEMA_VERSION = 8
+#: 9: a level carries its ``estimate`` (predicted TTFT, TPOT, throughput and their relative errors) and the result
+#: ``estimate_factors`` or ``estimate_note``.
+SCHEMA_VERSION = 9
 
 
 class StudyInfo(BaseModel):

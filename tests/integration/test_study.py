@@ -55,7 +55,9 @@ def test_grid_study_records_every_outcome_and_goes_on_after_a_crash(study):
     # Three trials: one that meets the SLO, one that breaks it, one whose engine dies mid-ladder (2.5 s
     # after it started: well after its first health check, 0.5 s apart, and inside a ladder of about 5 s).
     argv = write(
-        "  env.SERVETUNE_FAKE_TTFT_MS: [5, 900]\n  env.SERVETUNE_FAKE_CRASH_AFTER_S: [1000, 2.5]\n",
+        # (a KV space of its own: the memory ledger, and so the estimate, plans the CPU build only with one)
+        "  env.SERVETUNE_FAKE_TTFT_MS: [5, 900]\n  env.SERVETUNE_FAKE_CRASH_AFTER_S: [1000, 2.5]\n"
+        "  env.VLLM_CPU_KVCACHE_SPACE: [1]\n",
         load="repeats: 3,",
         constraints="['env.SERVETUNE_FAKE_TTFT_MS == 5 or env.SERVETUNE_FAKE_CRASH_AFTER_S == 1000']",
     )
@@ -91,6 +93,14 @@ def test_grid_study_records_every_outcome_and_goes_on_after_a_crash(study):
     )  # Ray Tune's own box: servetune has its table
     assert (study_dir / "report" / "summary.md").exists() and f"recommendation: trial {good['trial_id']}" in done.stderr
     assert json.loads((study_dir / "study.json").read_text())["name"] == "fake"
+    # Each measured level carries its estimate and error; the factors refitted on the completed trials are written.
+    assert all(level["estimate"] is not None for level in good["levels"]), good.get("estimate_note")
+    assert all(
+        level["estimate"]["error"].keys() == {"ttft_ms", "tpot_ms", "output_throughput"} for level in good["levels"]
+    )
+    refit = json.loads((study_dir / "estimate_factors.json").read_text())
+    complete = {r["trial_id"] for r in by_config.values() if r["outcome"] == "COMPLETE"}
+    assert refit["gpu_class"] == "CPU" and refit["trials"] and set(refit["trials"]) <= complete
     assert processes_mentioning(fake) == []
     # The driver logged every trial to MLflow's default store (sqlite:///mlflow.db where it ran).
     from mlflow.tracking import MlflowClient

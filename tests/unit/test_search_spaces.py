@@ -88,6 +88,12 @@ def test_dry_run_lists_trials_and_rejections(path, argspecs, tmp_path, capsys, n
     assert not storage.exists(), "a dry run wrote to the storage"
     if space.device == "gpu":  # the capacity catalogue knows the model: every point is checked offline
         assert "not checked" not in out
+    from servetune.trial.context import resolve_levels
+
+    top = max(resolve_levels(space, space.resolved_workload(path.parent)), key=lambda lv: lv.value)
+    assert f"estimate at {top.kind} {top.value:g}" in out  # every point of the grid estimated at the top level
+    assert out.count("tok/s") >= would_run - out.count("none:")
+    assert "estimate: requests of" in out
 
 
 @pytest.mark.parametrize("name", GPU_SCENARIOS)

@@ -14,6 +14,7 @@ from typing import Any
 from rich.table import Table
 
 from servetune.cli.display import console as make_console
+from servetune.cli.estimate import mean_lengths
 from servetune.config.space import SearchSpace
 from servetune.engine.args import load_argspecs
 from servetune.errors import UserError
@@ -136,6 +137,32 @@ def check_hub_models(space: SearchSpace, space_dir: Path) -> None:
                 stderr_console().print(f"warning: {warning}", soft_wrap=True, highlight=False, markup=False)
 
 
+def estimate_cell(spec: Any, top: Any, lengths: tuple[int, int]) -> str:
+    """The estimate of one point of the grid at the ladder's top level: output throughput, mean TTFT and TPOT."""
+    from servetune.trial.estimated import planned_estimate
+
+    got = planned_estimate(spec.model, spec.device, spec.engine_args, spec.env, spec.gpu, spec.gpu_memory_gib,
+                           top.kind, top.value, *lengths)  # fmt: skip
+    if isinstance(got, str):
+        return f"none: {got}"
+    ttft = "unbounded" if got.ttft_ms is None else f"{got.ttft_ms:,.0f} ms"
+    saturated = ", saturated" if got.saturated else ""
+    return f"{got.output_throughput:,.0f} tok/s, TTFT {ttft}, TPOT {got.tpot_ms:.1f} ms{saturated}"
+
+
+def estimate_note(device: str, lengths: tuple[int, int]) -> str:
+    """What the estimate column assumes, and the error to expect of it."""
+    from servetune.estimate import load_factors
+
+    factors = load_factors()
+    head = f"estimate: requests of {lengths[0]} in / {lengths[1]} out tokens (the workload's means), shipped factors"
+    if device == "cpu":
+        return (f"{head}; the CPU build's factors were fitted on one recording host (bench/README.md): on another "
+                "host expect errors of tens of percent until the study's refit (estimate_factors.json) takes over")  # fmt: skip
+    expected = ", ".join(f"{m} ±{100 * e.median:.0f}%" for m, e in factors.held_out_error.items())
+    return f"{head}; expected error (median on held-out public measurements, fit of {factors.fit_date}): {expected}"
+
+
 def dry_run(space: SearchSpace, args: argparse.Namespace, model: str, models: dict[str, str] | None = None) -> int:
     from servetune.study.driver import proposals
     from servetune.trial.context import StudyContext, resolve_levels
@@ -151,7 +178,9 @@ def dry_run(space: SearchSpace, args: argparse.Namespace, model: str, models: di
     except ValueError:  # continuous ranges: the sampler draws from them, there is no grid to list
         kept, rejected = [], []
     table = Table(title=f"study {space.name}: {space.search.algorithm} search", title_justify="left")
-    for col in ("#", "configuration", "devices", "capacity check", "verdict"):
+    top = max(context.levels, key=lambda lv: lv.value)
+    lengths = mean_lengths(workload)
+    for col in ("#", "configuration", "devices", "capacity check", f"estimate at {top.kind} {top.value:g}", "verdict"):
         table.add_column(col)
     runnable = 0
     points = (
@@ -165,14 +194,21 @@ def dry_run(space: SearchSpace, args: argparse.Namespace, model: str, models: di
         fits = cap is None or cap.fits
         runnable += fits
         note = "not checked (architecture unknown offline)" if cap is None else cap.reason
+        est = estimate_cell(spec, top, lengths) if fits and cap is not None and cap.planned else ""
         table.add_row(
-            str(i), config_label(params), str(spec.devices), note, "[green]run[/]" if fits else "[red]infeasible[/]"
+            str(i),
+            config_label(params),
+            str(spec.devices),
+            note,
+            est,
+            "[green]run[/]" if fits else "[red]infeasible[/]",
         )
     for params, reasons in rejected:
         table.add_row(
-            "-", config_label(params), str(space.devices(params)), "", "[yellow]excluded[/]: " + "; ".join(reasons)
+            "-", config_label(params), str(space.devices(params)), "", "", "[yellow]excluded[/]: " + "; ".join(reasons)
         )
     console.print(table)
+    console.print(estimate_note(space.device, lengths))
     levels = ", ".join(str(lv) for lv in context.levels)
     console.print(f"{runnable} trial(s) would run, {len(points) - runnable} rejected by the capacity check, "
                   f"{len(rejected)} excluded by the constraints; levels: {levels}; workload {workload.name}")  # fmt: skip

@@ -13,8 +13,9 @@ dominate: the roofline terms are fractions of a millisecond.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from servetune.capacity import arch_from_hf_config, plan_capacity, resolve_hardware
 from servetune.estimate.calibrate import BOUNDS, CalibrationPoint, fit_efficiency
@@ -32,38 +33,47 @@ CPU_BOUNDS = ((1e-4, 1e-4, 0.0, 0.0, 0.0), BOUNDS[1])
 def read_surface(path: Path, held_out: bool, rates: DeviceRates = RECORDED_HOST) -> list[CalibrationPoint]:
     """The completed trials' levels of one recorded surface as calibration points."""
     doc = json.loads(path.read_text(encoding="utf-8"))
-    arch = arch_from_hf_config(TINY_CONFIG, name="tiny")
     points: list[CalibrationPoint] = []
     for trial in doc["trials"]:
-        if trial.get("outcome") != "COMPLETE":
+        points.extend(trial_points(trial, path.stem, held_out, rates, first_row=len(points)))
+    return points
+
+
+def trial_points(
+    trial: Mapping[str, Any], source_id: str, held_out: bool, rates: DeviceRates = RECORDED_HOST, first_row: int = 0
+) -> list[CalibrationPoint]:
+    """One recorded trial's (a ``result.json`` as a dict) closed-loop levels as calibration points; none unless COMPLETE."""
+    if trial.get("outcome") != "COMPLETE":
+        return []
+    arch = arch_from_hf_config(TINY_CONFIG, name="tiny")
+    args, env = trial["engine_args"], trial.get("env") or {}
+    plan = plan_capacity(arch, args, resolve_hardware("cpu"), env=env)
+    replica = replica_from_plan(arch, plan, args, rates)
+    points: list[CalibrationPoint] = []
+    for level in trial["levels"]:
+        s = level["summary"]
+        if "concurrency" not in s["level"] or not s.get("completed"):
             continue
-        args, env = trial["engine_args"], trial.get("env") or {}
-        plan = plan_capacity(arch, args, resolve_hardware("cpu"), env=env)
-        replica = replica_from_plan(arch, plan, args, rates)
-        for level in trial["levels"]:
-            s = level["summary"]
-            if "concurrency" not in s["level"] or not s.get("completed"):
-                continue
-            measured = {
-                "tpot_ms": s["tpot_ms"]["mean"],
-                "ttft_ms": s["ttft_ms"]["mean"],
-                "output_throughput": s["output_throughput"],
-            }
-            points.append(
-                CalibrationPoint(
-                    row=len(points),
-                    source_id=path.stem,
-                    gpu_class="CPU",
-                    model="tiny",
-                    replica=replica,
-                    regime="closed",
-                    input_tokens=max(1, round(s["total_input_tokens"] / s["completed"])),
-                    output_tokens=max(2, round(s["total_output_tokens"] / s["completed"])),
-                    load=float(s["level"]["concurrency"]),
-                    measured={k: v for k, v in measured.items() if v and v > 0},
-                    held_out=held_out,
-                )
+        measured = {
+            "tpot_ms": s["tpot_ms"]["mean"],
+            "ttft_ms": s["ttft_ms"]["mean"],
+            "output_throughput": s["output_throughput"],
+        }
+        points.append(
+            CalibrationPoint(
+                row=first_row + len(points),
+                source_id=source_id,
+                gpu_class="CPU",
+                model="tiny",
+                replica=replica,
+                regime="closed",
+                input_tokens=max(1, round(s["total_input_tokens"] / s["completed"])),
+                output_tokens=max(2, round(s["total_output_tokens"] / s["completed"])),
+                load=float(s["level"]["concurrency"]),
+                measured={k: v for k, v in measured.items() if v and v > 0},
+                held_out=held_out,
             )
+        )
     return points
 
 

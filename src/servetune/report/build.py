@@ -32,7 +32,7 @@ from servetune.report.serving import ServeSection, serve_section
 from servetune.report.study import LoadedStudy, NotRead
 from servetune.report.trials import TrialRow, trial_rows
 from servetune.report.verification import Verification, conclusion, primary, verifications
-from servetune.results import StudyInfo, TrialResult
+from servetune.results import StudyInfo, TrialResult, estimate_accuracy
 
 OUTCOMES = ("COMPLETE", "INFEASIBLE", "FAILED")
 
@@ -77,6 +77,7 @@ class StudyReport:
     energy: str = ""  # where the energy per token came from, or why it is missing (energy_line)
     prices: tuple[str, ...] = ()  # the prices the trials were costed at, with source and date (none overridden)
     which_gpu: WhichGpu | None = None  # each GPU type's best configuration and cost (report/gpus.py)
+    estimate: tuple[str, ...] = ()  # how far the estimate was from the measurements (estimate_lines)
 
     def outcome_counts(self) -> dict[str, int]:
         """Trials by outcome, plus ``not read`` (every trial directory is counted once)."""
@@ -175,6 +176,7 @@ def build_report(
         energy=energy_line(study.trials, points, study.info.device),
         prices=() if price_per_device_hour is not None else prices_used(study.trials),
         which_gpu=which_gpu(study.trials, points, outlines, target_rps, price_per_device_hour),
+        estimate=estimate_lines(study.trials),
     )
 
 
@@ -194,6 +196,26 @@ def energy_line(trials: Sequence[TrialResult], points: Sequence[ReportPoint], de
     notes = sorted({lv.energy_note for t in trials for lv in t.levels if lv.energy_note is not None})
     line = f"energy per token measured at {measured} of {len(points)} points, from {source}, warm-up left out"
     return line + (f"; {'; '.join(notes)}" if notes else "")
+
+
+ESTIMATED = {"ttft_ms": "TTFT (mean)", "tpot_ms": "TPOT (mean)", "output_throughput": "output throughput"}
+
+
+def estimate_lines(trials: Sequence[TrialResult]) -> tuple[str, ...]:
+    """The estimate's error over the study, per metric (median and worst |predicted / measured - 1| over the
+    estimated levels), the factors it used, and why the trials without one have none; () when none was made."""
+    accuracy = estimate_accuracy(list(trials))
+    lines = [
+        f"{ESTIMATED.get(a.metric, a.metric)}: median {a.median:.0%}, worst {a.worst:.0%} over {a.levels} levels"
+        for a in accuracy
+    ]
+    factors = sorted({t.estimate_factors for t in trials if t.estimate_factors is not None})
+    if factors:
+        refit = sum(t.estimate_factors == "refit" for t in trials)
+        lines.append(f"factors: {' and '.join(factors)} ({refit} trials estimated with the study's refit factors)")
+    notes = sorted({t.estimate_note for t in trials if t.estimate_note is not None})
+    lines += notes
+    return tuple(lines)
 
 
 def _rule(

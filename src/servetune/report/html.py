@@ -442,6 +442,9 @@ def render_html(report: StudyReport) -> str:
             parts.append(
                 "<h3>Speculative decoding</h3><ul>" + "".join(f"<li>{e(line)}</li>" for line in drafted) + "</ul>"
             )
+    if report.estimate:  # the estimate made before each trial, against what it measured
+        items = "".join(f"<li>{e(line)}</li>" for line in report.estimate)
+        parts.append(f"<h3 id='estimate'>The estimate against the measurements</h3><ul>{items}</ul>")
     if report.quality_table:
         parts.append(quality_html(report))
     if report.ttft_spreads:

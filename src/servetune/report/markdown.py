@@ -263,6 +263,8 @@ def render_markdown(report: StudyReport) -> str:
     ]
     lines += _recommendation(report)
     lines += which_gpu_section(report)
+    if report.estimate:  # the estimate made before each trial, against what it measured
+        lines += ["### The estimate against the measurements", "", *(f"- {line}" for line in report.estimate), ""]
     lines += verification_section(report)
     counts = report.outcome_counts()
     lines += ["## Trials", ""]

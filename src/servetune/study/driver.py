@@ -61,11 +61,15 @@ FETCH_KEY = "servetune_fetch"
 CARRIED_WHOLE = (REQUESTS_FILE, QUALITY_FILE, LM_EVAL_RESULTS_FILE)
 
 
-def trainable(config: dict[str, Any], context: StudyContext, finished_points: Any = None) -> None:
+def trainable(
+    config: dict[str, Any], context: StudyContext, finished_points: Any = None, study_refit: Any = None
+) -> None:
     """The Ray Tune function trainable: one trial on the resources Tune reserved for it.
 
     ``finished_points``: the study's :class:`~servetune.study.early_stop.FinishedPoints` actor
     when trials stop at levels finished trials dominate; the trial adds its own points to it.
+    ``study_refit``: the study's :class:`~servetune.study.refit.StudyRefit` actor: the trial's levels
+    are estimated with its factors, and the trial adds its own levels to it.
     """
     import ray
     from ray import tune
@@ -98,12 +102,18 @@ def trainable(config: dict[str, Any], context: StudyContext, finished_points: An
                 held = devices_held(
                     context.ledger, spec.trial_id, *replica_share(spec)
                 )  # trials in flight share no device
+        if study_refit is not None:
+            from servetune.study.refit import refit_for_trial
+
+            spec = dataclasses.replace(spec, estimate_efficiency=refit_for_trial(study_refit))
         with held:
             result = run_trial(
                 spec, tune.report, lambda: PromptFactory(load_tokenizer(spec.tokenizer)), stop_rule=rule, engine=engine
             )
         if finished_points is not None:  # before the final report: trials that start next see it
             ray.wait([finished_points.add.remote(result)], timeout=10)
+        if study_refit is not None:  # likewise: the refit is written once Tune has the final report
+            ray.wait([study_refit.add.remote(result)], timeout=60)
     inline, fetch = carried_files(spec.trial_dir, spec.node_id)
     tune.report({**final_report(result, context), FILES_KEY: json.dumps(inline), FETCH_KEY: json.dumps(fetch)})
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import os
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from ray.tune import Callback
@@ -16,6 +18,7 @@ from servetune.device_ledger import give_back
 from servetune.study.driver import finished_results, trainable
 from servetune.study.nodes import placement_problem_of
 from servetune.study.ray_cluster import init_ray  # noqa: F401 - `servetune run` starts Ray through here
+from servetune.study.refit import start_study_refit, write_refit
 from servetune.study.searcher import ConstrainedOptunaSearch
 from servetune.trial.context import StudyContext, bundle
 
@@ -71,8 +74,14 @@ def run_tuner(context: StudyContext, points: list[dict[str, Any]] | None, search
     resources = lambda config: tune.PlacementGroupFactory(trial_resources(context, config["params"]))  # noqa: E731
     # Trials stop at levels finished trials dominate: they ask this actor (study/early_stop.py).
     finished_points = start_finished_points(finished_results(context.study_dir)) if space.stops_when_dominated else None
+    # The estimate's factors, refitted after each completed trial (study/refit.py); later trials are estimated with them.
+    study_refit = start_study_refit(
+        space.hardware.gpu, space.hardware.gpu_memory_gib, finished_results(context.study_dir)
+    )
+    callbacks = [*callbacks, RefitWriter(study_refit, context.study_dir)]
     fn = tune.with_resources(
-        tune.with_parameters(trainable, context=context, finished_points=finished_points), resources
+        tune.with_parameters(trainable, context=context, finished_points=finished_points, study_refit=study_refit),
+        resources,
     )
     if points is not None:
         param_space = {"params": tune.grid_search(points)}
@@ -93,9 +102,29 @@ def run_tuner(context: StudyContext, points: list[dict[str, Any]] | None, search
     try:
         tune.Tuner(fn, param_space=param_space, tune_config=tune_config, run_config=run_config).fit()
     finally:
-        for actor in (finished_points, ledger):
+        RefitWriter(study_refit, context.study_dir).write()
+        for actor in (finished_points, ledger, study_refit):
             if actor is not None:
                 ray.kill(actor)
+
+
+class RefitWriter(Callback):
+    """The study's refit factors written to ``estimate_factors.json`` after each trial (study/refit.py)."""
+
+    def __init__(self, study_refit: Any, study_dir: Path) -> None:
+        self.study_refit, self.study_dir = study_refit, study_dir
+
+    def write(self) -> None:
+        import ray
+        from ray.exceptions import GetTimeoutError, RayError
+
+        try:
+            write_refit(self.study_dir, ray.get(self.study_refit.record.remote(), timeout=30))
+        except (GetTimeoutError, RayError, OSError) as exc:  # a side note of the study: said, never fatal
+            print(f"servetune: could not write the refit estimate factors ({type(exc).__name__})", file=sys.stderr)
+
+    def on_trial_complete(self, iteration: int, trials: list[Trial], trial: Trial, **info: Any) -> None:
+        self.write()
 
 
 class GiveBack(Callback):

@@ -25,7 +25,7 @@ from servetune.metrics import COST_METRIC, ENERGY_PER_TOKEN, GOODPUT, REQUEST_TH
 from servetune.report.diagnosis import diagnose, limited_by
 from servetune.report.params import short_config
 from servetune.report.points import level_label
-from servetune.results import StudyInfo, TrialResult, chosen_level
+from servetune.results import StudyInfo, TrialResult, chosen_level, estimate_accuracy
 from servetune.secrets import redact_params
 
 #: Engine arguments every trial run records (checklist: TP PP DP, context, KV, batching, scheduling).
@@ -160,6 +160,11 @@ def level_metrics(trial: TrialResult) -> list[dict[str, float | None]]:
         )  # fmt: skip
         for source in (level.server_metrics, level.telemetry):
             values.update({k: v for k, v in source.items() if k not in values})
+        if level.estimate is not None:  # what the estimate predicted for the level, and how far off it was
+            est = level.estimate
+            values.update({"estimate/ttft_ms": est.ttft_ms, "estimate/tpot_ms": est.tpot_ms,
+                           "estimate/output_throughput": est.output_throughput})  # fmt: skip
+            values.update({f"estimate_error/{metric}": error for metric, error in est.error.items()})
         out.append(values)
     return out
 
@@ -265,6 +270,9 @@ def study_metrics(trials: Sequence[TrialResult]) -> dict[str, float]:
         out["best_goodput"] = max(goodputs)
     if costs:
         out["best_cost_per_mtok_usd"] = min(costs)
+    for accuracy in estimate_accuracy(list(trials)):  # |predicted / measured - 1| over the study's levels
+        out[f"estimate_error_median/{accuracy.metric}"] = accuracy.median
+        out[f"estimate_error_worst/{accuracy.metric}"] = accuracy.worst
     return out
 
 

@@ -32,6 +32,7 @@ from servetune.engine.server import VllmServer
 from servetune.engine.startup import startup_phases
 from servetune.environment import collect_environment
 from servetune.errors import EngineDiedError, EngineStartError, UserError
+from servetune.estimate import Efficiency
 from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory
 from servetune.load.runner import Level
@@ -56,6 +57,7 @@ from servetune.results import (
 from servetune.secrets import redact_engine_args, redact_env, redact_params
 from servetune.telemetry import TelemetrySampler, visible_gpu_indices
 from servetune.trial.capacity import CAPACITY_LEVELS, CAPACITY_TOLERANCE, CapacitySearch
+from servetune.trial.estimated import estimate_levels
 from servetune.trial.failures import INFRA_RETRIES, classify
 from servetune.trial.measure import Engine as MeasuredEngine
 from servetune.trial.measure import LevelPlan, check_alive, measure_rung
@@ -106,6 +108,8 @@ class TrialSpec:
         None  # through Serve: the replicas' stream batching interval (None: Ray's default)
     )
     gpu_type: str | None = None  # the Ray accelerator type its devices are pinned to (trial/context.py pinned_gpu_type)
+    # the factors its levels are estimated with (trial/estimated.py): the study's refit, None for the shipped ones
+    estimate_efficiency: Efficiency | None = None
 
     @property
     def trial_id(self) -> str:
@@ -344,6 +348,7 @@ def run_trial(spec: TrialSpec, report: Report, prompts: Callable[[], PromptFacto
         result.finished_at = _now()
         result.duration_s = time.monotonic() - started
         result.best_level_index = best_level(result)
+        estimate_levels(result, spec.gpu, spec.gpu_memory_gib, spec.estimate_efficiency)
         write_atomic(trial_dir / RESULT_FILE, result.model_dump_json(indent=2) + "\n")
     return result
 

@@ -1,0 +1,92 @@
+"""Online refit: the efficiency factors refitted on a study's own measurements, shrunk toward a prior.
+
+After each completed trial, :func:`refit` fits the factors on every level the study has measured
+so far, with the shipped factors (:func:`~servetune.estimate.load_factors`) as a prior worth
+``prior_points`` pseudo-points: each fitted factor's relative distance from the prior costs as
+much as ``prior_points`` measurements missed by that fraction. With no points the refit is the
+prior; with a few it moves only as far as they agree; with many the data decide. Deterministic,
+like :func:`~servetune.estimate.calibrate.fit_efficiency`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+from scipy.optimize import least_squares
+
+from servetune.estimate.calibrate import BOUNDS, FITTED, CalibrationPoint, predict
+from servetune.estimate.calibrate_cpu import CPU_BOUNDS
+from servetune.estimate.factors import Efficiency
+
+DEFAULT_PRIOR_POINTS = 5.0
+# Below these a factor's relative distance from the prior is measured against the floor instead,
+# so a prior of 0 (an overhead fitted away) can still move.
+_SCALE_FLOOR = {
+    "decode_bandwidth": 1e-3,
+    "prefill_flops": 1e-3,
+    "step_overhead_ms": 0.05,
+    "sequence_overhead_ms": 0.005,
+    "allreduce_us": 1.0,
+}
+
+
+class Refit(BaseModel):
+    """The factors of one GPU class after a study's measured points, as written to the study dir."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gpu_class: str
+    prior: Efficiency = Field(description="the factors the refit was shrunk toward (the shipped ones)")
+    prior_points: float = Field(description="the prior's weight, in measured points")
+    points: int = Field(description="measured (trial, level, metric) values the refit used")
+    trials: list[str] = Field(default_factory=list, description="the trials whose levels were used")
+    efficiency: Efficiency
+
+
+def refit(
+    points: Sequence[CalibrationPoint],
+    prior: Efficiency,
+    prior_points: float = DEFAULT_PRIOR_POINTS,
+    bounds: tuple[tuple[float, ...], tuple[float, ...]] | None = None,
+) -> Efficiency:
+    """The factors that best predict ``points`` with ``prior`` worth ``prior_points`` measurements.
+
+    Each measured metric of each point is one residual, log(predicted / measured); each fitted
+    factor adds sqrt(prior_points) x its relative distance from the prior. ``bounds`` default to
+    the CPU build's where every point is on the CPU, else the GPU fit's.
+    """
+    measured = sum(len(p.measured) for p in points)
+    if not points or measured == 0:
+        return prior
+    if bounds is None:
+        bounds = CPU_BOUNDS if all(p.gpu_class == "CPU" for p in points) else BOUNDS
+    fitted = FITTED if any(p.replica.tp > 1 for p in points) else FITTED[:-1]
+    n = len(fitted)
+    lo, hi = np.array(bounds[0][:n]), np.array(bounds[1][:n])
+    x_prior = np.array([getattr(prior, name) for name in fitted])
+    scale = np.array([max(abs(getattr(prior, name)), _SCALE_FLOOR[name]) for name in fitted])
+    weight = math.sqrt(max(prior_points, 0.0))
+
+    def efficiency(x: np.ndarray) -> Efficiency:
+        return prior.model_copy(update={name: float(v) for name, v in zip(fitted, x, strict=True)})
+
+    def residuals(x: np.ndarray) -> np.ndarray:
+        eff = efficiency(x)
+        out: list[float] = []
+        for point in points:
+            predicted, _ = predict(point, eff)
+            out.extend(math.log(predicted[m] / v) for m, v in point.measured.items() if m in predicted)
+        return np.concatenate([np.asarray(out), weight * (x - x_prior) / scale])
+
+    start = np.clip(x_prior, lo, hi)
+    result = least_squares(residuals, start, bounds=(lo, hi), loss="linear", x_scale=scale, diff_step=1e-3)
+    return prior.model_copy(update={name: round(float(v), 6) for name, v in zip(fitted, result.x, strict=True)})
+
+
+def relative_errors(point: CalibrationPoint, eff: Efficiency) -> dict[str, float]:
+    """|predicted / measured - 1| of each metric ``point`` measured, with ``eff``."""
+    predicted, _ = predict(point, eff)
+    return {m: abs(predicted[m] / v - 1) for m, v in point.measured.items() if m in predicted}

@@ -1,0 +1,159 @@
+"""Every measured level beside its estimate: :func:`estimate_levels`, called as a trial ends.
+
+The estimate (:mod:`servetune.estimate`) is made at each level's load (clients or requests/s) with the
+mean request lengths the level served, on the hardware the capacity check sized, with the factors
+the trial was given (the shipped ones unless the study refitted them). Its relative error against the
+measured mean TTFT, mean TPOT and output throughput is recorded beside it. Where no estimate can be
+made (a model the memory ledger does not plan, a GPU outside the catalogue), ``estimate_note`` says why;
+the trial itself never fails for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from servetune.capacity import Hardware, ModelArch, gpu_hardware, load_model_arch, plan_capacity, resolve_hardware
+from servetune.errors import UserError
+from servetune.estimate import Efficiency, Estimate, Load, estimate, gpu_class, load_factors, replica_from_plan
+from servetune.estimate.calibrate import CalibrationPoint
+from servetune.estimate.calibrate_cpu import RECORDED_HOST
+from servetune.results import LevelEstimate, LevelResult, TrialResult
+
+#: The metrics an estimate is compared on: (estimate field, summary field, statistic).
+COMPARED = (("ttft_ms", "ttft_ms", "mean"), ("tpot_ms", "tpot_ms", "mean"), ("output_throughput", None, None))
+
+
+def estimate_levels(
+    result: TrialResult, gpu: str | None, gpu_memory_gib: float | None, efficiency: Efficiency | None = None
+) -> None:
+    """Fill each measured level's ``estimate`` of ``result`` (or ``result.estimate_note``); never raises.
+
+    ``gpu`` / ``gpu_memory_gib``: the space's ``hardware.gpu`` (else the GPU the trial got, from its
+    environment); ``efficiency``: refit factors for that GPU class (None: the shipped ones). On vLLM's CPU
+    build the cores' rates are the recording host's (``calibrate_cpu.RECORDED_HOST``), which the shipped CPU
+    factors were fitted with.
+    """
+    levels = [lv for lv in result.levels if lv.summary.completed]
+    if not levels:
+        return
+    if result.capacity is not None and not result.capacity.planned:
+        result.estimate_note = f"not estimated: the memory ledger did not plan the model ({result.capacity.reason})"
+        return
+    try:
+        resolved = _resolve(result, gpu, gpu_memory_gib)
+        if resolved is None:
+            result.estimate_note = "not estimated: no GPU named in hardware.gpu and none seen by the trial"
+            return
+        arch, hardware = resolved
+        factors = load_factors()
+        rates = RECORDED_HOST if result.device == "cpu" else None
+        if efficiency is not None:
+            cls = gpu_class(hardware.name)
+            factors = factors.model_copy(update={"per_gpu_class": {**factors.per_gpu_class, cls: efficiency}})
+        for level in levels:
+            load = _load(level)
+            if load is None:
+                continue
+            est = estimate(arch, result.engine_args, hardware, load, factors, env=result.env, rates=rates)
+            level.estimate = _compared(est.ttft_ms, est.tpot_ms, est.output_throughput, level)
+        result.estimate_factors = "shipped" if efficiency is None else "refit"
+    except UserError as exc:  # a model or GPU the estimate does not cover: said in the user's words
+        result.estimate_note = f"not estimated: {str(exc).splitlines()[0]}"
+    except Exception as exc:  # the estimate is a side note of the measurement: it never costs the trial its result
+        result.estimate_note = f"not estimated: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def _resolve(result: TrialResult, gpu: str | None, gpu_memory_gib: float | None) -> tuple[ModelArch, Hardware] | None:
+    """The model and the hardware the trial's estimate is made for; None where no GPU is known."""
+    arch = load_model_arch(result.model)
+    seen = result.environment.get("gpu_model")
+    if result.device == "cpu":
+        return arch, resolve_hardware("cpu")
+    if gpu is not None:
+        return arch, resolve_hardware("gpu", gpu, gpu_memory_gib)
+    if seen and not seen.startswith("no NVIDIA GPU"):
+        return arch, gpu_hardware(seen, int(float(result.environment.get("gpu_memory_gib", "0")) * 2**30))
+    return None
+
+
+def calibration_points(result: TrialResult, gpu: str | None, gpu_memory_gib: float | None) -> list[CalibrationPoint]:
+    """A COMPLETE trial's measured levels as points the factors can be refitted on (:mod:`servetune.estimate.refit`);
+    none for another outcome, or where the trial was not estimated."""
+    if result.outcome != "COMPLETE" or result.estimate_note is not None:
+        return []
+    resolved = _resolve(result, gpu, gpu_memory_gib)
+    if resolved is None:
+        return []
+    arch, hardware = resolved
+    points: list[CalibrationPoint] = []
+    for level in result.levels:
+        load = _load(level) if level.summary.completed else None
+        if load is None or (load.concurrency is None and load.rate is None):
+            continue
+        s = level.summary
+        plan = plan_capacity(arch, result.engine_args, hardware, env=result.env,
+                             request_tokens=load.input_tokens + load.output_tokens)  # fmt: skip
+        if not plan.fits:
+            return []
+        rates = RECORDED_HOST if result.device == "cpu" else None
+        replica = replica_from_plan(arch, plan, result.engine_args, rates)
+        dp = int(result.engine_args.get("data_parallel_size") or 1)
+        measured = {"ttft_ms": s.ttft_ms.mean, "tpot_ms": s.tpot_ms.mean, "output_throughput": s.output_throughput / dp}
+        points.append(
+            CalibrationPoint(
+                row=len(points), source_id=result.trial_id, gpu_class=gpu_class(replica.rates.gpu),
+                model=arch.name, replica=replica, regime="closed" if load.concurrency is not None else "open",
+                input_tokens=load.input_tokens, output_tokens=load.output_tokens,
+                load=float(load.concurrency if load.concurrency is not None else load.rate or 0) / dp,
+                measured={k: v for k, v in measured.items() if v is not None and v > 0}, held_out=False,
+            )
+        )  # fmt: skip
+    return points
+
+
+def _load(level: LevelResult) -> Load | None:
+    s = level.summary
+    done = s.completed
+    lengths = {
+        "input_tokens": max(1, round(s.total_input_tokens / done)),
+        "output_tokens": max(2, round(s.total_output_tokens / done)),
+    }
+    if "concurrency" in s.level:
+        return Load(**lengths, concurrency=max(1, round(s.level["concurrency"])))
+    if "rate" in s.level and s.level["rate"] > 0:
+        return Load(**lengths, rate=s.level["rate"])
+    return None  # another kind of load (conversations/s): the model has none
+
+
+def _compared(ttft_ms: float | None, tpot_ms: float, throughput: float, level: LevelResult) -> LevelEstimate:
+    predicted = {"ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "output_throughput": throughput}
+    error = {}
+    for metric, field, stat in COMPARED:
+        got = predicted[metric]
+        summary = level.summary
+        measured = getattr(getattr(summary, field), stat) if field and stat else summary.output_throughput
+        if got is not None and measured:
+            error[metric] = got / measured - 1
+    return LevelEstimate(ttft_ms=ttft_ms, tpot_ms=tpot_ms, output_throughput=throughput, error=error)
+
+
+def planned_estimate(
+    model: str, device: str, engine_args: dict[str, Any], env: dict[str, str], gpu: str | None,
+    gpu_memory_gib: float | None, kind: str, value: float, input_tokens: int, output_tokens: int,
+) -> Estimate | str:  # fmt: skip
+    """The estimate of a trial before it runs, at one load (``kind`` concurrency or rate) with the workload's mean
+    lengths and the shipped factors; where none can be made, why, in words (``run --dry-run``'s column)."""
+    if device == "gpu" and gpu is None:
+        return "no hardware.gpu"
+    try:
+        arch = load_model_arch(model)
+        hardware = resolve_hardware("cpu") if device == "cpu" else resolve_hardware("gpu", gpu, gpu_memory_gib)
+        lengths = {"input_tokens": input_tokens, "output_tokens": output_tokens}
+        if kind == "concurrency":
+            load = Load(**lengths, concurrency=max(1, round(value)))
+        else:
+            load = Load(**lengths, rate=value)
+        rates = RECORDED_HOST if device == "cpu" else None
+        return estimate(arch, engine_args, hardware, load, env=env, rates=rates)
+    except (UserError, ValueError, KeyError) as exc:
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__

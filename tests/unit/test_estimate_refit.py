@@ -1,0 +1,71 @@
+"""The online refit: factors refitted on a study's own points, shrunk toward the shipped ones."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from servetune.estimate import Efficiency, load_factors
+from servetune.estimate import calibrate as cal
+from servetune.estimate import calibrate_cpu as cc
+from servetune.estimate.refit import refit, relative_errors
+
+SURFACES = Path(__file__).resolve().parents[2] / "bench" / "data"
+FITTED = ("decode_bandwidth", "prefill_flops", "step_overhead_ms", "sequence_overhead_ms")
+
+
+def _trials(name: str) -> list[dict]:
+    doc = json.loads((SURFACES / name).read_text(encoding="utf-8"))
+    return [t for t in doc["trials"] if t["outcome"] == "COMPLETE"]
+
+
+def _points(trials: list[dict]) -> list[cal.CalibrationPoint]:
+    return [p for t in trials for p in cc.trial_points(t, "study", held_out=False)]
+
+
+def _distance(eff: Efficiency, prior: Efficiency) -> float:
+    return math.sqrt(sum(((getattr(eff, n) - getattr(prior, n)) / getattr(prior, n)) ** 2 for n in FITTED))
+
+
+def _loss(points: list[cal.CalibrationPoint], eff: Efficiency) -> float:
+    return sum(math.log1p(e) ** 2 for p in points for e in relative_errors(p, eff).values())
+
+
+def test_without_points_the_refit_is_the_prior():
+    prior = load_factors().for_class("CPU")
+    assert refit([], prior) == prior
+    failed = {**_trials("cpu-tiny-grid.json")[0], "outcome": "FAILED"}
+    assert cc.trial_points(failed, "study", held_out=False) == []
+
+
+def test_the_prior_weight_shrinks_the_refit_toward_the_shipped_factors():
+    prior = load_factors().for_class("CPU")  # fitted on another host's surface: this one disagrees
+    points = _points(_trials("cpu-tiny-grid.json")[:3])
+    loose, usual, firm = (refit(points, prior, prior_points=w) for w in (0.01, 5.0, 1e4))
+    assert _distance(loose, prior) > _distance(usual, prior) > _distance(firm, prior)
+    assert _distance(firm, prior) < 0.05 * _distance(loose, prior)
+    # every refit predicts the study's own points at least as well as the prior it started from
+    assert _loss(points, loose) <= _loss(points, usual) <= _loss(points, firm) <= _loss(points, prior)
+
+
+def test_more_points_move_the_refit_further_from_the_prior():
+    prior = load_factors().for_class("CPU")
+    trials = _trials("cpu-tiny-grid.json")
+    one, ten = refit(_points(trials[:1]), prior), refit(_points(trials[:10]), prior)
+    assert _distance(ten, prior) > _distance(one, prior) > 0
+
+
+def test_a_weak_prior_recovers_factors_that_generated_the_measurements():
+    prior = load_factors().for_class("CPU")
+    # the step overhead dominates the tiny model's times, so it is the factor the points can pin down
+    truth = prior.model_copy(update={"step_overhead_ms": 2 * prior.step_overhead_ms})
+    points = _points(_trials("cpu-tiny-grid-r4.json")[:6])
+    points = [dataclasses.replace(p, measured=cal.predict(p, truth)[0]) for p in points]
+    got = refit(points, prior, prior_points=0.01)
+    worst = max(e for p in points for e in relative_errors(p, got).values())
+    assert worst < 0.02
+    assert got.step_overhead_ms == pytest.approx(truth.step_overhead_ms, rel=0.05)
