@@ -57,10 +57,14 @@ def test_export_vllm_command_masks_secrets(tmp_path, capsys):
     assert "hf_real_secret" not in out
     lines = out.splitlines()
     assert lines[0] == "# servetune: trial t16, measured at concurrency 16"
-    assert lines[1] == "# *** marks a secret servetune does not print: put the real value there"
-    assert lines[2] == "VLLM_CPU_KVCACHE_SPACE=1 HF_TOKEN='***' vllm serve org/tiny-chat \\"
-    assert lines[3:] == ["  --enforce-eager \\", "  --max-model-len 2048 \\", "  --max-num-seqs 16 \\",
-                         "  --gpu-memory-utilization 0.9"]  # fmt: skip
+    assert lines[1] == "# Admission bounds (503 past them), derived from the trial's measurements:"
+    assert lines[4] == "# *** marks a secret servetune does not print: put the real value there"
+    assert lines[5] == "VLLM_CPU_KVCACHE_SPACE=1 HF_TOKEN='***' vllm serve org/tiny-chat \\"
+    assert lines[6:] == ["  --enforce-eager \\", "  --max-model-len 2048 \\", "  --max-num-seqs 16 \\",
+                         "  --gpu-memory-utilization 0.9 \\", "  --max-num-queued-reqs 40 \\",
+                         "  --max-num-queued-tokens 4200"]  # fmt: skip
+    # 16 in flight + the queue that drains within the 2 s TTFT bound at the level's 11.67 req/s
+    assert lines[2].startswith("#   max_num_queued_reqs: 40: 16 in flight (its 16 clients) + a queue of 24")
 
 
 def test_export_pins_what_vllm_resolved_and_a_trial_id_picks_its_chosen_level(tmp_path, capsys):
@@ -103,16 +107,24 @@ def test_export_ray_serve_config(tmp_path, capsys):
     assert config["accelerator_type"] == "H100"
     assert config["engine_kwargs"] == {"enforce_eager": True, "max_model_len": 2048, "max_num_seqs": 32,
                                        "tensor_parallel_size": 2}  # fmt: skip
-    # Autoscaling derived from the measured knee: 64 in flight over 2 data-parallel replicas is 32 a
-    # replica; the ladder's top (64) needs 2; the queue holds 2 s (the TTFT P99 bound) of 2 x 33.3 req/s.
+    # Autoscaling at the default headroom, 0.8 of the highest load meeting the SLO (64 in flight, no knee found
+    # below it): 51.2 in flight over 2 data-parallel replicas is 25 a replica; the ladder's top (64) needs 3; the
+    # queue holds 2 s (the TTFT P99 bound) of 3 x 26.67 req/s (33.3 a replica at 64, scaled to 51.2).
     deployment = config["deployment_config"]
     scaling = deployment["autoscaling_config"]
-    assert (scaling["min_replicas"], scaling["max_replicas"], scaling["target_ongoing_requests"]) == (1, 2, 32)
+    assert (scaling["min_replicas"], scaling["max_replicas"], scaling["target_ongoing_requests"]) == (1, 3, 25)
     assert (scaling["upscale_delay_s"], scaling["downscale_delay_s"]) == (120.0, 600.0)  # section 11
-    assert deployment["max_ongoing_requests"] == 40  # 1.25 x target
-    assert deployment["max_queued_requests"] == math.ceil(2 * (4000 / 60) / 2 * 2.0)
-    assert "#   max_queued_requests: 134: 2 replicas x 33.33 req/s x 2 s tolerable wait" in out
+    assert deployment["max_ongoing_requests"] == 32  # 1.25 x target
+    assert deployment["max_queued_requests"] == math.ceil(3 * 0.8 * (4000 / 60) / 2 * 2.0)
+    assert "#   max_queued_requests: 161: 3 replicas x 26.67 req/s x 2 s tolerable wait" in out
     assert config["runtime_env"] == {"env_vars": {"HF_TOKEN": "***"}}
+    # --headroom 1: at the measured load itself, 32 a replica, 2 replicas, the queue of 2 x 33.3 req/s.
+    code, out, err = run_cli(capsys, "export", root, "--format", "ray-serve", "--headroom", "1")
+    assert code == 0, err
+    deployment = yaml.safe_load(out)["applications"][0]["args"]["llm_configs"][0]["deployment_config"]
+    scaling = deployment["autoscaling_config"]
+    assert (scaling["min_replicas"], scaling["max_replicas"], scaling["target_ongoing_requests"]) == (1, 2, 32)
+    assert deployment["max_queued_requests"] == math.ceil(2 * (4000 / 60) / 2 * 2.0)
 
 
 def test_exported_ray_serve_configs_validate_with_ray_serve_llm(tmp_path, capsys):
