@@ -102,7 +102,7 @@ def write_engine_python(directory: Path) -> Path:
     path.write_text(
         f"#!{sys.executable}\n"
         "import os, sys\n"
-        "if sys.argv[1:2] == ['-m']:\n"
+        "if sys.argv[1:2] == ['-m'] or (sys.argv[1:2] == ['-c'] and sys.argv[3:4] == ['serve']):  # the engine\n"
         "    print('engine saw CUDA_VISIBLE_DEVICES=' + os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>'), flush=True)\n"
         f"os.execv({str(fake)!r}, [{str(fake)!r}, *sys.argv[1:]])\n"
     )
