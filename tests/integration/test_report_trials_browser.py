@@ -77,8 +77,9 @@ def test_the_rendered_page_has_a_row_per_trial_and_draws_every_ttft_bound(tmp_pa
     dom.feed(done.stdout)
 
     assert dom.headings == [
-        "trial", "config (varied parameters)", "outcome", "best level", "capacity at the SLO", "goodput (req/s)", "TTFT P99 (ms)",
-        "TPOT P99 (ms)", "$/Mtok (USD)", "SLO broken (first level)", "stopped because", "conclusion",
+        "trial", "config (varied parameters)", "outcome", "best level", "capacity at the SLO", "knee", "goodput (req/s)",
+        "TTFT P99 (ms)", "TPOT P99 (ms)", "$/Mtok (USD)", "SLO broken (first level)", "stopped because", "conclusion",
+        "KV tokens planned / vLLM",
     ]  # fmt: skip
     assert len(dom.rows) == 7 and all(len(cells) == len(dom.headings) for _, cells in dom.rows)
     rows = {trial_id: dict(zip(dom.headings, cells, strict=True)) for trial_id, cells in dom.rows}
@@ -88,6 +89,9 @@ def test_the_rendered_page_has_a_row_per_trial_and_draws_every_ttft_bound(tmp_pa
     assert (base["best level"], base["goodput (req/s)"], base["TTFT P99 (ms)"]) == ("concurrency 8", "29.3", "88.7")
     assert base["SLO broken (first level)"] == "concurrency 32: ttft_ms_p95 = 160 > 150"
     assert base["capacity at the SLO"] == "-"  # recorded before trials searched for their capacity
+    # Its knee, derived from its levels (2, 8, 32 clients): past 8, throughput grew less than half as fast as the load.
+    assert base["knee"].startswith("8 clients at ") and "grew < 50% as fast as the load" in base["knee"]
+    assert base["KV tokens planned / vLLM"] == "524,288 / 524,288 (+0.0%)"  # the CPU build's pool, planned exactly
     assert base["conclusion"].startswith("keep: recommended to ship (")
     cheap = rows["18ae6e731937"]
     assert cheap["config (varied parameters)"] == "seqs=32 mbt=4096 chunk=on prefix=on kvGiB=2 dp=1"
