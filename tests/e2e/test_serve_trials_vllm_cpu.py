@@ -124,9 +124,12 @@ def test_one_and_two_replicas_measured_through_serve_recorded_and_torn_down(stud
         still_running_after(60, "ServeReplica:servetune-serve-trials-") == []
         and processes_mentioning(study_dir, "vllm") == []
     )
-    # The exported Serve application scales on what one of the trial's replicas served: 4 clients
-    # over 2 replicas is 2 in flight per replica, and the ladder's top (4) needs both.
-    export = servetune("export", study_dir, "--pick", results[2]["trial_id"], "--format", "ray-serve")
+    # The exported Serve application scales on what one of the trial's replicas served: at the measured load itself
+    # (--headroom 1; the default keeps 0.8 of it), 4 clients over 2 replicas is 2 in flight per replica, and the
+    # ladder's top (4) needs both.
+    export = servetune(
+        "export", study_dir, "--pick", results[2]["trial_id"], "--format", "ray-serve", "--headroom", "1"
+    )
     assert export.returncode == 0, export.stderr
     config = yaml.safe_load(export.stdout)["applications"][0]["args"]["llm_configs"][0]
     autoscaling = config["deployment_config"]["autoscaling_config"]
