@@ -36,8 +36,11 @@ def alive_nodes() -> list[dict[str, float]]:
     return [dict(node["Resources"]) for node in ray.nodes() if node.get("Alive")]
 
 
-def placement_problem(bundle: Mapping[str, float], nodes: Sequence[Mapping[str, float]]) -> str | None:
-    """Why no node can hold ``bundle``, or None when one can (or when nothing can be judged).
+def placement_problem(
+    bundle: Mapping[str, float], nodes: Sequence[Mapping[str, float]], node: str = "node"
+) -> str | None:
+    """Why no node can hold ``bundle``, or None when one can (or when nothing can be judged). ``node``: what the
+    reason calls one of ``nodes`` ("H100 node" once they are the nodes of the bundle's GPU type).
 
     Judged only for resources some node has: with no node declaring GPUs yet, an autoscaler may
     still add one.
@@ -51,18 +54,15 @@ def placement_problem(bundle: Mapping[str, float], nodes: Sequence[Mapping[str, 
         name = kind[len(ACCELERATOR) :]
         if not of_kind:
             return f"needs GPUs of type {name}; the cluster's nodes have {', '.join(gpu_types(nodes))}"
-        problem = placement_problem({k: v for k, v in wanted.items() if k != kind}, of_kind)
-        return problem and problem.replace("the largest node", f"the largest {name} node").replace(
-            "on one node", f"on one {name} node"
-        )
+        return placement_problem({k: v for k, v in wanted.items() if k != kind}, of_kind, f"{name} node")
     if any(not any(node.get(k, 0.0) > 0 for node in nodes) for k in wanted):
         return None  # a resource no node has (yet): the autoscaler's call, not ours
     for key, amount in wanted.items():
         largest = max(node.get(key, 0.0) for node in nodes)
         if amount > largest:
-            return f"needs {_amount(amount)} {NOUNS.get(key, key)} on one node; the largest node has {_amount(largest)}"
+            return f"needs {_amount(amount)} {NOUNS.get(key, key)} on one {node}; the largest {node} has {_amount(largest)}"
     needs = ", ".join(f"{_amount(v)} {NOUNS.get(k, k)}" for k, v in wanted.items())
-    return f"needs {needs} on one node; no node has all of them"
+    return f"needs {needs} on one {node}; no {node} has all of them"
 
 
 def placement_problem_of(context: StudyContext, params: dict[str, Any]) -> str | None:
