@@ -163,7 +163,13 @@ def test_workload_ignore_eos_and_chat_payload():
 
 def test_closed_loop_clients_start_staggered_and_the_level_says_how_synchronized_it_was(tiny_tokenizer):
     """Equal requests from clients started together stay in lock-step (every send within 10 ms of
-    another); staggered within the first request's duration, most are not."""
+    another); staggered within the first request's duration, most are not.
+
+    The first request takes about 0.86 s (TTFT 800 ms), so eight clients staggered over it are about 0.1 s
+    apart: a host stall of tens of milliseconds (this two-core host, busy) no longer bunches their sends into
+    one 10 ms window. With a 0.26 s first request it did: a staggered share of 0.98 in a CI run beside six
+    other jobs, and 0.36-0.56 staggered, 0.89-1.0 together, in four rounds on a saturated host; with this
+    one, 0-0.19 staggered and 0.97-1.0 together on the same host."""
     from servetune.config.workload import load_workload
     from servetune.load.requests import PromptFactory, iter_requests
     from servetune.metrics import send_sync_share
@@ -173,12 +179,12 @@ def test_closed_loop_clients_start_staggered_and_the_level_says_how_synchronized
     async def go(url, stagger):
         async with StreamingClient(url, "fake", api=workload.api, ignore_eos=True) as client:
             requests = iter_requests(workload, PromptFactory(tiny_tokenizer), stream=1)
-            records = await run_level(client, requests, Level("concurrency", 8), num_requests=64, warmup_requests=8,
+            records = await run_level(client, requests, Level("concurrency", 8), num_requests=32, warmup_requests=8,
                                       stagger=stagger)  # fmt: skip
             return send_sync_share(records), records
 
-    with serve_fake(FakeOpenAI(ttft_ms=200, itl_ms=2)) as url:
+    with serve_fake(FakeOpenAI(ttft_ms=800, itl_ms=2)) as url:
         together, _ = asyncio.run(go(url, stagger=False))
         staggered, records = asyncio.run(go(url, stagger=True))
     assert together >= 0.9 and staggered <= 0.6, (together, staggered)
-    assert sum(r.ok for r in records) == 72  # nothing lost to the ramp
+    assert sum(r.ok for r in records) == 40  # nothing lost to the ramp
