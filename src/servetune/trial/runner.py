@@ -194,6 +194,7 @@ def capacity_check(spec: TrialSpec, seen: dict[str, str] | None = None) -> Capac
     ``gpu_memory_gib``). Without ``hardware.gpu`` in the space the check sizes the GPU from that; with it, the
     space's GPU is used and a GPU of another kind is said in ``environment["hardware_note"]``."""
     from servetune.capacity import NotPlanned, gpu_hardware, load_model_arch, plan_capacity, resolve_hardware
+    from servetune.capacity.draft import load_draft
     from servetune.capacity.hardware import find_gpu
     from servetune.capacity.profile import profile_for_version
 
@@ -221,8 +222,12 @@ def capacity_check(spec: TrialSpec, seen: dict[str, str] | None = None) -> Capac
             seen_note = f"the space says {spec.gpu}; the trial got {got}: its capacity check sized {hardware.name}"
             seen["hardware_note"] = seen_note
     try:
+        draft = load_draft(spec.engine_args)  # speculative decoding's draft checkpoint, where it has one
+    except UserError as exc:  # unknown offline: vLLM may still fetch it, so no verdict
+        return CapacityReport(fits=True, planned=False, reason=f"not planned: {exc}")
+    try:
         profile = profile_for_version(trial_vllm_version(spec, seen), "the trial's vLLM version")
-        plan = plan_capacity(arch, spec.engine_args, hardware, env=spec.env, profile=profile)
+        plan = plan_capacity(arch, spec.engine_args, hardware, env=spec.env, profile=profile, draft=draft)
     except NotPlanned as exc:  # no verdict: the trial starts, and records what vLLM itself reports
         return CapacityReport(fits=True, planned=False, reason=f"not planned: {exc}")
     except UserError as exc:
