@@ -37,6 +37,7 @@ from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory
 from servetune.load.runner import Level
 from servetune.quality.lm_eval import results_file
+from servetune.quality.lossless import method_of
 from servetune.quality.probe import QualityPlan, run_probe
 from servetune.results import (
     ENGINE_LOG,
@@ -404,7 +405,8 @@ def _measure(server: Engine, spec: TrialSpec, result: TrialResult, report: Repor
             model = spec.engine_args.get("served_model_name") or spec.model
             result.quality, rows = asyncio.run(run_probe(server.url, model, spec.quality, prompts.count, spec.trial_id,
                                                          spec.params, timeout_s=spec.request_timeout_s, tokenizer=spec.tokenizer,
-                                                         out_dir=trial_dir / "lm_eval"))  # fmt: skip
+                                                         out_dir=trial_dir / "lm_eval",
+                                                         speculation=method_of(spec.engine_args.get("speculative_config"))))  # fmt: skip
             write_atomic(trial_dir / QUALITY_FILE, "".join(json.dumps(row) + "\n" for row in rows))
             lm_eval_results = results_file(trial_dir / "lm_eval") if spec.quality.lm_eval is not None else None
             if lm_eval_results is not None:  # under a fixed name, carried back to the driver with quality.jsonl
