@@ -157,3 +157,15 @@ def test_plan_shows_the_draft_lines(capsys, tmp_path) -> None:
     assert cli.main([*argv, "--speculative-config", "{method"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "speculative_config" in err[0]
+
+
+def test_the_cpu_builds_own_count_with_the_tiny_model_drafting_for_itself() -> None:
+    """vLLM 0.32's CPU build, the tiny model in float32 as its own draft_model (k=2), VLLM_CPU_KVCACHE_SPACE=1,
+    logged "CPU KV cache size: 131,072 tokens" (measured by hand, 2026-12-05), half its 262,144 without a draft:
+    the draft's four layers keep KV in the same pool, a page each per block."""
+    arch = arch_from_hf_config({**TINY_CONFIG, "torch_dtype": "float32"}, "tiny")
+    args = {"enforce_eager": True, "dtype": "float32", "max_num_seqs": 16}
+    spec = {"method": "draft_model", "model": "tiny", "num_speculative_tokens": 2}
+    alone = plan_capacity(arch, args, CPU, env=ONE_GIB)
+    drafted = plan_capacity(arch, {**args, "speculative_config": spec}, CPU, env=ONE_GIB, draft=arch)
+    assert (alone.kv_cache_tokens, drafted.kv_cache_tokens) == (262_144, 131_072)
