@@ -309,6 +309,21 @@ class ReferenceAnswers(BaseModel):
     scores: dict[str, float] = {}  # suite -> share of items passed
 
 
+class LosslessCheck(BaseModel):
+    """A speculative trial's greedy outputs against the reference's (quality/lossless.py)."""
+
+    model_config = RECORD
+
+    method: str  # the trial's speculative method
+    reference_trial: str
+    reference_method: str | None = None  # the reference's own speculation (None: it ran without)
+    prompts: int  # agreement prompts compared
+    mismatched: list[int] = []  # indices of the prompts whose continuation differs from the reference's
+    mismatch_rate: float
+    max_mismatch: float  # the share allowed to differ (numerical near-ties)
+    passed: bool | None = None  # None: not judged (the reference speculates too)
+
+
 class QualityResult(BaseModel):
     """A trial's quality probe (quality/probe.py): scores, drops against the reference, verdict."""
 
@@ -329,6 +344,7 @@ class QualityResult(BaseModel):
     errors: list[str] = []  # requests of the probe that failed (first 20)
     answers: dict[str, list[Any]] = {}  # per prompt: agreement token ids, suite answers (texts)
     reference_answers: ReferenceAnswers | None = None  # on the reference trial only
+    lossless: LosslessCheck | None = None  # speculative trials: greedy outputs against the reference's
 
 
 class TrialResult(BaseModel):

@@ -105,6 +105,8 @@ class ModelArch(BaseModel):
     attention_sinks: bool = Field(False, description="one learned sink logit per attention head (gpt-oss)")
     moe_layer_step: int = Field(1, ge=1, description="every n-th layer after the dense ones is MoE (Llama 4)")
     vision_parameters: int = Field(0, ge=0, description="vision encoder and projector, kept in torch_dtype")
+    mtp_layers: int = Field(0, ge=0, description="multi-token-prediction layers the checkpoint carries (MTP drafts)")
+    draft_vocab_size: int | None = Field(None, ge=1, description="an EAGLE-3 head's own lm_head vocabulary")
     quant: WeightQuant = WeightQuant()
     checkpoint: Checkpoint | None = Field(None, description="safetensors parameter counts, where known")
 
@@ -226,6 +228,9 @@ def _quant_from_config(qc: dict[str, Any], source: str) -> WeightQuant:
         "(awq, gptq, fp8, compressed-tensors, bitsandbytes, mxfp4, modelopt, modelopt_fp4, modelopt_mxfp8)"
     )
 
+
+#: Where a Hugging Face config states its multi-token-prediction layers (the names vLLM reads).
+MTP_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
 
 # rope types whose ``factor`` stretches the context beyond max_position_embeddings (vLLM 0.32
 # ``_get_and_verify_max_len``: YaRN and Llama-3 style configs already state the stretched length).
@@ -363,6 +368,11 @@ def arch_from_hf_config(config: dict[str, Any], name: str, source: str = "config
         "attention_chunk_size": chunk,
         "attention_sinks": model_type == "gpt_oss",
     }
+    mtp = [cfg.get(key) for key in MTP_KEYS if isinstance(cfg.get(key), int) and cfg[key] > 0]
+    if mtp:
+        fields["mtp_layers"] = mtp[0]
+    if isinstance(cfg.get("draft_vocab_size"), int):
+        fields["draft_vocab_size"] = cfg["draft_vocab_size"]
     if isinstance(cfg.get("_vision"), dict):
         fields["vision_parameters"] = _vision_parameters(cfg["_vision"], hidden)
     if experts:

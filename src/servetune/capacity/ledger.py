@@ -21,6 +21,7 @@ from typing import Any
 
 from servetune.capacity.advice import advise
 from servetune.capacity.arch import ModelArch, WeightQuant
+from servetune.capacity.draft import DraftCost, draft_cost, speculative_config
 from servetune.capacity.hardware import GIB, Hardware
 from servetune.capacity.kvdtype import FP8_DS_MLA_BYTES_PER_LAYER, KV_CACHE_DTYPES, kv_slot_bytes
 from servetune.capacity.kvgroups import kv_layout
@@ -32,7 +33,7 @@ from servetune.capacity.params import (
     weight_bytes_per_rank,
 )
 from servetune.capacity.profile import VLLM_0_32, EngineProfile, cudagraph_capture_sizes
-from servetune.capacity.schema import CapacityArgs, CapacityPlan, NotPlanned, Settings, read_engine_args
+from servetune.capacity.schema import CapacityArgs, CapacityPlan, DraftPlan, NotPlanned, Settings, read_engine_args
 from servetune.errors import UserError
 
 _DTYPES = {
@@ -171,6 +172,7 @@ def plan_capacity(
     env: Mapping[str, str] | None = None,
     request_tokens: int | None = None,
     profile: EngineProfile = VLLM_0_32,
+    draft: ModelArch | None = None,
 ) -> CapacityPlan:
     """The memory ledger and verdict for ``model`` served with ``engine_args`` on ``hardware``.
 
@@ -179,11 +181,15 @@ def plan_capacity(
     the request length for the concurrency figure (default: max_model_len). Malformed values raise
     :class:`UserError`; a configuration that vLLM would refuse or that leaves no room for one
     request is a plan with ``fits=False``, its reason and advice.
+
+    A ``speculative_config`` adds its drafter (``capacity/draft.py``): ``draft`` is the draft checkpoint's
+    architecture for the methods that load one (``draft.load_draft`` reads it), else not planned.
     """
     args = read_engine_args(engine_args)
-    plan = _ledger(model, args, hardware, env, request_tokens, profile)
+    spec = speculative_config(engine_args)
+    plan = _ledger(model, args, hardware, env, request_tokens, profile, spec, draft)
     evaluate: Callable[[dict[str, Any]], CapacityPlan] = lambda change: _ledger(  # noqa: E731
-        model, args.model_copy(update=change), hardware, env, request_tokens, profile
+        model, args.model_copy(update=change), hardware, env, request_tokens, profile, spec, draft
     )
     plan.advice = advise(model, plan, hardware, evaluate)
     return plan
@@ -232,9 +238,12 @@ def _settings(
 
 
 def _gpu_overheads(
-    arch: ModelArch, s: Settings, hardware: Hardware, profile: EngineProfile
+    arch: ModelArch, s: Settings, hardware: Hardware, profile: EngineProfile, query_len: int = 1
 ) -> tuple[float, float, float]:
-    """(non-torch + buffers, activation peak, CUDA graphs) in bytes, as vLLM's profile run charges them."""
+    """(non-torch + buffers, activation peak, CUDA graphs) in bytes, as vLLM's profile run charges them.
+
+    ``query_len``: tokens a decode step verifies per request (1 + num_speculative_tokens): the step's logits
+    are that many rows per request, within the batched tokens."""
     tp, pp = s.tensor_parallel_size, s.pipeline_parallel_size
     act_bytes = 4 if s.dtype == "float32" else 2
     non_torch = (profile.non_torch_gib(tp, pp) + profile.runtime_buffers_gib) * GIB
@@ -242,7 +251,7 @@ def _gpu_overheads(
         non_torch += s.max_num_seqs * _cdiv(s.max_model_len, s.block_size) * 4
     tokens = s.max_num_batched_tokens
     forward = tokens * activation_bytes_per_token(arch, act_bytes, tp)
-    logits = min(s.max_num_seqs, tokens) * _cdiv(arch.vocab_size, 64) * 64
+    logits = min(s.max_num_seqs * query_len, tokens) * _cdiv(arch.vocab_size, 64) * 64
     sampler = logits * profile.sampler_bytes_per_logit + tokens * arch.hidden_size * act_bytes
     activation = max(forward, sampler) + profile.activation_base_gib * GIB
     cudagraph = 0.0
@@ -266,6 +275,7 @@ def _verdict(
     tokens: int,
     blocks_per_request: int,
     allow_long: bool,
+    draft: DraftCost | None = None,
 ) -> tuple[bool, str]:
     """Does it fit, and why (vLLM's start-up checks, in the order it makes them)."""
     problem = structural_problem(arch, s.tensor_parallel_size, s.pipeline_parallel_size, quant)
@@ -275,18 +285,23 @@ def _verdict(
     if problem is not None:
         return False, f"vLLM refuses this configuration: {problem}"
     budget = f"{requested / GIB:.2f} GiB"
+    split = ""
+    if draft is not None and draft.weights > 0:
+        split = f" (target {(weights - draft.weights) / GIB:.2f} + {draft.method} draft {draft.weights / GIB:.2f})"
     if s.device == "gpu" and s.kv_cache_memory_bytes is None and weights > requested:
         gpu = f"{s.gpu_memory_utilization:g} x {hardware.memory_gib:g} GiB"
-        return False, f"weights need {weights / GIB:.2f} GiB per GPU but vLLM may use only {budget} ({gpu})"
+        return False, f"weights need {weights / GIB:.2f} GiB per GPU{split} but vLLM may use only {budget} ({gpu})"
     used = weights + sum(overheads) + kv_bytes
     if s.device == "gpu" and s.kv_cache_memory_bytes is not None and used > hardware.memory_bytes:
         need = f"weights, buffers and kv_cache_memory_bytes need {used / GIB:.2f} GiB"
         return False, f"{need}, more than the GPU's {hardware.memory_gib:g} GiB"
     if kv_bytes <= 0:
         activation, non_torch, cudagraph = (x / GIB for x in overheads)
-        spent = f"weights {weights / GIB:.2f} + activations {activation:.2f} + non-torch {non_torch:.2f}"
+        spent = f"weights {weights / GIB:.2f}{split} + activations {activation:.2f} + non-torch {non_torch:.2f}"
         return False, f"no memory left for the KV cache: {spent} + CUDA graphs {cudagraph:.2f} GiB exceed {budget}"
     pool = f"KV pool of {kv_bytes / GIB:.2f} GiB holds {tokens:,} tokens"
+    if draft is not None and draft.kv_layers:
+        pool += f" (with the {draft.method} draft's {draft.kv_layers} KV layer(s))"
     if blocks < blocks_per_request + 1:  # vLLM holds one block back (the null block) before this check
         return False, f"{pool}, not enough for one request of max_model_len {s.max_model_len:,}"
     return True, f"{pool}: {blocks / blocks_per_request:.2f} requests of max_model_len {s.max_model_len:,} at once"
@@ -311,14 +326,24 @@ def _ledger(
     env: Mapping[str, str] | None,
     request_tokens: int | None,
     profile: EngineProfile,
+    spec: dict[str, Any] | None = None,
+    draft_arch: ModelArch | None = None,
 ) -> CapacityPlan:
     s, quant = _settings(arch, args, hardware, env, profile)
     tp, pp, cpu = s.tensor_parallel_size, s.pipeline_parallel_size, s.device == "cpu"
     request = request_tokens or s.max_model_len
     if request < 1:
         raise UserError(f"--request-tokens {request}: must be >= 1")
-    weights = weight_bytes_per_rank(arch, quant, 4 if s.dtype == "float32" else 2, tp, pp)
+    dtype_bytes = 4 if s.dtype == "float32" else 2
+    weights = weight_bytes_per_rank(arch, quant, dtype_bytes, tp, pp)
     notes: list[str] = []
+    draft = None
+    if spec is not None:
+        draft_quant = resolve_quant(draft_arch, spec.get("quantization")) if draft_arch is not None else None
+        draft = draft_cost(arch, spec, draft_arch, dtype_bytes,
+                           lambda a: _kv_element_bytes(s.kv_cache_dtype, s.dtype, a), tp, draft_quant)  # fmt: skip
+    query_len = draft.query_len if draft is not None else 1
+    drafted = draft.weights if draft is not None else 0.0
     non_torch = activation = cudagraph = 0.0
     if cpu:
         if s.cpu_kvcache_space_gib is not None:
@@ -331,8 +356,8 @@ def _ledger(
         notes.append("CPU build: the KV space is reserved per rank; weights and activations live outside it")
     else:
         requested = float(math.ceil(hardware.memory_bytes * s.gpu_memory_utilization))
-        non_torch, activation, cudagraph = _gpu_overheads(arch, s, hardware, profile)
-        kv_bytes = requested - weights - non_torch - activation - cudagraph
+        non_torch, activation, cudagraph = _gpu_overheads(arch, s, hardware, profile, query_len)
+        kv_bytes = requested - weights - drafted - non_torch - activation - cudagraph
         if s.kv_cache_memory_bytes is not None:
             kv_bytes = float(s.kv_cache_memory_bytes)
             notes.append("kv_cache_memory_bytes is set: vLLM skips the utilization budget")
@@ -343,6 +368,13 @@ def _ledger(
         arch, pp, None if args.disable_hybrid_kv_cache_manager is None else not args.disable_hybrid_kv_cache_manager
     )
     page = layout.bytes_per_block(s.block_size, kv_bytes_per_layer_token(arch, element, tp))
+    if draft is not None and draft.kv_layers:
+        # vLLM groups the drafter's attention layers with the target's: a block holds a page for each.
+        page += round(s.block_size * draft.kv_bytes_per_token)
+        per_token += round(draft.kv_bytes_per_token)
+        if layout.hybrid:
+            notes.append("the draft's KV layers are counted as one more page per block; vLLM's grouping of a "
+                         "hybrid model's layers with a drafter's is not modelled exactly")  # fmt: skip
     # Tokens scheduled but not yet freed: one batch per concurrent step (async scheduling: PP + 1).
     in_flight = s.max_num_batched_tokens * (pp + 1 if args.async_scheduling is not False else pp)
     blocks = int(kv_bytes // page) if kv_bytes > 0 else 0
@@ -372,7 +404,7 @@ def _ledger(
         s,
         quant,
         hardware,
-        weights,
+        weights + drafted,
         requested,
         kv_bytes,
         (activation, non_torch, cudagraph),
@@ -380,6 +412,7 @@ def _ledger(
         tokens,
         blocks_per_request,
         allow_long,
+        draft,
     )
     return CapacityPlan(
         model=arch.name,
@@ -401,5 +434,28 @@ def _ledger(
         max_num_seqs_reachable=concurrency_at_request >= s.max_num_seqs,
         fits=fits,
         reason=reason,
-        notes=notes,
+        draft=_draft_plan(draft, s) if draft is not None else None,
+        notes=notes + (_draft_notes(draft, s) if draft is not None else []),
     )
+
+
+def _draft_plan(draft: DraftCost, s: Settings) -> DraftPlan:
+    return DraftPlan(
+        method=draft.method, num_speculative_tokens=draft.num_speculative_tokens, source=draft.source,
+        parameters_b=round(draft.parameters / 1e9, 4), weights_gib=round(draft.weights / GIB, 4),
+        kv_layers=draft.kv_layers, kv_bytes_per_token=round(draft.kv_bytes_per_token),
+        lookahead_tokens=draft.lookahead_tokens, verify_tokens=s.max_num_seqs * draft.query_len,
+        decode_seqs_per_step=min(s.max_num_seqs, s.max_num_batched_tokens // draft.query_len),
+    )  # fmt: skip
+
+
+def _draft_notes(draft: DraftCost, s: Settings) -> list[str]:
+    """What the step's extra tokens mean for the batch: requests verified per step within the batched tokens."""
+    wanted = s.max_num_seqs * draft.query_len
+    if wanted <= s.max_num_batched_tokens:
+        return []
+    fit = s.max_num_batched_tokens // draft.query_len
+    return [
+        f"speculative decoding verifies {draft.query_len} tokens per request a step: {s.max_num_seqs} requests need "
+        f"{wanted:,} batched tokens, max_num_batched_tokens {s.max_num_batched_tokens:,} verifies {fit} of them a step"
+    ]

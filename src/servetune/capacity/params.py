@@ -85,7 +85,7 @@ def _moe_mlp(arch: ModelArch, tp: int) -> ParamSplit:
     return ParamSplit(linear=shared, other=router, experts=experts)
 
 
-def _layer(arch: ModelArch, tp: int, moe: bool) -> ParamSplit:
+def layer_params(arch: ModelArch, tp: int, moe: bool) -> ParamSplit:
     norms = ParamSplit(linear=0, other=2 * arch.hidden_size)
     return _attention(arch, tp) + (_moe_mlp(arch, tp) if moe else _dense_mlp(arch, tp)) + norms
 
@@ -93,6 +93,15 @@ def _layer(arch: ModelArch, tp: int, moe: bool) -> ParamSplit:
 def _vocab(arch: ModelArch, tp: int, padded: bool) -> int:
     vocab = _cdiv(arch.vocab_size, VOCAB_PADDING) * VOCAB_PADDING if padded else arch.vocab_size
     return _cdiv(vocab, tp) * arch.hidden_size
+
+
+def mtp_params(arch: ModelArch, tp: int = 1) -> ParamSplit:
+    """One rank's share of the checkpoint's MTP layers (``arch.mtp_layers``; none for most models): a decoder
+    layer of the target's kind each (MoE where the target's last layers are), ``eh_proj`` (2 x hidden -> hidden,
+    replicated), and enorm, hnorm and the shared head's norm; embeddings and lm_head are the target's."""
+    h = arch.hidden_size
+    layer = layer_params(arch, tp, moe=arch.is_moe) + ParamSplit(linear=0, other=2 * h * h + 3 * h)
+    return layer.times(arch.mtp_layers)
 
 
 def count_parameters(arch: ModelArch) -> int:
@@ -109,9 +118,9 @@ def rank_params(arch: ModelArch, tp: int = 1, pp: int = 1, padded_vocab: bool = 
     layers = _cdiv(arch.num_layers, pp)
     moe_layers = min(layers, arch.num_moe_layers)
     dense_layers = layers - moe_layers
-    body = _layer(arch, tp, moe=False).times(dense_layers)
+    body = layer_params(arch, tp, moe=False).times(dense_layers)
     if moe_layers:
-        body = body + _layer(arch, tp, moe=True).times(moe_layers)
+        body = body + layer_params(arch, tp, moe=True).times(moe_layers)
     embed = _vocab(arch, tp, padded_vocab)
     vision = _cdiv(arch.vision_parameters, tp)  # the vision tower shards like the decoder, on the first stage
     if pp == 1:
@@ -121,7 +130,7 @@ def rank_params(arch: ModelArch, tp: int = 1, pp: int = 1, padded_vocab: bool = 
     return body + ParamSplit(linear=0, other=ends)
 
 
-def _formula_bytes(arch: ModelArch, params: ParamSplit, quant: WeightQuant, dtype_bytes: int) -> float:
+def formula_bytes(arch: ModelArch, params: ParamSplit, quant: WeightQuant, dtype_bytes: int) -> float:
     packed = quant.bytes_per_weight(dtype_bytes)
     linear = float(dtype_bytes) if quant.experts_only else packed
     experts = float(params.experts)
@@ -137,10 +146,12 @@ def weight_bytes_per_rank(arch: ModelArch, quant: WeightQuant, dtype_bytes: int,
     (its own quantization), the whole is the checkpoint's bytes, split across ranks in the proportions the
     parameter-count formula gives; otherwise the formula alone.
     """
-    weights = _formula_bytes(arch, rank_params(arch, tp, pp), quant, dtype_bytes)
+    weights = formula_bytes(arch, rank_params(arch, tp, pp), quant, dtype_bytes)
     stored = arch.checkpoint.bytes_served(dtype_bytes) if arch.checkpoint and quant == arch.quant else None
     if stored:
-        weights *= stored / _formula_bytes(arch, rank_params(arch, padded_vocab=False), quant, dtype_bytes)
+        # The checkpoint also stores its MTP layers, which vLLM loads only to draft with (capacity/draft.py).
+        whole = rank_params(arch, padded_vocab=False) + mtp_params(arch, 1)
+        weights *= stored / formula_bytes(arch, whole, quant, dtype_bytes)
     rope_cache = arch.max_position_embeddings * arch.rope_dim * dtype_bytes
     return int(weights) + rope_cache
 

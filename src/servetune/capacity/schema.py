@@ -72,6 +72,23 @@ class Settings(BaseModel):
     profile: str
 
 
+class DraftPlan(BaseModel):
+    """What speculative decoding adds to the ledger (``capacity/draft.py``), per GPU (per CPU rank)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    method: str
+    num_speculative_tokens: int
+    source: str = Field(description="what the drafter is and what it shares with the target")
+    parameters_b: float = Field(description="the drafter's own parameters, shared embeddings and heads excluded")
+    weights_gib: float
+    kv_layers: int = Field(description="attention layers whose KV the drafter keeps in the pool")
+    kv_bytes_per_token: int = Field(description="the drafter's share of the KV bytes per token")
+    lookahead_tokens: int = Field(description="KV slots a request's drafter writes past the verified tokens")
+    verify_tokens: int = Field(description="tokens one decode step verifies for max_num_seqs requests: seqs x (1 + k)")
+    decode_seqs_per_step: int = Field(description="requests one decode step can verify within max_num_batched_tokens")
+
+
 class CapacityPlan(BaseModel):
     """The ledger for one replica, per GPU (per CPU rank on the CPU build), and the verdict."""
 
@@ -81,7 +98,7 @@ class CapacityPlan(BaseModel):
     parameters_b: float
     settings: Settings
     requested_gib: float = Field(description="gpu_memory_utilization x GPU memory (CPU: the KV space)")
-    weights_gib: float
+    weights_gib: float = Field(description="the target model's weights (the drafter's are in draft.weights_gib)")
     activation_gib: float
     non_torch_gib: float = Field(description="non-torch memory plus persistent runtime buffers")
     cudagraph_gib: float
@@ -96,5 +113,6 @@ class CapacityPlan(BaseModel):
     max_num_seqs_reachable: bool
     fits: bool
     reason: str
+    draft: DraftPlan | None = None  # speculative decoding's drafter, where the configuration has one
     advice: list[str] = []
     notes: list[str] = []

@@ -19,6 +19,7 @@ from servetune.capacity import (
     plan_capacity,
     resolve_hardware,
 )
+from servetune.capacity.draft import load_draft
 from servetune.capacity.hardware import Hardware
 from servetune.capacity.ledger import resolve_quant, structural_problem
 from servetune.capacity.profile import PROFILES, EngineProfile, profile_for_version
@@ -112,6 +113,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--block-size", type=int, metavar="N", help="KV block size in tokens (default 16 on GPU, 128 on CPU)"
     )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (their memory is not reserved)")
+    p.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        help='speculative decoding as vLLM takes it, e.g. \'{"method":"ngram","num_speculative_tokens":3}\': '
+        "adds the drafter's weights, KV layers and verified tokens (draft_model/eagle/eagle3 read their model "
+        "as --model is read)",
+    )
     p.add_argument(
         "--request-tokens",
         type=int,
@@ -237,11 +245,17 @@ def _plan(args: argparse.Namespace, arch: ModelArch, hardware: Hardware) -> tupl
         "block_size": args.block_size,
         "enforce_eager": args.enforce_eager,
     }
+    draft = None
+    if args.speculative_config is not None:
+        engine_args["speculative_config"] = args.speculative_config
+        draft = load_draft(engine_args)
     env = {key: os.environ[key] for key in ("VLLM_ALLOW_LONG_MAX_MODEL_LEN",) if key in os.environ}
     if args.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(int(args.cpu_kvcache_space_gib))
     profile = plan_profile(args.vllm_version)
-    plan = plan_capacity(arch, engine_args, hardware, env=env, request_tokens=args.request_tokens, profile=profile)
+    plan = plan_capacity(
+        arch, engine_args, hardware, env=env, request_tokens=args.request_tokens, profile=profile, draft=draft
+    )
     return plan, engine_args
 
 
@@ -281,6 +295,22 @@ def _gib(value: float) -> str:
     return f"{value * 1024:,.1f} MiB" if abs(value) < 1 else f"{value:,.2f} GiB"
 
 
+def _draft_rows(plan: CapacityPlan, ledger: Table) -> None:
+    """Speculative decoding's lines: what the drafter is, its share of the KV, and the tokens a step verifies."""
+    d, s = plan.draft, plan.settings
+    assert d is not None
+    ledger.add_row("speculative decoding", f"{d.method}, k={d.num_speculative_tokens}", d.source)
+    ledger.add_row("  of which draft KV", f"{d.kv_bytes_per_token:,} B", f"{d.kv_layers} draft KV layer(s), same pool")
+    ledger.add_row(
+        "  tokens verified a step",
+        f"{d.verify_tokens:,}",
+        f"{s.max_num_seqs} seqs x (1 + {d.num_speculative_tokens}); {d.decode_seqs_per_step} seqs fit "
+        f"max_num_batched_tokens {s.max_num_batched_tokens:,}",
+    )
+    if d.lookahead_tokens:
+        ledger.add_row("  draft lookahead", f"{d.lookahead_tokens} tokens", "KV slots per request past the verified")
+
+
 def render(plan: CapacityPlan, console: Console) -> None:
     s = plan.settings
     where = f"{s.gpu} ({s.gpu_memory_gib:g} GiB)" if s.device == "gpu" else "vLLM CPU build"
@@ -297,6 +327,8 @@ def render(plan: CapacityPlan, console: Console) -> None:
             f"gpu_memory_utilization {s.gpu_memory_utilization:g} x {s.gpu_memory_gib:g} GiB",
         )
         ledger.add_row("- weights", _gib(plan.weights_gib), f"dtype {s.dtype}, quantization {s.quantization}")
+        if plan.draft is not None and plan.draft.weights_gib:
+            ledger.add_row("- draft weights", _gib(plan.draft.weights_gib), plan.draft.source)
         ledger.add_row(
             "- activation peak",
             _gib(plan.activation_gib),
@@ -310,8 +342,12 @@ def render(plan: CapacityPlan, console: Console) -> None:
     else:
         ledger.add_row("KV space", _gib(plan.requested_gib), f"VLLM_CPU_KVCACHE_SPACE={s.cpu_kvcache_space_gib}")
         ledger.add_row("weights (host memory)", _gib(plan.weights_gib), f"dtype {s.dtype}; not taken from the KV space")
+        if plan.draft is not None and plan.draft.weights_gib:
+            ledger.add_row("draft weights (host memory)", _gib(plan.draft.weights_gib), plan.draft.source)
     ledger.add_row("= KV pool", _gib(plan.kv_cache_gib), f"kv_cache_dtype {s.kv_cache_dtype}")
     ledger.add_row("KV bytes per token", f"{plan.kv_bytes_per_token:,} B", f"block size {s.block_size}")
+    if plan.draft is not None:
+        _draft_rows(plan, ledger)
     ledger.add_row("KV blocks / tokens", f"{plan.kv_cache_blocks:,} / {plan.kv_cache_tokens:,}", "")
     ledger.add_row("KV per full request", _gib(plan.kv_gib_per_request), f"max_model_len {s.max_model_len:,}")
     ledger.add_row("max concurrency", f"{plan.max_concurrency:.2f}x", f"requests of {s.max_model_len:,} tokens")

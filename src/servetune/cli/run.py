@@ -296,10 +296,12 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
     reference = space.quality_reference
     # the quality reference runs first: every later trial is compared with its answers
     if space.quality is not None and reference is not None:  # a reference comes with a quality section
+        from servetune.quality.lossless import method_of
         from servetune.quality.probe import make_plan
         from servetune.study.driver import keep_reference, read_reference
 
-        plan = make_plan(space.quality, args.space.parent, reference)
+        speculation = method_of(space.engine_params(reference)[0].get("speculative_config"))
+        plan = make_plan(space.quality, args.space.parent, reference, reference_speculation=speculation)
         context = replace(context, quality=plan)
         kept = read_reference(study_dir, reference, context.spec_for(reference).trial_id)
         context = replace(context, quality=plan.model_copy(update={"reference": kept}))

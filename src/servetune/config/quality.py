@@ -22,6 +22,10 @@ each task's primary metric is the score ``lm_eval/<task>``, bounded like a suite
 
       lm_eval: {tasks: [my_task], include_path: ./lm_eval_tasks, limit: 50, num_fewshot: 0}
       max_drop: {lm_eval/my_task: 0.02}
+
+A trial with speculative decoding is also held to losslessness (``quality/lossless.py``): its greedy
+agreement continuations must equal the reference's token for token, but for at most
+``speculative_max_mismatch`` of the prompts (default 0.1; numerical near-ties), else its quality fails.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ DEFAULT_MAX_DROP = {"agreement": 0.05}
 DEFAULT_SUITE_MAX_DROP = 0.02
 #: Scores derived from the agreement suite that ``max_drop`` may bound as well.
 AGREEMENT_SCORES = ("exact_match", "nll_delta")
+#: The share of a speculative trial's greedy prompts that may differ from the reference's (numerical near-ties).
+DEFAULT_SPECULATIVE_MAX_MISMATCH = 0.1
 #: lm-eval tasks score as ``lm_eval/<task>``.
 LM_EVAL_PREFIX = "lm_eval/"
 
@@ -75,6 +81,8 @@ class QualitySpec(BaseModel):
     concurrency: int = Field(default=16, ge=1, le=1024)  # probe requests in flight
     recall_max_tokens: int = Field(default=16384, ge=64)  # longest recall prompt, tokens
     lm_eval: LmEvalSpec | None = None  # lm-evaluation-harness tasks, scored as ``lm_eval/<task>``
+    # speculative trials: the share of greedy agreement prompts allowed to differ from the reference (quality/lossless.py)
+    speculative_max_mismatch: float = Field(default=DEFAULT_SPECULATIVE_MAX_MISMATCH, ge=0, le=1)
 
     @field_validator("suites")
     @classmethod

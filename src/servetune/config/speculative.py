@@ -15,6 +15,8 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from servetune.capacity.arch import MTP_KEYS
+
 PREFIX = "speculative."
 METHOD = PREFIX + "method"
 #: ``none`` passes no ``--speculative-config``; the others are vLLM's method names.
@@ -40,8 +42,6 @@ FIELDS: dict[str, str] = {
     "suffix_decoding_min_token_prob": "fraction",
     "draft_sample_method": "text",
 }
-#: Where a Hugging Face config states its multi-token-prediction layers (vLLM reads these names).
-MTP_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
 
 
 def is_speculative(name: str) -> bool:

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict
 from servetune.config.quality import QualitySpec, suite_name
 from servetune.quality.items import QualityItem
 from servetune.quality.lm_eval import LmEvalPlan, run_lm_eval
+from servetune.quality.lossless import DEFAULT_MAX_MISMATCH, apply_lossless, check_lossless
 from servetune.quality.suites import BUILT, agreement_prompts, load_suite, recall_items
 from servetune.results import QualityResult, ReferenceAnswers
 
@@ -49,6 +50,8 @@ class QualityPlan(BaseModel):
     reference_params: dict[str, Any] = {}  # the reference configuration, as the space names it
     reference: ReferenceAnswers | None = None  # its answers; None while it has not run (this trial is it)
     lm_eval: LmEvalPlan | None = None  # lm-evaluation-harness tasks, run after the suites
+    speculative_max_mismatch: float = DEFAULT_MAX_MISMATCH  # speculative trials (quality/lossless.py)
+    reference_speculation: str | None = None  # the reference's speculative method (None: it runs without)
 
     def digest_key(self) -> dict[str, Any]:
         """What decides the probe's measurement (part of the trial's id)."""
@@ -59,13 +62,20 @@ class QualityPlan(BaseModel):
         }  # fmt: skip
         if self.lm_eval is not None:  # absent without lm-eval tasks, so earlier trials keep their ids
             key["lm_eval"] = self.lm_eval.digest_key()
+        if self.speculative_max_mismatch != DEFAULT_MAX_MISMATCH:  # likewise absent at the default
+            key["speculative_max_mismatch"] = self.speculative_max_mismatch
         return key
 
 
 def make_plan(
-    spec: QualitySpec, base_dir: Path, reference_params: dict[str, Any], reference: ReferenceAnswers | None = None
+    spec: QualitySpec,
+    base_dir: Path,
+    reference_params: dict[str, Any],
+    reference: ReferenceAnswers | None = None,
+    reference_speculation: str | None = None,
 ) -> QualityPlan:
-    """The probe every trial of a study runs (suites read here, once, on the driver)."""
+    """The probe every trial of a study runs (suites read here, once, on the driver); ``reference_speculation``
+    is the reference's speculative method, where it runs one."""
     names = [suite_name(s) for s in spec.suites]
     items = {suite_name(s): load_suite(s, base_dir) for s in spec.suites if suite_name(s) not in BUILT}
     return QualityPlan(
@@ -73,6 +83,7 @@ def make_plan(
         concurrency=spec.concurrency, recall_max_tokens=spec.recall_max_tokens,
         reference_params=dict(reference_params), reference=reference,
         lm_eval=LmEvalPlan.from_spec(spec.lm_eval, base_dir) if spec.lm_eval is not None else None,
+        speculative_max_mismatch=spec.speculative_max_mismatch, reference_speculation=reference_speculation,
     )  # fmt: skip
 
 
@@ -159,8 +170,12 @@ class _Probe:
 
 async def run_probe(url: str, model: str, plan: QualityPlan, count_tokens: Callable[[str], int], trial_id: str,
                     params: dict[str, Any], timeout_s: float = 300.0, tokenizer: str | None = None,
-                    out_dir: Path | None = None) -> tuple[QualityResult, list[dict[str, Any]]]:  # fmt: skip
+                    out_dir: Path | None = None,
+                    speculation: str | None = None) -> tuple[QualityResult, list[dict[str, Any]]]:  # fmt: skip
     """Answer the probe set on the server at ``url`` and score it against the plan's reference.
+
+    ``speculation``: the trial's speculative method; its greedy continuations are then checked against the
+    reference's for losslessness (``quality/lossless.py``).
 
     Returns the result and a row per prompt (suite, id, prompt, answer, passed), the trial's
     ``quality.jsonl``. lm-eval's tasks (when the plan has some) load ``tokenizer`` (the model's
@@ -200,6 +215,10 @@ async def run_probe(url: str, model: str, plan: QualityPlan, count_tokens: Calla
         reference = ReferenceAnswers(trial_id=trial_id, params=params, max_model_len=window, prompt_ids=prompt_ids,
                                      continuations=continuations, nll=nll, scores=scores)  # fmt: skip
     result = compare(continuations, nll, scores, reference, plan.bounds)
+    if speculation is not None and reference.trial_id != trial_id:
+        check = check_lossless(continuations, reference, speculation, plan.reference_speculation,
+                               plan.speculative_max_mismatch)  # fmt: skip
+        apply_lossless(result, check)
     result.duration_s = round(time.monotonic() - started, 3)
     result.errors = probe.errors
     result.answers = {"agreement": list(continuations), **answers}

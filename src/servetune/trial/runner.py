@@ -37,6 +37,7 @@ from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory
 from servetune.load.runner import Level
 from servetune.quality.lm_eval import results_file
+from servetune.quality.lossless import method_of
 from servetune.quality.probe import QualityPlan, run_probe
 from servetune.results import (
     ENGINE_LOG,
@@ -194,6 +195,7 @@ def capacity_check(spec: TrialSpec, seen: dict[str, str] | None = None) -> Capac
     ``gpu_memory_gib``). Without ``hardware.gpu`` in the space the check sizes the GPU from that; with it, the
     space's GPU is used and a GPU of another kind is said in ``environment["hardware_note"]``."""
     from servetune.capacity import NotPlanned, gpu_hardware, load_model_arch, plan_capacity, resolve_hardware
+    from servetune.capacity.draft import load_draft
     from servetune.capacity.hardware import find_gpu
     from servetune.capacity.profile import profile_for_version
 
@@ -221,8 +223,12 @@ def capacity_check(spec: TrialSpec, seen: dict[str, str] | None = None) -> Capac
             seen_note = f"the space says {spec.gpu}; the trial got {got}: its capacity check sized {hardware.name}"
             seen["hardware_note"] = seen_note
     try:
+        draft = load_draft(spec.engine_args)  # speculative decoding's draft checkpoint, where it has one
+    except UserError as exc:  # unknown offline: vLLM may still fetch it, so no verdict
+        return CapacityReport(fits=True, planned=False, reason=f"not planned: {exc}")
+    try:
         profile = profile_for_version(trial_vllm_version(spec, seen), "the trial's vLLM version")
-        plan = plan_capacity(arch, spec.engine_args, hardware, env=spec.env, profile=profile)
+        plan = plan_capacity(arch, spec.engine_args, hardware, env=spec.env, profile=profile, draft=draft)
     except NotPlanned as exc:  # no verdict: the trial starts, and records what vLLM itself reports
         return CapacityReport(fits=True, planned=False, reason=f"not planned: {exc}")
     except UserError as exc:
@@ -399,7 +405,8 @@ def _measure(server: Engine, spec: TrialSpec, result: TrialResult, report: Repor
             model = spec.engine_args.get("served_model_name") or spec.model
             result.quality, rows = asyncio.run(run_probe(server.url, model, spec.quality, prompts.count, spec.trial_id,
                                                          spec.params, timeout_s=spec.request_timeout_s, tokenizer=spec.tokenizer,
-                                                         out_dir=trial_dir / "lm_eval"))  # fmt: skip
+                                                         out_dir=trial_dir / "lm_eval",
+                                                         speculation=method_of(spec.engine_args.get("speculative_config"))))  # fmt: skip
             write_atomic(trial_dir / QUALITY_FILE, "".join(json.dumps(row) + "\n" for row in rows))
             lm_eval_results = results_file(trial_dir / "lm_eval") if spec.quality.lm_eval is not None else None
             if lm_eval_results is not None:  # under a fixed name, carried back to the driver with quality.jsonl
