@@ -231,8 +231,10 @@ KNEE_FRACTION = 0.5
 
 class Knee(BaseModel):
     """Where throughput stops growing with load, from the levels a trial measured (the ladder and the capacity
-    search: :func:`find_knee`). Derived from measured levels only, no extra level is spent bisecting it, so it
-    is as fine as the loads the trial measured: ``bracket`` is [the knee, the next load measured above it].
+    search: :func:`find_knee`): ``bracket`` is [the knee, the next load measured above it]. The capacity search
+    (trial/capacity.py) bisects that bracket with what is left of its budget where the knee lies below the
+    capacity; ``extra_levels`` is what that took and ``ended`` why it stopped (both 0/None for a knee read
+    from levels alone, as in results before it).
 
     ``value`` is the lowest load past which output throughput grew by less than ``fraction`` of proportional
     growth (``(t2 / t1 - 1) / (x2 / x1 - 1) < fraction`` between consecutive loads x1 < x2); ``bound`` is
@@ -248,6 +250,9 @@ class Knee(BaseModel):
     bound: Literal["exact", "lower"]
     throughput: float  # output tok/s measured at ``value`` (with every client busy, for a closed loop)
     fraction: float = KNEE_FRACTION
+    extra_levels: int = 0  # levels the capacity search measured to bisect the knee (within its budget)
+    tolerance: float | None = None  # the bisection stops once bracket[1] / bracket[0] - 1 is at most this
+    ended: str | None = None  # why the knee's bisection ended (or was not run), in words
 
 
 def level_throughput(level: LevelResult) -> float:
