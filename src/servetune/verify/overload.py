@@ -4,8 +4,9 @@ It checks what an admission bound (vLLM's ``max_num_queued_reqs`` / ``max_num_qu
 report/admission.py and shipped by ``export --format vllm``) promises, checklist item 15.15 ("the request
 queue has a hard limit"):
 
-1. **overload**: Poisson arrivals at ``OVERLOAD_FACTOR`` x the rate measured at the level for the
-   scenario's time. Requests past the bound must be refused (HTTP 503) *quickly*: their P99 answer time
+1. **overload**: Poisson arrivals at ``OVERLOAD_FACTOR`` x the rate the study measured at the trial's
+   capacity (report/operating.py ``capacity_rate``; verify runs the other scenarios at headroom x it),
+   else at the level, for the scenario's time. Requests past the bound must be refused (HTTP 503) *quickly*: their P99 answer time
    within the SLO's TTFT bound (a refusal that came later than a first token would have is no help to a
    client that retries elsewhere); the requests admitted must meet the SLO's TTFT bound (P99).
 2. **recovery**: the load drops to ``RECOVERY_FACTOR`` x the rate for as long again. ``recovery_s`` is
@@ -91,7 +92,7 @@ def judge_overload(over: Sequence[RequestRecord], after: Sequence[RequestRecord]
 
 async def overload(t: Target) -> ScenarioResult:
     """Run the two phases against the target and judge them."""
-    rate = t.level.value if t.level.kind == "rate" else t.measured_rate
+    rate = t.capacity_rate or (t.level.value if t.level.kind == "rate" else t.measured_rate)
     if not rate:
         return ScenarioResult(NAME, False, "the study measured no request rate at this level to overload")
     wait_s, _ = tolerable_wait_s([str(b) for b in t.slo.bounds])

@@ -116,6 +116,7 @@ class Target:
     budget: Budget
     max_model_len: int
     measured_rate: float | None = None  # requests per second the study measured at the level
+    capacity_rate: float | None = None  # requests per second it measured at the trial's capacity (report/operating.py)
     engine: Engine | None = None
     pid: int | None = None  # the engine's process (memory)
     # A deployment with no /metrics or /reset_prefix_cache at ``url`` (Serve's ingress): its replicas' metrics
