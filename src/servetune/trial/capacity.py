@@ -36,8 +36,11 @@ when run once). A verdict whose margin is within the noise is *unsettled*, neith
 ``knee_fraction`` of proportional growth), with what is left of the same budget once the capacity is
 settled (given a ``knee_fraction``): where the loads measured bracket it below the capacity (the knee
 then sets the operating point, headroom x min(capacity, knee)), the search bisects its bracket the same
-way, at the geometric mean of its two loads, until it is within ``tolerance`` or no load is left between
-them. The knee is then read again from every level measured, so a level that shows throughput still
+way, at the geometric mean of its two loads, until it is within ``tolerance``, no load is left between
+them, or the step to the middle is too narrow for the throughput noise: a step from x1 to x2 moves the
+gain by ``(n1 + n2) / (x2 / x1 - 1)`` at throughput noise n (results.py ``slope_noise``, measured in
+bench/knee_noise.py), and where that reaches min(fraction, 1 - fraction) it cannot tell a gain of the
+fraction from flat, so the knee stays at the bracket it has. The knee is then read again from every level measured, so a level that shows throughput still
 growing moves it up, one that shows it flat moves its bracket down. A knee at or above the capacity, or
 one the loads do not bracket (throughput still grew at the top), is not searched: the capacity sets the
 operating point there. Capacity first: a knee level that unsettles the capacity's bracket (it broke the
@@ -59,7 +62,7 @@ from typing import Literal
 
 from servetune.config.slo import Slo, SloBound
 from servetune.load.runner import Level
-from servetune.results import Capacity, Knee, LevelResult, find_knee, noise_margin
+from servetune.results import Capacity, Knee, LevelResult, find_knee, noise_margin, slope_noise, throughput_noise
 from servetune.trial.ladder import busy_throughput, fell_behind, ladder
 
 #: Asked before each further level with the last level's result and the loads the trial may still
@@ -292,6 +295,12 @@ class CapacitySearch:
         middle = self._between(lo, hi)
         if middle is None:
             return None, f"no load left between {self._label(lo)} and {self._label(hi)}"
+        noise = max(throughput_noise(r) for r in self.points[lo].results)
+        blur = slope_noise(middle / lo, 1.0, noise, noise)
+        if blur >= min(self.knee_fraction or 0.0, 1 - (self.knee_fraction or 0.0)):
+            return None, (f"within the noise: a step from {self._label(lo)} to {self._label(middle)} could not tell a "
+                          f"gain of {self.knee_fraction:g} from flat (throughput noise {noise:.0%} moves its slope by "
+                          f"{blur:.2f})")  # fmt: skip
         return self._level(middle), "knee"
 
     def _label(self, value: float) -> str:

@@ -161,6 +161,12 @@ def admission_record(chosen: Chosen) -> dict[str, Any]:
     return {"engine_args": bounds.engine_args(), "reasons": dict(bounds.reasons)}
 
 
+def verdict_noise(chosen: Chosen) -> float | None:
+    """How much a repeat could differ at the trial's capacity, as its capacity search measured it (None: no search)."""
+    capacity = chosen.operating.capacity if chosen.operating is not None else None
+    return capacity.verdict_noise if capacity is not None else None
+
+
 def measured_rate(chosen: Chosen) -> float | None:
     """Requests per second at the level verify runs: the operating point's, interpolated between the levels the
     study measured (else, without one, the picked level's)."""
@@ -207,6 +213,7 @@ def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: Pro
                         client=client, url=server.url, workload=spec.workload, prompts=prompts, slo=spec.slo,
                         level=chosen.level, budget=budget, max_model_len=served_len(server, chosen),
                         measured_rate=measured_rate(chosen), capacity_rate=capacity_rate(chosen),
+                        verdict_noise=verdict_noise(chosen),
                         engine=server, pid=server.process.pid if server.process else None, records=records,
                         metrics=getattr(server, "server_metrics", None),
                         reset_cache=server.reset_prefix_cache if isinstance(server, ServeEngine) else None,
