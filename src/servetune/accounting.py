@@ -22,9 +22,11 @@ def time_accounting(results: Iterable[TrialResult]) -> dict[str, Any]:
     its devices. ``measuring`` is the measured part of every load level; ``starting`` is engine
     startup (process start to healthy); ``quality`` is the quality probe (config/quality.py);
     ``other`` is the rest: capacity check, tokenizer loading, warm-up requests, failed starts and
-    teardown. Shares are of the total (0 when nothing ran).
+    teardown. Shares are of the total (0 when nothing ran). Of ``measuring``, ``capacity_search`` and
+    ``knee_search`` are the levels the capacity search measured beyond the ladder (trial/capacity.py: its
+    budget ``load.capacity_levels``, shared by the capacity and the knee's bisection).
     """
-    total = measuring = starting = quality = 0.0
+    total = measuring = starting = quality = capacity_search = knee_search = 0.0
     startups: list[float] = []
     trials = 0
     for result in results:
@@ -36,6 +38,9 @@ def time_accounting(results: Iterable[TrialResult]) -> dict[str, Any]:
             startups.append(result.startup_s)
         total += duration * result.devices
         measuring += min(measured, duration) * result.devices
+        for_capacity, for_knee = searched_s(result)
+        capacity_search += for_capacity * result.devices
+        knee_search += for_knee * result.devices
         starting += min(startup, max(duration - measured, 0.0)) * result.devices
         probe = result.quality.duration_s if result.quality is not None and result.quality.duration_s else 0.0
         quality += min(probe, max(duration - measured - startup, 0.0)) * result.devices
@@ -55,10 +60,25 @@ def time_accounting(results: Iterable[TrialResult]) -> dict[str, Any]:
         "starting_share": share(starting),
         "quality_share": share(quality),
         "other_share": share(other),
+        "capacity_search_device_seconds": capacity_search,
+        "knee_search_device_seconds": knee_search,
+        "capacity_search_share": share(capacity_search),
+        "knee_search_share": share(knee_search),
         "engine_starts": len(startups),
         "startup_s_mean": sum(startups) / len(startups) if startups else None,
         "startup_s_max": max(startups, default=None),
     }  # fmt: skip
+
+
+def searched_s(result: TrialResult) -> tuple[float, float]:
+    """Seconds measured beyond the ladder: (for the capacity, for the knee). The search measures its levels after
+    the ladder's, the capacity's and the knee's interleaved, so they are the last ones; each level is counted
+    by the order the search spent them in (the knee's after the capacity's)."""
+    capacity = result.capacity_at_slo.extra_levels if result.capacity_at_slo is not None else 0
+    knee = result.knee.extra_levels if result.knee is not None else 0
+    extra = result.levels[max(len(result.levels) - capacity - knee, 0) :]
+    seconds = [level.measured_s for level in extra]
+    return sum(seconds[: len(seconds) - knee]), sum(seconds[len(seconds) - knee :])
 
 
 #: Start-up phases in the order an engine goes through them, with their words (engine/startup.py).
@@ -125,6 +145,14 @@ def early_stop_savings(results: Iterable[TrialResult], planned_levels: int) -> d
     }
 
 
+def search_part(spent: dict[str, Any]) -> str:
+    """`` (12% the capacity search beyond the ladder, 4% the knee's)``: the search's levels beyond the ladder, where any ran."""
+    if not spent["capacity_search_device_seconds"] and not spent["knee_search_device_seconds"]:
+        return ""
+    knee = f", {spent['knee_search_share']:.0%} the knee's" if spent["knee_search_device_seconds"] else ""
+    return f" ({spent['capacity_search_share']:.0%} the capacity search beyond the ladder{knee})"
+
+
 def device_time_lines(results: list[TrialResult], device: str, planned_levels: int) -> list[str]:
     """Where the device time reserved by trials went, and what stopping ladders early saved.
 
@@ -140,7 +168,7 @@ def device_time_lines(results: list[TrialResult], device: str, planned_levels: i
         starts = f" ({spent['engine_starts']} starts, mean {spent['startup_s_mean']:.0f} s, max {spent['startup_s_max']:.0f} s)"
     lines = [
         f"{unit} time: {spent['device_seconds'] / 60:,.1f} {unit}-min reserved by {spent['trials']} trial(s): "
-        f"{spent['measuring_share']:.0%} measuring, {spent['starting_share']:.0%} starting engines{starts}, "
+        f"{spent['measuring_share']:.0%} measuring{search_part(spent)}, {spent['starting_share']:.0%} starting engines{starts}, "
         + (f"{spent['quality_share']:.0%} quality probe, " if spent["quality_device_seconds"] else "")
         + f"{spent['other_share']:.0%} warm-up, teardown and checks"
     ]

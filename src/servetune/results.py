@@ -231,8 +231,10 @@ KNEE_FRACTION = 0.5
 
 class Knee(BaseModel):
     """Where throughput stops growing with load, from the levels a trial measured (the ladder and the capacity
-    search: :func:`find_knee`). Derived from measured levels only, no extra level is spent bisecting it, so it
-    is as fine as the loads the trial measured: ``bracket`` is [the knee, the next load measured above it].
+    search: :func:`find_knee`): ``bracket`` is [the knee, the next load measured above it]. The capacity search
+    (trial/capacity.py) bisects that bracket with what is left of its budget where the knee lies below the
+    capacity; ``extra_levels`` is what that took and ``ended`` why it stopped (both 0/None for a knee read
+    from levels alone, as in results before it).
 
     ``value`` is the lowest load past which output throughput grew by less than ``fraction`` of proportional
     growth (``(t2 / t1 - 1) / (x2 / x1 - 1) < fraction`` between consecutive loads x1 < x2); ``bound`` is
@@ -248,12 +250,29 @@ class Knee(BaseModel):
     bound: Literal["exact", "lower"]
     throughput: float  # output tok/s measured at ``value`` (with every client busy, for a closed loop)
     fraction: float = KNEE_FRACTION
+    # How far a repeat could move the throughput gain of the step that decided the knee (``value`` to ``bracket[1]``):
+    # :func:`slope_noise` of the two loads' throughput noise; the decision is within the noise when the gain lies
+    # within it of ``fraction`` (None: a lower bound, no step decided it).
+    slope_noise: float | None = None
+    gain: float | None = None  # that step's gain, ``(t2 / t1 - 1) / (x2 / x1 - 1)``
+    extra_levels: int = 0  # levels the capacity search measured to bisect the knee (within its budget)
+    tolerance: float | None = None  # the bisection stops once bracket[1] / bracket[0] - 1 is at most this
+    ended: str | None = None  # why the knee's bisection ended (or was not run), in words
 
 
 def level_throughput(level: LevelResult) -> float:
     """A level's output tok/s with every client busy (closed loop), else over the whole level."""
     summary = level.summary
     return summary.busy_output_throughput if summary.busy_output_throughput is not None else summary.output_throughput
+
+
+def slope_noise(ratio: float, throughput_ratio: float, noise_1: float, noise_2: float) -> float:
+    """How far a repeat could move the throughput gain ``(t2 / t1 - 1) / (x2 / x1 - 1)`` between two loads whose
+    throughput could each differ by ``noise_1``, ``noise_2`` (relative: :func:`throughput_noise`), with
+    ``ratio`` = x2 / x1 and ``throughput_ratio`` = t2 / t1: ``t2 / t1 x (n1 + n2) / (x2 / x1 - 1)``. A narrow step
+    magnifies it: at 10% noise each, a 4x step's gain moves by 0.07, a 1.25x step's by 0.8 (bench/knee_noise.py
+    measures it on the recorded surfaces)."""
+    return throughput_ratio * (noise_1 + noise_2) / (ratio - 1) if ratio > 1 else math.inf
 
 
 def find_knee(
@@ -264,10 +283,12 @@ def find_knee(
     were measured); a load measured more than once counts at its mean throughput. None without a level at a
     load above 0."""
     by_load: dict[float, list[float]] = {}
+    noise: dict[float, float] = {}
     for level in levels:
         load = level_load(level)
         if load > 0:
             by_load.setdefault(load, []).append(level_throughput(level))
+            noise[load] = max(noise.get(load, 0.0), throughput_noise(level))
     if not by_load:
         return None
     if unit is None:
@@ -276,7 +297,8 @@ def find_knee(
     for (x1, t1), (x2, t2) in itertools.pairwise(points):
         gain = (t2 / t1 - 1) / (x2 / x1 - 1) if t1 > 0 else math.inf
         if gain < fraction:
-            return Knee(value=x1, unit=unit, bracket=(x1, x2), bound="exact", throughput=t1, fraction=fraction)
+            return Knee(value=x1, unit=unit, bracket=(x1, x2), bound="exact", throughput=t1, fraction=fraction,
+                        slope_noise=slope_noise(x2 / x1, t2 / t1, noise[x1], noise[x2]), gain=gain)  # fmt: skip
     top, throughput = points[-1]
     return Knee(value=top, unit=unit, bracket=(top, None), bound="lower", throughput=throughput, fraction=fraction)
 

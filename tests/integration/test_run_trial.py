@@ -183,8 +183,11 @@ def test_the_capacity_search_measures_past_the_ladder_on_the_same_engine_and_rec
     on_disk = json.loads((tmp_path / result.trial_id / "result.json").read_text())
     assert on_disk["capacity_at_slo"]["bound"] == "upper" and len(on_disk["levels"]) == 2
     # the knee, from the two loads measured (the ladder's and the search's), recorded beside the capacity
-    assert result.knee is not None and result.knee == find_knee(result.levels, unit="concurrency")
+    # (the search's knee: no load met the SLO, so it was not bisected, and it says why)
+    read = find_knee(result.levels, unit="concurrency")
+    assert result.knee is not None and (result.knee.value, result.knee.bracket) == (read.value, read.bracket)
     assert result.knee.value in (1, 2) and on_disk["knee"]["value"] == result.knee.value
+    assert result.knee.extra_levels == 0 and on_disk["knee"]["ended"] == result.knee.ended is not None
     rows = [json.loads(line) for line in (tmp_path / result.trial_id / "requests.jsonl").read_text().splitlines()]
     assert {row["level"] for row in rows} == {0, 1}
 

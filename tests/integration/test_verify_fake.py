@@ -10,6 +10,7 @@ from servetune.load.requests import PromptFactory
 from servetune.load.tokenizer import load_tokenizer
 from servetune.testing.fake_openai import write_fake_python
 from servetune.verify.choose import select
+from servetune.verify.overload import OVERLOAD
 from servetune.verify.run import verify, write_document
 from servetune.verify.scenarios import SCENARIOS, Budget
 from tests.processes import processes_mentioning
@@ -47,7 +48,11 @@ def test_every_scenario_and_the_runner_up_on_the_fake_engine(tmp_path):
     write_document(doc, study / "verify.json")
     doc = json.loads((study / "verify.json").read_text())
 
-    assert list(doc["scenarios"]) == list(SCENARIOS) and list(steps.scenarios)[:8] == list(SCENARIOS)
+    # the engine started with export's admission bounds, so the overload scenario ran after the others
+    bounds = doc["admission"]["engine_args"]
+    assert bounds["max_num_queued_reqs"] == selection.winner.spec.engine_args["max_num_queued_reqs"] > 0
+    assert list(doc["scenarios"]) == [*SCENARIOS, OVERLOAD] and list(steps.scenarios)[:8] == list(SCENARIOS)
+    assert doc["operating_point"]["headroom"] == 0.8 and doc["operating_point"]["level"]["concurrency"] == 6
     assert doc["accepted"] == all(s["passed"] for s in doc["scenarios"].values())
     rounds = doc["scenarios"]["disconnects"]["rounds"]
     assert len(rounds) == 2 and all(r["observed"] and r["fell_back_s"] is not None for r in rounds)

@@ -289,3 +289,82 @@ def test_a_load_left_unsettled_is_measured_but_neither_the_trials_best_level_nor
     points = trial_points(measured)
     assert [p.unsettled for p in points] == [False, False, True] and points[2].meets_slo and not points[2].eligible
     assert [p.level for p in candidates(points)] == [{"concurrency": 16.0}, {"concurrency": 8.0}]
+
+
+def saturating_at(capacity: float, limit: float) -> Callable[[Level], LevelResult]:
+    """An engine meeting the SLO below ``capacity`` whose output throughput stops growing at ``limit`` clients."""
+    slo_side = meets_below(capacity)
+    return lambda level: result(
+        level.value, slo_side(level).summary.ttft_ms.p99, out_tps=100.0 * min(level.value, limit), kind=level.kind
+    )
+
+
+def repeated(made: LevelResult, spread: float) -> LevelResult:
+    """``made`` as three runs whose output throughput lies within +-``spread`` of it (``load.repeats: 3``)."""
+    runs = [LevelRun(summary=made.summary.model_copy(update={"output_throughput": made.summary.output_throughput * f}))
+            for f in (1 - spread, 1.0, 1 + spread)]  # fmt: skip
+    return made.model_copy(update={"runs": runs})
+
+
+def test_a_knee_below_the_capacity_is_bisected_with_what_the_capacity_left_of_the_budget():
+    measured, _, found = search(saturating_at(20.5, 4), budget=8, knee_fraction=0.5, min_gain=0.03)
+    # the capacity first (5 levels), then the knee the ladder bracketed at (2, 8): 4 grows, 6 does not
+    assert measured == [2, 8, 32, 16, 23, 19, 21, 20, 4, 6]
+    assert found.capacity.bracket == (20, 21) and found.capacity.extra_levels == 5
+    knee = found.knee
+    assert knee is not None and knee.value == 4 and knee.bracket == (4, 6) and knee.bound == "exact"
+    assert knee.extra_levels == 2 and knee.tolerance == 0.10 and knee.throughput == pytest.approx(400)
+    assert knee.gain == 0 and knee.slope_noise == pytest.approx((0.1 + 0.1) / (6 / 4 - 1))
+    # levels run once (10% noise each): a step from 4 to 5 clients moves the gain by 0.2 / 0.25 = 0.8
+    assert knee.ended == ("within the noise: a step from concurrency 4 to concurrency 5 could not tell a gain of "
+                          "0.5 from flat (throughput noise 10% moves its slope by 0.80)")  # fmt: skip
+
+
+def test_the_knee_bisection_stops_within_the_tolerance_on_an_open_loop():
+    def measure(level: Level) -> LevelResult:  # flat past 3 req/s; three runs within 1% (the 5% floor counts)
+        return repeated(saturating_at(20.5, 3.0)(level), 0.01)
+
+    levels = [Level("rate", r, "poisson") for r in (1.0, 4.0, 16.0)]
+    measured, _, found = search(measure, levels, budget=16, knee_fraction=0.5, min_gain=0.03, tolerance=0.45)
+    lo, hi = found.knee.bracket
+    # 1 -> 4 req/s still grows at 2/3 of proportional, 4 -> 16 not at all: the ladder brackets the knee at
+    # (4, 16), and each load between shows throughput flat, so the bracket closes down on 4
+    knee_loads = measured[len(measured) - found.knee.extra_levels :]
+    assert measured[:3] == [1, 4, 16] and found.knee.bound == "exact" and found.knee.extra_levels >= 2
+    assert found.capacity.ended.startswith("within 45%")
+    assert all(4 < x < 16 for x in knee_loads) and knee_loads == sorted(knee_loads, reverse=True)
+    assert lo == 4 and hi / lo - 1 <= 0.45 and found.knee.ended.startswith("within 45%")
+    assert found.knee.extra_levels + found.capacity.extra_levels == found.extra == len(measured) - 3
+    assert found.knee.slope_noise == pytest.approx(0.10 / (hi / lo - 1))  # 5% each
+
+
+def test_a_knee_left_with_no_budget_keeps_the_ladders_bracket_and_says_why():
+    measured, _, found = search(saturating_at(20.5, 4), budget=5, knee_fraction=0.5, min_gain=0.03)
+    assert measured == [2, 8, 32, 16, 23, 19, 21, 20]
+    assert found.knee.bracket == (2, 8) and found.knee.extra_levels == 0
+    assert found.knee.ended == "the budget of 5 extra levels is spent"
+
+
+def test_a_knee_at_or_above_the_capacity_or_not_bracketed_is_not_searched():
+    measured, _, found = search(saturating_at(5.5, 16), budget=8, knee_fraction=0.5)
+    assert measured == [2, 8, 4, 6, 5]  # the capacity's levels only
+    assert found.knee.bound == "lower" and found.knee.extra_levels == 0
+    assert found.knee.ended.startswith("throughput still grew at concurrency 8")
+
+    measured, _, found = search(saturating_at(3.5, 4), [Level("concurrency", c) for c in (2, 8)], budget=8,
+                                knee_fraction=0.5)  # fmt: skip
+    assert found.capacity.value == 3 and found.knee.bracket == (4, 8) and found.knee.extra_levels == 0
+    assert found.knee.ended.endswith("the capacity sets the operating point")
+
+
+def test_the_stop_rule_ends_the_knee_bisection_too():
+    asked: list[float] = []
+
+    def rule(level: LevelResult, ahead) -> str | None:
+        asked.append(ahead[0].value)
+        return "dominated at concurrency 4" if ahead[0].value == 4 else None
+
+    measured, reason, found = search(saturating_at(20.5, 4), budget=8, knee_fraction=0.5, stop_rule=rule)
+    assert measured[-1] == 20 and asked[-1] == 4 and reason == "dominated at concurrency 4"
+    assert found.knee.ended == "dominated at concurrency 4" and found.knee.extra_levels == 0
+    assert found.capacity.ended.startswith("within 10%")

@@ -231,9 +231,9 @@ def test_mlflow_tags_say_what_limited_the_trial_and_every_rule_that_found_someth
 def test_verify_says_what_limited_the_trial_it_starts_again():
     trial = climbing()
     winner = SimpleNamespace(trial_id=trial.trial_id, level="concurrency 8", result=trial,
-                             spec=SimpleNamespace(serve_replicas=None))  # fmt: skip
+                             spec=SimpleNamespace(serve_replicas=None), operating=None, admission=None)  # fmt: skip
     selection = SimpleNamespace(winner=winner, runner_up=SimpleNamespace(trial_id="8aede7346995"))
     lines = opening_lines(selection, runner_up=True)
     assert lines == [f"verifying trial {trial.trial_id} at concurrency 8; runner-up: trial 8aede7346995",
-                     f"in the study, what limited it: {limited_by(trial)}"]  # fmt: skip
+                     f"in the study, what limited it: {limited_by(trial)}", "admission bounds: none (not derived)"]  # fmt: skip
     assert opening_lines(selection, runner_up=False)[0] == f"verifying trial {trial.trial_id} at concurrency 8"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from servetune.results import TrialResult, find_knee
+from servetune.results import LevelRun, TrialResult, find_knee
 from servetune.tracking.fields import trial_metrics
 from tests.builders import trial
 from tests.unit.test_capacity_search import result
@@ -66,3 +66,15 @@ def test_the_report_shows_the_knee_beside_the_capacity():
     assert knee_text(find_knee(levels)).startswith("8 clients at 800 tok/s (to 16:")
     assert knee_text(find_knee(levels[:2])) == ">= 4 clients (still growing)"
     assert knee_text(None) == "-"
+
+
+def test_the_knee_records_the_gain_that_decided_it_and_how_far_noise_could_move_it():
+    levels = [result(2, 100, out_tps=200), result(8, 100, out_tps=400), result(32, 100, out_tps=400)]
+    knee = find_knee(levels)  # 2 -> 8 clients: throughput x2 for a load x4, a gain of 1/3
+    assert knee.value == 2 and knee.gain == pytest.approx(1 / 3)
+    assert knee.slope_noise == pytest.approx(2 * (0.10 + 0.10) / 3)  # run once: 10% each
+    spread = [made.model_copy(update={"runs": [LevelRun(summary=made.summary.model_copy(
+        update={"output_throughput": made.summary.output_throughput * f})) for f in (0.92, 1.0, 1.08)]})
+        for made in levels]  # fmt: skip
+    assert find_knee(spread).slope_noise == pytest.approx(2 * (0.08 + 0.08) / 3)  # their measured spread
+    assert find_knee([result(x, 100.0) for x in (1.0, 2.0)]).slope_noise is None  # a lower bound: no step decided it

@@ -5,7 +5,8 @@ import random
 
 import pytest
 
-from servetune.accounting import time_accounting
+from servetune.accounting import device_time_lines, searched_s, time_accounting
+from servetune.results import Capacity, Knee
 from servetune.study.packing import (
     Reservation,
     max_concurrent_to_fill,
@@ -188,3 +189,18 @@ def test_time_accounting_splits_reserved_device_time_into_measuring_starting_and
 def test_time_accounting_of_nothing():
     out = time_accounting([])
     assert out["device_seconds"] == 0 and out["measuring_share"] == 0 and out["startup_s_mean"] is None
+
+
+def test_the_levels_the_capacity_search_measured_beyond_the_ladder_are_counted_for_the_capacity_and_the_knee():
+    searched = timed("a", 2, 600.0, 60.0, [level(x, 100 * x, 300) for x in (2, 8, 32, 16, 11, 4)])
+    searched.capacity_at_slo = Capacity(value=11, unit="concurrency", bracket=(11, 16), bound="exact", tolerance=0.1,
+                                        extra_levels=2)  # fmt: skip
+    searched.knee = Knee(value=2, unit="concurrency", bracket=(2, 4), bound="exact", throughput=200, extra_levels=1)
+    ladder_only = timed("b", 1, 200.0, 60.0, [level(1, 100, 300)])
+    out = time_accounting([searched, ladder_only])
+    assert searched_s(searched) == (pytest.approx(120), pytest.approx(60))  # 16 and 11 clients; 4 clients
+    assert out["capacity_search_device_seconds"] == pytest.approx(2 * 120)
+    assert out["knee_search_device_seconds"] == pytest.approx(2 * 60)
+    assert out["capacity_search_share"] == pytest.approx(240 / 1400) and searched_s(ladder_only) == (0, 0)
+    line = device_time_lines([searched, ladder_only], "cpu", 3)[0]
+    assert "measuring (17% the capacity search beyond the ladder, 9% the knee's)" in line

@@ -39,3 +39,12 @@ def test_slow_refusals_late_admissions_and_no_recovery_each_fail():
     stuck = [*AFTER[:6], *(turned_away(30 + i, 1.2 + 0.2 * i) for i in range(3))]
     result = judge_overload(OVER, stuck, 0.5, 10.0)
     assert not result.passed and "not recovered" in result.reason and result.numbers["recovery_s"] > 1.2
+
+
+def test_admitted_requests_over_the_bound_within_the_noise_pass_and_say_so_beyond_it_fail():
+    near = [served(i, 0.1 * i, 0.53) for i in range(10)] + OVER[10:]  # P99 TTFT 530 ms against 500: 6% over
+    result = judge_overload(near, AFTER, 0.5, 10.0, noise=0.10)
+    assert result.passed and "over the bound 500 ms by 6%, within the noise 10%" in result.reason
+    assert result.numbers["ttft_noise"] == 0.10
+    beyond = judge_overload(near, AFTER, 0.5, 10.0, noise=0.05)
+    assert not beyond.passed and "beyond the noise (5%)" in beyond.reason

@@ -22,8 +22,14 @@ study measured for that trial at the same level (the router's TTFT overhead), an
 efficiency (throughput at N replicas / (N x throughput at 1)); the requests each replica handled
 (Serve's own per-replica counter). Writes serve-check.json in the study directory.
 
---ramp validates the autoscaling `export --format ray-serve` derives (peak 3x the knee, at
-most --ramp-max-replicas replicas): after the first replica count it deploys that
+The operating point is --headroom (default 0.8, as export) times the lower of the trial's
+capacity at the SLO and its knee (where throughput stopped growing with load), in whole clients
+for a closed loop; serve-check prints it and serve-check.json keeps it (operating_point). The
+replica counts run the study's whole ladder (to compare with the bare engine level by level);
+the routers, the layouts and the ramp run at the operating point.
+
+--ramp validates the autoscaling `export --format ray-serve` derives (peak 3x the operating
+load, at most --ramp-max-replicas replicas): after the first replica count it deploys that
 autoscaling_config, offers 1x the knee (clients in flight), then 3x until Serve has scaled out
 and --ramp-hold seconds more, then 1x again. Per 5 s window: replicas RUNNING, requests per
 replica (Serve's counter), SLO violations; the time to scale up, and whether a new replica
@@ -35,8 +41,8 @@ queue length) and `prefix-aware` (Ray Serve LLM's PrefixCacheAffinityRouter), at
 --routing-replicas replicas, each on the same engines (Serve reconfigures the LLM replicas, a new
 ingress routes with the new router) with every replica's prefix cache reset, and whether Serve kept
 the engines is recorded. Each is offered --workload (a shared-prefix
-workload, default: rag; on the CPU stand-in, a file scaled to the tiny model) at the picked
-point's level, without warm-up. Per router and replica: requests (Serve's counter), tokens served
+workload, default: rag; on the CPU stand-in, a file scaled to the tiny model) at the operating
+point, without warm-up. Per router and replica: requests (Serve's counter), tokens served
 (vLLM's prompt + generated tokens), prefix-cache queries and hits (vLLM's counters, in tokens, as
 Ray Serve LLM exports them per replica through Ray's metrics agent) and the hit rate; per router:
 the overall hit rate, the load imbalance (max over mean of tokens served across the replicas),
@@ -49,7 +55,7 @@ fewer with tensor parallelism (checklist section 11); --budget D compares every 
 fills D devices with TP a power of two, leaving out (and naming) those the model's heads do not
 split into. Each layout is the picked configuration with its TP replaced, each replica a placement
 group of its TP devices (on the CPU build one core per rank, bound with VLLM_CPU_OMP_THREADS_BIND).
-Every layout is offered the same load: the picked point's level scaled from the devices it was
+Every layout is offered the same load: the operating point scaled from the devices it was
 measured on to the budget (concurrency 8 on 1 device -> 16 on 2), with the study's warm-up and
 requests. Per layout: devices, replicas, TP, throughput, goodput, TTFT/TPOT P50/P99, SLO, cost
 (devices x the study's price per device-hour, and per 1M output tokens), and a verdict naming the
@@ -173,6 +179,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="a device budget: compare every REPLICASxTP that uses D devices "
         "(TP a power of two the model splits into); with --layouts, each layout must use D",
     )
+    p.add_argument("--headroom", type=float, default=0.8, metavar="X",
+                   help="the operating point: X times the lower of the trial's capacity at the SLO and its knee, the "
+                        "load --routers and --layouts offer and --ramp's knee (default 0.8, as export)")  # fmt: skip
     p.add_argument("--stream-batching-ms", type=float, default=None, metavar="MS",
                    help="Ray Serve LLM's stream batching interval for every deployment (experimental_configs."
                         "stream_batching_interval_ms; 0 sends each token as it comes). Default: the trial's, "
@@ -224,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
     replicas = parse_replicas(args.replicas) if args.replicas is not None else ([] if layouts_asked else [1, 2])
     if args.ramp and not replicas:
         raise UserError("--ramp runs after the first replica count: give --replicas N with --layouts or --budget")
-    picked = read_picked(args.study_dir, args.pick)
+    picked = read_picked(args.study_dir, args.pick, args.headroom)
     check_vllm_matches(picked, vllm_version())
     if args.stream_batching_ms is not None:
         picked = with_stream_batching(picked, args.stream_batching_ms)
@@ -244,6 +253,9 @@ def run(args: argparse.Namespace) -> int:
     model = picked.point.model
     if args.address is None and not Path(model).exists() and model.startswith(("/", ".")):
         raise UserError(f"the trial's model {model} is not on this machine")
+    if picked.operating is not None:
+        console.print(f"operating point of trial {picked.point.trial_id}: {picked.operating.describe()}",
+                      soft_wrap=True, highlight=False)  # fmt: skip
     out = args.json or args.study_dir / SERVE_CHECK_FILE
     with console.status(f"loading the tokenizer of {model}"):
         prompts = PromptFactory(load_tokenizer(model))
@@ -270,9 +282,7 @@ def run(args: argparse.Namespace) -> int:
         from servetune.serve.check import Routing
 
         load = picked.space.load
-        level = next(
-            (p.level for p in picked.plans if p.level.as_dict() == dict(picked.point.level)), picked.plans[0].level
-        )
+        level = picked.operating_level()
         plan = LevelPlan.sized(level, load.requests_per_level, load.seconds_per_level, warmup=0)
 
         def measure_router(url: str, served: str, router: str):

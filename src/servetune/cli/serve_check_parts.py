@@ -77,8 +77,8 @@ def layout_args(args: argparse.Namespace, picked: PickedStudy, console: Console)
         found.append(need)
     if note:
         console.print(f"[yellow]{note}[/]")
-    level = next((p.level for p in picked.plans if p.level.as_dict() == dict(point.level)), picked.plans[0].level)
-    return LayoutArgs(layouts, budget, budget_level(level, point.devices, budget), skipped, cores, found)
+    return LayoutArgs(layouts, budget, budget_level(picked.operating_level(), point.devices, budget), skipped, cores,
+                      found)  # fmt: skip
 
 
 def routing_args(
@@ -119,13 +119,16 @@ def routing_args(
 
 
 def ramp_autoscaling(args: argparse.Namespace, picked: PickedStudy) -> Autoscaling:
-    """The autoscaling the ramp deploys: derived for a peak of 3x the knee, with at most
-    --ramp-max-replicas replicas."""
+    """The autoscaling the ramp deploys, as export derives it at --headroom x min(capacity, knee): for a peak of 3x
+    that operating load, with at most --ramp-max-replicas replicas."""
     from servetune.report.autoscale import derive_autoscaling
 
     slo = [str(b) for b in picked.slo.bounds]
-    knee = derive_autoscaling(picked.trial_points, slo).knee_per_replica
-    derived = derive_autoscaling(picked.trial_points, slo, peak=3 * knee, delay_scale=args.delay_scale)
+    operating = picked.operating
+    rests = {"headroom": args.headroom, "capacity": operating.capacity if operating else None,
+             "knee": operating.knee if operating else None}  # fmt: skip
+    knee = derive_autoscaling(picked.trial_points, slo, **rests).knee_per_replica
+    derived = derive_autoscaling(picked.trial_points, slo, peak=3 * knee, delay_scale=args.delay_scale, **rests)
     if args.ramp_max_replicas is not None:
         derived = derived.with_max_replicas(args.ramp_max_replicas, "--ramp-max-replicas")
     return derived

@@ -17,7 +17,9 @@ if TYPE_CHECKING:
 
 DESCRIPTION = """\
 Start the chosen configuration of a study again and run the stability stage of the tuning
-checklist at its operating level:
+checklist at its operating point: --headroom (default 0.8, as export) times the lower of the
+trial's capacity at the SLO and its knee (where throughput stopped growing with load), in whole
+clients for a closed loop; without a capacity search, the highest level that met the SLO:
 
   soak         steady load for --duration: P99 TTFT and TPOT per window, their jitter and drift,
                growth of KV-cache usage and of the engine's memory
@@ -58,6 +60,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--json", type=Path, metavar="OUT", help="where to write the result (default: STUDY_DIR/verify.json)"
     )
     p.add_argument("--no-runner-up", action="store_true", help="do not start the runner-up to compare the repeats with")
+    p.add_argument("--headroom", type=float, default=0.8, metavar="X",
+                   help="run at X times the lower of the trial's capacity at the SLO and its knee (default 0.8, as export)")  # fmt: skip
     p.add_argument("--tracking-uri", metavar="URI",
                    help="MLflow store to log the stability numbers to (default: the one the study recorded, else "
                         "$MLFLOW_TRACKING_URI, else sqlite:///mlflow.db here)")  # fmt: skip
@@ -95,16 +99,22 @@ class ConsoleProgress:
 
 
 def opening_lines(selection: Selection, runner_up: bool) -> list[str]:
-    """What verify is about to start (the trial, its level, the runner-up), and what limited the trial in the
-    study (report/diagnosis.py): what the scenarios may run into first."""
+    """What verify is about to start (the trial, its operating point, the runner-up), what limited the trial in
+    the study (report/diagnosis.py): what the scenarios may run into first, and the admission bounds its engine
+    starts with."""
     from servetune.report.diagnosis import limited_by
 
     winner = selection.winner
     replicas = winner.spec.serve_replicas
     through = f" through Ray Serve ({replicas} replica{'s' if replicas != 1 else ''})" if replicas else ""
     other = f"; runner-up: trial {selection.runner_up.trial_id}" if selection.runner_up and runner_up else ""
-    return [f"verifying trial {winner.trial_id} at {winner.level}{through}{other}",
-            f"in the study, what limited it: {limited_by(winner.result)}"]  # fmt: skip
+    at = f"{winner.level}" + (f" ({winner.operating.why})" if winner.operating is not None else "")
+    bounds = winner.admission
+    admission = (", ".join(f"{k} {v}" for k, v in bounds.engine_args().items()) + " (as export --format vllm ships it)"
+                 if bounds is not None and not isinstance(bounds, str) else f"none ({bounds or 'not derived'})")  # fmt: skip
+    return [f"verifying trial {winner.trial_id} at {at}{through}{other}",
+            f"in the study, what limited it: {limited_by(winner.result)}",
+            f"admission bounds: {admission}"]  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -122,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     if args.duration is not None and args.duration <= 0:
         raise UserError(f"--duration must be positive, got {args.duration:g}")
     selection = select(
-        args.study_dir, args.pick, args.python, args.address
+        args.study_dir, args.pick, args.python, args.address, args.headroom
     )  # bad input stops here, before anything starts
     if vllm_version(args.python) is None:
         raise UserError(

@@ -135,7 +135,7 @@ def tolerable_wait_s(slo_lines: Sequence[str]) -> tuple[float, str]:
     return QUEUE_WAIT_S, "section 11's 300 ms queue wait (the SLO bounds no TTFT)"
 
 
-def _interpolated(points: Sequence[tuple[float, float]], load: float) -> float:
+def interpolated_rate(points: Sequence[tuple[float, float]], load: float) -> float:
     """Request throughput at ``load``, linear between the measured (load, throughput) points and from (0, 0)
     below the lowest; beyond the highest, that one's throughput per unit of load."""
     ordered = [(0.0, 0.0), *sorted(points)]
@@ -184,7 +184,7 @@ def derive_autoscaling(
         value, operating_why = operating_load([lv[1] for _, lv in meeting], capacity, knee, headroom)
         above = [m for m in meeting if m[1][1] >= value]
         base, (kind, _) = min(above, key=lambda m: m[1][1]) if above else max(meeting, key=lambda m: m[1][1])
-        rate = _interpolated([(lv[1], float(p.metrics.get(REQUEST_THROUGHPUT) or 0.0)) for p, lv in meeting], value)
+        rate = interpolated_rate([(lv[1], float(p.metrics.get(REQUEST_THROUGHPUT) or 0.0)) for p, lv in meeting], value)
         base_rate = float(base.metrics.get(REQUEST_THROUGHPUT) or 0.0)
         rate_scale = rate / base_rate if base_rate > 0 else 0.0
         operating_why += (

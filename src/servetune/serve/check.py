@@ -244,7 +244,9 @@ def run_check(
     def result() -> ServeCheckResult:
         return ServeCheckResult(
             servetune_version=__version__, created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-            study=picked.study, trial_id=point.trial_id, picked_level=dict(point.level), model=point.model, app_name=name,
+            study=picked.study, trial_id=point.trial_id, picked_level=dict(point.level),
+            operating_point=picked.operating.as_dict() if picked.operating is not None else None,
+            model=point.model, app_name=name,
             url=cluster.url, address=address, llm_config=shown, slo=[str(b) for b in picked.slo.bounds], runs=list(runs),
             rows=scaling_rows(runs, picked.trial.levels), ramp=ramped, routing=routed, layouts=laid,
         )  # fmt: skip

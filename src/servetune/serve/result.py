@@ -60,6 +60,9 @@ class ServeCheckResult(BaseModel):
     study: str
     trial_id: str
     picked_level: dict[str, float]
+    # The trial's operating point (report/operating.py as_dict: the load, the headroom, the capacity and knee it
+    # rests on): the load the routers and layouts were offered and the ramp's knee. None: no level met the SLO.
+    operating_point: dict[str, Any] | None = None
     model: str
     app_name: str
     url: str

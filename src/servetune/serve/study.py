@@ -1,7 +1,9 @@
-"""What serve-check reads of a study: the picked point, its trial, the workload, ladder and SLO."""
+"""What serve-check reads of a study: the picked point, its trial, the workload, ladder and SLO, and the
+trial's operating point (report/operating.py: headroom x min(capacity at the SLO, knee), as export)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,8 +12,10 @@ from servetune.config.slo import Slo
 from servetune.config.space import SearchSpace
 from servetune.config.workload import Workload
 from servetune.errors import UserError
+from servetune.load.runner import Level
 from servetune.report import build_report, load_study
 from servetune.report.export import pick_point
+from servetune.report.operating import DEFAULT_HEADROOM, OperatingLoad, operating_point_of
 from servetune.report.points import ReportPoint
 from servetune.results import SPACE_FILE, TrialResult
 from servetune.trial.context import resolve_levels
@@ -27,14 +31,24 @@ class PickedStudy:
     workload: Workload
     plans: tuple[LevelPlan, ...]  # the study's ladder, sized as its trials sized it
     trial_points: tuple[ReportPoint, ...] = ()  # every level of the picked trial, as the report sees it
+    operating: OperatingLoad | None = None  # where a replica runs: the load the routers and layouts are offered
 
     @property
     def slo(self) -> Slo:
         return self.space.slo_bounds
 
+    def operating_level(self) -> Level:
+        """The ladder's level of the picked point (its arrival process), at the operating point's load; the
+        picked level itself without an operating point."""
+        level = next((p.level for p in self.plans if p.level.as_dict() == dict(self.point.level)), self.plans[0].level)
+        if self.operating is None or self.operating.kind != level.kind:
+            return level
+        return dataclasses.replace(level, value=self.operating.value)
 
-def read_picked(study_dir: Path, pick: str) -> PickedStudy:
-    """The configuration ``servetune export --pick`` would print, with what measuring it needs."""
+
+def read_picked(study_dir: Path, pick: str, headroom: float = DEFAULT_HEADROOM) -> PickedStudy:
+    """The configuration ``servetune export --pick`` would print, with what measuring it needs and its operating
+    point at ``headroom`` (None where the trial met the SLO at no level: serve-check measures its ladder still)."""
     loaded = load_study(study_dir)
     report = build_report(loaded)
     point = pick_point(report, pick)
@@ -50,4 +64,7 @@ def read_picked(study_dir: Path, pick: str) -> PickedStudy:
         for level in resolve_levels(space, workload)
     )
     points = tuple(p for p in report.points if p.trial_id == point.trial_id)
-    return PickedStudy(loaded.info.name, point, trial, space, workload, plans, points)
+    if not 0 < headroom <= 1:
+        raise UserError(f"--headroom {headroom:g}: the headroom must be above 0 and at most 1")
+    operating = operating_point_of(report, point, headroom) if any(p.meets_slo for p in points) else None
+    return PickedStudy(loaded.info.name, point, trial, space, workload, plans, points, operating)

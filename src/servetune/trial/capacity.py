@@ -32,6 +32,21 @@ when run once). A verdict whose margin is within the noise is *unsettled*, neith
   bracket from above. Such loads are listed in ``Capacity.unsettled``; how far each end of the
   bracket stood from the SLO is ``Capacity.slo_margins``, and their noise ``Capacity.verdict_noise``.
 
+**The knee** (results.py ``find_knee``: the lowest load past which output throughput grows by less than
+``knee_fraction`` of proportional growth), with what is left of the same budget once the capacity is
+settled (given a ``knee_fraction``): where the loads measured bracket it below the capacity (the knee
+then sets the operating point, headroom x min(capacity, knee)), the search bisects its bracket the same
+way, at the geometric mean of its two loads, until it is within ``tolerance``, no load is left between
+them, or the step to the middle is too narrow for the throughput noise: a step from x1 to x2 moves the
+gain by ``(n1 + n2) / (x2 / x1 - 1)`` at throughput noise n (results.py ``slope_noise``, measured in
+bench/knee_noise.py), and where that reaches min(fraction, 1 - fraction) it cannot tell a gain of the
+fraction from flat, so the knee stays at the bracket it has. The knee is then read again from every level measured, so a level that shows throughput still
+growing moves it up, one that shows it flat moves its bracket down. A knee at or above the capacity, or
+one the loads do not bracket (throughput still grew at the top), is not searched: the capacity sets the
+operating point there. Capacity first: a knee level that unsettles the capacity's bracket (it broke the
+SLO below the load that met it) sends the search back to the capacity. :attr:`CapacitySearch.knee` holds
+it, with its bracket, the levels it took and why its search ended.
+
 The study's stop rule (early stopping by dominance) and a level with no completed request end the
 search as they end the ladder; the capacity then records what was measured. With
 ``capacity_levels`` 0 this is the ladder alone: the same levels, the same return, no capacity.
@@ -47,7 +62,7 @@ from typing import Literal
 
 from servetune.config.slo import Slo, SloBound
 from servetune.load.runner import Level
-from servetune.results import Capacity, LevelResult, noise_margin
+from servetune.results import Capacity, Knee, LevelResult, find_knee, noise_margin, slope_noise, throughput_noise
 from servetune.trial.ladder import busy_throughput, fell_behind, ladder
 
 #: Asked before each further level with the last level's result and the loads the trial may still
@@ -139,11 +154,12 @@ def _margin(point: Point | None) -> float | None:
 
 class CapacitySearch:
     """The ladder, then the search (see the module docstring). :meth:`steps` is the generator a trial
-    drives; once it has ended, :attr:`capacity` holds what it found (None with a budget of 0)."""
+    drives; once it has ended, :attr:`capacity` holds what it found (None with a budget of 0), and
+    :attr:`knee` the knee (None with a budget of 0 or no ``knee_fraction``: no knee search)."""
 
     def __init__(self, levels: Sequence[Level], slo: Slo, *, tolerance: float = CAPACITY_TOLERANCE,
                  budget: int = CAPACITY_LEVELS, stop_on_slo_break: bool = True, min_gain: float = 0.0,
-                 stop_rule: SearchStopRule | None = None) -> None:  # fmt: skip
+                 stop_rule: SearchStopRule | None = None, knee_fraction: float | None = None) -> None:  # fmt: skip
         if not levels:
             raise ValueError("a capacity search needs a ladder of at least one level")
         self.levels, self.slo = tuple(levels), slo
@@ -152,8 +168,12 @@ class CapacitySearch:
         self.kind = self.levels[0].kind
         self.points: dict[float, Point] = {}
         self.measured = 0  # levels measured, the ladder's and the search's
-        self.extra = 0  # levels measured beyond the ladder
+        self.extra = 0  # levels measured beyond the ladder, the capacity's and the knee's
+        self.knee_fraction = knee_fraction
+        self.knee_levels = 0  # of those, the levels measured to bisect the knee
         self.capacity: Capacity | None = None
+        self.knee: Knee | None = None
+        self._knee_why: str | None = None  # why the knee was not searched (further)
         self._ruled: str | None = None  # the stop rule's reason, when it ended the ladder
 
     def steps(self) -> Generator[Level, LevelResult, str | None]:
@@ -178,16 +198,26 @@ class CapacitySearch:
                 reason = f"no request completed at {level}"
                 return self._end(reason, reason)
             following, why = self._next()
+            settled = why  # why the capacity needs no further level (when ``following`` is None)
+            for_knee = following is None
+            if for_knee:
+                following, self._knee_why = self._knee_next()
             if following is None:
-                return self._end(why, ladder_reason)
+                return self._end(settled, ladder_reason)
             if self.extra >= self.budget:
-                return self._end(f"the budget of {self.budget} extra levels is spent", ladder_reason)
+                spent = f"the budget of {self.budget} extra levels is spent"
+                if for_knee:
+                    self._knee_why = spent
+                return self._end(settled if for_knee else spent, ladder_reason)
             ruled = self.stop_rule(result, self._ahead(following)) if self.stop_rule is not None else None
             if ruled:
-                return self._end(ruled, ruled)
+                if for_knee:
+                    self._knee_why = ruled
+                return self._end(settled if for_knee else ruled, ruled)
             level = following
             result = yield level
             self.extra += 1
+            self.knee_levels += for_knee
             self._add(level, result)
 
     def _ladder_rule(self, result: LevelResult) -> str | None:
@@ -238,6 +268,44 @@ class CapacitySearch:
             return None, f"no load left between {lo.level} and {hi.level}"
         return self._level(middle), "bisect"
 
+    def found_knee(self) -> Knee | None:
+        """The knee of every level measured so far (results.py ``find_knee``); None without a ``knee_fraction``."""
+        if self.knee_fraction is None:
+            return None
+        results = [r for p in sorted(self.points.values(), key=lambda p: p.value) for r in p.results]
+        return find_knee(results, self.knee_fraction, self._unit())
+
+    def _knee_next(self) -> tuple[Level | None, str]:
+        """The next load to bisect the knee at, or None with why the knee is not searched (further)."""
+        knee = self.found_knee()
+        if knee is None:
+            return None, "no knee search"
+        if knee.bound == "lower":
+            return None, f"throughput still grew at {self._label(knee.value)}: the knee lies beyond the loads measured"
+        capacity, _ = self.bracket()
+        if capacity is None:
+            return None, "no load met the SLO: the knee sets no operating point"
+        if knee.value >= capacity.value:
+            return None, (f"the knee ({self._label(knee.value)}) is at or above the capacity "
+                          f"({capacity.level}): the capacity sets the operating point")  # fmt: skip
+        lo, hi = knee.bracket
+        assert hi is not None  # an exact knee has both ends
+        if hi / lo - 1 <= self.tolerance:
+            return None, f"within {self.tolerance:.0%}: between {self._label(lo)} and {self._label(hi)}"
+        middle = self._between(lo, hi)
+        if middle is None:
+            return None, f"no load left between {self._label(lo)} and {self._label(hi)}"
+        noise = max(throughput_noise(r) for r in self.points[lo].results)
+        blur = slope_noise(middle / lo, 1.0, noise, noise)
+        if blur >= min(self.knee_fraction or 0.0, 1 - (self.knee_fraction or 0.0)):
+            return None, (f"within the noise: a step from {self._label(lo)} to {self._label(middle)} could not tell a "
+                          f"gain of {self.knee_fraction:g} from flat (throughput noise {noise:.0%} moves its slope by "
+                          f"{blur:.2f})")  # fmt: skip
+        return self._level(middle), "knee"
+
+    def _label(self, value: float) -> str:
+        return str(self._level(value))
+
     def _saturated(self, top: Point) -> str | None:
         """Why a closed loop climbs no further from ``top`` (ladder.py's rule: output throughput with
         every client busy grew less than ``min_gain`` over the best below), None to go on."""
@@ -282,8 +350,13 @@ class CapacitySearch:
         return (following, hi.level) if hi.value > following.value else (following,)
 
     def _end(self, why: str, reason: str | None) -> str | None:
-        """Record the capacity found (``why`` the search ended) and return ``reason``."""
+        """Record the capacity found (``why`` its search ended) and the knee, and return ``reason``."""
         self.capacity = self.found(why)
+        knee = self.found_knee()
+        if knee is not None:
+            ended = self._knee_why or f"not searched: the capacity's search ended first ({why})"
+            self.knee = knee.model_copy(update={"extra_levels": self.knee_levels, "tolerance": self.tolerance,
+                                                "ended": ended})  # fmt: skip
         return reason
 
     def found(self, why: str | None = None) -> Capacity:
@@ -296,7 +369,7 @@ class CapacitySearch:
             bound="exact" if lo is not None and hi is not None else ("lower" if lo is not None else "upper"),
             tolerance=self.tolerance, slo_margins=(_margin(lo), _margin(hi)),
             verdict_noise=max((v.noise for p in ends for v in p.verdicts), default=None),
-            breaking_slo=self._breaking_slo(hi), extra_levels=self.extra,
+            breaking_slo=self._breaking_slo(hi), extra_levels=self.extra - self.knee_levels,
             unsettled=sorted(p.value for p in self.points.values() if p.unsettled), ended=why,
         )  # fmt: skip
 

@@ -432,7 +432,7 @@ async def _climb(spec, server, result, report, prompts, records_file, stop_rule=
     rule = (lambda level, ahead: stop_rule(result, ahead)) if stop_rule is not None else None
     search = CapacitySearch(spec.levels, spec.slo, tolerance=spec.capacity_tolerance, budget=spec.capacity_levels,
                             stop_on_slo_break=spec.stop_on_slo_break, min_gain=spec.min_throughput_gain,
-                            stop_rule=rule)  # fmt: skip
+                            stop_rule=rule, knee_fraction=spec.knee_fraction)  # fmt: skip
     steps = search.steps()
     async with StreamingClient(
         server.url, spec.engine_args.get("served_model_name") or spec.model, api=spec.workload.api,
@@ -453,7 +453,7 @@ async def _climb(spec, server, result, report, prompts, records_file, stop_rule=
                 level = steps.send(level_result)
             except StopIteration as stop:
                 result.capacity_at_slo = search.capacity
-                result.knee = find_knee(result.levels, spec.knee_fraction, search.found().unit)
+                result.knee = search.knee or find_knee(result.levels, spec.knee_fraction, search.found().unit)
                 return stop.value
 
 

@@ -3,7 +3,12 @@
 The pick is ``servetune export``'s (``report/export.py pick_point``: ``best``, a row of the cost
 vs P99 TTFT Pareto table, or a trial id). A configuration is rebuilt from the study as its trial
 ran it: the space copied beside ``study.json`` gives the engine arguments and the environment
-(``result.json`` masks secrets), the study's resolved model, and the level the point names.
+(``result.json`` masks secrets) and the study's resolved model. It runs at its trial's operating point
+(report/operating.py, as ``export`` derives it): ``headroom`` x min(capacity at the SLO, knee), in the
+kind of the level the point names, not at that ladder level. A bare engine starts with the admission bounds
+``export --format vllm`` ships (report/admission.py: ``max_num_queued_reqs``, ``max_num_queued_tokens``, sized
+from the trial's capacity), so the configuration verified is the one shipped; a trial through Ray Serve keeps
+its Serve deployment, whose queue Serve bounds (``max_queued_requests``).
 Bad input (no completed trial, a row out of range, a failed or infeasible trial, a trial that
 never met the SLO, a trial through Serve whose replicas this machine cannot hold) is a one-line
 ``UserError`` before anything starts.
@@ -21,8 +26,10 @@ from servetune.config.workload import Workload
 from servetune.errors import UserError
 from servetune.load.runner import Level
 from servetune.report import build_report, load_study
+from servetune.report.admission import AdmissionBounds
 from servetune.report.build import StudyReport
-from servetune.report.export import pick_point
+from servetune.report.export import admission_for, pick_point
+from servetune.report.operating import DEFAULT_HEADROOM, OperatingLoad, operating_point_of
 from servetune.report.points import ReportPoint, first_line
 from servetune.report.recommend import candidates
 from servetune.report.study import LoadedStudy
@@ -34,12 +41,15 @@ from servetune.trial.runner import TrialSpec
 
 @dataclass(frozen=True)
 class Chosen:
-    """One configuration to start again, at one level."""
+    """One configuration to start again, at one level: its operating point."""
 
-    point: ReportPoint
+    point: ReportPoint  # the study's point it was picked by (its trial, a level the study measured)
     result: TrialResult
     spec: TrialSpec  # engine arguments, environment and timeouts, as the trial ran
-    level: Level
+    level: Level  # the operating point's load, in the kind of the point's level
+    operating: OperatingLoad | None = None  # what ``level`` rests on (capacity, knee, headroom)
+    # The admission bounds its engine starts with, as export ships them (in ``spec.engine_args``), or why none
+    admission: AdmissionBounds | str | None = None
 
     @property
     def trial_id(self) -> str:
@@ -79,8 +89,17 @@ def _level(point: ReportPoint, levels: tuple[Level, ...], workload: Workload) ->
     raise ValueError(f"a level of unknown kind {kind!r}")  # Level.as_dict makes no other
 
 
-def select(study_dir: Path, pick: str, python: str = sys.executable, address: str | None = None) -> Selection:
-    """The configuration to verify and its runner-up (the best other candidate); UserError on bad input.
+def at_operating_point(level: Level, operating: OperatingLoad) -> Level:
+    """``level`` (the point's, with its arrival process) at the operating point's load."""
+    if operating.kind != level.kind:
+        raise ValueError(f"an operating point in {operating.kind} for a level in {level.kind}")
+    return dataclasses.replace(level, value=operating.value)
+
+
+def select(study_dir: Path, pick: str, python: str = sys.executable, address: str | None = None,
+           headroom: float = DEFAULT_HEADROOM) -> Selection:  # fmt: skip
+    """The configuration to verify and its runner-up (the best other candidate), each at its operating point
+    (``headroom`` x min(capacity, knee)); UserError on bad input.
     ``address``: the Ray cluster trials through Serve are deployed on (default: a local Ray)."""
     study = load_study(study_dir)
     complete = [t for t in study.trials if t.outcome == "COMPLETE"]
@@ -98,7 +117,7 @@ def select(study_dir: Path, pick: str, python: str = sys.executable, address: st
     if not point.meets_slo:
         raise UserError(f"--pick {pick}: trial {trial.trial_id} never met the SLO ({'; '.join(point.slo_violations)}): "
                         "nothing to verify")  # fmt: skip
-    rebuild = _Rebuild.of(study_dir, study, report, python)
+    rebuild = _Rebuild.of(study_dir, study, report, python, headroom)
     others = [c for c in candidates(report.points) if c.trial_id != point.trial_id]
     selection = rebuild.selection(point, others[0] if others else None)
     for chosen in (selection.winner, selection.runner_up):
@@ -147,15 +166,28 @@ def top_points(report: StudyReport, k: int) -> list[ReportPoint]:
     return chosen[:k]
 
 
-def select_top(study_dir: Path, k: int, python: str = sys.executable) -> list[Selection]:
-    """A selection per point of :func:`top_points` (no runner-up: the points are each verified)."""
+def select_top(study_dir: Path, k: int, python: str = sys.executable,
+               headroom: float = DEFAULT_HEADROOM) -> list[Selection]:  # fmt: skip
+    """A selection per point of :func:`top_points` (no runner-up: the points are each verified), each at its
+    operating point."""
     study = load_study(study_dir)
     report = build_report(study)
     points = top_points(report, k)
     if not points:
         return []
-    rebuild = _Rebuild.of(study_dir, study, report, python)
+    rebuild = _Rebuild.of(study_dir, study, report, python, headroom)
     return [rebuild.selection(point, None) for point in points]
+
+
+def with_admission(spec: TrialSpec, report: StudyReport, point: ReportPoint) -> tuple[TrialSpec, AdmissionBounds | str]:
+    """``spec`` with the admission bounds ``export --format vllm`` adds for ``point``'s trial (report/admission.py),
+    and those bounds; unchanged, with why, where there are none or the trial runs through Ray Serve."""
+    if spec.serve_replicas is not None:
+        return spec, "measured through Ray Serve: Serve bounds the queue (max_queued_requests), as export ships it"
+    bounds = admission_for(report, point)
+    if isinstance(bounds, str):
+        return spec, bounds
+    return dataclasses.replace(spec, engine_args={**spec.engine_args, **bounds.engine_args()}), bounds
 
 
 @dataclass(frozen=True)
@@ -168,9 +200,11 @@ class _Rebuild:
     workload: Workload
     report: StudyReport
     context: StudyContext
+    headroom: float
 
     @classmethod
-    def of(cls, study_dir: Path, study: LoadedStudy, report: StudyReport, python: str) -> _Rebuild:
+    def of(cls, study_dir: Path, study: LoadedStudy, report: StudyReport, python: str,
+           headroom: float = DEFAULT_HEADROOM) -> _Rebuild:  # fmt: skip
         space_path = study_dir / SPACE_FILE
         if not space_path.is_file():
             raise UserError(
@@ -190,14 +224,15 @@ class _Rebuild:
             model = str(build_tiny_model(study_dir / "models" / "tiny").resolve())
         levels = resolve_levels(space, workload)
         context = StudyContext(space, workload, study_dir.resolve(), model, levels, python=python)
-        return cls(study_dir, study.info, space, workload, report, context)
+        return cls(study_dir, study.info, space, workload, report, context, headroom)
 
     def chosen(self, point: ReportPoint) -> Chosen:
         result = read_result(self.study_dir / TRIALS_DIR / point.trial_id)
         assert result is not None  # the report read it
-        return Chosen(
-            point, result, self.context.spec_for(dict(result.params)), _level(point, self.context.levels, self.workload)
-        )
+        operating = operating_point_of(self.report, point, self.headroom)
+        level = at_operating_point(_level(point, self.context.levels, self.workload), operating)
+        spec, admission = with_admission(self.context.spec_for(dict(result.params)), self.report, point)
+        return Chosen(point, result, spec, level, operating, admission)
 
     def selection(self, point: ReportPoint, runner_up: ReportPoint | None) -> Selection:
         return Selection(self.study_dir, self.info, self.space, self.workload, self.report, self.chosen(point),

@@ -4,10 +4,17 @@ It checks what an admission bound (vLLM's ``max_num_queued_reqs`` / ``max_num_qu
 report/admission.py and shipped by ``export --format vllm``) promises, checklist item 15.15 ("the request
 queue has a hard limit"):
 
-1. **overload**: Poisson arrivals at ``OVERLOAD_FACTOR`` x the rate measured at the level for the
-   scenario's time. Requests past the bound must be refused (HTTP 503) *quickly*: their P99 answer time
-   within the SLO's TTFT bound (a refusal that came later than a first token would have is no help to a
-   client that retries elsewhere); the requests admitted must meet the SLO's TTFT bound (P99).
+1. **overload**: Poisson arrivals at ``OVERLOAD_FACTOR`` x the rate the study measured at the trial's
+   capacity (report/operating.py ``capacity_rate``; verify runs the other scenarios at headroom x it),
+   else at the level, for the scenario's time. Requests past the bound must be refused (HTTP 503)
+   *quickly*: their P99 answer time within the SLO's TTFT bound (a refusal that came later than a first
+   token would have is no help to a client that retries elsewhere); the requests admitted must meet the
+   SLO's TTFT bound (P99), within the noise of a P99 TTFT: over it by less than the verdict noise the
+   study measured at the trial's capacity (results.py ``Capacity.verdict_noise``, else ``MARGIN``, 10%)
+   passes, and the reason says it was within the noise. A single run's P99 TTFT moves far more than that
+   between repeats on a shared host (bench/knee_noise.py: a median of 45% on the recorded CPU surfaces),
+   and an unbounded queue breaks the bound by multiples, not by a few percent, so a miss inside the noise
+   is no evidence that the bound failed.
 2. **recovery**: the load drops to ``RECOVERY_FACTOR`` x the rate for as long again. ``recovery_s`` is
    when, after the drop, the last request was refused or started past the TTFT bound (0: none was); the
    engine recovered when the last third of that phase had neither.
@@ -26,6 +33,7 @@ import numpy as np
 from servetune.load.runner import Level
 from servetune.metrics import RequestRecord
 from servetune.report.autoscale import tolerable_wait_s
+from servetune.results import MARGIN
 from servetune.trial.measure import LevelPlan
 from servetune.verify.scenarios import ScenarioResult, Target, _level, fmt
 
@@ -47,8 +55,9 @@ def _p99_ms(values: Sequence[float]) -> float | None:
 
 
 def judge_overload(over: Sequence[RequestRecord], after: Sequence[RequestRecord], wait_s: float,
-                   rate: float) -> ScenarioResult:  # fmt: skip
-    """The verdict on the two phases (see the module docstring); ``wait_s`` is the SLO's TTFT bound."""
+                   rate: float, noise: float = MARGIN) -> ScenarioResult:  # fmt: skip
+    """The verdict on the two phases (see the module docstring); ``wait_s`` is the SLO's TTFT bound, ``noise``
+    how far over it (relative) the admitted requests' P99 TTFT may be, within the noise."""
     over = [r for r in over if not r.warmup]
     after = sorted((r for r in after if not r.warmup), key=lambda r: r.sent)
     turned = [r for r in over if refused(r)]
@@ -67,7 +76,7 @@ def judge_overload(over: Sequence[RequestRecord], after: Sequence[RequestRecord]
         "refused": len(turned), "refused_share": len(turned) / len(over) if over else None,
         "admitted": len(admitted), "refuse_ms_p99": refuse_p99, "admitted_ttft_ms_p99": admitted_p99,
         "ttft_bound_ms": wait_s * 1000.0, "recovery_s": max(late, default=0.0), "recovered": recovered,
-        "other_errors": len([r for r in over if not r.ok and not refused(r)]),
+        "other_errors": len([r for r in over if not r.ok and not refused(r)]), "ttft_noise": noise,
     }  # fmt: skip
     bound_ms = wait_s * 1000.0
     head = f"{fmt(OVERLOAD_FACTOR * rate)} req/s ({OVERLOAD_FACTOR:g}x): {len(turned)} of {len(over)} refused (503)"
@@ -78,20 +87,25 @@ def judge_overload(over: Sequence[RequestRecord], after: Sequence[RequestRecord]
         problems.append(f"refusals took {fmt(refuse_p99, ' ms')} (P99), past the TTFT bound {bound_ms:g} ms")
     if admitted_p99 is None:
         problems.append("no request admitted completed")
-    elif admitted_p99 > bound_ms:
-        problems.append(f"admitted requests' TTFT P99 {fmt(admitted_p99, ' ms')} broke the bound {bound_ms:g} ms")
+    elif admitted_p99 > bound_ms * (1 + noise):
+        problems.append(f"admitted requests' TTFT P99 {fmt(admitted_p99, ' ms')} broke the bound {bound_ms:g} ms "
+                        f"beyond the noise ({noise:.0%})")  # fmt: skip
     if not recovered:
         problems.append(f"not recovered at {fmt(RECOVERY_FACTOR * rate)} req/s: the last third still refused or late")
     detail = (f" in {fmt(refuse_p99, ' ms')} (P99); admitted TTFT P99 {fmt(admitted_p99, ' ms')}; recovered "
               f"{fmt(numbers['recovery_s'], ' s')} after the drop")  # fmt: skip
     if problems:
         return ScenarioResult(NAME, False, head + ": " + "; ".join(problems), numbers)
+    if admitted_p99 is not None and admitted_p99 > bound_ms:
+        detail += (
+            f" (over the bound {bound_ms:g} ms by {admitted_p99 / bound_ms - 1:.0%}, within the noise {noise:.0%})"
+        )
     return ScenarioResult(NAME, True, head + detail, numbers)
 
 
 async def overload(t: Target) -> ScenarioResult:
     """Run the two phases against the target and judge them."""
-    rate = t.level.value if t.level.kind == "rate" else t.measured_rate
+    rate = t.capacity_rate or (t.level.value if t.level.kind == "rate" else t.measured_rate)
     if not rate:
         return ScenarioResult(NAME, False, "the study measured no request rate at this level to overload")
     wait_s, _ = tolerable_wait_s([str(b) for b in t.slo.bounds])
@@ -102,4 +116,4 @@ async def overload(t: Target) -> ScenarioResult:
                          warmup_requests=0)  # fmt: skip
         _, records = await _level(t, plan, stream)
         phases.append(records)
-    return judge_overload(phases[0], phases[1], wait_s, rate)
+    return judge_overload(phases[0], phases[1], wait_s, rate, t.verdict_noise or MARGIN)

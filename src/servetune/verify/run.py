@@ -153,6 +153,33 @@ def served_len(server: VllmServer | ServeEngine, chosen: Chosen) -> int:
     return max_model_len(server.url, _configured_len(chosen))
 
 
+def admission_record(chosen: Chosen) -> dict[str, Any]:
+    """What verify.json says of the admission bounds the engine started with (export's), or why it had none."""
+    bounds = chosen.admission
+    if bounds is None or isinstance(bounds, str):
+        return {"engine_args": {}, "reason": bounds or "none derived"}
+    return {"engine_args": bounds.engine_args(), "reasons": dict(bounds.reasons)}
+
+
+def verdict_noise(chosen: Chosen) -> float | None:
+    """How much a repeat could differ at the trial's capacity, as its capacity search measured it (None: no search)."""
+    capacity = chosen.operating.capacity if chosen.operating is not None else None
+    return capacity.verdict_noise if capacity is not None else None
+
+
+def measured_rate(chosen: Chosen) -> float | None:
+    """Requests per second at the level verify runs: the operating point's, interpolated between the levels the
+    study measured (else, without one, the picked level's)."""
+    if chosen.operating is not None:
+        return chosen.operating.request_rate
+    return chosen.result.levels[chosen.point.level_index].summary.request_throughput
+
+
+def capacity_rate(chosen: Chosen) -> float | None:
+    """Requests per second the study measured at the trial's capacity (what the overload scenario multiplies)."""
+    return chosen.operating.capacity_rate if chosen.operating is not None else None
+
+
 def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: PromptFactory, budget: sc.Budget,
                 progress: Progress, body: Callable[[sc.Target], Awaitable[T]],
                 address: str | None = None) -> tuple[EngineRun, T | None, list[RequestRecord]]:  # fmt: skip
@@ -185,7 +212,8 @@ def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: Pro
                     target = sc.Target(
                         client=client, url=server.url, workload=spec.workload, prompts=prompts, slo=spec.slo,
                         level=chosen.level, budget=budget, max_model_len=served_len(server, chosen),
-                        measured_rate=chosen.result.levels[chosen.point.level_index].summary.request_throughput,
+                        measured_rate=measured_rate(chosen), capacity_rate=capacity_rate(chosen),
+                        verdict_noise=verdict_noise(chosen),
                         engine=server, pid=server.process.pid if server.process else None, records=records,
                         metrics=getattr(server, "server_metrics", None),
                         reset_cache=server.reset_prefix_cache if isinstance(server, ServeEngine) else None,
@@ -423,6 +451,8 @@ def document(selection: Selection, budget: sc.Budget, timeouts: Timeouts, run: E
         "study": selection.info.name,
         "trial_id": winner.trial_id,
         "level": dict(winner.point.level),
+        **({"operating_point": winner.operating.as_dict()} if winner.operating is not None else {}),
+        **({"admission": admission_record(winner)} if winner.admission is not None else {}),
         "params": dict(winner.result.params),
         "device": winner.result.device,
         "budget": asdict(budget),

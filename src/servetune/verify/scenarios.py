@@ -116,6 +116,8 @@ class Target:
     budget: Budget
     max_model_len: int
     measured_rate: float | None = None  # requests per second the study measured at the level
+    capacity_rate: float | None = None  # requests per second it measured at the trial's capacity (report/operating.py)
+    verdict_noise: float | None = None  # how much a repeat could differ there (results.py Capacity.verdict_noise)
     engine: Engine | None = None
     pid: int | None = None  # the engine's process (memory)
     # A deployment with no /metrics or /reset_prefix_cache at ``url`` (Serve's ingress): its replicas' metrics
