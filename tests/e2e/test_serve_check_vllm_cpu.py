@@ -4,14 +4,15 @@ The study is one COMPLETE trial of the checked-in CPU study (tests/data/cpu-tiny
 defaults, measured on this kind of host) with its model pointed at the test's tiny model: what
 serve-check needs of a study is the trial's engine arguments, environment, model and measured
 levels, and the space's workload, ladder and SLO. One fixed replica is measured, then the ramp
-deploys the derived autoscaling (1-2 replicas, delays x 0.05) and offers 8, 24 and 8 clients: the
+deploys the derived autoscaling (1-2 replicas, delays x 0.05) and offers 6, 18 and 6 clients (the operating
+point: 0.8 x the 8 clients that met the SLO, in whole clients): the
 second replica must start, be RUNNING before it serves, and take traffic. The ramp starts on the
 replica the count left running. Then --routers puts Serve's default router on the ramp's engines (two
 replicas, prefix caches reset) and switches them, engines kept and caches reset again, to Ray Serve
 LLM's prefix-aware one, each offered a RAG-like workload scaled to the tiny model (most prompts start
 with one shared prefix). Last, --layouts compares a two-core budget laid out as 2x1 (the routers' two
 replicas, switched back to Serve's default router, prefix caches reset) and 1x2 (one replica with
-TP=2, its ranks bound to the two cores, deployed fresh), both at concurrency 16 (the picked level, 8
+TP=2, its ranks bound to the two cores, deployed fresh), both at concurrency 12 (the operating point, 6
 on one core, scaled to two). Engines started: one for the count, one by the ramp, one for 1x2.
 """
 
@@ -92,10 +93,11 @@ def test_one_replica_a_ramp_to_two_routers_and_layouts_compared_and_all_are_torn
     assert result.replica_pids and not [p for p in result.replica_pids if psutil.pid_exists(p) and
                                         psutil.Process(p).status() != psutil.STATUS_ZOMBIE]  # fmt: skip
     assert (study / "serve-check.requests.jsonl").is_file()
-    # The ramp: the derived autoscaling (knee 8 in flight, 1-2 replicas) under 8, 24, 8 clients.
+    # The ramp: the derived autoscaling (6 in flight a replica, 1-2 replicas) under 6, 18, 6 clients.
+    assert result.operating_point is not None and result.operating_point["level"] == {"concurrency": 6.0}
     ramp = result.ramp
     assert ramp is not None and [p.name for p in ramp.phases] == ["1x", "3x", "back to 1x"]
-    assert ramp.knee_concurrency == 8 and ramp.autoscaling_config["target_ongoing_requests"] == 8
+    assert ramp.knee_concurrency == 6 and ramp.autoscaling_config["target_ongoing_requests"] == 6
     assert ramp.autoscaling_config["max_replicas"] == 2 and ramp.autoscaling_config["upscale_delay_s"] == 6.0
     # The second replica starts its engine beside one serving 24 clients: 170 s in a recorded run here, of the
     # startup_timeout_s (600) the ramp's 3x waits for it, which is why that is well above a lone start's 100 s.
@@ -107,12 +109,12 @@ def test_one_replica_a_ramp_to_two_routers_and_layouts_compared_and_all_are_torn
     assert all(p.requests > 0 and p.errors == 0 for p in ramp.phases), ramp.phases
     assert sum(len(w.served) > 1 for w in ramp.windows) >= 1  # both replicas served within one window
     new = ramp.new_replicas[0]
-    assert ramp.samples[-1].served.get(new, 0) >= 8  # the new replica took a real share of the 3x load
+    assert ramp.samples[-1].served.get(new, 0) >= 6  # the new replica took a real share of the 3x load
     assert "time to scale up" in done.stdout
-    # The routers: each on the same two replicas, the same 24 requests at concurrency 8.
+    # The routers: each on the same two replicas, the same 24 requests at the operating point (concurrency 6).
     routing = result.routing
     assert routing is not None and [r.router for r in routing.runs] == ["default", "prefix-aware"]
-    assert routing.runs[1].router_class.endswith("PrefixCacheAffinityRouter") and routing.level == {"concurrency": 8.0}
+    assert routing.runs[1].router_class.endswith("PrefixCacheAffinityRouter") and routing.level == {"concurrency": 6.0}
     for run in routing.runs:
         s = run.level.summary
         assert s.completed == 24 and s.failed == 0 and s.warmup_excluded == 0, run.router
@@ -143,13 +145,13 @@ def test_one_replica_a_ramp_to_two_routers_and_layouts_compared_and_all_are_torn
     assert [sum(r.get("router") == name for r in sent) for name in ("default", "prefix-aware")] == [24, 24]
     # The layouts: two cores as 2x1 and 1x2, at the same offered load, each served, a verdict naming one.
     laid = result.layouts
-    assert laid is not None and laid.budget == 2 and laid.level == {"concurrency": 16.0}
+    assert laid is not None and laid.budget == 2 and laid.level == {"concurrency": 12.0}
     small, big = laid.runs
     assert (small.layout, small.replicas, small.tensor_parallel_size) == ("2x1", 2, 1)
     assert (big.layout, big.replicas, big.tensor_parallel_size, big.devices) == ("1x2", 1, 2, 2)
     for run in laid.runs:
         s = run.level.summary
-        assert s.level == {"concurrency": 16.0} and s.completed == 24 and s.failed == 0, run.layout
+        assert s.level == {"concurrency": 12.0} and s.completed == 24 and s.failed == 0, run.layout
         assert sum(run.requests_per_replica.values()) >= 24, run.requests_per_replica  # Serve's counter, warm-up too
         assert s.output_throughput > 0 and run.cost_per_mtok_usd is not None and run.cost_per_hour_usd is not None
     assert len(small.requests_per_replica) == 2 and len(big.requests_per_replica) == 1
