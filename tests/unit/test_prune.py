@@ -215,3 +215,18 @@ def test_unprune_needs_resume(tmp_path):
     args = cli.build_parser().parse_args(["run", str(path), "--unprune"])
     with pytest.raises(UserError, match="--unprune runs the pruned trials of a stored study: pass --resume too"):
         args.run(args)
+
+
+def test_the_runs_device_time_says_what_pruning_saved():
+    from servetune.accounting import device_time_lines, prune_savings
+
+    ran = [trial("a", {"max_num_seqs": 4}, devices=2), trial("b", {"max_num_seqs": 8}, devices=2)]
+    ran[0].duration_s, ran[1].duration_s = 300.0, 900.0
+    skipped = trial("c", {"max_num_seqs": 16}, outcome="PRUNED", reason="pruned: ...", devices=4)
+    assert prune_savings(ran) == {"trials_pruned": 0, "device_minutes_saved": 0.0, "mean_trial_s": 600.0}
+    assert prune_savings([*ran, skipped])["device_minutes_saved"] == 600.0 * 4 / 60
+    assert device_time_lines([*ran, skipped], "gpu", 3)[-1] == (
+        "the estimate pruned 1 trial(s) before any engine started: about 40.0 GPU-min saved (each at the 600 s mean "
+        "of the trials measured)"
+    )
+    assert not any("pruned" in line for line in device_time_lines(ran, "gpu", 3))
