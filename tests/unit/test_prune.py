@@ -230,3 +230,24 @@ def test_the_runs_device_time_says_what_pruning_saved():
         "of the trials measured)"
     )
     assert not any("pruned" in line for line in device_time_lines(ran, "gpu", 3))
+
+
+def test_a_measured_result_replaces_a_pruned_one_in_the_study_but_never_the_reverse(tmp_path):
+    from types import SimpleNamespace
+
+    from servetune.study.driver import ResultMirror, final_report
+    from servetune.trial.runner import load_result
+    from tests.builders import level
+
+    space = gpu_space(estimate={"prune": True})
+    context = context_of(space, tmp_path)
+    skipped = trial("abc", {"max_num_seqs": 64}, outcome="PRUNED", reason="pruned: the estimate misses the SLO")
+    measured = trial("abc", {"max_num_seqs": 64}, [level(4, 100, 50)])
+    mirror = ResultMirror(context)
+    tune_trial = SimpleNamespace(trial_id="tune_0")
+    mirror.on_trial_result(0, [], tune_trial, final_report(skipped, context))
+    assert load_result(tmp_path / "trials" / "abc").outcome == "PRUNED"
+    mirror.on_trial_result(0, [], tune_trial, final_report(measured, context))  # --resume --unprune measured it
+    assert load_result(tmp_path / "trials" / "abc") == measured
+    mirror.on_trial_result(0, [], tune_trial, final_report(skipped, context))
+    assert load_result(tmp_path / "trials" / "abc") == measured
