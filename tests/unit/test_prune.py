@@ -251,3 +251,39 @@ def test_a_measured_result_replaces_a_pruned_one_in_the_study_but_never_the_reve
     assert load_result(tmp_path / "trials" / "abc") == measured
     mirror.on_trial_result(0, [], tune_trial, final_report(skipped, context))
     assert load_result(tmp_path / "trials" / "abc") == measured
+
+
+def test_on_the_cpu_build_the_study_prunes_only_once_it_measured_the_estimates_error(tmp_path, tiny_model):
+    from servetune.study.prune import shipped_error
+
+    assert shipped_error("cpu") == {} and shipped_error("gpu")  # the CPU factors come from one recording host
+    space = SearchSpace.model_validate({
+        "name": "cpu", "model": str(tiny_model), "device": "cpu", "workload": "cpu-tiny",
+        "env": {"VLLM_CPU_KVCACHE_SPACE": 1}, "load": {"kind": "concurrency", "levels": [1, 4]},
+        "slo": {"ttft_ms": {"p99": 0.01}}, "search": {"estimate": {"prune": True}},
+    })  # fmt: skip
+    context = context_of(space, tmp_path)
+    assert pruned(context.spec_for({"max_num_seqs": 4}), context, None, None) is None
+
+
+def test_the_pruning_replay_accounts_every_recorded_minute_and_says_when_the_best_was_lost(tiny_model):
+    from pathlib import Path
+
+    from servetune.study.replay import Surface, score
+    from servetune.study.replay_prune import pruning_effect
+
+    surface = Surface.load(Path(__file__).resolve().parents[2] / "bench" / "data" / "cpu-tiny-grid-r4.json")
+    total = sum((r.duration_s or 0) * r.devices / 60 for r in surface.results.values())
+    # an SLO no engine meets, 10 us TTFT: once five levels have measured the estimate's error, every trial is pruned
+    strict = surface.space.model_copy(update={"slo": SearchSpace.model_validate(
+        {"name": "x", "model": "m", "workload": "chat", "slo": {"ttft_ms": {"p99": 0.01}}}).slo})  # fmt: skip
+    for space in (surface.space, strict):
+        effect = pruning_effect(Surface(space, surface.results, {}), tiny_model, range(2))
+        for saved, spent in zip(effect.device_minutes_saved, effect.device_minutes_spent, strict=True):
+            assert saved + spent == pytest.approx(total)
+        for seed, lost in enumerate(effect.best_lost):
+            kept = [score(r) for r in surface.results.values()
+                    if r.params not in [t.params for t in effect.trials if t.seed == seed]]  # fmt: skip
+            assert lost == (max(kept, default=0) < 0.95 * surface.best_score)
+    assert all(0 < n < len(surface.results) for n in effect.pruned)  # the first trials ran: the error was unknown
+    assert all("misses the SLO at every level" in t.reason for t in effect.trials)

@@ -195,9 +195,8 @@ def pruned(spec: Any, context: StudyContext, finished_points: Any, study_refit: 
     from ray.exceptions import GetTimeoutError, RayError
 
     from servetune.config.workload import mean_lengths
-    from servetune.estimate import load_factors
     from servetune.study.forecast import forecast
-    from servetune.study.prune import error_margins, judge_prune, prune_reason, study_errors
+    from servetune.study.prune import error_margins, judge_prune, prune_reason, shipped_error, study_errors
 
     forecasts = forecast(spec, mean_lengths(context.workload), spec.estimate_efficiency)
     if isinstance(forecasts, str):
@@ -207,7 +206,7 @@ def pruned(spec: Any, context: StudyContext, finished_points: Any, study_refit: 
         errors = ray.get(study_refit.errors.remote(), timeout=timeout_s) if study_refit is not None else []
     except (GetTimeoutError, RayError):
         return None
-    margins, source = error_margins(load_factors().held_out_error, study_errors(errors))
+    margins, source = error_margins(shipped_error(spec.device), study_errors(errors))
     record = judge_prune(forecasts, context.space.slo_bounds, margins, finished, spec.price_per_device_hour,
                          spec.devices, trial_id=spec.trial_id, error_source=source,
                          factors="shipped" if spec.estimate_efficiency is None else "refit")  # fmt: skip
