@@ -140,6 +140,9 @@ def test_the_study_records_a_pruned_trial_with_its_numbers_and_the_report_shows_
     )
     assert cells["outcome"] == "PRUNED"
     assert study_metrics(load_study(root).trials)["trials_pruned"] == 1
+    from servetune.study.progress import summary_table
+
+    assert "1 complete, 0 infeasible, 0 failed, 1 pruned;" in str(summary_table(load_study(root).trials, space).title)
 
 
 def test_a_trial_the_estimate_cannot_rule_out_runs(tmp_path):

@@ -76,6 +76,8 @@ def trainable(
     when trials stop at levels finished trials dominate; the trial adds its own points to it.
     ``study_refit``: the study's :class:`~servetune.study.refit.StudyRefit` actor: the trial's levels
     are estimated with its factors, and the trial adds its own levels to it.
+    With ``search.estimate.prune`` (and not ``--unprune``), a trial the estimate rules out is recorded PRUNED
+    before any engine starts (:func:`pruned`, study/prune.py), judged against both actors' data.
     """
     import ray
     from ray import tune
