@@ -29,6 +29,13 @@ the trials each seed needed, early stopping on, to come within ``--tolerance`` o
 
     .venv/bin/python bench/search_efficiency.py replay bench/data/cpu-tiny-grid-r4.json --early-stopping --in-flight 4 \
         --seeds 10 --json out.json
+
+``--pruning`` replays pruning by the estimate (study/replay_prune.py): each seed runs the grid one trial at a time
+in an order of its own, every trial first judged by the study's prune rule against the trials measured before it.
+It prints the trials pruned and the recorded device-minutes they would have taken, and the share of seeds that
+lost the best (no trial measured within ``--tolerance`` of it; target: under 5%).
+
+    .venv/bin/python bench/search_efficiency.py replay bench/data/cpu-tiny-grid-r4.json --pruning --seeds 20
 """
 
 from __future__ import annotations
@@ -103,6 +110,8 @@ def fixed_value(space, name: str):
 def replay(args: argparse.Namespace) -> int:
     if args.early_stopping:
         return replay_early_stopping(args)
+    if args.pruning:
+        return replay_pruning(args)
     surface = Surface.load(args.surface)
     seeds = range(args.seed0, args.seed0 + args.seeds)
     best = surface.best_score
@@ -179,6 +188,40 @@ def replay_early_stopping(args: argparse.Namespace) -> int:
     return 0
 
 
+def replay_pruning(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from servetune.models.tiny import TINY_CONFIG
+    from servetune.study.replay_prune import pruning_effect
+
+    surface = Surface.load(args.surface)
+    with tempfile.TemporaryDirectory() as tmp:  # the surface's model, as the estimate reads it: its config.json
+        model = Path(tmp)
+        (model / "config.json").write_text(json.dumps(TINY_CONFIG) if args.model_config is None
+                                           else Path(args.model_config).read_text())  # fmt: skip
+        began = time.perf_counter()
+        e = pruning_effect(surface, model, range(args.seed0, args.seed0 + args.seeds), args.tolerance)
+        took = time.perf_counter() - began
+    total = e.device_minutes_saved[0] + e.device_minutes_spent[0] if e.pruned else e.device_minutes_spent[0]
+    print(f"{args.surface}: {e.grid_size} grid points, best goodput {e.best:.2f} req/s; pruning by the estimate "
+          f"(search.estimate.prune) over {args.seeds} grid orders (seed 0: the grid's own), {total:.1f} device-min "
+          f"to measure every point" + (f"; not estimated: {e.unsure}" if e.unsure else ""))  # fmt: skip
+    print(f"{'pruned/seed':>11} {'device min saved':>17} {'share saved':>12} {'best lost':>10} {'seconds':>8}")
+    share = e.mean_saved / total if total else 0.0
+    print(f"{statistics.fmean(e.pruned):>11.1f} {e.mean_saved:>17.2f} {share:>12.1%} "
+          f"{sum(e.best_lost):>5}/{len(e.best_lost):<4} {took:>8.1f}")  # fmt: skip
+    for t in e.trials[:10]:
+        print(f"  seed {t.seed}: {t.params} (it scored {t.score:.2f}): {t.reason}")
+    verdict = "met" if e.best_lost_share < TARGET_LOST_SHARE else "missed"
+    print(f"seeds losing the best: {e.best_lost_share:.0%} (target < {TARGET_LOST_SHARE:.0%}): {verdict}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"surface": str(args.surface), "grid_size": e.grid_size, "best": e.best,
+                                               "pruning": True, "pruned": e.pruned, "device_minutes_saved": e.device_minutes_saved,
+                                               "device_minutes_spent": e.device_minutes_spent, "best_lost": e.best_lost,
+                                               "trials": [vars(t) for t in e.trials]}, indent=2, default=str) + "\n")  # fmt: skip
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command_name", required=True)
@@ -199,6 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     rep.add_argument("--early-stopping", action="store_true", help="search each seed with early stopping off and on: "
                      "how often it loses the best, and the device-minutes it saves")  # fmt: skip
+    rep.add_argument("--pruning", action="store_true", help="replay pruning by the estimate (search.estimate.prune) over "
+                     "grid orders: the device-minutes it saves, and how often it loses the best")  # fmt: skip
+    rep.add_argument(
+        "--model-config", type=Path, help="--pruning: the surface model's config.json (default: the tiny model's)"
+    )
     rep.add_argument("--algorithms", nargs="+", choices=ALGORITHMS, default=list(ALGORITHMS))
     rep.add_argument("--json", type=Path)
     args = parser.parse_args(argv)

@@ -153,6 +153,17 @@ def search_part(spent: dict[str, Any]) -> str:
     return f" ({spent['capacity_search_share']:.0%} the capacity search beyond the ladder{knee})"
 
 
+def prune_savings(results: Iterable[TrialResult]) -> dict[str, Any]:
+    """The trials the estimate pruned (study/prune.py) and the device-minutes that saved: each pruned trial at the
+    mean duration of the trials that ran to completion, times its own devices (None with none to take it from)."""
+    results = list(results)
+    pruned = [r for r in results if r.outcome == "PRUNED"]
+    ran = [r.duration_s for r in results if r.outcome == "COMPLETE" and r.duration_s]
+    mean_s = sum(ran) / len(ran) if ran else None
+    saved = None if mean_s is None else sum(mean_s * r.devices for r in pruned) / 60.0
+    return {"trials_pruned": len(pruned), "device_minutes_saved": saved, "mean_trial_s": mean_s}
+
+
 def device_time_lines(results: list[TrialResult], device: str, planned_levels: int) -> list[str]:
     """Where the device time reserved by trials went, and what stopping ladders early saved.
 
@@ -192,4 +203,14 @@ def device_time_lines(results: list[TrialResult], device: str, planned_levels: i
         )
     else:
         lines.append("early stopping: every ladder ran to its last level")
+    pruning = prune_savings(results)
+    if pruning["trials_pruned"]:
+        saved = pruning["device_minutes_saved"]
+        about = (
+            f": about {saved:,.1f} {unit}-min saved (each at the {pruning['mean_trial_s']:,.0f} s mean of the trials "
+            "measured)"
+            if saved is not None
+            else ""
+        )
+        lines.append(f"the estimate pruned {pruning['trials_pruned']} trial(s) before any engine started{about}")
     return lines

@@ -159,7 +159,40 @@ class BenchResult(BaseModel):
     cpu_binding: str | None = None  # the CPU build: the cores its ranks were bound to (VLLM_CPU_OMP_THREADS_BIND)
 
 
-Outcome = Literal["COMPLETE", "INFEASIBLE", "FAILED"]
+#: PRUNED: the study skipped the trial before any engine started, because the estimate ruled it out beyond its
+#: expected error (:class:`Pruned` says with which numbers); ``run --resume --unprune`` runs it.
+Outcome = Literal["COMPLETE", "INFEASIBLE", "FAILED", "PRUNED"]
+#: Every outcome, in the order reports count them.
+OUTCOMES: tuple[Outcome, ...] = ("COMPLETE", "INFEASIBLE", "FAILED", "PRUNED")
+
+
+class PrunedLevel(BaseModel):
+    """One ladder level of a pruned trial: the estimate there, its optimistic end, and the SLO bound it missed."""
+
+    model_config = RECORD
+
+    level: dict[str, float]  # {"concurrency": 8} or {"rate": 2.0}
+    ttft_ms: float | None  # the estimate (mean); None: a queue without bound
+    tpot_ms: float
+    output_throughput: float
+    optimistic: dict[str, float]  # metric -> the estimate widened by its error toward the trial's favour
+    missed: str | None = None  # the SLO bound even the optimistic estimate breaks, "ttft_ms_p99 <= 2000: 2,510 ms"
+
+
+class Pruned(BaseModel):
+    """Why the study skipped a trial (study/prune.py): the estimate, the error margin it was widened by, and the SLO
+    bound it missed at every level (``rule`` "slo") or the finished trial that dominates it (``rule`` "dominated")."""
+
+    model_config = RECORD
+
+    rule: Literal["slo", "dominated"]
+    error_margin: dict[str, float]  # metric -> the relative error the estimate was widened by
+    error_source: str  # where the margin came from: the shipped fit's held-out error, or the study's own
+    factors: str  # the factors the estimate was made with: "shipped" or "refit"
+    levels: list[PrunedLevel]
+    dominated_by: str | None = None  # the trial whose measured point dominates it
+    dominating: dict[str, float] = {}  # that point's cost_per_mtok_usd and ttft_ms_p99
+    optimistic_point: dict[str, float] = {}  # this trial's best case over its levels: cost, TTFT (mean)
 
 
 class OperatingPoint(BaseModel):
@@ -420,6 +453,8 @@ class TrialResult(BaseModel):
     # points"); where it could not be made, ``estimate_note`` says why (the trial is measured all the same).
     estimate_factors: str | None = None
     estimate_note: str | None = None
+    pruned: Pruned | None = None  # PRUNED: the numbers that ruled the trial out (study/prune.py)
+    proposed_by: str | None = None  # who proposed it, where not the searcher: "estimate #1 of 4" (study/forecast.py)
 
     @property
     def runs_again(self) -> bool:
@@ -588,8 +623,9 @@ def estimate_accuracy(trials: list[TrialResult]) -> list[EstimateAccuracy]:
 #: of its GPU type with its source and date (capacity/prices.py); 8: a result carries ``knee``, where throughput stopped growing with load (:func:`find_knee`;
 #: a result from before has none, and readers derive it from its levels with :attr:`TrialResult.knee_found`).
 #: 9: a level carries its ``estimate`` (predicted TTFT, TPOT, throughput and their relative errors) and the result
-#: ``estimate_factors`` or ``estimate_note``.
-SCHEMA_VERSION = 9
+#: ``estimate_factors`` or ``estimate_note``. 10: a result may be PRUNED, with ``pruned`` (the estimate that ruled it
+#: out), and carry ``proposed_by`` (a point the estimate seeded the search with).
+SCHEMA_VERSION = 10
 
 
 class StudyInfo(BaseModel):

@@ -7,10 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from servetune.capacity import load_model_arch, resolve_hardware
-from servetune.config.workload import RequestClass, Workload
+from servetune.config.workload import mean_lengths
 from servetune.errors import UserError
 from servetune.estimate import Estimate, Load, estimate, load_factors
 from servetune.space_file import load_space
@@ -29,8 +27,6 @@ is the fit's median error on held-out measurements. Requests take the workload's
 output lengths; prefix caching is not modelled. GPU spaces only.
 """
 
-SAMPLES = 4000  # requests drawn from the workload's length distributions for their means
-
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -42,16 +38,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("space", type=Path, metavar="SPACE.yaml", help="the search space (search_spaces/*.yaml)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(run=run)
-
-
-def mean_lengths(workload: Workload) -> tuple[int, int]:
-    """The workload's mean input and output tokens per request (its mix weighted), drawn with its seed."""
-    classes = workload.mix or (RequestClass(input_tokens=workload.input_tokens, output_tokens=workload.output_tokens),)
-    rng = np.random.default_rng(workload.seed)
-    total = sum(c.weight for c in classes)
-    mean_in = sum(c.weight * float(np.mean(c.input_tokens.sample(rng, SAMPLES))) for c in classes) / total
-    mean_out = sum(c.weight * float(np.mean(c.output_tokens.sample(rng, SAMPLES))) for c in classes) / total
-    return max(1, round(mean_in)), max(2, round(mean_out))
 
 
 def run(args: argparse.Namespace) -> int:

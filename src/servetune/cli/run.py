@@ -52,6 +52,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--resume", action="store_true", help="continue the study in STORAGE/<name>: finished trials are not run again"
     )
     p.add_argument(
+        "--unprune",
+        action="store_true",
+        help="with --resume: run the trials the estimate pruned (search.estimate.prune), and only those still pruned",
+    )
+    p.add_argument(
         "--dry-run",
         action="store_true",
         help="list the trials a grid would run and those the constraints or capacity check reject; start nothing",
@@ -76,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_trials is not None and args.max_trials < 1:
         raise UserError("--max-trials must be at least 1")
+    if args.unprune and not args.resume:
+        raise UserError("--unprune runs the pruned trials of a stored study: pass --resume too")
     argspecs = load_argspecs(args.python)
     space = load_space(args.space, argspecs)
     if argspecs is not None:  # vLLM is there to start: what it needs beside it for the space's speculation
@@ -237,11 +244,13 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
         finished_results,
         prepare_study_dir,
         proposals,
+        pruned_points,
         resolve_model,
         resolve_models,
         study_info,
         write_study_info,
     )
+    from servetune.study.forecast import estimate_seeds, seed_count
     from servetune.study.objectives import objectives_and_constraints
     from servetune.study.packing import resolve_max_concurrent
     from servetune.study.progress import LiveTable, stderr_console, summary_table
@@ -262,7 +271,7 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
     args.tracking_uri = resolve_tracking_uri(args.tracking_uri)
     write_study_info(study_dir, study_info(space, args.space, model, levels, without_credentials(args.tracking_uri)))
     context = StudyContext(space, workload, study_dir.resolve(), model, levels, python=args.python,
-                           models=resolve_models(space, study_dir, args.space.parent))  # fmt: skip
+                           models=resolve_models(space, study_dir, args.space.parent), unprune=args.unprune)  # fmt: skip
     signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(SystemExit(128 + signum)))
     callbacks = None
 
@@ -313,7 +322,10 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
             context = keep_reference(context)
 
     points, searcher, num_samples = None, None, 0
-    if space.search.algorithm in ("grid", "random"):
+    if args.unprune:  # the trials still PRUNED, measured now as a grid of their own
+        points = pruned_points(finished_results(study_dir), context)
+        num_samples = len(points)
+    elif space.search.algorithm in ("grid", "random"):
         # Only what never finished: the driver's study directory is the record (nodes share no disk).
         done = {r.trial_id for r in finished_results(study_dir) if not r.runs_again}  # a lost trial runs again
         points = [
@@ -333,7 +345,10 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
         wanted = args.max_trials or space.search.num_trials or 20
         num_samples = max(wanted - told, 0)
         baseline = space.search.baseline and not any(not params for params, _, _ in history)
-        searcher = ConstrainedOptunaSearch(space, baseline=baseline, history=history)
+        seeds = estimate_seeds(context, seed_count(space, wanted))
+        if seeds:
+            console.print(f"the estimate's likely winners are proposed first: {'; '.join(map(config_label, seeds))}")
+        searcher = ConstrainedOptunaSearch(space, baseline=baseline, history=history, seeds=seeds)
     console.print(
         f"study {space.name}: {space.search.algorithm} search, {num_samples} trial(s) to run, results in {study_dir}"
     )

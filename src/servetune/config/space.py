@@ -205,6 +205,22 @@ class VerifyTop(BaseModel):
     duration_s: float | None = Field(default=None, gt=0)  # the soak; default: verify's own (600 s on GPUs, 60 on CPU)
 
 
+class SearchEstimate(BaseModel):
+    """What the study does with the estimate (servetune.estimate) before it measures (study/prune.py, study/forecast.py).
+
+    ``prune``: skip a trial, recorded as PRUNED, when its optimistic estimate widened by the estimate's expected
+    error misses the SLO at every level of the ladder, or a finished trial's measured point dominates it.
+    ``seed``: a Bayesian study (tpe, nsga2, gp) proposes the estimate's likely winners first (``seed_trials`` of
+    them; None: min(4, a quarter of the trials)).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prune: bool = False
+    seed: bool = True
+    seed_trials: int | None = Field(default=None, ge=0)
+
+
 class Search(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -216,6 +232,7 @@ class Search(BaseModel):
     seed: int = 0
     baseline: bool = True  # run vLLM's defaults (only the fixed engine arguments) too: first, or in packing order
     verify: VerifyTop | None = None  # verify the best points once the trials are done
+    estimate: SearchEstimate = SearchEstimate()  # prune by the estimate, seed Bayesian search with it
 
     @model_validator(mode="after")
     def _objectives(self) -> Search:

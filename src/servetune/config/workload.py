@@ -440,3 +440,17 @@ def resolve_workload_path(name_or_path: str | Path) -> Path:
 
 def load_workload(name_or_path: str | Path) -> Workload:
     return load_yaml_model(resolve_workload_path(name_or_path), Workload)
+
+
+#: Requests drawn from a workload's length distributions for their means (:func:`mean_lengths`).
+SAMPLES = 4000
+
+
+def mean_lengths(workload: Workload) -> tuple[int, int]:
+    """The workload's mean input and output tokens per request (its mix weighted), drawn with its seed."""
+    classes = workload.mix or (RequestClass(input_tokens=workload.input_tokens, output_tokens=workload.output_tokens),)
+    rng = np.random.default_rng(workload.seed)
+    total = sum(c.weight for c in classes)
+    mean_in = sum(c.weight * float(np.mean(c.input_tokens.sample(rng, SAMPLES))) for c in classes) / total
+    mean_out = sum(c.weight * float(np.mean(c.output_tokens.sample(rng, SAMPLES))) for c in classes) / total
+    return max(1, round(mean_in)), max(2, round(mean_out))

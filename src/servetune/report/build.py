@@ -32,9 +32,7 @@ from servetune.report.serving import ServeSection, serve_section
 from servetune.report.study import LoadedStudy, NotRead
 from servetune.report.trials import TrialRow, trial_rows
 from servetune.report.verification import Verification, conclusion, primary, verifications
-from servetune.results import StudyInfo, TrialResult, estimate_accuracy
-
-OUTCOMES = ("COMPLETE", "INFEASIBLE", "FAILED")
+from servetune.results import OUTCOMES, StudyInfo, TrialResult, estimate_accuracy
 
 
 @dataclass(frozen=True)
@@ -82,7 +80,8 @@ class StudyReport:
     def outcome_counts(self) -> dict[str, int]:
         """Trials by outcome, plus ``not read`` (every trial directory is counted once)."""
         counts: Counter[str] = Counter(t.outcome for t in self.trials)
-        out = {outcome: counts.get(outcome, 0) for outcome in OUTCOMES}
+        # PRUNED only in studies that pruned (search.estimate.prune): the others read as before
+        out: dict[str, int] = {o: counts.get(o, 0) for o in OUTCOMES if o != "PRUNED" or counts.get(o)}
         out["not read"] = len(self.not_read)
         return out
 

@@ -42,7 +42,13 @@ from servetune.results import (
 )
 from servetune.study.objectives import objectives_and_constraints
 from servetune.study.packing import order_for_packing
-from servetune.study.searcher import CONSTRAINTS_KEY, FAILURE_KEY, OBJECTIVES_KEY, ConstrainedOptunaSearch
+from servetune.study.searcher import (
+    CONSTRAINTS_KEY,
+    FAILURE_KEY,
+    OBJECTIVES_KEY,
+    PROPOSED_KEY,
+    ConstrainedOptunaSearch,
+)
 from servetune.trial.context import StudyContext
 from servetune.trial.runner import new_result, write_atomic, write_bytes_atomic
 
@@ -70,6 +76,8 @@ def trainable(
     when trials stop at levels finished trials dominate; the trial adds its own points to it.
     ``study_refit``: the study's :class:`~servetune.study.refit.StudyRefit` actor: the trial's levels
     are estimated with its factors, and the trial adds its own levels to it.
+    With ``search.estimate.prune`` (and not ``--unprune``), a trial the estimate rules out is recorded PRUNED
+    before any engine starts (:func:`pruned`, study/prune.py), judged against both actors' data.
     """
     import ray
     from ray import tune
@@ -85,11 +93,20 @@ def trainable(
     gpu_ids = [str(g) for g in ray.get_gpu_ids()] if context.space.device == "gpu" else None
     spec = context.spec_for(config["params"], gpu_ids, node_id=ray.get_runtime_context().get_node_id())
     result = load_result(spec.trial_dir)
+    if result is not None and result.outcome == "PRUNED" and context.unprune:  # --resume --unprune: measure it now
+        result = None
     problem = placement_problem_of(context, config["params"])
+    if study_refit is not None and result is None and not problem:
+        from servetune.study.refit import refit_for_trial
+
+        spec = dataclasses.replace(spec, estimate_efficiency=refit_for_trial(study_refit))
     if result is None and problem:  # no node can hold it: it holds a sliver of the head, to say so
         result = unplaceable(spec, problem)
-    elif result is None:  # never measured (or --resume after a kill): run it
-        rule = dominance_rule(finished_points) if finished_points is not None else None
+    if result is None and context.space.search.estimate.prune and not context.unprune:
+        result = pruned(spec, context, finished_points, study_refit)  # None: the estimate cannot rule it out
+    if result is None:  # never measured (or --resume after a kill): run it
+        stops = finished_points is not None and context.space.stops_when_dominated
+        rule = dominance_rule(finished_points) if stops else None
         engine: EngineFactory = vllm_engine
         held: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
         if spec.serve_replicas is not None:
@@ -102,14 +119,13 @@ def trainable(
                 held = devices_held(
                     context.ledger, spec.trial_id, *replica_share(spec)
                 )  # trials in flight share no device
-        if study_refit is not None:
-            from servetune.study.refit import refit_for_trial
-
-            spec = dataclasses.replace(spec, estimate_efficiency=refit_for_trial(study_refit))
         with held:
             result = run_trial(
                 spec, tune.report, lambda: PromptFactory(load_tokenizer(spec.tokenizer)), stop_rule=rule, engine=engine
             )
+        if config.get(PROPOSED_KEY):  # the estimate seeded the search with it (study/forecast.py)
+            result.proposed_by = str(config[PROPOSED_KEY])
+            write_atomic(spec.trial_dir / RESULT_FILE, result.model_dump_json(indent=2) + "\n")
         if finished_points is not None:  # before the final report: trials that start next see it
             ray.wait([finished_points.add.remote(result)], timeout=10)
         if study_refit is not None:  # likewise: the refit is written once Tune has the final report
@@ -171,6 +187,44 @@ def fetch_from_node(node_id: str, paths: dict[str, str], timeout_s: float = 600.
 
     task = read.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
     return {name: zlib.decompress(blob) for name, blob in ray.get(task.remote(paths), timeout=timeout_s).items()}
+
+
+def pruned(spec: Any, context: StudyContext, finished_points: Any, study_refit: Any,
+           timeout_s: float = 10.0) -> TrialResult | None:  # fmt: skip
+    """PRUNED before anything starts, when the estimate rules the trial out beyond its error (study/prune.py); None
+    to run it: the estimate cannot, or the study's actors did not answer (pruning saves time, it is never needed)."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayError
+
+    from servetune.config.workload import mean_lengths
+    from servetune.study.forecast import forecast
+    from servetune.study.prune import error_margins, judge_prune, prune_reason, shipped_error, study_errors
+
+    forecasts = forecast(spec, mean_lengths(context.workload), spec.estimate_efficiency)
+    if isinstance(forecasts, str):
+        return None
+    try:
+        finished = ray.get(finished_points.points.remote(), timeout=timeout_s) if finished_points is not None else []
+        errors = ray.get(study_refit.errors.remote(), timeout=timeout_s) if study_refit is not None else []
+    except (GetTimeoutError, RayError):
+        return None
+    margins, source = error_margins(shipped_error(spec.device), study_errors(errors))
+    record = judge_prune(forecasts, context.space.slo_bounds, margins, finished, spec.price_per_device_hour,
+                         spec.devices, trial_id=spec.trial_id, error_source=source,
+                         factors="shipped" if spec.estimate_efficiency is None else "refit")  # fmt: skip
+    if record is None:
+        return None
+    result = new_result(spec, "PRUNED", prune_reason(record))
+    result.pruned, result.finished_at = record, result.started_at
+    spec.trial_dir.mkdir(parents=True, exist_ok=True)
+    write_atomic(spec.trial_dir / RESULT_FILE, result.model_dump_json(indent=2) + "\n")
+    return result
+
+
+def pruned_points(results: Sequence[TrialResult], context: StudyContext) -> list[dict[str, Any]]:
+    """The params of the trials still PRUNED (``run --resume --unprune``), those the space still names as they were
+    recorded (a trial of a space changed since has another id: it is not the pruned one)."""
+    return [r.params for r in results if r.outcome == "PRUNED" and context.spec_for(r.params).trial_id == r.trial_id]
 
 
 def unplaceable(spec: Any, problem: str) -> TrialResult:
@@ -244,7 +298,8 @@ class ResultMirror(Callback):
     ) -> None:
         trial_dir = self.context.trials_dir / trial_id
         kept = read_result(trial_dir) if (trial_dir / RESULT_FILE).exists() else None
-        if kept is None or kept.runs_again:  # a lost trial's record gives way to the run that replaced it
+        # a lost trial's record gives way to the run that replaced it, a pruned one to its measurement (--unprune)
+        if kept is None or kept.runs_again or (kept.outcome == "PRUNED" and not _pruned(text)):
             trial_dir.mkdir(parents=True, exist_ok=True)
             for name, content in (files or {}).items():
                 if name in (*CARRIED_WHOLE, ENGINE_LOG):  # names this driver chose, never a path
@@ -279,6 +334,14 @@ class ResultMirror(Callback):
         failed = new_result(spec, "FAILED", reason)
         failed.finished_at, failed.lost = failed.started_at, True
         self._write(spec.trial_id, failed.model_dump_json(indent=2) + "\n")
+
+
+def _pruned(text: str) -> bool:
+    """Whether a reported result.json is a PRUNED record."""
+    try:
+        return json.loads(text).get("outcome") == "PRUNED"
+    except ValueError:
+        return False
 
 
 def dead_node_of(actor_id: str | None, wait_s: float) -> str | None:

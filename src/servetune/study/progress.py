@@ -16,7 +16,7 @@ from servetune.config.space import SearchSpace
 from servetune.metrics import COST_METRIC, GOODPUT, OUTPUT_THROUGHPUT, TPOT_P99, TTFT_P99
 from servetune.report.labels import capacity_text
 from servetune.report.params import config_label
-from servetune.results import TrialResult
+from servetune.results import OUTCOMES, TrialResult
 
 
 def _fmt(value: Any, digits: int = 1) -> str:
@@ -122,10 +122,11 @@ def summary_table(results: list[TrialResult], space: SearchSpace, top: int = 5) 
     meeting = [(r, r.best) for r in results if r.best is not None and not quality_failed(r)]
     missing = -math.inf if objective.mode == "max" else math.inf  # a point without the metric sorts last
     meeting.sort(key=lambda rb: rb[1].metrics.get(objective.metric, missing), reverse=objective.mode == "max")
-    counts = {o: sum(r.outcome == o for r in results) for o in ("COMPLETE", "INFEASIBLE", "FAILED")}
+    counts = {o: sum(r.outcome == o for r in results) for o in OUTCOMES}
+    pruned = f", {counts['PRUNED']} pruned" if counts["PRUNED"] else ""
     table = Table(
         title=f"best configurations under the SLO (by {objective.metric}, {objective.mode}) — "
-        f"{counts['COMPLETE']} complete, {counts['INFEASIBLE']} infeasible, {counts['FAILED']} failed; "
+        f"{counts['COMPLETE']} complete, {counts['INFEASIBLE']} infeasible, {counts['FAILED']} failed{pruned}; "
         f"{len(meeting)} met the SLO"
         + (f", {sum(map(quality_failed, results))} failed the quality probe" if space.quality else ""),
         title_justify="left",

@@ -39,11 +39,16 @@ class StudyRefit:
         self._points: list[CalibrationPoint] = []
         self._trials: list[str] = []
         self._refit: Refit | None = None
+        self._errors: dict[str, dict[str, float]] = {}  # (trial, level) -> the estimate's relative error per metric
         for result in results:
             self.add(result)
 
     def add(self, result: TrialResult) -> None:
         """Take a finished trial's levels (none unless it COMPLETEd and was estimated) and refit."""
+        if result.outcome == "COMPLETE":
+            for index, level in enumerate(result.levels):
+                if level.estimate is not None and level.estimate.error:
+                    self._errors[f"{result.trial_id}/{index}"] = dict(level.estimate.error)
         if result.trial_id in self._trials:
             return
         try:
@@ -67,6 +72,10 @@ class StudyRefit:
     def efficiency(self) -> Efficiency | None:
         """The refit factors, or None before any trial completed (the shipped ones then)."""
         return None if self._refit is None else self._refit.efficiency
+
+    def errors(self) -> list[dict[str, float]]:
+        """The estimate's relative errors (``LevelEstimate.error``) of every estimated level the study completed."""
+        return list(self._errors.values())
 
     def record(self) -> Refit | None:
         return self._refit

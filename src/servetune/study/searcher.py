@@ -40,6 +40,8 @@ optuna.logging.set_verbosity(optuna.logging.WARNING)
 OBJECTIVES_KEY = "servetune_objectives"
 CONSTRAINTS_KEY = "servetune_constraints"
 FAILURE_KEY = "servetune_failure_kind"  # "infrastructure": the trial failed for reasons outside its configuration
+#: Beside a proposal's params: who proposed it where not the sampler ("estimate #1 of 4": study/forecast.py).
+PROPOSED_KEY = "servetune_proposed_by"
 
 Told = tuple[dict[str, Any], list[float], list[float]]  # params, objective values, constraint values
 
@@ -138,7 +140,9 @@ class ConstrainedOptunaSearch(Searcher):
     #: Asks per ``suggest`` before the searcher gives up (``FINISHED``).
     MAX_ASKS = 60
 
-    def __init__(self, space: SearchSpace, *, baseline: bool, history: Sequence[Told] = ()) -> None:
+    def __init__(
+        self, space: SearchSpace, *, baseline: bool, history: Sequence[Told] = (), seeds: Sequence[dict[str, Any]] = ()
+    ) -> None:
         super().__init__(metric=None, mode=None)
         self.space = space
         self.baseline = baseline
@@ -161,12 +165,22 @@ class ConstrainedOptunaSearch(Searcher):
         for params, values, constraints in history:
             self._add_finished(params, values, constraints)
         self.live: dict[str, optuna.trial.Trial | None] = {}  # by Tune trial id; None: the baseline
+        # The estimate's likely winners, best first: asked before the sampler's own proposals (Optuna's queue),
+        # each marked with its rank so its result says the estimate proposed it. One already measured is not.
+        self.seeds = list(seeds)
+        for rank, point in enumerate(self.seeds, 1):
+            listed = self._as_listed(point)
+            if listed is not None and self._key(listed) not in self.finished:
+                self.study.enqueue_trial(
+                    self._indexed(listed), user_attrs={PROPOSED_KEY: f"estimate #{rank} of {len(self.seeds)}"}
+                )
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"space": self.space, "baseline": self.baseline, "history": self.history}
+        return {"space": self.space, "baseline": self.baseline, "history": self.history, "seeds": self.seeds}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        ConstrainedOptunaSearch.__init__(self, state["space"], baseline=state["baseline"], history=state["history"])
+        ConstrainedOptunaSearch.__init__(self, state["space"], baseline=state["baseline"], history=state["history"],
+                                         seeds=state.get("seeds", ()))  # fmt: skip
 
     def save(self, checkpoint_path: str) -> None:
         with open(checkpoint_path, "wb") as f:
@@ -281,7 +295,8 @@ class ConstrainedOptunaSearch(Searcher):
                 self._tell(trial, *self._penalty())
                 continue
             self.live[trial_id] = trial
-            return {"params": point}
+            proposed = trial.user_attrs.get(PROPOSED_KEY)
+            return {"params": point, PROPOSED_KEY: proposed} if proposed else {"params": point}
         return Searcher.FINISHED
 
     def _nudge(self, trial: optuna.trial.Trial, running: set[str]) -> optuna.trial.Trial | None:

@@ -73,7 +73,10 @@ def run_tuner(context: StudyContext, points: list[dict[str, Any]] | None, search
         ]
     resources = lambda config: tune.PlacementGroupFactory(trial_resources(context, config["params"]))  # noqa: E731
     # Trials stop at levels finished trials dominate: they ask this actor (study/early_stop.py).
-    finished_points = start_finished_points(finished_results(context.study_dir)) if space.stops_when_dominated else None
+    prunes = space.search.estimate.prune and not context.unprune  # pruning reads them too (study/prune.py)
+    finished_points = (
+        start_finished_points(finished_results(context.study_dir)) if space.stops_when_dominated or prunes else None
+    )
     # The estimate's factors, refitted after each completed trial (study/refit.py); later trials are estimated with them.
     study_refit = start_study_refit(
         space.hardware.gpu, space.hardware.gpu_memory_gib, finished_results(context.study_dir)

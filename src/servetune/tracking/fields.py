@@ -25,7 +25,7 @@ from servetune.metrics import COST_METRIC, ENERGY_PER_TOKEN, GOODPUT, REQUEST_TH
 from servetune.report.diagnosis import diagnose, limited_by
 from servetune.report.params import short_config
 from servetune.report.points import level_label
-from servetune.results import StudyInfo, TrialResult, chosen_level, estimate_accuracy
+from servetune.results import OUTCOMES, StudyInfo, TrialResult, chosen_level, estimate_accuracy
 from servetune.secrets import redact_params
 
 #: Engine arguments every trial run records (checklist: TP PP DP, context, KV, batching, scheduling).
@@ -260,7 +260,7 @@ def diagnosis_tags(trial: TrialResult) -> dict[str, str]:
 def study_metrics(trials: Sequence[TrialResult]) -> dict[str, float]:
     """Counts by outcome, and the best goodput and lowest cost among points meeting the SLO."""
     out: dict[str, float] = {"trials_total": float(len(trials))}
-    for outcome in ("COMPLETE", "INFEASIBLE", "FAILED"):
+    for outcome in OUTCOMES:
         out[f"trials_{outcome.lower()}"] = float(sum(t.outcome == outcome for t in trials))
     meeting = [p for t in trials if t.outcome == "COMPLETE" for p in t.operating_points() if p.meets_slo]
     out["trials_meeting_slo"] = float(len({p.trial_id for p in meeting}))

@@ -255,7 +255,7 @@ def _memory_text(level: LevelResult) -> str:
 def _stability_tags(
     trial: TrialResult, engine_log_tail: str, rep: tuple[int, LevelResult, str] | None
 ) -> dict[str, str]:
-    if trial.outcome == "INFEASIBLE":
+    if trial.outcome in ("INFEASIBLE", "PRUNED"):
         oom = "not run"
     else:
         texts = [trial.reason, trial.log_tail] + ([engine_log_tail] if trial.outcome == "FAILED" else [])

@@ -37,6 +37,7 @@ class StudyContext:
     ledger: str | None = (
         None  # the run's device ledger, when trials through Serve run several at once (device_ledger.py)
     )
+    unprune: bool = False  # ``run --resume --unprune``: measure the PRUNED trials, prune none
 
     def gpu_type(self, params: dict[str, Any]) -> str | None:
         """The Ray accelerator type a trial of ``params`` is pinned to (:func:`pinned_gpu_type`), from the nodes known."""
