@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from servetune.metrics import RequestRecord
 from servetune.verify.overload import judge_overload
+from servetune.verify.run import EngineRun, stability
 
 
 def served(i: int, sent: float, ttft_s: float) -> RequestRecord:
@@ -48,3 +49,14 @@ def test_admitted_requests_over_the_bound_within_the_noise_pass_and_say_so_beyon
     assert result.numbers["ttft_noise"] == 0.10
     beyond = judge_overload(near, AFTER, 0.5, 10.0, noise=0.05)
     assert not beyond.passed and "beyond the noise (5%)" in beyond.reason
+
+
+def test_the_refusals_it_asked_for_are_not_the_services_5xx_rate(tmp_path):
+    result = judge_overload(OVER, [*AFTER, turned_away(99, 1.0)], wait_s=0.5, rate=10.0)
+    assert result.numbers["requests"] == 25 and result.numbers["http_5xx"] == 6
+    elsewhere = [served(100 + i, i, 0.1) for i in range(19)] + [turned_away(200, 3.0)]  # the other scenarios
+    every = OVER + AFTER + [turned_away(99, 1.0)] + elsewhere
+    run = EngineRun("t", tmp_path / "engine.log")
+    measured = stability({"overload": result}, every, run)
+    assert measured["requests"] == 20 and measured["error_rate_5xx"] == 1 / 20
+    assert stability({}, every, run)["error_rate_5xx"] == 7 / 45  # without the scenario, every 503 counts
