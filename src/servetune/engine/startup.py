@@ -56,3 +56,37 @@ def startup_phases(log: str, startup_s: float | None) -> dict[str, float]:
     if phases:
         phases["compile_cache_hit"] = 1.0 if _CACHE_HIT.search(log) else 0.0
     return phases
+
+
+# Where each phase starts, in vLLM 0.32's own words (the ends are the patterns above).
+_LOADING = re.compile(r"Starting to load model")  # vllm/v1/worker/gpu_model_runner.py, cpu_model_runner.py
+_DOWNLOADED = re.compile(r"Time spent downloading weights")  # vllm/model_executor/model_loader/weight_utils.py
+_COMPILING = re.compile(r"for vLLM's torch\.compile|Dynamo bytecode transform time")  # vllm/compilation/backends.py
+_CAPTURING = re.compile(r"Capturing CUDA graphs")  # vllm/v1/worker/gpu_model_runner.py (its progress bar)
+_SERVING = re.compile(r"Starting vLLM server on|Available routes are")  # vllm/entrypoints/launchers/
+
+
+def waiting_on(log: str) -> str:
+    """The start-up phase an engine was still in, read from its log: the last phase vLLM logged as begun and not
+    as finished, with the log's last line (what a start that ran out of time was waiting for)."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    last = f"; its last line: {lines[-1][-200:]}" if lines else ""
+    if not lines:
+        return "it logged nothing (the process had not started vLLM)"
+    weights = _LOAD_GPU.search(log) or _LOAD_WEIGHTS.search(log)
+    if _INIT_ENGINE.search(log):
+        phase = (
+            "the API server, after the engine was ready" if not _SERVING.search(log) else "the server to answer /health"
+        )
+    elif _CAPTURING.search(log) and not _GRAPHS.search(log):
+        phase = "CUDA-graph capture"
+    elif _COMPILING.search(log) and not _COMPILE.search(log):
+        phase = "torch.compile"
+    elif weights:
+        phase = "the memory profile, the KV cache and warm-up (weights loaded)"
+    elif _LOADING.search(log):
+        downloaded = " (their download finished)" if _DOWNLOADED.search(log) else ""
+        phase = f"the weights to download or load{downloaded}"
+    else:
+        phase = "vLLM's imports and engine start (no model loading begun)"
+    return f"it was waiting for {phase}{last}"

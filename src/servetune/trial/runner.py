@@ -110,6 +110,8 @@ class TrialSpec:
     gpu_type: str | None = None  # the Ray accelerator type its devices are pinned to (trial/context.py pinned_gpu_type)
     # the factors its levels are estimated with (trial/estimated.py): the study's refit, None for the shipped ones
     estimate_efficiency: Efficiency | None = None
+    # how ``startup_timeout_s`` was sized (capacity/startup.py StartupBudget.describe), said when a start times out
+    startup_expected: str | None = None
 
     @property
     def trial_id(self) -> str:
@@ -289,7 +291,8 @@ EngineFactory = Callable[[TrialSpec, Path], Engine]
 def vllm_engine(spec: TrialSpec, trial_dir: Path) -> VllmServer:
     """The real engine: vLLM's OpenAI server in its own process group, logging to ``engine.log``."""
     return VllmServer(spec.model, spec.engine_args, {**spec.env, **spec.extra_env}, log_path=trial_dir / ENGINE_LOG,
-                      startup_timeout_s=spec.startup_timeout_s, cpu_ranks=cpu_ranks(spec),
+                      startup_timeout_s=spec.startup_timeout_s, startup_expected=spec.startup_expected,
+                      cpu_ranks=cpu_ranks(spec),
                       python=spec.python or sys.executable)  # fmt: skip
 
 
