@@ -78,6 +78,7 @@ def trainable(
     from servetune.load.tokenizer import load_tokenizer
     from servetune.study.early_stop import dominance_rule
     from servetune.study.nodes import placement_problem_of
+    from servetune.trial.failures import retries_elsewhere
     from servetune.trial.runner import EngineFactory, fits, load_result, run_trial, vllm_engine
 
     normal_priority()
@@ -85,6 +86,8 @@ def trainable(
     gpu_ids = [str(g) for g in ray.get_gpu_ids()] if context.space.device == "gpu" else None
     spec = context.spec_for(config["params"], gpu_ids, node_id=ray.get_runtime_context().get_node_id())
     result = load_result(spec.trial_dir)
+    carried: dict[str, str] | None = None  # the files of a retry on another node, picked there
+    fetched: dict[str, Any] = {}
     problem = placement_problem_of(context, config["params"])
     if result is None and problem:  # no node can hold it: it holds a sliver of the head, to say so
         result = unplaceable(spec, problem)
@@ -110,11 +113,18 @@ def trainable(
             result = run_trial(
                 spec, tune.report, lambda: PromptFactory(load_tokenizer(spec.tokenizer)), stop_rule=rule, engine=engine
             )
+        if spec.serve_replicas is None and retries_elsewhere(result):  # the node's fault: once more, on another node
+            from servetune.study.elsewhere import run_elsewhere
+            from servetune.trial.context import bundle
+
+            trial_bundle = bundle(context.space, config["params"], context.gpu_type(config["params"]))
+            result, carried, fetched = run_elsewhere(context, config["params"], [trial_bundle], result,
+                                                     carried_files, normal_priority)  # fmt: skip
         if finished_points is not None:  # before the final report: trials that start next see it
             ray.wait([finished_points.add.remote(result)], timeout=10)
         if study_refit is not None:  # likewise: the refit is written once Tune has the final report
             ray.wait([study_refit.add.remote(result)], timeout=60)
-    inline, fetch = carried_files(spec.trial_dir, spec.node_id)
+    inline, fetch = (carried, fetched) if carried is not None else carried_files(spec.trial_dir, spec.node_id)
     tune.report({**final_report(result, context), FILES_KEY: json.dumps(inline), FETCH_KEY: json.dumps(fetch)})
 
 

@@ -348,6 +348,8 @@ def run_trial(spec: TrialSpec, report: Report, prompts: Callable[[], PromptFacto
         result.outcome, result.reason = "FAILED", f"{type(exc).__name__}: {exc}"
         result.failure = classify(result.reason)
     finally:
+        if result.failure is not None and result.failure.node_id is None and spec.node_id:
+            result.failure = result.failure.model_copy(update={"node_id": spec.node_id})
         result.finished_at = _now()
         result.duration_s = time.monotonic() - started
         result.best_level_index = best_level(result)
@@ -376,7 +378,7 @@ def _start_and_measure(engine: EngineFactory, spec: TrialSpec, result: TrialResu
             if failure.kind != "infrastructure" or failure.retry_after_s is None or attempt == INFRA_RETRIES:
                 result.failure = failure
                 raise
-            result.retried.append(failure)
+            result.retried.append(failure.model_copy(update={"node_id": spec.node_id}))
             log = trial_dir / ENGINE_LOG
             if log.exists():
                 log.replace(trial_dir / f"engine.attempt-{attempt + 1}.log")
