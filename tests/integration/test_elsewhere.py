@@ -70,5 +70,22 @@ def test_with_no_other_node_the_first_failure_stands_and_says_so(module_ray, tmp
         context(tmp_path, tiny_model), {}, [{"CPU": 1.0}], first, carried_files, wait_s=3
     )
     assert carried is None and not result.retried and result.failure.node_id == here
-    assert result.failure.evidence.startswith(ECC) and "not retried: no node but" in result.failure.evidence
+    assert (
+        result.failure.evidence.startswith(ECC)
+        and "not retried: the cluster has no other node" in result.failure.evidence
+    )
     assert all(group["state"] == "REMOVED" for group in placement_group_table().values())  # none left waiting
+
+
+def test_a_node_that_never_frees_the_devices_is_waited_for_a_bounded_time(
+    module_ray, tmp_path, tiny_model, monkeypatch
+):
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    nodes = ray.nodes()
+    monkeypatch.setattr(ray, "nodes", lambda: [*nodes, {"NodeID": OTHER_NODE, "Alive": True}])  # one that holds none
+    result, carried, _ = run_elsewhere(context(tmp_path, tiny_model), {}, [{"CPU": 1.0}], first_attempt(here),
+                                       carried_files, wait_s=3)  # fmt: skip
+    assert carried is None and not result.retried
+    assert f"not retried: no node but {here[:12]} freed the trial's devices within 3 s" in result.failure.evidence

@@ -78,13 +78,15 @@ def run_elsewhere(
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     assert first.failure is not None and first.failure.node_id is not None
+    others = [n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["NodeID"] != first.failure.node_id]
+    if not others:  # a cluster of one node: nothing to wait for
+        return _stands(first, "the cluster has no other node"), None, {}
     group = placement_group(bundles, strategy="STRICT_PACK", bundle_label_selector=excluding([first.failure.node_id], len(bundles)))  # fmt: skip
     try:
         ready, _ = ray.wait([group.ready()], timeout=wait_s)
         if not ready:
             note = f"no node but {first.failure.node_id[:12]} freed the trial's devices within {wait_s:g} s"
-            failure = first.failure.model_copy(update={"evidence": f"{first.failure.evidence[-200:]} (not retried: {note})"})  # fmt: skip
-            return first.model_copy(update={"failure": failure}), None, {}
+            return _stands(first, note), None, {}
         held = bundles[0]
         task = ray.remote(_run_there).options(
             num_cpus=held.get("CPU", 0), num_gpus=held.get("GPU", 0), max_retries=0,
@@ -94,3 +96,10 @@ def run_elsewhere(
     finally:
         remove_placement_group(group)
     return after_attempt(first, TrialResult.model_validate_json(text)), inline, fetch
+
+
+def _stands(first: TrialResult, why: str) -> TrialResult:
+    """The first attempt's result, its failure saying why it was not retried elsewhere."""
+    assert first.failure is not None
+    failure = first.failure.model_copy(update={"evidence": f"{first.failure.evidence[-200:]} (not retried: {why})"})
+    return first.model_copy(update={"failure": failure})
