@@ -62,7 +62,7 @@ def time_accounting(results: Iterable[TrialResult]) -> dict[str, Any]:
 
 
 #: Start-up phases in the order an engine goes through them, with their words (engine/startup.py).
-STARTUP_PHASES = {"load_weights_s": "loading weights", "compile_s": "torch.compile", "cuda_graphs_s": "CUDA graphs",
+STARTUP_PHASES = {"download_s": "downloading weights (the starts that did)", "load_weights_s": "loading weights", "compile_s": "torch.compile", "cuda_graphs_s": "CUDA graphs",
                   "kv_profile_warmup_s": "KV profiling and warm-up", "other_s": "imports, API server and the rest"}  # fmt: skip
 
 

@@ -8,6 +8,10 @@ vLLM (0.32) times its own phases and logs them:
 - ``Graph capturing finished in 12 secs``: CUDA-graph capture;
 - ``init engine (profile, create kv cache, warmup model) took 45.1 s``: memory profiling, the KV
   cache and warm-up, compilation and graph capture included;
+- ``Time spent downloading weights for M: 93.5 seconds`` (``model_executor/model_loader/weight_utils.py``, logged
+  past 0.5 s): the weights came from the hub during the start. ``download_s`` keeps it apart from
+  ``load_weights_s``: the GPU's "Model loading took" includes it and is recorded without it; the CPU's "Loading
+  weights took" starts its clock after the download (``default_loader.py``);
 - ``Directly load the compiled graph(s) ... from the cache``: the compile cache was hit
   (``VLLM_CACHE_ROOT``, ``~/.cache/vllm``, shared by the trials of a node that share a home).
 
@@ -25,6 +29,7 @@ _INIT_MODEL = re.compile(r"Initializing model took ([\d.]+) seconds")
 _COMPILE = re.compile(r"torch\.compile took ([\d.]+) s in total")
 _GRAPHS = re.compile(r"Graph capturing finished in ([\d.]+) secs")
 _INIT_ENGINE = re.compile(r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+) s")
+_DOWNLOAD = re.compile(r"Time spent downloading weights for \S+: ([\d.]+) seconds")
 _CACHE_HIT = re.compile(r"Directly load the compiled graph\(s\)|Directly load AOT compilation")
 
 
@@ -36,10 +41,15 @@ def _first(pattern: re.Pattern[str], text: str) -> float | None:
 def startup_phases(log: str, startup_s: float | None) -> dict[str, float]:
     """Seconds per start-up phase (only the phases vLLM logged), and ``compile_cache_hit`` (1 or 0)."""
     phases: dict[str, float] = {}
+    download = _first(_DOWNLOAD, log)
     load = _first(_LOAD_GPU, log)
+    if load is not None and download is not None:  # the GPU's clock ran through the download
+        load = max(load - download, 0.0)
     if load is None:
         parts = [v for v in (_first(_LOAD_WEIGHTS, log), _first(_INIT_MODEL, log)) if v is not None]
         load = sum(parts) if parts else None
+    if download is not None:
+        phases["download_s"] = round(download, 3)
     compile_s = sum(float(m) for m in _COMPILE.findall(log)) or None
     graphs = _first(_GRAPHS, log)
     init_engine = _first(_INIT_ENGINE, log)
