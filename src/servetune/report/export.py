@@ -18,7 +18,7 @@ import yaml
 
 from servetune.config.space import SERVE_REPLICAS, SERVE_STREAM_BATCHING
 from servetune.engine.args import RESERVED, engine_argv, normalize_key
-from servetune.engine.server import VLLM_CPU_SERVE_LINE
+from servetune.engine.launch import VLLM_CPU_SERVE_LINE
 from servetune.errors import UserError
 from servetune.report.admission import AdmissionBounds, derive_admission
 from servetune.report.autoscale import Autoscaling, derive_autoscaling
