@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from servetune.capacity.arch import ModelArch
 from servetune.capacity.checkpoint import DTYPE_BYTES
-from servetune.capacity.params import count_parameters
+from servetune.capacity.params import weight_bytes_per_rank
 
 #: The assumed read rate of a node's storage, GB/s (1e9 bytes). Overridable: ``load.weights_load_gbps``.
 #: Source: AWS's EBS volume types (docs.aws.amazon.com/ebs/latest/userguide/general-purpose.html): gp3 gives
@@ -81,14 +81,14 @@ class StartupBudget:
 
 
 def checkpoint_bytes(arch: ModelArch) -> int:
-    """The checkpoint's bytes on disk: its safetensors headers' counts at their stored dtypes, else the parameter
-    count at the checkpoint's own dtype (``torch_dtype``)."""
+    """The checkpoint's bytes on disk: its safetensors headers' counts at their stored dtypes, else the ledger's
+    weights of one whole replica in the checkpoint's own quantization and dtype (``torch_dtype``)."""
     if arch.checkpoint is not None:
         counts = arch.checkpoint.parameters
         if all(dtype in DTYPE_BYTES for dtype in counts):
             return int(sum(count * DTYPE_BYTES[dtype] for dtype, count in counts.items()))
     width = {"float32": 4, "float16": 2, "bfloat16": 2}.get(str(arch.torch_dtype), 2)
-    return count_parameters(arch) * width
+    return weight_bytes_per_rank(arch, arch.quant, width)  # the ledger's formula, in the checkpoint's quantization
 
 
 def startup_budget(
