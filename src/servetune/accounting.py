@@ -82,7 +82,7 @@ def searched_s(result: TrialResult) -> tuple[float, float]:
 
 
 #: Start-up phases in the order an engine goes through them, with their words (engine/startup.py).
-STARTUP_PHASES = {"load_weights_s": "loading weights", "compile_s": "torch.compile", "cuda_graphs_s": "CUDA graphs",
+STARTUP_PHASES = {"download_s": "downloading weights (the starts that did)", "load_weights_s": "loading weights", "compile_s": "torch.compile", "cuda_graphs_s": "CUDA graphs",
                   "kv_profile_warmup_s": "KV profiling and warm-up", "other_s": "imports, API server and the rest"}  # fmt: skip
 
 

@@ -348,6 +348,9 @@ class Failure(BaseModel):
     cause: str  # a short name: port_in_use, device_busy, hub_auth, hub_rate_limit, weights_download, ...
     evidence: str  # the log line (or reason) it was read from, at most 300 characters
     retry_after_s: float | None = None  # a retry may help, after this long; None: it would fail the same way
+    # the node is at fault (its GPU, driver, interconnect or disk): no retry there, one on another node
+    retry_elsewhere: bool = False
+    node_id: str | None = None  # the Ray node the start failed on, where the trial ran on one
 
 
 class ReferenceAnswers(BaseModel):

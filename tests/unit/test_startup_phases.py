@@ -37,6 +37,39 @@ def test_gpu_start_up_phases():
     assert startup_phases(hit, 75.0)["compile_cache_hit"] == 1.0
 
 
+# vllm/model_executor/model_loader/weight_utils.py: "Time spent downloading weights for %s: %.6f seconds".
+DOWNLOAD = (
+    "(Worker pid=2) INFO 12-01 10:00:08 [weight_utils.py:533] Time spent downloading weights for m: 93.512000 seconds\n"
+)
+
+
+def test_a_download_during_the_start_is_recorded_apart_from_loading_the_weights():
+    gpu = startup_phases(GPU_LOG.replace("5.270000 seconds", f"{93.512 + 5.27:.6f} seconds") + DOWNLOAD, 170.0)
+    assert gpu["download_s"] == pytest.approx(93.512) and gpu["load_weights_s"] == pytest.approx(5.27)
+    assert gpu["other_s"] == pytest.approx(170.0 - 93.512 - 5.27 - 40.1)  # the download is a phase of its own
+    cpu = startup_phases(DOWNLOAD + CPU_LOG, 130.0)  # the CPU loader's clock starts after the download
+    assert cpu["download_s"] == pytest.approx(93.512) and cpu["load_weights_s"] == pytest.approx(0.1529, abs=1e-3)
+    assert "download_s" not in startup_phases(GPU_LOG, 75.0)
+    downloaded, cached = trial("d", {}, [level(1, 100, 10)]), trial("c", {}, [level(1, 100, 10)])
+    downloaded.startup_phases, cached.startup_phases = gpu, startup_phases(GPU_LOG, 75.0)
+    (line,) = startup_lines([downloaded, cached])
+    assert "downloading weights (the starts that did) 93.5 s, loading weights 5.3 s" in line
+
+
+def test_vllm_logs_the_download_and_the_cpu_loaders_clock_starts_after_it():
+    from importlib.util import find_spec
+    from pathlib import Path
+
+    spec = find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("vLLM is not installed")
+    root = Path(next(iter(spec.submodule_search_locations))) / "model_executor" / "model_loader"
+    assert '"Time spent downloading weights for %s: %.6f seconds"' in (root / "weight_utils.py").read_text()
+    loader = (root / "default_loader.py").read_text()
+    prepared = loader.index("self._prepare_weights(\n                source.model_or_path")
+    assert prepared < loader.index("self.counter_before_loading_weights = time.perf_counter()")
+
+
 def test_cpu_start_up_phases_and_a_log_without_them():
     phases = startup_phases(CPU_LOG, startup_s=36.5)
     assert (

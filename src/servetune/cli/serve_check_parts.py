@@ -147,7 +147,7 @@ def make_ramp(
     knee = max(1, round(derived.in_flight_per_replica))
     phases = ramp_phases(knee, derived.max_replicas, args.ramp_hold)
     load = picked.space.load
-    scale_up_timeout_s = load.startup_timeout_s + derived.upscale_delay_s + derived.look_back_period_s + 30.0
+    scale_up_timeout_s = picked.startup_timeout_s + derived.upscale_delay_s + derived.look_back_period_s + 30.0
 
     def run_it(url: str, served: str) -> RampResult:
         console.print(f"[bold]ramp[/]: autoscaling {derived.min_replicas}-{derived.max_replicas} replicas, target "

@@ -208,7 +208,7 @@ def render_space(model: str, scenario_name: str, gpu: str | None, gpus: int, slo
         f"workload: {scenario.workload}                   # trials/workloads/{scenario.workload}.yaml",
         "load:",
         "  requests_per_level: auto      # 8 per client in flight, or 30 s of a rate",
-        "  startup_timeout_s: 1200       # the first launch on a node downloads the weights",
+        "  startup_timeout_s: auto       # sized from the checkpoint's bytes (load.weights_load_gbps) and compile time",
         f"slo: {dump(slo_yaml)}" + ("   # section 1's examples for this scenario; --slo replaces them" if slo is None else "   # --slo"),
         f"price_per_device_hour: {price if price is not None else 3.0:g}   # USD per GPU-hour" + ("" if price is not None else ": set yours (--price)"),
         "hardware:",

@@ -32,6 +32,7 @@ from typing import Annotated, Any, Literal, TypeGuard
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
 from servetune.capacity.prices import Price, Pricing, price_table
+from servetune.capacity.startup import LOAD_GBPS
 from servetune.config import speculative
 from servetune.config.constraints import evaluate_constraint, parse_constraint
 from servetune.config.quality import QualitySpec
@@ -137,7 +138,10 @@ class LoadProtocol(BaseModel):
     repeats: int = Field(default=1, ge=1, le=9)
     warmup_requests: int | None = Field(default=None, ge=0)  # default: one per client, at most 32
     request_timeout_s: float = Field(default=300.0, gt=0)
-    startup_timeout_s: float = Field(default=900.0, gt=0)
+    # "auto": sized from the checkpoint's bytes, read at ``weights_load_gbps``, and the compile and CUDA-graph
+    # allowances (capacity/startup.py); a number: that many seconds, whatever the model.
+    startup_timeout_s: Annotated[float, Field(gt=0)] | Literal["auto"] = "auto"
+    weights_load_gbps: float = Field(default=LOAD_GBPS, gt=0)  # the nodes' storage read rate the budget assumes
     stop_on_slo_break: bool = True
     # Closed loops: stop climbing below this gain of output tok/s with every client busy. An open loop
     # stops once the engine falls behind its rate, beyond the level's noise (trial/ladder.py).

@@ -32,6 +32,7 @@ from servetune.engine.args import ArgSpec, engine_argv
 from servetune.engine.cores import BIND, claim_now
 from servetune.engine.reaper import group_processes
 from servetune.engine.resolved import DEV_MODE_ENV
+from servetune.engine.startup import waiting_on
 from servetune.errors import EngineStartError
 from servetune.secrets import redact_engine_args
 
@@ -159,8 +160,10 @@ class VllmServer:
         kill_wait_s: float = 30.0,
         argspecs: Mapping[str, ArgSpec] | None = None,
         cpu_ranks: int | None = None,
+        startup_expected: str | None = None,
     ) -> None:
-        """``cpu_ranks``: on vLLM's CPU build, the engine's ranks (TP x DP x PP), each bound to a core of its own
+        """``startup_expected``: how ``startup_timeout_s`` was sized, said when the start runs past it.
+        ``cpu_ranks``: on vLLM's CPU build, the engine's ranks (TP x DP x PP), each bound to a core of its own
         that no other engine on this host holds while this one runs (engine/cores.py); None: vLLM binds it."""
         self.model = str(model)
         self.engine_args = dict(engine_args or {})
@@ -170,6 +173,7 @@ class VllmServer:
         self.host = host
         self.port = port
         self.startup_timeout_s = startup_timeout_s
+        self.startup_expected = startup_expected
         self.stop_grace_s = stop_grace_s
         self.kill_wait_s = kill_wait_s  # how long after SIGKILL the group may take to go before it is called stuck
         self.stuck_pids: list[int] = []
@@ -256,10 +260,15 @@ class VllmServer:
                 self.startup_s = time.monotonic() - started
                 return
             if time.monotonic() > deadline:
-                raise EngineStartError(
-                    f"vLLM did not become healthy within {self.startup_timeout_s:g} s", self.log_tail()
-                )
+                raise EngineStartError(self.timeout_reason(), self.log_tail())
             time.sleep(0.5)
+
+    def timeout_reason(self) -> str:
+        """Why the start gave up: the timeout, what it was sized from, and the phase the engine was still in."""
+        expected = f" ({self.startup_expected})" if self.startup_expected else ""
+        return (
+            f"vLLM did not become healthy within {self.startup_timeout_s:g} s{expected}; {waiting_on(self.log_text())}"
+        )
 
     def _healthy(self) -> bool:
         try:

@@ -18,6 +18,7 @@ import yaml
 
 from servetune.config.space import SERVE_REPLICAS, SERVE_STREAM_BATCHING
 from servetune.engine.args import RESERVED, engine_argv, normalize_key
+from servetune.engine.launch import VLLM_CPU_SERVE_LINE
 from servetune.errors import UserError
 from servetune.report.admission import AdmissionBounds, derive_admission
 from servetune.report.autoscale import Autoscaling, derive_autoscaling
@@ -107,8 +108,9 @@ def vllm_command(point: ReportPoint, admission: AdmissionBounds | str | None = N
         note += f"# {MASK} marks a secret servetune does not print: put the real value there\n"
     if point.device == "cpu":
         note += (
-            "# vllm-cpu: if the `vllm` script fails, run `python -m vllm.entrypoints.openai.api_server "
-            f"--model {shlex.quote(point.model)}` with the same flags and environment\n"
+            "# vllm-cpu: if the `vllm` script fails (it asks for package metadata named vllm), run the same "
+            f"`vllm serve` as `python -c {shlex.quote(VLLM_CPU_SERVE_LINE)} serve {shlex.quote(point.model)}` with "
+            "the same flags and environment\n"
         )
     return note + command + "\n"
 

@@ -234,7 +234,7 @@ def run_check(
     point = picked.point
     first = llm_config(point, 1)
     served = first["model_loading_config"]["model_id"]
-    deployer = Deployer(cluster, name, picked.space.load.startup_timeout_s, teardown)
+    deployer = Deployer(cluster, name, picked.startup_timeout_s, teardown)
     runs: list[ReplicaRun] = []
     ramped: RampResult | None = None
     routed: RoutingResult | None = None

@@ -45,6 +45,13 @@ class PickedStudy:
             return level
         return dataclasses.replace(level, value=self.operating.value)
 
+    @property
+    def startup_timeout_s(self) -> float:
+        """How long one of its engines may take to start (the study's, sized as its trials' were)."""
+        from servetune.trial.context import startup_budget_for
+
+        return startup_budget_for(self.space, dict(self.trial.params), self.point.model).timeout_s
+
 
 def read_picked(study_dir: Path, pick: str, headroom: float = DEFAULT_HEADROOM) -> PickedStudy:
     """The configuration ``servetune export --pick`` would print, with what measuring it needs and its operating

@@ -86,6 +86,7 @@ def trainable(
     from servetune.load.tokenizer import load_tokenizer
     from servetune.study.early_stop import dominance_rule
     from servetune.study.nodes import placement_problem_of
+    from servetune.trial.failures import retries_elsewhere
     from servetune.trial.runner import EngineFactory, fits, load_result, run_trial, vllm_engine
 
     normal_priority()
@@ -95,6 +96,8 @@ def trainable(
     result = load_result(spec.trial_dir)
     if result is not None and result.outcome == "PRUNED" and context.unprune:  # --resume --unprune: measure it now
         result = None
+    carried: dict[str, str] | None = None  # the files of a retry on another node, picked there
+    fetched: dict[str, Any] = {}
     problem = placement_problem_of(context, config["params"])
     if study_refit is not None and result is None and not problem:
         from servetune.study.refit import refit_for_trial
@@ -123,6 +126,13 @@ def trainable(
             result = run_trial(
                 spec, tune.report, lambda: PromptFactory(load_tokenizer(spec.tokenizer)), stop_rule=rule, engine=engine
             )
+        if spec.serve_replicas is None and retries_elsewhere(result):  # the node's fault: once more, on another node
+            from servetune.study.elsewhere import run_elsewhere
+            from servetune.trial.context import bundle
+
+            trial_bundle = bundle(context.space, config["params"], context.gpu_type(config["params"]))
+            result, carried, fetched = run_elsewhere(context, config["params"], [trial_bundle], result,
+                                                     carried_files, normal_priority)  # fmt: skip
         if config.get(PROPOSED_KEY):  # the estimate seeded the search with it (study/forecast.py)
             result.proposed_by = str(config[PROPOSED_KEY])
             write_atomic(spec.trial_dir / RESULT_FILE, result.model_dump_json(indent=2) + "\n")
@@ -130,7 +140,7 @@ def trainable(
             ray.wait([finished_points.add.remote(result)], timeout=10)
         if study_refit is not None:  # likewise: the refit is written once Tune has the final report
             ray.wait([study_refit.add.remote(result)], timeout=60)
-    inline, fetch = carried_files(spec.trial_dir, spec.node_id)
+    inline, fetch = (carried, fetched) if carried is not None else carried_files(spec.trial_dir, spec.node_id)
     tune.report({**final_report(result, context), FILES_KEY: json.dumps(inline), FETCH_KEY: json.dumps(fetch)})
 
 

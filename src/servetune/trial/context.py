@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from servetune.capacity.hardware import ACCELERATOR, gpu_types, ray_accelerator_type
+from servetune.capacity.startup import StartupBudget, startup_budget, unsized
 from servetune.config.space import MODEL_PARAM, SearchSpace
 from servetune.config.workload import Workload
 from servetune.engine.compile_cache import compile_cache_env
@@ -64,13 +65,18 @@ class StudyContext:
         extra_env.update(compile_cache_env(env))  # the node's trials share vLLM's compile cache, safely
         extra_env.update(compile_threads_env(space, params, env))
         load = space.load
+        model = (
+            self.models.get(space.model_for(params), space.model_for(params)) if MODEL_PARAM in params else self.model
+        )
+        budget = startup_budget_for(space, params, model)
         return TrialSpec(
             study=space.name, trials_dir=self.trials_dir, params=dict(params), engine_args=engine_args, env=env,
-            model=self.models.get(space.model_for(params), space.model_for(params)) if MODEL_PARAM in params else self.model,
+            model=model,
             device=space.device, devices=devices, price_per_device_hour=space.price_per_device_hour,
             workload=self.workload, levels=self.levels, requests_per_level=load.requests_per_level,
             seconds_per_level=load.seconds_per_level, warmup_requests=load.warmup_requests,
-            request_timeout_s=load.request_timeout_s, startup_timeout_s=load.startup_timeout_s,
+            request_timeout_s=load.request_timeout_s, startup_timeout_s=budget.timeout_s,
+            startup_expected=budget.describe(),
             stop_on_slo_break=load.stop_on_slo_break, min_throughput_gain=load.min_throughput_gain,
             capacity_levels=load.capacity_levels, capacity_tolerance=load.capacity_tolerance,
             knee_fraction=load.knee_fraction,
@@ -79,6 +85,28 @@ class StudyContext:
             serve_replicas=space.serve_replicas(params), stream_batching_ms=space.stream_batching_ms(params),
             gpu_type=self.gpu_type(params), pricing=space.pricing,
         )  # fmt: skip
+
+
+def startup_budget_for(space: SearchSpace, params: dict[str, Any], model: str) -> StartupBudget:
+    """The start-up budget of one engine of ``params`` (capacity/startup.py): ``load.startup_timeout_s`` where the
+    space gives a number, else sized from the model's checkpoint and the engine's TP, PP, DP and eagerness."""
+    from servetune.errors import UserError
+
+    load = space.load
+    if load.startup_timeout_s != "auto":
+        return StartupBudget(timeout_s=float(load.startup_timeout_s), reason="the space's load.startup_timeout_s")
+    from servetune.capacity import load_model_arch
+
+    engine, _ = space.engine_params(params)
+    try:
+        arch = load_model_arch(model)
+    except (UserError, ValueError, OSError) as exc:
+        return unsized(f"the model's size is unknown here: {str(exc).splitlines()[0] if str(exc) else exc}")
+    return startup_budget(
+        arch, device=space.device, tp=int(engine.get("tensor_parallel_size") or 1),
+        pp=int(engine.get("pipeline_parallel_size") or 1), dp=int(engine.get("data_parallel_size") or 1),
+        enforce_eager=bool(engine.get("enforce_eager")), load_gbps=load.weights_load_gbps,
+    )  # fmt: skip
 
 
 def resolve_levels(space: SearchSpace, workload: Workload) -> tuple[Level, ...]:

@@ -18,7 +18,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from servetune.results import Failure, FailureKind
+from servetune.results import Failure, FailureKind, TrialResult
 
 #: How many times a trial starts its engine again after a failure a retry can help with.
 INFRA_RETRIES = 2
@@ -30,6 +30,7 @@ class Signature:
     kind: FailureKind
     pattern: re.Pattern[str]
     retry_after_s: float | None = None
+    retry_elsewhere: bool = False  # the node's fault: not again there, once on another node
     # Where a line matches, whether it decides (False: look on; e.g. the free-memory check is the
     # configuration's when nothing else holds the device).
     applies: Callable[[re.Match[str]], bool] = lambda match: True
@@ -60,7 +61,31 @@ HUB_AUTH = re.compile(
 HUB_RATE_LIMIT = re.compile(r"429 Too Many Requests|429 Client Error")  # huggingface_hub: the hub's rate limit
 OUT_OF_MEMORY = re.compile(r"CUDA out of memory|OutOfMemoryError|No available memory for the cache blocks")
 
+# The node's own faults, the same whatever the configuration; started again there, they fail again.
+# torch raises a CUDA runtime error as "CUDA error: " + cudaGetErrorString (c10/cuda/CUDAException.cpp); the
+# strings are the CUDA runtime's for its hardware and driver errors (cudaErrorECCUncorrectable,
+# cudaErrorNvlinkUncorrectable, cudaErrorDevicesUnavailable, cudaErrorNoDevice, cudaErrorInsufficientDriver), as a
+# real engine log shows them: "torch.AcceleratorError: CUDA error: uncorrectable ECC error encountered". An illegal
+# memory access or a device-side assert is left out: a kernel of the configuration's can cause those.
+CUDA_NODE = re.compile(
+    r"CUDA error: (uncorrectable ECC error encountered|uncorrectable NVLink error detected"
+    r"|CUDA-capable device\(s\) is/are busy or unavailable|no CUDA-capable device is detected"
+    r"|CUDA driver version is insufficient for CUDA runtime version)"
+    r"|Driver/library version mismatch"  # NVML (and nvidia-smi) after a driver upgrade without a reboot
+)
+# vLLM's NCCL wrapper raises "NCCL error: " + ncclGetErrorString (vllm/distributed/device_communicators/
+# pynccl_wrapper.py NCCL_CHECK); NCCL's strings for a system, CUDA or network fault (ncclSystemError,
+# ncclUnhandledCudaError, ncclRemoteError). torch's NCCL watchdog: "Watchdog caught collective operation timeout".
+NCCL_NODE = re.compile(
+    r"NCCL error: (unhandled system error|unhandled cuda error|remote process exited or there was a network error)"
+    r"|Watchdog caught collective operation timeout"
+)
+DISK_FULL = re.compile(r"\[Errno 28\] No space left on device")  # Python's OSError for ENOSPC (Linux strerror)
+
 SIGNATURES: tuple[Signature, ...] = (
+    Signature("gpu_fault", "infrastructure", CUDA_NODE, retry_elsewhere=True),
+    Signature("nccl_fault", "infrastructure", NCCL_NODE, retry_elsewhere=True),
+    Signature("disk_full", "infrastructure", DISK_FULL, retry_elsewhere=True),
     Signature("port_in_use", "infrastructure", PORT_IN_USE, retry_after_s=1.0),
     Signature("device_busy", "infrastructure", DEVICE_MEMORY, retry_after_s=20.0, applies=_held_by_another),
     Signature("device_memory_short", "configuration", DEVICE_MEMORY),  # nothing else holds it: asked too much
@@ -87,9 +112,25 @@ def classify(reason: str, log_tail: str = "", *, hub_model: bool = False) -> Fai
             match = signature.pattern.search(line)
             if match and signature.applies(match):
                 return Failure(kind=signature.kind, cause=signature.cause, evidence=line[-300:],
-                               retry_after_s=signature.retry_after_s)  # fmt: skip
+                               retry_after_s=signature.retry_after_s, retry_elsewhere=signature.retry_elsewhere)  # fmt: skip
     if hub_model and TIMED_OUT.search(reason) and not WEIGHTS_LOADED.search(log_tail):
         started = next((line for line in lines if LOADING_STARTED.search(line)), None)
         if started is not None or not log_tail.strip():
             return Failure(kind="infrastructure", cause="weights_download", evidence=reason[-300:], retry_after_s=1.0)
     return Failure(kind="configuration", cause="engine", evidence=reason[-300:])
+
+
+def retries_elsewhere(result: TrialResult) -> bool:
+    """Whether the trial is started once more on another node: it failed for its node's fault (a GPU, driver, NCCL or
+    disk fault), and no attempt of it has run elsewhere yet. A configuration's failure never is."""
+    failure = result.failure
+    if result.outcome != "FAILED" or failure is None or failure.kind != "infrastructure" or not failure.retry_elsewhere:
+        return False
+    return not any(earlier.retry_elsewhere for earlier in result.retried)
+
+
+def after_attempt(first: TrialResult, second: TrialResult) -> TrialResult:
+    """The second attempt's result, recording the first: the first's failure (with the node it failed on) and what it
+    retried itself come before the second's own ``retried``, in the order they happened."""
+    assert first.failure is not None
+    return second.model_copy(update={"retried": [*first.retried, first.failure, *second.retried]})

@@ -111,6 +111,8 @@ class TrialSpec:
     gpu_type: str | None = None  # the Ray accelerator type its devices are pinned to (trial/context.py pinned_gpu_type)
     # the factors its levels are estimated with (trial/estimated.py): the study's refit, None for the shipped ones
     estimate_efficiency: Efficiency | None = None
+    # how ``startup_timeout_s`` was sized (capacity/startup.py StartupBudget.describe), said when a start times out
+    startup_expected: str | None = None
 
     @property
     def trial_id(self) -> str:
@@ -295,7 +297,8 @@ EngineFactory = Callable[[TrialSpec, Path], Engine]
 def vllm_engine(spec: TrialSpec, trial_dir: Path) -> VllmServer:
     """The real engine: vLLM's OpenAI server in its own process group, logging to ``engine.log``."""
     return VllmServer(spec.model, spec.engine_args, {**spec.env, **spec.extra_env}, log_path=trial_dir / ENGINE_LOG,
-                      startup_timeout_s=spec.startup_timeout_s, cpu_ranks=cpu_ranks(spec),
+                      startup_timeout_s=spec.startup_timeout_s, startup_expected=spec.startup_expected,
+                      cpu_ranks=cpu_ranks(spec),
                       python=spec.python or sys.executable)  # fmt: skip
 
 
@@ -351,6 +354,8 @@ def run_trial(spec: TrialSpec, report: Report, prompts: Callable[[], PromptFacto
         result.outcome, result.reason = "FAILED", f"{type(exc).__name__}: {exc}"
         result.failure = classify(result.reason)
     finally:
+        if result.failure is not None and result.failure.node_id is None and spec.node_id:
+            result.failure = result.failure.model_copy(update={"node_id": spec.node_id})
         result.finished_at = _now()
         result.duration_s = time.monotonic() - started
         result.best_level_index = best_level(result)
@@ -379,7 +384,7 @@ def _start_and_measure(engine: EngineFactory, spec: TrialSpec, result: TrialResu
             if failure.kind != "infrastructure" or failure.retry_after_s is None or attempt == INFRA_RETRIES:
                 result.failure = failure
                 raise
-            result.retried.append(failure)
+            result.retried.append(failure.model_copy(update={"node_id": spec.node_id}))
             log = trial_dir / ENGINE_LOG
             if log.exists():
                 log.replace(trial_dir / f"engine.attempt-{attempt + 1}.log")
