@@ -257,6 +257,7 @@ def _vllm_capacity(arch: ModelArch, plan_block: int, pool: int, max_model_len: i
                 dtypes=(torch.bfloat16, ssm),
                 page_size_padded=attn_page,
                 mamba_cache_mode=mode,
+                num_prefill_checkpoint_blocks=int(m.kind == "mamba2"),  # MambaMixer2.get_kv_cache_spec
             )
         elif kind == "full_attention":
             specs[f"layers.{i}"] = kv_interface.FullAttentionSpec(**attention)
@@ -316,7 +317,7 @@ def test_state_is_per_sequence_so_the_pool_bounds_sequences_however_short() -> N
     args = {"max_model_len": 8192, "max_num_seqs": 1024}
     cached = plan_capacity(arch, {**args, "enable_prefix_caching": True}, H100, request_tokens=16)
     uncached = plan_capacity(arch, {**args, "enable_prefix_caching": False}, H100, request_tokens=16)
-    for plan, state_blocks in ((cached, 2), (uncached, 1)):
+    for plan, state_blocks in ((cached, 3), (uncached, 1)):  # align mode: 2 + Mamba-2's prefill checkpoint
         groups = sum(g.kind == "mamba" for g in kv_layout(arch).groups)
         assert plan.mamba_state_blocks_per_sequence == groups * state_blocks
         # a 16-token sequence holds one KV block and its state blocks: the pool's blocks over that
@@ -324,7 +325,7 @@ def test_state_is_per_sequence_so_the_pool_bounds_sequences_however_short() -> N
         assert plan.max_sequences < 1024 and not plan.max_num_seqs_reachable
         assert any("fewer than max_num_seqs 1,024" in note for note in plan.notes)
     assert uncached.max_sequences is not None and cached.max_sequences is not None
-    assert uncached.max_sequences > 1.5 * cached.max_sequences
+    assert uncached.max_sequences > 2 * cached.max_sequences
 
 
 def test_a_model_without_mamba_layers_reports_none() -> None:
@@ -388,3 +389,44 @@ def test_catalogue_entries_parse_like_their_configs() -> None:
     assert nemotron.mamba is not None and nemotron.mamba.intermediate_size == 128 * 64
     assert 7.5e9 < count_parameters(nemotron) < 8.5e9  # "8B"
     assert 75e9 < count_parameters(qwen) < 85e9  # "80B"
+
+
+# --- against vLLM's own start-up log -------------------------------------------------------------------------
+
+# A 4-layer random Granite-4.0-H-style checkpoint (3 Mamba-2 layers, 1 attention layer), as transformers'
+# GraniteMoeHybridConfig saves it, served by vLLM 0.32.0's CPU build on the development host with
+# VLLM_CPU_KVCACHE_SPACE=1 --dtype float32 --max-model-len 2048 --enforce-eager. Its log said:
+#   "Setting attention block size to 256 tokens ...", "Padding mamba page size by 88.93% ...",
+#   "CPU KV cache size: 493,447 tokens, Maximum concurrency for 2,048 tokens per request: 240.94x"
+#   and with --no-enable-prefix-caching "CPU KV cache size: 762,600 tokens ... 372.36x".
+TINY_GRANITE_H = {
+    **GRANITE_4_H,
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 512,
+    "shared_intermediate_size": 512,
+    "mamba_n_heads": 8,
+    "mamba_d_head": 64,
+    "mamba_d_state": 64,
+    "mamba_n_groups": 1,
+    "time_step_limit": [0.0, {"__float__": "Infinity"}],  # as transformers 5 writes it
+    "max_position_embeddings": 4096,
+    "torch_dtype": "float32",
+}
+
+
+@pytest.mark.parametrize("prefix_caching, tokens, concurrency", [(None, 493447, 240.94), (False, 762600, 372.36)])
+def test_the_plan_equals_vllms_cpu_log(prefix_caching: bool | None, tokens: int, concurrency: float) -> None:
+    arch = _arch(TINY_GRANITE_H)
+    args = {"dtype": "float32", "max_model_len": 2048, "enforce_eager": True, "enable_prefix_caching": prefix_caching}
+    plan = plan_capacity(arch, args, resolve_hardware(device="cpu"), env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    assert plan.settings.block_size == 256
+    page = 256 * 2 * 2 * 64 * 4  # the attention page the Mamba state is padded to
+    assert (
+        round(100 * (page - plan.mamba_state_bytes_per_sequence / 3) / (plan.mamba_state_bytes_per_sequence / 3), 2)
+        == 88.93
+    )
+    assert (plan.kv_cache_tokens, plan.max_concurrency) == (tokens, concurrency)

@@ -294,6 +294,15 @@ def _quant_from_config(qc: dict[str, Any], source: str) -> WeightQuant:
 _ROPE_TYPES_NOT_SCALED = ("default", "su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
 
 
+def _json_float(value: Any) -> Any:
+    """transformers writes a non-finite float as ``{"__float__": "Infinity"}`` (Mamba's ``time_step_limit``)."""
+    if isinstance(value, dict) and set(value) == {"__float__"}:
+        return float(value["__float__"])
+    if isinstance(value, list):
+        return [_json_float(item) for item in value]
+    return value
+
+
 def _library_config(config: dict[str, Any], source: str) -> dict[str, Any]:
     """The config as transformers reads it: its own class fills every default the file leaves out.
 
@@ -308,7 +317,7 @@ def _library_config(config: dict[str, Any], source: str) -> dict[str, Any]:
     from transformers import AutoConfig  # slow import: only when a config is read
     from transformers.utils import logging as hf_logging
 
-    fields = {key: value for key, value in config.items() if key != "model_type"}
+    fields = {key: _json_float(value) for key, value in config.items() if key != "model_type"}
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # deprecation chatter about torch_dtype and the like
     try:

@@ -16,7 +16,7 @@ all groups draw block ids from one pool:
 
 Mamba and linear-attention layers (``servetune.capacity.mamba``) form groups of their own in the
 same pool: their page is padded to the attention page, and a request holds one block per Mamba
-group (two under prefix caching's ``align`` mode) whatever its length. MLP-only layers
+group (two or three under prefix caching's ``align`` mode) whatever its length. MLP-only layers
 (Nemotron-H) hold nothing.
 
 In-flight tokens are every concurrently scheduled batch's ``max_num_batched_tokens`` (two batches

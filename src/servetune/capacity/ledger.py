@@ -446,7 +446,11 @@ class _MambaState:
     kind: str = ""
 
     def describe(self, block_size: int) -> str:
-        mode = "prefix caching on: mamba_cache_mode align, 2 state blocks" if self.blocks == 2 else "1 state block"
+        mode = (
+            f"prefix caching on: mamba_cache_mode align, {self.blocks} state blocks"
+            if self.blocks > 1
+            else "1 state block"
+        )
         return (
             f"{self.layers} {self.kind} layers keep {self.bytes_per_sequence / 2**20:,.2f} MiB of state per "
             f"sequence ({self.page:,} B a layer); the attention block grows to {block_size} tokens so that its "
@@ -478,5 +482,6 @@ def _mamba_state(arch: ModelArch, args: CapacityArgs, s: Settings, profile: Engi
         problem = "prefix caching is not supported for Mamba layers before vLLM 0.11.1 (NotImplementedError)"
     elif prefix and args.enable_chunked_prefill is False:
         problem = "prefix caching on Mamba layers (mamba_cache_mode align) requires chunked prefill"
-    blocks = 2 if prefix else 1  # MambaSpec.max_memory_usage_bytes: 2 pages in align mode, 1 otherwise
+    # MambaSpec.max_memory_usage_bytes: 1 page, or in align mode 2 plus MambaMixer2's prefill checkpoint
+    blocks = (3 if arch.mamba.kind == "mamba2" else 2) if prefix else 1
     return _MambaState(layers, page, blocks, page * layers, problem, arch.mamba.kind)

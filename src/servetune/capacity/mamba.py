@@ -18,8 +18,9 @@ follow, per layer and per tensor-parallel rank:
 - ``Platform._align_hybrid_block_size`` (``vllm/platforms/interface.py``): the attention block size
   grows to the smallest multiple of the kernel alignment whose page holds one Mamba state, and the
   Mamba page is padded to exactly that attention page.
-- ``MambaSpec.max_memory_usage_bytes``: a sequence holds one page per Mamba group, two under
-  prefix caching (``mamba_cache_mode`` ``align``, which vLLM picks when prefix caching is on).
+- ``MambaSpec.max_memory_usage_bytes``: a sequence holds one page per Mamba group; under prefix
+  caching (``mamba_cache_mode`` ``align``, which vLLM picks when prefix caching is on) two, plus
+  one prefill checkpoint for Mamba-2 layers (``MambaMixer2.get_kv_cache_spec``): three.
 
 Pure; no vLLM import.
 """

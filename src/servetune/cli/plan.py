@@ -116,7 +116,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="Mamba / linear-attention models: prefix caching holds 2 state blocks per sequence, not 1 "
+        help="Mamba / linear-attention models: prefix caching holds 2-3 state blocks per sequence, not 1 "
         "(default: vLLM's for --vllm-version; on in 0.32)",
     )
     p.add_argument(
