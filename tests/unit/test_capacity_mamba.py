@@ -163,14 +163,22 @@ def test_each_family_reads_its_own_mixer_numbers() -> None:
             "not modelled",
         ),
         ({**GRANITE_4_H, "model_type": "my_hybrid", "layer_types": ["mamba", "retention"] * 3}, "retention"),
+        ({**GRANITE_4_H, "model_type": "my_conv", "layer_types": ["conv", "full_attention"] * 3}, "conv"),
     ],
-    ids=["falcon_h1", "minimax", "unknown_mixer", "unknown_kind"],
+    ids=["falcon_h1", "minimax", "unknown_mixer", "unknown_kind", "short_conv"],
 )
 def test_an_unknown_shape_is_not_planned_with_its_reason(config: dict[str, Any], why: str) -> None:
     arch = _arch(config)
     assert arch.not_planned is not None and why in arch.not_planned
     with pytest.raises(NotPlanned, match=why):
         plan_capacity(arch, {"max_model_len": 4096}, H100)
+
+
+def test_softmax_only_attn_type_list_is_planned() -> None:
+    """MiniMax marks softmax layers 1 and lightning layers 0: all 1s is plain attention."""
+    config = {**QWEN3_NEXT, "model_type": "my_minimax", "attn_type_list": [1] * 8}
+    del config["full_attention_interval"]
+    assert _arch(config).not_planned is None
 
 
 # --- the state of one sequence ---------------------------------------------------------------------------

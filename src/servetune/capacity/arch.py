@@ -380,7 +380,7 @@ def _layer_types(cfg: dict[str, Any], layers: int) -> tuple[list[str], int | Non
         kinds = ["chunked_attention" if use_rope else "full_attention" for use_rope in cfg["no_rope_layers"]]
     known = {"full_attention", "sliding_attention", "chunked_attention"}
     if kinds and (len(kinds) != layers or not set(kinds) <= known):
-        kinds = []  # kinds the ledger does not model (linear attention, Mamba) are planned as full attention
+        kinds = []  # a list of another length: every layer full attention (unknown kinds: _hybrid_layers)
     if not kinds and window:
         kinds = ["sliding_attention"] * layers  # Mistral-7B-v0.1 style: every layer has the window
     if "sliding_attention" not in kinds:
@@ -461,7 +461,7 @@ def _hybrid_layers(
     or why the planner cannot size it."""
     if model_type == "falcon_h1":
         return "Falcon-H1 runs attention and a Mamba-2 mixer side by side in every layer; the planner does not model it"
-    if cfg.get("attn_type_list"):
+    if 0 in (cfg.get("attn_type_list") or ()):  # MiniMax-Text-01: 0 lightning (linear) attention, 1 softmax
         return f"{model_type or 'this model'}'s lightning (linear) attention layers (attn_type_list) are not modelled"
     raw = cfg.get("layer_types") or cfg.get("layers_block_type")
     if isinstance(cfg.get("hybrid_override_pattern"), str) and not raw:
@@ -470,6 +470,9 @@ def _hybrid_layers(
         return [], None
     names = [str(kind) for kind in raw]
     if not any(_HYBRID_KINDS.get(name) in ("mamba", "mlp") for name in names):
+        unmodelled = sorted(set(names) - {"attention", *ATTENTION_KINDS})
+        if unmodelled:  # e.g. LFM2's short convolutions: never planned as full attention
+            return f"layer kinds {', '.join(unmodelled)} are not modelled"
         return [], None
     unknown = sorted({name for name in names if name not in _HYBRID_KINDS})
     if unknown:
