@@ -438,3 +438,20 @@ def test_the_plan_equals_vllms_cpu_log(prefix_caching: bool | None, tokens: int,
         == 88.93
     )
     assert (plan.kv_cache_tokens, plan.max_concurrency) == (tokens, concurrency)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [QWEN3_NEXT, NEMOTRON_H, {**GRANITE_4_H, "num_local_experts": 4, "num_experts_per_tok": 2}, JAMBA],
+    ids=["qwen3_next", "nemotron_h", "granite_4_h_moe", "jamba"],
+)
+def test_parameters_match_transformers_own_model(config: dict[str, Any]) -> None:
+    """Mixer weights (Mamba-1, Mamba-2, gated DeltaNet) and Nemotron-H's one-block layers, counted against the
+    model transformers builds from the same config (random weights, CPU, a few million parameters)."""
+    transformers = pytest.importorskip("transformers")
+    fields = {key: value for key, value in config.items() if key not in ("model_type", "architectures")}
+    model = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(config["model_type"], **fields)
+    )
+    built = sum(p.numel() for p in model.parameters())
+    assert count_parameters(_arch(config)) == pytest.approx(built, rel=2e-3)

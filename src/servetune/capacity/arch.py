@@ -144,6 +144,7 @@ class ModelArch(BaseModel):
     sliding_window: int | None = Field(None, ge=1, description="tokens a sliding_attention layer sees")
     attention_chunk_size: int | None = Field(None, ge=1, description="tokens of a chunked_attention layer's chunk")
     attention_sinks: bool = Field(False, description="one learned sink logit per attention head (gpt-oss)")
+    attention_output_gate: bool = Field(False, description="q_proj also emits a per-head output gate (Qwen3-Next)")
     moe_layer_step: int = Field(1, ge=1, description="every n-th layer after the dense ones is MoE (Llama 4)")
     vision_parameters: int = Field(0, ge=0, description="vision encoder and projector, kept in torch_dtype")
     mamba: MambaMixer | None = Field(None, description="the state of the 'mamba' layers (Mamba, gated DeltaNet)")
@@ -544,6 +545,7 @@ def arch_from_hf_config(config: dict[str, Any], name: str, source: str = "config
         "sliding_window": window,
         "attention_chunk_size": chunk,
         "attention_sinks": model_type == "gpt_oss",
+        "attention_output_gate": model_type.startswith("qwen3_next"),
         "mamba": mixer,
         "mixer_only_layers": model_type == "nemotron_h",
         "not_planned": not_planned,

@@ -64,7 +64,7 @@ def _attention(arch: ModelArch, tp: int) -> ParamSplit:
         return ParamSplit(linear=q + kv + o, other=q_norm + latent)
     kv = kv_heads_per_rank(arch, tp)
     d = arch.head_dim
-    linear = h * heads * d + 2 * h * kv * d + heads * d * h
+    linear = h * heads * d * (2 if arch.attention_output_gate else 1) + 2 * h * kv * d + heads * d * h
     other = (heads + 2 * kv) * d if arch.qkv_bias else 0
     if arch.qk_norm:
         other += 2 * d
