@@ -426,6 +426,32 @@ TINY_GRANITE_H = {
 }
 
 
+# The same for a 4-layer random Qwen3-Next (3 gated-DeltaNet layers, 1 attention layer, 2 x 64 key and
+# 4 x 64 value heads): "Padding mamba page size by 82.86% ...", "CPU KV cache size: 762,600 tokens,
+# Maximum concurrency for 2,048 tokens per request: 372.36x" (prefix caching on: 2 state blocks).
+TINY_QWEN3_NEXT = {
+    **QWEN3_NEXT,
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "head_dim": 64,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "num_experts": 4,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "float32",
+}
+
+
+def test_the_gated_deltanet_plan_equals_vllms_cpu_log() -> None:
+    arch = _arch(TINY_QWEN3_NEXT)
+    args = {"dtype": "float32", "max_model_len": 2048, "enforce_eager": True}
+    plan = plan_capacity(arch, args, resolve_hardware(device="cpu"), env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    state = plan.mamba_state_bytes_per_sequence // 3
+    assert round(100 * (128 * 2 * 2 * 64 * 4 - state) / state, 2) == 82.86
+    assert (plan.settings.block_size, plan.kv_cache_tokens, plan.max_concurrency) == (128, 762600, 372.36)
+
+
 @pytest.mark.parametrize("prefix_caching, tokens, concurrency", [(None, 493447, 240.94), (False, 762600, 372.36)])
 def test_the_plan_equals_vllms_cpu_log(prefix_caching: bool | None, tokens: int, concurrency: float) -> None:
     arch = _arch(TINY_GRANITE_H)
