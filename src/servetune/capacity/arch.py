@@ -23,7 +23,9 @@ from servetune.errors import UserError
 
 Dtype = Literal["bfloat16", "float16", "float32"]
 QuantMethod = Literal["none", "awq", "gptq", "fp8", "int8", "bitsandbytes", "mxfp4", "nvfp4", "mxfp8"]
-LayerType = Literal["full_attention", "sliding_attention", "chunked_attention"]
+LayerType = Literal["full_attention", "sliding_attention", "chunked_attention", "mamba", "mlp"]
+#: Layer kinds that attend over tokens (a KV cache per token); "mamba" keeps a per-sequence state, "mlp" nothing.
+ATTENTION_KINDS: tuple[LayerType, ...] = ("full_attention", "sliding_attention", "chunked_attention")
 
 
 class WeightQuant(BaseModel):
@@ -66,6 +68,45 @@ class WeightQuant(BaseModel):
         return self.method
 
 
+class MambaMixer(BaseModel):
+    """A Mamba / linear-attention layer, in the numbers vLLM 0.32's ``MambaStateShapeCalculator`` reads.
+
+    ``mamba1``: Jamba (``intermediate_size``, ``state_size``, ``conv_kernel``, ``dt_rank``); ``mamba2``:
+    Nemotron-H, Granite-4.0-H (plus ``n_groups``, ``num_heads``, ``head_dim``); ``gated_delta_net``:
+    Qwen3-Next (``num_k_heads``, ``num_v_heads``, ``head_k_dim``, ``head_v_dim``, ``conv_kernel``).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["mamba1", "mamba2", "gated_delta_net"]
+    conv_kernel: int = Field(4, ge=2)
+    intermediate_size: int = Field(0, ge=0)
+    state_size: int = Field(0, ge=0)
+    n_groups: int = Field(1, ge=1)
+    num_heads: int = Field(0, ge=0)
+    head_dim: int = Field(0, ge=0)
+    dt_rank: int = Field(0, ge=0)
+    num_k_heads: int = Field(0, ge=0)
+    num_v_heads: int = Field(0, ge=0)
+    head_k_dim: int = Field(0, ge=0)
+    head_v_dim: int = Field(0, ge=0)
+    ssm_state_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the SSM state's dtype when mamba_ssm_cache_dtype is auto (Nemotron-H: float32)"
+    )
+
+    @model_validator(mode="after")
+    def _complete(self) -> MambaMixer:
+        needed = {
+            "mamba1": ("intermediate_size", "state_size"),
+            "mamba2": ("intermediate_size", "state_size", "num_heads", "head_dim"),
+            "gated_delta_net": ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim"),
+        }[self.kind]
+        missing = [name for name in needed if not getattr(self, name)]
+        if missing:
+            raise ValueError(f"a {self.kind} layer needs {', '.join(missing)}")
+        return self
+
+
 class ModelArch(BaseModel):
     """Architecture numbers of a decoder-only transformer, as vLLM sees them."""
 
@@ -103,21 +144,33 @@ class ModelArch(BaseModel):
     sliding_window: int | None = Field(None, ge=1, description="tokens a sliding_attention layer sees")
     attention_chunk_size: int | None = Field(None, ge=1, description="tokens of a chunked_attention layer's chunk")
     attention_sinks: bool = Field(False, description="one learned sink logit per attention head (gpt-oss)")
+    attention_output_gate: bool = Field(False, description="q_proj also emits a per-head output gate (Qwen3-Next)")
     moe_layer_step: int = Field(1, ge=1, description="every n-th layer after the dense ones is MoE (Llama 4)")
     vision_parameters: int = Field(0, ge=0, description="vision encoder and projector, kept in torch_dtype")
     mtp_layers: int = Field(0, ge=0, description="multi-token-prediction layers the checkpoint carries (MTP drafts)")
     draft_vocab_size: int | None = Field(None, ge=1, description="an EAGLE-3 head's own lm_head vocabulary")
+    mamba: MambaMixer | None = Field(None, description="the state of the 'mamba' layers (Mamba, gated DeltaNet)")
+    mixer_only_layers: bool = Field(
+        False,
+        description="Nemotron-H: a layer is one block (Mamba, attention, or a two-matrix squared-ReLU MLP / MoE),"
+        " not attention + MLP",
+    )
+    not_planned: str | None = Field(None, description="why the ledger cannot size this model (vLLM may serve it)")
     quant: WeightQuant = WeightQuant()
     checkpoint: Checkpoint | None = Field(None, description="safetensors parameter counts, where known")
 
     @model_validator(mode="before")
     @classmethod
     def _expand_pattern(cls, data: Any) -> Any:
-        """The catalogue's shorthand ``full_attention_every: n`` with ``local: sliding|chunked``."""
+        """The catalogue's shorthands: ``full_attention_every: n`` with ``local: sliding|chunked|mamba``, and
+        Nemotron-H's ``hybrid_override_pattern`` (M Mamba, * attention, - MLP, E MoE)."""
+        if isinstance(data, dict) and isinstance(data.get("hybrid_override_pattern"), str):
+            data = dict(data)
+            data["layer_types"] = [_PATTERN_KINDS.get(c, c) for c in data.pop("hybrid_override_pattern")]
         if isinstance(data, dict) and "full_attention_every" in data:
             data = dict(data)
             every, local = int(data.pop("full_attention_every")), data.pop("local", "sliding")
-            kind = f"{local}_attention"
+            kind = "mamba" if local == "mamba" else f"{local}_attention"
             data["layer_types"] = [
                 "full_attention" if (i + 1) % every == 0 else kind for i in range(int(data["num_layers"]))
             ]
@@ -141,7 +194,17 @@ class ModelArch(BaseModel):
             raise ValueError("sliding_attention layers need sliding_window")
         if "chunked_attention" in self.layer_types and self.attention_chunk_size is None:
             raise ValueError("chunked_attention layers need attention_chunk_size")
+        if "mamba" in self.layer_types and self.mamba is None:
+            raise ValueError("mamba layers need the mamba mixer's numbers")
         return self
+
+    @property
+    def num_mamba_layers(self) -> int:
+        return self.layer_kinds.count("mamba")
+
+    @property
+    def num_attention_layers(self) -> int:
+        return sum(kind in ATTENTION_KINDS for kind in self.layer_kinds)
 
     @property
     def layer_kinds(self) -> tuple[LayerType, ...]:
@@ -237,6 +300,15 @@ MTP_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers")
 _ROPE_TYPES_NOT_SCALED = ("default", "su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling")
 
 
+def _json_float(value: Any) -> Any:
+    """transformers writes a non-finite float as ``{"__float__": "Infinity"}`` (Mamba's ``time_step_limit``)."""
+    if isinstance(value, dict) and set(value) == {"__float__"}:
+        return float(value["__float__"])
+    if isinstance(value, list):
+        return [_json_float(item) for item in value]
+    return value
+
+
 def _library_config(config: dict[str, Any], source: str) -> dict[str, Any]:
     """The config as transformers reads it: its own class fills every default the file leaves out.
 
@@ -251,7 +323,7 @@ def _library_config(config: dict[str, Any], source: str) -> dict[str, Any]:
     from transformers import AutoConfig  # slow import: only when a config is read
     from transformers.utils import logging as hf_logging
 
-    fields = {key: value for key, value in config.items() if key != "model_type"}
+    fields = {key: _json_float(value) for key, value in config.items() if key != "model_type"}
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()  # deprecation chatter about torch_dtype and the like
     try:
@@ -268,6 +340,10 @@ def _library_config(config: dict[str, Any], source: str) -> dict[str, Any]:
         hf_logging.set_verbosity(verbosity)
     text = library.get_text_config(decoder=True)
     merged = text.to_dict()
+    if not merged.get("layer_types") and not merged.get("layers_block_type"):
+        block_types = getattr(text, "layers_block_type", None)  # Jamba: a property over attn_layer_period/offset
+        if isinstance(block_types, (list, tuple)):
+            merged["layers_block_type"] = list(block_types)
     for key in ("architectures", "quantization_config", "torch_dtype", "dtype", "tie_word_embeddings"):
         if merged.get(key) is None and config.get(key) is not None:
             merged[key] = config[key]
@@ -310,7 +386,7 @@ def _layer_types(cfg: dict[str, Any], layers: int) -> tuple[list[str], int | Non
         kinds = ["chunked_attention" if use_rope else "full_attention" for use_rope in cfg["no_rope_layers"]]
     known = {"full_attention", "sliding_attention", "chunked_attention"}
     if kinds and (len(kinds) != layers or not set(kinds) <= known):
-        kinds = []  # kinds the ledger does not model (linear attention, Mamba) are planned as full attention
+        kinds = []  # a list of another length: every layer full attention (unknown kinds: _hybrid_layers)
     if not kinds and window:
         kinds = ["sliding_attention"] * layers  # Mistral-7B-v0.1 style: every layer has the window
     if "sliding_attention" not in kinds:
@@ -320,6 +396,100 @@ def _layer_types(cfg: dict[str, Any], layers: int) -> tuple[list[str], int | Non
     if set(kinds) == {"full_attention"}:
         kinds = []
     return kinds, int(window) if window else None, int(chunk) if chunk else None
+
+
+# Per-layer kind names in Hugging Face configs (``layer_types``, ``layers_block_type``, Nemotron-H's
+# ``hybrid_override_pattern`` as transformers expands it) and the ledger's kinds.
+_HYBRID_KINDS: dict[str, LayerType] = {
+    "attention": "full_attention",
+    "full_attention": "full_attention",
+    "mamba": "mamba",
+    "linear_attention": "mamba",
+    "mlp": "mlp",
+    "moe": "mlp",
+}
+_PATTERN_KINDS: dict[str, LayerType] = {"M": "mamba", "*": "full_attention", "-": "mlp", "E": "mlp"}
+
+
+def _mamba_mixer(cfg: dict[str, Any], model_type: str, hidden: int) -> MambaMixer | None:
+    """The Mamba / linear-attention mixer's numbers, read as vLLM 0.32's ``get_mamba_state_shape_from_config``
+    reads them for the model type; None for a model type whose mixer the planner does not know."""
+    if cfg.get("linear_num_value_heads"):  # Qwen3-Next, Qwen3.5: gated DeltaNet
+        return MambaMixer(
+            kind="gated_delta_net",
+            conv_kernel=int(cfg.get("linear_conv_kernel_dim") or 4),
+            num_k_heads=int(cfg["linear_num_key_heads"]),
+            num_v_heads=int(cfg["linear_num_value_heads"]),
+            head_k_dim=int(cfg["linear_key_head_dim"]),
+            head_v_dim=int(cfg["linear_value_head_dim"]),
+        )
+    if model_type == "nemotron_h":  # NemotronHForCausalLM: intermediate = mamba_num_heads x mamba_head_dim
+        heads, head_dim = int(cfg["mamba_num_heads"]), int(cfg["mamba_head_dim"])
+        return MambaMixer(
+            kind="mamba2",
+            conv_kernel=int(cfg.get("conv_kernel") or 4),
+            intermediate_size=heads * head_dim,
+            state_size=int(cfg["ssm_state_size"]),
+            n_groups=int(cfg.get("n_groups") or 1),
+            num_heads=heads,
+            head_dim=head_dim,
+            ssm_state_dtype=str(cfg.get("mamba_ssm_cache_dtype") or "float32"),  # vLLM's NemotronH default
+        )
+    if model_type in ("granitemoehybrid", "bamba"):  # intermediate = mamba_expand x hidden_size
+        return MambaMixer(
+            kind="mamba2",
+            conv_kernel=int(cfg.get("mamba_d_conv") or 4),
+            intermediate_size=int(cfg.get("mamba_expand") or 2) * hidden,
+            state_size=int(cfg["mamba_d_state"]),
+            n_groups=int(cfg.get("mamba_n_groups") or 1),
+            num_heads=int(cfg["mamba_n_heads"]),
+            head_dim=int(cfg["mamba_d_head"]),
+        )
+    if model_type == "jamba":  # Mamba-1
+        return MambaMixer(
+            kind="mamba1",
+            conv_kernel=int(cfg.get("mamba_d_conv") or 4),
+            intermediate_size=int(cfg.get("mamba_expand") or 2) * hidden,
+            state_size=int(cfg["mamba_d_state"]),
+            dt_rank=int(cfg.get("mamba_dt_rank") or _cdiv(hidden, 16)),
+        )
+    return None
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _hybrid_layers(
+    cfg: dict[str, Any], model_type: str, hidden: int
+) -> tuple[list[LayerType], MambaMixer | None] | str:
+    """Layer kinds and the mixer of a model with Mamba / linear-attention layers, ([], None) for a model without,
+    or why the planner cannot size it."""
+    if model_type == "falcon_h1":
+        return "Falcon-H1 runs attention and a Mamba-2 mixer side by side in every layer; the planner does not model it"
+    if 0 in (cfg.get("attn_type_list") or ()):  # MiniMax-Text-01: 0 lightning (linear) attention, 1 softmax
+        return f"{model_type or 'this model'}'s lightning (linear) attention layers (attn_type_list) are not modelled"
+    raw = cfg.get("layer_types") or cfg.get("layers_block_type")
+    if isinstance(cfg.get("hybrid_override_pattern"), str) and not raw:
+        raw = [_PATTERN_KINDS.get(c, c) for c in cfg["hybrid_override_pattern"]]
+    if not isinstance(raw, (list, tuple)):
+        return [], None
+    names = [str(kind) for kind in raw]
+    if not any(_HYBRID_KINDS.get(name) in ("mamba", "mlp") for name in names):
+        unmodelled = sorted(set(names) - {"attention", *ATTENTION_KINDS})
+        if unmodelled:  # e.g. LFM2's short convolutions: never planned as full attention
+            return f"layer kinds {', '.join(unmodelled)} are not modelled"
+        return [], None
+    unknown = sorted({name for name in names if name not in _HYBRID_KINDS})
+    if unknown:
+        return f"layer kinds {', '.join(unknown)} are not modelled"
+    try:
+        mixer = _mamba_mixer(cfg, model_type, hidden)
+    except (KeyError, TypeError, ValueError) as exc:
+        return f"its Mamba layers' numbers are incomplete ({exc})"
+    if mixer is None:
+        return f"model_type {model_type!r}: the state of its Mamba / linear-attention layers is not modelled"
+    return [_HYBRID_KINDS[name] for name in names], mixer
 
 
 def arch_from_hf_config(config: dict[str, Any], name: str, source: str = "config.json") -> ModelArch:
@@ -334,9 +504,14 @@ def arch_from_hf_config(config: dict[str, Any], name: str, source: str = "config
 
     heads = int(need("num_attention_heads"))
     hidden = int(need("hidden_size"))
-    layers = int(need("num_hidden_layers"))
     model_type = str(cfg.get("model_type") or config.get("model_type") or "")
+    hybrid = _hybrid_layers(cfg, model_type, hidden)
+    if cfg.get("num_hidden_layers") is None and isinstance(hybrid, tuple) and hybrid[0]:
+        cfg["num_hidden_layers"] = len(hybrid[0])  # Nemotron-H: one layer per pattern character
+    layers = int(need("num_hidden_layers"))
     experts = int(cfg.get("num_local_experts") or cfg.get("n_routed_experts") or cfg.get("num_experts") or 0)
+    if model_type == "nemotron_h" and "moe" not in (cfg.get("layers_block_type") or ()):
+        experts = 0  # transformers' NemotronHConfig carries MoE defaults for dense models too
     positions = int(cfg.get("max_position_embeddings") or 2048)
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling")
     if isinstance(rope, dict) and "gemma3" not in model_type:
@@ -347,7 +522,15 @@ def arch_from_hf_config(config: dict[str, Any], name: str, source: str = "config
             if str(r.get("rope_type") or r.get("type") or "default") not in _ROPE_TYPES_NOT_SCALED
         ]
         positions = int(positions * (factors[-1] if factors else 1.0))
-    kinds, window, chunk = _layer_types(cfg, layers)
+    not_planned: str | None = None
+    mixer: MambaMixer | None = None
+    kinds: list[str]
+    if isinstance(hybrid, str):
+        not_planned, kinds, window, chunk = hybrid, [], None, None
+    elif hybrid[0]:
+        kinds, mixer, window, chunk = list(hybrid[0]), hybrid[1], None, None
+    else:
+        kinds, window, chunk = _layer_types(cfg, layers)
     architecture = cfg.get("_multimodal_architecture") or (cfg.get("architectures") or ["unknown"])[0]
     fields: dict[str, Any] = {
         "name": name,
@@ -367,12 +550,18 @@ def arch_from_hf_config(config: dict[str, Any], name: str, source: str = "config
         "sliding_window": window,
         "attention_chunk_size": chunk,
         "attention_sinks": model_type == "gpt_oss",
+        "attention_output_gate": model_type.startswith("qwen3_next"),
+        "mamba": mixer,
+        "mixer_only_layers": model_type == "nemotron_h",
+        "not_planned": not_planned,
     }
     mtp = [cfg.get(key) for key in MTP_KEYS if isinstance(cfg.get(key), int) and cfg[key] > 0]
     if mtp:
         fields["mtp_layers"] = mtp[0]
     if isinstance(cfg.get("draft_vocab_size"), int):
         fields["draft_vocab_size"] = cfg["draft_vocab_size"]
+    if mixer is not None and len(kinds) != layers:
+        raise UserError(f"{source}: {len(kinds)} layer kinds for num_hidden_layers {layers}")
     if isinstance(cfg.get("_vision"), dict):
         fields["vision_parameters"] = _vision_parameters(cfg["_vision"], hidden)
     if experts:
@@ -382,12 +571,17 @@ def arch_from_hf_config(config: dict[str, Any], name: str, source: str = "config
         fields["moe_intermediate_size"] = int(cfg.get("moe_intermediate_size") or need("intermediate_size"))
         fields["intermediate_size"] = int(cfg.get("intermediate_size") or 0) if cfg.get("moe_intermediate_size") else 0
         shared = int(cfg.get("n_shared_experts") or 0) * fields["moe_intermediate_size"]
+        shared = shared or int(cfg.get("moe_shared_expert_intermediate_size") or 0)  # Nemotron-H MoE
+        shared = shared or int(cfg.get("shared_intermediate_size") or 0)  # Granite-4.0-H
         fields["shared_expert_intermediate_size"] = shared or int(cfg.get("shared_expert_intermediate_size") or 0)
         fields["first_k_dense_layers"] = int(cfg.get("first_k_dense_replace") or 0)
         if model_type.startswith("llama4"):  # one shared expert as wide as a routed one; dense layers between
             fields["shared_expert_intermediate_size"] = fields["moe_intermediate_size"]
             fields["moe_layer_step"] = int(cfg.get("interleave_moe_layer_step") or 1)
             fields["intermediate_size"] = int(cfg.get("intermediate_size_mlp") or 0)
+        if model_type == "jamba":  # MoE on every expert_layer_period-th layer, dense MLPs between
+            fields["moe_layer_step"] = int(cfg.get("expert_layer_period") or 1)
+            fields["intermediate_size"] = int(cfg.get("intermediate_size") or 0)
     else:
         fields["intermediate_size"] = int(need("intermediate_size"))
     if cfg.get("kv_lora_rank") is not None:

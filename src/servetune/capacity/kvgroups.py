@@ -14,6 +14,11 @@ all groups draw block ids from one pool:
         chunked local:    ceil(min(chunk + in-flight tokens, max_model_len) / block_size)
     KV tokens          = num_blocks / blocks per request x max_model_len
 
+Mamba and linear-attention layers (``servetune.capacity.mamba``) form groups of their own in the
+same pool: their page is padded to the attention page, and a request holds one block per Mamba
+group (two or three under prefix caching's ``align`` mode) whatever its length. MLP-only layers
+(Nemotron-H) hold nothing.
+
 In-flight tokens are every concurrently scheduled batch's ``max_num_batched_tokens`` (two batches
 with async scheduling, vLLM's default; pipeline stages + 1 with PP). When the hybrid manager is
 off (``--disable-hybrid-kv-cache-manager``, and by default for chunked-local attention) every
@@ -38,8 +43,11 @@ class KVGroup:
     kind: LayerType
     layers: int
     window: int | None = None  # sliding window or chunk, in tokens
+    state_blocks: int = 1  # a Mamba group: blocks one request holds (MambaSpec.max_memory_usage_bytes / page)
 
     def blocks_per_request(self, max_model_len: int, block_size: int, in_flight_tokens: int) -> int:
+        if self.kind == "mamba":
+            return self.state_blocks
         if self.kind == "sliding_attention" and self.window is not None:
             return _cdiv(min(self.window - 1 + in_flight_tokens, max_model_len), block_size) + 1
         if self.kind == "chunked_attention" and self.window is not None:
@@ -68,34 +76,43 @@ class KVLayout:
         kinds: dict[str, int] = {}
         for group in self.groups:
             label = group.kind.replace("_attention", "") + (f" {group.window}" if group.window else "")
+            label = "mamba state" if group.kind == "mamba" else label
             kinds[label] = kinds.get(label, 0) + 1
         parts = ", ".join(f"{n} x {label}" for label, n in kinds.items())
         return f"KV cache groups of {self.group_size} layers: {parts}"
 
 
-def kv_layout(arch: ModelArch, pp: int = 1, hybrid_manager: bool | None = None) -> KVLayout:
+def kv_layout(
+    arch: ModelArch, pp: int = 1, hybrid_manager: bool | None = None, mamba_state_blocks: int = 1
+) -> KVLayout:
     """The KV-cache groups vLLM 0.32 forms for one pipeline stage of ``arch``.
 
     ``hybrid_manager`` None is vLLM's default: on, except for chunked-local attention (vLLM turns
-    it off unless ``VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE`` is set).
+    it off unless ``VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE`` is set). Mamba layers
+    always keep groups of their own; ``mamba_state_blocks`` is what one request holds in each.
     """
-    stage = arch.layer_kinds[: _cdiv(arch.num_layers, pp)]
+    stage: list[LayerType] = [k for k in arch.layer_kinds[: _cdiv(arch.num_layers, pp)] if k != "mlp"]
     if hybrid_manager is None:
         hybrid_manager = "chunked_attention" not in stage
     kinds: dict[LayerType, int] = {}
     for kind in stage:
         kinds[kind] = kinds.get(kind, 0) + 1
     if len(kinds) > 1 and not hybrid_manager:
-        kinds = {"full_attention": len(stage)}
+        attention = len(stage) - kinds.get("mamba", 0)
+        promoted: dict[LayerType, int] = {"full_attention": attention}
+        if "mamba" in kinds:
+            promoted["mamba"] = kinds["mamba"]
+        kinds = promoted
     if len(kinds) == 1:
         (kind, count), *_ = kinds.items()
-        return KVLayout(groups=(KVGroup(kind, count, _window(arch, kind)),), group_size=count)
+        return KVLayout(groups=(KVGroup(kind, count, _window(arch, kind), mamba_state_blocks),), group_size=count)
     smallest, largest = min(kinds.values()), max(kinds.values())
     group_size = largest if largest < smallest * 1.5 else smallest
     groups: list[KVGroup] = []
     for kind, count in kinds.items():
         for i in range(_cdiv(count, group_size)):
-            groups.append(KVGroup(kind, min(group_size, count - i * group_size), _window(arch, kind)))
+            layers = min(group_size, count - i * group_size)
+            groups.append(KVGroup(kind, layers, _window(arch, kind), mamba_state_blocks))
     return KVLayout(groups=tuple(groups), group_size=group_size)
 
 

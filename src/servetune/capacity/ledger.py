@@ -8,6 +8,9 @@
 Models whose layers attend differently (sliding window, chunked local) are laid out in KV-cache
 groups as vLLM's hybrid manager does (``servetune.capacity.kvgroups``): a block then holds one
 page per layer of a group, and a request needs only its window's blocks in a window group.
+Mamba and linear-attention layers (``servetune.capacity.mamba``) keep a fixed state per sequence
+in groups of the same pool: the attention block grows until its page holds one state, and every
+sequence, however short, holds its state blocks, so the pool bounds the sequences at once.
 
 On vLLM's CPU build the pool is ``VLLM_CPU_KVCACHE_SPACE`` GiB per rank, nothing subtracted.
 Pure: no I/O, no vLLM import. See ``servetune.capacity`` for the terms.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from servetune.capacity.advice import advise
@@ -25,6 +29,7 @@ from servetune.capacity.draft import DraftCost, draft_cost, speculative_config
 from servetune.capacity.hardware import GIB, Hardware
 from servetune.capacity.kvdtype import FP8_DS_MLA_BYTES_PER_LAYER, KV_CACHE_DTYPES, kv_slot_bytes
 from servetune.capacity.kvgroups import kv_layout
+from servetune.capacity.mamba import aligned_block_size, state_bytes, tp_problem
 from servetune.capacity.params import (
     activation_bytes_per_token,
     count_parameters,
@@ -143,6 +148,8 @@ def structural_problem(arch: ModelArch, tp: int, pp: int, quant: WeightQuant) ->
         return f"num_kv_heads {kv} and tensor_parallel_size {tp}: neither divides the other"
     if pp > arch.num_layers:
         return f"pipeline_parallel_size {pp} exceeds the model's {arch.num_layers} layers"
+    if arch.mamba is not None and arch.num_mamba_layers and (problem := tp_problem(arch.mamba, tp)) is not None:
+        return problem
     width = arch.moe_intermediate_size if arch.is_moe else arch.intermediate_size
     if quant.method in ("awq", "gptq") and width % tp == 0 and (width // tp) % quant.group_size:
         return (
@@ -276,9 +283,10 @@ def _verdict(
     blocks_per_request: int,
     allow_long: bool,
     draft: DraftCost | None = None,
+    mamba_problem: str | None = None,
 ) -> tuple[bool, str]:
     """Does it fit, and why (vLLM's start-up checks, in the order it makes them)."""
-    problem = structural_problem(arch, s.tensor_parallel_size, s.pipeline_parallel_size, quant)
+    problem = structural_problem(arch, s.tensor_parallel_size, s.pipeline_parallel_size, quant) or mamba_problem
     if problem is None and s.max_model_len > arch.max_position_embeddings and not allow_long:
         problem = f"max_model_len {s.max_model_len} exceeds the model's max_position_embeddings"
         problem += f" {arch.max_position_embeddings} (VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 lets vLLM start anyway)"
@@ -331,6 +339,15 @@ def _ledger(
 ) -> CapacityPlan:
     s, quant = _settings(arch, args, hardware, env, profile)
     tp, pp, cpu = s.tensor_parallel_size, s.pipeline_parallel_size, s.device == "cpu"
+    if arch.not_planned:
+        raise NotPlanned(arch.not_planned)
+    element = _kv_element_bytes(s.kv_cache_dtype, s.dtype, arch)
+    state = _mamba_state(arch, args, s, profile)
+    if state.page:
+        aligned = aligned_block_size(
+            s.block_size, 32 if cpu else 16, kv_bytes_per_layer_token(arch, element, tp), state.page
+        )
+        s = s.model_copy(update={"block_size": aligned})
     request = request_tokens or s.max_model_len
     if request < 1:
         raise UserError(f"--request-tokens {request}: must be >= 1")
@@ -362,11 +379,9 @@ def _ledger(
             kv_bytes = float(s.kv_cache_memory_bytes)
             notes.append("kv_cache_memory_bytes is set: vLLM skips the utilization budget")
 
-    element = _kv_element_bytes(s.kv_cache_dtype, s.dtype, arch)
     per_token = kv_bytes_per_token(arch, element, tp, pp)
-    layout = kv_layout(
-        arch, pp, None if args.disable_hybrid_kv_cache_manager is None else not args.disable_hybrid_kv_cache_manager
-    )
+    hybrid_manager = None if args.disable_hybrid_kv_cache_manager is None else not args.disable_hybrid_kv_cache_manager
+    layout = kv_layout(arch, pp, hybrid_manager, mamba_state_blocks=state.blocks)
     page = layout.bytes_per_block(s.block_size, kv_bytes_per_layer_token(arch, element, tp))
     if draft is not None and draft.kv_layers:
         # vLLM groups the drafter's attention layers with the target's: a block holds a page for each.
@@ -388,6 +403,15 @@ def _ledger(
         notes.append(f"max_model_len -1: vLLM would auto-fit it to {s.max_model_len:,} tokens")
     if layout.hybrid:
         notes.append(layout.describe())
+    mamba_groups = sum(1 for group in layout.groups if group.kind == "mamba")
+    max_sequences = blocks // per_request(1) if state.page else None
+    if state.page:
+        notes.append(state.describe(s.block_size))
+        if max_sequences is not None and max_sequences < s.max_num_seqs:
+            notes.append(
+                f"the pool holds the state of {max_sequences:,} sequences at once, fewer than max_num_seqs "
+                f"{s.max_num_seqs:,}: vLLM queues or preempts the rest however short they are"
+            )
     blocks_per_request = per_request(s.max_model_len)
     concurrency = blocks / blocks_per_request  # vLLM: num_blocks / blocks of one max_model_len request
     tokens = int(concurrency * s.max_model_len)
@@ -413,6 +437,7 @@ def _ledger(
         blocks_per_request,
         allow_long,
         draft,
+        state.problem,
     )
     return CapacityPlan(
         model=arch.name,
@@ -432,6 +457,10 @@ def _ledger(
         request_tokens=request,
         max_concurrency_at_request=round(concurrency_at_request, 2),
         max_num_seqs_reachable=concurrency_at_request >= s.max_num_seqs,
+        mamba_layers=state.layers,
+        mamba_state_bytes_per_sequence=state.bytes_per_sequence,
+        mamba_state_blocks_per_sequence=mamba_groups * state.blocks if state.page else 0,
+        max_sequences=max_sequences,
         fits=fits,
         reason=reason,
         draft=_draft_plan(draft, s) if draft is not None else None,
@@ -459,3 +488,56 @@ def _draft_notes(draft: DraftCost, s: Settings) -> list[str]:
         f"speculative decoding verifies {draft.query_len} tokens per request a step: {s.max_num_seqs} requests need "
         f"{wanted:,} batched tokens, max_num_batched_tokens {s.max_num_batched_tokens:,} verifies {fit} of them a step"
     ]
+
+
+@dataclass(frozen=True)
+class _MambaState:
+    """What a model's Mamba layers cost one sequence on one rank (all zero for a model without them)."""
+
+    layers: int = 0
+    page: int = 0  # one layer's state, the page the attention block is aligned to
+    blocks: int = 1  # blocks a sequence holds per Mamba group
+    bytes_per_sequence: int = 0
+    problem: str | None = None  # why vLLM refuses the configuration
+    kind: str = ""
+
+    def describe(self, block_size: int) -> str:
+        mode = (
+            f"prefix caching on: mamba_cache_mode align, {self.blocks} state blocks"
+            if self.blocks > 1
+            else "1 state block"
+        )
+        return (
+            f"{self.layers} {self.kind} layers keep {self.bytes_per_sequence / 2**20:,.2f} MiB of state per "
+            f"sequence ({self.page:,} B a layer); the attention block grows to {block_size} tokens so that its "
+            f"page holds one state; {mode} per Mamba group"
+        )
+
+
+def _mamba_state(arch: ModelArch, args: CapacityArgs, s: Settings, profile: EngineProfile) -> _MambaState:
+    """The Mamba state of one sequence, and the prefix-caching mode vLLM runs it in."""
+    stage = arch.layer_kinds[: _cdiv(arch.num_layers, s.pipeline_parallel_size)]
+    layers = stage.count("mamba")
+    if arch.mamba is None or not layers:
+        return _MambaState()
+    if profile.v0_scheduler:
+        raise NotPlanned(
+            "vLLM V0 keeps Mamba state in a cache of its own beside the KV pool; the planner models the V1 "
+            "hybrid allocator (vLLM >= 0.8)"
+        )
+    if not arch.num_attention_layers:
+        raise NotPlanned("a model with Mamba layers and no attention layer: the planner models hybrid models only")
+    tp = s.tensor_parallel_size
+    if tp_problem(arch.mamba, tp) is not None:  # structural_problem says why; no page to size
+        return _MambaState(layers=layers)
+    page = state_bytes(arch.mamba, s.dtype, tp, args.mamba_cache_dtype, args.mamba_ssm_cache_dtype)
+    mode = profile.mamba_prefix_caching
+    prefix = args.enable_prefix_caching if args.enable_prefix_caching is not None else mode == "default"
+    problem = None
+    if prefix and mode == "refused":
+        problem = "prefix caching is not supported for Mamba layers before vLLM 0.11.1 (NotImplementedError)"
+    elif prefix and args.enable_chunked_prefill is False:
+        problem = "prefix caching on Mamba layers (mamba_cache_mode align) requires chunked prefill"
+    # MambaSpec.max_memory_usage_bytes: 1 page, or in align mode 2 plus MambaMixer2's prefill checkpoint
+    blocks = (3 if arch.mamba.kind == "mamba2" else 2) if prefix else 1
+    return _MambaState(layers, page, blocks, page * layers, problem, arch.mamba.kind)

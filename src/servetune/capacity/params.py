@@ -64,7 +64,7 @@ def _attention(arch: ModelArch, tp: int) -> ParamSplit:
         return ParamSplit(linear=q + kv + o, other=q_norm + latent)
     kv = kv_heads_per_rank(arch, tp)
     d = arch.head_dim
-    linear = h * heads * d + 2 * h * kv * d + heads * d * h
+    linear = h * heads * d * (2 if arch.attention_output_gate else 1) + 2 * h * kv * d + heads * d * h
     other = (heads + 2 * kv) * d if arch.qkv_bias else 0
     if arch.qk_norm:
         other += 2 * d
@@ -83,6 +83,37 @@ def _moe_mlp(arch: ModelArch, tp: int) -> ParamSplit:
     shared = 3 * h * _cdiv(arch.shared_expert_intermediate_size, tp)
     router = h * arch.num_experts + arch.num_experts  # gate weight (+ DeepSeek's correction bias)
     return ParamSplit(linear=shared, other=router, experts=experts)
+
+
+def _mixer(arch: ModelArch, tp: int) -> ParamSplit:
+    """A Mamba / gated-DeltaNet mixer, as vLLM's MambaMixer, MambaMixer2 and Qwen3-Next's GatedDeltaNet hold it."""
+    m, h = arch.mamba, arch.hidden_size
+    if m is None:
+        return ParamSplit(linear=0, other=0)
+    if m.kind == "gated_delta_net":  # in_proj_qkvz, in_proj_ba, conv1d, dt_bias, A_log, norm, out_proj
+        k, v = m.num_k_heads * m.head_k_dim, m.num_v_heads * m.head_v_dim
+        linear = h * _cdiv(2 * k + 2 * v, tp) + h * _cdiv(2 * m.num_v_heads, tp) + _cdiv(v, tp) * h
+        other = _cdiv(2 * k + v, tp) * m.conv_kernel + 2 * _cdiv(m.num_v_heads, tp) + m.head_v_dim
+        return ParamSplit(linear=linear, other=other)
+    inner = _cdiv(m.intermediate_size, tp)
+    if m.kind == "mamba2":  # in_proj (z, x, B, C, dt), conv1d (+ bias), A, D, dt_bias, gated norm, out_proj
+        groups = 2 * m.n_groups * m.state_size
+        linear = h * _cdiv(2 * m.intermediate_size + groups + m.num_heads, tp) + inner * h
+        other = _cdiv(m.intermediate_size + groups, tp) * (m.conv_kernel + 1) + 3 * _cdiv(m.num_heads, tp) + inner
+        return ParamSplit(linear=linear, other=other)
+    # mamba1: in_proj, conv1d (+ bias), x_proj, dt_proj (+ bias), A_log, D, out_proj
+    linear = h * 2 * inner + inner * (m.dt_rank + 2 * m.state_size) + m.dt_rank * inner + inner * h
+    other = inner * (m.conv_kernel + 1) + inner + inner * m.state_size + inner
+    return ParamSplit(linear=linear, other=other)
+
+
+def _mixer_only_body(arch: ModelArch, tp: int, stage: tuple[str, ...]) -> ParamSplit:
+    """Nemotron-H: every layer is one block (Mamba-2, attention, or a squared-ReLU MLP / MoE of two matrices)."""
+    mamba, mlp = stage.count("mamba"), stage.count("mlp")
+    feed = _moe_mlp(arch, tp) if arch.is_moe else _dense_mlp(arch, tp)
+    feed = ParamSplit(linear=feed.linear * 2 // 3, other=feed.other, experts=feed.experts * 2 // 3)
+    body = _attention(arch, tp).times(len(stage) - mamba - mlp) + _mixer(arch, tp).times(mamba) + feed.times(mlp)
+    return body + ParamSplit(linear=0, other=arch.hidden_size * len(stage))
 
 
 def layer_params(arch: ModelArch, tp: int, moe: bool) -> ParamSplit:
@@ -116,11 +147,18 @@ def rank_params(arch: ModelArch, tp: int = 1, pp: int = 1, padded_vocab: bool = 
     the larger ones) plus the larger of the embedding (first stage) and the lm_head (last stage).
     """
     layers = _cdiv(arch.num_layers, pp)
-    moe_layers = min(layers, arch.num_moe_layers)
-    dense_layers = layers - moe_layers
-    body = layer_params(arch, tp, moe=False).times(dense_layers)
-    if moe_layers:
-        body = body + layer_params(arch, tp, moe=True).times(moe_layers)
+    stage = arch.layer_kinds[:layers]
+    if arch.mixer_only_layers:
+        body = _mixer_only_body(arch, tp, stage)
+    else:
+        moe_layers = min(layers, arch.num_moe_layers)
+        dense_layers = layers - moe_layers
+        body = layer_params(arch, tp, moe=False).times(dense_layers)
+        if moe_layers:
+            body = body + layer_params(arch, tp, moe=True).times(moe_layers)
+        mamba = stage.count("mamba")  # a Mamba layer has its mixer where another has attention
+        if mamba:
+            body = body + _mixer(arch, tp).times(mamba) + _attention(arch, tp).times(-mamba)
     embed = _vocab(arch, tp, padded_vocab)
     vision = _cdiv(arch.vision_parameters, tp)  # the vision tower shards like the decoder, on the first stage
     if pp == 1:
@@ -168,8 +206,10 @@ def kv_bytes_per_layer_token(arch: ModelArch, kv_dtype_bytes: float, tp: int = 1
 
 
 def kv_bytes_per_token(arch: ModelArch, kv_dtype_bytes: float, tp: int = 1, pp: int = 1) -> int:
-    """KV cache bytes per token on one rank if every layer of its stage kept every token."""
-    return round(_cdiv(arch.num_layers, pp) * kv_bytes_per_layer_token(arch, kv_dtype_bytes, tp))
+    """KV cache bytes per token on one rank if every attention layer of its stage kept every token."""
+    stage = arch.layer_kinds[: _cdiv(arch.num_layers, pp)]
+    attention = len(stage) - stage.count("mamba") - stage.count("mlp")
+    return round(attention * kv_bytes_per_layer_token(arch, kv_dtype_bytes, tp))
 
 
 def activation_bytes_per_token(arch: ModelArch, act_bytes: int, tp: int = 1) -> int:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -74,6 +75,11 @@ class EngineProfile(BaseModel):
         0.25, ge=0, description="vLLM's graph-pool estimate: 0.13-0.78 GiB in public logs"
     )
     cudagraph_mib_per_layer_graph: float = Field(0.05, ge=0, description="per layer and per piecewise capture size")
+    mamba_prefix_caching: Literal["refused", "opt_in", "default"] = Field(
+        "opt_in",
+        description="prefix caching on a model with Mamba layers: refused (NotImplementedError before vLLM PR"
+        " #25752, 0.11.1), opt-in, or on by default (0.32: ModelConfig.is_prefix_caching_supported for hybrid)",
+    )
     v0_scheduler: bool = Field(
         False,
         description="V0 engine: chunked prefill by default only above a 32K context; without it the profiling run"
@@ -94,6 +100,7 @@ VLLM_0_32 = EngineProfile(
     runtime_buffers_gib=0.3,  # load-time extras (~0.1 GiB over the checkpoint) + input batch / sampler buffers
     count_block_table=True,
     subtract_cudagraph=True,
+    mamba_prefix_caching="default",
 )
 
 VLLM_0_11 = EngineProfile(
@@ -107,7 +114,7 @@ VLLM_0_11 = EngineProfile(
 )
 
 VLLM_0_6 = VLLM_0_11.model_copy(update={"name": "vllm-0.6", "v0_scheduler": True})
-VLLM_0_8 = VLLM_0_11.model_copy(update={"name": "vllm-0.8"})
+VLLM_0_8 = VLLM_0_11.model_copy(update={"name": "vllm-0.8", "mamba_prefix_caching": "refused"})
 VLLM_0_21 = VLLM_0_11.model_copy(update={"name": "vllm-0.21", "subtract_cudagraph": True})
 VLLM_0_25 = VLLM_0_21.model_copy(update={"name": "vllm-0.25", "sampler_bytes_per_logit": 16.0})
 

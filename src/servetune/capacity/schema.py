@@ -35,6 +35,9 @@ class CapacityArgs(BaseModel):
     kv_cache_memory_bytes: int | None = Field(None, ge=0)
     async_scheduling: bool | None = None
     disable_hybrid_kv_cache_manager: bool | None = None
+    enable_prefix_caching: bool | None = None
+    mamba_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    mamba_ssm_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
 
 
 def read_engine_args(engine_args: Mapping[str, Any]) -> CapacityArgs:
@@ -111,6 +114,16 @@ class CapacityPlan(BaseModel):
     request_tokens: int
     max_concurrency_at_request: float
     max_num_seqs_reachable: bool
+    mamba_layers: int = Field(0, description="Mamba / linear-attention layers on this rank (state per sequence)")
+    mamba_state_bytes_per_sequence: int = Field(
+        0, description="one sequence's conv + SSM state over this rank's Mamba layers, before page padding"
+    )
+    mamba_state_blocks_per_sequence: int = Field(
+        0, description="pool blocks one sequence holds for its Mamba state, however short it is"
+    )
+    max_sequences: int | None = Field(
+        None, description="Mamba models: sequences whose state and first KV blocks the pool holds at once"
+    )
     fits: bool
     reason: str
     draft: DraftPlan | None = None  # speculative decoding's drafter, where the configuration has one

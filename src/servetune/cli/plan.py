@@ -121,6 +121,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "as --model is read)",
     )
     p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="Mamba / linear-attention models: prefix caching holds 2-3 state blocks per sequence, not 1 "
+        "(default: vLLM's for --vllm-version; on in 0.32)",
+    )
+    p.add_argument(
         "--request-tokens",
         type=int,
         metavar="N",
@@ -244,6 +251,7 @@ def _plan(args: argparse.Namespace, arch: ModelArch, hardware: Hardware) -> tupl
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "block_size": args.block_size,
         "enforce_eager": args.enforce_eager,
+        "enable_prefix_caching": args.enable_prefix_caching,
     }
     draft = None
     if args.speculative_config is not None:
@@ -351,6 +359,14 @@ def render(plan: CapacityPlan, console: Console) -> None:
     ledger.add_row("KV blocks / tokens", f"{plan.kv_cache_blocks:,} / {plan.kv_cache_tokens:,}", "")
     ledger.add_row("KV per full request", _gib(plan.kv_gib_per_request), f"max_model_len {s.max_model_len:,}")
     ledger.add_row("max concurrency", f"{plan.max_concurrency:.2f}x", f"requests of {s.max_model_len:,} tokens")
+    if plan.mamba_layers:
+        ledger.add_row(
+            "Mamba state per sequence",
+            _gib(plan.mamba_state_bytes_per_sequence / 2**30),
+            f"{plan.mamba_layers} layers, {plan.mamba_state_blocks_per_sequence} pool blocks, whatever the length",
+        )
+        if plan.max_sequences is not None:
+            ledger.add_row("max sequences at once", f"{plan.max_sequences:,}", "state + first KV block each")
     if plan.request_tokens != s.max_model_len:
         ledger.add_row(
             "  at request length",
