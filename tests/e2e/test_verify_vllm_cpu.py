@@ -57,7 +57,10 @@ def test_verify_on_real_vllm(tmp_path):
     stability = doc["stability"]
     rate = scenarios["disconnects"]["cancellation_success_rate"]
     assert rate is not None and stability["cancellation_success_rate"] == rate, (rate, stability)
-    assert stability["oom"] is False and stability["error_rate_5xx"] == 0.0 and stability["requests"] > 100
+    # The engine runs with export's admission bounds: past them vLLM refuses with a 503 (before the stream, or inside
+    # it for the prefill-token backlog), in a burst as in the overload scenario; nothing else fails.
+    assert stability["oom"] is False and stability["requests"] > 100, stability
+    assert set(stability["errors_by_kind"]) <= {"http_5xx"}, stability["errors_by_kind"]
     assert stability["p99_jitter"] == scenarios["soak"]["ttft_p99_jitter"] >= 1.0
 
     soak = scenarios["soak"]

@@ -47,6 +47,17 @@ class _Chunk(msgspec.Struct):
 
 _decode_chunk = msgspec.json.Decoder(_Chunk).decode
 
+
+def stream_error(error: dict | str) -> tuple[str, str]:
+    """The error kind and text of an error event inside a stream. vLLM sends an HTTP status it meant in the event's
+    ``code`` when the response had already begun: vLLM 0.32 checks ``--max-num-queued-tokens`` inside the stream
+    generator (``MaxQueuedTokensError``, a 503), so such a refusal is an ``http_5xx`` as the same refusal before the
+    stream began is, not a ``stream_error``."""
+    if isinstance(error, dict) and isinstance(code := error.get("code"), int) and 400 <= code < 600:
+        return f"http_{code // 100}xx", f"HTTP {code} (in the stream): {error.get('message', '')}"[:300]
+    return "stream_error", str(error)[:300]
+
+
 #: Error kinds of the timeouts (``RequestRecord.error_kind``); ``timeout`` is the total one.
 TIMEOUT_FIRST_TOKEN = "timeout_first_token"
 TIMEOUT_IDLE = "timeout_idle"
@@ -172,8 +183,7 @@ class StreamingClient:
                                 continue
                             chunk = _decode_chunk(message)
                             if chunk.error is not None:
-                                record.error_kind = "stream_error"
-                                record.error = str(chunk.error)[:300]
+                                record.error_kind, record.error = stream_error(chunk.error)
                             if chunk.choices and _has_content(chunk):
                                 chunk_times.append(now)
                             if chunk.usage is not None:
