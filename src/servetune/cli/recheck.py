@@ -118,12 +118,13 @@ def _recheck(one: Chosen, args: argparse.Namespace, version: str, before: str | 
     from servetune.verify.recheck import compare, recheck_trials, refusal, remeasure
 
     after = None
-    if refusal(one.result.engine_args, new_table) is None:
+    refused = refusal(one.spec.engine_args, new_table)  # what would be launched: refused, nothing starts
+    if refused is None:
         with console.status(f"measuring trial {one.trial_id} again on {version} (its whole ladder)"):
             after = remeasure(one.spec, args.study_dir, version, lambda: PromptFactory(load_tokenizer(one.spec.tokenizer)),
                               repeats=args.repeats)  # fmt: skip
     doc = compare(one.result, after, one.point.level, old_table=old_table, new_table=new_table,
-                  vllm_before=before, vllm_after=version)  # fmt: skip
+                  vllm_before=before, vllm_after=version, refused=refused)  # fmt: skip
     if after is not None:
         doc.result_dir = str(recheck_trials(args.study_dir, version) / after.trial_id)
     doc.created = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")

@@ -1,10 +1,12 @@
 """A re-check (``servetune recheck``) as an MLflow run of its own in the study's experiment.
 
-The run is tagged ``servetune.role`` = ``recheck``, with the re-checked trial (``recheck.trial_id``: ``servetune.trial_id`` names the trial's own run), the two vLLM
-versions (``recheck.vllm_before``, ``recheck.vllm_after``) and the verdict (``recheck.verdict``); its metrics are
-the re-measured values at the shipped level (``recheck.<metric>``, ``recheck.<metric>.change``) and the capacity at
-the SLO; the recheck file is its artifact. MLflow being unreachable, or the study never logged there, is one line:
-the recheck file holds everything either way.
+The run is tagged ``servetune.role`` = ``recheck``, with the re-checked trial (``recheck.trial_id``;
+``servetune.trial_id`` names the trial's own run), the two vLLM versions (``recheck.vllm_before``,
+``recheck.vllm_after``), the verdict (``recheck.verdict``) and the SLO at the shipped level (``recheck.slo_after``).
+Its metrics are the re-measured values at each load both measured (``recheck.<metric>.<level>``, e.g.
+``recheck.ttft_ms_p99.concurrency_8``, with its relative change as ``....change``) and the capacity at the SLO
+(``recheck.capacity_at_slo``); the recheck file is its artifact. MLflow being unreachable, or the study never logged
+there, is one line: the recheck file holds everything either way.
 """
 
 from __future__ import annotations
@@ -27,13 +29,13 @@ RECHECK_ROLE = "recheck"
 
 
 def recheck_metrics(doc: Mapping[str, Any]) -> dict[str, float]:
-    """The numbers to log: each compared metric at the shipped level (and its relative change), the capacity."""
-    level = doc.get("level") or {}
+    """The numbers to log: each compared metric at each load both measured (``recheck.ttft_ms_p99.concurrency_8``)
+    and its relative change (``....change``), and the capacity at the SLO."""
     out: dict[str, float] = {}
     for change in doc.get("changes") or []:
-        if change.get("level") == level:
-            out[f"recheck.{change['metric']}"] = float(change["after"])
-            out[f"recheck.{change['metric']}.change"] = float(change["change"])
+        where = "_".join(f"{kind}_{value:g}" for kind, value in change["level"].items())
+        out[f"recheck.{change['metric']}.{where}"] = float(change["after"])
+        out[f"recheck.{change['metric']}.{where}.change"] = float(change["change"])
     if isinstance(doc.get("capacity_after"), (int, float)):
         out["recheck.capacity_at_slo"] = float(doc["capacity_after"])
     return out
@@ -47,6 +49,7 @@ def recheck_tags(doc: Mapping[str, Any]) -> dict[str, str]:
         "recheck.vllm_before": str(doc.get("vllm_before")),
         "recheck.vllm_after": str(doc.get("vllm_after")),
         "recheck.verdict": str(doc.get("verdict")),
+        "recheck.slo_after": {True: "met", False: "broken", None: "not measured"}[doc.get("slo_after")],
         RUN_NAME_TAG: f"recheck {doc.get('trial_id')} on {doc.get('vllm_after')}",
     }
 

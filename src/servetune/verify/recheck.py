@@ -210,13 +210,14 @@ def _level_of(result: TrialResult, level: Mapping[str, float]) -> LevelResult | 
 
 def compare(before: TrialResult, after: TrialResult | None, level: Mapping[str, float], *,
             old_table: Mapping[str, ArgSpec] | None, new_table: Mapping[str, ArgSpec] | None,
-            vllm_before: str | None, vllm_after: str | None) -> Recheck:  # fmt: skip
+            vllm_before: str | None, vllm_after: str | None, refused: str | None = None) -> Recheck:  # fmt: skip
     """The recorded trial against its re-measurement at the shipped ``level`` (see the module's docstring); ``after``
-    None where it was not run, the new vLLM's parser having refused the configuration."""
+    None where it was not run, the new vLLM's parser having refused the configuration (``refused``: why, as
+    :func:`refusal` said it of the arguments that were to be launched; else it is asked of the recorded ones)."""
     arguments = table_changes(before.engine_args, old_table, new_table)
     if after is not None:
         arguments += resolved_changes(before.resolved_engine_args, after.resolved_engine_args)
-    refused = refusal(before.engine_args, new_table)
+    refused = refused or refusal(before.engine_args, new_table)
     ran = after is not None
     if after is None:
         refused = refused or "not run"
