@@ -177,3 +177,42 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, words):
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert status == 2 and len(err) == 1 and err[0].startswith("servetune recheck: error:"), err
     assert all(word in err[0] for word in words), err
+
+
+def test_a_failed_quality_probe_is_a_regression():
+    from servetune.results import QualityResult
+
+    def probed(passed: bool, failures=()):
+        found = QualityResult(reference_trial="t1", passed=passed, failures=list(failures))
+        return result().model_copy(update={"quality": found})
+
+    held = check(probed(True), probed(True))
+    assert held.verdict == "PASS" and (held.quality_before, held.quality_after) == (True, True)
+    drifted = check(probed(True), probed(False, ["agreement dropped 0.40 > 0.10"]))
+    assert drifted.verdict == "REGRESSED" and drifted.quality_after is False
+    assert "the quality probe against the study's reference failed: agreement dropped 0.40 > 0.10" in drifted.reasons
+
+
+def test_the_quality_probe_is_held_to_the_study_s_reference_answers(tmp_path):
+    from servetune.results import REFERENCE_FILE, ReferenceAnswers
+    from servetune.space_file import load_space
+    from servetune.verify.recheck import quality_plan
+
+    space_file = tmp_path / "spaces" / "space.yaml"
+    space_file.parent.mkdir()
+    space_file.write_text(
+        "name: q\nmodel: org/m\ndevice: cpu\nworkload: cpu-tiny\nslo: {ttft_ms: {p99: 1000}}\n"
+        "params: {max_num_seqs: [4, 16]}\nquality: {suites: [agreement], max_drop: {agreement: 0.1}}\n"
+    )
+    space = load_space(space_file)
+    study = tmp_path / "study"
+    study.mkdir()
+    assert quality_plan(study, space, str(space_file)) is None  # the study kept no answers: nothing to hold it to
+    answers = ReferenceAnswers(trial_id="ref", params={}, prompt_ids=[[1, 2]], continuations=[[3, 4]], nll=[1.0])
+    (study / REFERENCE_FILE).parent.mkdir()
+    (study / REFERENCE_FILE).write_text(answers.model_dump_json())
+    plan = quality_plan(study, space, str(space_file))
+    assert plan is not None and plan.reference == answers and plan.suites == ["agreement"]
+    assert plan.bounds["agreement"] == 0.1 and plan.reference_params == {}
+    space_file.write_text(space_file.read_text().replace("quality:", "# quality:"))
+    assert quality_plan(study, load_space(space_file), str(space_file)) is None  # no quality section, no probe

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from servetune.engine.args import ArgSpec
+    from servetune.quality.probe import QualityPlan
     from servetune.verify.choose import Chosen
     from servetune.verify.recheck import Recheck
 
@@ -28,14 +29,16 @@ count, workload and SLO, with the same capacity search, and compare with what th
                         the level's repeats relative to their median (load.repeats, or --repeats here), the larger
                         of the recorded and the new level's, at least 5%; 10% where neither level was repeated.
   SLO and capacity      the SLO verdict at the shipped level and the load carried at the SLO, before and after
+  quality               where the study has a quality probe, the same probe against the answers its reference
+                        gave when the study ran (STUDY_DIR/quality/reference.json), with the same bounds
   vLLM and arguments    both vLLM versions; the configuration's flags in both versions' argument tables (removed,
                         renamed, another kind, a value no longer a choice; the old table where servetune's cache
                         still holds it) and every engine argument vLLM resolved to another value (/server_info)
 
 Verdict and exit status:
   0 PASS              within noise or better, no engine argument moved
-  1 REGRESSED         a metric worse beyond its noise, the SLO at the shipped level broken, or capacity lower by
-                      more than the capacity search's tolerance
+  1 REGRESSED         a metric worse beyond its noise, the SLO at the shipped level broken, the quality probe
+                      failed, or capacity lower by more than the capacity search's tolerance
   2                   bad input (nothing started)
   3 REFUSED           the new vLLM refuses the configuration (an unknown flag, a value not a choice) or its
                       engine does not start or dies
@@ -54,7 +57,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                               epilog="example: servetune recheck servetune-results/cpu-tiny --runner-up")  # fmt: skip
     p.add_argument("study_dir", type=Path, metavar="STUDY_DIR", help="the study directory (servetune-results/<study>)")
     p.add_argument("--pick", default="best", metavar="best|N|TRIAL_ID",
-                   help="best (the recommendation, default), a row of the cost vs P99 TTFT Pareto table, or a trial id")  # fmt: skip
+                   help="best or shipped (the recommendation, default), a row of the cost vs P99 TTFT Pareto table, or a trial id")  # fmt: skip
     p.add_argument("--runner-up", action="store_true", help="re-check the runner-up (the best other candidate) too")
     p.add_argument("--repeats", type=int, metavar="N",
                    help="runs of each level (default: the study's load.repeats); more runs, a tighter noise margin")  # fmt: skip
@@ -74,16 +77,20 @@ def run(args: argparse.Namespace) -> int:
     from servetune.tracking.connection import recorded_tracking_uri
     from servetune.tracking.recheck import log_recheck
     from servetune.verify.choose import select
-    from servetune.verify.recheck import recheck_file
+    from servetune.verify.recheck import quality_plan, recheck_file
 
     if args.repeats is not None and args.repeats < 1:
         raise UserError(f"--repeats must be at least 1, got {args.repeats}")
-    selection = select(args.study_dir, args.pick, args.python)  # bad input stops here, before anything starts
+    pick = "best" if args.pick == "shipped" else args.pick
+    selection = select(args.study_dir, pick, args.python)  # bad input stops here, before anything starts
     chosen = [selection.winner]
     if args.runner_up:
         if selection.runner_up is None:
             raise UserError(f"--runner-up: the study has no other candidate meeting the SLO than trial {selection.winner.trial_id}")  # fmt: skip
         chosen.append(selection.runner_up)
+    quality = quality_plan(
+        args.study_dir, selection.space, selection.info.space_file
+    )  # a missing suite: before any start
     for one in chosen:
         if one.spec.serve_replicas is not None:
             raise UserError(f"trial {one.trial_id} was measured through Ray Serve: recheck measures bare engines only")
@@ -98,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     for one in chosen:
         before = one.result.environment.get("vllm")
         old_table = cached_argspecs(before) if before and before != version else new_table
-        docs.append(_recheck(one, args, version, before, old_table, new_table, console))
+        docs.append(_recheck(one, args, version, before, old_table, new_table, quality, console))
     doc = docs[0].model_copy(update={"runner_up": docs[1] if len(docs) > 1 else None})
     out = args.json or recheck_file(args.study_dir, version)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -112,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _recheck(one: Chosen, args: argparse.Namespace, version: str, before: str | None,
              old_table: Mapping[str, ArgSpec] | None, new_table: Mapping[str, ArgSpec] | None,
-             console: Console) -> Recheck:  # fmt: skip
+             quality: QualityPlan | None, console: Console) -> Recheck:  # fmt: skip
     from servetune.load.requests import PromptFactory
     from servetune.load.tokenizer import load_tokenizer
     from servetune.verify.recheck import compare, recheck_trials, refusal, remeasure
@@ -122,7 +129,7 @@ def _recheck(one: Chosen, args: argparse.Namespace, version: str, before: str | 
     if refused is None:
         with console.status(f"measuring trial {one.trial_id} again on {version} (its whole ladder)"):
             after = remeasure(one.spec, args.study_dir, version, lambda: PromptFactory(load_tokenizer(one.spec.tokenizer)),
-                              repeats=args.repeats)  # fmt: skip
+                              repeats=args.repeats, quality=quality)  # fmt: skip
     doc = compare(one.result, after, one.point.level, old_table=old_table, new_table=new_table,
                   vllm_before=before, vllm_after=version, refused=refused)  # fmt: skip
     if after is not None:
@@ -146,6 +153,8 @@ def summary(doc: Recheck) -> list[str]:
                      f"(noise {c.margin:.0%}, {c.margin_from}): {mark}")  # fmt: skip
     lines.append(f"  SLO at the shipped level: {_met(doc.slo_before)} -> {_met(doc.slo_after)}; capacity at the SLO: "
                  f"{_num(doc.capacity_before)} -> {_num(doc.capacity_after)}")  # fmt: skip
+    if doc.quality_before is not None or doc.quality_after is not None:
+        lines.append(f"  quality probe: {_passed(doc.quality_before)} -> {_passed(doc.quality_after)}")
     lines += [f"  argument: {describe(a)}" for a in doc.arguments]
     lines.append(f"  ({doc.argument_table})")
     lines.append(f"{doc.verdict}: " + "; ".join(doc.reasons))
@@ -154,6 +163,10 @@ def summary(doc: Recheck) -> list[str]:
 
 def _met(value: bool | None) -> str:
     return "not measured" if value is None else "met" if value else "broken"
+
+
+def _passed(value: bool | None) -> str:
+    return "not run" if value is None else "passed" if value else "failed"
 
 
 def _num(value: float | None) -> str:

@@ -29,11 +29,22 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from servetune.config.space import SearchSpace
 from servetune.engine.args import ArgSpec, normalize_key, validate_engine_args
 from servetune.errors import UserError
 from servetune.load.requests import PromptFactory
 from servetune.metrics import GOODPUT, OUTPUT_THROUGHPUT, TPOT_P99, TTFT_P99
-from servetune.results import MARGIN, MIN_MARGIN, LevelResult, TrialResult, level_load
+from servetune.quality.probe import QualityPlan, make_plan
+from servetune.results import (
+    MARGIN,
+    MIN_MARGIN,
+    REFERENCE_FILE,
+    LevelResult,
+    ReferenceAnswers,
+    TrialResult,
+    level_load,
+    read_model,
+)
 from servetune.trial.runner import EngineFactory, TrialSpec, run_trial, vllm_engine
 
 Verdict = Literal["PASS", "REGRESSED", "CHANGED-DEFAULTS", "REFUSED"]
@@ -93,6 +104,8 @@ class Recheck(BaseModel):
     capacity_after: float | None
     capacity_tolerance: float
     outcome_after: str
+    quality_before: bool | None = None  # the quality probe's verdict (None: no probe, or not run)
+    quality_after: bool | None = None
     failure: str | None = None  # why the new vLLM refused the configuration
     result_dir: str | None = None  # the re-measured trial's directory
     created: str | None = None
@@ -239,6 +252,10 @@ def compare(before: TrialResult, after: TrialResult | None, level: Mapping[str, 
         if slo_before and slo_after is False:
             broken = "; ".join(now.slo_violations) if now is not None else "the level was not reached"
             reasons.append(f"the SLO at {_load_text(level)} was met, now broken ({broken})")
+        if after.quality is not None and after.quality.passed is False:
+            reasons.append(
+                "the quality probe against the study's reference failed: " + "; ".join(after.quality.failures)
+            )
         if cap_before is not None and (cap_after is None or cap_after < cap_before * (1 - tolerance)):
             reasons.append(f"capacity at the SLO fell from {cap_before:g} to {cap_after if cap_after is not None else 'none'}"
                            f" (beyond the {tolerance:.0%} tolerance)")  # fmt: skip
@@ -260,7 +277,9 @@ def compare(before: TrialResult, after: TrialResult | None, level: Mapping[str, 
                    vllm_before=vllm_before, vllm_after=vllm_after, verdict=verdict, reasons=reasons, changes=changes,
                    arguments=arguments, argument_table=table, slo_before=slo_before, slo_after=slo_after,
                    capacity_before=cap_before, capacity_after=cap_after, capacity_tolerance=tolerance,
-                   outcome_after=after.outcome if ran else "NOT RUN", failure=refused)  # fmt: skip
+                   outcome_after=after.outcome if ran else "NOT RUN", failure=refused,
+                   quality_before=before.quality.passed if before.quality is not None else None,
+                   quality_after=after.quality.passed if ran and after.quality is not None else None)  # fmt: skip
 
 
 def describe(change: ArgChange) -> str:
@@ -287,15 +306,34 @@ def recheck_file(study_dir: Path, version: str | None) -> Path:
     return study_dir / f"recheck-{version_slug(version)}.json"
 
 
+def quality_plan(study_dir: Path, space: SearchSpace, space_file: str) -> QualityPlan | None:
+    """The study's quality probe, compared with the answers its reference gave when the study ran
+    (``quality/reference.json``): the re-checked trial is held to the same bounds against the old vLLM's answers. None
+    without a quality section, or where the study kept no reference answers."""
+    reference = space.quality_reference
+    path = study_dir / REFERENCE_FILE
+    if space.quality is None or reference is None or not path.is_file():
+        return None
+    answers = read_model(path, ReferenceAnswers)
+    for base in (Path(space_file).parent, study_dir):  # suites are named relative to the space file
+        try:
+            return make_plan(space.quality, base, reference, answers)
+        except UserError:
+            continue
+    return make_plan(space.quality, Path.cwd(), reference, answers)  # raises the one-line error naming the suite
+
+
 def recheck_trials(study_dir: Path, version: str | None) -> Path:
     """Where the trials re-measured on vLLM ``version`` are kept: ``STUDY/recheck/<version>/``."""
     return study_dir / RECHECK_DIR / version_slug(version)
 
 
 def remeasure(spec: TrialSpec, study_dir: Path, version: str | None, prompts: Callable[[], PromptFactory],
-              repeats: int | None = None, engine: EngineFactory = vllm_engine) -> TrialResult:  # fmt: skip
+              repeats: int | None = None, quality: QualityPlan | None = None,
+              engine: EngineFactory = vllm_engine) -> TrialResult:  # fmt: skip
     """The trial of ``spec`` measured again by the trial runner, in ``STUDY/recheck/<version>/``: the same ladder,
-    load, SLO and capacity search (``repeats`` runs of each level where given, else the study's)."""
-    spec = dataclasses.replace(spec, trials_dir=recheck_trials(study_dir, version),
+    load, SLO and capacity search (``repeats`` runs of each level where given, else the study's), and the study's
+    quality probe (:func:`quality_plan`) before the ladder."""
+    spec = dataclasses.replace(spec, trials_dir=recheck_trials(study_dir, version), quality=quality,
                                repeats=repeats if repeats is not None else spec.repeats)  # fmt: skip
     return run_trial(spec, lambda _: None, prompts, engine=engine)
