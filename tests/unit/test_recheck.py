@@ -216,3 +216,17 @@ def test_the_quality_probe_is_held_to_the_study_s_reference_answers(tmp_path):
     assert plan.bounds["agreement"] == 0.1 and plan.reference_params == {}
     space_file.write_text(space_file.read_text().replace("quality:", "# quality:"))
     assert quality_plan(study, load_space(space_file), str(space_file)) is None  # no quality section, no probe
+
+
+def test_a_re_measurement_on_other_hardware_says_so():
+    xeon = {"cpu_model": "Intel(R) Xeon(R) Processor", "host_cpus": "2", "vllm": OLD}
+    epyc = {"cpu_model": "AMD EPYC", "host_cpus": "2", "vllm": NEW}
+    slower = check(result(1000.0).model_copy(update={"environment": xeon}),
+                   result(700.0).model_copy(update={"environment": epyc}))  # fmt: skip
+    assert slower.host_note == (
+        "measured on other hardware than the study (cpu_model Intel(R) Xeon(R) Processor -> AMD EPYC): "
+        "a change may be the host's"
+    )
+    assert slower.verdict == "REGRESSED" and slower.reasons[-1] == slower.host_note
+    same = check(result().model_copy(update={"environment": xeon}), result().model_copy(update={"environment": xeon}))
+    assert same.host_note is None and same.verdict == "PASS"

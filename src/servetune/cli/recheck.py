@@ -155,6 +155,8 @@ def summary(doc: Recheck) -> list[str]:
                  f"{_num(doc.capacity_before)} -> {_num(doc.capacity_after)}")  # fmt: skip
     if doc.quality_before is not None or doc.quality_after is not None:
         lines.append(f"  quality probe: {_passed(doc.quality_before)} -> {_passed(doc.quality_after)}")
+    if doc.host_note is not None:
+        lines.append(f"  {doc.host_note}")
     lines += [f"  argument: {describe(a)}" for a in doc.arguments]
     lines.append(f"  ({doc.argument_table})")
     lines.append(f"{doc.verdict}: " + "; ".join(doc.reasons))

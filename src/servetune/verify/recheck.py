@@ -107,6 +107,7 @@ class Recheck(BaseModel):
     quality_before: bool | None = None  # the quality probe's verdict (None: no probe, or not run)
     quality_after: bool | None = None
     failure: str | None = None  # why the new vLLM refused the configuration
+    host_note: str | None = None  # the re-measurement ran on other hardware than the recorded trial
     result_dir: str | None = None  # the re-measured trial's directory
     created: str | None = None
     runner_up: Recheck | None = None
@@ -259,6 +260,9 @@ def compare(before: TrialResult, after: TrialResult | None, level: Mapping[str, 
         if cap_before is not None and (cap_after is None or cap_after < cap_before * (1 - tolerance)):
             reasons.append(f"capacity at the SLO fell from {cap_before:g} to {cap_after if cap_after is not None else 'none'}"
                            f" (beyond the {tolerance:.0%} tolerance)")  # fmt: skip
+    host = host_note(before.environment, after.environment) if ran else None
+    if host is not None and reasons:
+        reasons.append(host)
     if refused is not None:
         verdict: Verdict = "REFUSED"
     elif reasons:
@@ -277,9 +281,22 @@ def compare(before: TrialResult, after: TrialResult | None, level: Mapping[str, 
                    vllm_before=vllm_before, vllm_after=vllm_after, verdict=verdict, reasons=reasons, changes=changes,
                    arguments=arguments, argument_table=table, slo_before=slo_before, slo_after=slo_after,
                    capacity_before=cap_before, capacity_after=cap_after, capacity_tolerance=tolerance,
-                   outcome_after=after.outcome if ran else "NOT RUN", failure=refused,
+                   outcome_after=after.outcome if ran else "NOT RUN", failure=refused, host_note=host,
                    quality_before=before.quality.passed if before.quality is not None else None,
                    quality_after=after.quality.passed if ran and after.quality is not None else None)  # fmt: skip
+
+
+#: What names the hardware in a trial's environment record (environment.py): a change of any is another host.
+HARDWARE_FIELDS = ("gpu_model", "gpu_count", "cpu_model", "host_cpus")
+
+
+def host_note(before: Mapping[str, str], after: Mapping[str, str]) -> str | None:
+    """A sentence where the two measurements ran on other hardware (a change may be the host's, not vLLM's)."""
+    moved = [f"{name} {before[name]} -> {after[name]}" for name in HARDWARE_FIELDS
+             if before.get(name) and after.get(name) and before[name] != after[name]]  # fmt: skip
+    return (
+        f"measured on other hardware than the study ({'; '.join(moved)}): a change may be the host's" if moved else None
+    )
 
 
 def describe(change: ArgChange) -> str:
