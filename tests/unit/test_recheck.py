@@ -230,3 +230,18 @@ def test_a_re_measurement_on_other_hardware_says_so():
     assert slower.verdict == "REGRESSED" and slower.reasons[-1] == slower.host_note
     same = check(result().model_copy(update={"environment": xeon}), result().model_copy(update={"environment": xeon}))
     assert same.host_note is None and same.verdict == "PASS"
+
+
+def test_the_summary_names_versions_each_change_and_the_verdict():
+    from servetune.cli.recheck import summary
+
+    lines = summary(check(result(1000.0), result(800.0)))
+    assert lines[0] == "trial t1 at concurrency 8: vLLM vllm==0.31.0 -> vllm==0.32.0"
+    drop = next(line for line in lines if "output_throughput" in line and "concurrency 8" in line)
+    assert "1000 -> 800" in drop and "-20.0%" in drop and drop.endswith(": worse")
+    assert any("levels measured once" in line and "--repeats 3" in line for line in lines)
+    assert any(line.startswith("  SLO at the shipped level: met -> met; capacity at the SLO: 8 -> 8") for line in lines)
+    assert lines[-1].startswith("REGRESSED: output_throughput at concurrency 8")
+    repeated = summary(check(result(runs=runs_of(990.0, 1000.0, 1010.0)), result(runs=runs_of(995.0, 1000.0))))
+    at_8 = [line for line in repeated if "concurrency 8 " in line]
+    assert at_8 and all("(noise 5%, repeats)" in line for line in at_8) and repeated[-1].startswith("PASS")

@@ -142,6 +142,7 @@ def _recheck(one: Chosen, args: argparse.Namespace, version: str, before: str | 
 
 def summary(doc: Recheck) -> list[str]:
     """What the recheck found, as lines: versions, per metric and load, SLO, capacity, arguments, verdict."""
+    from servetune.results import MARGIN
     from servetune.verify.recheck import describe
 
     lines = [f"trial {doc.trial_id} at {', '.join(f'{k} {v:g}' for k, v in doc.level.items())}: "
@@ -158,6 +159,9 @@ def summary(doc: Recheck) -> list[str]:
     if doc.host_note is not None:
         lines.append(f"  {doc.host_note}")
     lines += [f"  argument: {describe(a)}" for a in doc.arguments]
+    if any(c.margin_from == "default" for c in doc.changes):
+        lines.append(f"  (levels measured once: the noise margin is the {MARGIN:.0%} default, tighter than a P99 latency "
+                     "spreads between runs on a shared host; --repeats 3 measures the noise)")  # fmt: skip
     lines.append(f"  ({doc.argument_table})")
     lines.append(f"{doc.verdict}: " + "; ".join(doc.reasons))
     return lines
