@@ -26,8 +26,8 @@ count, workload and SLO, with the same capacity search, and compare with what th
 
   per metric and load   output_throughput, goodput, ttft_ms_p99, tpot_ms_p99 before and after, and whether the
                         change stands beyond the run-to-run noise. The margin: half the spread of the metric over
-                        the level's repeats relative to their median (load.repeats, or --repeats here), the larger
-                        of the recorded and the new level's, at least 5%; 10% where neither level was repeated.
+                        each level's repeats relative to their median (load.repeats, or --repeats here), the
+                        recorded and the new level's added, at least 5%; 10% where neither level was repeated.
   SLO and capacity      the SLO verdict at the shipped level and the load carried at the SLO, before and after
   quality               where the study has a quality probe, the same probe against the answers its reference
                         gave when the study ran (STUDY_DIR/quality/reference.json), with the same bounds

@@ -4,9 +4,10 @@
 capacity search: :func:`remeasure`) and compares the new result with the recorded one here, a pure function of the
 two results and vLLM's argument tables (:func:`compare`).
 
-The margin a change must pass, per metric and level: half the spread of that metric over the level's repeats
-(``load.repeats``), relative to their median, the larger of the recorded level's and the new one's, and at least
-``results.MIN_MARGIN``; ``results.MARGIN`` (10%, measured in bench/) where neither level was repeated. A change
+The margin a change must pass, per metric and level: half the spread of that metric over each level's repeats
+(``load.repeats``, ``--repeats``) relative to their median, the recorded level's and the new one's added (each median
+lies within its own half spread of the truth; a level run once counts as the other), at least ``results.MIN_MARGIN``;
+``results.MARGIN`` (10%, measured in bench/) where neither level was repeated. A change
 worse than its margin at a load both measured is a regression. So is the SLO verdict at the shipped level going from
 met to broken, and a capacity at the SLO lower by more than the capacity search's tolerance (``results.MARGIN``
 for a study from before the search).
@@ -136,11 +137,16 @@ def _half_spread(level: LevelResult, metric: str) -> float | None:
 
 
 def margin(metric: str, before: LevelResult, after: LevelResult) -> tuple[float, str]:
-    """The noise a change of ``metric`` between two measurements of one load must pass, and where it came from."""
-    spreads = [s for s in (_half_spread(before, metric), _half_spread(after, metric)) if s is not None]
-    if not spreads:
+    """The noise a change of ``metric`` between two measurements of one load must pass, and where it came from.
+
+    Each median lies within its runs' half spread of the truth, so two medians may differ by both half spreads
+    together: their sum (a level run once counts with the other's), at least ``MIN_MARGIN``; ``MARGIN`` (how much
+    a single run's repeat differs) where neither level was repeated."""
+    spreads = (_half_spread(before, metric), _half_spread(after, metric))
+    known = [s for s in spreads if s is not None]
+    if not known:
         return MARGIN, "default"
-    return max(MIN_MARGIN, *spreads), "repeats"
+    return max(MIN_MARGIN, sum(s if s is not None else max(known) for s in spreads)), "repeats"
 
 
 def by_load(levels: list[LevelResult]) -> dict[float, LevelResult]:
