@@ -60,6 +60,19 @@ def test_a_throughput_drop_beyond_the_noise_is_a_regression():
     assert doc.vllm_before == OLD and doc.vllm_after == NEW
 
 
+def test_the_verdict_is_taken_at_the_shipped_level():
+    """A worse throughput at another load is reported, marked, and decides nothing."""
+    before = result()
+    after = result().model_copy(update={"levels": [level(2, 200.0, 250.0), *result().levels[1:]]})
+    doc = check(before, after)
+    other = change(doc, OUTPUT_THROUGHPUT, load=2.0)
+    assert other.worse and not other.shipped and change(doc, OUTPUT_THROUGHPUT).shipped
+    assert doc.verdict == "PASS"
+    from servetune.cli.recheck import summary
+
+    assert any("concurrency 2 " in line and line.endswith("worse (not the shipped level)") for line in summary(doc))
+
+
 def test_a_change_within_the_noise_passes_and_an_improvement_is_not_a_regression():
     within = check(result(1000.0, ttft=500.0), result(960.0, ttft=530.0))
     assert not any(c.beyond_noise for c in within.changes)

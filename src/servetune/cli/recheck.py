@@ -25,7 +25,8 @@ installed now (or the one beside --python), through the same trial runner, at th
 count, workload and SLO, with the same capacity search, and compare with what the study recorded:
 
   per metric and load   output_throughput, goodput, ttft_ms_p99, tpot_ms_p99 before and after, and whether the
-                        change stands beyond the run-to-run noise. The margin: half the spread of the metric over
+                        change stands beyond the run-to-run noise (the verdict is taken at the shipped level's load;
+                        the other loads are shown beside it). The margin: half the spread of the metric over
                         each level's repeats relative to their median (load.repeats, or --repeats here), the
                         recorded and the new level's added, at least 5%; 10% where neither level was repeated.
   SLO and capacity      the SLO verdict at the shipped level and the load carried at the SLO, before and after
@@ -37,7 +38,7 @@ count, workload and SLO, with the same capacity search, and compare with what th
 
 Verdict and exit status:
   0 PASS              within noise or better, no engine argument moved
-  1 REGRESSED         a metric worse beyond its noise, the SLO at the shipped level broken, the quality probe
+  1 REGRESSED         a metric worse beyond its noise at the shipped level, the SLO there broken, the quality probe
                       failed, or capacity lower by more than the capacity search's tolerance
   2                   bad input (nothing started)
   3 REFUSED           the new vLLM refuses the configuration (an unknown flag, a value not a choice) or its
@@ -149,6 +150,7 @@ def summary(doc: Recheck) -> list[str]:
              f"vLLM {doc.vllm_before or '?'} -> {doc.vllm_after or '?'}"]  # fmt: skip
     for c in doc.changes:
         mark = "worse" if c.worse else "better" if c.beyond_noise else "within noise"
+        mark += "" if c.shipped else " (not the shipped level)"
         load = ", ".join(f"{k} {v:g}" for k, v in c.level.items())
         lines.append(f"  {c.metric:<18} {load:<16} {c.before:>10.4g} -> {c.after:<10.4g} {c.change:+7.1%}  "
                      f"(noise {c.margin:.0%}, {c.margin_from}): {mark}")  # fmt: skip

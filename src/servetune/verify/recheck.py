@@ -4,11 +4,16 @@
 capacity search: :func:`remeasure`) and compares the new result with the recorded one here, a pure function of the
 two results and vLLM's argument tables (:func:`compare`).
 
+The verdict is taken at the shipped level (the operating point the configuration ships at); the other loads'
+changes are reported beside it. Sixteen comparisons (four metrics at four loads) each at its own noise would call
+a configuration regressed by chance alone on a noisy host: rechecks of one configuration on one vLLM, by hand on two
+shared cores, read a P99 TTFT three times apart between runs at the ladder's first level.
+
 The margin a change must pass, per metric and level: half the spread of that metric over each level's repeats
 (``load.repeats``, ``--repeats``) relative to their median, the recorded level's and the new one's added (each median
 lies within its own half spread of the truth; a level run once counts as the other), at least ``results.MIN_MARGIN``;
 ``results.MARGIN`` (10%, measured in bench/) where neither level was repeated. A change
-worse than its margin at a load both measured is a regression. So is the SLO verdict at the shipped level going from
+worse than its margin at the shipped level's load is a regression. So is the SLO verdict at the shipped level going from
 met to broken, and a capacity at the SLO lower by more than the capacity search's tolerance (``results.MARGIN``
 for a study from before the search).
 
@@ -74,6 +79,7 @@ class MetricChange(BaseModel):
     margin_from: str  # "repeats" or "default" (results.MARGIN: neither level was repeated)
     beyond_noise: bool
     worse: bool  # beyond the noise, the wrong way
+    shipped: bool = False  # at the shipped level's load: the changes the verdict is taken on
 
 
 class ArgChange(BaseModel):
@@ -154,8 +160,8 @@ def by_load(levels: list[LevelResult]) -> dict[float, LevelResult]:
     return {level_load(level): level for level in levels}
 
 
-def metric_changes(before: TrialResult, after: TrialResult) -> list[MetricChange]:
-    """Every compared metric at every load both results measured."""
+def metric_changes(before: TrialResult, after: TrialResult, shipped: float | None = None) -> list[MetricChange]:
+    """Every compared metric at every load both results measured (``shipped``: the shipped level's load)."""
     old, new = by_load(before.levels), by_load(after.levels)
     out = []
     for load in sorted(old.keys() & new.keys()):
@@ -169,7 +175,7 @@ def metric_changes(before: TrialResult, after: TrialResult) -> list[MetricChange
             worse = beyond and (change < 0 if better == "max" else change > 0)
             out.append(MetricChange(level=new[load].summary.level, metric=metric, before=was, after=now,
                                     change=change, margin=noise, margin_from=source, beyond_noise=beyond,
-                                    worse=worse))  # fmt: skip
+                                    worse=worse, shipped=load == shipped))  # fmt: skip
     return out
 
 
@@ -244,7 +250,7 @@ def compare(before: TrialResult, after: TrialResult | None, level: Mapping[str, 
         after = before.model_copy(update={"levels": [], "outcome": "FAILED", "capacity_at_slo": None})
     elif refused is None and after.outcome != "COMPLETE":
         refused = f"{after.outcome}: {after.reason or 'no reason recorded'}".splitlines()[0]
-    changes = metric_changes(before, after) if refused is None else []
+    changes = metric_changes(before, after, max(level.values(), default=0.0)) if refused is None else []
     was, now = _level_of(before, level), _level_of(after, level)
     slo_before = was.meets_slo if was is not None else None
     slo_after = now.meets_slo if now is not None else (False if after.levels else None)
@@ -255,7 +261,7 @@ def compare(before: TrialResult, after: TrialResult | None, level: Mapping[str, 
         reasons.append(f"vLLM {vllm_after or '?'} refuses the configuration: {refused}")
     else:
         reasons += [f"{c.metric} at {_load_text(c.level)}: {c.before:.4g} -> {c.after:.4g} ({c.change:+.0%}, "
-                    f"beyond the {c.margin:.0%} noise)" for c in changes if c.worse]  # fmt: skip
+                    f"beyond the {c.margin:.0%} noise)" for c in changes if c.worse and c.shipped]  # fmt: skip
         if slo_before and slo_after is False:
             broken = "; ".join(now.slo_violations) if now is not None else "the level was not reached"
             reasons.append(f"the SLO at {_load_text(level)} was met, now broken ({broken})")
