@@ -666,6 +666,9 @@ LM_EVAL_RESULTS_FILE = (
 )
 ENGINE_LOG = "engine.log"  # the engine's stdout and stderr (trial/runner.py)
 REQUESTS_FILE = "requests.jsonl"  # the per-request records, a row per request (trial/runner.py)
+REFERENCE_FILE = (
+    Path("quality") / "reference.json"
+)  # the quality reference's answers, kept by the study (study/driver.py)
 
 
 Model = TypeVar("Model", bound=BaseModel)

@@ -29,6 +29,7 @@ COMMANDS = (
     "export",
     "verify",
     "serve-check",
+    "recheck",
 )
 
 

@@ -157,7 +157,7 @@ def load_argspecs(python: str = sys.executable) -> dict[str, ArgSpec] | None:
     version = vllm_version(python)
     if version is None:
         return None
-    cache = _cache_dir() / f"vllm-args-{re.sub(r'[^A-Za-z0-9.+=_-]', '_', version)}.json"
+    cache = _table_path(version)
     try:
         raw = json.loads(cache.read_text())
     except (OSError, ValueError):
@@ -168,6 +168,23 @@ def load_argspecs(python: str = sys.executable) -> dict[str, ArgSpec] | None:
     else:
         with contextlib.suppress(OSError):
             os.utime(cache)  # used now: the cap keeps the tables in use
+    return _specs(raw)
+
+
+def cached_argspecs(version: str) -> dict[str, ArgSpec] | None:
+    """The argument table of vLLM ``version`` (:func:`vllm_version`'s name) as :func:`load_argspecs` cached it,
+    without that vLLM: None where the cache does not hold it (never asked here, or one of the oldest removed)."""
+    try:
+        return _specs(json.loads(_table_path(version).read_text()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _table_path(version: str) -> Path:
+    return _cache_dir() / f"vllm-args-{re.sub(r'[^A-Za-z0-9.+=_-]', '_', version)}.json"
+
+
+def _specs(raw: dict) -> dict[str, ArgSpec]:
     return {
         dest: ArgSpec(dest, d["flag"], d["kind"], tuple(d["choices"]) if d.get("choices") else None)
         for dest, d in raw.items()

@@ -28,6 +28,7 @@ from servetune.results import (
     ENGINE_LOG,
     LM_EVAL_RESULTS_FILE,
     QUALITY_FILE,
+    REFERENCE_FILE,
     REQUESTS_FILE,
     RESULT_FILE,
     SCHEMA_VERSION,
@@ -503,9 +504,6 @@ def prepare_study_dir(study_dir: Path, space_path: Path, resume: bool) -> None:
         )
     (study_dir / TRIALS_DIR).mkdir(parents=True, exist_ok=True)
     shutil.copyfile(space_path, study_dir / SPACE_FILE)
-
-
-REFERENCE_FILE = Path("quality") / "reference.json"
 
 
 def read_reference(study_dir: Path, params: dict[str, Any], trial_id: str | None = None) -> ReferenceAnswers | None:

@@ -1,0 +1,181 @@
+"""``servetune recheck``: measure a study's shipped configuration again on the vLLM installed now, and compare."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import signal
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    from rich.console import Console
+
+    from servetune.engine.args import ArgSpec
+    from servetune.quality.probe import QualityPlan
+    from servetune.verify.choose import Chosen
+    from servetune.verify.recheck import Recheck
+
+DESCRIPTION = """\
+After a vLLM upgrade, measure the configuration a study recommended (the one shipped) again on the vLLM
+installed now (or the one beside --python), through the same trial runner, at the same load ladder, request
+count, workload and SLO, with the same capacity search, and compare with what the study recorded:
+
+  per metric and load   output_throughput, goodput, ttft_ms_p99, tpot_ms_p99 before and after, and whether the
+                        change stands beyond the run-to-run noise (the verdict is taken at the shipped level's load;
+                        the other loads are shown beside it). The margin: half the spread of the metric over
+                        each level's repeats relative to their median (load.repeats, or --repeats here), the
+                        recorded and the new level's added, at least 5%; 10% where neither level was repeated.
+  SLO and capacity      the SLO verdict at the shipped level and the load carried at the SLO, before and after
+  quality               where the study has a quality probe, the same probe against the answers its reference
+                        gave when the study ran (STUDY_DIR/quality/reference.json), with the same bounds
+  vLLM and arguments    both vLLM versions; the configuration's flags in both versions' argument tables (removed,
+                        renamed, another kind, a value no longer a choice; the old table where servetune's cache
+                        still holds it) and every engine argument vLLM resolved to another value (/server_info)
+
+Verdict and exit status:
+  0 PASS              within noise or better, no engine argument moved
+  1 REGRESSED         a metric worse beyond its noise at the shipped level, the SLO there broken, the quality probe
+                      failed, or capacity lower by more than the capacity search's tolerance
+  2                   bad input (nothing started)
+  3 REFUSED           the new vLLM refuses the configuration (an unknown flag, a value not a choice) or its
+                      engine does not start or dies
+  4 CHANGED-DEFAULTS  within noise or better, but engine arguments resolved to other values or flags moved
+With --runner-up the worse of the two verdicts decides the exit status.
+
+Writes STUDY_DIR/recheck-<vLLM version>.json (or --json OUT); the re-measured trials are kept in
+STUDY_DIR/recheck/<vLLM version>/. Where the study recorded an MLflow store (or --tracking-uri names one), the
+recheck is logged there as a run of the study's experiment tagged servetune.role=recheck.
+"""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("recheck", help="measure a study's shipped configuration again after a vLLM upgrade",
+                              description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter,
+                              epilog="example: servetune recheck servetune-results/cpu-tiny --runner-up")  # fmt: skip
+    p.add_argument("study_dir", type=Path, metavar="STUDY_DIR", help="the study directory (servetune-results/<study>)")
+    p.add_argument("--pick", default="best", metavar="best|N|TRIAL_ID",
+                   help="best or shipped (the recommendation, default), a row of the cost vs P99 TTFT Pareto table, or a trial id")  # fmt: skip
+    p.add_argument("--runner-up", action="store_true", help="re-check the runner-up (the best other candidate) too")
+    p.add_argument("--repeats", type=int, metavar="N",
+                   help="runs of each level (default: the study's load.repeats); more runs, a tighter noise margin")  # fmt: skip
+    p.add_argument("--json", type=Path, metavar="OUT",
+                   help="where to write the result (default: STUDY_DIR/recheck-<vLLM version>.json)")  # fmt: skip
+    p.add_argument("--tracking-uri", metavar="URI",
+                   help="MLflow store to log the recheck to (default: the one the study recorded; none: not logged)")  # fmt: skip
+    p.add_argument("--python", "--vllm-python", dest="python", default=sys.executable, metavar="PATH",
+                   help="Python interpreter that has the vLLM to re-check on (default: this one)")  # fmt: skip
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from servetune.cli.display import console as make_console
+    from servetune.engine.args import cached_argspecs, load_argspecs, vllm_version
+    from servetune.errors import UserError
+    from servetune.tracking.connection import recorded_tracking_uri
+    from servetune.tracking.recheck import log_recheck
+    from servetune.verify.choose import select
+    from servetune.verify.recheck import quality_plan, recheck_file
+
+    if args.repeats is not None and args.repeats < 1:
+        raise UserError(f"--repeats must be at least 1, got {args.repeats}")
+    pick = "best" if args.pick == "shipped" else args.pick
+    selection = select(args.study_dir, pick, args.python)  # bad input stops here, before anything starts
+    chosen = [selection.winner]
+    if args.runner_up:
+        if selection.runner_up is None:
+            raise UserError(f"--runner-up: the study has no other candidate meeting the SLO than trial {selection.winner.trial_id}")  # fmt: skip
+        chosen.append(selection.runner_up)
+    quality = quality_plan(
+        args.study_dir, selection.space, selection.info.space_file
+    )  # a missing suite: before any start
+    for one in chosen:
+        if one.spec.serve_replicas is not None:
+            raise UserError(f"trial {one.trial_id} was measured through Ray Serve: recheck measures bare engines only")
+    version = vllm_version(args.python)
+    if version is None:
+        raise UserError(f"vLLM is not installed for {args.python} (install servetune[cpu] or servetune[gpu], or pass --python)")  # fmt: skip
+    console = make_console(stderr=True)
+    with console.status(f"reading {version}'s argument table"):
+        new_table = load_argspecs(args.python)
+    signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(SystemExit(128 + signum)))
+    docs = []
+    for one in chosen:
+        before = one.result.environment.get("vllm")
+        old_table = cached_argspecs(before) if before and before != version else new_table
+        docs.append(_recheck(one, args, version, before, old_table, new_table, quality, console))
+    doc = docs[0].model_copy(update={"runner_up": docs[1] if len(docs) > 1 else None})
+    out = args.json or recheck_file(args.study_dir, version)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(doc.model_dump_json(indent=2) + "\n")
+    console.print(f"wrote {out}", soft_wrap=True, highlight=False)
+    uri = args.tracking_uri or recorded_tracking_uri(args.study_dir)
+    if uri is not None:
+        console.print(log_recheck(uri, doc.model_dump(mode="json"), out), soft_wrap=True, highlight=False)
+    return doc.exit_status
+
+
+def _recheck(one: Chosen, args: argparse.Namespace, version: str, before: str | None,
+             old_table: Mapping[str, ArgSpec] | None, new_table: Mapping[str, ArgSpec] | None,
+             quality: QualityPlan | None, console: Console) -> Recheck:  # fmt: skip
+    from servetune.load.requests import PromptFactory
+    from servetune.load.tokenizer import load_tokenizer
+    from servetune.verify.recheck import compare, recheck_trials, refusal, remeasure
+
+    after = None
+    refused = refusal(one.spec.engine_args, new_table)  # what would be launched: refused, nothing starts
+    if refused is None:
+        with console.status(f"measuring trial {one.trial_id} again on {version} (its whole ladder)"):
+            after = remeasure(one.spec, args.study_dir, version, lambda: PromptFactory(load_tokenizer(one.spec.tokenizer)),
+                              repeats=args.repeats, quality=quality)  # fmt: skip
+    doc = compare(one.result, after, one.point.level, old_table=old_table, new_table=new_table,
+                  vllm_before=before, vllm_after=version, refused=refused)  # fmt: skip
+    if after is not None:
+        doc.result_dir = str(recheck_trials(args.study_dir, version) / after.trial_id)
+    doc.created = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+    for line in summary(doc):
+        console.print(line, soft_wrap=True, highlight=False)
+    return doc
+
+
+def summary(doc: Recheck) -> list[str]:
+    """What the recheck found, as lines: versions, per metric and load, SLO, capacity, arguments, verdict."""
+    from servetune.results import MARGIN
+    from servetune.verify.recheck import describe
+
+    lines = [f"trial {doc.trial_id} at {', '.join(f'{k} {v:g}' for k, v in doc.level.items())}: "
+             f"vLLM {doc.vllm_before or '?'} -> {doc.vllm_after or '?'}"]  # fmt: skip
+    for c in doc.changes:
+        mark = "worse" if c.worse else "better" if c.beyond_noise else "within noise"
+        mark += "" if c.shipped else " (not the shipped level)"
+        load = ", ".join(f"{k} {v:g}" for k, v in c.level.items())
+        lines.append(f"  {c.metric:<18} {load:<16} {c.before:>10.4g} -> {c.after:<10.4g} {c.change:+7.1%}  "
+                     f"(noise {c.margin:.0%}, {c.margin_from}): {mark}")  # fmt: skip
+    lines.append(f"  SLO at the shipped level: {_met(doc.slo_before)} -> {_met(doc.slo_after)}; capacity at the SLO: "
+                 f"{_num(doc.capacity_before)} -> {_num(doc.capacity_after)}")  # fmt: skip
+    if doc.quality_before is not None or doc.quality_after is not None:
+        lines.append(f"  quality probe: {_passed(doc.quality_before)} -> {_passed(doc.quality_after)}")
+    if doc.host_note is not None:
+        lines.append(f"  {doc.host_note}")
+    lines += [f"  argument: {describe(a)}" for a in doc.arguments]
+    if any(c.margin_from == "default" for c in doc.changes):
+        lines.append(f"  (levels measured once: the noise margin is the {MARGIN:.0%} default, tighter than a P99 latency "
+                     "spreads between runs on a shared host; --repeats 3 measures the noise)")  # fmt: skip
+    lines.append(f"  ({doc.argument_table})")
+    lines.append(f"{doc.verdict}: " + "; ".join(doc.reasons))
+    return lines
+
+
+def _met(value: bool | None) -> str:
+    return "not measured" if value is None else "met" if value else "broken"
+
+
+def _passed(value: bool | None) -> str:
+    return "not run" if value is None else "passed" if value else "failed"
+
+
+def _num(value: float | None) -> str:
+    return "none" if value is None else f"{value:g}"

