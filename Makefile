@@ -42,15 +42,15 @@ lint: setup
 	PYTHONPATH=src $(VENV)/bin/lint-imports
 
 # The tests run unit, then integration, then e2e (tests/tiers.py), and end with each tier's time. They run in
-# TEST_PROCESSES pytest processes (pytest-xdist), a test file at a time each, so a file's shared engines, Ray and
-# studies (module fixtures) start once: most of a test waits (an engine's start is one core importing vLLM, a fake
-# engine's tokens are timers), and a second process fills the other core meanwhile. TEST_PROCESSES=0 runs them in
-# this one process, in tier order.
+# TEST_PROCESSES pytest processes (pytest-xdist), a test file at a time each, so a file's shared engines, Ray
+# and studies (module fixtures) start once; in tier order, the slowest files of a tier first (tests/tiers.py).
+# Most of a test waits (an engine's start is one core importing vLLM, a fake engine's tokens are timers), and
+# the second process fills the other core meanwhile. TEST_PROCESSES=0 runs them in this one process.
 TEST_PROCESSES ?= 2
 # -X faulthandler: a crash in a C extension (Ray, gRPC, torch) prints every thread's stack, during the
 # tests and after them (tests/conftest.py ends the process without the interpreter's teardown).
 test: setup lint
-	$(PY) -X faulthandler -m pytest tests -q --durations=25 -n $(TEST_PROCESSES) --dist loadfile
+	$(PY) -X faulthandler -m pytest tests -q --durations=25 -n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder
 
 unit: setup
 	$(PY) -X faulthandler -m pytest tests/unit -q

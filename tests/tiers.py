@@ -17,6 +17,32 @@ import pytest
 
 TIERS = ("unit", "integration", "e2e")
 
+#: Seconds the slowest test files take on a quiet two-core host (``--durations`` of a clean-clone run, set-up and
+#: calls summed). Within a tier they start first, longest first: ``make test`` runs two pytest processes a file at a
+#: time each (pytest-xdist ``--dist loadfile`` keeping this order, ``--no-loadscope-reorder``), and a long file left
+#: for the end would run alone while the other process waits. A file not listed counts as quick. Out-of-date numbers
+#: only cost time, never a result.
+SLOW_FILES_S = {
+    "tests/e2e/test_serve_check_vllm_cpu.py": 345,
+    "tests/e2e/test_serve_trials_vllm_cpu.py": 320,
+    "tests/e2e/test_study_vllm_cpu.py": 200,
+    "tests/e2e/test_multinode_vllm_cpu.py": 115,
+    "tests/e2e/test_verify_vllm_cpu.py": 110,
+    "tests/e2e/test_bench_vllm_cpu.py": 40,
+    "tests/e2e/test_sessions_vllm_cpu.py": 35,
+    "tests/integration/test_ray_job_submit.py": 125,
+    "tests/integration/test_multinode.py": 120,
+    "tests/integration/test_verify_top.py": 90,
+    "tests/integration/test_study.py": 90,
+    "tests/integration/test_packing.py": 85,
+    "tests/integration/test_recheck_cli.py": 70,
+    "tests/integration/test_study_prune.py": 60,
+    "tests/integration/test_ray_token_auth.py": 60,
+    "tests/integration/test_verify_disconnects.py": 50,
+    "tests/integration/test_verify_fake.py": 35,
+    "tests/integration/test_local_ray_token.py": 32,
+}
+
 
 def tier_of(path: Path) -> str:
     """The tier a test file belongs to: the first folder under ``tests/`` that names one, else ``other``."""
@@ -26,6 +52,11 @@ def tier_of(path: Path) -> str:
 def tier_rank(item: pytest.Item) -> int:
     tier = tier_of(Path(str(item.path)))
     return TIERS.index(tier) if tier in TIERS else len(TIERS)
+
+
+def run_order(item: pytest.Item) -> tuple[int, float]:
+    """Where a test runs: its tier (fastest first), then its file's known cost (:data:`SLOW_FILES_S`, longest first)."""
+    return tier_rank(item), -SLOW_FILES_S.get(item.nodeid.split("::", 1)[0], 0)
 
 
 @dataclass
@@ -48,7 +79,7 @@ class Tiers:
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        items.sort(key=tier_rank)  # stable: pytest's order within a tier
+        items.sort(key=run_order)  # stable: pytest's order among the quick files of a tier, and within a file
 
     def _clock(self, nodeid_path: str) -> TierClock:
         return self.clocks.setdefault(tier_of(Path(nodeid_path)), TierClock())

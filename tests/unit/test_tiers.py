@@ -55,3 +55,19 @@ def test_a_tiers_failures_are_counted_in_its_line(tmp_path):
     assert done.returncode == 1
     lines = done.stdout[done.stdout.index("time per tier") :].splitlines()
     assert any(line.startswith("integration") and line.endswith("1 tests, 1 failed") for line in lines), lines
+
+
+def test_within_a_tier_the_known_slow_files_start_first_longest_first():
+    from types import SimpleNamespace
+
+    from tests.tiers import SLOW_FILES_S, run_order
+
+    def item(nodeid: str) -> SimpleNamespace:
+        return SimpleNamespace(nodeid=nodeid, path=ROOT / nodeid.split("::")[0])
+
+    slow = sorted((f for f in SLOW_FILES_S if f.startswith("tests/e2e/")), key=SLOW_FILES_S.__getitem__)
+    quick = "tests/e2e/test_quick_one.py::test_x"
+    names = [quick, *(f"{f}::test_y" for f in slow), "tests/unit/test_z.py::test_z", "tests/integration/test_w.py::t"]
+    ordered = [i.nodeid for i in sorted(map(item, names), key=run_order)]
+    assert ordered[:2] == ["tests/unit/test_z.py::test_z", "tests/integration/test_w.py::t"]  # tiers first
+    assert ordered[2:] == [f"{f}::test_y" for f in reversed(slow)] + [quick]  # then the longest e2e file first
