@@ -10,8 +10,9 @@ from servetune.load.requests import PromptFactory
 from servetune.load.tokenizer import load_tokenizer
 from servetune.testing.fake_openai import write_fake_python
 from servetune.verify.choose import select
+from servetune.verify.document import write_document
 from servetune.verify.overload import OVERLOAD
-from servetune.verify.run import verify, write_document
+from servetune.verify.run import verify
 from servetune.verify.scenarios import SCENARIOS, Budget
 from tests.processes import processes_mentioning
 

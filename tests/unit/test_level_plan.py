@@ -2,7 +2,7 @@
 
 import pytest
 
-from servetune.config.space import LoadProtocol
+from servetune.config.settings import LoadProtocol
 from servetune.load.runner import Level
 from servetune.trial.measure import LevelPlan
 

@@ -20,8 +20,9 @@ from servetune.report.operating import operating_point, operating_point_of
 from servetune.results import Capacity, Knee
 from servetune.serve.study import read_picked
 from servetune.verify.choose import select, with_admission
+from servetune.verify.document import admission_record
 from servetune.verify.overload import OVERLOAD_FACTOR
-from servetune.verify.run import admission_record, capacity_rate, measured_rate
+from servetune.verify.run import capacity_rate, measured_rate
 from tests.builders import level, study_info, trial, write_study
 
 SLOW = ("ttft_ms_p99 = 3000 > 2000",)

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from servetune.accounting import time_accounting
+from servetune.config.settings import LoadProtocol
 from servetune.config.slo import Slo
-from servetune.config.space import LoadProtocol
 from servetune.config.workload import load_workload
 from servetune.load.runner import Level
 from servetune.trial.measure import measure_repeated, median_run

@@ -115,7 +115,8 @@ def test_a_stopped_verification_never_replaces_a_verdict(tmp_path):
     """verify writes a stopped verification beside a finished verify.json (verify.stopped.json), not over it."""
     import json
 
-    from servetune.verify.run import finished_document, stop_status
+    from servetune.verify.document import finished_document
+    from servetune.verify.run import stop_status
 
     path = tmp_path / "verify.json"
     assert not finished_document(path)  # none yet

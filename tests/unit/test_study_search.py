@@ -5,8 +5,9 @@ import json
 import numpy as np
 import pytest
 
+from servetune.config.settings import Objective
 from servetune.config.slo import Slo
-from servetune.config.space import Objective, SearchSpace
+from servetune.config.space import SearchSpace
 from servetune.load.runner import Level
 from servetune.study.objectives import PENALTY, objectives_and_constraints
 from servetune.study.searcher import CONSTRAINTS_KEY, FAILURE_KEY, OBJECTIVES_KEY, ConstrainedOptunaSearch

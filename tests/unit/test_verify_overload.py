@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from servetune.metrics import RequestRecord
+from servetune.verify.document import EngineRun, stability
 from servetune.verify.overload import judge_overload
-from servetune.verify.run import EngineRun, stability
 
 
 def served(i: int, sent: float, ttft_s: float) -> RequestRecord:

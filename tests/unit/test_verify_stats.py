@@ -9,7 +9,7 @@ from servetune.config.slo import Slo
 from servetune.config.workload import load_workload
 from servetune.load.runner import Level
 from servetune.metrics import RequestRecord
-from servetune.verify.run import Timeouts, finite
+from servetune.verify.document import Timeouts, finite
 from servetune.verify.scenarios import Budget, _beyond_chance, gap_cv, mixed_workload, p99_input_tokens, scaled
 from servetune.verify.stats import (
     DropRound,

@@ -125,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
     from servetune.load.tokenizer import load_tokenizer
     from servetune.tracking.connection import study_tracking_uri
     from servetune.tracking.stability import log_stability
+    from servetune.verify import document as recorded
     from servetune.verify import run as verification
     from servetune.verify.choose import select
     from servetune.verify.scenarios import Budget
@@ -153,13 +154,13 @@ def run(args: argparse.Namespace) -> int:
         )
     finally:
         progress.stop()
-    items = verification.checklist(selection, doc)
+    items = recorded.checklist(selection, doc)
     if items is not None:
         doc["checklist"] = items
     out = args.json or args.study_dir / verification.VERIFY_FILE
-    if doc.get("stopped") and verification.finished_document(out):  # a stopped one does not replace a verdict
+    if doc.get("stopped") and recorded.finished_document(out):  # a stopped one does not replace a verdict
         out = out.with_name(f"{out.stem}.stopped{out.suffix}")
-    verification.write_document(doc, out)
+    recorded.write_document(doc, out)
     console.print(f"wrote {out}", soft_wrap=True)
     if doc.get("stopped"):  # what finished is kept; a partial verification is no verdict, so MLflow is not told one
         print(f"servetune verify: stopped ({doc['stopped']}): {doc['reasons'][0]}; the scenarios that finished are in {out}",
@@ -170,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
                   soft_wrap=True, highlight=False)  # fmt: skip
     verdict = "[green]ACCEPTED[/]" if doc["accepted"] else "[red]REJECTED[/]"
     console.print(f"{verdict}: " + "; ".join(doc["reasons"]), soft_wrap=True, highlight=False)
-    if stopped := verification.stopped_by(doc):  # during the runner-up's repeats: the verdict above stands
+    if stopped := recorded.stopped_by(doc):  # during the runner-up's repeats: the verdict above stands
         print(f"servetune verify: stopped ({stopped}) during the runner-up's repeats: the winner's verdict stands, "
               "the comparison was not made", file=sys.stderr)  # fmt: skip
         return verification.stop_status(stopped)

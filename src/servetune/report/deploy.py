@@ -57,10 +57,8 @@ K8S_REASONS = ("knee", "target_ongoing_requests", "min_replicas", "max_replicas"
 
 def app_name(point: ReportPoint) -> str:
     """A DNS-1123 name for the objects: ``vllm-`` and the served model's last path part, then the trial."""
-    served = masked_engine_args(point).get("served_model_name")
-    if isinstance(served, (list, tuple)):
-        served = served[0] if served else None
-    base = str(served or point.model).rstrip("/").rsplit("/", 1)[-1].lower()
+    base = first_served_name(masked_engine_args(point).get("served_model_name"), point.model)
+    base = base.rstrip("/").rsplit("/", 1)[-1].lower()
     base = re.sub(r"[^a-z0-9-]+", "-", base).strip("-")[:30].strip("-") or "model"
     trial = re.sub(r"[^a-z0-9]+", "", point.trial_id.lower())[:12]
     return "-".join(part for part in ("vllm", base, trial) if part)
@@ -69,9 +67,14 @@ def app_name(point: ReportPoint) -> str:
 def served_model_name(point: ReportPoint) -> str:
     """The name vLLM labels its metrics with (``model_name``): the first served name, else the model."""
     served = point.engine_args.get("served_model_name") or point.resolved_engine_args.get("served_model_name")
+    return first_served_name(served, point.model)
+
+
+def first_served_name(served: object, model: str) -> str:
+    """The first of ``served_model_name``'s names (vLLM takes one or a list), else the model."""
     if isinstance(served, (list, tuple)):
         served = served[0] if served else None
-    return str(served or point.model)
+    return str(served or model)
 
 
 def gpus(point: ReportPoint) -> int:
@@ -90,13 +93,18 @@ def container_env(point: ReportPoint, secret_name: str) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = []
     for name, value in point.env.items():
         if is_secret_env(name):
-            env.append({"name": name, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": name}}})
+            env.append(secret_ref(name, secret_name))
         else:
             env.append({"name": name, "value": str(value)})
     for arg, name in SECRET_ARG_ENV.items():
         if masked_engine_args(point).get(arg) is not None and all(e["name"] != name for e in env):
-            env.append({"name": name, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": name}}})
+            env.append(secret_ref(name, secret_name))
     return env
+
+
+def secret_ref(name: str, secret_name: str) -> dict[str, Any]:
+    """An ``env`` entry that takes ``name`` from the Secret ``secret_name`` (its key of the same name)."""
+    return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": name}}}
 
 
 def container_args(point: ReportPoint) -> list[str]:

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from servetune.capacity import load_model_arch, resolve_hardware
+from servetune.config.settings import Objective
 from servetune.config.slo import Slo
-from servetune.config.space import Objective, SearchSpace
+from servetune.config.space import SearchSpace
 from servetune.config.workload import mean_lengths
 from servetune.errors import UserError
 from servetune.estimate import Efficiency, Estimate, Load, estimate, gpu_class, load_factors

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from servetune.config.settings import Objective
 from servetune.config.slo import Slo
-from servetune.config.space import Objective
 from servetune.results import TrialResult, best_level
 
 #: Objective values for a trial that measured nothing (a finite "worst", as Optuna needs).

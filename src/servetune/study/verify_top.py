@@ -168,7 +168,7 @@ def _tail(path: Path) -> str | None:
 
 def unplaceable_document(selection: Selection, budget: Budget, problem: str) -> dict[str, Any]:
     """A rejection before anything starts: no node of the cluster can hold the point's bundle."""
-    from servetune.verify.run import EngineRun, Timeouts, document
+    from servetune.verify.document import EngineRun, Timeouts, document
 
     winner = selection.winner
     run = EngineRun(winner.trial_id, Path("-"), failure=f"placement: {problem}")
@@ -216,7 +216,7 @@ def verify_top(study_dir: Path, context: StudyContext, say: Callable[[str], None
     from servetune.study.packing import resolve_max_concurrent
     from servetune.tracking.stability import log_stability
     from servetune.trial.context import bundle, pinned_gpu_type
-    from servetune.verify import run as verification
+    from servetune.verify import document as recorded
     from servetune.verify.choose import select_top
 
     space = context.space
@@ -287,10 +287,10 @@ def verify_top(study_dir: Path, context: StudyContext, say: Callable[[str], None
             write_atomic(log_path, log)
             doc["engine"]["log"] = str(log_path)
         doc["settings"], doc["placement"] = mine, placement
-        items = verification.checklist(selection, doc)
+        items = recorded.checklist(selection, doc)
         if items is not None:
             doc["checklist"] = items
-        verification.write_document(doc, path)
+        recorded.write_document(doc, path)
         verdict = "ACCEPTED" if doc["accepted"] else "REJECTED"
         say(f"verify: trial {trial_id} {verdict}: " + "; ".join(doc["reasons"]) + f" ({path})")
         say(

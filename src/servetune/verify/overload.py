@@ -77,7 +77,7 @@ def judge_overload(over: Sequence[RequestRecord], after: Sequence[RequestRecord]
         "admitted": len(admitted), "refuse_ms_p99": refuse_p99, "admitted_ttft_ms_p99": admitted_p99,
         "ttft_bound_ms": wait_s * 1000.0, "recovery_s": max(late, default=0.0), "recovered": recovered,
         "other_errors": len([r for r in over if not r.ok and not refused(r)]), "ttft_noise": noise,
-        # both phases' requests and their 5xx: refused on purpose, verify's stability (verify/run.py) leaves them
+        # both phases' requests and their 5xx: refused on purpose, verify's stability (verify/document.py) leaves them
         # out of the service's 5xx rate in normal operation
         "requests": len(over) + len(after), "http_5xx": sum(r.error_kind == "http_5xx" for r in [*over, *after]),
     }  # fmt: skip

@@ -1,0 +1,165 @@
+"""A measured load level: the client's summary, the server's counters, the SLO verdict and how much a repeat could
+differ; the document ``servetune bench --json`` writes."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from servetune.metrics import (
+    LevelSummary,
+)
+
+#: Results are records servetune writes and reads back, often with another version: a field this
+#: version does not know (a newer servetune wrote it) is ignored rather than refused.
+RECORD = ConfigDict(extra="ignore")
+
+
+class LevelRun(BaseModel):
+    """One run of a repeated level (``load.repeats``): what the client measured and its verdict."""
+
+    model_config = RECORD
+
+    summary: LevelSummary
+    slo_violations: list[str] = []
+
+
+class LevelEstimate(BaseModel):
+    """The estimate of one measured level (servetune.estimate at the level's load, with the request lengths
+    it served and the factors the trial was given) beside its relative error against the measurement."""
+
+    model_config = RECORD
+
+    ttft_ms: float | None = None  # mean TTFT; None: the model calls the load a queue without bound
+    tpot_ms: float
+    output_throughput: float
+    error: dict[str, float] = {}  # metric -> predicted / measured - 1 (ttft_ms and tpot_ms against their means)
+
+
+class LevelResult(BaseModel):
+    """One load level: the client's summary, the server's own counters, and the SLO verdict.
+
+    A repeated level reports its median run (trial/measure.py ``median_run``) and keeps every
+    run, the reported one included, in ``runs``; a level run once has no ``runs``.
+    """
+
+    model_config = RECORD
+
+    summary: LevelSummary
+    server_metrics: dict[str, float] = {}
+    telemetry: dict[str, float] = {}  # device (or host) samples during the level: see telemetry.py
+    slo_violations: list[str] = []
+    cache_note: str | None = None  # why the prefix cache may have been warm (trial/measure.py), else None
+    stopped_early: str | None = None  # why the level ended before its planned requests (trial/measure.py)
+    send_sync_share: float | None = None  # share of requests sent within 10 ms of another (metrics.send_sync_share)
+    itl_burst_share: float | None = None  # share of token gaps under 1 ms: read in bursts (metrics.itl_burst_share)
+    ttft_ms_distribution: list[float] | None = None  # TTFT at percentiles 0, 5, ..., 100 (metrics.ttft_distribution_ms)
+    energy_note: str | None = None  # why an energy of the measured window is missing (telemetry.py), else None
+    runs: list[LevelRun] = Field(default=[], exclude_if=lambda runs: not runs)  # absent when run once
+    estimate: LevelEstimate | None = None  # what the estimate predicted for this level (trial/estimated.py)
+
+    @property
+    def meets_slo(self) -> bool:
+        return not self.slo_violations
+
+    @property
+    def measured_s(self) -> float:
+        """Seconds spent measuring this level, every run counted."""
+        return sum(run.summary.duration_s for run in self.runs) if self.runs else self.summary.duration_s
+
+
+#: How much a level run once could differ on a repeat: five runs of one configuration at 32 in
+#: flight on a two-core host (256 requests each) measured 23.0 to 27.7 req/s, about 10% either
+#: side of the median (bench/README.md, "Results on data/cpu-tiny-grid-r4.json").
+MARGIN = 0.10
+#: The least margin, however close a level's repeats came.
+MIN_MARGIN = 0.05
+
+
+def noise_margin(level: LevelResult) -> float:
+    """How much a repeat of this level could differ: half the spread of its runs' throughput and
+    P99 TTFT relative to their median (``load.repeats``), at least MIN_MARGIN; MARGIN when run once."""
+    if len(level.runs) < 2:
+        return MARGIN
+    ttft = _half_spread([r.summary.ttft_ms.p99 for r in level.runs])
+    return max(throughput_noise(level), ttft if ttft is not None else MIN_MARGIN)
+
+
+def throughput_noise(level: LevelResult) -> float:
+    """How much a repeat of this level's output throughput could differ (so its cost per token: the cost
+    is the devices' price over it): half its runs' spread relative to their median, at least
+    MIN_MARGIN; MARGIN when run once. A P99 TTFT spreads far more between repeats than throughput
+    (tens of percent on a shared host), and does not move the cost."""
+    if len(level.runs) < 2:
+        return MARGIN
+    return max(MIN_MARGIN, _half_spread([r.summary.output_throughput for r in level.runs]) or 0.0)
+
+
+def _half_spread(values: list[float | None]) -> float | None:
+    """Half the spread of the values relative to their median; None without a positive median."""
+    known = [v for v in values if v is not None]
+    middle = statistics.median(known) if known else 0.0
+    return (max(known) - min(known)) / (2 * middle) if middle > 0 else None
+
+
+class KvCapacityReport(BaseModel):
+    """What vLLM's start-up log said of its memory: the KV cache and, where logged (GPU), the GiB it had for
+    it and the GiB the weights took (one engine's numbers; ``engines`` of them)."""
+
+    model_config = RECORD
+
+    tokens: int
+    max_concurrency: float | None = None
+    at_tokens_per_request: int | None = None
+    engines: int = 1
+    available_kv_gib: float | None = None
+    model_load_gib: float | None = None
+    planned_tokens: int | None = None  # what the capacity planner predicted for this engine (a trial's; None: none)
+
+
+class BenchResult(BaseModel):
+    """The JSON document ``servetune bench --json`` writes."""
+
+    model_config = RECORD
+
+    servetune_version: str
+    created: str
+    url: str
+    model: str
+    served_model_name: str
+    engine_args: dict[str, Any]
+    env: dict[str, str]
+    command: list[str] | None
+    vllm_version: str | None
+    workload_file: str | None
+    workload: dict[str, Any]
+    slo: list[str]
+    num_requests: int | None
+    duration_s: float | None
+    repeats: int = 1  # runs asked of each level (a level whose majority broke the SLO stops early)
+    kv_capacity: KvCapacityReport | None
+    startup_s: float | None
+    levels: list[LevelResult]
+    requests_file: str | None = None
+    cpu_binding: str | None = None  # the CPU build: the cores its ranks were bound to (VLLM_CPU_OMP_THREADS_BIND)
+
+
+def level_load(level: LevelResult) -> float:
+    """The load a level was measured at (its clients or its rate), as the capacity search names loads."""
+    return max(level.summary.level.values(), default=0.0)
+
+
+def level_throughput(level: LevelResult) -> float:
+    """A level's output tok/s with every client busy (closed loop), else over the whole level."""
+    summary = level.summary
+    return summary.busy_output_throughput if summary.busy_output_throughput is not None else summary.output_throughput
+
+
+def highest_load_index(levels: list[LevelResult]) -> int | None:
+    """The level measured at the highest load (levels run in the order measured: the capacity search
+    may go on below the ladder's top, so the last level is not always the highest)."""
+    if not levels:
+        return None
+    return max(range(len(levels)), key=lambda i: level_load(levels[i]))
