@@ -70,6 +70,10 @@ class LevelResult(BaseModel):
     itl_burst_share: float | None = None  # share of token gaps under 1 ms: read in bursts (metrics.itl_burst_share)
     ttft_ms_distribution: list[float] | None = None  # TTFT at percentiles 0, 5, ..., 100 (metrics.ttft_distribution_ms)
     energy_note: str | None = None  # why an energy of the measured window is missing (telemetry.py), else None
+    client_cpu_share: float | None = None  # the client process's CPU seconds over the level's wall time (load/pace.py)
+    send_lag_ms_p50: float | None = None  # an open loop's: how late its requests went out, median (load/pace.py)
+    send_lag_ms_p99: float | None = None  # and its P99
+    client_bound: str | None = None  # why the client may have fallen behind (load/pace.py): no SLO verdict then
     runs: list[LevelRun] = Field(default=[], exclude_if=lambda runs: not runs)  # absent when run once
     estimate: LevelEstimate | None = None  # what the estimate predicted for this level (trial/estimated.py)
 
@@ -483,7 +487,8 @@ class TrialResult(BaseModel):
                     config=self.params,
                     devices=self.devices,
                     metrics=metrics,
-                    meets_slo=level.meets_slo,
+                    # a level where the client fell behind takes no verdict (load/pace.py): not a point meeting it
+                    meets_slo=level.meets_slo and level.client_bound is None,
                 )
             )
         return points
@@ -536,7 +541,8 @@ def best_level(trial: TrialResult) -> int | None:
     """The index of the level the trial is judged best at, None when no level meets the SLO: the highest goodput
     (request throughput without a per-request SLO) among the levels that met the SLO with requests completed,
     leaving out the loads whose verdict the capacity search found within the noise (a measurement that met the
-    SLO there could as well have broken it on a repeat).
+    SLO there could as well have broken it on a repeat), and the levels where the client fell behind
+    (``client_bound``, load/pace.py: what they measured may be the client's).
 
     The one rule every reader asks (the report's trial table and ``export --pick TRIAL_ID``, MLflow, verify,
     the search's objectives), computed from the levels, so a study recorded before a change of the rule reads
@@ -544,7 +550,8 @@ def best_level(trial: TrialResult) -> int | None:
     servetune."""
     unsettled = trial.unsettled_loads
     meeting = [(i, lv) for i, lv in enumerate(trial.levels)
-               if lv.meets_slo and lv.summary.completed > 0 and level_load(lv) not in unsettled]  # fmt: skip
+               if lv.meets_slo and lv.summary.completed > 0 and level_load(lv) not in unsettled
+               and lv.client_bound is None]  # fmt: skip
     if not meeting:
         return None
 
