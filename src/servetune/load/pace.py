@@ -28,9 +28,9 @@ import numpy as np
 from servetune.metrics import RequestRecord
 
 #: The median send lag past which an open loop is client-bound, in ms. bench/client_rate.py (bench/README.md,
-#: "The load client's cost per chunk") measured open loops of 50-800 req/s on the two-core development host
-#: with a load average of 21-27 (other jobs running) and the client's CPU share at 0.04-0.10: medians of
-#: 5-17 ms and P99s of 36-71 ms from the host's scheduler alone. A client that cannot keep up falls
+#: "The load client's cost per chunk") measured open loops of 50-800 req/s on the shared two-core development
+#: host (load average 13-48) with the client's CPU share at 0.04-0.12: medians of 5-17 ms up to 200 req/s
+#: (41 ms at 800, a burst of new connections) and P99s of 15-137 ms. A client that cannot keep up falls
 #: further behind with every send: its median grows without bound, far past this.
 SEND_LAG_BOUND_MS = 50.0
 #: The client process's CPU share of the level's wall time from which it counts as saturated. The client reads
