@@ -236,6 +236,7 @@ class RequestRecord:
     max_tokens: int
     warmup: bool = False
     request_class: str = ""
+    scheduled: float | None = None  # an open loop's: when it was due to be sent (load/pace.py, its send lag)
     chunk_times: list[float] = field(default_factory=list)  # arrival of each content chunk
     end: float | None = None
     prompt_tokens: int | None = None  # from the server's usage

@@ -204,6 +204,8 @@ async def run_level(
             await client.send(spec, record, t0)
         else:
             async with limit:
+                if record.scheduled is not None:  # held by the cap on requests in flight: due from now on
+                    record.scheduled = max(record.scheduled, time.perf_counter() - t0)
                 await client.send(spec, record, t0)
         if on_done is not None:
             on_done(record)
@@ -262,6 +264,7 @@ async def run_level(
         record = admit(unit[0])
         if record is None:
             break
+        record.scheduled = next_send - t0  # its send lag tells a client that fell behind (load/pace.py)
         tasks.append(asyncio.ensure_future(conversation(unit, record)))
         next_send += next(gaps)
         delay = next_send - time.perf_counter()

@@ -38,8 +38,10 @@ from servetune.report.labels import (
     trial_cells,
 )
 from servetune.report.markdown import (
+    CLIENT_BOUND_NOTE,
     DIAGNOSIS_NOTE,
     VERIFY_HINT,
+    client_bound_lines,
     limit_lines,
     pareto_rows,
     speculation_lines,
@@ -437,6 +439,10 @@ def render_html(report: StudyReport) -> str:
         warm = warm_cache_lines(report.trial_table)
         if warm:
             parts.append("<h3>Warm prefix cache</h3><ul>" + "".join(f"<li>{e(line)}</li>" for line in warm) + "</ul>")
+        behind = client_bound_lines(report.trial_table)
+        if behind:
+            parts.append("<h3>Load client fell behind</h3><ul>" + "".join(f"<li>{e(line)}</li>" for line in behind)
+                         + f"</ul><p class='muted'>{e(CLIENT_BOUND_NOTE)}</p>")  # fmt: skip
         drafted = speculation_lines(report.trial_table)
         if drafted:
             parts.append(

@@ -223,6 +223,8 @@ def trial_cells(row: TrialRow) -> list[str]:
         best = f"none met the SLO (numbers at {row.numbers_level})"
     else:
         best = "-"
+    if row.client_bound:
+        best += f" (client fell behind at {len(row.client_bound)} level{'s' * (len(row.client_bound) > 1)}: no verdict)"
     return [
         row.trial_id + (" (recommended)" if row.recommended else ""),
         row.config,

@@ -204,6 +204,19 @@ def warm_cache_lines(rows: Sequence[TrialRow]) -> list[str]:
     return [f"trial {row.trial_id}, {note}" for row in rows for note in row.cache_notes]
 
 
+def client_bound_lines(rows: Sequence[TrialRow]) -> list[str]:
+    """``trial T, rate 64 req/s: requests sent 38 ms late ...`` for every level where the load client fell behind."""
+    return [f"trial {row.trial_id}, {note}" for row in rows for note in row.client_bound]
+
+
+#: What a client-bound level means, under the list of them.
+CLIENT_BOUND_NOTE = (
+    "At these levels the load client fell behind its schedule or ran its process near a full core "
+    "(servetune.load.pace): what they measured may be the client's, so they take no SLO verdict, are "
+    "never a trial's best level and count as unsettled in the capacity search."
+)
+
+
 def limit_lines(rows: Sequence[TrialRow]) -> list[str]:
     """``trial T: symptom → lever`` for every complete trial (report/diagnosis.py), in the table's order."""
     return [f"trial {row.trial_id}: {row.limited_by}" for row in rows if row.outcome == "COMPLETE" and row.limited_by]
@@ -284,6 +297,9 @@ def render_markdown(report: StudyReport) -> str:
         warm = warm_cache_lines(report.trial_table)
         if warm:
             lines += ["### Warm prefix cache", "", *(f"- {line}" for line in warm), ""]
+        behind = client_bound_lines(report.trial_table)
+        if behind:
+            lines += ["### Load client fell behind", "", *(f"- {line}" for line in behind), "", CLIENT_BOUND_NOTE, ""]
         drafted = speculation_lines(report.trial_table)
         if drafted:
             lines += ["### Speculative decoding", "", *(f"- {line}" for line in drafted), ""]

@@ -77,6 +77,8 @@ class ReportPoint:
     # The trial's capacity search found this load's SLO verdict within the noise (trial/capacity.py): a
     # repeat could as well break the SLO, so the point is drawn but neither on a front nor recommended.
     unsettled: bool = False
+    # Why the load client fell behind at this level (load/pace.py), else None: drawn, never eligible.
+    client_bound: str | None = None
     # The level the trial's capacity search found to be its capacity at the SLO (results.py capacity_level_index):
     # drawn and labelled on the fronts beside the ladder's points.
     at_capacity: bool = False
@@ -96,8 +98,10 @@ class ReportPoint:
     @property
     def eligible(self) -> bool:
         """May stand on a Pareto front or be recommended: its trial completed, it meets every SLO beyond
-        the noise (not an unsettled load of the capacity search), and the trial kept its quality within the bounds."""
-        return self.outcome == "COMPLETE" and self.meets_slo and not self.unsettled and not self.quality_failures
+        the noise (not an unsettled load of the capacity search), the load client kept up (``client_bound``), and
+        the trial kept its quality within the bounds."""
+        return (self.outcome == "COMPLETE" and self.meets_slo and not self.unsettled and not self.quality_failures
+                and self.client_bound is None)  # fmt: skip
 
     def value(self, metric: str) -> float | None:
         """The metric's value when it is a finite number, else None."""
@@ -240,6 +244,7 @@ def trial_points(trial: TrialResult, price_per_device_hour: float | None = None)
                 quality_failures=quality_failures(trial),
                 noise=throughput_noise(level),
                 unsettled=level_load(level) in unsettled,
+                client_bound=level.client_bound,
                 at_capacity=op.level_index == capacity_index,
                 capacity_bracket=trial.capacity_at_slo.bracket
                 if op.level_index == capacity_index and trial.capacity_at_slo

@@ -72,6 +72,9 @@ class TrialRow:
     conclusion: Conclusion
     recommended: bool = False
     cache_notes: tuple[str, ...] = ()  # levels whose prefix cache may have been warm: ``concurrency 8: ...``
+    # Levels where the load client fell behind (load/pace.py), with why: ``rate 64 req/s: requests sent ...``.
+    # They take no SLO verdict (results.py best_level, trial/capacity.py).
+    client_bound: tuple[str, ...] = ()
     capacity: Capacity | None = None  # the load it carries at the SLO, as its capacity search found it
     knee: Knee | None = None  # where its throughput stopped growing with load (results.py find_knee)
     speculation: str | None = None  # speculative decoding's acceptance at ``numbers_level`` (:func:`speculation_text`)
@@ -113,6 +116,11 @@ def worst_kv_plan(rows: Sequence[TrialRow]) -> TrialRow | None:
 
 def cache_notes(trial: TrialResult) -> tuple[str, ...]:
     return tuple(f"{level_label(lv.summary.level)}: {lv.cache_note}" for lv in trial.levels if lv.cache_note)
+
+
+def client_bound_notes(trial: TrialResult) -> tuple[str, ...]:
+    """``rate 64 req/s: requests sent 38 ms late at P99 (bound 10 ms)`` for each level where the client fell behind."""
+    return tuple(f"{level_label(lv.summary.level)}: {lv.client_bound}" for lv in trial.levels if lv.client_bound)
 
 
 def speculation_text(server_metrics: Mapping[str, float]) -> str | None:
@@ -180,6 +188,7 @@ def trial_rows(
                 conclusion=conclude(trial, trials, recommendation),
                 recommended=recommendation is not None and recommendation.names(trial.trial_id),
                 cache_notes=cache_notes(trial),
+                client_bound=client_bound_notes(trial),
                 capacity=trial.capacity_at_slo,
                 knee=trial.knee_found,
                 speculation=speculation_text(trial.levels[chosen.index].server_metrics) if chosen is not None else None,

@@ -57,6 +57,10 @@ class LevelResult(BaseModel):
     itl_burst_share: float | None = None  # share of token gaps under 1 ms: read in bursts (metrics.itl_burst_share)
     ttft_ms_distribution: list[float] | None = None  # TTFT at percentiles 0, 5, ..., 100 (metrics.ttft_distribution_ms)
     energy_note: str | None = None  # why an energy of the measured window is missing (telemetry.py), else None
+    client_cpu_share: float | None = None  # the client process's CPU seconds over the level's wall time (load/pace.py)
+    send_lag_ms_p50: float | None = None  # an open loop's: how late its requests went out, median (load/pace.py)
+    send_lag_ms_p99: float | None = None  # and its P99
+    client_bound: str | None = None  # why the client may have fallen behind (load/pace.py): no SLO verdict then
     runs: list[LevelRun] = Field(default=[], exclude_if=lambda runs: not runs)  # absent when run once
     estimate: LevelEstimate | None = None  # what the estimate predicted for this level (trial/estimated.py)
 

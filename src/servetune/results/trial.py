@@ -188,7 +188,8 @@ class TrialResult(BaseModel):
                     config=self.params,
                     devices=self.devices,
                     metrics=metrics,
-                    meets_slo=level.meets_slo,
+                    # a level where the client fell behind takes no verdict (load/pace.py): not a point meeting it
+                    meets_slo=level.meets_slo and level.client_bound is None,
                 )
             )
         return points
@@ -236,7 +237,8 @@ def best_level(trial: TrialResult) -> int | None:
     """The index of the level the trial is judged best at, None when no level meets the SLO: the highest goodput
     (request throughput without a per-request SLO) among the levels that met the SLO with requests completed,
     leaving out the loads whose verdict the capacity search found within the noise (a measurement that met the
-    SLO there could as well have broken it on a repeat).
+    SLO there could as well have broken it on a repeat), and the levels where the client fell behind
+    (``client_bound``, load/pace.py: what they measured may be the client's).
 
     The one rule every reader asks (the report's trial table and ``export --pick TRIAL_ID``, MLflow, verify,
     the search's objectives), computed from the levels, so a study recorded before a change of the rule reads
@@ -244,7 +246,8 @@ def best_level(trial: TrialResult) -> int | None:
     servetune."""
     unsettled = trial.unsettled_loads
     meeting = [(i, lv) for i, lv in enumerate(trial.levels)
-               if lv.meets_slo and lv.summary.completed > 0 and level_load(lv) not in unsettled]  # fmt: skip
+               if lv.meets_slo and lv.summary.completed > 0 and level_load(lv) not in unsettled
+               and lv.client_bound is None]  # fmt: skip
     if not meeting:
         return None
 

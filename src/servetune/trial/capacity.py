@@ -31,6 +31,9 @@ when run once). A verdict whose margin is within the noise is *unsettled*, neith
   SLO: the capacity is a load known to meet it, so an unsettled verdict can only narrow the
   bracket from above. Such loads are listed in ``Capacity.unsettled``; how far each end of the
   bracket stood from the SLO is ``Capacity.slo_margins``, and their noise ``Capacity.verdict_noise``.
+- a level where the load client fell behind (``LevelResult.client_bound``, load/pace.py) is unsettled
+  whatever its margin, and is not measured again (the same client would fall behind again): it
+  counts as breaking the SLO for the bracket and is listed in ``Capacity.unsettled``.
 
 **The knee** (results.py ``find_knee``: the lowest load past which output throughput grows by less than
 ``knee_fraction`` of proportional growth), with what is left of the same budget once the capacity is
@@ -101,13 +104,19 @@ class Verdict:
     settled: bool  # its margin is beyond its noise (or it failed outright: nothing completed, fell behind)
     margin: float  # slo_margin
     noise: float  # noise_margin
+    client_bound: bool = False  # the client fell behind (load/pace.py): unsettled, and a repeat would not settle it
 
 
 def verdict(level: Level, result: LevelResult, slo: Slo) -> Verdict:
     noise = noise_margin(result)
     margin = slo_margin(result, slo)
-    if result.summary.completed == 0 or (level.kind == "rate" and fell_behind(level, result)):
+    if result.summary.completed == 0:
         return Verdict(meets=False, settled=True, margin=margin, noise=noise)
+    # An open loop that fell behind its rate broke it, unless the client was what fell behind.
+    if result.client_bound is None and level.kind == "rate" and fell_behind(level, result):
+        return Verdict(meets=False, settled=True, margin=margin, noise=noise)
+    if result.client_bound is not None:
+        return Verdict(meets=result.meets_slo, settled=False, margin=margin, noise=noise, client_bound=True)
     return Verdict(meets=result.meets_slo, settled=abs(margin) > noise, margin=margin, noise=noise)
 
 
@@ -126,12 +135,12 @@ class Point:
     @property
     def pending(self) -> bool:
         """Measured once, within the noise: a repeat could settle it."""
-        return len(self.verdicts) == 1 and not self.verdicts[0].settled
+        return len(self.verdicts) == 1 and not self.verdicts[0].settled and not self.verdicts[0].client_bound
 
     @property
     def unsettled(self) -> bool:
-        """Within the noise once, or split between measurements."""
-        return self.pending or len({v.meets for v in self.verdicts}) > 1
+        """Within the noise once, split between measurements, or measured by a client that fell behind."""
+        return self.pending or len({v.meets for v in self.verdicts}) > 1 or any(v.client_bound for v in self.verdicts)
 
     @property
     def meets(self) -> bool:

@@ -37,6 +37,7 @@ from servetune.config.workload import Workload
 from servetune.engine.metrics import MetricsSnapshot, level_delta
 from servetune.errors import EngineDiedError
 from servetune.load.client import StreamingClient
+from servetune.load.pace import client_bound, client_pace
 from servetune.load.requests import PromptFactory, RequestSpec, iter_requests
 from servetune.load.runner import Level, cancel_and_wait, run_level
 from servetune.metrics import (
@@ -324,6 +325,7 @@ async def measure_level(
         sampler = asyncio.ensure_future(_sample_gauges(read, peaks, every_s, watch)) if before else None
         devices = telemetry() if telemetry is not None else contextlib.nullcontext()
         origin: list[float] = []  # the level's clock origin, in time.perf_counter() seconds
+        cpu_at = time.process_time()  # the client process's CPU over the level (load/pace.py)
         try:
             with devices:
                 records = await run_level(
@@ -331,6 +333,8 @@ async def measure_level(
                     warmup_requests=plan.warmup_requests, seed=workload.seed + stream, on_done=done, stop=watch.broken,
                     on_start=origin.append,
                 )  # fmt: skip
+            cpu_s = time.process_time() - cpu_at
+            wall_s = time.perf_counter() - origin[0] if origin else None
         finally:
             if sampler is not None:
                 await cancel_and_wait(sampler)
@@ -350,6 +354,7 @@ async def measure_level(
             None if window is None or not origin else (origin[0] + window[0], origin[0] + window[1])
         )
         energy_note = devices.energy_note
+    pace = client_pace(records, cpu_s, wall_s)
     mean_prompt = summary.total_input_tokens / summary.completed if summary.completed else 0.0
     reused = None
     if workload.sessions is not None and drawn:
@@ -359,6 +364,8 @@ async def measure_level(
         cache_note=cache_note(server, workload, mean_prompt, reset, reused), stopped_early=watch.reason,
         send_sync_share=send_sync_share(records), itl_burst_share=itl_burst_share(records),
         ttft_ms_distribution=ttft_distribution_ms(records), energy_note=energy_note,
+        client_cpu_share=pace.cpu_share, send_lag_ms_p50=pace.send_lag_ms_p50, send_lag_ms_p99=pace.send_lag_ms_p99,
+        client_bound=client_bound(pace),
     )  # fmt: skip
     return result, records
 
