@@ -15,6 +15,12 @@ searchers). What is changed:
   40-100 ms (tens of ms plus a ~600-token prefill; the fake's TTFT does not grow with the
   prompt), ITL 10-20 ms. ``max_num_seqs`` bounds the requests the fake generates at once, so
   small ones queue and break the SLO at high rates, as on a GPU.
+- ``--twin`` paces each trial's fake engine by the estimate instead (testing/twin.py,
+  ``SERVETUNE_FAKE_TWIN``): the model (its stand-in's architecture), the space's GPU and the
+  trial's engine arguments give TTFT from the prefill and queueing, ITL from the batch in flight,
+  saturation past ``max_num_seqs`` or the planned KV pool, times one seeded run factor drawn from
+  the measured run-to-run spread. Answers then depend on the configuration, as on a GPU; each
+  trial's best level is printed.
 - Durations are scaled by ``--scale``: start-ups through ``SERVETUNE_FAKE_STARTUP_DELAY_S``, and
   each level's request count (256 -> 256 x scale), so a level's arrivals span scale x its real
   span. What does not scale is counted once: a level's tail (the last requests finishing after
@@ -43,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from packing import STARTUP_MEDIAN_S, run_in_workdir, run_study, write_engine_python
 
 from servetune.accounting import stop_cause, time_accounting
+from servetune.metrics import GOODPUT, OUTPUT_THROUGHPUT, TPOT_P99, TTFT_P99
 from servetune.results import TrialResult
 from servetune.study.packing import Reservation, utilization
 
@@ -120,13 +127,14 @@ def checkpoint_stand_in(name: str, tiny: Path, out: Path) -> Path:
     return out
 
 
-def draw_paces(points: list[dict], space, scale: float, seed: int, cache_root: Path) -> list[dict]:
+def draw_paces(points: list[dict], space, scale: float, seed: int, cache_root: Path, twin: bool = False) -> list[dict]:
     """Each point with its own start-up delay (scaled) and token pace. The start-up's compiling
     part is the fake engine's: cold, or loaded from the node's compile cache (``cache_root``, as
-    the trials of one node share it) when an earlier trial built the same graph."""
+    the trials of one node share it) when an earlier trial built the same graph. With ``twin``
+    the pace is the estimate's for the point (``SERVETUNE_FAKE_TWIN``, its own noise seed)."""
     rng = np.random.default_rng(seed)
     out = []
-    for params in points:
+    for i, params in enumerate(points):
         devices = space.devices(params)
         dp = space.engine_params(params)[0].get("data_parallel_size", 1)
         startup = STARTUP_MEDIAN_S[devices] * (1.1 if dp > 1 else 1.0) * float(rng.lognormal(0.0, 0.3))
@@ -139,6 +147,8 @@ def draw_paces(points: list[dict], space, scale: float, seed: int, cache_root: P
             "env.SERVETUNE_FAKE_TTFT_MS": round(float(rng.uniform(*TTFT_MS)), 1),
             "env.SERVETUNE_FAKE_ITL_MS": round(float(rng.uniform(*ITL_MS)), 1),
         })  # fmt: skip
+        if twin:
+            out[-1]["env.SERVETUNE_FAKE_TWIN"] = json.dumps({"gpu": space.hardware.gpu, "seed": seed * 1000 + i})
     return out
 
 
@@ -214,6 +224,15 @@ def triton_what_if(out: dict[str, Any], warm_compile_s: float) -> float:
     return measuring / (total - saved) if total > saved else 0.0
 
 
+def best_of(result: TrialResult) -> dict[str, Any] | None:
+    """The trial's best level (servetune's rule): its load, goodput and latencies; None if none met the SLO."""
+    point = result.best
+    if point is None:
+        return None
+    wanted = (GOODPUT, TTFT_P99, TPOT_P99, OUTPUT_THROUGHPUT)
+    return {"level": point.level, **{k: v for k, v in point.metrics.items() if k in wanted}}
+
+
 def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from servetune.models.tiny import build_tiny_model
     from servetune.space_file import load_space
@@ -225,7 +244,9 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     space_path = workdir / "space.yaml"
     space_path.write_text(yaml.safe_dump(data, sort_keys=False))
     space = load_space(space_path)
-    points = draw_paces(proposals(space, None), space, args.scale, args.seed, (workdir / "vllm-cache").resolve())
+    points = draw_paces(
+        proposals(space, None), space, args.scale, args.seed, (workdir / "vllm-cache").resolve(), args.twin
+    )
     study_dir = (workdir / "studies" / space.name).resolve()
     prepare_study_dir(study_dir, space_path, resume=False)
     workload = space.resolved_workload(ROOT)
@@ -241,15 +262,37 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     reservations = [Reservation(s, e, results[t].devices if t in results else 0, t) for t, (s, e) in spans.items()]
     done = [results[t] for t in spans if t in results]
     return {
-        "space": str(args.space), "scale": args.scale, "gpus": args.gpus, "seed": args.seed, "wall_s": wall_s,
+        "space": str(args.space), "twin": args.twin, "scale": args.scale, "gpus": args.gpus, "seed": args.seed, "wall_s": wall_s,
         "changes": changes, "trials_proposed": len(points), "target": TARGET,
         "utilization": utilization(reservations, args.gpus),
         "scaled": time_accounting(done), "real": real_accounting(done, args.scale),
         "compile_cache_hits": sum(r.startup_phases.get("compile_cache_hit", 0.0) > 0 for r in done),
         "trials": [{"trial_id": r.trial_id, "devices": r.devices, "outcome": r.outcome, "reason": r.reason,
                     "stopped_because": r.stopped_because, "levels_run": len(r.levels), "startup_s": r.startup_s,
-                    "duration_s": r.duration_s, "params": dict(r.params)} for r in done],
+                    "duration_s": r.duration_s, "params": dict(r.params), "best": best_of(r)} for r in done],
     }  # fmt: skip
+
+
+def print_bests(trials: list[dict[str, Any]]) -> None:
+    """Per trial: the varied parameters that shape the pace and what its best level measured."""
+    shown = (
+        "model",
+        "tensor_parallel_size",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "quantization",
+        "kv_cache_dtype",
+    )
+    for t in sorted(trials, key=lambda t: -(t["best"] or {}).get(GOODPUT, 0.0)):
+        config = " ".join(f"{k}={t['params'][k]}" for k in shown if k in t["params"])
+        best = t["best"]
+        if best is None:
+            print(
+                f"  {t['trial_id']} {config}: no level met the SLO ({t['outcome']}, {t['stopped_because'] or 'ladder run'})"
+            )
+            continue
+        figures = " ".join(f"{k} {v:.1f}" for k, v in best.items() if k != "level")
+        print(f"  {t['trial_id']} {config}: best at {best['level']}: {figures}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         "--scale", type=float, default=0.2, help="real durations times this (default 0.2: 256 requests a level -> 51)"
     )
     parser.add_argument("--seed", type=int, default=0, help="seeds the start-ups and token paces drawn")
+    parser.add_argument(
+        "--twin", action="store_true", help="pace each fake engine by the estimate for its configuration"
+    )
     parser.add_argument("--workdir", type=Path, help="keep the study here (default: a temporary directory)")
     parser.add_argument("--json", type=Path, help="write the measurements here")
     parser.add_argument(
@@ -301,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{real['starting_share']:.1%} starting engines, {real['quality_share']:.1%} quality probe (estimated: "
         f"{real['probe_share_of_measuring']:.1%} of measuring, bench/README.md), {real['other_share']:.1%} warm-up, teardown and the rest"
     )
+    if out.get("twin"):
+        print_bests(out["trials"])
     verdict = "meets" if real["measuring_share"] >= TARGET else "misses"
     print(f"measuring share {real['measuring_share']:.1%}: {verdict} the {TARGET:.0%} target")
     return 0 if not failed else 1

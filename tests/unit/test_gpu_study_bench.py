@@ -90,3 +90,32 @@ def test_the_triton_what_if_saves_only_on_trials_whose_kernels_an_earlier_trial_
     # the second "a" saves 36 - 6 = 30 s, the TP=2 one is another key: 600 s total, 360 measuring
     assert bench.triton_what_if(out, 6.0) == pytest.approx(360.0 / (600.0 - 30.0))
     assert bench.triton_what_if(out, bench.COMPILE_COLD_S) == pytest.approx(0.6)  # no faster: as run
+
+
+def test_with_twin_each_point_is_paced_by_the_estimate_for_its_own_configuration(bench, tmp_path):
+    from types import SimpleNamespace
+
+    from servetune.testing.twin import twin_from_env
+
+    space = SimpleNamespace(
+        hardware=SimpleNamespace(gpu="H100-SXM"),
+        devices=lambda p: p["tensor_parallel_size"],
+        engine_params=lambda p: ({"data_parallel_size": 1},),
+    )
+    points = [{"tensor_parallel_size": 1, "max_num_seqs": 16}, {"tensor_parallel_size": 2, "max_num_seqs": 64}]
+    assert all("env.SERVETUNE_FAKE_TWIN" not in p for p in bench.draw_paces(points, space, 0.1, 0, tmp_path))
+    paced = bench.draw_paces(points, space, 0.1, 0, tmp_path, twin=True)
+    (tmp_path / "tiny").mkdir()
+    model = bench.checkpoint_stand_in("meta-llama/Llama-3.1-8B-Instruct", tmp_path / "tiny", tmp_path / "llama")
+    # The fake reads the rest from the engine arguments the trial launches it with.
+    twins = [
+        twin_from_env(p["env.SERVETUNE_FAKE_TWIN"], ["--model", str(model), "--max-num-seqs", str(p["max_num_seqs"]),
+                                                     "--tensor-parallel-size", str(p["tensor_parallel_size"])])
+        for p in paced
+    ]  # fmt: skip
+    assert [t.slots(600, 200) for t in twins] == [16, 64]
+    assert [t.replica.tp for t in twins] == [1, 2]
+    # The same 16 requests: TP 2 steps faster; 40 saturate the first and not the second.
+    assert twins[1].pace(16, 600, 200).itl_s / twins[1].factor < twins[0].pace(16, 600, 200).itl_s / twins[0].factor
+    assert twins[0].pace(40, 600, 200).saturated and not twins[1].pace(40, 600, 200).saturated
+    assert twins[0].factor != twins[1].factor  # each trial its own run

@@ -20,9 +20,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from aiohttp import web
+
+if TYPE_CHECKING:  # the twin reads the estimate: imported only when a fake is paced by it
+    from servetune.testing.twin import Twin
 
 _T = TypeVar("_T")
 
@@ -30,7 +33,8 @@ _T = TypeVar("_T")
 class FakeOpenAI:
     def __init__(self, ttft_ms: float = 20.0, itl_ms: float = 5.0, model: str = "fake", fail_status: int | None = None,
                  max_num_seqs: int | None = None, dev_mode: bool = True, stall_after: int | None = None,
-                 stall_ms: float = 0.0, release_ms: float = 0.0, max_num_queued_reqs: int | None = None) -> None:  # fmt: skip
+                 stall_ms: float = 0.0, release_ms: float = 0.0, max_num_queued_reqs: int | None = None,
+                 twin: Twin | None = None) -> None:  # fmt: skip
         self.ttft_s = ttft_ms / 1000.0
         self.itl_s = itl_ms / 1000.0
         # A stream that falls silent: after ``stall_after`` tokens, ``stall_ms`` without a byte.
@@ -40,6 +44,11 @@ class FakeOpenAI:
         # An engine slow to notice a client gone: a dropped stream stays running this long.
         self.release_s = release_ms / 1000.0
         self.model = model
+        # A GPU twin (testing/twin.py) paces every request by the estimate instead of ttft_ms / itl_ms:
+        # TTFT from the requests in flight at its arrival, each gap from those in flight at that token.
+        self.twin = twin
+        self.in_flight = 0
+        self.twin_slots = 0  # what the twin runs at once at the last request's length
         self.fail_status = fail_status
         # Like a batch: at most max_num_seqs requests generate at once, the rest wait (TTFT grows).
         self.slots = asyncio.Semaphore(max_num_seqs) if max_num_seqs else None
@@ -85,11 +94,15 @@ class FakeOpenAI:
 
     def metrics_text(self) -> str:
         """What ``/metrics`` serves now (vLLM's names)."""
+        running, waiting = self.running, self.waiting
+        if self.twin is not None:  # the twin queues in its model: past its slots, requests wait
+            running = min(self.in_flight, self.twin_slots)
+            waiting = self.in_flight - running
         return (
             "# TYPE vllm:num_requests_running gauge\n"
-            f'vllm:num_requests_running{{model_name="{self.model}"}} {self.running}\n'
+            f'vllm:num_requests_running{{model_name="{self.model}"}} {running}\n'
             "# TYPE vllm:num_requests_waiting gauge\n"
-            f'vllm:num_requests_waiting{{model_name="{self.model}"}} {self.waiting}\n'
+            f'vllm:num_requests_waiting{{model_name="{self.model}"}} {waiting}\n'
             "# TYPE vllm:generation_tokens_total counter\n"
             f'vllm:generation_tokens_total{{model_name="{self.model}"}} {self.generated}\n'
             "# TYPE vllm:request_success_total counter\n"
@@ -129,11 +142,20 @@ class FakeOpenAI:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         self.running += 1
+        twin = self.twin
+        if twin is not None:
+            self.in_flight += 1
+            self.twin_slots = twin.slots(prompt_tokens, n_out)
         dropped = False
+        due = start
         try:
             for i in range(n_out):
                 # Sleep to an absolute schedule, so gaps do not drift with event-loop delays.
-                due = start + self.ttft_s + i * self.itl_s
+                if twin is not None:
+                    pace = twin.pace(self.in_flight, prompt_tokens, n_out)
+                    due += pace.ttft_s if i == 0 else pace.itl_s
+                else:
+                    due = start + self.ttft_s + i * self.itl_s
                 if self.stall_after is not None and i >= self.stall_after:
                     due += self.stall_s
                 await asyncio.sleep(max(0.0, due - time.perf_counter()))
@@ -157,6 +179,8 @@ class FakeOpenAI:
 
     def _release(self) -> None:
         self.running -= 1
+        if self.twin is not None:
+            self.in_flight -= 1
         if self.slots is not None:
             self.slots.release()
 
@@ -267,6 +291,18 @@ def main(argv: list[str] | None = None) -> None:
     )
     args, _ = parser.parse_known_args(argv)  # ignore the engine arguments vLLM would take
     print(f"fake engine starting for model {args.model}", flush=True)
+    twin = None
+    if raw_twin := os.environ.get("SERVETUNE_FAKE_TWIN"):
+        from servetune.errors import UserError
+        from servetune.testing.twin import twin_from_env
+
+        try:
+            twin = twin_from_env(raw_twin, list(sys.argv[1:] if argv is None else argv))
+        except UserError as exc:
+            print(f"error: {exc}", file=sys.stderr, flush=True)
+            sys.exit(2)
+        print(f"fake engine paced as a twin of {twin.arch.name} on {twin.replica.rates.gpu} "
+              f"(run factor {twin.factor:.3f})", flush=True)  # fmt: skip
     if args.stubborn_child:
         # Ready only once the child ignores SIGTERM: on a slow host its interpreter can take long
         # enough to start that a stop would otherwise find it still defenceless.
@@ -296,11 +332,12 @@ def main(argv: list[str] | None = None) -> None:
         args.ttft_ms,
         args.itl_ms,
         args.model,
-        max_num_seqs=args.max_num_seqs,
+        max_num_seqs=None if twin else args.max_num_seqs,  # the twin queues past its own slots
         max_num_queued_reqs=args.max_num_queued_reqs,
         stall_after=args.stall_after,
         stall_ms=args.stall_ms,
         release_ms=args.release_ms,
+        twin=twin,
     ).app()
     if args.crash_after_s is not None:
         app.on_startup.append(on_startup)
