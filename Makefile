@@ -41,12 +41,13 @@ lint: setup
 	$(VENV)/bin/mypy
 	PYTHONPATH=src $(VENV)/bin/lint-imports
 
-# The tests run unit, then integration, then e2e (tests/tiers.py), and end with each tier's time. They run in
-# TEST_PROCESSES pytest processes (pytest-xdist), a test file at a time each, so a file's shared engines, Ray
+# The tests run unit, then integration, then e2e (tests/tiers.py), and end with each tier's time. TEST_PROCESSES=2
+# runs them in two pytest processes (pytest-xdist), a test file at a time each, so a file's shared engines, Ray
 # and studies (module fixtures) start once; in tier order, the slowest files of a tier first (tests/tiers.py).
-# Most of a test waits (an engine's start is one core importing vLLM, a fake engine's tokens are timers), and
-# the second process fills the other core meanwhile. TEST_PROCESSES=0 runs them in this one process.
-TEST_PROCESSES ?= 2
+# Not yet the default: in its first full run (a host shared with other jobs) two processes' engines competed for
+# the host's core locks (engine/cores.py), so a study's two one-replica trials shared a core, and three timing
+# checks failed; docs/development.md says what is left. 0 runs them in this one process.
+TEST_PROCESSES ?= 0
 # -X faulthandler: a crash in a C extension (Ray, gRPC, torch) prints every thread's stack, during the
 # tests and after them (tests/conftest.py ends the process without the interpreter's teardown).
 test: setup lint
