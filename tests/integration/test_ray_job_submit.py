@@ -131,10 +131,12 @@ def test_study_runs_as_a_ray_job(head: RayHead, tmp_path: Path) -> None:
         assert r.kv_capacity is not None  # read from vLLM's own start-up log
         first = r.levels[0].summary
         assert first.completed > 0 and first.output_throughput > 0
-        # After the ladder (1 and 4 clients) the capacity search went on on the job's engine (trial/capacity.py).
+        # After the ladder (1 and 4 clients) the capacity search went on on the job's engine (trial/capacity.py), and
+        # bisected the knee from what the capacity left of the same budget (load.capacity_levels, 4).
         capacity = r.capacity_at_slo
         assert capacity is not None and capacity.unit == "concurrency", capacity
-        assert 0 < len(r.levels) - capacity.extra_levels <= 2 and capacity.extra_levels <= 4, (len(r.levels), capacity)
+        beyond = capacity.extra_levels + (r.knee.extra_levels if r.knee is not None else 0)
+        assert 0 < len(r.levels) - beyond <= 2 and beyond <= 4, (len(r.levels), capacity, r.knee)
     # The quality reference ran its probe inside the job and the driver kept its answers for later trials.
     reference = results[0]
     assert (
