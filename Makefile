@@ -45,7 +45,7 @@ lint: setup
 # runs them in two pytest processes (pytest-xdist), a test file at a time each, so a file's shared engines, Ray
 # and studies (module fixtures) start once; in tier order, the slowest files of a tier first (tests/tiers.py).
 # Not yet the default: in its first full run (a host shared with other jobs) two processes' engines competed for
-# the host's core locks (engine/cores.py), so a study's two one-replica trials shared a core, and three timing
+# the host's core locks (engine/cores.py; each process now has its own, SERVETUNE_CPU_LOCK_DIR), and three timing
 # checks failed; docs/development.md says what is left. 0 runs them in this one process.
 TEST_PROCESSES ?= 0
 # -X faulthandler: a crash in a C extension (Ray, gRPC, torch) prints every thread's stack, during the

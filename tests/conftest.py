@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from servetune.engine.cores import LOCK_DIR_ENV
 from servetune.engine.server import free_port
 from servetune.models.tiny import build_tiny_model
 from servetune.testing.fake_openai import FakeOpenAI, write_fake_python
@@ -59,6 +61,18 @@ def pytest_configure(config: pytest.Config) -> None:
     _stop_on_sigterm()
     atexit.register(_exit_with_the_verdict)
     config.pluginmanager.register(Tiers(), "servetune-tiers")
+    _cores_of_this_worker()
+
+
+def _cores_of_this_worker() -> None:
+    """Under ``make test TEST_PROCESSES=2`` each test process keeps its own core locks (engine/cores.py): a test
+    checks that its engines got cores of their own, and the other process's engines held the host-wide locks
+    (one such run had two one-replica Serve trials on core 0). The processes' engines may then share cores,
+    as two users' would; a test's own engines still never do."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        directory = Path(tempfile.gettempdir()) / f"servetune-cpu-cores-{os.getppid()}-{worker}"
+        os.environ.setdefault(LOCK_DIR_ENV, str(directory))
 
 
 @pytest.hookimpl(trylast=True)

@@ -59,3 +59,20 @@ def test_an_engine_that_cannot_be_launched_lets_its_cores_go(tmp_path, monkeypat
     with pytest.raises(FileNotFoundError):
         server.start()
     assert claim(1, [0], tmp_path)[0] == [0]  # the failed launch held core 0 no longer
+
+
+def test_a_process_with_a_lock_directory_of_its_own_claims_apart_from_the_host_s(tmp_path, monkeypatch):
+    host, own = tmp_path / "host", tmp_path / "own" / "worker"
+    host.mkdir()
+    monkeypatch.setattr(cores.tempfile, "gettempdir", lambda: str(host))
+    monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.delenv(cores.LOCK_DIR_ENV, raising=False)
+    _, held_by_the_host = cores.claim_now(1)  # another process holds the host's only core
+    assert held_by_the_host
+    assert cores.claim_now(1)[1] == []
+    monkeypatch.setenv(cores.LOCK_DIR_ENV, str(own))
+    binding, held = cores.claim_now(1)
+    assert (binding, len(held)) == ("0", 1)
+    assert (own / "core-0.lock").exists()
+    for handle in held_by_the_host + held:
+        handle.close()

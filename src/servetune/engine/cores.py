@@ -25,12 +25,17 @@ from pathlib import Path
 from typing import IO
 
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
+#: A lock directory of one's own, for processes that share a host but not its cores' accounting (two test
+#: processes side by side, each checking that its own engines got cores of their own). Inherited by the
+#: engines, Ray workers and Serve replicas the process starts.
+LOCK_DIR_ENV = "SERVETUNE_CPU_LOCK_DIR"
 
 
 def lock_dir() -> Path:
-    """Where this host's core locks are (shared by every engine on it, bare or a Serve replica)."""
-    path = Path(tempfile.gettempdir()) / "servetune-cpu-cores"
-    path.mkdir(exist_ok=True)
+    """Where this host's core locks are (shared by every engine on it, bare or a Serve replica), or
+    ``$SERVETUNE_CPU_LOCK_DIR`` where that is set."""
+    path = Path(os.environ.get(LOCK_DIR_ENV) or Path(tempfile.gettempdir()) / "servetune-cpu-cores")
+    path.mkdir(parents=True, exist_ok=True)
     return path
 
 
