@@ -13,7 +13,7 @@ from servetune.load.requests import PromptFactory
 from servetune.load.runner import Level
 from servetune.testing.fake_openai import FakeOpenAI
 from servetune.trial.measure import EarlyBreak, LevelPlan, measure_level
-from tests.conftest import serve_fake
+from tests.conftest import fake_server_process, serve_fake
 
 
 def measure(ttft_ms: float, slo: str, tokenizer):
@@ -55,8 +55,9 @@ def test_an_open_loop_above_the_server_s_capacity_stops_once_its_queue_keeps_gro
             return await measure_level(client, url, workload, PromptFactory(tokenizer=tiny_tokenizer), plan, stream=1,
                                        slo=slo, sample_every_s=0.2, watch=watch)  # fmt: skip
 
-    # 2 at once, 32 tokens at 5 ms: about 6 requests/s served against 40 offered
-    with serve_fake(FakeOpenAI(ttft_ms=5, itl_ms=5, max_num_seqs=2)) as url:
+    # 2 at once, 32 tokens at 5 ms: about 6 requests/s served against 40 offered. The fake in a process of its
+    # own: in the client's (a thread, one GIL) a loaded host once starved both, and the queue never grew enough.
+    with fake_server_process("--ttft-ms", "5", "--itl-ms", "5", "--max-num-seqs", "2") as url:
         result, records = asyncio.run(go(url))
     assert result.stopped_early.startswith("saturated: vLLM's waiting queue grew from")
     assert 0 < result.summary.completed < 400 and len(records) < 400

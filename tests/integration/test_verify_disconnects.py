@@ -8,7 +8,6 @@ still a leak."""
 import asyncio
 import time
 
-import pytest
 from aiohttp import web
 
 from servetune.config.slo import Slo
@@ -65,7 +64,9 @@ def test_slow_steps_are_allowed_as_many_steps(tiny_tokenizer):
     # token, up to 0.5 s on) is in time, with 2 s to spare for a loaded host; a fixed 2 s would not be.
     result = run_scenario(FakeOpenAI(ttft_ms=10, itl_ms=500, release_ms=2500), tiny_tokenizer)
     (round_,) = result.numbers["rounds"]
-    assert round_["allowed_s"] == pytest.approx(RELEASE_STEPS * 0.5, rel=0.2), round_
+    # Ten of the steps the streams showed: 5 s, more where a loaded host slowed the fake's steps (6.5 s once
+    # beside another test process); far from the fixed 2 s either way.
+    assert RELEASE_STEPS * 0.5 * 0.8 <= round_["allowed_s"] <= RELEASE_STEPS * 0.5 * 1.6, round_
     assert round_["fell_back_s"] is not None and round_["fell_back_s"] >= 2.4, round_
     assert round_["fell_back_s"] > FALLBACK_S and result.numbers["cancellation_success_rate"] == 1.0, round_
 
