@@ -1,0 +1,82 @@
+"""bench/capacity_accuracy.py: the capacity search and the fixed ladders replayed on a dense surface."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from servetune.config.slo import Slo
+from servetune.results import LevelRun
+from tests.builders import bench_script, level
+
+capacity_accuracy = bench_script("capacity_accuracy")
+SLO = Slo.parse("ttft_ms.p99=1000")
+LOADS = capacity_accuracy.DENSE
+
+
+def engine(capacity: float, jitter: float = 0.0):
+    """P99 TTFT reaching the 1 s bound at ``capacity`` clients; throughput growing with load, flat past it.
+    Three runs a load, ``jitter`` apart (relative)."""
+    runs = {}
+    for load in LOADS:
+        made = []
+        for k in (-1, 0, 1):
+            ttft = 1000 * load / capacity * (1 + k * jitter) * (0.999 if load == capacity else 1)
+            out = 50 * min(load, capacity * 1.2)
+            made.append(level(load, out, ttft))
+        runs[float(load)] = [r.model_copy(update={"slo_violations": SLO.violations(r.summary)}) for r in made]
+    return runs
+
+
+def surface(**capacities):
+    return capacity_accuracy.Surface(SLO, {name: engine(c) for name, c in capacities.items()})
+
+
+def test_the_truth_is_the_highest_load_below_the_first_the_majority_broke():
+    made = surface(a=13, b=24)
+    assert capacity_accuracy.truth(made, "a") == 13 and capacity_accuracy.truth(made, "b") == 24
+    # a lone pass above a majority break is not the truth: 27 meets it again after 24 broke
+    made.runs["b"][24.0] = [made.runs["b"][30.0][0]] * 3
+    assert capacity_accuracy.truth(made, "b") == 22
+
+
+def test_the_search_lands_within_its_tolerance_where_the_4x_ladder_is_a_step_off():
+    made = surface(a=13, b=24)
+    rng = random.Random(0)
+    for name, true in (("a", 13), ("b", 24)):
+        ladder = capacity_accuracy.replay(made, name, capacity_accuracy.LADDER_4X, 0, 3, rng)
+        search = capacity_accuracy.replay(made, name, capacity_accuracy.LADDER_4X, 4, 3, rng)
+        assert ladder.capacity == 8  # 2 and 8 meet the SLO, 32 breaks it
+        assert search.capacity is not None and 0.9 * true <= search.capacity <= true, (name, search)
+        assert search.levels > ladder.levels and search.measured_s > ladder.measured_s
+        # what was measured there: the runs of the nearest recorded load (23 clients are drawn from 24's)
+        assert search.throughput == pytest.approx(50 * made.nearest(name, search.capacity))
+
+
+def test_the_evaluation_picks_the_configuration_of_the_higher_capacity_as_the_truth_does(tmp_path):
+    result = capacity_accuracy.evaluate(surface(a=13, b=24), seeds=3, repeats=3)
+    assert result["truth"] == {"a": 13, "b": 24} and result["truth_best"] == "b"
+    assert result["methods"]["search"]["right_pick"] == 1.0
+    # the 4x ladder reads both as 8 clients: a tie, broken by the first configuration
+    assert result["methods"]["ladder 4x"]["error"]["b"]["median"] == pytest.approx(8 / 24 - 1)
+    assert abs(result["methods"]["search"]["error"]["b"]["worst"]) <= 0.1
+
+
+def test_a_recorded_surface_is_read_back_with_each_run_judged_against_the_slo(tmp_path):
+    runs = engine(10)
+    levels = []
+    for made in runs.values():
+        reported = made[1].model_copy(update={"runs": [LevelRun(summary=r.summary) for r in made]})
+        levels.append(reported.model_dump(mode="json"))
+    bench = {"servetune_version": "0", "created": "now", "url": "http://127.0.0.1:1", "model": "tiny",
+             "served_model_name": "tiny", "engine_args": {}, "env": {}, "command": None, "vllm_version": None,
+             "workload_file": None, "workload": {}, "slo": [], "num_requests": 64, "duration_s": None,
+             "repeats": 3, "kv_capacity": None, "startup_s": None, "levels": levels}  # fmt: skip
+    path = tmp_path / "surface.json"
+    path.write_text(json.dumps({"slo": "ttft_ms.p99=1000", "configs": [{"name": "c", "bench": bench}]}))
+    read = capacity_accuracy.load_surface(path)
+    assert sorted(read.runs["c"]) == [float(x) for x in LOADS] and len(read.runs["c"][10.0]) == 3
+    assert capacity_accuracy.truth(read, "c") == 10
+    assert capacity_accuracy.truth(capacity_accuracy.load_surface(path, "ttft_ms.p99=500"), "c") == 5
