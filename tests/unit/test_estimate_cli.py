@@ -89,6 +89,26 @@ def test_plan_estimate_adds_the_estimate_to_the_json(capsys):
         (["--estimate", "--output-tokens", "10", "--rate", "1"], "--input-tokens I"),
         (["--estimate", "--input-tokens", "100", "--output-tokens", "1", "--rate", "1"], "--output-tokens 1"),
         (["--estimate", "--input-tokens", "100", "--output-tokens", "10", "--rate", "-1"], "--rate -1"),
+        (
+            ["--estimate", "--input-tokens", "100", "--output-tokens", "10", "--rate", "1", "--acceptance", "0.5"],
+            "--acceptance is read only with --speculative-config",
+        ),
+        (
+            [
+                "--speculative-config",
+                '{"method": "ngram", "num_speculative_tokens": 3}',
+                "--estimate",
+                "--input-tokens",
+                "100",
+                "--output-tokens",
+                "10",
+                "--rate",
+                "1",
+                "--acceptance",
+                "1.5",
+            ],
+            "--acceptance 1.5",
+        ),
     ],
 )
 def test_plan_estimate_bad_input_is_one_line(capsys, extra, message):

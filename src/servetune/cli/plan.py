@@ -145,6 +145,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--output-tokens", type=int, metavar="O", help="output tokens per request (with --estimate)")
     e.add_argument("--concurrency", type=int, metavar="C", help="closed loop: C clients (with --estimate)")
     e.add_argument("--rate", type=float, metavar="R", help="open loop: R requests/s (with --estimate)")
+    e.add_argument(
+        "--acceptance",
+        type=float,
+        metavar="A",
+        help="with --speculative-config: the drafter's acceptance per draft position, 0-1, as measured "
+        "(default: the method's assumed one, which the estimate names)",
+    )
     p.set_defaults(run=run)
 
 
@@ -182,8 +189,17 @@ def _check_vllm_choices(args: argparse.Namespace) -> None:
 
 def _estimate_load(args: argparse.Namespace) -> Load | None:
     """The load of ``--estimate``, or None without it; a missing or malformed value is one clear line."""
+    if args.acceptance is not None:
+        if args.speculative_config is None:
+            raise UserError("--acceptance is read only with --speculative-config")
+        if not 0 <= args.acceptance <= 1:
+            raise UserError(f"--acceptance {args.acceptance:g}: must be within [0, 1]")
     if not args.estimate:
-        given = [f for f in ("input_tokens", "output_tokens", "concurrency", "rate") if getattr(args, f) is not None]
+        given = [
+            f
+            for f in ("input_tokens", "output_tokens", "concurrency", "rate", "acceptance")
+            if getattr(args, f) is not None
+        ]
         if given:
             raise UserError(f"--{given[0].replace('_', '-')} is read only with --estimate")
         return None
@@ -220,7 +236,12 @@ def run(args: argparse.Namespace) -> int:
             make_console().print(f"[bold yellow]not planned[/]: {exc}; vLLM sizes it when it starts")
         return 0
     profile = PROFILES[plan.settings.profile]
-    predicted = estimate(arch, engine_args, hardware, load, profile=profile) if load is not None and plan.fits else None
+    predicted = None
+    if load is not None and plan.fits:
+        draft = load_draft(engine_args)
+        predicted = estimate(
+            arch, engine_args, hardware, load, profile=profile, acceptance=args.acceptance, draft=draft
+        )
     if args.json:
         doc = plan.model_dump(mode="json")
         if predicted is not None:
@@ -296,6 +317,8 @@ def render_estimate(est: Estimate, console: Console) -> None:
     table.add_row("request_throughput", f"{est.request_throughput:,.2f} req/s", "")
     table.add_row("saturated", "yes" if est.saturated else "no", "")
     table.add_row("knee", f"{est.knee} in flight", "throughput grows < 10% past it")
+    if est.accepted_length is not None:
+        table.add_row("accepted length", f"{est.accepted_length:.2f} tokens a step", est.acceptance_source or "")
     console.print(table)
 
 

@@ -14,6 +14,7 @@ from servetune.estimate.factors import Factors, load_factors
 from servetune.estimate.queueing import closed_loop, knee, open_loop
 from servetune.estimate.roofline import Replica
 from servetune.estimate.specs import DeviceRates, device_rates, gpu_class
+from servetune.estimate.speculative import speculation
 
 
 class Load(BaseModel):
@@ -48,16 +49,27 @@ class Estimate(BaseModel):
     in_flight_per_replica: float
     kv_preemption: bool
     gpu_class: str
+    accepted_length: float | None = Field(
+        None, description="speculative decoding: tokens a decode step yields per request (None: no drafter)"
+    )
+    acceptance_source: str | None = Field(None, description="whether the drafter's acceptance was measured or assumed")
 
 
 def replica_from_plan(
-    arch: ModelArch, plan: CapacityPlan, engine_args: Mapping[str, Any], rates: DeviceRates | None = None
+    arch: ModelArch,
+    plan: CapacityPlan,
+    engine_args: Mapping[str, Any],
+    rates: DeviceRates | None = None,
+    acceptance: float | None = None,
 ) -> Replica:
     """The roofline's view of a replica, with the settings and KV capacity the memory ledger resolved.
 
-    ``rates`` default to the catalogue GPU's; the CPU build needs them given (:func:`cpu_rates`).
+    ``rates`` default to the catalogue GPU's; the CPU build needs them given (:func:`cpu_rates`). A drafter
+    (``speculative_config``) is modelled with ``acceptance`` per draft position, or the method's assumed one.
     """
     s = plan.settings
+    spec = speculation(arch, plan, acceptance, tp=s.tensor_parallel_size)
+    drafter_kv = plan.draft.kv_bytes_per_token if plan.draft is not None else 0
     quant = resolve_quant(arch, engine_args.get("quantization"))
     chunked = engine_args.get("enable_chunked_prefill")
     return Replica(
@@ -66,11 +78,12 @@ def replica_from_plan(
         quant=quant,
         tp=s.tensor_parallel_size,
         dtype_bytes=4 if s.dtype == "float32" else 2,
-        kv_bytes_per_token=plan.kv_bytes_per_token,
+        kv_bytes_per_token=plan.kv_bytes_per_token - drafter_kv,
         max_num_seqs=s.max_num_seqs,
         max_num_batched_tokens=s.max_num_batched_tokens,
         chunked_prefill=True if chunked is None else bool(chunked),
         kv_cache_tokens=plan.kv_cache_tokens,
+        speculation=spec,
     )
 
 
@@ -83,6 +96,8 @@ def estimate(
     env: Mapping[str, str] | None = None,
     rates: DeviceRates | None = None,
     profile: EngineProfile = VLLM_0_32,
+    acceptance: float | None = None,
+    draft: ModelArch | None = None,
 ) -> Estimate:
     """Predict TTFT, TPOT, throughput, saturation and the knee of ``arch`` served with ``engine_args``.
 
@@ -90,15 +105,17 @@ def estimate(
     share the load evenly). On vLLM's CPU build, ``env`` carries ``VLLM_CPU_KVCACHE_SPACE`` and
     ``rates`` the cores' FLOP/s and memory bandwidth (:func:`measure_cpu_rates` or :func:`cpu_rates`).
     ``profile`` is the vLLM release's memory profile the KV capacity is planned with (capacity/profile.py).
-    A configuration that does not fit raises :class:`UserError`.
+    A ``speculative_config`` is modelled as estimate/speculative.py says: ``acceptance`` is the drafter's
+    measured acceptance per draft position (default: the method's assumed one), ``draft`` the draft checkpoint's
+    architecture where the method loads one. A configuration that does not fit raises :class:`UserError`.
     """
     if hardware.device == "cpu" and rates is None:
         raise UserError("the estimate on the CPU build needs the cores' rates (measure_cpu_rates or cpu_rates)")
     tokens = load.input_tokens + load.output_tokens
-    plan = plan_capacity(arch, engine_args, hardware, env=env, request_tokens=tokens, profile=profile)
+    plan = plan_capacity(arch, engine_args, hardware, env=env, request_tokens=tokens, profile=profile, draft=draft)
     if not plan.fits:
         raise UserError(f"{arch.name} does not fit: {plan.reason}")
-    rep = replica_from_plan(arch, plan, engine_args, rates)
+    rep = replica_from_plan(arch, plan, engine_args, rates, acceptance)
     cls = gpu_class(rep.rates.gpu)
     eff = (factors or load_factors()).for_class(cls)
     dp = int(engine_args.get("data_parallel_size") or 1)
@@ -119,4 +136,6 @@ def estimate(
         in_flight_per_replica=point.in_flight,
         kv_preemption=point.preempting,
         gpu_class=cls,
+        accepted_length=None if rep.speculation is None else rep.speculation.accepted_length,
+        acceptance_source=None if rep.speculation is None else rep.speculation.acceptance_source,
     )

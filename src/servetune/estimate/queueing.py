@@ -3,7 +3,9 @@
 In steady state a replica holds ``n`` requests at once (at most ``max_num_seqs`` and what the KV
 cache holds at the request's full length). Each request needs I prompt tokens and O decode steps,
 so every step decodes ``n`` tokens and, on average, prefills ``n x I / O`` prompt tokens; the
-step's time is the client's TPOT (ITL is the same on average). A prompt enters in chunks of the
+step's time is the client's TPOT (ITL is the same on average). With a drafter a step yields the accepted
+length L of tokens a sequence (roofline.py ``tokens_per_step``): it prefills ``n x I x L / O`` and TPOT is
+the step's time over L. A prompt enters in chunks of the
 step's token budget left after the decodes (``max_num_batched_tokens - n``) with chunked prefill,
 or whole in a step of its own without. A request spends TTFT_engine + (O - 1) x TPOT in the
 replica, so it completes ``n / that`` requests per second (Little's law).
@@ -21,7 +23,7 @@ import math
 from dataclasses import dataclass
 
 from servetune.estimate.factors import Efficiency
-from servetune.estimate.roofline import Replica, decode_s, prefill_s, prefill_token_s
+from servetune.estimate.roofline import Replica, decode_s, prefill_s, prefill_token_s, tokens_per_step
 
 KNEE_FRACTION = 0.9
 
@@ -54,8 +56,10 @@ def steady(rep: Replica, eff: Efficiency, in_flight: float, input_tokens: int, o
     context = input_tokens + output_tokens / 2
     decode = decode_s(rep, eff, n, context)
     per_prompt_token = prefill_token_s(rep, eff, input_tokens)
-    prefill_per_step = n * input_tokens / output_tokens
-    tpot = decode + prefill_per_step * per_prompt_token
+    # A step yields ``tokens_per_step`` tokens a sequence (1 without a drafter), and prefills prompts in proportion.
+    yielded = tokens_per_step(rep)
+    prefill_per_step = n * input_tokens * yielded / output_tokens
+    tpot = (decode + prefill_per_step * per_prompt_token) / yielded
     if rep.chunked_prefill:
         chunk = max(rep.max_num_batched_tokens - n, 1.0)
         steps = math.ceil(input_tokens / chunk)
@@ -139,7 +143,7 @@ def static_batch_s(
     steps = max(1, math.ceil(tokens / max(rep.max_num_batched_tokens, input_tokens)))
     prefill = steps * prefill_s(rep, eff, tokens / steps, input_tokens)
     first, mid, last = (decode_s(rep, eff, batch, input_tokens + k) for k in (0, output_tokens / 2, output_tokens))
-    decode = (output_tokens - 1) * (first + 4 * mid + last) / 6
+    decode = (output_tokens - 1) / tokens_per_step(rep) * (first + 4 * mid + last) / 6
     return prefill, prefill + decode
 
 

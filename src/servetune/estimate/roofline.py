@@ -9,6 +9,10 @@ Per rank (tensor parallelism splits weights, heads and FLOPs; all-reduces join t
                             + 2 x heads x (d_qk + d_v) x context x layers   (attention)
     all-reduce            = 2 per layer, ring: 2 (TP-1)/TP x tokens x hidden x 2 bytes / link + latency
 
+With speculative decoding (:mod:`servetune.estimate.speculative`) a decode step verifies 1 + k tokens per
+sequence (the weights and KV read once, the FLOPs of every token) after k draft passes, and yields the
+accepted length of tokens per sequence (:func:`tokens_per_step`).
+
 Every step adds a fixed overhead (scheduling, kernel launches) and a cost per sequence (sampling,
 bookkeeping). The efficiencies, the overheads and the all-reduce latency come from
 :mod:`servetune.estimate.factors`.
@@ -23,6 +27,7 @@ from servetune.capacity import ModelArch, WeightQuant
 from servetune.capacity.params import rank_params, weight_bytes_per_rank
 from servetune.estimate.factors import Efficiency
 from servetune.estimate.specs import DeviceRates
+from servetune.estimate.speculative import Speculation
 
 ACTIVATION_BYTES = 2  # all-reduced hidden states are 16-bit
 
@@ -45,6 +50,7 @@ class Replica:
     max_num_batched_tokens: int = 8192
     chunked_prefill: bool = True
     kv_cache_tokens: int | None = None  # per replica; None: unlimited
+    speculation: Speculation | None = None  # the drafter (kv_bytes_per_token is then the target's alone)
 
     @functools.cached_property
     def expert_bytes(self) -> float:
@@ -109,12 +115,32 @@ def prefill_s(rep: Replica, eff: Efficiency, tokens: float, prompt_tokens: float
 
 
 def decode_s(rep: Replica, eff: Efficiency, batch: float, context: float) -> float:
-    """One step that decodes one token for each of ``batch`` sequences at mean ``context`` tokens."""
+    """One step that decodes one token for each of ``batch`` sequences at mean ``context`` tokens; with a drafter,
+    its draft passes and the verification of ``1 + k`` tokens per sequence (yielding :func:`tokens_per_step`)."""
     if batch <= 0:
         return eff.step_overhead_ms / 1e3
-    read = rep.weights_read(batch) + batch * context * rep.kv_bytes_per_token
+    spec = rep.speculation
+    tokens = batch * (spec.query_len if spec is not None else 1)
+    read = rep.weights_read(tokens) + batch * context * rep.kv_bytes_per_token
     memory = read / (rep.rates.hbm_bytes_s * eff.decode_bandwidth)
-    flops = batch * (2 * rep.active_params + rep.attention_flops(context))
+    flops = tokens * (2 * rep.active_params + rep.attention_flops(context))
     compute = flops / (rep.rates.flops * eff.prefill_flops)
     overhead = eff.step_overhead_ms + batch * eff.sequence_overhead_ms
-    return max(memory, compute) + rep.allreduce_s(batch, eff.allreduce_us) + overhead / 1e3
+    step = max(memory, compute) + rep.allreduce_s(tokens, eff.allreduce_us) + overhead / 1e3
+    return step + (draft_s(rep, eff, batch, context) if spec is not None else 0.0)
+
+
+def draft_s(rep: Replica, eff: Efficiency, batch: float, context: float) -> float:
+    """The drafter's k passes of one step: each reads its weights and its KV and multiplies ``batch`` tokens."""
+    spec = rep.speculation
+    if spec is None or not spec.gpu_passes:
+        return 0.0
+    read = spec.pass_bytes + batch * context * spec.kv_bytes_per_token
+    memory = read / (rep.rates.hbm_bytes_s * eff.decode_bandwidth)
+    compute = batch * spec.flops_per_token / (rep.rates.flops * eff.prefill_flops)
+    return spec.gpu_passes * max(memory, compute)
+
+
+def tokens_per_step(rep: Replica) -> float:
+    """Tokens one decode step yields per sequence: 1, or the drafter's expected accepted length."""
+    return rep.speculation.accepted_length if rep.speculation is not None else 1.0
