@@ -118,3 +118,23 @@ def test_a_planned_estimate_before_the_trial_runs(tmp_path):
     assert isinstance(
         planned_estimate(str(tmp_path / "nowhere"), "cpu", args, env, None, None, "rate", 2, 128, 32), str
     )
+
+
+def test_a_speculative_trial_is_estimated_at_the_acceptance_each_level_measured(tmp_path):
+    from servetune.estimate.speculative import acceptance_for_length, accepted_length
+    from servetune.metrics import SPEC_MEAN_ACCEPTED_LENGTH
+
+    assert acceptance_for_length(accepted_length(0.7, 3), 3) == pytest.approx(0.7)
+    assert (acceptance_for_length(0.9, 3), acceptance_for_length(9.0, 3)) == (0.0, 1.0)
+    result = _recorded(tmp_path)
+    config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+    result.engine_args = {**result.engine_args, "speculative_config": json.dumps(config)}
+    low, high = result.levels[0], result.levels[0].model_copy(deep=True)
+    low.server_metrics = {**low.server_metrics, SPEC_MEAN_ACCEPTED_LENGTH: 1.2}
+    high.server_metrics = {**high.server_metrics, SPEC_MEAN_ACCEPTED_LENGTH: 3.0}
+    result.levels = [low, high]
+    estimate_levels(result, None, None)
+    assert result.estimate_note is None, result.estimate_note
+    # the same load and lengths: the level that accepted more drafts is estimated at a shorter TPOT, by less than
+    # the ratio of the accepted lengths (2.5) since verifying costs the same whatever is accepted
+    assert low.estimate.tpot_ms / 2.5 < high.estimate.tpot_ms < low.estimate.tpot_ms / 1.5

@@ -58,6 +58,20 @@ def accepted_length(acceptance: float, k: int) -> float:
     return float(sum(acceptance**i for i in range(k + 1)))
 
 
+def acceptance_for_length(length: float, k: int) -> float:
+    """The per-position acceptance whose :func:`accepted_length` at ``k`` draft tokens is ``length`` (vLLM's measured
+    mean acceptance length), clipped to [0, 1]."""
+    if length <= 1:
+        return 0.0
+    if length >= k + 1:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if accepted_length(mid, k) < length else (lo, mid)
+    return (lo + hi) / 2
+
+
 @dataclass(frozen=True)
 class Speculation:
     """One rank's drafter as the roofline sees it, and the acceptance the estimate assumes."""

@@ -5,7 +5,8 @@ mean request lengths the level served, on the hardware the capacity check sized,
 the trial was given (the shipped ones unless the study refitted them). Its relative error against the
 measured mean TTFT, mean TPOT and output throughput is recorded beside it. Where no estimate can be
 made (a model the memory ledger does not plan, a GPU outside the catalogue), ``estimate_note`` says why;
-the trial itself never fails for it.
+the trial itself never fails for it. A speculative trial is estimated at the acceptance each level measured
+(vLLM's mean acceptance length), so the error is the step model's, not a guess of the acceptance's.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ from __future__ import annotations
 from typing import Any
 
 from servetune.capacity import Hardware, ModelArch, gpu_hardware, load_model_arch, plan_capacity, resolve_hardware
+from servetune.capacity.draft import load_draft, speculative_config
 from servetune.errors import UserError
 from servetune.estimate import Efficiency, Estimate, Load, estimate, gpu_class, load_factors, replica_from_plan
 from servetune.estimate.calibrate import CalibrationPoint
 from servetune.estimate.calibrate_cpu import RECORDED_HOST
+from servetune.estimate.speculative import acceptance_for_length
+from servetune.metrics import SPEC_MEAN_ACCEPTED_LENGTH
 from servetune.results import LevelEstimate, LevelResult, TrialResult
 
 #: The metrics an estimate is compared on: (estimate field, summary field, statistic).
@@ -50,17 +54,31 @@ def estimate_levels(
         if efficiency is not None:
             cls = gpu_class(hardware.name)
             factors = factors.model_copy(update={"per_gpu_class": {**factors.per_gpu_class, cls: efficiency}})
+        draft = load_draft(result.engine_args)
         for level in levels:
             load = _load(level)
             if load is None:
                 continue
-            est = estimate(arch, result.engine_args, hardware, load, factors, env=result.env, rates=rates)
+            est = estimate(arch, result.engine_args, hardware, load, factors, env=result.env, rates=rates,
+                           acceptance=measured_acceptance(level, result.engine_args), draft=draft)  # fmt: skip
             level.estimate = _compared(est.ttft_ms, est.tpot_ms, est.output_throughput, level)
         result.estimate_factors = "shipped" if efficiency is None else "refit"
     except UserError as exc:  # a model or GPU the estimate does not cover: said in the user's words
         result.estimate_note = f"not estimated: {str(exc).splitlines()[0]}"
     except Exception as exc:  # the estimate is a side note of the measurement: it never costs the trial its result
         result.estimate_note = f"not estimated: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def measured_acceptance(level: LevelResult, engine_args: dict[str, Any]) -> float | None:
+    """The drafter's acceptance per draft position at this level, from vLLM's mean acceptance length (None without
+    a drafter or a measurement): the estimate then models the step the level ran, not an assumed acceptance."""
+    length = level.server_metrics.get(SPEC_MEAN_ACCEPTED_LENGTH)
+    if length is None:
+        return None
+    config = speculative_config(engine_args)
+    if config is None or config.get("num_speculative_tokens") is None:
+        return None
+    return acceptance_for_length(length, int(config["num_speculative_tokens"]))
 
 
 def _resolve(result: TrialResult, gpu: str | None, gpu_memory_gib: float | None) -> tuple[ModelArch, Hardware] | None:
