@@ -29,6 +29,7 @@ from servetune.report.points import (
 from servetune.report.quality import QualityRow, RuleCheck, precision_rule, quality_rows
 from servetune.report.recommend import Recommendation, recommend
 from servetune.report.serving import ServeSection, serve_section
+from servetune.report.speculation import gain_lines
 from servetune.report.study import LoadedStudy, NotRead
 from servetune.report.trials import TrialRow, trial_rows
 from servetune.report.verification import Verification, conclusion, primary, verifications
@@ -76,6 +77,7 @@ class StudyReport:
     prices: tuple[str, ...] = ()  # the prices the trials were costed at, with source and date (none overridden)
     which_gpu: WhichGpu | None = None  # each GPU type's best configuration and cost (report/gpus.py)
     estimate: tuple[str, ...] = ()  # how far the estimate was from the measurements (estimate_lines)
+    speculative_gain: tuple[str, ...] = ()  # each speculative trial's gain by load (report/speculation.py)
 
     def outcome_counts(self) -> dict[str, int]:
         """Trials by outcome, plus ``not read`` (every trial directory is counted once)."""
@@ -174,6 +176,7 @@ def build_report(
         serve_check=serve_section(study.serve_check),
         energy=energy_line(study.trials, points, study.info.device),
         prices=() if price_per_device_hour is not None else prices_used(study.trials),
+        speculative_gain=tuple(gain_lines(study.trials)),
         which_gpu=which_gpu(study.trials, points, outlines, target_rps, price_per_device_hour),
         estimate=estimate_lines(study.trials),
     )

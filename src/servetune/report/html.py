@@ -40,6 +40,7 @@ from servetune.report.labels import (
 from servetune.report.markdown import (
     CLIENT_BOUND_NOTE,
     DIAGNOSIS_NOTE,
+    SPECULATIVE_GAIN_NOTE,
     VERIFY_HINT,
     client_bound_lines,
     limit_lines,
@@ -443,10 +444,14 @@ def render_html(report: StudyReport) -> str:
         if behind:
             parts.append("<h3>Load client fell behind</h3><ul>" + "".join(f"<li>{e(line)}</li>" for line in behind)
                          + f"</ul><p class='muted'>{e(CLIENT_BOUND_NOTE)}</p>")  # fmt: skip
-        drafted = speculation_lines(report.trial_table)
+        drafted = speculation_lines(report.trial_table) + list(report.speculative_gain)
         if drafted:
+            note = f"<p class='muted'>{e(SPECULATIVE_GAIN_NOTE)}</p>" if report.speculative_gain else ""
             parts.append(
-                "<h3>Speculative decoding</h3><ul>" + "".join(f"<li>{e(line)}</li>" for line in drafted) + "</ul>"
+                "<h3>Speculative decoding</h3><ul>"
+                + "".join(f"<li>{e(line)}</li>" for line in drafted)
+                + "</ul>"
+                + note
             )
     if report.estimate:  # the estimate made before each trial, against what it measured
         items = "".join(f"<li>{e(line)}</li>" for line in report.estimate)

@@ -222,6 +222,12 @@ def limit_lines(rows: Sequence[TrialRow]) -> list[str]:
     return [f"trial {row.trial_id}: {row.limited_by}" for row in rows if row.outcome == "COMPLETE" and row.limited_by]
 
 
+SPECULATIVE_GAIN_NOTE = (
+    "Gain: output throughput against the same configuration without a drafter, at each load both measured; a "
+    "gain or loss counts beyond the two levels' throughput noise added."
+)
+
+
 def speculation_lines(rows: Sequence[TrialRow]) -> list[str]:
     """``trial T (concurrency 8): accepted 55% of ...`` for every trial whose engine drafted tokens."""
     return [f"trial {row.trial_id} ({row.numbers_level}): {row.speculation}" for row in rows if row.speculation]
@@ -300,9 +306,11 @@ def render_markdown(report: StudyReport) -> str:
         behind = client_bound_lines(report.trial_table)
         if behind:
             lines += ["### Load client fell behind", "", *(f"- {line}" for line in behind), "", CLIENT_BOUND_NOTE, ""]
-        drafted = speculation_lines(report.trial_table)
+        drafted = speculation_lines(report.trial_table) + list(report.speculative_gain)
         if drafted:
             lines += ["### Speculative decoding", "", *(f"- {line}" for line in drafted), ""]
+            if report.speculative_gain:
+                lines += [SPECULATIVE_GAIN_NOTE, ""]
     lines += quality_section(report)
     lines += spread_section(report)
     lines += serve_check_section(report.serve_check)
