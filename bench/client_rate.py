@@ -26,49 +26,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
-import subprocess
 import sys
 import time
-import urllib.request
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import numpy as np
 
-from servetune.engine.server import free_port
 from servetune.load.client import StreamingClient
 from servetune.load.pace import client_bound, client_pace
 from servetune.load.requests import RequestSpec
 from servetune.load.runner import Level, run_level
-
-
-@contextmanager
-def fake_server(*args: str) -> Iterator[str]:
-    """The fake server in its own process (its event loop shares no GIL with the client's)."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "servetune.testing.fake_openai", "--port", str(port), *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120  # an interpreter starting on a busy host can take seconds
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the fake server did not start") from None
-                time.sleep(0.05)
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+from servetune.testing.process import fake_server_process
 
 
 def specs(n: int, output_tokens: int) -> list[RequestSpec]:
@@ -116,7 +84,7 @@ def main() -> int:
     args = parser.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a timeout's SIGTERM still stops the fake server
     rows: dict[str, list[dict]] = {"rate": [], "ttft": [], "open": []}
-    with fake_server("--ttft-ms", "0", "--itl-ms", "0") as url:
+    with fake_server_process("--ttft-ms", "0", "--itl-ms", "0") as url:
         asyncio.run(one_level(url, 4, 20, args.output_tokens))  # warm: connections, caches
         print("chunk rate (fake at --ttft-ms 0 --itl-ms 0)")
         print(
@@ -127,7 +95,7 @@ def main() -> int:
             rows["rate"].append(row)
             print(f"{c:>8} {row['chunks_per_s']:>10.0f} {row['cpu_us_per_chunk']:>13.1f} "
                   f"{row['cpu_share']:>10.2f} {row['chunks_per_cpu_s']:>13.0f} {row['failed']:>7}")  # fmt: skip
-    with fake_server("--ttft-ms", str(args.ttft_ms), "--itl-ms", str(args.paced_itl_ms)) as url:
+    with fake_server_process("--ttft-ms", str(args.ttft_ms), "--itl-ms", str(args.paced_itl_ms)) as url:
         asyncio.run(one_level(url, 4, 20, 16))
         print(f"\nclient-added TTFT (fake at --ttft-ms {args.ttft_ms:g} --itl-ms {args.paced_itl_ms:g}; upper bound)")
         print(f"{'streams':>8} {'chunks/s':>10} {'CPU share':>10} {'added P50 ms':>13} {'added P99 ms':>13}")

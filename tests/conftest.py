@@ -4,7 +4,6 @@ import asyncio
 import atexit
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -19,7 +18,6 @@ from servetune.engine.cores import LOCK_DIR_ENV
 from servetune.engine.server import free_port
 from servetune.models.tiny import build_tiny_model
 from servetune.testing.fake_openai import FakeOpenAI, write_fake_python
-from tests.processes import wait_until_healthy
 from tests.tiers import Tiers
 
 
@@ -137,24 +135,3 @@ def fake_server() -> Iterator[tuple[FakeOpenAI, str]]:
     fake = FakeOpenAI(ttft_ms=40.0, itl_ms=10.0)
     with serve_fake(fake) as url:
         yield fake, url
-
-
-@contextmanager
-def fake_server_process(*args: str) -> Iterator[str]:
-    """The fake server in its own process (no GIL shared with the client under test)."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "servetune.testing.fake_openai", "--port", str(port), *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        # An interpreter starting beside running engines can take 5-15 s here: room for that, and more.
-        if not wait_until_healthy(url + "/health", proc, timeout_s=120, poll_s=0.05):
-            raise RuntimeError("the fake server did not start")
-        yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import subprocess
 import time
-import urllib.request
 
 import psutil
 
@@ -20,19 +18,6 @@ def processes_mentioning(*needles: object) -> list[int]:
         except psutil.Error:
             continue
     return found
-
-
-def wait_until_healthy(url: str, proc: subprocess.Popen, timeout_s: float, poll_s: float = 0.1) -> bool:
-    """Poll ``url`` until it answers; False if ``proc`` exits or the time runs out first."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            return True
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                return False
-            time.sleep(poll_s)
 
 
 def still_running_after(timeout_s: float, *needles: object) -> list[int]:

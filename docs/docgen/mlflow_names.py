@@ -91,7 +91,7 @@ def mlflow_names(study_dir: Path) -> str:
         clients.append(RecordingClient(uri))
         return clients[-1]
 
-    with mock.patch.object(sync, "MlflowClient", client):
+    with mock.patch.object(sync, "reachable_client", client):
         report = sync.sync_study(study_dir, "sqlite:///unused.db", report_dir=study_dir / "no-report")
     if not report.ok or not clients:
         raise PluginError(f"the MLflow names: the sync of {study_dir} failed: {report.error}")

@@ -6,7 +6,7 @@ import pytest
 
 from servetune.cli import main
 from servetune.results import BenchResult
-from tests.conftest import fake_server_process
+from servetune.testing.process import fake_server_process
 from tests.processes import processes_mentioning
 
 

@@ -12,7 +12,8 @@ from servetune.load.requests import RequestSpec
 from servetune.load.runner import Level, run_level
 from servetune.metrics import RequestRecord, summarize
 from servetune.testing.fake_openai import FakeOpenAI
-from tests.conftest import fake_server_process, serve_fake
+from servetune.testing.process import fake_server_process
+from tests.conftest import serve_fake
 
 
 def specs(n, out=20):
@@ -188,3 +189,18 @@ def test_closed_loop_clients_start_staggered_and_the_level_says_how_synchronized
         staggered, records = asyncio.run(go(url, stagger=True))
     assert together >= 0.9 and staggered <= 0.6, (together, staggered)
     assert sum(r.ok for r in records) == 40  # nothing lost to the ramp
+
+
+def test_the_fake_server_process_leaves_nothing_behind_and_a_failed_start_is_an_error():
+    import urllib.request
+
+    from tests.processes import processes_mentioning, still_running_after
+
+    with fake_server_process("--ttft-ms", "0") as url:
+        port = url.rsplit(":", 1)[1]
+        with urllib.request.urlopen(url + "/health", timeout=5) as resp:
+            assert resp.status == 200
+        assert processes_mentioning("servetune.testing.fake_openai", "--port", port)
+    assert still_running_after(10, "servetune.testing.fake_openai", "--port", port) == []
+    with pytest.raises(RuntimeError, match="did not start"), fake_server_process("--fail-startup"):
+        pass

@@ -22,10 +22,10 @@ from mlflow import MlflowClient
 
 from servetune.engine.server import free_port
 from servetune.report.diagnosis import limited_by
+from servetune.testing.process import wait_until_healthy
 from servetune.tracking import sync_study
 from servetune.tracking.callback import MlflowCallback
 from tests.builders import demo_trials, level, study_info, trial, write_study
-from tests.processes import wait_until_healthy
 
 SPACE = "name: {name}\nworkload: chat\nparams:\n  max_num_seqs: [16, 32, 64]\n"
 REQUESTS = "".join(

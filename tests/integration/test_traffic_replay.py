@@ -12,7 +12,7 @@ from servetune.config.workload import load_workload
 from servetune.load.client import StreamingClient
 from servetune.load.requests import RequestSpec
 from servetune.load.runner import Level, run_level, workload_levels
-from tests.conftest import fake_server_process
+from servetune.testing.process import fake_server_process
 
 #: Scheduling slack on a shared two-core host: a stall of a busy host (an engine starting beside
 #: the test) reached 0.05 s; still well under the 0.3 s think time whose absence the test catches.

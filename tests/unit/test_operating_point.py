@@ -131,6 +131,28 @@ def test_verify_starts_its_engine_with_the_admission_bounds_export_prints(tmp_pa
     assert admission_record(winner)["engine_args"] == bounds
 
 
+def test_without_admission_the_configuration_starts_as_its_trial_ran(tmp_path):
+    root = study(tmp_path / "s")
+    bounded, recorded = select(root, "t1").winner, select(root, "t1", admission=False).winner
+    assert {"max_num_queued_reqs", "max_num_queued_tokens"} <= set(bounded.spec.engine_args)
+    assert recorded.admission is None and recorded.spec.engine_args == {"max_num_seqs": 8}
+    assert recorded.level == bounded.level  # the same operating point, only the bounds differ
+
+
+def test_recheck_asks_for_the_configuration_as_its_trial_ran(tmp_path, monkeypatch, capsys):
+    import servetune.verify.choose as choose
+
+    asked = []
+
+    def select_spy(*args, **kwargs):
+        asked.append(kwargs.get("admission", True))
+        raise UserError("stop here")
+
+    monkeypatch.setattr(choose, "select", select_spy)
+    assert main(["recheck", str(study(tmp_path / "s"))]) == 2
+    assert asked == [False] and "stop here" in capsys.readouterr().err
+
+
 def test_a_trial_through_ray_serve_keeps_serves_queue_bound_and_says_why(tmp_path):
     root = study(tmp_path / "s")
     winner = select(root, "t1").winner

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime as dt
 import signal
 import sys
@@ -84,13 +83,14 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats is not None and args.repeats < 1:
         raise UserError(f"--repeats must be at least 1, got {args.repeats}")
     pick = "best" if args.pick == "shipped" else args.pick
-    selection = select(args.study_dir, pick, args.python)  # bad input stops here, before anything starts
+    # Launched as its trial was, without the admission bounds verify adds, so its ladder is measured again as it was
+    # first measured. Bad input stops here, before anything starts.
+    selection = select(args.study_dir, pick, args.python, admission=False)
     chosen = [selection.winner]
     if args.runner_up:
         if selection.runner_up is None:
             raise UserError(f"--runner-up: the study has no other candidate meeting the SLO than trial {selection.winner.trial_id}")  # fmt: skip
         chosen.append(selection.runner_up)
-    chosen = [as_recorded(one) for one in chosen]
     quality = quality_plan(
         args.study_dir, selection.space, selection.info.space_file
     )  # a missing suite: before any start
@@ -118,17 +118,6 @@ def run(args: argparse.Namespace) -> int:
     if uri is not None:
         console.print(log_recheck(uri, doc.model_dump(mode="json"), out), soft_wrap=True, highlight=False)
     return doc.exit_status
-
-
-def as_recorded(one: Chosen) -> Chosen:
-    """``one`` launched as its trial was: without the admission bounds verify adds (verify/choose.py
-    ``with_admission``) where the trial had none, so its ladder is measured again as it was first measured (a bound
-    would refuse the top levels' excess where the recorded engine queued it)."""
-    from servetune.verify.overload import ADMISSION_ARGS
-
-    recorded = one.result.engine_args
-    kept = {k: v for k, v in one.spec.engine_args.items() if k not in ADMISSION_ARGS or k in recorded}
-    return dataclasses.replace(one, spec=dataclasses.replace(one.spec, engine_args=kept), admission=None)
 
 
 def _recheck(one: Chosen, args: argparse.Namespace, version: str, before: str | None,

@@ -17,13 +17,17 @@ import os
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mlflow.exceptions import MlflowException
 
 from servetune.results import STUDY_FILE
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
 
 #: MLflow's default local store (MLflow 3), relative to the current directory.
 DEFAULT_TRACKING_URI = "sqlite:///mlflow.db"
@@ -108,6 +112,36 @@ def check_reachable(uri: str, timeout_s: float = 3.0) -> None:
     reason = unreachable_reason(uri, timeout_s)
     if reason is not None:
         raise TrackingUnavailable(f"MLflow at {uri} is unreachable ({reason})")
+
+
+def reachable_client(uri: str) -> MlflowClient:
+    """A client of the store at ``uri``, once a remote server has answered (:func:`check_reachable`)."""
+    check_reachable(uri)
+    from mlflow import MlflowClient
+
+    return MlflowClient(uri)
+
+
+def log_to_study(tracking_uri: str | None, study: str, what: str, log: Callable[[MlflowClient, str], str],
+                 no_store_hint: str = "") -> str:  # fmt: skip
+    """Log ``what`` into the existing experiment of ``study`` at ``tracking_uri``: ``log(client, experiment_id)``
+    does it (MLflow's retries bounded) and says what it did. Returns one line, ``MLflow <uri>: `` and that, or why
+    ``what`` was not logged (a SQLite file that is not there, with ``no_store_hint`` after; a server that does not
+    answer; no experiment of that name; MLflow failing), never raising for MLflow: the file on disk holds
+    everything either way."""
+    uri = resolve_tracking_uri(tracking_uri)
+    prefix = "sqlite:///"
+    if uri.startswith(prefix) and not Path(uri[len(prefix) :]).is_file():
+        return f"MLflow: no store at {uri} (the study was not logged there): {what} not logged{no_store_hint}"
+    try:
+        with mlflow_env(bounded=True):
+            client = reachable_client(uri)
+            experiment = client.get_experiment_by_name(study)
+            if experiment is None:
+                return f"MLflow {uri}: no experiment '{study}': {what} not logged"
+            return f"MLflow {uri}: {log(client, experiment.experiment_id)}"
+    except TRACKING_ERRORS as exc:
+        return f"MLflow {uri}: {what} not logged ({describe_error(exc)})"
 
 
 def describe_error(exc: BaseException) -> str:

@@ -14,16 +14,13 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from servetune.tracking.connection import (
-    TRACKING_ERRORS,
-    check_reachable,
-    describe_error,
-    mlflow_env,
-    resolve_tracking_uri,
-)
+from servetune.tracking.connection import log_to_study
 from servetune.tracking.writer import ROLE_TAG, RUN_NAME_TAG, STUDY_TAG
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
 
 RECHECK_ROLE = "recheck"
 
@@ -56,28 +53,18 @@ def recheck_tags(doc: Mapping[str, Any]) -> dict[str, str]:
 
 def log_recheck(tracking_uri: str, doc: Mapping[str, Any], recheck_file: Path | None = None) -> str:
     """Log the re-check as a run of the study's experiment; returns one line saying what happened (never raises)."""
-    uri = resolve_tracking_uri(tracking_uri)
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not Path(uri[len(prefix) :]).is_file():
-        return f"MLflow: no store at {uri} (the study was not logged there): recheck not logged"
     study = str(doc.get("study"))
-    try:
-        with mlflow_env(bounded=True):
-            check_reachable(uri)
-            from mlflow import MlflowClient
-            from mlflow.entities import Metric
 
-            client = MlflowClient(uri)
-            experiment = client.get_experiment_by_name(study)
-            if experiment is None:
-                return f"MLflow {uri}: no experiment '{study}': recheck not logged"
-            run = client.create_run(experiment.experiment_id, tags=recheck_tags(doc))
-            stamp = int(time.time() * 1000)
-            metrics = [Metric(k, v, stamp, 0) for k, v in recheck_metrics(doc).items()]
-            client.log_batch(run.info.run_id, metrics=metrics)
-            if recheck_file is not None and recheck_file.is_file():
-                client.log_artifact(run.info.run_id, str(recheck_file), RECHECK_ROLE)
-            client.set_terminated(run.info.run_id)
-            return f"MLflow {uri}: recheck logged as run {run.info.run_id} of experiment '{study}'"
-    except TRACKING_ERRORS as exc:
-        return f"MLflow {uri}: recheck not logged ({describe_error(exc)})"
+    def log(client: MlflowClient, experiment_id: str) -> str:
+        from mlflow.entities import Metric
+
+        run = client.create_run(experiment_id, tags=recheck_tags(doc))
+        stamp = int(time.time() * 1000)
+        metrics = [Metric(k, v, stamp, 0) for k, v in recheck_metrics(doc).items()]
+        client.log_batch(run.info.run_id, metrics=metrics)
+        if recheck_file is not None and recheck_file.is_file():
+            client.log_artifact(run.info.run_id, str(recheck_file), RECHECK_ROLE)
+        client.set_terminated(run.info.run_id)
+        return f"recheck logged as run {run.info.run_id} of experiment '{study}'"
+
+    return log_to_study(tracking_uri, study, "recheck", log)

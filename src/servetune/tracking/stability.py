@@ -12,16 +12,13 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from servetune.tracking.connection import (
-    TRACKING_ERRORS,
-    check_reachable,
-    describe_error,
-    mlflow_env,
-    resolve_tracking_uri,
-)
+from servetune.tracking.connection import log_to_study
 from servetune.tracking.writer import TRIAL_TAG
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
 
 METRICS = {
     "stability.cancellation_success_rate": "cancellation_success_rate",
@@ -43,29 +40,19 @@ def stability_metrics(stability: Mapping[str, Any], accepted: bool) -> dict[str,
 def log_stability(tracking_uri: str | None, study: str, trial_id: str, stability: Mapping[str, Any], accepted: bool,
                   verify_file: Path | None = None) -> str:  # fmt: skip
     """Log on the trial's run; returns one line saying what happened (never raises for MLflow)."""
-    uri = resolve_tracking_uri(tracking_uri)
-    prefix = "sqlite:///"
-    if uri.startswith(prefix) and not Path(uri[len(prefix) :]).is_file():
-        return f"MLflow: no store at {uri} (the study was not logged there): stability not logged (pass --tracking-uri)"
-    try:
-        with mlflow_env(bounded=True):
-            check_reachable(uri)
-            from mlflow import MlflowClient
-            from mlflow.entities import Metric, RunTag
 
-            client = MlflowClient(uri)
-            experiment = client.get_experiment_by_name(study)
-            if experiment is None:
-                return f"MLflow {uri}: no experiment '{study}': stability not logged"
-            runs = client.search_runs([experiment.experiment_id], f"tags.`{TRIAL_TAG}` = '{trial_id}'", max_results=1)
-            if not runs:
-                return f"MLflow {uri}: no run of trial {trial_id} in experiment '{study}': stability not logged"
-            run_id = runs[0].info.run_id
-            stamp = int(time.time() * 1000)
-            metrics = [Metric(k, v, stamp, 0) for k, v in stability_metrics(stability, accepted).items()]
-            client.log_batch(run_id, metrics=metrics, tags=[RunTag("verify.accepted", "yes" if accepted else "no")])
-            if verify_file is not None and verify_file.is_file():
-                client.log_artifact(run_id, str(verify_file), "verify")
-            return f"MLflow {uri}: stability logged on the run of trial {trial_id} ({run_id})"
-    except TRACKING_ERRORS as exc:
-        return f"MLflow {uri}: stability not logged ({describe_error(exc)})"
+    def log(client: MlflowClient, experiment_id: str) -> str:
+        from mlflow.entities import Metric, RunTag
+
+        runs = client.search_runs([experiment_id], f"tags.`{TRIAL_TAG}` = '{trial_id}'", max_results=1)
+        if not runs:
+            return f"no run of trial {trial_id} in experiment '{study}': stability not logged"
+        run_id = runs[0].info.run_id
+        stamp = int(time.time() * 1000)
+        metrics = [Metric(k, v, stamp, 0) for k, v in stability_metrics(stability, accepted).items()]
+        client.log_batch(run_id, metrics=metrics, tags=[RunTag("verify.accepted", "yes" if accepted else "no")])
+        if verify_file is not None and verify_file.is_file():
+            client.log_artifact(run_id, str(verify_file), "verify")
+        return f"stability logged on the run of trial {trial_id} ({run_id})"
+
+    return log_to_study(tracking_uri, study, "stability", log, no_store_hint=" (pass --tracking-uri)")

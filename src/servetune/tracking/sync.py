@@ -15,7 +15,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import yaml
-from mlflow import MlflowClient
 
 from servetune.errors import UserError
 from servetune.report import LoadedStudy, Recommendation, StudyReport, build_report, load_study
@@ -34,9 +33,9 @@ from servetune.results import (
 from servetune.tracking.connection import (
     TRACKING_ERRORS,
     TrackingError,
-    check_reachable,
     describe_error,
     mlflow_env,
+    reachable_client,
     resolve_tracking_uri,
 )
 from servetune.tracking.fields import (
@@ -132,8 +131,7 @@ class StudySync:
 
     def open(self, report: SyncReport) -> None:
         """Check the server, then find or create the experiment and the parent run. Raises ``TRACKING_ERRORS``."""
-        check_reachable(self.tracking_uri)
-        self.writer = MlflowStudyWriter(MlflowClient(self.tracking_uri))
+        self.writer = MlflowStudyWriter(reachable_client(self.tracking_uri))
         study = load_study(self.study_dir, skip_unreadable=True)
         info = study.info
         self.experiment_id = self.writer.experiment(info.name, {EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})

@@ -97,10 +97,13 @@ def at_operating_point(level: Level, operating: OperatingLoad) -> Level:
 
 
 def select(study_dir: Path, pick: str, python: str = sys.executable, address: str | None = None,
-           headroom: float = DEFAULT_HEADROOM) -> Selection:  # fmt: skip
+           headroom: float = DEFAULT_HEADROOM, admission: bool = True) -> Selection:  # fmt: skip
     """The configuration to verify and its runner-up (the best other candidate), each at its operating point
     (``headroom`` x min(capacity, knee)); UserError on bad input.
-    ``address``: the Ray cluster trials through Serve are deployed on (default: a local Ray)."""
+    ``address``: the Ray cluster trials through Serve are deployed on (default: a local Ray).
+    ``admission``: start each with the admission bounds export ships (:func:`with_admission`); without, each is
+    launched as its trial was (recheck measures the recorded ladder again, where a bound would refuse the top
+    levels' excess that the recorded engine queued)."""
     study = load_study(study_dir)
     complete = [t for t in study.trials if t.outcome == "COMPLETE"]
     if not complete:
@@ -119,7 +122,7 @@ def select(study_dir: Path, pick: str, python: str = sys.executable, address: st
                         "nothing to verify")  # fmt: skip
     rebuild = _Rebuild.of(study_dir, study, report, python, headroom)
     others = [c for c in candidates(report.points) if c.trial_id != point.trial_id]
-    selection = rebuild.selection(point, others[0] if others else None)
+    selection = rebuild.selection(point, others[0] if others else None, admission)
     for chosen in (selection.winner, selection.runner_up):
         if chosen is not None and chosen.spec.serve_replicas is not None:
             check_serve(chosen, address)
@@ -226,14 +229,20 @@ class _Rebuild:
         context = StudyContext(space, workload, study_dir.resolve(), model, levels, python=python)
         return cls(study_dir, study.info, space, workload, report, context, headroom)
 
-    def chosen(self, point: ReportPoint) -> Chosen:
+    def chosen(self, point: ReportPoint, admission: bool = True) -> Chosen:
+        """``point``'s configuration at its operating point; with ``admission``, with the admission bounds export
+        ships (:func:`with_admission`), else as its trial ran it."""
         result = read_result(self.study_dir / TRIALS_DIR / point.trial_id)
         assert result is not None  # the report read it
         operating = operating_point_of(self.report, point, self.headroom)
         level = at_operating_point(_level(point, self.context.levels, self.workload), operating)
-        spec, admission = with_admission(self.context.spec_for(dict(result.params)), self.report, point)
-        return Chosen(point, result, spec, level, operating, admission)
+        spec = self.context.spec_for(dict(result.params))
+        if not admission:
+            return Chosen(point, result, spec, level, operating)
+        spec, bounds = with_admission(spec, self.report, point)
+        return Chosen(point, result, spec, level, operating, bounds)
 
-    def selection(self, point: ReportPoint, runner_up: ReportPoint | None) -> Selection:
-        return Selection(self.study_dir, self.info, self.space, self.workload, self.report, self.chosen(point),
-                         self.chosen(runner_up) if runner_up is not None else None)  # fmt: skip
+    def selection(self, point: ReportPoint, runner_up: ReportPoint | None, admission: bool = True) -> Selection:
+        return Selection(self.study_dir, self.info, self.space, self.workload, self.report,
+                         self.chosen(point, admission),
+                         self.chosen(runner_up, admission) if runner_up is not None else None)  # fmt: skip
