@@ -12,8 +12,9 @@ from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory
 from servetune.load.runner import Level
 from servetune.testing.fake_openai import FakeOpenAI
+from servetune.testing.process import fake_server_process
 from servetune.trial.measure import EarlyBreak, LevelPlan, measure_level
-from tests.conftest import fake_server_process, serve_fake
+from tests.conftest import serve_fake
 
 
 def measure(ttft_ms: float, slo: str, tokenizer):
