@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from servetune.metrics import RequestRecord
-from servetune.serve.ramp import RampSample, ramp_phases, summarize_ramp
+from servetune.serve.ramp import RampSample, ramp_phases, replica_seconds, slo_attainment, summarize_ramp
 
 PHASES = ramp_phases(knee=2, max_replicas=2, hold_s=5)
 STARTS = {"1x": 0.0, "3x": 10.0, "back to 1x": 40.0}
@@ -72,3 +72,21 @@ def test_a_ramp_that_never_scales_says_so():
     s = summarize_ramp(samples, [], [], PHASES, STARTS, {}, end_s=50)
     assert s["time_to_scale_up_s"] is None and s["new_replicas"] == [] and s["replicas_peak"] == 1
     assert ramp_phases(4, 1, 3)[1].wait_for_replicas == 0  # nothing to wait for with one replica at most
+
+
+def test_replica_seconds_hold_each_samples_replicas_until_the_next_and_count_starting_ones():
+    samples = [sample(0, 1, {}), sample(10, 1, {}, starting=1), sample(20, 2, {}), sample(30, 1, {})]
+    # 1 x 10 s, then 2 (one starting) x 10 s, 2 x 10 s, 1 x the last 5 s
+    assert replica_seconds(samples, end_s=35) == pytest.approx(10 + 20 + 20 + 5)
+    assert replica_seconds(list(reversed(samples)), end_s=35) == pytest.approx(55)  # order of arrival does not matter
+    assert replica_seconds(samples, end_s=15) == pytest.approx(10 + 2 * 5)  # a sample past the end adds nothing
+    assert replica_seconds([], end_s=35) == 0.0
+
+
+def test_attainment_counts_failed_and_slow_requests_as_broken():
+    samples = [sample(1, 1, {"old": 1}), sample(45, 2, {"old": 2})]
+    records = [request(1, 0.05), request(12, 0.5), request(35, 0.05), request(41, 0.05, ok=False)]
+    s = summarize_ramp(samples, records, ["1x", "3x", "3x", "back to 1x"], PHASES, STARTS, {"ttft_ms": 300}, end_s=50)
+    assert s["slo_violations"] == 2 and s["slo_attainment"] == pytest.approx(2 / 4)
+    assert s["replica_seconds"] == pytest.approx(1 * 44 + 2 * 5)
+    assert slo_attainment(0, 0) is None

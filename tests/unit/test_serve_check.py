@@ -251,7 +251,53 @@ def test_cli_ramp_refusals_come_before_ray_starts(tmp_path, capsys, monkeypatch)
     assert "3 replicas of 1 CPU core (TP x PP) need 3 CPU cores" in err[0]  # the peak 3x the knee: 3 replicas
     assert main(["serve-check", str(study), "--pick", "t1", "--ramp", "--delay-scale", "2"]) == 2
     assert "--delay-scale a factor in (0, 1]" in capsys.readouterr().err
+    assert main(["serve-check", str(study), "--pick", "t1", "--replicas", "1", "--ramp",
+                 "--ramp-policy", "inflight,cpu"]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["servetune serve-check: error: --ramp-policy 'inflight,cpu': choose from inflight, predictive "
+                   "(e.g. inflight,predictive)"]  # fmt: skip
+    assert main(["serve-check", str(study), "--pick", "t1", "--replicas", "1", "--ramp-policy", "predictive"]) == 2
+    assert "--ramp-policy predictive: the policies are compared on a ramp: add --ramp" in capsys.readouterr().err
     assert not (study / "serve-check.json").exists()
+
+
+def test_run_check_ramps_each_policy_in_turn_and_the_table_sets_them_side_by_side(tmp_path):
+    from rich.console import Console
+
+    from servetune.cli.serve_check_tables import policies_table
+    from servetune.serve.check import Ramp
+    from servetune.serve.ramp import RampResult
+
+    picked = read_picked(tiny_study(tmp_path / "s"), "t1")
+    cluster, teardown = FakeCluster(), Teardown(pids=set())
+    configs = {
+        name: {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 8}
+               | extra, "max_ongoing_requests": 10, "max_queued_requests": 4}
+        for name, extra in (("inflight", {}), ("predictive", {"policy": {"policy_function": "m:P"}}))
+    }  # fmt: skip
+    deployed: list[str] = []
+
+    def ramp_for(policy: str, attained: float, used: float) -> Ramp:
+        def run(url, served):
+            deployed.append(policy)
+            return RampResult(policy=policy, knee_concurrency=8, autoscaling_config=configs[policy]["autoscaling_config"],
+                              max_ongoing_requests=10, max_queued_requests=4, reasons={}, replicas_before=1,
+                              replicas_peak=2, requests=200, slo_violations=round(200 * (1 - attained)),
+                              slo_attainment=attained, replica_seconds=used)  # fmt: skip
+
+        return Ramp(deployment_config=configs[policy], run=run)
+
+    ramps = [ramp_for("inflight", 0.9, 300.0), ramp_for("predictive", 0.99, 340.0)]
+    result = run_check(picked, [1, 2], cluster, "app", lambda url, served, n: [level(8, 380 * n, 320)], teardown,
+                       ramp=ramps)  # fmt: skip
+    assert deployed == ["inflight", "predictive"]  # each once, after the first count, in the order asked
+    assert [r.policy for r in result.ramps] == ["inflight", "predictive"] and result.ramp == result.ramps[0]
+    assert all(r.ready_s is not None for r in result.ramps)
+    console = Console(width=200, record=True)
+    console.print(policies_table(result.ramps))
+    lines = console.export_text().splitlines()
+    assert any("inflight" in line and "90.0%" in line and "300" in line for line in lines)
+    assert any("predictive" in line and "99.0%" in line and "340" in line for line in lines)
 
 
 def test_run_check_keeps_each_part_as_it_finishes_and_routers_and_layouts_so_far_carry_no_verdict(tmp_path):

@@ -91,6 +91,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="for --format ray-serve, kubernetes, kserve: autoscale each replica at X times the lower of its capacity at the SLO and its "
              "knee (where throughput stops growing with load); default 0.8",
     )  # fmt: skip
+    p.add_argument(
+        "--autoscaling-policy", choices=("inflight", "predictive"), default="inflight",
+        help="for --format ray-serve: scale on requests in flight (Serve's own policy, default) or also on what "
+             "predicts a breach, requests waiting and KV-cache usage (servetune's custom policy; servetune must be "
+             "installed on the cluster)",
+    )  # fmt: skip
     p.add_argument("--skip-unreadable", action="store_true", help="do not stop at an invalid result.json")
     p.set_defaults(run=run)
 
@@ -112,8 +118,11 @@ def run(args: argparse.Namespace) -> int:
         text = vllm_command(point, admission_for(report, point))
     elif args.format == "ray-serve":
         checked = report.serve_check
+        derived = autoscaling_for(report, point, args.peak, args.headroom)
+        if not isinstance(derived, str):
+            derived = derived.with_policy(args.autoscaling_policy)
         text = ray_serve_yaml(
-            point, args.accelerator_type, autoscaling_for(report, point, args.peak, args.headroom),
+            point, args.accelerator_type, derived,
             checked.router if checked else None, checked.layout if checked else None,
             checked.stream_batching if checked else None,
         )  # fmt: skip

@@ -144,6 +144,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="the most replicas the ramp may scale to (default: the derived max_replicas for 3x the knee)",
     )
     p.add_argument(
+        "--ramp-policy",
+        default="inflight",
+        metavar="A,B",
+        help="the autoscaling policies to ramp, one after the other: inflight (Serve's, on requests in flight), "
+        "predictive (also on requests waiting and KV usage); e.g. inflight,predictive (default: inflight)",
+    )
+    p.add_argument(
         "--delay-scale",
         type=float,
         default=1.0,
@@ -203,8 +210,14 @@ def with_stream_batching(picked, interval_ms: float):
 def run(args: argparse.Namespace) -> int:
     from servetune.cli.bench import exit_on_sigterm, run_levels
     from servetune.cli.display import console as make_console
-    from servetune.cli.serve_check_parts import layout_args, make_ramp, ramp_autoscaling, routing_args
-    from servetune.cli.serve_check_tables import layouts_table, ramp_table, routing_table, scaling_table
+    from servetune.cli.serve_check_parts import layout_args, make_ramp, ramp_autoscaling, ramp_policies, routing_args
+    from servetune.cli.serve_check_tables import (
+        layouts_table,
+        policies_table,
+        ramp_table,
+        routing_table,
+        scaling_table,
+    )
     from servetune.engine.args import vllm_version
     from servetune.errors import UserError
     from servetune.load.requests import PromptFactory
@@ -238,6 +251,9 @@ def run(args: argparse.Namespace) -> int:
     if args.stream_batching_ms is not None:
         picked = with_stream_batching(picked, args.stream_batching_ms)
     name = args.app_name or APP_NAME
+    policies = ramp_policies(args.ramp_policy)
+    if policies != ["inflight"] and not args.ramp:
+        raise UserError(f"--ramp-policy {args.ramp_policy}: the policies are compared on a ramp: add --ramp")
     derived = ramp_autoscaling(args, picked) if args.ramp else None
     routing_workload, routers, routing_replicas = routing_args(args, replicas, picked.point.engine_args)
     need = check_before_start(picked, replicas, args.address) if replicas else None
@@ -274,8 +290,9 @@ def run(args: argparse.Namespace) -> int:
 
     cluster: ServeCluster  # started below, before the ramp reads it
     ramp = None
-    if derived is not None:  # --ramp
-        ramp = make_ramp(args, picked, derived, prompts, name, records, console, lambda: cluster)
+    if derived is not None:  # --ramp, once per --ramp-policy
+        ramp = [make_ramp(args, picked, derived.with_policy(policy), prompts, name, records, console, lambda: cluster)
+                for policy in policies]  # fmt: skip
 
     routing = None
     if routing_workload is not None:  # --routers
@@ -368,8 +385,10 @@ def run(args: argparse.Namespace) -> int:
     result.replica_pids = sorted(teardown.pids)
     write_result(out, requests_path, result, records)
     make_console().print(scaling_table(result))
-    if result.ramp is not None:
-        make_console().print(ramp_table(result.ramp))
+    for ramped in result.ramps or ([result.ramp] if result.ramp is not None else []):
+        make_console().print(ramp_table(ramped))
+    if len(result.ramps) > 1:
+        make_console().print(policies_table(result.ramps))
     if result.routing is not None:
         make_console().print(routing_table(result.routing))
     if result.layouts is not None:
@@ -381,7 +400,8 @@ def run(args: argparse.Namespace) -> int:
     )
     completed = completed and all(run.level is not None and run.level.summary.completed
                                   for run in (result.layouts.runs if result.layouts else []))  # fmt: skip
-    return 0 if completed and not (result.ramp is not None and result.ramp.traffic_before_ready) else 1
+    early = any(r.traffic_before_ready for r in result.ramps or ([result.ramp] if result.ramp is not None else []))
+    return 0 if completed and not early else 1
 
 
 def stopped_reason(exc: BaseException) -> str:

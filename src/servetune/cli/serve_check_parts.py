@@ -134,6 +134,18 @@ def ramp_autoscaling(args: argparse.Namespace, picked: PickedStudy) -> Autoscali
     return derived
 
 
+def ramp_policies(text: str) -> list[str]:
+    """--ramp-policy's autoscaling policies, in order, each once; refused in one line if unknown."""
+    from servetune.errors import UserError
+    from servetune.report.autoscale_policy import POLICIES
+
+    asked = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in asked if name not in POLICIES]
+    if unknown or not asked:
+        raise UserError(f"--ramp-policy {text!r}: choose from {', '.join(POLICIES)} (e.g. inflight,predictive)")
+    return list(dict.fromkeys(asked))
+
+
 def make_ramp(
     args: argparse.Namespace, picked: PickedStudy, derived: Autoscaling, prompts: PromptFactory, name: str,
     records: list[dict[str, Any]], console: Console, cluster: Callable[[], ServeCluster],
@@ -150,7 +162,7 @@ def make_ramp(
     scale_up_timeout_s = picked.startup_timeout_s + derived.upscale_delay_s + derived.look_back_period_s + 30.0
 
     def run_it(url: str, served: str) -> RampResult:
-        console.print(f"[bold]ramp[/]: autoscaling {derived.min_replicas}-{derived.max_replicas} replicas, target "
+        console.print(f"[bold]ramp ({derived.policy})[/]: autoscaling {derived.min_replicas}-{derived.max_replicas} replicas, target "
                       f"{derived.target_ongoing_requests} in flight; clients {knee}, {3 * knee}, {knee}")  # fmt: skip
         summary, samples, recs, phase_of = asyncio.run(run_ramp(
             cluster(), name, url, served, picked.workload, prompts, phases, picked.slo.request_bounds_ms(),
@@ -159,7 +171,7 @@ def make_ramp(
         ))  # fmt: skip
         records.extend({**r.to_dict(), "ramp_phase": ph} for r, ph in zip(recs, phase_of, strict=True))
         return RampResult(
-            knee_concurrency=knee, autoscaling_config=derived.autoscaling_config(),
+            policy=derived.policy, knee_concurrency=knee, autoscaling_config=derived.autoscaling_config(),
             max_ongoing_requests=derived.max_ongoing_requests, max_queued_requests=derived.max_queued_requests,
             reasons=derived.reasons, samples=samples, **summary,
         )  # fmt: skip

@@ -4,6 +4,7 @@ report/serving.py's, shared with the report."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from rich.table import Table
@@ -51,7 +52,8 @@ def ramp_table(ramp: RampResult) -> Table:
     from servetune.report.serving import num_text
 
     table = Table(
-        title="serve-check --ramp: the derived autoscaling under 1x, 3x and 1x the knee", title_justify="left"
+        title=f"serve-check --ramp: the derived autoscaling ({ramp.policy} policy) under 1x, 3x and 1x the knee",
+        title_justify="left",
     )
     for col in ("t (s)", "phase", "clients", "replicas", "done", "SLO broken", "TTFT p95", "requests per replica"):
         table.add_column(col, justify="right")
@@ -71,6 +73,21 @@ def ramp_table(ramp: RampResult) -> Table:
            else "no new replica served before it was RUNNING")
         + "\n" + "; ".join(f"{p.name}: {p.slo_violations}/{p.requests} broken" for p in ramp.phases)
     )  # fmt: skip
+    return table
+
+
+def policies_table(ramps: Sequence[RampResult]) -> Table:
+    """The autoscaling policies side by side on the same ramp: SLO attainment and the replica-seconds each used."""
+    from servetune.report.serving import num_text
+
+    table = Table(title="serve-check --ramp-policy: the policies on the same 1x, 3x, 1x ramp", title_justify="left")
+    for col in ("policy", "requests", "SLO met", "replica-seconds", "replicas peak", "time to scale up (s)"):
+        table.add_column(col, justify="right")
+    for r in ramps:
+        table.add_row(r.policy, str(r.requests), "-" if r.slo_attainment is None else f"{r.slo_attainment:.1%}",
+                      num_text(r.replica_seconds, 0),
+                      str(r.replicas_peak), num_text(r.time_to_scale_up_s, 1))  # fmt: skip
+    table.caption = "SLO met: requests that met every per-request bound; replica-seconds: replicas RUNNING or starting"
     return table
 
 

@@ -33,8 +33,10 @@ exported file):
   the load averaged over Serve's 30 s window (``look_back_period_s``). ``delay_scale`` shrinks all
   three for a quick check (serve-check's ramp on the CPU stand-in); exported files keep them.
 
-Section 11's other triggers (KV-cache usage above 85%, never GPU utilization alone) are not
-expressible in Serve's request-based policy; the knee's measured KV usage is stated beside it.
+Section 11's other triggers (queue wait, KV-cache usage above 85%, never GPU utilization alone) are
+not expressible in Serve's request-based policy; the knee's measured KV usage is stated beside it.
+``with_policy("predictive")`` swaps in the custom policy of :mod:`servetune.report.autoscale_policy`,
+which scales on requests waiting and KV usage as well, its thresholds derived here too.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from typing import Any
 
 from servetune.config.space import SERVE_REPLICAS
 from servetune.errors import UserError
-from servetune.metrics import REQUEST_THROUGHPUT
+from servetune.metrics import REQUEST_THROUGHPUT, TTFT_P99
+from servetune.report.autoscale_policy import POLICIES, POLICY_FUNCTION, PredictiveThresholds, predictive_thresholds
 from servetune.report.points import KV_CACHE_USAGE_MAX, ReportPoint, level_label
 from servetune.results import Capacity, Knee
 
@@ -86,6 +89,9 @@ class Autoscaling:
     look_back_period_s: float
     kv_cache_usage_at_knee: float | None = None
     reasons: dict[str, str] = field(default_factory=dict)
+    policy: str = "inflight"  # Serve's request-based policy; "predictive": autoscale_policy.PredictivePolicy
+    predictive: PredictiveThresholds | None = None  # the predictive policy's thresholds, derived beside
+    predictive_reasons: dict[str, str] = field(default_factory=dict)
 
     def autoscaling_config(self) -> dict[str, Any]:
         """Serve's ``autoscaling_config`` (ray.serve.config.AutoscalingConfig fields)."""
@@ -94,7 +100,8 @@ class Autoscaling:
             "target_ongoing_requests": self.target_ongoing_requests, "upscale_delay_s": self.upscale_delay_s,
             "downscale_delay_s": self.downscale_delay_s, "look_back_period_s": self.look_back_period_s,
             "upscaling_factor": 1.0,
-        }  # fmt: skip
+        } | ({"policy": {"policy_function": POLICY_FUNCTION, "policy_kwargs": self.predictive.policy_kwargs()}}
+             if self.policy == "predictive" and self.predictive is not None else {})  # fmt: skip
 
     def deployment_config(self) -> dict[str, Any]:
         """The LLM deployment's ``deployment_config``: autoscaling plus the per-replica and queue caps."""
@@ -103,6 +110,17 @@ class Autoscaling:
             "max_ongoing_requests": self.max_ongoing_requests,
             "max_queued_requests": self.max_queued_requests,
         }
+
+    def with_policy(self, policy: str) -> Autoscaling:
+        """The same settings scaled by ``policy``: "inflight" (Serve's own) or "predictive" (its reasons added)."""
+        if policy not in POLICIES:
+            raise UserError(f"autoscaling policy {policy!r}: choose one of {', '.join(POLICIES)}")
+        if policy == self.policy:
+            return self
+        reasons = {k: v for k, v in self.reasons.items() if k not in self.predictive_reasons}
+        if policy == "predictive":
+            reasons |= self.predictive_reasons
+        return dataclasses.replace(self, policy=policy, reasons=reasons)
 
     def with_max_replicas(self, cap: int, why: str) -> Autoscaling:
         """The same settings with at most ``cap`` replicas (what a smaller cluster holds)."""
@@ -218,6 +236,10 @@ def derive_autoscaling(
     max_ongoing = max(target + 1, math.ceil(ONGOING_HEADROOM * target))
     kv = base.server_metrics.get(KV_CACHE_USAGE_MAX)
     scale = f" (section 11's value x {delay_scale:g} for a quick check)" if delay_scale != 1.0 else ""
+    ttft_at_knee = base.metrics.get(TTFT_P99)
+    predictive, predictive_reasons = predictive_thresholds(
+        target, throughput, wait_s, wait_why, None if ttft_at_knee is None else float(ttft_at_knee), KV_USAGE_LIMIT
+    )
     reasons = {
         "knee": (f"trial {trial_id}'s highest level meeting every SLO bound: {level_label(base.level)}{per}, "
                  f"{throughput:.2f} req/s per replica" if headroom is None else
@@ -247,5 +269,5 @@ def derive_autoscaling(
         max_replicas=max_replicas, target_ongoing_requests=target, max_ongoing_requests=max_ongoing,
         max_queued_requests=queue, tolerable_wait_s=wait_s, upscale_delay_s=UPSCALE_DELAY_S * delay_scale,
         downscale_delay_s=DOWNSCALE_DELAY_S * delay_scale, look_back_period_s=LOOK_BACK_PERIOD_S * delay_scale,
-        kv_cache_usage_at_knee=kv, reasons=reasons,
+        kv_cache_usage_at_knee=kv, reasons=reasons, predictive=predictive, predictive_reasons=predictive_reasons,
     )  # fmt: skip

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -219,11 +219,12 @@ class Deployer:
 
 def run_check(
     picked: PickedStudy, replicas: list[int], cluster: Cluster, name: str, measure: Measure, teardown: Teardown,
-    address: str | None = None, on_ready: Callable[[int, float], None] | None = None, ramp: Ramp | None = None,
+    address: str | None = None, on_ready: Callable[[int, float], None] | None = None,
+    ramp: Ramp | Sequence[Ramp] | None = None,
     routing: Routing | None = None, layouts: Layouts | None = None, keep: Callable[[ServeCheckResult], None] | None = None,
 ) -> ServeCheckResult:  # fmt: skip
     """Deploy and measure each replica count; with ``ramp``, after the first count, deploy the
-    derived autoscaling and run the ramp; with ``routing``, then compare the routers; with ``layouts``,
+    derived autoscaling and run the ramp (with several, one after the other: one per autoscaling policy); with ``routing``, then compare the routers; with ``layouts``,
     at the end, compare the layouts. All of them share the engines that are running where the engine
     configuration is the same (:class:`Deployer`). The caller deletes the application (``teardown``
     gathers the replica pids to prove gone).
@@ -236,7 +237,8 @@ def run_check(
     served = first["model_loading_config"]["model_id"]
     deployer = Deployer(cluster, name, picked.startup_timeout_s, teardown)
     runs: list[ReplicaRun] = []
-    ramped: RampResult | None = None
+    ramps = [] if ramp is None else [ramp] if isinstance(ramp, Ramp) else list(ramp)
+    ramped: list[RampResult] = []
     routed: RoutingResult | None = None
     laid: LayoutResult | None = None
     shown = {**first, "runtime_env": {"env_vars": redact_env(first.get("runtime_env", {}).get("env_vars", {}))}}
@@ -248,7 +250,8 @@ def run_check(
             operating_point=picked.operating.as_dict() if picked.operating is not None else None,
             model=point.model, app_name=name,
             url=cluster.url, address=address, llm_config=shown, slo=[str(b) for b in picked.slo.bounds], runs=list(runs),
-            rows=scaling_rows(runs, picked.trial.levels), ramp=ramped, routing=routed, layouts=laid,
+            rows=scaling_rows(runs, picked.trial.levels), ramp=ramped[0] if ramped else None,
+            ramps=list(ramped) if len(ramps) > 1 else [], routing=routed, layouts=laid,
         )  # fmt: skip
 
     def kept(routed_now: RoutingResult | None = None, laid_now: LayoutResult | None = None) -> None:
@@ -268,12 +271,12 @@ def run_check(
         runs.append(ReplicaRun(replicas=count, ready_s=deployed.ready_s, engines_reused=deployed.reused, levels=levels,
                                requests_per_replica=handled))  # fmt: skip
         kept()
-        if ramp is not None and ramped is None:
+        for each in ramps if not ramped else []:
             # On the engines running: the derived autoscaling's initial_replicas is its minimum, so Serve scales
             # a larger count down to it before the deployment is HEALTHY, and the ramp starts from there.
-            up = deployer.deploy(autoscaled_llm_config(point, ramp.deployment_config))
-            ramped = ramp.run(cluster.url, served).model_copy(
-                update={"ready_s": up.ready_s, "engines_reused": up.reused}
+            up = deployer.deploy(autoscaled_llm_config(point, each.deployment_config))
+            ramped.append(
+                each.run(cluster.url, served).model_copy(update={"ready_s": up.ready_s, "engines_reused": up.reused})
             )
             teardown.pids.update(cluster.replica_pids(name))
             kept()

@@ -91,6 +91,7 @@ class RampPhaseResult(BaseModel):
 class RampResult(BaseModel):
     model_config = RECORD
 
+    policy: str = "inflight"  # the autoscaling policy deployed (report.autoscale_policy.POLICIES)
     knee_concurrency: int
     autoscaling_config: dict
     max_ongoing_requests: int
@@ -110,6 +111,24 @@ class RampResult(BaseModel):
     traffic_before_ready: bool = False  # a new replica served before Serve had it RUNNING (must not)
     slo_violations: int = 0
     requests: int = 0
+    slo_attainment: float | None = None  # share of the ramp's finished requests that met every per-request bound
+    replica_seconds: float | None = None  # replicas RUNNING or starting, integrated over the ramp's time
+
+
+def replica_seconds(samples: Sequence[RampSample], end_s: float) -> float:
+    """Replica-seconds the ramp used: each sample's replicas (RUNNING and starting, which hold their
+    resources alike) held until the next sample, the last until ``end_s``; nothing before the first sample."""
+    ordered = sorted(samples, key=lambda s: s.t_s)
+    total = 0.0
+    stops = [s.t_s for s in ordered[1:]] + [end_s] if ordered else []
+    for s, stop in zip(ordered, stops, strict=True):
+        total += (s.running + s.starting) * max(0.0, min(stop, end_s) - s.t_s)
+    return total
+
+
+def slo_attainment(requests: int, slo_violations: int) -> float | None:
+    """The share of requests that met the SLO (a failed request broke it); None without a request."""
+    return (requests - slo_violations) / requests if requests else None
 
 
 def summarize_ramp(
@@ -173,13 +192,15 @@ def summarize_ramp(
     first_served = min((s.t_s for s in new_first.values()), default=None)
     # A new replica seen serving in a sample where Serve did not yet run more replicas than before.
     early = any(s.running <= replicas_before for s in new_first.values())
+    broken, sent_total = sum(p.slo_violations for p in phase_results), sum(p.requests for p in phase_results)
     return {
         "phases": phase_results, "windows": windows, "replicas_before": replicas_before,
         "replicas_peak": max((s.running for s in samples), default=0),
         "time_to_scale_up_s": None if running_at is None or up_at is None else running_at - up_at,
         "new_replicas": sorted(new_first), "new_replica_running_s": running_at,
         "new_replica_first_served_s": first_served, "traffic_before_ready": early,
-        "slo_violations": sum(p.slo_violations for p in phase_results), "requests": sum(p.requests for p in phase_results),
+        "slo_violations": broken, "requests": sent_total, "slo_attainment": slo_attainment(sent_total, broken),
+        "replica_seconds": replica_seconds(samples, end_s),
     }  # fmt: skip
 
 

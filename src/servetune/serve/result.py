@@ -73,6 +73,7 @@ class ServeCheckResult(BaseModel):
     rows: list[ScalingRow] = []
     replica_pids: list[int] = []  # the replicas' processes (actors and vLLM's engines), gone at the end
     ramp: RampResult | None = None  # --ramp: the derived autoscaling under 1x, 3x and 1x the knee
+    ramps: list[RampResult] = []  # --ramp-policy A,B: every policy's ramp, in order (ramp is the first)
     routing: RoutingResult | None = None  # --routers: each router on a shared-prefix workload
     layouts: LayoutResult | None = None  # --layouts / --budget: replicas x TP under one device budget, at one load
     stopped: str | None = None  # why the check ended before every part ran; what is here finished (None: it all ran)

@@ -1,0 +1,123 @@
+"""The predictive autoscaling policy: Serve scales on what comes before an SLO breach, not only on
+requests in flight (issue #42 item 3, checklist section 11).
+
+The installed Ray Serve (2.60) runs a custom policy in its controller: ``AutoscalingConfig.policy``
+= ``{"policy_function": "module:Class", "policy_kwargs": {...}}``; a class is built once with the
+kwargs and called with Serve's ``AutoscalingContext`` every control loop; it returns the replicas
+wanted and Serve applies min/max_replicas, the upscale/downscale delays and the scaling factors
+around it. A replica can add its own numbers with a ``record_autoscaling_stats`` method (Serve
+averages them per replica over ``look_back_period_s``: ``ctx.aggregated_metrics``).
+
+The rule (:func:`predictive_replicas`, pure): the most replicas any of these asks for
+
+- in flight: ceil(requests in flight / ``target_ongoing_requests``), the in-flight policy's own rule,
+  so the predictive one never runs fewer replicas than it;
+- queue wait: ceil(requests waiting / ``waiting_per_replica``). Waiting is Serve's queue (requests
+  its handles hold because every replica has ``max_ongoing_requests``) plus the engines'
+  ``num_requests_waiting`` where a replica records it. ``waiting_per_replica`` is what a replica
+  drains within the TTFT the SLO leaves above the knee's measured TTFT
+  (:func:`predictive_thresholds`);
+- KV usage: ceil(replicas x peak KV usage / ``kv_usage_limit``) where a replica records
+  ``kv_cache_usage``: above section 11's 85%, the engine preempts next.
+
+No Ray import here: the tests call the policy with a plain context.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+#: The custom metrics a replica may record (``record_autoscaling_stats``) that the policy reads.
+WAITING_METRIC = "num_requests_waiting"
+KV_METRIC = "kv_cache_usage"
+#: Where Serve's controller imports the policy from (servetune must be installed on the cluster).
+POLICY_FUNCTION = "servetune.report.autoscale_policy:PredictivePolicy"
+#: The policies ``export --autoscaling-policy`` and ``serve-check --ramp-policy`` know.
+POLICIES = ("inflight", "predictive")
+
+
+@dataclass(frozen=True)
+class PredictiveThresholds:
+    """The predictive policy's thresholds (its ``policy_kwargs``)."""
+
+    target_ongoing_requests: float  # requests in flight per replica at the operating load
+    waiting_per_replica: float  # requests waiting per replica above which TTFT is predicted to break the SLO
+    kv_usage_limit: float  # KV-cache usage (0..1) above which the engine is predicted to preempt
+
+    def policy_kwargs(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def predictive_thresholds(
+    target_ongoing_requests: int, throughput_per_replica: float, tolerable_wait_s: float, wait_why: str,
+    ttft_ms_at_knee: float | None, kv_usage_limit: float,
+) -> tuple[PredictiveThresholds, dict[str, str]]:  # fmt: skip
+    """The thresholds from the study's operating point, and each one's origin as a sentence.
+
+    The wait a request may still spend queued is the tolerable wait (the SLO's TTFT bound) less the TTFT
+    measured at the knee (the prefill and first token it takes anyway); a replica serving
+    ``throughput_per_replica`` req/s drains throughput x that wait requests within it, so more waiting than
+    that predicts a TTFT above the bound."""
+    measured_s = (ttft_ms_at_knee or 0.0) / 1000.0
+    left_s = tolerable_wait_s - measured_s
+    if left_s <= 0:  # the knee already spends the bound: any queue breaks it
+        left_s = tolerable_wait_s * 0.1
+        left_why = (f"the knee's measured TTFT {measured_s * 1000:g} ms leaves nothing of {wait_why}, "
+                    f"so a tenth of it ({left_s * 1000:g} ms)")  # fmt: skip
+    elif ttft_ms_at_knee is None:
+        left_why = f"{wait_why} (the knee's TTFT was not recorded)"
+    else:
+        left_why = f"{wait_why} less the knee's measured TTFT {ttft_ms_at_knee:g} ms = {left_s * 1000:g} ms"
+    waiting = max(1.0, math.floor(throughput_per_replica * left_s + 1e-9))
+    thresholds = PredictiveThresholds(float(target_ongoing_requests), float(waiting), kv_usage_limit)
+    reasons = {
+        "policy": (f"{POLICY_FUNCTION}: the most replicas asked for by requests in flight (target "
+                   f"{target_ongoing_requests}), by requests waiting and by KV-cache usage; Serve applies the "
+                   "bounds and delays below around it (servetune must be installed where Serve's controller runs)"),
+        "waiting_per_replica": (f"{waiting:g}: {throughput_per_replica:.2f} req/s per replica x the queue wait the "
+                                f"SLO leaves, {left_why}; more waiting predicts a TTFT breach"),
+        "kv_usage_limit": (f"{kv_usage_limit:.0%}: section 11, above it the engine preempts; read where a replica "
+                           f"records {KV_METRIC}"),
+    }  # fmt: skip
+    return thresholds, reasons
+
+
+def predictive_replicas(
+    current: int, in_flight: float, waiting: float, kv_usage: float | None, thresholds: PredictiveThresholds
+) -> tuple[int, str]:
+    """The replicas the predictive rule wants (before Serve's bounds and delays), and which signal set it."""
+    asks = {"in flight": math.ceil(in_flight / thresholds.target_ongoing_requests - 1e-9)}
+    asks["queue wait"] = math.ceil(waiting / thresholds.waiting_per_replica - 1e-9)
+    if kv_usage is not None and current > 0:
+        asks["KV usage"] = math.ceil(current * kv_usage / thresholds.kv_usage_limit - 1e-9)
+    signal = max(asks, key=asks.__getitem__)
+    return max(0, asks[signal]), signal
+
+
+def _per_replica(metrics: Mapping[str, Mapping[Any, float]] | None, name: str) -> list[float]:
+    return [float(v) for v in ((metrics or {}).get(name) or {}).values()]
+
+
+class PredictivePolicy:
+    """Serve's custom autoscaling policy (``AutoscalingPolicy(policy_function=POLICY_FUNCTION,
+    policy_kwargs=thresholds.policy_kwargs())``): called with Serve's ``AutoscalingContext``."""
+
+    def __init__(self, **kwargs: float) -> None:
+        self.thresholds = PredictiveThresholds(**kwargs)
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        custom = ctx.aggregated_metrics
+        queued = float(ctx.total_queued_requests or 0.0)
+        waiting = queued + sum(_per_replica(custom, WAITING_METRIC))
+        kv = _per_replica(custom, KV_METRIC)
+        wanted, signal = predictive_replicas(
+            ctx.current_num_replicas,
+            float(ctx.total_num_requests or 0.0),
+            waiting,
+            max(kv) if kv else None,
+            self.thresholds,
+        )
+        return wanted, {"servetune_signal": signal, "servetune_waiting": waiting}
