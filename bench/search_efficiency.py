@@ -5,7 +5,7 @@ trial's result without its log and environment, and how it was made). ``replay``
 study's own search code against it, grid, random, TPE, NSGA-II and GP, over many seeds,
 answering each proposal with the recorded result, and prints how many trials each needed to
 reach a configuration within 5% of the grid's best goodput under the SLO. Target: the best
-Bayesian option needs at most 25% of the grid's trials on average.
+Bayesian option needs at most 15% of the grid's trials on average one at a time, 25% with 4 in flight (issue 40).
 
     .venv/bin/python bench/search_efficiency.py record STUDY_DIR --out bench/data/cpu-tiny-grid.json --command "..."
     .venv/bin/python bench/search_efficiency.py replay bench/data/cpu-tiny-grid.json [--seeds 10] [--json out.json] \
@@ -54,6 +54,8 @@ from servetune.report.study import load_study
 from servetune.study.replay import ALGORITHMS, Surface, early_stopping_effect, efficiency, key, score
 
 TARGET_SHARE = 0.25
+#: Issue 40's target for a sequential search (one trial in flight); TARGET_SHARE stands for 4 in flight.
+TARGET_SEQUENTIAL_SHARE = 0.15
 #: Early stopping may find a worse best than a search without it in fewer than this share of seeds.
 TARGET_LOST_SHARE = 0.05
 BAYESIAN = ("tpe", "nsga2", "gp")
@@ -140,9 +142,10 @@ def replay(args: argparse.Namespace) -> int:
     bayesian = [r for r in rows if r["algorithm"] in BAYESIAN]
     if bayesian:
         top = min(bayesian, key=lambda r: r["mean"])
-        verdict = "met" if top["share_of_grid"] <= TARGET_SHARE else "missed"
-        print(f"best Bayesian option: {top['algorithm']}, {top['share_of_grid']:.0%} of the grid's trials on average "
-              f"(target <= {TARGET_SHARE:.0%}): {verdict}")  # fmt: skip
+        target_share = TARGET_SEQUENTIAL_SHARE if args.in_flight == 1 else TARGET_SHARE
+        verdict = "met" if top["share_of_grid"] <= target_share else "missed"
+        print(f"best Bayesian option: {top['algorithm']}, {top['share_of_grid']:.1%} of the grid's trials on average "
+              f"(target <= {target_share:.0%} with {args.in_flight} in flight): {verdict}")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps({"surface": str(args.surface), "grid_size": len(surface.results), "best": best,
                                                "in_flight": args.in_flight, "budget": args.budget,
@@ -199,6 +202,8 @@ def replay_pruning(args: argparse.Namespace) -> int:
         model = Path(tmp)
         (model / "config.json").write_text(json.dumps(TINY_CONFIG) if args.model_config is None
                                            else Path(args.model_config).read_text())  # fmt: skip
+        if args.model_config is None and surface.space.device == "gpu":  # a GPU space's catalogue model, by name
+            model = Path(surface.space.model)
         began = time.perf_counter()
         e = pruning_effect(surface, model, range(args.seed0, args.seed0 + args.seeds), args.tolerance)
         took = time.perf_counter() - began

@@ -170,9 +170,29 @@ def estimate_note(device: str, lengths: tuple[int, int]) -> str:
     return f"{head}; expected error (median on held-out public measurements, fit of {factors.fit_date}): {expected}"
 
 
+def prune_summary(device: str, pruned: int, runnable: int, saved_s: float) -> str:
+    """The dry run's line on ``search.estimate.prune``: how many of the runnable points the estimate prunes before
+    any trial has finished, and the device time that saves."""
+    from servetune.study.prune import MIN_STUDY_LEVELS
+
+    unit = "GPU" if device == "gpu" else "core"
+    line = (f"search.estimate.prune: {pruned} of {runnable} trial(s) would be pruned before any engine starts, by "
+            "the SLO rule alone (a dry run has no finished trial to dominate a point; the study also prunes those)")  # fmt: skip
+    if pruned:
+        line += (f"; about {saved_s / 60:,.1f} {unit}-min saved by the estimate (each engine's expected start-up "
+                 "and the ladder's levels until it stops at the first break; the capacity search's not counted)")  # fmt: skip
+    if device == "cpu":
+        line += ("; on the CPU build the estimate prunes only once the study has measured its own error "
+                 f"(study/prune.py: {MIN_STUDY_LEVELS} estimated levels of a metric)")  # fmt: skip
+    return line
+
+
 def dry_run(space: SearchSpace, args: argparse.Namespace, model: str, models: dict[str, str] | None = None) -> int:
+    from rich.markup import escape
+
     from servetune.study.driver import proposals
-    from servetune.trial.context import StudyContext, resolve_levels
+    from servetune.study.prune import preview_prune, prune_reason
+    from servetune.trial.context import StudyContext, resolve_levels, startup_budget_for
     from servetune.trial.runner import capacity_check
 
     console = make_console()
@@ -190,6 +210,8 @@ def dry_run(space: SearchSpace, args: argparse.Namespace, model: str, models: di
     for col in ("#", "configuration", "devices", "capacity check", f"estimate at {top.kind} {top.value:g}", "verdict"):
         table.add_column(col)
     runnable = 0
+    prune = space.search.estimate.prune
+    would_prune, saved_s = 0, 0.0
     points = (
         proposals(space, args.max_trials)
         if space.search.algorithm in ("grid", "random")
@@ -202,14 +224,15 @@ def dry_run(space: SearchSpace, args: argparse.Namespace, model: str, models: di
         runnable += fits
         note = "not checked (architecture unknown offline)" if cap is None else cap.reason
         est = estimate_cell(spec, top, lengths) if fits and cap is not None and cap.planned else ""
-        table.add_row(
-            str(i),
-            config_label(params),
-            str(spec.devices),
-            note,
-            est,
-            "[green]run[/]" if fits else "[red]infeasible[/]",
-        )
+        verdict = "[green]run[/]" if fits else "[red]infeasible[/]"
+        if prune and fits:
+            preview = preview_prune(spec, lengths, startup_budget_for(space, params, spec.model).expected_s)
+            if preview.record is not None:
+                would_prune, saved_s = would_prune + 1, saved_s + preview.device_s
+                verdict = (
+                    f"[magenta]would be pruned[/]: {escape(prune_reason(preview.record).removeprefix('pruned: '))}"
+                )
+        table.add_row(str(i), config_label(params), str(spec.devices), note, est, verdict)
     for params, reasons in rejected:
         table.add_row(
             "-", config_label(params), str(space.devices(params)), "", "", "[yellow]excluded[/]: " + "; ".join(reasons)
@@ -219,6 +242,8 @@ def dry_run(space: SearchSpace, args: argparse.Namespace, model: str, models: di
     levels = ", ".join(str(lv) for lv in context.levels)
     console.print(f"{runnable} trial(s) would run, {len(points) - runnable} rejected by the capacity check, "
                   f"{len(rejected)} excluded by the constraints; levels: {levels}; workload {workload.name}")  # fmt: skip
+    if prune:
+        console.print(prune_summary(space.device, would_prune, runnable, saved_s), soft_wrap=True)
     if space.search.algorithm not in ("grid", "random"):
         n = args.max_trials or space.search.num_trials or 20
         console.print(

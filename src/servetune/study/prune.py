@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from servetune.config.slo import Slo
@@ -32,7 +33,8 @@ from servetune.estimate.factors import MetricError
 from servetune.metrics import COST_METRIC, cost_per_mtok_usd
 from servetune.results import MARGIN, OperatingPoint, Pruned, PrunedLevel
 from servetune.study.early_stop import TTFT_METRIC, _level_text, dominating_point
-from servetune.study.forecast import ESTIMATED_METRICS, ESTIMATED_STATS, LevelForecast
+from servetune.study.forecast import ESTIMATED_METRICS, ESTIMATED_STATS, LevelForecast, forecast
+from servetune.trial.runner import TrialSpec
 
 #: The study's own errors replace the shipped fit's once it has measured this many estimated levels of a metric.
 MIN_STUDY_LEVELS = 5
@@ -169,3 +171,52 @@ def study_errors(levels_errors: Sequence[Mapping[str, float]]) -> dict[str, list
         for metric, error in errors.items():
             out.setdefault(metric, []).append(abs(error))
     return out
+
+
+@dataclass(frozen=True)
+class PrunePreview:
+    """What ``run --dry-run`` shows of one grid point under ``search.estimate.prune``: the study's own verdict
+    (:func:`judge_prune`) before any trial has finished, so by the SLO rule alone, and the device-seconds a
+    pruned point saves by the estimate."""
+
+    record: Pruned | None  # None: it would run
+    device_s: float = 0.0  # the estimate's device time of what pruning skips (0 where it runs)
+    unsure: str | None = None  # why the estimate cannot judge it (it runs)
+
+
+def preview_prune(spec: TrialSpec, lengths: tuple[int, int], startup_s: float | None) -> PrunePreview:
+    """The dry run's prune verdict of ``spec`` (mean request ``lengths``; ``startup_s``: the engine's expected
+    start-up, capacity/startup.py): the shipped fit's error as the margin (the study has measured nothing yet)
+    and no finished point to dominate it, the study's rule otherwise (:func:`judge_prune`)."""
+    forecasts = forecast(spec, lengths, spec.estimate_efficiency)
+    if isinstance(forecasts, str):
+        return PrunePreview(None, unsure=forecasts)
+    margins, source = error_margins(shipped_error(spec.device), {})
+    record = judge_prune(forecasts, spec.slo, margins, [], spec.price_per_device_hour, spec.devices,
+                         trial_id=spec.trial_id, error_source=source)  # fmt: skip
+    if record is None:
+        return PrunePreview(None)
+    return PrunePreview(record, spec.devices * ((startup_s or 0.0) + skipped_levels_s(spec, forecasts)))
+
+
+def skipped_levels_s(spec: TrialSpec, forecasts: Sequence[LevelForecast]) -> float:
+    """The estimate's time of the levels a trial that misses the SLO at every level runs: the first alone where the
+    ladder stops at a break (``load.stop_on_slo_break``), else all of them; each level's warm-up and measured
+    requests at the estimated request rate (an open loop's sends at its rate where the engine keeps up), or its
+    ``seconds_per_level``, times its repeats. The capacity search's levels after the ladder are not counted: a
+    lower bound of what pruning saves."""
+    from servetune.trial.measure import LevelPlan
+
+    ran = forecasts[:1] if spec.stop_on_slo_break else forecasts
+    total = 0.0
+    for fc in ran:
+        plan = LevelPlan.sized(fc.level, spec.requests_per_level, spec.seconds_per_level, spec.warmup_requests)
+        rate = fc.estimate.request_throughput
+        if fc.level.kind == "rate":
+            rate = min(rate, fc.level.value)
+        if rate <= 0:
+            continue
+        warmup_s = plan.warmup_requests / rate
+        measured_s = plan.duration_s if plan.duration_s is not None else (plan.num_requests or 0) / rate
+        total += warmup_s + measured_s * spec.repeats
+    return total
