@@ -47,6 +47,16 @@ class LoadProtocol(BaseModel):
     # Stop at a level where a finished trial was cheaper and had a lower P99 TTFT there
     # (study/early_stop.py). Default: on for Bayesian search (tpe, nsga2, gp), off for grid and random.
     stop_when_dominated: bool | None = None
+    # Client processes a level's load is split across (load/shard.py): 1 reads every stream in this process, as
+    # before; "auto" sizes each level from its expected token rate and ``hardware.cpus_per_trial``.
+    client_processes: int | Literal["auto"] = 1
+
+    @field_validator("client_processes", mode="before")
+    @classmethod
+    def _client_processes(cls, value: object) -> object:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise ValueError(f'expected a whole number of client processes (at least 1) or "auto", got {value!r}')
 
     @field_validator("requests_per_level", mode="before")
     @classmethod

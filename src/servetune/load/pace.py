@@ -20,7 +20,7 @@ report's trial table marks it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,4 +74,13 @@ def client_bound(
         reasons.append(f"requests sent {pace.send_lag_ms_p50:.0f} ms late at the median (bound {lag_bound_ms:g} ms)")
     if pace.cpu_share is not None and pace.cpu_share >= cpu_bound:
         reasons.append(f"the client process used {pace.cpu_share:.0%} of a core (bound {cpu_bound:.0%})")
+    return "; ".join(reasons) or None
+
+
+def shards_bound(paces: Sequence[ClientPace]) -> str | None:
+    """Why a level run across several client processes (load/shard.py) is client-bound, or None: any shard that
+    fell behind makes the level client-bound (its share of the load was not sent or read as asked)."""
+    if len(paces) == 1:
+        return client_bound(paces[0])
+    reasons = [f"shard {k + 1} of {len(paces)}: {why}" for k, pace in enumerate(paces) if (why := client_bound(pace))]
     return "; ".join(reasons) or None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
@@ -145,6 +145,8 @@ async def run_level(
     stop: Callable[[], bool] | None = None,
     stagger: bool = True,
     on_start: Callable[[float], None] | None = None,
+    t0: float | None = None,
+    schedule: Sequence[float] | None = None,
 ) -> list[RequestRecord]:
     """Run one level and return every request's record (warm-up ones flagged).
 
@@ -154,13 +156,17 @@ async def run_level(
     moments within the first request's duration, as real users do, rather than all together. With
     equal output lengths, clients started together stay in lock-step and every request arrives in
     a wave behind the others' prefills, which measures the waves more than the server.
+
+    ``t0`` gives the level's clock origin (default: now) and ``schedule`` an open loop's send times, in seconds
+    from ``t0``, one per request, in place of drawn gaps: a shard of a level run across client processes
+    (load/shard.py) sends its share of the level's one schedule on the level's one clock.
     """
     if num_requests is None and duration_s is None:
         raise ValueError("a level needs num_requests or duration_s")
     total = None if num_requests is None else num_requests + warmup_requests
     stream = iter(requests) if total is None else iter(list(itertools.islice(requests, total)))
     records: list[RequestRecord] = []
-    t0 = time.perf_counter()
+    t0 = time.perf_counter() if t0 is None else t0
     if on_start is not None:
         on_start(t0)
     deadline = None if duration_s is None else t0 + duration_s
@@ -258,15 +264,23 @@ async def run_level(
         await later_turns(unit)
 
     tasks = []
+    due = None if schedule is None else iter(schedule)
     gaps = arrival_gaps(level, np.random.default_rng(seed))
-    next_send = time.perf_counter()
+    next_send = time.perf_counter() if due is None else t0 + next(due, 0.0)
+    if due is not None and (delay := next_send - time.perf_counter()) > 0:
+        await asyncio.sleep(delay)
     while not over() and (unit := take()):
         record = admit(unit[0])
         if record is None:
             break
         record.scheduled = next_send - t0  # its send lag tells a client that fell behind (load/pace.py)
         tasks.append(asyncio.ensure_future(conversation(unit, record)))
-        next_send += next(gaps)
+        if due is None:
+            next_send += next(gaps)
+        elif (at := next(due, None)) is not None:
+            next_send = t0 + at
+        else:
+            break  # the schedule's last send
         delay = next_send - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)

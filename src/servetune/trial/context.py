@@ -84,6 +84,7 @@ class StudyContext:
             python=self.python, extra_env=extra_env, repeats=load.repeats, quality=self.quality, node_id=node_id,
             serve_replicas=space.serve_replicas(params), stream_batching_ms=space.stream_batching_ms(params),
             gpu_type=self.gpu_type(params), pricing=space.pricing,
+            client_processes=load.client_processes, client_cpus=space.hardware.cpus_per_trial,
         )  # fmt: skip
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -33,13 +34,14 @@ from typing import Final, Literal, Protocol
 import aiohttp
 
 from servetune.config.slo import Slo
-from servetune.config.workload import Workload
+from servetune.config.workload import Workload, mean_lengths
 from servetune.engine.metrics import MetricsSnapshot, level_delta
-from servetune.errors import EngineDiedError
+from servetune.errors import EngineDiedError, UserError
 from servetune.load.client import StreamingClient
 from servetune.load.pace import client_bound, client_pace
 from servetune.load.requests import PromptFactory, RequestSpec, iter_requests
 from servetune.load.runner import Level, cancel_and_wait, run_level
+from servetune.load.shard import ClientSettings, ShardedRun, auto_client_processes, run_sharded
 from servetune.metrics import (
     RequestRecord,
     itl_burst_share,
@@ -284,6 +286,8 @@ async def measure_level(
     watch: EarlyBreak | None = None,
     reset_cache: Callable[[], bool] | None = None,
     metrics: MetricsSource | None = None,
+    client_processes: int | Literal["auto"] = 1,
+    client_cpus: int = 1,
 ) -> tuple[LevelResult, list[RequestRecord]]:
     """Run one level and return its result and the per-request records.
 
@@ -294,6 +298,8 @@ async def measure_level(
     its gauges are then sampled every half of its lag, and the level's closing read waits (at most
     its lag) until the source has counted the level's finished requests; that read's gauges, the level's
     last moments as the source saw them late, count toward the peaks.
+    ``client_processes`` (``load.client_processes``) splits the level's load across that many client processes
+    (load/shard.py; "auto": :func:`~servetune.load.shard.auto_client_processes` at most ``client_cpus``).
     """
     drawn: list[RequestSpec] = []
 
@@ -326,13 +332,24 @@ async def measure_level(
         devices = telemetry() if telemetry is not None else contextlib.nullcontext()
         origin: list[float] = []  # the level's clock origin, in time.perf_counter() seconds
         cpu_at = time.process_time()  # the client process's CPU over the level (load/pace.py)
+        sharded: ShardedRun | None = None
         try:
+            processes = client_shards(workload, plan, client_processes, client_cpus)
             with devices:
-                records = await run_level(
-                    client, requests(), plan.level, num_requests=plan.num_requests, duration_s=plan.duration_s,
-                    warmup_requests=plan.warmup_requests, seed=workload.seed + stream, on_done=done, stop=watch.broken,
-                    on_start=origin.append,
-                )  # fmt: skip
+                if processes > 1:
+                    specs = list(itertools.islice(requests(), plan.num_requests + plan.warmup_requests))  # type: ignore[operator]
+                    sharded = await run_sharded(
+                        ClientSettings.of(client), specs, plan.level, processes, duration_s=plan.duration_s,
+                        warmup_requests=plan.warmup_requests, seed=workload.seed + stream, on_done=done,
+                        stop=watch.broken, on_start=origin.append,
+                    )  # fmt: skip
+                    records = sharded.records
+                else:
+                    records = await run_level(
+                        client, requests(), plan.level, num_requests=plan.num_requests, duration_s=plan.duration_s,
+                        warmup_requests=plan.warmup_requests, seed=workload.seed + stream, on_done=done,
+                        stop=watch.broken, on_start=origin.append,
+                    )  # fmt: skip
             cpu_s = time.process_time() - cpu_at
             wall_s = time.perf_counter() - origin[0] if origin else None
         finally:
@@ -354,7 +371,8 @@ async def measure_level(
             None if window is None or not origin else (origin[0] + window[0], origin[0] + window[1])
         )
         energy_note = devices.energy_note
-    pace = client_pace(records, cpu_s, wall_s)
+    pace = client_pace(records, cpu_s, wall_s) if sharded is None else sharded.pace
+    bound = client_bound(pace) if sharded is None else sharded.client_bound
     mean_prompt = summary.total_input_tokens / summary.completed if summary.completed else 0.0
     reused = None
     if workload.sessions is not None and drawn:
@@ -365,9 +383,21 @@ async def measure_level(
         send_sync_share=send_sync_share(records), itl_burst_share=itl_burst_share(records),
         ttft_ms_distribution=ttft_distribution_ms(records), energy_note=energy_note,
         client_cpu_share=pace.cpu_share, send_lag_ms_p50=pace.send_lag_ms_p50, send_lag_ms_p99=pace.send_lag_ms_p99,
-        client_bound=client_bound(pace),
+        client_bound=bound,
     )  # fmt: skip
     return result, records
+
+
+def client_shards(workload: Workload, plan: LevelPlan, processes: int | Literal["auto"], cpus: int) -> int:
+    """The client processes a level runs on (``load.client_processes``). "auto" gives 1 where a level cannot be
+    split (conversations, a level bounded by time alone); a number above 1 there is the user's to change."""
+    splittable = workload.sessions is None and plan.num_requests is not None
+    if processes == "auto":
+        return auto_client_processes(plan.level, mean_lengths(workload)[1], cpus) if splittable else 1
+    if processes > 1 and not splittable:
+        why = "conversations (workload.sessions)" if workload.sessions is not None else "a level bounded by time alone"
+        raise UserError(f"load.client_processes: {processes} cannot split {why}; set it to 1")
+    return processes
 
 
 def run_stream(level_index: int, run: int, repeats: int) -> int:
@@ -419,7 +449,7 @@ async def measure_rung(
     client: StreamingClient, url: str, workload: Workload, prompts: PromptFactory, plan: LevelPlan, index: int, *,
     repeats: int, slo: Slo, record: Callable[[dict], None], engine: Engine | None = None,
     telemetry: Callable[[], TelemetrySampler] | None = None, on_done: Callable[[RequestRecord], None] | None = None,
-    on_run: Callable[[int], None] | None = None,
+    on_run: Callable[[int], None] | None = None, client_processes: int | Literal["auto"] = 1, client_cpus: int = 1,
 ) -> LevelResult:  # fmt: skip
     """One rung of a ladder, the one path ``servetune run`` trials and ``servetune bench`` both take.
 
@@ -435,7 +465,7 @@ async def measure_rung(
         result, records = await measure_level(
             client, url, workload, prompts, plan, stream=run_stream(index, run, repeats), slo=slo,
             on_done=on_done, telemetry=telemetry, reset_cache=getattr(engine, "reset_prefix_cache", None),
-            metrics=getattr(engine, "server_metrics", None),
+            metrics=getattr(engine, "server_metrics", None), client_processes=client_processes, client_cpus=client_cpus,
         )  # fmt: skip
         tags = record_tags(index, run, repeats)
         for request in records:

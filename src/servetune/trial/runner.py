@@ -113,6 +113,8 @@ class TrialSpec:
     estimate_efficiency: Efficiency | None = None
     # how ``startup_timeout_s`` was sized (capacity/startup.py StartupBudget.describe), said when a start times out
     startup_expected: str | None = None
+    client_processes: int | Literal["auto"] = 1  # load.client_processes: the load client split across processes
+    client_cpus: int = 1  # hardware.cpus_per_trial: what "auto" client processes may use at most
 
     @property
     def trial_id(self) -> str:
@@ -450,6 +452,7 @@ async def _climb(spec, server, result, report, prompts, records_file, stop_rule=
                 client, server.url, spec.workload, prompts, plan, len(result.levels), repeats=spec.repeats, slo=spec.slo,
                 record=lambda row: records_file.write(json.dumps(row) + "\n"), engine=server,
                 telemetry=lambda: TelemetrySampler(gpu_indices, server.process.pid if server.process is not None else None),
+                client_processes=spec.client_processes, client_cpus=spec.client_cpus,
             )  # fmt: skip
             result.levels.append(level_result)  # kept even when the engine died during it
             check_alive(server, level, level_result.summary.failed)
