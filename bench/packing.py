@@ -216,7 +216,8 @@ def run_study(
     import ray
 
     from servetune.local_ray import start_local_ray
-    from servetune.study.driver import ResultMirror, finished_results
+    from servetune.study.driver import finished_results
+    from servetune.study.mirror import ResultMirror
     from servetune.study.tuner import run_tuner
 
     # As `servetune run` starts its local Ray: a token of its own, none left in ~/.ray/auth_token.

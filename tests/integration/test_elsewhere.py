@@ -10,8 +10,8 @@ from pathlib import Path
 from servetune.config.space import SearchSpace
 from servetune.errors import EngineStartError
 from servetune.results import TrialResult
-from servetune.study.driver import carried_files
 from servetune.study.elsewhere import run_elsewhere
+from servetune.study.mirror import carried_files
 from servetune.trial.context import StudyContext, resolve_levels
 from servetune.trial.failures import classify
 

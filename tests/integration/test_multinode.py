@@ -242,7 +242,7 @@ from types import SimpleNamespace
 import ray
 from servetune.config.space import SearchSpace
 from servetune.trial.context import StudyContext, resolve_levels
-from servetune.study.driver import FETCH_KEY, FILES_KEY, ResultMirror, carried_files, final_report
+from servetune.study.mirror import FETCH_KEY, FILES_KEY, ResultMirror, carried_files, final_report
 from tests.builders import level, trial
 
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
@@ -268,7 +268,7 @@ print(json.dumps({"inline": sorted(inline), "fetch": fetch, "report_bytes": size
 
 def test_a_trials_large_records_come_back_from_its_node_as_a_file_not_through_tunes_results(cluster, tmp_path):
     """An offline-batch trial's per-request records run to hundreds of MB: past INLINE_LIMIT they stay out of the
-    report, and the driver fetches them from the trial's node through Ray's object store (study/driver.py)."""
+    report, and the driver fetches them from the trial's node through Ray's object store (study/mirror.py)."""
     worker = cluster.node_id_of(cluster.workers[0])
     done = subprocess.run([sys.executable, "-c", FETCH_DRIVER, cluster.address, str(tmp_path), worker],
                           capture_output=True, text=True, env=cluster.head.env, timeout=120)  # fmt: skip

@@ -6,7 +6,8 @@ from pathlib import Path
 
 from servetune.config.space import SearchSpace
 from servetune.results import RESULT_FILE
-from servetune.study.driver import ResultMirror, finished_results
+from servetune.study.driver import finished_results
+from servetune.study.mirror import ResultMirror
 from servetune.study.replay import Surface
 from servetune.study.tuner import run_tuner
 from servetune.trial.context import StudyContext, resolve_levels

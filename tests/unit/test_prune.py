@@ -238,7 +238,7 @@ def test_the_runs_device_time_says_what_pruning_saved():
 def test_a_measured_result_replaces_a_pruned_one_in_the_study_but_never_the_reverse(tmp_path):
     from types import SimpleNamespace
 
-    from servetune.study.driver import ResultMirror, final_report
+    from servetune.study.mirror import ResultMirror, final_report
     from servetune.trial.runner import load_result
     from tests.builders import level
 

@@ -2,7 +2,7 @@ import json
 from types import SimpleNamespace
 
 from servetune.config.space import SearchSpace
-from servetune.study.driver import RESULT_KEY, ResultMirror, final_report
+from servetune.study.mirror import RESULT_KEY, ResultMirror, final_report
 from servetune.trial.context import StudyContext, resolve_levels
 from servetune.trial.runner import load_result
 from tests.builders import level, trial
@@ -48,7 +48,7 @@ def test_a_trial_whose_process_died_is_recorded_as_failed(tmp_path):
 
 
 def test_the_trial_s_files_come_back_in_its_final_report_and_leave_tune_s_logs(tmp_path):
-    from servetune.study.driver import ENGINE_LOG_CARRIED, FILES_KEY, carried_files
+    from servetune.study.mirror import ENGINE_LOG_CARRIED, FILES_KEY, carried_files
 
     space = SearchSpace.model_validate({"name": "s", "model": "m", "workload": "cpu-tiny"})
     workload = space.resolved_workload(tmp_path)
@@ -78,7 +78,7 @@ def test_the_trial_s_files_come_back_in_its_final_report_and_leave_tune_s_logs(t
 
 
 def test_files_past_the_inline_limit_are_named_for_the_driver_to_fetch_from_the_trials_node(tmp_path):
-    from servetune.study.driver import INLINE_LIMIT, carried_files
+    from servetune.study.mirror import INLINE_LIMIT, carried_files
 
     (tmp_path / "requests.jsonl").write_text("x" * (INLINE_LIMIT + 1))
     (tmp_path / "quality.jsonl").write_text('{"prompt": 0}\n')

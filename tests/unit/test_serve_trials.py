@@ -441,7 +441,7 @@ def test_a_trial_the_capacity_check_rejects_is_rejected_without_waiting_for_devi
     from ray import tune
 
     from servetune import device_ledger as ledger
-    from servetune.study import driver
+    from servetune.study import driver, mirror
 
     path = tmp_path / "space.yaml"  # the KV cache sized by kv_cache_memory_bytes, not VLLM_CPU_KVCACHE_SPACE
     path.write_text(
@@ -471,7 +471,7 @@ def test_a_trial_the_capacity_check_rejects_is_rejected_without_waiting_for_devi
         assert asked == [("the-study's", 1)] and reports == []
         return
     driver.trainable({"params": params}, context)
-    result = json.loads(reports[-1][driver.RESULT_KEY])
+    result = json.loads(reports[-1][mirror.RESULT_KEY])
     assert asked == [] and result["outcome"] == "INFEASIBLE" and result["reason"].startswith("capacity check: "), (
         result["reason"]
     )

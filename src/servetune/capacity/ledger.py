@@ -13,6 +13,7 @@ in groups of the same pool: the attention block grows until its page holds one s
 sequence, however short, holds its state blocks, so the pool bounds the sequences at once.
 
 On vLLM's CPU build the pool is ``VLLM_CPU_KVCACHE_SPACE`` GiB per rank, nothing subtracted.
+``servetune.capacity.settings`` fills in vLLM's defaults for the settings planned.
 Pure: no I/O, no vLLM import. See ``servetune.capacity`` for the terms.
 """
 
@@ -27,7 +28,6 @@ from servetune.capacity.advice import advise
 from servetune.capacity.arch import ModelArch, WeightQuant
 from servetune.capacity.draft import DraftCost, draft_cost, speculative_config
 from servetune.capacity.hardware import GIB, Hardware
-from servetune.capacity.kvdtype import FP8_DS_MLA_BYTES_PER_LAYER, KV_CACHE_DTYPES, kv_slot_bytes
 from servetune.capacity.kvgroups import kv_layout
 from servetune.capacity.mamba import aligned_block_size, state_bytes, tp_problem
 from servetune.capacity.params import (
@@ -39,137 +39,12 @@ from servetune.capacity.params import (
 )
 from servetune.capacity.profile import VLLM_0_32, EngineProfile, cudagraph_capture_sizes
 from servetune.capacity.schema import CapacityArgs, CapacityPlan, DraftPlan, NotPlanned, Settings, read_engine_args
+from servetune.capacity.settings import engine_settings, kv_element_bytes, resolve_quant, structural_problem
 from servetune.errors import UserError
-
-_DTYPES = {
-    "auto": "auto",
-    "half": "float16",
-    "float16": "float16",
-    "bfloat16": "bfloat16",
-    "float": "float32",
-    "float32": "float32",
-}
-_MLA_BYTES = {"bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "fp8_inc": 1}
-QUANTIZATIONS = (
-    "awq",
-    "awq_marlin",
-    "gptq",
-    "gptq_marlin",
-    "fp8",
-    "int8",
-    "compressed-tensors",
-    "bitsandbytes",
-    "mxfp4",
-    "gpt_oss_mxfp4",
-    "modelopt",
-    "modelopt_fp4",
-    "modelopt_mxfp8",
-    "fbgemm_fp8",
-)
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _resolve_dtype(arch: ModelArch, args: CapacityArgs, quant: WeightQuant) -> str:
-    dtype = _DTYPES[args.dtype]
-    if dtype != "auto":
-        return dtype
-    if quant.method in ("awq", "gptq"):
-        return "float16"
-    return "bfloat16" if arch.torch_dtype == "float32" else arch.torch_dtype
-
-
-def resolve_quant(arch: ModelArch, flag: str | None) -> WeightQuant:
-    if flag is None:
-        return arch.quant
-    name = flag.lower()
-    if name in ("awq", "awq_marlin"):
-        return arch.quant if arch.quant.method == "awq" else WeightQuant(method="awq", bits=4, group_size=128)
-    if name in ("gptq", "gptq_marlin"):
-        return arch.quant if arch.quant.method == "gptq" else WeightQuant(method="gptq", bits=4, group_size=128)
-    if name in ("fp8", "int8"):
-        return WeightQuant(method=name, bits=8)
-    if name == "w8a8":
-        return WeightQuant(method="int8", bits=8)
-    if name == "compressed-tensors" and arch.quant.method != "none":
-        return arch.quant
-    if name == "bitsandbytes":
-        return WeightQuant(method="bitsandbytes", bits=4, group_size=64)
-    if name in ("mxfp4", "gpt_oss_mxfp4"):
-        return WeightQuant(method="mxfp4", bits=4, group_size=32)
-    if name == "fbgemm_fp8":
-        return WeightQuant(method="fp8", bits=8)
-    if name.startswith("modelopt"):
-        if arch.quant.method in ("fp8", "nvfp4", "mxfp8"):
-            return arch.quant  # the checkpoint's hf_quant_config says which
-        if name == "modelopt_fp4":
-            return WeightQuant(method="nvfp4", bits=4, group_size=16)
-        if name == "modelopt_mxfp8":
-            return WeightQuant(method="mxfp8", bits=8, group_size=32)
-        return WeightQuant(method="fp8", bits=8)
-    raise NotPlanned(f"quantization {flag}: the planner knows {', '.join(QUANTIZATIONS)}")
-
-
-def _kv_element_bytes(kv_cache_dtype: str, dtype: str, arch: ModelArch) -> float:
-    """Bytes per K or V element, averaged over the head's slot (scales and packing included)."""
-    if arch.is_mla:
-        if kv_cache_dtype == "fp8_ds_mla":
-            return FP8_DS_MLA_BYTES_PER_LAYER / ((arch.kv_lora_rank or 0) + arch.qk_rope_head_dim)
-        if kv_cache_dtype in ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc"):
-            return (4 if dtype == "float32" else 2) if kv_cache_dtype == "auto" else _MLA_BYTES[kv_cache_dtype]
-        raise NotPlanned(f"kv_cache_dtype {kv_cache_dtype}: the planner knows auto, fp8 and fp8_ds_mla for MLA models")
-    slot = kv_slot_bytes(kv_cache_dtype, arch.head_dim, 4 if dtype == "float32" else 2)
-    if slot is None or kv_cache_dtype == "fp8_ds_mla":
-        known = ", ".join(k for k in KV_CACHE_DTYPES if k != "fp8_ds_mla") + ", fp8_ds_mla (MLA models)"
-        raise NotPlanned(f"kv_cache_dtype {kv_cache_dtype}: the planner knows {known}")
-    return slot / (2 * arch.head_dim)
-
-
-def _batch_defaults(hardware: Hardware, world_size: int) -> tuple[int, int]:
-    """(max_num_batched_tokens, max_num_seqs) that ``vllm serve`` picks (vLLM 0.32 ``get_batch_defaults``)."""
-    if hardware.device == "cpu":
-        return 2048 * world_size, 128 * world_size
-    memory = hardware.memory_gib or 0.0
-    if memory >= 160:
-        return 16384, 1024
-    if memory >= 70 and "a100" not in hardware.name.lower():
-        return 8192, 1024
-    return 2048, 256
-
-
-def structural_problem(arch: ModelArch, tp: int, pp: int, quant: WeightQuant) -> str | None:
-    """Why vLLM would refuse this parallel layout outright, or None."""
-    if arch.num_attention_heads % tp:
-        return f"num_attention_heads {arch.num_attention_heads} is not divisible by tensor_parallel_size {tp}"
-    kv = arch.num_kv_heads
-    if not arch.is_mla and kv % tp and tp % kv:
-        return f"num_kv_heads {kv} and tensor_parallel_size {tp}: neither divides the other"
-    if pp > arch.num_layers:
-        return f"pipeline_parallel_size {pp} exceeds the model's {arch.num_layers} layers"
-    if arch.mamba is not None and arch.num_mamba_layers and (problem := tp_problem(arch.mamba, tp)) is not None:
-        return problem
-    width = arch.moe_intermediate_size if arch.is_moe else arch.intermediate_size
-    if quant.method in ("awq", "gptq") and width % tp == 0 and (width // tp) % quant.group_size:
-        return (
-            f"intermediate size {width} / tensor_parallel_size {tp} = {width // tp} is not a multiple of the "
-            f"{quant.method.upper()} group size {quant.group_size}"
-        )
-    return None
-
-
-def _cpu_kv_space(env: Mapping[str, str] | None) -> int | None:
-    raw = (env or {}).get("VLLM_CPU_KVCACHE_SPACE")
-    if raw in (None, ""):
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        raise UserError(f"VLLM_CPU_KVCACHE_SPACE={raw!r}: vLLM reads it as a whole number of GiB") from None
-    if value <= 0:
-        raise UserError(f"VLLM_CPU_KVCACHE_SPACE={raw!r}: must be a positive number of GiB")
-    return value
 
 
 def plan_capacity(
@@ -200,48 +75,6 @@ def plan_capacity(
     )
     plan.advice = advise(model, plan, hardware, evaluate)
     return plan
-
-
-def _settings(
-    arch: ModelArch, args: CapacityArgs, hardware: Hardware, env: Mapping[str, str] | None, profile: EngineProfile
-) -> tuple[Settings, WeightQuant]:
-    """The engine settings with vLLM's defaults filled in."""
-    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
-    cpu = hardware.device == "cpu"
-    quant = resolve_quant(arch, args.quantization)
-    max_model_len = arch.max_position_embeddings if args.max_model_len in (None, -1) else args.max_model_len
-    default_tokens, default_seqs = _batch_defaults(hardware, tp * pp)
-    chunked = args.enable_chunked_prefill is not False
-    if profile.v0_scheduler and not cpu:  # vLLM V0's EngineArgs and SchedulerConfig defaults
-        default_tokens, default_seqs = 2048, 256
-        chunked = args.enable_chunked_prefill or (args.enable_chunked_prefill is None and max_model_len > 32768)
-    max_num_seqs = args.max_num_seqs or default_seqs
-    batched = args.max_num_batched_tokens
-    if batched is None:
-        # Without chunked prefill a whole prompt is one batch: the profiling run is max_model_len tokens.
-        batched = default_tokens if chunked else max(max_model_len, default_tokens)
-        if not profile.v0_scheduler:
-            batched = min(max_num_seqs * max_model_len, batched)
-    settings = Settings(
-        device=hardware.device,
-        gpu=hardware.name,
-        gpu_memory_gib=hardware.memory_gib,
-        tensor_parallel_size=tp,
-        pipeline_parallel_size=pp,
-        dtype=_resolve_dtype(arch, args, quant),
-        quantization=quant.label,
-        kv_cache_dtype=args.kv_cache_dtype,
-        gpu_memory_utilization=args.gpu_memory_utilization or profile.default_gpu_memory_utilization,
-        max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=batched,
-        block_size=args.block_size or ((16 if arch.is_mla else 128) if cpu else (64 if arch.is_mla else 16)),
-        enforce_eager=args.enforce_eager,
-        cpu_kvcache_space_gib=_cpu_kv_space(env) if cpu else None,
-        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-        profile=profile.name,
-    )
-    return settings, quant
 
 
 def _gpu_overheads(
@@ -337,11 +170,11 @@ def _ledger(
     spec: dict[str, Any] | None = None,
     draft_arch: ModelArch | None = None,
 ) -> CapacityPlan:
-    s, quant = _settings(arch, args, hardware, env, profile)
+    s, quant = engine_settings(arch, args, hardware, env, profile)
     tp, pp, cpu = s.tensor_parallel_size, s.pipeline_parallel_size, s.device == "cpu"
     if arch.not_planned:
         raise NotPlanned(arch.not_planned)
-    element = _kv_element_bytes(s.kv_cache_dtype, s.dtype, arch)
+    element = kv_element_bytes(s.kv_cache_dtype, s.dtype, arch)
     state = _mamba_state(arch, args, s, profile)
     if state.page:
         aligned = aligned_block_size(
@@ -358,7 +191,7 @@ def _ledger(
     if spec is not None:
         draft_quant = resolve_quant(draft_arch, spec.get("quantization")) if draft_arch is not None else None
         draft = draft_cost(arch, spec, draft_arch, dtype_bytes,
-                           lambda a: _kv_element_bytes(s.kv_cache_dtype, s.dtype, a), tp, draft_quant)  # fmt: skip
+                           lambda a: kv_element_bytes(s.kv_cache_dtype, s.dtype, a), tp, draft_quant)  # fmt: skip
     query_len = draft.query_len if draft is not None else 1
     drafted = draft.weights if draft is not None else 0.0
     non_torch = activation = cudagraph = 0.0

@@ -21,8 +21,8 @@ from servetune.capacity import (
 )
 from servetune.capacity.draft import load_draft
 from servetune.capacity.hardware import Hardware
-from servetune.capacity.ledger import resolve_quant, structural_problem
 from servetune.capacity.profile import PROFILES, EngineProfile, profile_for_version
+from servetune.capacity.settings import resolve_quant, structural_problem
 from servetune.cli.display import console as make_console
 from servetune.errors import UserError
 from servetune.estimate import Estimate, Load, estimate, load_factors

@@ -265,7 +265,6 @@ def dry_run(space: SearchSpace, args: argparse.Namespace, model: str, models: di
 def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
     from servetune.accounting import device_time_lines
     from servetune.study.driver import (
-        ResultMirror,
         finished_results,
         prepare_study_dir,
         proposals,
@@ -276,6 +275,7 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
         write_study_info,
     )
     from servetune.study.forecast import estimate_seeds, seed_count
+    from servetune.study.mirror import ResultMirror
     from servetune.study.objectives import objectives_and_constraints
     from servetune.study.packing import resolve_max_concurrent
     from servetune.study.progress import LiveTable, stderr_console, summary_table

@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from servetune.capacity import load_model_arch, plan_capacity, resolve_hardware
-from servetune.capacity.ledger import resolve_quant, structural_problem
+from servetune.capacity.settings import resolve_quant, structural_problem
 from servetune.config.slo import Slo
 from servetune.errors import UserError
 

@@ -8,7 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from servetune.capacity import VLLM_0_32, CapacityPlan, EngineProfile, Hardware, ModelArch, plan_capacity
-from servetune.capacity.ledger import resolve_quant
+from servetune.capacity.settings import resolve_quant
 from servetune.errors import UserError
 from servetune.estimate.factors import Factors, load_factors
 from servetune.estimate.queueing import closed_loop, knee, open_loop

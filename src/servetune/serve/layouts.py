@@ -8,7 +8,7 @@ same load: the picked point's level scaled from the devices it was measured on t
 (:func:`budget_level`: concurrency 8 on one device becomes 16 on two).
 
 Layouts that cannot be deployed are refused before anything is (:func:`check_layouts`): a TP the
-model's heads do not split into (the capacity ledger's ``structural_problem``, as vLLM refuses it),
+model's heads do not split into (capacity/settings.py's ``structural_problem``, as vLLM refuses it),
 a layout off the budget. ``--budget D`` enumerates every replicas x TP that fills D with TP a power
 of two (:func:`budget_layouts`) and leaves out, saying why, those the model does not fit.
 
@@ -30,7 +30,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from servetune.capacity.arch import load_model_arch
-from servetune.capacity.ledger import resolve_quant, structural_problem
+from servetune.capacity.settings import resolve_quant, structural_problem
 from servetune.errors import UserError
 from servetune.load.runner import Level
 from servetune.metrics import cost_per_mtok_usd

@@ -35,7 +35,7 @@ def excluding(nodes: list[str], bundles: int) -> list[dict[str, str]]:
     return [{NODE_ID_LABEL: value} for _ in range(bundles)]
 
 
-#: The trial's files to carry back from its directory on a node (study/driver.py ``carried_files``).
+#: The trial's files to carry back from its directory on a node (study/mirror.py ``carried_files``).
 Carry = Callable[[Path, str | None], tuple[dict[str, str], dict[str, Any]]]
 
 
