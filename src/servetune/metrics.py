@@ -55,6 +55,8 @@ RATE_METRICS = (
     ERROR_RATE,
 )
 COST_METRIC = "cost_per_mtok_usd"
+#: The share of a level's completed structured-output requests whose answers parsed as asked (0..1).
+STRUCTURED_VALID = "structured_valid"
 #: Joules the trial's devices drew over a level's measured window (warm-up left out), per output token and per
 #: completed request: its GPUs' energy (NVML) on GPUs, the host's CPU packages' (RAPL) on the CPU stand-in.
 #: Absent where the energy could not be measured (``LevelResult.energy_note`` says why).
@@ -244,6 +246,7 @@ class RequestRecord:
     ok: bool = False
     error_kind: str | None = None  # http_4xx, http_5xx, timeout, connection, ...
     error: str | None = None
+    structured_valid: bool | None = None  # it asked for structured output: whether the answer parsed as asked
 
     @property
     def ttft_s(self) -> float | None:
@@ -326,6 +329,9 @@ class LevelSummary(BaseModel):
     send_span_s: float | None = None  # open loops: first measured send -> last
     ttft_growth: float | None = None  # open loops: s of TTFT gained per s of sending (see ttft_growth)
     ttft_growth_low: float | None = None  # the low end of its 95% confidence interval
+    # Of the completed requests that asked for structured output (a JSON schema, choices, a regex), the share
+    # whose answers parsed as asked (None: none asked, or only for grammars)
+    structured_valid: float | None = None
 
     def flat(self) -> dict[str, float]:
         """``{"ttft_ms_p99": ..., "output_throughput": ...}`` with every metric that has a value."""
@@ -340,6 +346,8 @@ class LevelSummary(BaseModel):
             value = getattr(self, name)
             if value is not None:
                 out[name] = value
+        if self.structured_valid is not None:
+            out[STRUCTURED_VALID] = self.structured_valid
         return out
 
 
@@ -395,6 +403,7 @@ def summarize(
     if request_slo_ms:
         goodput = rate(sum(meets_request_slo(r, request_slo_ms) for r in ok))
     itls = [gap * 1000.0 for r in ok for gap in r.itls_s()]
+    checked = [r.structured_valid for r in ok if r.structured_valid is not None]
     busy = span = growth = None
     if saturation and "concurrency" in level:
         busy = busy_output_throughput(all_records, int(level["concurrency"]))
@@ -424,4 +433,5 @@ def summarize(
         send_span_s=span,
         ttft_growth=None if growth is None else growth[0],
         ttft_growth_low=None if growth is None else growth[1],
+        structured_valid=float(np.mean(checked)) if checked else None,
     )

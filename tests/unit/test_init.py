@@ -70,10 +70,17 @@ def test_slo_replaces_the_scenarios():
     assert data["params"]["tensor_parallel_size"] == [1]
 
 
-def test_agent_workload_is_multi_turn_with_long_outputs():
+def test_agent_workload_is_multi_turn_with_long_outputs_and_json_tool_calls():
     w = load_workload("agent")
     assert w.sessions is not None and w.sessions.max_context_tokens == 32768
-    assert w.output_tokens.median >= 500 and w.shared_prefix.fraction >= 0.9
+    plan, tool_call = w.classes
+    assert plan.output_tokens.median >= 500 and w.shared_prefix.fraction >= 0.9
+    assert w.structured_of(plan) is None
+    structured = w.structured_of(tool_call)
+    assert structured is not None and structured.kind == "json_schema"  # the tool call's schema
+    assert structured.valid('{"tool": "search", "arguments": {"query": "x"}}')
+    assert not structured.valid('{"tool": "rm -rf", "arguments": {}}')
+    assert w.sampling_of(tool_call)["ignore_eos"] is False  # a call ends where its JSON ends
 
 
 @pytest.mark.parametrize(

@@ -15,14 +15,21 @@ log's send times (``servetune workload from-log`` writes workloads from such log
 default), ``corpus`` (passages of the public-domain English text servetune ships,
 ``trials/corpus/``), or a UTF-8 text file of the user's (relative to the workload file) that
 prompts are cut from. Lengths stay the workload's either way.
+
+``structured`` (a workload's, or a request class's own) asks for structured output: a JSON schema, one of a
+list of choices, a regular expression, or a grammar. It goes into the body as vLLM's OpenAI server reads it
+(``response_format`` with the schema, else ``structured_outputs``); such a request ends where its structure
+ends (``ignore_eos`` off), and the client counts the answers that parsed as asked (``structured_valid``).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
+import jsonschema
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
@@ -173,6 +180,82 @@ class Sampling(BaseModel):
         return out
 
 
+#: The kinds of structured output, as ``structured:`` names them.
+STRUCTURED_KINDS = ("json_schema", "choice", "regex", "grammar")
+
+
+class Structured(BaseModel):
+    """Structured output: exactly one of a JSON schema, choices, a regular expression or a grammar (vLLM's
+    EBNF/Lark form). The schema is checked as a JSON schema and the regex compiled when the workload loads."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    json_schema: dict[str, Any] | None = None
+    choice: tuple[str, ...] | None = Field(default=None, min_length=1)
+    regex: str | None = Field(default=None, min_length=1)
+    grammar: str | None = Field(default=None, min_length=1)
+
+    @field_validator("json_schema")
+    @classmethod
+    def _schema(cls, schema: dict[str, Any] | None) -> dict[str, Any] | None:
+        if schema is not None:
+            try:
+                jsonschema.validators.validator_for(schema).check_schema(schema)
+            except jsonschema.SchemaError as exc:
+                where = "/".join(str(p) for p in exc.path)
+                raise ValueError(f"not a JSON schema{f' at {where}' if where else ''}: {exc.message}") from None
+        return schema
+
+    @field_validator("regex")
+    @classmethod
+    def _regex(cls, regex: str | None) -> str | None:
+        if regex is not None:
+            try:
+                re.compile(regex)
+            except re.error as exc:
+                raise ValueError(f"not a regular expression: {exc}") from None
+        return regex
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> Structured:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(
+                f"give exactly one of {', '.join(STRUCTURED_KINDS)}"
+                + (f" (not {' and '.join(given)})" if given else "")
+            )
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) is not None)
+
+    def body(self, name: str) -> dict[str, object]:
+        """The request body's fields: ``response_format`` with the schema (named ``name``), else vLLM's
+        ``structured_outputs`` (read by its completions and chat servers alike)."""
+        if self.json_schema is not None:
+            return {
+                "response_format": {"type": "json_schema", "json_schema": {"name": name, "schema": self.json_schema}}
+            }
+        value = list(self.choice) if self.choice is not None else self.regex or self.grammar
+        return {"structured_outputs": {self.kind: value}}
+
+    def valid(self, text: str) -> bool | None:
+        """Whether an answer's text is what was asked: JSON under the schema, one of the choices, the regex
+        matched in full. None for a grammar (servetune does not parse grammars)."""
+        if self.json_schema is not None:
+            try:
+                jsonschema.validate(json.loads(text), self.json_schema)
+            except (ValueError, jsonschema.ValidationError):
+                return False
+            return True
+        if self.choice is not None:
+            return text in self.choice
+        if self.regex is not None:
+            return re.fullmatch(self.regex, text) is not None
+        return None
+
+
 class RequestClass(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -181,6 +264,7 @@ class RequestClass(BaseModel):
     input_tokens: Dist
     output_tokens: Dist
     sampling: Sampling | None = None  # over the workload's ``sampling``
+    structured: Structured | None = None  # over the workload's ``structured``
 
 
 class SharedPrefix(BaseModel):
@@ -345,6 +429,8 @@ class Workload(BaseModel):
     text: str = Field(default="random", min_length=1)
     # How requests sample (each class's own ``sampling`` over this): top_p, top_k, n, logprobs, stop...
     sampling: Sampling = Sampling()
+    # Structured output every request asks for (a class's own ``structured`` over this); None: free text.
+    structured: Structured | None = None
     _source_text: str | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
@@ -354,10 +440,43 @@ class Workload(BaseModel):
                 raise ValueError(f"sampling.{name}: {name} is given twice (here and at the top of the workload)")
         return self
 
+    @model_validator(mode="after")
+    def _structured_ends(self) -> Workload:
+        for index, request_class in enumerate(self.mix or ()):
+            sampling = request_class.sampling.over(self.sampling) if request_class.sampling else self.sampling
+            if self.structured_of(request_class) is not None and sampling.ignore_eos:
+                where = (
+                    f"mix.{index}.sampling"
+                    if request_class.sampling and request_class.sampling.ignore_eos
+                    else "sampling"
+                )
+                raise ValueError(
+                    f"{where}.ignore_eos: a request with structured output ends where its structure ends: leave ignore_eos off"
+                )
+        if self.structured is not None and self.sampling.ignore_eos:
+            raise ValueError(
+                "sampling.ignore_eos: a request with structured output ends where its structure ends: leave ignore_eos off"
+            )
+        if self.structured is not None and "ignore_eos" in self.model_fields_set and self.ignore_eos:
+            raise ValueError(
+                "ignore_eos: a request with structured output ends where its structure ends: leave ignore_eos off"
+            )
+        return self
+
+    def structured_of(self, request_class: RequestClass) -> Structured | None:
+        """The structured output a request of ``request_class`` asks for (the class's, else the workload's)."""
+        return request_class.structured or self.structured
+
     def sampling_of(self, request_class: RequestClass) -> dict[str, object]:
-        """The sampling fields a request of ``request_class`` sends (the class's over the workload's)."""
+        """The body fields a request of ``request_class`` sends: its sampling (the class's over the workload's),
+        and its structured output with ``ignore_eos`` off."""
         sampling = request_class.sampling.over(self.sampling) if request_class.sampling else self.sampling
-        return sampling.body(self.api)
+        body = sampling.body(self.api)
+        structured = self.structured_of(request_class)
+        if structured is not None:
+            body.update(structured.body(request_class.name))
+            body["ignore_eos"] = False
+        return body
 
     @model_validator(mode="after")
     def _read_text(self, info: ValidationInfo) -> Workload:

@@ -5,6 +5,10 @@ importing vLLM takes seconds) and cached per vLLM version (:func:`load_argspecs`
 misspelt arguments are rejected with close matches, choices are checked, and booleans take the
 form the parser expects (``--enable-prefix-caching`` / ``--no-enable-prefix-caching`` for optional booleans,
 the bare flag for ``store_true``). Without vLLM, booleans use the ``--x`` / ``--no-x`` form.
+
+A field of an option that takes a config is an argument of its own, dotted as vLLM's parser reads it
+(``structured_outputs_config.backend: xgrammar`` -> ``--structured-outputs-config.backend xgrammar``), its
+choices checked as other options' are; so it can be a search parameter.
 """
 
 from __future__ import annotations
@@ -30,6 +34,11 @@ from servetune.errors import UserError
 RESERVED = {"model", "host", "port", "model_tag"}
 #: How many vLLM argument tables the cache keeps: those most recently used, one per vLLM version.
 KEPT_ARG_TABLES = 4
+#: The format of a cached argument table, kept in it as an entry of this name (shaped as an option's, so a servetune
+#: from before it reads the table too): 2 has the config options' fields (``structured_outputs_config.backend``);
+#: a table of another format is asked for again.
+TABLE_FORMAT_KEY = "__servetune_table_format__"
+TABLE_FORMAT = {"flag": "--servetune-table-format", "kind": "value", "choices": ["2"]}
 
 # Runs inside the vLLM interpreter; prints the parser's options as JSON.
 _DUMP = r"""
@@ -57,6 +66,25 @@ for a in parser._actions:
         kind = "value"
     choices = [str(c) for c in a.choices] if a.choices and len(a.choices) < 64 else None
     out[a.dest] = {"flag": longs[0], "kind": kind, "choices": choices}
+# The fields of the options that take a config (--structured-outputs-config.backend xgrammar): the parser reads
+# them dotted, field names as written; their choices are the config's Literal values.
+import dataclasses
+try:
+    from vllm.engine.arg_utils import EngineArgs, get_kwargs
+except ImportError:
+    EngineArgs = None
+for f in dataclasses.fields(EngineArgs) if EngineArgs is not None else ():
+    if f.name not in out or f.default_factory is dataclasses.MISSING:
+        continue
+    try:
+        config = f.default_factory()
+        fields = get_kwargs(type(config)) if dataclasses.is_dataclass(config) else {}
+    except Exception:
+        continue
+    for name, kwargs in fields.items():
+        choices = kwargs.get("choices")
+        choices = [str(c) for c in choices if c is not None] if choices and len(choices) < 64 else None
+        out[f.name + "." + name] = {"flag": out[f.name]["flag"] + "." + name, "kind": "value", "choices": choices}
 print("SERVETUNE_ARGSPEC " + json.dumps(out))
 """
 
@@ -160,10 +188,13 @@ def load_argspecs(python: str = sys.executable) -> dict[str, ArgSpec] | None:
     cache = _table_path(version)
     try:
         raw = json.loads(cache.read_text())
-    except (OSError, ValueError):
+        if raw.get(TABLE_FORMAT_KEY) != TABLE_FORMAT:  # written before the config fields were read: ask again
+            raise ValueError(f"argument table of format {raw.get(TABLE_FORMAT_KEY)}")
+    except (OSError, ValueError, AttributeError):
         raw = _dump_argspecs(python)
         if raw is None:
             return None
+        raw[TABLE_FORMAT_KEY] = TABLE_FORMAT
         _write_table(cache, raw)
     else:
         with contextlib.suppress(OSError):
@@ -188,6 +219,7 @@ def _specs(raw: dict) -> dict[str, ArgSpec]:
     return {
         dest: ArgSpec(dest, d["flag"], d["kind"], tuple(d["choices"]) if d.get("choices") else None)
         for dest, d in raw.items()
+        if dest != TABLE_FORMAT_KEY
     }
 
 

@@ -10,6 +10,10 @@ token within ``first_token_timeout_s`` of sending: the request queued or prefill
 ``timeout_idle`` (a stream fell silent for ``idle_timeout_s`` between two reads), and ``timeout``
 (the whole request took longer than ``timeout_s``). A request sent with ``drop_after`` closes
 its connection after that many content chunks, as a user who leaves does (``dropped``).
+
+A request that asked for structured output keeps its answer's text (each choice's), and its record says
+whether every choice parsed as asked (``RequestRecord.structured_valid``; the level's ``structured_valid`` is
+the share of such answers).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class _Delta(msgspec.Struct):
 
 
 class _Choice(msgspec.Struct):
+    index: int = 0
     text: str | None = None
     delta: _Delta | None = None
 
@@ -76,6 +81,24 @@ def _has_content(chunk: _Chunk) -> bool:
         if delta is not None and (delta.content or delta.reasoning_content):
             return True
     return False
+
+
+def _keep_text(chunk: _Chunk, texts: dict[int, list[str]]) -> None:
+    """Add a chunk's content (each choice's, reasoning left out) to the answer's text so far."""
+    for choice in chunk.choices:
+        piece = choice.text if choice.delta is None else choice.delta.content
+        if piece:
+            texts.setdefault(choice.index, []).append(piece)
+
+
+def structured_valid(spec: RequestSpec, texts: dict[int, list[str]]) -> bool | None:
+    """Whether every choice of a finished answer is what ``spec`` asked for (None: it asked for no structure,
+    or for a grammar, which servetune does not parse)."""
+    if spec.structured is None:
+        return None
+    answers = ["".join(pieces) for _, pieces in sorted(texts.items())] or [""]
+    verdicts = [spec.structured.valid(text) for text in answers]
+    return None if None in verdicts else all(verdicts)
 
 
 class StreamingClient:
@@ -150,6 +173,7 @@ class StreamingClient:
         assert self._session is not None, "use StreamingClient as an async context manager"
         clock = time.perf_counter
         chunk_times = record.chunk_times
+        texts: dict[int, list[str]] | None = {} if spec.structured is not None else None
         record.sent = clock() - t0
         loop = asyncio.get_running_loop()
         total_at = loop.time() + self.timeout_s
@@ -186,6 +210,8 @@ class StreamingClient:
                                 record.error_kind, record.error = stream_error(chunk.error)
                             if chunk.choices and _has_content(chunk):
                                 chunk_times.append(now)
+                                if texts is not None:
+                                    _keep_text(chunk, texts)
                             if chunk.usage is not None:
                                 record.prompt_tokens = chunk.usage.prompt_tokens
                                 record.output_tokens = chunk.usage.completion_tokens
@@ -230,4 +256,6 @@ class StreamingClient:
                 if record.output_tokens is None:  # the server sent no usage: fall back to chunks
                     record.output_tokens = len(chunk_times)
                 record.ok = True
+                if texts is not None:
+                    record.structured_valid = structured_valid(spec, texts)
         return record

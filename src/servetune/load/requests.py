@@ -17,7 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
-from servetune.config.workload import Empirical, Workload
+from servetune.config.workload import Empirical, Structured, Workload
 
 _WORD = re.compile(r" [A-Za-z]{2,12}")
 _CHAR = re.compile(r"[ -~]")
@@ -49,6 +49,7 @@ class RequestSpec:
     sampling: tuple[
         tuple[str, object], ...
     ] = ()  # its class's sampling fields, sent in the body (Workload.sampling_of)
+    structured: Structured | None = None  # the structured output it asks for: the client checks the answer
 
 
 class PromptFactory:
@@ -144,7 +145,7 @@ def iter_requests(workload: Workload, prompts: PromptFactory, stream: int = 0) -
         text, n_in, n_out, name, reused = draw.first(rng)
         yield RequestSpec(
             index=index, prompt=text, input_tokens=n_in, output_tokens=n_out, request_class=name, reused_tokens=reused,
-            sampling=draw.sampling[name],
+            sampling=draw.sampling[name], structured=draw.structured[name],
         )  # fmt: skip
         index += 1
 
@@ -157,6 +158,7 @@ class _Draw:
         self.text = text_maker(workload, prompts)
         self.classes = workload.classes
         self.sampling = {c.name: tuple(workload.sampling_of(c).items()) for c in self.classes}
+        self.structured = {c.name: workload.structured_of(c) for c in self.classes}
         weights = np.asarray([c.weight for c in self.classes], dtype=float)
         self.weights = weights / weights.sum()
         self.prefix_texts: list[str] = []
@@ -220,8 +222,9 @@ def _conversations(workload: Workload, prompts: PromptFactory, rng: np.random.Ge
         turns = max(1, int(sessions.turns.sample(rng, 1)[0]))
         text, n_in, n_out, name, reused = draw.first(rng)
         yield RequestSpec(
-            index, text, n_in, n_out, name, session=session, turn=0, reused_tokens=reused, sampling=draw.sampling[name]
-        )
+            index, text, n_in, n_out, name, session=session, turn=0, reused_tokens=reused, sampling=draw.sampling[name],
+            structured=draw.structured[name],
+        )  # fmt: skip
         index += 1
         for turn in range(1, turns):
             # The answer as the conversation carries it: text of the answer's length.
@@ -233,7 +236,7 @@ def _conversations(workload: Workload, prompts: PromptFactory, rng: np.random.Ge
             think = float(sessions.think_time_s.sample(rng, 1)[0])
             yield RequestSpec(
                 index, text, n_in, n_out, name, session=session, turn=turn, think_s=think, reused_tokens=reused,
-                sampling=draw.sampling[name],
+                sampling=draw.sampling[name], structured=draw.structured[name],
             )  # fmt: skip
             index += 1
         session += 1
