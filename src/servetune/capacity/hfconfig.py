@@ -237,6 +237,7 @@ def arch_from_hf_config(config: dict[str, Any], name: str, source: str = "config
         "attention_output_gate": model_type.startswith("qwen3_next"),
         "mamba": mixer,
         "mixer_only_layers": model_type == "nemotron_h",
+        "parallel_mamba": model_type == "falcon_h1" and mixer is not None,
         "not_planned": not_planned,
     }
     mtp = [cfg.get(key) for key in MTP_KEYS if isinstance(cfg.get(key), int) and cfg[key] > 0]

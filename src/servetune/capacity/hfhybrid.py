@@ -1,7 +1,9 @@
 """The layer kinds and the Mamba / linear-attention mixer of a hybrid model's Hugging Face config.
 
-Read as vLLM 0.32's model classes read them (``get_mamba_state_shape_from_config`` per model type);
-what the planner cannot size comes back as the reason why.
+Read as vLLM 0.32's model classes read them (``get_mamba_state_shape_from_config`` per model type):
+Qwen3-Next, Nemotron-H, Granite-4.0-H / Bamba, Jamba, Falcon-H1 (a Mamba-2 mixer beside every layer's
+attention) and MiniMax-Text-01 / M1 (``attn_type_list``: 0 lightning attention, 1 softmax). What the planner
+cannot size comes back as the reason why.
 """
 
 from __future__ import annotations
@@ -56,6 +58,11 @@ def _mamba_mixer(cfg: dict[str, Any], model_type: str, hidden: int) -> MambaMixe
             num_heads=int(cfg["mamba_n_heads"]),
             head_dim=int(cfg["mamba_d_head"]),
         )
+    if model_type == "minimax":  # transformers' MiniMax (MiniMax-Text-01 as layer_types): lightning attention
+        heads = int(cfg["num_attention_heads"])
+        return MambaMixer(
+            kind="linear_attention", num_heads=heads, head_dim=int(cfg.get("head_dim") or hidden // heads)
+        )
     if model_type == "jamba":  # Mamba-1
         return MambaMixer(
             kind="mamba1",
@@ -67,6 +74,25 @@ def _mamba_mixer(cfg: dict[str, Any], model_type: str, hidden: int) -> MambaMixe
     return None
 
 
+def _falcon_h1_mixer(cfg: dict[str, Any], hidden: int) -> MambaMixer:
+    """Falcon-H1's ``MambaMixer2``, as vLLM 0.32's ``FalconH1ForCausalLM.get_mamba_state_shape_from_config``
+    reads it: the inner width is ``mamba_d_ssm``, or ``mamba_expand x hidden_size`` when that is unset."""
+    d_ssm = cfg.get("mamba_d_ssm")
+    inner = int(d_ssm) if d_ssm is not None else int(float(cfg.get("mamba_expand") or 2) * hidden)
+    heads = int(cfg["mamba_n_heads"])
+    head_dim = cfg.get("mamba_d_head")
+    return MambaMixer(
+        kind="mamba2",
+        conv_kernel=int(cfg.get("mamba_d_conv") or 4),
+        intermediate_size=inner,
+        state_size=int(cfg["mamba_d_state"]),
+        n_groups=int(cfg.get("mamba_n_groups") or 1),
+        num_heads=heads,
+        head_dim=int(head_dim) if isinstance(head_dim, int) else inner // heads,  # "auto": inner / heads
+        rms_norm=bool(cfg.get("mamba_rms_norm", False)),
+    )
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -76,10 +102,18 @@ def _hybrid_layers(
 ) -> tuple[list[LayerType], MambaMixer | None] | str:
     """Layer kinds and the mixer of a model with Mamba / linear-attention layers, ([], None) for a model without,
     or why the planner cannot size it."""
-    if model_type == "falcon_h1":
-        return "Falcon-H1 runs attention and a Mamba-2 mixer side by side in every layer; the planner does not model it"
-    if 0 in (cfg.get("attn_type_list") or ()):  # MiniMax-Text-01: 0 lightning (linear) attention, 1 softmax
-        return f"{model_type or 'this model'}'s lightning (linear) attention layers (attn_type_list) are not modelled"
+    if model_type == "falcon_h1":  # every layer: attention and a Mamba-2 mixer side by side (ModelArch.parallel_mamba)
+        try:
+            return ["full_attention"] * int(cfg["num_hidden_layers"]), _falcon_h1_mixer(cfg, hidden)
+        except (KeyError, TypeError, ValueError) as exc:
+            return f"its Mamba layers' numbers are incomplete ({exc})"
+    attn_types = cfg.get("attn_type_list") or ()
+    if 0 in attn_types:  # MiniMax-Text-01 / M1: 0 lightning (linear) attention, 1 softmax attention
+        try:
+            mixer = _mamba_mixer(cfg, "minimax", hidden)
+        except (KeyError, TypeError, ValueError) as exc:
+            return f"its lightning attention layers' numbers are incomplete ({exc})"
+        return ["full_attention" if kind else "mamba" for kind in attn_types], mixer
     raw = cfg.get("layer_types") or cfg.get("layers_block_type")
     if isinstance(cfg.get("hybrid_override_pattern"), str) and not raw:
         raw = [_PATTERN_KINDS.get(c, c) for c in cfg["hybrid_override_pattern"]]

@@ -66,13 +66,15 @@ class MambaMixer(BaseModel):
     """A Mamba / linear-attention layer, in the numbers vLLM 0.32's ``MambaStateShapeCalculator`` reads.
 
     ``mamba1``: Jamba (``intermediate_size``, ``state_size``, ``conv_kernel``, ``dt_rank``); ``mamba2``:
-    Nemotron-H, Granite-4.0-H (plus ``n_groups``, ``num_heads``, ``head_dim``); ``gated_delta_net``:
-    Qwen3-Next (``num_k_heads``, ``num_v_heads``, ``head_k_dim``, ``head_v_dim``, ``conv_kernel``).
+    Nemotron-H, Granite-4.0-H, Falcon-H1 (plus ``n_groups``, ``num_heads``, ``head_dim``); ``gated_delta_net``:
+    Qwen3-Next (``num_k_heads``, ``num_v_heads``, ``head_k_dim``, ``head_v_dim``, ``conv_kernel``);
+    ``linear_attention``: MiniMax-Text-01 / M1's lightning attention (``num_heads``, ``head_dim``: one
+    ``head_dim x head_dim`` state per head, no convolution).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    kind: Literal["mamba1", "mamba2", "gated_delta_net"]
+    kind: Literal["mamba1", "mamba2", "gated_delta_net", "linear_attention"]
     conv_kernel: int = Field(4, ge=2)
     intermediate_size: int = Field(0, ge=0)
     state_size: int = Field(0, ge=0)
@@ -84,6 +86,7 @@ class MambaMixer(BaseModel):
     num_v_heads: int = Field(0, ge=0)
     head_k_dim: int = Field(0, ge=0)
     head_v_dim: int = Field(0, ge=0)
+    rms_norm: bool = Field(True, description="mamba2: the gated RMSNorm has a weight (Falcon-H1's mamba_rms_norm)")
     ssm_state_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="the SSM state's dtype when mamba_ssm_cache_dtype is auto (Nemotron-H: float32)"
     )
@@ -94,6 +97,7 @@ class MambaMixer(BaseModel):
             "mamba1": ("intermediate_size", "state_size"),
             "mamba2": ("intermediate_size", "state_size", "num_heads", "head_dim"),
             "gated_delta_net": ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim"),
+            "linear_attention": ("num_heads", "head_dim"),
         }[self.kind]
         missing = [name for name in needed if not getattr(self, name)]
         if missing:
@@ -149,6 +153,9 @@ class ModelArch(BaseModel):
         description="Nemotron-H: a layer is one block (Mamba, attention, or a two-matrix squared-ReLU MLP / MoE),"
         " not attention + MLP",
     )
+    parallel_mamba: bool = Field(
+        False, description="Falcon-H1: every layer runs attention and a Mamba-2 mixer side by side, then its MLP"
+    )
     not_planned: str | None = Field(None, description="why the ledger cannot size this model (vLLM may serve it)")
     quant: WeightQuant = WeightQuant()
     checkpoint: Checkpoint | None = Field(None, description="safetensors parameter counts, where known")
@@ -188,13 +195,20 @@ class ModelArch(BaseModel):
             raise ValueError("sliding_attention layers need sliding_window")
         if "chunked_attention" in self.layer_types and self.attention_chunk_size is None:
             raise ValueError("chunked_attention layers need attention_chunk_size")
-        if "mamba" in self.layer_types and self.mamba is None:
+        if ("mamba" in self.layer_types or self.parallel_mamba) and self.mamba is None:
             raise ValueError("mamba layers need the mamba mixer's numbers")
         return self
 
     @property
     def num_mamba_layers(self) -> int:
-        return self.layer_kinds.count("mamba")
+        return self.stage_kinds().count("mamba")
+
+    def stage_kinds(self, pp: int = 1) -> tuple[LayerType, ...]:
+        """The kinds of the cache-holding layers vLLM registers for the first pipeline stage: a layer's own kind,
+        and with ``parallel_mamba`` (Falcon-H1) a Mamba layer beside each attention layer."""
+        stage = self.layer_kinds[: -(-self.num_layers // pp)]
+        mamba: tuple[LayerType, ...] = ("mamba",)
+        return stage + mamba * len(stage) if self.parallel_mamba else stage
 
     @property
     def num_attention_layers(self) -> int:
