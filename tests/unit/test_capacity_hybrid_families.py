@@ -176,3 +176,27 @@ def test_servetune_plan_for_the_catalogued_ids(capsys) -> None:
     assert cli.main([*minimax, "--vllm-version", "0.23.0"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["fits"] and doc["mamba_layers"] == 70
+
+
+# A 4-layer random Falcon-H1 (attention of 4 x 64 / 2 KV heads beside a Mamba-2 mixer of 8 x 64 heads, state 64,
+# in every layer), saved by transformers' FalconH1ForCausalLM with servetune's byte tokenizer and served by
+# vLLM 0.32.0's CPU build on the development host with VLLM_CPU_KVCACHE_SPACE=1 --dtype float32
+# --max-model-len 2048 --enforce-eager. Its log said: "Setting attention block size to 256 tokens ...",
+# "Padding mamba page size by 88.93% ...", "CPU KV cache size: 190,650 tokens, Maximum concurrency for
+# 2,048 tokens per request: 93.09x" (prefix caching on by default: 3 state blocks a sequence).
+TINY_FALCON_H1 = {
+    **FALCON_H1_7B, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 64, "intermediate_size": 512, "vocab_size": 258, "mamba_n_heads": 8, "mamba_d_head": 64,
+    "mamba_d_ssm": 512, "mamba_d_state": 64, "max_position_embeddings": 4096, "torch_dtype": "float32",
+}  # fmt: skip
+
+
+def test_the_falcon_h1_plan_equals_vllms_cpu_log() -> None:
+    arch = _arch(TINY_FALCON_H1)
+    args = {"dtype": "float32", "max_model_len": 2048, "enforce_eager": True}
+    plan = plan_capacity(arch, args, resolve_hardware(device="cpu"), env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    state = plan.mamba_state_bytes_per_sequence // 4  # one layer's: conv (3, 512 + 2 x 64) + SSM (8, 64, 64), fp32
+    assert state == (3 * 640 + 8 * 64 * 64) * 4
+    page = 256 * 2 * 2 * 64 * 4  # the attention page (256 tokens) the Mamba state is padded to
+    assert round(100 * (page - state) / state, 2) == 88.93
+    assert (plan.settings.block_size, plan.kv_cache_tokens, plan.max_concurrency) == (256, 190650, 93.09)
