@@ -183,7 +183,8 @@ def test_servetune_plan_for_the_catalogued_ids(capsys) -> None:
 # vLLM 0.32.0's CPU build on the development host with VLLM_CPU_KVCACHE_SPACE=1 --dtype float32
 # --max-model-len 2048 --enforce-eager. Its log said: "Setting attention block size to 256 tokens ...",
 # "Padding mamba page size by 88.93% ...", "CPU KV cache size: 190,650 tokens, Maximum concurrency for
-# 2,048 tokens per request: 93.09x" (prefix caching on by default: 3 state blocks a sequence).
+# 2,048 tokens per request: 93.09x" (prefix caching on by default: 3 state blocks a sequence); with
+# --no-enable-prefix-caching "CPU KV cache size: 233,016 tokens ... 113.78x".
 TINY_FALCON_H1 = {
     **FALCON_H1_7B, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
     "head_dim": 64, "intermediate_size": 512, "vocab_size": 258, "mamba_n_heads": 8, "mamba_d_head": 64,
@@ -191,12 +192,13 @@ TINY_FALCON_H1 = {
 }  # fmt: skip
 
 
-def test_the_falcon_h1_plan_equals_vllms_cpu_log() -> None:
+@pytest.mark.parametrize("prefix_caching, tokens, concurrency", [(None, 190650, 93.09), (False, 233016, 113.78)])
+def test_the_falcon_h1_plan_equals_vllms_cpu_log(prefix_caching: bool | None, tokens: int, concurrency: float) -> None:
     arch = _arch(TINY_FALCON_H1)
-    args = {"dtype": "float32", "max_model_len": 2048, "enforce_eager": True}
+    args = {"dtype": "float32", "max_model_len": 2048, "enforce_eager": True, "enable_prefix_caching": prefix_caching}
     plan = plan_capacity(arch, args, resolve_hardware(device="cpu"), env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     state = plan.mamba_state_bytes_per_sequence // 4  # one layer's: conv (3, 512 + 2 x 64) + SSM (8, 64, 64), fp32
     assert state == (3 * 640 + 8 * 64 * 64) * 4
     page = 256 * 2 * 2 * 64 * 4  # the attention page (256 tokens) the Mamba state is padded to
     assert round(100 * (page - state) / state, 2) == 88.93
-    assert (plan.settings.block_size, plan.kv_cache_tokens, plan.max_concurrency) == (256, 190650, 93.09)
+    assert (plan.settings.block_size, plan.kv_cache_tokens, plan.max_concurrency) == (256, tokens, concurrency)
