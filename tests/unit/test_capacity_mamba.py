@@ -156,8 +156,6 @@ def test_each_family_reads_its_own_mixer_numbers() -> None:
 @pytest.mark.parametrize(
     "config, why",
     [
-        ({**JAMBA, "model_type": "falcon_h1", "architectures": ["FalconH1ForCausalLM"]}, "Falcon-H1"),
-        ({**QWEN3_NEXT, "model_type": "minimax", "attn_type_list": [0, 1] * 4}, "attn_type_list"),
         (
             {**GRANITE_4_H, "model_type": "llama", "layer_types": ["linear_attention", "full_attention"] * 3},
             "not modelled",
@@ -165,7 +163,7 @@ def test_each_family_reads_its_own_mixer_numbers() -> None:
         ({**GRANITE_4_H, "model_type": "my_hybrid", "layer_types": ["mamba", "retention"] * 3}, "retention"),
         ({**GRANITE_4_H, "model_type": "my_conv", "layer_types": ["conv", "full_attention"] * 3}, "conv"),
     ],
-    ids=["falcon_h1", "minimax", "unknown_mixer", "unknown_kind", "short_conv"],
+    ids=["unknown_mixer", "unknown_kind", "short_conv"],
 )
 def test_an_unknown_shape_is_not_planned_with_its_reason(config: dict[str, Any], why: str) -> None:
     arch = _arch(config)
@@ -239,7 +237,10 @@ def _vllm_capacity(arch: ModelArch, plan_block: int, pool: int, max_model_len: i
     calc = pytest.importorskip("vllm.model_executor.layers.mamba.mamba_utils").MambaStateShapeCalculator
     m = arch.mamba
     assert m is not None
-    if m.kind == "gated_delta_net":
+    dtypes = (torch.bfloat16, torch.float32 if m.ssm_state_dtype == "float32" else torch.bfloat16)
+    if m.kind == "linear_attention":
+        shapes, dtypes = calc.linear_attention_state_shape(m.num_heads, tp, m.head_dim), (torch.bfloat16,)
+    elif m.kind == "gated_delta_net":
         shapes = calc.gated_delta_net_state_shape(
             tp, m.num_k_heads, m.num_v_heads, m.head_k_dim, m.head_v_dim, m.conv_kernel
         )
@@ -247,7 +248,6 @@ def _vllm_capacity(arch: ModelArch, plan_block: int, pool: int, max_model_len: i
         shapes = calc.mamba2_state_shape(
             tp, m.intermediate_size, m.n_groups, m.num_heads, m.head_dim, m.state_size, m.conv_kernel
         )
-    ssm = torch.float32 if m.ssm_state_dtype == "float32" else torch.bfloat16
     attention = {
         "block_size": plan_block,
         "num_kv_heads": max(1, arch.num_kv_heads // tp),
@@ -257,12 +257,12 @@ def _vllm_capacity(arch: ModelArch, plan_block: int, pool: int, max_model_len: i
     attn_page = kv_interface.FullAttentionSpec(**attention).page_size_bytes
     mode = "align" if align else "none"
     specs: dict[str, object] = {}
-    for i, kind in enumerate(arch.layer_kinds):
+    for i, kind in enumerate(arch.stage_kinds()):  # Falcon-H1: layers.i attention, layers.(L + i) its Mamba
         if kind == "mamba":
             specs[f"layers.{i}"] = kv_interface.MambaSpec(
                 block_size=plan_block if align else max_model_len,
                 shapes=shapes,
-                dtypes=(torch.bfloat16, ssm),
+                dtypes=dtypes,
                 page_size_padded=attn_page,
                 mamba_cache_mode=mode,
                 num_prefill_checkpoint_blocks=int(m.kind == "mamba2"),  # MambaMixer2.get_kv_cache_spec
@@ -298,6 +298,10 @@ def _vllm_capacity(arch: ModelArch, plan_block: int, pool: int, max_model_len: i
         ("Qwen/Qwen3-Next-80B-A3B-Instruct", 2, 262144, False),
         ("nvidia/Nemotron-H-8B-Base-8K", 1, 8192, True),
         ("nvidia/Nemotron-H-8B-Base-8K", 2, 8192, False),
+        ("tiiuae/Falcon-H1-7B-Instruct", 1, 32768, True),
+        ("tiiuae/Falcon-H1-7B-Instruct", 2, 262144, False),
+        ("MiniMaxAI/MiniMax-Text-01", 8, 32768, True),
+        ("MiniMaxAI/MiniMax-Text-01", 4, 131072, False),
     ],
 )
 def test_blocks_and_tokens_equal_vllms_own_computation(
@@ -381,11 +385,11 @@ def test_plan_json_and_table_report_the_state(capsys) -> None:
 
 
 def test_plan_says_not_planned_for_an_unknown_shape(tmp_path, capsys) -> None:
-    config = {**JAMBA, "model_type": "falcon_h1", "architectures": ["FalconH1ForCausalLM"]}
+    config = {**GRANITE_4_H, "model_type": "my_hybrid", "layer_types": ["mamba", "retention"] * 3}
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert cli.main(["plan", "--model", str(tmp_path), "--gpu", "H100-SXM", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["planned"] is False and "Falcon-H1" in doc["reason"]
+    assert doc["planned"] is False and "retention" in doc["reason"]
 
 
 def test_catalogue_entries_parse_like_their_configs() -> None:

@@ -37,6 +37,8 @@ def _structural(arch: ModelArch, plan: CapacityPlan, evaluate: Evaluate) -> list
         return [
             f"lower --max-model-len to {arch.max_position_embeddings:,} or less (the model's max_position_embeddings)"
         ]
+    if "served by vLLM up to" in plan.reason:  # an architecture this release no longer serves (profile.py)
+        return ["serve it with the vLLM release that last served it; --vllm-version plans for that release"]
     if "pipeline_parallel_size" in plan.reason:
         return [f"lower --pp to at most {arch.num_layers}"]
     valid = [t for t in (1, 2, 4, 8, 16) if not evaluate({"tensor_parallel_size": t}).reason.startswith(REFUSED)]

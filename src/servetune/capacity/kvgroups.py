@@ -17,7 +17,7 @@ all groups draw block ids from one pool:
 Mamba and linear-attention layers (``servetune.capacity.mamba``) form groups of their own in the
 same pool: their page is padded to the attention page, and a request holds one block per Mamba
 group (two or three under prefix caching's ``align`` mode) whatever its length. MLP-only layers
-(Nemotron-H) hold nothing.
+(Nemotron-H) hold nothing. Falcon-H1 registers an attention layer and a Mamba layer for each decoder layer.
 
 In-flight tokens are every concurrently scheduled batch's ``max_num_batched_tokens`` (two batches
 with async scheduling, vLLM's default; pipeline stages + 1 with PP). When the hybrid manager is
@@ -91,7 +91,7 @@ def kv_layout(
     it off unless ``VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE`` is set). Mamba layers
     always keep groups of their own; ``mamba_state_blocks`` is what one request holds in each.
     """
-    stage: list[LayerType] = [k for k in arch.layer_kinds[: _cdiv(arch.num_layers, pp)] if k != "mlp"]
+    stage: list[LayerType] = [k for k in arch.stage_kinds(pp) if k != "mlp"]
     if hybrid_manager is None:
         hybrid_manager = "chunked_attention" not in stage
     kinds: dict[LayerType, int] = {}

@@ -270,7 +270,7 @@ def _ledger(
         blocks_per_request,
         allow_long,
         draft,
-        state.problem,
+        state.problem or _removed(arch, profile),
     )
     return CapacityPlan(
         model=arch.name,
@@ -323,6 +323,12 @@ def _draft_notes(draft: DraftCost, s: Settings) -> list[str]:
     ]
 
 
+def _removed(arch: ModelArch, profile: EngineProfile) -> str | None:
+    if arch.architecture not in profile.removed_architectures:
+        return None
+    return f"{arch.architecture} was served by vLLM up to 0.23 and is refused by {profile.name}'s releases"
+
+
 @dataclass(frozen=True)
 class _MambaState:
     """What a model's Mamba layers cost one sequence on one rank (all zero for a model without them)."""
@@ -349,8 +355,7 @@ class _MambaState:
 
 def _mamba_state(arch: ModelArch, args: CapacityArgs, s: Settings, profile: EngineProfile) -> _MambaState:
     """The Mamba state of one sequence, and the prefix-caching mode vLLM runs it in."""
-    stage = arch.layer_kinds[: _cdiv(arch.num_layers, s.pipeline_parallel_size)]
-    layers = stage.count("mamba")
+    layers = arch.stage_kinds(s.pipeline_parallel_size).count("mamba")
     if arch.mamba is None or not layers:
         return _MambaState()
     if profile.v0_scheduler:

@@ -11,7 +11,8 @@ follow, per layer and per tensor-parallel rank:
   mamba2 (Nemotron-H, Granite-4.0-H): conv ``(kernel - 1, (I + 2 G' d_state) / TP)``,
   SSM ``(heads / TP, head_dim, d_state)``, ``G'`` the groups padded up to TP when TP does not divide them;
   gated DeltaNet (Qwen3-Next): conv ``(kernel - 1, (2 k_heads k_dim + v_heads v_dim) / TP)``,
-  SSM ``(v_heads / TP, v_dim, k_dim)``.
+  SSM ``(v_heads / TP, v_dim, k_dim)``; lightning (linear) attention (MiniMax-Text-01, served up to vLLM
+  0.23): one state ``(heads / TP, head_dim, head_dim)`` in the model dtype (``linear_attention_state_shape``).
 - ``MambaStateDtypeCalculator``: the conv state in ``mamba_cache_dtype`` (auto: the model dtype),
   the SSM state in ``mamba_ssm_cache_dtype`` (auto: the conv state's); Nemotron-H's config hook
   (``vllm/model_executor/models/config.py``) makes ``auto`` float32 unless its config says otherwise.
@@ -43,7 +44,9 @@ def _extra_groups(groups: int, tp: int) -> int:
 
 def tp_problem(mixer: MambaMixer, tp: int) -> str | None:
     """Why vLLM's ``divide`` would fail sharding this mixer's state over ``tp`` ranks, or None."""
-    if mixer.kind == "gated_delta_net":
+    if mixer.kind == "linear_attention":
+        sharded = {"linear attention heads": mixer.num_heads}
+    elif mixer.kind == "gated_delta_net":
         sharded = {"linear_num_value_heads": mixer.num_v_heads, "conv dim": _conv_dim(mixer, 1)}
     elif mixer.kind == "mamba2":
         sharded = {"mamba heads": mixer.num_heads, "conv dim": _conv_dim(mixer, tp)}
@@ -64,8 +67,11 @@ def _conv_dim(mixer: MambaMixer, tp: int) -> int:
     return mixer.intermediate_size
 
 
-def state_shapes(mixer: MambaMixer, tp: int = 1, num_spec: int = 0) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(conv state, SSM state) shapes of one layer on one rank, in vLLM's default SD layout."""
+def state_shapes(mixer: MambaMixer, tp: int = 1, num_spec: int = 0) -> tuple[tuple[int, ...], ...]:
+    """(conv state, SSM state) shapes of one layer on one rank, in vLLM's default SD layout (linear attention:
+    its one state)."""
+    if mixer.kind == "linear_attention":
+        return ((mixer.num_heads // tp, mixer.head_dim, mixer.head_dim),)
     conv = (mixer.conv_kernel - 1 + (num_spec if mixer.kind != "mamba1" else 0), _conv_dim(mixer, tp) // tp)
     if mixer.kind == "gated_delta_net":
         return conv, (mixer.num_v_heads // tp, mixer.head_v_dim, mixer.head_k_dim)
@@ -79,9 +85,11 @@ _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 def state_dtype_bytes(
     mixer: MambaMixer, model_dtype: str, mamba_cache_dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto"
-) -> tuple[int, int]:
-    """Bytes per element of the (conv, SSM) states."""
+) -> tuple[int, ...]:
+    """Bytes per element of the (conv, SSM) states (linear attention: of its one state, in mamba_cache_dtype)."""
     conv = _DTYPE_BYTES[model_dtype if mamba_cache_dtype == "auto" else mamba_cache_dtype]
+    if mixer.kind == "linear_attention":
+        return (conv,)
     ssm_dtype = mixer.ssm_state_dtype if mamba_ssm_cache_dtype == "auto" else mamba_ssm_cache_dtype
     return conv, conv if ssm_dtype == "auto" else _DTYPE_BYTES[ssm_dtype]
 

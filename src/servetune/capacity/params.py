@@ -90,6 +90,9 @@ def _mixer(arch: ModelArch, tp: int) -> ParamSplit:
     m, h = arch.mamba, arch.hidden_size
     if m is None:
         return ParamSplit(linear=0, other=0)
+    if m.kind == "linear_attention":  # MiniMax lightning attention: qkv_proj, output_gate, out_proj, norm
+        inner = m.num_heads * m.head_dim
+        return ParamSplit(linear=h * _cdiv(3 * inner, tp) + h * _cdiv(inner, tp) + _cdiv(inner, tp) * h, other=inner)
     if m.kind == "gated_delta_net":  # in_proj_qkvz, in_proj_ba, conv1d, dt_bias, A_log, norm, out_proj
         k, v = m.num_k_heads * m.head_k_dim, m.num_v_heads * m.head_v_dim
         linear = h * _cdiv(2 * k + 2 * v, tp) + h * _cdiv(2 * m.num_v_heads, tp) + _cdiv(v, tp) * h
@@ -99,7 +102,8 @@ def _mixer(arch: ModelArch, tp: int) -> ParamSplit:
     if m.kind == "mamba2":  # in_proj (z, x, B, C, dt), conv1d (+ bias), A, D, dt_bias, gated norm, out_proj
         groups = 2 * m.n_groups * m.state_size
         linear = h * _cdiv(2 * m.intermediate_size + groups + m.num_heads, tp) + inner * h
-        other = _cdiv(m.intermediate_size + groups, tp) * (m.conv_kernel + 1) + 3 * _cdiv(m.num_heads, tp) + inner
+        other = _cdiv(m.intermediate_size + groups, tp) * (m.conv_kernel + 1) + 3 * _cdiv(m.num_heads, tp)
+        other += inner if m.rms_norm else 0
         return ParamSplit(linear=linear, other=other)
     # mamba1: in_proj, conv1d (+ bias), x_proj, dt_proj (+ bias), A_log, D, out_proj
     linear = h * 2 * inner + inner * (m.dt_rank + 2 * m.state_size) + m.dt_rank * inner + inner * h
@@ -159,6 +163,8 @@ def rank_params(arch: ModelArch, tp: int = 1, pp: int = 1, padded_vocab: bool = 
         mamba = stage.count("mamba")  # a Mamba layer has its mixer where another has attention
         if mamba:
             body = body + _mixer(arch, tp).times(mamba) + _attention(arch, tp).times(-mamba)
+        if arch.parallel_mamba:  # Falcon-H1: the mixer beside every layer's attention
+            body = body + _mixer(arch, tp).times(layers)
     embed = _vocab(arch, tp, padded_vocab)
     vision = _cdiv(arch.vision_parameters, tp)  # the vision tower shards like the decoder, on the first stage
     if pp == 1:

@@ -28,6 +28,9 @@ what is inferred:
   public log of this span was found.
 - ``vllm-0.25`` (0.25-0.31): graph memory subtracted and the Triton top-k/top-p kernel (16 B per
   logit), utilization default 0.9. The boundary at 0.25 is inferred, not found in vLLM's history.
+- Architectures a release no longer serves (``removed_architectures``, from vLLM 0.32's registry): Bamba
+  and MiniMax-Text-01 / M1 / VL-01 "were supported until v0.23.0"; the 0.25 and 0.32 profiles refuse them
+  (the 0.21 profile, 0.21-0.24, still plans them).
 - ``vllm-0.32``: the 0.92 default (vllm/config/cache.py of 0.32), the block table and persistent
   buffers charged. Which release between 0.11 and 0.32 raised 0.9 to 0.92 was not found; 0.32 is
   the first one servetune saw with it.
@@ -80,6 +83,9 @@ class EngineProfile(BaseModel):
         description="prefix caching on a model with Mamba layers: refused (NotImplementedError before vLLM PR"
         " #25752, 0.11.1), opt-in, or on by default (0.32: ModelConfig.is_prefix_caching_supported for hybrid)",
     )
+    removed_architectures: tuple[str, ...] = Field(
+        (), description="architectures this release no longer serves (vLLM's registry, _PREVIOUSLY_SUPPORTED_MODELS)"
+    )
     v0_scheduler: bool = Field(
         False,
         description="V0 engine: chunked prefill by default only above a 32K context; without it the profiling run"
@@ -93,8 +99,18 @@ class EngineProfile(BaseModel):
         return gib + (self.non_torch_gib_pp if pp > 1 else 0.0)
 
 
+#: Served by vLLM up to 0.23 and refused since ("was supported in vLLM until v0.23.0", vLLM 0.32's registry).
+REMOVED_AFTER_0_23 = (
+    "BambaForCausalLM",
+    "MiniMaxForCausalLM",
+    "MiniMaxText01ForCausalLM",
+    "MiniMaxM1ForCausalLM",
+    "MiniMaxVL01ForConditionalGeneration",
+)
+
 VLLM_0_32 = EngineProfile(
     name="vllm-0.32",
+    removed_architectures=REMOVED_AFTER_0_23,
     default_gpu_memory_utilization=0.92,  # vllm/config/cache.py: CacheConfig.gpu_memory_utilization
     sampler_bytes_per_logit=16.0,
     runtime_buffers_gib=0.3,  # load-time extras (~0.1 GiB over the checkpoint) + input batch / sampler buffers
@@ -116,7 +132,9 @@ VLLM_0_11 = EngineProfile(
 VLLM_0_6 = VLLM_0_11.model_copy(update={"name": "vllm-0.6", "v0_scheduler": True})
 VLLM_0_8 = VLLM_0_11.model_copy(update={"name": "vllm-0.8", "mamba_prefix_caching": "refused"})
 VLLM_0_21 = VLLM_0_11.model_copy(update={"name": "vllm-0.21", "subtract_cudagraph": True})
-VLLM_0_25 = VLLM_0_21.model_copy(update={"name": "vllm-0.25", "sampler_bytes_per_logit": 16.0})
+VLLM_0_25 = VLLM_0_21.model_copy(
+    update={"name": "vllm-0.25", "sampler_bytes_per_logit": 16.0, "removed_architectures": REMOVED_AFTER_0_23}
+)
 
 #: (first release, profile), oldest first: a version takes the last entry at or below it.
 RELEASES: tuple[tuple[tuple[int, int], EngineProfile], ...] = (

@@ -11,7 +11,7 @@ Tried in this order, the first that answers wins:
    safetensors headers (``get_safetensors_metadata``, no weights), then kept in the store.
 
 Offline (``HF_HUB_OFFLINE=1``) with nothing cached, a gated repository without a token, a hub that cannot
-be reached: one :class:`UserError` line that says what to do. This module fetches; ``arch.py`` parses.
+be reached: one :class:`UserError` line that says what to do. This module fetches; ``hfconfig.py`` parses.
 """
 
 from __future__ import annotations
