@@ -67,7 +67,7 @@ def test_a_levels_server_metrics_come_from_the_source_given(tiny_tokenizer):
 
 def test_the_closing_read_waits_only_until_the_source_has_counted_the_level():
     from servetune.engine.metrics import MetricsSnapshot
-    from servetune.trial.measure import _settled
+    from servetune.trial.readings import settled as _settled
 
     reads = []
 
@@ -97,7 +97,7 @@ def test_the_closing_read_waits_only_until_the_source_has_counted_the_level():
 
 def test_the_closing_reads_keep_the_gauges_of_a_level_shorter_than_the_lag():
     from servetune.engine.metrics import MetricsSnapshot
-    from servetune.trial.measure import _settled
+    from servetune.trial.readings import settled as _settled
 
     # the source, late: the level's middle (4 running) before it counts the level's requests, then idle
     shown = iter([({"requests_running": 4.0}, 14.0), ({"requests_running": 0.0}, 18.0)])
@@ -115,7 +115,7 @@ def test_the_closing_reads_keep_the_gauges_of_a_level_shorter_than_the_lag():
 
 def test_a_source_with_nothing_to_read_is_not_waited_for():
     from servetune.engine.metrics import MetricsSnapshot
-    from servetune.trial.measure import _settled
+    from servetune.trial.readings import settled as _settled
 
     async def nothing(gauges_only=False):
         return None

@@ -12,7 +12,8 @@ from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory
 from servetune.load.runner import Level
 from servetune.testing.fake_openai import FakeOpenAI
-from servetune.trial.measure import LevelPlan, cache_note, explained_hit_rate, measure_level
+from servetune.trial.measure import LevelPlan, measure_level
+from servetune.trial.readings import cache_note, explained_hit_rate
 from tests.conftest import serve_fake
 
 

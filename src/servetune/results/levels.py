@@ -51,7 +51,7 @@ class LevelResult(BaseModel):
     server_metrics: dict[str, float] = {}
     telemetry: dict[str, float] = {}  # device (or host) samples during the level: see telemetry.py
     slo_violations: list[str] = []
-    cache_note: str | None = None  # why the prefix cache may have been warm (trial/measure.py), else None
+    cache_note: str | None = None  # why the prefix cache may have been warm (trial/readings.py), else None
     stopped_early: str | None = None  # why the level ended before its planned requests (trial/measure.py)
     send_sync_share: float | None = None  # share of requests sent within 10 ms of another (metrics.send_sync_share)
     itl_burst_share: float | None = None  # share of token gaps under 1 ms: read in bursts (metrics.itl_burst_share)

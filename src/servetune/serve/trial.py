@@ -217,7 +217,7 @@ class ServeEngine:
 
 class ReplicaMetrics:
     """The deployment's vLLM metrics, its replicas' added up (``serve.metrics``), read from Ray's metrics
-    agents: what a bare engine's ``/metrics`` gives a level (:class:`~servetune.trial.measure.MetricsSource`).
+    agents: what a bare engine's ``/metrics`` gives a level (:class:`~servetune.trial.readings.MetricsSource`).
 
     The first full read (the first level's opening one) waits until the counts stop moving for one
     report interval, at most the lag: what ran before the ladder (the quality probe) is then counted

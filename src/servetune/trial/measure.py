@@ -7,7 +7,8 @@ summarize. Works against any OpenAI-compatible server; ``/metrics`` is optional.
 Every run of a level starts from an empty prefix cache (``POST /reset_prefix_cache``, one of
 vLLM's development endpoints, which servetune's engines serve on 127.0.0.1): a later level must
 not hit prefixes an earlier one cached. Where the reset is refused, or the hit rate vLLM reports
-is well above what the workload's shared prefix explains, the level says so (``cache_note``).
+is well above what the workload's shared prefix explains, the level says so (``cache_note``; the server reads are in
+trial/readings.py).
 
 A level that has clearly broken the SLO stops early (:class:`EarlyBreak`): once half its
 requests have finished, a latency percentile already twice its bound cannot come back under
@@ -52,6 +53,15 @@ from servetune.metrics import (
 )
 from servetune.results import LevelResult, LevelRun
 from servetune.telemetry import TelemetrySampler
+from servetune.trial.readings import (
+    SETTLE_LAGS,
+    MetricsSource,
+    cache_note,
+    keep_peaks,
+    read_metrics,
+    reset_prefix_cache,
+    settled,
+)
 
 #: ``requests`` that sizes a level by its load (:meth:`LevelPlan.sized`).
 AUTO: Final = "auto"
@@ -86,18 +96,6 @@ class LevelPlan:
         if warmup is None:
             warmup = int(min(max(level.value, 1), 32))
         return cls(level=level, num_requests=requests, duration_s=seconds, warmup_requests=warmup)
-
-
-async def scrape(session: aiohttp.ClientSession, url: str, gauges_only: bool = False) -> MetricsSnapshot | None:
-    """One read of ``/metrics``; None when the server has none or did not answer."""
-    try:
-        async with session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
-            if resp.status != 200:
-                return None
-            text = await resp.text()
-            return MetricsSnapshot.parse_gauges(text) if gauges_only else MetricsSnapshot.parse(text)
-    except (TimeoutError, aiohttp.ClientError, ValueError):
-        return None
 
 
 #: How far over its bound a percentile must be, with half the level measured, to end the level:
@@ -164,108 +162,13 @@ class EarlyBreak:
         return self.reason is not None
 
 
-async def _reset_prefix_cache(session: aiohttp.ClientSession, url: str) -> bool:
-    """Empty the server's prefix cache; False where it has no such endpoint or refused."""
-    try:
-        async with session.post(f"{url}/reset_prefix_cache", timeout=aiohttp.ClientTimeout(total=30)) as resp:
-            return resp.status == 200
-    except (TimeoutError, aiohttp.ClientError):
-        return False
-
-
-#: How far (absolute) the measured prefix-cache hit rate may stand above the workload's before a
-#: level is flagged: block rounding and the shared prefix's first, cold request make the
-#: explained rate an approximation.
-HIT_RATE_MARGIN = 0.05
-
-
-def explained_hit_rate(workload: Workload, mean_prompt_tokens: float, reused_share: float | None = None) -> float:
-    """The prefix-cache hit rate the workload's shared prefix explains (prompts are otherwise unique).
-
-    With sessions, later turns reuse their conversation: ``reused_share`` is the share of the
-    level's prompt tokens that an earlier prompt began with (``RequestSpec.reused_tokens``).
-    """
-    if reused_share is not None:
-        return min(1.0, reused_share)
-    shared = workload.shared_prefix
-    if shared is None or mean_prompt_tokens <= 0:
-        return 0.0
-    return min(1.0, shared.fraction * shared.tokens / mean_prompt_tokens)
-
-
-def cache_note(server: dict[str, float], workload: Workload, mean_prompt_tokens: float, reset: bool,
-               reused_share: float | None = None) -> str | None:  # fmt: skip
-    """Why this level's prefix cache may have been warm (None when nothing says so)."""
-    measured = server.get("prefix_cache_hit_rate")
-    if measured is not None:
-        explained = explained_hit_rate(workload, mean_prompt_tokens, reused_share)
-        if measured > explained + HIT_RATE_MARGIN:
-            return (f"prefix-cache hit rate {measured:.0%} is above the {explained:.0%} the workload's shared "
-                    "prefix explains: a warm cache may flatter this level")  # fmt: skip
-    if not reset:
-        return "the prefix cache could not be emptied before the level (the server has no /reset_prefix_cache)"
-    return None
-
-
-class MetricsSource(Protocol):
-    """Where a server's metrics come from when it has no ``/metrics`` of its own (a Serve deployment's
-    replicas export theirs through Ray's metrics agents): ``read`` is one read, blocking; the values
-    read lag the server's by up to ``lag_s``, so the read that closes a level may wait that long."""
-
-    lag_s: float
-
-    def read(self, gauges_only: bool = False) -> MetricsSnapshot | None: ...
-
-
-async def read_metrics(session: aiohttp.ClientSession, url: str, metrics: MetricsSource | None,
-                       gauges_only: bool = False) -> MetricsSnapshot | None:  # fmt: skip
-    """One read of the server's vLLM metrics: ``metrics`` where given, else ``{url}/metrics``."""
-    if metrics is not None:
-        return await asyncio.to_thread(metrics.read, gauges_only)
-    return await scrape(session, url, gauges_only=gauges_only)
-
-
-#: How many of a lagging source's promised lags the read that closes a level may wait for it to count the level's
-#: requests. One was not enough on a busy two-core host: in a clean-clone CI run Ray's metrics agents had counted 19
-#: of a Serve level's 24 requests 2.5 s (two report intervals and a half) after it, while the load client, the
-#: replicas and the next test's processes shared both cores. The wait ends as soon as the count is there, so a
-#: source that keeps up costs nothing more.
-SETTLE_LAGS = 4
-
-
-async def _settled(read: Callable[[], Awaitable[MetricsSnapshot | None]], before: MetricsSnapshot, finished: int,
-                   wait_s: float, every_s: float = 0.25, peaks: dict[str, float] | None = None) -> MetricsSnapshot | None:  # fmt: skip
-    """A lagging source's read once it counts ``finished`` more requests than ``before`` did (vLLM's
-    ``request_success``), or its last read after ``wait_s``: no longer than the lag needs. A source
-    with nothing to read is not waited for. Each read's gauges raise ``peaks``: until the source has
-    counted the level, what it shows is the level itself, late (a level shorter than the lag is
-    seen only here)."""
-    deadline = time.perf_counter() + wait_s
-    while True:
-        after = await read()
-        if after is None:
-            return None  # nothing to read after a whole level (a replica's counters appear within an interval): it cannot be read
-        if peaks is not None:
-            _keep_peaks(peaks, after)
-        counted = after.counters.get("requests_finished", 0.0) - before.counters.get("requests_finished", 0.0)
-        if counted >= finished or time.perf_counter() >= deadline:
-            return after
-        await asyncio.sleep(every_s)
-
-
-def _keep_peaks(peaks: dict[str, float], snap: MetricsSnapshot) -> None:
-    """Raise each gauge's peak (``<gauge>_max``) to what ``snap`` read."""
-    for name, value in snap.gauges.items():
-        peaks[f"{name}_max"] = max(peaks.get(f"{name}_max", 0.0), value)
-
-
 async def _sample_gauges(read: Callable[[bool], Awaitable[MetricsSnapshot | None]], peaks: dict[str, float], every_s: float,
                          watch: EarlyBreak | None = None) -> None:  # fmt: skip
     start = time.perf_counter()
     while True:
         snap = await read(True)
         if snap is not None:
-            _keep_peaks(peaks, snap)
+            keep_peaks(peaks, snap)
             if watch is not None and "requests_waiting" in snap.gauges:
                 watch.waiting(time.perf_counter() - start, snap.gauges["requests_waiting"])
         await asyncio.sleep(every_s)
@@ -321,7 +224,7 @@ async def measure_level(
             return await read_metrics(session, url, metrics, gauges_only)
 
         reset = (
-            await asyncio.to_thread(reset_cache) if reset_cache is not None else await _reset_prefix_cache(session, url)
+            await asyncio.to_thread(reset_cache) if reset_cache is not None else await reset_prefix_cache(session, url)
         )
         before = await read()
         if before is None and metrics is not None:
@@ -356,7 +259,7 @@ async def measure_level(
             if sampler is not None:
                 await cancel_and_wait(sampler)
         if before and metrics is not None:  # the source lags: wait until it has counted the level's requests
-            after = await _settled(read, before, sum(r.ok for r in records), metrics.lag_s * SETTLE_LAGS, peaks=peaks)
+            after = await settled(read, before, sum(r.ok for r in records), metrics.lag_s * SETTLE_LAGS, peaks=peaks)
         else:
             after = await read() if before else None
     server = {**level_delta(before, after), **peaks} if before and after else {}

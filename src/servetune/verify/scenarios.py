@@ -45,7 +45,8 @@ from servetune.metrics import GOODPUT, RequestRecord, summarize
 from servetune.report.points import is_out_of_memory
 from servetune.report.recommend import KV_USAGE_THIN
 from servetune.results import LevelResult
-from servetune.trial.measure import EarlyBreak, Engine, LevelPlan, MetricsSource, measure_level
+from servetune.trial.measure import EarlyBreak, Engine, LevelPlan, measure_level
+from servetune.trial.readings import MetricsSource
 from servetune.verify.stats import bootstrap_mean, chance_of_spread, drift, growth, jitter, window_samples, windows
 from servetune.verify.watch import Trace
 

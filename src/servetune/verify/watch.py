@@ -4,7 +4,7 @@
 usage) and the resident memory of the engine's processes; ``read_metrics`` (the trial's own reader,
 ``trial/measure.py``) reads them once, counters included (the disconnect scenario follows running
 requests and generated tokens): from ``/metrics``, or from a
-:class:`~servetune.trial.measure.MetricsSource` where the URL has none (a Serve deployment's replicas,
+:class:`~servetune.trial.readings.MetricsSource` where the URL has none (a Serve deployment's replicas,
 read through Ray's metrics agents, late by up to the source's ``lag_s``).
 """
 
@@ -19,7 +19,7 @@ import psutil
 
 from servetune.engine.metrics import MetricsSnapshot
 from servetune.load.runner import cancel_and_wait
-from servetune.trial.measure import MetricsSource, read_metrics
+from servetune.trial.readings import MetricsSource, read_metrics
 
 
 def in_flight(snap: MetricsSnapshot) -> float:
