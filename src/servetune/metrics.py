@@ -247,6 +247,9 @@ class RequestRecord:
     error_kind: str | None = None  # http_4xx, http_5xx, timeout, connection, ...
     error: str | None = None
     structured_valid: bool | None = None  # it asked for structured output: whether the answer parsed as asked
+    session: int | None = None  # the conversation it is a turn of (workloads with sessions), and which turn
+    turn: int = 0
+    cached_tokens: int | None = None  # of its prompt, the tokens the server's prefix cache held (where it says)
 
     @property
     def ttft_s(self) -> float | None:
@@ -300,6 +303,54 @@ class LatencyStats(BaseModel):
         )
 
 
+class TurnStats(BaseModel):
+    """One turn position of a level's conversations: its requests, their mean TTFT and prefix-cache hit rate."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    turn: int
+    requests: int
+    ttft_ms_mean: float | None
+    cache_hit_rate: float | None  # cached / prompt tokens, where the server reported them (None: it did not)
+
+
+class ConversationStats(BaseModel):
+    """A multi-turn level's numbers per conversation: its TTFT (the mean of its turns') and its E2E (the sum of
+    its turns' E2E latencies: what its user waited, think time left out), with per-turn numbers."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    conversations: int
+    ttft_ms: LatencyStats
+    e2el_ms: LatencyStats
+    by_turn: list[TurnStats]
+
+    @classmethod
+    def of(cls, ok: Sequence[RequestRecord]) -> ConversationStats | None:
+        """Over the completed turns of ``ok`` that belong to a conversation (None: none does)."""
+        turns = [r for r in ok if r.session is not None and r.ttft_s is not None and r.e2el_s is not None]
+        if not turns:
+            return None
+        sessions: dict[int, list[RequestRecord]] = {}
+        for r in turns:
+            sessions.setdefault(r.session or 0, []).append(r)
+        by_turn = []
+        for turn in sorted({r.turn for r in turns}):
+            at = [r for r in turns if r.turn == turn]
+            told = [r for r in at if r.cached_tokens is not None and r.prompt_tokens]
+            hit = sum(r.cached_tokens or 0 for r in told) / sum(r.prompt_tokens or 0 for r in told) if told else None
+            by_turn.append(TurnStats(turn=turn, requests=len(at), ttft_ms_mean=float(np.mean([
+                r.ttft_s or 0.0 for r in at])) * 1000.0, cache_hit_rate=hit))  # fmt: skip
+        return cls(
+            conversations=len(sessions),
+            ttft_ms=LatencyStats.of(
+                [float(np.mean([r.ttft_s or 0.0 for r in rs])) * 1000.0 for rs in sessions.values()]
+            ),
+            e2el_ms=LatencyStats.of([sum(r.e2el_s or 0.0 for r in rs) * 1000.0 for rs in sessions.values()]),
+            by_turn=by_turn,
+        )
+
+
 class LevelSummary(BaseModel):
     """One load level, measured: the operating point's numbers."""
 
@@ -332,6 +383,7 @@ class LevelSummary(BaseModel):
     # Of the completed requests that asked for structured output (a JSON schema, choices, a regex), the share
     # whose answers parsed as asked (None: none asked, or only for grammars)
     structured_valid: float | None = None
+    conversations: ConversationStats | None = None  # workloads with sessions: per-conversation numbers
 
     def flat(self) -> dict[str, float]:
         """``{"ttft_ms_p99": ..., "output_throughput": ...}`` with every metric that has a value."""
@@ -348,6 +400,10 @@ class LevelSummary(BaseModel):
                 out[name] = value
         if self.structured_valid is not None:
             out[STRUCTURED_VALID] = self.structured_valid
+        if self.conversations is not None:
+            for metric in ("ttft_ms", "e2el_ms"):
+                stats = getattr(self.conversations, metric)
+                out.update({f"conversation_{metric}_{k}": v for k in STATS if (v := getattr(stats, k)) is not None})
         return out
 
 
@@ -434,4 +490,5 @@ def summarize(
         ttft_growth=None if growth is None else growth[0],
         ttft_growth_low=None if growth is None else growth[1],
         structured_valid=float(np.mean(checked)) if checked else None,
+        conversations=ConversationStats.of(ok),
     )

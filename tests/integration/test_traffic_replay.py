@@ -12,6 +12,7 @@ from servetune.config.workload import load_workload
 from servetune.load.client import StreamingClient
 from servetune.load.requests import RequestSpec
 from servetune.load.runner import Level, run_level, workload_levels
+from servetune.metrics import summarize
 from servetune.testing.process import fake_server_process
 
 #: Scheduling slack on a shared two-core host: a stall of a busy host (an engine starting beside
@@ -104,3 +105,8 @@ def test_an_open_loop_starts_conversations_at_the_trace_times(tmp_path):
     for s in range(3):
         first, second = by_spec[2 * s], by_spec[2 * s + 1]
         assert first.end + think - 0.005 <= second.sent <= first.end + think + SLACK_S
+        assert (first.session, first.turn, second.session, second.turn) == (s, 0, s, 1)
+    # per conversation: three of two turns each, their E2E the sum of the turns' (the think time left out)
+    talks = summarize(records, {"rate": 1.0}).conversations
+    assert talks is not None and talks.conversations == 3 and [t.turn for t in talks.by_turn] == [0, 1]
+    assert talks.e2el_ms.p99 < 2 * max(r.e2el_s for r in records) * 1000 + 1e-6

@@ -39,9 +39,14 @@ class _Choice(msgspec.Struct):
     delta: _Delta | None = None
 
 
+class _PromptDetails(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
 class _Usage(msgspec.Struct):
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
+    prompt_tokens_details: _PromptDetails | None = None  # vLLM with --enable-prompt-tokens-details
 
 
 class _Chunk(msgspec.Struct):
@@ -215,6 +220,8 @@ class StreamingClient:
                             if chunk.usage is not None:
                                 record.prompt_tokens = chunk.usage.prompt_tokens
                                 record.output_tokens = chunk.usage.completion_tokens
+                                if chunk.usage.prompt_tokens_details is not None:
+                                    record.cached_tokens = chunk.usage.prompt_tokens_details.cached_tokens
                         if drop_after is not None and len(chunk_times) >= drop_after:
                             resp.close()  # the user leaves: the connection goes, the server should cancel
                             record.error_kind, record.error = (
