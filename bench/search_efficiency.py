@@ -295,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     rep.add_argument("--algorithms", nargs="+", choices=ALGORITHMS, default=list(ALGORITHMS))
     rep.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    if args.command_name == "replay" and args.estimate_seed != "off" and (args.early_stopping or args.pruning):
+        parser.error("--estimate-seed replays the plain search; it does not combine with --early-stopping or --pruning")
     try:
         return record(args) if args.command_name == "record" else replay(args)
     except UserError as err:

@@ -104,3 +104,12 @@ def test_the_bench_replays_with_and_without_the_estimate_s_seeds_and_names_them(
     assert set(rows) == {"grid", "tpe", "tpe+estimate"}
     assert rows["tpe+estimate"]["proposed_first"] == seeds and rows["tpe+estimate"]["needed"] == [1, 1]
     assert rows["tpe"]["proposed_first"] == [] and not rows["tpe"]["estimate_seeded"]
+
+
+def test_the_seeding_does_not_silently_drop_out_of_the_early_stopping_or_pruning_replays(capsys):
+    module = bench_script("search_efficiency")
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["replay", "s.json", "--estimate-seed", "on", "--pruning"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "--estimate-seed" in err[-1] and "--pruning" in err[-1] and "Traceback" not in "".join(err)
