@@ -12,7 +12,15 @@ Bayesian option needs at most 15% of the grid's trials on average one at a time,
         [--in-flight N] [--budget TRIALS] [--tolerance 0.05]
 
 The grid runs in its own order (one answer whatever the seed); a seed that never reaches the
-target counts as the whole grid. ``--in-flight N`` replays a cluster running N trials at once:
+target counts as the whole grid. ``--estimate-seed on`` builds each Bayesian searcher as a study with
+``search.estimate.seed`` does: its first proposals are the grid points the estimate ranks best (the study's own
+``estimate_seeds``, ``seed_count`` of them: min(4, a quarter of the trials)), named in the output; ``both``
+replays each Bayesian algorithm without and with (rows ``tpe`` and ``tpe+estimate``), over the same seeds.
+The estimate reads the surface's model as ``--pruning`` does (``--model-config``).
+
+    .venv/bin/python bench/search_efficiency.py replay bench/data/cpu-tiny-grid-r4.json --estimate-seed both --seeds 5
+
+``--in-flight N`` replays a cluster running N trials at once:
 N proposals are outstanding whenever the searcher is asked, the oldest is told first.
 ``--budget`` stops each search after that many trials ("reached" then counts the seeds that got
 there within the budget).
@@ -41,17 +49,28 @@ lost the best (no trial measured within ``--tolerance`` of it; target: under 5%)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from servetune.config.space import ENV_PREFIX
 from servetune.errors import UserError
 from servetune.report.study import load_study
-from servetune.study.replay import ALGORITHMS, Surface, early_stopping_effect, efficiency, key, score
+from servetune.study.replay import (
+    ALGORITHMS,
+    Surface,
+    early_stopping_effect,
+    efficiency,
+    estimate_seeds_for,
+    key,
+    score,
+)
 
 TARGET_SHARE = 0.25
 #: Issue 40's target for a sequential search (one trial in flight); TARGET_SHARE stands for 4 in flight.
@@ -124,33 +143,60 @@ def replay(args: argparse.Namespace) -> int:
           f"target {target:.2f} (within {args.tolerance:.0%}, {near} point{'s reach' if near > 1 else ' reaches'} it); "
           f"{args.seeds} seeds, {args.in_flight} in flight"
           + (f", at most {args.budget} trials" if args.budget else ""))  # fmt: skip
+    runs = [(a, False) for a in args.algorithms if a not in BAYESIAN or args.estimate_seed != "on"]
+    runs += [(a, True) for a in args.algorithms if a in BAYESIAN and args.estimate_seed != "off"]
+    with surface_model(surface, args.model_config) as model:
+        first = {a: estimate_seeds_for(surface, a, model, args.budget) for a, seeded in runs if seeded}
+    for points in {json.dumps(p, default=str): p for p in first.values()}.values():
+        print(f"the estimate's likely winners, proposed first: {'; '.join(map(label, points)) or 'none'}")
     rows = []
     print(
-        f"{'algorithm':<10} {'mean trials':>11} {'of grid':>8} {'median':>7} {'worst':>6} {'reached':>8} {'seconds':>8}"
+        f"{'algorithm':<14} {'mean trials':>11} {'of grid':>8} {'median':>7} {'worst':>6} {'reached':>8} {'seconds':>8}"
     )
-    for algorithm in args.algorithms:
+    for algorithm, seeded in runs:
+        name = f"{algorithm}+estimate" if seeded else algorithm
         began = time.perf_counter()
-        e = efficiency(
-            surface, algorithm, [0] if algorithm == "grid" else seeds, args.tolerance, args.in_flight, args.budget
-        )
+        e = efficiency(surface, algorithm, [0] if algorithm == "grid" else seeds, args.tolerance, args.in_flight,
+                       args.budget, proposed_first=first.get(algorithm, []) if seeded else [])  # fmt: skip
         took = time.perf_counter() - began
         needed = [n if n is not None else e.grid_size for n in e.needed]
-        rows.append({"algorithm": algorithm, "mean": e.mean, "share_of_grid": e.share_of_grid, "median": statistics.median(needed),
+        rows.append({"algorithm": name, "estimate_seeded": seeded, "proposed_first": first.get(algorithm, []) if seeded else [], "mean": e.mean, "share_of_grid": e.share_of_grid, "median": statistics.median(needed),
                      "worst": e.worst, "reached": e.reached, "seeds": e.seeds, "needed": e.needed, "seconds": took})  # fmt: skip
-        print(f"{algorithm:<10} {e.mean:>11.1f} {e.share_of_grid:>8.0%} {statistics.median(needed):>7.1f} {e.worst:>6} "
+        print(f"{name:<14} {e.mean:>11.1f} {e.share_of_grid:>8.0%} {statistics.median(needed):>7.1f} {e.worst:>6} "
               f"{e.reached:>4}/{e.seeds:<3} {took:>8.1f}")  # fmt: skip
-    bayesian = [r for r in rows if r["algorithm"] in BAYESIAN]
-    if bayesian:
-        top = min(bayesian, key=lambda r: r["mean"])
-        target_share = TARGET_SEQUENTIAL_SHARE if args.in_flight == 1 else TARGET_SHARE
-        verdict = "met" if top["share_of_grid"] <= target_share else "missed"
-        print(f"best Bayesian option: {top['algorithm']}, {top['share_of_grid']:.1%} of the grid's trials on average "
-              f"(target <= {target_share:.0%} with {args.in_flight} in flight): {verdict}")  # fmt: skip
+    target_share = TARGET_SEQUENTIAL_SHARE if args.in_flight == 1 else TARGET_SHARE
+    for seeded in (False, True):
+        bayesian = [r for r in rows if r["algorithm"].split("+")[0] in BAYESIAN and r["estimate_seeded"] == seeded]
+        if bayesian:
+            top = min(bayesian, key=lambda r: r["mean"])
+            verdict = "met" if top["share_of_grid"] <= target_share else "missed"
+            print(f"best Bayesian option{' seeded by the estimate' if seeded else ''}: {top['algorithm']}, "
+                  f"{top['share_of_grid']:.1%} of the grid's trials on average "
+                  f"(target <= {target_share:.0%} with {args.in_flight} in flight): {verdict}")  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps({"surface": str(args.surface), "grid_size": len(surface.results), "best": best,
                                                "in_flight": args.in_flight, "budget": args.budget,
                                                "tolerance": args.tolerance, "points_reaching": near, "rows": rows}, indent=2) + "\n")  # fmt: skip
     return 0
+
+
+@contextlib.contextmanager
+def surface_model(surface: Surface, model_config: Path | None) -> Iterator[Path]:
+    """The surface's model as the estimate reads it: a directory with ``model_config`` (default: the tiny model's
+    config.json), or for a GPU space without one, its catalogue model by name."""
+    from servetune.models.tiny import TINY_CONFIG
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(tmp)
+        (model / "config.json").write_text(json.dumps(TINY_CONFIG) if model_config is None
+                                           else Path(model_config).read_text())  # fmt: skip
+        if model_config is None and surface.space.device == "gpu":
+            model = Path(surface.space.model)
+        yield model
+
+
+def label(params: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in params.items())
 
 
 def replay_early_stopping(args: argparse.Namespace) -> int:
@@ -192,18 +238,10 @@ def replay_early_stopping(args: argparse.Namespace) -> int:
 
 
 def replay_pruning(args: argparse.Namespace) -> int:
-    import tempfile
-
-    from servetune.models.tiny import TINY_CONFIG
     from servetune.study.replay_prune import pruning_effect
 
     surface = Surface.load(args.surface)
-    with tempfile.TemporaryDirectory() as tmp:  # the surface's model, as the estimate reads it: its config.json
-        model = Path(tmp)
-        (model / "config.json").write_text(json.dumps(TINY_CONFIG) if args.model_config is None
-                                           else Path(args.model_config).read_text())  # fmt: skip
-        if args.model_config is None and surface.space.device == "gpu":  # a GPU space's catalogue model, by name
-            model = Path(surface.space.model)
+    with surface_model(surface, args.model_config) as model:
         began = time.perf_counter()
         e = pruning_effect(surface, model, range(args.seed0, args.seed0 + args.seeds), args.tolerance)
         took = time.perf_counter() - began
@@ -249,12 +287,16 @@ def main(argv: list[str] | None = None) -> int:
                      "how often it loses the best, and the device-minutes it saves")  # fmt: skip
     rep.add_argument("--pruning", action="store_true", help="replay pruning by the estimate (search.estimate.prune) over "
                      "grid orders: the device-minutes it saves, and how often it loses the best")  # fmt: skip
-    rep.add_argument(
-        "--model-config", type=Path, help="--pruning: the surface model's config.json (default: the tiny model's)"
-    )
+    rep.add_argument("--estimate-seed", choices=("off", "on", "both"), default="off", help="Bayesian searchers propose "
+                     "the estimate's likely winners first, as a study with search.estimate.seed does: off, on, or both "
+                     "(each Bayesian algorithm replayed without and with)")  # fmt: skip
+    rep.add_argument("--model-config", type=Path,
+                     help="--pruning, --estimate-seed: the surface model's config.json (default: the tiny model's)")  # fmt: skip
     rep.add_argument("--algorithms", nargs="+", choices=ALGORITHMS, default=list(ALGORITHMS))
     rep.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    if args.command_name == "replay" and args.estimate_seed != "off" and (args.early_stopping or args.pruning):
+        parser.error("--estimate-seed replays the plain search; it does not combine with --early-stopping or --pruning")
     try:
         return record(args) if args.command_name == "record" else replay(args)
     except UserError as err:

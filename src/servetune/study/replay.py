@@ -10,6 +10,10 @@ The score of a trial is its best goodput that met the SLO (0 when none did, or w
 or did not fit); a search has *reached* the optimum once a trial scored within ``tolerance``
 of the best score on the surface.
 
+With ``seeds`` (:func:`estimate_seeds_for`), a Bayesian searcher is built as a study with
+``search.estimate.seed`` builds it: the estimate's likely winners, ranked by the study's own
+:func:`~servetune.study.forecast.estimate_seeds`, are its first proposals.
+
 With ``early_stopping``, the replay also runs the study's stop rule (study/early_stop.py
 :func:`~servetune.study.early_stop.judge`) on the recorded levels, revealed one at a time: a
 trial cut at level ``k`` is told (and scored) as its recording truncated to ``levels[:k+1]``.
@@ -207,24 +211,42 @@ class ReplayRun:
         return self.told[-1]
 
 
+def estimate_seeds_for(surface: Surface, algorithm: str, model: str | Path, budget: int | None = None,
+                       base_dir: Path = Path()) -> list[dict[str, Any]]:  # fmt: skip
+    """The points a study of the surface's space searched by ``algorithm`` with ``budget`` trials proposes first
+    (``search.estimate.seed``): the study's own :func:`~servetune.study.forecast.estimate_seeds` and
+    :func:`~servetune.study.forecast.seed_count`, the model read from ``model`` (a directory holding its
+    ``config.json``, or a catalogue name). Empty for grid and random search, or where seeding is off."""
+    from servetune.study.forecast import estimate_seeds, seed_count
+    from servetune.trial.context import StudyContext
+
+    space = space_for(surface, algorithm, 0, budget=budget)
+    assert space.search.num_trials is not None  # space_for sets it
+    workload = space.resolved_workload(base_dir)
+    context = StudyContext(space, workload, base_dir, str(model), planned_levels(surface, base_dir))
+    return estimate_seeds(context, seed_count(space, space.search.num_trials))
+
+
 def replay(
     surface: Surface, algorithm: str, seed: int, budget: int | None = None, in_flight: int = 1, until: float | None = None,
-    early_stopping: bool = False,
+    early_stopping: bool = False, seeds: Sequence[dict[str, Any]] = (),
 ) -> list[float]:  # fmt: skip
     """The scores of the trials a search runs, in the order their results come back (at most ``budget``)."""
-    return [score(t.result) for t in replay_trials(surface, algorithm, seed, budget, in_flight, until, early_stopping)]
+    told = replay_trials(surface, algorithm, seed, budget, in_flight, until, early_stopping, seeds)
+    return [score(t.result) for t in told]
 
 
 def replay_trials(
     surface: Surface, algorithm: str, seed: int, budget: int | None = None, in_flight: int = 1, until: float | None = None,
-    early_stopping: bool = False,
+    early_stopping: bool = False, seeds: Sequence[dict[str, Any]] = (),
 ) -> list[Told]:  # fmt: skip
     """The trials a search runs, as told, in the order their results come back (at most ``budget``).
 
     Grid and random search run their proposals (:func:`~servetune.study.driver.proposals`);
     the Bayesian searchers are told each result. All run with ``in_flight`` trials at once
     (:func:`in_flight_order`). With ``until``, the replay ends at the first trial scoring at
-    least that much.
+    least that much. A Bayesian searcher proposes ``seeds`` first (:func:`estimate_seeds_for`); grid and random
+    search ignore them, as a study does.
     """
     space = space_for(surface, algorithm, seed, in_flight, budget)
     budget = space.search.num_trials
@@ -241,7 +263,7 @@ def replay_trials(
     else:
         from servetune.study.searcher import CONSTRAINTS_KEY, OBJECTIVES_KEY, ConstrainedOptunaSearch
 
-        searcher = ConstrainedOptunaSearch(space, baseline=False)
+        searcher = ConstrainedOptunaSearch(space, baseline=False, seeds=seeds)
 
         def report(trial_id: str, params: dict[str, Any]) -> dict[str, Any]:
             told = run.tell(trial_id, params)
@@ -343,11 +365,14 @@ def efficiency(
     tolerance: float = 0.05,
     in_flight: int = 1,
     budget: int | None = None,
+    proposed_first: Sequence[dict[str, Any]] = (),
 ) -> Efficiency:
-    """Trials each seed needed to come within ``tolerance`` of the best, searching at most ``budget``."""
+    """Trials each seed needed to come within ``tolerance`` of the best, searching at most ``budget``; a Bayesian
+    searcher proposes ``proposed_first`` first (:func:`estimate_seeds_for`)."""
     target = (1 - tolerance) * surface.best_score
     needed = [
-        trials_to_reach(replay(surface, algorithm, seed, budget=budget, in_flight=in_flight, until=target), target)
+        trials_to_reach(replay(surface, algorithm, seed, budget=budget, in_flight=in_flight, until=target,
+                               seeds=proposed_first), target)
         for seed in seeds
     ]  # fmt: skip
     return Efficiency(algorithm, len(needed), len(surface.results), needed)
