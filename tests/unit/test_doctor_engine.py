@@ -94,3 +94,12 @@ def test_a_start_that_fails_or_runs_out_of_time_says_why(fake_python, temp_dir, 
     report = engine_start(timeout_s, python=str(fake_python))
     assert not report["started"] and reason in report["error"], report
     assert list(temp_dir.glob("servetune-doctor-*")) == [] and processes_mentioning(fake_python) == []
+
+
+def test_a_timeout_that_is_not_positive_is_one_line_before_any_ray_starts(capsys):
+    from servetune.cli import main
+
+    assert main(["doctor", "--engine", "--engine-timeout", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--engine-timeout must be a positive number of seconds, got 0" in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
