@@ -3,7 +3,12 @@
 One Ray task per live node reads what the node has (:func:`node_facts`: NVML's GPUs and who holds their memory,
 the vLLM, torch, Ray and servetune versions, ``/dev/shm``, the niceness Ray's workers run at, the metrics interval,
 the caches, the space's model on disk); :func:`evaluate` turns every node's facts and the driver's into checks,
-each PASS, WARN or FAIL with one line of evidence. Nothing here starts an engine.
+each PASS, WARN or FAIL with one line of evidence.
+
+``--engine`` also starts vLLM once per node kind (:func:`engine_targets`: one node of each GPU type, or one node for
+the CPU build), on servetune's tiny model built on that node (:func:`engine_start`, a Ray task pinned to the node and
+holding the GPU or CPU the engine uses), bounded by a timeout, and stopped whatever happens (:func:`start_engines`);
+:func:`engine_check` turns what came back into a check.
 """
 
 from __future__ import annotations
@@ -11,7 +16,11 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import re
 import shutil
+import sys
+import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +40,19 @@ HELD_GIB = 1.5
 SHM_MIN_GIB = 1.0
 #: Serve's per-replica request counts come from Ray's metrics agent at this interval.
 METRICS_INTERVAL_MAX_MS = 2000
+#: ``--engine``: how long the tiny model's engine may take to start (about a minute on a GPU; 40-66 s on the CPU
+#: build of a two-core host, more while it is busy).
+ENGINE_TIMEOUT_S = 300.0
+#: Past the start's own timeout, what building the tiny model, stopping the engine and Ray's scheduling may take.
+ENGINE_MARGIN_S = 120.0
+#: The tiny model's engine: the CPU build serves float32 (native on every x86 CPU) in eager mode with 1 GiB of KV
+#: cache, as search_spaces/cpu-tiny.yaml does; a GPU starts it as vLLM would, compiled, with CUDA graphs.
+CPU_ENGINE_ARGS: dict[str, Any] = {"enforce_eager": True, "max_model_len": 1024, "dtype": "float32"}
+CPU_ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+GPU_ENGINE_ARGS: dict[str, Any] = {"max_model_len": 1024}
+#: The version vLLM's log states: the engine core's "Initializing a V1 LLM engine (v0.32.0)", else the API server's
+#: banner ("... version 0.32.0").
+_LOGGED_VERSION = re.compile(r"Initializing a V1 LLM engine \(v([^)\s]+)\)|\bversion (\d[\w.+-]*)")
 
 
 @dataclass(frozen=True)
@@ -131,6 +153,7 @@ def gather(model: str | None = None, timeout_s: float = 120.0) -> dict[str, dict
         facts[node_id]["ray_resources"] = {
             k: v for k, v in node.get("Resources", {}).items() if k in ("CPU", "GPU") or k.startswith(ACCELERATOR)
         }
+        facts[node_id]["head"] = "node:__internal_head__" in node.get("Resources", {})
     return facts
 
 
@@ -264,3 +287,126 @@ def space_checks(nodes: Mapping[str, Mapping[str, Any]], space: SearchSpace | No
 
 def failed(checks: Sequence[Check]) -> list[Check]:
     return [c for c in checks if c.status == "FAIL"]
+
+
+@dataclass(frozen=True)
+class EngineTarget:
+    """Where ``--engine`` starts vLLM: a node, what it stands for, and the GPUs its task holds (0: the CPU build)."""
+
+    node_id: str
+    kind: str  # a GPU type (Ray's accelerator type, else NVML's name), or "CPU"
+    gpus: int
+
+
+def engine_targets(nodes: Mapping[str, Mapping[str, Any]], device: str = "gpu") -> list[EngineTarget]:
+    """One engine start per node kind. A GPU space (or none): the first node of each GPU type (Ray's
+    ``accelerator_type``, else the name NVML gives its first GPU) among the nodes whose GPUs Ray advertises and NVML
+    sees. A CPU space, or a cluster with no such node: one start, on the head node if it gives tasks a CPU, else on
+    the first node that does. Nodes whose task failed are left out (their ``reachable`` check fails)."""
+    reachable = {node_id: facts for node_id, facts in nodes.items() if "error" not in facts}
+    if device == "gpu":
+        by_type: dict[str, EngineTarget] = {}
+        for node_id, facts in reachable.items():
+            resources = facts.get("ray_resources", {})
+            if not resources.get("GPU") or not facts.get("gpus"):
+                continue
+            declared = gpu_types([resources])
+            kind = declared[0] if declared else str(facts["gpus"][0]["name"])
+            by_type.setdefault(kind, EngineTarget(node_id, kind, 1))
+        if by_type:
+            return list(by_type.values())
+    with_cpu = [node_id for node_id, facts in reachable.items() if facts.get("ray_resources", {}).get("CPU", 0) >= 1]
+    heads = [node_id for node_id in with_cpu if reachable[node_id].get("head")]
+    return [EngineTarget((heads or with_cpu)[0], "CPU", 0)] if with_cpu else []
+
+
+def engine_report(log: str, startup_s: float | None, error: str | None, build: str | None) -> dict[str, Any]:
+    """What an engine start says, from its log: the vLLM version it states (else ``build``, the installed
+    package's), the KV cache tokens it reported, the start-up time; ``error``: why it did not start."""
+    from servetune.engine.server import KvCapacity
+
+    logged = _LOGGED_VERSION.search(log)
+    kv = KvCapacity.from_log(log)
+    return {"started": error is None, "startup_s": startup_s, "error": error, "build": build,
+            "vllm": next(v for v in logged.groups() if v) if logged else None,
+            "kv_tokens": kv.tokens if kv is not None else None}  # fmt: skip
+
+
+def engine_start(timeout_s: float = ENGINE_TIMEOUT_S, python: str = sys.executable) -> dict[str, Any]:
+    """Start vLLM (``python``'s) on servetune's tiny model, built into a temporary folder on this node, wait at most
+    ``timeout_s`` for it to answer ``/health``, stop it (its whole process group) and remove the folder: run on a
+    node as a Ray task; :func:`engine_report`'s plain data back."""
+    from servetune.engine.args import cpu_build, vllm_version
+    from servetune.engine.server import VllmServer
+    from servetune.errors import EngineStartError
+    from servetune.models.tiny import build_tiny_model
+
+    build = vllm_version(python)
+    if build is None:
+        return engine_report("", None, f"vLLM is not installed for {python}", None)
+    cpu = cpu_build(build)
+    with tempfile.TemporaryDirectory(prefix="servetune-doctor-") as folder:
+        model = build_tiny_model(Path(folder) / "tiny")
+        server = VllmServer(
+            model, CPU_ENGINE_ARGS if cpu else GPU_ENGINE_ARGS, CPU_ENGINE_ENV if cpu else {},
+            log_path=Path(folder) / "engine.log", python=python, startup_timeout_s=timeout_s,
+            startup_expected="servetune doctor --engine-timeout", cpu_ranks=1 if cpu else None,
+        )  # fmt: skip
+        try:
+            with server:  # started, healthy, stopped
+                pass
+        except EngineStartError as exc:
+            return engine_report(server.log_text(), None, str(exc).splitlines()[0][-400:], build)
+        return engine_report(server.log_text(), server.startup_s, None, build)
+
+
+def start_engines(
+    targets: Sequence[EngineTarget], timeout_s: float = ENGINE_TIMEOUT_S, python: str = sys.executable,
+    margin_s: float = ENGINE_MARGIN_S,
+) -> dict[str, dict[str, Any]]:  # fmt: skip
+    """:func:`engine_start` on each target's node at once, as a Ray task pinned there that holds one CPU and the
+    target's GPUs, by node id. A task with no answer within ``timeout_s`` + ``margin_s`` (it waited for its GPU, or
+    the node hung) is cancelled by force: its worker is killed, and the engine's reaper takes the engine with it."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(max_retries=0)(engine_start)
+    pending = {
+        t.node_id: task.options(
+            num_cpus=1, num_gpus=t.gpus, scheduling_strategy=NodeAffinitySchedulingStrategy(t.node_id, soft=False)
+        ).remote(timeout_s, python)
+        for t in targets
+    }
+    target_of = {t.node_id: t for t in targets}
+    deadline = time.monotonic() + timeout_s + margin_s
+    reports: dict[str, dict[str, Any]] = {}
+    for node_id, ref in pending.items():
+        try:
+            reports[node_id] = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
+        except ray.exceptions.GetTimeoutError:
+            ray.cancel(ref, force=True)
+            reports[node_id] = engine_report(
+                "", None, f"no answer within {timeout_s + margin_s:g} s: the task waited for its "
+                "GPU or CPU on the node, or the engine's stop hung; cancelled", None,
+            )  # fmt: skip
+        except ray.exceptions.TaskUnschedulableError:
+            need = f"{target_of[node_id].gpus} GPU(s) and a CPU" if target_of[node_id].gpus else "a CPU"
+            reports[node_id] = engine_report("", None, f"the node cannot give a task {need} (Ray: not schedulable)",
+                                             None)  # fmt: skip
+        except Exception as exc:  # the task itself failed: its first line is the finding
+            reports[node_id] = engine_report("", None, str(exc).strip().splitlines()[0] if str(exc).strip() else
+                                             type(exc).__name__, None)  # fmt: skip
+    return reports
+
+
+def engine_check(target: EngineTarget, report: Mapping[str, Any]) -> Check:
+    """A start's verdict: PASS with its start-up time, the vLLM version and KV cache tokens its log states; FAIL with
+    why it did not start (the last error line of the engine's log, or what the start ran out of time waiting for)."""
+    on = f"{target.gpus} x {target.kind}" if target.gpus else "the CPU build"
+    if not report.get("started"):
+        return Check(target.node_id[:12], "engine start", "FAIL", f"the tiny model on {on}: {report.get('error')}")
+    version = report.get("vllm") or report.get("build") or "an unknown vLLM"
+    tokens = report.get("kv_tokens")
+    kv = f"KV cache {tokens:,} tokens" if tokens is not None else "no KV cache size in its log"
+    evidence = f"the tiny model on {on} started in {report['startup_s']:.1f} s, vLLM {version}, {kv}"
+    return Check(target.node_id[:12], "engine start", "PASS", evidence)

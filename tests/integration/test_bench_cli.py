@@ -37,6 +37,32 @@ def test_bench_against_a_running_server(tmp_path, capsys, tiny_model):
     assert "broken" in out
 
 
+def test_bench_splits_each_level_across_client_processes(tmp_path, capsys, tiny_model, monkeypatch):
+    import servetune.trial.measure as measure
+
+    splits = []
+
+    async def run_sharded(settings, specs, level, processes, **kwargs):
+        splits.append((level.value, processes))
+        return await real(settings, specs, level, processes, **kwargs)
+
+    real = measure.run_sharded
+    monkeypatch.setattr(measure, "run_sharded", run_sharded)
+    out_file = tmp_path / "bench.json"
+    with fake_server_process("--ttft-ms", "10", "--itl-ms", "2") as url:
+        code, _, err = run_cli(
+            capsys, "--url", url, "--tokenizer", str(tiny_model), "--workload", "cpu-tiny", "--concurrency", "4",
+            "--num-requests", "12", "--warmup-requests", "2", "--client-processes", "2", "--json", str(out_file),
+        )  # fmt: skip
+    assert code == 0, err
+    assert splits == [(4.0, 2)]
+    result = BenchResult.model_validate_json(out_file.read_text())
+    (level,) = result.levels
+    assert result.client_processes == 2 and level.summary.completed == 12 and level.summary.warmup_excluded == 2
+    rows = [json.loads(line) for line in (tmp_path / "bench.requests.jsonl").read_text().splitlines()]
+    assert len(rows) == 14 and sum(r["warmup"] for r in rows) == 2
+
+
 def bench_repeats(tmp_path, capsys, tiny_model, ttft_ms: str, slo: str):
     """One level at 2 in flight, three runs asked, against the fake server: the level and its records."""
     out_file = tmp_path / "bench.json"

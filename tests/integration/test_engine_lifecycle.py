@@ -7,6 +7,7 @@ import pytest
 from servetune.engine.server import VllmServer, group_members
 from servetune.errors import EngineStartError
 from servetune.testing.fake_openai import write_fake_python
+from tests.processes import processes_mentioning
 
 
 @pytest.fixture
@@ -255,3 +256,34 @@ def test_an_engine_started_by_a_ray_actor_does_not_inherit_rays_omp_threads(
     monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the driver is no Ray worker: what its shell set is kept
     with VllmServer("fake-model", {}, {}, log_path=tmp_path / "d.log", python=fake_python, stop_grace_s=1.0) as srv:
         assert engine_env(srv).get("OMP_NUM_THREADS") == "2"
+
+
+class Busy:
+    def ready(self) -> bool:
+        return True
+
+
+def test_doctor_starts_an_engine_in_a_task_pinned_to_its_node_and_says_why_one_did_not_run(local_ray, fake_python):
+    """``servetune doctor --engine`` (doctor.start_engines) on the module's Ray, the fake engine standing in for vLLM:
+    a start in a task pinned to the node, its report back; a start asking a GPU the node has not is refused by Ray,
+    and one that waits for a CPU another task holds is cancelled at its deadline; each says so. Nothing is left
+    behind. (The real engine on the real CPU build: by hand, docs/commands/doctor.md.)"""
+    import ray
+
+    from servetune.doctor import EngineTarget, start_engines
+
+    (node,) = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    (report,) = start_engines([EngineTarget(node, "CPU", 0)], timeout_s=60, python=str(fake_python)).values()
+    assert report["started"] and report["kv_tokens"] > 0, report
+    (none,) = start_engines([EngineTarget(node, "H100", 1)], timeout_s=60, python=str(fake_python)).values()
+    assert none["error"] == "the node cannot give a task 1 GPU(s) and a CPU (Ray: not schedulable)", none
+    busy = ray.remote(num_cpus=2)(Busy).remote()  # holds the node's CPUs: the next start waits for one
+    ray.get(busy.ready.remote())
+    try:
+        (stuck,) = start_engines(
+            [EngineTarget(node, "CPU", 0)], timeout_s=1, python=str(fake_python), margin_s=2
+        ).values()
+    finally:
+        ray.kill(busy)
+    assert not stuck["started"] and stuck["error"].startswith("no answer within 3 s"), stuck
+    assert processes_mentioning(fake_python) == []

@@ -42,7 +42,7 @@ from servetune.load.tokenizer import load_tokenizer
 from servetune.results import BenchResult, KvCapacityReport
 from servetune.secrets import redact_engine_args, redact_env
 from servetune.telemetry import TelemetrySampler, visible_gpu_indices
-from servetune.trial.measure import AUTO, LevelPlan, check_alive, measure_rung
+from servetune.trial.measure import AUTO, LevelPlan, check_alive, client_shards, measure_rung
 from servetune.trial.runner import write_atomic
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -119,6 +119,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="runs of each level; a level reports its median run, so its SLO verdict is the majority's (default: 1)",
     )
     p.add_argument(
+        "--client-processes",
+        default="1",
+        metavar="N|auto",
+        help="client processes each level's load is split across, for more streamed tokens a second than one "
+        "process reads: a number, or auto (from each level's expected token rate, at most this host's cores; "
+        "default: 1)",
+    )
+    p.add_argument(
         "--slo",
         default="",
         help="bounds for the SLO verdict and goodput, e.g. ttft_ms.p99=2000,tpot_ms.p95=40,error_rate=0.001",
@@ -181,6 +189,24 @@ def level_plan(level: Level, args: argparse.Namespace) -> LevelPlan:
     return LevelPlan.sized(level, requests, args.duration, args.warmup_requests)
 
 
+def parse_client_processes(text: str) -> int | Literal["auto"]:
+    """``--client-processes``: a whole number at least 1, or "auto" (load/shard.py ``auto_client_processes``)."""
+    if text == AUTO:
+        return AUTO
+    try:
+        processes = int(text)
+    except ValueError:
+        processes = 0
+    if processes < 1:
+        raise UserError(f"--client-processes must be a whole number of processes (at least 1) or auto, got '{text}'")
+    return processes
+
+
+def host_cpus() -> int:
+    """The cores this process may run on: what ``--client-processes auto`` splits a level across at most."""
+    return len(os.sched_getaffinity(0))
+
+
 def check_model(model: str) -> None:
     path = Path(model).expanduser()
     if path.is_dir():
@@ -211,6 +237,9 @@ def run(args: argparse.Namespace) -> int:
     workload = load_workload(args.workload)
     levels = parse_levels(args, workload)
     plans = [level_plan(level, args) for level in levels]
+    client_processes, client_cpus = parse_client_processes(args.client_processes), host_cpus()
+    for plan in plans:  # a level that cannot be split says so before any engine starts
+        client_shards(workload, plan, client_processes, client_cpus, setting="--client-processes")
     env = parse_key_values(args.env, "--env")
     raw_engine_args = {k: parse_value(v) for k, v in parse_key_values(args.engine_arg, "--engine-arg").items()}
     if args.url:
@@ -247,11 +276,13 @@ def run(args: argparse.Namespace) -> int:
         engine_args=redact_engine_args(engine_args), env=redact_env(env), command=None, vllm_version=version,
         workload_file=str(args.workload), workload=workload.model_dump(mode="json"), slo=[str(b) for b in slo.bounds],
         num_requests=args.num_requests, duration_s=args.duration, repeats=args.repeats, kv_capacity=None, startup_s=None, levels=[],
+        client_processes=client_processes,
     )  # fmt: skip
     records: list[dict] = []
     died: EngineDiedError | None = None
     if args.url:
-        run_levels(console, args.url, served, workload, prompts, plans, slo, args, result, records)
+        run_levels(console, args.url, served, workload, prompts, plans, slo, args, result, records,
+                   client_processes=client_processes, client_cpus=client_cpus)  # fmt: skip
     else:
         log_path = engine_log_path(args.json)
         finished = False
@@ -276,7 +307,8 @@ def run(args: argparse.Namespace) -> int:
                 result.startup_s = server.startup_s
                 result.cpu_binding = server.cpu_binding
                 result.kv_capacity = KvCapacityReport(**vars(kv)) if kv else None
-                run_levels(console, server.url, served, workload, prompts, plans, slo, args, result, records, server)
+                run_levels(console, server.url, served, workload, prompts, plans, slo, args, result, records, server,
+                           client_processes=client_processes, client_cpus=client_cpus)  # fmt: skip
             except EngineDiedError as err:
                 died = err  # what was measured, the level it died in included, is still written
             finally:
@@ -306,7 +338,10 @@ def cpu_ranks(engine_args: dict, version: str | None) -> int | None:
     return engine_devices(engine_args)
 
 
-def run_levels(console, url, served, workload, prompts, plans, slo, args, result, records, server=None) -> None:
+def run_levels(console, url, served, workload, prompts, plans, slo, args, result, records, server=None, *,
+               client_processes: int | Literal["auto"] = 1, client_cpus: int = 1) -> None:  # fmt: skip
+    """Each level in turn on one client (``client_processes`` > 1: split across that many client processes,
+    load/shard.py; "auto" sized per level, at most ``client_cpus``), its table printed as it ends."""
     gpus = visible_gpu_indices({**os.environ, **server.env}) if server is not None else []
 
     async def main() -> None:
@@ -337,7 +372,8 @@ def run_levels(console, url, served, workload, prompts, plans, slo, args, result
 
                     level_result = await measure_rung(
                         client, url, workload, prompts, plan, index, repeats=args.repeats, slo=slo, record=records.append,
-                        engine=server, on_done=on_done, on_run=on_run,
+                        engine=server, on_done=on_done, on_run=on_run, client_processes=client_processes,
+                        client_cpus=client_cpus,
                         telemetry=None if server is None else lambda: TelemetrySampler(gpus, server.process.pid),
                     )  # fmt: skip
                 result.levels.append(level_result)

@@ -4,7 +4,7 @@ differ; the document ``servetune bench --json`` writes."""
 from __future__ import annotations
 
 import statistics
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -148,6 +148,7 @@ class BenchResult(BaseModel):
     levels: list[LevelResult]
     requests_file: str | None = None
     cpu_binding: str | None = None  # the CPU build: the cores its ranks were bound to (VLLM_CPU_OMP_THREADS_BIND)
+    client_processes: int | Literal["auto"] = 1  # --client-processes: the load client split across processes
 
 
 def level_load(level: LevelResult) -> float:

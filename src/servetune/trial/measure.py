@@ -291,15 +291,19 @@ async def measure_level(
     return result, records
 
 
-def client_shards(workload: Workload, plan: LevelPlan, processes: int | Literal["auto"], cpus: int) -> int:
+def client_shards(
+    workload: Workload, plan: LevelPlan, processes: int | Literal["auto"], cpus: int,
+    setting: str = "load.client_processes",
+) -> int:  # fmt: skip
     """The client processes a level runs on (``load.client_processes``). "auto" gives 1 where a level cannot be
-    split (conversations, a level bounded by time alone); a number above 1 there is the user's to change."""
+    split (conversations, a level bounded by time alone); a number above 1 there is the user's to change (the
+    error names ``setting``: where the user set it)."""
     splittable = workload.sessions is None and plan.num_requests is not None
     if processes == "auto":
         return auto_client_processes(plan.level, mean_lengths(workload)[1], cpus) if splittable else 1
     if processes > 1 and not splittable:
         why = "conversations (workload.sessions)" if workload.sessions is not None else "a level bounded by time alone"
-        raise UserError(f"load.client_processes: {processes} cannot split {why}; set it to 1")
+        raise UserError(f"{setting}: {processes} cannot split {why}; set it to 1")
     return processes
 
 
