@@ -77,7 +77,10 @@ def load_space(path: str | Path, argspecs: dict | None = None) -> SearchSpace:
         raise UserError(f"{path}: hardware.devices_per_node: a node has {space.hardware.devices_per_node}, but a trial "
                         f"needs {fewest} devices or more (tensor x pipeline x data parallel size)")  # fmt: skip
     try:
-        space.resolved_workload(path.parent)
+        workload = space.resolved_workload(path.parent)
+        if space.slo.structured_valid is not None and not workload.asks_structured:
+            raise UserError(f"{path}: slo.structured_valid: the workload '{workload.name}' asks for no structured "
+                            "output (give a request class structured:), so no level would measure it")  # fmt: skip
         kept, rejected = space.grid() if _gridable(space) else ([{}], [])
     except UserError as exc:
         raise UserError(f"{path}: {exc}" if not str(exc).startswith(str(path)) else str(exc)) from None

@@ -83,6 +83,24 @@ def test_agent_workload_is_multi_turn_with_long_outputs_and_json_tool_calls():
     assert w.sampling_of(tool_call)["ignore_eos"] is False  # a call ends where its JSON ends
 
 
+def test_the_agent_scenario_searches_the_structured_outputs_backend_and_others_do_not():
+    agent = yaml.safe_load(render_space("meta-llama/Llama-3.1-8B-Instruct", "agent", "L40S", 4))
+    assert agent["params"]["structured_outputs_config.backend"] == ["xgrammar", "guidance"]
+    assert agent["workload"] == "agent"
+    for name in set(SCENARIOS) - {"agent"}:
+        other = yaml.safe_load(render_space("meta-llama/Llama-3.1-8B-Instruct", name, "L40S", 4))
+        assert not any(p.startswith("structured_outputs_config") for p in other["params"]), name
+
+
+def test_init_writes_a_floor_given_by_slo_and_the_agent_space_loads_with_it(tmp_path):
+    text = render_space("meta-llama/Llama-3.1-8B-Instruct", "agent", "L40S", 1,
+                        slo="ttft_ms.p99=3000,structured_valid.min=0.98")  # fmt: skip
+    assert yaml.safe_load(text)["slo"] == {"ttft_ms": {"p99": 3000}, "structured_valid": {"min": 0.98}}
+    path = tmp_path / "space.yaml"
+    path.write_text(text)
+    assert "structured_valid >= 0.98" in [str(b) for b in load_space(path).slo_bounds.bounds]
+
+
 @pytest.mark.parametrize(
     "argv, needle",
     [

@@ -39,6 +39,7 @@ from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory
 from servetune.load.runner import Level, workload_levels
 from servetune.load.tokenizer import load_tokenizer
+from servetune.metrics import STRUCTURED_VALID
 from servetune.results import BenchResult, KvCapacityReport
 from servetune.secrets import redact_engine_args, redact_env
 from servetune.telemetry import TelemetrySampler, visible_gpu_indices
@@ -129,7 +130,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--slo",
         default="",
-        help="bounds for the SLO verdict and goodput, e.g. ttft_ms.p99=2000,tpot_ms.p95=40,error_rate=0.001",
+        help="bounds for the SLO verdict and goodput, e.g. ttft_ms.p99=2000,tpot_ms.p95=40,error_rate=0.001 "
+        "(structured_valid.min=0.99: a floor on the share of structured answers that parsed)",
     )
     p.add_argument(
         "--json",
@@ -235,6 +237,9 @@ def run(args: argparse.Namespace) -> int:
     console = make_console(stderr=True)
     slo = Slo.parse(args.slo)
     workload = load_workload(args.workload)
+    if any(b.metric == STRUCTURED_VALID for b in slo.bounds) and not workload.asks_structured:
+        raise UserError(f"--slo structured_valid: the workload '{workload.name}' asks for no structured output, "
+                        "so no level would measure it")  # fmt: skip
     levels = parse_levels(args, workload)
     plans = [level_plan(level, args) for level in levels]
     client_processes, client_cpus = parse_client_processes(args.client_processes), host_cpus()

@@ -40,7 +40,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--slo",
         metavar="METRIC.STAT=BOUND,...",
-        help="replace the scenario's SLO, e.g. ttft_ms.p99=2000,tpot_ms.p95=40,error_rate=0.001",
+        help="replace the scenario's SLO, e.g. ttft_ms.p99=2000,tpot_ms.p95=40,error_rate=0.001 "
+        "(structured_valid.min=0.99: a floor on the share of structured answers that parsed)",
     )
     p.add_argument("--price", type=float, metavar="USD", help="price per GPU-hour (default: 3)")
     p.add_argument("--name", help="the study's name (default: SCENARIO-MODEL)")

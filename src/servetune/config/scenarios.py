@@ -22,6 +22,7 @@ from servetune.capacity import load_model_arch, plan_capacity, resolve_hardware
 from servetune.capacity.settings import resolve_quant, structural_problem
 from servetune.config.slo import Slo
 from servetune.errors import UserError
+from servetune.metrics import LATENCY_METRICS
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class Scenario:
     slo: str  # section 1's examples, as --slo text
     objective: tuple[str, str]
     fp8_kv: bool = False  # section 12: test the FP8 KV cache (then a quality probe guards it)
+    # Structured-outputs backends to compare (``structured_outputs_config.backend``) where the workload asks for
+    # structured output: each constrains decoding at its own cost per token.
+    structured_backends: tuple[str, ...] = ()
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -71,7 +75,8 @@ SCENARIOS: dict[str, Scenario] = {
                  "agent (chat's row with RAG's context): context 16K-32K for the growing conversation; max_num_seqs "
                  "16-64; batched tokens 4096-16384; prefix cache (the conversation so far) and chunked prefill on",
                  (16384, 32768), (0.88, 0.90, 0.92), (16, 64), (4096, 16384),
-                 "ttft_ms.p95=1500,ttft_ms.p99=3000,tpot_ms.p95=50,error_rate=0.001", ("goodput", "max")),
+                 "ttft_ms.p95=1500,ttft_ms.p99=3000,tpot_ms.p95=50,error_rate=0.001", ("goodput", "max"),
+                 structured_backends=("xgrammar", "guidance")),
     )
 }  # fmt: skip
 
@@ -192,8 +197,10 @@ def render_space(model: str, scenario_name: str, gpu: str | None, gpus: int, slo
 
     slo_yaml: dict[str, Any] = {}
     for b in bounds.bounds:
-        bound = int(b.max) if float(b.max).is_integer() and b.metric != "error_rate" else b.max
-        if b.metric == "error_rate":
+        bound = int(b.limit) if float(b.limit).is_integer() and b.metric in LATENCY_METRICS else b.limit
+        if b.lower:
+            slo_yaml[b.metric] = {"min": bound}
+        elif b.metric == "error_rate":
             slo_yaml["error_rate"] = bound
         else:
             slo_yaml.setdefault(b.metric, {})[b.stat] = bound
@@ -228,6 +235,11 @@ def render_space(model: str, scenario_name: str, gpu: str | None, gpus: int, slo
     if scenario.fp8_kv:
         lines.append(
             "  kv_cache_dtype: [auto, fp8]   # section 12: test the FP8 KV cache; the quality probe below guards it"
+        )
+    if scenario.structured_backends:
+        lines.append(
+            f"  structured_outputs_config.backend: {dump(list(scenario.structured_backends))}   # section 12: the "
+            "workload's tool calls are JSON under a schema; each backend constrains decoding at its own cost"
         )
     lines += [
         "constraints:",

@@ -147,8 +147,17 @@ class Search(BaseModel):
         return self
 
 
+class SloFloor(BaseModel):
+    """A lower bound: ``{min: 0.99}``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min: float = Field(gt=0, le=1)
+
+
 class SloSpec(BaseModel):
-    """``ttft_ms: {p95: 800, p99: 2000}``, ``error_rate: 0.001``."""
+    """``ttft_ms: {p95: 800, p99: 2000}``, ``error_rate: 0.001``, ``structured_valid: {min: 0.99}`` (the share of
+    structured answers that parsed as asked; the workload must ask for structured output)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -157,6 +166,8 @@ class SloSpec(BaseModel):
     itl_ms: dict[Literal["mean", "p50", "p90", "p95", "p99"], float] = {}
     e2el_ms: dict[Literal["mean", "p50", "p90", "p95", "p99"], float] = {}
     error_rate: float | None = Field(default=None, gt=0, le=1)
+    # A floor on the share of structured answers that parsed as asked (the workload must ask for structured output).
+    structured_valid: SloFloor | None = None
 
     def to_slo(self) -> Slo:
         bounds = []
@@ -165,4 +176,6 @@ class SloSpec(BaseModel):
                 bounds.append(SloBound(metric=metric, stat=stat, max=bound))
         if self.error_rate is not None:
             bounds.append(SloBound(metric="error_rate", max=self.error_rate))
+        if self.structured_valid is not None:
+            bounds.append(SloBound(metric="structured_valid", min=self.structured_valid.min))
         return Slo(bounds=tuple(bounds))

@@ -467,6 +467,11 @@ class Workload(BaseModel):
         """The structured output a request of ``request_class`` asks for (the class's, else the workload's)."""
         return request_class.structured or self.structured
 
+    @property
+    def asks_structured(self) -> bool:
+        """Whether any request asks for structured output (so a level can measure ``structured_valid``)."""
+        return self.structured is not None or any(c.structured is not None for c in self.mix or ())
+
     def sampling_of(self, request_class: RequestClass) -> dict[str, object]:
         """The body fields a request of ``request_class`` sends: its sampling (the class's over the workload's),
         and its structured output with ``ignore_eos`` off."""

@@ -230,7 +230,7 @@ def _rule(
 def slo_lines(study: LoadedStudy) -> list[SloLine]:
     """The study's SLO bounds as lines to draw: typed in study.json since schema 2, parsed from text before."""
     if study.info.slo_bounds:
-        return [SloLine(bound.name, bound.max) for bound in study.info.slo_bounds]
+        return [SloLine(bound.name, bound.limit, bound.lower) for bound in study.info.slo_bounds]
     return parse_slo_lines(study.info.slo, source=f"{study.root / 'study.json'}: slo")
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import plotly.graph_objects as go
 
-from servetune.metrics import DISTRIBUTION_PERCENTILES
+from servetune.metrics import DISTRIBUTION_PERCENTILES, STRUCTURED_VALID
 from servetune.report.build import Front, StudyReport
 from servetune.report.distribution import SPREAD_NOTE, spread_cells, spread_headings
 from servetune.report.gpus import GPU_HEADINGS, gpu_cells, gpu_notes
@@ -41,11 +41,13 @@ from servetune.report.markdown import (
     CLIENT_BOUND_NOTE,
     DIAGNOSIS_NOTE,
     SPECULATIVE_GAIN_NOTE,
+    STRUCTURED_NOTE,
     VERIFY_HINT,
     client_bound_lines,
     limit_lines,
     pareto_rows,
     speculation_lines,
+    structured_lines,
     warm_cache_lines,
 )
 from servetune.report.params import BASELINE
@@ -70,6 +72,9 @@ def hover_text(point: ReportPoint) -> str:
     drafted = speculation_text(point.server_metrics)
     if drafted is not None:
         lines.append(f"speculation: {e(drafted)}")
+    parsed = point.value(STRUCTURED_VALID)
+    if parsed is not None:
+        lines.append(f"structured output parsed: {parsed:.1%}")
     if point.eligible:
         lines.append("SLO met")
     elif point.outcome == "COMPLETE" and point.slo_violations:
@@ -453,6 +458,10 @@ def render_html(report: StudyReport) -> str:
                 + "</ul>"
                 + note
             )
+        parsed = structured_lines(report.trial_table)
+        if parsed:
+            parts.append("<h3>Structured output</h3><ul>" + "".join(f"<li>{e(line)}</li>" for line in parsed)
+                         + f"</ul><p class='muted'>{e(STRUCTURED_NOTE)}</p>")  # fmt: skip
     if report.estimate:  # the estimate made before each trial, against what it measured
         items = "".join(f"<li>{e(line)}</li>" for line in report.estimate)
         parts.append(f"<h3 id='estimate'>The estimate against the measurements</h3><ul>{items}</ul>")

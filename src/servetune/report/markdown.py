@@ -233,6 +233,17 @@ def speculation_lines(rows: Sequence[TrialRow]) -> list[str]:
     return [f"trial {row.trial_id} ({row.numbers_level}): {row.speculation}" for row in rows if row.speculation]
 
 
+STRUCTURED_NOTE = (
+    "Structured output: the share of answers asked for JSON under a schema, one of a choice or a regex that "
+    "parsed as asked, at the level the trial table shows (slo structured_valid: {min: ...} bounds it)."
+)
+
+
+def structured_lines(rows: Sequence[TrialRow]) -> list[str]:
+    """``trial T (concurrency 8): 97.5% of structured answers parsed as asked`` for every trial that measured it."""
+    return [f"trial {row.trial_id} ({row.numbers_level}): {row.structured}" for row in rows if row.structured]
+
+
 def serve_check_section(section: ServeSection | None) -> list[str]:
     """What ``servetune serve-check`` measured on Ray Serve: scaling, and the routers compared."""
     if section is None:
@@ -311,6 +322,9 @@ def render_markdown(report: StudyReport) -> str:
             lines += ["### Speculative decoding", "", *(f"- {line}" for line in drafted), ""]
             if report.speculative_gain:
                 lines += [SPECULATIVE_GAIN_NOTE, ""]
+        parsed = structured_lines(report.trial_table)
+        if parsed:
+            lines += ["### Structured output", "", *(f"- {line}" for line in parsed), "", STRUCTURED_NOTE, ""]
     lines += quality_section(report)
     lines += spread_section(report)
     lines += serve_check_section(report.serve_check)

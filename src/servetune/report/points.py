@@ -23,6 +23,7 @@ from servetune.metrics import (
     OUTPUT_THROUGHPUT_PER_DEVICE,
     OUTPUT_THROUGHPUT_PER_USER,
     STATS,
+    STRUCTURED_VALID,
     metric_names,
 )
 from servetune.results import MARGIN, Outcome, TrialResult, chosen_level, level_load, throughput_noise
@@ -46,7 +47,7 @@ _OUT_OF_MEMORY = re.compile(
 
 def known_metrics() -> list[str]:
     """Every metric name a report point can carry."""
-    return [*metric_names(), COST_METRIC, *ENERGY_METRICS, *DERIVED_METRICS]
+    return [*metric_names(), COST_METRIC, *ENERGY_METRICS, *DERIVED_METRICS, STRUCTURED_VALID]
 
 
 def is_out_of_memory(text: str | None) -> bool:
@@ -139,13 +140,14 @@ class TrialOutline:
 
 @dataclass(frozen=True)
 class SloLine:
-    """One SLO bound as a line to draw: ``metric <= max``."""
+    """One SLO bound as a line to draw: ``metric <= max`` (``metric >= max`` for a lower bound, ``lower``)."""
 
     metric: str
-    max: float
+    max: float  # the bound's value
+    lower: bool = False  # a floor (``structured_valid >= 0.99``), not a ceiling
 
     def __str__(self) -> str:
-        return f"{self.metric} <= {self.max:g}"
+        return f"{self.metric} {'>=' if self.lower else '<='} {self.max:g}"
 
     @property
     def family(self) -> str:
@@ -269,7 +271,7 @@ def gather_points(trials: Iterable[TrialResult], price_per_device_hour: float | 
     return [p for trial in trials for p in trial_points(trial, price_per_device_hour)]
 
 
-_BOUND = re.compile(r"^\s*([a-z0-9_]+)\s*<=\s*([-+0-9.eE]+)\s*$")
+_BOUND = re.compile(r"^\s*([a-z0-9_]+)\s*(<=|>=)\s*([-+0-9.eE]+)\s*$")
 
 
 def parse_slo_lines(texts: Iterable[str], source: str = "study.json: slo") -> list[SloLine]:
@@ -278,13 +280,13 @@ def parse_slo_lines(texts: Iterable[str], source: str = "study.json: slo") -> li
     for index, text in enumerate(texts):
         match = _BOUND.match(text)
         if match:
-            metric, bound = match.group(1), float(match.group(2))
+            metric, bound = match.group(1), float(match.group(3))
             if metric not in known_metrics():
                 raise UserError(f"{source}[{index}]: unknown metric '{metric}' in '{text}'")
-            lines.append(SloLine(metric, bound))
+            lines.append(SloLine(metric, bound, lower=match.group(2) == ">="))
             continue
         slo = Slo.parse(text, source=f"{source}[{index}]")
-        lines += [SloLine(b.name, b.max) for b in slo.bounds]
+        lines += [SloLine(b.name, b.limit, b.lower) for b in slo.bounds]
     return lines
 
 

@@ -86,7 +86,7 @@ def estimated_metrics(est: Estimate, price_per_device_hour: float, devices: int)
 
 def meets_slo(metrics: dict[str, float], slo: Slo) -> bool:
     """Whether estimated ``metrics`` meet every bound the estimate predicts (others, error_rate say, are not judged)."""
-    return all(metrics.get(b.name, 0.0) <= b.max for b in slo.bounds if b.metric in ESTIMATED_METRICS)
+    return all(metrics.get(b.name, 0.0) <= b.limit for b in slo.bounds if b.metric in ESTIMATED_METRICS)
 
 
 def estimated_objective(

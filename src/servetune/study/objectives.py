@@ -30,7 +30,7 @@ def told_level(result: TrialResult, slo: Slo) -> int | None:
 
     def worst_slack(index: int) -> float:
         flat = result.levels[index].summary.flat()
-        return max((flat.get(b.name, float("inf")) / b.max - 1 for b in slo.bounds), default=0.0)
+        return max((b.slack(flat[b.name]) if b.name in flat else float("inf") for b in slo.bounds), default=0.0)
 
     return min(range(len(result.levels)), key=worst_slack)
 
@@ -60,5 +60,5 @@ def objectives_and_constraints(result: TrialResult, objectives: Sequence[Objecti
     slack = []
     for bound in slo.bounds:
         measured = metrics.get(bound.name)
-        slack.append(1.0 if measured is None else measured / bound.max - 1.0)
+        slack.append(1.0 if measured is None else bound.slack(measured))
     return values, [*slack, *quality_slack(result, quality_bounds), 0.0]

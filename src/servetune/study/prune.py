@@ -86,7 +86,7 @@ def missed_bound(figures: Mapping[str, float], slo: Slo) -> str | None:
         if bound.metric not in ESTIMATED_METRICS or bound.stat not in ESTIMATED_STATS:
             continue
         value = figures.get(ESTIMATED_METRICS[bound.metric])
-        if value is not None and value > bound.max:
+        if value is not None and bound.breaks(value):
             return f"{bound}: {value:,.0f} ms"
     return None
 

@@ -93,7 +93,7 @@ def worst_bound(result: LevelResult, slo: Slo) -> SloBound | None:
 
 def _slack(flat: dict[str, float], bound: SloBound) -> float:
     value = flat.get(bound.name)
-    return math.inf if value is None else value / bound.max - 1.0
+    return math.inf if value is None else bound.slack(value)
 
 
 @dataclass(frozen=True)

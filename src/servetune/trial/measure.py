@@ -153,9 +153,11 @@ class EarlyBreak:
         flat = summarize(self.done, self.level.as_dict(), saturation=False).flat()
         for bound in self.bounds:
             value = flat.get(bound.name)
-            if value is not None and value >= self.factor * bound.max:
+            if bound.lower:  # a floor (structured_valid) has no "far over it" to stop early on
+                continue
+            if value is not None and value >= self.factor * bound.limit:
                 self.reason = (f"{bound.name} = {value:.4g} after {len(self.done)} requests, over "
-                               f"{self.factor:g}x its bound {bound.max:g}: stopped early")  # fmt: skip
+                               f"{self.factor:g}x its bound {bound.limit:g}: stopped early")  # fmt: skip
                 return
 
     def broken(self) -> bool:
@@ -323,7 +325,7 @@ def slo_standing(result: LevelResult, slo: Slo) -> tuple[bool, float, float]:
     over the bounds (a metric it lacks counts as infinitely over), then more goodput (requests
     per second where the SLO sets no per-request bound)."""
     flat = result.summary.flat()
-    worst = max((flat.get(b.name, math.inf) / b.max - 1.0 for b in slo.bounds), default=0.0)
+    worst = max((b.slack(flat[b.name]) if b.name in flat else math.inf for b in slo.bounds), default=0.0)
     summary = result.summary
     served = summary.goodput if summary.goodput is not None else summary.request_throughput
     return not result.meets_slo, worst, -served

@@ -34,8 +34,8 @@ class Timeouts:
 
     @classmethod
     def from_slo(cls, slo: Slo, total_s: float) -> Timeouts:
-        ttft = min((b.max for b in slo.bounds if b.metric == "ttft_ms"), default=None)
-        tpot = min((b.max for b in slo.bounds if b.metric in ("tpot_ms", "itl_ms")), default=None)
+        ttft = min((b.limit for b in slo.bounds if b.metric == "ttft_ms"), default=None)
+        tpot = min((b.limit for b in slo.bounds if b.metric in ("tpot_ms", "itl_ms")), default=None)
         first = (
             max(FIRST_TOKEN_MIN_S, FIRST_TOKEN_FACTOR * ttft / 1000.0) if ttft else max(FIRST_TOKEN_MIN_S, total_s / 4)
         )

@@ -133,7 +133,7 @@ class Target:
 
 
 def error_bound(slo: Slo) -> float:
-    return min((b.max for b in slo.bounds if b.metric == "error_rate"), default=DEFAULT_ERROR_RATE)
+    return min((b.limit for b in slo.bounds if b.metric == "error_rate"), default=DEFAULT_ERROR_RATE)
 
 
 def ttft_breaks(slo: Slo, summary) -> list[str]:
@@ -142,8 +142,8 @@ def ttft_breaks(slo: Slo, summary) -> list[str]:
     for b in slo.bounds:
         if b.metric == "ttft_ms" and b.stat is not None:  # (a latency bound has a statistic)
             value = getattr(summary.ttft_ms, b.stat)
-            if value is not None and value > b.max:
-                broken.append(f"{b.name} = {value:.4g} > {b.max:g}")
+            if value is not None and b.breaks(value):
+                broken.append(f"{b.name} = {value:.4g} > {b.limit:g}")
     return broken
 
 
