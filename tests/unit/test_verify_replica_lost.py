@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 from servetune.config.slo import Slo
 from servetune.metrics import RequestRecord
@@ -112,11 +113,11 @@ def test_the_scenario_kills_a_third_in_follows_the_replica_count_and_judges(monk
     from servetune.verify import replica_lost as module
     from servetune.verify.scenarios import Budget, Target
 
-    deployment = Deployment(down_s=1.0)
+    deployment = Deployment(down_s=0.5)
 
-    async def fake_level(client, url, workload, prompts, plan, *, stream, slo, on_done, **_):
+    async def fake_level(client, url, workload, prompts, plan, *, stream, slo, on_done, watch, **_):
         t0, records, i = time.perf_counter(), [], 0
-        while time.perf_counter() - t0 < plan.duration_s:
+        while time.perf_counter() - t0 < plan.duration_s and not watch.broken():
             sent = time.perf_counter() - t0
             await asyncio.sleep(0.05)
             record = served(i, sent, 0.02) if not (deployment.down() and i % 2) else lost(i, sent, 0.04)
@@ -128,21 +129,23 @@ def test_the_scenario_kills_a_third_in_follows_the_replica_count_and_judges(monk
 
     monkeypatch.setattr(module, "measure_level", fake_level)
     monkeypatch.setattr(module, "POLL_S", 0.1)
-    budget = Budget.for_device("cpu", 3.0)  # the scenario's time: 3 s, the run twice that
+    budget = replace(Budget.for_device("cpu", 3.0), scenario_s=1.0)  # killed 0.5 s in, then 1 s after the replacement
     target = Target(client=None, url="", workload=None, prompts=None, slo=SLO, level=None, budget=budget,
                     max_model_len=0, engine=deployment)  # type: ignore[arg-type]  # fmt: skip
     monkeypatch.setattr(module, "_warmup", lambda level, budget: 0)
     monkeypatch.setattr(module, "LevelPlan", lambda level, **kw: type("Plan", (), {**kw, "level": level})())
-    monkeypatch.setattr(module, "_never_break", lambda level: None)
-    result = asyncio.run(replica_lost(target, 2))
+    result = asyncio.run(replica_lost(target, 2, replace_timeout_s=30))
     n = result.numbers
     assert result.passed, result.reason
     assert n["killed"] == "engine process 4242" and n["failed"] > 0 and len(target.records) == n["requests"]
-    # killed a third of the way in, on the level's clock: no request failed before it, and the replica count was
-    # whole again no sooner than the stand-in's down time after it
+    # killed half the scenario's time in, on the level's clock: no request failed before it, the replica count was
+    # whole again no sooner than the stand-in's down time after it, and the load stopped the scenario's time after
+    # that (not at its 30 s cap)
     assert n["killed_at_s"] >= 0 and all(r.ok for r in target.records if r.end < n["killed_at_s"])
     assert any(r.sent < n["killed_at_s"] for r in target.records)
     assert n["replaced_s"] >= deployment.down_s - 0.01 and n["recovered"]
+    last_sent = max(r.sent for r in target.records)
+    assert n["killed_at_s"] + n["replaced_s"] < last_sent < n["killed_at_s"] + 30
 
 
 def test_checklist_15_20_takes_the_replacement_as_its_second_half(tmp_path):

@@ -34,10 +34,10 @@ clients for a closed loop; without a capacity search, the highest level that met
 
 Opt-in, with --scenario NAME (repeatable):
 
-  replica_lost through Serve with 2 or more replicas: one replica's vLLM engine killed a third
-               of the way into a steady load; the failed requests and the error burst's span,
-               the time until the replica count and the SLO were back, the other replicas'
-               TTFT P99 meanwhile (checklist 15.20's second half: the replacement warm)
+  replica_lost through Serve with 2 or more replicas: one replica's vLLM engine killed mid-load,
+               the load kept on until Serve replaced it and a while after; the failed requests
+               and the error burst's span, the time until the replica count and the SLO were
+               back, the other replicas' TTFT P99 meanwhile (checklist 15.20: the replacement)
 
 A trial the study measured through Ray Serve (serve.num_replicas) is verified through Serve: the
 same Serve LLM application at the same replica count, on a local Ray (or the cluster at --address),

@@ -1,11 +1,13 @@
 """The replica-lost scenario (opt-in, ``servetune verify --scenario replica_lost``): a Serve deployment of two or
 more replicas loses one replica's engine mid-load, and verify measures what its clients saw.
 
-The load runs at the verified level for ``RUN_FACTOR`` x the scenario's time; a third of the way in, one
-replica's vLLM engine process is killed with SIGKILL (:class:`Replicas` ``kill_engine``: the engine core vLLM
-starts as a child process of the replica actor, found through the replica's pid; where the engine runs inside
-the replica's own process, that process: Serve sees either as a dead replica and starts a new one). The
-replicas Serve reports RUNNING are read every ``POLL_S`` until the count is whole again.
+The load runs at the verified level; half the scenario's time in, one replica's vLLM engine process is killed
+with SIGKILL (:class:`Replicas` ``kill_engine``: the engine core vLLM starts as a child process of the replica
+actor, found through the replica's pid; where the engine runs inside the replica's own process, that process:
+Serve sees either as a dead replica and starts a new one). The replicas Serve reports RUNNING are read every
+``POLL_S``; the load goes on until the count is whole again and the scenario's time more, so the replacement is
+measured serving (at most the trial's start-up timeout and that after the kill: a replacement vLLM starts as
+slowly as the first).
 
 :func:`judge_replica_lost` is a pure function of the requests' records and those times:
 
@@ -39,13 +41,13 @@ from typing import Any, Protocol
 import numpy as np
 
 from servetune.config.slo import Slo
+from servetune.load.runner import Level
 from servetune.metrics import RequestRecord
-from servetune.trial.measure import LevelPlan, measure_level
-from servetune.verify.scenarios import ScenarioResult, Target, _never_break, _warmup, error_bound, fmt
+from servetune.trial.measure import EarlyBreak, LevelPlan, measure_level
+from servetune.verify.scenarios import ScenarioResult, Target, _warmup, error_bound, fmt
 
 NAME = REPLICA_LOST = "replica_lost"
-RUN_FACTOR = 2.0  # the load runs this many times the scenario's time (one third before the kill)
-KILL_AT = 1 / 3  # of the run
+KILL_AFTER = 0.5  # of the scenario's time, the load before the kill
 POLL_S = 0.5  # how often Serve's replica states are read
 STREAM = 31_000  # its arrivals' seed (overload's is 30_000)
 MIN_REPLICAS = 2
@@ -179,24 +181,43 @@ def refusal(replicas: int | None) -> str | None:
     return None
 
 
-async def replica_lost(t: Target, replicas: int) -> ScenarioResult:
-    """Run the load, lose a replica a third of the way in, follow Serve's replica count, and judge."""
+class _Until(EarlyBreak):
+    """Ends the level at :attr:`stop_at` (``time.perf_counter()``) once it is set; no SLO bound ends it (an open
+    loop may still stop saturated, as every scenario's)."""
+
+    def __init__(self, level: Level) -> None:
+        super().__init__(Slo(), level, None)
+        self.stop_at: float | None = None
+
+    def broken(self) -> bool:
+        if self.reason is None and self.stop_at is not None and time.perf_counter() >= self.stop_at:
+            self.reason = "the replaced replica was measured for the scenario's time: stopped"
+        return self.reason is not None
+
+
+async def replica_lost(t: Target, replicas: int, replace_timeout_s: float | None = None) -> ScenarioResult:
+    """Run the load, lose a replica ``scenario_s / 2`` in, follow Serve's replica count, and judge. The load goes on
+    until the count is whole again and ``scenario_s`` more (with the replacement serving), at most
+    ``replace_timeout_s`` (the trial's start-up timeout; default the scenario's time) and that after the kill."""
     deployment = t.engine
     if not (hasattr(deployment, "kill_engine") and hasattr(deployment, "running_replicas")):
         return ScenarioResult(NAME, False, "not run: the engine is not a Serve deployment")
-    seconds = RUN_FACTOR * t.budget.scenario_s
-    plan = LevelPlan(t.level, num_requests=None, duration_s=seconds, warmup_requests=_warmup(t.level, t.budget))
+    span = t.budget.scenario_s
+    before_s = KILL_AFTER * span
+    plan = LevelPlan(t.level, num_requests=None, duration_s=before_s + (replace_timeout_s or span) + span,
+                     warmup_requests=_warmup(t.level, t.budget))  # fmt: skip
     origins: list[float] = []  # the level's clock origin (perf_counter), read back from each finished request
 
     def done(record: RequestRecord) -> None:
         if record.end is not None:
             origins.append(time.perf_counter() - record.end)
 
+    until = _Until(plan.level)
     load = asyncio.ensure_future(measure_level(
-        t.client, t.url, t.workload, t.prompts, plan, stream=STREAM, slo=t.slo, on_done=done,
-        watch=_never_break(plan.level), reset_cache=t.reset_cache, metrics=t.metrics,
+        t.client, t.url, t.workload, t.prompts, plan, stream=STREAM, slo=t.slo, on_done=done, watch=until,
+        reset_cache=t.reset_cache, metrics=t.metrics,
     ))  # fmt: skip
-    await asyncio.sleep(KILL_AT * seconds)
+    await asyncio.sleep(before_s)
     if load.done():  # the load ended before the kill (its requests could not be sent)
         result, records = await load
         t.records.extend(records)
@@ -204,6 +225,7 @@ async def replica_lost(t: Target, replicas: int) -> ScenarioResult:
     try:
         pid, what = await asyncio.to_thread(deployment.kill_engine)  # type: ignore[union-attr]
     except Exception as exc:  # no replica could be reached: the load finishes, the scenario says why
+        until.stop_at = time.perf_counter()
         t.records.extend((await load)[1])
         return ScenarioResult(NAME, False, f"not run: no replica's engine could be killed ({exc})")
     killed = time.perf_counter()
@@ -215,19 +237,12 @@ async def replica_lost(t: Target, replicas: int) -> ScenarioResult:
             seen_down = seen_down or running < replicas
             if seen_down and running >= replicas and replaced is None:
                 replaced = time.perf_counter()
+                until.stop_at = replaced + span
         await asyncio.sleep(POLL_S)
     result, records = await load
     t.records.extend(records)
-    deadline = time.perf_counter() + t.budget.scenario_s  # replaced after the load ended: still timed, for a while
-    while replaced is None and time.perf_counter() < deadline:
-        with contextlib.suppress(Exception):
-            running = await asyncio.to_thread(deployment.running_replicas)  # type: ignore[union-attr]
-            seen_down = seen_down or running < replicas
-            if seen_down and running >= replicas:
-                replaced = time.perf_counter()
-        await asyncio.sleep(POLL_S)
     origin = min(origins, default=killed)
     verdict = judge_replica_lost(records, killed - origin, None if replaced is None else replaced - origin, replicas,
-                                 t.slo, max(t.budget.scenario_s / 10, 1.0), f"{what} {pid}")  # fmt: skip
+                                 t.slo, max(span / 10, 1.0), f"{what} {pid}")  # fmt: skip
     verdict.numbers["level"] = result.summary.level
     return verdict

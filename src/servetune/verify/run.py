@@ -251,10 +251,11 @@ async def _winner(
     out: dict[str, sc.ScenarioResult] | None = None,
     extra: tuple[str, ...] = (),
     replicas: int | None = None,
+    replace_timeout_s: float | None = None,
 ) -> dict[str, sc.ScenarioResult]:
     """Every scenario in order, each kept in ``out`` as it finishes (what a stopped verification keeps); after an
     engine death the rest are not run. ``extra``: the opt-in ones asked for (``replica_lost``, last: it costs the
-    deployment a replica), on a Serve deployment of ``replicas``."""
+    deployment a replica), on a Serve deployment of ``replicas`` whose replacement may take ``replace_timeout_s``."""
     out = {} if out is None else out
     b = t.budget
     soak_p99: float | None = None
@@ -263,7 +264,7 @@ async def _winner(
         ("soak", b.soak_s), ("peak", b.scenario_s), ("burst", b.scenario_s), ("mix", b.scenario_s),
         ("long_output", None), ("disconnects", None), ("headroom", None), ("repeats", b.repeats * b.repeat_s),
         *([(OVERLOAD, 2 * b.scenario_s)] if t.admission_bound else []),
-        *([(REPLICA_LOST, 2 * b.scenario_s)] if REPLICA_LOST in extra else []),
+        *([(REPLICA_LOST, 2.5 * b.scenario_s)] if REPLICA_LOST in extra else []),
     ]  # fmt: skip
     for name, seconds in plan:
         task = asyncio.current_task()
@@ -296,7 +297,7 @@ async def _winner(
         elif name == OVERLOAD:
             result = await overload(t)
         elif name == REPLICA_LOST:
-            result = await replica_lost(t, replicas or 0)
+            result = await replica_lost(t, replicas or 0, replace_timeout_s)
         else:
             result, runs = await sc.repeats(t)
             result.numbers["_runs"] = runs
@@ -325,7 +326,8 @@ def verify(selection: Selection, budget: sc.Budget, prompts: PromptFactory, prog
     partial: dict[str, sc.ScenarioResult] = {}
     run, results, records = with_engine(
         winner, verify_dir / winner.trial_id / "engine.log", timeouts, prompts, budget, progress,
-        lambda t: _winner(t, progress, partial, extra, winner.spec.serve_replicas), address,
+        lambda t: _winner(t, progress, partial, extra, winner.spec.serve_replicas, winner.spec.startup_timeout_s),
+        address,
     )  # fmt: skip
     scenarios = results or {}
     if run.stopped:  # what finished stands; the scenario it stopped in, and the rest, did not run
