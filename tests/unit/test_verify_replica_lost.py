@@ -65,6 +65,23 @@ def test_not_replaced_not_recovered_or_slow_survivors_each_fail():
     assert survivors.numbers["survivor_ttft_ms_p99"] > 500 and survivors.numbers["recovered"]
 
 
+def test_new_requests_failing_past_a_health_check_period_fail_it_in_flight_ones_do_not():
+    # In flight at the kill (sent before it) and failed: the lost engine's own requests.
+    in_flight = [
+        *steady(0, 3),
+        *(lost(50 + i, 2.5 + 0.1 * i, after_s=0.6) for i in range(4)),
+        *steady(3.2, 20, first=100),
+    ]
+    result = judge_replica_lost(in_flight, 3.0, 15.0, 2, SLO, 1.0)
+    assert result.passed, result.reason
+    assert result.numbers["failed_in_flight"] == 4 and result.numbers["failed_sent_after_kill"] == 0
+    # Serve routes new requests to the dead replica for 12 s (its health check had not found it yet).
+    black_hole = [*steady(0, 3), *(lost(50 + i, 3.0 + 0.5 * i) for i in range(25)), *steady(3.2, 30, first=100)]
+    result = judge_replica_lost(black_hole, 3.0, 20.0, 2, SLO, 1.0)
+    assert not result.passed and result.numbers["routed_to_dead_s"] == 12.0
+    assert "Serve kept routing to the lost replica" in result.reason and "health_check_period_s" in result.reason
+
+
 def test_windows_judge_errors_and_ttft_and_an_empty_window_is_no_evidence():
     records = [served(0, 2.1), lost(1, 2.2), served(2, 3.1, ttft_s=0.8), served(3, 5.5)]  # nothing sent in [4, 5)
     ws = after_windows(records, killed_at=2.0, window_s=1.0, ttft_s=0.5, errors_max=0.001)

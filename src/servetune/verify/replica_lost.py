@@ -23,8 +23,15 @@ slowly as the first).
   until the burst's end, at least one window) that succeeded, served by the other replicas: their TTFT P99
   against the bound.
 
-Passes when the replica was replaced, the load recovered, and the survivors held the TTFT bound. The failed
-requests themselves do not fail it (a lost engine loses its requests; the numbers say how many). It gives
+- **routed to the dead replica**: failures of requests sent after the kill, and how long after it the last
+  such request was sent (``routed_to_dead_s``): Serve kept routing new requests to a replica whose engine was
+  gone until its health check found it.
+
+Passes when the replica was replaced, the load recovered, the survivors held the TTFT bound, and new requests
+stopped failing within ``ROUTED_TO_DEAD_MAX_S``. The requests in flight on the lost engine do not fail it (a lost
+engine loses its requests; the numbers say how many). By hand on vLLM 0.32's CPU build and Ray 2.60 (two replicas
+of the tiny model, 6 clients), the replica kept answering 5xx for 40 s after its EngineCore was killed: Serve's
+health-check period and timeout (10 + 30 s) before it was marked dead, then replaced 129 s after the kill. It gives
 checklist item 15.20 its second half: the replacement is a new instance, and whether it took traffic only once
 warm shows in the windows after it came back.
 """
@@ -49,6 +56,9 @@ from servetune.verify.scenarios import ScenarioResult, Target, _warmup, error_bo
 NAME = REPLICA_LOST = "replica_lost"
 KILL_AFTER = 0.5  # of the scenario's time, the load before the kill
 POLL_S = 0.5  # how often Serve's replica states are read
+#: New requests may fail on the lost replica for at most this long: one health-check period at Ray Serve's default
+#: (``DEFAULT_HEALTH_CHECK_PERIOD_S``, 10 s), after which Serve should have found it dead and routed around it.
+ROUTED_TO_DEAD_MAX_S = 10.0
 STREAM = 31_000  # its arrivals' seed (overload's is 30_000)
 MIN_REPLICAS = 2
 
@@ -124,6 +134,8 @@ def judge_replica_lost(records: Sequence[RequestRecord], killed_at: float, repla
     failures = sorted((r for r in records if not r.ok and _done_at(r) >= killed_at), key=_done_at)
     burst_start = _done_at(failures[0]) if failures else None
     burst_end = _done_at(failures[-1]) if failures else None
+    routed = [r.sent for r in failures if r.sent >= killed_at]  # sent after the kill, and still failed
+    routed_s = max(routed) - killed_at if routed else None
     ws = after_windows(records, killed_at, window_s, ttft_s, errors_max)
     first_good = next((i for i in range(len(ws)) if all(w.good for w in ws[i:])), None)
     recovered = first_good is not None
@@ -139,6 +151,8 @@ def judge_replica_lost(records: Sequence[RequestRecord], killed_at: float, repla
         "requests_after_kill": sum(r.sent >= killed_at for r in records), "failed": len(failures),
         "errors_by_kind": _kinds(failures), "error_burst_s": None if burst_start is None or burst_end is None else burst_end - burst_start,
         "error_burst_from_kill_s": None if burst_end is None else burst_end - killed_at,
+        "failed_in_flight": len(failures) - len(routed), "failed_sent_after_kill": len(routed),
+        "routed_to_dead_s": routed_s,
         "recovered": recovered, "recovery_s": recovery_s, "replaced": replaced_at is not None,
         "replaced_s": None if replaced_at is None else replaced_at - killed_at,
         "survivor_requests": len(survivors), "survivor_ttft_ms_p99": survivors_p99,
@@ -154,6 +168,10 @@ def judge_replica_lost(records: Sequence[RequestRecord], killed_at: float, repla
     if not recovered:
         problems.append(f"not recovered: the last {window_s:g} s window still broke the SLO"
                         if ws else "no request was sent after the kill")  # fmt: skip
+    if routed_s is not None and routed_s > ROUTED_TO_DEAD_MAX_S:
+        problems.append(f"new requests still failed {fmt(routed_s, ' s')} after the kill (> {ROUTED_TO_DEAD_MAX_S:g} s, "
+                        "one health-check period at Serve's default): Serve kept routing to the lost replica; lower "
+                        "the LLM deployment's health_check_period_s / health_check_timeout_s")  # fmt: skip
     if not held:
         problems.append(f"the surviving replicas' TTFT P99 {fmt(survivors_p99, ' ms')} broke the bound "
                         f"{fmt(numbers['ttft_bound_ms'], ' ms')} while one was lost")  # fmt: skip
