@@ -155,6 +155,7 @@ def test_the_scenario_kills_a_third_in_follows_the_replica_count_and_judges(monk
     n = result.numbers
     assert result.passed, result.reason
     assert n["killed"] == "engine process 4242" and n["failed"] > 0 and len(target.records) == n["requests"]
+    assert target.errors["replica_lost"] == ["http_5xx: HTTP 500: engine dead"]
     # killed half the scenario's time in, on the level's clock: no request failed before it, the replica count was
     # whole again no sooner than the stand-in's down time after it, and the load stopped the scenario's time after
     # that (not at its 30 s cap)

@@ -51,7 +51,7 @@ from servetune.config.slo import Slo
 from servetune.load.runner import Level
 from servetune.metrics import RequestRecord
 from servetune.trial.measure import EarlyBreak, LevelPlan, measure_level
-from servetune.verify.scenarios import ScenarioResult, Target, _warmup, error_bound, fmt
+from servetune.verify.scenarios import ScenarioResult, Target, _error_samples, _warmup, error_bound, fmt
 
 NAME = REPLICA_LOST = "replica_lost"
 KILL_AFTER = 0.5  # of the scenario's time, the load before the kill
@@ -259,6 +259,8 @@ async def replica_lost(t: Target, replicas: int, replace_timeout_s: float | None
         await asyncio.sleep(POLL_S)
     result, records = await load
     t.records.extend(records)
+    if samples := _error_samples(records):  # verify.json's error_samples: what the clients saw of the lost replica
+        t.errors[NAME] = samples
     origin = min(origins, default=killed)
     verdict = judge_replica_lost(records, killed - origin, None if replaced is None else replaced - origin, replicas,
                                  t.slo, max(span / 10, 1.0), f"{what} {pid}")  # fmt: skip
