@@ -32,6 +32,13 @@ clients for a closed loop; without a capacity search, the highest level that met
   repeats      the level 5 times, bootstrap intervals on goodput and P99 TTFT; the runner-up's
                too, started after the winner's engine stopped: is the winner's lead real?
 
+Opt-in, with --scenario NAME (repeatable):
+
+  replica_lost through Serve with 2 or more replicas: one replica's vLLM engine killed mid-load,
+               the load kept on until Serve replaced it and a while after; the failed requests
+               and the error burst's span, the time until the replica count and the SLO were
+               back, the other replicas' TTFT P99 meanwhile (checklist 15.20: the replacement)
+
 A trial the study measured through Ray Serve (serve.num_replicas) is verified through Serve: the
 same Serve LLM application at the same replica count, on a local Ray (or the cluster at --address),
 loaded through Serve's OpenAI ingress; vLLM's gauges and counters come from the replicas through
@@ -45,6 +52,10 @@ reason, a "stability" object (cancellation_success_rate, p99_jitter, oom, error_
 "accepted". Logs the stability numbers on the trial's MLflow run when the study was logged.
 Exit status: 0 accepted, 1 rejected, 2 bad input (nothing started).
 """
+
+
+#: Scenarios run only when asked for (verify/replica_lost.py).
+OPT_IN = ("replica_lost",)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -68,6 +79,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--python", default=sys.executable, help="Python interpreter that has vLLM (default: this one)")
     p.add_argument("--address", metavar="ADDR",
                    help="Ray cluster to deploy a trial through Serve on (default: a local Ray, started and stopped here)")  # fmt: skip
+    p.add_argument("--scenario", action="append", default=[], choices=OPT_IN, metavar="NAME",
+                   help="also run an opt-in scenario (repeatable): replica_lost (a Serve deployment of >= 2 replicas)")  # fmt: skip
     p.set_defaults(run=run)
 
 
@@ -128,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
     from servetune.verify import document as recorded
     from servetune.verify import run as verification
     from servetune.verify.choose import select
+    from servetune.verify.replica_lost import refusal
     from servetune.verify.scenarios import Budget
 
     if args.duration is not None and args.duration <= 0:
@@ -135,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
     selection = select(
         args.study_dir, args.pick, args.python, args.address, args.headroom
     )  # bad input stops here, before anything starts
+    if "replica_lost" in args.scenario and (why := refusal(selection.winner.spec.serve_replicas)):
+        raise UserError(f"--scenario replica_lost: trial {selection.winner.trial_id}: {why}")
     if vllm_version(args.python) is None:
         raise UserError(
             f"vLLM is not installed for {args.python} (install servetune[cpu] or servetune[gpu], or pass --python)"
@@ -150,7 +166,13 @@ def run(args: argparse.Namespace) -> int:
     progress = ConsoleProgress(console)
     try:
         doc = verification.verify(
-            selection, budget, prompts, progress, runner_up=not args.no_runner_up, address=args.address
+            selection,
+            budget,
+            prompts,
+            progress,
+            runner_up=not args.no_runner_up,
+            address=args.address,
+            extra=tuple(dict.fromkeys(args.scenario)),
         )
     finally:
         progress.stop()

@@ -266,6 +266,20 @@ class ServeCluster:
                     pids += [child.pid for child in psutil.Process(actor["Pid"]).children(recursive=True)]
         return sorted(set(pids))
 
+    def replica_engines(self, name: str, deployment_prefix: str = "LLMServer") -> list[tuple[int, list[int]]]:
+        """The application's live LLM replicas on this host: (the replica actor's pid, the pids of the vLLM engine
+        processes it started: children named after vLLM's EngineCore, else every child)."""
+        out = []
+        for _, actor in _live_replicas(name, deployment_prefix):
+            if not (_on_this_host(actor) and actor.get("Pid")):
+                continue
+            children: list[psutil.Process] = []
+            with contextlib.suppress(psutil.Error):
+                children = psutil.Process(int(actor["Pid"])).children(recursive=True)
+            engines = [c.pid for c in children if _is_engine_core(c)] or [c.pid for c in children]
+            out.append((int(actor["Pid"]), engines))
+        return out
+
     def requests_per_replica(self, name: str, deployment_prefix: str = "LLMServer") -> dict[str, int]:
         """Requests each replica of the LLM deployment handled, from Serve's own counter
         (``ray_serve_deployment_request_counter``, per replica, exported by Ray's metrics agent
@@ -397,6 +411,14 @@ def _live_replicas(name: str, deployment_prefix: str = "") -> list[tuple[str, di
     """The application's live replica actors (of the deployments whose names start with
     ``deployment_prefix``), as (actor id, the GCS actor table's entry)."""
     return _replicas(name, deployment_prefix, live_only=True)
+
+
+def _is_engine_core(process: psutil.Process) -> bool:
+    """vLLM names its engine core process ``VLLM::EngineCore`` (setproctitle)."""
+    try:
+        return "EngineCore" in process.name() or "EngineCore" in " ".join(process.cmdline())
+    except psutil.Error:
+        return False
 
 
 def _node_of(actor: Mapping[str, Any]) -> str:

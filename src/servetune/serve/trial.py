@@ -198,6 +198,24 @@ class ServeEngine:
         except Exception:  # a replica that cannot: the level says its cache may be warm
             return False
 
+    def kill_engine(self) -> tuple[int, str]:
+        """SIGKILL one replica's vLLM engine (verify's replica_lost scenario): the engine core process the replica
+        started, found through the replica actor's pid on this host; where it started none (the engine runs in the
+        replica's own process), the replica's process. (pid, ``engine process`` or ``replica process``)."""
+        assert self.cluster is not None
+        found = self.cluster.replica_engines(self.name)
+        if not found:
+            raise RuntimeError(f"no live replica of {self.name} on this host")
+        replica, engines = found[0]
+        pid, what = (engines[0], "engine process") if engines else (replica, "replica process")
+        psutil.Process(pid).kill()
+        return pid, what
+
+    def running_replicas(self) -> int:
+        """The LLM replicas Serve reports RUNNING now."""
+        assert self.cluster is not None
+        return self.cluster.replica_states(self.name).get("RUNNING", 0)
+
     def record(self) -> dict[str, Any]:
         """What the result keeps of the deployment: its name, replicas, the requests each served, and the
         niceness its replica processes on this node ran at (Ray gives its workers 15 unless told otherwise)."""

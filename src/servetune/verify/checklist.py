@@ -34,6 +34,9 @@ What it reads:
   headroom        ``kv_usage_peak`` (0..1 at peak), ``preemptions`` (count at peak),
                   ``memory_peak_fraction`` (device memory, or host memory on CPU, 0..1)
   repeats         ``runs``, ``lead_is_real`` (bool; absent without a runner-up)
+  replica_lost    (opt-in, through Serve) ``replaced`` (bool), ``replaced_s``, ``recovered`` (bool),
+                  ``recovery_s``, ``failed``, ``error_burst_s``, ``survivor_ttft_ms_p99``,
+                  ``ttft_bound_ms``, ``window_s``: item 15.20's second half (the replacement)
   stability       ``cancellation_success_rate``, ``p99_jitter``, ``oom`` (bool), ``error_rate_5xx``
   ==============  ==========================================================================
 

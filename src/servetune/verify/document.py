@@ -18,6 +18,7 @@ from servetune.trial.runner import write_atomic
 from servetune.verify import scenarios as sc
 from servetune.verify.choose import Chosen, Selection
 from servetune.verify.overload import OVERLOAD
+from servetune.verify.replica_lost import REPLICA_LOST
 
 #: First-token timeout = this many times the SLO's TTFT bound (at least FIRST_TOKEN_MIN_S);
 #: idle-stream timeout = this many times the TPOT bound (at least IDLE_MIN_S). A user waiting
@@ -67,10 +68,11 @@ def admission_record(chosen: Chosen) -> dict[str, Any]:
 
 def stability(scenarios: dict[str, sc.ScenarioResult], records: list[RequestRecord], run: EngineRun) -> dict[str, Any]:
     """Section 16's stability field, measured: OOM, 5xx, cancellation success rate, P99 jitter. The 5xx rate leaves
-    out the overload scenario's requests, whose 503s are the admission bound working (checklist 15.15)."""
-    overload = scenarios[OVERLOAD].numbers if OVERLOAD in scenarios else {}
-    sent = len(records) - int(overload.get("requests", 0))
-    fives = sum(r.error_kind == "http_5xx" for r in records) - int(overload.get("http_5xx", 0))
+    out the overload scenario's requests, whose 503s are the admission bound working (checklist 15.15), and the
+    replica_lost scenario's, whose errors are the fault it injected."""
+    left_out = [scenarios[name].numbers for name in (OVERLOAD, REPLICA_LOST) if name in scenarios]
+    sent = len(records) - sum(int(n.get("requests", 0)) for n in left_out)
+    fives = sum(r.error_kind == "http_5xx" for r in records) - sum(int(n.get("http_5xx", 0)) for n in left_out)
     headroom = scenarios.get("headroom")
     oom = (
         bool(headroom and headroom.numbers.get("oom"))
@@ -123,7 +125,7 @@ def document(selection: Selection, budget: sc.Budget, timeouts: Timeouts, run: E
             **({"cpu_binding": run.cpu_binding} if run.cpu_binding else {}),
         },
         "scenarios": checklist_fields(
-            {name: scenarios[name].as_dict() for name in (*sc.SCENARIOS, OVERLOAD) if name in scenarios}
+            {name: scenarios[name].as_dict() for name in (*sc.SCENARIOS, OVERLOAD, REPLICA_LOST) if name in scenarios}
         ),
         "stability": stability(scenarios, records, run),
         "accepted": not failed,

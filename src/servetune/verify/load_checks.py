@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Mapping
+from typing import Any
 
 from servetune.report.autoscale import tolerable_wait_s
 from servetune.report.points import level_label, outline, trial_points
@@ -174,6 +176,47 @@ def autoscaling_signals(ctx: Context) -> tuple[Status, str]:
 
 
 def warm_before_traffic(ctx: Context) -> tuple[Status, str]:
+    """The soak's first windows (the instance verify started), and where verify ran the replica_lost scenario
+    (``--scenario replica_lost``) the replacement Serve started for a lost replica: a new instance that took traffic
+    before it was warm shows as windows past the SLO after the count was whole again. Either failing fails it."""
+    status, evidence = _warm_from_soak(ctx)
+    lost, _ = ctx.scenario("replica_lost")
+    if lost is None:
+        return status, evidence
+    second, why = replaced_replica_warm(lost)
+    if second == NOT_CHECKED:
+        return status, f"{evidence}; replica lost: {why}"
+    both = FAIL if FAIL in (status, second) else PASS if status == PASS else status
+    return both, f"{evidence}; replica lost: {why}"
+
+
+def replaced_replica_warm(lost: Mapping[str, Any]) -> tuple[Status, str]:
+    """The replica_lost scenario's part of 15.20 (verify/replica_lost.py's numbers)."""
+    replaced = flag(lost, "replaced")
+    if replaced is None:
+        return NOT_CHECKED, "the scenario recorded no replacement (not run?)"
+    failed, burst = number(lost, "failed"), number(lost, "error_burst_s")
+    lost_text = f"{amount(failed)} requests failed" + (f" over {amount(burst, ' s')}" if burst is not None else "")
+    if not replaced:
+        return FAIL, f"{lost_text}; Serve did not bring the replica count back within the run"
+    took, recovery = number(lost, "replaced_s"), number(lost, "recovery_s")
+    survivors, bound = number(lost, "survivor_ttft_ms_p99"), number(lost, "ttft_bound_ms")
+    held = survivors is None or bound is None or survivors <= bound
+    facts = (f"{lost_text}; replaced {amount(took, ' s')} after the kill; back within the SLO "
+             f"{amount(recovery, ' s') if recovery is not None else 'never'}; survivors' TTFT P99 "
+             f"{amount(survivors, ' ms')}" + (f" (bound {amount(bound, ' ms')})" if bound is not None else ""))  # fmt: skip
+    if flag(lost, "recovered") is not True:
+        return FAIL, f"{facts}: after the replacement the load never came back within the SLO"
+    if not held:
+        return FAIL, f"{facts}: the surviving replicas broke the TTFT bound while one was lost"
+    # Back within the SLO more than a window after the count was whole: the replacement took traffic before it was
+    # warm (the survivors' overload ends when it takes its share).
+    if took is not None and recovery is not None and recovery > took + (number(lost, "window_s") or 0.0):
+        return FAIL, f"{facts}: the SLO came back only after the replacement took traffic cold"
+    return PASS, f"{facts}"
+
+
+def _warm_from_soak(ctx: Context) -> tuple[Status, str]:
     soak, why = ctx.scenario("soak")
     if soak is None:
         return NOT_CHECKED, f"needs the soak scenario: {why}"

@@ -38,6 +38,7 @@ from servetune.verify.choose import Chosen, Selection
 from servetune.verify.disconnects import disconnects
 from servetune.verify.document import EngineRun, Timeouts, document
 from servetune.verify.overload import ADMISSION_ARGS, OVERLOAD, overload
+from servetune.verify.replica_lost import REPLICA_LOST, replica_lost
 from servetune.verify.stats import lead
 
 VERIFY_FILE = "verify.json"
@@ -245,10 +246,16 @@ def stop_name(exc: BaseException) -> str:
 
 
 async def _winner(
-    t: sc.Target, progress: Progress, out: dict[str, sc.ScenarioResult] | None = None
+    t: sc.Target,
+    progress: Progress,
+    out: dict[str, sc.ScenarioResult] | None = None,
+    extra: tuple[str, ...] = (),
+    replicas: int | None = None,
+    replace_timeout_s: float | None = None,
 ) -> dict[str, sc.ScenarioResult]:
     """Every scenario in order, each kept in ``out`` as it finishes (what a stopped verification keeps); after an
-    engine death the rest are not run."""
+    engine death the rest are not run. ``extra``: the opt-in ones asked for (``replica_lost``, last: it costs the
+    deployment a replica), on a Serve deployment of ``replicas`` whose replacement may take ``replace_timeout_s``."""
     out = {} if out is None else out
     b = t.budget
     soak_p99: float | None = None
@@ -257,6 +264,7 @@ async def _winner(
         ("soak", b.soak_s), ("peak", b.scenario_s), ("burst", b.scenario_s), ("mix", b.scenario_s),
         ("long_output", None), ("disconnects", None), ("headroom", None), ("repeats", b.repeats * b.repeat_s),
         *([(OVERLOAD, 2 * b.scenario_s)] if t.admission_bound else []),
+        *([(REPLICA_LOST, 2.5 * b.scenario_s)] if REPLICA_LOST in extra else []),
     ]  # fmt: skip
     for name, seconds in plan:
         task = asyncio.current_task()
@@ -288,6 +296,8 @@ async def _winner(
                 result = sc.headroom(peak_state[0], peak_state[1], t.engine, log_text)
         elif name == OVERLOAD:
             result = await overload(t)
+        elif name == REPLICA_LOST:
+            result = await replica_lost(t, replicas or 0, replace_timeout_s)
         else:
             result, runs = await sc.repeats(t)
             result.numbers["_runs"] = runs
@@ -307,16 +317,17 @@ def goodput_per_device(values: list[float], devices: int) -> list[float]:
 
 
 def verify(selection: Selection, budget: sc.Budget, prompts: PromptFactory, progress: Progress,
-           runner_up: bool = True, address: str | None = None) -> dict[str, Any]:  # fmt: skip
+           runner_up: bool = True, address: str | None = None, extra: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
     """Run everything and return verify.json's content (see :func:`document`); trials through Serve are
-    deployed on a local Ray, or on the cluster at ``address``."""
+    deployed on a local Ray, or on the cluster at ``address``. ``extra``: opt-in scenarios (``replica_lost``)."""
     winner = selection.winner
     verify_dir = selection.study_dir / VERIFY_DIR
     timeouts = Timeouts.from_slo(winner.spec.slo, winner.spec.request_timeout_s)
     partial: dict[str, sc.ScenarioResult] = {}
     run, results, records = with_engine(
         winner, verify_dir / winner.trial_id / "engine.log", timeouts, prompts, budget, progress,
-        lambda t: _winner(t, progress, partial), address,
+        lambda t: _winner(t, progress, partial, extra, winner.spec.serve_replicas, winner.spec.startup_timeout_s),
+        address,
     )  # fmt: skip
     scenarios = results or {}
     if run.stopped:  # what finished stands; the scenario it stopped in, and the rest, did not run
