@@ -93,8 +93,8 @@ def ttft_bound_s(slo: Slo) -> float | None:
     bounds = [b for b in slo.bounds if b.metric == "ttft_ms"]
     if not bounds:
         return None
-    p99 = [b.max for b in bounds if b.stat == "p99"]
-    return (min(p99) if p99 else max(b.max for b in bounds)) / 1000.0
+    p99 = [b.limit for b in bounds if b.stat == "p99"]
+    return (min(p99) if p99 else max(b.limit for b in bounds)) / 1000.0
 
 
 def _p99_ms(values: Sequence[float]) -> float | None:
