@@ -17,7 +17,8 @@ from typing import Protocol
 
 import numpy as np
 
-from servetune.config.workload import Empirical, Structured, Workload
+from servetune.config.asks import Structured
+from servetune.config.workload import Empirical, Workload
 
 _WORD = re.compile(r" [A-Za-z]{2,12}")
 _CHAR = re.compile(r"[ -~]")
