@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from servetune.config.speculative import METHOD, is_speculative
-from servetune.results import LevelResult, TrialResult, level_load, throughput_noise
+from servetune.results import LevelResult, TrialResult, by_load, throughput_noise
 
 
 @dataclass(frozen=True)
@@ -61,12 +61,8 @@ def _rest(trial: TrialResult) -> tuple[tuple[str, str], ...]:
     return tuple(sorted((k, repr(v)) for k, v in trial.params.items() if not is_speculative(k)))
 
 
-def _by_load(trial: TrialResult) -> dict[tuple[str, float], LevelResult]:
-    out: dict[tuple[str, float], LevelResult] = {}
-    for level in trial.levels:
-        if level.summary.completed and level.summary.level:
-            out.setdefault((next(iter(level.summary.level)), level_load(level)), level)
-    return out
+def _completed(trial: TrialResult) -> dict[float, LevelResult]:
+    return by_load([level for level in trial.levels if level.summary.completed and level.summary.level])
 
 
 def speculative_pairs(trials: Sequence[TrialResult]) -> list[SpeculativePair]:
@@ -81,15 +77,15 @@ def speculative_pairs(trials: Sequence[TrialResult]) -> list[SpeculativePair]:
         base = baselines.get(_rest(trial)) if _drafting(trial) else None
         if base is None:
             continue
-        mine, theirs = _by_load(trial), _by_load(base)
+        mine, theirs = _completed(trial), _completed(base)
         rows = []
-        for key in sorted(set(mine) & set(theirs), key=lambda k: k[1]):
-            spec, plain = mine[key], theirs[key]
+        for load in sorted(mine.keys() & theirs.keys()):
+            spec, plain = mine[load], theirs[load]
             if plain.summary.output_throughput <= 0:
                 continue
             tpots = spec.summary.tpot_ms.mean, plain.summary.tpot_ms.mean
             rows.append(LoadGain(
-                key[1], spec.summary.output_throughput / plain.summary.output_throughput - 1,
+                load, spec.summary.output_throughput / plain.summary.output_throughput - 1,
                 throughput_noise(spec) + throughput_noise(plain),
                 tpots[0] / tpots[1] if tpots[0] is not None and tpots[1] else None,
             ))  # fmt: skip
@@ -97,7 +93,7 @@ def speculative_pairs(trials: Sequence[TrialResult]) -> list[SpeculativePair]:
             label = ", ".join(
                 f"{k.removeprefix('speculative.')}={v}" for k, v in trial.params.items() if is_speculative(k)
             )
-            kind = next(iter(mine))[0]
+            kind = next(iter(mine[min(mine)].summary.level))
             pairs.append(SpeculativePair(trial.trial_id, base.trial_id, str(trial.params[METHOD]), label, kind,
                                          tuple(rows)))  # fmt: skip
     return pairs

@@ -156,6 +156,11 @@ def level_load(level: LevelResult) -> float:
     return max(level.summary.level.values(), default=0.0)
 
 
+def by_load(levels: list[LevelResult]) -> dict[float, LevelResult]:
+    """Each load's last measurement (the capacity search may measure a load twice)."""
+    return {level_load(level): level for level in levels}
+
+
 def level_throughput(level: LevelResult) -> float:
     """A level's output tok/s with every client busy (closed loop), else over the whole level."""
     summary = level.summary

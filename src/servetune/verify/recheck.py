@@ -48,6 +48,7 @@ from servetune.results import (
     LevelResult,
     ReferenceAnswers,
     TrialResult,
+    by_load,
     level_load,
     read_model,
 )
@@ -153,11 +154,6 @@ def margin(metric: str, before: LevelResult, after: LevelResult) -> tuple[float,
     if not known:
         return MARGIN, "default"
     return max(MIN_MARGIN, sum(s if s is not None else max(known) for s in spreads)), "repeats"
-
-
-def by_load(levels: list[LevelResult]) -> dict[float, LevelResult]:
-    """Each load's last measurement (the capacity search may measure a load twice)."""
-    return {level_load(level): level for level in levels}
 
 
 def metric_changes(before: TrialResult, after: TrialResult, shipped: float | None = None) -> list[MetricChange]:
