@@ -20,6 +20,35 @@ def test_every_shipped_price_is_a_known_gpus_with_a_public_source_and_a_date():
         assert isinstance(price.date, datetime.date) and price.usd_per_device_hour > 0, name
 
 
+UNITS_PER_HOUR = {"hour": 1, "second": 3600}
+
+
+def test_every_shipped_price_shows_its_derivation_and_the_arithmetic_gives_the_price():
+    for name, price in load_price_table().items():
+        d = price.derivation
+        assert d is not None and d.offer and d.region and d.billing == "on-demand", name
+        assert d.listed_usd * UNITS_PER_HOUR[d.per] / d.gpus == pytest.approx(price.usd_per_device_hour, abs=5e-5), name
+        assert price.page_date is None or price.page_date <= price.date, name  # a page cannot be read before its date
+        if price.evidence == "secondary":  # a page quoting the provider: the note says whose price and why
+            assert price.note and price.page_date is not None, name
+
+
+def test_a_price_that_its_derivation_does_not_give_is_refused_naming_the_field(tmp_path):
+    derivation = "derivation: {offer: p5.48xlarge, listed_usd: 98.32, gpus: 8, region: us-east-1}"
+    good = space(
+        tmp_path,
+        f"device: gpu\nprices:\n  H100-SXM: {{usd_per_device_hour: 12.29, source: x, date: 2026-01-01, {derivation}}}\n",
+    )
+    assert good.pricing.resolve("H100-SXM").usd_per_device_hour == 12.29  # 98.32 / 8 GPUs, to the cent
+    with pytest.raises(UserError) as info:
+        space(
+            tmp_path,
+            f"prices:\n  H100-SXM: {{usd_per_device_hour: 98.32, source: x, date: 2026-01-01, {derivation}}}\n",
+        )
+    message = str(info.value)
+    assert "prices.H100-SXM" in message and "98.32 per hour / 8 GPU(s) = 12.2900" in message and "\n" not in message
+
+
 def test_a_trial_is_priced_by_the_gpu_type_it_ran_on():
     pricing = Pricing(device="gpu", table=load_price_table())
     h100 = pricing.resolve("NVIDIA H100 80GB HBM3")  # as NVML names it
