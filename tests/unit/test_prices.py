@@ -132,3 +132,26 @@ def test_the_report_states_which_prices_it_used(tmp_path):
     )
     overridden = render_markdown(build_report(load_study(root), price_per_device_hour=9.0))
     assert "- price: $9 per device-hour (from --price-per-gpu-hour)" in overridden and "- prices:" not in overridden
+
+
+def test_the_html_report_states_which_prices_it_used_with_source_and_date(tmp_path):
+    from servetune.capacity.prices import DevicePrice
+    from servetune.report import build_report, load_study
+    from servetune.report.html import render_html
+    from tests.builders import demo_trials, study_info, write_study
+
+    trials = demo_trials()
+    listed = load_price_table()["L40S"]
+    trials[0].price = DevicePrice(usd_per_device_hour=listed.usd_per_device_hour, source=listed.source,
+                                  date=listed.date, gpu="L40S")  # fmt: skip
+    root = write_study(tmp_path / "s", study_info(price_per_device_hour=0.5), trials)
+    page = render_html(build_report(load_study(root)))
+    assert f"L40S at ${listed.usd_per_device_hour:g} per device-hour ({listed.source}, read {listed.date})" in page
+    assert "Costs at the prices: " in page
+    assert "Costs at the price: $9 per device-hour (from --price-per-gpu-hour)" in render_html(
+        build_report(load_study(root), price_per_device_hour=9.0)
+    )
+    for t in trials:  # results from before prices were recorded: the study's one price
+        t.price = None
+    older = write_study(tmp_path / "old", study_info(price_per_device_hour=0.5), trials)
+    assert "Costs at the price: $0.5 per device-hour (from study.json)" in render_html(build_report(load_study(older)))

@@ -1,6 +1,7 @@
 """The report's "which GPU" section (report/gpus.py): each GPU type's best configuration and what serving on
 it costs, estimated rows for catalogue GPUs not measured, and the type recommended."""
 
+import html
 import math
 
 import pytest
@@ -80,6 +81,10 @@ def test_unmeasured_catalogue_gpus_are_estimated_calibrated_on_the_measured_type
     assert f"Recommended: {fifty.which_gpu.choice}" in md
     page = render_html(build_report(loaded))
     assert "<h2 id='which-gpu'>Which GPU</h2>" in page and "--target-rps" in page
+    for gpu in estimated:  # each estimated row's price is cited: the shipped one, its source and the date read
+        price = load_price_table()[gpu]
+        cited = f"{gpu} at ${price.usd_per_device_hour:g} per device-hour ({price.provider}: {price.source}, read {price.date})"
+        assert cited in md and html.escape(cited) in page
 
 
 def test_a_bad_target_is_one_clear_line_and_a_cpu_study_has_no_section(tmp_path):

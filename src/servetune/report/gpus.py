@@ -59,6 +59,7 @@ class GpuRow:
     expected_error: float | None = None  # estimated rows: the estimate's median relative error
     note: str = ""  # why an estimated row has no numbers (does not fit), or how it was calibrated
     level_index: int | None = None  # measured rows: the trial's level at its capacity
+    price_source: str = ""  # estimated rows: the shipped price used, with its source and date (Price.describe)
 
     @property
     def estimated(self) -> bool:
@@ -231,7 +232,7 @@ def _estimated_row(name: str, price: Price, arch: ModelArch, trial: TrialResult,
 
     configuration = f"{config_label(tuned(trial.params))} ({choice.gpu}'s best)"
     base = GpuRow(name, configuration, trial.devices, price.usd_per_device_hour, f"{choice.capacity} ({choice.gpu}'s)",
-                  expected_error=error)  # fmt: skip
+                  expected_error=error, price_source=price.describe(name))  # fmt: skip
     try:
         est = estimate(arch, trial.engine_args, resolve_hardware("gpu", name), load, factors)
     except (UserError, ValueError, KeyError) as exc:
@@ -293,6 +294,9 @@ def gpu_notes(section: WhichGpu) -> list[str]:
     lines = [f"Recommended: {section.why}."]
     if section.target_rps is None:
         lines.append("Replicas for a target load: `servetune report STUDY_DIR --target-rps N`.")
+    listed = [r.price_source for r in section.rows if r.estimated and r.price_source]
+    if listed:  # the measured rows' prices are the report's "prices:" line
+        lines.append(f"Estimated rows are priced from the shipped list: {'; '.join(listed)}.")
     notes = sorted({r.note for r in section.rows if r.note})
     lines += [
         f"{'Estimated rows: ' if any(r.estimated and r.note == n for r in section.rows) else ''}{n}." for n in notes
