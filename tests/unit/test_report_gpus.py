@@ -105,3 +105,23 @@ def test_the_command_prints_the_gpu_it_recommends_and_refuses_a_bad_target_in_on
     assert cli.main(["report", str(loaded.root), "--target-rps", "0", "--out", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err
     assert "--target-rps 0: give a positive request rate" in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_the_reason_compares_the_other_types_on_the_measure_the_choice_was_made_by(tmp_path):
+    trials = [
+        on("H100-SXM", "h100", [level(8, 900, 300), level(16, 1500, 900)]),
+        on("H200", "h200", [level(8, 1000, 250), level(16, 2600, 600)]),
+        on("L40S", "l40s", [level(8, 300, 2500, violations=BROKEN)]),  # no level met the SLO
+    ]
+    loaded = load_study(write_study(tmp_path / "s", study_info(model=MODEL), trials))
+    for target in (None, 100.0):
+        section = build_report(loaded, target_rps=target).which_gpu
+        rows = {r.gpu: r for r in section.rows if not r.estimated}
+        assert rows["L40S"].cost_per_mtok is None and "no configuration on L40S met the SLO" in section.why
+        other = next(r for g, r in rows.items() if g in ("H100-SXM", "H200") and g != section.choice)
+        if target is None:  # ranked by $/Mtok: the other type is shown at its $/Mtok
+            assert f"{other.gpu} ${other.cost_per_mtok:.4g}/Mtok" in section.why
+        else:  # ranked by the fleet for the target: the other type's fleet, so the two can be compared
+            chosen = rows[section.choice]
+            assert chosen.fleet_usd_per_hour <= other.fleet_usd_per_hour
+            assert f"{other.gpu} {other.replicas} x 1 GPU ${other.fleet_usd_per_hour:,.2f}/h" in section.why

@@ -74,6 +74,10 @@ class WhichGpu:
     why: str
 
 
+#: A measured type's configuration cell where none of its trials met the SLO.
+NONE_MET = "none met the SLO"
+
+
 def gpu_of(trial: TrialResult) -> str | None:
     """The GPU type a trial ran on: its ``gpu`` parameter, else the type its price names."""
     named = trial.params.get(GPU_PARAM)
@@ -148,7 +152,7 @@ def _measured_row(
 ) -> GpuRow:
     if best is None:
         reasons = sorted({p.why_apart for p in mine if p.why_apart}) or ["no trial completed"]
-        return GpuRow(gpu, "none met the SLO", 0, None, trial_id="-", note=reasons[0])
+        return GpuRow(gpu, NONE_MET, 0, None, trial_id="-", note=reasons[0])
     at = _capacity_point(best, mine)
     trial = by_id[best.trial_id]
     price = trial.price.usd_per_device_hour if trial.price is not None else trial.price_per_device_hour
@@ -258,15 +262,25 @@ def _why(choice: GpuRow | None, rows: Sequence[GpuRow], target_rps: float | None
         why = (f"{choice.gpu}: ${choice.cost_per_mtok:.4g} per million output tokens at the SLO, the least of the "
                f"{len(measured)} type(s) measured")  # fmt: skip
     others = [r for r in measured if r is not choice]
-    if others:
-        why += " (" + ", ".join(f"{r.gpu} ${r.cost_per_mtok:.4g}/Mtok" for r in others) + ")"
+    if others:  # each other type on the measure the choice was made by
+        why += " (" + ", ".join(f"{r.gpu} {_measure(r, target_rps)}" for r in others) + ")"
+    failed = [r.gpu for r in rows if not r.estimated and r.configuration == NONE_MET]
+    if failed:
+        why += f"; no configuration on {', '.join(failed)} met the SLO"
     cheaper = [r for r in rows if r.estimated and r.cost_per_mtok is not None and _rank(r, target_rps) < _rank(choice, target_rps)]  # fmt: skip
     if cheaper:
         best = min(cheaper, key=lambda r: _rank(r, target_rps))
         error = f" ±{best.expected_error:.0%}" if best.expected_error is not None else ""
-        why += (f". The estimate puts {best.gpu} at ${best.cost_per_mtok:.4g}/Mtok{error}: not measured, worth a trial "
+        why += (f". The estimate puts {best.gpu} at {_measure(best, target_rps)}{error}: not measured, worth a trial "
                 f"(params: {{gpu: [{choice.gpu}, {best.gpu}]}})")  # fmt: skip
     return why
+
+
+def _measure(row: GpuRow, target_rps: float | None) -> str:
+    """A row on the measure types are ranked by (see _rank): its fleet for the target, else its $/Mtok."""
+    if target_rps is not None and row.fleet_usd_per_hour is not None:
+        return f"{row.replicas} x {row.devices} GPU ${row.fleet_usd_per_hour:,.2f}/h"
+    return f"${row.cost_per_mtok:.4g}/Mtok"
 
 
 GPU_HEADINGS = ("GPU", "source", "best configuration", "capacity at the SLO", "req/s", "$/Mtok", "$/GPU-h", "J/token",
