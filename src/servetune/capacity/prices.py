@@ -75,10 +75,14 @@ class Price(BaseModel):
                 )
         return self
 
+    def device_price(self, gpu: str) -> DevicePrice:
+        """This price as a trial records it: the provider before the page, and the date it was read."""
+        source = f"{self.provider}: {self.source}" if self.provider else self.source
+        return DevicePrice(usd_per_device_hour=self.usd_per_device_hour, source=source, date=self.date, gpu=gpu)
+
     def describe(self, gpu: str) -> str:
-        """``L40S at $1.908 per device-hour (RunPod: https://..., read 2026-12-05)``, as the report cites it."""
-        where = f"{self.provider}: {self.source}" if self.provider else self.source
-        return f"{gpu} at ${self.usd_per_device_hour:g} per device-hour ({where}, read {self.date.isoformat()})"
+        """``L40S at $1.908 per device-hour (RunPod ...: https://..., read 2026-12-05)``, as the report cites it."""
+        return self.device_price(gpu).describe()
 
 
 class DevicePrice(BaseModel):
@@ -143,8 +147,7 @@ class Pricing(BaseModel):
             known = ", ".join(self.table) or "none"
             return DevicePrice(usd_per_device_hour=self.default, gpu=name,
                                source=f"no price listed for {name} (listed: {known}): the default price")  # fmt: skip
-        source = f"{listed.provider}: {listed.source}" if listed.provider else listed.source
-        return DevicePrice(usd_per_device_hour=listed.usd_per_device_hour, source=source, date=listed.date, gpu=name)
+        return listed.device_price(name)
 
 
 def price_table(overrides: dict[str, Price]) -> dict[str, Price]:
