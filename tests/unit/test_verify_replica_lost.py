@@ -11,7 +11,8 @@ from dataclasses import replace
 from servetune.config.slo import Slo
 from servetune.metrics import RequestRecord
 from servetune.verify.document import EngineRun, stability
-from servetune.verify.replica_lost import after_windows, judge_replica_lost, refusal, replica_lost, ttft_bound_s
+from servetune.verify.replica_lost import judge_replica_lost, refusal, replica_lost
+from servetune.verify.under_load import after_windows, ttft_bound_s
 
 SLO = Slo.parse("ttft_ms.p99=500")
 
@@ -84,7 +85,7 @@ def test_new_requests_failing_past_a_health_check_period_fail_it_in_flight_ones_
 
 def test_windows_judge_errors_and_ttft_and_an_empty_window_is_no_evidence():
     records = [served(0, 2.1), lost(1, 2.2), served(2, 3.1, ttft_s=0.8), served(3, 5.5)]  # nothing sent in [4, 5)
-    ws = after_windows(records, killed_at=2.0, window_s=1.0, ttft_s=0.5, errors_max=0.001)
+    ws = after_windows(records, event_at=2.0, window_s=1.0, ttft_s=0.5, errors_max=0.001)
     assert [(w.start_s, w.requests, w.failed, w.good) for w in ws] == [
         (0.0, 2, 1, False), (1.0, 1, 0, False), (2.0, 0, 0, True), (3.0, 1, 0, True)
     ]  # fmt: skip

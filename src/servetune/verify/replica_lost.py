@@ -42,16 +42,13 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
-
 from servetune.config.slo import Slo
-from servetune.load.runner import Level
 from servetune.metrics import RequestRecord
-from servetune.trial.measure import EarlyBreak, LevelPlan, measure_level
+from servetune.trial.measure import LevelPlan, measure_level
 from servetune.verify.scenarios import ScenarioResult, Target, _error_samples, _warmup, error_bound, fmt
+from servetune.verify.under_load import LevelClock, Until, after_windows, done_at, error_kinds, p99_ms, ttft_bound_s
 
 NAME = REPLICA_LOST = "replica_lost"
 KILL_AFTER = 0.5  # of the scenario's time, the load before the kill
@@ -75,55 +72,6 @@ class Replicas(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class Window:
-    start_s: float  # after the kill
-    requests: int
-    failed: int
-    ttft_ms_p99: float | None
-    good: bool
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"start_s": self.start_s, "requests": self.requests, "failed": self.failed,
-                "ttft_ms_p99": self.ttft_ms_p99, "good": self.good}  # fmt: skip
-
-
-def ttft_bound_s(slo: Slo) -> float | None:
-    """The SLO's TTFT bound in seconds: its P99 bound, else its highest one; None without one."""
-    bounds = [b for b in slo.bounds if b.metric == "ttft_ms"]
-    if not bounds:
-        return None
-    p99 = [b.limit for b in bounds if b.stat == "p99"]
-    return (min(p99) if p99 else max(b.limit for b in bounds)) / 1000.0
-
-
-def _p99_ms(values: Sequence[float]) -> float | None:
-    return float(np.percentile(np.asarray(values), 99)) * 1000.0 if values else None
-
-
-def _done_at(r: RequestRecord) -> float:
-    return r.end if r.end is not None else r.sent
-
-
-def after_windows(records: Sequence[RequestRecord], killed_at: float, window_s: float, ttft_s: float | None,
-                  errors_max: float) -> list[Window]:  # fmt: skip
-    """The requests sent after the kill, in windows of ``window_s`` by when they were sent, each judged good or not."""
-    after = [r for r in records if not r.warmup and r.sent >= killed_at]
-    if not after:
-        return []
-    count = int((max(r.sent for r in after) - killed_at) // window_s) + 1
-    out = []
-    for i in range(count):
-        inside = [r for r in after if i * window_s <= r.sent - killed_at < (i + 1) * window_s]
-        failed = sum(not r.ok for r in inside)
-        p99 = _p99_ms([r.ttft_s for r in inside if r.ok and r.ttft_s is not None])
-        good = not inside or (  # a window nobody sent in is no evidence either way
-            failed / len(inside) <= errors_max and (ttft_s is None or (p99 is not None and p99 <= ttft_s * 1000.0))
-        )
-        out.append(Window(i * window_s, len(inside), failed, p99, good))
-    return out
-
-
 def judge_replica_lost(records: Sequence[RequestRecord], killed_at: float, replaced_at: float | None,
                        replicas: int, slo: Slo, window_s: float, killed: str = "") -> ScenarioResult:  # fmt: skip
     """The verdict on a run that lost one of ``replicas`` at ``killed_at`` (the level's clock), Serve running them all
@@ -131,9 +79,9 @@ def judge_replica_lost(records: Sequence[RequestRecord], killed_at: float, repla
     sent = list(records)
     records = [r for r in sent if not r.warmup]
     ttft_s, errors_max = ttft_bound_s(slo), error_bound(slo)
-    failures = sorted((r for r in records if not r.ok and _done_at(r) >= killed_at), key=_done_at)
-    burst_start = _done_at(failures[0]) if failures else None
-    burst_end = _done_at(failures[-1]) if failures else None
+    failures = sorted((r for r in records if not r.ok and done_at(r) >= killed_at), key=done_at)
+    burst_start = done_at(failures[0]) if failures else None
+    burst_end = done_at(failures[-1]) if failures else None
     routed = [r.sent for r in failures if r.sent >= killed_at]  # sent after the kill, and still failed
     routed_s = max(routed) - killed_at if routed else None
     ws = after_windows(records, killed_at, window_s, ttft_s, errors_max)
@@ -142,14 +90,14 @@ def judge_replica_lost(records: Sequence[RequestRecord], killed_at: float, repla
     recovery_s = ws[first_good].start_s if first_good is not None else None
     lost_until = replaced_at if replaced_at is not None else max(burst_end or killed_at, killed_at + window_s)
     survivors = [r for r in records if r.ok and r.ttft_s is not None and killed_at <= r.sent < lost_until]
-    survivors_p99 = _p99_ms([r.ttft_s for r in survivors if r.ttft_s is not None])
+    survivors_p99 = p99_ms([r.ttft_s for r in survivors if r.ttft_s is not None])
     held = ttft_s is None or survivors_p99 is None or survivors_p99 <= ttft_s * 1000.0
     numbers: dict[str, Any] = {
         "replicas": replicas, "killed": killed, "killed_at_s": killed_at,
         # every request sent and its 5xx (warm-up too): the fault's, left out of verify's stability 5xx rate
         "requests": len(sent), "http_5xx": sum(r.error_kind == "http_5xx" for r in sent),
         "requests_after_kill": sum(r.sent >= killed_at for r in records), "failed": len(failures),
-        "errors_by_kind": _kinds(failures), "error_burst_s": None if burst_start is None or burst_end is None else burst_end - burst_start,
+        "errors_by_kind": error_kinds(failures), "error_burst_s": None if burst_start is None or burst_end is None else burst_end - burst_start,
         "error_burst_from_kill_s": None if burst_end is None else burst_end - killed_at,
         "failed_in_flight": len(failures) - len(routed), "failed_sent_after_kill": len(routed),
         "routed_to_dead_s": routed_s,
@@ -183,13 +131,6 @@ def judge_replica_lost(records: Sequence[RequestRecord], killed_at: float, repla
     return ScenarioResult(NAME, True, head + detail, numbers)
 
 
-def _kinds(records: Sequence[RequestRecord]) -> dict[str, int]:
-    kinds: dict[str, int] = {}
-    for r in records:
-        kinds[r.error_kind or "error"] = kinds.get(r.error_kind or "error", 0) + 1
-    return kinds
-
-
 def refusal(replicas: int | None) -> str | None:
     """Why the scenario cannot run on a deployment of ``replicas`` (None: through Serve not at all), or None."""
     if replicas is None:
@@ -197,20 +138,6 @@ def refusal(replicas: int | None) -> str | None:
     if replicas < MIN_REPLICAS:
         return f"replica_lost needs serve.num_replicas >= {MIN_REPLICAS}; this trial has {replicas}"
     return None
-
-
-class _Until(EarlyBreak):
-    """Ends the level at :attr:`stop_at` (``time.perf_counter()``) once it is set; no SLO bound ends it (an open
-    loop may still stop saturated, as every scenario's)."""
-
-    def __init__(self, level: Level) -> None:
-        super().__init__(Slo(), level, None)
-        self.stop_at: float | None = None
-
-    def broken(self) -> bool:
-        if self.reason is None and self.stop_at is not None and time.perf_counter() >= self.stop_at:
-            self.reason = "the replaced replica was measured for the scenario's time: stopped"
-        return self.reason is not None
 
 
 async def replica_lost(t: Target, replicas: int, replace_timeout_s: float | None = None) -> ScenarioResult:
@@ -224,15 +151,10 @@ async def replica_lost(t: Target, replicas: int, replace_timeout_s: float | None
     before_s = KILL_AFTER * span
     plan = LevelPlan(t.level, num_requests=None, duration_s=before_s + (replace_timeout_s or span) + span,
                      warmup_requests=_warmup(t.level, t.budget))  # fmt: skip
-    origins: list[float] = []  # the level's clock origin (perf_counter), read back from each finished request
-
-    def done(record: RequestRecord) -> None:
-        if record.end is not None:
-            origins.append(time.perf_counter() - record.end)
-
-    until = _Until(plan.level)
+    clock = LevelClock()
+    until = Until(plan.level, "the replaced replica was measured for the scenario's time: stopped")
     load = asyncio.ensure_future(measure_level(
-        t.client, t.url, t.workload, t.prompts, plan, stream=STREAM, slo=t.slo, on_done=done, watch=until,
+        t.client, t.url, t.workload, t.prompts, plan, stream=STREAM, slo=t.slo, on_done=clock.done, watch=until,
         reset_cache=t.reset_cache, metrics=t.metrics,
     ))  # fmt: skip
     await asyncio.sleep(before_s)
@@ -261,7 +183,7 @@ async def replica_lost(t: Target, replicas: int, replace_timeout_s: float | None
     t.records.extend(records)
     if samples := _error_samples(records):  # verify.json's error_samples: what the clients saw of the lost replica
         t.errors[NAME] = samples
-    origin = min(origins, default=killed)
+    origin = clock.origin(killed)
     verdict = judge_replica_lost(records, killed - origin, None if replaced is None else replaced - origin, replicas,
                                  t.slo, max(span / 10, 1.0), f"{what} {pid}")  # fmt: skip
     verdict.numbers["level"] = result.summary.level
