@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from servetune.config.slo import Slo
@@ -108,6 +109,29 @@ def test_the_failures_it_caused_are_not_the_services_5xx_rate(tmp_path):
     assert measured["requests"] == len(elsewhere) and measured["error_rate_5xx"] == 1 / len(elsewhere)
 
 
+def stand_in_load(monkeypatch, record_for: Callable[[int, float], RequestRecord]) -> None:
+    """The level verify/under_load.py ``around_event`` runs, replaced: one request every 50 ms, ``record_for(index,
+    sent)`` each (its end set when it is done), Serve read every 0.1 s."""
+    from servetune.verify import under_load
+
+    async def fake_level(client, url, workload, prompts, plan, *, stream, slo, on_done, watch, **_):
+        t0, records, i = time.perf_counter(), [], 0
+        while time.perf_counter() - t0 < plan.duration_s and not watch.broken():
+            sent = time.perf_counter() - t0
+            await asyncio.sleep(0.05)
+            record = record_for(i, sent)
+            record.end = time.perf_counter() - t0
+            on_done(record)
+            records.append(record)
+            i += 1
+        return type("Result", (), {"summary": type("Summary", (), {"level": {"concurrency": 1.0}})()})(), records
+
+    monkeypatch.setattr(under_load, "measure_level", fake_level)
+    monkeypatch.setattr(under_load, "POLL_S", 0.1)
+    monkeypatch.setattr(under_load, "_warmup", lambda level, budget: 0)
+    monkeypatch.setattr(under_load, "LevelPlan", lambda level, **kw: type("Plan", (), {**kw, "level": level})())
+
+
 class Deployment:
     """Two replicas; a kill makes every other request fail until the replacement runs ``down_s`` later."""
 
@@ -128,30 +152,16 @@ class Deployment:
 
 def test_the_scenario_kills_a_third_in_follows_the_replica_count_and_judges(monkeypatch):
     """The scenario's own timing (kill, polling, the level's clock) against a stand-in deployment and load."""
-    from servetune.verify import replica_lost as module
     from servetune.verify.scenarios import Budget, Target
 
     deployment = Deployment(down_s=0.5)
 
-    async def fake_level(client, url, workload, prompts, plan, *, stream, slo, on_done, watch, **_):
-        t0, records, i = time.perf_counter(), [], 0
-        while time.perf_counter() - t0 < plan.duration_s and not watch.broken():
-            sent = time.perf_counter() - t0
-            await asyncio.sleep(0.05)
-            record = served(i, sent, 0.02) if not (deployment.down() and i % 2) else lost(i, sent, 0.04)
-            record.end = time.perf_counter() - t0
-            on_done(record)
-            records.append(record)
-            i += 1
-        return type("Result", (), {"summary": type("Summary", (), {"level": {"concurrency": 1.0}})()})(), records
-
-    monkeypatch.setattr(module, "measure_level", fake_level)
-    monkeypatch.setattr(module, "POLL_S", 0.1)
+    stand_in_load(
+        monkeypatch, lambda i, sent: served(i, sent, 0.02) if not (deployment.down() and i % 2) else lost(i, sent, 0.04)
+    )
     budget = replace(Budget.for_device("cpu", 3.0), scenario_s=1.0)  # killed 0.5 s in, then 1 s after the replacement
     target = Target(client=None, url="", workload=None, prompts=None, slo=SLO, level=None, budget=budget,
                     max_model_len=0, engine=deployment)  # type: ignore[arg-type]  # fmt: skip
-    monkeypatch.setattr(module, "_warmup", lambda level, budget: 0)
-    monkeypatch.setattr(module, "LevelPlan", lambda level, **kw: type("Plan", (), {**kw, "level": level})())
     result = asyncio.run(replica_lost(target, 2, replace_timeout_s=30))
     n = result.numbers
     assert result.passed, result.reason

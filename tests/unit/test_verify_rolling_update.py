@@ -18,7 +18,7 @@ from servetune.verify.rolling_update import (
     refusal,
     rolling_update,
 )
-from tests.unit.test_verify_replica_lost import lost, served, steady
+from tests.unit.test_verify_replica_lost import lost, served, stand_in_load, steady
 
 SLO = Slo.parse("ttft_ms.p99=500")
 
@@ -112,27 +112,14 @@ class Deployment:
 
 def test_the_scenario_updates_half_way_follows_the_rollout_and_judges(monkeypatch):
     """The scenario's own timing (update, polling, the level's clock) against a stand-in deployment and load."""
-    from servetune.verify import rolling_update as module
     from servetune.verify.scenarios import Budget, Target
 
     deployment = Deployment(roll_s=0.5)
 
-    async def fake_level(client, url, workload, prompts, plan, *, stream, slo, on_done, watch, **_):
-        t0, records, i = time.perf_counter(), [], 0
-        while time.perf_counter() - t0 < plan.duration_s and not watch.broken():
-            sent = time.perf_counter() - t0
-            await asyncio.sleep(0.05)
-            record = lost(i, sent, 0.04) if deployment.rolling() and i % 5 == 0 else served(i, sent, 0.02)
-            record.end = time.perf_counter() - t0
-            on_done(record)
-            records.append(record)
-            i += 1
-        return type("Result", (), {"summary": type("Summary", (), {"level": {"concurrency": 1.0}})()})(), records
-
-    monkeypatch.setattr(module, "measure_level", fake_level)
-    monkeypatch.setattr(module, "POLL_S", 0.1)
-    monkeypatch.setattr(module, "_warmup", lambda level, budget: 0)
-    monkeypatch.setattr(module, "LevelPlan", lambda level, **kw: type("Plan", (), {**kw, "level": level})())
+    stand_in_load(
+        monkeypatch,
+        lambda i, sent: lost(i, sent, 0.04) if deployment.rolling() and i % 5 == 0 else served(i, sent, 0.02),
+    )
     budget = replace(Budget.for_device("cpu", 3.0), scenario_s=1.0)  # updated 0.5 s in, then 1 s after the rollout
     target = Target(client=None, url="", workload=None, prompts=None, slo=SLO, level=None, budget=budget,
                     max_model_len=0, engine=deployment)  # type: ignore[arg-type]  # fmt: skip
@@ -151,7 +138,6 @@ def test_the_scenario_updates_half_way_follows_the_rollout_and_judges(monkeypatc
 
 
 def test_the_scenario_refuses_a_bare_engine_and_says_when_serve_refuses_the_update(monkeypatch):
-    from servetune.verify import rolling_update as module
     from servetune.verify.scenarios import Budget, Target
 
     budget = replace(Budget.for_device("cpu", 3.0), scenario_s=0.4)
@@ -164,16 +150,7 @@ def test_the_scenario_refuses_a_bare_engine_and_says_when_serve_refuses_the_upda
         def update(self, llm_config=None) -> list[str]:
             raise RuntimeError("DEPLOY_FAILED: bad engine_kwargs")
 
-    async def fake_level(client, url, workload, prompts, plan, *, stream, slo, on_done, watch, **_):
-        t0, records = time.perf_counter(), []
-        while time.perf_counter() - t0 < plan.duration_s and not watch.broken():
-            await asyncio.sleep(0.05)
-            records.append(served(len(records), time.perf_counter() - t0 - 0.05, 0.02))
-        return None, records
-
-    monkeypatch.setattr(module, "measure_level", fake_level)
-    monkeypatch.setattr(module, "_warmup", lambda level, budget: 0)
-    monkeypatch.setattr(module, "LevelPlan", lambda level, **kw: type("Plan", (), {**kw, "level": level})())
+    stand_in_load(monkeypatch, lambda i, sent: served(i, sent, 0.02))
     target = replace(target, engine=Refusing(0.1), records=[])
     result = asyncio.run(rolling_update(target, update_timeout_s=30))
     assert (

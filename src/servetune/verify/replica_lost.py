@@ -4,8 +4,8 @@ more replicas loses one replica's engine mid-load, and verify measures what its 
 The load runs at the verified level; half the scenario's time in, one replica's vLLM engine process is killed
 with SIGKILL (:class:`Replicas` ``kill_engine``: the engine core vLLM starts as a child process of the replica
 actor, found through the replica's pid; where the engine runs inside the replica's own process, that process:
-Serve sees either as a dead replica and starts a new one). The replicas Serve reports RUNNING are read every
-``POLL_S``; the load goes on until the count is whole again and the scenario's time more, so the replacement is
+Serve sees either as a dead replica and starts a new one). The replicas Serve reports RUNNING are read twice
+a second; the load goes on until the count is whole again and the scenario's time more, so the replacement is
 measured serving (at most the trial's start-up timeout and that after the kill: a replacement vLLM starts as
 slowly as the first).
 
@@ -38,21 +38,15 @@ warm shows in the windows after it came back.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 from servetune.config.slo import Slo
 from servetune.metrics import RequestRecord
-from servetune.trial.measure import LevelPlan, measure_level
-from servetune.verify.scenarios import ScenarioResult, Target, _error_samples, _warmup, error_bound, fmt
-from servetune.verify.under_load import LevelClock, Until, after_windows, done_at, error_kinds, p99_ms, ttft_bound_s
+from servetune.verify.scenarios import ScenarioResult, Target, error_bound, fmt
+from servetune.verify.under_load import after_windows, around_event, done_at, error_kinds, p99_ms, ttft_bound_s
 
 NAME = REPLICA_LOST = "replica_lost"
-KILL_AFTER = 0.5  # of the scenario's time, the load before the kill
-POLL_S = 0.5  # how often Serve's replica states are read
 #: New requests may fail on the lost replica for at most this long: one health-check period at Ray Serve's default
 #: (``DEFAULT_HEALTH_CHECK_PERIOD_S``, 10 s), after which Serve should have found it dead and routed around it.
 ROUTED_TO_DEAD_MAX_S = 10.0
@@ -147,44 +141,22 @@ async def replica_lost(t: Target, replicas: int, replace_timeout_s: float | None
     deployment = t.engine
     if not (hasattr(deployment, "kill_engine") and hasattr(deployment, "running_replicas")):
         return ScenarioResult(NAME, False, "not run: the engine is not a Serve deployment")
-    span = t.budget.scenario_s
-    before_s = KILL_AFTER * span
-    plan = LevelPlan(t.level, num_requests=None, duration_s=before_s + (replace_timeout_s or span) + span,
-                     warmup_requests=_warmup(t.level, t.budget))  # fmt: skip
-    clock = LevelClock()
-    until = Until(plan.level, "the replaced replica was measured for the scenario's time: stopped")
-    load = asyncio.ensure_future(measure_level(
-        t.client, t.url, t.workload, t.prompts, plan, stream=STREAM, slo=t.slo, on_done=clock.done, watch=until,
-        reset_cache=t.reset_cache, metrics=t.metrics,
-    ))  # fmt: skip
-    await asyncio.sleep(before_s)
-    if load.done():  # the load ended before the kill (its requests could not be sent)
-        result, records = await load
-        t.records.extend(records)
-        return ScenarioResult(NAME, False, f"not run: the load ended before the kill ({len(records)} requests)")
-    try:
-        pid, what = await asyncio.to_thread(deployment.kill_engine)  # type: ignore[union-attr]
-    except Exception as exc:  # no replica could be reached: the load finishes, the scenario says why
-        until.stop_at = time.perf_counter()
-        t.records.extend((await load)[1])
-        return ScenarioResult(NAME, False, f"not run: no replica's engine could be killed ({exc})")
-    killed = time.perf_counter()
-    replaced: float | None = None
     seen_down = False
-    while not load.done():
-        with contextlib.suppress(Exception):  # Serve's status unreadable this time: the next poll reads it
-            running = await asyncio.to_thread(deployment.running_replicas)  # type: ignore[union-attr]
-            seen_down = seen_down or running < replicas
-            if seen_down and running >= replicas and replaced is None:
-                replaced = time.perf_counter()
-                until.stop_at = replaced + span
-        await asyncio.sleep(POLL_S)
-    result, records = await load
-    t.records.extend(records)
-    if samples := _error_samples(records):  # verify.json's error_samples: what the clients saw of the lost replica
-        t.errors[NAME] = samples
-    origin = clock.origin(killed)
-    verdict = judge_replica_lost(records, killed - origin, None if replaced is None else replaced - origin, replicas,
-                                 t.slo, max(span / 10, 1.0), f"{what} {pid}")  # fmt: skip
-    verdict.numbers["level"] = result.summary.level
+
+    def replaced(_: object) -> bool:
+        nonlocal seen_down
+        running = deployment.running_replicas()  # type: ignore[union-attr]
+        seen_down = seen_down or running < replicas
+        return seen_down and running >= replicas
+
+    run = await around_event(t, NAME, STREAM, deployment.kill_engine, replaced,  # type: ignore[union-attr]
+                             "the replaced replica was measured for the scenario's time: stopped", replace_timeout_s)  # fmt: skip
+    if run.ended_early:
+        return ScenarioResult(NAME, False, f"not run: the load ended before the kill ({len(run.records)} requests)")
+    if run.error is not None or run.value is None or run.returned_at is None:
+        return ScenarioResult(NAME, False, f"not run: no replica's engine could be killed ({run.error})")
+    pid, what = run.value
+    verdict = judge_replica_lost(run.records, run.returned_at, run.settled_at, replicas, t.slo,
+                                 max(t.budget.scenario_s / 10, 1.0), f"{what} {pid}")  # fmt: skip
+    verdict.numbers["level"] = run.level
     return verdict

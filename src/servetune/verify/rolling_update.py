@@ -5,7 +5,7 @@ The load runs at the verified level; half the scenario's time in, the applicatio
 name and route through Serve's update path (``serve.run`` of the new application, :class:`Rollout` ``update``):
 with the runner-up's configuration where verify has a runner-up measured through Serve on the same model that fits
 in what the winner's deployment holds, else the same configuration as a new version (Serve gives every unpinned deployment a new version, so it replaces every
-replica all the same). Serve's status is read every ``POLL_S``; the rollout is done when the application is
+replica all the same). Serve's status is read twice a second; the rollout is done when the application is
 RUNNING, every deployment HEALTHY, and none of the replicas from before the update is alive. The load goes on the
 scenario's time after that (the new replicas measured serving), at most the trial's start-up timeout and that
 after the update.
@@ -27,23 +27,17 @@ update path back to the configuration before.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from servetune.config.slo import Slo
 from servetune.metrics import RequestRecord
 from servetune.serve.trial import trial_llm_config, trial_needs
-from servetune.trial.measure import LevelPlan, measure_level
 from servetune.trial.runner import TrialSpec
-from servetune.verify.scenarios import ScenarioResult, Target, _error_samples, _warmup, error_bound, fmt
-from servetune.verify.under_load import LevelClock, Until, after_windows, done_at, error_kinds, p99_ms, ttft_bound_s
+from servetune.verify.scenarios import ScenarioResult, Target, error_bound, fmt
+from servetune.verify.under_load import after_windows, around_event, done_at, error_kinds, p99_ms, ttft_bound_s
 
 NAME = ROLLING_UPDATE = "rolling_update"
-UPDATE_AFTER = 0.5  # of the scenario's time, the load before the update
-POLL_S = 0.5  # how often Serve's status is read
 STREAM = 32_000  # its arrivals' seed (replica_lost's is 31_000)
 SAME_CONFIGURATION = "the same configuration as a new version"
 
@@ -146,42 +140,13 @@ async def rolling_update(t: Target, new_config: Mapping[str, Any] | None = None,
     deployment = t.engine
     if not (hasattr(deployment, "update") and hasattr(deployment, "rolled_out")):
         return ScenarioResult(NAME, False, "not run: the engine is not a Serve deployment")
-    span = t.budget.scenario_s
-    before_s = UPDATE_AFTER * span
-    plan = LevelPlan(t.level, num_requests=None, duration_s=before_s + (update_timeout_s or span) + span,
-                     warmup_requests=_warmup(t.level, t.budget))  # fmt: skip
-    clock = LevelClock()
-    until = Until(plan.level, "the new configuration was measured for the scenario's time: stopped")
-    load = asyncio.ensure_future(measure_level(
-        t.client, t.url, t.workload, t.prompts, plan, stream=STREAM, slo=t.slo, on_done=clock.done, watch=until,
-        reset_cache=t.reset_cache, metrics=t.metrics,
-    ))  # fmt: skip
-    await asyncio.sleep(before_s)
-    if load.done():  # the load ended before the update (its requests could not be sent)
-        result, records = await load
-        t.records.extend(records)
-        return ScenarioResult(NAME, False, f"not run: the load ended before the update ({len(records)} requests)")
-    updated = time.perf_counter()
-    try:
-        old = await asyncio.to_thread(deployment.update, new_config)  # type: ignore[union-attr]
-    except Exception as exc:  # Serve refused the new application: the load finishes, the scenario says why
-        until.stop_at = time.perf_counter()
-        t.records.extend((await load)[1])
-        return ScenarioResult(NAME, False, f"not run: Serve did not take the update ({exc})")
-    done: float | None = None
-    while not load.done():
-        if done is None:
-            with contextlib.suppress(Exception):  # Serve's status unreadable this time: the next poll reads it
-                if await asyncio.to_thread(deployment.rolled_out, old):  # type: ignore[union-attr]
-                    done = time.perf_counter()
-                    until.stop_at = done + span
-        await asyncio.sleep(POLL_S)
-    result, records = await load
-    t.records.extend(records)
-    if samples := _error_samples(records):  # verify.json's error_samples: what the clients saw of the rollout
-        t.errors[NAME] = samples
-    origin = clock.origin(updated)
-    verdict = judge_rolling_update(records, updated - origin, None if done is None else done - origin, t.slo,
-                                   max(span / 10, 1.0), change)  # fmt: skip
-    verdict.numbers["level"] = result.summary.level
+    run = await around_event(t, NAME, STREAM, lambda: deployment.update(new_config), deployment.rolled_out,  # type: ignore[union-attr]
+                             "the new configuration was measured for the scenario's time: stopped", update_timeout_s)  # fmt: skip
+    if run.ended_early:
+        return ScenarioResult(NAME, False, f"not run: the load ended before the update ({len(run.records)} requests)")
+    if run.error is not None or run.called_at is None:
+        return ScenarioResult(NAME, False, f"not run: Serve did not take the update ({run.error})")
+    verdict = judge_rolling_update(run.records, run.called_at, run.settled_at, t.slo,
+                                   max(t.budget.scenario_s / 10, 1.0), change)  # fmt: skip
+    verdict.numbers["level"] = run.level
     return verdict

@@ -4,22 +4,30 @@ after an event in windows judged against the SLO, the errors by kind, and a leve
 with its clock read back from the requests it finished.
 
 All of it is arithmetic over :class:`~servetune.metrics.RequestRecord` on the level's clock (seconds from the
-level's start), except :class:`Until` and :class:`LevelClock`, which the scenarios hand ``measure_level``.
+level's start), except :func:`around_event`, the load both scenarios run: the level, the event half the scenario's
+time in, Serve followed until the event has settled, then the scenario's time more.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
 from servetune.config.slo import Slo
 from servetune.load.runner import Level
 from servetune.metrics import RequestRecord
-from servetune.trial.measure import EarlyBreak
+from servetune.trial.measure import EarlyBreak, LevelPlan, measure_level
+from servetune.verify.scenarios import Target, _error_samples, _warmup
+
+EVENT_AFTER = 0.5  # of the scenario's time, the load before the event
+POLL_S = 0.5  # how often Serve is read after it
+T = TypeVar("T")
 
 
 def ttft_bound_s(slo: Slo) -> float | None:
@@ -111,3 +119,64 @@ class LevelClock:
     def origin(self, default: float) -> float:
         """The level's start (perf_counter); ``default`` when no request finished."""
         return min(self.origins, default=default)
+
+
+@dataclass
+class AroundEvent(Generic[T]):
+    """What :func:`around_event` measured; times on the level's clock (None: the event did not happen)."""
+
+    records: list[RequestRecord]
+    level: dict[str, float] | None  # the level's load, as its summary says
+    called_at: float | None  # the event was called
+    returned_at: float | None  # it returned
+    settled_at: float | None  # Serve said it had settled (None: not within the run)
+    value: T | None  # what the event returned
+    ended_early: bool = False  # the load ended before the event (its requests could not be sent)
+    error: Exception | None = None  # the event raised: the load stopped there
+
+
+async def around_event(t: Target, name: str, stream: int, event: Callable[[], T], settled: Callable[[T], bool],
+                       why_stop: str, cap_s: float | None = None) -> AroundEvent[T]:  # fmt: skip
+    """Run the level, call ``event`` (in a thread) ``EVENT_AFTER`` of the scenario's time in, then ask ``settled`` with
+    what it returned every ``POLL_S`` (a read that raises is asked again next time); the load goes on until it says so
+    and the scenario's time more (``why_stop`` is the level's stop reason), at most ``cap_s`` (default the scenario's
+    time) and that after the event. Every request joins ``t.records``, a few error messages ``t.errors[name]``."""
+    span = t.budget.scenario_s
+    before_s = EVENT_AFTER * span
+    plan = LevelPlan(t.level, num_requests=None, duration_s=before_s + (cap_s or span) + span,
+                     warmup_requests=_warmup(t.level, t.budget))  # fmt: skip
+    clock = LevelClock()
+    until = Until(plan.level, why_stop)
+    load = asyncio.ensure_future(measure_level(
+        t.client, t.url, t.workload, t.prompts, plan, stream=stream, slo=t.slo, on_done=clock.done, watch=until,
+        reset_cache=t.reset_cache, metrics=t.metrics,
+    ))  # fmt: skip
+    await asyncio.sleep(before_s)
+    if load.done():
+        records = (await load)[1]
+        t.records.extend(records)
+        return AroundEvent(records, None, None, None, None, None, ended_early=True)
+    called = time.perf_counter()
+    try:
+        value = await asyncio.to_thread(event)
+    except Exception as exc:  # the load finishes, the scenario says why
+        until.stop_at = time.perf_counter()
+        records = (await load)[1]
+        t.records.extend(records)
+        return AroundEvent(records, None, None, None, None, None, error=exc)
+    returned = time.perf_counter()
+    done: float | None = None
+    while not load.done():
+        if done is None:
+            with contextlib.suppress(Exception):  # Serve unreadable this time: the next poll reads it
+                if await asyncio.to_thread(settled, value):
+                    done = time.perf_counter()
+                    until.stop_at = done + span
+        await asyncio.sleep(POLL_S)
+    result, records = await load
+    t.records.extend(records)
+    if samples := _error_samples(records):  # verify.json's error_samples: what the clients saw of the event
+        t.errors[name] = samples
+    origin = clock.origin(called)
+    return AroundEvent(records, result.summary.level, called - origin, returned - origin,
+                       None if done is None else done - origin, value)  # fmt: skip
