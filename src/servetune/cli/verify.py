@@ -38,6 +38,10 @@ Opt-in, with --scenario NAME (repeatable):
                the load kept on until Serve replaced it and a while after; the failed requests
                and the error burst's span, the time until the replica count and the SLO were
                back, the other replicas' TTFT P99 meanwhile (checklist 15.20: the replacement)
+  rolling_update through Serve: the deployment moved mid-load to the runner-up's configuration
+               (else the same one as a new version) through Serve's update path; the requests
+               failed and the worst and P99 TTFT while Serve rolled the replicas over, the time
+               until none of the old ones was left, the SLO after it (checklist 15.23: rollback)
 
 A trial the study measured through Ray Serve (serve.num_replicas) is verified through Serve: the
 same Serve LLM application at the same replica count, on a local Ray (or the cluster at --address),
@@ -54,8 +58,8 @@ Exit status: 0 accepted, 1 rejected, 2 bad input (nothing started).
 """
 
 
-#: Scenarios run only when asked for (verify/replica_lost.py).
-OPT_IN = ("replica_lost",)
+#: Scenarios run only when asked for (verify/replica_lost.py, verify/rolling_update.py).
+OPT_IN = ("replica_lost", "rolling_update")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -80,7 +84,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--address", metavar="ADDR",
                    help="Ray cluster to deploy a trial through Serve on (default: a local Ray, started and stopped here)")  # fmt: skip
     p.add_argument("--scenario", action="append", default=[], choices=OPT_IN, metavar="NAME",
-                   help="also run an opt-in scenario (repeatable): replica_lost (a Serve deployment of >= 2 replicas)")  # fmt: skip
+                   help="also run an opt-in scenario (repeatable): replica_lost (a Serve deployment of >= 2 replicas), "
+                        "rolling_update (a Serve deployment)")  # fmt: skip
     p.set_defaults(run=run)
 
 
@@ -142,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
     from servetune.verify import run as verification
     from servetune.verify.choose import select
     from servetune.verify.replica_lost import refusal
+    from servetune.verify.rolling_update import refusal as update_refusal
     from servetune.verify.scenarios import Budget
 
     if args.duration is not None and args.duration <= 0:
@@ -151,6 +157,8 @@ def run(args: argparse.Namespace) -> int:
     )  # bad input stops here, before anything starts
     if "replica_lost" in args.scenario and (why := refusal(selection.winner.spec.serve_replicas)):
         raise UserError(f"--scenario replica_lost: trial {selection.winner.trial_id}: {why}")
+    if "rolling_update" in args.scenario and (why := update_refusal(selection.winner.spec.serve_replicas)):
+        raise UserError(f"--scenario rolling_update: trial {selection.winner.trial_id}: {why}")
     if vllm_version(args.python) is None:
         raise UserError(
             f"vLLM is not installed for {args.python} (install servetune[cpu] or servetune[gpu], or pass --python)"

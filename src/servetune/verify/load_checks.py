@@ -303,6 +303,35 @@ def oom_notch_back(ctx: Context) -> tuple[Status, str]:
 
 
 def changes_canary_rollback(ctx: Context) -> tuple[Status, str]:
-    return NOT_CHECKED, (f"canary and rollback are the deployment's. servetune links a configuration to its data: "
-                         f"trial {ctx.result.trial_id} is the hash of its configuration, trials/{ctx.result.trial_id}/"
-                         "result.json holds both, and servetune verify exits 1 on a rejected one so CI can gate a change")  # fmt: skip
+    """Linked to its data by construction (the trial id is its configuration's hash); the rollback half, where verify
+    ran the rolling_update scenario (``--scenario rolling_update``): a configuration change rolled out through
+    Serve under load, the path a rollback takes back."""
+    linked = (f"servetune links a configuration to its data: trial {ctx.result.trial_id} is the hash of its "
+              f"configuration, trials/{ctx.result.trial_id}/result.json holds both, and servetune verify exits 1 on a "
+              "rejected one so CI can gate a change")  # fmt: skip
+    update, _ = ctx.scenario("rolling_update")
+    if update is None:
+        return NOT_CHECKED, f"canary and rollback are the deployment's. {linked}"
+    status, why = rolled_update(update)
+    return status, f"rolling update: {why}; {linked}"
+
+
+def rolled_update(update: Mapping[str, Any]) -> tuple[Status, str]:
+    """The rolling_update scenario's part of 15.23 (verify/rolling_update.py's numbers)."""
+    rolled = flag(update, "rolled_out")
+    if rolled is None:
+        return NOT_CHECKED, f"the scenario recorded no rollout ({verdict(update)})"
+    change = update.get("change") if isinstance(update.get("change"), str) else "a new configuration"
+    failed, during = number(update, "failed"), number(update, "requests_during")
+    worst, p99 = number(update, "ttft_ms_max_during"), number(update, "ttft_ms_p99_during")
+    bound = number(update, "ttft_bound_ms")
+    facts = (f"updated {change} under load, {amount(failed)} of {amount(during)} requests failed during it, TTFT "
+             f"worst {amount(worst, ' ms')} and P99 {amount(p99, ' ms')}"
+             + (f" (bound {amount(bound, ' ms')})" if bound is not None else ""))  # fmt: skip
+    if not rolled:
+        return FAIL, f"{facts}; Serve did not finish the rollout within the run"
+    facts += f", rolled out in {amount(number(update, 'update_s'), ' s')}"
+    if flag(update, "passed") is not True:
+        reason = update.get("reason")
+        return FAIL, facts + (f": {reason}" if isinstance(reason, str) and reason else "")
+    return PASS, facts + f"; the SLO held after it (TTFT P99 {amount(number(update, 'ttft_ms_p99_after'), ' ms')})"
