@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -246,3 +247,47 @@ def test_huggingface_hub_fetches_only_the_shards_vllm_loads_into_the_nodes_cache
     (snapshot,) = (cache / "models--org--m" / "snapshots").iterdir()  # the cache layout vLLM reads
     assert sorted(p.name for p in snapshot.iterdir()) == expected and snapshot.name == SHA
     assert second["bytes"] == first["bytes"] and len(hub.got) == len(expected)  # cached: nothing downloaded again
+
+
+def test_servetune_run_prefetches_once_before_the_first_trial_and_keeps_it_in_study_json(tmp_path, monkeypatch):
+    """``run_study``'s wiring, Ray and Tune replaced at their boundary: the prefetch runs once, after Ray is up and
+    before the trials are handed to Tune; its records land in study.json and the closing lines; --no-prefetch skips."""
+    import argparse
+
+    import servetune.study.prefetch as prefetch_module
+    import servetune.study.tuner as tuner
+    from servetune.cli import run as run_cli
+    from servetune.results import STUDY_FILE
+
+    events: list[str] = []
+    record = WeightsPrefetch(model=MODEL, node_id="a", host="h-a", download_s=12.0, bytes=5_000_000_000)
+
+    def fake_prefetch(space: Any, models: Any, say: Any, status: Any = None) -> list[WeightsPrefetch]:
+        events.append(f"prefetch {sorted(set(models))}")
+        return [record]
+
+    monkeypatch.setattr(prefetch_module, "prefetch_study", fake_prefetch)
+    monkeypatch.setattr(tuner, "init_ray", lambda *a, **k: events.append("ray") or True)
+    monkeypatch.setattr(tuner, "cluster_devices", lambda space: [8.0])
+    monkeypatch.setattr(tuner, "run_tuner", lambda context, points, *a, **k: events.append(f"tune {len(points)}"))
+    monkeypatch.chdir(tmp_path)
+    space_file = tmp_path / "space.yaml"
+    space_file.write_text(f"name: s\nmodel: {MODEL}\ndevice: gpu\nworkload: chat\nhardware: {{gpu: H100-80GB}}\n"
+                          "params: {max_num_seqs: [8, 16]}\n")  # fmt: skip
+    from servetune.space_file import load_space
+
+    space = load_space(space_file, None)
+
+    def run(no_prefetch: bool) -> str:
+        args = argparse.Namespace(space=space_file, storage=tmp_path / "results", resume=False, unprune=False,
+                                  max_trials=None, no_checks=True, no_prefetch=no_prefetch, python="python",
+                                  tracking_uri=f"sqlite:///{tmp_path}/mlflow.db", address=None)  # fmt: skip
+        assert run_cli.run_study(space, args) == 0
+        return (tmp_path / "results" / "s" / STUDY_FILE).read_text()
+
+    study = StudyInfo.model_validate_json(run(no_prefetch=False))
+    assert events == ["ray", f"prefetch ['{MODEL}']", "tune 3"]  # before Tune, once, the model once
+    assert study.prefetch == [record]
+    events.clear()
+    shutil.rmtree(tmp_path / "results")
+    assert StudyInfo.model_validate_json(run(no_prefetch=True)).prefetch == [] and events == ["ray", "tune 3"]
