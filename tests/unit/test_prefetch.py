@@ -291,3 +291,29 @@ def test_servetune_run_prefetches_once_before_the_first_trial_and_keeps_it_in_st
     events.clear()
     shutil.rmtree(tmp_path / "results")
     assert StudyInfo.model_validate_json(run(no_prefetch=True)).prefetch == [] and events == ["ray", "tune 3"]
+
+
+def test_a_refused_checkpoint_of_the_model_parameter_is_named_with_its_field(tmp_path, monkeypatch):
+    """The access check before anything starts (servetune/hub.py, cli/run.py ``check_hub_models``): the line names
+    the field that lists the refused model, ``params.model`` for a checkpoint the search varies."""
+    import httpx
+    from huggingface_hub.errors import GatedRepoError
+
+    from servetune.cli.run import check_hub_models
+    from servetune.errors import UserError
+
+    def auth_check(repo_id: str, token: str | None = None) -> None:
+        if repo_id == "org/gated":
+            response = httpx.Response(401, request=httpx.Request("GET", f"https://hub/api/models/{repo_id}/auth-check"))
+            raise GatedRepoError("gated", response=response)
+
+    monkeypatch.setattr(huggingface_hub, "auth_check", auth_check)
+    for name in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    space = SearchSpace.model_validate({**SPACE, "env": {}, "params": {"model": [MODEL, "org/gated"]}})
+    with pytest.raises(UserError) as refused:
+        check_hub_models(space, tmp_path)
+    assert str(refused.value).startswith("params.model org/gated: gated on the hub") and "without a token" in str(
+        refused.value
+    )
+    check_hub_models(SearchSpace.model_validate({**SPACE, "env": {}}), tmp_path)  # served: nothing said

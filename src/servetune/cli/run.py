@@ -148,10 +148,12 @@ def check_hub_models(space: SearchSpace, space_dir: Path) -> None:
     from servetune.study.progress import stderr_console
 
     listed = space.params.get(MODEL_PARAM) or []
-    names = [space.model, *(listed if isinstance(listed, list) else [])]
-    for name in dict.fromkeys(str(n) for n in names):
+    fields = {space.model: "model"}  # where the space names each: the field its error line names
+    for name in listed if isinstance(listed, list) else []:
+        fields.setdefault(str(name), f"params.{MODEL_PARAM}")
+    for name, field in fields.items():
         if is_hub_id(name, space_dir):
-            warning = check_access(name, {k: str(v) for k, v in space.env.items()})
+            warning = check_access(name, {k: str(v) for k, v in space.env.items()}, field)
             if warning:
                 stderr_console().print(f"warning: {warning}", soft_wrap=True, highlight=False, markup=False)
 
