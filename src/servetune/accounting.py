@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from servetune.results import TrialResult
+from servetune.results import TrialResult, WeightsPrefetch
 
 #: How the ladder words its reasons to stop early (trial/ladder.py, study/early_stop.py).
 DOMINATED = "dominated at"
@@ -84,6 +84,28 @@ def searched_s(result: TrialResult) -> tuple[float, float]:
 #: Start-up phases in the order an engine goes through them, with their words (engine/startup.py).
 STARTUP_PHASES = {"download_s": "downloading weights (the starts that did)", "load_weights_s": "loading weights", "compile_s": "torch.compile", "cuda_graphs_s": "CUDA graphs",
                   "kv_profile_warmup_s": "KV profiling and warm-up", "other_s": "imports, API server and the rest"}  # fmt: skip
+
+
+def prefetch_lines(records: Iterable[WeightsPrefetch]) -> list[str]:
+    """``weights downloaded before the first trial (study/prefetch.py), outside every start-up and its loading
+    weights: org/model 16.1 GB on 2 node(s), 93 s on the slowest``; where a node failed, how many."""
+    by_model: dict[str, list[WeightsPrefetch]] = {}
+    for record in records:
+        by_model.setdefault(record.model, []).append(record)
+    lines = []
+    for model, nodes in by_model.items():
+        fetched = [r for r in nodes if r.error is None]
+        failed = (
+            f"; failed on {len(nodes) - len(fetched)} (their trials downloaded)" if len(fetched) < len(nodes) else ""
+        )
+        if fetched:
+            size = max(r.bytes for r in fetched) / 1e9
+            slowest = max(r.download_s for r in fetched)
+            lines.append(f"weights downloaded before the first trial, outside every start-up (and its loading weights): "
+                         f"{model} {size:.1f} GB on {len(fetched)} node(s), {slowest:.0f} s on the slowest{failed}")  # fmt: skip
+        else:
+            lines.append(f"weights of {model}: the prefetch failed on every node{failed.removeprefix(';')}")
+    return lines
 
 
 def startup_lines(results: Iterable[TrialResult], unit: str = "GPU") -> list[str]:

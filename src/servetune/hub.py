@@ -29,9 +29,10 @@ def _set(env: Mapping[str, str], names: Iterable[str]) -> str | None:
     return next((env[n] for n in names if env.get(n)), None)
 
 
-def check_access(model: str, env: Mapping[str, str]) -> str | None:
+def check_access(model: str, env: Mapping[str, str], field: str = "model") -> str | None:
     """Raise :class:`UserError` when the hub refuses ``model`` to the token the trials will use (the space's
-    ``env`` first, then this process's); a warning when the hub could not be asked; None when it serves it."""
+    ``env`` first, then this process's); a warning when the hub could not be asked; None when it serves it.
+    ``field``: where the space names it (``model``, or ``params.model`` for a checkpoint the search varies)."""
     merged = {**os.environ, **env}
     if _set(merged, OFFLINE_VARIABLES) not in (None, "0", "false", "False"):
         return None  # offline by the user's choice: the weights come from a cache
@@ -43,16 +44,16 @@ def check_access(model: str, env: Mapping[str, str]) -> str | None:
     try:
         auth_check(model, token=token or None)
     except GatedRepoError:
-        raise UserError(f"model {model}: gated on the hub, and it refuses access {where}; accept its terms at "
+        raise UserError(f"{field} {model}: gated on the hub, and it refuses access {where}; accept its terms at "
                         f"https://huggingface.co/{model} and set HF_TOKEN (in the space's env: or the shell)") from None  # fmt: skip
     except RepositoryNotFoundError:
-        raise UserError(f"model {model}: not on the hub, or private and refused {where}") from None
+        raise UserError(f"{field} {model}: not on the hub, or private and refused {where}") from None
     except HfHubHTTPError as exc:
         status = getattr(exc.response, "status_code", None)
         if status in (401, 403):
-            raise UserError(f"model {model}: the hub refuses access {where} (HTTP {status})") from None
-        return f"model {model}: the hub answered HTTP {status} to an access check; the trials will find out"
+            raise UserError(f"{field} {model}: the hub refuses access {where} (HTTP {status})") from None
+        return f"{field} {model}: the hub answered HTTP {status} to an access check; the trials will find out"
     except Exception as exc:  # no route to the hub, DNS, a proxy: not a verdict on access
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return f"model {model}: could not ask the hub for access ({first}); the trials will find out"
+        return f"{field} {model}: could not ask the hub for access ({first}); the trials will find out"
     return None

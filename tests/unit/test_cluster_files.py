@@ -166,7 +166,13 @@ WORKER_GROUP = {"groupName", "idleTimeoutSeconds", "maxReplicas", "minReplicas",
 @pytest.fixture(scope="module")
 def manifests() -> dict[str, dict]:
     docs = [d for d in yaml.safe_load_all(RAYJOB.read_text()) if d]
-    return {d["kind"]: d for d in docs}
+    return {d["kind"]: d for d in docs if d["kind"] != "PersistentVolumeClaim"}
+
+
+@pytest.fixture(scope="module")
+def claims() -> dict[str, dict]:
+    docs = [d for d in yaml.safe_load_all(RAYJOB.read_text()) if d]
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == "PersistentVolumeClaim"}
 
 
 def pod_volumes(template: dict) -> dict[str, dict]:
@@ -192,13 +198,13 @@ def test_rayjob_has_the_fields_kuberay_needs(manifests):
         assert group["groupName"] and 0 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
 
 
-def test_rayjob_runs_the_chat_latency_study_on_shared_storage(manifests):
+def test_rayjob_runs_the_chat_latency_study_on_shared_storage(manifests, claims):
     spec = manifests["RayJob"]["spec"]
     match = re.search(r"servetune run (\S+) --storage (\S+)", spec["entrypoint"])
     assert match, spec["entrypoint"]
     space_file, storage = match.groups()
     assert space_file == "search_spaces/chat-latency.yaml" and (ROOT / space_file).exists()
-    claim = manifests["PersistentVolumeClaim"]
+    claim = claims["servetune-results"]
     assert "ReadWriteMany" in claim["spec"]["accessModes"]  # the head and every GPU pod mount it
     cluster = spec["rayClusterSpec"]
     for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
@@ -210,6 +216,23 @@ def test_rayjob_runs_the_chat_latency_study_on_shared_storage(manifests):
         shared = [m["mountPath"] for m in container["volumeMounts"]
                   if volumes[m["name"]].get("persistentVolumeClaim", {}).get("claimName") == claim["metadata"]["name"]]  # fmt: skip
         assert any(storage == p or storage.startswith(p.rstrip("/") + "/") for p in shared), (storage, shared)
+
+
+def test_rayjob_keeps_the_hugging_face_cache_of_every_gpu_pod_on_a_persistent_claim(manifests, claims):
+    """The weights prefetched before the first trial (study/prefetch.py) outlive the pod: a claim, not an emptyDir,
+    mounted where huggingface_hub and vLLM look (the image's HOME, no HF_HOME set), by every worker replica."""
+    cluster = manifests["RayJob"]["spec"]["rayClusterSpec"]
+    for group in cluster["workerGroupSpecs"]:
+        template = group["template"]
+        container = template["spec"]["containers"][0]
+        assert not any(e["name"] in ("HF_HOME", "HF_HUB_CACHE") for e in container.get("env", []))
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/home/ray/.cache/huggingface"]
+        volume = pod_volumes(template)[mount["name"]]
+        assert "emptyDir" not in volume
+        claim = claims[volume["persistentVolumeClaim"]["claimName"]]
+        assert claim["apiVersion"] == "v1" and claim["spec"]["resources"]["requests"]["storage"]
+        if group["maxReplicas"] > 1:  # pods on several nodes mount one claim
+            assert "ReadWriteMany" in claim["spec"]["accessModes"]
 
 
 def test_rayjob_gpu_workers_are_a_node_of_the_space(manifests):

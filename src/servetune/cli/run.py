@@ -65,6 +65,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-checks", action="store_true",
                    help="on a cluster joined with --address or $RAY_ADDRESS, start without servetune doctor's checks "
                         "(for a cluster that stands in for GPUs it does not have)")  # fmt: skip
+    p.add_argument("--no-prefetch", action="store_true",
+                   help="do not download a hub model's weights on each node that runs trials before the first trial "
+                        "(each node's first trial then downloads them inside its start-up)")  # fmt: skip
     p.add_argument(
         "--python",
         default=sys.executable,
@@ -115,6 +118,15 @@ def preflight(space: SearchSpace, model: str, console: Any) -> None:
                         f"{first.evidence}; `servetune doctor` lists them all, --no-checks starts anyway")  # fmt: skip
 
 
+def prefetch_weights(space: SearchSpace, models: list[str], console: Any) -> list:
+    """study/prefetch.py's downloads, with a spinner while they run and a line per node as each finishes."""
+    from servetune.study.prefetch import prefetch_study
+
+    say = lambda line: console.print(line, soft_wrap=True, highlight=False, markup=False)  # noqa: E731
+    with console.status("prefetching weights") as spinner:
+        return prefetch_study(space, models, say, status=spinner.update)
+
+
 def check_speculation(space: SearchSpace, path: Path, python: str) -> None:
     """Suffix decoding needs Arctic Inference beside vLLM (vLLM 0.32's SpeculativeConfig refuses to start without
     it): a space that lists it ends here in one line where the engines' interpreter has none, not in a FAILED
@@ -136,10 +148,12 @@ def check_hub_models(space: SearchSpace, space_dir: Path) -> None:
     from servetune.study.progress import stderr_console
 
     listed = space.params.get(MODEL_PARAM) or []
-    names = [space.model, *(listed if isinstance(listed, list) else [])]
-    for name in dict.fromkeys(str(n) for n in names):
+    fields = {space.model: "model"}  # where the space names each: the field its error line names
+    for name in listed if isinstance(listed, list) else []:
+        fields.setdefault(str(name), f"params.{MODEL_PARAM}")
+    for name, field in fields.items():
         if is_hub_id(name, space_dir):
-            warning = check_access(name, {k: str(v) for k, v in space.env.items()})
+            warning = check_access(name, {k: str(v) for k, v in space.env.items()}, field)
             if warning:
                 stderr_console().print(f"warning: {warning}", soft_wrap=True, highlight=False, markup=False)
 
@@ -263,7 +277,7 @@ def dry_run(space: SearchSpace, args: argparse.Namespace, model: str, models: di
 
 
 def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
-    from servetune.accounting import device_time_lines
+    from servetune.accounting import device_time_lines, prefetch_lines
     from servetune.study.driver import (
         finished_results,
         prepare_study_dir,
@@ -294,14 +308,16 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
     if args.resume and args.tracking_uri is None:  # a resumed study logs where it logged, wherever it runs from
         args.tracking_uri = recorded_tracking_uri(study_dir)
     args.tracking_uri = resolve_tracking_uri(args.tracking_uri)
-    write_study_info(study_dir, study_info(space, args.space, model, levels, without_credentials(args.tracking_uri)))
+    info = study_info(space, args.space, model, levels, without_credentials(args.tracking_uri))
+    write_study_info(study_dir, info)
     context = StudyContext(space, workload, study_dir.resolve(), model, levels, python=args.python,
                            models=resolve_models(space, study_dir, args.space.parent), unprune=args.unprune)  # fmt: skip
     signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(SystemExit(128 + signum)))
     callbacks = None
+    prefetched: list = []
 
     def ray_started() -> list:
-        nonlocal callbacks
+        nonlocal callbacks, prefetched
         if callbacks is None:
             if space.through_serve:
                 from servetune.serve.cluster import start_serve
@@ -320,6 +336,10 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
                 atexit.register(remove_study_apps, space.name)  # a stopped driver's trials cannot delete theirs
             elif not init_ray(args.address) and not args.no_checks:  # joined a cluster: check it first
                 preflight(space, model, console)
+            if not args.no_prefetch:  # the weights on every node before the first trial's start-up clock runs
+                prefetched = prefetch_weights(space, [model, *context.models.values()], console)
+                if prefetched:
+                    write_study_info(study_dir, info.model_copy(update={"prefetch": prefetched}))
             callbacks = [
                 ResultMirror(context),
                 LiveTable(space, console),
@@ -393,7 +413,7 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
         verified = verify_top(study_dir, context, say, ray_started, args.tracking_uri)
     out = make_console()
     out.print(summary_table(results, space))
-    for line in device_time_lines(results, space.device, len(context.levels)):
+    for line in device_time_lines(results, space.device, len(context.levels)) + prefetch_lines(prefetched):
         out.print(line, soft_wrap=True)
     if not results:
         return 0

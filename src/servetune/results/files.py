@@ -31,6 +31,21 @@ from servetune.results.trial import TrialResult
 SCHEMA_VERSION = 10
 
 
+class WeightsPrefetch(BaseModel):
+    """One node's download of a hub model's weights before the study's first trial (study/prefetch.py): the time it
+    took, apart from every trial's start-up (and its ``load_weights_s``); ``error`` where it failed (the trials on
+    that node then download on their own, inside their start-up clock)."""
+
+    model_config = RECORD
+
+    model: str
+    node_id: str
+    host: str
+    download_s: float
+    bytes: int = 0  # on the node's disk once fetched (files already cached count too)
+    error: str | None = None
+
+
 class StudyInfo(BaseModel):
     """``study.json`` at the top of a study directory: what the study was asked to do."""
 
@@ -53,6 +68,9 @@ class StudyInfo(BaseModel):
     # the MLflow store the study logged to, without credentials (tracking/connection.py study_tracking_uri): verify and
     # report log there unless told otherwise (None in older study.json files)
     tracking_uri: str | None = None
+    # the hub models' weights fetched on each node that runs trials before the first one (empty: none fetched, a local
+    # model, ``--no-prefetch``, or a study.json from before prefetching)
+    prefetch: list[WeightsPrefetch] = []
 
 
 #: Layout of a study directory (``--storage``/<study name>/).
