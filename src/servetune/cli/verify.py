@@ -38,6 +38,11 @@ Opt-in, with --scenario NAME (repeatable):
                the load kept on until Serve replaced it and a while after; the failed requests
                and the error burst's span, the time until the replica count and the SLO were
                back, the other replicas' TTFT P99 meanwhile (checklist 15.20: the replacement)
+  canary       through Serve: the runner-up deployed as a second application beside the winner,
+               taking --canary-share of the load (the client splits it and knows who served
+               what); TTFT/TPOT P50/P99 and the error rate of each share with 95% bootstrap
+               intervals over the requests; FAIL names the metric the candidate regressed
+               beyond its interval and past the SLO (checklist 15.23; not part of the verdict)
 
 A trial the study measured through Ray Serve (serve.num_replicas) is verified through Serve: the
 same Serve LLM application at the same replica count, on a local Ray (or the cluster at --address),
@@ -54,8 +59,8 @@ Exit status: 0 accepted, 1 rejected, 2 bad input (nothing started).
 """
 
 
-#: Scenarios run only when asked for (verify/replica_lost.py).
-OPT_IN = ("replica_lost",)
+#: Scenarios run only when asked for (verify/replica_lost.py, verify/canary.py).
+OPT_IN = ("replica_lost", "canary")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -80,7 +85,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--address", metavar="ADDR",
                    help="Ray cluster to deploy a trial through Serve on (default: a local Ray, started and stopped here)")  # fmt: skip
     p.add_argument("--scenario", action="append", default=[], choices=OPT_IN, metavar="NAME",
-                   help="also run an opt-in scenario (repeatable): replica_lost (a Serve deployment of >= 2 replicas)")  # fmt: skip
+                   help="also run an opt-in scenario (repeatable): replica_lost (a Serve deployment of >= 2 replicas), "
+                        "canary (through Serve, the runner-up as the candidate)")  # fmt: skip
+    p.add_argument("--canary-share", type=float, default=None, metavar="X",
+                   help="with --scenario canary: the share of the load the candidate takes, between 0 and 1 (default 0.1)")  # fmt: skip
     p.set_defaults(run=run)
 
 
@@ -138,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
     from servetune.load.tokenizer import load_tokenizer
     from servetune.tracking.connection import study_tracking_uri
     from servetune.tracking.stability import log_stability
+    from servetune.verify import canary
     from servetune.verify import document as recorded
     from servetune.verify import run as verification
     from servetune.verify.choose import select
@@ -151,6 +160,16 @@ def run(args: argparse.Namespace) -> int:
     )  # bad input stops here, before anything starts
     if "replica_lost" in args.scenario and (why := refusal(selection.winner.spec.serve_replicas)):
         raise UserError(f"--scenario replica_lost: trial {selection.winner.trial_id}: {why}")
+    if args.canary_share is not None and not 0 < args.canary_share < 1:
+        raise UserError(f"--canary-share must be between 0 and 1 (exclusive), got {args.canary_share:g}")
+    if args.canary_share is not None and canary.CANARY not in args.scenario:
+        raise UserError("--canary-share is for --scenario canary, which was not asked for")
+    if canary.CANARY in args.scenario and (
+        why := canary.refusal(
+            selection.winner.spec.serve_replicas, selection.runner_up.trial_id if selection.runner_up else None
+        )
+    ):
+        raise UserError(f"--scenario canary: trial {selection.winner.trial_id}: {why}")
     if vllm_version(args.python) is None:
         raise UserError(
             f"vLLM is not installed for {args.python} (install servetune[cpu] or servetune[gpu], or pass --python)"
@@ -173,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
             runner_up=not args.no_runner_up,
             address=args.address,
             extra=tuple(dict.fromkeys(args.scenario)),
+            canary_share=args.canary_share,
         )
     finally:
         progress.stop()

@@ -303,6 +303,20 @@ def oom_notch_back(ctx: Context) -> tuple[Status, str]:
 
 
 def changes_canary_rollback(ctx: Context) -> tuple[Status, str]:
-    return NOT_CHECKED, (f"canary and rollback are the deployment's. servetune links a configuration to its data: "
-                         f"trial {ctx.result.trial_id} is the hash of its configuration, trials/{ctx.result.trial_id}/"
-                         "result.json holds both, and servetune verify exits 1 on a rejected one so CI can gate a change")  # fmt: skip
+    """The canary scenario's verdict where verify ran it (``--scenario canary``: the runner-up beside the verified
+    point, each measured on its own share, verify/canary.py); else NOT CHECKED, with how a change links to its data."""
+    linked = (f"trial {ctx.result.trial_id} is the hash of its configuration, trials/{ctx.result.trial_id}/result.json "
+              "holds both, and servetune verify exits 1 on a rejected one so CI can gate a change")  # fmt: skip
+    found, _ = ctx.scenario("canary")
+    if found is None:
+        return NOT_CHECKED, (f"canary and rollback are the deployment's (servetune verify --scenario canary measures a "
+                             f"canary through Serve). servetune links a configuration to its data: {linked}")  # fmt: skip
+    reason = found.get("reason") if isinstance(found.get("reason"), str) else ""
+    if flag(found, "judged") is not True:
+        return NOT_CHECKED, f"the canary was not judged: {reason or 'no verdict recorded'}"
+    listed = found.get("regressed")
+    regressed = [str(name) for name in listed] if isinstance(listed, list) else []
+    evidence = f"canary: {reason}; rollback is redeploying the incumbent: {linked}"
+    if flag(found, "passed") is True and not regressed:
+        return PASS, evidence
+    return FAIL, f"canary regressed {', '.join(regressed) or '?'}: {evidence}"
