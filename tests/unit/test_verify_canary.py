@@ -240,3 +240,30 @@ def test_verify_refuses_it_in_one_line_before_starting_anything(tmp_path, capsys
     assert len(err.splitlines()) == 1 and "--canary-share must be between 0 and 1" in err
     assert main(["verify", str(study), "--canary-share", "0.2"]) == 2
     assert "--scenario canary, which was not asked for" in capsys.readouterr().err
+
+
+def test_the_candidate_is_the_runner_up_as_a_serve_application_of_its_own_with_room_on_a_local_ray(tmp_path):
+    import json
+    import shutil
+    from pathlib import Path
+
+    from servetune.serve.trial import ServeEngine, app_name
+    from servetune.verify.choose import select
+    from servetune.verify.run import canary_candidate
+
+    study = tmp_path / "study"
+    shutil.copytree(Path(__file__).parents[1] / "data" / "cpu-tiny-study", study)
+    path = study / "trials" / "8aede7346995" / "result.json"
+    data = json.loads(path.read_text())
+    data["levels"][0]["slo_violations"] = []  # it broke the SLO only just: made to meet it, so there is a runner-up
+    path.write_text(json.dumps(data))
+    selection = select(study, "best")
+    runner_up = selection.runner_up
+    assert runner_up is not None and runner_up.spec.serve_replicas is None  # it ran bare
+    deploy, resources = canary_candidate(runner_up, tmp_path / "verify" / runner_up.trial_id / "canary")
+    engine = deploy.open(None)  # built, not entered: nothing is deployed
+    assert isinstance(engine, ServeEngine) and engine.spec.serve_replicas == 1
+    assert engine.name.startswith("servetune-cpu-tiny-") and engine.name != app_name(selection.winner.spec)
+    assert deploy.trial_id == runner_up.trial_id
+    assert engine.trial_dir.is_dir()  # its replicas' log has somewhere to go
+    assert resources["CPU"] > 1  # its replica and its ingress, declared beside the incumbent's

@@ -336,6 +336,7 @@ def canary_candidate(chosen: Chosen, log_dir: Path) -> tuple[Deploy, dict[str, f
     model = str(spec.engine_args.get("served_model_name") or spec.model)
 
     def open_candidate(incumbent: object) -> ServeEngine:  # on the cluster the incumbent's application runs on
+        log_dir.mkdir(parents=True, exist_ok=True)  # where its replicas' log is kept (started() does it for a trial)
         return ServeEngine(spec, log_dir, getattr(incumbent, "cluster", None))
 
     return Deploy(chosen.trial_id, model, open_candidate), trial_needs(spec).resources()
