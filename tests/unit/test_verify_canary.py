@@ -267,3 +267,28 @@ def test_the_candidate_is_the_runner_up_as_a_serve_application_of_its_own_with_r
     assert deploy.trial_id == runner_up.trial_id
     assert engine.trial_dir.is_dir()  # its replicas' log has somewhere to go
     assert resources["CPU"] > 1  # its replica and its ingress, declared beside the incumbent's
+
+
+def test_stopped_while_the_candidate_deploys_it_is_deleted_once_deployed():
+    import time
+
+    from servetune.verify.scenarios import Budget, Target
+
+    class Slow(Candidate):
+        def __enter__(self) -> Slow:
+            time.sleep(0.3)
+            return super().__enter__()
+
+    candidate = Slow()
+    t = Target(client=None, url="", workload=None, prompts=None, slo=SLO, level=Level("rate", 4.0),  # type: ignore[arg-type]
+               budget=Budget.for_device("cpu", 20.0), max_model_len=0)  # fmt: skip
+
+    async def main() -> None:
+        task = asyncio.ensure_future(canary(t, Deploy("cand", "tiny", lambda incumbent: candidate), 0.1))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert candidate.entered and candidate.left

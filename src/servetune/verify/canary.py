@@ -210,8 +210,14 @@ async def canary(t: Target, deploy: Deploy, share: float, incumbent_id: str = "i
     seconds = span_s(t, share)
     mine, theirs = split(t.level, share)
     deployment = deploy.open(t.engine)
+    entering = asyncio.ensure_future(asyncio.to_thread(deployment.__enter__))
     try:
-        engine = await asyncio.to_thread(deployment.__enter__)
+        engine = await asyncio.shield(entering)
+    except asyncio.CancelledError:  # stopped while it deploys: once deployed, it is deleted again, not left behind
+        with contextlib.suppress(Exception):
+            await entering
+            await asyncio.to_thread(deployment.__exit__, None, None, None)
+        raise
     except Exception as exc:  # its start failed: a failure of the candidate, told as the trial's would be
         return ScenarioResult(NAME, False, f"not run: the candidate trial {deploy.trial_id} did not start ({exc})",
                               {"judged": False, "candidate_trial": deploy.trial_id, "share": share})  # fmt: skip
