@@ -73,7 +73,7 @@ def test_a_slower_candidate_past_the_slo_fails_naming_the_metric_and_its_interva
     assert not result.passed and n["regressed"] == ["ttft_ms_p99"]
     d = n["differences"]["ttft_ms_p99"]
     assert d["low"] > 0 and n["candidate"]["ttft_ms_p99"]["mean"] > 400
-    assert "TTFT P99 regressed" in result.reason and "over the SLO's 400 ms" in result.reason
+    assert "TTFT P99 regressed" in result.reason and "it breaks the SLO (ttft_ms_p99 " in result.reason
     assert f"[{d['low']:.3g}, {d['high']:.3g}]" in result.reason  # the interval is named
     assert "TPOT P99 regressed" not in result.reason
 
@@ -82,10 +82,14 @@ def test_slower_within_the_slo_passes_and_says_so_and_a_metric_without_a_bound_f
     inc, cand = share(400, 100, tpot_ms=30, seed=1), share(150, 200, tpot_ms=30, seed=2)
     within = judge_canary(inc, cand, SLO, 0.14)
     assert within.passed and within.numbers["differences"]["ttft_ms_p99"]["low"] > 0
-    assert "slower, within the SLO's 400 ms" in within.reason
+    assert "slower, within the SLO (ttft_ms_p99)" in within.reason
     unbounded = judge_canary(inc, cand, Slo.parse("tpot_ms.p99=80"), 0.14)
+    # a bound at another statistic is judged at that statistic of the candidate's share
+    p50 = judge_canary(inc, cand, Slo.parse("ttft_ms.p50=150"), 0.14)
+    assert not p50.passed and p50.numbers["slo_broken"]["ttft_ms_p99"][0].startswith("ttft_ms_p50 ")
+    assert judge_canary(inc, cand, Slo.parse("ttft_ms.p50=250"), 0.14).passed
     assert not unbounded.passed and unbounded.numbers["regressed"] == ["ttft_ms_p99"]
-    assert "no SLO bound on it" in unbounded.reason
+    assert "the SLO does not bound it" in unbounded.reason
 
 
 def test_errors_on_the_candidate_beyond_the_bound_fail_it_and_too_few_requests_are_not_judged():

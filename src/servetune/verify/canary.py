@@ -17,8 +17,8 @@ proxy hop the other does not; a router would add one to both and would have to r
 - the candidate minus the incumbent for TTFT P99, TPOT P99 and the error rate, each with its bootstrap interval
   (the two shares resampled independently, ``stats.bootstrap_percentile_difference``);
 - a metric **regressed** when the whole interval of the difference is above 0 (the candidate worse beyond the
-  noise the requests show) *and* the candidate's value breaks the SLO's bound on it (its P99 bound; the error rate's
-  bound, else 0.1%), or the SLO has no bound on that metric.
+  noise the requests show) *and* the candidate's share breaks an SLO bound on it (each bound at its own statistic:
+  ``tpot_ms.p95`` at the share's P95; the error rate's bound, else 0.1%), or the SLO does not bound that metric.
 
 It passes when no metric regressed: the candidate no worse than the incumbent beyond the intervals, or within the
 SLO where it is worse. With fewer than ``MIN_REQUESTS`` completed on either share it is not judged (and fails:
@@ -35,6 +35,8 @@ import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
+
+import numpy as np
 
 from servetune.config.slo import Slo
 from servetune.load.client import StreamingClient
@@ -109,10 +111,18 @@ def share_numbers(records: Sequence[RequestRecord]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def p99_bound(slo: Slo, metric: str) -> float | None:
-    """The SLO's P99 bound on ``metric`` (``ttft_ms``, ``tpot_ms``); None without one."""
-    bounds = [b.limit for b in slo.bounds if b.metric == metric and b.stat == "p99"]
-    return min(bounds) if bounds else None
+def slo_breaks(values_ms: Sequence[float], slo: Slo, metric: str) -> tuple[list[str], list[str]]:
+    """(the SLO's bounds on ``metric`` (``ttft_ms``, ``tpot_ms``), those a share's values break), each bound judged
+    at its own statistic (``ttft_ms_p95`` at the share's P95)."""
+    bounds = [b for b in slo.bounds if b.metric == metric and b.stat is not None]
+    broken = []
+    for b in bounds:
+        if not values_ms or b.stat is None:
+            continue
+        value = float(np.mean(values_ms)) if b.stat == "mean" else float(np.percentile(values_ms, float(b.stat[1:])))
+        if b.breaks(value):
+            broken.append(f"{b.name} {value:.4g} > {b.limit:g}")
+    return [b.name for b in bounds], broken
 
 
 def _text(i: Interval | dict[str, float] | None, unit: str = "", digits: int = 3) -> str:
@@ -142,24 +152,24 @@ def judge_canary(incumbent: Sequence[RequestRecord], candidate: Sequence[Request
                                            f"{MIN_REQUESTS} each): run longer (--duration) or a larger --canary-share",
                               numbers)  # fmt: skip
     differences: dict[str, dict[str, float] | None] = {}
-    bounds: dict[str, float | None] = {}
+    bounds: dict[str, Any] = {}
+    broken: dict[str, list[str]] = {}
     regressed: list[str] = []
     findings: list[str] = []
     for name, metric, attr, label in LATENCIES:
         values = [_ms([getattr(r, attr) for r in rs if r.ok]) for rs in (cand, inc)]
         diff = bootstrap_percentile_difference(values[0], values[1], 99, CONFIDENCE)
-        bound = p99_bound(slo, metric)
-        differences[name], bounds[name] = _interval(diff), bound
-        value = (theirs[name] or {}).get("mean")
+        bounds[name], broken[name] = slo_breaks(values[0], slo, metric)
+        differences[name] = _interval(diff)
         worse = diff is not None and diff.low > 0
-        over = bound is None or (value is not None and value > bound)
-        if worse and over:
+        if worse and (broken[name] or not bounds[name]):
             regressed.append(name)
             findings.append(f"{label} regressed: candidate {_text(theirs[name], ' ms')} vs incumbent "
                             f"{_text(mine[name], ' ms')}, difference {_text(diff, ' ms')}"
-                            + (f" and over the SLO's {bound:g} ms" if bound is not None else " (no SLO bound on it)"))  # fmt: skip
+                            + (f", and it breaks the SLO ({'; '.join(broken[name])})" if broken[name]
+                               else " (the SLO does not bound it)"))  # fmt: skip
         elif worse:
-            findings.append(f"{label} {_text(diff, ' ms')} slower, within the SLO's {bound:g} ms")
+            findings.append(f"{label} {_text(diff, ' ms')} slower, within the SLO ({', '.join(bounds[name])})")
         else:
             findings.append(f"{label} difference {_text(diff, ' ms')}")
     failed_flags = [[0.0 if r.ok else 1.0 for r in rs] for rs in (cand, inc)]
@@ -171,7 +181,7 @@ def judge_canary(incumbent: Sequence[RequestRecord], candidate: Sequence[Request
         regressed.append("error_rate")
         findings.append(f"error rate regressed: candidate {_text(theirs['error_rate'], '', 2)} vs incumbent "
                         f"{_text(mine['error_rate'], '', 2)}, over the bound {err_bound:g}")  # fmt: skip
-    numbers.update(judged=True, differences=differences, bounds=bounds, regressed=regressed)
+    numbers.update(judged=True, differences=differences, bounds=bounds, slo_broken=broken, regressed=regressed)
     head = (f"candidate trial {candidate_id} took {fmt(numbers['candidate_share'] * 100, '%', 2)} of the load "
             f"({len(cand)} requests) beside trial {incumbent_id} ({len(inc)}); candidate minus incumbent, "
             f"{CONFIDENCE:.0%} bootstrap intervals over the requests: ")  # fmt: skip
