@@ -103,6 +103,36 @@ def test_a_study_deletes_the_serve_applications_a_stopped_run_of_it_left_and_no_
     assert remove_study_apps("s1") == []
 
 
+@serve.deployment(ray_actor_options={"num_cpus": 0}, num_replicas=2)
+class Replica:
+    def __call__(self, request) -> str:
+        return "ok"
+
+
+def test_a_rollout_is_done_once_no_replica_from_before_the_update_is_alive(local_ray):
+    """What verify's rolling_update scenario follows (serve.cluster ``redeploy_app`` / ``rolled_out``): the same
+    application deployed again under its name is a new version; Serve replaces both replicas, and the rollout is
+    done only once neither of the ones read before the update is alive and the application is RUNNING again."""
+    import time
+
+    from servetune.engine.server import free_port
+    from servetune.serve.cluster import ServeCluster
+
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+    serve.run(Replica.options(name="LLMServer:m").bind(), name="roll", route_prefix="/roll")
+    cluster = ServeCluster(None, {})
+    old = cluster.engine_replicas("roll")
+    assert len(old) == 2 and cluster.rolled_out("roll", [])  # up, and nothing to replace
+    cluster.redeploy_app("roll", Replica.options(name="LLMServer:m").bind(), "/roll")
+    assert not cluster.rolled_out("roll", old)  # the controller holds the new target: DEPLOYING
+    deadline = time.monotonic() + 60
+    while not cluster.rolled_out("roll", old) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    now = cluster.engine_replicas("roll")
+    assert cluster.rolled_out("roll", old) and len(now) == 2 and not set(now) & set(old)
+    assert cluster.replica_states("roll") == {"RUNNING": 2}
+
+
 RESET_IN_THROUGHPUT_MODE = """
 import ray
 from ray import serve

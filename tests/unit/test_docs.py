@@ -90,3 +90,13 @@ def test_the_mlflow_reference_has_the_names_the_sync_logs(site):
     for name in (ROLE_TAG, TRIAL_TAG, RECOMMENDED_TAG, "by_level/goodput", "ttft_ms_p99", "max_num_seqs",
                  "record.performance", "trials_meeting_slo", "stability.oom", "record.md", LIMITED_BY_TAG):  # fmt: skip
         assert name in text, name
+
+
+def test_the_search_space_reference_shows_each_shipped_price_and_how_it_was_derived(site):
+    from servetune.capacity.prices import load_price_table
+
+    text = page_text(site, "reference/search-space")
+    for gpu, price in load_price_table().items():
+        d = price.derivation
+        assert f"{d.offer}: ${d.listed_usd:g} per {d.per} / {d.gpus} GPU" in text, gpu
+        assert price.source in text and price.provider in text, gpu

@@ -20,6 +20,35 @@ def test_every_shipped_price_is_a_known_gpus_with_a_public_source_and_a_date():
         assert isinstance(price.date, datetime.date) and price.usd_per_device_hour > 0, name
 
 
+UNITS_PER_HOUR = {"hour": 1, "second": 3600}
+
+
+def test_every_shipped_price_shows_its_derivation_and_the_arithmetic_gives_the_price():
+    for name, price in load_price_table().items():
+        d = price.derivation
+        assert d is not None and d.offer and d.region and d.billing == "on-demand", name
+        assert d.listed_usd * UNITS_PER_HOUR[d.per] / d.gpus == pytest.approx(price.usd_per_device_hour, abs=5e-5), name
+        assert price.page_date is None or price.page_date <= price.date, name  # a page cannot be read before its date
+        if price.evidence == "secondary":  # a page quoting the provider: the note says whose price and why
+            assert price.note and price.page_date is not None, name
+
+
+def test_a_price_that_its_derivation_does_not_give_is_refused_naming_the_field(tmp_path):
+    derivation = "derivation: {offer: p5.48xlarge, listed_usd: 98.32, gpus: 8, region: us-east-1}"
+    good = space(
+        tmp_path,
+        f"device: gpu\nprices:\n  H100-SXM: {{usd_per_device_hour: 12.29, source: x, date: 2026-01-01, {derivation}}}\n",
+    )
+    assert good.pricing.resolve("H100-SXM").usd_per_device_hour == 12.29  # 98.32 / 8 GPUs, to the cent
+    with pytest.raises(UserError) as info:
+        space(
+            tmp_path,
+            f"prices:\n  H100-SXM: {{usd_per_device_hour: 98.32, source: x, date: 2026-01-01, {derivation}}}\n",
+        )
+    message = str(info.value)
+    assert "prices.H100-SXM" in message and "98.32 per hour / 8 GPU(s) = 12.2900" in message and "\n" not in message
+
+
 def test_a_trial_is_priced_by_the_gpu_type_it_ran_on():
     pricing = Pricing(device="gpu", table=load_price_table())
     h100 = pricing.resolve("NVIDIA H100 80GB HBM3")  # as NVML names it
@@ -103,3 +132,26 @@ def test_the_report_states_which_prices_it_used(tmp_path):
     )
     overridden = render_markdown(build_report(load_study(root), price_per_device_hour=9.0))
     assert "- price: $9 per device-hour (from --price-per-gpu-hour)" in overridden and "- prices:" not in overridden
+
+
+def test_the_html_report_states_which_prices_it_used_with_source_and_date(tmp_path):
+    from servetune.capacity.prices import DevicePrice
+    from servetune.report import build_report, load_study
+    from servetune.report.html import render_html
+    from tests.builders import demo_trials, study_info, write_study
+
+    trials = demo_trials()
+    listed = load_price_table()["L40S"]
+    trials[0].price = DevicePrice(usd_per_device_hour=listed.usd_per_device_hour, source=listed.source,
+                                  date=listed.date, gpu="L40S")  # fmt: skip
+    root = write_study(tmp_path / "s", study_info(price_per_device_hour=0.5), trials)
+    page = render_html(build_report(load_study(root)))
+    assert f"L40S at ${listed.usd_per_device_hour:g} per device-hour ({listed.source}, read {listed.date})" in page
+    assert "Costs at the prices: " in page
+    assert "Costs at the price: $9 per device-hour (from --price-per-gpu-hour)" in render_html(
+        build_report(load_study(root), price_per_device_hour=9.0)
+    )
+    for t in trials:  # results from before prices were recorded: the study's one price
+        t.price = None
+    older = write_study(tmp_path / "old", study_info(price_per_device_hour=0.5), trials)
+    assert "Costs at the price: $0.5 per device-hour (from study.json)" in render_html(build_report(load_study(older)))

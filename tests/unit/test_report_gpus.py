@@ -1,6 +1,7 @@
 """The report's "which GPU" section (report/gpus.py): each GPU type's best configuration and what serving on
 it costs, estimated rows for catalogue GPUs not measured, and the type recommended."""
 
+import html
 import math
 
 import pytest
@@ -74,10 +75,16 @@ def test_unmeasured_catalogue_gpus_are_estimated_calibrated_on_the_measured_type
         costed = [g for g, r in estimated.items() if r.cost_per_mtok is not None]
         assert costed and all(two[g].cost_per_mtok == pytest.approx(estimated[g].cost_per_mtok / 2) for g in costed)
     loaded = study(tmp_path / "again")
-    md = render_markdown(build_report(loaded, target_rps=50))
-    assert "## Which GPU for 50 req/s" in md and f"estimated ±{error:.0%}" in md and f"Recommended: {one.choice}" in md
+    fifty = build_report(loaded, target_rps=50)  # with a target the choice is the cheapest fleet, not $/Mtok
+    md = render_markdown(fifty)
+    assert "## Which GPU for 50 req/s" in md and f"estimated ±{error:.0%}" in md
+    assert f"Recommended: {fifty.which_gpu.choice}" in md
     page = render_html(build_report(loaded))
     assert "<h2 id='which-gpu'>Which GPU</h2>" in page and "--target-rps" in page
+    for gpu in estimated:  # each estimated row's price is cited: the shipped one, its source and the date read
+        price = load_price_table()[gpu]
+        cited = f"{gpu} at ${price.usd_per_device_hour:g} per device-hour ({price.provider}: {price.source}, read {price.date})"
+        assert cited in md and html.escape(cited) in page
 
 
 def test_a_bad_target_is_one_clear_line_and_a_cpu_study_has_no_section(tmp_path):
@@ -98,3 +105,23 @@ def test_the_command_prints_the_gpu_it_recommends_and_refuses_a_bad_target_in_on
     assert cli.main(["report", str(loaded.root), "--target-rps", "0", "--out", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err
     assert "--target-rps 0: give a positive request rate" in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_the_reason_compares_the_other_types_on_the_measure_the_choice_was_made_by(tmp_path):
+    trials = [
+        on("H100-SXM", "h100", [level(8, 900, 300), level(16, 1500, 900)]),
+        on("H200", "h200", [level(8, 1000, 250), level(16, 2600, 600)]),
+        on("L40S", "l40s", [level(8, 300, 2500, violations=BROKEN)]),  # no level met the SLO
+    ]
+    loaded = load_study(write_study(tmp_path / "s", study_info(model=MODEL), trials))
+    for target in (None, 100.0):
+        section = build_report(loaded, target_rps=target).which_gpu
+        rows = {r.gpu: r for r in section.rows if not r.estimated}
+        assert rows["L40S"].cost_per_mtok is None and "no configuration on L40S met the SLO" in section.why
+        other = next(r for g, r in rows.items() if g in ("H100-SXM", "H200") and g != section.choice)
+        if target is None:  # ranked by $/Mtok: the other type is shown at its $/Mtok
+            assert f"{other.gpu} ${other.cost_per_mtok:.4g}/Mtok" in section.why
+        else:  # ranked by the fleet for the target: the other type's fleet, so the two can be compared
+            chosen = rows[section.choice]
+            assert chosen.fleet_usd_per_hour <= other.fleet_usd_per_hour
+            assert f"{other.gpu} {other.replicas} x 1 GPU ${other.fleet_usd_per_hour:,.2f}/h" in section.why

@@ -222,10 +222,12 @@ def test_checklist_15_23_takes_the_canarys_verdict_and_the_canary_does_not_rejec
         result = made_trial()
 
     selection = type("S", (), {"winner": Winner, "info": Info})()
-    scenarios = {"soak": ScenarioResult("soak", True, "ok"), "canary": bad}
+    rolled = ScenarioResult("rolling_update", True, "rolled out", {"rolled_out": True})
+    scenarios = {"soak": ScenarioResult("soak", True, "ok"), "canary": bad, "rolling_update": rolled}
     doc = document(selection, Budget.for_device("cpu"), Timeouts(1, 1, 1), EngineRun("t32", tmp_path / "e.log"),  # type: ignore[arg-type]
                    scenarios, [])  # fmt: skip
     assert doc["accepted"] and doc["scenarios"]["canary"]["passed"] is False
+    assert doc["scenarios"]["rolling_update"]["rolled_out"]  # every opt-in scenario reaches verify.json
 
 
 def test_verify_refuses_it_in_one_line_before_starting_anything(tmp_path, capsys):

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from servetune.config.slo import Slo
 from servetune.metrics import RequestRecord
 from servetune.verify.document import EngineRun, stability
-from servetune.verify.replica_lost import after_windows, judge_replica_lost, refusal, replica_lost, ttft_bound_s
+from servetune.verify.replica_lost import judge_replica_lost, refusal, replica_lost
+from servetune.verify.under_load import after_windows, ttft_bound_s
 
 SLO = Slo.parse("ttft_ms.p99=500")
 
@@ -84,7 +86,7 @@ def test_new_requests_failing_past_a_health_check_period_fail_it_in_flight_ones_
 
 def test_windows_judge_errors_and_ttft_and_an_empty_window_is_no_evidence():
     records = [served(0, 2.1), lost(1, 2.2), served(2, 3.1, ttft_s=0.8), served(3, 5.5)]  # nothing sent in [4, 5)
-    ws = after_windows(records, killed_at=2.0, window_s=1.0, ttft_s=0.5, errors_max=0.001)
+    ws = after_windows(records, event_at=2.0, window_s=1.0, ttft_s=0.5, errors_max=0.001)
     assert [(w.start_s, w.requests, w.failed, w.good) for w in ws] == [
         (0.0, 2, 1, False), (1.0, 1, 0, False), (2.0, 0, 0, True), (3.0, 1, 0, True)
     ]  # fmt: skip
@@ -107,6 +109,29 @@ def test_the_failures_it_caused_are_not_the_services_5xx_rate(tmp_path):
     assert measured["requests"] == len(elsewhere) and measured["error_rate_5xx"] == 1 / len(elsewhere)
 
 
+def stand_in_load(monkeypatch, record_for: Callable[[int, float], RequestRecord]) -> None:
+    """The level verify/under_load.py ``around_event`` runs, replaced: one request every 50 ms, ``record_for(index,
+    sent)`` each (its end set when it is done), Serve read every 0.1 s."""
+    from servetune.verify import under_load
+
+    async def fake_level(client, url, workload, prompts, plan, *, stream, slo, on_done, watch, **_):
+        t0, records, i = time.perf_counter(), [], 0
+        while time.perf_counter() - t0 < plan.duration_s and not watch.broken():
+            sent = time.perf_counter() - t0
+            await asyncio.sleep(0.05)
+            record = record_for(i, sent)
+            record.end = time.perf_counter() - t0
+            on_done(record)
+            records.append(record)
+            i += 1
+        return type("Result", (), {"summary": type("Summary", (), {"level": {"concurrency": 1.0}})()})(), records
+
+    monkeypatch.setattr(under_load, "measure_level", fake_level)
+    monkeypatch.setattr(under_load, "POLL_S", 0.1)
+    monkeypatch.setattr(under_load, "_warmup", lambda level, budget: 0)
+    monkeypatch.setattr(under_load, "LevelPlan", lambda level, **kw: type("Plan", (), {**kw, "level": level})())
+
+
 class Deployment:
     """Two replicas; a kill makes every other request fail until the replacement runs ``down_s`` later."""
 
@@ -127,30 +152,16 @@ class Deployment:
 
 def test_the_scenario_kills_a_third_in_follows_the_replica_count_and_judges(monkeypatch):
     """The scenario's own timing (kill, polling, the level's clock) against a stand-in deployment and load."""
-    from servetune.verify import replica_lost as module
     from servetune.verify.scenarios import Budget, Target
 
     deployment = Deployment(down_s=0.5)
 
-    async def fake_level(client, url, workload, prompts, plan, *, stream, slo, on_done, watch, **_):
-        t0, records, i = time.perf_counter(), [], 0
-        while time.perf_counter() - t0 < plan.duration_s and not watch.broken():
-            sent = time.perf_counter() - t0
-            await asyncio.sleep(0.05)
-            record = served(i, sent, 0.02) if not (deployment.down() and i % 2) else lost(i, sent, 0.04)
-            record.end = time.perf_counter() - t0
-            on_done(record)
-            records.append(record)
-            i += 1
-        return type("Result", (), {"summary": type("Summary", (), {"level": {"concurrency": 1.0}})()})(), records
-
-    monkeypatch.setattr(module, "measure_level", fake_level)
-    monkeypatch.setattr(module, "POLL_S", 0.1)
+    stand_in_load(
+        monkeypatch, lambda i, sent: served(i, sent, 0.02) if not (deployment.down() and i % 2) else lost(i, sent, 0.04)
+    )
     budget = replace(Budget.for_device("cpu", 3.0), scenario_s=1.0)  # killed 0.5 s in, then 1 s after the replacement
     target = Target(client=None, url="", workload=None, prompts=None, slo=SLO, level=None, budget=budget,
                     max_model_len=0, engine=deployment)  # type: ignore[arg-type]  # fmt: skip
-    monkeypatch.setattr(module, "_warmup", lambda level, budget: 0)
-    monkeypatch.setattr(module, "LevelPlan", lambda level, **kw: type("Plan", (), {**kw, "level": level})())
     result = asyncio.run(replica_lost(target, 2, replace_timeout_s=30))
     n = result.numbers
     assert result.passed, result.reason

@@ -1,7 +1,9 @@
 """What a device-hour costs: a price per GPU type, with the date and source of each price.
 
-The shipped table (``catalog/prices.yaml``) carries public on-demand list prices; a space's ``prices:``
-overrides or adds entries, and its ``price_per_device_hour`` overrides them all. A trial is priced by the GPU
+The shipped table (``catalog/prices.yaml``) carries public on-demand list prices, each with the page it was read
+on, the date, and its :class:`Derivation` (the offer's listed price and the GPUs it buys, so the price per
+device-hour can be checked by arithmetic); a space's ``prices:`` overrides or adds entries (a derivation is
+optional there), and its ``price_per_device_hour`` overrides them all. A trial is priced by the GPU
 type it ran on (:meth:`Pricing.resolve`); the CPU stand-in keeps its price per core-hour.
 """
 
@@ -10,15 +12,41 @@ from __future__ import annotations
 import datetime
 import functools
 from importlib import resources
+from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from servetune.capacity.hardware import find_gpu
 from servetune.errors import UserError
 
 #: The price of a device-hour where nothing names one (the space's ``price_per_device_hour`` default).
 DEFAULT_PRICE = 1.0
+
+
+#: Seconds in each unit a page may list a price per.
+_SECONDS = {"hour": 3600, "second": 1}
+
+#: How far a listed price per device-hour may sit from its derivation (the table rounds to 4 decimals).
+DERIVATION_TOLERANCE = 5e-5
+
+
+class Derivation(BaseModel):
+    """How a price per device-hour follows from what the page lists: ``listed_usd`` per ``per`` for the
+    ``offer`` (an instance type or a serverless tier), which buys ``gpus`` GPUs of the type."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    offer: str = Field(min_length=1)  # the instance type or tier, as the page names it
+    listed_usd: float = Field(gt=0)  # the price the page shows for the offer
+    per: Literal["hour", "second"] = "hour"  # the unit the page lists it per
+    gpus: int = Field(default=1, ge=1)  # GPUs of this type the offer buys
+    region: str = Field(min_length=1)  # where the price holds ("not stated" where the page gives none)
+    billing: Literal["on-demand"] = "on-demand"  # list price, no commitment, no spot
+
+    def usd_per_device_hour(self) -> float:
+        """The offer's price per hour (``listed_usd`` x the ``per`` units in an hour) over the GPUs it buys."""
+        return self.listed_usd * (3600 / _SECONDS[self.per]) / self.gpus
 
 
 class Price(BaseModel):
@@ -31,6 +59,30 @@ class Price(BaseModel):
     date: datetime.date  # when it was read there
     provider: str = ""
     note: str = ""
+    page_date: datetime.date | None = None  # the date the page itself shows, where it shows one
+    evidence: Literal["vendor", "secondary"] = "vendor"  # the provider's own page, or a page quoting it
+    derivation: Derivation | None = None  # required in the shipped table (see tests/unit/test_prices.py)
+
+    @model_validator(mode="after")
+    def _derived(self) -> Price:
+        if self.derivation is not None:
+            derived = self.derivation.usd_per_device_hour()
+            if abs(derived - self.usd_per_device_hour) > DERIVATION_TOLERANCE:
+                raise ValueError(
+                    f"usd_per_device_hour {self.usd_per_device_hour:g} is not its derivation's "
+                    f"{self.derivation.listed_usd:g} per {self.derivation.per} / {self.derivation.gpus} GPU(s) "
+                    f"= {derived:.4f}"
+                )
+        return self
+
+    def device_price(self, gpu: str) -> DevicePrice:
+        """This price as a trial records it: the provider before the page, and the date it was read."""
+        source = f"{self.provider}: {self.source}" if self.provider else self.source
+        return DevicePrice(usd_per_device_hour=self.usd_per_device_hour, source=source, date=self.date, gpu=gpu)
+
+    def describe(self, gpu: str) -> str:
+        """``L40S at $1.908 per device-hour (RunPod ...: https://..., read 2026-12-05)``, as the report cites it."""
+        return self.device_price(gpu).describe()
 
 
 class DevicePrice(BaseModel):
@@ -95,8 +147,7 @@ class Pricing(BaseModel):
             known = ", ".join(self.table) or "none"
             return DevicePrice(usd_per_device_hour=self.default, gpu=name,
                                source=f"no price listed for {name} (listed: {known}): the default price")  # fmt: skip
-        source = f"{listed.provider}: {listed.source}" if listed.provider else listed.source
-        return DevicePrice(usd_per_device_hour=listed.usd_per_device_hour, source=source, date=listed.date, gpu=name)
+        return listed.device_price(name)
 
 
 def price_table(overrides: dict[str, Price]) -> dict[str, Price]:

@@ -38,6 +38,10 @@ Opt-in, with --scenario NAME (repeatable):
                the load kept on until Serve replaced it and a while after; the failed requests
                and the error burst's span, the time until the replica count and the SLO were
                back, the other replicas' TTFT P99 meanwhile (checklist 15.20: the replacement)
+  rolling_update through Serve: the deployment moved mid-load to the runner-up's configuration
+               (else the same one as a new version) through Serve's update path; the requests
+               failed and the worst and P99 TTFT while Serve rolled the replicas over, the time
+               until none of the old ones was left, the SLO after it (checklist 15.23: rollback)
   canary       through Serve: the runner-up deployed as a second application beside the winner,
                taking --canary-share of the load (the client splits it and knows who served
                what); TTFT/TPOT P50/P99 and the error rate of each share with 95% bootstrap
@@ -59,8 +63,8 @@ Exit status: 0 accepted, 1 rejected, 2 bad input (nothing started).
 """
 
 
-#: Scenarios run only when asked for (verify/replica_lost.py, verify/canary.py).
-OPT_IN = ("replica_lost", "canary")
+#: Scenarios run only when asked for (verify/replica_lost.py, verify/rolling_update.py, verify/canary.py).
+OPT_IN = ("replica_lost", "rolling_update", "canary")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -86,7 +90,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="Ray cluster to deploy a trial through Serve on (default: a local Ray, started and stopped here)")  # fmt: skip
     p.add_argument("--scenario", action="append", default=[], choices=OPT_IN, metavar="NAME",
                    help="also run an opt-in scenario (repeatable): replica_lost (a Serve deployment of >= 2 replicas), "
-                        "canary (through Serve, the runner-up as the candidate)")  # fmt: skip
+                        "rolling_update (a Serve deployment), canary (through Serve, the runner-up as the candidate)")  # fmt: skip
     p.add_argument("--canary-share", type=float, default=None, metavar="X",
                    help="with --scenario canary: the share of the load the candidate takes, between 0 and 1 (default 0.1)")  # fmt: skip
     p.set_defaults(run=run)
@@ -151,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
     from servetune.verify import run as verification
     from servetune.verify.choose import select
     from servetune.verify.replica_lost import refusal
+    from servetune.verify.rolling_update import refusal as update_refusal
     from servetune.verify.scenarios import Budget
 
     if args.duration is not None and args.duration <= 0:
@@ -160,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
     )  # bad input stops here, before anything starts
     if "replica_lost" in args.scenario and (why := refusal(selection.winner.spec.serve_replicas)):
         raise UserError(f"--scenario replica_lost: trial {selection.winner.trial_id}: {why}")
+    if "rolling_update" in args.scenario and (why := update_refusal(selection.winner.spec.serve_replicas)):
+        raise UserError(f"--scenario rolling_update: trial {selection.winner.trial_id}: {why}")
     if args.canary_share is not None and not 0 < args.canary_share < 1:
         raise UserError(f"--canary-share must be between 0 and 1 (exclusive), got {args.canary_share:g}")
     if args.canary_share is not None and canary.CANARY not in args.scenario:

@@ -79,6 +79,15 @@ class StudyReport:
     estimate: tuple[str, ...] = ()  # how far the estimate was from the measurements (estimate_lines)
     speculative_gain: tuple[str, ...] = ()  # each speculative trial's gain by load (report/speculation.py)
 
+    def price_line(self) -> str:
+        """What the costs are at: each price the trials were costed at, with its source and the date it was read,
+        else the one price they were all costed at (``--price-per-gpu-hour``, or study.json's)."""
+        if self.prices:
+            return f"prices: {'; '.join(self.prices)}"
+        if self.price_override is not None:
+            return f"price: ${self.price_override:g} per device-hour (from --price-per-gpu-hour)"
+        return f"price: ${self.info.price_per_device_hour:g} per device-hour (from study.json)"
+
     def outcome_counts(self) -> dict[str, int]:
         """Trials by outcome, plus ``not read`` (every trial directory is counted once)."""
         counts: Counter[str] = Counter(t.outcome for t in self.trials)

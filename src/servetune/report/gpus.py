@@ -59,6 +59,7 @@ class GpuRow:
     expected_error: float | None = None  # estimated rows: the estimate's median relative error
     note: str = ""  # why an estimated row has no numbers (does not fit), or how it was calibrated
     level_index: int | None = None  # measured rows: the trial's level at its capacity
+    price_source: str = ""  # estimated rows: the shipped price used, with its source and date (Price.describe)
 
     @property
     def estimated(self) -> bool:
@@ -71,6 +72,10 @@ class WhichGpu:
     target_rps: float | None
     choice: str | None
     why: str
+
+
+#: A measured type's configuration cell where none of its trials met the SLO.
+NONE_MET = "none met the SLO"
 
 
 def gpu_of(trial: TrialResult) -> str | None:
@@ -147,7 +152,7 @@ def _measured_row(
 ) -> GpuRow:
     if best is None:
         reasons = sorted({p.why_apart for p in mine if p.why_apart}) or ["no trial completed"]
-        return GpuRow(gpu, "none met the SLO", 0, None, trial_id="-", note=reasons[0])
+        return GpuRow(gpu, NONE_MET, 0, None, trial_id="-", note=reasons[0])
     at = _capacity_point(best, mine)
     trial = by_id[best.trial_id]
     price = trial.price.usd_per_device_hour if trial.price is not None else trial.price_per_device_hour
@@ -231,7 +236,7 @@ def _estimated_row(name: str, price: Price, arch: ModelArch, trial: TrialResult,
 
     configuration = f"{config_label(tuned(trial.params))} ({choice.gpu}'s best)"
     base = GpuRow(name, configuration, trial.devices, price.usd_per_device_hour, f"{choice.capacity} ({choice.gpu}'s)",
-                  expected_error=error)  # fmt: skip
+                  expected_error=error, price_source=price.describe(name))  # fmt: skip
     try:
         est = estimate(arch, trial.engine_args, resolve_hardware("gpu", name), load, factors)
     except (UserError, ValueError, KeyError) as exc:
@@ -257,15 +262,25 @@ def _why(choice: GpuRow | None, rows: Sequence[GpuRow], target_rps: float | None
         why = (f"{choice.gpu}: ${choice.cost_per_mtok:.4g} per million output tokens at the SLO, the least of the "
                f"{len(measured)} type(s) measured")  # fmt: skip
     others = [r for r in measured if r is not choice]
-    if others:
-        why += " (" + ", ".join(f"{r.gpu} ${r.cost_per_mtok:.4g}/Mtok" for r in others) + ")"
+    if others:  # each other type on the measure the choice was made by
+        why += " (" + ", ".join(f"{r.gpu} {_measure(r, target_rps)}" for r in others) + ")"
+    failed = [r.gpu for r in rows if not r.estimated and r.configuration == NONE_MET]
+    if failed:
+        why += f"; no configuration on {', '.join(failed)} met the SLO"
     cheaper = [r for r in rows if r.estimated and r.cost_per_mtok is not None and _rank(r, target_rps) < _rank(choice, target_rps)]  # fmt: skip
     if cheaper:
         best = min(cheaper, key=lambda r: _rank(r, target_rps))
         error = f" ±{best.expected_error:.0%}" if best.expected_error is not None else ""
-        why += (f". The estimate puts {best.gpu} at ${best.cost_per_mtok:.4g}/Mtok{error}: not measured, worth a trial "
+        why += (f". The estimate puts {best.gpu} at {_measure(best, target_rps)}{error}: not measured, worth a trial "
                 f"(params: {{gpu: [{choice.gpu}, {best.gpu}]}})")  # fmt: skip
     return why
+
+
+def _measure(row: GpuRow, target_rps: float | None) -> str:
+    """A row on the measure types are ranked by (see _rank): its fleet for the target, else its $/Mtok."""
+    if target_rps is not None and row.fleet_usd_per_hour is not None:
+        return f"{row.replicas} x {row.devices} GPU ${row.fleet_usd_per_hour:,.2f}/h"
+    return f"${row.cost_per_mtok:.4g}/Mtok"
 
 
 GPU_HEADINGS = ("GPU", "source", "best configuration", "capacity at the SLO", "req/s", "$/Mtok", "$/GPU-h", "J/token",
@@ -293,6 +308,9 @@ def gpu_notes(section: WhichGpu) -> list[str]:
     lines = [f"Recommended: {section.why}."]
     if section.target_rps is None:
         lines.append("Replicas for a target load: `servetune report STUDY_DIR --target-rps N`.")
+    listed = [r.price_source for r in section.rows if r.estimated and r.price_source]
+    if listed:  # the measured rows' prices are the report's "prices:" line
+        lines.append(f"Estimated rows are priced from the shipped list: {'; '.join(listed)}.")
     notes = sorted({r.note for r in section.rows if r.note})
     lines += [
         f"{'Estimated rows: ' if any(r.estimated and r.note == n for r in section.rows) else ''}{n}." for n in notes

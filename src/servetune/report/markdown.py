@@ -274,17 +274,11 @@ def serve_check_section(section: ServeSection | None) -> list[str]:
 
 def render_markdown(report: StudyReport) -> str:
     info = report.info
-    price = report.price_override if report.price_override is not None else info.price_per_device_hour
-    source = "--price-per-gpu-hour" if report.price_override is not None else "study.json"
     lines = [
         f"# servetune report: {info.name}",
         "",
         f"- model: `{report.model_label}` on {info.device}, workload `{info.workload}`, search `{info.algorithm}`",
-        *(
-            [f"- prices: {'; '.join(report.prices)}"]
-            if report.prices
-            else [f"- price: ${price:g} per device-hour (from {source})"]
-        ),
+        f"- {report.price_line()}",
         *([f"- {report.energy}"] if report.energy else []),
         f"- SLO: {', '.join(f'`{line}`' for line in report.slo) or 'none'}",
         f"- objectives: {', '.join(f'{m} ({d})' for m, d in info.objectives) or 'none'}",

@@ -136,6 +136,38 @@ class ServeCluster:
             _pin_llm_servers(app, engine_version)
         return self.run_app(name, app, timeout_s, route_prefix, on_poll)
 
+    def redeploy(self, name: str, llm_config: Mapping[str, Any], route_prefix: str = "/") -> None:
+        """Deploy the LLM application ``name`` again with ``llm_config`` through Serve's own update path
+        (:meth:`redeploy_app`), unpinned: a new version, which Serve rolls out over the running replicas while they
+        serve."""
+        from ray.serve.llm import build_openai_app
+
+        self.redeploy_app(name, build_openai_app({"llm_configs": [dict(llm_config)]}), route_prefix)
+
+    def redeploy_app(self, name: str, app: Any, route_prefix: str = "/") -> None:
+        """``serve.run`` the application ``app`` under the name of one running, and return once Serve's controller
+        holds the new target (the application DEPLOYING), not waiting for the rollout: :meth:`rolled_out` says when
+        it is done."""
+        from ray import serve
+        from ray.serve.api import RunTarget
+
+        serve.run_many(
+            [RunTarget(target=app, name=name, route_prefix=route_prefix)], wait_for_applications_running=False
+        )
+
+    def rolled_out(self, name: str, old: Collection[str], deployment_prefix: str = "LLMServer") -> bool:
+        """Whether a rollout of ``name`` is done: the application RUNNING, every deployment HEALTHY (Serve says
+        UPDATING while replicas of the old version remain), and none of the LLM replicas ``old`` (actor ids, read
+        before the update) still alive."""
+        from ray import serve
+
+        app = serve.status().applications.get(name)
+        if app is None or not str(app.status).endswith("RUNNING"):
+            return False
+        if not all(str(d.status).endswith("HEALTHY") for d in app.deployments.values()):
+            return False
+        return not set(self.engine_replicas(name, deployment_prefix)) & set(old)
+
     def engine_replicas(self, name: str, deployment_prefix: str = "LLMServer", live_only: bool = True) -> list[str]:
         """Actor ids of the application's live LLM deployment replicas (each holds one engine): the same
         ids before and after a redeploy mean Serve kept the replicas, a new id is a replica it started.

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import re
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +211,20 @@ class ServeEngine:
         pid, what = (engines[0], "engine process") if engines else (replica, "replica process")
         psutil.Process(pid).kill()
         return pid, what
+
+    def update(self, llm_config: Mapping[str, Any] | None = None) -> list[str]:
+        """Move the deployment to ``llm_config`` (default: the trial's own again, a new version all the same, so
+        Serve replaces every replica) under load, through Serve's update path (verify's rolling_update scenario),
+        without waiting for it. The LLM replicas' actor ids before the update, for :meth:`rolled_out`."""
+        assert self.cluster is not None
+        old = self.cluster.engine_replicas(self.name)
+        self.cluster.redeploy(self.name, llm_config or trial_llm_config(self.spec), route_prefix=f"/{self.name}")
+        return old
+
+    def rolled_out(self, old: list[str]) -> bool:
+        """Whether every replica runs the new version (:meth:`ServeCluster.rolled_out`)."""
+        assert self.cluster is not None
+        return self.cluster.rolled_out(self.name, old)
 
     def running_replicas(self) -> int:
         """The LLM replicas Serve reports RUNNING now."""

@@ -37,6 +37,9 @@ What it reads:
   replica_lost    (opt-in, through Serve) ``replaced`` (bool), ``replaced_s``, ``recovered`` (bool),
                   ``recovery_s``, ``failed``, ``error_burst_s``, ``survivor_ttft_ms_p99``,
                   ``ttft_bound_ms``, ``window_s``: item 15.20's second half (the replacement)
+  rolling_update  (opt-in, through Serve) ``rolled_out`` (bool), ``update_s``, ``change``, ``failed``,
+                  ``requests_during``, ``ttft_ms_max_during``, ``ttft_ms_p99_during``, ``ttft_bound_ms``,
+                  ``ttft_ms_p99_after``, ``passed``: item 15.23's rollback half (a change rolled out under load)
   canary          (opt-in, through Serve) ``judged`` (bool), ``regressed`` (metric names), ``passed`` and
                   ``reason`` (each share's P99s and the differences with their intervals): item 15.23
   stability       ``cancellation_success_rate``, ``p99_jitter``, ``oom`` (bool), ``error_rate_5xx``
@@ -47,7 +50,7 @@ that reason, never an error. For a study plus verify on the CPU stand-in, 17 ite
 evaluated (PASS or FAIL); the six NOT CHECKED ones need a person or the deployment around
 vLLM: quality regression (15.3), CUDA graphs and GPU telemetry (15.13, 15.18, GPU only),
 per-user limits (15.16), autoscaling (15.19), canary and rollback (15.23; evaluated where verify ran
-``--scenario canary``). Item 15.15 (a hard
+``--scenario canary`` or ``--scenario rolling_update``, its rollback half). Item 15.15 (a hard
 queue limit) FAILs for plain vLLM, which has none: the fix is named in its evidence, so a
 verdict that gates on the configuration leaves that item to the deployment.
 """

@@ -20,6 +20,7 @@ from servetune.verify.canary import CANARY
 from servetune.verify.choose import Chosen, Selection
 from servetune.verify.overload import OVERLOAD
 from servetune.verify.replica_lost import REPLICA_LOST
+from servetune.verify.rolling_update import ROLLING_UPDATE
 
 #: First-token timeout = this many times the SLO's TTFT bound (at least FIRST_TOKEN_MIN_S);
 #: idle-stream timeout = this many times the TPOT bound (at least IDLE_MIN_S). A user waiting
@@ -69,9 +70,10 @@ def admission_record(chosen: Chosen) -> dict[str, Any]:
 
 def stability(scenarios: dict[str, sc.ScenarioResult], records: list[RequestRecord], run: EngineRun) -> dict[str, Any]:
     """Section 16's stability field, measured: OOM, 5xx, cancellation success rate, P99 jitter. The 5xx rate leaves
-    out the overload scenario's requests, whose 503s are the admission bound working (checklist 15.15), and the
-    replica_lost scenario's, whose errors are the fault it injected."""
-    left_out = [scenarios[name].numbers for name in (OVERLOAD, REPLICA_LOST) if name in scenarios]
+    out the overload scenario's requests, whose 503s are the admission bound working (checklist 15.15), the
+    replica_lost scenario's, whose errors are the fault it injected, and the rolling_update scenario's, judged on
+    their own (checklist 15.23)."""
+    left_out = [scenarios[name].numbers for name in (OVERLOAD, REPLICA_LOST, ROLLING_UPDATE) if name in scenarios]
     sent = len(records) - sum(int(n.get("requests", 0)) for n in left_out)
     fives = sum(r.error_kind == "http_5xx" for r in records) - sum(int(n.get("http_5xx", 0)) for n in left_out)
     headroom = scenarios.get("headroom")
@@ -129,7 +131,7 @@ def document(selection: Selection, budget: sc.Budget, timeouts: Timeouts, run: E
         "scenarios": checklist_fields(
             {
                 name: scenarios[name].as_dict()
-                for name in (*sc.SCENARIOS, OVERLOAD, CANARY, REPLICA_LOST)
+                for name in (*sc.SCENARIOS, OVERLOAD, CANARY, REPLICA_LOST, ROLLING_UPDATE)
                 if name in scenarios
             }
         ),

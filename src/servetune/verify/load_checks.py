@@ -303,20 +303,56 @@ def oom_notch_back(ctx: Context) -> tuple[Status, str]:
 
 
 def changes_canary_rollback(ctx: Context) -> tuple[Status, str]:
-    """The canary scenario's verdict where verify ran it (``--scenario canary``: the runner-up beside the verified
-    point, each measured on its own share, verify/canary.py); else NOT CHECKED, with how a change links to its data."""
-    linked = (f"trial {ctx.result.trial_id} is the hash of its configuration, trials/{ctx.result.trial_id}/result.json "
-              "holds both, and servetune verify exits 1 on a rejected one so CI can gate a change")  # fmt: skip
+    """Linked to its data by construction (the trial id is its configuration's hash); the canary half, where verify
+    ran the canary scenario (``--scenario canary``: the runner-up beside the verified point, each measured on its own
+    share, verify/canary.py), and the rollback half, where it ran the rolling_update scenario (``--scenario
+    rolling_update``): a configuration change rolled out through Serve under load, the path a rollback takes back.
+    Either failing fails it; NOT CHECKED where neither was judged."""
+    linked = (f"servetune links a configuration to its data: trial {ctx.result.trial_id} is the hash of its "
+              f"configuration, trials/{ctx.result.trial_id}/result.json holds both, and servetune verify exits 1 on a "
+              "rejected one so CI can gate a change")  # fmt: skip
+    halves = []
     found, _ = ctx.scenario("canary")
-    if found is None:
-        return NOT_CHECKED, (f"canary and rollback are the deployment's (servetune verify --scenario canary measures a "
-                             f"canary through Serve). servetune links a configuration to its data: {linked}")  # fmt: skip
-    reason = found.get("reason") if isinstance(found.get("reason"), str) else ""
+    if found is not None:
+        halves.append((*canary_verdict(found), "canary"))
+    update, _ = ctx.scenario("rolling_update")
+    if update is not None:
+        halves.append((*rolled_update(update), "rolling update"))
+    if not halves:
+        return NOT_CHECKED, f"canary and rollback are the deployment's. {linked}"
+    statuses = [status for status, _, _ in halves]
+    status = FAIL if FAIL in statuses else PASS if PASS in statuses else NOT_CHECKED
+    return status, "; ".join(f"{name}: {why}" for _, why, name in halves) + f"; {linked}"
+
+
+def canary_verdict(found: Mapping[str, Any]) -> tuple[Status, str]:
+    """The canary scenario's part of 15.23 (verify/canary.py's numbers)."""
+    reason = str(found.get("reason") or "")
     if flag(found, "judged") is not True:
-        return NOT_CHECKED, f"the canary was not judged: {reason or 'no verdict recorded'}"
+        return NOT_CHECKED, f"not judged: {reason or 'no verdict recorded'}"
     listed = found.get("regressed")
     regressed = [str(name) for name in listed] if isinstance(listed, list) else []
-    evidence = f"canary: {reason}; rollback is redeploying the incumbent: {linked}"
     if flag(found, "passed") is True and not regressed:
-        return PASS, evidence
-    return FAIL, f"canary regressed {', '.join(regressed) or '?'}: {evidence}"
+        return PASS, reason
+    return FAIL, f"regressed {', '.join(regressed) or '?'}: {reason}"
+
+
+def rolled_update(update: Mapping[str, Any]) -> tuple[Status, str]:
+    """The rolling_update scenario's part of 15.23 (verify/rolling_update.py's numbers)."""
+    rolled = flag(update, "rolled_out")
+    if rolled is None:
+        return NOT_CHECKED, f"the scenario recorded no rollout ({verdict(update)})"
+    change = update.get("change") if isinstance(update.get("change"), str) else "a new configuration"
+    failed, during = number(update, "failed"), number(update, "requests_during")
+    worst, p99 = number(update, "ttft_ms_max_during"), number(update, "ttft_ms_p99_during")
+    bound = number(update, "ttft_bound_ms")
+    facts = (f"updated {change} under load, {amount(failed)} of {amount(during)} requests failed during it, TTFT "
+             f"worst {amount(worst, ' ms')} and P99 {amount(p99, ' ms')}"
+             + (f" (bound {amount(bound, ' ms')})" if bound is not None else ""))  # fmt: skip
+    if not rolled:
+        return FAIL, f"{facts}; Serve did not finish the rollout within the run"
+    facts += f", rolled out in {amount(number(update, 'update_s'), ' s')}"
+    if flag(update, "passed") is not True:
+        reason = update.get("reason")
+        return FAIL, facts + (f": {reason}" if isinstance(reason, str) and reason else "")
+    return PASS, facts + f"; the SLO held after it (TTFT P99 {amount(number(update, 'ttft_ms_p99_after'), ' ms')})"

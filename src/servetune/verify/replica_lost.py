@@ -4,8 +4,8 @@ more replicas loses one replica's engine mid-load, and verify measures what its 
 The load runs at the verified level; half the scenario's time in, one replica's vLLM engine process is killed
 with SIGKILL (:class:`Replicas` ``kill_engine``: the engine core vLLM starts as a child process of the replica
 actor, found through the replica's pid; where the engine runs inside the replica's own process, that process:
-Serve sees either as a dead replica and starts a new one). The replicas Serve reports RUNNING are read every
-``POLL_S``; the load goes on until the count is whole again and the scenario's time more, so the replacement is
+Serve sees either as a dead replica and starts a new one). The replicas Serve reports RUNNING are read twice
+a second; the load goes on until the count is whole again and the scenario's time more, so the replacement is
 measured serving (at most the trial's start-up timeout and that after the kill: a replacement vLLM starts as
 slowly as the first).
 
@@ -38,24 +38,15 @@ warm shows in the windows after it came back.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
-
 from servetune.config.slo import Slo
-from servetune.load.runner import Level
 from servetune.metrics import RequestRecord
-from servetune.trial.measure import EarlyBreak, LevelPlan, measure_level
-from servetune.verify.scenarios import ScenarioResult, Target, _error_samples, _warmup, error_bound, fmt
+from servetune.verify.scenarios import ScenarioResult, Target, error_bound, fmt
+from servetune.verify.under_load import after_windows, around_event, done_at, error_kinds, p99_ms, ttft_bound_s
 
 NAME = REPLICA_LOST = "replica_lost"
-KILL_AFTER = 0.5  # of the scenario's time, the load before the kill
-POLL_S = 0.5  # how often Serve's replica states are read
 #: New requests may fail on the lost replica for at most this long: one health-check period at Ray Serve's default
 #: (``DEFAULT_HEALTH_CHECK_PERIOD_S``, 10 s), after which Serve should have found it dead and routed around it.
 ROUTED_TO_DEAD_MAX_S = 10.0
@@ -75,55 +66,6 @@ class Replicas(Protocol):
         ...
 
 
-@dataclass(frozen=True)
-class Window:
-    start_s: float  # after the kill
-    requests: int
-    failed: int
-    ttft_ms_p99: float | None
-    good: bool
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"start_s": self.start_s, "requests": self.requests, "failed": self.failed,
-                "ttft_ms_p99": self.ttft_ms_p99, "good": self.good}  # fmt: skip
-
-
-def ttft_bound_s(slo: Slo) -> float | None:
-    """The SLO's TTFT bound in seconds: its P99 bound, else its highest one; None without one."""
-    bounds = [b for b in slo.bounds if b.metric == "ttft_ms"]
-    if not bounds:
-        return None
-    p99 = [b.limit for b in bounds if b.stat == "p99"]
-    return (min(p99) if p99 else max(b.limit for b in bounds)) / 1000.0
-
-
-def _p99_ms(values: Sequence[float]) -> float | None:
-    return float(np.percentile(np.asarray(values), 99)) * 1000.0 if values else None
-
-
-def _done_at(r: RequestRecord) -> float:
-    return r.end if r.end is not None else r.sent
-
-
-def after_windows(records: Sequence[RequestRecord], killed_at: float, window_s: float, ttft_s: float | None,
-                  errors_max: float) -> list[Window]:  # fmt: skip
-    """The requests sent after the kill, in windows of ``window_s`` by when they were sent, each judged good or not."""
-    after = [r for r in records if not r.warmup and r.sent >= killed_at]
-    if not after:
-        return []
-    count = int((max(r.sent for r in after) - killed_at) // window_s) + 1
-    out = []
-    for i in range(count):
-        inside = [r for r in after if i * window_s <= r.sent - killed_at < (i + 1) * window_s]
-        failed = sum(not r.ok for r in inside)
-        p99 = _p99_ms([r.ttft_s for r in inside if r.ok and r.ttft_s is not None])
-        good = not inside or (  # a window nobody sent in is no evidence either way
-            failed / len(inside) <= errors_max and (ttft_s is None or (p99 is not None and p99 <= ttft_s * 1000.0))
-        )
-        out.append(Window(i * window_s, len(inside), failed, p99, good))
-    return out
-
-
 def judge_replica_lost(records: Sequence[RequestRecord], killed_at: float, replaced_at: float | None,
                        replicas: int, slo: Slo, window_s: float, killed: str = "") -> ScenarioResult:  # fmt: skip
     """The verdict on a run that lost one of ``replicas`` at ``killed_at`` (the level's clock), Serve running them all
@@ -131,9 +73,9 @@ def judge_replica_lost(records: Sequence[RequestRecord], killed_at: float, repla
     sent = list(records)
     records = [r for r in sent if not r.warmup]
     ttft_s, errors_max = ttft_bound_s(slo), error_bound(slo)
-    failures = sorted((r for r in records if not r.ok and _done_at(r) >= killed_at), key=_done_at)
-    burst_start = _done_at(failures[0]) if failures else None
-    burst_end = _done_at(failures[-1]) if failures else None
+    failures = sorted((r for r in records if not r.ok and done_at(r) >= killed_at), key=done_at)
+    burst_start = done_at(failures[0]) if failures else None
+    burst_end = done_at(failures[-1]) if failures else None
     routed = [r.sent for r in failures if r.sent >= killed_at]  # sent after the kill, and still failed
     routed_s = max(routed) - killed_at if routed else None
     ws = after_windows(records, killed_at, window_s, ttft_s, errors_max)
@@ -142,14 +84,14 @@ def judge_replica_lost(records: Sequence[RequestRecord], killed_at: float, repla
     recovery_s = ws[first_good].start_s if first_good is not None else None
     lost_until = replaced_at if replaced_at is not None else max(burst_end or killed_at, killed_at + window_s)
     survivors = [r for r in records if r.ok and r.ttft_s is not None and killed_at <= r.sent < lost_until]
-    survivors_p99 = _p99_ms([r.ttft_s for r in survivors if r.ttft_s is not None])
+    survivors_p99 = p99_ms([r.ttft_s for r in survivors if r.ttft_s is not None])
     held = ttft_s is None or survivors_p99 is None or survivors_p99 <= ttft_s * 1000.0
     numbers: dict[str, Any] = {
         "replicas": replicas, "killed": killed, "killed_at_s": killed_at,
         # every request sent and its 5xx (warm-up too): the fault's, left out of verify's stability 5xx rate
         "requests": len(sent), "http_5xx": sum(r.error_kind == "http_5xx" for r in sent),
         "requests_after_kill": sum(r.sent >= killed_at for r in records), "failed": len(failures),
-        "errors_by_kind": _kinds(failures), "error_burst_s": None if burst_start is None or burst_end is None else burst_end - burst_start,
+        "errors_by_kind": error_kinds(failures), "error_burst_s": None if burst_start is None or burst_end is None else burst_end - burst_start,
         "error_burst_from_kill_s": None if burst_end is None else burst_end - killed_at,
         "failed_in_flight": len(failures) - len(routed), "failed_sent_after_kill": len(routed),
         "routed_to_dead_s": routed_s,
@@ -183,13 +125,6 @@ def judge_replica_lost(records: Sequence[RequestRecord], killed_at: float, repla
     return ScenarioResult(NAME, True, head + detail, numbers)
 
 
-def _kinds(records: Sequence[RequestRecord]) -> dict[str, int]:
-    kinds: dict[str, int] = {}
-    for r in records:
-        kinds[r.error_kind or "error"] = kinds.get(r.error_kind or "error", 0) + 1
-    return kinds
-
-
 def refusal(replicas: int | None) -> str | None:
     """Why the scenario cannot run on a deployment of ``replicas`` (None: through Serve not at all), or None."""
     if replicas is None:
@@ -199,20 +134,6 @@ def refusal(replicas: int | None) -> str | None:
     return None
 
 
-class _Until(EarlyBreak):
-    """Ends the level at :attr:`stop_at` (``time.perf_counter()``) once it is set; no SLO bound ends it (an open
-    loop may still stop saturated, as every scenario's)."""
-
-    def __init__(self, level: Level) -> None:
-        super().__init__(Slo(), level, None)
-        self.stop_at: float | None = None
-
-    def broken(self) -> bool:
-        if self.reason is None and self.stop_at is not None and time.perf_counter() >= self.stop_at:
-            self.reason = "the replaced replica was measured for the scenario's time: stopped"
-        return self.reason is not None
-
-
 async def replica_lost(t: Target, replicas: int, replace_timeout_s: float | None = None) -> ScenarioResult:
     """Run the load, lose a replica ``scenario_s / 2`` in, follow Serve's replica count, and judge. The load goes on
     until the count is whole again and ``scenario_s`` more (with the replacement serving), at most
@@ -220,49 +141,22 @@ async def replica_lost(t: Target, replicas: int, replace_timeout_s: float | None
     deployment = t.engine
     if not (hasattr(deployment, "kill_engine") and hasattr(deployment, "running_replicas")):
         return ScenarioResult(NAME, False, "not run: the engine is not a Serve deployment")
-    span = t.budget.scenario_s
-    before_s = KILL_AFTER * span
-    plan = LevelPlan(t.level, num_requests=None, duration_s=before_s + (replace_timeout_s or span) + span,
-                     warmup_requests=_warmup(t.level, t.budget))  # fmt: skip
-    origins: list[float] = []  # the level's clock origin (perf_counter), read back from each finished request
-
-    def done(record: RequestRecord) -> None:
-        if record.end is not None:
-            origins.append(time.perf_counter() - record.end)
-
-    until = _Until(plan.level)
-    load = asyncio.ensure_future(measure_level(
-        t.client, t.url, t.workload, t.prompts, plan, stream=STREAM, slo=t.slo, on_done=done, watch=until,
-        reset_cache=t.reset_cache, metrics=t.metrics,
-    ))  # fmt: skip
-    await asyncio.sleep(before_s)
-    if load.done():  # the load ended before the kill (its requests could not be sent)
-        result, records = await load
-        t.records.extend(records)
-        return ScenarioResult(NAME, False, f"not run: the load ended before the kill ({len(records)} requests)")
-    try:
-        pid, what = await asyncio.to_thread(deployment.kill_engine)  # type: ignore[union-attr]
-    except Exception as exc:  # no replica could be reached: the load finishes, the scenario says why
-        until.stop_at = time.perf_counter()
-        t.records.extend((await load)[1])
-        return ScenarioResult(NAME, False, f"not run: no replica's engine could be killed ({exc})")
-    killed = time.perf_counter()
-    replaced: float | None = None
     seen_down = False
-    while not load.done():
-        with contextlib.suppress(Exception):  # Serve's status unreadable this time: the next poll reads it
-            running = await asyncio.to_thread(deployment.running_replicas)  # type: ignore[union-attr]
-            seen_down = seen_down or running < replicas
-            if seen_down and running >= replicas and replaced is None:
-                replaced = time.perf_counter()
-                until.stop_at = replaced + span
-        await asyncio.sleep(POLL_S)
-    result, records = await load
-    t.records.extend(records)
-    if samples := _error_samples(records):  # verify.json's error_samples: what the clients saw of the lost replica
-        t.errors[NAME] = samples
-    origin = min(origins, default=killed)
-    verdict = judge_replica_lost(records, killed - origin, None if replaced is None else replaced - origin, replicas,
-                                 t.slo, max(span / 10, 1.0), f"{what} {pid}")  # fmt: skip
-    verdict.numbers["level"] = result.summary.level
+
+    def replaced(_: object) -> bool:
+        nonlocal seen_down
+        running = deployment.running_replicas()  # type: ignore[union-attr]
+        seen_down = seen_down or running < replicas
+        return seen_down and running >= replicas
+
+    run = await around_event(t, NAME, STREAM, deployment.kill_engine, replaced,  # type: ignore[union-attr]
+                             "the replaced replica was measured for the scenario's time: stopped", replace_timeout_s)  # fmt: skip
+    if run.ended_early:
+        return ScenarioResult(NAME, False, f"not run: the load ended before the kill ({len(run.records)} requests)")
+    if run.error is not None or run.value is None or run.returned_at is None:
+        return ScenarioResult(NAME, False, f"not run: no replica's engine could be killed ({run.error})")
+    pid, what = run.value
+    verdict = judge_replica_lost(run.records, run.returned_at, run.settled_at, replicas, t.slo,
+                                 max(t.budget.scenario_s / 10, 1.0), f"{what} {pid}")  # fmt: skip
+    verdict.numbers["level"] = run.level
     return verdict

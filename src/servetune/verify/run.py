@@ -42,6 +42,7 @@ from servetune.verify.disconnects import disconnects
 from servetune.verify.document import EngineRun, Timeouts, document
 from servetune.verify.overload import ADMISSION_ARGS, OVERLOAD, overload
 from servetune.verify.replica_lost import REPLICA_LOST, replica_lost
+from servetune.verify.rolling_update import ROLLING_UPDATE, SAME_CONFIGURATION, new_configuration, rolling_update
 from servetune.verify.stats import lead
 
 VERIFY_FILE = "verify.json"
@@ -260,12 +261,14 @@ async def _winner(
     extra: tuple[str, ...] = (),
     replicas: int | None = None,
     replace_timeout_s: float | None = None,
+    update: tuple[dict[str, Any] | None, str] = (None, SAME_CONFIGURATION),
     canary_run: Callable[[sc.Target], Awaitable[sc.ScenarioResult]] | None = None,
 ) -> dict[str, sc.ScenarioResult]:
     """Every scenario in order, each kept in ``out`` as it finishes (what a stopped verification keeps); after an
-    engine death the rest are not run. ``extra``: the opt-in ones asked for (``replica_lost``, last: it costs the
-    deployment a replica), on a Serve deployment of ``replicas`` whose replacement may take ``replace_timeout_s``;
-    ``canary_run``: the canary scenario, asked for (before replica_lost)."""
+    engine death the rest are not run. ``extra``: the opt-in ones asked for (``replica_lost``: it costs the
+    deployment a replica; ``rolling_update``, last: it moves the deployment to ``update``'s configuration), on a
+    Serve deployment of ``replicas`` whose replacement may take ``replace_timeout_s``; ``canary_run``: the canary
+    scenario, asked for (before replica_lost)."""
     out = {} if out is None else out
     b = t.budget
     soak_p99: float | None = None
@@ -276,6 +279,7 @@ async def _winner(
         *([(OVERLOAD, 2 * b.scenario_s)] if t.admission_bound else []),
         *([(CANARY, None)] if canary_run is not None else []),
         *([(REPLICA_LOST, 2.5 * b.scenario_s)] if REPLICA_LOST in extra else []),
+        *([(ROLLING_UPDATE, 2.5 * b.scenario_s)] if ROLLING_UPDATE in extra else []),
     ]  # fmt: skip
     for name, seconds in plan:
         task = asyncio.current_task()
@@ -311,6 +315,8 @@ async def _winner(
             result = await replica_lost(t, replicas or 0, replace_timeout_s)
         elif name == CANARY and canary_run is not None:
             result = await canary_run(t)
+        elif name == ROLLING_UPDATE:
+            result = await rolling_update(t, *update, update_timeout_s=replace_timeout_s)
         else:
             result, runs = await sc.repeats(t)
             result.numbers["_runs"] = runs
@@ -347,8 +353,11 @@ def verify(selection: Selection, budget: sc.Budget, prompts: PromptFactory, prog
            canary_share: float | None = None) -> dict[str, Any]:  # fmt: skip
     """Run everything and return verify.json's content (see :func:`document`); trials through Serve are
     deployed on a local Ray, or on the cluster at ``address``. ``extra``: opt-in scenarios (``replica_lost``,
-    ``canary``: the runner-up deployed beside the winner, taking ``canary_share`` of the load)."""
+    ``rolling_update``: to the runner-up's configuration unless ``runner_up`` is False; ``canary``: the runner-up
+    deployed beside the winner, taking ``canary_share`` of the load)."""
     winner = selection.winner
+    update = (new_configuration(winner.spec, selection.runner_up.spec if runner_up and selection.runner_up else None)
+              if ROLLING_UPDATE in extra else (None, SAME_CONFIGURATION))  # fmt: skip
     verify_dir = selection.study_dir / VERIFY_DIR
     timeouts = Timeouts.from_slo(winner.spec.slo, winner.spec.request_timeout_s)
     partial: dict[str, sc.ScenarioResult] = {}
@@ -362,7 +371,7 @@ def verify(selection: Selection, budget: sc.Budget, prompts: PromptFactory, prog
     run, results, records = with_engine(
         winner, verify_dir / winner.trial_id / "engine.log", timeouts, prompts, budget, progress,
         lambda t: _winner(t, progress, partial, extra, winner.spec.serve_replicas, winner.spec.startup_timeout_s,
-                          canary_run),
+                          update, canary_run),
         address, also,
     )  # fmt: skip
     scenarios = results or {}
