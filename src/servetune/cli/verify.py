@@ -42,6 +42,11 @@ Opt-in, with --scenario NAME (repeatable):
                (else the same one as a new version) through Serve's update path; the requests
                failed and the worst and P99 TTFT while Serve rolled the replicas over, the time
                until none of the old ones was left, the SLO after it (checklist 15.23: rollback)
+  canary       through Serve: the runner-up deployed as a second application beside the winner,
+               taking --canary-share of the load (the client splits it and knows who served
+               what); TTFT/TPOT P50/P99 and the error rate of each share with 95% bootstrap
+               intervals over the requests; FAIL names the metric the candidate regressed
+               beyond its interval and past the SLO (checklist 15.23; not part of the verdict)
 
 A trial the study measured through Ray Serve (serve.num_replicas) is verified through Serve: the
 same Serve LLM application at the same replica count, on a local Ray (or the cluster at --address),
@@ -58,8 +63,8 @@ Exit status: 0 accepted, 1 rejected, 2 bad input (nothing started).
 """
 
 
-#: Scenarios run only when asked for (verify/replica_lost.py, verify/rolling_update.py).
-OPT_IN = ("replica_lost", "rolling_update")
+#: Scenarios run only when asked for (verify/replica_lost.py, verify/rolling_update.py, verify/canary.py).
+OPT_IN = ("replica_lost", "rolling_update", "canary")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -85,7 +90,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="Ray cluster to deploy a trial through Serve on (default: a local Ray, started and stopped here)")  # fmt: skip
     p.add_argument("--scenario", action="append", default=[], choices=OPT_IN, metavar="NAME",
                    help="also run an opt-in scenario (repeatable): replica_lost (a Serve deployment of >= 2 replicas), "
-                        "rolling_update (a Serve deployment)")  # fmt: skip
+                        "rolling_update (a Serve deployment), canary (through Serve, the runner-up as the candidate)")  # fmt: skip
+    p.add_argument("--canary-share", type=float, default=None, metavar="X",
+                   help="with --scenario canary: the share of the load the candidate takes, between 0 and 1 (default 0.1)")  # fmt: skip
     p.set_defaults(run=run)
 
 
@@ -143,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
     from servetune.load.tokenizer import load_tokenizer
     from servetune.tracking.connection import study_tracking_uri
     from servetune.tracking.stability import log_stability
+    from servetune.verify import canary
     from servetune.verify import document as recorded
     from servetune.verify import run as verification
     from servetune.verify.choose import select
@@ -159,6 +167,16 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--scenario replica_lost: trial {selection.winner.trial_id}: {why}")
     if "rolling_update" in args.scenario and (why := update_refusal(selection.winner.spec.serve_replicas)):
         raise UserError(f"--scenario rolling_update: trial {selection.winner.trial_id}: {why}")
+    if args.canary_share is not None and not 0 < args.canary_share < 1:
+        raise UserError(f"--canary-share must be between 0 and 1 (exclusive), got {args.canary_share:g}")
+    if args.canary_share is not None and canary.CANARY not in args.scenario:
+        raise UserError("--canary-share is for --scenario canary, which was not asked for")
+    if canary.CANARY in args.scenario and (
+        why := canary.refusal(
+            selection.winner.spec.serve_replicas, selection.runner_up.trial_id if selection.runner_up else None
+        )
+    ):
+        raise UserError(f"--scenario canary: trial {selection.winner.trial_id}: {why}")
     if vllm_version(args.python) is None:
         raise UserError(
             f"vLLM is not installed for {args.python} (install servetune[cpu] or servetune[gpu], or pass --python)"
@@ -181,6 +199,7 @@ def run(args: argparse.Namespace) -> int:
             runner_up=not args.no_runner_up,
             address=args.address,
             extra=tuple(dict.fromkeys(args.scenario)),
+            canary_share=args.canary_share,
         )
     finally:
         progress.stop()

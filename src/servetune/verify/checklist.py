@@ -40,6 +40,8 @@ What it reads:
   rolling_update  (opt-in, through Serve) ``rolled_out`` (bool), ``update_s``, ``change``, ``failed``,
                   ``requests_during``, ``ttft_ms_max_during``, ``ttft_ms_p99_during``, ``ttft_bound_ms``,
                   ``ttft_ms_p99_after``, ``passed``: item 15.23's rollback half (a change rolled out under load)
+  canary          (opt-in, through Serve) ``judged`` (bool), ``regressed`` (metric names), ``passed`` and
+                  ``reason`` (each share's P99s and the differences with their intervals): item 15.23
   stability       ``cancellation_success_rate``, ``p99_jitter``, ``oom`` (bool), ``error_rate_5xx``
   ==============  ==========================================================================
 
@@ -47,8 +49,8 @@ A scenario that is missing, or a number it lacks, makes the items that need it N
 that reason, never an error. For a study plus verify on the CPU stand-in, 17 items are
 evaluated (PASS or FAIL); the six NOT CHECKED ones need a person or the deployment around
 vLLM: quality regression (15.3), CUDA graphs and GPU telemetry (15.13, 15.18, GPU only),
-per-user limits (15.16), autoscaling (15.19), canary and rollback (15.23; with ``--scenario rolling_update``
-its rollback half is evaluated). Item 15.15 (a hard
+per-user limits (15.16), autoscaling (15.19), canary and rollback (15.23; evaluated where verify ran
+``--scenario canary`` or ``--scenario rolling_update``, its rollback half). Item 15.15 (a hard
 queue limit) FAILs for plain vLLM, which has none: the fix is named in its evidence, so a
 verdict that gates on the configuration leaves that item to the deployment.
 """

@@ -16,6 +16,7 @@ from servetune.metrics import RequestRecord
 from servetune.report.points import is_out_of_memory
 from servetune.trial.runner import write_atomic
 from servetune.verify import scenarios as sc
+from servetune.verify.canary import CANARY
 from servetune.verify.choose import Chosen, Selection
 from servetune.verify.overload import OVERLOAD
 from servetune.verify.replica_lost import REPLICA_LOST
@@ -99,7 +100,8 @@ def document(selection: Selection, budget: sc.Budget, timeouts: Timeouts, run: E
              scenarios: dict[str, sc.ScenarioResult], records: list[RequestRecord]) -> dict[str, Any]:  # fmt: skip
     """verify.json: ``trial_id``, ``level``, ``scenarios`` (each with ``passed`` and ``reason``),
     ``stability``, ``accepted`` and the ``reasons`` for the verdict."""
-    failed = [f"{name}: {s.reason}" for name, s in scenarios.items() if not s.passed]
+    # The canary judges the candidate beside the verified point, not the point itself: checklist 15.23, no veto.
+    failed = [f"{name}: {s.reason}" for name, s in scenarios.items() if not s.passed and name != CANARY]
     if run.failure:
         failed.insert(0, f"engine: {run.failure}")
     if run.stopped:
@@ -127,7 +129,11 @@ def document(selection: Selection, budget: sc.Budget, timeouts: Timeouts, run: E
             **({"cpu_binding": run.cpu_binding} if run.cpu_binding else {}),
         },
         "scenarios": checklist_fields(
-            {name: scenarios[name].as_dict() for name in (*sc.SCENARIOS, OVERLOAD, REPLICA_LOST) if name in scenarios}
+            {
+                name: scenarios[name].as_dict()
+                for name in (*sc.SCENARIOS, OVERLOAD, CANARY, REPLICA_LOST, ROLLING_UPDATE)
+                if name in scenarios
+            }
         ),
         "stability": stability(scenarios, records, run),
         "accepted": not failed,

@@ -303,17 +303,38 @@ def oom_notch_back(ctx: Context) -> tuple[Status, str]:
 
 
 def changes_canary_rollback(ctx: Context) -> tuple[Status, str]:
-    """Linked to its data by construction (the trial id is its configuration's hash); the rollback half, where verify
-    ran the rolling_update scenario (``--scenario rolling_update``): a configuration change rolled out through
-    Serve under load, the path a rollback takes back."""
+    """Linked to its data by construction (the trial id is its configuration's hash); the canary half, where verify
+    ran the canary scenario (``--scenario canary``: the runner-up beside the verified point, each measured on its own
+    share, verify/canary.py), and the rollback half, where it ran the rolling_update scenario (``--scenario
+    rolling_update``): a configuration change rolled out through Serve under load, the path a rollback takes back.
+    Either failing fails it; NOT CHECKED where neither was judged."""
     linked = (f"servetune links a configuration to its data: trial {ctx.result.trial_id} is the hash of its "
               f"configuration, trials/{ctx.result.trial_id}/result.json holds both, and servetune verify exits 1 on a "
               "rejected one so CI can gate a change")  # fmt: skip
+    halves = []
+    found, _ = ctx.scenario("canary")
+    if found is not None:
+        halves.append((*canary_verdict(found), "canary"))
     update, _ = ctx.scenario("rolling_update")
-    if update is None:
+    if update is not None:
+        halves.append((*rolled_update(update), "rolling update"))
+    if not halves:
         return NOT_CHECKED, f"canary and rollback are the deployment's. {linked}"
-    status, why = rolled_update(update)
-    return status, f"rolling update: {why}; {linked}"
+    statuses = [status for status, _, _ in halves]
+    status = FAIL if FAIL in statuses else PASS if PASS in statuses else NOT_CHECKED
+    return status, "; ".join(f"{name}: {why}" for _, why, name in halves) + f"; {linked}"
+
+
+def canary_verdict(found: Mapping[str, Any]) -> tuple[Status, str]:
+    """The canary scenario's part of 15.23 (verify/canary.py's numbers)."""
+    reason = str(found.get("reason") or "")
+    if flag(found, "judged") is not True:
+        return NOT_CHECKED, f"not judged: {reason or 'no verdict recorded'}"
+    listed = found.get("regressed")
+    regressed = [str(name) for name in listed] if isinstance(listed, list) else []
+    if flag(found, "passed") is True and not regressed:
+        return PASS, reason
+    return FAIL, f"regressed {', '.join(regressed) or '?'}: {reason}"
 
 
 def rolled_update(update: Mapping[str, Any]) -> tuple[Status, str]:

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import json
 import signal
 import sys
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -34,6 +36,7 @@ from servetune.serve.cluster import ServeCluster
 from servetune.serve.trial import ServeEngine, trial_needs
 from servetune.trial.runner import vllm_engine
 from servetune.verify import scenarios as sc
+from servetune.verify.canary import CANARY, DEFAULT_SHARE, Deploy, canary
 from servetune.verify.choose import Chosen, Selection
 from servetune.verify.disconnects import disconnects
 from servetune.verify.document import EngineRun, Timeouts, document
@@ -72,10 +75,12 @@ def _configured_len(chosen: Chosen) -> int:
 
 
 @contextlib.contextmanager
-def started(chosen: Chosen, log_path: Path, address: str | None = None) -> Iterator[VllmServer | ServeEngine]:
+def started(chosen: Chosen, log_path: Path, address: str | None = None,
+            also: Mapping[str, float] | None = None) -> Iterator[VllmServer | ServeEngine]:  # fmt: skip
     """The chosen configuration, running as the study measured it: one vLLM server, or a trial through Ray
     Serve (``serve.num_replicas``) as that Serve application on a local Ray (or the one at ``address``), whose
-    replicas' vLLM log is kept at ``log_path``. Leaving stops it, and a Ray it started."""
+    replicas' vLLM log is kept at ``log_path``. Leaving stops it, and a Ray it started. ``also``: Ray resources a
+    local Ray declares beside the trial's (the canary's candidate, deployed on it later)."""
     spec = chosen.spec
     assert log_path.name == ENGINE_LOG  # where a trial's engine, bare or through Serve, keeps its log
     if spec.serve_replicas is None:
@@ -89,8 +94,11 @@ def started(chosen: Chosen, log_path: Path, address: str | None = None) -> Itera
         with ServeEngine(spec, log_path.parent) as engine:
             yield engine
         return
+    resources = trial_needs(spec).resources()
+    for key, value in (also or {}).items():
+        resources[key] = resources.get(key, 0.0) + value
     with (
-        ServeCluster(address, trial_needs(spec).resources()) as cluster,
+        ServeCluster(address, resources) as cluster,
         ServeEngine(spec, log_path.parent, cluster) as engine,
     ):
         yield engine
@@ -133,8 +141,8 @@ def capacity_rate(chosen: Chosen) -> float | None:
 
 
 def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: PromptFactory, budget: sc.Budget,
-                progress: Progress, body: Callable[[sc.Target], Awaitable[T]],
-                address: str | None = None) -> tuple[EngineRun, T | None, list[RequestRecord]]:  # fmt: skip
+                progress: Progress, body: Callable[[sc.Target], Awaitable[T]], address: str | None = None,
+                also: Mapping[str, float] | None = None) -> tuple[EngineRun, T | None, list[RequestRecord]]:  # fmt: skip
     """Start the chosen configuration (:func:`started`), run ``body`` against it, always stop it."""
     spec = chosen.spec
     run = EngineRun(chosen.trial_id, log_path)
@@ -146,7 +154,7 @@ def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: Pro
     )
     progress.step(f"starting vLLM for trial {chosen.trial_id}{through} (log: {log_path})")
     try:
-        with started(chosen, log_path, address) as server:
+        with started(chosen, log_path, address, also) as server:
             run.startup_s = server.startup_s
             run.cpu_binding = getattr(server, "cpu_binding", None)
             served = spec.engine_args.get("served_model_name") or spec.model
@@ -254,11 +262,13 @@ async def _winner(
     replicas: int | None = None,
     replace_timeout_s: float | None = None,
     update: tuple[dict[str, Any] | None, str] = (None, SAME_CONFIGURATION),
+    canary_run: Callable[[sc.Target], Awaitable[sc.ScenarioResult]] | None = None,
 ) -> dict[str, sc.ScenarioResult]:
     """Every scenario in order, each kept in ``out`` as it finishes (what a stopped verification keeps); after an
     engine death the rest are not run. ``extra``: the opt-in ones asked for (``replica_lost``: it costs the
     deployment a replica; ``rolling_update``, last: it moves the deployment to ``update``'s configuration), on a
-    Serve deployment of ``replicas`` whose replacement may take ``replace_timeout_s``."""
+    Serve deployment of ``replicas`` whose replacement may take ``replace_timeout_s``; ``canary_run``: the canary
+    scenario, asked for (before replica_lost)."""
     out = {} if out is None else out
     b = t.budget
     soak_p99: float | None = None
@@ -267,6 +277,7 @@ async def _winner(
         ("soak", b.soak_s), ("peak", b.scenario_s), ("burst", b.scenario_s), ("mix", b.scenario_s),
         ("long_output", None), ("disconnects", None), ("headroom", None), ("repeats", b.repeats * b.repeat_s),
         *([(OVERLOAD, 2 * b.scenario_s)] if t.admission_bound else []),
+        *([(CANARY, None)] if canary_run is not None else []),
         *([(REPLICA_LOST, 2.5 * b.scenario_s)] if REPLICA_LOST in extra else []),
         *([(ROLLING_UPDATE, 2.5 * b.scenario_s)] if ROLLING_UPDATE in extra else []),
     ]  # fmt: skip
@@ -302,6 +313,8 @@ async def _winner(
             result = await overload(t)
         elif name == REPLICA_LOST:
             result = await replica_lost(t, replicas or 0, replace_timeout_s)
+        elif name == CANARY and canary_run is not None:
+            result = await canary_run(t)
         elif name == ROLLING_UPDATE:
             result = await rolling_update(t, *update, update_timeout_s=replace_timeout_s)
         else:
@@ -322,22 +335,44 @@ def goodput_per_device(values: list[float], devices: int) -> list[float]:
     return [v / max(devices, 1) for v in values]
 
 
+def canary_candidate(chosen: Chosen, log_dir: Path) -> tuple[Deploy, dict[str, float]]:
+    """The canary's candidate as a Serve application (at its study's replica count, one where it ran bare), whose
+    replicas' log is kept in ``log_dir``; and the Ray resources it takes beside the incumbent's."""
+    spec = dataclasses.replace(chosen.spec, serve_replicas=chosen.spec.serve_replicas or 1)
+    model = str(spec.engine_args.get("served_model_name") or spec.model)
+
+    def open_candidate(incumbent: object) -> ServeEngine:  # on the cluster the incumbent's application runs on
+        log_dir.mkdir(parents=True, exist_ok=True)  # where its replicas' log is kept (started() does it for a trial)
+        return ServeEngine(spec, log_dir, getattr(incumbent, "cluster", None))
+
+    return Deploy(chosen.trial_id, model, open_candidate), trial_needs(spec).resources()
+
+
 def verify(selection: Selection, budget: sc.Budget, prompts: PromptFactory, progress: Progress,
-           runner_up: bool = True, address: str | None = None, extra: tuple[str, ...] = ()) -> dict[str, Any]:  # fmt: skip
+           runner_up: bool = True, address: str | None = None, extra: tuple[str, ...] = (),
+           canary_share: float | None = None) -> dict[str, Any]:  # fmt: skip
     """Run everything and return verify.json's content (see :func:`document`); trials through Serve are
     deployed on a local Ray, or on the cluster at ``address``. ``extra``: opt-in scenarios (``replica_lost``,
-    ``rolling_update``: to the runner-up's configuration unless ``runner_up`` is False)."""
+    ``rolling_update``: to the runner-up's configuration unless ``runner_up`` is False; ``canary``: the runner-up
+    deployed beside the winner, taking ``canary_share`` of the load)."""
     winner = selection.winner
     update = (new_configuration(winner.spec, selection.runner_up.spec if runner_up and selection.runner_up else None)
               if ROLLING_UPDATE in extra else (None, SAME_CONFIGURATION))  # fmt: skip
     verify_dir = selection.study_dir / VERIFY_DIR
     timeouts = Timeouts.from_slo(winner.spec.slo, winner.spec.request_timeout_s)
     partial: dict[str, sc.ScenarioResult] = {}
+    canary_run: Callable[[sc.Target], Awaitable[sc.ScenarioResult]] | None = None
+    also: dict[str, float] | None = None
+    if CANARY in extra and selection.runner_up is not None:
+        deploy, also = canary_candidate(selection.runner_up, verify_dir / selection.runner_up.trial_id / CANARY)
+        share = canary_share if canary_share is not None else DEFAULT_SHARE
+        canary_run = functools.partial(canary, deploy=deploy, share=share, incumbent_id=winner.trial_id)
+
     run, results, records = with_engine(
         winner, verify_dir / winner.trial_id / "engine.log", timeouts, prompts, budget, progress,
         lambda t: _winner(t, progress, partial, extra, winner.spec.serve_replicas, winner.spec.startup_timeout_s,
-                          update),
-        address,
+                          update, canary_run),
+        address, also,
     )  # fmt: skip
     scenarios = results or {}
     if run.stopped:  # what finished stands; the scenario it stopped in, and the rest, did not run

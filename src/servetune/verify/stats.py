@@ -116,42 +116,84 @@ class Interval:
         return asdict(self)
 
 
-def bootstrap_mean(values: Sequence[float], confidence: float = 0.95, seed: int = 0) -> Interval | None:
-    """The mean of repeated runs with a bootstrap confidence interval (scipy's ``bootstrap``, percentile)."""
+def _finite(values: Sequence[float | None]) -> np.ndarray:
+    return np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=float)
+
+
+def _statistic(q: float | None):
+    """The mean (``q`` None), else the ``q``-th percentile, as scipy's vectorized ``bootstrap`` calls it."""
+    if q is None:
+        return np.mean
+    return lambda x, axis=-1: np.percentile(x, q, axis=axis)
+
+
+def _batch(q: float | None) -> int | None:
+    """Resamples drawn at once: all for a mean of a few runs; 500 for a percentile over requests, so that a
+    share of many thousand requests is not resampled 4000 times in one array."""
+    return None if q is None else 500
+
+
+def _bootstrap_one(values: Sequence[float | None], q: float | None, confidence: float, seed: int) -> Interval | None:
     from scipy.stats import bootstrap
 
-    data = np.asarray([v for v in values if v is not None and math.isfinite(v)], dtype=float)
+    data = _finite(values)
     if len(data) < 2:
         return None
+    stat = _statistic(q)
+    value = float(stat(data, axis=-1))
     if np.ptp(data) == 0:
-        return Interval(float(data[0]), float(data[0]), float(data[0]))
-    res = bootstrap((data,), np.mean, confidence_level=confidence, n_resamples=4000, method="percentile",
-                    random_state=np.random.default_rng(seed))  # fmt: skip
+        return Interval(value, value, value)
+    res = bootstrap((data,), stat, confidence_level=confidence, n_resamples=4000, method="percentile",
+                    vectorized=True, batch=_batch(q), random_state=np.random.default_rng(seed))  # fmt: skip
     ci = res.confidence_interval
-    return Interval(float(data.mean()), float(ci.low), float(ci.high))
+    return Interval(value, float(ci.low), float(ci.high))
+
+
+def _bootstrap_two(a: Sequence[float | None], b: Sequence[float | None], q: float | None, confidence: float,
+                   seed: int) -> Interval | None:  # fmt: skip
+    from scipy.stats import bootstrap
+
+    x, y = _finite(a), _finite(b)
+    if len(x) < 2 or len(y) < 2:
+        return None
+    one = _statistic(q)
+    diff = float(one(x, axis=-1) - one(y, axis=-1))
+    if np.ptp(x) == 0 and np.ptp(y) == 0:
+        return Interval(diff, diff, diff)
+
+    def stat(u, v, axis):
+        return one(u, axis=axis) - one(v, axis=axis)
+
+    res = bootstrap((x, y), stat, confidence_level=confidence, n_resamples=4000, method="percentile",
+                    vectorized=True, batch=_batch(q), random_state=np.random.default_rng(seed))  # fmt: skip
+    ci = res.confidence_interval
+    return Interval(diff, float(ci.low), float(ci.high))
+
+
+def bootstrap_mean(values: Sequence[float], confidence: float = 0.95, seed: int = 0) -> Interval | None:
+    """The mean of repeated runs with a bootstrap confidence interval (scipy's ``bootstrap``, percentile)."""
+    return _bootstrap_one(values, None, confidence, seed)
 
 
 def bootstrap_difference(
     a: Sequence[float], b: Sequence[float], confidence: float = 0.95, seed: int = 0
 ) -> Interval | None:
     """mean(a) - mean(b) with a bootstrap interval, the two samples resampled independently."""
-    from scipy.stats import bootstrap
+    return _bootstrap_two(a, b, None, confidence, seed)
 
-    x = np.asarray([v for v in a if v is not None and math.isfinite(v)], dtype=float)
-    y = np.asarray([v for v in b if v is not None and math.isfinite(v)], dtype=float)
-    if len(x) < 2 or len(y) < 2:
-        return None
-    diff = float(x.mean() - y.mean())
-    if np.ptp(x) == 0 and np.ptp(y) == 0:
-        return Interval(diff, diff, diff)
 
-    def stat(u, v, axis):
-        return u.mean(axis=axis) - v.mean(axis=axis)
+def bootstrap_percentile(values: Sequence[float], q: float, confidence: float = 0.95, seed: int = 0) -> Interval | None:
+    """The ``q``-th percentile of per-request values (P99 TTFT of a canary's share) with a bootstrap interval over
+    the requests, as :func:`bootstrap_mean` (``mean`` holds the percentile)."""
+    return _bootstrap_one(values, q, confidence, seed)
 
-    res = bootstrap((x, y), stat, confidence_level=confidence, n_resamples=4000, method="percentile",
-                    vectorized=True, random_state=np.random.default_rng(seed))  # fmt: skip
-    ci = res.confidence_interval
-    return Interval(diff, float(ci.low), float(ci.high))
+
+def bootstrap_percentile_difference(
+    a: Sequence[float], b: Sequence[float], q: float, confidence: float = 0.95, seed: int = 0
+) -> Interval | None:
+    """percentile(a, q) - percentile(b, q) with a bootstrap interval, the two sets of requests resampled
+    independently."""
+    return _bootstrap_two(a, b, q, confidence, seed)
 
 
 @dataclass(frozen=True)
