@@ -12,6 +12,7 @@ the issue: held-out below saturation, median TPOT error <= 10 %, TTFT <= 15 %.
     PYTHONPATH=src .venv/bin/python bench/estimate_accuracy.py --write    # and ship the factors
     PYTHONPATH=src .venv/bin/python bench/estimate_accuracy.py --by-source
     PYTHONPATH=src .venv/bin/python bench/estimate_accuracy.py --cpu [--write]  # the CPU stand-in
+    PYTHONPATH=src .venv/bin/python bench/estimate_accuracy.py --cpu --per-load  # and its signed error per load
 
 With ``--cpu`` it fits the CPU build's factors instead (issue 40, item 6) on the recorded surface
 ``bench/data/cpu-tiny-grid-r3.json`` and holds out ``cpu-tiny-grid-r4.json`` (the same AMD EPYC
@@ -22,6 +23,7 @@ how far the factors carry to a host whose rates were not given).
 from __future__ import annotations
 
 import argparse
+import statistics
 from pathlib import Path
 
 from servetune.estimate import calibrate, calibrate_cpu
@@ -42,9 +44,12 @@ def main() -> None:
     parser.add_argument("--write", action="store_true", help=f"write the fitted factors to {FACTORS}")
     parser.add_argument("--by-source", action="store_true", help="also print the error per source")
     parser.add_argument("--cpu", action="store_true", help="fit and score the CPU build's factors instead")
+    parser.add_argument(
+        "--per-load", action="store_true", help="with --cpu, also the signed median error per surface and load"
+    )
     args = parser.parse_args()
     if args.cpu:
-        cpu(args.write)
+        cpu(args.write, args.per_load)
         return
 
     text = calibrate.shipped_data()
@@ -84,7 +89,14 @@ def main() -> None:
         print(f"\nwrote {FACTORS}")
 
 
-def cpu(write: bool) -> None:
+def _signed(points: list[calibrate.CalibrationPoint], metric: str) -> str:
+    errors = [
+        p.predicted[metric] / p.measured[metric] - 1 for p in points if metric in p.measured and metric in p.predicted
+    ]
+    return "-" if not errors else f"{100 * statistics.median(errors):+6.1f}% (n={len(errors)})"
+
+
+def cpu(write: bool, per_load: bool = False) -> None:
     train = calibrate_cpu.read_surface(SURFACES / "cpu-tiny-grid-r3.json", held_out=False)
     held = calibrate_cpu.read_surface(SURFACES / "cpu-tiny-grid-r4.json", held_out=True)
     other_host = calibrate_cpu.read_surface(SURFACES / "cpu-tiny-grid.json", held_out=True)
@@ -102,6 +114,13 @@ def cpu(write: bool) -> None:
             sel = [p for p in points if p.saturated == saturated]
             regime = "saturated" if saturated else "below sat."
             print(f"{name:<34} {regime:<12} " + " ".join(f"{_cell(sel, m):<30}" for m in calibrate.METRICS))
+    if per_load:
+        print("\nsigned median of predicted / measured - 1, per closed-loop load (clients)")
+        print(f"{'surface':<34} {'clients':<12} " + " ".join(f"{m:<30}" for m in calibrate.METRICS))
+        for name, points in (("r3 (train)", train), ("r4 (held-out)", held), ("grid (held-out, Intel)", other_host)):
+            for load in sorted({p.load for p in points}):
+                sel = [p for p in points if p.load == load]
+                print(f"{name:<34} {load:<12g} " + " ".join(f"{_signed(sel, m):<30}" for m in calibrate.METRICS))
     if write:
         shipped = load_factors()
         factors = shipped.model_copy(update={"per_gpu_class": {**shipped.per_gpu_class, "CPU": eff}})

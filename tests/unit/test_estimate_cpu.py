@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from servetune.capacity import arch_from_hf_config, resolve_hardware
+from servetune.capacity import arch_from_hf_config, plan_capacity, resolve_hardware
 from servetune.errors import UserError
-from servetune.estimate import Efficiency, Load, cpu_rates, estimate, load_factors, measure_cpu_rates
+from servetune.estimate import (
+    Efficiency,
+    Load,
+    cpu_rates,
+    decode_s,
+    estimate,
+    load_factors,
+    measure_cpu_rates,
+    replica_from_plan,
+)
 from servetune.estimate import calibrate as cal
 from servetune.estimate import calibrate_cpu as cc
 from servetune.estimate.factors import Factors
+from servetune.estimate.queueing import closed_loop, wave_ttft_s
 from servetune.models.tiny import TINY_CONFIG
 
 SURFACES = Path(__file__).resolve().parents[2] / "bench" / "data"
@@ -23,6 +34,17 @@ def _est(concurrency: int, rates=cc.RECORDED_HOST, **args):
     arch = arch_from_hf_config(TINY_CONFIG, name="tiny")
     load = Load(input_tokens=128, output_tokens=32, concurrency=concurrency)
     return estimate(arch, {**ARGS, **args}, resolve_hardware("cpu"), load, env=ENV, rates=rates)
+
+
+@pytest.fixture(scope="module")
+def fits() -> dict[str, Efficiency]:
+    """The CPU factors fitted on r3 with and without the closed loop's waves (r4 held out)."""
+    train = cc.read_surface(SURFACES / "cpu-tiny-grid-r3.json", held_out=False)
+    start = Efficiency(decode_bandwidth=0.1, prefill_flops=0.01, step_overhead_ms=5.0, sequence_overhead_ms=0.1)
+    return {
+        "waves": cc.fit_cpu(train),
+        "spread": cal.fit_efficiency(train, start=start, bounds=cc.CPU_BOUNDS),
+    }
 
 
 def test_the_cpu_build_needs_its_rates():
@@ -46,7 +68,7 @@ def test_measured_rates_are_positive_and_finite():
     assert 0 < rates.flops < float("inf") and 0 < rates.hbm_bytes_s < float("inf")
 
 
-def test_factors_fitted_on_one_surface_predict_another_of_the_same_host():
+def test_factors_fitted_on_one_surface_predict_another_of_the_same_host(fits):
     train = cc.read_surface(SURFACES / "cpu-tiny-grid-r3.json", held_out=False)
     held = cc.read_surface(SURFACES / "cpu-tiny-grid-r4.json", held_out=True)
     assert len(train) > 50 and len(held) > 50
@@ -58,4 +80,49 @@ def test_factors_fitted_on_one_surface_predict_another_of_the_same_host():
         assert err is not None
         return err.median
 
-    assert error(cc.fit_cpu(train)) < error(Efficiency())
+    assert error(fits["waves"]) < error(Efficiency())
+
+
+def test_closed_loop_waves_put_the_prompts_in_ttft_not_in_every_step():
+    eff = load_factors().for_class("CPU")
+    spread, waves = eff.model_copy(update={"closed_loop_waves": 0.0}), eff.model_copy(update={"closed_loop_waves": 1.0})
+    arch = arch_from_hf_config(TINY_CONFIG, name="tiny")
+    args = {**ARGS, "max_num_seqs": 32}
+    rep = replica_from_plan(arch, plan_capacity(arch, args, resolve_hardware("cpu"), env=ENV), args, cc.RECORDED_HOST)
+    a, b = closed_loop(rep, spread, 32, 128, 32), closed_loop(rep, waves, 32, 128, 32)
+    assert b.tpot_s < a.tpot_s and b.ttft_s is not None and a.ttft_s is not None and b.ttft_s > a.ttft_s
+    assert b.tpot_s == pytest.approx(decode_s(rep, waves, 32, 128 + 16))  # the step decodes, nothing else
+    # A wave of n prompts waits for their prefill: longer the more arrive together.
+    assert wave_ttft_s(rep, waves, 2, 128) < wave_ttft_s(rep, waves, 8, 128) < wave_ttft_s(rep, waves, 32, 128)
+    # A token budget the whole wave fits in prefills it in one step: every prompt waits for all of it;
+    # a smaller budget (chunked) hands the first prompts their first token sooner.
+    whole = replace(rep, max_num_batched_tokens=8192)
+    chunked = replace(rep, max_num_batched_tokens=256)
+    assert wave_ttft_s(chunked, waves, 32, 128) < wave_ttft_s(whole, waves, 32, 128)
+    # Without chunked prefill a step takes whole prompts: 300 tokens hold two of 128, as 256 do.
+    assert wave_ttft_s(replace(rep, max_num_batched_tokens=300, chunked_prefill=False), waves, 8, 128) == pytest.approx(
+        wave_ttft_s(replace(rep, max_num_batched_tokens=256, chunked_prefill=False), waves, 8, 128)
+    )
+
+
+def test_gpu_factors_keep_prompts_spread_over_the_steps():
+    factors = load_factors()
+    assert factors.default.closed_loop_waves == 0.0
+    assert all(eff.closed_loop_waves == 0.0 for cls, eff in factors.per_gpu_class.items() if cls != "CPU")
+    assert 0.0 < factors.for_class("CPU").closed_loop_waves < 1.0
+
+
+def test_waves_fitted_on_one_surface_predict_tpot_at_high_load_on_the_other(fits):
+    assert 0.0 < fits["waves"].closed_loop_waves < 1.0  # the r3 fit finds both: neither all waves nor none
+    held = cc.read_surface(SURFACES / "cpu-tiny-grid-r4.json", held_out=True)
+    busy = [p for p in held if p.load == 32.0]
+
+    def error(eff: Efficiency, metric: str) -> float:
+        cal.score(busy, Factors(per_gpu_class={"CPU": eff}))
+        err = cal.error_of(busy, metric)
+        assert err is not None
+        return err.median
+
+    # Spread over every step, the prompts' prefill inflates TPOT at 32 clients and so cuts throughput.
+    for metric in ("tpot_ms", "output_throughput"):
+        assert error(fits["waves"], metric) < error(fits["spread"], metric)

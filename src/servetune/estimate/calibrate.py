@@ -311,13 +311,21 @@ def fit_efficiency(
     points: Sequence[CalibrationPoint],
     start: Efficiency | None = None,
     bounds: tuple[tuple[float, ...], tuple[float, ...]] = BOUNDS,
+    extra: Sequence[tuple[str, float, float]] = (),
 ) -> Efficiency:
-    """The factors that best predict ``points`` (deterministic: fixed start, no randomness)."""
+    """The factors that best predict ``points`` (deterministic: fixed start, no randomness).
+
+    ``extra`` fits more factors than :data:`FITTED`, each ``(name, low, high)``: the CPU fit's
+    ``closed_loop_waves``; the others keep ``start``'s value.
+    """
     counts = Counter(p.source_id for p in points)
     weights = {source: n**-0.25 for source, n in counts.items()}
     x0 = start or Efficiency()
 
-    fitted = FITTED if any(p.replica.tp > 1 for p in points) else FITTED[:-1]
+    base = FITTED if any(p.replica.tp > 1 for p in points) else FITTED[:-1]
+    fitted = (*base, *(name for name, _, _ in extra))
+    lows = (*bounds[0][: len(base)], *(lo for _, lo, _ in extra))
+    highs = (*bounds[1][: len(base)], *(hi for _, _, hi in extra))
 
     def efficiency(x: np.ndarray) -> Efficiency:
         return x0.model_copy(update={name: round(float(v), 4) for name, v in zip(fitted, x, strict=False)})
@@ -325,11 +333,10 @@ def fit_efficiency(
     def residuals(x: np.ndarray) -> np.ndarray:
         return _residuals(points, efficiency(x), weights)
 
-    n = len(fitted)
     result = least_squares(
         residuals,
         np.array([getattr(x0, name) for name in fitted]),
-        bounds=(bounds[0][:n], bounds[1][:n]),
+        bounds=(lows, highs),
         loss="soft_l1",
         f_scale=0.2,
         diff_step=1e-3,

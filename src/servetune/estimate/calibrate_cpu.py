@@ -79,5 +79,7 @@ def trial_points(
 
 def fit_cpu(train: Iterable[CalibrationPoint]) -> Efficiency:
     """The CPU build's factors, fitted from a neutral start."""
-    start = Efficiency(decode_bandwidth=0.1, prefill_flops=0.01, step_overhead_ms=5.0, sequence_overhead_ms=0.1)
-    return fit_efficiency(list(train), start=start, bounds=CPU_BOUNDS)
+    start = Efficiency(
+        decode_bandwidth=0.1, prefill_flops=0.01, step_overhead_ms=5.0, sequence_overhead_ms=0.1, closed_loop_waves=0.5
+    )
+    return fit_efficiency(list(train), start=start, bounds=CPU_BOUNDS, extra=[("closed_loop_waves", 0.0, 1.0)])

@@ -25,6 +25,13 @@ class Efficiency(BaseModel):
     step_overhead_ms: float = Field(2.0, ge=0, description="fixed cost of one engine step: scheduling, launches")
     sequence_overhead_ms: float = Field(0.05, ge=0, description="cost per sequence in a step: sampling, bookkeeping")
     allreduce_us: float = Field(10.0, ge=0, description="latency of one tensor-parallel all-reduce")
+    closed_loop_waves: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="share of a closed loop's prompts that arrive in waves and prefill together (clients that "
+        "finish together send again together) instead of spread over the running decodes' steps",
+    )
 
 
 class MetricError(BaseModel):

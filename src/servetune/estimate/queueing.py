@@ -11,7 +11,12 @@ or whole in a step of its own without. A request spends TTFT_engine + (O - 1) x 
 replica, so it completes ``n / that`` requests per second (Little's law).
 
 - Closed loop, C clients per replica: n = min(C, capacity); the other C - n wait in the queue,
-  so the client's E2E is C / throughput and its TTFT is that E2E less the decode time.
+  so the client's E2E is C / throughput and its TTFT is that E2E less the decode time. Clients whose
+  requests finish in the same step send the next ones together: a share ``closed_loop_waves`` of the
+  prompts (fitted; 0 for the GPU classes, whose public points do not pin it) arrives in waves that
+  prefill first come, first served in steps of their own, so their prefill lands in TTFT, not in
+  the running decodes' TPOT (vLLM's CPU build with fixed output lengths: TPOT grows with the batch
+  as the decode step alone does).
 - Open loop, R requests/s per replica: the ``n`` (bisected) whose throughput equals R; past the
   capacity's throughput the queue grows without bound (saturated, TTFT unbounded).
 - The knee: the smallest concurrency whose throughput reaches 90 % of the capacity's.
@@ -50,15 +55,22 @@ def capacity(rep: Replica, input_tokens: int, output_tokens: int) -> int:
     return max(1, min(rep.max_num_seqs, rep.kv_cache_tokens // (input_tokens + output_tokens)))
 
 
-def steady(rep: Replica, eff: Efficiency, in_flight: float, input_tokens: int, output_tokens: int) -> Steady:
-    """Step time and TTFT with ``in_flight`` requests decoding and arriving at the rate they finish."""
+def steady(
+    rep: Replica, eff: Efficiency, in_flight: float, input_tokens: int, output_tokens: int, waves: float = 0.0
+) -> Steady:
+    """Step time and TTFT with ``in_flight`` requests decoding and arriving at the rate they finish.
+
+    ``waves`` is the share of the prompts that arrive together and prefill in steps of their own
+    (:func:`wave_ttft_s`) instead of one by one beside the decodes (a closed loop's synchronised
+    clients, ``Efficiency.closed_loop_waves``): their prefill is then in TTFT, not in every step's TPOT.
+    """
     n = max(in_flight, 1e-9)
     context = input_tokens + output_tokens / 2
     decode = decode_s(rep, eff, n, context)
     per_prompt_token = prefill_token_s(rep, eff, input_tokens)
     # A step yields ``tokens_per_step`` tokens a sequence (1 without a drafter), and prefills prompts in proportion.
     yielded = tokens_per_step(rep)
-    prefill_per_step = n * input_tokens * yielded / output_tokens
+    prefill_per_step = (1.0 - waves) * n * input_tokens * yielded / output_tokens
     tpot = (decode + prefill_per_step * per_prompt_token) / yielded
     if rep.chunked_prefill:
         chunk = max(rep.max_num_batched_tokens - n, 1.0)
@@ -66,7 +78,29 @@ def steady(rep: Replica, eff: Efficiency, in_flight: float, input_tokens: int, o
         ttft = steps * decode + input_tokens * per_prompt_token + tpot / 2
     else:
         ttft = prefill_s(rep, eff, input_tokens, input_tokens) + tpot / 2
+    if waves > 0:
+        ttft = (1.0 - waves) * ttft + waves * wave_ttft_s(rep, eff, n, input_tokens)
     return Steady(in_flight=in_flight, tpot_s=tpot, ttft_s=ttft)
+
+
+def wave_ttft_s(rep: Replica, eff: Efficiency, in_flight: float, input_tokens: int) -> float:
+    """Mean TTFT of ``in_flight`` prompts that arrive together and prefill first come, first served.
+
+    They fill steps of ``max_num_batched_tokens`` (whole prompts, at least one a step, without chunked
+    prefill); each prompt's first token comes at the end of the step that finishes it.
+    """
+    n = max(1, round(in_flight))
+    budget = max(rep.max_num_batched_tokens, 1)
+    whole_prompts = max(1, budget // input_tokens) * input_tokens
+    per_step = float(budget if rep.chunked_prefill else whole_prompts)
+    total = n * input_tokens
+    elapsed, done, step_end = 0.0, 0.0, []
+    while done < total:
+        tokens = min(per_step, total - done)
+        elapsed += prefill_s(rep, eff, tokens, input_tokens)
+        done += tokens
+        step_end.append(elapsed)
+    return sum(step_end[min(math.ceil(k * input_tokens / per_step), len(step_end)) - 1] for k in range(1, n + 1)) / n
 
 
 @dataclass(frozen=True)
@@ -84,7 +118,7 @@ class Point:
 def closed_loop(rep: Replica, eff: Efficiency, clients: float, input_tokens: int, output_tokens: int) -> Point:
     cap = capacity(rep, input_tokens, output_tokens)
     n = min(clients, cap)
-    s = steady(rep, eff, n, input_tokens, output_tokens)
+    s = steady(rep, eff, n, input_tokens, output_tokens, eff.closed_loop_waves)
     rate = s.request_rate(output_tokens)
     e2e = clients / rate
     ttft = e2e - (output_tokens - 1) * s.tpot_s
@@ -118,13 +152,15 @@ def open_loop(rep: Replica, eff: Efficiency, rate: float, input_tokens: int, out
 
 
 def knee(rep: Replica, eff: Efficiency, input_tokens: int, output_tokens: int) -> int:
-    """The smallest concurrency whose request throughput reaches 90 % of the replica's capacity."""
+    """The smallest concurrency whose request throughput reaches 90 % of the replica's capacity (closed loop)."""
     cap = capacity(rep, input_tokens, output_tokens)
-    best = steady(rep, eff, cap, input_tokens, output_tokens).request_rate(output_tokens)
+    waves = eff.closed_loop_waves
+    best = steady(rep, eff, cap, input_tokens, output_tokens, waves).request_rate(output_tokens)
     lo, hi = 1, cap
     while lo < hi:
         mid = (lo + hi) // 2
-        if steady(rep, eff, mid, input_tokens, output_tokens).request_rate(output_tokens) >= KNEE_FRACTION * best:
+        rate = steady(rep, eff, mid, input_tokens, output_tokens, waves).request_rate(output_tokens)
+        if rate >= KNEE_FRACTION * best:
             hi = mid
         else:
             lo = mid + 1
