@@ -10,19 +10,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 
 from servetune.errors import UserError
 
 TOKEN_VARIABLES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
 OFFLINE_VARIABLES = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
-
-
-def is_hub_id(name: str, space_dir: Path) -> bool:
-    """Whether a space's model names a hub repository (``org/name``), not the tiny model or a local folder."""
-    if name == "tiny" or name.startswith((".", "/", "~")) or name.count("/") != 1:
-        return False
-    return not (Path(name).expanduser().exists() or (space_dir / name).exists())
 
 
 def _set(env: Mapping[str, str], names: Iterable[str]) -> str | None:

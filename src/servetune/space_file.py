@@ -35,7 +35,7 @@ from servetune.config.space import (
 )
 from servetune.engine.args import validate_engine_args
 from servetune.errors import UserError
-from servetune.hub import is_hub_id
+from servetune.models.names import is_hub_id
 from servetune.models.tiny import TINY_CONFIG
 from servetune.quality import lm_eval
 from servetune.quality.suites import load_suite

@@ -21,8 +21,9 @@ import yaml
 from servetune.capacity.checkpoint import Checkpoint
 from servetune.capacity.hfconfig import MTP_KEYS, arch_from_hf_config
 from servetune.capacity.model import ATTENTION_KINDS, LayerType, MambaMixer, ModelArch, WeightQuant
-from servetune.capacity.source import ModelConfig, cached_model, hub_model, local_model, looks_like_hub_id
+from servetune.capacity.source import ModelConfig, cached_model, hub_model, local_model
 from servetune.errors import UserError
+from servetune.models.names import looks_like_hub_id
 
 __all__ = [
     "ATTENTION_KINDS",

@@ -38,11 +38,6 @@ class ModelConfig:
     parameters: dict[str, int] | None = None
 
 
-def looks_like_hub_id(name: str) -> bool:
-    """``org/name``: what the hub (and vLLM's ``--model``) accepts as a repository id."""
-    return name.count("/") == 1 and not name.startswith((".", "/", "~")) and all(name.split("/"))
-
-
 def model_store() -> Path:
     """servetune's store of fetched models: beside the Hugging Face cache (``HF_HOME``), never in the package."""
     from huggingface_hub import constants

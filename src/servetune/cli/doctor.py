@@ -44,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
 
     from servetune.cli.display import console as make_console
     from servetune.doctor import Check, engine_check, engine_targets, failed, gather, space_checks, start_engines
-    from servetune.hub import check_access, is_hub_id
+    from servetune.hub import check_access
+    from servetune.models.names import is_hub_id
     from servetune.space_file import load_space
 
     console = make_console()

@@ -55,7 +55,8 @@ def run_tiny(args: argparse.Namespace) -> int:
 
 def run_add(args: argparse.Namespace) -> int:
     from servetune.capacity.arch import arch_from_hf_config
-    from servetune.capacity.source import hub_model, looks_like_hub_id, model_store
+    from servetune.capacity.source import hub_model, model_store
+    from servetune.models.names import looks_like_hub_id
 
     if not looks_like_hub_id(args.model_id):
         raise UserError(f"models add {args.model_id}: expected a hub id, org/name")

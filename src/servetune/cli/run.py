@@ -144,7 +144,8 @@ def check_hub_models(space: SearchSpace, space_dir: Path) -> None:
     """Ask the hub, before anything is written or started, whether it serves each hub model of the space to the
     trials' token (servetune/hub.py): a refusal ends the run here in one line, an unreachable hub is a warning."""
     from servetune.config.space import MODEL_PARAM
-    from servetune.hub import check_access, is_hub_id
+    from servetune.hub import check_access
+    from servetune.models.names import is_hub_id
     from servetune.study.progress import stderr_console
 
     listed = space.params.get(MODEL_PARAM) or []

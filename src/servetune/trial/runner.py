@@ -36,6 +36,7 @@ from servetune.estimate import Efficiency
 from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory
 from servetune.load.runner import Level
+from servetune.models.names import is_hub_id
 from servetune.quality.lm_eval import results_file
 from servetune.quality.lossless import method_of
 from servetune.quality.probe import QualityPlan, run_probe
@@ -366,11 +367,6 @@ def run_trial(spec: TrialSpec, report: Report, prompts: Callable[[], PromptFacto
     return result
 
 
-def is_hub_model(model: str) -> bool:
-    """Whether ``model`` names a model on the hub (its weights may download at start-up) rather than a local folder."""
-    return not Path(model).expanduser().exists()
-
-
 def _start_and_measure(engine: EngineFactory, spec: TrialSpec, result: TrialResult, report: Report,
                        prompts: PromptFactory, trial_dir: Path, stop_rule: StopRule | None) -> None:  # fmt: skip
     """:func:`_measure` on a fresh engine, started again (a new port, the same cores) after a start-up failure that
@@ -382,7 +378,7 @@ def _start_and_measure(engine: EngineFactory, spec: TrialSpec, result: TrialResu
             _measure(engine(spec, trial_dir), spec, result, report, prompts, trial_dir, stop_rule)
             return
         except EngineStartError as exc:
-            failure = classify(exc.args[0], exc.log_tail or "", hub_model=is_hub_model(spec.model))
+            failure = classify(exc.args[0], exc.log_tail or "", hub_model=is_hub_id(spec.model))
             if failure.kind != "infrastructure" or failure.retry_after_s is None or attempt == INFRA_RETRIES:
                 result.failure = failure
                 raise

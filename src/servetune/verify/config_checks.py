@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from servetune.capacity import VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
+from servetune.models.names import is_hub_id
 from servetune.report.points import level_label
 from servetune.results import REQUESTS_FILE, LevelResult, TrialResult
 from servetune.tracking.fields import engine_setting
@@ -46,9 +47,7 @@ def weights_and_tokenizer_pinned(ctx: Context) -> tuple[Status, str]:
     revision = ctx.result.engine_args.get("revision")
     found = fingerprint.locate(model, ctx.study_dir, revision)
     if found is None:
-        pinned = (
-            (f" (revision {revision})" if revision else " (no revision pinned)") if fingerprint.is_hub_id(model) else ""
-        )
+        pinned = (f" (revision {revision})" if revision else " (no revision pinned)") if is_hub_id(model) else ""
         return NOT_CHECKED, f"{model} is not on this disk{pinned}: hash its files where they are served"
     weights = fingerprint.weight_files(found.path)
     if not weights:

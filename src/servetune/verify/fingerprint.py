@@ -15,6 +15,8 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from servetune.models.names import is_hub_id
+
 CHUNK_BYTES = 1 << 20
 #: Weight files, by preference: safetensors, else PyTorch or GGUF checkpoints.
 WEIGHT_PATTERNS = (("*.safetensors",), ("*.bin", "*.pt", "*.pth", "*.gguf"))
@@ -81,11 +83,6 @@ def weight_files(directory: Path) -> list[Path]:
 
 def tokenizer_files(directory: Path) -> list[Path]:
     return [directory / name for name in TOKENIZER_FILES if (directory / name).is_file()]
-
-
-def is_hub_id(model: str) -> bool:
-    """``org/name`` that is not a path on this machine."""
-    return model.count("/") == 1 and not model.startswith((".", "/", "~")) and not Path(model).exists()
 
 
 def locate(model: str, study_dir: Path, revision: str | None = None) -> ModelFiles | None:
