@@ -84,3 +84,18 @@ def test_models_the_ledger_does_not_size_for_lora_are_not_planned():
                                "architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}, "moe")  # fmt: skip
     with pytest.raises(NotPlanned, match="LoRA memory on a model with mixture-of-experts layers"):
         plan_capacity(moe, {"enable_lora": True, "max_model_len": 1024}, CPU, env=ONE_GIB)
+
+
+#: Measured on vLLM 0.32.0 (CPU build), tiny model, float32, enable_lora with max_loras 2 and max_lora_rank 16:
+#: the stacked A and B tensors of the 18 layers vLLM wrapped, summed in its worker (bench/lora_vllm.py), and the
+#: KV tokens its log reported ("CPU KV cache size: 262,144 tokens", the same without LoRA) at 1 GiB.
+VLLM_TINY_LORA_BYTES = 2_228_736
+VLLM_TINY_KV_TOKENS = 262_144
+
+
+def test_the_plan_matches_what_vllm_allocated_on_the_tiny_model(tiny):
+    cost = lora_cost(tiny, 4, 2, 16)
+    assert cost.max_loras * cost.slot_bytes == VLLM_TINY_LORA_BYTES
+    args = {"max_model_len": 1024, "dtype": "float32", "enforce_eager": True}
+    for lora in ({}, {"enable_lora": True, "max_loras": 2, "max_lora_rank": 16}):
+        assert plan_capacity(tiny, {**args, **lora}, CPU, env=ONE_GIB).kv_cache_tokens == VLLM_TINY_KV_TOKENS
