@@ -250,6 +250,7 @@ class RequestRecord:
     session: int | None = None  # the conversation it is a turn of (workloads with sessions), and which turn
     turn: int = 0
     cached_tokens: int | None = None  # of its prompt, the tokens the server's prefix cache held (where it says)
+    adapter: str | None = None  # the LoRA adapter it named as its model (workloads with adapters)
 
     @property
     def ttft_s(self) -> float | None:
@@ -384,6 +385,7 @@ class LevelSummary(BaseModel):
     # whose answers parsed as asked (None: none asked, or only for grammars)
     structured_valid: float | None = None
     conversations: ConversationStats | None = None  # workloads with sessions: per-conversation numbers
+    requests_by_adapter: dict[str, int] | None = None  # workloads with LoRA adapters: completed requests per adapter
 
     def flat(self) -> dict[str, float]:
         """``{"ttft_ms_p99": ..., "output_throughput": ...}`` with every metric that has a value."""
@@ -491,4 +493,5 @@ def summarize(
         ttft_growth_low=None if growth is None else growth[1],
         structured_valid=float(np.mean(checked)) if checked else None,
         conversations=ConversationStats.of(ok),
+        requests_by_adapter=dict(Counter(r.adapter for r in ok if r.adapter is not None)) or None,
     )

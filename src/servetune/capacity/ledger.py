@@ -29,6 +29,7 @@ from servetune.capacity.arch import ModelArch, WeightQuant
 from servetune.capacity.draft import DraftCost, draft_cost, speculative_config
 from servetune.capacity.hardware import GIB, Hardware
 from servetune.capacity.kvgroups import kv_layout
+from servetune.capacity.lora import lora_cost
 from servetune.capacity.mamba import aligned_block_size, state_bytes, tp_problem
 from servetune.capacity.params import (
     activation_bytes_per_token,
@@ -66,6 +67,8 @@ def plan_capacity(
 
     A ``speculative_config`` adds its drafter (``capacity/draft.py``): ``draft`` is the draft checkpoint's
     architecture for the methods that load one (``draft.load_draft`` reads it), else not planned.
+    ``enable_lora`` takes the adapter slots vLLM preallocates (``max_loras`` x ``max_lora_rank``,
+    ``capacity/lora.py``) out of the GPU's pool.
     """
     args = read_engine_args(engine_args)
     spec = speculative_config(engine_args)
@@ -117,6 +120,7 @@ def _verdict(
     allow_long: bool,
     draft: DraftCost | None = None,
     mamba_problem: str | None = None,
+    lora: float = 0.0,
 ) -> tuple[bool, str]:
     """Does it fit, and why (vLLM's start-up checks, in the order it makes them)."""
     problem = structural_problem(arch, s.tensor_parallel_size, s.pipeline_parallel_size, quant) or mamba_problem
@@ -126,9 +130,13 @@ def _verdict(
     if problem is not None:
         return False, f"vLLM refuses this configuration: {problem}"
     budget = f"{requested / GIB:.2f} GiB"
-    split = ""
+    parts = []
     if draft is not None and draft.weights > 0:
-        split = f" (target {(weights - draft.weights) / GIB:.2f} + {draft.method} draft {draft.weights / GIB:.2f})"
+        parts.append(f"{draft.method} draft {draft.weights / GIB:.2f}")
+    if lora > 0:
+        parts.append(f"LoRA slots {lora / GIB:.2f}")
+    target = weights - (draft.weights if draft is not None else 0.0) - lora
+    split = f" (target {target / GIB:.2f} + {' + '.join(parts)})" if parts else ""
     if s.device == "gpu" and s.kv_cache_memory_bytes is None and weights > requested:
         gpu = f"{s.gpu_memory_utilization:g} x {hardware.memory_gib:g} GiB"
         return False, f"weights need {weights / GIB:.2f} GiB per GPU{split} but vLLM may use only {budget} ({gpu})"
@@ -194,6 +202,12 @@ def _ledger(
                            lambda a: kv_element_bytes(s.kv_cache_dtype, s.dtype, a), tp, draft_quant)  # fmt: skip
     query_len = draft.query_len if draft is not None else 1
     drafted = draft.weights if draft is not None else 0.0
+    lora = 0.0
+    if args.enable_lora:
+        cost = lora_cost(arch, dtype_bytes, args.max_loras, args.max_lora_rank, tp, pp, s.max_num_batched_tokens,
+                         s.max_num_seqs, args.fully_sharded_loras)  # fmt: skip
+        lora = float(cost.total)
+        notes.append(cost.describe() + (": they live outside the CPU build's KV space" if cpu else ""))
     non_torch = activation = cudagraph = 0.0
     if cpu:
         if s.cpu_kvcache_space_gib is not None:
@@ -207,7 +221,7 @@ def _ledger(
     else:
         requested = float(math.ceil(hardware.memory_bytes * s.gpu_memory_utilization))
         non_torch, activation, cudagraph = _gpu_overheads(arch, s, hardware, profile, query_len)
-        kv_bytes = requested - weights - drafted - non_torch - activation - cudagraph
+        kv_bytes = requested - weights - drafted - lora - non_torch - activation - cudagraph
         if s.kv_cache_memory_bytes is not None:
             kv_bytes = float(s.kv_cache_memory_bytes)
             notes.append("kv_cache_memory_bytes is set: vLLM skips the utilization budget")
@@ -261,7 +275,7 @@ def _ledger(
         s,
         quant,
         hardware,
-        weights + drafted,
+        weights + drafted + (0.0 if cpu else lora),
         requested,
         kv_bytes,
         (activation, non_torch, cudagraph),
@@ -271,6 +285,7 @@ def _ledger(
         allow_long,
         draft,
         state.problem or _removed(arch, profile),
+        0.0 if cpu else lora,
     )
     return CapacityPlan(
         model=arch.name,
@@ -297,6 +312,7 @@ def _ledger(
         fits=fits,
         reason=reason,
         draft=_draft_plan(draft, s) if draft is not None else None,
+        lora_gib=round(lora / GIB, 4),
         notes=notes + (_draft_notes(draft, s) if draft is not None else []),
     )
 

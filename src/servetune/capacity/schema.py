@@ -38,6 +38,10 @@ class CapacityArgs(BaseModel):
     enable_prefix_caching: bool | None = None
     mamba_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     mamba_ssm_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    enable_lora: bool = False
+    max_loras: int | None = Field(None, ge=1)
+    max_lora_rank: int | None = Field(None, ge=1)
+    fully_sharded_loras: bool = False
 
 
 def read_engine_args(engine_args: Mapping[str, Any]) -> CapacityArgs:
@@ -127,5 +131,6 @@ class CapacityPlan(BaseModel):
     fits: bool
     reason: str
     draft: DraftPlan | None = None  # speculative decoding's drafter, where the configuration has one
+    lora_gib: float = Field(0.0, description="enable_lora: the adapter slots and buffers vLLM preallocates")
     advice: list[str] = []
     notes: list[str] = []

@@ -264,6 +264,9 @@ def run(args: argparse.Namespace) -> int:
                 f"vLLM is not installed for {args.python} (install servetune[cpu] or servetune[gpu], or pass --python)"
             )
         engine_args = validate_engine_args(raw_engine_args, specs)
+        if workload.adapters:  # the tiny adapter is built beside --json (else in a temporary directory)
+            build_dir = args.json.parent / "models" if args.json is not None else Path(tempfile.mkdtemp("-servetune"))
+            engine_args = workload.adapter_engine_args(engine_args, build_dir)
         if args.served_model_name:
             engine_args["served_model_name"] = args.served_model_name
         served = args.served_model_name or args.model

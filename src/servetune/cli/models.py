@@ -26,6 +26,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     tiny.add_argument("--out", type=Path, required=True, help="directory to write the model into")
     tiny.set_defaults(run=run_tiny)
+    lora = sub.add_parser(
+        "tiny-lora",
+        help="a rank-8 LoRA adapter for the tiny model (PEFT format), for workloads with adapters",
+        description=(
+            "Write a LoRA adapter for the tiny model in PEFT's format (adapter_config.json and "
+            "adapter_model.safetensors; rank 8 on q_proj and v_proj, random weights from a fixed seed), "
+            "that vLLM serves with --enable-lora --lora-modules NAME=DIR. The files are the same every time."
+        ),
+    )
+    lora.add_argument("--out", type=Path, required=True, help="directory to write the adapter into")
+    lora.set_defaults(run=run_tiny_lora)
     add = sub.add_parser(
         "add",
         help="fetch a hub model's config.json and safetensors sizes, so that plan and run work offline",
@@ -50,6 +61,19 @@ def run_tiny(args: argparse.Namespace) -> int:
     except OSError as exc:  # a parent that is a file, a read-only or missing mount, no permission
         raise UserError(f"--out {args.out}: cannot write the model there ({exc.strerror or exc})") from None
     print(f"wrote the tiny model to {args.out}")
+    return 0
+
+
+def run_tiny_lora(args: argparse.Namespace) -> int:
+    from servetune.models.tiny import build_tiny_adapter
+
+    if args.out.exists() and not args.out.is_dir():
+        raise UserError(f"--out {args.out}: exists and is not a directory")
+    try:
+        build_tiny_adapter(args.out)
+    except OSError as exc:
+        raise UserError(f"--out {args.out}: cannot write the adapter there ({exc.strerror or exc})") from None
+    print(f"wrote the tiny LoRA adapter to {args.out}")
     return 0
 
 

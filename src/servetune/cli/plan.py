@@ -114,6 +114,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (their memory is not reserved)")
     p.add_argument(
+        "--max-loras",
+        type=int,
+        metavar="N",
+        help="serve LoRA adapters (enable_lora) with N slots in a batch: vLLM preallocates them on every GPU",
+    )
+    p.add_argument(
+        "--max-lora-rank", type=int, metavar="R", help="with --max-loras: the largest adapter rank (vLLM's default 16)"
+    )
+    p.add_argument(
         "--speculative-config",
         metavar="JSON",
         help='speculative decoding as vLLM takes it, e.g. \'{"method":"ngram","num_speculative_tokens":3}\': '
@@ -274,6 +283,8 @@ def _plan(args: argparse.Namespace, arch: ModelArch, hardware: Hardware) -> tupl
         "enforce_eager": args.enforce_eager,
         "enable_prefix_caching": args.enable_prefix_caching,
     }
+    if args.max_loras is not None or args.max_lora_rank is not None:
+        engine_args.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
     draft = None
     if args.speculative_config is not None:
         engine_args["speculative_config"] = args.speculative_config
@@ -360,6 +371,8 @@ def render(plan: CapacityPlan, console: Console) -> None:
         ledger.add_row("- weights", _gib(plan.weights_gib), f"dtype {s.dtype}, quantization {s.quantization}")
         if plan.draft is not None and plan.draft.weights_gib:
             ledger.add_row("- draft weights", _gib(plan.draft.weights_gib), plan.draft.source)
+        if plan.lora_gib:
+            ledger.add_row("- LoRA slots", _gib(plan.lora_gib), "max_loras x max_lora_rank, every linear layer")
         ledger.add_row(
             "- activation peak",
             _gib(plan.activation_gib),
@@ -375,6 +388,8 @@ def render(plan: CapacityPlan, console: Console) -> None:
         ledger.add_row("weights (host memory)", _gib(plan.weights_gib), f"dtype {s.dtype}; not taken from the KV space")
         if plan.draft is not None and plan.draft.weights_gib:
             ledger.add_row("draft weights (host memory)", _gib(plan.draft.weights_gib), plan.draft.source)
+        if plan.lora_gib:
+            ledger.add_row("LoRA slots (host memory)", _gib(plan.lora_gib), "not taken from the KV space")
     ledger.add_row("= KV pool", _gib(plan.kv_cache_gib), f"kv_cache_dtype {s.kv_cache_dtype}")
     ledger.add_row("KV bytes per token", f"{plan.kv_bytes_per_token:,} B", f"block size {s.block_size}")
     if plan.draft is not None:

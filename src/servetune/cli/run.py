@@ -94,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         with tempfile.TemporaryDirectory() as tmp:
             model = resolve_model(space, Path(tmp), args.space.parent)
-            return dry_run(space, args, model, resolve_models(space, Path(tmp), args.space.parent))
+            return dry_run(space, args, model, resolve_models(space, Path(tmp), args.space.parent), Path(tmp))
     return run_study(space, args)
 
 
@@ -202,9 +202,16 @@ def prune_summary(device: str, pruned: int, runnable: int, saved_s: float) -> st
     return line
 
 
-def dry_run(space: SearchSpace, args: argparse.Namespace, model: str, models: dict[str, str] | None = None) -> int:
+def dry_run(
+    space: SearchSpace,
+    args: argparse.Namespace,
+    model: str,
+    models: dict[str, str] | None = None,
+    build_dir: Path | None = None,
+) -> int:
     from rich.markup import escape
 
+    from servetune.config.adapters import adapter_modules
     from servetune.study.driver import proposals
     from servetune.study.prune import preview_prune, prune_reason
     from servetune.trial.context import StudyContext, resolve_levels, startup_budget_for
@@ -212,9 +219,11 @@ def dry_run(space: SearchSpace, args: argparse.Namespace, model: str, models: di
 
     console = make_console()
     workload = space.resolved_workload(args.space.parent)
+    adapters = adapter_modules(workload.adapters, build_dir) if build_dir is not None else None
     context = StudyContext(
-        space, workload, args.storage / space.name, model, resolve_levels(space, workload), models=models or {}
-    )
+        space, workload, args.storage / space.name, model, resolve_levels(space, workload), models=models or {},
+        adapters=adapters,
+    )  # fmt: skip
     try:
         kept, rejected = space.grid()
     except ValueError:  # continuous ranges: the sampler draws from them, there is no grid to list
@@ -279,6 +288,7 @@ def dry_run(space: SearchSpace, args: argparse.Namespace, model: str, models: di
 
 def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
     from servetune.accounting import device_time_lines, prefetch_lines
+    from servetune.config.adapters import adapter_modules
     from servetune.study.driver import (
         finished_results,
         prepare_study_dir,
@@ -312,7 +322,8 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
     info = study_info(space, args.space, model, levels, without_credentials(args.tracking_uri))
     write_study_info(study_dir, info)
     context = StudyContext(space, workload, study_dir.resolve(), model, levels, python=args.python,
-                           models=resolve_models(space, study_dir, args.space.parent), unprune=args.unprune)  # fmt: skip
+                           models=resolve_models(space, study_dir, args.space.parent), unprune=args.unprune,
+                           adapters=adapter_modules(workload.adapters, study_dir.resolve() / "models"))  # fmt: skip
     signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(SystemExit(128 + signum)))
     callbacks = None
     prefetched: list = []

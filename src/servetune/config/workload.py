@@ -20,17 +20,22 @@ prompts are cut from. Lengths stay the workload's either way.
 list of choices, a regular expression, or a grammar. It goes into the body as vLLM's OpenAI server reads it
 (``response_format`` with the schema, else ``structured_outputs``); such a request ends where its structure
 ends (``ignore_eos`` off), and the client counts the answers that parsed as asked (``structured_valid``).
+
+``adapters`` (config/adapters.py) lists LoRA adapters, ``{name, path, weight}``: each request (each conversation,
+with sessions) draws one by weight and sends its name as the request's ``model``; the engine gets
+``enable_lora`` and ``lora_modules`` unless the space sets them.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
+from servetune.config.adapters import Adapter, adapter_modules, check_adapters, lora_engine_args
 from servetune.config.asks import Sampling, Structured
 from servetune.config.loading import load_yaml_model
 from servetune.errors import UserError
@@ -321,7 +326,22 @@ class Workload(BaseModel):
     sampling: Sampling = Sampling()
     # Structured output every request asks for (a class's own ``structured`` over this); None: free text.
     structured: Structured | None = None
+    # LoRA adapters requests name as their model, each drawn by weight (config/adapters.py); empty: the base model.
+    adapters: tuple[Adapter, ...] = ()
     _source_text: str | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _adapters_differ(self) -> Workload:
+        check_adapters(self.adapters)
+        return self
+
+    def adapter_engine_args(self, engine_args: dict[str, Any], build_dir: Path) -> dict[str, Any]:
+        """``engine_args`` with what serving this workload's adapters needs (``enable_lora``, ``lora_modules``,
+        a ``max_lora_rank`` that holds them) where they are unset; the tiny adapter is built into ``build_dir``."""
+        if not self.adapters:
+            return dict(engine_args)
+        modules = adapter_modules(self.adapters, build_dir)
+        return lora_engine_args(engine_args, modules, max(a.rank for a in self.adapters))
 
     @model_validator(mode="after")
     def _sampling_once(self) -> Workload:

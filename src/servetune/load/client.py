@@ -152,7 +152,7 @@ class StreamingClient:
 
     def payload(self, spec: RequestSpec) -> dict:
         body: dict = {
-            "model": self.model,
+            "model": spec.model or self.model,  # a request naming a LoRA adapter sends its name
             "max_tokens": spec.output_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},

@@ -51,6 +51,7 @@ class RequestSpec:
         tuple[str, object], ...
     ] = ()  # its class's sampling fields, sent in the body (Workload.sampling_of)
     structured: Structured | None = None  # the structured output it asks for: the client checks the answer
+    model: str | None = None  # the LoRA adapter it names as its model (workload adapters); None: the served model
 
 
 class PromptFactory:
@@ -138,15 +139,15 @@ def iter_requests(workload: Workload, prompts: PromptFactory, stream: int = 0) -
     """
     rng = np.random.default_rng([workload.seed, stream])
     if workload.sessions is not None:
-        yield from _conversations(workload, prompts, rng)
+        yield from _conversations(workload, prompts, rng, stream)
         return
-    draw = _Draw(workload, prompts)
+    draw = _Draw(workload, prompts, stream)
     index = 0
     while True:
         text, n_in, n_out, name, reused = draw.first(rng)
         yield RequestSpec(
             index=index, prompt=text, input_tokens=n_in, output_tokens=n_out, request_class=name, reused_tokens=reused,
-            sampling=draw.sampling[name], structured=draw.structured[name],
+            sampling=draw.sampling[name], structured=draw.structured[name], model=draw.adapter(),
         )  # fmt: skip
         index += 1
 
@@ -154,8 +155,13 @@ def iter_requests(workload: Workload, prompts: PromptFactory, stream: int = 0) -
 class _Draw:
     """Draws one request of a workload: its class, lengths, shared prefix and prompt."""
 
-    def __init__(self, workload: Workload, prompts: PromptFactory) -> None:
+    def __init__(self, workload: Workload, prompts: PromptFactory, stream: int = 0) -> None:
         self.workload, self.prompts = workload, prompts
+        # Adapters are drawn from a generator of their own: a workload's lengths and prompts stay as they were.
+        self.adapter_rng = np.random.default_rng([workload.seed, stream, 1])
+        self.adapter_names = [a.name for a in workload.adapters]
+        adapter_weights = np.asarray([a.weight for a in workload.adapters], dtype=float)
+        self.adapter_weights = adapter_weights / adapter_weights.sum() if len(adapter_weights) else adapter_weights
         self.text = text_maker(workload, prompts)
         self.classes = workload.classes
         self.sampling = {c.name: tuple(workload.sampling_of(c).items()) for c in self.classes}
@@ -171,6 +177,13 @@ class _Draw:
                 self.text(workload.shared_prefix.tokens, prefix_rng) for _ in range(workload.shared_prefix.groups)
             ]
             self.prefix_weights = workload.shared_prefix.group_weights()
+
+    def adapter(self) -> str | None:
+        """The LoRA adapter the next request (conversation) names, drawn by weight; None without adapters."""
+        names = self.adapter_names
+        if len(names) <= 1:
+            return names[0] if names else None
+        return names[int(self.adapter_rng.choice(len(names), p=self.adapter_weights))]
 
     def request_class(self, rng: np.random.Generator):
         classes = self.classes
@@ -213,18 +226,21 @@ class _Draw:
         return self.text(n_in, rng, prefix=history), n_in, n_out
 
 
-def _conversations(workload: Workload, prompts: PromptFactory, rng: np.random.Generator) -> Iterator[RequestSpec]:
+def _conversations(
+    workload: Workload, prompts: PromptFactory, rng: np.random.Generator, stream: int = 0
+) -> Iterator[RequestSpec]:
     sessions = workload.sessions
     assert sessions is not None
-    draw = _Draw(workload, prompts)
+    draw = _Draw(workload, prompts, stream)
     limit = sessions.max_context_tokens
     index = session = 0
     while True:
         turns = max(1, int(sessions.turns.sample(rng, 1)[0]))
         text, n_in, n_out, name, reused = draw.first(rng)
+        adapter = draw.adapter()  # a conversation keeps its adapter
         yield RequestSpec(
             index, text, n_in, n_out, name, session=session, turn=0, reused_tokens=reused, sampling=draw.sampling[name],
-            structured=draw.structured[name],
+            structured=draw.structured[name], model=adapter,
         )  # fmt: skip
         index += 1
         for turn in range(1, turns):
@@ -237,7 +253,7 @@ def _conversations(workload: Workload, prompts: PromptFactory, rng: np.random.Ge
             think = float(sessions.think_time_s.sample(rng, 1)[0])
             yield RequestSpec(
                 index, text, n_in, n_out, name, session=session, turn=turn, think_s=think, reused_tokens=reused,
-                sampling=draw.sampling[name], structured=draw.structured[name],
+                sampling=draw.sampling[name], structured=draw.structured[name], model=adapter,
             )  # fmt: skip
             index += 1
         session += 1

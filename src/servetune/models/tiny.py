@@ -3,6 +3,10 @@
 Random weights from a fixed seed, a byte-level tokenizer (one token per byte, so any text
 encodes and token counts are exact), a chat template, safetensors. The same files every time.
 
+:func:`build_tiny_adapter` writes a LoRA adapter for it in PEFT's format (``adapter_config.json`` and
+``adapter_model.safetensors``, rank 8 on ``q_proj`` and ``v_proj``), also random from a fixed seed, that vLLM
+serves with ``--enable-lora --lora-modules NAME=DIR``.
+
 The output head only gives weight to printable ASCII bytes, so the random model streams
 readable text and every generated token decodes to a character on its own (no partial UTF-8
 held back by the detokenizer).
@@ -139,4 +143,58 @@ def build_tiny_model(out: Path, seed: int = SEED) -> Path:
         json.dumps({"bos_token": BOS, "eos_token": EOS, "pad_token": EOS}, indent=2) + "\n"
     )
     save_file(_weights(TINY_CONFIG, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+#: The tiny adapter: PEFT LoRA of this rank on these modules of every layer.
+TINY_LORA_RANK = 8
+TINY_LORA_TARGETS = ("q_proj", "v_proj")
+TINY_LORA_SEED = SEED + 1
+
+
+def tiny_adapter_config(rank: int = TINY_LORA_RANK) -> dict:
+    """The tiny adapter's ``adapter_config.json`` (PEFT's LoRA fields, as vLLM's ``PEFTHelper`` reads them)."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": "tiny",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "target_modules": list(TINY_LORA_TARGETS),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "modules_to_save": None,
+        "use_rslora": False,
+        "use_dora": False,
+    }
+
+
+def _adapter_weights(config: dict, rank: int, seed: int) -> dict[str, np.ndarray]:
+    """lora_A (rank x in) and lora_B (out x rank) for each targeted module, named as PEFT saves them. B is not
+    zero (a freshly initialised PEFT adapter's is), so the adapter changes what the model says."""
+    rng = np.random.default_rng(seed)
+    hidden, head_dim = config["hidden_size"], config["head_dim"]
+    out = {"q_proj": config["num_attention_heads"] * head_dim, "v_proj": config["num_key_value_heads"] * head_dim}
+    tensors: dict[str, np.ndarray] = {}
+    for i in range(config["num_hidden_layers"]):
+        for module in TINY_LORA_TARGETS:
+            name = f"base_model.model.model.layers.{i}.self_attn.{module}"
+            tensors[f"{name}.lora_A.weight"] = (rng.standard_normal((rank, hidden)) / np.sqrt(hidden)).astype(
+                np.float32
+            )
+            tensors[f"{name}.lora_B.weight"] = (rng.standard_normal((out[module], rank)) * 0.02).astype(np.float32)
+    return tensors
+
+
+def build_tiny_adapter(out: Path, rank: int = TINY_LORA_RANK, seed: int = TINY_LORA_SEED) -> Path:
+    """Write a LoRA adapter for the tiny model into ``out`` (created if missing) and return it."""
+    from safetensors.numpy import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "adapter_config.json").write_text(json.dumps(tiny_adapter_config(rank), indent=2, sort_keys=True) + "\n")
+    save_file(
+        _adapter_weights(TINY_CONFIG, rank, seed), str(out / "adapter_model.safetensors"), metadata={"format": "pt"}
+    )
     return out

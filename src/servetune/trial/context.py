@@ -15,6 +15,7 @@ from typing import Any
 
 from servetune.capacity.hardware import ACCELERATOR, gpu_types, ray_accelerator_type
 from servetune.capacity.startup import StartupBudget, startup_budget, unsized
+from servetune.config.adapters import adapter_modules, lora_engine_args
 from servetune.config.space import MODEL_PARAM, SearchSpace
 from servetune.config.workload import Workload
 from servetune.engine.compile_cache import compile_cache_env
@@ -39,6 +40,9 @@ class StudyContext:
         None  # the run's device ledger, when trials through Serve run several at once (device_ledger.py)
     )
     unprune: bool = False  # ``run --resume --unprune``: measure the PRUNED trials, prune none
+    # the workload's LoRA adapters, name -> directory (config/adapters.py adapter_modules); None: resolved (the tiny
+    # adapter built into the study) when a trial's spec is made
+    adapters: dict[str, str] | None = None
 
     def gpu_type(self, params: dict[str, Any]) -> str | None:
         """The Ray accelerator type a trial of ``params`` is pinned to (:func:`pinned_gpu_type`), from the nodes known."""
@@ -53,6 +57,7 @@ class StudyContext:
     ) -> TrialSpec:
         space = self.space
         engine_args, env = space.engine_params(params)
+        engine_args = self._with_adapters(engine_args)
         devices = space.devices(params)
         extra_env: dict[str, str] = {}
         if space.device == "gpu":
@@ -86,6 +91,14 @@ class StudyContext:
             gpu_type=self.gpu_type(params), pricing=space.pricing,
             client_processes=load.client_processes, client_cpus=space.hardware.cpus_per_trial,
         )  # fmt: skip
+
+    def _with_adapters(self, engine_args: dict[str, Any]) -> dict[str, Any]:
+        """A trial's engine arguments with what serving the workload's LoRA adapters needs, unless the space set it."""
+        adapters = self.workload.adapters
+        if not adapters:
+            return engine_args
+        modules = self.adapters if self.adapters is not None else adapter_modules(adapters, self.study_dir / "models")
+        return lora_engine_args(engine_args, modules, max(a.rank for a in adapters))
 
 
 def startup_budget_for(space: SearchSpace, params: dict[str, Any], model: str) -> StartupBudget:
