@@ -91,3 +91,41 @@ def test_export_writes_the_predictive_policy_serve_accepts(capsys):
     loaded = checked.autoscaling_config.policy
     assert loaded.policy_kwargs == deployment["autoscaling_config"]["policy"]["policy_kwargs"]
     assert loaded.get_serialized_policy_def()
+
+
+def test_the_predictive_export_deploys_replicas_that_record_the_signals_the_policy_reads(capsys):
+    """Ray Serve LLM loads the named class and builds the LLM deployment from it, under the name serve-check and
+    verify look for; the in-flight export keeps Ray's own LLMServer."""
+    from ray.serve.llm import LLMConfig, build_openai_app
+
+    from servetune.serve.replica import LLMServer
+
+    configs = {}
+    for policy in ("inflight", "predictive"):
+        assert main(["export", str(STUDY), "--pick", BASELINE, "--format", "ray-serve",
+                     "--autoscaling-policy", policy]) == 0  # fmt: skip
+        text = capsys.readouterr().out
+        configs[policy] = yaml.safe_load(text)["applications"][0]["args"]["llm_configs"][0]
+    assert "server_cls" not in configs["inflight"]
+    assert LLMConfig(**configs["predictive"]).server_cls is LLMServer
+    assert f"# Replicas: {configs['predictive']['server_cls']}, " in text
+    app = build_openai_app({"llm_configs": [configs["predictive"]]})
+    (llm,) = app._bound_deployment.init_kwargs["llm_deployments"].values()
+    deployment = llm._bound_deployment
+    assert deployment.name.startswith("LLMServer:") and issubclass(deployment.func_or_class, LLMServer)
+    assert "record_autoscaling_stats" in vars(LLMServer)
+
+
+def test_serve_checks_predictive_ramp_deploys_the_same_replicas_and_health_check_as_export():
+    from servetune.report.export import health_check_config, pick_point
+    from servetune.serve.plan import autoscaled_llm_config
+
+    report = build_report(load_study(STUDY))
+    point = pick_point(report, "best")
+    derived = derive_autoscaling([p for p in report.points if p.trial_id == point.trial_id],
+                                 [str(s) for s in report.slo])  # fmt: skip
+    predictive = autoscaled_llm_config(point, derived.with_policy("predictive").deployment_config())
+    inflight = autoscaled_llm_config(point, derived.deployment_config())
+    assert predictive["server_cls"] == "servetune.serve.replica:LLMServer" and "server_cls" not in inflight
+    for config in (predictive, inflight):
+        assert health_check_config().items() <= config["deployment_config"].items()
