@@ -125,7 +125,8 @@ HEALTH_CHECK_WHY = (
     "verify's replica_lost measured on vLLM 0.32 and Ray 2.60 with Serve's defaults: a replica whose engine was "
     "killed answered 5xx for 40 s, until Serve's health check marked it dead. vLLM's check_health fails at once "
     "on a dead engine and Serve marks a replica dead after 3 failed checks in a row, so it is found within about "
-    f"4 periods: {4 * HEALTH_CHECK_PERIOD_S:g} s at {HEALTH_CHECK_PERIOD_S:g} s. The timeout is for a replica "
+    f"4 periods: {4 * HEALTH_CHECK_PERIOD_S:g} s at {HEALTH_CHECK_PERIOD_S:g} s (by hand with these settings, one "
+    "replica on a shared two-core host: it left RUNNING 16 s after its EngineCore was killed). The timeout is for a replica "
     f"that does not answer at all (3 x {HEALTH_CHECK_TIMEOUT_S:g} s, against 90 s); no shorter, so a replica busy "
     "under load is not taken for dead"
 )
