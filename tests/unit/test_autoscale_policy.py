@@ -91,3 +91,40 @@ def test_export_writes_the_predictive_policy_serve_accepts(capsys):
     loaded = checked.autoscaling_config.policy
     assert loaded.policy_kwargs == deployment["autoscaling_config"]["policy"]["policy_kwargs"]
     assert loaded.get_serialized_policy_def()
+
+
+def test_the_predictive_export_deploys_replicas_that_record_the_signals_the_policy_reads(capsys):
+    """Ray Serve LLM loads the named class (its builders deploy ``LLMConfig.server_cls`` as
+    ``<class name>:<model id>``, so it keeps the name serve-check and verify look for); the in-flight export keeps
+    Ray's own LLMServer. (Building the app here would start a Ray: the by-hand check deploys it.)"""
+    from ray.serve.llm import LLMConfig
+    from ray.serve.llm.deployment import LLMServer as RayLLMServer
+
+    from servetune.serve.replica import LLMServer
+
+    configs = {}
+    for policy in ("inflight", "predictive"):
+        assert main(["export", str(STUDY), "--pick", BASELINE, "--format", "ray-serve",
+                     "--autoscaling-policy", policy]) == 0  # fmt: skip
+        text = capsys.readouterr().out
+        configs[policy] = yaml.safe_load(text)["applications"][0]["args"]["llm_configs"][0]
+    assert "server_cls" not in configs["inflight"]
+    assert LLMConfig(**configs["predictive"]).server_cls is LLMServer
+    assert f"# Replicas: {configs['predictive']['server_cls']}, " in text
+    assert issubclass(LLMServer, RayLLMServer) and LLMServer.__name__ == RayLLMServer.__name__
+    assert "record_autoscaling_stats" in vars(LLMServer) and not hasattr(RayLLMServer, "record_autoscaling_stats")
+
+
+def test_serve_checks_predictive_ramp_deploys_the_same_replicas_and_health_check_as_export():
+    from servetune.report.export import health_check_config, pick_point
+    from servetune.serve.plan import autoscaled_llm_config
+
+    report = build_report(load_study(STUDY))
+    point = pick_point(report, "best")
+    derived = derive_autoscaling([p for p in report.points if p.trial_id == point.trial_id],
+                                 [str(s) for s in report.slo])  # fmt: skip
+    predictive = autoscaled_llm_config(point, derived.with_policy("predictive").deployment_config())
+    inflight = autoscaled_llm_config(point, derived.deployment_config())
+    assert predictive["server_cls"] == "servetune.serve.replica:LLMServer" and "server_cls" not in inflight
+    for config in (predictive, inflight):
+        assert health_check_config().items() <= config["deployment_config"].items()

@@ -14,7 +14,7 @@ import yaml
 
 from servetune.errors import UserError
 from servetune.report import ReportPoint
-from servetune.report.export import ray_serve_app, ray_serve_yaml, vllm_command
+from servetune.report.export import health_check_config, ray_serve_app, ray_serve_yaml, vllm_command
 
 
 def point(engine_args: dict, env: dict | None = None, device: str = "gpu", concurrency: float = 16.0) -> ReportPoint:
@@ -90,7 +90,9 @@ def test_rate_levels_set_no_target_and_gpu_without_accelerator_type_says_so():
     text = ray_serve_yaml(p)
     assert "# accelerator_type unknown" in text
     config = yaml.safe_load(text)["applications"][0]["args"]["llm_configs"][0]
-    assert config["deployment_config"] == {"autoscaling_config": {"min_replicas": 1, "max_replicas": 1}}
+    assert config["deployment_config"] == {
+        "autoscaling_config": {"min_replicas": 1, "max_replicas": 1}, **health_check_config()
+    }  # fmt: skip
 
 
 def test_accelerator_type_on_a_cpu_study_is_a_user_error():
@@ -116,3 +118,20 @@ def test_a_gpu_replica_is_packed_on_one_node_of_its_type_as_ray_serve_llm_reads_
     assert engine.placement_strategy == strategy
     assert len(engine.placement_bundles) == engine.num_devices
     assert all(b["GPU"] == 1 and b["accelerator_type:H100"] > 0 for b in engine.placement_bundles)
+
+
+def test_the_llm_deployment_is_health_checked_sooner_than_serves_defaults_and_the_yaml_says_why():
+    """A dead engine is found within a few periods: vLLM's check fails at once on it, and Serve marks a replica dead
+    after its threshold of failed checks in a row; with Serve's defaults that took 40 s in verify's replica_lost."""
+    from ray.serve._private import constants
+    from ray.serve._private.config import DeploymentConfig
+
+    text = ray_serve_yaml(point({}, device="cpu"))
+    (config,) = yaml.safe_load(text)["applications"][0]["args"]["llm_configs"]
+    checked = DeploymentConfig(**config["deployment_config"])  # the installed Serve's own validation
+    assert checked.health_check_period_s < constants.DEFAULT_HEALTH_CHECK_PERIOD_S
+    assert checked.health_check_timeout_s < constants.DEFAULT_HEALTH_CHECK_TIMEOUT_S
+    found_within_s = checked.health_check_period_s * (constants.REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD + 1)
+    assert found_within_s <= 10  # "a few seconds", against the 40 s measured
+    why = next(line for line in text.splitlines() if line.startswith("# Health check: "))
+    assert "replica_lost" in why and "40 s" in why and f"{found_within_s:g} s" in why

@@ -22,6 +22,7 @@ from servetune.engine.launch import VLLM_CPU_SERVE_LINE
 from servetune.errors import UserError
 from servetune.report.admission import AdmissionBounds, derive_admission
 from servetune.report.autoscale import Autoscaling, derive_autoscaling
+from servetune.report.autoscale_policy import KV_METRIC, WAITING_METRIC
 from servetune.report.build import StudyReport
 from servetune.report.points import ReportPoint, first_line, level_label
 from servetune.report.serving import LayoutChoice, RouterChoice, StreamBatchingChoice
@@ -115,6 +116,31 @@ def vllm_command(point: ReportPoint, admission: AdmissionBounds | str | None = N
     return note + command + "\n"
 
 
+#: The LLM deployment's health check. Serve's defaults check every 10 s, give a check 30 s, and mark a replica dead
+#: after 3 failed checks in a row (``REPLICA_HEALTH_CHECK_UNHEALTHY_THRESHOLD``).
+HEALTH_CHECK_PERIOD_S = 2.0
+HEALTH_CHECK_TIMEOUT_S = 10.0
+HEALTH_CHECK_WHY = (
+    f"every {HEALTH_CHECK_PERIOD_S:g} s, {HEALTH_CHECK_TIMEOUT_S:g} s to answer (Serve's defaults: 10 s, 30 s). "
+    "verify's replica_lost measured on vLLM 0.32 and Ray 2.60 with Serve's defaults: a replica whose engine was "
+    "killed answered 5xx for 40 s, until Serve's health check marked it dead. vLLM's check_health fails at once "
+    "on a dead engine and Serve marks a replica dead after 3 failed checks in a row, so it is found within about "
+    f"4 periods: {4 * HEALTH_CHECK_PERIOD_S:g} s at {HEALTH_CHECK_PERIOD_S:g} s (by hand with these settings, one "
+    "replica on a shared two-core host: it left RUNNING 16 s after its EngineCore was killed). The timeout is for a replica "
+    f"that does not answer at all (3 x {HEALTH_CHECK_TIMEOUT_S:g} s, against 90 s); no shorter, so a replica busy "
+    "under load is not taken for dead"
+)
+
+
+def health_check_config() -> dict[str, float]:
+    """The health-check fields of the LLM deployment's ``deployment_config`` (:data:`HEALTH_CHECK_WHY`)."""
+    return {"health_check_period_s": HEALTH_CHECK_PERIOD_S, "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S}
+
+
+#: The predictive policy's replica class (serve/replica.py, named here as Serve imports it: report/ sits below serve/).
+SIGNALS_SERVER_CLASS = "servetune.serve.replica:LLMServer"
+
+
 def ray_serve_app(
     point: ReportPoint, accelerator_type: str | None = None, app_name: str = "llm", autoscaling: Autoscaling | None = None,
     router_class: str | None = None,
@@ -127,7 +153,10 @@ def ray_serve_app(
     measured knee, :mod:`servetune.report.autoscale`) the deployment config is that; without, the
     replicas are fixed (``min_replicas = max_replicas = DP``) and the measured concurrency per
     replica becomes ``target_ongoing_requests``. ``router_class`` sets the deployment's
-    ``request_router_config`` (None: Serve's default router).
+    ``request_router_config`` (None: Serve's default router). The deployment's health check is
+    :func:`health_check_config`. Under the predictive policy the replicas are ``serve/replica.py``'s
+    (``server_cls``), which record the engine signals the policy reads (not with the DP builder, which
+    takes no ``server_cls``).
     """
     kwargs = masked_engine_args(point)
     # Ray Serve LLM chooses the executor itself (Ray on GPUs, mp on CPUs) and refuses another one.
@@ -153,6 +182,7 @@ def ray_serve_app(
         "engine_kwargs": kwargs,
         "deployment_config": {"autoscaling_config": fixed} if autoscaling is None else autoscaling.deployment_config(),
     }
+    config["deployment_config"].update(health_check_config())
     if router_class:
         config["deployment_config"]["request_router_config"] = {"request_router_class": router_class}
     batching = point.params.get(SERVE_STREAM_BATCHING)
@@ -177,6 +207,8 @@ def ray_serve_app(
     else:
         args = {"llm_configs": [config]}
         import_path = "ray.serve.llm:build_openai_app"
+        if autoscaling is not None and autoscaling.policy == "predictive":
+            config["server_cls"] = SIGNALS_SERVER_CLASS
     return {"applications": [{"name": app_name, "route_prefix": "/", "import_path": import_path, "args": args}]}
 
 
@@ -230,6 +262,7 @@ def ray_serve_yaml(
     elif autoscaling is not None:
         header += "# Autoscaling derived from the study's measurements (checklist sections 10 and 11):\n"
         header += "".join(f"#   {name}: {why}\n" for name, why in autoscaling.reasons.items())
+    header += f"# Health check: {HEALTH_CHECK_WHY}.\n"
     if not accelerator_type and point.device == "gpu":
         header += "# accelerator_type unknown: add it (e.g. H100) or pass --accelerator-type.\n"
     router_class = None
@@ -250,6 +283,9 @@ def ray_serve_yaml(
                    f"measured the replicas{was}\n")  # fmt: skip
         point = dataclasses.replace(point, params={**point.params, SERVE_STREAM_BATCHING: stream_batching.interval_ms})
     app = ray_serve_app(point, accelerator_type, autoscaling=autoscaling, router_class=router_class)
+    if any(c.get("server_cls") == SIGNALS_SERVER_CLASS for c in app["applications"][0]["args"].get("llm_configs", [])):
+        header += (f"# Replicas: {SIGNALS_SERVER_CLASS}, Ray Serve LLM's LLMServer that also records its engine's "
+                   f"{WAITING_METRIC} and {KV_METRIC} (read on Ray's metrics agent) for the predictive policy.\n")  # fmt: skip
     if layout is not None:
         args = app["applications"][0]["args"]
         for config in args.get("llm_configs") or [args.get("llm_config")]:

@@ -6,15 +6,21 @@ metrics through Ray's metrics agent (``log_engine_metrics``, on by default), ren
 unique id). :func:`replicas_snapshot` keeps the given replicas' samples from the agents' texts (one
 per node), reads each replica as vLLM's own text would read (``engine.metrics``), and adds them up:
 the deployment as one server, queue and KV usage included. Pure; ``serve/cluster.py`` reads the agents.
+
+:class:`EngineSignals` is the one reader here: a replica's own requests waiting and KV-cache usage, from its
+node's agent, for the predictive autoscaling policy (``serve/replica.py`` records them for Serve).
 """
 
 from __future__ import annotations
 
+import urllib.request
 from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from servetune.engine.metrics import GAUGES, MetricsSnapshot, lines_of
+from servetune.report.autoscale_policy import KV_METRIC, WAITING_METRIC
 
 #: How Ray's metrics agent names vLLM's metrics: ``vllm:num_requests_waiting`` -> ``ray_vllm_num_requests_waiting``.
 RAY_PREFIX, VLLM_PREFIX = "ray_vllm_", "vllm:"
@@ -50,6 +56,52 @@ def replicas_snapshot(
     (:meth:`MetricsSnapshot.combined`); None when no sample of theirs is there."""
     found = replica_snapshots(texts, replica_ids, gauges_only)
     return MetricsSnapshot.combined(list(found.values())) if found else None
+
+
+#: The predictive policy's names (``record_autoscaling_stats``) of the gauges read (``engine.metrics.GAUGES``).
+AUTOSCALING_GAUGES = {"requests_waiting": WAITING_METRIC, "kv_cache_usage": KV_METRIC}
+#: How long a replica waits for its node's metrics agent: within the 10 s Serve gives ``record_autoscaling_stats``
+#: (``RAY_SERVE_RECORD_AUTOSCALING_STATS_TIMEOUT_S``).
+SIGNALS_TIMEOUT_S = 5.0
+
+
+def autoscaling_signals(text: str, replica_id: str) -> dict[str, float]:
+    """One replica's engine signals in an agent's ``text``, named as the predictive policy reads them
+    (``num_requests_waiting``: all its engines' waiting requests; ``kv_cache_usage``: 0..1, the fullest engine's);
+    a signal with no sample of that replica there is left out (the policy then goes without it)."""
+    snap = replica_snapshots([text], {replica_id}, gauges_only=True).get(replica_id)
+    if snap is None:
+        return {}
+    return {ours: snap.gauges[gauge] for gauge, ours in AUTOSCALING_GAUGES.items() if gauge in snap.gauges}
+
+
+@dataclass(frozen=True)
+class EngineSignals:
+    """Where one Serve replica's engine signals are read: its node's metrics agent (``url``, Prometheus text)
+    and the replica's id, the ``ReplicaId`` label vLLM gives the replica's metrics there. The agent exports
+    what a worker reported one report interval ago (Ray's ``metrics_report_interval_ms``, 10 s by default)."""
+
+    url: str
+    replica_id: str
+    timeout_s: float = SIGNALS_TIMEOUT_S
+
+    def read(self) -> dict[str, float]:
+        """The replica's signals now (:func:`autoscaling_signals`); OSError when the agent does not answer."""
+        with urllib.request.urlopen(self.url, timeout=self.timeout_s) as resp:
+            return autoscaling_signals(resp.read().decode(), self.replica_id)
+
+    @classmethod
+    def of_this_replica(cls) -> EngineSignals:
+        """The signals of the Serve replica this runs in, read on its own node's agent; LookupError where
+        Ray reports no metrics export port for the node."""
+        import ray
+        from ray import serve
+
+        here = ray.get_runtime_context().get_node_id()
+        port = next((n.get("MetricsExportPort") for n in ray.nodes() if n.get("NodeID") == here), None)
+        if not port:
+            raise LookupError(f"Ray reports no metrics export port for node {here}")
+        return cls(f"http://127.0.0.1:{port}/metrics", serve.get_replica_context().replica_id.unique_id)
 
 
 class ReplicaCounts:

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from servetune.errors import UserError
-from servetune.report.export import ray_serve_app
+from servetune.report.autoscale_policy import POLICY_FUNCTION
+from servetune.report.export import SIGNALS_SERVER_CLASS, health_check_config, ray_serve_app
 from servetune.report.points import ReportPoint
 from servetune.secrets import MASK
 
@@ -104,9 +105,13 @@ def llm_config(
 
 
 def autoscaled_llm_config(point: ReportPoint, deployment_config: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``LLMConfig`` of :func:`llm_config` with the derived autoscaling's deployment config."""
+    """The ``LLMConfig`` of :func:`llm_config` with the derived autoscaling's deployment config (and the health check
+    export sets); under the predictive policy its replicas record the engine signals it reads, as exported."""
     config = llm_config(point, 1)
-    config["deployment_config"] = copy.deepcopy(dict(deployment_config))
+    config["deployment_config"] = health_check_config() | copy.deepcopy(dict(deployment_config))
+    policy = (deployment_config.get("autoscaling_config") or {}).get("policy") or {}
+    if policy.get("policy_function") == POLICY_FUNCTION:
+        config["server_cls"] = SIGNALS_SERVER_CLASS
     return config
 
 
