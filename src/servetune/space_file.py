@@ -33,22 +33,27 @@ from servetune.config.space import (
     Range,
     SearchSpace,
 )
+from servetune.config.workload import Workload
 from servetune.engine.args import validate_engine_args
 from servetune.errors import UserError
 from servetune.models.names import is_hub_id
 from servetune.models.tiny import TINY_CONFIG
 from servetune.quality import lm_eval
 from servetune.quality.suites import load_suite
+from servetune.results import SPACE_FILE
 
 
-def load_space(path: str | Path, argspecs: dict | None = None) -> SearchSpace:
+def load_space(path: str | Path, argspecs: dict | None = None, base_dir: Path | None = None) -> SearchSpace:
     """Load and check a search space; every problem is one line naming the file and field.
 
     With ``argspecs`` (vLLM's options, see :func:`servetune.engine.args.load_argspecs`), the
-    names of parameters and fixed engine arguments are checked against vLLM's parser.
+    names of parameters and fixed engine arguments are checked against vLLM's parser. The files the
+    space names (its workload, and the workload's adapters, length files, trace and text; quality
+    suites) are relative to ``base_dir``, by default the space file's own folder.
     """
     path = Path(path)
-    space = load_yaml_model(path, SearchSpace)
+    base = path.parent if base_dir is None else base_dir
+    space = load_yaml_model(path, SearchSpace, base_dir=base)
     fixed = {k: v for k, v in space.engine_args.items() if not speculative.is_speculative(k)}
     if space.speculative_values({}) or any(speculative.is_speculative(n) for n in space.params):
         fixed["speculative_config"] = None  # the option the speculative.* fields become: vLLM's parser must know it
@@ -67,7 +72,7 @@ def load_space(path: str | Path, argspecs: dict | None = None) -> SearchSpace:
             raise UserError(f"{path}: {field}: {exc}") from None
     _check_constraint_names(space, path)
     _check_gpus(space, path)
-    _check_mtp(space, path)
+    _check_mtp(space, path, base)
     if space.through_serve:
         _check_serve(space, path)
     else:
@@ -77,7 +82,7 @@ def load_space(path: str | Path, argspecs: dict | None = None) -> SearchSpace:
         raise UserError(f"{path}: hardware.devices_per_node: a node has {space.hardware.devices_per_node}, but a trial "
                         f"needs {fewest} devices or more (tensor x pipeline x data parallel size)")  # fmt: skip
     try:
-        workload = space.resolved_workload(path.parent)
+        workload = space.resolved_workload(base)
         if space.slo.structured_valid is not None and not workload.asks_structured:
             raise UserError(f"{path}: slo.structured_valid: the workload '{workload.name}' asks for no structured "
                             "output (give a request class structured:), so no level would measure it")  # fmt: skip
@@ -93,16 +98,41 @@ def load_space(path: str | Path, argspecs: dict | None = None) -> SearchSpace:
         reasons = sorted({r for _, broken in rejected for r in broken})
         raise UserError(f"{path}: constraints: they exclude every point of the space ({'; '.join(reasons)[:300]})")
     if space.quality is not None:
-        _check_quality(space, path)
+        _check_quality(space, path, base)
     return space
 
 
-def _check_quality(space: SearchSpace, path: Path) -> None:
+def load_study_space(study_dir: Path, space_file: str) -> tuple[SearchSpace, Workload]:
+    """The space a study keeps (``study_dir``/space.yaml) and its workload, with every file they name found where
+    the study's trials found it: relative to the space file the study ran (``space_file``, from study.json).
+
+    The kept copy is the user's file as it was; the files it names stay where the user keeps them (as a local
+    model does), so the workload and each trial's id are the ones the study measured. Studies that recorded a
+    relative ``space_file`` (before it was made absolute) are tried from there, the study folder, then the
+    working folder. A file that is gone is one line naming the kept space file and the field.
+    """
+    path = study_dir / SPACE_FILE
+    if not path.is_file():
+        raise UserError(f"{path}: no such file (the study keeps the space it ran there)")
+    recorded = Path(space_file).parent
+    bases = [recorded] if recorded.is_absolute() else [recorded, study_dir, Path.cwd()]
+    first: UserError | None = None
+    for base in dict.fromkeys(bases):
+        try:
+            space = load_space(path, base_dir=base)
+            return space, space.resolved_workload(base)
+        except UserError as exc:
+            first = first or exc
+    assert first is not None
+    raise first
+
+
+def _check_quality(space: SearchSpace, path: Path, base: Path) -> None:
     """Every suite readable, and a reference that is a configuration of the study."""
     assert space.quality is not None
     for index, suite in enumerate(space.quality.suites):
         try:
-            load_suite(suite, path.parent)
+            load_suite(suite, base)
         except UserError as exc:
             raise UserError(f"{path}: quality.suites[{index}]: {exc}") from None
     names = [suite_name(s) for s in space.quality.suites]
@@ -112,7 +142,7 @@ def _check_quality(space: SearchSpace, path: Path) -> None:
         )
     if space.quality.lm_eval is not None:  # installed, its include path, its tasks: before any engine starts
         try:
-            lm_eval.check(space.quality.lm_eval, path.parent)
+            lm_eval.check(space.quality.lm_eval, base)
         except UserError as exc:
             raise UserError(f"{path}: quality.lm_eval: {exc}") from None
     reference = space.quality.reference
@@ -165,7 +195,7 @@ def _check_executors(space: SearchSpace, path: Path) -> None:
             )
 
 
-def _check_mtp(space: SearchSpace, path: Path) -> None:
+def _check_mtp(space: SearchSpace, path: Path, base: Path) -> None:
     """MTP drafts with heads the checkpoint itself carries: every checkpoint a space may serve with it must
     declare them (``num_nextn_predict_layers``). Read for ``tiny``, local directories and hub ids whose config is
     in the local Hugging Face cache; nothing is downloaded here (where the config is not at hand, vLLM refuses at
@@ -177,7 +207,7 @@ def _check_mtp(space: SearchSpace, path: Path) -> None:
     field = f"params.{speculative.METHOD}" if isinstance(listed, list) else f"engine_args.{speculative.METHOD}"
     models = space.params.get(MODEL_PARAM)
     for model in models if isinstance(models, list) else [space.model]:
-        config = _hf_config(str(model), path.parent)
+        config = _hf_config(str(model), base)
         if config is not None and speculative.mtp_layers(config) == 0:
             raise UserError(
                 f"{path}: {field}: mtp needs a checkpoint with multi-token-prediction heads; {model}'s config declares "

@@ -1,6 +1,8 @@
 """``servetune bench`` as a user runs it, against the fake server (``--url``) and on bad input."""
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -192,3 +194,63 @@ def test_without_json_the_engine_log_is_removed_unless_vllm_failed(
         assert code == 0 and list(temp.glob("servetune-bench-*")) == [], err
         assert f"(log: {temp}/servetune-bench-" in err and "removed at the end unless vLLM fails" in err, err
     assert processes_mentioning(fake_python) == []
+
+
+LORA_WORKLOAD = (
+    "name: lora\ninput_tokens: {dist: fixed, value: 8}\noutput_tokens: {dist: fixed, value: 4}\n"
+    "adapters:\n  - {name: tiny-a, path: tiny}\n"
+)
+
+
+@pytest.mark.parametrize("outcome", ["finished", "failed to start", "--json"])
+def test_bench_builds_the_tiny_adapter_where_it_cleans_up(
+    tmp_path, capsys, tiny_model, fake_python, monkeypatch, outcome
+):
+    """Without --json the tiny adapter is built beside the temporary engine log and removed with it (the log alone is
+    kept when the engine failed); with --json it is built beside the result, as the log is."""
+    import servetune.cli.bench as bench
+
+    logs: list[Path] = []
+
+    def engine_log_path(json_out):
+        logs.append(real_log_path(json_out))
+        return logs[-1]
+
+    real_log_path = bench.engine_log_path
+    monkeypatch.setattr(bench, "engine_log_path", engine_log_path)
+    adapters: list[Path] = []
+
+    class Recording(bench.VllmServer):
+        def __init__(self, model, engine_args, *args, **kwargs):
+            (module,) = engine_args["lora_modules"]
+            adapters.append(Path(module.removeprefix("tiny-a=")))
+            assert (adapters[-1] / "adapter_config.json").is_file()  # built before the engine starts
+            super().__init__(model, engine_args, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "VllmServer", Recording)
+    if outcome == "failed to start":
+        monkeypatch.setenv("SERVETUNE_FAKE_FAIL_STARTUP", "1")
+    workload = tmp_path / "lora.yaml"
+    workload.write_text(LORA_WORKLOAD)
+    out_file = tmp_path / "res" / "bench.json"
+    json_args = ["--json", str(out_file)] if outcome == "--json" else []
+    code, _, err = run_cli(
+        capsys, "--model", str(tiny_model), "--python", str(fake_python), "--workload", str(workload),
+        "--concurrency", "1", "--num-requests", "2", "--warmup-requests", "0", "--startup-timeout", "60", *json_args,
+    )  # fmt: skip
+    (adapter,), (log,) = adapters, logs
+    if outcome == "--json":
+        assert code == 0, err
+        assert adapter == (out_file.parent / "models" / "tiny-lora").resolve() and adapter.is_dir()
+        assert BenchResult.model_validate_json(out_file.read_text()).engine_args["lora_modules"] == [
+            f"tiny-a={adapter}"
+        ]
+        return
+    assert not adapter.exists()
+    if outcome == "finished":
+        assert code == 0, err
+        assert not log.parent.exists()  # nothing of the run is left
+    else:
+        assert code != 0
+        assert [p.name for p in log.parent.iterdir()] == [log.name]  # vLLM's log, kept to read; the adapter is gone
+        shutil.rmtree(log.parent)

@@ -264,9 +264,6 @@ def run(args: argparse.Namespace) -> int:
                 f"vLLM is not installed for {args.python} (install servetune[cpu] or servetune[gpu], or pass --python)"
             )
         engine_args = validate_engine_args(raw_engine_args, specs)
-        if workload.adapters:  # the tiny adapter is built beside --json (else in a temporary directory)
-            build_dir = args.json.parent / "models" if args.json is not None else Path(tempfile.mkdtemp("-servetune"))
-            engine_args = workload.adapter_engine_args(engine_args, build_dir)
         if args.served_model_name:
             engine_args["served_model_name"] = args.served_model_name
         served = args.served_model_name or args.model
@@ -295,6 +292,9 @@ def run(args: argparse.Namespace) -> int:
         log_path = engine_log_path(args.json)
         finished = False
         try:
+            if workload.adapters:  # the tiny adapter is built beside --json, else beside the temporary log (removed)
+                engine_args = workload.adapter_engine_args(engine_args, log_path.parent / MODELS_DIR)
+                result.engine_args = redact_engine_args(engine_args)
             server = VllmServer(
                 args.model, engine_args, env, log_path=log_path, python=args.python,
                 startup_timeout_s=args.startup_timeout, argspecs=specs, cpu_ranks=cpu_ranks(engine_args, version),
@@ -393,6 +393,10 @@ def run_levels(console, url, served, workload, prompts, plans, slo, args, result
         make_console().print(level_table(result.levels, slo, title="all levels"))
 
 
+#: Where bench builds the tiny adapter a workload names: beside ``--json OUT``, else beside the temporary log.
+MODELS_DIR = "models"
+
+
 def engine_log_path(json_out: Path | None) -> Path:
     """vLLM's log: ``<stem>.engine.log`` beside ``--json OUT``, else in a new temporary directory."""
     if json_out is not None:
@@ -401,7 +405,9 @@ def engine_log_path(json_out: Path | None) -> Path:
 
 
 def settle_temporary_log(log_path: Path, keep: bool, console) -> None:
-    """Remove the temporary log's directory after a run that finished; keep it, and say where, after one that did not."""
+    """Remove the temporary log's directory after a run that finished; keep it, and say where, after one that did not
+    (the models built beside it, the tiny adapter, are removed either way)."""
+    shutil.rmtree(log_path.parent / MODELS_DIR, ignore_errors=True)
     if keep:
         console.print(f"vLLM's log is kept at {log_path}", soft_wrap=True)  # one line: a path to copy
     else:

@@ -13,7 +13,10 @@ from servetune.errors import UserError
 M = TypeVar("M", bound=BaseModel)
 
 #: Tags of the tagged unions in servetune's config models (workload lengths, parameter values).
-UNION_TAGS = {"fixed", "uniform", "normal", "lognormal", "empirical", "exponential", "values", "range"}
+UNION_TAGS = {
+    "fixed", "uniform", "normal", "lognormal", "empirical", "exponential", "values", "range",
+    "workload-named", "workload-inline",
+}  # fmt: skip
 
 
 def describe_validation_error(exc: ValidationError, source: str) -> str:

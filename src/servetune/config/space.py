@@ -51,6 +51,9 @@ MODEL_PARAM = "model"  # a parameter naming checkpoints, not an engine argument
 #: A parameter naming GPU types to compare (catalogue names, as ``hardware.gpu``): each trial runs on its own type.
 GPU_PARAM = "gpu"
 SERVE_PREFIX = "serve."
+#: Tags of the space's ``workload`` (a name or path, or the workload itself): an invalid inline workload's error
+#: names its own field, not that the workload is not a string (config/loading.py leaves the tags out).
+WORKLOAD_NAMED, WORKLOAD_INLINE = "workload-named", "workload-inline"
 #: Replicas of the engine behind one Ray Serve LLM application: the trial runs through Serve.
 SERVE_REPLICAS = SERVE_PREFIX + "num_replicas"
 #: Ray Serve LLM's stream batching (``experimental_configs.stream_batching_interval_ms``): a replica
@@ -129,7 +132,10 @@ class SearchSpace(BaseModel):
     description: str = ""
     model: str  # a directory, a hub id, or "tiny" (servetune builds its CPU test model)
     device: Literal["gpu", "cpu"] = "gpu"
-    workload: str | Workload
+    workload: Annotated[  # a shipped workload's name or a file's path, or the workload itself
+        Annotated[str, Tag(WORKLOAD_NAMED)] | Annotated[Workload, Tag(WORKLOAD_INLINE)],
+        Discriminator(lambda value: WORKLOAD_NAMED if isinstance(value, str) else WORKLOAD_INLINE),
+    ]
     load: LoadProtocol = LoadProtocol()
     slo: SloSpec = SloSpec()
     # USD per GPU-hour (CPU core-hour on CPU); set, it overrides the price list for every GPU type

@@ -54,7 +54,7 @@ class StudyInfo(BaseModel):
     schema_version: int = 1  # files from before the version was written read as 1
     name: str
     created: str
-    space_file: str  # copied beside study.json as space.yaml
+    space_file: str  # absolute (relative to the working folder before); copied beside study.json as space.yaml
     model: str
     workload: str
     device: Literal["gpu", "cpu"]

@@ -7,7 +7,6 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from servetune.config.loading import load_yaml_model
 from servetune.config.slo import Slo
 from servetune.config.space import SearchSpace
 from servetune.config.workload import Workload
@@ -17,7 +16,8 @@ from servetune.report import build_report, load_study
 from servetune.report.export import pick_point
 from servetune.report.operating import DEFAULT_HEADROOM, OperatingLoad, operating_point_of
 from servetune.report.points import ReportPoint
-from servetune.results import SPACE_FILE, TrialResult
+from servetune.results import TrialResult
+from servetune.space_file import load_study_space
 from servetune.trial.context import resolve_levels
 from servetune.trial.measure import LevelPlan
 
@@ -60,11 +60,7 @@ def read_picked(study_dir: Path, pick: str, headroom: float = DEFAULT_HEADROOM) 
     report = build_report(loaded)
     point = pick_point(report, pick)
     trial = next(t for t in loaded.trials if t.trial_id == point.trial_id)
-    space_path = study_dir / SPACE_FILE
-    if not space_path.is_file():
-        raise UserError(f"{space_path}: no such file (serve-check measures with the study's workload and ladder)")
-    space = load_yaml_model(space_path, SearchSpace)
-    workload = space.resolved_workload(study_dir)
+    space, workload = load_study_space(study_dir, loaded.info.space_file)
     load = space.load
     plans = tuple(
         LevelPlan.sized(level, load.requests_per_level, load.seconds_per_level, load.warmup_requests)

@@ -266,7 +266,7 @@ def study_info(
     return StudyInfo(
         schema_version=SCHEMA_VERSION, name=space.name,
         created=dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        space_file=str(space_path), model=model,
+        space_file=str(space_path.resolve()), model=model,
         workload=space.workload if isinstance(space.workload, str) else space.workload.name,
         device=space.device, algorithm=space.search.algorithm,
         objectives=[(o.metric, o.mode) for o in space.search.objectives],

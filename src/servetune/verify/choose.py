@@ -33,8 +33,8 @@ from servetune.report.operating import DEFAULT_HEADROOM, OperatingLoad, operatin
 from servetune.report.points import ReportPoint, first_line
 from servetune.report.recommend import candidates
 from servetune.report.study import LoadedStudy
-from servetune.results import SPACE_FILE, TRIALS_DIR, StudyInfo, TrialResult, read_result
-from servetune.space_file import load_space
+from servetune.results import TRIALS_DIR, StudyInfo, TrialResult, read_result
+from servetune.space_file import load_study_space
 from servetune.trial.context import StudyContext, resolve_levels
 from servetune.trial.runner import TrialSpec
 
@@ -65,15 +65,6 @@ class Selection:
     report: StudyReport
     winner: Chosen
     runner_up: Chosen | None
-
-
-def _workload(space: SearchSpace, info: StudyInfo, study_dir: Path) -> Workload:
-    for base in (Path(info.space_file).parent, study_dir, Path.cwd()):
-        try:
-            return space.resolved_workload(base)
-        except UserError:
-            continue
-    return space.resolved_workload(study_dir)  # raises the one-line error naming the workload
 
 
 def _level(point: ReportPoint, levels: tuple[Level, ...], workload: Workload) -> Level:
@@ -208,13 +199,7 @@ class _Rebuild:
     @classmethod
     def of(cls, study_dir: Path, study: LoadedStudy, report: StudyReport, python: str,
            headroom: float = DEFAULT_HEADROOM) -> _Rebuild:  # fmt: skip
-        space_path = study_dir / SPACE_FILE
-        if not space_path.is_file():
-            raise UserError(
-                f"{space_path}: no such file (verify starts the trial's configuration from the study's space)"
-            )
-        space = load_space(space_path)
-        workload = _workload(space, study.info, study_dir)
+        space, workload = load_study_space(study_dir, study.info.space_file)
         model = study.info.model
         if model.startswith("/") and not Path(model).is_dir():
             if space.model != "tiny":
