@@ -9,11 +9,20 @@ version this environment has.
 from __future__ import annotations
 
 import sys
+from html import escape as html_escape
 
 import pytest
 
 from servetune.engine import args as engine_args
 from servetune.engine.args import load_argspecs, structured_backend_problems
+from servetune.load.client import stream_error
+from servetune.metrics import RequestRecord, summarize
+from servetune.report.build import build_report
+from servetune.report.html import render_html
+from servetune.report.markdown import render_markdown
+from servetune.report.study import load_study
+from servetune.results import LevelResult
+from tests.builders import level, study_info, trial, write_study
 
 BASE = """
 name: t
@@ -87,3 +96,46 @@ def test_run_refuses_the_backend_in_one_line_naming_file_and_field_before_any_en
     assert not storage.exists()
     path.write_text(BASE + "params: {structured_outputs_config.backend: [xgrammar, guidance]}\n")
     assert main(argv) == 0
+
+
+def failing_structured_level(concurrency: float) -> LevelResult:
+    """A level whose structured class failed as vLLM 0.32 fails it under lm-format-enforcer 0.11.3 (the stream's
+    error event with code 500, the HTTP status already 200) while the chat class was answered."""
+    kind, text = stream_error({"message": "Internal server error", "type": "InternalServerError", "code": 500})
+    records = [
+        RequestRecord(index=i, sent=0.1 * i, input_tokens=8, max_tokens=16, request_class="tool_call",
+                      end=0.1 * i + 0.05, error_kind=kind, error=text)
+        for i in range(3)
+    ] + [
+        RequestRecord(index=3 + i, sent=0.1 * i, input_tokens=8, max_tokens=16, request_class="chat",
+                      chunk_times=[0.1 * i + 0.02, 0.1 * i + 0.03], end=0.1 * i + 0.04, output_tokens=2, ok=True)
+        for i in range(5)
+    ]  # fmt: skip
+    return LevelResult(summary=summarize(records, {"concurrency": concurrency}), server_metrics={})
+
+
+def test_a_level_records_why_its_structured_requests_failed_and_the_report_says_so(tmp_path):
+    failing = failing_structured_level(4)
+    s = failing.summary
+    assert (s.failed, s.completed, s.errors_by_kind) == (3, 5, {"http_5xx": 3})
+    assert s.error_examples == {"http_5xx": "HTTP 500 (in the stream): Internal server error"}
+    assert s.failed_by_class == {"tool_call": 3}  # the chat class was answered
+    report = build_report(
+        load_study(write_study(tmp_path / "s", study_info(), [trial("t1", {"max_num_seqs": 8}, [failing]),
+                                                              trial("t2", {"max_num_seqs": 16}, [level(4, 500, 300)])]))
+    )  # fmt: skip
+    line = (
+        "trial t1, concurrency 4: 3 of 8 requests failed: http_5xx 3 (HTTP 500 (in the stream): Internal server "
+        "error); by request class: tool_call 3"
+    )
+    section = render_markdown(report).split("### Failed requests", 1)[1].split("###", 1)[0]
+    assert f"- {line}" in section and "trial t2" not in section
+    html = render_html(report)
+    assert "<h3>Failed requests</h3>" in html and html_escape(line) in html
+
+
+def test_a_report_whose_requests_all_succeeded_has_no_failed_requests_section(tmp_path):
+    report = build_report(
+        load_study(write_study(tmp_path / "s", study_info(), [trial("t2", {}, [level(4, 500, 300)])]))
+    )
+    assert "Failed requests" not in render_markdown(report) and "Failed requests" not in render_html(report)
