@@ -139,3 +139,20 @@ def test_a_report_whose_requests_all_succeeded_has_no_failed_requests_section(tm
         load_study(write_study(tmp_path / "s", study_info(), [trial("t2", {}, [level(4, 500, 300)])]))
     )
     assert "Failed requests" not in render_markdown(report) and "Failed requests" not in render_html(report)
+
+
+def test_bench_refuses_the_backend_in_one_line_before_starting_the_engine(tmp_path, capsys, engine_python):
+    from servetune.cli import main
+
+    if load_argspecs() is None:
+        pytest.skip("needs vLLM here: bench asks the engines' interpreter only where vLLM is")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")  # the refusal comes before anything reads it
+    argv = ["bench", "--model", str(model), "--python", engine_python,
+            "--engine-arg", "structured_outputs_config.backend=lm-format-enforcer"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    assert "--engine-arg structured_outputs_config.backend: lm-format-enforcer: lm-format-enforcer does not load" in err
+    assert "No module named 'vllm_moved_away'" in err

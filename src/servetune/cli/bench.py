@@ -26,10 +26,12 @@ from servetune.config.slo import Slo
 from servetune.config.space import engine_devices
 from servetune.config.workload import Workload, load_workload
 from servetune.engine.args import (
+    STRUCTURED_BACKEND,
     cpu_build,
     load_argspecs,
     parse_key_values,
     parse_value,
+    structured_backend_problems,
     validate_engine_args,
     vllm_version,
 )
@@ -264,6 +266,10 @@ def run(args: argparse.Namespace) -> int:
                 f"vLLM is not installed for {args.python} (install servetune[cpu] or servetune[gpu], or pass --python)"
             )
         engine_args = validate_engine_args(raw_engine_args, specs)
+        backend = engine_args.get(STRUCTURED_BACKEND)
+        problem = structured_backend_problems([str(backend)], args.python).get(str(backend)) if backend else None
+        if problem:  # vLLM would start, then answer every structured request with HTTP 500
+            raise UserError(f"--engine-arg {STRUCTURED_BACKEND}: {backend}: {problem}")
         if workload.adapters:  # the tiny adapter is built beside --json (else in a temporary directory)
             build_dir = args.json.parent / "models" if args.json is not None else Path(tempfile.mkdtemp("-servetune"))
             engine_args = workload.adapter_engine_args(engine_args, build_dir)
