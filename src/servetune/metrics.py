@@ -386,6 +386,11 @@ class LevelSummary(BaseModel):
     structured_valid: float | None = None
     conversations: ConversationStats | None = None  # workloads with sessions: per-conversation numbers
     requests_by_adapter: dict[str, int] | None = None  # workloads with LoRA adapters: completed requests per adapter
+    # Why requests failed, beside ``errors_by_kind``: the first error text of each kind, and the failed requests per
+    # request class where the workload names classes (a structured class failing alone points at its backend);
+    # None where none failed, or in a record from before they were kept
+    error_examples: dict[str, str] | None = None
+    failed_by_class: dict[str, int] | None = None
 
     def flat(self) -> dict[str, float]:
         """``{"ttft_ms_p99": ..., "output_throughput": ...}`` with every metric that has a value."""
@@ -462,6 +467,9 @@ def summarize(
         goodput = rate(sum(meets_request_slo(r, request_slo_ms) for r in ok))
     itls = [gap * 1000.0 for r in ok for gap in r.itls_s()]
     checked = [r.structured_valid for r in ok if r.structured_valid is not None]
+    examples: dict[str, str] = {}
+    for r in failed:
+        examples.setdefault(r.error_kind or "unknown", (r.error or "")[:300])
     busy = span = growth = None
     if saturation and "concurrency" in level:
         busy = busy_output_throughput(all_records, int(level["concurrency"]))
@@ -494,4 +502,6 @@ def summarize(
         structured_valid=float(np.mean(checked)) if checked else None,
         conversations=ConversationStats.of(ok),
         requests_by_adapter=dict(Counter(r.adapter for r in ok if r.adapter is not None)) or None,
+        error_examples=examples or None,
+        failed_by_class=dict(Counter(r.request_class for r in failed if r.request_class)) or None,
     )

@@ -26,10 +26,12 @@ from servetune.config.slo import Slo
 from servetune.config.space import engine_devices
 from servetune.config.workload import Workload, load_workload
 from servetune.engine.args import (
+    STRUCTURED_BACKEND,
     cpu_build,
     load_argspecs,
     parse_key_values,
     parse_value,
+    structured_backend_problems,
     validate_engine_args,
     vllm_version,
 )
@@ -264,6 +266,10 @@ def run(args: argparse.Namespace) -> int:
                 f"vLLM is not installed for {args.python} (install servetune[cpu] or servetune[gpu], or pass --python)"
             )
         engine_args = validate_engine_args(raw_engine_args, specs)
+        backend = engine_args.get(STRUCTURED_BACKEND)
+        problem = structured_backend_problems([str(backend)], args.python).get(str(backend)) if backend else None
+        if problem:  # vLLM would start, then answer every structured request with HTTP 500
+            raise UserError(f"--engine-arg {STRUCTURED_BACKEND}: {backend}: {problem}")
         if args.served_model_name:
             engine_args["served_model_name"] = args.served_model_name
         served = args.served_model_name or args.model

@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     space = load_space(args.space, argspecs)
     if argspecs is not None:  # vLLM is there to start: what it needs beside it for the space's speculation
         check_speculation(space, args.space, args.python)
+        check_structured_backends(space, args.space, args.python)
     check_hub_models(space, args.space.parent)
     if args.dry_run:
         with tempfile.TemporaryDirectory() as tmp:
@@ -138,6 +139,25 @@ def check_speculation(space: SearchSpace, path: Path, python: str) -> None:
         field = f"params.{METHOD}" if METHOD in space.params else f"engine_args.{METHOD}"
         raise UserError(f"{path}: {field}: suffix decoding needs Arctic Inference beside vLLM and {python} has none "
                         "(pip install arctic-inference; vLLM refuses to start without it)")  # fmt: skip
+
+
+def check_structured_backends(space: SearchSpace, path: Path, python: str) -> None:
+    """A structured-outputs backend whose library does not load beside the engines' vLLM (not installed, or a
+    version that vLLM does not support: lm-format-enforcer 0.11.3 under vLLM 0.32) starts an engine that answers
+    every structured request with HTTP 500: a space that lists one ends here in one line, before any engine starts."""
+    from servetune.engine.args import STRUCTURED_BACKEND, normalize_key, structured_backend_problems
+
+    listed: dict[str, str] = {}  # backend -> the field that lists it
+    for section, values in (("engine_args", space.engine_args), ("params", space.params)):
+        for key, value in values.items():
+            if normalize_key(key) == STRUCTURED_BACKEND:
+                for backend in value if isinstance(value, list) else [value]:
+                    listed[str(backend)] = f"{section}.{key}"
+    problems = structured_backend_problems(list(listed), python)
+    if problems:
+        backend, why = next(iter(problems.items()))
+        more = f" (and {', '.join(list(problems)[1:])})" if len(problems) > 1 else ""
+        raise UserError(f"{path}: {listed[backend]}: {backend}{more}: {why}")
 
 
 def check_hub_models(space: SearchSpace, space_dir: Path) -> None:

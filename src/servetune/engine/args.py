@@ -171,6 +171,69 @@ def has_module(name: str, python: str = sys.executable) -> bool | None:
     return {"True": True, "False": False}.get(answer)
 
 
+#: The engine argument that picks vLLM's structured-outputs backend.
+STRUCTURED_BACKEND = "structured_outputs_config.backend"
+#: Per backend: the module vLLM 0.32 imports when the engine builds it (``vllm/v1/structured_output/backend_*.py``),
+#: and the package that ships it. A backend whose module does not import there starts an engine that answers every
+#: structured request with HTTP 500 (lm-format-enforcer 0.11.3's vLLM integration imports
+#: ``vllm.transformers_utils.tokenizer``, which vLLM 0.32 no longer has).
+STRUCTURED_BACKEND_MODULES = {
+    "xgrammar": ("xgrammar", "xgrammar"),
+    "guidance": ("llguidance", "llguidance"),
+    "outlines": ("outlines_core", "outlines-core"),
+    "lm-format-enforcer": ("lmformatenforcer.integrations.vllm", "lm-format-enforcer"),
+}
+
+# Runs inside the engines' interpreter: imports each module named in argv, prints {module: why it failed, or null}
+# (the innermost cause, since a library's own ImportError may hide it: lm-format-enforcer says "vllm is not
+# installed" where one vLLM module is missing).
+_IMPORTS = r"""
+import importlib, json, sys
+out = {}
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+        out[name] = None
+    except Exception as exc:
+        while (exc.__cause__ or exc.__context__) is not None:
+            exc = exc.__cause__ or exc.__context__
+        out[name] = f"{type(exc).__name__}: {exc}"
+print("SERVETUNE_IMPORTS " + json.dumps(out))
+"""
+
+
+def structured_backend_problems(backends: list[str], python: str = sys.executable) -> dict[str, str]:
+    """Why each of ``backends`` (``structured_outputs_config.backend`` values) would fail in ``python``'s engines,
+    in a clause: ``{"lm-format-enforcer": "lm-format-enforcer does not load beside vLLM: ModuleNotFoundError: ..."}``.
+    Backends that load, ``auto``, unknown names, and an interpreter that cannot be asked are left out."""
+    wanted = {b: STRUCTURED_BACKEND_MODULES[b] for b in dict.fromkeys(backends) if b in STRUCTURED_BACKEND_MODULES}
+    if not wanted:
+        return {}
+    modules = [module for module, _ in wanted.values()]
+    try:
+        out = subprocess.run([python, "-c", _IMPORTS, *modules], capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    line = next((x for x in out.stdout.splitlines() if x.startswith("SERVETUNE_IMPORTS ")), None)
+    if line is None:
+        return {}
+    failed: dict[str, str | None] = json.loads(line.split(" ", 1)[1])
+    problems: dict[str, str] = {}
+    for backend, (module, package) in wanted.items():
+        why = failed.get(module)
+        if why is None:
+            continue
+        top = module.split(".")[0]
+        if why.startswith("ModuleNotFoundError") and f"'{top}'" in why:
+            problems[backend] = f"{package} is not installed beside vLLM in {python} (pip install {package})"
+        else:
+            problems[backend] = (
+                f"{package} does not load beside vLLM in {python} ({why}, on importing {module}): a version that "
+                "this vLLM does not support; vLLM would answer every structured request with HTTP 500"
+            )
+    return problems
+
+
 def load_argspecs(python: str = sys.executable) -> dict[str, ArgSpec] | None:
     """vLLM's server options, from the cache or by asking vLLM once; None without vLLM.
 

@@ -40,10 +40,12 @@ from servetune.report.labels import (
 from servetune.report.markdown import (
     CLIENT_BOUND_NOTE,
     DIAGNOSIS_NOTE,
+    FAILED_REQUESTS_NOTE,
     SPECULATIVE_GAIN_NOTE,
     STRUCTURED_NOTE,
     VERIFY_HINT,
     client_bound_lines,
+    failed_request_lines,
     limit_lines,
     pareto_rows,
     speculation_lines,
@@ -450,6 +452,10 @@ def render_html(report: StudyReport) -> str:
         if behind:
             parts.append("<h3>Load client fell behind</h3><ul>" + "".join(f"<li>{e(line)}</li>" for line in behind)
                          + f"</ul><p class='muted'>{e(CLIENT_BOUND_NOTE)}</p>")  # fmt: skip
+        failures = failed_request_lines(report.trial_table)
+        if failures:
+            parts.append("<h3>Failed requests</h3><ul>" + "".join(f"<li>{e(line)}</li>" for line in failures)
+                         + f"</ul><p class='muted'>{e(FAILED_REQUESTS_NOTE)}</p>")  # fmt: skip
         drafted = speculation_lines(report.trial_table) + list(report.speculative_gain)
         if drafted:
             note = f"<p class='muted'>{e(SPECULATIVE_GAIN_NOTE)}</p>" if report.speculative_gain else ""

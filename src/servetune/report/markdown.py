@@ -209,6 +209,19 @@ def client_bound_lines(rows: Sequence[TrialRow]) -> list[str]:
     return [f"trial {row.trial_id}, {note}" for row in rows for note in row.client_bound]
 
 
+def failed_request_lines(rows: Sequence[TrialRow]) -> list[str]:
+    """``trial T, concurrency 4: 12 of 24 requests failed: http_5xx 12 (...)`` for every level where requests failed."""
+    return [f"trial {row.trial_id}, {note}" for row in rows for note in row.failed_requests]
+
+
+#: What the failed requests' list says, under it.
+FAILED_REQUESTS_NOTE = (
+    "Each kind with the first error text of that kind, and the request classes the failures were sent in. "
+    "Structured requests that fail with http_5xx while the others pass point at the structured-outputs backend: "
+    "see the engine log's traceback."
+)
+
+
 #: What a client-bound level means, under the list of them.
 CLIENT_BOUND_NOTE = (
     "At these levels the load client fell behind its schedule or ran its process near a full core "
@@ -311,6 +324,9 @@ def render_markdown(report: StudyReport) -> str:
         behind = client_bound_lines(report.trial_table)
         if behind:
             lines += ["### Load client fell behind", "", *(f"- {line}" for line in behind), "", CLIENT_BOUND_NOTE, ""]
+        failures = failed_request_lines(report.trial_table)
+        if failures:
+            lines += ["### Failed requests", "", *(f"- {line}" for line in failures), "", FAILED_REQUESTS_NOTE, ""]
         drafted = speculation_lines(report.trial_table) + list(report.speculative_gain)
         if drafted:
             lines += ["### Speculative decoding", "", *(f"- {line}" for line in drafted), ""]

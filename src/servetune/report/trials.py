@@ -75,6 +75,8 @@ class TrialRow:
     # Levels where the load client fell behind (load/pace.py), with why: ``rate 64 req/s: requests sent ...``.
     # They take no SLO verdict (results.py best_level, trial/capacity.py).
     client_bound: tuple[str, ...] = ()
+    # Levels where requests failed, with why (:func:`failed_request_notes`): ``concurrency 4: 12 of 24 failed ...``
+    failed_requests: tuple[str, ...] = ()
     capacity: Capacity | None = None  # the load it carries at the SLO, as its capacity search found it
     knee: Knee | None = None  # where its throughput stopped growing with load (results.py find_knee)
     speculation: str | None = None  # speculative decoding's acceptance at ``numbers_level`` (:func:`speculation_text`)
@@ -122,6 +124,25 @@ def cache_notes(trial: TrialResult) -> tuple[str, ...]:
 def client_bound_notes(trial: TrialResult) -> tuple[str, ...]:
     """``rate 64 req/s: requests sent 38 ms late at P99 (bound 10 ms)`` for each level where the client fell behind."""
     return tuple(f"{level_label(lv.summary.level)}: {lv.client_bound}" for lv in trial.levels if lv.client_bound)
+
+
+def failed_request_notes(trial: TrialResult) -> tuple[str, ...]:
+    """``concurrency 4: 12 of 24 requests failed: http_5xx 12 (HTTP 500 (in the stream): Internal server error); by
+    request class: tool_call 12`` for each level where requests failed: the kinds with the first text of each, and
+    the classes they were sent in (a structured class failing alone points at its backend)."""
+    notes = []
+    for lv in trial.levels:
+        s = lv.summary
+        if not s.failed:
+            continue
+        examples = s.error_examples or {}
+        kinds = ", ".join(f"{kind} {count}" + (f" ({examples[kind]})" if examples.get(kind) else "")
+                          for kind, count in sorted(s.errors_by_kind.items()))  # fmt: skip
+        note = f"{level_label(s.level)}: {s.failed} of {s.failed + s.completed} requests failed: {kinds}"
+        if s.failed_by_class:
+            note += "; by request class: " + ", ".join(f"{c} {n}" for c, n in sorted(s.failed_by_class.items()))
+        notes.append(note)
+    return tuple(notes)
 
 
 def speculation_text(server_metrics: Mapping[str, float]) -> str | None:
@@ -204,6 +225,7 @@ def trial_rows(
                 recommended=recommendation is not None and recommendation.names(trial.trial_id),
                 cache_notes=cache_notes(trial),
                 client_bound=client_bound_notes(trial),
+                failed_requests=failed_request_notes(trial),
                 capacity=trial.capacity_at_slo,
                 knee=trial.knee_found,
                 speculation=speculation_text(trial.levels[chosen.index].server_metrics) if chosen is not None else None,
