@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from servetune.config.settings import Objective
 from servetune.config.slo import Slo, SloBound
 from servetune.config.space import SearchSpace
 from servetune.errors import UserError
@@ -23,10 +22,8 @@ from servetune.study.forecast import (
     estimate_seeds,
     estimated_objective,
     forecast,
-    grid_distance,
     likely_winners,
     seed_count,
-    value_orders,
 )
 from servetune.study.prune import MIN_STUDY_LEVELS, error_margins, judge_prune, optimistic, prune_reason
 from servetune.study.searcher import PROPOSED_KEY, ConstrainedOptunaSearch
@@ -194,54 +191,7 @@ def test_the_seeds_are_the_grid_points_with_the_best_estimated_objective_best_fi
     known = sorted((v for v in scores.values() if v is not None), reverse=True)
     assert len(known) >= 2, "the estimate covers this space"
     assert [scores[str(p)] for p in seeds] == known[:2]  # the two best by estimated goodput, best first
-    assert likely_winners([({"a": 1}, 1.0), ({"a": 2}, None), ({"a": 3}, 3.0)], objective, 2, margin=1.0) == [
-        {"a": 3},
-        {"a": 1},
-    ]
-
-
-GOODPUT = Objective(metric="goodput", mode="max")
-
-
-def test_the_seeds_skip_points_the_estimate_cannot_tell_from_a_seed_and_spread_over_the_rest():
-    # prefix caching is a parameter the estimate ignores: each pair ties exactly; seqs 8 is ruled out by the margin
-    scored = [
-        ({"seqs": s, "cache": c}, value) for s, value in ((8, 5.0), (32, 20.0), (16, 19.0)) for c in (True, False)
-    ]
-    seeds = likely_winners(scored, GOODPUT, 2, margin=0.5)
-    assert seeds[0] == {"seqs": 32, "cache": True}  # the best estimate, first of its ties
-    assert seeds[1] == {"seqs": 16, "cache": False}  # not the first seed's twin; of the 16s, the one farther from it
-    seeds = likely_winners(scored, GOODPUT, 6, margin=0.5)
-    assert seeds[:2] == [{"seqs": 32, "cache": True}, {"seqs": 16, "cache": False}]  # distinct estimates before twins
-    assert len(seeds) == 4 and all(s["seqs"] != 8 for s in seeds)  # fewer than asked: only the candidates
-
-
-def test_the_seeds_are_only_points_within_the_margin_of_the_best_estimate():
-    scored = [({"a": 1}, 10.0), ({"a": 2}, 9.5), ({"a": 3}, 5.0), ({"a": 4}, None)]
-    assert likely_winners(scored, GOODPUT, 4, margin=0.1) == [{"a": 1}, {"a": 2}]  # fewer: 5.0 is ruled out
-    assert likely_winners(scored, GOODPUT, 4, margin=0.0) == [{"a": 1}]
-    assert likely_winners(scored, GOODPUT, 0) == [] and likely_winners([({"a": 1}, None)], GOODPUT, 3) == []
-    cost = Objective(metric="cost_per_mtok_usd", mode="min")  # lower is better: the margin is above the best
-    assert likely_winners([({"a": 1}, 2.0), ({"a": 2}, 1.0), ({"a": 3}, 1.05)], cost, 4, margin=0.1) == [
-        {"a": 2},
-        {"a": 3},
-    ]
-
-
-def test_the_seeds_keep_the_estimates_order_where_distance_does_not_decide():
-    # equally far apart (one categorical each): the better estimate first, then the earlier point
-    scored = [({"k": "a"}, 9.0), ({"k": "b"}, 10.0), ({"k": "c"}, 9.0), ({"k": "d"}, 9.5)]
-    assert likely_winners(scored, GOODPUT, 4, margin=0.2) == [{"k": "b"}, {"k": "d"}, {"k": "a"}, {"k": "c"}]
-
-
-def test_the_grid_distance_counts_steps_over_a_numbers_span_and_any_other_difference_as_one():
-    points = [{"n": n, "on": on, "mode": m} for n in (4096, 256, 1024) for on in (True, False) for m in ("x", "y")]
-    values = value_orders(points)
-    assert values["n"] == [256, 1024, 4096] and values["on"] == [True, False]
-    assert grid_distance({"n": 256, "on": True}, {"n": 1024, "on": True}, values) == 0.5
-    assert grid_distance({"n": 256, "on": True}, {"n": 4096, "on": False}, values) == 2.0
-    assert grid_distance({"n": 256, "mode": "x"}, {"n": 256, "mode": "y"}, values) == 1.0
-    assert grid_distance({"n": 256}, {"n": 256}, values) == 0.0
+    assert likely_winners([({"a": 1}, 1.0), ({"a": 2}, None), ({"a": 3}, 3.0)], objective, 2) == [{"a": 3}, {"a": 1}]
 
 
 def test_a_bayesian_search_proposes_the_seeds_first_marked_as_the_estimates():

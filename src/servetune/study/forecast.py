@@ -31,10 +31,6 @@ from servetune.trial.runner import TrialSpec
 ESTIMATED_STATS = frozenset({"mean", "p90", "p95", "p99"})
 #: The SLO metrics the estimate predicts, and the estimate's figure for each (ITL is TPOT on average).
 ESTIMATED_METRICS = {"ttft_ms": "ttft_ms", "tpot_ms": "tpot_ms", "itl_ms": "tpot_ms"}
-#: How far (relative) below the best estimated objective a point may be estimated and still be proposed first: the
-#: estimate's own error on throughput, between its held-out median on the CPU recordings (r4: 6-11% per load) and
-#: on public GPU measurements (output throughput: median 7%, p90 21%; bench/README.md).
-SEED_MARGIN = 0.15
 
 
 @dataclass(frozen=True)
@@ -120,73 +116,12 @@ def seed_count(space: SearchSpace, budget: int) -> int:
 
 
 def likely_winners(
-    scored: Sequence[tuple[dict[str, Any], float | None]], objective: Objective, k: int, margin: float = SEED_MARGIN
+    scored: Sequence[tuple[dict[str, Any], float | None]], objective: Objective, k: int
 ) -> list[dict[str, Any]]:
-    """Up to ``k`` points a study proposes first, spread over the points the estimate cannot rule out.
-
-    The candidates are the points whose estimated objective is within ``margin`` (relative) of the best estimate
-    (None: not a likely winner): the estimate cannot tell them from the best, so its order among them means little.
-    The first seed is the best estimate; each next one is, in this order of preference, a point whose estimate no
-    seed has yet (points that tie exactly differ only in what the estimate ignores, prefix caching say, and are left
-    to the sampler), the farthest from the seeds so far (:func:`grid_distance`), the better estimate, the earlier in
-    ``scored``. Fewer than ``k`` when fewer points are candidates: the rest is the sampler's.
-    """
-    known = [(i, params, value) for i, (params, value) in enumerate(scored) if value is not None]
-    if k <= 0 or not known:
-        return []
-    sign = 1.0 if objective.mode == "max" else -1.0
-    best = max(sign * value for _, _, value in known) * sign
-    candidates = [(i, p, v) for i, p, v in known if abs(v - best) <= margin * abs(best)]
-    values = value_orders([p for _, p, _ in candidates])
-    picked: list[tuple[int, dict[str, Any], float]] = []
-    while candidates and len(picked) < k:
-
-        def preference(c: tuple[int, dict[str, Any], float]) -> tuple[bool, float, float, int]:
-            i, params, value = c
-            new = not any(_same(value, v) for _, _, v in picked)
-            near = min((grid_distance(params, p, values) for _, p, _ in picked), default=0.0)
-            return (new, near, sign * value, -i)
-
-        chosen = max(candidates, key=preference)
-        picked.append(chosen)
-        candidates.remove(chosen)
-    return [params for _, params, _ in picked]
-
-
-def _same(a: float, b: float) -> bool:
-    """Whether two estimates are the same figure (a configuration's terms the estimate does not model)."""
-    return abs(a - b) <= 1e-9 * max(abs(a), abs(b), 1e-12)
-
-
-def value_orders(points: Sequence[dict[str, Any]]) -> dict[str, list[Any]]:
-    """Each parameter's values over ``points``: sorted where all are numbers (not booleans), else as first seen."""
-    orders: dict[str, list[Any]] = {}
-    for params in points:
-        for name, value in params.items():
-            seen = orders.setdefault(name, [])
-            if value not in seen:
-                seen.append(value)
-    for name, seen in orders.items():
-        if all(isinstance(v, int | float) and not isinstance(v, bool) for v in seen):
-            orders[name] = sorted(seen)
-    return orders
-
-
-def grid_distance(a: dict[str, Any], b: dict[str, Any], values: dict[str, list[Any]]) -> float:
-    """How far apart two points of a grid are: per parameter, the steps between their values over the span of the
-    parameter's ``values`` (0 to 1) where those are sorted numbers, else 0 (same) or 1 (different); summed."""
-    total = 0.0
-    for name in a.keys() | b.keys():
-        x, y = a.get(name), b.get(name)
-        if x == y:
-            continue
-        seen = values.get(name, [])
-        numeric = len(seen) > 1 and all(isinstance(v, int | float) and not isinstance(v, bool) for v in seen)
-        if numeric and x in seen and y in seen:
-            total += abs(seen.index(x) - seen.index(y)) / (len(seen) - 1)
-        else:
-            total += 1.0
-    return total
+    """The ``k`` points with the best estimated objective (None: not a likely winner), best first; ties keep order."""
+    known = [(params, value) for params, value in scored if value is not None]
+    known.sort(key=lambda pv: pv[1], reverse=objective.mode == "max")
+    return [params for params, _ in known[:k]]
 
 
 def estimate_seeds(context: StudyContext, k: int) -> list[dict[str, Any]]:
