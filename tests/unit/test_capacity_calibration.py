@@ -158,6 +158,23 @@ ISSUE_10517 = "https://github.com/vllm-project/vllm/issues/10517"
 # available_kv_cache_memory 53.29 GiB; with -tp 2: weights 7.48, non_torch 3.58, activation 1.26 GiB, and the pool
 # line cut off in the comment: 71.29 - 7.48 - 3.58 - 1.26 = 58.97 GiB, vLLM's own sum of the logged terms.
 PR_10511 = "https://github.com/vllm-project/vllm/pull/10511"
+# youkaichao's PR 12126 (2025-01-16, V0 between 0.6.6 and 0.7.0): `vllm serve meta-llama/Llama-3.2-11B-Vision
+# --load-format dummy --max-model-len 65536 --max-num-seqs 128 --enforce-eager` on H100 (79.22 GiB), util 0.90:
+# weights 19.86 GiB, non_torch 0.16 GiB, activation 36.63 GiB, KV 14.65 GiB, 6001 CUDA blocks (160 KiB a token:
+# 32 self- and 8 cross-attention layers). The config below is Llama-3.2-11B-Vision's (text and vision towers).
+PR_12126 = "https://github.com/vllm-project/vllm/pull/12126"
+LLAMA32_11B_VISION = {
+    "architectures": ["MllamaForConditionalGeneration"], "model_type": "mllama", "torch_dtype": "bfloat16",
+    "text_config": {
+        "model_type": "mllama_text_model", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 40,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
+        "cross_attention_layers": [3, 8, 13, 18, 23, 28, 33, 38], "rope_theta": 500000.0, "tie_word_embeddings": False,
+    },
+    "vision_config": {
+        "model_type": "mllama_vision_model", "hidden_size": 1280, "num_hidden_layers": 32, "num_global_layers": 8,
+        "image_size": 560, "patch_size": 14, "max_num_tiles": 4, "vision_output_dim": 7680,
+    },
+}  # fmt: skip
 LLMD = "https://github.com/llm-d/llm-d-benchmark/blob/259334868c5075da530cc6c90b43fceb11b6e6a7/config_explorer/empirical-vllm-memory-results.md"
 PR_2031 = "https://github.com/vllm-project/vllm/pull/2031"
 
@@ -224,6 +241,11 @@ KV_CASES = [
            logged_pool_gib=53.29, hub_id="meta-llama/Meta-Llama-3-8B"),
     KvCase("Meta-Llama-3-8B TP2, H100 (pool from the logged terms)", "~0.6.5", PR_10511, LLAMA3_8B, 79.22,
            {"tensor_parallel_size": 2}, logged_pool_gib=58.97, hub_id="meta-llama/Meta-Llama-3-8B"),
+    KvCase("Llama-3.2-11B-Vision TP1, H100, 64K context, 128 seqs", "~0.6.6", PR_12126, LLAMA32_11B_VISION, 79.22,
+           {"max_model_len": 65536, "max_num_seqs": 128, "enforce_eager": True}, logged_tokens=6001 * 16,
+           hub_id="meta-llama/Llama-3.2-11B-Vision", asserted=False,
+           note="V0 profiles mllama with a max-size image per sequence: 36.63 GiB of activation logged (cross-attention"
+                " states of 128 sequences), 0.60 planned; weights (-2 %) and KV bytes a token (exact) match"),
 ]  # fmt: skip
 
 
