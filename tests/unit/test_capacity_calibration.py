@@ -142,6 +142,39 @@ LLAMA2_7B = {
 }  # fmt: skip
 LLAMA2_70B = {**LLAMA2_7B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
               "num_attention_heads": 64, "num_key_value_heads": 8}  # fmt: skip
+LLAMA3_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+    "max_position_embeddings": 8192, "rope_theta": 500000.0, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+}  # fmt: skip
+# (meta-llama/Meta-Llama-3-8B's config.json above: vLLM's default max_model_len is its 8192.)
+# kaspersiminski's comment of 2024-12-02: one RTX 3090 (total_gpu_memory 23.58 GiB), Llama-3.1-8B-Instruct, util 0.90,
+# --max-model-len 20000 / 29000 (no chunked prefill below 32K on V0). "Memory profiling results: total_gpu_memory=..."
+# is the 0.6.4 log format (replaced by PR 10511 in 0.6.5). Logged: non_torch_memory 0.35 GiB, peak_torch_memory 17.06 /
+# 17.98 GiB over weights 14.99 GB (activation 2.07 / 2.99 GiB), kv_cache_size 3.81 / 2.89 GiB, 1952 / 1478 GPU blocks.
+ISSUE_10517 = "https://github.com/vllm-project/vllm/issues/10517"
+# youkaichao's sanity check of 2024-12-14 on PR 10511 (merged for 0.6.5, V0): `vllm serve meta-llama/Meta-Llama-3-8B`
+# on H100 (total_gpu_memory 79.22 GiB), util 0.90: weights 14.96 GiB, non_torch_memory 1.79 GiB, activation 1.26 GiB,
+# available_kv_cache_memory 53.29 GiB; with -tp 2: weights 7.48, non_torch 3.58, activation 1.26 GiB, and the pool
+# line cut off in the comment: 71.29 - 7.48 - 3.58 - 1.26 = 58.97 GiB, vLLM's own sum of the logged terms.
+PR_10511 = "https://github.com/vllm-project/vllm/pull/10511"
+# youkaichao's PR 12126 (2025-01-16, V0 between 0.6.6 and 0.7.0): `vllm serve meta-llama/Llama-3.2-11B-Vision
+# --load-format dummy --max-model-len 65536 --max-num-seqs 128 --enforce-eager` on H100 (79.22 GiB), util 0.90:
+# weights 19.86 GiB, non_torch 0.16 GiB, activation 36.63 GiB, KV 14.65 GiB, 6001 CUDA blocks (160 KiB a token:
+# 32 self- and 8 cross-attention layers). The config below is Llama-3.2-11B-Vision's (text and vision towers).
+PR_12126 = "https://github.com/vllm-project/vllm/pull/12126"
+LLAMA32_11B_VISION = {
+    "architectures": ["MllamaForConditionalGeneration"], "model_type": "mllama", "torch_dtype": "bfloat16",
+    "text_config": {
+        "model_type": "mllama_text_model", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 40,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "max_position_embeddings": 131072,
+        "cross_attention_layers": [3, 8, 13, 18, 23, 28, 33, 38], "rope_theta": 500000.0, "tie_word_embeddings": False,
+    },
+    "vision_config": {
+        "model_type": "mllama_vision_model", "hidden_size": 1280, "num_hidden_layers": 32, "num_global_layers": 8,
+        "image_size": 560, "patch_size": 14, "max_num_tiles": 4, "vision_output_dim": 7680,
+    },
+}  # fmt: skip
 LLMD = "https://github.com/llm-d/llm-d-benchmark/blob/259334868c5075da530cc6c90b43fceb11b6e6a7/config_explorer/empirical-vllm-memory-results.md"
 PR_2031 = "https://github.com/vllm-project/vllm/pull/2031"
 
@@ -200,7 +233,30 @@ KV_CASES = [
     KvCase("Llama-2-70B TP4, A100-80GB", "~0.2.5", PR_2031, LLAMA2_70B, 79.15, {"tensor_parallel_size": 4},
            logged_tokens=20865 * 16, hub_id="meta-llama/Llama-2-70b-hf", asserted=False,
            note="vLLM 0.2 with TP>1 held ~13 GiB a rank outside torch (NCCL, the PR guesses), not modelled"),
+    KvCase("Llama-3.1-8B-Instruct TP1, RTX 3090, 20K context", "~0.6.4", ISSUE_10517, "meta-llama/Llama-3.1-8B-Instruct",
+           23.58, {"max_model_len": 20000, "gpu_memory_utilization": 0.9}, logged_tokens=1952 * 16),
+    KvCase("Llama-3.1-8B-Instruct TP1, RTX 3090, 29K context", "~0.6.4", ISSUE_10517, "meta-llama/Llama-3.1-8B-Instruct",
+           23.58, {"max_model_len": 29000, "gpu_memory_utilization": 0.9}, logged_tokens=1478 * 16),
+    KvCase("Meta-Llama-3-8B TP1, H100 (logged pool)", "~0.6.5", PR_10511, LLAMA3_8B, 79.22, {},
+           logged_pool_gib=53.29, hub_id="meta-llama/Meta-Llama-3-8B"),
+    KvCase("Meta-Llama-3-8B TP2, H100 (pool from the logged terms)", "~0.6.5", PR_10511, LLAMA3_8B, 79.22,
+           {"tensor_parallel_size": 2}, logged_pool_gib=58.97, hub_id="meta-llama/Meta-Llama-3-8B"),
+    KvCase("Llama-3.2-11B-Vision TP1, H100, 64K context, 128 seqs", "~0.6.6", PR_12126, LLAMA32_11B_VISION, 79.22,
+           {"max_model_len": 65536, "max_num_seqs": 128, "enforce_eager": True}, logged_tokens=6001 * 16,
+           hub_id="meta-llama/Llama-3.2-11B-Vision", asserted=False,
+           note="V0 profiles mllama with a max-size image per sequence: 36.63 GiB of activation logged (cross-attention"
+                " states of 128 sequences), 0.60 planned; weights (-2 %) and KV bytes a token (exact) match"),
 ]  # fmt: skip
+
+
+@pytest.mark.parametrize("max_model_len, logged_gib", [(20000, 2.07), (29000, 2.99)])
+def test_v0_activation_of_a_long_profiling_batch_matches_issue_10517(max_model_len: int, logged_gib: float) -> None:
+    """V0 without chunked prefill profiles one max_model_len-token batch: its forward peak (the down projection's
+    output beside the MLP's input, residual and intermediates), not the sampler, sets the activation charge."""
+    arch = load_model_arch("meta-llama/Llama-3.1-8B-Instruct")
+    args = {"max_model_len": max_model_len, "gpu_memory_utilization": 0.9}
+    plan = plan_capacity(arch, args, resolve_hardware(memory_gib=23.58), profile=profile_for_version("0.6.4"))
+    assert plan.activation_gib == pytest.approx(logged_gib, rel=0.02)
 
 
 @pytest.mark.parametrize("case", [c for c in KV_CASES if c.asserted], ids=lambda c: f"{c.vllm} {c.name}")

@@ -93,7 +93,7 @@ def _gpu_overheads(
     if profile.count_block_table:
         non_torch += s.max_num_seqs * _cdiv(s.max_model_len, s.block_size) * 4
     tokens = s.max_num_batched_tokens
-    forward = tokens * activation_bytes_per_token(arch, act_bytes, tp)
+    forward = tokens * activation_bytes_per_token(arch, act_bytes, tp, profile.forward_hidden_states)
     logits = min(s.max_num_seqs * query_len, tokens) * _cdiv(arch.vocab_size, 64) * 64
     sampler = logits * profile.sampler_bytes_per_logit + tokens * arch.hidden_size * act_bytes
     activation = max(forward, sampler) + profile.activation_base_gib * GIB

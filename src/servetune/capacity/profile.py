@@ -19,7 +19,9 @@ what is inferred:
   chunked prefill is on by default only above a 32K context; without it the profiling run is one
   batch of ``max(max_model_len, 2048)`` tokens over 256 sequences (SchedulerConfig); the dummy
   sampler asks for top-p 0.99 / top-k vocab-1, the sort path (38.5 B per logit as in 0.11);
-  CUDA graphs are captured after the KV pool is allocated, out of the remaining memory.
+  CUDA graphs are captured after the KV pool is allocated, out of the remaining memory. Calibrated on
+  0.6.4's logs of a 20K/29K-token profiling batch (vLLM issue 10517): the eager forward's peak holds three
+  hidden states a token (the down projection's output beside the MLP's input and the residual).
 - ``vllm-0.8`` (0.8-0.10: V1 by default, the profiling run sized by ``max_num_batched_tokens``);
   ``vllm-0.11`` (0.11-0.20): the same constants, calibrated on 0.11 logs (0.9.2 and 0.10.1 cases
   fall within 3 % with them).
@@ -86,6 +88,13 @@ class EngineProfile(BaseModel):
     removed_architectures: tuple[str, ...] = Field(
         (), description="architectures this release no longer serves (vLLM's registry, _PREVIOUSLY_SUPPORTED_MODELS)"
     )
+    forward_hidden_states: int = Field(
+        2,
+        ge=2,
+        description="hidden-size tensors live per token at the forward pass's peak: 2 (hidden state, residual);"
+        " 3 in V0's eager forward, where the down projection's output sits beside the MLP's input (issue 10517's"
+        " logs). V1's compiled forward is not measured apart from the sampler, which sets its peak in every log",
+    )
     v0_scheduler: bool = Field(
         False,
         description="V0 engine: chunked prefill by default only above a 32K context; without it the profiling run"
@@ -129,7 +138,7 @@ VLLM_0_11 = EngineProfile(
     subtract_cudagraph=False,
 )
 
-VLLM_0_6 = VLLM_0_11.model_copy(update={"name": "vllm-0.6", "v0_scheduler": True})
+VLLM_0_6 = VLLM_0_11.model_copy(update={"name": "vllm-0.6", "v0_scheduler": True, "forward_hidden_states": 3})
 VLLM_0_8 = VLLM_0_11.model_copy(update={"name": "vllm-0.8", "mamba_prefix_caching": "refused"})
 VLLM_0_21 = VLLM_0_11.model_copy(update={"name": "vllm-0.21", "subtract_cudagraph": True})
 VLLM_0_25 = VLLM_0_21.model_copy(
