@@ -131,9 +131,12 @@ def node_local_dir() -> Path:
 
 
 def pruned(spec: Any, context: StudyContext, finished_points: Any, study_refit: Any,
-           timeout_s: float = 10.0) -> TrialResult | None:  # fmt: skip
+           timeout_s: float = 60.0) -> TrialResult | None:  # fmt: skip
     """PRUNED before anything starts, when the estimate rules the trial out beyond its error (study/prune.py); None
-    to run it: the estimate cannot, or the study's actors did not answer (pruning saves time, it is never needed)."""
+    to run it: the estimate cannot, or the study's actors did not answer (pruning saves time, it is never needed).
+    ``timeout_s`` bounds the wait for the actors: their first answer waits for Ray to start their worker processes,
+    which took over 10 s (the bound before) on a two-core host shared by two test processes and other jobs, and the
+    trial then ran unpruned; a minute is still short of the engine start a pruned trial saves."""
     import ray
     from ray.exceptions import GetTimeoutError, RayError
 
