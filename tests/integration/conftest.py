@@ -11,23 +11,33 @@ def module_ray() -> Iterator[None]:
     """One local Ray of two CPUs for a test module (about 5 s to start and 2.5 s to stop on a two-core host,
     paid once per module instead of once per test), shut down after the module's last test. Started as servetune
     starts one (``start_local_ray``): with a token of its own in the environment, so no ``~/.ray/auth_token`` is
-    left in the runner's home to turn token authentication on for every later ``ray start --head``; the token
-    leaves the environment with the cluster."""
+    left in the runner's home to turn token authentication on for every later ``ray start --head``. The token, and
+    the ``RAY_AUTH_MODE=token`` Ray's ``ray.init`` sets in this process's environment beside it, leave the environment
+    with the cluster: a mode left behind without its token made the next module's ``start_local_ray`` add no token
+    (the mode counts as the user's choice) and its GCS die at start ("Token authentication is enabled but Ray
+    couldn't find an authentication token"), on a machine without ``~/.ray/auth_token``, as CI's; and Ray's cache of
+    them in this process is reset (as Ray's own tests reset it), else the next cluster's clients send the last token."""
     ray = pytest.importorskip("ray")
     serve = pytest.importorskip("ray.serve")
-    from servetune.local_ray import AUTH_TOKEN, start_local_ray
+    from servetune.local_ray import AUTH_MODE, AUTH_TOKEN, AUTH_TOKEN_PATH, start_local_ray
 
-    before = os.environ.get(AUTH_TOKEN)
+    before = {name: os.environ.get(name) for name in (AUTH_MODE, AUTH_TOKEN, AUTH_TOKEN_PATH)}
     start_local_ray(num_cpus=2, log_to_driver=False)
     try:
         yield
     finally:
         serve.shutdown()
         ray.shutdown()
-        if before is None:
-            os.environ.pop(AUTH_TOKEN, None)
-        else:
-            os.environ[AUTH_TOKEN] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        # Ray caches the mode and the token in this process: the next module's cluster has a token of its own.
+        from ray._raylet import AuthenticationTokenLoader, Config
+
+        Config.initialize("")
+        AuthenticationTokenLoader.instance().reset_cache()
 
 
 @pytest.fixture
