@@ -12,8 +12,9 @@ A page asks for a generated part with a marker on a line of its own:
     a row per sub-command, as ``servetune --help`` lists them, each linked to its page.
 ``<!-- generated: metric-names -->``
     the flat metric names a level has (``servetune.metrics.metric_names``), the cost's and the energy's.
-``<!-- generated: prices -->``
-    the shipped price list (``servetune.capacity.prices.load_price_table``): a row per GPU type with
+``<!-- generated: prices [LIST] -->``
+    a shipped price list (``servetune.capacity.prices.load_price_table``; ``default`` when no LIST
+    is named, else ``aws``, ``gcp`` or ``azure``): a row per GPU type with
     its price per device-hour, the offer and listed price it is derived from, region, evidence, the
     page's date and the date read, and the page.
 ``<!-- generated: mlflow -->``
@@ -60,8 +61,8 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
             return commands_table()
         if kind == "metric-names" and not argument:
             return metric_names_list()
-        if kind == "prices" and not argument:
-            return price_list()
+        if kind == "prices":
+            return price_list(argument or "default")
         if kind == "mlflow" and not argument:
             return mlflow_names(DEMO_STUDY)
         if kind == "include" and argument:
@@ -77,20 +78,24 @@ def metric_names_list() -> str:
     return "\n".join(f"- `{name}`" for name in [*metric_names(), COST_METRIC, *ENERGY_METRICS])
 
 
-def price_list() -> str:
-    """The shipped prices as a table: what each is, how it was derived, and where and when it was read."""
-    from servetune.capacity.prices import load_price_table
+def price_list(name: str) -> str:
+    """One shipped price list as a table: what each price is, how it was derived, and where and when it was read."""
+    from servetune.capacity.prices import PRICE_LIST_FILES, load_price_table
 
+    listed = next((known for known in PRICE_LIST_FILES if known == name), None)
+    if listed is None:
+        raise PluginError(f"prices: no price list {name} (shipped: {', '.join(PRICE_LIST_FILES)})")
+    table = load_price_table(listed)
     rows = ["| GPU | $/GPU-hour | provider | derived from | region | evidence | page date | read | source |",
             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    for gpu, price in load_price_table().items():
+    for gpu, price in table.items():
         d = price.derivation
         derived = "-" if d is None else f"{d.offer}: ${d.listed_usd:g} per {d.per} / {d.gpus} GPU ({d.billing})"
         rows.append(
             f"| {gpu} | {price.usd_per_device_hour:g} | {price.provider} | {derived} | {d.region if d else '-'} | "
             f"{price.evidence} | {price.page_date or 'not shown'} | {price.date} | <{price.source}> |"
         )
-    notes = [f"- **{gpu}**: {price.note}" for gpu, price in load_price_table().items() if price.note]
+    notes = [f"- **{gpu}**: {price.note}" for gpu, price in table.items() if price.note]
     return "\n".join([*rows, "", *notes])
 
 

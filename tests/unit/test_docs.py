@@ -93,10 +93,12 @@ def test_the_mlflow_reference_has_the_names_the_sync_logs(site):
 
 
 def test_the_search_space_reference_shows_each_shipped_price_and_how_it_was_derived(site):
-    from servetune.capacity.prices import load_price_table
+    from servetune.capacity.prices import PRICE_LIST_FILES, load_price_table
 
     text = page_text(site, "reference/search-space")
-    for gpu, price in load_price_table().items():
-        d = price.derivation
-        assert f"{d.offer}: ${d.listed_usd:g} per {d.per} / {d.gpus} GPU" in text, gpu
-        assert price.source in text and price.provider in text, gpu
+    for name, file in PRICE_LIST_FILES.items():  # every list, each under its name, as the space picks it
+        assert file in text, name
+        for gpu, price in load_price_table(name).items():
+            d = price.derivation
+            assert f"{d.offer}: ${d.listed_usd:g} per {d.per} / {d.gpus} GPU" in text, (name, gpu)
+            assert price.source in text and price.provider in text, (name, gpu)

@@ -1,9 +1,11 @@
 """What a device-hour costs: a price per GPU type, with the date and source of each price.
 
-The shipped table (``catalog/prices.yaml``) carries public on-demand list prices, each with the page it was read
-on, the date, and its :class:`Derivation` (the offer's listed price and the GPUs it buys, so the price per
-device-hour can be checked by arithmetic); a space's ``prices:`` overrides or adds entries (a derivation is
-optional there), and its ``price_per_device_hour`` overrides them all. A trial is priced by the GPU
+The shipped tables carry public on-demand list prices, each with the page it was read on, the date, and its
+:class:`Derivation` (the offer's listed price and the GPUs it buys, so the price per device-hour can be checked by
+arithmetic): ``catalog/prices.yaml`` (the ``default`` list: GPU clouds' prices) and one per hyperscaler
+(``catalog/prices-aws.yaml``, ``-gcp``, ``-azure``: an instance's price over its GPUs). A space picks one with
+``price_list:`` (:data:`PriceList`); its ``prices:`` overrides or adds entries (a derivation is optional there), and
+its ``price_per_device_hour`` overrides them all. A trial is priced by the GPU
 type it ran on (:meth:`Pricing.resolve`); the CPU stand-in keeps its price per core-hour.
 """
 
@@ -23,6 +25,17 @@ from servetune.errors import UserError
 #: The price of a device-hour where nothing names one (the space's ``price_per_device_hour`` default).
 DEFAULT_PRICE = 1.0
 
+
+#: The shipped price lists a space may pick (``price_list:``), each a file of ``catalog/`` (see :data:`PRICE_LIST_FILES`).
+PriceList = Literal["default", "aws", "gcp", "azure"]
+
+#: Each price list's file: ``default`` is GPU clouds' list prices; the others one hyperscaler's on-demand instances.
+PRICE_LIST_FILES: dict[PriceList, str] = {
+    "default": "prices.yaml",
+    "aws": "prices-aws.yaml",
+    "gcp": "prices-gcp.yaml",
+    "azure": "prices-azure.yaml",
+}
 
 #: Seconds in each unit a page may list a price per.
 _SECONDS = {"hour": 3600, "second": 1}
@@ -102,14 +115,15 @@ class DevicePrice(BaseModel):
         return f"{what}${self.usd_per_device_hour:g} per device-hour ({self.source}{when})"
 
 
-def load_price_table() -> dict[str, Price]:
-    """The shipped prices by GPU type (a copy: callers may add to it)."""
-    return dict(_parsed_prices())
+def load_price_table(price_list: PriceList = "default") -> dict[str, Price]:
+    """One shipped list's prices by GPU type (a copy: callers may add to it)."""
+    return dict(_parsed_prices(price_list))
 
 
 @functools.cache
-def _parsed_prices() -> dict[str, Price]:
-    text = resources.files("servetune.capacity").joinpath("catalog/prices.yaml").read_text(encoding="utf-8")
+def _parsed_prices(price_list: PriceList) -> dict[str, Price]:
+    path = f"catalog/{PRICE_LIST_FILES[price_list]}"
+    text = resources.files("servetune.capacity").joinpath(path).read_text(encoding="utf-8")
     return {name: Price.model_validate(fields) for name, fields in (yaml.safe_load(text) or {}).items()}
 
 
@@ -129,6 +143,7 @@ class Pricing(BaseModel):
 
     device: str = "gpu"
     table: dict[str, Price] = {}
+    price_list: PriceList = "default"  # the shipped list the table starts from
     fixed: float | None = None  # the space's own price_per_device_hour
     default: float = DEFAULT_PRICE
 
@@ -146,12 +161,13 @@ class Pricing(BaseModel):
         if listed is None:
             known = ", ".join(self.table) or "none"
             return DevicePrice(usd_per_device_hour=self.default, gpu=name,
-                               source=f"no price listed for {name} (listed: {known}): the default price")  # fmt: skip
+                               source=f"no price listed for {name} in the {self.price_list} price list (listed: {known}): "
+                                      "the default price")  # fmt: skip
         return listed.device_price(name)
 
 
-def price_table(overrides: dict[str, Price]) -> dict[str, Price]:
-    """The shipped table with a space's ``prices:`` over it, keyed by catalogue name (an alias is accepted)."""
-    table = load_price_table()
+def price_table(overrides: dict[str, Price], price_list: PriceList = "default") -> dict[str, Price]:
+    """A shipped list with a space's ``prices:`` over it, keyed by catalogue name (an alias is accepted)."""
+    table = load_price_table(price_list)
     table.update({gpu_type(name): price for name, price in overrides.items()})
     return table

@@ -31,7 +31,7 @@ from typing import Annotated, Any, Literal, TypeGuard
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from servetune.capacity.prices import Price, Pricing, price_table
+from servetune.capacity.prices import Price, PriceList, Pricing, price_table
 from servetune.config import speculative
 from servetune.config.constraints import evaluate_constraint, parse_constraint
 from servetune.config.quality import QualitySpec
@@ -140,6 +140,9 @@ class SearchSpace(BaseModel):
     slo: SloSpec = SloSpec()
     # USD per GPU-hour (CPU core-hour on CPU); set, it overrides the price list for every GPU type
     price_per_device_hour: float = Field(default=1.0, ge=0)
+    # which shipped price list prices the GPU types: default (GPU clouds' list prices), or one hyperscaler's
+    # on-demand instances (aws: us-east-1, gcp: us-central1, azure: East US), each price per GPU (capacity/prices.py)
+    price_list: PriceList = "default"
     # GPU type -> its price per device-hour, with source and date: over the shipped list (capacity/prices.py)
     prices: dict[str, Price] = {}
     hardware: Hardware = Hardware()
@@ -227,11 +230,16 @@ class SearchSpace(BaseModel):
 
     @property
     def pricing(self) -> Pricing:
-        """How trials are priced: by the GPU type each ran on, from the price list (the shipped one under the
-        space's ``prices:``), unless the space sets ``price_per_device_hour`` (or runs on the CPU stand-in)."""
+        """How trials are priced: by the GPU type each ran on, from the price list (the shipped one ``price_list``
+        names, under the space's ``prices:``), unless the space sets ``price_per_device_hour`` (or runs on the CPU
+        stand-in)."""
         fixed = self.price_per_device_hour if "price_per_device_hour" in self.model_fields_set else None
         return Pricing(
-            device=self.device, table=price_table(self.prices), fixed=fixed, default=self.price_per_device_hour
+            device=self.device,
+            table=price_table(self.prices, self.price_list),
+            price_list=self.price_list,
+            fixed=fixed,
+            default=self.price_per_device_hour,
         )
 
     @property
