@@ -30,7 +30,19 @@ def test_starts_reports_kv_and_leaves_nothing(fake_python, tmp_path):
         assert srv.command()[1] == "-c" and srv.command()[3:5] == ["serve", "fake-model"]  # vllm serve MODEL
         pgid = srv.process.pid
         assert group_members(pgid)
+        ipc_dir = srv.ipc_dir  # the engine's own socket directory, with the socket it made there
+        assert ipc_dir is not None and len(list(ipc_dir.iterdir())) == 1
     assert not group_members(pgid) and not srv.alive()
+    assert not ipc_dir.exists()
+
+
+def test_a_socket_directory_the_user_chose_is_kept(fake_python, tmp_path, monkeypatch):
+    chosen = tmp_path / "sockets"
+    chosen.mkdir()
+    monkeypatch.setenv("VLLM_RPC_BASE_PATH", str(chosen))
+    with server(fake_python, tmp_path) as srv:
+        assert srv.ipc_dir is None
+    assert len(list(chosen.iterdir())) == 1  # vLLM's to clear, as without servetune
 
 
 def test_startup_failure_carries_the_log_tail(fake_python, tmp_path):
@@ -152,11 +164,14 @@ def test_a_reaper_killed_outright_still_clears_the_group(fake_python, tmp_path):
         while len(group_members(pgid)) < 4 and time.monotonic() < deadline:  # reaper, guard, server, child
             time.sleep(0.1)
         assert len(group_members(pgid)) >= 4
+        ipc_dir = srv.ipc_dir
+        assert ipc_dir is not None and ipc_dir.is_dir()
         os.kill(pgid, signal.SIGKILL)
         deadline = time.monotonic() + 15
-        while group_members(pgid) and time.monotonic() < deadline:
+        while (group_members(pgid) or ipc_dir.exists()) and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not group_members(pgid)
+        assert not ipc_dir.exists()  # the guard removed it, not the stop below
     assert (
         "the engine's reaper died; stopped its group (1 process(es) needed SIGKILL)"
         in (tmp_path / "engine.log").read_text()

@@ -14,7 +14,7 @@ reaper stays beside the engine and clears the whole group:
 - when the engine exits by itself, so none of its children lingers.
 
 Clearing is SIGTERM to the group, ``--grace`` seconds for it to leave, then SIGKILL to what
-is left. The reaper then exits as the engine did: with its exit code, or by the signal that
+is left, then removing the ``--remove`` directory (the engine's sockets, which a killed vLLM leaves). The reaper then exits as the engine did: with its exit code, or by the signal that
 ended it, so that ``Popen.returncode`` reads as if the engine had been started directly.
 Only the standard library and psutil: it starts in a few tens of milliseconds.
 """
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -91,7 +92,12 @@ def exit_like(returncode: int) -> None:
     sys.exit(returncode if returncode >= 0 else 128 - returncode)
 
 
-def guard(reaper_pid: int, grace_s: float) -> None:
+def remove(path: str | None) -> None:
+    if path:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def guard(reaper_pid: int, grace_s: float, scratch: str | None = None) -> None:
     """The reaper's own keeper: clears the group if the reaper is killed outright.
 
     Ray kills a worker's direct children with SIGKILL when the worker exits (not their
@@ -109,6 +115,7 @@ def guard(reaper_pid: int, grace_s: float) -> None:
         died.set()
     died.wait()
     left = clear_group(grace_s)
+    remove(scratch)
     print(
         f"servetune: the engine's reaper died; stopped its group ({left} process(es) needed SIGKILL)",
         file=sys.stderr,
@@ -120,11 +127,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m servetune.engine.reaper", description=__doc__.split("\n\n")[0])
     parser.add_argument("launcher_pid", type=int, help="the process whose death ends the engine")
     parser.add_argument("--grace", type=float, default=20.0, help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("--remove", metavar="DIR", help="a directory of the engine's to remove once it is gone")
     parser.add_argument("--guard", action="store_true", help=argparse.SUPPRESS)  # the reaper's keeper (see guard)
     argv = sys.argv[1:] if argv is None else argv
     if "--guard" in argv:
         args = parser.parse_args(argv)
-        guard(args.launcher_pid, args.grace)
+        guard(args.launcher_pid, args.grace, args.remove)
         return
     if "--" not in argv or argv.index("--") == len(argv) - 1:
         parser.error("give the engine's command after --")
@@ -138,13 +146,16 @@ def main(argv: list[str] | None = None) -> None:
     if os.getppid() != args.launcher_pid:  # the launcher died before the death signal was armed
         sys.exit(128 + signal.SIGTERM)
 
+    keeper = ["--remove", args.remove] if args.remove else []
     subprocess.Popen(
-        [sys.executable, "-m", "servetune.engine.reaper", str(os.getpid()), "--grace", f"{args.grace:g}", "--guard"]
-    )
+        [sys.executable, "-m", "servetune.engine.reaper", str(os.getpid()), "--grace", f"{args.grace:g}", *keeper,
+         "--guard"]
+    )  # fmt: skip
     engine = subprocess.Popen(command)  # same group, stdio and environment as the reaper
     while engine.poll() is None and not stop.is_set():
         stop.wait(0.2)
     left = clear_group(args.grace)
+    remove(args.remove)
     if left:
         print(
             f"servetune: killed {left} engine process(es) still running {args.grace:g} s after SIGTERM",

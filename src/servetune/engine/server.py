@@ -7,6 +7,11 @@ data-parallel rank; the deprecated ``vllm.entrypoints.openai.api_server`` runs o
 the process that started it dies; waits for ``/health`` while watching that the process
 lives; and on exit sends SIGTERM to the whole group, then SIGKILL after a grace period, and
 waits until no process of the group is left.
+
+vLLM names its ZMQ sockets in ``VLLM_RPC_BASE_PATH`` (the temp dir by default) and removes them only when it shuts
+down cleanly: every killed engine left its sockets in ``/tmp`` (thousands after a test run). Unless the user set
+that path, each engine gets a directory of its own there, which the reaper removes with the group
+(:data:`IPC_DIR_ENV`).
 """
 
 from __future__ import annotations
@@ -14,10 +19,12 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -35,6 +42,11 @@ from servetune.engine.resolved import DEV_MODE_ENV
 from servetune.engine.startup import waiting_on
 from servetune.errors import EngineStartError
 from servetune.secrets import redact_engine_args
+
+#: Where vLLM (``vllm.envs``) puts the ZMQ sockets between its API server, engine cores and workers.
+IPC_DIR_ENV = "VLLM_RPC_BASE_PATH"
+#: A Unix socket's path must fit ``sun_path`` (108 bytes); vLLM appends ``/<uuid4>`` (37).
+_SOCKET_PATH_MAX = 107
 
 _KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
 _KV_CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
@@ -182,6 +194,7 @@ class VllmServer:
         self.process: subprocess.Popen | None = None
         self.startup_s: float | None = None
         self._core_locks: list[IO[str]] = []  # the cores this engine claimed, held until it is gone
+        self.ipc_dir: Path | None = None  # the engine's own VLLM_RPC_BASE_PATH, removed with it
 
     @property
     def url(self) -> str:
@@ -204,8 +217,25 @@ class VllmServer:
             str(os.getpid()),
             "--grace",
             f"{self.stop_grace_s:g}",
+            *(["--remove", str(self.ipc_dir)] if self.ipc_dir else []),
         ]
         return [*reaper, "--", *self.command()]
+
+    def _own_ipc_dir(self, env: dict[str, str]) -> None:
+        """Give the engine a socket directory of its own (module docstring), unless one was chosen."""
+        if IPC_DIR_ENV in env:
+            return
+        ipc_dir = tempfile.mkdtemp(prefix="servetune-ipc-")
+        if len(ipc_dir) + 37 > _SOCKET_PATH_MAX:  # a long TMPDIR: vLLM's default is no worse off
+            os.rmdir(ipc_dir)
+            return
+        self.ipc_dir = Path(ipc_dir)
+        env[IPC_DIR_ENV] = ipc_dir
+
+    def _remove_ipc_dir(self) -> None:
+        if self.ipc_dir is not None:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            self.ipc_dir = None
 
     def start(self) -> None:
         if self.port is None:
@@ -226,6 +256,7 @@ class VllmServer:
             # vLLM resolved, engine/resolved.py) and /reset_prefix_cache (a cold cache per level).
             env.setdefault(DEV_MODE_ENV, "1")
         try:
+            self._own_ipc_dir(env)
             with open(self.log_path, "wb") as log:
                 self.process = subprocess.Popen(
                     self.launch_argv(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -233,6 +264,7 @@ class VllmServer:
                 )  # fmt: skip
         except BaseException:
             self._release_cores()
+            self._remove_ipc_dir()
             raise
 
     @property
@@ -299,6 +331,7 @@ class VllmServer:
             self._stop_group()
         finally:
             self._release_cores()
+            self._remove_ipc_dir()
 
     def _stop_group(self) -> None:
         if self.process is None:

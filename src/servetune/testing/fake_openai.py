@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -318,6 +319,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.fail_startup:
         print("ValueError: injected startup failure for the test", flush=True)
         sys.exit(1)
+    if ipc_dir := os.environ.get("VLLM_RPC_BASE_PATH"):  # where vLLM's ZMQ sockets go, left by a killed engine
+        Path(ipc_dir, str(uuid.uuid4())).touch()
     print(
         f"INFO [kv_cache_utils.py] CPU KV cache size: {args.kv_tokens:,} tokens, Maximum concurrency for 4,096 tokens per request: {args.kv_tokens / 4096:.2f}x",
         flush=True,
