@@ -25,10 +25,15 @@ Print the configuration of one operating point of a study:
   --format json       the configuration and its measured numbers
   --format kubernetes a Deployment running `vllm serve` with the same flags (GPUs = TP x PP x DP,
                       /dev/shm in memory, /health probes, secrets from a Secret by reference),
-                      a Service, and an autoscaler on requests in flight per replica derived as
-                      for ray-serve: an autoscaling/v2 HPA (--autoscaler hpa, the default) or a
-                      KEDA ScaledObject with a Prometheus trigger (--autoscaler keda)
-  --format kserve     a KServe InferenceService (serving.kserve.io/v1beta1) with the same container
+                      a Service, and an autoscaler on what predicts an SLO breach, with the
+                      thresholds derived as for ray-serve: requests in flight and requests
+                      waiting per replica, and the fullest engine's KV-cache usage (the most
+                      replicas any asks for; --autoscaling-policy inflight: in flight only);
+                      an autoscaling/v2 HPA (--autoscaler hpa, the default) or a KEDA
+                      ScaledObject with a Prometheus trigger per signal (--autoscaler keda);
+                      each threshold's origin in the object's annotations
+  --format kserve     a KServe InferenceService (serving.kserve.io/v1beta1) with the same container,
+                      scaled by KEDA on the same signals (raw deployment mode)
   --format prometheus-rules
                       Prometheus alerting rules (groups:, a PrometheusRule's spec): latency
                       percentiles over the SLO's bounds, a growing queue, KV-cache usage where
@@ -84,7 +89,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument(
         "--prometheus-url", metavar="URL",
-        help="for --autoscaler keda: the Prometheus KEDA queries (default: http://prometheus-operated.monitoring.svc:9090)",
+        help="for --autoscaler keda and --format kserve: the Prometheus KEDA queries (default: http://prometheus-operated.monitoring.svc:9090)",
     )  # fmt: skip
     p.add_argument(
         "--headroom", type=float, default=0.8, metavar="X",
@@ -92,10 +97,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
              "knee (where throughput stops growing with load); default 0.8",
     )  # fmt: skip
     p.add_argument(
-        "--autoscaling-policy", choices=("inflight", "predictive"), default="inflight",
-        help="for --format ray-serve: scale on requests in flight (Serve's own policy, default) or also on what "
-             "predicts a breach, requests waiting and KV-cache usage (servetune's custom policy; servetune must be "
-             "installed on the cluster)",
+        "--autoscaling-policy", choices=("inflight", "predictive"),
+        help="for --format ray-serve|kubernetes|kserve: scale on requests in flight only, or also on what predicts a "
+             "breach, requests waiting and KV-cache usage, at thresholds derived from the study. Default: inflight "
+             "for ray-serve (predictive is servetune's custom Serve policy: servetune must be installed on the "
+             "cluster), predictive for kubernetes and kserve (the autoscaler takes the most replicas of its "
+             "Prometheus metrics)",
     )  # fmt: skip
     p.add_argument("--skip-unreadable", action="store_true", help="do not stop at an invalid result.json")
     p.set_defaults(run=run)
@@ -103,6 +110,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from servetune.report import build_report, deploy, load_study
+    from servetune.report.autoscale import Autoscaling
     from servetune.report.export import (
         admission_for,
         autoscaling_for,
@@ -114,27 +122,31 @@ def run(args: argparse.Namespace) -> int:
 
     report = build_report(load_study(args.study_dir, args.skip_unreadable), args.price_per_gpu_hour)
     point = pick_point(report, args.pick)
+    policy = args.autoscaling_policy or ("inflight" if args.format == "ray-serve" else "predictive")
+
+    def derived_autoscaling() -> Autoscaling | str:
+        derived = autoscaling_for(report, point, args.peak, args.headroom)
+        return derived if isinstance(derived, str) else derived.with_policy(policy)
+
     if args.format == "vllm":
         text = vllm_command(point, admission_for(report, point))
     elif args.format == "ray-serve":
         checked = report.serve_check
-        derived = autoscaling_for(report, point, args.peak, args.headroom)
-        if not isinstance(derived, str):
-            derived = derived.with_policy(args.autoscaling_policy)
         text = ray_serve_yaml(
-            point, args.accelerator_type, derived,
+            point, args.accelerator_type, derived_autoscaling(),
             checked.router if checked else None, checked.layout if checked else None,
             checked.stream_batching if checked else None,
         )  # fmt: skip
     elif args.format == "kubernetes":
         text = deploy.kubernetes_yaml(
-            point, autoscaling_for(report, point, args.peak, args.headroom), args.image or deploy.DEFAULT_IMAGE,
-            args.autoscaler,
+            point, derived_autoscaling(), args.image or deploy.DEFAULT_IMAGE, args.autoscaler,
             args.prometheus_url or deploy.DEFAULT_PROMETHEUS,
         )  # fmt: skip
     elif args.format == "kserve":
-        autoscaling = autoscaling_for(report, point, args.peak, args.headroom)
-        text = deploy.kserve_yaml(point, autoscaling, args.image or deploy.DEFAULT_IMAGE)
+        text = deploy.kserve_yaml(
+            point, derived_autoscaling(), args.image or deploy.DEFAULT_IMAGE,
+            args.prometheus_url or deploy.DEFAULT_PROMETHEUS,
+        )  # fmt: skip
     elif args.format in ("prometheus-rules", "grafana"):
         from servetune.report import alerts
 

@@ -37,6 +37,9 @@ Section 11's other triggers (queue wait, KV-cache usage above 85%, never GPU uti
 not expressible in Serve's request-based policy; the knee's measured KV usage is stated beside it.
 ``with_policy("predictive")`` swaps in the custom policy of :mod:`servetune.report.autoscale_policy`,
 which scales on requests waiting and KV usage as well, its thresholds derived here too.
+:meth:`Autoscaling.scaling_signals` lists the signals and thresholds of the chosen policy: Serve's policy
+evaluates that list, and the Kubernetes and KServe exports (:mod:`servetune.report.deploy`) turn it into
+their autoscalers' Prometheus metrics.
 """
 
 from __future__ import annotations
@@ -51,7 +54,14 @@ from typing import Any
 from servetune.config.space import SERVE_REPLICAS
 from servetune.errors import UserError
 from servetune.metrics import REQUEST_THROUGHPUT, TTFT_P99
-from servetune.report.autoscale_policy import POLICIES, POLICY_FUNCTION, PredictiveThresholds, predictive_thresholds
+from servetune.report.autoscale_policy import (
+    POLICIES,
+    POLICY_FUNCTION,
+    PredictiveThresholds,
+    ScalingSignal,
+    predictive_thresholds,
+    scaling_signals,
+)
 from servetune.report.points import KV_CACHE_USAGE_MAX, ReportPoint, level_label
 from servetune.results import Capacity, Knee
 
@@ -92,6 +102,17 @@ class Autoscaling:
     policy: str = "inflight"  # Serve's request-based policy; "predictive": autoscale_policy.PredictivePolicy
     predictive: PredictiveThresholds | None = None  # the predictive policy's thresholds, derived beside
     predictive_reasons: dict[str, str] = field(default_factory=dict)
+    study: str = ""  # the study the trial belongs to, where known (export's objects name it)
+
+    def scaling_signals(self) -> tuple[ScalingSignal, ...]:
+        """What an autoscaler scales on under this policy, and at which thresholds (the Kubernetes export's
+        triggers; Serve's predictive policy evaluates the same list)."""
+        thresholds = self.predictive or PredictiveThresholds(float(self.target_ongoing_requests), 1.0, KV_USAGE_LIMIT)
+        return scaling_signals(thresholds, predictive=self.policy == "predictive" and self.predictive is not None)
+
+    def signal_reason(self, signal: ScalingSignal) -> str:
+        """Where ``signal``'s threshold came from, as a sentence."""
+        return self.predictive_reasons.get(signal.key) or self.reasons[signal.key]
 
     def autoscaling_config(self) -> dict[str, Any]:
         """Serve's ``autoscaling_config`` (ray.serve.config.AutoscalingConfig fields)."""
@@ -246,7 +267,7 @@ def derive_autoscaling(
                  f"trial {trial_id}'s operating load: {kind} {value:g}{per} ({operating_why}), "
                  f"{throughput:.2f} req/s per replica"),
         "target_ongoing_requests": (f"{target}: requests in flight per replica at the knee ({in_flight_why}{per}); "
-                                    "above it Serve adds replicas"),
+                                    "above it the autoscaler adds replicas"),
         "max_ongoing_requests": (f"{max_ongoing}: ceil({ONGOING_HEADROOM:g} x target), Serve's 20-50% headroom; "
                                  "the rest waits in Serve's bounded queue, not in vLLM's unbounded one"),
         "min_replicas": "1: a replica starts in minutes, so one stays warm (no scale to zero)",

@@ -20,6 +20,9 @@ The rule (:func:`predictive_replicas`, pure): the most replicas any of these ask
 - KV usage: ceil(replicas x peak KV usage / ``kv_usage_limit``) where a replica records
   ``kv_cache_usage``: above section 11's 85%, the engine preempts next.
 
+The signals and thresholds are one list (:func:`scaling_signals`): the Kubernetes export's KEDA triggers and
+HPA metrics are built from the same list, and an HPA too runs the most replicas any of its metrics asks for.
+
 No Ray import here: the tests call the policy with a plain context.
 """
 
@@ -79,22 +82,61 @@ def predictive_thresholds(
                    "bounds and delays below around it (servetune must be installed where Serve's controller runs)"),
         "waiting_per_replica": (f"{waiting:g}: {throughput_per_replica:.2f} req/s per replica x the queue wait the "
                                 f"SLO leaves, {left_why}; more waiting predicts a TTFT breach"),
-        "kv_usage_limit": (f"{kv_usage_limit:.0%}: section 11, above it the engine preempts; read where a replica "
-                           f"records {KV_METRIC}"),
+        "kv_usage_limit": (f"{kv_usage_limit:.0%}: section 11, above it the engine preempts; the fullest engine's "
+                           f"usage (on Serve, where a replica records {KV_METRIC})"),
     }  # fmt: skip
     return thresholds, reasons
+
+
+@dataclass(frozen=True)
+class ScalingSignal:
+    """One signal an autoscaler scales on, with its threshold: Serve's predictive policy and the Kubernetes
+    export (KEDA's triggers, the HPA's metrics) are built from the same list (:func:`scaling_signals`).
+
+    A ``per_replica`` signal is a total over the replicas and asks for ceil(total / threshold) replicas
+    (an HPA's ``AverageValue`` target); the other is a share of one engine's capacity, its fullest
+    replica's, and asks for ceil(replicas x value / threshold) (an HPA's ``Value`` target)."""
+
+    name: str  # in the user's words: "in flight", "queue wait", "KV usage"
+    key: str  # the threshold's field of PredictiveThresholds (and of the derivation's reasons)
+    gauges: tuple[str, ...]  # the engine gauges (engine/metrics.py GAUGES) summed per engine to give it
+    threshold: float
+    per_replica: bool
+
+    def replicas(self, value: float, current: int) -> int:
+        """The replicas this signal asks for at ``value`` with ``current`` replicas running."""
+        load = value if self.per_replica else current * value
+        return max(0, math.ceil(load / self.threshold - 1e-9))
+
+
+def scaling_signals(thresholds: PredictiveThresholds, predictive: bool = True) -> tuple[ScalingSignal, ...]:
+    """The signals and thresholds to scale on: requests in flight (running + waiting) at the in-flight target,
+    and with ``predictive`` also requests waiting (queue wait) and the fullest engine's KV-cache usage."""
+    in_flight = ScalingSignal(
+        "in flight", "target_ongoing_requests", ("requests_running", "requests_waiting"),
+        thresholds.target_ongoing_requests, per_replica=True,
+    )  # fmt: skip
+    if not predictive:
+        return (in_flight,)
+    return (
+        in_flight,
+        ScalingSignal("queue wait", "waiting_per_replica", ("requests_waiting",), thresholds.waiting_per_replica, True),
+        ScalingSignal("KV usage", "kv_usage_limit", ("kv_cache_usage",), thresholds.kv_usage_limit, per_replica=False),
+    )
 
 
 def predictive_replicas(
     current: int, in_flight: float, waiting: float, kv_usage: float | None, thresholds: PredictiveThresholds
 ) -> tuple[int, str]:
     """The replicas the predictive rule wants (before Serve's bounds and delays), and which signal set it."""
-    asks = {"in flight": math.ceil(in_flight / thresholds.target_ongoing_requests - 1e-9)}
-    asks["queue wait"] = math.ceil(waiting / thresholds.waiting_per_replica - 1e-9)
-    if kv_usage is not None and current > 0:
-        asks["KV usage"] = math.ceil(current * kv_usage / thresholds.kv_usage_limit - 1e-9)
+    values = {"in flight": in_flight, "queue wait": waiting, "KV usage": kv_usage}
+    asks = {
+        s.name: s.replicas(value, current)
+        for s in scaling_signals(thresholds)
+        if (value := values[s.name]) is not None and (s.per_replica or current > 0)
+    }
     signal = max(asks, key=asks.__getitem__)
-    return max(0, asks[signal]), signal
+    return asks[signal], signal
 
 
 def _per_replica(metrics: Mapping[str, Mapping[Any, float]] | None, name: str) -> list[float]:

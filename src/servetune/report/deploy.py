@@ -16,11 +16,17 @@ serves what the trial measured. The rules, one object at a time:
 - **environment**: the study's, except secrets (:mod:`servetune.secrets`' rule), which come from a
   Secret (``secretKeyRef``), never as values; so do the engine's credentials (``api_key`` as
   ``VLLM_API_KEY``, ``hf_token`` as ``HF_TOKEN``), which vLLM reads from the environment.
-- **autoscaling**: on requests in flight per replica (``vllm:num_requests_running`` +
-  ``vllm:num_requests_waiting``), the target and the replica bounds derived from the trial's knee
-  (:mod:`servetune.report.autoscale`); scale-up and scale-down windows are its delays. The HPA reads
-  a per-pod custom metric that a Prometheus adapter serves (the rule is printed as a comment); KEDA
-  queries Prometheus itself. Without a knee the replicas stay fixed at one and no autoscaler is made.
+- **autoscaling**: on the signals and thresholds Serve's autoscaling derivation computes
+  (:mod:`servetune.report.autoscale`, the signals from :func:`servetune.report.autoscale_policy.scaling_signals`):
+  with the predictive policy, requests in flight per replica (``vllm:num_requests_running`` +
+  ``vllm:num_requests_waiting``) at the operating load's target, requests waiting (the queue wait that
+  predicts a TTFT breach) per replica, and the fullest engine's ``vllm:kv_cache_usage_perc`` against the
+  limit above which it preempts; with the in-flight policy only the first. The autoscaler runs the most
+  replicas any signal asks for, as Serve's policy does; scale-up and scale-down windows are its delays;
+  each threshold's origin (capacity, knee, headroom, trial, study) is an annotation of the object. The
+  HPA reads per-pod custom metrics that a Prometheus adapter serves (the rules are printed as comments);
+  KEDA queries Prometheus itself; KServe (raw deployment mode) hands the same queries to KEDA. Without a
+  knee the replicas stay fixed at one and no autoscaler is made.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import yaml
 from servetune.engine.args import engine_argv
 from servetune.engine.metrics import GAUGES
 from servetune.report.autoscale import Autoscaling
+from servetune.report.autoscale_policy import ScalingSignal
 from servetune.report.export import masked_engine_args
 from servetune.report.points import ReportPoint, level_label
 from servetune.secrets import SECRET_ENGINE_ARGS, is_secret_env
@@ -51,8 +58,7 @@ DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
 
 Autoscaler = Literal["hpa", "keda"]
 #: The derived settings a Kubernetes autoscaler uses (Serve's queue caps have no counterpart here).
-K8S_REASONS = ("knee", "target_ongoing_requests", "min_replicas", "max_replicas", "upscale_delay_s",
-               "downscale_delay_s", "kv_cache")  # fmt: skip
+K8S_REASONS = ("knee", "min_replicas", "max_replicas", "upscale_delay_s", "downscale_delay_s")
 
 
 def app_name(point: ReportPoint) -> str:
@@ -179,67 +185,126 @@ def service(point: ReportPoint) -> dict[str, Any]:
     }
 
 
-def in_flight_query(point: ReportPoint, by_pod: bool = False) -> str:
-    """PromQL: requests in flight (running + waiting) of this model's servers, summed (or per pod)."""
-    selector = f'{{model_name="{served_model_name(point)}"}}'
-    by = " by (pod)" if by_pod else ""
-    running, waiting = GAUGES["requests_running"][0], GAUGES["requests_waiting"][0]
-    return f"sum{by}({running}{selector}) + sum{by}({waiting}{selector})"
+def pod_selector(point: ReportPoint, deployment: str | None = None) -> str:
+    """PromQL's label selector for the engines of ``deployment`` (default: :func:`deployment`'s): vLLM's own
+    ``model_name`` label and the ``pod`` label Prometheus' Kubernetes discovery adds (a Deployment's pods are
+    ``NAME-<template hash>-<suffix>``), so another Deployment serving the same model (a canary, an old
+    version) is not counted."""
+    name = deployment or app_name(point)
+    return f'{{model_name="{served_model_name(point)}",pod=~"{name}-[a-z0-9]+-[a-z0-9]+"}}'
+
+
+def signal_query(
+    point: ReportPoint, signal: ScalingSignal, deployment: str | None = None, *, as_total: bool = False
+) -> str:
+    """PromQL of ``signal`` over vLLM's gauges: a per-replica signal summed over the engines (KEDA divides it
+    by the replicas), a share its fullest engine's (max). ``as_total``: a share times the pods reporting it,
+    so that a per-replica target (KServe's, which sets no metric type) asks for ceil(pods x max / limit)."""
+    sel = pod_selector(point, deployment)
+    agg = "sum" if signal.per_replica else "max"
+    query = " + ".join(f"{agg}({GAUGES[g][0]}{sel})" for g in signal.gauges)
+    if as_total and not signal.per_replica:
+        (gauge,) = signal.gauges
+        query = f"{query} * count(count by (pod) ({GAUGES[gauge][0]}{sel}))"
+    return query
+
+
+#: The per-pod metric name the HPA reads for each signal (served by the prometheus-adapter rules printed beside).
+HPA_METRICS = {"in flight": IN_FLIGHT_METRIC, "queue wait": "vllm_requests_waiting", "KV usage": "vllm_kv_cache_usage"}
+#: The annotation that states a signal's threshold and where it came from.
+SIGNAL_ANNOTATIONS = {"in flight": "in-flight", "queue wait": "queue-wait", "KV usage": "kv-usage"}
+
+
+def _threshold(value: float) -> str:
+    return f"{value:g}"
+
+
+def autoscaler_annotations(autoscaling: Autoscaling) -> dict[str, str]:
+    """Each threshold's origin on the autoscaler object: the operating load (capacity, knee, headroom), the
+    trial and study it was measured in, and each signal's threshold with its reason."""
+    annotations = {"servetune/operating-load": autoscaling.reasons["knee"]}
+    if autoscaling.study:
+        annotations["servetune/study"] = autoscaling.study
+    annotations["servetune/policy"] = autoscaling.policy
+    for signal in autoscaling.scaling_signals():
+        annotations[f"servetune/threshold-{SIGNAL_ANNOTATIONS[signal.name]}"] = autoscaling.signal_reason(signal)
+    return annotations
+
+
+def _behavior(autoscaling: Autoscaling) -> dict[str, Any]:
+    return {
+        "scaleUp": {"stabilizationWindowSeconds": int(autoscaling.upscale_delay_s)},
+        "scaleDown": {"stabilizationWindowSeconds": int(autoscaling.downscale_delay_s)},
+    }
 
 
 def hpa(point: ReportPoint, autoscaling: Autoscaling) -> dict[str, Any]:
-    """An ``autoscaling/v2`` HPA on the per-pod in-flight metric (served by a Prometheus adapter)."""
+    """An ``autoscaling/v2`` HPA with one per-pod metric per signal (served by a Prometheus adapter), each at
+    its derived per-pod average; the HPA runs the most replicas any metric asks for, as Serve's policy does.
+    A per-pod metric is averaged over the pods, so the HPA's KV usage is the mean engine's, not the fullest's
+    (KEDA's trigger takes the fullest)."""
     name = app_name(point)
+    metrics = [
+        {
+            "type": "Pods",
+            "pods": {
+                "metric": {"name": HPA_METRICS[signal.name]},
+                "target": {"type": "AverageValue", "averageValue": _threshold(signal.threshold)},
+            },
+        }
+        for signal in autoscaling.scaling_signals()
+    ]
     return {
         "apiVersion": "autoscaling/v2",
         "kind": "HorizontalPodAutoscaler",
-        "metadata": {"name": name},
+        "metadata": {
+            "name": name,
+            "annotations": {"servetune/trial": point.trial_id, **autoscaler_annotations(autoscaling)},
+        },
         "spec": {
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
             "minReplicas": autoscaling.min_replicas,
             "maxReplicas": autoscaling.max_replicas,
-            "metrics": [
-                {
-                    "type": "Pods",
-                    "pods": {
-                        "metric": {"name": IN_FLIGHT_METRIC},
-                        "target": {"type": "AverageValue", "averageValue": str(autoscaling.target_ongoing_requests)},
-                    },
-                }
-            ],
-            "behavior": {
-                "scaleUp": {"stabilizationWindowSeconds": int(autoscaling.upscale_delay_s)},
-                "scaleDown": {"stabilizationWindowSeconds": int(autoscaling.downscale_delay_s)},
-            },
+            "metrics": metrics,
+            "behavior": _behavior(autoscaling),
         },
     }
 
 
 def keda_scaled_object(point: ReportPoint, autoscaling: Autoscaling, prometheus: str) -> dict[str, Any]:
-    """A KEDA ``ScaledObject`` with a Prometheus trigger: the deployment's requests in flight against
-    the per-replica target (KEDA's ``threshold`` is a per-replica average)."""
+    """A KEDA ``ScaledObject`` with a Prometheus trigger per signal: a per-replica signal's total against its
+    per-replica threshold (``AverageValue``: ceil(total / threshold) replicas), KV usage's fullest engine against
+    its limit (``Value``: ceil(replicas x usage / limit)). KEDA's HPA runs the most replicas any trigger asks
+    for: the rule of Serve's predictive policy (:func:`servetune.report.autoscale_policy.predictive_replicas`)."""
     name = app_name(point)
+    triggers = [
+        {
+            "type": "prometheus",
+            "name": SIGNAL_ANNOTATIONS[signal.name],
+            "metricType": "AverageValue" if signal.per_replica else "Value",
+            "metadata": {
+                "serverAddress": prometheus,
+                "query": signal_query(point, signal),
+                "threshold": _threshold(signal.threshold),
+            },
+        }
+        for signal in autoscaling.scaling_signals()
+    ]
     return {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",
-        "metadata": {"name": name},
+        "metadata": {
+            "name": name,
+            "annotations": {"servetune/trial": point.trial_id, **autoscaler_annotations(autoscaling)},
+        },
         "spec": {
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
             "minReplicaCount": autoscaling.min_replicas,
             "maxReplicaCount": autoscaling.max_replicas,
             "pollingInterval": 15,
             "cooldownPeriod": int(autoscaling.downscale_delay_s),
-            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": hpa(point, autoscaling)["spec"]["behavior"]}},
-            "triggers": [
-                {
-                    "type": "prometheus",
-                    "metadata": {
-                        "serverAddress": prometheus,
-                        "query": in_flight_query(point),
-                        "threshold": str(autoscaling.target_ongoing_requests),
-                    },
-                }
-            ],
+            "advanced": {"horizontalPodAutoscalerConfig": {"behavior": _behavior(autoscaling)}},
+            "triggers": triggers,
         },
     }
 
@@ -257,27 +322,55 @@ def kubernetes_documents(
     return docs
 
 
+#: KServe's Deployment for the predictor (raw deployment mode): the InferenceService's name and this.
+KSERVE_PREDICTOR_SUFFIX = "-predictor"
+
+
 def kserve_inference_service(
-    point: ReportPoint, autoscaling: Autoscaling | str, image: str = DEFAULT_IMAGE
-) -> dict[str, Any]:
-    """A KServe ``InferenceService`` (``serving.kserve.io/v1beta1``) whose predictor is the same vLLM
-    container, scaled by KServe on concurrency at the derived target."""
+    point: ReportPoint, autoscaling: Autoscaling | str, image: str = DEFAULT_IMAGE,
+    prometheus: str = DEFAULT_PROMETHEUS,
+) -> dict[str, Any]:  # fmt: skip
+    """A KServe ``InferenceService`` (``serving.kserve.io/v1beta1``) whose predictor is the same vLLM container.
+    With a derived autoscaling it runs as a plain Deployment (raw deployment mode) scaled by KEDA on the same
+    signals and thresholds as the ``kubernetes`` export: one ``External`` Prometheus metric per signal
+    (``autoScaling.metrics``), each a total against its per-replica threshold (KServe gives KEDA no metric
+    type, so KV usage is queried as the fullest engine's times the pods)."""
     name = app_name(point)
     predictor: dict[str, Any] = {
         "containers": [container(point, image, f"{name}-secrets", name="kserve-container")],
         "volumes": [SHM_VOLUME],
     }
+    annotations = {"servetune/trial": point.trial_id}
     if isinstance(autoscaling, Autoscaling):
+        deployment = name + KSERVE_PREDICTOR_SUFFIX
+        metrics = [
+            {
+                "type": "External",
+                "external": {
+                    "metric": {
+                        "backend": "prometheus", "serverAddress": prometheus,
+                        "query": signal_query(point, signal, deployment, as_total=True),
+                    },
+                    "target": {"type": "Value", "value": _threshold(signal.threshold)},
+                },
+            }
+            for signal in autoscaling.scaling_signals()
+        ]  # fmt: skip
         predictor.update({
             "minReplicas": autoscaling.min_replicas, "maxReplicas": autoscaling.max_replicas,
-            "scaleMetric": "concurrency", "scaleTarget": autoscaling.target_ongoing_requests,
+            "autoScaling": {"metrics": metrics, "behavior": _behavior(autoscaling)},
         })  # fmt: skip
+        annotations |= {
+            "serving.kserve.io/deploymentMode": "RawDeployment",
+            "serving.kserve.io/autoscalerClass": "keda",
+        }
+        annotations |= autoscaler_annotations(autoscaling)
     else:
         predictor.update({"minReplicas": 1, "maxReplicas": 1})
     return {
         "apiVersion": "serving.kserve.io/v1beta1",
         "kind": "InferenceService",
-        "metadata": {"name": name, "annotations": {"servetune/trial": point.trial_id}},
+        "metadata": {"name": name, "annotations": annotations},
         "spec": {"predictor": predictor},
     }
 
@@ -301,20 +394,31 @@ def _header(point: ReportPoint, autoscaling: Autoscaling | str, what: str) -> st
             "Autoscaling derived from the study's measurements (checklist sections 10 and 11), as for Ray Serve:"
         )
         lines += [f"  {key}: {autoscaling.reasons[key]}" for key in K8S_REASONS if key in autoscaling.reasons]
+        lines.append(f"It scales ({autoscaling.policy} policy) on the most replicas any of these signals asks for:")
+        lines += [
+            f"  {signal.name} ({'per replica' if signal.per_replica else 'the fullest engine'}): "
+            f"{autoscaling.signal_reason(signal)}"
+            for signal in autoscaling.scaling_signals()
+        ]
     return "".join(f"# {line}\n" for line in lines)
 
 
-def adapter_rule(point: ReportPoint) -> str:
-    """The prometheus-adapter rule that serves :data:`IN_FLIGHT_METRIC` per pod, for the HPA."""
-    running, waiting = GAUGES["requests_running"][0], GAUGES["requests_waiting"][0]
-    return (
-        "# The HPA reads the per-pod metric vllm_requests_in_flight from the custom metrics API; a prometheus-adapter\n"
-        "# rule that serves it (running + waiting requests of each pod):\n"
-        f'#   - seriesQuery: \'{running}{{namespace!="",pod!=""}}\'\n'
-        "#     resources: {overrides: {namespace: {resource: namespace}, pod: {resource: pod}}}\n"
-        f"#     name: {{matches: '^{running}$', as: '{IN_FLIGHT_METRIC}'}}\n"
-        f"#     metricsQuery: 'sum by (<<.GroupBy>>) ({running}{{<<.LabelMatchers>>}} or {waiting}{{<<.LabelMatchers>>}})'\n"
-    )
+def adapter_rule(point: ReportPoint, autoscaling: Autoscaling) -> str:
+    """The prometheus-adapter rules that serve the HPA's per-pod metrics (:data:`HPA_METRICS`), one per signal."""
+    lines = [
+        "The HPA reads per-pod metrics from the custom metrics API; prometheus-adapter rules that serve them:",
+    ]
+    for signal in autoscaling.scaling_signals():
+        first = GAUGES[signal.gauges[0]][0]
+        agg = "sum" if signal.per_replica else "max"
+        query = " + ".join(f"{agg} by (<<.GroupBy>>) ({GAUGES[g][0]}{{<<.LabelMatchers>>}})" for g in signal.gauges)
+        lines += [
+            f'  - seriesQuery: \'{first}{{namespace!="",pod!=""}}\'',
+            "    resources: {overrides: {namespace: {resource: namespace}, pod: {resource: pod}}}",
+            f"    name: {{matches: '^{first}$', as: '{HPA_METRICS[signal.name]}'}}",
+            f"    metricsQuery: '{query}'",
+        ]
+    return "".join(f"# {line}\n" for line in lines)
 
 
 class _Dumper(yaml.SafeDumper):
@@ -330,14 +434,18 @@ def kubernetes_yaml(
 ) -> str:  # fmt: skip
     header = _header(point, autoscaling, "Kubernetes Deployment, Service and autoscaler")
     if isinstance(autoscaling, Autoscaling) and autoscaler == "hpa":
-        header += adapter_rule(point)
+        header += adapter_rule(point, autoscaling)
     docs = kubernetes_documents(point, autoscaling, image, autoscaler, prometheus)
     return header + yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False, default_flow_style=False)
 
 
-def kserve_yaml(point: ReportPoint, autoscaling: Autoscaling | str, image: str = DEFAULT_IMAGE) -> str:
+def kserve_yaml(
+    point: ReportPoint, autoscaling: Autoscaling | str, image: str = DEFAULT_IMAGE,
+    prometheus: str = DEFAULT_PROMETHEUS,
+) -> str:  # fmt: skip
     header = _header(point, autoscaling, "KServe InferenceService")
-    return header + yaml.dump(kserve_inference_service(point, autoscaling, image), Dumper=_Dumper, sort_keys=False)
+    service = kserve_inference_service(point, autoscaling, image, prometheus)
+    return header + yaml.dump(service, Dumper=_Dumper, sort_keys=False)
 
 
 def documents(text: str) -> list[Mapping[str, Any]]:

@@ -307,8 +307,9 @@ def autoscaling_for(
     points = [p for p in report.points if p.trial_id == point.trial_id]
     row = next((r for r in report.trial_table if r.trial_id == point.trial_id), None)
     try:
-        return derive_autoscaling(points, [str(line) for line in report.slo], peak, headroom=headroom,
-                                  capacity=row.capacity if row else None, knee=row.knee if row else None)  # fmt: skip
+        derived = derive_autoscaling(points, [str(line) for line in report.slo], peak, headroom=headroom,
+                                     capacity=row.capacity if row else None, knee=row.knee if row else None)  # fmt: skip
+        return dataclasses.replace(derived, study=report.info.name)
     except UserError as exc:
         if any(flag in str(exc) for flag in ("--peak", "--headroom")):
             raise
