@@ -30,6 +30,7 @@ from servetune.capacity import (
     resolve_hardware,
 )
 from servetune.capacity.profile import parse_vllm_version, profile_for_version
+from tests.unit.test_capacity_arch_configs import LLAMA4_SCOUT
 
 GIB = 1 << 30
 
@@ -205,6 +206,16 @@ DEEPSEEK_V2_LITE = {
     "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096},
 }  # fmt: skip
 PR_2031 = "https://github.com/vllm-project/vllm/pull/2031"
+# fuhengwu2021/coderepo, extra/README.md and HYBRID_KV_CACHE_ANALYSIS.md: Llama-4-Scout-17B-16E-Instruct on 8 x H200,
+# TP 8, vllm/vllm-openai:v0.12.0, util 0.9, "Available KV cache memory: 89.71 GiB", "GPU KV cache size: 3,919,664
+# tokens" in every run; "Maximum concurrency" 0.75x at --max-model-len 5,242,880 with the hybrid manager off (vLLM's
+# default for chunked attention), 2.96x with VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1, and 1.86x with it
+# at 8,388,608. Before vLLM reported concurrency x max_model_len, a hybrid model's token line was blocks / groups x
+# block size (3,919,664 whatever the context), so these cases compare the concurrency line, the capacity.
+LLAMA4_H200 = (
+    "https://github.com/fuhengwu2021/coderepo/blob/07c4f0a56b235af7f01327f7c495a5fb3c4dc75d/extra/"
+    "HYBRID_KV_CACHE_ANALYSIS.md"
+)
 
 
 @dataclass(frozen=True)
@@ -219,6 +230,7 @@ class KvCase:
     args: dict[str, Any] = field(default_factory=dict)
     logged_tokens: int | None = None
     logged_pool_gib: float | None = None  # "Available KV cache memory", rounded to 0.01 GiB by vLLM
+    logged_concurrency: float | None = None  # "Maximum concurrency for max_model_len tokens per request", to 0.01x
     hub_id: str = ""
     asserted: bool = True  # False: a known miss the planner does not model (``note`` says why)
     note: str = ""
@@ -249,6 +261,8 @@ class KvCase:
         groups' pages and its window layers' shorter requests, which a pool / bytes-a-token division misses."""
         if self.logged_tokens is not None:
             return self.logged_tokens
+        if self.logged_concurrency is not None:  # vLLM 0.32's token line: concurrency x max_model_len
+            return int(self.logged_concurrency * self.args["max_model_len"])
         assert self.logged_pool_gib is not None
         pool = {**self.args, "kv_cache_memory_bytes": int(self.logged_pool_gib * GIB)}
         return self.plan(args=pool).kv_cache_tokens
@@ -297,6 +311,14 @@ KV_CASES = [
            asserted=False, note="MXFP4 ran on Marlin (expert width padded 2880 -> 2944, 65.97 GiB of weights in issue"
                                 " 23278's H100 log), not modelled: vLLM picks the backend by installed kernels; with"
                                 " Marlin's weights the planned pool is 1.72 GiB"),
+    *(
+        KvCase(f"Llama-4-Scout TP8, H200, {mml // 1024**2}M context, hybrid manager {'on' if hybrid else 'off'}",
+               "0.12.0", LLAMA4_H200, LLAMA4_SCOUT, 139.81,
+               {"tensor_parallel_size": 8, "max_model_len": mml, "gpu_memory_utilization": 0.9,
+                "disable_hybrid_kv_cache_manager": not hybrid},
+               logged_concurrency=concurrency, hub_id="meta-llama/Llama-4-Scout-17B-16E-Instruct", gpu="H200")
+        for mml, hybrid, concurrency in ((5 * 1024**2, False, 0.75), (5 * 1024**2, True, 2.96), (8 * 1024**2, True, 1.86))
+    ),
     # The GPU total does not enter this case: the pool is given (two 22 GB cards in the issue, with CPU offload).
     KvCase("DeepSeek-V2-Lite-Chat (MLA), one 32K request (logged pool)", "~0.8.3", ISSUE_15871, DEEPSEEK_V2_LITE, 44.0,
            {"max_model_len": 32768, "kv_cache_memory_bytes": int(0.95 * GIB)}, logged_tokens=32768,
@@ -348,3 +370,15 @@ def test_a_logged_pool_becomes_tokens_through_the_allocators_pages() -> None:
     dense = next(c for c in KV_CASES if c.name == "Llama-3.1-8B-Instruct TP1, H100")
     assert dense.logged_pool_gib is not None
     assert dense.logged() == _reported_tokens(dense.logged_pool_gib, dense.plan().kv_bytes_per_token)
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_llama4_pool_gives_the_token_line_vllm_0_12_logged(hybrid: bool) -> None:
+    """Llama-4-Scout, TP 8, 89.71 GiB: vLLM 0.12 logged 3,919,664 tokens with the hybrid manager off (every block
+    holds all 48 layers) and on (four 12-layer groups share blocks a quarter that size: blocks / 4 x 16)."""
+    arch = arch_from_hf_config(LLAMA4_SCOUT, "meta-llama/Llama-4-Scout-17B-16E-Instruct")
+    args = {"tensor_parallel_size": 8, "max_model_len": 5 * 1024**2, "kv_cache_memory_bytes": int(89.71 * GIB),
+            "disable_hybrid_kv_cache_manager": not hybrid}  # fmt: skip
+    plan = plan_capacity(arch, args, resolve_hardware(gpu="H200"), profile=profile_for_version("0.12.0"))
+    groups = 4 if hybrid else 1
+    assert plan.kv_cache_blocks // groups * 16 == pytest.approx(3_919_664, rel=0.0005)
