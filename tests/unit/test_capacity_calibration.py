@@ -25,12 +25,14 @@ from servetune.capacity import (
     ModelArch,
     arch_from_hf_config,
     compare_kv,
+    count_parameters,
     load_model_arch,
     plan_capacity,
     resolve_hardware,
 )
+from servetune.capacity.kvgroups import kv_layout
 from servetune.capacity.profile import parse_vllm_version, profile_for_version
-from tests.unit.test_capacity_arch_configs import LLAMA4_SCOUT
+from tests.unit.test_capacity_arch_configs import LLAMA4_SCOUT, QWEN25_VL_7B
 
 GIB = 1 << 30
 
@@ -100,6 +102,13 @@ def test_default_profile_differs_only_in_sampler_graphs_and_buffers() -> None:
 # functions in test_capacity_kvgroups.py; no public start-up log of gemma-3, Llama 4, a Mamba / linear-attention
 # hybrid or Qwen2.5-VL with the pool or the token count and its arguments was found (issue #39's search, 2026-12).
 
+# huggingface.co/Qwen/Qwen2.5-VL-72B-Instruct/blob/main/config.json: the 7B's layout at 72B sizes (the vision tower
+# projects to 8192, its MLP is 3456 wide).
+QWEN25_VL_72B = {
+    **QWEN25_VL_7B, "hidden_size": 8192, "intermediate_size": 29568, "num_attention_heads": 64,
+    "num_hidden_layers": 80, "num_key_value_heads": 8,
+    "vision_config": {**QWEN25_VL_7B["vision_config"], "out_hidden_size": 8192, "intermediate_size": 3456},
+}  # fmt: skip
 QWEN3_235B_FP8 = {
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 4096,
     "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 94,
@@ -116,6 +125,18 @@ def test_gpt_oss_120b_weights_match_vllm_on_h100() -> None:
     arch = load_model_arch("openai/gpt-oss-120b")
     plan = plan_capacity(arch, {"max_model_len": 8192}, resolve_hardware(gpu="H100-SXM"))
     assert plan.weights_gib == pytest.approx(64.38, rel=0.01)
+
+
+def test_qwen25_vl_72b_weights_per_rank_match_vllm_on_four_a100s() -> None:
+    """A vision-language model's weights, decoder and vision tower, per TP rank: vLLM ~0.8.3 (V0 worker log) on 4 x
+    A100-40GB, TP 4: "model weights take 34.43GiB". The same log's 2.51 GiB of activation (V0 profiles the vision
+    encoder on dummy images) and 0.04-0.13 GiB pools make no token case: the planner has no encoder profiling term
+    (0.15 GiB planned), and a 0.1 GiB pool turns any small miss into a large one.
+    https://github.com/vllm-project/vllm/issues/16570"""
+    arch = arch_from_hf_config(QWEN25_VL_72B, "Qwen/Qwen2.5-VL-72B-Instruct")
+    assert count_parameters(arch) / 1e9 == pytest.approx(73.4, rel=0.005)  # the model card's 73.4B
+    plan = plan_capacity(arch, {"tensor_parallel_size": 4, "max_model_len": 4096}, resolve_hardware(memory_gib=39.38))
+    assert plan.weights_gib == pytest.approx(34.43, rel=0.01)
 
 
 def test_qwen3_moe_kv_tokens_from_the_logged_pool_within_3_percent() -> None:
@@ -372,13 +393,31 @@ def test_a_logged_pool_becomes_tokens_through_the_allocators_pages() -> None:
     assert dense.logged() == _reported_tokens(dense.logged_pool_gib, dense.plan().kv_bytes_per_token)
 
 
-@pytest.mark.parametrize("hybrid", [False, True])
-def test_llama4_pool_gives_the_token_line_vllm_0_12_logged(hybrid: bool) -> None:
-    """Llama-4-Scout, TP 8, 89.71 GiB: vLLM 0.12 logged 3,919,664 tokens with the hybrid manager off (every block
-    holds all 48 layers) and on (four 12-layer groups share blocks a quarter that size: blocks / 4 x 16)."""
-    arch = arch_from_hf_config(LLAMA4_SCOUT, "meta-llama/Llama-4-Scout-17B-16E-Instruct")
-    args = {"tensor_parallel_size": 8, "max_model_len": 5 * 1024**2, "kv_cache_memory_bytes": int(89.71 * GIB),
-            "disable_hybrid_kv_cache_manager": not hybrid}  # fmt: skip
-    plan = plan_capacity(arch, args, resolve_hardware(gpu="H200"), profile=profile_for_version("0.12.0"))
-    groups = 4 if hybrid else 1
-    assert plan.kv_cache_blocks // groups * 16 == pytest.approx(3_919_664, rel=0.0005)
+# hf-mem issue 60 (2026-05-06) quotes a vLLM log of gpt-oss-120b: "Available KV cache memory: 5.38 GiB", "GPU KV cache
+# size: 78,384 tokens" (its release is not stated). vLLM PR 40384 quotes the code behind such a line before vLLM
+# reported concurrency x max_model_len: num_blocks // len(kv_cache_groups) * block_size.
+HF_MEM_60 = "https://github.com/alvarobartt/hf-mem/issues/60"
+LEGACY_TOKEN_LINES = [
+    # (model, hub id, args, logged pool GiB, groups, logged token line, source)
+    (LLAMA4_SCOUT, "meta-llama/Llama-4-Scout-17B-16E-Instruct",
+     {"tensor_parallel_size": 8, "disable_hybrid_kv_cache_manager": True}, 89.71, 1, 3_919_664, LLAMA4_H200),
+    (LLAMA4_SCOUT, "meta-llama/Llama-4-Scout-17B-16E-Instruct",
+     {"tensor_parallel_size": 8, "disable_hybrid_kv_cache_manager": False}, 89.71, 4, 3_919_664, LLAMA4_H200),
+    ("openai/gpt-oss-120b", "openai/gpt-oss-120b", {}, 5.38, 2, 78_384, HF_MEM_60),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("model, hub_id, args, pool_gib, groups, logged, source", LEGACY_TOKEN_LINES)
+def test_the_pool_gives_the_legacy_token_line_vllm_logged(
+    model: str | dict[str, Any], hub_id: str, args: dict[str, Any], pool_gib: float, groups: int, logged: int,
+    source: str,
+) -> None:  # fmt: skip
+    """Llama-4-Scout TP 8 (hybrid manager off: every block holds all 48 layers; on: four 12-layer groups share
+    blocks a quarter that size) and gpt-oss-120b (two 18-layer groups): the planner's blocks for the logged pool
+    give the logged token line, blocks / groups x 16, within the pool's 0.01 GiB rounding."""
+    arch = load_model_arch(model) if isinstance(model, str) else arch_from_hf_config(model, hub_id)
+    pool = {"max_model_len": 65536, **args, "kv_cache_memory_bytes": int(pool_gib * GIB)}
+    plan = plan_capacity(arch, pool, resolve_hardware(gpu="H200"), profile=profile_for_version("0.12.0"))
+    disabled = args.get("disable_hybrid_kv_cache_manager")
+    assert len(kv_layout(arch, hybrid_manager=None if disabled is None else not disabled).groups) == groups, source
+    assert plan.kv_cache_blocks // groups * 16 == pytest.approx(logged, rel=0.005 / pool_gib)
