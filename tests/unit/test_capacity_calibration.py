@@ -30,6 +30,7 @@ from servetune.capacity import (
     plan_capacity,
     resolve_hardware,
 )
+from servetune.capacity.compare import measured_kv_tokens
 from servetune.capacity.kvgroups import kv_layout
 from servetune.capacity.profile import parse_vllm_version, profile_for_version
 from tests.unit.test_capacity_arch_configs import LLAMA4_SCOUT, QWEN25_VL_7B
@@ -421,3 +422,36 @@ def test_the_pool_gives_the_legacy_token_line_vllm_logged(
     disabled = args.get("disable_hybrid_kv_cache_manager")
     assert len(kv_layout(arch, hybrid_manager=None if disabled is None else not disabled).groups) == groups, source
     assert plan.kv_cache_blocks // groups * 16 == pytest.approx(logged, rel=0.005 / pool_gib)
+
+
+@pytest.mark.parametrize(
+    "tokens, concurrency, max_model_len, measured",
+    [
+        (3_919_664, 2.96, 5 * 1024**2, int(2.96 * 5 * 1024**2)),  # Llama 4, hybrid manager on: the token line is none
+        (3_919_664, 1.86, 8 * 1024**2, int(1.86 * 8 * 1024**2)),
+        (3_919_664, 0.75, 5 * 1024**2, 3_919_664),  # manager off: one group, both lines agree; the exact one is kept
+        (447_088, 13.64, 32_768, 447_088),  # vLLM 0.32's line is concurrency x max_model_len already
+        (420_896, None, None, 420_896),  # no concurrency line
+    ],
+)
+def test_the_measured_capacity_is_the_concurrency_line_where_the_token_line_is_none(
+    tokens: int, concurrency: float | None, max_model_len: int | None, measured: int
+) -> None:
+    assert measured_kv_tokens(tokens, concurrency, max_model_len) == measured
+
+
+def test_a_trial_on_a_hybrid_model_is_scored_against_vllms_capacity_not_its_token_line() -> None:
+    """Llama-4-Scout's 5M run: the planner's tokens against 2.96 x 5,242,880, not against 3,919,664 (-75 %)."""
+    from servetune.report.trials import kv_plan_check
+    from servetune.results import CapacityReport, KvCapacityReport
+    from tests.builders import trial
+
+    case = next(c for c in KV_CASES if c.name == "Llama-4-Scout TP8, H200, 5M context, hybrid manager on")
+    planned = case.plan().kv_cache_tokens
+    result = trial("t1", {"max_model_len": 5 * 1024**2})
+    result.capacity = CapacityReport(fits=True, reason="fits", kv_cache_tokens=planned, profile="vllm-0.11")
+    result.kv_capacity = KvCapacityReport(
+        tokens=3_919_664, max_concurrency=2.96, at_tokens_per_request=5 * 1024**2, planned_tokens=planned
+    )
+    check = kv_plan_check(result)
+    assert check is not None and abs(check.relative_error) < 0.03
