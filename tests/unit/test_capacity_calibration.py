@@ -22,13 +22,18 @@ import pytest
 from servetune.capacity import (
     VLLM_0_11,
     EngineProfile,
+    ModelArch,
     arch_from_hf_config,
     compare_kv,
+    count_parameters,
     load_model_arch,
     plan_capacity,
     resolve_hardware,
 )
+from servetune.capacity.compare import measured_kv_tokens
+from servetune.capacity.kvgroups import kv_layout
 from servetune.capacity.profile import parse_vllm_version, profile_for_version
+from tests.unit.test_capacity_arch_configs import LLAMA4_SCOUT, QWEN25_VL_7B
 
 GIB = 1 << 30
 
@@ -93,10 +98,18 @@ def test_default_profile_differs_only_in_sampler_graphs_and_buffers() -> None:
 #       asserted: Marlin also pads the expert width 2880 -> 2944; vLLM 0.32 picks Triton for gpt-oss)
 #   Qwen3-235B-A22B-FP8 KV tokens, 4 x H100 TP 4, vLLM ~0.9.2, from the logged 8.11 GiB pool:
 #       178,880 logged, 180,928 planned (+1.1 %)
+#   gpt-oss (H100 ~0.11, A100 0.19.0) and DeepSeek-V2-Lite (MLA, 0.8.3): KV_CASES below, bench/plan_accuracy.py
 # The sliding-window / chunked-local group arithmetic is checked exactly against vLLM 0.32's own
-# functions in test_capacity_kvgroups.py; no public 0.32 start-up log of gemma-3, gpt-oss, Llama 4
-# or a Mamba hybrid with both the pool and the token count was found.
+# functions in test_capacity_kvgroups.py; no public start-up log of gemma-3, Llama 4, a Mamba / linear-attention
+# hybrid or Qwen2.5-VL with the pool or the token count and its arguments was found (issue #39's search, 2026-12).
 
+# huggingface.co/Qwen/Qwen2.5-VL-72B-Instruct/blob/main/config.json: the 7B's layout at 72B sizes (the vision tower
+# projects to 8192, its MLP is 3456 wide).
+QWEN25_VL_72B = {
+    **QWEN25_VL_7B, "hidden_size": 8192, "intermediate_size": 29568, "num_attention_heads": 64,
+    "num_hidden_layers": 80, "num_key_value_heads": 8,
+    "vision_config": {**QWEN25_VL_7B["vision_config"], "out_hidden_size": 8192, "intermediate_size": 3456},
+}  # fmt: skip
 QWEN3_235B_FP8 = {
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 4096,
     "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_hidden_layers": 94,
@@ -113,6 +126,18 @@ def test_gpt_oss_120b_weights_match_vllm_on_h100() -> None:
     arch = load_model_arch("openai/gpt-oss-120b")
     plan = plan_capacity(arch, {"max_model_len": 8192}, resolve_hardware(gpu="H100-SXM"))
     assert plan.weights_gib == pytest.approx(64.38, rel=0.01)
+
+
+def test_qwen25_vl_72b_weights_per_rank_match_vllm_on_four_a100s() -> None:
+    """A vision-language model's weights, decoder and vision tower, per TP rank: vLLM ~0.8.3 (V0 worker log) on 4 x
+    A100-40GB, TP 4: "model weights take 34.43GiB". The same log's 2.51 GiB of activation (V0 profiles the vision
+    encoder on dummy images) and 0.04-0.13 GiB pools make no token case: the planner has no encoder profiling term
+    (0.15 GiB planned), and a 0.1 GiB pool turns any small miss into a large one.
+    https://github.com/vllm-project/vllm/issues/16570"""
+    arch = arch_from_hf_config(QWEN25_VL_72B, "Qwen/Qwen2.5-VL-72B-Instruct")
+    assert count_parameters(arch) / 1e9 == pytest.approx(73.4, rel=0.005)  # the model card's 73.4B
+    plan = plan_capacity(arch, {"tensor_parallel_size": 4, "max_model_len": 4096}, resolve_hardware(memory_gib=39.38))
+    assert plan.weights_gib == pytest.approx(34.43, rel=0.01)
 
 
 def test_qwen3_moe_kv_tokens_from_the_logged_pool_within_3_percent() -> None:
@@ -176,7 +201,43 @@ LLAMA32_11B_VISION = {
     },
 }  # fmt: skip
 LLMD = "https://github.com/llm-d/llm-d-benchmark/blob/259334868c5075da530cc6c90b43fceb11b6e6a7/config_explorer/empirical-vllm-memory-results.md"
+# The same llm-d file (same H100, util 0.9, max-model-len 16000, ~0.11) also ran gpt-oss: gpt-oss-20b logged weights
+# 13.47 GiB, peak activation 7.38 GiB (the sampler over 1024 x 201,088 logits), pool 50.28 GiB; gpt-oss-120b weights
+# 64.38 GiB and pool 3.33 GiB. Its 120b row does not add up (64.38 + 7.38 + 0.13 GiB is over the 71.26 GiB budget,
+# yet 3.33 GiB were logged) and the file has no detailed section for it.
+# myoceane.fr, "[AI] vLLM 部署地端模型系統訊息記錄 A100" (2026-04-18): `vllm serve openai/gpt-oss-20b --max-model-len 131072
+# --gpu-memory-utilization 0.65` on one A100 80 GB, vLLM 0.19.0 (its banner): "Model loading took 13.72 GiB",
+# "Available KV cache memory: 36.56 GiB". On an A100 vLLM defaults to 256 sequences and 2048 batched tokens.
+GPT_OSS_A100 = "https://myoceane.fr/index.php/ai-vllm-a100-gemma-4/"
+# matheusfvesco's comment of 2025-10-31: `vllm serve openai/gpt-oss-120b --gpu-memory-utilization 0.95
+# --max-num-batched-tokens 1024` on one H100 80GB HBM3 (nvidia-smi in the issue), gpu_worker.py:298 / core.py:708 lines
+# of vLLM ~0.11.0: "Available KV cache memory: 1.71 GiB", too little for the 131,072-token default context.
+ISSUE_27508 = "https://github.com/vllm-project/vllm/issues/27508"
+# ymcki's comment of 2025-04-02, vLLM 0.8.3.dev (V1), DeepSeek-V2-Lite-Chat (MLA), --max-model-len 32768: "To serve at
+# least one request with the models's max seq len (32768), (0.95 GiB KV cache is needed". One request's 32,768 tokens in
+# 0.95 GiB (rounded to 0.01 GiB by vLLM, so +-0.5 %): MLA keeps one 512 + 64 latent a layer, 31,104 B a token.
+ISSUE_15871 = "https://github.com/vllm-project/vllm/issues/15871"
+# huggingface.co/deepseek-ai/DeepSeek-V2-Lite-Chat/blob/main/config.json (the fields the planner reads).
+DEEPSEEK_V2_LITE = {
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "hidden_size": 2048,
+    "intermediate_size": 10944, "moe_intermediate_size": 1408, "num_hidden_layers": 27, "num_attention_heads": 16,
+    "num_key_value_heads": 16, "kv_lora_rank": 512, "q_lora_rank": None, "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 64, "n_shared_experts": 2,
+    "num_experts_per_tok": 6, "first_k_dense_replace": 1, "moe_layer_freq": 1, "vocab_size": 102400,
+    "max_position_embeddings": 163840, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "rope_scaling": {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096},
+}  # fmt: skip
 PR_2031 = "https://github.com/vllm-project/vllm/pull/2031"
+# fuhengwu2021/coderepo, extra/README.md and HYBRID_KV_CACHE_ANALYSIS.md: Llama-4-Scout-17B-16E-Instruct on 8 x H200,
+# TP 8, vllm/vllm-openai:v0.12.0, util 0.9, "Available KV cache memory: 89.71 GiB", "GPU KV cache size: 3,919,664
+# tokens" in every run; "Maximum concurrency" 0.75x at --max-model-len 5,242,880 with the hybrid manager off (vLLM's
+# default for chunked attention), 2.96x with VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE=1, and 1.86x with it
+# at 8,388,608. Before vLLM reported concurrency x max_model_len, a hybrid model's token line was blocks / groups x
+# block size (3,919,664 whatever the context), so these cases compare the concurrency line, the capacity.
+LLAMA4_H200 = (
+    "https://github.com/fuhengwu2021/coderepo/blob/07c4f0a56b235af7f01327f7c495a5fb3c4dc75d/extra/"
+    "HYBRID_KV_CACHE_ANALYSIS.md"
+)
 
 
 @dataclass(frozen=True)
@@ -191,31 +252,46 @@ class KvCase:
     args: dict[str, Any] = field(default_factory=dict)
     logged_tokens: int | None = None
     logged_pool_gib: float | None = None  # "Available KV cache memory", rounded to 0.01 GiB by vLLM
+    logged_concurrency: float | None = None  # "Maximum concurrency for max_model_len tokens per request", to 0.01x
     hub_id: str = ""
     asserted: bool = True  # False: a known miss the planner does not model (``note`` says why)
     note: str = ""
+    gpu: str | None = None  # the catalogue's GPU name where vLLM's defaults depend on it (A100: 256 sequences)
 
     @property
     def release(self) -> tuple[int, int]:
         return parse_vllm_version(self.vllm.lstrip("~"))
 
-    def plan(self, profile: EngineProfile | None = None):
-        arch = (
+    def arch(self) -> ModelArch:
+        return (
             load_model_arch(self.model) if isinstance(self.model, str) else arch_from_hf_config(self.model, self.hub_id)
         )
-        chosen = profile or profile_for_version(self.vllm.lstrip("~"))
-        return plan_capacity(arch, self.args, resolve_hardware(memory_gib=self.gpu_memory_gib), profile=chosen)
 
-    def logged(self, bytes_per_token: int) -> int:
+    @property
+    def architecture(self) -> str:
+        """The model's architecture class (``GptOssForCausalLM``): the per-architecture table's key."""
+        return self.arch().architecture
+
+    def plan(self, profile: EngineProfile | None = None, args: dict[str, Any] | None = None):
+        chosen = profile or profile_for_version(self.vllm.lstrip("~"))
+        hardware = resolve_hardware(gpu=self.gpu, memory_gib=self.gpu_memory_gib)
+        return plan_capacity(self.arch(), args if args is not None else self.args, hardware, profile=chosen)
+
+    def logged(self) -> int:
+        """The logged tokens; for a logged pool, the tokens vLLM's allocator makes of it, which the planner
+        computes from that pool alone (``kv_cache_memory_bytes``): whole pages, and for a hybrid model its
+        groups' pages and its window layers' shorter requests, which a pool / bytes-a-token division misses."""
         if self.logged_tokens is not None:
             return self.logged_tokens
+        if self.logged_concurrency is not None:  # vLLM 0.32's token line: concurrency x max_model_len
+            return int(self.logged_concurrency * self.args["max_model_len"])
         assert self.logged_pool_gib is not None
-        return _reported_tokens(self.logged_pool_gib, bytes_per_token)
+        pool = {**self.args, "kv_cache_memory_bytes": int(self.logged_pool_gib * GIB)}
+        return self.plan(args=pool).kv_cache_tokens
 
     def error(self, profile: EngineProfile | None = None) -> float:
         """(planned - logged) / logged KV tokens with ``profile`` (default: the case's release's)."""
-        plan = self.plan(profile)
-        return float(compare_kv(plan, self.logged(plan.kv_bytes_per_token))["relative_error"])
+        return float(compare_kv(self.plan(profile), self.logged())["relative_error"])
 
 
 _LLMD_ARGS = {"max_model_len": 16000, "gpu_memory_utilization": 0.9}
@@ -246,6 +322,29 @@ KV_CASES = [
            hub_id="meta-llama/Llama-3.2-11B-Vision", asserted=False,
            note="V0 profiles mllama with a max-size image per sequence: 36.63 GiB of activation logged (cross-attention"
                 " states of 128 sequences), 0.60 planned; weights (-2 %) and KV bytes a token (exact) match"),
+    KvCase("gpt-oss-20b TP1, H100", "~0.11", LLMD, "openai/gpt-oss-20b", 79.18, _LLMD_ARGS, logged_pool_gib=50.28),
+    KvCase("gpt-oss-120b TP1, H100", "~0.11", LLMD, "openai/gpt-oss-120b", 79.18, _LLMD_ARGS, logged_pool_gib=3.33,
+           asserted=False, note="the source's terms for this run do not add up (64.38 + 7.38 + 0.13 GiB is over its 71.26"
+                                " GiB budget); with the 20b row's sampler peak no pool is left"),
+    KvCase("gpt-oss-20b TP1, A100-80GB, 128K context", "0.19.0", GPT_OSS_A100, "openai/gpt-oss-20b", 79.15,
+           {"max_model_len": 131072, "gpu_memory_utilization": 0.65}, logged_pool_gib=36.56, gpu="A100-80GB"),
+    KvCase("gpt-oss-120b TP1, H100, util 0.95, 1024 batched tokens", "~0.11", ISSUE_27508, "openai/gpt-oss-120b",
+           79.18, {"gpu_memory_utilization": 0.95, "max_num_batched_tokens": 1024}, logged_pool_gib=1.71,
+           asserted=False, note="MXFP4 ran on Marlin (expert width padded 2880 -> 2944, 65.97 GiB of weights in issue"
+                                " 23278's H100 log), not modelled: vLLM picks the backend by installed kernels; with"
+                                " Marlin's weights the planned pool is 1.72 GiB"),
+    *(
+        KvCase(f"Llama-4-Scout TP8, H200, {mml // 1024**2}M context, hybrid manager {'on' if hybrid else 'off'}",
+               "0.12.0", LLAMA4_H200, LLAMA4_SCOUT, 139.81,
+               {"tensor_parallel_size": 8, "max_model_len": mml, "gpu_memory_utilization": 0.9,
+                "disable_hybrid_kv_cache_manager": not hybrid},
+               logged_concurrency=concurrency, hub_id="meta-llama/Llama-4-Scout-17B-16E-Instruct", gpu="H200")
+        for mml, hybrid, concurrency in ((5 * 1024**2, False, 0.75), (5 * 1024**2, True, 2.96), (8 * 1024**2, True, 1.86))
+    ),
+    # The GPU total does not enter this case: the pool is given (two 22 GB cards in the issue, with CPU offload).
+    KvCase("DeepSeek-V2-Lite-Chat (MLA), one 32K request (logged pool)", "~0.8.3", ISSUE_15871, DEEPSEEK_V2_LITE, 44.0,
+           {"max_model_len": 32768, "kv_cache_memory_bytes": int(0.95 * GIB)}, logged_tokens=32768,
+           hub_id="deepseek-ai/DeepSeek-V2-Lite-Chat"),
 ]  # fmt: skip
 
 
@@ -278,5 +377,81 @@ def test_the_accuracy_bench_prints_a_row_per_case_and_release(capsys, monkeypatc
     bench_script("plan_accuracy").main()
     out = capsys.readouterr().out
     for case in KV_CASES:
-        assert f"| {case.vllm} | {case.name} |" in out
+        assert f"| {case.vllm} | {case.name} | {case.architecture} |" in out
+        assert f"\n| {case.architecture} | " in out  # a row of the per-architecture table
     assert "| vllm-0.6 |" in out and "| vllm-0.11 |" in out
+
+
+def test_a_logged_pool_becomes_tokens_through_the_allocators_pages() -> None:
+    """gpt-oss's window layers hold only their window (and the tokens in flight), so at a 128K context its logged
+    pool holds nearly twice pool / bytes a token, which charges every layer the whole context."""
+    case = next(c for c in KV_CASES if c.name == "gpt-oss-20b TP1, A100-80GB, 128K context")
+    plan = case.plan()
+    assert case.logged_pool_gib is not None and case.logged_tokens is None
+    assert case.logged() > 1.5 * _reported_tokens(case.logged_pool_gib, plan.kv_bytes_per_token)
+    dense = next(c for c in KV_CASES if c.name == "Llama-3.1-8B-Instruct TP1, H100")
+    assert dense.logged_pool_gib is not None
+    assert dense.logged() == _reported_tokens(dense.logged_pool_gib, dense.plan().kv_bytes_per_token)
+
+
+# hf-mem issue 60 (2026-05-06) quotes a vLLM log of gpt-oss-120b: "Available KV cache memory: 5.38 GiB", "GPU KV cache
+# size: 78,384 tokens" (its release is not stated). vLLM PR 40384 quotes the code behind such a line before vLLM
+# reported concurrency x max_model_len: num_blocks // len(kv_cache_groups) * block_size.
+HF_MEM_60 = "https://github.com/alvarobartt/hf-mem/issues/60"
+LEGACY_TOKEN_LINES = [
+    # (model, hub id, args, logged pool GiB, groups, logged token line, source)
+    (LLAMA4_SCOUT, "meta-llama/Llama-4-Scout-17B-16E-Instruct",
+     {"tensor_parallel_size": 8, "disable_hybrid_kv_cache_manager": True}, 89.71, 1, 3_919_664, LLAMA4_H200),
+    (LLAMA4_SCOUT, "meta-llama/Llama-4-Scout-17B-16E-Instruct",
+     {"tensor_parallel_size": 8, "disable_hybrid_kv_cache_manager": False}, 89.71, 4, 3_919_664, LLAMA4_H200),
+    ("openai/gpt-oss-120b", "openai/gpt-oss-120b", {}, 5.38, 2, 78_384, HF_MEM_60),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("model, hub_id, args, pool_gib, groups, logged, source", LEGACY_TOKEN_LINES)
+def test_the_pool_gives_the_legacy_token_line_vllm_logged(
+    model: str | dict[str, Any], hub_id: str, args: dict[str, Any], pool_gib: float, groups: int, logged: int,
+    source: str,
+) -> None:  # fmt: skip
+    """Llama-4-Scout TP 8 (hybrid manager off: every block holds all 48 layers; on: four 12-layer groups share
+    blocks a quarter that size) and gpt-oss-120b (two 18-layer groups): the planner's blocks for the logged pool
+    give the logged token line, blocks / groups x 16, within the pool's 0.01 GiB rounding."""
+    arch = load_model_arch(model) if isinstance(model, str) else arch_from_hf_config(model, hub_id)
+    pool = {"max_model_len": 65536, **args, "kv_cache_memory_bytes": int(pool_gib * GIB)}
+    plan = plan_capacity(arch, pool, resolve_hardware(gpu="H200"), profile=profile_for_version("0.12.0"))
+    disabled = args.get("disable_hybrid_kv_cache_manager")
+    assert len(kv_layout(arch, hybrid_manager=None if disabled is None else not disabled).groups) == groups, source
+    assert plan.kv_cache_blocks // groups * 16 == pytest.approx(logged, rel=0.005 / pool_gib)
+
+
+@pytest.mark.parametrize(
+    "tokens, concurrency, max_model_len, measured",
+    [
+        (3_919_664, 2.96, 5 * 1024**2, int(2.96 * 5 * 1024**2)),  # Llama 4, hybrid manager on: the token line is none
+        (3_919_664, 1.86, 8 * 1024**2, int(1.86 * 8 * 1024**2)),
+        (3_919_664, 0.75, 5 * 1024**2, 3_919_664),  # manager off: one group, both lines agree; the exact one is kept
+        (447_088, 13.64, 32_768, 447_088),  # vLLM 0.32's line is concurrency x max_model_len already
+        (420_896, None, None, 420_896),  # no concurrency line
+    ],
+)
+def test_the_measured_capacity_is_the_concurrency_line_where_the_token_line_is_none(
+    tokens: int, concurrency: float | None, max_model_len: int | None, measured: int
+) -> None:
+    assert measured_kv_tokens(tokens, concurrency, max_model_len) == measured
+
+
+def test_a_trial_on_a_hybrid_model_is_scored_against_vllms_capacity_not_its_token_line() -> None:
+    """Llama-4-Scout's 5M run: the planner's tokens against 2.96 x 5,242,880, not against 3,919,664 (-75 %)."""
+    from servetune.report.trials import kv_plan_check
+    from servetune.results import CapacityReport, KvCapacityReport
+    from tests.builders import trial
+
+    case = next(c for c in KV_CASES if c.name == "Llama-4-Scout TP8, H200, 5M context, hybrid manager on")
+    planned = case.plan().kv_cache_tokens
+    result = trial("t1", {"max_model_len": 5 * 1024**2})
+    result.capacity = CapacityReport(fits=True, reason="fits", kv_cache_tokens=planned, profile="vllm-0.11")
+    result.kv_capacity = KvCapacityReport(
+        tokens=3_919_664, max_concurrency=2.96, at_tokens_per_request=5 * 1024**2, planned_tokens=planned
+    )
+    check = kv_plan_check(result)
+    assert check is not None and abs(check.relative_error) < 0.03

@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from servetune.capacity.compare import measured_kv_tokens
 from servetune.metrics import (
     COST_METRIC,
     GOODPUT,
@@ -108,7 +109,8 @@ def kv_plan_check(trial: TrialResult) -> KvPlanCheck | None:
         planned = plan.kv_cache_tokens
     if kv is None or planned is None or kv.tokens <= 0:
         return None
-    return KvPlanCheck(planned, kv.tokens, plan.profile if plan is not None else None)
+    measured = measured_kv_tokens(kv.tokens, kv.max_concurrency, kv.at_tokens_per_request)
+    return KvPlanCheck(planned, measured, plan.profile if plan is not None else None)
 
 
 def worst_kv_plan(rows: Sequence[TrialRow]) -> TrialRow | None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from servetune.capacity.compare import measured_kv_tokens
 from servetune.capacity.prices import Pricing
 from servetune.config.slo import Slo
 from servetune.config.space import GPU_PARAM
@@ -403,7 +404,8 @@ def _measure(server: Engine, spec: TrialSpec, result: TrialResult, report: Repor
             result.kv_capacity = KvCapacityReport(**vars(kv))
             if result.capacity is not None and result.capacity.kv_cache_tokens:
                 result.kv_capacity.planned_tokens = result.capacity.kv_cache_tokens
-                result.kv_prediction_error = (result.capacity.kv_cache_tokens - kv.tokens) / kv.tokens
+                measured = measured_kv_tokens(kv.tokens, kv.max_concurrency, kv.at_tokens_per_request)
+                result.kv_prediction_error = (result.capacity.kv_cache_tokens - measured) / measured
         if spec.quality is not None:  # before the ladder: the probe needs the engine, not the load
             model = spec.engine_args.get("served_model_name") or spec.model
             result.quality, rows = asyncio.run(run_probe(server.url, model, spec.quality, prompts.count, spec.trial_id,
