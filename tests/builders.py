@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-from servetune.metrics import LatencyStats, LevelSummary
 from servetune.results import LevelResult, StudyInfo, TrialResult
+from servetune.summary import LatencyStats, LevelSummary
 
 
 def stats(p99: float, mean: float | None = None) -> LatencyStats:

@@ -13,8 +13,9 @@ from servetune.engine.args import ArgSpec, engine_argv
 from servetune.errors import UserError
 from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory, RequestSpec, iter_requests
-from servetune.metrics import RequestRecord, summarize
+from servetune.metrics import RequestRecord
 from servetune.models.tiny import build_tiny_adapter
+from servetune.summary import summarize
 
 LENGTHS = {"input_tokens": {"dist": "uniform", "min": 4, "max": 40}, "output_tokens": {"dist": "uniform", "max": 9}}
 

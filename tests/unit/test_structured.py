@@ -14,7 +14,8 @@ from servetune.engine.args import ArgSpec, engine_argv, validate_engine_args
 from servetune.errors import UserError
 from servetune.load.client import StreamingClient
 from servetune.load.requests import RequestSpec
-from servetune.metrics import STRUCTURED_VALID, RequestRecord, summarize
+from servetune.metrics import STRUCTURED_VALID, RequestRecord
+from servetune.summary import summarize
 
 TOOL_CALL = {
     "type": "object",

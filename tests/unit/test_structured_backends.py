@@ -16,12 +16,13 @@ import pytest
 from servetune.engine import args as engine_args
 from servetune.engine.args import load_argspecs, structured_backend_problems
 from servetune.load.client import stream_error
-from servetune.metrics import RequestRecord, summarize
+from servetune.metrics import RequestRecord
 from servetune.report.build import build_report
 from servetune.report.html import render_html
 from servetune.report.markdown import render_markdown
 from servetune.report.study import load_study
 from servetune.results import LevelResult
+from servetune.summary import summarize
 from tests.builders import level, study_info, trial, write_study
 
 BASE = """
