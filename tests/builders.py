@@ -1,11 +1,18 @@
-"""Made-up studies for tests: levels, trials, study info, and a study directory on disk."""
+"""Made-up studies for tests: levels, trials, study info, and a study directory on disk; the recorded study;
+a local OpenAI-style completions server for client-side tests."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
+import shutil
 import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from types import ModuleType
+
+from aiohttp import web
 
 from servetune.results import LevelResult, StudyInfo, TrialResult
 from servetune.summary import LatencyStats, LevelSummary
@@ -92,6 +99,52 @@ def demo_trials() -> list[TrialResult]:
 
 def demo_study(root: Path) -> Path:
     return write_study(root, study_info(), demo_trials(), running=("t-running",))
+
+
+#: A study recorded on the CPU stand-in (tests/data/cpu-tiny-study): real results, read-only.
+RECORDED_STUDY = Path(__file__).parent / "data" / "cpu-tiny-study"
+
+
+def copy_recorded_study(root: Path) -> Path:
+    """A copy of :data:`RECORDED_STUDY` at ``root``, for a test that changes it."""
+    shutil.copytree(RECORDED_STUDY, root)
+    return root
+
+
+def edit_result(study: Path, trial_id: str, change: Callable[[dict], object]) -> None:
+    """Change a stored trial's ``result.json`` in place: ``change`` is given it as a dict."""
+    path = study / "trials" / trial_id / "result.json"
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+# --- a local server ----------------------------------------------------------------------------
+
+
+@asynccontextmanager
+async def completions_server(handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> AsyncIterator[str]:
+    """A local OpenAI-style server whose ``POST /v1/completions`` is ``handler``, on 127.0.0.1 at a free port;
+    yields its URL and stops it on leaving."""
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    try:
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
+async def stream_events(request: web.Request, events: Iterable[dict]) -> web.StreamResponse:
+    """Answer ``request`` as a streamed completion: each event as a server-sent ``data:`` line, then ``[DONE]``."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for event in events:
+        await response.write(f"data: {json.dumps(event)}\n\n".encode())
+    await response.write(b"data: [DONE]\n\n")
+    return response
 
 
 # --- tests -----------------------------------------------------------------------------------

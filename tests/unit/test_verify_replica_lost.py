@@ -14,6 +14,7 @@ from servetune.metrics import RequestRecord
 from servetune.verify.document import EngineRun, stability
 from servetune.verify.replica_lost import judge_replica_lost, refusal, replica_lost
 from servetune.verify.under_load import after_windows, ttft_bound_s
+from tests.builders import copy_recorded_study, edit_result
 
 SLO = Slo.parse("ttft_ms.p99=500")
 
@@ -215,20 +216,12 @@ def test_checklist_15_20_takes_the_replacement_as_its_second_half(tmp_path):
 
 
 def test_verify_refuses_it_in_one_line_before_starting_anything_unless_serve_runs_two_replicas(tmp_path, capsys):
-    import json
-    import shutil
-    from pathlib import Path
-
     from servetune.cli import main
 
-    study = tmp_path / "study"
-    shutil.copytree(Path(__file__).parents[1] / "data" / "cpu-tiny-study", study)
+    study = copy_recorded_study(tmp_path / "study")
     assert main(["verify", str(study), "--scenario", "replica_lost"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "trial e57a166985b8" in err and "this one ran bare" in err
-    path = study / "trials" / "e57a166985b8" / "result.json"
-    result = json.loads(path.read_text())
-    result["params"]["serve.num_replicas"] = 1
-    path.write_text(json.dumps(result))
+    edit_result(study, "e57a166985b8", lambda result: result["params"].update({"serve.num_replicas": 1}))
     assert main(["verify", str(study), "--scenario", "replica_lost"]) == 2
     assert "serve.num_replicas >= 2; this trial has 1" in capsys.readouterr().err

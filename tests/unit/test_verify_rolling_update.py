@@ -18,6 +18,7 @@ from servetune.verify.rolling_update import (
     refusal,
     rolling_update,
 )
+from tests.builders import copy_recorded_study
 from tests.unit.test_verify_replica_lost import lost, served, stand_in_load, steady
 
 SLO = Slo.parse("ttft_ms.p99=500")
@@ -186,13 +187,9 @@ def test_checklist_15_23_takes_the_rolling_update_as_its_rollback_half(tmp_path)
 
 
 def test_verify_refuses_it_in_one_line_before_starting_anything_on_a_bare_trial(tmp_path, capsys):
-    import shutil
-    from pathlib import Path
-
     from servetune.cli import main
 
-    study = tmp_path / "study"
-    shutil.copytree(Path(__file__).parents[1] / "data" / "cpu-tiny-study", study)
+    study = copy_recorded_study(tmp_path / "study")
     assert main(["verify", str(study), "--scenario", "rolling_update"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--scenario rolling_update: trial e57a166985b8" in err and "ran bare" in err
