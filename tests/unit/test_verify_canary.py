@@ -197,7 +197,7 @@ def test_a_candidate_that_does_not_start_is_a_failed_unjudged_canary():
 def test_checklist_15_23_takes_the_canarys_verdict_and_the_canary_does_not_reject_the_verified_point(tmp_path):
     from servetune.verify.document import EngineRun, Timeouts, document
     from servetune.verify.scenarios import Budget, ScenarioResult
-    from tests.unit.test_verify_checklist import full_verify, made_trial, make_study, one
+    from tests.builders import full_verify, made_trial, make_study, one
 
     result = made_trial()
     study = make_study(tmp_path / "study", result)

@@ -18,8 +18,7 @@ from servetune.verify.rolling_update import (
     refusal,
     rolling_update,
 )
-from tests.builders import copy_recorded_study
-from tests.unit.test_verify_replica_lost import lost, served, stand_in_load, steady
+from tests.builders import copy_recorded_study, lost, served, stand_in_load, steady
 
 SLO = Slo.parse("ttft_ms.p99=500")
 
@@ -162,7 +161,7 @@ def test_the_scenario_refuses_a_bare_engine_and_says_when_serve_refuses_the_upda
 
 
 def test_checklist_15_23_takes_the_rolling_update_as_its_rollback_half(tmp_path):
-    from tests.unit.test_verify_checklist import full_verify, made_trial, make_study, one
+    from tests.builders import full_verify, made_trial, make_study, one
 
     result = made_trial()
     study = make_study(tmp_path / "study", result)
