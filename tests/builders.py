@@ -17,8 +17,11 @@ from types import ModuleType
 
 from aiohttp import web
 
+from servetune.config.space import SearchSpace
+from servetune.engine.args import ArgSpec
 from servetune.metrics import RequestRecord
 from servetune.results import CapacityReport, KvCapacityReport, LevelResult, StudyInfo, TrialResult
+from servetune.space_file import load_space
 from servetune.summary import LatencyStats, LevelSummary
 from servetune.verify.checklist import ChecklistItem, evaluate
 
@@ -122,6 +125,24 @@ def edit_result(study: Path, trial_id: str, change: Callable[[dict], object]) ->
     data = json.loads(path.read_text())
     change(data)
     path.write_text(json.dumps(data))
+
+
+# --- a search space file ------------------------------------------------------------------------
+
+#: The first lines of a search space on the CPU stand-in: the tiny model and its workload.
+SPACE_HEAD = "name: t\nmodel: tiny\ndevice: cpu\nworkload: cpu-tiny\n"
+
+
+def write_space(tmp_path: Path, text: str) -> Path:
+    """:data:`SPACE_HEAD` and then ``text``, written as ``tmp_path/space.yaml``; its path."""
+    path = tmp_path / "space.yaml"
+    path.write_text(SPACE_HEAD + text)
+    return path
+
+
+def space_from(tmp_path: Path, text: str, argspecs: dict[str, ArgSpec] | None = None) -> SearchSpace:
+    """The space :func:`write_space` writes, loaded as servetune loads one (``space_file.load_space``)."""
+    return load_space(write_space(tmp_path, text), argspecs)
 
 
 # --- a verified study (the section 15 checklist's) -----------------------------------------------

@@ -18,15 +18,13 @@ from servetune.space_file import load_space
 from servetune.study.packing import resolve_max_concurrent
 from servetune.study.ray_cluster import local_serve_cpus
 from servetune.trial.context import StudyContext, bundle, resolve_levels
+from tests.builders import space_from, write_space
 
 FIXTURE = Path(__file__).parents[1] / "data" / "cpu-tiny-study"
 FIXTURE_TRIAL = "e57a166985b8"
 
-BASE = """
-name: t
-model: tiny
-device: cpu
-workload: cpu-tiny
+#: What this module's spaces have beneath builders.SPACE_HEAD.
+BASE = """\
 hardware: {devices_per_node: 2}
 engine_args: {max_model_len: 1024}
 env: {VLLM_CPU_KVCACHE_SPACE: 1, HF_TOKEN: hf_secret}
@@ -35,9 +33,7 @@ search: {max_concurrent: 4}
 
 
 def space(tmp_path, text):
-    path = tmp_path / "space.yaml"
-    path.write_text(BASE + text)
-    return load_space(path)
+    return space_from(tmp_path, BASE + text)
 
 
 def test_replicas_and_tensor_parallelism_under_a_budget(tmp_path):
@@ -197,10 +193,10 @@ def test_a_studys_verification_through_serve_deploys_on_the_studys_ray_and_verif
     from servetune.verify import run
     from servetune.verify.choose import select
 
-    path = tmp_path / "space.yaml"
-    path.write_text(
+    path = write_space(
+        tmp_path,
         BASE.replace("search: {max_concurrent: 4}", "search: {verify: {top: 1}}")
-        + "params:\n  serve.num_replicas: [1, 2]\n"
+        + "params:\n  serve.num_replicas: [1, 2]\n",
     )
     assert load_space(path).search.verify.top == 1  # search.verify of trials through Serve: verified through Serve
     chosen = select(serve_study(tmp_path, 2), FIXTURE_TRIAL).winner
@@ -443,10 +439,11 @@ def test_a_trial_the_capacity_check_rejects_is_rejected_without_waiting_for_devi
     from servetune import device_ledger as ledger
     from servetune.study import driver, mirror
 
-    path = tmp_path / "space.yaml"  # the KV cache sized by kv_cache_memory_bytes, not VLLM_CPU_KVCACHE_SPACE
-    path.write_text(
+    # the KV cache sized by kv_cache_memory_bytes, not VLLM_CPU_KVCACHE_SPACE
+    path = write_space(
+        tmp_path,
         BASE.replace("VLLM_CPU_KVCACHE_SPACE: 1, ", "")
-        + f"params:\n  serve.num_replicas: [1]\n  kv_cache_memory_bytes: [{kv_bytes}]\n"
+        + f"params:\n  serve.num_replicas: [1]\n  kv_cache_memory_bytes: [{kv_bytes}]\n",
     )
     s = load_space(path)
     workload = s.resolved_workload(tmp_path)
