@@ -36,6 +36,15 @@ def space(tmp_path, text):
     return space_from(tmp_path, BASE + text)
 
 
+def serve_spec(tmp_path, replicas: int):
+    """The spec of one trial through Serve with ``replicas`` replicas, from a space that varies only them."""
+    s = space(tmp_path, f"params:\n  serve.num_replicas: [{replicas}]\n")
+    workload = s.resolved_workload(tmp_path)
+    return StudyContext(s, workload, tmp_path, "/models/tiny", resolve_levels(s, workload)).spec_for(
+        {"serve.num_replicas": replicas}
+    )
+
+
 def test_replicas_and_tensor_parallelism_under_a_budget(tmp_path):
     s = space(
         tmp_path,
@@ -289,11 +298,7 @@ class HalfwayCluster:
 def test_a_trial_deployment_that_fails_after_deploying_is_deleted(tmp_path):
     from servetune.serve.trial import ServeEngine
 
-    s = space(tmp_path, "params:\n  serve.num_replicas: [1]\n")
-    workload = s.resolved_workload(tmp_path)
-    spec = StudyContext(s, workload, tmp_path, "/models/tiny", resolve_levels(s, workload)).spec_for(
-        {"serve.num_replicas": 1}
-    )
+    spec = serve_spec(tmp_path, 1)
     cluster = HalfwayCluster()
     with pytest.raises(RuntimeError, match="the GCS did not answer"):
         ServeEngine(spec, tmp_path, cluster).__enter__()
@@ -337,11 +342,7 @@ def test_a_trials_engine_log_is_its_replicas_a_replaced_one_kept_and_failed_or_e
     from servetune.serve.trial import ServeEngine
 
     monkeypatch.setattr(serve_trial, "wait_gone", lambda pids, timeout_s: [])
-    s = space(tmp_path, "params:\n  serve.num_replicas: [1]\n")
-    workload = s.resolved_workload(tmp_path)
-    spec = StudyContext(s, workload, tmp_path, "/models/tiny", resolve_levels(s, workload)).spec_for(
-        {"serve.num_replicas": 1}
-    )
+    spec = serve_spec(tmp_path, 1)
     cluster = ReplacingCluster()
     engine = ServeEngine(spec, tmp_path, cluster).__enter__()
     log = (tmp_path / "engine.log").read_text()
@@ -368,11 +369,7 @@ def test_what_each_replica_served_leaves_out_an_earlier_deployment_of_the_name(t
             return {"old": 25, "r1": 7, "r2": 3}  # r2: Serve replaced r1 during the run, and it counts
 
     monkeypatch.setattr(serve_trial, "wait_gone", lambda pids, timeout_s: [])
-    s = space(tmp_path, "params:\n  serve.num_replicas: [1]\n")
-    workload = s.resolved_workload(tmp_path)
-    spec = StudyContext(s, workload, tmp_path, "/models/tiny", resolve_levels(s, workload)).spec_for(
-        {"serve.num_replicas": 1}
-    )
+    spec = serve_spec(tmp_path, 1)
     engine = ServeEngine(spec, tmp_path, Counted()).__enter__()
     assert engine.record()["requests_per_replica"] == {"r1": 7, "r2": 3}
     engine.__exit__(None, None, None)
@@ -412,11 +409,7 @@ def test_where_the_replicas_devices_are_is_told_to_the_ledger_while_deploying_an
     told = []
     monkeypatch.setattr(serve_ledger, "report_placement", lambda devices: told.append(dict(devices)))
     monkeypatch.setattr(serve_trial, "wait_gone", lambda pids, timeout_s: [])
-    s = space(tmp_path, "params:\n  serve.num_replicas: [2]\n")
-    workload = s.resolved_workload(tmp_path)
-    spec = StudyContext(s, workload, tmp_path, "/models/tiny", resolve_levels(s, workload)).spec_for(
-        {"serve.num_replicas": 2}
-    )
+    spec = serve_spec(tmp_path, 2)
     cluster = Placing()
     engine = ServeEngine(spec, tmp_path, cluster).__enter__()
     assert told == [{"a": 1, "b": 1}]  # once every replica was placed, not at the partial read
