@@ -7,7 +7,7 @@ client CPU seconds each spent driving the load (measured inside the client proce
 load phase only, so interpreter start-up, imports and tokenizer loading are not counted).
 
 Each round prints TTFT P10/P50/P99, throughput, client CPU and how synchronized the client's
-sends were (the share of requests sent within 10 ms of another, ``servetune.metrics.send_sync_share``).
+sends were (the share of requests sent within 10 ms of another, ``servetune.summary.send_sync_share``).
 
 ``--pin ENGINE:CLIENT`` runs the engine on one set of cores and both clients on another (taskset
 core lists, e.g. ``--pin 0:1``): the engine's processes under ``taskset`` with vLLM's
@@ -94,7 +94,8 @@ def worker_servetune(args: argparse.Namespace) -> dict:
     from servetune.load.client import StreamingClient
     from servetune.load.requests import RequestSpec
     from servetune.load.runner import Level, run_level
-    from servetune.metrics import DISTRIBUTION_PERCENTILES, send_sync_share, summarize, ttft_distribution_ms
+    from servetune.metrics import DISTRIBUTION_PERCENTILES
+    from servetune.summary import send_sync_share, summarize, ttft_distribution_ms
 
     rows = [json.loads(line) for line in Path(args.requests).read_text().splitlines()]
     specs = [RequestSpec(i, r["prompt"], r["input_tokens"], r["output_tokens"], "default") for i, r in enumerate(rows)]
@@ -158,7 +159,7 @@ def worker_vllm(args: argparse.Namespace) -> dict:
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "10,50,99",
     ])  # fmt: skip
     r = vserve.main(vargs)
-    from servetune.metrics import send_sync_share
+    from servetune.summary import send_sync_share
 
     sends = [SimpleNamespace(sent=t, warmup=False) for t in spent["start_times"]]
     return {

@@ -6,7 +6,7 @@ with one seeded run factor per point drawn from the measured run-to-run spread. 
 search (trial/capacity.py ``CapacitySearch``: the ladder, its stops, the bisection and the knee) is driven
 level by level; each level's requests are simulated on the level's clock against the twin's pace, a closed
 loop of C clients or Poisson arrivals at the rate, and summarized and judged against the SLO by servetune's
-own code (``metrics.summarize``, ``Slo.violations``). A point the capacity check rejects is INFEASIBLE.
+own code (``summary.summarize``, ``Slo.violations``). A point the capacity check rejects is INFEASIBLE.
 The result is a surface file that ``search_efficiency.py replay`` reads as it reads a recorded grid.
 
 What the simulation leaves out, against the fake engine run for real through Ray: every request has the
@@ -32,10 +32,11 @@ import numpy as np
 from servetune.config.workload import mean_lengths
 from servetune.errors import UserError
 from servetune.load.runner import Level
-from servetune.metrics import RequestRecord, summarize
+from servetune.metrics import RequestRecord
 from servetune.results import LevelResult, TrialResult
 from servetune.space_file import load_space
 from servetune.study.replay import Surface, score
+from servetune.summary import summarize
 from servetune.testing.twin import Twin, TwinConfig
 from servetune.trial.capacity import CapacitySearch
 from servetune.trial.context import StudyContext, resolve_levels, startup_budget_for

@@ -29,7 +29,8 @@ from servetune.estimate import Load, estimate
 from servetune.load.client import StreamingClient
 from servetune.load.requests import RequestSpec
 from servetune.load.runner import Level, run_level
-from servetune.metrics import OUTPUT_THROUGHPUT, summarize
+from servetune.metrics import OUTPUT_THROUGHPUT
+from servetune.summary import summarize
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 GPU = "H100-SXM"

@@ -10,7 +10,8 @@ from servetune.config.workload import Workload
 from servetune.load.client import StreamingClient
 from servetune.load.requests import RequestSpec
 from servetune.load.runner import Level, run_level
-from servetune.metrics import RequestRecord, summarize
+from servetune.metrics import RequestRecord
+from servetune.summary import summarize
 from servetune.testing.fake_openai import FakeOpenAI
 from servetune.testing.process import fake_server_process
 from tests.conftest import serve_fake
@@ -173,7 +174,7 @@ def test_closed_loop_clients_start_staggered_and_the_level_says_how_synchronized
     one, 0-0.19 staggered and 0.97-1.0 together on the same host."""
     from servetune.config.workload import load_workload
     from servetune.load.requests import PromptFactory, iter_requests
-    from servetune.metrics import send_sync_share
+    from servetune.summary import send_sync_share
 
     workload = load_workload("cpu-tiny")  # 32 output tokens each: equal durations
 

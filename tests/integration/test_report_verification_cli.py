@@ -8,8 +8,7 @@ from pathlib import Path
 from servetune.cli import main
 from servetune.report.study import load_study
 from servetune.verify.checklist import evaluate
-from tests.builders import demo_study
-from tests.unit.test_verify_checklist import full_verify
+from tests.builders import demo_study, full_verify
 
 STORED = Path(__file__).parents[1] / "data" / "cpu-tiny-study"
 

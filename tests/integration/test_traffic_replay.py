@@ -12,7 +12,7 @@ from servetune.config.workload import load_workload
 from servetune.load.client import StreamingClient
 from servetune.load.requests import RequestSpec
 from servetune.load.runner import Level, run_level, workload_levels
-from servetune.metrics import summarize
+from servetune.summary import summarize
 from servetune.testing.process import fake_server_process
 
 #: Scheduling slack on a shared two-core host: a stall of a busy host (an engine starting beside

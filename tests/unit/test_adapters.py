@@ -13,8 +13,10 @@ from servetune.engine.args import ArgSpec, engine_argv
 from servetune.errors import UserError
 from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory, RequestSpec, iter_requests
-from servetune.metrics import RequestRecord, summarize
+from servetune.metrics import RequestRecord
 from servetune.models.tiny import build_tiny_adapter
+from servetune.summary import summarize
+from tests.builders import completions_server, stream_events
 
 LENGTHS = {"input_tokens": {"dist": "uniform", "min": 4, "max": 40}, "output_tokens": {"dist": "uniform", "max": 9}}
 
@@ -61,29 +63,15 @@ def test_the_request_sends_its_adapter_as_the_model_and_the_level_counts_them():
 
     async def completions(request: web.Request) -> web.StreamResponse:
         seen.append((await request.json())["model"])
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        await resp.write(b'data: {"choices": [{"index": 0, "text": "x"}]}\n\n')
-        await resp.write(b'data: {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 1}}\n\n')
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
+        usage = {"prompt_tokens": 1, "completion_tokens": 1}
+        return await stream_events(request, [{"choices": [{"index": 0, "text": "x"}]}, {"choices": [], "usage": usage}])
 
     async def run() -> list[RequestRecord]:
-        app = web.Application()
-        app.router.add_post("/v1/completions", completions)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
         records = []
-        try:
-            async with StreamingClient(f"http://127.0.0.1:{port}", "base") as client:
-                for i, model in enumerate(["sql", None, "sql", "chat"]):
-                    record = RequestRecord(index=i, sent=0.0, input_tokens=1, max_tokens=1, adapter=model)
-                    records.append(await client.send(RequestSpec(i, "hi", 1, 1, "default", model=model), record, 0.0))
-        finally:
-            await runner.cleanup()
+        async with completions_server(completions) as url, StreamingClient(url, "base") as client:
+            for i, model in enumerate(["sql", None, "sql", "chat"]):
+                record = RequestRecord(index=i, sent=0.0, input_tokens=1, max_tokens=1, adapter=model)
+                records.append(await client.send(RequestSpec(i, "hi", 1, 1, "default", model=model), record, 0.0))
         return records
 
     records = asyncio.run(run())

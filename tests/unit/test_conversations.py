@@ -1,10 +1,11 @@
-"""Per-conversation numbers of a multi-turn level (metrics.ConversationStats, issue #41 item 7)."""
+"""Per-conversation numbers of a multi-turn level (summary.ConversationStats, issue #41 item 7)."""
 
 from __future__ import annotations
 
 import pytest
 
-from servetune.metrics import RequestRecord, summarize
+from servetune.metrics import RequestRecord
+from servetune.summary import summarize
 
 
 def turn(index, session, turn, sent, ttft, e2el, prompt=100, cached=None):

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from servetune.load.runner import Level
-from servetune.metrics import RequestRecord, busy_output_throughput, summarize, ttft_growth
+from servetune.metrics import RequestRecord
 from servetune.results import LevelResult, LevelRun
+from servetune.summary import busy_output_throughput, summarize, ttft_growth
 from servetune.trial.ladder import ladder
 
 TTFT_S, ITL_S = (0.04, 0.10), 0.015

@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from servetune.metrics import RequestRecord, cost_per_mtok_usd, metric_names, summarize
+from servetune.metrics import RequestRecord, cost_per_mtok_usd, metric_names
+from servetune.summary import summarize
 
 
 def record(index, sent, ttft, gaps, output_tokens=None, ok=True, warmup=False, error_kind=None):
@@ -101,8 +102,8 @@ def test_tokens_read_in_bursts_are_counted_and_flagged_on_the_level_table():
 
     from servetune.cli.display import level_table
     from servetune.config.slo import Slo
-    from servetune.metrics import itl_burst_share, itl_note
     from servetune.results import LevelResult
+    from servetune.summary import itl_burst_share, itl_note
 
     steady = record(0, sent=0.0, ttft=0.1, gaps=[0.02] * 9)
     bunched = record(

@@ -14,6 +14,7 @@ from servetune.quality.lossless import apply_lossless, check_lossless, method_of
 from servetune.quality.probe import QualityPlan, make_plan, run_probe
 from servetune.quality.suites import agreement_prompts
 from servetune.results import QualityResult, ReferenceAnswers
+from tests.builders import completions_server
 
 PROMPTS = 32
 
@@ -84,19 +85,9 @@ async def _probe_against(answers: dict[str, list[int]], speculation: str | None)
             return web.json_response({"choices": [{"prompt_logprobs": None}]})
         return web.json_response({"choices": [{"prompt_token_ids": [1, 2], "token_ids": answers[prompt]}]})
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", complete)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        plan = QualityPlan(suites=["agreement"], prompts=PROMPTS, tokens=4, reference=reference())
-        result, rows = await run_probe(f"http://127.0.0.1:{port}", "m", plan, len, "trial", {}, timeout_s=10,
-                                       speculation=speculation)  # fmt: skip
-    finally:
-        await runner.cleanup()
+    plan = QualityPlan(suites=["agreement"], prompts=PROMPTS, tokens=4, reference=reference())
+    async with completions_server(complete) as url:
+        result, rows = await run_probe(url, "m", plan, len, "trial", {}, timeout_s=10, speculation=speculation)
     assert len(rows) == PROMPTS
     return result
 

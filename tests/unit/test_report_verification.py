@@ -10,8 +10,7 @@ from servetune.report import build_report, load_study, render_markdown
 from servetune.report.html import render_html
 from servetune.report.verification import VERIFY_FILE, read_verify_file, verification
 from servetune.verify.checklist import evaluate
-from tests.builders import demo_study
-from tests.unit.test_verify_checklist import full_verify
+from tests.builders import demo_study, full_verify
 
 
 def verified(root, **changes):

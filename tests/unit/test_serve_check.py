@@ -373,7 +373,7 @@ def served_study(tmp_path, monkeypatch, tiny_tokenizer):
     """A one-trial study that the CLI checks on a :class:`ServedCluster` (no Ray, no tokenizer download)."""
     monkeypatch.setattr("servetune.load.tokenizer.load_tokenizer", lambda model: tiny_tokenizer)
     monkeypatch.setattr("servetune.serve.cluster.ServeCluster", ServedCluster)
-    monkeypatch.setattr("servetune.serve.cluster.wait_gone", lambda pids: [])
+    monkeypatch.setattr("servetune.serve.actors.wait_gone", lambda pids: [])
     monkeypatch.setattr(ServedCluster, "opened", [])
     return tiny_study(tmp_path / "s")
 

@@ -18,15 +18,13 @@ from servetune.space_file import load_space
 from servetune.study.packing import resolve_max_concurrent
 from servetune.study.ray_cluster import local_serve_cpus
 from servetune.trial.context import StudyContext, bundle, resolve_levels
+from tests.builders import space_from, write_space
 
 FIXTURE = Path(__file__).parents[1] / "data" / "cpu-tiny-study"
 FIXTURE_TRIAL = "e57a166985b8"
 
-BASE = """
-name: t
-model: tiny
-device: cpu
-workload: cpu-tiny
+#: What this module's spaces have beneath builders.SPACE_HEAD.
+BASE = """\
 hardware: {devices_per_node: 2}
 engine_args: {max_model_len: 1024}
 env: {VLLM_CPU_KVCACHE_SPACE: 1, HF_TOKEN: hf_secret}
@@ -35,9 +33,16 @@ search: {max_concurrent: 4}
 
 
 def space(tmp_path, text):
-    path = tmp_path / "space.yaml"
-    path.write_text(BASE + text)
-    return load_space(path)
+    return space_from(tmp_path, BASE + text)
+
+
+def serve_spec(tmp_path, replicas: int):
+    """The spec of one trial through Serve with ``replicas`` replicas, from a space that varies only them."""
+    s = space(tmp_path, f"params:\n  serve.num_replicas: [{replicas}]\n")
+    workload = s.resolved_workload(tmp_path)
+    return StudyContext(s, workload, tmp_path, "/models/tiny", resolve_levels(s, workload)).spec_for(
+        {"serve.num_replicas": replicas}
+    )
 
 
 def test_replicas_and_tensor_parallelism_under_a_budget(tmp_path):
@@ -197,10 +202,10 @@ def test_a_studys_verification_through_serve_deploys_on_the_studys_ray_and_verif
     from servetune.verify import run
     from servetune.verify.choose import select
 
-    path = tmp_path / "space.yaml"
-    path.write_text(
+    path = write_space(
+        tmp_path,
         BASE.replace("search: {max_concurrent: 4}", "search: {verify: {top: 1}}")
-        + "params:\n  serve.num_replicas: [1, 2]\n"
+        + "params:\n  serve.num_replicas: [1, 2]\n",
     )
     assert load_space(path).search.verify.top == 1  # search.verify of trials through Serve: verified through Serve
     chosen = select(serve_study(tmp_path, 2), FIXTURE_TRIAL).winner
@@ -293,11 +298,7 @@ class HalfwayCluster:
 def test_a_trial_deployment_that_fails_after_deploying_is_deleted(tmp_path):
     from servetune.serve.trial import ServeEngine
 
-    s = space(tmp_path, "params:\n  serve.num_replicas: [1]\n")
-    workload = s.resolved_workload(tmp_path)
-    spec = StudyContext(s, workload, tmp_path, "/models/tiny", resolve_levels(s, workload)).spec_for(
-        {"serve.num_replicas": 1}
-    )
+    spec = serve_spec(tmp_path, 1)
     cluster = HalfwayCluster()
     with pytest.raises(RuntimeError, match="the GCS did not answer"):
         ServeEngine(spec, tmp_path, cluster).__enter__()
@@ -341,11 +342,7 @@ def test_a_trials_engine_log_is_its_replicas_a_replaced_one_kept_and_failed_or_e
     from servetune.serve.trial import ServeEngine
 
     monkeypatch.setattr(serve_trial, "wait_gone", lambda pids, timeout_s: [])
-    s = space(tmp_path, "params:\n  serve.num_replicas: [1]\n")
-    workload = s.resolved_workload(tmp_path)
-    spec = StudyContext(s, workload, tmp_path, "/models/tiny", resolve_levels(s, workload)).spec_for(
-        {"serve.num_replicas": 1}
-    )
+    spec = serve_spec(tmp_path, 1)
     cluster = ReplacingCluster()
     engine = ServeEngine(spec, tmp_path, cluster).__enter__()
     log = (tmp_path / "engine.log").read_text()
@@ -372,11 +369,7 @@ def test_what_each_replica_served_leaves_out_an_earlier_deployment_of_the_name(t
             return {"old": 25, "r1": 7, "r2": 3}  # r2: Serve replaced r1 during the run, and it counts
 
     monkeypatch.setattr(serve_trial, "wait_gone", lambda pids, timeout_s: [])
-    s = space(tmp_path, "params:\n  serve.num_replicas: [1]\n")
-    workload = s.resolved_workload(tmp_path)
-    spec = StudyContext(s, workload, tmp_path, "/models/tiny", resolve_levels(s, workload)).spec_for(
-        {"serve.num_replicas": 1}
-    )
+    spec = serve_spec(tmp_path, 1)
     engine = ServeEngine(spec, tmp_path, Counted()).__enter__()
     assert engine.record()["requests_per_replica"] == {"r1": 7, "r2": 3}
     engine.__exit__(None, None, None)
@@ -416,11 +409,7 @@ def test_where_the_replicas_devices_are_is_told_to_the_ledger_while_deploying_an
     told = []
     monkeypatch.setattr(serve_ledger, "report_placement", lambda devices: told.append(dict(devices)))
     monkeypatch.setattr(serve_trial, "wait_gone", lambda pids, timeout_s: [])
-    s = space(tmp_path, "params:\n  serve.num_replicas: [2]\n")
-    workload = s.resolved_workload(tmp_path)
-    spec = StudyContext(s, workload, tmp_path, "/models/tiny", resolve_levels(s, workload)).spec_for(
-        {"serve.num_replicas": 2}
-    )
+    spec = serve_spec(tmp_path, 2)
     cluster = Placing()
     engine = ServeEngine(spec, tmp_path, cluster).__enter__()
     assert told == [{"a": 1, "b": 1}]  # once every replica was placed, not at the partial read
@@ -443,10 +432,11 @@ def test_a_trial_the_capacity_check_rejects_is_rejected_without_waiting_for_devi
     from servetune import device_ledger as ledger
     from servetune.study import driver, mirror
 
-    path = tmp_path / "space.yaml"  # the KV cache sized by kv_cache_memory_bytes, not VLLM_CPU_KVCACHE_SPACE
-    path.write_text(
+    # the KV cache sized by kv_cache_memory_bytes, not VLLM_CPU_KVCACHE_SPACE
+    path = write_space(
+        tmp_path,
         BASE.replace("VLLM_CPU_KVCACHE_SPACE: 1, ", "")
-        + f"params:\n  serve.num_replicas: [1]\n  kv_cache_memory_bytes: [{kv_bytes}]\n"
+        + f"params:\n  serve.num_replicas: [1]\n  kv_cache_memory_bytes: [{kv_bytes}]\n",
     )
     s = load_space(path)
     workload = s.resolved_workload(tmp_path)

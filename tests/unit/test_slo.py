@@ -2,7 +2,8 @@ import pytest
 
 from servetune.config.slo import Slo
 from servetune.errors import UserError
-from servetune.metrics import RequestRecord, summarize
+from servetune.metrics import RequestRecord
+from servetune.summary import summarize
 
 
 def test_parse_and_request_bounds():

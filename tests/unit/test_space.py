@@ -2,22 +2,17 @@ import pytest
 
 from servetune.config.space import Range, SearchSpace
 from servetune.errors import UserError
-from servetune.space_file import load_space
+from tests.builders import space_from
 
-BASE = """
-name: t
-model: tiny
-device: cpu
-workload: cpu-tiny
+#: What this module's spaces have beneath builders.SPACE_HEAD.
+BASE = """\
 hardware: {devices_per_node: 2}
 engine_args: {max_model_len: 1024}
 """
 
 
 def space(tmp_path, text, argspecs=None):
-    path = tmp_path / "space.yaml"
-    path.write_text(BASE + text)
-    return load_space(path, argspecs)
+    return space_from(tmp_path, BASE + text, argspecs)
 
 
 def test_grid_with_constraints(tmp_path):

@@ -6,21 +6,16 @@ import pytest
 
 from servetune.engine.args import engine_argv, load_argspecs
 from servetune.errors import UserError
-from servetune.space_file import load_space
+from tests.builders import space_from, write_space
 
-BASE = """
-name: t
-model: tiny
-device: cpu
-workload: cpu-tiny
+#: What this module's spaces have beneath builders.SPACE_HEAD.
+BASE = """\
 engine_args: {max_model_len: 1024}
 """
 
 
 def space(tmp_path, text, argspecs=None):
-    path = tmp_path / "space.yaml"
-    path.write_text(BASE + text)
-    return load_space(path, argspecs)
+    return space_from(tmp_path, BASE + text, argspecs)
 
 
 def test_methods_and_fields_become_one_speculative_config_and_none_passes_no_flag(tmp_path):
@@ -147,14 +142,13 @@ def test_run_refuses_suffix_decoding_in_one_line_where_vllms_interpreter_lacks_a
 
     if load_argspecs() is None or importlib.util.find_spec("arctic_inference") is not None:
         pytest.skip("needs vLLM here, without Arctic Inference (as vLLM 0.32's CPU build installs)")
-    path = tmp_path / "space.yaml"
-    path.write_text(BASE + "params: {speculative.method: [none, ngram, suffix]}\n")
+    path = write_space(tmp_path, BASE + "params: {speculative.method: [none, ngram, suffix]}\n")
     storage = tmp_path / "results"
     assert main(["run", str(path), "--dry-run", "--storage", str(storage)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and str(path) in err
     assert "params.speculative.method: suffix decoding needs Arctic Inference beside vLLM" in err
-    path.write_text(BASE + "params: {speculative.method: [none, ngram]}\n")
+    write_space(tmp_path, BASE + "params: {speculative.method: [none, ngram]}\n")
     assert main(["run", str(path), "--dry-run", "--storage", str(storage)]) == 0
     assert "2 trial(s) would run" in " ".join(capsys.readouterr().out.split())  # the baseline (none), ngram
     assert not storage.exists()

@@ -3,7 +3,6 @@ refused in one line; the client's verdict on each answer and the level's share; 
 argument vLLM's parser knows."""
 
 import asyncio
-import json
 import textwrap
 
 import pytest
@@ -14,7 +13,9 @@ from servetune.engine.args import ArgSpec, engine_argv, validate_engine_args
 from servetune.errors import UserError
 from servetune.load.client import StreamingClient
 from servetune.load.requests import RequestSpec
-from servetune.metrics import STRUCTURED_VALID, RequestRecord, summarize
+from servetune.metrics import STRUCTURED_VALID, RequestRecord
+from servetune.summary import summarize
+from tests.builders import completions_server, stream_events
 
 TOOL_CALL = {
     "type": "object",
@@ -137,32 +138,16 @@ async def _send_all(w: Workload, answers: dict[str, list[str]], n: int = 1) -> l
     async def complete(request: web.Request) -> web.StreamResponse:
         body = await request.json()
         name = "tool" if "response_format" in body or "structured_outputs" in body else "free"
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        for piece in answers[name]:
-            for index in range(n):
-                chunk = {"choices": [{"index": index, "text": piece}]}
-                await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        chunks = [{"choices": [{"index": index, "text": piece}]} for piece in answers[name] for index in range(n)]
         usage = {"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": len(answers[name]) * n}}
-        await response.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
-        return response
+        return await stream_events(request, [*chunks, usage])
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", complete)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     records = []
-    try:
-        async with StreamingClient(f"http://127.0.0.1:{port}", "m") as client:
-            for name in ("tool", "tool", "free"):
-                spec = spec_of(w, name)
-                record = RequestRecord(index=len(records), sent=0.0, input_tokens=1, max_tokens=16)
-                records.append(await client.send(spec, record, 0.0))
-    finally:
-        await runner.cleanup()
+    async with completions_server(complete) as url, StreamingClient(url, "m") as client:
+        for name in ("tool", "tool", "free"):
+            spec = spec_of(w, name)
+            record = RequestRecord(index=len(records), sent=0.0, input_tokens=1, max_tokens=16)
+            records.append(await client.send(spec, record, 0.0))
     return records
 
 

@@ -16,19 +16,17 @@ import pytest
 from servetune.engine import args as engine_args
 from servetune.engine.args import load_argspecs, structured_backend_problems
 from servetune.load.client import stream_error
-from servetune.metrics import RequestRecord, summarize
+from servetune.metrics import RequestRecord
 from servetune.report.build import build_report
 from servetune.report.html import render_html
 from servetune.report.markdown import render_markdown
 from servetune.report.study import load_study
 from servetune.results import LevelResult
-from tests.builders import level, study_info, trial, write_study
+from servetune.summary import summarize
+from tests.builders import level, study_info, trial, write_space, write_study
 
-BASE = """
-name: t
-model: tiny
-device: cpu
-workload: cpu-tiny
+#: What this module's spaces have beneath builders.SPACE_HEAD.
+BASE = """\
 engine_args: {max_model_len: 1024}
 """
 
@@ -85,8 +83,7 @@ def test_run_refuses_the_backend_in_one_line_naming_file_and_field_before_any_en
 
     if load_argspecs() is None:
         pytest.skip("needs vLLM here: without it the engines' interpreter is not asked")
-    path = tmp_path / "space.yaml"
-    path.write_text(BASE + text)
+    path = write_space(tmp_path, BASE + text)
     storage = tmp_path / "results"
     argv = ["run", str(path), "--dry-run", "--storage", str(storage), "--python", engine_python]
     assert main(argv) == 2
@@ -94,7 +91,7 @@ def test_run_refuses_the_backend_in_one_line_naming_file_and_field_before_any_en
     assert err.count("\n") == 0 and f"error: {path}: {field}: lm-format-enforcer: " in err, err
     assert "No module named 'vllm_moved_away'" in err
     assert not storage.exists()
-    path.write_text(BASE + "params: {structured_outputs_config.backend: [xgrammar, guidance]}\n")
+    write_space(tmp_path, BASE + "params: {structured_outputs_config.backend: [xgrammar, guidance]}\n")
     assert main(argv) == 0
 
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from servetune.metrics import DISTRIBUTION_PERCENTILES, RequestRecord, ttft_distribution_ms
+from servetune.metrics import DISTRIBUTION_PERCENTILES, RequestRecord
 from servetune.report import build_report, load_study, render_markdown
 from servetune.report.html import render_html, spread_figure
+from servetune.summary import ttft_distribution_ms
 from tests.builders import demo_trials, study_info, write_study
 
 

@@ -15,6 +15,7 @@ from servetune.load.runner import Level
 from servetune.metrics import RequestRecord
 from servetune.verify.canary import MIN_REQUESTS, Deploy, canary, judge_canary, refusal, split
 from servetune.verify.stats import bootstrap_percentile, bootstrap_percentile_difference
+from tests.builders import copy_recorded_study, edit_result
 
 SLO = Slo.parse("ttft_ms.p99=400,tpot_ms.p99=80")
 
@@ -196,7 +197,7 @@ def test_a_candidate_that_does_not_start_is_a_failed_unjudged_canary():
 def test_checklist_15_23_takes_the_canarys_verdict_and_the_canary_does_not_reject_the_verified_point(tmp_path):
     from servetune.verify.document import EngineRun, Timeouts, document
     from servetune.verify.scenarios import Budget, ScenarioResult
-    from tests.unit.test_verify_checklist import full_verify, made_trial, make_study, one
+    from tests.builders import full_verify, made_trial, make_study, one
 
     result = made_trial()
     study = make_study(tmp_path / "study", result)
@@ -231,13 +232,9 @@ def test_checklist_15_23_takes_the_canarys_verdict_and_the_canary_does_not_rejec
 
 
 def test_verify_refuses_it_in_one_line_before_starting_anything(tmp_path, capsys):
-    import shutil
-    from pathlib import Path
-
     from servetune.cli import main
 
-    study = tmp_path / "study"
-    shutil.copytree(Path(__file__).parents[1] / "data" / "cpu-tiny-study", study)
+    study = copy_recorded_study(tmp_path / "study")
     assert main(["verify", str(study), "--scenario", "canary"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--scenario canary: trial e57a166985b8" in err and "ran bare" in err
@@ -249,20 +246,13 @@ def test_verify_refuses_it_in_one_line_before_starting_anything(tmp_path, capsys
 
 
 def test_the_candidate_is_the_runner_up_as_a_serve_application_of_its_own_with_room_on_a_local_ray(tmp_path):
-    import json
-    import shutil
-    from pathlib import Path
-
     from servetune.serve.trial import ServeEngine, app_name
     from servetune.verify.choose import select
     from servetune.verify.run import canary_candidate
 
-    study = tmp_path / "study"
-    shutil.copytree(Path(__file__).parents[1] / "data" / "cpu-tiny-study", study)
-    path = study / "trials" / "8aede7346995" / "result.json"
-    data = json.loads(path.read_text())
-    data["levels"][0]["slo_violations"] = []  # it broke the SLO only just: made to meet it, so there is a runner-up
-    path.write_text(json.dumps(data))
+    study = copy_recorded_study(tmp_path / "study")
+    # it broke the SLO only just: made to meet it, so there is a runner-up
+    edit_result(study, "8aede7346995", lambda result: result["levels"][0].update(slo_violations=[]))
     selection = select(study, "best")
     runner_up = selection.runner_up
     assert runner_up is not None and runner_up.spec.serve_replicas is None  # it ran bare

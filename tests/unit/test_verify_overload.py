@@ -5,16 +5,15 @@ from __future__ import annotations
 from servetune.metrics import RequestRecord
 from servetune.verify.document import EngineRun, stability
 from servetune.verify.overload import judge_overload
+from tests import builders
 
 
 def served(i: int, sent: float, ttft_s: float) -> RequestRecord:
-    return RequestRecord(index=i, sent=sent, input_tokens=16, max_tokens=16, chunk_times=[sent + ttft_s],
-                         end=sent + ttft_s + 0.1, output_tokens=16, ok=True)  # fmt: skip
+    return builders.served(i, sent, ttft_s, tail_s=0.1)
 
 
 def turned_away(i: int, sent: float, after_s: float = 0.002) -> RequestRecord:
-    return RequestRecord(index=i, sent=sent, input_tokens=16, max_tokens=16, end=sent + after_s,
-                         error_kind="http_5xx", error="HTTP 503: busy")  # fmt: skip
+    return builders.lost(i, sent, after_s, error="HTTP 503: busy")
 
 
 OVER = [served(i, 0.1 * i, 0.2) for i in range(10)] + [turned_away(10 + i, 0.1 * i + 0.05) for i in range(5)]

@@ -6,31 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from dataclasses import replace
 
 from servetune.config.slo import Slo
-from servetune.metrics import RequestRecord
 from servetune.verify.document import EngineRun, stability
 from servetune.verify.replica_lost import judge_replica_lost, refusal, replica_lost
 from servetune.verify.under_load import after_windows, ttft_bound_s
+from tests.builders import copy_recorded_study, edit_result, lost, served, stand_in_load, steady
 
 SLO = Slo.parse("ttft_ms.p99=500")
-
-
-def served(i: int, sent: float, ttft_s: float = 0.1) -> RequestRecord:
-    return RequestRecord(index=i, sent=sent, input_tokens=16, max_tokens=16, chunk_times=[sent + ttft_s],
-                         end=sent + ttft_s + 0.2, output_tokens=16, ok=True)  # fmt: skip
-
-
-def lost(i: int, sent: float, after_s: float = 0.05, kind: str = "http_5xx") -> RequestRecord:
-    return RequestRecord(index=i, sent=sent, input_tokens=16, max_tokens=16, end=sent + after_s, error_kind=kind,
-                         error="HTTP 500: engine dead")  # fmt: skip
-
-
-def steady(start: float, stop: float, every: float = 0.1, ttft_s: float = 0.1, first: int = 0) -> list[RequestRecord]:
-    n = round((stop - start) / every)
-    return [served(first + i, start + i * every, ttft_s) for i in range(n)]
 
 
 def test_a_burst_of_failures_then_the_slo_back_is_measured_from_the_records():
@@ -109,29 +93,6 @@ def test_the_failures_it_caused_are_not_the_services_5xx_rate(tmp_path):
     assert measured["requests"] == len(elsewhere) and measured["error_rate_5xx"] == 1 / len(elsewhere)
 
 
-def stand_in_load(monkeypatch, record_for: Callable[[int, float], RequestRecord]) -> None:
-    """The level verify/under_load.py ``around_event`` runs, replaced: one request every 50 ms, ``record_for(index,
-    sent)`` each (its end set when it is done), Serve read every 0.1 s."""
-    from servetune.verify import under_load
-
-    async def fake_level(client, url, workload, prompts, plan, *, stream, slo, on_done, watch, **_):
-        t0, records, i = time.perf_counter(), [], 0
-        while time.perf_counter() - t0 < plan.duration_s and not watch.broken():
-            sent = time.perf_counter() - t0
-            await asyncio.sleep(0.05)
-            record = record_for(i, sent)
-            record.end = time.perf_counter() - t0
-            on_done(record)
-            records.append(record)
-            i += 1
-        return type("Result", (), {"summary": type("Summary", (), {"level": {"concurrency": 1.0}})()})(), records
-
-    monkeypatch.setattr(under_load, "measure_level", fake_level)
-    monkeypatch.setattr(under_load, "POLL_S", 0.1)
-    monkeypatch.setattr(under_load, "_warmup", lambda level, budget: 0)
-    monkeypatch.setattr(under_load, "LevelPlan", lambda level, **kw: type("Plan", (), {**kw, "level": level})())
-
-
 class Deployment:
     """Two replicas; a kill makes every other request fail until the replacement runs ``down_s`` later."""
 
@@ -178,7 +139,7 @@ def test_the_scenario_kills_a_third_in_follows_the_replica_count_and_judges(monk
 
 
 def test_checklist_15_20_takes_the_replacement_as_its_second_half(tmp_path):
-    from tests.unit.test_verify_checklist import full_verify, made_trial, make_study, one
+    from tests.builders import full_verify, made_trial, make_study, one
 
     result = made_trial()
     study = make_study(tmp_path / "study", result)
@@ -215,20 +176,12 @@ def test_checklist_15_20_takes_the_replacement_as_its_second_half(tmp_path):
 
 
 def test_verify_refuses_it_in_one_line_before_starting_anything_unless_serve_runs_two_replicas(tmp_path, capsys):
-    import json
-    import shutil
-    from pathlib import Path
-
     from servetune.cli import main
 
-    study = tmp_path / "study"
-    shutil.copytree(Path(__file__).parents[1] / "data" / "cpu-tiny-study", study)
+    study = copy_recorded_study(tmp_path / "study")
     assert main(["verify", str(study), "--scenario", "replica_lost"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "trial e57a166985b8" in err and "this one ran bare" in err
-    path = study / "trials" / "e57a166985b8" / "result.json"
-    result = json.loads(path.read_text())
-    result["params"]["serve.num_replicas"] = 1
-    path.write_text(json.dumps(result))
+    edit_result(study, "e57a166985b8", lambda result: result["params"].update({"serve.num_replicas": 1}))
     assert main(["verify", str(study), "--scenario", "replica_lost"]) == 2
     assert "serve.num_replicas >= 2; this trial has 1" in capsys.readouterr().err

@@ -18,7 +18,7 @@ from servetune.verify.rolling_update import (
     refusal,
     rolling_update,
 )
-from tests.unit.test_verify_replica_lost import lost, served, stand_in_load, steady
+from tests.builders import copy_recorded_study, lost, served, stand_in_load, steady
 
 SLO = Slo.parse("ttft_ms.p99=500")
 
@@ -161,7 +161,7 @@ def test_the_scenario_refuses_a_bare_engine_and_says_when_serve_refuses_the_upda
 
 
 def test_checklist_15_23_takes_the_rolling_update_as_its_rollback_half(tmp_path):
-    from tests.unit.test_verify_checklist import full_verify, made_trial, make_study, one
+    from tests.builders import full_verify, made_trial, make_study, one
 
     result = made_trial()
     study = make_study(tmp_path / "study", result)
@@ -186,13 +186,9 @@ def test_checklist_15_23_takes_the_rolling_update_as_its_rollback_half(tmp_path)
 
 
 def test_verify_refuses_it_in_one_line_before_starting_anything_on_a_bare_trial(tmp_path, capsys):
-    import shutil
-    from pathlib import Path
-
     from servetune.cli import main
 
-    study = tmp_path / "study"
-    shutil.copytree(Path(__file__).parents[1] / "data" / "cpu-tiny-study", study)
+    study = copy_recorded_study(tmp_path / "study")
     assert main(["verify", str(study), "--scenario", "rolling_update"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--scenario rolling_update: trial e57a166985b8" in err and "ran bare" in err

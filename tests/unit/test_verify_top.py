@@ -13,23 +13,18 @@ from servetune.errors import UserError
 from servetune.report import ReportPoint, TrialOutline, recommend
 from servetune.report.points import is_out_of_memory
 from servetune.report.verification import VerifyFile, conclusion, primary, verifications
-from servetune.space_file import load_space
 from servetune.study.verify_top import kept_document
 from servetune.verify.choose import top_points
+from tests.builders import space_from
 
-BASE = """
-name: t
-model: tiny
-device: cpu
-workload: cpu-tiny
+#: What this module's spaces have beneath builders.SPACE_HEAD.
+BASE = """\
 hardware: {devices_per_node: 2}
 """
 
 
 def space(tmp_path, search: str):
-    path = tmp_path / "space.yaml"
-    path.write_text(BASE + f"search: {search}\n")
-    return load_space(path)
+    return space_from(tmp_path, BASE + f"search: {search}\n")
 
 
 def test_verify_top_in_the_search_section(tmp_path):

@@ -15,6 +15,18 @@ def write(tmp_path, text, name="w.yaml"):
     return path
 
 
+#: A workload file's first lines: its name and fixed lengths (a test adds what it checks).
+HEAD = "name: t\ninput_tokens: {dist: fixed, value: 8}\noutput_tokens: {dist: fixed, value: 1}\n"
+
+
+def assert_refused_in_one_line(path, needle: str) -> None:
+    """Loading the workload at ``path`` fails with one line that starts with the file and holds ``needle``."""
+    with pytest.raises(UserError) as info:
+        load_workload(path)
+    message = str(info.value)
+    assert message.startswith(str(path)) and needle in message and "\n" not in message
+
+
 def test_every_shipped_workload_loads():
     names = sorted(p.stem for p in WORKLOADS_DIR.glob("*.yaml"))
     assert {"chat", "rag", "summary", "batch", "cpu-tiny"} <= set(names)
@@ -89,10 +101,7 @@ arrival: {process: gamma, burstiness: 0.5}
 )
 def test_invalid_workload_names_file_and_field(tmp_path, text, needle):
     path = write(tmp_path, text)
-    with pytest.raises(UserError) as info:
-        load_workload(path)
-    message = str(info.value)
-    assert message.startswith(str(path)) and needle in message and "\n" not in message
+    assert_refused_in_one_line(path, needle)
 
 
 def test_unknown_workload_name_lists_shipped_ones():
@@ -134,13 +143,8 @@ def test_empirical_missing_field_names_the_line(tmp_path):
 )
 def test_a_text_source_that_cannot_be_read_is_one_line_naming_file_and_field(tmp_path, text, needle):
     (tmp_path / "empty.txt").write_text("  \n")
-    path = write(
-        tmp_path, "name: t\ninput_tokens: {dist: fixed, value: 8}\noutput_tokens: {dist: fixed, value: 1}\n" + text
-    )
-    with pytest.raises(UserError) as info:
-        load_workload(path)
-    message = str(info.value)
-    assert message.startswith(str(path)) and needle in message and "\n" not in message
+    path = write(tmp_path, HEAD + text)
+    assert_refused_in_one_line(path, needle)
 
 
 def test_random_words_stay_the_default_and_the_corpus_ships():
@@ -159,10 +163,5 @@ def test_random_words_stay_the_default_and_the_corpus_ships():
     ],
 )
 def test_bad_sampling_is_one_line_naming_file_and_field(tmp_path, text, needle):
-    path = write(
-        tmp_path, "name: t\ninput_tokens: {dist: fixed, value: 8}\noutput_tokens: {dist: fixed, value: 1}\n" + text
-    )
-    with pytest.raises(UserError) as info:
-        load_workload(path)
-    message = str(info.value)
-    assert message.startswith(str(path)) and needle in message and "\n" not in message
+    path = write(tmp_path, HEAD + text)
+    assert_refused_in_one_line(path, needle)

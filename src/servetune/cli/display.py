@@ -8,8 +8,8 @@ from rich.console import Console
 from rich.table import Table
 
 from servetune.config.slo import Slo
-from servetune.metrics import itl_note
 from servetune.results import LevelResult
+from servetune.summary import itl_note
 
 
 def console(stderr: bool = False) -> Console:

@@ -222,6 +222,7 @@ def run(args: argparse.Namespace) -> int:
     from servetune.errors import UserError
     from servetune.load.requests import PromptFactory
     from servetune.load.tokenizer import load_tokenizer
+    from servetune.serve.actors import wait_gone
     from servetune.serve.check import (
         Teardown,
         check_before_start,
@@ -230,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
         refuse_running,
         run_check,
     )
-    from servetune.serve.cluster import ServeCluster, wait_gone
+    from servetune.serve.cluster import ServeCluster
     from servetune.serve.plan import APP_NAME, parse_replicas
     from servetune.serve.result import SERVE_CHECK_FILE, ServeCheckResult
     from servetune.serve.study import read_picked

@@ -20,7 +20,8 @@ from pydantic import (
 )
 
 from servetune.errors import UserError
-from servetune.metrics import LATENCY_METRICS, PER_REQUEST_METRICS, STATS, STRUCTURED_VALID, LevelSummary
+from servetune.metrics import LATENCY_METRICS, PER_REQUEST_METRICS, STATS, STRUCTURED_VALID
+from servetune.summary import LevelSummary
 
 SloMetric = Literal["ttft_ms", "tpot_ms", "itl_ms", "e2el_ms", "error_rate", "structured_valid"]
 #: Metrics bounded from below (``min``): more is better. The others take an upper bound (``max``).

@@ -33,7 +33,7 @@ from servetune.metrics import REQUEST_THROUGHPUT
 from servetune.report.autoscale import tolerable_wait_s
 from servetune.report.points import ReportPoint, level_label
 
-INPUT_THROUGHPUT = "input_throughput"  # prompt tok/s of a level (metrics.py LevelSummary)
+INPUT_THROUGHPUT = "input_throughput"  # prompt tok/s of a level (summary.py LevelSummary)
 
 
 @dataclass(frozen=True)

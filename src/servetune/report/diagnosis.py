@@ -8,7 +8,7 @@ TPOT normal, TPOT high with TTFT normal, P99 far from the median.
 A trial is judged at its *limit level*: the first level that broke the SLO, or, when none did, the highest
 load it measured. Trends ("TTFT grows with load") compare the lowest load measured with the limit level.
 A rule reads only what a trial records (the server's ``/metrics`` per level: engine/metrics.py; device
-telemetry: telemetry.py; the client's summary: metrics.py); where its inputs were not recorded it finds
+telemetry: telemetry.py; the client's summary: summary.py); where its inputs were not recorded it finds
 nothing rather than guessing. Not recorded, so not diagnosed: the load client's send lag and CPU, and whether
 the workload's prompts share prefixes (so a cold prefix cache cannot be told from prompts that share none).
 """

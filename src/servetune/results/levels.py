@@ -8,9 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from servetune.metrics import (
-    LevelSummary,
-)
+from servetune.summary import LevelSummary
 
 #: Results are records servetune writes and reads back, often with another version: a field this
 #: version does not know (a newer servetune wrote it) is ignored rather than refused.
@@ -53,9 +51,9 @@ class LevelResult(BaseModel):
     slo_violations: list[str] = []
     cache_note: str | None = None  # why the prefix cache may have been warm (trial/readings.py), else None
     stopped_early: str | None = None  # why the level ended before its planned requests (trial/measure.py)
-    send_sync_share: float | None = None  # share of requests sent within 10 ms of another (metrics.send_sync_share)
-    itl_burst_share: float | None = None  # share of token gaps under 1 ms: read in bursts (metrics.itl_burst_share)
-    ttft_ms_distribution: list[float] | None = None  # TTFT at percentiles 0, 5, ..., 100 (metrics.ttft_distribution_ms)
+    send_sync_share: float | None = None  # share of requests sent within 10 ms of another (summary.send_sync_share)
+    itl_burst_share: float | None = None  # share of token gaps under 1 ms: read in bursts (summary.itl_burst_share)
+    ttft_ms_distribution: list[float] | None = None  # TTFT at percentiles 0, 5, ..., 100 (summary.ttft_distribution_ms)
     energy_note: str | None = None  # why an energy of the measured window is missing (telemetry.py), else None
     client_cpu_share: float | None = None  # the client process's CPU seconds over the level's wall time (load/pace.py)
     send_lag_ms_p50: float | None = None  # an open loop's: how late its requests went out, median (load/pace.py)

@@ -1,6 +1,7 @@
 """Ray and Serve, as serve-check uses them: connect (or start a local Ray sized for the
 application), deploy one Ray Serve LLM application, wait for it, count what each replica served,
-and tear down what was started, proving by process id that no replica process is left.
+and tear down what was started, proving by process id that no replica process is left (the replicas' actors,
+processes and log files are read in ``serve/actors.py``).
 
 Only this module of serve/ starts Ray. A local Ray is started by the driver as every command starts
 one (``local_ray.start_local_ray``: no token left in ``~/.ray``) and stopped with it; on a cluster
@@ -14,21 +15,14 @@ import logging
 import os
 import time
 from collections.abc import Callable, Collection, Mapping
-from pathlib import Path
 from typing import Any
-
-import psutil
 
 from servetune.engine.server import free_port
 from servetune.errors import EngineStartError, UserError
 from servetune.local_ray import SERVE_SYSTEM_CONFIG, keeping_sigterm, start_local_ray
+from servetune.serve import actors
 from servetune.serve.plan import CLAIM_CORES_ENV
 from servetune.serve.routing import merge_counters, read_replica_counters
-
-#: Seconds of slack around a replica actor's lifetime when its worker log files are matched by pid:
-#: before its start (the clocks of the GCS and of this host), and after its end (late flushes).
-WORKER_LOG_SLACK_S = 5.0
-WORKER_LOG_AFTER_END_S = 60.0
 
 
 class ServeCluster:
@@ -172,7 +166,7 @@ class ServeCluster:
         """Actor ids of the application's live LLM deployment replicas (each holds one engine): the same
         ids before and after a redeploy mean Serve kept the replicas, a new id is a replica it started.
         ``live_only`` False: dead ones the GCS still knows too (replaced, or of an earlier deployment)."""
-        return sorted(actor_id for actor_id, _ in _replicas(name, deployment_prefix, live_only))
+        return sorted(actor_id for actor_id, _ in actors.replica_actors(name, deployment_prefix, live_only))
 
     def replica_devices(
         self, name: str, each: int, deployment_prefix: str = "LLMServer"
@@ -189,8 +183,8 @@ class ServeCluster:
                   if entry.get("name") and entry.get("state") == "CREATED"}  # fmt: skip
         replicas: dict[str, int] = {}
         devices: dict[str, int] = {}
-        for _, actor in _live_replicas(name, deployment_prefix):
-            node = _node_of(actor)
+        for _, actor in actors.replica_actors(name, deployment_prefix):
+            node = actors.node_of(actor)
             group = groups.get(actor.get("Name"))
             bundles = (
                 [str(n) for n in (group.get("bundles_to_node_id") or {}).values()]
@@ -208,7 +202,7 @@ class ServeCluster:
         """Serve's unique ids of the application's live LLM replicas: the ``ReplicaId`` their engines'
         metrics carry (the replica actor's name is ``SERVE_REPLICA::<app>#<deployment>#<unique id>``)."""
         return sorted(
-            str(actor.get("Name", "")).rsplit("#", 1)[-1] for _, actor in _live_replicas(name, deployment_prefix)
+            str(actor.get("Name", "")).rsplit("#", 1)[-1] for _, actor in actors.replica_actors(name, deployment_prefix)
         )
 
     def metrics_lag_s(self) -> float:
@@ -287,30 +281,12 @@ class ServeCluster:
             serve.delete(name, _blocking=True)
 
     def replica_pids(self, name: str) -> list[int]:
-        """Process ids of the application's replica actors on this host and everything they started
-        (vLLM's engine). Replicas on other hosts are left to Serve's teardown: their pids mean
-        nothing here."""
-        pids: list[int] = []
-        for _, actor in _live_replicas(name):
-            if _on_this_host(actor) and actor.get("Pid"):
-                pids.append(int(actor["Pid"]))
-                with contextlib.suppress(psutil.Error):
-                    pids += [child.pid for child in psutil.Process(actor["Pid"]).children(recursive=True)]
-        return sorted(set(pids))
+        """Process ids of the application's replica actors on this host and what they started (``actors.replica_pids``)."""
+        return actors.replica_pids(name)
 
     def replica_engines(self, name: str, deployment_prefix: str = "LLMServer") -> list[tuple[int, list[int]]]:
-        """The application's live LLM replicas on this host: (the replica actor's pid, the pids of the vLLM engine
-        processes it started: children named after vLLM's EngineCore, else every child)."""
-        out = []
-        for _, actor in _live_replicas(name, deployment_prefix):
-            if not (_on_this_host(actor) and actor.get("Pid")):
-                continue
-            children: list[psutil.Process] = []
-            with contextlib.suppress(psutil.Error):
-                children = psutil.Process(int(actor["Pid"])).children(recursive=True)
-            engines = [c.pid for c in children if _is_engine_core(c)] or [c.pid for c in children]
-            out.append((int(actor["Pid"]), engines))
-        return out
+        """The live LLM replicas on this host and their vLLM engine processes (``actors.replica_engines``)."""
+        return actors.replica_engines(name, deployment_prefix)
 
     def requests_per_replica(self, name: str, deployment_prefix: str = "LLMServer") -> dict[str, int]:
         """Requests each replica of the LLM deployment handled, from Serve's own counter
@@ -369,58 +345,12 @@ class ServeCluster:
         return counts
 
     def replica_logs(self, name: str, max_bytes: int = 4 << 20, leave_out: Collection[str] = ()) -> str:
-        """Everything the application's LLM replicas on this node wrote to their workers' stderr and stdout
-        (vLLM's log: start-up phases, KV-cache size), replica after replica, each file's last ``max_bytes``.
-        Replicas Serve replaced are included (the GCS keeps dead actors), except the actor ids in
-        ``leave_out`` (an earlier deployment of the same name, replicas that failed while deploying)."""
-        text = []
-        for actor_id, actor in _replicas(name, "LLMServer", live_only=False):
-            if actor_id in leave_out:
-                continue
-            for path in self._worker_files(actor):
-                with contextlib.suppress(OSError), path.open("rb") as f:
-                    f.seek(max(path.stat().st_size - max_bytes, 0))
-                    text.append(f.read().decode(errors="replace"))
-        return "\n".join(text)
-
-    def _worker_files(self, actor: Mapping[str, Any]) -> list[Path]:
-        """A replica actor's worker stderr and stdout files (``worker-<id>-<job>-<pid>.err``), if it ran on this
-        host. Files are named by pid, which the OS reuses: only files last written while the actor lived
-        are its own (from its start, less a few seconds, to a minute after its end, or now: what its
-        engine's processes flush as they exit still counts). A dead actor whose address the GCS cleared
-        is taken to be on this host."""
-        import ray
-
-        node = ray._private.worker._global_node
-        pid = int(actor.get("Pid") or 0)
-        if node is None or not pid or not _on_this_host(actor, unknown=True):
-            return []
-        start_s = int(actor.get("StartTime") or 0) / 1000 - WORKER_LOG_SLACK_S
-        end_s = (int(actor.get("EndTime") or 0) / 1000 or time.time()) + WORKER_LOG_AFTER_END_S
-        logs = Path(node.get_logs_dir_path())
-        files = []
-        for path in sorted(logs.glob(f"worker-*-{pid}.*")):
-            with contextlib.suppress(OSError):
-                if path.suffix in (".err", ".out") and start_s <= path.stat().st_mtime <= end_s:
-                    files.append(path)
-        return files
+        """What the application's LLM replicas on this node wrote, dead ones too (``actors.replica_logs``)."""
+        return actors.replica_logs(name, max_bytes, leave_out)
 
     def log_tail(self, name: str, lines: int = 40) -> str:
-        """The last lines the application's replicas wrote on this node: their workers' stdout and
-        stderr (vLLM's own log and tracebacks) and Serve's replica logs, oldest file first."""
-        import ray
-
-        node = ray._private.worker._global_node
-        if node is None:
-            return ""
-        logs = Path(node.get_logs_dir_path())
-        files = [f for _, actor in _replicas(name, live_only=False) for f in self._worker_files(actor)]
-        files += list((logs / "serve").glob(f"replica_{name}_*"))
-        text: list[str] = []
-        for path in sorted(files, key=lambda p: p.stat().st_mtime)[-4:]:
-            with contextlib.suppress(OSError):
-                text += [line for line in path.read_text(errors="replace").splitlines()[-lines:] if line.strip()]
-        return "\n".join(text[-lines:])
+        """The last lines the application's replicas wrote on this node (``actors.log_tail``)."""
+        return actors.log_tail(name, lines)
 
 
 def start_serve(local: bool) -> None:
@@ -437,44 +367,6 @@ def _quiet_serve_logs() -> None:
     """Serve's and Ray Serve LLM's INFO lines would bury servetune's own progress."""
     for logger in ("ray.serve", "ray.llm"):
         logging.getLogger(logger).setLevel(logging.WARNING)
-
-
-def _live_replicas(name: str, deployment_prefix: str = "") -> list[tuple[str, dict[str, Any]]]:
-    """The application's live replica actors (of the deployments whose names start with
-    ``deployment_prefix``), as (actor id, the GCS actor table's entry)."""
-    return _replicas(name, deployment_prefix, live_only=True)
-
-
-def _is_engine_core(process: psutil.Process) -> bool:
-    """vLLM names its engine core process ``VLLM::EngineCore`` (setproctitle)."""
-    try:
-        return "EngineCore" in process.name() or "EngineCore" in " ".join(process.cmdline())
-    except psutil.Error:
-        return False
-
-
-def _node_of(actor: Mapping[str, Any]) -> str:
-    """The node id the GCS actor table places ``actor`` on; empty while it is not placed."""
-    node = str((actor.get("Address") or {}).get("NodeID") or "")
-    return node if node.strip("0") else ""
-
-
-def _on_this_host(actor: Mapping[str, Any], unknown: bool = False) -> bool:
-    """Whether the actor runs (or ran) on this host; ``unknown`` when the GCS has no address for it."""
-    import ray
-
-    ip = (actor.get("Address") or {}).get("IPAddress")
-    return unknown if not ip else ip == ray.util.get_node_ip_address()
-
-
-def _replicas(name: str, deployment_prefix: str = "", live_only: bool = True) -> list[tuple[str, dict[str, Any]]]:
-    """The application's replica actors, live ones only or every one the GCS still knows (dead ones too)."""
-    import ray
-
-    # The GCS actor table: ray.util.state would need the dashboard, which serve-check does not start.
-    prefix = f"ServeReplica:{name}:{deployment_prefix}"
-    return [(str(actor_id), actor) for actor_id, actor in ray._private.state.actors().items()
-            if (not live_only or actor.get("State") == "ALIVE") and str(actor.get("ActorClassName", "")).startswith(prefix)]  # fmt: skip
 
 
 def _pin_llm_servers(app: Any, version: str) -> None:
@@ -506,23 +398,3 @@ def _ingress_url(address: str | None) -> str:
     if host in ("0.0.0.0", "", "::"):
         host = address.split("://")[-1].rsplit(":", 1)[0] if address and address != "auto" else "127.0.0.1"
     return f"http://{host}:{config.port}"
-
-
-def alive(pids: list[int]) -> list[int]:
-    """The ids in ``pids`` still running (a zombie is not)."""
-    found = []
-    for pid in pids:
-        with contextlib.suppress(psutil.Error):
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                found.append(pid)
-    return found
-
-
-def wait_gone(pids: list[int], timeout_s: float = 60.0) -> list[int]:
-    """Wait until none of ``pids`` runs; the ones still running after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    left = alive(pids)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.5)
-        left = alive(left)
-    return left

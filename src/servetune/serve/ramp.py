@@ -27,8 +27,9 @@ from pydantic import BaseModel
 from servetune.config.workload import Workload
 from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory, iter_requests
-from servetune.metrics import RequestRecord, meets_request_slo
+from servetune.metrics import RequestRecord
 from servetune.results import RECORD
+from servetune.summary import meets_request_slo
 
 #: Seconds per window of the ramp's table.
 WINDOW_S = 5.0

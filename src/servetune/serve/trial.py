@@ -25,7 +25,8 @@ from servetune.engine.metrics import MetricsSnapshot
 from servetune.engine.server import KvCapacity
 from servetune.report.points import ReportPoint
 from servetune.results import ENGINE_LOG
-from servetune.serve.cluster import ServeCluster, wait_gone
+from servetune.serve.actors import wait_gone
+from servetune.serve.cluster import ServeCluster
 from servetune.serve.metrics import ReplicaCounts, replica_snapshots, replicas_snapshot
 from servetune.serve.plan import Needs, llm_config, needs
 from servetune.trial.runner import TrialSpec, write_atomic

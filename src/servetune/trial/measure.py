@@ -43,15 +43,9 @@ from servetune.load.pace import client_bound, client_pace
 from servetune.load.requests import PromptFactory, RequestSpec, iter_requests
 from servetune.load.runner import Level, cancel_and_wait, run_level
 from servetune.load.shard import ClientSettings, ShardedRun, auto_client_processes, run_sharded
-from servetune.metrics import (
-    RequestRecord,
-    itl_burst_share,
-    measured_window,
-    send_sync_share,
-    summarize,
-    ttft_distribution_ms,
-)
+from servetune.metrics import RequestRecord
 from servetune.results import LevelResult, LevelRun
+from servetune.summary import itl_burst_share, measured_window, send_sync_share, summarize, ttft_distribution_ms
 from servetune.telemetry import TelemetrySampler
 from servetune.trial.readings import (
     SETTLE_LAGS,

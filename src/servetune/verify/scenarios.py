@@ -41,10 +41,11 @@ from servetune.config.workload import Fixed, RequestClass, Workload
 from servetune.load.client import DROPPED, StreamingClient
 from servetune.load.requests import PromptFactory
 from servetune.load.runner import Level
-from servetune.metrics import GOODPUT, RequestRecord, summarize
+from servetune.metrics import GOODPUT, RequestRecord
 from servetune.report.points import is_out_of_memory
 from servetune.report.recommend import KV_USAGE_THIN
 from servetune.results import LevelResult
+from servetune.summary import summarize
 from servetune.trial.measure import EarlyBreak, Engine, LevelPlan, measure_level
 from servetune.trial.readings import MetricsSource
 from servetune.verify.stats import bootstrap_mean, chance_of_spread, drift, growth, jitter, window_samples, windows

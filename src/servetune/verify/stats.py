@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from servetune.metrics import RequestRecord, summarize
+from servetune.metrics import RequestRecord
+from servetune.summary import summarize
 
 
 @dataclass(frozen=True)
