@@ -1,10 +1,10 @@
-"""The prefetch's Ray tasks on a real local Ray (study/prefetch.py ``ray_runner``): one task per node that runs
+"""The prefetch's Ray tasks on a real local Ray (servetune/prefetch.py ``ray_runner``): one task per node that runs
 trials, pinned to it, runs huggingface_hub against a hub on 127.0.0.1 and fills that node's cache."""
 
 from __future__ import annotations
 
 from servetune.config.space import SearchSpace
-from servetune.study.prefetch import prefetch_study
+from servetune.prefetch import prefetch_study
 from tests.conftest import serve_fake
 from tests.unit.test_prefetch import REPO, SECRET, FakeHub
 
@@ -20,7 +20,7 @@ def test_each_node_that_runs_trials_fetches_the_weights_in_a_ray_task_of_its_own
             "name": "s", "model": "org/m", "device": "cpu", "workload": "cpu-tiny",
             "env": {"HF_TOKEN": SECRET, "HF_ENDPOINT": url}, "engine_args": {"download_dir": str(cache)},
         })  # fmt: skip
-        records = prefetch_study(space, ["org/m"], said.append)
+        records = prefetch_study(space, {"org/m": "org/m"}, said.append)
     (node,) = [n for n in ray.nodes() if n["Alive"]]
     (record,) = records
     assert record.node_id == node["NodeID"] and record.error is None, record
