@@ -87,7 +87,7 @@ STARTUP_PHASES = {"download_s": "downloading weights (the starts that did)", "lo
 
 
 def prefetch_lines(records: Iterable[WeightsPrefetch]) -> list[str]:
-    """``weights downloaded before the first trial (study/prefetch.py), outside every start-up and its loading
+    """``weights downloaded before the first trial (servetune/prefetch.py), outside every start-up and its loading
     weights: org/model 16.1 GB on 2 node(s), 93 s on the slowest``; where a node failed, how many."""
     by_model: dict[str, list[WeightsPrefetch]] = {}
     for record in records:

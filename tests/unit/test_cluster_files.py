@@ -219,7 +219,7 @@ def test_rayjob_runs_the_chat_latency_study_on_shared_storage(manifests, claims)
 
 
 def test_rayjob_keeps_the_hugging_face_cache_of_every_gpu_pod_on_a_persistent_claim(manifests, claims):
-    """The weights prefetched before the first trial (study/prefetch.py) outlive the pod: a claim, not an emptyDir,
+    """The weights prefetched before the first trial (servetune/prefetch.py) outlive the pod: a claim, not an emptyDir,
     mounted where huggingface_hub and vLLM look (the image's HOME, no HF_HOME set), by every worker replica."""
     cluster = manifests["RayJob"]["spec"]["rayClusterSpec"]
     for group in cluster["workerGroupSpecs"]:

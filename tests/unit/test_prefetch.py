@@ -1,5 +1,6 @@
-"""A hub model's weights fetched once per node that runs trials, before the first trial (study/prefetch.py): which
-nodes, which files, each node's time kept apart from the trials' start-up. huggingface_hub is replaced at its
+"""A hub model's weights fetched once per node that runs its engines, before the first trial or before verify,
+serve-check and recheck start a point's engine (servetune/prefetch.py): which nodes (of the GPU types asked for),
+which files, each node's time kept apart from the engines' start-up. huggingface_hub is replaced at its
 boundary (``HfApi.model_info``, ``snapshot_download``): no hub is reachable here."""
 
 from __future__ import annotations
@@ -18,18 +19,19 @@ from huggingface_hub.hf_api import RepoSibling
 
 from servetune.accounting import prefetch_lines
 from servetune.config.space import SearchSpace
-from servetune.results import StudyInfo, WeightsPrefetch
-from servetune.study.prefetch import (
+from servetune.prefetch import (
     IGNORED,
     Fetch,
-    TrialNode,
     fetch_on_node,
     fetch_patterns,
     matched_bytes,
+    model_gpu_types,
     plan_fetch,
+    prefetch_point,
     prefetch_study,
     trial_nodes,
 )
+from servetune.results import StudyInfo, WeightsPrefetch
 from tests.conftest import serve_fake
 
 MODEL = "org/model"
@@ -45,6 +47,24 @@ def test_the_nodes_that_run_trials_are_the_live_ones_with_the_studys_device():
              node("cpu-only", CPU=16)]  # fmt: skip
     assert [n.node_id for n in trial_nodes(nodes, "gpu")] == ["gpu-a"]
     assert [n.node_id for n in trial_nodes(nodes, "cpu")] == ["gpu-a", "cpu-only"]  # a head of num-cpus 0 runs none
+
+
+H100 = {"accelerator_type:H100": 1.0}
+H200 = {"accelerator_type:H200": 1.0}
+TYPED = [node("head", CPU=8), node("h100-1", CPU=64, GPU=8, **H100), node("h200-1", CPU=64, GPU=8, **H200),
+         node("a10-1", CPU=16, GPU=4, **{"accelerator_type:A10G": 1.0}), node("h200-dead", alive=False, GPU=8, **H200)]  # fmt: skip
+
+
+def test_a_gpu_engine_fetches_only_on_live_nodes_of_the_gpu_types_it_asks_for():
+    def ids(accelerators: list[str | None], nodes: list[dict[str, Any]] = TYPED) -> list[str]:
+        return [n.node_id for n in trial_nodes(nodes, "gpu", accelerators)]
+
+    assert ids(["H100"]) == ["h100-1"]
+    assert ids(["H100", "H200"]) == ["h100-1", "h200-1"]
+    assert ids([]) == ids([None]) == ids(["H100", None]) == ["h100-1", "h200-1", "a10-1"]  # no type, or one unknown
+    untyped = [node("gpu-a", CPU=64, GPU=8), node("gpu-b", CPU=64, GPU=8)]  # GPUs given by hand: no type declared
+    assert ids(["H100"], untyped) == ["gpu-a", "gpu-b"]
+    assert [n.node_id for n in trial_nodes(TYPED, "cpu", ["H100"])] == ["head", "h100-1", "h200-1", "a10-1"]
 
 
 def test_the_weight_files_are_the_ones_vllm_loads_and_original_is_left_out():
@@ -106,7 +126,7 @@ def local_runner(calls: Sequence[tuple[int, str, Fetch]]) -> Iterator[tuple[int,
 
 SPACE = {"name": "s", "model": MODEL, "device": "gpu", "workload": "chat", "hardware": {"devices_per_node": 8},
          "env": {"HF_TOKEN": SECRET}, "engine_args": {"revision": "v1"}}  # fmt: skip
-NODES = [TrialNode("node-a", "10.0.0.1"), TrialNode("node-b", "10.0.0.2")]
+NODES = [node("node-a", CPU=64, GPU=8), node("node-b", CPU=64, GPU=8)]  # as ray.nodes() gives them
 
 
 @pytest.fixture
@@ -133,9 +153,9 @@ def hub(tmp_path, monkeypatch) -> list[dict[str, Any]]:
 
 def test_a_hub_model_is_fetched_once_on_every_node_that_runs_trials_with_the_spaces_token_unsaid(hub):
     said: list[str] = []
-    records = prefetch_study(SearchSpace.model_validate(SPACE), [MODEL, MODEL], said.append, nodes=NODES,
+    records = prefetch_study(SearchSpace.model_validate(SPACE), {MODEL: MODEL}, said.append, nodes=NODES,
                              run=local_runner)  # fmt: skip
-    assert sorted(r.node_id for r in records) == ["node-a", "node-b"]  # once per node, the model listed twice
+    assert sorted(r.node_id for r in records) == ["node-a", "node-b"]  # once per node
     assert {c["repo_id"] for c in hub} == {MODEL} and {c["cache_dir"] for c in hub} == {"node-a", "node-b"}
     assert all(
         c["token"] == SECRET and c["revision"] == "v1" and c["allow_patterns"][0] == "*.safetensors" for c in hub
@@ -149,19 +169,63 @@ def test_a_hub_model_is_fetched_once_on_every_node_that_runs_trials_with_the_spa
     assert SECRET not in " ".join(said) + " ".join(r.model_dump_json() for r in records)
 
 
+def test_a_space_comparing_gpu_types_fetches_each_model_on_the_nodes_of_every_type_it_runs_on(hub):
+    """``org/big`` is tied to H200 by a constraint: it is fetched on the H200 node only; ``org/model`` runs on both
+    types; the A10G node runs neither and fetches nothing."""
+    compared = SearchSpace.model_validate({**SPACE, "params": {"gpu": ["H100-SXM", "H200"], "model": [MODEL, "org/big"]},
+                                           "constraints": ["model == 'org/model' or gpu == 'H200'"]})  # fmt: skip
+    models = {MODEL: MODEL, "org/big": "org/big"}
+    assert model_gpu_types(compared, models) == {MODEL: ["H100", "H200"], "org/big": ["H200"]}
+    said: list[str] = []
+    records = prefetch_study(compared, models, said.append, nodes=TYPED, run=local_runner)
+    assert sorted((r.model, r.node_id) for r in records) == [
+        ("org/big", "h200-1"),
+        (MODEL, "h100-1"),
+        (MODEL, "h200-1"),
+    ]
+    assert sum("to 2 node(s)" in line for line in said) == 1 and sum("to 1 node(s)" in line for line in said) == 1
+    one_type = SearchSpace.model_validate({**SPACE, "hardware": {"devices_per_node": 8, "gpu": "H200"}})
+    records = prefetch_study(one_type, {MODEL: MODEL}, said.append, nodes=TYPED, run=local_runner)
+    assert [r.node_id for r in records] == ["h200-1"]
+
+
+def test_a_points_engine_fetches_on_this_machine_when_bare_and_on_the_nodes_that_can_host_its_replicas_through_serve(
+    hub, monkeypatch
+):
+    """verify, serve-check and recheck (``prefetch_point``): a bare engine starts on this machine, whose cache is
+    filled in this process (no Ray); through Serve each live node of the trial's GPU type fetches in a task."""
+    said: list[str] = []
+    env = {"HF_TOKEN": SECRET}
+    (here,) = prefetch_point(MODEL, env, {"revision": "v1"}, "gpu", said.append, through_ray=False)
+    assert here.node_id == "local" and here.error is None and here.bytes == 8
+    assert [(c["repo_id"], c["revision"], c["token"]) for c in hub] == [(MODEL, "v1", SECRET)]
+    assert "before its engine starts" in said[0] and SECRET not in " ".join(said)
+    served = prefetch_point(MODEL, env, {}, "gpu", said.append, through_ray=True, gpu_type="H200", nodes=TYPED,
+                            run=local_runner)  # fmt: skip
+    assert [r.node_id for r in served] == ["h200-1"]
+    cpu = prefetch_point(MODEL, env, {}, "cpu", said.append, through_ray=True, nodes=TYPED, run=local_runner)
+    assert sorted(r.node_id for r in cpu) == ["a10-1", "h100-1", "h200-1", "head"]
+    hub.clear()
+    assert prefetch_point("/models/local", env, {}, "gpu", said.append, through_ray=False) == []
+    assert "local directory" in said[-1]
+    assert prefetch_point(MODEL, {"HF_HUB_OFFLINE": "1"}, {}, "gpu", said.append, through_ray=False) == []
+    assert "offline" in said[-1].lower() and hub == []
+
+
 def test_a_local_model_an_offline_space_or_an_unlisted_model_fetch_nothing_and_say_so_once(hub, tmp_path):
     def never(calls: Sequence[tuple[int, str, Fetch]]) -> Iterator[tuple[int, dict[str, Any]]]:
         raise AssertionError("nothing is to run")
 
     space = SearchSpace.model_validate(SPACE)
     said: list[str] = []
-    assert prefetch_study(space, [str(tmp_path / "tiny")], said.append, nodes=NODES, run=never) == []
+    assert prefetch_study(space, {"tiny": str(tmp_path / "tiny")}, said.append, nodes=NODES, run=never) == []
     assert len(said) == 1 and "local directory" in said[0]
     offline = SearchSpace.model_validate({**SPACE, "env": {"HF_HUB_OFFLINE": "1"}})
-    assert prefetch_study(offline, [MODEL], said.append, nodes=NODES, run=never) == [] and "offline" in said[-1].lower()
-    assert prefetch_study(space, ["org/unreachable"], said.append, nodes=NODES, run=never) == []
+    assert prefetch_study(offline, {MODEL: MODEL}, said.append, nodes=NODES, run=never) == []
+    assert "offline" in said[-1].lower()
+    assert prefetch_study(space, {"org/unreachable": "org/unreachable"}, said.append, nodes=NODES, run=never) == []
     assert "could not list its files" in said[-1] and "Name or service not known" in said[-1]
-    assert prefetch_study(space, [MODEL], said.append, nodes=[], run=never) == [] and "no live node" in said[-1]
+    assert prefetch_study(space, {MODEL: MODEL}, said.append, nodes=[], run=never) == [] and "no live node" in said[-1]
     assert hub == []
 
 
@@ -254,7 +318,7 @@ def test_servetune_run_prefetches_once_before_the_first_trial_and_keeps_it_in_st
     before the trials are handed to Tune; its records land in study.json and the closing lines; --no-prefetch skips."""
     import argparse
 
-    import servetune.study.prefetch as prefetch_module
+    import servetune.prefetch as prefetch_module
     import servetune.study.tuner as tuner
     from servetune.cli import run as run_cli
     from servetune.results import STUDY_FILE

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from servetune.cli.prefetching import add_no_prefetch
+
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
@@ -46,6 +48,9 @@ Verdict and exit status:
   4 CHANGED-DEFAULTS  within noise or better, but engine arguments resolved to other values or flags moved
 With --runner-up the worse of the two verdicts decides the exit status.
 
+Before the engine starts, a hub model's weights are fetched on this machine, outside its start-up clock (the
+result's "prefetch"; --no-prefetch leaves the download to the engine).
+
 Writes STUDY_DIR/recheck-<vLLM version>.json (or --json OUT); the re-measured trials are kept in
 STUDY_DIR/recheck/<vLLM version>/. Where the study recorded an MLflow store (or --tracking-uri names one), the
 recheck is logged there as a run of the study's experiment tagged servetune.role=recheck.
@@ -68,12 +73,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="MLflow store to log the recheck to (default: the one the study recorded; none: not logged)")  # fmt: skip
     p.add_argument("--python", "--vllm-python", dest="python", default=sys.executable, metavar="PATH",
                    help="Python interpreter that has the vLLM to re-check on (default: this one)")  # fmt: skip
+    add_no_prefetch(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from servetune.cli.display import console as make_console
-    from servetune.engine.args import cached_argspecs, load_argspecs, vllm_version
+    from servetune.engine.args import cached_argspecs, load_argspecs, point_structured_problem, vllm_version
     from servetune.errors import UserError
     from servetune.tracking.connection import recorded_tracking_uri
     from servetune.tracking.recheck import log_recheck
@@ -100,6 +106,9 @@ def run(args: argparse.Namespace) -> int:
     version = vllm_version(args.python)
     if version is None:
         raise UserError(f"vLLM is not installed for {args.python} (install servetune[cpu] or servetune[gpu], or pass --python)")  # fmt: skip
+    for one in chosen:  # as a study refuses it before its trials: an engine answering every structured request 500
+        if problem := point_structured_problem(one.spec.engine_args, one.spec.workload.asks_structured, args.python):
+            raise UserError(f"{args.study_dir}: trial {one.trial_id}: {problem}")
     console = make_console(stderr=True)
     with console.status(f"reading {version}'s argument table"):
         new_table = load_argspecs(args.python)
@@ -123,18 +132,23 @@ def run(args: argparse.Namespace) -> int:
 def _recheck(one: Chosen, args: argparse.Namespace, version: str, before: str | None,
              old_table: Mapping[str, ArgSpec] | None, new_table: Mapping[str, ArgSpec] | None,
              quality: QualityPlan | None, console: Console) -> Recheck:  # fmt: skip
+    from servetune.cli.prefetching import PointPrefetch
     from servetune.load.requests import PromptFactory
     from servetune.load.tokenizer import load_tokenizer
     from servetune.verify.recheck import compare, recheck_trials, refusal, remeasure
 
     after = None
     refused = refusal(one.spec.engine_args, new_table)  # what would be launched: refused, nothing starts
+    prefetched = PointPrefetch(console)
+    if refused is None and not args.no_prefetch:  # the weights on this machine, outside the engine's start-up
+        prefetched.spec(one.spec, through_ray=False)
     if refused is None:
         with console.status(f"measuring trial {one.trial_id} again on {version} (its whole ladder)"):
             after = remeasure(one.spec, args.study_dir, version, lambda: PromptFactory(load_tokenizer(one.spec.tokenizer)),
                               repeats=args.repeats, quality=quality)  # fmt: skip
     doc = compare(one.result, after, one.point.level, old_table=old_table, new_table=new_table,
                   vllm_before=before, vllm_after=version, refused=refused)  # fmt: skip
+    doc.prefetch = prefetched.records
     if after is not None:
         doc.result_dir = str(recheck_trials(args.study_dir, version) / after.trial_id)
     doc.created = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")

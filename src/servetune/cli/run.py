@@ -119,9 +119,9 @@ def preflight(space: SearchSpace, model: str, console: Any) -> None:
                         f"{first.evidence}; `servetune doctor` lists them all, --no-checks starts anyway")  # fmt: skip
 
 
-def prefetch_weights(space: SearchSpace, models: list[str], console: Any) -> list:
-    """study/prefetch.py's downloads, with a spinner while they run and a line per node as each finishes."""
-    from servetune.study.prefetch import prefetch_study
+def prefetch_weights(space: SearchSpace, models: dict[str, str], console: Any) -> list:
+    """servetune/prefetch.py's downloads, with a spinner while they run and a line per node as each finishes."""
+    from servetune.prefetch import prefetch_study
 
     say = lambda line: console.print(line, soft_wrap=True, highlight=False, markup=False)  # noqa: E731
     with console.status("prefetching weights") as spinner:
@@ -369,7 +369,7 @@ def run_study(space: SearchSpace, args: argparse.Namespace) -> int:
             elif not init_ray(args.address) and not args.no_checks:  # joined a cluster: check it first
                 preflight(space, model, console)
             if not args.no_prefetch:  # the weights on every node before the first trial's start-up clock runs
-                prefetched = prefetch_weights(space, [model, *context.models.values()], console)
+                prefetched = prefetch_weights(space, {space.model: model, **context.models}, console)
                 if prefetched:
                     write_study_info(study_dir, info.model_copy(update={"prefetch": prefetched}))
             callbacks = [

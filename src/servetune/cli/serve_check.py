@@ -6,8 +6,11 @@ import argparse
 import dataclasses
 import json
 import signal
+import sys
 import types
 from pathlib import Path
+
+from servetune.cli.prefetching import add_no_prefetch
 
 DESCRIPTION = """\
 Deploy one operating point of a study as the Ray Serve LLM application `servetune export
@@ -21,6 +24,11 @@ Per replica count and level: goodput, throughput, TTFT/TPOT P50/P99; against the
 study measured for that trial at the same level (the router's TTFT overhead), and the scaling
 efficiency (throughput at N replicas / (N x throughput at 1)); the requests each replica handled
 (Serve's own per-replica counter). Writes serve-check.json in the study directory.
+
+Before the first deployment, a hub model's weights are fetched where the replicas run (this machine
+for a local Ray; at --address, one Ray task on each node that can host a replica), outside the
+replicas' start-up; serve-check.json keeps each download (prefetch). --no-prefetch leaves the
+download to the replicas.
 
 The operating point is --headroom (default 0.8, as export) times the lower of the trial's
 capacity at the SLO and its knee (where throughput stopped growing with load), in whole clients
@@ -193,6 +201,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="Ray Serve LLM's stream batching interval for every deployment (experimental_configs."
                         "stream_batching_interval_ms; 0 sends each token as it comes). Default: the trial's, "
                         "else Ray's (50 ms), which holds the first token until the next send")  # fmt: skip
+    add_no_prefetch(p)
     p.set_defaults(run=run)
 
 
@@ -210,6 +219,7 @@ def with_stream_batching(picked, interval_ms: float):
 def run(args: argparse.Namespace) -> int:
     from servetune.cli.bench import exit_on_sigterm, run_levels
     from servetune.cli.display import console as make_console
+    from servetune.cli.prefetching import PointPrefetch
     from servetune.cli.serve_check_parts import layout_args, make_ramp, ramp_autoscaling, ramp_policies, routing_args
     from servetune.cli.serve_check_tables import (
         layouts_table,
@@ -218,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
         routing_table,
         scaling_table,
     )
-    from servetune.engine.args import vllm_version
+    from servetune.engine.args import point_structured_problem, vllm_version
     from servetune.errors import UserError
     from servetune.load.requests import PromptFactory
     from servetune.load.tokenizer import load_tokenizer
@@ -232,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
         run_check,
     )
     from servetune.serve.cluster import ServeCluster
-    from servetune.serve.plan import APP_NAME, parse_replicas
+    from servetune.serve.plan import APP_NAME, llm_config, parse_replicas
     from servetune.serve.result import SERVE_CHECK_FILE, ServeCheckResult
     from servetune.serve.study import read_picked
     from servetune.trial.measure import LevelPlan
@@ -249,6 +259,10 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--ramp runs after the first replica count: give --replicas N with --layouts or --budget")
     picked = read_picked(args.study_dir, args.pick, args.headroom)
     check_vllm_matches(picked, vllm_version())
+    # as a study refuses it before its trials: replicas (Ray's workers, this interpreter) answering every structured
+    # request with HTTP 500
+    if problem := point_structured_problem(picked.point.engine_args, picked.workload.asks_structured, sys.executable):
+        raise UserError(f"{args.study_dir}: trial {picked.point.trial_id}: {problem}")
     if args.stream_batching_ms is not None:
         picked = with_stream_batching(picked, args.stream_batching_ms)
     name = args.app_name or APP_NAME
@@ -349,13 +363,20 @@ def run(args: argparse.Namespace) -> int:
     so_far: list[ServeCheckResult] = []  # the result as of the last part that finished (run_check's keep)
     requests_path = out.with_suffix(".requests.jsonl")
 
+    prefetched = PointPrefetch(console)
+
     def keep(partial: ServeCheckResult) -> None:
+        partial.prefetch = list(prefetched.records)
         so_far[:] = [partial]
 
     try:
         refuse_running(cluster, name, args.replace)
         for each in needed:
             check_cluster_fits(cluster, each, f"the Ray cluster at {args.address}" if args.address else "the local Ray")
+        if not args.no_prefetch:  # where the replicas run, before the first one's start-up clock
+            deployed = llm_config(picked.point, 1)
+            prefetched(model, deployed.get("runtime_env", {}).get("env_vars", {}), picked.point.engine_args,
+                       picked.point.device, through_ray=args.address is not None)  # fmt: skip
         owned = True
         result = run_check(
             picked, replicas, cluster, name, measure, teardown, address=args.address,
@@ -384,6 +405,7 @@ def run(args: argparse.Namespace) -> int:
     if left:
         raise UserError(f"replica processes still running after the teardown: pids {left}")
     result.replica_pids = sorted(teardown.pids)
+    result.prefetch = list(prefetched.records)
     write_result(out, requests_path, result, records)
     make_console().print(scaling_table(result))
     for ramped in result.ramps or ([result.ramp] if result.ramp is not None else []):

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from servetune.cli.prefetching import add_no_prefetch
+
 if TYPE_CHECKING:
     from rich.console import Console
     from rich.status import Status
@@ -56,6 +58,11 @@ Ray's metrics agents (late by up to 2.5 s on a local Ray: the disconnect allowan
 Requests time out (each its own error kind) at 10x the SLO's TTFT bound for the first token,
 20x its TPOT bound between chunks, and the study's request_timeout_s in all.
 
+Before each engine starts, a hub model's weights are fetched where it runs (this machine; through
+Serve on the cluster at --address, one Ray task on each node that can host a replica), outside its
+start-up clock; verify.json keeps each download ("prefetch") apart from "startup_s". --no-prefetch
+leaves the download to the engine.
+
 Writes verify.json in the study directory (or --json OUT): every scenario's numbers, passed and
 reason, a "stability" object (cancellation_success_rate, p99_jitter, oom, error_rate_5xx), and
 "accepted". Logs the stability numbers on the trial's MLflow run when the study was logged.
@@ -93,6 +100,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "rolling_update (a Serve deployment), canary (through Serve, the runner-up as the candidate)")  # fmt: skip
     p.add_argument("--canary-share", type=float, default=None, metavar="X",
                    help="with --scenario canary: the share of the load the candidate takes, between 0 and 1 (default 0.1)")  # fmt: skip
+    add_no_prefetch(p)
     p.set_defaults(run=run)
 
 
@@ -144,7 +152,8 @@ def opening_lines(selection: Selection, runner_up: bool) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from servetune.cli.display import console as make_console
-    from servetune.engine.args import vllm_version
+    from servetune.cli.prefetching import PointPrefetch
+    from servetune.engine.args import point_structured_problem, vllm_version
     from servetune.errors import UserError
     from servetune.load.requests import PromptFactory
     from servetune.load.tokenizer import load_tokenizer
@@ -181,6 +190,13 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(
             f"vLLM is not installed for {args.python} (install servetune[cpu] or servetune[gpu], or pass --python)"
         )
+    started = [selection.winner]
+    if selection.runner_up is not None and (not args.no_runner_up or canary.CANARY in args.scenario):
+        started.append(selection.runner_up)
+    for chosen in started:  # as a study refuses it before its trials: an engine answering every structured request 500
+        if problem := point_structured_problem(chosen.spec.engine_args, chosen.spec.workload.asks_structured,
+                                               args.python):  # fmt: skip
+            raise UserError(f"{args.study_dir}: trial {chosen.trial_id}: {problem}")
     budget = Budget.for_device(selection.info.device, args.duration)
     console = make_console(stderr=True)
     winner = selection.winner
@@ -190,6 +206,7 @@ def run(args: argparse.Namespace) -> int:
         prompts = PromptFactory(load_tokenizer(winner.spec.tokenizer))
     signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(SystemExit(128 + signum)))
     progress = ConsoleProgress(console)
+    prefetched = PointPrefetch(console, spinner=False)  # verify's spinner is on while an engine starts
     try:
         doc = verification.verify(
             selection,
@@ -200,9 +217,12 @@ def run(args: argparse.Namespace) -> int:
             address=args.address,
             extra=tuple(dict.fromkeys(args.scenario)),
             canary_share=args.canary_share,
+            prefetch=None if args.no_prefetch else prefetched.spec,
         )
     finally:
         progress.stop()
+    if prefetched.records:  # each engine's download, apart from its startup_s
+        doc["prefetch"] = prefetched.dumped()
     items = recorded.checklist(selection, doc)
     if items is not None:
         doc["checklist"] = items

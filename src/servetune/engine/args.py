@@ -202,6 +202,30 @@ print("SERVETUNE_IMPORTS " + json.dumps(out))
 """
 
 
+def engine_structured_backend(engine_args: Mapping[str, Any]) -> str | None:
+    """The structured-outputs backend an engine is launched with: ``structured_outputs_config.backend``, or the
+    ``backend`` of a ``structured_outputs_config`` object (a mapping, or its JSON); None: vLLM's default (auto)."""
+    for key, value in engine_args.items():
+        if normalize_key(key) == STRUCTURED_BACKEND and value is not None:
+            return str(value)
+    config = next((v for k, v in engine_args.items() if normalize_key(k) == "structured_outputs_config"), None)
+    if isinstance(config, str):
+        with contextlib.suppress(ValueError):
+            config = json.loads(config)
+    backend = config.get("backend") if isinstance(config, Mapping) else None
+    return None if backend is None else str(backend)
+
+
+def point_structured_problem(engine_args: Mapping[str, Any], asks_structured: bool, python: str) -> str | None:
+    """Why an engine started again with ``engine_args`` (``verify``, ``serve-check``, ``recheck``) would answer its
+    workload's structured requests with HTTP 500, as ``structured_outputs_config.backend: <backend>: <why>``: the
+    backend's library does not load beside vLLM in ``python`` (:func:`structured_backend_problems`, the check a
+    study makes before its trials). None where the workload asks for no structured output, or the backend loads."""
+    backend = engine_structured_backend(engine_args) if asks_structured else None
+    why = structured_backend_problems([backend], python).get(backend) if backend else None
+    return None if why is None else f"{STRUCTURED_BACKEND}: {backend}: {why}"
+
+
 def structured_backend_problems(backends: list[str], python: str = sys.executable) -> dict[str, str]:
     """Why each of ``backends`` (``structured_outputs_config.backend`` values) would fail in ``python``'s engines,
     in a clause: ``{"lm-format-enforcer": "lm-format-enforcer does not load beside vLLM: ModuleNotFoundError: ..."}``.

@@ -32,7 +32,7 @@ SCHEMA_VERSION = 10
 
 
 class WeightsPrefetch(BaseModel):
-    """One node's download of a hub model's weights before the study's first trial (study/prefetch.py): the time it
+    """One node's download of a hub model's weights before the study's first trial (servetune/prefetch.py): the time it
     took, apart from every trial's start-up (and its ``load_weights_s``); ``error`` where it failed (the trials on
     that node then download on their own, inside their start-up clock)."""
 

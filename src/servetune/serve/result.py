@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from servetune.report.serving import SERVE_CHECK_FILE  # noqa: F401  (defined where the report reads it)
-from servetune.results import RECORD, LevelResult
+from servetune.results import RECORD, LevelResult, WeightsPrefetch
 from servetune.serve.layouts import LayoutResult
 from servetune.serve.plan import find_level, ratio
 from servetune.serve.ramp import RampResult
@@ -77,6 +77,8 @@ class ServeCheckResult(BaseModel):
     routing: RoutingResult | None = None  # --routers: each router on a shared-prefix workload
     layouts: LayoutResult | None = None  # --layouts / --budget: replicas x TP under one device budget, at one load
     stopped: str | None = None  # why the check ended before every part ran; what is here finished (None: it all ran)
+    # the model's download where the replicas run, before the first deployment (servetune/prefetch.py); [] none
+    prefetch: list[WeightsPrefetch] = []
 
 
 def scaling_rows(runs: list[ReplicaRun], bare_levels: list[LevelResult]) -> list[ScalingRow]:

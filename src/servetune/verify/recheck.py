@@ -48,6 +48,7 @@ from servetune.results import (
     LevelResult,
     ReferenceAnswers,
     TrialResult,
+    WeightsPrefetch,
     by_load,
     level_load,
     read_model,
@@ -117,6 +118,8 @@ class Recheck(BaseModel):
     failure: str | None = None  # why the new vLLM refused the configuration
     host_note: str | None = None  # the re-measurement ran on other hardware than the recorded trial
     result_dir: str | None = None  # the re-measured trial's directory
+    # its model's download before the engine started (servetune/prefetch.py), apart from the start-up; [] none
+    prefetch: list[WeightsPrefetch] = []
     created: str | None = None
     runner_up: Recheck | None = None
 

@@ -34,7 +34,7 @@ from servetune.metrics import RequestRecord
 from servetune.results import ENGINE_LOG
 from servetune.serve.cluster import ServeCluster
 from servetune.serve.trial import ServeEngine, trial_needs
-from servetune.trial.runner import vllm_engine
+from servetune.trial.runner import TrialSpec, vllm_engine
 from servetune.verify import scenarios as sc
 from servetune.verify.canary import CANARY, DEFAULT_SHARE, Deploy, canary
 from servetune.verify.choose import Chosen, Selection
@@ -74,16 +74,24 @@ def _configured_len(chosen: Chosen) -> int:
     return int(value) if isinstance(value, (int, float)) and value > 0 else 2048
 
 
+#: Fetches a point's weights where its engine will run, before it starts (servetune/prefetch.py): called with the
+#: trial's spec and whether the engine runs on the nodes of a Ray cluster (``--address``) rather than this machine.
+Prefetch = Callable[[TrialSpec, bool], object]
+
+
 @contextlib.contextmanager
-def started(chosen: Chosen, log_path: Path, address: str | None = None,
-            also: Mapping[str, float] | None = None) -> Iterator[VllmServer | ServeEngine]:  # fmt: skip
+def started(chosen: Chosen, log_path: Path, address: str | None = None, also: Mapping[str, float] | None = None,
+            prefetch: Prefetch | None = None) -> Iterator[VllmServer | ServeEngine]:  # fmt: skip
     """The chosen configuration, running as the study measured it: one vLLM server, or a trial through Ray
     Serve (``serve.num_replicas``) as that Serve application on a local Ray (or the one at ``address``), whose
     replicas' vLLM log is kept at ``log_path``. Leaving stops it, and a Ray it started. ``also``: Ray resources a
-    local Ray declares beside the trial's (the canary's candidate, deployed on it later)."""
+    local Ray declares beside the trial's (the canary's candidate, deployed on it later). ``prefetch``: run before
+    the engine starts, outside its start-up clock (on a study's own Ray the study prefetched: not run)."""
     spec = chosen.spec
     assert log_path.name == ENGINE_LOG  # where a trial's engine, bare or through Serve, keeps its log
     if spec.serve_replicas is None:
+        if prefetch is not None:
+            prefetch(spec, False)
         with vllm_engine(
             spec, log_path.parent
         ) as server:  # as the trial started it (its cores claimed on the CPU build)
@@ -97,11 +105,11 @@ def started(chosen: Chosen, log_path: Path, address: str | None = None,
     resources = trial_needs(spec).resources()
     for key, value in (also or {}).items():
         resources[key] = resources.get(key, 0.0) + value
-    with (
-        ServeCluster(address, resources) as cluster,
-        ServeEngine(spec, log_path.parent, cluster) as engine,
-    ):
-        yield engine
+    with ServeCluster(address, resources) as cluster:
+        if prefetch is not None:  # a local Ray runs on this machine: fetched here, else on the cluster's nodes
+            prefetch(spec, address is not None)
+        with ServeEngine(spec, log_path.parent, cluster) as engine:
+            yield engine
 
 
 def _in_ray() -> bool:
@@ -142,8 +150,10 @@ def capacity_rate(chosen: Chosen) -> float | None:
 
 def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: PromptFactory, budget: sc.Budget,
                 progress: Progress, body: Callable[[sc.Target], Awaitable[T]], address: str | None = None,
-                also: Mapping[str, float] | None = None) -> tuple[EngineRun, T | None, list[RequestRecord]]:  # fmt: skip
-    """Start the chosen configuration (:func:`started`), run ``body`` against it, always stop it."""
+                also: Mapping[str, float] | None = None,
+                prefetch: Prefetch | None = None) -> tuple[EngineRun, T | None, list[RequestRecord]]:  # fmt: skip
+    """Start the chosen configuration (:func:`started`, after ``prefetch``), run ``body`` against it, always stop
+    it."""
     spec = chosen.spec
     run = EngineRun(chosen.trial_id, log_path)
     records: list[RequestRecord] = []
@@ -154,7 +164,7 @@ def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: Pro
     )
     progress.step(f"starting vLLM for trial {chosen.trial_id}{through} (log: {log_path})")
     try:
-        with started(chosen, log_path, address, also) as server:
+        with started(chosen, log_path, address, also, prefetch) as server:
             run.startup_s = server.startup_s
             run.cpu_binding = getattr(server, "cpu_binding", None)
             served = spec.engine_args.get("served_model_name") or spec.model
@@ -350,11 +360,11 @@ def canary_candidate(chosen: Chosen, log_dir: Path) -> tuple[Deploy, dict[str, f
 
 def verify(selection: Selection, budget: sc.Budget, prompts: PromptFactory, progress: Progress,
            runner_up: bool = True, address: str | None = None, extra: tuple[str, ...] = (),
-           canary_share: float | None = None) -> dict[str, Any]:  # fmt: skip
+           canary_share: float | None = None, prefetch: Prefetch | None = None) -> dict[str, Any]:  # fmt: skip
     """Run everything and return verify.json's content (see :func:`document`); trials through Serve are
     deployed on a local Ray, or on the cluster at ``address``. ``extra``: opt-in scenarios (``replica_lost``,
     ``rolling_update``: to the runner-up's configuration unless ``runner_up`` is False; ``canary``: the runner-up
-    deployed beside the winner, taking ``canary_share`` of the load)."""
+    deployed beside the winner, taking ``canary_share`` of the load). ``prefetch``: before each engine starts."""
     winner = selection.winner
     update = (new_configuration(winner.spec, selection.runner_up.spec if runner_up and selection.runner_up else None)
               if ROLLING_UPDATE in extra else (None, SAME_CONFIGURATION))  # fmt: skip
@@ -372,7 +382,7 @@ def verify(selection: Selection, budget: sc.Budget, prompts: PromptFactory, prog
         winner, verify_dir / winner.trial_id / "engine.log", timeouts, prompts, budget, progress,
         lambda t: _winner(t, progress, partial, extra, winner.spec.serve_replicas, winner.spec.startup_timeout_s,
                           update, canary_run),
-        address, also,
+        address, also, prefetch,
     )  # fmt: skip
     scenarios = results or {}
     if run.stopped:  # what finished stands; the scenario it stopped in, and the rest, did not run
@@ -395,7 +405,7 @@ def verify(selection: Selection, budget: sc.Budget, prompts: PromptFactory, prog
         other_timeouts = Timeouts.from_slo(other.spec.slo, other.spec.request_timeout_s)
         other_run, other_runs, _ = with_engine(
             other, verify_dir / other.trial_id / "engine.log", other_timeouts, prompts, budget, progress,
-            lambda t: sc.repeat_runs(t, sc.STREAMS["repeats"]), address,
+            lambda t: sc.repeat_runs(t, sc.STREAMS["repeats"]), address, prefetch=prefetch,
         )  # fmt: skip
         runner = {"trial_id": other.trial_id, "level": dict(other.point.level), "startup_s": other_run.startup_s}
         if other_runs:

@@ -1,4 +1,4 @@
-"""A hub model's weights fetched once on each node that runs trials, before the first trial starts.
+"""A hub model's weights fetched once on each node that runs its engines, before the first engine starts.
 
 Without it the first trial on a node downloads the checkpoint inside its start-up clock (and every trial starting
 beside it waits on vLLM's download lock), so a 140 GB model's download is scored as that configuration's start-up,
@@ -11,25 +11,33 @@ the first weight format its top-level files have of ``*.safetensors``, ``*.bin``
 (vLLM's ``LoadConfig.ignore_patterns``); and the config and tokenizer files beside them. Each node's time is kept in ``study.json``
 (:class:`~servetune.results.WeightsPrefetch`), apart from the trials' start-up and their ``load_weights_s``.
 
+Only the nodes of the GPU types an engine of the model asks for fetch it (Ray's ``accelerator_type:T`` resource,
+``capacity/hardware.py``): a space comparing H100 and H200 fetches each model on the nodes of every type it runs on,
+and none on an A10 node beside them. A cluster whose nodes declare no type cannot be told apart: every GPU node fetches.
+
+A study prefetches before its first trial (:func:`prefetch_study`); ``verify``, ``serve-check`` and ``recheck``
+prefetch before they start a point's engine (:func:`prefetch_point`): on this machine for a bare engine, else on the
+Ray nodes that can host its Serve replicas.
+
 A failed fetch is not the study's end: it is said, and the trials on that node download on their own.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import math
 import os
 import platform
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from servetune.capacity.hardware import ACCELERATOR, gpu_types, ray_accelerator_type
+from servetune.config.space import GPU_PARAM, Range, SearchSpace
 from servetune.hub import OFFLINE_VARIABLES, TOKEN_VARIABLES
 from servetune.results import WeightsPrefetch
-
-if TYPE_CHECKING:
-    from servetune.config.space import SearchSpace
 
 #: vLLM 0.32's default loader tries these weight formats in this order and reads the first the repository has.
 WEIGHT_FORMATS = ("*.safetensors", "*.bin", "*.pt")
@@ -38,6 +46,9 @@ SIDE_FILES = ("*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja")
 #: vLLM's ``LoadConfig.ignore_patterns`` default (``original/**/*``): a repository's ``original/`` checkpoint is not
 #: loaded. huggingface_hub matches with ``fnmatch``, where ``*`` crosses ``/``: this leaves out all of ``original/``.
 IGNORED = ("original/*",)
+#: Above this many grid points the pairs of model and GPU type are not read from the grid: every model is fetched
+#: on the nodes of every type the space lists.
+GRID_BOUND = 20_000
 #: The safetensors index vLLM reads to fetch only the shards its ``weight_map`` names.
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -63,18 +74,51 @@ class Fetch:
     endpoint: str | None = None  # the space's env: HF_ENDPOINT (a mirror); None: the node's own
 
 
-def trial_nodes(nodes: Iterable[Mapping[str, Any]], device: str) -> list[TrialNode]:
-    """The live nodes of ``ray.nodes()`` a trial can run on: those with GPUs for a GPU study, with a CPU for a CPU
-    study (a head with ``num-cpus: 0`` runs the driver only)."""
+def trial_nodes(
+    nodes: Iterable[Mapping[str, Any]], device: str, accelerators: Iterable[str | None] = ()
+) -> list[TrialNode]:
+    """The live nodes of ``ray.nodes()`` an engine can run on: those with GPUs for a GPU study, with a CPU for a CPU
+    study (a head with ``num-cpus: 0`` runs the driver only). ``accelerators``: Ray accelerator types (``H100``)
+    the engines ask for; a GPU node must declare one of them (``accelerator_type:T``). None among them (a GPU type
+    the catalogue gives no Ray type), none given, or a cluster whose nodes declare no type: every GPU node."""
+    wanted = set(accelerators)
+    live = [n for n in nodes if n.get("Alive")]
+    pinned = device == "gpu" and wanted and None not in wanted and gpu_types(n.get("Resources", {}) for n in live)
 
-    def runs_trials(resources: Mapping[str, float]) -> bool:
-        return resources.get("GPU", 0.0) > 0 if device == "gpu" else resources.get("CPU", 0.0) >= 1
+    def runs_engines(resources: Mapping[str, float]) -> bool:
+        if device != "gpu":
+            return resources.get("CPU", 0.0) >= 1
+        if resources.get("GPU", 0.0) <= 0:
+            return False
+        return not pinned or any(resources.get(f"{ACCELERATOR}{t}", 0.0) > 0 for t in wanted)
 
     return [
         TrialNode(str(n["NodeID"]), str(n.get("NodeManagerAddress", "")))
-        for n in nodes
-        if n.get("Alive") and runs_trials(n.get("Resources", {}))
+        for n in live
+        if runs_engines(n.get("Resources", {}))
     ]
+
+
+def model_gpu_types(space: SearchSpace, models: Mapping[str, str]) -> dict[str, list[str | None]]:
+    """Per model as trials load it (``models``: the space's name -> the resolved one), the Ray accelerator types of
+    the GPUs its trials run on: the ``gpu`` parameter's types (``hardware.gpu``'s without one), narrowed to the
+    pairs the grid keeps where the space can be gridded (its constraints may tie a model to a type). An empty list:
+    any GPU node (no type named); None in it: a type the catalogue has no Ray type for."""
+    types = space.gpu_types()
+    if space.device != "gpu" or not types:
+        return {loaded: [] for loaded in models.values()}
+    try:
+        size = math.prod(len(v.grid_values() if isinstance(v, Range) else v) for v in space.params.values())
+        kept = space.grid()[0] if size <= GRID_BOUND else [{}]
+    except ValueError:  # a continuous range: every model may run on every type
+        kept = [{}]
+    points = [*kept, *(space.baselines() if space.search.baseline else [])]
+    pairs = {(space.model_for(p), gpu) for p in points for gpu in ([space.gpu_for(p)] if GPU_PARAM in p else types)}
+    return {
+        loaded: list(dict.fromkeys(ray_accelerator_type(gpu) for gpu in types if (model, gpu) in pairs))
+        or [ray_accelerator_type(gpu) for gpu in types]
+        for model, loaded in models.items()
+    }
 
 
 def fetch_patterns(files: Sequence[str], weight_map: Mapping[str, str] | None = None) -> tuple[str, ...]:
@@ -187,19 +231,19 @@ def ray_runner(calls: Sequence[tuple[int, str, Fetch]]) -> Iterator[tuple[int, d
             ray.cancel(ref, force=True)
 
 
-def prefetch(fetches: Sequence[Fetch], nodes: Sequence[TrialNode], say: Callable[[str], None],
+def prefetch(wanted: Sequence[tuple[Fetch, Sequence[TrialNode]]], say: Callable[[str], None],
              run: Runner = ray_runner, status: Callable[[str], Any] | None = None) -> list[WeightsPrefetch]:  # fmt: skip
-    """Fetch each of ``fetches`` on each of ``nodes``, side by side; a line per node as it finishes, and the
+    """Fetch each fetch of ``wanted`` on each of its nodes, side by side; a line per node as it finishes, and the
     records. ``status``: shows what is still downloading (a spinner's ``update``), as it changes."""
-    calls = [(i, node.node_id, fetch) for i, (fetch, node) in enumerate((f, n) for f in fetches for n in nodes)]
+    pairs = [(fetch, node) for fetch, nodes in wanted for node in nodes]
+    calls = [(i, node.node_id, fetch) for i, (fetch, node) in enumerate(pairs)]
     total = len(calls)
     records: list[WeightsPrefetch] = []
     started = time.monotonic()
     for count, (key, answer) in enumerate(run(calls), start=1):
-        _, node_id, fetch = calls[key]
-        node = next(n for n in nodes if n.node_id == node_id)
+        fetch, node = pairs[key]
         record = WeightsPrefetch(
-            model=fetch.model, node_id=node_id, host=str(answer.get("host") or node.address),
+            model=fetch.model, node_id=node.node_id, host=str(answer.get("host") or node.address),
             download_s=round(float(answer.get("download_s", 0.0)), 3), bytes=int(answer.get("bytes", 0)),
             error=answer.get("error"),
         )  # fmt: skip
@@ -214,49 +258,91 @@ def node_line(record: WeightsPrefetch) -> str:
     """``prefetch: org/model on host-1: 16.1 GB in 93 s`` (or why it failed, and what follows)."""
     if record.error:
         return (f"prefetch: {record.model} on {record.host} failed after {record.download_s:.0f} s ({record.error}); "
-                "its trials download the weights themselves, inside their start-up")  # fmt: skip
+                "its engines download the weights themselves, inside their start-up")  # fmt: skip
     return f"prefetch: {record.model} on {record.host}: {record.bytes / 1e9:.1f} GB in {record.download_s:.0f} s"
 
 
-def plan_line(fetch: Fetch, nodes: Sequence[TrialNode]) -> str:
+def plan_line(fetch: Fetch, nodes: Sequence[TrialNode], before: str = "the first trial") -> str:
     """What is about to be fetched, where."""
     size = f"{fetch.bytes / 1e9:.1f} GB" if fetch.bytes else "size unknown"
     return (f"prefetch: {fetch.model} ({size}: {', '.join(fetch.patterns[:1])} and config/tokenizer files) to "
-            f"{len(nodes)} node(s) that run trials, before the first trial")  # fmt: skip
+            f"{len(nodes)} node(s) that run its engines, before {before}")  # fmt: skip
 
 
-def prefetch_study(space: SearchSpace, models: Iterable[str], say: Callable[[str], None],
-                   status: Callable[[str], Any] | None = None, nodes: Sequence[TrialNode] | None = None,
-                   run: Runner = ray_runner) -> list[WeightsPrefetch]:  # fmt: skip
-    """Before the study's first trial: each hub model among ``models`` (as the driver resolved them: a local
-    directory is an absolute path, the tiny model too) fetched on every node that runs trials (``nodes``: the
-    connected Ray's, by default). A local model, an offline space, or a hub that cannot list the files: one line
-    saying so, and nothing fetched."""
-    hub = [m for m in dict.fromkeys(models) if not m.startswith("/")]
+def prefetch_models(wanted: Mapping[str, Sequence[TrialNode]], env: Mapping[str, str], engine_args: Mapping[str, Any],
+                    say: Callable[[str], None], status: Callable[[str], Any] | None = None, run: Runner = ray_runner,
+                    before: str = "the first trial") -> list[WeightsPrefetch]:  # fmt: skip
+    """Each hub model of ``wanted`` (as the engines load it: a local directory is an absolute path, the tiny model
+    too) fetched on its nodes. A local model, an offline ``env``, a model no live node runs, or a hub that cannot
+    list the files: one line saying so, and nothing fetched for it."""
+    hub = {m: nodes for m, nodes in wanted.items() if not m.startswith("/")}
     if not hub:
         say("prefetch: nothing to download (the model is a local directory)")
         return []
-    env = {k: str(v) for k, v in space.env.items()}
     if offline(env):
         say("prefetch: none (HF_HUB_OFFLINE is set: the weights come from the nodes' caches)")
         return []
-    if nodes is None:
-        import ray
-
-        nodes = trial_nodes(ray.nodes(), space.device)
-    if not nodes:
-        say(f"prefetch: no live node runs {space.device.upper()} trials yet (an autoscaler may add them): "
-            "their trials download the weights themselves")  # fmt: skip
-        return []
-    engine_args, _ = space.engine_params({})
     fetches = []
-    for model in hub:
+    for model, nodes in hub.items():
+        if not nodes:
+            say(f"prefetch: {model}: no live node runs its engines yet (an autoscaler may add them): "
+                "they download the weights themselves")  # fmt: skip
+            continue
         try:
             fetch = plan_fetch(model, env, engine_args)
         except Exception as exc:  # the hub out of the driver's reach: the nodes' own downloads are the fallback
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            say(f"prefetch: {model}: could not list its files on the hub ({first}); its trials download the weights")
+            say(f"prefetch: {model}: could not list its files on the hub ({first}); its engines download the weights")
             continue
-        say(plan_line(fetch, nodes))
-        fetches.append(fetch)
-    return prefetch(fetches, nodes, say, run, status) if fetches else []
+        say(plan_line(fetch, nodes, before))
+        fetches.append((fetch, nodes))
+    return prefetch(fetches, say, run, status) if fetches else []
+
+
+def prefetch_study(space: SearchSpace, models: Mapping[str, str], say: Callable[[str], None],
+                   status: Callable[[str], Any] | None = None, nodes: Sequence[Mapping[str, Any]] | None = None,
+                   run: Runner = ray_runner) -> list[WeightsPrefetch]:  # fmt: skip
+    """Before the study's first trial: each hub model among ``models`` (the space's name -> as the driver resolved
+    it) fetched on every node that runs its trials: of the study's device, and of the GPU types its trials run on
+    (:func:`model_gpu_types`). ``nodes``: as ``ray.nodes()`` gives them (the connected Ray's, by default)."""
+    env = {k: str(v) for k, v in space.env.items()}
+    if nodes is None and not offline(env) and any(not m.startswith("/") for m in models.values()):
+        import ray
+
+        nodes = ray.nodes()
+    types = model_gpu_types(space, models)
+    wanted: dict[str, list[TrialNode]] = {}
+    for loaded in models.values():
+        wanted[loaded] = trial_nodes(nodes or [], space.device, types.get(loaded, []))
+    engine_args, _ = space.engine_params({})
+    return prefetch_models(wanted, env, engine_args, say, status, run)
+
+
+def local_runner(calls: Sequence[tuple[int, str, Fetch]]) -> Iterator[tuple[int, dict[str, Any]]]:
+    """:data:`Runner` in this process: for an engine this machine starts itself (no Ray)."""
+    for key, _, fetch in calls:
+        yield key, fetch_on_node(fetch)
+
+
+#: The node a bare engine of ``verify`` or ``recheck`` runs on: this machine.
+THIS_MACHINE = TrialNode("local", platform.node())
+
+
+def prefetch_point(model: str, env: Mapping[str, str], engine_args: Mapping[str, Any], device: str,
+                   say: Callable[[str], None], through_ray: bool, gpu_type: str | None = None,
+                   status: Callable[[str], Any] | None = None, nodes: Sequence[Mapping[str, Any]] | None = None,
+                   run: Runner | None = None) -> list[WeightsPrefetch]:  # fmt: skip
+    """Before a point's engine starts again (``verify``, ``serve-check``, ``recheck``): its model fetched where the
+    engine runs. A bare engine (``through_ray`` False) runs on this machine: fetched here, in this process. Through
+    Serve, each live Ray node that can host a replica (of the device, and of ``gpu_type``, the Ray accelerator type
+    the trial was pinned to) runs one task (``nodes``: as ``ray.nodes()`` gives them; the connected Ray's by
+    default)."""
+    before = "its engine starts"
+    if not through_ray:
+        return prefetch_models({model: [THIS_MACHINE]}, env, engine_args, say, status, run or local_runner, before)
+    if nodes is None and not offline(env) and not model.startswith("/"):
+        import ray
+
+        nodes = ray.nodes()
+    hosts = trial_nodes(nodes or [], device, [gpu_type] if gpu_type else [])
+    return prefetch_models({model: hosts}, env, engine_args, say, status, run or ray_runner, before)
