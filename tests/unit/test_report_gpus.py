@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from servetune.capacity.prices import DevicePrice, load_price_table
+from servetune.capacity.prices import DevicePrice, Price, load_price_table
 from servetune.errors import UserError
 from servetune.estimate import load_factors
 from servetune.report import build_report, load_study, render_markdown
@@ -31,7 +31,7 @@ def on(gpu: str, trial_id: str, levels, extra: dict | None = None):
 BROKEN = ("ttft_ms_p99 <= 2000",)
 
 
-def study(tmp_path, h200_scale: float = 1.0):
+def study(tmp_path, h200_scale: float = 1.0, **info):
     trials = [
         on("H100-SXM", "h100", [level(8, 900, 300), level(16, 1500, 900), level(32, 1600, 4000, violations=BROKEN)]),
         on("H200", "h200", [level(8, 1000 * h200_scale, 250), level(16, 1900 * h200_scale, 600),
@@ -41,7 +41,7 @@ def study(tmp_path, h200_scale: float = 1.0):
     for t in trials:  # 64 output tokens a request whatever the pace: the same load for the estimate
         for lv in t.levels:
             lv.summary = lv.summary.model_copy(update={"total_output_tokens": 6400})
-    return load_study(write_study(tmp_path / f"s{h200_scale}", study_info(model=MODEL), trials))
+    return load_study(write_study(tmp_path / f"s{h200_scale}", study_info(model=MODEL, **info), trials))
 
 
 def test_each_measured_type_has_its_best_configuration_at_its_capacity_with_its_price(tmp_path):
@@ -85,6 +85,22 @@ def test_unmeasured_catalogue_gpus_are_estimated_calibrated_on_the_measured_type
         price = load_price_table()[gpu]
         cited = f"{gpu} at ${price.usd_per_device_hour:g} per device-hour ({price.provider}: {price.source}, read {price.date})"
         assert cited in md and html.escape(cited) in page
+
+
+def test_estimated_rows_are_priced_from_the_study_s_price_list_under_its_own_prices(tmp_path):
+    aws = load_price_table("aws")
+    own = Price(usd_per_device_hour=0.5, source="our contract", date="2026-12-01")
+    estimated_gpu = next(g for g in aws if g not in ("H100-SXM", "H200") and g != "L40S")
+    loaded = study(tmp_path, price_list="aws", prices={"L40S": own})
+    report = build_report(loaded)
+    estimated = {r.gpu: r for r in report.which_gpu.rows if r.estimated}
+    assert set(estimated) <= set(aws) | {"L40S"} and estimated_gpu in estimated
+    assert estimated[estimated_gpu].usd_per_device_hour == aws[estimated_gpu].usd_per_device_hour
+    assert estimated["L40S"].usd_per_device_hour == 0.5 and "our contract" in estimated["L40S"].price_source
+    assert "Estimated rows are priced from the shipped aws list" in render_markdown(report)
+    # Without a list in study.json (older studies): the shipped default list, as before.
+    default = {r.gpu: r for r in build_report(study(tmp_path / "old")).which_gpu.rows if r.estimated}
+    assert all(r.usd_per_device_hour == load_price_table()[g].usd_per_device_hour for g, r in default.items())
 
 
 def test_a_bad_target_is_one_clear_line_and_a_cpu_study_has_no_section(tmp_path):

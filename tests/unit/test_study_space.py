@@ -93,6 +93,7 @@ def test_a_study_records_where_its_space_file_is_whatever_the_working_folder(tmp
     monkeypatch.chdir(tmp_path)
     info = study_info(load_space(Path("inputs/space.yaml")), Path("inputs/space.yaml"), "tiny")
     assert Path(info.space_file) == space.resolve()
+    assert info.price_list == "default" and info.prices == {}  # what the report prices unmeasured GPU types from
     monkeypatch.chdir(space.parent.parent.parent)  # verify run from elsewhere still finds the files
     study = study_of(space, tmp_path / "study", info.space_file)
     assert load_study_space(study, info.space_file)[1].adapters[0].rank == 4

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from servetune.accounting import device_time_lines
+from servetune.capacity.prices import price_table
 from servetune.errors import UserError
 from servetune.report.distribution import LevelSpread, ttft_spreads
 from servetune.report.gpus import WhichGpu, which_gpu
@@ -186,7 +187,15 @@ def build_report(
         energy=energy_line(study.trials, points, study.info.device),
         prices=() if price_per_device_hour is not None else prices_used(study.trials),
         speculative_gain=tuple(gain_lines(study.trials)),
-        which_gpu=which_gpu(study.trials, points, outlines, target_rps, price_per_device_hour),
+        which_gpu=which_gpu(
+            study.trials,
+            points,
+            outlines,
+            target_rps,
+            price_per_device_hour,
+            prices=price_table(study.info.prices, study.info.price_list),
+            price_list=study.info.price_list,
+        ),
         estimate=estimate_lines(study.trials),
     )
 

@@ -72,6 +72,7 @@ class WhichGpu:
     target_rps: float | None
     choice: str | None
     why: str
+    price_list: str = "default"  # the shipped list the estimated rows are priced from (the space's ``price_list``)
 
 
 #: A measured type's configuration cell where none of its trials met the SLO.
@@ -93,9 +94,13 @@ def which_gpu(
     target_rps: float | None = None,
     price_override: float | None = None,
     estimate_others: bool = True,
+    prices: Mapping[str, Price] | None = None,
+    price_list: str = "default",
 ) -> WhichGpu | None:
     """The section's data, or None where no trial names a GPU type (the CPU stand-in, or older results).
-    ``price_override``: ``--price-per-gpu-hour``, which the points' costs were computed with."""
+    ``price_override``: ``--price-per-gpu-hour``, which the points' costs were computed with. ``prices``: what the
+    estimated rows' GPU types cost, the study's price list (``price_list``) under its own prices; the shipped
+    default list where not given."""
     by_id = {t.trial_id: t for t in trials}
     types: dict[str, list[str]] = {}
     for trial in trials:
@@ -112,8 +117,10 @@ def which_gpu(
     measured = [r for r in rows if r.cost_per_mtok is not None]
     choice = min(measured, key=lambda r: _rank(r, target_rps)) if measured else None
     if choice is not None and estimate_others and price_override is None:
-        rows += _estimated_rows(choice, by_id[str(choice.trial_id)], points, set(types), target_rps)
-    return WhichGpu(tuple(rows), target_rps, choice.gpu if choice else None, _why(choice, rows, target_rps))
+        listed = load_price_table() if prices is None else prices
+        rows += _estimated_rows(choice, by_id[str(choice.trial_id)], points, set(types), target_rps, listed)
+    why = _why(choice, rows, target_rps)
+    return WhichGpu(tuple(rows), target_rps, choice.gpu if choice else None, why, price_list)
 
 
 def _rank(row: GpuRow, target_rps: float | None) -> float:
@@ -169,7 +176,12 @@ def _measured_row(
 
 
 def _estimated_rows(
-    choice: GpuRow, trial: TrialResult, points: Sequence[ReportPoint], measured: set[str], target_rps: float | None
+    choice: GpuRow,
+    trial: TrialResult,
+    points: Sequence[ReportPoint],
+    measured: set[str],
+    target_rps: float | None,
+    prices: Mapping[str, Price],
 ) -> list[GpuRow]:
     """The chosen configuration estimated on each priced catalogue GPU the study did not measure, calibrated on
     the chosen type's measurement (see the module's rule). None where the estimate cannot run (an unknown model
@@ -210,7 +222,7 @@ def _estimated_rows(
     )
     rows = []
     taken = {find_gpu(g).name for g in measured if _known(g)}
-    for name, price in load_price_table().items():
+    for name, price in prices.items():
         if name in taken or not _known(name):
             continue
         rows.append(_estimated_row(name, price, arch, trial, load, factors, (scale_out, scale_rate), choice, target_rps,
@@ -310,7 +322,8 @@ def gpu_notes(section: WhichGpu) -> list[str]:
         lines.append("Replicas for a target load: `servetune report STUDY_DIR --target-rps N`.")
     listed = [r.price_source for r in section.rows if r.estimated and r.price_source]
     if listed:  # the measured rows' prices are the report's "prices:" line
-        lines.append(f"Estimated rows are priced from the shipped list: {'; '.join(listed)}.")
+        which = "" if section.price_list == "default" else f"{section.price_list} "
+        lines.append(f"Estimated rows are priced from the shipped {which}list: {'; '.join(listed)}.")
     notes = sorted({r.note for r in section.rows if r.note})
     lines += [
         f"{'Estimated rows: ' if any(r.estimated and r.note == n for r in section.rows) else ''}{n}." for n in notes

@@ -7,6 +7,7 @@ from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from servetune.capacity.prices import Price, PriceList
 from servetune.config.slo import SloBound
 from servetune.errors import UserError
 from servetune.results.levels import RECORD
@@ -63,6 +64,10 @@ class StudyInfo(BaseModel):
     slo: list[str]  # as text, for people and for older readers
     slo_bounds: list[SloBound] = []  # the same bounds, typed (empty in study.json files before schema 2)
     price_per_device_hour: float
+    # the space's price list and its own prices over it: the report prices the GPU types the study did not measure
+    # from them, as the trials were priced (defaults in older study.json files)
+    price_list: PriceList = "default"
+    prices: dict[str, Price] = {}
     servetune_version: str
     levels: list[str] = []  # the load ladder each trial climbs, e.g. "concurrency 8" (empty in older study.json files)
     # the MLflow store the study logged to, without credentials (tracking/connection.py study_tracking_uri): verify and
