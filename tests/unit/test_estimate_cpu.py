@@ -89,6 +89,7 @@ def test_closed_loop_waves_put_the_prompts_in_ttft_not_in_every_step():
     arch = arch_from_hf_config(TINY_CONFIG, name="tiny")
     args = {**ARGS, "max_num_seqs": 32}
     rep = replica_from_plan(arch, plan_capacity(arch, args, resolve_hardware("cpu"), env=ENV), args, cc.RECORDED_HOST)
+    rep = replace(rep, max_num_batched_tokens=32 * 128)  # the whole wave prefills in one step
     a, b = closed_loop(rep, spread, 32, 128, 32), closed_loop(rep, waves, 32, 128, 32)
     assert b.tpot_s < a.tpot_s and b.ttft_s is not None and a.ttft_s is not None and b.ttft_s > a.ttft_s
     assert b.tpot_s == pytest.approx(decode_s(rep, waves, 32, 128 + 16))  # the step decodes, nothing else
@@ -103,6 +104,25 @@ def test_closed_loop_waves_put_the_prompts_in_ttft_not_in_every_step():
     assert wave_ttft_s(replace(rep, max_num_batched_tokens=300, chunked_prefill=False), waves, 8, 128) == pytest.approx(
         wave_ttft_s(replace(rep, max_num_batched_tokens=256, chunked_prefill=False), waves, 8, 128)
     )
+
+
+def test_a_small_step_budget_moves_the_waves_prefill_from_ttft_into_tpot_without_shortening_the_request():
+    eff = load_factors().for_class("CPU").model_copy(update={"closed_loop_waves": 1.0})
+    arch = arch_from_hf_config(TINY_CONFIG, name="tiny")
+    args = {**ARGS, "max_num_seqs": 32}
+    rep = replica_from_plan(arch, plan_capacity(arch, args, resolve_hardware("cpu"), env=ENV), args, cc.RECORDED_HOST)
+    whole = closed_loop(replace(rep, max_num_batched_tokens=32 * 128), eff, 32, 128, 32)
+    small = closed_loop(replace(rep, max_num_batched_tokens=256), eff, 32, 128, 32)
+    assert small.ttft_s is not None and whole.ttft_s is not None
+    # The first prompts of a wave cut in small steps get their first token sooner, then decode through the
+    # steps that prefill the rest of the wave, so their TPOT holds what their TTFT does not.
+    assert small.ttft_s < whole.ttft_s and small.tpot_s > whole.tpot_s
+    # The wave is the same work either way; each extra step adds its overhead, so the small budget serves no more.
+    assert small.request_rate <= whole.request_rate
+    no_overhead = eff.model_copy(update={"step_overhead_ms": 0.0, "sequence_overhead_ms": 0.0})
+    whole0 = closed_loop(replace(rep, max_num_batched_tokens=32 * 128), no_overhead, 32, 128, 32)
+    small0 = closed_loop(replace(rep, max_num_batched_tokens=256), no_overhead, 32, 128, 32)
+    assert small0.request_rate == pytest.approx(whole0.request_rate, rel=0.02)
 
 
 def test_gpu_factors_keep_prompts_spread_over_the_steps():

@@ -16,7 +16,10 @@ replica, so it completes ``n / that`` requests per second (Little's law).
   prompts (fitted; 0 for the GPU classes, whose public points do not pin it) arrives in waves that
   prefill first come, first served in steps of their own, so their prefill lands in TTFT, not in
   the running decodes' TPOT (vLLM's CPU build with fixed output lengths: TPOT grows with the batch
-  as the decode step alone does).
+  as the decode step alone does). The wave's prefill is work every request of it waits for: a
+  prompt prefilled early decodes through the steps that prefill the rest, so what its TTFT does
+  not hold, its TPOT does. A small step budget moves wave time from TTFT into TPOT and adds a
+  step overhead per step; it does not shorten the request (``wave_prefill``).
 - Open loop, R requests/s per replica: the ``n`` (bisected) whose throughput equals R; past the
   capacity's throughput the queue grows without bound (saturated, TTFT unbounded).
 - The knee: the smallest concurrency whose throughput reaches 90 % of the capacity's.
@@ -79,28 +82,41 @@ def steady(
     else:
         ttft = prefill_s(rep, eff, input_tokens, input_tokens) + tpot / 2
     if waves > 0:
-        ttft = (1.0 - waves) * ttft + waves * wave_ttft_s(rep, eff, n, input_tokens)
+        first_token, decoded_through = wave_prefill(rep, eff, n, input_tokens)
+        ttft = (1.0 - waves) * ttft + waves * first_token
+        tpot += waves * decoded_through / max(output_tokens - 1, 1) / yielded
     return Steady(in_flight=in_flight, tpot_s=tpot, ttft_s=ttft)
 
 
 def wave_ttft_s(rep: Replica, eff: Efficiency, in_flight: float, input_tokens: int) -> float:
-    """Mean TTFT of ``in_flight`` prompts that arrive together and prefill first come, first served.
+    """Mean TTFT of ``in_flight`` prompts that arrive together and prefill first come, first served."""
+    return wave_prefill(rep, eff, in_flight, input_tokens)[0]
+
+
+def wave_prefill(rep: Replica, eff: Efficiency, in_flight: float, input_tokens: int) -> tuple[float, float]:
+    """``in_flight`` prompts that arrive together and prefill first come, first served: their mean time to the
+    first token, and the mean prefill work of the wave's later steps, which a request decodes through.
 
     They fill steps of ``max_num_batched_tokens`` (whole prompts, at least one a step, without chunked
-    prefill); each prompt's first token comes at the end of the step that finishes it.
+    prefill); each prompt's first token comes at the end of the step that finishes it, every step until
+    then costing its fixed overhead. The wave's steps after that ride on the request's decode steps: they
+    add their prefill work to its TPOT, and their overhead is the decode step's own.
     """
     n = max(1, round(in_flight))
     budget = max(rep.max_num_batched_tokens, 1)
     whole_prompts = max(1, budget // input_tokens) * input_tokens
     per_step = float(budget if rep.chunked_prefill else whole_prompts)
     total = n * input_tokens
-    elapsed, done, step_end = 0.0, 0.0, []
+    overhead = eff.step_overhead_ms / 1e3
+    elapsed, work, done, step_end, work_end = 0.0, 0.0, 0.0, [], []
     while done < total:
         tokens = min(per_step, total - done)
-        elapsed += prefill_s(rep, eff, tokens, input_tokens)
-        done += tokens
+        step = prefill_s(rep, eff, tokens, input_tokens)
+        elapsed, work, done = elapsed + step, work + step - overhead, done + tokens
         step_end.append(elapsed)
-    return sum(step_end[min(math.ceil(k * input_tokens / per_step), len(step_end)) - 1] for k in range(1, n + 1)) / n
+        work_end.append(work)
+    firsts = [min(math.ceil(k * input_tokens / per_step), len(step_end)) - 1 for k in range(1, n + 1)]
+    return sum(step_end[i] for i in firsts) / n, sum(work - work_end[i] for i in firsts) / n
 
 
 @dataclass(frozen=True)
