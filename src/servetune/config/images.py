@@ -1,0 +1,84 @@
+"""Images a request of a vision-language workload carries (a workload's ``images``, or a request class's own).
+
+``count`` images per request (a number, or a distribution as lengths are: config/dists.py), each at a size drawn
+from ``sizes`` by weight (``[w, h]`` weighs 1; ``{width, height, weight}`` says its weight). The load generator
+makes each image (load/images.py) and sends it as an OpenAI chat ``image_url`` content part with a ``data:`` URL;
+``detail`` goes beside the URL where given (vLLM reads none of it; OpenAI's API does).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from servetune.config.dists import Dist, Fixed
+
+#: Pixels on a side an image may have: vLLM's processors resize anything larger, and generating it costs the client.
+MAX_SIDE = 8192
+
+
+class ImageSize(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    width: int = Field(ge=1, le=MAX_SIDE)
+    height: int = Field(ge=1, le=MAX_SIDE)
+    weight: float = Field(default=1.0, gt=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _pair(cls, data: Any) -> Any:
+        """``[w, h]`` is ``{width: w, height: h}``."""
+        if isinstance(data, (list, tuple)):
+            if len(data) != 2:
+                raise ValueError(f"a size is [width, height] or {{width, height, weight}}, not {list(data)}")
+            return {"width": data[0], "height": data[1]}
+        return data
+
+    @property
+    def pixels(self) -> int:
+        return self.width * self.height
+
+
+class Images(BaseModel):
+    """``count`` images per request at ``sizes`` (drawn by weight), encoded as ``format``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    count: Dist
+    sizes: tuple[ImageSize, ...] = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None
+    format: Literal["jpeg", "png"] = "jpeg"
+
+    @field_validator("count", mode="before")
+    @classmethod
+    def _number(cls, value: Any) -> Any:
+        """A plain number is a fixed count."""
+        if isinstance(value, int) and not isinstance(value, bool):
+            return {"dist": "fixed", "value": value}
+        return value
+
+    @field_validator("count")
+    @classmethod
+    def _counts(cls, value: Any) -> Any:
+        if getattr(value, "prompts", None) is not None:
+            raise ValueError("an empirical image count needs numbers, not prompts")
+        return value
+
+    def draw_count(self, rng: np.random.Generator) -> int:
+        """How many images the next request carries."""
+        if isinstance(self.count, Fixed):  # no draw: a fixed count leaves the generator as it was
+            return self.count.value
+        return int(self.count.sample(rng, 1)[0])
+
+    def draw_size(self, rng: np.random.Generator) -> ImageSize:
+        """The size of the next image, drawn by weight (no draw with one size)."""
+        if len(self.sizes) == 1:
+            return self.sizes[0]
+        weights = np.asarray([s.weight for s in self.sizes], dtype=float)
+        return self.sizes[int(rng.choice(len(self.sizes), p=weights / weights.sum()))]
+
+    @property
+    def largest(self) -> ImageSize:
+        return max(self.sizes, key=lambda s: s.pixels)
