@@ -143,3 +143,43 @@ def test_the_zlib_png_is_a_png_of_the_same_pixels():
     png = make_image(13, 7, seed=5, fmt="png")
     assert png.url.startswith("data:image/png;base64,")
     assert np.array_equal(np.asarray(decoded(png.url).convert("RGB")), rgb)
+
+
+SPACE = """
+name: vlm
+model: tiny
+device: cpu
+hardware: {devices_per_node: 2}
+engine_args: {max_model_len: 1024}
+workload:
+  name: screenshots
+  api: chat
+  input_tokens: {dist: fixed, value: 8}
+  output_tokens: {dist: fixed, value: 4}
+  mix:
+"""
+
+
+def test_limit_mm_per_prompt_is_searched_and_must_let_the_workloads_images_through(tmp_path):
+    from servetune.engine.args import engine_argv
+    from servetune.space_file import load_space
+
+    def load(params: str, count: str = "{dist: uniform, min: 1, max: 3}"):
+        path = tmp_path / "space.yaml"
+        workload = SPACE.replace("  mix:\n", f"  images: {{count: {count}, sizes: [[64, 64]]}}\n")
+        path.write_text(workload + params)
+        return load_space(path)
+
+    space = load("params:\n  limit_mm_per_prompt: [{image: 3, video: 0}, {image: 8}]\n")
+    assert engine_argv({"limit_mm_per_prompt": space.params["limit_mm_per_prompt"][0]}) == [
+        "--limit-mm-per-prompt",
+        '{"image": 3, "video": 0}',
+    ]
+    with pytest.raises(UserError) as info:  # requests carry up to 3 images
+        load("params:\n  limit_mm_per_prompt: [{image: 2}, {image: 8}]\n")
+    assert "params.limit_mm_per_prompt: image 2 is fewer than the 3 images" in str(info.value)
+    assert load("", count="2").engine_args == {"max_model_len": 1024}  # no limit given: vLLM's 999
+    with pytest.raises(UserError, match=r"engine_args\.limit_mm_per_prompt: image 1"):
+        load("engine_args: {max_model_len: 1024, limit_mm_per_prompt: {image: 1}}\n", count="2")
+    with pytest.raises(UserError, match=r"limit_mm_per_prompt'?\.image: 'many' is not a count"):
+        load("params:\n  limit_mm_per_prompt: [{image: many}]\n")

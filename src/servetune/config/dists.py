@@ -107,6 +107,11 @@ class Empirical(_Dist):
     def prompts(self) -> list[str] | None:
         return self._values if isinstance(self._values[0], str) else None
 
+    @property
+    def largest(self) -> int:
+        """The largest of the file's numbers (lengths or counts; not for prompts)."""
+        return max(int(v) for v in self._values)
+
     def sample_indices(self, rng: np.random.Generator, n: int) -> np.ndarray:
         return rng.integers(0, len(self._values), size=n)
 

@@ -13,7 +13,7 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from servetune.config.dists import Dist, Fixed
+from servetune.config.dists import Dist, Empirical, Fixed
 
 #: Pixels on a side an image may have: vLLM's processors resize anything larger, and generating it costs the client.
 MAX_SIDE = 8192
@@ -78,6 +78,16 @@ class Images(BaseModel):
             return self.sizes[0]
         weights = np.asarray([s.weight for s in self.sizes], dtype=float)
         return self.sizes[int(rng.choice(len(self.sizes), p=weights / weights.sum()))]
+
+    @property
+    def max_count(self) -> int:
+        """The most images one request carries (what ``limit_mm_per_prompt`` must allow)."""
+        count = self.count
+        if isinstance(count, Fixed):
+            return count.value
+        if isinstance(count, Empirical):
+            return count.largest
+        return int(count.max)
 
     @property
     def largest(self) -> ImageSize:

@@ -292,6 +292,11 @@ class Workload(BaseModel):
     def sends_images(self) -> bool:
         return self.images is not None or any(c.images is not None for c in self.mix or ())
 
+    @property
+    def max_images(self) -> int:
+        """The most images one request carries (0: none do)."""
+        return max((spec.max_count for c in self.classes if (spec := self.images_of(c)) is not None), default=0)
+
     def structured_of(self, request_class: RequestClass) -> Structured | None:
         """The structured output a request of ``request_class`` asks for (the class's, else the workload's)."""
         return request_class.structured or self.structured
