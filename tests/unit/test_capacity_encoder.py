@@ -95,3 +95,27 @@ def test_the_ledger_holds_the_profiled_embeddings_out_of_the_kv_pool() -> None:
     assert off.kv_cache_gib == text_only.kv_cache_gib and any("every modality off" in n for n in off.notes)
     with pytest.raises(UserError, match="limit_mm_per_prompt"):
         plan_capacity(QWEN, {"limit_mm_per_prompt": {"image": "many"}}, h100)
+
+
+def test_plan_sizes_the_encoder_cache_and_says_what_an_image_costs(capsys) -> None:
+    import json
+
+    import servetune.cli as cli
+
+    base = ["plan", "--model", "google/gemma-3-27b-it", "--gpu", "H100", "--max-model-len", "32768", "--json"]
+    pan = ["--mm-processor-kwargs", '{"do_pan_and_scan": true}', "--image-size", "1920x1080", "--image-size", "896x896"]
+    assert cli.main([*base, *pan]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["encoder_cache_tokens"] == 8192
+    assert "a 1920x1080 image takes 768 tokens of the prompt (and of the encoder cache)" in out["notes"]
+    assert "a 896x896 image takes 256 tokens of the prompt (and of the encoder cache)" in out["notes"]
+    assert cli.main([*base, "--limit-mm-per-prompt", '{"image": 0}']) == 0
+    assert json.loads(capsys.readouterr().out)["encoder_cache_tokens"] == 0
+    for bad, says in [
+        (["--image-size", "big"], "--image-size big: give WIDTHxHEIGHT"),
+        (["--limit-mm-per-prompt", "{image"], "--limit-mm-per-prompt: not JSON"),
+        (["--limit-mm-per-prompt", '{"image": -1}'], "--limit-mm-per-prompt.image: -1 is not a count"),
+    ]:
+        assert cli.main([*base, *bad]) == 2
+        err = capsys.readouterr().err.strip()
+        assert says in err and len(err.splitlines()) == 1 and "Traceback" not in err
