@@ -119,3 +119,50 @@ def test_plan_sizes_the_encoder_cache_and_says_what_an_image_costs(capsys) -> No
         assert cli.main([*base, *bad]) == 2
         err = capsys.readouterr().err.strip()
         assert says in err and len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_a_workloads_images_add_their_tokens_to_the_prompt_the_estimate_sees() -> None:
+    from servetune.config.workload import Workload, mean_image_tokens
+
+    def workload(images: dict | None) -> Workload:
+        lengths = {"input_tokens": {"dist": "fixed", "value": 100}, "output_tokens": {"dist": "fixed", "value": 10}}
+        return Workload.model_validate({"name": "w", "api": "chat", **lengths, "images": images})
+
+    sizes = [[1024, 768], {"width": 640, "height": 480, "weight": 3}]
+    fixed = workload({"count": 2, "sizes": sizes})
+    assert mean_image_tokens(fixed, QWEN.vision) == round(2 * (999 + 3 * 391) / 4)  # drawn 1:3
+    assert mean_image_tokens(fixed, GEMMA.vision) == 2 * 256
+    assert mean_image_tokens(fixed, QWEN.vision, '{"max_pixels": 200704, "min_pixels": 50176}') == 2 * 234
+    drawn = workload({"count": {"dist": "uniform", "min": 1, "max": 3}, "sizes": [[896, 896]]})
+    assert abs(mean_image_tokens(drawn, GEMMA.vision) - 2 * 256) <= 8  # a mean count of 2, drawn
+    assert mean_image_tokens(workload(None), QWEN.vision) == 0 and mean_image_tokens(fixed, None) == 0
+
+
+def test_the_estimate_of_a_vision_language_workload_counts_its_image_tokens(tmp_path, capsys) -> None:
+    import json
+
+    import servetune.cli as cli
+
+    def report(images: str) -> dict:
+        path = tmp_path / "space.yaml"
+        path.write_text(f"""
+name: vlm
+model: google/gemma-3-27b-it
+device: gpu
+hardware: {{gpu: H100-SXM, devices_per_node: 1}}
+engine_args: {{max_model_len: 8192}}
+params: {{max_num_seqs: [64]}}
+load: {{levels: [8]}}
+workload:
+  name: photos
+  api: chat
+  input_tokens: {{dist: fixed, value: 200}}
+  output_tokens: {{dist: fixed, value: 100}}
+{images}""")
+        assert cli.main(["estimate", str(path), "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    text, photos = report(""), report("  images: {count: 2, sizes: [[1024, 768]]}\n")
+    assert "image_tokens" not in text["rows"][0] and photos["rows"][0]["image_tokens"] == 2 * 256
+    assert photos["input_tokens"] == text["input_tokens"] == 200  # the workload's text, as before
+    assert photos["rows"][0]["estimate"]["ttft_ms"] > text["rows"][0]["estimate"]["ttft_ms"]

@@ -8,12 +8,19 @@ makes each image (load/images.py) and sends it as an OpenAI chat ``image_url`` c
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from servetune.config.dists import Dist, Empirical, Fixed
+
+if TYPE_CHECKING:  # the planner's types: imported where a model's tokens are asked for, not with every workload
+    from servetune.capacity.model import VisionEncoder
+
+#: Requests drawn for a mean image count (as config/workload.py draws lengths for their means).
+SAMPLES = 4000
 
 #: Pixels on a side an image may have: vLLM's processors resize anything larger, and generating it costs the client.
 MAX_SIDE = 8192
@@ -88,6 +95,19 @@ class Images(BaseModel):
         if isinstance(count, Empirical):
             return count.largest
         return int(count.max)
+
+    def mean_tokens(self, vision: VisionEncoder, mm_kwargs: Mapping[str, Any] | None = None, seed: int = 0) -> float:
+        """The image tokens one request adds to its prompt on average, for a model that makes ``vision``'s tokens:
+        the mean count times the sizes' tokens weighted as they are drawn."""
+        from servetune.capacity.encoder import image_tokens
+
+        if isinstance(self.count, Fixed):
+            count = float(self.count.value)
+        else:
+            count = float(np.mean(self.count.sample(np.random.default_rng(seed), SAMPLES)))
+        weights = np.asarray([s.weight for s in self.sizes], dtype=float)
+        tokens = np.asarray([image_tokens(vision, s.width, s.height, mm_kwargs) for s in self.sizes], dtype=float)
+        return count * float(np.dot(weights, tokens) / weights.sum())
 
     @property
     def largest(self) -> ImageSize:

@@ -31,8 +31,9 @@ vision-language model: a count and sizes, sent as chat ``image_url`` content par
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
@@ -45,6 +46,9 @@ from servetune.config.loading import load_yaml_model
 from servetune.errors import UserError
 from servetune.shipped import trials_dir
 from servetune.traffic.log import read_log
+
+if TYPE_CHECKING:
+    from servetune.capacity.model import VisionEncoder
 
 __all__ = ["Dist", "Empirical", "Fixed", "LogNormal", "Normal", "Uniform"]  # their home is config/dists.py
 
@@ -402,6 +406,24 @@ def load_workload(name_or_path: str | Path) -> Workload:
 
 #: Requests drawn from a workload's length distributions for their means (:func:`mean_lengths`).
 SAMPLES = 4000
+
+
+def mean_image_tokens(
+    workload: Workload, vision: VisionEncoder | None, mm_kwargs: dict[str, Any] | str | None = None
+) -> int:
+    """The image tokens a request of the workload adds to its prompt on average (its mix weighted), for a model
+    whose images become ``vision``'s tokens (``mm_kwargs``: the engine's ``mm_processor_kwargs``, or its JSON);
+    0 for a workload without images or a model whose processor servetune does not model."""
+    if vision is None or not workload.sends_images:
+        return 0
+    kwargs: dict[str, Any] | None = json.loads(mm_kwargs) if isinstance(mm_kwargs, str) else mm_kwargs
+    classes = workload.classes
+    tokens = 0.0
+    for request_class in classes:
+        spec = workload.images_of(request_class)
+        if spec is not None:
+            tokens += request_class.weight * spec.mean_tokens(vision, kwargs, workload.seed)
+    return round(tokens / sum(c.weight for c in classes))
 
 
 def mean_lengths(workload: Workload) -> tuple[int, int]:
