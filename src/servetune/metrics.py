@@ -128,6 +128,8 @@ class RequestRecord:
     turn: int = 0
     cached_tokens: int | None = None  # of its prompt, the tokens the server's prefix cache held (where it says)
     adapter: str | None = None  # the LoRA adapter it named as its model (workloads with adapters)
+    images: int = 0  # the images it carried (vision-language workloads), and their pixels in all
+    image_pixels: int = 0
 
     @property
     def ttft_s(self) -> float | None:

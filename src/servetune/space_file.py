@@ -34,13 +34,28 @@ from servetune.config.space import (
     SearchSpace,
 )
 from servetune.config.workload import Workload
-from servetune.engine.args import validate_engine_args
+from servetune.engine.args import mm_limits, validate_engine_args
 from servetune.errors import UserError
 from servetune.models.names import is_hub_id
 from servetune.models.tiny import TINY_CONFIG
 from servetune.quality import lm_eval
 from servetune.quality.suites import load_suite
 from servetune.results import SPACE_FILE
+
+
+def _check_image_limits(space: SearchSpace, images: int) -> None:
+    """Every ``limit_mm_per_prompt`` the space gives lets the workload's requests carry their images (vLLM refuses
+    a request with more, HTTP 400)."""
+    fixed = space.engine_args.get("limit_mm_per_prompt")
+    listed = space.params.get("limit_mm_per_prompt")
+    candidates = [("engine_args.limit_mm_per_prompt", fixed)] if fixed is not None else []
+    if isinstance(listed, list):
+        candidates += [("params.limit_mm_per_prompt", value) for value in listed]
+    for field, value in candidates:
+        limit = mm_limits(value, field).get("image")
+        if images and limit is not None and limit < images:
+            raise UserError(f"{field}: image {limit} is fewer than the {images} images a request of the workload "
+                            "carries: vLLM would refuse those requests")  # fmt: skip
 
 
 def load_space(path: str | Path, argspecs: dict | None = None, base_dir: Path | None = None) -> SearchSpace:
@@ -86,6 +101,7 @@ def load_space(path: str | Path, argspecs: dict | None = None, base_dir: Path | 
         if space.slo.structured_valid is not None and not workload.asks_structured:
             raise UserError(f"{path}: slo.structured_valid: the workload '{workload.name}' asks for no structured "
                             "output (give a request class structured:), so no level would measure it")  # fmt: skip
+        _check_image_limits(space, workload.max_images)
         kept, rejected = space.grid() if _gridable(space) else ([{}], [])
     except UserError as exc:
         raise UserError(f"{path}: {exc}" if not str(exc).startswith(str(path)) else str(exc)) from None

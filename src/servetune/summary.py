@@ -135,6 +135,10 @@ class LevelSummary(BaseModel):
     structured_valid: float | None = None
     conversations: ConversationStats | None = None  # workloads with sessions: per-conversation numbers
     requests_by_adapter: dict[str, int] | None = None  # workloads with LoRA adapters: completed requests per adapter
+    # Vision-language workloads: the images the level's measured requests carried, and their pixels in all
+    # (None: no request carried one)
+    images_sent: int | None = None
+    image_pixels: int | None = None
     # Why requests failed, beside ``errors_by_kind``: the first error text of each kind, and the failed requests per
     # request class where the workload names classes (a structured class failing alone points at its backend);
     # None where none failed, or in a record from before they were kept
@@ -251,6 +255,8 @@ def summarize(
         structured_valid=float(np.mean(checked)) if checked else None,
         conversations=ConversationStats.of(ok),
         requests_by_adapter=dict(Counter(r.adapter for r in ok if r.adapter is not None)) or None,
+        images_sent=sum(r.images for r in measured) or None,
+        image_pixels=sum(r.image_pixels for r in measured) or None,
         error_examples=examples or None,
         failed_by_class=dict(Counter(r.request_class for r in failed if r.request_class)) or None,
     )

@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from servetune.capacity.hfhybrid import _hybrid_layers
-from servetune.capacity.model import MambaMixer, ModelArch, WeightQuant
+from servetune.capacity.model import MambaMixer, ModelArch, VisionEncoder, WeightQuant
 from servetune.errors import UserError
 
 _TORCH_DTYPES = {
@@ -130,6 +130,9 @@ def _library_config(config: dict[str, Any], source: str) -> dict[str, Any]:
         if vision is not None:
             merged["_vision"] = vision.to_dict()
         merged["_multimodal_architecture"] = (config.get("architectures") or [None])[0]
+        merged["_multimodal_type"] = model_type
+        if isinstance(getattr(library, "mm_tokens_per_image", None), int):  # Gemma 3: tokens per image
+            merged["_mm_tokens_per_image"] = library.mm_tokens_per_image
     return merged
 
 
@@ -153,6 +156,35 @@ def _vision_parameters(vision: dict[str, Any], text_hidden: int) -> int:
     merge = int(vision.get("spatial_merge_size") or 1) ** 2
     projector = hidden * merge * out + (hidden * merge) ** 2 if merge > 1 else hidden * out
     return layers * block + embed + projector
+
+
+#: Multimodal model types whose images become a grid of merged patches (vLLM's Qwen2VLProcessingInfo), with the
+#: pixel bounds of their published preprocessor configs (Qwen/Qwen2-VL-7B-Instruct, Qwen/Qwen2.5-VL-7B-Instruct:
+#: min_pixels 3136, max_pixels 12845056), which vLLM reads from the checkpoint.
+GRID_VISION_TYPES = ("qwen2_vl", "qwen2_5_vl")
+#: ... and those with a fixed number of tokens per image (vLLM's Gemma3ProcessingInfo).
+FIXED_VISION_TYPES = ("gemma3",)
+
+
+def _vision_encoder(cfg: dict[str, Any], text_hidden: int) -> VisionEncoder | None:
+    """How the model's images become tokens, where servetune knows its processor (None elsewhere)."""
+    vision, model_type = cfg["_vision"], cfg.get("_multimodal_type")
+    hidden = int(vision.get("hidden_size") or 0)
+    if not hidden or model_type not in GRID_VISION_TYPES + FIXED_VISION_TYPES:
+        return None
+    common = {
+        "hidden_size": hidden,
+        "intermediate_size": int(vision.get("intermediate_size") or 4 * hidden),
+        "gated": str(vision.get("hidden_act", "")).lower() == "silu",
+        "output_size": int(vision.get("out_hidden_size") or text_hidden),
+        "patch_size": int(vision.get("patch_size") or 14),
+    }
+    if model_type in GRID_VISION_TYPES:
+        return VisionEncoder(kind="grid", merge_size=int(vision.get("spatial_merge_size") or 2),
+                             temporal_patch_size=int(vision.get("temporal_patch_size") or 2), min_pixels=3136,
+                             max_pixels=12845056, video=True, **common)  # fmt: skip
+    return VisionEncoder(kind="fixed", tokens_per_image=int(cfg.get("_mm_tokens_per_image") or 256),
+                         image_size=int(vision.get("image_size") or 896), **common)  # fmt: skip
 
 
 def _layer_types(cfg: dict[str, Any], layers: int) -> tuple[list[str], int | None, int | None]:
@@ -249,6 +281,7 @@ def arch_from_hf_config(config: dict[str, Any], name: str, source: str = "config
         raise UserError(f"{source}: {len(kinds)} layer kinds for num_hidden_layers {layers}")
     if isinstance(cfg.get("_vision"), dict):
         fields["vision_parameters"] = _vision_parameters(cfg["_vision"], hidden)
+        fields["vision"] = _vision_encoder(cfg, hidden)
     if experts:
         fields["num_experts"] = experts
         fields["num_experts_per_tok"] = int(need("num_experts_per_tok"))

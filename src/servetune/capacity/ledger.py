@@ -27,6 +27,7 @@ from typing import Any
 from servetune.capacity.advice import advise
 from servetune.capacity.arch import ModelArch, WeightQuant
 from servetune.capacity.draft import DraftCost, draft_cost, speculative_config
+from servetune.capacity.encoder import EncoderBudget, encoder_budget
 from servetune.capacity.hardware import GIB, Hardware
 from servetune.capacity.kvgroups import kv_layout
 from servetune.capacity.lora import lora_cost
@@ -208,6 +209,7 @@ def _ledger(
                          s.max_num_seqs, args.fully_sharded_loras)  # fmt: skip
         lora = float(cost.total)
         notes.append(cost.describe() + (": they live outside the CPU build's KV space" if cpu else ""))
+    encoder = _encoder(arch, args, s, dtype_bytes, notes)
     non_torch = activation = cudagraph = 0.0
     if cpu:
         if s.cpu_kvcache_space_gib is not None:
@@ -221,6 +223,10 @@ def _ledger(
     else:
         requested = float(math.ceil(hardware.memory_bytes * s.gpu_memory_utilization))
         non_torch, activation, cudagraph = _gpu_overheads(arch, s, hardware, profile, query_len)
+        if encoder is not None:  # the profile run: the tower's peak, then its embeddings held beside the decoder's
+            activation = max(
+                activation + encoder.cache_bytes, encoder.encoder_peak_bytes + profile.activation_base_gib * GIB
+            )
         kv_bytes = requested - weights - drafted - lora - non_torch - activation - cudagraph
         if s.kv_cache_memory_bytes is not None:
             kv_bytes = float(s.kv_cache_memory_bytes)
@@ -313,8 +319,39 @@ def _ledger(
         reason=reason,
         draft=_draft_plan(draft, s) if draft is not None else None,
         lora_gib=round(lora / GIB, 4),
+        encoder_cache_tokens=encoder.budget_tokens if encoder is not None else 0,
+        encoder_cache_gib=round(encoder.cache_bytes / GIB, 4) if encoder is not None and not cpu else 0.0,
         notes=notes + (_draft_notes(draft, s) if draft is not None else []),
     )
+
+
+def _encoder(
+    arch: ModelArch, args: CapacityArgs, s: Settings, act_bytes: int, notes: list[str]
+) -> EncoderBudget | None:
+    """A vision-language model's encoder cache as vLLM sizes and profiles it (capacity/encoder.py), noted."""
+    if arch.vision is None:
+        if arch.vision_parameters:
+            notes.append(
+                "the encoder cache of this vision-language model is not planned (its processor is not modelled)"
+            )
+        return None
+    encoder = encoder_budget(
+        arch.vision, max_model_len=s.max_model_len, max_num_batched_tokens=s.max_num_batched_tokens,
+        max_num_seqs=s.max_num_seqs, chunked_prefill=args.enable_chunked_prefill is not False, act_bytes=act_bytes,
+        tp=s.tensor_parallel_size, limit_mm_per_prompt=args.limit_mm_per_prompt,
+        mm_processor_kwargs=args.mm_processor_kwargs,
+    )  # fmt: skip
+    if encoder is None:
+        notes.append("limit_mm_per_prompt turns every modality off: no encoder cache")
+        return None
+    if args.skip_mm_profiling:
+        notes.append(encoder.describe().split(";")[0] + "; skip_mm_profiling: vLLM does not profile the encoder, "
+                     "so its embeddings come out of the KV pool only at run time")  # fmt: skip
+        return None
+    notes.append(
+        encoder.describe() + ("; on the CPU build they live outside the KV space" if s.device == "cpu" else "")
+    )
+    return encoder
 
 
 def _draft_plan(draft: DraftCost, s: Settings) -> DraftPlan:

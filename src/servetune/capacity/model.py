@@ -105,6 +105,32 @@ class MambaMixer(BaseModel):
         return self
 
 
+class VisionEncoder(BaseModel):
+    """How a vision-language model turns an image into tokens (capacity/encoder.py), and its tower's widths.
+
+    ``grid`` (Qwen2-VL, Qwen2.5-VL): an image is resized to multiples of ``patch_size`` x ``merge_size`` with its
+    pixels between ``min_pixels`` and ``max_pixels`` (the checkpoint's preprocessor config), and each
+    ``merge_size`` x ``merge_size`` block of patches is one token; videos too (``video``). ``fixed`` (Gemma 3):
+    ``tokens_per_image`` per image, and as many again per pan-and-scan crop where the processor is asked to crop.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["grid", "fixed"]
+    patch_size: int = Field(14, ge=1)
+    merge_size: int = Field(1, ge=1)
+    temporal_patch_size: int = Field(1, ge=1)
+    min_pixels: int = Field(56 * 56, ge=1)
+    max_pixels: int = Field(28 * 28 * 16384, ge=1)
+    video: bool = False
+    tokens_per_image: int = Field(0, ge=0)
+    image_size: int = Field(0, ge=0, description="fixed: the tower's native side in pixels")
+    hidden_size: int = Field(ge=1)
+    intermediate_size: int = Field(ge=1)
+    gated: bool = False
+    output_size: int = Field(ge=1, description="the width of an image token's embedding (the decoder's hidden size)")
+
+
 class ModelArch(BaseModel):
     """Architecture numbers of a decoder-only transformer, as vLLM sees them."""
 
@@ -145,6 +171,7 @@ class ModelArch(BaseModel):
     attention_output_gate: bool = Field(False, description="q_proj also emits a per-head output gate (Qwen3-Next)")
     moe_layer_step: int = Field(1, ge=1, description="every n-th layer after the dense ones is MoE (Llama 4)")
     vision_parameters: int = Field(0, ge=0, description="vision encoder and projector, kept in torch_dtype")
+    vision: VisionEncoder | None = Field(None, description="how images become tokens (encoder cache planning)")
     mtp_layers: int = Field(0, ge=0, description="multi-token-prediction layers the checkpoint carries (MTP drafts)")
     draft_vocab_size: int | None = Field(None, ge=1, description="an EAGLE-3 head's own lm_head vocabulary")
     mamba: MambaMixer | None = Field(None, description="the state of the 'mamba' layers (Mamba, gated DeltaNet)")

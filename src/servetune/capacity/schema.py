@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from servetune.errors import UserError
 
@@ -42,6 +43,17 @@ class CapacityArgs(BaseModel):
     max_loras: int | None = Field(None, ge=1)
     max_lora_rank: int | None = Field(None, ge=1)
     fully_sharded_loras: bool = False
+    # Vision-language models: items per prompt per modality (0 turns one off), the processor's options
+    # (``max_pixels``...), and whether vLLM skips profiling the encoder (capacity/encoder.py)
+    limit_mm_per_prompt: dict[str, int | dict[str, Any]] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    skip_mm_profiling: bool = False
+
+    @field_validator("limit_mm_per_prompt", "mm_processor_kwargs", mode="before")
+    @classmethod
+    def _json(cls, value: Any) -> Any:
+        """A JSON string, as on vLLM's command line, is its object."""
+        return json.loads(value) if isinstance(value, str) else value
 
 
 def read_engine_args(engine_args: Mapping[str, Any]) -> CapacityArgs:
@@ -132,5 +144,9 @@ class CapacityPlan(BaseModel):
     reason: str
     draft: DraftPlan | None = None  # speculative decoding's drafter, where the configuration has one
     lora_gib: float = Field(0.0, description="enable_lora: the adapter slots and buffers vLLM preallocates")
+    encoder_cache_tokens: int = Field(0, description="vision-language models: the encoder cache vLLM sets up")
+    encoder_cache_gib: float = Field(
+        0.0, description="the profiled items' embeddings, held through the decoder's dummy batch (in activation_gib)"
+    )
     advice: list[str] = []
     notes: list[str] = []

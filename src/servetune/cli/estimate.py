@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from servetune.capacity import load_model_arch, resolve_hardware
-from servetune.config.workload import mean_lengths
+from servetune.config.workload import mean_image_tokens, mean_lengths
 from servetune.errors import UserError
 from servetune.estimate import Estimate, Load, estimate, load_factors
 from servetune.space_file import load_space
@@ -55,13 +55,17 @@ def run(args: argparse.Namespace) -> int:
         engine, _env = space.engine_params(params)
         arch = load_model_arch(space.model_for(params))
         hardware = hardware_of[str(space.gpu_for(params))]  # its own type where the space compares types
+        # a vision-language workload's prompts hold its images' tokens too (their encoding is not modelled)
+        prompt_tokens = input_tokens + mean_image_tokens(workload, arch.vision, engine.get("mm_processor_kwargs"))
         for level in levels:
             load = (
-                Load(input_tokens=input_tokens, output_tokens=output_tokens, concurrency=max(1, round(level.value)))
+                Load(input_tokens=prompt_tokens, output_tokens=output_tokens, concurrency=max(1, round(level.value)))
                 if level.kind == "concurrency"
-                else Load(input_tokens=input_tokens, output_tokens=output_tokens, rate=level.value)
+                else Load(input_tokens=prompt_tokens, output_tokens=output_tokens, rate=level.value)
             )
             row: dict[str, Any] = {"params": params, "level": {level.kind: level.value}}
+            if prompt_tokens > input_tokens:
+                row["image_tokens"] = prompt_tokens - input_tokens
             try:
                 row["estimate"] = estimate(arch, engine, hardware, load, factors).model_dump(mode="json")
             except UserError as exc:

@@ -20,10 +20,12 @@ from servetune.capacity import (
     resolve_hardware,
 )
 from servetune.capacity.draft import load_draft
+from servetune.capacity.encoder import image_tokens
 from servetune.capacity.hardware import Hardware
 from servetune.capacity.profile import PROFILES, EngineProfile, profile_for_version
 from servetune.capacity.settings import resolve_quant, structural_problem
 from servetune.cli.display import console as make_console
+from servetune.engine.args import mm_limits
 from servetune.errors import UserError
 from servetune.estimate import Estimate, Load, estimate, load_factors
 
@@ -128,6 +130,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help='speculative decoding as vLLM takes it, e.g. \'{"method":"ngram","num_speculative_tokens":3}\': '
         "adds the drafter's weights, KV layers and verified tokens (draft_model/eagle/eagle3 read their model "
         "as --model is read)",
+    )
+    p.add_argument(
+        "--limit-mm-per-prompt",
+        metavar="JSON",
+        help='vision-language models: items per prompt per modality, e.g. \'{"image":4,"video":0}\' (0 turns one '
+        "off; vLLM's default 999): sizes the encoder cache",
+    )
+    p.add_argument(
+        "--mm-processor-kwargs",
+        metavar="JSON",
+        help="vision-language models: the processor's options, e.g. '{\"max_pixels\":1003520}' (Qwen2-VL family) "
+        "or '{\"do_pan_and_scan\":true}' (Gemma 3)",
+    )
+    p.add_argument(
+        "--image-size",
+        action="append",
+        metavar="WxH",
+        help="vision-language models: also say how many tokens a W x H image takes (repeatable)",
     )
     p.add_argument(
         "--enable-prefix-caching",
@@ -283,6 +303,15 @@ def _plan(args: argparse.Namespace, arch: ModelArch, hardware: Hardware) -> tupl
         "enforce_eager": args.enforce_eager,
         "enable_prefix_caching": args.enable_prefix_caching,
     }
+    for key in ("limit_mm_per_prompt", "mm_processor_kwargs"):
+        text = getattr(args, key)
+        if text is not None:
+            try:
+                engine_args[key] = json.loads(text)
+            except json.JSONDecodeError:
+                raise UserError(f"--{key.replace('_', '-')}: not JSON: {text!r}") from None
+    if engine_args.get("limit_mm_per_prompt") is not None:
+        mm_limits(engine_args["limit_mm_per_prompt"], "--limit-mm-per-prompt")
     if args.max_loras is not None or args.max_lora_rank is not None:
         engine_args.update(enable_lora=True, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank)
     draft = None
@@ -296,7 +325,23 @@ def _plan(args: argparse.Namespace, arch: ModelArch, hardware: Hardware) -> tupl
     plan = plan_capacity(
         arch, engine_args, hardware, env=env, request_tokens=args.request_tokens, profile=profile, draft=draft
     )
+    if args.image_size:
+        plan.notes.extend(_image_notes(arch, args.image_size, engine_args.get("mm_processor_kwargs")))
     return plan, engine_args
+
+
+def _image_notes(arch: ModelArch, sizes: list[str], mm_kwargs: dict[str, Any] | None) -> list[str]:
+    """``--image-size WxH``: the tokens each such image takes in a prompt of this model."""
+    if arch.vision is None:
+        raise UserError(f"--image-size: {arch.name} has no vision encoder servetune models (Qwen2-VL family, Gemma 3)")
+    notes = []
+    for text in sizes:
+        width, sep, height = text.lower().partition("x")
+        if not sep or not width.isdigit() or not height.isdigit() or not int(width) or not int(height):
+            raise UserError(f"--image-size {text}: give WIDTHxHEIGHT in pixels, e.g. 1024x768")
+        tokens = image_tokens(arch.vision, int(width), int(height), mm_kwargs)
+        notes.append(f"a {width}x{height} image takes {tokens:,} tokens of the prompt (and of the encoder cache)")
+    return notes
 
 
 def plan_profile(flag: str | None) -> EngineProfile:

@@ -24,131 +24,33 @@ ends (``ignore_eos`` off), and the client counts the answers that parsed as aske
 ``adapters`` (config/adapters.py) lists LoRA adapters, ``{name, path, weight}``: each request (each conversation,
 with sessions) draws one by weight and sends its name as the request's ``model``; the engine gets
 ``enable_lora`` and ``lora_modules`` unless the space sets them.
+
+``images`` (config/images.py; a workload's, or a request class's own) makes each request carry images for a
+vision-language model: a count and sizes, sent as chat ``image_url`` content parts (``api: chat`` only).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from servetune.config.adapters import Adapter, adapter_modules, check_adapters, lora_engine_args
 from servetune.config.asks import Sampling, Structured
+from servetune.config.dists import Dist, Empirical, Fixed, LogNormal, Normal, Uniform, _Dist
+from servetune.config.images import Images
 from servetune.config.loading import load_yaml_model
 from servetune.errors import UserError
 from servetune.shipped import trials_dir
 from servetune.traffic.log import read_log
 
+if TYPE_CHECKING:
+    from servetune.capacity.model import VisionEncoder
 
-class _Dist(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-
-class Fixed(_Dist):
-    dist: Literal["fixed"]
-    value: int = Field(ge=1)
-
-    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        return np.full(n, self.value, dtype=np.int64)
-
-
-class _Bounded(_Dist):
-    min: int = Field(default=1, ge=1)
-    max: int = Field(ge=1)
-
-    @model_validator(mode="after")
-    def _ordered(self) -> _Bounded:
-        if self.min > self.max:
-            raise ValueError(f"min ({self.min}) is larger than max ({self.max})")
-        return self
-
-    def _clip(self, values: np.ndarray) -> np.ndarray:
-        return np.clip(np.rint(values), self.min, self.max).astype(np.int64)
-
-
-class Uniform(_Bounded):
-    dist: Literal["uniform"]
-
-    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        return rng.integers(self.min, self.max + 1, size=n, dtype=np.int64)
-
-
-class Normal(_Bounded):
-    dist: Literal["normal"]
-    mean: float = Field(gt=0)
-    std: float = Field(ge=0)
-
-    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        return self._clip(rng.normal(self.mean, self.std, size=n))
-
-
-class LogNormal(_Bounded):
-    """Lengths whose logarithm is normal: ``median`` and ``sigma`` (the spread in log space)."""
-
-    dist: Literal["lognormal"]
-    median: float = Field(gt=0)
-    sigma: float = Field(gt=0)
-
-    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        return self._clip(rng.lognormal(np.log(self.median), self.sigma, size=n))
-
-
-class Empirical(_Dist):
-    """Lengths (integers) or prompts (strings) from one field of a JSONL file.
-
-    The path is relative to the workload file. With prompts, their token counts are the input
-    lengths and the prompts themselves are sent.
-    """
-
-    dist: Literal["empirical"]
-    file: Path
-    field: str = "prompt"
-    _values: list = PrivateAttr(default_factory=list)
-
-    @model_validator(mode="after")
-    def _read(self, info: ValidationInfo) -> Empirical:
-        base = Path((info.context or {}).get("base_dir", "."))
-        path = self.file if self.file.is_absolute() else base / self.file
-        try:
-            lines = path.read_text().splitlines()
-        except OSError:
-            raise ValueError(f"cannot read {path}") from None
-        values = []
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                value = json.loads(line)[self.field]
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ValueError(f"{path} line {number} has no field '{self.field}'") from None
-            if isinstance(value, bool) or not isinstance(value, (int, str)) or (isinstance(value, int) and value < 1):
-                raise ValueError(f"{path} line {number}: '{self.field}' must be a prompt or a length >= 1")
-            values.append(value)
-        if not values:
-            raise ValueError(f"{path} has no records")
-        self._values = values
-        return self
-
-    @property
-    def prompts(self) -> list[str] | None:
-        return self._values if isinstance(self._values[0], str) else None
-
-    def sample_indices(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        return rng.integers(0, len(self._values), size=n)
-
-    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
-        if self.prompts is not None:
-            raise TypeError("prompt datasets are sampled by index; token counts need the tokenizer")
-        return np.asarray(self._values, dtype=np.int64)[self.sample_indices(rng, n)]
-
-
-Dist = Annotated[Fixed | Uniform | Normal | LogNormal | Empirical, Field(discriminator="dist")]
+__all__ = ["Dist", "Empirical", "Fixed", "LogNormal", "Normal", "Uniform"]  # their home is config/dists.py
 
 
 class RequestClass(BaseModel):
@@ -160,6 +62,7 @@ class RequestClass(BaseModel):
     output_tokens: Dist
     sampling: Sampling | None = None  # over the workload's ``sampling``
     structured: Structured | None = None  # over the workload's ``structured``
+    images: Images | None = None  # over the workload's ``images`` (vision-language models, chat API)
 
 
 class SharedPrefix(BaseModel):
@@ -328,6 +231,8 @@ class Workload(BaseModel):
     structured: Structured | None = None
     # LoRA adapters requests name as their model, each drawn by weight (config/adapters.py); empty: the base model.
     adapters: tuple[Adapter, ...] = ()
+    # Images every request carries (a class's own ``images`` over this; config/images.py); None: text only.
+    images: Images | None = None
     _source_text: str | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
@@ -372,6 +277,29 @@ class Workload(BaseModel):
                 "ignore_eos: a request with structured output ends where its structure ends: leave ignore_eos off"
             )
         return self
+
+    @model_validator(mode="after")
+    def _images_chat(self) -> Workload:
+        if self.api == "chat":
+            return self
+        where = ["images"] if self.images is not None else []
+        where += [f"mix.{i}.images" for i, c in enumerate(self.mix or ()) if c.images is not None]
+        if where:
+            raise ValueError(f"{where[0]}: images are sent as chat content parts: give api: chat")
+        return self
+
+    def images_of(self, request_class: RequestClass) -> Images | None:
+        """The images a request of ``request_class`` carries (the class's, else the workload's)."""
+        return request_class.images or self.images
+
+    @property
+    def sends_images(self) -> bool:
+        return self.images is not None or any(c.images is not None for c in self.mix or ())
+
+    @property
+    def max_images(self) -> int:
+        """The most images one request carries (0: none do)."""
+        return max((spec.max_count for c in self.classes if (spec := self.images_of(c)) is not None), default=0)
 
     def structured_of(self, request_class: RequestClass) -> Structured | None:
         """The structured output a request of ``request_class`` asks for (the class's, else the workload's)."""
@@ -478,6 +406,24 @@ def load_workload(name_or_path: str | Path) -> Workload:
 
 #: Requests drawn from a workload's length distributions for their means (:func:`mean_lengths`).
 SAMPLES = 4000
+
+
+def mean_image_tokens(
+    workload: Workload, vision: VisionEncoder | None, mm_kwargs: dict[str, Any] | str | None = None
+) -> int:
+    """The image tokens a request of the workload adds to its prompt on average (its mix weighted), for a model
+    whose images become ``vision``'s tokens (``mm_kwargs``: the engine's ``mm_processor_kwargs``, or its JSON);
+    0 for a workload without images or a model whose processor servetune does not model."""
+    if vision is None or not workload.sends_images:
+        return 0
+    kwargs: dict[str, Any] | None = json.loads(mm_kwargs) if isinstance(mm_kwargs, str) else mm_kwargs
+    classes = workload.classes
+    tokens = 0.0
+    for request_class in classes:
+        spec = workload.images_of(request_class)
+        if spec is not None:
+            tokens += request_class.weight * spec.mean_tokens(vision, kwargs, workload.seed)
+    return round(tokens / sum(c.weight for c in classes))
 
 
 def mean_lengths(workload: Workload) -> tuple[int, int]:

@@ -360,7 +360,28 @@ def validate_engine_args(
                 raise UserError(f"unknown {source} '{raw_key}' (not an option of vLLM's server){hint}")
             if spec.choices and spec.kind == "value" and value is not None and str(value) not in spec.choices:
                 raise UserError(f"{source} '{raw_key}': '{value}' is not one of {', '.join(spec.choices)}")
+        if key == "limit_mm_per_prompt" and value is not None:
+            mm_limits(value, f"{source} '{raw_key}'")
         out[key] = value
+    return out
+
+
+def mm_limits(value: Any, source: str = "limit_mm_per_prompt") -> dict[str, int]:
+    """``limit_mm_per_prompt`` as vLLM 0.32 reads it (a mapping or its JSON text): modality -> a count, or
+    ``{count: N, ...}`` with the dummy item's options; the counts per modality (0 turns one off)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise UserError(f"{source}: not JSON: {value!r}") from None
+    if not isinstance(value, Mapping):
+        raise UserError(f"{source}: give modality: count, e.g. {{image: 4, video: 0}}")
+    out: dict[str, int] = {}
+    for modality, limit in value.items():
+        count = limit.get("count", 999) if isinstance(limit, Mapping) else limit
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise UserError(f"{source}.{modality}: {count!r} is not a count (a whole number, 0 or more)")
+        out[str(modality)] = count
     return out
 
 

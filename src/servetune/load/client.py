@@ -161,7 +161,10 @@ class StreamingClient:
         if self.ignore_eos:
             body["ignore_eos"] = True
         body.update(spec.sampling)  # the request class's own sampling, over the workload's defaults
-        if self.api == "chat":
+        if self.api == "chat" and spec.images:  # the text, then each image as a content part
+            parts = [{"type": "text", "text": spec.prompt}, *(image.content_part() for image in spec.images)]
+            body["messages"] = [{"role": "user", "content": parts}]
+        elif self.api == "chat":
             body["messages"] = [{"role": "user", "content": spec.prompt}]
         else:
             body["prompt"] = spec.prompt

@@ -19,6 +19,7 @@ import numpy as np
 
 from servetune.config.asks import Structured
 from servetune.config.workload import Empirical, Workload
+from servetune.load.images import ImagePart, make_image
 
 _WORD = re.compile(r" [A-Za-z]{2,12}")
 _CHAR = re.compile(r"[ -~]")
@@ -52,6 +53,7 @@ class RequestSpec:
     ] = ()  # its class's sampling fields, sent in the body (Workload.sampling_of)
     structured: Structured | None = None  # the structured output it asks for: the client checks the answer
     model: str | None = None  # the LoRA adapter it names as its model (workload adapters); None: the served model
+    images: tuple[ImagePart, ...] = ()  # the images it carries after its text (workload images; chat only)
 
 
 class PromptFactory:
@@ -148,6 +150,7 @@ def iter_requests(workload: Workload, prompts: PromptFactory, stream: int = 0) -
         yield RequestSpec(
             index=index, prompt=text, input_tokens=n_in, output_tokens=n_out, request_class=name, reused_tokens=reused,
             sampling=draw.sampling[name], structured=draw.structured[name], model=draw.adapter(),
+            images=draw.images(name),
         )  # fmt: skip
         index += 1
 
@@ -164,6 +167,9 @@ class _Draw:
         self.adapter_weights = adapter_weights / adapter_weights.sum() if len(adapter_weights) else adapter_weights
         self.text = text_maker(workload, prompts)
         self.classes = workload.classes
+        # Images too: their own generator, so a workload's requests stay as they were beside them.
+        self.image_rng = np.random.default_rng([workload.seed, stream, 2])
+        self.image_specs = {c.name: workload.images_of(c) for c in self.classes}
         self.sampling = {c.name: tuple(workload.sampling_of(c).items()) for c in self.classes}
         self.structured = {c.name: workload.structured_of(c) for c in self.classes}
         weights = np.asarray([c.weight for c in self.classes], dtype=float)
@@ -184,6 +190,19 @@ class _Draw:
         if len(names) <= 1:
             return names[0] if names else None
         return names[int(self.adapter_rng.choice(len(names), p=self.adapter_weights))]
+
+    def images(self, name: str) -> tuple[ImagePart, ...]:
+        """The images the next request (conversation) of class ``name`` carries, each from its own seed."""
+        spec = self.image_specs.get(name)
+        if spec is None:
+            return ()
+        rng = self.image_rng
+        out = []
+        for _ in range(spec.draw_count(rng)):
+            size = spec.draw_size(rng)
+            seed = int(rng.integers(0, 2**63 - 1))
+            out.append(make_image(size.width, size.height, seed, spec.format, spec.detail))
+        return tuple(out)
 
     def request_class(self, rng: np.random.Generator):
         classes = self.classes
@@ -238,9 +257,10 @@ def _conversations(
         turns = max(1, int(sessions.turns.sample(rng, 1)[0]))
         text, n_in, n_out, name, reused = draw.first(rng)
         adapter = draw.adapter()  # a conversation keeps its adapter
+        images = draw.images(name)  # and its images: every turn sends the conversation so far
         yield RequestSpec(
             index, text, n_in, n_out, name, session=session, turn=0, reused_tokens=reused, sampling=draw.sampling[name],
-            structured=draw.structured[name], model=adapter,
+            structured=draw.structured[name], model=adapter, images=images,
         )  # fmt: skip
         index += 1
         for turn in range(1, turns):
@@ -253,7 +273,7 @@ def _conversations(
             think = float(sessions.think_time_s.sample(rng, 1)[0])
             yield RequestSpec(
                 index, text, n_in, n_out, name, session=session, turn=turn, think_s=think, reused_tokens=reused,
-                sampling=draw.sampling[name], structured=draw.structured[name], model=adapter,
+                sampling=draw.sampling[name], structured=draw.structured[name], model=adapter, images=images,
             )  # fmt: skip
             index += 1
         session += 1

@@ -199,7 +199,8 @@ async def run_level(
         record = RequestRecord(
             index=len(records), sent=0.0, input_tokens=spec.input_tokens, max_tokens=spec.output_tokens,
             warmup=len(records) < warmup_requests, request_class=spec.request_class, session=spec.session,
-            turn=spec.turn, adapter=spec.model,
+            turn=spec.turn, adapter=spec.model, images=len(spec.images),
+            image_pixels=sum(image.pixels for image in spec.images),
         )  # fmt: skip
         records.append(record)
         return record

@@ -21,7 +21,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 
@@ -29,6 +29,27 @@ if TYPE_CHECKING:  # the twin reads the estimate: imported only when a fake is p
     from servetune.testing.twin import Twin
 
 _T = TypeVar("_T")
+
+
+def _prompt_and_images(body: dict[str, Any]) -> tuple[str, list[str]]:
+    """A request's prompt as the fake counts it, and the URLs of the images its chat content parts carry.
+    A message whose content is a list of parts counts its text parts as the prompt (its images are not text)."""
+    if "prompt" in body:
+        return str(body.get("prompt") or ""), []
+    messages = body.get("messages", "")
+    if not isinstance(messages, list) or not any(isinstance(m.get("content"), list) for m in messages):
+        return json.dumps(messages), []
+    texts: list[str] = []
+    images: list[str] = []
+    for message in messages:
+        content = message.get("content")
+        parts: list[dict[str, Any]] = content if isinstance(content, list) else [{"type": "text", "text": content}]
+        for part in parts:
+            if part.get("type") == "image_url":
+                images.append(str(part["image_url"]["url"]))
+            elif part.get("type") == "text":
+                texts.append(str(part.get("text", "")))
+    return json.dumps(texts), images
 
 
 class FakeOpenAI:
@@ -67,6 +88,9 @@ class FakeOpenAI:
         self.cache_queries = 0
         self.cache_hits = 0
         self.resets = 0
+        # Chat content parts: the images each request carried (their count, in arrival order) and their URLs.
+        self.images_per_request: list[int] = []
+        self.image_urls: list[str] = []
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -127,7 +151,9 @@ class FakeOpenAI:
             return web.json_response({"error": {"message": message, "code": 503}}, status=503)
         chat = request.path.endswith("/chat/completions")
         n_out = int(body.get("max_tokens") or 16)
-        prompt = body.get("prompt") or json.dumps(body.get("messages", ""))
+        prompt, images = _prompt_and_images(body)
+        self.images_per_request.append(len(images))
+        self.image_urls.extend(images)
         prompt_tokens = len(prompt.split())
         self.cache_queries += prompt_tokens
         if prompt in self.cached:
