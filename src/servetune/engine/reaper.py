@@ -14,7 +14,8 @@ reaper stays beside the engine and clears the whole group:
 - when the engine exits by itself, so none of its children lingers.
 
 Clearing is SIGTERM to the group, ``--grace`` seconds for it to leave, then SIGKILL to what
-is left, then removing the ``--remove`` directory (the engine's sockets, which a killed vLLM leaves). The reaper then exits as the engine did: with its exit code, or by the signal that
+is left, then removing the ``--remove`` directory (the engine's sockets, which a killed vLLM
+leaves). The reaper then exits as the engine did: with its exit code, or by the signal that
 ended it, so that ``Popen.returncode`` reads as if the engine had been started directly.
 Only the standard library and psutil: it starts in a few tens of milliseconds.
 """

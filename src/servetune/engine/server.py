@@ -45,8 +45,9 @@ from servetune.secrets import redact_engine_args
 
 #: Where vLLM (``vllm.envs``) puts the ZMQ sockets between its API server, engine cores and workers.
 IPC_DIR_ENV = "VLLM_RPC_BASE_PATH"
-#: A Unix socket's path must fit ``sun_path`` (108 bytes); vLLM appends ``/<uuid4>`` (37).
-_SOCKET_PATH_MAX = 107
+#: A Unix socket's path must fit ``sun_path`` (108 bytes, 107 and the NUL); vLLM names each socket ``/<uuid4>`` (37),
+#: so the directory may be this long at most.
+_SOCKET_DIR_MAX = 107 - 37
 
 _KV_TOKENS = re.compile(r"KV cache size: ([\d,]+) tokens")
 _KV_CONCURRENCY = re.compile(r"Maximum concurrency for ([\d,]+) tokens per request: ([\d.]+)x")
@@ -226,7 +227,7 @@ class VllmServer:
         if IPC_DIR_ENV in env:
             return
         ipc_dir = tempfile.mkdtemp(prefix="servetune-ipc-")
-        if len(ipc_dir) + 37 > _SOCKET_PATH_MAX:  # a long TMPDIR: vLLM's default is no worse off
+        if len(ipc_dir) > _SOCKET_DIR_MAX:  # a long TMPDIR: vLLM's default is no worse off
             os.rmdir(ipc_dir)
             return
         self.ipc_dir = Path(ipc_dir)
