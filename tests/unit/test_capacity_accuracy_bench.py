@@ -34,12 +34,17 @@ def surface(**capacities):
     return capacity_accuracy.Surface(SLO, {name: engine(c) for name, c in capacities.items()})
 
 
-def test_the_truth_is_the_highest_load_below_the_first_the_majority_broke():
+def test_the_truth_is_the_highest_load_below_the_first_sustained_break():
     made = surface(a=13, b=24)
     assert capacity_accuracy.truth(made, "a") == 13 and capacity_accuracy.truth(made, "b") == 24
     # a lone pass above a majority break is not the truth: 27 meets it again after 24 broke
     made.runs["b"][24.0] = [made.runs["b"][30.0][0]] * 3
     assert capacity_accuracy.truth(made, "b") == 22
+    # a lone break between passes is a blip, not the capacity: 6 breaks, 7 meets it again
+    made.runs["a"][6.0] = [made.runs["a"][30.0][0]] * 3
+    assert capacity_accuracy.truth(made, "a") == 13
+    made.runs["a"][7.0] = made.runs["a"][6.0]  # two in a row are a break: 5 is the last load before it
+    assert capacity_accuracy.truth(made, "a") == 5
 
 
 def test_the_search_lands_within_its_tolerance_where_the_4x_ladder_is_a_step_off():

@@ -1,8 +1,7 @@
 """Deterministic images for vision-language requests, as ``data:`` URLs (config/images.py says how many and how big).
 
 Each image is made from its own seed: a small grid of random colours stretched to the drawn size (smooth, so it
-encodes small), encoded by Pillow as JPEG or PNG. Where Pillow is missing, a PNG is written with ``zlib`` (stored
-rows, filter 0) whatever the format asked. Every image differs, so vLLM's multimodal caches (processor and
+encodes small), encoded by Pillow as JPEG or PNG. Every image differs, so vLLM's multimodal caches (processor and
 encoder) see what distinct user images give them, not one image reused.
 """
 
@@ -10,11 +9,10 @@ from __future__ import annotations
 
 import base64
 import io
-import struct
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
+from PIL import Image
 
 #: Colours across the grid an image is stretched from.
 GRID = 8
@@ -53,29 +51,8 @@ def _pixels(width: int, height: int, seed: int) -> np.ndarray:
     return np.clip(top * (1 - fy) + bottom * fy, 0, 255).astype(np.uint8)
 
 
-def png_bytes(rgb: np.ndarray) -> bytes:
-    """A PNG of ``rgb`` (height x width x 3 bytes) written with zlib alone."""
-    height, width = rgb.shape[:2]
-    rows = np.concatenate([np.zeros((height, 1), dtype=np.uint8), rgb.reshape(height, width * 3)], axis=1)
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB, no interlace
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + chunk(b"IHDR", header)
-        + chunk(b"IDAT", zlib.compress(rows.tobytes(), 6))
-        + chunk(b"IEND", b"")
-    )
-
-
 def encode(rgb: np.ndarray, fmt: str) -> tuple[bytes, str]:
-    """(the encoded bytes, their MIME type): Pillow's ``fmt`` (jpeg or png), else a zlib PNG."""
-    try:
-        from PIL import Image
-    except ImportError:
-        return png_bytes(rgb), "image/png"
+    """(the encoded bytes, their MIME type): Pillow's ``fmt`` (jpeg or png)."""
     out = io.BytesIO()
     if fmt == "png":
         Image.fromarray(rgb).save(out, format="PNG", compress_level=1)
