@@ -48,6 +48,11 @@ RATE_METRICS = (
 COST_METRIC = "cost_per_mtok_usd"
 #: The share of a level's completed structured-output requests whose answers parsed as asked (0..1).
 STRUCTURED_VALID = "structured_valid"
+#: Vision-language workloads: the images a level's measured requests carried, and their pixels in all (absent where
+#: none carried one; ``LevelSummary.images_sent`` / ``image_pixels``).
+IMAGES_SENT = "images_sent"
+IMAGE_PIXELS = "image_pixels"
+IMAGE_METRICS = (IMAGES_SENT, IMAGE_PIXELS)
 #: Joules the trial's devices drew over a level's measured window (warm-up left out), per output token and per
 #: completed request: its GPUs' energy (NVML) on GPUs, the host's CPU packages' (RAPL) on the CPU stand-in.
 #: Absent where the energy could not be measured (``LevelResult.energy_note`` says why).

@@ -83,6 +83,20 @@ def image_tokens(vision: VisionEncoder, width: int, height: int, mm_kwargs: Mapp
     return (h // vision.patch_size) * (w // vision.patch_size) // vision.merge_size**2
 
 
+def image_patches(
+    vision: VisionEncoder, width: int, height: int, mm_kwargs: Mapping[str, Any] | None = None
+) -> tuple[int, ...]:
+    """The patches of each sequence the tower encodes for one ``width`` x ``height`` image: the resized image's
+    grid (Qwen2-VL family, ``merge_size`` x ``merge_size`` patches a token), or the tower's native square once and
+    once more per pan-and-scan crop (Gemma 3)."""
+    if vision.kind == "fixed":
+        native = (vision.image_size // vision.patch_size) ** 2
+        return (native,) * (_crops(vision, width, height, mm_kwargs or {}) + 1)
+    low, high = pixel_bounds(vision, mm_kwargs)
+    h, w = smart_resize(height, width, vision.patch_size * vision.merge_size, low, high)
+    return ((h // vision.patch_size) * (w // vision.patch_size),)
+
+
 def _grid_tokens(vision: VisionEncoder, max_pixels: int, frames: int = 1) -> int:
     """Tokens of the image (or video of ``frames``) with the most features (Qwen2VLProcessingInfo)."""
     per_frame = max_pixels // (vision.patch_size * vision.merge_size) ** 2

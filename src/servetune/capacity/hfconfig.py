@@ -136,11 +136,18 @@ def _library_config(config: dict[str, Any], source: str) -> dict[str, Any]:
     return merged
 
 
+def _tower_widths(vision: dict[str, Any]) -> tuple[int, int]:
+    """(hidden, MLP) widths of a vision tower's blocks. Qwen2-VL names its blocks' width ``embed_dim`` (1280) and
+    its merger's output ``hidden_size`` (3584), with an MLP ``mlp_ratio`` times as wide; the others ``hidden_size``
+    and ``intermediate_size``."""
+    hidden = int(vision.get("embed_dim") or vision.get("hidden_size") or 0)
+    return hidden, int(vision.get("intermediate_size") or int(vision.get("mlp_ratio") or 4) * hidden)
+
+
 def _vision_parameters(vision: dict[str, Any], text_hidden: int) -> int:
     """Vision encoder (a ViT: patch embedding, position table, blocks, norms) plus a projector."""
-    hidden = int(vision.get("hidden_size") or 0)
+    hidden, inter = _tower_widths(vision)
     layers = int(vision.get("num_hidden_layers") or vision.get("depth") or 0)
-    inter = int(vision.get("intermediate_size") or 4 * hidden)
     if not hidden or not layers:
         return 0
     channels = int(vision.get("num_channels") or vision.get("in_channels") or 3)
@@ -169,18 +176,25 @@ FIXED_VISION_TYPES = ("gemma3",)
 def _vision_encoder(cfg: dict[str, Any], text_hidden: int) -> VisionEncoder | None:
     """How the model's images become tokens, where servetune knows its processor (None elsewhere)."""
     vision, model_type = cfg["_vision"], cfg.get("_multimodal_type")
-    hidden = int(vision.get("hidden_size") or 0)
+    hidden, inter = _tower_widths(vision)
     if not hidden or model_type not in GRID_VISION_TYPES + FIXED_VISION_TYPES:
         return None
+    patch = int(vision.get("patch_size") or 14)
     common = {
         "hidden_size": hidden,
-        "intermediate_size": int(vision.get("intermediate_size") or 4 * hidden),
+        "intermediate_size": inter,
         "gated": str(vision.get("hidden_act", "")).lower() == "silu",
         "output_size": int(vision.get("out_hidden_size") or text_hidden),
-        "patch_size": int(vision.get("patch_size") or 14),
+        "patch_size": patch,
+        "num_layers": int(vision.get("num_hidden_layers") or vision.get("depth") or 0),
     }
     if model_type in GRID_VISION_TYPES:
-        return VisionEncoder(kind="grid", merge_size=int(vision.get("spatial_merge_size") or 2),
+        merge = int(vision.get("spatial_merge_size") or 2)
+        full = vision.get("fullatt_block_indexes")
+        if vision.get("window_size") and isinstance(full, (list, tuple)):  # Qwen2.5-VL: windows of merged tokens
+            side = int(vision["window_size"]) // (merge * patch) * merge  # vLLM's window_size // merge // patch
+            common.update(window_patches=side * side, full_attention_layers=len(full))
+        return VisionEncoder(kind="grid", merge_size=merge,
                              temporal_patch_size=int(vision.get("temporal_patch_size") or 2), min_pixels=3136,
                              max_pixels=12845056, video=True, **common)  # fmt: skip
     return VisionEncoder(kind="fixed", tokens_per_image=int(cfg.get("_mm_tokens_per_image") or 256),

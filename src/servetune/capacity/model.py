@@ -112,6 +112,7 @@ class VisionEncoder(BaseModel):
     pixels between ``min_pixels`` and ``max_pixels`` (the checkpoint's preprocessor config), and each
     ``merge_size`` x ``merge_size`` block of patches is one token; videos too (``video``). ``fixed`` (Gemma 3):
     ``tokens_per_image`` per image, and as many again per pan-and-scan crop where the processor is asked to crop.
+    The tower's depth and attention windows are what the estimate's encoder time reads (estimate/encoder.py).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -129,6 +130,11 @@ class VisionEncoder(BaseModel):
     intermediate_size: int = Field(ge=1)
     gated: bool = False
     output_size: int = Field(ge=1, description="the width of an image token's embedding (the decoder's hidden size)")
+    num_layers: int = Field(0, ge=0, description="the tower's blocks (0: unknown, its encoding time not estimated)")
+    window_patches: int = Field(
+        0, ge=0, description="windowed attention (Qwen2.5-VL): patches a window holds; 0: every block sees the image"
+    )
+    full_attention_layers: int = Field(0, ge=0, description="with windows: the blocks that attend over the whole image")
 
 
 class ModelArch(BaseModel):

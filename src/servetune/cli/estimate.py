@@ -11,6 +11,7 @@ from servetune.capacity import load_model_arch, resolve_hardware
 from servetune.config.workload import mean_image_tokens, mean_lengths
 from servetune.errors import UserError
 from servetune.estimate import Estimate, Load, estimate, load_factors
+from servetune.estimate.encoder import mean_encoder_flops
 from servetune.space_file import load_space
 from servetune.trial.context import resolve_levels
 
@@ -24,7 +25,8 @@ and a queueing model of the load (closed loop by Little's law, open loop at the 
 capacity from the memory ledger of `servetune plan`). The fraction of each peak vLLM reaches was
 fitted on public vLLM measurements (A100, H100, H200); the expected error printed above the table
 is the fit's median error on held-out measurements. Requests take the workload's mean input and
-output lengths; prefix caching is not modelled. GPU spaces only.
+output lengths; prefix caching is not modelled. A vision-language workload's requests add their images'
+tokens to the prompt and the vision tower's time to encode them to TTFT. GPU spaces only.
 """
 
 
@@ -55,13 +57,17 @@ def run(args: argparse.Namespace) -> int:
         engine, _env = space.engine_params(params)
         arch = load_model_arch(space.model_for(params))
         hardware = hardware_of[str(space.gpu_for(params))]  # its own type where the space compares types
-        # a vision-language workload's prompts hold its images' tokens too (their encoding is not modelled)
-        prompt_tokens = input_tokens + mean_image_tokens(workload, arch.vision, engine.get("mm_processor_kwargs"))
+        # a vision-language workload's prompts hold its images' tokens too, encoded by the vision tower first
+        mm_kwargs = engine.get("mm_processor_kwargs")
+        prompt_tokens = input_tokens + mean_image_tokens(workload, arch.vision, mm_kwargs)
+        flops = mean_encoder_flops(workload, arch.vision, mm_kwargs)
         for level in levels:
-            load = (
-                Load(input_tokens=prompt_tokens, output_tokens=output_tokens, concurrency=max(1, round(level.value)))
-                if level.kind == "concurrency"
-                else Load(input_tokens=prompt_tokens, output_tokens=output_tokens, rate=level.value)
+            load = Load(
+                input_tokens=prompt_tokens,
+                output_tokens=output_tokens,
+                encoder_flops=flops,
+                concurrency=max(1, round(level.value)) if level.kind == "concurrency" else None,
+                rate=None if level.kind == "concurrency" else level.value,
             )
             row: dict[str, Any] = {"params": params, "level": {level.kind: level.value}}
             if prompt_tokens > input_tokens:

@@ -8,7 +8,7 @@ makes each image (load/images.py) and sends it as an OpenAI chat ``image_url`` c
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -96,18 +96,22 @@ class Images(BaseModel):
             return count.largest
         return int(count.max)
 
-    def mean_tokens(self, vision: VisionEncoder, mm_kwargs: Mapping[str, Any] | None = None, seed: int = 0) -> float:
-        """The image tokens one request adds to its prompt on average, for a model that makes ``vision``'s tokens:
-        the mean count times the sizes' tokens weighted as they are drawn."""
-        from servetune.capacity.encoder import image_tokens
-
+    def mean_per_request(self, per_image: Callable[[ImageSize], float], seed: int = 0) -> float:
+        """``per_image`` (an image's tokens, its encoder's FLOPs...) summed over a request's images, on average: the
+        mean count times the sizes' values weighted as they are drawn."""
         if isinstance(self.count, Fixed):
             count = float(self.count.value)
         else:
             count = float(np.mean(self.count.sample(np.random.default_rng(seed), SAMPLES)))
         weights = np.asarray([s.weight for s in self.sizes], dtype=float)
-        tokens = np.asarray([image_tokens(vision, s.width, s.height, mm_kwargs) for s in self.sizes], dtype=float)
-        return count * float(np.dot(weights, tokens) / weights.sum())
+        values = np.asarray([per_image(s) for s in self.sizes], dtype=float)
+        return count * float(np.dot(weights, values) / weights.sum())
+
+    def mean_tokens(self, vision: VisionEncoder, mm_kwargs: Mapping[str, Any] | None = None, seed: int = 0) -> float:
+        """The image tokens one request adds to its prompt on average, for a model that makes ``vision``'s tokens."""
+        from servetune.capacity.encoder import image_tokens
+
+        return self.mean_per_request(lambda s: image_tokens(vision, s.width, s.height, mm_kwargs), seed)
 
     @property
     def largest(self) -> ImageSize:

@@ -32,6 +32,7 @@ vision-language model: a count and sizes, sent as chat ``image_url`` content par
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -416,14 +417,25 @@ def mean_image_tokens(
     0 for a workload without images or a model whose processor servetune does not model."""
     if vision is None or not workload.sends_images:
         return 0
-    kwargs: dict[str, Any] | None = json.loads(mm_kwargs) if isinstance(mm_kwargs, str) else mm_kwargs
+    kwargs = processor_kwargs(mm_kwargs)
+    return round(mean_over_images(workload, lambda spec: spec.mean_tokens(vision, kwargs, workload.seed)))
+
+
+def processor_kwargs(mm_kwargs: dict[str, Any] | str | None) -> dict[str, Any] | None:
+    """The engine's ``mm_processor_kwargs`` as a mapping (a space may give it as JSON text)."""
+    return json.loads(mm_kwargs) if isinstance(mm_kwargs, str) else mm_kwargs
+
+
+def mean_over_images(workload: Workload, per_request: Callable[[Images], float]) -> float:
+    """The mean over the workload's requests (its mix weighted) of ``per_request``, a number of a request class's
+    images (``Images.mean_tokens``, ``Images.mean_per_request``); a class without images adds 0."""
     classes = workload.classes
-    tokens = 0.0
+    total = 0.0
     for request_class in classes:
         spec = workload.images_of(request_class)
         if spec is not None:
-            tokens += request_class.weight * spec.mean_tokens(vision, kwargs, workload.seed)
-    return round(tokens / sum(c.weight for c in classes))
+            total += request_class.weight * per_request(spec)
+    return total / sum(c.weight for c in classes)
 
 
 def mean_lengths(workload: Workload) -> tuple[int, int]:

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from servetune.capacity import VLLM_0_32, CapacityPlan, EngineProfile, Hardware, ModelArch, plan_capacity
 from servetune.capacity.settings import resolve_quant
 from servetune.errors import UserError
+from servetune.estimate.encoder import encode_s
 from servetune.estimate.factors import Factors, load_factors
 from servetune.estimate.queueing import closed_loop, knee, open_loop
 from servetune.estimate.roofline import Replica
@@ -18,7 +19,10 @@ from servetune.estimate.speculative import speculation
 
 
 class Load(BaseModel):
-    """Requests of ``input_tokens`` in and ``output_tokens`` out, from C clients (closed) or at R req/s (open)."""
+    """Requests of ``input_tokens`` in and ``output_tokens`` out, from C clients (closed) or at R req/s (open).
+
+    A vision-language workload's requests count their images' tokens in ``input_tokens``, and the vision tower's
+    FLOPs to encode them in ``encoder_flops`` (estimate/encoder.py ``mean_encoder_flops``)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -26,6 +30,7 @@ class Load(BaseModel):
     output_tokens: int = Field(ge=2)
     concurrency: int | None = Field(None, ge=1)
     rate: float | None = Field(None, gt=0)
+    encoder_flops: float = Field(0.0, ge=0, description="the vision tower's FLOPs a request needs on average")
 
     @model_validator(mode="after")
     def _one_loop(self) -> Load:
@@ -53,6 +58,11 @@ class Estimate(BaseModel):
         None, description="speculative decoding: tokens a decode step yields per request (None: no drafter)"
     )
     acceptance_source: str | None = Field(None, description="whether the drafter's acceptance was measured or assumed")
+    encoder_ms: float | None = Field(
+        None,
+        exclude_if=lambda value: value is None,
+        description="the vision tower's time for a request's images, in its TTFT (absent: no images)",
+    )
 
 
 def replica_from_plan(
@@ -107,7 +117,8 @@ def estimate(
     ``profile`` is the vLLM release's memory profile the KV capacity is planned with (capacity/profile.py).
     A ``speculative_config`` is modelled as estimate/speculative.py says: ``acceptance`` is the drafter's
     measured acceptance per draft position (default: the method's assumed one), ``draft`` the draft checkpoint's
-    architecture where the method loads one. A configuration that does not fit raises :class:`UserError`.
+    architecture where the method loads one. The load's ``encoder_flops`` are encoded as estimate/encoder.py
+    says, before each request's prefill. A configuration that does not fit raises :class:`UserError`.
     """
     if hardware.device == "cpu" and rates is None:
         raise UserError("the estimate on the CPU build needs the cores' rates (measure_cpu_rates or cpu_rates)")
@@ -119,11 +130,12 @@ def estimate(
     cls = gpu_class(rep.rates.gpu)
     eff = (factors or load_factors()).for_class(cls)
     dp = int(engine_args.get("data_parallel_size") or 1)
+    encode = encode_s(rep, eff, load.encoder_flops)
     if load.concurrency is not None:
-        point = closed_loop(rep, eff, load.concurrency / dp, load.input_tokens, load.output_tokens)
+        point = closed_loop(rep, eff, load.concurrency / dp, load.input_tokens, load.output_tokens, encode)
     else:
         assert load.rate is not None
-        point = open_loop(rep, eff, load.rate / dp, load.input_tokens, load.output_tokens)
+        point = open_loop(rep, eff, load.rate / dp, load.input_tokens, load.output_tokens, encode)
     tpot_ms = point.tpot_s * 1e3
     return Estimate(
         ttft_ms=None if point.ttft_s is None else point.ttft_s * 1e3,
@@ -132,10 +144,11 @@ def estimate(
         output_throughput=point.request_rate * dp * load.output_tokens,
         request_throughput=point.request_rate * dp,
         saturated=point.saturated,
-        knee=knee(rep, eff, load.input_tokens, load.output_tokens) * dp,
+        knee=knee(rep, eff, load.input_tokens, load.output_tokens, encode) * dp,
         in_flight_per_replica=point.in_flight,
         kv_preemption=point.preempting,
         gpu_class=cls,
         accepted_length=None if rep.speculation is None else rep.speculation.accepted_length,
         acceptance_source=None if rep.speculation is None else rep.speculation.acceptance_source,
+        encoder_ms=encode * 1e3 if load.encoder_flops > 0 else None,
     )

@@ -23,6 +23,10 @@ replica, so it completes ``n / that`` requests per second (Little's law).
 - Open loop, R requests/s per replica: the ``n`` (bisected) whose throughput equals R; past the
   capacity's throughput the queue grows without bound (saturated, TTFT unbounded).
 - The knee: the smallest concurrency whose throughput reaches 90 % of the capacity's.
+
+A request with images first has them encoded by the vision tower (``encode``: seconds per request, from
+estimate/encoder.py): in the step that starts its prefill, so in its TTFT. That is prefill work like its
+prompt's: spread over the steps the running requests decode through (their TPOT), or in a wave's prefill steps.
 """
 
 from __future__ import annotations
@@ -59,13 +63,20 @@ def capacity(rep: Replica, input_tokens: int, output_tokens: int) -> int:
 
 
 def steady(
-    rep: Replica, eff: Efficiency, in_flight: float, input_tokens: int, output_tokens: int, waves: float = 0.0
+    rep: Replica,
+    eff: Efficiency,
+    in_flight: float,
+    input_tokens: int,
+    output_tokens: int,
+    waves: float = 0.0,
+    encode: float = 0.0,
 ) -> Steady:
     """Step time and TTFT with ``in_flight`` requests decoding and arriving at the rate they finish.
 
     ``waves`` is the share of the prompts that arrive together and prefill in steps of their own
     (:func:`wave_ttft_s`) instead of one by one beside the decodes (a closed loop's synchronised
     clients, ``Efficiency.closed_loop_waves``): their prefill is then in TTFT, not in every step's TPOT.
+    ``encode``: seconds the vision tower takes for a request's images (0: text), prefill work before its prompt's.
     """
     n = max(in_flight, 1e-9)
     context = input_tokens + output_tokens / 2
@@ -74,33 +85,37 @@ def steady(
     # A step yields ``tokens_per_step`` tokens a sequence (1 without a drafter), and prefills prompts in proportion.
     yielded = tokens_per_step(rep)
     prefill_per_step = (1.0 - waves) * n * input_tokens * yielded / output_tokens
-    tpot = (decode + prefill_per_step * per_prompt_token) / yielded
+    encode_per_step = (1.0 - waves) * n * encode * yielded / output_tokens
+    tpot = (decode + prefill_per_step * per_prompt_token + encode_per_step) / yielded
     if rep.chunked_prefill:
         chunk = max(rep.max_num_batched_tokens - n, 1.0)
         steps = math.ceil(input_tokens / chunk)
-        ttft = steps * decode + input_tokens * per_prompt_token + tpot / 2
+        ttft = steps * decode + input_tokens * per_prompt_token + encode + tpot / 2
     else:
-        ttft = prefill_s(rep, eff, input_tokens, input_tokens) + tpot / 2
+        ttft = prefill_s(rep, eff, input_tokens, input_tokens) + encode + tpot / 2
     if waves > 0:
-        first_token, decoded_through = wave_prefill(rep, eff, n, input_tokens)
+        first_token, decoded_through = wave_prefill(rep, eff, n, input_tokens, encode)
         ttft = (1.0 - waves) * ttft + waves * first_token
         tpot += waves * decoded_through / max(output_tokens - 1, 1) / yielded
     return Steady(in_flight=in_flight, tpot_s=tpot, ttft_s=ttft)
 
 
-def wave_ttft_s(rep: Replica, eff: Efficiency, in_flight: float, input_tokens: int) -> float:
+def wave_ttft_s(rep: Replica, eff: Efficiency, in_flight: float, input_tokens: int, encode: float = 0.0) -> float:
     """Mean TTFT of ``in_flight`` prompts that arrive together and prefill first come, first served."""
-    return wave_prefill(rep, eff, in_flight, input_tokens)[0]
+    return wave_prefill(rep, eff, in_flight, input_tokens, encode)[0]
 
 
-def wave_prefill(rep: Replica, eff: Efficiency, in_flight: float, input_tokens: int) -> tuple[float, float]:
+def wave_prefill(
+    rep: Replica, eff: Efficiency, in_flight: float, input_tokens: int, encode: float = 0.0
+) -> tuple[float, float]:
     """``in_flight`` prompts that arrive together and prefill first come, first served: their mean time to the
     first token, and the mean prefill work of the wave's later steps, which a request decodes through.
 
     They fill steps of ``max_num_batched_tokens`` (whole prompts, at least one a step, without chunked
     prefill); each prompt's first token comes at the end of the step that finishes it, every step until
     then costing its fixed overhead. The wave's steps after that ride on the request's decode steps: they
-    add their prefill work to its TPOT, and their overhead is the decode step's own.
+    add their prefill work to its TPOT, and their overhead is the decode step's own. A prompt's images
+    (``encode`` seconds) are encoded in the steps that prefill it, in proportion to its tokens each takes.
     """
     n = max(1, round(in_flight))
     budget = max(rep.max_num_batched_tokens, 1)
@@ -111,7 +126,7 @@ def wave_prefill(rep: Replica, eff: Efficiency, in_flight: float, input_tokens: 
     elapsed, work, done, step_end, work_end = 0.0, 0.0, 0.0, [], []
     while done < total:
         tokens = min(per_step, total - done)
-        step = prefill_s(rep, eff, tokens, input_tokens)
+        step = prefill_s(rep, eff, tokens, input_tokens) + encode * tokens / input_tokens
         elapsed, work, done = elapsed + step, work + step - overhead, done + tokens
         step_end.append(elapsed)
         work_end.append(work)
@@ -131,10 +146,12 @@ class Point:
     preempting: bool
 
 
-def closed_loop(rep: Replica, eff: Efficiency, clients: float, input_tokens: int, output_tokens: int) -> Point:
+def closed_loop(
+    rep: Replica, eff: Efficiency, clients: float, input_tokens: int, output_tokens: int, encode: float = 0.0
+) -> Point:
     cap = capacity(rep, input_tokens, output_tokens)
     n = min(clients, cap)
-    s = steady(rep, eff, n, input_tokens, output_tokens, eff.closed_loop_waves)
+    s = steady(rep, eff, n, input_tokens, output_tokens, eff.closed_loop_waves, encode)
     rate = s.request_rate(output_tokens)
     e2e = clients / rate
     ttft = e2e - (output_tokens - 1) * s.tpot_s
@@ -148,9 +165,11 @@ def closed_loop(rep: Replica, eff: Efficiency, clients: float, input_tokens: int
     )
 
 
-def open_loop(rep: Replica, eff: Efficiency, rate: float, input_tokens: int, output_tokens: int) -> Point:
+def open_loop(
+    rep: Replica, eff: Efficiency, rate: float, input_tokens: int, output_tokens: int, encode: float = 0.0
+) -> Point:
     cap = capacity(rep, input_tokens, output_tokens)
-    full = steady(rep, eff, cap, input_tokens, output_tokens)
+    full = steady(rep, eff, cap, input_tokens, output_tokens, encode=encode)
     if rate >= full.request_rate(output_tokens):
         rate_max = full.request_rate(output_tokens)
         return Point(
@@ -159,23 +178,23 @@ def open_loop(rep: Replica, eff: Efficiency, rate: float, input_tokens: int, out
     lo, hi = 0.0, float(cap)
     for _ in range(60):
         mid = (lo + hi) / 2
-        if steady(rep, eff, mid, input_tokens, output_tokens).request_rate(output_tokens) < rate:
+        if steady(rep, eff, mid, input_tokens, output_tokens, encode=encode).request_rate(output_tokens) < rate:
             lo = mid
         else:
             hi = mid
-    s = steady(rep, eff, hi, input_tokens, output_tokens)
+    s = steady(rep, eff, hi, input_tokens, output_tokens, encode=encode)
     return Point(s.ttft_s, s.tpot_s, rate, saturated=False, in_flight=hi, preempting=False)
 
 
-def knee(rep: Replica, eff: Efficiency, input_tokens: int, output_tokens: int) -> int:
+def knee(rep: Replica, eff: Efficiency, input_tokens: int, output_tokens: int, encode: float = 0.0) -> int:
     """The smallest concurrency whose request throughput reaches 90 % of the replica's capacity (closed loop)."""
     cap = capacity(rep, input_tokens, output_tokens)
     waves = eff.closed_loop_waves
-    best = steady(rep, eff, cap, input_tokens, output_tokens, waves).request_rate(output_tokens)
+    best = steady(rep, eff, cap, input_tokens, output_tokens, waves, encode).request_rate(output_tokens)
     lo, hi = 1, cap
     while lo < hi:
         mid = (lo + hi) // 2
-        rate = steady(rep, eff, mid, input_tokens, output_tokens, waves).request_rate(output_tokens)
+        rate = steady(rep, eff, mid, input_tokens, output_tokens, waves, encode).request_rate(output_tokens)
         if rate >= KNEE_FRACTION * best:
             hi = mid
         else:

@@ -12,6 +12,7 @@ from pathlib import Path
 from servetune.accounting import device_time_lines
 from servetune.capacity.prices import price_table
 from servetune.errors import UserError
+from servetune.metrics import IMAGES_SENT
 from servetune.report.distribution import LevelSpread, ttft_spreads
 from servetune.report.gpus import WhichGpu, which_gpu
 from servetune.report.pareto import ENERGY_FRONT, FRONTS, FrontSpec, ParetoFront, pareto_front, study_front
@@ -107,6 +108,11 @@ class StudyReport:
                 )
         reasons = [FailureReason(o, r, tuple(ids)) for (o, r), ids in groups.items()]
         return sorted(reasons, key=lambda f: (-len(f.trial_ids), f.outcome, f.reason))
+
+    @property
+    def sent_images(self) -> bool:
+        """Whether a level's requests carried images (a vision-language workload): the level tables then count them."""
+        return any(point.value(IMAGES_SENT) for point in self.points)
 
     def front(self, name: str) -> Front:
         for front in self.fronts:

@@ -26,7 +26,6 @@ from servetune.report.labels import (
     FRONT_COLOR,
     MAX_POINT_LABELS,
     OTHER_COLOR,
-    PARETO_HEADINGS,
     RECOMMENDED_COLOR,
     SLO_COLOR,
     TRIAL_HEADINGS,
@@ -34,6 +33,7 @@ from servetune.report.labels import (
     axis_title,
     broken_label,
     kv_plan_summary,
+    pareto_headings,
     point_metrics,
     trial_cells,
 )
@@ -170,11 +170,10 @@ def _head(headings: Sequence[str]) -> str:
     return "<thead><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in headings) + "</tr></thead>"
 
 
-def _table_html(front: Front) -> str:
-    body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in pareto_rows(front)
-    )
-    return f"<table>{_head(PARETO_HEADINGS)}<tbody>{body}</tbody></table>"
+def _table_html(front: Front, images: bool = False) -> str:
+    rows = pareto_rows(front, images)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in rows)
+    return f"<table>{_head(pareto_headings(images))}<tbody>{body}</tbody></table>"
 
 
 def _trial_row(row: TrialRow) -> str:
@@ -434,7 +433,7 @@ def render_html(report: StudyReport) -> str:
             fig.to_html(full_html=False, include_plotlyjs=index == 0, div_id=f"front-{front.spec.name}",
                         config={"displaylogo": False, "responsive": True})
         )  # fmt: skip
-        parts.append(_table_html(front))
+        parts.append(_table_html(front, report.sent_images))
         if index == 0:
             parts.append("<p class='muted'># is the row <code>servetune export STUDY_DIR --pick N</code> takes.</p>")
     if report.trial_table:

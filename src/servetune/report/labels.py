@@ -11,6 +11,9 @@ from servetune.metrics import (
     ENERGY_PER_TOKEN,
     ERROR_RATE,
     GOODPUT,
+    IMAGE_METRICS,
+    IMAGE_PIXELS,
+    IMAGES_SENT,
     OUTPUT_THROUGHPUT,
     REQUEST_THROUGHPUT,
     TPOT_P99,
@@ -36,6 +39,8 @@ _NAMES = {
     ERROR_RATE: ("error rate", "errors"),
     ENERGY_PER_TOKEN: ("joules per output token (the devices' energy)", "J/tok"),
     ENERGY_PER_REQUEST: ("joules per request (the devices' energy)", "J/req"),
+    IMAGES_SENT: ("images the level's measured requests carried", "images"),
+    IMAGE_PIXELS: ("image pixels (millions)", "image Mpx"),
 }
 _LATENCY = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2el_ms": "E2E latency"}
 #: The unit a table heading adds to the short name (short names like ``out tok/s`` carry theirs).
@@ -131,6 +136,18 @@ def point_metrics(point: ReportPoint) -> list[tuple[str, str]]:
 
 #: Headings of a Pareto table, units included.
 PARETO_HEADINGS = ("#", "trial", "config", "level", *(metric_heading(m) for m in TABLE_METRICS))
+
+
+def pareto_headings(images: bool = False) -> tuple[str, ...]:
+    """:data:`PARETO_HEADINGS`, and the images and their pixels where the study sent images (:func:`image_cells`)."""
+    return PARETO_HEADINGS + tuple(metric_short(m) for m in IMAGE_METRICS) if images else PARETO_HEADINGS
+
+
+def image_cells(point: ReportPoint) -> list[str]:
+    """The images the point's level sent and their millions of pixels: ``1,024``, ``805.3`` (``-``: none)."""
+    sent, pixels = point.value(IMAGES_SENT), point.value(IMAGE_PIXELS)
+    return ["-" if sent is None else f"{sent:,.0f}", "-" if pixels is None else f"{pixels / 1e6:,.1f}"]
+
 
 #: Headings of the table of all trials, units included.
 TRIAL_HEADINGS = (

@@ -8,13 +8,14 @@ from servetune.report.build import Front, StudyReport
 from servetune.report.distribution import SPREAD_NOTE, spread_cells, spread_headings
 from servetune.report.gpus import GPU_HEADINGS, gpu_cells, gpu_notes
 from servetune.report.labels import (
-    PARETO_HEADINGS,
     TABLE_METRICS,
     TRIAL_HEADINGS,
     TRIALS_NOTE,
     fmt,
+    image_cells,
     kv_plan_summary,
     metric_short,
+    pareto_headings,
     point_metrics,
     trial_cells,
 )
@@ -39,13 +40,14 @@ def _table(headings: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return lines
 
 
-def pareto_rows(front: Front) -> list[list[str]]:
-    """One row per front point, in the front's order (index 0 first)."""
+def pareto_rows(front: Front, images: bool = False) -> list[list[str]]:
+    """One row per front point, in the front's order (index 0 first); ``images``: with the images each level sent."""
     rows = []
     for index, point in enumerate(front.result.front):
         rows.append(
             [str(index), point.trial_id, config_label(point.params), level_label(point.level)]
             + [fmt(m, point.value(m)) for m in TABLE_METRICS]
+            + (image_cells(point) if images else [])
         )
     return rows
 
@@ -58,7 +60,7 @@ def _front_section(report: StudyReport, front: Front, indexed_by_export: bool) -
         lines[-1] += " `#` is what `servetune export --pick N` takes."
     lines.append("")
     if result.front:
-        lines += _table(PARETO_HEADINGS, pareto_rows(front))
+        lines += _table(pareto_headings(report.sent_images), pareto_rows(front, report.sent_images))
     else:
         lines.append("No operating point meets every SLO with these metrics measured.")
     lines += [

@@ -13,6 +13,8 @@ from servetune.metrics import (
     COST_METRIC,
     ENERGY_PER_REQUEST,
     ENERGY_PER_TOKEN,
+    IMAGE_PIXELS,
+    IMAGES_SENT,
     MEASURED_ENERGY,
     cost_per_mtok_usd,
     energy_per,
@@ -37,7 +39,7 @@ class OperatingPoint(BaseModel):
     level: dict[str, float]
     config: dict[str, Any]  # the trial's varied parameters
     devices: int  # GPUs the trial reserved (CPU cores on the CPU stand-in)
-    metrics: dict[str, float]  # LevelSummary.flat() plus cost_per_mtok_usd
+    metrics: dict[str, float]  # LevelSummary.flat() plus cost_per_mtok_usd, energy and images where measured
     meets_slo: bool
 
 
@@ -180,6 +182,8 @@ class TrialResult(BaseModel):
             metrics = level.summary.flat()
             metrics[COST_METRIC] = cost_per_mtok_usd(price, self.devices, level.summary.output_throughput)
             metrics.update(self.energy_metrics(level))
+            images = {IMAGES_SENT: level.summary.images_sent, IMAGE_PIXELS: level.summary.image_pixels}
+            metrics.update({name: float(count) for name, count in images.items() if count is not None})
             points.append(
                 OperatingPoint(
                     trial_id=self.trial_id,
