@@ -7,8 +7,20 @@ import yaml
 
 from servetune.config.space import SearchSpace
 from servetune.errors import UserError
-from servetune.results import best_level
-from servetune.study.replay import ALGORITHMS, Surface, efficiency, in_flight_order, key, replay, score, trials_to_reach
+from servetune.results import LevelRun, best_level
+from servetune.study.replay import (
+    ALGORITHMS,
+    Surface,
+    efficiencies,
+    efficiency,
+    in_flight_order,
+    key,
+    reaching,
+    replay,
+    score,
+    score_noise,
+    trials_to_reach,
+)
 from tests.builders import level, trial
 
 SPACE = {
@@ -141,6 +153,53 @@ def test_trials_to_reach_counts_from_one():
     assert trials_to_reach([1.0], 5.0) is None
 
 
+def repeated(out_tps: float, spread: float):
+    """A level run three times whose output throughput spreads ``spread`` either side of the median."""
+    runs = [LevelRun(summary=level(16, out_tps * f, 500).summary) for f in (1 - spread, 1, 1 + spread)]
+    return level(16, out_tps, 500).model_copy(update={"runs": runs})
+
+
+NOISY = {"max_num_seqs": [1, 2, 3, 4, 5]}
+
+
+@pytest.fixture()
+def noisy() -> Surface:
+    """The best (6000 tok/s, ±8% over its repeats) and four others: 90% of it with tight repeats (±2%, so the 5%
+    floor), 85% with tight repeats, 80% with wide ones (±15%), and 96% of it run once (MARGIN, 10%)."""
+    space = SearchSpace.model_validate({**SPACE, "params": NOISY, "constraints": []})
+    levels = {1: repeated(5100, 0.02), 2: repeated(5400, 0.02), 3: repeated(6000, 0.08), 4: repeated(4800, 0.15),
+              5: level(16, 5760, 500)}  # fmt: skip
+    results = [trial(str(s), {"max_num_seqs": s}, [levels[s]]) for s in NOISY["max_num_seqs"]]
+    return Surface.from_results(space, results)
+
+
+def test_the_noise_target_counts_the_points_a_repeat_could_rank_first(noisy):
+    best = noisy.best_score
+    noise = {s: score_noise(noisy.results[key({"max_num_seqs": s})]) for s in NOISY["max_num_seqs"]}
+    assert noise == pytest.approx({1: 0.05, 2: 0.05, 3: 0.08, 4: 0.15, 5: 0.10})  # the floor, and MARGIN run once
+    tolerance = reaching(noisy, 0.05, "tolerance")
+    within_noise = reaching(noisy, 0.05, "noise")
+    assert tolerance == {key({"max_num_seqs": s}) for s in (3, 5)}
+    # 90%: 10% below, inside 5% + 8%; 85%: 15% below, outside 13%; 80%: 20% below, inside 15% + 8%.
+    assert within_noise == {key({"max_num_seqs": s}) for s in (2, 3, 4, 5)} and tolerance <= within_noise
+    for k in within_noise:
+        assert score(noisy.results[k]) >= (1 - max(0.05, noise[noisy.results[k].params["max_num_seqs"]] + 0.08)) * best
+    # A tolerance wider than the noise decides: within 16%, the 85% point counts too.
+    assert key({"max_num_seqs": 1}) in reaching(noisy, 0.16, "noise")
+
+
+def test_one_replay_counts_the_trials_to_reach_each_target(noisy):
+    kept, _ = noisy.space.grid()
+    first_of = {target: next(i + 1 for i, p in enumerate(kept) if key(p) in reaching(noisy, 0.05, target))
+                for target in ("tolerance", "noise")}  # fmt: skip
+    assert first_of["noise"] < first_of["tolerance"]  # the grid's order meets a point within the noise first
+    both = efficiencies(noisy, "grid", seeds=[0])
+    assert {t: e.needed for t, e in both.items()} == {t: [n] for t, n in first_of.items()}
+    assert efficiency(noisy, "grid", seeds=[0], target="noise").needed == [first_of["noise"]]
+    for target, e in efficiencies(noisy, "tpe", seeds=range(3)).items():
+        assert e.reached == 3 and e.needed == efficiency(noisy, "tpe", seeds=range(3), target=target).needed
+
+
 def test_a_surface_round_trips_through_its_file(surface, tmp_path):
     surface.dump(tmp_path / "s.json", yaml.safe_dump(SPACE))
     loaded = Surface.load(tmp_path / "s.json")
@@ -208,8 +267,17 @@ def test_the_bench_records_a_study_that_ran_its_grid_and_replays_it(surface, tmp
     assert module.main(argv) == 0
     out = capsys.readouterr().out
     assert "94 grid points" in out and "best Bayesian option: tpe" in out
-    rows = {r["algorithm"]: r for r in json.loads((tmp_path / "r.json").read_text())["rows"]}
+    assert "target 'tolerance': trials to come within 5% of the best" in out
+    assert "target 'noise': trials to come within the noise of the best" in out
+    written = json.loads((tmp_path / "r.json").read_text())
+    rows = {r["algorithm"]: r for r in written["rows"]}
     assert rows["grid"]["seeds"] == 1 and rows["tpe"]["seeds"] == 2 and rows["tpe"]["reached"] == 2
+    # Levels run once: each point's noise is MARGIN, so the noise target is every point within 20% of the best.
+    within = {t: sum(score(r) >= (1 - m) * surface.best_score for r in surface.results.values())
+              for t, m in (("tolerance", 0.05), ("noise", 0.2))}  # fmt: skip
+    assert written["points_reaching_by_target"] == within and within["noise"] > within["tolerance"]
+    for row in rows.values():  # every point within 5% is within the noise: never more trials to reach it
+        assert row["by_target"]["noise"]["mean"] <= row["by_target"]["tolerance"]["mean"] == row["mean"]
 
     # Within 3% of the optimum (100): itself and its two neighbours at 97.5 (max_num_seqs 5 and 7).
     argv = [
