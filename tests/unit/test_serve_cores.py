@@ -100,3 +100,31 @@ def test_only_servetunes_own_cpu_deployments_on_a_local_ray_carry_the_callback(m
     gpu = ReportPoint(trial_id="t1", params={}, engine_args={}, model="/m", device="gpu")
     assert "callback_config" not in llm_config(gpu, 2)
     assert "callback_config" not in ray_serve_app(cpu)["applications"][0]["args"]["llm_configs"][0]  # what users ship
+
+
+class _Config:
+    """What the callback reads of an ``LLMConfig``: its engine config's model id."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+
+    def get_engine_config(self):
+        return type("EngineConfig", (), {"actual_hf_model_id": self.model})()
+
+
+def test_a_local_model_directory_skips_the_node_initialization_a_hub_id_keeps_it(tmp_path, monkeypatch):
+    """Ray Serve LLM's node initialization only hands a local directory back as given, from a worker of its
+    own: skipped for one, kept for a hub id (which it downloads)."""
+    monkeypatch.setattr("servetune.serve.cores.lock_dir", lambda: tmp_path / "locks")
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.setenv(BIND, "7")  # the user's binding: no core is claimed, the model is still judged
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    local = ClaimCores(llm_config=_Config(str(tmp_path)), ranks=1)
+    asyncio.run(local.on_before_node_init())
+    assert local.ctx.run_init_node is False and (tmp_path / "torch" / "kernels").is_dir()
+    hub = ClaimCores(llm_config=_Config("Qwen/Qwen3-0.6B"), ranks=1)
+    asyncio.run(hub.on_before_node_init())
+    assert hub.ctx.run_init_node is True
+    gone = ClaimCores(llm_config=_Config(str(tmp_path / "missing")), ranks=1)
+    asyncio.run(gone.on_before_node_init())
+    assert gone.ctx.run_init_node is True  # not a directory here: Ray Serve LLM's own path decides
