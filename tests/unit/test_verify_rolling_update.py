@@ -1,7 +1,8 @@
 """The rolling-update scenario's arithmetic over request records (verify/rolling_update.py ``judge_rolling_update``),
-its refusal and the configuration it moves to, the stability rate it stays out of, and the scenario driven against a
-stand-in deployment whose rollout makes some requests fail and slow until it is done (the real rollout through Serve
-is run by hand: see docs/concepts/verify.md)."""
+its refusal and the configuration it moves to (a runner-up passed over where its replicas could not be placed during
+the rollout), the stability rate it stays out of, and the scenario driven against a stand-in deployment whose rollout
+makes some requests fail and slow until it is done (the real rollout through Serve, to a runner-up of other engine
+arguments: tests/integration/test_rolling_update_serve.py; on vLLM, by hand: docs/concepts/verify.md)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import time
 from dataclasses import replace
 
 from servetune.config.slo import Slo
+from servetune.serve.trial import trial_llm_config
 from servetune.verify.document import EngineRun, stability
 from servetune.verify.rolling_update import (
     SAME_CONFIGURATION,
     judge_rolling_update,
     new_configuration,
+    placement_problem,
     refusal,
     rolling_update,
 )
@@ -36,6 +39,12 @@ def test_a_clean_rollout_passes_with_its_time_worst_ttft_and_p99_from_the_record
     assert n["requests_after"] == 40 and n["held_after"] and abs(n["ttft_ms_p99_after"] - 100) < 1e-6
     assert n["change"] == SAME_CONFIGURATION and "rolled out in 5" in result.reason
     assert [w["start_s"] for w in n["windows"]] == [0.0, 1.0, 2.0, 3.0] and all(w["good"] for w in n["windows"])
+    assert n["replicas_after"] is None and n["replicas_on_new"] is None  # not read: no word on them
+    # the replicas after it, as they say what they run: all on the new configuration, or one still on the old
+    kept = judge_rolling_update(records, 3.0, 8.0, SLO, 1.0, replicas=(2, 2))
+    assert kept.passed and (kept.numbers["replicas_after"], kept.numbers["replicas_on_new"]) == (2, 2)
+    stale = judge_rolling_update(records, 3.0, 8.0, SLO, 1.0, replicas=(2, 1))
+    assert not stale.passed and "1 of the 2 replicas after it run another configuration" in stale.reason
 
 
 def test_failures_slow_ttft_no_rollout_or_a_bad_after_each_fail_it():
@@ -71,13 +80,53 @@ def test_refusal_and_the_configuration_it_moves_to(tmp_path):
     assert new_configuration(winner, None) == (None, SAME_CONFIGURATION)
     assert new_configuration(winner, replace(runner_up, serve_replicas=None)) == (None, SAME_CONFIGURATION)
     assert new_configuration(winner, replace(runner_up, model="/models/other")) == (None, SAME_CONFIGURATION)
-    config, change = new_configuration(winner, runner_up)
-    assert config is not None and config["engine_kwargs"]["max_num_seqs"] == 8
-    assert f"trial {runner_up.trial_id}" in change
+    moved, change = new_configuration(winner, runner_up)
+    assert moved is runner_up and f"trial {runner_up.trial_id}" in change
+    config = trial_llm_config(moved)  # its LLMConfig is built when the update is made (serve/trial.py update)
+    assert config["engine_kwargs"]["max_num_seqs"] == 8
     assert config["deployment_config"]["autoscaling_config"]["min_replicas"] == 1
-    # a runner-up that needs more of the cluster than the winner holds (its new replicas would wait for room)
-    config, change = new_configuration(runner_up, winner)
-    assert config is None and change.startswith(SAME_CONFIGURATION) and "needs more" in change
+    # a runner-up of more replicas than the winner's (Serve would start the extra ones beside the old ones)
+    moved, change = new_configuration(runner_up, winner)
+    assert moved is None and change.startswith(SAME_CONFIGURATION)
+    assert f"(the runner-up, trial {winner.trial_id}, runs 2 replicas, the verified deployment 1:" in change
+
+
+def test_a_runner_up_whose_replicas_could_not_take_the_winners_places_during_the_rollout_is_passed_over(tmp_path):
+    """Serve (max_surge_percent 0) stops old replicas before starting as many new ones, but starts the ones a larger
+    count adds beside the old: the room is what the winner's deployment holds (a local Ray is started with that)."""
+    from servetune.trial.context import StudyContext, resolve_levels
+    from tests.unit.test_serve_trials import space
+
+    s = space(tmp_path, "params:\n  serve.num_replicas: [1, 2]\n  max_num_seqs: [4, 8]\n")
+    workload = s.resolved_workload(tmp_path)
+    context = StudyContext(s, workload, tmp_path, "/models/tiny", resolve_levels(s, workload))
+    one = context.spec_for({"serve.num_replicas": 1, "max_num_seqs": 4})
+    two = context.spec_for({"serve.num_replicas": 2, "max_num_seqs": 8})
+
+    def tp(spec, size, **changes):
+        return replace(spec, engine_args={**spec.engine_args, "tensor_parallel_size": size}, **changes)
+
+    # more replicas though fewer CPUs in all (1 x TP 4: 6 Ray CPUs; 2 x TP 1: 5): the extra one waits beside the old
+    moved, change = new_configuration(tp(one, 4), two)
+    assert moved is None and "runs 2 replicas, the verified deployment 1" in change
+    assert placement_problem(tp(one, 4), two) is not None and placement_problem(two, tp(one, 2)) is None
+    # as many replicas, each bigger: 7 Ray CPUs where the winner's deployment holds 5
+    moved, change = new_configuration(two, tp(two, 2))
+    assert moved is None and "needs 7 CPUs in all, the verified deployment holds 5" in change
+    # fewer replicas, each bigger, in as many GPUs: Serve scales down first, then replaces: taken
+    gpu_one, gpu_two = replace(tp(one, 2), device="gpu"), replace(two, device="gpu")
+    assert new_configuration(gpu_two, gpu_one)[0] is gpu_one
+    assert "needs 4 GPUs in all, the verified deployment holds 2" in new_configuration(gpu_two, tp(gpu_two, 2))[1]
+    # pinned to another GPU type (its replicas would wait for nodes of that type); not pinned: anywhere
+    on_h100 = replace(gpu_two, gpu_type="H100")
+    moved, change = new_configuration(on_h100, replace(gpu_one, gpu_type="A100"))
+    assert moved is None and "runs on A100 GPUs, the verified deployment on H100" in change
+    assert (
+        "the verified deployment on GPUs of any type"
+        in new_configuration(gpu_two, replace(gpu_one, gpu_type="A100"))[1]
+    )
+    assert new_configuration(on_h100, replace(gpu_one, gpu_type="H100"))[0] is not None
+    assert new_configuration(on_h100, gpu_one)[0] is gpu_one
 
 
 def test_the_rollouts_5xx_stay_out_of_the_stability_rate(tmp_path):
@@ -95,12 +144,17 @@ class Deployment:
     def __init__(self, roll_s: float) -> None:
         self.roll_s = roll_s
         self.updated: float | None = None
-        self.configs: list[object] = []
+        self.specs: list[object] = []
+        self.asked: list[float] = []  # when the replicas were asked what they run
 
-    def update(self, llm_config=None) -> list[str]:
+    def update(self, spec=None) -> list[str]:
         self.updated = time.monotonic()
-        self.configs.append(llm_config)
+        self.specs.append(spec)
         return ["old-replica"]
+
+    def replicas_on_deployed(self) -> tuple[int, int]:
+        self.asked.append(time.monotonic())
+        return 2, 2
 
     def rolling(self) -> bool:
         return self.updated is not None and time.monotonic() - self.updated < self.roll_s
@@ -123,9 +177,11 @@ def test_the_scenario_updates_half_way_follows_the_rollout_and_judges(monkeypatc
     budget = replace(Budget.for_device("cpu", 3.0), scenario_s=1.0)  # updated 0.5 s in, then 1 s after the rollout
     target = Target(client=None, url="", workload=None, prompts=None, slo=SLO, level=None, budget=budget,
                     max_model_len=0, engine=deployment)  # type: ignore[arg-type]  # fmt: skip
-    result = asyncio.run(rolling_update(target, {"engine_kwargs": {}}, "to the runner-up's", update_timeout_s=30))
+    result = asyncio.run(rolling_update(target, "the runner-up's spec", "to the runner-up's", update_timeout_s=30))
     n = result.numbers
-    assert deployment.configs == [{"engine_kwargs": {}}] and n["change"] == "to the runner-up's"
+    assert deployment.specs == ["the runner-up's spec"] and n["change"] == "to the runner-up's"
+    # the replicas asked once, after the load (not while Serve rolled them over)
+    assert len(deployment.asked) == 1 and (n["replicas_after"], n["replicas_on_new"]) == (2, 2)
     assert not result.passed and n["failed"] > 0 and "failed (bound" in result.reason
     assert len(target.records) == n["requests"] and target.errors["rolling_update"]
     # updated half the scenario's time in, on the level's clock: no request failed before it, the rollout took no
@@ -147,7 +203,7 @@ def test_the_scenario_refuses_a_bare_engine_and_says_when_serve_refuses_the_upda
     assert not result.passed and "not a Serve deployment" in result.reason
 
     class Refusing(Deployment):
-        def update(self, llm_config=None) -> list[str]:
+        def update(self, spec=None) -> list[str]:
             raise RuntimeError("DEPLOY_FAILED: bad engine_kwargs")
 
     stand_in_load(monkeypatch, lambda i, sent: served(i, sent, 0.02))

@@ -219,19 +219,28 @@ class ServeCluster:
     def reset_prefix_caches(self, name: str, deployment_prefix: str = "LLMServer", timeout_s: float = 60.0) -> int:
         """Empty the prefix cache of every replica of the application's LLM deployment (Ray Serve LLM's
         ``LLMServer.reset_prefix_cache``, broadcast by Serve to each running replica); the number reset."""
-        from ray import serve
+        return sum(
+            len(handle.broadcast("reset_prefix_cache").results(timeout_s=timeout_s))
+            for handle in _llm_handles(name, deployment_prefix)
+        )
 
-        app = serve.status().applications.get(name)
-        reset = 0
-        for deployment in app.deployments if app is not None else ():
-            if deployment.startswith(deployment_prefix):
-                handle = serve.get_deployment_handle(deployment, name)
-                # Its router on its own loop: this caller has none running (Serve's throughput-optimized mode,
-                # RAY_SERVE_THROUGHPUT_OPTIMIZED=1, would otherwise build it on the caller's and refuse).
-                if not handle.is_initialized:  # Serve hands out one handle per deployment, initialized once
-                    handle._init(_run_router_in_separate_loop=True)
-                reset += len(handle.broadcast("reset_prefix_cache").results(timeout_s=timeout_s))
-        return reset
+    def replica_llm_configs(
+        self, name: str, deployment_prefix: str = "LLMServer", timeout_s: float = 60.0
+    ) -> list[dict[str, Any]]:
+        """What each running replica of the application's LLM deployment was started with, as it holds it (Ray Serve
+        LLM's ``LLMServer.llm_config``, broadcast by Serve to every running replica): its ``engine_kwargs``, its
+        ``env_vars`` (its runtime environment's) and its ``callback_class`` (None: Ray Serve LLM's own). What a
+        rollout left running, read from the replicas rather than from what was asked for."""
+        found = []
+        for handle in _llm_handles(name, deployment_prefix):
+            for config in handle.broadcast("llm_config").results(timeout_s=timeout_s):
+                callback = getattr(getattr(config, "callback_config", None), "callback_class", None)
+                found.append({
+                    "engine_kwargs": dict(config.engine_kwargs or {}),
+                    "env_vars": dict((config.runtime_env or {}).get("env_vars") or {}),
+                    "callback_class": None if callback is None else str(callback),
+                })  # fmt: skip
+        return found
 
     def run_app(
         self, name: str, app: Any, timeout_s: float, route_prefix: str = "/", on_poll: Callable[[], None] | None = None
@@ -367,6 +376,24 @@ def _quiet_serve_logs() -> None:
     """Serve's and Ray Serve LLM's INFO lines would bury servetune's own progress."""
     for logger in ("ray.serve", "ray.llm"):
         logging.getLogger(logger).setLevel(logging.WARNING)
+
+
+def _llm_handles(name: str, deployment_prefix: str) -> list[Any]:
+    """Serve's handles of the application's LLM deployments (none where it is not deployed), each routing on a loop of
+    its own: its callers (a thread of verify's, serve-check's driver) have none running, and Serve's
+    throughput-optimized mode (RAY_SERVE_THROUGHPUT_OPTIMIZED=1) would otherwise build its router on the caller's and
+    refuse."""
+    from ray import serve
+
+    app = serve.status().applications.get(name)
+    handles = []
+    for deployment in app.deployments if app is not None else ():
+        if deployment.startswith(deployment_prefix):
+            handle = serve.get_deployment_handle(deployment, name)
+            if not handle.is_initialized:  # Serve hands out one handle per deployment, initialized once
+                handle._init(_run_router_in_separate_loop=True)
+            handles.append(handle)
+    return handles
 
 
 def _pin_llm_servers(app: Any, version: str) -> None:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import re
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +96,7 @@ class ServeEngine:
         self.server_metrics: ReplicaMetrics | None = None  # the replicas' vLLM metrics, once deployed
         self.replica_nodes: dict[str, int] = {}  # replicas per Ray node, as placed
         self.device_nodes: dict[str, int] = {}  # their devices per Ray node (told to the study's ledger)
+        self.deployed: dict[str, Any] = {}  # the LLMConfig deployed last (the trial's, or what an update moved to)
 
     def __enter__(self) -> ServeEngine:
         self.cluster = self.cluster or ServeCluster.attached()
@@ -109,7 +109,8 @@ class ServeEngine:
         with contextlib.suppress(Exception):
             self.earlier = set(self.cluster.served_per_replica(self.name))
         route = f"/{self.name}"
-        self.startup_s = self.cluster.deploy(self.name, trial_llm_config(self.spec), self.spec.startup_timeout_s,
+        self.deployed = trial_llm_config(self.spec)
+        self.startup_s = self.cluster.deploy(self.name, self.deployed, self.spec.startup_timeout_s,
                                              route_prefix=route, on_poll=self._placed)  # fmt: skip
         self.url = self.cluster.url + route
         try:
@@ -213,19 +214,35 @@ class ServeEngine:
         psutil.Process(pid).kill()
         return pid, what
 
-    def update(self, llm_config: Mapping[str, Any] | None = None) -> list[str]:
-        """Move the deployment to ``llm_config`` (default: the trial's own again, a new version all the same, so
-        Serve replaces every replica) under load, through Serve's update path (verify's rolling_update scenario),
-        without waiting for it. The LLM replicas' actor ids before the update, for :meth:`rolled_out`."""
+    def update(self, spec: TrialSpec | None = None) -> list[str]:
+        """Move the deployment to ``spec``'s configuration (default: the trial's own again, a new version all the
+        same, so Serve replaces every replica) under load, through Serve's update path (verify's rolling_update
+        scenario), without waiting for it. Its ``LLMConfig`` is built now, on the cluster it runs on, as the trial's
+        was on entering (on a local Ray servetune started, its replicas claim cores of their own). The LLM replicas'
+        actor ids before the update, for :meth:`rolled_out`."""
         assert self.cluster is not None
         old = self.cluster.engine_replicas(self.name)
-        self.cluster.redeploy(self.name, llm_config or trial_llm_config(self.spec), route_prefix=f"/{self.name}")
+        config = trial_llm_config(spec or self.spec)
+        self.cluster.redeploy(self.name, config, route_prefix=f"/{self.name}")
+        self.deployed = config
         return old
 
     def rolled_out(self, old: list[str]) -> bool:
         """Whether every replica runs the new version (:meth:`ServeCluster.rolled_out`)."""
         assert self.cluster is not None
         return self.cluster.rolled_out(self.name, old)
+
+    def replicas_on_deployed(self) -> tuple[int, int]:
+        """(LLM replicas running, those of them started with the engine arguments and environment deployed last),
+        from what each replica holds (:meth:`ServeCluster.replica_llm_configs`): after a rollout, whether the
+        replicas Serve left run the configuration it was moved to."""
+        assert self.cluster is not None
+        wanted_args = self.deployed.get("engine_kwargs") or {}
+        wanted_env = (self.deployed.get("runtime_env") or {}).get("env_vars") or {}
+        configs = self.cluster.replica_llm_configs(self.name)
+        on = [c for c in configs if all(c["engine_kwargs"].get(k) == v for k, v in wanted_args.items())
+              and all(c["env_vars"].get(k) == v for k, v in wanted_env.items())]  # fmt: skip
+        return len(configs), len(on)
 
     def running_replicas(self) -> int:
         """The LLM replicas Serve reports RUNNING now."""

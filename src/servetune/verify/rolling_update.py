@@ -3,12 +3,14 @@ a new configuration under load, and what its clients saw while Serve rolled its 
 
 The load runs at the verified level; half the scenario's time in, the application is deployed again under its own
 name and route through Serve's update path (``serve.run`` of the new application, :class:`Rollout` ``update``):
-with the runner-up's configuration where verify has a runner-up measured through Serve on the same model that fits
-in what the winner's deployment holds, else the same configuration as a new version (Serve gives every unpinned deployment a new version, so it replaces every
-replica all the same). Serve's status is read twice a second; the rollout is done when the application is
-RUNNING, every deployment HEALTHY, and none of the replicas from before the update is alive. The load goes on the
-scenario's time after that (the new replicas measured serving), at most the trial's start-up timeout and that
-after the update.
+with the runner-up's configuration where verify has a runner-up measured through Serve on the same model whose
+replicas can take the winner's places during the rollout (:func:`new_configuration`), else the same configuration
+as a new version (Serve gives every unpinned deployment a new version, so it replaces every replica all the same).
+Serve's status is read twice a second; the rollout is done when the application is RUNNING, every deployment
+HEALTHY, and none of the replicas from before the update is alive. The load goes on the scenario's time after that
+(the new replicas measured serving), at most the trial's start-up timeout and that after the update. Then each
+running replica is asked what it was started with (``replicas_after``, and ``replicas_on_new`` of them with the
+engine arguments and environment moved to).
 
 :func:`judge_rolling_update` is a pure function of the requests' records and those times (the level's clock):
 
@@ -21,18 +23,20 @@ after the update.
 
 Passes when the rollout was done within the run, the failed share of the requests during it is within the SLO's
 error-rate bound (``error_rate``, else 0.1%), their TTFT P99 within the SLO's TTFT bound (P99, else the highest
-bound), and the load after it held both. It gives checklist item 15.23 its rollback half: a rollback is the same
-update path back to the configuration before.
+bound), the load after it held both, and every replica after it runs the new configuration (where that was read).
+It gives checklist item 15.23 its rollback half: a rollback is the same update path back to the configuration before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import asyncio
+import contextlib
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from servetune.config.slo import Slo
 from servetune.metrics import RequestRecord
-from servetune.serve.trial import trial_llm_config, trial_needs
+from servetune.serve.trial import trial_needs
 from servetune.trial.runner import TrialSpec
 from servetune.verify.scenarios import ScenarioResult, Target, error_bound, fmt
 from servetune.verify.under_load import after_windows, around_event, done_at, error_kinds, p99_ms, ttft_bound_s
@@ -45,12 +49,17 @@ SAME_CONFIGURATION = "the same configuration as a new version"
 class Rollout(Protocol):
     """A deployment that can be moved to a new configuration under load (``serve.trial.ServeEngine``)."""
 
-    def update(self, llm_config: Mapping[str, Any] | None = None) -> list[str]:
-        """Deploy ``llm_config`` (None: the same configuration, a new version) without waiting; the replicas before."""
+    def update(self, spec: TrialSpec | None = None) -> list[str]:
+        """Deploy ``spec``'s configuration (None: the same one, a new version) without waiting; the replicas before."""
         ...
 
     def rolled_out(self, old: list[str]) -> bool:
         """Whether the rollout is done: every replica runs the new version, none of ``old`` is alive."""
+        ...
+
+    def replicas_on_deployed(self) -> tuple[int, int]:
+        """(Replicas running, those of them started with the configuration deployed last), as the replicas say.
+        Optional: a deployment without it is not asked."""
         ...
 
 
@@ -61,23 +70,48 @@ def refusal(replicas: int | None) -> str | None:
     return None
 
 
-def new_configuration(winner: TrialSpec, runner_up: TrialSpec | None) -> tuple[dict[str, Any] | None, str]:
-    """What the deployment is moved to: the runner-up's ``LLMConfig`` (its engine arguments and replica count) where
-    it was measured through Serve on the same model and takes no more of the cluster than the winner's (what a local
-    Ray is started with: more would leave its new replicas pending), else None (the same configuration, a new
-    version); and the change in words."""
+def new_configuration(winner: TrialSpec, runner_up: TrialSpec | None) -> tuple[TrialSpec | None, str]:
+    """What the deployment is moved to: the runner-up (its engine arguments, environment and replica count; its
+    ``LLMConfig`` is built when the update is made, on the cluster it is made on) where it was measured through Serve
+    on the same model and its replicas can take the winner's places during the rollout (:func:`placement_problem`),
+    else None (the same configuration, a new version); and the change in words, with why where the runner-up was
+    passed over."""
     if runner_up is None or runner_up.serve_replicas is None or runner_up.model != winner.model:
         return None, SAME_CONFIGURATION
-    room, wanted = trial_needs(winner).resources(), trial_needs(runner_up).resources()
-    if any(amount > room.get(resource, 0.0) for resource, amount in wanted.items()):
-        return None, f"{SAME_CONFIGURATION} (the runner-up, trial {runner_up.trial_id}, needs more of the cluster)"
-    return trial_llm_config(runner_up), f"to the runner-up's configuration (trial {runner_up.trial_id})"
+    if why := placement_problem(winner, runner_up):
+        return None, f"{SAME_CONFIGURATION} (the runner-up, trial {runner_up.trial_id}, {why})"
+    return runner_up, f"to the runner-up's configuration (trial {runner_up.trial_id})"
+
+
+def placement_problem(winner: TrialSpec, runner_up: TrialSpec) -> str | None:
+    """Why the runner-up's replicas could not all be placed while Serve rolls the winner's over, or None.
+
+    The room is what the winner's deployment holds (a local Ray is started with just that). Serve's rolling update
+    (Ray 2.60, ``max_surge_percent`` 0, as servetune deploys) stops old replicas before it starts their replacements
+    at an equal count, but starts the replicas a larger count adds while every old one still runs, and stops the next
+    old ones only once those run: so more replicas than the winner's would wait for room the old ones hold, and
+    the old ones for them, however few devices each takes. A runner-up pinned to another GPU type
+    (``accelerator_type``) would wait for nodes of that type; one that takes more devices or CPUs in all would wait
+    for the last of them."""
+    if runner_up.gpu_type is not None and runner_up.gpu_type != winner.gpu_type:
+        return f"runs on {runner_up.gpu_type} GPUs, the verified deployment on {winner.gpu_type or 'GPUs of any type'}"
+    room, wanted = trial_needs(winner), trial_needs(runner_up)
+    if wanted.replicas > room.replicas:
+        return (f"runs {wanted.replicas} replicas, the verified deployment {room.replicas}: Serve starts the extra ones "
+                "beside the old replicas, in room the deployment does not hold")  # fmt: skip
+    held = room.resources()
+    for resource, amount in wanted.resources().items():
+        if amount > held.get(resource, 0.0):
+            return f"needs {amount:g} {resource}s in all, the verified deployment holds {held.get(resource, 0.0):g}"
+    return None
 
 
 def judge_rolling_update(records: Sequence[RequestRecord], updated_at: float, done_at_s: float | None, slo: Slo,
-                         window_s: float, change: str = SAME_CONFIGURATION) -> ScenarioResult:  # fmt: skip
+                         window_s: float, change: str = SAME_CONFIGURATION,
+                         replicas: tuple[int, int] | None = None) -> ScenarioResult:  # fmt: skip
     """The verdict on a run whose deployment was updated at ``updated_at`` (the level's clock), the rollout done at
-    ``done_at_s`` (None: not within the run); see the module docstring."""
+    ``done_at_s`` (None: not within the run), after which ``replicas`` (running, on the new configuration; None: not
+    read) were found; see the module docstring."""
     sent = list(records)
     records = [r for r in sent if not r.warmup]
     ttft_s, errors_max = ttft_bound_s(slo), error_bound(slo)
@@ -106,6 +140,8 @@ def judge_rolling_update(records: Sequence[RequestRecord], updated_at: float, do
         "requests_after": len(after), "failed_after": after_failed, "ttft_ms_p99_after": after_p99,
         "held_after": held_after, "ttft_bound_ms": bound_ms, "error_rate_bound": errors_max,
         "window_s": window_s, "windows": [w.as_dict() for w in windows],
+        "replicas_after": None if replicas is None else replicas[0],
+        "replicas_on_new": None if replicas is None else replicas[1],
     }  # fmt: skip
     took = f"rolled out in {fmt(numbers['update_s'], ' s')}" if done_at_s is not None else "not rolled out"
     head = (f"updated {change} under load: {took}; {len(failed)} of {len(during)} requests failed during it, TTFT "
@@ -126,27 +162,35 @@ def judge_rolling_update(records: Sequence[RequestRecord], updated_at: float, do
             f"after the rollout the SLO did not hold ({after_failed} of {len(after)} failed, TTFT P99 "
             f"{fmt(after_p99, ' ms')})"
         )  # fmt: skip
+    if replicas is not None and replicas[1] < replicas[0]:
+        problems.append(f"{replicas[0] - replicas[1]} of the {replicas[0]} replicas after it run another configuration")
     if problems:
         return ScenarioResult(NAME, False, head + "; " + "; ".join(problems), numbers)
     tail = f"; after it {len(after)} requests, TTFT P99 {fmt(after_p99, ' ms')}, {after_failed} failed"
     return ScenarioResult(NAME, True, head + tail, numbers)
 
 
-async def rolling_update(t: Target, new_config: Mapping[str, Any] | None = None, change: str = SAME_CONFIGURATION,
+async def rolling_update(t: Target, new_spec: TrialSpec | None = None, change: str = SAME_CONFIGURATION,
                          update_timeout_s: float | None = None) -> ScenarioResult:  # fmt: skip
-    """Run the load, update the deployment ``scenario_s / 2`` in, follow Serve's rollout, and judge. The load goes
-    on until the rollout is done and ``scenario_s`` more, at most ``update_timeout_s`` (the trial's start-up
-    timeout; default the scenario's time) and that after the update."""
+    """Run the load, update the deployment to ``new_spec``'s configuration (None: the same, a new version) ``scenario_s
+    / 2`` in, follow Serve's rollout, and judge. The load goes on until the rollout is done and ``scenario_s`` more,
+    at most ``update_timeout_s`` (the trial's start-up timeout; default the scenario's time) and that after the
+    update; then the replicas are asked what they run."""
     deployment = t.engine
     if not (hasattr(deployment, "update") and hasattr(deployment, "rolled_out")):
         return ScenarioResult(NAME, False, "not run: the engine is not a Serve deployment")
-    run = await around_event(t, NAME, STREAM, lambda: deployment.update(new_config), deployment.rolled_out,  # type: ignore[union-attr]
+    run = await around_event(t, NAME, STREAM, lambda: deployment.update(new_spec), deployment.rolled_out,  # type: ignore[union-attr]
                              "the new configuration was measured for the scenario's time: stopped", update_timeout_s)  # fmt: skip
     if run.ended_early:
         return ScenarioResult(NAME, False, f"not run: the load ended before the update ({len(run.records)} requests)")
     if run.error is not None or run.called_at is None:
         return ScenarioResult(NAME, False, f"not run: Serve did not take the update ({run.error})")
+    replicas: tuple[int, int] | None = None
+    ask = getattr(deployment, "replicas_on_deployed", None)
+    if run.settled_at is not None and ask is not None:
+        with contextlib.suppress(Exception):  # the replicas could not be asked: the verdict rests on the load alone
+            replicas = await asyncio.to_thread(ask)
     verdict = judge_rolling_update(run.records, run.called_at, run.settled_at, t.slo,
-                                   max(t.budget.scenario_s / 10, 1.0), change)  # fmt: skip
+                                   max(t.budget.scenario_s / 10, 1.0), change, replicas)  # fmt: skip
     verdict.numbers["level"] = run.level
     return verdict

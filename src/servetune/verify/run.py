@@ -271,7 +271,7 @@ async def _winner(
     extra: tuple[str, ...] = (),
     replicas: int | None = None,
     replace_timeout_s: float | None = None,
-    update: tuple[dict[str, Any] | None, str] = (None, SAME_CONFIGURATION),
+    update: tuple[TrialSpec | None, str] = (None, SAME_CONFIGURATION),
     canary_run: Callable[[sc.Target], Awaitable[sc.ScenarioResult]] | None = None,
 ) -> dict[str, sc.ScenarioResult]:
     """Every scenario in order, each kept in ``out`` as it finishes (what a stopped verification keeps); after an

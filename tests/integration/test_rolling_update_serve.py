@@ -1,0 +1,150 @@
+"""verify's rolling_update scenario on a real local Ray with Serve, its replicas running the fake Serve engine
+(testing/serve_engine.py) in place of vLLM: a deployment of two replicas moved under load, through Serve's own
+update path, to the runner-up's configuration, whose engine arguments (``max_num_seqs``) and environment (the fake's
+TTFT) differ. From Serve's state and the replicas themselves: before the update both replicas run the verified
+point's configuration, after it both run the runner-up's (built on the cluster it runs on, as the verified point's
+was), and none from before is alive, nor its process. From the request records: the scenario's counts and worst
+TTFT during the change, and the requests after it paced by the new replicas.
+
+The scenario runs in a process of its own, which starts a Ray sized for the deployment and stops it (about 1.5 min
+on a two-core host); it writes what the test checks to a JSON file."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from servetune.config.slo import Slo
+from servetune.config.workload import Workload
+from servetune.load.runner import Level
+from servetune.metrics import RequestRecord
+from servetune.testing.serve_engine import ENGINE_ENV, STARTED
+from servetune.trial.context import StudyContext, resolve_levels
+from servetune.trial.runner import TrialSpec
+from servetune.verify.scenarios import Budget
+from tests.builders import space_from
+
+pytest.importorskip("ray.serve.llm")
+
+ROOT = Path(__file__).parents[2]
+SPACE = f"""\
+hardware: {{devices_per_node: 2}}
+engine_args: {{max_model_len: 1024}}
+env:
+  RAYLLM_VLLM_ENGINE_CLS: "{ENGINE_ENV["RAYLLM_VLLM_ENGINE_CLS"]}"
+  SERVETUNE_FAKE_ITL_MS: 5
+params:
+  serve.num_replicas: [2]
+  max_num_seqs: [4, 8]
+  env.SERVETUNE_FAKE_TTFT_MS: [20, 60]
+"""
+WORKLOAD = Workload(
+    name="chat", input_tokens={"dist": "fixed", "value": 16}, output_tokens={"dist": "fixed", "value": 16}
+)
+SLO = Slo.parse("ttft_ms.p99=5000")
+# The update 2 s into the load, the load 4 s more once the rollout is done.
+BUDGET = Budget(soak_s=4.0, windows=4, scenario_s=4.0, long_requests=2, long_output_cap=64, drop_rounds=1, repeats=5,
+                repeat_s=1.0, warmup_cap=2)  # fmt: skip
+RUNNER_UP_TTFT_S = 0.060
+
+
+def specs(root: Path, model: str) -> tuple[TrialSpec, TrialSpec]:
+    """The verified point (max_num_seqs 4, the fake's TTFT 20 ms) and the runner-up (8, 60 ms), two replicas each."""
+    space = space_from(root, SPACE)
+    workload = space.resolved_workload(root)
+    context = StudyContext(space, workload, root, model, resolve_levels(space, workload))
+    winner = context.spec_for({"serve.num_replicas": 2, "max_num_seqs": 4, "env.SERVETUNE_FAKE_TTFT_MS": 20})
+    runner_up = context.spec_for({"serve.num_replicas": 2, "max_num_seqs": 8, "env.SERVETUNE_FAKE_TTFT_MS": 60})
+    return winner, runner_up
+
+
+def roll(work: str, model: str) -> None:
+    """The scenario as verify runs it on a local Ray (run.py ``started``: the configuration moved to chosen before
+    Ray starts), in this process; what the test checks goes to ``work/rolled.json``."""
+    from servetune.load.client import StreamingClient
+    from servetune.load.requests import PromptFactory
+    from servetune.load.tokenizer import load_tokenizer
+    from servetune.serve.actors import wait_gone
+    from servetune.serve.cluster import ServeCluster
+    from servetune.serve.trial import ServeEngine, trial_needs
+    from servetune.verify.rolling_update import new_configuration, rolling_update
+    from servetune.verify.scenarios import Target
+
+    root = Path(work)
+    winner, runner_up = specs(root, model)
+    new_spec, change = new_configuration(winner, runner_up)
+    prompts = PromptFactory(load_tokenizer(model))
+    (root / "verify").mkdir()
+    out: dict = {"change": change}
+    with ServeCluster(None, trial_needs(winner).resources()) as cluster, ServeEngine(winner, root / "verify", cluster) as engine:  # fmt: skip
+        before_pids = cluster.replica_pids(engine.name)
+        out["before"] = {"replicas": cluster.engine_replicas(engine.name),
+                         "configs": cluster.replica_llm_configs(engine.name)}  # fmt: skip
+
+        async def scenario():
+            async with StreamingClient(engine.url, winner.model, timeout_s=60, first_token_timeout_s=30,
+                                       idle_timeout_s=30) as client:  # fmt: skip
+                target = Target(client=client, url=engine.url, workload=WORKLOAD, prompts=prompts, slo=SLO,
+                                level=Level("concurrency", 3.0), budget=BUDGET, max_model_len=1024, engine=engine)  # fmt: skip
+                return await rolling_update(target, new_spec, change, update_timeout_s=240), target.records
+
+        result, records = asyncio.run(scenario())
+        out.update(passed=result.passed, reason=result.reason, numbers=result.numbers,
+                   records=[dataclasses.asdict(r) for r in records])  # fmt: skip
+        out["after"] = {"replicas": cluster.engine_replicas(engine.name),
+                        "configs": cluster.replica_llm_configs(engine.name)}  # fmt: skip
+        out["old_processes_left"] = wait_gone(before_pids, timeout_s=60)
+        out["before_processes"] = len(before_pids)
+        out["log"] = engine.log_text()
+    (root / "rolled.json").write_text(json.dumps(out, default=str))
+
+
+def test_a_rolling_update_to_the_runner_up_leaves_only_replicas_of_its_configuration(tiny_model, tmp_path):
+    code = "import sys\nfrom tests.integration.test_rolling_update_serve import roll\nroll(sys.argv[1], sys.argv[2])"
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path), str(tiny_model)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=540)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    out = json.loads((tmp_path / "rolled.json").read_text())
+    n, before, after = out["numbers"], out["before"], out["after"]
+    assert out["change"].startswith("to the runner-up's configuration") and n["change"] == out["change"]
+
+    # (a) What the replicas run, as Serve's replicas hold it: the verified point's before, the runner-up's after,
+    # each built on the cluster it runs on (the new replicas claim cores of their own, as the old ones did).
+    assert [c["engine_kwargs"]["max_num_seqs"] for c in before["configs"]] == [4, 4]
+    assert [c["env_vars"]["SERVETUNE_FAKE_TTFT_MS"] for c in before["configs"]] == ["20", "20"]
+    assert [c["engine_kwargs"]["max_num_seqs"] for c in after["configs"]] == [8, 8]
+    assert [c["env_vars"]["SERVETUNE_FAKE_TTFT_MS"] for c in after["configs"]] == ["60", "60"]
+    assert all("ClaimCores" in str(c["callback_class"]) for c in before["configs"] + after["configs"])
+    assert (n["replicas_after"], n["replicas_on_new"]) == (2, 2)
+    # and in the engines' own words, in the replicas' log (the old replicas' lines kept)
+    started = [json.loads(line.split(STARTED, 1)[1]) for line in out["log"].splitlines() if STARTED in line]
+    assert {s["max_num_seqs"] for s in started} == {4, 8}
+    assert sum(s["max_num_seqs"] == 8 for s in started) >= 2
+
+    # (b) None of the replicas from before is alive, in Serve's state or as a process; the rollout's time measured.
+    assert len(before["replicas"]) == 2 and len(after["replicas"]) == 2
+    assert not set(before["replicas"]) & set(after["replicas"])
+    assert out["before_processes"] >= 2 and out["old_processes_left"] == []
+    assert n["rolled_out"] and n["update_s"] > 0
+
+    # (c) The scenario's numbers are the records': counted again here from what the client saw.
+    records = [RequestRecord(**r) for r in out["records"]]
+    assert n["requests"] == len(records)
+    measured = [r for r in records if not r.warmup]
+    updated, done_s = n["updated_at_s"], n["updated_at_s"] + n["update_s"]
+    assert any(r.sent < updated for r in measured)  # the load ran before the update
+    during = [r for r in measured if r.sent < done_s and (r.end if r.end is not None else r.sent) >= updated]
+    assert n["requests_during"] == len(during) > 0
+    assert n["failed"] == sum(not r.ok for r in during)
+    ttfts = [r.ttft_s for r in during if r.ok and r.ttft_s is not None and r.sent >= updated]
+    assert n["ttft_ms_max_during"] == pytest.approx(max(ttfts) * 1000.0)
+    # after it only the runner-up's replicas answer: none sooner than its fake's 60 ms
+    after_it = [r for r in measured if r.sent >= done_s]
+    assert n["requests_after"] == len(after_it) > 0 and n["failed_after"] == sum(not r.ok for r in after_it)
+    assert all(r.ttft_s >= RUNNER_UP_TTFT_S for r in after_it if r.ok and r.ttft_s is not None)
