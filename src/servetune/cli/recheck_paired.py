@@ -90,7 +90,8 @@ def run_paired(args: argparse.Namespace) -> int:
         with console.status(f"measuring A and B, {rounds} rounds ({mode})"):
             try:
                 doc.rounds = measure_pairs(a.spec, b.spec, level, rounds, out_dir, prompts,
-                                           on_round=lambda r: _say(console, round_line(r)))  # fmt: skip
+                                           on_round=lambda r: _say(console, round_line(r)),
+                                           names={"A": a.trial_id, "B": b.trial_id})  # fmt: skip
             except (EngineStartError, EngineDiedError) as exc:
                 doc.failure = doc.reason = str(exc.args[0]).splitlines()[0]
         if doc.failure is None:

@@ -160,12 +160,14 @@ def compared(level: LevelResult) -> dict[str, float]:
 
 def measure_pairs(a: TrialSpec, b: TrialSpec, level: Level, rounds: int, out_dir: Path,
                   prompts: Mapping[str, PromptFactory], engine: EngineFactory = vllm_engine,
-                  on_round: Callable[[PairedRound], None] | None = None) -> list[PairedRound]:  # fmt: skip
+                  on_round: Callable[[PairedRound], None] | None = None,
+                  names: Mapping[str, str] | None = None) -> list[PairedRound]:  # fmt: skip
     """``rounds`` rounds of A and B at ``level`` (A first in even rounds), each side's engine log and request
-    records in ``out_dir/<A|B>-<trial id>/``; ``prompts`` by side. Round ``i`` draws the same prompts for both
-    sides. Raises EngineStartError or EngineDiedError as the trial runner's engines do."""
+    records in ``out_dir/<A|B>-<name>/`` (``names`` by side: the recorded trials' ids; else each spec's);
+    ``prompts`` by side. Round ``i`` draws the same prompts for both sides. Raises EngineStartError or
+    EngineDiedError as the trial runner's engines do."""
     specs = {"A": a, "B": b}
-    dirs = {side: out_dir / f"{side}-{spec.trial_id}" for side, spec in specs.items()}
+    dirs = {side: out_dir / f"{side}-{(names or {}).get(side, spec.trial_id)}" for side, spec in specs.items()}
     for path in dirs.values():
         path.mkdir(parents=True, exist_ok=True)
     together = mode_of(a, b) == "side by side"
