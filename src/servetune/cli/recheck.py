@@ -48,6 +48,21 @@ Verdict and exit status:
   4 CHANGED-DEFAULTS  within noise or better, but engine arguments resolved to other values or flags moved
 With --runner-up the worse of the two verdicts decides the exit status.
 
+Paired (--paired): the pick (A) against another configuration (B, --against: the runner-up, a row of the Pareto
+table or a trial id) at the shipped level's load, for --rounds rounds (default 3), A then B in one round and B then A
+in the next, so that the host's drift over the minutes is in both sides of every round. Both engines stay up, one
+under load at a time, where both run on vLLM's CPU build (each on cores of its own); on GPUs each round starts and
+stops them one after the other. Judged on goodput from the rounds' paired differences ((B - A) / mean(A, B) per
+round): the median beyond the paired noise (half the rounds' spread, at least 5%) and a 95% bootstrap interval of
+their mean on the same side of 0. Exit status of a paired recheck:
+  0 A better          the pick is better beyond the paired noise
+  1 B better          the other configuration is better beyond the paired noise
+  2                   bad input (nothing started)
+  3 REFUSED           vLLM refuses either configuration, or an engine does not start or dies
+  5 tie               tie within the paired noise
+Writes STUDY_DIR/recheck-paired-<vLLM version>.json (or --json OUT), each side's engine log and requests in
+STUDY_DIR/recheck/<vLLM version>/paired/.
+
 Before the engine starts, a hub model's weights are fetched on this machine, outside its start-up clock (the
 result's "prefetch"; --no-prefetch leaves the download to the engine).
 
@@ -67,6 +82,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--runner-up", action="store_true", help="re-check the runner-up (the best other candidate) too")
     p.add_argument("--repeats", type=int, metavar="N",
                    help="runs of each level (default: the study's load.repeats); more runs, a tighter noise margin")  # fmt: skip
+    p.add_argument("--paired", action="store_true",
+                   help="measure the pick against another configuration round by round, interleaved (see above)")  # fmt: skip
+    p.add_argument("--against", metavar="runner-up|N|TRIAL_ID",
+                   help="with --paired: the other configuration (default: runner-up, the best other candidate)")  # fmt: skip
+    p.add_argument("--rounds", type=int, metavar="R", help="with --paired: rounds of A and B (default 3, at least 2)")
     p.add_argument("--json", type=Path, metavar="OUT",
                    help="where to write the result (default: STUDY_DIR/recheck-<vLLM version>.json)")  # fmt: skip
     p.add_argument("--tracking-uri", metavar="URI",
@@ -78,6 +98,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from servetune.cli.recheck_paired import check_flags, run_paired
+
+    check_flags(args)
+    if args.paired:
+        return run_paired(args)
     from servetune.cli.display import console as make_console
     from servetune.engine.args import cached_argspecs, load_argspecs, point_structured_problem, vllm_version
     from servetune.errors import UserError

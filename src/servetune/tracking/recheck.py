@@ -6,7 +6,8 @@ The run is tagged ``servetune.role`` = ``recheck``, with the re-checked trial (`
 Its metrics are the re-measured values at each load both measured (``recheck.<metric>.<level>``, e.g.
 ``recheck.ttft_ms_p99.concurrency_8``, with its relative change as ``....change``) and the capacity at the SLO
 (``recheck.capacity_at_slo``); the recheck file is its artifact. MLflow being unreachable, or the study never logged
-there, is one line: the recheck file holds everything either way.
+there, is one line: the recheck file holds everything either way. A paired recheck (``--paired``) is logged
+the same way by :func:`log_paired`, with names of its own (``recheck.mode`` = ``paired``).
 """
 
 from __future__ import annotations
@@ -68,3 +69,41 @@ def log_recheck(tracking_uri: str, doc: Mapping[str, Any], recheck_file: Path | 
         return f"recheck logged as run {run.info.run_id} of experiment '{study}'"
 
     return log_to_study(tracking_uri, study, "recheck", log)
+
+
+def paired_metrics(doc: Mapping[str, Any]) -> dict[str, float]:
+    """A paired recheck's numbers: per metric, B against A (``paired.goodput.change``) and the paired noise."""
+    out: dict[str, float] = {}
+    for m in doc.get("metrics") or []:
+        out[f"paired.{m['metric']}.change"] = float(m["change"])
+        out[f"paired.{m['metric']}.noise"] = float(m["noise"])
+    return out
+
+
+def log_paired(tracking_uri: str, doc: Mapping[str, Any], paired_file: Path | None = None) -> str:
+    """Log a paired recheck (verify/paired.py) as a run of the study's experiment, tagged as a recheck with
+    ``recheck.mode`` = ``paired``, the two trials and the verdict; each round's values of A and B as steps of
+    ``paired.<metric>.a`` / ``.b``. One line back, never raises."""
+    study = str(doc.get("study"))
+    tags = {ROLE_TAG: RECHECK_ROLE, STUDY_TAG: study, "recheck.mode": "paired",
+            "recheck.trial_id": str(doc.get("a_trial_id")), "recheck.against": str(doc.get("b_trial_id")),
+            "recheck.verdict": str(doc.get("verdict")), "recheck.vllm_after": str(doc.get("vllm")),
+            RUN_NAME_TAG: f"paired {doc.get('a_trial_id')} vs {doc.get('b_trial_id')} on {doc.get('vllm')}"}  # fmt: skip
+
+    def log(client: MlflowClient, experiment_id: str) -> str:
+        from mlflow.entities import Metric
+
+        run = client.create_run(experiment_id, tags=tags)
+        stamp = int(time.time() * 1000)
+        metrics = [Metric(k, v, stamp, 0) for k, v in paired_metrics(doc).items()]
+        for one in doc.get("rounds") or []:
+            for side in ("a", "b"):
+                metrics += [Metric(f"paired.{name}.{side}", float(value), stamp, int(one["round"]))
+                            for name, value in one[side].items()]  # fmt: skip
+        client.log_batch(run.info.run_id, metrics=metrics)
+        if paired_file is not None and paired_file.is_file():
+            client.log_artifact(run.info.run_id, str(paired_file), RECHECK_ROLE)
+        client.set_terminated(run.info.run_id)
+        return f"paired recheck logged as run {run.info.run_id} of experiment '{study}'"
+
+    return log_to_study(tracking_uri, study, "paired recheck", log)

@@ -67,7 +67,7 @@ class Selection:
     runner_up: Chosen | None
 
 
-def _level(point: ReportPoint, levels: tuple[Level, ...], workload: Workload) -> Level:
+def point_level(point: ReportPoint, levels: tuple[Level, ...], workload: Workload) -> Level:
     ((kind, value),) = point.level.items()
     for level in levels:
         if level.kind == kind and level.value == value:
@@ -88,9 +88,12 @@ def at_operating_point(level: Level, operating: OperatingLoad) -> Level:
 
 
 def select(study_dir: Path, pick: str, python: str = sys.executable, address: str | None = None,
-           headroom: float = DEFAULT_HEADROOM, admission: bool = True) -> Selection:  # fmt: skip
+           headroom: float = DEFAULT_HEADROOM, admission: bool = True, against: str | None = None) -> Selection:  # fmt: skip
     """The configuration to verify and its runner-up (the best other candidate), each at its operating point
     (``headroom`` x min(capacity, knee)); UserError on bad input.
+    ``against``: the other configuration as ``--pick`` names one (``runner-up`` or None: the best other candidate),
+    in ``runner_up``; any other completed trial than the pick's, whether it met the SLO or not (then at its
+    point's own level, without an operating point).
     ``address``: the Ray cluster trials through Serve are deployed on (default: a local Ray).
     ``admission``: start each with the admission bounds export ships (:func:`with_admission`); without, each is
     launched as its trial was (recheck measures the recorded ladder again, where a bound would refuse the top
@@ -111,13 +114,32 @@ def select(study_dir: Path, pick: str, python: str = sys.executable, address: st
     if not point.meets_slo:
         raise UserError(f"--pick {pick}: trial {trial.trial_id} never met the SLO ({'; '.join(point.slo_violations)}): "
                         "nothing to verify")  # fmt: skip
+    other = _against(study, report, point, against) if against not in (None, "runner-up") else None
     rebuild = _Rebuild.of(study_dir, study, report, python, headroom)
     others = [c for c in candidates(report.points) if c.trial_id != point.trial_id]
-    selection = rebuild.selection(point, others[0] if others else None, admission)
+    if other is not None:  # at the point's own level: it may never have met the SLO
+        selection = rebuild.selection(point, other, admission, runner_up_operating=False)
+    else:
+        selection = rebuild.selection(point, others[0] if others else None, admission)
     for chosen in (selection.winner, selection.runner_up):
         if chosen is not None and chosen.spec.serve_replicas is not None:
             check_serve(chosen, address)
     return selection
+
+
+def _against(study: LoadedStudy, report: StudyReport, point: ReportPoint, against: str) -> ReportPoint:
+    """The point ``--against`` names (as ``--pick`` names one): a completed trial other than ``point``'s."""
+    try:
+        other = pick_point(report, against)
+    except UserError as exc:  # said of --pick, whose choices --against shares
+        raise UserError(str(exc).replace("--pick", "--against", 1)) from None
+    if other.trial_id == point.trial_id:
+        raise UserError(f"--against {against}: that is trial {point.trial_id}, the one picked: name another")
+    trial = next(t for t in study.trials if t.trial_id == other.trial_id)
+    if trial.outcome != "COMPLETE":
+        raise UserError(f"--against {against}: trial {trial.trial_id} is {trial.outcome} "
+                        f"({first_line(trial.reason) or 'no reason given'}): only a completed trial can be measured")  # fmt: skip
+    return other
 
 
 def check_serve(chosen: Chosen, address: str | None) -> None:
@@ -214,20 +236,23 @@ class _Rebuild:
         context = StudyContext(space, workload, study_dir.resolve(), model, levels, python=python)
         return cls(study_dir, study.info, space, workload, report, context, headroom)
 
-    def chosen(self, point: ReportPoint, admission: bool = True) -> Chosen:
+    def chosen(self, point: ReportPoint, admission: bool = True, operating_point: bool = True) -> Chosen:
         """``point``'s configuration at its operating point; with ``admission``, with the admission bounds export
-        ships (:func:`with_admission`), else as its trial ran it."""
+        ships (:func:`with_admission`), else as its trial ran it. Without ``operating_point``, at the point's own
+        level (a trial that never met the SLO has no operating point)."""
         result = read_result(self.study_dir / TRIALS_DIR / point.trial_id)
         assert result is not None  # the report read it
-        operating = operating_point_of(self.report, point, self.headroom)
-        level = at_operating_point(_level(point, self.context.levels, self.workload), operating)
+        level = point_level(point, self.context.levels, self.workload)
+        operating = operating_point_of(self.report, point, self.headroom) if operating_point else None
+        level = at_operating_point(level, operating) if operating is not None else level
         spec = self.context.spec_for(dict(result.params))
         if not admission:
             return Chosen(point, result, spec, level, operating)
         spec, bounds = with_admission(spec, self.report, point)
         return Chosen(point, result, spec, level, operating, bounds)
 
-    def selection(self, point: ReportPoint, runner_up: ReportPoint | None, admission: bool = True) -> Selection:
+    def selection(self, point: ReportPoint, runner_up: ReportPoint | None, admission: bool = True,
+                  runner_up_operating: bool = True) -> Selection:  # fmt: skip
+        other = self.chosen(runner_up, admission, runner_up_operating) if runner_up is not None else None
         return Selection(self.study_dir, self.info, self.space, self.workload, self.report,
-                         self.chosen(point, admission),
-                         self.chosen(runner_up, admission) if runner_up is not None else None)  # fmt: skip
+                         self.chosen(point, admission), other)  # fmt: skip

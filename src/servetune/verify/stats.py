@@ -1,5 +1,6 @@
 """The pure arithmetic of verification: windows of a soak, jitter and drift, growth of a gauge,
-bootstrap confidence intervals and whether a lead is real, and the cancellation success rate.
+bootstrap confidence intervals and whether a lead is real, paired differences of two configurations measured
+round by round, and the cancellation success rate.
 
 Nothing here does I/O; the scenarios (``scenarios.py``) measure, these functions judge.
 """
@@ -302,3 +303,53 @@ def tokens_stopped(rounds: Sequence[DropRound], share: float = 0.5, per_stream: 
         if extra is not None and extra > share * (r.client_tokens or 0) + per_stream * r.survivors:
             return False
     return True
+
+
+@dataclass(frozen=True)
+class PairedDifference:
+    """How configuration B stands against A over rounds that measured both back to back.
+
+    Per round, the relative difference ``(B - A) / mean(A, B)``: a slowdown of the host that scales both sides of
+    a round by one factor cancels in it (and it stays finite where one side is 0). ``change``: the median of
+    those; ``ratio``: the median of the rounds' B / A where both were positive (None else); ``noise``: half the
+    spread of the rounds' differences, at least the floor it was judged with; ``low``/``high``: a 95% bootstrap
+    interval of their mean (rounds resampled as pairs; with three rounds it spans the rounds). ``b_ahead``: rounds
+    in which B was the better side. The verdict: ``"A better"``/``"B better"`` where the interval lies wholly on
+    one side of 0 and the median lies beyond the noise, the same way; else ``"tie"``."""
+
+    rounds: int
+    change: float
+    ratio: float | None
+    noise: float
+    low: float | None
+    high: float | None
+    b_ahead: int
+    verdict: str  # "A better" | "B better" | "tie"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def paired_difference(a: Sequence[float], b: Sequence[float], higher_is_better: bool = True, floor: float = 0.05,
+                      seed: int = 0) -> PairedDifference | None:  # fmt: skip
+    """B against A from per-round pairs ``a[i]``, ``b[i]`` (see :class:`PairedDifference`); rounds where either is
+    missing or both are 0 are left out; None with fewer than two rounds left."""
+    pairs = [(x, y) for x, y in zip(a, b, strict=True) if math.isfinite(x) and math.isfinite(y) and x + y > 0]
+    if len(pairs) < 2:
+        return None
+    diffs = [(y - x) / ((x + y) / 2) for x, y in pairs]
+    change = float(np.median(diffs))
+    ratios = [y / x for x, y in pairs if x > 0 and y > 0]
+    ratio = float(np.median(ratios)) if len(ratios) == len(pairs) else None
+    noise = max(floor, (max(diffs) - min(diffs)) / 2)
+    interval = bootstrap_mean(diffs, seed=seed)
+    low, high = (interval.low, interval.high) if interval is not None else (None, None)
+    sign = 1.0 if higher_is_better else -1.0
+    b_ahead = sum(1 for d in diffs if sign * d > 0)
+    verdict = "tie"
+    if low is not None and high is not None and abs(change) > noise:
+        if sign * low > 0 and sign * high > 0 and sign * change > 0:
+            verdict = "B better"
+        elif sign * low < 0 and sign * high < 0 and sign * change < 0:
+            verdict = "A better"
+    return PairedDifference(len(pairs), change, ratio, noise, low, high, b_ahead, verdict)
