@@ -50,7 +50,7 @@ CASES = (
     Case("granite-4.0-h-no-prefix", "granite-4.0-h", {"max_model_len": 4096, "enable_prefix_caching": False}),
     Case("granite-4.0-h-bf16", "granite-4.0-h", {"max_model_len": 4096, "dtype": "bfloat16"}),
     Case("jamba", "jamba", {"max_model_len": 4096}),
-    Case("qwen3-next", "qwen3-next", {"max_model_len": 4096}),
+    Case("qwen3-next", "qwen3-next", {"max_model_len": 4096, "dtype": "bfloat16"}),  # the CPU GDN kernel: bf16 only
     Case("gpt-oss-bf16", "gpt-oss", {"max_model_len": 8192, "dtype": "bfloat16"}),
     Case("mistral-sliding", "mistral-sliding", {"max_model_len": 8192}),
 )
@@ -187,7 +187,7 @@ def main() -> int:
             continue
         error = "" if row["error_pct"] is None else f"{row['error_pct']:+.2f}%"
         served = f"{row['generated_tokens']} tokens" if row["served"] else f"no: {row['serve_error']}"
-        print(f"| {row['case']} | {row['vllm_tokens']:,} | {row['vllm_concurrency']} | {row['vllm_block_size']} | "
+        print(f"| {row['case']} | {row['vllm_tokens']:,} | {row['vllm_concurrency']} | {row['vllm_block_size'] or '-'} | "
               f"{planned} | {row.get('planned_concurrency', '')} | {row.get('planned_block_size', '')} | {error} | "
               f"{served} |")  # fmt: skip
     if args.json:
