@@ -20,7 +20,8 @@ group (two or three under prefix caching's ``align`` mode) whatever its length. 
 (Nemotron-H) hold nothing. Falcon-H1 registers an attention layer and a Mamba layer for each decoder layer.
 
 In-flight tokens are every concurrently scheduled batch's ``max_num_batched_tokens`` (two batches
-with async scheduling, vLLM's default; pipeline stages + 1 with PP). When the hybrid manager is
+with async scheduling, vLLM's default; pipeline stages + 1 with PP; one on the CPU build, which turns
+async scheduling off). When the hybrid manager is
 off (``--disable-hybrid-kv-cache-manager``, and by default for chunked-local attention) every
 local layer is promoted to full attention. Pure; no vLLM import.
 """

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from servetune.capacity.advice import advise
-from servetune.capacity.arch import ModelArch, WeightQuant
+from servetune.capacity.arch import MambaMixer, ModelArch, WeightQuant
 from servetune.capacity.draft import DraftCost, draft_cost, speculative_config
 from servetune.capacity.encoder import EncoderBudget, encoder_budget
 from servetune.capacity.hardware import GIB, Hardware
@@ -243,8 +243,9 @@ def _ledger(
         if layout.hybrid:
             notes.append("the draft's KV layers are counted as one more page per block; vLLM's grouping of a "
                          "hybrid model's layers with a drafter's is not modelled exactly")  # fmt: skip
-    # Tokens scheduled but not yet freed: one batch per concurrent step (async scheduling: PP + 1).
-    in_flight = s.max_num_batched_tokens * (pp + 1 if args.async_scheduling is not False else pp)
+    # Tokens scheduled but not yet freed: one batch per concurrent step (async scheduling: PP + 1). The CPU build
+    # turns async scheduling off whatever was asked (vLLM 0.32 CpuPlatform.check_and_update_config).
+    in_flight = s.max_num_batched_tokens * (pp + 1 if args.async_scheduling is not False and not cpu else pp)
     blocks = int(kv_bytes // page) if kv_bytes > 0 else 0
 
     def per_request(length: int) -> int:
@@ -421,7 +422,7 @@ def _mamba_state(arch: ModelArch, args: CapacityArgs, s: Settings, profile: Engi
     tp = s.tensor_parallel_size
     if tp_problem(arch.mamba, tp) is not None:  # structural_problem says why; no page to size
         return _MambaState(layers=layers)
-    page = state_bytes(arch.mamba, s.dtype, tp, args.mamba_cache_dtype, args.mamba_ssm_cache_dtype)
+    page = state_bytes(arch.mamba, s.dtype, tp, args.mamba_cache_dtype, _ssm_dtype(arch.mamba, args, s))
     mode = profile.mamba_prefix_caching
     prefix = args.enable_prefix_caching if args.enable_prefix_caching is not None else mode == "default"
     problem = None
@@ -432,3 +433,14 @@ def _mamba_state(arch: ModelArch, args: CapacityArgs, s: Settings, profile: Engi
     # MambaSpec.max_memory_usage_bytes: 1 page, or in align mode 2 plus MambaMixer2's prefill checkpoint
     blocks = (3 if arch.mamba.kind == "mamba2" else 2) if prefix else 1
     return _MambaState(layers, page, blocks, page * layers, problem, arch.mamba.kind)
+
+
+def _ssm_dtype(mixer: MambaMixer, args: CapacityArgs, s: Settings) -> str:
+    """The SSM state's dtype as asked, except on the CPU build: vLLM 0.32's ``CpuPlatform.check_and_update_config``
+    keeps it in float32 on a host with AVX-512 BF16 (assumed: where a half-precision model serves natively), unless
+    a gated-DeltaNet model asks for a half one (its accelerated kernel's). Measured: ``bench/arch_vllm.py``'s
+    granite-4.0-h-bf16 case."""
+    asked = args.mamba_ssm_cache_dtype
+    if s.device != "cpu" or (mixer.kind == "gated_delta_net" and asked in ("float16", "bfloat16")):
+        return asked
+    return "float32"

@@ -127,6 +127,13 @@ def build_tiny_model(out: Path, seed: int = SEED) -> Path:
     (out / "generation_config.json").write_text(
         json.dumps({"bos_token_id": BYTE_TOKENS, "eos_token_id": BYTE_TOKENS + 1}, indent=2) + "\n"
     )
+    write_tokenizer(out, TINY_CONFIG["max_position_embeddings"])
+    save_file(_weights(TINY_CONFIG, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def write_tokenizer(out: Path, model_max_length: int) -> None:
+    """The byte-level tokenizer and its chat template into the model directory ``out`` (which must exist)."""
     (out / "tokenizer.json").write_text(_tokenizer_json() + "\n")
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -135,15 +142,13 @@ def build_tiny_model(out: Path, seed: int = SEED) -> Path:
         "pad_token": EOS,
         "add_bos_token": False,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": TINY_CONFIG["max_position_embeddings"],
+        "model_max_length": model_max_length,
         "chat_template": CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
     (out / "special_tokens_map.json").write_text(
         json.dumps({"bos_token": BOS, "eos_token": EOS, "pad_token": EOS}, indent=2) + "\n"
     )
-    save_file(_weights(TINY_CONFIG, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
 
 
 #: The tiny adapter: PEFT LoRA of this rank on these modules of every layer.
