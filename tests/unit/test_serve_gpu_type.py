@@ -6,6 +6,7 @@ the bundles on a real Ray whose nodes declare two types."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 from pathlib import Path
@@ -194,3 +195,157 @@ def test_serve_check_pins_to_the_gpu_the_trial_recorded_where_the_space_names_no
     assert main(["serve-check", str(study), "--pick", "t1", "--replicas", "1"]) == 0
     assert json.loads((study / "serve-check.json").read_text())["llm_config"]["accelerator_type"] == "H100"
     assert fetched[0]["gpu_type"] == "H100"
+
+
+def test_each_model_is_fetched_once_per_place_the_nodes_of_a_gpu_type_being_a_place_of_their_own(fetched):
+    import io
+
+    from rich.console import Console
+
+    from servetune.cli.prefetching import PointPrefetch
+
+    prefetch = PointPrefetch(Console(file=io.StringIO()), spinner=False)
+    for model, through_ray, gpu_type in [
+        ("org/m", True, "H100"), ("org/m", True, "H100"),  # the runner-up of the same model and type: once
+        ("org/m", True, "A100"),  # a candidate measured on another type: that type's nodes fetch it
+        ("org/other", True, "H100"),  # a candidate of another model: fetched too
+        ("org/m", False, None), ("org/m", False, "H100"),  # on this machine, whatever the type: once
+    ]:  # fmt: skip
+        prefetch(model, {}, {}, "gpu", through_ray, gpu_type)
+    assert [(c["model"], c["through_ray"], c["gpu_type"]) for c in fetched] == [
+        ("org/m", True, "H100"), ("org/m", True, "A100"), ("org/other", True, "H100"), ("org/m", False, None),
+    ]  # fmt: skip
+    assert len(prefetch.records) == 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What verify/run.py's ``started`` reads of a trial's spec."""
+
+    model: str
+    gpu: str | None
+    serve_replicas: int | None = 1
+    device: str = "gpu"
+    gpu_type: str | None = None
+    trial_id: str = "t"
+
+
+def chosen(model: str, gpu: str | None, serve_replicas: int | None = 1, trial_id: str = "t") -> Any:
+    return types.SimpleNamespace(spec=Spec(model, gpu, serve_replicas, trial_id=trial_id), trial_id=trial_id,
+                                 result=types.SimpleNamespace(environment={}))  # fmt: skip
+
+
+class Place:
+    """A Ray cluster or an engine as ``started`` opens them, saying when."""
+
+    def __init__(self, events: list[str], what: str, nodes: list[dict[str, float]] | None = None) -> None:
+        self.events, self.what, self._nodes = events, what, nodes or []
+
+    def nodes(self) -> list[dict[str, float]]:
+        return self._nodes
+
+    def __enter__(self) -> Place:
+        self.events.append(f"{self.what} started")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.events.append(f"{self.what} stopped")
+
+
+def test_verify_pins_each_deployment_and_fetches_what_starts_later_before_the_winner_starts(tmp_path, monkeypatch):
+    import servetune.verify.run as verification
+
+    events: list[str] = []
+    cluster_nodes = [HEAD, H100, A100]
+    monkeypatch.setattr(verification, "ServeCluster", lambda address, resources: Place(events, "ray", cluster_nodes))
+    monkeypatch.setattr(verification, "ServeEngine",
+                        lambda spec, folder, cluster: Place(events, f"serve {spec.model} on {spec.gpu_type}"))  # fmt: skip
+    monkeypatch.setattr(verification, "trial_needs", lambda spec: types.SimpleNamespace(resources=lambda: {"CPU": 1}))
+    monkeypatch.setattr(verification, "_in_ray", lambda: False)
+
+    def prefetch(spec: Any, through_ray: bool) -> None:
+        events.append(f"prefetch {spec.model} {f'on the {spec.gpu_type} nodes' if through_ray else 'here'}")
+
+    log = tmp_path / "engine.log"
+    winner = chosen("org/m", "H100-SXM", trial_id="w")
+    later = [chosen("org/other", "A100-80GB", trial_id="c"), chosen("org/bare", "L4", serve_replicas=None)]
+    with verification.started(winner, log, "auto", prefetch=prefetch, later=later):
+        pass
+    # The canary's candidate of another model, on its own type, fetched before the winner starts; a bare runner-up
+    # runs on this machine, whatever its type.
+    assert events == ["ray started", "prefetch org/m on the H100 nodes", "prefetch org/other on the A100 nodes",
+                      "prefetch org/bare here", "serve org/m on H100 started", "serve org/m on H100 stopped",
+                      "ray stopped"]  # fmt: skip
+    # A cluster without the type of what starts later: refused before anything is fetched or deployed.
+    events.clear()
+    cluster_nodes = [HEAD, H100, L4]
+    refused = (r"^trial c was measured on A100-80GB GPUs \(Ray accelerator_type A100\); the Ray cluster at auto has "
+               r"GPUs of type H100, L4 only: nothing was deployed$")  # fmt: skip
+    with pytest.raises(UserError, match=refused), verification.started(winner, log, "auto", None, prefetch, later[:1]):
+        pass
+    assert events == ["ray started", "ray stopped"]
+
+
+def test_verify_checks_and_fetches_with_the_winner_the_runner_up_it_compares_or_the_canarys_candidate(monkeypatch):
+    import servetune.verify.run as verification
+    from servetune.verify.canary import CANARY
+    from servetune.verify.choose import Chosen
+
+    class Stop(Exception):
+        pass
+
+    given: list[list[Any]] = []
+
+    def with_engine(chosen, log, timeouts, prompts, budget, progress, body, address=None, also=None, prefetch=None,
+                    later=()):  # fmt: skip
+        given.append(list(later))
+        raise Stop
+
+    def of(model: str, serve_replicas: int | None) -> Chosen:
+        spec = RankedSpec(model, serve_replicas)
+        return Chosen(point=None, result=types.SimpleNamespace(trial_id=model), spec=spec, level=None)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(verification, "with_engine", with_engine)
+    monkeypatch.setattr(verification, "Timeouts", types.SimpleNamespace(from_slo=lambda slo, timeout: None))
+    monkeypatch.setattr(verification, "trial_needs", lambda spec: types.SimpleNamespace(resources=lambda: {"CPU": 1}))
+    winner, runner_up = of("org/w", 2), of("org/r", None)
+    selection = types.SimpleNamespace(winner=winner, runner_up=runner_up, study_dir=Path("/nowhere"))
+    for extra, compare, expected in [
+        ((), True, [("org/r", None)]),  # the runner-up compared: as it ran (bare: on this machine)
+        ((CANARY,), False, [("org/r", 1)]),  # the canary's candidate: through Serve, beside the winner
+        ((), False, []),
+    ]:
+        with pytest.raises(Stop):
+            verification.verify(selection, None, None, None, runner_up=compare, extra=extra)  # type: ignore[arg-type]
+        assert [(c.spec.model, c.spec.serve_replicas) for c in given[-1]] == expected, (extra, compare)
+
+
+@dataclasses.dataclass(frozen=True)
+class RankedSpec:
+    """What ``verify`` reads of the winner's and the runner-up's specs before it starts the winner."""
+
+    model: str
+    serve_replicas: int | None
+    slo: Any = None
+    request_timeout_s: float = 60.0
+    startup_timeout_s: float = 60.0
+    engine_args: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def test_a_rolling_update_moves_the_deployment_to_the_new_configuration_on_the_type_it_is_pinned_to(
+    tmp_path, monkeypatch
+):  # fmt: skip
+    from servetune.serve import trial as serve_trial
+
+    built: list[Any] = []
+    monkeypatch.setattr(serve_trial, "trial_llm_config", lambda spec: built.append(spec) or {"model": spec.model})
+    sent: list[dict[str, Any]] = []
+    cluster = types.SimpleNamespace(engine_replicas=lambda name: ["a0"],
+                                    redeploy=lambda name, config, route_prefix: sent.append(config))  # fmt: skip
+    winner = Spec("org/m", "H100-SXM", gpu_type="H100")
+    engine = serve_trial.ServeEngine(types.SimpleNamespace(study="demo", trial_id="t1", gpu_type="H100"), tmp_path,  # type: ignore[arg-type]
+                                     cluster)  # fmt: skip
+    runner_up = Spec("org/m", "A100-80GB")  # as verify built it (unpinned), measured on another type
+    assert engine.update(runner_up) == ["a0"]  # type: ignore[arg-type]
+    assert [(s.model, s.gpu_type) for s in built] == [("org/m", "H100")] and sent == [{"model": "org/m"}]
+    assert runner_up.gpu_type is None and winner.gpu_type == "H100"  # its own spec is left as it was
