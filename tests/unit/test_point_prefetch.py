@@ -122,6 +122,9 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.events.append(f"{self.what} stopped")
 
+    def nodes(self) -> list[dict[str, float]]:  # as a Ray cluster: one node, of no GPU type
+        return [{"CPU": 4.0}]
+
 
 def test_verify_fetches_before_each_engine_starts_here_or_on_the_cluster_it_deploys_to(tmp_path, monkeypatch):
     import servetune.verify.run as verification
@@ -141,7 +144,8 @@ def test_verify_fetches_before_each_engine_starts_here_or_on_the_cluster_it_depl
     with verification.started(bare, log, prefetch=prefetch):  # type: ignore[arg-type]
         pass
     assert events == ["prefetch org/m here", "vllm started", "vllm stopped"]
-    served = types.SimpleNamespace(spec=types.SimpleNamespace(serve_replicas=2, model="org/m"))
+    spec = types.SimpleNamespace(serve_replicas=2, model="org/m", device="cpu", gpu=None, gpu_type=None, trial_id="t")
+    served = types.SimpleNamespace(spec=spec, result=types.SimpleNamespace(environment={}))
     for address, where in ((None, "here"), ("10.0.0.1:6379", "on the cluster")):
         events.clear()
         with verification.started(served, log, address, prefetch=prefetch):  # type: ignore[arg-type]

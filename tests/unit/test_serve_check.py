@@ -97,6 +97,9 @@ class FakeCluster:
     def available(self):
         return {"CPU": 8.0}
 
+    def nodes(self):  # each live node's resources: one CPU node, which declares no GPU type
+        return [{"CPU": 8.0}]
+
     def applications(self):
         return dict(self.running)
 

@@ -226,11 +226,16 @@ def test_a_studys_verification_through_serve_deploys_on_the_studys_ray_and_verif
             made.append(("cluster", address, None))
 
         def __enter__(self):
-            return "own Ray"
+            return own_ray
+
+        def nodes(self):  # a CPU node: nothing to pin the replicas to
+            return [{"CPU": 4.0}]
 
         def __exit__(self, *exc):
             made.append(("stopped", None, None))
 
+    own_ray = Cluster(None, {})
+    made.clear()
     monkeypatch.setattr(run, "ServeEngine", Engine)
     monkeypatch.setattr(run, "ServeCluster", Cluster)
     log = tmp_path / "v" / "engine.log"
@@ -241,7 +246,7 @@ def test_a_studys_verification_through_serve_deploys_on_the_studys_ray_and_verif
     with run.started(chosen, log):
         pass
     assert made == [("engine", 2, None), ("left", None, None),
-                    ("cluster", None, None), ("engine", 2, "own Ray"), ("left", None, None), ("stopped", None, None)]  # fmt: skip
+                    ("cluster", None, None), ("engine", 2, own_ray), ("left", None, None), ("stopped", None, None)]  # fmt: skip
 
 
 def serve_study(tmp_path, replicas):

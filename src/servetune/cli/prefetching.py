@@ -26,21 +26,22 @@ def add_no_prefetch(parser: argparse.ArgumentParser) -> None:
 
 @dataclass
 class PointPrefetch:
-    """Fetches each model once per place (this machine, or the Ray cluster's nodes) and keeps the records.
+    """Fetches each model once per place (this machine, or the Ray cluster's nodes of a GPU type) and keeps the records.
     ``spinner``: show a spinner while it runs (off where the caller's own is on: rich runs one at a time)."""
 
     console: Console
     spinner: bool = True
     records: list[WeightsPrefetch] = field(default_factory=list)
-    done: set[tuple[str, bool]] = field(default_factory=set)
+    done: set[tuple[str, bool, str | None]] = field(default_factory=set)
 
     def __call__(self, model: str, env: Mapping[str, str], engine_args: Mapping[str, Any], device: str,
                  through_ray: bool, gpu_type: str | None = None) -> None:  # fmt: skip
         from servetune.prefetch import prefetch_point
 
-        if (model, through_ray) in self.done:
+        place = (model, through_ray, gpu_type if through_ray else None)
+        if place in self.done:
             return
-        self.done.add((model, through_ray))
+        self.done.add(place)
 
         def say(line: str) -> None:
             self.console.print(line, soft_wrap=True, highlight=False, markup=False)

@@ -25,10 +25,13 @@ study measured for that trial at the same level (the router's TTFT overhead), an
 efficiency (throughput at N replicas / (N x throughput at 1)); the requests each replica handled
 (Serve's own per-replica counter). Writes serve-check.json in the study directory.
 
-Before the first deployment, a hub model's weights are fetched where the replicas run (this machine
-for a local Ray; at --address, one Ray task on each node that can host a replica), outside the
-replicas' start-up; serve-check.json keeps each download (prefetch). --no-prefetch leaves the
-download to the replicas.
+On GPUs every deployment is pinned to the GPU type the trial was measured on (accelerator_type in
+its LLMConfig, as export --accelerator-type writes it) where the cluster's nodes declare types; a
+cluster with none of that type is refused in one line, naming the types it has, before anything
+is deployed. Before the first deployment, a hub model's weights are fetched where the replicas run
+(this machine for a local Ray; at --address, one Ray task on each node that can host a replica, of
+that GPU type), outside the replicas' start-up; serve-check.json keeps each download (prefetch).
+--no-prefetch leaves the download to the replicas.
 
 The operating point is --headroom (default 0.8, as export) times the lower of the trial's
 capacity at the SLO and its knee (where throughput stopped growing with load), in whole clients
@@ -220,7 +223,14 @@ def run(args: argparse.Namespace) -> int:
     from servetune.cli.bench import exit_on_sigterm, run_levels
     from servetune.cli.display import console as make_console
     from servetune.cli.prefetching import PointPrefetch
-    from servetune.cli.serve_check_parts import layout_args, make_ramp, ramp_autoscaling, ramp_policies, routing_args
+    from servetune.cli.serve_check_parts import (
+        layout_args,
+        make_ramp,
+        pin_to_measured_gpu,
+        ramp_autoscaling,
+        ramp_policies,
+        routing_args,
+    )
     from servetune.cli.serve_check_tables import (
         layouts_table,
         policies_table,
@@ -369,14 +379,16 @@ def run(args: argparse.Namespace) -> int:
         partial.prefetch = list(prefetched.records)
         so_far[:] = [partial]
 
+    joined = f"the Ray cluster at {args.address}" if args.address else "the local Ray"
     try:
+        picked, typed = pin_to_measured_gpu(picked, cluster.nodes(), joined, console)  # refused before anything
         refuse_running(cluster, name, args.replace)
         for each in needed:
-            check_cluster_fits(cluster, each, f"the Ray cluster at {args.address}" if args.address else "the local Ray")
-        if not args.no_prefetch:  # where the replicas run, before the first one's start-up clock
+            check_cluster_fits(cluster, each, joined, typed)
+        if not args.no_prefetch:  # where the replicas run (its GPU type's nodes), before the first one's start-up
             deployed = llm_config(picked.point, 1)
             prefetched(model, deployed.get("runtime_env", {}).get("env_vars", {}), picked.point.engine_args,
-                       picked.point.device, through_ray=args.address is not None)  # fmt: skip
+                       picked.point.device, through_ray=args.address is not None, gpu_type=picked.gpu_type)  # fmt: skip
         owned = True
         result = run_check(
             picked, replicas, cluster, name, measure, teardown, address=args.address,

@@ -1,13 +1,14 @@
 """serve-check's optional parts, checked before Ray starts: the layouts of one device budget (``--layouts``,
 ``--budget``), the routers and their workload (``--routers``), and the ramp of the derived autoscaling
 (``--ramp``) with the driver that offers it. Each refuses what cannot run in one line, before anything deploys.
+Once Ray is joined, the replicas are pinned to the GPU type the trial was measured on (:func:`pin_to_measured_gpu`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -22,6 +23,22 @@ if TYPE_CHECKING:
     from servetune.serve.layouts import Layout
     from servetune.serve.plan import Needs
     from servetune.serve.study import PickedStudy
+
+
+def pin_to_measured_gpu(
+    picked: PickedStudy, nodes: Sequence[Mapping[str, float]], where: str, console: Console
+) -> tuple[PickedStudy, tuple[str, float] | None]:
+    """The pick with every deployment pinned to the GPU type its trial was measured on, where the cluster's nodes
+    declare types (``PickedStudy.pinned``: refused in one line where none is of that type), said in a line; and that
+    type with the GPUs its nodes have, for the fit check (None: not pinned)."""
+    from servetune.serve.plan import gpus_of_type
+
+    pinned = picked.pinned(nodes, where)
+    if pinned.gpu_type is None:
+        return pinned, None
+    console.print(f"replicas pinned to GPU type {pinned.gpu_type} (accelerator_type), as trial "
+                  f"{picked.point.trial_id} was measured on {picked.measured_gpu}", soft_wrap=True, highlight=False)  # fmt: skip
+    return pinned, (pinned.gpu_type, gpus_of_type(nodes, pinned.gpu_type))
 
 
 @dataclasses.dataclass

@@ -168,9 +168,13 @@ def refuse_running(cluster: Cluster, name: str, replace: bool) -> None:
     cluster.delete(name)
 
 
-def check_cluster_fits(cluster: Cluster, need: Needs, where: str) -> None:
+def check_cluster_fits(cluster: Cluster, need: Needs, where: str, typed: tuple[str, float] | None = None) -> None:
+    """Refuse a replica count the cluster's free resources cannot hold. ``typed``: the GPU type the replicas are pinned
+    to and the GPUs its nodes have in all: only those count."""
     free = cluster.available()
     devices = free.get("GPU", 0.0) if need.device == "GPU" else free.get("CPU", 0.0)
+    if typed is not None and need.device == "GPU":
+        devices, where = min(devices, typed[1]), f"{where} (its {typed[0]} nodes)"
     check_fits(need, devices, free.get("CPU", 0.0), where)
 
 
@@ -233,7 +237,8 @@ def run_check(
     layout), so a check stopped or broken half-way still has what it measured (routers and layouts so far
     carry no verdict: the comparison is not complete)."""
     point = picked.point
-    first = llm_config(point, 1)
+    pinned = picked.gpu_type  # the GPU type it was measured on (PickedStudy.pinned), in every deployment below
+    first = llm_config(point, 1, accelerator_type=pinned)
     served = first["model_loading_config"]["model_id"]
     deployer = Deployer(cluster, name, picked.startup_timeout_s, teardown)
     runs: list[ReplicaRun] = []
@@ -261,7 +266,7 @@ def run_check(
             keep(result())
 
     for count in replicas:
-        deployed = deployer.deploy(llm_config(point, count))
+        deployed = deployer.deploy(llm_config(point, count, accelerator_type=pinned))
         if on_ready is not None:
             on_ready(count, deployed.ready_s)
         before = cluster.requests_per_replica(name)
@@ -274,7 +279,7 @@ def run_check(
         for each in ramps if not ramped else []:
             # On the engines running: the derived autoscaling's initial_replicas is its minimum, so Serve scales
             # a larger count down to it before the deployment is HEALTHY, and the ramp starts from there.
-            up = deployer.deploy(autoscaled_llm_config(point, each.deployment_config))
+            up = deployer.deploy(autoscaled_llm_config(point, each.deployment_config, pinned))
             ramped.append(
                 each.run(cluster.url, served).model_copy(update={"ready_s": up.ready_s, "engines_reused": up.reused})
             )
@@ -309,7 +314,8 @@ def compare_routers(
     runs: list[RouterRun] = []
     level: dict[str, float] = {}
     for router in routing.routers:
-        deployed = deployer.deploy(routed_llm_config(llm_config(picked.point, routing.replicas), router))
+        config = llm_config(picked.point, routing.replicas, accelerator_type=picked.gpu_type)
+        deployed = deployer.deploy(routed_llm_config(config, router))
         before = cluster.replica_counters(name)
         measured = routing.measure(cluster.url, served, router)
         after = cluster.replica_counters(name)
@@ -334,7 +340,8 @@ def compare_layouts(
     fails is recorded with Serve's message and its replicas' log tail, and the next one is deployed."""
     point = picked.point
     pp = point_pp(point)
-    configs = {layout: llm_config(layout_point(point, layout, spec.cores), layout.replicas) for layout in spec.layouts}
+    configs = {layout: llm_config(layout_point(point, layout, spec.cores), layout.replicas,
+                                  accelerator_type=picked.gpu_type) for layout in spec.layouts}  # fmt: skip
     order = sorted(spec.layouts, key=lambda layout: engine_version(configs[layout]) != deployer.running)
     runs: list[LayoutRun] = []
 

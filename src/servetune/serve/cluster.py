@@ -102,6 +102,12 @@ class ServeCluster:
 
         return dict(ray.available_resources())
 
+    def nodes(self) -> list[dict[str, float]]:
+        """Each live node's resources, all of them (its ``accelerator_type:T`` says its GPU type)."""
+        import ray
+
+        return [dict(node["Resources"]) for node in ray.nodes() if node.get("Alive")]
+
     def applications(self) -> dict[str, str]:
         """Serve applications on the cluster and their status."""
         from ray import serve

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from servetune.capacity.hardware import ACCELERATOR, gpu_types, ray_accelerator_type
 from servetune.errors import UserError
 from servetune.report.autoscale_policy import POLICY_FUNCTION
 from servetune.report.export import SIGNALS_SERVER_CLASS, health_check_config, ray_serve_app
@@ -104,10 +105,12 @@ def llm_config(
     return config
 
 
-def autoscaled_llm_config(point: ReportPoint, deployment_config: Mapping[str, Any]) -> dict[str, Any]:
+def autoscaled_llm_config(
+    point: ReportPoint, deployment_config: Mapping[str, Any], accelerator_type: str | None = None
+) -> dict[str, Any]:
     """The ``LLMConfig`` of :func:`llm_config` with the derived autoscaling's deployment config (and the health check
     export sets); under the predictive policy its replicas record the engine signals it reads, as exported."""
-    config = llm_config(point, 1)
+    config = llm_config(point, 1, accelerator_type=accelerator_type)
     config["deployment_config"] = health_check_config() | copy.deepcopy(dict(deployment_config))
     policy = (deployment_config.get("autoscaling_config") or {}).get("policy") or {}
     if policy.get("policy_function") == POLICY_FUNCTION:
@@ -124,6 +127,36 @@ def needs(point: ReportPoint, config: Mapping[str, Any], replicas: int) -> Needs
         replicas=replicas, device="GPU" if point.device == "gpu" else "CPU", devices_per_replica=per_replica,
         cpus_per_replica=bundle_cpus + REPLICA_ACTOR_CPUS,
     )  # fmt: skip
+
+
+def measured_gpu(device: str, gpu: str | None, environment: Mapping[str, str]) -> str | None:
+    """The GPU a trial was measured on: its ``gpu`` (the ``gpu`` parameter, else ``hardware.gpu``), else the name NVML
+    gave the trial's GPUs (its environment's ``gpu_model``); None on the CPU build, or where neither is known."""
+    if device != "gpu":
+        return None
+    return gpu or environment.get("gpu_model") or None
+
+
+def pin_gpu_type(gpu: str | None, nodes: Sequence[Mapping[str, float]], trial_id: str, where: str) -> str | None:
+    """The Ray accelerator type a point's replicas are pinned to (``accelerator_type`` in its ``LLMConfig``, as
+    ``export --accelerator-type`` writes it): the type of ``gpu``, the GPU its trial was measured on
+    (:func:`measured_gpu`), as trials are pinned (trial/context.py ``pinned_gpu_type``). ``nodes``: each live node's
+    resources. None where nothing can be pinned: no GPU known, one the catalogue gives no Ray type, or a cluster whose
+    nodes declare no type (GPUs given by hand, or an autoscaler yet to start a GPU node): they cannot be told apart.
+    A cluster whose nodes declare types, none of them that one: refused in one line, before anything is deployed."""
+    wanted = ray_accelerator_type(gpu) if gpu else None
+    declared = gpu_types(nodes)
+    if wanted is None or not declared:
+        return None
+    if wanted not in declared:
+        raise UserError(f"trial {trial_id} was measured on {gpu} GPUs (Ray accelerator_type {wanted}); {where} has "
+                        f"GPUs of type {', '.join(declared)} only: nothing was deployed")  # fmt: skip
+    return wanted
+
+
+def gpus_of_type(nodes: Sequence[Mapping[str, float]], gpu_type: str) -> float:
+    """The GPUs of the nodes that declare ``gpu_type`` (their ``accelerator_type:T``), all of them."""
+    return sum(node.get("GPU", 0.0) for node in nodes if node.get(ACCELERATOR + gpu_type, 0.0) > 0)
 
 
 def check_fits(need: Needs, devices: float, cpus: float, where: str) -> None:

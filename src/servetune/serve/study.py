@@ -4,6 +4,7 @@ trial's operating point (report/operating.py: headroom x min(capacity at the SLO
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from servetune.report.export import pick_point
 from servetune.report.operating import DEFAULT_HEADROOM, OperatingLoad, operating_point_of
 from servetune.report.points import ReportPoint
 from servetune.results import TrialResult
+from servetune.serve.plan import measured_gpu, pin_gpu_type
 from servetune.space_file import load_study_space
 from servetune.trial.context import resolve_levels
 from servetune.trial.measure import LevelPlan
@@ -32,6 +34,8 @@ class PickedStudy:
     plans: tuple[LevelPlan, ...]  # the study's ladder, sized as its trials sized it
     trial_points: tuple[ReportPoint, ...] = ()  # every level of the picked trial, as the report sees it
     operating: OperatingLoad | None = None  # where a replica runs: the load the routers and layouts are offered
+    # the Ray accelerator type its replicas are pinned to, once the cluster is known (:meth:`pinned`); None: not pinned
+    gpu_type: str | None = None
 
     @property
     def slo(self) -> Slo:
@@ -44,6 +48,16 @@ class PickedStudy:
         if self.operating is None or self.operating.kind != level.kind:
             return level
         return dataclasses.replace(level, value=self.operating.value)
+
+    @property
+    def measured_gpu(self) -> str | None:
+        """The GPU the picked trial was measured on (serve/plan.py :func:`measured_gpu`)."""
+        return measured_gpu(self.point.device, self.space.gpu_for(dict(self.trial.params)), self.trial.environment)
+
+    def pinned(self, nodes: Sequence[Mapping[str, float]], where: str) -> PickedStudy:
+        """This pick with its replicas pinned to the GPU type it was measured on, where ``nodes`` (each live node's
+        resources) declare types (serve/plan.py :func:`pin_gpu_type`: refused in one line where none is of it)."""
+        return dataclasses.replace(self, gpu_type=pin_gpu_type(self.measured_gpu, nodes, self.point.trial_id, where))
 
     @property
     def startup_timeout_s(self) -> float:

@@ -13,8 +13,10 @@ Leaving deletes the application and waits until its replica processes on this no
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,7 @@ from servetune.results import ENGINE_LOG
 from servetune.serve.actors import wait_gone
 from servetune.serve.cluster import ServeCluster
 from servetune.serve.metrics import ReplicaCounts, replica_snapshots, replicas_snapshot
-from servetune.serve.plan import Needs, llm_config, needs
+from servetune.serve.plan import Needs, llm_config, measured_gpu, needs, pin_gpu_type
 from servetune.trial.runner import TrialSpec, write_atomic
 
 #: Placement the engine gets from Serve, not from the trial's environment.
@@ -62,6 +64,15 @@ def _shipped(spec: TrialSpec) -> tuple[ReportPoint, dict[str, str]]:
     point = ReportPoint(trial_id=spec.trial_id, params=spec.params, engine_args=spec.engine_args, env=env,
                         model=spec.model, device=spec.device, devices=spec.devices)  # fmt: skip
     return point, env
+
+
+def pinned_spec(spec: TrialSpec, environment: Mapping[str, str], nodes: Sequence[Mapping[str, float]],
+                where: str) -> TrialSpec:  # fmt: skip
+    """A trial's spec, started again on the cluster of ``nodes`` (each live node's resources) outside its study
+    (``verify``), with its replicas pinned to the GPU type it was measured on (its ``gpu``, else the name NVML gave in
+    its ``environment``): serve/plan.py ``pin_gpu_type``, which refuses in one line a cluster with none of that type."""
+    gpu_type = pin_gpu_type(measured_gpu(spec.device, spec.gpu, environment), nodes, spec.trial_id, where)
+    return spec if gpu_type == spec.gpu_type else dataclasses.replace(spec, gpu_type=gpu_type)
 
 
 def trial_llm_config(spec: TrialSpec) -> dict[str, Any]:
@@ -217,12 +228,13 @@ class ServeEngine:
     def update(self, spec: TrialSpec | None = None) -> list[str]:
         """Move the deployment to ``spec``'s configuration (default: the trial's own again, a new version all the
         same, so Serve replaces every replica) under load, through Serve's update path (verify's rolling_update
-        scenario), without waiting for it. Its ``LLMConfig`` is built now, on the cluster it runs on, as the trial's
-        was on entering (on a local Ray servetune started, its replicas claim cores of their own). The LLM replicas'
-        actor ids before the update, for :meth:`rolled_out`."""
+        scenario), without waiting for it; on the GPU type the deployment is pinned to. Its ``LLMConfig`` is built now,
+        on the cluster it runs on, as the trial's was on entering (on a local Ray servetune started, its replicas claim
+        cores of their own). The LLM replicas' actor ids before the update, for :meth:`rolled_out`."""
         assert self.cluster is not None
         old = self.cluster.engine_replicas(self.name)
-        config = trial_llm_config(spec or self.spec)
+        moved = self.spec if spec is None else dataclasses.replace(spec, gpu_type=self.spec.gpu_type)
+        config = trial_llm_config(moved)
         self.cluster.redeploy(self.name, config, route_prefix=f"/{self.name}")
         self.deployed = config
         return old

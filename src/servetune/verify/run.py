@@ -22,7 +22,7 @@ import json
 import signal
 import sys
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -33,7 +33,7 @@ from servetune.load.requests import PromptFactory
 from servetune.metrics import RequestRecord
 from servetune.results import ENGINE_LOG
 from servetune.serve.cluster import ServeCluster
-from servetune.serve.trial import ServeEngine, trial_needs
+from servetune.serve.trial import ServeEngine, pinned_spec, trial_needs
 from servetune.trial.runner import TrialSpec, vllm_engine
 from servetune.verify import scenarios as sc
 from servetune.verify.canary import CANARY, DEFAULT_SHARE, Deploy, canary
@@ -81,12 +81,16 @@ Prefetch = Callable[[TrialSpec, bool], object]
 
 @contextlib.contextmanager
 def started(chosen: Chosen, log_path: Path, address: str | None = None, also: Mapping[str, float] | None = None,
-            prefetch: Prefetch | None = None) -> Iterator[VllmServer | ServeEngine]:  # fmt: skip
+            prefetch: Prefetch | None = None, later: Sequence[Chosen] = ()) -> Iterator[VllmServer | ServeEngine]:  # fmt: skip
     """The chosen configuration, running as the study measured it: one vLLM server, or a trial through Ray
     Serve (``serve.num_replicas``) as that Serve application on a local Ray (or the one at ``address``), whose
-    replicas' vLLM log is kept at ``log_path``. Leaving stops it, and a Ray it started. ``also``: Ray resources a
-    local Ray declares beside the trial's (the canary's candidate, deployed on it later). ``prefetch``: run before
-    the engine starts, outside its start-up clock (on a study's own Ray the study prefetched: not run)."""
+    replicas' vLLM log is kept at ``log_path``, pinned to the GPU type its trial was measured on (:func:`pinned`).
+    Leaving stops it, and a Ray it started. ``also``: Ray resources a local Ray declares beside the trial's (the
+    canary's candidate, deployed on it later). ``prefetch``: run before the engine starts, outside its start-up clock
+    (on a study's own Ray the study prefetched: not run). ``later``: the configurations the verification starts after
+    this one (the runner-up, the canary's candidate): refused now where the cluster has none of their GPU type, before
+    anything is deployed, and fetched now, so the canary's candidate deployed beside this one does not download inside
+    its start-up whatever its model."""
     spec = chosen.spec
     assert log_path.name == ENGINE_LOG  # where a trial's engine, bare or through Serve, keeps its log
     if spec.serve_replicas is None:
@@ -106,10 +110,20 @@ def started(chosen: Chosen, log_path: Path, address: str | None = None, also: Ma
     for key, value in (also or {}).items():
         resources[key] = resources.get(key, 0.0) + value
     with ServeCluster(address, resources) as cluster:
+        spec = pinned(chosen, cluster, address)
+        others = [pinned(c, cluster, address) if c.spec.serve_replicas is not None else c.spec for c in later]
         if prefetch is not None:  # a local Ray runs on this machine: fetched here, else on the cluster's nodes
-            prefetch(spec, address is not None)
+            for each in (spec, *others):  # a bare one runs on this machine
+                prefetch(each, address is not None and each.serve_replicas is not None)
         with ServeEngine(spec, log_path.parent, cluster) as engine:
             yield engine
+
+
+def pinned(chosen: Chosen, cluster: ServeCluster, address: str | None) -> TrialSpec:
+    """``chosen``'s spec with its replicas pinned to the GPU type its trial was measured on, where the cluster's nodes
+    declare types (serve/trial.py ``pinned_spec``: refused in one line where none is of that type)."""
+    where = f"the Ray cluster at {address}" if address else "the local Ray"
+    return pinned_spec(chosen.spec, chosen.result.environment, cluster.nodes(), where)
 
 
 def _in_ray() -> bool:
@@ -150,10 +164,10 @@ def capacity_rate(chosen: Chosen) -> float | None:
 
 def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: PromptFactory, budget: sc.Budget,
                 progress: Progress, body: Callable[[sc.Target], Awaitable[T]], address: str | None = None,
-                also: Mapping[str, float] | None = None,
-                prefetch: Prefetch | None = None) -> tuple[EngineRun, T | None, list[RequestRecord]]:  # fmt: skip
-    """Start the chosen configuration (:func:`started`, after ``prefetch``), run ``body`` against it, always stop
-    it."""
+                also: Mapping[str, float] | None = None, prefetch: Prefetch | None = None,
+                later: Sequence[Chosen] = ()) -> tuple[EngineRun, T | None, list[RequestRecord]]:  # fmt: skip
+    """Start the chosen configuration (:func:`started`, after ``prefetch``; ``later``: as there), run ``body``
+    against it, always stop it."""
     spec = chosen.spec
     run = EngineRun(chosen.trial_id, log_path)
     records: list[RequestRecord] = []
@@ -164,7 +178,7 @@ def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: Pro
     )
     progress.step(f"starting vLLM for trial {chosen.trial_id}{through} (log: {log_path})")
     try:
-        with started(chosen, log_path, address, also, prefetch) as server:
+        with started(chosen, log_path, address, also, prefetch, later) as server:
             run.startup_s = server.startup_s
             run.cpu_binding = getattr(server, "cpu_binding", None)
             served = spec.engine_args.get("served_model_name") or spec.model
@@ -345,15 +359,28 @@ def goodput_per_device(values: list[float], devices: int) -> list[float]:
     return [v / max(devices, 1) for v in values]
 
 
+def as_candidate(chosen: Chosen) -> Chosen:
+    """The canary's candidate: ``chosen`` through Serve, at its study's replica count (one where it ran bare)."""
+    return dataclasses.replace(
+        chosen, spec=dataclasses.replace(chosen.spec, serve_replicas=chosen.spec.serve_replicas or 1)
+    )
+
+
 def canary_candidate(chosen: Chosen, log_dir: Path) -> tuple[Deploy, dict[str, float]]:
-    """The canary's candidate as a Serve application (at its study's replica count, one where it ran bare), whose
-    replicas' log is kept in ``log_dir``; and the Ray resources it takes beside the incumbent's."""
-    spec = dataclasses.replace(chosen.spec, serve_replicas=chosen.spec.serve_replicas or 1)
+    """The canary's candidate as a Serve application (:func:`as_candidate`), whose replicas' log is kept in
+    ``log_dir``; and the Ray resources it takes beside the incumbent's."""
+    spec = as_candidate(chosen).spec
     model = str(spec.engine_args.get("served_model_name") or spec.model)
 
     def open_candidate(incumbent: object) -> ServeEngine:  # on the cluster the incumbent's application runs on
         log_dir.mkdir(parents=True, exist_ok=True)  # where its replicas' log is kept (started() does it for a trial)
-        return ServeEngine(spec, log_dir, getattr(incumbent, "cluster", None))
+        cluster = getattr(incumbent, "cluster", None)
+        if cluster is None:  # a study's own Ray: its spec is pinned already
+            return ServeEngine(spec, log_dir, None)
+        # pinned to its own GPU type, as measured (started() refused a cluster without it, before the incumbent)
+        return ServeEngine(
+            pinned_spec(spec, chosen.result.environment, cluster.nodes(), "the cluster"), log_dir, cluster
+        )
 
     return Deploy(chosen.trial_id, model, open_candidate), trial_needs(spec).resources()
 
@@ -378,11 +405,14 @@ def verify(selection: Selection, budget: sc.Budget, prompts: PromptFactory, prog
         share = canary_share if canary_share is not None else DEFAULT_SHARE
         canary_run = functools.partial(canary, deploy=deploy, share=share, incumbent_id=winner.trial_id)
 
+    later: list[Chosen] = []  # what starts after the winner: checked and fetched with it
+    if selection.runner_up is not None and (runner_up or CANARY in extra):
+        later = [as_candidate(selection.runner_up) if CANARY in extra else selection.runner_up]
     run, results, records = with_engine(
         winner, verify_dir / winner.trial_id / "engine.log", timeouts, prompts, budget, progress,
         lambda t: _winner(t, progress, partial, extra, winner.spec.serve_replicas, winner.spec.startup_timeout_s,
                           update, canary_run),
-        address, also, prefetch,
+        address, also, prefetch, later,
     )  # fmt: skip
     scenarios = results or {}
     if run.stopped:  # what finished stands; the scenario it stopped in, and the rest, did not run
