@@ -54,21 +54,27 @@ def recheck_tags(doc: Mapping[str, Any]) -> dict[str, str]:
 
 def log_recheck(tracking_uri: str, doc: Mapping[str, Any], recheck_file: Path | None = None) -> str:
     """Log the re-check as a run of the study's experiment; returns one line saying what happened (never raises)."""
-    study = str(doc.get("study"))
+    values = [(k, v, 0) for k, v in recheck_metrics(doc).items()]
+    return _log_run(tracking_uri, str(doc.get("study")), "recheck", recheck_tags(doc), values, recheck_file)
+
+
+def _log_run(tracking_uri: str, study: str, what: str, tags: Mapping[str, str],
+             values: list[tuple[str, float, int]], artifact: Path | None) -> str:  # fmt: skip
+    """One finished run of the study's experiment: ``tags``, ``values`` as (name, value, step) metrics, ``artifact``
+    attached where it exists; one line back, never raises (:func:`log_to_study`)."""
 
     def log(client: MlflowClient, experiment_id: str) -> str:
         from mlflow.entities import Metric
 
-        run = client.create_run(experiment_id, tags=recheck_tags(doc))
+        run = client.create_run(experiment_id, tags=dict(tags))
         stamp = int(time.time() * 1000)
-        metrics = [Metric(k, v, stamp, 0) for k, v in recheck_metrics(doc).items()]
-        client.log_batch(run.info.run_id, metrics=metrics)
-        if recheck_file is not None and recheck_file.is_file():
-            client.log_artifact(run.info.run_id, str(recheck_file), RECHECK_ROLE)
+        client.log_batch(run.info.run_id, metrics=[Metric(k, v, stamp, step) for k, v, step in values])
+        if artifact is not None and artifact.is_file():
+            client.log_artifact(run.info.run_id, str(artifact), RECHECK_ROLE)
         client.set_terminated(run.info.run_id)
-        return f"recheck logged as run {run.info.run_id} of experiment '{study}'"
+        return f"{what} logged as run {run.info.run_id} of experiment '{study}'"
 
-    return log_to_study(tracking_uri, study, "recheck", log)
+    return log_to_study(tracking_uri, study, what, log)
 
 
 def paired_metrics(doc: Mapping[str, Any]) -> dict[str, float]:
@@ -89,21 +95,8 @@ def log_paired(tracking_uri: str, doc: Mapping[str, Any], paired_file: Path | No
             "recheck.trial_id": str(doc.get("a_trial_id")), "recheck.against": str(doc.get("b_trial_id")),
             "recheck.verdict": str(doc.get("verdict")), "recheck.vllm_after": str(doc.get("vllm")),
             RUN_NAME_TAG: f"paired {doc.get('a_trial_id')} vs {doc.get('b_trial_id')} on {doc.get('vllm')}"}  # fmt: skip
-
-    def log(client: MlflowClient, experiment_id: str) -> str:
-        from mlflow.entities import Metric
-
-        run = client.create_run(experiment_id, tags=tags)
-        stamp = int(time.time() * 1000)
-        metrics = [Metric(k, v, stamp, 0) for k, v in paired_metrics(doc).items()]
-        for one in doc.get("rounds") or []:
-            for side in ("a", "b"):
-                metrics += [Metric(f"paired.{name}.{side}", float(value), stamp, int(one["round"]))
-                            for name, value in one[side].items()]  # fmt: skip
-        client.log_batch(run.info.run_id, metrics=metrics)
-        if paired_file is not None and paired_file.is_file():
-            client.log_artifact(run.info.run_id, str(paired_file), RECHECK_ROLE)
-        client.set_terminated(run.info.run_id)
-        return f"paired recheck logged as run {run.info.run_id} of experiment '{study}'"
-
-    return log_to_study(tracking_uri, study, "paired recheck", log)
+    values = [(k, v, 0) for k, v in paired_metrics(doc).items()]
+    for one in doc.get("rounds") or []:
+        for side in ("a", "b"):
+            values += [(f"paired.{name}.{side}", float(value), int(one["round"])) for name, value in one[side].items()]
+    return _log_run(tracking_uri, study, "paired recheck", tags, values, paired_file)
