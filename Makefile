@@ -41,17 +41,22 @@ lint: setup
 	$(VENV)/bin/mypy
 	PYTHONPATH=src $(VENV)/bin/lint-imports
 
-# The tests run unit, then integration, then e2e (tests/tiers.py), and end with each tier's time. TEST_PROCESSES=2
-# runs them in two pytest processes (pytest-xdist), a test file at a time each, so a file's shared engines, Ray
-# and studies (module fixtures) start once; in tier order, the slowest files of a tier first (tests/tiers.py).
-# Not yet the default: in its first full run (a host shared with other jobs) two processes' engines competed for
-# the host's core locks (engine/cores.py; each process now has its own, SERVETUNE_CPU_LOCK_DIR), and three timing
-# checks failed; docs/development.md says what is left. 0 runs them in this one process.
-TEST_PROCESSES ?= 0
+# The tests run unit, then integration, then e2e (tests/tiers.py), and end with each tier's time. Unit and integration
+# run in TEST_PROCESSES pytest processes (pytest-xdist, default 2), a test file at a time each, so a file's shared
+# engines, Ray and studies (module fixtures) start once, the slowest files first (tests/tiers.py): most of an
+# integration test waits on Ray, a fake engine's timers or a subprocess, and the other process uses the second core
+# meanwhile (a clean clone, 2026-12-06: integration 987 s in two processes against 1,518 s in one). The e2e tier runs
+# in E2E_PROCESSES (default 0: this one process): its real vLLM engines already keep both cores busy, two processes
+# saved 5% there and made the engines of two modules compete (docs/development.md). Each test process keeps core
+# locks of its own (tests/conftest.py, SERVETUNE_CPU_LOCK_DIR). TEST_PROCESSES=0 runs everything in one process.
+TEST_PROCESSES ?= 2
+E2E_PROCESSES ?= 0
+PYTEST := $(PY) -X faulthandler -m pytest -q --durations=25 --dist loadfile --no-loadscope-reorder
 # -X faulthandler: a crash in a C extension (Ray, gRPC, torch) prints every thread's stack, during the
 # tests and after them (tests/conftest.py ends the process without the interpreter's teardown).
 test: setup lint
-	$(PY) -X faulthandler -m pytest tests -q --durations=25 -n $(TEST_PROCESSES) --dist loadfile --no-loadscope-reorder
+	$(PYTEST) tests/unit tests/integration -n $(TEST_PROCESSES)
+	$(PYTEST) tests/e2e -n $(E2E_PROCESSES)
 
 unit: setup
 	$(PY) -X faulthandler -m pytest tests/unit -q
