@@ -54,7 +54,9 @@ def test_the_search_lands_within_its_tolerance_where_the_4x_ladder_is_a_step_off
         ladder = capacity_accuracy.replay(made, name, capacity_accuracy.LADDER_4X, 0, 3, rng)
         search = capacity_accuracy.replay(made, name, capacity_accuracy.LADDER_4X, 4, 3, rng)
         assert ladder.capacity == 8  # 2 and 8 meet the SLO, 32 breaks it
-        assert search.capacity is not None and 0.9 * true <= search.capacity <= true, (name, search)
+        assert search.capacity is not None and 0.9 * true <= search.capacity <= 1.1 * true, (name, search)
+        # never past the truth in what it measured: a load between recorded ones draws the nearest's runs (25 is 24)
+        assert made.nearest(name, search.capacity) <= true
         assert search.levels > ladder.levels and search.measured_s > ladder.measured_s
         # what was measured there: the runs of the nearest recorded load (23 clients are drawn from 24's)
         assert search.throughput == pytest.approx(50 * made.nearest(name, search.capacity))

@@ -201,22 +201,56 @@ def test_an_unsettled_verdict_at_the_bracket_is_measured_again_and_two_that_agre
 
 
 def test_split_verdicts_within_the_noise_count_as_breaking_the_slo_and_are_listed():
-    # The issue's case: 8 clients miss the bound by 1.5% (507.8 ms against 500), then meet it by 2%.
+    # The issue's case the other way round: 8 clients meet the bound by 2%, then miss it by 1.5% (507.8 ms).
     slo = Slo.parse("ttft_ms.p95=500")
-    runs = {8: [507.8 / 0.95, 490.0 / 0.95]}  # builders.stats: p95 = 0.95 p99
+    runs = {8: [490.0 / 0.95, 507.8 / 0.95]}  # builders.stats: p95 = 0.95 p99
 
     def measure(level: Level) -> LevelResult:
         p99 = runs[8].pop(0) if level.value == 8 else (200.0 if level.value < 8 else 2000.0)
         return result(level.value, p99, slo=slo)
 
-    measured, reason, found = search(measure, slo=slo)
-    assert measured == [2, 8, 8, 4, 6, 7]
-    assert reason.startswith("SLO broken at concurrency 8")
+    measured, _, found = search(measure, slo=slo)
+    assert measured == [2, 8, 32, 8, 4, 6, 7]
     capacity = found.capacity
     assert capacity.value == 7 and capacity.bracket == (7, 8) and capacity.bound == "exact"
     assert capacity.unsettled == [8] and capacity.verdict_noise == 0.10
     assert capacity.slo_margins[1] == pytest.approx(0.0156)  # its worse measurement, 1.56% over
     assert capacity.breaking_slo == "ttft_ms_p95 <= 500"  # the bound it came within the noise of
+
+
+def test_a_break_within_the_noise_is_not_measured_again_and_counts_as_breaking():
+    # The issue's case: 8 clients miss the bound by 1.5%. A repeat could only confirm the break or split (both
+    # counted as breaking): the bracket would stay (2, 8), so the level goes on bisecting instead.
+    slo = Slo.parse("ttft_ms.p95=500")
+
+    def measure(level: Level) -> LevelResult:
+        return result(level.value, (507.8 if level.value == 8 else 200.0 if level.value < 8 else 2000.0) / 0.95,
+                      slo=slo)  # fmt: skip
+
+    measured, reason, found = search(measure, slo=slo)
+    assert measured == [2, 8, 4, 6, 7]  # today's rule measured 8 twice: [2, 8, 8, 4, 6, 7]
+    assert reason.startswith("SLO broken at concurrency 8")
+    capacity = found.capacity
+    assert capacity.value == 7 and capacity.bracket == (7, 8) and capacity.unsettled == [8]
+    assert capacity.extra_levels == 3 and capacity.ended == "no load left between concurrency 7 and concurrency 8"
+    assert capacity.breaking_slo == "ttft_ms_p95 <= 500"
+
+
+@pytest.mark.parametrize(("ttfts", "measured_after"), [
+    ((1500.0, 1900.0, 2600.0), [23, 19, 17]),  # majority of three met it: decided, the bisection goes on above
+    ((1500.0, 1900.0), [16, 23, 19]),  # two runs: no majority to decide by, within the noise, so measured again
+])  # fmt: skip
+def test_a_level_of_three_runs_is_decided_by_their_majority_however_wide_their_spread(ttfts, measured_after):
+    def measure(level: Level) -> LevelResult:  # 16 clients meet the bound by 5%, their runs' P99 TTFT far apart
+        made = result(level.value, 1900.0 if level.value == 16 else (100.0 if level.value < 16 else 3000.0))
+        runs = [LevelRun(summary=result(level.value, p).summary) for p in ttfts]
+        return made.model_copy(update={"runs": runs})
+
+    measured, _, found = search(measure)
+    assert measured == [2, 8, 32, 16, *measured_after]
+    capacity = found.capacity
+    assert capacity.value == 16 and capacity.unsettled == []
+    assert capacity.verdict_noise > 0.05  # the spread is still recorded: wider than the margin
 
 
 def test_an_unsettled_verdict_the_budget_cannot_repeat_counts_as_breaking_and_is_listed():

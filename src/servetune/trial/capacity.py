@@ -21,12 +21,19 @@ engine cannot sustain that rate, whatever a level of it measured before the queu
 **Verdicts near the bound.** A level's SLO margin is how far its worst metric stands from its
 bound, relative (``value / bound - 1`` over the SLO's bounds; below 0 inside it). Its noise is how
 much a repeat could differ (results.py ``noise_margin``: the spread of its ``load.repeats``, 10%
-when run once). A verdict whose margin is within the noise is *unsettled*, neither pass nor fail:
+when run once). A repeat costs a level of the budget, so the search measures a load again only
+where the repeat could move the bracket:
 
-- an unsettled load that decides the bracket (its lowest breaking end, where unsettled loads are
-  put until settled) is measured once more, as an extra level, before the search goes on. Its
-  verdict is then both measurements', as the majority of repeats decides a level: both met the
-  SLO, it meets it; both broke it, it breaks it;
+- a level already the majority of ``MAJORITY_RUNS`` (3) or more runs (``load.repeats``) is decided
+  by them, whatever its margin: a repeat would run the same load as many times again, and its
+  verdict is the majority-of-repeats rule's already. Its margin and noise are still recorded;
+- a level run once (or twice) whose margin is within the noise is *unsettled*. Where it decides the
+  bracket (its lowest breaking end, where unsettled loads are put until settled) and *met* the
+  SLO, it is measured once more, as an extra level, before the search goes on: both met it, it
+  meets it and the bracket's lower end moves up to it. One that *broke* the SLO within the noise is
+  not measured again: a second break would confirm it and a split counts as breaking, so either way
+  the bracket would stay where it is; it counts as breaking and is listed as unsettled. A repeat is
+  also never needed where the bracket is already within ``tolerance``;
 - split measurements, or an unsettled load the budget cannot measure again, count as breaking the
   SLO: the capacity is a load known to meet it, so an unsettled verdict can only narrow the
   bracket from above. Such loads are listed in ``Capacity.unsettled``; how far each end of the
@@ -75,6 +82,8 @@ SearchStopRule = Callable[[LevelResult, Sequence[Level]], str | None]
 #: Default budget and tolerance (``load.capacity_levels``, ``load.capacity_tolerance``).
 CAPACITY_LEVELS = 4
 CAPACITY_TOLERANCE = 0.10
+#: A level of at least this many runs is decided by their majority (trial/measure.py ``median_run``), not repeated.
+MAJORITY_RUNS = 3
 
 
 def slo_margin(result: LevelResult, slo: Slo) -> float:
@@ -101,7 +110,7 @@ class Verdict:
     """One measurement of a load against the SLO."""
 
     meets: bool  # met the SLO (and, for an open loop, kept up with its rate)
-    settled: bool  # its margin is beyond its noise (or it failed outright: nothing completed, fell behind)
+    settled: bool  # margin beyond its noise, a majority of MAJORITY_RUNS runs, or an outright failure
     margin: float  # slo_margin
     noise: float  # noise_margin
     client_bound: bool = False  # the client fell behind (load/pace.py): unsettled, and a repeat would not settle it
@@ -117,12 +126,13 @@ def verdict(level: Level, result: LevelResult, slo: Slo) -> Verdict:
         return Verdict(meets=False, settled=True, margin=margin, noise=noise)
     if result.client_bound is not None:
         return Verdict(meets=result.meets_slo, settled=False, margin=margin, noise=noise, client_bound=True)
-    return Verdict(meets=result.meets_slo, settled=abs(margin) > noise, margin=margin, noise=noise)
+    majority = len(result.runs) >= MAJORITY_RUNS  # decided by its runs' majority: a repeat would be more of the same
+    return Verdict(meets=result.meets_slo, settled=majority or abs(margin) > noise, margin=margin, noise=noise)
 
 
 @dataclass
 class Point:
-    """One load the trial measured, with each measurement of it (an unsettled one is measured twice)."""
+    """One load the trial measured, with each measurement of it (one that met the SLO within the noise, twice)."""
 
     level: Level
     verdicts: list[Verdict] = field(default_factory=list)
@@ -133,14 +143,22 @@ class Point:
         return self.level.value
 
     @property
+    def within_noise(self) -> bool:
+        """Measured once, its verdict within the noise (or its client fell behind)."""
+        return len(self.verdicts) == 1 and not self.verdicts[0].settled
+
+    @property
     def pending(self) -> bool:
-        """Measured once, within the noise: a repeat could settle it."""
-        return len(self.verdicts) == 1 and not self.verdicts[0].settled and not self.verdicts[0].client_bound
+        """Met the SLO once, within the noise: a repeat that met it too would make it a load meeting the SLO.
+        (A break within the noise is not: a repeat could only confirm it or split, both counted as breaking.)"""
+        first = self.verdicts[0]
+        return self.within_noise and first.meets and not first.client_bound
 
     @property
     def unsettled(self) -> bool:
         """Within the noise once, split between measurements, or measured by a client that fell behind."""
-        return self.pending or len({v.meets for v in self.verdicts}) > 1 or any(v.client_bound for v in self.verdicts)
+        split = len({v.meets for v in self.verdicts}) > 1
+        return self.within_noise or split or any(v.client_bound for v in self.verdicts)
 
     @property
     def meets(self) -> bool:
@@ -260,7 +278,7 @@ class CapacitySearch:
         if lo is not None and hi is not None and hi.value / lo.value - 1 <= self.tolerance:
             return None, f"within {self.tolerance:.0%}: between {lo.level} and {hi.level}"
         if hi is not None and hi.pending:
-            return hi.level, "repeat"  # within the noise: measure it once more before it decides the bracket
+            return hi.level, "repeat"  # met the SLO within the noise: a second pass would move the bracket up to it
         if hi is None:
             assert lo is not None  # a point measured is either
             saturated = self._saturated(lo)
