@@ -68,15 +68,24 @@ def test_closed_loop_keeps_exactly_c_in_flight(fake_server):
 
         watcher = asyncio.ensure_future(watch())
         async with StreamingClient(url, "fake") as client:
+            # Started together (not staggered): the six first sends are stamped before any answer can be read,
+            # so reaching six needs no luck in timing. Staggered, six overlap only for the first request's
+            # duration less the latest start (a few ms at most), which a stall on a busy host closes.
             records = await run_level(
-                client, specs(24, out=5), Level("concurrency", 6), num_requests=20, warmup_requests=4
+                client, specs(24, out=5), Level("concurrency", 6), num_requests=20, warmup_requests=4, stagger=False
             )
         watcher.cancel()
         return records
 
     records = asyncio.run(go())
     assert len(records) == 24 and sum(r.warmup for r in records) == 4
-    assert peak == 6
+    # Reached six, counted from the client's own records (the server's gauge, sampled every 2 ms, need not
+    # catch all six at once on a busy host, where six connections can open more slowly than one answer comes):
+    # a request ends before the next one it makes is sent, so ties count the end first.
+    events = sorted([(r.sent, 1) for r in records] + [(r.end, -1) for r in records if r.end is not None])
+    in_flight = np.cumsum([step for _, step in events])
+    assert in_flight.max() == 6 and all(r.ok for r in records), in_flight.max()
+    assert 1 <= peak <= 6, peak  # and the server never saw more
 
 
 def test_open_loop_rate_and_duration_limit():
@@ -103,9 +112,12 @@ def test_open_loop_rate_and_duration_limit():
     )  # the 2 s limit ended the level (10,000 requests at 50/s would take 200 s)
     assert 60 <= len(records) <= 140  # 50 req/s for 2 s
     assert all(r.ok for r in records)
-    # Requests are admitted until the deadline; the last one's send is stamped when its task runs, a
-    # scheduling step later (2.0001 s seen on a busy host), never a whole arrival gap later.
-    assert sends[-1] <= 2.0 + 0.1, sends[-1]
+    # Requests are admitted until the deadline: none is due past it (its planned send, free of the host's
+    # timing). The send itself is stamped when its task runs, a scheduling step later: 2.0001 s seen here, and a
+    # busy host delays a send by up to 84 ms at P99 (137 ms at 800 req/s; bench/README.md, the client's send
+    # lag), so 0.5 s is several times that noise and still far below the 200 s the 10,000 requests would take.
+    assert max(r.scheduled for r in records if r.scheduled is not None) < 2.0
+    assert sends[-1] <= 2.0 + 0.5, sends[-1]
 
 
 def test_gamma_burstiness_makes_gaps_more_variable():

@@ -47,9 +47,13 @@ def test_a_slow_but_steady_stream_passes_the_idle_timeout():
 
 
 def test_total_timeout_on_a_steady_stream():
+    # The first-token and idle timeouts as long as the total one: they are set (so the client weighs them), but
+    # only the total one can bind, since the others start no earlier than it. With an idle timeout of 0.5 s a
+    # stall of half a second on a busy host ended the stream as idle instead. 40 tokens take 2 s (the fake
+    # paces them by its clock, so never sooner); 1.2 s leaves a second for the first 3 (0.11 s on a quiet host).
     with serve_fake(FakeOpenAI(ttft_ms=10, itl_ms=50)) as url:
-        r = send_one(url, out=40, first_token_timeout_s=1.0, idle_timeout_s=0.5, timeout_s=0.6)
-    assert not r.ok and r.error_kind == TIMEOUT_TOTAL and 3 <= len(r.chunk_times) < 40
+        r = send_one(url, out=40, first_token_timeout_s=1.2, idle_timeout_s=1.2, timeout_s=1.2)
+    assert not r.ok and r.error_kind == TIMEOUT_TOTAL and 3 <= len(r.chunk_times) < 40, (r.error_kind, r.chunk_times)
 
 
 def test_a_dropped_stream_closes_the_connection_and_the_server_sees_it():

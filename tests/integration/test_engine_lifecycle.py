@@ -184,13 +184,17 @@ def test_a_crash_is_seen_at_once_though_the_reaper_is_still_clearing(fake_python
 
     import psutil
 
-    with server(fake_python, tmp_path) as srv:
+    # A child that ignores SIGTERM holds the reaper's clearing for its whole grace (1 s, stop_grace_s), so
+    # the reaper lives on for 1.2 s or more after the kill: a deadline of 0.6 s still tells the engine's own
+    # state from the reaper's, and leaves a killed process 0.6 s to be scheduled to exit on a busy host
+    # (0.15 s before, below the reaper's 0.2 s poll, was the host's scheduling as much as the code).
+    with server(fake_python, tmp_path, stubborn_child=True) as srv:
         assert srv.alive()
         engine = next(c for c in psutil.Process(srv.process.pid).children() if "--guard" not in c.cmdline())
         os.kill(engine.pid, signal.SIGKILL)
         # The reaper notices within its 0.2 s poll and then clears the group; the engine is a
         # zombie (or gone) at once, and that is what alive() looks at.
-        deadline = time.monotonic() + 0.15
+        deadline = time.monotonic() + 0.6
         while srv.alive() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not srv.alive()

@@ -87,9 +87,11 @@ def test_the_closing_read_waits_only_until_the_source_has_counted_the_level():
                                wait_s=wait_s, every_s=0.05)  # fmt: skip
         return after.counters["requests_finished"], time.monotonic() - start
 
-    # the source reaches 18 (10 before + the level's 8) on its third read: no longer
-    counted, took = asyncio.run(go([12.0, 15.0, 18.0, 18.0], wait_s=5.0))
-    assert counted == 18.0 and len(reads) == 3 and took < 2.0, (counted, len(reads), took)
+    # the source reaches 18 (10 before + the level's 8) on its third read: no longer. Three reads 0.05 s apart
+    # take 0.1 s; the wait it must not sit out is 20 s, so half of that is the bound (a busy host's stalls are
+    # seconds at worst, and waiting it out would read far more than three times).
+    counted, took = asyncio.run(go([12.0, 15.0, 18.0, 18.0], wait_s=20.0))
+    assert counted == 18.0 and len(reads) == 3 and took < 20.0 / 2, (counted, len(reads), took)
     # it never does (a request the engine did not count): the last read, after the promised lag
     counted, took = asyncio.run(go([12.0], wait_s=0.5))
     assert counted == 12.0 and took >= 0.5, (counted, took)
@@ -122,4 +124,5 @@ def test_a_source_with_nothing_to_read_is_not_waited_for():
 
     start = time.monotonic()
     assert asyncio.run(_settled(nothing, MetricsSnapshot(), 8, wait_s=20.0)) is None
-    assert time.monotonic() - start < 5.0  # not the 20 s promised lag (Ray's default report interval on a cluster)
+    # not the 20 s promised lag (Ray's default report interval on a cluster): half of it, far above a busy host's stalls
+    assert time.monotonic() - start < 20.0 / 2

@@ -15,6 +15,12 @@ from servetune.tracking import sync_study
 from servetune.tracking.callback import MlflowCallback
 from tests.builders import demo_study
 
+# What "seconds, not minutes" is told by: MLflow's own retries of one call (7, backoff factor 2) take about
+# 4 minutes (mlflow/environment_variables.py, MLFLOW_HTTP_REQUEST_MAX_RETRIES), and each of the four trials
+# logs through them. A quarter of that tells servetune's bounded path from MLflow's defaults with room for a
+# busy host, where starting the client (importing MLflow: seconds on two cores) is most of the time measured.
+SECONDS_NOT_MINUTES = 60.0
+
 
 def drive(callback: MlflowCallback) -> None:
     """A whole study as Tune would call the hooks."""
@@ -32,7 +38,7 @@ def test_a_closed_port_costs_seconds_one_line_and_says_how_to_upload_later(tmp_p
     started = time.monotonic()
     callback = MlflowCallback(root, url, stream=out)
     drive(callback)
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < SECONDS_NOT_MINUTES
     lines = out.getvalue().splitlines()
     assert len(lines) == 1 and callback.disabled
     assert lines[0].startswith(f"MLflow at {url} is unreachable (")
@@ -40,7 +46,7 @@ def test_a_closed_port_costs_seconds_one_line_and_says_how_to_upload_later(tmp_p
 
     started = time.monotonic()
     report = sync_study(root, url)
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < SECONDS_NOT_MINUTES
     assert not report.ok and "unreachable" in report.error and report.logged == []
     assert report.summary().startswith(f"MLflow at {url} is unreachable (") and report.summary().endswith(
         "(nothing logged)"
@@ -89,5 +95,5 @@ def test_a_server_that_answers_health_but_fails_calls_stops_the_callback_quickly
         drive(callback)
         elapsed = time.monotonic() - started
     lines = out.getvalue().splitlines()
-    assert elapsed < 30 and len(lines) == 1 and callback.disabled
+    assert elapsed < SECONDS_NOT_MINUTES and len(lines) == 1 and callback.disabled
     assert lines[0].startswith("MLflow logging stopped (") and "--log-to-mlflow" in lines[0]

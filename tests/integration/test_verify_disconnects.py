@@ -17,7 +17,7 @@ from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory
 from servetune.load.runner import Level
 from servetune.testing.fake_openai import FakeOpenAI
-from servetune.verify.disconnects import FALLBACK_S, RELEASE_STEPS, disconnects
+from servetune.verify.disconnects import FALLBACK_S, RELEASE_STEPS, WATCH_S, disconnects
 from servetune.verify.scenarios import Budget, Target
 from tests.conftest import serve_fake
 from tests.integration.test_metrics_source import AgentSource
@@ -54,8 +54,9 @@ def test_a_release_after_the_allowance_is_late_not_a_leak(tiny_tokenizer):
     result = run_scenario(FakeOpenAI(ttft_ms=10, itl_ms=5, release_ms=3000), tiny_tokenizer)
     (round_,) = result.numbers["rounds"]
     assert not result.passed and result.numbers["cancellation_success_rate"] == 0.0, result.reason
-    # Released 3 s after the fake saw the drop (5 ms on), seen by a poll every 0.1 s: a loaded host can only make it later.
-    assert round_["fell_back_s"] is None and 2.9 <= round_["released_s"] < 6.0, round_
+    # Released 3 s after the fake saw the drop (5 ms on), seen by a poll every 0.1 s: a loaded host can only make it
+    # later, up to the watch (WATCH_S), past which a release is not seen at all (a leak, the test below).
+    assert round_["fell_back_s"] is None and 2.9 <= round_["released_s"] < WATCH_S, round_
     assert round_["leaked"] == 2 and "late" in result.reason, result.reason
 
 

@@ -68,8 +68,10 @@ def test_a_claim_waits_for_cores_a_replaced_replica_still_holds(tmp_path, monkey
     monkeypatch.setenv(BIND, "auto")
     monkeypatch.setattr(cores, "HELD", [])
     _, old = claim(2, [0, 1], tmp_path)  # replicas Serve is stopping hold every core
-    threading.Timer(1.5, lambda: [h.close() for h in old]).start()
+    # The clock starts before the timer does: taken after it, a busy host's pause between the two (the timer's
+    # thread running first) came off the wait measured, and a claim that waited its full 1.5 s read under 1.4.
     started = time.monotonic()
+    threading.Timer(1.5, lambda: [h.close() for h in old]).start()
     asyncio.run(ClaimCores(llm_config=None, ranks=1).on_before_node_init())
     assert os.environ[BIND] == "0" and time.monotonic() - started >= 1.4  # waited, then bound (not vLLM's own choice)
     for handle in cores.HELD:

@@ -254,9 +254,12 @@ async def run_ramp(
 
         async def sampler() -> None:
             while not state["over"]:
-                states, served = await asyncio.gather(
-                    asyncio.to_thread(watch.replica_states, name), asyncio.to_thread(watch.served_per_replica, name)
-                )
+                # What each replica served first, its state after: a replica seen serving was RUNNING before that
+                # read, so the state read next shows it RUNNING. Read the other way round (or side by side), a
+                # replica that started and took its first request between the two reads counted as traffic
+                # before it was ready: a race a busy host's slow reads widen, not Serve's routing.
+                served = await asyncio.to_thread(watch.served_per_replica, name)
+                states = await asyncio.to_thread(watch.replica_states, name)
                 samples.append(RampSample(
                     t_s=now(), phase=state["phase"], offered=state["offered"], running=states.get("RUNNING", 0),
                     starting=sum(states.get(k, 0) for k in ("STARTING", "UPDATING", "RECOVERING")), served=served,
