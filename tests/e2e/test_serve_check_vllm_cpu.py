@@ -5,7 +5,8 @@ defaults, measured on this kind of host) with its model pointed at the test's ti
 serve-check needs of a study is the trial's engine arguments, environment, model and measured
 levels, and the space's workload, ladder and SLO. One fixed replica is measured, then the ramp
 deploys the derived autoscaling (1-2 replicas, delays x 0.05) and offers 6, 18 and 6 clients (the operating
-point: 0.8 x the 8 clients that met the SLO, in whole clients): the
+point: 0.8 x the 8 clients that met the SLO, in whole clients), each for the shortest hold serve-check allows
+(5 s; 18 from when the second replica is RUNNING): the
 second replica must start, be RUNNING before it serves, and take traffic. The ramp starts on the
 replica the count left running. Then --routers puts Serve's default router on the ramp's engines (two
 replicas, prefix caches reset) and switches them, engines kept and caches reset again, to Ray Serve
@@ -77,7 +78,7 @@ def test_one_replica_a_ramp_to_two_routers_and_layouts_compared_and_all_are_torn
     (tmp_path / "rag-tiny.yaml").write_text(RAG_TINY)
     # One fixed replica, then the ramp in place of a fixed two-replica run: it scales out to two.
     done = servetune("serve-check", study, "--pick", TRIAL, "--replicas", "1", "--ramp", "--ramp-max-replicas", "2",
-                     "--ramp-hold", "8", "--delay-scale", "0.05", "--routers", "default,prefix-aware",
+                     "--ramp-hold", "5", "--delay-scale", "0.05", "--routers", "default,prefix-aware",
                      "--routing-replicas", "2", "--workload", tmp_path / "rag-tiny.yaml", "--layouts", "2x1,1x2",
                      timeout=1500)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
@@ -102,7 +103,7 @@ def test_one_replica_a_ramp_to_two_routers_and_layouts_compared_and_all_are_torn
     # The second replica starts its engine beside one serving 24 clients: 170 s in a recorded run here, of the
     # startup_timeout_s (600) the ramp's 3x waits for it, which is why that is well above a lone start's 100 s.
     assert ramp.replicas_before == 1 and ramp.replicas_peak == 2, [(s.t_s, s.running, s.starting) for s in ramp.samples]
-    assert ramp.engines_reused is True and ramp.ready_s < 60  # on the count's engine: no engine start
+    assert ramp.engines_reused is True  # on the count's engine: no engine start (a deploy time proves nothing here)
     assert ramp.time_to_scale_up_s is not None and ramp.time_to_scale_up_s > ramp.autoscaling_config["upscale_delay_s"]
     assert ramp.new_replicas and not ramp.traffic_before_ready
     assert ramp.new_replica_first_served_s >= ramp.new_replica_running_s

@@ -24,6 +24,12 @@ from servetune.serve import actors
 from servetune.serve.plan import CLAIM_CORES_ENV
 from servetune.serve.routing import merge_counters, read_replica_counters
 
+#: Seconds between two reads of a deploying application's status: its ready time (``ready_s``, a trial's ``startup_s``)
+#: is known to this much, and a wait for it ends at most this late (Serve's controller answers each read at once).
+STATUS_POLL_S = 0.5
+#: Seconds between two calls of a deploy's ``on_poll`` (which reads the GCS actor table) while the engines start.
+ON_POLL_S = 2.0
+
 
 class ServeCluster:
     """``with ServeCluster(address, resources) as cluster:`` a Ray cluster with Serve on it.
@@ -127,8 +133,8 @@ class ServeCluster:
         again with the same one and only options Serve applies in place changed (the replica count, the
         autoscaling, the request router), Serve keeps its replicas and their engines. The ingress is never
         pinned, so it is restarted: a handle builds its request router once, so only a new ingress routes
-        with a new one. ``on_poll`` is called each time the deployment's status is read (every 2 s) and once
-        it is up: where its replicas went can be read while their engines start."""
+        with a new one. ``on_poll`` is called while the deployment's status is read (at most every
+        ``ON_POLL_S``) and once it is up: where its replicas went can be read while their engines start."""
         from ray.serve.llm import build_openai_app
 
         app = build_openai_app({"llm_configs": [dict(llm_config)]})
@@ -264,15 +270,18 @@ class ServeCluster:
         )
         try:
             time.sleep(1.0)  # let the controller take the new target before its status is read
+            polled = float("-inf")
             while True:
                 app = serve.status().applications.get(name)
                 status = str(app.status) if app is not None else "NOT_STARTED"
-                if on_poll is not None:
+                up = status.endswith("RUNNING") and all(
+                    str(d.status).endswith("HEALTHY") for d in app.deployments.values()
+                )
+                if on_poll is not None and (up or time.monotonic() - polled >= ON_POLL_S):
+                    polled = time.monotonic()
                     with contextlib.suppress(Exception):  # what the caller reads on the way never fails the deploy
                         on_poll()
-                if status.endswith("RUNNING") and all(
-                    str(d.status).endswith("HEALTHY") for d in app.deployments.values()
-                ):
+                if up:
                     return time.monotonic() - start
                 failed = status.endswith(("DEPLOY_FAILED", "UNHEALTHY"))
                 if failed or time.monotonic() - start > timeout_s:
@@ -280,7 +289,7 @@ class ServeCluster:
                     tail = self.log_tail(name)
                     self.delete(name)
                     raise EngineStartError(f"the Serve deployment of {name} failed: {message}", tail)
-                time.sleep(2.0)
+                time.sleep(STATUS_POLL_S)
         except (
             KeyboardInterrupt,
             SystemExit,
