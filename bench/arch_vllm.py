@@ -6,8 +6,9 @@ process of its own (``--dtype float32`` unless the case says bfloat16, ``--enfor
 ``VLLM_CPU_KVCACHE_SPACE=1``, ``--max-num-seqs 128 --max-num-batched-tokens 2048`` as ``vllm serve`` defaults
 them on the CPU build), reads the KV capacity vLLM logged ("CPU KV cache size: N tokens, Maximum concurrency for
 L tokens per request: X"), the attention block size it settled on, and greedy-generates 8 tokens (the model serves). Beside it, the planner's plan for the same
-checkpoint directory and arguments (what ``servetune plan --model DIR --device cpu --cpu-kvcache-space-gib 1
---dtype float32 --enforce-eager --max-model-len L ...`` prints). Prints one row per case and exits 1 when a case
+checkpoint directory and arguments on this host's CPU flags (what ``servetune plan --model DIR --device cpu
+--cpu-kvcache-space-gib 1 --dtype float32 --enforce-eager --max-model-len L ...`` prints; ``servetune models
+tiny-arch NAME --out DIR`` writes the same checkpoints). Prints one row per case and exits 1 when a case
 failed to start, served no request, or its planned KV tokens differ from vLLM's. Run it under the heavy lock:
 
     PYTHONPATH=src flock /tmp/servetune-heavy.lock .venv/bin/python bench/arch_vllm.py [--cases gemma3,jamba] \
@@ -49,6 +50,12 @@ CASES = (
     Case("granite-4.0-h", "granite-4.0-h", {"max_model_len": 4096}),
     Case("granite-4.0-h-no-prefix", "granite-4.0-h", {"max_model_len": 4096, "enable_prefix_caching": False}),
     Case("granite-4.0-h-bf16", "granite-4.0-h", {"max_model_len": 4096, "dtype": "bfloat16"}),
+    # a half SSM state asked for: kept on an AVX-512 BF16 CPU (its layer_types say linear_attention), else as asked
+    Case(
+        "granite-4.0-h-bf16-ssm-bf16",
+        "granite-4.0-h",
+        {"max_model_len": 4096, "dtype": "bfloat16", "mamba_ssm_cache_dtype": "bfloat16"},
+    ),
     Case("jamba", "jamba", {"max_model_len": 4096}),
     Case("qwen3-next", "qwen3-next", {"max_model_len": 4096, "dtype": "bfloat16"}),  # the CPU GDN kernel: bf16 only
     Case("gpt-oss-bf16", "gpt-oss", {"max_model_len": 8192, "dtype": "bfloat16"}),
@@ -177,7 +184,10 @@ def main() -> int:
                     continue
             rows.append(measure(case, built[case.arch], args.timeout, args.logs))
             print(json.dumps(rows[-1]), flush=True)
-    print(f"\nvLLM {vllm.__version__} (CPU build), VLLM_CPU_KVCACHE_SPACE={KV_GIB}")
+    from servetune.capacity.hardware import host_cpu_flags
+
+    flags = ", ".join(sorted(host_cpu_flags())) or "none of avx512f, avx512_bf16, amx_tile, amx_bf16"
+    print(f"\nvLLM {vllm.__version__} (CPU build), VLLM_CPU_KVCACHE_SPACE={KV_GIB}, this CPU's flags: {flags}")
     print("| case | vLLM KV tokens | concurrency | block | planned tokens | concurrency | block | error | served |")
     print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:

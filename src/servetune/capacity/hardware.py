@@ -6,6 +6,7 @@ import functools
 import re
 from collections.abc import Iterable, Mapping
 from importlib import resources
+from pathlib import Path
 from typing import Literal
 
 import yaml
@@ -14,6 +15,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from servetune.errors import UserError
 
 GIB = 1 << 30
+
+#: The x86 features vLLM 0.32's CPU build checks, as ``/proc/cpuinfo`` names them: AVX-512 (which kernel library it
+#: loads), AVX-512 BF16 (``torch.cpu._is_avx512_bf16_supported``: the Mamba SSM state's dtype, the conv-state layout)
+#: and AMX tiles (its attention, MLA and MoE kernels).
+CPU_FLAGS = ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 
 
 class GpuPerf(BaseModel):
@@ -54,6 +60,14 @@ class Hardware(BaseModel):
     memory_gib: float | None = Field(None, gt=0)
     fp8: bool = True
     blackwell: bool = False
+    cpu_flags: frozenset[str] = Field(
+        frozenset(), description="on the CPU build: which of CPU_FLAGS the host has (none: a CPU without them)"
+    )
+
+    @property
+    def avx512_bf16(self) -> bool:
+        """Does vLLM's CPU build see AVX-512 BF16 here (``torch.cpu._is_avx512_bf16_supported()``)?"""
+        return "avx512_bf16" in self.cpu_flags
 
     @property
     def memory_bytes(self) -> int:
@@ -91,10 +105,43 @@ def find_gpu(name: str) -> GpuSpec:
     )
 
 
-def resolve_hardware(device: str = "gpu", gpu: str | None = None, memory_gib: float | None = None) -> Hardware:
-    """Hardware from the command line: ``--device``, ``--gpu NAME`` and/or ``--gpu-memory-gib X``."""
+@functools.cache
+def host_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The flags of :data:`CPU_FLAGS` this host's CPU has (its first ``flags`` line); none where there is no such
+    file or line (an ARM or macOS host: vLLM's x86 checks are false there too)."""
+    try:
+        text = cpuinfo.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return frozenset()
+    line = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
+    return frozenset(line.group(1).split()) & frozenset(CPU_FLAGS) if line else frozenset()
+
+
+def parse_cpu_flags(text: str, what: str = "--cpu-flags") -> frozenset[str]:
+    """``avx512f,avx512_bf16`` (names of :data:`CPU_FLAGS`, comma-separated) or ``none``; a wrong name is one line."""
+    names = {name.strip().lower() for name in text.split(",") if name.strip()}
+    if names == {"none"}:
+        return frozenset()
+    unknown = sorted(names - set(CPU_FLAGS))
+    if unknown or not names:
+        bad = f"unknown {', '.join(unknown)}; " if unknown else ""
+        raise UserError(f"{what} {text}: {bad}expected none or a comma-separated list of {', '.join(CPU_FLAGS)}")
+    return frozenset(names)
+
+
+def resolve_hardware(
+    device: str = "gpu",
+    gpu: str | None = None,
+    memory_gib: float | None = None,
+    cpu_flags: Iterable[str] | None = None,
+) -> Hardware:
+    """Hardware from the command line: ``--device``, ``--gpu NAME`` and/or ``--gpu-memory-gib X``.
+
+    On the CPU build, ``cpu_flags`` (names of :data:`CPU_FLAGS`) says what the CPU that runs vLLM has; None: this
+    host's, from ``/proc/cpuinfo``."""
     if device == "cpu":
-        return Hardware(device="cpu", name="cpu", memory_gib=None, fp8=False)
+        flags = host_cpu_flags() if cpu_flags is None else frozenset(cpu_flags)
+        return Hardware(device="cpu", name="cpu", memory_gib=None, fp8=False, cpu_flags=flags)
     if device != "gpu":
         raise UserError(f"--device {device}: expected gpu or cpu")
     if memory_gib is not None and memory_gib <= 0:

@@ -31,7 +31,7 @@ from servetune.capacity.encoder import EncoderBudget, encoder_budget
 from servetune.capacity.hardware import GIB, Hardware
 from servetune.capacity.kvgroups import kv_layout
 from servetune.capacity.lora import lora_cost
-from servetune.capacity.mamba import aligned_block_size, state_bytes, tp_problem
+from servetune.capacity.mamba import aligned_block_size, cpu_ssm_dtype, state_bytes, tp_problem
 from servetune.capacity.params import (
     activation_bytes_per_token,
     count_parameters,
@@ -184,7 +184,7 @@ def _ledger(
     if arch.not_planned:
         raise NotPlanned(arch.not_planned)
     element = kv_element_bytes(s.kv_cache_dtype, s.dtype, arch)
-    state = _mamba_state(arch, args, s, profile)
+    state = _mamba_state(arch, args, s, profile, hardware)
     if state.page:
         aligned = aligned_block_size(
             s.block_size, 32 if cpu else 16, kv_bytes_per_layer_token(arch, element, tp), state.page
@@ -261,6 +261,12 @@ def _ledger(
     max_sequences = blocks // per_request(1) if state.page else None
     if state.page:
         notes.append(state.describe(s.block_size))
+        if cpu and state.ssm_dtype:
+            conv = s.dtype if args.mamba_cache_dtype == "auto" else args.mamba_cache_dtype
+            notes.append(
+                f"CPU build on a CPU {'with' if hardware.avx512_bf16 else 'without'} AVX-512 BF16: the SSM state in "
+                f"{conv if state.ssm_dtype == 'auto' else state.ssm_dtype}"
+            )
         if max_sequences is not None and max_sequences < s.max_num_seqs:
             notes.append(
                 f"the pool holds the state of {max_sequences:,} sequences at once, fewer than max_num_seqs "
@@ -393,6 +399,7 @@ class _MambaState:
     bytes_per_sequence: int = 0
     problem: str | None = None  # why vLLM refuses the configuration
     kind: str = ""
+    ssm_dtype: str = ""  # mamba_ssm_cache_dtype as vLLM settles it ("": no SSM state)
 
     def describe(self, block_size: int) -> str:
         mode = (
@@ -407,7 +414,9 @@ class _MambaState:
         )
 
 
-def _mamba_state(arch: ModelArch, args: CapacityArgs, s: Settings, profile: EngineProfile) -> _MambaState:
+def _mamba_state(
+    arch: ModelArch, args: CapacityArgs, s: Settings, profile: EngineProfile, hardware: Hardware
+) -> _MambaState:
     """The Mamba state of one sequence, and the prefix-caching mode vLLM runs it in."""
     layers = arch.stage_kinds(s.pipeline_parallel_size).count("mamba")
     if arch.mamba is None or not layers:
@@ -422,7 +431,8 @@ def _mamba_state(arch: ModelArch, args: CapacityArgs, s: Settings, profile: Engi
     tp = s.tensor_parallel_size
     if tp_problem(arch.mamba, tp) is not None:  # structural_problem says why; no page to size
         return _MambaState(layers=layers)
-    page = state_bytes(arch.mamba, s.dtype, tp, args.mamba_cache_dtype, _ssm_dtype(arch.mamba, args, s))
+    ssm_dtype = _ssm_dtype(arch, arch.mamba, args, s, hardware)
+    page = state_bytes(arch.mamba, s.dtype, tp, args.mamba_cache_dtype, ssm_dtype)
     mode = profile.mamba_prefix_caching
     prefix = args.enable_prefix_caching if args.enable_prefix_caching is not None else mode == "default"
     problem = None
@@ -432,15 +442,15 @@ def _mamba_state(arch: ModelArch, args: CapacityArgs, s: Settings, profile: Engi
         problem = "prefix caching on Mamba layers (mamba_cache_mode align) requires chunked prefill"
     # MambaSpec.max_memory_usage_bytes: 1 page, or in align mode 2 plus MambaMixer2's prefill checkpoint
     blocks = (3 if arch.mamba.kind == "mamba2" else 2) if prefix else 1
-    return _MambaState(layers, page, blocks, page * layers, problem, arch.mamba.kind)
+    ssm = "" if arch.mamba.kind == "linear_attention" else ssm_dtype
+    return _MambaState(layers, page, blocks, page * layers, problem, arch.mamba.kind, ssm)
 
 
-def _ssm_dtype(mixer: MambaMixer, args: CapacityArgs, s: Settings) -> str:
-    """The SSM state's dtype as asked, except on the CPU build: vLLM 0.32's ``CpuPlatform.check_and_update_config``
-    keeps it in float32 on a host with AVX-512 BF16 (assumed: where a half-precision model serves natively), unless
-    a gated-DeltaNet model asks for a half one (its accelerated kernel's). Measured: ``bench/arch_vllm.py``'s
-    granite-4.0-h-bf16 case."""
-    asked = args.mamba_ssm_cache_dtype
-    if s.device != "cpu" or (mixer.kind == "gated_delta_net" and asked in ("float16", "bfloat16")):
+def _ssm_dtype(arch: ModelArch, mixer: MambaMixer, args: CapacityArgs, s: Settings, hardware: Hardware) -> str:
+    """The SSM state's dtype as vLLM settles it: the model's config hook (``mixer.ssm_state_dtype`` for ``auto``),
+    then on the CPU build its platform's rule for the CPU's flags (:func:`~servetune.capacity.mamba.cpu_ssm_dtype`).
+    Measured: ``bench/arch_vllm.py``'s granite-4.0-h-bf16 case."""
+    asked = mixer.ssm_state_dtype if args.mamba_ssm_cache_dtype == "auto" else args.mamba_ssm_cache_dtype
+    if s.device != "cpu":
         return asked
-    return "float32"
+    return cpu_ssm_dtype(asked, mixer, "mamba" in arch.layer_types, hardware.avx512_bf16)

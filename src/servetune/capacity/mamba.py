@@ -16,6 +16,8 @@ follow, per layer and per tensor-parallel rank:
 - ``MambaStateDtypeCalculator``: the conv state in ``mamba_cache_dtype`` (auto: the model dtype),
   the SSM state in ``mamba_ssm_cache_dtype`` (auto: the conv state's); Nemotron-H's config hook
   (``vllm/model_executor/models/config.py``) makes ``auto`` float32 unless its config says otherwise.
+- ``CpuPlatform.check_and_update_config`` (``vllm/platforms/cpu.py``): on a CPU with AVX-512 BF16 the SSM state
+  is float32 unless a half dtype is asked for a model its accelerated GDN backend takes (:func:`cpu_ssm_dtype`).
 - ``Platform._align_hybrid_block_size`` (``vllm/platforms/interface.py``): the attention block size
   grows to the smallest multiple of the kernel alignment whose page holds one Mamba state, and the
   Mamba page is padded to exactly that attention page.
@@ -92,6 +94,23 @@ def state_dtype_bytes(
         return (conv,)
     ssm_dtype = mixer.ssm_state_dtype if mamba_ssm_cache_dtype == "auto" else mamba_ssm_cache_dtype
     return conv, conv if ssm_dtype == "auto" else _DTYPE_BYTES[ssm_dtype]
+
+
+def cpu_ssm_dtype(asked: str, mixer: MambaMixer, linear_attention_layers: bool, avx512_bf16: bool) -> str:
+    """The SSM state's dtype on vLLM 0.32's CPU build (``CpuPlatform.check_and_update_config``).
+
+    ``asked``: ``mamba_ssm_cache_dtype`` after the model's config hook (Nemotron-H's ``auto``: its config's, else
+    float32). On a CPU without AVX-512 BF16 (``torch.cpu._is_avx512_bf16_supported()``) it stays as asked (``auto``:
+    the conv state's dtype). With it, anything but float32 becomes float32, except float16 or bfloat16 where the
+    model's state backend is the accelerated GDN one (``_cpu_mamba_backend``): its config lists those layers as
+    ``linear_attention`` in ``layer_types`` (``linear_attention_layers``: transformers' name for every Mamba,
+    Mamba-2 and gated-DeltaNet layer; not Falcon-H1's ``hybrid`` layers) and its state dtypes are a (conv, SSM)
+    pair, which lightning attention's one state is not.
+    """
+    if not avx512_bf16 or asked == "float32":
+        return asked
+    gdn_backend = linear_attention_layers and mixer.kind != "linear_attention"
+    return asked if asked in ("float16", "bfloat16") and gdn_backend else "float32"
 
 
 def state_bytes(

@@ -37,6 +37,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     lora.add_argument("--out", type=Path, required=True, help="directory to write the adapter into")
     lora.set_defaults(run=run_tiny_lora)
+    from servetune.models.tinyarch import TINY_ARCHS  # configs only: no torch import
+
+    arch = sub.add_parser(
+        "tiny-arch",
+        help="a tiny random-weight checkpoint of gemma-3, a Mamba hybrid, gpt-oss, ..., for vLLM's CPU build",
+        description=(
+            "Write a tiny random-weight checkpoint of an architecture the planner models beyond Llama "
+            "(transformers' model class, hidden size 256, the byte-level tokenizer; random weights from a fixed "
+            "seed), as bench/arch_vllm.py builds it, so that `servetune plan --model DIR --device cpu` and vLLM's "
+            f"CPU build can be compared on it. NAME: {', '.join(TINY_ARCHS)}. Needs torch and transformers."
+        ),
+    )
+    arch.add_argument("name", metavar="NAME", help=f"the architecture: {', '.join(TINY_ARCHS)}")
+    arch.add_argument("--out", type=Path, required=True, help="directory to write the checkpoint into")
+    arch.set_defaults(run=run_tiny_arch)
     add = sub.add_parser(
         "add",
         help="fetch a hub model's config.json and safetensors sizes, so that plan and run work offline",
@@ -74,6 +89,21 @@ def run_tiny_lora(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise UserError(f"--out {args.out}: cannot write the adapter there ({exc.strerror or exc})") from None
     print(f"wrote the tiny LoRA adapter to {args.out}")
+    return 0
+
+
+def run_tiny_arch(args: argparse.Namespace) -> int:
+    from servetune.models.tinyarch import TINY_ARCHS, build_tiny_arch
+
+    if args.name not in TINY_ARCHS:
+        raise UserError(f"models tiny-arch {args.name}: unknown architecture; known: {', '.join(TINY_ARCHS)}")
+    if args.out.exists() and not args.out.is_dir():
+        raise UserError(f"--out {args.out}: exists and is not a directory")
+    try:
+        build_tiny_arch(args.name, args.out)
+    except OSError as exc:
+        raise UserError(f"--out {args.out}: cannot write the checkpoint there ({exc.strerror or exc})") from None
+    print(f"wrote the tiny {args.name} ({TINY_ARCHS[args.name]['architectures'][0]}) to {args.out}")
     return 0
 
 

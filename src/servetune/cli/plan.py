@@ -21,7 +21,7 @@ from servetune.capacity import (
 )
 from servetune.capacity.draft import load_draft
 from servetune.capacity.encoder import image_tokens
-from servetune.capacity.hardware import Hardware
+from servetune.capacity.hardware import Hardware, parse_cpu_flags
 from servetune.capacity.profile import PROFILES, EngineProfile, profile_for_version
 from servetune.capacity.settings import resolve_quant, structural_problem
 from servetune.cli.display import console as make_console
@@ -80,6 +80,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=float,
         metavar="X",
         help="VLLM_CPU_KVCACHE_SPACE: KV space per rank in GiB (CPU)",
+    )
+    p.add_argument(
+        "--cpu-flags",
+        metavar="LIST",
+        help="the CPU's avx512f, avx512_bf16, amx_tile, amx_bf16 (comma-separated, or none) that vLLM's CPU build "
+        "checks (default: this host's, from /proc/cpuinfo)",
     )
     p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallel size (default 1)")
     p.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline parallel size (default 1)")
@@ -197,6 +203,8 @@ def _check_flags(args: argparse.Namespace) -> None:
             f"--cpu-kvcache-space-gib {space:g}: must be a whole number of GiB > 0 "
             "(vLLM reads VLLM_CPU_KVCACHE_SPACE as an integer)"
         )
+    if args.cpu_flags is not None and args.device != "cpu":
+        raise UserError("--cpu-flags is read only with --device cpu")
     if args.device == "cpu" and space is None:
         raise UserError("--device cpu needs --cpu-kvcache-space-gib X (VLLM_CPU_KVCACHE_SPACE, the KV space per rank)")
     if args.vllm_version is not None:
@@ -255,7 +263,8 @@ def run(args: argparse.Namespace) -> int:
     _check_flags(args)
     load = _estimate_load(args)
     arch = load_model_arch(args.model)
-    hardware = resolve_hardware(args.device, args.gpu, args.gpu_memory_gib)
+    flags = None if args.cpu_flags is None else parse_cpu_flags(args.cpu_flags)
+    hardware = resolve_hardware(args.device, args.gpu, args.gpu_memory_gib, cpu_flags=flags)
     try:
         plan, engine_args = _plan(args, arch, hardware)
     except NotPlanned as exc:
