@@ -240,3 +240,26 @@ def test_plan_images_on_a_text_model_is_one_line(capsys) -> None:
     assert cli.main([*text_model, *LOAD, "--images-per-request", "1", "--image-size", "1280x720"]) == 2
     err = capsys.readouterr().err
     assert "has no vision encoder" in err and err.count("\n") == 1
+
+
+def test_the_refit_predicts_a_level_as_its_estimate_does_images_and_all() -> None:
+    """The study's refit fits the factors on its trials' levels: it predicts each with the encoder's time, as the
+    level's estimate has it, so the tower's time is not folded into the factors (and then counted twice)."""
+    from servetune.estimate.calibrate import predict
+    from servetune.study.refit import StudyRefit
+    from servetune.trial.estimated import calibration_points
+
+    args = {"tensor_parallel_size": 2, "max_model_len": 8192, "max_num_seqs": 64}
+    images, shipped = Workload.model_validate(IMAGES), load_factors().for_class("H100")
+    for workload in (images, Workload.model_validate(TEXT), None):
+        result = _gpu_trial(args).model_copy(update={"outcome": "COMPLETE"})
+        estimate_levels(result, "H100-SXM", None, workload=workload)
+        points = calibration_points(result, "H100-SXM", None, workload)
+        assert len(points) == len(result.levels) and points
+        for point, level in zip(points, result.levels, strict=True):
+            assert level.estimate is not None
+            assert point.encoder_flops == workload_images(workload, GEMMA.vision, args)[1]
+            assert predict(point, shipped)[0]["ttft_ms"] == pytest.approx(level.estimate.ttft_ms, rel=1e-9)
+    refit = StudyRefit("H100-SXM", None, workload=images)
+    refit.add(_gpu_trial(args).model_copy(update={"outcome": "COMPLETE"}))
+    assert refit.record() is not None and refit.record().points > 0

@@ -106,18 +106,22 @@ def _resolve(result: TrialResult, gpu: str | None, gpu_memory_gib: float | None)
     return None
 
 
-def calibration_points(result: TrialResult, gpu: str | None, gpu_memory_gib: float | None) -> list[CalibrationPoint]:
+def calibration_points(
+    result: TrialResult, gpu: str | None, gpu_memory_gib: float | None, workload: Workload | None = None
+) -> list[CalibrationPoint]:
     """A COMPLETE trial's measured levels as points the factors can be refitted on (:mod:`servetune.estimate.refit`);
-    none for another outcome, or where the trial was not estimated."""
+    none for another outcome, or where the trial was not estimated. ``workload``'s images (None: text) are encoded
+    in each point's prediction as in the level's estimate, so the refit does not fold the encoder into the factors."""
     if result.outcome != "COMPLETE" or result.estimate_note is not None:
         return []
     resolved = _resolve(result, gpu, gpu_memory_gib)
     if resolved is None:
         return []
     arch, hardware = resolved
+    _image_tokens, flops = workload_images(workload, arch.vision, result.engine_args)
     points: list[CalibrationPoint] = []
     for level in result.levels:
-        load = _load(level) if level.summary.completed else None
+        load = _load(level, flops) if level.summary.completed else None
         if load is None or (load.concurrency is None and load.rate is None):
             continue
         s = level.summary
@@ -136,6 +140,7 @@ def calibration_points(result: TrialResult, gpu: str | None, gpu_memory_gib: flo
                 input_tokens=load.input_tokens, output_tokens=load.output_tokens,
                 load=float(load.concurrency if load.concurrency is not None else load.rate or 0) / dp,
                 measured={k: v for k, v in measured.items() if v is not None and v > 0}, held_out=False,
+                encoder_flops=load.encoder_flops,
             )
         )  # fmt: skip
     return points
