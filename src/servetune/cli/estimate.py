@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from servetune.capacity import load_model_arch, resolve_hardware
-from servetune.config.workload import mean_image_tokens, mean_lengths
+from servetune.config.workload import mean_lengths
 from servetune.errors import UserError
 from servetune.estimate import Estimate, Load, estimate, load_factors
-from servetune.estimate.encoder import mean_encoder_flops
+from servetune.estimate.encoder import workload_images
 from servetune.space_file import load_space
 from servetune.trial.context import resolve_levels
 
@@ -58,17 +58,10 @@ def run(args: argparse.Namespace) -> int:
         arch = load_model_arch(space.model_for(params))
         hardware = hardware_of[str(space.gpu_for(params))]  # its own type where the space compares types
         # a vision-language workload's prompts hold its images' tokens too, encoded by the vision tower first
-        mm_kwargs = engine.get("mm_processor_kwargs")
-        prompt_tokens = input_tokens + mean_image_tokens(workload, arch.vision, mm_kwargs)
-        flops = mean_encoder_flops(workload, arch.vision, mm_kwargs)
+        image_tokens, flops = workload_images(workload, arch.vision, engine)
+        prompt_tokens = input_tokens + image_tokens
         for level in levels:
-            load = Load(
-                input_tokens=prompt_tokens,
-                output_tokens=output_tokens,
-                encoder_flops=flops,
-                concurrency=max(1, round(level.value)) if level.kind == "concurrency" else None,
-                rate=None if level.kind == "concurrency" else level.value,
-            )
+            load = Load.at_level(level.kind, level.value, prompt_tokens, output_tokens, flops)
             row: dict[str, Any] = {"params": params, "level": {level.kind: level.value}}
             if prompt_tokens > input_tokens:
                 row["image_tokens"] = prompt_tokens - input_tokens

@@ -25,9 +25,12 @@ from servetune.capacity.hardware import Hardware, parse_cpu_flags
 from servetune.capacity.profile import PROFILES, EngineProfile, profile_for_version
 from servetune.capacity.settings import resolve_quant, structural_problem
 from servetune.cli.display import console as make_console
+from servetune.config.images import MAX_SIDE
+from servetune.config.workload import Workload
 from servetune.engine.args import mm_limits
 from servetune.errors import UserError
 from servetune.estimate import Estimate, Load, estimate, load_factors
+from servetune.estimate.encoder import workload_images
 
 DESCRIPTION = """\
 Will this vLLM configuration fit, and how many tokens of KV cache will it get?
@@ -180,6 +183,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--output-tokens", type=int, metavar="O", help="output tokens per request (with --estimate)")
     e.add_argument("--concurrency", type=int, metavar="C", help="closed loop: C clients (with --estimate)")
     e.add_argument("--rate", type=float, metavar="R", help="open loop: R requests/s (with --estimate)")
+    e.add_argument("--images-per-request", type=int, metavar="N",
+                   help="vision-language models: each request also sends N images of the --image-size sizes, equally "
+                   "likely: their tokens add to --input-tokens, their encoding to TTFT (with --estimate)")  # fmt: skip
     e.add_argument(
         "--acceptance",
         type=float,
@@ -234,7 +240,7 @@ def _estimate_load(args: argparse.Namespace) -> Load | None:
     if not args.estimate:
         given = [
             f
-            for f in ("input_tokens", "output_tokens", "concurrency", "rate", "acceptance")
+            for f in ("input_tokens", "output_tokens", "concurrency", "rate", "acceptance", "images_per_request")
             if getattr(args, f) is not None
         ]
         if given:
@@ -244,13 +250,15 @@ def _estimate_load(args: argparse.Namespace) -> Load | None:
         raise UserError("--estimate needs --input-tokens I and --output-tokens O")
     if (args.concurrency is None) == (args.rate is None):
         raise UserError("--estimate needs one of --concurrency C (closed loop) or --rate R (open loop)")
-    for flag in ("input_tokens", "concurrency"):
+    for flag in ("input_tokens", "concurrency", "images_per_request"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
     if args.output_tokens < 2:
         raise UserError(f"--output-tokens {args.output_tokens}: must be >= 2 (TPOT needs two tokens)")
     if args.rate is not None and args.rate <= 0:
         raise UserError(f"--rate {args.rate:g}: must be > 0")
+    if args.images_per_request is not None and not args.image_size:
+        raise UserError("--images-per-request needs --image-size WxH (repeatable: the images' sizes, equally likely)")
     return Load(
         input_tokens=args.input_tokens,
         output_tokens=args.output_tokens,
@@ -274,8 +282,10 @@ def run(args: argparse.Namespace) -> int:
             make_console().print(f"[bold yellow]not planned[/]: {exc}; vLLM sizes it when it starts")
         return 0
     profile = PROFILES[plan.settings.profile]
-    predicted = None
+    predicted, tokens_of_images = None, 0
     if load is not None and plan.fits:
+        if args.images_per_request is not None:
+            load, tokens_of_images = _with_images(args, arch, engine_args, load)
         draft = load_draft(engine_args)
         predicted = estimate(
             arch, engine_args, hardware, load, profile=profile, acceptance=args.acceptance, draft=draft
@@ -284,6 +294,8 @@ def run(args: argparse.Namespace) -> int:
         doc = plan.model_dump(mode="json")
         if predicted is not None:
             doc["estimate"] = predicted.model_dump(mode="json")
+        if tokens_of_images:
+            doc["image_tokens"] = tokens_of_images
         print(json.dumps(doc, indent=2))
     else:
         console = make_console()
@@ -344,13 +356,30 @@ def _image_notes(arch: ModelArch, sizes: list[str], mm_kwargs: dict[str, Any] | 
     if arch.vision is None:
         raise UserError(f"--image-size: {arch.name} has no vision encoder servetune models (Qwen2-VL family, Gemma 3)")
     notes = []
-    for text in sizes:
-        width, sep, height = text.lower().partition("x")
-        if not sep or not width.isdigit() or not height.isdigit() or not int(width) or not int(height):
-            raise UserError(f"--image-size {text}: give WIDTHxHEIGHT in pixels, e.g. 1024x768")
-        tokens = image_tokens(arch.vision, int(width), int(height), mm_kwargs)
+    for width, height in map(_image_size, sizes):
+        tokens = image_tokens(arch.vision, width, height, mm_kwargs)
         notes.append(f"a {width}x{height} image takes {tokens:,} tokens of the prompt (and of the encoder cache)")
     return notes
+
+
+def _image_size(text: str) -> tuple[int, int]:
+    width, sep, height = text.lower().partition("x")
+    if not sep or not width.isdigit() or not height.isdigit() or not int(width) or not int(height):
+        raise UserError(f"--image-size {text}: give WIDTHxHEIGHT in pixels, e.g. 1024x768")
+    return int(width), int(height)
+
+
+def _with_images(args: argparse.Namespace, arch: ModelArch, engine: dict[str, Any], load: Load) -> tuple[Load, int]:
+    """``load`` whose requests also send ``--images-per-request N`` images of the ``--image-size`` sizes (equally
+    likely), and those images' tokens: the flags make a one-class workload, whose images are read as a space's."""
+    lengths = {k: {"dist": "fixed", "value": getattr(load, k)} for k in ("input_tokens", "output_tokens")}
+    sizes = [_image_size(text) for text in args.image_size]
+    if max(max(size) for size in sizes) > MAX_SIDE:
+        raise UserError(f"--image-size: at most {MAX_SIDE} px a side with --images-per-request (as in a workload)")
+    images = {"count": args.images_per_request, "sizes": sizes}
+    workload = Workload.model_validate({"name": "plan", "api": "chat", **lengths, "images": images})
+    tokens, flops = workload_images(workload, arch.vision, engine)
+    return Load(**{**load.model_dump(), "input_tokens": load.input_tokens + tokens, "encoder_flops": flops}), tokens
 
 
 def plan_profile(flag: str | None) -> EngineProfile:
@@ -382,6 +411,8 @@ def render_estimate(est: Estimate, console: Console) -> None:
     table.add_row("request_throughput", f"{est.request_throughput:,.2f} req/s", "")
     table.add_row("saturated", "yes" if est.saturated else "no", "")
     table.add_row("knee", f"{est.knee} in flight", "throughput grows < 10% past it")
+    if est.encoder_ms is not None:
+        table.add_row("vision encoder", f"{est.encoder_ms:,.1f} ms a request", "in its TTFT")
     if est.accepted_length is not None:
         table.add_row("accepted length", f"{est.accepted_length:.2f} tokens a step", est.acceptance_source or "")
     console.print(table)

@@ -184,7 +184,7 @@ def estimate_cell(spec: Any, top: Any, lengths: tuple[int, int]) -> str:
     from servetune.trial.estimated import planned_estimate
 
     got = planned_estimate(spec.model, spec.device, spec.engine_args, spec.env, spec.gpu, spec.gpu_memory_gib,
-                           top.kind, top.value, *lengths)  # fmt: skip
+                           top.kind, top.value, *lengths, workload=spec.workload)  # fmt: skip
     if isinstance(got, str):
         return f"none: {got}"
     ttft = "unbounded" if got.ttft_ms is None else f"{got.ttft_ms:,.0f} ms"
@@ -192,12 +192,15 @@ def estimate_cell(spec: Any, top: Any, lengths: tuple[int, int]) -> str:
     return f"{got.output_throughput:,.0f} tok/s, TTFT {ttft}, TPOT {got.tpot_ms:.1f} ms{saturated}"
 
 
-def estimate_note(device: str, lengths: tuple[int, int]) -> str:
+def estimate_note(device: str, lengths: tuple[int, int], images: bool = False) -> str:
     """What the estimate column assumes, and the error to expect of it."""
     from servetune.estimate import load_factors
 
     factors = load_factors()
-    head = f"estimate: requests of {lengths[0]} in / {lengths[1]} out tokens (the workload's means), shipped factors"
+    head = f"estimate: requests of {lengths[0]} in / {lengths[1]} out tokens (the workload's means)"
+    if images:
+        head += ", plus their images' tokens and the vision tower's time to encode them"
+    head += ", shipped factors"
     if device == "cpu":
         return (f"{head}; the CPU build's factors were fitted on one recording host (bench/README.md): on another "
                 "host expect errors of tens of percent until the study's refit (estimate_factors.json) takes over")  # fmt: skip
@@ -282,7 +285,7 @@ def dry_run(
             "-", config_label(params), str(space.devices(params)), "", "", "[yellow]excluded[/]: " + "; ".join(reasons)
         )
     console.print(table)
-    console.print(estimate_note(space.device, lengths))
+    console.print(estimate_note(space.device, lengths, workload.sends_images))
     levels = ", ".join(str(lv) for lv in context.levels)
     console.print(f"{runnable} trial(s) would run, {len(points) - runnable} rejected by the capacity check, "
                   f"{len(rejected)} excluded by the constraints; levels: {levels}; workload {workload.name}")  # fmt: skip

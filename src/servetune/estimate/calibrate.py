@@ -42,6 +42,7 @@ from scipy.optimize import least_squares
 
 from servetune.capacity import ModelArch, load_catalog, plan_capacity, resolve_hardware
 from servetune.errors import UserError
+from servetune.estimate.encoder import encode_s
 from servetune.estimate.factors import Efficiency, Factors, MetricError
 from servetune.estimate.model import replica_from_plan
 from servetune.estimate.queueing import capacity, closed_loop, open_loop, static_batch_s
@@ -77,6 +78,7 @@ class CalibrationPoint:
     held_out: bool
     saturated: bool = False
     predicted: dict[str, float] = field(default_factory=dict)
+    encoder_flops: float = 0.0  # the vision tower's FLOPs a request's images need (a study's own image workload)
 
 
 # --- reading the data set ----------------------------------------------------------------------------
@@ -290,7 +292,7 @@ def predict(point: CalibrationPoint, eff: Efficiency) -> tuple[dict[str, float],
             return {"output_throughput": batch * o / (waves * e2e), "tpot_ms": tpot * 1e3}, batch > cap
         return {"output_throughput": batch * o / (waves * e2e), "ttft_ms": prefill * 1e3}, batch > cap
     loop = closed_loop if point.regime == "closed" else open_loop
-    p = loop(rep, eff, point.load, i, max(o, 2))
+    p = loop(rep, eff, point.load, i, max(o, 2), encode_s(rep, eff, point.encoder_flops))
     got = {"tpot_ms": p.tpot_s * 1e3, "output_throughput": p.request_rate * o}
     if p.ttft_s is not None:
         got["ttft_ms"] = p.ttft_s * 1e3

@@ -25,7 +25,7 @@ from typing import Any
 
 from servetune.capacity.encoder import image_patches
 from servetune.capacity.model import VisionEncoder
-from servetune.config.workload import Workload, mean_over_images, processor_kwargs
+from servetune.config.workload import Workload, mean_image_tokens, mean_over_images, processor_kwargs
 from servetune.estimate.factors import Efficiency
 from servetune.estimate.roofline import Replica
 
@@ -71,6 +71,21 @@ def mean_encoder_flops(
         workload,
         lambda spec: spec.mean_per_request(lambda s: image_flops(tower, s.width, s.height, kwargs), workload.seed),
     )
+
+
+def workload_images(
+    workload: Workload | None, vision: VisionEncoder | None, engine_args: Mapping[str, Any]
+) -> tuple[int, float]:
+    """What a request of ``workload`` carries for its images on average, on a model whose tower is ``vision`` and
+    an engine with ``engine_args``' ``mm_processor_kwargs``: the image tokens its prompt holds beside the text
+    (``mean_image_tokens``) and the tower's FLOPs to encode them (:func:`mean_encoder_flops`); ``(0, 0.0)`` for a
+    text workload, no workload, or a tower servetune does not model. Every estimate of a workload's requests takes
+    its images from here: ``servetune estimate``, ``run --dry-run``, a study's forecast, each measured level's
+    estimate, and ``plan --estimate --images-per-request`` (whose flags make a one-class workload)."""
+    if workload is None:
+        return 0, 0.0
+    mm_kwargs = engine_args.get("mm_processor_kwargs")
+    return mean_image_tokens(workload, vision, mm_kwargs), mean_encoder_flops(workload, vision, mm_kwargs)
 
 
 def encode_s(rep: Replica, eff: Efficiency, flops: float) -> float:

@@ -32,6 +32,16 @@ class Load(BaseModel):
     rate: float | None = Field(None, gt=0)
     encoder_flops: float = Field(0.0, ge=0, description="the vision tower's FLOPs a request needs on average")
 
+    @classmethod
+    def at_level(
+        cls, kind: str, value: float, input_tokens: int, output_tokens: int, encoder_flops: float = 0.0
+    ) -> Load:
+        """A ladder level's load: ``kind`` concurrency is ``value`` clients (rounded, at least one), else ``value``
+        requests/s."""
+        closed = kind == "concurrency"
+        return cls(input_tokens=input_tokens, output_tokens=output_tokens, encoder_flops=encoder_flops,
+                   concurrency=max(1, round(value)) if closed else None, rate=None if closed else value)  # fmt: skip
+
     @model_validator(mode="after")
     def _one_loop(self) -> Load:
         if (self.concurrency is None) == (self.rate is None):

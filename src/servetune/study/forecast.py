@@ -21,6 +21,7 @@ from servetune.config.workload import mean_lengths
 from servetune.errors import UserError
 from servetune.estimate import Efficiency, Estimate, Load, estimate, gpu_class, load_factors
 from servetune.estimate.calibrate_cpu import RECORDED_HOST
+from servetune.estimate.encoder import workload_images
 from servetune.load.runner import Level
 from servetune.metrics import COST_METRIC, cost_per_mtok_usd
 from servetune.trial.context import StudyContext
@@ -44,8 +45,10 @@ class LevelForecast:
 def forecast(
     spec: TrialSpec, lengths: tuple[int, int], efficiency: Efficiency | None = None
 ) -> list[LevelForecast] | str:
-    """The estimate of ``spec`` at each level of its ladder (``lengths``: mean input and output tokens), with the
-    shipped factors or ``efficiency`` (the study's refit); where none can be made, why, in words."""
+    """The estimate of ``spec`` at each level of its ladder (``lengths``: mean input and output tokens, text; a
+    vision-language workload's requests add their images' tokens and encoding, estimate/encoder.py
+    ``workload_images``), with the shipped factors or ``efficiency`` (the study's refit); where none can be made,
+    why, in words."""
     if spec.device == "gpu" and spec.gpu is None:
         return "no hardware.gpu named"
     if any(level.conversations or level.kind not in ("concurrency", "rate") for level in spec.levels):
@@ -60,12 +63,9 @@ def forecast(
             factors = factors.model_copy(update={"per_gpu_class": {**factors.per_gpu_class, cls: efficiency}})
         rates = RECORDED_HOST if spec.device == "cpu" else None
         out = []
+        image_tokens, flops = workload_images(spec.workload, arch.vision, spec.engine_args)
         for level in spec.levels:
-            load = (
-                Load(input_tokens=lengths[0], output_tokens=lengths[1], concurrency=max(1, round(level.value)))
-                if level.kind == "concurrency"
-                else Load(input_tokens=lengths[0], output_tokens=lengths[1], rate=level.value)
-            )
+            load = Load.at_level(level.kind, level.value, lengths[0] + image_tokens, lengths[1], flops)
             est = estimate(arch, spec.engine_args, hardware, load, factors, env=spec.env, rates=rates)
             out.append(LevelForecast(level, est))
         return out

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from servetune.config.workload import Workload
 from servetune.errors import UserError
 from servetune.estimate import Efficiency, load_factors
 from servetune.estimate.calibrate import CalibrationPoint
@@ -34,8 +35,10 @@ class StudyRefit:
         gpu_memory_gib: float | None,
         results: Iterable[TrialResult] = (),
         prior_points: float = DEFAULT_PRIOR_POINTS,
+        workload: Workload | None = None,
     ) -> None:
         self._gpu, self._gpu_memory_gib, self._prior_points = gpu, gpu_memory_gib, prior_points
+        self._workload = workload  # the study's: its images are encoded in each point's prediction
         self._points: list[CalibrationPoint] = []
         self._trials: list[str] = []
         self._refit: Refit | None = None
@@ -52,7 +55,7 @@ class StudyRefit:
         if result.trial_id in self._trials:
             return
         try:
-            points = calibration_points(result, self._gpu, self._gpu_memory_gib)
+            points = calibration_points(result, self._gpu, self._gpu_memory_gib, self._workload)
         except (UserError, OSError, ValueError):  # its model is not readable here: the refit goes on without it
             return
         if not points:
@@ -90,11 +93,13 @@ def write_refit(study_dir: Path, record: Refit | None) -> None:
         tmp.replace(path)
 
 
-def start_study_refit(gpu: str | None, gpu_memory_gib: float | None, results: Iterable[TrialResult]) -> Any:
+def start_study_refit(
+    gpu: str | None, gpu_memory_gib: float | None, results: Iterable[TrialResult], workload: Workload | None = None
+) -> Any:
     """The :class:`StudyRefit` actor of a study (no CPU reserved: it refits in milliseconds to seconds)."""
     import ray
 
-    return ray.remote(num_cpus=0)(StudyRefit).remote(gpu, gpu_memory_gib, list(results))
+    return ray.remote(num_cpus=0)(StudyRefit).remote(gpu, gpu_memory_gib, list(results), workload=workload)
 
 
 def refit_for_trial(actor: Any, timeout_s: float = 10.0) -> Efficiency | None:

@@ -79,7 +79,7 @@ def run_tuner(context: StudyContext, points: list[dict[str, Any]] | None, search
     )
     # The estimate's factors, refitted after each completed trial (study/refit.py); later trials are estimated with them.
     study_refit = start_study_refit(
-        space.hardware.gpu, space.hardware.gpu_memory_gib, finished_results(context.study_dir)
+        space.hardware.gpu, space.hardware.gpu_memory_gib, finished_results(context.study_dir), context.workload
     )
     callbacks = [*callbacks, RefitWriter(study_refit, context.study_dir)]
     fn = tune.with_resources(

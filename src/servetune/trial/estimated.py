@@ -6,12 +6,15 @@ the trial was given (the shipped ones unless the study refitted them). Its relat
 measured mean TTFT, mean TPOT and output throughput is recorded beside it. Where no estimate can be
 made (a model the memory ledger does not plan, a GPU outside the catalogue), ``estimate_note`` says why;
 the trial itself never fails for it. A speculative trial is estimated at the acceptance each level measured
-(vLLM's mean acceptance length), so the error is the step model's, not a guess of the acceptance's.
+(vLLM's mean acceptance length), so the error is the step model's, not a guess of the acceptance's. A level of a
+vision-language workload served its images' tokens in its prompts (vLLM's ``usage`` counts them) and is estimated
+with the vision tower's time to encode them too (estimate/encoder.py ``workload_images``), as ``servetune estimate``
+and the dry run estimate it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from servetune.capacity import Hardware, ModelArch, gpu_hardware, load_model_arch, plan_capacity, resolve_hardware
 from servetune.capacity.draft import load_draft, speculative_config
@@ -19,23 +22,31 @@ from servetune.errors import UserError
 from servetune.estimate import Efficiency, Estimate, Load, estimate, gpu_class, load_factors, replica_from_plan
 from servetune.estimate.calibrate import CalibrationPoint
 from servetune.estimate.calibrate_cpu import RECORDED_HOST
+from servetune.estimate.encoder import workload_images
 from servetune.estimate.speculative import acceptance_for_length
 from servetune.metrics import SPEC_MEAN_ACCEPTED_LENGTH
 from servetune.results import LevelEstimate, LevelResult, TrialResult
+
+if TYPE_CHECKING:
+    from servetune.config.workload import Workload
 
 #: The metrics an estimate is compared on: (estimate field, summary field, statistic).
 COMPARED = (("ttft_ms", "ttft_ms", "mean"), ("tpot_ms", "tpot_ms", "mean"), ("output_throughput", None, None))
 
 
 def estimate_levels(
-    result: TrialResult, gpu: str | None, gpu_memory_gib: float | None, efficiency: Efficiency | None = None
+    result: TrialResult,
+    gpu: str | None,
+    gpu_memory_gib: float | None,
+    efficiency: Efficiency | None = None,
+    workload: Workload | None = None,
 ) -> None:
     """Fill each measured level's ``estimate`` of ``result`` (or ``result.estimate_note``); never raises.
 
     ``gpu`` / ``gpu_memory_gib``: the space's ``hardware.gpu`` (else the GPU the trial got, from its
     environment); ``efficiency``: refit factors for that GPU class (None: the shipped ones). On vLLM's CPU
     build the cores' rates are the recording host's (``calibrate_cpu.RECORDED_HOST``), which the shipped CPU
-    factors were fitted with.
+    factors were fitted with. ``workload``: the trial's, whose images the vision tower encodes (None: text).
     """
     levels = [lv for lv in result.levels if lv.summary.completed]
     if not levels:
@@ -55,8 +66,9 @@ def estimate_levels(
             cls = gpu_class(hardware.name)
             factors = factors.model_copy(update={"per_gpu_class": {**factors.per_gpu_class, cls: efficiency}})
         draft = load_draft(result.engine_args)
+        _image_tokens, flops = workload_images(workload, arch.vision, result.engine_args)  # already in the prompts
         for level in levels:
-            load = _load(level)
+            load = _load(level, flops)
             if load is None:
                 continue
             est = estimate(arch, result.engine_args, hardware, load, factors, env=result.env, rates=rates,
@@ -94,18 +106,22 @@ def _resolve(result: TrialResult, gpu: str | None, gpu_memory_gib: float | None)
     return None
 
 
-def calibration_points(result: TrialResult, gpu: str | None, gpu_memory_gib: float | None) -> list[CalibrationPoint]:
+def calibration_points(
+    result: TrialResult, gpu: str | None, gpu_memory_gib: float | None, workload: Workload | None = None
+) -> list[CalibrationPoint]:
     """A COMPLETE trial's measured levels as points the factors can be refitted on (:mod:`servetune.estimate.refit`);
-    none for another outcome, or where the trial was not estimated."""
+    none for another outcome, or where the trial was not estimated. ``workload``'s images (None: text) are encoded
+    in each point's prediction as in the level's estimate, so the refit does not fold the encoder into the factors."""
     if result.outcome != "COMPLETE" or result.estimate_note is not None:
         return []
     resolved = _resolve(result, gpu, gpu_memory_gib)
     if resolved is None:
         return []
     arch, hardware = resolved
+    _image_tokens, flops = workload_images(workload, arch.vision, result.engine_args)
     points: list[CalibrationPoint] = []
     for level in result.levels:
-        load = _load(level) if level.summary.completed else None
+        load = _load(level, flops) if level.summary.completed else None
         if load is None or (load.concurrency is None and load.rate is None):
             continue
         s = level.summary
@@ -124,22 +140,21 @@ def calibration_points(result: TrialResult, gpu: str | None, gpu_memory_gib: flo
                 input_tokens=load.input_tokens, output_tokens=load.output_tokens,
                 load=float(load.concurrency if load.concurrency is not None else load.rate or 0) / dp,
                 measured={k: v for k, v in measured.items() if v is not None and v > 0}, held_out=False,
+                encoder_flops=load.encoder_flops,
             )
         )  # fmt: skip
     return points
 
 
-def _load(level: LevelResult) -> Load | None:
+def _load(level: LevelResult, encoder_flops: float = 0.0) -> Load | None:
+    """The load a level served: its clients or rate, its requests' mean lengths as vLLM counted them."""
     s = level.summary
     done = s.completed
-    lengths = {
-        "input_tokens": max(1, round(s.total_input_tokens / done)),
-        "output_tokens": max(2, round(s.total_output_tokens / done)),
-    }
+    lengths = (max(1, round(s.total_input_tokens / done)), max(2, round(s.total_output_tokens / done)))
     if "concurrency" in s.level:
-        return Load(**lengths, concurrency=max(1, round(s.level["concurrency"])))
+        return Load.at_level("concurrency", s.level["concurrency"], *lengths, encoder_flops)
     if "rate" in s.level and s.level["rate"] > 0:
-        return Load(**lengths, rate=s.level["rate"])
+        return Load.at_level("rate", s.level["rate"], *lengths, encoder_flops)
     return None  # another kind of load (conversations/s): the model has none
 
 
@@ -158,19 +173,19 @@ def _compared(ttft_ms: float | None, tpot_ms: float, throughput: float, level: L
 def planned_estimate(
     model: str, device: str, engine_args: dict[str, Any], env: dict[str, str], gpu: str | None,
     gpu_memory_gib: float | None, kind: str, value: float, input_tokens: int, output_tokens: int,
+    workload: Workload | None = None,
 ) -> Estimate | str:  # fmt: skip
     """The estimate of a trial before it runs, at one load (``kind`` concurrency or rate) with the workload's mean
-    lengths and the shipped factors; where none can be made, why, in words (``run --dry-run``'s column)."""
+    lengths (text: ``workload``'s images add their tokens and the tower's encoding, estimate/encoder.py
+    ``workload_images``) and the shipped factors; where none can be made, why, in words (``run --dry-run``'s
+    column)."""
     if device == "gpu" and gpu is None:
         return "no hardware.gpu"
     try:
         arch = load_model_arch(model)
         hardware = resolve_hardware("cpu") if device == "cpu" else resolve_hardware("gpu", gpu, gpu_memory_gib)
-        lengths = {"input_tokens": input_tokens, "output_tokens": output_tokens}
-        if kind == "concurrency":
-            load = Load(**lengths, concurrency=max(1, round(value)))
-        else:
-            load = Load(**lengths, rate=value)
+        image_tokens, flops = workload_images(workload, arch.vision, engine_args)
+        load = Load.at_level(kind, value, input_tokens + image_tokens, output_tokens, flops)
         rates = RECORDED_HOST if device == "cpu" else None
         return estimate(arch, engine_args, hardware, load, env=env, rates=rates)
     except (UserError, ValueError, KeyError) as exc:

@@ -363,7 +363,7 @@ def run_trial(spec: TrialSpec, report: Report, prompts: Callable[[], PromptFacto
         result.finished_at = _now()
         result.duration_s = time.monotonic() - started
         result.best_level_index = best_level(result)
-        estimate_levels(result, spec.gpu, spec.gpu_memory_gib, spec.estimate_efficiency)
+        estimate_levels(result, spec.gpu, spec.gpu_memory_gib, spec.estimate_efficiency, spec.workload)
         write_atomic(trial_dir / RESULT_FILE, result.model_dump_json(indent=2) + "\n")
     return result
 
