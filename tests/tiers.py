@@ -37,7 +37,7 @@ SLOW_FILES_S = {
     "tests/integration/test_study.py": 90,
     "tests/integration/test_packing.py": 85,
     "tests/integration/test_recheck_cli.py": 70,
-    "tests/integration/test_gpu_type_ray.py": 65,
+    "tests/integration/test_gpu_type_ray.py": 115,
     "tests/integration/test_recheck_paired.py": 60,
     "tests/integration/test_study_prune.py": 60,
     "tests/integration/test_ray_token_auth.py": 60,

@@ -3,7 +3,8 @@ a real multi-node Ray on this machine whose two worker nodes declare the GPU typ
 A100 node (tests/ray_heads.py, as test_multinode.py starts it), no vLLM. The pin is read from the live nodes, a
 type the cluster lacks is refused naming the types it has, the weights are fetched (from a hub on 127.0.0.1) only on
 the node of the pinned type, and the placement groups Ray Serve LLM asks for from the deployed ``LLMConfig`` land
-only on nodes of its type."""
+only on nodes of its type. ``servetune serve-check`` refused there (a type the cluster lacks, too few GPUs of the type)
+leaves no Serve on the cluster, and the Serve and application of someone else as they were."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.builders import level, study_info, trial, write_study
 from tests.conftest import serve_fake
 from tests.ray_heads import LocalCluster, ray_cluster, user_env
 from tests.unit.test_prefetch import FakeHub
@@ -84,3 +86,108 @@ def test_a_point_is_pinned_fetched_and_placed_only_on_nodes_of_its_measured_gpu_
     assert node == h100 and error is None and size > 0, out["fetched"]
     # each replica's GPUs on one node of its type
     assert out["placed"] == {"H100": [h100], "A100": [a100]}
+
+
+# What a fresh driver sees of Serve on the cluster: the Serve actors alive (controller, proxies, replicas) and the
+# applications; "shutdown" then shuts Serve down (the test's own, at the end).
+SERVE_LEFT = r"""
+import json, sys
+import ray
+from ray import serve
+from ray.util.state import list_actors
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+try:
+    actors = sorted(a.class_name for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+                    if a.class_name.startswith(("Serve", "Proxy")))
+    print(json.dumps({"actors": actors,
+                      "apps": {name: str(app.status) for name, app in serve.status().applications.items()}}))
+finally:
+    if sys.argv[2:] == ["shutdown"]:
+        serve.shutdown()
+"""
+
+# Joined, left, and joined again (verify does for the runner-up): leaving disconnects this driver.
+TWICE = r"""
+import sys
+from servetune.serve.cluster import ServeCluster
+for _ in range(2):
+    with ServeCluster(sys.argv[1], {}) as cluster:
+        print("nodes", len(cluster.nodes()), flush=True)
+"""
+
+# Someone else's Serve on the cluster, with an application of theirs.
+THEIRS = r"""
+import sys
+import ray
+from ray import serve
+from servetune.engine.server import free_port
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class Theirs:
+    def __call__(self, request) -> str:
+        return "theirs"
+
+
+serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+serve.run(Theirs.bind(), name="theirs", route_prefix="/theirs")
+"""
+
+
+def measured_on(root, model, gpu: str):
+    """A one-trial study (t1, TP 1) measured on ``gpu``, of the tiny model (serve-check loads its tokenizer)."""
+    t = trial("t1", {"max_num_seqs": 8}, [level(8, 400, 300)]).model_copy(update={"model": model})
+    write_study(root, study_info(model=model), [t])
+    (root / "space.yaml").write_text(
+        f"name: demo\nmodel: {model}\ndevice: gpu\nworkload: chat\nhardware: {{gpu: {gpu}}}\n"
+        "load: {levels: [8], requests_per_level: 16, startup_timeout_s: 60}\nslo: {ttft_ms: {p99: 2000}}\n"
+    )  # fmt: skip
+    return root
+
+
+def test_a_serve_check_refused_on_a_joined_cluster_leaves_no_serve_there_and_someone_elses_as_it_was(
+    cluster, tmp_path, tiny_model
+):  # fmt: skip
+    def driver(script: str, *argv: str) -> subprocess.CompletedProcess:
+        done = subprocess.run([sys.executable, "-c", script, cluster.address, *argv], capture_output=True, text=True,
+                              env=cluster.head.env, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    def serve_check(study, *argv: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "servetune", "serve-check", str(study), "--pick", "t1",
+                               "--address", cluster.address, "--no-prefetch", *argv], capture_output=True, text=True,
+                              env=cluster.head.env, cwd=tmp_path, timeout=300)  # fmt: skip
+        assert done.returncode == 2, done.stderr[-3000:]
+        return done.stderr.strip().splitlines()[-1]
+
+    def left() -> dict:
+        return json.loads(driver(SERVE_LEFT).stdout.strip().splitlines()[-1])
+
+    l4 = measured_on(tmp_path / "l4", str(tiny_model), "L4")
+    h100 = measured_on(tmp_path / "h100", str(tiny_model), "H100-SXM")
+    # No Serve on the cluster: each refusal once joined leaves none.
+    assert serve_check(l4, "--replicas", "1") == (
+        "servetune serve-check: error: trial t1 was measured on L4 GPUs (Ray accelerator_type L4); the Ray cluster at "
+        f"{cluster.address} has GPUs of type A100, H100 only: nothing was deployed"
+    )
+    assert serve_check(h100, "--replicas", "3") == (  # the H100 node has 2 GPUs
+        "servetune serve-check: error: --replicas 3: 3 replicas of 1 GPU (TP x PP) need 3 GPUs; the Ray cluster at "
+        f"{cluster.address} (its H100 nodes) has 2: nothing was deployed"
+    )
+    nothing = left()
+    assert nothing == {"actors": [], "apps": {}}, nothing
+    assert [line for line in driver(TWICE).stdout.splitlines() if line.startswith("nodes")] == ["nodes 3"] * 2
+    # Someone's Serve and application: refused, even with --replace of an application of that name, both as they were.
+    driver(THEIRS)
+    before = left()
+    assert list(before["apps"]) == ["theirs"] and before["apps"]["theirs"].endswith("RUNNING"), before
+    assert "ServeController" in before["actors"], before
+    try:
+        serve_check(l4, "--replicas", "1", "--app-name", "theirs", "--replace")
+        serve_check(h100, "--replicas", "3")
+        after = left()
+    finally:
+        driver(SERVE_LEFT, "shutdown")
+    assert after == before

@@ -2,7 +2,7 @@
 
 import os
 
-from servetune.engine.server import absolute_pythonpath
+from servetune.shipped import absolute_pythonpath
 
 
 def test_relative_pythonpath_entries_take_the_absolute_form_this_interpreter_resolved(tmp_path):

@@ -182,3 +182,27 @@ def test_client_processes_defaults_to_one_and_takes_auto():
     assert LoadProtocol().client_processes == 1
     assert LoadProtocol(client_processes="auto").client_processes == "auto"
     assert LoadProtocol(client_processes=4).client_processes == 4
+
+
+def test_a_shard_imports_the_servetune_this_process_runs_from_a_trials_own_directory(tmp_path, monkeypatch):
+    """A job's runtime env sets ``PYTHONPATH: src`` (cluster/runtime_env.yaml) and a trial runs in its own Tune
+    directory: a shard started with the relative entry would import whatever servetune the node has installed."""
+    import sys
+    from pathlib import Path
+
+    import servetune
+
+    src = str(Path(servetune.__file__).resolve().parents[1])
+    monkeypatch.setenv("PYTHONPATH", "src")
+    monkeypatch.setattr(sys, "path", [src, *sys.path])  # as Python resolved the entry in the job's directory
+    monkeypatch.chdir(tmp_path)  # the trial's own: no src/ here
+    seen: list[str | None] = []
+
+    def look(_t0: float) -> None:
+        shards = [p for p in psutil.Process().children() if "servetune.load.shard" in p.cmdline()]
+        seen.extend(p.environ().get("PYTHONPATH") for p in shards)
+
+    with serve_fake(FakeOpenAI(ttft_ms=2.0, itl_ms=1.0)) as url:
+        run = asyncio.run(run_sharded(ClientSettings(url, "fake"), specs(8), Level("concurrency", 2), 2, on_start=look))
+    assert len(run.records) == 8 and all(r.ok for r in run.records)
+    assert seen == [src, src]

@@ -224,3 +224,24 @@ def test_a_reference_without_an_lm_eval_score_stops_the_study_with_why(tmp_path)
         new_result(spec, "COMPLETE").model_copy(update={"quality": probe}).model_dump_json()
     )
     assert keep_reference(context).quality.reference.scores == {"lm_eval/mine": 0.5}
+
+
+def test_an_lm_eval_that_sigkill_does_not_end_is_left_after_a_bounded_wait():
+    """A process stuck in the kernel outlives SIGKILL: the trial goes on rather than wait on it for good."""
+    import subprocess
+
+    class Stuck:
+        pid = 2**22 + 12345  # beyond any pid this host hands out: its group is gone already
+
+        def __init__(self) -> None:
+            self.waits: list[float | None] = []
+
+        def wait(self, timeout: float | None = None) -> int:
+            self.waits.append(timeout)
+            if timeout is None:
+                raise AssertionError("an unbounded wait would hang here")
+            raise subprocess.TimeoutExpired("lm_eval", timeout)
+
+    stuck = Stuck()
+    lm_eval._kill_group(stuck, wait_s=0.5)  # type: ignore[arg-type]
+    assert stuck.waits == [0.5]

@@ -363,9 +363,13 @@ class ServedCluster(FakeCluster):
         super().__init__()
         ServedCluster.opened.append(self)
         self.exited = False
+        self.serving = False  # Serve started on it (``open_serve``): only once nothing can refuse
 
     def __enter__(self):
         return self
+
+    def open_serve(self) -> None:
+        self.serving = True
 
     def __exit__(self, *exc) -> None:
         self.exited = True

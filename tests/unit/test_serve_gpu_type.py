@@ -127,7 +127,8 @@ def fetched(monkeypatch) -> list[dict[str, Any]]:
 
     def prefetch_point(model, env, engine_args, device, say, through_ray, gpu_type=None, **kwargs):
         calls.append({"model": model, "through_ray": through_ray, "gpu_type": gpu_type,
-                      "deployed": [list(c.deployed) for c in ServedCluster.opened]})  # fmt: skip
+                      "deployed": [list(c.deployed) for c in ServedCluster.opened],
+                      "serving": [c.serving for c in ServedCluster.opened]})  # fmt: skip
         return [WeightsPrefetch(model=model, node_id="n", host="h", download_s=1.0, bytes=1)]
 
     monkeypatch.setattr("servetune.prefetch.prefetch_point", prefetch_point)
@@ -160,6 +161,7 @@ def test_serve_check_pins_its_deployments_and_prefetch_to_the_measured_type(gpu_
     assert [c["accelerator_type"] for c in configs] == ["H100", "H100"]
     (call,) = fetched
     assert call["gpu_type"] == "H100" and call["through_ray"] is True and call["deployed"] == [[]]  # before deploying
+    assert call["serving"] == [False] and ServedCluster.opened[0].serving  # and before Serve started, after it did
     doc = json.loads((gpu_served / "serve-check.json").read_text())
     assert doc["llm_config"]["accelerator_type"] == "H100"
     assert "replicas pinned to GPU type H100 (accelerator_type), as trial t1 was measured on H100-SXM" in (
@@ -181,8 +183,29 @@ def test_serve_check_on_a_cluster_without_the_measured_type_is_one_line_and_depl
                        "H100); the Ray cluster at auto has GPUs of type A100, L4 only: nothing was deployed")  # fmt: skip
     (cluster,) = ServedCluster.opened
     assert cluster.deployed == [] and deleted == [] and fetched == []  # nothing deployed, replaced or fetched
-    assert cluster.exited
+    assert cluster.exited and not cluster.serving  # Ray let go, and no Serve started on it to be left behind
     assert not (gpu_served / "serve-check.json").exists()
+
+
+@pytest.mark.parametrize("argv, nodes, running, refused", [
+    (["--replicas", "4"], [HEAD, H100, A100], {},  # 4 GPUs, where the H100 nodes have 2
+     "--replicas 4: 4 replicas of 1 GPU (TP x PP) need 4 GPUs; the Ray cluster at auto (its H100 nodes) has 2: "
+     "nothing was deployed"),
+    (["--replicas", "1"], [HEAD, H100], {"servetune-serve-check": "RUNNING"},  # someone's application of the name
+     "a Serve application named servetune-serve-check is already running (RUNNING): pass --replace to replace it, or "
+     "--app-name to deploy beside it"),
+])  # fmt: skip
+def test_every_refusal_once_ray_is_joined_comes_before_serve_starts_on_the_cluster(
+    gpu_served, fetched, monkeypatch, capsys, argv, nodes, running, refused
+):  # fmt: skip
+    """Serve's controller outlives the driver on a cluster: a refusal after joining (the fit counted on the nodes of
+    the pinned type, an application of the name) must not have started one. (The GPU type's refusal: above.)"""
+    monkeypatch.setattr(ServedCluster, "nodes", lambda self: nodes)
+    monkeypatch.setattr(ServedCluster, "applications", lambda self: dict(running))
+    assert main(["serve-check", str(gpu_served), "--pick", "t1", "--address", "auto", *argv]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"servetune serve-check: error: {refused}"
+    (cluster,) = ServedCluster.opened
+    assert cluster.exited and not cluster.serving and cluster.deployed == [] and fetched == []
 
 
 def test_serve_check_pins_to_the_gpu_the_trial_recorded_where_the_space_names_none(

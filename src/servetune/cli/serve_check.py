@@ -86,8 +86,10 @@ fresh, the application deleted first.
 
 Without --address a local Ray is started, declaring the CPUs the replicas and the ingress need,
 with Serve's HTTP proxy on 127.0.0.1 at a free port; it is shut down at the end. With --address
-only the application serve-check deployed is deleted at the end. Either way serve-check proves,
-by process id, that no replica process is left.
+only the application serve-check deployed is deleted at the end, and Serve itself only where
+serve-check started it (none ran) and no application is left on it. Serve starts after every check
+that can refuse, so a refusal leaves nothing on the cluster. Either way serve-check proves, by
+process id, that no replica process is left.
 
 Stopped half-way (Ctrl-C, SIGTERM) or broken by a later step (an engine that dies), serve-check
 deletes its application just the same and keeps what finished (each replica count, the ramp, each
@@ -366,8 +368,8 @@ def run(args: argparse.Namespace) -> int:
 
     teardown = Teardown(pids=set())
     where = args.address or "the local Ray"
-    with console.status(f"starting Ray and Serve ({where})"):
-        cluster = ServeCluster(args.address, need.resources()).__enter__()
+    with console.status(f"{'joining' if args.address else 'starting'} Ray ({where})"):
+        cluster = ServeCluster(args.address, need.resources()).__enter__()  # no Serve yet: the checks below may refuse
     left: list[int] = []
     owned = False  # the application is serve-check's to delete only once it did not refuse someone else's
     so_far: list[ServeCheckResult] = []  # the result as of the last part that finished (run_check's keep)
@@ -389,6 +391,8 @@ def run(args: argparse.Namespace) -> int:
             deployed = llm_config(picked.point, 1)
             prefetched(model, deployed.get("runtime_env", {}).get("env_vars", {}), picked.point.engine_args,
                        picked.point.device, through_ray=args.address is not None, gpu_type=picked.gpu_type)  # fmt: skip
+        with console.status(f"starting Serve ({where})"):
+            cluster.open_serve()  # nothing refused: a refusal above left no Serve behind on the cluster
         owned = True
         result = run_check(
             picked, replicas, cluster, name, measure, teardown, address=args.address,

@@ -54,6 +54,8 @@ A trial the study measured through Ray Serve (serve.num_replicas) is verified th
 same Serve LLM application at the same replica count, on a local Ray (or the cluster at --address),
 loaded through Serve's OpenAI ingress; vLLM's gauges and counters come from the replicas through
 Ray's metrics agents (late by up to 2.5 s on a local Ray: the disconnect allowance grows by that).
+Serve starts with the first deployment, after the GPU-type checks: a refusal leaves none on the
+cluster, and at --address a Serve verify started is shut down at the end once no application is left.
 
 Requests time out (each its own error kind) at 10x the SLO's TTFT bound for the first token,
 20x its TPOT bound between chunks, and the study's request_timeout_s in all.

@@ -26,6 +26,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeGuard
 
@@ -44,6 +45,8 @@ from servetune.config.workload import Workload, load_workload
 ENGINE_DEFAULTS = {
     "tensor_parallel_size": 1, "pipeline_parallel_size": 1, "data_parallel_size": 1, "prefill_context_parallel_size": 1,
 }  # fmt: skip
+#: The sizes whose product is vLLM's world size: the ranks of one data-parallel engine.
+RANK_SIZES = ("tensor_parallel_size", "pipeline_parallel_size", "prefill_context_parallel_size")
 #: Executor backends that make a bare engine a Ray driver of its own (refused by space_file.py when a space loads).
 RAY_BACKENDS = {"distributed_executor_backend": "ray", "data_parallel_backend": "ray"}
 ENV_PREFIX = "env."
@@ -67,6 +70,12 @@ def engine_devices(engine_args: dict[str, Any]) -> int:
     """The devices (cores on the CPU build) one engine of these arguments takes: tensor x pipeline x data x
     prefill-context parallel size, vLLM's 1 for a size not given (or given as null, which passes no flag)."""
     return math.prod(int(engine_args.get(k) or default) for k, default in ENGINE_DEFAULTS.items())
+
+
+def engine_ranks(engine_args: Mapping[str, Any]) -> int:
+    """The ranks of one data-parallel engine, vLLM's world size: tensor x pipeline x prefill-context parallel size
+    (a Ray Serve LLM replica's devices; data parallelism there is replicas)."""
+    return math.prod(int(engine_args.get(k) or 1) for k in RANK_SIZES)
 
 
 def stream_batching_ok(value: object) -> TypeGuard[float]:

@@ -28,7 +28,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import IO, Any
@@ -42,6 +42,7 @@ from servetune.engine.resolved import DEV_MODE_ENV
 from servetune.engine.startup import waiting_on
 from servetune.errors import EngineStartError
 from servetune.secrets import redact_engine_args
+from servetune.shipped import child_env
 
 #: Where vLLM (``vllm.envs``) puts the ZMQ sockets between its API server, engine cores and workers.
 IPC_DIR_ENV = "VLLM_RPC_BASE_PATH"
@@ -104,24 +105,6 @@ class KvCapacity:
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
-
-
-def absolute_pythonpath(value: str, path: Sequence[str]) -> str:
-    """``PYTHONPATH`` with each relative entry made absolute as this interpreter made it at start-up (``path``:
-    ``sys.path``, whose entries from ``PYTHONPATH`` Python made absolute against its first working directory).
-
-    A job's runtime env sets ``PYTHONPATH: src`` (cluster/runtime_env.yaml) so that the submitted source runs.
-    A Ray worker starts in the job's working directory and reads it right; a trial then runs in its own Tune
-    directory, and a process it starts with the relative entry finds no ``src`` there and imports whatever
-    servetune the node has installed. An entry this interpreter does not hold is made absolute here."""
-    entries = []
-    for entry in value.split(os.pathsep):
-        if entry and not os.path.isabs(entry):
-            tail = Path(entry).parts
-            held = [p for p in path if os.path.isabs(p) and Path(p).parts[-len(tail) :] == tail and os.path.isdir(p)]
-            entry = held[0] if held else os.path.abspath(entry)
-        entries.append(entry)
-    return os.pathsep.join(entries)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -246,9 +229,7 @@ class VllmServer:
             bind, self._core_locks = claim_now(self.cpu_ranks)
             if bind is not None:
                 self.env[BIND] = bind
-        inherited = dict(os.environ)
-        if inherited.get("PYTHONPATH"):  # the reaper (servetune) must import this servetune, wherever it runs
-            inherited["PYTHONPATH"] = absolute_pythonpath(inherited["PYTHONPATH"], sys.path)
+        inherited = child_env()  # the reaper (servetune) must import this servetune, wherever it runs
         if ray_omp_threads() is not None:  # Ray's, not the user's: the engine gets what `vllm serve` gets
             inherited.pop(OMP_THREADS)
         env = {**inherited, **self.env, "PYTHONUNBUFFERED": "1"}

@@ -49,6 +49,7 @@ from servetune.load.pace import ClientPace, client_pace, shards_bound
 from servetune.load.requests import RequestSpec
 from servetune.load.runner import Level, arrival_gaps, run_level
 from servetune.metrics import RequestRecord
+from servetune.shipped import child_env
 
 #: How long a shard process may take to start (an interpreter importing numpy and aiohttp on a busy host).
 START_TIMEOUT_S = 120.0
@@ -237,7 +238,7 @@ async def run_sharded(
         for plan in plans:
             proc = await asyncio.create_subprocess_exec(
                 *python, "-m", "servetune.load.shard", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-                start_new_session=True,
+                start_new_session=True, env=child_env(),  # this servetune, in a trial's own directory too
             )  # fmt: skip
             procs.append(proc)
             assert proc.stdin is not None

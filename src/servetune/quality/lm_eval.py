@@ -31,6 +31,9 @@ from servetune.errors import UserError
 INSTALL_HINT = "lm-eval is not installed: pip install servetune[lm-eval]"
 #: No network from a trial: the task's data and the tokenizer come from disk.
 OFFLINE_ENV = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+#: Seconds lm-eval may take to go after SIGKILL: one that SIGKILL does not end is stuck in the kernel, and waiting on
+#: it would hang the trial for good (as the engine's stop, engine/server.py).
+KILL_WAIT_S = 10.0
 _FINGERPRINTED = (".yaml", ".yml", ".jsonl", ".json", ".py", ".txt")
 
 
@@ -162,11 +165,13 @@ def results_file(out_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def _kill_group(process: subprocess.Popen) -> None:
-    """lm-eval and anything it started: stopped whatever happened (it runs in its own process group)."""
+def _kill_group(process: subprocess.Popen, wait_s: float = KILL_WAIT_S) -> None:
+    """lm-eval and anything it started: stopped whatever happened (it runs in its own process group), waited for
+    ``wait_s`` at most."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=wait_s)
 
 
 def _last_line(path: Path) -> str:

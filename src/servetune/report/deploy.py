@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 import yaml
 
+from servetune.config.space import ENGINE_DEFAULTS
 from servetune.engine.args import engine_argv
 from servetune.engine.metrics import GAUGES
 from servetune.report.autoscale import Autoscaling
@@ -84,12 +85,12 @@ def first_served_name(served: object, model: str) -> str:
 
 
 def gpus(point: ReportPoint) -> int:
-    """The GPUs one server holds: TP x PP x DP (0 on the CPU build)."""
+    """The GPUs one server holds: TP x PP x PCP x DP (0 on the CPU build)."""
     if point.device == "cpu":
         return 0
     args = {**point.resolved_engine_args, **{k: v for k, v in point.engine_args.items() if v is not None}}
     ranks = 1
-    for key in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+    for key in ENGINE_DEFAULTS:  # vLLM's sizes: their product is the server's devices
         ranks *= max(1, int(args.get(key) or 1))
     return ranks
 

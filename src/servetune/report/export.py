@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from servetune.config.space import SERVE_REPLICAS, SERVE_STREAM_BATCHING
+from servetune.config.space import SERVE_REPLICAS, SERVE_STREAM_BATCHING, engine_ranks
 from servetune.engine.args import RESERVED, engine_argv, normalize_key
 from servetune.engine.launch import VLLM_CPU_SERVE_LINE
 from servetune.errors import UserError
@@ -193,11 +193,13 @@ def ray_serve_app(
             raise UserError(f"--accelerator-type {accelerator_type}: the study ran on CPUs (vLLM's CPU build)")
         config["accelerator_type"] = accelerator_type
     pp = int(kwargs.get("pipeline_parallel_size") or 1)
-    ranks = int(kwargs.get("tensor_parallel_size") or 1) * pp
+    ranks = engine_ranks(kwargs)  # with prefill-context parallelism: Ray Serve LLM's own bundles count TP x PP only
     if point.device == "cpu":
         config["placement_group_config"] = {"bundles": [{"CPU": 1} for _ in range(ranks)]}
     elif pp == 1:  # a replica's TP group on one node: Ray Serve LLM's default (PACK) may split it across nodes
         config["placement_group_config"] = {"bundles": [{"GPU": 1} for _ in range(ranks)], "strategy": "STRICT_PACK"}
+    elif ranks > pp * int(kwargs.get("tensor_parallel_size") or 1):  # stages may span nodes, as Ray Serve LLM's PACK
+        config["placement_group_config"] = {"bundles": [{"GPU": 1} for _ in range(ranks)], "strategy": "PACK"}
     env = masked_env(point.env)
     if env:
         config["runtime_env"] = {"env_vars": env}
@@ -224,7 +226,7 @@ def with_tp(point: ReportPoint, tp: int, cores: Any = ()) -> ReportPoint:
         return point
     engine_args = {k: v for k, v in point.engine_args.items() if k != "tensor_parallel_size"}
     engine_args["tensor_parallel_size"] = tp
-    ranks = tp * int(engine_args.get("pipeline_parallel_size") or 1)
+    ranks = engine_ranks(engine_args)
     env = {k: v for k, v in point.env.items() if k != CPU_BIND}
     if point.device == "cpu" and ranks > 1:
         env[CPU_BIND] = "|".join(str(c) for c in (list(cores) or range(ranks))[:ranks])

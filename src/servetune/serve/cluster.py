@@ -5,7 +5,10 @@ processes and log files are read in ``serve/actors.py``).
 
 Only this module of serve/ starts Ray. A local Ray is started by the driver as every command starts
 one (``local_ray.start_local_ray``: no token left in ``~/.ray``) and stopped with it; on a cluster
-given by address, only the application serve-check deployed is deleted.
+given by address, only the application serve-check deployed is deleted. Joining starts no Serve: the
+checks that can refuse (GPU type, fit, an application of the name) read Ray and Serve's status only, and
+Serve starts with the first deployment (:meth:`ServeCluster.open_serve`). A Serve this driver started on
+a cluster is shut down on leaving once no application is left on it; one that was running is left as found.
 """
 
 from __future__ import annotations
@@ -35,20 +38,27 @@ class ServeCluster:
     """``with ServeCluster(address, resources) as cluster:`` a Ray cluster with Serve on it.
 
     ``address`` None starts a local Ray declaring ``resources`` (CPUs the replicas and the ingress
-    need: Ray's CPUs are what it schedules by, not the cores vLLM runs on) with Serve's HTTP proxy
-    on 127.0.0.1 at a free port; leaving shuts Serve and that Ray down.
+    need: Ray's CPUs are what it schedules by, not the cores vLLM runs on); leaving shuts Serve and that
+    Ray down. An address joins that cluster; leaving disconnects this driver.
+
+    Entering starts no Serve, so a refusal between entering and :meth:`open_serve` (the first deployment
+    calls it) leaves nothing on the cluster: Serve's controller outlives the driver on a cluster. Serve
+    this object started there (none was running) is shut down on leaving if no application is left on
+    it; Serve that was running, and the applications of others, are left as they were.
     """
 
     def __init__(self, address: str | None, resources: Mapping[str, float]) -> None:
         self.address = address
         self.resources = dict(resources)
         self.started_ray = False
+        self.joined = False  # this driver connected to the cluster at ``address`` (disconnected on leaving)
+        self.serving = False  # Serve started (or found running) by :meth:`open_serve`
+        self.started_serve = False  # no Serve controller was running: :meth:`open_serve` started one
         self.url = ""
         self._env_before: str | None = None
 
     def __enter__(self) -> ServeCluster:
         import ray
-        from ray import serve
 
         _quiet_serve_logs()
         if self.address is None:
@@ -65,16 +75,28 @@ class ServeCluster:
                     self._restore_env()
                     raise
                 self.started_ray = True
-            serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
         else:
             try:
                 with keeping_sigterm():
                     ray.init(address=self.address, log_to_driver=False)
             except (ConnectionError, RuntimeError, ValueError) as exc:
                 raise UserError(f"--address {self.address}: cannot connect to Ray ({exc})") from None
-            serve.start()
-        self.url = _ingress_url(self.address)
+            self.joined = True
         return self
+
+    def open_serve(self) -> None:
+        """Serve on the cluster, once every refusal is behind (the first deployment calls it; again, nothing): its
+        HTTP proxy on 127.0.0.1 at a free port on a local Ray; on a cluster, Serve's own options, or those of the
+        Serve already running there."""
+        if self.serving:
+            return
+        from ray import serve
+        from ray.serve.context import _get_global_client
+
+        self.started_serve = _get_global_client(raise_if_no_controller_running=False) is None
+        serve.start(http_options={"host": "127.0.0.1", "port": free_port()} if self.address is None else None)
+        self.serving = True
+        self.url = _ingress_url(self.address)
 
     @classmethod
     def attached(cls) -> ServeCluster:
@@ -83,6 +105,7 @@ class ServeCluster:
         import ray
 
         cluster = cls(ray.get_runtime_context().gcs_address, {})
+        cluster.serving = True
         cluster.url = _ingress_url(cluster.address)
         return cluster
 
@@ -95,6 +118,13 @@ class ServeCluster:
                 serve.shutdown()
             ray.shutdown()
             self._restore_env()
+            return
+        if self.started_serve:  # Serve started here on a cluster that ran none: gone with its last application
+            with contextlib.suppress(Exception):  # unreachable: nothing this driver can stop
+                if not serve.status().applications:
+                    serve.shutdown()
+        if self.joined:
+            ray.shutdown()  # this driver's connection only; the cluster runs on
 
     def _restore_env(self) -> None:
         if self._env_before is None:
@@ -157,6 +187,7 @@ class ServeCluster:
         from ray import serve
         from ray.serve.api import RunTarget
 
+        self.open_serve()
         serve.run_many(
             [RunTarget(target=app, name=name, route_prefix=route_prefix)], wait_for_applications_running=False
         )
@@ -263,6 +294,7 @@ class ServeCluster:
         from ray import serve
         from ray.serve.api import RunTarget
 
+        self.open_serve()
         start = time.monotonic()
         # run_many can return before the application is up (serve.run waits, with no time limit).
         serve.run_many(

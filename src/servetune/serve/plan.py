@@ -3,7 +3,7 @@
 The application is the one ``servetune export --format ray-serve`` prints
 (:func:`servetune.report.export.ray_serve_app`), with the replica count fixed
 (``min_replicas = max_replicas = N``). Each replica is one placement group: the engine's
-TP x PP devices (GPUs, or cores on the CPU build), plus one CPU for the replica actor, which
+TP x PP (x PCP) devices (GPUs, or cores on the CPU build), plus one CPU for the replica actor, which
 Ray Serve LLM adds to the first bundle. The OpenAI ingress is one more replica with one CPU.
 """
 
@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from servetune.capacity.hardware import ACCELERATOR, gpu_types, ray_accelerator_type
+from servetune.config.space import engine_ranks
 from servetune.errors import UserError
 from servetune.report.autoscale_policy import POLICY_FUNCTION
 from servetune.report.export import SIGNALS_SERVER_CLASS, health_check_config, ray_serve_app
@@ -43,7 +44,7 @@ class Needs:
 
     replicas: int
     device: str  # "GPU" or "CPU" (the CPU build's ranks are cores)
-    devices_per_replica: int  # TP x PP
+    devices_per_replica: int  # TP x PP x PCP
     cpus_per_replica: float  # the engine's CPU bundles plus the replica actor
     asked_by: str = ""  # the option that asked for this many replicas, for refusals (default: --replicas N)
 
@@ -93,7 +94,7 @@ def llm_config(
     autoscaling.update(min_replicas=replicas, max_replicas=replicas, initial_replicas=replicas)
     if point.device == "cpu" and os.environ.get(CLAIM_CORES_ENV):  # each replica's engine on cores of its own
         kwargs = config.get("engine_kwargs", {})
-        ranks = int(kwargs.get("tensor_parallel_size") or 1) * int(kwargs.get("pipeline_parallel_size") or 1)
+        ranks = engine_ranks(kwargs)
         config["callback_config"] = {"callback_class": CLAIM_CORES, "callback_kwargs": {"ranks": ranks}}
     env = os.environ if env is None else env
     env_vars = config.get("runtime_env", {}).get("env_vars", {})
@@ -120,7 +121,7 @@ def autoscaled_llm_config(
 
 def needs(point: ReportPoint, config: Mapping[str, Any], replicas: int) -> Needs:
     kwargs = config.get("engine_kwargs", {})
-    per_replica = int(kwargs.get("tensor_parallel_size") or 1) * int(kwargs.get("pipeline_parallel_size") or 1)
+    per_replica = engine_ranks(kwargs)  # TP x PP x PCP
     bundles = (config.get("placement_group_config") or {}).get("bundles") or []
     bundle_cpus = sum(float(b.get("CPU", 0)) for b in bundles)
     return Needs(

@@ -109,7 +109,7 @@ def started(chosen: Chosen, log_path: Path, address: str | None = None, also: Ma
     resources = trial_needs(spec).resources()
     for key, value in (also or {}).items():
         resources[key] = resources.get(key, 0.0) + value
-    with ServeCluster(address, resources) as cluster:
+    with ServeCluster(address, resources) as cluster:  # Ray only: Serve starts with the deployment, past the refusals
         spec = pinned(chosen, cluster, address)
         others = [pinned(c, cluster, address) if c.spec.serve_replicas is not None else c.spec for c in later]
         if prefetch is not None:  # a local Ray runs on this machine: fetched here, else on the cluster's nodes
