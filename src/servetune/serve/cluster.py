@@ -11,6 +11,8 @@ given by address, only the application serve-check deployed is deleted.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import time
@@ -117,7 +119,7 @@ class ServeCluster:
     # --- one application --------------------------------------------------------------------
     def deploy(
         self, name: str, llm_config: Mapping[str, Any], timeout_s: float, engine_version: str | None = None,
-        route_prefix: str = "/", on_poll: Callable[[], None] | None = None,
+        route_prefix: str = "/", on_poll: Callable[[], None] | None = None, keep_ingress: bool = False,
     ) -> float:  # fmt: skip
         """Deploy the Ray Serve LLM application (``build_openai_app``) and wait until it is RUNNING;
         returns the seconds it took. Deployed again unpinned, it is a new version: Serve rolls it out,
@@ -125,24 +127,35 @@ class ServeCluster:
 
         ``engine_version`` pins the LLM deployment's version (``serve.routing.engine_version``): deployed
         again with the same one and only options Serve applies in place changed (the replica count, the
-        autoscaling, the request router), Serve keeps its replicas and their engines. The ingress is never
-        pinned, so it is restarted: a handle builds its request router once, so only a new ingress routes
-        with a new one. ``on_poll`` is called each time the deployment's status is read (every 2 s) and once
+        autoscaling, the request router), Serve keeps its replicas and their engines. The ingress is not
+        pinned unless ``keep_ingress`` (serve-check's: a handle builds its request router once, so only a new
+        ingress routes with a new one). ``keep_ingress`` gives the ingress the version of what it is built from
+        (:func:`_pin_ingress`), so a :meth:`redeploy` with ``keep_ingress`` that moves only the LLM deployment keeps
+        the ingress replica. ``on_poll`` is called each time the deployment's status is read (every 2 s) and once
         it is up: where its replicas went can be read while their engines start."""
         from ray.serve.llm import build_openai_app
 
         app = build_openai_app({"llm_configs": [dict(llm_config)]})
         if engine_version is not None:
             _pin_llm_servers(app, engine_version)
+        if keep_ingress:
+            _pin_ingress(app)
         return self.run_app(name, app, timeout_s, route_prefix, on_poll)
 
-    def redeploy(self, name: str, llm_config: Mapping[str, Any], route_prefix: str = "/") -> None:
+    def redeploy(self, name: str, llm_config: Mapping[str, Any], route_prefix: str = "/",
+                 keep_ingress: bool = False) -> None:  # fmt: skip
         """Deploy the LLM application ``name`` again with ``llm_config`` through Serve's own update path
-        (:meth:`redeploy_app`), unpinned: a new version, which Serve rolls out over the running replicas while they
-        serve."""
+        (:meth:`redeploy_app`), its LLM deployment unpinned: a new version, which Serve rolls out over the running
+        replicas while they serve. ``keep_ingress`` (the application deployed with it too): the ingress keeps its
+        version where what it is built from did not change, so Serve keeps its replica and it routes throughout;
+        else Serve replaces the single ingress replica too, stopping it before it starts the new one
+        (``max_surge_percent`` 0), and requests wait at the proxy meanwhile."""
         from ray.serve.llm import build_openai_app
 
-        self.redeploy_app(name, build_openai_app({"llm_configs": [dict(llm_config)]}), route_prefix)
+        app = build_openai_app({"llm_configs": [dict(llm_config)]})
+        if keep_ingress:
+            _pin_ingress(app)
+        self.redeploy_app(name, app, route_prefix)
 
     def redeploy_app(self, name: str, app: Any, route_prefix: str = "/") -> None:
         """``serve.run`` the application ``app`` under the name of one running, and return once Serve's controller
@@ -203,6 +216,11 @@ class ServeCluster:
             for bundle_node in bundles:
                 devices[bundle_node] = devices.get(bundle_node, 0) + 1
         return replicas, devices
+
+    def replica_lifetimes(self, name: str) -> list[dict[str, Any]]:
+        """Every replica of the application's deployments the GCS knows, dead ones too (``actors.replica_lifetimes``):
+        when each started and ended (wall clock), the ingress's as well as the LLM replicas'."""
+        return actors.replica_lifetimes(name)
 
     def replica_ids(self, name: str, deployment_prefix: str = "LLMServer") -> list[str]:
         """Serve's unique ids of the application's live LLM replicas: the ``ReplicaId`` their engines'
@@ -409,6 +427,22 @@ def _pin_llm_servers(app: Any, version: str) -> None:
     servers = app._bound_deployment.init_kwargs.get("llm_deployments") or {}
     for server in servers.values():
         server._bound_deployment = server._bound_deployment.options(version=version, _internal=True)
+
+
+def _pin_ingress(app: Any) -> None:
+    """Give the OpenAI ingress ``build_openai_app`` made the version of what it is built from: its constructor's
+    arguments but the LLM deployments' handles (which name the deployments, not their versions): the model cards (the
+    model ids and their context lengths), LoRA paths, extra arguments. Deployed again with the same, Serve keeps the
+    ingress replica (a version pinned is compared, not the code: ``_pin_llm_servers``); with other model cards it
+    replaces it. Unpinned, Serve gives it a new version at every deploy."""
+    bound = app._bound_deployment
+    built_from = {key: value for key, value in bound.init_kwargs.items() if key != "llm_deployments"}
+    cards = built_from.get("model_cards") or {}
+    built_from["model_cards"] = {model: card.model_dump() if hasattr(card, "model_dump") else card
+                                 for model, card in cards.items()}  # fmt: skip
+    text = json.dumps([bound.name, built_from], sort_keys=True, default=str)
+    app._bound_deployment = bound.options(version=f"ingress-{hashlib.sha256(text.encode()).hexdigest()[:16]}",
+                                          _internal=True)  # fmt: skip
 
 
 def _status_message(app: Any) -> str:
