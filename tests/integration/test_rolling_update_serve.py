@@ -3,8 +3,11 @@
 update path, to the runner-up's configuration, whose engine arguments (``max_num_seqs``) and environment (the fake's
 TTFT) differ. From Serve's state and the replicas themselves: before the update both replicas run the verified
 point's configuration, after it both run the runner-up's (built on the cluster it runs on, as the verified point's
-was), and none from before is alive, nor its process. From the request records: the scenario's counts and worst
-TTFT during the change, and the requests after it paced by the new replicas.
+was), and none from before is alive, nor its process. Only the LLM deployment moved: the ingress replica is the same
+one before and after, and the scenario's replica changes say so (two LLM replicas stopped, two started, the ingress
+kept). From the request records: the scenario's counts and worst TTFT during the change, and the requests after it
+paced by the new replicas. Every engine takes :data:`START_S` to start: a request that waited for a replica to start
+(none serving, or the router gone) would have waited at least that long, and none did.
 
 The scenario runs in a process of its own, which starts a Ray sized for the deployment and stops it (about 1.5 min
 on a two-core host); it writes what the test checks to a JSON file."""
@@ -24,7 +27,7 @@ from servetune.config.slo import Slo
 from servetune.config.workload import Workload
 from servetune.load.runner import Level
 from servetune.metrics import RequestRecord
-from servetune.testing.serve_engine import ENGINE_ENV, STARTED
+from servetune.testing.serve_engine import ENGINE_ENV, START_S_ENV, STARTED
 from servetune.trial.context import StudyContext, resolve_levels
 from servetune.trial.runner import TrialSpec
 from servetune.verify.scenarios import Budget
@@ -33,12 +36,14 @@ from tests.builders import space_from
 pytest.importorskip("ray.serve.llm")
 
 ROOT = Path(__file__).parents[2]
+START_S = 2.0  # each fake engine's start: what a request that waited for a replica to start would have waited, at least
 SPACE = f"""\
 hardware: {{devices_per_node: 2}}
 engine_args: {{max_model_len: 1024}}
 env:
   RAYLLM_VLLM_ENGINE_CLS: "{ENGINE_ENV["RAYLLM_VLLM_ENGINE_CLS"]}"
   SERVETUNE_FAKE_ITL_MS: 5
+  {START_S_ENV}: {START_S}
 params:
   serve.num_replicas: [2]
   max_num_seqs: [4, 8]
@@ -83,8 +88,11 @@ def roll(work: str, model: str) -> None:
     (root / "verify").mkdir()
     out: dict = {"change": change}
     with ServeCluster(None, trial_needs(winner).resources()) as cluster, ServeEngine(winner, root / "verify", cluster) as engine:  # fmt: skip
-        before_pids = cluster.replica_pids(engine.name)
-        out["before"] = {"replicas": cluster.engine_replicas(engine.name),
+        # the LLM replicas' processes (the ingress's stays: it is the same replica after the update)
+        before_pids = sorted(
+            {pid for replica, engines in cluster.replica_engines(engine.name) for pid in [replica, *engines]}
+        )
+        out["before"] = {"replicas": cluster.engine_replicas(engine.name), "ingress": ingress(cluster, engine.name),
                          "configs": cluster.replica_llm_configs(engine.name)}  # fmt: skip
 
         async def scenario():
@@ -97,12 +105,19 @@ def roll(work: str, model: str) -> None:
         result, records = asyncio.run(scenario())
         out.update(passed=result.passed, reason=result.reason, numbers=result.numbers,
                    records=[dataclasses.asdict(r) for r in records])  # fmt: skip
-        out["after"] = {"replicas": cluster.engine_replicas(engine.name),
+        out["after"] = {"replicas": cluster.engine_replicas(engine.name), "ingress": ingress(cluster, engine.name),
                         "configs": cluster.replica_llm_configs(engine.name)}  # fmt: skip
         out["old_processes_left"] = wait_gone(before_pids, timeout_s=60)
         out["before_processes"] = len(before_pids)
         out["log"] = engine.log_text()
     (root / "rolled.json").write_text(json.dumps(out, default=str))
+
+
+def ingress(cluster, name: str) -> list[str]:
+    """The application's live ingress replicas (Serve's ids), from Ray's actor table."""
+    return [
+        life["replica"] for life in cluster.replica_lifetimes(name) if not life["engine"] and life["ended_s"] is None
+    ]
 
 
 def test_a_rolling_update_to_the_runner_up_leaves_only_replicas_of_its_configuration(tiny_model, tmp_path):
@@ -133,6 +148,14 @@ def test_a_rolling_update_to_the_runner_up_leaves_only_replicas_of_its_configura
     assert out["before_processes"] >= 2 and out["old_processes_left"] == []
     assert n["rolled_out"] and n["update_s"] > 0
 
+    # (b2) Only the LLM deployment moved: the one ingress replica routed throughout, and the scenario says so. Serve
+    # stopped the two old LLM replicas and started two new ones, after the update call and by the time it was done.
+    assert len(before["ingress"]) == 1 and after["ingress"] == before["ingress"]
+    changes = n["replica_changes"]
+    assert n["ingress_replaced"] is False and all(c["engine"] for c in changes)
+    assert sorted(c["what"] for c in changes) == ["started", "started", "stopped", "stopped"]
+    assert all(c["after_update_s"] <= n["update_s"] for c in changes) and "the ingress kept" in out["reason"]
+
     # (c) The scenario's numbers are the records': counted again here from what the client saw.
     records = [RequestRecord(**r) for r in out["records"]]
     assert n["requests"] == len(records)
@@ -144,6 +167,12 @@ def test_a_rolling_update_to_the_runner_up_leaves_only_replicas_of_its_configura
     assert n["failed"] == sum(not r.ok for r in during)
     ttfts = [r.ttft_s for r in during if r.ok and r.ttft_s is not None and r.sent >= updated]
     assert n["ttft_ms_max_during"] == pytest.approx(max(ttfts) * 1000.0)
+    # no request waited for a replica to start (a replica served throughout, through the same router); the worst's
+    # send and answer as the scenario tells them, from the update call
+    assert n["ttft_ms_max_during"] < START_S * 1000.0
+    worst = max((r for r in during if r.ok and r.ttft_s is not None and r.sent >= updated), key=lambda r: r.ttft_s)
+    assert n["worst_sent_after_update_s"] == pytest.approx(worst.sent - updated)
+    assert n["worst_answered_after_update_s"] == pytest.approx(worst.sent + worst.ttft_s - updated)
     # after it only the runner-up's replicas answer: none sooner than its fake's 60 ms
     after_it = [r for r in measured if r.sent >= done_s]
     assert n["requests_after"] == len(after_it) > 0 and n["failed_after"] == sum(not r.ok for r in after_it)

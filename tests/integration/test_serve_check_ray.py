@@ -76,11 +76,11 @@ def test_the_llm_deployment_is_pinned_to_the_engine_version_and_the_ingress_is_n
     pytest.importorskip("ray.serve.llm")
     from ray.serve.llm import build_openai_app
 
-    from servetune.serve.cluster import _pin_llm_servers
+    from servetune.serve.versions import pin_llm_servers
 
     app = build_openai_app({"llm_configs": [{"model_loading_config": {"model_id": "m", "model_source": "/nowhere"},
                                              "deployment_config": {"num_replicas": 2}}]})  # fmt: skip
-    _pin_llm_servers(app, "v1")
+    pin_llm_servers(app, "v1")
     servers = app._bound_deployment.init_kwargs["llm_deployments"]
     assert [(s._bound_deployment.name, s._bound_deployment._version) for s in servers.values()] == [
         ("LLMServer:m", "v1")

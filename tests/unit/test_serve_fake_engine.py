@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from servetune.testing.serve_engine import ENGINE_ENV, STARTED, FakeServeEngine
+from servetune.testing.serve_engine import ENGINE_ENV, START_S_ENV, STARTED, FakeServeEngine
 
 
 def request(max_tokens: int, prompt: str = "one two three") -> SimpleNamespace:
@@ -67,3 +67,18 @@ def test_it_answers_streaming_requests_only():
 
     with pytest.raises(ValueError, match="streaming requests only"):
         asyncio.run(main())
+
+
+def test_it_takes_its_start_delay_to_start_and_says_so_only_then(monkeypatch, capsys):
+    monkeypatch.setenv(START_S_ENV, "0.2")
+    engine = FakeServeEngine(SimpleNamespace(engine_kwargs={}))
+
+    async def main() -> list[str]:
+        starting = asyncio.ensure_future(engine.start())
+        await asyncio.sleep(0.05)
+        early = capsys.readouterr().out
+        await starting
+        return [early, capsys.readouterr().out]
+
+    early, late = asyncio.run(main())  # not started before its delay (a sleep never ends early), started after it
+    assert STARTED not in early and STARTED in late

@@ -364,7 +364,8 @@ def test_a_rolling_update_moves_the_deployment_to_the_new_configuration_on_the_t
     monkeypatch.setattr(serve_trial, "trial_llm_config", lambda spec: built.append(spec) or {"model": spec.model})
     sent: list[dict[str, Any]] = []
     cluster = types.SimpleNamespace(engine_replicas=lambda name: ["a0"],
-                                    redeploy=lambda name, config, route_prefix: sent.append(config))  # fmt: skip
+                                    redeploy=lambda name, config, route_prefix, keep_ingress: sent.append(config)
+                                    if keep_ingress else None)  # fmt: skip
     winner = Spec("org/m", "H100-SXM", gpu_type="H100")
     engine = serve_trial.ServeEngine(types.SimpleNamespace(study="demo", trial_id="t1", gpu_type="H100"), tmp_path,  # type: ignore[arg-type]
                                      cluster)  # fmt: skip

@@ -282,10 +282,11 @@ class HalfwayCluster:
     url = "http://127.0.0.1:1"
 
     def __init__(self):
-        self.deployed, self.deleted = [], []
+        self.deployed, self.deleted, self.kept_ingress = [], [], []
 
-    def deploy(self, name, config, timeout_s, route_prefix="/", on_poll=None):
+    def deploy(self, name, config, timeout_s, route_prefix="/", on_poll=None, keep_ingress=False):
         self.deployed.append(name)
+        self.kept_ingress.append(keep_ingress)
         return 1.0
 
     def delete(self, name):
@@ -309,6 +310,7 @@ def test_a_trial_deployment_that_fails_after_deploying_is_deleted(tmp_path):
         ServeEngine(spec, tmp_path, cluster).__enter__()
     name = f"servetune-t-{spec.trial_id}"
     assert cluster.deployed == [name] and cluster.deleted == [name, name]  # before (a killed run's), and after
+    assert cluster.kept_ingress == [True]  # its ingress versioned by what it is built from (a rollout keeps it)
 
 
 class ReplacingCluster(HalfwayCluster):
@@ -319,7 +321,7 @@ class ReplacingCluster(HalfwayCluster):
         super().__init__()
         self.actors = {"old": (False, "old: an earlier deployment\n")}
 
-    def deploy(self, name, config, timeout_s, route_prefix="/", on_poll=None):
+    def deploy(self, name, config, timeout_s, route_prefix="/", on_poll=None, keep_ingress=False):
         self.actors |= {"r0": (False, "r0: failed while deploying, KV cache size: 1,000 tokens\n"),
                         "r1": (True, "r1: KV cache size: 2,000 tokens\n")}  # fmt: skip
         return super().deploy(name, config, timeout_s, route_prefix)
@@ -395,7 +397,7 @@ def test_where_the_replicas_devices_are_is_told_to_the_ledger_while_deploying_an
             super().__init__()
             self.where = ({}, {})
 
-        def deploy(self, name, config, timeout_s, route_prefix="/", on_poll=None):
+        def deploy(self, name, config, timeout_s, route_prefix="/", on_poll=None, keep_ingress=False):
             for where in (({"a": 1}, {"a": 1}), ({"a": 1, "b": 1}, {"a": 1, "b": 1})):
                 self.where = where
                 on_poll()

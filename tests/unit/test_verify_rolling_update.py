@@ -10,15 +10,19 @@ import asyncio
 import time
 from dataclasses import replace
 
+from pytest import approx
+
 from servetune.config.slo import Slo
 from servetune.serve.trial import trial_llm_config
 from servetune.verify.document import EngineRun, stability
 from servetune.verify.rolling_update import (
     SAME_CONFIGURATION,
+    ReplicaChange,
     judge_rolling_update,
     new_configuration,
     placement_problem,
     refusal,
+    replica_changes,
     rolling_update,
 )
 from tests.builders import copy_recorded_study, lost, served, stand_in_load, steady
@@ -45,6 +49,44 @@ def test_a_clean_rollout_passes_with_its_time_worst_ttft_and_p99_from_the_record
     assert kept.passed and (kept.numbers["replicas_after"], kept.numbers["replicas_on_new"]) == (2, 2)
     stale = judge_rolling_update(records, 3.0, 8.0, SLO, 1.0, replicas=(2, 1))
     assert not stale.passed and "1 of the 2 replicas after it run another configuration" in stale.reason
+
+
+def test_the_stall_is_told_against_each_replica_serve_replaced_and_whether_the_ingress_was_among_them():
+    """An update at 3 s whose rollout replaced the ingress replica (stopped at 3.75 s, its successor up at 5.5 s):
+    the request sent at 4 s waited at the proxy until 6 s. Told against each change, and as the ingress replaced."""
+    records = [*steady(0, 3), *steady(3, 3.7, first=100), served(900, 4.0, ttft_s=2.0), *steady(6, 12, first=200)]
+    changes = [ReplicaChange("LLMServer:m", "l1", True, "stopped", 3.5), ReplicaChange("OpenAiIngress", "i1", False,
+               "stopped", 3.75), ReplicaChange("LLMServer:m", "l2", True, "started", 4.5),
+               ReplicaChange("OpenAiIngress", "i2", False, "started", 5.5)]  # fmt: skip
+    result = judge_rolling_update(records, 3.0, 8.0, SLO, 1.0, changes=changes)
+    n = result.numbers
+    assert n["ttft_ms_max_during"] == 2000.0 and n["ingress_replaced"] is True
+    assert n["worst_sent_after_update_s"] == 1.0 and n["worst_answered_after_update_s"] == 3.0
+    table = [(c["replica"], c["what"], c["after_update_s"], c["worst_sent_after_s"]) for c in n["replica_changes"]]
+    assert table == [("l1", "stopped", 0.5, 0.5), ("i1", "stopped", 0.75, 0.25), ("l2", "started", 1.5, -0.5),
+                     ("i2", "started", 2.5, -1.5)]  # fmt: skip
+    assert "the worst sent 1 s after the update call, 0.25 s after ingress replica i1 stopped" in result.reason
+    assert "answered 0.5 s after ingress replica i2 started" in result.reason
+    assert "LLM replicas 1 stopped, 1 started, the ingress replaced" in result.reason
+    # the ingress kept: said so; the changes not read: no word on replicas, the worst's times still told
+    kept = judge_rolling_update(records, 3.0, 8.0, SLO, 1.0, changes=[c for c in changes if c.engine])
+    assert kept.numbers["ingress_replaced"] is False and "started, the ingress kept" in kept.reason
+    unread = judge_rolling_update(records, 3.0, 8.0, SLO, 1.0)
+    assert unread.numbers["replica_changes"] is None and unread.numbers["ingress_replaced"] is None
+    assert unread.numbers["worst_sent_after_update_s"] == 1.0 and "ingress" not in unread.reason
+
+
+def test_replica_changes_are_the_starts_and_ends_within_the_window_on_the_levels_clock():
+    wall = 1_000_000.0  # the level's start on the wall clock
+    lives = [
+        {"deployment": "OpenAiIngress", "replica": "i1", "engine": False, "started_s": wall - 30, "ended_s": None},
+        {"deployment": "LLMServer:m", "replica": "a", "engine": True, "started_s": wall - 30, "ended_s": wall + 4},
+        {"deployment": "LLMServer:m", "replica": "b", "engine": True, "started_s": wall + 3.5, "ended_s": None},
+        {"deployment": "LLMServer:m", "replica": "c", "engine": True, "started_s": wall + 20, "ended_s": None},
+    ]
+    changes = replica_changes(lives, wall, since_s=3.0, until_s=12.0)
+    assert [(c.replica, c.what, c.at_s, c.engine) for c in changes] == [("b", "started", 3.5, True),
+                                                                         ("a", "stopped", 4.0, True)]  # fmt: skip
 
 
 def test_failures_slow_ttft_no_rollout_or_a_bad_after_each_fail_it():
@@ -144,11 +186,12 @@ class Deployment:
     def __init__(self, roll_s: float) -> None:
         self.roll_s = roll_s
         self.updated: float | None = None
+        self.updated_wall: float | None = None
         self.specs: list[object] = []
         self.asked: list[float] = []  # when the replicas were asked what they run
 
     def update(self, spec=None) -> list[str]:
-        self.updated = time.monotonic()
+        self.updated, self.updated_wall = time.monotonic(), time.time()
         self.specs.append(spec)
         return ["old-replica"]
 
@@ -162,6 +205,19 @@ class Deployment:
     def rolled_out(self, old: list[str]) -> bool:
         assert old == ["old-replica"]
         return self.updated is not None and not self.rolling()
+
+    def replica_lifetimes(self) -> list[dict]:
+        """On the wall clock: the new replica started just after the update, the old one gone ``roll_s`` after it; the ingress
+        and the old replica started long before the level."""
+        assert self.updated_wall is not None
+        long_ago = self.updated_wall - 600
+        return [
+            {"deployment": "OpenAiIngress", "replica": "i", "engine": False, "started_s": long_ago, "ended_s": None},
+            {"deployment": "LLMServer:m", "replica": "old", "engine": True, "started_s": long_ago,
+             "ended_s": self.updated_wall + self.roll_s},
+            {"deployment": "LLMServer:m", "replica": "new", "engine": True, "started_s": self.updated_wall + 0.01,
+             "ended_s": None},
+        ]  # fmt: skip
 
 
 def test_the_scenario_updates_half_way_follows_the_rollout_and_judges(monkeypatch):
@@ -191,6 +247,14 @@ def test_the_scenario_updates_half_way_follows_the_rollout_and_judges(monkeypatc
     assert n["update_s"] >= deployment.roll_s - 0.01 and n["held_after"] and n["requests_after"] > 0
     last_sent = max(r.sent for r in target.records)
     assert n["updated_at_s"] + n["update_s"] < last_sent < n["updated_at_s"] + 30
+    # the replicas' lifetimes (the wall clock) on the level's clock: only what changed from the update call on, the
+    # new replica's start before the old one's end, by the stand-in's roll time; the worst request told against each
+    changes = n["replica_changes"]
+    assert [(c["replica"], c["what"]) for c in changes] == [("new", "started"), ("old", "stopped")]
+    assert changes[1]["after_update_s"] - changes[0]["after_update_s"] == approx(deployment.roll_s - 0.01, abs=1e-3)
+    assert n["ingress_replaced"] is False and all(
+        c["worst_sent_after_s"] == approx(n["worst_sent_after_update_s"] - c["after_update_s"]) for c in changes
+    )
 
 
 def test_the_scenario_refuses_a_bare_engine_and_says_when_serve_refuses_the_update(monkeypatch):
@@ -228,6 +292,12 @@ def test_checklist_15_23_takes_the_rolling_update_as_its_rollback_half(tmp_path)
     with_update["scenarios"]["rolling_update"] = judge_rolling_update(clean, 3.0, 8.0, SLO, 1.0).as_dict()
     item = one(study, result, "15.23", with_update)
     assert item.status == "PASS" and "0 of" in item.evidence and "rolled out in 5 s" in item.evidence
+    assert "ingress" not in item.evidence  # the replicas Serve changed not read: no word on the ingress
+    replaced = [ReplicaChange("OpenAiIngress", "i1", False, "stopped", 4.0)]
+    with_update["scenarios"]["rolling_update"] = judge_rolling_update(clean, 3.0, 8.0, SLO, 1.0,
+                                                                      changes=replaced).as_dict()  # fmt: skip
+    item = one(study, result, "15.23", with_update)
+    assert "rolled out in 5 s (Serve replaced the ingress replica too)" in item.evidence
     assert f"trial {result.trial_id} is the hash" in item.evidence  # still linked to its data
     dropped = [*clean, lost(500, 4.0)]
     with_update["scenarios"]["rolling_update"] = judge_rolling_update(dropped, 3.0, 8.0, SLO, 1.0).as_dict()

@@ -32,6 +32,21 @@ def replica_actors(name: str, deployment_prefix: str = "", live_only: bool = Tru
             if (not live_only or actor.get("State") == "ALIVE") and str(actor.get("ActorClassName", "")).startswith(prefix)]  # fmt: skip
 
 
+def replica_lifetimes(name: str) -> list[dict[str, Any]]:
+    """Every replica actor of the application's deployments the GCS knows (dead ones too), oldest first: its
+    ``deployment``, Serve's ``replica`` id, ``engine`` (an LLM deployment's, else the ingress's), and when its actor
+    started and ended (``started_s``, ``ended_s``: the wall clock, seconds; None: not yet). An actor starts before its
+    replica serves: a replica's engine starts inside it."""
+    lives = []
+    for _, actor in replica_actors(name, live_only=False):
+        deployment = str(actor.get("ActorClassName", "")).split(":", 2)[-1]
+        started, ended = int(actor.get("StartTime") or 0), int(actor.get("EndTime") or 0)
+        lives.append({"deployment": deployment, "replica": str(actor.get("Name", "")).rsplit("#", 1)[-1],
+                      "engine": deployment.startswith("LLMServer"), "started_s": started / 1000 if started else None,
+                      "ended_s": ended / 1000 if ended else None})  # fmt: skip
+    return sorted(lives, key=lambda life: (life["started_s"] or 0.0, life["replica"]))
+
+
 def is_engine_core(process: psutil.Process) -> bool:
     """vLLM names its engine core process ``VLLM::EngineCore`` (setproctitle)."""
     try:

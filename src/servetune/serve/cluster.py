@@ -26,6 +26,7 @@ from servetune.local_ray import SERVE_SYSTEM_CONFIG, keeping_sigterm, start_loca
 from servetune.serve import actors
 from servetune.serve.plan import CLAIM_CORES_ENV
 from servetune.serve.routing import merge_counters, read_replica_counters
+from servetune.serve.versions import pin_ingress, pin_llm_servers
 
 #: Seconds between two reads of a deploying application's status: its ready time (``ready_s``, a trial's ``startup_s``)
 #: is known to this much, and a wait for it ends at most this late (Serve's controller answers each read at once).
@@ -153,7 +154,7 @@ class ServeCluster:
     # --- one application --------------------------------------------------------------------
     def deploy(
         self, name: str, llm_config: Mapping[str, Any], timeout_s: float, engine_version: str | None = None,
-        route_prefix: str = "/", on_poll: Callable[[], None] | None = None,
+        route_prefix: str = "/", on_poll: Callable[[], None] | None = None, keep_ingress: bool = False,
     ) -> float:  # fmt: skip
         """Deploy the Ray Serve LLM application (``build_openai_app``) and wait until it is RUNNING;
         returns the seconds it took. Deployed again unpinned, it is a new version: Serve rolls it out,
@@ -161,24 +162,35 @@ class ServeCluster:
 
         ``engine_version`` pins the LLM deployment's version (``serve.routing.engine_version``): deployed
         again with the same one and only options Serve applies in place changed (the replica count, the
-        autoscaling, the request router), Serve keeps its replicas and their engines. The ingress is never
-        pinned, so it is restarted: a handle builds its request router once, so only a new ingress routes
-        with a new one. ``on_poll`` is called while the deployment's status is read (at most every
+        autoscaling, the request router), Serve keeps its replicas and their engines. The ingress is not
+        pinned unless ``keep_ingress`` (serve-check's: a handle builds its request router once, so only a new
+        ingress routes with a new one). ``keep_ingress`` gives the ingress the version of what it is built from
+        (serve/versions.py ``pin_ingress``), so a :meth:`redeploy` with ``keep_ingress`` that moves only the LLM
+        deployment keeps the ingress replica. ``on_poll`` is called while the deployment's status is read (at most every
         ``ON_POLL_S``) and once it is up: where its replicas went can be read while their engines start."""
         from ray.serve.llm import build_openai_app
 
         app = build_openai_app({"llm_configs": [dict(llm_config)]})
         if engine_version is not None:
-            _pin_llm_servers(app, engine_version)
+            pin_llm_servers(app, engine_version)
+        if keep_ingress:
+            pin_ingress(app)
         return self.run_app(name, app, timeout_s, route_prefix, on_poll)
 
-    def redeploy(self, name: str, llm_config: Mapping[str, Any], route_prefix: str = "/") -> None:
+    def redeploy(self, name: str, llm_config: Mapping[str, Any], route_prefix: str = "/",
+                 keep_ingress: bool = False) -> None:  # fmt: skip
         """Deploy the LLM application ``name`` again with ``llm_config`` through Serve's own update path
-        (:meth:`redeploy_app`), unpinned: a new version, which Serve rolls out over the running replicas while they
-        serve."""
+        (:meth:`redeploy_app`), its LLM deployment unpinned: a new version, which Serve rolls out over the running
+        replicas while they serve. ``keep_ingress`` (the application deployed with it too): the ingress keeps its
+        version where what it is built from did not change, so Serve keeps its replica and it routes throughout;
+        else Serve replaces the single ingress replica too, stopping it before it starts the new one
+        (``max_surge_percent`` 0), and requests wait at the proxy meanwhile."""
         from ray.serve.llm import build_openai_app
 
-        self.redeploy_app(name, build_openai_app({"llm_configs": [dict(llm_config)]}), route_prefix)
+        app = build_openai_app({"llm_configs": [dict(llm_config)]})
+        if keep_ingress:
+            pin_ingress(app)
+        self.redeploy_app(name, app, route_prefix)
 
     def redeploy_app(self, name: str, app: Any, route_prefix: str = "/") -> None:
         """``serve.run`` the application ``app`` under the name of one running, and return once Serve's controller
@@ -240,6 +252,11 @@ class ServeCluster:
             for bundle_node in bundles:
                 devices[bundle_node] = devices.get(bundle_node, 0) + 1
         return replicas, devices
+
+    def replica_lifetimes(self, name: str) -> list[dict[str, Any]]:
+        """Every replica of the application's deployments the GCS knows, dead ones too (``actors.replica_lifetimes``):
+        when each started and ended (wall clock), the ingress's as well as the LLM replicas'."""
+        return actors.replica_lifetimes(name)
 
     def replica_ids(self, name: str, deployment_prefix: str = "LLMServer") -> list[str]:
         """Serve's unique ids of the application's live LLM replicas: the ``ReplicaId`` their engines'
@@ -441,15 +458,6 @@ def _llm_handles(name: str, deployment_prefix: str) -> list[Any]:
                 handle._init(_run_router_in_separate_loop=True)
             handles.append(handle)
     return handles
-
-
-def _pin_llm_servers(app: Any, version: str) -> None:
-    """Give the LLM deployments ``build_openai_app`` bound into its ingress a fixed version. Ray 2.60 has no
-    public way: ``Deployment.options(version=...)`` is refused unless ``_internal``, and ``serve deploy``'s
-    config puts the request router into the code version (a router change restarts every replica)."""
-    servers = app._bound_deployment.init_kwargs.get("llm_deployments") or {}
-    for server in servers.values():
-        server._bound_deployment = server._bound_deployment.options(version=version, _internal=True)
 
 
 def _status_message(app: Any) -> str:

@@ -122,7 +122,7 @@ class ServeEngine:
         route = f"/{self.name}"
         self.deployed = trial_llm_config(self.spec)
         self.startup_s = self.cluster.deploy(self.name, self.deployed, self.spec.startup_timeout_s,
-                                             route_prefix=route, on_poll=self._placed)  # fmt: skip
+                                             route_prefix=route, on_poll=self._placed, keep_ingress=True)  # fmt: skip
         self.url = self.cluster.url + route
         try:
             # Replicas that failed while deploying: their logs would count an engine (and its start) twice.
@@ -230,12 +230,14 @@ class ServeEngine:
         same, so Serve replaces every replica) under load, through Serve's update path (verify's rolling_update
         scenario), without waiting for it; on the GPU type the deployment is pinned to. Its ``LLMConfig`` is built now,
         on the cluster it runs on, as the trial's was on entering (on a local Ray servetune started, its replicas claim
-        cores of their own). The LLM replicas' actor ids before the update, for :meth:`rolled_out`."""
+        cores of their own). Only the LLM deployment moves: the ingress, deployed with a version of what it is built
+        from (``keep_ingress``), keeps its replica and routes throughout, where the model's card is the same. The LLM
+        replicas' actor ids before the update, for :meth:`rolled_out`."""
         assert self.cluster is not None
         old = self.cluster.engine_replicas(self.name)
         moved = self.spec if spec is None else dataclasses.replace(spec, gpu_type=self.spec.gpu_type)
         config = trial_llm_config(moved)
-        self.cluster.redeploy(self.name, config, route_prefix=f"/{self.name}")
+        self.cluster.redeploy(self.name, config, route_prefix=f"/{self.name}", keep_ingress=True)
         self.deployed = config
         return old
 
@@ -243,6 +245,12 @@ class ServeEngine:
         """Whether every replica runs the new version (:meth:`ServeCluster.rolled_out`)."""
         assert self.cluster is not None
         return self.cluster.rolled_out(self.name, old)
+
+    def replica_lifetimes(self) -> list[dict[str, Any]]:
+        """When each replica of the application (the ingress's too, dead ones too) started and ended, on the wall
+        clock (:meth:`ServeCluster.replica_lifetimes`): which replicas a rollout replaced, and when."""
+        assert self.cluster is not None
+        return self.cluster.replica_lifetimes(self.name)
 
     def replicas_on_deployed(self) -> tuple[int, int]:
         """(LLM replicas running, those of them started with the engine arguments and environment deployed last),

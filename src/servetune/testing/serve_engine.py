@@ -6,8 +6,9 @@ there: the deployment's runtime environment is the trial's environment.
 It streams completions and chat completions (``stream`` only) at a set time to the first token and between tokens,
 ``SERVETUNE_FAKE_TTFT_MS`` and ``SERVETUNE_FAKE_ITL_MS`` in its environment (as the fake server's,
 testing/fake_openai.py), with the usage chunk servetune's client reads; at most ``max_num_seqs`` (its engine
-argument) stream at once, the rest wait (their TTFT grows). Started, it prints :data:`STARTED` and its engine
-arguments (JSON) to its log: what each replica runs can be read from the replicas' logs, as from Serve
+argument) stream at once, the rest wait (their TTFT grows). It takes ``SERVETUNE_FAKE_START_S`` (default 0) to
+start, as a real engine takes its load: a request that waits for a replica to start waits at least that long.
+Started, it prints :data:`STARTED` and its engine arguments (JSON) to its log: what each replica runs can be read from the replicas' logs, as from Serve
 (``LLMServer.llm_config``).
 """
 
@@ -28,6 +29,8 @@ from ray.llm._internal.serve.core.engine.protocol import LLMEngine
 ENGINE_ENV = {"RAYLLM_VLLM_ENGINE_CLS": "servetune.testing.serve_engine:FakeServeEngine"}
 #: What it prints once started, followed by its engine arguments as JSON.
 STARTED = "fake Serve engine started with engine arguments "
+#: The environment variable of its start-up time, in seconds.
+START_S_ENV = "SERVETUNE_FAKE_START_S"
 
 
 class FakeServeEngine(LLMEngine):
@@ -42,6 +45,7 @@ class FakeServeEngine(LLMEngine):
         self.resets = 0
 
     async def start(self) -> None:
+        await asyncio.sleep(float(os.environ.get(START_S_ENV, "0")))
         seqs = self.engine_kwargs.get("max_num_seqs")
         self.slots = asyncio.Semaphore(int(seqs)) if seqs else None
         print(STARTED + json.dumps(self.engine_kwargs, sort_keys=True, default=str), flush=True)

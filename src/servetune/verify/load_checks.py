@@ -352,6 +352,8 @@ def rolled_update(update: Mapping[str, Any]) -> tuple[Status, str]:
     if not rolled:
         return FAIL, f"{facts}; Serve did not finish the rollout within the run"
     facts += f", rolled out in {amount(number(update, 'update_s'), ' s')}"
+    if flag(update, "ingress_replaced") is True:  # requests sent meanwhile waited for its successor at the proxy
+        facts += " (Serve replaced the ingress replica too)"
     if flag(update, "passed") is not True:
         reason = update.get("reason")
         return FAIL, facts + (f": {reason}" if isinstance(reason, str) and reason else "")

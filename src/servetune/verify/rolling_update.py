@@ -19,7 +19,16 @@ engine arguments and environment moved to).
   during it that succeeded: the worst and the P99;
 - **the time it took**: ``update_s``, from the update call until the rollout was done (None: not within the run);
 - **after**: the requests sent after it, their error rate and TTFT P99, and the same in windows of ``window_s``
-  (verify/under_load.py).
+  (verify/under_load.py);
+- **the stall**: the replicas Serve started and stopped from the update call on (``replica_changes``: each one's
+  deployment, whether it is an LLM replica or the ingress's, and when, from Ray's actor table), whether the ingress
+  replica was among them (``ingress_replaced``), and when the request of the worst TTFT was sent and answered
+  relative to the update call and to each of those changes: a request that waited for a replica to start shows there.
+
+Only the LLM deployment moves: the ingress is deployed with a version of what it is built from
+(serve/cluster.py ``keep_ingress``), so Serve keeps its one replica routing throughout. Unpinned, Serve stopped it
+and started a new one at every update (``max_surge_percent`` 0), and requests waited at the proxy meanwhile, though
+an LLM replica was serving all along.
 
 Passes when the rollout was done within the run, the failed share of the requests during it is within the SLO's
 error-rate bound (``error_rate``, else 0.1%), their TTFT P99 within the SLO's TTFT bound (P99, else the highest
@@ -31,7 +40,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol
 
 from servetune.config.slo import Slo
@@ -61,6 +71,39 @@ class Rollout(Protocol):
         """(Replicas running, those of them started with the configuration deployed last), as the replicas say.
         Optional: a deployment without it is not asked."""
         ...
+
+    def replica_lifetimes(self) -> list[dict[str, Any]]:
+        """Every replica of the application, dead ones too: ``deployment``, ``replica``, ``engine`` (an LLM replica,
+        else the ingress's), ``started_s`` and ``ended_s`` (the wall clock; None: not yet). Optional, as above."""
+        ...
+
+
+@dataclass(frozen=True)
+class ReplicaChange:
+    """A replica started or stopped during the rollout: its deployment, Serve's replica id, whether it is an LLM
+    replica (else the ingress's), ``started`` or ``stopped``, and when (its actor's, on the level's clock)."""
+
+    deployment: str
+    replica: str
+    engine: bool
+    what: str
+    at_s: float
+
+    def words(self) -> str:
+        return f"{'LLM' if self.engine else 'ingress'} replica {self.replica} {self.what}"
+
+
+def replica_changes(lifetimes: Sequence[Mapping[str, Any]], started_wall_s: float, since_s: float,
+                    until_s: float) -> list[ReplicaChange]:  # fmt: skip
+    """The replicas started or stopped from ``since_s`` until ``until_s`` (the level's clock, which started at
+    ``started_wall_s`` on the wall clock), from their lifetimes (:meth:`Rollout.replica_lifetimes`); in order."""
+    changes = []
+    for life in lifetimes:
+        for what, key in (("started", "started_s"), ("stopped", "ended_s")):
+            if life.get(key) is not None and since_s <= (at := float(life[key]) - started_wall_s) <= until_s:
+                changes.append(ReplicaChange(str(life["deployment"]), str(life["replica"]), bool(life["engine"]),
+                                             what, at))  # fmt: skip
+    return sorted(changes, key=lambda c: c.at_s)
 
 
 def refusal(replicas: int | None) -> str | None:
@@ -107,11 +150,12 @@ def placement_problem(winner: TrialSpec, runner_up: TrialSpec) -> str | None:
 
 
 def judge_rolling_update(records: Sequence[RequestRecord], updated_at: float, done_at_s: float | None, slo: Slo,
-                         window_s: float, change: str = SAME_CONFIGURATION,
-                         replicas: tuple[int, int] | None = None) -> ScenarioResult:  # fmt: skip
+                         window_s: float, change: str = SAME_CONFIGURATION, replicas: tuple[int, int] | None = None,
+                         changes: Sequence[ReplicaChange] | None = None) -> ScenarioResult:  # fmt: skip
     """The verdict on a run whose deployment was updated at ``updated_at`` (the level's clock), the rollout done at
     ``done_at_s`` (None: not within the run), after which ``replicas`` (running, on the new configuration; None: not
-    read) were found; see the module docstring."""
+    read) were found, Serve having started and stopped the replicas ``changes`` (None: not read); see the module
+    docstring."""
     sent = list(records)
     records = [r for r in sent if not r.warmup]
     ttft_s, errors_max = ttft_bound_s(slo), error_bound(slo)
@@ -120,8 +164,10 @@ def judge_rolling_update(records: Sequence[RequestRecord], updated_at: float, do
     during = [r for r in records if r.sent < until and done_at(r) >= updated_at]  # in flight during the change
     failed = [r for r in during if not r.ok]
     rate = len(failed) / len(during) if during else None
-    ttfts = [r.ttft_s for r in during if r.ok and r.ttft_s is not None and r.sent >= updated_at]
+    answered = [r for r in during if r.ok and r.ttft_s is not None and r.sent >= updated_at]
+    ttfts = [r.ttft_s for r in answered if r.ttft_s is not None]
     worst = max(ttfts) * 1000.0 if ttfts else None
+    slowest = max(answered, key=lambda r: r.ttft_s or 0.0) if answered else None
     during_p99 = p99_ms(ttfts)
     after = [r for r in records if done_at_s is not None and r.sent >= done_at_s]
     after_failed = sum(not r.ok for r in after)
@@ -142,11 +188,13 @@ def judge_rolling_update(records: Sequence[RequestRecord], updated_at: float, do
         "window_s": window_s, "windows": [w.as_dict() for w in windows],
         "replicas_after": None if replicas is None else replicas[0],
         "replicas_on_new": None if replicas is None else replicas[1],
+        **stall(slowest, updated_at, changes),
     }  # fmt: skip
     took = f"rolled out in {fmt(numbers['update_s'], ' s')}" if done_at_s is not None else "not rolled out"
     head = (f"updated {change} under load: {took}; {len(failed)} of {len(during)} requests failed during it, TTFT "
             f"worst {fmt(worst, ' ms')}, P99 {fmt(during_p99, ' ms')}"
-            + (f" (bound {fmt(bound_ms, ' ms')})" if bound_ms is not None else ""))  # fmt: skip
+            + (f" (bound {fmt(bound_ms, ' ms')})" if bound_ms is not None else "")
+            + stall_words(slowest, updated_at, changes))  # fmt: skip
     problems = []
     if done_at_s is None:
         problems.append("Serve did not finish the rollout within the run")
@@ -170,6 +218,47 @@ def judge_rolling_update(records: Sequence[RequestRecord], updated_at: float, do
     return ScenarioResult(NAME, True, head + tail, numbers)
 
 
+def stall(slowest: RequestRecord | None, updated_at: float, changes: Sequence[ReplicaChange] | None) -> dict[str, Any]:
+    """When the request of the worst TTFT during the change (``slowest``) was sent and answered, from the update call
+    (``worst_sent_after_update_s``, ``worst_answered_after_update_s``), and each replica change: when, from the
+    update call (``after_update_s``), and the worst request's send from it (``worst_sent_after_s``; negative: sent
+    before it)."""
+    sent = answered = None
+    if slowest is not None and slowest.ttft_s is not None:
+        sent, answered = slowest.sent, slowest.sent + slowest.ttft_s
+    return {
+        "worst_sent_after_update_s": None if sent is None else sent - updated_at,
+        "worst_answered_after_update_s": None if answered is None else answered - updated_at,
+        "ingress_replaced": None if changes is None else any(not c.engine for c in changes),
+        "replica_changes": None if changes is None else [
+            {**asdict(c), "after_update_s": c.at_s - updated_at, "worst_sent_after_s": None if sent is None else sent - c.at_s}
+            for c in changes
+        ],
+    }  # fmt: skip
+
+
+def stall_words(slowest: RequestRecord | None, updated_at: float, changes: Sequence[ReplicaChange] | None) -> str:
+    """The stall in words: when the worst was sent, the replica change just before, the last one while it waited
+    (after it was sent, before it was answered: what it may have waited for), and which replicas the rollout
+    replaced."""
+    if slowest is None or slowest.ttft_s is None:
+        return ""
+    sent, answered = slowest.sent, slowest.sent + slowest.ttft_s
+    text = f"; the worst sent {fmt(sent - updated_at, ' s')} after the update call"
+    before = [c for c in changes or () if c.at_s <= sent]
+    if before:
+        text += f", {fmt(sent - before[-1].at_s, ' s')} after {before[-1].words()}"
+    waited = [c for c in changes or () if sent < c.at_s <= answered]
+    if waited:
+        text += f", answered {fmt(answered - waited[-1].at_s, ' s')} after {waited[-1].words()}"
+    if changes is not None:
+        llm = [c for c in changes if c.engine]
+        text += (f"; LLM replicas {sum(c.what == 'stopped' for c in llm)} stopped, "
+                 f"{sum(c.what == 'started' for c in llm)} started, the ingress "
+                 + ("replaced" if any(not c.engine for c in changes) else "kept"))  # fmt: skip
+    return text
+
+
 async def rolling_update(t: Target, new_spec: TrialSpec | None = None, change: str = SAME_CONFIGURATION,
                          update_timeout_s: float | None = None) -> ScenarioResult:  # fmt: skip
     """Run the load, update the deployment to ``new_spec``'s configuration (None: the same, a new version) ``scenario_s
@@ -190,7 +279,13 @@ async def rolling_update(t: Target, new_spec: TrialSpec | None = None, change: s
     if run.settled_at is not None and ask is not None:
         with contextlib.suppress(Exception):  # the replicas could not be asked: the verdict rests on the load alone
             replicas = await asyncio.to_thread(ask)
+    changes: list[ReplicaChange] | None = None
+    lifetimes = getattr(deployment, "replica_lifetimes", None)
+    if lifetimes is not None and run.started_wall_s is not None:
+        with contextlib.suppress(Exception):  # Ray's actor table unreadable: the stall is told without the replicas
+            until = max((done_at(r) for r in run.records), default=run.called_at)
+            changes = replica_changes(await asyncio.to_thread(lifetimes), run.started_wall_s, run.called_at, until)
     verdict = judge_rolling_update(run.records, run.called_at, run.settled_at, t.slo,
-                                   max(t.budget.scenario_s / 10, 1.0), change, replicas)  # fmt: skip
+                                   max(t.budget.scenario_s / 10, 1.0), change, replicas, changes)  # fmt: skip
     verdict.numbers["level"] = run.level
     return verdict

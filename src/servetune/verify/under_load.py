@@ -133,6 +133,7 @@ class AroundEvent(Generic[T]):
     value: T | None  # what the event returned
     ended_early: bool = False  # the load ended before the event (its requests could not be sent)
     error: Exception | None = None  # the event raised: the load stopped there
+    started_wall_s: float | None = None  # the level's start on the wall clock (time.time()): Ray's times to its clock
 
 
 async def around_event(t: Target, name: str, stream: int, event: Callable[[], T], settled: Callable[[T], bool],
@@ -178,5 +179,6 @@ async def around_event(t: Target, name: str, stream: int, event: Callable[[], T]
     if samples := _error_samples(records):  # verify.json's error_samples: what the clients saw of the event
         t.errors[name] = samples
     origin = clock.origin(called)
+    wall_origin = time.time() - (time.perf_counter() - origin)
     return AroundEvent(records, result.summary.level, called - origin, returned - origin,
-                       None if done is None else done - origin, value)  # fmt: skip
+                       None if done is None else done - origin, value, started_wall_s=wall_origin)  # fmt: skip
