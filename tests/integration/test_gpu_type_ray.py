@@ -97,8 +97,9 @@ from ray import serve
 from ray.util.state import list_actors
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
 try:
-    actors = sorted(a.class_name for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
-                    if a.class_name.startswith(("Serve", "Proxy")))
+    # address named: left to find one, the state API refuses on a host with another Ray (a second test process's)
+    alive = list_actors(address=sys.argv[1], filters=[("state", "=", "ALIVE")], limit=1000)
+    actors = sorted(a.class_name for a in alive if a.class_name.startswith(("Serve", "Proxy")))
     print(json.dumps({"actors": actors,
                       "apps": {name: str(app.status) for name, app in serve.status().applications.items()}}))
 finally:
