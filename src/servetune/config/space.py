@@ -66,16 +66,17 @@ SERVE_STREAM_BATCHING = SERVE_PREFIX + "stream_batching_interval_ms"
 SERVE_PARAMS = (SERVE_REPLICAS, SERVE_STREAM_BATCHING)
 
 
-def engine_devices(engine_args: dict[str, Any]) -> int:
-    """The devices (cores on the CPU build) one engine of these arguments takes: tensor x pipeline x data x
-    prefill-context parallel size, vLLM's 1 for a size not given (or given as null, which passes no flag)."""
-    return math.prod(int(engine_args.get(k) or default) for k, default in ENGINE_DEFAULTS.items())
-
-
 def engine_ranks(engine_args: Mapping[str, Any]) -> int:
     """The ranks of one data-parallel engine, vLLM's world size: tensor x pipeline x prefill-context parallel size
-    (a Ray Serve LLM replica's devices; data parallelism there is replicas)."""
+    (a Ray Serve LLM replica's devices; data parallelism there is replicas), vLLM's 1 for a size not given (or given
+    as null, which passes no flag)."""
     return math.prod(int(engine_args.get(k) or 1) for k in RANK_SIZES)
+
+
+def engine_devices(engine_args: Mapping[str, Any]) -> int:
+    """The devices (cores on the CPU build) one engine of these arguments takes: its ranks (:func:`engine_ranks`)
+    in each of its data-parallel engines."""
+    return engine_ranks(engine_args) * int(engine_args.get("data_parallel_size") or 1)
 
 
 def stream_batching_ok(value: object) -> TypeGuard[float]:

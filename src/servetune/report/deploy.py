@@ -37,7 +37,7 @@ from typing import Any, Literal
 
 import yaml
 
-from servetune.config.space import ENGINE_DEFAULTS
+from servetune.config.space import engine_devices
 from servetune.engine.args import engine_argv
 from servetune.engine.metrics import GAUGES
 from servetune.report.autoscale import Autoscaling
@@ -88,11 +88,9 @@ def gpus(point: ReportPoint) -> int:
     """The GPUs one server holds: TP x PP x PCP x DP (0 on the CPU build)."""
     if point.device == "cpu":
         return 0
-    args = {**point.resolved_engine_args, **{k: v for k, v in point.engine_args.items() if v is not None}}
-    ranks = 1
-    for key in ENGINE_DEFAULTS:  # vLLM's sizes: their product is the server's devices
-        ranks *= max(1, int(args.get(key) or 1))
-    return ranks
+    return engine_devices(
+        {**point.resolved_engine_args, **{k: v for k, v in point.engine_args.items() if v is not None}}
+    )
 
 
 def container_env(point: ReportPoint, secret_name: str) -> list[dict[str, Any]]:
