@@ -166,15 +166,9 @@ class ServeCluster:
         pinned unless ``keep_ingress`` (serve-check's: a handle builds its request router once, so only a new
         ingress routes with a new one). ``keep_ingress`` gives the ingress the version of what it is built from
         (serve/versions.py ``pin_ingress``), so a :meth:`redeploy` with ``keep_ingress`` that moves only the LLM
-        deployment keeps the ingress replica. ``on_poll`` is called while the deployment's status is read (at most every
-        ``ON_POLL_S``) and once it is up: where its replicas went can be read while their engines start."""
-        from ray.serve.llm import build_openai_app
-
-        app = build_openai_app({"llm_configs": [dict(llm_config)]})
-        if engine_version is not None:
-            pin_llm_servers(app, engine_version)
-        if keep_ingress:
-            pin_ingress(app)
+        deployment keeps the ingress replica. ``on_poll`` is called while the deployment's status is read (at most
+        every ``ON_POLL_S``) and once it is up: where its replicas went can be read while their engines start."""
+        app = _openai_app(llm_config, keep_ingress, engine_version)
         return self.run_app(name, app, timeout_s, route_prefix, on_poll)
 
     def redeploy(self, name: str, llm_config: Mapping[str, Any], route_prefix: str = "/",
@@ -185,12 +179,7 @@ class ServeCluster:
         version where what it is built from did not change, so Serve keeps its replica and it routes throughout;
         else Serve replaces the single ingress replica too, stopping it before it starts the new one
         (``max_surge_percent`` 0), and requests wait at the proxy meanwhile."""
-        from ray.serve.llm import build_openai_app
-
-        app = build_openai_app({"llm_configs": [dict(llm_config)]})
-        if keep_ingress:
-            pin_ingress(app)
-        self.redeploy_app(name, app, route_prefix)
+        self.redeploy_app(name, _openai_app(llm_config, keep_ingress), route_prefix)
 
     def redeploy_app(self, name: str, app: Any, route_prefix: str = "/") -> None:
         """``serve.run`` the application ``app`` under the name of one running, and return once Serve's controller
@@ -458,6 +447,19 @@ def _llm_handles(name: str, deployment_prefix: str) -> list[Any]:
                 handle._init(_run_router_in_separate_loop=True)
             handles.append(handle)
     return handles
+
+
+def _openai_app(llm_config: Mapping[str, Any], keep_ingress: bool, engine_version: str | None = None) -> Any:
+    """Ray Serve LLM's OpenAI application of one ``llm_config`` (``build_openai_app``): its LLM deployment pinned to
+    ``engine_version`` where given, its ingress to what it is built from where ``keep_ingress`` (serve/versions.py)."""
+    from ray.serve.llm import build_openai_app
+
+    app = build_openai_app({"llm_configs": [dict(llm_config)]})
+    if engine_version is not None:
+        pin_llm_servers(app, engine_version)
+    if keep_ingress:
+        pin_ingress(app)
+    return app
 
 
 def _status_message(app: Any) -> str:
