@@ -36,7 +36,9 @@ from tests.builders import space_from
 pytest.importorskip("ray.serve.llm")
 
 ROOT = Path(__file__).parents[2]
-START_S = 2.0  # each fake engine's start: what a request that waited for a replica to start would have waited, at least
+# Each fake engine's start: what a request that waited for a replica to start would have waited, at least; three
+# times the worst TTFT seen on a busy host (2.6 s, CI of stop 51, integration in two processes).
+START_S = 8.0
 SPACE = f"""\
 hardware: {{devices_per_node: 2}}
 engine_args: {{max_model_len: 1024}}
