@@ -15,6 +15,7 @@ from servetune.errors import UserError
 from servetune.metrics import IMAGES_SENT
 from servetune.report.distribution import LevelSpread, ttft_spreads
 from servetune.report.gpus import WhichGpu, which_gpu
+from servetune.report.paired import settle_ties
 from servetune.report.pareto import ENERGY_FRONT, FRONTS, FrontSpec, ParetoFront, pareto_front, study_front
 from servetune.report.points import (
     AxisBound,
@@ -169,6 +170,10 @@ def build_report(
         specs.append(extra)
     fronts = tuple(Front(spec, pareto_front(points, spec.objectives)) for spec in specs)
     recommendation = recommend(points, outlines)
+    if recommendation.point is not None:
+        picked = next(t for t in study.trials if t.trial_id == recommendation.point.trial_id)
+        recommendation = settle_ties(recommendation, points, outlines, study.paired, picked.environment.get("vllm"),
+                                     str(study.root))  # fmt: skip
     verified = verifications(study.root, study.verify, study.verified)
     rec_trial = recommendation.point.trial_id if recommendation.point is not None else None
     return StudyReport(

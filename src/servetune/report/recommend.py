@@ -29,7 +29,8 @@ one safety notch back from the out-of-memory boundary. The rule, kept simple:
 5. Capacities that cannot be told apart are a tie (checked last, on the recommendation): where the trials
    searched for their capacity at the SLO, another trial whose capacity bracket overlaps the recommended one's
    (each widened by its verdict noise) and whose cost at capacity is within the two levels' noise is named as a
-   tie. The choice stands; the reason says either would do, and why.
+   tie. The choice stands; the reason says either would do, and why. A paired re-check of the two may then settle
+   it (report/paired.py).
 """
 
 from __future__ import annotations

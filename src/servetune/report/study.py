@@ -1,6 +1,7 @@
 """Reading a study directory from disk: ``study.json``, ``trials/*/result.json`` and, when
 ``servetune verify`` ran, ``verify.json``, and ``verify/*.json`` when the study verified its best points, and
-``serve-check.json`` when ``servetune serve-check`` ran.
+``serve-check.json`` when ``servetune serve-check`` ran, and ``recheck-paired-*.json`` for each
+``servetune recheck --paired``.
 
 Nothing is skipped silently. A trial directory without ``result.json`` (a trial still
 running, or killed before it wrote one) is listed as not read. A ``result.json`` that is not
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from servetune.errors import UserError
+from servetune.report.paired import PairedOutcome, read_paired_files
 from servetune.report.serving import ServeCheckFile, read_serve_check_file
 from servetune.report.verification import VerifyFile, read_verify_file, read_verify_files
 from servetune.results import RESULT_FILE, STUDY_FILE, TRIALS_DIR, StudyInfo, TrialResult, read_model, read_result
@@ -36,6 +38,7 @@ class LoadedStudy:
     verify: VerifyFile | None = None  # verify.json (report/verification.py); None when verify has not run
     verified: tuple[VerifyFile, ...] = ()  # verify/<trial id>.json, one per point the study verified (search.verify)
     serve_check: ServeCheckFile | None = None  # serve-check.json (report/serving.py); None when serve-check has not run
+    paired: tuple[tuple[Path, PairedOutcome], ...] = ()  # recheck-paired-*.json (report/paired.py), oldest first
 
 
 def load_study(root: Path | str, skip_unreadable: bool = False) -> LoadedStudy:
@@ -73,4 +76,5 @@ def load_study(root: Path | str, skip_unreadable: bool = False) -> LoadedStudy:
         verify=read_verify_file(root),
         verified=read_verify_files(root),
         serve_check=read_serve_check_file(root),
+        paired=read_paired_files(root),
     )
