@@ -66,8 +66,44 @@ def test_the_limit_level_is_the_first_to_break_the_slo_else_the_highest_load():
 
 def test_rules_run_in_the_checklists_order():
     names = [rule.__name__ for rule in RULES]
-    assert names == ["gpu_idle", "batch_full", "scheduler_budget", "kv_bound", "prefill_queueing",
-                     "decode_slowdown", "tail_latency"]  # fmt: skip
+    assert names == ["client_bound", "gpu_idle", "batch_full", "scheduler_budget", "kv_bound", "prefix_hits_lost",
+                     "prefill_queueing", "decode_slowdown", "tail_latency"]  # fmt: skip
+
+
+def with_level(trial: TrialResult, index: int, **fields: object) -> TrialResult:
+    levels = [lv.model_copy(deep=True) for lv in trial.levels]
+    levels[index] = levels[index].model_copy(update=fields)
+    return trial.model_copy(update={"levels": levels})
+
+
+def test_a_client_that_fell_behind_comes_first_at_the_lowest_load_it_fell_behind_at():
+    lag = "requests sent 180 ms late at the median (bound 50 ms)"
+    trial = with_level(climbing(), 2, client_bound="the client process used 95% of a core (bound 90%)",
+                       client_cpu_share=0.95)  # fmt: skip
+    trial = with_level(trial, 1, client_bound=lag, send_lag_ms_p50=180.0, send_lag_ms_p99=400.0)
+    findings = diagnose(trial)
+    assert findings[0].rule == "client_bound" and findings[0].level == "concurrency 8"
+    assert findings[0].symptom == f"the load client fell behind at concurrency 8: {lag}"
+    assert findings[0].evidence == {"send_lag_ms_p50": 180.0, "send_lag_ms_p99": 400.0}
+    assert limited_by(trial).startswith("the load client fell behind at concurrency 8") and "client_processes" in (
+        limited_by(trial)
+    )
+    assert "client_bound" not in rules_of(climbing())  # the recorded client kept up
+
+
+def test_prefix_hits_that_fell_with_load_were_lost_to_it():
+    trial = with_server(with_server(climbing(), 0, prefix_cache_hit_rate=0.6), 2, prefix_cache_hit_rate=0.1,
+                        kv_cache_usage_max=0.97)  # fmt: skip
+    (finding,) = [f for f in diagnose(trial) if f.rule == "prefix_hits_lost"]
+    assert (
+        finding.symptom
+        == "prefix-cache hits fell from 60% at concurrency 2 to 10% at concurrency 32, KV cache peak 97%"
+    )
+    assert finding.evidence["prefix_cache_hit_rate_lowest_load"] == 0.6 and "route requests by prefix" in finding.lever
+    # Kept more than half of them, or shared next to nothing to begin with: not lost to the load.
+    kept = with_server(with_server(climbing(), 0, prefix_cache_hit_rate=0.6), 2, prefix_cache_hit_rate=0.35)
+    few = with_server(with_server(climbing(), 0, prefix_cache_hit_rate=0.1), 2, prefix_cache_hit_rate=0.0)
+    assert "prefix_hits_lost" not in rules_of(kept) + rules_of(few) + rules_of(climbing())
 
 
 @pytest.mark.parametrize("waiting, says", [(0.0, "check the load is enough"), (6.0, "raise max_num_seqs")])

@@ -2,15 +2,16 @@
 
 Each rule is a small function over a :class:`~servetune.results.TrialResult` that returns a :class:`Finding`
 (the symptom with its numbers, and the lever the tuning checklist's section 13 pulls for it) or None. The rules
-run in that section's order: the GPU idle, memory to spare but the batch full, out of KV cache, TTFT high with
-TPOT normal, TPOT high with TTFT normal, P99 far from the median.
+run in that section's order: the GPU idle, memory to spare but the batch full, out of KV cache, prefix-cache hits
+lost under load, TTFT high with TPOT normal, TPOT high with TTFT normal, P99 far from the median. Before them, a
+level whose load client fell behind (load/pace.py): its numbers are the client's, so every other finding waits on it.
 
 A trial is judged at its *limit level*: the first level that broke the SLO, or, when none did, the highest
 load it measured. Trends ("TTFT grows with load") compare the lowest load measured with the limit level.
 A rule reads only what a trial records (the server's ``/metrics`` per level: engine/metrics.py; device
 telemetry: telemetry.py; the client's summary: summary.py); where its inputs were not recorded it finds
-nothing rather than guessing. Not recorded, so not diagnosed: the load client's send lag and CPU, and whether
-the workload's prompts share prefixes (so a cold prefix cache cannot be told from prompts that share none).
+nothing rather than guessing. Not recorded, so not diagnosed: whether the workload's prompts share prefixes, so a
+prefix cache that never hits cannot be told from prompts that share none; only hits that *fell* with load are read.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ FLAT = 1.5
 TAIL = 4.0
 #: A mean SM clock this share under the highest the trial saw: the GPU slowed its clock (power or heat).
 CLOCK_DROP = 0.85
+#: A prefix-cache hit rate at the lowest load from which the prompts count as sharing prefixes...
+HITS_SHARED = 0.2
+#: ...and the share of it left at the limit level under which the cache lost them to the load (evicted).
+HITS_LOST = 0.5
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,26 @@ def _ratio(high: float | None, low: float | None) -> float | None:
 
 
 Rule = Callable[[TrialResult, int], "Finding | None"]
+
+
+def client_bound(trial: TrialResult, limit: int) -> Finding | None:
+    """The load client fell behind (load/pace.py): the lowest load at which it did, whatever the limit level, since
+    from there on the numbers measured the client as much as the server."""
+    behind = [lv for lv in trial.levels if lv.client_bound is not None and lv.summary.completed > 0]
+    if not behind:
+        return None
+    level = min(behind, key=level_load)
+    label = level_label(level.summary.level)
+    evidence = {name: value for name in ("client_cpu_share", "send_lag_ms_p50", "send_lag_ms_p99")
+                if (value := getattr(level, name)) is not None}  # fmt: skip
+    return Finding(
+        "client_bound",
+        f"the load client fell behind at {label}: {level.client_bound}",
+        "measure again with more client processes (load.client_processes: auto, or more) or more cores for the "
+        "client: a level it fell behind at decides no SLO verdict",
+        label,
+        evidence,
+    )
 
 
 def gpu_idle(trial: TrialResult, limit: int) -> Finding | None:
@@ -184,6 +209,31 @@ def kv_bound(trial: TrialResult, limit: int) -> Finding | None:
     )
 
 
+def prefix_hits_lost(trial: TrialResult, limit: int) -> Finding | None:
+    """Prefix-cache hits that fell with load: the prompts share prefixes (hits at the lowest load) and the cache lost
+    them to the load's other blocks (evicted before their next use), or the replicas' caches split them."""
+    level, low = trial.levels[limit], _lowest(trial, limit)
+    if low is None:
+        return None
+    hits_low = low.server_metrics.get("prefix_cache_hit_rate")
+    hits = level.server_metrics.get("prefix_cache_hit_rate")
+    if hits_low is None or hits is None or hits_low < HITS_SHARED or hits >= HITS_LOST * hits_low:
+        return None
+    label, from_label = level_label(level.summary.level), level_label(low.summary.level)
+    evidence = {"prefix_cache_hit_rate": hits, "prefix_cache_hit_rate_lowest_load": hits_low}
+    if (kv := level.server_metrics.get("kv_cache_usage_max")) is not None:
+        evidence["kv_cache_usage_max"] = kv
+    full = f", KV cache peak {kv:.0%}" if kv is not None else ""
+    return Finding(
+        "prefix_hits_lost",
+        f"prefix-cache hits fell from {hits_low:.0%} at {from_label} to {hits:.0%} at {label}{full}",
+        "keep shared prefixes cached: more KV cache (gpu_memory_utilization, kv_cache_dtype fp8) or fewer "
+        "max_num_seqs; across replicas, route requests by prefix (serve-check --routers)",
+        label,
+        evidence,
+    )
+
+
 def _slo_broke(level: LevelResult, prefixes: tuple[str, ...]) -> bool:
     return any(metric.startswith(prefixes) for metric in violated_metrics(level.slo_violations))
 
@@ -264,10 +314,12 @@ def tail_latency(trial: TrialResult, limit: int) -> Finding | None:
 
 #: The rules, in the order of the tuning checklist's section 13.
 RULES: tuple[Rule, ...] = (
+    client_bound,
     gpu_idle,
     batch_full,
     scheduler_budget,
     kv_bound,
+    prefix_hits_lost,
     prefill_queueing,
     decode_slowdown,
     tail_latency,
