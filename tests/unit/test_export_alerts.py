@@ -7,6 +7,7 @@ vLLM's own ``vllm/v1/metrics/loggers.py`` defines.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib.util
 import json
@@ -19,6 +20,7 @@ import yaml
 
 from servetune.cli import main
 from servetune.report import ReportPoint, alerts, build_report, load_study
+from servetune.report.deploy import served_model_name
 from servetune.report.export import autoscaling_for, pick_point
 from servetune.report.points import KV_CACHE_USAGE_MAX, PREEMPTIONS
 
@@ -162,3 +164,67 @@ def test_a_point_with_no_levels_of_its_trial_still_gets_rules(report):
     lone = ReportPoint(trial_id="t", model="m", level={"concurrency": 4}, metrics={"request_throughput": 2.0})
     rules = alerts.alert_rules(lone, [], report.slo, "no knee")
     assert {r.name for r in rules} >= {"VllmKvCacheHigh", "VllmNearCapacity"}
+
+
+def test_a_p99_bound_burns_its_1_percent_budget_on_two_windows_each_read_between_the_buckets_around_it(point, rules):
+    burns = {r.name: r for r in rules if "Burn" in r.name}
+    fast, slow = burns["VllmSloTtftP99Burn1h"], burns["VllmSloTtftP99Burn6h"]
+    assert (fast.threshold, fast.severity, slow.threshold, slow.severity) == (14.4, "critical", 6.0, "warning")
+    # 300 ms lies a fifth of the way from vLLM's TTFT edge 0.25 s to 0.5 s: 0.8 of the one, 0.2 of the other
+    for rule, windows in ((fast, ("1h", "5m")), (slow, ("6h", "30m"))):
+        for window in windows:
+            assert f'_bucket{{model_name="{served_model_name(point)}",le="0.25"}}[{window}])) * 0.8' in rule.expr
+            assert f'le="0.5"}}[{window}])) * 0.2' in rule.expr
+        assert rule.signal.endswith("/ 0.01") and rule.also.endswith(f"/ 0.01 > {rule.threshold:g}")
+        assert "1% of requests may be slower" in rule.source and "edges 0.25 s and 0.5 s" in rule.source
+    # P95 bounds (a 5% budget) burn on both windows too; the study's error_rate has no histogram
+    assert set(burns) == {f"VllmSlo{m}Burn{w}" for m in ("TtftP99", "TtftP95", "TpotP95") for w in ("1h", "6h")}
+
+
+def test_which_bounds_burn_and_how_a_bound_on_or_beyond_the_edges_is_read():
+    from servetune.report.points import SloLine
+
+    sel = '{model_name="m"}'
+    names = [r.name for r in alerts._burn_rules([SloLine("ttft_ms_p50", 300), SloLine("ttft_ms_p90", 300),
+                                                  SloLine("ttft_ms_mean", 300)], sel)]  # fmt: skip
+    assert names == ["VllmSloTtftP90Burn6h"]  # a P90's 10% budget cannot burn 14.4x; a median or a mean has none
+    on_edge, read = alerts.slow_share("ttft_ms", 0.25, sel, "5m")
+    assert read == "vLLM's bucket edge at 0.25 s" and on_edge.count("_bucket") == 1 and "*" not in on_edge
+    below, read = alerts.slow_share("ttft_ms", 0.0005, sel, "5m")
+    assert "(0 * 0.5 + " in below and "edges 0.001 s" in read
+    beyond, read = alerts.slow_share("e2el_ms", 9000.0, sel, "5m")
+    assert 'le="7680.0"' in beyond and read.startswith("past vLLM's last bucket edge (7680 s)")
+    for expr in (on_edge, below, beyond):
+        promql_parser.parse(expr)
+
+
+def test_the_bucket_edges_are_vllms_own():
+    spec = importlib.util.find_spec("vllm")
+    assert spec is not None and spec.origin is not None
+    source = (Path(spec.origin).parent / "v1" / "metrics" / "buckets.py").read_text()
+    tuples = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(node.value, ast.Tuple):
+            tuples[node.target.id] = ast.literal_eval(node.value)
+    assert tuple(map(float, tuples["TIME_TO_FIRST_TOKEN_BUCKETS"])) == alerts.TTFT_BUCKETS
+    assert tuple(map(float, tuples["INTER_TOKEN_LATENCY_BUCKETS"])) == alerts.ITL_BUCKETS
+    assert tuple(map(float, tuples["REQUEST_LATENCY_BUCKETS"])) == alerts.REQUEST_LATENCY_BUCKETS
+
+
+def test_queue_wait_alerts_at_half_the_tightest_ttft_bound(report, point, trial_points, rules):
+    (rule,) = [r for r in rules if r.name == "VllmQueueWaitHigh"]
+    tightest = min(line.max for line in report.slo if line.metric.startswith("ttft_ms_"))
+    assert rule.threshold == pytest.approx(alerts.QUEUE_SHARE_OF_TTFT * tightest / 1000.0)
+    assert "vllm:request_queue_time_seconds_sum" in rule.signal and "at the knee (concurrency 8)" in rule.source
+    no_ttft = [line for line in report.slo if not line.metric.startswith("ttft_ms_")]
+    assert "VllmQueueWaitHigh" not in {r.name for r in alerts.alert_rules(point, trial_points, no_ttft, "no knee")}
+
+
+def test_gpu_health_from_dcgm_only_for_gpu_points(report, point, trial_points, rules):
+    assert not [r for r in rules if "DCGM" in r.expr]  # the stored study ran on CPUs
+    gpu = dataclasses.replace(point, device="gpu")
+    health = [r for r in alerts.alert_rules(gpu, trial_points, report.slo, "no knee") if "DCGM" in r.expr]
+    assert [r.name for r in health] == ["VllmGpuXidError", "VllmGpuRowRemapFailure"]
+    for rule in health:
+        promql_parser.parse(rule.expr)
+        assert rule.severity == "critical" and "where DCGM is scraped" in rule.source

@@ -16,6 +16,15 @@ with one panel per signal, the threshold drawn on it. The rules, each over vLLM'
   without them); else above the knee's count spread over the level.
 - **request rate** per engine above 80% of the capacity measured per replica at the trial's knee
   (the highest load meeting the SLO), the engines counted by their ``num_requests_running`` series.
+- **error-budget burn** of every latency percentile bound whose budget is 10% or less (P90 and up): the share of
+  requests slower than the bound, read from the histogram's buckets (linear between the two edges around the
+  bound, as ``histogram_quantile`` reads them), over the budget (1% for a P99), on two windows at once (the
+  SRE workbook's multiwindow rule): 14.4 over 1 hour and 5 minutes pages, 6 over 6 hours and 30 minutes is a
+  ticket. A burn the budget cannot reach (14.4 on a P90's 10%) is left out.
+- **queue wait**: the mean time requests waited in vLLM's queue above half the SLO's tightest TTFT bound (a
+  request that waited that long has spent half its TTFT before its prefill began).
+- **GPU health** where DCGM is present (GPU points only): an XID error or a failed row remap on any GPU
+  dcgm-exporter reports (no series, no alert, where it is not scraped).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import yaml
+from prometheus_client.utils import floatToGoString
 
 from servetune.engine.metrics import COUNTERS, GAUGES, HISTOGRAMS
 from servetune.metrics import PERCENTILES, REQUEST_THROUGHPUT
@@ -40,6 +50,23 @@ LATENCY_HISTOGRAMS = {
     "tpot_ms": "vllm:request_time_per_output_token_seconds",  # per request, as the SLO's TPOT is
     "e2el_ms": HISTOGRAMS["server_e2el"][0],
 }
+#: vLLM 0.32's default bucket edges of those histograms, in seconds (vllm/v1/metrics/buckets.py; TPOT per request
+#: takes the inter-token family's). A server started with ``custom_histogram_buckets`` has others.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+               80.0)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+LATENCY_BUCKETS = {"ttft_ms": TTFT_BUCKETS, "itl_ms": ITL_BUCKETS, "tpot_ms": ITL_BUCKETS,
+                   "e2el_ms": REQUEST_LATENCY_BUCKETS}  # fmt: skip
+#: (burn rate, long window, short window, for, severity): the SRE workbook's multiwindow, multi-burn-rate alerts
+#: (2% of a 30-day budget in an hour pages; 5% in six hours is a ticket).
+BURNS = ((14.4, "1h", "5m", "2m", "critical"), (6.0, "6h", "30m", "15m", "warning"))
+#: Burn alerts only for bounds whose error budget is at most this share (P90 and tighter).
+BURN_BUDGET_MAX = 0.1
+#: Alert when requests wait in vLLM's queue, on average, for this share of the SLO's tightest TTFT bound.
+QUEUE_SHARE_OF_TTFT = 0.5
 #: Without preemptions seen in the study: alert above this KV-cache usage.
 KV_USAGE_DEFAULT = 0.9
 #: Alert when the request rate passes this share of the measured capacity.
@@ -97,6 +124,91 @@ def _latency_rules(slo: Sequence[SloLine], selector: str) -> list[AlertRule]:
     return rules
 
 
+def slow_share(metric: str, bound_s: float, selector: str, window: str) -> tuple[str, str]:
+    """PromQL of the share of requests slower than ``bound_s`` over ``window``, and how it was read: the bucket at
+    the bound, or linear between the two edges around it."""
+    family, edges = LATENCY_HISTOGRAMS[metric], LATENCY_BUCKETS[metric]
+
+    def at(edge: float | None) -> str:
+        if edge is None:  # below the first edge: nothing counted under it
+            return "0"
+        le = selector[:-1] + f',le="{floatToGoString(edge)}"}}'
+        return f"sum(rate({family}_bucket{le}[{window}]))"
+
+    total = f"sum(rate({family}_count{selector}[{window}]))"
+    lo = max((e for e in edges if e <= bound_s), default=None)
+    hi = min((e for e in edges if e >= bound_s), default=None)
+    if hi is None:  # past the last edge: counted as slow from the last
+        return f"(1 - {at(lo)} / {total})", f"past vLLM's last bucket edge ({lo:g} s): slower than {lo:g} s"
+    if lo == hi:
+        return f"(1 - {at(lo)} / {total})", f"vLLM's bucket edge at {hi:g} s"
+    weight = (bound_s - (lo or 0.0)) / (hi - (lo or 0.0))
+    faster = f"({at(lo)} * {1 - weight:.6g} + {at(hi)} * {weight:.6g})"
+    edge = f"{lo:g} s and " if lo is not None else ""
+    return f"(1 - {faster} / {total})", f"linear between vLLM's bucket edges {edge}{hi:g} s"
+
+
+def _burn_rules(slo: Sequence[SloLine], selector: str) -> list[AlertRule]:
+    rules = []
+    for line in slo:
+        metric, _, stat = line.metric.rpartition("_")
+        if metric not in LATENCY_HISTOGRAMS or stat not in PERCENTILES:
+            continue
+        budget = 1.0 - PERCENTILES[stat] / 100.0
+        if not 0 < budget <= BURN_BUDGET_MAX:
+            continue
+        word = metric.removesuffix("_ms").upper()
+        for burn, long, short, for_, severity in BURNS:
+            if burn * budget >= 1.0:
+                continue  # a burn this fast would need more than every request slow
+            share, read = slow_share(metric, line.max / 1000.0, selector, long)
+            short_share, _ = slow_share(metric, line.max / 1000.0, selector, short)
+            rules.append(AlertRule(
+                name=f"VllmSlo{word.title()}{stat.title()}Burn{long}", signal=f"{share} / {budget:g}",
+                also=f"{short_share} / {budget:g} > {burn:g}", threshold=burn, for_=for_, severity=severity,
+                summary=f"{word} {stat.upper()}'s error budget burning {burn:g}x over {long} and {short}",
+                source=(f"SLO {line.metric} <= {line.max:g} (study.json): {budget:.0%} of requests may be slower; "
+                        f"slower than {line.max:g} ms read {read}"),
+                unit="short",
+            ))  # fmt: skip
+    return rules
+
+
+def _queue_rule(slo: Sequence[SloLine], selector: str, knee: ReportPoint) -> AlertRule | None:
+    ttft = [line for line in slo if line.metric.startswith("ttft_ms_") and not line.lower]
+    if not ttft:
+        return None
+    tightest = min(ttft, key=lambda line: line.max)
+    family = HISTOGRAMS["server_queue"][0]
+    measured = knee.server_metrics.get("server_queue_ms_mean")
+    seen = f"; at the knee ({level_label(knee.level)}) requests waited {measured:.0f} ms on average" if (
+        measured is not None) else ""  # fmt: skip
+    return AlertRule(
+        name="VllmQueueWaitHigh",
+        signal=f"sum(rate({family}_sum{selector}[{WINDOW}])) / sum(rate({family}_count{selector}[{WINDOW}]))",
+        threshold=round(QUEUE_SHARE_OF_TTFT * tightest.max / 1000.0, 6),
+        for_="5m",
+        severity="warning",
+        summary=f"requests wait in the queue for {QUEUE_SHARE_OF_TTFT:.0%} of the TTFT bound on average",
+        source=f"{QUEUE_SHARE_OF_TTFT:.0%} of the SLO's {tightest.metric} <= {tightest.max:g} ms (study.json){seen}",
+        unit="s",
+    )
+
+
+#: DCGM exporter's fields (its default counters): any non-zero value is a GPU fault.
+DCGM_HEALTH = (
+    ("VllmGpuXidError", "DCGM_FI_DEV_XID_ERRORS", "a GPU reported an XID error (driver or hardware fault)"),
+    ("VllmGpuRowRemapFailure", "DCGM_FI_DEV_ROW_REMAP_FAILURE", "a GPU failed to remap a faulty memory row"),
+)
+
+
+def _gpu_health_rules() -> list[AlertRule]:
+    return [AlertRule(name=name, signal=f"max by (Hostname, gpu) ({field})", threshold=0, for_="1m",
+                      severity="critical", summary=summary,
+                      source=f"dcgm-exporter's {field}, where DCGM is scraped: not measured by the study",
+                      unit="short") for name, field, summary in DCGM_HEALTH]  # fmt: skip
+
+
 def kv_usage_threshold(trial_points: Sequence[ReportPoint]) -> tuple[float, str]:
     """The lowest peak KV usage at a level where the trial saw preemptions, else :data:`KV_USAGE_DEFAULT`."""
     seen = [
@@ -119,7 +231,7 @@ def alert_rules(
     # each family's newest name (engine/metrics.py lists them newest first)
     running, waiting, kv = GAUGES["requests_running"][0], GAUGES["requests_waiting"][0], GAUGES["kv_cache_usage"][0]
     preempted, finished = COUNTERS["preemptions"][0], COUNTERS["requests_finished"][0]
-    rules = _latency_rules(slo, sel)
+    rules = _latency_rules(slo, sel) + _burn_rules(slo, sel)
     rules.append(AlertRule(
         name="VllmQueueGrowing",
         signal=f"deriv(sum({waiting}{sel})[10m:1m])", also=f"sum({waiting}{sel}) > 0",
@@ -132,6 +244,8 @@ def alert_rules(
         summary=f"KV-cache usage above {kv_limit:.0%}, where preemptions begin", source=kv_why, unit="percentunit",
     ))  # fmt: skip
     knee = point if isinstance(autoscaling, str) else _knee(trial_points, autoscaling) or point
+    if (queue := _queue_rule(slo, sel, knee)) is not None:
+        rules.append(queue)
     knee_preempted = knee.server_metrics.get(PREEMPTIONS)
     at_knee = f"the knee ({level_label(knee.level)}, trial {knee.trial_id})"
     if knee_preempted is None:
@@ -161,6 +275,8 @@ def alert_rules(
             source=f"capacity {capacity:.2f} req/s per replica measured by trial {knee.trial_id} {where}",
             unit="reqps",
         ))  # fmt: skip
+    if point.device == "gpu":
+        rules += _gpu_health_rules()
     return rules
 
 
