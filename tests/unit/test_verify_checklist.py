@@ -402,6 +402,43 @@ def test_items_about_the_deployment_say_where_they_belong(gpu):
     items = check(*gpu, full_verify())
     for item_id, words in (("15.16", "API gateway"), ("15.19", "target_ongoing_requests"), ("15.23", "trial t32")):
         assert items[item_id].status == "NOT CHECKED" and words in items[item_id].evidence
+    assert "serve-check has not run" in items["15.19"].evidence
+
+
+def serve_check_ramps(study: Path, trial_id: str, *ramps: tuple[str, int, int, int]) -> None:
+    """serve-check.json as serve-check writes it (its own models), with a ramp per (policy, before, peak, max)."""
+    from servetune.serve.ramp import RampResult
+    from servetune.serve.result import ServeCheckResult
+
+    made = [RampResult(policy=policy, knee_concurrency=4, autoscaling_config={"min_replicas": 1, "max_replicas": most},
+                       max_ongoing_requests=8, max_queued_requests=16, reasons={}, replicas_before=before,
+                       replicas_peak=peak, time_to_scale_up_s=14.0 if peak > before else None, slo_attainment=0.96,
+                       replica_seconds=120.0) for policy, before, peak, most in ramps]  # fmt: skip
+    doc = ServeCheckResult(servetune_version="0", created="2026-12-06", study="demo", trial_id=trial_id,
+                           picked_level={"concurrency": 4}, model="m", app_name="a", url="http://127.0.0.1:1",
+                           address=None, llm_config={}, slo=[], ramp=made[0], ramps=made if len(made) > 1 else [])  # fmt: skip
+    (study / "serve-check.json").write_text(doc.model_dump_json())
+
+
+def test_autoscaling_is_judged_from_serve_checks_ramp_of_this_trial(gpu):
+    study, result = gpu
+    serve_check_ramps(study, result.trial_id, ("inflight", 1, 3, 3), ("predictive", 1, 2, 3))
+    item = one(study, result, "15.19")
+    assert item.status == "PASS"
+    assert (
+        "inflight: scales on ongoing requests per replica (target_ongoing_requests); replicas 1 -> 3 at 3x in 14 s"
+        in item.evidence
+    )
+    assert "predictive: scales on ongoing requests, queue wait, KV-cache usage and TTFT" in item.evidence
+    assert "SLO attainment 96%, 120 replica-s" in item.evidence
+    serve_check_ramps(study, result.trial_id, ("inflight", 1, 1, 3))
+    item = one(study, result, "15.19")
+    assert item.status == "FAIL" and "Serve added no replica at three times the knee's load" in item.evidence
+    serve_check_ramps(study, result.trial_id, ("inflight", 1, 1, 1))
+    assert one(study, result, "15.19").status == "NOT CHECKED"  # nothing it could have added
+    serve_check_ramps(study, "another", ("inflight", 1, 3, 3))
+    item = one(study, result, "15.19")
+    assert item.status == "NOT CHECKED" and "serve-check ramped trial another, not this one" in item.evidence
 
 
 # --- 15.20 warm-up, 15.21 stress, 15.22 OOM notch ------------------------------------------------

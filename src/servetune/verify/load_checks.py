@@ -168,11 +168,52 @@ def device_monitored(ctx: Context) -> tuple[Status, str]:
                   f"{telemetry['gpu_power_w_mean']:.0f} W; hardware errors (ECC, Xid) need DCGM's exporter")  # fmt: skip
 
 
+#: What servetune's derived autoscaling scales on, per policy (report/autoscale_policy.py): never GPU utilization.
+SCALES_ON = {
+    "inflight": "ongoing requests per replica (target_ongoing_requests)",
+    "predictive": "ongoing requests, queue wait, KV-cache usage and TTFT",
+}
+
+
+def _ramps(ctx: Context) -> tuple[list[Mapping[str, Any]], str]:
+    """serve-check's ramps of this trial (serve-check.json), or none and why."""
+    file = ctx.study.serve_check if ctx.study is not None else None
+    if file is None or file.content is None:
+        return [], "serve-check has not run (servetune serve-check STUDY_DIR --ramp tests the derived autoscaling)"
+    data = file.content
+    if str(data.get("trial_id", "")) != ctx.result.trial_id:
+        return [], f"serve-check ramped trial {data.get('trial_id', '?')}, not this one"
+    ramps = [r for r in (data.get("ramps") or [data.get("ramp")]) if isinstance(r, Mapping)]
+    return ramps, "" if ramps else "serve-check ran without a ramp (--ramp)"
+
+
 def autoscaling_signals(ctx: Context) -> tuple[Status, str]:
-    return NOT_CHECKED, ("autoscaling is the deployment's: servetune verify runs the replica count the study measured "
-                         "(a bare engine is one), and servetune serve-check's ramp tests the derived autoscaling. servetune "
-                         "export --format ray-serve scales on ongoing requests per replica (target_ongoing_requests), not GPU "
-                         "utilization; queue wait and KV usage (section 11) need the deployment's metrics")  # fmt: skip
+    """15.19 from serve-check's ramp of the derived autoscaling: it scales on requests (and, predictive, queue wait,
+    KV usage and TTFT), never GPU utilization; it passes where the ramp's 3x phase brought up more replicas, and fails
+    where Serve never added one though the config allowed it."""
+    ramps, why = _ramps(ctx)
+    if not ramps:
+        return NOT_CHECKED, (f"{why}; servetune export --format ray-serve scales on {SCALES_ON['inflight']}, with "
+                             f"--autoscaling-policy predictive on {SCALES_ON['predictive']}: not GPU utilization")  # fmt: skip
+    said, scaled, stuck = [], False, False
+    for ramp in ramps:
+        policy = str(ramp.get("policy", "inflight"))
+        config = ramp.get("autoscaling_config") if isinstance(ramp.get("autoscaling_config"), Mapping) else {}
+        before, peak = number(ramp, "replicas_before"), number(ramp, "replicas_peak")
+        most = number(config, "max_replicas")
+        up = before is not None and peak is not None and peak > before
+        scaled |= up
+        stuck |= not up and most is not None and before is not None and most > before
+        said.append(f"{policy}: scales on {SCALES_ON.get(policy, policy)}; replicas {amount(before)} -> "
+                    f"{amount(peak)} at 3x" + (f" in {amount(number(ramp, 'time_to_scale_up_s'), ' s')}" if up else "")
+                    + f", SLO attainment {pct(number(ramp, 'slo_attainment'))}, "
+                    f"{amount(number(ramp, 'replica_seconds'), ' replica-s')}")  # fmt: skip
+    evidence = "serve-check's ramp: " + "; ".join(said)
+    if scaled:
+        return PASS, evidence
+    if stuck:
+        return FAIL, f"{evidence}: Serve added no replica at three times the knee's load though it could"
+    return NOT_CHECKED, f"{evidence}: max_replicas allowed no scale-out"
 
 
 def warm_before_traffic(ctx: Context) -> tuple[Status, str]:
