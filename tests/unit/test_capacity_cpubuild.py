@@ -9,12 +9,16 @@ from typing import Any
 
 import pytest
 
+import servetune.capacity as capacity
 from servetune import cli
 from servetune.capacity import arch_from_hf_config, plan_capacity, resolve_hardware
 from servetune.capacity.cpubuild import cpu_kv_cache_problem, quantized_kv_cache
 from servetune.capacity.hardware import AVX512_FLAGS, CPU_FLAGS, Hardware, host_cpu_model
 from servetune.capacity.profile import VLLM_0_32, profile_for_version
+from servetune.config.space import SearchSpace
 from servetune.models.tinyarch import TINY_ARCHS
+from servetune.trial.context import StudyContext, resolve_levels
+from servetune.trial.runner import capacity_check
 
 pytest.importorskip("transformers")  # the tiny configs are read through transformers' own config classes
 
@@ -109,6 +113,32 @@ def test_the_host_cpu_model_is_read_from_cpuinfo(tmp_path) -> None:
     host = resolve_hardware(device="cpu")
     assert host.cpu_model == host_cpu_model() and host.cpu_model
     assert resolve_hardware(device="cpu", cpu_flags=()).cpu_model == ""  # flags given: another CPU, not this host's
+
+
+def _cpu_spec(tmp_path, **env: str):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(TINY_ARCHS["mistral-sliding"]))
+    space = SearchSpace.model_validate({"name": "s", "model": str(model), "device": "cpu", "workload": "chat",
+                                        "env": env, "engine_args": {**ENGINE, "kv_cache_dtype": "fp8"}})  # fmt: skip
+    workload = space.resolved_workload(tmp_path)
+    return StudyContext(space, workload, tmp_path, space.model, resolve_levels(space, workload)).spec_for({})
+
+
+@pytest.mark.parametrize("env", [{}, KV_SPACE], ids=["no-kv-space", "kv-space"])
+def test_the_trials_preflight_refuses_before_an_engine_starts(tmp_path, monkeypatch, env) -> None:
+    """With or without a KV space (without one the CPU build sizes its cache from host memory and nothing else is
+    predicted), a CPU whose flags lack AVX-512 and AMX makes the trial's capacity check refuse it."""
+    spec = _cpu_spec(tmp_path, **env)
+    seen = {"vllm": "0.32.0"}
+    monkeypatch.setattr(capacity, "resolve_hardware", lambda *a, **k: _cpu(*SOME_AVX512, model="Test CPU 9000"))
+    refused = capacity_check(spec, dict(seen))
+    assert refused is not None and not refused.fits
+    assert refused.reason.startswith("vLLM refuses this configuration: kv_cache_dtype fp8")
+    assert "Test CPU 9000" in refused.reason and "avx512bw" in refused.reason
+    monkeypatch.setattr(capacity, "resolve_hardware", lambda *a, **k: _cpu(*AVX512_FLAGS, model="Test CPU 9000"))
+    taken = capacity_check(spec, dict(seen))
+    assert (taken is None) if not env else (taken is not None and taken.fits)
 
 
 def test_plan_shows_the_refusal_for_the_cpu_flags_given(capsys, tmp_path) -> None:
