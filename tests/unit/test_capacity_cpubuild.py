@@ -100,6 +100,15 @@ def test_releases_checked_and_not() -> None:
     assert taken.fits and not any("not checked" in note for note in taken.notes)  # nothing 0.32 would refuse
 
 
+def test_advice_offers_an_fp8_kv_cache_only_where_the_cpu_takes_it() -> None:
+    """A pool too small for one request: halving the KV bytes is advice on a CPU with AVX-512, not on one without."""
+    engine = {**ENGINE, "kv_cache_memory_bytes": 1 << 20}
+    for flags, offered in (((), False), (AVX512_FLAGS, True)):
+        plan = plan_capacity(_arch(), engine, _cpu(*flags))
+        assert not plan.fits and "not enough for one request" in plan.reason
+        assert any("--kv-cache-dtype fp8" in tip for tip in plan.advice) is offered, plan.advice
+
+
 def test_a_gpu_is_not_asked_for_cpu_flags() -> None:
     h100 = resolve_hardware(gpu="H100-SXM")
     assert plan_capacity(_arch(), {**ENGINE, "kv_cache_dtype": "fp8"}, h100).fits
