@@ -184,9 +184,9 @@ def main() -> int:
                     continue
             rows.append(measure(case, built[case.arch], args.timeout, args.logs))
             print(json.dumps(rows[-1]), flush=True)
-    from servetune.capacity.hardware import host_cpu_flags
+    from servetune.capacity.hardware import CPU_FLAGS, host_cpu_flags
 
-    flags = ", ".join(sorted(host_cpu_flags())) or "none of avx512f, avx512_bf16, amx_tile, amx_bf16"
+    flags = ", ".join(sorted(host_cpu_flags())) or f"none of {', '.join(CPU_FLAGS)}"
     print(f"\nvLLM {vllm.__version__} (CPU build), VLLM_CPU_KVCACHE_SPACE={KV_GIB}, this CPU's flags: {flags}")
     print("| case | vLLM KV tokens | concurrency | block | planned tokens | concurrency | block | error | served |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -39,6 +39,9 @@ def _structural(arch: ModelArch, plan: CapacityPlan, evaluate: Evaluate) -> list
         ]
     if "served by vLLM up to" in plan.reason:  # an architecture this release no longer serves (profile.py)
         return ["serve it with the vLLM release that last served it; --vllm-version plans for that release"]
+    if "kv_cache_dtype" in plan.reason:  # the CPU build's refusal of a quantized KV cache (capacity/cpubuild.py)
+        cpu = "a CPU with AVX-512 or AMX" if "AVX-512" in plan.reason else "a model whose head size it takes"
+        return [f"--kv-cache-dtype auto keeps an unquantized KV cache, which the CPU build takes; fp8 needs {cpu}"]
     if "pipeline_parallel_size" in plan.reason:
         return [f"lower --pp to at most {arch.num_layers}"]
     valid = [t for t in (1, 2, 4, 8, 16) if not evaluate({"tensor_parallel_size": t}).reason.startswith(REFUSED)]
@@ -104,7 +107,8 @@ def advise(arch: ModelArch, plan: CapacityPlan, hardware: Hardware, evaluate: Ev
     if not weights_alone and not s.kv_cache_dtype.startswith("fp8"):
         fp8_kv = evaluate({"kv_cache_dtype": "fp8"})
         caveat = "check long-context quality" if s.device == "gpu" else "the CPU build needs AVX-512 or AMX for it"
-        tips.append(f"--kv-cache-dtype fp8 halves the KV bytes per token ({_outcome(fp8_kv)}); {caveat}")
+        if not fp8_kv.reason.startswith(REFUSED):  # the CPU build without AVX-512 or AMX refuses it
+            tips.append(f"--kv-cache-dtype fp8 halves the KV bytes per token ({_outcome(fp8_kv)}); {caveat}")
     if not weights_alone and plan.kv_cache_blocks > 0:
         shorter = _max_len_that_fits(plan, evaluate, arch.max_position_embeddings)
         if shorter is not None:

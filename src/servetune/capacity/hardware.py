@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import platform
 import re
 from collections.abc import Iterable, Mapping
 from importlib import resources
@@ -17,9 +18,12 @@ from servetune.errors import UserError
 GIB = 1 << 30
 
 #: The x86 features vLLM 0.32's CPU build checks, as ``/proc/cpuinfo`` names them: AVX-512 (which kernel library it
-#: loads), AVX-512 BF16 (``torch.cpu._is_avx512_bf16_supported``: the Mamba SSM state's dtype, the conv-state layout)
-#: and AMX tiles (its attention, MLA and MoE kernels).
-CPU_FLAGS = ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
+#: loads; with AMX, whether it takes an FP8 KV cache), AVX-512 BF16 (``torch.cpu._is_avx512_bf16_supported``: the Mamba
+#: SSM state's dtype, the conv-state layout) and AMX tiles (its attention, MLA and MoE kernels).
+CPU_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16")
+#: What ``torch.cpu._is_avx512_supported()`` asks of the CPU (ATen's ``is_avx512_supported``: cpuinfo's AVX-512 F, BW,
+#: DQ and VL), the test vLLM's CPU build makes for "AVX-512".
+AVX512_FLAGS = ("avx512f", "avx512bw", "avx512dq", "avx512vl")
 
 
 class GpuPerf(BaseModel):
@@ -63,11 +67,31 @@ class Hardware(BaseModel):
     cpu_flags: frozenset[str] = Field(
         frozenset(), description="on the CPU build: which of CPU_FLAGS the host has (none: a CPU without them)"
     )
+    cpu_model: str = Field("", description="on the CPU build: the host CPU's model name; empty where flags were given")
 
     @property
     def avx512_bf16(self) -> bool:
         """Does vLLM's CPU build see AVX-512 BF16 here (``torch.cpu._is_avx512_bf16_supported()``)?"""
         return "avx512_bf16" in self.cpu_flags
+
+    @property
+    def avx512(self) -> bool:
+        """Does vLLM's CPU build see AVX-512 here (``torch.cpu._is_avx512_supported()``: every one of AVX512_FLAGS)?"""
+        return set(AVX512_FLAGS) <= self.cpu_flags
+
+    @property
+    def amx(self) -> bool:
+        """Does vLLM's CPU build see AMX tiles here (``torch.cpu._is_amx_tile_supported()``)?"""
+        return "amx_tile" in self.cpu_flags
+
+    def describe_cpu(self) -> str:
+        """The CPU in a sentence: this host's by its model name, or the one whose flags were given, with its flags."""
+        flags = ", ".join(f for f in CPU_FLAGS if f in self.cpu_flags) or "none of those vLLM checks"
+        return (
+            f"this host's CPU, {self.cpu_model} (flags: {flags})"
+            if self.cpu_model
+            else f"the CPU given (flags: {flags})"
+        )
 
     @property
     def memory_bytes(self) -> int:
@@ -117,6 +141,17 @@ def host_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset(line.group(1).split()) & frozenset(CPU_FLAGS) if line else frozenset()
 
 
+@functools.cache
+def host_cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """This host's CPU model name (the first ``model name`` line of ``/proc/cpuinfo``), else the machine's kind."""
+    try:
+        text = cpuinfo.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        text = ""
+    line = re.search(r"^model name\s*:(.*)$", text, re.MULTILINE)
+    return line.group(1).strip() if line and line.group(1).strip() else (platform.machine() or "unknown CPU")
+
+
 def parse_cpu_flags(text: str, what: str = "--cpu-flags") -> frozenset[str]:
     """``avx512f,avx512_bf16`` (names of :data:`CPU_FLAGS`, comma-separated) or ``none``; a wrong name is one line."""
     names = {name.strip().lower() for name in text.split(",") if name.strip()}
@@ -140,8 +175,9 @@ def resolve_hardware(
     On the CPU build, ``cpu_flags`` (names of :data:`CPU_FLAGS`) says what the CPU that runs vLLM has; None: this
     host's, from ``/proc/cpuinfo``."""
     if device == "cpu":
-        flags = host_cpu_flags() if cpu_flags is None else frozenset(cpu_flags)
-        return Hardware(device="cpu", name="cpu", memory_gib=None, fp8=False, cpu_flags=flags)
+        if cpu_flags is None:
+            return Hardware(device="cpu", name="cpu", fp8=False, cpu_flags=host_cpu_flags(), cpu_model=host_cpu_model())
+        return Hardware(device="cpu", name="cpu", memory_gib=None, fp8=False, cpu_flags=frozenset(cpu_flags))
     if device != "gpu":
         raise UserError(f"--device {device}: expected gpu or cpu")
     if memory_gib is not None and memory_gib <= 0:

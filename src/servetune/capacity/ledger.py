@@ -26,6 +26,7 @@ from typing import Any
 
 from servetune.capacity.advice import advise
 from servetune.capacity.arch import MambaMixer, ModelArch, WeightQuant
+from servetune.capacity.cpubuild import cpu_kv_cache_note, cpu_kv_cache_problem
 from servetune.capacity.draft import DraftCost, draft_cost, speculative_config
 from servetune.capacity.encoder import EncoderBudget, encoder_budget
 from servetune.capacity.hardware import GIB, Hardware
@@ -283,6 +284,8 @@ def _ledger(
             f"max_model_len {s.max_model_len:,} is beyond the model's {arch.max_position_embeddings:,} positions: "
             "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 lets vLLM start, and it warns that outputs may be wrong"
         )
+    if (unchecked := cpu_kv_cache_note(arch, s.kv_cache_dtype, hardware, profile)) is not None:
+        notes.append(unchecked)
     fits, reason = _verdict(
         arch,
         s,
@@ -297,7 +300,7 @@ def _ledger(
         blocks_per_request,
         allow_long,
         draft,
-        state.problem or _removed(arch, profile),
+        state.problem or _removed(arch, profile) or cpu_kv_cache_problem(arch, s.kv_cache_dtype, hardware, profile),
         0.0 if cpu else lora,
     )
     return CapacityPlan(

@@ -33,6 +33,9 @@ what is inferred:
 - Architectures a release no longer serves (``removed_architectures``, from vLLM 0.32's registry): Bamba
   and MiniMax-Text-01 / M1 / VL-01 "were supported until v0.23.0"; the 0.25 and 0.32 profiles refuse them
   (the 0.21 profile, 0.21-0.24, still plans them).
+- The CPU build's refusal of an FP8 KV cache on a CPU without AVX-512 or AMX (``cpu_fp8_kv_isa``,
+  ``servetune.capacity.cpubuild``): in 0.32's source, and seen in a public vLLM 0.26.0 start-up log; the 0.25 and
+  0.32 profiles apply it (the boundary at 0.25 is the span's, not found in vLLM's history); older spans do not check it.
 - ``vllm-0.32``: the 0.92 default (vllm/config/cache.py of 0.32), the block table and persistent
   buffers charged. Which release between 0.11 and 0.32 raised 0.9 to 0.92 was not found; 0.32 is
   the first one servetune saw with it.
@@ -95,6 +98,11 @@ class EngineProfile(BaseModel):
         " 3 in V0's eager forward, where the down projection's output sits beside the MLP's input (issue 10517's"
         " logs). V1's compiled forward is not measured apart from the sampler, which sets its peak in every log",
     )
+    cpu_fp8_kv_isa: bool = Field(
+        False,
+        description="the CPU build refuses a quantized KV cache on a CPU without AVX-512 or AMX (capacity/cpubuild.py:"
+        " in 0.32's source, and in a 0.26.0 start-up log); False: not checked for this span",
+    )
     v0_scheduler: bool = Field(
         False,
         description="V0 engine: chunked prefill by default only above a 32K context; without it the profiling run"
@@ -126,6 +134,7 @@ VLLM_0_32 = EngineProfile(
     count_block_table=True,
     subtract_cudagraph=True,
     mamba_prefix_caching="default",
+    cpu_fp8_kv_isa=True,
 )
 
 VLLM_0_11 = EngineProfile(
@@ -142,7 +151,12 @@ VLLM_0_6 = VLLM_0_11.model_copy(update={"name": "vllm-0.6", "v0_scheduler": True
 VLLM_0_8 = VLLM_0_11.model_copy(update={"name": "vllm-0.8", "mamba_prefix_caching": "refused"})
 VLLM_0_21 = VLLM_0_11.model_copy(update={"name": "vllm-0.21", "subtract_cudagraph": True})
 VLLM_0_25 = VLLM_0_21.model_copy(
-    update={"name": "vllm-0.25", "sampler_bytes_per_logit": 16.0, "removed_architectures": REMOVED_AFTER_0_23}
+    update={
+        "name": "vllm-0.25",
+        "sampler_bytes_per_logit": 16.0,
+        "removed_architectures": REMOVED_AFTER_0_23,
+        "cpu_fp8_kv_isa": True,
+    }
 )
 
 #: (first release, profile), oldest first: a version takes the last entry at or below it.

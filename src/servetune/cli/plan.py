@@ -18,7 +18,7 @@ from servetune.capacity import (
 )
 from servetune.capacity.draft import load_draft
 from servetune.capacity.encoder import image_tokens
-from servetune.capacity.hardware import Hardware, parse_cpu_flags
+from servetune.capacity.hardware import CPU_FLAGS, Hardware, parse_cpu_flags
 from servetune.capacity.profile import PROFILES, EngineProfile, profile_for_version
 from servetune.capacity.settings import resolve_quant, structural_problem
 from servetune.cli.display import console as make_console
@@ -85,8 +85,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--cpu-flags",
         metavar="LIST",
-        help="the CPU's avx512f, avx512_bf16, amx_tile, amx_bf16 (comma-separated, or none) that vLLM's CPU build "
-        "checks (default: this host's, from /proc/cpuinfo)",
+        help=f"the CPU's {', '.join(CPU_FLAGS)} (comma-separated, or none) that vLLM's CPU build checks (default: "
+        "this host's, from /proc/cpuinfo)",
     )
     p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallel size (default 1)")
     p.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline parallel size (default 1)")

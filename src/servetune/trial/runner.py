@@ -195,22 +195,23 @@ def placement_record(spec: TrialSpec) -> dict[str, str]:
 def capacity_check(spec: TrialSpec, seen: dict[str, str] | None = None) -> CapacityReport | None:
     """The memory ledger's verdict, or None where the model's architecture is unknown offline; for what the ledger
     cannot size (an unmodelled KV cache dtype or quantization, a context above max_position_embeddings) a report
-    that is "not planned" and lets the trial start.
+    that is "not planned" and lets the trial start. On the CPU build without a KV space, only what it refuses (a
+    quantized KV cache on a CPU without AVX-512 or AMX, capacity/cpubuild.py), else None.
 
     ``seen``: the trial's environment record, with the GPU it got as NVML names it (``gpu_model``,
     ``gpu_memory_gib``). Without ``hardware.gpu`` in the space the check sizes the GPU from that; with it, the
     space's GPU is used and a GPU of another kind is said in ``environment["hardware_note"]``."""
     from servetune.capacity import NotPlanned, gpu_hardware, load_model_arch, plan_capacity, resolve_hardware
+    from servetune.capacity.cpubuild import cpu_kv_cache_problem, quantized_kv_cache
     from servetune.capacity.draft import load_draft
     from servetune.capacity.hardware import find_gpu
     from servetune.capacity.profile import profile_for_version
 
-    if (
-        spec.device == "cpu"
-        and not spec.env.get("VLLM_CPU_KVCACHE_SPACE")
-        and "kv_cache_memory_bytes" not in spec.engine_args
-    ):
-        return None  # the CPU build then sizes its KV cache from host memory: nothing to predict
+    kv_dtype = str(spec.engine_args.get("kv_cache_dtype") or "auto")
+    kv_space = spec.env.get("VLLM_CPU_KVCACHE_SPACE") or "kv_cache_memory_bytes" in spec.engine_args
+    # Without a KV space the CPU build sizes its KV cache from host memory: nothing to predict, only what it refuses.
+    if spec.device == "cpu" and not kv_space and not quantized_kv_cache(kv_dtype):
+        return None
     got = (seen or {}).get("gpu_model") if spec.device == "gpu" else None
     try:
         arch = load_model_arch(spec.model)
@@ -229,11 +230,18 @@ def capacity_check(spec: TrialSpec, seen: dict[str, str] | None = None) -> Capac
             seen_note = f"the space says {spec.gpu}; the trial got {got}: its capacity check sized {hardware.name}"
             seen["hardware_note"] = seen_note
     try:
+        profile = profile_for_version(trial_vllm_version(spec, seen), "the trial's vLLM version")
+    except UserError as exc:
+        return CapacityReport(fits=False, reason=str(exc))
+    if spec.device == "cpu" and not kv_space:
+        if (refused := cpu_kv_cache_problem(arch, kv_dtype, hardware, profile)) is None:
+            return None
+        return CapacityReport(fits=False, reason=f"vLLM refuses this configuration: {refused}", profile=profile.name)
+    try:
         draft = load_draft(spec.engine_args)  # speculative decoding's draft checkpoint, where it has one
     except UserError as exc:  # unknown offline: vLLM may still fetch it, so no verdict
         return CapacityReport(fits=True, planned=False, reason=f"not planned: {exc}")
     try:
-        profile = profile_for_version(trial_vllm_version(spec, seen), "the trial's vLLM version")
         plan = plan_capacity(arch, spec.engine_args, hardware, env=spec.env, profile=profile, draft=draft)
     except NotPlanned as exc:  # no verdict: the trial starts, and records what vLLM itself reports
         return CapacityReport(fits=True, planned=False, reason=f"not planned: {exc}")
