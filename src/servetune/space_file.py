@@ -40,7 +40,7 @@ from servetune.models.names import is_hub_id
 from servetune.models.tiny import TINY_CONFIG
 from servetune.quality import lm_eval
 from servetune.quality.suites import load_suite
-from servetune.results import SPACE_FILE
+from servetune.results import SPACE_FILE, space_bases
 
 
 def _check_image_limits(space: SearchSpace, images: int) -> None:
@@ -120,20 +120,17 @@ def load_space(path: str | Path, argspecs: dict | None = None, base_dir: Path | 
 
 def load_study_space(study_dir: Path, space_file: str) -> tuple[SearchSpace, Workload]:
     """The space a study keeps (``study_dir``/space.yaml) and its workload, with every file they name found where
-    the study's trials found it: relative to the space file the study ran (``space_file``, from study.json).
+    the study's trials found it (results/files.py ``space_bases``).
 
     The kept copy is the user's file as it was; the files it names stay where the user keeps them (as a local
-    model does), so the workload and each trial's id are the ones the study measured. Studies that recorded a
-    relative ``space_file`` (before it was made absolute) are tried from there, the study folder, then the
-    working folder. A file that is gone is one line naming the kept space file and the field.
+    model does), so the workload and each trial's id are the ones the study measured. A file that is gone is one
+    line naming the kept space file and the field.
     """
     path = study_dir / SPACE_FILE
     if not path.is_file():
         raise UserError(f"{path}: no such file (the study keeps the space it ran there)")
-    recorded = Path(space_file).parent
-    bases = [recorded] if recorded.is_absolute() else [recorded, study_dir, Path.cwd()]
     first: UserError | None = None
-    for base in dict.fromkeys(bases):
+    for base in space_bases(study_dir, space_file):
         try:
             space = load_space(path, base_dir=base)
             return space, space.resolved_workload(base)

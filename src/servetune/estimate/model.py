@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -16,6 +16,9 @@ from servetune.estimate.queueing import closed_loop, knee, open_loop
 from servetune.estimate.roofline import Replica
 from servetune.estimate.specs import DeviceRates, device_rates, gpu_class
 from servetune.estimate.speculative import speculation
+
+if TYPE_CHECKING:
+    from servetune.summary import LevelSummary
 
 
 class Load(BaseModel):
@@ -41,6 +44,23 @@ class Load(BaseModel):
         closed = kind == "concurrency"
         return cls(input_tokens=input_tokens, output_tokens=output_tokens, encoder_flops=encoder_flops,
                    concurrency=max(1, round(value)) if closed else None, rate=None if closed else value)  # fmt: skip
+
+    @classmethod
+    def measured(cls, summary: LevelSummary, encoder_flops: float = 0.0) -> Load | None:
+        """The load a measured level served: its clients or rate, its requests' mean lengths as vLLM counted them
+        (an image workload's image tokens among the input tokens), and the tower's ``encoder_flops`` a request's
+        images need (estimate/encoder.py ``workload_images``). None for a level that completed no request, or
+        another kind of load (conversations/s): the model has none. Every estimate of a measured level takes its
+        load from here: each trial's levels (trial/estimated.py) and the report's estimated GPUs (report/gpus.py)."""
+        done = summary.completed
+        if done <= 0:
+            return None
+        lengths = (max(1, round(summary.total_input_tokens / done)), max(2, round(summary.total_output_tokens / done)))
+        if "concurrency" in summary.level:
+            return cls.at_level("concurrency", summary.level["concurrency"], *lengths, encoder_flops)
+        if summary.level.get("rate", 0.0) > 0:
+            return cls.at_level("rate", summary.level["rate"], *lengths, encoder_flops)
+        return None
 
     @model_validator(mode="after")
     def _one_loop(self) -> Load:

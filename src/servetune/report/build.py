@@ -206,6 +206,8 @@ def build_report(
             price_per_device_hour,
             prices=price_table(study.info.prices, study.info.price_list),
             price_list=study.info.price_list,
+            workload=study.workload,
+            workload_unread=study.workload_unread,
         ),
         estimate=estimate_lines(study.trials),
     )

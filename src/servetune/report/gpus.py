@@ -15,9 +15,13 @@ The rule, stated once:
   cheaper and is worth measuring.
 - Estimated rows (GPU studies only): the recommended type's best configuration at its capacity load, estimated
   on each catalogue GPU with a listed price (estimate/), scaled by measured / estimated throughput on the
-  measured type (the calibration), with the estimate's held-out median error on output throughput.
+  measured type (the calibration), with the estimate's held-out median error on output throughput. The load is
+  the measured level's (Load.measured), and where the study's workload sends images each estimate, the measured
+  type's included, encodes them in the vision tower as every estimate of the workload does (estimate/encoder.py
+  ``workload_images``): the rows say so, with the tower's time a request on each GPU, or say why it is left out.
 
-Pure: no I/O beyond the catalogues; the renderers draw :class:`WhichGpu`.
+Pure: no I/O beyond the catalogues (the study's workload comes read: report/study.py); the renderers draw
+:class:`WhichGpu`.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from servetune.results import TrialResult
 
 if TYPE_CHECKING:
     from servetune.capacity import ModelArch
+    from servetune.config.workload import Workload
     from servetune.estimate import Factors, Load
 
 
@@ -60,6 +65,7 @@ class GpuRow:
     note: str = ""  # why an estimated row has no numbers (does not fit), or how it was calibrated
     level_index: int | None = None  # measured rows: the trial's level at its capacity
     price_source: str = ""  # estimated rows: the shipped price used, with its source and date (Price.describe)
+    encoder_ms: float | None = None  # estimated rows of an image workload: the vision tower's time a request there
 
     @property
     def estimated(self) -> bool:
@@ -73,6 +79,28 @@ class WhichGpu:
     choice: str | None
     why: str
     price_list: str = "default"  # the shipped list the estimated rows are priced from (the space's ``price_list``)
+
+
+@dataclass(frozen=True)
+class _Images:
+    """The study's workload, whose images the estimated rows encode, or why it could not be read."""
+
+    workload: Workload | None
+    unread: str | None
+
+    def note(self, flops: float, model: str, sent: bool) -> str:
+        """What the estimated rows say of the images: encoded (``flops`` a request), or left out and why; '' for a
+        text workload. ``sent``: the measured level sent images (so did the workload, read or not)."""
+        if flops > 0:
+            return (f"each estimate includes the vision tower's time to encode a request's images ({flops / 1e9:,.0f} "
+                    "GFLOP a request, as servetune estimate counts it), on the measured GPU too")  # fmt: skip
+        if not sent and (self.workload is None or not self.workload.sends_images):
+            return ""
+        why = (
+            f"the study's workload could not be read ({self.unread or 'not given'})" if self.workload is None
+            else f"servetune does not model {model}'s vision tower"
+        )  # fmt: skip
+        return f"the vision tower's time to encode the workload's images is not in these estimates: {why}"
 
 
 #: A measured type's configuration cell where none of its trials met the SLO.
@@ -96,11 +124,14 @@ def which_gpu(
     estimate_others: bool = True,
     prices: Mapping[str, Price] | None = None,
     price_list: str = "default",
+    workload: Workload | None = None,
+    workload_unread: str | None = None,
 ) -> WhichGpu | None:
     """The section's data, or None where no trial names a GPU type (the CPU stand-in, or older results).
     ``price_override``: ``--price-per-gpu-hour``, which the points' costs were computed with. ``prices``: what the
     estimated rows' GPU types cost, the study's price list (``price_list``) under its own prices; the shipped
-    default list where not given."""
+    default list where not given. ``workload``: the study's (report/study.py ``read_workload``), whose images the
+    estimated rows encode; ``workload_unread``: why it could not be read, said where the levels sent images."""
     by_id = {t.trial_id: t for t in trials}
     types: dict[str, list[str]] = {}
     for trial in trials:
@@ -118,7 +149,8 @@ def which_gpu(
     choice = min(measured, key=lambda r: _rank(r, target_rps)) if measured else None
     if choice is not None and estimate_others and price_override is None:
         listed = load_price_table() if prices is None else prices
-        rows += _estimated_rows(choice, by_id[str(choice.trial_id)], points, set(types), target_rps, listed)
+        images = _Images(workload, workload_unread)
+        rows += _estimated_rows(choice, by_id[str(choice.trial_id)], points, set(types), target_rps, listed, images)
     why = _why(choice, rows, target_rps)
     return WhichGpu(tuple(rows), target_rps, choice.gpu if choice else None, why, price_list)
 
@@ -182,6 +214,7 @@ def _estimated_rows(
     measured: set[str],
     target_rps: float | None,
     prices: Mapping[str, Price],
+    images: _Images,
 ) -> list[GpuRow]:
     """The chosen configuration estimated on each priced catalogue GPU the study did not measure, calibrated on
     the chosen type's measurement (see the module's rule). None where the estimate cannot run (an unknown model
@@ -189,23 +222,21 @@ def _estimated_rows(
     from servetune.capacity import load_model_arch, resolve_hardware
     from servetune.capacity.hardware import find_gpu
     from servetune.estimate import Load, estimate, load_factors
+    from servetune.estimate.encoder import workload_images
 
     at = next((p for p in points if p.trial_id == trial.trial_id and p.level_index == choice.level_index), None)
     if at is None or at.level_index >= len(trial.levels):
         return []
     summary = trial.levels[at.level_index].summary
-    done = max(1, summary.completed)
-    tokens_in, tokens_out = max(1, round(summary.total_input_tokens / done)), max(2, round(summary.total_output_tokens / done))  # fmt: skip
-    kind, value = next(iter(summary.level.items()))
-    load = (
-        Load(input_tokens=tokens_in, output_tokens=tokens_out, concurrency=max(1, round(value)))
-        if kind == "concurrency"
-        else Load(input_tokens=tokens_in, output_tokens=tokens_out, rate=value)
-    )
     try:
         arch = load_model_arch(trial.model)
         factors = load_factors()
         measured_name = find_gpu(choice.gpu).name
+        # the images' tokens are in the prompts vLLM counted; their encoding is added, as each level's estimate adds it
+        _tokens, flops = workload_images(images.workload, arch.vision, trial.engine_args)
+        load = Load.measured(summary, flops)
+        if load is None:
+            return []
         reference = estimate(arch, trial.engine_args, resolve_hardware("gpu", measured_name), load, factors)
     except (UserError, ValueError, KeyError):
         return []
@@ -220,6 +251,8 @@ def _estimated_rows(
         f"model) and calibrated on {measured_name} (measured / estimated output throughput {scale_out:.2f}); the SLO "
         "is not checked again there: measure a type before choosing it"
     )
+    encoded = images.note(flops, arch.name, bool(summary.images_sent))
+    calibrated += f"; {encoded}" if encoded else ""
     rows = []
     taken = {find_gpu(g).name for g in measured if _known(g)}
     for name, price in prices.items():
@@ -260,7 +293,7 @@ def _estimated_row(name: str, price: Price, arch: ModelArch, trial: TrialResult,
     replicas = _replicas(target_rps, rate)
     fleet = replicas * trial.devices * price.usd_per_device_hour if replicas is not None else None
     return replace(base, request_rate=rate, cost_per_mtok=cost, replicas=replicas, fleet_usd_per_hour=fleet,
-                   note=calibrated)  # fmt: skip
+                   note=calibrated, encoder_ms=est.encoder_ms)  # fmt: skip
 
 
 def _why(choice: GpuRow | None, rows: Sequence[GpuRow], target_rps: float | None) -> str:
@@ -309,6 +342,8 @@ def gpu_cells(row: GpuRow) -> list[str]:
         f"estimated ±{row.expected_error:.0%}" if row.estimated and row.expected_error is not None
         else "estimated" if row.estimated else f"trial {row.trial_id}"
     )  # fmt: skip
+    if row.encoder_ms is not None:  # an image workload: the vision tower's time is in the estimate
+        source += f", encoder {row.encoder_ms:.3g} ms a request"
     replicas = "-" if row.replicas is None else f"{row.replicas} x {row.devices} GPU"
     return [row.gpu, source, row.configuration, row.capacity or "-", number(row.request_rate, "{:.3g}"),
             number(row.cost_per_mtok, "{:.4g}"), number(row.usd_per_device_hour, "{:.2f}"),

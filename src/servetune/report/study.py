@@ -1,12 +1,15 @@
 """Reading a study directory from disk: ``study.json``, ``trials/*/result.json`` and, when
 ``servetune verify`` ran, ``verify.json``, and ``verify/*.json`` when the study verified its best points, and
-``serve-check.json`` when ``servetune serve-check`` ran, and ``recheck-paired-*.json`` for each
-``servetune recheck --paired``.
+``serve-check.json`` when ``servetune serve-check`` ran, ``recheck-paired-*.json`` for each
+``servetune recheck --paired``, and the workload of the space the study keeps (``space.yaml``), whose images the
+report's estimates encode.
 
 Nothing is skipped silently. A trial directory without ``result.json`` (a trial still
 running, or killed before it wrote one) is listed as not read. A ``result.json`` that is not
 valid is an error naming the file and the field, unless ``skip_unreadable`` is set, in which
-case it is listed as not read with that same message.
+case it is listed as not read with that same message. The workload is read for the estimates alone: a kept space
+that cannot be read (a study from before it was kept, a workload file since moved) leaves it unread, with why,
+and the report says where its estimates lack the images for it.
 """
 
 from __future__ import annotations
@@ -14,11 +17,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from servetune.config.loading import load_yaml_model
+from servetune.config.space import SearchSpace
+from servetune.config.workload import Workload
 from servetune.errors import UserError
 from servetune.report.paired import PairedOutcome, read_paired_files
 from servetune.report.serving import ServeCheckFile, read_serve_check_file
 from servetune.report.verification import VerifyFile, read_verify_file, read_verify_files
-from servetune.results import RESULT_FILE, STUDY_FILE, TRIALS_DIR, StudyInfo, TrialResult, read_model, read_result
+from servetune.results import (
+    RESULT_FILE,
+    SPACE_FILE,
+    STUDY_FILE,
+    TRIALS_DIR,
+    StudyInfo,
+    TrialResult,
+    read_model,
+    read_result,
+    space_bases,
+)
 
 
 @dataclass(frozen=True)
@@ -39,6 +55,8 @@ class LoadedStudy:
     verified: tuple[VerifyFile, ...] = ()  # verify/<trial id>.json, one per point the study verified (search.verify)
     serve_check: ServeCheckFile | None = None  # serve-check.json (report/serving.py); None when serve-check has not run
     paired: tuple[tuple[Path, PairedOutcome], ...] = ()  # recheck-paired-*.json (report/paired.py), oldest first
+    workload: Workload | None = None  # the kept space's workload (read_workload); None where it could not be read
+    workload_unread: str | None = None  # why not, in one line
 
 
 def load_study(root: Path | str, skip_unreadable: bool = False) -> LoadedStudy:
@@ -68,6 +86,7 @@ def load_study(root: Path | str, skip_unreadable: bool = False) -> LoadedStudy:
             not_read.append(NotRead(trial_dir, f"no {RESULT_FILE} (still running, or stopped before writing it)"))
         else:
             trials.append(result)
+    workload, unread = read_workload(root, info)
     return LoadedStudy(
         root=root,
         info=info,
@@ -77,4 +96,22 @@ def load_study(root: Path | str, skip_unreadable: bool = False) -> LoadedStudy:
         verified=read_verify_files(root),
         serve_check=read_serve_check_file(root),
         paired=read_paired_files(root),
+        workload=workload,
+        workload_unread=unread,
     )
+
+
+def read_workload(root: Path, info: StudyInfo) -> tuple[Workload | None, str | None]:
+    """The workload of the space the study keeps, with the files it names found where its trials found them
+    (results/files.py ``space_bases``); else None and why. Only the space's own fields are read, not the checks
+    ``servetune run`` makes against vLLM's parser: the report estimates from the workload, it runs nothing."""
+    path = root / SPACE_FILE
+    if not path.is_file():
+        return None, f"{path}: no such file"
+    first = ""
+    for base in space_bases(root, info.space_file):
+        try:
+            return load_yaml_model(path, SearchSpace, base_dir=base).resolved_workload(base), None
+        except (UserError, ValueError) as exc:
+            first = first or (str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    return None, first

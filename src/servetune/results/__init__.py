@@ -19,6 +19,7 @@ from servetune.results.files import (
     WeightsPrefetch,
     read_model,
     read_result,
+    space_bases,
     validation_message,
 )
 from servetune.results.levels import (
@@ -114,6 +115,7 @@ __all__ = [
     "read_model",
     "read_result",
     "slope_noise",
+    "space_bases",
     "throughput_noise",
     "validation_message",
 ]

@@ -94,6 +94,16 @@ REFERENCE_FILE = (
 )  # the quality reference's answers, kept by the study (study/driver.py)
 
 
+def space_bases(study_dir: Path, space_file: str) -> list[Path]:
+    """Where the files the kept space (``study_dir``/space.yaml) names are found, in the order to try: the folder of
+    the space file the study ran (``space_file``, from study.json), where its trials found them. Studies that
+    recorded a relative ``space_file`` (before it was made absolute) are tried from there, the study folder, then
+    the working folder."""
+    recorded = Path(space_file).parent
+    bases = [recorded] if recorded.is_absolute() else [recorded, study_dir, Path.cwd()]
+    return list(dict.fromkeys(bases))
+
+
 Model = TypeVar("Model", bound=BaseModel)
 
 

@@ -73,7 +73,7 @@ def pruning_effect(
     for k, recorded in surface.results.items():
         forecasts[k] = forecast(context.spec_for(recorded.params), lengths)
         estimated = recorded.model_copy(deep=True, update={"model": str(model_dir)})
-        estimate_levels(estimated, None, None)
+        estimate_levels(estimated, None, None, workload=workload)
         errors[k] = [dict(lv.estimate.error) for lv in estimated.levels if lv.estimate is not None]
     effect = PruningEffect(grid_size=len(surface.results), best=surface.best_score)
     unsure = [f for f in forecasts.values() if isinstance(f, str)]

@@ -68,7 +68,7 @@ def estimate_levels(
         draft = load_draft(result.engine_args)
         _image_tokens, flops = workload_images(workload, arch.vision, result.engine_args)  # already in the prompts
         for level in levels:
-            load = _load(level, flops)
+            load = Load.measured(level.summary, flops)
             if load is None:
                 continue
             est = estimate(arch, result.engine_args, hardware, load, factors, env=result.env, rates=rates,
@@ -121,7 +121,7 @@ def calibration_points(
     _image_tokens, flops = workload_images(workload, arch.vision, result.engine_args)
     points: list[CalibrationPoint] = []
     for level in result.levels:
-        load = _load(level, flops) if level.summary.completed else None
+        load = Load.measured(level.summary, flops)
         if load is None or (load.concurrency is None and load.rate is None):
             continue
         s = level.summary
@@ -144,18 +144,6 @@ def calibration_points(
             )
         )  # fmt: skip
     return points
-
-
-def _load(level: LevelResult, encoder_flops: float = 0.0) -> Load | None:
-    """The load a level served: its clients or rate, its requests' mean lengths as vLLM counted them."""
-    s = level.summary
-    done = s.completed
-    lengths = (max(1, round(s.total_input_tokens / done)), max(2, round(s.total_output_tokens / done)))
-    if "concurrency" in s.level:
-        return Load.at_level("concurrency", s.level["concurrency"], *lengths, encoder_flops)
-    if "rate" in s.level and s.level["rate"] > 0:
-        return Load.at_level("rate", s.level["rate"], *lengths, encoder_flops)
-    return None  # another kind of load (conversations/s): the model has none
 
 
 def _compared(ttft_ms: float | None, tpot_ms: float, throughput: float, level: LevelResult) -> LevelEstimate:
