@@ -40,6 +40,12 @@ HELD_GIB = 1.5
 SHM_MIN_GIB = 1.0
 #: Serve's per-replica request counts come from Ray's metrics agent at this interval.
 METRICS_INTERVAL_MAX_MS = 2000
+#: What a cluster's head is started with to fix both (local_ray.py's SERVE_SYSTEM_CONFIG), and where that is said.
+SYSTEM_CONFIG_COMMAND = (
+    'ray start --head --system-config=\'{"worker_niceness": 0, "metrics_report_interval_ms": 1000}\''
+)
+SYSTEM_CONFIG_SECTION = ("cluster/README.md", "Worker niceness and the metrics interval")
+SYSTEM_CONFIG_FIX = f'{SYSTEM_CONFIG_COMMAND}: {SYSTEM_CONFIG_SECTION[0]}, "{SYSTEM_CONFIG_SECTION[1]}"'
 #: ``--engine``: how long the tiny model's engine may take to start (about a minute on a GPU; 40-66 s on the CPU
 #: build of a two-core host, more while it is busy).
 ENGINE_TIMEOUT_S = 300.0
@@ -202,8 +208,7 @@ def evaluate(
             add(
                 "worker niceness",
                 "WARN",
-                f"Ray's workers run at niceness {niceness}: engines inherit it and lose the CPU "
-                "(ray start --system-config '{\"worker_niceness\": 0}', cluster/README.md)",
+                f"Ray's workers run at niceness {niceness}: engines inherit it and lose the CPU ({SYSTEM_CONFIG_FIX})",
             )
         else:
             add("worker niceness", "PASS", "0")
@@ -212,8 +217,7 @@ def evaluate(
             add(
                 "metrics interval",
                 "WARN",
-                f"{interval} ms: Serve's per-replica counts arrive that late "
-                "(metrics_report_interval_ms 1000 in the system config)",
+                f"{interval} ms: Serve's per-replica counts arrive that late ({SYSTEM_CONFIG_FIX})",
             )
         cache = facts.get("vllm_cache") or {}
         if cache and not cache.get("writable"):
