@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from servetune.capacity.hardware import ACCELERATOR, gpu_types, ray_accelerator_type
 from servetune.config.space import GPU_PARAM
+from servetune.telemetry import mig_slices
 
 if TYPE_CHECKING:
     from servetune.config.space import SearchSpace
@@ -97,6 +98,12 @@ def _gpus() -> list[dict[str, Any]] | None:
                 gpu["mig"] = bool(pynvml.nvmlDeviceGetMigMode(handle)[0])
             except Exception:  # NotSupported: not a MIG-capable board
                 gpu["mig"] = False
+            if gpu["mig"]:  # its slices: what Ray hands trials where the node names them (MIG-... UUIDs)
+                gpu["slices"] = [
+                    {"uuid": uuid, "profile": str(pynvml.nvmlDeviceGetName(mig)).rpartition(" MIG ")[2],
+                     "total_gib": pynvml.nvmlDeviceGetMemoryInfo(mig).total / 2**30}
+                    for uuid, mig in mig_slices(pynvml, handle)
+                ]  # fmt: skip
             try:
                 gpu["pids"] = [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)]
             except Exception:
@@ -257,10 +264,15 @@ def _gpu_checks(add: Any, declared: float, gpus: Sequence[Mapping[str, Any]] | N
             f"Ray advertises {declared:g} GPU(s), NVML sees none: no NVIDIA driver, or --num-gpus is wrong",
         )
         return
-    if len(gpus) != declared:
-        add("GPUs", "FAIL", f"Ray advertises {declared:g} GPU(s), NVML sees {len(gpus)}")
+    # A node started with MIG slices in CUDA_VISIBLE_DEVICES (a Kubernetes MIG device plugin) advertises its slices.
+    slices = [s for g in gpus for s in g.get("slices") or []]
+    devices = sum(len(g.get("slices") or []) or 1 for g in gpus)
+    sliced = f" ({len(slices)} MIG slice(s): {', '.join(_slice(s) for s in slices)})" if slices else ""
+    if declared not in (len(gpus), devices):
+        add("GPUs", "FAIL", f"Ray advertises {declared:g} GPU(s), NVML sees {len(gpus)}{sliced}")
     else:
-        add("GPUs", "PASS", f"{len(gpus)} x {gpus[0]['name']} ({gpus[0]['total_gib']:.0f} GiB), as Ray advertises")
+        first = f"{len(gpus)} x {gpus[0]['name']} ({gpus[0]['total_gib']:.0f} GiB)"
+        add("GPUs", "PASS", f"{first}{sliced}, as Ray advertises")
     for g in gpus:
         if g.get("pids") or g["used_gib"] > HELD_GIB:
             held = f"{g['used_gib']:.1f} GiB in use" + (
@@ -272,12 +284,18 @@ def _gpu_checks(add: Any, declared: float, gpus: Sequence[Mapping[str, Any]] | N
                 f"GPU {g['index']} ({g['name']}): {held}; a trial there gets less memory than it asks",
             )
         if g.get("mig"):
-            add("MIG", "WARN", f"GPU {g['index']} has MIG on: trials see its slices, not the whole GPU")
+            parts = ", ".join(_slice(s) for s in g.get("slices") or []) or "none made"
+            add("MIG", "WARN", f"GPU {g['index']} has MIG on: trials see its slices ({parts}), not the whole GPU; their "
+                "telemetry has memory but no utilization, power or energy (NVML has none per slice)")  # fmt: skip
     if gpu is not None:
         names = {str(g["name"]) for g in gpus}
         wanted = gpu.replace("-", " ").split()[0].lower()
         if not any(wanted in n.lower() for n in names):
             add("GPU type", "WARN", f"the space says {gpu}; this node has {', '.join(sorted(names))}")  # fmt: skip
+
+
+def _slice(facts: Mapping[str, Any]) -> str:
+    return f"{facts['profile']} {facts['total_gib']:.1f} GiB {str(facts['uuid'])[:12]}"
 
 
 def space_checks(nodes: Mapping[str, Mapping[str, Any]], space: SearchSpace | None) -> list[Check]:

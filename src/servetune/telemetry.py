@@ -142,6 +142,22 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
+def mig_slices(nv: ModuleType, board: Any) -> list[tuple[str, Any]]:
+    """The MIG devices of a GPU in MIG mode as (UUID, handle); none for a GPU without MIG or with it off."""
+    try:
+        if nv.nvmlDeviceGetMigMode(board)[0] != nv.NVML_DEVICE_MIG_ENABLE:
+            return []
+        slots = nv.nvmlDeviceGetMaxMigDeviceCount(board)
+    except Exception:  # NotSupported: a board without MIG
+        return []
+    found = []
+    for slot in range(slots):
+        with contextlib.suppress(Exception):  # NotFound: an empty slot
+            handle = nv.nvmlDeviceGetMigDeviceHandleByIndex(board, slot)
+            found.append((_text(nv.nvmlDeviceGetUUID(handle)), handle))
+    return found
+
+
 def nvml_devices(nv: ModuleType) -> list[tuple[str, Any, bool]]:
     """Every device NVML sees as (UUID, handle, MIG slice or not): each GPU, and the MIG devices of a GPU in MIG mode."""
     found = []
@@ -149,14 +165,7 @@ def nvml_devices(nv: ModuleType) -> list[tuple[str, Any, bool]]:
         handle = nv.nvmlDeviceGetHandleByIndex(index)
         with contextlib.suppress(Exception):
             found.append((_text(nv.nvmlDeviceGetUUID(handle)), handle, False))
-        try:
-            mig = nv.nvmlDeviceGetMigMode(handle)[0] == nv.NVML_DEVICE_MIG_ENABLE
-        except Exception:  # NotSupported: a board without MIG
-            mig = False
-        for slot in range(nv.nvmlDeviceGetMaxMigDeviceCount(handle) if mig else 0):
-            with contextlib.suppress(Exception):  # NotFound: an empty slot
-                slice_ = nv.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot)
-                found.append((_text(nv.nvmlDeviceGetUUID(slice_)), slice_, True))
+        found.extend((uuid, slice_, True) for uuid, slice_ in mig_slices(nv, handle))
     return found
 
 
