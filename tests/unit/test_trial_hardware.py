@@ -45,7 +45,7 @@ def test_a_mig_slice_is_sized_by_its_own_memory_even_where_the_space_names_the_b
         on_slice, on_board = capacity_check(spec, seen), capacity_check(spec, dict(H100))
         assert on_slice is not None and on_board is not None and on_slice.fits
         assert on_slice.kv_cache_tokens < on_board.kv_cache_tokens / 2  # 40 GB against 80, less 16 GB of weights
-    assert "MIG 3g.40gb (39.5 GiB)" in seen["hardware_note"] and seen["hardware_note"].endswith("(39.5 GiB)")
+    assert "HBM3 MIG 3g.40gb: " in seen["hardware_note"] and seen["hardware_note"].endswith("H100-SXM (39.5 GiB)")
 
 
 def test_a_trial_through_serve_samples_no_gpu_of_the_load_clients_node(tmp_path):

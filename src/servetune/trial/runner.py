@@ -228,11 +228,8 @@ def capacity_check(spec: TrialSpec, seen: dict[str, str] | None = None) -> Capac
         except UserError:
             same = False
         if not same or sliced:
-            part = f" MIG {sliced} ({seen['gpu_memory_gib']} GiB)" if sliced else ""
-            sized = f"{hardware.name}" + (f" ({hardware.memory_gib:.1f} GiB)" if sliced else "")
-            seen["hardware_note"] = (
-                f"the space says {spec.gpu}; the trial got {got}{part}: its capacity check sized {sized}"
-            )
+            part, size = (f" MIG {sliced}", f" ({hardware.memory_gib:.1f} GiB)") if sliced else ("", "")
+            seen["hardware_note"] = f"the space says {spec.gpu}; the trial got {got}{part}: its capacity check sized {hardware.name}{size}"  # fmt: skip
     try:
         draft = load_draft(spec.engine_args)  # speculative decoding's draft checkpoint, where it has one
     except UserError as exc:  # unknown offline: vLLM may still fetch it, so no verdict
@@ -318,9 +315,8 @@ SERVE_TELEMETRY_NOTE = (
 
 
 def trial_gpus(spec: TrialSpec) -> list[GpuId]:
-    """The GPUs whose telemetry is the trial's: those its bundle holds, as ``CUDA_VISIBLE_DEVICES`` names them
-    (indices, GPU or MIG UUIDs: telemetry.resolve_devices finds their NVML handles). None through
-    Serve, whose bundle is a CPU for the load client: every GPU of that node would be sampled, other trials' too."""
+    """The GPUs whose telemetry is the trial's: those its bundle holds, as ``CUDA_VISIBLE_DEVICES`` names them (indices
+    or UUIDs). None through Serve, whose bundle is a CPU for the load client: every GPU of its node would be sampled."""
     if spec.device != "gpu" or spec.serve_replicas is not None:
         return []
     return visible_gpus(spec.extra_env)
