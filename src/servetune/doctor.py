@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from servetune.capacity.hardware import ACCELERATOR, gpu_types, ray_accelerator_type
 from servetune.config.space import GPU_PARAM
+from servetune.telemetry import mig_slices
 
 if TYPE_CHECKING:
     from servetune.config.space import SearchSpace
@@ -40,6 +41,12 @@ HELD_GIB = 1.5
 SHM_MIN_GIB = 1.0
 #: Serve's per-replica request counts come from Ray's metrics agent at this interval.
 METRICS_INTERVAL_MAX_MS = 2000
+#: What a cluster's head is started with to fix both (local_ray.py's SERVE_SYSTEM_CONFIG), and where that is said.
+SYSTEM_CONFIG_COMMAND = (
+    'ray start --head --system-config=\'{"worker_niceness": 0, "metrics_report_interval_ms": 1000}\''
+)
+SYSTEM_CONFIG_SECTION = ("cluster/README.md", "Worker niceness and the metrics interval")
+SYSTEM_CONFIG_FIX = f'{SYSTEM_CONFIG_COMMAND}: {SYSTEM_CONFIG_SECTION[0]}, "{SYSTEM_CONFIG_SECTION[1]}"'
 #: ``--engine``: how long the tiny model's engine may take to start (about a minute on a GPU; 40-66 s on the CPU
 #: build of a two-core host, more while it is busy).
 ENGINE_TIMEOUT_S = 300.0
@@ -91,6 +98,12 @@ def _gpus() -> list[dict[str, Any]] | None:
                 gpu["mig"] = bool(pynvml.nvmlDeviceGetMigMode(handle)[0])
             except Exception:  # NotSupported: not a MIG-capable board
                 gpu["mig"] = False
+            if gpu["mig"]:  # its slices: what Ray hands trials where the node names them (MIG-... UUIDs)
+                gpu["slices"] = [
+                    {"uuid": uuid, "profile": str(pynvml.nvmlDeviceGetName(mig)).rpartition(" MIG ")[2],
+                     "total_gib": pynvml.nvmlDeviceGetMemoryInfo(mig).total / 2**30}
+                    for uuid, mig in mig_slices(pynvml, handle)
+                ]  # fmt: skip
             try:
                 gpu["pids"] = [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)]
             except Exception:
@@ -202,8 +215,7 @@ def evaluate(
             add(
                 "worker niceness",
                 "WARN",
-                f"Ray's workers run at niceness {niceness}: engines inherit it and lose the CPU "
-                "(ray start --system-config '{\"worker_niceness\": 0}', cluster/README.md)",
+                f"Ray's workers run at niceness {niceness}: engines inherit it and lose the CPU ({SYSTEM_CONFIG_FIX})",
             )
         else:
             add("worker niceness", "PASS", "0")
@@ -212,8 +224,7 @@ def evaluate(
             add(
                 "metrics interval",
                 "WARN",
-                f"{interval} ms: Serve's per-replica counts arrive that late "
-                "(metrics_report_interval_ms 1000 in the system config)",
+                f"{interval} ms: Serve's per-replica counts arrive that late ({SYSTEM_CONFIG_FIX})",
             )
         cache = facts.get("vllm_cache") or {}
         if cache and not cache.get("writable"):
@@ -253,10 +264,15 @@ def _gpu_checks(add: Any, declared: float, gpus: Sequence[Mapping[str, Any]] | N
             f"Ray advertises {declared:g} GPU(s), NVML sees none: no NVIDIA driver, or --num-gpus is wrong",
         )
         return
-    if len(gpus) != declared:
-        add("GPUs", "FAIL", f"Ray advertises {declared:g} GPU(s), NVML sees {len(gpus)}")
+    # A node started with MIG slices in CUDA_VISIBLE_DEVICES (a Kubernetes MIG device plugin) advertises its slices.
+    slices = [s for g in gpus for s in g.get("slices") or []]
+    devices = sum(len(g.get("slices") or []) or 1 for g in gpus)
+    sliced = f" ({len(slices)} MIG slice(s): {', '.join(_slice(s) for s in slices)})" if slices else ""
+    if declared not in (len(gpus), devices):
+        add("GPUs", "FAIL", f"Ray advertises {declared:g} GPU(s), NVML sees {len(gpus)}{sliced}")
     else:
-        add("GPUs", "PASS", f"{len(gpus)} x {gpus[0]['name']} ({gpus[0]['total_gib']:.0f} GiB), as Ray advertises")
+        first = f"{len(gpus)} x {gpus[0]['name']} ({gpus[0]['total_gib']:.0f} GiB)"
+        add("GPUs", "PASS", f"{first}{sliced}, as Ray advertises")
     for g in gpus:
         if g.get("pids") or g["used_gib"] > HELD_GIB:
             held = f"{g['used_gib']:.1f} GiB in use" + (
@@ -268,12 +284,18 @@ def _gpu_checks(add: Any, declared: float, gpus: Sequence[Mapping[str, Any]] | N
                 f"GPU {g['index']} ({g['name']}): {held}; a trial there gets less memory than it asks",
             )
         if g.get("mig"):
-            add("MIG", "WARN", f"GPU {g['index']} has MIG on: trials see its slices, not the whole GPU")
+            parts = ", ".join(_slice(s) for s in g.get("slices") or []) or "none made"
+            add("MIG", "WARN", f"GPU {g['index']} has MIG on: trials see its slices ({parts}), not the whole GPU; their "
+                "telemetry has memory but no utilization, power or energy (NVML has none per slice)")  # fmt: skip
     if gpu is not None:
         names = {str(g["name"]) for g in gpus}
         wanted = gpu.replace("-", " ").split()[0].lower()
         if not any(wanted in n.lower() for n in names):
             add("GPU type", "WARN", f"the space says {gpu}; this node has {', '.join(sorted(names))}")  # fmt: skip
+
+
+def _slice(facts: Mapping[str, Any]) -> str:
+    return f"{facts['profile']} {facts['total_gib']:.1f} GiB {str(facts['uuid'])[:12]}"
 
 
 def space_checks(nodes: Mapping[str, Mapping[str, Any]], space: SearchSpace | None) -> list[Check]:

@@ -13,11 +13,15 @@ import platform
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 
 from servetune import __version__
 from servetune.engine.args import vllm_version
+
+if TYPE_CHECKING:
+    from servetune.telemetry import GpuId
 
 GIB = 1024**3
 
@@ -65,36 +69,53 @@ def cpu_bf16(cpuinfo: str | None = None) -> str:
     return "native" if any(flag in flags for flag in BF16_FLAGS) else "emulated"
 
 
-def _gpus(indices: Sequence[int]) -> dict[str, str]:
-    from servetune.telemetry import _nvml
+def _gpus(ids: Sequence[GpuId]) -> dict[str, str]:
+    """The trial's GPUs as NVML names them: the first device's model and memory, their count and ids, NVLink, the
+    driver. A MIG slice is recorded as its board's model (what the GPU catalogue knows), its profile
+    (``gpu_mig``: "1g.10gb") and the slice's own memory. ``telemetry_note`` says what telemetry cannot read of them:
+    an id that names no device (telemetry.resolve_devices), the fields a slice has none of. Without ids, GPU 0."""
+    from servetune.telemetry import MIG_NOTE, _nvml, resolve_devices
 
     nv = _nvml()
     if nv is None:
         return {}
     try:
-        handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in indices] or [nv.nvmlDeviceGetHandleByIndex(0)]
-        name = nv.nvmlDeviceGetName(handles[0])
-        name = name.decode() if isinstance(name, bytes) else name
-        memory = nv.nvmlDeviceGetMemoryInfo(handles[0]).total / GIB
+        devices, notes = resolve_devices(nv, list(ids) or [0])
+        if not devices:
+            return {"gpu_model": "no NVIDIA GPU visible", "telemetry_note": "; ".join(notes)}
+        first = devices[0]
+        board = nv.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(first.handle) if first.mig else first.handle
+        name = _text(nv.nvmlDeviceGetName(board))
+        memory = nv.nvmlDeviceGetMemoryInfo(first.handle).total / GIB
         driver = nv.nvmlSystemGetDriverVersion()
         cuda = nv.nvmlSystemGetCudaDriverVersion_v2()
         try:
-            nvlink = nv.nvmlDeviceGetNvLinkState(handles[0], 0) == nv.NVML_FEATURE_ENABLED
+            nvlink = nv.nvmlDeviceGetNvLinkState(board, 0) == nv.NVML_FEATURE_ENABLED
         except Exception:
             nvlink = False
-        return {
-            "gpu_model": name, "gpu_count": str(len(indices) or 1), "gpu_memory_gib": f"{memory:.1f}",
-            "gpu_indices": ",".join(str(i) for i in indices), "interconnect": "NVLink" if nvlink else "PCIe",
-            "driver": driver.decode() if isinstance(driver, bytes) else str(driver),
-            "cuda": f"{cuda // 1000}.{cuda % 1000 // 10}",
+        record = {
+            "gpu_model": name, "gpu_count": str(len(devices)), "gpu_memory_gib": f"{memory:.1f}",
+            "gpu_indices": ",".join(str(d.id) for d in devices), "interconnect": "NVLink" if nvlink else "PCIe",
+            "driver": _text(driver), "cuda": f"{cuda // 1000}.{cuda % 1000 // 10}",
         }  # fmt: skip
+        if first.mig:
+            record["gpu_mig"] = _text(nv.nvmlDeviceGetName(first.handle)).rpartition(" MIG ")[2]
+            notes.append(MIG_NOTE)
+        if notes:
+            record["telemetry_note"] = "; ".join(notes)
+        return record
     finally:
         nv.nvmlShutdown()
 
 
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def collect_environment(
-    device: str, gpu_indices: Sequence[int] = (), python: str = sys.executable, cores: int | None = None
+    device: str, gpus: Sequence[GpuId] = (), python: str = sys.executable, cores: int | None = None
 ) -> dict[str, str]:
+    """The record's ``environment``; ``gpus``: the trial's devices as ``CUDA_VISIBLE_DEVICES`` names them."""
     env: dict[str, str] = {
         "device": device,
         "cpu_model": _cpu_model(),
@@ -111,7 +132,7 @@ def collect_environment(
         ),  # of the measuring thread; 0 unless it could not be lowered
     }
     if device == "gpu":
-        env.update(_gpus(gpu_indices) or {"gpu_model": "no NVIDIA GPU visible"})
+        env.update(_gpus(gpus) or {"gpu_model": "no NVIDIA GPU visible"})
     else:
         env["cpu_bf16"] = cpu_bf16()
         if cores is not None:

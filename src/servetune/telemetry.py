@@ -1,9 +1,12 @@
 """Device telemetry during load levels: pynvml on NVIDIA GPUs, the host's CPU and memory elsewhere.
 
 A :class:`TelemetrySampler` samples about once a second in a background thread while a level
-runs and summarizes into flat named values. On GPUs (the trial's own, by physical index):
-utilization, memory used (peak), power, energy (the driver's energy counter where it has one,
-else power integrated over time), temperature and SM clock. Without an NVIDIA GPU it records
+runs and summarizes into flat named values. On GPUs (the trial's own, as ``CUDA_VISIBLE_DEVICES``
+names them: physical indices, GPU UUIDs or MIG UUIDs, :func:`resolve_devices`): utilization, memory
+used (peak), power, energy (the driver's energy counter where it has one, else power integrated over
+time), temperature and SM clock. A MIG slice has memory of its own but no utilization, power or
+energy in NVML (the board's count every slice, other tenants' too): on slices those are absent, and
+the notes say why. Without an NVIDIA GPU it records
 the host instead (CPU utilization, memory used, and the engine's process tree: CPU and RSS);
 the ``host_`` and ``engine_`` prefixes say which it was.
 
@@ -21,7 +24,7 @@ import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -118,14 +121,111 @@ def _nvml() -> ModuleType | None:
         return None
 
 
+#: A device as ``CUDA_VISIBLE_DEVICES`` names it: a physical index, or a ``GPU-`` or ``MIG-`` UUID (or a unique
+#: prefix of one, as CUDA accepts).
+GpuId = int | str
+#: The fields NVML reads of a whole board only: a MIG slice has no utilization or power of its own (and no energy).
+NOT_PER_SLICE = ("gpu_util", "gpu_power_w")
+MIG_NOTE = "on MIG slices NVML has no utilization, power or energy per slice (the board's count every slice): absent"
+
+
+@dataclass(frozen=True)
+class Device:
+    """A device of ``CUDA_VISIBLE_DEVICES`` resolved to NVML: the id as given, its handle, whether it is a MIG slice."""
+
+    id: GpuId
+    handle: Any
+    mig: bool = False
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def mig_slices(nv: ModuleType, board: Any) -> list[tuple[str, Any]]:
+    """The MIG devices of a GPU in MIG mode as (UUID, handle); none for a GPU without MIG or with it off."""
+    try:
+        if nv.nvmlDeviceGetMigMode(board)[0] != nv.NVML_DEVICE_MIG_ENABLE:
+            return []
+        slots = nv.nvmlDeviceGetMaxMigDeviceCount(board)
+    except Exception:  # NotSupported: a board without MIG
+        return []
+    found = []
+    for slot in range(slots):
+        with contextlib.suppress(Exception):  # NotFound: an empty slot
+            handle = nv.nvmlDeviceGetMigDeviceHandleByIndex(board, slot)
+            found.append((_text(nv.nvmlDeviceGetUUID(handle)), handle))
+    return found
+
+
+def nvml_devices(nv: ModuleType) -> list[tuple[str, Any, bool]]:
+    """Every device NVML sees as (UUID, handle, MIG slice or not): each GPU, and the MIG devices of a GPU in MIG mode."""
+    found = []
+    for index in range(nv.nvmlDeviceGetCount()):
+        handle = nv.nvmlDeviceGetHandleByIndex(index)
+        with contextlib.suppress(Exception):
+            found.append((_text(nv.nvmlDeviceGetUUID(handle)), handle, False))
+        found.extend((uuid, slice_, True) for uuid, slice_ in mig_slices(nv, handle))
+    return found
+
+
+def resolve_devices(nv: ModuleType, ids: Sequence[GpuId]) -> tuple[list[Device], list[str]]:
+    """The devices ``ids`` name, in order, and one note for an id that names none (never an exception).
+
+    An int is a physical index; ``GPU-...`` is a GPU's UUID and ``MIG-...`` a MIG device's (R470 and later drivers),
+    each whole or a prefix that only one device's UUID starts with, as CUDA takes them. CUDA sees only the devices
+    before the first entry it cannot resolve, so the devices end there too and the note names the entry."""
+    devices: list[Device] = []
+    known: list[tuple[str, Any, bool]] | None = None
+    for position, gpu in enumerate(ids):
+        why = None
+        if isinstance(gpu, int):
+            try:
+                devices.append(Device(gpu, nv.nvmlDeviceGetHandleByIndex(gpu)))
+                continue
+            except Exception:  # NVMLError_InvalidArgument: no such index
+                why = f"NVML has no GPU {gpu}"
+        else:
+            known = nvml_devices(nv) if known is None else known
+            matches = [(handle, mig) for uuid, handle, mig in known if gpu and uuid.startswith(gpu)]
+            if len(matches) == 1:
+                devices.append(Device(gpu, *matches[0]))
+                continue
+            why = f"{len(matches)} devices' UUIDs start with it" if matches else "no device NVML sees has that UUID"
+        left = f" (and {', '.join(map(str, ids[position + 1 :]))} after it)" if position + 1 < len(ids) else ""
+        return devices, [f"CUDA_VISIBLE_DEVICES entry {gpu!r}: {why}; CUDA sees no device from there{left}"]
+    return devices, []
+
+
+def visible_gpus(env: Mapping[str, str]) -> list[GpuId]:
+    """The devices an engine with this environment sees, as ``CUDA_VISIBLE_DEVICES`` names them (indices as ints,
+    UUIDs as given); every GPU NVML sees, by index, without it; empty without GPUs."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        entries = [v.strip() for v in visible.split(",") if v.strip()]
+        return [int(v) if v.isdigit() else v for v in entries]
+    nv = _nvml()
+    if nv is None:
+        return []
+    try:
+        return list(range(nv.nvmlDeviceGetCount()))
+    finally:
+        nv.nvmlShutdown()
+
+
 class TelemetrySampler:
-    """``with TelemetrySampler(gpu_indices, engine_pid) as t: ...``; then ``t.summary()``."""
+    """``with TelemetrySampler(gpus, engine_pid) as t: ...``; then ``t.summary()``.
+
+    ``gpus``: the trial's devices as ``CUDA_VISIBLE_DEVICES`` names them (:func:`visible_gpus`); what they do not
+    resolve to is said in :attr:`device_notes` and left out."""
 
     def __init__(
-        self, gpu_indices: Sequence[int] | None = None, engine_pid: int | None = None, interval_s: float = 1.0,
+        self, gpus: Sequence[GpuId] | None = None, engine_pid: int | None = None, interval_s: float = 1.0,
         rapl_root: Path | None = None,
     ) -> None:  # fmt: skip
-        self.gpu_indices = list(gpu_indices or [])
+        self.gpus = list(gpus or [])
+        self.device_notes: list[str] = []
+        self._devices: list[Device] = []
         self.engine_pid = engine_pid
         self.interval_s = interval_s
         self._stop = threading.Event()
@@ -141,13 +241,16 @@ class TelemetrySampler:
         self._rapl_note: str | None = None
         self._started = self._ended = 0.0
         self._nvml: ModuleType | None = None
-        self._handles: list = []
         self.rapl_root = rapl_root  # None: POWERCAP
 
     def __enter__(self) -> TelemetrySampler:
-        self._nvml = nv = _nvml() if self.gpu_indices else None
+        self._nvml = nv = _nvml() if self.gpus else None
         if nv is not None:
-            self._handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in self.gpu_indices]
+            self._devices, self.device_notes = resolve_devices(nv, self.gpus)
+            if not self._devices:  # none resolved: nothing of the GPUs to read (the host is sampled)
+                nv.nvmlShutdown()
+                self._nvml = nv = None
+        if nv is not None:
             self._energy_start = self._energy(nv)
         self._rapl, self._rapl_note = rapl_zones(self.rapl_root if self.rapl_root is not None else POWERCAP)
         psutil.cpu_percent(None)  # prime the counter: the next call measures from here
@@ -194,17 +297,23 @@ class TelemetrySampler:
         if readings:
             self._rapl_counters.append((now, readings))
 
+    @property
+    def _on_slices(self) -> bool:
+        return any(device.mig for device in self._devices)
+
     def _energy(self, nv: ModuleType) -> dict[int, float]:
-        out = {}
-        for i, handle in zip(self.gpu_indices, self._handles, strict=True):
+        """Each device's energy counter (J), by position; none on MIG slices, whose counter is the board's."""
+        out: dict[int, float] = {}
+        for position, device in enumerate([] if self._on_slices else self._devices):
             with contextlib.suppress(Exception):
-                out[i] = nv.nvmlDeviceGetTotalEnergyConsumption(handle) / 1000.0  # mJ -> J
+                out[position] = nv.nvmlDeviceGetTotalEnergyConsumption(device.handle) / 1000.0  # mJ -> J
         return out
 
     def _gpu_sample(self, nv: ModuleType) -> dict[str, float]:
         """One reading of every field on every GPU. A field a GPU does not report (NVML's NotSupported: power on
         some boards, clocks on a MIG slice) is left out of that GPU's reading, not the sample; a field no GPU
-        reported is left out of the sample."""
+        reported is left out of the sample. With a MIG slice among the devices the board-wide fields
+        (:data:`NOT_PER_SLICE`) are left out for all: a sum or mean over the rest would not be the trial's."""
         reads: dict[str, tuple[Callable[[Any], float], Callable[[list[float]], float]]] = {
             "gpu_util": (lambda h: nv.nvmlDeviceGetUtilizationRates(h).gpu, _mean),
             "gpu_memory_used_gib": (lambda h: nv.nvmlDeviceGetMemoryInfo(h).used / GIB, max),
@@ -214,8 +323,10 @@ class TelemetrySampler:
         }
         sample: dict[str, float] = {}
         for name, (read, combine) in reads.items():
+            if self._on_slices and name in NOT_PER_SLICE:
+                continue
             values = []
-            for handle in self._handles:
+            for handle in (device.handle for device in self._devices):
                 with contextlib.suppress(Exception):  # nv.NVMLError and its NotSupported, NoPermission, ...
                     values.append(float(read(handle)))
             if values:
@@ -266,7 +377,7 @@ class TelemetrySampler:
         its RAPL package counters, wraparound included."""
         out: dict[str, float] = {}
         if self._nvml is not None:
-            gpu = _counters_energy(self._gpu_counters, list(self.gpu_indices), start, end, {})
+            gpu = _counters_energy(self._gpu_counters, list(range(len(self._devices))), start, end, {})
             if gpu is None:
                 powered = [(t, s["gpu_power_w"]) for t, s in zip(self._sample_times, self._samples, strict=True)
                            if "gpu_power_w" in s]  # fmt: skip
@@ -284,12 +395,14 @@ class TelemetrySampler:
     def energy_note(self) -> str | None:
         """Why an energy of the measured window is missing (None when every energy it could have is there)."""
         notes = []
-        if self.gpu_indices and self._nvml is None:
-            notes.append("GPU energy not measured: NVML not available")
+        if self.gpus and self._nvml is None:
+            notes.append(f"GPU energy not measured: {'; '.join(self.device_notes) or 'NVML not available'}")
+        elif self._on_slices:
+            notes.append(f"GPU energy not measured: {MIG_NOTE}")
         elif (
-            self.gpu_indices
+            self.gpus
             and not any("gpu_power_w" in s for s in self._samples)
-            and not all(len(read) == len(self.gpu_indices) for _, read in self._gpu_counters)
+            and not all(len(read) == len(self._devices) for _, read in self._gpu_counters)
         ):
             notes.append("GPU energy not measured: no energy counter and no power readings")
         if self._rapl_note is not None:
@@ -314,17 +427,3 @@ def _counters_energy(
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
-
-
-def visible_gpu_indices(env: dict[str, str]) -> list[int]:
-    """Physical indices of the GPUs an engine with this environment sees (empty without GPUs)."""
-    visible = env.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return [int(v) for v in visible.split(",") if v.strip().isdigit()]
-    nv = _nvml()
-    if nv is None:
-        return []
-    try:
-        return list(range(nv.nvmlDeviceGetCount()))
-    finally:
-        nv.nvmlShutdown()

@@ -4,6 +4,7 @@ Ray packages it, and the KubeRay RayJob's fields (no cluster here: structure, no
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import pytest
 import ray
 import yaml
 
+from servetune.local_ray import SERVE_SYSTEM_CONFIG
 from servetune.space_file import load_space
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,6 +87,52 @@ def test_launcher_commands_are_well_formed_shell():
     head_start = " ".join(config["head_start_ray_commands"])
     assert "--head" in head_start and "--autoscaling-config=~/ray_bootstrap_config.yaml" in head_start
     assert "$RAY_HEAD_IP:6379" in " ".join(config["worker_start_ray_commands"])
+
+
+def ray_start_options(command: str) -> dict:
+    """What `ray start` makes of a shell command line that runs it: Ray's own click command parses the words the
+    shell would pass (nothing is started), so a flag Ray does not take, or a value its type refuses, fails here."""
+    from ray.scripts.scripts import start
+
+    words = shlex.split(command)
+    at = next(i for i, (a, b) in enumerate(itertools.pairwise(words)) if (a, b) == ("ray", "start"))
+    return start.make_context("ray start", words[at + 2 :]).params
+
+
+def kuberay_head_command(params: dict[str, str]) -> str:
+    """The head's `ray start` as KubeRay writes it from rayStartParams (its convertParamMap: ` --key=value ` in
+    sorted order, "true" a bare flag) into the container's shell command."""
+    flags = [
+        f"--{k}" if v.lower() == "true" else f"--{k}={v}" for k, v in sorted(params.items()) if v.lower() != "false"
+    ]
+    return "ulimit -n 65536; ray start --head " + " ".join(flags)
+
+
+def test_the_launchers_head_starts_ray_with_servetunes_system_config():
+    """Workers at niceness 0 and a 1 s metrics interval on a cluster too, as the local Ray has them: on the head's
+    `ray start` (workers take the system config from the head; Ray refuses it on a worker's)."""
+    config = load(LAUNCHER)
+    (head,) = [c for c in config["head_start_ray_commands"] if "ray start" in c]
+    options = ray_start_options(head)
+    assert options["head"] and options["system_config"] == SERVE_SYSTEM_CONFIG
+    for worker in [c for c in config["worker_start_ray_commands"] if "ray start" in c]:
+        assert ray_start_options(worker)["system_config"] is None
+
+
+def test_the_rayjobs_head_starts_ray_with_servetunes_system_config(manifests):
+    cluster = manifests["RayJob"]["spec"]["rayClusterSpec"]
+    options = ray_start_options(kuberay_head_command(cluster["headGroupSpec"]["rayStartParams"]))
+    assert options["system_config"] == SERVE_SYSTEM_CONFIG and options["num_cpus"] == 0
+    assert all("system-config" not in group.get("rayStartParams", {}) for group in cluster["workerGroupSpecs"])
+
+
+def test_doctors_fix_is_the_system_config_and_names_a_section_of_the_cluster_readme():
+    from servetune.doctor import SYSTEM_CONFIG_COMMAND, SYSTEM_CONFIG_FIX, SYSTEM_CONFIG_SECTION
+
+    assert ray_start_options(SYSTEM_CONFIG_COMMAND)["system_config"] == SERVE_SYSTEM_CONFIG
+    path, section = SYSTEM_CONFIG_SECTION
+    headings = re.findall(r"^#+ (.+)$", (ROOT / path).read_text(), re.MULTILINE)
+    assert section in headings and SYSTEM_CONFIG_COMMAND in SYSTEM_CONFIG_FIX and section in SYSTEM_CONFIG_FIX
 
 
 # --- the runtime environment (ray job submit --runtime-env) ---------------------------------

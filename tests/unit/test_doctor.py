@@ -73,3 +73,31 @@ def test_this_machine_s_facts_have_what_the_checks_read(tmp_path):
     facts = node_facts(str(tmp_path))
     assert facts["ray"] and facts["servetune"] and facts["model_present"] is False
     assert {"gpus", "niceness", "shm_gib", "vllm_cache", "metrics_interval_ms"} <= set(facts)
+
+
+def test_a_mig_board_s_slices_are_read_counted_as_ray_hands_them_and_named(monkeypatch):
+    """NVML's facts of a node whose GPU 1 is in MIG mode (the fake pynvml of test_telemetry): its slices with their
+    profiles, memory and UUIDs; Ray advertising either the boards or the slices passes; another count fails."""
+    import sys
+
+    from servetune.doctor import _gpus
+    from tests.unit.test_telemetry import MIG_UUIDS, fake_nvml
+
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml({}, slices={1: ["3g.40gb", "1g.10gb"]}))
+    gpus = _gpus()
+    assert [g["mig"] for g in gpus] == [False, True] and "slices" not in gpus[0]
+    assert [(s["profile"], s["total_gib"], s["uuid"]) for s in gpus[1]["slices"]] == [
+        ("3g.40gb", 40.0, MIG_UUIDS[0]), ("1g.10gb", 10.0, MIG_UUIDS[1])]  # fmt: skip
+    for advertised in (2, 3):  # the two boards, or GPU 0 and the two slices (CUDA_VISIBLE_DEVICES=GPU-...,MIG-...)
+        checks = by_name(evaluate({"n1": node(gpus=gpus, ray_resources={"CPU": 32, "GPU": advertised})}, DRIVER))
+        assert checks[("n1", "GPUs")].status == "PASS" and "2 MIG slice(s): 3g.40gb 40.0 GiB" in (
+            checks[("n1", "GPUs")].evidence
+        )
+    checks = by_name(evaluate({"n1": node(gpus=gpus, ray_resources={"CPU": 32, "GPU": 4})}, DRIVER))
+    assert checks[("n1", "GPUs")].status == "FAIL" and "NVML sees 2 (2 MIG slice(s)" in checks[("n1", "GPUs")].evidence
+    mig = checks[("n1", "MIG")]
+    assert (
+        mig.status == "WARN"
+        and "3g.40gb 40.0 GiB" in mig.evidence
+        and "no utilization, power or energy" in (mig.evidence)
+    )

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from servetune.telemetry import TelemetrySampler, visible_gpu_indices
+from servetune.telemetry import TelemetrySampler, resolve_devices, visible_gpus
 
 
 def test_a_level_shorter_than_the_interval_still_gets_a_sample():
@@ -16,8 +16,10 @@ def test_a_level_shorter_than_the_interval_still_gets_a_sample():
 
 
 def test_visible_gpus_follow_cuda_visible_devices():
-    assert visible_gpu_indices({"CUDA_VISIBLE_DEVICES": "2,3"}) == [2, 3]
-    assert visible_gpu_indices({"CUDA_VISIBLE_DEVICES": ""}) == []
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "2,3"}) == [2, 3]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+    # Ray and Kubernetes device plugins hand UUIDs: kept as given, for NVML to resolve
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": "GPU-8f3a, MIG-1b2c,0"}) == ["GPU-8f3a", "MIG-1b2c", 0]
 
 
 def _nvidia_gpus() -> int:
@@ -88,32 +90,73 @@ def test_the_environment_names_the_gpu_and_its_driver():
 
     gpu = _gpus([0])
     assert gpu["gpu_model"] and float(gpu["gpu_memory_gib"]) > 1 and gpu["driver"], gpu
-    assert visible_gpu_indices({}) == list(range(_nvidia_gpus()))
+    assert visible_gpus({}) == list(range(_nvidia_gpus()))
 
 
 class NotSupported(Exception):
     """What pynvml raises for a field a board does not report (NVMLError_NotSupported)."""
 
 
-def fake_nvml(unsupported: dict[int, set[str]]):
-    """pynvml's calls the sampler makes, over two GPUs, raising NotSupported for the named fields of a GPU."""
+#: The fake's UUIDs: GPU i's and its MIG slices' (as NVML writes them since R470).
+GPU_UUIDS = ["GPU-8f3a61c2-0d4e-4b7a-9e21-5c6d7e8f9a01", "GPU-8f3b0a77-1c2d-4e5f-8a9b-0c1d2e3f4a5b"]
+MIG_UUIDS = ["MIG-1b2c3d4e-5f60-5a7b-8c9d-0e1f2a3b4c5d", "MIG-9e8d7c6b-5a49-5382-a1b0-c9d8e7f6a5b4"]
+
+
+def fake_nvml(unsupported: dict, slices: dict[int, list[str]] | None = None):
+    """pynvml's calls the sampler and the environment record make, over two GPUs (handles 0 and 1), raising
+    NotSupported for the named fields of a handle. ``slices``: GPUs in MIG mode and their slices' profiles (slot
+    handles ``(gpu, slot)``, UUIDs MIG_UUIDS in order, memory the profile's), which, as on a real board, report no
+    utilization, and here the board's power and energy, so that a reading of them would show."""
     from types import SimpleNamespace
+
+    slices = slices or {}
+    mig_uuid = {(g, slot): uuid for (g, slot), uuid in zip(
+        [(g, slot) for g in sorted(slices) for slot in range(len(slices[g]))], MIG_UUIDS, strict=False)}  # fmt: skip
+
+    def board(handle):
+        return handle if isinstance(handle, int) else handle[0]
 
     def call(field, value):
         def read(handle, *args):
-            if field in unsupported.get(handle, set()):
+            if field in unsupported.get(handle, set()) or (field == "util" and not isinstance(handle, int)):
                 raise NotSupported(field)
             return value(handle)
 
         return read
 
+    def memory(handle):
+        if isinstance(handle, int):
+            return SimpleNamespace(used=(10 + handle) * 1024**3, total=80 * 1024**3)
+        profile = slices[handle[0]][handle[1]]
+        return SimpleNamespace(used=2 * 1024**3, total=int(profile.split(".")[1].rstrip("gb")) * 1024**3)
+
+    def by_index(i):
+        if not 0 <= i < 2:
+            raise NotSupported("InvalidArgument")
+        return i
+
+    def slot(gpu, index):
+        if (gpu, index) not in mig_uuid:
+            raise NotSupported("NotFound")
+        return (gpu, index)
+
+    def name(handle):
+        return "NVIDIA H100 80GB HBM3" + ("" if isinstance(handle, int) else f" MIG {slices[handle[0]][handle[1]]}")
+
     return SimpleNamespace(
-        NVML_TEMPERATURE_GPU=0, NVML_CLOCK_SM=1, nvmlInit=lambda: None, nvmlShutdown=lambda: None,
-        nvmlDeviceGetHandleByIndex=lambda i: i,
+        NVML_TEMPERATURE_GPU=0, NVML_CLOCK_SM=1, NVML_DEVICE_MIG_ENABLE=1, NVML_FEATURE_ENABLED=1,
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: 2,
+        nvmlDeviceGetHandleByIndex=by_index,
+        nvmlDeviceGetUUID=lambda h: GPU_UUIDS[h] if isinstance(h, int) else mig_uuid[h],
+        nvmlDeviceGetMigMode=lambda h: (1, 1) if h in slices else (0, 0),
+        nvmlDeviceGetMaxMigDeviceCount=lambda h: 7, nvmlDeviceGetMigDeviceHandleByIndex=slot,
+        nvmlDeviceGetDeviceHandleFromMigDeviceHandle=board, nvmlDeviceGetName=name,
+        nvmlSystemGetDriverVersion=lambda: "580.65.06", nvmlSystemGetCudaDriverVersion_v2=lambda: 13000,
+        nvmlDeviceGetNvLinkState=lambda h, link: 1,
         nvmlDeviceGetUtilizationRates=call("util", lambda h: SimpleNamespace(gpu=50 + 10 * h)),
-        nvmlDeviceGetMemoryInfo=call("memory", lambda h: SimpleNamespace(used=(10 + h) * 1024**3)),
+        nvmlDeviceGetMemoryInfo=call("memory", memory),
         nvmlDeviceGetPowerUsage=call("power", lambda h: 300_000),
-        nvmlDeviceGetTemperature=call("temperature", lambda h: 60 + h),
+        nvmlDeviceGetTemperature=call("temperature", lambda h: 60 + board(h)),
         nvmlDeviceGetClockInfo=call("clock", lambda h: 1980),
         nvmlDeviceGetTotalEnergyConsumption=call("energy", lambda h: 1_000_000),
     )  # fmt: skip
@@ -244,3 +287,71 @@ def test_a_gpus_window_energy_uses_its_counter_and_else_its_power(monkeypatch):
         sampler._take_sample()
         sampler._take_sample()
     assert sampler.window_energy(1.5, 3.0)["gpu_energy_measured_j"] == pytest.approx(450.0)
+
+
+def test_uuids_mig_uuids_their_prefixes_and_mixed_lists_resolve_to_their_devices():
+    nv = fake_nvml({}, slices={1: ["3g.40gb", "1g.10gb"]})
+    devices, notes = resolve_devices(nv, [GPU_UUIDS[0], MIG_UUIDS[1]])
+    assert [(d.handle, d.mig) for d in devices] == [(0, False), ((1, 1), True)] and notes == []
+    # a unique prefix, as CUDA takes it, an index and a MIG slice in one list, in the list's order
+    devices, notes = resolve_devices(nv, [MIG_UUIDS[0][:12], 0])
+    assert [(d.id, d.handle) for d in devices] == [(MIG_UUIDS[0][:12], (1, 0)), (0, 0)] and notes == []
+
+
+def test_an_id_that_names_no_device_is_one_note_and_cuda_sees_nothing_from_it():
+    nv = fake_nvml({}, slices={1: ["3g.40gb"]})
+    devices, (note,) = resolve_devices(nv, [1, "GPU-0000dead", GPU_UUIDS[0]])
+    assert [d.handle for d in devices] == [1]  # the devices before it, as CUDA sees them
+    assert note.startswith("CUDA_VISIBLE_DEVICES entry 'GPU-0000dead': no device NVML sees has that UUID")
+    assert GPU_UUIDS[0] in note  # the entry after it, named as left out
+    devices, (note,) = resolve_devices(nv, ["GPU-8f3"])  # a prefix of both GPUs' UUIDs
+    assert devices == [] and "2 devices' UUIDs start with it" in note
+    devices, (note,) = resolve_devices(nv, [5])
+    assert devices == [] and "NVML has no GPU 5" in note
+
+
+def test_a_gpu_named_by_uuid_is_sampled_and_a_mig_slice_gives_its_memory_and_no_board_wide_fields(monkeypatch):
+    import servetune.telemetry as telemetry
+
+    nv = fake_nvml({}, slices={1: ["3g.40gb"]})
+    monkeypatch.setattr(telemetry, "_nvml", lambda: nv)
+    with TelemetrySampler([GPU_UUIDS[0]], interval_s=60, rapl_root=Path("/nonexistent")) as sampler:
+        pass
+    summary = sampler.summary()
+    assert summary["gpu_util_max"] == 50 and summary["gpu_memory_used_gib_max"] == 10  # GPU 0's, not GPU 1's
+    assert summary["gpu_power_w_mean"] == 300 and "gpu_energy_j" in summary
+    # A slice: its own memory; utilization, power and energy absent (the board's would be other tenants' too),
+    # also for a full GPU beside it, whose numbers alone would not be the trial's.
+    for devices in ([MIG_UUIDS[0]], [0, MIG_UUIDS[0]]):
+        with TelemetrySampler(devices, interval_s=60, rapl_root=Path("/nonexistent")) as sampler:
+            pass
+        summary = sampler.summary((sampler._started, sampler._ended))
+        assert summary["gpu_memory_used_gib_max"] == (2 if len(devices) == 1 else 10), devices
+        assert not {"gpu_util_max", "gpu_power_w_mean", "gpu_energy_j", "gpu_energy_measured_j"} & set(summary)
+        assert sampler.energy_note is not None and "MIG" in sampler.energy_note
+
+
+def test_a_bad_id_is_one_note_and_the_level_goes_on(monkeypatch):
+    import servetune.telemetry as telemetry
+
+    monkeypatch.setattr(telemetry, "_nvml", lambda: fake_nvml({}))
+    with TelemetrySampler(["MIG-ffff"], os.getpid(), interval_s=60, rapl_root=Path("/nonexistent")) as sampler:
+        pass
+    summary = sampler.summary()
+    assert not any(key.startswith("gpu_") for key in summary)
+    assert sampler.energy_note.startswith("GPU energy not measured: CUDA_VISIBLE_DEVICES entry 'MIG-ffff'")
+
+
+def test_the_environment_records_a_mig_slice_as_its_board_its_profile_and_its_memory(monkeypatch):
+    import servetune.telemetry as telemetry
+    from servetune.environment import _gpus
+
+    monkeypatch.setattr(telemetry, "_nvml", lambda: fake_nvml({}, slices={0: ["1g.10gb", "3g.40gb"]}))
+    record = _gpus([MIG_UUIDS[1]])
+    assert record["gpu_model"] == "NVIDIA H100 80GB HBM3" and record["gpu_mig"] == "3g.40gb"
+    assert record["gpu_memory_gib"] == "40.0" and record["gpu_indices"] == MIG_UUIDS[1]
+    assert "no utilization, power or energy" in record["telemetry_note"]
+    whole = _gpus([GPU_UUIDS[1]])
+    assert whole["gpu_memory_gib"] == "80.0" and "gpu_mig" not in whole and "telemetry_note" not in whole
+    bad = _gpus(["GPU-0000dead"])
+    assert bad["gpu_model"] == "no NVIDIA GPU visible" and "'GPU-0000dead'" in bad["telemetry_note"]

@@ -36,6 +36,18 @@ def test_a_gpu_other_than_the_space_names_is_noted_and_the_named_one_is_sized(tm
     assert "hardware_note" not in same
 
 
+def test_a_mig_slice_is_sized_by_its_own_memory_even_where_the_space_names_the_board(tmp_path):
+    """telemetry.resolve_devices gave the trial a 3g.40gb slice of an H100 (environment._gpus records the board's
+    model, the profile and the slice's memory): the check sizes 40 GB, not the space's 80, and says so."""
+    mig = {"gpu_model": "NVIDIA H100 80GB HBM3", "gpu_memory_gib": "39.5", "gpu_mig": "3g.40gb"}
+    for gpu in (None, "H100-SXM"):
+        spec, seen = spec_for(tmp_path, gpu=gpu), dict(mig)
+        on_slice, on_board = capacity_check(spec, seen), capacity_check(spec, dict(H100))
+        assert on_slice is not None and on_board is not None and on_slice.fits
+        assert on_slice.kv_cache_tokens < on_board.kv_cache_tokens / 2  # 40 GB against 80, less 16 GB of weights
+    assert "HBM3 MIG 3g.40gb: " in seen["hardware_note"] and seen["hardware_note"].endswith("H100-SXM (39.5 GiB)")
+
+
 def test_a_trial_through_serve_samples_no_gpu_of_the_load_clients_node(tmp_path):
     import dataclasses
 
@@ -43,5 +55,7 @@ def test_a_trial_through_serve_samples_no_gpu_of_the_load_clients_node(tmp_path)
 
     bare = dataclasses.replace(spec_for(tmp_path), extra_env={"CUDA_VISIBLE_DEVICES": "2,3"})
     assert trial_gpus(bare) == [2, 3]  # the bundle's GPUs
+    uuids = dataclasses.replace(bare, extra_env={"CUDA_VISIBLE_DEVICES": "GPU-8f3a,MIG-1b2c"})
+    assert trial_gpus(uuids) == ["GPU-8f3a", "MIG-1b2c"]  # as given, for telemetry.resolve_devices
     # Through Serve the bundle is a CPU for the load client, and the replicas' GPUs are elsewhere: none.
     assert trial_gpus(dataclasses.replace(bare, serve_replicas=2, extra_env={})) == []

@@ -44,7 +44,7 @@ from servetune.load.tokenizer import load_tokenizer
 from servetune.metrics import STRUCTURED_VALID
 from servetune.results import BenchResult, KvCapacityReport
 from servetune.secrets import redact_engine_args, redact_env
-from servetune.telemetry import TelemetrySampler, visible_gpu_indices
+from servetune.telemetry import TelemetrySampler, visible_gpus
 from servetune.trial.measure import AUTO, LevelPlan, check_alive, client_shards, measure_rung
 from servetune.trial.runner import write_atomic
 
@@ -356,7 +356,7 @@ def run_levels(console, url, served, workload, prompts, plans, slo, args, result
                client_processes: int | Literal["auto"] = 1, client_cpus: int = 1) -> None:  # fmt: skip
     """Each level in turn on one client (``client_processes`` > 1: split across that many client processes,
     load/shard.py; "auto" sized per level, at most ``client_cpus``), its table printed as it ends."""
-    gpus = visible_gpu_indices({**os.environ, **server.env}) if server is not None else []
+    gpus = visible_gpus({**os.environ, **server.env}) if server is not None else []
 
     async def main() -> None:
         async with StreamingClient(

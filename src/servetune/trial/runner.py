@@ -58,7 +58,7 @@ from servetune.results import (
     read_result,
 )
 from servetune.secrets import redact_engine_args, redact_env, redact_params
-from servetune.telemetry import TelemetrySampler, visible_gpu_indices
+from servetune.telemetry import GpuId, TelemetrySampler, visible_gpus
 from servetune.trial.capacity import CAPACITY_LEVELS, CAPACITY_TOLERANCE, CapacitySearch
 from servetune.trial.estimated import estimate_levels
 from servetune.trial.failures import INFRA_RETRIES, classify
@@ -200,7 +200,8 @@ def capacity_check(spec: TrialSpec, seen: dict[str, str] | None = None) -> Capac
 
     ``seen``: the trial's environment record, with the GPU it got as NVML names it (``gpu_model``,
     ``gpu_memory_gib``). Without ``hardware.gpu`` in the space the check sizes the GPU from that; with it, the
-    space's GPU is used and a GPU of another kind is said in ``environment["hardware_note"]``."""
+    space's GPU is used and a GPU of another kind is said in ``environment["hardware_note"]``. A MIG slice
+    (``gpu_mig``) is sized by its own memory either way, unless the space gives ``hardware.gpu_memory_gib``."""
     from servetune.capacity import NotPlanned, gpu_hardware, load_model_arch, plan_capacity, resolve_hardware
     from servetune.capacity.cpubuild import cpu_kv_cache_problem, quantized_kv_cache
     from servetune.capacity.draft import load_draft
@@ -213,9 +214,10 @@ def capacity_check(spec: TrialSpec, seen: dict[str, str] | None = None) -> Capac
     if spec.device == "cpu" and not kv_space and not quantized_kv_cache(kv_dtype):
         return None
     got = (seen or {}).get("gpu_model") if spec.device == "gpu" else None
+    sliced = (seen or {}).get("gpu_mig") if got else None  # a MIG slice: the space's GPU would size the whole board
     try:
         arch = load_model_arch(spec.model)
-        if got and spec.gpu is None and spec.gpu_memory_gib is None:  # the GPU the trial got, as NVML sees it
+        if got and spec.gpu_memory_gib is None and (spec.gpu is None or sliced):  # the GPU the trial got, per NVML
             hardware = gpu_hardware(got, int(float((seen or {})["gpu_memory_gib"]) * 2**30))
         else:
             hardware = resolve_hardware(spec.device, spec.gpu, spec.gpu_memory_gib)
@@ -226,9 +228,9 @@ def capacity_check(spec: TrialSpec, seen: dict[str, str] | None = None) -> Capac
             same = find_gpu(got).name == hardware.name
         except UserError:
             same = False
-        if not same:
-            seen_note = f"the space says {spec.gpu}; the trial got {got}: its capacity check sized {hardware.name}"
-            seen["hardware_note"] = seen_note
+        if not same or sliced:
+            part, size = (f" MIG {sliced}", f" ({hardware.memory_gib:.1f} GiB)") if sliced else ("", "")
+            seen["hardware_note"] = f"the space says {spec.gpu}; the trial got {got}{part}: its capacity check sized {hardware.name}{size}"  # fmt: skip
     try:
         profile = profile_for_version(trial_vllm_version(spec, seen), "the trial's vLLM version")
     except UserError as exc:
@@ -320,12 +322,12 @@ SERVE_TELEMETRY_NOTE = (
 )
 
 
-def trial_gpus(spec: TrialSpec) -> list[int]:
-    """The GPUs whose telemetry is the trial's: those its bundle holds (``CUDA_VISIBLE_DEVICES``). None through
-    Serve, whose bundle is a CPU for the load client: every GPU of that node would be sampled, other trials' too."""
+def trial_gpus(spec: TrialSpec) -> list[GpuId]:
+    """The GPUs whose telemetry is the trial's: those its bundle holds, as ``CUDA_VISIBLE_DEVICES`` names them (indices
+    or UUIDs). None through Serve, whose bundle is a CPU for the load client: every GPU of its node would be sampled."""
     if spec.device != "gpu" or spec.serve_replicas is not None:
         return []
-    return visible_gpu_indices(spec.extra_env)
+    return visible_gpus(spec.extra_env)
 
 
 def cpu_ranks(spec: TrialSpec) -> int | None:
@@ -441,7 +443,7 @@ def _measure(server: Engine, spec: TrialSpec, result: TrialResult, report: Repor
 
 async def _climb(spec, server, result, report, prompts, records_file, stop_rule=None) -> str | None:
     """The ladder and the capacity search on the running engine; records ``result.capacity_at_slo``."""
-    gpu_indices = trial_gpus(spec)
+    gpus = trial_gpus(spec)
     rule = (lambda level, ahead: stop_rule(result, ahead)) if stop_rule is not None else None
     search = CapacitySearch(spec.levels, spec.slo, tolerance=spec.capacity_tolerance, budget=spec.capacity_levels,
                             stop_on_slo_break=spec.stop_on_slo_break, min_gain=spec.min_throughput_gain,
@@ -457,7 +459,7 @@ async def _climb(spec, server, result, report, prompts, records_file, stop_rule=
             level_result = await measure_rung(
                 client, server.url, spec.workload, prompts, plan, len(result.levels), repeats=spec.repeats, slo=spec.slo,
                 record=lambda row: records_file.write(json.dumps(row) + "\n"), engine=server,
-                telemetry=lambda: TelemetrySampler(gpu_indices, server.process.pid if server.process is not None else None),
+                telemetry=lambda: TelemetrySampler(gpus, server.process.pid if server.process is not None else None),
                 client_processes=spec.client_processes, client_cpus=spec.client_cpus,
             )  # fmt: skip
             result.levels.append(level_result)  # kept even when the engine died during it
