@@ -17,6 +17,9 @@ from servetune.capacity.params import (
     rank_params,
     weight_bytes_per_rank,
 )
+from servetune.config.space import SearchSpace
+from servetune.trial.context import StudyContext, resolve_levels
+from servetune.trial.runner import capacity_check
 
 GIB = 1 << 30
 MIXTRAL = "mistralai/Mixtral-8x7B-Instruct-v0.1"
@@ -142,3 +145,22 @@ def test_plan_cli_dp_below_one_is_one_line(capsys) -> None:
     assert cli.main(["plan", "--model", MIXTRAL, "--gpu", "H100", "--dp", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--dp 0: must be >= 1" in err[0]
+
+
+# --- the trial pre-flight ------------------------------------------------------------------------------
+
+
+def _mixtral_spec(tmp_path, engine_args: dict):
+    space = SearchSpace.model_validate({
+        "name": "s", "model": MIXTRAL, "device": "gpu", "workload": "chat",
+        "hardware": {"devices_per_node": 8, "gpu": "H100-SXM"}, "engine_args": {"max_model_len": 8192, **engine_args},
+    })  # fmt: skip
+    workload = space.resolved_workload(tmp_path)
+    return StudyContext(space, workload, tmp_path, space.model, resolve_levels(space, workload)).spec_for({})
+
+
+def test_the_trial_capacity_check_plans_dp_2_with_expert_parallelism(tmp_path) -> None:
+    alone = capacity_check(_mixtral_spec(tmp_path, {}))
+    assert alone is not None and not alone.fits and "weights need" in alone.reason
+    ep = capacity_check(_mixtral_spec(tmp_path, {"data_parallel_size": 2, "enable_expert_parallel": True}))
+    assert ep is not None and ep.fits and ep.planned, ep.reason
