@@ -164,3 +164,10 @@ def test_the_trial_capacity_check_plans_dp_2_with_expert_parallelism(tmp_path) -
     assert alone is not None and not alone.fits and "weights need" in alone.reason
     ep = capacity_check(_mixtral_spec(tmp_path, {"data_parallel_size": 2, "enable_expert_parallel": True}))
     assert ep is not None and ep.fits and ep.planned, ep.reason
+
+
+def test_only_the_families_vllm_replicates_shared_experts_for_replicate_them(deepseek) -> None:
+    qwen3_moe = deepseek.model_copy(update={"architecture": "Qwen3MoeForCausalLM"})
+    assert not MoeShards.of(qwen3_moe, 2, 2, expert_parallel=True).replicate_shared
+    qwen3_next = load_model_arch("Qwen/Qwen3-Next-80B-A3B-Instruct")
+    assert MoeShards.of(qwen3_next, 2, 2, expert_parallel=True).replicate_shared

@@ -44,6 +44,10 @@ class ParamSplit:
         return ParamSplit(self.linear * n, self.other * n, self.experts * n)
 
 
+#: Architectures whose shared experts vLLM 0.32 replicates under sequence-parallel MoE (``disable_tp``).
+SEQUENCE_PARALLEL_SHARED_EXPERTS = ("Deepseek", "Llama4", "Qwen3Next", "NemotronH")
+
+
 @dataclass(frozen=True)
 class MoeShards:
     """How vLLM 0.32's FusedMoE lays the routed experts over the GPUs (``FusedMoEParallelConfig.make``).
@@ -52,9 +56,9 @@ class MoeShards:
     Without expert parallelism every rank holds every expert, its width split over the group; with it
     (``enable_expert_parallel`` and a group above 1) ``ep_size`` = TP x DP and each rank holds whole experts,
     ``ceil(experts / ep_size)`` on the heaviest (``determine_expert_map``: the first ``experts % ep_size``
-    ranks take one more). The router gate is replicated. Shared experts split by TP, but DeepSeek-V2/V3 and
-    Llama 4 replicate them when the MoE runs sequence parallel (``use_sequence_parallel_moe``: EP, TP > 1 and
-    DP > 1 with the default all2all backend).
+    ranks take one more). The router gate is replicated. Shared experts split by TP, but DeepSeek-V2/V3,
+    Llama 4, Qwen3-Next and Nemotron-H replicate them when the MoE runs sequence parallel
+    (``use_sequence_parallel_moe``: EP, TP > 1 and DP > 1 with the default all2all backend; Qwen2/3-MoE do not).
     """
 
     group: int = 1  # TP x DP
@@ -65,7 +69,7 @@ class MoeShards:
     def of(cls, arch: ModelArch, tp: int, dp: int = 1, expert_parallel: bool = False) -> MoeShards:
         ep = expert_parallel and tp * dp > 1
         sequence_parallel = ep and tp > 1 and dp > 1
-        family = arch.architecture.startswith(("Deepseek", "Llama4"))
+        family = arch.architecture.startswith(SEQUENCE_PARALLEL_SHARED_EXPERTS)
         return cls(group=tp * dp, expert_parallel=ep, replicate_shared=sequence_parallel and family)
 
     def experts_per_rank(self, experts: int) -> int:
