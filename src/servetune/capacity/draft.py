@@ -34,6 +34,7 @@ from typing import Any
 
 from servetune.capacity.arch import ModelArch, WeightQuant, load_model_arch
 from servetune.capacity.params import (
+    MoeShards,
     ParamSplit,
     count_parameters,
     formula_bytes,
@@ -140,11 +141,13 @@ def draft_cost(
     kv_element_bytes: Callable[[ModelArch], float],
     tp: int,
     draft_quant: WeightQuant | None = None,
+    shards: MoeShards | None = None,
 ) -> DraftCost:
     """The drafter's cost on one rank for ``config``, the target served with ``dtype_bytes`` per weight on ``tp``
     ranks. ``kv_element_bytes(arch)`` gives an architecture's bytes per K/V element under the served KV dtype (the
     ledger's own function: the drafter shares the target's KV dtype and dtype); ``draft_quant`` is how the draft
-    checkpoint is served (default: as stored)."""
+    checkpoint is served (default: as stored); ``shards``: how the target's experts lie (MTP layers are MoE layers
+    of the target, sharded as its own)."""
     method = str(config["method"])
     k = _tokens(config)
     if method in TEXT_METHODS:
@@ -153,7 +156,7 @@ def draft_cost(
     if method == "mtp":
         if not target.mtp_layers:
             raise UserError(f"speculative_config method mtp: {target.name} declares no MTP layers")
-        weights = formula_bytes(target, mtp_params(target, tp), target.quant, dtype_bytes)
+        weights = formula_bytes(target, mtp_params(target, tp, shards), target.quant, dtype_bytes)
         per_layer = kv_bytes_per_layer_token(target, kv_element_bytes(target), tp)
         source = f"{target.mtp_layers} MTP layer(s) of the target; embeddings and lm_head shared"
         return DraftCost(

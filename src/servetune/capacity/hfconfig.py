@@ -7,12 +7,14 @@ families of ``hfhybrid.py``. Only architecture numbers are read; never weights.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from pydantic import ValidationError
 
 from servetune.capacity.hfhybrid import _hybrid_layers
 from servetune.capacity.model import MambaMixer, ModelArch, VisionEncoder, WeightQuant
+from servetune.capacity.schema import NotPlanned
 from servetune.errors import UserError
 
 _TORCH_DTYPES = {
@@ -87,7 +89,45 @@ def _json_float(value: Any) -> Any:
     return value
 
 
-def _library_config(config: dict[str, Any], source: str) -> dict[str, Any]:
+def _merge_nested(target: Any, updates: dict[str, Any]) -> None:
+    """vLLM 0.32 ``ModelConfig._update_nested``: a dict into an existing dict or config merges key by key."""
+    for key, value in updates.items():
+        nested = target.get(key) if isinstance(target, dict) else getattr(target, key, None)
+        if isinstance(value, dict) and nested is not None and (isinstance(nested, dict) or hasattr(nested, "__dict__")):
+            _merge_nested(nested, value)
+        elif isinstance(target, dict):
+            target[key] = value
+        else:
+            setattr(target, key, value)
+
+
+def apply_hf_overrides(config: Any, overrides: dict[str, Any]) -> None:
+    """Merge ``hf_overrides`` into a config in place, as vLLM 0.32's ``ModelConfig`` does.
+
+    A value that is not a dict replaces the top-level field (``config.update``: a multimodal model's decoder
+    fields are reached through ``{"text_config": {...}}``). A dict merges recursively into a nested config
+    (``text_config``, ``vision_config``), and replaces any other field whole (``rope_scaling``: not merged).
+    ``config`` is a transformers config, or a raw ``config.json`` dict where transformers does not know the
+    model type (its nested configs: the dict fields named ``*_config``, ``quantization_config`` apart).
+    """
+    for key, value in overrides.items():
+        if isinstance(config, dict):
+            nested = config.get(key)
+            sub_config = key.endswith("_config") and key != "quantization_config" and isinstance(nested, dict)
+        else:
+            from transformers import PreTrainedConfig
+
+            nested = getattr(config, key, None)
+            sub_config = isinstance(nested, PreTrainedConfig)
+        if isinstance(value, dict) and sub_config:
+            _merge_nested(nested, value)
+        elif isinstance(config, dict):
+            config[key] = value
+        else:
+            setattr(config, key, value)
+
+
+def _library_config(config: dict[str, Any], source: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The config as transformers reads it: its own class fills every default the file leaves out.
 
     ``AutoConfig.for_model`` only builds the class transformers ships for ``model_type`` (offline,
@@ -95,8 +135,11 @@ def _library_config(config: dict[str, Any], source: str) -> dict[str, Any]:
     A multimodal config yields its decoder's ``text_config``, with the vision tower kept aside.
     """
     model_type = config.get("model_type")
+    overrides = overrides or {}
+    if isinstance(overrides.get("model_type"), str):
+        model_type = overrides["model_type"]  # vLLM reads the overridden model_type before building the config
     if not isinstance(model_type, str) or not model_type:
-        return dict(config)
+        return _raw_overridden(config, overrides)
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig  # slow import: only when a config is read
     from transformers.utils import logging as hf_logging
@@ -110,12 +153,14 @@ def _library_config(config: dict[str, Any], source: str) -> dict[str, Any]:
         raise UserError(f"{source}: {' '.join(str(exc).split())}") from None
     except ValueError as exc:
         if "Unrecognized model identifier" in str(exc):
-            return dict(config)
+            return _raw_overridden(config, overrides)
         raise UserError(f"{source}: {exc}") from None
     except (TypeError, KeyError) as exc:
         raise UserError(f"{source}: transformers cannot read it as {model_type!r}: {exc}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
+    if overrides:
+        apply_hf_overrides(library, overrides)
     text = library.get_text_config(decoder=True)
     merged = text.to_dict()
     if not merged.get("layer_types") and not merged.get("layers_block_type"):
@@ -133,6 +178,12 @@ def _library_config(config: dict[str, Any], source: str) -> dict[str, Any]:
         merged["_multimodal_type"] = model_type
         if isinstance(getattr(library, "mm_tokens_per_image", None), int):  # Gemma 3: tokens per image
             merged["_mm_tokens_per_image"] = library.mm_tokens_per_image
+    return merged
+
+
+def _raw_overridden(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(config)
+    apply_hf_overrides(merged, overrides)
     return merged
 
 
@@ -222,9 +273,36 @@ def _layer_types(cfg: dict[str, Any], layers: int) -> tuple[list[str], int | Non
     return kinds, int(window) if window else None, int(chunk) if chunk else None
 
 
-def arch_from_hf_config(config: dict[str, Any], name: str, source: str = "config.json") -> ModelArch:
-    """Normalise a Hugging Face ``config.json`` dict; a missing field raises :class:`UserError` naming it."""
-    cfg = _library_config(config, source)
+def arch_from_hf_config(
+    config: dict[str, Any], name: str, source: str = "config.json", hf_overrides: dict[str, Any] | None = None
+) -> ModelArch:
+    """Normalise a Hugging Face ``config.json`` dict; a missing field raises :class:`UserError` naming it.
+
+    ``hf_overrides`` (vLLM's ``--hf-overrides``) is merged in first, as vLLM merges it (:func:`apply_hf_overrides`);
+    the arch keeps the file's own config so that :func:`with_hf_overrides` can merge another."""
+    arch = _arch(config, name, source, hf_overrides)
+    arch._hf_config = (config, source)
+    return arch
+
+
+def with_hf_overrides(arch: ModelArch, hf_overrides: dict[str, Any] | None) -> ModelArch:
+    """``arch`` with the engine's ``hf_overrides`` merged into its config.json and read again (the checkpoint's
+    parameter counts kept). A catalogue model has no config.json to merge into: not planned."""
+    if not hf_overrides:
+        return arch
+    if arch._hf_config is None:
+        raise NotPlanned(
+            f"hf_overrides: {arch.name} comes from servetune's catalogue, without its config.json to merge them "
+            "into; give a local model directory (or cache the model's config) to plan it"
+        )
+    config, source = arch._hf_config
+    merged = _arch(config, arch.name, f"{source} with hf_overrides", hf_overrides)
+    merged._hf_config = arch._hf_config
+    return merged.model_copy(update={"checkpoint": arch.checkpoint}) if arch.checkpoint else merged
+
+
+def _arch(config: dict[str, Any], name: str, source: str, hf_overrides: dict[str, Any] | None) -> ModelArch:
+    cfg = _library_config(config, source, hf_overrides)
 
     def need(*keys: str) -> Any:
         for key in keys:

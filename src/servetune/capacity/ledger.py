@@ -30,10 +30,12 @@ from servetune.capacity.cpubuild import cpu_kv_cache_note, cpu_kv_cache_problem
 from servetune.capacity.draft import DraftCost, draft_cost, speculative_config
 from servetune.capacity.encoder import EncoderBudget, encoder_budget
 from servetune.capacity.hardware import GIB, Hardware
+from servetune.capacity.hfconfig import with_hf_overrides
 from servetune.capacity.kvgroups import kv_layout
 from servetune.capacity.lora import lora_cost
 from servetune.capacity.mamba import aligned_block_size, cpu_ssm_dtype, state_bytes, tp_problem
 from servetune.capacity.params import (
+    MoeShards,
     activation_bytes_per_token,
     count_parameters,
     kv_bytes_per_layer_token,
@@ -73,6 +75,7 @@ def plan_capacity(
     ``capacity/lora.py``) out of the GPU's pool.
     """
     args = read_engine_args(engine_args)
+    model = with_hf_overrides(model, args.hf_overrides)
     spec = speculative_config(engine_args)
     plan = _ledger(model, args, hardware, env, request_tokens, profile, spec, draft)
     evaluate: Callable[[dict[str, Any]], CapacityPlan] = lambda change: _ledger(  # noqa: E731
@@ -95,7 +98,8 @@ def _gpu_overheads(
     if profile.count_block_table:
         non_torch += s.max_num_seqs * _cdiv(s.max_model_len, s.block_size) * 4
     tokens = s.max_num_batched_tokens
-    forward = tokens * activation_bytes_per_token(arch, act_bytes, tp, profile.forward_hidden_states)
+    shards = MoeShards.of(arch, tp, s.data_parallel_size, s.enable_expert_parallel)
+    forward = tokens * activation_bytes_per_token(arch, act_bytes, tp, profile.forward_hidden_states, shards)
     logits = min(s.max_num_seqs * query_len, tokens) * _cdiv(arch.vocab_size, 64) * 64
     sampler = logits * profile.sampler_bytes_per_logit + tokens * arch.hidden_size * act_bytes
     activation = max(forward, sampler) + profile.activation_base_gib * GIB
@@ -195,13 +199,14 @@ def _ledger(
     if request < 1:
         raise UserError(f"--request-tokens {request}: must be >= 1")
     dtype_bytes = 4 if s.dtype == "float32" else 2
-    weights = weight_bytes_per_rank(arch, quant, dtype_bytes, tp, pp)
+    shards = MoeShards.of(arch, tp, s.data_parallel_size, s.enable_expert_parallel)
+    weights = weight_bytes_per_rank(arch, quant, dtype_bytes, tp, pp, shards)
     notes: list[str] = []
     draft = None
     if spec is not None:
         draft_quant = resolve_quant(draft_arch, spec.get("quantization")) if draft_arch is not None else None
         draft = draft_cost(arch, spec, draft_arch, dtype_bytes,
-                           lambda a: kv_element_bytes(s.kv_cache_dtype, s.dtype, a), tp, draft_quant)  # fmt: skip
+                           lambda a: kv_element_bytes(s.kv_cache_dtype, s.dtype, a), tp, draft_quant, shards)  # fmt: skip
     query_len = draft.query_len if draft is not None else 1
     drafted = draft.weights if draft is not None else 0.0
     lora = 0.0

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from servetune.capacity.checkpoint import Checkpoint
 
@@ -192,6 +192,14 @@ class ModelArch(BaseModel):
     not_planned: str | None = Field(None, description="why the ledger cannot size this model (vLLM may serve it)")
     quant: WeightQuant = WeightQuant()
     checkpoint: Checkpoint | None = Field(None, description="safetensors parameter counts, where known")
+    # (config.json as read, its source): hfconfig.with_hf_overrides merges an engine's hf_overrides into it
+    _hf_config: tuple[dict[str, Any], str] | None = PrivateAttr(None)
+
+    def __eq__(self, other: object) -> bool:
+        """Equal architecture numbers (the config.json they were read from is not compared)."""
+        if not isinstance(other, BaseModel):
+            return NotImplemented
+        return type(self) is type(other) and self.__dict__ == other.__dict__
 
     @model_validator(mode="before")
     @classmethod

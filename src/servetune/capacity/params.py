@@ -3,7 +3,8 @@
 Counted the way vLLM shards them: attention heads and MLP / expert widths split by tensor
 parallelism (KV heads replicated once TP exceeds them; MLA's low-rank down-projections replicated
 on every rank), vocabulary-parallel embedding and lm_head (vocabulary padded to a multiple of 64),
-norms and MoE routers replicated, layers split by pipeline parallelism.
+norms and MoE routers replicated, layers split by pipeline parallelism. MoE layers shard over TP x DP ranks
+(:class:`MoeShards`): experts' widths without expert parallelism, whole experts with it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,42 @@ class ParamSplit:
         return ParamSplit(self.linear * n, self.other * n, self.experts * n)
 
 
+#: Architectures whose shared experts vLLM 0.32 replicates under sequence-parallel MoE (``disable_tp``).
+SEQUENCE_PARALLEL_SHARED_EXPERTS = ("Deepseek", "Llama4", "Qwen3Next", "NemotronH")
+
+
+@dataclass(frozen=True)
+class MoeShards:
+    """How vLLM 0.32's FusedMoE lays the routed experts over the GPUs (``FusedMoEParallelConfig.make``).
+
+    Its group is every rank of TP x DP (attention and dense layers split by TP only, replicated over DP).
+    Without expert parallelism every rank holds every expert, its width split over the group; with it
+    (``enable_expert_parallel`` and a group above 1) ``ep_size`` = TP x DP and each rank holds whole experts,
+    ``ceil(experts / ep_size)`` on the heaviest (``determine_expert_map``: the first ``experts % ep_size``
+    ranks take one more). The router gate is replicated. Shared experts split by TP, but DeepSeek-V2/V3,
+    Llama 4, Qwen3-Next and Nemotron-H replicate them when the MoE runs sequence parallel
+    (``use_sequence_parallel_moe``: EP, TP > 1 and DP > 1 with the default all2all backend; Qwen2/3-MoE do not).
+    """
+
+    group: int = 1  # TP x DP
+    expert_parallel: bool = False
+    replicate_shared: bool = False
+
+    @classmethod
+    def of(cls, arch: ModelArch, tp: int, dp: int = 1, expert_parallel: bool = False) -> MoeShards:
+        ep = expert_parallel and tp * dp > 1
+        sequence_parallel = ep and tp > 1 and dp > 1
+        family = arch.architecture.startswith(SEQUENCE_PARALLEL_SHARED_EXPERTS)
+        return cls(group=tp * dp, expert_parallel=ep, replicate_shared=sequence_parallel and family)
+
+    def experts_per_rank(self, experts: int) -> int:
+        return _cdiv(experts, self.group) if self.expert_parallel else experts
+
+    def expert_width(self, width: int) -> int:
+        """One expert's intermediate width on a rank."""
+        return width if self.expert_parallel else _cdiv(width, self.group)
+
+
 def kv_heads_per_rank(arch: ModelArch, tp: int) -> int:
     """KV heads one rank stores: split while TP <= KV heads, one (replicated) beyond."""
     return max(1, arch.num_kv_heads // tp)
@@ -77,10 +114,10 @@ def _dense_mlp(arch: ModelArch, tp: int) -> ParamSplit:
     return ParamSplit(linear=3 * arch.hidden_size * _cdiv(arch.intermediate_size, tp), other=0)
 
 
-def _moe_mlp(arch: ModelArch, tp: int) -> ParamSplit:
-    h = arch.hidden_size
-    experts = arch.num_experts * 3 * h * _cdiv(arch.moe_intermediate_size, tp)
-    shared = 3 * h * _cdiv(arch.shared_expert_intermediate_size, tp)
+def _moe_mlp(arch: ModelArch, tp: int, shards: MoeShards | None = None) -> ParamSplit:
+    h, moe = arch.hidden_size, shards or MoeShards(group=tp)
+    experts = moe.experts_per_rank(arch.num_experts) * 3 * h * moe.expert_width(arch.moe_intermediate_size)
+    shared = 3 * h * _cdiv(arch.shared_expert_intermediate_size, 1 if moe.replicate_shared else tp)
     router = h * arch.num_experts + arch.num_experts  # gate weight (+ DeepSeek's correction bias)
     return ParamSplit(linear=shared, other=router, experts=experts)
 
@@ -111,18 +148,19 @@ def _mixer(arch: ModelArch, tp: int) -> ParamSplit:
     return ParamSplit(linear=linear, other=other)
 
 
-def _mixer_only_body(arch: ModelArch, tp: int, stage: tuple[str, ...]) -> ParamSplit:
+def _mixer_only_body(arch: ModelArch, tp: int, stage: tuple[str, ...], shards: MoeShards | None) -> ParamSplit:
     """Nemotron-H: every layer is one block (Mamba-2, attention, or a squared-ReLU MLP / MoE of two matrices)."""
     mamba, mlp = stage.count("mamba"), stage.count("mlp")
-    feed = _moe_mlp(arch, tp) if arch.is_moe else _dense_mlp(arch, tp)
+    feed = _moe_mlp(arch, tp, shards) if arch.is_moe else _dense_mlp(arch, tp)
     feed = ParamSplit(linear=feed.linear * 2 // 3, other=feed.other, experts=feed.experts * 2 // 3)
     body = _attention(arch, tp).times(len(stage) - mamba - mlp) + _mixer(arch, tp).times(mamba) + feed.times(mlp)
     return body + ParamSplit(linear=0, other=arch.hidden_size * len(stage))
 
 
-def layer_params(arch: ModelArch, tp: int, moe: bool) -> ParamSplit:
+def layer_params(arch: ModelArch, tp: int, moe: bool, shards: MoeShards | None = None) -> ParamSplit:
+    """One decoder layer on one rank; ``shards``: how its experts lie (default: split by TP alone)."""
     norms = ParamSplit(linear=0, other=2 * arch.hidden_size)
-    return _attention(arch, tp) + (_moe_mlp(arch, tp) if moe else _dense_mlp(arch, tp)) + norms
+    return _attention(arch, tp) + (_moe_mlp(arch, tp, shards) if moe else _dense_mlp(arch, tp)) + norms
 
 
 def _vocab(arch: ModelArch, tp: int, padded: bool) -> int:
@@ -130,12 +168,12 @@ def _vocab(arch: ModelArch, tp: int, padded: bool) -> int:
     return _cdiv(vocab, tp) * arch.hidden_size
 
 
-def mtp_params(arch: ModelArch, tp: int = 1) -> ParamSplit:
+def mtp_params(arch: ModelArch, tp: int = 1, shards: MoeShards | None = None) -> ParamSplit:
     """One rank's share of the checkpoint's MTP layers (``arch.mtp_layers``; none for most models): a decoder
     layer of the target's kind each (MoE where the target's last layers are), ``eh_proj`` (2 x hidden -> hidden,
     replicated), and enorm, hnorm and the shared head's norm; embeddings and lm_head are the target's."""
     h = arch.hidden_size
-    layer = layer_params(arch, tp, moe=arch.is_moe) + ParamSplit(linear=0, other=2 * h * h + 3 * h)
+    layer = layer_params(arch, tp, moe=arch.is_moe, shards=shards) + ParamSplit(linear=0, other=2 * h * h + 3 * h)
     return layer.times(arch.mtp_layers)
 
 
@@ -144,8 +182,11 @@ def count_parameters(arch: ModelArch) -> int:
     return rank_params(arch, tp=1, pp=1, padded_vocab=False).total
 
 
-def rank_params(arch: ModelArch, tp: int = 1, pp: int = 1, padded_vocab: bool = True) -> ParamSplit:
-    """Parameters on the heaviest rank for tensor parallel ``tp`` and pipeline parallel ``pp``.
+def rank_params(
+    arch: ModelArch, tp: int = 1, pp: int = 1, padded_vocab: bool = True, shards: MoeShards | None = None
+) -> ParamSplit:
+    """Parameters on the heaviest rank for tensor parallel ``tp`` and pipeline parallel ``pp`` (``shards``: the
+    experts' layout over TP x DP, default TP alone).
 
     With PP > 1 the heaviest stage is taken: ceil(layers / PP) layers (MoE layers first, they are
     the larger ones) plus the larger of the embedding (first stage) and the lm_head (last stage).
@@ -153,13 +194,13 @@ def rank_params(arch: ModelArch, tp: int = 1, pp: int = 1, padded_vocab: bool = 
     layers = _cdiv(arch.num_layers, pp)
     stage = arch.layer_kinds[:layers]
     if arch.mixer_only_layers:
-        body = _mixer_only_body(arch, tp, stage)
+        body = _mixer_only_body(arch, tp, stage, shards)
     else:
         moe_layers = min(layers, arch.num_moe_layers)
         dense_layers = layers - moe_layers
         body = layer_params(arch, tp, moe=False).times(dense_layers)
         if moe_layers:
-            body = body + layer_params(arch, tp, moe=True).times(moe_layers)
+            body = body + layer_params(arch, tp, moe=True, shards=shards).times(moe_layers)
         mamba = stage.count("mamba")  # a Mamba layer has its mixer where another has attention
         if mamba:
             body = body + _mixer(arch, tp).times(mamba) + _attention(arch, tp).times(-mamba)
@@ -183,14 +224,16 @@ def formula_bytes(arch: ModelArch, params: ParamSplit, quant: WeightQuant, dtype
     return params.linear * linear + experts * packed + params.other * dtype_bytes
 
 
-def weight_bytes_per_rank(arch: ModelArch, quant: WeightQuant, dtype_bytes: int, tp: int = 1, pp: int = 1) -> int:
-    """Bytes of weights (plus the rotary cos/sin cache) one GPU loads.
+def weight_bytes_per_rank(
+    arch: ModelArch, quant: WeightQuant, dtype_bytes: int, tp: int = 1, pp: int = 1, shards: MoeShards | None = None
+) -> int:
+    """Bytes of weights (plus the rotary cos/sin cache) one GPU loads (``shards``: :class:`MoeShards`).
 
     Where the checkpoint's safetensors headers are known (``arch.checkpoint``) and it is served as stored
     (its own quantization), the whole is the checkpoint's bytes, split across ranks in the proportions the
     parameter-count formula gives; otherwise the formula alone.
     """
-    weights = formula_bytes(arch, rank_params(arch, tp, pp), quant, dtype_bytes)
+    weights = formula_bytes(arch, rank_params(arch, tp, pp, shards=shards), quant, dtype_bytes)
     stored = arch.checkpoint.bytes_served(dtype_bytes) if arch.checkpoint and quant == arch.quant else None
     if stored:
         # The checkpoint also stores its MTP layers, which vLLM loads only to draft with (capacity/draft.py).
@@ -218,7 +261,9 @@ def kv_bytes_per_token(arch: ModelArch, kv_dtype_bytes: float, tp: int = 1, pp: 
     return round(attention * kv_bytes_per_layer_token(arch, kv_dtype_bytes, tp))
 
 
-def activation_bytes_per_token(arch: ModelArch, act_bytes: int, tp: int = 1, hidden_states: int = 2) -> int:
+def activation_bytes_per_token(
+    arch: ModelArch, act_bytes: int, tp: int = 1, hidden_states: int = 2, shards: MoeShards | None = None
+) -> int:
     """Peak transient bytes per scheduled token in a forward pass (one layer is live at a time).
 
     ``hidden_states`` hidden-size tensors (the hidden state and the residual; in V0's eager forward also the
@@ -229,8 +274,10 @@ def activation_bytes_per_token(arch: ModelArch, act_bytes: int, tp: int = 1, hid
     """
     h = arch.hidden_size
     if arch.is_moe:
-        inter = _cdiv(arch.moe_intermediate_size, tp)
-        mlp = arch.num_experts_per_tok * (3 * inter + h) + 3 * _cdiv(arch.shared_expert_intermediate_size, tp)
+        moe = shards or MoeShards(group=tp)  # the fused-MoE caches hold top-k rows of one expert's width on a rank
+        inter = moe.expert_width(arch.moe_intermediate_size)
+        shared = _cdiv(arch.shared_expert_intermediate_size, 1 if moe.replicate_shared else tp)
+        mlp = arch.num_experts_per_tok * (3 * inter + h) + 3 * shared
         mlp = max(mlp, 3 * _cdiv(arch.intermediate_size, tp))
     else:
         mlp = 3 * _cdiv(arch.intermediate_size, tp)

@@ -23,6 +23,9 @@ class CapacityArgs(BaseModel):
 
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
+    # MoE layers shard over TP x DP ranks (capacity/params.py MoeShards); attention and dense layers over TP
+    data_parallel_size: int = Field(1, ge=1)
+    enable_expert_parallel: bool = False
     dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
@@ -48,8 +51,10 @@ class CapacityArgs(BaseModel):
     limit_mm_per_prompt: dict[str, int | dict[str, Any]] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
     skip_mm_profiling: bool = False
+    # Merged into the model's Hugging Face config before planning, as vLLM merges it (capacity/hfconfig.py)
+    hf_overrides: dict[str, Any] | None = None
 
-    @field_validator("limit_mm_per_prompt", "mm_processor_kwargs", mode="before")
+    @field_validator("limit_mm_per_prompt", "mm_processor_kwargs", "hf_overrides", mode="before")
     @classmethod
     def _json(cls, value: Any) -> Any:
         """A JSON string, as on vLLM's command line, is its object."""
@@ -77,6 +82,8 @@ class Settings(BaseModel):
     gpu_memory_gib: float | None
     tensor_parallel_size: int
     pipeline_parallel_size: int
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     dtype: str
     quantization: str
     kv_cache_dtype: str

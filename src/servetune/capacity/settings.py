@@ -169,6 +169,8 @@ def engine_settings(
         gpu_memory_gib=hardware.memory_gib,
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
+        data_parallel_size=args.data_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel and arch.is_moe,
         dtype=_resolve_dtype(arch, args, quant),
         quantization=quant.label,
         kv_cache_dtype=args.kv_cache_dtype,

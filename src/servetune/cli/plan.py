@@ -91,6 +91,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor parallel size (default 1)")
     p.add_argument("--pp", type=int, default=1, metavar="N", help="pipeline parallel size (default 1)")
     p.add_argument(
+        "--dp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="data parallel size (default 1): an MoE model's experts shard over TP x DP ranks, the rest over TP",
+    )
+    p.add_argument(
+        "--enable-expert-parallel",
+        action="store_true",
+        help="MoE models: whole experts per rank, ceil(experts / (TP x DP)) each (vLLM's expert parallelism)",
+    )
+    p.add_argument(
+        "--hf-overrides",
+        metavar="JSON",
+        help='merged into the model\'s config.json as vLLM merges it, e.g. \'{"rope_scaling":{"rope_type":"yarn",'
+        '"factor":4.0,"original_max_position_embeddings":32768}}\' (a local directory or cached config)',
+    )
+    p.add_argument(
         "--dtype",
         default="auto",
         choices=("auto", "half", "float16", "bfloat16", "float", "float32"),
@@ -195,7 +213,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _check_flags(args: argparse.Namespace) -> None:
-    for flag in ("tp", "pp", "max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "request_tokens"):
+    for flag in (
+        "tp",
+        "pp",
+        "dp",
+        "max_model_len",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "block_size",
+        "request_tokens",
+    ):
         value = getattr(args, flag)
         if value is not None and value < 1 and not (flag == "max_model_len" and value == -1):
             raise UserError(f"--{flag.replace('_', '-')} {value}: must be >= 1")
@@ -311,6 +338,8 @@ def _plan(args: argparse.Namespace, arch: ModelArch, hardware: Hardware) -> tupl
     engine_args = {
         "tensor_parallel_size": args.tp,
         "pipeline_parallel_size": args.pp,
+        "data_parallel_size": args.dp,
+        "enable_expert_parallel": args.enable_expert_parallel,
         "dtype": args.dtype,
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,
@@ -322,7 +351,7 @@ def _plan(args: argparse.Namespace, arch: ModelArch, hardware: Hardware) -> tupl
         "enforce_eager": args.enforce_eager,
         "enable_prefix_caching": args.enable_prefix_caching,
     }
-    for key in ("limit_mm_per_prompt", "mm_processor_kwargs"):
+    for key in ("limit_mm_per_prompt", "mm_processor_kwargs", "hf_overrides"):
         text = getattr(args, key)
         if text is not None:
             try:
