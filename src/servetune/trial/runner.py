@@ -201,7 +201,7 @@ def capacity_check(spec: TrialSpec, seen: dict[str, str] | None = None) -> Capac
     ``gpu_memory_gib``). Without ``hardware.gpu`` in the space the check sizes the GPU from that; with it, the
     space's GPU is used and a GPU of another kind is said in ``environment["hardware_note"]``."""
     from servetune.capacity import NotPlanned, gpu_hardware, load_model_arch, plan_capacity, resolve_hardware
-    from servetune.capacity.draft import load_draft
+    from servetune.capacity.draft import check_draft, load_draft
     from servetune.capacity.hardware import find_gpu
     from servetune.capacity.profile import profile_for_version
 
@@ -233,6 +233,7 @@ def capacity_check(spec: TrialSpec, seen: dict[str, str] | None = None) -> Capac
     except UserError as exc:  # unknown offline: vLLM may still fetch it, so no verdict
         return CapacityReport(fits=True, planned=False, reason=f"not planned: {exc}")
     try:
+        check_draft(arch, draft, spec.engine_args)  # a draft model of another vocabulary: vLLM refuses it
         profile = profile_for_version(trial_vllm_version(spec, seen), "the trial's vLLM version")
         plan = plan_capacity(arch, spec.engine_args, hardware, env=spec.env, profile=profile, draft=draft)
     except NotPlanned as exc:  # no verdict: the trial starts, and records what vLLM itself reports
