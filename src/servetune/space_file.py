@@ -18,6 +18,14 @@ from typing import Any
 
 from huggingface_hub import try_to_load_from_cache
 
+from servetune.capacity.vocab import (
+    DRAFT_MODEL,
+    checkpoint_tokens,
+    config_vocab_size,
+    read_tokenizer,
+    tokenizer_tokens,
+    vocab_problem,
+)
 from servetune.config import speculative
 from servetune.config.constraints import constraint_names
 from servetune.config.loading import load_yaml_model
@@ -37,7 +45,7 @@ from servetune.config.workload import Workload
 from servetune.engine.args import mm_limits, validate_engine_args
 from servetune.errors import UserError
 from servetune.models.names import is_hub_id
-from servetune.models.tiny import TINY_CONFIG
+from servetune.models.tiny import TINY_CONFIG, tiny_tokenizer_json
 from servetune.quality import lm_eval
 from servetune.quality.suites import load_suite
 from servetune.results import SPACE_FILE, space_bases
@@ -88,6 +96,7 @@ def load_space(path: str | Path, argspecs: dict | None = None, base_dir: Path | 
     _check_constraint_names(space, path)
     _check_gpus(space, path)
     _check_mtp(space, path, base)
+    _check_draft_vocab(space, path, base)
     if space.through_serve:
         _check_serve(space, path)
     else:
@@ -226,6 +235,47 @@ def _check_mtp(space: SearchSpace, path: Path, base: Path) -> None:
                 f"{path}: {field}: mtp needs a checkpoint with multi-token-prediction heads; {model}'s config declares "
                 f"none ({' or '.join(speculative.MTP_KEYS)})"
             )
+
+
+def _listed(space: SearchSpace, name: str) -> tuple[str, list[Any]]:
+    """The values a space gives ``name`` (listed in ``params``, else fixed in ``engine_args``) and that field."""
+    listed = space.params.get(name)
+    if isinstance(listed, list):
+        return f"params.{name}", listed
+    return f"engine_args.{name}", [space.engine_args.get(name)]
+
+
+def _check_draft_vocab(space: SearchSpace, path: Path, base: Path) -> None:
+    """A draft model must share its target's vocabulary (``capacity/vocab.py``: vLLM refuses another
+    ``vocab_size``; another tokenizer of the same size drafts text the target rejects). Read where both are at
+    hand (``tiny``, local directories, the local Hugging Face cache), unless every choice maps the vocabularies
+    (``speculative.use_heterogeneous_vocab: true``)."""
+    if DRAFT_MODEL not in _listed(space, speculative.METHOD)[1]:
+        return
+    if not any(v is None or v is False for v in _listed(space, speculative.PREFIX + "use_heterogeneous_vocab")[1]):
+        return
+    field, drafts = _listed(space, speculative.PREFIX + "model")
+    models = space.params.get(MODEL_PARAM)
+    for model in models if isinstance(models, list) else [space.model]:
+        target = _hf_config(str(model), base)
+        for draft in drafts:
+            found = _hf_config(str(draft), base) if draft is not None else None
+            if target is None or found is None:
+                continue
+            problem = vocab_problem(config_vocab_size(target), config_vocab_size(found),
+                                    _tokens(str(model), base), _tokens(str(draft), base))  # fmt: skip
+            if problem:
+                raise UserError(f"{path}: {field}: draft model {draft} for {model}: {problem}")
+
+
+def _tokens(model: str, base_dir: Path) -> dict[int, str] | None:
+    """A checkpoint's tokenizer tokens where they are at hand (``capacity/vocab.py``; ``tiny``'s as it is built)."""
+    if model == "tiny":
+        return tokenizer_tokens(tiny_tokenizer_json())
+    for directory in (Path(model).expanduser(), base_dir / model):  # where _hf_config reads the config
+        if (directory / "config.json").is_file():
+            return read_tokenizer(directory)
+    return checkpoint_tokens(model)
 
 
 def _check_gpus(space: SearchSpace, path: Path) -> None:

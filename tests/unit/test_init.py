@@ -8,7 +8,7 @@ import yaml
 
 from servetune.capacity import load_model_arch, plan_capacity, resolve_hardware
 from servetune.config.scenarios import SCENARIOS, render_space
-from servetune.config.workload import load_workload
+from servetune.config.workload import load_workload, mean_lengths
 from servetune.errors import UserError
 from servetune.space_file import load_space
 
@@ -90,6 +90,31 @@ def test_the_agent_scenario_searches_the_structured_outputs_backend_and_others_d
     for name in set(SCENARIOS) - {"agent"}:
         other = yaml.safe_load(render_space("meta-llama/Llama-3.1-8B-Instruct", name, "L40S", 4))
         assert not any(p.startswith("structured_outputs_config") for p in other["params"]), name
+
+
+def test_speculation_is_searched_where_the_guide_says_it_pays_and_nowhere_else(tmp_path):
+    for name, scenario in SCENARIOS.items():
+        text = render_space("meta-llama/Llama-3.1-8B-Instruct", name, "L40S", 4)
+        data = yaml.safe_load(text)
+        mean_in, mean_out = mean_lengths(load_workload(scenario.workload))
+        # Decode-heavy (decode steps, not prompts, take a request's time) at low to mid concurrency.
+        pays = mean_in <= 4 * mean_out and scenario.seqs[1] <= 64
+        searched = {p: v for p, v in data["params"].items() if p.startswith("speculative.")}
+        if not pays:
+            assert not searched, name
+            continue
+        assert searched["speculative.method"] == ["none", "ngram"], name
+        counts = searched["speculative.num_speculative_tokens"]
+        assert 3 in counts and len(counts) >= 2, name  # the guide's example, and more to see where it stops paying
+        assert data["quality"]["reference"]["speculative.method"] == "none"  # lossless against no speculation
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(text)
+        space = load_space(path)
+        point = {**space.quality_reference, "speculative.method": "ngram", "speculative.num_speculative_tokens": 3}
+        engine, _ = space.engine_params(point)
+        assert engine["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}
+        assert "speculative_config" not in space.engine_params(space.quality_reference)[0]
+    assert {n for n, s in SCENARIOS.items() if s.speculative_tokens} == {"chat", "agent"}
 
 
 def test_init_writes_a_floor_given_by_slo_and_the_agent_space_loads_with_it(tmp_path):

@@ -44,6 +44,7 @@ from servetune.capacity.params import (
     weight_bytes_per_rank,
 )
 from servetune.capacity.schema import NotPlanned
+from servetune.capacity.vocab import draft_vocab_problem
 from servetune.errors import UserError
 
 #: Methods that draft from the text itself: no weights, no KV.
@@ -82,6 +83,17 @@ def load_draft(engine_args: Mapping[str, Any]) -> ModelArch | None:
         return load_model_arch(str(config["model"]))
     except UserError as exc:
         raise UserError(f"speculative draft model: {exc}") from None
+
+
+def check_draft(target: ModelArch, draft: ModelArch | None, engine_args: Mapping[str, Any]) -> None:
+    """Raise :class:`UserError` where ``draft`` cannot draft for ``target``: a draft model of another vocabulary
+    or tokenizer (``capacity/vocab.py``; vLLM refuses the one, and the other accepts almost nothing)."""
+    config = speculative_config(engine_args)
+    if config is None or draft is None:
+        return
+    problem = draft_vocab_problem(target, draft, config)
+    if problem:
+        raise UserError(f"speculative_config model {config.get('model')}: {problem}")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from servetune.capacity import (
     plan_capacity,
     resolve_hardware,
 )
-from servetune.capacity.draft import load_draft
+from servetune.capacity.draft import check_draft, load_draft
 from servetune.capacity.encoder import image_tokens
 from servetune.capacity.hardware import CPU_FLAGS, Hardware, parse_cpu_flags
 from servetune.capacity.profile import PROFILES, EngineProfile, profile_for_version
@@ -366,6 +366,7 @@ def _plan(args: argparse.Namespace, arch: ModelArch, hardware: Hardware) -> tupl
     if args.speculative_config is not None:
         engine_args["speculative_config"] = args.speculative_config
         draft = load_draft(engine_args)
+        check_draft(arch, draft, engine_args)
     env = {key: os.environ[key] for key in ("VLLM_ALLOW_LONG_MAX_MODEL_LEN",) if key in os.environ}
     if args.device == "cpu":
         env["VLLM_CPU_KVCACHE_SPACE"] = str(int(args.cpu_kvcache_space_gib))

@@ -21,8 +21,11 @@ import yaml
 from servetune.capacity import load_model_arch, plan_capacity, resolve_hardware
 from servetune.capacity.settings import resolve_quant, structural_problem
 from servetune.config.slo import Slo
+from servetune.config.speculative import METHOD, PREFIX
 from servetune.errors import UserError
 from servetune.metrics import LATENCY_METRICS
+
+NUM_TOKENS = PREFIX + "num_speculative_tokens"
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,9 @@ class Scenario:
     # Structured-outputs backends to compare (``structured_outputs_config.backend``) where the workload asks for
     # structured output: each constrains decoding at its own cost per token.
     structured_backends: tuple[str, ...] = ()
+    # ``speculative.num_speculative_tokens`` values for n-gram speculation against none, where the deployment guide
+    # says speculation pays: decode-heavy traffic at low to mid concurrency (empty: not searched).
+    speculative_tokens: tuple[int, ...] = ()
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -50,7 +56,8 @@ SCENARIOS: dict[str, Scenario] = {
                  "online chat, latency first: BF16; the smallest TP that holds the model; context 8K-16K; memory "
                  "0.88-0.92; max_num_seqs 16-64; batched tokens 2048-8192; chunked prefill, prefix cache, CUDA graphs on",
                  (8192, 16384), (0.88, 0.90, 0.92), (16, 64), (2048, 8192),
-                 "ttft_ms.p95=800,ttft_ms.p99=2000,tpot_ms.p95=40,error_rate=0.001", ("goodput", "max")),
+                 "ttft_ms.p95=800,ttft_ms.p99=2000,tpot_ms.p95=40,error_rate=0.001", ("goodput", "max"),
+                 speculative_tokens=(3, 5)),
         Scenario("rag", "retrieval-augmented QA: long prompts behind a shared template", "rag",
                  "RAG: context 16K-32K; input limited by the assembled prompt's P99; output 512-2048; prefix cache and "
                  "chunked prefill on; batched tokens 4096-16384",
@@ -76,7 +83,7 @@ SCENARIOS: dict[str, Scenario] = {
                  "16-64; batched tokens 4096-16384; prefix cache (the conversation so far) and chunked prefill on",
                  (16384, 32768), (0.88, 0.90, 0.92), (16, 64), (4096, 16384),
                  "ttft_ms.p95=1500,ttft_ms.p99=3000,tpot_ms.p95=50,error_rate=0.001", ("goodput", "max"),
-                 structured_backends=("xgrammar", "guidance")),
+                 structured_backends=("xgrammar", "guidance"), speculative_tokens=(3, 5)),
     )
 }  # fmt: skip
 
@@ -241,6 +248,13 @@ def render_space(model: str, scenario_name: str, gpu: str | None, gpus: int, slo
             f"  structured_outputs_config.backend: {dump(list(scenario.structured_backends))}   # section 12: the "
             "workload's tool calls are JSON under a schema; each backend constrains decoding at its own cost"
         )
+    if scenario.speculative_tokens:
+        lines += [
+            f"  {METHOD}: [none, ngram]   # the deployment guide: speculative decoding pays for decode-heavy traffic at "
+            "low to mid concurrency; n-gram drafts from the prompt and the answer so far (no draft weights, no KV)",
+            f"  {NUM_TOKENS}: {dump(list(scenario.speculative_tokens))}   # the guide's example drafts 3; "
+            "too many lower the real speed, so one count above it",
+        ]
     lines += [
         "constraints:",
         "  - tensor_parallel_size * data_parallel_size <= devices_per_node",
@@ -259,16 +273,30 @@ def render_space(model: str, scenario_name: str, gpu: str | None, gpus: int, slo
     ]
     if picks["tensor_parallel_size"].values[0] > 1:
         lines.append("  baseline: false               # vLLM's default TP 1 cannot hold the model")
-    if scenario.fp8_kv:
+    if scenario.fp8_kv or scenario.speculative_tokens:
         reference = {"tensor_parallel_size": picks["tensor_parallel_size"].values[0],
                      "max_model_len": picks["max_model_len"].values[0],
                      "gpu_memory_utilization": picks["gpu_memory_utilization"].values[0],
-                     "max_num_seqs": scenario.seqs[0], "max_num_batched_tokens": scenario.batched[0], "kv_cache_dtype": "auto"}  # fmt: skip
+                     "max_num_seqs": scenario.seqs[0], "max_num_batched_tokens": scenario.batched[0]}  # fmt: skip
+        if scenario.fp8_kv:
+            reference["kv_cache_dtype"] = "auto"
+        if scenario.structured_backends:
+            reference["structured_outputs_config.backend"] = scenario.structured_backends[0]
+        if scenario.speculative_tokens:
+            reference.update({METHOD: "none", NUM_TOKENS: scenario.speculative_tokens[0]})
+    if scenario.fp8_kv:
         lines += [
             "# Section 4: an FP8 KV cache must be checked for long-context recall and structured output.",
             "quality:",
             "  suites: [agreement, recall, json, arithmetic]",
             f"  reference: {dump(reference)}   # BF16 KV, the smallest configuration",
             "  max_drop: {agreement: null, nll_delta: 0.1, recall: 0.02, json: 0.02, arithmetic: 0.02}",
+        ]
+    elif scenario.speculative_tokens:
+        lines += [
+            "# Speculative decoding is lossless: each speculative trial's greedy answers are compared with the reference's.",
+            "quality:",
+            "  suites: [agreement]",
+            f"  reference: {dump(reference)}   # no speculation, the smallest configuration",
         ]
     return "\n".join(lines) + "\n"

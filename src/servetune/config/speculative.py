@@ -41,6 +41,7 @@ FIELDS: dict[str, str] = {
     "suffix_decoding_max_spec_factor": "fraction",
     "suffix_decoding_min_token_prob": "fraction",
     "draft_sample_method": "text",
+    "use_heterogeneous_vocab": "switch",
 }
 
 

@@ -70,6 +70,11 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
+def tiny_tokenizer_json() -> str:
+    """The tiny model's ``tokenizer.json`` text, as :func:`build_tiny_model` writes it."""
+    return _tokenizer_json()
+
+
 def _tokenizer_json() -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 

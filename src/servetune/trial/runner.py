@@ -204,7 +204,7 @@ def capacity_check(spec: TrialSpec, seen: dict[str, str] | None = None) -> Capac
     (``gpu_mig``) is sized by its own memory either way, unless the space gives ``hardware.gpu_memory_gib``."""
     from servetune.capacity import NotPlanned, gpu_hardware, load_model_arch, plan_capacity, resolve_hardware
     from servetune.capacity.cpubuild import cpu_kv_cache_problem, quantized_kv_cache
-    from servetune.capacity.draft import load_draft
+    from servetune.capacity.draft import check_draft, load_draft
     from servetune.capacity.hardware import find_gpu
     from servetune.capacity.profile import profile_for_version
 
@@ -244,6 +244,7 @@ def capacity_check(spec: TrialSpec, seen: dict[str, str] | None = None) -> Capac
     except UserError as exc:  # unknown offline: vLLM may still fetch it, so no verdict
         return CapacityReport(fits=True, planned=False, reason=f"not planned: {exc}")
     try:
+        check_draft(arch, draft, spec.engine_args)  # a draft model of another vocabulary: vLLM refuses it
         plan = plan_capacity(arch, spec.engine_args, hardware, env=spec.env, profile=profile, draft=draft)
     except NotPlanned as exc:  # no verdict: the trial starts, and records what vLLM itself reports
         return CapacityReport(fits=True, planned=False, reason=f"not planned: {exc}")
