@@ -141,3 +141,30 @@ def test_the_reason_compares_the_other_types_on_the_measure_the_choice_was_made_
             chosen = rows[section.choice]
             assert chosen.fleet_usd_per_hour <= other.fleet_usd_per_hour
             assert f"{other.gpu} {other.replicas} x 1 GPU ${other.fleet_usd_per_hour:,.2f}/h" in section.why
+
+
+def test_estimated_rows_draw_the_measured_gpus_share_of_its_power_limit_on_their_own(tmp_path):
+    from servetune.capacity.hardware import find_gpu
+
+    loaded = study(tmp_path)
+    bare = build_report(loaded).which_gpu
+    assert all(r.joules_per_token is None for r in bare.rows if r.estimated)
+    assert "energy not estimated: none measured on" in " ".join(r.note for r in bare.rows if r.estimated)
+    # Every measured level drew half its GPU's board limit: J/token = 0.5 x limit / output tokens a second.
+    for t in loaded.trials:
+        limit = find_gpu(t.params["gpu"]).perf.tdp_w
+        for lv in t.levels:
+            lv.telemetry = {
+                "gpu_energy_measured_j": 0.5 * limit * lv.summary.total_output_tokens / lv.summary.output_throughput
+            }
+    section = build_report(loaded).which_gpu
+    choice = next(r for r in section.rows if r.gpu == section.choice)
+    measured = next(t for t in loaded.trials if t.trial_id == choice.trial_id).levels[choice.level_index].summary
+    assert choice.joules_per_token == pytest.approx(0.5 * find_gpu(choice.gpu).perf.tdp_w / measured.output_throughput)
+    estimated = [r for r in section.rows if r.estimated and r.cost_per_mtok is not None]
+    assert estimated
+    for row in estimated:
+        out = row.usd_per_device_hour * row.devices * 1e6 / (row.cost_per_mtok * 3600)  # its estimated output tok/s
+        assert row.joules_per_token == pytest.approx(0.5 * find_gpu(row.gpu).perf.tdp_w * row.devices / out)
+        assert f"({0.5:.0%} of its board power limit)" in row.note
+    assert "J/token" in render_markdown(build_report(loaded))

@@ -36,6 +36,7 @@ class GpuPerf(BaseModel):
     hbm_gbps: float = Field(gt=0, description="memory bandwidth, GB/s")
     link: Literal["nvlink", "pcie"]
     link_gbps: float = Field(gt=0, description="GPU-to-GPU bandwidth per direction, GB/s")
+    tdp_w: float | None = Field(None, gt=0, description="the board's power limit (datasheet max TDP), W")
     source: str
 
 

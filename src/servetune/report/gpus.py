@@ -19,6 +19,10 @@ The rule, stated once:
   the measured level's (Load.measured), and where the study's workload sends images each estimate, the measured
   type's included, encodes them in the vision tower as every estimate of the workload does (estimate/encoder.py
   ``workload_images``): the rows say so, with the tower's time a request on each GPU, or say why it is left out.
+- Estimated energy per token: the measured type's power draw at that point (its measured J/token x output
+  tokens/s, per device) as a share of its board power limit (the catalogue's ``tdp_w``), drawn at the same share of
+  each estimated GPU's limit over that GPU's estimated output tokens/s. None where the measured point has no energy
+  (no NVML counter) or either GPU no ``tdp_w``; the note says which.
 
 Pure: no I/O beyond the catalogues (the study's workload comes read: report/study.py); the renderers draw
 :class:`WhichGpu`.
@@ -246,6 +250,7 @@ def _estimated_rows(
     scale_out = measured_out / reference.output_throughput
     scale_rate = measured_rate / reference.request_throughput if reference.request_throughput else scale_out
     error = factors.held_out_error.get(OUTPUT_THROUGHPUT)
+    power_share, powered = _power_share(at, measured_out, trial.devices, measured_name)
     calibrated = (
         f"{measured_name}'s best configuration at its capacity load, estimated on each GPU (servetune estimate's "
         f"model) and calibrated on {measured_name} (measured / estimated output throughput {scale_out:.2f}); the SLO "
@@ -253,14 +258,34 @@ def _estimated_rows(
     )
     encoded = images.note(flops, arch.name, bool(summary.images_sent))
     calibrated += f"; {encoded}" if encoded else ""
+    calibrated += f"; {powered}"
     rows = []
     taken = {find_gpu(g).name for g in measured if _known(g)}
     for name, price in prices.items():
         if name in taken or not _known(name):
             continue
         rows.append(_estimated_row(name, price, arch, trial, load, factors, (scale_out, scale_rate), choice, target_rps,
-                                   error.median if error else None, calibrated))  # fmt: skip
+                                   error.median if error else None, calibrated, power_share))  # fmt: skip
     return [r for r in rows if r is not None]
+
+
+def _tdp_w(name: str) -> float | None:
+    from servetune.capacity.hardware import find_gpu
+
+    perf = find_gpu(name).perf
+    return perf.tdp_w if perf is not None else None
+
+
+def _power_share(at: ReportPoint, output_tps: float, devices: int, gpu: str) -> tuple[float | None, str]:
+    """The measured point's power draw per device as a share of its GPU's board limit, and the note's words."""
+    joules, tdp = at.value(ENERGY_PER_TOKEN), _tdp_w(gpu)
+    if joules is None:
+        return None, f"energy not estimated: none measured on {gpu} at that point to scale (no NVML energy counter)"
+    if tdp is None:
+        return None, f"energy not estimated: the catalogue has no power limit (tdp_w) for {gpu}"
+    watts = joules * output_tps / max(devices, 1)
+    return watts / tdp, (f"energy estimated from {gpu}'s measured draw there, {watts:.0f} W a GPU ({watts / tdp:.0%} "
+                         "of its board power limit), at the same share of each GPU's limit")  # fmt: skip
 
 
 def _known(name: str) -> bool:
@@ -275,7 +300,7 @@ def _known(name: str) -> bool:
 
 def _estimated_row(name: str, price: Price, arch: ModelArch, trial: TrialResult, load: Load, factors: Factors,
                    scales: tuple[float, float], choice: GpuRow, target_rps: float | None, error: float | None,
-                   calibrated: str) -> GpuRow | None:  # fmt: skip
+                   calibrated: str, power_share: float | None) -> GpuRow | None:  # fmt: skip
     from servetune.capacity import resolve_hardware
     from servetune.estimate import estimate
 
@@ -292,8 +317,10 @@ def _estimated_row(name: str, price: Price, arch: ModelArch, trial: TrialResult,
     cost = price.usd_per_device_hour * trial.devices / (out * 3600) * 1e6
     replicas = _replicas(target_rps, rate)
     fleet = replicas * trial.devices * price.usd_per_device_hour if replicas is not None else None
+    tdp = _tdp_w(name)
+    joules = power_share * tdp * trial.devices / out if power_share is not None and tdp is not None else None
     return replace(base, request_rate=rate, cost_per_mtok=cost, replicas=replicas, fleet_usd_per_hour=fleet,
-                   note=calibrated, encoder_ms=est.encoder_ms)  # fmt: skip
+                   note=calibrated, encoder_ms=est.encoder_ms, joules_per_token=joules)  # fmt: skip
 
 
 def _why(choice: GpuRow | None, rows: Sequence[GpuRow], target_rps: float | None) -> str:
