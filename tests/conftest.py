@@ -18,6 +18,7 @@ from servetune.engine.cores import LOCK_DIR_ENV
 from servetune.engine.server import free_port
 from servetune.models.tiny import build_tiny_model
 from servetune.testing.fake_openai import FakeOpenAI, write_fake_python
+from tests import ray_token_guard
 from tests.tiers import Tiers
 
 
@@ -55,10 +56,12 @@ def pytest_configure(config: pytest.Config) -> None:
     """A SIGTERM (CI's timeout, a user's kill) stops the session: the running test's ``finally`` blocks and every
     fixture teardown run, so the Ray clusters, engines and drivers it started are stopped by process group, not
     left behind (Python's default for SIGTERM exits at once, running none of them). ``pytest.exit`` rather than
-    KeyboardInterrupt, which servetune's CLI catches when a test calls it in-process."""
+    KeyboardInterrupt, which servetune's CLI catches when a test calls it in-process. A session that leaves
+    ``~/.ray/auth_token`` behind fails (tests/ray_token_guard.py)."""
     _stop_on_sigterm()
     atexit.register(_exit_with_the_verdict)
     config.pluginmanager.register(Tiers(), "servetune-tiers")
+    ray_token_guard.register(config)  # in the controller (or the only process): it spans every worker's tests
     _cores_of_this_worker()
 
 

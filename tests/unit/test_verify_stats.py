@@ -172,3 +172,60 @@ def test_budget_is_short_on_cpu_and_full_on_gpus():
 
 def test_verify_json_has_no_nan():
     assert finite({"a": [float("nan"), 1.0, {"b": float("inf")}]}) == {"a": [None, 1.0, {"b": None}]}
+
+
+def test_a_window_that_sent_nothing_says_whether_requests_were_in_flight_across_it():
+    # One client: a request sent at 2.0 s that ends at 4.5 s is in flight across the window of 3-4 s, which sends
+    # nothing. Later the client pauses: nothing in flight from 4.7 s to its next send at 7.0 s.
+    records = [request(i, 0.5 * i, 0.05) for i in range(5)]  # sent 0.0 .. 2.0 s, each over 80 ms later
+    records[-1].end = 4.5
+    records += [request(5, 4.6, 0.05), request(6, 7.0, 0.05), request(7, 7.4, 0.05), request(8, 8.0, 0.05)]
+    ws = windows(records, 8, {"concurrency": 1})  # 1 s each from 0.0 s
+    assert [w.requests for w in ws] == [2, 2, 1, 0, 1, 0, 0, 3] and sum(w.requests for w in ws) == len(records)
+    assert [w.in_flight for w in ws] == [0, 0, 0, 1, 0, 0, 0, 0]  # the long request; then the pause holds none
+    assert ws[3].as_dict()["in_flight"] == 1
+    # warm-up requests are load too: one in flight across the first two windows (1-2 s, 2-3 s) counts there
+    warm = [request(0, 0.0, 0.05, warmup=True)] + [request(1 + i, 1.0 + i, 0.05) for i in range(4)]
+    warm[0].end = 3.5
+    assert [w.in_flight for w in windows(warm, 3, {"concurrency": 1})] == [1, 1, 0]  # it ends at 3.5 s
+
+
+def test_the_burst_reports_the_gaps_cv_it_scheduled_beside_the_one_it_sent(monkeypatch):
+    """A client on a busy host that cannot send twice within 20 ms smooths the gaps it sends; the schedule it was
+    asked for keeps the gamma process's burstiness."""
+    import asyncio
+
+    from servetune.load.runner import arrival_gaps
+    from servetune.verify import scenarios
+    from servetune.verify.scenarios import BURST_CV, Target, burst
+    from tests.builders import level
+
+    asked: list = []
+
+    async def fake_level(client, url, workload, prompts, plan, *, stream, **_):
+        asked.append(plan)
+        gaps = arrival_gaps(plan.level, np.random.default_rng(stream))
+        due = np.cumsum([next(gaps) for _ in range(400)])
+        records, last = [], -1.0
+        for i, at in enumerate(due):
+            last = max(float(at), last + 0.02)
+            records.append(RequestRecord(index=i, sent=last, input_tokens=1, max_tokens=1, scheduled=float(at)))
+        return level(6, 100.0, 200.0), records
+
+    monkeypatch.setattr(scenarios, "measure_level", fake_level)
+    t = Target(client=None, url="", workload=None, prompts=None, slo=Slo(), level=Level("concurrency", 6.0),  # type: ignore[arg-type]
+               budget=Budget.for_device("cpu", 6.0), max_model_len=0, measured_rate=20.0)  # fmt: skip
+    result = asyncio.run(burst(t))
+    plan = asked[0]
+    assert (plan.level.kind, plan.level.value, plan.level.process) == ("rate", 20.0, "gamma")
+    assert plan.level.burstiness == pytest.approx(1 / BURST_CV**2) and plan.warmup_requests == 0
+    n = result.numbers
+    scheduled = np.diff([r.scheduled for r in t.records])
+    sent = np.diff([r.sent for r in t.records])
+    assert n["scheduled_cv"] == pytest.approx(scheduled.std() / scheduled.mean())
+    assert n["measured_cv"] == pytest.approx(sent.std() / sent.mean()) and n["measured_cv"] < n["scheduled_cv"]
+    assert n["scheduled_cv"] > 2.0 and n["target_cv"] == BURST_CV  # what was asked: far burstier than Poisson
+    assert f"{n['scheduled_cv']:.3g} asked, {n['measured_cv']:.3g} sent" in result.reason
+    # a closed loop's records have no schedule: none to report
+    bare = [RequestRecord(index=i, sent=0.1 * i, input_tokens=1, max_tokens=1) for i in range(10)]
+    assert gap_cv(bare, scheduled=True) is None and gap_cv(bare) == pytest.approx(0.0, abs=1e-9)

@@ -19,7 +19,10 @@ from servetune.summary import summarize
 
 @dataclass(frozen=True)
 class Window:
-    """One slice of a soak, by send time: its requests' P99 TTFT and TPOT (ms)."""
+    """One slice of a soak, by send time: its requests' P99 TTFT and TPOT (ms), and the requests (warm-up ones too)
+    in flight across the whole slice, sent before it and not ended before its end. A window of a closed loop sends
+    nothing only while every client waits on a request (a slow server, or a host that stalled the client): then
+    some are in flight across it; none sent and none in flight is a pause in the load."""
 
     index: int
     start_s: float
@@ -27,6 +30,7 @@ class Window:
     requests: int
     ttft_ms_p99: float | None
     tpot_ms_p99: float | None
+    in_flight: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -45,7 +49,8 @@ def windows(records: Sequence[RequestRecord], count: int, level: dict[str, float
         lo, hi = start + index * width, start + (index + 1) * width
         inside = [r for r in measured if lo <= r.sent < hi or (index == count - 1 and r.sent == hi)]
         summary = summarize(inside, level)
-        out.append(Window(index, lo, hi, len(inside), summary.ttft_ms.p99, summary.tpot_ms.p99))
+        across = sum(r.sent < lo and (r.end is None or r.end >= hi) for r in records)
+        out.append(Window(index, lo, hi, len(inside), summary.ttft_ms.p99, summary.tpot_ms.p99, across))
     return out
 
 
