@@ -58,7 +58,7 @@ def test_needs_count_each_replicas_devices_its_actor_and_the_ingress():
     cpu = point({"tensor_parallel_size": 2})
     need = needs(cpu, llm_config(cpu, 1), 2)
     assert (need.devices, need.cpus, need.resources()) == (4, 7.0, {"CPU": 7.0})  # 2 x (2 ranks + actor) + ingress
-    with pytest.raises(UserError, match=r"--replicas 2: 2 replicas of 2 CPU cores \(TP x PP\) need 4 CPU cores; "
+    with pytest.raises(UserError, match=r"--replicas 2: 2 replicas of 2 CPU cores \(TP x PP x PCP\) need 4 CPU cores; "
                                         r"this machine has 2: nothing was deployed"):  # fmt: skip
         check_fits(need, 2, 16, "this machine")
     with pytest.raises(UserError, match="need 7 Ray CPUs; the cluster has 5"):
@@ -178,7 +178,7 @@ def test_cli_refuses_too_many_replicas_before_starting_ray(tmp_path, capsys):
     study = tiny_study(tmp_path / "s")
     assert main(["serve-check", str(study), "--pick", "t1", "--replicas", "1,4096"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "4096 replicas of 1 CPU core (TP x PP) need 4096 CPU cores" in err[0]
+    assert len(err) == 1 and "4096 replicas of 1 CPU core (TP x PP x PCP) need 4096 CPU cores" in err[0]
     assert "nothing was deployed" in err[0]
     assert not (study / "serve-check.json").exists()
 
@@ -251,7 +251,7 @@ def test_cli_ramp_refusals_come_before_ray_starts(tmp_path, capsys, monkeypatch)
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("servetune serve-check: error: --ramp (scaling up to 3 replicas; ")
-    assert "3 replicas of 1 CPU core (TP x PP) need 3 CPU cores" in err[0]  # the peak 3x the knee: 3 replicas
+    assert "3 replicas of 1 CPU core (TP x PP x PCP) need 3 CPU cores" in err[0]  # the peak 3x the knee: 3 replicas
     assert main(["serve-check", str(study), "--pick", "t1", "--ramp", "--delay-scale", "2"]) == 2
     assert "--delay-scale a factor in (0, 1]" in capsys.readouterr().err
     assert main(["serve-check", str(study), "--pick", "t1", "--replicas", "1", "--ramp",

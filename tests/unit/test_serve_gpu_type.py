@@ -189,7 +189,7 @@ def test_serve_check_on_a_cluster_without_the_measured_type_is_one_line_and_depl
 
 @pytest.mark.parametrize("argv, nodes, running, refused", [
     (["--replicas", "4"], [HEAD, H100, A100], {},  # 4 GPUs, where the H100 nodes have 2
-     "--replicas 4: 4 replicas of 1 GPU (TP x PP) need 4 GPUs; the Ray cluster at auto (its H100 nodes) has 2: "
+     "--replicas 4: 4 replicas of 1 GPU (TP x PP x PCP) need 4 GPUs; the Ray cluster at auto (its H100 nodes) has 2: "
      "nothing was deployed"),
     (["--replicas", "1"], [HEAD, H100], {"servetune-serve-check": "RUNNING"},  # someone's application of the name
      "a Serve application named servetune-serve-check is already running (RUNNING): pass --replace to replace it, or "

@@ -23,10 +23,10 @@ from servetune.serve.layouts import (
     Layout,
     LayoutResult,
     LayoutRun,
+    beside_tp,
     layout_point,
     layout_run,
     layout_verdict,
-    point_pp,
 )
 from servetune.serve.plan import Needs, autoscaled_llm_config, check_fits, llm_config, needs
 from servetune.serve.ramp import RampResult
@@ -339,7 +339,7 @@ def compare_layouts(
     deployed fresh (:class:`Deployer`), so no layout inherits a warm cache. A layout whose deployment
     fails is recorded with Serve's message and its replicas' log tail, and the next one is deployed."""
     point = picked.point
-    pp = point_pp(point)
+    beside = beside_tp(point)  # PP x PCP, in every layout's devices
     configs = {layout: llm_config(layout_point(point, layout, spec.cores), layout.replicas,
                                   accelerator_type=picked.gpu_type) for layout in spec.layouts}  # fmt: skip
     order = sorted(spec.layouts, key=lambda layout: engine_version(configs[layout]) != deployer.running)
@@ -358,12 +358,12 @@ def compare_layouts(
             deployed = deployer.deploy(configs[layout])
         except EngineStartError as exc:  # a layout that does not deploy is data: the others are still compared
             deployer.teardown.pids.update(cluster.replica_pids(name))
-            runs.append(layout_run(layout, pp, None, picked.space.price_per_device_hour, error=str(exc)))
+            runs.append(layout_run(layout, beside, None, picked.space.price_per_device_hour, error=str(exc)))
         else:
             before = cluster.requests_per_replica(name)
             measured = spec.measure(cluster.url, served, layout)
             after = cluster.requests_per_replica(name)
-            runs.append(layout_run(layout, pp, measured, picked.space.price_per_device_hour, ready_s=deployed.ready_s,
+            runs.append(layout_run(layout, beside, measured, picked.space.price_per_device_hour, ready_s=deployed.ready_s,
                                    engines_reused=bool(deployed.reused), requests_per_replica=served_between(before, after)))  # fmt: skip
         if len(runs) < len(order):
             so_far(result(final=False))
