@@ -15,7 +15,9 @@ from servetune.report import ReportPoint
 from servetune.serve.check import Teardown, refuse_running, run_check
 from servetune.serve.plan import check_fits, llm_config, needs, parse_replicas
 from servetune.serve.result import ReplicaRun, scaling_rows
+from servetune.serve.routing import router_config
 from servetune.serve.study import read_picked
+from servetune.serve.versions import ingress_version
 from tests.builders import level, study_info, trial, write_study
 
 
@@ -80,7 +82,9 @@ def test_scaling_rows_set_each_level_against_the_bare_engine_and_one_replica():
 class FakeCluster:
     """Ray and Serve as run_check sees them; ``fail`` makes the deployment fail as Serve reports it. Its LLM
     replicas behave as Serve's do: deployed again with the pinned version running, the engines are kept (as
-    many as the new count, more added); any other deploy, or every deploy with ``restarts``, starts new ones."""
+    many as the new count, more added); any other deploy, or every deploy with ``restarts``, starts new ones. So
+    does its ingress: pinned (``keep_ingress``, serve/versions.py's version of its model and router) to the version
+    running, Serve keeps its replica; unpinned, or another version, a new one starts (``ingresses`` counts them)."""
 
     url = "http://127.0.0.1:1"
 
@@ -93,6 +97,9 @@ class FakeCluster:
         self.version: str | None = None
         self.engines: list[str] = []
         self.started = 0  # engines started, in all
+        self.ingress: str | None = None  # the running ingress's version (None: unpinned, or none running)
+        self.ingresses = 0  # ingress replicas started, in all
+        self.ingress_kept: list[bool] = []  # per deploy: whether the running ingress replica was kept
 
     def available(self):
         return {"CPU": 8.0}
@@ -103,11 +110,17 @@ class FakeCluster:
     def applications(self):
         return dict(self.running)
 
-    def deploy(self, name, config, timeout_s, engine_version=None):
+    def deploy(self, name, config, timeout_s, engine_version=None, keep_ingress=False):
         if self.fail:
             raise EngineStartError(f"the Serve deployment of {name} failed: boom", "last log line")
-        count = config["deployment_config"]["autoscaling_config"]["min_replicas"]
+        count = (config["deployment_config"].get("autoscaling_config") or {}).get("min_replicas") or 1
         self.deployed.append(count)
+        cards = {"model_cards": {config["model_loading_config"]["model_id"]: {}}}
+        ingress = ingress_version("OpenAiIngress", cards, router_config(config)) if keep_ingress else None
+        kept_ingress = ingress is not None and ingress == self.ingress and name in self.running
+        self.ingress_kept.append(kept_ingress)
+        self.ingresses += not kept_ingress
+        self.ingress = ingress
         same = engine_version is not None and engine_version == self.version and name in self.running
         kept = self.engines[:count] if same and not self.restarts else []
         self.engines = kept + [f"actor{self.started + i}" for i in range(count - len(kept))]
@@ -118,7 +131,7 @@ class FakeCluster:
 
     def delete(self, name):
         if self.running.pop(name, None) is not None:
-            self.engines, self.version = [], None
+            self.engines, self.version, self.ingress = [], None, None
 
     def replica_pids(self, name):
         return [100 + n for n in self.deployed]

@@ -72,9 +72,9 @@ class RecordingCluster(FakeCluster):
         super().__init__()
         self.configs: list[dict[str, Any]] = []
 
-    def deploy(self, name, config, timeout_s, engine_version=None):
+    def deploy(self, name, config, timeout_s, engine_version=None, keep_ingress=False):
         self.configs.append(config)
-        return super().deploy(name, config, timeout_s, engine_version)
+        return super().deploy(name, config, timeout_s, engine_version, keep_ingress)
 
 
 def test_every_deployment_of_a_pinned_pick_carries_its_type_and_ray_serve_llm_asks_for_it_in_every_bundle(tmp_path):
@@ -151,9 +151,9 @@ def test_serve_check_pins_its_deployments_and_prefetch_to_the_measured_type(gpu_
     configs: list[dict[str, Any]] = []
     deploy = ServedCluster.deploy
 
-    def recording(self, name, config, timeout_s, engine_version=None):
+    def recording(self, name, config, timeout_s, engine_version=None, keep_ingress=False):
         configs.append(config)
-        return deploy(self, name, config, timeout_s, engine_version)
+        return deploy(self, name, config, timeout_s, engine_version, keep_ingress)
 
     monkeypatch.setattr(ServedCluster, "deploy", recording)
     monkeypatch.setattr(ServedCluster, "nodes", lambda self: [HEAD, A100, H100])

@@ -145,8 +145,8 @@ class LayoutCluster(FakeCluster):
         self.deleted = 0
         self.resets = 0
 
-    def deploy(self, name, config, timeout_s, engine_version=None):
-        super().deploy(name, config, timeout_s, engine_version)
+    def deploy(self, name, config, timeout_s, engine_version=None, keep_ingress=False):
+        super().deploy(name, config, timeout_s, engine_version, keep_ingress)
         self.versions.append(engine_version)
         self.tps.append(int(config["engine_kwargs"].get("tensor_parallel_size") or 1))
         return 1.0
@@ -301,10 +301,10 @@ def test_a_layout_that_fails_to_deploy_is_recorded_and_the_others_are_still_comp
     from servetune.report.serving import layout_notes, layout_row
 
     class TpFails(LayoutCluster):
-        def deploy(self, name, config, timeout_s, engine_version=None):
+        def deploy(self, name, config, timeout_s, engine_version=None, keep_ingress=False):
             if config["engine_kwargs"].get("tensor_parallel_size") == 2:
                 raise EngineStartError(f"the Serve deployment of {name} failed: ranks", "RuntimeError: no cores")
-            return super().deploy(name, config, timeout_s, engine_version)
+            return super().deploy(name, config, timeout_s, engine_version, keep_ingress)
 
     picked = read_picked(tiny_study(tmp_path / "s"), "t1")
     layouts = Layouts(layouts=[Layout(1, 2), Layout(2, 1), Layout(4, 1)], budget=2, level={"concurrency": 16.0},

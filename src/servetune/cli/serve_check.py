@@ -81,7 +81,9 @@ Engine starts are shared. Every step deploys the LLM deployment pinned to a vers
 configuration, so where the engine configuration stays the same (replica counts, the ramp, the
 routers, a layout of the picked TP) Serve keeps the engines already running, adds or stops replicas
 as the step says, and each kept engine's prefix cache is reset before it is measured (the ramp's
-autoscaling starts at its minimum: Serve stops any replica beyond it). Everything else is deployed
+autoscaling starts at its minimum: Serve stops any replica beyond it). Such a step with the router
+already routing keeps the ingress replica too (its version is what it is built from and the router);
+another router starts a new ingress, which is what routes with it. Everything else is deployed
 fresh, the application deleted first.
 
 Without --address a local Ray is started, declaring the CPUs the replicas and the ingress need,

@@ -37,6 +37,7 @@ from servetune.serve.routing import (
     RoutingResult,
     engine_version,
     routed_llm_config,
+    router_config,
     traffic_between,
     verdict,
 )
@@ -52,7 +53,10 @@ class Cluster(Protocol):
 
     def applications(self) -> dict[str, str]: ...
 
-    def deploy(self, name: str, llm_config: Mapping, timeout_s: float, engine_version: str | None = None) -> float: ...
+    def deploy(
+        self, name: str, llm_config: Mapping, timeout_s: float, engine_version: str | None = None, *,
+        keep_ingress: bool = False,
+    ) -> float: ...  # fmt: skip
 
     def delete(self, name: str) -> None: ...
 
@@ -182,11 +186,14 @@ def check_cluster_fits(cluster: Cluster, need: Needs, where: str, typed: tuple[s
 class Deployed:
     """One deployment: seconds until RUNNING, whether Serve kept the engines running before it (None: deployed
     fresh, the application deleted first; True: kept, prefix caches reset; False: meant to keep, Serve restarted
-    them), and the LLM replicas' actor ids."""
+    them), the LLM replicas' actor ids, and whether the ingress running before was kept (None: deployed fresh;
+    True: deployed in place with the same router, so its version is the running one's; False: in place with
+    another router, which only a new ingress routes with)."""
 
     ready_s: float
     reused: bool | None
     engines: list[str]
+    ingress_kept: bool | None = None
 
 
 class Deployer:
@@ -196,11 +203,17 @@ class Deployer:
     autoscaling or the router) and every kept engine's prefix cache is reset before it is measured, so nothing
     is measured on a warm cache. Any other configuration is deployed fresh, the application deleted first, so
     no rollout waits for the devices the previous one still holds. On GPUs each engine start is minutes of
-    device time; on the CPU stand-in it is most of a check's time."""
+    device time; on the CPU stand-in it is most of a check's time.
+
+    The ingress is pinned too (``keep_ingress``: the version of what it is built from and the router it routes
+    with, serve/versions.py ``pin_ingress``), so a configuration deployed in place with the router already
+    routing keeps the running ingress replica rather than waiting for a new one to start (seconds per step);
+    one with another router gets a new ingress, which is what routes with it."""
 
     def __init__(self, cluster: Cluster, name: str, timeout_s: float, teardown: Teardown) -> None:
         self.cluster, self.name, self.timeout_s, self.teardown = cluster, name, timeout_s, teardown
         self.running: str | None = None  # the engine version the application runs now
+        self.routed_by: object = None  # the request router config the running ingress routes with
 
     def deploy(self, config: Mapping) -> Deployed:
         """Deploy ``config``. A deployment that fails raises :class:`EngineStartError` (the cluster has
@@ -211,14 +224,16 @@ class Deployer:
             self.teardown.pids.update(self.cluster.replica_pids(self.name))
             self.cluster.delete(self.name)
         self.running = None
-        ready_s = self.cluster.deploy(self.name, config, self.timeout_s, version)
-        self.running = version
+        routed_by = router_config(config)
+        ingress_kept = routed_by == self.routed_by if before else None
+        ready_s = self.cluster.deploy(self.name, config, self.timeout_s, version, keep_ingress=True)
+        self.running, self.routed_by = version, routed_by
         self.teardown.pids.update(self.cluster.replica_pids(self.name))
         now = self.cluster.engine_replicas(self.name)
         reused = bool(set(now) & set(before)) if before else None
         if before:
             self.cluster.reset_prefix_caches(self.name)  # Serve counts it as a request: read counters after it
-        return Deployed(ready_s=ready_s, reused=reused, engines=now)
+        return Deployed(ready_s=ready_s, reused=reused, engines=now, ingress_kept=ingress_kept)
 
 
 def run_check(
