@@ -174,7 +174,7 @@ def test_a_serve_check_refused_on_a_joined_cluster_leaves_no_serve_there_and_som
         f"{cluster.address} has GPUs of type A100, H100 only: nothing was deployed"
     )
     assert serve_check(h100, "--replicas", "3") == (  # the H100 node has 2 GPUs
-        "servetune serve-check: error: --replicas 3: 3 replicas of 1 GPU (TP x PP) need 3 GPUs; the Ray cluster at "
+        "servetune serve-check: error: --replicas 3: 3 replicas of 1 GPU (TP x PP x PCP) need 3 GPUs; the Ray cluster at "
         f"{cluster.address} (its H100 nodes) has 2: nothing was deployed"
     )
     nothing = left()

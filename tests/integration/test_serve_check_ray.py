@@ -88,6 +88,27 @@ def test_the_llm_deployment_is_pinned_to_the_engine_version_and_the_ingress_is_n
     assert app._bound_deployment._version is None  # the ingress gets a new version, so a new router, each deploy
 
 
+def test_the_ingress_is_pinned_to_its_model_and_router_on_ray_serve_llms_own_application(local_ray):
+    """What serve-check's in-place steps rest on (the e2e times it): the ingress ``build_openai_app`` makes, pinned,
+    has one version for one model and router however often it is built, and another for another router."""
+    pytest.importorskip("ray.serve.llm")
+    from ray.serve.llm import build_openai_app
+
+    from servetune.serve.routing import routed_llm_config, router_config
+    from servetune.serve.versions import pin_ingress
+
+    def ingress(router: str, replicas: int = 2) -> str:
+        config = routed_llm_config({"model_loading_config": {"model_id": "m", "model_source": "/nowhere"},
+                                    "deployment_config": {"num_replicas": replicas}}, router)  # fmt: skip
+        app = build_openai_app({"llm_configs": [config]})
+        pin_ingress(app, router_config(config))
+        return app._bound_deployment._version
+
+    default = ingress("default")
+    assert default == ingress("default", replicas=1)  # a new count: the same ingress
+    assert ingress("prefix-aware") == ingress("prefix-aware") != default
+
+
 def test_a_study_deletes_the_serve_applications_a_stopped_run_of_it_left_and_no_others(local_ray):
     """What a trial through Serve leaves when its driver is killed on a cluster (Serve outlives it): the
     study's next run deletes its own, matched by study name and trial id, and leaves every other one."""

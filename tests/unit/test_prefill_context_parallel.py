@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 
 from servetune.config.space import engine_devices, engine_ranks
+from servetune.errors import UserError
 from servetune.report import ReportPoint
 from servetune.report.deploy import gpus
 from servetune.serve.plan import llm_config, needs
@@ -45,3 +46,62 @@ def test_a_serve_replica_holds_every_rank_of_its_engine(sizes, bundles, strategy
 
 def test_a_kubernetes_server_asks_for_its_prefill_context_ranks_too():
     assert gpus(gpu_point(tensor_parallel_size=2, prefill_context_parallel_size=2, data_parallel_size=2)) == 8
+
+
+def pcp_study(root, devices: int = 1):
+    """A study of one CPU trial with prefill-context parallelism 2 (its engine: 2 ranks, 2 cores)."""
+    from tests.builders import level, study_info, trial, write_study
+
+    t = trial("t1", {"max_num_seqs": 8, "prefill_context_parallel_size": 2}, [level(8, 400, 300)], device="cpu",
+              devices=devices, env={"VLLM_CPU_KVCACHE_SPACE": "1"})  # fmt: skip
+    write_study(root, study_info(device="cpu"), [t])
+    (root / "space.yaml").write_text(
+        "name: demo\nmodel: tiny\ndevice: cpu\nworkload: cpu-tiny\n"
+        "load: {levels: [8], requests_per_level: 16}\nslo: {ttft_ms: {p99: 2000}}\nprice_per_device_hour: 2\n"
+    )  # fmt: skip
+    return root
+
+
+def test_a_layout_keeps_the_points_prefill_context_ranks_in_its_devices():
+    from servetune.serve.layouts import Layout, beside_tp, budget_layouts, check_layouts, layout_point, layout_run
+
+    p = gpu_point(pipeline_parallel_size=2, prefill_context_parallel_size=2)
+    assert beside_tp(p) == 4 and beside_tp(gpu_point(tensor_parallel_size=4)) == 1
+    laid = layout_point(p, Layout(2, 2))
+    assert laid.devices == 16 == 2 * engine_ranks(laid.engine_args)  # replicas x TP x PP x PCP
+    assert needs(laid, llm_config(laid, 2, env={}), 2).devices == 16  # what the fit check counts agrees
+    assert budget_layouts(16, beside_tp(p)) == [Layout(4, 1), Layout(2, 2), Layout(1, 4)]
+    assert layout_run(Layout(1, 4), beside_tp(p), None, 2.0, error="x").devices == 16
+    with pytest.raises(UserError, match=r"2x1 uses 8, 1x1 uses 4, with PP x PCP 4"):
+        check_layouts([Layout(2, 1), Layout(1, 1)], beside_tp(p), lambda tp: None)
+
+
+def test_serve_check_layouts_count_prefill_context_ranks_in_the_budget_and_its_load(tmp_path, monkeypatch):
+    import argparse
+
+    from rich.console import Console
+
+    from servetune.cli.serve_check_parts import layout_args
+    from servetune.serve.study import read_picked
+
+    monkeypatch.setattr("servetune.serve.check.os.sched_getaffinity", lambda pid: set(range(8)))
+    picked = read_picked(pcp_study(tmp_path / "s"), "t1")
+    console = Console(file=open(tmp_path / "out.txt", "w"))  # noqa: SIM115 - closed with the test's tmp_path
+
+    def laid(**given):
+        return layout_args(argparse.Namespace(**{"layouts": None, "budget": None, "address": None, **given}), picked,
+                           console)  # fmt: skip
+
+    # The trial recorded 1 device (before PCP counted), its engine takes 2: its operating point on 2 devices, doubled.
+    four = laid(budget=4)
+    assert [str(layout) for layout in four.layouts] == ["2x1", "1x2"] and four.budget == 4
+    assert four.level.value == picked.operating_level().value * 4 / 2 and [n.devices for n in four.needs] == [4, 4]
+    with pytest.raises(
+        UserError, match=r"--layouts 2x1 uses 4 devices \(replicas x TP x PP 1 x PCP 2\), not --budget 2"
+    ):
+        laid(layouts="2x1,1x2", budget=2)
+    with pytest.raises(UserError, match="prefill_context_parallel_size 2 does not divide it"):
+        laid(budget=3)
+    # A Serve trial measured on more (its replicas): scaled from those.
+    picked = read_picked(pcp_study(tmp_path / "s4", devices=4), "t1")
+    assert laid(budget=4).level.value == picked.operating_level().value

@@ -15,7 +15,9 @@ from servetune.report import ReportPoint
 from servetune.serve.check import Teardown, refuse_running, run_check
 from servetune.serve.plan import check_fits, llm_config, needs, parse_replicas
 from servetune.serve.result import ReplicaRun, scaling_rows
+from servetune.serve.routing import router_config
 from servetune.serve.study import read_picked
+from servetune.serve.versions import ingress_version
 from tests.builders import level, study_info, trial, write_study
 
 
@@ -58,7 +60,7 @@ def test_needs_count_each_replicas_devices_its_actor_and_the_ingress():
     cpu = point({"tensor_parallel_size": 2})
     need = needs(cpu, llm_config(cpu, 1), 2)
     assert (need.devices, need.cpus, need.resources()) == (4, 7.0, {"CPU": 7.0})  # 2 x (2 ranks + actor) + ingress
-    with pytest.raises(UserError, match=r"--replicas 2: 2 replicas of 2 CPU cores \(TP x PP\) need 4 CPU cores; "
+    with pytest.raises(UserError, match=r"--replicas 2: 2 replicas of 2 CPU cores \(TP x PP x PCP\) need 4 CPU cores; "
                                         r"this machine has 2: nothing was deployed"):  # fmt: skip
         check_fits(need, 2, 16, "this machine")
     with pytest.raises(UserError, match="need 7 Ray CPUs; the cluster has 5"):
@@ -80,7 +82,9 @@ def test_scaling_rows_set_each_level_against_the_bare_engine_and_one_replica():
 class FakeCluster:
     """Ray and Serve as run_check sees them; ``fail`` makes the deployment fail as Serve reports it. Its LLM
     replicas behave as Serve's do: deployed again with the pinned version running, the engines are kept (as
-    many as the new count, more added); any other deploy, or every deploy with ``restarts``, starts new ones."""
+    many as the new count, more added); any other deploy, or every deploy with ``restarts``, starts new ones. So
+    does its ingress: pinned (``keep_ingress``, serve/versions.py's version of its model and router) to the version
+    running, Serve keeps its replica; unpinned, or another version, a new one starts (``ingresses`` counts them)."""
 
     url = "http://127.0.0.1:1"
 
@@ -93,6 +97,9 @@ class FakeCluster:
         self.version: str | None = None
         self.engines: list[str] = []
         self.started = 0  # engines started, in all
+        self.ingress: str | None = None  # the running ingress's version (None: unpinned, or none running)
+        self.ingresses = 0  # ingress replicas started, in all
+        self.ingress_kept: list[bool] = []  # per deploy: whether the running ingress replica was kept
 
     def available(self):
         return {"CPU": 8.0}
@@ -103,11 +110,17 @@ class FakeCluster:
     def applications(self):
         return dict(self.running)
 
-    def deploy(self, name, config, timeout_s, engine_version=None):
+    def deploy(self, name, config, timeout_s, engine_version=None, keep_ingress=False):
         if self.fail:
             raise EngineStartError(f"the Serve deployment of {name} failed: boom", "last log line")
-        count = config["deployment_config"]["autoscaling_config"]["min_replicas"]
+        count = (config["deployment_config"].get("autoscaling_config") or {}).get("min_replicas") or 1
         self.deployed.append(count)
+        cards = {"model_cards": {config["model_loading_config"]["model_id"]: {}}}
+        ingress = ingress_version("OpenAiIngress", cards, router_config(config)) if keep_ingress else None
+        kept_ingress = ingress is not None and ingress == self.ingress and name in self.running
+        self.ingress_kept.append(kept_ingress)
+        self.ingresses += not kept_ingress
+        self.ingress = ingress
         same = engine_version is not None and engine_version == self.version and name in self.running
         kept = self.engines[:count] if same and not self.restarts else []
         self.engines = kept + [f"actor{self.started + i}" for i in range(count - len(kept))]
@@ -118,7 +131,7 @@ class FakeCluster:
 
     def delete(self, name):
         if self.running.pop(name, None) is not None:
-            self.engines, self.version = [], None
+            self.engines, self.version, self.ingress = [], None, None
 
     def replica_pids(self, name):
         return [100 + n for n in self.deployed]
@@ -178,7 +191,7 @@ def test_cli_refuses_too_many_replicas_before_starting_ray(tmp_path, capsys):
     study = tiny_study(tmp_path / "s")
     assert main(["serve-check", str(study), "--pick", "t1", "--replicas", "1,4096"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "4096 replicas of 1 CPU core (TP x PP) need 4096 CPU cores" in err[0]
+    assert len(err) == 1 and "4096 replicas of 1 CPU core (TP x PP x PCP) need 4096 CPU cores" in err[0]
     assert "nothing was deployed" in err[0]
     assert not (study / "serve-check.json").exists()
 
@@ -251,7 +264,7 @@ def test_cli_ramp_refusals_come_before_ray_starts(tmp_path, capsys, monkeypatch)
     )
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("servetune serve-check: error: --ramp (scaling up to 3 replicas; ")
-    assert "3 replicas of 1 CPU core (TP x PP) need 3 CPU cores" in err[0]  # the peak 3x the knee: 3 replicas
+    assert "3 replicas of 1 CPU core (TP x PP x PCP) need 3 CPU cores" in err[0]  # the peak 3x the knee: 3 replicas
     assert main(["serve-check", str(study), "--pick", "t1", "--ramp", "--delay-scale", "2"]) == 2
     assert "--delay-scale a factor in (0, 1]" in capsys.readouterr().err
     assert main(["serve-check", str(study), "--pick", "t1", "--replicas", "1", "--ramp",

@@ -72,9 +72,9 @@ class RecordingCluster(FakeCluster):
         super().__init__()
         self.configs: list[dict[str, Any]] = []
 
-    def deploy(self, name, config, timeout_s, engine_version=None):
+    def deploy(self, name, config, timeout_s, engine_version=None, keep_ingress=False):
         self.configs.append(config)
-        return super().deploy(name, config, timeout_s, engine_version)
+        return super().deploy(name, config, timeout_s, engine_version, keep_ingress)
 
 
 def test_every_deployment_of_a_pinned_pick_carries_its_type_and_ray_serve_llm_asks_for_it_in_every_bundle(tmp_path):
@@ -151,9 +151,9 @@ def test_serve_check_pins_its_deployments_and_prefetch_to_the_measured_type(gpu_
     configs: list[dict[str, Any]] = []
     deploy = ServedCluster.deploy
 
-    def recording(self, name, config, timeout_s, engine_version=None):
+    def recording(self, name, config, timeout_s, engine_version=None, keep_ingress=False):
         configs.append(config)
-        return deploy(self, name, config, timeout_s, engine_version)
+        return deploy(self, name, config, timeout_s, engine_version, keep_ingress)
 
     monkeypatch.setattr(ServedCluster, "deploy", recording)
     monkeypatch.setattr(ServedCluster, "nodes", lambda self: [HEAD, A100, H100])
@@ -189,7 +189,7 @@ def test_serve_check_on_a_cluster_without_the_measured_type_is_one_line_and_depl
 
 @pytest.mark.parametrize("argv, nodes, running, refused", [
     (["--replicas", "4"], [HEAD, H100, A100], {},  # 4 GPUs, where the H100 nodes have 2
-     "--replicas 4: 4 replicas of 1 GPU (TP x PP) need 4 GPUs; the Ray cluster at auto (its H100 nodes) has 2: "
+     "--replicas 4: 4 replicas of 1 GPU (TP x PP x PCP) need 4 GPUs; the Ray cluster at auto (its H100 nodes) has 2: "
      "nothing was deployed"),
     (["--replicas", "1"], [HEAD, H100], {"servetune-serve-check": "RUNNING"},  # someone's application of the name
      "a Serve application named servetune-serve-check is already running (RUNNING): pass --replace to replace it, or "

@@ -38,7 +38,7 @@ def point(engine_args: dict, env: dict | None = None, device: str = "cpu", devic
 
 def test_layouts_parse_as_replicas_x_tp_in_the_order_given():
     assert parse_layouts("2x1, 1X2,2x1,4\N{MULTIPLICATION SIGN}1") == [Layout(2, 1), Layout(1, 2), Layout(4, 1)]
-    assert str(Layout(4, 2)) == "4x2" and Layout(4, 2).devices(pp=2) == 16
+    assert str(Layout(4, 2)) == "4x2" and Layout(4, 2).devices(beside_tp=2) == 16
     for bad in ("", "2", "2x", "0x2", "2x0", "2*1", "1x2,x"):
         with pytest.raises(UserError, match="REPLICASxTP"):
             parse_layouts(bad)
@@ -47,9 +47,9 @@ def test_layouts_parse_as_replicas_x_tp_in_the_order_given():
 def test_a_budget_enumerates_every_power_of_two_tp_that_fills_it():
     assert budget_layouts(8) == [Layout(8, 1), Layout(4, 2), Layout(2, 4), Layout(1, 8)]
     assert budget_layouts(6) == [Layout(6, 1), Layout(3, 2)]  # TP 3 and 6 are not powers of two
-    assert budget_layouts(8, pp=2) == [Layout(4, 1), Layout(2, 2), Layout(1, 4)]
-    with pytest.raises(UserError, match="pipeline_parallel_size 2 does not divide it"):
-        budget_layouts(3, pp=2)
+    assert budget_layouts(8, beside=2) == [Layout(4, 1), Layout(2, 2), Layout(1, 4)]
+    with pytest.raises(UserError, match="pipeline_parallel_size x prefill_context_parallel_size 2 does not divide it"):
+        budget_layouts(3, beside=2)
     with pytest.raises(UserError, match="--budget 0"):
         budget_layouts(0)
 
@@ -145,8 +145,8 @@ class LayoutCluster(FakeCluster):
         self.deleted = 0
         self.resets = 0
 
-    def deploy(self, name, config, timeout_s, engine_version=None):
-        super().deploy(name, config, timeout_s, engine_version)
+    def deploy(self, name, config, timeout_s, engine_version=None, keep_ingress=False):
+        super().deploy(name, config, timeout_s, engine_version, keep_ingress)
         self.versions.append(engine_version)
         self.tps.append(int(config["engine_kwargs"].get("tensor_parallel_size") or 1))
         return 1.0
@@ -231,7 +231,7 @@ def test_cli_refusals_come_before_ray_starts(tmp_path, capsys, monkeypatch):
     )
     assert "--layouts '2': give layouts as REPLICASxTP" in refused("--layouts", "2")
     result.write_text(result.read_text().replace(str(model), "org/tiny-chat"))  # heads unknown: TP checked at deploy
-    assert "--layouts 4x1: 4 replicas of 1 CPU core (TP x PP) need 4 CPU cores; this machine has 2" in refused(
+    assert "--layouts 4x1: 4 replicas of 1 CPU core (TP x PP x PCP) need 4 CPU cores; this machine has 2" in refused(
         "--layouts", "4x1,2x2"
     )
     assert "--ramp runs after the first replica count" in refused("--layouts", "2x1,1x2", "--ramp")
@@ -301,10 +301,10 @@ def test_a_layout_that_fails_to_deploy_is_recorded_and_the_others_are_still_comp
     from servetune.report.serving import layout_notes, layout_row
 
     class TpFails(LayoutCluster):
-        def deploy(self, name, config, timeout_s, engine_version=None):
+        def deploy(self, name, config, timeout_s, engine_version=None, keep_ingress=False):
             if config["engine_kwargs"].get("tensor_parallel_size") == 2:
                 raise EngineStartError(f"the Serve deployment of {name} failed: ranks", "RuntimeError: no cores")
-            return super().deploy(name, config, timeout_s, engine_version)
+            return super().deploy(name, config, timeout_s, engine_version, keep_ingress)
 
     picked = read_picked(tiny_study(tmp_path / "s"), "t1")
     layouts = Layouts(layouts=[Layout(1, 2), Layout(2, 1), Layout(4, 1)], budget=2, level={"concurrency": 16.0},

@@ -213,9 +213,9 @@ def routing_cluster(restarts: bool = False):
     events: list[tuple] = []
 
     class Cluster(FakeCluster):
-        def deploy(self, name, config, timeout_s, engine_version=None):
+        def deploy(self, name, config, timeout_s, engine_version=None, keep_ingress=False):
             events.append(("deploy", config["deployment_config"], engine_version))
-            return super().deploy(name, config, timeout_s, engine_version)
+            return super().deploy(name, config, timeout_s, engine_version, keep_ingress)
 
         def delete(self, name):
             events.append(("delete", name in self.running))

@@ -18,7 +18,7 @@ Deploy one operating point of a study as the Ray Serve LLM application `servetun
 of --replicas in turn (Serve keeps the engines running and adds replicas; see "Engine starts
 are shared" below), and measure it through Serve's OpenAI ingress with the study's workload and
 load ladder. Each replica is one placement
-group holding the engine's TP x PP devices.
+group holding the engine's TP x PP x PCP devices.
 
 Per replica count and level: goodput, throughput, TTFT/TPOT P50/P99; against the bare engine the
 study measured for that trial at the same level (the router's TTFT overhead), and the scaling
@@ -63,9 +63,9 @@ at no latency cost.
 
 --layouts 2x1,1x2 (REPLICASxTP) compares layouts of one device budget, many small replicas against
 fewer with tensor parallelism (checklist section 11); --budget D compares every REPLICASxTP that
-fills D devices with TP a power of two, leaving out (and naming) those the model's heads do not
-split into. Each layout is the picked configuration with its TP replaced, each replica a placement
-group of its TP devices (on the CPU build one core per rank, bound with VLLM_CPU_OMP_THREADS_BIND).
+fills D devices (replicas x TP x the picked PP x PCP) with TP a power of two, leaving out (and
+naming) those the model's heads do not split into. Each layout is the picked configuration with its
+TP replaced, each replica a placement group of its ranks (on the CPU build one core per rank, bound with VLLM_CPU_OMP_THREADS_BIND).
 Every layout is offered the same load: the operating point scaled from the devices it was
 measured on to the budget (concurrency 8 on 1 device -> 16 on 2), with the study's warm-up and
 requests. Per layout: devices, replicas, TP, throughput, goodput, TTFT/TPOT P50/P99, SLO, cost
@@ -81,7 +81,9 @@ Engine starts are shared. Every step deploys the LLM deployment pinned to a vers
 configuration, so where the engine configuration stays the same (replica counts, the ramp, the
 routers, a layout of the picked TP) Serve keeps the engines already running, adds or stops replicas
 as the step says, and each kept engine's prefix cache is reset before it is measured (the ramp's
-autoscaling starts at its minimum: Serve stops any replica beyond it). Everything else is deployed
+autoscaling starts at its minimum: Serve stops any replica beyond it). Such a step with the router
+already routing keeps the ingress replica too (its version is what it is built from and the router);
+another router starts a new ingress, which is what routes with it. Everything else is deployed
 fresh, the application deleted first.
 
 Without --address a local Ray is started, declaring the CPUs the replicas and the ingress need,

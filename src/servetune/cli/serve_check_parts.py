@@ -56,32 +56,34 @@ def layout_args(args: argparse.Namespace, picked: PickedStudy, console: Console)
     does not split into, one off the budget, one this machine cannot hold) and the load they are offered."""
     import os
 
+    from servetune.config.space import engine_devices
     from servetune.errors import UserError
     from servetune.serve.check import local_devices
     from servetune.serve.layouts import (
+        beside_tp,
+        beside_tp_label,
         budget_layouts,
         budget_level,
         check_layouts,
         layout_point,
         model_fits,
         parse_layouts,
-        point_pp,
     )
     from servetune.serve.plan import check_fits, llm_config, needs
 
     point = picked.point
-    pp = point_pp(point)
+    beside = beside_tp(point)  # PP x PCP: each layout's devices are replicas x TP x these
     fits, note = model_fits(point)
     if args.layouts:
         given = parse_layouts(args.layouts)
-        off = [layout for layout in given if args.budget is not None and layout.devices(pp) != args.budget]
+        off = [layout for layout in given if args.budget is not None and layout.devices(beside) != args.budget]
         if off:
-            raise UserError(f"--layouts {off[0]} uses {off[0].devices(pp)} devices (replicas x TP x PP {pp}), "
-                            f"not --budget {args.budget}: nothing was deployed")  # fmt: skip
-        layouts, skipped = check_layouts(given, pp, fits)
+            raise UserError(f"--layouts {off[0]} uses {off[0].devices(beside)} devices (replicas x TP x "
+                            f"{beside_tp_label(point)}), not --budget {args.budget}: nothing was deployed")  # fmt: skip
+        layouts, skipped = check_layouts(given, beside, fits)
     else:
-        layouts, skipped = check_layouts(budget_layouts(args.budget, pp), pp, fits, args.budget)
-    budget = layouts[0].devices(pp)
+        layouts, skipped = check_layouts(budget_layouts(args.budget, beside), beside, fits, args.budget)
+    budget = layouts[0].devices(beside)
     cores = sorted(os.sched_getaffinity(0)) if args.address is None and point.device == "cpu" else []
     found = []
     for layout in layouts:
@@ -94,7 +96,10 @@ def layout_args(args: argparse.Namespace, picked: PickedStudy, console: Console)
         found.append(need)
     if note:
         console.print(f"[yellow]{note}[/]")
-    return LayoutArgs(layouts, budget, budget_level(picked.operating_level(), point.devices, budget), skipped, cores,
+    # Measured on: the trial's devices (a Serve trial's replicas too), at least its engine's (TP x PP x PCP x DP; a
+    # result recorded before PCP counted gave fewer).
+    measured_on = max(point.devices, engine_devices(point.engine_args))
+    return LayoutArgs(layouts, budget, budget_level(picked.operating_level(), measured_on, budget), skipped, cores,
                       found)  # fmt: skip
 
 

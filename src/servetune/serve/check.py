@@ -23,10 +23,10 @@ from servetune.serve.layouts import (
     Layout,
     LayoutResult,
     LayoutRun,
+    beside_tp,
     layout_point,
     layout_run,
     layout_verdict,
-    point_pp,
 )
 from servetune.serve.plan import Needs, autoscaled_llm_config, check_fits, llm_config, needs
 from servetune.serve.ramp import RampResult
@@ -37,6 +37,7 @@ from servetune.serve.routing import (
     RoutingResult,
     engine_version,
     routed_llm_config,
+    router_config,
     traffic_between,
     verdict,
 )
@@ -52,7 +53,10 @@ class Cluster(Protocol):
 
     def applications(self) -> dict[str, str]: ...
 
-    def deploy(self, name: str, llm_config: Mapping, timeout_s: float, engine_version: str | None = None) -> float: ...
+    def deploy(
+        self, name: str, llm_config: Mapping, timeout_s: float, engine_version: str | None = None, *,
+        keep_ingress: bool = False,
+    ) -> float: ...  # fmt: skip
 
     def delete(self, name: str) -> None: ...
 
@@ -182,11 +186,14 @@ def check_cluster_fits(cluster: Cluster, need: Needs, where: str, typed: tuple[s
 class Deployed:
     """One deployment: seconds until RUNNING, whether Serve kept the engines running before it (None: deployed
     fresh, the application deleted first; True: kept, prefix caches reset; False: meant to keep, Serve restarted
-    them), and the LLM replicas' actor ids."""
+    them), the LLM replicas' actor ids, and whether the ingress running before was kept (None: deployed fresh;
+    True: deployed in place with the same router, so its version is the running one's; False: in place with
+    another router, which only a new ingress routes with)."""
 
     ready_s: float
     reused: bool | None
     engines: list[str]
+    ingress_kept: bool | None = None
 
 
 class Deployer:
@@ -196,11 +203,17 @@ class Deployer:
     autoscaling or the router) and every kept engine's prefix cache is reset before it is measured, so nothing
     is measured on a warm cache. Any other configuration is deployed fresh, the application deleted first, so
     no rollout waits for the devices the previous one still holds. On GPUs each engine start is minutes of
-    device time; on the CPU stand-in it is most of a check's time."""
+    device time; on the CPU stand-in it is most of a check's time.
+
+    The ingress is pinned too (``keep_ingress``: the version of what it is built from and the router it routes
+    with, serve/versions.py ``pin_ingress``), so a configuration deployed in place with the router already
+    routing keeps the running ingress replica rather than waiting for a new one to start (seconds per step);
+    one with another router gets a new ingress, which is what routes with it."""
 
     def __init__(self, cluster: Cluster, name: str, timeout_s: float, teardown: Teardown) -> None:
         self.cluster, self.name, self.timeout_s, self.teardown = cluster, name, timeout_s, teardown
         self.running: str | None = None  # the engine version the application runs now
+        self.routed_by: object = None  # the request router config the running ingress routes with
 
     def deploy(self, config: Mapping) -> Deployed:
         """Deploy ``config``. A deployment that fails raises :class:`EngineStartError` (the cluster has
@@ -211,14 +224,16 @@ class Deployer:
             self.teardown.pids.update(self.cluster.replica_pids(self.name))
             self.cluster.delete(self.name)
         self.running = None
-        ready_s = self.cluster.deploy(self.name, config, self.timeout_s, version)
-        self.running = version
+        routed_by = router_config(config)
+        ingress_kept = routed_by == self.routed_by if before else None
+        ready_s = self.cluster.deploy(self.name, config, self.timeout_s, version, keep_ingress=True)
+        self.running, self.routed_by = version, routed_by
         self.teardown.pids.update(self.cluster.replica_pids(self.name))
         now = self.cluster.engine_replicas(self.name)
         reused = bool(set(now) & set(before)) if before else None
         if before:
             self.cluster.reset_prefix_caches(self.name)  # Serve counts it as a request: read counters after it
-        return Deployed(ready_s=ready_s, reused=reused, engines=now)
+        return Deployed(ready_s=ready_s, reused=reused, engines=now, ingress_kept=ingress_kept)
 
 
 def run_check(
@@ -339,7 +354,7 @@ def compare_layouts(
     deployed fresh (:class:`Deployer`), so no layout inherits a warm cache. A layout whose deployment
     fails is recorded with Serve's message and its replicas' log tail, and the next one is deployed."""
     point = picked.point
-    pp = point_pp(point)
+    beside = beside_tp(point)  # PP x PCP, in every layout's devices
     configs = {layout: llm_config(layout_point(point, layout, spec.cores), layout.replicas,
                                   accelerator_type=picked.gpu_type) for layout in spec.layouts}  # fmt: skip
     order = sorted(spec.layouts, key=lambda layout: engine_version(configs[layout]) != deployer.running)
@@ -358,12 +373,12 @@ def compare_layouts(
             deployed = deployer.deploy(configs[layout])
         except EngineStartError as exc:  # a layout that does not deploy is data: the others are still compared
             deployer.teardown.pids.update(cluster.replica_pids(name))
-            runs.append(layout_run(layout, pp, None, picked.space.price_per_device_hour, error=str(exc)))
+            runs.append(layout_run(layout, beside, None, picked.space.price_per_device_hour, error=str(exc)))
         else:
             before = cluster.requests_per_replica(name)
             measured = spec.measure(cluster.url, served, layout)
             after = cluster.requests_per_replica(name)
-            runs.append(layout_run(layout, pp, measured, picked.space.price_per_device_hour, ready_s=deployed.ready_s,
+            runs.append(layout_run(layout, beside, measured, picked.space.price_per_device_hour, ready_s=deployed.ready_s,
                                    engines_reused=bool(deployed.reused), requests_per_replica=served_between(before, after)))  # fmt: skip
         if len(runs) < len(order):
             so_far(result(final=False))

@@ -25,7 +25,7 @@ from servetune.errors import EngineStartError, UserError
 from servetune.local_ray import SERVE_SYSTEM_CONFIG, keeping_sigterm, start_local_ray
 from servetune.serve import actors
 from servetune.serve.plan import CLAIM_CORES_ENV
-from servetune.serve.routing import merge_counters, read_replica_counters
+from servetune.serve.routing import merge_counters, read_replica_counters, router_config
 from servetune.serve.versions import pin_ingress, pin_llm_servers
 
 #: Seconds between two reads of a deploying application's status: its ready time (``ready_s``, a trial's ``startup_s``)
@@ -163,10 +163,10 @@ class ServeCluster:
         ``engine_version`` pins the LLM deployment's version (``serve.routing.engine_version``): deployed
         again with the same one and only options Serve applies in place changed (the replica count, the
         autoscaling, the request router), Serve keeps its replicas and their engines. The ingress is not
-        pinned unless ``keep_ingress`` (serve-check's: a handle builds its request router once, so only a new
-        ingress routes with a new one). ``keep_ingress`` gives the ingress the version of what it is built from
-        (serve/versions.py ``pin_ingress``), so a :meth:`redeploy` with ``keep_ingress`` that moves only the LLM
-        deployment keeps the ingress replica. ``on_poll`` is called while the deployment's status is read (at most
+        pinned unless ``keep_ingress``, which gives it the version of what it is built from and of the router the
+        LLM deployment asks for (serve/versions.py ``pin_ingress``: a handle builds its request router once, so only
+        a new ingress routes with a new one): deployed again with the same router, or a :meth:`redeploy` that moves
+        only the LLM deployment, keeps the ingress replica. ``on_poll`` is called while the deployment's status is read (at most
         every ``ON_POLL_S``) and once it is up: where its replicas went can be read while their engines start."""
         app = _openai_app(llm_config, keep_ingress, engine_version)
         return self.run_app(name, app, timeout_s, route_prefix, on_poll)
@@ -457,8 +457,8 @@ def _openai_app(llm_config: Mapping[str, Any], keep_ingress: bool, engine_versio
     app = build_openai_app({"llm_configs": [dict(llm_config)]})
     if engine_version is not None:
         pin_llm_servers(app, engine_version)
-    if keep_ingress:
-        pin_ingress(app)
+    if keep_ingress:  # routed as the LLM deployment is: a new router needs a new ingress (versions.pin_ingress)
+        pin_ingress(app, router_config(llm_config))
     return app
 
 

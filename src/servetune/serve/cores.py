@@ -49,7 +49,7 @@ HELD: list[IO[str]] = []
 
 
 class ClaimCores(CallbackBase):
-    """``callback_kwargs``: ``ranks``, the engine's ranks (TP x PP), each a process on cores of its own."""
+    """``callback_kwargs``: ``ranks``, the engine's ranks (TP x PP x PCP), each a process on cores of its own."""
 
     def __init__(self, *args: Any, ranks: int = 1, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -2,10 +2,11 @@
 
 A layout is REPLICAS x TP: ``2x1`` is two replicas of one device each, ``1x2`` one replica with
 tensor parallelism over two. Every layout of a comparison uses the same devices (the budget, with
-the picked point's pipeline parallelism kept: replicas x TP x PP), so each costs the same per hour
+the picked point's pipeline and prefill-context parallelism kept: replicas x TP x PP x PCP, each replica
+``config.space.engine_ranks`` of its engine arguments), so each costs the same per hour
 and they differ in what they deliver: the cost per 1M output tokens. Every layout is offered the
-same load: the picked point's level scaled from the devices it was measured on to the budget
-(:func:`budget_level`: concurrency 8 on one device becomes 16 on two).
+same load: the picked point's level scaled from the devices it was measured on (``config.space.engine_devices``
+of its engine arguments) to the budget (:func:`budget_level`: concurrency 8 on one device becomes 16 on two).
 
 Layouts that cannot be deployed are refused before anything is (:func:`check_layouts`): a TP the
 model's heads do not split into (capacity/settings.py's ``structural_problem``, as vLLM refuses it),
@@ -31,6 +32,7 @@ from pydantic import BaseModel
 
 from servetune.capacity.arch import load_model_arch
 from servetune.capacity.settings import resolve_quant, structural_problem
+from servetune.config.space import engine_ranks
 from servetune.errors import UserError
 from servetune.load.runner import Level
 from servetune.metrics import cost_per_mtok_usd
@@ -48,8 +50,9 @@ class Layout:
     def __str__(self) -> str:
         return f"{self.replicas}x{self.tp}"
 
-    def devices(self, pp: int = 1) -> int:
-        return self.replicas * self.tp * pp
+    def devices(self, beside_tp: int = 1) -> int:
+        """Devices of the layout where each TP group is repeated ``beside_tp`` times (PP x PCP: :func:`beside_tp`)."""
+        return self.replicas * self.tp * beside_tp
 
 
 def parse_layouts(text: str) -> list[Layout]:
@@ -69,21 +72,35 @@ def point_pp(point: ReportPoint) -> int:
     return int(point.engine_args.get("pipeline_parallel_size") or 1)
 
 
-def budget_layouts(budget: int, pp: int = 1) -> list[Layout]:
-    """Every replicas x TP x ``pp`` = ``budget`` with TP a power of two, most replicas first."""
+def beside_tp(point: ReportPoint) -> int:
+    """The ranks of the picked point's engine per TP rank, which every layout keeps: PP x PCP (its
+    ``config.space.engine_ranks`` with TP 1)."""
+    return engine_ranks({**point.engine_args, "tensor_parallel_size": 1})
+
+
+def beside_tp_label(point: ReportPoint) -> str:
+    """What :func:`beside_tp` is made of, as the refusals name it: ``PP 2``, ``PP 2 x PCP 2``."""
+    pcp = int(point.engine_args.get("prefill_context_parallel_size") or 1)
+    return f"PP {point_pp(point)}" + (f" x PCP {pcp}" if pcp > 1 else "")
+
+
+def budget_layouts(budget: int, beside: int = 1) -> list[Layout]:
+    """Every replicas x TP x ``beside`` (PP x PCP, :func:`beside_tp`) = ``budget`` with TP a power of two, most
+    replicas first."""
     if budget < 1:
         raise UserError(f"--budget {budget}: a device budget is 1 or more")
-    if budget % pp:
-        raise UserError(f"--budget {budget}: the picked point's pipeline_parallel_size {pp} does not divide it")
-    per_pp = budget // pp
-    return [Layout(per_pp // tp, tp) for tp in (2**k for k in range(per_pp.bit_length())) if per_pp % tp == 0]
+    if budget % beside:
+        raise UserError(f"--budget {budget}: the picked point's pipeline_parallel_size x prefill_context_parallel_size "
+                        f"{beside} does not divide it")  # fmt: skip
+    per_tp = budget // beside
+    return [Layout(per_tp // tp, tp) for tp in (2**k for k in range(per_tp.bit_length())) if per_tp % tp == 0]
 
 
 def check_layouts(
-    layouts: Sequence[Layout], pp: int, fits: Any, budget: int | None = None
+    layouts: Sequence[Layout], beside: int, fits: Any, budget: int | None = None
 ) -> tuple[list[Layout], list[str]]:  # fmt: skip
     """The layouts to deploy and, for ``--budget`` (``budget`` given, layouts enumerated), the ones the
-    model does not fit, each with why. ``fits(tp)`` is None when the model splits into ``tp`` ranks,
+    model does not fit, each with why. ``beside``: PP x PCP (:func:`beside_tp`). ``fits(tp)`` is None when the model splits into ``tp`` ranks,
     else why not. Given layouts (``budget`` None) that use different devices, or one the model does
     not fit, are refused: one line, before anything is deployed."""
     skipped: list[str] = []
@@ -97,11 +114,11 @@ def check_layouts(
         else:
             skipped.append(f"{layout}: {problem}")
     if budget is None:
-        used = {layout.devices(pp) for layout in kept}
+        used = {layout.devices(beside) for layout in kept}
         if len(used) > 1:
-            each = ", ".join(f"{layout} uses {layout.devices(pp)}" for layout in kept)
+            each = ", ".join(f"{layout} uses {layout.devices(beside)}" for layout in kept)
             raise UserError(f"--layouts: layouts compared under one device budget use the same devices ({each}"
-                            f"{', with PP ' + str(pp) if pp > 1 else ''}): nothing was deployed")  # fmt: skip
+                            f"{', with PP x PCP ' + str(beside) if beside > 1 else ''}): nothing was deployed")  # fmt: skip
     if len(kept) < 2:
         what = f"--budget {budget}" if budget is not None else "--layouts"
         left = ", ".join(str(k) for k in kept) or "none"
@@ -121,7 +138,7 @@ def layout_point(point: ReportPoint, layout: Layout, cores: Sequence[int] = ()) 
     laid = with_tp(point, layout.tp, cores)
     if laid is not point and laid.device == "cpu" and os.environ.get(CLAIM_CORES_ENV):
         laid = dataclasses.replace(laid, env={k: v for k, v in laid.env.items() if k != CPU_BIND})
-    return dataclasses.replace(laid, devices=layout.devices(point_pp(point)))
+    return dataclasses.replace(laid, devices=layout.replicas * engine_ranks(laid.engine_args))
 
 
 def model_fits(point: ReportPoint) -> tuple[Callable[[int], str | None], str | None]:
@@ -177,10 +194,11 @@ class LayoutRun(BaseModel):
 
 
 def layout_run(
-    layout: Layout, pp: int, level: LevelResult | None, price_per_device_hour: float | None, **measured: Any
+    layout: Layout, beside: int, level: LevelResult | None, price_per_device_hour: float | None, **measured: Any
 ) -> LayoutRun:  # fmt: skip
-    """One layout's record; ``level`` None for a layout whose deployment failed (``error=`` says how)."""
-    devices = layout.devices(pp)
+    """One layout's record (``beside``: PP x PCP, :func:`beside_tp`); ``level`` None for a layout whose deployment
+    failed (``error=`` says how)."""
+    devices = layout.devices(beside)
     throughput = level.summary.output_throughput if level is not None else 0.0
     price = price_per_device_hour if price_per_device_hour is not None and price_per_device_hour > 0 else None
     return LayoutRun(

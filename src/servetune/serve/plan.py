@@ -170,7 +170,7 @@ def check_fits(need: Needs, devices: float, cpus: float, where: str) -> None:
     if need.devices > devices:
         raise UserError(
             f"{asked}: {need.replicas} replicas of {need.devices_per_replica} "
-            f"{unit[:-1] if need.devices_per_replica == 1 else unit} (TP x PP) need {need.devices} {unit}; "
+            f"{unit[:-1] if need.devices_per_replica == 1 else unit} (TP x PP x PCP) need {need.devices} {unit}; "
             f"{where} has {devices:g}: nothing was deployed"
         )
     if need.cpus > cpus:

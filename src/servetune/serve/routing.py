@@ -69,6 +69,12 @@ def routed_llm_config(config: Mapping[str, Any], router: str) -> dict[str, Any]:
     return routed
 
 
+def router_config(config: Mapping[str, Any]) -> Any:
+    """The request router ``config`` (an LLMConfig as a dict) deploys with: its ``request_router_config``, None for
+    Serve's default. The ingress routes with it (serve/versions.py ``pin_ingress``)."""
+    return (config.get("deployment_config") or {}).get("request_router_config") or None
+
+
 #: LLM deployment options Serve applies to the running replicas (Ray 2.60's ``DeploymentConfig`` marks them
 #: light-weight or reconfigured in place): a redeploy of the same version that changes only these keeps the engines.
 IN_PLACE_OPTIONS = (
