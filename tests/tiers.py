@@ -33,6 +33,7 @@ SLOW_FILES_S = {
     "tests/integration/test_ray_job_submit.py": 125,
     "tests/integration/test_multinode.py": 120,
     "tests/integration/test_rolling_update_serve.py": 100,
+    "tests/integration/test_export_deploy_serve.py": 200,
     "tests/integration/test_verify_top.py": 90,
     "tests/integration/test_study.py": 90,
     "tests/integration/test_packing.py": 85,

@@ -21,7 +21,9 @@ Print the configuration of one operating point of a study:
                       the router `servetune serve-check --routers` measured best for
                       this trial (request_router_config), when it named one,
                       and the stream batching interval serve-check deployed it at
-                      (--stream-batching-ms), in place of the trial's own
+                      (--stream-batching-ms), in place of the trial's own; with
+                      --keep-ingress, the ingress and the engines as two applications, so
+                      that `serve deploy` of another point replaces only the engines
   --format json       the configuration and its measured numbers
   --format kubernetes a Deployment running `vllm serve` with the same flags (GPUs = TP x PP x DP,
                       /dev/shm in memory, /health probes, secrets from a Secret by reference),
@@ -104,6 +106,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
              "cluster), predictive for kubernetes and kserve (the autoscaler takes the most replicas of its "
              "Prometheus metrics)",
     )  # fmt: skip
+    p.add_argument(
+        "--keep-ingress", action="store_true",
+        help="for --format ray-serve: write the OpenAI ingress and the engines as two applications, so that `serve "
+             "deploy` of another point's config replaces only the engine replicas and keeps the ingress (servetune "
+             "must be importable on the cluster)",
+    )  # fmt: skip
     p.add_argument("--skip-unreadable", action="store_true", help="do not stop at an invalid result.json")
     p.set_defaults(run=run)
 
@@ -135,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
         text = ray_serve_yaml(
             point, args.accelerator_type, derived_autoscaling(),
             checked.router if checked else None, checked.layout if checked else None,
-            checked.stream_batching if checked else None,
+            checked.stream_batching if checked else None, args.keep_ingress,
         )  # fmt: skip
     elif args.format == "kubernetes":
         text = deploy.kubernetes_yaml(

@@ -214,6 +214,51 @@ def ray_serve_app(
     return {"applications": [{"name": app_name, "route_prefix": "/", "import_path": import_path, "args": args}]}
 
 
+#: The builders of the two applications ``--keep-ingress`` writes (serve/apps.py, named as Serve imports them).
+INGRESS_BUILDER = "servetune.serve.apps:build_ingress"
+ENGINES_BUILDER = "servetune.serve.apps:build_engines"
+KEEP_INGRESS_WHY = (
+    "Serve gives every deployment of a config-deployed application one version, a hash of the application's "
+    "import_path, runtime_env and args, so a change of the engines' LLMConfig would replace the ingress replica too; "
+    "the ingress application's args hold only what the ingress is built from (model id and source, max_model_len, "
+    "LoRA path, scale to zero), so `serve deploy` of another point of the same model and context length keeps the "
+    "ingress replica and replaces only the engines'. servetune must be importable on the cluster"
+)
+
+
+def ingress_args(llm_config: Mapping[str, Any], engines_app: str) -> dict[str, Any]:
+    """What the OpenAI ingress is built from, of one ``LLMConfig`` (a dict): its model card's model id, source and
+    context length (``max_model_len``), its LoRA loading path, and whether it scales to zero (the ingress then does);
+    with the engines application's name (serve/apps.py ``build_ingress``)."""
+    config: dict[str, Any] = {"model_loading_config": dict(llm_config["model_loading_config"])}
+    max_model_len = (llm_config.get("engine_kwargs") or {}).get("max_model_len")
+    if max_model_len is not None:
+        config["engine_kwargs"] = {"max_model_len": max_model_len}
+    if llm_config.get("lora_config"):
+        config["lora_config"] = llm_config["lora_config"]
+    scaling = (llm_config.get("deployment_config") or {}).get("autoscaling_config") or {}
+    if scaling.get("min_replicas") == 0:
+        config["deployment_config"] = {"autoscaling_config": {"min_replicas": 0}}
+    return {"engines_app": engines_app, "llm_configs": [config]}
+
+
+def split_ingress(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A :func:`ray_serve_app` config as two applications (:data:`KEEP_INGRESS_WHY`): the ingress under the
+    application's name and route, built from :func:`ingress_args` only, and the engines (``NAME-engines``, no route)
+    from the ``LLMConfig``."""
+    app = config["applications"][0]
+    if app["import_path"] != "ray.serve.llm:build_openai_app":
+        raise UserError(f"--keep-ingress: the point deploys with {app['import_path']} (expert parallelism over "
+                        "data-parallel ranks), which builds no separate ingress")  # fmt: skip
+    (llm_config,) = app["args"]["llm_configs"]
+    engines = f"{app['name']}-engines"
+    return {"applications": [
+        {"name": app["name"], "route_prefix": app["route_prefix"], "import_path": INGRESS_BUILDER,
+         "args": ingress_args(llm_config, engines)},
+        {"name": engines, "route_prefix": None, "import_path": ENGINES_BUILDER, "args": {"llm_config": llm_config}},
+    ]}  # fmt: skip
+
+
 #: The environment variable that binds the CPU build's ranks to cores (ranks separated by ``|``).
 CPU_BIND = "VLLM_CPU_OMP_THREADS_BIND"
 
@@ -236,7 +281,7 @@ def with_tp(point: ReportPoint, tp: int, cores: Any = ()) -> ReportPoint:
 def ray_serve_yaml(
     point: ReportPoint, accelerator_type: str | None = None, autoscaling: Autoscaling | str | None = None,
     router: RouterChoice | None = None, layout: LayoutChoice | None = None,
-    stream_batching: StreamBatchingChoice | None = None,
+    stream_batching: StreamBatchingChoice | None = None, keep_ingress: bool = False,
 ) -> str:  # fmt: skip
     """The ``serve run`` YAML; ``autoscaling`` is the derived settings (their reasons become
     comments) or, as a string, why none could be derived (the replicas stay fixed); ``router``
@@ -244,7 +289,8 @@ def ray_serve_yaml(
     ``layout`` the replicas x TP ``serve-check --layouts`` named for it (ignored for another): shipped
     as fixed replicas of that TP, in place of the derived autoscaling (derived for the trial's own TP
     at its own load); ``stream_batching`` the replicas' stream batching interval serve-check deployed
-    it at (ignored for another trial), in place of the trial's own."""
+    it at (ignored for another trial), in place of the trial's own. ``keep_ingress``: the ingress and the engines as two
+    applications (:func:`split_ingress`), so that ``serve deploy`` of another point keeps the ingress replica."""
     header = (
         f"# Ray Serve LLM application (servetune trial {point.trial_id}, measured at {level_label(point.level)}).\n"
         "# Deploy: serve run this.yaml\n"
@@ -295,6 +341,10 @@ def ray_serve_yaml(
             if layout.level.get("concurrency"):
                 fixed["target_ongoing_requests"] = max(1, round(layout.level["concurrency"] / layout.replicas))
             config["deployment_config"]["autoscaling_config"] = fixed
+    if keep_ingress:
+        app = split_ingress(app)
+        header = header.replace("# Deploy: serve run this.yaml\n", "# Deploy: serve deploy this.yaml (or serve run)\n")
+        header += f"# Two applications, the ingress and the engines: {KEEP_INGRESS_WHY}.\n"
     body = yaml.safe_dump(app, sort_keys=False, default_flow_style=False)
     if f"'{MASK}'" in body:
         header += f"# {MASK} marks a secret servetune does not print: put the real value there.\n"
