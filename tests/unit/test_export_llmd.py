@@ -147,6 +147,13 @@ def test_a_local_model_comes_from_a_claim_mounted_where_the_arguments_look(gpu_p
     assert artifacts["name"] == deploy.served_model_name(gpu_point)
 
 
+@pytest.mark.parametrize("model", ["./models/tiny", "/tiny"])
+def test_a_local_model_the_chart_cannot_mount_where_the_arguments_look_is_refused(gpu_point, autoscaling, model):
+    point = dataclasses.replace(gpu_point, model=model)
+    with pytest.raises(UserError, match=f"model {model} is not an absolute directory below /"):
+        llmd.llmd_values(point, autoscaling)
+
+
 def test_a_hub_model_is_downloaded_into_room_for_its_checkpoint(gpu_point, autoscaling, monkeypatch):
     point = dataclasses.replace(gpu_point, model="Qwen/Qwen3-8B")
     known = ModelConfig(name="Qwen/Qwen3-8B", config={}, source="test", parameters={"BF16": 8_190_735_360})

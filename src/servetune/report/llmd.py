@@ -87,6 +87,12 @@ def model_artifacts(point: ReportPoint) -> tuple[dict[str, Any], list[str]]:
     }
     if is_local_path(point.model):
         path = PurePosixPath(point.model.rstrip("/") or "/")
+        if not path.is_absolute() or path.parent == path.parent.parent:
+            raise UserError(
+                f"export --format llm-d: trial {point.trial_id}'s model {point.model} is not an absolute directory "
+                "below /: the chart mounts the model's claim at its parent; run the study on an absolute path "
+                "(or a hub id), or use --format kubernetes"
+            )
         claim = f"{deploy.app_name(point)}-model"[:63]
         artifacts |= {"uri": f"pvc://{claim}/{path.name}", "mountPath": str(path.parent)}
         return artifacts, [
