@@ -36,6 +36,11 @@ Print the configuration of one operating point of a study:
                       each threshold's origin in the object's annotations
   --format kserve     a KServe InferenceService (serving.kserve.io/v1beta1) with the same container,
                       scaled by KEDA on the same signals (raw deployment mode)
+  --format llm-d      the values of llm-d's ModelService Helm chart (llm-d-incubation/llm-d-modelservice
+                      v0.3.8): decode pods with the same container, tensor/data parallelism as the chart
+                      names them, replicas fixed at what the peak needs (the chart makes no autoscaler),
+                      no prefill pods (no disaggregation), no routing sidecar; the model as hf://ID or a
+                      PersistentVolumeClaim holding the local directory
   --format prometheus-rules
                       Prometheus alerting rules (groups:, a PrometheusRule's spec): latency
                       percentiles over the SLO's bounds, a growing queue, KV-cache usage where
@@ -54,7 +59,7 @@ does not change when vLLM's defaults do.
 """
 
 
-FORMATS = ("vllm", "ray-serve", "json", "kubernetes", "kserve", "prometheus-rules", "grafana")
+FORMATS = ("vllm", "ray-serve", "json", "kubernetes", "kserve", "llm-d", "prometheus-rules", "grafana")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -78,12 +83,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--accelerator-type", metavar="NAME", help="Ray accelerator type for --format ray-serve, e.g. H100")
     p.add_argument(
         "--peak", type=float, metavar="X",
-        help="for --format ray-serve|kubernetes|kserve|prometheus-rules: the peak load to scale out to, in the ladder's unit (clients in flight, or "
+        help="for --format ray-serve|kubernetes|kserve|llm-d|prometheus-rules: the peak load to scale out to, in the ladder's unit (clients in flight, or "
              "req/s for a rate ladder); default: the top of the study's ladder",
     )  # fmt: skip
     p.add_argument(
         "--image", metavar="IMAGE",
-        help="for --format kubernetes|kserve: the vLLM server image (default: vllm/vllm-openai:v0.32.0)",
+        help="for --format kubernetes|kserve|llm-d: the vLLM server image (default: vllm/vllm-openai:v0.32.0)",
     )  # fmt: skip
     p.add_argument(
         "--autoscaler", choices=("hpa", "keda"), default="hpa",
@@ -95,7 +100,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     p.add_argument(
         "--headroom", type=float, default=0.8, metavar="X",
-        help="for --format ray-serve, kubernetes, kserve: autoscale each replica at X times the lower of its capacity at the SLO and its "
+        help="for --format ray-serve, kubernetes, kserve, llm-d: autoscale each replica at X times the lower of its capacity at the SLO and its "
              "knee (where throughput stops growing with load); default 0.8",
     )  # fmt: skip
     p.add_argument(
@@ -155,6 +160,10 @@ def run(args: argparse.Namespace) -> int:
             point, derived_autoscaling(), args.image or deploy.DEFAULT_IMAGE,
             args.prometheus_url or deploy.DEFAULT_PROMETHEUS,
         )  # fmt: skip
+    elif args.format == "llm-d":
+        from servetune.report.llmd import llmd_yaml
+
+        text = llmd_yaml(point, derived_autoscaling(), args.image or deploy.DEFAULT_IMAGE)
     elif args.format in ("prometheus-rules", "grafana"):
         from servetune.report import alerts
 
