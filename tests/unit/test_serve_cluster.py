@@ -65,6 +65,7 @@ def joined(monkeypatch):
     import ray
     import ray.serve
     import ray.serve.context
+    import ray.util
 
     state = types.SimpleNamespace(calls=[], controller=False, apps={})
 
@@ -81,6 +82,8 @@ def joined(monkeypatch):
     monkeypatch.setattr(ray.serve, "start", start)
     monkeypatch.setattr(ray.serve, "shutdown", shutdown_serve)
     monkeypatch.setattr(ray.serve, "status", lambda: types.SimpleNamespace(applications=dict(state.apps)))
+    monkeypatch.setattr(ray.util, "list_named_actors",
+                        lambda all_namespaces=False: [{"name": "SERVE_CONTROLLER_ACTOR"}] if state.controller else [])  # fmt: skip
     monkeypatch.setattr(ray.serve.context, "_get_global_client",
                         lambda raise_if_no_controller_running=True: object() if state.controller else None)  # fmt: skip
     monkeypatch.setattr("servetune.serve.cluster._ingress_url", lambda address: "http://head:8000")
@@ -109,3 +112,23 @@ def test_a_serve_started_on_a_joined_cluster_goes_with_its_last_application_and_
         joined.apps = dict(left)
     assert joined.calls == ["ray.init", "serve.start", *(["serve.shutdown"] if shut else []), "ray.shutdown"]
     assert joined.controller is not shut
+
+
+def test_a_serve_being_shut_down_is_waited_for_until_its_named_actors_are_gone(monkeypatch):
+    import ray.util
+
+    from servetune.serve import actors
+
+    going = [[{"name": "SERVE_PROXY_ACTOR-abc", "namespace": "serve"}, {"name": "theirs", "namespace": "x"}]] * 3
+    calls = []
+
+    def named(all_namespaces=False):
+        calls.append(all_namespaces)
+        return going.pop() if going else [{"name": "theirs", "namespace": "x"}]
+
+    monkeypatch.setattr(ray.util, "list_named_actors", named)
+    assert actors.wait_serve_gone(timeout_s=5) is True and len(calls) == 4 and all(calls)
+    monkeypatch.setattr(
+        ray.util, "list_named_actors", lambda all_namespaces=False: [{"name": "SERVE_CONTROLLER_ACTOR"}]
+    )
+    assert actors.wait_serve_gone(timeout_s=0.3) is False

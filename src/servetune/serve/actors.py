@@ -171,3 +171,22 @@ def wait_gone(pids: list[int], timeout_s: float = 60.0) -> list[int]:
         time.sleep(0.5)
         left = alive(left)
     return left
+
+
+#: The actors a Serve instance runs (its controller and a proxy per node), named in Ray's ``serve`` namespace.
+SERVE_ACTOR_PREFIXES = ("SERVE_CONTROLLER_ACTOR", "SERVE_PROXY_ACTOR")
+
+
+def wait_serve_gone(timeout_s: float = 30.0) -> bool:
+    """Wait until no Serve controller or proxy actor is named any more (``serve.shutdown`` returns while they are
+    still being killed, and a ``serve.start`` in that gap finds the dying proxy by its name); whether they went."""
+    import ray.util
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        named = ray.util.list_named_actors(all_namespaces=True)
+        if not any(str(a.get("name", "")).startswith(SERVE_ACTOR_PREFIXES) for a in named if isinstance(a, dict)):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)

@@ -95,6 +95,8 @@ class ServeCluster:
         from ray.serve.context import _get_global_client
 
         self.started_serve = _get_global_client(raise_if_no_controller_running=False) is None
+        if self.started_serve:  # a Serve shut down just before may still be going: its proxy's name is taken
+            actors.wait_serve_gone()
         serve.start(http_options={"host": "127.0.0.1", "port": free_port()} if self.address is None else None)
         self.serving = True
         self.url = _ingress_url(self.address)
@@ -124,6 +126,7 @@ class ServeCluster:
             with contextlib.suppress(Exception):  # unreachable: nothing this driver can stop
                 if not serve.status().applications:
                     serve.shutdown()
+                    actors.wait_serve_gone()
         if self.joined:
             ray.shutdown()  # this driver's connection only; the cluster runs on
 
