@@ -380,12 +380,7 @@ def _header(point: ReportPoint, autoscaling: Autoscaling | str, what: str) -> st
         f"{what} (servetune trial {point.trial_id}, measured at {level_label(point.level)}).",
         "Deploy: kubectl apply -f this.yaml",
     ]
-    secrets = [e["name"] for e in container_env(point, "") if "valueFrom" in e]
-    if secrets:
-        lines.append(f"Secrets by reference, never by value: kubectl create secret generic {name}-secrets "
-                     + " ".join(f"--from-literal={s}=..." for s in secrets))  # fmt: skip
-    if point.device == "cpu":
-        lines.append("The study ran on vLLM's CPU build: use a CPU image of vLLM (the default image is the GPU one).")
+    lines += pod_notes(point, name)
     if isinstance(autoscaling, str):
         lines.append(f"Fixed replicas, no autoscaling derived: {autoscaling}")
     else:
@@ -450,3 +445,16 @@ def kserve_yaml(
 def documents(text: str) -> list[Mapping[str, Any]]:
     """The YAML documents of an exported file (for tests and tools)."""
     return [d for d in yaml.safe_load_all(text) if d]
+
+
+def pod_notes(point: ReportPoint, name: str) -> list[str]:
+    """The header lines every pod-based export (kubernetes, kserve, llm-d) gives: the Secret to create for the
+    variables the pod reads by reference, and the image to use for a study on vLLM's CPU build."""
+    lines = []
+    secrets = [e["name"] for e in container_env(point, "") if "valueFrom" in e]
+    if secrets:
+        lines.append(f"Secrets by reference, never by value: kubectl create secret generic {name}-secrets "
+                     + " ".join(f"--from-literal={s}=..." for s in secrets))  # fmt: skip
+    if point.device == "cpu":
+        lines.append("The study ran on vLLM's CPU build: use a CPU image of vLLM (the default image is the GPU one).")
+    return lines

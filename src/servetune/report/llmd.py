@@ -166,12 +166,7 @@ def _header(point: ReportPoint, autoscaling: Autoscaling | str, notes: list[str]
         f"vLLM serves on port {deploy.PORT} for the InferencePool selecting the modelArtifacts labels.",
     ]
     lines += notes
-    secrets = [e["name"] for e in deploy.container_env(point, "") if "valueFrom" in e]
-    if secrets:
-        lines.append(f"Secrets by reference, never by value: kubectl create secret generic {name}-secrets "
-                     + " ".join(f"--from-literal={s}=..." for s in secrets))  # fmt: skip
-    if point.device == "cpu":
-        lines.append("The study ran on vLLM's CPU build: use a CPU image of vLLM (the default image is the GPU one).")
+    lines += deploy.pod_notes(point, name)
     if isinstance(autoscaling, str):
         lines.append(f"Fixed at 1 replica, no autoscaling derived: {autoscaling}")
     else:
