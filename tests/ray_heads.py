@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -70,7 +71,10 @@ class RayHead:
         done = subprocess.run([sys.executable, "-c", JOB_INFO, self.dashboard_url, submission_id],
                               capture_output=True, text=True, env=env or self.env, timeout=120)  # fmt: skip
         assert done.returncode == 0, done.stderr[-2000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])
+        # Ray's driver may print other lines after it (a crashed raylet's backtrace, as CI once saw): the marked one
+        listed = [line.removeprefix(NODES_MARK) for line in done.stdout.splitlines() if line.startswith(NODES_MARK)]
+        assert listed, done.stdout[-2000:]
+        return json.loads(listed[-1])
 
     def wait_for_job(self, submission_id: str, timeout_s: float, env: dict[str, str] | None = None) -> dict:
         """Poll until the job ends (stopping it past ``timeout_s``); its info and its log."""
@@ -226,18 +230,22 @@ class LocalCluster:
         done = subprocess.run([sys.executable, "-c", NODES, self.address], capture_output=True, text=True,
                               env=self.head.env, timeout=120)  # fmt: skip
         assert done.returncode == 0, done.stderr[-2000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])
+        # Ray's driver may print other lines after it (a crashed raylet's backtrace, as CI once saw): the marked one
+        listed = [line.removeprefix(NODES_MARK) for line in done.stdout.splitlines() if line.startswith(NODES_MARK)]
+        assert listed, done.stdout[-2000:]
+        return json.loads(listed[-1])
 
     def node_id_of(self, worker: RayNode) -> str:
         return next(n["id"] for n in self.nodes() if str(worker.temp_dir) in n["socket"])
 
 
 # The live nodes, from a driver of its own: Ray's node id, resources, raylet socket (under the node's temp dir).
+NODES_MARK = "servetune-nodes: "
 NODES = r"""
 import json, sys, ray
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
-print(json.dumps([{"id": n["NodeID"], "resources": n["Resources"], "socket": n["RayletSocketName"]}
-                  for n in ray.nodes() if n["Alive"]]))
+print("servetune-nodes: " + json.dumps([{"id": n["NodeID"], "resources": n["Resources"],
+                                         "socket": n["RayletSocketName"]} for n in ray.nodes() if n["Alive"]]))
 """
 
 
@@ -341,3 +349,13 @@ def _running_trial(cluster: LocalCluster, driver: subprocess.Popen, log_path: Pa
                     return worker, trial_id
         time.sleep(0.2)
     pytest.fail(f"no trial was running on a worker after {timeout_s:g} s")
+
+
+def last_json(stdout: str) -> Any:
+    """The last line of a Ray driver's output that is a JSON object or list: Ray may print lines after the driver's
+    own (a crashed raylet's backtrace, as CI once saw)."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(("{", "[")):
+            with contextlib.suppress(ValueError):
+                return json.loads(line)
+    raise AssertionError(f"no JSON line in the driver's output: {stdout[-2000:]}")

@@ -17,7 +17,7 @@ import pytest
 
 from tests.builders import level, study_info, trial, write_study
 from tests.conftest import serve_fake
-from tests.ray_heads import LocalCluster, ray_cluster, user_env
+from tests.ray_heads import LocalCluster, last_json, ray_cluster, user_env
 from tests.unit.test_prefetch import FakeHub
 
 # A driver of its own on the cluster (this process keeps no Ray connection for the tests after it).
@@ -76,7 +76,7 @@ def test_a_point_is_pinned_fetched_and_placed_only_on_nodes_of_its_measured_gpu_
         done = subprocess.run([sys.executable, "-c", DRIVER, cluster.address, url, str(cache), json.dumps(asks)],
                               capture_output=True, text=True, env=cluster.head.env, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    out = json.loads(done.stdout.strip().splitlines()[-1])
+    out = last_json(done.stdout)
     h100, a100 = (cluster.node_id_of(worker) for worker in cluster.workers)
     assert out["pinned"] == "H100"
     assert out["refused"] == ("trial t2 was measured on L4 GPUs (Ray accelerator_type L4); the cluster has GPUs of "
@@ -164,7 +164,7 @@ def test_a_serve_check_refused_on_a_joined_cluster_leaves_no_serve_there_and_som
         return done.stderr.strip().splitlines()[-1]
 
     def left() -> dict:
-        return json.loads(driver(SERVE_LEFT).stdout.strip().splitlines()[-1])
+        return last_json(driver(SERVE_LEFT).stdout)
 
     l4 = measured_on(tmp_path / "l4", str(tiny_model), "L4")
     h100 = measured_on(tmp_path / "h100", str(tiny_model), "H100-SXM")
