@@ -71,10 +71,7 @@ class RayHead:
         done = subprocess.run([sys.executable, "-c", JOB_INFO, self.dashboard_url, submission_id],
                               capture_output=True, text=True, env=env or self.env, timeout=120)  # fmt: skip
         assert done.returncode == 0, done.stderr[-2000:]
-        # Ray's driver may print other lines after it (a crashed raylet's backtrace, as CI once saw): the marked one
-        listed = [line.removeprefix(NODES_MARK) for line in done.stdout.splitlines() if line.startswith(NODES_MARK)]
-        assert listed, done.stdout[-2000:]
-        return json.loads(listed[-1])
+        return last_json(done.stdout)
 
     def wait_for_job(self, submission_id: str, timeout_s: float, env: dict[str, str] | None = None) -> dict:
         """Poll until the job ends (stopping it past ``timeout_s``); its info and its log."""
