@@ -90,10 +90,9 @@ def settle_ties(rec: Recommendation, points: Sequence[ReportPoint], trials: Sequ
         elif winner == mine:
             notes.append(f"against trial {tie.trial_id}: settled by a paired comparison ({rounds}), trial {mine} "
                          f"better: {latest.reason}")  # fmt: skip
-        elif margin_signals(tie, trials):
+        elif thin := margin_signals(tie, trials):
             notes.append(f"against trial {tie.trial_id}: a paired comparison ({rounds}) found trial {tie.trial_id} "
-                         f"better ({latest.reason}), but its memory margin is thin: "
-                         f"{'; '.join(margin_signals(tie, trials))}")  # fmt: skip
+                         f"better ({latest.reason}), but its memory margin is thin: {'; '.join(thin)}")  # fmt: skip
         else:
             others = tuple(t for t in rec.ties if t is not tie)
             why = (f"{describe(tie)}: a paired comparison ({rounds}) measured it better than trial {mine}, which "
