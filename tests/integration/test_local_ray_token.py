@@ -115,3 +115,13 @@ def test_a_local_ray_started_as_the_bench_scripts_start_one_leaves_no_token(tmp_
     assert done.returncode == 0, done.stderr[-3000:]
     assert "GPUs 2.0" in done.stdout.splitlines(), done.stdout
     assert not (home / ".ray" / "auth_token").exists()
+
+
+def test_doctor_on_a_local_ray_leaves_no_token(tmp_path, home, shell):
+    """``servetune doctor`` with no cluster given checks a local Ray it starts for the check (``init_ray``, as
+    ``run`` starts its own): the node's checks come back, and no token is left."""
+    done = servetune("doctor", "--json", tmp_path / "doctor.json", env=shell, cwd=tmp_path)
+    assert done.returncode in (0, 1) and "Traceback" not in done.stderr, done.stderr[-3000:]
+    checks = json.loads((tmp_path / "doctor.json").read_text())
+    assert any(c["name"] == "vllm version" for c in checks), checks  # the node's task ran on that Ray
+    assert not (home / ".ray" / "auth_token").exists()
