@@ -1,5 +1,5 @@
 """cluster/: the Ray cluster launcher file against Ray's own schema, the runtime environment as
-Ray packages it, and the KubeRay RayJob's fields (no cluster here: structure, not behaviour)."""
+Ray packages it, and the KubeRay RayJob against KubeRay's CRD schema and Kubernetes' (no cluster here: structure, not behaviour)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import yaml
 
 from servetune.local_ray import SERVE_SYSTEM_CONFIG
 from servetune.space_file import load_space
+from tests.unit.test_export_deploy import validate_definition, validate_k8s
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER = ROOT / "cluster"
@@ -198,17 +199,51 @@ def test_a_large_untracked_folder_in_the_checkout_stays_out_of_the_upload(tmp_pa
 
 # --- KubeRay ---------------------------------------------------------------------------------
 
-# Fields of KubeRay's RayJob CRD (ray.io/v1, KubeRay 1.x). The API server drops unknown fields
-# of a structural schema without a word, so a misspelt one would be ignored: check them here.
-RAYJOB_SPEC = {"activeDeadlineSeconds", "backoffLimit", "clusterSelector", "deletionStrategy", "entrypoint",
-               "entrypointNumCpus", "entrypointNumGpus", "entrypointResources", "jobId", "managedBy", "metadata",
-               "preRunningDeadlineSeconds", "rayClusterSpec", "runtimeEnvYAML", "shutdownAfterJobFinishes",
-               "submissionMode", "submitterConfig", "submitterPodTemplate", "suspend", "ttlSecondsAfterFinished"}  # fmt: skip
-CLUSTER_SPEC = {"autoscalerOptions", "enableInTreeAutoscaling", "gcsFaultToleranceOptions", "headGroupSpec",
-                "headServiceAnnotations", "managedBy", "rayVersion", "suspend", "workerGroupSpecs"}  # fmt: skip
-HEAD_GROUP = {"enableIngress", "headService", "rayStartParams", "serviceType", "template"}
-WORKER_GROUP = {"groupName", "idleTimeoutSeconds", "maxReplicas", "minReplicas", "numOfHosts", "rayStartParams",
-                "replicas", "scaleStrategy", "suspend", "template"}  # fmt: skip
+#: KubeRay's RayJob CRD schema (ray.io/v1), its pod templates left to Kubernetes' own (tests/data/kuberay).
+RAYJOB_SCHEMA = ROOT / "tests" / "data" / "kuberay" / "rayjob.schema.json"
+POD_TYPE = "x-servetune-k8s-type"
+
+
+def strict(schema: dict) -> dict:
+    """The CRD's schema refusing unknown fields. The API server drops the unknown fields of a structural schema
+    without a word (or refuses them under ``kubectl apply --validate=strict``), so a misspelt one would be ignored;
+    here it fails. Fields kept open (``x-kubernetes-preserve-unknown-fields``) stay open."""
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: [strict(v) for v in vals] if isinstance(vals, list) else strict(vals) for k, vals in schema.items()}
+    if "properties" in out:
+        out["properties"] = {k: strict(v) for k, v in schema["properties"].items()}
+        if not schema.get("x-kubernetes-preserve-unknown-fields"):
+            out.setdefault("additionalProperties", False)
+    return out
+
+
+def pod_templates(obj: object, schema: dict, path: str = "") -> list[tuple[str, dict]]:
+    """Where the schema says a core/v1 PodTemplateSpec sits (``x-servetune-k8s-type``), the objects there."""
+    if schema.get(POD_TYPE):
+        return [(path, obj)] if isinstance(obj, dict) else []
+    found: list[tuple[str, dict]] = []
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            if key in schema.get("properties", {}):
+                found += pod_templates(value, schema["properties"][key], f"{path}.{key}")
+    elif isinstance(obj, list) and "items" in schema:
+        for i, value in enumerate(obj):
+            found += pod_templates(value, schema["items"], f"{path}[{i}]")
+    return found
+
+
+def rayjob_errors(job: dict) -> list[str]:
+    """What KubeRay's schema, strict, and Kubernetes' for each pod template find wrong in ``job``."""
+    schema = json.loads(RAYJOB_SCHEMA.read_text())
+    validator = jsonschema.Draft7Validator(strict(schema))
+    errors = [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(job)]
+    for path, template in pod_templates(job, schema):
+        try:
+            validate_definition(template, "io.k8s.api.core.v1.PodTemplateSpec")
+        except jsonschema.ValidationError as exc:
+            errors.append(f"{path}: {exc.message}")
+    return errors
 
 
 @pytest.fixture(scope="module")
@@ -227,22 +262,35 @@ def pod_volumes(template: dict) -> dict[str, dict]:
     return {v["name"]: v for v in template["spec"].get("volumes", [])}
 
 
-def test_rayjob_has_the_fields_kuberay_needs(manifests):
+def test_rayjob_is_valid_against_kuberays_crd_and_its_pods_against_kubernetes(manifests, claims):
     job = manifests["RayJob"]
     assert job["apiVersion"] == "ray.io/v1" and job["metadata"]["name"]
+    assert rayjob_errors(job) == []
+    assert len(pod_templates(job, json.loads(RAYJOB_SCHEMA.read_text()))) == 1 + len(
+        job["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    )
+    for claim in claims.values():
+        validate_k8s(claim)
+
+
+def test_the_rayjob_check_catches_a_misspelt_field_and_a_bad_pod(manifests):
+    """The check above can fail: a misspelt field of the RayJob, a container field Kubernetes does not know, and a
+    number where KubeRay's schema takes a string."""
+    job = copy.deepcopy(manifests["RayJob"])
+    job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["minReplica"] = 1
+    job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["imagePullPolice"] = "Always"
+    job["spec"]["rayClusterSpec"]["headGroupSpec"]["rayStartParams"]["num-gpus"] = 0  # `ray start` takes strings
+    errors = rayjob_errors(job)
+    assert [any(word in e for e in errors) for word in ("minReplica", "imagePullPolice", "num-gpus")] == [True] * 3
+
+
+def test_rayjob_has_what_kuberay_needs(manifests):
+    job = manifests["RayJob"]
     spec = job["spec"]
-    assert set(spec) <= RAYJOB_SPEC, set(spec) - RAYJOB_SPEC
     cluster = spec["rayClusterSpec"]
-    assert set(cluster) <= CLUSTER_SPEC, set(cluster) - CLUSTER_SPEC
     assert cluster["rayVersion"] == ray.__version__  # the Ray servetune pins
-    head = cluster["headGroupSpec"]
-    assert set(head) <= HEAD_GROUP and head["template"]["spec"]["containers"]
-    assert cluster["workerGroupSpecs"]
-    for group in [head, *cluster["workerGroupSpecs"]]:
-        # KubeRay passes rayStartParams to `ray start` and its schema takes strings only.
-        assert all(isinstance(v, str) for v in group.get("rayStartParams", {}).values()), group["rayStartParams"]
+    assert cluster["headGroupSpec"]["template"]["spec"]["containers"] and cluster["workerGroupSpecs"]
     for group in cluster["workerGroupSpecs"]:
-        assert set(group) <= WORKER_GROUP, set(group) - WORKER_GROUP
         assert group["groupName"] and 0 <= group["minReplicas"] <= group["replicas"] <= group["maxReplicas"]
 
 
