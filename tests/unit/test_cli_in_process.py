@@ -12,7 +12,7 @@ def test_main_gives_an_in_process_caller_its_sigterm_handler_back(monkeypatch):
     parser = argparse.ArgumentParser()
     command = parser.add_subparsers(dest="command").add_parser("x")
     command.set_defaults(run=lambda args: 0 if signal.signal(signal.SIGTERM, signal.SIG_IGN) is not None else 1)
-    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    monkeypatch.setattr(cli, "build_parser", lambda only=None: parser)
 
     def callers(signum, frame):
         raise AssertionError("not called")
@@ -22,3 +22,25 @@ def test_main_gives_an_in_process_caller_its_sigterm_handler_back(monkeypatch):
         assert cli.main(["x"]) == 0 and signal.getsignal(signal.SIGTERM) is callers
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_a_command_imports_its_own_module_only():
+    """``servetune plan`` builds only its own parser: run's and estimate's modules (the trial runner, Ray Tune's trainable, scipy) are not imported, so a plan
+    answers in about a second; with no command named, every command is there for ``--help``."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, contextlib, io\n"
+        "from servetune import cli\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "    cli.main(sys.argv[1:])\n"
+        "print(sorted(m for m in ('servetune.cli.run', 'servetune.cli.plan', 'servetune.trial.runner') if m in sys.modules))\n"
+    )
+
+    def imported(*argv: str) -> str:
+        done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+        return done.stdout.strip().splitlines()[-1]
+
+    assert imported("plan", "--help") == "['servetune.cli.plan']"
+    assert imported("--help") == "['servetune.cli.plan', 'servetune.cli.run', 'servetune.trial.runner']"

@@ -33,7 +33,17 @@ COMMANDS = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def command_of(argv: list[str] | None) -> str | None:
+    """The sub-command ``argv`` names (its first word not an option), when it is one of :data:`COMMANDS`."""
+    words = sys.argv[1:] if argv is None else argv
+    first = next((word for word in words if not word.startswith("-")), None)
+    return first if first in COMMANDS else None
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The CLI's parser: every sub-command, or ``only`` that one. Each sub-command's module is imported to add its
+    parser, and some import Ray Tune, scipy or MLflow: ``servetune plan`` need not pay for ``run``'s (about 1.6 s of
+    a core's time in every call, here)."""
     parser = argparse.ArgumentParser(
         prog="servetune",
         description=(
@@ -43,13 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"servetune {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMANDS:
+    for name in (only,) if only else COMMANDS:
         importlib.import_module(f"servetune.cli.{name.replace('-', '_')}").add_parser(subparsers)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(command_of(argv))
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()
