@@ -4,7 +4,9 @@
 (the real vLLM CPU build): a failure in a fast tier shows in minutes instead of after the real-vLLM tests,
 which pytest's own order (folders alphabetically: e2e first) ran first. Within a tier the order is pytest's.
 The terminal summary gives each tier's wall-clock time (from its first test's set-up to its last test's
-teardown) and test count, so ``make test`` shows where its time goes.
+teardown), test count and how busy the host's cores were meanwhile, so ``make test`` shows where its time goes and
+how far more processes could take it: a tier whose cores were busy all along is bound by its CPU work (core-seconds
+over cores), not by how its tests are spread over processes.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import pytest
 
 TIERS = ("unit", "integration", "e2e")
@@ -68,16 +71,31 @@ def run_order(item: pytest.Item) -> tuple[int, float]:
     return tier_rank(item), -SLOW_FILES_S.get(item.nodeid.split("::", 1)[0], 0)
 
 
+def busy_core_s() -> float:
+    """Seconds the host's cores have spent busy since boot, all processes (not idle, not waiting on I/O)."""
+    times = psutil.cpu_times()
+    return sum(times) - times.idle - getattr(times, "iowait", 0.0)
+
+
 @dataclass
 class TierClock:
     started: float | None = None
     ended: float | None = None
+    busy_from: float = 0.0
+    busy_to: float = 0.0
     tests: int = 0
     failed: set[str] = field(default_factory=set)
 
     @property
     def wall_s(self) -> float:
         return 0.0 if self.started is None or self.ended is None else self.ended - self.started
+
+    def cores(self, cpus: int) -> str:
+        """How busy the host's ``cpus`` were over the tier, and the shortest time that CPU work allows."""
+        busy = self.busy_to - self.busy_from
+        if self.wall_s <= 0 or busy <= 0:
+            return ""
+        return f"  cores {busy / (self.wall_s * cpus):.0%} busy ({busy:,.0f} core-s: at least {busy / cpus:,.0f} s)"
 
 
 @dataclass(eq=False)  # pluggy keeps plugins in sets
@@ -96,11 +114,11 @@ class Tiers:
     def pytest_runtest_logstart(self, nodeid: str, location: tuple[str, int | None, str]) -> None:
         clock = self._clock(location[0])
         if clock.started is None:
-            clock.started = time.monotonic()
+            clock.started, clock.busy_from = time.monotonic(), busy_core_s()
 
     def pytest_runtest_logfinish(self, nodeid: str, location: tuple[str, int | None, str]) -> None:
         clock = self._clock(location[0])
-        clock.ended = time.monotonic()
+        clock.ended, clock.busy_to = time.monotonic(), busy_core_s()
         clock.tests += 1
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
@@ -112,7 +130,9 @@ class Tiers:
             return
         terminalreporter.section("time per tier")
         order = sorted(self.clocks, key=lambda t: TIERS.index(t) if t in TIERS else len(TIERS))
+        cpus = psutil.cpu_count() or 1
         for tier in order:
             clock = self.clocks[tier]
             failed = f", {len(clock.failed)} failed" if clock.failed else ""
-            terminalreporter.write_line(f"{tier:<12} {clock.wall_s:8.1f} s  {clock.tests} tests{failed}")
+            line = f"{tier:<12} {clock.wall_s:8.1f} s  {clock.tests} tests{failed}{clock.cores(cpus)}"
+            terminalreporter.write_line(line)

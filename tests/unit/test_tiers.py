@@ -54,7 +54,15 @@ def test_a_tiers_failures_are_counted_in_its_line(tmp_path):
     done, _ = probe_session(tmp_path, fail_tier="integration")
     assert done.returncode == 1
     lines = done.stdout[done.stdout.index("time per tier") :].splitlines()
-    assert any(line.startswith("integration") and line.endswith("1 tests, 1 failed") for line in lines), lines
+    assert any(line.startswith("integration") and "1 tests, 1 failed" in line for line in lines), lines
+
+
+def test_a_tiers_line_says_how_busy_the_cores_were_and_the_time_that_cpu_work_allows():
+    from tests.tiers import TierClock
+
+    clock = TierClock(started=100.0, ended=1100.0, busy_from=50.0, busy_to=1550.0)  # 1,500 core-s in 1,000 s
+    assert clock.cores(2) == "  cores 75% busy (1,500 core-s: at least 750 s)"
+    assert TierClock(started=1.0, ended=1.0).cores(2) == ""  # nothing timed: nothing said
 
 
 def test_within_a_tier_the_known_slow_files_start_first_longest_first():
