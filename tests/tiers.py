@@ -37,7 +37,7 @@ SLOW_FILES_S = {
     "tests/integration/test_ray_job_submit.py": 255,
     "tests/integration/test_export_deploy_serve.py": 225,
     "tests/integration/test_study.py": 150,
-    "tests/integration/test_rolling_update_serve.py": 140,
+    "tests/integration/test_rolling_update_serve.py": 190,
     "tests/integration/test_packing.py": 140,
     "tests/integration/test_verify_top.py": 115,
     "tests/integration/test_gpu_type_ray.py": 110,

@@ -9,8 +9,11 @@ kept). From the request records: the scenario's counts and worst TTFT during the
 paced by the new replicas. Every engine takes :data:`START_S` to start: a request that waited for a replica to start
 (none serving, or the router gone) would have waited at least that long, and none did.
 
-The scenario runs in a process of its own, which starts a Ray sized for the deployment and stops it (about 1.5 min
-on a two-core host); it writes what the test checks to a JSON file."""
+Then, on the updated deployment under the same load, verify's replica_lost scenario (opt-in in verify): one replica's
+process killed (the fake engine runs in the replica's own process), Serve's replacement, and what the clients saw.
+
+Both run in a process of its own, which starts a Ray sized for the deployment and stops it (about 2 min on a
+two-core host); it writes what the tests check to a JSON file."""
 
 from __future__ import annotations
 
@@ -80,6 +83,7 @@ def roll(work: str, model: str) -> None:
     from servetune.serve.actors import wait_gone
     from servetune.serve.cluster import ServeCluster
     from servetune.serve.trial import ServeEngine, trial_needs
+    from servetune.verify.replica_lost import replica_lost
     from servetune.verify.rolling_update import new_configuration, rolling_update
     from servetune.verify.scenarios import Target
 
@@ -97,20 +101,27 @@ def roll(work: str, model: str) -> None:
         out["before"] = {"replicas": cluster.engine_replicas(engine.name), "ingress": ingress(cluster, engine.name),
                          "configs": cluster.replica_llm_configs(engine.name)}  # fmt: skip
 
-        async def scenario():
+        async def scenario(run):
             async with StreamingClient(engine.url, winner.model, timeout_s=60, first_token_timeout_s=30,
                                        idle_timeout_s=30) as client:  # fmt: skip
                 target = Target(client=client, url=engine.url, workload=WORKLOAD, prompts=prompts, slo=SLO,
                                 level=Level("concurrency", 3.0), budget=BUDGET, max_model_len=1024, engine=engine)  # fmt: skip
-                return await rolling_update(target, new_spec, change, update_timeout_s=240), target.records
+                return await run(target), target.records
 
-        result, records = asyncio.run(scenario())
+        result, records = asyncio.run(scenario(lambda t: rolling_update(t, new_spec, change, update_timeout_s=240)))
         out.update(passed=result.passed, reason=result.reason, numbers=result.numbers,
                    records=[dataclasses.asdict(r) for r in records])  # fmt: skip
         out["after"] = {"replicas": cluster.engine_replicas(engine.name), "ingress": ingress(cluster, engine.name),
                         "configs": cluster.replica_llm_configs(engine.name)}  # fmt: skip
         out["old_processes_left"] = wait_gone(before_pids, timeout_s=60)
         out["before_processes"] = len(before_pids)
+        # Then, on the updated deployment, verify's replica_lost: one replica's process killed under the same load,
+        # Serve's replacement waited for (the trial's start-up time: a replica's start here is its engine's 8 s and
+        # Ray Serve LLM's import).
+        lost, lost_records = asyncio.run(scenario(lambda t: replica_lost(t, 2, replace_timeout_s=240)))
+        out["lost"] = {"passed": lost.passed, "reason": lost.reason, "numbers": lost.numbers,
+                       "records": [dataclasses.asdict(r) for r in lost_records],
+                       "replicas": cluster.engine_replicas(engine.name)}  # fmt: skip
         out["log"] = engine.log_text()
     (root / "rolled.json").write_text(json.dumps(out, default=str))
 
@@ -122,12 +133,19 @@ def ingress(cluster, name: str) -> list[str]:
     ]
 
 
-def test_a_rolling_update_to_the_runner_up_leaves_only_replicas_of_its_configuration(tiny_model, tmp_path):
+@pytest.fixture(scope="module")
+def rolled(tiny_model, tmp_path_factory) -> dict:
+    """The update, then the lost replica, on one Ray and Serve, in a process of its own: what it wrote."""
+    work = tmp_path_factory.mktemp("rolled")
     code = "import sys\nfrom tests.integration.test_rolling_update_serve import roll\nroll(sys.argv[1], sys.argv[2])"
-    done = subprocess.run([sys.executable, "-c", code, str(tmp_path), str(tiny_model)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=540)  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code, str(work), str(tiny_model)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=840)  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
-    out = json.loads((tmp_path / "rolled.json").read_text())
+    return json.loads((work / "rolled.json").read_text())
+
+
+def test_a_rolling_update_to_the_runner_up_leaves_only_replicas_of_its_configuration(rolled):
+    out = rolled
     n, before, after = out["numbers"], out["before"], out["after"]
     assert out["change"].startswith("to the runner-up's configuration") and n["change"] == out["change"]
 
@@ -179,3 +197,23 @@ def test_a_rolling_update_to_the_runner_up_leaves_only_replicas_of_its_configura
     after_it = [r for r in measured if r.sent >= done_s]
     assert n["requests_after"] == len(after_it) > 0 and n["failed_after"] == sum(not r.ok for r in after_it)
     assert all(r.ttft_s >= RUNNER_UP_TTFT_S for r in after_it if r.ok and r.ttft_s is not None)
+
+
+def test_a_replica_lost_under_load_is_replaced_by_serve_and_the_other_serves_meanwhile(rolled):
+    """verify's replica_lost on the same deployment, after the update (the module's one Ray and Serve): the killed
+    replica's process is gone, Serve runs two replicas again, one of them new, no sooner than an engine's start; the
+    scenario's counts are the client's records'; the surviving replica served while one was lost."""
+    lost, before = rolled["lost"], rolled["after"]["replicas"]
+    n = lost["numbers"]
+    assert n["killed"].startswith("replica process ") and n["replaced"], lost["reason"]
+    assert n["replaced_s"] >= START_S  # the replacement's engine took its start
+    assert len(lost["replicas"]) == 2 and len(set(lost["replicas"]) - set(before)) == 1, (before, lost["replicas"])
+    records = [RequestRecord(**r) for r in lost["records"]]
+    killed_at = n["killed_at_s"]
+    measured = [r for r in records if not r.warmup]
+    failed = [r for r in measured if not r.ok and (r.end if r.end is not None else r.sent) >= killed_at]
+    assert n["requests"] == len(records) and n["failed"] == len(failed)
+    assert n["failed"] == n["failed_in_flight"] + n["failed_sent_after_kill"]
+    survivors = [r for r in measured if r.ok and killed_at <= r.sent < killed_at + n["replaced_s"]]
+    assert n["survivor_requests"] == len(survivors) > 0
+    assert n["recovered"] and any(r.ok and r.sent >= killed_at + n["replaced_s"] for r in measured), lost["reason"]
