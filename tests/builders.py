@@ -5,6 +5,7 @@ stand-in load, and a local OpenAI-style completions server for client-side tests
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib.util
 import json
 import shutil
@@ -20,6 +21,8 @@ from aiohttp import web
 from servetune.config.space import SearchSpace
 from servetune.engine.args import ArgSpec
 from servetune.metrics import RequestRecord
+from servetune.report import ReportPoint, StudyReport
+from servetune.report.export import pick_point
 from servetune.results import CapacityReport, KvCapacityReport, LevelResult, StudyInfo, TrialResult
 from servetune.space_file import load_space
 from servetune.summary import LatencyStats, LevelSummary
@@ -82,6 +85,33 @@ def write_study(root: Path, info: StudyInfo, trials: list[TrialResult], running:
     for name in running:
         (root / "trials" / name).mkdir()
     return root
+
+
+def cpu_study(root: Path, params: dict | None = None, devices: int = 1, price: float | None = 2.0) -> Path:
+    """A study of one CPU trial, ``t1`` (max_num_seqs 8 and ``params``, on ``devices`` cores), measured at
+    concurrency 8, with the space file serve-check reads; ``price``: its ``price_per_device_hour`` (None: none)."""
+    t = trial("t1", {"max_num_seqs": 8, **(params or {})}, [level(8, 400, 300)], device="cpu", devices=devices,
+              env={"VLLM_CPU_KVCACHE_SPACE": "1"})  # fmt: skip
+    write_study(root, study_info(device="cpu"), [t])
+    (root / "space.yaml").write_text(
+        "name: demo\nmodel: tiny\ndevice: cpu\nworkload: cpu-tiny\n"
+        "load: {levels: [8], requests_per_level: 16}\nslo: {ttft_ms: {p99: 2000}}\n"
+        + (f"price_per_device_hour: {price:g}\n" if price is not None else "")
+    )  # fmt: skip
+    return root
+
+
+CPU_TINY_STUDY = Path(__file__).parent / "data" / "cpu-tiny-study"  # a study measured on vLLM's CPU build
+CPU_TINY_KNEE = "e57a166985b8"  # its trial that met the SLO at concurrency 2 and 8, broke it at 32
+
+
+def gpu_knee(report: StudyReport, sizes: dict[str, int], env: dict[str, str] | None = None) -> ReportPoint:
+    """``report``'s (the cpu-tiny study's) knee as if measured on GPUs, its engine with ``sizes`` (e.g. TP 2 x PP 2),
+    an API key and a secret variable (``HF_TOKEN``), and ``env``: what an export must place and must not leak."""
+    point = pick_point(report, CPU_TINY_KNEE)
+    engine_args = {**point.engine_args, **sizes, "api_key": "sk-live"}
+    env = {**point.env, "HF_TOKEN": "hf_secret_value", **(env or {})}
+    return dataclasses.replace(point, device="gpu", engine_args=engine_args, env=env)
 
 
 def demo_trials() -> list[TrialResult]:

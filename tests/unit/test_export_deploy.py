@@ -8,10 +8,8 @@ here, the rest against the CRDs' schemas vendored under tests/data in test_expor
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import shlex
-from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -25,9 +23,9 @@ from servetune.cli import main
 from servetune.engine.args import load_argspecs
 from servetune.report import ReportPoint, build_report, deploy, load_study
 from servetune.report.export import autoscaling_for, pick_point, vllm_command
+from tests.builders import CPU_TINY_KNEE, CPU_TINY_STUDY, gpu_knee
 
-STUDY = Path(__file__).parents[1] / "data" / "cpu-tiny-study"
-BASELINE = "e57a166985b8"  # met the SLO at concurrency 2 and 8, broke it at 32
+STUDY, BASELINE = CPU_TINY_STUDY, CPU_TINY_KNEE
 K8S = "1.37.0"
 
 
@@ -51,10 +49,7 @@ def report():
 @pytest.fixture(scope="module")
 def gpu_point(report):
     """The study's knee as if measured on GPUs, with TP 2 x PP 2, a secret variable and an API key."""
-    point = pick_point(report, BASELINE)
-    engine_args = {**point.engine_args, "tensor_parallel_size": 2, "pipeline_parallel_size": 2, "api_key": "sk-live"}
-    env = {**point.env, "HF_TOKEN": "hf_secret_value", "VLLM_LOGGING_LEVEL": "INFO"}
-    return dataclasses.replace(point, device="gpu", engine_args=engine_args, env=env)
+    return gpu_knee(report, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, {"VLLM_LOGGING_LEVEL": "INFO"})
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,12 @@ from servetune.config.space import engine_devices
 from servetune.engine.args import load_argspecs
 from servetune.errors import UserError
 from servetune.report import build_report, deploy, llmd, load_study
-from servetune.report.export import autoscaling_for, masked_engine_args, pick_point
+from servetune.report.export import autoscaling_for, masked_engine_args
+from tests.builders import CPU_TINY_KNEE, CPU_TINY_STUDY, gpu_knee
 from tests.unit.test_export_deploy import validate_definition
 
 DATA = Path(__file__).parents[1] / "data"
-STUDY = DATA / "cpu-tiny-study"
-BASELINE = "e57a166985b8"  # met the SLO at concurrency 2 and 8, broke it at 32
+STUDY, BASELINE = CPU_TINY_STUDY, CPU_TINY_KNEE
 SCHEMA = json.loads((DATA / "llm-d" / "values.schema.json").read_text())
 #: The container fields the chart reads beside a core/v1 Container's (templates/_helpers.tpl).
 CHART_CONTAINER_KEYS = ("modelCommand", "mountModelVolume")
@@ -41,10 +41,7 @@ def report():
 @pytest.fixture(scope="module")
 def gpu_point(report):
     """The study's knee as if measured on GPUs, with TP 2 x DP 2 in one server and a secret variable."""
-    point = pick_point(report, BASELINE)
-    engine_args = {**point.engine_args, "tensor_parallel_size": 2, "data_parallel_size": 2, "api_key": "sk-live"}
-    env = {**point.env, "HF_TOKEN": "hf_secret_value"}
-    return dataclasses.replace(point, device="gpu", engine_args=engine_args, env=env)
+    return gpu_knee(report, {"tensor_parallel_size": 2, "data_parallel_size": 2})
 
 
 @pytest.fixture(scope="module")

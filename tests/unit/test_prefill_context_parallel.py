@@ -12,6 +12,10 @@ from servetune.errors import UserError
 from servetune.report import ReportPoint
 from servetune.report.deploy import gpus
 from servetune.serve.plan import llm_config, needs
+from tests.builders import cpu_study
+
+#: A trial with prefill-context parallelism 2: its engine takes 2 ranks, 2 cores.
+PCP = {"prefill_context_parallel_size": 2}
 
 
 def gpu_point(**sizes: int) -> ReportPoint:
@@ -48,20 +52,6 @@ def test_a_kubernetes_server_asks_for_its_prefill_context_ranks_too():
     assert gpus(gpu_point(tensor_parallel_size=2, prefill_context_parallel_size=2, data_parallel_size=2)) == 8
 
 
-def pcp_study(root, devices: int = 1):
-    """A study of one CPU trial with prefill-context parallelism 2 (its engine: 2 ranks, 2 cores)."""
-    from tests.builders import level, study_info, trial, write_study
-
-    t = trial("t1", {"max_num_seqs": 8, "prefill_context_parallel_size": 2}, [level(8, 400, 300)], device="cpu",
-              devices=devices, env={"VLLM_CPU_KVCACHE_SPACE": "1"})  # fmt: skip
-    write_study(root, study_info(device="cpu"), [t])
-    (root / "space.yaml").write_text(
-        "name: demo\nmodel: tiny\ndevice: cpu\nworkload: cpu-tiny\n"
-        "load: {levels: [8], requests_per_level: 16}\nslo: {ttft_ms: {p99: 2000}}\nprice_per_device_hour: 2\n"
-    )  # fmt: skip
-    return root
-
-
 def test_a_layout_keeps_the_points_prefill_context_ranks_in_its_devices():
     from servetune.serve.layouts import Layout, beside_tp, budget_layouts, check_layouts, layout_point, layout_run
 
@@ -85,7 +75,7 @@ def test_serve_check_layouts_count_prefill_context_ranks_in_the_budget_and_its_l
     from servetune.serve.study import read_picked
 
     monkeypatch.setattr("servetune.serve.check.os.sched_getaffinity", lambda pid: set(range(8)))
-    picked = read_picked(pcp_study(tmp_path / "s"), "t1")
+    picked = read_picked(cpu_study(tmp_path / "s", PCP), "t1")
     console = Console(file=open(tmp_path / "out.txt", "w"))  # noqa: SIM115 - closed with the test's tmp_path
 
     def laid(**given):
@@ -103,5 +93,5 @@ def test_serve_check_layouts_count_prefill_context_ranks_in_the_budget_and_its_l
     with pytest.raises(UserError, match="prefill_context_parallel_size 2 does not divide it"):
         laid(budget=3)
     # A Serve trial measured on more (its replicas): scaled from those.
-    picked = read_picked(pcp_study(tmp_path / "s4", devices=4), "t1")
+    picked = read_picked(cpu_study(tmp_path / "s4", PCP, devices=4), "t1")
     assert laid(budget=4).level.value == picked.operating_level().value

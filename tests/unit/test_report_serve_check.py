@@ -4,8 +4,7 @@ the HTML page, and a file that cannot be read said so."""
 from __future__ import annotations
 
 from servetune.serve.routing import verdict
-from tests.builders import level
-from tests.unit.test_serve_check import tiny_study
+from tests.builders import cpu_study, level
 from tests.unit.test_serve_routing import run_of
 
 
@@ -17,7 +16,7 @@ def test_the_report_shows_serve_checks_scaling_and_routers_with_the_verdict(tmp_
     from servetune.serve.result import ReplicaRun, ServeCheckResult, scaling_rows
     from servetune.serve.routing import RoutingResult
 
-    study = tiny_study(tmp_path / "s")
+    study = cpu_study(tmp_path / "s", price=None)
     runs = [ReplicaRun(replicas=1, levels=[level(8, 380, 320)])]
     routed = [
         run_of("default", 200, 400),
@@ -56,7 +55,7 @@ def routed_study(tmp_path, routed, trial_id="t1"):
     from servetune.serve.result import ServeCheckResult
     from servetune.serve.routing import RoutingResult
 
-    study = tiny_study(tmp_path / "s")
+    study = cpu_study(tmp_path / "s", price=None)
     result = ServeCheckResult(
         servetune_version="0", created="now", study="demo", trial_id=trial_id, picked_level={"concurrency": 8}, model="m",
         app_name="app", url="http://x", address=None, llm_config={}, slo=[], runs=[], rows=[],

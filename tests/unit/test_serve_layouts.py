@@ -4,7 +4,6 @@ deployed, what each layout deploys, the verdict (noise ties included), and where
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -27,7 +26,7 @@ from servetune.serve.layouts import (
 from servetune.serve.plan import llm_config, needs
 from servetune.serve.routing import engine_version
 from servetune.serve.study import read_picked
-from tests.builders import level, study_info, trial, write_study
+from tests.builders import cpu_study, level
 from tests.unit.test_serve_check import FakeCluster
 
 
@@ -163,20 +162,10 @@ class LayoutCluster(FakeCluster):
         return super().reset_prefix_caches(name)
 
 
-def tiny_study(root: Path) -> Path:
-    t = trial("t1", {"max_num_seqs": 8}, [level(8, 400, 300)], device="cpu", env={"VLLM_CPU_KVCACHE_SPACE": "1"})
-    write_study(root, study_info(device="cpu"), [t])
-    (root / "space.yaml").write_text(
-        "name: demo\nmodel: tiny\ndevice: cpu\nworkload: cpu-tiny\n"
-        "load: {levels: [8], requests_per_level: 16}\nslo: {ttft_ms: {p99: 2000}}\nprice_per_device_hour: 2\n"
-    )  # fmt: skip
-    return root
-
-
 def test_layouts_are_measured_at_one_load_the_routers_engines_reused_the_rest_fresh(tmp_path):
     from servetune.serve.check import Routing
 
-    picked = read_picked(tiny_study(tmp_path / "s"), "t1")
+    picked = read_picked(cpu_study(tmp_path / "s"), "t1")
     cluster, teardown = LayoutCluster(), Teardown(pids=set())
     offered: list[tuple[str, int]] = []
 
@@ -206,7 +195,7 @@ def test_layouts_are_measured_at_one_load_the_routers_engines_reused_the_rest_fr
 def test_cli_refusals_come_before_ray_starts(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("servetune.serve.check.os.sched_getaffinity", lambda pid: {0, 1})  # a two-core machine
     monkeypatch.setattr("servetune.serve.cluster.ServeCluster.__enter__", lambda self: pytest.fail("Ray started"))
-    study = tiny_study(tmp_path / "s")
+    study = cpu_study(tmp_path / "s")
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text(json.dumps({
@@ -242,7 +231,7 @@ def laid_out_study(tmp_path, trial_id="t1", slow_big=True):
     from servetune.serve.layouts import LayoutResult
     from servetune.serve.result import ServeCheckResult
 
-    study = tiny_study(tmp_path / "s")
+    study = cpu_study(tmp_path / "s")
     runs = [run(Layout(2, 1), 900).model_copy(update={"requests_per_replica": {"r0": 12, "r1": 12}, "engines_reused": True}),
             run(Layout(1, 2), 400 if slow_big else 880).model_copy(update={"requests_per_replica": {"r2": 24}})]  # fmt: skip
     laid = LayoutResult(budget=2, device="CPU", level={"concurrency": 16.0}, price_per_device_hour=2.0, runs=runs,
@@ -306,7 +295,7 @@ def test_a_layout_that_fails_to_deploy_is_recorded_and_the_others_are_still_comp
                 raise EngineStartError(f"the Serve deployment of {name} failed: ranks", "RuntimeError: no cores")
             return super().deploy(name, config, timeout_s, engine_version, keep_ingress)
 
-    picked = read_picked(tiny_study(tmp_path / "s"), "t1")
+    picked = read_picked(cpu_study(tmp_path / "s"), "t1")
     layouts = Layouts(layouts=[Layout(1, 2), Layout(2, 1), Layout(4, 1)], budget=2, level={"concurrency": 16.0},
                       measure=lambda url, served, layout: level(16, 900 / layout.replicas, 300))  # fmt: skip
     result = run_check(picked, [], TpFails(), "app", lambda *a: [], Teardown(pids=set()), layouts=layouts)

@@ -22,8 +22,8 @@ from servetune.serve.routing import (
     verdict,
 )
 from servetune.serve.study import read_picked
-from tests.builders import level
-from tests.unit.test_serve_check import FakeCluster, tiny_study
+from tests.builders import cpu_study, level
+from tests.unit.test_serve_check import FakeCluster
 
 #: What Ray's metrics agent exports (shape as Ray 2.60 writes it): Serve's request counter for the LLM
 #: deployment and the ingress, and vLLM's counters labelled with the replica (ReplicaId).
@@ -234,7 +234,7 @@ def routing_cluster(restarts: bool = False):
 
 
 def compare(tmp_path, cluster):
-    picked = read_picked(tiny_study(tmp_path / "s"), "t1")
+    picked = read_picked(cpu_study(tmp_path / "s", price=None), "t1")
     measured: list[str] = []
 
     def measure(url, served, router):
@@ -293,20 +293,9 @@ def test_a_switch_on_which_serve_restarted_the_engines_is_recorded(tmp_path):
     assert prefix_aware.engines_reused is False and prefix_aware.engine_replicas != default.engine_replicas
 
 
-def small_model_study(root):
-    """tiny_study's trial with max_model_len 1024, as the CPU stand-in's."""
-    from tests.builders import study_info, trial, write_study
-
-    t = trial("t1", {"max_num_seqs": 8, "max_model_len": 1024}, [level(8, 400, 300)], device="cpu",
-              env={"VLLM_CPU_KVCACHE_SPACE": "1"})  # fmt: skip
-    write_study(root, study_info(device="cpu"), [t])
-    (root / "space.yaml").write_text((tiny_study(root.parent / "plain") / "space.yaml").read_text())
-    return root
-
-
 def test_cli_refuses_bad_routing_options_in_one_line_before_ray_starts(tmp_path, capsys):
     ray = pytest.importorskip("ray")
-    study = small_model_study(tmp_path / "s")
+    study = cpu_study(tmp_path / "s", {"max_model_len": 1024}, price=None)  # the CPU stand-in's max_model_len
     cases = {
         ("--routers", "default,round-robin"): "--routers 'default,round-robin': unknown router 'round-robin' "
         "(known: default, prefix-aware)",

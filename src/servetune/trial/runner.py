@@ -11,45 +11,34 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import functools
-import hashlib
 import json
 import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from servetune.capacity.compare import measured_kv_tokens
-from servetune.capacity.prices import Pricing
-from servetune.config.slo import Slo
-from servetune.config.space import GPU_PARAM
-from servetune.config.workload import Workload
-from servetune.engine.args import vllm_version
 from servetune.engine.resolved import fetch_resolved
 from servetune.engine.server import VllmServer
 from servetune.engine.startup import startup_phases
 from servetune.environment import collect_environment
-from servetune.errors import EngineDiedError, EngineStartError, UserError
-from servetune.estimate import Efficiency
+from servetune.errors import EngineDiedError, EngineStartError
 from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory
 from servetune.load.runner import Level
 from servetune.models.names import is_hub_id
 from servetune.quality.lm_eval import results_file
 from servetune.quality.lossless import method_of
-from servetune.quality.probe import QualityPlan, run_probe
+from servetune.quality.probe import run_probe
 from servetune.results import (
     ENGINE_LOG,
-    KNEE_FRACTION,
     LM_EVAL_RESULTS_FILE,
     QUALITY_FILE,
     REQUESTS_FILE,
     RESULT_FILE,
     SCHEMA_VERSION,
-    CapacityReport,
     KvCapacityReport,
     LevelResult,
     TrialResult,
@@ -59,94 +48,22 @@ from servetune.results import (
 )
 from servetune.secrets import redact_engine_args, redact_env, redact_params
 from servetune.telemetry import GpuId, TelemetrySampler, visible_gpus
-from servetune.trial.capacity import CAPACITY_LEVELS, CAPACITY_TOLERANCE, CapacitySearch
+from servetune.trial.capacity import CapacitySearch
 from servetune.trial.estimated import estimate_levels
 from servetune.trial.failures import INFRA_RETRIES, classify
 from servetune.trial.measure import Engine as MeasuredEngine
 from servetune.trial.measure import LevelPlan, check_alive, measure_rung
+from servetune.trial.precheck import capacity_check, fits, price_trial, trial_vllm_version
+from servetune.trial.spec import TrialSpec
+
+# The spec and the checks before the engine starts have their own modules; importable from here as before.
+__all__ = ["TrialSpec", "capacity_check", "fits", "price_trial", "trial_vllm_version"]
 
 Report = Callable[[dict[str, Any]], None]
 #: Asked before each further level with the trial so far and the levels it may still measure (the
 #: rest of the ladder and what the capacity search could add): a reason to stop climbing (it becomes
 #: ``stopped_because``), or None to go on.
 StopRule = Callable[[TrialResult, Sequence[Level]], str | None]  # study/early_stop.py makes one
-
-
-@dataclass(frozen=True)
-class TrialSpec:
-    """Everything one trial needs, resolved by the study (picklable, no Ray types)."""
-
-    study: str
-    trials_dir: Path
-    params: dict[str, Any]
-    engine_args: dict[str, Any]
-    env: dict[str, str]
-    model: str
-    device: str  # gpu | cpu
-    devices: int
-    price_per_device_hour: float
-    workload: Workload
-    levels: tuple[Level, ...]
-    requests_per_level: int | Literal["auto"] | None
-    seconds_per_level: float | None
-    warmup_requests: int | None
-    request_timeout_s: float
-    startup_timeout_s: float
-    stop_on_slo_break: bool
-    min_throughput_gain: float
-    slo: Slo
-    capacity_levels: int = CAPACITY_LEVELS  # the capacity search's budget of levels beyond the ladder (0: none)
-    capacity_tolerance: float = CAPACITY_TOLERANCE  # it stops once its bracket is this close (relative)
-    knee_fraction: float = KNEE_FRACTION  # the knee: throughput gain per load increase below this share (results.py)
-    gpu: str | None = None
-    gpu_memory_gib: float | None = None
-    repeats: int = 1  # runs of each level; the level reports the median run
-    python: str | None = None
-    extra_env: dict[str, str] = field(default_factory=dict)  # placement (CUDA_VISIBLE_DEVICES, binding)
-    quality: QualityPlan | None = None  # the quality probe, run before the ladder (quality/probe.py)
-    node_id: str | None = None  # the Ray node the trial runs on, recorded in its environment (not in its id)
-    serve_replicas: int | None = None  # run through Ray Serve LLM with this many replicas (None: the bare engine)
-    pricing: Pricing | None = None  # prices by GPU type (None: price_per_device_hour as it is)
-    stream_batching_ms: float | None = (
-        None  # through Serve: the replicas' stream batching interval (None: Ray's default)
-    )
-    gpu_type: str | None = None  # the Ray accelerator type its devices are pinned to (trial/context.py pinned_gpu_type)
-    # the factors its levels are estimated with (trial/estimated.py): the study's refit, None for the shipped ones
-    estimate_efficiency: Efficiency | None = None
-    # how ``startup_timeout_s`` was sized (capacity/startup.py StartupBudget.describe), said when a start times out
-    startup_expected: str | None = None
-    client_processes: int | Literal["auto"] = 1  # load.client_processes: the load client split across processes
-    client_cpus: int = 1  # hardware.cpus_per_trial: what "auto" client processes may use at most
-
-    @property
-    def trial_id(self) -> str:
-        """A hash of everything that decides the measurement: names the trial directory."""
-        key = {
-            "model": self.model, "engine_args": self.engine_args, "env": self.env,
-            "workload": self.workload.model_dump(mode="json"), "levels": [str(lv) for lv in self.levels],
-            "requests": self.requests_per_level, "seconds": self.seconds_per_level, "slo": [str(b) for b in self.slo.bounds],
-        }  # fmt: skip
-        if self.repeats != 1:  # absent when 1, so trials measured before repeats existed keep their ids
-            key["repeats"] = self.repeats
-        if self.quality is not None:  # likewise absent without a quality probe
-            key["quality"] = self.quality.digest_key()
-        if self.serve_replicas is not None:  # likewise absent for the bare engine
-            key["serve_replicas"] = self.serve_replicas
-        if self.stream_batching_ms is not None:  # likewise absent at Ray's default
-            key["stream_batching_ms"] = self.stream_batching_ms
-        if GPU_PARAM in self.params:  # the GPU type as a search dimension: one engine on another type is another trial
-            key["gpu"] = self.gpu
-        return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-    @property
-    def trial_dir(self) -> Path:
-        return self.trials_dir / self.trial_id
-
-    @property
-    def tokenizer(self) -> str:
-        """What the engine tokenizes with, so prompts are counted as it counts them: its
-        ``tokenizer`` argument when the trial sets one, else the model's own."""
-        return str(self.engine_args.get("tokenizer") or self.model)
 
 
 def load_result(trial_dir: Path) -> TrialResult | None:
@@ -190,102 +107,6 @@ def placement_record(spec: TrialSpec) -> dict[str, str]:
     if "TORCHINDUCTOR_COMPILE_THREADS" in spec.extra_env:  # torch.compile's pool, sized to the trial's CPUs
         record["compile_threads"] = spec.extra_env["TORCHINDUCTOR_COMPILE_THREADS"]
     return record
-
-
-def capacity_check(spec: TrialSpec, seen: dict[str, str] | None = None) -> CapacityReport | None:
-    """The memory ledger's verdict, or None where the model's architecture is unknown offline; for what the ledger
-    cannot size (an unmodelled KV cache dtype or quantization, a context above max_position_embeddings) a report
-    that is "not planned" and lets the trial start. On the CPU build without a KV space, only what it refuses (a
-    quantized KV cache on a CPU without AVX-512 or AMX, capacity/cpubuild.py), else None.
-
-    ``seen``: the trial's environment record, with the GPU it got as NVML names it (``gpu_model``,
-    ``gpu_memory_gib``). Without ``hardware.gpu`` in the space the check sizes the GPU from that; with it, the
-    space's GPU is used and a GPU of another kind is said in ``environment["hardware_note"]``. A MIG slice
-    (``gpu_mig``) is sized by its own memory either way, unless the space gives ``hardware.gpu_memory_gib``."""
-    from servetune.capacity import NotPlanned, gpu_hardware, load_model_arch, plan_capacity, resolve_hardware
-    from servetune.capacity.cpubuild import cpu_kv_cache_problem, quantized_kv_cache
-    from servetune.capacity.draft import check_draft, load_draft
-    from servetune.capacity.hardware import find_gpu
-    from servetune.capacity.profile import profile_for_version
-
-    kv_dtype = str(spec.engine_args.get("kv_cache_dtype") or "auto")
-    kv_space = spec.env.get("VLLM_CPU_KVCACHE_SPACE") or "kv_cache_memory_bytes" in spec.engine_args
-    # Without a KV space the CPU build sizes its KV cache from host memory: nothing to predict, only what it refuses.
-    if spec.device == "cpu" and not kv_space and not quantized_kv_cache(kv_dtype):
-        return None
-    got = (seen or {}).get("gpu_model") if spec.device == "gpu" else None
-    sliced = (seen or {}).get("gpu_mig") if got else None  # a MIG slice: the space's GPU would size the whole board
-    try:
-        arch = load_model_arch(spec.model)
-        if got and spec.gpu_memory_gib is None and (spec.gpu is None or sliced):  # the GPU the trial got, per NVML
-            hardware = gpu_hardware(got, int(float((seen or {})["gpu_memory_gib"]) * 2**30))
-        else:
-            hardware = resolve_hardware(spec.device, spec.gpu, spec.gpu_memory_gib)
-    except (UserError, ValueError, KeyError):
-        return None
-    if got and spec.gpu is not None and seen is not None:
-        try:
-            same = find_gpu(got).name == hardware.name
-        except UserError:
-            same = False
-        if not same or sliced:
-            part, size = (f" MIG {sliced}", f" ({hardware.memory_gib:.1f} GiB)") if sliced else ("", "")
-            seen["hardware_note"] = f"the space says {spec.gpu}; the trial got {got}{part}: its capacity check sized {hardware.name}{size}"  # fmt: skip
-    try:
-        profile = profile_for_version(trial_vllm_version(spec, seen), "the trial's vLLM version")
-    except UserError as exc:
-        return CapacityReport(fits=False, reason=str(exc))
-    if spec.device == "cpu" and not kv_space:
-        if (refused := cpu_kv_cache_problem(arch, kv_dtype, hardware, profile)) is None:
-            return None
-        return CapacityReport(fits=False, reason=f"vLLM refuses this configuration: {refused}", profile=profile.name)
-    try:
-        draft = load_draft(spec.engine_args)  # speculative decoding's draft checkpoint, where it has one
-    except UserError as exc:  # unknown offline: vLLM may still fetch it, so no verdict
-        return CapacityReport(fits=True, planned=False, reason=f"not planned: {exc}")
-    try:
-        check_draft(arch, draft, spec.engine_args)  # a draft model of another vocabulary: vLLM refuses it
-        plan = plan_capacity(arch, spec.engine_args, hardware, env=spec.env, profile=profile, draft=draft)
-    except NotPlanned as exc:  # no verdict: the trial starts, and records what vLLM itself reports
-        return CapacityReport(fits=True, planned=False, reason=f"not planned: {exc}")
-    except UserError as exc:
-        return CapacityReport(fits=False, reason=str(exc))
-    return CapacityReport(
-        fits=plan.fits, reason=plan.reason, kv_cache_tokens=plan.kv_cache_tokens, kv_cache_gib=plan.kv_cache_gib,
-        max_concurrency=plan.max_concurrency, advice=list(plan.advice), profile=profile.name,
-    )  # fmt: skip
-
-
-@functools.lru_cache(maxsize=8)
-def _installed_vllm(python: str) -> str | None:
-    return vllm_version(python)
-
-
-def trial_vllm_version(spec: TrialSpec, seen: dict[str, str] | None = None) -> str | None:
-    """The vLLM the trial runs: its environment record's (``seen["vllm"]``, what the trial's node has), else the one
-    installed beside ``spec.python`` (the driver's view, before the trial runs: on a joined cluster servetune
-    doctor's checks fail a node whose vLLM differs from the driver's, so it is the cluster's too); None where
-    neither has vLLM."""
-    recorded = (seen or {}).get("vllm")
-    if recorded and recorded != "not installed":
-        return recorded
-    return _installed_vllm(spec.python or sys.executable)
-
-
-def price_trial(result: TrialResult, spec: TrialSpec) -> None:
-    """Price the trial by the GPU type it ran on (as NVML names it, else the space's ``hardware.gpu``)."""
-    if spec.pricing is None:
-        return
-    got = result.environment.get("gpu_model", "")
-    gpu = got if got and not got.startswith("no NVIDIA GPU") else spec.gpu
-    result.price = spec.pricing.resolve(gpu if spec.device == "gpu" else None)
-    result.price_per_device_hour = result.price.usd_per_device_hour
-
-
-def fits(spec: TrialSpec) -> bool:
-    """Whether the trial passes its capacity check (or has none): what ``run_trial`` checks first."""
-    capacity = capacity_check(spec)
-    return capacity is None or capacity.fits
 
 
 class Engine(MeasuredEngine, Protocol):

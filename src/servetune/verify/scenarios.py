@@ -28,16 +28,13 @@ peaks); what is new here is the load each scenario asks for and how it is judged
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from servetune.config.slo import Slo
-from servetune.config.workload import Fixed, RequestClass, Workload
+from servetune.config.workload import Workload
 from servetune.load.client import DROPPED, StreamingClient
 from servetune.load.requests import PromptFactory
 from servetune.load.runner import Level
@@ -48,8 +45,19 @@ from servetune.results import LevelResult
 from servetune.summary import summarize
 from servetune.trial.measure import EarlyBreak, Engine, LevelPlan, measure_level
 from servetune.trial.readings import MetricsSource
+from servetune.verify.shapes import (
+    LONG_CLASS,
+    LONG_SHARE,
+    fixed_workload,
+    gap_cv,
+    mixed_workload,
+    p99_input_tokens,
+    scaled,
+)
 from servetune.verify.stats import bootstrap_mean, chance_of_spread, drift, growth, jitter, window_samples, windows
 from servetune.verify.watch import Trace
+
+__all__ = ["LONG_SHARE"]  # its home is verify/shapes.py, with the loads the scenarios derive
 
 #: Scenario names, in the order they run (verify.json's ``scenarios`` keys).
 SCENARIOS = ("soak", "peak", "burst", "mix", "long_output", "disconnects", "headroom", "repeats")
@@ -62,7 +70,6 @@ CHANCE_MAX = 0.05
 RSS_GROWTH_MAX = 0.10  # the engine's resident memory, growth over the soak relative to its start
 PEAK_FACTOR = 1.25
 BURST_CV = 3.0  # coefficient of variation of the gaps between arrivals; gamma shape = 1 / CV^2
-LONG_SHARE = 0.10
 DEFAULT_ERROR_RATE = 0.001  # allowed error rate where the SLO sets none
 #: Each scenario draws its own prompts: streams far from the trial's (1 + level x repeats + run).
 STREAMS = {name: 10_000 + 1_000 * i for i, name in enumerate(SCENARIOS)}
@@ -146,12 +153,6 @@ def ttft_breaks(slo: Slo, summary) -> list[str]:
             if value is not None and b.breaks(value):
                 broken.append(f"{b.name} = {value:.4g} > {b.limit:g}")
     return broken
-
-
-def scaled(level: Level, factor: float) -> Level:
-    if level.kind == "concurrency":
-        return Level("concurrency", float(max(level.value + 1, math.ceil(level.value * factor))))
-    return Level("rate", level.value * factor, level.process, level.burstiness, level.max_concurrency)
 
 
 class _Watch(EarlyBreak):
@@ -310,15 +311,6 @@ async def peak(t: Target) -> tuple[ScenarioResult, LevelResult, Trace]:
     return ScenarioResult("peak", ok, f"{level} ({PEAK_FACTOR:g}x): {why}{slo_note}", _core(result)), result, trace
 
 
-def gap_cv(records: list[RequestRecord], scheduled: bool = False) -> float | None:
-    """The coefficient of variation of the gaps between sends, as sent or (``scheduled``) as the open loop's schedule
-    asked (requests without one left out): a busy host's late sends smooth the first, never the second."""
-    times = [r.scheduled for r in records if r.scheduled is not None] if scheduled else [r.sent for r in records]
-    sends = np.sort(np.asarray(times))
-    gaps = np.diff(sends)
-    return float(gaps.std() / gaps.mean()) if len(gaps) >= 2 and gaps.mean() > 0 else None
-
-
 async def burst(t: Target) -> ScenarioResult:
     rate = t.level.value if t.level.kind == "rate" else t.measured_rate
     if not rate:
@@ -334,30 +326,6 @@ async def burst(t: Target) -> ScenarioResult:
     )
     reason = f"gamma arrivals at {rate:.3g} req/s, gaps' CV {fmt(asked)} asked, {fmt(cv)} sent: {why}{slo_note}"
     return ScenarioResult("burst", ok, reason, numbers)
-
-
-def p99_input_tokens(workload: Workload, seed: int = 0, samples: int = 20_000) -> int:
-    """The workload's 99th percentile of input length (by sampling its classes, weighted)."""
-    rng = np.random.default_rng(seed)
-    classes = workload.classes
-    weights = np.asarray([c.weight for c in classes], dtype=float)
-    counts = rng.multinomial(samples, weights / weights.sum())
-    lengths = np.concatenate([c.input_tokens.sample(rng, int(n)) for c, n in zip(classes, counts, strict=True) if n])
-    return int(np.percentile(lengths, 99))
-
-
-LONG_CLASS = "long"
-
-
-def mixed_workload(workload: Workload, long_tokens: int) -> Workload:
-    """The workload's classes at 90% of the weight, and a ``long`` class at its P99 input length."""
-    classes = workload.classes
-    total = sum(c.weight for c in classes)
-    kept = [RequestClass(name=c.name if c.name != LONG_CLASS else "short", weight=c.weight * (1 - LONG_SHARE) / total,
-                         input_tokens=c.input_tokens, output_tokens=c.output_tokens) for c in classes]  # fmt: skip
-    long = RequestClass(name=LONG_CLASS, weight=LONG_SHARE, input_tokens=Fixed(dist="fixed", value=long_tokens),
-                        output_tokens=classes[0].output_tokens)  # fmt: skip
-    return workload.model_copy(update={"input_tokens": None, "output_tokens": None, "mix": (*kept, long)})
 
 
 async def mix(t: Target, soak_ttft_p99: float | None) -> ScenarioResult:
@@ -391,11 +359,6 @@ async def mix(t: Target, soak_ttft_p99: float | None) -> ScenarioResult:
         reason = f"{head} (no TTFT bound: at most x2 passes); {why}"
     numbers["short_ttft_slo_violations"] = broken
     return ScenarioResult("mix", passed, reason, numbers)
-
-
-def fixed_workload(workload: Workload, name: str, input_tokens: int, output_tokens: int) -> Workload:
-    return Workload(name=name, seed=workload.seed, api=workload.api, ignore_eos=True, temperature=workload.temperature,
-                    input_tokens=Fixed(dist="fixed", value=input_tokens), output_tokens=Fixed(dist="fixed", value=output_tokens))  # fmt: skip
 
 
 async def long_output(t: Target) -> ScenarioResult:
