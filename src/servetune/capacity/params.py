@@ -52,25 +52,35 @@ SEQUENCE_PARALLEL_SHARED_EXPERTS = ("Deepseek", "Llama4", "Qwen3Next", "Nemotron
 class MoeShards:
     """How vLLM 0.32's FusedMoE lays the routed experts over the GPUs (``FusedMoEParallelConfig.make``).
 
-    Its group is every rank of TP x DP (attention and dense layers split by TP only, replicated over DP).
-    Without expert parallelism every rank holds every expert, its width split over the group; with it
-    (``enable_expert_parallel`` and a group above 1) ``ep_size`` = TP x DP and each rank holds whole experts,
+    Its group is every rank of TP x DP x PCP (``flatten_tp_across_dp_and_pcp``: attention and dense layers
+    split by TP only, replicated over DP and prefill context parallelism). Without expert parallelism every
+    rank holds every expert, its width split over the group (``FusedMoEConfig`` asserts it divides); with it
+    (``enable_expert_parallel`` and a group above 1) ``ep_size`` = TP x DP x PCP and each rank holds whole experts,
     ``ceil(experts / ep_size)`` on the heaviest (``determine_expert_map``: the first ``experts % ep_size``
     ranks take one more). The router gate is replicated. Shared experts split by TP, but DeepSeek-V2/V3,
     Llama 4, Qwen3-Next and Nemotron-H replicate them when the MoE runs sequence parallel
     (``use_sequence_parallel_moe``: EP, TP > 1 and DP > 1 with the default all2all backend; Qwen2/3-MoE do not).
     """
 
-    group: int = 1  # TP x DP
+    group: int = 1  # TP x DP x PCP
     expert_parallel: bool = False
     replicate_shared: bool = False
+    layout: str = ""  # how the group is made, for messages: "TP 2 x DP 2 (4 ranks)" (of() fills it)
 
     @classmethod
-    def of(cls, arch: ModelArch, tp: int, dp: int = 1, expert_parallel: bool = False) -> MoeShards:
-        ep = expert_parallel and tp * dp > 1
-        sequence_parallel = ep and tp > 1 and dp > 1
+    def of(cls, arch: ModelArch, tp: int, dp: int = 1, expert_parallel: bool = False, pcp: int = 1) -> MoeShards:
+        ep = expert_parallel and tp * dp * pcp > 1
+        sequence_parallel = ep and tp > 1 and dp > 1  # vLLM 0.32 use_sequence_parallel_moe: PCP plays no part
         family = arch.architecture.startswith(SEQUENCE_PARALLEL_SHARED_EXPERTS)
-        return cls(group=tp * dp, expert_parallel=ep, replicate_shared=sequence_parallel and family)
+        sizes = [f"TP {tp}"] + [f"{name} {n}" for name, n in (("DP", dp), ("PCP", pcp)) if n > 1]
+        layout = f"{' x '.join(sizes)} ({tp * dp * pcp} ranks)"
+        replicate = sequence_parallel and family
+        return cls(group=tp * dp * pcp, expert_parallel=ep, replicate_shared=replicate, layout=layout)
+
+    @property
+    def expert_split(self) -> int:
+        """How many ways one expert's intermediate width is split: the group without EP, 1 with it."""
+        return 1 if self.expert_parallel else self.group
 
     def experts_per_rank(self, experts: int) -> int:
         return _cdiv(experts, self.group) if self.expert_parallel else experts
