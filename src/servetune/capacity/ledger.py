@@ -19,6 +19,7 @@ Pure: no I/O, no vLLM import. See ``servetune.capacity`` for the terms.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -104,6 +105,8 @@ def _gpu_overheads(
         non_torch += s.max_num_seqs * _cdiv(s.max_model_len, s.block_size) * 4
     tokens = s.max_num_batched_tokens
     shards = moe_shards(arch, s)
+    if not profile.moe_dp_gathers_batch:  # chunked by VLLM_MOE_DP_CHUNK_SIZE: a few hundred tokens a rank
+        shards = dataclasses.replace(shards, gathered=1)
     forward = tokens * activation_bytes_per_token(arch, act_bytes, tp, profile.forward_hidden_states, shards)
     logits = min(s.max_num_seqs * query_len, tokens) * _cdiv(arch.vocab_size, 64) * 64
     sampler = logits * profile.sampler_bytes_per_logit + tokens * arch.hidden_size * act_bytes

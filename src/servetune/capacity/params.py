@@ -66,6 +66,7 @@ class MoeShards:
     expert_parallel: bool = False
     replicate_shared: bool = False
     layout: str = ""  # how the group is made, for messages: "TP 2 x DP 2 (4 ranks)" (of() fills it)
+    gathered: int = 1  # DP ranks whose scheduled tokens each MoE layer gathers (activation_bytes_per_token)
 
     @classmethod
     def of(cls, arch: ModelArch, tp: int, dp: int = 1, expert_parallel: bool = False, pcp: int = 1) -> MoeShards:
@@ -75,7 +76,7 @@ class MoeShards:
         sizes = [f"TP {tp}"] + [f"{name} {n}" for name, n in (("DP", dp), ("PCP", pcp)) if n > 1]
         layout = f"{' x '.join(sizes)} ({tp * dp * pcp} ranks)"
         replicate = sequence_parallel and family
-        return cls(group=tp * dp * pcp, expert_parallel=ep, replicate_shared=replicate, layout=layout)
+        return cls(group=tp * dp * pcp, expert_parallel=ep, replicate_shared=replicate, layout=layout, gathered=dp)
 
     @property
     def expert_split(self) -> int:
@@ -281,13 +282,25 @@ def activation_bytes_per_token(
     intermediates (gate_up output and the activated product, or the fused-MoE caches for top-k experts) and
     the attention projections. Three are checked on vLLM 0.6.4's V0 profiling run of Llama-3.1-8B at 20K and
     29K tokens (issue 10517: 2.07 and 2.99 GiB logged, 2.06 and 2.99 planned; two give 1.91 and 2.77).
+
+    Under data parallelism an MoE layer works on every DP rank's tokens: vLLM 0.32 picks the naive DP
+    prepare/finalize whenever ``dp_size > 1`` (``fused_moe/all2all_utils.py`` ``maybe_make_prepare_finalize``),
+    whose dispatch all-gathers the hidden states (``AgRsAll2AllManager.dispatch``, the default
+    ``allgather_reducescatter`` backend: ``all_gatherv`` over the DP group, or the EP group under sequence-parallel
+    MoE, sized by ``DPMetadata``'s per-rank token counts, unchunked) and whose combine reduce-scatters the experts'
+    output back. The profiling run gives every DP rank ``max_num_batched_tokens``, so a rank's fused-MoE caches
+    hold DP x that many tokens' top-k rows, beside the gathered input and the output to scatter
+    (``MoeShards.gathered``: DP hidden states each, per scheduled token). The shared experts see the rank's own.
     """
     h = arch.hidden_size
     if arch.is_moe:
         moe = shards or MoeShards(group=tp)  # the fused-MoE caches hold top-k rows of one expert's width on a rank
         inter = moe.expert_width(arch.moe_intermediate_size)
         shared = _cdiv(arch.shared_expert_intermediate_size, 1 if moe.replicate_shared else tp)
-        mlp = arch.num_experts_per_tok * (3 * inter + h) + 3 * shared
+        routed = arch.num_experts_per_tok * (3 * inter + h)
+        if moe.gathered > 1:  # every DP rank's tokens gathered in, and the output to reduce-scatter back
+            routed = moe.gathered * (routed + 2 * h)
+        mlp = routed + 3 * shared
         mlp = max(mlp, 3 * _cdiv(arch.intermediate_size, tp))
     else:
         mlp = 3 * _cdiv(arch.intermediate_size, tp)
