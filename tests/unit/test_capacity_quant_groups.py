@@ -159,3 +159,16 @@ def test_plan_cli_pcp_below_one_is_one_line(capsys) -> None:
     assert cli.main(["plan", "--model", DEEPSEEK, "--gpu", "H200", "--pcp", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--pcp 0: must be >= 1" in err[0]
+
+
+def test_a_channelwise_gptq_checkpoint_has_no_groups_to_split(tmp_path, lite) -> None:
+    from servetune.models.tiny import TINY_CONFIG
+
+    config = {**TINY_CONFIG, "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": -1}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    quant = load_model_arch(tmp_path).quant
+    assert quant.method == "gptq" and quant.channelwise
+    # the same layouts that split groups of 128 are taken: one scale per output channel
+    assert structural_problem(lite, 4, 1, GPTQ, MoeShards.of(lite, 4)) is not None
+    assert structural_problem(lite, 4, 1, quant, MoeShards.of(lite, 4)) is None
+    assert structural_problem(lite, 1, 1, quant, MoeShards.of(lite, 1, 8)) is None

@@ -174,7 +174,7 @@ def structural_problem(
             f"moe_intermediate_size {arch.moe_intermediate_size} does not split over the MoE layers' "
             f"{moe.layout or f'TP {tp} ({tp} ranks)'}: vLLM's FusedMoEConfig asserts it divides"
         )
-    if quant.method in ("awq", "gptq"):
+    if quant.method in ("awq", "gptq") and not quant.channelwise:
         return _quant_group_problem(arch, tp, quant, moe)
     return None
 
