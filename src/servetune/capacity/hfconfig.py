@@ -36,7 +36,8 @@ def _quant_from_config(qc: dict[str, Any], source: str) -> WeightQuant:
         )
     if method == "gptq":
         group = int(qc.get("group_size", 128))
-        return WeightQuant(method="gptq", bits=int(qc.get("bits", 4)), group_size=group if group > 0 else 128)
+        bits = int(qc.get("bits", 4))
+        return WeightQuant(method="gptq", bits=bits, group_size=group if group > 0 else 128, channelwise=group <= 0)
     if method in ("fp8", "fbgemm_fp8"):
         return WeightQuant(method="fp8", bits=8)
     if method == "bitsandbytes":
@@ -64,7 +65,8 @@ def _quant_from_config(qc: dict[str, Any], source: str) -> WeightQuant:
                 return WeightQuant(method="fp8", bits=8)
             if bits == 8:
                 return WeightQuant(method="int8", bits=8)
-            return WeightQuant(method="gptq", bits=bits, group_size=int(weights.get("group_size") or 128))
+            group = int(weights.get("group_size") or 0)  # strategy "channel": none
+            return WeightQuant(method="gptq", bits=bits, group_size=group if group > 0 else 128, channelwise=group <= 0)
         raise UserError(f"{source}: quantization_config.config_groups has no weights entry")
     raise UserError(
         f"{source}: quantization_config.quant_method {method!r} is not one the planner knows "

@@ -19,6 +19,7 @@ Pure: no I/O, no vLLM import. See ``servetune.capacity`` for the terms.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -35,7 +36,6 @@ from servetune.capacity.kvgroups import kv_layout
 from servetune.capacity.lora import lora_cost
 from servetune.capacity.mamba import aligned_block_size, cpu_ssm_dtype, state_bytes, tp_problem
 from servetune.capacity.params import (
-    MoeShards,
     activation_bytes_per_token,
     count_parameters,
     kv_bytes_per_layer_token,
@@ -44,7 +44,13 @@ from servetune.capacity.params import (
 )
 from servetune.capacity.profile import VLLM_0_32, EngineProfile, cudagraph_capture_sizes
 from servetune.capacity.schema import CapacityArgs, CapacityPlan, DraftPlan, NotPlanned, Settings, read_engine_args
-from servetune.capacity.settings import engine_settings, kv_element_bytes, resolve_quant, structural_problem
+from servetune.capacity.settings import (
+    engine_settings,
+    kv_element_bytes,
+    moe_shards,
+    resolve_quant,
+    structural_problem,
+)
 from servetune.errors import UserError
 
 
@@ -98,7 +104,9 @@ def _gpu_overheads(
     if profile.count_block_table:
         non_torch += s.max_num_seqs * _cdiv(s.max_model_len, s.block_size) * 4
     tokens = s.max_num_batched_tokens
-    shards = MoeShards.of(arch, tp, s.data_parallel_size, s.enable_expert_parallel)
+    shards = moe_shards(arch, s)
+    if not profile.moe_dp_gathers_batch:  # chunked by VLLM_MOE_DP_CHUNK_SIZE: a few hundred tokens a rank
+        shards = dataclasses.replace(shards, gathered=1)
     forward = tokens * activation_bytes_per_token(arch, act_bytes, tp, profile.forward_hidden_states, shards)
     logits = min(s.max_num_seqs * query_len, tokens) * _cdiv(arch.vocab_size, 64) * 64
     sampler = logits * profile.sampler_bytes_per_logit + tokens * arch.hidden_size * act_bytes
@@ -129,7 +137,8 @@ def _verdict(
     lora: float = 0.0,
 ) -> tuple[bool, str]:
     """Does it fit, and why (vLLM's start-up checks, in the order it makes them)."""
-    problem = structural_problem(arch, s.tensor_parallel_size, s.pipeline_parallel_size, quant) or mamba_problem
+    problem = structural_problem(arch, s.tensor_parallel_size, s.pipeline_parallel_size, quant, moe_shards(arch, s))
+    problem = problem or mamba_problem
     if problem is None and s.max_model_len > arch.max_position_embeddings and not allow_long:
         problem = f"max_model_len {s.max_model_len} exceeds the model's max_position_embeddings"
         problem += f" {arch.max_position_embeddings} (VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 lets vLLM start anyway)"
@@ -199,7 +208,7 @@ def _ledger(
     if request < 1:
         raise UserError(f"--request-tokens {request}: must be >= 1")
     dtype_bytes = 4 if s.dtype == "float32" else 2
-    shards = MoeShards.of(arch, tp, s.data_parallel_size, s.enable_expert_parallel)
+    shards = moe_shards(arch, s)
     weights = weight_bytes_per_rank(arch, quant, dtype_bytes, tp, pp, shards)
     notes: list[str] = []
     draft = None

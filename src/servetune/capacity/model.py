@@ -30,6 +30,9 @@ class WeightQuant(BaseModel):
     method: QuantMethod = "none"
     bits: int = Field(16, ge=1, le=32)
     group_size: int = Field(128, ge=1)
+    channelwise: bool = Field(
+        False, description="one scale per output channel (GPTQ group_size -1): no groups to split"
+    )
 
     def bytes_per_weight(self, dtype_bytes: int) -> float:
         """Bytes one quantized weight costs, scales and zero points included."""

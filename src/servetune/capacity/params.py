@@ -52,25 +52,36 @@ SEQUENCE_PARALLEL_SHARED_EXPERTS = ("Deepseek", "Llama4", "Qwen3Next", "Nemotron
 class MoeShards:
     """How vLLM 0.32's FusedMoE lays the routed experts over the GPUs (``FusedMoEParallelConfig.make``).
 
-    Its group is every rank of TP x DP (attention and dense layers split by TP only, replicated over DP).
-    Without expert parallelism every rank holds every expert, its width split over the group; with it
-    (``enable_expert_parallel`` and a group above 1) ``ep_size`` = TP x DP and each rank holds whole experts,
+    Its group is every rank of TP x DP x PCP (``flatten_tp_across_dp_and_pcp``: attention and dense layers
+    split by TP only, replicated over DP and prefill context parallelism). Without expert parallelism every
+    rank holds every expert, its width split over the group (``FusedMoEConfig`` asserts it divides); with it
+    (``enable_expert_parallel`` and a group above 1) ``ep_size`` = TP x DP x PCP and each rank holds whole experts,
     ``ceil(experts / ep_size)`` on the heaviest (``determine_expert_map``: the first ``experts % ep_size``
     ranks take one more). The router gate is replicated. Shared experts split by TP, but DeepSeek-V2/V3,
     Llama 4, Qwen3-Next and Nemotron-H replicate them when the MoE runs sequence parallel
     (``use_sequence_parallel_moe``: EP, TP > 1 and DP > 1 with the default all2all backend; Qwen2/3-MoE do not).
     """
 
-    group: int = 1  # TP x DP
+    group: int = 1  # TP x DP x PCP
     expert_parallel: bool = False
     replicate_shared: bool = False
+    layout: str = ""  # how the group is made, for messages: "TP 2 x DP 2 (4 ranks)" (of() fills it)
+    gathered: int = 1  # DP ranks whose scheduled tokens each MoE layer gathers (activation_bytes_per_token)
 
     @classmethod
-    def of(cls, arch: ModelArch, tp: int, dp: int = 1, expert_parallel: bool = False) -> MoeShards:
-        ep = expert_parallel and tp * dp > 1
-        sequence_parallel = ep and tp > 1 and dp > 1
+    def of(cls, arch: ModelArch, tp: int, dp: int = 1, expert_parallel: bool = False, pcp: int = 1) -> MoeShards:
+        ep = expert_parallel and tp * dp * pcp > 1
+        sequence_parallel = ep and tp > 1 and dp > 1  # vLLM 0.32 use_sequence_parallel_moe: PCP plays no part
         family = arch.architecture.startswith(SEQUENCE_PARALLEL_SHARED_EXPERTS)
-        return cls(group=tp * dp, expert_parallel=ep, replicate_shared=sequence_parallel and family)
+        sizes = [f"TP {tp}"] + [f"{name} {n}" for name, n in (("DP", dp), ("PCP", pcp)) if n > 1]
+        layout = f"{' x '.join(sizes)} ({tp * dp * pcp} ranks)"
+        replicate = sequence_parallel and family
+        return cls(group=tp * dp * pcp, expert_parallel=ep, replicate_shared=replicate, layout=layout, gathered=dp)
+
+    @property
+    def expert_split(self) -> int:
+        """How many ways one expert's intermediate width is split: the group without EP, 1 with it."""
+        return 1 if self.expert_parallel else self.group
 
     def experts_per_rank(self, experts: int) -> int:
         return _cdiv(experts, self.group) if self.expert_parallel else experts
@@ -271,13 +282,25 @@ def activation_bytes_per_token(
     intermediates (gate_up output and the activated product, or the fused-MoE caches for top-k experts) and
     the attention projections. Three are checked on vLLM 0.6.4's V0 profiling run of Llama-3.1-8B at 20K and
     29K tokens (issue 10517: 2.07 and 2.99 GiB logged, 2.06 and 2.99 planned; two give 1.91 and 2.77).
+
+    Under data parallelism an MoE layer works on every DP rank's tokens: vLLM 0.32 picks the naive DP
+    prepare/finalize whenever ``dp_size > 1`` (``fused_moe/all2all_utils.py`` ``maybe_make_prepare_finalize``),
+    whose dispatch all-gathers the hidden states (``AgRsAll2AllManager.dispatch``, the default
+    ``allgather_reducescatter`` backend: ``all_gatherv`` over the DP group, or the EP group under sequence-parallel
+    MoE, sized by ``DPMetadata``'s per-rank token counts, unchunked) and whose combine reduce-scatters the experts'
+    output back. The profiling run gives every DP rank ``max_num_batched_tokens``, so a rank's fused-MoE caches
+    hold DP x that many tokens' top-k rows, beside the gathered input and the output to scatter
+    (``MoeShards.gathered``: DP hidden states each, per scheduled token). The shared experts see the rank's own.
     """
     h = arch.hidden_size
     if arch.is_moe:
         moe = shards or MoeShards(group=tp)  # the fused-MoE caches hold top-k rows of one expert's width on a rank
         inter = moe.expert_width(arch.moe_intermediate_size)
         shared = _cdiv(arch.shared_expert_intermediate_size, 1 if moe.replicate_shared else tp)
-        mlp = arch.num_experts_per_tok * (3 * inter + h) + 3 * shared
+        routed = arch.num_experts_per_tok * (3 * inter + h)
+        if moe.gathered > 1:  # every DP rank's tokens gathered in, and the output to reduce-scatter back
+            routed = moe.gathered * (routed + 2 * h)
+        mlp = routed + 3 * shared
         mlp = max(mlp, 3 * _cdiv(arch.intermediate_size, tp))
     else:
         mlp = 3 * _cdiv(arch.intermediate_size, tp)

@@ -36,6 +36,9 @@ what is inferred:
 - The CPU build's refusal of an FP8 KV cache on a CPU without AVX-512 or AMX (``cpu_fp8_kv_isa``,
   ``servetune.capacity.cpubuild``): in 0.32's source, and seen in a public vLLM 0.26.0 start-up log; the 0.25 and
   0.32 profiles apply it (the boundary at 0.25 is the span's, not found in vLLM's history); older spans do not check it.
+- An MoE layer under data parallelism gathers every DP rank's whole batch in 0.32 (``moe_dp_gathers_batch``: the
+  activation peak grows with DP x ``max_num_batched_tokens``); earlier releases chunked the gather by
+  ``VLLM_MOE_DP_CHUNK_SIZE`` (256 tokens a rank), and where that stopped was not found: only 0.32 counts it.
 - ``vllm-0.32``: the 0.92 default (vllm/config/cache.py of 0.32), the block table and persistent
   buffers charged. Which release between 0.11 and 0.32 raised 0.9 to 0.92 was not found; 0.32 is
   the first one servetune saw with it.
@@ -103,6 +106,12 @@ class EngineProfile(BaseModel):
         description="the CPU build refuses a quantized KV cache on a CPU without AVX-512 or AMX (capacity/cpubuild.py:"
         " in 0.32's source, and in a 0.26.0 start-up log); False: not checked for this span",
     )
+    moe_dp_gathers_batch: bool = Field(
+        False,
+        description="with DP > 1 an MoE layer all-gathers every DP rank's whole batch (0.32: no VLLM_MOE_DP_CHUNK_SIZE;"
+        " params.activation_bytes_per_token). Earlier releases chunked it by VLLM_MOE_DP_CHUNK_SIZE (256 tokens a"
+        " rank by default); the release that stopped is not known, so only the 0.32 profile counts the gather",
+    )
     v0_scheduler: bool = Field(
         False,
         description="V0 engine: chunked prefill by default only above a 32K context; without it the profiling run"
@@ -135,6 +144,7 @@ VLLM_0_32 = EngineProfile(
     subtract_cudagraph=True,
     mamba_prefix_caching="default",
     cpu_fp8_kv_isa=True,
+    moe_dp_gathers_batch=True,
 )
 
 VLLM_0_11 = EngineProfile(

@@ -23,9 +23,10 @@ class CapacityArgs(BaseModel):
 
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
-    # MoE layers shard over TP x DP ranks (capacity/params.py MoeShards); attention and dense layers over TP
+    # MoE layers shard over TP x DP x PCP ranks (capacity/params.py MoeShards); attention and dense layers over TP
     data_parallel_size: int = Field(1, ge=1)
     enable_expert_parallel: bool = False
+    prefill_context_parallel_size: int = Field(1, ge=1)
     dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
@@ -84,6 +85,7 @@ class Settings(BaseModel):
     pipeline_parallel_size: int
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    prefill_context_parallel_size: int = 1
     dtype: str
     quantization: str
     kv_cache_dtype: str

@@ -12,6 +12,7 @@ from servetune.capacity.arch import ModelArch, WeightQuant
 from servetune.capacity.hardware import Hardware
 from servetune.capacity.kvdtype import FP8_DS_MLA_BYTES_PER_LAYER, KV_CACHE_DTYPES, kv_slot_bytes
 from servetune.capacity.mamba import tp_problem
+from servetune.capacity.params import MoeShards
 from servetune.capacity.profile import EngineProfile
 from servetune.capacity.schema import CapacityArgs, NotPlanned, Settings
 from servetune.errors import UserError
@@ -110,8 +111,54 @@ def _batch_defaults(hardware: Hardware, world_size: int) -> tuple[int, int]:
     return 2048, 256
 
 
-def structural_problem(arch: ModelArch, tp: int, pp: int, quant: WeightQuant) -> str | None:
-    """Why vLLM would refuse this parallel layout outright, or None."""
+def _moe_wna16_group(width: int, hidden: int, group: int) -> int | None:
+    """The group size vLLM 0.32's MoE WNA16 fallback runs experts of this per-rank width with: it halves the
+    checkpoint's until both widths are whole groups, and asserts it stays >= 32 (``MoeWNA16Method.create_weights``).
+    None: no such group, vLLM fails while creating the weights."""
+    while group >= 32 and (width % group or hidden % group):
+        group //= 2
+    return group if group >= 32 else None
+
+
+def _quant_group_problem(arch: ModelArch, tp: int, quant: WeightQuant, moe: MoeShards) -> str | None:
+    """An AWQ/GPTQ layer whose per-rank input width is not whole quantization groups, as vLLM 0.32 refuses it.
+
+    Row-parallel linear layers (the dense MLP's and a shared expert's down projection) hold ``width / TP`` input
+    columns a rank: AutoAWQ's fallback linear method raises unless that is a multiple of the group size, and a
+    GPTQ kernel cannot split a group between ranks. Routed experts hold ``moe_intermediate_size / split`` a rank
+    (``split`` TP x DP x PCP without expert parallelism, 1 with it): Marlin MoE takes a multiple of the group
+    size; anything else falls back to MoE WNA16 (``auto_awq``/``auto_gptq`` ``get_quant_method``), which halves
+    the group down to 32 (``_moe_wna16_group``) and fails below it.
+    """
+    group, name = quant.group_size, quant.method.upper()
+    dense_layers = arch.num_layers - arch.num_moe_layers if arch.is_moe else arch.num_layers
+    rows: list[tuple[str, int, int, str]] = []  # (field, width, ways split, how)
+    if arch.intermediate_size and dense_layers:
+        rows.append(("intermediate_size" if arch.is_moe else "intermediate size", arch.intermediate_size, tp,
+                     f"tensor_parallel_size {tp}"))  # fmt: skip
+    if arch.is_moe and arch.shared_expert_intermediate_size:
+        split = 1 if moe.replicate_shared else tp
+        rows.append(("shared_expert_intermediate_size", arch.shared_expert_intermediate_size, split,
+                     f"tensor_parallel_size {tp}" if split > 1 else "1 (replicated by sequence-parallel MoE)"))  # fmt: skip
+    for field, width, split, how in rows:
+        if width % split == 0 and (width // split) % group:
+            return f"{field} {width} / {how} = {width // split} is not a multiple of the {name} group size {group}"
+    if arch.is_moe and arch.moe_intermediate_size % moe.expert_split == 0:
+        width = arch.moe_intermediate_size // moe.expert_split
+        if width % group and _moe_wna16_group(width, arch.hidden_size, group) is None:
+            how = "(whole experts under expert parallelism)" if moe.expert_parallel else f"split over {moe.layout}"
+            return (
+                f"moe_intermediate_size {arch.moe_intermediate_size} {how} is {width} a rank, not a multiple of the "
+                f"{name} group size {group} nor of 32 (vLLM's MoE WNA16 fallback halves the group to 32 at least)"
+            )
+    return None
+
+
+def structural_problem(
+    arch: ModelArch, tp: int, pp: int, quant: WeightQuant, shards: MoeShards | None = None
+) -> str | None:
+    """Why vLLM would refuse this parallel layout outright, or None. ``shards``: how MoE layers lay over
+    TP x DP x PCP (default TP alone)."""
     if arch.num_attention_heads % tp:
         return f"num_attention_heads {arch.num_attention_heads} is not divisible by tensor_parallel_size {tp}"
     kv = arch.num_kv_heads
@@ -121,13 +168,22 @@ def structural_problem(arch: ModelArch, tp: int, pp: int, quant: WeightQuant) ->
         return f"pipeline_parallel_size {pp} exceeds the model's {arch.num_layers} layers"
     if arch.mamba is not None and arch.num_mamba_layers and (problem := tp_problem(arch.mamba, tp)) is not None:
         return problem
-    width = arch.moe_intermediate_size if arch.is_moe else arch.intermediate_size
-    if quant.method in ("awq", "gptq") and width % tp == 0 and (width // tp) % quant.group_size:
-        return (
-            f"intermediate size {width} / tensor_parallel_size {tp} = {width // tp} is not a multiple of the "
-            f"{quant.method.upper()} group size {quant.group_size}"
+    moe = shards or MoeShards.of(arch, tp)
+    if arch.is_moe and arch.moe_intermediate_size % moe.expert_split:
+        return (  # FusedMoEConfig.__post_init__ asserts it
+            f"moe_intermediate_size {arch.moe_intermediate_size} does not split over the MoE layers' "
+            f"{moe.layout or f'TP {tp} ({tp} ranks)'}: vLLM's FusedMoEConfig asserts it divides"
         )
+    if quant.method in ("awq", "gptq") and not quant.channelwise:
+        return _quant_group_problem(arch, tp, quant, moe)
     return None
+
+
+def moe_shards(arch: ModelArch, s: Settings) -> MoeShards:
+    """How the settings lay an MoE model's experts: over TP x DP x PCP ranks, whole experts under EP."""
+    return MoeShards.of(
+        arch, s.tensor_parallel_size, s.data_parallel_size, s.enable_expert_parallel, s.prefill_context_parallel_size
+    )
 
 
 def _cpu_kv_space(env: Mapping[str, str] | None) -> int | None:
@@ -171,6 +227,7 @@ def engine_settings(
         pipeline_parallel_size=pp,
         data_parallel_size=args.data_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel and arch.is_moe,
+        prefill_context_parallel_size=args.prefill_context_parallel_size,
         dtype=_resolve_dtype(arch, args, quant),
         quantization=quant.label,
         kv_cache_dtype=args.kv_cache_dtype,

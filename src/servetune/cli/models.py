@@ -11,7 +11,7 @@ from servetune.errors import UserError
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "models",
-        help="build the tiny test model for CPU runs; keep a hub model's config for offline planning",
+        help="build the tiny test models for CPU runs; keep a hub model's config for offline planning; list them",
         description="Build models servetune makes itself, or keep a hub model's config for planning offline.",
     )
     sub = p.add_subparsers(dest="model_command", metavar="MODEL", required=True)
@@ -64,6 +64,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add.add_argument("model_id", metavar="ID", help="hub id, e.g. google/gemma-3-27b-it")
     add.set_defaults(run=run_add)
+    listing = sub.add_parser(
+        "list",
+        help="the models plan, init and run know offline, and the tiny test models servetune builds",
+        description=(
+            "List the models servetune plans with no network: its shipped catalogue, the models kept by "
+            "`servetune models add` (HF_HOME/servetune/models), and the tiny test models it can build itself "
+            "(`models tiny`, `models tiny-arch NAME`)."
+        ),
+    )
+    listing.set_defaults(run=run_list)
 
 
 def run_tiny(args: argparse.Namespace) -> int:
@@ -118,4 +128,25 @@ def run_add(args: argparse.Namespace) -> int:
     arch = arch_from_hf_config(found.config, name=found.name, source=found.source)  # fails now, not when planning
     size = f"{sum(found.parameters.values()) / 1e9:.2f}B parameters" if found.parameters else "no safetensors"
     print(f"kept {arch.name} ({arch.architecture}, {size}) in {model_store()}")
+    return 0
+
+
+def run_list(args: argparse.Namespace) -> int:
+    from servetune.capacity.arch import load_catalog
+    from servetune.capacity.params import count_parameters
+    from servetune.capacity.source import model_store
+    from servetune.models.tinyarch import TINY_ARCHS
+
+    print("catalogue (shipped with servetune):")
+    for name, arch in sorted(load_catalog().items(), key=lambda item: item[0].lower()):
+        print(f"  {name}  {arch.architecture}, {count_parameters(arch) / 1e9:.1f}B parameters")
+    store = model_store()
+    kept = sorted(p.stem.replace("--", "/") for p in store.glob("*.json")) if store.is_dir() else []
+    print(f"kept by `servetune models add` ({store}):" + ("" if kept else " none"))
+    for name in kept:
+        print(f"  {name}")
+    print("tiny test models servetune builds (vLLM's CPU build):")
+    print("  tiny  LlamaForCausalLM (servetune models tiny; model: tiny in a space)")
+    for name, config in TINY_ARCHS.items():
+        print(f"  {name}  {config['architectures'][0]} (servetune models tiny-arch {name})")
     return 0

@@ -19,6 +19,7 @@ from servetune.capacity import (
 from servetune.capacity.draft import check_draft, load_draft
 from servetune.capacity.encoder import image_tokens
 from servetune.capacity.hardware import CPU_FLAGS, Hardware, parse_cpu_flags
+from servetune.capacity.params import MoeShards
 from servetune.capacity.profile import PROFILES, EngineProfile, profile_for_version
 from servetune.capacity.settings import resolve_quant, structural_problem
 from servetune.cli.display import console as make_console
@@ -98,9 +99,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="data parallel size (default 1): an MoE model's experts shard over TP x DP ranks, the rest over TP",
     )
     p.add_argument(
+        "--pcp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="prefill context parallel size (default 1): joins the MoE group, TP x DP x PCP",
+    )
+    p.add_argument(
         "--enable-expert-parallel",
         action="store_true",
-        help="MoE models: whole experts per rank, ceil(experts / (TP x DP)) each (vLLM's expert parallelism)",
+        help="MoE models: whole experts per rank, ceil(experts / (TP x DP x PCP)) each (vLLM's expert parallelism)",
     )
     p.add_argument(
         "--hf-overrides",
@@ -217,6 +225,7 @@ def _check_flags(args: argparse.Namespace) -> None:
         "tp",
         "pp",
         "dp",
+        "pcp",
         "max_model_len",
         "max_num_seqs",
         "max_num_batched_tokens",
@@ -331,15 +340,20 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace, arch: ModelArch, hardware: Hardware) -> tuple[CapacityPlan, dict[str, Any]]:
-    problem = structural_problem(arch, args.tp, args.pp, resolve_quant(arch, args.quantization))
+    shards = MoeShards.of(arch, args.tp, args.dp, args.enable_expert_parallel, args.pcp)
+    problem = structural_problem(arch, args.tp, args.pp, resolve_quant(arch, args.quantization), shards)
     if problem is not None:
-        flag = "--pp" if problem.startswith("pipeline") else "--tp"
-        raise UserError(f"{flag} {args.pp if flag == '--pp' else args.tp}: {problem}")
+        flags = f"--pp {args.pp}" if problem.startswith("pipeline") else f"--tp {args.tp}"
+        if problem.startswith(("moe_", "shared_expert")):  # the MoE group: TP x DP x PCP, EP or not
+            flags += f" --dp {args.dp}" * (args.dp > 1) + f" --pcp {args.pcp}" * (args.pcp > 1)
+            flags += " --enable-expert-parallel" * args.enable_expert_parallel
+        raise UserError(f"{flags}: {problem}")
     engine_args = {
         "tensor_parallel_size": args.tp,
         "pipeline_parallel_size": args.pp,
         "data_parallel_size": args.dp,
         "enable_expert_parallel": args.enable_expert_parallel,
+        "prefill_context_parallel_size": args.pcp,
         "dtype": args.dtype,
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,

@@ -57,6 +57,8 @@ def render(plan: CapacityPlan, console: Console) -> None:
     s = plan.settings
     where = f"{s.gpu} ({s.gpu_memory_gib:g} GiB)" if s.device == "gpu" else "vLLM CPU build"
     layout = f"TP {s.tensor_parallel_size} x PP {s.pipeline_parallel_size}"
+    if s.prefill_context_parallel_size > 1:
+        layout += f" x PCP {s.prefill_context_parallel_size}"
     if s.data_parallel_size > 1 or s.enable_expert_parallel:
         layout += f" (DP {s.data_parallel_size}{', expert parallel' if s.enable_expert_parallel else ''})"
     title = f"{plan.model} ({plan.parameters_b:g}B params) on {where}, {layout}"
