@@ -84,6 +84,25 @@ def spec_acceptance_at(position: int) -> str:
     return f"{SPEC_ACCEPTANCE_RATE}_pos{position}"
 
 
+#: Multi-turn levels (workloads with sessions), per conversation (summary.ConversationStats): its TTFT as the mean
+#: of its turns' and as its worst turn's, and its E2E from its first turn sent to its last turn's end, the think
+#: times between turns included. Flat names are ``<name>_<stat>`` (``conversation_e2el_ms_p99``).
+CONVERSATION_TTFT = "conversation_ttft_ms"
+CONVERSATION_TTFT_WORST = "conversation_ttft_worst_ms"
+CONVERSATION_E2EL = "conversation_e2el_ms"
+CONVERSATION_METRICS = (CONVERSATION_TTFT, CONVERSATION_TTFT_WORST, CONVERSATION_E2EL)
+
+
+def turn_prompt_tokens(turn: int) -> str:
+    """The mean prompt tokens of a multi-turn level's turns at position ``turn`` (1: the first turn)."""
+    return f"conversation_turn{turn}_prompt_tokens"
+
+
+def turn_cache_hit_rate(turn: int) -> str:
+    """The prefix-cache hit rate of the turns at position ``turn`` (1: the first): cached over prompt tokens."""
+    return f"conversation_turn{turn}_cache_hit_rate"
+
+
 #: Derived rates for reports: output tok/s per reserved device, and one user's streaming speed
 #: (1000 / mean TPOT, in output tok/s).
 OUTPUT_THROUGHPUT_PER_DEVICE = "output_throughput_per_device"

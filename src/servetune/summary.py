@@ -13,13 +13,15 @@ its throughput understates a short level's. What the ladder judges saturation on
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from servetune.metrics import (
+    CONVERSATION_METRICS,
     DISTRIBUTION_PERCENTILES,
     LATENCY_METRICS,
     PERCENTILES,
@@ -27,6 +29,8 @@ from servetune.metrics import (
     STATS,
     STRUCTURED_VALID,
     RequestRecord,
+    turn_cache_hit_rate,
+    turn_prompt_tokens,
 )
 
 
@@ -54,19 +58,31 @@ class LatencyStats(BaseModel):
 
 
 class TurnStats(BaseModel):
-    """One turn position of a level's conversations: its requests, their mean TTFT and prefix-cache hit rate."""
+    """One turn position of a level's conversations (``turn`` 0 is the first; reports number them from 1): its
+    completed requests, their mean prompt tokens and TTFT, and their prefix-cache hit rate."""
 
     model_config = ConfigDict(extra="ignore")
 
     turn: int
     requests: int
     ttft_ms_mean: float | None
-    cache_hit_rate: float | None  # cached / prompt tokens, where the server reported them (None: it did not)
+    # cached over prompt tokens of the requests whose answers said what they had cached (vLLM with
+    # --enable-prompt-tokens-details); None: none said, the hit rate was not reported (never estimated)
+    cache_hit_rate: float | None
+    prompt_tokens_mean: float | None = None
+    cache_reported: int = 0  # of ``requests``, those whose answers reported their cached tokens
 
 
 class ConversationStats(BaseModel):
-    """A multi-turn level's numbers per conversation: its TTFT (the mean of its turns') and its E2E (the sum of
-    its turns' E2E latencies: what its user waited, think time left out), with per-turn numbers."""
+    """A multi-turn level's numbers per conversation, and per turn position.
+
+    A conversation counts when every turn it sent was measured and completed (one with a warm-up or failed turn
+    is left out, and counted in ``left_out``; one the level's end cut short counts the turns it sent). Its TTFT
+    is told twice: the mean of its turns' (what its user sat through on average) and its worst turn's (what they
+    remember); its E2E runs from its first turn sent to its last turn's end, so the think times between turns
+    are included (``think_ms_mean`` says how much of it they were, with the client's own gaps). Each is given as
+    mean and percentiles over the level's conversations. ``by_turn`` holds every measured, completed turn.
+    """
 
     model_config = ConfigDict(extra="ignore")
 
@@ -74,31 +90,61 @@ class ConversationStats(BaseModel):
     ttft_ms: LatencyStats
     e2el_ms: LatencyStats
     by_turn: list[TurnStats]
+    ttft_worst_ms: LatencyStats = Field(default_factory=LatencyStats)
+    think_ms_mean: float | None = None  # per conversation: its turns' starts after the previous turn's end
+    left_out: int = 0
 
     @classmethod
-    def of(cls, ok: Sequence[RequestRecord]) -> ConversationStats | None:
-        """Over the completed turns of ``ok`` that belong to a conversation (None: none does)."""
-        turns = [r for r in ok if r.session is not None and r.ttft_s is not None and r.e2el_s is not None]
-        if not turns:
-            return None
+    def of(cls, records: Sequence[RequestRecord]) -> ConversationStats | None:
+        """Over ``records`` (warm-up included) that belong to a conversation (None: none does)."""
         sessions: dict[int, list[RequestRecord]] = {}
-        for r in turns:
-            sessions.setdefault(r.session or 0, []).append(r)
+        for r in records:
+            if r.session is not None:
+                sessions.setdefault(r.session, []).append(r)
+        if not sessions:
+            return None
+        whole = [
+            sorted(rs, key=lambda r: r.turn) for rs in sessions.values() if all(_done(r) and not r.warmup for r in rs)
+        ]
+        ttfts = [[(r.ttft_s or 0.0) * 1000.0 for r in rs] for rs in whole]
+        thinks = [sum(b.sent - (a.end or a.sent) for a, b in itertools.pairwise(rs)) * 1000.0 for rs in whole]
+        turns = [r for r in records if r.session is not None and not r.warmup and _done(r)]
         by_turn = []
         for turn in sorted({r.turn for r in turns}):
             at = [r for r in turns if r.turn == turn]
             told = [r for r in at if r.cached_tokens is not None and r.prompt_tokens]
             hit = sum(r.cached_tokens or 0 for r in told) / sum(r.prompt_tokens or 0 for r in told) if told else None
-            by_turn.append(TurnStats(turn=turn, requests=len(at), ttft_ms_mean=float(np.mean([
-                r.ttft_s or 0.0 for r in at])) * 1000.0, cache_hit_rate=hit))  # fmt: skip
+            prompts = [r.prompt_tokens for r in at if r.prompt_tokens is not None]
+            by_turn.append(TurnStats(
+                turn=turn, requests=len(at), ttft_ms_mean=float(np.mean([r.ttft_s or 0.0 for r in at])) * 1000.0,
+                cache_hit_rate=hit, prompt_tokens_mean=float(np.mean(prompts)) if prompts else None,
+                cache_reported=len(told),
+            ))  # fmt: skip
         return cls(
-            conversations=len(sessions),
-            ttft_ms=LatencyStats.of(
-                [float(np.mean([r.ttft_s or 0.0 for r in rs])) * 1000.0 for rs in sessions.values()]
-            ),
-            e2el_ms=LatencyStats.of([sum(r.e2el_s or 0.0 for r in rs) * 1000.0 for rs in sessions.values()]),
+            conversations=len(whole),
+            ttft_ms=LatencyStats.of([float(np.mean(t)) for t in ttfts]),
+            ttft_worst_ms=LatencyStats.of([max(t) for t in ttfts]),
+            e2el_ms=LatencyStats.of([((rs[-1].end or 0.0) - rs[0].sent) * 1000.0 for rs in whole]),
+            think_ms_mean=float(np.mean(thinks)) if thinks else None,
+            left_out=sum(any(not r.warmup for r in rs) for rs in sessions.values()) - len(whole),
             by_turn=by_turn,
         )
+
+    def flat(self) -> dict[str, float]:
+        """``conversation_ttft_ms_p99``... and per turn ``conversation_turn1_cache_hit_rate``... (metrics.py)."""
+        out: dict[str, float] = {}
+        for name, stats in zip(CONVERSATION_METRICS, (self.ttft_ms, self.ttft_worst_ms, self.e2el_ms), strict=True):
+            out.update({f"{name}_{k}": v for k in STATS if (v := getattr(stats, k)) is not None})
+        for t in self.by_turn:
+            if t.prompt_tokens_mean is not None:
+                out[turn_prompt_tokens(t.turn + 1)] = t.prompt_tokens_mean
+            if t.cache_hit_rate is not None:
+                out[turn_cache_hit_rate(t.turn + 1)] = t.cache_hit_rate
+        return out
+
+
+def _done(r: RequestRecord) -> bool:
+    return r.ok and r.ttft_s is not None and r.end is not None
 
 
 class LevelSummary(BaseModel):
@@ -161,9 +207,7 @@ class LevelSummary(BaseModel):
         if self.structured_valid is not None:
             out[STRUCTURED_VALID] = self.structured_valid
         if self.conversations is not None:
-            for metric in ("ttft_ms", "e2el_ms"):
-                stats = getattr(self.conversations, metric)
-                out.update({f"conversation_{metric}_{k}": v for k in STATS if (v := getattr(stats, k)) is not None})
+            out.update(self.conversations.flat())
         return out
 
 
@@ -253,7 +297,7 @@ def summarize(
         ttft_growth=None if growth is None else growth[0],
         ttft_growth_low=None if growth is None else growth[1],
         structured_valid=float(np.mean(checked)) if checked else None,
-        conversations=ConversationStats.of(ok),
+        conversations=ConversationStats.of(all_records),
         requests_by_adapter=dict(Counter(r.adapter for r in ok if r.adapter is not None)) or None,
         images_sent=sum(r.images for r in measured) or None,
         image_pixels=sum(r.image_pixels for r in measured) or None,

@@ -106,7 +106,10 @@ def test_an_open_loop_starts_conversations_at_the_trace_times(tmp_path):
         first, second = by_spec[2 * s], by_spec[2 * s + 1]
         assert first.end + think - 0.005 <= second.sent <= first.end + think + SLACK_S
         assert (first.session, first.turn, second.session, second.turn) == (s, 0, s, 1)
-    # per conversation: three of two turns each, their E2E the sum of the turns' (the think time left out)
+    # per conversation: three of two turns each, their E2E from the first send to the second's end (think included)
     talks = summarize(records, {"rate": 1.0}).conversations
     assert talks is not None and talks.conversations == 3 and [t.turn for t in talks.by_turn] == [0, 1]
-    assert talks.e2el_ms.p99 < 2 * max(r.e2el_s for r in records) * 1000 + 1e-6
+    assert talks.e2el_ms.p99 <= (2 * max(r.e2el_s for r in records) + think + SLACK_S) * 1000
+    assert think * 1000 - 5 <= talks.think_ms_mean <= (think + SLACK_S) * 1000
+    assert talks.e2el_ms.mean >= talks.think_ms_mean + sum(r.e2el_s for r in records) / 3 * 1000 - 1e-6
+    assert [t.cache_hit_rate for t in talks.by_turn] == [None, None]  # the fake does not report cached tokens

@@ -13,6 +13,7 @@ from servetune.accounting import device_time_lines
 from servetune.capacity.prices import price_table
 from servetune.errors import UserError
 from servetune.metrics import IMAGES_SENT
+from servetune.report.conversations import ConversationTable, conversation_tables
 from servetune.report.distribution import LevelSpread, ttft_spreads
 from servetune.report.gpus import WhichGpu, which_gpu
 from servetune.report.paired import settle_ties
@@ -81,6 +82,7 @@ class StudyReport:
     which_gpu: WhichGpu | None = None  # each GPU type's best configuration and cost (report/gpus.py)
     estimate: tuple[str, ...] = ()  # how far the estimate was from the measurements (estimate_lines)
     speculative_gain: tuple[str, ...] = ()  # each speculative trial's gain by load (report/speculation.py)
+    conversations: tuple[ConversationTable, ...] = ()  # the recommended trial's multi-turn levels (conversations.py)
 
     def price_line(self) -> str:
         """What the costs are at: each price the trials were costed at, with its source and the date it was read,
@@ -194,6 +196,7 @@ def build_report(
         verifications=verified,
         verification_conclusion=conclusion(verified, rec_trial, study.root),
         ttft_spreads=ttft_spreads(study.trials, recommendation.point),
+        conversations=conversation_tables(study.trials, recommendation.point),
         serve_check=serve_section(study.serve_check),
         energy=energy_line(study.trials, points, study.info.device),
         prices=() if price_per_device_hour is not None else prices_used(study.trials),

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 import plotly.graph_objects as go
 
 from servetune.metrics import DISTRIBUTION_PERCENTILES, STRUCTURED_VALID
+from servetune.report import conversations as talks
 from servetune.report.build import Front, StudyReport
 from servetune.report.distribution import SPREAD_NOTE, spread_cells, spread_headings
 from servetune.report.gpus import GPU_HEADINGS, gpu_cells, gpu_notes
@@ -475,6 +476,12 @@ def render_html(report: StudyReport) -> str:
         parts.append(quality_html(report))
     if report.ttft_spreads:
         parts.append(spread_html(report))
+    if report.conversations:
+        parts.append(f"<h2 id='conversations'>Conversations ({html.escape(report.conversations[0].trial_id)})</h2>")
+        for t in report.conversations:
+            parts += [f"<p>{html.escape(t.caption)}</p>", _rows_html(talks.CONVERSATION_HEADINGS, talks.conversation_cells(t)),
+                      _rows_html(talks.TURN_HEADINGS, talks.turn_cells(t))]  # fmt: skip
+        parts.append(f"<p class='muted'>{html.escape(talks.CONVERSATION_NOTE)}</p>")
     parts.append(verification_html(report.verification, report.verifications, report.verification_conclusion))
     if report.serve_check is not None:
         parts.append(serve_check_html(report.serve_check))

@@ -5,6 +5,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from servetune.report.build import Front, StudyReport
+from servetune.report.conversations import (
+    CONVERSATION_HEADINGS,
+    CONVERSATION_NOTE,
+    TURN_HEADINGS,
+    conversation_cells,
+    turn_cells,
+)
 from servetune.report.distribution import SPREAD_NOTE, spread_cells, spread_headings
 from servetune.report.gpus import GPU_HEADINGS, gpu_cells, gpu_notes
 from servetune.report.labels import (
@@ -182,6 +189,17 @@ def spread_section(report: StudyReport) -> list[str]:
     return [*lines, "", SPREAD_NOTE, ""]
 
 
+def conversation_section(report: StudyReport) -> list[str]:
+    """Per multi-turn level of the recommended trial: its conversations' numbers, then its turns'."""
+    if not report.conversations:
+        return []
+    lines = [f"### Conversations of the recommended trial ({report.conversations[0].trial_id})", ""]
+    for table in report.conversations:
+        lines += [table.caption, "", *_table(CONVERSATION_HEADINGS, conversation_cells(table)), ""]
+        lines += [*_table(TURN_HEADINGS, turn_cells(table)), ""]
+    return [*lines, CONVERSATION_NOTE, ""]
+
+
 def verification_section(report: StudyReport) -> list[str]:
     """The Verification section: as for one verification, or a list of every verified point, what the
     verdicts mean together, then each point's details."""
@@ -339,6 +357,7 @@ def render_markdown(report: StudyReport) -> str:
             lines += ["### Structured output", "", *(f"- {line}" for line in parsed), "", STRUCTURED_NOTE, ""]
     lines += quality_section(report)
     lines += spread_section(report)
+    lines += conversation_section(report)
     lines += serve_check_section(report.serve_check)
     reasons = report.failure_reasons()
     if reasons:

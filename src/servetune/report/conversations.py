@@ -1,0 +1,93 @@
+"""Multi-turn levels of the recommended trial, per conversation and per turn (issue #41 item 7).
+
+A level whose workload has ``sessions`` keeps its conversations' numbers (``LevelSummary.conversations``,
+summary.ConversationStats). Per level this gives two small tables: each conversation's TTFT (the mean of its
+turns', and its worst turn's) and E2E (its first turn sent to its last turn's end, the think times between turns
+included) as mean and percentiles over the level's conversations; and per turn position (numbered from 1) the
+requests, their mean prompt tokens and TTFT, and the prefix-cache hit rate vLLM reported for them, or "not
+reported" where it did not (it reports cached tokens with ``--enable-prompt-tokens-details``; the report never
+estimates them). The renderers draw these rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from servetune.report.points import ReportPoint, level_label
+from servetune.results import TrialResult
+from servetune.summary import ConversationStats, LatencyStats, TurnStats
+
+NOT_REPORTED = "not reported"
+
+
+@dataclass(frozen=True)
+class ConversationTable:
+    """One multi-turn level of a trial: its conversations' numbers."""
+
+    trial_id: str
+    level: str  # ``concurrency 2``
+    stats: ConversationStats
+
+    @property
+    def caption(self) -> str:
+        s = self.stats
+        left = f", {s.left_out} more left out (a warm-up or failed turn)" if s.left_out else ""
+        think = "" if s.think_ms_mean is None else f": {s.think_ms_mean / 1000:.2f} s per conversation on average"
+        return f"{self.level}: {s.conversations} conversations{left}. E2E includes the time between turns{think}."
+
+
+def conversation_tables(trials: Sequence[TrialResult], point: ReportPoint | None) -> tuple[ConversationTable, ...]:
+    """Every level of the recommended point's trial that had conversations (none without a recommendation)."""
+    if point is None:
+        return ()
+    trial = next((t for t in trials if t.trial_id == point.trial_id), None)
+    if trial is None:
+        return ()
+    return tuple(
+        ConversationTable(trial.trial_id, level_label(lv.summary.level), lv.summary.conversations)
+        for lv in trial.levels
+        if lv.summary.conversations is not None
+    )
+
+
+CONVERSATION_HEADINGS = ("per conversation, ms", "mean", "P50", "P95", "P99")
+TURN_HEADINGS = ("turn", "requests", "prompt tokens", "TTFT mean ms", "prefix-cache hit rate")
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
+def conversation_cells(table: ConversationTable) -> list[list[str]]:
+    s = table.stats
+    rows: list[tuple[str, LatencyStats]] = [
+        ("TTFT, mean of its turns", s.ttft_ms),
+        ("TTFT, its worst turn", s.ttft_worst_ms),
+        ("E2E, first turn sent to last turn's end", s.e2el_ms),
+    ]
+    return [[name, _ms(x.mean), _ms(x.p50), _ms(x.p95), _ms(x.p99)] for name, x in rows]
+
+
+def hit_rate_text(turn: TurnStats) -> str:
+    """The turn's hit rate, "not reported" where no answer said, and how many did where not all."""
+    if turn.cache_hit_rate is None:
+        return NOT_REPORTED
+    some = f" ({turn.cache_reported} of {turn.requests} reported)" if turn.cache_reported < turn.requests else ""
+    return f"{turn.cache_hit_rate:.0%}{some}"
+
+
+def turn_cells(table: ConversationTable) -> list[list[str]]:
+    return [
+        [str(t.turn + 1), str(t.requests), "-" if t.prompt_tokens_mean is None else f"{t.prompt_tokens_mean:.0f}",
+         _ms(t.ttft_ms_mean), hit_rate_text(t)]
+        for t in table.stats.by_turn
+    ]  # fmt: skip
+
+
+CONVERSATION_NOTE = (
+    "A conversation counts when every turn it sent completed. Its TTFT is the mean of its turns' and, beside it, its "
+    "worst turn's; its E2E runs from its first turn sent to its last turn's end, think times included. The hit rate "
+    "is the cached over the prompt tokens vLLM reported per request (engine argument enable_prompt_tokens_details); "
+    '"not reported" where the engine did not say.'
+)
