@@ -103,6 +103,16 @@ def test_a_paired_comparison_that_finds_the_tie_better_recommends_it_and_says_by
     assert "measured it better than trial a" in render_markdown(report)
 
 
+def test_a_switch_reaches_the_trial_table_the_front_and_the_command_line(tie, tmp_path, capsys):
+    paired_file(tie, "a", "b", 1.25)
+    report = build_report(load_study(tie))
+    assert [row.trial_id for row in report.trial_table if row.recommended] == ["b"]
+    assert "recommended to ship" in next(r for r in report.trial_table if r.trial_id == "b").conclusion.why
+    assert cli.main(["report", str(tie), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "recommendation: trial b" in out and "measured it better than trial a" in out and "next:" not in out
+
+
 def test_a_paired_comparison_that_confirms_the_pick_or_the_tie_keeps_the_pick(tie):
     paired_file(tie, "a", "b", 0.8)
     rec = build_report(load_study(tie)).recommendation
