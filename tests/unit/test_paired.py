@@ -5,12 +5,13 @@ inside the rounds' own spread is a tie. And ``recheck --paired``'s bad input, on
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from servetune.cli import main
 from servetune.metrics import GOODPUT, OUTPUT_THROUGHPUT, TTFT_P99
 from servetune.verify.paired import PAIRED_EXIT_STATUS, Paired, PairedRound, judge
-from servetune.verify.stats import paired_difference
+from servetune.verify.stats import mean_interval, paired_difference, paired_noise
 
 STUDY = Path(__file__).parent.parent / "data" / "cpu-tiny-study"
 WINNER = "e57a166985b8"
@@ -65,6 +66,70 @@ def test_a_side_that_carried_nothing_loses_every_round_and_too_few_rounds_are_no
     assert diff is not None and diff.verdict == "B better" and diff.change == 2.0 and diff.ratio is None
     assert paired_difference([0.0, 0.0], [0.0, 0.0]) is None  # both nothing: no round to judge
     assert paired_difference([5.0], [6.0]) is None
+
+
+def sides(diffs, host=None):
+    """A and B of rounds whose paired differences (B - A) / mean(A, B) are ``diffs``, each round's both sides scaled
+    by the host's speed that round (``host``; 1 when None)."""
+    host = [1.0] * len(diffs) if host is None else host
+    return ([h * (1 - d / 2) for h, d in zip(host, diffs, strict=True)],
+            [h * (1 + d / 2) for h, d in zip(host, diffs, strict=True)])  # fmt: skip
+
+
+def draws(seed: int, rounds: int, true: float = 0.0, sigma: float = 0.15) -> list[float]:
+    return list(np.random.default_rng(seed).normal(true, sigma, rounds))
+
+
+def test_the_paired_noise_does_not_grow_with_the_rounds():
+    # the same distribution of rounds (15% per round) measured 6 and 12 times, 100 times over
+    six = np.median([paired_noise(draws(seed, 6)) for seed in range(100)])
+    twelve = np.median([paired_noise(draws(seed, 12)) for seed in range(100, 200)])
+    assert abs(twelve / six - 1) < 0.15, (six, twelve)
+    assert 0.5 * 0.15 < six < 0.9 * 0.15  # the probable error of one round: 0.67 of its standard deviation
+    # half the full spread, the old paired noise, followed the extremes out
+    spread = [np.median([np.ptp(draws(seed, n)) / 2 for seed in range(100)]) for n in (6, 12)]
+    assert spread[1] / spread[0] > 1.15 and min(spread) > 0.15
+    # one wild round moves it little; the floor still holds
+    calm = draws(7, 12)
+    assert paired_noise([*calm[:-1], 3.0]) < 1.5 * paired_noise(calm)
+    assert paired_difference(*sides([0.01, 0.012, 0.011, 0.01]), floor=0.05).noise == 0.05
+
+
+def test_more_rounds_settle_a_real_difference_that_three_cannot():
+    # B carries 20% more than A; one round's difference strays 15% (sigma); 100 studies of each length
+    def settled(rounds: int) -> float:
+        verdicts = [paired_difference(*sides(draws(seed, rounds, true=0.2))).verdict for seed in range(100)]
+        assert "A better" not in verdicts
+        return verdicts.count("B better") / len(verdicts)
+
+    three, eight = settled(3), settled(8)
+    assert eight >= 0.75 and three <= 0.4, (three, eight)
+    # no difference at all is called a difference rarely, at either length
+    for rounds in (3, 8):
+        verdicts = [paired_difference(*sides(draws(seed, rounds))).verdict for seed in range(100)]
+        assert verdicts.count("tie") >= 88, rounds
+
+
+def test_three_rounds_on_one_side_are_not_a_95_percent_interval():
+    # the rounds' range is a bootstrap's 95% interval of three; Student's t reaches beyond it
+    diffs = [0.05, 0.2, 0.35]
+    interval = mean_interval(diffs)
+    assert interval is not None and interval.low < 0 < interval.high
+    assert paired_difference(*sides(diffs)).verdict == "tie"
+    # with many rounds the interval is the bootstrap's, close around the mean
+    many = draws(3, 40, true=0.2)
+    wide = mean_interval(many)
+    assert wide is not None and 0 < wide.low < wide.mean < wide.high
+
+
+def test_a_drift_common_to_both_sides_still_cancels_with_more_rounds():
+    diffs = draws(11, 8, true=0.2)
+    host = list(np.random.default_rng(12).uniform(0.4, 2.2, 8))  # the host's speed each round, as much as 10.4 -> 22.4
+    steady, drifting = paired_difference(*sides(diffs)), paired_difference(*sides(diffs, host))
+    assert drifting.verdict == steady.verdict == "B better"
+    assert drifting.noise == pytest.approx(steady.noise) and drifting.change == pytest.approx(steady.change)
+    a, _ = sides(diffs, host)
+    assert paired_noise([x / np.median(a) - 1 for x in a]) > 3 * steady.noise  # unpaired, the drift swamps it
 
 
 def rounds(a: list[float], b: list[float], key: str = GOODPUT, ttft: tuple[float, float] = (100.0, 100.0)):

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from servetune import cli
 from servetune.errors import UserError
 from servetune.report import build_report, load_study, render_markdown
+from servetune.report.html import render_html
+from servetune.report.write import recommendation_lines
 from servetune.results import Capacity
 from servetune.verify.paired import Paired, PairedRound, judge
 from tests.builders import level, study_info, trial, write_study
@@ -60,6 +63,35 @@ def test_a_tie_without_a_paired_comparison_names_the_command_that_would_settle_i
     assert f"`servetune recheck {tie} --paired --against b`" in rec.reason
 
 
+def test_an_open_tie_is_the_next_step_of_the_command_line_and_every_report(tie, tmp_path, capsys):
+    command = f"servetune recheck {tie} --paired --against b"
+    report = build_report(load_study(tie))
+    assert report.recommendation.next_steps == (command,)
+    assert f"  next: {command}  (a tie within the noise: measures the two round by round)" in recommendation_lines(
+        report, tie
+    )  # what servetune run and servetune report print last about the recommendation
+    assert f"- next: `{command}` settles the tie round by round" in render_markdown(report)
+    assert f"Next: <code>{command}</code>" in render_html(report)
+    assert cli.main(["report", str(tie), "--out", str(tmp_path / "out")]) == 0
+    assert f"next: {command}" in capsys.readouterr().out
+    assert not (tie / "recheck").exists()  # named, never run: it costs engine time
+
+
+@pytest.mark.parametrize("b_over_a", [1.25, 0.8, 1.0])
+def test_a_tie_a_paired_comparison_settled_or_confirmed_has_no_next_step(tie, b_over_a):
+    paired_file(tie, "a", "b", b_over_a)
+    report = build_report(load_study(tie))
+    assert report.recommendation.next_steps == ()
+    assert not any("next:" in line for line in recommendation_lines(report, tie))
+    assert "--paired --against" not in render_markdown(report)
+
+
+def test_a_comparison_on_another_vllm_leaves_the_next_step_in_place(tie):
+    paired_file(tie, "a", "b", 1.25, vllm="0.33.0")
+    rec = build_report(load_study(tie)).recommendation
+    assert rec.next_steps == (f"servetune recheck {tie} --paired --against b",)
+
+
 def test_a_paired_comparison_that_finds_the_tie_better_recommends_it_and_says_by_how_much(tie):
     doc = paired_file(tie, "a", "b", 1.25)
     assert doc.verdict == "B better"  # the paired rule's own judgement of these rounds
@@ -69,6 +101,16 @@ def test_a_paired_comparison_that_finds_the_tie_better_recommends_it_and_says_by
     assert "a paired comparison (3 rounds, recheck-paired-0.32.0.json) measured it better than trial a" in rec.reason
     assert doc.reason in rec.reason  # the paired numbers themselves: the change, its interval, the rounds ahead
     assert "measured it better than trial a" in render_markdown(report)
+
+
+def test_a_switch_reaches_the_trial_table_the_front_and_the_command_line(tie, tmp_path, capsys):
+    paired_file(tie, "a", "b", 1.25)
+    report = build_report(load_study(tie))
+    assert [row.trial_id for row in report.trial_table if row.recommended] == ["b"]
+    assert "recommended to ship" in next(r for r in report.trial_table if r.trial_id == "b").conclusion.why
+    assert cli.main(["report", str(tie), "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "recommendation: trial b" in out and "measured it better than trial a" in out and "next:" not in out
 
 
 def test_a_paired_comparison_that_confirms_the_pick_or_the_tie_keeps_the_pick(tie):

@@ -53,8 +53,9 @@ table or a trial id) at the shipped level's load, for --rounds rounds (default 3
 in the next, so that the host's drift over the minutes is in both sides of every round. Both engines stay up, one
 under load at a time, where both run on vLLM's CPU build (each on cores of its own); on GPUs each round starts and
 stops them one after the other. Judged on goodput from the rounds' paired differences ((B - A) / mean(A, B) per
-round): the median beyond the paired noise (half the rounds' spread, at least 5%) and a 95% bootstrap interval of
-their mean on the same side of 0. Exit status of a paired recheck:
+round): the median beyond the paired noise (half the interquartile range of the rounds' differences, at least 5%:
+it does not grow with the rounds, so more rounds can settle a tie) and a 95% interval of their mean (the wider of
+a bootstrap and Student's t) on the same side of 0. Exit status of a paired recheck:
   0 A better          the pick is better beyond the paired noise
   1 B better          the other configuration is better beyond the paired noise
   2                   bad input (nothing started)

@@ -140,7 +140,7 @@ def table_lines(doc: Paired) -> list[str]:
                      f"{interval:>17} {m.noise:>6.1%} {f'{m.b_ahead}/{m.rounds}':>8}  {m.verdict}{mark}")  # fmt: skip
     if doc.metrics:
         lines.append("  (B vs A: the median over rounds of (B - A) / mean(A, B), for latencies too: negative is "
-                     "lower; interval: 95% bootstrap of its mean over rounds)")  # fmt: skip
+                     "lower; interval: 95% of its mean over rounds, the wider of bootstrap and Student's t)")  # fmt: skip
     lines.append(f"{doc.verdict}: {doc.reason}")
     return lines
 

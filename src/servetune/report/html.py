@@ -409,6 +409,7 @@ def render_html(report: StudyReport) -> str:
     if rec.point is not None:
         headline = "".join(f"<li>{e(name)}: {e(value)}</li>" for name, value in point_metrics(rec.point))
         rec_html = f"<b>Recommended:</b> {e(describe(rec.point))}<ul>{headline}</ul>{e(rec.reason)}."
+        rec_html += "".join(f"<br>Next: <code>{e(c)}</code> settles the tie round by round." for c in rec.next_steps)
     else:
         rec_html = f"<b>No recommendation:</b> {e(rec.reason)}."
     parts = [

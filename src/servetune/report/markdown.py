@@ -94,6 +94,7 @@ def _recommendation(report: StudyReport) -> list[str]:
     for passed in rec.passed_over[:5]:
         if passed.point is not point:
             lines.append(f"- passed over: {describe(passed.point)}: {'; '.join(passed.signals)}")
+    lines += [f"- next: `{command}` settles the tie round by round" for command in rec.next_steps]
     lines += [
         "",
         f"Export it: `servetune export {report.root} --pick best --format vllm` (or `ray-serve`, `json`).",

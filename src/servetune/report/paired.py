@@ -11,7 +11,9 @@ and, for each tie:
   how much, over how many rounds;
 - one that found them within its own noise confirms the tie;
 - one run on another vLLM release is named but not taken: it measured a different engine than the study's;
-- with none, the reason names the command that would settle it.
+- with none, the reason names the command that would settle it, and the recommendation carries it as a next
+  step (``next_steps``): ``servetune run`` and ``servetune report`` print it last, the report shows it under the
+  recommendation. Nothing runs it: it starts two engines for minutes.
 
 A file that cannot be read is an error naming it and the field, as every result file is.
 """
@@ -71,13 +73,15 @@ def settle_ties(rec: Recommendation, points: Sequence[ReportPoint], trials: Sequ
         return rec
     mine = rec.point.trial_id
     notes: list[str] = []
+    commands: list[str] = []
     for tie in rec.ties:
         found = [(path, p) for path, p in paired if p.pairs(mine, tie.trial_id)]
         same = [(path, p) for path, p in found if p.vllm == study_vllm and p.failure is None]
         if not same:
             elsewhere = "; ".join(f"{path.name} compared them on vLLM {p.vllm}" + (f" and failed: {p.failure}" if
                                   p.failure else "") for path, p in found)  # fmt: skip
-            hint = f"`servetune recheck {study_dir} --paired --against {tie.trial_id}` measures them round by round"
+            commands.append(f"servetune recheck {study_dir} --paired --against {tie.trial_id}")
+            hint = f"`{commands[-1]}` measures them round by round"
             notes.append(f"against trial {tie.trial_id}: no paired comparison on the study's vLLM {study_vllm}"
                          + (f" ({elsewhere}, not taken: another engine)" if elsewhere else "") + f"; {hint}")  # fmt: skip
             continue
@@ -98,4 +102,4 @@ def settle_ties(rec: Recommendation, points: Sequence[ReportPoint], trials: Sequ
             why = (f"{describe(tie)}: a paired comparison ({rounds}) measured it better than trial {mine}, which "
                    f"the study's own measurements could not tell it from: {latest.reason}")  # fmt: skip
             return settle_ties(Recommendation(tie, why, ties=others), points, trials, paired, study_vllm, study_dir)
-    return replace(rec, reason=f"{rec.reason}. Paired re-checks: " + "; ".join(notes))
+    return replace(rec, reason=f"{rec.reason}. Paired re-checks: " + "; ".join(notes), next_steps=tuple(commands))

@@ -69,6 +69,7 @@ class Recommendation:
     passed_over: tuple[PassedOver, ...] = ()  # cheaper candidates skipped for a thin margin
     warnings: tuple[str, ...] = ()  # thin-margin signals of the recommended point itself
     ties: tuple[ReportPoint, ...] = ()  # other trials' capacity points the recommendation cannot be told from (rule 5)
+    next_steps: tuple[str, ...] = ()  # commands that would settle a tie no paired re-check has (report/paired.py)
 
     def names(self, trial_id: str) -> bool:
         """Whether this recommends the trial ``trial_id``."""

@@ -38,6 +38,10 @@ def recommendation_lines(report: StudyReport, study_dir: Path) -> list[str]:
         f"recommendation: {describe(rec.point)}",
         f"  why: {rec.reason}",
         f"  export: servetune export {study_dir} --pick best --format vllm",
+        *(
+            f"  next: {command}  (a tie within the noise: measures the two round by round)"
+            for command in rec.next_steps
+        ),
     ]
 
 

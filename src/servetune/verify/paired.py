@@ -74,8 +74,8 @@ class PairedMetric(BaseModel):
     b_median: float | None
     change: float  # the median over rounds of (B - A) / mean(A, B)
     ratio: float | None  # the median over rounds of B / A (None where a side measured 0)
-    noise: float  # half the spread of the rounds' differences, at least the floor
-    low: float | None  # 95% bootstrap interval of the rounds' mean difference
+    noise: float  # half the interquartile range of the rounds' differences, at least the floor (stats.paired_noise)
+    low: float | None  # 95% interval of the rounds' mean difference (stats.mean_interval)
     high: float | None
     b_ahead: int  # rounds in which B was the better side
     rounds: int
