@@ -14,6 +14,13 @@ the issue: held-out below saturation, median TPOT error <= 10 %, TTFT <= 15 %.
     PYTHONPATH=src .venv/bin/python bench/estimate_accuracy.py --cpu [--write]  # the CPU stand-in
     PYTHONPATH=src .venv/bin/python bench/estimate_accuracy.py --cpu --per-load  # and its signed error per load
 
+Both print the knee table last (the issue's "knee within one ladder step"): per measured curve with at least
+``MIN_LOADS`` loads, the estimate's knee against the measured one (estimate/knee.py says how a measured knee is
+read) and how many ladder steps apart they land. GPU: the public closed-loop and one-wave concurrency series
+(consecutive rows of one source, GPU, model and shape whose loads do not repeat). CPU: the capacity surface
+``bench/data/capacity-surface.json`` (six configurations, 1-64 clients about 10 % apart, three runs a load),
+held out of the CPU fit; the grids' three loads are too few.
+
 With ``--cpu`` it fits the CPU build's factors instead (issue 40, item 6) on the recorded surface
 ``bench/data/cpu-tiny-grid-r3.json`` and holds out ``cpu-tiny-grid-r4.json`` (the same AMD EPYC
 host, another day, other request counts) and ``cpu-tiny-grid.json`` (an Intel host, bfloat16:
@@ -23,15 +30,20 @@ how far the factors carry to a host whose rates were not given).
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from servetune.estimate import calibrate, calibrate_cpu
-from servetune.estimate.factors import Factors, load_factors
+from servetune.estimate.factors import Efficiency, Factors, load_factors
+from servetune.estimate.knee import ladder_index, measured_knee, steps_apart
+from servetune.estimate.queueing import capacity, knee
 
 ROOT = Path(__file__).resolve().parents[1]
 FACTORS = ROOT / "src/servetune/estimate/data/factors.json"
 SURFACES = ROOT / "bench/data"
+MIN_LOADS = 4  # a curve with fewer measured loads does not show a knee
 
 
 def _cell(points: list[calibrate.CalibrationPoint], metric: str) -> str:
@@ -82,6 +94,8 @@ def main() -> None:
             sel = [p for p in points if p.source_id == source]
             cells = " ".join(f"{_cell(sel, m):<30}" for m in calibrate.METRICS)
             print(f"{source:<34} {cells}")
+    print()
+    knee_table(gpu_series(points), lambda p: factors.for_class(p.gpu_class))
     if args.write:
         kept = {k: v for k, v in load_factors().per_gpu_class.items() if k == "CPU"}  # the CPU fit is --cpu's
         factors = factors.model_copy(update={"per_gpu_class": {**factors.per_gpu_class, **kept}})
@@ -121,11 +135,91 @@ def cpu(write: bool, per_load: bool = False) -> None:
             for load in sorted({p.load for p in points}):
                 sel = [p for p in points if p.load == load]
                 print(f"{name:<34} {load:<12g} " + " ".join(f"{_signed(sel, m):<30}" for m in calibrate.METRICS))
+    print()
+    knee_table(capacity_surface(SURFACES / "capacity-surface.json"), lambda _: eff)
     if write:
         shipped = load_factors()
         factors = shipped.model_copy(update={"per_gpu_class": {**shipped.per_gpu_class, "CPU": eff}})
         calibrate.write_factors(factors, FACTORS)
         print(f"\nwrote {FACTORS}")
+
+
+# --- the knee within one ladder step ---------------------------------------------------------------------
+
+
+def gpu_series(points: Sequence[calibrate.CalibrationPoint]) -> list[tuple[str, list[calibrate.CalibrationPoint]]]:
+    """The public data's concurrency sweeps: consecutive rows of one source, GPU class, model, replica and shape
+    (closed loop or one wave) whose loads do not repeat (a repeat starts the next series: evalscope's V0, V1)."""
+    series: list[tuple[str, list[calibrate.CalibrationPoint]]] = []
+    key: tuple[object, ...] | None = None
+    for p in sorted(points, key=lambda p: p.row):
+        mine = (p.source_id, p.gpu_class, p.model, p.regime, p.input_tokens, p.output_tokens, p.replica)
+        if p.regime not in ("closed", "wave") or "output_throughput" not in p.measured:
+            key = None
+            continue
+        if mine != key or any(q.load == p.load for q in series[-1][1]):
+            name = f"{p.source_id} {p.gpu_class} {p.model.split('/')[-1]} {p.input_tokens}/{p.output_tokens}"
+            series.append((name, []))
+            key = mine
+        series[-1][1].append(p)
+    return [(name, pts) for name, pts in series if len({p.load for p in pts}) >= MIN_LOADS]
+
+
+def capacity_surface(path: Path) -> list[tuple[str, list[calibrate.CalibrationPoint]]]:
+    """Each configuration of a capacity surface (``bench`` results of a ladder, several runs a load) as CPU points,
+    one a run (a level's ``runs``; a load run once is its own)."""
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    out = []
+    for config in doc["configs"]:
+        bench = config["bench"]
+        runs = [run for level in bench["levels"] for run in level.get("runs") or [level]]
+        trial = {
+            "outcome": "COMPLETE",
+            "engine_args": bench["engine_args"],
+            "env": bench.get("env"),
+            "levels": runs,
+        }
+        out.append((config["name"], calibrate_cpu.trial_points(trial, path.stem, held_out=True)))
+    return out
+
+
+def run_knees(points: Sequence[calibrate.CalibrationPoint]) -> list[float | None]:
+    """Each run's knee where every load was measured as often (run i: each load's i-th point); none otherwise."""
+    runs: dict[float, list[float]] = {}
+    for p in points:
+        runs.setdefault(p.load, []).append(p.measured["output_throughput"])
+    repeats = {len(ts) for ts in runs.values()}
+    if len(repeats) != 1 or (n := repeats.pop()) < 2:
+        return []
+    return [measured_knee((load, ts[i]) for load, ts in runs.items()) for i in range(n)]
+
+
+def knee_table(
+    series: Sequence[tuple[str, list[calibrate.CalibrationPoint]]],
+    efficiency: Callable[[calibrate.CalibrationPoint], Efficiency],
+) -> None:
+    """Per curve: the ladder, the measured and predicted knees (clients), the steps between them, how many curves
+    land within one step, and where a load was measured more than once, each run's own knee (run i: every load's
+    i-th measurement): how far the measured knee itself moves between runs."""
+    print("knee within one ladder step (measured: estimate/knee.py; '>top': no knee on the ladder)")
+    print(f"{'curve':<58} {'loads':<10} {'capacity':>8} {'measured':>9} {'predicted':>9} {'steps':>6}  runs' knees")
+    within = 0
+    for name, pts in series:
+        first = pts[0]
+        i = round(statistics.median(p.input_tokens for p in pts))
+        o = round(statistics.median(p.output_tokens for p in pts))
+        ladder = sorted({p.load for p in pts})
+        got = measured_knee((p.load, p.measured["output_throughput"]) for p in pts)
+        predicted = knee(first.replica, efficiency(first), i, max(o, 2))
+        steps = steps_apart(ladder, predicted, got)
+        within += abs(steps) <= 1
+        span = f"{ladder[0]:g}-{ladder[-1]:g}x{len(ladder)}"
+        shown = ">top" if got is None else f"{got:g}"
+        beyond = " (>top)" if ladder_index(ladder, predicted) == len(ladder) else ""
+        cap = capacity(first.replica, i, max(o, 2))
+        runs = " ".join(">top" if k is None else f"{k:g}" for k in run_knees(pts)) or "-"
+        print(f"{name[:58]:<58} {span:<10} {cap:>8} {shown:>9} {predicted:>9}{beyond} {steps:>+6}  {runs}")
+    print(f"within one ladder step: {within} of {len(series)}")
 
 
 if __name__ == "__main__":

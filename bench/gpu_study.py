@@ -21,6 +21,11 @@ searchers). What is changed:
   saturation past ``max_num_seqs`` or the planned KV pool, times one seeded run factor drawn from
   the measured run-to-run spread. Answers then depend on the configuration, as on a GPU; each
   trial's best level is printed.
+- ``--prune`` turns on pruning by the estimate (``search.estimate: {prune: true}``, study/prune.py): a trial the
+  estimate rules out beyond its error is recorded PRUNED before its engine starts. Its reservation (Tune's start
+  to its end: the verdict, Ray's gaps) counts as reserved time that measured nothing; the device-minutes it
+  saved are printed as a lower bound (its drawn start-up at full size) and as the mean trial's full-size cost
+  per device. Meaningful with ``--twin``, where the paces are the estimate's too.
 - Durations are scaled by ``--scale``: start-ups through ``SERVETUNE_FAKE_STARTUP_DELAY_S``, and
   each level's request count (256 -> 256 x scale), so a level's arrivals span scale x its real
   span. What does not scale is counted once: a level's tail (the last requests finishing after
@@ -72,7 +77,7 @@ def scaled_requests(requests_per_level: int, scale: float) -> int:
     return max(1, round(requests_per_level * scale))
 
 
-def gpu_space(path: Path, model: Path, scale: float) -> tuple[dict[str, Any], dict[str, Any]]:
+def gpu_space(path: Path, model: Path, scale: float, prune: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
     """The space to run (as YAML data) and what was changed from ``path``, for the printout."""
     data = yaml.safe_load(path.read_text())
     load = data.setdefault("load", {})
@@ -90,6 +95,8 @@ def gpu_space(path: Path, model: Path, scale: float) -> tuple[dict[str, Any], di
     served, data["model"] = data["model"], str(model)  # trials load stand-ins (checkpoint_stand_in)
     data["search"] = {**data.get("search", {}), "algorithm": "random"}
     data["search"].pop("objectives", None)
+    if prune:
+        data["search"]["estimate"] = {**data["search"].get("estimate", {}), "prune": True}
     changes = {"real_requests_per_level": real_requests, "requests_per_level": load["requests_per_level"],
                "algorithm": original.search.algorithm, "stop_when_dominated": original.stops_when_dominated,
                "quality_suites": (quality or {}).get("suites"), "model": served}  # fmt: skip
@@ -162,7 +169,10 @@ def drawn_startup(result: TrialResult) -> float | None:
 
 
 def real_accounting(
-    results: list[TrialResult], scale: float, probe_share: float = PROBE_SHARE_OF_MEASURING
+    results: list[TrialResult],
+    scale: float,
+    probe_share: float = PROBE_SHARE_OF_MEASURING,
+    idle_device_s: float = 0.0,
 ) -> dict[str, Any]:
     """The study's GPU time as it would be at full size: what ``--scale`` shrank, divided by it.
 
@@ -171,9 +181,11 @@ def real_accounting(
     plus its tail (duration less that span) as measured, but a level cut for saturation (a queue
     that grew for ``QUEUE_WINDOW_S``, trial/measure.py) as measured; warm-up, teardown, checks and the rest
     as measured. The quality probe, not run, is ``probe_share`` of the trial's real measuring
-    time. Device-seconds are those times the trial's devices, as in ``time_accounting``.
+    time. Device-seconds are those times the trial's devices, as in ``time_accounting``. ``idle_device_s``:
+    device-seconds reserved without a trial's own time (a PRUNED trial's reservation), counted in the rest.
     """
-    measuring = starting = quality = other = 0.0
+    measuring = starting = quality = 0.0
+    other = idle_device_s
     for result in results:
         duration = result.duration_s or 0.0
         measured = spans = 0.0
@@ -224,6 +236,24 @@ def triton_what_if(out: dict[str, Any], warm_compile_s: float) -> float:
     return measuring / (total - saved) if total > saved else 0.0
 
 
+def pruned_accounting(
+    results: list[TrialResult], spans: dict[str, tuple[float, float]], scale: float, real: dict[str, Any]
+) -> dict[str, Any]:
+    """The PRUNED trials: their reservations' device-seconds (as run: nothing of them was scaled), and the
+    device-minutes they saved at full size, at least their drawn start-ups (delay and cold compile, unscaled) and
+    about the mean trial's full-size cost per device (``real``: the accounting of the trials that ran)."""
+    pruned = [r for r in results if r.outcome == "PRUNED"]
+    ran = [r for r in results if r.outcome != "PRUNED"]
+    reserved = sum((spans[r.trial_id][1] - spans[r.trial_id][0]) * r.devices for r in pruned if r.trial_id in spans)
+    startups = sum(
+        (float(r.params.get("env.SERVETUNE_FAKE_STARTUP_DELAY_S", 0.0)) / scale + COMPILE_COLD_S) * r.devices
+        for r in pruned
+    )
+    per_device = real["gpu_minutes"] / max(sum(r.devices for r in ran), 1)
+    return {"trials": len(pruned), "reserved_device_s": reserved, "saved_gpu_minutes_at_least": startups / 60.0,
+            "saved_gpu_minutes_mean_trial": per_device * sum(r.devices for r in pruned)}  # fmt: skip
+
+
 def best_of(result: TrialResult) -> dict[str, Any] | None:
     """The trial's best level (servetune's rule): its load, goodput and latencies; None if none met the SLO."""
     point = result.best
@@ -240,7 +270,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from servetune.trial.context import StudyContext, resolve_levels
 
     model = build_tiny_model(workdir / "models" / "tiny").resolve()
-    data, changes = gpu_space(args.space, model, args.scale)
+    data, changes = gpu_space(args.space, model, args.scale, args.prune)
     space_path = workdir / "space.yaml"
     space_path.write_text(yaml.safe_dump(data, sort_keys=False))
     space = load_space(space_path)
@@ -261,11 +291,16 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     results, spans, wall_s = run_study(context, points, args.gpus, cpus)
     reservations = [Reservation(s, e, results[t].devices if t in results else 0, t) for t, (s, e) in spans.items()]
     done = [results[t] for t in spans if t in results]
+    ran = [r for r in done if r.outcome != "PRUNED"]
+    real = real_accounting(ran, args.scale)
+    pruned = pruned_accounting(done, spans, args.scale, real)
+    if pruned["trials"]:
+        real = real_accounting(ran, args.scale, idle_device_s=pruned["reserved_device_s"])
     return {
-        "space": str(args.space), "twin": args.twin, "scale": args.scale, "gpus": args.gpus, "seed": args.seed, "wall_s": wall_s,
+        "space": str(args.space), "twin": args.twin, "prune": args.prune, "pruned": pruned, "scale": args.scale, "gpus": args.gpus, "seed": args.seed, "wall_s": wall_s,
         "changes": changes, "trials_proposed": len(points), "target": TARGET,
         "utilization": utilization(reservations, args.gpus),
-        "scaled": time_accounting(done), "real": real_accounting(done, args.scale),
+        "scaled": time_accounting(ran), "real": real,
         "compile_cache_hits": sum(r.startup_phases.get("compile_cache_hit", 0.0) > 0 for r in done),
         "trials": [{"trial_id": r.trial_id, "devices": r.devices, "outcome": r.outcome, "reason": r.reason,
                     "stopped_because": r.stopped_because, "levels_run": len(r.levels), "startup_s": r.startup_s,
@@ -309,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--twin", action="store_true", help="pace each fake engine by the estimate for its configuration"
     )
+    parser.add_argument(
+        "--prune", action="store_true", help="prune by the estimate (search.estimate: {prune: true}); with --twin"
+    )
     parser.add_argument("--workdir", type=Path, help="keep the study here (default: a temporary directory)")
     parser.add_argument("--json", type=Path, help="write the measurements here")
     parser.add_argument(
@@ -347,6 +385,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{real['starting_share']:.1%} starting engines, {real['quality_share']:.1%} quality probe (estimated: "
         f"{real['probe_share_of_measuring']:.1%} of measuring, bench/README.md), {real['other_share']:.1%} warm-up, teardown and the rest"
     )
+    if out.get("prune"):
+        p = out["pruned"]
+        print(
+            f"pruned by the estimate: {p['trials']} of {out['trials_proposed']} trials, their reservations "
+            f"{p['reserved_device_s'] / 60:.2f} GPU-min (counted in the rest); saved at full size at least "
+            f"{p['saved_gpu_minutes_at_least']:.1f} GPU-min (their start-ups), about {p['saved_gpu_minutes_mean_trial']:.1f} "
+            "at the mean trial's cost"
+        )
     if out.get("twin"):
         print_bests(out["trials"])
     verdict = "meets" if real["measuring_share"] >= TARGET else "misses"

@@ -119,3 +119,28 @@ def test_with_twin_each_point_is_paced_by_the_estimate_for_its_own_configuration
     assert twins[1].pace(16, 600, 200).itl_s / twins[1].factor < twins[0].pace(16, 600, 200).itl_s / twins[0].factor
     assert twins[0].pace(40, 600, 200).saturated and not twins[1].pace(40, 600, 200).saturated
     assert twins[0].factor != twins[1].factor  # each trial its own run
+
+
+def test_with_prune_the_space_prunes_by_the_estimate_and_a_pruned_trial_saves_but_measures_nothing(bench, tmp_path):
+    space = tmp_path / "space.yaml"
+    space.write_text(
+        "name: s\nmodel: meta-llama/Llama-3.1-8B-Instruct\ndevice: gpu\nworkload: chat\nload: {levels: [2, 4], requests_per_level: 256}\n"
+        "slo: {ttft_ms: {p99: 2000}}\nhardware: {gpu: H100-SXM}\nsearch: {algorithm: tpe, estimate: {prune: false}}\n"
+    )
+    data, _ = bench.gpu_space(space, tmp_path / "tiny", 0.1, prune=True)
+    assert data["search"]["estimate"] == {"prune": True} and data["search"]["algorithm"] == "random"
+    assert bench.gpu_space(space, tmp_path / "tiny", 0.1)[0]["search"]["estimate"] == {"prune": False}
+    # one trial ran on 1 GPU; one on 2 GPUs was pruned, its reservation 1.5 s
+    ran = timed(1, 40.0, 30.0, [rate_level(2.0, 26, 10.0)])
+    pruned = timed(2, 0.0, None, []).model_copy(
+        update={"trial_id": "p", "outcome": "PRUNED", "params": {"env.SERVETUNE_FAKE_STARTUP_DELAY_S": "5.4"}}
+    )
+    real = bench.real_accounting([ran], 0.1, 0.0)
+    out = bench.pruned_accounting([ran, pruned], {"t": (0.0, 40.0), "p": (1.0, 2.5)}, 0.1, real)
+    assert out["trials"] == 1 and out["reserved_device_s"] == pytest.approx(3.0)
+    assert out["saved_gpu_minutes_at_least"] == pytest.approx(2 * (54.0 + bench.COMPILE_COLD_S) / 60)
+    assert out["saved_gpu_minutes_mean_trial"] == pytest.approx(2 * real["gpu_minutes"])
+    # the pruned trial's reservation is reserved time that measured nothing: it lowers the measuring share
+    honest = bench.real_accounting([ran], 0.1, 0.0, idle_device_s=out["reserved_device_s"])
+    assert honest["gpu_minutes"] == pytest.approx(real["gpu_minutes"] + 3.0 / 60)
+    assert honest["measuring_share"] < real["measuring_share"]
