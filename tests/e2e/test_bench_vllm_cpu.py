@@ -125,7 +125,7 @@ def test_bench_sends_every_ask_and_vllms_answers_carry_it(tiny_model, tmp_path):
     assert summary.requests_by_adapter == {"tiny-lora": 16}
     # every tool call is JSON under the schema; every sampled answer had its n choices and logprobs on each token
     assert summary.structured_valid == 1.0 and summary.not_honoured is None
-    assert "100% of structured answers parsed as asked" in " ".join(done.stdout.split())
+    assert "100% of structured answers parsed as asked" in " ".join((done.stdout + done.stderr).split())
     records = [json.loads(line) for line in (tmp_path / "asks.requests.jsonl").read_text().splitlines()]
     sampled = [r for r in records if r["request_class"] == "sampled"]
     tools = [r for r in records if r["request_class"] == "tool"]
