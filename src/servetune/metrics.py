@@ -148,6 +148,9 @@ class RequestRecord:
     error_kind: str | None = None  # http_4xx, http_5xx, timeout, connection, ...
     error: str | None = None
     structured_valid: bool | None = None  # it asked for structured output: whether the answer parsed as asked
+    not_honoured: list[str] | None = (
+        None  # what it asked that its answer lacked: n (choices), logprobs (load/client.py)
+    )
     session: int | None = None  # the conversation it is a turn of (workloads with sessions), and which turn
     turn: int = 0
     cached_tokens: int | None = None  # of its prompt, the tokens the server's prefix cache held (where it says)

@@ -179,6 +179,10 @@ class LevelSummary(BaseModel):
     # Of the completed requests that asked for structured output (a JSON schema, choices, a regex), the share
     # whose answers parsed as asked (None: none asked, or only for grammars)
     structured_valid: float | None = None
+    # Of the completed requests that asked for n > 1 choices or for logprobs, those whose answers lacked them, per
+    # ask (``n``, ``logprobs``; load/client.py): the engine took the request and did not do what it asked
+    # (None: every answer carried what it asked, or none asked)
+    not_honoured: dict[str, int] | None = None
     conversations: ConversationStats | None = None  # workloads with sessions: per-conversation numbers
     requests_by_adapter: dict[str, int] | None = None  # workloads with LoRA adapters: completed requests per adapter
     # Vision-language workloads: the images the level's measured requests carried, and their pixels in all
@@ -297,6 +301,7 @@ def summarize(
         ttft_growth=None if growth is None else growth[0],
         ttft_growth_low=None if growth is None else growth[1],
         structured_valid=float(np.mean(checked)) if checked else None,
+        not_honoured=dict(Counter(ask for r in ok for ask in r.not_honoured or ())) or None,
         conversations=ConversationStats.of(all_records),
         requests_by_adapter=dict(Counter(r.adapter for r in ok if r.adapter is not None)) or None,
         images_sent=sum(r.images for r in measured) or None,
@@ -343,6 +348,24 @@ def itl_note(share: float | None) -> str | None:
         f"tokens read in bursts: {share:.0%} of token gaps under {BURST_GAP_S * 1000:g} ms (sent together by the "
         "server, or read late by the client): ITL percentiles understate the engine's step, TPOT does not"
     )
+
+
+#: How a level's note names each ask an answer lacked (``LevelSummary.not_honoured``).
+_LACKED = {"n": "fewer choices than n", "logprobs": "no logprobs"}
+
+
+def asks_note(summary: LevelSummary) -> str | None:
+    """What a level says of what its requests asked beyond text: the share of structured answers that parsed as
+    asked, and the answers that lacked an ask (None when the workload asked for neither)."""
+    parts = []
+    if summary.structured_valid is not None:
+        parts.append(f"{summary.structured_valid:.0%} of structured answers parsed as asked")
+    if summary.not_honoured:
+        lacked = ", ".join(
+            f"{count} with {_LACKED.get(ask, ask)}" for ask, count in sorted(summary.not_honoured.items())
+        )
+        parts.append(f"answers without what they asked: {lacked}")
+    return "; ".join(parts) or None
 
 
 def ttft_distribution_ms(records: Iterable[RequestRecord]) -> list[float] | None:

@@ -74,3 +74,64 @@ def test_unknown_engine_argument_is_caught_before_launch(tiny_model):
     assert done.returncode == 2
     assert "unknown engine argument 'max_num_seq'" in done.stderr and "did you mean max_num_seqs" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+#: Every ask a request can make of vLLM, on the tiny model: a tool call under a JSON schema (enums and a boolean, so
+#: the random model's answer ends), and sampled answers with n choices and log-probabilities; all through the tiny
+#: LoRA adapter (built as the tiny model is, models/tiny.py).
+ASKS_WORKLOAD = """\
+name: asks
+seed: 0
+api: chat
+adapters:
+  - {name: tiny-lora, path: tiny}
+mix:
+  - name: tool
+    input_tokens: {dist: fixed, value: 32}
+    output_tokens: {dist: fixed, value: 48}
+    structured:
+      json_schema:
+        type: object
+        properties: {tool: {enum: [search, answer]}, ok: {type: boolean}}
+        required: [tool, ok]
+        additionalProperties: false
+  - name: sampled
+    input_tokens: {dist: fixed, value: 32}
+    output_tokens: {dist: fixed, value: 8}
+    sampling: {temperature: 0.8, top_p: 0.9, top_k: 20, n: 2, logprobs: 2, presence_penalty: 0.5}
+"""
+
+
+def test_bench_sends_every_ask_and_vllms_answers_carry_it(tiny_model, tmp_path):
+    """One engine (about 100 s on two shared cores, most of it the engine's start with LoRA): structured output,
+    n > 1, logprobs, sampling and a LoRA adapter reach vLLM, and its answers show it. Greedy decoding of the random
+    model may pick whitespace between JSON tokens for ever, so the engine is told to allow none (xgrammar)."""
+    workload = tmp_path / "asks.yaml"
+    workload.write_text(ASKS_WORKLOAD)
+    out = tmp_path / "asks.json"
+    done = servetune(
+        "bench", "--model", str(tiny_model), "--env", "VLLM_CPU_KVCACHE_SPACE=1", "--engine-arg", "enforce_eager=true",
+        "--engine-arg", "structured_outputs_config.backend=xgrammar",
+        "--engine-arg", "structured_outputs_config.disable_any_whitespace=true",
+        "--workload", str(workload), "--concurrency", "4", "--num-requests", "16", "--json", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = BenchResult.model_validate_json(out.read_text())
+    assert "--enable-lora" in result.command and any("tiny-lora=" in arg for arg in result.command)
+    (level,) = result.levels
+    summary = level.summary
+    assert summary.completed == 16 and summary.failed == 0
+    # vLLM ran every request with the adapter each named as its model (an unknown model name is a 404)
+    assert summary.requests_by_adapter == {"tiny-lora": 16}
+    # every tool call is JSON under the schema; every sampled answer had its n choices and logprobs on each token
+    assert summary.structured_valid == 1.0 and summary.not_honoured is None
+    assert "100% of structured answers parsed as asked" in " ".join((done.stdout + done.stderr).split())
+    records = [json.loads(line) for line in (tmp_path / "asks.requests.jsonl").read_text().splitlines()]
+    sampled = [r for r in records if r["request_class"] == "sampled"]
+    tools = [r for r in records if r["request_class"] == "tool"]
+    assert sampled and tools and all(r["ok"] for r in records)
+    # n = 2 answers of 8 tokens each (ignore_eos): vLLM's usage counts both choices' tokens
+    assert all(r["output_tokens"] == 2 * 8 and r["not_honoured"] is None for r in sampled)
+    # a tool call ends where its JSON ends, before max_tokens (ignore_eos is off for structured output)
+    assert all(r["structured_valid"] is True and r["output_tokens"] < 48 for r in tools)
+    assert processes_mentioning(tiny_model) == []

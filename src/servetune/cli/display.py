@@ -9,7 +9,7 @@ from rich.table import Table
 
 from servetune.config.slo import Slo
 from servetune.results import LevelResult
-from servetune.summary import itl_note
+from servetune.summary import asks_note, itl_note
 
 
 def console(stderr: bool = False) -> Console:
@@ -57,7 +57,8 @@ def level_table(results: list[LevelResult], slo: Slo, title: str = "") -> Table:
         table.add_row(*row)
     table.caption = "latencies in ms; in sync: requests sent within 10 ms of another"
     notes = [f"{', '.join(f'{k} {v:g}' for k, v in r.summary.level.items())}: {note}"
-             for r in results for note in (r.stopped_early, r.cache_note, itl_note(r.itl_burst_share)) if note]  # fmt: skip
+             for r in results
+             for note in (r.stopped_early, r.cache_note, itl_note(r.itl_burst_share), asks_note(r.summary)) if note]  # fmt: skip
     if notes:
         table.caption += "\n" + "\n".join(notes)
     return table

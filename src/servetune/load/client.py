@@ -13,7 +13,9 @@ its connection after that many content chunks, as a user who leaves does (``drop
 
 A request that asked for structured output keeps its answer's text (each choice's), and its record says
 whether every choice parsed as asked (``RequestRecord.structured_valid``; the level's ``structured_valid`` is
-the share of such answers).
+the share of such answers). A request that asked for ``n`` > 1 choices or for ``logprobs`` is checked for them
+too: an answer with fewer choices carrying content than asked (``n``), or a content chunk without log-probabilities
+(``logprobs``), names what it lacked in ``RequestRecord.not_honoured`` (the level counts them per ask).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class _Choice(msgspec.Struct):
     index: int = 0
     text: str | None = None
     delta: _Delta | None = None
+    logprobs: msgspec.Raw = msgspec.Raw()  # kept undecoded: only whether it is there is read (b"" or b"null": not)
 
 
 class _PromptDetails(msgspec.Struct):
@@ -94,6 +97,49 @@ def _keep_text(chunk: _Chunk, texts: dict[int, list[str]]) -> None:
         piece = choice.text if choice.delta is None else choice.delta.content
         if piece:
             texts.setdefault(choice.index, []).append(piece)
+
+
+#: What a request can ask that its answer shows (``RequestRecord.not_honoured``): its choices, its log-probabilities.
+ASK_N = "n"
+ASK_LOGPROBS = "logprobs"
+
+
+class AskCheck:
+    """Whether an answer carries what its request asked beyond text: ``n`` choices (each index that streamed
+    content is counted) and log-probabilities on every content chunk of every choice. Made only for a request
+    that asks either (:meth:`of`), so other requests' streams are read as before."""
+
+    __slots__ = ("choices", "lacking_logprobs", "logprobs", "n")
+
+    def __init__(self, n: int, logprobs: bool) -> None:
+        self.n, self.logprobs = n, logprobs
+        self.choices: set[int] = set()
+        self.lacking_logprobs = 0
+
+    @classmethod
+    def of(cls, spec: RequestSpec) -> AskCheck | None:
+        asked = dict(spec.sampling)
+        n = asked.get("n")
+        choices = n if isinstance(n, int) else 1
+        logprobs = asked.get("logprobs") not in (None, False)  # chat sends logprobs: true (and top_logprobs)
+        return cls(choices, logprobs) if choices > 1 or logprobs else None
+
+    def see(self, chunk: _Chunk) -> None:
+        """Read one chunk that carried content."""
+        for choice in chunk.choices:
+            piece = choice.text if choice.delta is None else choice.delta.content or choice.delta.reasoning_content
+            if not piece:
+                continue  # a role-only or finishing chunk carries no token, and no log-probabilities for one
+            self.choices.add(choice.index)
+            if self.logprobs and (len(choice.logprobs) == 0 or bytes(choice.logprobs) == b"null"):
+                self.lacking_logprobs += 1
+
+    def not_honoured(self) -> list[str] | None:
+        """The asks the answer lacked (``n``, ``logprobs``); None when it carried all of them."""
+        lacked = [ASK_N] if len(self.choices) < self.n else []
+        if self.logprobs and (self.lacking_logprobs or not self.choices):
+            lacked.append(ASK_LOGPROBS)
+        return lacked or None
 
 
 def structured_valid(spec: RequestSpec, texts: dict[int, list[str]]) -> bool | None:
@@ -182,6 +228,7 @@ class StreamingClient:
         clock = time.perf_counter
         chunk_times = record.chunk_times
         texts: dict[int, list[str]] | None = {} if spec.structured is not None else None
+        asks = AskCheck.of(spec)
         record.sent = clock() - t0
         loop = asyncio.get_running_loop()
         total_at = loop.time() + self.timeout_s
@@ -220,6 +267,8 @@ class StreamingClient:
                                 chunk_times.append(now)
                                 if texts is not None:
                                     _keep_text(chunk, texts)
+                                if asks is not None:
+                                    asks.see(chunk)
                             if chunk.usage is not None:
                                 record.prompt_tokens = chunk.usage.prompt_tokens
                                 record.output_tokens = chunk.usage.completion_tokens
@@ -268,4 +317,6 @@ class StreamingClient:
                 record.ok = True
                 if texts is not None:
                     record.structured_valid = structured_valid(spec, texts)
+                if asks is not None:
+                    record.not_honoured = asks.not_honoured()
         return record

@@ -3,7 +3,9 @@
 Fast client and scheduler tests use it where real vLLM would make them slow. It speaks the
 parts of vLLM's API servetune uses: ``/health``, ``/v1/models``, streaming
 ``/v1/completions`` and ``/v1/chat/completions`` with ``usage``, and a small ``/metrics``.
-It also logs vLLM's KV capacity line, so it can stand in for the engine in lifecycle tests:
+It streams ``n`` choices and log-probabilities (in each API's shape) where a request asks for them, unless made
+with ``honour_asks=False`` (a server that takes the fields and ignores them). It also logs vLLM's KV capacity
+line, so it can stand in for the engine in lifecycle tests:
 
     python -m servetune.testing.fake_openai --port 8000 --ttft-ms 50 --itl-ms 10
 """
@@ -52,11 +54,18 @@ def _prompt_and_images(body: dict[str, Any]) -> tuple[str, list[str]]:
     return json.dumps(texts), images
 
 
+def _logprobs(chat: bool, position: int) -> dict[str, Any]:
+    """The log-probabilities of one streamed token ``x``, in the chat or the completions API's shape."""
+    if chat:
+        return {"content": [{"token": "x", "logprob": -0.5, "bytes": [120], "top_logprobs": []}]}
+    return {"tokens": ["x"], "token_logprobs": [-0.5], "top_logprobs": [{"x": -0.5}], "text_offset": [position]}
+
+
 class FakeOpenAI:
     def __init__(self, ttft_ms: float = 20.0, itl_ms: float = 5.0, model: str = "fake", fail_status: int | None = None,
                  max_num_seqs: int | None = None, dev_mode: bool = True, stall_after: int | None = None,
                  stall_ms: float = 0.0, release_ms: float = 0.0, max_num_queued_reqs: int | None = None,
-                 twin: Twin | None = None) -> None:  # fmt: skip
+                 twin: Twin | None = None, honour_asks: bool = True) -> None:  # fmt: skip
         self.ttft_s = ttft_ms / 1000.0
         self.itl_s = itl_ms / 1000.0
         # A stream that falls silent: after ``stall_after`` tokens, ``stall_ms`` without a byte.
@@ -66,6 +75,7 @@ class FakeOpenAI:
         # An engine slow to notice a client gone: a dropped stream stays running this long.
         self.release_s = release_ms / 1000.0
         self.model = model
+        self.honour_asks = honour_asks  # n and logprobs: streamed as asked, or left out
         # A GPU twin (testing/twin.py) paces every request by the estimate instead of ttft_ms / itl_ms:
         # TTFT from the requests in flight at its arrival, each gap from those in flight at that token.
         self.twin = twin
@@ -151,6 +161,8 @@ class FakeOpenAI:
             return web.json_response({"error": {"message": message, "code": 503}}, status=503)
         chat = request.path.endswith("/chat/completions")
         n_out = int(body.get("max_tokens") or 16)
+        choices = int(body.get("n") or 1) if self.honour_asks else 1
+        logprobs = self.honour_asks and body.get("logprobs") not in (None, False)
         prompt, images = _prompt_and_images(body)
         self.images_per_request.append(len(images))
         self.image_urls.extend(images)
@@ -186,10 +198,17 @@ class FakeOpenAI:
                 if self.stall_after is not None and i >= self.stall_after:
                     due += self.stall_s
                 await asyncio.sleep(max(0.0, due - time.perf_counter()))
-                choice = {"index": 0, "delta": {"content": "x"}} if chat else {"index": 0, "text": "x"}
-                await resp.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
-                self.generated += 1
-            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n_out, "total_tokens": n_out}
+                for index in range(choices):
+                    choice = {"index": index, "delta": {"content": "x"}} if chat else {"index": index, "text": "x"}
+                    if logprobs:
+                        choice["logprobs"] = _logprobs(chat, i)
+                    await resp.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
+                    self.generated += 1
+            usage = {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": n_out * choices,
+                "total_tokens": n_out * choices,
+            }
             await resp.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
             self.finished += 1
