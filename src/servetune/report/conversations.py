@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from servetune.report.points import ReportPoint, level_label
+from servetune.report.points import ReportPoint, level_label, point_trial
 from servetune.results import TrialResult
 from servetune.summary import ConversationStats, LatencyStats, TurnStats
 
@@ -39,9 +39,7 @@ class ConversationTable:
 
 def conversation_tables(trials: Sequence[TrialResult], point: ReportPoint | None) -> tuple[ConversationTable, ...]:
     """Every level of the recommended point's trial that had conversations (none without a recommendation)."""
-    if point is None:
-        return ()
-    trial = next((t for t in trials if t.trial_id == point.trial_id), None)
+    trial = point_trial(trials, point)
     if trial is None:
         return ()
     return tuple(

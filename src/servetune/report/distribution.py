@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from servetune.metrics import DISTRIBUTION_PERCENTILES
-from servetune.report.points import ReportPoint, level_label
+from servetune.report.points import ReportPoint, level_label, point_trial
 from servetune.results import TrialResult
 
 #: The percentiles the Markdown table shows (the HTML draws all of them).
@@ -42,9 +42,7 @@ class LevelSpread:
 
 def ttft_spreads(trials: Sequence[TrialResult], point: ReportPoint | None) -> tuple[LevelSpread, ...]:
     """Every level of the recommended point's trial that kept its TTFT distribution (none before it was kept)."""
-    if point is None:
-        return ()
-    trial = next((t for t in trials if t.trial_id == point.trial_id), None)
+    trial = point_trial(trials, point)
     if trial is None:
         return ()
     return tuple(

@@ -259,6 +259,13 @@ def trial_points(trial: TrialResult, price_per_device_hour: float | None = None)
     return points
 
 
+def point_trial(trials: Iterable[TrialResult], point: ReportPoint | None) -> TrialResult | None:
+    """The trial ``point`` was measured in (None without a point, or where the trials lack it)."""
+    if point is None:
+        return None
+    return next((t for t in trials if t.trial_id == point.trial_id), None)
+
+
 def quality_failures(trial: TrialResult) -> tuple[str, ...]:
     """The quality bounds a trial broke (empty when it passed or ran no probe)."""
     if trial.quality is None or trial.quality.passed is not False:
