@@ -109,6 +109,11 @@ OUTPUT_THROUGHPUT_PER_DEVICE = "output_throughput_per_device"
 OUTPUT_THROUGHPUT_PER_USER = "output_throughput_per_user"
 
 
+def not_honoured_metric(ask: str) -> str:
+    """The answers of a level that lacked ``ask`` (``n``, ``logprobs``: ``LevelSummary.not_honoured``), a count."""
+    return f"not_honoured_{ask}"
+
+
 def metric_names() -> list[str]:
     """Every flat metric name a level summary has (the keys of :meth:`servetune.summary.LevelSummary.flat`)."""
     names = [f"{m}_{s}" for m in LATENCY_METRICS for s in STATS]

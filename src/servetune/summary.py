@@ -29,6 +29,7 @@ from servetune.metrics import (
     STATS,
     STRUCTURED_VALID,
     RequestRecord,
+    not_honoured_metric,
     turn_cache_hit_rate,
     turn_prompt_tokens,
 )
@@ -212,6 +213,7 @@ class LevelSummary(BaseModel):
             out[STRUCTURED_VALID] = self.structured_valid
         if self.conversations is not None:
             out.update(self.conversations.flat())
+        out.update({not_honoured_metric(ask): float(n) for ask, n in (self.not_honoured or {}).items()})
         return out
 
 

@@ -57,6 +57,9 @@ def test_answers_that_carry_what_was_asked_pass_and_answers_that_lack_it_are_cou
     assert [r.not_honoured for r in ignored] == [[ASK_N, ASK_LOGPROBS], None, [ASK_N, ASK_LOGPROBS]]
     level = summarize(ignored, {"concurrency": 1})
     assert level.not_honoured == {ASK_N: 2, ASK_LOGPROBS: 2}
+    assert {k: v for k, v in level.flat().items() if k.startswith("not_honoured")} == {  # MLflow's per-level metrics
+        "not_honoured_n": 2.0, "not_honoured_logprobs": 2.0
+    }  # fmt: skip
     assert asks_note(level) == "answers without what they asked: 2 with no logprobs, 2 with fewer choices than n"
     assert summarize(honoured, {"concurrency": 1}).not_honoured is None and asks_note(summarize(honoured, {})) is None
 
