@@ -109,3 +109,27 @@ def test_mlflow_gets_each_levels_conversation_numbers_and_hit_rate_per_turn():
     assert by_key[("by_level/" + turn_cache_hit_rate(2), 0)] == pytest.approx(80 / 200)
     assert ("by_level/" + turn_cache_hit_rate(1), 0) not in by_key  # the first turns' answers did not say
     assert not any(key.startswith("by_level/conversation_") and step == 1 for key, step in by_key)
+
+
+def test_a_study_of_conversations_asks_vllm_for_the_cached_tokens_of_each_answer(tmp_path):
+    """A bare engine measuring a workload with sessions starts with ``enable_prompt_tokens_details`` (vLLM reports
+    each answer's cached prompt tokens only then), unless the space set it; the trial's id and arguments keep the
+    space's own; another workload's engine is started as the space says."""
+    from servetune.config.space import SearchSpace
+    from servetune.trial.context import StudyContext, resolve_levels
+    from servetune.trial.runner import vllm_engine
+
+    def engine(workload: str, engine_args: dict | None = None):
+        space = SearchSpace.model_validate({"name": "s", "model": "m", "workload": workload,
+                                            "engine_args": engine_args or {}})  # fmt: skip
+        loaded = space.resolved_workload(tmp_path)
+        spec = StudyContext(space, loaded, tmp_path, "m", resolve_levels(space, loaded)).spec_for({"max_num_seqs": 4})
+        return spec, vllm_engine(spec, tmp_path)
+
+    spec, server = engine("agent")  # a shipped workload with sessions
+    assert server.engine_args["enable_prompt_tokens_details"] is True
+    assert "enable_prompt_tokens_details" not in spec.engine_args  # not a configuration choice: not in the trial's id
+    _, server = engine("agent", {"enable_prompt_tokens_details": False})
+    assert server.engine_args["enable_prompt_tokens_details"] is False  # the space's choice stands
+    _, server = engine("cpu-tiny")
+    assert "enable_prompt_tokens_details" not in server.engine_args

@@ -302,7 +302,7 @@ def run(args: argparse.Namespace) -> int:
                 engine_args = workload.adapter_engine_args(engine_args, log_path.parent / MODELS_DIR)
                 result.engine_args = redact_engine_args(engine_args)
             server = VllmServer(
-                args.model, engine_args, env, log_path=log_path, python=args.python,
+                args.model, workload.measured_engine_args(engine_args), env, log_path=log_path, python=args.python,
                 startup_timeout_s=args.startup_timeout, argspecs=specs, cpu_ranks=cpu_ranks(engine_args, version),
             )  # fmt: skip
             with console.status(

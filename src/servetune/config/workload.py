@@ -249,6 +249,15 @@ class Workload(BaseModel):
         modules = adapter_modules(self.adapters, build_dir)
         return lora_engine_args(engine_args, modules, max(a.rank for a in self.adapters))
 
+    def measured_engine_args(self, engine_args: dict[str, Any]) -> dict[str, Any]:
+        """``engine_args`` as a bare ``vllm serve`` measuring this workload starts with: with ``sessions``, vLLM
+        reports each answer's cached prompt tokens (``enable_prompt_tokens_details``, off by default), so a level's
+        prefix-cache hit rate per turn is measured rather than "not reported"; a value the space set stands. Not a
+        configuration choice: the trial's id and its exported command keep the space's own arguments."""
+        if self.sessions is None or "enable_prompt_tokens_details" in engine_args:
+            return dict(engine_args)
+        return {**engine_args, "enable_prompt_tokens_details": True}
+
     @model_validator(mode="after")
     def _sampling_once(self) -> Workload:
         for name in ("temperature", "ignore_eos"):

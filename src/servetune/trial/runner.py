@@ -131,8 +131,10 @@ EngineFactory = Callable[[TrialSpec, Path], Engine]
 
 
 def vllm_engine(spec: TrialSpec, trial_dir: Path) -> VllmServer:
-    """The real engine: vLLM's OpenAI server in its own process group, logging to ``engine.log``."""
-    return VllmServer(spec.model, spec.engine_args, {**spec.env, **spec.extra_env}, log_path=trial_dir / ENGINE_LOG,
+    """The real engine: vLLM's OpenAI server in its own process group, logging to ``engine.log`` (with what measuring
+    the workload needs of it: ``Workload.measured_engine_args``)."""
+    return VllmServer(spec.model, spec.workload.measured_engine_args(spec.engine_args), {**spec.env, **spec.extra_env},
+                      log_path=trial_dir / ENGINE_LOG,
                       startup_timeout_s=spec.startup_timeout_s, startup_expected=spec.startup_expected,
                       cpu_ranks=cpu_ranks(spec),
                       python=spec.python or sys.executable)  # fmt: skip
