@@ -294,6 +294,32 @@ class KvCase:
         return float(compare_kv(self.plan(profile), self.logged())["relative_error"])
 
 
+# --- data parallelism (issue #39's search for DP start-up logs, 2026-12-06) -------------------------------------------
+#
+# With DP each rank is its own engine core and logs its own pool; the planner plans one rank. MoE layers shard over
+# TP x DP ranks (``MoeShards``), and vLLM 0.32's profile also charges every DP rank's gathered batch to an MoE layer
+# (``moe_dp_gathers_batch``). Public logs found: one dense DP start-up with the pool and token lines (below); one
+# MoE DP8 x EP8 start-up with the weights line only (``test_qwen3_moe_weights_per_rank_under_dp8_ep8_match_vllm``); one
+# MoE DP8 x EP8 log with concurrency lines of an architecture the planner does not model (DeepSeek-V4-Flash-0731 on
+# 8 x B200, vLLM 0.25.0: 156.9x at 1M context per rank, vllm-project/vllm issue 51454 and recipes issue 762; not
+# planned: the planner has no DeepSeek-V4 sparse/compressed attention model). None of them checks the MoE DP gather
+# term (0.32 profile only) or a PCP x EP layout; no public start-up log with PCP was found.
+# ray-project/kuberay issue 4366 (2026-01-12): `vllm serve Qwen/Qwen2.5-0.5B-Instruct --data-parallel-size 2
+# --data-parallel-size-local 1 --data-parallel-backend=ray`, vLLM 0.11.0, one Tesla T4 a rank (bf16 falls back to
+# fp16, default util 0.9, 32,768 context, 2048 batched tokens): both ranks "Model loading took 0.9271 GiB",
+# "Available KV cache memory: 10.74 GiB", rank 1 "GPU KV cache size: 938,544 tokens". A T4 has 14.56 GiB as
+# PyTorch reports it under 2025 drivers (torch's out-of-memory line in Zheng-Chong/CatVTON issue 133, GCP T4).
+KUBERAY_4366 = "https://github.com/ray-project/kuberay/issues/4366"
+# huggingface.co/Qwen/Qwen2.5-0.5B-Instruct/blob/main/config.json (the fields the planner reads).
+QWEN25_05B = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864,
+    "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+    "max_position_embeddings": 32768, "rope_theta": 1000000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+}  # fmt: skip
+T4_GIB = 14.56
+_DP2_T4_ARGS = {"data_parallel_size": 2, "dtype": "float16"}
+
+
 _LLMD_ARGS = {"max_model_len": 16000, "gpu_memory_utilization": 0.9}
 KV_CASES = [
     *(
@@ -345,6 +371,8 @@ KV_CASES = [
     KvCase("DeepSeek-V2-Lite-Chat (MLA), one 32K request (logged pool)", "~0.8.3", ISSUE_15871, DEEPSEEK_V2_LITE, 44.0,
            {"max_model_len": 32768, "kv_cache_memory_bytes": int(0.95 * GIB)}, logged_tokens=32768,
            hub_id="deepseek-ai/DeepSeek-V2-Lite-Chat"),
+    KvCase("Qwen2.5-0.5B-Instruct DP2 (dense), T4, fp16", "0.11.0", KUBERAY_4366, QWEN25_05B, T4_GIB, _DP2_T4_ARGS,
+           logged_tokens=938_544, hub_id="Qwen/Qwen2.5-0.5B-Instruct"),
 ]  # fmt: skip
 
 
@@ -455,3 +483,42 @@ def test_a_trial_on_a_hybrid_model_is_scored_against_vllms_capacity_not_its_toke
     )
     check = kv_plan_check(result)
     assert check is not None and abs(check.relative_error) < 0.03
+
+
+# huggingface.co/Qwen/Qwen3-30B-A3B-FP8/blob/main/config.json: Qwen3-30B-A3B's layout with block-FP8 weights.
+QWEN3_30B_A3B_FP8 = {
+    **QWEN3_235B_FP8, "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+}  # fmt: skip
+# antonai-work/vllm-deepep-v2-efa, docs/VALIDATION-WAVE11-CU12-NCCL-TEST.md (2026-05-06): `--data-parallel-size 8
+# --enable-expert-parallel --all2all-backend deepep_v2` on one 8 x H100 node (a vLLM main build, 0.1.dev16220+g6d7a3fab2,
+# with PR 41183), util 0.7, 2048 context, 256 batched tokens, eager: "Model loading took 5.44 GiB" a rank, then its
+# first MoE dispatch crashed (no pool line). Without DP in the expert placement a rank would hold all 128 experts.
+DEEPEP_V2_WAVE11 = (
+    "https://github.com/antonai-work/vllm-deepep-v2-efa/blob/8073c4654ffcb6fa20d46220856c1ee113ea714e/docs/"
+    "VALIDATION-WAVE11-CU12-NCCL-TEST.md"
+)
+
+
+def test_qwen3_moe_weights_per_rank_under_dp8_ep8_match_vllm() -> None:
+    """Whole experts over TP x DP = 8 ranks under expert parallelism: 16 of 128 experts a rank, attention,
+    embeddings and the untied head replicated (TP 1). ``DEEPEP_V2_WAVE11``: 5.44 GiB logged."""
+    arch = arch_from_hf_config(QWEN3_30B_A3B_FP8, "Qwen/Qwen3-30B-A3B-FP8")
+    args = {"data_parallel_size": 8, "enable_expert_parallel": True, "max_model_len": 2048, "enforce_eager": True,
+            "gpu_memory_utilization": 0.7, "max_num_batched_tokens": 256, "max_num_seqs": 16}  # fmt: skip
+    plan = plan_capacity(arch, args, resolve_hardware(gpu="H100-SXM"))
+    assert plan.weights_gib == pytest.approx(5.44, rel=0.01)
+    alone = plan_capacity(arch, {**args, "data_parallel_size": 1, "enable_expert_parallel": False},
+                          resolve_hardware(gpu="H100-SXM"))  # fmt: skip
+    assert alone.weights_gib > 5 * plan.weights_gib
+
+
+def test_a_dense_model_under_dp_plans_each_rank_as_one_engine() -> None:
+    """kuberay issue 4366 (vLLM 0.11.0, DP 2 on two T4s): each rank loads the whole 0.9271 GiB model and sizes its
+    own pool; DP changes nothing in a dense model's plan."""
+    case = next(c for c in KV_CASES if c.source == KUBERAY_4366)
+    plan = case.plan()
+    assert plan.settings.data_parallel_size == 2
+    assert plan.weights_gib == pytest.approx(0.9271, rel=0.01)
+    single = case.plan(args={**case.args, "data_parallel_size": 1})
+    assert (plan.weights_gib, plan.kv_cache_tokens) == (single.weights_gib, single.kv_cache_tokens)

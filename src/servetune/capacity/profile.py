@@ -39,6 +39,8 @@ what is inferred:
 - An MoE layer under data parallelism gathers every DP rank's whole batch in 0.32 (``moe_dp_gathers_batch``: the
   activation peak grows with DP x ``max_num_batched_tokens``); earlier releases chunked the gather by
   ``VLLM_MOE_DP_CHUNK_SIZE`` (256 tokens a rank), and where that stopped was not found: only 0.32 counts it.
+  No public MoE start-up log under DP with its pool line was found to check the term (2026-12-06 search,
+  tests/unit/test_capacity_calibration.py: a dense DP 2 log and an MoE DP 8 x EP 8 weights line only).
 - ``vllm-0.32``: the 0.92 default (vllm/config/cache.py of 0.32), the block table and persistent
   buffers charged. Which release between 0.11 and 0.32 raised 0.9 to 0.92 was not found; 0.32 is
   the first one servetune saw with it.
