@@ -20,10 +20,11 @@ from collections.abc import Callable, Sequence
 import plotly.graph_objects as go
 
 from servetune.metrics import DISTRIBUTION_PERCENTILES, STRUCTURED_VALID
-from servetune.report import conversations as talks
 from servetune.report.build import Front, StudyReport
 from servetune.report.distribution import SPREAD_NOTE, spread_cells, spread_headings
 from servetune.report.html_sections import (
+    asks_html,
+    conversations_html,
     head_html,
     quality_html,
     rows_html,
@@ -204,7 +205,7 @@ th{background:#f4f4f4}.rec{background:#eef7ee;border-left:4px solid #5a9a5a;padd
 .muted{color:#666;font-size:13px}tr.recommended td{background:#eef7ee;font-weight:600}
 tr.eliminate td{color:#777}tr.failed td{color:#a33}.rec ul{margin:4px 0;padding:0}.rec li{display:inline-block;margin-right:18px}
 tr.pass td,tr.passed td{background:#eef7ee}tr.fail td,tr.failed td{background:#fdecea}tr.not-checked td{color:#666}
-.verdict.accepted{color:#2e6b2e}.verdict.rejected{color:#b3261e}
+.verdict.accepted{color:#2e6b2e}.verdict.rejected{color:#b3261e}.warn{color:#b3261e}
 """
 
 
@@ -252,6 +253,10 @@ def render_html(report: StudyReport) -> str:
         headline = "".join(f"<li>{e(name)}: {e(value)}</li>" for name, value in point_metrics(rec.point))
         rec_html = f"<b>Recommended:</b> {e(describe(rec.point))}<ul>{headline}</ul>{e(rec.reason)}."
         rec_html += "".join(f"<br>Next: <code>{e(c)}</code> settles the tie round by round." for c in rec.next_steps)
+        if report.asks_warning:
+            rec_html += (
+                f"<p class='warn' id='asks-warning'><b>{e(report.asks_warning)}</b> (<a href='#asks'>below</a>).</p>"
+            )
     else:
         rec_html = f"<b>No recommendation:</b> {e(rec.reason)}."
     parts = [
@@ -312,6 +317,7 @@ def render_html(report: StudyReport) -> str:
         if parsed:
             parts.append("<h3>Structured output</h3><ul>" + "".join(f"<li>{e(line)}</li>" for line in parsed)
                          + f"</ul><p class='muted'>{e(STRUCTURED_NOTE)}</p>")  # fmt: skip
+    parts.append(asks_html(report))
     if report.estimate:  # the estimate made before each trial, against what it measured
         items = "".join(f"<li>{e(line)}</li>" for line in report.estimate)
         parts.append(f"<h3 id='estimate'>The estimate against the measurements</h3><ul>{items}</ul>")
@@ -319,12 +325,7 @@ def render_html(report: StudyReport) -> str:
         parts.append(quality_html(report))
     if report.ttft_spreads:
         parts.append(spread_html(report))
-    if report.conversations:
-        parts.append(f"<h2 id='conversations'>Conversations ({html.escape(report.conversations[0].trial_id)})</h2>")
-        for t in report.conversations:
-            parts += [f"<p>{html.escape(t.caption)}</p>", rows_html(talks.CONVERSATION_HEADINGS, talks.conversation_cells(t)),
-                      rows_html(talks.TURN_HEADINGS, talks.turn_cells(t))]  # fmt: skip
-        parts.append(f"<p class='muted'>{html.escape(talks.CONVERSATION_NOTE)}</p>")
+    parts.append(conversations_html(report))
     parts.append(verification_html(report.verification, report.verifications, report.verification_conclusion))
     if report.serve_check is not None:
         parts.append(serve_check_html(report.serve_check))

@@ -1,5 +1,6 @@
 """The HTML page's sections that draw their own data as tables: the quality probe, the verification (its
-summary line under the recommendation and its section), serve-check, and which GPU; with the table helpers
+summary line under the recommendation and its section), serve-check, which GPU, the conversations and the
+answers without what they asked; with the table helpers
 the page's other tables use (:func:`head_html`, :func:`rows_html`)."""
 
 from __future__ import annotations
@@ -7,6 +8,8 @@ from __future__ import annotations
 import html
 from collections.abc import Sequence
 
+from servetune.report import conversations as talks
+from servetune.report.asks import ASKS_NOTE, ask_cells, ask_headings
 from servetune.report.build import StudyReport
 from servetune.report.gpus import GPU_HEADINGS, gpu_cells, gpu_notes
 from servetune.report.markdown import VERIFY_HINT
@@ -177,3 +180,43 @@ def which_gpu_html(report: StudyReport) -> str:
     )  # fmt: skip
     notes = "".join(f"<li>{e(line)}</li>" for line in gpu_notes(section))
     return f"<h2 id='which-gpu'>Which GPU{e(target)}</h2><table>{head_html(GPU_HEADINGS)}<tbody>{body}</tbody></table><ul>{notes}</ul>"
+
+
+def conversations_html(report: StudyReport) -> str:
+    """The recommended trial's multi-turn levels in full, then a row per multi-turn level of every trial (folded
+    under the recommended trial's tables, open without a recommendation); '' where no level had conversations."""
+    e = html.escape
+    parts = []
+    if report.conversations:
+        parts.append(f"<h2 id='conversations'>Conversations ({e(report.conversations[0].trial_id)})</h2>")
+        for t in report.conversations:
+            parts += [f"<p>{e(t.caption)}</p>", rows_html(talks.CONVERSATION_HEADINGS, talks.conversation_cells(t)),
+                      rows_html(talks.TURN_HEADINGS, talks.turn_cells(t))]  # fmt: skip
+    if talks.others_shown(report.conversations, report.every_conversation):
+        if not parts:
+            parts.append("<h2 id='conversations'>Conversations</h2>")
+        trials = len({t.trial_id for t in report.every_conversation})
+        point = report.recommendation.point
+        marked = ["recommended" if point is not None and t.trial_id == point.trial_id else ""
+                  for t in report.every_conversation]  # fmt: skip
+        table = rows_html(talks.SUMMARY_HEADINGS, talks.summary_cells(report.every_conversation), marked,
+                          "every-conversation")  # fmt: skip
+        opened = "" if report.conversations else " open"
+        parts.append(f"<details{opened}><summary>Conversations of every trial ({trials}), a row per level</summary>"
+                     f"{table}</details>")  # fmt: skip
+    if not parts:
+        return ""
+    return "\n".join([*parts, f"<p class='muted'>{e(talks.CONVERSATION_NOTE)}</p>"])
+
+
+def asks_html(report: StudyReport) -> str:
+    """Every level whose answers lacked what their requests asked, a row per trial and level ('' where none)."""
+    if not report.asks:
+        return ""
+    point = report.recommendation.point
+    marked = ["recommended" if point is not None and row.trial_id == point.trial_id else "" for row in report.asks]
+    return (
+        "<h3 id='asks'>Answers without what they asked</h3>"
+        + rows_html(ask_headings(report.asks), ask_cells(report.asks), marked, "asks-table")
+        + f"<p class='muted'>{html.escape(ASKS_NOTE)}</p>"
+    )
