@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from servetune.report import build_report, load_study, render_markdown
 from servetune.report.html import render_html
+from servetune.report.write import recommendation_lines
 from tests.builders import demo_trials, study_info, write_study
 
 
@@ -46,6 +47,9 @@ def test_each_level_that_lacked_an_ask_is_a_row_the_recommended_trial_first_with
     html = render_html(report)
     assert "id='asks-warning'" in html and "<h3 id='asks'>" in html
     assert "<tr class='recommended'><td>t16</td><td>concurrency 8</td>" in html
+    assert "  warning: trial t16's engine did not do what requests asked" in "\n".join(
+        recommendation_lines(report, tmp_path / "s")
+    )  # what servetune report and run print
 
 
 def test_the_warning_names_the_recommended_level_when_it_lacked_an_ask(tmp_path):
@@ -67,6 +71,7 @@ def test_another_trial_lacking_an_ask_is_listed_without_a_warning(tmp_path):
         "| t32 | concurrency 32 | 100 | 50.0% |",
     ]  # fmt: skip
     assert "id='asks-warning'" not in render_html(report)
+    assert not any("warning" in line for line in recommendation_lines(report, tmp_path / "s"))
 
 
 def test_a_study_whose_answers_carried_every_ask_has_no_such_section(tmp_path):
