@@ -13,7 +13,8 @@ from servetune.accounting import device_time_lines
 from servetune.capacity.prices import price_table
 from servetune.errors import UserError
 from servetune.metrics import IMAGES_SENT
-from servetune.report.conversations import ConversationTable, conversation_tables
+from servetune.report.asks import AskLevel, ask_levels, asks_warning
+from servetune.report.conversations import ConversationTable, conversation_tables, every_conversation
 from servetune.report.distribution import LevelSpread, ttft_spreads
 from servetune.report.gpus import WhichGpu, which_gpu
 from servetune.report.paired import settle_ties
@@ -27,6 +28,7 @@ from servetune.report.points import (
     first_line,
     gather_points,
     known_metrics,
+    level_label,
     outline,
     parse_slo_lines,
 )
@@ -83,6 +85,16 @@ class StudyReport:
     estimate: tuple[str, ...] = ()  # how far the estimate was from the measurements (estimate_lines)
     speculative_gain: tuple[str, ...] = ()  # each speculative trial's gain by load (report/speculation.py)
     conversations: tuple[ConversationTable, ...] = ()  # the recommended trial's multi-turn levels (conversations.py)
+    every_conversation: tuple[ConversationTable, ...] = ()  # every trial's, in the trial table's order (ditto)
+    asks: tuple[AskLevel, ...] = ()  # levels whose answers lacked what their requests asked (report/asks.py)
+
+    @property
+    def asks_warning(self) -> str | None:
+        """The warning for a recommended trial whose engine did not do what requests asked (report/asks.py)."""
+        point = self.recommendation.point
+        if point is None:
+            return None
+        return asks_warning(self.asks, point.trial_id, level_label(point.level))
 
     def price_line(self) -> str:
         """What the costs are at: each price the trials were costed at, with its source and the date it was read,
@@ -178,6 +190,8 @@ def build_report(
                                      str(study.root))  # fmt: skip
     verified = verifications(study.root, study.verify, study.verified)
     rec_trial = recommendation.point.trial_id if recommendation.point is not None else None
+    rows = tuple(trial_rows(study.trials, points, recommendation))
+    order = [row.trial_id for row in rows]  # the recommended trial first
     return StudyReport(
         root=study.root,
         info=study.info,
@@ -189,7 +203,7 @@ def build_report(
         fronts=fronts,
         recommendation=recommendation,
         device_time=tuple(device_time_lines(list(study.trials), study.info.device, planned_levels(study))),
-        trial_table=tuple(trial_rows(study.trials, points, recommendation)),
+        trial_table=rows,
         quality_table=tuple(quality_rows(study.trials)),
         precision_rule=_rule(recommendation.point, study.trials, points),
         verification=primary(verified, rec_trial, study.root),
@@ -197,6 +211,8 @@ def build_report(
         verification_conclusion=conclusion(verified, rec_trial, study.root),
         ttft_spreads=ttft_spreads(study.trials, recommendation.point),
         conversations=conversation_tables(study.trials, recommendation.point),
+        every_conversation=every_conversation(study.trials, order),
+        asks=ask_levels(study.trials, order),
         serve_check=serve_section(study.serve_check),
         energy=energy_line(study.trials, points, study.info.device),
         prices=() if price_per_device_hour is not None else prices_used(study.trials),

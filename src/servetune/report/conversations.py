@@ -1,4 +1,5 @@
-"""Multi-turn levels of the recommended trial, per conversation and per turn (issue #41 item 7).
+"""Multi-turn levels, per conversation and per turn (issue #41 item 7): the recommended trial's in full, every
+trial's in a row per level.
 
 A level whose workload has ``sessions`` keeps its conversations' numbers (``LevelSummary.conversations``,
 summary.ConversationStats). Per level this gives two small tables: each conversation's TTFT (the mean of its
@@ -6,7 +7,9 @@ turns', and its worst turn's) and E2E (its first turn sent to its last turn's en
 included) as mean and percentiles over the level's conversations; and per turn position (numbered from 1) the
 requests, their mean prompt tokens and TTFT, and the prefix-cache hit rate vLLM reported for them, or "not
 reported" where it did not (it reports cached tokens with ``--enable-prompt-tokens-details``; the report never
-estimates them). The renderers draw these rows.
+estimates them). Every trial with such levels, the recommended one included and first, also gets a row per level
+(:func:`summary_cells`): its conversations, their TTFT (mean of turns, worst turn) and E2E at P50 and P95, and the
+hit rate by turn; a study without a recommendation shows only those rows. The renderers draw these rows.
 """
 
 from __future__ import annotations
@@ -44,6 +47,18 @@ def conversation_tables(trials: Sequence[TrialResult], point: ReportPoint | None
         return ()
     return tuple(
         ConversationTable(trial.trial_id, level_label(lv.summary.level), lv.summary.conversations)
+        for lv in trial.levels
+        if lv.summary.conversations is not None
+    )
+
+
+def every_conversation(trials: Sequence[TrialResult], order: Sequence[str] = ()) -> tuple[ConversationTable, ...]:
+    """Every multi-turn level of every trial, trial by trial in ``order`` (trial ids: the trial table's, the
+    recommended first), any trial not named after, as given."""
+    rank = {trial_id: index for index, trial_id in enumerate(order)}
+    return tuple(
+        ConversationTable(trial.trial_id, level_label(lv.summary.level), lv.summary.conversations)
+        for trial in sorted(trials, key=lambda t: rank.get(t.trial_id, len(rank)))
         for lv in trial.levels
         if lv.summary.conversations is not None
     )
@@ -87,5 +102,35 @@ CONVERSATION_NOTE = (
     "A conversation counts when every turn it sent completed. Its TTFT is the mean of its turns' and, beside it, its "
     "worst turn's; its E2E runs from its first turn sent to its last turn's end, think times included. The hit rate "
     "is the cached over the prompt tokens vLLM reported per request (engine argument enable_prompt_tokens_details); "
-    '"not reported" where the engine did not say.'
+    '"not reported" where the engine did not say. A row of every trial gives each turn\'s hit rate from the first, '
+    '"-" for a turn the engine did not say it for.'
 )
+
+
+SUMMARY_HEADINGS = ("trial", "level", "conversations", "TTFT P50 ms (mean of turns)", "TTFT P95 ms (mean of turns)",
+                    "TTFT P95 ms (worst turn)", "E2E P50 ms", "E2E P95 ms", "prefix-cache hit rate by turn")  # fmt: skip
+
+
+def hit_rates_text(table: ConversationTable) -> str:
+    """``0% / 48% / 61%``: each turn's hit rate from the first, "-" for a turn vLLM gave none for; "not reported"
+    where it gave none at all."""
+    rates = [t.cache_hit_rate for t in table.stats.by_turn]
+    if all(rate is None for rate in rates):
+        return NOT_REPORTED
+    return " / ".join("-" if rate is None else f"{rate:.0%}" for rate in rates)
+
+
+def summary_cells(tables: Sequence[ConversationTable]) -> list[list[str]]:
+    """A row per trial and multi-turn level, as :data:`SUMMARY_HEADINGS` names them."""
+    return [
+        [t.trial_id, t.level, str(t.stats.conversations), _ms(t.stats.ttft_ms.p50), _ms(t.stats.ttft_ms.p95),
+         _ms(t.stats.ttft_worst_ms.p95), _ms(t.stats.e2el_ms.p50), _ms(t.stats.e2el_ms.p95), hit_rates_text(t)]
+        for t in tables
+    ]  # fmt: skip
+
+
+def others_shown(in_full: Sequence[ConversationTable], every: Sequence[ConversationTable]) -> bool:
+    """Whether the rows of every trial add to the recommended trial's tables: another trial has conversations,
+    or nothing is recommended."""
+    shown = {t.trial_id for t in in_full}
+    return any(t.trial_id not in shown for t in every)

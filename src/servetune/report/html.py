@@ -8,6 +8,8 @@ that broke the SLO is labelled with the bounds it broke. Hovering a point shows 
 load level, configuration, numbers and SLO verdict. A table of all trials, a row each,
 follows, and the verification (``servetune verify``'s verdict, stability numbers, scenarios
 and the acceptance checklist) ends the page; its verdict is also named under the recommendation.
+The sections that draw their own data as tables (quality, verification, serve-check, which GPU) are in
+:mod:`servetune.report.html_sections`.
 """
 
 from __future__ import annotations
@@ -18,10 +20,19 @@ from collections.abc import Callable, Sequence
 import plotly.graph_objects as go
 
 from servetune.metrics import DISTRIBUTION_PERCENTILES, STRUCTURED_VALID
-from servetune.report import conversations as talks
 from servetune.report.build import Front, StudyReport
 from servetune.report.distribution import SPREAD_NOTE, spread_cells, spread_headings
-from servetune.report.gpus import GPU_HEADINGS, gpu_cells, gpu_notes
+from servetune.report.html_sections import (
+    asks_html,
+    conversations_html,
+    head_html,
+    quality_html,
+    rows_html,
+    serve_check_html,
+    verification_html,
+    verification_summary_html,
+    which_gpu_html,
+)
 from servetune.report.labels import (
     APART_COLOR,
     FRONT_COLOR,
@@ -44,7 +55,6 @@ from servetune.report.markdown import (
     FAILED_REQUESTS_NOTE,
     SPECULATIVE_GAIN_NOTE,
     STRUCTURED_NOTE,
-    VERIFY_HINT,
     client_bound_lines,
     failed_request_lines,
     limit_lines,
@@ -55,11 +65,8 @@ from servetune.report.markdown import (
 )
 from servetune.report.params import BASELINE
 from servetune.report.points import ReportPoint, level_label
-from servetune.report.quality import QUALITY_NOTE, quality_cells, quality_headings, rule_summary, suite_names
 from servetune.report.recommend import describe
-from servetune.report.serving import LAYOUT_HEADINGS, ROUTER_HEADINGS, ROUTER_NOTE, SCALING_HEADINGS, ServeSection
 from servetune.report.trials import TrialRow, speculation_text
-from servetune.report.verification import Verification
 
 
 def hover_text(point: ReportPoint) -> str:
@@ -167,14 +174,10 @@ def front_figure(report: StudyReport, front: Front) -> go.Figure:
     return fig
 
 
-def _head(headings: Sequence[str]) -> str:
-    return "<thead><tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in headings) + "</tr></thead>"
-
-
 def _table_html(front: Front, images: bool = False) -> str:
     rows = pareto_rows(front, images)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in row) + "</tr>" for row in rows)
-    return f"<table>{_head(pareto_headings(images))}<tbody>{body}</tbody></table>"
+    return f"<table>{head_html(pareto_headings(images))}<tbody>{body}</tbody></table>"
 
 
 def _trial_row(row: TrialRow) -> str:
@@ -190,118 +193,9 @@ def _trial_row(row: TrialRow) -> str:
     return f"<tr data-trial='{e(row.trial_id)}' class='{classes}'>{tds}</tr>"
 
 
-def quality_html(report: StudyReport) -> str:
-    """The quality probe's table, and section 2's rule when the recommendation is at a lower precision."""
-    e = html.escape
-    suites = suite_names(report.quality_table)
-    body = "".join(
-        f"<tr class='{'failed' if row.passed is False else ''}'>" + "".join(f"<td>{e(c)}</td>" for c in quality_cells(row, suites)) + "</tr>"
-        for row in report.quality_table
-    )  # fmt: skip
-    out = f"<h2 id='quality'>Quality</h2><table id='quality-table'>{_head(quality_headings(suites))}<tbody>{body}</tbody></table>"
-    out += f"<p class='muted'>{e(QUALITY_NOTE)}</p>"
-    if report.precision_rule is not None:
-        marks = {True: "PASS", False: "FAIL", None: "NOT MEASURED"}
-        items = "".join(f"<li><b>{marks[c.held]}</b>: {e(c.text)}</li>" for c in report.precision_rule)
-        out += f"<p id='precision-rule'>{e(rule_summary(report.precision_rule))}</p><ul>{items}</ul>"
-    return out
-
-
 def trials_table_html(rows: Sequence[TrialRow]) -> str:
     body = "".join(_trial_row(row) for row in rows)
-    return f"<table id='trials'>{_head(TRIAL_HEADINGS)}<tbody>{body}</tbody></table>"
-
-
-def _rows_html(
-    headings: Sequence[str], rows: Sequence[Sequence[str]], row_class: Sequence[str] = (), table_id: str = ""
-) -> str:
-    e = html.escape
-    body = "".join(
-        (f"<tr class='{e(row_class[i])}'>" if i < len(row_class) else "<tr>") + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>"
-        for i, row in enumerate(rows)
-    )  # fmt: skip
-    ident = f" id='{e(table_id)}'" if table_id else ""
-    return f"<table{ident}>{_head(headings)}<tbody>{body}</tbody></table>"
-
-
-def verification_summary_html(
-    v: Verification | None, several: Sequence[Verification] = (), conclusion: str = ""
-) -> str:
-    """One line under the recommendation: the verdict, or that verify has not run; with several
-    verified points, each point's verdict and what they mean together."""
-    e = html.escape
-    if len(several) > 1:
-        verdicts = " · ".join(
-            f"<span class='verdict {e(x.verdict.replace(' ', '-'))}'>{e(x.subject)}: {e(x.verdict)}</span>"
-            for x in several
-        )
-        said = f"<br>{e(conclusion)}" if conclusion else ""
-        return f"<p><b>Verification</b> ({len(several)} points): {verdicts} (<a href='#verification'>details</a>){said}</p>"
-    if v is None:
-        return ""
-    if not v.found:
-        return (
-            f"<p class='muted'>Not verified yet: <code>{e(v.command)}</code> (<a href='#verification'>below</a>).</p>"
-        )
-    if v.problem:
-        return "<p class='muted'>verify.json could not be read (<a href='#verification'>below</a>).</p>"
-    return (f"<p class='verdict {e(v.verdict.replace(' ', '-'))}'><b>Verification: {e(v.verdict)}</b> · {e(v.subject)}"
-            f"{' · ' + e(v.counts_line) if v.checklist else ''} (<a href='#verification'>details</a>)</p>")  # fmt: skip
-
-
-def verification_html(v: Verification | None, several: Sequence[Verification] = (), conclusion: str = "") -> str:
-    """The section: verdict, stability, scenarios, checklist; or how to run verify. With several
-    verified points: a row per point, what the verdicts mean together, then each point's details."""
-    e = html.escape
-    if len(several) > 1:
-        parts = ["<h2 id='verification'>Verification</h2>", f"<p>{len(several)} points verified:</p>",
-                 _rows_html(["point", "verdict", "file", "why"], [[x.subject, x.verdict, str(x.path), x.problem or x.reason or "-"] for x in several],
-                            [x.verdict.replace(" ", "-") for x in several], "verified-points")]  # fmt: skip
-        if conclusion:
-            parts.append(f"<p><b>{e(conclusion)}</b></p>")
-        for index, x in enumerate(several, 1):
-            parts.append(f"<h3 id='verified-{index}'>{index}. {e(x.subject)}: {e(x.verdict)}</h3>")
-            parts += (
-                [f"<p><code>{e(str(x.path))}</code> could not be read: {e(x.problem)}.</p>"]
-                if x.problem
-                else _verified_html(x, "h4", f"-{index}")
-            )
-        return "\n".join(parts)
-    if v is None:
-        return ""
-    parts = ["<h2 id='verification'>Verification</h2>"]
-    if not v.found:
-        return parts[0] + f"<p>Not verified yet. Run <code>{e(v.command)}</code>: {e(VERIFY_HINT)}.</p>"
-    if v.problem:
-        return (
-            parts[0]
-            + f"<p><code>{e(str(v.path))}</code> could not be read: {e(v.problem)}. Run <code>{e(v.command)}</code> again.</p>"
-        )
-    return "\n".join(parts + _verified_html(v, "h3", ""))
-
-
-def _verified_html(v: Verification, heading: str, suffix: str) -> list[str]:
-    """One verification's verdict, stability, scenarios and checklist (table ids end with ``suffix``)."""
-    e = html.escape
-    reason = f". {e(v.reason.rstrip('.'))}" if v.reason else ""
-    parts = [
-        f"<p class='verdict {e(v.verdict.replace(' ', '-'))}'><b>{e(v.verdict.capitalize())}</b>: {e(v.subject)}{reason}.</p>"
-    ]
-    parts += [
-        f"<{heading}>Stability</{heading}>",
-        _rows_html(["number", "value"], v.stability, table_id="stability" + suffix),
-    ]
-    if v.scenarios:
-        rows = [[r.name, r.result, r.numbers, r.reason] for r in v.scenarios]
-        parts += [f"<{heading}>Scenarios</{heading}>", _rows_html(["scenario", "result", "numbers", "reason"], rows,
-                                                   [r.result.replace(" ", "-") for r in v.scenarios], "scenarios" + suffix)]  # fmt: skip
-    if v.checklist:
-        rows = [[r.id, r.text, r.status, r.evidence] for r in v.checklist]
-        parts += [f"<{heading}>Acceptance checklist ({e(v.counts_line)})</{heading}>",
-                  _rows_html(["#", "item", "status", "evidence"], rows, [r.css_class for r in v.checklist], "checklist" + suffix)]  # fmt: skip
-    else:
-        parts.append("<p class='muted'>verify.json holds no acceptance checklist.</p>")
-    return parts
+    return f"<table id='trials'>{head_html(TRIAL_HEADINGS)}<tbody>{body}</tbody></table>"
 
 
 _STYLE = """
@@ -311,7 +205,7 @@ th{background:#f4f4f4}.rec{background:#eef7ee;border-left:4px solid #5a9a5a;padd
 .muted{color:#666;font-size:13px}tr.recommended td{background:#eef7ee;font-weight:600}
 tr.eliminate td{color:#777}tr.failed td{color:#a33}.rec ul{margin:4px 0;padding:0}.rec li{display:inline-block;margin-right:18px}
 tr.pass td,tr.passed td{background:#eef7ee}tr.fail td,tr.failed td{background:#fdecea}tr.not-checked td{color:#666}
-.verdict.accepted{color:#2e6b2e}.verdict.rejected{color:#b3261e}
+.verdict.accepted{color:#2e6b2e}.verdict.rejected{color:#b3261e}.warn{color:#b3261e}
 """
 
 
@@ -345,60 +239,9 @@ def spread_html(report: StudyReport) -> str:
     return (
         "<h2 id='ttft-distribution'>TTFT distribution</h2>"
         + plot
-        + _rows_html(spread_headings(), rows)
+        + rows_html(spread_headings(), rows)
         + f"<p class='muted'>{html.escape(SPREAD_NOTE)}</p>"
     )
-
-
-def serve_check_html(section: ServeSection) -> str:
-    """serve-check's scaling rows and routers, as the Markdown summary has them."""
-    e = html.escape
-
-    def table(headings, rows) -> str:
-        head = "".join(f"<th>{e(h)}</th>" for h in headings)
-        body = "".join("<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in rows)
-        return f"<table><tr>{head}</tr>{body}</table>"
-
-    parts = ["<h2 id='serve-check'>Ray Serve (serve-check)</h2>"]
-    if section.problem:
-        return parts[0] + f"<p><code>{e(str(section.path))}</code> could not be read: {e(section.problem)}.</p>"
-    parts.append(f"<p class='muted'>Trial {e(section.trial_id)} deployed as a Ray Serve LLM application.</p>")
-    if section.stopped:
-        parts.append(
-            f"<p><strong>serve-check stopped before every part ran ({e(section.stopped)}): below is what finished.</strong></p>"
-        )
-    if section.scaling:
-        parts.append(table(SCALING_HEADINGS, section.scaling))
-    if section.routers:
-        parts += [
-            f"<h3>Routers: {e(section.routing_title)}</h3>",
-            table(ROUTER_HEADINGS, section.routers),
-            f"<p class='muted'>{e(ROUTER_NOTE)}</p>",
-        ]
-        if section.engines:
-            parts.append("<ul>" + "".join(f"<li>{e(note)}</li>" for note in section.engines) + "</ul>")
-        if section.verdict:
-            parts.append(f"<p><b>Verdict:</b> {e(section.verdict)}</p>")
-    if section.layouts:
-        parts += [f"<h3>Layouts: {e(section.layouts_title)}</h3>", table(LAYOUT_HEADINGS, section.layouts)]
-        parts.append("<ul>" + "".join(f"<li>{e(note)}</li>" for note in section.layout_notes) + "</ul>")
-    return "\n".join(parts)
-
-
-def which_gpu_html(report: StudyReport) -> str:
-    """The "which GPU" table and its sentences ('' where no trial names a GPU type)."""
-    section = report.which_gpu
-    if section is None:
-        return ""
-    e = html.escape
-    target = f" for {section.target_rps:g} req/s" if section.target_rps is not None else ""
-    body = "".join(
-        "<tr" + (" class='muted'" if row.estimated else "") + ">"
-        + "".join(f"<td>{e(cell)}</td>" for cell in gpu_cells(row)) + "</tr>"
-        for row in section.rows
-    )  # fmt: skip
-    notes = "".join(f"<li>{e(line)}</li>" for line in gpu_notes(section))
-    return f"<h2 id='which-gpu'>Which GPU{e(target)}</h2><table>{_head(GPU_HEADINGS)}<tbody>{body}</tbody></table><ul>{notes}</ul>"
 
 
 def render_html(report: StudyReport) -> str:
@@ -410,6 +253,10 @@ def render_html(report: StudyReport) -> str:
         headline = "".join(f"<li>{e(name)}: {e(value)}</li>" for name, value in point_metrics(rec.point))
         rec_html = f"<b>Recommended:</b> {e(describe(rec.point))}<ul>{headline}</ul>{e(rec.reason)}."
         rec_html += "".join(f"<br>Next: <code>{e(c)}</code> settles the tie round by round." for c in rec.next_steps)
+        if report.asks_warning:
+            rec_html += (
+                f"<p class='warn' id='asks-warning'><b>{e(report.asks_warning)}</b> (<a href='#asks'>below</a>).</p>"
+            )
     else:
         rec_html = f"<b>No recommendation:</b> {e(rec.reason)}."
     parts = [
@@ -470,6 +317,7 @@ def render_html(report: StudyReport) -> str:
         if parsed:
             parts.append("<h3>Structured output</h3><ul>" + "".join(f"<li>{e(line)}</li>" for line in parsed)
                          + f"</ul><p class='muted'>{e(STRUCTURED_NOTE)}</p>")  # fmt: skip
+    parts.append(asks_html(report))
     if report.estimate:  # the estimate made before each trial, against what it measured
         items = "".join(f"<li>{e(line)}</li>" for line in report.estimate)
         parts.append(f"<h3 id='estimate'>The estimate against the measurements</h3><ul>{items}</ul>")
@@ -477,12 +325,7 @@ def render_html(report: StudyReport) -> str:
         parts.append(quality_html(report))
     if report.ttft_spreads:
         parts.append(spread_html(report))
-    if report.conversations:
-        parts.append(f"<h2 id='conversations'>Conversations ({html.escape(report.conversations[0].trial_id)})</h2>")
-        for t in report.conversations:
-            parts += [f"<p>{html.escape(t.caption)}</p>", _rows_html(talks.CONVERSATION_HEADINGS, talks.conversation_cells(t)),
-                      _rows_html(talks.TURN_HEADINGS, talks.turn_cells(t))]  # fmt: skip
-        parts.append(f"<p class='muted'>{html.escape(talks.CONVERSATION_NOTE)}</p>")
+    parts.append(conversations_html(report))
     parts.append(verification_html(report.verification, report.verifications, report.verification_conclusion))
     if report.serve_check is not None:
         parts.append(serve_check_html(report.serve_check))

@@ -4,12 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from servetune.report.asks import ASKS_NOTE, ask_cells, ask_headings
 from servetune.report.build import Front, StudyReport
 from servetune.report.conversations import (
     CONVERSATION_HEADINGS,
     CONVERSATION_NOTE,
+    SUMMARY_HEADINGS,
     TURN_HEADINGS,
     conversation_cells,
+    others_shown,
+    summary_cells,
     turn_cells,
 )
 from servetune.report.distribution import SPREAD_NOTE, spread_cells, spread_headings
@@ -191,14 +195,26 @@ def spread_section(report: StudyReport) -> list[str]:
 
 
 def conversation_section(report: StudyReport) -> list[str]:
-    """Per multi-turn level of the recommended trial: its conversations' numbers, then its turns'."""
-    if not report.conversations:
+    """Per multi-turn level of the recommended trial: its conversations' numbers, then its turns'; then a row per
+    multi-turn level of every trial, the recommended first (where another trial has some, or none is recommended)."""
+    lines: list[str] = []
+    if report.conversations:
+        lines += [f"### Conversations of the recommended trial ({report.conversations[0].trial_id})", ""]
+        for table in report.conversations:
+            lines += [table.caption, "", *_table(CONVERSATION_HEADINGS, conversation_cells(table)), ""]
+            lines += [*_table(TURN_HEADINGS, turn_cells(table)), ""]
+    if others_shown(report.conversations, report.every_conversation):
+        lines += ["### Conversations of every trial", ""]
+        lines += [*_table(SUMMARY_HEADINGS, summary_cells(report.every_conversation)), ""]
+    return [*lines, CONVERSATION_NOTE, ""] if lines else []
+
+
+def asks_section(report: StudyReport) -> list[str]:
+    """Every level whose answers lacked what their requests asked, a row per trial and level (report/asks.py)."""
+    if not report.asks:
         return []
-    lines = [f"### Conversations of the recommended trial ({report.conversations[0].trial_id})", ""]
-    for table in report.conversations:
-        lines += [table.caption, "", *_table(CONVERSATION_HEADINGS, conversation_cells(table)), ""]
-        lines += [*_table(TURN_HEADINGS, turn_cells(table)), ""]
-    return [*lines, CONVERSATION_NOTE, ""]
+    lines = ["### Answers without what they asked", ""]
+    return [*lines, *_table(ask_headings(report.asks), ask_cells(report.asks)), "", ASKS_NOTE, ""]
 
 
 def verification_section(report: StudyReport) -> list[str]:
@@ -320,6 +336,8 @@ def render_markdown(report: StudyReport) -> str:
         "",
     ]
     lines += _recommendation(report)
+    if report.asks_warning:
+        lines += [f"**{report.asks_warning}.**", ""]
     lines += which_gpu_section(report)
     if report.estimate:  # the estimate made before each trial, against what it measured
         lines += ["### The estimate against the measurements", "", *(f"- {line}" for line in report.estimate), ""]
@@ -356,6 +374,7 @@ def render_markdown(report: StudyReport) -> str:
         parsed = structured_lines(report.trial_table)
         if parsed:
             lines += ["### Structured output", "", *(f"- {line}" for line in parsed), "", STRUCTURED_NOTE, ""]
+    lines += asks_section(report)
     lines += quality_section(report)
     lines += spread_section(report)
     lines += conversation_section(report)

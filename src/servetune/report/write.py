@@ -37,6 +37,7 @@ def recommendation_lines(report: StudyReport, study_dir: Path) -> list[str]:
     return [
         f"recommendation: {describe(rec.point)}",
         f"  why: {rec.reason}",
+        *([f"  {report.asks_warning[0].lower()}{report.asks_warning[1:]}"] if report.asks_warning else []),
         f"  export: servetune export {study_dir} --pick best --format vllm",
         *(
             f"  next: {command}  (a tie within the noise: measures the two round by round)"
