@@ -472,3 +472,38 @@ def test_a_trial_the_capacity_check_rejects_is_rejected_without_waiting_for_devi
     assert asked == [] and result["outcome"] == "INFEASIBLE" and result["reason"].startswith("capacity check: "), (
         result["reason"]
     )
+
+
+def test_a_serve_trial_measures_through_the_proxy_picked_on_its_replicas_node_and_records_it(tmp_path, monkeypatch):
+    """ServeEngine asks serve/proxies.py for the proxy of the nodes its replicas were placed on (read while they
+    started), sends its load there, and keeps the choice for the trial's environment."""
+    from servetune.serve import trial as serve_trial
+    from servetune.serve.proxies import REPLICA_NODE, ProxyChoice
+    from servetune.serve.trial import ServeEngine
+
+    class Placed(ReplacingCluster):
+        url = "http://10.0.0.1:8000"
+
+        def deploy(self, name, config, timeout_s, route_prefix="/", on_poll=None, keep_ingress=False):
+            started = super().deploy(name, config, timeout_s, route_prefix)
+            on_poll()  # once it is up, as ServeCluster.deploy does: where the replicas went is read
+            return started
+
+        def replica_devices(self, name, each):
+            return {"node-b": 1}, {"node-b": 1}
+
+    asked = []
+
+    def pick(replica_nodes, head_url, route):
+        asked.append((dict(replica_nodes), head_url, route))
+        return ProxyChoice("http://10.0.0.3:8000", "node-b", REPLICA_NODE, "1 replica(s) there")
+
+    monkeypatch.setattr(serve_trial, "pick_proxy", pick)
+    monkeypatch.setattr(serve_trial, "wait_gone", lambda pids, timeout_s: [])
+    monkeypatch.setattr("servetune.device_ledger.report_placement", lambda devices: None)
+    spec = serve_spec(tmp_path, 1)
+    engine = ServeEngine(spec, tmp_path, Placed()).__enter__()
+    route = f"/servetune-t-{spec.trial_id}"
+    assert asked == [({"node-b": 1}, "http://10.0.0.1:8000", route)]
+    assert engine.url == "http://10.0.0.3:8000" + route
+    assert engine.proxy_record["serve_proxy"] == REPLICA_NODE and engine.proxy_record["serve_proxy_node_id"] == "node-b"

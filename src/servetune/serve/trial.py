@@ -30,6 +30,7 @@ from servetune.serve.actors import wait_gone
 from servetune.serve.cluster import ServeCluster
 from servetune.serve.metrics import ReplicaCounts, replica_snapshots, replicas_snapshot
 from servetune.serve.plan import Needs, llm_config, measured_gpu, needs, pin_gpu_type
+from servetune.serve.proxies import pick_proxy
 from servetune.trial.runner import TrialSpec, write_atomic
 
 #: Placement the engine gets from Serve, not from the trial's environment.
@@ -108,6 +109,7 @@ class ServeEngine:
         self.replica_nodes: dict[str, int] = {}  # replicas per Ray node, as placed
         self.device_nodes: dict[str, int] = {}  # their devices per Ray node (told to the study's ledger)
         self.deployed: dict[str, Any] = {}  # the LLMConfig deployed last (the trial's, or what an update moved to)
+        self.proxy_record: dict[str, str] = {}  # the Serve proxy the client sends to, and why (serve/proxies.py)
 
     def __enter__(self) -> ServeEngine:
         self.cluster = self.cluster or ServeCluster.attached()
@@ -123,8 +125,10 @@ class ServeEngine:
         self.deployed = trial_llm_config(self.spec)
         self.startup_s = self.cluster.deploy(self.name, self.deployed, self.spec.startup_timeout_s,
                                              route_prefix=route, on_poll=self._placed, keep_ingress=True)  # fmt: skip
-        self.url = self.cluster.url + route
         try:
+            # The proxy on the replicas' node, else the head's: the client's requests go where the replicas are.
+            proxy = pick_proxy(self.replica_nodes, self.cluster.url, route)
+            self.url, self.proxy_record = proxy.url + route, proxy.record()
             # Replicas that failed while deploying: their logs would count an engine (and its start) twice.
             live = set(self.cluster.engine_replicas(self.name))
             self.not_ours |= set(self.cluster.engine_replicas(self.name, live_only=False)) - live

@@ -231,6 +231,8 @@ def _measure(server: Engine, spec: TrialSpec, result: TrialResult, report: Repor
         binding = getattr(server, "cpu_binding", None)
         if binding:  # the cores its ranks ran on (engine/cores.py)
             result.environment["cpu_binding"] = binding
+        # A Serve trial's proxy: the one its client sends to, and why (serve/proxies.py).
+        result.environment.update(getattr(server, "proxy_record", None) or {})
         result.startup_phases = startup_phases(_read(trial_dir / ENGINE_LOG), server.startup_s)
         result.resolved_engine_args = fetch_resolved(server.url)
         kv = server.kv_capacity()
