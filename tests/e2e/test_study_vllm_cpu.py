@@ -6,6 +6,15 @@ must agree with it exactly; the bfloat16 trial diverges for real (its greedy tok
 log-probabilities of the reference's tokens differ), breaks a bound tighter than that divergence,
 and is kept out of the recommendation. Where lm-eval is installed, the same trials also run a
 custom lm-eval task over a local JSONL file through its ``local-completions`` model.
+
+The requests' prompts are cut from the shipped corpus (``text: corpus``), and the float32 max_num_seqs-16
+configuration also runs with n-gram speculation at two draft lengths (issue #41's proof): each level keeps
+vLLM's own draft and acceptance counters, per draft position too, the greedy answers equal the reference's
+(lossless), and the report weighs each against the twin without a drafter at every load. The tiny model's
+random weights do not follow their prompt, and greedy decoding soon repeats a short cycle of its own, which
+n-gram lookup then drafts and the model accepts whatever the prompt said (99% of drafts here): so this proves
+the measurement, not how much a corpus prompt gains over random words (a real model's question;
+tests/unit/test_requests.py shows the corpus repeats as text does).
 """
 
 import itertools
@@ -18,6 +27,14 @@ from importlib.util import find_spec
 
 import pytest
 
+from servetune.metrics import (
+    SPEC_ACCEPTANCE_RATE,
+    SPEC_ACCEPTED_TOKENS,
+    SPEC_DRAFT_TOKENS,
+    SPEC_DRAFTS,
+    SPEC_MEAN_ACCEPTED_LENGTH,
+    spec_accepted_at,
+)
 from servetune.quality.suites import agreement_prompts
 from tests.engine_logs import engine_alive, overlap
 from tests.processes import processes_mentioning
@@ -29,27 +46,34 @@ SPACE = """
 name: e2e
 model: tiny
 device: cpu
-workload: cpu-tiny
+workload: cpu-tiny-corpus  # cpu-tiny's requests with prompts cut from the shipped corpus (text: corpus)
 load: {{levels: [2, 8], requests_per_level: 24, startup_timeout_s: 300, capacity_levels: 0}}  # the ladder alone
 slo: {{ttft_ms: {{p99: 5000}}}}
 hardware: {{devices_per_node: 2}}
-engine_args: {{enforce_eager: true, max_model_len: 512}}
+engine_args: {{enforce_eager: true, max_model_len: 512, speculative.prompt_lookup_max: 3, speculative.prompt_lookup_min: 2}}
 env: {{VLLM_CPU_KVCACHE_SPACE: 1}}
 params:
   dtype: [float32, bfloat16]
   max_num_seqs: [4, 16]
   block_size: [128, 7]     # 7 is not a block size vLLM accepts: the engine fails at startup
-constraints:               # four trials: the reference, the same numerics batched wider, bfloat16, and one that cannot start
+  speculative.method: [none, ngram]
+  speculative.num_speculative_tokens: [{drafted}]  # none with either is one engine: the grid runs it once
+# six trials: the reference, the same numerics batched wider (without and with n-gram speculation at two draft
+# lengths), bfloat16, and one that cannot start
+constraints:
   - dtype == 'float32' or max_num_seqs == 4
   - block_size == 128 or (dtype == 'float32' and max_num_seqs == 4)
   - block_size == 128 or max_num_seqs == 4
+  - speculative.method == 'none' or (dtype == 'float32' and max_num_seqs == 16 and block_size == 128)
 search: {{algorithm: grid, baseline: false, max_concurrent: 2}}  # after the reference, two at a time (an engine start is mostly one core importing vLLM)
 quality:
   suites: [agreement, arithmetic, recall]
   prompts: 16
-  reference: {{dtype: float32, max_num_seqs: 4, block_size: 128}}
+  reference: {{dtype: float32, max_num_seqs: 4, block_size: 128, speculative.method: none, speculative.num_speculative_tokens: {first}}}
   max_drop: {{agreement: 0.01{lm_eval_bound}}}{lm_eval}
 """
+#: The n-gram trials' draft lengths (speculative.num_speculative_tokens).
+DRAFTED = (2, 4)
 
 #: A custom lm-eval task over a local JSONL file (relative to the task folder): greedy
 #: continuations scored by exact match against float32 targets that transformers computed.
@@ -91,7 +115,8 @@ except ImportError:
     from vllm.entrypoints.openai.cli_args import make_arg_parser
 from vllm.utils.argparse_utils import FlexibleArgumentParser
 args = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])
-print(json.dumps({k: getattr(args, k) for k in ("model", "max_num_seqs", "max_num_batched_tokens", "block_size")}))
+print(json.dumps({k: getattr(args, k) for k in ("model", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                                                "speculative_config")}))
 """
 
 
@@ -129,22 +154,29 @@ def study(tmp_path_factory):
         )
     (tmp_path / "space.yaml").write_text(SPACE.format(
         lm_eval="\n  lm_eval: {tasks: [echo], include_path: lm_eval_tasks, limit: 16, num_fewshot: 0}" if lm_eval else "",
-        lm_eval_bound=", lm_eval/echo: 0.0" if lm_eval else ""))  # fmt: skip
+        lm_eval_bound=", lm_eval/echo: 0.0" if lm_eval else "",
+        drafted=", ".join(map(str, DRAFTED)), first=DRAFTED[0]))  # fmt: skip
     done = servetune("run", tmp_path / "space.yaml", "--storage", tmp_path / "results", cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     study_dir = tmp_path / "results" / "e2e"
     results = {}
     for path in study_dir.glob("trials/*/result.json"):
         result = json.loads(path.read_text())
-        results[tuple(result["params"][k] for k in ("dtype", "max_num_seqs", "block_size"))] = result
+        key = tuple(result["params"][k] for k in ("dtype", "max_num_seqs", "block_size"))
+        if result["params"]["speculative.method"] != "none":  # a speculative trial: its method and draft length
+            key += (result["params"]["speculative.method"], result["params"]["speculative.num_speculative_tokens"])
+        results[key] = result
     return tmp_path, study_dir, results
 
 
 def test_study_report_and_export_on_real_vllm(study):
     tmp_path, study_dir, results = study
-    assert sorted(results) == [("bfloat16", 4, 128), ("float32", 4, 7), ("float32", 4, 128), ("float32", 16, 128)]
+    assert sorted(results) == [("bfloat16", 4, 128), ("float32", 4, 7), ("float32", 4, 128), ("float32", 16, 128)] + [
+        ("float32", 16, 128, "ngram", k) for k in DRAFTED
+    ]
     ok, bad = results[("float32", 4, 128)], results[("float32", 4, 7)]
     same, bf16 = results[("float32", 16, 128)], results[("bfloat16", 4, 128)]
+    drafting = [results[("float32", 16, 128, "ngram", k)] for k in DRAFTED]
     assert ok["outcome"] == "COMPLETE" and len(ok["levels"]) == 2
     assert ok["kv_capacity"]["tokens"] == 262144 and ok["kv_prediction_error"] == 0.0  # the ledger, exactly (float32)
     assert bf16["kv_capacity"]["tokens"] == 524288 and bf16["kv_prediction_error"] == 0.0  # half the bytes per token
@@ -167,14 +199,15 @@ def test_study_report_and_export_on_real_vllm(study):
     # Trials side by side ran on cores of their own (engine/cores.py), each on the core it reserved, as its
     # engine log says: with vLLM's own binding every one-rank engine took core 0 of the two.
     cores, alive = {}, {}
-    for trial in (ok, same, bf16):
+    serving = (ok, same, bf16, *drafting)
+    for trial in serving:
         log = (study_dir / "trials" / trial["trial_id"] / "engine.log").read_text()
         cores[trial["trial_id"]] = re.findall(r"core ids=\[([0-9, ]+)\]", log)
         assert cores[trial["trial_id"]] == [trial["environment"]["cpu_binding"]], (cores, trial["environment"])
         alive[trial["trial_id"]] = engine_alive(log)
-    trials_side_by_side = [(a, b) for a, b in itertools.combinations((ok, same, bf16), 2)
+    trials_side_by_side = [(a, b) for a, b in itertools.combinations(serving, 2)
                            if a["started_at"] < b["finished_at"] and b["started_at"] < a["finished_at"]]  # fmt: skip
-    assert trials_side_by_side, [(r["started_at"], r["finished_at"]) for r in (ok, same, bf16)]  # max_concurrent: 2
+    assert trials_side_by_side, [(r["started_at"], r["finished_at"]) for r in serving]  # max_concurrent: 2
     # A core is held from before the engine's first log line to after its last, so engines whose logged lives
     # overlap held their cores at once. Trials' own clocks overlapping is not enough: on a busy host (two test
     # processes) a trial's engine stopped and let its core go while the trial still reported, and the next
@@ -229,21 +262,86 @@ def test_study_report_and_export_on_real_vllm(study):
     assert (
         export.returncode == 0 and "VLLM_CPU_KVCACHE_SPACE=1" in export.stdout and "--block-size 128" in export.stdout
     )
-    picked = servetune("export", study_dir, "--pick", ok["trial_id"], "--format", "vllm")
+    # A speculative trial's command: pinned at what vLLM resolved, its --speculative-config whole, and accepted
+    # by vLLM's parser.
+    picked = servetune("export", study_dir, "--pick", drafting[-1]["trial_id"], "--format", "vllm")
     assert picked.returncode == 0, picked.stderr
-    parsed = parsed_by_vllm(picked.stdout)  # pinned at what vLLM resolved, and accepted by vLLM's parser
+    parsed, resolved = parsed_by_vllm(picked.stdout), drafting[-1]["resolved_engine_args"]
     assert (
         parsed["max_num_seqs"] == resolved["max_num_seqs"]
         and parsed["max_num_batched_tokens"] == resolved["max_num_batched_tokens"]
     )
+    assert parsed["speculative_config"] == {
+        "method": "ngram", "num_speculative_tokens": DRAFTED[-1], "prompt_lookup_max": 3, "prompt_lookup_min": 2
+    }  # fmt: skip
+
+
+def test_ngram_speculation_is_measured_lossless_and_weighed_against_its_twin_by_load_on_real_vllm(study):
+    """n-gram speculation at two draft lengths beside the same configuration without a drafter (issue #41's proof)."""
+    tmp_path, study_dir, results = study
+    ok, twin = results[("float32", 4, 128)], results[("float32", 16, 128)]
+    assert all(SPEC_DRAFTS not in level["server_metrics"] for level in twin["levels"])  # nothing drafts without one
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("e2e").experiment_id], "tags.`servetune.role` = 'trial'")
+    by_trial = {run.data.tags["servetune.trial_id"]: run for run in runs}
+    report = (study_dir / "report" / "summary.md").read_text().split("### Speculative decoding", 1)[1]
+    html = (study_dir / "report" / "report.html").read_text()
+    for drafted in DRAFTED:
+        trial = results[("float32", 16, 128, "ngram", drafted)]
+        assert trial["outcome"] == "COMPLETE" and len(trial["levels"]) == len(twin["levels"]) == 2
+        # Every level carries vLLM's own counters: drafts of num_speculative_tokens each, some accepted.
+        for level, plain in zip(trial["levels"], twin["levels"], strict=True):
+            server = level["server_metrics"]
+            drafts, proposed, accepted = server[SPEC_DRAFTS], server[SPEC_DRAFT_TOKENS], server[SPEC_ACCEPTED_TOKENS]
+            assert drafts > 0 and proposed == drafted * drafts  # n-gram drafts num_speculative_tokens each time
+            assert 0 < accepted <= proposed
+            assert server[SPEC_ACCEPTANCE_RATE] == pytest.approx(accepted / proposed)
+            assert 1 < server[SPEC_MEAN_ACCEPTED_LENGTH] <= 1 + drafted
+            by_position = [server[spec_accepted_at(i)] for i in range(drafted)]
+            assert sum(by_position) == accepted
+            assert by_position == sorted(by_position, reverse=True)  # a later draft token only after the earlier
+            assert server["generation_tokens"] >= accepted  # each token a step's own or an accepted draft
+            # the same requests, answered at the same lengths: accepted drafts never run past max_tokens
+            assert level["summary"]["completed"] == plain["summary"]["completed"] == 24
+            assert level["summary"]["total_output_tokens"] == plain["summary"]["total_output_tokens"]
+        history = client.get_metric_history(by_trial[trial["trial_id"]].info.run_id, f"by_level/{SPEC_ACCEPTANCE_RATE}")
+        assert [h.value for h in sorted(history, key=lambda h: h.step)] == pytest.approx(
+            [level["server_metrics"][SPEC_ACCEPTANCE_RATE] for level in trial["levels"]], rel=1e-3
+        )  # MLflow has each level's acceptance (rounded to its significant digits)
+        # Lossless: greedy float32 answers equal the reference's (no drafter) token for token, every prompt.
+        q = trial["quality"]
+        assert q["reference_trial"] == ok["trial_id"] and q["passed"] is True and q["failures"] == []
+        assert q["agreement"] == 1.0 and q["exact_match"] == 1.0 and abs(q["nll_delta"]) < 1e-6
+        lossless = q["lossless"]
+        assert (lossless["method"], lossless["reference_method"], lossless["prompts"]) == ("ngram", None, 16)
+        assert lossless["mismatched"] == [] and lossless["passed"] is True
+        # The report weighs it against its twin at each load, as the levels' output throughputs give it.
+        gains = "; ".join(
+            f"{int(a['summary']['level']['concurrency'])} clients: "
+            f"{a['summary']['output_throughput'] / b['summary']['output_throughput'] - 1:+.0%} ("
+            for a, b in zip(trial["levels"], twin["levels"], strict=True)
+        )
+        [line] = [
+            line
+            for line in report.splitlines()
+            if line.startswith(f"- trial {trial['trial_id']} (method=ngram, num_speculative_tokens={drafted})")
+        ]
+        assert f"against {twin['trial_id']} without a drafter: " in line, line
+        cells = line.split(" without a drafter: ", 1)[1].split("; ")
+        assert "; ".join(cell.split("(", 1)[0] + "(" for cell in cells[:2]) == gains, (line, gains)
+        assert cells[2].startswith(("the gain turns negative from", "no load measured loses"))
+        assert line[2:] in html
 
 
 def test_lm_eval_task_is_a_quality_score_and_a_constraint_on_real_vllm(study):
     pytest.importorskip("lm_eval", reason="lm-eval is an optional extra: pip install servetune[lm-eval]")
     tmp_path, study_dir, results = study
     ok, same, bf16 = results[("float32", 4, 128)], results[("float32", 16, 128)], results[("bfloat16", 4, 128)]
+    drafting = [results[("float32", 16, 128, "ngram", k)] for k in DRAFTED]
     scores = {}
-    for trial in (ok, same, bf16):
+    for trial in (ok, same, bf16, *drafting):
         score = trial["quality"]["suites"]["lm_eval/echo"]
         written = json.loads(
             (study_dir / "trials" / trial["trial_id"] / "lm_eval_results.json").read_text()
@@ -260,6 +358,7 @@ def test_lm_eval_task_is_a_quality_score_and_a_constraint_on_real_vllm(study):
     # The reference's numerics are the targets' (float32): it answers most items exactly; so does the same numerics batched wider.
     assert scores[ok["trial_id"]] >= 0.5 and scores[same["trial_id"]] == scores[ok["trial_id"]]
     assert same["quality"]["drops"]["lm_eval/echo"] == 0.0 and same["quality"]["passed"] is True
+    assert all(scores[t["trial_id"]] == scores[ok["trial_id"]] for t in drafting)  # speculation is lossless
     # bfloat16 continues some prompts otherwise: its drop breaks the bound of 0 and fails the trial on it.
     q = bf16["quality"]
     assert scores[bf16["trial_id"]] < scores[ok["trial_id"]]
