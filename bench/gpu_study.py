@@ -72,12 +72,33 @@ TTFT_MS = (40.0, 100.0)  # an 8B model on one H100: tens of ms plus a ~600-token
 ITL_MS = (10.0, 20.0)
 
 
-def scaled_requests(requests_per_level: int, scale: float) -> int:
-    """A level's request count at ``scale``: its arrivals then span ``scale`` times as long."""
-    return max(1, round(requests_per_level * scale))
+def scaled_requests(requests_per_level: int, scale: float, clients: int = 1) -> int:
+    """A level's request count at ``scale``: its arrivals then span ``scale`` times as long. A closed
+    loop's (``clients``: its ladder's top concurrency) sends at least one request per client, so its top
+    level still runs that many at once; its :func:`real_accounting` then unscales by the counts' ratio."""
+    return min(requests_per_level, max(1, clients, round(requests_per_level * scale)))
 
 
-def gpu_space(path: Path, model: Path, scale: float, prune: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+def level_span(summary: Any) -> float:
+    """The part of a level's time its request count sets, which ``--scale`` shrinks with it.
+
+    An open loop's arrivals: its requests over its rate. A closed loop's, by Little's law: its requests
+    times their mean E2E over its clients (``n x E2E / C``, the time C clients keep busy with n requests);
+    what the level took beyond that (its drain, the last requests finishing with fewer in flight) does
+    not scale. Without either figure: the whole level."""
+    sent = summary.completed + summary.failed
+    rate = summary.level.get("rate")
+    if rate:
+        return sent / rate
+    clients, e2e_ms = summary.level.get("concurrency"), summary.e2el_ms.mean
+    if clients and e2e_ms is not None:
+        return sent * e2e_ms / 1000.0 / clients
+    return summary.duration_s
+
+
+def gpu_space(
+    path: Path, model: Path, scale: float, prune: bool = False, seed: int = 0
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The space to run (as YAML data) and what was changed from ``path``, for the printout."""
     data = yaml.safe_load(path.read_text())
     load = data.setdefault("load", {})
@@ -89,15 +110,18 @@ def gpu_space(path: Path, model: Path, scale: float, prune: bool = False) -> tup
     from servetune.config.space import SearchSpace
 
     original = SearchSpace.model_validate({**data, "model": str(model)})
-    load["requests_per_level"] = scaled_requests(real_requests, scale)
+    closed = original.load.kind == "concurrency"
+    clients = int(max(original.load.levels)) if closed and original.load.levels else 1
+    load["requests_per_level"] = scaled_requests(real_requests, scale, clients)
     load["stop_when_dominated"] = original.stops_when_dominated  # as the space's own searcher does it
     quality = data.pop("quality", None)
     served, data["model"] = data["model"], str(model)  # trials load stand-ins (checkpoint_stand_in)
-    data["search"] = {**data.get("search", {}), "algorithm": "random"}
+    data["search"] = {**data.get("search", {}), "algorithm": "random", "seed": seed}  # --seed draws the points too
     data["search"].pop("objectives", None)
     if prune:
         data["search"]["estimate"] = {**data["search"].get("estimate", {}), "prune": True}
     changes = {"real_requests_per_level": real_requests, "requests_per_level": load["requests_per_level"],
+               "request_scale": load["requests_per_level"] / real_requests, "closed_loop": closed,
                "algorithm": original.search.algorithm, "stop_when_dominated": original.stops_when_dominated,
                "quality_suites": (quality or {}).get("suites"), "model": served}  # fmt: skip
     return data, changes
@@ -173,26 +197,27 @@ def real_accounting(
     scale: float,
     probe_share: float = PROBE_SHARE_OF_MEASURING,
     idle_device_s: float = 0.0,
+    request_scale: float | None = None,
 ) -> dict[str, Any]:
     """The study's GPU time as it would be at full size: what ``--scale`` shrank, divided by it.
 
     Per trial: the drawn start-up / scale, and the rest of the start-up (the fake engine's own
-    process start, the health check seeing it up) as measured, since it does not shrink; each level's arrivals span (its requests over its rate) / scale,
-    plus its tail (duration less that span) as measured, but a level cut for saturation (a queue
-    that grew for ``QUEUE_WINDOW_S``, trial/measure.py) as measured; warm-up, teardown, checks and the rest
-    as measured. The quality probe, not run, is ``probe_share`` of the trial's real measuring
+    process start, the health check seeing it up) as measured, since it does not shrink; each level's span
+    (:func:`level_span`: an open loop's arrivals, a closed loop's n x E2E / C) / ``request_scale`` (the
+    requests sent over the space's; default ``scale``), plus its tail (duration less that span) as measured,
+    but a level cut for saturation (a queue that grew for ``QUEUE_WINDOW_S``, trial/measure.py) as measured;
+    warm-up, teardown, checks and the rest as measured. The quality probe, not run, is ``probe_share`` of the trial's real measuring
     time. Device-seconds are those times the trial's devices, as in ``time_accounting``. ``idle_device_s``:
     device-seconds reserved without a trial's own time (a PRUNED trial's reservation), counted in the rest.
     """
     measuring = starting = quality = 0.0
     other = idle_device_s
+    per_request = request_scale or scale
     for result in results:
         duration = result.duration_s or 0.0
         measured = spans = 0.0
         for level in result.levels:
-            summary = level.summary
-            rate = summary.level.get("rate")
-            span = (summary.completed + summary.failed) / rate if rate else summary.duration_s
+            span = level_span(level.summary)
             if stop_cause(level.stopped_early) == "saturated":
                 span = 0.0  # cut after a queue grew for a set number of seconds: as long at any size
             span = min(span, level.measured_s)
@@ -200,7 +225,7 @@ def real_accounting(
             measured += level.measured_s
         startup = min(result.startup_s or 0.0, max(duration - measured, 0.0))
         drawn = min(drawn_startup(result) or startup, startup)
-        real_measuring = (measured - spans) + spans / scale
+        real_measuring = (measured - spans) + spans / per_request
         measuring += real_measuring * result.devices
         starting += (drawn / scale + startup - drawn) * result.devices
         quality += probe_share * real_measuring * result.devices
@@ -270,7 +295,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from servetune.trial.context import StudyContext, resolve_levels
 
     model = build_tiny_model(workdir / "models" / "tiny").resolve()
-    data, changes = gpu_space(args.space, model, args.scale, args.prune)
+    data, changes = gpu_space(args.space, model, args.scale, args.prune, args.seed)
     space_path = workdir / "space.yaml"
     space_path.write_text(yaml.safe_dump(data, sort_keys=False))
     space = load_space(space_path)
@@ -292,10 +317,11 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     reservations = [Reservation(s, e, results[t].devices if t in results else 0, t) for t, (s, e) in spans.items()]
     done = [results[t] for t in spans if t in results]
     ran = [r for r in done if r.outcome != "PRUNED"]
-    real = real_accounting(ran, args.scale)
+    per_request = changes["request_scale"]
+    real = real_accounting(ran, args.scale, request_scale=per_request)
     pruned = pruned_accounting(done, spans, args.scale, real)
     if pruned["trials"]:
-        real = real_accounting(ran, args.scale, idle_device_s=pruned["reserved_device_s"])
+        real = real_accounting(ran, args.scale, idle_device_s=pruned["reserved_device_s"], request_scale=per_request)
     return {
         "space": str(args.space), "twin": args.twin, "prune": args.prune, "pruned": pruned, "scale": args.scale, "gpus": args.gpus, "seed": args.seed, "wall_s": wall_s,
         "changes": changes, "trials_proposed": len(points), "target": TARGET,
