@@ -118,8 +118,8 @@ def gpu_space(
     served, data["model"] = data["model"], str(model)  # trials load stand-ins (checkpoint_stand_in)
     data["search"] = {**data.get("search", {}), "algorithm": "random", "seed": seed}  # --seed draws the points too
     data["search"].pop("objectives", None)
-    if prune:
-        data["search"]["estimate"] = {**data["search"].get("estimate", {}), "prune": True}
+    # --prune decides, whatever the space says (bench/data/gpu-twin-closed.yaml prunes), so off and on compare
+    data["search"]["estimate"] = {**data["search"].get("estimate", {}), "prune": prune}
     changes = {"real_requests_per_level": real_requests, "requests_per_level": load["requests_per_level"],
                "request_scale": load["requests_per_level"] / real_requests, "closed_loop": closed,
                "algorithm": original.search.algorithm, "stop_when_dominated": original.stops_when_dominated,

@@ -130,6 +130,8 @@ def test_with_prune_the_space_prunes_by_the_estimate_and_a_pruned_trial_saves_bu
     data, _ = bench.gpu_space(space, tmp_path / "tiny", 0.1, prune=True)
     assert data["search"]["estimate"] == {"prune": True} and data["search"]["algorithm"] == "random"
     assert bench.gpu_space(space, tmp_path / "tiny", 0.1)[0]["search"]["estimate"] == {"prune": False}
+    space.write_text(space.read_text().replace("prune: false", "prune: true"))  # without --prune, off all the same
+    assert bench.gpu_space(space, tmp_path / "tiny", 0.1)[0]["search"]["estimate"] == {"prune": False}
     # one trial ran on 1 GPU; one on 2 GPUs was pruned, its reservation 1.5 s
     ran = timed(1, 40.0, 30.0, [rate_level(2.0, 26, 10.0)])
     pruned = timed(2, 0.0, None, []).model_copy(
