@@ -334,6 +334,32 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def best_trial(out: dict[str, Any]) -> dict[str, Any] | None:
+    """A run's (its ``--json``) trial whose best level had the highest goodput; None if none met the SLO."""
+    met = [t for t in out["trials"] if t["best"] and t["best"].get(GOODPUT) is not None]
+    return max(met, key=lambda t: t["best"][GOODPUT]) if met else None
+
+
+def compare(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
+    """One seed run with pruning off and on (the same points and paces): the measuring shares, the GPU-minutes
+    at full size each reserved (the difference is what pruning saved, as run), and whether pruning lost the best:
+    the off run's best configuration pruned, or the on run's best goodput more than 5% below the off run's."""
+
+    def config(t: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in t["params"].items() if not k.startswith("env.")}
+
+    best_off, best_on = best_trial(off), best_trial(on)
+    pruned = [config(t) for t in on["trials"] if t["outcome"] == "PRUNED"]
+    lost = best_off is not None and (
+        config(best_off) in pruned or best_on is None or best_on["best"][GOODPUT] < 0.95 * best_off["best"][GOODPUT]
+    )
+    return {"seed": on["seed"], "measuring_off": off["real"]["measuring_share"], "measuring_on": on["real"]["measuring_share"],
+            "gpu_minutes_off": off["real"]["gpu_minutes"], "gpu_minutes_on": on["real"]["gpu_minutes"],
+            "saved_gpu_minutes": off["real"]["gpu_minutes"] - on["real"]["gpu_minutes"], "pruned": len(pruned),
+            "trials": len(on["trials"]), "best_off": best_off and best_off["best"][GOODPUT],
+            "best_on": best_on and best_on["best"][GOODPUT], "lost_best": lost}  # fmt: skip
+
+
 def print_bests(trials: list[dict[str, Any]]) -> None:
     """Per trial: the varied parameters that shape the pace and what its best level measured."""
     shown = (
@@ -381,7 +407,23 @@ def main(argv: list[str] | None = None) -> int:
         metavar="JSON",
         help="run nothing: read an earlier run's --json and print its share with a shared Triton cache",
     )
+    parser.add_argument(
+        "--compare",
+        type=Path,
+        nargs=2,
+        metavar=("OFF", "ON"),
+        help="run nothing: read one seed's --json without and with --prune and print what pruning saved and lost",
+    )
     args = parser.parse_args(argv)
+    if args.compare:
+        c = compare(*(json.loads(path.read_text()) for path in args.compare))
+        print(
+            f"seed {c['seed']}: {c['pruned']} of {c['trials']} pruned; measuring {c['measuring_off']:.1%} off, "
+            f"{c['measuring_on']:.1%} on; {c['gpu_minutes_off']:.1f} -> {c['gpu_minutes_on']:.1f} GPU-min at full size "
+            f"({c['saved_gpu_minutes']:+.1f} saved); best goodput {c['best_off']} off, {c['best_on']} on: "
+            + ("pruning LOST the best" if c["lost_best"] else "best kept")
+        )
+        return 0
     if args.what_if:
         out = json.loads(args.what_if.read_text())
         for warm in (3.0, 10.0, 15.0, 20.0, 25.0):

@@ -190,3 +190,23 @@ def test_a_closed_ladder_sends_at_least_one_request_per_client_of_its_top_level(
     rates = space.read_text().replace("kind: concurrency, levels: [16, 32, 64]", "levels: [2, 4]")
     space.write_text(rates)
     assert bench.gpu_space(space, tmp_path / "tiny", 0.1)[0]["load"]["requests_per_level"] == 26
+
+
+def test_compare_counts_what_pruning_saved_and_whether_it_lost_the_best(bench):
+    from servetune.metrics import GOODPUT
+
+    def run(seed, outcomes, goodputs, minutes, share):
+        trials = [{"params": {"max_num_seqs": seqs, "env.SERVETUNE_FAKE_TTFT_MS": 50.0}, "outcome": outcome,
+                   "best": None if g is None else {"level": "16", GOODPUT: g}}
+                  for seqs, outcome, g in zip((8, 16, 32), outcomes, goodputs, strict=True)]  # fmt: skip
+        return {"seed": seed, "trials": trials, "real": {"gpu_minutes": minutes, "measuring_share": share}}
+
+    off = run(0, ["COMPLETE"] * 3, [3.0, 10.0, 16.0], 100.0, 0.6)
+    kept = bench.compare(off, run(0, ["PRUNED", "COMPLETE", "COMPLETE"], [None, 10.0, 16.0], 70.0, 0.72))
+    assert kept["pruned"] == 1 and kept["saved_gpu_minutes"] == pytest.approx(30.0) and not kept["lost_best"]
+    assert (kept["measuring_off"], kept["measuring_on"], kept["best_on"]) == (0.6, 0.72, 16.0)
+    lost = bench.compare(off, run(0, ["COMPLETE", "COMPLETE", "PRUNED"], [3.0, 10.0, None], 60.0, 0.7))
+    assert lost["lost_best"] and lost["best_on"] == 10.0
+    # the best measured within 5% on a rerun is not lost; 10% below is
+    assert not bench.compare(off, run(0, ["COMPLETE"] * 3, [3.0, 10.0, 15.5], 100.0, 0.6))["lost_best"]
+    assert bench.compare(off, run(0, ["COMPLETE"] * 3, [3.0, 10.0, 14.0], 100.0, 0.6))["lost_best"]
