@@ -28,9 +28,14 @@ searchers). What is changed:
   per device. Meaningful with ``--twin``, where the paces are the estimate's too.
 - Durations are scaled by ``--scale``: start-ups through ``SERVETUNE_FAKE_STARTUP_DELAY_S``, and
   each level's request count (256 -> 256 x scale), so a level's arrivals span scale x its real
-  span. What does not scale is counted once: a level's tail (the last requests finishing after
-  the last arrival), warm-up, teardown and Ray's gaps. :func:`real_accounting` unscales each part
-  accordingly.
+  span. A closed loop (``load.kind: concurrency``) sends at least one request per client of its top
+  level, so its levels still run that many at once; its busy span is n x mean E2E / clients (Little's
+  law), unscaled by the counts' own ratio. What does not scale is counted once: a level's tail (the
+  last requests finishing after the last arrival, a closed loop's drain), warm-up, teardown and Ray's
+  gaps. :func:`real_accounting` unscales each part accordingly.
+- ``--seed`` draws the points (``search.seed``) as well as the start-ups and paces, so one seed run
+  with and without ``--prune`` measures the same configurations; ``--compare OFF ON`` reads the two
+  runs' ``--json`` and prints what pruning saved and whether it lost the best.
 - The quality probe is not run: it needs greedy completions and ``prompt_logprobs``, and the fake
   engine answers neither (every token is ``x``, no logprobs). Its cost is counted from
   bench/README.md's quality_probe numbers instead: ``PROBE_SHARE_OF_MEASURING`` of each trial's
