@@ -28,9 +28,14 @@ searchers). What is changed:
   per device. Meaningful with ``--twin``, where the paces are the estimate's too.
 - Durations are scaled by ``--scale``: start-ups through ``SERVETUNE_FAKE_STARTUP_DELAY_S``, and
   each level's request count (256 -> 256 x scale), so a level's arrivals span scale x its real
-  span. What does not scale is counted once: a level's tail (the last requests finishing after
-  the last arrival), warm-up, teardown and Ray's gaps. :func:`real_accounting` unscales each part
-  accordingly.
+  span. A closed loop (``load.kind: concurrency``) sends at least one request per client of its top
+  level, so its levels still run that many at once; its busy span is n x mean E2E / clients (Little's
+  law), unscaled by the counts' own ratio. What does not scale is counted once: a level's tail (the
+  last requests finishing after the last arrival, a closed loop's drain), warm-up, teardown and Ray's
+  gaps. :func:`real_accounting` unscales each part accordingly.
+- ``--seed`` draws the points (``search.seed``) as well as the start-ups and paces, so one seed run
+  with and without ``--prune`` measures the same configurations; ``--compare OFF ON`` reads the two
+  runs' ``--json`` and prints what pruning saved and whether it lost the best.
 - The quality probe is not run: it needs greedy completions and ``prompt_logprobs``, and the fake
   engine answers neither (every token is ``x``, no logprobs). Its cost is counted from
   bench/README.md's quality_probe numbers instead: ``PROBE_SHARE_OF_MEASURING`` of each trial's
@@ -72,12 +77,33 @@ TTFT_MS = (40.0, 100.0)  # an 8B model on one H100: tens of ms plus a ~600-token
 ITL_MS = (10.0, 20.0)
 
 
-def scaled_requests(requests_per_level: int, scale: float) -> int:
-    """A level's request count at ``scale``: its arrivals then span ``scale`` times as long."""
-    return max(1, round(requests_per_level * scale))
+def scaled_requests(requests_per_level: int, scale: float, clients: int = 1) -> int:
+    """A level's request count at ``scale``: its arrivals then span ``scale`` times as long. A closed
+    loop's (``clients``: its ladder's top concurrency) sends at least one request per client, so its top
+    level still runs that many at once; its :func:`real_accounting` then unscales by the counts' ratio."""
+    return min(requests_per_level, max(1, clients, round(requests_per_level * scale)))
 
 
-def gpu_space(path: Path, model: Path, scale: float, prune: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+def level_span(summary: Any) -> float:
+    """The part of a level's time its request count sets, which ``--scale`` shrinks with it.
+
+    An open loop's arrivals: its requests over its rate. A closed loop's, by Little's law: its requests
+    times their mean E2E over its clients (``n x E2E / C``, the time C clients keep busy with n requests);
+    what the level took beyond that (its drain, the last requests finishing with fewer in flight) does
+    not scale. Without either figure: the whole level."""
+    sent = summary.completed + summary.failed
+    rate = summary.level.get("rate")
+    if rate:
+        return sent / rate
+    clients, e2e_ms = summary.level.get("concurrency"), summary.e2el_ms.mean
+    if clients and e2e_ms is not None:
+        return sent * e2e_ms / 1000.0 / clients
+    return summary.duration_s
+
+
+def gpu_space(
+    path: Path, model: Path, scale: float, prune: bool = False, seed: int = 0
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The space to run (as YAML data) and what was changed from ``path``, for the printout."""
     data = yaml.safe_load(path.read_text())
     load = data.setdefault("load", {})
@@ -89,15 +115,18 @@ def gpu_space(path: Path, model: Path, scale: float, prune: bool = False) -> tup
     from servetune.config.space import SearchSpace
 
     original = SearchSpace.model_validate({**data, "model": str(model)})
-    load["requests_per_level"] = scaled_requests(real_requests, scale)
+    closed = original.load.kind == "concurrency"
+    clients = int(max(original.load.levels)) if closed and original.load.levels else 1
+    load["requests_per_level"] = scaled_requests(real_requests, scale, clients)
     load["stop_when_dominated"] = original.stops_when_dominated  # as the space's own searcher does it
     quality = data.pop("quality", None)
     served, data["model"] = data["model"], str(model)  # trials load stand-ins (checkpoint_stand_in)
-    data["search"] = {**data.get("search", {}), "algorithm": "random"}
+    data["search"] = {**data.get("search", {}), "algorithm": "random", "seed": seed}  # --seed draws the points too
     data["search"].pop("objectives", None)
-    if prune:
-        data["search"]["estimate"] = {**data["search"].get("estimate", {}), "prune": True}
+    # --prune decides, whatever the space says (bench/data/gpu-twin-closed.yaml prunes), so off and on compare
+    data["search"]["estimate"] = {**data["search"].get("estimate", {}), "prune": prune}
     changes = {"real_requests_per_level": real_requests, "requests_per_level": load["requests_per_level"],
+               "request_scale": load["requests_per_level"] / real_requests, "closed_loop": closed,
                "algorithm": original.search.algorithm, "stop_when_dominated": original.stops_when_dominated,
                "quality_suites": (quality or {}).get("suites"), "model": served}  # fmt: skip
     return data, changes
@@ -173,26 +202,27 @@ def real_accounting(
     scale: float,
     probe_share: float = PROBE_SHARE_OF_MEASURING,
     idle_device_s: float = 0.0,
+    request_scale: float | None = None,
 ) -> dict[str, Any]:
     """The study's GPU time as it would be at full size: what ``--scale`` shrank, divided by it.
 
     Per trial: the drawn start-up / scale, and the rest of the start-up (the fake engine's own
-    process start, the health check seeing it up) as measured, since it does not shrink; each level's arrivals span (its requests over its rate) / scale,
-    plus its tail (duration less that span) as measured, but a level cut for saturation (a queue
-    that grew for ``QUEUE_WINDOW_S``, trial/measure.py) as measured; warm-up, teardown, checks and the rest
-    as measured. The quality probe, not run, is ``probe_share`` of the trial's real measuring
+    process start, the health check seeing it up) as measured, since it does not shrink; each level's span
+    (:func:`level_span`: an open loop's arrivals, a closed loop's n x E2E / C) / ``request_scale`` (the
+    requests sent over the space's; default ``scale``), plus its tail (duration less that span) as measured,
+    but a level cut for saturation (a queue that grew for ``QUEUE_WINDOW_S``, trial/measure.py) as measured;
+    warm-up, teardown, checks and the rest as measured. The quality probe, not run, is ``probe_share`` of the trial's real measuring
     time. Device-seconds are those times the trial's devices, as in ``time_accounting``. ``idle_device_s``:
     device-seconds reserved without a trial's own time (a PRUNED trial's reservation), counted in the rest.
     """
     measuring = starting = quality = 0.0
     other = idle_device_s
+    per_request = request_scale or scale
     for result in results:
         duration = result.duration_s or 0.0
         measured = spans = 0.0
         for level in result.levels:
-            summary = level.summary
-            rate = summary.level.get("rate")
-            span = (summary.completed + summary.failed) / rate if rate else summary.duration_s
+            span = level_span(level.summary)
             if stop_cause(level.stopped_early) == "saturated":
                 span = 0.0  # cut after a queue grew for a set number of seconds: as long at any size
             span = min(span, level.measured_s)
@@ -200,7 +230,7 @@ def real_accounting(
             measured += level.measured_s
         startup = min(result.startup_s or 0.0, max(duration - measured, 0.0))
         drawn = min(drawn_startup(result) or startup, startup)
-        real_measuring = (measured - spans) + spans / scale
+        real_measuring = (measured - spans) + spans / per_request
         measuring += real_measuring * result.devices
         starting += (drawn / scale + startup - drawn) * result.devices
         quality += probe_share * real_measuring * result.devices
@@ -270,7 +300,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from servetune.trial.context import StudyContext, resolve_levels
 
     model = build_tiny_model(workdir / "models" / "tiny").resolve()
-    data, changes = gpu_space(args.space, model, args.scale, args.prune)
+    data, changes = gpu_space(args.space, model, args.scale, args.prune, args.seed)
     space_path = workdir / "space.yaml"
     space_path.write_text(yaml.safe_dump(data, sort_keys=False))
     space = load_space(space_path)
@@ -292,10 +322,11 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     reservations = [Reservation(s, e, results[t].devices if t in results else 0, t) for t, (s, e) in spans.items()]
     done = [results[t] for t in spans if t in results]
     ran = [r for r in done if r.outcome != "PRUNED"]
-    real = real_accounting(ran, args.scale)
+    per_request = changes["request_scale"]
+    real = real_accounting(ran, args.scale, request_scale=per_request)
     pruned = pruned_accounting(done, spans, args.scale, real)
     if pruned["trials"]:
-        real = real_accounting(ran, args.scale, idle_device_s=pruned["reserved_device_s"])
+        real = real_accounting(ran, args.scale, idle_device_s=pruned["reserved_device_s"], request_scale=per_request)
     return {
         "space": str(args.space), "twin": args.twin, "prune": args.prune, "pruned": pruned, "scale": args.scale, "gpus": args.gpus, "seed": args.seed, "wall_s": wall_s,
         "changes": changes, "trials_proposed": len(points), "target": TARGET,
@@ -306,6 +337,32 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                     "stopped_because": r.stopped_because, "levels_run": len(r.levels), "startup_s": r.startup_s,
                     "duration_s": r.duration_s, "params": dict(r.params), "best": best_of(r)} for r in done],
     }  # fmt: skip
+
+
+def best_trial(out: dict[str, Any]) -> dict[str, Any] | None:
+    """A run's (its ``--json``) trial whose best level had the highest goodput; None if none met the SLO."""
+    met = [t for t in out["trials"] if t["best"] and t["best"].get(GOODPUT) is not None]
+    return max(met, key=lambda t: t["best"][GOODPUT]) if met else None
+
+
+def compare(off: dict[str, Any], on: dict[str, Any]) -> dict[str, Any]:
+    """One seed run with pruning off and on (the same points and paces): the measuring shares, the GPU-minutes
+    at full size each reserved (the difference is what pruning saved, as run), and whether pruning lost the best:
+    the off run's best configuration pruned, or the on run's best goodput more than 5% below the off run's."""
+
+    def config(t: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in t["params"].items() if not k.startswith("env.")}
+
+    best_off, best_on = best_trial(off), best_trial(on)
+    pruned = [config(t) for t in on["trials"] if t["outcome"] == "PRUNED"]
+    lost = best_off is not None and (
+        config(best_off) in pruned or best_on is None or best_on["best"][GOODPUT] < 0.95 * best_off["best"][GOODPUT]
+    )
+    return {"seed": on["seed"], "measuring_off": off["real"]["measuring_share"], "measuring_on": on["real"]["measuring_share"],
+            "gpu_minutes_off": off["real"]["gpu_minutes"], "gpu_minutes_on": on["real"]["gpu_minutes"],
+            "saved_gpu_minutes": off["real"]["gpu_minutes"] - on["real"]["gpu_minutes"], "pruned": len(pruned),
+            "trials": len(on["trials"]), "best_off": best_off and best_off["best"][GOODPUT],
+            "best_on": best_on and best_on["best"][GOODPUT], "lost_best": lost}  # fmt: skip
 
 
 def print_bests(trials: list[dict[str, Any]]) -> None:
@@ -355,7 +412,23 @@ def main(argv: list[str] | None = None) -> int:
         metavar="JSON",
         help="run nothing: read an earlier run's --json and print its share with a shared Triton cache",
     )
+    parser.add_argument(
+        "--compare",
+        type=Path,
+        nargs=2,
+        metavar=("OFF", "ON"),
+        help="run nothing: read one seed's --json without and with --prune and print what pruning saved and lost",
+    )
     args = parser.parse_args(argv)
+    if args.compare:
+        c = compare(*(json.loads(path.read_text()) for path in args.compare))
+        print(
+            f"seed {c['seed']}: {c['pruned']} of {c['trials']} pruned; measuring {c['measuring_off']:.1%} off, "
+            f"{c['measuring_on']:.1%} on; {c['gpu_minutes_off']:.1f} -> {c['gpu_minutes_on']:.1f} GPU-min at full size "
+            f"({c['saved_gpu_minutes']:+.1f} saved); best goodput {c['best_off']} off, {c['best_on']} on: "
+            + ("pruning LOST the best" if c["lost_best"] else "best kept")
+        )
+        return 0
     if args.what_if:
         out = json.loads(args.what_if.read_text())
         for warm in (3.0, 10.0, 15.0, 20.0, 25.0):

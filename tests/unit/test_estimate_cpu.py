@@ -146,3 +146,46 @@ def test_waves_fitted_on_one_surface_predict_tpot_at_high_load_on_the_other(fits
     # Spread over every step, the prompts' prefill inflates TPOT at 32 clients and so cuts throughput.
     for metric in ("tpot_ms", "output_throughput"):
         assert error(fits["waves"], metric) < error(fits["spread"], metric)
+
+
+def _replica(slots: int, rates=cc.RECORDED_HOST):
+    arch = arch_from_hf_config(TINY_CONFIG, name="tiny")
+    args = {**ARGS, "max_num_seqs": slots}
+    return replica_from_plan(arch, plan_capacity(arch, args, resolve_hardware("cpu"), env=ENV), args, rates)
+
+
+def test_the_host_s_cores_cap_the_tokens_it_streams_and_bring_the_knee_before_the_slots():
+    from servetune.estimate.queueing import host_bound_tpot_s, knee
+
+    eff = load_factors().for_class("CPU").model_copy(update={"host_cpu_ms_per_token": 0.0, "closed_loop_waves": 0.0})
+    rep = _replica(32)
+    free = [closed_loop(rep, eff, c, 128, 32).request_rate * 32 for c in (4, 8, 16, 32)]
+    bound = 0.5 * free[-1]  # tokens a second the cores stream: half what the engine alone reaches at 32 slots
+    capped = eff.model_copy(update={"host_cpu_ms_per_token": 2 * 1e3 / bound})  # on 2 cores
+    tokens = [closed_loop(rep, capped, c, 128, 32).request_rate * 32 for c in (4, 8, 16, 32)]
+    # Flat at cores / cost (a request's first token comes with its prefill: O / (O - 1) of it at most), whatever
+    # the slots; the engine alone still climbs from 16 to 32.
+    assert bound <= max(tokens) <= bound * 32 / 31
+    assert tokens[-1] == pytest.approx(tokens[-2], rel=0.03) and free[-1] > 1.1 * free[-2]
+    assert all(t <= f + 1e-9 for t, f in zip(tokens, free, strict=True))
+    assert tokens[0] == pytest.approx(free[0]) or free[0] > bound  # below the bound the engine's own pace
+    assert knee(rep, capped, 128, 32) < knee(rep, eff, 128, 32)
+    # Twice the cores: twice the bound. No cores counted (a GPU's host) or no cost: no bound.
+    four = _replica(32, cpu_rates(gflops=160.0, memory_gbps=20.0, cores=4))
+    assert max(closed_loop(four, capped, c, 128, 32).request_rate * 32 for c in (32,)) > bound
+    assert host_bound_tpot_s(_replica(32, cpu_rates(gflops=160.0, memory_gbps=20.0)), capped, 32) == 0.0
+    assert host_bound_tpot_s(rep, eff, 32) == 0.0
+
+
+def test_measured_rates_count_the_cores_this_process_may_run_on():
+    import os
+
+    assert measure_cpu_rates(size=64, copy_mib=1, repeats=1).cores == len(os.sched_getaffinity(0))
+    assert cc.RECORDED_HOST.cores == 2
+
+
+def test_the_cpu_fit_keeps_the_cores_bound_only_where_it_fits_better(fits):
+    train = cc.read_surface(SURFACES / "cpu-tiny-grid-r3.json", held_out=False)
+    with_bound, without = fits["waves"], cc.fit_cpu(train, host_cores=False)
+    assert without.host_cpu_ms_per_token == 0.0
+    assert cc.fit_cost(train, with_bound) <= cc.fit_cost(train, without)

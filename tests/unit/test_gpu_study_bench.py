@@ -130,6 +130,8 @@ def test_with_prune_the_space_prunes_by_the_estimate_and_a_pruned_trial_saves_bu
     data, _ = bench.gpu_space(space, tmp_path / "tiny", 0.1, prune=True)
     assert data["search"]["estimate"] == {"prune": True} and data["search"]["algorithm"] == "random"
     assert bench.gpu_space(space, tmp_path / "tiny", 0.1)[0]["search"]["estimate"] == {"prune": False}
+    space.write_text(space.read_text().replace("prune: false", "prune: true"))  # without --prune, off all the same
+    assert bench.gpu_space(space, tmp_path / "tiny", 0.1)[0]["search"]["estimate"] == {"prune": False}
     # one trial ran on 1 GPU; one on 2 GPUs was pruned, its reservation 1.5 s
     ran = timed(1, 40.0, 30.0, [rate_level(2.0, 26, 10.0)])
     pruned = timed(2, 0.0, None, []).model_copy(
@@ -144,3 +146,67 @@ def test_with_prune_the_space_prunes_by_the_estimate_and_a_pruned_trial_saves_bu
     honest = bench.real_accounting([ran], 0.1, 0.0, idle_device_s=out["reserved_device_s"])
     assert honest["gpu_minutes"] == pytest.approx(real["gpu_minutes"] + 3.0 / 60)
     assert honest["measuring_share"] < real["measuring_share"]
+
+
+def closed_level(clients, requests, duration_s, e2e_ms):
+    lv = level(clients, 100, 300)
+    summary = lv.summary.model_copy(
+        update={"completed": requests, "failed": 0, "duration_s": duration_s,
+                "e2el_ms": lv.summary.e2el_ms.model_copy(update={"mean": e2e_ms})}
+    )  # fmt: skip
+    return lv.model_copy(update={"summary": summary})
+
+
+def test_a_closed_loop_level_unscales_its_busy_span_by_little_s_law_and_keeps_its_drain(bench):
+    # 16 clients, 64 requests of 2 s each: C clients kept busy 64 x 2 / 16 = 8 s; the level took 9.5 s, so 1.5 s
+    # of drain. A quarter of the requests: at full size 32 s busy plus the same drain.
+    result = timed(1, 9.5 + 20.0, 20.0, [closed_level(16, 64, 9.5, 2000.0)])
+    out = bench.real_accounting([result], scale=0.1, probe_share=0.0, request_scale=0.25)
+    assert out["gpu_minutes"] == pytest.approx((1.5 + 8.0 / 0.25 + 20.0 / 0.1) / 60)
+    assert out["measuring_share"] == pytest.approx((1.5 + 32.0) / (1.5 + 32.0 + 200.0))
+    # Not the whole level unscaled (its drain too), and not the level at its scaled length.
+    whole, as_run = 9.5 / 0.25, 9.5
+    assert as_run < out["gpu_minutes"] * 60 - 200.0 < whole
+    # A closed level's full-size time grows with its requests and its E2E, as Little's law says.
+    slower = timed(1, 29.5, 20.0, [closed_level(16, 64, 9.5, 2200.0)])
+    assert bench.real_accounting([slower], 0.1, 0.0, request_scale=0.25)["gpu_minutes"] > out["gpu_minutes"]
+    # An open level is unchanged: its arrivals over request_scale.
+    opened = bench.real_accounting([timed(1, 50.0, 20.0, [rate_level(2.0, 51, 30.0)])], 0.2, 0.0)
+    assert opened["gpu_minutes"] == pytest.approx((4.5 + 25.5 / 0.2 + 20.0 / 0.2) / 60)
+
+
+def test_a_closed_ladder_sends_at_least_one_request_per_client_of_its_top_level(bench, tmp_path):
+    space = tmp_path / "space.yaml"
+    space.write_text(
+        "name: s\nmodel: meta-llama/Llama-3.1-8B-Instruct\ndevice: gpu\nworkload: chat\n"
+        "load: {kind: concurrency, levels: [16, 32, 64], requests_per_level: 256}\n"
+        "slo: {ttft_ms: {p99: 2000}}\nhardware: {gpu: H100-SXM}\n"
+    )
+    data, changes = bench.gpu_space(space, tmp_path / "tiny", 0.1, seed=3)
+    assert data["load"]["requests_per_level"] == 64 and changes["request_scale"] == pytest.approx(0.25)
+    assert changes["closed_loop"] and data["search"]["seed"] == 3
+    assert bench.gpu_space(space, tmp_path / "tiny", 0.5)[1]["request_scale"] == pytest.approx(128 / 256)
+    assert bench.scaled_requests(256, 0.1, clients=512) == 256  # never more than the space's own
+    rates = space.read_text().replace("kind: concurrency, levels: [16, 32, 64]", "levels: [2, 4]")
+    space.write_text(rates)
+    assert bench.gpu_space(space, tmp_path / "tiny", 0.1)[0]["load"]["requests_per_level"] == 26
+
+
+def test_compare_counts_what_pruning_saved_and_whether_it_lost_the_best(bench):
+    from servetune.metrics import GOODPUT
+
+    def run(seed, outcomes, goodputs, minutes, share):
+        trials = [{"params": {"max_num_seqs": seqs, "env.SERVETUNE_FAKE_TTFT_MS": 50.0}, "outcome": outcome,
+                   "best": None if g is None else {"level": "16", GOODPUT: g}}
+                  for seqs, outcome, g in zip((8, 16, 32), outcomes, goodputs, strict=True)]  # fmt: skip
+        return {"seed": seed, "trials": trials, "real": {"gpu_minutes": minutes, "measuring_share": share}}
+
+    off = run(0, ["COMPLETE"] * 3, [3.0, 10.0, 16.0], 100.0, 0.6)
+    kept = bench.compare(off, run(0, ["PRUNED", "COMPLETE", "COMPLETE"], [None, 10.0, 16.0], 70.0, 0.72))
+    assert kept["pruned"] == 1 and kept["saved_gpu_minutes"] == pytest.approx(30.0) and not kept["lost_best"]
+    assert (kept["measuring_off"], kept["measuring_on"], kept["best_on"]) == (0.6, 0.72, 16.0)
+    lost = bench.compare(off, run(0, ["COMPLETE", "COMPLETE", "PRUNED"], [3.0, 10.0, None], 60.0, 0.7))
+    assert lost["lost_best"] and lost["best_on"] == 10.0
+    # the best measured within 5% on a rerun is not lost; 10% below is
+    assert not bench.compare(off, run(0, ["COMPLETE"] * 3, [3.0, 10.0, 15.5], 100.0, 0.6))["lost_best"]
+    assert bench.compare(off, run(0, ["COMPLETE"] * 3, [3.0, 10.0, 14.0], 100.0, 0.6))["lost_best"]

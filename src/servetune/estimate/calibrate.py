@@ -299,6 +299,9 @@ def predict(point: CalibrationPoint, eff: Efficiency) -> tuple[dict[str, float],
     return got, p.saturated
 
 
+SOFT_L1_SCALE = 0.2  # fit_efficiency's robust loss: residuals (log ratios) past about 20% count less than squared
+
+
 def _residuals(points: Sequence[CalibrationPoint], eff: Efficiency, weights: dict[str, float]) -> np.ndarray:
     out = []
     for point in points:
@@ -340,7 +343,7 @@ def fit_efficiency(
         np.array([getattr(x0, name) for name in fitted]),
         bounds=(lows, highs),
         loss="soft_l1",
-        f_scale=0.2,
+        f_scale=SOFT_L1_SCALE,
         diff_step=1e-3,
     )
     return efficiency(result.x)

@@ -32,6 +32,12 @@ class Efficiency(BaseModel):
         description="share of a closed loop's prompts that arrive in waves and prefill together (clients that "
         "finish together send again together) instead of spread over the running decodes' steps",
     )
+    host_cpu_ms_per_token: float = Field(
+        0.0,
+        ge=0,
+        description="host CPU ms one streamed output token costs, engine and front end together (the CPU build: "
+        "its cores, DeviceRates.cores, stream at most cores / this tokens a second; 0: no such bound, as on GPUs)",
+    )
 
 
 class MetricError(BaseModel):

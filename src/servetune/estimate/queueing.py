@@ -97,7 +97,21 @@ def steady(
         first_token, decoded_through = wave_prefill(rep, eff, n, input_tokens, encode)
         ttft = (1.0 - waves) * ttft + waves * first_token
         tpot += waves * decoded_through / max(output_tokens - 1, 1) / yielded
-    return Steady(in_flight=in_flight, tpot_s=tpot, ttft_s=ttft)
+    return Steady(in_flight=in_flight, tpot_s=max(tpot, host_bound_tpot_s(rep, eff, n)), ttft_s=ttft)
+
+
+def host_bound_tpot_s(rep: Replica, eff: Efficiency, in_flight: float) -> float:
+    """The least TPOT the host's cores allow ``in_flight`` requests (0 where not counted).
+
+    On the CPU build the engine, its API server and the load client share the host's cores: each streamed token
+    costs ``host_cpu_ms_per_token`` of CPU among them, so the cores stream at most ``cores / that`` tokens a second,
+    whatever the engine's slots, and a step of n sequences takes at least ``n x that / cores``. Past that the
+    throughput stays flat and E2E grows with the clients: the knee comes where the cores saturate, before the slots
+    do. The cores are given or measured per host (``DeviceRates.cores``), as its FLOP/s are; the cost is fitted."""
+    cores = rep.rates.cores
+    if not cores or eff.host_cpu_ms_per_token <= 0:
+        return 0.0
+    return in_flight * eff.host_cpu_ms_per_token / 1e3 / cores
 
 
 def wave_ttft_s(rep: Replica, eff: Efficiency, in_flight: float, input_tokens: int, encode: float = 0.0) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -20,6 +21,9 @@ class DeviceRates:
     hbm_bytes_s: float
     link_bytes_s: float
     link: str
+    # The host cores the engine, its API server and the load client share (the CPU build: None for a GPU, whose
+    # host has cores to spare); with ``Efficiency.host_cpu_ms_per_token`` they cap the tokens a second it streams.
+    cores: float | None = None
 
 
 def device_rates(gpu: str, quant: WeightQuant) -> DeviceRates:
@@ -38,10 +42,16 @@ def device_rates(gpu: str, quant: WeightQuant) -> DeviceRates:
     )
 
 
-def cpu_rates(gflops: float, memory_gbps: float) -> DeviceRates:
-    """Rates of the CPU cores one vLLM CPU rank runs on (ranks talk through shared memory)."""
+def cpu_rates(gflops: float, memory_gbps: float, cores: float | None = None) -> DeviceRates:
+    """Rates of the CPU cores one vLLM CPU rank runs on (ranks talk through shared memory), and how many cores
+    the host gives the engine and its front end (None: not counted)."""
     return DeviceRates(
-        gpu="cpu", flops=gflops * 1e9, hbm_bytes_s=memory_gbps * 1e9, link_bytes_s=memory_gbps * 1e9, link="memory"
+        gpu="cpu",
+        flops=gflops * 1e9,
+        hbm_bytes_s=memory_gbps * 1e9,
+        link_bytes_s=memory_gbps * 1e9,
+        link="memory",
+        cores=cores,
     )
 
 
@@ -64,7 +74,7 @@ def measure_cpu_rates(size: int = 512, copy_mib: int = 64, repeats: int = 5) -> 
         start = time.perf_counter()
         np.copyto(dst, src)
         copy = min(copy, time.perf_counter() - start)
-    return cpu_rates(2 * size**3 / matmul / 1e9, 2 * src.nbytes / copy / 1e9)
+    return cpu_rates(2 * size**3 / matmul / 1e9, 2 * src.nbytes / copy / 1e9, cores=len(os.sched_getaffinity(0)))
 
 
 def gpu_class(gpu: str) -> str:
