@@ -101,6 +101,11 @@ def test_grid_study_records_every_outcome_and_goes_on_after_a_crash(study):
     refit = json.loads((study_dir / "estimate_factors.json").read_text())
     complete = {r["trial_id"] for r in by_config.values() if r["outcome"] == "COMPLETE"}
     assert refit["gpu_class"] == "CPU" and refit["trials"] and set(refit["trials"]) <= complete
+    # Tune's own files per trial are there (progress.csv, result.json), its TensorBoard files not: their logger imported
+    # tensorboardX and torch into the driver for files nothing reads (study/tuner.py).
+    tune_files = {p.name for p in (study_dir / "tune").rglob("*") if p.is_file()}
+    assert {"progress.csv", "result.json"} <= tune_files, sorted(tune_files)
+    assert not any(name.startswith("events.out.tfevents") for name in tune_files), sorted(tune_files)
     assert processes_mentioning(fake) == []
     # The driver logged every trial to MLflow's default store (sqlite:///mlflow.db where it ran).
     from mlflow.tracking import MlflowClient

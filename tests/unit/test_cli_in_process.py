@@ -44,3 +44,22 @@ def test_a_command_imports_its_own_module_only():
 
     assert imported("plan", "--help") == "['servetune.cli.plan']"
     assert imported("--help") == "['servetune.cli.plan', 'servetune.cli.run', 'servetune.trial.runner']"
+
+
+def test_run_parses_its_arguments_without_the_trial_stack_or_scipy():
+    """``servetune run``'s own module, which every ``run`` (and ``run --help``) loads before anything else, imports
+    neither the trial runner (through ``cli.estimate``, once) nor scipy's optimizer (only a fit of the estimate needs
+    it), nor torch."""
+    import subprocess
+    import sys
+
+    heavy = ("servetune.trial.runner", "servetune.cli.estimate", "scipy.optimize", "torch", "tensorboardX")
+    code = (
+        "import sys, contextlib, io\n"
+        "from servetune import cli\n"
+        "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+        "    cli.main(['run', '--help'])\n"
+        f"print(sorted(m for m in {heavy!r} if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stderr[-2000:]

@@ -14,8 +14,8 @@ from typing import Any
 from rich.table import Table
 
 from servetune.cli.display import console as make_console
-from servetune.cli.estimate import mean_lengths
 from servetune.config.space import SearchSpace
+from servetune.config.workload import mean_lengths
 from servetune.engine.args import load_argspecs
 from servetune.errors import UserError
 from servetune.report.params import config_label

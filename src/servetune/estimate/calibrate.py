@@ -38,7 +38,6 @@ from typing import Any
 
 import numpy as np
 import yaml
-from scipy.optimize import least_squares
 
 from servetune.capacity import ModelArch, load_catalog, plan_capacity, resolve_hardware
 from servetune.errors import UserError
@@ -337,6 +336,8 @@ def fit_efficiency(
 
     def residuals(x: np.ndarray) -> np.ndarray:
         return _residuals(points, efficiency(x), weights)
+
+    from scipy.optimize import least_squares  # here, not at import: scipy.optimize costs about a second of a core
 
     result = least_squares(
         residuals,

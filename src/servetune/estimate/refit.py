@@ -15,7 +15,6 @@ from collections.abc import Sequence
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
-from scipy.optimize import least_squares
 
 from servetune.estimate.calibrate import BOUNDS, FITTED, CalibrationPoint, predict
 from servetune.estimate.calibrate_cpu import CPU_BOUNDS
@@ -80,6 +79,8 @@ def refit(
             predicted, _ = predict(point, eff)
             out.extend(math.log(predicted[m] / v) for m, v in point.measured.items() if m in predicted)
         return np.concatenate([np.asarray(out), weight * (x - x_prior) / scale])
+
+    from scipy.optimize import least_squares  # here, not at import: scipy.optimize costs about a second of a core
 
     start = np.clip(x_prior, lo, hi)
     result = least_squares(residuals, start, bounds=(lo, hi), loss="linear", x_scale=scale, diff_step=1e-3)
