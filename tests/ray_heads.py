@@ -12,6 +12,7 @@ set, as in the README.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -42,6 +43,18 @@ info = JobSubmissionClient(sys.argv[1]).get_job_info(sys.argv[2])
 joined = info.driver_info is not None
 print(json.dumps({"status": info.status.value, "driver_joined": joined, "message": info.message}))
 """
+
+
+def skip_without_ray_serve_llm() -> None:
+    """Skip the calling test module where Ray Serve LLM (``ray[serve,llm]``, vLLM with it) is not installed, found
+    without importing it (``pytest.importorskip`` would): its import costs about 10 s of CPU (vLLM's), which a test
+    process that only reads what a driver of its own wrote does not need."""
+    try:
+        found = all(importlib.util.find_spec(name) for name in ("ray.serve.llm", "vllm"))
+    except ModuleNotFoundError:  # no Ray at all
+        found = False
+    if not found:
+        pytest.skip("Ray Serve LLM (ray[serve,llm]) is not installed", allow_module_level=True)
 
 
 def user_env(home: Path, **extra: str) -> dict[str, str]:

@@ -88,51 +88,43 @@ def test_a_point_is_pinned_fetched_and_placed_only_on_nodes_of_its_measured_gpu_
     assert out["placed"] == {"H100": [h100], "A100": [a100]}
 
 
-# What a fresh driver sees of Serve on the cluster: the Serve actors alive (controller, proxies, replicas) and the
-# applications; "shutdown" then shuts Serve down (the test's own, at the end).
+# What a driver sees of Serve on the cluster: the Serve actors alive (controller, proxies, replicas) and the
+# applications. One driver does what comes before the look where a step asks (each driver process costs an import of
+# Ray and a connection): "twice" joins and leaves twice first as verify does for the runner-up (leaving disconnects
+# the driver; it joins again), "theirs" starts someone else's Serve with an application of theirs first; "shutdown"
+# then shuts Serve down (the test's own, at the end).
 SERVE_LEFT = r"""
 import json, sys
 import ray
 from ray import serve
 from ray.util.state import list_actors
-ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+from servetune.engine.server import free_port
+from servetune.serve.cluster import ServeCluster
+
+address, step = sys.argv[1], sys.argv[2:]
+if step == ["twice"]:
+    for _ in range(2):
+        with ServeCluster(address, {}) as cluster:
+            print("nodes", len(cluster.nodes()), flush=True)
+ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+if step == ["theirs"]:
+
+    @serve.deployment(ray_actor_options={"num_cpus": 0})
+    class Theirs:
+        def __call__(self, request) -> str:
+            return "theirs"
+
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+    serve.run(Theirs.bind(), name="theirs", route_prefix="/theirs")
 try:
     # address named: left to find one, the state API refuses on a host with another Ray (a second test process's)
-    alive = list_actors(address=sys.argv[1], filters=[("state", "=", "ALIVE")], limit=1000)
+    alive = list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=1000)
     actors = sorted(a.class_name for a in alive if a.class_name.startswith(("Serve", "Proxy")))
     print(json.dumps({"actors": actors,
                       "apps": {name: str(app.status) for name, app in serve.status().applications.items()}}))
 finally:
-    if sys.argv[2:] == ["shutdown"]:
+    if step == ["shutdown"]:
         serve.shutdown()
-"""
-
-# Joined, left, and joined again (verify does for the runner-up): leaving disconnects this driver.
-TWICE = r"""
-import sys
-from servetune.serve.cluster import ServeCluster
-for _ in range(2):
-    with ServeCluster(sys.argv[1], {}) as cluster:
-        print("nodes", len(cluster.nodes()), flush=True)
-"""
-
-# Someone else's Serve on the cluster, with an application of theirs.
-THEIRS = r"""
-import sys
-import ray
-from ray import serve
-from servetune.engine.server import free_port
-ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
-
-
-@serve.deployment(ray_actor_options={"num_cpus": 0})
-class Theirs:
-    def __call__(self, request) -> str:
-        return "theirs"
-
-
-serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
-serve.run(Theirs.bind(), name="theirs", route_prefix="/theirs")
 """
 
 
@@ -163,12 +155,13 @@ def test_a_serve_check_refused_on_a_joined_cluster_leaves_no_serve_there_and_som
         assert done.returncode == 2, done.stderr[-3000:]
         return done.stderr.strip().splitlines()[-1]
 
-    def left() -> dict:
-        return last_json(driver(SERVE_LEFT).stdout)
+    def left(step: str | None = None) -> tuple[dict, list[str]]:
+        done = driver(SERVE_LEFT, *([step] if step else []))
+        return last_json(done.stdout), [line for line in done.stdout.splitlines() if line.startswith("nodes")]
 
     l4 = measured_on(tmp_path / "l4", str(tiny_model), "L4")
     h100 = measured_on(tmp_path / "h100", str(tiny_model), "H100-SXM")
-    # No Serve on the cluster: each refusal once joined leaves none.
+    # No Serve on the cluster: each refusal once joined leaves none (nor does a driver joining and leaving twice).
     assert serve_check(l4, "--replicas", "1") == (
         "servetune serve-check: error: trial t1 was measured on L4 GPUs (Ray accelerator_type L4); the Ray cluster at "
         f"{cluster.address} has GPUs of type A100, H100 only: nothing was deployed"
@@ -177,18 +170,16 @@ def test_a_serve_check_refused_on_a_joined_cluster_leaves_no_serve_there_and_som
         "servetune serve-check: error: --replicas 3: 3 replicas of 1 GPU (TP x PP x PCP) need 3 GPUs; the Ray cluster at "
         f"{cluster.address} (its H100 nodes) has 2: nothing was deployed"
     )
-    nothing = left()
+    nothing, joined = left("twice")
     assert nothing == {"actors": [], "apps": {}}, nothing
-    assert [line for line in driver(TWICE).stdout.splitlines() if line.startswith("nodes")] == ["nodes 3"] * 2
+    assert joined == ["nodes 3"] * 2
     # Someone's Serve and application: refused, even with --replace of an application of that name, both as they were.
-    driver(THEIRS)
-    before = left()
+    before, _ = left("theirs")
     assert list(before["apps"]) == ["theirs"] and before["apps"]["theirs"].endswith("RUNNING"), before
     assert "ServeController" in before["actors"], before
     try:
         serve_check(l4, "--replicas", "1", "--app-name", "theirs", "--replace")
         serve_check(h100, "--replicas", "3")
-        after = left()
     finally:
-        driver(SERVE_LEFT, "shutdown")
+        after, _ = left("shutdown")  # what is left, then the test's Serve shut down
     assert after == before

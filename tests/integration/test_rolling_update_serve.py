@@ -30,25 +30,25 @@ from servetune.config.slo import Slo
 from servetune.config.workload import Workload
 from servetune.load.runner import Level
 from servetune.metrics import RequestRecord
-from servetune.testing.serve_engine import ENGINE_ENV, START_S_ENV, STARTED
 from servetune.trial.context import StudyContext, resolve_levels
 from servetune.trial.runner import TrialSpec
 from servetune.verify.scenarios import Budget
 from tests.builders import space_from
+from tests.ray_heads import skip_without_ray_serve_llm
 
-pytest.importorskip("ray.serve.llm")
+skip_without_ray_serve_llm()  # imported by the driver only (this process reads what it wrote)
 
 ROOT = Path(__file__).parents[2]
 # Each fake engine's start: what a request that waited for a replica to start would have waited, at least; three
 # times the worst TTFT seen on a busy host (2.6 s, CI of stop 51, integration in two processes).
 START_S = 8.0
-SPACE = f"""\
+SPACE = """\
 hardware: {{devices_per_node: 2}}
 engine_args: {{max_model_len: 1024}}
 env:
-  RAYLLM_VLLM_ENGINE_CLS: "{ENGINE_ENV["RAYLLM_VLLM_ENGINE_CLS"]}"
+  RAYLLM_VLLM_ENGINE_CLS: "{engine_cls}"
   SERVETUNE_FAKE_ITL_MS: 5
-  {START_S_ENV}: {START_S}
+  {start_s_env}: {start_s}
 params:
   serve.num_replicas: [2]
   max_num_seqs: [4, 8]
@@ -66,7 +66,10 @@ RUNNER_UP_TTFT_S = 0.060
 
 def specs(root: Path, model: str) -> tuple[TrialSpec, TrialSpec]:
     """The verified point (max_num_seqs 4, the fake's TTFT 20 ms) and the runner-up (8, 60 ms), two replicas each."""
-    space = space_from(root, SPACE)
+    from servetune.testing.serve_engine import ENGINE_ENV, START_S_ENV  # Ray Serve LLM's: in the driver
+
+    space = space_from(root, SPACE.format(engine_cls=ENGINE_ENV["RAYLLM_VLLM_ENGINE_CLS"], start_s_env=START_S_ENV,
+                                          start_s=START_S))  # fmt: skip
     workload = space.resolved_workload(root)
     context = StudyContext(space, workload, root, model, resolve_levels(space, workload))
     winner = context.spec_for({"serve.num_replicas": 2, "max_num_seqs": 4, "env.SERVETUNE_FAKE_TTFT_MS": 20})
@@ -83,6 +86,7 @@ def roll(work: str, model: str) -> None:
     from servetune.serve.actors import wait_gone
     from servetune.serve.cluster import ServeCluster
     from servetune.serve.trial import ServeEngine, trial_needs
+    from servetune.testing.serve_engine import STARTED
     from servetune.verify.replica_lost import replica_lost
     from servetune.verify.rolling_update import new_configuration, rolling_update
     from servetune.verify.scenarios import Target
@@ -122,7 +126,9 @@ def roll(work: str, model: str) -> None:
         out["lost"] = {"passed": lost.passed, "reason": lost.reason, "numbers": lost.numbers,
                        "records": [dataclasses.asdict(r) for r in lost_records],
                        "replicas": cluster.engine_replicas(engine.name)}  # fmt: skip
-        out["log"] = engine.log_text()
+        # what each engine started with, in its own words in the replicas' log (the old replicas' lines kept)
+        out["started"] = [json.loads(line.split(STARTED, 1)[1]) for line in engine.log_text().splitlines()
+                          if STARTED in line]  # fmt: skip
     (root / "rolled.json").write_text(json.dumps(out, default=str))
 
 
@@ -158,7 +164,7 @@ def test_a_rolling_update_to_the_runner_up_leaves_only_replicas_of_its_configura
     assert all("ClaimCores" in str(c["callback_class"]) for c in before["configs"] + after["configs"])
     assert (n["replicas_after"], n["replicas_on_new"]) == (2, 2)
     # and in the engines' own words, in the replicas' log (the old replicas' lines kept)
-    started = [json.loads(line.split(STARTED, 1)[1]) for line in out["log"].splitlines() if STARTED in line]
+    started = out["started"]
     assert {s["max_num_seqs"] for s in started} == {4, 8}
     assert sum(s["max_num_seqs"] == 8 for s in started) >= 2
 
