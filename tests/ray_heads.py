@@ -215,6 +215,8 @@ class RayNode:
     temp_dir: Path
     num_cpus: int
     num_gpus: int
+    ip: str = "127.0.0.1"
+    proxy_port: int | None = None  # Serve's HTTP proxy on this node binds this port (RAY_SERVE_WORKER_PROXY_HTTP_PORT)
 
     def raylet(self) -> psutil.Process:
         """The node's raylet (a child of its ``ray start --block``)."""
@@ -265,18 +267,27 @@ def ray_cluster(
     workers: Sequence[tuple[int, int] | tuple[int, int, dict[str, float]]],
     head_cpus: int = 0,
     resources: dict[str, float] | None = None,
+    own_addresses: bool = False,
 ) -> Iterator[LocalCluster]:
     """A head (``head_cpus`` CPUs, no GPU: the driver's node, as in cluster/) and one worker node
     per (CPUs, GPUs) in ``workers``, each joined with ``ray start --address --block`` and declaring
     ``resources`` besides (e.g. the ``accelerator_type:H100`` Ray gives a GPU node), or a worker's own
     given as (CPUs, GPUs, resources) (nodes of two GPU types); yields once every node is up. Stopped node by
-    node, by process id."""
+    node, by process id.
+
+    ``own_addresses``: each worker is a host of its own as far as Ray and Serve can tell, on one machine: the i-th
+    at 127.0.0.(i+2) (all of 127/8 is loopback on Linux), its Serve HTTP proxy on a port of its own (Serve's proxies
+    bind ``http_options.host`` with SO_REUSEPORT, so on one host proxies sharing a port would share its connections:
+    ``RAY_SERVE_WORKER_PROXY_HTTP_PORT`` in the worker's environment moves its proxy to its own port)."""
     started: list[RayNode] = []
     with ray_head(env, num_cpus=head_cpus, num_gpus=0) as head:
         try:
             for worker in workers:
                 own = worker[2] if len(worker) == 3 else resources
-                started.append(_start_worker(head, env, worker[0], worker[1], own))
+                at = f"127.0.0.{len(started) + 2}" if own_addresses else "127.0.0.1"
+                started.append(
+                    _start_worker(head, env, worker[0], worker[1], own, at, free_port() if own_addresses else None)
+                )
             cluster = LocalCluster(head, started)
             deadline = time.monotonic() + START_TIMEOUT_S
             while len(cluster.nodes()) < 1 + len(workers):
@@ -295,11 +306,12 @@ def ray_cluster(
 
 
 def _start_worker(
-    head: RayHead, env: dict[str, str], num_cpus: int, num_gpus: int, resources: dict[str, float] | None = None
-) -> RayNode:
+    head: RayHead, env: dict[str, str], num_cpus: int, num_gpus: int, resources: dict[str, float] | None = None,
+    ip: str = "127.0.0.1", proxy_port: int | None = None,
+) -> RayNode:  # fmt: skip
     temp_dir = Path(tempfile.mkdtemp(prefix="st-rayw-", dir="/tmp"))
     argv = [
-        str(RAY), "start", "--address", head.gcs_address, "--block", "--node-ip-address", "127.0.0.1",
+        str(RAY), "start", "--address", head.gcs_address, "--block", "--node-ip-address", ip,
         "--num-cpus", str(num_cpus), "--num-gpus", str(num_gpus), "--temp-dir", str(temp_dir), "--disable-usage-stats",
         "--node-manager-port", str(free_port()), "--object-manager-port", str(free_port()),
         "--metrics-export-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
@@ -307,9 +319,11 @@ def _start_worker(
     ]  # fmt: skip
     if resources:
         argv += ["--resources", json.dumps(resources)]
+    if proxy_port is not None:
+        env = {**env, "RAY_SERVE_WORKER_PROXY_HTTP_PORT": str(proxy_port)}
     with open(temp_dir / "ray-start.log", "w") as log:
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    return RayNode(proc, temp_dir, num_cpus, num_gpus)
+    return RayNode(proc, temp_dir, num_cpus, num_gpus, ip, proxy_port)
 
 
 def trial_dirs_on(node_dir: Path) -> dict[str, Path]:

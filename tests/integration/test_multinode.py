@@ -71,8 +71,9 @@ def run_argv(space: Path, cluster: LocalCluster, storage: Path, fake: Path, *ext
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """A head and two worker nodes of 3 CPUs and 2 GPUs, for every test of the module (see above). The workers
     declare the GPU types Ray gives an H100 node and an A100 node, so a space's trials are pinned to their type
-    (hardware.gpu: H100-SXM, or each trial's own with ``params: {gpu: [...]}``)."""
-    with ray_cluster(user_env(tmp_path_factory.mktemp("home")),
+    (hardware.gpu: H100-SXM, or each trial's own with ``params: {gpu: [...]}``). Each worker has an address and a
+    Serve proxy port of its own (127.0.0.2 and 127.0.0.3: ray_heads.ray_cluster ``own_addresses``)."""
+    with ray_cluster(user_env(tmp_path_factory.mktemp("home")), own_addresses=True,
                      workers=[(3, 2, {"accelerator_type:H100": 1.0}), (3, 2, {"accelerator_type:A100": 1.0})]) as started:  # fmt: skip
         yield started
 
@@ -396,6 +397,55 @@ def test_where_ray_placed_a_serve_replicas_devices_is_read_back_into_the_ledger_
     assert sorted(stretched["bundles"]) == sorted(workers), state  # Ray put one bundle on each worker
     assert stretched["held"] == dict.fromkeys(workers, 1) and stretched["told"][-1] == stretched["held"], state
     assert state["after"] == {}, state  # given back on leaving
+
+
+PROXY_DRIVER = """
+import json, sys, urllib.request
+import ray
+from ray import serve
+from servetune.engine.server import free_port
+from servetune.serve.cluster import ServeCluster
+from servetune.serve.proxies import pick_proxy
+
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+serve.start(http_options={"host": "0.0.0.0", "port": free_port()})  # as servetune run starts Serve on a cluster
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0, "resources": {"accelerator_type:A100": 0.01}})
+class LLMServerStandIn:  # its replica on the A100 worker; it answers with its node's id
+    def __call__(self, request):
+        return ray.get_runtime_context().get_node_id()
+
+
+cluster = ServeCluster.attached()
+cluster.run_app("proxied", LLMServerStandIn.bind(), 120, route_prefix="/proxied")
+replicas, _ = cluster.replica_devices("proxied", 1)
+choice = pick_proxy(replicas, cluster.url, "/proxied")
+with urllib.request.urlopen(choice.url + "/proxied", timeout=30) as resp:
+    answered = resp.read().decode()
+cluster.delete("proxied")
+serve.shutdown()  # the module's cluster goes on without Serve's controller and proxies
+print(json.dumps({"replicas": replicas, "choice": choice.record(), "answered": answered, "head_url": cluster.url}))
+"""
+
+
+def test_a_serve_trials_client_sends_to_the_proxy_on_its_replicas_node(cluster):
+    """Serve runs a proxy on each node holding a replica; a Serve trial's client picks the one on its replica's node
+    (serve/proxies.py pick_proxy, as ServeEngine calls it), here the A100 worker at 127.0.0.3 on its own proxy port,
+    and that node's proxy is the one that served the request (its log, in the node's own temp dir, says so)."""
+    done = subprocess.run([sys.executable, "-c", PROXY_DRIVER, cluster.address], capture_output=True, text=True,
+                          env=cluster.head.env, timeout=180)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    state = driver_state(done.stdout)
+    a100 = cluster.workers[1]
+    node = cluster.node_id_of(a100)
+    assert state["replicas"] == {node: 1}, state
+    assert state["choice"] == {"serve_proxy_url": f"http://{a100.ip}:{a100.proxy_port}", "serve_proxy_node_id": node,
+                               "serve_proxy": "replica's node", "serve_proxy_why": "1 replica(s) there"}, state  # fmt: skip
+    assert a100.ip == "127.0.0.3" and state["head_url"] != state["choice"]["serve_proxy_url"]
+    assert state["answered"] == node
+    logs = [p.read_text() for p in a100.temp_dir.glob("session_2*/logs/serve/proxy_*.log")]
+    assert any("GET /proxied 200" in text for text in logs), logs
 
 
 def test_a_node_lost_under_a_trial_fails_that_trial_and_the_study_goes_on(tmp_path, tiny_model, cluster, fake_python):
