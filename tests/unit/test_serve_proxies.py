@@ -1,5 +1,7 @@
 """Which Serve proxy a Serve trial's client sends to (serve/proxies.py), from node and replica tables, without Ray."""
 
+import pytest
+
 from servetune.serve import proxies
 from servetune.serve.proxies import HEAD_FALLBACK, REPLICA_NODE, NodeProxy, choose_proxy, proxy_host
 
@@ -67,6 +69,7 @@ def test_picking_waits_for_the_replica_nodes_proxy_to_route_the_trial_then_falls
     RUNNING. The pick reads again until it does, and after the wait takes the head's, saying why."""
     monkeypatch.setattr(proxies, "read_proxies", lambda nodes: ({A: UP[A]}, "0.0.0.0", HEAD))
     monkeypatch.setattr("ray.util.get_node_ip_address", lambda: "10.0.0.1")
+    monkeypatch.setattr("ray.is_initialized", lambda: True)
     answers = iter(["http://10.0.0.2:8000/-/routes does not list /r yet", None])
     monkeypatch.setattr(proxies, "routes", lambda url, route: next(answers))
     assert proxies.pick_proxy({A: 1}, HEAD_URL, "/r", wait_s=60).url == "http://10.0.0.2:8000"
@@ -75,3 +78,12 @@ def test_picking_waits_for_the_replica_nodes_proxy_to_route_the_trial_then_falls
     assert (late.url, late.via, late.why) == (HEAD_URL, HEAD_FALLBACK,
                                               "no answer from http://10.0.0.2:8000/-/routes (refused)")  # fmt: skip
     assert proxies.pick_proxy({}, HEAD_URL, "/r").via == HEAD_FALLBACK  # nothing read where nothing is placed
+
+
+def test_without_ray_connected_nothing_is_read_and_the_heads_proxy_is_taken(monkeypatch):
+    """Serve's look-ups would start a plain local Ray of their own (and leave ~/.ray/auth_token behind): nothing is
+    read, and the head's proxy is the trial's, saying why."""
+    monkeypatch.setattr("ray.is_initialized", lambda: False)
+    monkeypatch.setattr(proxies, "read_proxies", lambda nodes: pytest.fail("read without Ray"))
+    choice = proxies.pick_proxy({A: 1}, HEAD_URL, "/r")
+    assert (choice.url, choice.via) == (HEAD_URL, HEAD_FALLBACK) and "not connected to Ray" in choice.why

@@ -184,6 +184,8 @@ def pick_proxy(
 
     if not replica_nodes:  # nothing to read: the head's
         return choose_proxy(replica_nodes, {}, "", head_url)
+    if not ray.is_initialized():  # no Ray to read from: Serve's look-ups would start a plain local one of their own
+        return ProxyChoice(head_url, "", HEAD_FALLBACK, "not connected to Ray: Serve's proxies were not read")
     here = ray.util.get_node_ip_address()
     deadline = time.monotonic() + wait_s
     while True:
