@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from servetune.report.points import level_label
+from servetune.report.points import in_table_order, level_label
 from servetune.results import TrialResult
 
 #: A column per ask an answer can lack (load/client.py ASK_N, ASK_LOGPROBS); any other ask by its own name.
@@ -46,9 +46,8 @@ class AskLevel:
 def ask_levels(trials: Sequence[TrialResult], order: Sequence[str] = ()) -> tuple[AskLevel, ...]:
     """Every level where an answer lacked an ask or a structured answer did not parse, trial by trial in
     ``order`` (trial ids: the trial table's, the recommended first), any trial not named after, as given."""
-    rank = {trial_id: index for index, trial_id in enumerate(order)}
     rows = []
-    for trial in sorted(trials, key=lambda t: rank.get(t.trial_id, len(rank))):
+    for trial in in_table_order(trials, order):
         for lv in trial.levels:
             s = lv.summary
             lacked = {ask: n for ask, n in (s.not_honoured or {}).items() if n}

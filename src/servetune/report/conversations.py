@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from servetune.report.points import ReportPoint, level_label, point_trial
+from servetune.report.points import ReportPoint, in_table_order, level_label, point_trial
 from servetune.results import TrialResult
 from servetune.summary import ConversationStats, LatencyStats, TurnStats
 
@@ -55,10 +55,9 @@ def conversation_tables(trials: Sequence[TrialResult], point: ReportPoint | None
 def every_conversation(trials: Sequence[TrialResult], order: Sequence[str] = ()) -> tuple[ConversationTable, ...]:
     """Every multi-turn level of every trial, trial by trial in ``order`` (trial ids: the trial table's, the
     recommended first), any trial not named after, as given."""
-    rank = {trial_id: index for index, trial_id in enumerate(order)}
     return tuple(
         ConversationTable(trial.trial_id, level_label(lv.summary.level), lv.summary.conversations)
-        for trial in sorted(trials, key=lambda t: rank.get(t.trial_id, len(rank)))
+        for trial in in_table_order(trials, order)
         for lv in trial.levels
         if lv.summary.conversations is not None
     )

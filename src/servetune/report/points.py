@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -264,6 +264,13 @@ def point_trial(trials: Iterable[TrialResult], point: ReportPoint | None) -> Tri
     if point is None:
         return None
     return next((t for t in trials if t.trial_id == point.trial_id), None)
+
+
+def in_table_order(trials: Iterable[TrialResult], order: Sequence[str]) -> list[TrialResult]:
+    """``trials`` in ``order`` (trial ids: the trial table's, the recommended first), any trial not named after, as
+    given."""
+    rank = {trial_id: index for index, trial_id in enumerate(order)}
+    return sorted(trials, key=lambda t: rank.get(t.trial_id, len(rank)))
 
 
 def quality_failures(trial: TrialResult) -> tuple[str, ...]:
