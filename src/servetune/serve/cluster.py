@@ -25,6 +25,7 @@ from servetune.errors import EngineStartError, UserError
 from servetune.local_ray import SERVE_SYSTEM_CONFIG, keeping_sigterm, start_local_ray
 from servetune.serve import actors
 from servetune.serve.plan import CLAIM_CORES_ENV
+from servetune.serve.proxies import is_wildcard
 from servetune.serve.routing import merge_counters, read_replica_counters, router_config
 from servetune.serve.versions import pin_ingress, pin_llm_servers
 
@@ -482,6 +483,6 @@ def _ingress_url(address: str | None) -> str:
     assert client is not None
     config = client.http_config  # Serve's HTTP options (host, port) as the controller has them
     host = config.host
-    if host in ("0.0.0.0", "", "::"):
+    if is_wildcard(host):
         host = address.split("://")[-1].rsplit(":", 1)[0] if address and address != "auto" else "127.0.0.1"
     return f"http://{host}:{config.port}"

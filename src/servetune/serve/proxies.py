@@ -9,7 +9,7 @@ Serve's ``http_options.host`` at ``http_options.port`` on its node, except that 
 node whose IP is loopback as well: every node on one host); one bound to another address only at that address.
 
 :func:`choose_proxy` is the rule, over plain tables (the replicas per node, each node's proxy) that
-``ServeCluster.proxy_for`` reads from Ray and Serve; where no proxy on a replica's node can be used, the head's
+:func:`read_proxies` reads from Ray and Serve; where no proxy on a replica's node can be used, the head's
 (the cluster's ingress URL) is, and the choice says why.
 """
 
@@ -51,7 +51,8 @@ class ProxyChoice:
                 "serve_proxy_why": self.why}  # fmt: skip
 
 
-def _is_wildcard(host: str) -> bool:
+def is_wildcard(host: str) -> bool:
+    """Whether Serve binding ``host`` listens on every address of its node."""
     return host in ("", "0.0.0.0", "::")
 
 
@@ -68,7 +69,7 @@ def proxy_host(bind_host: str, node_ip: str, here_ip: str = "") -> str | None:
     """The host a client on this machine (its Ray node at ``here_ip``) reaches a node's proxy at, the proxy bound to
     ``bind_host`` on the node at ``node_ip``; None where it cannot be reached from here (a loopback bind on a node of
     another machine, or a specific address that is not the node's)."""
-    if _is_wildcard(bind_host):
+    if is_wildcard(bind_host):
         return node_ip
     if _is_loopback(bind_host):
         return bind_host if _is_loopback(node_ip) or node_ip == here_ip else None
