@@ -18,13 +18,16 @@ Both print the knee table last (the issue's "knee within one ladder step"): per 
 ``MIN_LOADS`` loads, the estimate's knee against the measured one (estimate/knee.py says how a measured knee is
 read) and how many ladder steps apart they land. GPU: the public closed-loop and one-wave concurrency series
 (consecutive rows of one source, GPU, model and shape whose loads do not repeat). CPU: the capacity surface
-``bench/data/capacity-surface.json`` (six configurations, 1-64 clients about 10 % apart, three runs a load),
-held out of the CPU fit; the grids' three loads are too few.
+``bench/data/capacity-surface.json`` (six configurations, 1-64 clients about 10 % apart, three runs a load,
+the measured knee read off every run), held out of the CPU fit; the grids' three loads are too few.
 
-With ``--cpu`` it fits the CPU build's factors instead (issue 40, item 6) on the recorded surface
-``bench/data/cpu-tiny-grid-r3.json`` and holds out ``cpu-tiny-grid-r4.json`` (the same AMD EPYC
-host, another day, other request counts) and ``cpu-tiny-grid.json`` (an Intel host, bfloat16:
-how far the factors carry to a host whose rates were not given).
+With ``--cpu`` it fits the CPU build's factors instead (issue 40, item 6) on half of each of the recorded
+study surfaces ``bench/data/cpu-tiny-grid-r3.json`` and ``cpu-tiny-grid-r4.json`` (the same AMD EPYC host, two
+days, other request counts; every other point, ``calibrate_cpu.halves``) and scores the other halves; it holds
+out ``cpu-tiny-grid.json`` (an Intel host, bfloat16: how far the factors carry to a host whose rates were not
+given). The capacity surface is held out of that fit (its knee table), then fitted on half of its own runs
+and scored on the other half (its second knee table): how the model places the knee where its factors are
+that surface's own.
 """
 
 from __future__ import annotations
@@ -111,37 +114,70 @@ def _signed(points: list[calibrate.CalibrationPoint], metric: str) -> str:
 
 
 def cpu(write: bool, per_load: bool = False) -> None:
-    train = calibrate_cpu.read_surface(SURFACES / "cpu-tiny-grid-r3.json", held_out=False)
-    held = calibrate_cpu.read_surface(SURFACES / "cpu-tiny-grid-r4.json", held_out=True)
+    r3 = calibrate_cpu.halves(calibrate_cpu.read_surface(SURFACES / "cpu-tiny-grid-r3.json", held_out=False))
+    r4 = calibrate_cpu.halves(calibrate_cpu.read_surface(SURFACES / "cpu-tiny-grid-r4.json", held_out=False))
     other_host = calibrate_cpu.read_surface(SURFACES / "cpu-tiny-grid.json", held_out=True)
-    eff = calibrate_cpu.fit_cpu(train)
+    eff = calibrate_cpu.fit_cpu(p for p in r3 + r4 if not p.held_out)
     print(f"CPU factors (given rates {calibrate_cpu.RECORDED_HOST}): {eff.model_dump()}")
-    scored = Factors(per_gpu_class={"CPU": eff})
-    print(f"{'surface':<34} {'regime':<12} " + " ".join(f"{m + ' med / p90':<30}" for m in calibrate.METRICS))
-    for name, points in (
-        ("r3 (train, AMD)", train),
-        ("r4 (held-out, AMD)", held),
+    print("fitted on half of r3's and r4's points (every other one: calibrate_cpu.halves), scored on the other half")
+    surfaces = [
+        ("r3 (train half, AMD)", [p for p in r3 if not p.held_out]),
+        ("r3 (held-out half, AMD)", [p for p in r3 if p.held_out]),
+        ("r4 (train half, AMD)", [p for p in r4 if not p.held_out]),
+        ("r4 (held-out half, AMD)", [p for p in r4 if p.held_out]),
         ("grid (held-out, Intel bf16)", other_host),
-    ):
-        calibrate.score(points, scored)
-        for saturated in (False, True):
-            sel = [p for p in points if p.saturated == saturated]
-            regime = "saturated" if saturated else "below sat."
-            print(f"{name:<34} {regime:<12} " + " ".join(f"{_cell(sel, m):<30}" for m in calibrate.METRICS))
+    ]
+    _score_table(surfaces, eff)
     if per_load:
         print("\nsigned median of predicted / measured - 1, per closed-loop load (clients)")
         print(f"{'surface':<34} {'clients':<12} " + " ".join(f"{m:<30}" for m in calibrate.METRICS))
-        for name, points in (("r3 (train)", train), ("r4 (held-out)", held), ("grid (held-out, Intel)", other_host)):
+        for name, points in surfaces:
             for load in sorted({p.load for p in points}):
                 sel = [p for p in points if p.load == load]
                 print(f"{name:<34} {load:<12g} " + " ".join(f"{_signed(sel, m):<30}" for m in calibrate.METRICS))
     print()
-    knee_table(capacity_surface(SURFACES / "capacity-surface.json"), lambda _: eff)
+    configs = capacity_surface(SURFACES / "capacity-surface.json")
+    print("the capacity surface, held out of the fit above (servetune bench, no Ray: another way of running)")
+    knee_table(configs, lambda _: eff)
+    # The issue's split on the capacity surface itself: fit on half of its runs, score and place the knee with it.
+    split = [(name, calibrate_cpu.halves(points)) for name, points in configs]
+    own = calibrate_cpu.fit_cpu(p for _, points in split for p in points if not p.held_out)
+    print(f"\nthe capacity surface's own fit (half of its runs): {own.model_dump()}")
+    every = [p for _, points in split for p in points]
+    _score_table(
+        [
+            ("capacity surface (train half)", [p for p in every if not p.held_out]),
+            ("capacity surface (held-out half)", [p for p in every if p.held_out]),
+        ],
+        own,
+    )
+    knee_table(split, lambda _: own)
+    # The bound carried over: the study surfaces' host cost per token kept, the rest refitted on the same half.
+    train = [p for p in every if not p.held_out]
+    start = own.model_copy(update={"host_cpu_ms_per_token": eff.host_cpu_ms_per_token})
+    kept = calibrate.fit_efficiency(
+        train, start=start, bounds=calibrate_cpu.CPU_BOUNDS, extra=[("closed_loop_waves", 0.0, 1.0)]
+    )
+    print(f"\nthe same, the host's cost per token kept at the fit above's: {kept.model_dump()}")
+    _score_table([("capacity surface (held-out half)", [p for p in every if p.held_out])], kept)
+    knee_table(split, lambda _: kept)
     if write:
         shipped = load_factors()
         factors = shipped.model_copy(update={"per_gpu_class": {**shipped.per_gpu_class, "CPU": eff}})
         calibrate.write_factors(factors, FACTORS)
         print(f"\nwrote {FACTORS}")
+
+
+def _score_table(surfaces: Sequence[tuple[str, list[calibrate.CalibrationPoint]]], eff: Efficiency) -> None:
+    """Median / P90 error per surface, below and past saturation, of the CPU factors ``eff``."""
+    scored = Factors(per_gpu_class={"CPU": eff})
+    print(f"{'surface':<34} {'regime':<12} " + " ".join(f"{m + ' med / p90':<30}" for m in calibrate.METRICS))
+    for name, points in surfaces:
+        calibrate.score(points, scored)
+        for saturated in (False, True):
+            sel = [p for p in points if p.saturated == saturated]
+            regime = "saturated" if saturated else "below sat."
+            print(f"{name:<34} {regime:<12} " + " ".join(f"{_cell(sel, m):<30}" for m in calibrate.METRICS))
 
 
 # --- the knee within one ladder step ---------------------------------------------------------------------

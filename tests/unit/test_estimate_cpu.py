@@ -84,7 +84,7 @@ def test_factors_fitted_on_one_surface_predict_another_of_the_same_host(fits):
 
 
 def test_closed_loop_waves_put_the_prompts_in_ttft_not_in_every_step():
-    eff = load_factors().for_class("CPU")
+    eff = load_factors().for_class("CPU").model_copy(update={"host_cpu_ms_per_token": 0.0})  # the engine's own step
     spread, waves = eff.model_copy(update={"closed_loop_waves": 0.0}), eff.model_copy(update={"closed_loop_waves": 1.0})
     arch = arch_from_hf_config(TINY_CONFIG, name="tiny")
     args = {**ARGS, "max_num_seqs": 32}
@@ -107,7 +107,8 @@ def test_closed_loop_waves_put_the_prompts_in_ttft_not_in_every_step():
 
 
 def test_a_small_step_budget_moves_the_waves_prefill_from_ttft_into_tpot_without_shortening_the_request():
-    eff = load_factors().for_class("CPU").model_copy(update={"closed_loop_waves": 1.0})
+    # The engine's own steps: the host's cores would cap 32 sequences' TPOT alike whatever the budget.
+    eff = load_factors().for_class("CPU").model_copy(update={"closed_loop_waves": 1.0, "host_cpu_ms_per_token": 0.0})
     arch = arch_from_hf_config(TINY_CONFIG, name="tiny")
     args = {**ARGS, "max_num_seqs": 32}
     rep = replica_from_plan(arch, plan_capacity(arch, args, resolve_hardware("cpu"), env=ENV), args, cc.RECORDED_HOST)
@@ -189,3 +190,40 @@ def test_the_cpu_fit_keeps_the_cores_bound_only_where_it_fits_better(fits):
     with_bound, without = fits["waves"], cc.fit_cpu(train, host_cores=False)
     assert without.host_cpu_ms_per_token == 0.0
     assert cc.fit_cost(train, with_bound) <= cc.fit_cost(train, without)
+
+
+def test_a_batch_big_enough_is_core_bound_and_a_small_one_is_not():
+    from servetune.estimate.queueing import host_bound_tpot_s, steady
+
+    rep = _replica(32)
+    free = load_factors().for_class("CPU").model_copy(update={"host_cpu_ms_per_token": 0.0})
+    pace = {n: steady(rep, free, n, 128, 32, free.closed_loop_waves).tpot_s for n in (8, 16, 32)}
+    # A cost a token at which the cores just keep up with 16 sequences: 8 are below the bound, 32 above it.
+    cost_ms = pace[16] * 1e3 * rep.rates.cores / 16
+    capped = free.model_copy(update={"host_cpu_ms_per_token": cost_ms})
+    tpot = {n: steady(rep, capped, n, 128, 32, capped.closed_loop_waves).tpot_s for n in (8, 16, 32)}
+    assert host_bound_tpot_s(rep, capped, 8) < pace[8] and tpot[8] == pytest.approx(pace[8])
+    assert host_bound_tpot_s(rep, capped, 32) > pace[32]
+    assert tpot[32] == pytest.approx(32 * cost_ms / 1e3 / rep.rates.cores)  # the cores' pace, not the engine's
+    assert tpot[32] > pace[32] and tpot[16] == pytest.approx(pace[16])
+
+
+def test_the_shipped_cpu_factors_carry_the_cores_bound_and_no_gpu_class_does():
+    from servetune.estimate.queueing import host_bound_tpot_s
+
+    factors = load_factors()
+    assert factors.for_class("CPU").host_cpu_ms_per_token > 0
+    assert factors.default.host_cpu_ms_per_token == 0.0
+    assert all(eff.host_cpu_ms_per_token == 0.0 for cls, eff in factors.per_gpu_class.items() if cls != "CPU")
+    # A GPU's host counts no cores: no bound, whatever the factors.
+    gpu_host = _replica(32, cpu_rates(gflops=160.0, memory_gbps=20.0))
+    assert host_bound_tpot_s(gpu_host, factors.for_class("CPU"), 32) == 0.0
+
+
+def test_halves_hold_every_load_of_a_surface_on_both_sides():
+    points = cc.read_surface(SURFACES / "cpu-tiny-grid-r3.json", held_out=True)
+    split = cc.halves(points)
+    train, held = [p for p in split if not p.held_out], [p for p in split if p.held_out]
+    assert abs(len(train) - len(held)) <= 1 and len(train) + len(held) == len(points)
+    assert {p.load for p in train} == {p.load for p in held} == {p.load for p in points}
+    assert [p.row for p in split] == [p.row for p in points]  # the same points, only the flag set

@@ -12,6 +12,7 @@ dominate: the roofline terms are fractions of a millisecond.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -81,6 +82,13 @@ def trial_points(
             )
         )
     return points
+
+
+def halves(points: Iterable[CalibrationPoint]) -> list[CalibrationPoint]:
+    """One surface's points split in two for the held-out test (issue 40: fit on half of each surface, predict the
+    other half): every other point in the surface's order (trial, load, run) is held out, so both halves hold
+    every configuration and every load."""
+    return [dataclasses.replace(p, held_out=bool(i % 2)) for i, p in enumerate(points)]
 
 
 def fit_cpu(train: Iterable[CalibrationPoint], host_cores: bool = True) -> Efficiency:
