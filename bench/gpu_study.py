@@ -333,6 +333,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
         "utilization": utilization(reservations, args.gpus),
         "scaled": time_accounting(ran), "real": real,
         "compile_cache_hits": sum(r.startup_phases.get("compile_cache_hit", 0.0) > 0 for r in done),
+        "graphs": len({space.graph_key(p) for p in points}), "graph_steps": space.search.graph_steps,
         "trials": [{"trial_id": r.trial_id, "devices": r.devices, "outcome": r.outcome, "reason": r.reason,
                     "stopped_because": r.stopped_because, "levels_run": len(r.levels), "startup_s": r.startup_s,
                     "duration_s": r.duration_s, "params": dict(r.params), "best": best_of(r)} for r in done],
@@ -447,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"trials: {len(out['trials'])} of {out['trials_proposed']} ran, {len(failed)} FAILED, "
         f"{stopped} stopped their ladder early; wall {out['wall_s']:.0f} s; GPU-time utilization {out['utilization']:.0%}; "
-        f"compile cache hit in {out['compile_cache_hits']} of {len(out['trials'])} starts"
+        f"compile cache hit in {out['compile_cache_hits']} of {len(out['trials'])} starts "
+        f"({out['graphs']} distinct graphs among {out['trials_proposed']} points; graph_steps {out['graph_steps']})"
     )
     print(
         f"as run (scale {out['scale']}): {scaled['device_seconds'] / 60:.1f} GPU-min, {scaled['measuring_share']:.0%} measuring, "

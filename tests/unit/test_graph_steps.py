@@ -42,6 +42,15 @@ def test_the_graph_key_holds_the_batch_limits_but_not_the_memory_fraction_or_pre
     assert graph_key(args) != graph_key({**args, "tensor_parallel_size": 2})
 
 
+def test_a_points_graph_key_holds_its_checkpoint_and_fixed_engine_arguments():
+    s = SearchSpace.model_validate({**SPACE, "engine_args": {"dtype": "bfloat16"}, "params": {"model": ["a", "b"]}})
+    assert ("model", repr("a")) in s.graph_key({"model": "a"}) and ("dtype", repr("bfloat16")) in s.graph_key(
+        {"model": "a"}
+    )
+    assert s.graph_key({"model": "a"}) != s.graph_key({"model": "b"})
+    assert ("model", repr("tiny")) in space(False).graph_key({"max_num_seqs": 16})  # the space's own model
+
+
 def test_graph_args_agree_with_the_installed_vllms_own_hashes():
     """What config/graphs.py read in vLLM 0.32's source, asked of the installed vLLM: the scheduler's hash holds
     both batch limits (not chunked prefill), the cache's holds the KV dtype and block size (not the memory
@@ -84,7 +93,7 @@ def test_a_random_search_with_graph_steps_shares_graphs_and_one_without_does_not
     def graphs_and_draws(s: SearchSpace) -> tuple[int, set]:
         study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0))
         draws = [study.ask(distributions(s)).params for _ in range(40)]
-        return len({graph_key(d) for d in draws}), {d["max_num_seqs"] for d in draws}
+        return len({s.graph_key(d) for d in draws}), {d["max_num_seqs"] for d in draws}
 
     graphs_on, seqs_on = graphs_and_draws(space(True))
     graphs_off, seqs_off = graphs_and_draws(space(False))

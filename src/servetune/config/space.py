@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 from servetune.capacity.prices import Price, PriceList, Pricing, price_table
 from servetune.config import speculative
 from servetune.config.constraints import evaluate_constraint, parse_constraint
-from servetune.config.graphs import GRAPH_ARGS
+from servetune.config.graphs import GRAPH_ARGS, graph_key
 from servetune.config.quality import QualitySpec
 from servetune.config.settings import Hardware, LoadProtocol, Search, SloSpec
 from servetune.config.slo import Slo
@@ -323,6 +323,10 @@ class SearchSpace(BaseModel):
         if spec is not None:
             engine["speculative_config"] = spec
         return engine, env
+
+    def graph_key(self, params: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+        """The compile-cache key of a point's engine (config/graphs.py): points with equal keys share a compiled graph."""
+        return graph_key({**self.engine_params(params)[0], MODEL_PARAM: params.get(MODEL_PARAM, self.model)})
 
     def speculative_methods(self) -> list[str]:
         """The speculative decoding methods the space's trials may run (``none`` included where listed)."""
