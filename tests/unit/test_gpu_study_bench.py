@@ -92,6 +92,15 @@ def test_the_triton_what_if_saves_only_on_trials_whose_kernels_an_earlier_trial_
     assert bench.triton_what_if(out, bench.COMPILE_COLD_S) == pytest.approx(0.6)  # no faster: as run
 
 
+def test_the_hits_a_run_needs_for_the_target_are_the_start_up_time_that_must_go_over_what_a_hit_saves(bench):
+    trials = [{"devices": 1}, {"devices": 2}]  # 1.5 devices a trial: a hit saves 33 s x 1.5
+    out = {"real": {"gpu_minutes": 100.0, "measuring_share": 0.63}, "trials": trials}
+    needed = bench.hits_for_target(out, 0.70)
+    saved = needed * (bench.COMPILE_COLD_S - bench.COMPILE_HIT_S) * 1.5
+    assert 0.63 * 6000.0 / (6000.0 - saved) == pytest.approx(0.70)  # that many hits reach the target exactly
+    assert bench.hits_for_target({**out, "real": {"gpu_minutes": 100.0, "measuring_share": 0.71}}, 0.70) == 0.0
+
+
 def test_with_twin_each_point_is_paced_by_the_estimate_for_its_own_configuration(bench, tmp_path):
     from types import SimpleNamespace
 

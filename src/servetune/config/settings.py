@@ -137,6 +137,10 @@ class Search(BaseModel):
     baseline: bool = True  # run vLLM's defaults (only the fixed engine arguments) too: first, or in packing order
     verify: VerifyTop | None = None  # verify the best points once the trials are done
     estimate: SearchEstimate = SearchEstimate()  # prune by the estimate, seed Bayesian search with it
+    # Draw each integer range of an argument in vLLM's compile-cache key (max_num_seqs, max_num_batched_tokens,
+    # max_model_len...: config/graphs.py) at the grid's values, powers of two for a log range, so that trials
+    # share compiled graphs through their node's compile cache instead of each compiling its own.
+    graph_steps: bool = False
 
     @model_validator(mode="after")
     def _objectives(self) -> Search:

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_val
 from servetune.capacity.prices import Price, PriceList, Pricing, price_table
 from servetune.config import speculative
 from servetune.config.constraints import evaluate_constraint, parse_constraint
+from servetune.config.graphs import GRAPH_ARGS, graph_key
 from servetune.config.quality import QualitySpec
 from servetune.config.settings import Hardware, LoadProtocol, Search, SloSpec
 from servetune.config.slo import Slo
@@ -163,6 +164,40 @@ class SearchSpace(BaseModel):
     search: Search = Search()
     quality: QualitySpec | None = None  # the quality probe each trial runs (config/quality.py)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _graph_steps(cls, data: Any) -> Any:
+        """With ``search.graph_steps``, each integer range of a graph argument becomes the list of its grid values
+        (config/graphs.py), so every searcher draws those values only."""
+        if not isinstance(data, Mapping):
+            return data
+        search, params = data.get("search"), data.get("params")
+        try:
+            steps = (search if isinstance(search, Search) else Search.model_validate(search or {})).graph_steps
+        except ValueError:
+            return data  # the search field's own validation says what is wrong
+        if not steps or not isinstance(params, Mapping):
+            return data
+        stepped: dict[str, Any] = {}
+        for name, values in params.items():
+            if name in GRAPH_ARGS and isinstance(values, Mapping | Range):
+                try:
+                    spec = values if isinstance(values, Range) else Range.model_validate(values)
+                except ValueError:
+                    stepped[name] = values  # the params field's own validation says what is wrong
+                    continue
+                try:
+                    if not spec.is_int:
+                        raise ValueError
+                    values = spec.grid_values()
+                except ValueError:
+                    raise ValueError(
+                        f"params.{name}: search.graph_steps draws it at whole-number steps: give its range log: true "
+                        "(powers of two) or a whole-number step"
+                    ) from None
+            stepped[name] = values
+        return {**data, "params": stepped}
+
     @field_validator("params")
     @classmethod
     def _non_empty(cls, params: dict[str, ParamValues]) -> dict[str, ParamValues]:
@@ -288,6 +323,10 @@ class SearchSpace(BaseModel):
         if spec is not None:
             engine["speculative_config"] = spec
         return engine, env
+
+    def graph_key(self, params: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+        """The compile-cache key of a point's engine (config/graphs.py): points with equal keys share a compiled graph."""
+        return graph_key({**self.engine_params(params)[0], MODEL_PARAM: params.get(MODEL_PARAM, self.model)})
 
     def speculative_methods(self) -> list[str]:
         """The speculative decoding methods the space's trials may run (``none`` included where listed)."""

@@ -2,11 +2,13 @@
 
 On a GPU, ``torch.compile`` is a large part of an engine's start (tens of seconds), and vLLM
 caches what it compiled under ``VLLM_CACHE_ROOT`` (default ``~/.cache/vllm``), keyed by a hash of
-everything that shapes the compiled graph: the model, dtype, quantization, KV-cache dtype, block
-size, parallel sizes, ``max_num_seqs`` and ``max_num_batched_tokens`` (vLLM's
-``VllmConfig.compute_hash``; the last two through the compilation config, as its CUDA-graph capture
-sizes and compile ranges: the scheduler config's own hash is empty), but not ``gpu_memory_utilization``, the KV-cache size or prefix
-caching. A later trial on the same node whose graph is the same loads it instead of compiling.
+everything that shapes the compiled graph: the model, dtype, quantization, ``max_model_len``, KV-cache
+dtype, block size, parallel sizes, ``max_num_seqs`` and ``max_num_batched_tokens`` (the scheduler
+config's own hash holds both: vLLM 0.32's ``vllm/config/scheduler.py:277-281``), but not
+``gpu_memory_utilization``, the KV-cache size, prefix caching or chunked prefill. Which engine arguments,
+and where vLLM hashes each: config/graphs.py (``GRAPH_ARGS``; ``search.graph_steps`` draws their ranges at
+fewer values so that trials share graphs). A later trial on the same node whose graph is the same loads it
+instead of compiling.
 
 Sharing is safe where the writers are on one machine: PyTorch 2.10 and later (vLLM pins newer)
 writes its artifacts atomically. It is not safe where engines on several nodes write one directory

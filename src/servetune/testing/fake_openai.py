@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 
+from servetune.config.graphs import GRAPH_ARGS
+
 if TYPE_CHECKING:  # the twin reads the estimate: imported only when a fake is paced by it
     from servetune.testing.twin import Twin
 
@@ -231,14 +233,10 @@ class FakeOpenAI:
             self.slots.release()
 
 
-#: vLLM's engine arguments that shape the compiled graph (its ``VllmConfig.compute_hash``); the
-#: rest (memory fraction, KV-cache size, prefix caching, the port) do not, so engines that differ
-#: only in those share one compiled graph.
-GRAPH_ARGS = (
-    "--model", "--dtype", "--quantization", "--kv-cache-dtype", "--block-size", "--max-model-len",
-    "--tensor-parallel-size", "--pipeline-parallel-size", "--data-parallel-size", "--max-num-seqs",
-    "--max-num-batched-tokens", "--enforce-eager",
-)  # fmt: skip
+#: vLLM's engine arguments that shape the compiled graph, as flags (config/graphs.py: where vLLM hashes each); the
+#: rest (memory fraction, KV-cache size, prefix caching, the port) do not, so engines that differ only in those
+#: share one compiled graph.
+GRAPH_FLAGS = tuple("--" + name.replace("_", "-") for name in GRAPH_ARGS)
 
 
 def compile_key(argv: list[str]) -> str:
@@ -246,7 +244,7 @@ def compile_key(argv: list[str]) -> str:
     picked = []
     for i, arg in enumerate(argv):
         name, _, value = arg.partition("=")
-        if name in GRAPH_ARGS:
+        if name in GRAPH_FLAGS:
             if not value and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
                 value = argv[i + 1]
             picked.append((name, value))
