@@ -88,8 +88,10 @@ def test_the_key_holds_the_library_versions_and_the_code(tmp_path: Path, monkeyp
         monkeypatch.setattr(
             importlib.metadata, "version", lambda name, lib=library: "0.0.1" if name == lib else real(name)
         )
+        hfcache._library_versions.cache_clear()  # asked once per process
         assert hfcache.config_key(TINY_CONFIG, {}, code) != key, library
     monkeypatch.setattr(importlib.metadata, "version", real)
+    hfcache._library_versions.cache_clear()
     assert hfcache.config_key(TINY_CONFIG, {"vocab_size": 1}, code) != key
     assert hfcache.config_key(TINY_CONFIG, {"bad": object()}, code) is None  # nothing to key on: not cached
 
