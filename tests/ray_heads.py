@@ -12,6 +12,7 @@ set, as in the README.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import importlib.util
 import json
 import os
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -109,7 +111,8 @@ START_TRIES = 2  # Ray's client server gives up if the raylet has not registered
 
 @contextmanager
 def ray_head(env: dict[str, str], num_cpus: int = 2, num_gpus: int = 2) -> Iterator[RayHead]:
-    """``ray start --head --block`` from a shell with ``env``; answers ``ray job list`` before it yields.
+    """``ray start --head --block`` from a shell with ``env``; lists its jobs (as ``ray job list`` would) before it
+    yields.
 
     A ``ray start`` that exits while starting is started once more (fresh ports and temp dir): on a
     busy two-core host Ray's client server can time out waiting for its own raylet and take the
@@ -148,35 +151,52 @@ def _start_head(env: dict[str, str], num_cpus: int, num_gpus: int) -> tuple[subp
 
 
 def _wait_for_head(proc: subprocess.Popen, head: RayHead) -> str | None:
-    """None once the head answers ``ray job list``; the tail of its log if ``ray start`` exited first."""
+    """None once the head's job server lists its jobs (``GET /api/jobs/``, what ``ray job list`` asks: asked here
+    over HTTP, not by a ``ray`` process that imports Ray for each poll); the tail of its log if ``ray start``
+    exited first."""
     deadline = time.monotonic() + START_TIMEOUT_S
-    # Asked with the head's token, whatever the shell sends: this only waits for the head.
-    asking = {**head.env, "RAY_AUTH_MODE": "token"} if head_uses_token(head.env) else head.env
-    while (
-        listed := head.ray("job", "list", "--address", head.dashboard_url, "--log-style", "record", env=asking)
-    ).returncode:
+    while (answer := _list_jobs(head)) is not None:
         if proc.poll() is not None:
             return (head.temp_dir / "ray-start.log").read_text()[-3000:]
         if time.monotonic() > deadline:
-            pytest.fail(f"no answer from {head.dashboard_url} in {START_TIMEOUT_S} s: {listed.stderr[-1000:]}")
-        time.sleep(1)
+            pytest.fail(f"no answer from {head.dashboard_url} in {START_TIMEOUT_S} s: {answer}")
+        time.sleep(0.5)
     return None
+
+
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the head is on 127.0.0.1: no HTTP proxy
+
+
+def _list_jobs(head: RayHead) -> str | None:
+    """None when the head's job server answers its job list; else why not. Asked with the head's token where the
+    shell has one (as ``ray job list`` sends it: ``Authorization: Bearer``), whatever its mode: this only waits."""
+    headers: dict[str, str] = {}
+    if token := _auth_token(head.env):
+        headers["Authorization"] = f"Bearer {token}"
+    request = urllib.request.Request(f"{head.dashboard_url}/api/jobs/", headers=headers)
+    try:
+        with _DIRECT.open(request, timeout=10) as response:
+            json.load(response)  # a list of jobs: the job server, not a page of another
+    except (OSError, ValueError, http.client.HTTPException) as exc:  # refused, reset, timed out, an HTTP error
+        return str(exc)
+    return None
+
+
+def _auth_token(env: dict[str, str]) -> str | None:
+    """The token Ray's clients would send from a shell with ``env`` (Ray 2.60: ``RAY_AUTH_TOKEN``, the file at
+    ``RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``)."""
+    if env.get("RAY_AUTH_TOKEN"):
+        return env["RAY_AUTH_TOKEN"].strip()
+    path = Path(env.get("RAY_AUTH_TOKEN_PATH") or Path(env["HOME"]) / ".ray" / "auth_token")
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
 
 
 def _stop_head(proc: subprocess.Popen, head: RayHead) -> None:
     stop_process_tree(proc, str(head.temp_dir))
     shutil.rmtree(head.temp_dir, ignore_errors=True)
-
-
-def head_uses_token(env: dict[str, str]) -> bool:
-    """Whether ``ray start --head`` from ``env`` enables token authentication (Ray 2.60's rule)."""
-    mode = env.get("RAY_AUTH_MODE")
-    if mode is not None:
-        return mode.lower() == "token"
-    return (
-        bool(env.get("RAY_AUTH_TOKEN") or env.get("RAY_AUTH_TOKEN_PATH"))
-        or (Path(env["HOME"]) / ".ray" / "auth_token").exists()
-    )
 
 
 def stop_process_tree(proc: subprocess.Popen, marker: str) -> None:

@@ -8,10 +8,12 @@ families of ``hfhybrid.py``. Only architecture numbers are read; never weights.
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
+from servetune.capacity import hfcache
 from servetune.capacity.hfhybrid import _hybrid_layers
 from servetune.capacity.model import MambaMixer, ModelArch, VisionEncoder, WeightQuant
 from servetune.capacity.schema import NotPlanned
@@ -135,6 +137,7 @@ def _library_config(config: dict[str, Any], source: str, overrides: dict[str, An
     ``AutoConfig.for_model`` only builds the class transformers ships for ``model_type`` (offline,
     no remote code). A ``model_type`` transformers does not know is read as the file states it.
     A multimodal config yields its decoder's ``text_config``, with the vision tower kept aside.
+    A config read before is read from ``hfcache`` without transformers (keyed on all the answer depends on).
     """
     model_type = config.get("model_type")
     overrides = overrides or {}
@@ -142,6 +145,18 @@ def _library_config(config: dict[str, Any], source: str, overrides: dict[str, An
         model_type = overrides["model_type"]  # vLLM reads the overridden model_type before building the config
     if not isinstance(model_type, str) or not model_type:
         return _raw_overridden(config, overrides)
+    key = hfcache.config_key(config, overrides, Path(__file__))
+    cached = hfcache.read_config(key)
+    if cached is not None:
+        return cached
+    merged = _transformers_config(config, source, model_type, overrides)
+    hfcache.write_config(key, merged)
+    return merged
+
+
+def _transformers_config(
+    config: dict[str, Any], source: str, model_type: str, overrides: dict[str, Any]
+) -> dict[str, Any]:
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig  # slow import: only when a config is read
     from transformers.utils import logging as hf_logging
@@ -165,6 +180,7 @@ def _library_config(config: dict[str, Any], source: str, overrides: dict[str, An
         apply_hf_overrides(library, overrides)
     text = library.get_text_config(decoder=True)
     merged = text.to_dict()
+    merged.pop("id2label", None)  # a classifier's labels, keyed by int (JSON would make them str): nothing reads it
     if not merged.get("layer_types") and not merged.get("layers_block_type"):
         block_types = getattr(text, "layers_block_type", None)  # Jamba: a property over attn_layer_period/offset
         if isinstance(block_types, (list, tuple)):
