@@ -69,19 +69,9 @@ from pathlib import Path
 from servetune.config.space import ENV_PREFIX
 from servetune.errors import UserError
 from servetune.report.study import load_study
-from servetune.study.replay import (
-    ALGORITHMS,
-    TARGETS,
-    Efficiency,
-    Surface,
-    early_stopping_effect,
-    efficiencies,
-    estimate_seeds_for,
-    key,
-    reaching,
-    score,
-    score_noise,
-)
+from servetune.study.replay import ALGORITHMS, estimate_seeds_for
+from servetune.study.replay_cost import TARGETS, Efficiency, early_stopping_effect, efficiencies, reaching, score_noise
+from servetune.study.surface import Surface, key, score
 
 TARGET_SHARE = 0.25
 #: Issue 40's target for a sequential search (one trial in flight); TARGET_SHARE stands for 4 in flight.

@@ -35,7 +35,7 @@ from servetune.load.runner import Level
 from servetune.metrics import RequestRecord
 from servetune.results import LevelResult, TrialResult
 from servetune.space_file import load_space
-from servetune.study.replay import Surface, score
+from servetune.study.surface import Surface, score
 from servetune.summary import summarize
 from servetune.testing.twin import Twin, TwinConfig
 from servetune.trial.capacity import CapacitySearch

@@ -8,7 +8,7 @@ from servetune.config.space import SearchSpace
 from servetune.results import RESULT_FILE
 from servetune.study.driver import finished_results
 from servetune.study.mirror import ResultMirror
-from servetune.study.replay import Surface
+from servetune.study.surface import Surface
 from servetune.study.tuner import run_tuner
 from servetune.trial.context import StudyContext, resolve_levels
 from servetune.trial.estimated import estimate_levels

@@ -272,8 +272,8 @@ def test_on_the_cpu_build_the_study_prunes_only_once_it_measured_the_estimates_e
 def test_the_pruning_replay_accounts_every_recorded_minute_and_says_when_the_best_was_lost(tiny_model):
     from pathlib import Path
 
-    from servetune.study.replay import Surface, score
     from servetune.study.replay_prune import pruning_effect
+    from servetune.study.surface import Surface, score
 
     surface = Surface.load(Path(__file__).resolve().parents[2] / "bench" / "data" / "cpu-tiny-grid-r4.json")
     total = sum((r.duration_s or 0) * r.devices / 60 for r in surface.results.values())

@@ -8,19 +8,9 @@ import yaml
 from servetune.config.space import SearchSpace
 from servetune.errors import UserError
 from servetune.results import LevelRun, best_level
-from servetune.study.replay import (
-    ALGORITHMS,
-    Surface,
-    efficiencies,
-    efficiency,
-    in_flight_order,
-    key,
-    reaching,
-    replay,
-    score,
-    score_noise,
-    trials_to_reach,
-)
+from servetune.study.replay import ALGORITHMS, in_flight_order, replay
+from servetune.study.replay_cost import efficiencies, efficiency, reaching, score_noise, trials_to_reach
+from servetune.study.surface import Surface, key, score
 from tests.builders import level, trial
 
 SPACE = {

@@ -3,7 +3,9 @@
 import pytest
 
 from servetune.config.space import SearchSpace
-from servetune.study.replay import Surface, early_stopping_effect, key, replay_trials
+from servetune.study.replay import replay_trials
+from servetune.study.replay_cost import early_stopping_effect
+from servetune.study.surface import Surface, key
 from tests.builders import level, trial
 
 SPACE = {

@@ -12,7 +12,9 @@ from servetune.config.space import SearchSpace
 from servetune.config.workload import mean_lengths
 from servetune.results import best_level
 from servetune.study.forecast import estimated_objective, forecast
-from servetune.study.replay import Surface, efficiency, estimate_seeds_for, key, replay_trials
+from servetune.study.replay import estimate_seeds_for, replay_trials
+from servetune.study.replay_cost import efficiency
+from servetune.study.surface import Surface, key
 from servetune.trial.context import StudyContext, resolve_levels
 from tests.builders import bench_script, level, trial
 

@@ -460,7 +460,7 @@ def test_a_serve_check_stopped_before_anything_finished_writes_nothing(served_st
 
 
 def test_what_stopped_a_serve_check_is_named_as_verify_names_it():
-    from servetune.cli.serve_check import stopped_reason
+    from servetune.cli.serve_check_run import stopped_reason
     from servetune.errors import EngineDiedError
 
     assert (

@@ -133,7 +133,7 @@ def test_the_stream_batching_interval_is_its_own_trial_deployed_and_exported_at_
 
 
 def test_serve_check_deploys_at_the_stream_batching_interval_asked(tmp_path):
-    from servetune.cli.serve_check import with_stream_batching
+    from servetune.cli.serve_check_run import with_stream_batching
     from servetune.serve.plan import llm_config
     from servetune.serve.study import read_picked
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from servetune.study.replay import Surface, score
+from servetune.study.surface import Surface, score
 from servetune.testing.twin import Twin, TwinConfig
 from tests.builders import bench_script
 

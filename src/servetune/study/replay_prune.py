@@ -25,7 +25,8 @@ from servetune.config.workload import mean_lengths
 from servetune.study.early_stop import FinishedPoints
 from servetune.study.forecast import LevelForecast, forecast
 from servetune.study.prune import error_margins, judge_prune, prune_reason, shipped_error, study_errors
-from servetune.study.replay import Surface, planned_levels, score
+from servetune.study.replay import planned_levels
+from servetune.study.surface import Surface, score
 from servetune.trial.context import StudyContext
 from servetune.trial.estimated import estimate_levels
 
