@@ -43,7 +43,9 @@ def test_a_lock_directory_that_cannot_be_used_leaves_the_binding_as_without_free
 
     monkeypatch.setattr(cores, "lock_dir", unusable)
     monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: {0, 1})
-    assert cores.claim_now(1) == (None, []) and cores.claim_now(2) == ("0|1", [])
+    one, two = cores.claim_now(1), cores.claim_now(2)
+    assert (one.binding, one.held, two.binding, two.held) == (None, [], "0|1", [])
+    assert one.unclaimed == two.unclaimed == "core locks unusable (/tmp/servetune-cpu-cores: another user's)"
 
 
 def test_an_engine_that_cannot_be_launched_lets_its_cores_go(tmp_path, monkeypatch):
@@ -67,12 +69,46 @@ def test_a_process_with_a_lock_directory_of_its_own_claims_apart_from_the_host_s
     monkeypatch.setattr(cores.tempfile, "gettempdir", lambda: str(host))
     monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: {0})
     monkeypatch.delenv(cores.LOCK_DIR_ENV, raising=False)
-    _, held_by_the_host = cores.claim_now(1)  # another process holds the host's only core
+    held_by_the_host = cores.claim_now(1).held  # another process holds the host's only core
     assert held_by_the_host
     assert cores.claim_now(1)[1] == []
     monkeypatch.setenv(cores.LOCK_DIR_ENV, str(own))
-    binding, held = cores.claim_now(1)
+    binding, held, _ = cores.claim_now(1)
     assert (binding, len(held)) == ("0", 1)
     assert (own / "core-0.lock").exists()
     for handle in held_by_the_host + held:
         handle.close()
+
+
+def test_an_engine_that_finds_no_free_core_says_why_and_its_trial_records_it(tmp_path, monkeypatch):
+    """On a shared host other engines may hold every core: the engine starts unbound (vLLM binds it) and the trial
+    records why beside where a binding would be, so a reader can tell it from an engine servetune failed to bind."""
+    import sys
+
+    from servetune.engine.server import VllmServer
+    from servetune.trial.runner import cores_record
+
+    monkeypatch.setattr(cores, "lock_dir", lambda: tmp_path)
+    monkeypatch.setattr(cores.os, "sched_getaffinity", lambda pid: {0})
+    monkeypatch.delenv(cores.BIND, raising=False)
+
+    def started() -> VllmServer:
+        server = VllmServer("m", {}, {}, log_path=tmp_path / "engine.log", cpu_ranks=1)
+        monkeypatch.setattr(server, "launch_argv", lambda: [sys.executable, "-c", "pass"])
+        server.start()
+        return server
+
+    first = started()  # core 0 free: claimed and bound, nothing to explain
+    assert cores_record(first) == {"cpu_binding": "0"} and first.cpu_unclaimed is None
+    crowded = started()  # core 0 held by the first engine
+    record = cores_record(crowded)
+    assert "cpu_binding" not in record and cores.BIND not in crowded.env
+    assert record["cpu_unclaimed"].startswith("no 1 of the 1 cores free") and str(tmp_path) in record["cpu_unclaimed"]
+    assert record["cpu_unclaimed"].endswith("vLLM binds it itself")
+    two = cores.claim_now(2)  # several ranks without a claim share the first cores, as export binds them
+    assert (two.binding, two.held) == ("0", []) and two.unclaimed.endswith("bound to shared cores 0")
+    first.stop()
+    crowded.stop()
+    again = started()  # the first engine let core 0 go
+    assert cores_record(again) == {"cpu_binding": "0"}
+    again.stop()

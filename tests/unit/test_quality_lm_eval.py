@@ -2,6 +2,7 @@
 section and its checks, lm-eval's command line, reading its results JSON, and the timeout."""
 
 import json
+import sys
 import time
 
 import pytest
@@ -145,12 +146,30 @@ def test_an_unknown_task_is_named_before_any_engine_starts(tmp_path, monkeypatch
 def test_the_command_points_local_completions_at_the_trial_server(tmp_path):
     plan = LmEvalPlan(tasks=["mine", "other"], include_path="/tasks", limit=5, num_fewshot=0)
     argv = lm_eval_argv(plan, "http://127.0.0.1:8123", "served", "/models/tiny", tmp_path, 512, 4, python="/py")
-    assert argv[:7] == ["/py", "-m", "lm_eval", "run", "--model", "local-completions", "--model_args"]
+    assert argv[:2] == ["/py", "-c"] and argv[3:7] == ["run", "--model", "local-completions", "--model_args"]
+    assert argv[2].rstrip().endswith("cli_evaluate()")  # lm-eval's own CLI, after OWN_TASKS_ONLY
     args = dict(kv.split("=", 1) for kv in argv[7].split(","))
     assert args["base_url"] == "http://127.0.0.1:8123/v1/completions" and args["model"] == "served"
     assert args["tokenizer"] == "/models/tiny" and args["tokenized_requests"] == "False" and args["max_length"] == "512"
     assert argv[argv.index("--tasks") + 1] == "mine,other" and argv[argv.index("--include_path") + 1] == "/tasks"
     assert argv[argv.index("--limit") + 1] == "5" and argv[argv.index("--num_fewshot") + 1] == "0"
+
+
+def test_tasks_all_in_the_include_path_leave_lm_eval_s_own_index_out(tmp_path, monkeypatch):
+    pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    from servetune.quality.lm_eval import OWN_TASKS_ONLY
+
+    folder = task_folder(tmp_path, "mine")
+    monkeypatch.setattr(TaskManager, "__init__", TaskManager.__init__)  # undone after the test
+    original = TaskManager.__init__
+    monkeypatch.setattr(sys, "argv", ["-c", "run", "--tasks", "mine,hellaswag", "--include_path", str(folder)])
+    exec(OWN_TASKS_ONLY, {})
+    assert TaskManager.__init__ is original  # a task of lm-eval's own: its index is needed
+    monkeypatch.setattr(sys, "argv", ["-c", "run", "--tasks", "mine", "--include_path", str(folder)])
+    exec(OWN_TASKS_ONLY, {})
+    assert TaskManager(include_path=str(folder)).all_tasks == ["mine"]  # as lm-eval's CLI builds it: no default task
 
 
 def test_each_task_scores_its_primary_metric():

@@ -22,7 +22,7 @@ import fcntl
 import os
 import tempfile
 from pathlib import Path
-from typing import IO
+from typing import IO, NamedTuple
 
 BIND = "VLLM_CPU_OMP_THREADS_BIND"
 #: A lock directory of one's own, for processes that share a host but not its cores' accounting (two test
@@ -96,12 +96,28 @@ def binding(ranks: int, claimed: list[int], allowed: list[int]) -> str | None:
     return "|".join(map(str, physical_first(allowed)[:ranks])) if ranks > 1 else None
 
 
-def claim_now(ranks: int) -> tuple[str | None, list[IO[str]]]:
-    """The binding of a bare engine about to start, and the locks its starter holds until the engine is gone.
-    No wait: the study's scheduler (Ray) gives a trial its cores only once the trial before it let them go."""
+class Claim(NamedTuple):
+    """What a bare engine about to start got: its binding, the locks its starter holds until the engine is gone, and
+    why it claimed no cores of its own (None when it did): the trial records it beside its binding."""
+
+    binding: str | None
+    held: list[IO[str]]
+    unclaimed: str | None = None
+
+
+def claim_now(ranks: int) -> Claim:
+    """The binding of a bare engine about to start (:class:`Claim`). No wait: the study's scheduler (Ray) gives a
+    trial its cores only once the trial before it let them go; other processes' engines on the host may hold them."""
     allowed = sorted(os.sched_getaffinity(0))
     try:
-        claimed, held = claim(ranks, allowed, lock_dir())
-    except OSError:  # the lock directory cannot be used: as without free cores
-        claimed, held = [], []
-    return binding(ranks, claimed, allowed), held
+        directory = lock_dir()
+        claimed, held = claim(ranks, allowed, directory)
+    except OSError as exc:  # the lock directory cannot be used: as without free cores
+        return Claim(binding(ranks, [], allowed), [], f"core locks unusable ({exc})")
+    if claimed:
+        return Claim(binding(ranks, claimed, allowed), held)
+    bind = binding(ranks, [], allowed)
+    left = f"bound to shared cores {bind}" if bind else "vLLM binds it itself"
+    return Claim(
+        bind, [], f"no {ranks} of the {len(allowed)} cores free: other engines hold their locks in {directory}; {left}"
+    )

@@ -178,6 +178,7 @@ class VllmServer:
         self.process: subprocess.Popen | None = None
         self.startup_s: float | None = None
         self._core_locks: list[IO[str]] = []  # the cores this engine claimed, held until it is gone
+        self.cpu_unclaimed: str | None = None  # why it claimed no cores of its own (engine/cores.py's Claim)
         self.ipc_dir: Path | None = None  # the engine's own VLLM_RPC_BASE_PATH, removed with it
 
     @property
@@ -226,7 +227,7 @@ class VllmServer:
             self.port = free_port(self.host)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         if self.cpu_ranks and {**os.environ, **self.env}.get(BIND, "auto") == "auto":  # a bind the user set is kept
-            bind, self._core_locks = claim_now(self.cpu_ranks)
+            bind, self._core_locks, self.cpu_unclaimed = claim_now(self.cpu_ranks)
             if bind is not None:
                 self.env[BIND] = bind
         inherited = child_env()  # the reaper (servetune) must import this servetune, wherever it runs

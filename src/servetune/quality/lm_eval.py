@@ -35,6 +35,27 @@ OFFLINE_ENV = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_
 #: it would hang the trial for good (as the engine's stop, engine/server.py).
 KILL_WAIT_S = 10.0
 _FINGERPRINTED = (".yaml", ".yml", ".jsonl", ".json", ".py", ".txt")
+#: Run before lm-eval's CLI (``python -c``, so the trial's node needs lm-eval, not this servetune): where every task
+#: asked for is in ``--include_path``, lm-eval's index of its own thousands of task files is left out (about ten
+#: core-seconds a trial on a CPU host), as :func:`check` leaves it out on the driver.
+OWN_TASKS_ONLY = """
+import sys
+from lm_eval.tasks import TaskManager
+
+def _arg(flag):
+    return sys.argv[sys.argv.index(flag) + 1] if flag in sys.argv[:-1] else None
+
+_include, _tasks = _arg("--include_path"), (_arg("--tasks") or "").split(",")
+if _include and set(_tasks) <= set(TaskManager(include_path=_include, include_defaults=False).all_tasks):
+    _init = TaskManager.__init__
+
+    def _own_only(self, *args, **kwargs):
+        kwargs.setdefault("include_defaults", False)
+        _init(self, *args, **kwargs)
+
+    TaskManager.__init__ = _own_only
+"""
+LAUNCH = OWN_TASKS_ONLY + "from lm_eval.__main__ import cli_evaluate\ncli_evaluate()\n"
 
 
 class LmEvalPlan(BaseModel):
@@ -110,7 +131,7 @@ def _fingerprint(include: Path | None) -> str:
 
 def lm_eval_argv(plan: LmEvalPlan, url: str, model: str, tokenizer: str, out_dir: Path, max_length: int | None,
                  concurrency: int, python: str | None = None) -> list[str]:  # fmt: skip
-    """``python -m lm_eval run`` against the server at ``url`` (an argument list: no shell)."""
+    """``python -m lm_eval run`` against the server at ``url`` (an argument list: no shell), through :data:`LAUNCH`."""
     model_args = {
         "base_url": url.rstrip("/") + "/v1/completions", "model": model, "tokenizer": tokenizer,
         "tokenizer_backend": "huggingface", "tokenized_requests": "False", "num_concurrent": str(concurrency),
@@ -118,7 +139,7 @@ def lm_eval_argv(plan: LmEvalPlan, url: str, model: str, tokenizer: str, out_dir
     }  # fmt: skip
     if max_length:
         model_args["max_length"] = str(max_length)
-    argv = [python or sys.executable, "-m", "lm_eval", "run", "--model", "local-completions",
+    argv = [python or sys.executable, "-c", LAUNCH, "run", "--model", "local-completions",
             "--model_args", ",".join(f"{k}={v}" for k, v in model_args.items()), "--tasks", ",".join(plan.tasks),
             "--output_path", str(out_dir), "--log_samples", "--seed", "0"]  # fmt: skip
     if plan.include_path:

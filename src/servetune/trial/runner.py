@@ -224,13 +224,21 @@ def _start_and_measure(engine: EngineFactory, spec: TrialSpec, result: TrialResu
             time.sleep(failure.retry_after_s)
 
 
+def cores_record(server: object) -> dict[str, str]:
+    """On the CPU build, the cores the engine's ranks ran on (``cpu_binding``, engine/cores.py), and, where it
+    claimed none of its own (other engines on the host held them), why (``cpu_unclaimed``)."""
+    record = {
+        "cpu_binding": getattr(server, "cpu_binding", None),
+        "cpu_unclaimed": getattr(server, "cpu_unclaimed", None),
+    }
+    return {key: value for key, value in record.items() if value}
+
+
 def _measure(server: Engine, spec: TrialSpec, result: TrialResult, report: Report, prompts: PromptFactory,
              trial_dir: Path, stop_rule: StopRule | None = None) -> None:  # fmt: skip
     with server:
         result.startup_s = server.startup_s
-        binding = getattr(server, "cpu_binding", None)
-        if binding:  # the cores its ranks ran on (engine/cores.py)
-            result.environment["cpu_binding"] = binding
+        result.environment.update(cores_record(server))
         # A Serve trial's proxy: the one its client sends to, and why (serve/proxies.py).
         result.environment.update(getattr(server, "proxy_record", None) or {})
         result.startup_phases = startup_phases(_read(trial_dir / ENGINE_LOG), server.startup_s)
