@@ -20,6 +20,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from servetune.cache_files import cache_root, write_kept
+
 #: How many resolved configs the cache keeps (the most recently used); each is a few kB.
 KEPT_CONFIGS = 256
 #: The layout of a cached file; part of the key, so a new layout never reads an old file.
@@ -28,8 +30,7 @@ LIBRARIES = ("transformers", "huggingface_hub")
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "servetune" / "hf-configs"
+    return cache_root() / "hf-configs"
 
 
 def config_key(config: dict[str, Any], overrides: dict[str, Any], code: Path) -> str | None:
@@ -84,21 +85,4 @@ def write_config(key: str | None, resolved: dict[str, Any]) -> None:
             return
     except (TypeError, ValueError):
         return
-    folder = cache_dir()
-    path = folder / f"{key}.json"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(text)
-        tmp.replace(path)
-    except OSError:
-        return
-    used: list[tuple[float, Path]] = []
-    for old in folder.glob("*.json"):
-        with contextlib.suppress(OSError):  # another process removed it
-            used.append((old.stat().st_mtime, old))
-    used.sort(reverse=True)
-    for _, old in used[KEPT_CONFIGS:]:
-        if old != path:
-            with contextlib.suppress(OSError):
-                old.unlink()
+    write_kept(cache_dir() / f"{key}.json", text, "*.json", KEPT_CONFIGS)

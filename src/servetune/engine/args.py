@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from servetune.cache_files import cache_root, write_kept
 from servetune.errors import UserError
 
 #: Arguments servetune sets itself for every launch.
@@ -127,11 +128,6 @@ def parse_key_values(items: list[str] | None, flag: str) -> dict[str, Any]:
             raise UserError(f"{flag} '{item}' is not KEY=VALUE")
         out[key.strip()] = value
     return out
-
-
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "servetune"
 
 
 def cpu_build(version: str | None) -> bool:
@@ -299,7 +295,7 @@ def cached_argspecs(version: str) -> dict[str, ArgSpec] | None:
 
 
 def _table_path(version: str) -> Path:
-    return _cache_dir() / f"vllm-args-{re.sub(r'[^A-Za-z0-9.+=_-]', '_', version)}.json"
+    return cache_root() / f"vllm-args-{re.sub(r'[^A-Za-z0-9.+=_-]', '_', version)}.json"
 
 
 def _specs(raw: dict) -> dict[str, ArgSpec]:
@@ -311,23 +307,8 @@ def _specs(raw: dict) -> dict[str, ArgSpec]:
 
 
 def _write_table(cache: Path, raw: dict) -> None:
-    """Write ``cache`` (atomically), then remove all but the :data:`KEPT_ARG_TABLES` most recently used."""
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(raw))
-        tmp.replace(cache)
-    except OSError:
-        return
-    used: list[tuple[float, Path]] = []
-    for path in cache.parent.glob("vllm-args-*.json"):
-        with contextlib.suppress(OSError):  # another process removed it
-            used.append((path.stat().st_mtime, path))
-    used.sort(reverse=True)
-    for _, path in used[KEPT_ARG_TABLES:]:
-        if path != cache:
-            with contextlib.suppress(OSError):
-                path.unlink()
+    """Write ``cache``, keeping the :data:`KEPT_ARG_TABLES` most recently used tables."""
+    write_kept(cache, json.dumps(raw), "vllm-args-*.json", KEPT_ARG_TABLES)
 
 
 def _dump_argspecs(python: str) -> dict | None:
