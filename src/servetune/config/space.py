@@ -23,6 +23,7 @@ suites by :func:`servetune.space_file.load_space`.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -130,6 +131,17 @@ class Range(BaseModel):
         return [int(v) if self.is_int else round(v, 10) for v in values]
 
 
+def _whole_steps(name: str, spec: Range) -> list[float | int]:
+    """A graph argument's range as ``search.graph_steps`` draws it: its grid's whole-number values."""
+    if spec.is_int:
+        with contextlib.suppress(ValueError):  # a wide range with neither a step nor log: said below
+            return spec.grid_values()
+    raise ValueError(
+        f"params.{name}: search.graph_steps draws it at whole-number steps: give its range log: true "
+        "(powers of two) or a whole-number step"
+    )
+
+
 ParamValues = Annotated[
     Annotated[list[Any], Tag("values")] | Annotated[Range, Tag("range")],
     Discriminator(lambda v: "values" if isinstance(v, list) else "range"),
@@ -186,15 +198,7 @@ class SearchSpace(BaseModel):
                 except ValueError:
                     stepped[name] = values  # the params field's own validation says what is wrong
                     continue
-                try:
-                    if not spec.is_int:
-                        raise ValueError
-                    values = spec.grid_values()
-                except ValueError:
-                    raise ValueError(
-                        f"params.{name}: search.graph_steps draws it at whole-number steps: give its range log: true "
-                        "(powers of two) or a whole-number step"
-                    ) from None
+                values = _whole_steps(name, spec)
             stepped[name] = values
         return {**data, "params": stepped}
 
