@@ -67,8 +67,10 @@ unit: setup
 
 # The study on the embedded default: the tiny model on vLLM's CPU build, TPE over batching,
 # chunked prefill, prefix caching, KV space and DP (search_spaces/cpu-tiny.yaml); it ends in
-# the report. Re-running continues the same study (--resume); `make clean` resets it.
+# the report. Re-running continues the same study (--resume); `make clean` resets it. Byte-code first, as for
+# `make test`: every Ray worker and engine of the study imports servetune.
 demo: setup
+	$(PY) -m compileall -q src
 	$(PY) -m servetune run search_spaces/cpu-tiny.yaml --storage $(DEMO)/studies --resume
 
 bench: setup
