@@ -24,10 +24,10 @@ from servetune.engine.server import free_port
 from servetune.errors import EngineStartError, UserError
 from servetune.local_ray import SERVE_SYSTEM_CONFIG, keeping_sigterm, start_local_ray
 from servetune.serve import actors
+from servetune.serve.builder import run_openai_app, send_app, start_builder
 from servetune.serve.plan import CLAIM_CORES_ENV
 from servetune.serve.proxies import is_wildcard
-from servetune.serve.routing import merge_counters, read_replica_counters, router_config
-from servetune.serve.versions import pin_ingress, pin_llm_servers
+from servetune.serve.routing import merge_counters, read_replica_counters
 
 #: Seconds between two reads of a deploying application's status: its ready time (``ready_s``, a trial's ``startup_s``)
 #: is known to this much, and a wait for it ends at most this late (Serve's controller answers each read at once).
@@ -57,6 +57,7 @@ class ServeCluster:
         self.serving = False  # Serve started (or found running) by :meth:`open_serve`
         self.started_serve = False  # no Serve controller was running: :meth:`open_serve` started one
         self.url = ""
+        self.in_study = False  # a study's trial on its driver's cluster: its builder builds (serve/builder.py)
         self._env_before: str | None = None
 
     def __enter__(self) -> ServeCluster:
@@ -109,7 +110,7 @@ class ServeCluster:
         import ray
 
         cluster = cls(ray.get_runtime_context().gcs_address, {})
-        cluster.serving = True
+        cluster.serving, cluster.in_study = True, True
         cluster.url = _ingress_url(cluster.address)
         return cluster
 
@@ -172,30 +173,34 @@ class ServeCluster:
         a new ingress routes with a new one): deployed again with the same router, or a :meth:`redeploy` that moves
         only the LLM deployment, keeps the ingress replica. ``on_poll`` is called while the deployment's status is read (at most
         every ``ON_POLL_S``) and once it is up: where its replicas went can be read while their engines start."""
-        app = _openai_app(llm_config, keep_ingress, engine_version)
-        return self.run_app(name, app, timeout_s, route_prefix, on_poll)
+        return self.run_app(name, None, timeout_s, route_prefix, on_poll,
+                            send=lambda: self._send_openai_app(name, llm_config, keep_ingress, engine_version,
+                                                               route_prefix))  # fmt: skip
 
     def redeploy(self, name: str, llm_config: Mapping[str, Any], route_prefix: str = "/",
                  keep_ingress: bool = False) -> None:  # fmt: skip
         """Deploy the LLM application ``name`` again with ``llm_config`` through Serve's own update path
-        (:meth:`redeploy_app`), its LLM deployment unpinned: a new version, which Serve rolls out over the running
+        (as :meth:`redeploy_app`), its LLM deployment unpinned: a new version, which Serve rolls out over the running
         replicas while they serve. ``keep_ingress`` (the application deployed with it too): the ingress keeps its
         version where what it is built from did not change, so Serve keeps its replica and it routes throughout;
         else Serve replaces the single ingress replica too, stopping it before it starts the new one
         (``max_surge_percent`` 0), and requests wait at the proxy meanwhile."""
-        self.redeploy_app(name, _openai_app(llm_config, keep_ingress), route_prefix)
+        self.open_serve()
+        self._send_openai_app(name, llm_config, keep_ingress, None, route_prefix)
+
+    def _send_openai_app(self, name: str, llm_config: Mapping[str, Any], keep_ingress: bool,
+                         engine_version: str | None, route_prefix: str) -> float:  # fmt: skip
+        """Build the LLM application and give it to Serve, not waiting: in a study's trial, by the study's builder
+        (serve/builder.py: the trial's process need not import Ray Serve LLM and vLLM to build it). The seconds
+        Serve took to take it."""
+        return run_openai_app(name, llm_config, keep_ingress, engine_version, route_prefix, attached=self.in_study)
 
     def redeploy_app(self, name: str, app: Any, route_prefix: str = "/") -> None:
         """``serve.run`` the application ``app`` under the name of one running, and return once Serve's controller
         holds the new target (the application DEPLOYING), not waiting for the rollout: :meth:`rolled_out` says when
         it is done."""
-        from ray import serve
-        from ray.serve.api import RunTarget
-
         self.open_serve()
-        serve.run_many(
-            [RunTarget(target=app, name=name, route_prefix=route_prefix)], wait_for_applications_running=False
-        )
+        send_app(name, app, route_prefix)
 
     def rolled_out(self, name: str, old: Collection[str], deployment_prefix: str = "LLMServer") -> bool:
         """Whether a rollout of ``name`` is done: the application RUNNING, every deployment HEALTHY (Serve says
@@ -296,20 +301,20 @@ class ServeCluster:
         return found
 
     def run_app(
-        self, name: str, app: Any, timeout_s: float, route_prefix: str = "/", on_poll: Callable[[], None] | None = None
-    ) -> float:
+        self, name: str, app: Any, timeout_s: float, route_prefix: str = "/", on_poll: Callable[[], None] | None = None,
+        send: Callable[[], float] | None = None,
+    ) -> float:  # fmt: skip
         """``serve.run`` one application at ``route_prefix`` and wait for every deployment to be HEALTHY. One that
         fails (or is not up within ``timeout_s``) is deleted and raised as :class:`EngineStartError`
-        with Serve's message and the tail of its replicas' logs."""
+        with Serve's message and the tail of its replicas' logs. ``send`` gives Serve the application in place of
+        ``app`` (:meth:`deploy`: built where it is cheapest) and returns the seconds Serve took to take it: the time
+        returned runs from when Serve was given the application, wherever and however long it was built before."""
         from ray import serve
-        from ray.serve.api import RunTarget
 
         self.open_serve()
-        start = time.monotonic()
         # run_many can return before the application is up (serve.run waits, with no time limit).
-        serve.run_many(
-            [RunTarget(target=app, name=name, route_prefix=route_prefix)], wait_for_applications_running=False
-        )
+        sent_s = send() if send is not None else send_app(name, app, route_prefix)
+        start = time.monotonic() - sent_s
         try:
             time.sleep(1.0)  # let the controller take the new target before its status is read
             polled = float("-inf")
@@ -422,11 +427,13 @@ class ServeCluster:
 def start_serve(local: bool) -> None:
     """Serve on the connected cluster, once, before a study's trials deploy through it: its HTTP proxy on
     127.0.0.1 at a free port for a local cluster; on a cluster, on every address of the head (trials
-    on other nodes reach it there). Serve already running keeps its options."""
+    on other nodes reach it there). Serve already running keeps its options. Beside it, the study's builder of its
+    trials' applications, the driver's until it exits (serve/builder.py)."""
     from ray import serve
 
     _quiet_serve_logs()
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()} if local else {"host": "0.0.0.0"})
+    start_builder()  # the trials' applications built in one process, not each in its own (serve/builder.py)
 
 
 def _quiet_serve_logs() -> None:
@@ -451,19 +458,6 @@ def _llm_handles(name: str, deployment_prefix: str) -> list[Any]:
                 handle._init(_run_router_in_separate_loop=True)
             handles.append(handle)
     return handles
-
-
-def _openai_app(llm_config: Mapping[str, Any], keep_ingress: bool, engine_version: str | None = None) -> Any:
-    """Ray Serve LLM's OpenAI application of one ``llm_config`` (``build_openai_app``): its LLM deployment pinned to
-    ``engine_version`` where given, its ingress to what it is built from where ``keep_ingress`` (serve/versions.py)."""
-    from ray.serve.llm import build_openai_app
-
-    app = build_openai_app({"llm_configs": [dict(llm_config)]})
-    if engine_version is not None:
-        pin_llm_servers(app, engine_version)
-    if keep_ingress:  # routed as the LLM deployment is: a new router needs a new ingress (versions.pin_ingress)
-        pin_ingress(app, router_config(llm_config))
-    return app
 
 
 def _status_message(app: Any) -> str:

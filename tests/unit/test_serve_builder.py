@@ -1,0 +1,174 @@
+"""serve/builder.py: a study's trial hands its application to the study's builder actor (which imported Ray Serve LLM
+once) rather than importing Ray Serve LLM and vLLM in its own fresh worker to build it; where none runs, or it died,
+the trial builds it itself. The builder is named after the driver's job and held by the driver until it exits. Ray's
+calls are replaced; tests/e2e/test_serve_trials_vllm_cpu.py runs it for real."""
+
+import subprocess
+import sys
+import types
+
+import pytest
+
+pytest.importorskip("ray.serve")
+
+from servetune.serve import builder
+from servetune.serve.cluster import ServeCluster
+
+JOB = "02000000"
+
+
+class FakeBuilder:
+    def __init__(self, calls, dead=False):
+        self.calls, self.dead = calls, dead
+        self.run = self
+
+    def remote(self, *args):
+        if self.dead:
+            from ray.exceptions import ActorDiedError
+
+            raise ActorDiedError()
+        self.calls.append(("builder", *args))
+        return 0.25  # the seconds Serve took, as the builder's send_app says
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """What was built where: ('builder', ...) by the study's builder, ('here', ...) in this process."""
+    calls: list[tuple] = []
+    monkeypatch.setattr(builder, "openai_app", lambda config, keep, version: ("app", config["name"], keep, version))
+
+    def send_here(name, app, prefix):
+        calls.append(("here", name, app, prefix))
+        return 0.5
+
+    monkeypatch.setattr(builder, "send_app", send_here)
+    monkeypatch.setattr("ray.get", lambda ref: ref)
+    monkeypatch.setattr("ray.get_runtime_context", lambda: types.SimpleNamespace(get_job_id=lambda: JOB))
+    return calls
+
+
+def test_a_trial_on_a_study_cluster_hands_its_application_to_its_driver_s_builder(monkeypatch, recorded):
+    def get_actor(name):
+        if name != builder.BUILDER_PREFIX + JOB:  # the builder of this process's job (its study's driver), no other
+            raise ValueError(f"Failed to look up actor with name '{name}'")
+        return FakeBuilder(recorded)
+
+    monkeypatch.setattr("ray.get_actor", get_actor)
+    sent_s = builder.run_openai_app("servetune-s-1", {"name": "c"}, True, "v1", "/servetune-s-1", attached=True)
+    assert recorded == [("builder", "servetune-s-1", {"name": "c"}, True, "v1", "/servetune-s-1")]
+    assert sent_s == 0.25  # what Serve took to take it, as the builder timed it
+
+
+@pytest.mark.parametrize("builder_state", ["none", "dead"])
+def test_without_a_live_builder_the_trial_builds_it_itself(monkeypatch, recorded, builder_state, caplog):
+    def get_actor(name):
+        if builder_state == "none":
+            raise ValueError(f"Failed to look up actor with name '{name}'")
+        return FakeBuilder(recorded, dead=True)
+
+    monkeypatch.setattr("ray.get_actor", get_actor)
+    assert builder.run_openai_app("servetune-s-1", {"name": "c"}, False, None, "/x", attached=True) == 0.5
+    assert recorded == [("here", "servetune-s-1", ("app", "c", False, None), "/x")]
+    # a builder that died is said; none at all is a driver without one (nothing to say)
+    assert ("builder is gone" in caplog.text) == (builder_state == "dead"), caplog.text
+
+
+def test_a_build_that_fails_in_the_builder_fails_the_trial_and_is_not_built_again(monkeypatch, recorded):
+    class Refused(Exception):
+        pass
+
+    def refused(ref):
+        raise Refused("engine_kwargs: no such argument")
+
+    monkeypatch.setattr("ray.get_actor", lambda name: FakeBuilder(recorded))
+    monkeypatch.setattr("ray.get", refused)
+    with pytest.raises(Refused):
+        builder.run_openai_app("servetune-s-1", {"name": "c"}, False, None, "/x", attached=True)
+    assert [call[0] for call in recorded] == ["builder"]
+
+
+def test_a_driver_of_its_own_builds_here_and_looks_for_no_builder(monkeypatch, recorded):
+    """serve-check and verify's own Ray: their driver builds (it imports Ray Serve LLM once either way)."""
+    monkeypatch.setattr("ray.get_actor", lambda name: pytest.fail("looked for a builder"))
+    builder.run_openai_app("check", {"name": "c"}, True, "v", "/", attached=False)
+    assert recorded == [("here", "check", ("app", "c", True, "v"), "/")]
+
+
+def test_the_builder_is_the_driver_s_named_after_its_job_and_held_until_it_exits(monkeypatch):
+    """Not detached (Ray stops it with its driver), named after the job (trials find it, no other study's driver
+    does), its handle held (Ray stops a named actor no handle refers to) and stopped at exit."""
+    import ray
+
+    started, exits, killed = [], [], []
+
+    class Remote:
+        def options(self, **options):
+            started.append(options)
+            return types.SimpleNamespace(remote=lambda: "handle")
+
+    monkeypatch.setattr(ray, "remote", lambda **options: lambda cls: started.append((cls, options)) or Remote())
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: types.SimpleNamespace(get_job_id=lambda: JOB))
+    monkeypatch.setattr(builder.atexit, "register", lambda fn, *args: exits.append((fn, args)))
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "kill", killed.append)
+    assert builder.start_builder() == "handle"
+    (cls, remote_options), options = started
+    assert cls is builder.AppBuilder and remote_options["num_cpus"] == 0 and remote_options["max_restarts"] == 0
+    assert options["name"] == builder.BUILDER_PREFIX + JOB and options.get("lifetime") in (None, "non_detached")
+    assert exits == [(builder.stop_builder, ("handle",))]
+    fn, args = exits[0]
+    fn(*args)
+    assert killed == ["handle"]
+
+
+def test_an_attached_cluster_deploys_through_the_builder_and_a_driver_cluster_does_not(monkeypatch):
+    import ray
+    import ray.serve
+
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: types.SimpleNamespace(gcs_address="127.0.0.1:6379"))
+    monkeypatch.setattr("servetune.serve.cluster._ingress_url", lambda address: "http://127.0.0.1:8000")
+    seen = []
+    monkeypatch.setattr("servetune.serve.cluster.run_openai_app", lambda *args, attached: seen.append(attached) or 0.0)
+    monkeypatch.setattr("servetune.serve.cluster.time.sleep", lambda s: None)
+    up = types.SimpleNamespace(status="RUNNING", deployments={})
+    monkeypatch.setattr(ray.serve, "status", lambda: types.SimpleNamespace(applications={"t": up}))
+    attached = ServeCluster.attached()
+    attached.deploy("t", {"model": "m"}, timeout_s=5)
+    attached.redeploy("t", {"model": "m"})
+    own = ServeCluster(None, {"CPU": 1})
+    own.serving = True
+    own.deploy("t", {"model": "m"}, timeout_s=5)
+    assert seen == [True, True, False]
+
+
+def test_a_deploy_s_clock_starts_when_serve_is_given_the_application_not_when_it_was_built(monkeypatch):
+    """A trial's startup_s is Serve's: the seconds building the application (or waiting for the builder) before
+    Serve had it are not in it; those Serve took to take it are, as before the builder."""
+    import ray.serve
+
+    clock = [100.0]
+    monkeypatch.setattr("servetune.serve.cluster.time.monotonic", lambda: clock[0])
+
+    def built_slowly(*args, attached):
+        clock[0] += 30.0  # the builder imported Ray Serve LLM meanwhile, then built
+        return 2.0  # of which Serve's run_many took 2 s
+
+    def sleep(s):
+        clock[0] += s
+
+    monkeypatch.setattr("servetune.serve.cluster.run_openai_app", built_slowly)
+    monkeypatch.setattr("servetune.serve.cluster.time.sleep", sleep)
+    up = types.SimpleNamespace(status="RUNNING", deployments={})
+    monkeypatch.setattr(ray.serve, "status", lambda: types.SimpleNamespace(applications={"t": up}))
+    cluster = ServeCluster(None, {"CPU": 1})
+    cluster.serving = True
+    assert cluster.deploy("t", {"model": "m"}, timeout_s=5) == pytest.approx(2.0 + 1.0)  # run_many, the first read
+
+
+def test_building_the_study_s_application_in_the_builder_keeps_ray_serve_llm_out_of_the_caller():
+    """The modules a trial's deploy goes through import nothing of Ray Serve LLM (nor vLLM) until it builds here."""
+    code = ("import sys, servetune.serve.builder, servetune.serve.cluster, servetune.serve.trial; "
+            "print(sorted(m for m in ('ray.serve.llm', 'vllm', 'torch') if m in sys.modules))")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
