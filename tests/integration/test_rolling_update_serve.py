@@ -42,12 +42,17 @@ ROOT = Path(__file__).parents[2]
 # Each fake engine's start: what a request that waited for a replica to start would have waited, at least; three
 # times the worst TTFT seen on a busy host (2.6 s, CI of stop 51, integration in two processes).
 START_S = 8.0
+# The fake's time between tokens: a request (16 tokens) takes about 0.35 s, so 3 clients send about 9 requests a second
+# through Serve's proxy, ingress and replicas (at 5 ms, about 30: CPU on a two-core host that the replicas' starts,
+# and so the rollout the load runs through, wait for). Every client still has a request in flight at all times, so each
+# 1 s window of replica_lost and the 4 s after each change have requests. Nothing here is asserted of the ITL.
+ITL_MS = 20
 SPACE = """\
 hardware: {{devices_per_node: 2}}
 engine_args: {{max_model_len: 1024}}
 env:
   RAYLLM_VLLM_ENGINE_CLS: "{engine_cls}"
-  SERVETUNE_FAKE_ITL_MS: 5
+  SERVETUNE_FAKE_ITL_MS: {itl_ms}
   {start_s_env}: {start_s}
 params:
   serve.num_replicas: [2]
@@ -69,7 +74,7 @@ def specs(root: Path, model: str) -> tuple[TrialSpec, TrialSpec]:
     from servetune.testing.serve_engine import ENGINE_ENV, START_S_ENV  # Ray Serve LLM's: in the driver
 
     space = space_from(root, SPACE.format(engine_cls=ENGINE_ENV["RAYLLM_VLLM_ENGINE_CLS"], start_s_env=START_S_ENV,
-                                          start_s=START_S))  # fmt: skip
+                                          start_s=START_S, itl_ms=ITL_MS))  # fmt: skip
     workload = space.resolved_workload(root)
     context = StudyContext(space, workload, root, model, resolve_levels(space, workload))
     winner = context.spec_for({"serve.num_replicas": 2, "max_num_seqs": 4, "env.SERVETUNE_FAKE_TTFT_MS": 20})
