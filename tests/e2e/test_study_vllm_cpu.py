@@ -50,26 +50,29 @@ workload: cpu-tiny-corpus  # cpu-tiny's requests with prompts cut from the shipp
 load: {{levels: [2, 8], requests_per_level: 24, startup_timeout_s: 300, capacity_levels: 0}}  # the ladder alone
 slo: {{ttft_ms: {{p99: 5000}}}}
 hardware: {{devices_per_node: 2}}
-engine_args: {{enforce_eager: true, max_model_len: 512, speculative.prompt_lookup_max: 3, speculative.prompt_lookup_min: 2}}
+engine_args: {{enforce_eager: true, max_model_len: 512, block_size: 128, speculative.prompt_lookup_max: 3, speculative.prompt_lookup_min: 2}}
 env: {{VLLM_CPU_KVCACHE_SPACE: 1}}
 params:
   dtype: [float32, bfloat16]
   max_num_seqs: [4, 16]
-  block_size: [128, 7]     # 7 is not a block size vLLM accepts: the engine fails at startup
+  # 0 is vLLM's default (no cap on a long prompt's share of a step); 1024 is past max_model_len (512): vLLM's
+  # scheduler config refuses it as the server starts, before any engine process (block_size 7 fails too, but in
+  # the worker, about 20 s later)
+  long_prefill_token_threshold: [0, 1024]
   speculative.method: [none, ngram]
   speculative.num_speculative_tokens: [{drafted}]  # none with either is one engine: the grid runs it once
 # six trials: the reference, the same numerics batched wider (without and with n-gram speculation at two draft
 # lengths), bfloat16, and one that cannot start
 constraints:
   - dtype == 'float32' or max_num_seqs == 4
-  - block_size == 128 or (dtype == 'float32' and max_num_seqs == 4)
-  - block_size == 128 or max_num_seqs == 4
-  - speculative.method == 'none' or (dtype == 'float32' and max_num_seqs == 16 and block_size == 128)
+  - long_prefill_token_threshold == 0 or (dtype == 'float32' and max_num_seqs == 4)
+  - long_prefill_token_threshold == 0 or max_num_seqs == 4
+  - speculative.method == 'none' or (dtype == 'float32' and max_num_seqs == 16 and long_prefill_token_threshold == 0)
 search: {{algorithm: grid, baseline: false, max_concurrent: 2}}  # after the reference, two at a time (an engine start is mostly one core importing vLLM)
 quality:
   suites: [agreement, arithmetic, recall]
   prompts: 16
-  reference: {{dtype: float32, max_num_seqs: 4, block_size: 128, speculative.method: none, speculative.num_speculative_tokens: {first}}}
+  reference: {{dtype: float32, max_num_seqs: 4, long_prefill_token_threshold: 0, speculative.method: none, speculative.num_speculative_tokens: {first}}}
   max_drop: {{agreement: 0.01{lm_eval_bound}}}{lm_eval}
 """
 #: The n-gram trials' draft lengths (speculative.num_speculative_tokens).
@@ -162,7 +165,7 @@ def study(tmp_path_factory):
     results = {}
     for path in study_dir.glob("trials/*/result.json"):
         result = json.loads(path.read_text())
-        key = tuple(result["params"][k] for k in ("dtype", "max_num_seqs", "block_size"))
+        key = tuple(result["params"][k] for k in ("dtype", "max_num_seqs", "long_prefill_token_threshold"))
         if result["params"]["speculative.method"] != "none":  # a speculative trial: its method and draft length
             key += (result["params"]["speculative.method"], result["params"]["speculative.num_speculative_tokens"])
         results[key] = result
@@ -174,12 +177,12 @@ def study(tmp_path_factory):
 
 def test_study_report_and_export_on_real_vllm(study):
     tmp_path, study_dir, results = study
-    assert sorted(results) == [("bfloat16", 4, 128), ("float32", 4, 7), ("float32", 4, 128), ("float32", 16, 128)] + [
-        ("float32", 16, 128, "ngram", k) for k in DRAFTED
+    assert sorted(results) == [("bfloat16", 4, 0), ("float32", 4, 0), ("float32", 4, 1024), ("float32", 16, 0)] + [
+        ("float32", 16, 0, "ngram", k) for k in DRAFTED
     ]
-    ok, bad = results[("float32", 4, 128)], results[("float32", 4, 7)]
-    same, bf16 = results[("float32", 16, 128)], results[("bfloat16", 4, 128)]
-    drafting = [results[("float32", 16, 128, "ngram", k)] for k in DRAFTED]
+    ok, bad = results[("float32", 4, 0)], results[("float32", 4, 1024)]
+    same, bf16 = results[("float32", 16, 0)], results[("bfloat16", 4, 0)]
+    drafting = [results[("float32", 16, 0, "ngram", k)] for k in DRAFTED]
     assert ok["outcome"] == "COMPLETE" and len(ok["levels"]) == 2
     assert ok["kv_capacity"]["tokens"] == 262144 and ok["kv_prediction_error"] == 0.0  # the ledger, exactly (float32)
     assert bf16["kv_capacity"]["tokens"] == 524288 and bf16["kv_prediction_error"] == 0.0  # half the bytes per token
@@ -287,7 +290,7 @@ def test_study_report_and_export_on_real_vllm(study):
 def test_ngram_speculation_is_measured_lossless_and_weighed_against_its_twin_by_load_on_real_vllm(study):
     """n-gram speculation at two draft lengths beside the same configuration without a drafter (issue #41's proof)."""
     tmp_path, study_dir, results = study
-    ok, twin = results[("float32", 4, 128)], results[("float32", 16, 128)]
+    ok, twin = results[("float32", 4, 0)], results[("float32", 16, 0)]
     assert all(SPEC_DRAFTS not in level["server_metrics"] for level in twin["levels"])  # nothing drafts without one
     from mlflow.tracking import MlflowClient
 
@@ -297,7 +300,7 @@ def test_ngram_speculation_is_measured_lossless_and_weighed_against_its_twin_by_
     report = (study_dir / "report" / "summary.md").read_text().split("### Speculative decoding", 1)[1]
     html = (study_dir / "report" / "report.html").read_text()
     for drafted in DRAFTED:
-        trial = results[("float32", 16, 128, "ngram", drafted)]
+        trial = results[("float32", 16, 0, "ngram", drafted)]
         assert trial["outcome"] == "COMPLETE" and len(trial["levels"]) == len(twin["levels"]) == 2
         # Every level carries vLLM's own counters: drafts of num_speculative_tokens each, some accepted.
         for level, plain in zip(trial["levels"], twin["levels"], strict=True):
@@ -346,8 +349,8 @@ def test_ngram_speculation_is_measured_lossless_and_weighed_against_its_twin_by_
 def test_lm_eval_task_is_a_quality_score_and_a_constraint_on_real_vllm(study):
     pytest.importorskip("lm_eval", reason="lm-eval is an optional extra: pip install servetune[lm-eval]")
     tmp_path, study_dir, results = study
-    ok, same, bf16 = results[("float32", 4, 128)], results[("float32", 16, 128)], results[("bfloat16", 4, 128)]
-    drafting = [results[("float32", 16, 128, "ngram", k)] for k in DRAFTED]
+    ok, same, bf16 = results[("float32", 4, 0)], results[("float32", 16, 0)], results[("bfloat16", 4, 0)]
+    drafting = [results[("float32", 16, 0, "ngram", k)] for k in DRAFTED]
     scores = {}
     for trial in (ok, same, bf16, *drafting):
         score = trial["quality"]["suites"]["lm_eval/echo"]
