@@ -197,6 +197,7 @@ def test_study_report_and_export_on_real_vllm(study):
     waiting = [lv["ttft_ms"]["mean"] / lv["e2el_ms"]["mean"] for lv in levels]
     assert waiting[1] > 0.4, (waiting, [(lv["ttft_ms"]["mean"], lv["e2el_ms"]["mean"]) for lv in levels])
     assert bad["outcome"] == "FAILED" and bad["reason"].startswith("engine start: vLLM exited") and bad["log_tail"]
+    assert "long_prefill_token_threshold (1024) cannot be greater than" in bad["reason"], bad["reason"]  # vLLM's why
     assert [lv.get("cache_note") for lv in ok["levels"]] == [None, None]  # each level began on an emptied cache
     resolved = ok["resolved_engine_args"]  # what vLLM chose for what the launch left to it
     assert resolved["max_num_seqs"] > 0 and resolved["max_num_batched_tokens"] > 0 and resolved["block_size"] == 128

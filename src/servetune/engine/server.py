@@ -356,11 +356,8 @@ class VllmServer:
         return "\n".join(self.log_text().splitlines()[-lines:])
 
     def failure_reason(self) -> str:
-        """The most telling error line of the log (the last ``...Error: ...`` line)."""
-        for line in reversed(self.log_text().splitlines()):
-            if re.search(r"\b\w*(Error|Exception)\b: ", line):
-                return line.strip()[-300:]
-        return "see the log tail"
+        """The most telling error of the log (:func:`telling_error`)."""
+        return telling_error(self.log_text())
 
     def kv_capacity(self) -> KvCapacity | None:
         return KvCapacity.from_log(self.log_text())
@@ -376,6 +373,43 @@ class VllmServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+#: pydantic's heading of a refused configuration (vLLM validates its configs with pydantic): the errors themselves
+#: follow on indented lines, each with a ``[type=...]`` tail and a ``For further information`` line.
+_VALIDATION = re.compile(r"\d+ validation errors? for \w+")
+
+
+def telling_error(log: str) -> str:
+    """The most telling error line of an engine's ``log``: the last ``...Error: ...`` line that is not a pointer to
+    a cause above it (vLLM's engine core's), with, where it is
+    pydantic's heading of a configuration vLLM refused (``1 validation error for SchedulerConfig``), the errors it
+    heads (what the user must change), not only the heading."""
+    lines = log.splitlines()
+    errors = [i for i, line in enumerate(lines) if re.search(r"\b\w*(Error|Exception)\b: ", line)]
+    # vLLM's engine core ends with an error that points up at its worker's (``See root cause above``): the cause.
+    causes = [i for i in errors if not re.search(r"(root cause|stack trace) above", lines[i], re.IGNORECASE)]
+    for i in reversed(causes or errors):
+        line = lines[i].strip()
+        if _VALIDATION.search(line):
+            line = ": ".join([line, *_refusals(lines[i + 1 :])])
+        return line[-300:]
+    return "see the log tail"
+
+
+def _refusals(lines: list[str]) -> list[str]:
+    """The errors under pydantic's heading, ``'; '``-joined (empty when none follows): each an indented line, after
+    the field it is about where it names one (a line of its own, not indented); what follows them ends them."""
+    found, field = [], ""
+    for line in lines:
+        if re.fullmatch(r"[\w.\[\]-]+", line):
+            field = line
+        elif line.startswith("  ") and not line.strip().startswith("For further information"):
+            found.append(f"{field + ' ' if field else ''}{line.split(' [type=', 1)[0].strip()}")
+            field = ""
+        elif not line.startswith("  "):
+            break
+    return ["; ".join(found)] if found else []
 
 
 def _signal_group(pgid: int, sig: int) -> None:
