@@ -178,3 +178,15 @@ def test_replicas_that_told_nothing_or_cannot_answer_leave_the_record_without_co
     engine = ServeEngine(engine.spec, tmp_path, Deployed([])).__enter__()  # deployed all the same
     assert cores_record(engine) == {}
     engine.__exit__(None, None, None)
+
+
+def test_a_gpu_trial_through_serve_asks_its_replicas_nothing_of_cores(tmp_path, monkeypatch):
+    import dataclasses
+
+    asked = []
+    monkeypatch.setattr("servetune.serve.cluster._llm_handles", lambda name, prefix: asked.append(name) or [])
+    monkeypatch.setattr(serve_trial, "wait_gone", lambda pids, timeout_s: [])
+    spec = dataclasses.replace(serve_spec(tmp_path, 1), device="gpu")
+    engine = ServeEngine(spec, tmp_path, Deployed([])).__enter__()
+    assert cores_record(engine) == {} and asked == []  # a GPU deployment's replicas claim no cores: none asked
+    engine.__exit__(None, None, None)

@@ -152,9 +152,10 @@ class ServeEngine:
             if self.pids:
                 self.process = psutil.Process(self.pids[0])
             self.server_metrics = ReplicaMetrics(self.cluster, self.name)
-            with contextlib.suppress(Exception):  # replicas that cannot say: the record says nothing of their cores
-                told = replica_cores([c["cores"] for c in self.cluster.replica_llm_configs(self.name)])
-                self.cpu_binding, self.cpu_unclaimed = told.get("cpu_binding"), told.get("cpu_unclaimed")
+            if self.spec.device == "cpu":  # where replicas claim cores (serve/cores.py): what each got
+                with contextlib.suppress(Exception):  # replicas that cannot say: the record says nothing of their cores
+                    told = replica_cores([c["cores"] for c in self.cluster.replica_llm_configs(self.name)])
+                    self.cpu_binding, self.cpu_unclaimed = told.get("cpu_binding"), told.get("cpu_unclaimed")
             self._keep_log()
         except BaseException:  # deployed, but not entered: nothing else would delete it
             self.__exit__()
