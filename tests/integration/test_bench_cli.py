@@ -1,12 +1,14 @@
 """``servetune bench`` as a user runs it, against the fake server (``--url``) and on bad input."""
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
 from servetune.cli import main
+from servetune.engine.cores import BIND, LOCK_DIR_ENV, claim, physical_first
 from servetune.results import BenchResult
 from servetune.testing.process import fake_server_process
 from tests.processes import processes_mentioning
@@ -254,3 +256,39 @@ def test_bench_builds_the_tiny_adapter_where_it_cleans_up(
         assert code != 0
         assert [p.name for p in log.parent.iterdir()] == [log.name]  # vLLM's log, kept to read; the adapter is gone
         shutil.rmtree(log.parent)
+
+
+@pytest.mark.parametrize("crowded", [False, True])
+def test_bench_records_the_cores_its_engine_claimed_or_why_it_claimed_none(
+    tmp_path, capsys, monkeypatch, tiny_model, fake_python, crowded
+):
+    """As a trial records them (engine/cores.py): a level measured on cores other engines hold is not comparable
+    with one measured on cores of its own, and the JSON (and the console) say which it was."""
+    locks = tmp_path / "locks"
+    locks.mkdir()
+    monkeypatch.setenv(LOCK_DIR_ENV, str(locks))  # inherited by nothing else: this test's own accounting
+    monkeypatch.delenv(BIND, raising=False)
+    allowed = sorted(os.sched_getaffinity(0))
+    held = claim(len(allowed), allowed, locks)[1] if crowded else []  # other engines on the host hold every core
+    out_file = tmp_path / "b.json"
+    try:
+        code, _, err = run_cli(
+            capsys, "--model", str(tiny_model), "--python", str(fake_python), "--workload", "cpu-tiny",
+            "--concurrency", "1", "--num-requests", "2", "--json", str(out_file),
+        )  # fmt: skip
+    finally:
+        for handle in held:
+            handle.close()
+    assert code == 0, err
+    result = BenchResult.model_validate_json(out_file.read_text())
+    if crowded:
+        assert result.cpu_binding is None and result.cpu_unclaimed is not None
+        assert (
+            result.cpu_unclaimed.startswith(f"no 1 of the {len(allowed)} cores free")
+            and str(locks) in result.cpu_unclaimed
+        )
+        assert f"warning: no cores of its own: {result.cpu_unclaimed}" in err, err
+    else:
+        assert result.cpu_binding == str(physical_first(allowed)[0]) and result.cpu_unclaimed is None
+        assert "no cores of its own" not in err
+    assert processes_mentioning(fake_python) == []

@@ -375,3 +375,19 @@ def test_the_price_a_trial_was_costed_at_is_a_param_with_its_source():
     params = trial_params(t)
     assert params["price_per_device_hour"] == "3.78"
     assert params["price_source"] == "H100-SXM at $3.78 per device-hour (https://example.com/p)"
+
+
+def test_the_record_says_where_a_cpu_trial_ran_and_that_one_on_shared_cores_is_not_comparable():
+    """engine/cores.py: a trial on cores of its own records its binding; one that claimed none records why."""
+    unknown = ModelFingerprint("unknown", None)
+
+    def hardware(environment: dict[str, str]) -> str:
+        cpu = trial("c1", {}, device="cpu").model_copy(update={"environment": environment})
+        return build_record(cpu, None, None, unknown, conclude(cpu, [cpu])).fields["hardware"]
+
+    assert hardware({"cpu_binding": "3"}).startswith("CPU build, 1 core(s) reserved, bound to cores 3; CPU ")
+    why = "no 1 of the 2 cores free: other engines hold their locks in /tmp/locks; vLLM binds it itself"
+    shared = hardware({"cpu_unclaimed": why})
+    assert shared.startswith(f"CPU build, 1 core(s) reserved (no cores of its own, measured on shared cores: {why}); ")
+    assert "bound to" not in shared
+    assert hardware({}).startswith("CPU build, 1 core(s) reserved; CPU ")  # a record from before cores were claimed

@@ -315,11 +315,14 @@ def run(args: argparse.Namespace) -> int:
                 console.print(
                     f"vLLM ready at {server.url} after {server.startup_s:.1f} s{cores} ({where})", soft_wrap=True
                 )
+                if server.cpu_unclaimed:  # measured on cores other engines use: not comparable (cpu_unclaimed)
+                    console.print(f"warning: no cores of its own: {server.cpu_unclaimed}", soft_wrap=True,
+                                  highlight=False, markup=False)  # fmt: skip
                 kv = server.kv_capacity()
                 result.command = server.command(redacted=True)
                 result.url = server.url
                 result.startup_s = server.startup_s
-                result.cpu_binding = server.cpu_binding
+                result.cpu_binding, result.cpu_unclaimed = server.cpu_binding, server.cpu_unclaimed
                 result.kv_capacity = KvCapacityReport(**vars(kv)) if kv else None
                 run_levels(console, server.url, served, workload, prompts, plans, slo, args, result, records, server,
                            client_processes=client_processes, client_cpus=client_cpus)  # fmt: skip

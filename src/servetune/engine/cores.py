@@ -113,11 +113,21 @@ def claim_now(ranks: int) -> Claim:
         directory = lock_dir()
         claimed, held = claim(ranks, allowed, directory)
     except OSError as exc:  # the lock directory cannot be used: as without free cores
-        return Claim(binding(ranks, [], allowed), [], f"core locks unusable ({exc})")
+        return Claim(binding(ranks, [], allowed), [], locks_unusable(exc))
     if claimed:
         return Claim(binding(ranks, claimed, allowed), held)
     bind = binding(ranks, [], allowed)
+    return Claim(bind, [], none_free(ranks, allowed, directory, bind))
+
+
+def locks_unusable(exc: OSError) -> str:
+    """Why an engine claimed no cores when the lock directory cannot be used (``cpu_unclaimed``)."""
+    return f"core locks unusable ({exc})"
+
+
+def none_free(ranks: int, allowed: list[int], directory: Path, bind: str | None, waited_s: float = 0.0) -> str:
+    """Why an engine of ``ranks`` ranks claimed no cores when other engines held them (``cpu_unclaimed``), after
+    ``waited_s`` seconds of waiting for them (a Serve replica's), and how it is bound instead (``bind``)."""
     left = f"bound to shared cores {bind}" if bind else "vLLM binds it itself"
-    return Claim(
-        bind, [], f"no {ranks} of the {len(allowed)} cores free: other engines hold their locks in {directory}; {left}"
-    )
+    after = f" after {waited_s:.0f} s" if waited_s else ""
+    return f"no {ranks} of the {len(allowed)} cores free{after}: other engines hold their locks in {directory}; {left}"

@@ -146,6 +146,7 @@ class BenchResult(BaseModel):
     levels: list[LevelResult]
     requests_file: str | None = None
     cpu_binding: str | None = None  # the CPU build: the cores its ranks were bound to (VLLM_CPU_OMP_THREADS_BIND)
+    cpu_unclaimed: str | None = None  # ... and why it claimed none of its own (other engines held them), as a trial's
     client_processes: int | Literal["auto"] = 1  # --client-processes: the load client split across processes
 
 

@@ -25,7 +25,7 @@ from servetune.errors import EngineStartError, UserError
 from servetune.local_ray import SERVE_SYSTEM_CONFIG, keeping_sigterm, start_local_ray
 from servetune.serve import actors
 from servetune.serve.builder import run_openai_app, send_app, start_builder
-from servetune.serve.plan import CLAIM_CORES_ENV
+from servetune.serve.plan import CLAIM_CORES_ENV, CLAIMED
 from servetune.serve.proxies import is_wildcard
 from servetune.serve.routing import merge_counters, read_replica_counters
 
@@ -287,16 +287,19 @@ class ServeCluster:
     ) -> list[dict[str, Any]]:
         """What each running replica of the application's LLM deployment was started with, as it holds it (Ray Serve
         LLM's ``LLMServer.llm_config``, broadcast by Serve to every running replica): its ``engine_kwargs``, its
-        ``env_vars`` (its runtime environment's) and its ``callback_class`` (None: Ray Serve LLM's own). What a
-        rollout left running, read from the replicas rather than from what was asked for."""
+        ``env_vars`` (its runtime environment's), its ``callback_class`` (None: Ray Serve LLM's own) and the ``cores``
+        its engine claimed ({}: none told, serve/cores.py ``tell``). What a rollout left running, read from the
+        replicas rather than from what was asked for."""
         found = []
         for handle in _llm_handles(name, deployment_prefix):
             for config in handle.broadcast("llm_config").results(timeout_s=timeout_s):
-                callback = getattr(getattr(config, "callback_config", None), "callback_class", None)
+                callback = getattr(config, "callback_config", None)
+                callback_class = getattr(callback, "callback_class", None)
                 found.append({
                     "engine_kwargs": dict(config.engine_kwargs or {}),
                     "env_vars": dict((config.runtime_env or {}).get("env_vars") or {}),
-                    "callback_class": None if callback is None else str(callback),
+                    "callback_class": None if callback_class is None else str(callback_class),
+                    "cores": dict((getattr(callback, "callback_kwargs", None) or {}).get(CLAIMED) or {}),
                 })  # fmt: skip
         return found
 

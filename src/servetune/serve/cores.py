@@ -19,6 +19,8 @@ rank keeps vLLM's own binding; several are bound to the first cores, as ``export
 (vLLM's own would refuse several ranks on one NUMA node). Only deployments in a local Ray servetune
 started carry the callback (:data:`~servetune.serve.plan.CLAIM_CORES_ENV`); ``export --format
 ray-serve`` never does. Cores are logical CPUs, a physical core each first (engine/cores.py `physical_first`).
+What the claim got (the binding, or why the replica runs on no cores of its own) is kept in the ``LLMConfig`` the
+replica holds (:func:`tell`), which Serve hands back to the trial that deployed it, for its record.
 
 The same callback skips Ray Serve LLM's node initialization for a model that is a directory on this host: that
 step only runs a Ray task per node to "download" the model, which for a local directory returns the path as it
@@ -37,9 +39,10 @@ from typing import IO, Any
 
 from ray.llm._internal.common.callbacks.base import CallbackBase
 
-from servetune.engine.cores import BIND, binding, claim, lock_dir
+from servetune.engine.cores import BIND, binding, claim, lock_dir, locks_unusable, none_free
+from servetune.serve.plan import CLAIMED
 
-__all__ = ["BIND", "HELD", "WAIT_S", "ClaimCores", "claim", "lock_dir"]
+__all__ = ["BIND", "HELD", "WAIT_S", "ClaimCores", "claim", "lock_dir", "tell"]
 
 WAIT_S = 60.0  # how long a claim waits for cores a replica being replaced still holds
 
@@ -59,28 +62,48 @@ class ClaimCores(CallbackBase):
         if local_model_dir(self.llm_config) is not None:
             _torch_kernels_dir()
             self.ctx.run_init_node = False  # nothing to download: the path is used as given
+        tell(self.llm_config, await self.bind())
+
+    async def bind(self) -> dict[str, str]:
+        """Claim the engine's cores and bind it to them; what the replica's record keeps of it, in a bare engine's
+        words (trial/runner.py ``cores_record``): ``cpu_binding``, and ``cpu_unclaimed`` (why) where it got none."""
         if os.environ.get(BIND, "auto") != "auto":
-            return  # the user's binding wins
+            return {"cpu_binding": os.environ[BIND]}  # the user's binding wins
         allowed = sorted(os.sched_getaffinity(0))
         deadline = time.monotonic() + WAIT_S
         cores: list[int] = []
-        while True:
-            try:
-                cores, held = claim(self.ranks, allowed, lock_dir())
-            except OSError as exc:  # the lock directory cannot be used
-                logger.warning("servetune: cannot claim cores (%s)", exc)
-                break
-            if cores or time.monotonic() >= deadline:
-                break
-            await asyncio.sleep(1.0)
+        unusable: OSError | None = None
+        try:
+            directory = lock_dir()
+            while True:
+                cores, held = claim(self.ranks, allowed, directory)
+                if cores or time.monotonic() >= deadline:
+                    break
+                await asyncio.sleep(1.0)
+        except OSError as exc:  # the lock directory cannot be used: as without free cores
+            unusable = exc
         if cores:
             HELD.extend(held)
         bind = binding(self.ranks, cores, allowed)  # without free cores: several ranks bound as export binds them
-        if bind is None:
-            logger.warning("servetune: no free core on this host after %.0f s; vLLM binds the engine itself", WAIT_S)
-            return
-        os.environ[BIND] = bind  # a core per rank; the engine process the replica starts inherits it
-        logger.info("servetune: this replica's engine runs on cores %s", os.environ[BIND])
+        unclaimed = (
+            locks_unusable(unusable) if unusable is not None
+            else None if cores else none_free(self.ranks, allowed, directory, bind, WAIT_S)
+        )  # fmt: skip
+        if unclaimed is not None:
+            logger.warning("servetune: this replica's engine claimed no cores of its own: %s", unclaimed)
+        if bind is not None:
+            os.environ[BIND] = bind  # a core per rank; the engine process the replica starts inherits it
+            logger.info("servetune: this replica's engine runs on cores %s", bind)
+        return {key: value for key, value in (("cpu_binding", bind), ("cpu_unclaimed", unclaimed)) if value}
+
+
+def tell(llm_config: Any, record: dict[str, str]) -> None:
+    """Keep what the replica's claim got in the ``LLMConfig`` the replica holds, in its callback's own kwargs
+    (:data:`~servetune.serve.plan.CLAIMED`): Serve hands the config back to whoever asks the replica
+    (``LLMServer.llm_config``, read by ``ServeCluster.replica_llm_configs``), and a trial through Serve records it."""
+    callback = getattr(llm_config, "callback_config", None)
+    if callback is not None:
+        callback.callback_kwargs[CLAIMED] = record
 
 
 def local_model_dir(llm_config: Any) -> str | None:

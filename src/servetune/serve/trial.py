@@ -90,6 +90,20 @@ def trial_needs(spec: TrialSpec) -> Needs:
     return needs(point, trial_llm_config(spec), spec.serve_replicas)
 
 
+def replica_cores(told: Sequence[Mapping[str, str]]) -> dict[str, str]:
+    """A trial's ``cpu_binding`` and ``cpu_unclaimed`` (trial/runner.py ``cores_record``) from what each replica's
+    claim got on the CPU build (serve/cores.py, in the order Serve's replicas answered; ``{}``: one that told
+    nothing, as on GPUs): the replicas' bindings with ``, `` between them (``|`` between one's ranks, ``auto`` for one
+    left to vLLM's binding), and why each replica that claimed no cores of its own did, named by its place."""
+    told = [record for record in told if record]
+    bindings = [record.get("cpu_binding") or "auto" for record in told]
+    why = [(f"replica {i} of {len(told)}: " if len(told) > 1 else "") + record["cpu_unclaimed"]
+           for i, record in enumerate(told, 1) if record.get("cpu_unclaimed")]  # fmt: skip
+    found = {"cpu_binding": ", ".join(bindings) if any(b != "auto" for b in bindings) else "",
+             "cpu_unclaimed": "; ".join(why)}  # fmt: skip
+    return {key: value for key, value in found.items() if value}
+
+
 class ServeEngine:
     """The :class:`~servetune.trial.runner.Engine` of a trial through Serve (see the module's doc); the class
     is the engine factory the study's trainable gives ``run_trial``."""
@@ -110,6 +124,8 @@ class ServeEngine:
         self.device_nodes: dict[str, int] = {}  # their devices per Ray node (told to the study's ledger)
         self.deployed: dict[str, Any] = {}  # the LLMConfig deployed last (the trial's, or what an update moved to)
         self.proxy_record: dict[str, str] = {}  # the Serve proxy the client sends to, and why (serve/proxies.py)
+        self.cpu_binding: str | None = None  # the CPU build: the cores each replica's engine claimed (replica_cores)
+        self.cpu_unclaimed: str | None = None  # ... and why a replica's claimed none
 
     def __enter__(self) -> ServeEngine:
         self.cluster = self.cluster or ServeCluster.attached()
@@ -136,6 +152,10 @@ class ServeEngine:
             if self.pids:
                 self.process = psutil.Process(self.pids[0])
             self.server_metrics = ReplicaMetrics(self.cluster, self.name)
+            if self.spec.device == "cpu":  # where replicas claim cores (serve/cores.py): what each got
+                with contextlib.suppress(Exception):  # replicas that cannot say: the record says nothing of their cores
+                    told = replica_cores([c["cores"] for c in self.cluster.replica_llm_configs(self.name)])
+                    self.cpu_binding, self.cpu_unclaimed = told.get("cpu_binding"), told.get("cpu_unclaimed")
             self._keep_log()
         except BaseException:  # deployed, but not entered: nothing else would delete it
             self.__exit__()

@@ -188,9 +188,19 @@ def _hardware_text(trial: TrialResult, tags: Mapping[str, str]) -> str:
     host = f"CPU {tags['hardware.cpu_model']}, host memory {tags['hardware.host_memory_gib']} GiB"
     if trial.device == "cpu":
         bf16 = tags.get("environment.cpu_bf16")
-        return f"CPU build, {trial.devices} core(s) reserved; {host}" + (f"; bfloat16 {bf16}" if bf16 else "")
+        cpu = f"CPU build, {trial.devices} core(s) reserved{_cores_text(tags)}; {host}"
+        return cpu + (f"; bfloat16 {bf16}" if bf16 else "")
     return (f"GPU {tags['hardware.gpu_model']}, count {tags['hardware.gpu_count']}, {tags['hardware.gpu_memory_gib']} GiB each, "
             f"interconnect {tags['hardware.interconnect']}; {trial.devices} GPU(s) reserved; {host}")  # fmt: skip
+
+
+def _cores_text(tags: Mapping[str, str]) -> str:
+    """Where the engine ran on the CPU build (engine/cores.py): the cores it was bound to, and, where it claimed none of
+    its own, why: its numbers were measured on cores other engines used, not comparable with those of a trial that had
+    its own."""
+    binding, unclaimed = tags.get("environment.cpu_binding"), tags.get("environment.cpu_unclaimed")
+    bound = f", bound to cores {binding}" if binding else ""
+    return bound + (f" (no cores of its own, measured on shared cores: {unclaimed})" if unclaimed else "")
 
 
 def _core_text(trial: TrialResult) -> str:

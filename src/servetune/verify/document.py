@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +56,10 @@ class EngineRun:
     failure: str | None = None
     log_tail: str | None = None
     serve: dict[str, Any] | None = None  # through Serve: the application, its replicas and what each served
-    cpu_binding: str | None = None  # on the CPU build, the cores its ranks ran on (engine/cores.py)
+    # On the CPU build, the cores its ranks ran on (``cpu_binding``) and why it claimed none of its own where other
+    # engines held them (``cpu_unclaimed``), as a trial records them (trial/runner.py ``cores_record``; through Serve,
+    # its replicas', serve/trial.py ``replica_cores``).
+    cores: dict[str, str] = field(default_factory=dict)
     stopped: str | None = None  # the verification was stopped while this engine ran ("SIGTERM", "interrupted")
 
 
@@ -126,7 +129,7 @@ def document(selection: Selection, budget: sc.Budget, timeouts: Timeouts, run: E
             "failure": run.failure,
             "log_tail": run.log_tail,
             **({"serve": run.serve} if run.serve is not None else {}),
-            **({"cpu_binding": run.cpu_binding} if run.cpu_binding else {}),
+            **run.cores,
         },
         "scenarios": checklist_fields(
             {

@@ -34,7 +34,7 @@ from servetune.metrics import RequestRecord
 from servetune.results import ENGINE_LOG
 from servetune.serve.cluster import ServeCluster
 from servetune.serve.trial import ServeEngine, pinned_spec, trial_needs
-from servetune.trial.runner import TrialSpec, vllm_engine
+from servetune.trial.runner import TrialSpec, cores_record, vllm_engine
 from servetune.verify import scenarios as sc
 from servetune.verify.canary import CANARY, DEFAULT_SHARE, Deploy, canary
 from servetune.verify.choose import Chosen, Selection
@@ -180,7 +180,7 @@ def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: Pro
     try:
         with started(chosen, log_path, address, also, prefetch, later) as server:
             run.startup_s = server.startup_s
-            run.cpu_binding = getattr(server, "cpu_binding", None)
+            run.cores = cores_record(server)
             served = spec.engine_args.get("served_model_name") or spec.model
 
             async def main() -> T:
