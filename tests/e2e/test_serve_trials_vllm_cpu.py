@@ -102,6 +102,11 @@ def test_one_and_two_replicas_measured_through_serve_recorded_and_torn_down(stud
         # each replica's engine on a core of its own (vLLM's CPU build would bind them all to core 0)
         cores = re.findall(r"core ids=\[([0-9, ]+)\]", log.read_text())
         assert len(cores) == replicas and len(set(cores)) == replicas, cores
+        # ... as the replicas' claims told the trial (serve/claims.py), or why one ran without a claim of its own
+        environment = result["environment"]
+        assert "cpu_binding" in environment or "cpu_unclaimed" in environment, environment
+        if "cpu_unclaimed" not in environment:
+            assert sorted(environment["cpu_binding"].split(", ")) == sorted(c.strip() for c in cores), environment
         assert result["kv_capacity"]["tokens"] > 0, result.get("kv_capacity")
         assert serve["replica_niceness"] == [0]  # not Ray's 15: the engines get the CPU a bare engine gets
         assert list(serve["replica_nodes"].values()) == [replicas], serve  # where Ray placed them (one node here)

@@ -1,26 +1,64 @@
 """What a Serve replica's core claim got reaches its trial's record (``environment.cpu_binding`` or
-``environment.cpu_unclaimed``, a bare engine's words): the replica's callback keeps it in the ``LLMConfig`` it holds
-(serve/cores.py ``tell``), Serve hands that config back pickled (``LLMServer.llm_config``, read by
-``ServeCluster.replica_llm_configs``), and the trial's engine reads every replica's (serve/trial.py)."""
+``environment.cpu_unclaimed``, a bare engine's words): the replica's callback tells it to Ray's key-value store under
+its application and unique id (serve/claims.py), and the trial's engine reads its running replicas' (serve/trial.py),
+never the ``LLMConfig`` the replicas hold (unpickling it imports vLLM)."""
 
 import asyncio
 import os
-import pickle
 import types
 
 import pytest
 
 pytest.importorskip("ray.llm._internal.common.callbacks.base", reason="needs ray[serve,llm]")
 
-from servetune.serve import cores
+from servetune.serve import claims, cores
 from servetune.serve import trial as serve_trial
 from servetune.serve.cluster import ServeCluster
 from servetune.serve.cores import BIND, ClaimCores, claim
-from servetune.serve.plan import CLAIM_CORES, CLAIMED
+from servetune.serve.plan import CLAIM_CORES
 from servetune.serve.trial import ServeEngine, replica_cores
 from servetune.trial.context import StudyContext, resolve_levels
 from servetune.trial.runner import cores_record
 from tests.builders import space_from
+
+
+@pytest.fixture(autouse=True)
+def store(monkeypatch):
+    """Ray's key-value store, as a dict of (namespace, key) -> value, and the replica context a callback runs in:
+    replica ``r<n>`` of the application ``app``, the n-th to ask."""
+    import ray.experimental.internal_kv as kv
+    from ray import serve
+
+    kept: dict[tuple[bytes, bytes], bytes] = {}
+    bytes_of = lambda value: value.encode() if isinstance(value, str) else value  # noqa: E731
+    monkeypatch.setattr(kv, "_internal_kv_put",
+                        lambda key, value, overwrite=True, *, namespace=None:
+                        kept.__setitem__((bytes_of(namespace), bytes_of(key)), bytes_of(value)))  # fmt: skip
+    monkeypatch.setattr(kv, "_internal_kv_get",
+                        lambda key, *, namespace=None: kept.get((bytes_of(namespace), bytes_of(key))))  # fmt: skip
+
+    def delete(key, *, del_by_prefix=False, namespace=None):
+        gone = [k for k in kept if k[0] == bytes_of(namespace) and
+                (k[1].startswith(bytes_of(key)) if del_by_prefix else k[1] == bytes_of(key))]  # fmt: skip
+        for k in gone:
+            del kept[k]
+        return len(gone)
+
+    monkeypatch.setattr(kv, "_internal_kv_del", delete)
+    asked = iter(range(1, 1000))
+    monkeypatch.setattr(serve, "get_replica_context",
+                        lambda: types.SimpleNamespace(app_name="app",
+                                                      replica_id=types.SimpleNamespace(unique_id=f"r{next(asked)}")))  # fmt: skip
+    return kept
+
+
+def last_told(store) -> dict[str, str]:
+    """What the replica that told last told, read as its trial reads it (``claims.told``)."""
+    namespace, key = list(store)[-1]
+    assert namespace == claims.NAMESPACE.encode()
+    app, replica = key.decode().rsplit("/", 1)
+    (told,) = claims.told(app, [replica])
+    return told
 
 
 @pytest.fixture
@@ -45,37 +83,37 @@ def replica_config(ranks: int):
                      callback_config={"callback_class": CLAIM_CORES, "callback_kwargs": {"ranks": ranks}})  # fmt: skip
 
 
-def claimed(ranks: int, bind: str = "auto") -> dict[str, str]:
-    """What one replica of ``ranks`` ranks tells, read back from its config as Serve hands it over (pickled); ``bind``:
-    the replica process's ``VLLM_CPU_OMP_THREADS_BIND`` (a process of its own each: one claim's is not another's)."""
+def claimed(store, ranks: int, bind: str = "auto") -> dict[str, str]:
+    """What one replica of ``ranks`` ranks tells, read back from the store as its trial reads it; ``bind``: the
+    replica process's ``VLLM_CPU_OMP_THREADS_BIND`` (a process of its own each: one claim's is not another's)."""
     os.environ[BIND] = bind
     config = replica_config(ranks)
     callback = ClaimCores(llm_config=config, ranks=ranks)
     callback.llm_config = types.SimpleNamespace(callback_config=config.callback_config,  # no engine config to resolve
                                                 get_engine_config=lambda: types.SimpleNamespace(actual_hf_model_id="m"))  # fmt: skip
     asyncio.run(callback.on_before_node_init())
-    return pickle.loads(pickle.dumps(config)).callback_config.callback_kwargs[CLAIMED]
+    return last_told(store)
 
 
-def test_a_replica_tells_the_cores_it_claimed_or_why_it_claimed_none(host):
-    assert claimed(1) == {"cpu_binding": "0"}  # a core of its own
-    assert claimed(1) == {"cpu_binding": "1"}
-    crowded = claimed(1)  # both cores held by the replicas before it: left to vLLM's own binding
+def test_a_replica_tells_the_cores_it_claimed_or_why_it_claimed_none(host, store):
+    assert claimed(store, 1) == {"cpu_binding": "0"}  # a core of its own
+    assert claimed(store, 1) == {"cpu_binding": "1"}
+    crowded = claimed(store, 1)  # both cores held by the replicas before it: left to vLLM's own binding
     assert "cpu_binding" not in crowded and os.environ[BIND] == "auto"
     assert crowded["cpu_unclaimed"].startswith("no 1 of the 2 cores free") and str(host) in crowded["cpu_unclaimed"]
     assert crowded["cpu_unclaimed"].endswith("vLLM binds it itself")
-    two = claimed(2)  # several ranks without free cores: on the first cores, as export binds them, and says so
+    two = claimed(store, 2)  # several ranks without free cores: on the first cores, as export binds them, and says so
     assert two["cpu_binding"] == "0|1" and two["cpu_unclaimed"].endswith("bound to shared cores 0|1")
 
 
-def test_a_replica_with_the_users_binding_tells_it_and_one_without_usable_locks_says_so(host, monkeypatch):
-    assert claimed(1, bind="1") == {"cpu_binding": "1"} and cores.HELD == []  # the user's, kept: nothing claimed
+def test_a_replica_with_the_users_binding_tells_it_and_one_without_usable_locks_says_so(host, store, monkeypatch):
+    assert claimed(store, 1, bind="1") == {"cpu_binding": "1"} and cores.HELD == []  # the user's, kept: nothing claimed
 
     def unusable():
         raise PermissionError(13, "Permission denied", "/tmp/servetune-cpu-cores")
 
     monkeypatch.setattr("servetune.serve.cores.lock_dir", unusable)
-    assert claimed(1) == {
+    assert claimed(store, 1) == {
         "cpu_unclaimed": "core locks unusable ([Errno 13] Permission denied: '/tmp/servetune-cpu-cores')"
     }
 
@@ -91,31 +129,22 @@ def test_the_replicas_records_combine_into_the_trials():
     assert replica_cores([{}, {}]) == {} and replica_cores([]) == {}  # no callback (GPUs, a cluster joined)
 
 
-class Handle:
-    """Serve's handle of an LLM deployment, broadcasting ``llm_config`` to replicas holding ``configs``."""
-
-    def __init__(self, configs):
-        self.configs = configs
-
-    def broadcast(self, method):
-        assert method == "llm_config"
-        return types.SimpleNamespace(results=lambda timeout_s: [pickle.loads(pickle.dumps(c)) for c in self.configs])
-
-
 class Deployed(ServeCluster):
-    """A cluster whose one deployment has the replicas ``configs``; nothing else of Serve is read."""
+    """A cluster whose one deployment has the running replicas ``replicas`` (Serve's unique ids); nothing else of Serve
+    is read. Its replicas' configurations must not be asked for (unpickling one imports vLLM)."""
 
     url = "http://127.0.0.1:1"
 
-    def __init__(self, configs):
+    def __init__(self, replicas):
         super().__init__(None, {})
-        self.configs = configs
+        self.replicas = replicas
+        self.deleted = []
 
     def deploy(self, name, config, timeout_s, route_prefix="/", on_poll=None, keep_ingress=False):
         return 1.0
 
     def delete(self, name):
-        pass
+        self.deleted.append(name)
 
     def engine_replicas(self, name, deployment_prefix="LLMServer", live_only=True):
         return []
@@ -127,10 +156,13 @@ class Deployed(ServeCluster):
         return []
 
     def replica_ids(self, name, deployment_prefix="LLMServer"):
-        return []
+        return list(self.replicas)
 
     def replica_logs(self, name, max_bytes=0, leave_out=()):
         return ""
+
+    def replica_llm_configs(self, name, deployment_prefix="LLMServer", timeout_s=60.0):
+        raise AssertionError("a trial reads its replicas' claims, not their configurations")
 
 
 def serve_spec(tmp_path, replicas: int):
@@ -141,24 +173,39 @@ def serve_spec(tmp_path, replicas: int):
     return context.spec_for({"serve.num_replicas": replicas})
 
 
-def entered(tmp_path, monkeypatch, configs) -> ServeEngine:
-    monkeypatch.setattr("servetune.serve.cluster._llm_handles", lambda name, prefix: [Handle(configs)])
+def entered(tmp_path, monkeypatch, replicas, device="cpu") -> ServeEngine:
+    """A trial through Serve entered on :class:`Deployed` ``replicas``, its claims told under the trial's name."""
+    import dataclasses
+
     monkeypatch.setattr(serve_trial, "wait_gone", lambda pids, timeout_s: [])
-    return ServeEngine(serve_spec(tmp_path, len(configs) or 1), tmp_path, Deployed(configs)).__enter__()
+    spec = dataclasses.replace(serve_spec(tmp_path, len(replicas) or 1), device=device)
+    return ServeEngine(spec, tmp_path, Deployed(replicas)).__enter__()
 
 
-def test_a_trial_through_serve_records_its_replicas_cores_as_a_bare_engine_does(host, tmp_path, monkeypatch):
-    bound = [replica_config(1), replica_config(1)]
-    for config in bound:
-        cores.tell(config, {"cpu_binding": "0"} if config is bound[0] else {"cpu_binding": "1"})
-    engine = entered(tmp_path, monkeypatch, bound)
+def tell_as(monkeypatch, app: str, replica: str, record: dict[str, str]) -> None:
+    """What replica ``replica`` of ``app`` tells (serve/claims.py ``tell``, in that replica's context)."""
+    from ray import serve
+
+    context = types.SimpleNamespace(app_name=app, replica_id=types.SimpleNamespace(unique_id=replica))
+    monkeypatch.setattr(serve, "get_replica_context", lambda: context)
+    claims.tell(record)
+
+
+def test_a_trial_through_serve_records_its_running_replicas_cores_as_a_bare_engine_does(host, store, tmp_path,
+                                                                                       monkeypatch):  # fmt: skip
+    name = serve_trial.app_name(serve_spec(tmp_path, 2))
+    tell_as(monkeypatch, name, "a", {"cpu_binding": "0"})
+    tell_as(monkeypatch, name, "b", {"cpu_binding": "1"})
+    tell_as(monkeypatch, name, "gone", {"cpu_unclaimed": "a replica Serve replaced while deploying"})
+    tell_as(monkeypatch, "another-app", "c", {"cpu_binding": "9"})
+    engine = entered(tmp_path, monkeypatch, ["a", "b"])  # running: a and b only
     assert cores_record(engine) == {"cpu_binding": "0, 1"}  # what trial/runner.py puts in result.environment
     engine.__exit__(None, None, None)
 
     _, others = claim(2, [0, 1], host)  # other engines on the host hold both cores
-    replica = replica_config(1)
-    replica.callback_config.callback_kwargs[CLAIMED] = claimed(1)  # the replica's own claim, then Serve's handing over
-    engine = entered(tmp_path, monkeypatch, [replica])
+    crowded = claimed(store, 1)  # a replica's own claim, told to the store
+    tell_as(monkeypatch, serve_trial.app_name(serve_spec(tmp_path, 1)), "d", crowded)  # a one-replica trial's
+    engine = entered(tmp_path, monkeypatch, ["d"])
     record = cores_record(engine)
     assert "cpu_binding" not in record and record["cpu_unclaimed"].startswith("no 1 of the 2 cores free")
     engine.__exit__(None, None, None)
@@ -166,27 +213,32 @@ def test_a_trial_through_serve_records_its_replicas_cores_as_a_bare_engine_does(
         handle.close()
 
 
-def test_replicas_that_told_nothing_or_cannot_answer_leave_the_record_without_cores(tmp_path, monkeypatch):
-    engine = entered(tmp_path, monkeypatch, [replica_config(1)])  # no claim told (a GPU replica has no callback)
+def test_a_deleted_application_forgets_its_replicas_claims_and_no_other(store, monkeypatch):
+    tell_as(monkeypatch, "app-1", "a", {"cpu_binding": "0"})
+    tell_as(monkeypatch, "app-10", "b", {"cpu_binding": "1"})  # a name the first is a prefix of
+    claims.forget("app-1")
+    assert claims.told("app-1", ["a"]) == [{}] and claims.told("app-10", ["b"]) == [{"cpu_binding": "1"}]
+
+
+def test_replicas_that_told_nothing_or_cannot_answer_leave_the_record_without_cores(tmp_path, store, monkeypatch):
+    engine = entered(tmp_path, monkeypatch, ["a"])  # no claim told (a replica without the callback)
     assert cores_record(engine) == {}
     engine.__exit__(None, None, None)
 
-    def unanswered(name, prefix):
-        raise TimeoutError("the replicas did not answer")
+    import ray.experimental.internal_kv as kv
 
-    monkeypatch.setattr("servetune.serve.cluster._llm_handles", unanswered)
-    engine = ServeEngine(engine.spec, tmp_path, Deployed([])).__enter__()  # deployed all the same
+    def unreachable(key, *, namespace=None):
+        raise ConnectionError("the GCS did not answer")
+
+    monkeypatch.setattr(kv, "_internal_kv_get", unreachable)
+    engine = entered(tmp_path, monkeypatch, ["a"])  # deployed all the same
     assert cores_record(engine) == {}
     engine.__exit__(None, None, None)
 
 
-def test_a_gpu_trial_through_serve_asks_its_replicas_nothing_of_cores(tmp_path, monkeypatch):
-    import dataclasses
-
-    asked = []
-    monkeypatch.setattr("servetune.serve.cluster._llm_handles", lambda name, prefix: asked.append(name) or [])
-    monkeypatch.setattr(serve_trial, "wait_gone", lambda pids, timeout_s: [])
-    spec = dataclasses.replace(serve_spec(tmp_path, 1), device="gpu")
-    engine = ServeEngine(spec, tmp_path, Deployed([])).__enter__()
-    assert cores_record(engine) == {} and asked == []  # a GPU deployment's replicas claim no cores: none asked
+def test_a_gpu_trial_through_serve_asks_its_replicas_nothing_of_cores(tmp_path, store, monkeypatch):
+    name = serve_trial.app_name(serve_spec(tmp_path, 1))
+    tell_as(monkeypatch, name, "a", {"cpu_binding": "0"})  # were one told: a GPU trial does not read it
+    engine = entered(tmp_path, monkeypatch, ["a"], device="gpu")
+    assert cores_record(engine) == {}
     engine.__exit__(None, None, None)

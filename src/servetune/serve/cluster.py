@@ -23,9 +23,9 @@ from typing import Any
 from servetune.engine.server import free_port
 from servetune.errors import EngineStartError, UserError
 from servetune.local_ray import SERVE_SYSTEM_CONFIG, keeping_sigterm, start_local_ray
-from servetune.serve import actors
+from servetune.serve import actors, claims
 from servetune.serve.builder import run_openai_app, send_app, start_builder
-from servetune.serve.plan import CLAIM_CORES_ENV, CLAIMED
+from servetune.serve.plan import CLAIM_CORES_ENV
 from servetune.serve.proxies import is_wildcard
 from servetune.serve.routing import merge_counters, read_replica_counters
 
@@ -282,24 +282,26 @@ class ServeCluster:
             for handle in _llm_handles(name, deployment_prefix)
         )
 
+    def replica_claims(self, name: str) -> list[dict[str, str]]:
+        """What the core claim of each running LLM replica of the application got on the CPU build (serve/claims.py;
+        ``{}``: one that told nothing), in :meth:`replica_ids`' order."""
+        return claims.told(name, self.replica_ids(name))
+
     def replica_llm_configs(
         self, name: str, deployment_prefix: str = "LLMServer", timeout_s: float = 60.0
     ) -> list[dict[str, Any]]:
         """What each running replica of the application's LLM deployment was started with, as it holds it (Ray Serve
         LLM's ``LLMServer.llm_config``, broadcast by Serve to every running replica): its ``engine_kwargs``, its
-        ``env_vars`` (its runtime environment's), its ``callback_class`` (None: Ray Serve LLM's own) and the ``cores``
-        its engine claimed ({}: none told, serve/cores.py ``tell``). What a rollout left running, read from the
-        replicas rather than from what was asked for."""
+        ``env_vars`` (its runtime environment's) and its ``callback_class`` (None: Ray Serve LLM's own). What a
+        rollout left running, read from the replicas rather than from what was asked for."""
         found = []
         for handle in _llm_handles(name, deployment_prefix):
             for config in handle.broadcast("llm_config").results(timeout_s=timeout_s):
-                callback = getattr(config, "callback_config", None)
-                callback_class = getattr(callback, "callback_class", None)
+                callback = getattr(getattr(config, "callback_config", None), "callback_class", None)
                 found.append({
                     "engine_kwargs": dict(config.engine_kwargs or {}),
                     "env_vars": dict((config.runtime_env or {}).get("env_vars") or {}),
-                    "callback_class": None if callback_class is None else str(callback_class),
-                    "cores": dict((getattr(callback, "callback_kwargs", None) or {}).get(CLAIMED) or {}),
+                    "callback_class": None if callback is None else str(callback),
                 })  # fmt: skip
         return found
 
@@ -349,10 +351,13 @@ class ServeCluster:
             raise
 
     def delete(self, name: str) -> None:
+        """Delete the application and forget what its replicas told (serve/claims.py)."""
         from ray import serve
 
         if name in serve.status().applications:
             serve.delete(name, _blocking=True)
+        with contextlib.suppress(Exception):  # a Ray that went away: nothing of it to forget
+            claims.forget(name)
 
     def replica_pids(self, name: str) -> list[int]:
         """Process ids of the application's replica actors on this host and what they started (``actors.replica_pids``)."""

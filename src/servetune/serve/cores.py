@@ -19,8 +19,8 @@ rank keeps vLLM's own binding; several are bound to the first cores, as ``export
 (vLLM's own would refuse several ranks on one NUMA node). Only deployments in a local Ray servetune
 started carry the callback (:data:`~servetune.serve.plan.CLAIM_CORES_ENV`); ``export --format
 ray-serve`` never does. Cores are logical CPUs, a physical core each first (engine/cores.py `physical_first`).
-What the claim got (the binding, or why the replica runs on no cores of its own) is kept in the ``LLMConfig`` the
-replica holds (:func:`tell`), which Serve hands back to the trial that deployed it, for its record.
+What the claim got (the binding, or why the replica runs on no cores of its own) is told to the trial that deployed
+the replica, for its record (serve/claims.py).
 
 The same callback skips Ray Serve LLM's node initialization for a model that is a directory on this host: that
 step only runs a Ray task per node to "download" the model, which for a local directory returns the path as it
@@ -40,9 +40,9 @@ from typing import IO, Any
 from ray.llm._internal.common.callbacks.base import CallbackBase
 
 from servetune.engine.cores import BIND, binding, claim, lock_dir, locks_unusable, none_free
-from servetune.serve.plan import CLAIMED
+from servetune.serve import claims
 
-__all__ = ["BIND", "HELD", "WAIT_S", "ClaimCores", "claim", "lock_dir", "tell"]
+__all__ = ["BIND", "HELD", "WAIT_S", "ClaimCores", "claim", "lock_dir"]
 
 WAIT_S = 60.0  # how long a claim waits for cores a replica being replaced still holds
 
@@ -62,7 +62,7 @@ class ClaimCores(CallbackBase):
         if local_model_dir(self.llm_config) is not None:
             _torch_kernels_dir()
             self.ctx.run_init_node = False  # nothing to download: the path is used as given
-        tell(self.llm_config, await self.bind())
+        claims.tell(await self.bind())
 
     async def bind(self) -> dict[str, str]:
         """Claim the engine's cores and bind it to them; what the replica's record keeps of it, in a bare engine's
@@ -95,15 +95,6 @@ class ClaimCores(CallbackBase):
             os.environ[BIND] = bind  # a core per rank; the engine process the replica starts inherits it
             logger.info("servetune: this replica's engine runs on cores %s", bind)
         return {key: value for key, value in (("cpu_binding", bind), ("cpu_unclaimed", unclaimed)) if value}
-
-
-def tell(llm_config: Any, record: dict[str, str]) -> None:
-    """Keep what the replica's claim got in the ``LLMConfig`` the replica holds, in its callback's own kwargs
-    (:data:`~servetune.serve.plan.CLAIMED`): Serve hands the config back to whoever asks the replica
-    (``LLMServer.llm_config``, read by ``ServeCluster.replica_llm_configs``), and a trial through Serve records it."""
-    callback = getattr(llm_config, "callback_config", None)
-    if callback is not None:
-        callback.callback_kwargs[CLAIMED] = record
 
 
 def local_model_dir(llm_config: Any) -> str | None:

@@ -36,9 +36,6 @@ CLAIM_CORES = "servetune.serve.cores:ClaimCores"
 #: then claim a core per rank (serve/cores.py). Unset (a cluster servetune joins), replicas carry no
 #: callback (its nodes need no servetune) and vLLM binds them as it does.
 CLAIM_CORES_ENV = "SERVETUNE_CLAIM_CORES"
-#: Where each replica's callback keeps what its claim got (``cpu_binding``, ``cpu_unclaimed``): a key of its own
-#: ``callback_kwargs`` in the ``LLMConfig`` the replica holds, which Serve hands back (serve/cores.py ``tell``).
-CLAIMED = "servetune_claimed"
 
 
 @dataclass(frozen=True)

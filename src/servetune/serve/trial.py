@@ -26,6 +26,7 @@ from servetune.engine.metrics import MetricsSnapshot
 from servetune.engine.server import KvCapacity
 from servetune.report.points import ReportPoint
 from servetune.results import ENGINE_LOG
+from servetune.serve import claims
 from servetune.serve.actors import wait_gone
 from servetune.serve.cluster import ServeCluster
 from servetune.serve.metrics import ReplicaCounts, replica_snapshots, replicas_snapshot
@@ -50,6 +51,8 @@ def remove_study_apps(study: str) -> list[str]:
     names = sorted(name for name in serve.status().applications if mine.fullmatch(name))
     for name in names:
         serve.delete(name, _blocking=True)
+        with contextlib.suppress(Exception):
+            claims.forget(name)  # what its replicas told of their cores (serve/claims.py)
     return names
 
 
@@ -154,7 +157,7 @@ class ServeEngine:
             self.server_metrics = ReplicaMetrics(self.cluster, self.name)
             if self.spec.device == "cpu":  # where replicas claim cores (serve/cores.py): what each got
                 with contextlib.suppress(Exception):  # replicas that cannot say: the record says nothing of their cores
-                    told = replica_cores([c["cores"] for c in self.cluster.replica_llm_configs(self.name)])
+                    told = replica_cores(self.cluster.replica_claims(self.name))
                     self.cpu_binding, self.cpu_unclaimed = told.get("cpu_binding"), told.get("cpu_unclaimed")
             self._keep_log()
         except BaseException:  # deployed, but not entered: nothing else would delete it
