@@ -77,13 +77,19 @@ def test_a_build_that_fails_in_the_builder_fails_the_trial_and_is_not_built_agai
     class Refused(Exception):
         pass
 
-    def refused(ref):
-        raise Refused("engine_kwargs: no such argument")
+    def refused(ref):  # as Ray raises a remote error: its cause's class and Ray's, Ray's traceback as its text
+        from ray.exceptions import RayTaskError
+
+        cause = Refused("engine_kwargs: no such argument")
+        raise RayTaskError(
+            "AppBuilder.run", "Traceback: ...", cause, "ray::AppBuilder", 1, "127.0.0.1"
+        ).as_instanceof_cause()
 
     monkeypatch.setattr("ray.get_actor", lambda name: FakeBuilder(recorded))
     monkeypatch.setattr("ray.get", refused)
-    with pytest.raises(Refused):
+    with pytest.raises(Refused) as raised:
         builder.run_openai_app("servetune-s-1", {"name": "c"}, False, None, "/x", attached=True)
+    assert str(raised.value) == "engine_kwargs: no such argument"  # the trial's reason: the build's words, not Ray's
     assert [call[0] for call in recorded] == ["builder"]
 
 

@@ -15,6 +15,9 @@ to, a named one too) and stops it then. Its name carries the driver's job id, wh
 the driver starts share on whatever node they run, and no other study's driver has. It runs with the job's runtime
 environment, as the trials do: Serve gives the application the builder's (``serve.run_many``'s default) as it gave it
 the trial's. A trial that finds no live builder (it died) builds the application itself, as before, and says so.
+Taking no CPU, it runs where Ray places it, mostly the driver's node (a ``ray job submit``'s: the head's), which so
+needs Ray Serve LLM and vLLM importable, as the images Ray Serve LLM documents have on every node; where they are not,
+it dies starting and each trial builds its own, as before.
 """
 
 from __future__ import annotations
@@ -112,7 +115,7 @@ def run_openai_app(
     to take it (not those building it, nor those waiting for the builder)."""
     if attached:
         import ray
-        from ray.exceptions import RayActorError
+        from ray.exceptions import RayActorError, RayTaskError
 
         builder: Any
         try:
@@ -124,7 +127,11 @@ def run_openai_app(
                 return float(
                     ray.get(builder.run.remote(name, dict(llm_config), keep_ingress, engine_version, route_prefix))
                 )
-            except RayActorError as exc:  # it died (a build that fails raises as the build does, here)
+            except RayActorError as exc:  # it died
                 logger.warning("servetune: the study's Serve builder is gone (%s); %s is built here",
                                type(exc).__name__, name)  # fmt: skip
+            except RayTaskError as exc:  # the build failed: as it fails here, not as Ray's remote traceback
+                if isinstance(exc.cause, BaseException):
+                    raise exc.cause from None
+                raise
     return send_app(name, openai_app(llm_config, keep_ingress, engine_version), route_prefix)
