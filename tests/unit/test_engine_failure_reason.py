@@ -42,12 +42,26 @@ def test_a_crash_is_its_last_error_line_and_a_quiet_log_points_to_the_tail():
 
 def test_a_worker_crash_is_the_cause_not_the_engine_cores_pointer_to_it():
     crashed = (  # vLLM 0.32's CPU build, `vllm serve --block-size 7` (abridged)
-        "(APIServer pid=1) WARNING [system_utils.py:255] ... fd limit errors like `OSError: [Errno 24] Too many`\n"
+        "(APIServer pid=1) WARNING 12-06 20:07:24 [system_utils.py:255] fd limit errors like `OSError: [Errno 24]`\n"
         "(Worker pid=3) ERROR [multiproc_executor.py:1063] ValueError: No common block size for 7 (CPU_ATTN).\n"
         "(EngineCore pid=2) ERROR [core.py:1510] RuntimeError: Worker failed with error 'No common block size for 7"
         " (CPU_ATTN).', please check the stack trace above for the root cause\n"
         "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n"
     )
     assert telling_error(crashed).endswith("] ValueError: No common block size for 7 (CPU_ATTN).")
+    killed = (  # a worker killed without an error line of its own: the pointer, not the warning above it
+        "(APIServer pid=1) WARNING 12-06 20:07:24 [system_utils.py:255] fd limit errors like `OSError: [Errno 24]`\n"
+        "(EngineCore pid=2) ERROR 12-06 20:07:41 [core.py:1] Worker proc 3 died unexpectedly\n"
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n"
+    )
+    assert telling_error(killed).startswith("RuntimeError: Engine core initialization failed.")
     only_pointer = "RuntimeError: Engine core initialization failed. See root cause above.\n"
     assert telling_error(only_pointer) == only_pointer.strip()  # nothing else to say: the pointer, not nothing
+
+
+def test_many_refusals_keep_the_heading_and_cut_what_it_heads():
+    many = "ValidationError: 9 validation errors for X\n" + "".join(
+        f"  field {i} is wrong{'!' * 40}\n" for i in range(9)
+    )
+    reason = telling_error(many)
+    assert reason.startswith("ValidationError: 9 validation errors for X: field 0 is wrong") and len(reason) == 300

@@ -378,6 +378,8 @@ class VllmServer:
 #: pydantic's heading of a refused configuration (vLLM validates its configs with pydantic): the errors themselves
 #: follow on indented lines, each with a ``[type=...]`` tail and a ``For further information`` line.
 _VALIDATION = re.compile(r"\d+ validation errors? for \w+")
+#: A line vLLM logged below ERROR, which may name an error it only warns of (``... fd limit errors like `OSError: ...```).
+_NOT_AN_ERROR = re.compile(r"\b(DEBUG|INFO|WARNING)\s+\d\d-\d\d \d\d:\d\d:\d\d ")
 
 
 def telling_error(log: str) -> str:
@@ -386,13 +388,14 @@ def telling_error(log: str) -> str:
     pydantic's heading of a configuration vLLM refused (``1 validation error for SchedulerConfig``), the errors it
     heads (what the user must change), not only the heading."""
     lines = log.splitlines()
-    errors = [i for i, line in enumerate(lines) if re.search(r"\b\w*(Error|Exception)\b: ", line)]
+    errors = [i for i, line in enumerate(lines)
+              if re.search(r"\b\w*(Error|Exception)\b: ", line) and not _NOT_AN_ERROR.search(line)]  # fmt: skip
     # vLLM's engine core ends with an error that points up at its worker's (``See root cause above``): the cause.
     causes = [i for i in errors if not re.search(r"(root cause|stack trace) above", lines[i], re.IGNORECASE)]
     for i in reversed(causes or errors):
         line = lines[i].strip()
-        if _VALIDATION.search(line):
-            line = ": ".join([line, *_refusals(lines[i + 1 :])])
+        if _VALIDATION.search(line):  # the heading kept whole, what it heads cut short if need be
+            return ": ".join([line, *_refusals(lines[i + 1 :])])[:300]
         return line[-300:]
     return "see the log tail"
 
