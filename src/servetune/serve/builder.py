@@ -58,6 +58,12 @@ def openai_app(llm_config: Mapping[str, Any], keep_ingress: bool, engine_version
     return app
 
 
+def quiet_serve_logs() -> None:
+    """Serve's and Ray Serve LLM's INFO lines would bury servetune's own progress."""
+    for name in ("ray.serve", "ray.llm"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 def send_app(name: str, app: Any, route_prefix: str) -> float:
     """``serve.run_many`` the application ``app`` as ``name`` at ``route_prefix``, not waiting for it to run; the
     seconds that took (a deploy's clock starts when Serve is given the application, not when it was built)."""
@@ -76,8 +82,7 @@ class AppBuilder:
     def __init__(self) -> None:
         import ray.serve.llm  # noqa: F401  # the import every build needs, done once and ahead of the first
 
-        for name in ("ray.serve", "ray.llm"):  # as the driver keeps them (cluster._quiet_serve_logs)
-            logging.getLogger(name).setLevel(logging.WARNING)
+        quiet_serve_logs()  # as the driver keeps them
 
     def run(
         self, name: str, llm_config: Mapping[str, Any], keep_ingress: bool, engine_version: str | None,

@@ -14,7 +14,6 @@ a cluster is shut down on leaving once no application is left on it; one that wa
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import time
 from collections.abc import Callable, Collection, Mapping
@@ -24,7 +23,7 @@ from servetune.engine.server import free_port
 from servetune.errors import EngineStartError, UserError
 from servetune.local_ray import SERVE_SYSTEM_CONFIG, keeping_sigterm, start_local_ray
 from servetune.serve import actors, claims
-from servetune.serve.builder import run_openai_app, send_app, start_builder
+from servetune.serve.builder import quiet_serve_logs, run_openai_app, send_app, start_builder
 from servetune.serve.plan import CLAIM_CORES_ENV
 from servetune.serve.proxies import is_wildcard
 from servetune.serve.routing import merge_counters, read_replica_counters
@@ -63,7 +62,7 @@ class ServeCluster:
     def __enter__(self) -> ServeCluster:
         import ray
 
-        _quiet_serve_logs()
+        quiet_serve_logs()
         if self.address is None:
             if not ray.is_initialized():
                 # The replicas claim a core per rank on the CPU build (serve/cores.py): its workers inherit the variable.
@@ -439,15 +438,9 @@ def start_serve(local: bool) -> None:
     trials' applications, the driver's until it exits (serve/builder.py)."""
     from ray import serve
 
-    _quiet_serve_logs()
+    quiet_serve_logs()
     serve.start(http_options={"host": "127.0.0.1", "port": free_port()} if local else {"host": "0.0.0.0"})
     start_builder()  # the trials' applications built in one process, not each in its own (serve/builder.py)
-
-
-def _quiet_serve_logs() -> None:
-    """Serve's and Ray Serve LLM's INFO lines would bury servetune's own progress."""
-    for logger in ("ray.serve", "ray.llm"):
-        logging.getLogger(logger).setLevel(logging.WARNING)
 
 
 def _llm_handles(name: str, deployment_prefix: str) -> list[Any]:
