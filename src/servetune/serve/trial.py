@@ -26,7 +26,6 @@ from servetune.engine.metrics import MetricsSnapshot
 from servetune.engine.server import KvCapacity
 from servetune.report.points import ReportPoint
 from servetune.results import ENGINE_LOG
-from servetune.serve import claims
 from servetune.serve.actors import wait_gone
 from servetune.serve.cluster import ServeCluster
 from servetune.serve.metrics import ReplicaCounts, replica_snapshots, replicas_snapshot
@@ -49,10 +48,10 @@ def remove_study_apps(study: str) -> list[str]:
 
     mine = re.compile(rf"servetune-{re.escape(study)}-[0-9a-f]{{12}}")
     names = sorted(name for name in serve.status().applications if mine.fullmatch(name))
-    for name in names:
-        serve.delete(name, _blocking=True)
-        with contextlib.suppress(Exception):
-            claims.forget(name)  # what its replicas told of their cores (serve/claims.py)
+    if names:
+        cluster = ServeCluster.attached()
+        for name in names:
+            cluster.delete(name)  # and what its replicas told of their cores
     return names
 
 
