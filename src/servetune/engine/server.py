@@ -383,24 +383,25 @@ _NOT_AN_ERROR = re.compile(r"\b(DEBUG|INFO|WARNING)\s+\d\d-\d\d \d\d:\d\d:\d\d "
 
 
 def telling_error(log: str) -> str:
-    """The most telling error line of an engine's ``log``: the last ``...Error: ...`` line that is not a pointer to
-    a cause above it (vLLM's engine core's), with, where it is
-    pydantic's heading of a configuration vLLM refused (``1 validation error for SchedulerConfig``), the errors it
-    heads (what the user must change), not only the heading."""
+    """The most telling error line of an engine's ``log``: the last ``...Error: ...`` line that is not a pointer to a
+    cause above it (vLLM's engine core's); where it is pydantic's heading of a configuration vLLM refused (``1
+    validation error for SchedulerConfig``), with the errors it heads (what the user must change)."""
     lines = log.splitlines()
     errors = [i for i, line in enumerate(lines)
               if re.search(r"\b\w*(Error|Exception)\b: ", line) and not _NOT_AN_ERROR.search(line)]  # fmt: skip
     # vLLM's engine core ends with an error that points up at its worker's (``See root cause above``): the cause.
     causes = [i for i in errors if not re.search(r"(root cause|stack trace) above", lines[i], re.IGNORECASE)]
-    for i in reversed(causes or errors):
-        line = lines[i].strip()
-        if _VALIDATION.search(line):  # the heading kept whole, what it heads cut short if need be
-            return ": ".join([line, *_refusals(lines[i + 1 :])])[:300]
+    if not errors:
+        return "see the log tail"
+    i = (causes or errors)[-1]
+    line = lines[i].strip()
+    if not _VALIDATION.search(line):
         return line[-300:]
-    return "see the log tail"
+    refusals = _refusals(lines[i + 1 :])  # the heading kept whole, what it heads cut short if need be
+    return (f"{line}: {refusals}" if refusals else line)[:300]
 
 
-def _refusals(lines: list[str]) -> list[str]:
+def _refusals(lines: list[str]) -> str:
     """The errors under pydantic's heading, ``'; '``-joined (empty when none follows): each an indented line, after
     the field it is about where it names one (a line of its own, not indented); what follows them ends them."""
     found, field = [], ""
@@ -412,7 +413,7 @@ def _refusals(lines: list[str]) -> list[str]:
             field = ""
         elif not line.startswith("  "):
             break
-    return ["; ".join(found)] if found else []
+    return "; ".join(found)
 
 
 def _signal_group(pgid: int, sig: int) -> None:
