@@ -152,6 +152,9 @@ class Deployed(ServeCluster):
     def served_per_replica(self, name, deployment_prefix="LLMServer"):
         return {}
 
+    def replica_engines(self, name, deployment_prefix="LLMServer"):
+        return []
+
     def replica_pids(self, name):
         return []
 
@@ -241,4 +244,21 @@ def test_a_gpu_trial_through_serve_asks_its_replicas_nothing_of_cores(tmp_path, 
     tell_as(monkeypatch, name, "a", {"cpu_binding": "0"})  # were one told: a GPU trial does not read it
     engine = entered(tmp_path, monkeypatch, ["a"], device="gpu")
     assert cores_record(engine) == {}
+    engine.__exit__(None, None, None)
+
+
+def test_the_memory_followed_is_the_llm_replicas_not_the_lowest_pid(tmp_path, store, monkeypatch):
+    """After the host's pids wrap, the lowest pid of the application's processes may be any small child (seen: a
+    12 MiB process, so verify's soak followed no engine): the trial follows its first LLM replica on this host."""
+
+    class Wrapped(Deployed):
+        def replica_pids(self, name):
+            return [1, os.getpid()]  # 1: a process that is not the replica
+
+        def replica_engines(self, name, deployment_prefix="LLMServer"):
+            return [(os.getpid(), [])]
+
+    monkeypatch.setattr(serve_trial, "wait_gone", lambda pids, timeout_s: [])
+    engine = ServeEngine(serve_spec(tmp_path, 1), tmp_path, Wrapped(["a"])).__enter__()
+    assert engine.process is not None and engine.process.pid == os.getpid()
     engine.__exit__(None, None, None)

@@ -292,6 +292,9 @@ class HalfwayCluster:
     def delete(self, name):
         self.deleted.append(name)
 
+    def replica_engines(self, name, deployment_prefix="LLMServer"):
+        return []
+
     def replica_pids(self, name):
         if self.deployed:
             raise RuntimeError("the GCS did not answer")
@@ -325,6 +328,9 @@ class ReplacingCluster(HalfwayCluster):
         self.actors |= {"r0": (False, "r0: failed while deploying, KV cache size: 1,000 tokens\n"),
                         "r1": (True, "r1: KV cache size: 2,000 tokens\n")}  # fmt: skip
         return super().deploy(name, config, timeout_s, route_prefix)
+
+    def replica_engines(self, name, deployment_prefix="LLMServer"):
+        return []
 
     def replica_pids(self, name):
         return []

@@ -117,7 +117,7 @@ class ServeEngine:
         self.cluster = cluster
         self.url = ""
         self.startup_s: float | None = None
-        self.process: psutil.Process | None = None  # a replica on this node (telemetry follows its memory)
+        self.process: psutil.Process | None = None  # an LLM replica on this node (telemetry follows its memory)
         self.pids: list[int] = []
         self.not_ours: set[str] = set()  # replica actor ids whose logs are not this trial's
         self.earlier: set[str] = set()  # Serve replica ids of an earlier deployment of this name, counted by Ray still
@@ -151,8 +151,11 @@ class ServeEngine:
             live = set(self.cluster.engine_replicas(self.name))
             self.not_ours |= set(self.cluster.engine_replicas(self.name, live_only=False)) - live
             self.pids = self.cluster.replica_pids(self.name)
-            if self.pids:
-                self.process = psutil.Process(self.pids[0])
+            # The first LLM replica here, whose process tree holds its engine: not the lowest of the pids above, which
+            # after the host's pids wrap may be any child, or the ingress's replica.
+            engines = self.cluster.replica_engines(self.name)
+            if engines:
+                self.process = psutil.Process(engines[0][0])
             self.server_metrics = ReplicaMetrics(self.cluster, self.name)
             if self.spec.device == "cpu":  # where replicas claim cores (serve/cores.py): what each got
                 with contextlib.suppress(Exception):  # replicas that cannot say: the record says nothing of their cores
