@@ -7,6 +7,11 @@ bench document per configuration. ``record`` makes one on vLLM's CPU build (an e
 
     .venv/bin/python bench/capacity_accuracy.py record --out bench/data/capacity-surface.json
 
+``--num-requests 0`` leaves each level's request count to ``servetune bench`` (8 a client in flight, 32-500, as a
+study's ``requests_per_level: auto``): the final drain is then about the same share of every level, so the
+level's throughput curve has the steady one's knee (bench/README.md, "The measured knee at the steady rate"), at
+about 70 minutes for the six configurations instead of 30.
+
 ``replay`` (seconds, no engine) then runs, for each configuration and seed, what a study's trial would do on that
 engine, drawing each measured level's runs from the recorded repeats of the nearest recorded load:
 
@@ -232,7 +237,9 @@ def record(out: Path, model: str | None, loads: Sequence[int], repeats: int, num
         doc = work / f"config-{i}.json"
         argv = [sys.executable, "-m", "servetune", "bench", "--model", model, "--workload", "cpu-tiny",
                 "--concurrency", ",".join(map(str, loads)), "--repeats", str(repeats),
-                "--num-requests", str(num_requests), "--env", "VLLM_CPU_KVCACHE_SPACE=2", "--json", str(doc)]  # fmt: skip
+                "--env", "VLLM_CPU_KVCACHE_SPACE=2", "--json", str(doc)]  # fmt: skip
+        if num_requests > 0:  # else servetune bench's own count a level (8 a client)
+            argv += ["--num-requests", str(num_requests)]
         for key, value in {**BASE_ARGS, **params}.items():
             argv += ["--engine-arg", f"{key}={str(value).lower() if isinstance(value, bool) else value}"]
         print(f"[{i + 1}/{len(chosen)}] {name}", flush=True)
@@ -251,7 +258,12 @@ def main(argv: list[str] | None = None) -> None:
     rec.add_argument("--model", help="model directory (default: servetune's tiny model, built here)")
     rec.add_argument("--loads", default=",".join(map(str, DENSE)), help="clients in flight, comma-separated")
     rec.add_argument("--repeats", type=int, default=3)
-    rec.add_argument("--num-requests", type=int, default=64, help="measured requests per run of a level")
+    rec.add_argument(
+        "--num-requests",
+        type=int,
+        default=64,
+        help="measured requests per run of a level (0: servetune bench's own, 8 a client in flight)",
+    )
     rec.add_argument("--slo", default=SLO, help="the SLO the surface is judged against (kept in the file)")
     rec.add_argument("--configs", type=int, default=len(CONFIGS), help="record only the first N configurations")
     rep = sub.add_parser("replay", help="the capacity search and the fixed ladders on a recorded surface")

@@ -28,6 +28,15 @@ out ``cpu-tiny-grid.json`` (an Intel host, bfloat16: how far the factors carry t
 given). The capacity surface is held out of that fit (its knee table), then fitted on half of its own runs
 and scored on the other half (its second knee table): how the model places the knee where its factors are
 that surface's own.
+
+``--throughput`` says which rate the capacity surface's output throughput is read as, in its error tables, its
+own fit and its measured knees alike (calibrate_cpu.read_output_throughput): ``level`` (the default: the level's
+whole window, its final drain included), ``busy`` (the recorded window with every client busy: this surface has
+it up to 40-44 clients, its levels past that are left out) or ``little`` (Little's law, clients x output tokens /
+mean E2E, at every level; high where a level is about one request a client). The study surfaces' fit reads the
+level's rate whatever the flag: they record no busy window.
+
+    PYTHONPATH=src .venv/bin/python bench/estimate_accuracy.py --cpu --throughput busy
 """
 
 from __future__ import annotations
@@ -62,9 +71,15 @@ def main() -> None:
     parser.add_argument(
         "--per-load", action="store_true", help="with --cpu, also the signed median error per surface and load"
     )
+    parser.add_argument(
+        "--throughput",
+        choices=calibrate_cpu.THROUGHPUTS,
+        default="level",
+        help="with --cpu, the rate a level's output throughput is read as (the module's docstring)",
+    )
     args = parser.parse_args()
     if args.cpu:
-        cpu(args.write, args.per_load)
+        cpu(args.write, args.per_load, args.throughput)
         return
 
     text = calibrate.shipped_data()
@@ -113,7 +128,7 @@ def _signed(points: list[calibrate.CalibrationPoint], metric: str) -> str:
     return "-" if not errors else f"{100 * statistics.median(errors):+6.1f}% (n={len(errors)})"
 
 
-def cpu(write: bool, per_load: bool = False) -> None:
+def cpu(write: bool, per_load: bool = False, throughput: calibrate_cpu.Throughput = "level") -> None:
     r3 = calibrate_cpu.halves(calibrate_cpu.read_surface(SURFACES / "cpu-tiny-grid-r3.json", held_out=False))
     r4 = calibrate_cpu.halves(calibrate_cpu.read_surface(SURFACES / "cpu-tiny-grid-r4.json", held_out=False))
     other_host = calibrate_cpu.read_surface(SURFACES / "cpu-tiny-grid.json", held_out=True)
@@ -136,8 +151,10 @@ def cpu(write: bool, per_load: bool = False) -> None:
                 sel = [p for p in points if p.load == load]
                 print(f"{name:<34} {load:<12g} " + " ".join(f"{_signed(sel, m):<30}" for m in calibrate.METRICS))
     print()
-    configs = capacity_surface(SURFACES / "capacity-surface.json")
+    configs = capacity_surface(SURFACES / "capacity-surface.json", throughput)
     print("the capacity surface, held out of the fit above (servetune bench, no Ray: another way of running)")
+    print(f"its output throughput read as: {throughput} (calibrate_cpu.read_output_throughput)")
+    _score_table([("capacity surface (all held out)", [p for _, points in configs for p in points])], eff)
     knee_table(configs, lambda _: eff)
     # The issue's split on the capacity surface itself: fit on half of its runs, score and place the knee with it.
     split = [(name, calibrate_cpu.halves(points)) for name, points in configs]
@@ -204,9 +221,11 @@ def gpu_series(points: Sequence[calibrate.CalibrationPoint]) -> list[tuple[str, 
     return [(name, pts) for name, pts in series if len({p.load for p in pts}) >= MIN_LOADS]
 
 
-def capacity_surface(path: Path) -> list[tuple[str, list[calibrate.CalibrationPoint]]]:
+def capacity_surface(
+    path: Path, throughput: calibrate_cpu.Throughput = "level"
+) -> list[tuple[str, list[calibrate.CalibrationPoint]]]:
     """Each configuration of a capacity surface (``bench`` results of a ladder, several runs a load) as CPU points,
-    one a run (a level's ``runs``; a load run once is its own)."""
+    one a run (a level's ``runs``; a load run once is its own), the output throughput read as ``throughput``."""
     doc = json.loads(path.read_text(encoding="utf-8"))
     out = []
     for config in doc["configs"]:
@@ -218,19 +237,23 @@ def capacity_surface(path: Path) -> list[tuple[str, list[calibrate.CalibrationPo
             "env": bench.get("env"),
             "levels": runs,
         }
-        out.append((config["name"], calibrate_cpu.trial_points(trial, path.stem, held_out=True)))
+        points = calibrate_cpu.trial_points(trial, path.stem, held_out=True, throughput=throughput)
+        out.append((config["name"], points))
     return out
 
 
 def run_knees(points: Sequence[calibrate.CalibrationPoint]) -> list[float | None]:
-    """Each run's knee where every load was measured as often (run i: each load's i-th point); none otherwise."""
+    """Each run's knee (run i: each load's i-th point), over the loads measured as often as the most measured one
+    (a load where some run has no throughput is left out); none for loads measured once."""
     runs: dict[float, list[float]] = {}
     for p in points:
-        runs.setdefault(p.load, []).append(p.measured["output_throughput"])
-    repeats = {len(ts) for ts in runs.values()}
-    if len(repeats) != 1 or (n := repeats.pop()) < 2:
+        if "output_throughput" in p.measured:
+            runs.setdefault(p.load, []).append(p.measured["output_throughput"])
+    n = max((len(ts) for ts in runs.values()), default=0)
+    if n < 2:
         return []
-    return [measured_knee((load, ts[i]) for load, ts in runs.items()) for i in range(n)]
+    full = {load: ts for load, ts in runs.items() if len(ts) == n}
+    return [measured_knee((load, ts[i]) for load, ts in full.items()) for i in range(n)]
 
 
 def knee_table(
@@ -243,7 +266,10 @@ def knee_table(
     print("knee within one ladder step (measured: estimate/knee.py; '>top': no knee on the ladder)")
     print(f"{'curve':<58} {'loads':<10} {'capacity':>8} {'measured':>9} {'predicted':>9} {'steps':>6}  runs' knees")
     within = 0
-    for name, pts in series:
+    for name, every in series:
+        pts = [p for p in every if "output_throughput" in p.measured]  # the loads whose rate was read
+        if not pts:
+            continue
         first = pts[0]
         i = round(statistics.median(p.input_tokens for p in pts))
         o = round(statistics.median(p.output_tokens for p in pts))

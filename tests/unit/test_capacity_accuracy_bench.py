@@ -87,3 +87,23 @@ def test_a_recorded_surface_is_read_back_with_each_run_judged_against_the_slo(tm
     assert sorted(read.runs["c"]) == [float(x) for x in LOADS] and len(read.runs["c"][10.0]) == 3
     assert capacity_accuracy.truth(read, "c") == 10
     assert capacity_accuracy.truth(capacity_accuracy.load_surface(path, "ttft_ms.p99=500"), "c") == 5
+
+
+@pytest.mark.parametrize(("asked", "passed"), [(64, ["--num-requests", "64"]), (0, [])])
+def test_record_leaves_the_requests_a_level_to_servetune_bench_when_asked_for_none(
+    tmp_path, monkeypatch, asked, passed
+):
+    calls = []
+
+    def run(argv, check):
+        calls.append(argv)
+        doc = argv[argv.index("--json") + 1]
+        with open(doc, "w", encoding="utf-8") as out:
+            json.dump({"levels": []}, out)
+
+    monkeypatch.setattr(capacity_accuracy.subprocess, "run", run)
+    capacity_accuracy.main(["record", "--out", str(tmp_path / "s.json"), "--model", "tiny", "--configs", "1",
+                            "--num-requests", str(asked)])  # fmt: skip
+    (argv,) = calls
+    tail = argv[argv.index("--num-requests") :][:2] if "--num-requests" in argv else []
+    assert tail == passed

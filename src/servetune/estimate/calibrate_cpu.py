@@ -17,7 +17,7 @@ import json
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -33,23 +33,59 @@ RECORDED_HOST = cpu_rates(gflops=160.0, memory_gbps=20.0, cores=2)
 # Where the host-cores fit starts: 1.5 to 4 ms of CPU a token, 1,333 to 500 tok/s on two cores, about where the
 # recorded levels streamed (a bound that binds nowhere has no gradient to fit from: it starts where it is felt).
 HOST_CPU_MS_STARTS = (1.5, 2.0, 3.0, 4.0)
+# Which rate a recorded closed-loop level's output throughput is read as (read_output_throughput says how).
+Throughput = Literal["level", "busy", "little"]
+THROUGHPUTS: tuple[Throughput, ...] = ("level", "busy", "little")
 # On a CPU the fractions of peak a tiny model reaches are far below a GPU's, so the floor is lower.
 CPU_BOUNDS = ((1e-4, 1e-4, 0.0, 0.0, 0.0), BOUNDS[1])
 
 
-def read_surface(path: Path, held_out: bool, rates: DeviceRates = RECORDED_HOST) -> list[CalibrationPoint]:
+def read_output_throughput(summary: Mapping[str, Any], throughput: Throughput = "level") -> float | None:
+    """A recorded closed-loop level's output tok/s, read as ``throughput``:
+
+    - ``level``: the level's ``output_throughput``, its tokens over its whole measured window, which holds the
+      last requests' drain with ever fewer clients busy (a share that grows with the clients per request);
+    - ``busy``: the level's ``busy_output_throughput`` (summary.busy_output_throughput: while every client had a
+      request in flight), as recorded; None where the level has none (recorded without it, or too short: fewer
+      requests finished in the window than there are clients);
+    - ``little``: the steady rate by Little's law, clients x mean output tokens / mean E2E latency (every client
+      always in flight: a client's gap between requests is left out, the drain's shorter latencies are in). It
+      reads high where a level holds about one request a client and requests queue for the engine's slots: the
+      first wave's queue is shorter than a steady loop's.
+    """
+    if throughput == "level":
+        return float(summary["output_throughput"])
+    if throughput == "busy":
+        busy = summary.get("busy_output_throughput")
+        return None if busy is None else float(busy)
+    e2e_ms, done = (summary.get("e2el_ms") or {}).get("mean"), summary.get("completed")
+    if not e2e_ms or not done:
+        return None
+    return float(summary["level"]["concurrency"]) * summary["total_output_tokens"] / done / (e2e_ms / 1000.0)
+
+
+def read_surface(
+    path: Path, held_out: bool, rates: DeviceRates = RECORDED_HOST, throughput: Throughput = "level"
+) -> list[CalibrationPoint]:
     """The completed trials' levels of one recorded surface as calibration points."""
     doc = json.loads(path.read_text(encoding="utf-8"))
     points: list[CalibrationPoint] = []
     for trial in doc["trials"]:
-        points.extend(trial_points(trial, path.stem, held_out, rates, first_row=len(points)))
+        points.extend(trial_points(trial, path.stem, held_out, rates, first_row=len(points), throughput=throughput))
     return points
 
 
 def trial_points(
-    trial: Mapping[str, Any], source_id: str, held_out: bool, rates: DeviceRates = RECORDED_HOST, first_row: int = 0
+    trial: Mapping[str, Any],
+    source_id: str,
+    held_out: bool,
+    rates: DeviceRates = RECORDED_HOST,
+    first_row: int = 0,
+    throughput: Throughput = "level",
 ) -> list[CalibrationPoint]:
-    """One recorded trial's (a ``result.json`` as a dict) closed-loop levels as calibration points; none unless COMPLETE."""
+    """One recorded trial's (a ``result.json`` as a dict) closed-loop levels as calibration points; none unless
+    COMPLETE. Each level's output throughput is read as ``throughput`` (read_output_throughput); a level
+    without that rate keeps its TPOT and TTFT."""
     if trial.get("outcome") != "COMPLETE":
         return []
     arch = arch_from_hf_config(TINY_CONFIG, name="tiny")
@@ -64,7 +100,7 @@ def trial_points(
         measured = {
             "tpot_ms": s["tpot_ms"]["mean"],
             "ttft_ms": s["ttft_ms"]["mean"],
-            "output_throughput": s["output_throughput"],
+            "output_throughput": read_output_throughput(s, throughput),
         }
         points.append(
             CalibrationPoint(
