@@ -1,5 +1,6 @@
 """VllmServer's process handling, with the fake server standing in for vLLM's entry point."""
 
+import re
 import time
 
 import pytest
@@ -172,10 +173,13 @@ def test_a_reaper_killed_outright_still_clears_the_group(fake_python, tmp_path):
             time.sleep(0.2)
         assert not group_members(pgid)
         assert not ipc_dir.exists()  # the guard removed it, not the stop below
-    assert (
-        "the engine's reaper died; stopped its group (1 process(es) needed SIGKILL)"
-        in (tmp_path / "engine.log").read_text()
+    # The stubborn child ignores SIGTERM, so at least it needed SIGKILL; on a loaded host the server itself may
+    # not have exited within the grace either (2 seen with three test processes on two cores).
+    stopped = re.search(
+        r"the engine's reaper died; stopped its group \((\d+) process\(es\) needed SIGKILL\)",
+        (tmp_path / "engine.log").read_text(),
     )
+    assert stopped is not None and int(stopped.group(1)) >= 1
 
 
 def test_a_crash_is_seen_at_once_though_the_reaper_is_still_clearing(fake_python, tmp_path):
