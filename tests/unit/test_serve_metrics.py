@@ -90,6 +90,14 @@ def test_gauges_only_reads_no_counter_and_nothing_of_the_replicas_is_none():
     assert replicas_snapshot(["not { prometheus"], {"r1"}) is None
 
 
+def test_only_vllms_lines_are_parsed_so_another_metric_the_parser_refuses_hides_nothing():
+    """A full read parses the agent's vLLM lines only, not Ray's and Serve's own metrics around them."""
+    other = '# TYPE ray_component_cpu_percentage gauge\nray_component_cpu_percentage{pid="42"} not-a-number\n'
+    snap = replicas_snapshot([other + NODE_A, NODE_B + other], {"r1", "r2"})
+    assert snap is not None and snap == replicas_snapshot([NODE_A, NODE_B], {"r1", "r2"})
+    assert snap.counters["prompt_tokens"] == 4000.0 and snap.histograms
+
+
 def test_combined_snapshots_add_histogram_buckets_and_keep_a_single_engines_values():
     one = MetricsSnapshot(gauges={"requests_waiting": 3.0, "kv_cache_usage": 0.5}, counters={"preemptions": 2.0},
                           histograms={"server_itl": Histogram(sum=1.0, count=4.0, buckets={0.01: 1.0, 0.1: 4.0})})  # fmt: skip

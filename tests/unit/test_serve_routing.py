@@ -123,6 +123,21 @@ def test_counters_per_replica_come_from_the_agents_text_for_the_applications_llm
         },
     }  # fmt: skip  (the ingress, another application's replicas and gauges are not counted)
     assert read_replica_counters("not { prometheus", "app") == {}
+    assert read_replica_counters('ray_serve_deployment_request_counter_total{application="app" 7.0\n', "app") == {}
+
+
+#: Another of the agent's metrics, as the many it exports beside the counters, with a sample the parser refuses.
+UNREADABLE_OTHER = """\
+# TYPE ray_component_cpu_percentage gauge
+ray_component_cpu_percentage{Component="raylet",pid="42"} not-a-number
+"""
+
+
+def test_only_the_counters_lines_are_parsed_so_another_metric_the_parser_refuses_hides_nothing():
+    """The agent's text is thousands of lines of Ray's, Serve's and vLLM's metrics; the counters' lines alone are
+    parsed (each parsed line costs a core about 0.1 ms, and serve-check's ramp reads every second)."""
+    assert read_replica_counters(UNREADABLE_OTHER + AGENT_TEXT, "app") == read_replica_counters(AGENT_TEXT, "app")
+    assert read_replica_counters(AGENT_TEXT + UNREADABLE_OTHER, "app")["r1"]["requests"] == 7
 
 
 def test_replicas_on_two_nodes_are_read_from_each_nodes_agent_and_merged():

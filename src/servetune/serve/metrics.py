@@ -34,9 +34,11 @@ def replica_snapshots(
     be; a replica with no sample there (yet: an agent exports what a worker reported a report interval
     ago) is absent."""
     per_replica: dict[str, dict[str, list]] = {}
+    # Only vLLM's lines are parsed (its gauges' where asked): an agent's text is mostly Ray's and Serve's own metrics.
+    wanted = _RAY_GAUGES if gauges_only else (RAY_PREFIX,)
     for text in texts:
         try:
-            families = list(text_string_to_metric_families(lines_of(text, _RAY_GAUGES) if gauges_only else text))
+            families = list(text_string_to_metric_families(lines_of(text, wanted)))
         except ValueError:
             continue
         for family in families:
