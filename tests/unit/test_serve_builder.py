@@ -1,10 +1,13 @@
 """serve/builder.py: a study's trial hands its application to the study's builder actor (which imported Ray Serve LLM
 once) rather than importing Ray Serve LLM and vLLM in its own fresh worker to build it; where none runs, or it died,
-the trial builds it itself. The builder is named after the driver's job and held by the driver until it exits. Ray's
-calls are replaced; tests/e2e/test_serve_trials_vllm_cpu.py runs it for real."""
+or it did not answer within BUILD_TIMEOUT_S, the trial builds it itself, and the builder drops a build its caller
+stopped waiting for. The builder is named after the driver's job and held by the driver until it exits. Ray's
+calls are replaced; tests/integration/test_serve_builder_ray.py runs a slow builder on a real Ray and Serve,
+tests/e2e/test_serve_trials_vllm_cpu.py the builder for real."""
 
 import subprocess
 import sys
+import time
 import types
 
 import pytest
@@ -27,7 +30,9 @@ class FakeBuilder:
             from ray.exceptions import ActorDiedError
 
             raise ActorDiedError()
-        self.calls.append(("builder", *args))
+        *sent, deadline = args  # the wall clock past which the builder drops the build (AppBuilder.run)
+        assert deadline == pytest.approx(time.time() + builder.BUILD_TIMEOUT_S, abs=5)
+        self.calls.append(("builder", *sent))
         return 0.25  # the seconds Serve took, as the builder's send_app says
 
 
@@ -42,7 +47,7 @@ def recorded(monkeypatch):
         return 0.5
 
     monkeypatch.setattr(builder, "send_app", send_here)
-    monkeypatch.setattr("ray.get", lambda ref: ref)
+    monkeypatch.setattr("ray.get", lambda ref, timeout=None: ref)
     monkeypatch.setattr("ray.get_runtime_context", lambda: types.SimpleNamespace(get_job_id=lambda: JOB))
     return calls
 
@@ -77,7 +82,9 @@ def test_a_build_that_fails_in_the_builder_fails_the_trial_and_is_not_built_agai
     class Refused(Exception):
         pass
 
-    def refused(ref):  # as Ray raises a remote error: its cause's class and Ray's, Ray's traceback as its text
+    def refused(
+        ref, timeout=None
+    ):  # as Ray raises a remote error: its cause's class and Ray's, Ray's traceback as its text
         from ray.exceptions import RayTaskError
 
         cause = Refused("engine_kwargs: no such argument")
@@ -91,6 +98,47 @@ def test_a_build_that_fails_in_the_builder_fails_the_trial_and_is_not_built_agai
         builder.run_openai_app("servetune-s-1", {"name": "c"}, False, None, "/x", attached=True)
     assert str(raised.value) == "engine_kwargs: no such argument"  # the trial's reason: the build's words, not Ray's
     assert [call[0] for call in recorded] == ["builder"]
+
+
+@pytest.mark.parametrize("answer", ["none in time", "dropped"])
+def test_a_builder_that_does_not_build_it_in_time_leaves_the_trial_to_build_it_itself(
+    monkeypatch, recorded, caplog, answer
+):
+    """Serve not answering the builder, or builds queued ahead of this one: the trial waits BUILD_TIMEOUT_S, no longer,
+    then builds the application itself and says why; as it does where the builder answers that it dropped the build
+    (its clock past the trial's deadline)."""
+    from ray.exceptions import GetTimeoutError
+
+    waited = []
+
+    def get(ref, timeout=None):
+        waited.append(timeout)
+        if timeout is None:
+            pytest.fail("waited for the builder without a bound")
+        if answer == "dropped":
+            return None
+        raise GetTimeoutError("Get timed out: some object(s) not ready.")
+
+    monkeypatch.setattr("ray.get_actor", lambda name: FakeBuilder(recorded))
+    monkeypatch.setattr("ray.get", get)
+    assert builder.run_openai_app("servetune-s-1", {"name": "c"}, False, None, "/x", attached=True) == 0.5
+    assert waited == [builder.BUILD_TIMEOUT_S]
+    assert [call[0] for call in recorded] == ["builder", "here"]  # asked, then built here
+    assert f"did not give servetune-s-1 to Serve within {builder.BUILD_TIMEOUT_S:.0f} s" in caplog.text, caplog.text
+    assert "timeout" in caplog.text and "built here" in caplog.text
+
+
+@pytest.mark.parametrize("late", [False, True])
+def test_the_builder_drops_a_build_whose_caller_stopped_waiting(monkeypatch, late):
+    """Past the deadline its caller gave (its caller builds it itself), the builder gives Serve nothing: a late
+    hand-off of the same name would replace the application its caller gave Serve."""
+    sent = []
+    monkeypatch.setattr(builder, "openai_app", lambda config, keep, version: ("app", config["name"]))
+    monkeypatch.setattr(builder, "send_app", lambda name, app, prefix: sent.append((name, app, prefix)) or 0.5)
+    actor = object.__new__(builder.AppBuilder)  # its __init__ imports Ray Serve LLM, which this does not need
+    deadline = time.time() + (-60.0 if late else 60.0)
+    answer = actor.run("servetune-s-1", {"name": "c"}, False, None, "/x", deadline)
+    assert (answer, sent) == ((None, []) if late else (0.5, [("servetune-s-1", ("app", "c"), "/x")]))
 
 
 def test_a_driver_of_its_own_builds_here_and_looks_for_no_builder(monkeypatch, recorded):

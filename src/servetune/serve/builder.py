@@ -14,7 +14,10 @@ run's or a ``ray job submit``'s alike; the driver holds its handle until it exit
 to, a named one too) and stops it then. Its name carries the driver's job id, which the trials and the verify task
 the driver starts share on whatever node they run, and no other study's driver has. It runs with the job's runtime
 environment, as the trials do: Serve gives the application the builder's (``serve.run_many``'s default) as it gave it
-the trial's. A trial that finds no live builder (it died) builds the application itself, as before, and says so.
+the trial's. A trial that finds no live builder (it died) builds the application itself, as before, and says so; so does
+one the builder does not answer within :data:`BUILD_TIMEOUT_S` (Serve not answering it, its node gone unnoticed, a
+queue of builds ahead), and the builder, its turn come, drops a build its caller stopped waiting for rather than give
+it to Serve after the caller's own (:meth:`AppBuilder.run`).
 Taking no CPU, it runs where Ray places it, mostly the driver's node (a ``ray job submit``'s: the head's), which so
 needs Ray Serve LLM and vLLM importable, as the images Ray Serve LLM documents have on every node; where they are not,
 it dies starting and each trial builds its own, as before.
@@ -36,6 +39,14 @@ logger = logging.getLogger(__name__)
 
 #: The builder actor's name, before the driver's job id (:func:`builder_name`).
 BUILDER_PREFIX = "servetune-serve-builder-"
+#: How long a trial waits for the builder to build its application and give it to Serve before it builds it itself:
+#: the wait includes the builds queued ahead of its own (one at a time) and, for a study's first trials, the builder's
+#: start (its import of Ray Serve LLM). Measured on a real Serve, a local Ray of two CPUs on a two-core host that other
+#: runs kept busy: Serve and the builder started (``start_serve``), six fake-engine applications built through it
+#: one after another (``run_openai_app``) waited 15.7 s (the first: the builder's start), then 0.9, 1.3, 1.1, 1.3 and
+#: 1.4 s, of which ``serve.run_many`` took 0.24-0.33 s. Ten times the slowest, rounded up: a queue of a study's
+#: concurrent trials' builds (about 1.4 s each) fits in it too.
+BUILD_TIMEOUT_S = 180.0
 
 
 def builder_name() -> str:
@@ -77,7 +88,16 @@ def send_app(name: str, app: Any, route_prefix: str) -> float:
 
 class AppBuilder:
     """The builder actor's class (see the module's doc): Ray Serve LLM imported when it starts, before the first
-    trial asks."""
+    trial asks.
+
+    It builds one application at a time (a sync actor method, Ray's default ``max_concurrency`` of 1): two trials'
+    builds queue, the second behind the first, and a build that hangs holds the queue (its callers each build their own
+    after :data:`BUILD_TIMEOUT_S`). Kept so, not threaded: ``serve.run_many`` starts with ``serve_start``, whose twin
+    Ray documents as not thread-safe ("This function is not thread-safe", ray/serve/_private/api.py
+    ``serve_start_async``, Ray 2.60; ``serve_start`` checks and sets the same module-global client,
+    ray/serve/context.py ``_set_global_client``, with no lock), and neither it nor ``build_openai_app`` is documented
+    safe from several threads. A build's turn takes about a second (0.9-1.4 s measured, :data:`BUILD_TIMEOUT_S`), so
+    a queue of a study's concurrent trials costs them seconds."""
 
     def __init__(self) -> None:
         import ray.serve.llm  # noqa: F401  # the import every build needs, done once and ahead of the first
@@ -86,9 +106,15 @@ class AppBuilder:
 
     def run(
         self, name: str, llm_config: Mapping[str, Any], keep_ingress: bool, engine_version: str | None,
-        route_prefix: str,
-    ) -> float:  # fmt: skip
-        return send_app(name, openai_app(llm_config, keep_ingress, engine_version), route_prefix)
+        route_prefix: str, deadline: float,
+    ) -> float | None:  # fmt: skip
+        """Build the application and give it to Serve (:func:`send_app`'s seconds), unless the wall clock is past
+        ``deadline`` (``time.time()``), when its caller stopped waiting and builds it itself: then None, and nothing
+        given to Serve, so that no late hand-off of this one replaces (same name) the application its caller gave."""
+        app = openai_app(llm_config, keep_ingress, engine_version)
+        if time.time() > deadline:
+            return None
+        return send_app(name, app, route_prefix)
 
 
 def start_builder() -> Any:
@@ -116,11 +142,11 @@ def run_openai_app(
     attached: bool,
 ) -> float:  # fmt: skip
     """Build the application of ``llm_config`` and give it to Serve (:func:`send_app`): through the study's builder
-    where this process is attached to a study's cluster and the builder runs there, else here. The seconds Serve took
-    to take it (not those building it, nor those waiting for the builder)."""
+    where this process is attached to a study's cluster and the builder runs there and answers within
+    :data:`BUILD_TIMEOUT_S`, else here. The seconds Serve took to take it (not those building it, nor those waiting
+    for the builder)."""
     if attached:
         import ray
-        from ray.exceptions import RayActorError, RayTaskError
 
         builder: Any
         try:
@@ -128,15 +154,39 @@ def run_openai_app(
         except ValueError:  # none started: a driver that is not a study's (its own Serve builds here)
             builder = None
         if builder is not None:
-            try:
-                return float(
-                    ray.get(builder.run.remote(name, dict(llm_config), keep_ingress, engine_version, route_prefix))
-                )
-            except RayActorError as exc:  # it died
-                logger.warning("servetune: the study's Serve builder is gone (%s); %s is built here",
-                               type(exc).__name__, name)  # fmt: skip
-            except RayTaskError as exc:  # the build failed: as it fails here, not as Ray's remote traceback
-                if isinstance(exc.cause, BaseException):
-                    raise exc.cause from None
-                raise
+            sent_s = _through(builder, name, llm_config, keep_ingress, engine_version, route_prefix)
+            if sent_s is not None:
+                return sent_s
     return send_app(name, openai_app(llm_config, keep_ingress, engine_version), route_prefix)
+
+
+def _through(
+    builder: Any, name: str, llm_config: Mapping[str, Any], keep_ingress: bool, engine_version: str | None,
+    route_prefix: str,
+) -> float | None:  # fmt: skip
+    """:func:`run_openai_app` by the builder: the seconds Serve took, or None (said why) where the caller builds it
+    itself, the builder gone or not done within :data:`BUILD_TIMEOUT_S` (past which it drops the build itself)."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+    deadline = time.time() + BUILD_TIMEOUT_S  # on the builder's clock too, as Ray's nodes share the time of day
+    try:
+        sent_s = ray.get(
+            builder.run.remote(name, dict(llm_config), keep_ingress, engine_version, route_prefix, deadline),
+            timeout=BUILD_TIMEOUT_S,
+        )
+    except RayActorError as exc:  # it died
+        logger.warning("servetune: the study's Serve builder is gone (%s); %s is built here",
+                       type(exc).__name__, name)  # fmt: skip
+        return None
+    except RayTaskError as exc:  # the build failed: as it fails here, not as Ray's remote traceback
+        if isinstance(exc.cause, BaseException):
+            raise exc.cause from None
+        raise
+    except GetTimeoutError:
+        sent_s = None
+    if sent_s is None:  # not answered in time, or answered past its deadline (a clock ahead of this one's)
+        logger.warning("servetune: the study's Serve builder did not give %s to Serve within %.0f s "
+                       "(BUILD_TIMEOUT_S, a timeout); it is built here", name, BUILD_TIMEOUT_S)  # fmt: skip
+        return None
+    return float(sent_s)

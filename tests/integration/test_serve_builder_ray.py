@@ -1,0 +1,85 @@
+"""serve/builder.py on a real local Ray with Serve, no Ray Serve LLM: a study's builder that does not answer within
+BUILD_TIMEOUT_S (here a builder that sleeps far past a tiny bound) leaves the trial to build its application itself,
+with a warning naming the timeout, and, its build done late, gives Serve nothing: the one application of that name is
+the trial's. And Serve keeps one application per name, the last given (what a hand-off in flight would race)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from servetune.engine.server import free_port  # noqa: E402
+from servetune.serve import builder  # noqa: E402
+
+# The slow builder's sleep against the trial's bound: twenty times over.
+TIMEOUT_S = 0.5
+SLEEP_S = 10.0
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class Whose:
+    def __init__(self, who: str) -> None:
+        self.who = who
+
+    def __call__(self, request: object = None) -> str:
+        return self.who
+
+
+class SlowBuilder(builder.AppBuilder):
+    """The study's builder (its ``run``), slow: each build sleeps SLEEP_S first, as one queued behind a hung build or
+    given to a Serve that does not answer; its application is this module's, no Ray Serve LLM."""
+
+    def __init__(self) -> None:
+        builder.openai_app = lambda config, keep, version: Whose.bind("builder")  # the actor's process only
+
+    def run(self, *args):  # type: ignore[no-untyped-def]
+        time.sleep(SLEEP_S)
+        return super().run(*args)
+
+    def idle(self) -> bool:
+        return True  # answered once the build ahead is done: one at a time
+
+
+def answer(name: str, timeout_s: float = 60.0) -> str:
+    """What the application ``name`` answers, once Serve has it RUNNING."""
+    deadline = time.monotonic() + timeout_s
+    while not str(getattr(serve.status().applications.get(name), "status", "")).endswith("RUNNING"):
+        assert time.monotonic() < deadline, serve.status().applications
+        time.sleep(0.2)
+    return serve.get_app_handle(name).remote().result(timeout_s=timeout_s)
+
+
+def test_a_builder_past_the_bound_leaves_the_trial_to_build_and_gives_serve_nothing_late(
+    local_ray, monkeypatch, caplog
+):
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+    slow = ray.remote(num_cpus=0, max_restarts=0)(SlowBuilder).options(name=builder.builder_name()).remote()
+    try:
+        ray.get(slow.idle.remote())
+        monkeypatch.setattr(builder, "BUILD_TIMEOUT_S", TIMEOUT_S)
+        monkeypatch.setattr(builder, "openai_app", lambda config, keep, version: Whose.bind("trial"))
+        started = time.monotonic()
+        with caplog.at_level(logging.WARNING, logger=builder.__name__):
+            builder.run_openai_app("t", {"model": "m"}, False, None, "/t", attached=True)
+        assert time.monotonic() - started < SLEEP_S  # the timeout fired: the trial did not wait for the build
+        assert "did not give t to Serve within" in caplog.text and "timeout" in caplog.text, caplog.text
+        assert answer("t") == "trial"
+        ray.get(slow.idle.remote())  # the builder's late build is done: dropped, past its caller's deadline
+        assert list(serve.status().applications) == ["t"]
+        assert answer("t") == "trial"  # not replaced by the builder's late hand-off
+    finally:
+        ray.kill(slow)
+
+
+def test_serve_keeps_one_application_per_name_the_last_given(local_ray):
+    """Were a builder's hand-off in flight when its caller gives its own, the later replaces it: one application."""
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+    builder.send_app("t", Whose.bind("first"), "/t")
+    builder.send_app("t", Whose.bind("second"), "/t")
+    assert list(serve.status().applications) == ["t"]
+    assert answer("t") == "second"
