@@ -23,7 +23,8 @@ engine, drawing each measured level's runs from the recorded repeats of the near
   (``load.capacity_levels`` 4, ``capacity_tolerance`` 0.10, ``knee_fraction`` 0.5).
 
 It prints each method's capacity error against the truth (per configuration: median and worst over seeds), how
-often the configuration it would recommend (the highest output throughput at its capacity: the cheapest per token
+often the configuration it would recommend (the highest output throughput at its capacity, at the steady rate a
+level's cost is priced at, ``LevelSummary.steady_output_throughput``: the cheapest per token
 where every configuration takes the same cores) is the truth's, and the measuring time each spent::
 
     .venv/bin/python bench/capacity_accuracy.py replay bench/data/capacity-surface.json [--seeds 200] [--json OUT]
@@ -118,13 +119,14 @@ def truth(surface: Surface, config: str) -> float | None:
 
 
 def truth_throughput(surface: Surface, config: str, load: float) -> float:
-    return statistics.median(r.summary.output_throughput for r in surface.runs[config][surface.nearest(config, load)])
+    runs = surface.runs[config][surface.nearest(config, load)]
+    return statistics.median(r.summary.steady_output_throughput for r in runs)
 
 
 @dataclass
 class Outcome:
     capacity: float | None
-    throughput: float  # output tok/s measured at the capacity (0 without one)
+    throughput: float  # steady output tok/s measured at the capacity (0 without one): what its cost is priced at
     measured_s: float  # every run of every level it measured
     levels: int
 
@@ -165,7 +167,7 @@ def replay(surface: Surface, config: str, ladder: Sequence[float], budget: int, 
             if not result.meets_slo:
                 break
             value = load
-    throughput = measured[value].summary.output_throughput if value in measured else 0.0
+    throughput = measured[value].summary.steady_output_throughput if value in measured else 0.0
     return Outcome(value, throughput, spent, len(measured))
 
 

@@ -8,7 +8,8 @@ goodput = requests per second that met every per-request SLO bound.
 
 That window holds the level's ramp-up and its drain (the last answers after the last send), so
 its throughput understates a short level's. What the ladder judges saturation on leaves them out
-(:func:`busy_output_throughput` for closed loops, :func:`ttft_growth` for open loops).
+(:func:`busy_output_throughput` for closed loops, :func:`ttft_growth` for open loops), and a level's
+cost is priced at the busy rate where it was measured (:attr:`LevelSummary.steady_output_throughput`).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from __future__ import annotations
 import itertools
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from servetune.metrics import (
     CONVERSATION_METRICS,
@@ -195,6 +197,22 @@ class LevelSummary(BaseModel):
     # None where none failed, or in a record from before they were kept
     error_examples: dict[str, str] | None = None
     failed_by_class: dict[str, int] | None = None
+
+    @property
+    def steady_output_throughput(self) -> float:
+        """Output tok/s with every client busy where it was measured (``busy_output_throughput``), else over the
+        whole level (open loops, levels too short to tell, records from before it was kept): what the level's
+        ``cost_per_mtok_usd`` is priced at and the ladder judges saturation on. The whole level's
+        ``output_throughput`` (as ``vllm bench serve`` divides) includes the last wave's drain, which prices a
+        short closed loop at high concurrency up to ~1.5x its steady cost."""
+        return self.busy_output_throughput if self.busy_output_throughput is not None else self.output_throughput
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def priced_by(self) -> Literal["busy_output_throughput", "output_throughput"]:
+        """Which throughput ``steady_output_throughput`` (and so the level's cost) is: written into the record,
+        worked out again from the record when read."""
+        return "busy_output_throughput" if self.busy_output_throughput is not None else "output_throughput"
 
     def flat(self) -> dict[str, float]:
         """``{"ttft_ms_p99": ..., "output_throughput": ...}`` with every metric that has a value."""

@@ -71,6 +71,15 @@ def test_the_evaluation_picks_the_configuration_of_the_higher_capacity_as_the_tr
     assert abs(result["methods"]["search"]["error"]["b"]["worst"]) <= 0.1
 
 
+def test_configurations_are_ranked_at_the_steady_rate_their_cost_is_priced_at():
+    made = surface(a=20, b=24)  # over whole levels b reads more tok/s at its capacity: 1,200 against 1,000
+    for runs in made.runs["a"].values():
+        for run in runs:  # a's levels drain more: with every client busy it makes twice its whole-level rate
+            run.summary.busy_output_throughput = 2 * run.summary.output_throughput
+    result = capacity_accuracy.evaluate(made, seeds=2, repeats=3)
+    assert result["truth_best"] == "a" and result["methods"]["search"]["right_pick"] == 1.0
+
+
 def test_a_recorded_surface_is_read_back_with_each_run_judged_against_the_slo(tmp_path):
     runs = engine(10)
     levels = []

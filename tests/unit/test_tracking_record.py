@@ -113,6 +113,7 @@ def test_plain_metrics_hold_the_chosen_level_and_the_by_level_series_every_level
     assert level_tags(rich_trial()) == {
         "servetune.level": "concurrency 32",
         "servetune.level_choice": "best level meeting the SLO",
+        "servetune.cost_priced_by": "output_throughput",
     }
 
 

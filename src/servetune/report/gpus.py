@@ -15,7 +15,7 @@ The rule, stated once:
   cheaper and is worth measuring.
 - Estimated rows (GPU studies only): the recommended type's best configuration at its capacity load, estimated
   on each catalogue GPU with a listed price (estimate/), scaled by measured / estimated throughput on the
-  measured type (the calibration), with the estimate's held-out median error on output throughput. The load is
+  measured type (the calibration; measured at the steady rate its cost is priced at), with the estimate's held-out median error on output throughput. The load is
   the measured level's (Load.measured), and where the study's workload sends images each estimate, the measured
   type's included, encodes them in the vision tower as every estimate of the workload does (estimate/encoder.py
   ``workload_images``): the rows say so, with the tower's time a request on each GPU, or say why it is left out.
@@ -247,7 +247,8 @@ def _estimated_rows(
     measured_out, measured_rate = at.value(OUTPUT_THROUGHPUT), at.value(REQUEST_THROUGHPUT)
     if not measured_out or not measured_rate or not reference.output_throughput:
         return []
-    scale_out = measured_out / reference.output_throughput
+    # priced as the measured row is: at the level's steady rate (LevelSummary.steady_output_throughput)
+    scale_out = (summary.steady_output_throughput or measured_out) / reference.output_throughput
     scale_rate = measured_rate / reference.request_throughput if reference.request_throughput else scale_out
     error = factors.held_out_error.get(OUTPUT_THROUGHPUT)
     power_share, powered = _power_share(at, measured_out, trial.devices, measured_name)

@@ -35,6 +35,7 @@ from servetune.report.html_sections import (
 )
 from servetune.report.labels import (
     APART_COLOR,
+    COST_RATE,
     FRONT_COLOR,
     MAX_POINT_LABELS,
     OTHER_COLOR,
@@ -263,7 +264,7 @@ def render_html(report: StudyReport) -> str:
         f"<h1>servetune report: {e(info.name)}</h1>",
         f"<p class='muted'>model {e(report.model_label)} on {e(info.device)} · trials: {e(counts)} · "
         f"SLO: {e(', '.join(str(s) for s in report.slo) or 'none')}</p>",
-        f"<p class='muted' id='prices'>Costs at the {e(report.price_line())}</p>",
+        f"<p class='muted' id='prices'>Costs at the {e(report.price_line())}. {e(COST_RATE)}.</p>",
         f"<div class='rec'>{rec_html}</div>",
         which_gpu_html(report),
         verification_summary_html(report.verification, report.verifications, report.verification_conclusion),

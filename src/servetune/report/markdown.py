@@ -19,6 +19,7 @@ from servetune.report.conversations import (
 from servetune.report.distribution import SPREAD_NOTE, spread_cells, spread_headings
 from servetune.report.gpus import GPU_HEADINGS, gpu_cells, gpu_notes
 from servetune.report.labels import (
+    COST_RATE,
     TABLE_METRICS,
     TRIAL_HEADINGS,
     TRIALS_NOTE,
@@ -38,7 +39,8 @@ from servetune.report.serving import LAYOUT_HEADINGS, ROUTER_HEADINGS, ROUTER_NO
 from servetune.report.trials import TrialRow
 from servetune.report.verification import Verification
 
-UNITS = "Latencies in ms; $/Mtok is USD per million output tokens; tok/s/user is 1000 / mean TPOT."
+UNITS = (f"Latencies in ms; $/Mtok is USD per million output tokens; tok/s/user is 1000 / mean TPOT; {COST_RATE} "
+         "(`priced_by` in each level's summary).")  # fmt: skip
 
 
 def _cell(text: str) -> str:

@@ -162,8 +162,7 @@ def by_load(levels: list[LevelResult]) -> dict[float, LevelResult]:
 
 def level_throughput(level: LevelResult) -> float:
     """A level's output tok/s with every client busy (closed loop), else over the whole level."""
-    summary = level.summary
-    return summary.busy_output_throughput if summary.busy_output_throughput is not None else summary.output_throughput
+    return level.summary.steady_output_throughput
 
 
 def highest_load_index(levels: list[LevelResult]) -> int | None:

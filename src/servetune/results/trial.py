@@ -41,6 +41,9 @@ class OperatingPoint(BaseModel):
     devices: int  # GPUs the trial reserved (CPU cores on the CPU stand-in)
     metrics: dict[str, float]  # LevelSummary.flat() plus cost_per_mtok_usd, energy and images where measured
     meets_slo: bool
+    # the throughput cost_per_mtok_usd is priced at (LevelSummary.steady_output_throughput): with every client busy
+    # where that was measured, else the whole level's
+    priced_by: str = "output_throughput"
 
 
 FailureKind = Literal["configuration", "infrastructure"]
@@ -180,7 +183,7 @@ class TrialResult(BaseModel):
         points = []
         for index, level in enumerate(self.levels):
             metrics = level.summary.flat()
-            metrics[COST_METRIC] = cost_per_mtok_usd(price, self.devices, level.summary.output_throughput)
+            metrics[COST_METRIC] = cost_per_mtok_usd(price, self.devices, level.summary.steady_output_throughput)
             metrics.update(self.energy_metrics(level))
             images = {IMAGES_SENT: level.summary.images_sent, IMAGE_PIXELS: level.summary.image_pixels}
             metrics.update({name: float(count) for name, count in images.items() if count is not None})
@@ -194,6 +197,7 @@ class TrialResult(BaseModel):
                     metrics=metrics,
                     # a level where the client fell behind takes no verdict (load/pace.py): not a point meeting it
                     meets_slo=level.meets_slo and level.client_bound is None,
+                    priced_by=level.summary.priced_by,
                 )
             )
         return points

@@ -180,7 +180,7 @@ class LayoutRun(BaseModel):
     error: str | None = None
     requests_per_replica: dict[str, int] = {}
     cost_per_hour_usd: float | None = None  # devices x the study's price per device-hour
-    cost_per_mtok_usd: float | None = None  # None without a price or without output
+    cost_per_mtok_usd: float | None = None  # None without a price or without output; at the level's steady tok/s
 
     @property
     def meets_slo(self) -> bool:
@@ -189,7 +189,7 @@ class LayoutRun(BaseModel):
     @property
     def device_hours_per_mtok(self) -> float | None:
         """Device-hours per 1M output tokens: the cost without a price (the verdict ranks by it)."""
-        throughput = self.level.summary.output_throughput if self.level is not None else 0.0
+        throughput = self.level.summary.steady_output_throughput if self.level is not None else 0.0
         return self.devices / (throughput * 3600.0) * 1e6 if throughput > 0 else None
 
 
@@ -199,7 +199,7 @@ def layout_run(
     """One layout's record (``beside``: PP x PCP, :func:`beside_tp`); ``level`` None for a layout whose deployment
     failed (``error=`` says how)."""
     devices = layout.devices(beside)
-    throughput = level.summary.output_throughput if level is not None else 0.0
+    throughput = level.summary.steady_output_throughput if level is not None else 0.0
     price = price_per_device_hour if price_per_device_hour is not None and price_per_device_hour > 0 else None
     return LayoutRun(
         layout=str(layout), replicas=layout.replicas, tensor_parallel_size=layout.tp, devices=devices, level=level,

@@ -241,6 +241,8 @@ def _performance_text(trial: TrialResult, rep: tuple[int, LevelResult, str] | No
             f"{_fmt(s.request_throughput, ' req/s', 2)}, goodput {_fmt(s.goodput, ' req/s', 2)}")  # fmt: skip
     cost = trial.operating_points()[index].metrics.get(COST_METRIC)
     text += f", {_fmt(cost, '', 3)} USD per million output tokens"
+    if s.busy_output_throughput is not None:  # priced at the steady rate (LevelSummary.steady_output_throughput)
+        text += f" (priced at {_fmt(s.busy_output_throughput, ' output tok/s')} with every client busy)"
     return text + "; " + _memory_text(level)
 
 

@@ -65,8 +65,7 @@ def ladder(
 
 def busy_throughput(result: LevelResult) -> float:
     """A closed-loop level's output tok/s with every client busy, else over the whole level."""
-    summary = result.summary
-    return summary.busy_output_throughput if summary.busy_output_throughput is not None else summary.output_throughput
+    return result.summary.steady_output_throughput
 
 
 def fell_behind(level: Level, result: LevelResult) -> str | None:
