@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,20 @@ def told(app: str, replicas: Iterable[str]) -> list[dict[str, str]]:
         value = _internal_kv_get(_key(app, replica), namespace=NAMESPACE)
         found.append(json.loads(value) if value else {})
     return found
+
+
+def replica_cores(told: Sequence[Mapping[str, str]]) -> dict[str, str]:
+    """A trial's ``cpu_binding`` and ``cpu_unclaimed`` (trial/runner.py ``cores_record``) from what each replica's
+    claim got on the CPU build (serve/cores.py; :func:`told`, in the order Serve's replicas answered; ``{}``: one that
+    told nothing, as on GPUs): the replicas' bindings with ``, `` between them (``|`` between one's ranks, ``auto`` for one
+    left to vLLM's binding), and why each replica that claimed no cores of its own did, named by its place."""
+    told = [record for record in told if record]
+    bindings = [record.get("cpu_binding") or "auto" for record in told]
+    why = [(f"replica {i} of {len(told)}: " if len(told) > 1 else "") + record["cpu_unclaimed"]
+           for i, record in enumerate(told, 1) if record.get("cpu_unclaimed")]  # fmt: skip
+    found = {"cpu_binding": ", ".join(bindings) if any(b != "auto" for b in bindings) else "",
+             "cpu_unclaimed": "; ".join(why)}  # fmt: skip
+    return {key: value for key, value in found.items() if value}
 
 
 def forget(app: str) -> None:

@@ -27,6 +27,7 @@ from servetune.engine.server import KvCapacity
 from servetune.report.points import ReportPoint
 from servetune.results import ENGINE_LOG
 from servetune.serve.actors import wait_gone
+from servetune.serve.claims import replica_cores
 from servetune.serve.cluster import ServeCluster
 from servetune.serve.metrics import ReplicaCounts, replica_snapshots, replicas_snapshot
 from servetune.serve.plan import Needs, llm_config, measured_gpu, needs, pin_gpu_type
@@ -90,20 +91,6 @@ def trial_needs(spec: TrialSpec) -> Needs:
     assert spec.serve_replicas is not None
     point, _ = _shipped(spec)
     return needs(point, trial_llm_config(spec), spec.serve_replicas)
-
-
-def replica_cores(told: Sequence[Mapping[str, str]]) -> dict[str, str]:
-    """A trial's ``cpu_binding`` and ``cpu_unclaimed`` (trial/runner.py ``cores_record``) from what each replica's
-    claim got on the CPU build (serve/cores.py, in the order Serve's replicas answered; ``{}``: one that told
-    nothing, as on GPUs): the replicas' bindings with ``, `` between them (``|`` between one's ranks, ``auto`` for one
-    left to vLLM's binding), and why each replica that claimed no cores of its own did, named by its place."""
-    told = [record for record in told if record]
-    bindings = [record.get("cpu_binding") or "auto" for record in told]
-    why = [(f"replica {i} of {len(told)}: " if len(told) > 1 else "") + record["cpu_unclaimed"]
-           for i, record in enumerate(told, 1) if record.get("cpu_unclaimed")]  # fmt: skip
-    found = {"cpu_binding": ", ".join(bindings) if any(b != "auto" for b in bindings) else "",
-             "cpu_unclaimed": "; ".join(why)}  # fmt: skip
-    return {key: value for key, value in found.items() if value}
 
 
 class ServeEngine:
