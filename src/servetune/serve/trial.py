@@ -26,6 +26,7 @@ from servetune.engine.metrics import MetricsSnapshot
 from servetune.engine.server import KvCapacity
 from servetune.report.points import ReportPoint
 from servetune.results import ENGINE_LOG
+from servetune.serve import claims
 from servetune.serve.actors import wait_gone
 from servetune.serve.claims import replica_cores
 from servetune.serve.cluster import ServeCluster
@@ -91,6 +92,30 @@ def trial_needs(spec: TrialSpec) -> Needs:
     assert spec.serve_replicas is not None
     point, _ = _shipped(spec)
     return needs(point, trial_llm_config(spec), spec.serve_replicas)
+
+
+def replicas_started(cluster: ServeCluster, name: str) -> list[dict[str, dict[str, Any]]]:
+    """What each running LLM replica of the application was started with (``engine_kwargs``, ``env_vars``; secrets'
+    values hashed: serve/claims.py ``started_with``), as each told it to Ray's key-value store beside its core claim.
+    Where one told nothing (a replica without servetune's callback: on GPUs, on a cluster servetune joined, or
+    deployed by an older servetune), every replica's ``LLMConfig`` is read from the replicas instead
+    (:meth:`ServeCluster.replica_llm_configs`), which imports vLLM in this process to unpickle them (about 8
+    core-seconds)."""
+    told = claims.told_started(name, cluster.replica_ids(name))
+    if told and all(told):
+        return told
+    return [claims.started_with(c["engine_kwargs"], c["env_vars"]) for c in cluster.replica_llm_configs(name)]
+
+
+def replicas_on(cluster: ServeCluster, name: str, deployed: Mapping[str, Any]) -> tuple[int, int]:
+    """(LLM replicas of the application running, those of them started with the engine arguments and environment
+    variables of ``deployed``, an ``LLMConfig`` dict: each of its values, other values beside them allowed)."""
+    wanted = claims.started_with(deployed.get("engine_kwargs") or {},
+                                 (deployed.get("runtime_env") or {}).get("env_vars") or {})  # fmt: skip
+    held = replicas_started(cluster, name)
+    on = [h for h in held if all(all(h.get(part, {}).get(k) == v for k, v in values.items())
+                                 for part, values in wanted.items())]  # fmt: skip
+    return len(held), len(on)
 
 
 class ServeEngine:
@@ -270,15 +295,10 @@ class ServeEngine:
 
     def replicas_on_deployed(self) -> tuple[int, int]:
         """(LLM replicas running, those of them started with the engine arguments and environment deployed last),
-        from what each replica holds (:meth:`ServeCluster.replica_llm_configs`): after a rollout, whether the
+        from what each replica says it was started with (:func:`replicas_started`): after a rollout, whether the
         replicas Serve left run the configuration it was moved to."""
         assert self.cluster is not None
-        wanted_args = self.deployed.get("engine_kwargs") or {}
-        wanted_env = (self.deployed.get("runtime_env") or {}).get("env_vars") or {}
-        configs = self.cluster.replica_llm_configs(self.name)
-        on = [c for c in configs if all(c["engine_kwargs"].get(k) == v for k, v in wanted_args.items())
-              and all(c["env_vars"].get(k) == v for k, v in wanted_env.items())]  # fmt: skip
-        return len(configs), len(on)
+        return replicas_on(self.cluster, self.name, self.deployed)
 
     def running_replicas(self) -> int:
         """The LLM replicas Serve reports RUNNING now."""
