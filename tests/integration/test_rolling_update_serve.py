@@ -3,7 +3,9 @@
 update path, to the runner-up's configuration, whose engine arguments (``max_num_seqs``) and environment (the fake's
 TTFT) differ. From Serve's state and the replicas themselves: before the update both replicas run the verified
 point's configuration, after it both run the runner-up's (built on the cluster it runs on, as the verified point's
-was), and none from before is alive, nor its process. Only the LLM deployment moved: the ingress replica is the same
+was), and none from before is alive, nor its process. The scenario reads what the replicas run from what each told Ray's
+key-value store beside its core claim, never their ``LLMConfig`` (unpickling one imports vLLM): a fresh Ray worker
+reads the same answer without importing vLLM, and imports it reading the ``LLMConfig``s (the fallback). Only the LLM deployment moved: the ingress replica is the same
 one before and after, and the scenario's replica changes say so (two LLM replicas stopped, two started, the ingress
 kept). From the request records: the scenario's counts and worst TTFT during the change, and the requests after it
 paced by the new replicas. Every engine takes :data:`START_S` to start: a request that waited for a replica to start
@@ -117,7 +119,14 @@ def roll(work: str, model: str) -> None:
                                 level=Level("concurrency", 3.0), budget=BUDGET, max_model_len=1024, engine=engine)  # fmt: skip
                 return await run(target), target.records
 
+        # The scenario asks the replicas what they run from what they told (serve/claims.py), never their LLMConfig.
+        read_configs = cluster.replica_llm_configs
+        asked: list[str] = []
+        cluster.replica_llm_configs = lambda name, *a, **k: asked.append(name) or read_configs(name, *a, **k)  # type: ignore[method-assign]
         result, records = asyncio.run(scenario(lambda t: rolling_update(t, new_spec, change, update_timeout_s=240)))
+        cluster.replica_llm_configs = read_configs  # type: ignore[method-assign]
+        out["configs_asked_by_scenario"] = len(asked)
+        out["fresh_reader"] = fresh_reader(engine.name, engine.deployed)
         out.update(passed=result.passed, reason=result.reason, numbers=result.numbers,
                    records=[dataclasses.asdict(r) for r in records])  # fmt: skip
         out["after"] = {"replicas": cluster.engine_replicas(engine.name), "ingress": ingress(cluster, engine.name),
@@ -135,6 +144,28 @@ def roll(work: str, model: str) -> None:
         out["started"] = [json.loads(line.split(STARTED, 1)[1]) for line in engine.log_text().splitlines()
                           if STARTED in line]  # fmt: skip
     (root / "rolled.json").write_text(json.dumps(out, default=str))
+
+
+def fresh_reader(name: str, deployed: dict) -> dict:
+    """The rollout's check (serve/trial.py ``replicas_on``) in a fresh Ray worker, as in a study's verify task, and
+    today's fallback (the replicas' ``LLMConfig``) in another: their answers and whether each imported vLLM."""
+    import ray
+
+    def read(fallback: bool) -> dict:
+        import sys
+
+        from servetune.serve.cluster import ServeCluster
+        from servetune.serve.trial import replicas_on
+
+        vllm = lambda: any(m == "vllm" or m.startswith("vllm.") for m in sys.modules)  # noqa: E731
+        before, cluster = vllm(), ServeCluster.attached()
+        found = len(cluster.replica_llm_configs(name)) if fallback else replicas_on(cluster, name, deployed)
+        return {"vllm_before": before, "found": found, "vllm_after": vllm()}
+
+    # a worker of its own each (another runtime environment): nothing imported by an earlier task
+    return {kind: ray.get(ray.remote(read).options(num_cpus=0, runtime_env={"env_vars": {"SERVETUNE_READER": kind}})
+                          .remote(kind == "fallback"), timeout=300)
+            for kind in ("told", "fallback")}  # fmt: skip
 
 
 def ingress(cluster, name: str) -> list[str]:
@@ -168,6 +199,12 @@ def test_a_rolling_update_to_the_runner_up_leaves_only_replicas_of_its_configura
     assert [c["env_vars"]["SERVETUNE_FAKE_TTFT_MS"] for c in after["configs"]] == ["60", "60"]
     assert all("ClaimCores" in str(c["callback_class"]) for c in before["configs"] + after["configs"])
     assert (n["replicas_after"], n["replicas_on_new"]) == (2, 2)
+    # ... told by the replicas beside their core claims: the scenario read no replica's LLMConfig, and a fresh worker
+    # reads the same answer without importing vLLM, which reading the replicas' LLMConfigs does (the fallback)
+    assert out["configs_asked_by_scenario"] == 0
+    told, fallback = out["fresh_reader"]["told"], out["fresh_reader"]["fallback"]
+    assert told == {"vllm_before": False, "found": [2, 2], "vllm_after": False}
+    assert fallback == {"vllm_before": False, "found": 2, "vllm_after": True}
     # and in the engines' own words, in the replicas' log (the old replicas' lines kept)
     started = out["started"]
     assert {s["max_num_seqs"] for s in started} == {4, 8}

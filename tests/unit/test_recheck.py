@@ -262,3 +262,22 @@ def test_the_summary_names_versions_each_change_and_the_verdict():
     repeated = summary(check(result(runs=runs_of(990.0, 1000.0, 1010.0)), result(runs=runs_of(995.0, 1000.0))))
     at_8 = [line for line in repeated if "concurrency 8 " in line]
     assert at_8 and all("(noise 5%, repeats)" in line for line in at_8) and repeated[-1].startswith("PASS")
+
+
+def test_the_recheck_records_the_cores_the_re_measured_engine_ran_on_as_a_trial_does():
+    """On the CPU build, the re-measured trial's ``environment.cpu_binding`` and ``cpu_unclaimed`` (its engine's core
+    claim) reach recheck-<version>.json under the same names, and its summary."""
+    from servetune.cli.recheck import summary
+
+    bound = check(result(), result().model_copy(update={"environment": {"cpu_binding": "0|1", "vllm": NEW}}))
+    assert (bound.cpu_binding, bound.cpu_unclaimed) == ("0|1", None)
+    assert bound.model_dump(mode="json")["cpu_binding"] == "0|1"
+    assert "  re-measured engine bound to cores 0|1" in summary(bound)
+    why = "no 2 of the 2 cores free: other engines hold their locks in /tmp/x; bound to shared cores 0|1"
+    crowded = check(result(), result().model_copy(update={"environment": {"cpu_binding": "0|1", "cpu_unclaimed": why}}))
+    assert crowded.cpu_unclaimed == why
+    assert f"  re-measured engine bound to cores 0|1; cores not claimed: {why}" in summary(crowded)
+    refused = compare(result(), None, SHIPPED, old_table=BASE, new_table=BASE, vllm_before=OLD, vllm_after=NEW,
+                      refused="--max-num-seqs is gone")  # fmt: skip
+    assert (refused.cpu_binding, refused.cpu_unclaimed) == (None, None)
+    assert not any("re-measured engine" in line for line in summary(refused))

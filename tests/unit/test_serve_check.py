@@ -511,3 +511,63 @@ def test_a_stopped_serve_check_never_replaces_one_that_ran_to_the_end(served_stu
         5,
         6,
     ]
+
+
+class ClaimingCluster(FakeCluster):
+    """FakeCluster whose running LLM replicas told their core claims on the CPU build (serve/claims.py): engine
+    ``actorN`` claimed core N, except those in ``crowded``, which claimed none (other engines held every core)."""
+
+    def __init__(self, crowded: frozenset[str] = frozenset(), **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.crowded = crowded
+
+    def replica_claims(self, name):
+        return [{"cpu_unclaimed": "no 1 of the 2 cores free"} if engine in self.crowded
+                else {"cpu_binding": engine.removeprefix("actor")} for engine in self.engine_replicas(name)]  # fmt: skip
+
+
+def test_each_deployment_serve_check_measures_records_its_replicas_core_claims_as_a_serve_trial_does(tmp_path):
+    """serve-check.json's replica counts, ramp, routers and layouts each say what their replicas' core claims got, in
+    the words of a Serve trial's record (``cpu_binding``, ``cpu_unclaimed``: serve/claims.py replica_cores)."""
+    from servetune.cli.serve_check_run import cores_note
+    from servetune.serve.check import Layouts, Ramp, Routing
+    from servetune.serve.layouts import Layout
+    from servetune.serve.ramp import RampResult
+
+    picked = read_picked(cpu_study(tmp_path / "s", price=None), "t1")
+    cluster = ClaimingCluster(crowded=frozenset({"actor1"}))
+    deployment = {"autoscaling_config": {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 8},
+                  "max_ongoing_requests": 10, "max_queued_requests": 4}  # fmt: skip
+
+    def ramp_run(url, served):
+        cluster.engines.append("actor9")  # scaled out during the ramp: its replicas at its end are recorded
+        return RampResult(knee_concurrency=8, autoscaling_config=deployment["autoscaling_config"], max_ongoing_requests=10,
+                          max_queued_requests=4, reasons={}, replicas_before=1, replicas_peak=2)  # fmt: skip
+
+    routing = Routing(
+        routers=["default"], replicas=2, workload="rag", measure=lambda url, served, r: level(8, 700, 330)
+    )
+    layouts = Layouts(layouts=[Layout(1, 2)], budget=2, level={"concurrency": 16.0}, cores=[0, 1],
+                      measure=lambda url, served, layout: level(16, 900, 300))  # fmt: skip
+    ready: list[tuple[int, dict[str, str]]] = []
+    result = run_check(picked, [1, 2], cluster, "app", lambda url, served, n: [level(8, 380 * n, 320)],
+                       Teardown(pids=set()), on_ready=lambda n, s, cores: ready.append((n, cores)),
+                       ramp=Ramp(deployment_config=deployment, run=ramp_run), routing=routing, layouts=layouts)  # fmt: skip
+    doc = json.loads(result.model_dump_json())
+    # the ramp scaled out to actor9, which the next count kept, as did the routers (engines reused)
+    assert [(r["replicas"], r["cpu_binding"], r["cpu_unclaimed"]) for r in doc["runs"]] == [(1, "0", None),
+                                                                                         (2, "0, 9", None)]  # fmt: skip
+    assert ready == [(1, {"cpu_binding": "0"}), (2, {"cpu_binding": "0, 9"})]  # said where serve-check says it runs
+    assert (doc["ramp"]["cpu_binding"], doc["ramp"]["cpu_unclaimed"]) == ("0, 9", None)
+    (router,) = doc["routing"]["runs"]
+    assert (router["cpu_binding"], router["cpu_unclaimed"]) == ("0, 9", None)
+    # the layout deployed fresh: its one new engine found no core free
+    (laid,) = doc["layouts"]["runs"]
+    assert (laid["cpu_binding"], laid["cpu_unclaimed"]) == (None, "no 1 of the 2 cores free")
+    assert cores_note({"cpu_binding": "0, 1"}) == ", bound to cores 0, 1" and cores_note({}) == ""
+    assert cores_note({"cpu_unclaimed": "why"}) == " (cores not claimed: why)"
+
+    # A cluster whose replicas told nothing (GPUs, a cluster joined) or that cannot be asked: no cores recorded.
+    plain = run_check(picked, [1], FakeCluster(), "app", lambda url, served, n: [level(8, 380, 320)],
+                      Teardown(pids=set()))  # fmt: skip
+    assert (plain.runs[0].cpu_binding, plain.runs[0].cpu_unclaimed) == (None, None)

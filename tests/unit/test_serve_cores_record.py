@@ -31,9 +31,12 @@ def store(monkeypatch):
 
     kept: dict[tuple[bytes, bytes], bytes] = {}
     bytes_of = lambda value: value.encode() if isinstance(value, str) else value  # noqa: E731
-    monkeypatch.setattr(kv, "_internal_kv_put",
-                        lambda key, value, overwrite=True, *, namespace=None:
-                        kept.__setitem__((bytes_of(namespace), bytes_of(key)), bytes_of(value)))  # fmt: skip
+
+    def put(key, value, overwrite=True, *, namespace=None):
+        kept.pop((bytes_of(namespace), bytes_of(key)), None)  # the key told last is the last one
+        kept[(bytes_of(namespace), bytes_of(key))] = bytes_of(value)
+
+    monkeypatch.setattr(kv, "_internal_kv_put", put)
     monkeypatch.setattr(kv, "_internal_kv_get",
                         lambda key, *, namespace=None: kept.get((bytes_of(namespace), bytes_of(key))))  # fmt: skip
 
@@ -53,8 +56,8 @@ def store(monkeypatch):
 
 
 def last_told(store) -> dict[str, str]:
-    """What the replica that told last told, read as its trial reads it (``claims.told``)."""
-    namespace, key = list(store)[-1]
+    """What the replica that told its claim last told, read as its trial reads it (``claims.told``)."""
+    namespace, key = [k for k in store if not k[1].endswith(b"/" + claims.STARTED.encode())][-1]
     assert namespace == claims.NAMESPACE.encode()
     app, replica = key.decode().rsplit("/", 1)
     (told,) = claims.told(app, [replica])
@@ -75,21 +78,23 @@ def host(tmp_path, monkeypatch):
         handle.close()
 
 
-def replica_config(ranks: int):
+def replica_config(ranks: int, engine_kwargs=None, env_vars=None):
     """The ``LLMConfig`` a replica holds, as servetune deploys it on a local Ray (the callback's kwargs included)."""
     from ray.serve.llm import LLMConfig
 
     return LLMConfig(model_loading_config={"model_id": "m", "model_source": "/nowhere"},
+                     engine_kwargs=engine_kwargs or {}, runtime_env={"env_vars": env_vars or {}},
                      callback_config={"callback_class": CLAIM_CORES, "callback_kwargs": {"ranks": ranks}})  # fmt: skip
 
 
-def claimed(store, ranks: int, bind: str = "auto") -> dict[str, str]:
+def claimed(store, ranks: int, bind: str = "auto", engine_kwargs=None, env_vars=None) -> dict[str, str]:
     """What one replica of ``ranks`` ranks tells, read back from the store as its trial reads it; ``bind``: the
     replica process's ``VLLM_CPU_OMP_THREADS_BIND`` (a process of its own each: one claim's is not another's)."""
     os.environ[BIND] = bind
-    config = replica_config(ranks)
+    config = replica_config(ranks, engine_kwargs, env_vars)
     callback = ClaimCores(llm_config=config, ranks=ranks)
     callback.llm_config = types.SimpleNamespace(callback_config=config.callback_config,  # no engine config to resolve
+                                                engine_kwargs=config.engine_kwargs, runtime_env=config.runtime_env,
                                                 get_engine_config=lambda: types.SimpleNamespace(actual_hf_model_id="m"))  # fmt: skip
     asyncio.run(callback.on_before_node_init())
     return last_told(store)
@@ -185,13 +190,14 @@ def entered(tmp_path, monkeypatch, replicas, device="cpu") -> ServeEngine:
     return ServeEngine(spec, tmp_path, Deployed(replicas)).__enter__()
 
 
-def tell_as(monkeypatch, app: str, replica: str, record: dict[str, str]) -> None:
-    """What replica ``replica`` of ``app`` tells (serve/claims.py ``tell``, in that replica's context)."""
+def tell_as(monkeypatch, app: str, replica: str, record, tell=claims.tell) -> None:
+    """What replica ``replica`` of ``app`` tells (serve/claims.py ``tell``, or ``tell_started``, in that replica's
+    context)."""
     from ray import serve
 
     context = types.SimpleNamespace(app_name=app, replica_id=types.SimpleNamespace(unique_id=replica))
     monkeypatch.setattr(serve, "get_replica_context", lambda: context)
-    claims.tell(record)
+    tell(record)
 
 
 def test_a_trial_through_serve_records_its_running_replicas_cores_as_a_bare_engine_does(host, store, tmp_path,
@@ -261,4 +267,70 @@ def test_the_memory_followed_is_the_llm_replicas_not_the_lowest_pid(tmp_path, st
     monkeypatch.setattr(serve_trial, "wait_gone", lambda pids, timeout_s: [])
     engine = ServeEngine(serve_spec(tmp_path, 1), tmp_path, Wrapped(["a"])).__enter__()
     assert engine.process is not None and engine.process.pid == os.getpid()
+    engine.__exit__(None, None, None)
+
+
+# --- what a replica was started with, told beside its claim: a rollout's check reads it, not the replica's LLMConfig
+
+
+def test_a_replica_tells_what_it_was_started_with_and_no_secret(host, store):
+    told = claimed(store, 1, engine_kwargs={"max_num_seqs": 4, "api_key": "sk-secret-1", "enforce_eager": True},
+                   env_vars={"HF_TOKEN": "hf_secret_2", "WANDB_API_KEY": "w-secret-3", "VLLM_CPU_KVCACHE_SPACE": "2"})  # fmt: skip
+    assert told == {"cpu_binding": "0"}  # the claim, as before, under its own key
+    for secret in (b"sk-secret-1", b"hf_secret_2", b"w-secret-3"):
+        assert all(secret not in value for value in store.values())  # nowhere in the store
+    (started,) = claims.told_started("app", ["r1"])
+    assert started["engine_kwargs"]["max_num_seqs"] == 4 and started["engine_kwargs"]["enforce_eager"] is True
+    assert started["env_vars"]["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    hashed = claims.started_with({"api_key": "sk-secret-1"}, {"HF_TOKEN": "hf_secret_2"})
+    assert started["engine_kwargs"]["api_key"] == hashed["engine_kwargs"]["api_key"]
+    assert started["env_vars"]["HF_TOKEN"] == hashed["env_vars"]["HF_TOKEN"]
+    assert started["env_vars"]["HF_TOKEN"].startswith(claims.HASHED) and len(started["env_vars"]["HF_TOKEN"]) == 71
+    assert claims.told_started("app", ["r9"]) == [{}]  # a replica that told nothing
+    claims.forget("app")  # the application deleted: what its replicas were started with goes with their claims
+    assert claims.told_started("app", ["r1"]) == [{}] and claims.told("app", ["r1"]) == [{}]
+
+
+def moved_to(engine: ServeEngine, monkeypatch, told: dict[str, dict]) -> None:
+    """Each replica of ``told`` (Serve's unique id -> (engine_kwargs, env_vars)) tells what it was started with, as
+    its callback does, under the trial's application."""
+    for replica, (kwargs, env) in told.items():
+        tell_as(monkeypatch, engine.name, replica,
+                types.SimpleNamespace(engine_kwargs=kwargs, runtime_env={"env_vars": env}), claims.tell_started)  # fmt: skip
+
+
+def test_replicas_on_deployed_reads_what_the_replicas_told_not_their_llm_configs(tmp_path, store, monkeypatch):
+    """Deployed.replica_llm_configs raises: the check must not unpickle a replica's LLMConfig (it imports vLLM)."""
+    engine = entered(tmp_path, monkeypatch, ["a", "b", "c"])
+    engine.deployed = {"engine_kwargs": {"max_num_seqs": 8, "api_key": "sk-new"},
+                       "runtime_env": {"env_vars": {"SERVETUNE_FAKE_TTFT_MS": "60", "HF_TOKEN": "hf_new"}}}  # fmt: skip
+    new = ({"max_num_seqs": 8, "api_key": "sk-new", "max_model_len": 1024},
+           {"SERVETUNE_FAKE_TTFT_MS": "60", "HF_TOKEN": "hf_new", "OTHER": "x"})  # fmt: skip
+    moved_to(engine, monkeypatch, {
+        "a": new,
+        "b": ({"max_num_seqs": 4, "api_key": "sk-new"}, {"SERVETUNE_FAKE_TTFT_MS": "60", "HF_TOKEN": "hf_new"}),
+        "c": ({"max_num_seqs": 8, "api_key": "sk-new"}, {"SERVETUNE_FAKE_TTFT_MS": "60", "HF_TOKEN": "hf_old"}),
+    })  # fmt: skip
+    assert engine.replicas_on_deployed() == (3, 1)  # b runs the old arguments, c another token (compared by hash)
+    moved_to(engine, monkeypatch, {"b": new, "c": new})  # Serve replaced them
+    assert engine.replicas_on_deployed() == (3, 3)
+    engine.__exit__(None, None, None)
+
+
+def test_replicas_that_told_nothing_are_read_as_before_from_their_llm_configs(tmp_path, store, monkeypatch):
+    """A replica without servetune's callback (GPUs, a cluster joined, an older servetune's deployment) told nothing:
+    every replica's LLMConfig is read from Serve, as before."""
+    asked = []
+
+    class Held(Deployed):
+        def replica_llm_configs(self, name, deployment_prefix="LLMServer", timeout_s=60.0):
+            asked.append(name)
+            return [{"engine_kwargs": {"max_num_seqs": 8}, "env_vars": {"X": "1"}, "callback_class": None},
+                    {"engine_kwargs": {"max_num_seqs": 4}, "env_vars": {"X": "1"}, "callback_class": None}]  # fmt: skip
+
+    monkeypatch.setattr(serve_trial, "wait_gone", lambda pids, timeout_s: [])
+    engine = ServeEngine(serve_spec(tmp_path, 2), tmp_path, Held(["a", "b"])).__enter__()
+    engine.deployed = {"engine_kwargs": {"max_num_seqs": 8}, "runtime_env": {"env_vars": {"X": "1"}}}
+    moved_to(engine, monkeypatch, {"a": ({"max_num_seqs": 8}, {"X": "1"})})  # b told nothing
+    assert engine.replicas_on_deployed() == (2, 1) and asked == [engine.name]
     engine.__exit__(None, None, None)

@@ -202,6 +202,11 @@ def summary(doc: Recheck) -> list[str]:
         lines.append(f"  quality probe: {_passed(doc.quality_before)} -> {_passed(doc.quality_after)}")
     if doc.host_note is not None:
         lines.append(f"  {doc.host_note}")
+    # the CPU build: the cores the re-measured engine ran on, as a trial records them
+    cores = [f"bound to cores {doc.cpu_binding}"] if doc.cpu_binding else []
+    cores += [f"cores not claimed: {doc.cpu_unclaimed}"] if doc.cpu_unclaimed else []
+    if cores:
+        lines.append("  re-measured engine " + "; ".join(cores))
     lines += [f"  argument: {describe(a)}" for a in doc.arguments]
     if any(c.margin_from == "default" for c in doc.changes):
         lines.append(f"  (levels measured once: the noise margin is the {MARGIN:.0%} default, tighter than a P99 latency "

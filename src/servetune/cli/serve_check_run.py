@@ -207,7 +207,8 @@ def run(args: argparse.Namespace) -> int:
         owned = True
         result = run_check(
             picked, replicas, cluster, name, measure, teardown, address=args.address,
-            on_ready=lambda n, s: console.print(f"{n} replica{'s' if n > 1 else ''} RUNNING after {s:.0f} s"), ramp=ramp,
+            on_ready=lambda n, s, cores: console.print(f"{n} replica{'s' if n > 1 else ''} RUNNING after {s:.0f} s"
+                                                       f"{cores_note(cores)}", soft_wrap=True, highlight=False), ramp=ramp,
             routing=routing, layouts=layouts, keep=keep,
         )  # fmt: skip
     except BaseException as exc:
@@ -252,6 +253,12 @@ def run(args: argparse.Namespace) -> int:
                                   for run in (result.layouts.runs if result.layouts else []))  # fmt: skip
     early = any(r.traffic_before_ready for r in result.ramps or ([result.ramp] if result.ramp is not None else []))
     return 0 if completed and not early else 1
+
+
+def cores_note(cores: dict[str, str]) -> str:
+    """What the replicas' core claims got (serve/claims.py ``replica_cores``), after the line that says they run."""
+    note = f", bound to cores {cores['cpu_binding']}" if cores.get("cpu_binding") else ""
+    return note + (f" (cores not claimed: {cores['cpu_unclaimed']})" if cores.get("cpu_unclaimed") else "")
 
 
 def stopped_reason(exc: BaseException) -> str:

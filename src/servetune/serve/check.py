@@ -19,6 +19,7 @@ from servetune import __version__
 from servetune.errors import EngineStartError, UserError
 from servetune.results import LevelResult
 from servetune.secrets import redact_env
+from servetune.serve.claims import replica_cores
 from servetune.serve.layouts import (
     Layout,
     LayoutResult,
@@ -69,6 +70,8 @@ class Cluster(Protocol):
     def engine_replicas(self, name: str) -> list[str]: ...
 
     def reset_prefix_caches(self, name: str) -> int: ...
+
+    def replica_claims(self, name: str) -> list[dict[str, str]]: ...
 
 
 #: measure(url, served model name, replica count) -> the ladder's level results.
@@ -194,6 +197,7 @@ class Deployed:
     reused: bool | None
     engines: list[str]
     ingress_kept: bool | None = None
+    cores: dict[str, str] = dataclasses.field(default_factory=dict)  # replica_cores: its replicas' core claims
 
 
 class Deployer:
@@ -233,12 +237,23 @@ class Deployer:
         reused = bool(set(now) & set(before)) if before else None
         if before:
             self.cluster.reset_prefix_caches(self.name)  # Serve counts it as a request: read counters after it
-        return Deployed(ready_s=ready_s, reused=reused, engines=now, ingress_kept=ingress_kept)
+        return Deployed(ready_s=ready_s, reused=reused, engines=now, ingress_kept=ingress_kept,
+                        cores=replicas_cores(self.cluster, self.name))  # fmt: skip
+
+
+def replicas_cores(cluster: Cluster, name: str) -> dict[str, str]:
+    """``cpu_binding`` and ``cpu_unclaimed`` of the application's running LLM replicas, as a Serve trial records them
+    (serve/claims.py ``replica_cores``): on the CPU build in a local Ray, the cores each replica's engine claimed.
+    Empty where no replica told (GPUs, a cluster joined) or the store cannot be read."""
+    try:
+        return replica_cores(cluster.replica_claims(name))
+    except Exception:  # the replicas' cores are a note of the record, never a reason to stop measuring
+        return {}
 
 
 def run_check(
     picked: PickedStudy, replicas: list[int], cluster: Cluster, name: str, measure: Measure, teardown: Teardown,
-    address: str | None = None, on_ready: Callable[[int, float], None] | None = None,
+    address: str | None = None, on_ready: Callable[[int, float, dict[str, str]], None] | None = None,
     ramp: Ramp | Sequence[Ramp] | None = None,
     routing: Routing | None = None, layouts: Layouts | None = None, keep: Callable[[ServeCheckResult], None] | None = None,
 ) -> ServeCheckResult:  # fmt: skip
@@ -283,21 +298,21 @@ def run_check(
     for count in replicas:
         deployed = deployer.deploy(llm_config(point, count, accelerator_type=pinned))
         if on_ready is not None:
-            on_ready(count, deployed.ready_s)
+            on_ready(count, deployed.ready_s, deployed.cores)
         before = cluster.requests_per_replica(name)
         levels = measure(cluster.url, served, count)
         after = cluster.requests_per_replica(name)
         handled = served_between(before, after)
         runs.append(ReplicaRun(replicas=count, ready_s=deployed.ready_s, engines_reused=deployed.reused, levels=levels,
-                               requests_per_replica=handled))  # fmt: skip
+                               requests_per_replica=handled, **deployed.cores))  # fmt: skip
         kept()
         for each in ramps if not ramped else []:
             # On the engines running: the derived autoscaling's initial_replicas is its minimum, so Serve scales
             # a larger count down to it before the deployment is HEALTHY, and the ramp starts from there.
             up = deployer.deploy(autoscaled_llm_config(point, each.deployment_config, pinned))
-            ramped.append(
-                each.run(cluster.url, served).model_copy(update={"ready_s": up.ready_s, "engines_reused": up.reused})
-            )
+            ran = each.run(cluster.url, served)  # its replicas' cores: those running at its end, scaled up or down
+            ramped.append(ran.model_copy(update={"ready_s": up.ready_s, "engines_reused": up.reused,
+                                                 **replicas_cores(cluster, name)}))  # fmt: skip
             teardown.pids.update(cluster.replica_pids(name))
             kept()
     if routing is not None:
@@ -337,7 +352,7 @@ def compare_routers(
         level = dict(measured.summary.level)
         runs.append(RouterRun(router=router, router_class=ROUTERS[router], replicas=routing.replicas,
                               ready_s=deployed.ready_s, engines_reused=deployed.reused, engine_replicas=deployed.engines,
-                              level=measured, per_replica=traffic_between(before, after)))  # fmt: skip
+                              level=measured, per_replica=traffic_between(before, after), **deployed.cores))  # fmt: skip
         if len(runs) < len(routing.routers):
             so_far(RoutingResult(workload=routing.workload, replicas=routing.replicas, level=level, runs=list(runs)))
     return RoutingResult(
@@ -379,7 +394,8 @@ def compare_layouts(
             measured = spec.measure(cluster.url, served, layout)
             after = cluster.requests_per_replica(name)
             runs.append(layout_run(layout, beside, measured, picked.space.price_per_device_hour, ready_s=deployed.ready_s,
-                                   engines_reused=bool(deployed.reused), requests_per_replica=served_between(before, after)))  # fmt: skip
+                                   engines_reused=bool(deployed.reused), requests_per_replica=served_between(before, after),
+                                   **deployed.cores))  # fmt: skip
         if len(runs) < len(order):
             so_far(result(final=False))
     return result(final=True)

@@ -292,7 +292,8 @@ class ServeCluster:
         """What each running replica of the application's LLM deployment was started with, as it holds it (Ray Serve
         LLM's ``LLMServer.llm_config``, broadcast by Serve to every running replica): its ``engine_kwargs``, its
         ``env_vars`` (its runtime environment's) and its ``callback_class`` (None: Ray Serve LLM's own). What a
-        rollout left running, read from the replicas rather than from what was asked for."""
+        rollout left running, read from the replicas rather than from what was asked for, where they told nothing
+        (serve/trial.py ``replicas_started``): unpickling each imports vLLM in this process."""
         found = []
         for handle in _llm_handles(name, deployment_prefix):
             for config in handle.broadcast("llm_config").results(timeout_s=timeout_s):

@@ -20,7 +20,7 @@ rank keeps vLLM's own binding; several are bound to the first cores, as ``export
 started carry the callback (:data:`~servetune.serve.plan.CLAIM_CORES_ENV`); ``export --format
 ray-serve`` never does. Cores are logical CPUs, a physical core each first (engine/cores.py `physical_first`).
 What the claim got (the binding, or why the replica runs on no cores of its own) is told to the trial that deployed
-the replica, for its record (serve/claims.py).
+the replica, for its record, and so is what the replica was started with, for a rollout's check (serve/claims.py).
 
 The same callback skips Ray Serve LLM's node initialization for a model that is a directory on this host: that
 step only runs a Ray task per node to "download" the model, which for a local directory returns the path as it
@@ -62,6 +62,7 @@ class ClaimCores(CallbackBase):
         if local_model_dir(self.llm_config) is not None:
             _torch_kernels_dir()
             self.ctx.run_init_node = False  # nothing to download: the path is used as given
+        claims.tell_started(self.llm_config)  # what a rollout's check compares (serve/trial.py replicas_started)
         claims.tell(await self.bind())
 
     async def bind(self) -> dict[str, str]:

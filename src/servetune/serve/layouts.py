@@ -181,6 +181,8 @@ class LayoutRun(BaseModel):
     requests_per_replica: dict[str, int] = {}
     cost_per_hour_usd: float | None = None  # devices x the study's price per device-hour
     cost_per_mtok_usd: float | None = None  # None without a price or without output; at the level's steady tok/s
+    cpu_binding: str | None = None  # the CPU build: the cores each LLM replica's engine claimed, as a Serve trial's
+    cpu_unclaimed: str | None = None  # ... and why a replica claimed none of its own (serve/claims.py replica_cores)
 
     @property
     def meets_slo(self) -> bool:

@@ -114,6 +114,8 @@ class RampResult(BaseModel):
     requests: int = 0
     slo_attainment: float | None = None  # share of the ramp's finished requests that met every per-request bound
     replica_seconds: float | None = None  # replicas RUNNING or starting, integrated over the ramp's time
+    cpu_binding: str | None = None  # the CPU build: the cores each LLM replica's engine claimed at the ramp's end
+    cpu_unclaimed: str | None = None  # ... and why a replica claimed none of its own (serve/claims.py replica_cores)
 
 
 def replica_seconds(samples: Sequence[RampSample], end_s: float) -> float:

@@ -31,6 +31,8 @@ class ReplicaRun(BaseModel):
     )
     levels: list[LevelResult] = []
     requests_per_replica: dict[str, int] = {}  # Serve replica id -> requests it handled (Serve's own counter)
+    cpu_binding: str | None = None  # the CPU build: the cores each LLM replica's engine claimed, as a Serve trial's
+    cpu_unclaimed: str | None = None  # ... and why a replica claimed none of its own (serve/claims.py replica_cores)
 
 
 class ScalingRow(BaseModel):

@@ -217,6 +217,8 @@ class RouterRun(BaseModel):
     engine_replicas: list[str] = []  # the LLM deployment's replica actors during the run
     level: LevelResult
     per_replica: dict[str, ReplicaTraffic] = {}  # Serve replica id -> its traffic during the level
+    cpu_binding: str | None = None  # the CPU build: the cores each LLM replica's engine claimed, as a Serve trial's
+    cpu_unclaimed: str | None = None  # ... and why a replica claimed none of its own (serve/claims.py replica_cores)
 
     @computed_field  # type: ignore[prop-decorator]  # as pydantic documents; mypy rejects decorators on @property
     @property

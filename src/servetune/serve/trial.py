@@ -26,7 +26,9 @@ from servetune.engine.metrics import MetricsSnapshot
 from servetune.engine.server import KvCapacity
 from servetune.report.points import ReportPoint
 from servetune.results import ENGINE_LOG
+from servetune.serve import claims
 from servetune.serve.actors import wait_gone
+from servetune.serve.claims import replica_cores
 from servetune.serve.cluster import ServeCluster
 from servetune.serve.metrics import ReplicaCounts, replica_snapshots, replicas_snapshot
 from servetune.serve.plan import Needs, llm_config, measured_gpu, needs, pin_gpu_type
@@ -92,18 +94,28 @@ def trial_needs(spec: TrialSpec) -> Needs:
     return needs(point, trial_llm_config(spec), spec.serve_replicas)
 
 
-def replica_cores(told: Sequence[Mapping[str, str]]) -> dict[str, str]:
-    """A trial's ``cpu_binding`` and ``cpu_unclaimed`` (trial/runner.py ``cores_record``) from what each replica's
-    claim got on the CPU build (serve/cores.py, in the order Serve's replicas answered; ``{}``: one that told
-    nothing, as on GPUs): the replicas' bindings with ``, `` between them (``|`` between one's ranks, ``auto`` for one
-    left to vLLM's binding), and why each replica that claimed no cores of its own did, named by its place."""
-    told = [record for record in told if record]
-    bindings = [record.get("cpu_binding") or "auto" for record in told]
-    why = [(f"replica {i} of {len(told)}: " if len(told) > 1 else "") + record["cpu_unclaimed"]
-           for i, record in enumerate(told, 1) if record.get("cpu_unclaimed")]  # fmt: skip
-    found = {"cpu_binding": ", ".join(bindings) if any(b != "auto" for b in bindings) else "",
-             "cpu_unclaimed": "; ".join(why)}  # fmt: skip
-    return {key: value for key, value in found.items() if value}
+def replicas_started(cluster: ServeCluster, name: str) -> list[dict[str, dict[str, Any]]]:
+    """What each running LLM replica of the application was started with (``engine_kwargs``, ``env_vars``; secrets'
+    values hashed: serve/claims.py ``started_with``), as each told it to Ray's key-value store beside its core claim.
+    Where one told nothing (a replica without servetune's callback: on GPUs, on a cluster servetune joined, or
+    deployed by an older servetune), every replica's ``LLMConfig`` is read from the replicas instead
+    (:meth:`ServeCluster.replica_llm_configs`), which imports vLLM in this process to unpickle them (about 8
+    core-seconds)."""
+    told = claims.told_started(name, cluster.replica_ids(name))
+    if told and all(told):
+        return told
+    return [claims.started_with(c["engine_kwargs"], c["env_vars"]) for c in cluster.replica_llm_configs(name)]
+
+
+def replicas_on(cluster: ServeCluster, name: str, deployed: Mapping[str, Any]) -> tuple[int, int]:
+    """(LLM replicas of the application running, those of them started with the engine arguments and environment
+    variables of ``deployed``, an ``LLMConfig`` dict: each of its values, other values beside them allowed)."""
+    wanted = claims.started_with(deployed.get("engine_kwargs") or {},
+                                 (deployed.get("runtime_env") or {}).get("env_vars") or {})  # fmt: skip
+    held = replicas_started(cluster, name)
+    on = [h for h in held if all(all(h.get(part, {}).get(k) == v for k, v in values.items())
+                                 for part, values in wanted.items())]  # fmt: skip
+    return len(held), len(on)
 
 
 class ServeEngine:
@@ -283,15 +295,10 @@ class ServeEngine:
 
     def replicas_on_deployed(self) -> tuple[int, int]:
         """(LLM replicas running, those of them started with the engine arguments and environment deployed last),
-        from what each replica holds (:meth:`ServeCluster.replica_llm_configs`): after a rollout, whether the
+        from what each replica says it was started with (:func:`replicas_started`): after a rollout, whether the
         replicas Serve left run the configuration it was moved to."""
         assert self.cluster is not None
-        wanted_args = self.deployed.get("engine_kwargs") or {}
-        wanted_env = (self.deployed.get("runtime_env") or {}).get("env_vars") or {}
-        configs = self.cluster.replica_llm_configs(self.name)
-        on = [c for c in configs if all(c["engine_kwargs"].get(k) == v for k, v in wanted_args.items())
-              and all(c["env_vars"].get(k) == v for k, v in wanted_env.items())]  # fmt: skip
-        return len(configs), len(on)
+        return replicas_on(self.cluster, self.name, self.deployed)
 
     def running_replicas(self) -> int:
         """The LLM replicas Serve reports RUNNING now."""

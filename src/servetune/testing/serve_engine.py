@@ -8,7 +8,9 @@ It streams completions and chat completions (``stream`` only) at a set time to t
 testing/fake_openai.py), with the usage chunk servetune's client reads; at most ``max_num_seqs`` (its engine
 argument) stream at once, the rest wait (their TTFT grows). It takes ``SERVETUNE_FAKE_START_S`` (default 0) to
 start, as a real engine takes its load: a request that waits for a replica to start waits at least that long.
-Started, it prints :data:`STARTED` and its engine arguments (JSON) to its log: what each replica runs can be read from the replicas' logs, as from Serve
+Starting, it runs the replica's Ray Serve LLM callback as vLLM's engine does (servetune's on a local Ray it started:
+serve/cores.py, which claims a core and tells what the replica was started with). Started, it prints :data:`STARTED`
+and its engine arguments (JSON) to its log: what each replica runs can be read from the replicas' logs, as from Serve
 (``LLMServer.llm_config``).
 """
 
@@ -45,6 +47,12 @@ class FakeServeEngine(LLMEngine):
         self.resets = 0
 
     async def start(self) -> None:
+        # As vLLM's engine starts in Ray Serve LLM (VLLMEngine.start): the replica's callback first, servetune's on a
+        # local Ray it started (serve/cores.py: a core claimed, and what the replica was started with told).
+        get_callback = getattr(self.llm_config, "get_or_create_callback", None)
+        callback = get_callback() if get_callback is not None else None
+        if callback is not None:
+            await callback.run_callback("on_before_node_init")
         await asyncio.sleep(float(os.environ.get(START_S_ENV, "0")))
         seqs = self.engine_kwargs.get("max_num_seqs")
         self.slots = asyncio.Semaphore(int(seqs)) if seqs else None

@@ -120,6 +120,10 @@ class Recheck(BaseModel):
     result_dir: str | None = None  # the re-measured trial's directory
     # its model's download before the engine started (servetune/prefetch.py), apart from the start-up; [] none
     prefetch: list[WeightsPrefetch] = []
+    # the CPU build: the cores the re-measured engine's ranks ran on, and why it claimed none of its own (a trial's
+    # environment.cpu_binding and environment.cpu_unclaimed; None: not run, or a GPU)
+    cpu_binding: str | None = None
+    cpu_unclaimed: str | None = None
     created: str | None = None
     runner_up: Recheck | None = None
 
@@ -294,7 +298,9 @@ def compare(before: TrialResult, after: TrialResult | None, level: Mapping[str, 
                    capacity_before=cap_before, capacity_after=cap_after, capacity_tolerance=tolerance,
                    outcome_after=after.outcome if ran else "NOT RUN", failure=refused, host_note=host,
                    quality_before=before.quality.passed if before.quality is not None else None,
-                   quality_after=after.quality.passed if ran and after.quality is not None else None)  # fmt: skip
+                   quality_after=after.quality.passed if ran and after.quality is not None else None,
+                   cpu_binding=after.environment.get("cpu_binding") if ran else None,
+                   cpu_unclaimed=after.environment.get("cpu_unclaimed") if ran else None)  # fmt: skip
 
 
 #: What names the hardware in a trial's environment record (environment.py): a change of any is another host.
