@@ -94,6 +94,23 @@ def test_a_trial_a_finished_point_beats_even_at_its_best_case_is_pruned_as_domin
     assert optimistic(ladder[0], {**MARGINS, "output_throughput": 1.0}).keys() == {"ttft_ms", "tpot_ms"}
 
 
+def test_a_finished_point_is_weighed_against_the_estimate_at_its_whole_levels_rate_not_its_steady_one():
+    # The estimate is fitted to (and its error measured against) a level's whole output throughput; the study prices
+    # a closed loop at its steady rate, here 1.5x the whole level's. Priced so, the finished point looks 33 % cheaper
+    # than like for like and would rule out a trial whose optimistic best case beats it at the same rate.
+    ladder = [fc(4, 300.0, throughput=400.0), fc(16, 600.0, throughput=800.0)]
+    best_cost = cost_per_mtok_usd(2.0, 1, 800.0 / (1 - 0.2))
+    whole_cost = best_cost * 0.9  # within the 10 % noise margin of the best case, at the rate the estimate speaks of
+    finished = OperatingPoint(trial_id="abc", level_index=0, level={"concurrency": 8}, config={}, devices=1,
+                              metrics={COST_METRIC: whole_cost / 1.5, TTFT_METRIC: 100.0, "output_throughput": 1000.0},
+                              meets_slo=True, priced_by="busy_output_throughput", priced_at=1500.0)  # fmt: skip
+    assert judge_prune(ladder, TTFT_P99, MARGINS, [finished], 2.0, 1) is None
+    # priced at the whole level's rate already (or recorded before the rate was kept): taken as it is
+    as_is = finished.model_copy(update={"priced_at": None})
+    record = judge_prune(ladder, TTFT_P99, MARGINS, [as_is], 2.0, 1)
+    assert record is not None and record.dominated_by == "abc"
+
+
 def test_the_margin_is_the_shipped_error_until_the_study_has_measured_its_own():
     shipped = {
         "ttft_ms": MetricError(median=0.3, p90=0.6, points=10),

@@ -44,6 +44,7 @@ class OperatingPoint(BaseModel):
     # the throughput cost_per_mtok_usd is priced at (LevelSummary.steady_output_throughput): with every client busy
     # where that was measured, else the whole level's
     priced_by: str = "output_throughput"
+    priced_at: float | None = None  # that throughput's tok/s (None: a point from before it was kept)
 
 
 FailureKind = Literal["configuration", "infrastructure"]
@@ -198,6 +199,7 @@ class TrialResult(BaseModel):
                     # a level where the client fell behind takes no verdict (load/pace.py): not a point meeting it
                     meets_slo=level.meets_slo and level.client_bound is None,
                     priced_by=level.summary.priced_by,
+                    priced_at=level.summary.steady_output_throughput,
                 )
             )
         return points

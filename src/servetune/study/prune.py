@@ -13,7 +13,11 @@ The trial is PRUNED only when, optimistic as that is,
   the estimate is a mean, and those are at least the mean), or
 - a finished trial's measured point that met the SLO is cheaper than the trial's cheapest level and faster
   than its fastest TTFT, each by the noise margin (results.py ``MARGIN``), as early stopping compares
-  (study/early_stop.py ``dominating_point``).
+  (study/early_stop.py ``dominating_point``). The finished point's cost is taken at its whole level's output
+  throughput here, the rate the estimate is fitted to and its throughput error measured against
+  (trial/estimated.py), not at the steady rate the study prices it at (results ``OperatingPoint.priced_at``): at
+  the steady rate, higher, every finished point would look cheaper against the estimate than it is, and the bound
+  would no longer be optimistic.
 
 A figure the estimate cannot give (no error known for the metric, an open loop past saturation whose TTFT
 has no bound, a margin of 100 % or more) rules nothing out, so the estimate never prunes where it is unsure.
@@ -30,7 +34,7 @@ from typing import Any
 from servetune.config.slo import Slo
 from servetune.estimate import load_factors
 from servetune.estimate.factors import MetricError
-from servetune.metrics import COST_METRIC, cost_per_mtok_usd
+from servetune.metrics import COST_METRIC, OUTPUT_THROUGHPUT, cost_per_mtok_usd
 from servetune.results import MARGIN, OperatingPoint, Pruned, PrunedLevel
 from servetune.study.early_stop import TTFT_METRIC, _level_text, dominating_point
 from servetune.study.forecast import ESTIMATED_METRICS, ESTIMATED_STATS, LevelForecast, forecast
@@ -128,13 +132,25 @@ def judge_prune(
         return None
     point = OperatingPoint(trial_id=trial_id, level_index=-1, level={}, config={}, devices=devices, metrics=best,
                            meets_slo=True)  # fmt: skip
-    dominator = dominating_point(point, finished, margin=MARGIN)
+    dominator = dominating_point(point, priced_as_estimated(finished), margin=MARGIN)
     if dominator is None:
         return None
     return Pruned(
         rule="dominated", dominated_by=dominator.trial_id, optimistic_point=best,
         dominating={k: dominator.metrics[k] for k in (COST_METRIC, TTFT_METRIC)}, **record,
     )  # fmt: skip
+
+
+def priced_as_estimated(points: Sequence[OperatingPoint]) -> list[OperatingPoint]:
+    """``points`` with each cost at its whole level's output throughput (``output_throughput``), as the estimate's
+    costs are (see the module's doc); a point priced at that rate already, or without the rates, as it is."""
+    out = []
+    for p in points:
+        cost, at, whole = p.metrics.get(COST_METRIC), p.priced_at, p.metrics.get(OUTPUT_THROUGHPUT)
+        if cost is not None and at and whole and at != whole:
+            p = p.model_copy(update={"metrics": {**p.metrics, COST_METRIC: cost * at / whole}})
+        out.append(p)
+    return out
 
 
 def _best_case(levels: Sequence[PrunedLevel], price: float, devices: int) -> dict[str, float] | None:
