@@ -128,15 +128,16 @@ def test_a_builder_that_does_not_build_it_in_time_leaves_the_trial_to_build_it_i
     assert "timeout" in caplog.text and "built here" in caplog.text
 
 
-@pytest.mark.parametrize("late", [False, True])
-def test_the_builder_drops_a_build_whose_caller_stopped_waiting(monkeypatch, late):
-    """Past the deadline its caller gave (its caller builds it itself), the builder gives Serve nothing: a late
-    hand-off of the same name would replace the application its caller gave Serve."""
+@pytest.mark.parametrize(("left_s", "late"), [(60.0, False), (-60.0, True), (builder.SEND_MARGIN_S / 3, True)])
+def test_the_builder_drops_a_build_whose_caller_stopped_waiting(monkeypatch, left_s, late):
+    """Past the deadline its caller gave (its caller builds it itself), or so near it that the hand-off could land
+    after the caller's own, the builder gives Serve nothing: a late hand-off of the same name would replace the
+    application its caller gave Serve."""
     sent = []
     monkeypatch.setattr(builder, "openai_app", lambda config, keep, version: ("app", config["name"]))
     monkeypatch.setattr(builder, "send_app", lambda name, app, prefix: sent.append((name, app, prefix)) or 0.5)
     actor = object.__new__(builder.AppBuilder)  # its __init__ imports Ray Serve LLM, which this does not need
-    deadline = time.time() + (-60.0 if late else 60.0)
+    deadline = time.time() + left_s
     answer = actor.run("servetune-s-1", {"name": "c"}, False, None, "/x", deadline)
     assert (answer, sent) == ((None, []) if late else (0.5, [("servetune-s-1", ("app", "c"), "/x")]))
 

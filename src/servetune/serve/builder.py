@@ -47,6 +47,11 @@ BUILDER_PREFIX = "servetune-serve-builder-"
 #: 1.4 s, of which ``serve.run_many`` took 0.24-0.33 s. Ten times the slowest, rounded up: a queue of a study's
 #: concurrent trials' builds (about 1.4 s each) fits in it too.
 BUILD_TIMEOUT_S = 180.0
+#: How long before its caller's deadline the builder still gives a build to Serve: a hand-off that starts later could
+#: land after the caller's own (or after the caller deleted its application, which would come back). ``serve.run_many``
+#: took 0.24-0.33 s in the measurements above: a hundred times that. A Serve that takes longer than this to take an
+#: application can still land a late one; the trial's own hand-off (:func:`send_app`) has no bound of its own.
+SEND_MARGIN_S = 30.0
 
 
 def builder_name() -> str:
@@ -108,11 +113,12 @@ class AppBuilder:
         self, name: str, llm_config: Mapping[str, Any], keep_ingress: bool, engine_version: str | None,
         route_prefix: str, deadline: float,
     ) -> float | None:  # fmt: skip
-        """Build the application and give it to Serve (:func:`send_app`'s seconds), unless the wall clock is past
-        ``deadline`` (``time.time()``), when its caller stopped waiting and builds it itself: then None, and nothing
-        given to Serve, so that no late hand-off of this one replaces (same name) the application its caller gave."""
+        """Build the application and give it to Serve (:func:`send_app`'s seconds), unless the wall clock is within
+        :data:`SEND_MARGIN_S` of ``deadline`` (``time.time()``), when its caller stops waiting and builds it itself, or
+        past it: then None, and nothing given to Serve, so that no late hand-off of this one replaces (same name) the
+        application its caller gave."""
         app = openai_app(llm_config, keep_ingress, engine_version)
-        if time.time() > deadline:
+        if time.time() > deadline - SEND_MARGIN_S:
             return None
         return send_app(name, app, route_prefix)
 
