@@ -168,3 +168,15 @@ def test_estimated_rows_draw_the_measured_gpus_share_of_its_power_limit_on_their
         assert row.joules_per_token == pytest.approx(0.5 * find_gpu(row.gpu).perf.tdp_w * row.devices / out)
         assert f"({0.5:.0%} of its board power limit)" in row.note
     assert "J/token" in render_markdown(build_report(loaded))
+    # Closed loops priced at their steady rate, here 1.5x the whole level's: an estimated row's cost follows it, its
+    # energy stays over the whole level's tokens, as the measured row's joules a token are (1.5x fewer tok/s).
+    for t in loaded.trials:
+        for lv in t.levels:
+            lv.summary = lv.summary.model_copy(update={"busy_output_throughput": 1.5 * lv.summary.output_throughput})
+    steady = build_report(loaded).which_gpu
+    assert next(r for r in steady.rows if r.gpu == steady.choice).joules_per_token == pytest.approx(
+        choice.joules_per_token
+    )
+    for row in (r for r in steady.rows if r.estimated and r.cost_per_mtok is not None):
+        out = row.usd_per_device_hour * row.devices * 1e6 / (row.cost_per_mtok * 3600)  # at the steady rate
+        assert row.joules_per_token == pytest.approx(0.5 * find_gpu(row.gpu).perf.tdp_w * row.devices * 1.5 / out)

@@ -250,6 +250,8 @@ def _estimated_rows(
     # priced as the measured row is: at the level's steady rate (LevelSummary.steady_output_throughput)
     scale_out = (summary.steady_output_throughput or measured_out) / reference.output_throughput
     scale_rate = measured_rate / reference.request_throughput if reference.request_throughput else scale_out
+    # energy as the measured row's joules a token are: over the whole level's tokens (its output_throughput)
+    scale_energy = measured_out / reference.output_throughput
     error = factors.held_out_error.get(OUTPUT_THROUGHPUT)
     power_share, powered = _power_share(at, measured_out, trial.devices, measured_name)
     calibrated = (
@@ -265,7 +267,7 @@ def _estimated_rows(
     for name, price in prices.items():
         if name in taken or not _known(name):
             continue
-        rows.append(_estimated_row(name, price, arch, trial, load, factors, (scale_out, scale_rate), choice, target_rps,
+        rows.append(_estimated_row(name, price, arch, trial, load, factors, (scale_out, scale_rate, scale_energy), choice, target_rps,
                                    error.median if error else None, calibrated, power_share))  # fmt: skip
     return [r for r in rows if r is not None]
 
@@ -300,7 +302,7 @@ def _known(name: str) -> bool:
 
 
 def _estimated_row(name: str, price: Price, arch: ModelArch, trial: TrialResult, load: Load, factors: Factors,
-                   scales: tuple[float, float], choice: GpuRow, target_rps: float | None, error: float | None,
+                   scales: tuple[float, float, float], choice: GpuRow, target_rps: float | None, error: float | None,
                    calibrated: str, power_share: float | None) -> GpuRow | None:  # fmt: skip
     from servetune.capacity import resolve_hardware
     from servetune.estimate import estimate
@@ -319,7 +321,9 @@ def _estimated_row(name: str, price: Price, arch: ModelArch, trial: TrialResult,
     replicas = _replicas(target_rps, rate)
     fleet = replicas * trial.devices * price.usd_per_device_hour if replicas is not None else None
     tdp = _tdp_w(name)
-    joules = power_share * tdp * trial.devices / out if power_share is not None and tdp is not None else None
+    # at the whole level's rate, as the measured row's (energy over every token of the level), not the steady one
+    out_all = est.output_throughput * scales[2]
+    joules = power_share * tdp * trial.devices / out_all if power_share is not None and tdp is not None else None
     return replace(base, request_rate=rate, cost_per_mtok=cost, replicas=replicas, fleet_usd_per_hour=fleet,
                    note=calibrated, encoder_ms=est.encoder_ms, joules_per_token=joules)  # fmt: skip
 
