@@ -272,11 +272,14 @@ def test_the_recheck_records_the_cores_the_re_measured_engine_ran_on_as_a_trial_
     bound = check(result(), result().model_copy(update={"environment": {"cpu_binding": "0|1", "vllm": NEW}}))
     assert (bound.cpu_binding, bound.cpu_unclaimed) == ("0|1", None)
     assert bound.model_dump(mode="json")["cpu_binding"] == "0|1"
-    assert "  re-measured engine bound to cores 0|1" in summary(bound)
+    assert "  re-measured engine, bound to cores 0|1" in summary(bound)
     why = "no 2 of the 2 cores free: other engines hold their locks in /tmp/x; bound to shared cores 0|1"
     crowded = check(result(), result().model_copy(update={"environment": {"cpu_binding": "0|1", "cpu_unclaimed": why}}))
     assert crowded.cpu_unclaimed == why
-    assert f"  re-measured engine bound to cores 0|1; cores not claimed: {why}" in summary(crowded)
+    assert (
+        f"  re-measured engine, bound to cores 0|1 (no cores of its own, measured on shared cores: {why})"
+        in summary(crowded)
+    )
     refused = compare(result(), None, SHIPPED, old_table=BASE, new_table=BASE, vllm_before=OLD, vllm_after=NEW,
                       refused="--max-num-seqs is gone")  # fmt: skip
     assert (refused.cpu_binding, refused.cpu_unclaimed) == (None, None)

@@ -565,7 +565,7 @@ def test_each_deployment_serve_check_measures_records_its_replicas_core_claims_a
     (laid,) = doc["layouts"]["runs"]
     assert (laid["cpu_binding"], laid["cpu_unclaimed"]) == (None, "no 1 of the 2 cores free")
     assert cores_note({"cpu_binding": "0, 1"}) == ", bound to cores 0, 1" and cores_note({}) == ""
-    assert cores_note({"cpu_unclaimed": "why"}) == " (cores not claimed: why)"
+    assert cores_note({"cpu_unclaimed": "why"}) == " (no cores of its own, measured on shared cores: why)"
 
     # A cluster whose replicas told nothing (GPUs, a cluster joined) or that cannot be asked: no cores recorded.
     plain = run_check(picked, [1], FakeCluster(), "app", lambda url, served, n: [level(8, 380, 320)],

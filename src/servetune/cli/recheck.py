@@ -185,6 +185,7 @@ def _recheck(one: Chosen, args: argparse.Namespace, version: str, before: str | 
 
 def summary(doc: Recheck) -> list[str]:
     """What the recheck found, as lines: versions, per metric and load, SLO, capacity, arguments, verdict."""
+    from servetune.engine.cores import cores_words
     from servetune.results import MARGIN
     from servetune.verify.recheck import describe
 
@@ -203,10 +204,8 @@ def summary(doc: Recheck) -> list[str]:
     if doc.host_note is not None:
         lines.append(f"  {doc.host_note}")
     # the CPU build: the cores the re-measured engine ran on, as a trial records them
-    cores = [f"bound to cores {doc.cpu_binding}"] if doc.cpu_binding else []
-    cores += [f"cores not claimed: {doc.cpu_unclaimed}"] if doc.cpu_unclaimed else []
-    if cores:
-        lines.append("  re-measured engine " + "; ".join(cores))
+    if doc.cpu_binding or doc.cpu_unclaimed:
+        lines.append("  re-measured engine" + cores_words(doc.cpu_binding, doc.cpu_unclaimed))
     lines += [f"  argument: {describe(a)}" for a in doc.arguments]
     if any(c.margin_from == "default" for c in doc.changes):
         lines.append(f"  (levels measured once: the noise margin is the {MARGIN:.0%} default, tighter than a P99 latency "

@@ -257,8 +257,9 @@ def run(args: argparse.Namespace) -> int:
 
 def cores_note(cores: dict[str, str]) -> str:
     """What the replicas' core claims got (serve/claims.py ``replica_cores``), after the line that says they run."""
-    note = f", bound to cores {cores['cpu_binding']}" if cores.get("cpu_binding") else ""
-    return note + (f" (cores not claimed: {cores['cpu_unclaimed']})" if cores.get("cpu_unclaimed") else "")
+    from servetune.engine.cores import cores_words
+
+    return cores_words(cores.get("cpu_binding"), cores.get("cpu_unclaimed"))
 
 
 def stopped_reason(exc: BaseException) -> str:

@@ -96,6 +96,14 @@ def binding(ranks: int, claimed: list[int], allowed: list[int]) -> str | None:
     return "|".join(map(str, physical_first(allowed)[:ranks])) if ranks > 1 else None
 
 
+def cores_words(binding: str | None, unclaimed: str | None) -> str:
+    """What an engine's (or a deployment's replicas') core claim got, in the words every record and summary gives it
+    after what ran there: ``, bound to cores 0|1`` and `` (no cores of its own, measured on shared cores: why)``;
+    empty for neither. Numbers measured on shared cores are not comparable with those of an engine that had its own."""
+    bound = f", bound to cores {binding}" if binding else ""
+    return bound + (f" (no cores of its own, measured on shared cores: {unclaimed})" if unclaimed else "")
+
+
 class Claim(NamedTuple):
     """What a bare engine about to start got: its binding, the locks its starter holds until the engine is gone, and
     why it claimed no cores of its own (None when it did): the trial records it beside its binding."""

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from string import Template
 
+from servetune.engine.cores import cores_words
 from servetune.metrics import COST_METRIC, E2EL_P99, TPOT_P99, TTFT_P99
 from servetune.report.conclusion import Conclusion, Verdict, conclude  # noqa: F401 (sync.py, __init__ import them here)
 from servetune.report.points import first_line, is_out_of_memory, level_label
@@ -198,9 +199,7 @@ def _cores_text(tags: Mapping[str, str]) -> str:
     """Where the engine ran on the CPU build (engine/cores.py): the cores it was bound to, and, where it claimed none of
     its own, why: its numbers were measured on cores other engines used, not comparable with those of a trial that had
     its own."""
-    binding, unclaimed = tags.get("environment.cpu_binding"), tags.get("environment.cpu_unclaimed")
-    bound = f", bound to cores {binding}" if binding else ""
-    return bound + (f" (no cores of its own, measured on shared cores: {unclaimed})" if unclaimed else "")
+    return cores_words(tags.get("environment.cpu_binding"), tags.get("environment.cpu_unclaimed"))
 
 
 def _core_text(trial: TrialResult) -> str:

@@ -58,7 +58,7 @@ class EngineRun:
     serve: dict[str, Any] | None = None  # through Serve: the application, its replicas and what each served
     # On the CPU build, the cores its ranks ran on (``cpu_binding``) and why it claimed none of its own where other
     # engines held them (``cpu_unclaimed``), as a trial records them (trial/runner.py ``cores_record``; through Serve,
-    # its replicas', serve/trial.py ``replica_cores``).
+    # its replicas', serve/claims.py ``replica_cores``).
     cores: dict[str, str] = field(default_factory=dict)
     stopped: str | None = None  # the verification was stopped while this engine ran ("SIGTERM", "interrupted")
 
