@@ -13,10 +13,11 @@ pytest.importorskip("ray.llm._internal.common.callbacks.base", reason="needs ray
 
 from servetune.serve import claims, cores
 from servetune.serve import trial as serve_trial
+from servetune.serve.claims import replica_cores
 from servetune.serve.cluster import ServeCluster
 from servetune.serve.cores import BIND, ClaimCores, claim
 from servetune.serve.plan import CLAIM_CORES
-from servetune.serve.trial import ServeEngine, replica_cores
+from servetune.serve.trial import ServeEngine
 from servetune.trial.context import StudyContext, resolve_levels
 from servetune.trial.runner import cores_record
 from tests.builders import space_from

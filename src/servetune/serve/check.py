@@ -19,7 +19,7 @@ from servetune import __version__
 from servetune.errors import EngineStartError, UserError
 from servetune.results import LevelResult
 from servetune.secrets import redact_env
-from servetune.serve.claims import replica_cores
+from servetune.serve.claims import running_cores
 from servetune.serve.layouts import (
     Layout,
     LayoutResult,
@@ -238,17 +238,7 @@ class Deployer:
         if before:
             self.cluster.reset_prefix_caches(self.name)  # Serve counts it as a request: read counters after it
         return Deployed(ready_s=ready_s, reused=reused, engines=now, ingress_kept=ingress_kept,
-                        cores=replicas_cores(self.cluster, self.name))  # fmt: skip
-
-
-def replicas_cores(cluster: Cluster, name: str) -> dict[str, str]:
-    """``cpu_binding`` and ``cpu_unclaimed`` of the application's running LLM replicas, as a Serve trial records them
-    (serve/claims.py ``replica_cores``): on the CPU build in a local Ray, the cores each replica's engine claimed.
-    Empty where no replica told (GPUs, a cluster joined) or the store cannot be read."""
-    try:
-        return replica_cores(cluster.replica_claims(name))
-    except Exception:  # the replicas' cores are a note of the record, never a reason to stop measuring
-        return {}
+                        cores=running_cores(self.cluster, self.name))  # fmt: skip
 
 
 def run_check(
@@ -312,7 +302,7 @@ def run_check(
             up = deployer.deploy(autoscaled_llm_config(point, each.deployment_config, pinned))
             ran = each.run(cluster.url, served)  # its replicas' cores: those running at its end, scaled up or down
             ramped.append(ran.model_copy(update={"ready_s": up.ready_s, "engines_reused": up.reused,
-                                                 **replicas_cores(cluster, name)}))  # fmt: skip
+                                                 **running_cores(cluster, name)}))  # fmt: skip
             teardown.pids.update(cluster.replica_pids(name))
             kept()
     if routing is not None:

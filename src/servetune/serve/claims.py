@@ -89,6 +89,17 @@ def replica_cores(told: Sequence[Mapping[str, str]]) -> dict[str, str]:
     return {key: value for key, value in found.items() if value}
 
 
+def running_cores(cluster: Any, app: str) -> dict[str, str]:
+    """:func:`replica_cores` of the application's running LLM replicas, read through ``cluster``'s
+    ``replica_claims`` (serve/cluster.py): on the CPU build in a local Ray, the cores each replica's engine claimed.
+    Empty where no replica told (GPUs, a cluster joined) or the store cannot be read: the replicas' cores are a note
+    of the record, never a reason to stop measuring."""
+    try:
+        return replica_cores(cluster.replica_claims(app))
+    except Exception:
+        return {}
+
+
 def _hashed(value: Any) -> str:
     return HASHED + hashlib.sha256(str(value).encode()).hexdigest()
 

@@ -28,7 +28,7 @@ from servetune.report.points import ReportPoint
 from servetune.results import ENGINE_LOG
 from servetune.serve import claims
 from servetune.serve.actors import wait_gone
-from servetune.serve.claims import replica_cores
+from servetune.serve.claims import running_cores
 from servetune.serve.cluster import ServeCluster
 from servetune.serve.metrics import ReplicaCounts, replica_snapshots, replicas_snapshot
 from servetune.serve.plan import Needs, llm_config, measured_gpu, needs, pin_gpu_type
@@ -170,9 +170,8 @@ class ServeEngine:
                 self.process = psutil.Process(engines[0][0])
             self.server_metrics = ReplicaMetrics(self.cluster, self.name)
             if self.spec.device == "cpu":  # where replicas claim cores (serve/cores.py): what each got
-                with contextlib.suppress(Exception):  # replicas that cannot say: the record says nothing of their cores
-                    told = replica_cores(self.cluster.replica_claims(self.name))
-                    self.cpu_binding, self.cpu_unclaimed = told.get("cpu_binding"), told.get("cpu_unclaimed")
+                told = running_cores(self.cluster, self.name)  # replicas that cannot say: nothing of their cores
+                self.cpu_binding, self.cpu_unclaimed = told.get("cpu_binding"), told.get("cpu_unclaimed")
             self._keep_log()
         except BaseException:  # deployed, but not entered: nothing else would delete it
             self.__exit__()
