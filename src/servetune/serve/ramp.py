@@ -33,7 +33,9 @@ from servetune.summary import meets_request_slo
 
 #: Seconds per window of the ramp's table.
 WINDOW_S = 5.0
-#: Seconds between two samples of Serve's status and counters.
+#: Seconds of pause after each sample of Serve's status and counters before the next: the sample's own reads add to
+#: it (samples came 1.7-2.7 s apart in serve-check's e2e on a busy two-core host), a pause rather than a fixed rate so
+#: that slow reads on a loaded host do not follow each other back to back beside the engines being measured.
 SAMPLE_S = 1.0
 
 
