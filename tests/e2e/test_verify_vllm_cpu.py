@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from servetune.load.client import TIMEOUT_FIRST_TOKEN, TIMEOUT_IDLE, TIMEOUT_TOTAL
 from tests.processes import processes_mentioning
 
 pytestmark = pytest.mark.e2e
@@ -59,10 +60,11 @@ def test_verify_on_real_vllm(tmp_path):
     assert rate is not None and stability["cancellation_success_rate"] == rate, (rate, stability)
     # The engine runs with export's admission bounds: past them vLLM refuses with a 503 (before the stream, or inside
     # it for the prefill-token backlog), in a burst as in the overload scenario. On a busy host an admitted request
-    # can also wait past its first-token timeout (31 of 589 in a run beside two other test runs). Nothing else
-    # fails: no 4xx, no broken stream, no lost connection.
+    # can also wait past its first-token timeout (31 of 589 in a run beside two other test runs), or fall silent
+    # mid-stream past its idle timeout (5 s here; once in CI at stop 56, its e2e tier at 79% of two cores). Nothing
+    # else fails: no 4xx, no broken stream, no lost connection.
     assert stability["oom"] is False and stability["requests"] > 100, stability
-    assert set(stability["errors_by_kind"]) <= {"http_5xx", "timeout_first_token", "timeout"}, stability
+    assert set(stability["errors_by_kind"]) <= {"http_5xx", TIMEOUT_FIRST_TOKEN, TIMEOUT_IDLE, TIMEOUT_TOTAL}, stability
     assert stability["p99_jitter"] == scenarios["soak"]["ttft_p99_jitter"] >= 1.0
 
     soak = scenarios["soak"]
