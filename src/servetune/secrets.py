@@ -23,8 +23,6 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from servetune.config.space import ENV_PREFIX
-
 MASK = "***"
 
 _SECRET_WORDS = frozenset(
@@ -64,6 +62,10 @@ def redact_engine_args(args: Mapping[str, Any]) -> dict[str, Any]:
 
 def redact_params(params: Mapping[str, Any]) -> dict[str, Any]:
     """A trial's chosen values: ``env.NAME`` keys by the environment rule, the rest as engine arguments."""
+    # Here, not at the top: every Serve replica's core claim imports this module (serve/claims.py, serve/cores.py),
+    # and config.space brings the search space's models and capacity/ with it (0.1-0.5 s of a core per replica).
+    from servetune.config.space import ENV_PREFIX
+
     out: dict[str, Any] = {}
     for key, value in params.items():
         if key.startswith(ENV_PREFIX):

@@ -130,3 +130,14 @@ def test_a_local_model_directory_skips_the_node_initialization_a_hub_id_keeps_it
     gone = ClaimCores(llm_config=_Config(str(tmp_path / "missing")), ranks=1)
     asyncio.run(gone.on_before_node_init())
     assert gone.ctx.run_init_node is True  # not a directory here: Ray Serve LLM's own path decides
+
+
+def test_a_replica_imports_its_claim_without_the_search_space_or_capacity():
+    """Every Serve replica servetune starts imports the callback (and a fake-engine test's, the fake engine): what
+    they need of servetune, not config/ and capacity/ (60 modules, 0.1-0.5 s of a core per replica), which
+    secrets.py pulled in for one constant."""
+    code = ("import sys, servetune.serve.cores, servetune.testing.serve_engine; "
+            "print(sorted(m for m in sys.modules if m.startswith(('servetune.config', 'servetune.capacity'))))")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"
