@@ -176,14 +176,19 @@ def test_workload_ignore_eos_and_chat_payload():
 
 
 def test_closed_loop_clients_start_staggered_and_the_level_says_how_synchronized_it_was(tiny_tokenizer):
-    """Equal requests from clients started together stay in lock-step (every send within 10 ms of
-    another); staggered within the first request's duration, most are not.
+    """Clients started together send their first requests at once and stay in lock-step (every send
+    within 10 ms of another); staggered, the first client sends alone and the others start at their
+    seeded moments within its first request's duration.
 
-    The first request takes about 0.86 s (TTFT 800 ms), so eight clients staggered over it are about 0.1 s
-    apart: a host stall of tens of milliseconds (this two-core host, busy) no longer bunches their sends into
-    one 10 ms window. With a 0.26 s first request it did: a staggered share of 0.98 in a CI run beside six
-    other jobs, and 0.36-0.56 staggered, 0.89-1.0 together, in four rounds on a saturated host; with this
-    one, 0-0.19 staggered and 0.97-1.0 together on the same host."""
+    What is asserted of the staggered level is its schedule, not its measured lock-step share (in the messages): with equal
+    request durations a host stall longer than the gap between two clients' phases bunches them for good,
+    so on a busy host the share climbs with the stalls (0.98 against a bound of 0.6 in a CI run beside six
+    other jobs with a 0.26 s first request; again past it under three-way contention with this 0.86 s one).
+    The schedule still fails where the stagger is broken: clients that do not wait for the first answer send
+    before it, and clients that start at the first answer without their offsets send within a few ms of it
+    (a span near 0 against the offsets' ~0.7 s; only a stall swallowing most of that span could shrink it).
+    The share's reading of sends that are not in lock-step is checked on exact times in
+    tests/unit/test_metrics.py."""
     from servetune.config.workload import load_workload
     from servetune.load.requests import PromptFactory, iter_requests
     from servetune.summary import send_sync_share
@@ -198,9 +203,20 @@ def test_closed_loop_clients_start_staggered_and_the_level_says_how_synchronized
             return send_sync_share(records), records
 
     with serve_fake(FakeOpenAI(ttft_ms=800, itl_ms=2)) as url:
-        together, _ = asyncio.run(go(url, stagger=False))
+        together, at_once = asyncio.run(go(url, stagger=False))
         staggered, records = asyncio.run(go(url, stagger=True))
-    assert together >= 0.9 and staggered <= 0.6, (together, staggered)
+    # Lock-step read as such: 0.84-1.0 measured at load 10-14 on two cores (a stall mid-wave can split off a send),
+    # where staggered clients read 0-0.25; a share that did not read lock-step (or clients not kept in it) fails.
+    assert together >= 0.5, together
+    assert sum(r.sent < min(r.end for r in at_once) for r in at_once) == 8  # all eight before any answer
+
+    first_end = min(r.end for r in records)
+    assert sum(r.sent < first_end for r in records) == 1, staggered  # the first client alone, until it was answered
+    first = min(records, key=lambda r: r.sent)
+    # From the first answer on: the first client's next request and the seven others' first ones, at the
+    # seeded offsets (seed 0: 0.02-0.91 of the first request's duration, ~0.77 s apart at the extremes).
+    then = sorted(r.sent for r in records if r.sent >= first_end)[:8]
+    assert then[-1] - then[0] >= 0.25 * (first.end - first.sent), (then, staggered)
     assert sum(r.ok for r in records) == 40  # nothing lost to the ramp
 
 

@@ -29,9 +29,10 @@ BUDGET = Budget(soak_s=4.0, windows=4, scenario_s=2.0, long_requests=2, long_out
                 repeat_s=1.0, warmup_cap=2)  # fmt: skip
 
 
-def run_scenario(fake: FakeOpenAI | None, tokenizer, max_model_len: int = 1024):
+def run_scenario(fake: FakeOpenAI | None, tokenizer, max_model_len: int = 1024, idle_timeout_s: float = 10):
     async def main(url):
-        async with StreamingClient(url, "fake", timeout_s=120, first_token_timeout_s=10, idle_timeout_s=10) as client:
+        async with StreamingClient(url, "fake", timeout_s=120, first_token_timeout_s=10,
+                                   idle_timeout_s=idle_timeout_s) as client:  # fmt: skip
             target = Target(client=client, url=url, workload=WORKLOAD, prompts=PromptFactory(tokenizer), slo=Slo(),
                             level=Level("concurrency", 4.0), budget=BUDGET, max_model_len=max_model_len)  # fmt: skip
             return await disconnects(target)
@@ -48,6 +49,16 @@ def test_a_prompt_release_passes(tiny_tokenizer):
     assert result.passed, result.reason
     assert round_["observed"] and round_["fell_back_s"] is not None and round_["released_s"] == round_["fell_back_s"]
     assert round_["allowed_s"] == FALLBACK_S  # 5 ms steps: the fixed allowance is the larger
+
+
+def test_streams_silent_past_the_clients_idle_timeout_are_still_watched(tiny_tokenizer):
+    # An engine paused longer than verify's idle timeout (5 s at the least; a loaded host, as in CI at stop 56): the
+    # scenario's streams are its probes, not users judged on latency, so the idle (and first-token) timeout does not
+    # end them. Were they ended, every stream would close before the drop and no round could judge the release
+    # ("never showed the streams in flight"): here 400 ms between tokens against a 0.2 s idle timeout.
+    result = run_scenario(FakeOpenAI(ttft_ms=10, itl_ms=400), tiny_tokenizer, idle_timeout_s=0.2)
+    (round_,) = result.numbers["rounds"]
+    assert result.passed and round_["observed"] and round_["fell_back_s"] is not None, (result.reason, round_)
 
 
 def test_a_release_after_the_allowance_is_late_not_a_leak(tiny_tokenizer):

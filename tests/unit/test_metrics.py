@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from servetune.metrics import RequestRecord, cost_per_mtok_usd, metric_names
-from servetune.summary import summarize
+from servetune.summary import send_sync_share, summarize
 
 
 def record(index, sent, ttft, gaps, output_tokens=None, ok=True, warmup=False, error_kind=None):
@@ -119,3 +119,13 @@ def test_tokens_read_in_bursts_are_counted_and_flagged_on_the_level_table():
     text = " ".join(out.export_text().split())
     assert "concurrency 2: tokens read in bursts: 33% of token gaps under 1 ms" in text, text
     assert "ITL percentiles understate" in text
+
+
+def test_the_send_sync_share_counts_measured_sends_within_10_ms_of_another():
+    # Two pairs 5 ms apart (one with a warm-up request, which counts as a neighbour but not in the share), and
+    # three sends 100 ms or more from any other: 3 of the 5 measured sends are close.
+    sends = [(0.0, True), (0.005, False), (0.2, False), (0.3, False), (0.305, False), (0.5, False)]
+    records = [record(i, sent, 0.1, [], warmup=warmup) for i, (sent, warmup) in enumerate(sends)]
+    assert send_sync_share(records) == pytest.approx(3 / 5)
+    assert send_sync_share(records, window_s=0.001) == 0.0
+    assert send_sync_share(records[:1]) is None

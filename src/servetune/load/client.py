@@ -217,12 +217,19 @@ class StreamingClient:
         return body
 
     async def send(
-        self, spec: RequestSpec, record: RequestRecord, t0: float, drop_after: int | None = None
+        self,
+        spec: RequestSpec,
+        record: RequestRecord,
+        t0: float,
+        drop_after: int | None = None,
+        latency_timeouts: bool = True,
     ) -> RequestRecord:
         """Send one request; ``t0`` is the level's clock origin (``time.perf_counter()``).
 
         ``drop_after``: close the connection once that many content chunks arrived (error kind
         ``dropped``; the server should cancel the request and free its KV cache).
+        ``latency_timeouts=False``: only the total timeout binds, not the first-token and idle ones
+        (a probe whose closing is the caller's to decide, not a user who gives up on latency).
         """
         assert self._session is not None, "use StreamingClient as an async context manager"
         clock = time.perf_counter
@@ -232,7 +239,7 @@ class StreamingClient:
         record.sent = clock() - t0
         loop = asyncio.get_running_loop()
         total_at = loop.time() + self.timeout_s
-        first_s, idle_s = self.first_token_timeout_s, self.idle_timeout_s
+        first_s, idle_s = (self.first_token_timeout_s, self.idle_timeout_s) if latency_timeouts else (None, None)
         # The deadline that binds now, and which kind it is: before the first token the
         # first-token one, after it the idle one (moved on at every read), the total one always.
         first_at = loop.time() + first_s if first_s is not None else None

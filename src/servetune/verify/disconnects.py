@@ -9,7 +9,9 @@ steps are slow (a loaded host). The gauge is watched on for ``WATCH_S``, so that
 came late is told apart from one that never came (a leak). The survivors, as long as the dropped
 ones, must still run then: a round whose requests had all ended on the server (a fast engine
 outruns a client on a loaded host) proves nothing, is not judged, and is tried again (up to as
-many extra rounds). Then, for ``TOKEN_SPAN_S``, the tokens vLLM generates
+many extra rounds). The streams are not ended by the client's first-token and idle timeouts (only
+by its total one): they are the round's probes, and a pause of the engine is not what it judges.
+Then, for ``TOKEN_SPAN_S``, the tokens vLLM generates
 (``vllm:generation_tokens_total``) must follow what the survivors receive. ``stats.DropRound``
 holds a round, ``stats.cancellation_success_rate`` and ``stats.tokens_stopped`` judge them.
 
@@ -65,7 +67,11 @@ async def _drop_round(
     specs = [next(requests) for _ in range(streams)]
     records = [RequestRecord(index=i, sent=0.0, input_tokens=s.input_tokens, max_tokens=s.output_tokens,
                              request_class="dropped" if i < dropped else "survivor") for i, s in enumerate(specs)]  # fmt: skip
-    tasks = [asyncio.ensure_future(t.client.send(s, r, t0)) for s, r in zip(specs, records, strict=True)]
+    # The streams are probes, closed by the round (its drop, its end), not users judged on latency: the
+    # client's first-token and idle timeouts do not end them. An engine paused past them on a loaded host
+    # (5 s at the least) would otherwise have closed every stream before the drop, and no round could judge.
+    sends = [t.client.send(s, r, t0, latency_timeouts=False) for s, r in zip(specs, records, strict=True)]
+    tasks = [asyncio.ensure_future(send) for send in sends]
     try:
         await _wait_first_tokens(records, tasks, 2, 60.0)
         # vLLM's gauges follow its steps: wait (a little) until they show every stream in flight.
