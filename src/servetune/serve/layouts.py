@@ -38,7 +38,7 @@ from servetune.load.runner import Level
 from servetune.metrics import cost_per_mtok_usd
 from servetune.report.export import CPU_BIND, with_tp
 from servetune.report.points import ReportPoint
-from servetune.results import RECORD, LevelResult, noise_margin
+from servetune.results import RECORD, ClaimedCores, LevelResult, noise_margin
 from servetune.serve.plan import CLAIM_CORES_ENV
 
 
@@ -165,7 +165,7 @@ def budget_level(level: Level, point_devices: int, budget: int) -> Level:
     return dataclasses.replace(level, value=value)
 
 
-class LayoutRun(BaseModel):
+class LayoutRun(ClaimedCores, BaseModel):
     """One layout at the budget's load, as measured through Serve's ingress."""
 
     model_config = RECORD
@@ -181,8 +181,6 @@ class LayoutRun(BaseModel):
     requests_per_replica: dict[str, int] = {}
     cost_per_hour_usd: float | None = None  # devices x the study's price per device-hour
     cost_per_mtok_usd: float | None = None  # None without a price or without output; at the level's steady tok/s
-    cpu_binding: str | None = None  # the CPU build: the cores each LLM replica's engine claimed, as a Serve trial's
-    cpu_unclaimed: str | None = None  # ... and why a replica claimed none of its own (serve/claims.py replica_cores)
 
     @property
     def meets_slo(self) -> bool:
