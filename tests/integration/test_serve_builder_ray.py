@@ -1,11 +1,13 @@
 """serve/builder.py on a real local Ray with Serve, no Ray Serve LLM: a study's builder that does not answer within
 BUILD_TIMEOUT_S (here a builder that sleeps far past a tiny bound) leaves the trial to build its application itself,
 with a warning naming the timeout, and, its build done late, gives Serve nothing: the one application of that name is
-the trial's. And Serve keeps one application per name, the last given (what a hand-off in flight would race)."""
+the trial's. A trial's own hand-off that Serve takes too late fails the deploy, and what Serve takes after is deleted.
+And Serve keeps one application per name, the last given (what a hand-off in flight would race)."""
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -83,3 +85,28 @@ def test_serve_keeps_one_application_per_name_the_last_given(local_ray):
     builder.send_app("t", Whose.bind("second"), "/t")
     assert list(serve.status().applications) == ["t"]
     assert answer("t") == "second"
+
+
+def test_a_hand_off_serve_takes_past_its_bound_fails_the_deploy_and_leaves_nothing_on_serve(local_ray, monkeypatch):
+    """Serve's controller slow to take the application (here Serve's own ``run_many``, called SLEEP_S late): the
+    trial's deploy fails at the bound, and the application Serve takes afterwards is deleted, not left running."""
+    from servetune.errors import EngineStartError
+
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+    run_many = serve.run_many
+
+    def slow(*args, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(SLEEP_S)
+        return run_many(*args, **kwargs)
+
+    monkeypatch.setattr(serve, "run_many", slow)
+    started = time.monotonic()
+    with pytest.raises(EngineStartError, match="Serve did not take the application t within"):
+        builder.send_app("t", Whose.bind("given up"), "/t", timeout_s=TIMEOUT_S)
+    assert time.monotonic() - started < SLEEP_S
+    for thread in [t for t in threading.enumerate() if t.name == builder.HANDOFF_THREAD + "t"]:
+        thread.join(SLEEP_S + 60)  # Serve took it late, and the hand-off deleted it
+    deadline = time.monotonic() + 60
+    while "t" in serve.status().applications:
+        assert time.monotonic() < deadline, serve.status().applications
+        time.sleep(0.2)

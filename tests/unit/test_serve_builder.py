@@ -7,6 +7,7 @@ tests/e2e/test_serve_trials_vllm_cpu.py the builder for real."""
 
 import subprocess
 import sys
+import threading
 import time
 import types
 
@@ -227,3 +228,74 @@ def test_building_the_study_s_application_in_the_builder_keeps_ray_serve_llm_out
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"
+
+
+@pytest.fixture
+def stuck_serve(monkeypatch):
+    """Serve's ``run_many`` held until the test lets it go (a controller not answering); what is deleted."""
+    import ray.serve
+
+    release, deleted = threading.Event(), []
+
+    def run_many(targets, wait_for_applications_running):
+        release.wait(60)
+
+    monkeypatch.setattr(ray.serve, "run_many", run_many)
+    monkeypatch.setattr(ray.serve, "delete", lambda name, _blocking=True: deleted.append(name))
+    yield release, deleted
+    release.set()  # and its hand-offs ended while Serve's calls are still replaced: none reaches a real Serve later
+    for thread in threading.enumerate():
+        if thread.name.startswith(builder.HANDOFF_THREAD):
+            thread.join(10)
+
+
+def test_a_hand_off_serve_does_not_take_in_time_fails_the_deploy_and_what_it_takes_later_is_deleted(stuck_serve):
+    """A trial's own hand-off (the builder's fallback) is bounded: a stuck Serve fails the deploy, not hangs it; and
+    should Serve take the application after all, the hand-off deletes it: a deploy given up leaves nothing on Serve."""
+    from servetune.errors import EngineStartError
+
+    release, deleted = stuck_serve
+    started = time.monotonic()
+    with pytest.raises(EngineStartError, match="Serve did not take the application servetune-s-1 within"):
+        builder.send_app("servetune-s-1", object(), "/servetune-s-1", timeout_s=0.2)
+    assert time.monotonic() - started < 30  # the bound, not the stuck call, ended the wait
+    assert builder.handoffs_in_flight() == ["servetune-s-1"] and deleted == []
+    release.set()  # Serve takes it, late
+    for thread in threading.enumerate():
+        if thread.name.startswith(builder.HANDOFF_THREAD):
+            thread.join(10)
+    assert deleted == ["servetune-s-1"] and builder.handoffs_in_flight() == []
+
+
+def test_a_hand_off_taken_in_time_stays_and_one_serve_refuses_fails_as_serve_said(monkeypatch):
+    import ray.serve
+
+    deleted, given = [], []
+    monkeypatch.setattr(ray.serve, "delete", lambda name, _blocking=True: deleted.append(name))
+    monkeypatch.setattr(ray.serve, "run_many", lambda targets, wait_for_applications_running: given.extend(targets))
+    assert builder.send_app("t", object(), "/t", timeout_s=10) >= 0
+    assert [(t.name, t.route_prefix) for t in given] == [("t", "/t")] and deleted == []
+
+    def refused(targets, wait_for_applications_running):
+        raise ValueError("route_prefix: taken")
+
+    monkeypatch.setattr(ray.serve, "run_many", refused)
+    with pytest.raises(ValueError, match="route_prefix: taken"):
+        builder.send_app("t", object(), "/t", timeout_s=10)
+    assert deleted == []
+
+
+def test_the_builder_gives_serve_nothing_while_a_hand_off_it_gave_up_is_in_flight(monkeypatch, stuck_serve):
+    """One ``serve.run_many`` at a time in the builder: its caller's deploy fails at once, said why, not queued behind
+    a Serve that does not answer."""
+    from servetune.errors import EngineStartError
+
+    with pytest.raises(EngineStartError):
+        builder.send_app("servetune-s-1", object(), "/servetune-s-1", timeout_s=0.1)
+    sent = []
+    monkeypatch.setattr(builder, "openai_app", lambda config, keep, version: ("app", config["name"]))
+    monkeypatch.setattr(builder, "send_app", lambda name, app, prefix: sent.append(name) or 0.5)
+    actor = object.__new__(builder.AppBuilder)
+    with pytest.raises(EngineStartError, match="Serve has not taken servetune-s-1 since its hand-off was given up"):
+        actor.run("servetune-s-2", {"name": "c"}, False, None, "/x", time.time() + 120)
+    assert sent == []

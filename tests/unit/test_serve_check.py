@@ -529,7 +529,7 @@ class ClaimingCluster(FakeCluster):
 def test_each_deployment_serve_check_measures_records_its_replicas_core_claims_as_a_serve_trial_does(tmp_path):
     """serve-check.json's replica counts, ramp, routers and layouts each say what their replicas' core claims got, in
     the words of a Serve trial's record (``cpu_binding``, ``cpu_unclaimed``: serve/claims.py replica_cores)."""
-    from servetune.cli.serve_check_run import cores_note
+    from servetune.engine.cores import cores_words
     from servetune.serve.check import Layouts, Ramp, Routing
     from servetune.serve.layouts import Layout
     from servetune.serve.ramp import RampResult
@@ -564,8 +564,14 @@ def test_each_deployment_serve_check_measures_records_its_replicas_core_claims_a
     # the layout deployed fresh: its one new engine found no core free
     (laid,) = doc["layouts"]["runs"]
     assert (laid["cpu_binding"], laid["cpu_unclaimed"]) == (None, "no 1 of the 2 cores free")
-    assert cores_note({"cpu_binding": "0, 1"}) == ", bound to cores 0, 1" and cores_note({}) == ""
-    assert cores_note({"cpu_unclaimed": "why"}) == " (no cores of its own, measured on shared cores: why)"
+    # serve-check's RUNNING line words the replicas' record as it is (cli/serve_check_run.py: cores_words(**cores))
+    told: list[dict[str, str]] = [cores for _, cores in ready] + [{}, {"cpu_unclaimed": "why"}]
+    assert [cores_words(**cores) for cores in told] == [
+        ", bound to cores 0",
+        ", bound to cores 0, 9",
+        "",
+        " (no cores of its own, measured on shared cores: why)",
+    ]
 
     # A cluster whose replicas told nothing (GPUs, a cluster joined) or that cannot be asked: no cores recorded.
     plain = run_check(picked, [1], FakeCluster(), "app", lambda url, served, n: [level(8, 380, 320)],

@@ -335,3 +335,22 @@ def test_replicas_that_told_nothing_are_read_as_before_from_their_llm_configs(tm
     moved_to(engine, monkeypatch, {"a": ({"max_num_seqs": 8}, {"X": "1"})})  # b told nothing
     assert engine.replicas_on_deployed() == (2, 1) and asked == [engine.name]
     engine.__exit__(None, None, None)
+
+
+def test_the_records_of_core_claims_say_them_once_and_keep_their_files_shape():
+    """Every record that keeps a CPU build's core claims inherits the two fields (results/levels.py ``ClaimedCores``)
+    rather than declaring its own; a serve-check.json record in the shape written before reads and writes back the same."""
+    from servetune.results import BenchResult, ClaimedCores
+    from servetune.serve.layouts import LayoutRun
+    from servetune.serve.ramp import RampResult
+    from servetune.serve.result import ReplicaRun
+    from servetune.serve.routing import RouterRun
+    from servetune.verify.recheck import Recheck
+
+    for record in (BenchResult, LayoutRun, RampResult, ReplicaRun, RouterRun, Recheck):
+        assert issubclass(record, ClaimedCores), record
+        assert not {"cpu_binding", "cpu_unclaimed"} & set(record.__annotations__), record  # not declared again
+        assert record.model_fields["cpu_unclaimed"].default is None
+    written = {"replicas": 2, "ready_s": 31.5, "engines_reused": None, "levels": [],
+               "requests_per_replica": {"a": 3}, "cpu_binding": "0, 1", "cpu_unclaimed": None}  # fmt: skip
+    assert ReplicaRun.model_validate(written).model_dump() == written

@@ -307,3 +307,12 @@ def test_a_layout_that_fails_to_deploy_is_recorded_and_the_others_are_still_comp
     dumped = result.layouts.model_dump(mode="json")
     assert layout_row(dumped["runs"][0])[-1] == "failed" and layout_row(dumped["runs"][0])[4] == "-"
     assert "1x2: deployment failed: the Serve deployment of app failed: ranks" in layout_notes(dumped)
+
+
+def test_a_layout_s_cost_is_its_device_hours_at_the_price_to_the_last_bit():
+    """The verdict ranks by device-hours per 1M output tokens and says the cost: one formula, so the two never
+    disagree (3.7 per device-hour at 900 tok/s: the two orders of the same product differ in their last bit)."""
+    at = run(Layout(2, 2), 900, price=3.7)
+    assert at.device_hours_per_mtok is not None
+    assert at.cost_per_mtok_usd == 3.7 * at.device_hours_per_mtok
+    assert run(Layout(2, 2), 900, price=None).cost_per_mtok_usd is None

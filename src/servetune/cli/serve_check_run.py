@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         scaling_table,
     )
     from servetune.engine.args import point_structured_problem, vllm_version
+    from servetune.engine.cores import cores_words
     from servetune.errors import UserError
     from servetune.load.requests import PromptFactory
     from servetune.load.tokenizer import load_tokenizer
@@ -208,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
         result = run_check(
             picked, replicas, cluster, name, measure, teardown, address=args.address,
             on_ready=lambda n, s, cores: console.print(f"{n} replica{'s' if n > 1 else ''} RUNNING after {s:.0f} s"
-                                                       f"{cores_note(cores)}", soft_wrap=True, highlight=False), ramp=ramp,
+                                                       f"{cores_words(**cores)}", soft_wrap=True, highlight=False), ramp=ramp,
             routing=routing, layouts=layouts, keep=keep,
         )  # fmt: skip
     except BaseException as exc:
@@ -253,13 +254,6 @@ def run(args: argparse.Namespace) -> int:
                                   for run in (result.layouts.runs if result.layouts else []))  # fmt: skip
     early = any(r.traffic_before_ready for r in result.ramps or ([result.ramp] if result.ramp is not None else []))
     return 0 if completed and not early else 1
-
-
-def cores_note(cores: dict[str, str]) -> str:
-    """What the replicas' core claims got (serve/claims.py ``replica_cores``), after the line that says they run."""
-    from servetune.engine.cores import cores_words
-
-    return cores_words(cores.get("cpu_binding"), cores.get("cpu_unclaimed"))
 
 
 def stopped_reason(exc: BaseException) -> str:

@@ -96,12 +96,14 @@ def binding(ranks: int, claimed: list[int], allowed: list[int]) -> str | None:
     return "|".join(map(str, physical_first(allowed)[:ranks])) if ranks > 1 else None
 
 
-def cores_words(binding: str | None, unclaimed: str | None) -> str:
+def cores_words(cpu_binding: str | None = None, cpu_unclaimed: str | None = None) -> str:
     """What an engine's (or a deployment's replicas') core claim got, in the words every record and summary gives it
     after what ran there: ``, bound to cores 0|1`` and `` (no cores of its own, measured on shared cores: why)``;
-    empty for neither. Numbers measured on shared cores are not comparable with those of an engine that had its own."""
-    bound = f", bound to cores {binding}" if binding else ""
-    return bound + (f" (no cores of its own, measured on shared cores: {unclaimed})" if unclaimed else "")
+    empty for neither. Numbers measured on shared cores are not comparable with those of an engine that had its own.
+    Named as the records name them, so that a record of the two (serve/claims.py ``running_cores``) is
+    ``cores_words(**record)``."""
+    bound = f", bound to cores {cpu_binding}" if cpu_binding else ""
+    return bound + (f" (no cores of its own, measured on shared cores: {cpu_unclaimed})" if cpu_unclaimed else "")
 
 
 class Claim(NamedTuple):

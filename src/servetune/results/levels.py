@@ -121,7 +121,17 @@ class KvCapacityReport(BaseModel):
     planned_tokens: int | None = None  # what the capacity planner predicted for this engine (a trial's; None: none)
 
 
-class BenchResult(BaseModel):
+class ClaimedCores(BaseModel):
+    """What a record of the CPU build says of the cores its engine ran on (engine/cores.py ``cores_words`` words it):
+    a bare engine's, a trial's (trial/runner.py ``cores_record``), or through Serve its LLM replicas' engines'
+    (serve/claims.py ``running_cores``). None of either: a GPU, or nothing told. A record inherits it beside
+    ``BaseModel`` (``class Run(ClaimedCores, BaseModel)``), which tells ruff (RUF012) that it is a pydantic model."""
+
+    cpu_binding: str | None = None  # the cores its ranks were bound to (VLLM_CPU_OMP_THREADS_BIND)
+    cpu_unclaimed: str | None = None  # ... and why it claimed none of its own (other engines held them)
+
+
+class BenchResult(ClaimedCores, BaseModel):
     """The JSON document ``servetune bench --json`` writes."""
 
     model_config = RECORD
@@ -145,8 +155,6 @@ class BenchResult(BaseModel):
     startup_s: float | None
     levels: list[LevelResult]
     requests_file: str | None = None
-    cpu_binding: str | None = None  # the CPU build: the cores its ranks were bound to (VLLM_CPU_OMP_THREADS_BIND)
-    cpu_unclaimed: str | None = None  # ... and why it claimed none of its own (other engines held them), as a trial's
     client_processes: int | Literal["auto"] = 1  # --client-processes: the load client split across processes
 
 

@@ -17,7 +17,9 @@ environment, as the trials do: Serve gives the application the builder's (``serv
 the trial's. A trial that finds no live builder (it died) builds the application itself, as before, and says so; so does
 one the builder does not answer within :data:`BUILD_TIMEOUT_S` (Serve not answering it, its node gone unnoticed, a
 queue of builds ahead), and the builder, its turn come, drops a build its caller stopped waiting for rather than give
-it to Serve after the caller's own (:meth:`AppBuilder.run`).
+it to Serve after the caller's own (:meth:`AppBuilder.run`). Every hand-off to Serve, the builder's and a trial's own,
+is bounded (:data:`SEND_TIMEOUT_S`): a Serve that does not take the application fails that deploy, and the trial with
+it, rather than hang it, and what Serve takes after the hand-off was given up is deleted (:func:`send_app`).
 Taking no CPU, it runs where Ray places it, mostly the driver's node (a ``ray job submit``'s: the head's), which so
 needs Ray Serve LLM and vLLM importable, as the images Ray Serve LLM documents have on every node; where they are not,
 it dies starting and each trial builds its own, as before.
@@ -28,10 +30,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from typing import Any
 
+from servetune.errors import EngineStartError
 from servetune.serve.routing import router_config
 from servetune.serve.versions import pin_ingress, pin_llm_servers
 
@@ -49,9 +53,15 @@ BUILDER_PREFIX = "servetune-serve-builder-"
 BUILD_TIMEOUT_S = 180.0
 #: How long before its caller's deadline the builder still gives a build to Serve: a hand-off that starts later could
 #: land after the caller's own (or after the caller deleted its application, which would come back). ``serve.run_many``
-#: took 0.24-0.33 s in the measurements above: a hundred times that. A Serve that takes longer than this to take an
-#: application can still land a late one; the trial's own hand-off (:func:`send_app`) has no bound of its own.
+#: took 0.24-0.33 s in the measurements above: a hundred times that; with :data:`SEND_TIMEOUT_S` under it, a hand-off
+#: the builder starts is taken or given up before its caller's deadline.
 SEND_MARGIN_S = 30.0
+#: How long a hand-off (:func:`send_app`, the builder's and a trial's own) waits for Serve to take the application
+#: before it is given up, a failure of the deploy rather than a hang: fifty times the slowest ``serve.run_many``
+#: measured above, and half :data:`SEND_MARGIN_S`.
+SEND_TIMEOUT_S = 15.0
+#: The name of a hand-off's thread, before the application's (:class:`_Handoff`).
+HANDOFF_THREAD = "servetune-handoff-"
 
 
 def builder_name() -> str:
@@ -80,15 +90,65 @@ def quiet_serve_logs() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def send_app(name: str, app: Any, route_prefix: str) -> float:
+def send_app(name: str, app: Any, route_prefix: str, timeout_s: float = SEND_TIMEOUT_S) -> float:
     """``serve.run_many`` the application ``app`` as ``name`` at ``route_prefix``, not waiting for it to run; the
-    seconds that took (a deploy's clock starts when Serve is given the application, not when it was built)."""
-    from ray import serve
-    from ray.serve.api import RunTarget
+    seconds that took (a deploy's clock starts when Serve is given the application, not when it was built).
 
+    Bounded: a Serve that has not taken it within ``timeout_s`` (its controller not answering) raises
+    :class:`EngineStartError`, the deploy's failure, and the hand-off, given up, deletes the application should Serve
+    take it later (:class:`_Handoff`): nothing of a deploy its caller gave up stays on Serve."""
+    handoff = _Handoff(name, app, route_prefix)
     start = time.monotonic()
-    serve.run_many([RunTarget(target=app, name=name, route_prefix=route_prefix)], wait_for_applications_running=False)
+    handoff.start()
+    if not handoff.taken(timeout_s):
+        raise EngineStartError(f"Serve did not take the application {name} within {timeout_s:.0f} s "
+                               "(SEND_TIMEOUT_S, a timeout): given up, it is deleted should Serve take it later")  # fmt: skip
+    if handoff.error is not None:
+        raise handoff.error
     return time.monotonic() - start
+
+
+def handoffs_in_flight() -> list[str]:
+    """The applications whose hand-off this process gave up and Serve has not taken yet (nor refused)."""
+    return [t.name.removeprefix(HANDOFF_THREAD) for t in threading.enumerate() if t.name.startswith(HANDOFF_THREAD)]
+
+
+class _Handoff(threading.Thread):
+    """One ``serve.run_many`` in a thread of its own, so that its caller can stop waiting for it
+    (:meth:`taken`): Ray cannot call back a call its controller was sent. A daemon, as a hung call must not keep the
+    process from exiting; one that returns after it was given up deletes the application it gave Serve."""
+
+    def __init__(self, name: str, app: Any, route_prefix: str) -> None:
+        super().__init__(name=HANDOFF_THREAD + name, daemon=True)
+        self.app_name, self.app, self.route_prefix = name, app, route_prefix
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._done = self._given_up = False
+
+    def run(self) -> None:
+        from ray import serve
+        from ray.serve.api import RunTarget
+
+        try:
+            target = RunTarget(target=self.app, name=self.app_name, route_prefix=self.route_prefix)
+            serve.run_many([target], wait_for_applications_running=False)
+        except BaseException as exc:  # the caller's to raise, as run_many's own
+            self.error = exc
+        with self._lock:
+            self._done = True
+            late = self._given_up and self.error is None
+        if late:  # its caller gave the deploy up (and failed it): the application must not stay
+            with contextlib.suppress(Exception):
+                serve.delete(self.app_name, _blocking=False)
+            logger.warning("servetune: Serve took %s after its hand-off was given up; deleted", self.app_name)
+
+    def taken(self, timeout_s: float) -> bool:
+        """Whether Serve took the application (or refused it: :attr:`error`) within ``timeout_s``; if not, the
+        hand-off is given up, atomically with the thread's own end."""
+        self.join(timeout_s)
+        with self._lock:
+            self._given_up = not self._done
+            return self._done
 
 
 class AppBuilder:
@@ -116,10 +176,16 @@ class AppBuilder:
         """Build the application and give it to Serve (:func:`send_app`'s seconds), unless the wall clock is within
         :data:`SEND_MARGIN_S` of ``deadline`` (``time.time()``), when its caller stops waiting and builds it itself, or
         past it: then None, and nothing given to Serve, so that no late hand-off of this one replaces (same name) the
-        application its caller gave."""
+        application its caller gave. A hand-off Serve does not take within :data:`SEND_TIMEOUT_S` (before the
+        deadline) fails the caller's deploy (:class:`EngineStartError`, raised in the caller as here), which so
+        builds nothing itself; so does one asked for while a hand-off given up is still in flight."""
         app = openai_app(llm_config, keep_ingress, engine_version)
         if time.time() > deadline - SEND_MARGIN_S:
             return None
+        given_up = handoffs_in_flight()
+        if given_up:  # Serve still holds the one it gave up: one ``serve.run_many`` at a time (see the class's doc)
+            raise EngineStartError(f"Serve has not taken {', '.join(given_up)} since its hand-off was given up "
+                                   f"(SEND_TIMEOUT_S, a timeout); {name} is not given to it meanwhile")  # fmt: skip
         return send_app(name, app, route_prefix)
 
 

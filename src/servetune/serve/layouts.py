@@ -35,10 +35,9 @@ from servetune.capacity.settings import resolve_quant, structural_problem
 from servetune.config.space import engine_ranks
 from servetune.errors import UserError
 from servetune.load.runner import Level
-from servetune.metrics import cost_per_mtok_usd
 from servetune.report.export import CPU_BIND, with_tp
 from servetune.report.points import ReportPoint
-from servetune.results import RECORD, LevelResult, noise_margin
+from servetune.results import RECORD, ClaimedCores, LevelResult, noise_margin
 from servetune.serve.plan import CLAIM_CORES_ENV
 
 
@@ -165,7 +164,7 @@ def budget_level(level: Level, point_devices: int, budget: int) -> Level:
     return dataclasses.replace(level, value=value)
 
 
-class LayoutRun(BaseModel):
+class LayoutRun(ClaimedCores, BaseModel):
     """One layout at the budget's load, as measured through Serve's ingress."""
 
     model_config = RECORD
@@ -180,9 +179,8 @@ class LayoutRun(BaseModel):
     error: str | None = None
     requests_per_replica: dict[str, int] = {}
     cost_per_hour_usd: float | None = None  # devices x the study's price per device-hour
-    cost_per_mtok_usd: float | None = None  # None without a price or without output; at the level's steady tok/s
-    cpu_binding: str | None = None  # the CPU build: the cores each LLM replica's engine claimed, as a Serve trial's
-    cpu_unclaimed: str | None = None  # ... and why a replica claimed none of its own (serve/claims.py replica_cores)
+    # the price x device_hours_per_mtok (layout_run); None without a price or without output
+    cost_per_mtok_usd: float | None = None
 
     @property
     def meets_slo(self) -> bool:
@@ -201,14 +199,15 @@ def layout_run(
     """One layout's record (``beside``: PP x PCP, :func:`beside_tp`); ``level`` None for a layout whose deployment
     failed (``error=`` says how)."""
     devices = layout.devices(beside)
-    throughput = level.summary.steady_output_throughput if level is not None else 0.0
     price = price_per_device_hour if price_per_device_hour is not None and price_per_device_hour > 0 else None
-    return LayoutRun(
+    run = LayoutRun(
         layout=str(layout), replicas=layout.replicas, tensor_parallel_size=layout.tp, devices=devices, level=level,
-        cost_per_hour_usd=devices * price if price is not None else None,
-        cost_per_mtok_usd=cost_per_mtok_usd(price, devices, throughput) if price is not None and throughput > 0 else None,
-        **measured,
+        cost_per_hour_usd=devices * price if price is not None else None, **measured,
     )  # fmt: skip
+    hours = run.device_hours_per_mtok
+    if price is not None and hours is not None:  # the price of what the verdict ranks by: one formula, never two
+        run.cost_per_mtok_usd = price * hours
+    return run
 
 
 class LayoutVerdict(BaseModel):

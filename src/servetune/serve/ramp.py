@@ -28,7 +28,7 @@ from servetune.config.workload import Workload
 from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory, iter_requests
 from servetune.metrics import RequestRecord
-from servetune.results import RECORD
+from servetune.results import RECORD, ClaimedCores
 from servetune.summary import meets_request_slo
 
 #: Seconds per window of the ramp's table.
@@ -91,7 +91,7 @@ class RampPhaseResult(BaseModel):
     errors: int
 
 
-class RampResult(BaseModel):
+class RampResult(ClaimedCores, BaseModel):  # its cores: the LLM replicas' at its end
     model_config = RECORD
 
     policy: str = "inflight"  # the autoscaling policy deployed (report.autoscale_policy.POLICIES)
@@ -116,8 +116,6 @@ class RampResult(BaseModel):
     requests: int = 0
     slo_attainment: float | None = None  # share of the ramp's finished requests that met every per-request bound
     replica_seconds: float | None = None  # replicas RUNNING or starting, integrated over the ramp's time
-    cpu_binding: str | None = None  # the CPU build: the cores each LLM replica's engine claimed at the ramp's end
-    cpu_unclaimed: str | None = None  # ... and why a replica claimed none of its own (serve/claims.py replica_cores)
 
 
 def replica_seconds(samples: Sequence[RampSample], end_s: float) -> float:

@@ -12,14 +12,14 @@ from typing import Any
 from pydantic import BaseModel
 
 from servetune.report.serving import SERVE_CHECK_FILE  # noqa: F401  (defined where the report reads it)
-from servetune.results import RECORD, LevelResult, WeightsPrefetch
+from servetune.results import RECORD, ClaimedCores, LevelResult, WeightsPrefetch
 from servetune.serve.layouts import LayoutResult
 from servetune.serve.plan import find_level, ratio
 from servetune.serve.ramp import RampResult
 from servetune.serve.routing import RoutingResult
 
 
-class ReplicaRun(BaseModel):
+class ReplicaRun(ClaimedCores, BaseModel):
     """One replica count: its levels as measured through Serve's ingress."""
 
     model_config = RECORD
@@ -31,8 +31,6 @@ class ReplicaRun(BaseModel):
     )
     levels: list[LevelResult] = []
     requests_per_replica: dict[str, int] = {}  # Serve replica id -> requests it handled (Serve's own counter)
-    cpu_binding: str | None = None  # the CPU build: the cores each LLM replica's engine claimed, as a Serve trial's
-    cpu_unclaimed: str | None = None  # ... and why a replica claimed none of its own (serve/claims.py replica_cores)
 
 
 class ScalingRow(BaseModel):

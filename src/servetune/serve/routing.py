@@ -27,7 +27,7 @@ from pydantic import BaseModel, computed_field
 
 from servetune.engine.metrics import COUNTERS, lines_of
 from servetune.errors import UserError
-from servetune.results import RECORD, LevelResult
+from servetune.results import RECORD, ClaimedCores, LevelResult
 
 #: Router names users give (``--routers``) -> the request router class Serve is told to use
 #: (None: leave ``request_router_config`` unset, Serve's default, power of two choices by queue length).
@@ -201,7 +201,7 @@ def hit_rate(traffic: Sequence[ReplicaTraffic]) -> float | None:
     return sum(t.prefix_cache_hits for t in traffic) / queries if queries > 0 else None
 
 
-class RouterRun(BaseModel):
+class RouterRun(ClaimedCores, BaseModel):
     """One router at ``replicas`` replicas, the workload at one level: the first on a fresh deployment,
     the next ones switched to on the same engines (prefix caches reset before the run)."""
 
@@ -217,8 +217,6 @@ class RouterRun(BaseModel):
     engine_replicas: list[str] = []  # the LLM deployment's replica actors during the run
     level: LevelResult
     per_replica: dict[str, ReplicaTraffic] = {}  # Serve replica id -> its traffic during the level
-    cpu_binding: str | None = None  # the CPU build: the cores each LLM replica's engine claimed, as a Serve trial's
-    cpu_unclaimed: str | None = None  # ... and why a replica claimed none of its own (serve/claims.py replica_cores)
 
     @computed_field  # type: ignore[prop-decorator]  # as pydantic documents; mypy rejects decorators on @property
     @property

@@ -45,6 +45,7 @@ from servetune.results import (
     MARGIN,
     MIN_MARGIN,
     REFERENCE_FILE,
+    ClaimedCores,
     LevelResult,
     ReferenceAnswers,
     TrialResult,
@@ -93,7 +94,7 @@ class ArgChange(BaseModel):
     after: Any = None
 
 
-class Recheck(BaseModel):
+class Recheck(ClaimedCores, BaseModel):  # its cores: the re-measured engine's (None: not run)
     """``recheck-<version>.json``: what was re-measured and how it compares."""
 
     study: str
@@ -120,10 +121,6 @@ class Recheck(BaseModel):
     result_dir: str | None = None  # the re-measured trial's directory
     # its model's download before the engine started (servetune/prefetch.py), apart from the start-up; [] none
     prefetch: list[WeightsPrefetch] = []
-    # the CPU build: the cores the re-measured engine's ranks ran on, and why it claimed none of its own (a trial's
-    # environment.cpu_binding and environment.cpu_unclaimed; None: not run, or a GPU)
-    cpu_binding: str | None = None
-    cpu_unclaimed: str | None = None
     created: str | None = None
     runner_up: Recheck | None = None
 
