@@ -46,6 +46,7 @@ SLOW_FILES_S = {
     "tests/integration/test_verify_cli.py": 65,
     "tests/integration/test_hub_models.py": 60,
     "tests/integration/test_local_ray_token.py": 68,
+    "tests/integration/test_local_ray_start_retry.py": 45,
     "tests/integration/test_recheck_cli.py": 42,
     "tests/integration/test_engine_lifecycle.py": 41,
     "tests/integration/test_mlflow_tracking.py": 40,

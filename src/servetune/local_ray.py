@@ -11,17 +11,24 @@ found") after one local command. So a local Ray started here keeps token authent
 token that lives in this process's environment (and its workers') for as long as the process, not
 in ``~/.ray``. A user's own choice (``RAY_AUTH_MODE``, ``RAY_AUTH_TOKEN``, ``RAY_AUTH_TOKEN_PATH``,
 or a token already in ``~/.ray/auth_token``) is left as it is.
+
+On a busy host a local start can time out in Ray's own fixed wait (:data:`STARTUP_TIMED_OUT`): that start is
+stopped, by the ids of the processes it left, and made again (:func:`start_retrying`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import signal
 import threading
-from collections.abc import Iterator, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+logger = logging.getLogger(__name__)
 
 AUTH_MODE = "RAY_AUTH_MODE"
 AUTH_TOKEN = "RAY_AUTH_TOKEN"
@@ -32,6 +39,17 @@ AUTH_TOKEN_PATH = "RAY_AUTH_TOKEN_PATH"
 #: replica's engine inherits its worker's niceness; at 15 it lost the CPU to the load client and Ray's
 #: daemons on the two-core stand-in, where a bare engine started by servetune runs at 0.
 SERVE_SYSTEM_CONFIG = {"metrics_report_interval_ms": 1000, "worker_niceness": 0}
+
+#: What Ray 2.60 raises (a plain ``Exception``) when a new node's raylet has not registered with its GCS within 30 s
+#: of its start (``ray/_private/node.py``: ``raylet_start_wait_time_s = 30``, a literal that no config or environment
+#: variable sets). Seen on this two-core host at a load of ~10 (integration tier at ``-n 3``): a Ray slow to start.
+STARTUP_TIMED_OUT = "The current node timed out during startup"
+#: Starts of a local Ray, the first included, before its timing out is the caller's (each waits Ray's 30 s again).
+START_TRIES = 3
+#: Ray's wait for its new GCS to write its port (``RAY_gcs_server_port_wait_time_s``, read by ``ray.init``; 30 s by
+#: default, 120 s where Ray itself expects a slow GCS): a local start waits 120 s unless the user set it.
+GCS_PORT_WAIT = "RAY_gcs_server_port_wait_time_s"
+GCS_PORT_WAIT_S = "120"
 
 
 def default_token_path() -> Path:
@@ -62,13 +80,100 @@ def start_local_ray(**init_kwargs: Any) -> None:
 
     "local": a new Ray here even where ``$RAY_ADDRESS`` or a ``ray start`` names another. ``init_kwargs`` go to
     ``ray.init`` (``num_cpus``, ``log_to_driver``, ``_system_config=SERVE_SYSTEM_CONFIG`` for Serve replicas...).
-    What it raises is Ray's; the caller says it in its own words and stops what was started (``ray.shutdown``).
+    A start that times out in Ray's fixed wait is stopped and made again (:func:`start_retrying`). What it raises
+    is Ray's; the caller says it in its own words and stops what was started (``ray.shutdown``).
     """
     import ray
 
     token_for_local_cluster()
-    with keeping_sigterm():
-        ray.init(address="local", **{"include_dashboard": False, **init_kwargs})
+
+    def start() -> None:
+        with keeping_sigterm(), _env_default(GCS_PORT_WAIT, GCS_PORT_WAIT_S):
+            ray.init(address="local", **{"include_dashboard": False, **init_kwargs})
+
+    start_retrying(start, ChildProcesses)
+
+
+def start_timed_out(exc: BaseException) -> bool:
+    """Whether ``exc`` is Ray's start timing out in its fixed wait for the raylet (:data:`STARTUP_TIMED_OUT`), and
+    not another failure (a port taken, a bad argument, the GCS dying), which a second start would not mend."""
+    return type(exc) is Exception and STARTUP_TIMED_OUT in str(exc)
+
+
+class Started(Protocol):
+    def stop(self) -> int:
+        """Stop what was started since this was made; how many processes that was."""
+        ...
+
+
+def start_retrying(start: Callable[[], None], watch: Callable[[], Started], tries: int = START_TRIES) -> None:
+    """``start()``, watched by ``watch()`` (made just before each try); where it times out in Ray's fixed wait
+    (:func:`start_timed_out`), what it started is stopped and it is made again, each time saying so in one warning
+    line, up to ``tries`` starts in all; the last one's timing out is stopped too, and raised. Any other failure is
+    raised as Ray raised it, at once.
+
+    A retry, not a longer wait: Ray 2.60 sets the wait in code (:data:`STARTUP_TIMED_OUT`), and a timed-out
+    ``ray.init`` leaves the processes it started running (its node was never recorded, so ``ray.shutdown`` does not
+    know them)."""
+    for attempt in range(1, tries + 1):
+        started = watch()
+        try:
+            start()
+            return
+        except Exception as exc:
+            if not start_timed_out(exc):
+                raise
+            stopped = started.stop()  # nothing else would: ray.shutdown does not know them
+            if attempt == tries:
+                raise
+            logger.warning(
+                "servetune: the local Ray did not start within Ray's 30 s (a busy host?); stopped the %d processes "
+                "it started and starting it again (try %d of %d)", stopped, attempt + 1, tries,
+            )  # fmt: skip
+
+
+class ChildProcesses:
+    """This process's children started after this was made, and their descendants: what a ``ray.init`` started
+    (Ray starts its GCS, raylet and the rest as children of the process that calls it; the raylet starts its workers
+    and agents)."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self.before = {child.pid for child in psutil.Process().children()}
+
+    def stop(self) -> int:
+        """SIGTERM them (a stopped one is also sent SIGCONT to act on it), SIGKILL what is left after 5 s; reaped."""
+        import psutil
+
+        new = [child for child in psutil.Process().children() if child.pid not in self.before]
+        procs = []
+        for child in new:
+            with contextlib.suppress(psutil.Error):
+                procs += [child, *child.children(recursive=True)]
+        for proc in reversed(procs):
+            with contextlib.suppress(psutil.Error):
+                proc.terminate()
+                proc.resume()
+        _, alive = psutil.wait_procs(procs, timeout=5)
+        for proc in alive:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(alive, timeout=5)
+        return len(procs)
+
+
+@contextmanager
+def _env_default(name: str, value: str) -> Iterator[None]:
+    """``name`` set to ``value`` in this process's environment for the block, unless it is set already."""
+    if name in os.environ:
+        yield
+        return
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(name, None)
 
 
 @contextmanager

@@ -4,7 +4,10 @@ and every place in servetune and its bench scripts that starts a local Ray start
 (With Ray running: tests/integration/test_local_ray_token.py.)"""
 
 import ast
+import os
 import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -122,3 +125,115 @@ def test_no_command_or_bench_script_starts_a_local_ray_but_through_the_token_rul
                 starts.append(f"{path.relative_to(ROOT)}:{call.lineno}")
     assert starts == []
     assert len(ray_init_calls(ROOT / "src" / "servetune" / "local_ray.py")) == 1
+
+
+TIMED_OUT = Exception(
+    "The current node timed out during startup. This could happen because some of the raylet failed to startup or "
+    "the GCS has become overloaded."
+)  # Ray 2.60's words (ray/_private/node.py)
+
+
+class Watch:
+    """What start_retrying is given to watch each try: counts the tries watched and the stops."""
+
+    def __init__(self) -> None:
+        self.watched = 0
+        self.stopped = 0
+
+    def __call__(self) -> "Watch":
+        self.watched += 1
+        return self
+
+    def stop(self) -> int:
+        self.stopped += 1
+        return 4
+
+
+def starts(*outcomes: Exception | None):
+    """A start that raises the next of ``outcomes`` (None: it started), counting its calls."""
+    left = list(outcomes)
+
+    def start() -> None:
+        start.calls += 1  # type: ignore[attr-defined]
+        if (outcome := left.pop(0)) is not None:
+            raise outcome
+
+    start.calls = 0  # type: ignore[attr-defined]
+    return start
+
+
+def test_a_start_that_timed_out_is_stopped_and_made_again_saying_so(caplog):
+    start, watch = starts(TIMED_OUT, None), Watch()
+    with caplog.at_level("WARNING", logger="servetune.local_ray"):
+        local_ray.start_retrying(start, watch)
+    assert (start.calls, watch.watched, watch.stopped) == (2, 2, 1)
+    [line] = caplog.messages
+    assert "did not start within Ray's 30 s" in line and "stopped the 4 processes" in line and "try 2 of 3" in line
+
+
+def test_a_start_that_keeps_timing_out_is_stopped_each_time_and_raised_after_its_tries(caplog):
+    start, watch = starts(TIMED_OUT, TIMED_OUT, TIMED_OUT, None), Watch()
+    with caplog.at_level("WARNING", logger="servetune.local_ray"), pytest.raises(Exception, match="timed out during"):
+        local_ray.start_retrying(start, watch)
+    assert (start.calls, watch.stopped) == (local_ray.START_TRIES, local_ray.START_TRIES)  # the last one's too
+    assert len(caplog.messages) == local_ray.START_TRIES - 1
+
+
+@pytest.mark.parametrize("failure", [
+    Exception("Failed to start the GCS server"),  # another of Ray's plain Exceptions
+    RuntimeError("The current node timed out during startup"),  # its words, not its type
+    ValueError("When connecting to an existing cluster, num_cpus and num_gpus must not be provided."),
+    ConnectionError("could not connect"),
+])  # fmt: skip
+def test_any_other_failure_is_raised_at_once_and_nothing_is_stopped(failure):
+    start, watch = starts(failure, None), Watch()
+    with pytest.raises(type(failure)):
+        local_ray.start_retrying(start, watch)
+    assert (start.calls, watch.stopped) == (1, 0)
+
+
+def test_a_local_start_that_timed_out_is_made_again_with_the_gcs_port_wait_raised_during_each(monkeypatch):
+    """start_local_ray goes through start_retrying, with Ray's wait for the GCS port (an environment variable it
+    reads) at 120 s during ray.init unless the user set it, and the environment as it was after."""
+    import ray
+
+    seen: list[str | None] = []
+
+    def rays_init(**kwargs):
+        seen.append(os.environ.get(local_ray.GCS_PORT_WAIT))
+        if len(seen) == 1:
+            raise TIMED_OUT
+
+    monkeypatch.setattr(local_ray, "token_for_local_cluster", lambda: None)
+    monkeypatch.setattr(ray, "init", rays_init)
+    monkeypatch.delenv(local_ray.GCS_PORT_WAIT, raising=False)
+    start_local_ray(num_cpus=1)
+    assert seen == ["120", "120"] and local_ray.GCS_PORT_WAIT not in os.environ
+    monkeypatch.setenv(local_ray.GCS_PORT_WAIT, "7")
+    start_local_ray(num_cpus=1)
+    assert seen[-1] == "7"
+
+
+def test_what_a_start_left_is_stopped_by_process_id_and_what_ran_before_it_is_not(tmp_path):
+    """ChildProcesses stops this process's children started since it was made and their descendants, a stopped
+    (SIGSTOP) one too, and reaps them; a child that ran before, it leaves alone."""
+    import psutil
+
+    before = subprocess.Popen(["sleep", "60"])
+    try:
+        watch = local_ray.ChildProcesses()
+        tree = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 61; wait"])
+        stopped = subprocess.Popen(["sleep", "62"])
+        stopped.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while len(psutil.Process(tree.pid).children()) < 2:
+            assert time.monotonic() < deadline, "sh did not start its two sleeps"
+            time.sleep(0.05)
+        grandchildren = psutil.Process(tree.pid).children()
+        assert watch.stop() == 4
+        assert tree.poll() is not None and stopped.poll() is not None
+        assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in grandchildren)
+        assert before.poll() is None
+    finally:
+        before.kill()
+        before.wait()

@@ -1,0 +1,54 @@
+"""A test's Ray head (tests/ray_heads.py) whose ``ray start`` exits on Ray's start timing out is stopped and started
+again, at most START_TRIES times; any other exit fails the test at once. Without Ray: the start, the wait and the
+stop are stand-ins."""
+
+import pytest
+
+from tests import ray_heads
+
+TIMED_OUT = "Exception: The current node timed out during startup. This could happen because some of the raylet ..."
+CLIENT_SERVER_GONE = "Some Ray subprocesses exited unexpectedly:\n  ray_client_server [exit code=1]"
+
+
+class Proc:
+    returncode = 1
+
+
+@pytest.fixture
+def heads(monkeypatch):
+    """Each start's outcome in turn (None: the head answers); what was started and stopped."""
+    seen: dict[str, list] = {"outcomes": [], "started": [], "stopped": []}
+
+    def start(env, num_cpus, num_gpus):
+        head = f"head{len(seen['started']) + 1}"
+        seen["started"].append(head)
+        return Proc(), head
+
+    monkeypatch.setattr(ray_heads, "_start_head", start)
+    monkeypatch.setattr(ray_heads, "_wait_for_head", lambda proc, head: seen["outcomes"].pop(0))
+    monkeypatch.setattr(ray_heads, "_stop_head", lambda proc, head: seen["stopped"].append(head))
+    return seen
+
+
+@pytest.mark.parametrize("exited", [TIMED_OUT, CLIENT_SERVER_GONE])
+def test_a_head_that_timed_out_while_starting_is_stopped_and_started_again(heads, exited, capsys):
+    heads["outcomes"] += [exited, None]
+    with ray_heads.ray_head({}) as head:
+        assert head == "head2" and heads["stopped"] == ["head1"]
+    assert heads["stopped"] == ["head1", "head2"]
+    assert "timed out while starting (try 1 of 3); stopped, starting it again" in capsys.readouterr().err
+
+
+def test_a_head_that_keeps_timing_out_fails_after_its_tries(heads):
+    heads["outcomes"] += [TIMED_OUT] * ray_heads.START_TRIES
+    tries = f"try {ray_heads.START_TRIES} of {ray_heads.START_TRIES}"
+    with pytest.raises(pytest.fail.Exception, match=tries), ray_heads.ray_head({}):
+        pass
+    assert heads["stopped"] == heads["started"] and len(heads["started"]) == ray_heads.START_TRIES
+
+
+def test_a_head_that_exited_for_another_reason_fails_at_once(heads):
+    heads["outcomes"] += ["ValueError: Invalid --resources", None]
+    with pytest.raises(pytest.fail.Exception, match="Invalid --resources"), ray_heads.ray_head({}):
+        pass
+    assert heads["started"] == heads["stopped"] == ["head1"]
