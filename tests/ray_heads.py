@@ -12,6 +12,7 @@ set, as in the README.
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.client
 import importlib.util
 import json
@@ -316,20 +317,32 @@ def ray_cluster(
     started: list[RayNode] = []
     with ray_head(env, num_cpus=head_cpus, num_gpus=0) as head:
         try:
+            starts: list[Callable[[], RayNode]] = []
             for worker in workers:
                 own = worker[2] if len(worker) == 3 else resources
-                at = f"127.0.0.{len(started) + 2}" if own_addresses else "127.0.0.1"
-                started.append(
-                    _start_worker(head, env, worker[0], worker[1], own, at, free_port() if own_addresses else None)
-                )
+                at = f"127.0.0.{len(starts) + 2}" if own_addresses else "127.0.0.1"
+                starts.append(functools.partial(_start_worker, head, env, worker[0], worker[1], own, at,
+                                                free_port() if own_addresses else None))  # fmt: skip
+                started.append(starts[-1]())
+            tries = [1] * len(started)
             cluster = LocalCluster(head, started)
             deadline = time.monotonic() + START_TIMEOUT_S
             while len(cluster.nodes()) < 1 + len(workers):
-                for node in started:
-                    if node.proc.poll() is not None:
+                for i, node in enumerate(started):
+                    if node.proc.poll() is None:
+                        continue
+                    exited = (node.temp_dir / "ray-start.log").read_text()[-3000:]
+                    if tries[i] == START_TRIES or not start_timed_out(exited):
                         pytest.fail(
-                            f"ray start exited with {node.proc.returncode}:\n{(node.temp_dir / 'ray-start.log').read_text()[-3000:]}"
+                            f"ray start exited with {node.proc.returncode} (try {tries[i]} of {START_TRIES}):\n{exited}"
                         )
+                    # As a head's (ray_head): timed out joining on a busy host, stopped and started again afresh.
+                    stop_process_tree(node.proc, str(node.temp_dir))
+                    shutil.rmtree(node.temp_dir, ignore_errors=True)
+                    print(f"tests: ray start --address timed out while starting (try {tries[i]} of {START_TRIES}); "
+                          "stopped, starting it again", file=sys.stderr, flush=True)  # fmt: skip
+                    started[i], tries[i] = starts[i](), tries[i] + 1
+                    deadline = max(deadline, time.monotonic() + START_TIMEOUT_S)
                 assert time.monotonic() < deadline, f"the worker nodes did not join in {START_TIMEOUT_S} s"
                 time.sleep(1)
             yield cluster

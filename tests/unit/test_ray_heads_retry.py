@@ -2,6 +2,8 @@
 again, at most START_TRIES times; any other exit fails the test at once. Without Ray: the start, the wait and the
 stop are stand-ins."""
 
+from pathlib import Path
+
 import pytest
 
 from tests import ray_heads
@@ -52,3 +54,59 @@ def test_a_head_that_exited_for_another_reason_fails_at_once(heads):
     with pytest.raises(pytest.fail.Exception, match="Invalid --resources"), ray_heads.ray_head({}):
         pass
     assert heads["started"] == heads["stopped"] == ["head1"]
+
+
+class Worker:
+    """A worker's ``ray start --address --block``: exited (``returncode``) or still running (None)."""
+
+    def __init__(self, returncode):
+        self.returncode = returncode
+
+    def poll(self):
+        return self.returncode
+
+
+@pytest.fixture
+def workers(monkeypatch, tmp_path):
+    """A stand-in head, and each worker start's outcome in turn (None: it joins; text: it exited saying so)."""
+    from contextlib import contextmanager
+
+    seen: dict[str, list] = {"outcomes": [], "started": [], "stopped": []}
+
+    @contextmanager
+    def head(env, num_cpus, num_gpus):
+        yield ray_heads.RayHead.__new__(ray_heads.RayHead)
+
+    def start(head, env, num_cpus, num_gpus, resources=None, ip="127.0.0.1", proxy_port=None):
+        temp_dir = tmp_path / f"worker{len(seen['started']) + 1}"
+        temp_dir.mkdir()
+        exited = seen["outcomes"].pop(0)
+        (temp_dir / "ray-start.log").write_text(exited or "")
+        seen["started"].append((temp_dir.name, num_cpus, resources))
+        return ray_heads.RayNode(Worker(None if exited is None else 1), temp_dir, num_cpus, num_gpus, ip)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ray_heads, "ray_head", head)
+    monkeypatch.setattr(ray_heads, "_start_worker", start)
+    monkeypatch.setattr(ray_heads.time, "sleep", lambda s: None)
+    monkeypatch.setattr(ray_heads, "stop_process_tree", lambda proc, marker: seen["stopped"].append(Path(marker).name))
+    # The head and every worker still running have joined.
+    monkeypatch.setattr(ray_heads.LocalCluster, "nodes",
+                        lambda self: [{}] + [{} for w in self.workers if w.proc.poll() is None])  # fmt: skip
+    return seen
+
+
+def test_a_worker_that_timed_out_joining_is_stopped_and_started_again_as_it_was(workers, capsys):
+    workers["outcomes"] += [None, TIMED_OUT, None]
+    with ray_heads.ray_cluster(
+        {}, [(2, 2, {"accelerator_type:H100": 1.0}), (3, 1, {"accelerator_type:A100": 1.0})]
+    ) as c:
+        assert [w.temp_dir.name for w in c.workers] == ["worker1", "worker3"] and workers["stopped"] == ["worker2"]
+    assert workers["started"][2] == ("worker3", 3, {"accelerator_type:A100": 1.0})  # the same worker, afresh
+    assert "ray start --address timed out while starting (try 1 of 3)" in capsys.readouterr().err
+
+
+def test_a_worker_that_exited_for_another_reason_fails_at_once(workers):
+    workers["outcomes"] += ["ValueError: Invalid --resources"]
+    with pytest.raises(pytest.fail.Exception, match="Invalid --resources"), ray_heads.ray_cluster({}, [(2, 2)]):
+        pass
+    assert len(workers["started"]) == 1
