@@ -42,14 +42,16 @@ lint: setup
 	PYTHONPATH=src $(VENV)/bin/lint-imports
 
 # The tests run unit, then integration, then e2e (tests/tiers.py), and end with each tier's time. Unit and integration
-# run in TEST_PROCESSES pytest processes (pytest-xdist, default 2), a test file at a time each, so a file's shared
-# engines, Ray and studies (module fixtures) start once, the slowest files first (tests/tiers.py): most of an
-# integration test waits on Ray, a fake engine's timers or a subprocess, and the other process uses the second core
-# meanwhile (a clean clone, 2026-12-06: integration 987 s in two processes against 1,518 s in one). The e2e tier runs
+# run in TEST_PROCESSES pytest processes (pytest-xdist, default 3 on two cores), a test file at a time each, so a
+# file's shared engines, Ray and studies (module fixtures) start once, the slowest files first (tests/tiers.py): most
+# of an integration test waits on Ray, a fake engine's timers or a subprocess, and the other processes use the cores
+# meanwhile (clean clones on a quiet host: integration 1,518 s in one process, 987-1,081 s in two, 925 s in three at
+# 91% busy, 2026-12-06/07). A Ray start that times out on the loaded host is stopped and made again (local_ray.py,
+# tests/ray_heads.py). The e2e tier runs
 # in E2E_PROCESSES (default 0: this one process): its real vLLM engines already keep both cores busy, two processes
 # saved 5% there and made the engines of two modules compete (docs/development.md). Each test process keeps core
 # locks of its own (tests/conftest.py, SERVETUNE_CPU_LOCK_DIR). TEST_PROCESSES=0 runs everything in one process.
-TEST_PROCESSES ?= 2
+TEST_PROCESSES ?= 3
 E2E_PROCESSES ?= 0
 PYTEST := $(PY) -X faulthandler -m pytest -q --durations=25 --dist loadfile --no-loadscope-reorder
 # -X faulthandler: a crash in a C extension (Ray, gRPC, torch) prints every thread's stack, during the

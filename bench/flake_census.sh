@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The flake census: the integration and e2e tiers run ROUNDS times in a row on a fresh clone of HEAD,
 # each round's outcomes kept as JUnit XML (one file per tier), then one table of every test that failed at least once.
-# The tiers run as `make test` runs them: integration in two pytest processes, e2e in one (TEST_PROCESSES and
+# The tiers run as `make test` runs them: integration in three pytest processes, e2e in one (TEST_PROCESSES and
 # E2E_PROCESSES as in the Makefile).
 #
 #   bash bench/flake_census.sh [ROUNDS]        # default 3; from the repository root
@@ -27,10 +27,10 @@ failed_rounds=0
 for round in $(seq 1 "$ROUNDS"); do
     started=$(date +%s)
     set +e
-    # As `make test` runs them: integration in TEST_PROCESSES pytest processes (default 2, a file at a time each),
+    # As `make test` runs them: integration in TEST_PROCESSES pytest processes (default 3, a file at a time each),
     # then e2e in E2E_PROCESSES (default 0: one); both run whatever the first's outcome, so a round counts them all.
     (cd "$CLONE" && .venv/bin/python -X faulthandler -m pytest tests/integration -q -p no:cacheprovider \
-        -n "${TEST_PROCESSES:-2}" --dist loadfile --no-loadscope-reorder --junitxml "$OUT/round-$round-integration.xml"
+        -n "${TEST_PROCESSES:-3}" --dist loadfile --no-loadscope-reorder --junitxml "$OUT/round-$round-integration.xml"
     ) >"$OUT/round-$round.log" 2>&1
     status=$?
     (cd "$CLONE" && .venv/bin/python -X faulthandler -m pytest tests/e2e -q -p no:cacheprovider \

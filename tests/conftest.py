@@ -66,8 +66,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def _cores_of_this_worker() -> None:
-    """Under ``make test TEST_PROCESSES=2`` each test process keeps its own core locks (engine/cores.py): a test
-    checks that its engines got cores of their own, and the other process's engines held the host-wide locks
+    """Under ``make test`` (TEST_PROCESSES, 3 by default) each test process keeps its own core locks (engine/cores.py):
+    a test checks that its engines got cores of their own, and another process's engines held the host-wide locks
     (one such run had two one-replica Serve trials on core 0). The processes' engines may then share cores,
     as two users' would; a test's own engines still never do."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
