@@ -31,7 +31,8 @@ class FakeBuilder:
             from ray.exceptions import ActorDiedError
 
             raise ActorDiedError()
-        *sent, deadline = args  # the wall clock past which the builder drops the build (AppBuilder.run)
+        *sent, deadline, delete_late = args  # the wall clock past which the builder drops the build (AppBuilder.run)
+        assert delete_late is True  # a deploy: what Serve takes after it was given up is deleted
         assert deadline == pytest.approx(time.time() + builder.BUILD_TIMEOUT_S, abs=5)
         self.calls.append(("builder", *sent))
         return 0.25  # the seconds Serve took, as the builder's send_app says
@@ -43,7 +44,7 @@ def recorded(monkeypatch):
     calls: list[tuple] = []
     monkeypatch.setattr(builder, "openai_app", lambda config, keep, version: ("app", config["name"], keep, version))
 
-    def send_here(name, app, prefix):
+    def send_here(name, app, prefix, delete_late=True):
         calls.append(("here", name, app, prefix))
         return 0.5
 
@@ -138,7 +139,7 @@ def test_the_builder_drops_a_build_whose_caller_stopped_waiting(monkeypatch, lef
     application its caller gave Serve."""
     sent = []
     monkeypatch.setattr(builder, "openai_app", lambda config, keep, version: ("app", config["name"]))
-    monkeypatch.setattr(builder, "send_app", lambda name, app, prefix: sent.append((name, app, prefix)) or 0.5)
+    monkeypatch.setattr(builder, "send_app", lambda name, app, prefix, **kw: sent.append((name, app, prefix)) or 0.5)
     actor = object.__new__(builder.AppBuilder)  # its __init__ imports Ray Serve LLM, which this does not need
     deadline = time.time() + left_s
     answer = actor.run("servetune-s-1", {"name": "c"}, False, None, "/x", deadline)
@@ -186,7 +187,10 @@ def test_an_attached_cluster_deploys_through_the_builder_and_a_driver_cluster_do
     monkeypatch.setattr(ray, "get_runtime_context", lambda: types.SimpleNamespace(gcs_address="127.0.0.1:6379"))
     monkeypatch.setattr("servetune.serve.cluster._ingress_url", lambda address: "http://127.0.0.1:8000")
     seen = []
-    monkeypatch.setattr("servetune.serve.cluster.run_openai_app", lambda *args, attached: seen.append(attached) or 0.0)
+    monkeypatch.setattr(
+        "servetune.serve.cluster.run_openai_app",
+        lambda *args, attached, delete_late: seen.append((attached, delete_late)) or 0.0,
+    )
     monkeypatch.setattr("servetune.serve.cluster.time.sleep", lambda s: None)
     up = types.SimpleNamespace(status="RUNNING", deployments={})
     monkeypatch.setattr(ray.serve, "status", lambda: types.SimpleNamespace(applications={"t": up}))
@@ -196,7 +200,8 @@ def test_an_attached_cluster_deploys_through_the_builder_and_a_driver_cluster_do
     own = ServeCluster(None, {"CPU": 1})
     own.serving = True
     own.deploy("t", {"model": "m"}, timeout_s=5)
-    assert seen == [True, True, False]
+    # A rollout (redeploy) Serve takes after its hand-off was given up is not deleted: a deploy's is.
+    assert seen == [(True, True), (True, False), (False, True)]
 
 
 def test_a_deploy_s_clock_starts_when_serve_is_given_the_application_not_when_it_was_built(monkeypatch):
@@ -207,7 +212,7 @@ def test_a_deploy_s_clock_starts_when_serve_is_given_the_application_not_when_it
     clock = [100.0]
     monkeypatch.setattr("servetune.serve.cluster.time.monotonic", lambda: clock[0])
 
-    def built_slowly(*args, attached):
+    def built_slowly(*args, attached, delete_late):
         clock[0] += 30.0  # the builder imported Ray Serve LLM meanwhile, then built
         return 2.0  # of which Serve's run_many took 2 s
 
@@ -287,17 +292,49 @@ def test_a_hand_off_taken_in_time_stays_and_one_serve_refuses_fails_as_serve_sai
     assert deleted == []
 
 
-def test_the_builder_gives_serve_nothing_while_a_hand_off_it_gave_up_is_in_flight(monkeypatch, stuck_serve):
-    """One ``serve.run_many`` at a time in the builder: its caller's deploy fails at once, said why, not queued behind
-    a Serve that does not answer."""
+def test_the_builder_gives_serve_nothing_while_a_hand_off_it_gave_up_is_in_flight(monkeypatch, stuck_serve, caplog):
+    """One ``serve.run_many`` at a time in the builder: while one it gave up is in flight it gives Serve nothing (None,
+    said why), and its caller builds and hands off its own, bounded, rather than every later trial failing behind one
+    stuck call."""
     from servetune.errors import EngineStartError
 
     with pytest.raises(EngineStartError):
         builder.send_app("servetune-s-1", object(), "/servetune-s-1", timeout_s=0.1)
     sent = []
     monkeypatch.setattr(builder, "openai_app", lambda config, keep, version: ("app", config["name"]))
-    monkeypatch.setattr(builder, "send_app", lambda name, app, prefix: sent.append(name) or 0.5)
+    monkeypatch.setattr(builder, "send_app", lambda name, app, prefix, **kw: sent.append(name) or 0.5)
     actor = object.__new__(builder.AppBuilder)
-    with pytest.raises(EngineStartError, match="Serve has not taken servetune-s-1 since its hand-off was given up"):
-        actor.run("servetune-s-2", {"name": "c"}, False, None, "/x", time.time() + 120)
-    assert sent == []
+    assert actor.run("servetune-s-2", {"name": "c"}, False, None, "/x", time.time() + 2 * builder.SEND_MARGIN_S) is None
+    assert sent == [] and "Serve has not taken servetune-s-1 since its hand-off was given up" in caplog.text
+
+
+def test_an_update_serve_takes_late_is_not_deleted_and_a_hand_off_still_in_flight_at_exit_is(stuck_serve, caplog):
+    """A rollout's hand-off (``delete_late=False``) Serve takes after it was given up stays: deleting it would take
+    the running application down. A deploy's hand-off still not taken when the process exits (its thread, a daemon,
+    dies with it) is deleted at exit, as Serve may take it later (on a cluster, with its GPUs)."""
+    from servetune.errors import EngineStartError
+
+    release, deleted = stuck_serve
+    with pytest.raises(EngineStartError, match="Serve may still apply it"):
+        builder.send_app("running", object(), "/running", timeout_s=0.1, delete_late=False)
+    with pytest.raises(EngineStartError, match="it is deleted should Serve take it later"):
+        builder.send_app("servetune-s-3", object(), "/servetune-s-3", timeout_s=0.1)
+    # A retry of the trial (the cluster's failure is retried) gives Serve nothing while the first is in flight: its
+    # late end would delete what the retry gave.
+    with pytest.raises(EngineStartError, match="an earlier hand-off of it, given up, is still in flight"):
+        builder.send_app("servetune-s-3", object(), "/servetune-s-3", timeout_s=0.1)
+    builder._settle_handoffs(wait_s=0.2)  # as at exit: neither taken yet
+    assert deleted == ["servetune-s-3"]
+    release.set()  # Serve takes both, late: the deploy's deleted (again: nothing of it stays), the update's not
+    for thread in threading.enumerate():
+        if thread.name.startswith(builder.HANDOFF_THREAD):
+            thread.join(10)
+    assert deleted == ["servetune-s-3", "servetune-s-3"] and "Serve took the update of running" in caplog.text
+
+
+def test_a_hand_off_serve_did_not_take_is_the_clusters_failure_not_the_configurations():
+    from servetune.trial.failures import classify
+
+    reason = f"engine start: {builder.NOT_TAKEN} servetune-t-1 within 60 s (SEND_TIMEOUT_S, a timeout): given up"
+    failure = classify(reason)
+    assert failure.kind == "infrastructure" and failure.cause == "serve_handoff" and failure.retry_after_s

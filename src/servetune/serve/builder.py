@@ -63,6 +63,9 @@ SEND_MARGIN_S = 90.0
 SEND_TIMEOUT_S = 60.0
 #: The name of a hand-off's thread, before the application's (:class:`_Handoff`).
 HANDOFF_THREAD = "servetune-handoff-"
+#: How a hand-off Serve did not take in time (or one refused behind it) begins its failure: the Serve's, not the
+#: configuration's (trial/failures.py ``SERVE_HANDOFF`` reads it).
+NOT_TAKEN = "Serve did not take the application"
 
 
 def builder_name() -> str:
@@ -91,19 +94,27 @@ def quiet_serve_logs() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-def send_app(name: str, app: Any, route_prefix: str, timeout_s: float = SEND_TIMEOUT_S) -> float:
+def send_app(
+    name: str, app: Any, route_prefix: str, timeout_s: float = SEND_TIMEOUT_S, delete_late: bool = True
+) -> float:
     """``serve.run_many`` the application ``app`` as ``name`` at ``route_prefix``, not waiting for it to run; the
     seconds that took (a deploy's clock starts when Serve is given the application, not when it was built).
 
     Bounded: a Serve that has not taken it within ``timeout_s`` (its controller not answering) raises
-    :class:`EngineStartError`, the deploy's failure, and the hand-off, given up, deletes the application should Serve
-    take it later (:class:`_Handoff`): nothing of a deploy its caller gave up stays on Serve."""
-    handoff = _Handoff(name, app, route_prefix)
+    :class:`EngineStartError` (:data:`NOT_TAKEN`, an infrastructure failure: trial/failures.py), the deploy's failure,
+    and the hand-off, given up, deletes the application should Serve take it later (:class:`_Handoff`; at this
+    process's exit too, :func:`_settle_handoffs`): nothing of a deploy its caller gave up stays on Serve.
+    ``delete_late=False`` for an update of a running application (a rollout): one Serve takes late is a rollout
+    late, and deleting it would take the running application down with it."""
+    if name in handoffs_in_flight():  # its late end would delete (or replace) what this one gives: not both
+        raise EngineStartError(f"{NOT_TAKEN} {name} yet: an earlier hand-off of it, given up, is still in flight")
+    handoff = _Handoff(name, app, route_prefix, delete_late)
     start = time.monotonic()
     handoff.start()
     if not handoff.taken(timeout_s):
-        raise EngineStartError(f"Serve did not take the application {name} within {timeout_s:.0f} s "
-                               "(SEND_TIMEOUT_S, a timeout): given up, it is deleted should Serve take it later")  # fmt: skip
+        late = "it is deleted should Serve take it later" if delete_late else "Serve may still apply it"
+        raise EngineStartError(f"{NOT_TAKEN} {name} within {timeout_s:.0f} s (SEND_TIMEOUT_S, a timeout): given up, "
+                               f"{late}")  # fmt: skip
     if handoff.error is not None:
         raise handoff.error
     return time.monotonic() - start
@@ -117,11 +128,12 @@ def handoffs_in_flight() -> list[str]:
 class _Handoff(threading.Thread):
     """One ``serve.run_many`` in a thread of its own, so that its caller can stop waiting for it
     (:meth:`taken`): Ray cannot call back a call its controller was sent. A daemon, as a hung call must not keep the
-    process from exiting; one that returns after it was given up deletes the application it gave Serve."""
+    process from exiting (:func:`_settle_handoffs` waits for it a while at exit); one that returns after it was given
+    up deletes the application it gave Serve (``delete_late``)."""
 
-    def __init__(self, name: str, app: Any, route_prefix: str) -> None:
+    def __init__(self, name: str, app: Any, route_prefix: str, delete_late: bool = True) -> None:
         super().__init__(name=HANDOFF_THREAD + name, daemon=True)
-        self.app_name, self.app, self.route_prefix = name, app, route_prefix
+        self.app_name, self.app, self.route_prefix, self.delete_late = name, app, route_prefix, delete_late
         self.error: BaseException | None = None
         self._lock = threading.Lock()
         self._done = self._given_up = False
@@ -138,10 +150,10 @@ class _Handoff(threading.Thread):
         with self._lock:
             self._done = True
             late = self._given_up and self.error is None
-        if late:  # its caller gave the deploy up (and failed it): the application must not stay
-            with contextlib.suppress(Exception):
-                serve.delete(self.app_name, _blocking=False)
-            logger.warning("servetune: Serve took %s after its hand-off was given up; deleted", self.app_name)
+        if late and self.delete_late:  # its caller gave the deploy up (and failed it): the application must not stay
+            _delete_given_up(self.app_name, "Serve took it after its hand-off was given up")
+        elif late:
+            logger.warning("servetune: Serve took the update of %s after its hand-off was given up", self.app_name)
 
     def taken(self, timeout_s: float) -> bool:
         """Whether Serve took the application (or refused it: :attr:`error`) within ``timeout_s``; if not, the
@@ -149,7 +161,40 @@ class _Handoff(threading.Thread):
         self.join(timeout_s)
         with self._lock:
             self._given_up = not self._done
+            if self._given_up:
+                _settle_at_exit()
             return self._done
+
+
+_settling: list[bool] = []  # whether _settle_handoffs is registered to run at exit (once)
+
+
+def _settle_at_exit() -> None:
+    if not _settling:
+        _settling.append(True)
+        atexit.register(_settle_handoffs)
+
+
+def _delete_given_up(name: str, why: str) -> None:
+    from ray import serve
+
+    try:
+        serve.delete(name, _blocking=False)
+    except Exception as exc:  # Serve gone with its cluster: nothing of it stays either
+        logger.warning("servetune: %s; deleting %s failed: %s", why, name, exc)
+    else:
+        logger.warning("servetune: %s; deleted %s", why, name)
+
+
+def _settle_handoffs(wait_s: float = SEND_TIMEOUT_S) -> None:
+    """At this process's exit, where a hand-off it gave up is still in flight (a daemon thread, which dies with the
+    process): wait for them a while, the thread deleting what Serve takes, then delete the applications of those
+    still not done, as Serve may yet take them after this process has gone (on a cluster, with its GPUs)."""
+    deadline = time.monotonic() + wait_s
+    for thread in [t for t in threading.enumerate() if t.name.startswith(HANDOFF_THREAD)]:
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive() and isinstance(thread, _Handoff) and thread.delete_late:
+            _delete_given_up(thread.app_name, "its hand-off still not taken at exit")
 
 
 class AppBuilder:
@@ -172,22 +217,25 @@ class AppBuilder:
 
     def run(
         self, name: str, llm_config: Mapping[str, Any], keep_ingress: bool, engine_version: str | None,
-        route_prefix: str, deadline: float,
+        route_prefix: str, deadline: float, delete_late: bool = True,
     ) -> float | None:  # fmt: skip
         """Build the application and give it to Serve (:func:`send_app`'s seconds), unless the wall clock is within
         :data:`SEND_MARGIN_S` of ``deadline`` (``time.time()``), when its caller stops waiting and builds it itself, or
         past it: then None, and nothing given to Serve, so that no late hand-off of this one replaces (same name) the
         application its caller gave. A hand-off Serve does not take within :data:`SEND_TIMEOUT_S` (before the
         deadline) fails the caller's deploy (:class:`EngineStartError`, raised in the caller as here), which so
-        builds nothing itself; so does one asked for while a hand-off given up is still in flight."""
+        builds nothing itself. Asked while a hand-off it gave up is still in flight, it gives Serve nothing (None):
+        its caller builds and hands off its own, bounded as every hand-off is, rather than the rest of a study
+        failing behind one stuck call."""
         app = openai_app(llm_config, keep_ingress, engine_version)
         if time.time() > deadline - SEND_MARGIN_S:
             return None
         given_up = handoffs_in_flight()
         if given_up:  # Serve still holds the one it gave up: one ``serve.run_many`` at a time (see the class's doc)
-            raise EngineStartError(f"Serve has not taken {', '.join(given_up)} since its hand-off was given up "
-                                   f"(SEND_TIMEOUT_S, a timeout); {name} is not given to it meanwhile")  # fmt: skip
-        return send_app(name, app, route_prefix)
+            logger.warning("servetune: Serve has not taken %s since its hand-off was given up; %s is built by its "
+                           "trial", ", ".join(given_up), name)  # fmt: skip
+            return None
+        return send_app(name, app, route_prefix, delete_late=delete_late)
 
 
 def start_builder() -> Any:
@@ -212,12 +260,12 @@ def stop_builder(handle: Any) -> None:
 
 def run_openai_app(
     name: str, llm_config: Mapping[str, Any], keep_ingress: bool, engine_version: str | None, route_prefix: str,
-    attached: bool,
+    attached: bool, delete_late: bool = True,
 ) -> float:  # fmt: skip
     """Build the application of ``llm_config`` and give it to Serve (:func:`send_app`): through the study's builder
     where this process is attached to a study's cluster and the builder runs there and answers within
     :data:`BUILD_TIMEOUT_S`, else here. The seconds Serve took to take it (not those building it, nor those waiting
-    for the builder)."""
+    for the builder). ``delete_late``: as :func:`send_app`'s (False for an update of a running application)."""
     if attached:
         import ray
 
@@ -227,15 +275,15 @@ def run_openai_app(
         except ValueError:  # none started: a driver that is not a study's (its own Serve builds here)
             builder = None
         if builder is not None:
-            sent_s = _through(builder, name, llm_config, keep_ingress, engine_version, route_prefix)
+            sent_s = _through(builder, name, llm_config, keep_ingress, engine_version, route_prefix, delete_late)
             if sent_s is not None:
                 return sent_s
-    return send_app(name, openai_app(llm_config, keep_ingress, engine_version), route_prefix)
+    return send_app(name, openai_app(llm_config, keep_ingress, engine_version), route_prefix, delete_late=delete_late)
 
 
 def _through(
     builder: Any, name: str, llm_config: Mapping[str, Any], keep_ingress: bool, engine_version: str | None,
-    route_prefix: str,
+    route_prefix: str, delete_late: bool = True,
 ) -> float | None:  # fmt: skip
     """:func:`run_openai_app` by the builder: the seconds Serve took, or None (said why) where the caller builds it
     itself, the builder gone or not done within :data:`BUILD_TIMEOUT_S` (past which it drops the build itself)."""
@@ -245,7 +293,9 @@ def _through(
     deadline = time.time() + BUILD_TIMEOUT_S  # on the builder's clock too, as Ray's nodes share the time of day
     try:
         sent_s = ray.get(
-            builder.run.remote(name, dict(llm_config), keep_ingress, engine_version, route_prefix, deadline),
+            builder.run.remote(
+                name, dict(llm_config), keep_ingress, engine_version, route_prefix, deadline, delete_late
+            ),
             timeout=BUILD_TIMEOUT_S,
         )
     except RayActorError as exc:  # it died

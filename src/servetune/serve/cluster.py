@@ -185,21 +185,29 @@ class ServeCluster:
         else Serve replaces the single ingress replica too, stopping it before it starts the new one
         (``max_surge_percent`` 0), and requests wait at the proxy meanwhile."""
         self.open_serve()
-        self._send_openai_app(name, llm_config, keep_ingress, None, route_prefix)
+        self._send_openai_app(name, llm_config, keep_ingress, None, route_prefix, delete_late=False)
 
     def _send_openai_app(self, name: str, llm_config: Mapping[str, Any], keep_ingress: bool,
-                         engine_version: str | None, route_prefix: str) -> float:  # fmt: skip
+                         engine_version: str | None, route_prefix: str, delete_late: bool = True) -> float:  # fmt: skip
         """Build the LLM application and give it to Serve, not waiting: in a study's trial, by the study's builder
         (serve/builder.py: the trial's process need not import Ray Serve LLM and vLLM to build it). The seconds
         Serve took to take it."""
-        return run_openai_app(name, llm_config, keep_ingress, engine_version, route_prefix, attached=self.in_study)
+        return run_openai_app(
+            name,
+            llm_config,
+            keep_ingress,
+            engine_version,
+            route_prefix,
+            attached=self.in_study,
+            delete_late=delete_late,
+        )  # an update (a rollout) Serve takes late is not deleted
 
     def redeploy_app(self, name: str, app: Any, route_prefix: str = "/") -> None:
         """``serve.run`` the application ``app`` under the name of one running, and return once Serve's controller
         holds the new target (the application DEPLOYING), not waiting for the rollout: :meth:`rolled_out` says when
         it is done."""
         self.open_serve()
-        send_app(name, app, route_prefix)
+        send_app(name, app, route_prefix, delete_late=False)  # a rollout Serve takes late is not deleted
 
     def rolled_out(self, name: str, old: Collection[str], deployment_prefix: str = "LLMServer") -> bool:
         """Whether a rollout of ``name`` is done: the application RUNNING, every deployment HEALTHY (Serve says

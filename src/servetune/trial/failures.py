@@ -81,11 +81,15 @@ NCCL_NODE = re.compile(
     r"|Watchdog caught collective operation timeout"
 )
 DISK_FULL = re.compile(r"\[Errno 28\] No space left on device")  # Python's OSError for ENOSPC (Linux strerror)
+# servetune's own: Serve's controller did not take a trial's application within the hand-off's bound
+# (serve/builder.py NOT_TAKEN): a slow or stuck Serve, whatever the configuration; started again a little later.
+SERVE_HANDOFF = re.compile(r"Serve did not take the application")
 
 SIGNATURES: tuple[Signature, ...] = (
     Signature("gpu_fault", "infrastructure", CUDA_NODE, retry_elsewhere=True),
     Signature("nccl_fault", "infrastructure", NCCL_NODE, retry_elsewhere=True),
     Signature("disk_full", "infrastructure", DISK_FULL, retry_elsewhere=True),
+    Signature("serve_handoff", "infrastructure", SERVE_HANDOFF, retry_after_s=10.0),
     Signature("port_in_use", "infrastructure", PORT_IN_USE, retry_after_s=1.0),
     Signature("device_busy", "infrastructure", DEVICE_MEMORY, retry_after_s=20.0, applies=_held_by_another),
     Signature("device_memory_short", "configuration", DEVICE_MEMORY),  # nothing else holds it: asked too much
