@@ -122,9 +122,10 @@ def ray_head(env: dict[str, str], num_cpus: int = 2, num_gpus: int = 2) -> Itera
     """``ray start --head --block`` from a shell with ``env``; lists its jobs (as ``ray job list`` would) before it
     yields.
 
-    A ``ray start`` that exits on Ray's start timing out (:data:`RETRIED`) is stopped (its process tree) and started
+    A ``ray start`` that exits on Ray's start timing out, or on a Ray process of the head exiting while it started
+    (:data:`RETRIED`: Ray says so of any such process, a port clash's too), is stopped (its process tree) and started
     again with fresh ports and temp dir, saying so in one line on stderr, up to :data:`START_TRIES` starts; another
-    exit fails the test at once."""
+    exit (a bad argument) fails the test at once."""
     for attempt in range(1, START_TRIES + 1):
         proc, head = _start_head(env, num_cpus, num_gpus)
         try:

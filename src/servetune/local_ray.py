@@ -133,24 +133,31 @@ def start_retrying(start: Callable[[], None], watch: Callable[[], Started], trie
 
 
 class ChildProcesses:
-    """This process's children started after this was made, and their descendants: what a ``ray.init`` started
-    (Ray starts its GCS, raylet and the rest as children of the process that calls it; the raylet starts its workers
-    and agents)."""
+    """This process's children started after this was made whose command line names ``owner`` (by default Ray's
+    package directory: its GCS server, raylet, dashboard and monitors all run from there), and their descendants:
+    what a ``ray.init`` started (Ray starts its GCS, raylet and the rest as children of the process that calls it;
+    the raylet starts its workers and agents). A child of another kind started meanwhile (by another thread of this
+    process) is not Ray's and is left alone."""
 
-    def __init__(self) -> None:
+    def __init__(self, owner: str | None = None) -> None:
         import psutil
 
+        if owner is None:
+            import ray
+
+            owner = os.path.dirname(ray.__file__)
+        self.owner = owner
         self.before = {child.pid for child in psutil.Process().children()}
 
     def stop(self) -> int:
         """SIGTERM them (a stopped one is also sent SIGCONT to act on it), SIGKILL what is left after 5 s; reaped."""
         import psutil
 
-        new = [child for child in psutil.Process().children() if child.pid not in self.before]
         procs = []
-        for child in new:
+        for child in psutil.Process().children():
             with contextlib.suppress(psutil.Error):
-                procs += [child, *child.children(recursive=True)]
+                if child.pid not in self.before and any(self.owner in arg for arg in child.cmdline()):
+                    procs += [child, *child.children(recursive=True)]
         for proc in reversed(procs):
             with contextlib.suppress(psutil.Error):
                 proc.terminate()

@@ -215,25 +215,30 @@ def test_a_local_start_that_timed_out_is_made_again_with_the_gcs_port_wait_raise
 
 
 def test_what_a_start_left_is_stopped_by_process_id_and_what_ran_before_it_is_not(tmp_path):
-    """ChildProcesses stops this process's children started since it was made and their descendants, a stopped
-    (SIGSTOP) one too, and reaps them; a child that ran before, it leaves alone."""
+    """ChildProcesses stops this process's children started since it was made whose command line names the owner
+    (Ray's package directory, here a stand-in), and their descendants, a stopped (SIGSTOP) one too, and reaps them; a
+    child that ran before, or one started meanwhile that is not the owner's (another thread's), it leaves alone."""
     import psutil
 
-    before = subprocess.Popen(["sleep", "60"])
+    owner = str(tmp_path / "ray")  # as Ray's processes name its package directory in their command lines
+    started: list[subprocess.Popen] = []
     try:
-        watch = local_ray.ChildProcesses()
-        tree = subprocess.Popen(["sh", "-c", "sleep 60 & sleep 61; wait"])
-        stopped = subprocess.Popen(["sleep", "62"])
-        stopped.send_signal(signal.SIGSTOP)
+        started.append(before := subprocess.Popen(["sh", "-c", "sleep 60; :", owner]))
+        watch = local_ray.ChildProcesses(owner)
+        started.append(tree := subprocess.Popen(["sh", "-c", "sleep 60 & sleep 61; wait", owner]))
+        started.append(stopped := subprocess.Popen(["sh", "-c", "sleep 62; :", owner]))
+        started.append(other := subprocess.Popen(["sleep", "63"]))
         deadline = time.monotonic() + 10
-        while len(psutil.Process(tree.pid).children()) < 2:
-            assert time.monotonic() < deadline, "sh did not start its two sleeps"
+        while len(psutil.Process(tree.pid).children()) < 2 or not psutil.Process(stopped.pid).children():
+            assert time.monotonic() < deadline, "sh did not start its sleeps"
             time.sleep(0.05)
-        grandchildren = psutil.Process(tree.pid).children()
-        assert watch.stop() == 4
+        stopped.send_signal(signal.SIGSTOP)
+        grandchildren = psutil.Process(tree.pid).children() + psutil.Process(stopped.pid).children()
+        assert watch.stop() == 5
         assert tree.poll() is not None and stopped.poll() is not None
         assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in grandchildren)
-        assert before.poll() is None
+        assert before.poll() is None and other.poll() is None
     finally:
-        before.kill()
-        before.wait()
+        for proc in started:  # whatever an assertion left running
+            proc.kill()
+            proc.wait()
