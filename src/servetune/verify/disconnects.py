@@ -35,7 +35,7 @@ from dataclasses import replace
 
 import aiohttp
 
-from servetune.load.client import DROPPED
+from servetune.load.client import DROPPED, StreamingClient
 from servetune.load.requests import iter_requests
 from servetune.metrics import RequestRecord
 from servetune.verify.scenarios import STREAMS, ScenarioResult, Target, fixed_workload, fmt
@@ -85,7 +85,7 @@ DROP_TEXT = "closed by the client after its first tokens"
 
 
 async def _drop_round(
-    t: Target, session: aiohttp.ClientSession, requests, streams: int, dropped: int
+    t: Target, session: aiohttp.ClientSession, client: StreamingClient, requests, streams: int, dropped: int
 ) -> tuple[DropRound, list[RequestRecord]]:
     t0 = time.perf_counter()
     lag = lag_s(t.metrics)
@@ -100,7 +100,7 @@ async def _drop_round(
     # The streams are probes, closed by the round (its drop, its end), not users judged on latency: the
     # client's first-token and idle timeouts do not end them. An engine paused past them on a loaded host
     # (5 s at the least) would otherwise have closed every stream before the drop, and no round could judge.
-    sends = [t.client.send(s, r, t0, latency_timeouts=False) for s, r in zip(specs, records, strict=True)]
+    sends = [client.send(s, r, t0, latency_timeouts=False) for s, r in zip(specs, records, strict=True)]
     tasks = [asyncio.ensure_future(send) for send in sends]
     try:
         round_ = await _judge(t, read, records, tasks, streams, dropped, t0, lag, poll_s)
@@ -211,12 +211,15 @@ async def disconnects(t: Target) -> ScenarioResult:
     )
     rounds: list[DropRound] = []
     tries = 2 * t.budget.drop_rounds
-    async with aiohttp.ClientSession() as session:
+    # The streams open connections of their own: a round starting as the last one's streams end would otherwise send
+    # on their pooled keep-alive connections, which vLLM's server, slow on a loaded host, closed under two to four
+    # requests in each of three runs of the real-vLLM e2e ("Server disconnected" before any token).
+    async with aiohttp.ClientSession() as session, t.client.with_fresh_connections() as client:
         # A round that proves nothing (not observed) is tried again, up to as many extra rounds that drop; rounds
         # given up before their drop (a stream ended first: they end then, without a watch) up to twice as many rounds.
         while sum(r.drop_s is not None for r in rounds) < tries and len(rounds) < 2 * tries:
             await _drained(session, t)
-            round_, _ = await _drop_round(t, session, requests, streams, dropped)
+            round_, _ = await _drop_round(t, session, client, requests, streams, dropped)
             rounds.append(round_)
             if sum(r.observed for r in rounds) >= t.budget.drop_rounds or math.isnan(round_.before):
                 break  # enough rounds judged, or the engine's gauges cannot be read: another round would not change that
