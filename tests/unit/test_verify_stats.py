@@ -13,6 +13,7 @@ from servetune.verify.document import Timeouts, finite
 from servetune.verify.scenarios import Budget, _beyond_chance, gap_cv, mixed_workload, p99_input_tokens, scaled
 from servetune.verify.stats import (
     DropRound,
+    StreamTimes,
     bootstrap_difference,
     bootstrap_mean,
     cancellation_success_rate,
@@ -126,6 +127,33 @@ def test_cancellation_success_counts_what_vllm_still_holds_beyond_the_survivors(
     assert cancellation_success_rate([DropRound(4, 4, math.nan, 4, None)]) is None
     late = DropRound(4, 4, 8, 8, None, released_s=3.1, allowed_s=2.0)  # released, but after the allowance
     assert late.observed and late.leaked == 4 and cancellation_success_rate([released, late]) == 0.5
+
+
+def test_a_round_says_when_its_phases_and_streams_ran_and_why_it_judges_nothing():
+    # Each stream in a few numbers from the round's start: its first two content chunks, its end and how it ended.
+    done = RequestRecord(index=0, sent=0.0, input_tokens=16, max_tokens=1007, chunk_times=[0.41234, 0.5, 0.6],
+                         end=9.87654, output_tokens=1007)  # fmt: skip
+    cut = RequestRecord(
+        index=1, sent=0.0, input_tokens=16, max_tokens=1007, chunk_times=[7.5], end=10.0, error_kind="dropped"
+    )
+    assert StreamTimes.of(done, "finished") == StreamTimes(0.412, 0.5, 9.877, "finished", 3, 1007)
+    assert StreamTimes.of(cut, "dropped") == StreamTimes(7.5, None, 10.0, "dropped", 1, None)
+    assert StreamTimes.of(RequestRecord(index=2, sent=0.0, input_tokens=16, max_tokens=8), "open").first_s is None
+    times = (StreamTimes.of(done, "finished"), StreamTimes.of(cut, "dropped"))
+    given_up = DropRound(1, 1, 2, 0.0, None, streams=2, first_tokens_s=7.6, gauge_s=7.7, stream_times=times,
+                         given_up="stream 0 ended (finished) at 9.88 s, before the drop")  # fmt: skip
+    # A round given up before its drop judges nothing, whatever its gauge read, and says why.
+    assert not given_up.observed and given_up.leaked == 0 and cancellation_success_rate([given_up]) is None
+    doc = given_up.as_dict()
+    assert doc["unobserved"] == "stream 0 ended (finished) at 9.88 s, before the drop" and doc["drop_s"] is None
+    assert doc["first_tokens_s"] == 7.6 and doc["gauge_s"] == 7.7
+    assert doc["stream_times"][0] == {"first_s": 0.412, "second_s": 0.5, "end_s": 9.877, "ended": "finished",
+                                      "chunks": 3, "tokens": 1007, "error": None}  # fmt: skip
+    # Rounds that dropped say why they judge nothing from their numbers; an observed one says nothing.
+    assert "showed 2 in flight" in DropRound(4, 4, 2, 0, 0.0).unobserved
+    assert "every request had ended" in DropRound(4, 0, 8, 0, 0.0).unobserved
+    assert "could not be read" in DropRound(4, 4, math.nan, 4, None).unobserved
+    assert DropRound(4, 4, 8, 4, 0.1, drop_s=1.2).as_dict()["unobserved"] is None
 
 
 def test_the_engine_step_is_the_median_stream_gap_after_the_first_chunk():

@@ -181,13 +181,26 @@ class StreamingClient:
         self.headers = headers or {}
         self._session: aiohttp.ClientSession | None = None
         self._url = f"{self.base_url}/v1/{'chat/completions' if api == 'chat' else 'completions'}"
+        self.fresh_connections = False
+
+    def with_fresh_connections(self) -> StreamingClient:
+        """The same client (its own session: use it as a context manager) whose every request opens a connection of
+        its own, closed after it: no request rides a pooled keep-alive connection the server may be closing."""
+        twin = StreamingClient(self.base_url, self.model, api=self.api, timeout_s=self.timeout_s,
+                               first_token_timeout_s=self.first_token_timeout_s, idle_timeout_s=self.idle_timeout_s,
+                               ignore_eos=self.ignore_eos, temperature=self.temperature, headers=self.headers)  # fmt: skip
+        twin.fresh_connections = True
+        return twin
 
     async def __aenter__(self) -> StreamingClient:
         # Idle connections are let go before the server's keep-alive (uvicorn: 5 s) closes them:
         # a request written on a connection the server just closed fails ("Can not write request body").
-        connector = aiohttp.TCPConnector(
-            limit=0, ttl_dns_cache=300, enable_cleanup_closed=True, keepalive_timeout=KEEPALIVE_S
-        )
+        if self.fresh_connections:
+            connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300, enable_cleanup_closed=True, force_close=True)
+        else:
+            connector = aiohttp.TCPConnector(
+                limit=0, ttl_dns_cache=300, enable_cleanup_closed=True, keepalive_timeout=KEEPALIVE_S
+            )
         self._session = aiohttp.ClientSession(connector=connector, headers=self.headers)
         return self
 

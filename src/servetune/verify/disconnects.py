@@ -9,7 +9,13 @@ steps are slow (a loaded host). The gauge is watched on for ``WATCH_S``, so that
 came late is told apart from one that never came (a leak). The survivors, as long as the dropped
 ones, must still run then: a round whose requests had all ended on the server (a fast engine
 outruns a client on a loaded host) proves nothing, is not judged, and is tried again (up to as
-many extra rounds). The streams are not ended by the client's first-token and idle timeouts (only
+many extra rounds). So is a round where a stream ends before the drop (every stream's first tokens,
+then the gauge): on a loaded two-core host vLLM's engine ran one of a round's streams at a time (its
+log: running 1, waiting 0) and the client got each stream whole, in one burst at its end, seconds
+after the round began, so the first streams had ended before the last had their first tokens. Such a
+round is given up when its first stream ends, without a drop or a watch, and tried again (up to twice
+as many rounds in all); ``DropRound`` keeps when its phases and each stream ran, and why it judged
+nothing. The streams are not ended by the client's first-token and idle timeouts (only
 by its total one): they are the round's probes, and a pause of the engine is not what it judges.
 Then, for ``TOKEN_SPAN_S``, the tokens vLLM generates
 (``vllm:generation_tokens_total``) must follow what the survivors receive. ``stats.DropRound``
@@ -25,14 +31,15 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from dataclasses import replace
 
 import aiohttp
 
-from servetune.load.client import DROPPED
+from servetune.load.client import DROPPED, StreamingClient
 from servetune.load.requests import iter_requests
 from servetune.metrics import RequestRecord
 from servetune.verify.scenarios import STREAMS, ScenarioResult, Target, fixed_workload, fmt
-from servetune.verify.stats import DropRound, cancellation_success_rate, step_s, tokens_stopped
+from servetune.verify.stats import DropRound, StreamTimes, cancellation_success_rate, step_s, tokens_stopped
 from servetune.verify.watch import in_flight, lag_s, read_metrics
 
 DROP_SHARE = 0.5
@@ -47,15 +54,38 @@ TOKEN_SPAN_S = 1.0  # then vLLM's generated tokens are compared with what the su
 async def _wait_first_tokens(
     records: list[RequestRecord], tasks: list[asyncio.Task], chunks: int, timeout_s: float
 ) -> None:
+    """Until every stream has ``chunks`` content chunks, or one has ended (the round is given up)."""
     deadline = time.perf_counter() + timeout_s
     while time.perf_counter() < deadline:
-        if all(len(r.chunk_times) >= chunks or task.done() for r, task in zip(records, tasks, strict=True)):
+        if any(task.done() for task in tasks) or all(len(r.chunk_times) >= chunks for r in records):
             return
         await asyncio.sleep(0.02)
 
 
+def _ended_first(records: list[RequestRecord]) -> str | None:
+    """Why the round is given up before its drop: a stream ended first (None: none has)."""
+    ended = [r for r in records if r.end is not None]
+    if not ended:
+        return None
+    r = min(ended, key=lambda r: r.end or 0.0)
+    how = "finished" if r.error_kind is None else r.error_kind
+    return (f"stream {r.index} ended ({how}) at {r.end:.2f} s, after {len(r.chunk_times)} chunks, before the "
+            f"drop: {len(ended)} of {len(records)} had ended")  # fmt: skip
+
+
+def _how(r: RequestRecord) -> str:
+    if r.error_kind is None:
+        return "finished" if r.end is not None else "open"
+    if r.error_kind == DROPPED:
+        return "dropped" if r.error == DROP_TEXT else "closed"
+    return r.error_kind
+
+
+DROP_TEXT = "closed by the client after its first tokens"
+
+
 async def _drop_round(
-    t: Target, session: aiohttp.ClientSession, requests, streams: int, dropped: int
+    t: Target, session: aiohttp.ClientSession, client: StreamingClient, requests, streams: int, dropped: int
 ) -> tuple[DropRound, list[RequestRecord]]:
     t0 = time.perf_counter()
     lag = lag_s(t.metrics)
@@ -70,75 +100,10 @@ async def _drop_round(
     # The streams are probes, closed by the round (its drop, its end), not users judged on latency: the
     # client's first-token and idle timeouts do not end them. An engine paused past them on a loaded host
     # (5 s at the least) would otherwise have closed every stream before the drop, and no round could judge.
-    sends = [t.client.send(s, r, t0, latency_timeouts=False) for s, r in zip(specs, records, strict=True)]
+    sends = [client.send(s, r, t0, latency_timeouts=False) for s, r in zip(specs, records, strict=True)]
     tasks = [asyncio.ensure_future(send) for send in sends]
     try:
-        await _wait_first_tokens(records, tasks, 2, 60.0)
-        # vLLM's gauges follow its steps: wait (a little) until they show every stream in flight.
-        before, seen_by = float("nan"), time.perf_counter() + GAUGE_WAIT_S + lag
-        while time.perf_counter() < seen_by:
-            snap = await read(gauges_only=True)
-            if snap is not None:
-                before = in_flight(snap)
-                if before >= sum(r.end is None for r in records):
-                    break
-            await asyncio.sleep(poll_s)
-        for task in tasks[:dropped]:
-            task.cancel()  # the client goes away: aiohttp closes the connection mid-stream
-        await asyncio.gather(*tasks[:dropped], return_exceptions=True)
-        for r in records[:dropped]:
-            r.error_kind, r.error = DROPPED, "closed by the client after its first tokens"
-        dropped_at = time.perf_counter()
-        survivors = records[dropped:]
-        allowed = max(FALLBACK_S, RELEASE_STEPS * step_s([r.chunk_times for r in records])) + lag
-        # vLLM released the dropped streams once what it holds is no more than the survivors the
-        # client still holds open; ``settled`` is the last sample asked within the allowance.
-        released, unread = None, 0
-        settled, open_now = before, sum(r.end is None for r in survivors)
-        # Without a gauge before the drop (the engine cannot be read, or died) there is nothing to watch.
-        while not math.isnan(before) and (asked := time.perf_counter() - dropped_at) <= max(WATCH_S, 2 * allowed):
-            open_then = sum(r.end is None for r in survivors)
-            snap = await read(gauges_only=True)
-            unread = 0 if snap is not None else unread + 1
-            if unread >= UNREAD_LIMIT:
-                break  # the engine stopped answering: what it holds cannot be told
-            if snap is not None:
-                held = in_flight(snap)
-                if asked <= allowed:
-                    settled, open_now = held, open_then
-                if held <= open_then:
-                    released = asked
-                    break
-            await asyncio.sleep(poll_s)
-        fell_back = released if released is not None and released <= allowed else None
-        # Then vLLM's generated tokens must follow what the survivors receive: a dropped request
-        # it still ran would add its own (judged only while every survivor streams on).
-        server_tokens = client_tokens = None
-        first = await read()
-        start = time.perf_counter() - t0
-        await asyncio.sleep(TOKEN_SPAN_S + 2 * lag)
-        last = await read()
-        end = time.perf_counter() - t0
-        if (
-            first is not None
-            and last is not None
-            and "generation_tokens" in last.counters
-            and all(r.end is None for r in survivors)
-        ):
-            server_tokens = last.counters["generation_tokens"] - first.counters.get("generation_tokens", 0.0)
-            client_tokens = sum(start <= c <= end for r in survivors for c in r.chunk_times)
-        return DropRound(
-            dropped,
-            open_now,
-            before,
-            settled,
-            fell_back,
-            server_tokens,
-            client_tokens,
-            streams,
-            released_s=released,
-            allowed_s=allowed,
-        ), records
+        round_ = await _judge(t, read, records, tasks, streams, dropped, t0, lag, poll_s)
     finally:
         for task in tasks:
             task.cancel()
@@ -147,6 +112,84 @@ async def _drop_round(
             if r.error_kind == "cancelled":  # the survivors, closed on purpose at the round's end
                 r.error_kind, r.error = DROPPED, "closed by verify at the end of the round"
         t.records.extend(records)
+    return replace(round_, stream_times=tuple(StreamTimes.of(r, _how(r)) for r in records)), records
+
+
+async def _judge(t: Target, read, records, tasks, streams: int, dropped: int, t0: float, lag: float,
+                 poll_s: float) -> DropRound:  # fmt: skip
+    """The round from its first tokens on: its drop while every stream is in flight, the watch, the token span."""
+
+    def since() -> float:
+        return round(time.perf_counter() - t0, 3)
+
+    await _wait_first_tokens(records, tasks, 2, 60.0)
+    first_tokens_s = since()
+    # vLLM's gauges follow its steps: wait (a little) until they show every stream in flight.
+    before, gauge_s, seen_by = float("nan"), None, time.perf_counter() + GAUGE_WAIT_S + lag
+    while (given_up := _ended_first(records)) is None and time.perf_counter() < seen_by:
+        snap = await read(gauges_only=True)
+        if snap is not None:
+            before, gauge_s = in_flight(snap), since()
+            if before >= streams:
+                break
+        await asyncio.sleep(poll_s)
+    # A stream that ended before the drop (a loaded host: the pre-drop phase outlasted it) leaves nothing to judge
+    # the drop by: the round is given up at once, unobserved, and tried again, rather than dropping what has ended.
+    if (given_up := given_up or _ended_first(records)) is not None:
+        if gauge_s is None and (snap := await read(gauges_only=True)) is not None:
+            before, gauge_s = in_flight(snap), since()
+        survivors = sum(r.end is None for r in records[dropped:])
+        return DropRound(dropped, survivors, before, 0.0, None, streams=streams, first_tokens_s=first_tokens_s,
+                         gauge_s=gauge_s, given_up=given_up)  # fmt: skip
+    for task in tasks[:dropped]:
+        task.cancel()  # the client goes away: aiohttp closes the connection mid-stream
+    await asyncio.gather(*tasks[:dropped], return_exceptions=True)
+    for r in records[:dropped]:
+        if r.error_kind == "cancelled":
+            r.error_kind, r.error = DROPPED, DROP_TEXT
+    dropped_at = time.perf_counter()
+    drop_s = since()
+    survivors = records[dropped:]
+    allowed = max(FALLBACK_S, RELEASE_STEPS * step_s([r.chunk_times for r in records])) + lag
+    # vLLM released the dropped streams once what it holds is no more than the survivors the
+    # client still holds open; ``settled`` is the last sample asked within the allowance.
+    released, unread = None, 0
+    settled, open_now = before, sum(r.end is None for r in survivors)
+    # Without a gauge before the drop (the engine cannot be read, or died) there is nothing to watch.
+    while not math.isnan(before) and (asked := time.perf_counter() - dropped_at) <= max(WATCH_S, 2 * allowed):
+        open_then = sum(r.end is None for r in survivors)
+        snap = await read(gauges_only=True)
+        unread = 0 if snap is not None else unread + 1
+        if unread >= UNREAD_LIMIT:
+            break  # the engine stopped answering: what it holds cannot be told
+        if snap is not None:
+            held = in_flight(snap)
+            if asked <= allowed:
+                settled, open_now = held, open_then
+            if held <= open_then:
+                released = asked
+                break
+        await asyncio.sleep(poll_s)
+    fell_back = released if released is not None and released <= allowed else None
+    # Then vLLM's generated tokens must follow what the survivors receive: a dropped request
+    # it still ran would add its own (judged only while every survivor streams on).
+    server_tokens = client_tokens = None
+    first = await read()
+    start = time.perf_counter() - t0
+    await asyncio.sleep(TOKEN_SPAN_S + 2 * lag)
+    last = await read()
+    end = time.perf_counter() - t0
+    if (
+        first is not None
+        and last is not None
+        and "generation_tokens" in last.counters
+        and all(r.end is None for r in survivors)
+    ):
+        server_tokens = last.counters["generation_tokens"] - first.counters.get("generation_tokens", 0.0)
+        client_tokens = sum(start <= c <= end for r in survivors for c in r.chunk_times)
+    return DropRound(dropped, open_now, before, settled, fell_back, server_tokens, client_tokens, streams,
+                     released_s=released, allowed_s=allowed, first_tokens_s=first_tokens_s, gauge_s=gauge_s,
+                     drop_s=drop_s)  # fmt: skip
 
 
 async def _drained(session: aiohttp.ClientSession, t: Target, timeout_s: float = 10.0) -> None:
@@ -167,11 +210,16 @@ async def disconnects(t: Target) -> ScenarioResult:
         fixed_workload(t.workload, "disconnects", prompt, out), t.prompts, stream=STREAMS["disconnects"]
     )
     rounds: list[DropRound] = []
-    async with aiohttp.ClientSession() as session:
-        # A round that proves nothing (not observed) is tried again, up to as many extra rounds.
-        for _ in range(2 * t.budget.drop_rounds):
+    tries = 2 * t.budget.drop_rounds
+    # The streams open connections of their own: a round starting as the last one's streams end would otherwise send
+    # on their pooled keep-alive connections, which vLLM's server, slow on a loaded host, closed under two to four
+    # requests in each of three runs of the real-vLLM e2e ("Server disconnected" before any token).
+    async with aiohttp.ClientSession() as session, t.client.with_fresh_connections() as client:
+        # A round that proves nothing (not observed) is tried again, up to as many extra rounds that drop; rounds
+        # given up before their drop (a stream ended first: they end then, without a watch) up to twice as many rounds.
+        while sum(r.drop_s is not None for r in rounds) < tries and len(rounds) < 2 * tries:
             await _drained(session, t)
-            round_, _ = await _drop_round(t, session, requests, streams, dropped)
+            round_, _ = await _drop_round(t, session, client, requests, streams, dropped)
             rounds.append(round_)
             if sum(r.observed for r in rounds) >= t.budget.drop_rounds or math.isnan(round_.before):
                 break  # enough rounds judged, or the engine's gauges cannot be read: another round would not change that
@@ -182,10 +230,12 @@ async def disconnects(t: Target) -> ScenarioResult:
                "release_steps": RELEASE_STEPS, "watch_s": WATCH_S, "rounds": [r.as_dict() for r in rounds],
                "cancellation_success_rate": rate, "tokens_stopped": stopped}  # fmt: skip
     if rate is None:
+        why = rounds[-1].unobserved if rounds else None
         return ScenarioResult(
             "disconnects",
             False,
-            "vLLM's /metrics never showed the streams in flight: cancellation not observed",
+            f"vLLM's /metrics never showed the streams in flight: cancellation not observed in {len(rounds)} rounds "
+            f"(the last: {why})",
             numbers,
         )
     seen = [r for r in rounds if r.observed]

@@ -236,6 +236,33 @@ def lead(winner: Sequence[float], runner_up: Sequence[float], metric: str, highe
 
 
 @dataclass(frozen=True)
+class StreamTimes:
+    """One stream of a drop round, in seconds from the round's start (ms): its first and second content
+    chunks, its end (None: still open when the round ended), how it ended (``finished``: the server
+    ended it; ``dropped``: by the round's drop; ``closed``: by verify at the round's end; else the
+    client's error kind, and ``error`` its message), the content chunks it received and the output tokens the
+    server reported."""
+
+    first_s: float | None
+    second_s: float | None
+    end_s: float | None
+    ended: str
+    chunks: int
+    tokens: int | None = None
+    error: str | None = None
+
+    @classmethod
+    def of(cls, r: RequestRecord, ended: str) -> StreamTimes:
+        def ms(x: float | None) -> float | None:
+            return None if x is None else round(x, 3)
+
+        times = r.chunk_times
+        error = (r.error or "")[:160] or None if ended not in ("finished", "dropped", "closed", "open") else None
+        return cls(ms(times[0] if times else None), ms(times[1] if len(times) > 1 else None), ms(r.end), ended,
+                   len(times), r.output_tokens, error)  # fmt: skip
+
+
+@dataclass(frozen=True)
 class DropRound:
     """One round of the disconnect scenario, as the client and vLLM's ``/metrics`` saw it.
 
@@ -246,6 +273,9 @@ class DropRound:
     all, within the longer watch (later than ``allowed_s``: a late release; None: still held at
     the watch's end, a leak). ``server_tokens`` / ``client_tokens``: tokens vLLM generated, and the
     survivors received, in the same span after the fall-back (None when a survivor ended first).
+    In seconds from the round's start: ``first_tokens_s`` when every stream had its first tokens (or
+    the wait for them ended), ``gauge_s`` the read that gave ``before``, ``drop_s`` the drop (None:
+    given up before it, ``given_up`` says why); ``stream_times`` each stream's.
     """
 
     dropped: int
@@ -258,13 +288,37 @@ class DropRound:
     streams: int = 0
     released_s: float | None = None
     allowed_s: float | None = None
+    first_tokens_s: float | None = None
+    gauge_s: float | None = None
+    drop_s: float | None = None
+    stream_times: tuple[StreamTimes, ...] = ()
+    given_up: str | None = None
 
     @property
     def observed(self) -> bool:
         """Whether the round can judge cancellation: vLLM's gauge showed every stream before the
         drop, and at the end some were still running on the server (the survivors, as long as the
-        dropped ones): had every request already ended there, a fall-back would prove nothing."""
-        return not math.isnan(self.before) and self.before >= self.dropped + self.survivors and self.settled > 0
+        dropped ones): had every request already ended there, a fall-back would prove nothing. A round
+        given up before its drop (``given_up``: a stream ended first) judges nothing."""
+        return (
+            self.given_up is None
+            and not math.isnan(self.before)
+            and self.before >= self.dropped + self.survivors
+            and self.settled > 0
+        )
+
+    @property
+    def unobserved(self) -> str | None:
+        """Why the round judges nothing (None: it is observed)."""
+        if self.observed:
+            return None
+        if self.given_up is not None:
+            return self.given_up
+        if math.isnan(self.before):
+            return "vLLM's gauges could not be read before the drop"
+        if self.before < self.dropped + self.survivors:
+            return f"vLLM's gauge showed {self.before:g} in flight before the drop, not every stream"
+        return "every request had ended on the server by the allowance: no survivor left to tell a release by"
 
     @property
     def leaked(self) -> int:
@@ -278,7 +332,8 @@ class DropRound:
         return max(0.0, self.server_tokens - self.client_tokens)
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "observed": self.observed, "leaked": self.leaked, "extra_tokens": self.extra_tokens}
+        return {**asdict(self), "observed": self.observed, "unobserved": self.unobserved, "leaked": self.leaked,
+                "extra_tokens": self.extra_tokens}  # fmt: skip
 
 
 def step_s(chunk_times: Sequence[Sequence[float]]) -> float:
