@@ -33,7 +33,7 @@ import psutil
 import pytest
 
 from servetune.engine.server import free_port
-from servetune.local_ray import STARTUP_TIMED_OUT
+from servetune.local_ray import STARTUP_TIMED_OUT, stop_processes
 
 RAY = Path(sys.executable).with_name("ray")  # the venv's, so Ray's workers run the venv's Python
 START_TIMEOUT_S = 120
@@ -222,14 +222,7 @@ def stop_process_tree(proc: subprocess.Popen, marker: str) -> None:
         procs = [root, *root.children(recursive=True)]
     except psutil.NoSuchProcess:
         procs = []
-    for p in reversed(procs):  # children first
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.terminate()
-    _, alive = psutil.wait_procs(procs, timeout=10)
-    for p in alive:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            p.kill()
-    psutil.wait_procs(alive, timeout=10)
+    stop_processes(procs, grace_s=10.0)  # children first
     stragglers = []
     for p in psutil.process_iter(["cmdline"]):
         try:

@@ -158,16 +158,24 @@ class ChildProcesses:
             with contextlib.suppress(psutil.Error):
                 if child.pid not in self.before and any(self.owner in arg for arg in child.cmdline()):
                     procs += [child, *child.children(recursive=True)]
-        for proc in reversed(procs):
-            with contextlib.suppress(psutil.Error):
-                proc.terminate()
-                proc.resume()
-        _, alive = psutil.wait_procs(procs, timeout=5)
-        for proc in alive:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-        psutil.wait_procs(alive, timeout=5)
+        stop_processes(procs, grace_s=5.0)
         return len(procs)
+
+
+def stop_processes(procs: list[Any], grace_s: float) -> None:
+    """SIGTERM the ``procs`` (psutil processes, parents before their children: the last first), a stopped one also
+    sent SIGCONT to act on it; SIGKILL what is left after ``grace_s``; reaped. Those gone already are passed over."""
+    import psutil
+
+    for proc in reversed(procs):
+        with contextlib.suppress(psutil.Error):
+            proc.terminate()
+            proc.resume()
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for proc in alive:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(alive, timeout=grace_s)
 
 
 @contextmanager
