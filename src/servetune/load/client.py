@@ -21,6 +21,7 @@ too: an answer with fewer choices carrying content than asked (``n``), or a cont
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 
 import aiohttp
@@ -186,10 +187,8 @@ class StreamingClient:
     def with_fresh_connections(self) -> StreamingClient:
         """The same client (its own session: use it as a context manager) whose every request opens a connection of
         its own, closed after it: no request rides a pooled keep-alive connection the server may be closing."""
-        twin = StreamingClient(self.base_url, self.model, api=self.api, timeout_s=self.timeout_s,
-                               first_token_timeout_s=self.first_token_timeout_s, idle_timeout_s=self.idle_timeout_s,
-                               ignore_eos=self.ignore_eos, temperature=self.temperature, headers=self.headers)  # fmt: skip
-        twin.fresh_connections = True
+        twin = copy.copy(self)  # every setting, whatever the constructor grows to take; not the session
+        twin._session, twin.fresh_connections = None, True
         return twin
 
     async def __aenter__(self) -> StreamingClient:
