@@ -136,10 +136,7 @@ def ray_head(env: dict[str, str], num_cpus: int = 2, num_gpus: int = 2) -> Itera
         if exited is None:
             break
         _stop_head(proc, head)
-        if attempt == START_TRIES or not start_timed_out(exited):
-            pytest.fail(f"ray start exited with {proc.returncode} (try {attempt} of {START_TRIES}):\n{exited}")
-        print(f"tests: ray start --head timed out while starting (try {attempt} of {START_TRIES}); stopped, "
-              "starting it again", file=sys.stderr, flush=True)  # fmt: skip
+        _fail_or_retry("ray start --head", proc.returncode, exited, attempt)
     try:
         yield head
     finally:
@@ -149,6 +146,15 @@ def ray_head(env: dict[str, str], num_cpus: int = 2, num_gpus: int = 2) -> Itera
 def start_timed_out(log_tail: str) -> bool:
     """Whether a ``ray start`` that exited says Ray's start timed out (:data:`RETRIED`), not another failure."""
     return any(marker in log_tail for marker in RETRIED)
+
+
+def _fail_or_retry(command: str, returncode: int | None, exited: str, attempt: int) -> None:
+    """After the ``attempt``-th start of ``command`` exited (its output's tail ``exited``, already stopped): fail the
+    test where it was the last try or not Ray's start timing out, else say in one line that it starts again."""
+    if attempt == START_TRIES or not start_timed_out(exited):
+        pytest.fail(f"ray start exited with {returncode} (try {attempt} of {START_TRIES}):\n{exited}")
+    print(f"tests: {command} timed out while starting (try {attempt} of {START_TRIES}); stopped, starting it again",
+          file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _start_head(env: dict[str, str], num_cpus: int, num_gpus: int) -> tuple[subprocess.Popen, RayHead]:
@@ -325,16 +331,11 @@ def ray_cluster(
                 for i, node in enumerate(started):
                     if node.proc.poll() is None:
                         continue
-                    exited = (node.temp_dir / "ray-start.log").read_text()[-3000:]
-                    if tries[i] == START_TRIES or not start_timed_out(exited):
-                        pytest.fail(
-                            f"ray start exited with {node.proc.returncode} (try {tries[i]} of {START_TRIES}):\n{exited}"
-                        )
                     # As a head's (ray_head): timed out joining on a busy host, stopped and started again afresh.
+                    exited = (node.temp_dir / "ray-start.log").read_text()[-3000:]
                     stop_process_tree(node.proc, str(node.temp_dir))
                     shutil.rmtree(node.temp_dir, ignore_errors=True)
-                    print(f"tests: ray start --address timed out while starting (try {tries[i]} of {START_TRIES}); "
-                          "stopped, starting it again", file=sys.stderr, flush=True)  # fmt: skip
+                    _fail_or_retry("ray start --address", node.proc.returncode, exited, tries[i])
                     started[i], tries[i] = starts[i](), tries[i] + 1
                     deadline = max(deadline, time.monotonic() + START_TIMEOUT_S)
                 assert time.monotonic() < deadline, f"the worker nodes did not join in {START_TIMEOUT_S} s"
