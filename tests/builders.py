@@ -290,18 +290,21 @@ def steady(start: float, stop: float, every: float = 0.1, ttft_s: float = 0.1, f
     return [served(first + i, start + i * every, ttft_s) for i in range(n)]
 
 
-def stand_in_load(monkeypatch, record_for: Callable[[int, float], RequestRecord]) -> None:
+def stand_in_load(
+    monkeypatch, record_for: Callable[[int, float], RequestRecord], clock: Callable[[], float] = time.perf_counter
+) -> None:
     """The level verify/under_load.py ``around_event`` runs, replaced: one request every 50 ms, ``record_for(index,
-    sent)`` each (its end set when it is done), Serve read every 0.1 s."""
+    sent)`` each (its end set when it is done), Serve read every 0.1 s; ``clock`` is the level's (its records' times:
+    :func:`virtual_time`'s, where the scenario runs on it)."""
     from servetune.verify import under_load
 
     async def fake_level(client, url, workload, prompts, plan, *, stream, slo, on_done, watch, **_):
-        t0, records, i = time.perf_counter(), [], 0
-        while time.perf_counter() - t0 < plan.duration_s and not watch.broken():
-            sent = time.perf_counter() - t0
+        t0, records, i = clock(), [], 0
+        while clock() - t0 < plan.duration_s and not watch.broken():
+            sent = clock() - t0
             await asyncio.sleep(0.05)
             record = record_for(i, sent)
-            record.end = time.perf_counter() - t0
+            record.end = clock() - t0
             on_done(record)
             records.append(record)
             i += 1
@@ -311,6 +314,48 @@ def stand_in_load(monkeypatch, record_for: Callable[[int, float], RequestRecord]
     monkeypatch.setattr(under_load, "POLL_S", 0.1)
     monkeypatch.setattr(under_load, "_warmup", lambda level, budget: 0)
     monkeypatch.setattr(under_load, "LevelPlan", lambda level, **kw: type("Plan", (), {**kw, "level": level})())
+
+
+class VirtualTimeLoop(asyncio.SelectorEventLoop):
+    """An event loop whose clock starts at 0 and moves only when every task waits on a timer, then straight to the
+    next timer: ``asyncio.sleep(0.5)`` is half a second on it, taken at once, and what runs between two timers takes
+    none of its time, however slow the host. Nothing may wait on a thread under it (a thread's time is the host's):
+    :func:`virtual_time` runs ``asyncio.to_thread``'s function in the loop instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = 0.0
+        select = self._selector.select
+
+        def jump(timeout: float | None = None) -> list:
+            if timeout is None:  # no timer: only I/O can wake the loop, as on the host's clock
+                return select(None)
+            self.now += timeout  # nothing ready before the next timer: go to it
+            return select(0)
+
+        self._selector.select = jump
+
+    def time(self) -> float:
+        return self.now
+
+
+def virtual_time(monkeypatch) -> VirtualTimeLoop:
+    """A :class:`VirtualTimeLoop` that verify/under_load.py reads its times on (``around_event``'s perf_counter), with
+    ``asyncio.to_thread`` calling its function in the loop, for the test to run a scenario on
+    (``with contextlib.closing(virtual_time(monkeypatch)) as loop: loop.run_until_complete(...)``): the scenario's
+    timing is then the same on a quiet host and a loaded one."""
+    from types import SimpleNamespace
+
+    from servetune.verify import under_load
+
+    loop = VirtualTimeLoop()
+    monkeypatch.setattr(under_load, "time", SimpleNamespace(perf_counter=loop.time, time=time.time))
+
+    async def in_the_loop(func, /, *args, **kwargs):
+        return func(*args, **kwargs)
+
+    monkeypatch.setattr(asyncio, "to_thread", in_the_loop)
+    return loop
 
 
 # --- a local server ----------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Starting a Ray of this machine's own from a servetune process: the rules every command and bench
 script that does so follows (``run``'s study, ``verify`` and ``serve-check`` through Serve, the bench
-scripts). It imports Ray only when called, and nothing of servetune's: every room may use it.
+scripts). It imports Ray only when called, and of servetune's only ``env_vars`` (below every room): every room may
+use it.
 
 Ray 2.60 turns token authentication on for a local ``ray.init()`` and, when the user has no
 token yet, writes one to ``~/.ray/auth_token``. From then on every ``ray start --head`` on the
@@ -27,6 +28,8 @@ from collections.abc import Callable, Iterator, MutableMapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Protocol
+
+from servetune.env_vars import env_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +91,7 @@ def start_local_ray(**init_kwargs: Any) -> None:
     token_for_local_cluster()
 
     def start() -> None:
-        with keeping_sigterm(), _env_default(GCS_PORT_WAIT, GCS_PORT_WAIT_S):
+        with keeping_sigterm(), env_defaults({GCS_PORT_WAIT: GCS_PORT_WAIT_S}):
             ray.init(address="local", **{"include_dashboard": False, **init_kwargs})
 
     start_retrying(start, ChildProcesses)
@@ -176,19 +179,6 @@ def stop_processes(procs: list[Any], grace_s: float) -> None:
         with contextlib.suppress(psutil.Error):
             proc.kill()
     psutil.wait_procs(alive, timeout=grace_s)
-
-
-@contextmanager
-def _env_default(name: str, value: str) -> Iterator[None]:
-    """``name`` set to ``value`` in this process's environment for the block, unless it is set already."""
-    if name in os.environ:
-        yield
-        return
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        os.environ.pop(name, None)
 
 
 @contextmanager

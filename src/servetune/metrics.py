@@ -103,6 +103,12 @@ def turn_cache_hit_rate(turn: int) -> str:
     return f"conversation_turn{turn}_cache_hit_rate"
 
 
+#: The engine signals a Serve replica records for the predictive autoscaling policy (``record_autoscaling_stats``):
+#: its engines' requests waiting and its fullest engine's KV-cache usage (0..1). serve/replica.py records them,
+#: report/autoscale_policy.py reads them; here, so that a replica need not import report/.
+WAITING_METRIC = "num_requests_waiting"
+KV_METRIC = "kv_cache_usage"
+
 #: Derived rates for reports: output tok/s per reserved device, and one user's streaming speed
 #: (1000 / mean TPOT, in output tok/s).
 OUTPUT_THROUGHPUT_PER_DEVICE = "output_throughput_per_device"

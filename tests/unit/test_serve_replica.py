@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -13,7 +15,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from servetune.report.autoscale_policy import KV_METRIC, WAITING_METRIC, PredictivePolicy
+from servetune.metrics import KV_METRIC, WAITING_METRIC
+from servetune.report.autoscale_policy import PredictivePolicy
 from servetune.serve.metrics import EngineSignals, autoscaling_signals
 
 # Ray's LLMServer has an ``async def __del__``: a replica built without its engine warns when collected.
@@ -132,3 +135,16 @@ def test_a_replica_whose_agent_does_not_answer_records_nothing_and_says_so_once(
         assert asyncio.run(replica.record_autoscaling_stats()) == {}
     warned = [r.getMessage() for r in caplog.records if "engine signals not recorded" in r.getMessage()]
     assert len(warned) == 1 and "Serve's counts only" in warned[0]
+
+
+def test_a_replica_imports_without_report():
+    """Every replica of a deployment exported with ``--autoscaling-policy predictive`` imports serve/replica.py:
+    it needs two metric names of the policy's, not report/ (22 modules, with them config/ and capacity/: 0.17-0.24 s
+    of a core per replica, bench/replica_imports.py --predictive). Ray Serve LLM's ``LLMServer`` is a stand-in here, so that only servetune's
+    own imports run (Ray's and vLLM's take 10 s of a core and are not servetune's to cut)."""
+    code = ("import sys, types; ray_llm = types.ModuleType('ray.serve.llm.deployment'); ray_llm.LLMServer = object; "
+            "sys.modules[ray_llm.__name__] = ray_llm; import servetune.serve.replica; "
+            "print(sorted(m for m in sys.modules if m.startswith('servetune.report')))")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"

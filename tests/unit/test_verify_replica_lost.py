@@ -4,15 +4,15 @@ a kill makes fail its requests until it is replaced (the real kill through Serve
 
 from __future__ import annotations
 
-import asyncio
-import time
+import contextlib
+from collections.abc import Callable
 from dataclasses import replace
 
 from servetune.config.slo import Slo
 from servetune.verify.document import EngineRun, stability
 from servetune.verify.replica_lost import judge_replica_lost, refusal, replica_lost
 from servetune.verify.under_load import after_windows, ttft_bound_s
-from tests.builders import copy_recorded_study, edit_result, lost, served, stand_in_load, steady
+from tests.builders import copy_recorded_study, edit_result, lost, served, stand_in_load, steady, virtual_time
 
 SLO = Slo.parse("ttft_ms.p99=500")
 
@@ -94,36 +94,43 @@ def test_the_failures_it_caused_are_not_the_services_5xx_rate(tmp_path):
 
 
 class Deployment:
-    """Two replicas; a kill makes every other request fail until the replacement runs ``down_s`` later."""
+    """Two replicas; a kill makes every other request fail until the replacement runs ``down_s`` later on ``clock``."""
 
-    def __init__(self, down_s: float) -> None:
+    def __init__(self, down_s: float, clock: Callable[[], float]) -> None:
         self.down_s = down_s
+        self.clock = clock
         self.killed: float | None = None
 
     def kill_engine(self) -> tuple[int, str]:
-        self.killed = time.monotonic()
+        self.killed = self.clock()
         return 4242, "engine process"
 
     def down(self) -> bool:
-        return self.killed is not None and time.monotonic() - self.killed < self.down_s
+        return self.killed is not None and self.clock() - self.killed < self.down_s
 
     def running_replicas(self) -> int:
         return 1 if self.down() else 2
 
 
 def test_the_scenario_kills_a_third_in_follows_the_replica_count_and_judges(monkeypatch):
-    """The scenario's own timing (kill, polling, the level's clock) against a stand-in deployment and load."""
+    """The scenario's own timing (kill, polling, the level's clock) against a stand-in deployment and load, all on a
+    virtual clock: on the host's, a kill whose thread returned 30 ms late (a loaded host) left a request that failed
+    on the kill ending before the kill's time."""
     from servetune.verify.scenarios import Budget, Target
 
-    deployment = Deployment(down_s=0.5)
+    loop = virtual_time(monkeypatch)
+    deployment = Deployment(down_s=0.5, clock=loop.time)
 
     stand_in_load(
-        monkeypatch, lambda i, sent: served(i, sent, 0.02) if not (deployment.down() and i % 2) else lost(i, sent, 0.04)
+        monkeypatch,
+        lambda i, sent: served(i, sent, 0.02) if not (deployment.down() and i % 2) else lost(i, sent, 0.04),
+        clock=loop.time,
     )
     budget = replace(Budget.for_device("cpu", 3.0), scenario_s=1.0)  # killed 0.5 s in, then 1 s after the replacement
     target = Target(client=None, url="", workload=None, prompts=None, slo=SLO, level=None, budget=budget,
                     max_model_len=0, engine=deployment)  # type: ignore[arg-type]  # fmt: skip
-    result = asyncio.run(replica_lost(target, 2, replace_timeout_s=30))
+    with contextlib.closing(loop):
+        result = loop.run_until_complete(replica_lost(target, 2, replace_timeout_s=30))
     n = result.numbers
     assert result.passed, result.reason
     assert n["killed"] == "engine process 4242" and n["failed"] > 0 and len(target.records) == n["requests"]

@@ -130,7 +130,8 @@ def test_cancellation_success_counts_what_vllm_still_holds_beyond_the_survivors(
 
 
 def test_a_round_says_when_its_phases_and_streams_ran_and_why_it_judges_nothing():
-    # Each stream in a few numbers from the round's start: its first two content chunks, its end and how it ended.
+    # Each stream in a few numbers from the round's start, in seconds to the millisecond: its first two content
+    # chunks, its end and how it ended.
     done = RequestRecord(index=0, sent=0.0, input_tokens=16, max_tokens=1007, chunk_times=[0.41234, 0.5, 0.6],
                          end=9.87654, output_tokens=1007)  # fmt: skip
     cut = RequestRecord(

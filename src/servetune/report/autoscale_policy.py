@@ -33,9 +33,10 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
-#: The custom metrics a replica may record (``record_autoscaling_stats``) that the policy reads.
-WAITING_METRIC = "num_requests_waiting"
-KV_METRIC = "kv_cache_usage"
+# The custom metrics a replica may record (``record_autoscaling_stats``) that the policy reads: defined in
+# servetune.metrics, which a replica imports without report/.
+from servetune.metrics import KV_METRIC, WAITING_METRIC
+
 #: Where Serve's controller imports the policy from (servetune must be installed on the cluster).
 POLICY_FUNCTION = "servetune.report.autoscale_policy:PredictivePolicy"
 #: The policies ``export --autoscaling-policy`` and ``serve-check --ramp-policy`` know.

@@ -20,9 +20,9 @@ from servetune.config.space import SERVE_REPLICAS, SERVE_STREAM_BATCHING, engine
 from servetune.engine.args import RESERVED, engine_argv, normalize_key
 from servetune.engine.launch import VLLM_CPU_SERVE_LINE
 from servetune.errors import UserError
+from servetune.metrics import KV_METRIC, WAITING_METRIC
 from servetune.report.admission import AdmissionBounds, derive_admission
 from servetune.report.autoscale import Autoscaling, derive_autoscaling
-from servetune.report.autoscale_policy import KV_METRIC, WAITING_METRIC
 from servetune.report.build import StudyReport
 from servetune.report.points import ReportPoint, first_line, level_label
 from servetune.report.serving import LayoutChoice, RouterChoice, StreamBatchingChoice

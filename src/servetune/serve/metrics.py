@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from prometheus_client.parser import text_string_to_metric_families
 
 from servetune.engine.metrics import GAUGES, MetricsSnapshot, lines_of
-from servetune.report.autoscale_policy import KV_METRIC, WAITING_METRIC
+from servetune.metrics import KV_METRIC, WAITING_METRIC
 
 #: How Ray's metrics agent names vLLM's metrics: ``vllm:num_requests_waiting`` -> ``ray_vllm_num_requests_waiting``.
 RAY_PREFIX, VLLM_PREFIX = "ray_vllm_", "vllm:"

@@ -17,13 +17,14 @@ import os
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mlflow.exceptions import MlflowException
 
+from servetune.env_vars import env_defaults
 from servetune.results import STUDY_FILE
 
 if TYPE_CHECKING:
@@ -154,9 +155,9 @@ def _short(cause: object, limit: int = 200) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-@contextmanager
-def mlflow_env(bounded: bool = False) -> Iterator[None]:
-    """Settings MLflow reads on every call, for the duration; values the user set are left alone.
+def mlflow_env(bounded: bool = False) -> AbstractContextManager[None]:
+    """Settings MLflow reads on every call, for the duration; values the user set are left alone
+    (:func:`servetune.env_vars.env_defaults`).
 
     Always: no "View run at" lines on stdout (MLflow prints two per finished run on a server).
     With ``bounded``: at most one retry and 60 s per HTTP request. MLflow's defaults (7 retries
@@ -166,11 +167,4 @@ def mlflow_env(bounded: bool = False) -> Iterator[None]:
     wanted = {_QUIET: "true"}
     if bounded:
         wanted.update({_RETRIES: "1", _TIMEOUT: "60", _BACKOFF: "1"})
-    added = [name for name in wanted if name not in os.environ]
-    for name in added:
-        os.environ[name] = wanted[name]
-    try:
-        yield
-    finally:
-        for name in added:
-            os.environ.pop(name, None)
+    return env_defaults(wanted)

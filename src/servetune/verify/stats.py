@@ -237,8 +237,8 @@ def lead(winner: Sequence[float], runner_up: Sequence[float], metric: str, highe
 
 @dataclass(frozen=True)
 class StreamTimes:
-    """One stream of a drop round, in seconds from the round's start (ms): its first and second content
-    chunks, its end (None: still open when the round ended), how it ended (``finished``: the server
+    """One stream of a drop round, in seconds from the round's start (to the millisecond): its first and
+    second content chunks, its end (None: still open when the round ended), how it ended (``finished``: the server
     ended it; ``dropped``: by the round's drop; ``closed``: by verify at the round's end; else the
     client's error kind, and ``error`` its message), the content chunks it received and the output tokens the
     server reported."""
@@ -253,13 +253,13 @@ class StreamTimes:
 
     @classmethod
     def of(cls, r: RequestRecord, ended: str) -> StreamTimes:
-        def ms(x: float | None) -> float | None:
-            return None if x is None else round(x, 3)
+        def to_the_ms(seconds: float | None) -> float | None:
+            return None if seconds is None else round(seconds, 3)
 
         times = r.chunk_times
         error = (r.error or "")[:160] or None if ended not in ("finished", "dropped", "closed", "open") else None
-        return cls(ms(times[0] if times else None), ms(times[1] if len(times) > 1 else None), ms(r.end), ended,
-                   len(times), r.output_tokens, error)  # fmt: skip
+        return cls(to_the_ms(times[0] if times else None), to_the_ms(times[1] if len(times) > 1 else None),
+                   to_the_ms(r.end), ended, len(times), r.output_tokens, error)  # fmt: skip
 
 
 @dataclass(frozen=True)
