@@ -18,6 +18,17 @@ from servetune.capacity.hfconfig import with_hf_overrides
 from servetune.models.tiny import TINY_CONFIG
 from servetune.models.tinyarch import TINY_ARCHS
 
+# A vision-language config (the tiny gemma-3 decoder under Gemma3ForConditionalGeneration, a two-block SigLIP tower):
+# transformers resolves a vision config with an int-keyed ``id2label``, which JSON would give back with str keys.
+TINY_VLM = {
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "model_type": "gemma3",
+    "text_config": {k: v for k, v in TINY_ARCHS["gemma3"].items() if k != "architectures"},
+    "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 64, "intermediate_size": 128,
+                      "num_hidden_layers": 2, "num_attention_heads": 2, "image_size": 224, "patch_size": 14},
+}  # fmt: skip
+CONFIGS = {**TINY_ARCHS, "gemma3-vlm": TINY_VLM}
+
 # Reads a config.json as the planner does and says which architecture it read and whether transformers came in.
 READ = r"""
 import json, sys
@@ -42,9 +53,10 @@ def _read_in_a_process(config: Path, xdg: Path) -> dict:
     return json.loads(done.stdout.splitlines()[-1])
 
 
-def test_a_second_read_in_a_new_process_imports_neither_transformers_nor_torch(tmp_path: Path) -> None:
+@pytest.mark.parametrize("name", ["gemma3", "gemma3-vlm"])  # text only; multimodal: text_config and vision tower
+def test_a_second_read_in_a_new_process_imports_neither_transformers_nor_torch(tmp_path: Path, name: str) -> None:
     config = tmp_path / "config.json"
-    config.write_text(json.dumps(TINY_ARCHS["gemma3"]))  # multimodal: text_config and vision tower from the cache
+    config.write_text(json.dumps(CONFIGS[name]))
     first = _read_in_a_process(config, tmp_path / "xdg")
     second = _read_in_a_process(config, tmp_path / "xdg")
     assert first["transformers"], "the first read resolves the config through transformers"
@@ -53,11 +65,11 @@ def test_a_second_read_in_a_new_process_imports_neither_transformers_nor_torch(t
     assert len(list((tmp_path / "xdg" / "servetune" / "hf-configs").glob("*.json"))) == 1
 
 
-@pytest.mark.parametrize("name", sorted(TINY_ARCHS))
+@pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_the_cached_read_is_the_resolved_one(name: str, cache: Path) -> None:
-    cold = arch_from_hf_config(TINY_ARCHS[name], f"tiny-{name}")
+    cold = arch_from_hf_config(CONFIGS[name], f"tiny-{name}")
     assert list(cache.glob("*.json")), "the first read is kept"
-    warm = arch_from_hf_config(TINY_ARCHS[name], f"tiny-{name}")
+    warm = arch_from_hf_config(CONFIGS[name], f"tiny-{name}")
     assert warm == cold
 
 

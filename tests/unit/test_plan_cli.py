@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -154,6 +156,25 @@ def test_what_the_planner_cannot_size_is_not_planned_and_exits_0(capsys, argv: l
     rc = cli.main(["plan", "--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "H100", "--json", *argv])
     document = json.loads(capsys.readouterr().out)
     assert rc == 0 and document["planned"] is False and document["reason"].startswith(what)
+
+
+def test_the_plan_page_calls_not_planned_only_what_is_not_planned(capsys) -> None:
+    """docs/commands/plan.md lists what the ledger cannot size: each flag it names is "not planned", and none of the
+    KV cache dtypes and weight formats the ledger does size is in that list (issue 39 moved several out of it)."""
+    from servetune.capacity.kvdtype import KV_CACHE_DTYPES
+    from servetune.capacity.settings import QUANTIZATIONS
+
+    text = " ".join((Path(__file__).parents[2] / "docs" / "commands" / "plan.md").read_text().split())
+    found = re.search(r"What the ledger cannot size \((.*?)\) is `not planned: REASON`", text)
+    assert found, "the plan page no longer says what is not planned"
+    named = found.group(1)
+    flags = re.findall(r"`(--kv-cache-dtype|--quantization) ([\w-]+)`", named)
+    assert flags, named
+    for flag, value in flags:
+        argv = ["plan", "--model", "meta-llama/Llama-3.1-8B-Instruct", "--gpu", "H100", "--json", flag, value]
+        assert cli.main(argv) == 0 and json.loads(capsys.readouterr().out)["planned"] is False, (flag, value)
+    planned = {*KV_CACHE_DTYPES, *QUANTIZATIONS} - {value for _, value in flags}
+    assert not [value for value in planned if re.search(rf"\b{re.escape(value)}\b", named)], named
 
 
 @pytest.mark.parametrize(

@@ -274,3 +274,22 @@ def test_what_the_planner_cannot_size_would_run_not_planned(tmp_path, capsys, ar
     assert found and tuple(map(int, found.groups())) == (7, 0, 0), out[-3000:]
     assert out.count("not planned:") == 4  # nvfp4_ds_mla (an MLA-only layout) or gguf: the ledger sizes the rest
     assert "infeasible" not in out
+
+
+def test_a_model_whose_config_cannot_be_read_would_run_not_planned_saying_why(tmp_path, capsys, argspecs, no_ray, monkeypatch):  # fmt: skip
+    """Offline with nothing cached: the ledger has no architecture, so each trial starts unplanned with the reason
+    (issue 39: "not checked (architecture unknown offline)" said neither what nor what to do), never refused."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(constants, "HF_HOME", str(tmp_path / "hf"))  # servetune's model store: empty
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))  # the Hugging Face cache: empty
+    space = tmp_path / "offline.yaml"
+    space.write_text(UNPLANNED_SPACE.replace("meta-llama/Llama-3.1-8B-Instruct", "acme/never-cached-7b"))
+    assert main(["run", str(space), "--dry-run", "--storage", str(tmp_path / "results")]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    found = SUMMARY.search(out)
+    assert found and tuple(map(int, found.groups())) == (7, 0, 0), out[-3000:]
+    assert out.count("not planned: model acme/never-cached-7b: offline (HF_HUB_OFFLINE)") == 7, out[-3000:]
+    assert "servetune models add acme/never-cached-7b" in out and "architecture unknown" not in out

@@ -179,8 +179,7 @@ def _transformers_config(
     if overrides:
         apply_hf_overrides(library, overrides)
     text = library.get_text_config(decoder=True)
-    merged = text.to_dict()
-    merged.pop("id2label", None)  # a classifier's labels, keyed by int (JSON would make them str): nothing reads it
+    merged = _fields(text)
     if not merged.get("layer_types") and not merged.get("layers_block_type"):
         block_types = getattr(text, "layers_block_type", None)  # Jamba: a property over attn_layer_period/offset
         if isinstance(block_types, (list, tuple)):
@@ -191,12 +190,20 @@ def _transformers_config(
     if text is not library:
         vision = getattr(library, "vision_config", None)
         if vision is not None:
-            merged["_vision"] = vision.to_dict()
+            merged["_vision"] = _fields(vision)
         merged["_multimodal_architecture"] = (config.get("architectures") or [None])[0]
         merged["_multimodal_type"] = model_type
         if isinstance(getattr(library, "mm_tokens_per_image", None), int):  # Gemma 3: tokens per image
             merged["_mm_tokens_per_image"] = library.mm_tokens_per_image
     return merged
+
+
+def _fields(config: Any) -> dict[str, Any]:
+    """A transformers config as a dict, less a classifier's labels: keyed by int, which JSON gives back as str, so
+    the answer would never be cached (``hfcache.write_config``); nothing reads them. Vision towers carry them too."""
+    fields: dict[str, Any] = config.to_dict()
+    fields.pop("id2label", None)
+    return fields
 
 
 def _raw_overridden(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -67,16 +67,29 @@ class MoeShards:
     replicate_shared: bool = False
     layout: str = ""  # how the group is made, for messages: "TP 2 x DP 2 (4 ranks)" (of() fills it)
     gathered: int = 1  # DP ranks whose scheduled tokens each MoE layer gathers (activation_bytes_per_token)
+    eplb: bool = False  # expert-parallel load balancing: a transfer buffer of one MoE layer's experts (weight_bytes)
+    redundant: int = 0  # EPLB's redundant experts, placed with the routed ones (determine_expert_counts)
 
     @classmethod
-    def of(cls, arch: ModelArch, tp: int, dp: int = 1, expert_parallel: bool = False, pcp: int = 1) -> MoeShards:
+    def of(
+        cls,
+        arch: ModelArch,
+        tp: int,
+        dp: int = 1,
+        expert_parallel: bool = False,
+        pcp: int = 1,
+        eplb: bool = False,
+        redundant: int = 0,
+    ) -> MoeShards:
         ep = expert_parallel and tp * dp * pcp > 1
         sequence_parallel = ep and tp > 1 and dp > 1  # vLLM 0.32 use_sequence_parallel_moe: PCP plays no part
         family = arch.architecture.startswith(SEQUENCE_PARALLEL_SHARED_EXPERTS)
         sizes = [f"TP {tp}"] + [f"{name} {n}" for name, n in (("DP", dp), ("PCP", pcp)) if n > 1]
         layout = f"{' x '.join(sizes)} ({tp * dp * pcp} ranks)"
         replicate = sequence_parallel and family
-        return cls(group=tp * dp * pcp, expert_parallel=ep, replicate_shared=replicate, layout=layout, gathered=dp)
+        eplb = eplb and ep and arch.is_moe
+        return cls(group=tp * dp * pcp, expert_parallel=ep, replicate_shared=replicate, layout=layout, gathered=dp,
+                   eplb=eplb, redundant=redundant if eplb else 0)  # fmt: skip
 
     @property
     def expert_split(self) -> int:
@@ -84,7 +97,8 @@ class MoeShards:
         return 1 if self.expert_parallel else self.group
 
     def experts_per_rank(self, experts: int) -> int:
-        return _cdiv(experts, self.group) if self.expert_parallel else experts
+        """Experts on the heaviest rank: all of them without EP; with it, E + R physical experts over the group."""
+        return _cdiv(experts + self.redundant, self.group) if self.expert_parallel else experts
 
     def expert_width(self, width: int) -> int:
         """One expert's intermediate width on a rank."""
@@ -245,6 +259,9 @@ def weight_bytes_per_rank(
     parameter-count formula gives; otherwise the formula alone.
     """
     weights = formula_bytes(arch, rank_params(arch, tp, pp, shards=shards), quant, dtype_bytes)
+    if shards is not None and shards.eplb:  # EplbState.add_model, inside the load: empty_like one MoE layer's experts
+        one_layer = ParamSplit(linear=0, other=0, experts=_moe_mlp(arch, tp, shards).experts)
+        weights += formula_bytes(arch, one_layer, quant, dtype_bytes)
     stored = arch.checkpoint.bytes_served(dtype_bytes) if arch.checkpoint and quant == arch.quant else None
     if stored:
         # The checkpoint also stores its MTP layers, which vLLM loads only to draft with (capacity/draft.py).

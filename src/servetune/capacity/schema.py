@@ -27,6 +27,9 @@ class CapacityArgs(BaseModel):
     data_parallel_size: int = Field(1, ge=1)
     enable_expert_parallel: bool = False
     prefill_context_parallel_size: int = Field(1, ge=1)
+    # Expert-parallel load balancing: E + R physical experts over the EP ranks, and a transfer buffer (params.py)
+    enable_eplb: bool = False
+    eplb_config: dict[str, Any] | None = None
     dtype: Literal["auto", "half", "float16", "bfloat16", "float", "float32"] = "auto"
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
@@ -55,7 +58,7 @@ class CapacityArgs(BaseModel):
     # Merged into the model's Hugging Face config before planning, as vLLM merges it (capacity/hfconfig.py)
     hf_overrides: dict[str, Any] | None = None
 
-    @field_validator("limit_mm_per_prompt", "mm_processor_kwargs", "hf_overrides", mode="before")
+    @field_validator("limit_mm_per_prompt", "mm_processor_kwargs", "hf_overrides", "eplb_config", mode="before")
     @classmethod
     def _json(cls, value: Any) -> Any:
         """A JSON string, as on vLLM's command line, is its object."""
@@ -86,6 +89,8 @@ class Settings(BaseModel):
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     prefill_context_parallel_size: int = 1
+    enable_eplb: bool = False
+    num_redundant_experts: int = 0
     dtype: str
     quantization: str
     kv_cache_dtype: str

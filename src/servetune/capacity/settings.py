@@ -182,8 +182,26 @@ def structural_problem(
 def moe_shards(arch: ModelArch, s: Settings) -> MoeShards:
     """How the settings lay an MoE model's experts: over TP x DP x PCP ranks, whole experts under EP."""
     return MoeShards.of(
-        arch, s.tensor_parallel_size, s.data_parallel_size, s.enable_expert_parallel, s.prefill_context_parallel_size
+        arch,
+        s.tensor_parallel_size,
+        s.data_parallel_size,
+        s.enable_expert_parallel,
+        s.prefill_context_parallel_size,
+        eplb=s.enable_eplb,
+        redundant=s.num_redundant_experts,
     )
+
+
+def _redundant_experts(args: CapacityArgs) -> int:
+    """``eplb_config.num_redundant_experts``, refused where vLLM 0.32's ``ParallelConfig`` refuses it."""
+    raw = (args.eplb_config or {}).get("num_redundant_experts", 0)
+    if not isinstance(raw, int) or isinstance(raw, bool) or raw < 0:
+        raise UserError(f"engine argument eplb_config: num_redundant_experts {raw!r} is not a whole number >= 0")
+    if raw and not args.enable_eplb:
+        raise UserError(f"engine argument eplb_config: num_redundant_experts {raw} needs enable_eplb (vLLM refuses it)")
+    if args.enable_eplb and not args.enable_expert_parallel:
+        raise UserError("engine argument enable_eplb needs enable_expert_parallel (vLLM refuses it)")
+    return raw
 
 
 def _cpu_kv_space(env: Mapping[str, str] | None) -> int | None:
@@ -228,6 +246,8 @@ def engine_settings(
         data_parallel_size=args.data_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel and arch.is_moe,
         prefill_context_parallel_size=args.prefill_context_parallel_size,
+        enable_eplb=args.enable_eplb and arch.is_moe,
+        num_redundant_experts=_redundant_experts(args) if arch.is_moe else 0,
         dtype=_resolve_dtype(arch, args, quant),
         quantization=quant.label,
         kv_cache_dtype=args.kv_cache_dtype,

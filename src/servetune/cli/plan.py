@@ -111,6 +111,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="MoE models: whole experts per rank, ceil(experts / (TP x DP x PCP)) each (vLLM's expert parallelism)",
     )
     p.add_argument(
+        "--enable-eplb",
+        action="store_true",
+        help="with --enable-expert-parallel: load balancing, whose transfer buffer holds one MoE layer's experts",
+    )
+    p.add_argument(
+        "--eplb-config",
+        metavar="JSON",
+        help="vLLM's EPLB config, e.g. '{\"num_redundant_experts\": 32}': redundant experts placed with the others",
+    )
+    p.add_argument(
         "--hf-overrides",
         metavar="JSON",
         help='merged into the model\'s config.json as vLLM merges it, e.g. \'{"rope_scaling":{"rope_type":"yarn",'
@@ -353,6 +363,7 @@ def _plan(args: argparse.Namespace, arch: ModelArch, hardware: Hardware) -> tupl
         "pipeline_parallel_size": args.pp,
         "data_parallel_size": args.dp,
         "enable_expert_parallel": args.enable_expert_parallel,
+        "enable_eplb": args.enable_eplb,
         "prefill_context_parallel_size": args.pcp,
         "dtype": args.dtype,
         "quantization": args.quantization,
@@ -365,7 +376,7 @@ def _plan(args: argparse.Namespace, arch: ModelArch, hardware: Hardware) -> tupl
         "enforce_eager": args.enforce_eager,
         "enable_prefix_caching": args.enable_prefix_caching,
     }
-    for key in ("limit_mm_per_prompt", "mm_processor_kwargs", "hf_overrides"):
+    for key in ("limit_mm_per_prompt", "mm_processor_kwargs", "hf_overrides", "eplb_config"):
         text = getattr(args, key)
         if text is not None:
             try:

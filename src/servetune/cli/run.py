@@ -179,6 +179,13 @@ def check_hub_models(space: SearchSpace, space_dir: Path) -> None:
                 stderr_console().print(f"warning: {warning}", soft_wrap=True, highlight=False, markup=False)
 
 
+def unchecked_note(device: str) -> str:
+    """Why a dry run's trial has no capacity check (``capacity_check`` gave None)."""
+    if device == "cpu":
+        return "not checked (the CPU build sizes its KV cache from host memory: no VLLM_CPU_KVCACHE_SPACE)"
+    return "not checked (no hardware.gpu: each trial sizes the GPU it gets)"
+
+
 def estimate_cell(spec: Any, top: Any, lengths: tuple[int, int]) -> str:
     """The estimate of one point of the grid at the ladder's top level: output throughput, mean TTFT and TPOT."""
     from servetune.trial.estimated import planned_estimate
@@ -269,7 +276,7 @@ def dry_run(
         cap = capacity_check(spec)
         fits = cap is None or cap.fits
         runnable += fits
-        note = "not checked (architecture unknown offline)" if cap is None else cap.reason
+        note = unchecked_note(spec.device) if cap is None else cap.reason
         est = estimate_cell(spec, top, lengths) if fits and cap is not None and cap.planned else ""
         verdict = "[green]run[/]" if fits else "[red]infeasible[/]"
         if prune and fits:

@@ -15,10 +15,11 @@ from servetune.trial.spec import TrialSpec
 
 
 def capacity_check(spec: TrialSpec, seen: dict[str, str] | None = None) -> CapacityReport | None:
-    """The memory ledger's verdict, or None where the model's architecture is unknown offline; for what the ledger
-    cannot size (an unmodelled KV cache dtype or quantization, a context above max_position_embeddings) a report
-    that is "not planned" and lets the trial start. On the CPU build without a KV space, only what it refuses (a
-    quantized KV cache on a CPU without AVX-512 or AMX, capacity/cpubuild.py), else None.
+    """The memory ledger's verdict; for what the ledger cannot size (a model whose config cannot be read here:
+    offline and not cached, gated, no hub; an unmodelled KV cache dtype or quantization) a report that is "not
+    planned: REASON" and lets the trial start. On the CPU build without a KV space, only what it refuses (a
+    quantized KV cache on a CPU without AVX-512 or AMX, capacity/cpubuild.py), else None; None too on a GPU that is
+    neither named nor seen yet (a dry run of a space without ``hardware.gpu``).
 
     ``seen``: the trial's environment record, with the GPU it got as NVML names it (``gpu_model``,
     ``gpu_memory_gib``). Without ``hardware.gpu`` in the space the check sizes the GPU from that; with it, the
@@ -39,6 +40,9 @@ def capacity_check(spec: TrialSpec, seen: dict[str, str] | None = None) -> Capac
     sliced = (seen or {}).get("gpu_mig") if got else None  # a MIG slice: the space's GPU would size the whole board
     try:
         arch = load_model_arch(spec.model)
+    except (UserError, ValueError) as exc:  # vLLM may still load it (a cache or a hub this host has not)
+        return CapacityReport(fits=True, planned=False, reason=f"not planned: {exc}")
+    try:
         if got and spec.gpu_memory_gib is None and (spec.gpu is None or sliced):  # the GPU the trial got, per NVML
             hardware = gpu_hardware(got, int(float((seen or {})["gpu_memory_gib"]) * 2**30))
         else:
