@@ -1,5 +1,8 @@
 """servetune's CLI called in-process: what it leaves of the caller's process."""
 
+import subprocess
+import sys
+
 
 def test_main_gives_an_in_process_caller_its_sigterm_handler_back(monkeypatch):
     """Commands set their own SIGTERM handler for the process they run in; called in-process (a test, a
@@ -63,3 +66,14 @@ def test_run_parses_its_arguments_without_the_trial_stack_or_scipy():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stderr[-2000:]
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
+    """``servetune plan --json | head``: the pipe's reader closes before the plan is written. The command stops
+    with a Unix tool's SIGPIPE status and no traceback, where it used to end in a BrokenPipeError's."""
+    argv = [sys.executable, "-m", "servetune", "plan", "--model", "meta-llama/Llama-3.1-8B-Instruct"]
+    proc = subprocess.Popen([*argv, "--gpu", "H100-SXM", "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # the reader is gone before a byte is written
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 141
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 import threading
@@ -66,7 +67,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     previous = signal.getsignal(signal.SIGTERM)  # commands set their own; a caller in-process gets its back
     try:
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # a reader gone (`servetune plan --json | head`) shows here, where it is answered
+        return code
+    except BrokenPipeError:
+        # Stop quietly, as a Unix tool stopped by SIGPIPE does (status 141), and point stdout at /dev/null so that
+        # Python's own flush at exit finds no closed pipe to complain of.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except UserError as exc:
         print(f"servetune {args.command}: error: {exc}", file=sys.stderr)
         return exc.exit_code
