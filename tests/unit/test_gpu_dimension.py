@@ -75,6 +75,17 @@ def test_each_trials_spec_has_its_own_type_id_bundle_capacity_and_price(tmp_path
         assert result.price.gpu == g and result.price_per_device_hour == load_price_table()[g].usd_per_device_hour
 
 
+def test_each_trials_estimates_are_priced_at_its_own_types_price_before_it_runs(tmp_path):
+    """What pruning, seeding and the dry run cost a trial at before it runs (``TrialSpec.price_per_device_hour``) is
+    its type's listed price, as its measured cost will be, not the space's fallback of 1 USD."""
+    specs = {g: context(space(), tmp_path).spec_for({"gpu": g, "tensor_parallel_size": 2}) for g in GPUS}
+    assert {g: s.price_per_device_hour for g, s in specs.items()} == {
+        g: load_price_table()[g].usd_per_device_hour for g in GPUS
+    }
+    fixed = context(space(price_per_device_hour=2.5), tmp_path).spec_for({"gpu": "L40S", "tensor_parallel_size": 2})
+    assert fixed.price_per_device_hour == 2.5  # the space's own price still overrides the list
+
+
 def test_a_single_type_space_keeps_its_trial_ids(tmp_path):
     single = SearchSpace.model_validate({**space().model_dump(exclude={"params"}), "hardware": {"gpu": "H200"},
                                          "params": {"tensor_parallel_size": [2]}})  # fmt: skip
