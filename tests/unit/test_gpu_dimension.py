@@ -115,6 +115,30 @@ def test_a_bad_gpu_list_is_one_line_naming_file_and_field(tmp_path, text, field)
     assert message.startswith(str(path)) and field in message and "\n" not in message
 
 
+def test_hardware_gpu_may_list_the_types_to_compare_as_params_gpu_does(tmp_path):
+    """``hardware.gpu: [H100-SXM, H200, L40S]`` is ``params: {gpu: [...]}``: the same types, trials and ids."""
+    from servetune.space_file import load_space
+
+    head = "name: t\nmodel: meta-llama/Llama-3.1-70B-Instruct\ndevice: gpu\nworkload: chat\n"
+    listed, param = tmp_path / "listed.yaml", tmp_path / "param.yaml"
+    listed.write_text(
+        head + "hardware: {devices_per_node: 8, gpu: [H100-SXM, H200, L40S]}\nparams: {tensor_parallel_size: [2, 4]}\n"
+    )
+    param.write_text(
+        head + "hardware: {devices_per_node: 8}\nparams: {gpu: [H100-SXM, H200, L40S], tensor_parallel_size: [2, 4]}\n"
+    )
+    a, b = load_space(listed), load_space(param)
+    assert a.gpu_types() == b.gpu_types() == GPUS and a.hardware.gpu is None
+    ids = [{context(s, tmp_path).spec_for(p).trial_id for p in s.grid()[0]} for s in (a, b)]
+    assert ids[0] == ids[1] and len(ids[0]) == 6
+    both = tmp_path / "both.yaml"
+    both.write_text(head + "hardware: {gpu: [H100-SXM, H200]}\nparams: {gpu: [L40S]}\n")
+    with pytest.raises(UserError) as info:
+        load_space(both)
+    message = str(info.value)
+    assert message.startswith(str(both)) and "hardware.gpu" in message and "\n" not in message
+
+
 def test_gpu_types_are_compared_on_gpus_only_and_with_the_catalogues_memory():
     with pytest.raises(ValueError, match=r"params\.gpu: GPU types are compared with device: gpu"):
         space(device="cpu")
