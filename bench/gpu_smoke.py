@@ -7,7 +7,9 @@
 2. ``servetune doctor``'s checks of this node (doctor.py ``node_facts`` and ``evaluate``), as the node's Ray would
    declare its GPUs (torch's count): GPU names, memory, MIG, another process holding a GPU, /dev/shm, niceness;
 3. servetune's telemetry (telemetry.py ``TelemetrySampler``) on every GPU while torch runs matmuls on each for
-   ``--load-s`` seconds: utilization, memory, power and the energy counter, against the load's own timing.
+   ``--load-s`` seconds: utilization, memory, power and the energy counter, against the load's own timing; the
+   counter's energy over the load against the sampled power integrated over it, within ENERGY_TOLERANCE (issue
+   #43's proof: 5%).
 
 It prints what it found, one line a check, and exits 1 on a mismatch or a doctor FAIL, 2 where there is no GPU.
 """
@@ -17,6 +19,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+
+#: How far the energy counter's joules over the load may sit from the sampled power integrated (#43: 5%).
+ENERGY_TOLERANCE = 0.05
 
 
 def matmuls(devices: int, seconds: float) -> float:
@@ -82,6 +87,13 @@ def main() -> int:
     if energy is None or energy <= 0:
         print(f"MISMATCH: no GPU energy measured over the load ({energy})")
         bad += 1
+    integrated = sampler.power_window_energy(started, ended)
+    if energy and integrated:  # #43's proof: the counter's energy within 5% of the sampled power integrated
+        ratio = energy / integrated
+        print(f"energy over the load: counter {energy:.1f} J, sampled power integrated {integrated:.1f} J, "
+              f"ratio {ratio:.3f}: {'within' if abs(ratio - 1) <= ENERGY_TOLERANCE else 'MISMATCH, beyond'} "
+              f"{ENERGY_TOLERANCE:.0%}")  # fmt: skip
+        bad += abs(ratio - 1) > ENERGY_TOLERANCE
     print("gpu smoke: " + ("ok" if not bad else f"{bad} problem(s)"))
     return 1 if bad else 0
 

@@ -379,9 +379,7 @@ class TelemetrySampler:
         if self._nvml is not None:
             gpu = _counters_energy(self._gpu_counters, list(range(len(self._devices))), start, end, {})
             if gpu is None:
-                powered = [(t, s["gpu_power_w"]) for t, s in zip(self._sample_times, self._samples, strict=True)
-                           if "gpu_power_w" in s]  # fmt: skip
-                gpu = power_energy([t for t, _ in powered], [w for _, w in powered], start, end)
+                gpu = self.power_window_energy(start, end)
             if gpu is not None:
                 out["gpu_energy_measured_j"] = gpu
         if self._rapl:
@@ -390,6 +388,14 @@ class TelemetrySampler:
             if cpu is not None:
                 out["cpu_energy_measured_j"] = cpu
         return out
+
+    def power_window_energy(self, start: float, end: float) -> float | None:
+        """Joules of [start, end] from the GPUs' summed sampled power, integrated (:func:`power_energy`): the
+        window's energy where a GPU has no counter, and what a counter's is checked against on a GPU
+        (``bench/gpu_smoke.py``). None without power readings in reach of the window."""
+        powered = [(t, s["gpu_power_w"]) for t, s in zip(self._sample_times, self._samples, strict=True)
+                   if "gpu_power_w" in s]  # fmt: skip
+        return power_energy([t for t, _ in powered], [w for _, w in powered], start, end)
 
     @property
     def energy_note(self) -> str | None:

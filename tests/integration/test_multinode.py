@@ -165,6 +165,17 @@ def test_trials_stay_inside_one_node_spread_over_both_and_come_back_to_the_drive
         assert {row["level"] for row in rows} == {0, 1} and len(rows) >= 12
         assert "Uvicorn" in (trial_dir / "engine.log").read_text() or (trial_dir / "engine.log").stat().st_size > 0
     assert (study_dir / "report" / "summary.md").exists()
+    # The report's "Which GPU" table has a row per type measured: its best trial, of that type, at its listed price.
+    summary = (study_dir / "report" / "summary.md").read_text()
+    assert "## Which GPU" in summary, summary[-3000:]
+    section = summary.split("## Which GPU", 1)[1].split("\n## ", 1)[0]
+    gpu_rows = {cells[0]: cells for cells in ([c.strip() for c in line.strip().strip("|").split(" | ")]
+                                              for line in section.splitlines()) if cells[0] in node_of_type}  # fmt: skip
+    assert set(gpu_rows) == set(node_of_type), section
+    for gpu, cells in gpu_rows.items():
+        trial_id = cells[1].removeprefix("trial ")
+        assert by_id[trial_id]["params"]["gpu"] == gpu, (gpu, cells)
+        assert cells[6] == f"{load_price_table()[gpu].usd_per_device_hour:.2f}", (gpu, cells)
     assert processes_mentioning(fake) == []
     # The trials' directories on the nodes are gone: the report and the MLflow sync read the driver's directory only.
     fresh = tmp_path / "fresh.db"

@@ -54,9 +54,9 @@ def test_along_the_ladder_throughput_never_falls_and_saturation_never_clears(spa
 def test_the_table_has_a_line_per_configuration_and_level(capsys, space_report):
     assert cli.main(["estimate", str(SPACE)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1].startswith("expected error")
-    assert "ttft_ms" in lines[2] and "knee" in lines[2]
-    assert len(lines) == 3 + len(space_report["rows"])
+    assert lines[1].startswith("expected error") and lines[2].startswith("prices: H100-SXM at $3 per device-hour")
+    assert "ttft_ms" in lines[3] and "$/Mtok" in lines[3] and "knee" in lines[3]
+    assert len(lines) == 4 + len(space_report["rows"])
 
 
 def test_a_cpu_space_is_one_clear_error(capsys):
@@ -137,3 +137,32 @@ def test_a_space_comparing_gpu_types_estimates_each_configuration_on_its_own_typ
     for h100, l40s in zip(by_gpu["H100-SXM"], by_gpu["L40S"], strict=True):
         assert h100["level"] == l40s["level"]
         assert h100["estimate"]["tpot_ms"] < l40s["estimate"]["tpot_ms"]  # 3.35 TB/s against 0.86
+
+
+def test_each_row_is_costed_per_million_tokens_at_its_own_types_price(tmp_path, capsys):
+    """Where the space leaves prices to the list, each type's rows cost its listed price x the engine's devices over
+    the estimated output tok/s; the table has the column and names each price with its source."""
+    import yaml
+
+    from servetune.capacity.prices import load_price_table
+
+    doc = yaml.safe_load(SPACE.read_text())
+    doc["params"] = {"gpu": ["H100-SXM", "L40S"], "tensor_parallel_size": [1, 2], "max_num_seqs": [128]}
+    doc["constraints"] = []
+    doc["hardware"].pop("gpu")
+    doc.pop("price_per_device_hour", None)
+    path = tmp_path / "types.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert cli.main(["estimate", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    costed = [row for row in report["rows"] if "estimate" in row]
+    assert {row["params"]["gpu"] for row in costed} == {"H100-SXM", "L40S"}
+    for row in costed:
+        price = load_price_table()[row["params"]["gpu"]].usd_per_device_hour
+        devices = row["params"]["tensor_parallel_size"]
+        tokens = row["estimate"]["output_throughput"]
+        assert row["usd_per_device_hour"] == price
+        assert row["cost_per_mtok_usd"] == pytest.approx(price * devices / (tokens * 3600) * 1e6)
+    assert cli.main(["estimate", str(path)]) == 0
+    table = capsys.readouterr().out
+    assert "$/Mtok" in table and load_price_table()["L40S"].describe("L40S") in table

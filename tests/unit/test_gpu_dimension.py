@@ -75,6 +75,17 @@ def test_each_trials_spec_has_its_own_type_id_bundle_capacity_and_price(tmp_path
         assert result.price.gpu == g and result.price_per_device_hour == load_price_table()[g].usd_per_device_hour
 
 
+def test_each_trials_estimates_are_priced_at_its_own_types_price_before_it_runs(tmp_path):
+    """What pruning, seeding and the dry run cost a trial at before it runs (``TrialSpec.price_per_device_hour``) is
+    its type's listed price, as its measured cost will be, not the space's fallback of 1 USD."""
+    specs = {g: context(space(), tmp_path).spec_for({"gpu": g, "tensor_parallel_size": 2}) for g in GPUS}
+    assert {g: s.price_per_device_hour for g, s in specs.items()} == {
+        g: load_price_table()[g].usd_per_device_hour for g in GPUS
+    }
+    fixed = context(space(price_per_device_hour=2.5), tmp_path).spec_for({"gpu": "L40S", "tensor_parallel_size": 2})
+    assert fixed.price_per_device_hour == 2.5  # the space's own price still overrides the list
+
+
 def test_a_single_type_space_keeps_its_trial_ids(tmp_path):
     single = SearchSpace.model_validate({**space().model_dump(exclude={"params"}), "hardware": {"gpu": "H200"},
                                          "params": {"tensor_parallel_size": [2]}})  # fmt: skip
@@ -102,6 +113,30 @@ def test_a_bad_gpu_list_is_one_line_naming_file_and_field(tmp_path, text, field)
         load_space(path)
     message = str(info.value)
     assert message.startswith(str(path)) and field in message and "\n" not in message
+
+
+def test_hardware_gpu_may_list_the_types_to_compare_as_params_gpu_does(tmp_path):
+    """``hardware.gpu: [H100-SXM, H200, L40S]`` is ``params: {gpu: [...]}``: the same types, trials and ids."""
+    from servetune.space_file import load_space
+
+    head = "name: t\nmodel: meta-llama/Llama-3.1-70B-Instruct\ndevice: gpu\nworkload: chat\n"
+    listed, param = tmp_path / "listed.yaml", tmp_path / "param.yaml"
+    listed.write_text(
+        head + "hardware: {devices_per_node: 8, gpu: [H100-SXM, H200, L40S]}\nparams: {tensor_parallel_size: [2, 4]}\n"
+    )
+    param.write_text(
+        head + "hardware: {devices_per_node: 8}\nparams: {gpu: [H100-SXM, H200, L40S], tensor_parallel_size: [2, 4]}\n"
+    )
+    a, b = load_space(listed), load_space(param)
+    assert a.gpu_types() == b.gpu_types() == GPUS and a.hardware.gpu is None
+    ids = [{context(s, tmp_path).spec_for(p).trial_id for p in s.grid()[0]} for s in (a, b)]
+    assert ids[0] == ids[1] and len(ids[0]) == 6
+    both = tmp_path / "both.yaml"
+    both.write_text(head + "hardware: {gpu: [H100-SXM, H200]}\nparams: {gpu: [L40S]}\n")
+    with pytest.raises(UserError) as info:
+        load_space(both)
+    message = str(info.value)
+    assert message.startswith(str(both)) and "hardware.gpu" in message and "\n" not in message
 
 
 def test_gpu_types_are_compared_on_gpus_only_and_with_the_catalogues_memory():

@@ -40,6 +40,22 @@ def test_a_70b_long_context_space_is_pruned_by_the_ledger(tmp_path):
     assert space.quality_reference["tensor_parallel_size"] == 2
 
 
+def test_without_price_the_space_is_priced_by_the_shipped_list_and_says_at_what(tmp_path):
+    """No ``--price``: the space sets no price_per_device_hour (which would override the price list for every GPU
+    type), and a comment cites the listed price it will be costed at; ``--price`` still sets one."""
+    from servetune.capacity.prices import load_price_table
+
+    listed = load_price_table()["L40S"]
+    path = tmp_path / "space.yaml"
+    path.write_text(render_space("meta-llama/Llama-3.1-8B-Instruct", "chat", "L40S", 1))
+    space = load_space(path)
+    assert "price_per_device_hour" not in space.model_fields_set
+    assert space.pricing.resolve("L40S").usd_per_device_hour == listed.usd_per_device_hour
+    assert listed.describe("L40S") in path.read_text()
+    path.write_text(render_space("meta-llama/Llama-3.1-8B-Instruct", "chat", "L40S", 1, price=2.5))
+    assert load_space(path).pricing.resolve("L40S").usd_per_device_hour == 2.5
+
+
 def test_contexts_above_the_model_limit_are_dropped_with_a_reason():
     text = render_space("Qwen/Qwen2.5-7B-Instruct", "long-context", "H100-SXM", 2)  # a 32K model
     data = yaml.safe_load(text)

@@ -192,6 +192,22 @@ def test_layouts_are_measured_at_one_load_the_routers_engines_reused_the_rest_fr
     assert laid.verdict.ship == "2x1" and laid.budget == 2 and laid.device == "CPU"
 
 
+def test_layouts_are_priced_at_the_price_the_picked_trial_was_costed_at_not_the_spaces_fallback(tmp_path):
+    """A study that leaves prices to the list (no price_per_device_hour: the space's field is its 1 USD fallback)
+    costed its trial at its GPU type's listed price; serve-check's layouts are costed at that same price."""
+    from dataclasses import replace
+
+    picked = read_picked(cpu_study(tmp_path / "s"), "t1")
+    listed = replace(picked, space=picked.space.model_copy(update={"price_per_device_hour": 1.0}),
+                     trial=picked.trial.model_copy(update={"price_per_device_hour": 4.29}))  # fmt: skip
+    layouts = Layouts(layouts=[Layout(1, 2), Layout(2, 1)], budget=2, level={"concurrency": 16.0},
+                      measure=lambda url, served, layout: level(16, 900, 300))  # fmt: skip
+    laid = run_check(listed, [], LayoutCluster(), "app", lambda *a: [], Teardown(pids=set()), layouts=layouts).layouts
+    assert laid.price_per_device_hour == 4.29
+    assert all(r.cost_per_hour_usd == pytest.approx(2 * 4.29) for r in laid.runs)
+    assert all(r.cost_per_mtok_usd == pytest.approx(4.29 * r.device_hours_per_mtok) for r in laid.runs)
+
+
 def test_cli_refusals_come_before_ray_starts(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("servetune.serve.check.os.sched_getaffinity", lambda pid: {0, 1})  # a two-core machine
     monkeypatch.setattr("servetune.serve.cluster.ServeCluster.__enter__", lambda self: pytest.fail("Ray started"))

@@ -355,3 +355,22 @@ def test_the_environment_records_a_mig_slice_as_its_board_its_profile_and_its_me
     assert whole["gpu_memory_gib"] == "80.0" and "gpu_mig" not in whole and "telemetry_note" not in whole
     bad = _gpus(["GPU-0000dead"])
     assert bad["gpu_model"] == "no NVIDIA GPU visible" and "'GPU-0000dead'" in bad["telemetry_note"]
+
+
+def test_the_sampled_power_over_a_window_is_there_beside_the_counter_to_check_it_against(monkeypatch):
+    """Where a GPU has an energy counter, the window's energy is the counter's; its sampled power integrated over the
+    same window stays readable (:meth:`TelemetrySampler.power_window_energy`), the check #43 asks of a GPU run."""
+    import servetune.telemetry as telemetry
+
+    clock = iter(float(t) for t in range(100))
+    monkeypatch.setattr(telemetry.time, "perf_counter", lambda: next(clock))
+    counter = iter(range(0, 100_000_000, 1_000_000))  # mJ: 1 kJ more at each read, while the power reads 300 W
+    nv = fake_nvml({})
+    nv.nvmlDeviceGetTotalEnergyConsumption = lambda h: next(counter) if h == 0 else 0
+    monkeypatch.setattr(telemetry, "_nvml", lambda: nv)
+    with TelemetrySampler([0], interval_s=60, rapl_root=Path("/nonexistent")) as sampler:
+        sampler._take_sample()
+        sampler._take_sample()
+    assert sampler.window_energy(1.5, 3.0)["gpu_energy_measured_j"] == pytest.approx(1_500.0)  # the counter's
+    assert sampler.power_window_energy(1.5, 3.0) == pytest.approx(450.0)  # 300 W sampled x 1.5 s
+    assert sampler.power_window_energy(3.5, 3.0) is None

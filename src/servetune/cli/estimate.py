@@ -12,6 +12,7 @@ from servetune.config.workload import mean_lengths
 from servetune.errors import UserError
 from servetune.estimate import Estimate, Load, estimate, load_factors
 from servetune.estimate.encoder import workload_images
+from servetune.metrics import cost_per_mtok_usd
 from servetune.space_file import load_space
 from servetune.trial.context import resolve_levels
 
@@ -26,7 +27,9 @@ capacity from the memory ledger of `servetune plan`). The fraction of each peak 
 fitted on public vLLM measurements (A100, H100, H200); the expected error printed above the table
 is the fit's median error on held-out measurements. Requests take the workload's mean input and
 output lengths; prefix caching is not modelled. A vision-language workload's requests add their images'
-tokens to the prompt and the vision tower's time to encode them to TTFT. GPU spaces only.
+tokens to the prompt and the vision tower's time to encode them to TTFT. Each row's cost per million
+output tokens is at its GPU type's price as a trial of it would be costed (the space's price list, its
+`prices:`, or its `price_per_device_hour`). GPU spaces only.
 """
 
 
@@ -50,13 +53,16 @@ def run(args: argparse.Namespace) -> int:
     levels = resolve_levels(space, workload)
     input_tokens, output_tokens = mean_lengths(workload)
     hardware_of = {g: resolve_hardware("gpu", g, space.hardware.gpu_memory_gib) for g in space.gpu_types()}
+    prices = {g: space.pricing.resolve(g) for g in space.gpu_types()}  # as a trial of the type is costed
     configs, _ = space.grid()
     factors = load_factors()
     rows: list[dict[str, Any]] = []
     for params in configs:
         engine, _env = space.engine_params(params)
         arch = load_model_arch(space.model_for(params))
-        hardware = hardware_of[str(space.gpu_for(params))]  # its own type where the space compares types
+        gpu = str(space.gpu_for(params))
+        hardware = hardware_of[gpu]  # its own type where the space compares types
+        price = prices[gpu].usd_per_device_hour
         # a vision-language workload's prompts hold its images' tokens too, encoded by the vision tower first
         image_tokens, flops = workload_images(workload, arch.vision, engine)
         prompt_tokens = input_tokens + image_tokens
@@ -66,7 +72,11 @@ def run(args: argparse.Namespace) -> int:
             if prompt_tokens > input_tokens:
                 row["image_tokens"] = prompt_tokens - input_tokens
             try:
-                row["estimate"] = estimate(arch, engine, hardware, load, factors).model_dump(mode="json")
+                found = estimate(arch, engine, hardware, load, factors)
+                row["estimate"] = found.model_dump(mode="json")
+                row["usd_per_device_hour"] = price
+                devices, tokens = space.replica_devices(params), found.output_throughput
+                row["cost_per_mtok_usd"] = cost_per_mtok_usd(price, devices, tokens) if tokens > 0 else None
             except UserError as exc:
                 row["infeasible"] = str(exc)
             rows.append(row)
@@ -79,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
             "output_tokens": output_tokens,
             "expected_error": expected,
             "factors_fit_date": factors.fit_date,
+            "prices": {g: price.describe() for g, price in prices.items()},
             "rows": rows,
         }
         print(json.dumps(report, indent=2))
@@ -92,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         "expected error (median on held-out public measurements, fit of "
         f"{factors.fit_date}): " + ", ".join(f"{metric} ±{100 * value:.0f}%" for metric, value in expected.items())
     )
+    print("prices: " + "; ".join(price.describe() for price in prices.values()))
     print(_table(rows))
     return 0
 
@@ -122,7 +134,7 @@ def _row_cells(row: dict[str, Any]) -> list[str]:
     ((kind, value),) = row["level"].items()
     level = f"{'c' if kind == 'concurrency' else 'r'}={value:g}"
     if "infeasible" in row:
-        return [_params_text(row["params"]), level, row["infeasible"], "", "", "", "", ""]
+        return [_params_text(row["params"]), level, row["infeasible"], "", "", "", "", "", ""]
     est = Estimate(**row["estimate"])
     return [
         _params_text(row["params"]),
@@ -131,13 +143,14 @@ def _row_cells(row: dict[str, Any]) -> list[str]:
         f"{est.tpot_ms:.1f}",
         f"{est.output_throughput:,.0f}",
         f"{est.request_throughput:.2f}",
+        "-" if row["cost_per_mtok_usd"] is None else f"{row['cost_per_mtok_usd']:.2f}",
         "yes" if est.saturated else "",
         str(est.knee),
     ]
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    header = ["configuration", "level", "ttft_ms", "tpot_ms", "output tok/s", "req/s", "saturated", "knee"]
+    header = ["configuration", "level", "ttft_ms", "tpot_ms", "output tok/s", "req/s", "$/Mtok", "saturated", "knee"]
     cells = [_row_cells(r) for r in rows]
     feasible = [header, *(c for r, c in zip(rows, cells, strict=True) if "infeasible" not in r)]
     widths = [max(len(c[i]) for c in [header, *cells] if i < 2 or c in feasible) for i in range(len(header))]

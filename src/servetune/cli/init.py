@@ -43,7 +43,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="replace the scenario's SLO, e.g. ttft_ms.p99=2000,tpot_ms.p95=40,error_rate=0.001 "
         "(structured_valid.min=0.99: a floor on the share of structured answers that parsed)",
     )
-    p.add_argument("--price", type=float, metavar="USD", help="price per GPU-hour (default: 3)")
+    p.add_argument(
+        "--price", type=float, metavar="USD",
+        help="price per GPU-hour, over the price list (default: none, the shipped list's price of the GPU)",
+    )  # fmt: skip
     p.add_argument("--name", help="the study's name (default: SCENARIO-MODEL)")
     p.add_argument("--out", type=Path, metavar="FILE", help="write the space here (default: standard output)")
     p.set_defaults(run=run)

@@ -68,7 +68,7 @@ TP replaced, each replica a placement group of its ranks (on the CPU build one c
 Every layout is offered the same load: the operating point scaled from the devices it was
 measured on to the budget (concurrency 8 on 1 device -> 16 on 2), with the study's warm-up and
 requests. Per layout: devices, replicas, TP, throughput, goodput, TTFT/TPOT P50/P99, SLO, cost
-(devices x the study's price per device-hour, and per 1M output tokens), and a verdict naming the
+(devices x the price per device-hour the trial was costed at, and per 1M output tokens), and a verdict naming the
 layout that meets the SLO at the lowest cost per 1M output tokens; costs within the noise margin
 (10%, or the spread of the study's repeats) count as a tie, won by the simpler layout (fewer
 replicas, then less TP), and the verdict says so. A layout the model or the budget cannot take, or

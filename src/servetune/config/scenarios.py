@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from servetune.capacity import load_model_arch, plan_capacity, resolve_hardware
+from servetune.capacity.prices import load_price_table
 from servetune.capacity.settings import resolve_quant, structural_problem
 from servetune.config.slo import Slo
 from servetune.config.speculative import METHOD, PREFIX
@@ -178,6 +179,19 @@ def choose(arch, hardware, scenario: Scenario, gpus: int) -> dict[str, Choice]:
     }
 
 
+def _price_line(gpu: str, price: float | None) -> str:
+    """The space's price: ``--price`` as its ``price_per_device_hour`` (which overrides the price list for every
+    GPU type), else none, so the shipped list prices the trials, and a comment citing what it lists for ``gpu``."""
+    if price is not None:
+        return f"price_per_device_hour: {price:g}   # USD per GPU-hour (--price): overrides the price list"
+    listed = load_price_table().get(gpu)
+    if listed is None:
+        return (f"# price: the shipped price list has no {gpu}: set price_per_device_hour (USD per GPU-hour, or "
+                "--price), else trials are costed at 1 USD")  # fmt: skip
+    return (f"# price: from the shipped list, {listed.describe(gpu)}; "
+            "price_per_device_hour (or --price) overrides it")  # fmt: skip
+
+
 def render_space(model: str, scenario_name: str, gpu: str | None, gpus: int, slo: str | None = None,
                  price: float | None = None, name: str | None = None) -> str:  # fmt: skip
     """The search space's YAML text, every choice commented."""
@@ -224,7 +238,7 @@ def render_space(model: str, scenario_name: str, gpu: str | None, gpus: int, slo
         "  requests_per_level: auto      # 8 per client in flight, or 30 s of a rate",
         "  startup_timeout_s: auto       # sized from the checkpoint's bytes (load.weights_load_gbps) and compile time",
         f"slo: {dump(slo_yaml)}" + ("   # section 1's examples for this scenario; --slo replaces them" if slo is None else "   # --slo"),
-        f"price_per_device_hour: {price if price is not None else 3.0:g}   # USD per GPU-hour" + ("" if price is not None else ": set yours (--price)"),
+        _price_line(hardware.name, price),
         "hardware:",
         f"  devices_per_node: {gpus}",
         f"  gpu: {hardware.name}",

@@ -178,6 +178,24 @@ class SearchSpace(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
+    def _gpus_in_hardware(cls, data: Any) -> Any:
+        """``hardware.gpu: [H100-SXM, H200]`` lists the GPU types to compare, as ``params: {gpu: [...]}`` does."""
+        if not isinstance(data, Mapping) or not isinstance(data.get("hardware"), Mapping):
+            return data
+        hardware, params = dict(data["hardware"]), data.get("params")
+        if not isinstance(hardware.get("gpu"), list):
+            return data
+        if isinstance(params, Mapping) and GPU_PARAM in params:
+            raise ValueError(f"hardware.gpu: lists GPU types while params.{GPU_PARAM} does too: list them in one place")
+        gpus = hardware.pop("gpu")
+        return {
+            **data,
+            "hardware": hardware,
+            "params": {GPU_PARAM: gpus, **(params if isinstance(params, Mapping) else {})},
+        }
+
+    @model_validator(mode="before")
+    @classmethod
     def _graph_steps(cls, data: Any) -> Any:
         """With ``search.graph_steps``, each integer range of a graph argument becomes the list of its grid values
         (config/graphs.py), so every searcher draws those values only."""

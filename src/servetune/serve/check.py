@@ -360,6 +360,7 @@ def compare_layouts(
     fails is recorded with Serve's message and its replicas' log tail, and the next one is deployed."""
     point = picked.point
     beside = beside_tp(point)  # PP x PCP, in every layout's devices
+    price = picked.trial.price_per_device_hour  # what the trial was costed at (its GPU type's, or the space's own)
     configs = {layout: llm_config(layout_point(point, layout, spec.cores), layout.replicas,
                                   accelerator_type=picked.gpu_type) for layout in spec.layouts}  # fmt: skip
     order = sorted(spec.layouts, key=lambda layout: engine_version(configs[layout]) != deployer.running)
@@ -369,7 +370,7 @@ def compare_layouts(
         ordered = sorted(runs, key=lambda run: spec.layouts.index(Layout(run.replicas, run.tensor_parallel_size)))
         return LayoutResult(
             budget=spec.budget, device="GPU" if point.device == "gpu" else "CPU", level=dict(spec.level),
-            price_per_device_hour=picked.space.price_per_device_hour, skipped=list(spec.skipped), runs=ordered,
+            price_per_device_hour=price, skipped=list(spec.skipped), runs=ordered,
             verdict=layout_verdict(ordered) if final else None,
         )  # fmt: skip
 
@@ -378,12 +379,12 @@ def compare_layouts(
             deployed = deployer.deploy(configs[layout])
         except EngineStartError as exc:  # a layout that does not deploy is data: the others are still compared
             deployer.teardown.pids.update(cluster.replica_pids(name))
-            runs.append(layout_run(layout, beside, None, picked.space.price_per_device_hour, error=str(exc)))
+            runs.append(layout_run(layout, beside, None, price, error=str(exc)))
         else:
             before = cluster.requests_per_replica(name)
             measured = spec.measure(cluster.url, served, layout)
             after = cluster.requests_per_replica(name)
-            runs.append(layout_run(layout, beside, measured, picked.space.price_per_device_hour, ready_s=deployed.ready_s,
+            runs.append(layout_run(layout, beside, measured, price, ready_s=deployed.ready_s,
                                    engines_reused=bool(deployed.reused), requests_per_replica=served_between(before, after),
                                    **deployed.cores))  # fmt: skip
         if len(runs) < len(order):

@@ -178,7 +178,7 @@ class LayoutRun(ClaimedCores, BaseModel):
     level: LevelResult | None = None  # None: the layout's deployment failed (``error`` says how)
     error: str | None = None
     requests_per_replica: dict[str, int] = {}
-    cost_per_hour_usd: float | None = None  # devices x the study's price per device-hour
+    cost_per_hour_usd: float | None = None  # devices x the price per device-hour the picked trial was costed at
     # the price x device_hours_per_mtok (layout_run); None without a price or without output
     cost_per_mtok_usd: float | None = None
 

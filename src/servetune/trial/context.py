@@ -74,10 +74,14 @@ class StudyContext:
             self.models.get(space.model_for(params), space.model_for(params)) if MODEL_PARAM in params else self.model
         )
         budget = startup_budget_for(space, params, model)
+        pricing = space.pricing
+        # its type's price (the list's, or the space's own): what its estimates are costed at before it runs, as
+        # its result will be (trial/precheck.py price_trial), not the space's fallback
+        price = pricing.resolve(space.gpu_for(params) if space.device == "gpu" else None).usd_per_device_hour
         return TrialSpec(
             study=space.name, trials_dir=self.trials_dir, params=dict(params), engine_args=engine_args, env=env,
             model=model,
-            device=space.device, devices=devices, price_per_device_hour=space.price_per_device_hour,
+            device=space.device, devices=devices, price_per_device_hour=price,
             workload=self.workload, levels=self.levels, requests_per_level=load.requests_per_level,
             seconds_per_level=load.seconds_per_level, warmup_requests=load.warmup_requests,
             request_timeout_s=load.request_timeout_s, startup_timeout_s=budget.timeout_s,
@@ -88,7 +92,7 @@ class StudyContext:
             slo=space.slo_bounds, gpu=space.gpu_for(params), gpu_memory_gib=space.hardware.gpu_memory_gib,
             python=self.python, extra_env=extra_env, repeats=load.repeats, quality=self.quality, node_id=node_id,
             serve_replicas=space.serve_replicas(params), stream_batching_ms=space.stream_batching_ms(params),
-            gpu_type=self.gpu_type(params), pricing=space.pricing,
+            gpu_type=self.gpu_type(params), pricing=pricing,
             client_processes=load.client_processes, client_cpus=space.hardware.cpus_per_trial,
         )  # fmt: skip
 
