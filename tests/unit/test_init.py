@@ -133,6 +133,15 @@ def test_speculation_is_searched_where_the_guide_says_it_pays_and_nowhere_else(t
     assert {n for n, s in SCENARIOS.items() if s.speculative_tokens} == {"chat", "agent"}
 
 
+def test_a_scenario_that_searches_speculation_sends_text_not_random_words():
+    """Random words give n-gram speculation nothing to find (issue #41 item 6): the workload of every scenario whose
+    space searches it cuts its prompts from text, or its acceptance and gain would be measured on noise."""
+    for name, scenario in SCENARIOS.items():
+        if scenario.speculative_tokens:
+            workload = load_workload(scenario.workload)
+            assert workload.text != "random" and workload.source_text, name
+
+
 def test_init_writes_a_floor_given_by_slo_and_the_agent_space_loads_with_it(tmp_path):
     text = render_space("meta-llama/Llama-3.1-8B-Instruct", "agent", "L40S", 1,
                         slo="ttft_ms.p99=3000,structured_valid.min=0.98")  # fmt: skip

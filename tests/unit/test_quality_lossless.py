@@ -10,11 +10,11 @@ import pytest
 from aiohttp import web
 
 from servetune.config.quality import QualitySpec
-from servetune.quality.lossless import apply_lossless, check_lossless, method_of
+from servetune.quality.lossless import apply_lossless, check_lossless, method_of, unchecked_reason
 from servetune.quality.probe import QualityPlan, make_plan, run_probe
 from servetune.quality.suites import agreement_prompts
 from servetune.results import QualityResult, ReferenceAnswers
-from tests.builders import completions_server
+from tests.builders import completions_server, space_from, write_space
 
 PROMPTS = 32
 
@@ -101,3 +101,24 @@ def test_the_probe_checks_a_speculative_trial_and_only_a_speculative_one() -> No
     plain = asyncio.run(_probe_against(answers, None))
     assert plain.lossless is None and plain.passed is True  # no bounds in this plan: only speculation is judged
     assert json.loads(speculative.model_dump_json())["lossless"]["mismatch_rate"] == pytest.approx(5 / 32)
+
+
+def test_a_space_whose_speculative_trials_would_go_unchecked_says_why_and_run_warns_in_one_line(tmp_path, capsys):
+    head = "engine_args: {max_model_len: 1024}\nparams: {speculative.method: [none, ngram]}\n"
+    unchecked = {
+        "": "the space has no quality section",
+        "quality: {suites: [json]}\n": "quality.suites lists no agreement",
+        "quality: {suites: [agreement], reference: {speculative.method: ngram}}\n": "the quality reference speculates",
+    }
+    for quality, why in unchecked.items():
+        reason = unchecked_reason(space_from(tmp_path, head + quality))
+        assert reason is not None and reason.startswith("speculative trials (ngram) are not checked for losslessness")
+        assert why in reason, reason
+    assert unchecked_reason(space_from(tmp_path, head + "quality: {suites: [agreement]}\n")) is None
+    assert unchecked_reason(space_from(tmp_path, "params: {max_num_seqs: [4, 8]}\n")) is None  # nothing speculates
+    from servetune.cli import main
+
+    path = write_space(tmp_path, head)
+    assert main(["run", str(path), "--dry-run", "--storage", str(tmp_path / "results")]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert warnings == [f"warning: {path}: {unchecked_reason(space_from(tmp_path, head))}"]

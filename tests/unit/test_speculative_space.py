@@ -168,3 +168,66 @@ def test_mtp_reads_a_hub_models_config_from_the_local_hugging_face_cache(tmp_pat
         space(tmp_path, text)
     # a model whose config is not at hand is not fetched: vLLM judges it at start-up
     assert space(tmp_path, "params: {speculative.method: [mtp], model: [org/not-cached]}\n").grid()[0]
+
+
+def test_every_field_of_vllms_speculative_config_is_passed_or_said_why_not():
+    """vLLM 0.32's SpeculativeConfig, read from the installed vLLM's source (no import): each field a user gives is a
+    speculative.<field> servetune passes, else NOT_PASSED says why."""
+    import ast
+    import importlib.util
+    from pathlib import Path
+
+    from servetune.config.speculative import FIELDS, NOT_PASSED
+
+    found = importlib.util.find_spec("vllm")
+    if found is None or found.origin is None:
+        pytest.skip("no vLLM in this interpreter")
+    tree = ast.parse((Path(found.origin).parent / "config" / "speculative.py").read_text())
+    [config] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "SpeculativeConfig"]
+    fields = {n.target.id for n in config.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    assert set(FIELDS) | set(NOT_PASSED) == fields and not set(FIELDS) & set(NOT_PASSED)
+
+
+def test_the_batch_size_schedule_and_the_other_fields_reach_the_speculative_config(tmp_path):
+    s = space(
+        tmp_path,
+        """
+params:
+  speculative.method: [ngram]
+  speculative.num_speculative_tokens_per_batch_size: [[[1, 8, 4], [9, 256, 1]], [[1, 256, 2]]]
+engine_args:
+  max_model_len: 1024
+  speculative.num_speculative_tokens: 4
+  speculative.suffix_decoding_max_cached_requests: 0
+  speculative.rejection_sample_method: standard
+  speculative.enforce_eager: true
+""",
+    )
+    kept, _ = s.grid()
+    assert len(kept) == 2
+    engine, _ = s.engine_params(kept[0])
+    assert engine["speculative_config"] == {
+        "method": "ngram", "num_speculative_tokens": 4, "num_speculative_tokens_per_batch_size": [[1, 8, 4], [9, 256, 1]],
+        "suffix_decoding_max_cached_requests": 0, "rejection_sample_method": "standard", "enforce_eager": True,
+    }  # fmt: skip
+    argv = engine_argv(engine, load_argspecs())
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == engine["speculative_config"]
+
+
+@pytest.mark.parametrize(
+    "field, value, needle",
+    [
+        ("num_speculative_tokens_per_batch_size", "[[1, 8]]", "a list of [first batch size, last, draft tokens]"),
+        ("num_speculative_tokens_per_batch_size", "[[8, 1, 2]]", "a list of [first batch size, last, draft tokens]"),
+        ("num_speculative_tokens_per_batch_size", "[[2, 8, 2]]", "the ranges from batch 1 on, none overlapping"),
+        ("num_speculative_tokens_per_batch_size", "[[1, 8, 2], [8, 9, 1]]", "none overlapping"),
+        ("synthetic_acceptance_rates", "[0.9, 1.5]", "a list of numbers from 0 to 1"),
+        ("suffix_decoding_max_cached_requests", "-1", "a whole number, 0 or more"),
+        ("dspark_draft_topk", "0", "a whole number, 1 or more"),
+    ],
+)
+def test_a_bad_value_of_a_newer_field_is_one_line_naming_it(tmp_path, field, value, needle):
+    with pytest.raises(UserError) as info:
+        space(tmp_path, f"params: {{speculative.method: [ngram]}}\nengine_args: {{speculative.{field}: {value}}}\n")
+    message = str(info.value)
+    assert "\n" not in message and f"speculative.{field}" in message and needle in message, message

@@ -148,9 +148,10 @@ def test_a_text_source_that_cannot_be_read_is_one_line_naming_file_and_field(tmp
 
 
 def test_random_words_stay_the_default_and_the_corpus_ships():
-    from servetune.config.workload import corpus_path
+    from servetune.config.workload import Workload, corpus_path
 
-    assert load_workload("chat").source_text is None
+    assert Workload.model_fields["text"].default == "random" and load_workload("rag").source_text is None
+    assert load_workload("chat").source_text == corpus_path().read_text(encoding="utf-8")  # init's chat searches n-gram
     assert corpus_path().is_file() and (corpus_path().parent / "README.md").is_file()
 
 

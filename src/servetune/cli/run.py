@@ -92,6 +92,13 @@ def run(args: argparse.Namespace) -> int:
         check_speculation(space, args.space, args.python)
         check_structured_backends(space, args.space, args.python)
     check_hub_models(space, args.space.parent)
+    from servetune.quality.lossless import unchecked_reason
+
+    unchecked = unchecked_reason(space)
+    if unchecked:
+        from servetune.study.progress import stderr_console
+
+        stderr_console().print(f"warning: {args.space}: {unchecked}", soft_wrap=True, highlight=False, markup=False)
     if args.dry_run:
         with tempfile.TemporaryDirectory() as tmp:
             model = resolve_model(space, Path(tmp), args.space.parent)

@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from servetune.config.quality import DEFAULT_SPECULATIVE_MAX_MISMATCH as DEFAULT_MAX_MISMATCH
 from servetune.results import LosslessCheck, QualityResult, ReferenceAnswers
+
+if TYPE_CHECKING:
+    from servetune.config.space import SearchSpace
 
 
 def method_of(speculative_config: Mapping[str, Any] | str | None) -> str | None:
@@ -75,3 +78,21 @@ def apply_lossless(result: QualityResult, check: LosslessCheck | None) -> Qualit
         )
         result.passed = False
     return result
+
+
+def unchecked_reason(space: SearchSpace) -> str | None:
+    """Why the space's speculative trials would go unchecked for losslessness (:func:`check_lossless` needs the
+    agreement suite's greedy answers and a reference without a drafter); None where they are checked or none
+    speculates. ``run`` says it in a warning line: a study would otherwise pass them in silence."""
+    methods = [m for m in space.speculative_methods() if m != "none"]
+    if not methods:
+        return None
+    why = "speculative trials (" + ", ".join(methods) + ") are not checked for losslessness: "
+    if space.quality is None:
+        return why + "the space has no quality section (add quality: {suites: [agreement]})"
+    if "agreement" not in space.quality.suites:
+        return why + "quality.suites lists no agreement (their greedy answers are compared with the reference's)"
+    reference = space.quality_reference or {}
+    if "speculative_config" in space.engine_params(reference)[0]:
+        return why + "the quality reference speculates too (give quality.reference speculative.method: none)"
+    return None
