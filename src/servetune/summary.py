@@ -8,8 +8,10 @@ goodput = requests per second that met every per-request SLO bound.
 
 That window holds the level's ramp-up and its drain (the last answers after the last send), so
 its throughput understates a short level's. What the ladder judges saturation on leaves them out
-(:func:`busy_output_throughput` for closed loops, :func:`ttft_growth` for open loops), and a level's
-cost is priced at the busy rate where it was measured (:attr:`LevelSummary.steady_output_throughput`).
+(:func:`busy_window` for closed loops, :func:`ttft_growth` for open loops), a level's
+cost is priced at the busy rate where it was measured (:attr:`LevelSummary.steady_output_throughput`),
+and its goodput is counted over that same window (:func:`goodput_in`; ``whole_level_goodput`` keeps the
+whole window's, as ``vllm bench serve`` divides).
 """
 
 from __future__ import annotations
@@ -167,7 +169,8 @@ class LevelSummary(BaseModel):
     output_throughput: float
     input_throughput: float
     total_token_throughput: float
-    goodput: float | None  # None when no per-request SLO was given
+    # over the window the level's cost is priced at (goodput_window); None when no per-request SLO was given
+    goodput: float | None
     error_rate: float
     ttft_ms: LatencyStats
     tpot_ms: LatencyStats
@@ -179,6 +182,9 @@ class LevelSummary(BaseModel):
     send_span_s: float | None = None  # open loops: first measured send -> last
     ttft_growth: float | None = None  # open loops: s of TTFT gained per s of sending (see ttft_growth)
     ttft_growth_low: float | None = None  # the low end of its 95% confidence interval
+    # Goodput over the whole measured window, drain included, as vllm bench serve's request_goodput (None without a
+    # per-request SLO, or in a record from before it was kept, whose goodput is over that window)
+    whole_level_goodput: float | None = None
     # Of the completed requests that asked for structured output (a JSON schema, choices, a regex), the share
     # whose answers parsed as asked (None: none asked, or only for grammars)
     structured_valid: float | None = None
@@ -213,6 +219,16 @@ class LevelSummary(BaseModel):
         """Which throughput ``steady_output_throughput`` (and so the level's cost) is: written into the record,
         worked out again from the record when read."""
         return "busy_output_throughput" if self.busy_output_throughput is not None else "output_throughput"
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def goodput_window(self) -> Literal["every_client_busy", "whole_level"] | None:
+        """Which window ``goodput`` counts over: a closed loop's with every client busy, the cost's, where it was
+        measured, else the whole level's (as in records from before ``whole_level_goodput`` was kept)."""
+        if self.goodput is None:
+            return None
+        busy = self.busy_output_throughput is not None and self.whole_level_goodput is not None
+        return "every_client_busy" if busy else "whole_level"
 
     def flat(self) -> dict[str, float]:
         """``{"ttft_ms_p99": ..., "output_throughput": ...}`` with every metric that has a value."""
@@ -267,8 +283,8 @@ def summarize(
 ) -> LevelSummary:
     """Summarize one level; warm-up requests are left out of every number.
 
-    ``saturation``: also what the ladder judges saturation on (``busy_output_throughput``,
-    ``ttft_growth``...); a judgement in the middle of a level, in the client's event loop, leaves
+    ``saturation``: also what the ladder judges saturation on (``busy_output_throughput``, and goodput over its
+    window; ``ttft_growth``...); a judgement in the middle of a level, in the client's event loop, leaves
     them out (the growth's fit takes tens of ms that would delay the token timestamps it records).
     """
     all_records = list(records)
@@ -283,20 +299,24 @@ def summarize(
     def rate(x: float) -> float:
         return x / duration if duration > 0 else 0.0
 
-    goodput = None
+    whole_goodput = None
     if request_slo_ms:
-        goodput = rate(sum(meets_request_slo(r, request_slo_ms) for r in ok))
+        whole_goodput = rate(sum(meets_request_slo(r, request_slo_ms) for r in ok))
     itls = [gap * 1000.0 for r in ok for gap in r.itls_s()]
     checked = [r.structured_valid for r in ok if r.structured_valid is not None]
     examples: dict[str, str] = {}
     for r in failed:
         examples.setdefault(r.error_kind or "unknown", (r.error or "")[:300])
-    busy = span = growth = None
+    busy = span = growth = busy_at = None
     if saturation and "concurrency" in level:
-        busy = busy_output_throughput(all_records, int(level["concurrency"]))
+        busy_at = busy_window(all_records, int(level["concurrency"]))
     elif saturation and "rate" in level and measured:
         span = max(r.sent for r in measured) - min(r.sent for r in measured)
         growth = ttft_growth(measured)
+    goodput = whole_goodput
+    if busy_at is not None:  # the window the level's cost is priced at: its goodput too
+        busy = output_rate_in(all_records, busy_at)
+        goodput = goodput_in(all_records, busy_at, request_slo_ms) if request_slo_ms else None
     return LevelSummary(
         level=dict(level),
         duration_s=duration,
@@ -317,6 +337,7 @@ def summarize(
         itl_ms=LatencyStats.of(itls),
         e2el_ms=LatencyStats.of([r.e2el_s * 1000.0 for r in ok if r.e2el_s is not None]),
         busy_output_throughput=busy,
+        whole_level_goodput=whole_goodput,
         send_span_s=span,
         ttft_growth=None if growth is None else growth[0],
         ttft_growth_low=None if growth is None else growth[1],
@@ -424,14 +445,13 @@ def ttft_growth(records: Iterable[RequestRecord]) -> tuple[float, float] | None:
     return float(fit.slope), float(fit.low_slope)
 
 
-def busy_output_throughput(records: Iterable[RequestRecord], clients: int) -> float | None:
-    """Closed loops: output tok/s while all ``clients`` had a request in flight.
+def busy_window(records: Iterable[RequestRecord], clients: int) -> tuple[float, float] | None:
+    """Closed loops: the window while all ``clients`` had a request in flight, on the level's clock.
 
-    The window opens once every client has sent (the staggered start is over), not before the
-    first measured send, and closes at the last send: from then on a client that finishes has
-    nothing left to send and the last wave drains with ever fewer requests in flight. Tokens are
-    counted by their chunks' arrival inside the window. None when the level never had every
-    client busy, or for less than one request per client (too short to tell).
+    It opens once every client has sent (the staggered start is over), not before the first measured
+    send, and closes at the last send: from then on a client that finishes has nothing left to send
+    and the last wave drains with ever fewer requests in flight. None when the level never had every
+    client busy, or for less than one request per client finished in it (too short to tell).
     """
     everything = list(records)
     measured = [r.sent for r in everything if not r.warmup]
@@ -449,14 +469,30 @@ def busy_output_throughput(records: Iterable[RequestRecord], clients: int) -> fl
         return None
     start, end = max(full_at, min(measured)), max(r.sent for r in everything)
     finished = sum(1 for r in everything if r.end is not None and start < r.end <= end)
-    if end <= start or finished < clients:
-        return None
-    tokens = 0.0
-    for r in everything:
-        if r.ok and r.output_tokens and r.chunk_times:
-            inside = sum(1 for t in r.chunk_times if start <= t <= end)
-            tokens += inside * r.output_tokens / len(r.chunk_times)
-    return tokens / (end - start)
+    return None if end <= start or finished < clients else (start, end)
+
+
+def share_in(record: RequestRecord, window: tuple[float, float]) -> float:
+    """The share of a finished request's content chunks (of one without chunks, its end) that arrived in ``window``:
+    how much of it a rate over the window counts."""
+    times = record.chunk_times or [t for t in (record.end,) if t is not None]
+    return sum(1 for t in times if window[0] <= t <= window[1]) / len(times) if record.ok and times else 0.0
+
+
+def output_rate_in(records: Iterable[RequestRecord], window: tuple[float, float]) -> float:
+    """Output tok/s inside ``window``: each request's tokens counted by its chunks' arrival in it."""
+    tokens = sum(share_in(r, window) * r.output_tokens for r in records if r.output_tokens and r.chunk_times)
+    return tokens / (window[1] - window[0])
+
+
+def goodput_in(records: Iterable[RequestRecord], window: tuple[float, float], bounds_ms: Mapping[str, float]) -> float:
+    """Goodput over ``window``: the requests a second served in it, counted as :func:`output_rate_in` counts their
+    tokens (warm-up included), times the share of the measured ones among them that met every bound (weighted the
+    same way; a warm-up request is served in the window but held to no bound)."""
+    shares = [(share_in(r, window), r) for r in records]
+    judged = [(share, meets_request_slo(r, bounds_ms)) for share, r in shares if share > 0 and not r.warmup]
+    met = sum(share for share, good in judged if good) / (sum(share for share, _ in judged) or 1.0)
+    return sum(share for share, _ in shares) * met / (window[1] - window[0])
 
 
 def _ms(seconds: float | None) -> float | None:

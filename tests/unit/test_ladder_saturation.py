@@ -15,7 +15,7 @@ import pytest
 from servetune.load.runner import Level
 from servetune.metrics import RequestRecord
 from servetune.results import LevelResult, LevelRun
-from servetune.summary import busy_output_throughput, summarize, ttft_growth
+from servetune.summary import busy_window, summarize, ttft_growth
 from servetune.trial.ladder import ladder
 
 TTFT_S, ITL_S = (0.04, 0.10), 0.015
@@ -189,6 +189,6 @@ def test_a_closed_loop_past_its_engine_s_slots_stops_climbing():
 
 def test_busy_throughput_needs_every_client_busy_for_a_wave():
     records = closed_loop(Engine(1000), 8, 48, seed=1)
-    assert busy_output_throughput(records, 8) is not None
-    assert busy_output_throughput(records, 9) is None  # never 9 in flight
-    assert busy_output_throughput(closed_loop(Engine(1000), 8, 4, seed=1), 8) is None  # shorter than a wave
+    assert busy_window(records, 8) is not None
+    assert busy_window(records, 9) is None  # never 9 in flight
+    assert busy_window(closed_loop(Engine(1000), 8, 4, seed=1), 8) is None  # shorter than a wave

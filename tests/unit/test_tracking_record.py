@@ -114,6 +114,7 @@ def test_plain_metrics_hold_the_chosen_level_and_the_by_level_series_every_level
         "servetune.level": "concurrency 32",
         "servetune.level_choice": "best level meeting the SLO",
         "servetune.cost_priced_by": "output_throughput",
+        "servetune.goodput_window": "whole_level",
     }
 
 

@@ -56,6 +56,8 @@ def level_table(results: list[LevelResult], slo: Slo, title: str = "") -> Table:
             ]
         table.add_row(*row)
     table.caption = "latencies in ms; in sync: requests sent within 10 ms of another"
+    if slo:  # LevelSummary.goodput_window
+        table.caption += "; goodput: a closed loop's with every client busy (its final drain left out)"
     notes = [f"{', '.join(f'{k} {v:g}' for k, v in r.summary.level.items())}: {note}"
              for r in results
              for note in (r.stopped_early, r.cache_note, itl_note(r.itl_burst_share), asks_note(r.summary)) if note]  # fmt: skip

@@ -42,9 +42,10 @@ _NAMES = {
     IMAGES_SENT: ("images the level's measured requests carried", "images"),
     IMAGE_PIXELS: ("image pixels (millions)", "image Mpx"),
 }
-#: What a cost is priced at (LevelSummary.steady_output_throughput), said beside the prices.
+#: What a cost is priced at (LevelSummary.steady_output_throughput), and goodput counted over (goodput_window),
+#: said beside the prices.
 COST_RATE = ("$/Mtok is priced at a level's output tok/s with every client busy (closed loops: its final drain left "
-             "out), else over the whole level")  # fmt: skip
+             "out), else over the whole level, and goodput is counted over the same window")  # fmt: skip
 _LATENCY = {"ttft_ms": "TTFT", "tpot_ms": "TPOT", "itl_ms": "ITL", "e2el_ms": "E2E latency"}
 #: The unit a table heading adds to the short name (short names like ``out tok/s`` carry theirs).
 _UNITS = {COST_METRIC: "USD", GOODPUT: "req/s", ERROR_RATE: "%"}

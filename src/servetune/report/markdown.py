@@ -40,7 +40,7 @@ from servetune.report.trials import TrialRow
 from servetune.report.verification import Verification
 
 UNITS = (f"Latencies in ms; $/Mtok is USD per million output tokens; tok/s/user is 1000 / mean TPOT; {COST_RATE} "
-         "(`priced_by` in each level's summary).")  # fmt: skip
+         "(`priced_by` and `goodput_window` in each level's summary).")  # fmt: skip
 
 
 def _cell(text: str) -> str:

@@ -232,14 +232,17 @@ def quality_metrics(trial: TrialResult) -> dict[str, float | None]:
 
 def level_tags(trial: TrialResult) -> dict[str, str]:
     """Which level the plain metric names hold (``servetune.level``) and why that one, the throughput its
-    ``cost_per_mtok_usd`` is priced at (``servetune.cost_priced_by``: LevelSummary.priced_by), and why that level
-    has no energy per token where it has none (``servetune.energy_note``)."""
+    ``cost_per_mtok_usd`` is priced at (``servetune.cost_priced_by``: LevelSummary.priced_by), the window its
+    ``goodput`` is counted over (``servetune.goodput_window``, where it has one), and why that level has no energy
+    per token where it has none (``servetune.energy_note``)."""
     chosen = chosen_level(trial)
     if chosen is None:
         return {"servetune.level": "none measured"}
     level = trial.levels[chosen.index]
     tags = {"servetune.level": level_label(level.summary.level), "servetune.level_choice": chosen.note,
             "servetune.cost_priced_by": level.summary.priced_by}  # fmt: skip
+    if level.summary.goodput_window is not None:
+        tags["servetune.goodput_window"] = level.summary.goodput_window
     if level.energy_note is not None:
         tags["servetune.energy_note"] = level.energy_note
     return tags

@@ -238,6 +238,8 @@ def _performance_text(trial: TrialResult, rep: tuple[int, LevelResult, str] | No
     )
     text = (f"at {level_label(s.level)} ({note}): {lat}; throughput {_fmt(s.output_throughput, ' output tok/s')}, "
             f"{_fmt(s.request_throughput, ' req/s', 2)}, goodput {_fmt(s.goodput, ' req/s', 2)}")  # fmt: skip
+    if s.goodput_window == "every_client_busy":  # counted over the window the cost is priced at
+        text += " with every client busy"
     cost = trial.operating_points()[index].metrics.get(COST_METRIC)
     text += f", {_fmt(cost, '', 3)} USD per million output tokens"
     if s.busy_output_throughput is not None:  # priced at the steady rate (LevelSummary.steady_output_throughput)
