@@ -54,3 +54,33 @@ def test_a_trial_that_met_no_slo_ships_no_bounds_and_says_why(capsys):
     text = capsys.readouterr().out
     assert "# No admission bounds derived: trial 18ae6e731937 met the SLO at no load level" in text
     assert "--max-num-queued-reqs" not in text
+
+
+@pytest.mark.parametrize("fmt", ["kubernetes", "kserve", "llm-d"])
+def test_a_pods_vllm_serve_carries_the_bounds_the_vllm_export_prints(fmt, capsys):
+    """The pod exports run `vllm serve` with the flags `--format vllm` prints (report/deploy.py), the admission bounds
+    included: a pod's vLLM is the only queue in front of its engine there (no Serve queue cap)."""
+    from servetune.report import deploy
+
+    assert main(["export", str(STUDY), "--pick", BASELINE, "--format", "vllm"]) == 0
+    shipped = capsys.readouterr().out
+    assert main(["export", str(STUDY), "--pick", BASELINE, "--format", fmt]) == 0
+    text = capsys.readouterr().out
+    docs = deploy.documents(text)
+    containers = {
+        "kubernetes": lambda: docs[0]["spec"]["template"]["spec"]["containers"],
+        "kserve": lambda: docs[0]["spec"]["predictor"]["containers"],
+        "llm-d": lambda: docs[0]["decode"]["containers"],
+    }[fmt]()
+    (args,) = [c["args"] for c in containers]
+    for flag in ("--max-num-queued-reqs", "--max-num-queued-tokens"):
+        value = args[args.index(flag) + 1]
+        assert f"{flag} {value}" in shipped  # the very bound the vllm command ships
+    assert "#   max_num_queued_reqs: " in text and "vLLM answers 503 past it" in text  # and why, as comments
+
+
+def test_a_pod_export_of_a_trial_without_bounds_says_why(capsys):
+    assert main(["export", str(STUDY), "--pick", "18ae6e731937", "--format", "kubernetes"]) == 0
+    text = capsys.readouterr().out
+    assert "# No admission bounds derived: trial 18ae6e731937 met the SLO at no load level" in text
+    assert "--max-num-queued-reqs" not in text

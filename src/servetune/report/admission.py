@@ -56,6 +56,17 @@ class AdmissionBounds:
         return args
 
 
+def comment_lines(admission: AdmissionBounds | str | None) -> list[str]:
+    """What an exported file says of the bounds, a line each without its comment mark: each bound and why, or why
+    there are none (``admission`` as :func:`derive_admission` gave it, or the reason it gave none)."""
+    if isinstance(admission, AdmissionBounds):
+        return [
+            "Admission bounds (503 past them), derived from the trial's measurements:",
+            *(f"  {name}: {why}" for name, why in admission.reasons.items()),
+        ]
+    return [] if admission is None else [f"No admission bounds derived: {admission}"]
+
+
 def size_admission(
     request_throughput: float, in_flight: float, wait_s: float, input_throughput: float | None = None
 ) -> tuple[int, int | None, int]:
