@@ -84,3 +84,23 @@ def test_a_pod_export_of_a_trial_without_bounds_says_why(capsys):
     text = capsys.readouterr().out
     assert "# No admission bounds derived: trial 18ae6e731937 met the SLO at no load level" in text
     assert "--max-num-queued-reqs" not in text
+
+
+def test_the_bounds_rest_on_the_capacity_not_on_a_higher_load_that_met_the_slo_above_a_break(tmp_path):
+    """The search met the SLO at 12 clients and broke it at 16; 32 met it once above that break, a load the capacity
+    does not trust (trial/capacity.py ``bracket``). The bounds are sized at 12, the capacity."""
+    from servetune.results import Capacity
+    from tests.builders import level, study_info, trial, write_study
+
+    slow = ("ttft_ms_p99 = 2500 > 2000",)
+    levels = [level(2, 200, 300), level(8, 800, 600), level(32, 1000, 1500), level(16, 950, 2500, violations=slow),
+              level(12, 900, 1500)]  # fmt: skip
+    searched = trial("t1", {"max_num_seqs": 8}, levels)
+    searched.capacity_at_slo = Capacity(value=12, unit="concurrency", bracket=(12, 16), bound="exact", tolerance=0.1)
+    report = build_report(load_study(write_study(tmp_path / "s", study_info(), [searched])))
+    points = [p for p in report.points if p.trial_id == "t1"]
+    at12 = next(p for p in points if p.level == {"concurrency": 12.0})
+    bounds = derive_admission(points, [str(s) for s in report.slo])
+    assert bounds.in_flight == 12 and bounds.request_throughput == at12.metrics["request_throughput"]
+    assert bounds.max_num_queued_reqs == 12 + bounds.queue_depth
+    assert "(at concurrency 12, its capacity at the SLO)" in bounds.reasons["max_num_queued_reqs"]
