@@ -16,17 +16,33 @@ STUDY = Path(__file__).parents[1] / "data" / "cpu-tiny-study"
 BASELINE = "e57a166985b8"  # met the SLO at concurrency 2 and 8, broke it at 32 (ttft_ms.p99 <= 300)
 
 
-@pytest.mark.parametrize(("rate", "in_flight", "wait_s"), [(10.0, 8.0, 0.3), (29.31, 8.0, 2.0), (0.5, 1.5, 0.3)])
-def test_the_queue_is_what_drains_within_the_ttft_bound_on_top_of_what_runs(rate, in_flight, wait_s):
-    reqs, tokens, queue = size_admission(rate, in_flight, wait_s, input_throughput=1000.0)
-    assert queue >= 1 and (queue - 1) / rate < wait_s  # the last request admitted still starts in time...
-    assert queue == 1 or queue / rate >= wait_s - 1e-9  # ...and the queue is no shorter than that
+@pytest.mark.parametrize(("rate", "in_flight", "wait_s", "ttft_s"),
+                         [(10.0, 8.0, 0.3, 0.0), (29.31, 8.0, 2.0, 0.5), (0.5, 1.5, 0.3, 0.1), (29.31, 8.0, 0.3, 0.0887)])  # fmt: skip
+def test_the_queue_is_what_drains_within_the_ttft_bound_on_top_of_what_runs(rate, in_flight, wait_s, ttft_s):
+    reqs, tokens, queue = size_admission(rate, in_flight, wait_s, input_throughput=1000.0, ttft_s=ttft_s)
+    # the last request admitted leaves the queue in time to have its first token, after its own TTFT, by the bound...
+    assert queue >= 1 and (queue - 1) / rate + ttft_s < wait_s
+    assert queue == 1 or queue / rate + ttft_s >= wait_s - 1e-9  # ...and the queue is no shorter than that
     assert reqs == math.ceil(in_flight) + queue  # vLLM counts running and waiting requests together
-    assert tokens == math.ceil(1000.0 * wait_s)
+    assert tokens == math.ceil(1000.0 * (wait_s - ttft_s) - 1e-9)
+
+
+def test_the_last_request_admitted_at_the_bound_still_meets_the_ttft_bound():
+    """The stored study's trial at 8 clients: 29.31 req/s, TTFT P99 88.7 ms, bound 300 ms. A queue of ceil(X x W) = 9
+    would start its last request 273 ms after it arrived, its first token at about 362 ms: past the bound. The
+    wait left after its own TTFT, 211 ms, holds 7."""
+    report = build_report(load_study(STUDY))
+    points = [p for p in report.points if p.trial_id == BASELINE]
+    at = next(p for p in points if p.level == {"concurrency": 8.0})
+    bounds = derive_admission(points, [str(s) for s in report.slo])
+    ttft_s, rate = at.metrics["ttft_ms_p99"] / 1000, at.metrics["request_throughput"]
+    assert ttft_s + (bounds.queue_depth - 1) / rate <= 0.3  # the last one admitted: its first token in time
+    assert bounds.queue_depth == 7 and bounds.max_num_queued_reqs == 15
 
 
 def test_a_tighter_ttft_bound_and_a_slower_engine_admit_fewer():
     assert size_admission(10.0, 8, 0.2)[0] < size_admission(10.0, 8, 1.0)[0]
+    assert size_admission(10.0, 8, 1.0, ttft_s=0.5)[0] < size_admission(10.0, 8, 1.0)[0]  # a slower first token too
     assert size_admission(5.0, 8, 1.0)[0] < size_admission(10.0, 8, 1.0)[0]
     assert size_admission(10.0, 8, 1.0)[1] is None  # no prompt-token throughput recorded: no token bound
 
@@ -36,9 +52,10 @@ def test_the_bounds_rest_on_the_highest_level_meeting_the_slo_and_export_ships_t
     points = [p for p in report.points if p.trial_id == BASELINE]
     at = next(p for p in points if p.level == {"concurrency": 8.0})
     bounds = derive_admission(points, [str(s) for s in report.slo])
-    rate = at.metrics["request_throughput"]
-    assert bounds.queue_depth == math.ceil(rate * 0.3) and bounds.max_num_queued_reqs == 8 + bounds.queue_depth
-    assert bounds.max_num_queued_tokens == math.ceil(at.metrics["input_throughput"] * 0.3)
+    rate, left = at.metrics["request_throughput"], 0.3 - at.metrics["ttft_ms_p99"] / 1000  # ttft_ms_p99 <= 300
+    assert bounds.queue_depth == math.ceil(rate * left) and bounds.max_num_queued_reqs == 8 + bounds.queue_depth
+    assert bounds.max_num_queued_tokens == math.ceil(at.metrics["input_throughput"] * left)
+    assert "ceil(29.31 req/s x (0.3 s - 0.089 s ttft_ms_p99 measured there))" in bounds.reasons["max_num_queued_reqs"]
     assert main(["export", str(STUDY), "--pick", BASELINE, "--format", "vllm"]) == 0
     text = capsys.readouterr().out
     assert f"--max-num-queued-reqs {bounds.max_num_queued_reqs}" in text
