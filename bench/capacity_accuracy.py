@@ -185,7 +185,10 @@ def evaluate(surface: Surface, seeds: int, repeats: int) -> dict:
     true_best = max(configs, key=lambda c: true_tput[c])
     # as good as the best within the run-to-run noise: servetune's margin for a level run once (results MARGIN)
     near_best = sorted(c for c in configs if true_tput[c] >= (1 - MARGIN) * true_tput[true_best])
-    out: dict = {"truth": truths, "truth_best": true_best, "near_best": near_best, "methods": {}}
+    # Each level draws ``repeats`` of its load's recorded runs, all of them where it has that many: the median of the
+    # same runs whatever the order, so every seed replays the same trial and a right pick is 0% or 100%.
+    alike = all(len(runs) == repeats for c in configs for runs in surface.runs[c].values())
+    out: dict = {"truth": truths, "truth_best": true_best, "near_best": near_best, "seeds_alike": alike, "methods": {}}
     for name, (ladder, budget) in METHODS.items():
         errors: dict[str, list[float]] = {c: [] for c in configs}
         right, near, spent, levels = 0, 0, [], []
@@ -221,6 +224,9 @@ def show(result: dict) -> None:
         t = result["truth"][c]
         print(f"{c:44} {'-' if t is None else f'{t:g}':>6}  " + "  ".join(cells))
     print(f"truth's best: {result['truth_best']}; within {MARGIN:.0%} of it: {', '.join(result['near_best'])}")
+    if result.get("seeds_alike"):
+        print("every level draws all the recorded runs of its load, so every seed replays the same trial: the right "
+              "picks below are one trial's (0% or 100%), not a rate; --repeats 1 draws differently in each seed")  # fmt: skip
     for name, m in result["methods"].items():
         print(f"{name:10} right pick {m['right_pick']:6.1%}  within {MARGIN:.0%} of the best {m['near_best_pick']:6.1%}   measuring {m['measured_s']:7.1f} s per trial"
               f"   {m['levels']:.1f} levels")  # fmt: skip

@@ -116,3 +116,17 @@ def test_record_leaves_the_requests_a_level_to_servetune_bench_when_asked_for_no
     (argv,) = calls
     tail = argv[argv.index("--num-requests") :][:2] if "--num-requests" in argv else []
     assert tail == passed
+
+
+def test_a_replay_whose_levels_draw_every_recorded_run_says_its_seeds_are_one_trial(capsys):
+    made = surface(a=13, b=24)  # three recorded runs a load
+    alike = capacity_accuracy.evaluate(made, seeds=2, repeats=3)
+    assert alike["seeds_alike"] is True  # every level draws all three runs of its load, whatever the seed
+    capacity_accuracy.show(alike)
+    assert "every seed replays the same trial" in capsys.readouterr().out
+    drawn = capacity_accuracy.evaluate(made, seeds=2, repeats=1)
+    assert drawn["seeds_alike"] is False
+    capacity_accuracy.show(drawn)
+    assert "every seed replays the same trial" not in capsys.readouterr().out
+    del made.runs["a"][2.0][0]  # a load recorded twice: its three draws differ between seeds
+    assert capacity_accuracy.evaluate(made, seeds=2, repeats=3)["seeds_alike"] is False

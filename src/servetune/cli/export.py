@@ -153,17 +153,17 @@ def run(args: argparse.Namespace) -> int:
     elif args.format == "kubernetes":
         text = deploy.kubernetes_yaml(
             point, derived_autoscaling(), args.image or deploy.DEFAULT_IMAGE, args.autoscaler,
-            args.prometheus_url or deploy.DEFAULT_PROMETHEUS,
+            args.prometheus_url or deploy.DEFAULT_PROMETHEUS, admission_for(report, point),
         )  # fmt: skip
     elif args.format == "kserve":
         text = deploy.kserve_yaml(
             point, derived_autoscaling(), args.image or deploy.DEFAULT_IMAGE,
-            args.prometheus_url or deploy.DEFAULT_PROMETHEUS,
+            args.prometheus_url or deploy.DEFAULT_PROMETHEUS, admission_for(report, point),
         )  # fmt: skip
     elif args.format == "llm-d":
         from servetune.report.llmd import llmd_yaml
 
-        text = llmd_yaml(point, derived_autoscaling(), args.image or deploy.DEFAULT_IMAGE)
+        text = llmd_yaml(point, derived_autoscaling(), args.image or deploy.DEFAULT_IMAGE, admission_for(report, point))
     elif args.format in ("prometheus-rules", "grafana"):
         from servetune.report import alerts
 

@@ -9,14 +9,20 @@ flight (its clients; for an open loop, Little's law ``X`` x mean E2E latency), a
 ``W`` seconds (its P99, else its tightest TTFT bound, else section 11's 300 ms: autoscale.py
 ``tolerable_wait_s``):
 
-- **queue depth** ``Q = ceil(X x W)``: an open loop served at ``X`` req/s drains a waiting queue of ``Q``
-  requests in ``Q / X <= W`` seconds, so the last request admitted still starts within the TTFT bound;
-  one more would wait past it.
+- **the wait left** ``L = W - T``, ``T`` the TTFT the level measured at the bound's percentile (its
+  ``ttft_ms_p99`` for a P99 bound): a request admitted behind the queue still takes its own ``T`` once it
+  leaves the queue (the engine carrying ``N`` within the SLO took that long), so only ``L`` of the bound is
+  left for queueing (as the predictive policy's ``waiting_per_replica``, autoscale_policy.py). ``L = W`` where
+  the wait is not a TTFT bound (section 11's queue wait) or the level recorded no such TTFT.
+- **queue depth** ``Q = ceil(X x L)`` (at least 1): an open loop served at ``X`` req/s drains a waiting
+  queue of ``Q`` requests in ``Q / X`` seconds, so the last request admitted starts within ``L`` and has its
+  first token within ``T + L = W``; one more would break the bound. (``ceil(X x W)``, the queue without
+  ``T``, let the last admitted request's TTFT reach ``W + T``: past the bound by the TTFT at capacity.)
 - ``max_num_queued_reqs = ceil(N) + Q``: vLLM counts waiting and running requests together, so the bound
   is what the engine carried within the SLO plus the queue it can drain in time.
-- ``max_num_queued_tokens = ceil(P x W)``: vLLM's own formula (target TTFT x prefill throughput), the
-  prefill throughput being the prompt tokens the engine took in at capacity (a lower bound of what it
-  can prefill: it was not prefilling all the time).
+- ``max_num_queued_tokens = ceil(P x L)``: vLLM's own formula (target TTFT x prefill throughput) with the
+  wait left as the target, the prefill throughput being the prompt tokens the engine took in at capacity (a
+  lower bound of what it can prefill: it was not prefilling all the time).
 
 vLLM counts both across the data-parallel ranks one API server routes to, as the trial measured them,
 so nothing is divided by DP here.
@@ -30,7 +36,7 @@ from dataclasses import dataclass
 
 from servetune.errors import UserError
 from servetune.metrics import REQUEST_THROUGHPUT
-from servetune.report.autoscale import tolerable_wait_s
+from servetune.report.autoscale import tolerable_wait_s, ttft_bound
 from servetune.report.points import ReportPoint, level_label
 
 INPUT_THROUGHPUT = "input_throughput"  # prompt tok/s of a level (summary.py LevelSummary)
@@ -56,14 +62,28 @@ class AdmissionBounds:
         return args
 
 
+def comment_lines(admission: AdmissionBounds | str | None) -> list[str]:
+    """What an exported file says of the bounds, a line each without its comment mark: each bound and why, or why
+    there are none (``admission`` as :func:`derive_admission` gave it, or the reason it gave none)."""
+    if isinstance(admission, AdmissionBounds):
+        return [
+            "Admission bounds (503 past them), derived from the trial's measurements:",
+            *(f"  {name}: {why}" for name, why in admission.reasons.items()),
+        ]
+    return [] if admission is None else [f"No admission bounds derived: {admission}"]
+
+
 def size_admission(
-    request_throughput: float, in_flight: float, wait_s: float, input_throughput: float | None = None
-) -> tuple[int, int | None, int]:
-    """(max_num_queued_reqs, max_num_queued_tokens, queue depth) by the module's rule."""
+    request_throughput: float, in_flight: float, wait_s: float, input_throughput: float | None = None,
+    ttft_s: float = 0.0,
+) -> tuple[int, int | None, int]:  # fmt: skip
+    """(max_num_queued_reqs, max_num_queued_tokens, queue depth) by the module's rule, ``ttft_s`` being the TTFT
+    the level measured (``T``; 0: none to take off the wait)."""
     if request_throughput <= 0 or wait_s <= 0:
         raise UserError("admission bounds: the level served no request, so there is no rate to size a queue on")
-    queue = max(1, math.ceil(request_throughput * wait_s - 1e-9))
-    tokens = max(1, math.ceil(input_throughput * wait_s - 1e-9)) if input_throughput else None
+    left = max(wait_s - ttft_s, 0.0)
+    queue = max(1, math.ceil(request_throughput * left - 1e-9))
+    tokens = max(1, math.ceil(input_throughput * left - 1e-9)) if input_throughput else None
     return max(1, math.ceil(in_flight - 1e-9)) + queue, tokens, queue
 
 
@@ -84,13 +104,17 @@ def derive_admission(trial_points: Sequence[ReportPoint], slo_lines: Sequence[st
         e2el_s = float(at.metrics.get("e2el_ms_mean") or 0.0) / 1000.0
         in_flight, in_flight_why = rate * e2el_s, f"Little's law: {rate:.2f} req/s x {e2el_s:.2f} s mean E2E latency"
     wait_s, wait_why = tolerable_wait_s(slo_lines)
-    reqs, tokens, queue = size_admission(rate, in_flight, wait_s, prompt_rate)
+    bound = ttft_bound(slo_lines)
+    measured = at.metrics.get(bound[0]) if bound is not None else None
+    ttft_s = float(measured) / 1000.0 if measured is not None else 0.0
+    left = f"{wait_s:g} s - {ttft_s:.3f} s {bound[0]} measured there" if ttft_s and bound else f"{wait_s:g} s"
+    reqs, tokens, queue = size_admission(rate, in_flight, wait_s, prompt_rate, ttft_s)
     where = f"at {level_label(at.level)}, {'its capacity at the SLO' if at.at_capacity else 'its highest level meeting the SLO'}"
     reasons = {
         "max_num_queued_reqs": (f"{reqs}: {math.ceil(in_flight - 1e-9)} in flight ({in_flight_why}) + a queue of {queue} = "
-                                f"ceil({rate:.2f} req/s x {wait_s:g} s), what drains within {wait_why} ({where}); "
+                                f"ceil({rate:.2f} req/s x ({left})), what drains within {wait_why} ({where}); "
                                 "vLLM answers 503 past it"),
-        "max_num_queued_tokens": (f"{tokens}: ceil({prompt_rate:.1f} prompt tok/s x {wait_s:g} s), vLLM's target TTFT x "
+        "max_num_queued_tokens": (f"{tokens}: ceil({prompt_rate:.1f} prompt tok/s x ({left})), vLLM's target TTFT x "
                                   f"prefill throughput ({where})" if tokens is not None
                                   else "not set: the level recorded no prompt-token throughput"),
     }  # fmt: skip

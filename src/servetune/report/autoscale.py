@@ -158,20 +158,30 @@ def _level_value(level: Mapping[str, float]) -> tuple[str, float] | None:
     return None
 
 
-def tolerable_wait_s(slo_lines: Sequence[str]) -> tuple[float, str]:
-    """The longest a request may wait in Serve's queue: the SLO's TTFT P99 bound, else its tightest
-    TTFT bound, else section 11's 300 ms queue wait."""
+def ttft_bound(slo_lines: Sequence[str]) -> tuple[str, float] | None:
+    """The TTFT bound a queue wait is sized on, (metric, ms): the SLO's TTFT P99 bound, else its tightest TTFT
+    bound; None when the SLO bounds no TTFT."""
     ttft: dict[str, float] = {}
     for line in slo_lines:
         name, _, bound = str(line).partition(" <= ")
         if name.startswith("ttft_ms_"):
             ttft[name] = float(bound)
     if "ttft_ms_p99" in ttft:
-        return ttft["ttft_ms_p99"] / 1000.0, f"the SLO's ttft_ms_p99 bound ({ttft['ttft_ms_p99']:g} ms)"
+        return "ttft_ms_p99", ttft["ttft_ms_p99"]
     if ttft:
         name = min(ttft, key=ttft.__getitem__)
-        return ttft[name] / 1000.0, f"the SLO's {name} bound ({ttft[name]:g} ms)"
-    return QUEUE_WAIT_S, "section 11's 300 ms queue wait (the SLO bounds no TTFT)"
+        return name, ttft[name]
+    return None
+
+
+def tolerable_wait_s(slo_lines: Sequence[str]) -> tuple[float, str]:
+    """The longest a request may wait in Serve's queue: the SLO's TTFT P99 bound, else its tightest
+    TTFT bound (:func:`ttft_bound`), else section 11's 300 ms queue wait."""
+    bound = ttft_bound(slo_lines)
+    if bound is None:
+        return QUEUE_WAIT_S, "section 11's 300 ms queue wait (the SLO bounds no TTFT)"
+    name, ms = bound
+    return ms / 1000.0, f"the SLO's {name} bound ({ms:g} ms)"
 
 
 def interpolated_rate(points: Sequence[tuple[float, float]], load: float) -> float:

@@ -3,8 +3,8 @@
 ``InferenceService``.
 
 The container runs ``vllm serve`` with the arguments :func:`servetune.report.export.vllm_command`
-prints (the same :func:`engine_argv` of the same pinned, resolved engine arguments), so the pod
-serves what the trial measured. The rules, one object at a time:
+prints (the same :func:`engine_argv` of the same pinned, resolved engine arguments, and the same admission
+bounds, report/admission.py), so the pod serves what the trial measured. The rules, one object at a time:
 
 - **GPUs**: ``nvidia.com/gpu`` = TP x PP x DP (one vLLM server holds all its ranks; DP is 1 unless
   the trial ran data parallelism inside one server). A CPU study's point asks for no GPU.
@@ -40,6 +40,7 @@ import yaml
 from servetune.config.space import engine_devices
 from servetune.engine.args import engine_argv
 from servetune.engine.metrics import GAUGES
+from servetune.report.admission import AdmissionBounds, comment_lines
 from servetune.report.autoscale import Autoscaling
 from servetune.report.autoscale_policy import ScalingSignal
 from servetune.report.export import masked_engine_args
@@ -58,7 +59,7 @@ IN_FLIGHT_METRIC = "vllm_requests_in_flight"
 DEFAULT_PROMETHEUS = "http://prometheus-operated.monitoring.svc:9090"
 
 Autoscaler = Literal["hpa", "keda"]
-#: The derived settings a Kubernetes autoscaler uses (Serve's queue caps have no counterpart here).
+#: The derived settings a Kubernetes autoscaler uses (Serve's queue caps have none here: a pod's vLLM bounds its own queue).
 K8S_REASONS = ("knee", "min_replicas", "max_replicas", "upscale_delay_s", "downscale_delay_s")
 
 
@@ -112,10 +113,13 @@ def secret_ref(name: str, secret_name: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": name}}}
 
 
-def container_args(point: ReportPoint) -> list[str]:
-    """``vllm serve``'s arguments: the model, the trial's flags as export prints them, the port.
-    Credentials are left out (they come from the environment, :func:`container_env`)."""
+def container_args(point: ReportPoint, admission: AdmissionBounds | str | None = None) -> list[str]:
+    """``vllm serve``'s arguments: the model, the trial's flags as export prints them (with the admission bounds, when
+    derived: a pod's own queue is the only one in front of its engine), the port. Credentials are left out (they come
+    from the environment, :func:`container_env`)."""
     args = {k: v for k, v in masked_engine_args(point).items() if k not in SECRET_ENGINE_ARGS}
+    if isinstance(admission, AdmissionBounds):
+        args.update(admission.engine_args())
     return [point.model, *engine_argv(args), "--port", str(PORT)]
 
 
@@ -123,7 +127,8 @@ def _probe(path: str, period_s: int, failures: int) -> dict[str, Any]:
     return {"httpGet": {"path": path, "port": PORT}, "periodSeconds": period_s, "failureThreshold": failures}
 
 
-def container(point: ReportPoint, image: str, secret_name: str, name: str = "vllm") -> dict[str, Any]:
+def container(point: ReportPoint, image: str, secret_name: str, name: str = "vllm",
+              admission: AdmissionBounds | str | None = None) -> dict[str, Any]:  # fmt: skip
     """The vLLM server container (a ``core/v1`` Container)."""
     resources: dict[str, Any] = {}
     if gpus(point):
@@ -133,7 +138,7 @@ def container(point: ReportPoint, image: str, secret_name: str, name: str = "vll
         "name": name,
         "image": image,
         "command": ["vllm", "serve"],
-        "args": container_args(point),
+        "args": container_args(point, admission),
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
         "env": container_env(point, secret_name),
         "resources": resources,
@@ -150,7 +155,8 @@ def container(point: ReportPoint, image: str, secret_name: str, name: str = "vll
 SHM_VOLUME = {"name": "dshm", "emptyDir": {"medium": "Memory"}}
 
 
-def deployment(point: ReportPoint, image: str, replicas: int = 1) -> dict[str, Any]:
+def deployment(point: ReportPoint, image: str, replicas: int = 1,
+               admission: AdmissionBounds | str | None = None) -> dict[str, Any]:  # fmt: skip
     name = app_name(point)
     labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/managed-by": "servetune"}
     return {
@@ -163,7 +169,7 @@ def deployment(point: ReportPoint, image: str, replicas: int = 1) -> dict[str, A
             "template": {
                 "metadata": {"labels": labels},
                 "spec": {
-                    "containers": [container(point, image, f"{name}-secrets")],
+                    "containers": [container(point, image, f"{name}-secrets", admission=admission)],
                     "volumes": [SHM_VOLUME],
                 },
             },
@@ -310,10 +316,10 @@ def keda_scaled_object(point: ReportPoint, autoscaling: Autoscaling, prometheus:
 
 def kubernetes_documents(
     point: ReportPoint, autoscaling: Autoscaling | str, image: str = DEFAULT_IMAGE, autoscaler: Autoscaler = "hpa",
-    prometheus: str = DEFAULT_PROMETHEUS,
+    prometheus: str = DEFAULT_PROMETHEUS, admission: AdmissionBounds | str | None = None,
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Deployment, Service and (with a derived autoscaling) the HPA or the KEDA ScaledObject."""
-    docs = [deployment(point, image), service(point)]
+    docs = [deployment(point, image, admission=admission), service(point)]
     if isinstance(autoscaling, Autoscaling):
         docs.append(
             hpa(point, autoscaling) if autoscaler == "hpa" else keda_scaled_object(point, autoscaling, prometheus)
@@ -327,7 +333,7 @@ KSERVE_PREDICTOR_SUFFIX = "-predictor"
 
 def kserve_inference_service(
     point: ReportPoint, autoscaling: Autoscaling | str, image: str = DEFAULT_IMAGE,
-    prometheus: str = DEFAULT_PROMETHEUS,
+    prometheus: str = DEFAULT_PROMETHEUS, admission: AdmissionBounds | str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """A KServe ``InferenceService`` (``serving.kserve.io/v1beta1``) whose predictor is the same vLLM container.
     With a derived autoscaling it runs as a plain Deployment (raw deployment mode) scaled by KEDA on the same
@@ -336,7 +342,7 @@ def kserve_inference_service(
     type, so KV usage is queried as the fullest engine's times the pods)."""
     name = app_name(point)
     predictor: dict[str, Any] = {
-        "containers": [container(point, image, f"{name}-secrets", name="kserve-container")],
+        "containers": [container(point, image, f"{name}-secrets", name="kserve-container", admission=admission)],
         "volumes": [SHM_VOLUME],
     }
     annotations = {"servetune/trial": point.trial_id}
@@ -374,13 +380,14 @@ def kserve_inference_service(
     }
 
 
-def _header(point: ReportPoint, autoscaling: Autoscaling | str, what: str) -> str:
+def _header(point: ReportPoint, autoscaling: Autoscaling | str, what: str,
+            admission: AdmissionBounds | str | None = None) -> str:  # fmt: skip
     name = app_name(point)
     lines = [
         f"{what} (servetune trial {point.trial_id}, measured at {level_label(point.level)}).",
         "Deploy: kubectl apply -f this.yaml",
     ]
-    lines += pod_notes(point, name)
+    lines += pod_notes(point, name, admission)
     if isinstance(autoscaling, str):
         lines.append(f"Fixed replicas, no autoscaling derived: {autoscaling}")
     else:
@@ -424,21 +431,21 @@ class _Dumper(yaml.SafeDumper):
 
 def kubernetes_yaml(
     point: ReportPoint, autoscaling: Autoscaling | str, image: str = DEFAULT_IMAGE, autoscaler: Autoscaler = "hpa",
-    prometheus: str = DEFAULT_PROMETHEUS,
+    prometheus: str = DEFAULT_PROMETHEUS, admission: AdmissionBounds | str | None = None,
 ) -> str:  # fmt: skip
-    header = _header(point, autoscaling, "Kubernetes Deployment, Service and autoscaler")
+    header = _header(point, autoscaling, "Kubernetes Deployment, Service and autoscaler", admission)
     if isinstance(autoscaling, Autoscaling) and autoscaler == "hpa":
         header += adapter_rule(point, autoscaling)
-    docs = kubernetes_documents(point, autoscaling, image, autoscaler, prometheus)
+    docs = kubernetes_documents(point, autoscaling, image, autoscaler, prometheus, admission)
     return header + yaml.dump_all(docs, Dumper=_Dumper, sort_keys=False, default_flow_style=False)
 
 
 def kserve_yaml(
     point: ReportPoint, autoscaling: Autoscaling | str, image: str = DEFAULT_IMAGE,
-    prometheus: str = DEFAULT_PROMETHEUS,
+    prometheus: str = DEFAULT_PROMETHEUS, admission: AdmissionBounds | str | None = None,
 ) -> str:  # fmt: skip
-    header = _header(point, autoscaling, "KServe InferenceService")
-    service = kserve_inference_service(point, autoscaling, image, prometheus)
+    header = _header(point, autoscaling, "KServe InferenceService", admission)
+    service = kserve_inference_service(point, autoscaling, image, prometheus, admission)
     return header + yaml.dump(service, Dumper=_Dumper, sort_keys=False)
 
 
@@ -447,10 +454,11 @@ def documents(text: str) -> list[Mapping[str, Any]]:
     return [d for d in yaml.safe_load_all(text) if d]
 
 
-def pod_notes(point: ReportPoint, name: str) -> list[str]:
+def pod_notes(point: ReportPoint, name: str, admission: AdmissionBounds | str | None = None) -> list[str]:
     """The header lines every pod-based export (kubernetes, kserve, llm-d) gives: the Secret to create for the
-    variables the pod reads by reference, and the image to use for a study on vLLM's CPU build."""
-    lines = []
+    variables the pod reads by reference, the image to use for a study on vLLM's CPU build, and the admission
+    bounds its ``vllm serve`` sets (or why none), as ``export --format vllm`` says them."""
+    lines = comment_lines(admission)
     secrets = [e["name"] for e in container_env(point, "") if "valueFrom" in e]
     if secrets:
         lines.append(f"Secrets by reference, never by value: kubectl create secret generic {name}-secrets "

@@ -21,7 +21,7 @@ from servetune.engine.args import RESERVED, engine_argv, normalize_key
 from servetune.engine.launch import VLLM_CPU_SERVE_LINE
 from servetune.errors import UserError
 from servetune.metrics import KV_METRIC, WAITING_METRIC
-from servetune.report.admission import AdmissionBounds, derive_admission
+from servetune.report.admission import AdmissionBounds, comment_lines, derive_admission
 from servetune.report.autoscale import Autoscaling, derive_autoscaling
 from servetune.report.build import StudyReport
 from servetune.report.points import ReportPoint, first_line, level_label
@@ -85,14 +85,9 @@ def vllm_command(point: ReportPoint, admission: AdmissionBounds | str | None = N
     """
     env = [f"{k}={shlex.quote(v)}" for k, v in masked_env(point.env).items()]
     shipped = masked_engine_args(point)
-    bounds = ""
     if isinstance(admission, AdmissionBounds):
         shipped.update(admission.engine_args())
-        bounds = "# Admission bounds (503 past them), derived from the trial's measurements:\n" + "".join(
-            f"#   {name}: {why}\n" for name, why in admission.reasons.items()
-        )
-    elif admission is not None:
-        bounds = f"# No admission bounds derived: {admission}\n"
+    bounds = "".join(f"# {line}\n" for line in comment_lines(admission))
     argv = engine_argv(shipped)
     head = " ".join([*env, "vllm", "serve", shlex.quote(point.model)])
     chunks: list[str] = []

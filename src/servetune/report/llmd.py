@@ -39,6 +39,7 @@ import yaml
 
 from servetune.errors import UserError
 from servetune.report import deploy
+from servetune.report.admission import AdmissionBounds
 from servetune.report.autoscale import Autoscaling
 from servetune.report.export import masked_engine_args
 from servetune.report.points import ReportPoint, level_label
@@ -129,12 +130,13 @@ def parallelism(point: ReportPoint) -> dict[str, int]:
 
 
 def llmd_values(
-    point: ReportPoint, autoscaling: Autoscaling | str, image: str = deploy.DEFAULT_IMAGE
-) -> dict[str, Any]:
+    point: ReportPoint, autoscaling: Autoscaling | str, image: str = deploy.DEFAULT_IMAGE,
+    admission: AdmissionBounds | str | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """The chart's values for ``point`` (see the module's rules)."""
     name = deploy.app_name(point)
     artifacts, _ = model_artifacts(point)
-    container = deploy.container(point, image, f"{name}-secrets")
+    container = deploy.container(point, image, f"{name}-secrets", admission=admission)
     container |= {"modelCommand": "custom", "mountModelVolume": True}
     return {
         "fullnameOverride": name,
@@ -154,7 +156,8 @@ def llmd_values(
     }
 
 
-def _header(point: ReportPoint, autoscaling: Autoscaling | str, notes: list[str]) -> str:
+def _header(point: ReportPoint, autoscaling: Autoscaling | str, notes: list[str],
+            admission: AdmissionBounds | str | None = None) -> str:  # fmt: skip
     name = deploy.app_name(point)
     lines = [
         f"Values of llm-d's ModelService Helm chart (llm-d-incubation/llm-d-modelservice, chart {CHART_VERSION}, "
@@ -166,7 +169,7 @@ def _header(point: ReportPoint, autoscaling: Autoscaling | str, notes: list[str]
         f"vLLM serves on port {deploy.PORT} for the InferencePool selecting the modelArtifacts labels.",
     ]
     lines += notes
-    lines += deploy.pod_notes(point, name)
+    lines += deploy.pod_notes(point, name, admission)
     if isinstance(autoscaling, str):
         lines.append(f"Fixed at 1 replica, no autoscaling derived: {autoscaling}")
     else:
@@ -178,10 +181,11 @@ def _header(point: ReportPoint, autoscaling: Autoscaling | str, notes: list[str]
     return "".join(f"# {line}\n" for line in lines)
 
 
-def llmd_yaml(point: ReportPoint, autoscaling: Autoscaling | str, image: str = deploy.DEFAULT_IMAGE) -> str:
-    values = llmd_values(point, autoscaling, image)
+def llmd_yaml(point: ReportPoint, autoscaling: Autoscaling | str, image: str = deploy.DEFAULT_IMAGE,
+              admission: AdmissionBounds | str | None = None) -> str:  # fmt: skip
+    values = llmd_values(point, autoscaling, image, admission)
     notes = model_artifacts(point)[1]
-    return _header(point, autoscaling, notes) + yaml.dump(values, Dumper=_Dumper, sort_keys=False)
+    return _header(point, autoscaling, notes, admission) + yaml.dump(values, Dumper=_Dumper, sort_keys=False)
 
 
 class _Dumper(yaml.SafeDumper):
