@@ -137,3 +137,54 @@ def test_a_space_comparing_gpu_types_estimates_each_configuration_on_its_own_typ
     for h100, l40s in zip(by_gpu["H100-SXM"], by_gpu["L40S"], strict=True):
         assert h100["level"] == l40s["level"]
         assert h100["estimate"]["tpot_ms"] < l40s["estimate"]["tpot_ms"]  # 3.35 TB/s against 0.86
+
+
+def test_each_row_names_the_slo_bounds_its_estimate_breaks_so_the_ladder_shows_where_each_breaks(tmp_path, capsys):
+    import yaml
+
+    doc = yaml.safe_load((REPO / "search_spaces" / "chat-latency.yaml").read_text())
+    doc["params"] = {"max_num_seqs": [16, 64]}  # chat-latency's Poisson ladder 2-32 req/s and its SLO
+    doc["constraints"] = []
+    path = tmp_path / "chat.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert cli.main(["estimate", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    # error_rate is not a figure the estimate has: not judged
+    assert report["slo_judged"] == ["ttft_ms_p95 <= 800", "ttft_ms_p99 <= 2000", "tpot_ms_p95 <= 40"]
+    limits = {"ttft_ms_p95": ("ttft_ms", 800), "ttft_ms_p99": ("ttft_ms", 2000), "tpot_ms_p95": ("tpot_ms", 40)}
+    by_config = defaultdict(list)
+    for row in report["rows"]:
+        est = row["estimate"]
+        expected = [n for n, (f, limit) in limits.items() if est[f] is None or est[f] > limit]
+        assert [text.split(" ", 1)[0] for text in row["slo_broken"]] == expected
+        by_config[json.dumps(row["params"], sort_keys=True)].append(row)
+    where = []
+    for rows in by_config.values():
+        rows.sort(key=lambda r: r["level"]["rate"])
+        broken = [bool(r["slo_broken"]) for r in rows]
+        assert broken == sorted(broken)  # once broken along the ladder, broken at every load above
+        where.append(broken.index(True) if True in broken else None)
+    # the bound breaks inside the ladder, and later for the configuration with four times the slots
+    assert where[0] is not None and where[1] is not None and 0 < where[0] < where[1]
+
+    assert cli.main(["estimate", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].startswith("SLO judged by the estimated means") and "tpot_ms_p95 <= 40" in lines[2]
+    assert lines[3].split()[-1] == "SLO" and len(lines) == 4 + len(report["rows"])
+    assert {line.split("  ")[-1].split(" ")[0] for line in lines[4:]} == {"met", "breaks"}
+
+
+def test_the_estimate_judges_tail_and_mean_bounds_by_its_mean_and_a_saturated_queue_breaks_ttft():
+    from servetune.config.slo import Slo
+    from servetune.estimate import Estimate
+    from servetune.estimate.slo import broken_bounds
+
+    slo = Slo.parse("ttft_ms.p50=10,ttft_ms.p99=500,itl_ms.p95=20,tpot_ms.mean=50,e2el_ms.p99=1,error_rate=0.001")
+    figures = {"tpot_ms": 30.0, "itl_ms": 30.0, "output_throughput": 1.0, "request_throughput": 1.0,
+               "knee": 1, "in_flight_per_replica": 1.0, "kv_preemption": False, "gpu_class": "H100"}  # fmt: skip
+    # the median, E2E and the error rate are not judged; ITL is TPOT on average
+    assert broken_bounds(Estimate(ttft_ms=400.0, saturated=False, **figures), slo) == ["itl_ms_p95 <= 20: 30 ms"]
+    assert broken_bounds(Estimate(ttft_ms=None, saturated=True, **figures), slo) == [
+        "ttft_ms_p99 <= 500: unbounded (saturated)",
+        "itl_ms_p95 <= 20: 30 ms",
+    ]

@@ -12,6 +12,7 @@ from servetune.config.workload import mean_lengths
 from servetune.errors import UserError
 from servetune.estimate import Estimate, Load, estimate, load_factors
 from servetune.estimate.encoder import workload_images
+from servetune.estimate.slo import broken_bounds, judged_bounds
 from servetune.space_file import load_space
 from servetune.trial.context import resolve_levels
 
@@ -26,7 +27,10 @@ capacity from the memory ledger of `servetune plan`). The fraction of each peak 
 fitted on public vLLM measurements (A100, H100, H200); the expected error printed above the table
 is the fit's median error on held-out measurements. Requests take the workload's mean input and
 output lengths; prefix caching is not modelled. A vision-language workload's requests add their images'
-tokens to the prompt and the vision tower's time to encode them to TTFT. GPU spaces only.
+tokens to the prompt and the vision tower's time to encode them to TTFT. Where the space's SLO bounds
+TTFT, TPOT or ITL (mean, P90, P95 or P99), each row lists the bounds its estimated mean already breaks, so
+the first level of a configuration that lists a bound is where that bound is predicted to break. GPU
+spaces only.
 """
 
 
@@ -52,6 +56,8 @@ def run(args: argparse.Namespace) -> int:
     hardware_of = {g: resolve_hardware("gpu", g, space.hardware.gpu_memory_gib) for g in space.gpu_types()}
     configs, _ = space.grid()
     factors = load_factors()
+    slo = space.slo_bounds
+    judged = judged_bounds(slo)
     rows: list[dict[str, Any]] = []
     for params in configs:
         engine, _env = space.engine_params(params)
@@ -66,9 +72,13 @@ def run(args: argparse.Namespace) -> int:
             if prompt_tokens > input_tokens:
                 row["image_tokens"] = prompt_tokens - input_tokens
             try:
-                row["estimate"] = estimate(arch, engine, hardware, load, factors).model_dump(mode="json")
+                est = estimate(arch, engine, hardware, load, factors)
             except UserError as exc:
                 row["infeasible"] = str(exc)
+            else:
+                row["estimate"] = est.model_dump(mode="json")
+                if judged:  # where along the ladder each bound breaks: the first level that lists it
+                    row["slo_broken"] = broken_bounds(est, slo)
             rows.append(row)
     expected = {metric: err.median for metric, err in factors.held_out_error.items()}
     if args.json:
@@ -79,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
             "output_tokens": output_tokens,
             "expected_error": expected,
             "factors_fit_date": factors.fit_date,
+            "slo_judged": [str(b) for b in judged],
             "rows": rows,
         }
         print(json.dumps(report, indent=2))
@@ -92,7 +103,12 @@ def run(args: argparse.Namespace) -> int:
         "expected error (median on held-out public measurements, fit of "
         f"{factors.fit_date}): " + ", ".join(f"{metric} ±{100 * value:.0f}%" for metric, value in expected.items())
     )
-    print(_table(rows))
+    if judged:
+        print(
+            "SLO judged by the estimated means (a mean over a bound breaks it; within it, the tail may not be): "
+            + ", ".join(map(str, judged))
+        )
+    print(_table(rows, slo_column=bool(judged)))
     return 0
 
 
@@ -118,11 +134,17 @@ def _params_text(params: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-def _row_cells(row: dict[str, Any]) -> list[str]:
+def _slo_cell(row: dict[str, Any]) -> str:
+    """``met``, or ``breaks ttft_ms_p95, ttft_ms_p99``: the bounds the row's estimate breaks, by name."""
+    broken = row.get("slo_broken", [])
+    return "breaks " + ", ".join(text.split(" ", 1)[0] for text in broken) if broken else "met"
+
+
+def _row_cells(row: dict[str, Any], slo_column: bool = False) -> list[str]:
     ((kind, value),) = row["level"].items()
     level = f"{'c' if kind == 'concurrency' else 'r'}={value:g}"
     if "infeasible" in row:
-        return [_params_text(row["params"]), level, row["infeasible"], "", "", "", "", ""]
+        return [_params_text(row["params"]), level, row["infeasible"], "", "", "", "", ""] + [""] * slo_column
     est = Estimate(**row["estimate"])
     return [
         _params_text(row["params"]),
@@ -133,12 +155,14 @@ def _row_cells(row: dict[str, Any]) -> list[str]:
         f"{est.request_throughput:.2f}",
         "yes" if est.saturated else "",
         str(est.knee),
-    ]
+    ] + [_slo_cell(row)] * slo_column
 
 
-def _table(rows: list[dict[str, Any]]) -> str:
+def _table(rows: list[dict[str, Any]], slo_column: bool = False) -> str:
+    """One line per row; with ``slo_column``, a last column naming the SLO bounds the row's estimate breaks."""
     header = ["configuration", "level", "ttft_ms", "tpot_ms", "output tok/s", "req/s", "saturated", "knee"]
-    cells = [_row_cells(r) for r in rows]
+    header += ["SLO"] * slo_column
+    cells = [_row_cells(r, slo_column) for r in rows]
     feasible = [header, *(c for r, c in zip(rows, cells, strict=True) if "infeasible" not in r)]
     widths = [max(len(c[i]) for c in [header, *cells] if i < 2 or c in feasible) for i in range(len(header))]
     lines = []
@@ -146,6 +170,8 @@ def _table(rows: list[dict[str, Any]]) -> str:
         first = f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}"
         if "infeasible" in row:  # its reason runs to the end of the line
             lines.append(f"{first}  {r[2]}")
-        else:
-            lines.append("  ".join([first] + [f"{c:>{w}}" for c, w in zip(r[2:], widths[2:], strict=True)]))
+            continue
+        numbers = r[2:8]  # right-aligned; the SLO's words after them
+        line = "  ".join([first] + [f"{c:>{w}}" for c, w in zip(numbers, widths[2:8], strict=True)])
+        lines.append(f"{line}  {r[8]}" if slo_column else line)
     return "\n".join(lines)
