@@ -59,11 +59,42 @@ def test_the_table_has_a_line_per_configuration_and_level(capsys, space_report):
     assert len(lines) == 3 + len(space_report["rows"])
 
 
-def test_a_cpu_space_is_one_clear_error(capsys):
-    rc = cli.main(["estimate", str(REPO / "search_spaces" / "cpu-tiny.yaml")])
+def test_a_gpu_space_naming_no_gpu_is_one_clear_error(tmp_path, capsys):
+    import yaml
+
+    doc = yaml.safe_load(SPACE.read_text())
+    doc["hardware"].pop("gpu")
+    path = tmp_path / "nogpu.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    rc = cli.main(["estimate", str(path)])
     err = capsys.readouterr().err
     assert rc == 2
-    assert err.count("\n") == 1 and "cpu-tiny.yaml" in err and "hardware.gpu" in err and "Traceback" not in err
+    assert err.count("\n") == 1 and "nogpu.yaml" in err and "hardware.gpu" in err and "Traceback" not in err
+
+
+def test_a_cpu_space_is_estimated_with_the_recording_hosts_rates_as_its_trials_are(capsys):
+    """Issue 40, item 6: the estimate runs on the CPU stand-in too, as the dry run and the trials make it."""
+    assert cli.main(["estimate", str(REPO / "search_spaces" / "cpu-tiny.yaml"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["expected_error"] == {} and "a study refits them" in report["expected_error_note"]
+    rows = report["rows"]
+    assert rows and all("estimate" in r for r in rows)
+    assert len(rows) == len({json.dumps(r["params"], sort_keys=True) for r in rows}) * 3  # cpu-tiny: 2, 8, 32
+
+    def at(clients, **params):
+        (row,) = [r for r in rows if r["level"] == {"concurrency": clients} and params.items() <= r["params"].items()]
+        return row["estimate"]
+
+    two = {"max_num_seqs": 2, "max_num_batched_tokens": 256, "enable_chunked_prefill": True}
+    common = {**two, "enable_prefix_caching": True, "env.VLLM_CPU_KVCACHE_SPACE": 1}
+    assert not at(2, **common, data_parallel_size=1)["saturated"]
+    assert at(8, **common, data_parallel_size=1)["saturated"]  # 8 clients, 2 sequences at once
+    one, both = at(32, **common, data_parallel_size=1), at(32, **common, data_parallel_size=2)
+    assert both["output_throughput"] > 1.5 * one["output_throughput"]  # two engines share the clients
+
+    assert cli.main(["estimate", str(REPO / "search_spaces" / "cpu-tiny.yaml")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "vLLM's CPU build" in lines[0] and lines[1].startswith("expected error: not known on this host")
 
 
 def test_plan_estimate_adds_the_estimate_to_the_json(capsys):

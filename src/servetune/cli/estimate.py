@@ -7,12 +7,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from servetune.capacity import load_model_arch, resolve_hardware
+from servetune.capacity import ModelArch, arch_from_hf_config, load_model_arch, resolve_hardware
 from servetune.config.workload import mean_lengths
 from servetune.errors import UserError
 from servetune.estimate import Estimate, Load, estimate, load_factors
+from servetune.estimate.calibrate_cpu import RECORDED_HOST
 from servetune.estimate.encoder import workload_images
 from servetune.estimate.slo import broken_bounds, judged_bounds
+from servetune.models.tiny import TINY_CONFIG
 from servetune.space_file import load_space
 from servetune.trial.context import resolve_levels
 
@@ -29,9 +31,20 @@ is the fit's median error on held-out measurements. Requests take the workload's
 output lengths; prefix caching is not modelled. A vision-language workload's requests add their images'
 tokens to the prompt and the vision tower's time to encode them to TTFT. Where the space's SLO bounds
 TTFT, TPOT or ITL (mean, P90, P95 or P99), each row lists the bounds its estimated mean already breaks, so
-the first level of a configuration that lists a bound is where that bound is predicted to break. GPU
-spaces only.
+the first level of a configuration that lists a bound is where that bound is predicted to break.
+
+On vLLM's CPU build (device: cpu) the same model runs with the cores' rates of the host the CPU factors
+were fitted on (estimate/calibrate_cpu.py RECORDED_HOST), as a study's trials and its dry run estimate
+them: on another host its error is not known until a study refits the factors on its own trials.
 """
+
+#: What the CPU build's expected error is: its factors hold on the host whose surfaces they were fitted on.
+CPU_ERROR = (
+    "not known on this host: the CPU factors were fitted on one recording host's study surfaces (bench/README.md, "
+    "the CPU stand-in), with that host's rates; a study refits them on its own trials"
+)
+
+CPU_HOST = "vLLM's CPU build (the recording host's rates)"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -48,21 +61,28 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     space = load_space(args.space)
-    if space.device != "gpu" or not space.gpu_types():
-        raise UserError(f"{args.space}: hardware.gpu: the estimate covers catalogue GPUs only (device: gpu, gpu: NAME)")
+    cpu = space.device == "cpu"
+    if not cpu and not space.gpu_types():
+        raise UserError(
+            f"{args.space}: hardware.gpu: the estimate covers catalogue GPUs (gpu: NAME) and vLLM's CPU build "
+            "(device: cpu)"
+        )
     workload = space.resolved_workload(args.space.parent)
     levels = resolve_levels(space, workload)
     input_tokens, output_tokens = mean_lengths(workload)
-    hardware_of = {g: resolve_hardware("gpu", g, space.hardware.gpu_memory_gib) for g in space.gpu_types()}
+    if cpu:
+        hardware_of = {"cpu": resolve_hardware("cpu")}
+    else:
+        hardware_of = {g: resolve_hardware("gpu", g, space.hardware.gpu_memory_gib) for g in space.gpu_types()}
     configs, _ = space.grid()
     factors = load_factors()
     slo = space.slo_bounds
     judged = judged_bounds(slo)
     rows: list[dict[str, Any]] = []
     for params in configs:
-        engine, _env = space.engine_params(params)
-        arch = load_model_arch(space.model_for(params))
-        hardware = hardware_of[str(space.gpu_for(params))]  # its own type where the space compares types
+        engine, env = space.engine_params(params)
+        arch = _arch(space.model_for(params))
+        hardware = hardware_of["cpu" if cpu else str(space.gpu_for(params))]  # its own type where types compare
         # a vision-language workload's prompts hold its images' tokens too, encoded by the vision tower first
         image_tokens, flops = workload_images(workload, arch.vision, engine)
         prompt_tokens = input_tokens + image_tokens
@@ -72,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
             if prompt_tokens > input_tokens:
                 row["image_tokens"] = prompt_tokens - input_tokens
             try:
-                est = estimate(arch, engine, hardware, load, factors)
+                est = estimate(arch, engine, hardware, load, factors, env=env, rates=RECORDED_HOST if cpu else None)
             except UserError as exc:
                 row["infeasible"] = str(exc)
             else:
@@ -80,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
                 if judged:  # where along the ladder each bound breaks: the first level that lists it
                     row["slo_broken"] = broken_bounds(est, slo)
             rows.append(row)
-    expected = {metric: err.median for metric, err in factors.held_out_error.items()}
+    # the held-out errors are the GPU fit's; the CPU factors belong to the host they were fitted on
+    expected = {} if cpu else {metric: err.median for metric, err in factors.held_out_error.items()}
     if args.json:
         report = {
             "space": str(args.space),
@@ -88,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
             "input_tokens": input_tokens,
             "output_tokens": output_tokens,
             "expected_error": expected,
+            **({"expected_error_note": CPU_ERROR} if cpu else {}),
             "factors_fit_date": factors.fit_date,
             "slo_judged": [str(b) for b in judged],
             "rows": rows,
@@ -96,13 +118,16 @@ def run(args: argparse.Namespace) -> int:
         return 0
     print(
         f"{space.name}: {len(configs)} configurations x {len(levels)} levels on "
-        f"{', '.join(h.name for h in hardware_of.values())}, "
+        f"{CPU_HOST if cpu else ', '.join(h.name for h in hardware_of.values())}, "
         f"requests of {input_tokens} in / {output_tokens} out tokens (the workload's means)"
     )
-    print(
-        "expected error (median on held-out public measurements, fit of "
-        f"{factors.fit_date}): " + ", ".join(f"{metric} ±{100 * value:.0f}%" for metric, value in expected.items())
-    )
+    if cpu:
+        print(f"expected error: {CPU_ERROR}")
+    else:
+        print(
+            "expected error (median on held-out public measurements, fit of "
+            f"{factors.fit_date}): " + ", ".join(f"{metric} ±{100 * value:.0f}%" for metric, value in expected.items())
+        )
     if judged:
         print(
             "SLO judged by the estimated means (a mean over a bound breaks it; within it, the tail may not be): "
@@ -110,6 +135,11 @@ def run(args: argparse.Namespace) -> int:
         )
     print(_table(rows, slo_column=bool(judged)))
     return 0
+
+
+def _arch(model: str) -> ModelArch:
+    """The model's architecture; ``tiny`` is servetune's test model, which a study builds (models/tiny.py)."""
+    return arch_from_hf_config(TINY_CONFIG, name="tiny") if model == "tiny" else load_model_arch(model)
 
 
 SHORT = {
