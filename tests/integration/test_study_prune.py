@@ -1,12 +1,14 @@
-"""A study that prunes by the estimate, through Ray Tune on the module's local Ray: nothing starts for a pruned trial."""
+"""A study that prunes by the estimate, through Ray Tune on the module's local Ray: nothing starts for a pruned trial,
+and ``run --resume --unprune`` runs the trials it pruned."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from servetune.config.space import SearchSpace
 from servetune.results import RESULT_FILE
-from servetune.study.driver import finished_results
+from servetune.study.driver import finished_results, pruned_points
 from servetune.study.mirror import ResultMirror
 from servetune.study.surface import Surface
 from servetune.study.tuner import run_tuner
@@ -51,3 +53,15 @@ def test_a_resumed_cpu_study_prunes_by_its_own_measured_error_without_starting_a
         assert result.pruned.error_source.startswith("the study's own p90 error")
         assert [lv.level for lv in result.pruned.levels] == [{"concurrency": 1.0}, {"concurrency": 4.0}]
         assert result.startup_s is None and not (tmp_path / "trials" / result.trial_id / "engine.log").exists()
+
+    # run --resume --unprune: the trials stored PRUNED run now and none is pruned again. Each gets as far as
+    # starting its engine, whose interpreter does not exist, so it FAILS: a run's outcome replaces the PRUNED one.
+    unpruning = dataclasses.replace(context, unprune=True)
+    again = pruned_points(finished_results(tmp_path), unpruning)
+    assert sorted(p["max_num_seqs"] for p in again) == [3, 5]
+    run_tuner(unpruning, again, None, len(again), [ResultMirror(unpruning)], max_concurrent=1)
+    ran = [r for r in finished_results(tmp_path) if r.params in points]
+    assert sorted(r.params["max_num_seqs"] for r in ran) == [3, 5]
+    for result in ran:
+        assert result.outcome == "FAILED" and result.pruned is None, (result.outcome, result.reason)
+    assert pruned_points(finished_results(tmp_path), unpruning) == []

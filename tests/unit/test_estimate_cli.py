@@ -59,11 +59,42 @@ def test_the_table_has_a_line_per_configuration_and_level(capsys, space_report):
     assert len(lines) == 4 + len(space_report["rows"])
 
 
-def test_a_cpu_space_is_one_clear_error(capsys):
-    rc = cli.main(["estimate", str(REPO / "search_spaces" / "cpu-tiny.yaml")])
+def test_a_gpu_space_naming_no_gpu_is_one_clear_error(tmp_path, capsys):
+    import yaml
+
+    doc = yaml.safe_load(SPACE.read_text())
+    doc["hardware"].pop("gpu")
+    path = tmp_path / "nogpu.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    rc = cli.main(["estimate", str(path)])
     err = capsys.readouterr().err
     assert rc == 2
-    assert err.count("\n") == 1 and "cpu-tiny.yaml" in err and "hardware.gpu" in err and "Traceback" not in err
+    assert err.count("\n") == 1 and "nogpu.yaml" in err and "hardware.gpu" in err and "Traceback" not in err
+
+
+def test_a_cpu_space_is_estimated_with_the_recording_hosts_rates_as_its_trials_are(capsys):
+    """Issue 40, item 6: the estimate runs on the CPU stand-in too, as the dry run and the trials make it."""
+    assert cli.main(["estimate", str(REPO / "search_spaces" / "cpu-tiny.yaml"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["expected_error"] == {} and "a study refits them" in report["expected_error_note"]
+    rows = report["rows"]
+    assert rows and all("estimate" in r for r in rows)
+    assert len(rows) == len({json.dumps(r["params"], sort_keys=True) for r in rows}) * 3  # cpu-tiny: 2, 8, 32
+
+    def at(clients, **params):
+        (row,) = [r for r in rows if r["level"] == {"concurrency": clients} and params.items() <= r["params"].items()]
+        return row["estimate"]
+
+    two = {"max_num_seqs": 2, "max_num_batched_tokens": 256, "enable_chunked_prefill": True}
+    common = {**two, "enable_prefix_caching": True, "env.VLLM_CPU_KVCACHE_SPACE": 1}
+    assert not at(2, **common, data_parallel_size=1)["saturated"]
+    assert at(8, **common, data_parallel_size=1)["saturated"]  # 8 clients, 2 sequences at once
+    one, both = at(32, **common, data_parallel_size=1), at(32, **common, data_parallel_size=2)
+    assert both["output_throughput"] > 1.5 * one["output_throughput"]  # two engines share the clients
+
+    assert cli.main(["estimate", str(REPO / "search_spaces" / "cpu-tiny.yaml")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "vLLM's CPU build" in lines[0] and lines[1].startswith("expected error: not known on this host")
 
 
 def test_plan_estimate_adds_the_estimate_to_the_json(capsys):
@@ -166,3 +197,55 @@ def test_each_row_is_costed_per_million_tokens_at_its_own_types_price(tmp_path, 
     assert cli.main(["estimate", str(path)]) == 0
     table = capsys.readouterr().out
     assert "$/Mtok" in table and load_price_table()["L40S"].describe("L40S") in table
+
+
+def test_each_row_names_the_slo_bounds_its_estimate_breaks_so_the_ladder_shows_where_each_breaks(tmp_path, capsys):
+    import yaml
+
+    doc = yaml.safe_load((REPO / "search_spaces" / "chat-latency.yaml").read_text())
+    doc["params"] = {"max_num_seqs": [16, 64]}  # chat-latency's Poisson ladder 2-32 req/s and its SLO
+    doc["constraints"] = []
+    path = tmp_path / "chat.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    assert cli.main(["estimate", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    # error_rate is not a figure the estimate has: not judged
+    assert report["slo_judged"] == ["ttft_ms_p95 <= 800", "ttft_ms_p99 <= 2000", "tpot_ms_p95 <= 40"]
+    limits = {"ttft_ms_p95": ("ttft_ms", 800), "ttft_ms_p99": ("ttft_ms", 2000), "tpot_ms_p95": ("tpot_ms", 40)}
+    by_config = defaultdict(list)
+    for row in report["rows"]:
+        est = row["estimate"]
+        expected = [n for n, (f, limit) in limits.items() if est[f] is None or est[f] > limit]
+        assert [text.split(" ", 1)[0] for text in row["slo_broken"]] == expected
+        by_config[json.dumps(row["params"], sort_keys=True)].append(row)
+    where = []
+    for rows in by_config.values():
+        rows.sort(key=lambda r: r["level"]["rate"])
+        broken = [bool(r["slo_broken"]) for r in rows]
+        assert broken == sorted(broken)  # once broken along the ladder, broken at every load above
+        where.append(broken.index(True) if True in broken else None)
+    # the bound breaks inside the ladder, and later for the configuration with four times the slots
+    assert where[0] is not None and where[1] is not None and 0 < where[0] < where[1]
+
+    assert cli.main(["estimate", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2].startswith("prices: ")
+    assert lines[3].startswith("SLO judged by the estimated means") and "tpot_ms_p95 <= 40" in lines[3]
+    assert lines[4].split()[-2:] == ["knee", "SLO"] and len(lines) == 5 + len(report["rows"])
+    assert {line.split("  ")[-1].split(" ")[0] for line in lines[5:]} == {"met", "breaks"}
+
+
+def test_the_estimate_judges_tail_and_mean_bounds_by_its_mean_and_a_saturated_queue_breaks_ttft():
+    from servetune.config.slo import Slo
+    from servetune.estimate import Estimate
+    from servetune.estimate.slo import broken_bounds
+
+    slo = Slo.parse("ttft_ms.p50=10,ttft_ms.p99=500,itl_ms.p95=20,tpot_ms.mean=50,e2el_ms.p99=1,error_rate=0.001")
+    figures = {"tpot_ms": 30.0, "itl_ms": 30.0, "output_throughput": 1.0, "request_throughput": 1.0,
+               "knee": 1, "in_flight_per_replica": 1.0, "kv_preemption": False, "gpu_class": "H100"}  # fmt: skip
+    # the median, E2E and the error rate are not judged; ITL is TPOT on average
+    assert broken_bounds(Estimate(ttft_ms=400.0, saturated=False, **figures), slo) == ["itl_ms_p95 <= 20: 30 ms"]
+    assert broken_bounds(Estimate(ttft_ms=None, saturated=True, **figures), slo) == [
+        "ttft_ms_p99 <= 500: unbounded (saturated)",
+        "itl_ms_p95 <= 20: 30 ms",
+    ]

@@ -7,12 +7,15 @@ import json
 from pathlib import Path
 from typing import Any
 
-from servetune.capacity import load_model_arch, resolve_hardware
+from servetune.capacity import ModelArch, arch_from_hf_config, load_model_arch, resolve_hardware
 from servetune.config.workload import mean_lengths
 from servetune.errors import UserError
 from servetune.estimate import Estimate, Load, estimate, load_factors
+from servetune.estimate.calibrate_cpu import RECORDED_HOST
 from servetune.estimate.encoder import workload_images
+from servetune.estimate.slo import broken_bounds, judged_bounds
 from servetune.metrics import cost_per_mtok_usd
+from servetune.models.tiny import TINY_CONFIG
 from servetune.space_file import load_space
 from servetune.trial.context import resolve_levels
 
@@ -29,8 +32,22 @@ is the fit's median error on held-out measurements. Requests take the workload's
 output lengths; prefix caching is not modelled. A vision-language workload's requests add their images'
 tokens to the prompt and the vision tower's time to encode them to TTFT. Each row's cost per million
 output tokens is at its GPU type's price as a trial of it would be costed (the space's price list, its
-`prices:`, or its `price_per_device_hour`). GPU spaces only.
+`prices:`, or its `price_per_device_hour`; on the CPU build, its price per core-hour). Where the space's SLO bounds
+TTFT, TPOT or ITL (mean, P90, P95 or P99), each row lists the bounds its estimated mean already breaks, so
+the first level of a configuration that lists a bound is where that bound is predicted to break.
+
+On vLLM's CPU build (device: cpu) the same model runs with the cores' rates of the host the CPU factors
+were fitted on (estimate/calibrate_cpu.py RECORDED_HOST), as a study's trials and its dry run estimate
+them: on another host its error is not known until a study refits the factors on its own trials.
 """
+
+#: What the CPU build's expected error is: its factors hold on the host whose surfaces they were fitted on.
+CPU_ERROR = (
+    "not known on this host: the CPU factors were fitted on one recording host's study surfaces (bench/README.md, "
+    "the CPU stand-in), with that host's rates; a study refits them on its own trials"
+)
+
+CPU_HOST = "vLLM's CPU build (the recording host's rates)"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -47,22 +64,30 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     space = load_space(args.space)
-    if space.device != "gpu" or not space.gpu_types():
-        raise UserError(f"{args.space}: hardware.gpu: the estimate covers catalogue GPUs only (device: gpu, gpu: NAME)")
+    cpu = space.device == "cpu"
+    if not cpu and not space.gpu_types():
+        raise UserError(
+            f"{args.space}: hardware.gpu: the estimate covers catalogue GPUs (gpu: NAME) and vLLM's CPU build "
+            "(device: cpu)"
+        )
     workload = space.resolved_workload(args.space.parent)
     levels = resolve_levels(space, workload)
     input_tokens, output_tokens = mean_lengths(workload)
-    hardware_of = {g: resolve_hardware("gpu", g, space.hardware.gpu_memory_gib) for g in space.gpu_types()}
-    prices = {g: space.pricing.resolve(g) for g in space.gpu_types()}  # as a trial of the type is costed
+    if cpu:
+        hardware_of = {"cpu": resolve_hardware("cpu")}
+    else:
+        hardware_of = {g: resolve_hardware("gpu", g, space.hardware.gpu_memory_gib) for g in space.gpu_types()}
+    prices = {key: space.pricing.resolve(None if cpu else key) for key in hardware_of}  # as a trial is costed
     configs, _ = space.grid()
     factors = load_factors()
+    slo = space.slo_bounds
+    judged = judged_bounds(slo)
     rows: list[dict[str, Any]] = []
     for params in configs:
-        engine, _env = space.engine_params(params)
-        arch = load_model_arch(space.model_for(params))
-        gpu = str(space.gpu_for(params))
-        hardware = hardware_of[gpu]  # its own type where the space compares types
-        price = prices[gpu].usd_per_device_hour
+        engine, env = space.engine_params(params)
+        arch = _arch(space.model_for(params))
+        key = "cpu" if cpu else str(space.gpu_for(params))
+        hardware, price = hardware_of[key], prices[key].usd_per_device_hour  # its own type where types compare
         # a vision-language workload's prompts hold its images' tokens too, encoded by the vision tower first
         image_tokens, flops = workload_images(workload, arch.vision, engine)
         prompt_tokens = input_tokens + image_tokens
@@ -72,15 +97,19 @@ def run(args: argparse.Namespace) -> int:
             if prompt_tokens > input_tokens:
                 row["image_tokens"] = prompt_tokens - input_tokens
             try:
-                found = estimate(arch, engine, hardware, load, factors)
-                row["estimate"] = found.model_dump(mode="json")
-                row["usd_per_device_hour"] = price
-                devices, tokens = space.replica_devices(params), found.output_throughput
-                row["cost_per_mtok_usd"] = cost_per_mtok_usd(price, devices, tokens) if tokens > 0 else None
+                est = estimate(arch, engine, hardware, load, factors, env=env, rates=RECORDED_HOST if cpu else None)
             except UserError as exc:
                 row["infeasible"] = str(exc)
+            else:
+                row["estimate"] = est.model_dump(mode="json")
+                row["usd_per_device_hour"] = price
+                devices, tokens = space.replica_devices(params), est.output_throughput
+                row["cost_per_mtok_usd"] = cost_per_mtok_usd(price, devices, tokens) if tokens > 0 else None
+                if judged:  # where along the ladder each bound breaks: the first level that lists it
+                    row["slo_broken"] = broken_bounds(est, slo)
             rows.append(row)
-    expected = {metric: err.median for metric, err in factors.held_out_error.items()}
+    # the held-out errors are the GPU fit's; the CPU factors belong to the host they were fitted on
+    expected = {} if cpu else {metric: err.median for metric, err in factors.held_out_error.items()}
     if args.json:
         report = {
             "space": str(args.space),
@@ -88,24 +117,39 @@ def run(args: argparse.Namespace) -> int:
             "input_tokens": input_tokens,
             "output_tokens": output_tokens,
             "expected_error": expected,
+            **({"expected_error_note": CPU_ERROR} if cpu else {}),
             "factors_fit_date": factors.fit_date,
-            "prices": {g: price.describe() for g, price in prices.items()},
+            "prices": {key: price.describe() for key, price in prices.items()},
+            "slo_judged": [str(b) for b in judged],
             "rows": rows,
         }
         print(json.dumps(report, indent=2))
         return 0
     print(
         f"{space.name}: {len(configs)} configurations x {len(levels)} levels on "
-        f"{', '.join(h.name for h in hardware_of.values())}, "
+        f"{CPU_HOST if cpu else ', '.join(h.name for h in hardware_of.values())}, "
         f"requests of {input_tokens} in / {output_tokens} out tokens (the workload's means)"
     )
-    print(
-        "expected error (median on held-out public measurements, fit of "
-        f"{factors.fit_date}): " + ", ".join(f"{metric} ±{100 * value:.0f}%" for metric, value in expected.items())
-    )
+    if cpu:
+        print(f"expected error: {CPU_ERROR}")
+    else:
+        print(
+            "expected error (median on held-out public measurements, fit of "
+            f"{factors.fit_date}): " + ", ".join(f"{metric} ±{100 * value:.0f}%" for metric, value in expected.items())
+        )
     print("prices: " + "; ".join(price.describe() for price in prices.values()))
-    print(_table(rows))
+    if judged:
+        print(
+            "SLO judged by the estimated means (a mean over a bound breaks it; within it, the tail may not be): "
+            + ", ".join(map(str, judged))
+        )
+    print(_table(rows, slo_column=bool(judged)))
     return 0
+
+
+def _arch(model: str) -> ModelArch:
+    """The model's architecture; ``tiny`` is servetune's test model, which a study builds (models/tiny.py)."""
+    return arch_from_hf_config(TINY_CONFIG, name="tiny") if model == "tiny" else load_model_arch(model)
 
 
 SHORT = {
@@ -130,11 +174,17 @@ def _params_text(params: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-def _row_cells(row: dict[str, Any]) -> list[str]:
+def _slo_cell(row: dict[str, Any]) -> str:
+    """``met``, or ``breaks ttft_ms_p95, ttft_ms_p99``: the bounds the row's estimate breaks, by name."""
+    broken = row.get("slo_broken", [])
+    return "breaks " + ", ".join(text.split(" ", 1)[0] for text in broken) if broken else "met"
+
+
+def _row_cells(row: dict[str, Any], slo_column: bool = False) -> list[str]:
     ((kind, value),) = row["level"].items()
     level = f"{'c' if kind == 'concurrency' else 'r'}={value:g}"
     if "infeasible" in row:
-        return [_params_text(row["params"]), level, row["infeasible"], "", "", "", "", "", ""]
+        return [_params_text(row["params"]), level, row["infeasible"], "", "", "", "", "", ""] + [""] * slo_column
     est = Estimate(**row["estimate"])
     return [
         _params_text(row["params"]),
@@ -146,12 +196,14 @@ def _row_cells(row: dict[str, Any]) -> list[str]:
         "-" if row["cost_per_mtok_usd"] is None else f"{row['cost_per_mtok_usd']:.2f}",
         "yes" if est.saturated else "",
         str(est.knee),
-    ]
+    ] + [_slo_cell(row)] * slo_column
 
 
-def _table(rows: list[dict[str, Any]]) -> str:
+def _table(rows: list[dict[str, Any]], slo_column: bool = False) -> str:
+    """One line per row; with ``slo_column``, a last column naming the SLO bounds the row's estimate breaks."""
     header = ["configuration", "level", "ttft_ms", "tpot_ms", "output tok/s", "req/s", "$/Mtok", "saturated", "knee"]
-    cells = [_row_cells(r) for r in rows]
+    header += ["SLO"] * slo_column
+    cells = [_row_cells(r, slo_column) for r in rows]
     feasible = [header, *(c for r, c in zip(rows, cells, strict=True) if "infeasible" not in r)]
     widths = [max(len(c[i]) for c in [header, *cells] if i < 2 or c in feasible) for i in range(len(header))]
     lines = []
@@ -159,6 +211,8 @@ def _table(rows: list[dict[str, Any]]) -> str:
         first = f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}"
         if "infeasible" in row:  # its reason runs to the end of the line
             lines.append(f"{first}  {r[2]}")
-        else:
-            lines.append("  ".join([first] + [f"{c:>{w}}" for c, w in zip(r[2:], widths[2:], strict=True)]))
+            continue
+        numbers = r[2:9]  # right-aligned; the SLO's words after them
+        line = "  ".join([first] + [f"{c:>{w}}" for c, w in zip(numbers, widths[2:9], strict=True)])
+        lines.append(f"{line}  {r[9]}" if slo_column else line)
     return "\n".join(lines)

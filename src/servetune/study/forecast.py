@@ -22,16 +22,11 @@ from servetune.errors import UserError
 from servetune.estimate import Efficiency, Estimate, Load, estimate, gpu_class, load_factors
 from servetune.estimate.calibrate_cpu import RECORDED_HOST
 from servetune.estimate.encoder import workload_images
+from servetune.estimate.slo import ESTIMATED_METRICS
 from servetune.load.runner import Level
 from servetune.metrics import COST_METRIC, cost_per_mtok_usd
 from servetune.trial.context import StudyContext
 from servetune.trial.runner import TrialSpec
-
-#: The statistics of an SLO bound the estimate (a mean) is compared with: each is at least the mean for the
-#: latency distributions servetune measures (a bound on the median is not: a tail pulls the mean above it).
-ESTIMATED_STATS = frozenset({"mean", "p90", "p95", "p99"})
-#: The SLO metrics the estimate predicts, and the estimate's figure for each (ITL is TPOT on average).
-ESTIMATED_METRICS = {"ttft_ms": "ttft_ms", "tpot_ms": "tpot_ms", "itl_ms": "tpot_ms"}
 
 
 @dataclass(frozen=True)

@@ -34,10 +34,11 @@ from typing import Any
 from servetune.config.slo import Slo
 from servetune.estimate import load_factors
 from servetune.estimate.factors import MetricError
+from servetune.estimate.slo import ESTIMATED_METRICS, ESTIMATED_STATS
 from servetune.metrics import COST_METRIC, OUTPUT_THROUGHPUT, cost_per_mtok_usd
 from servetune.results import MARGIN, OperatingPoint, Pruned, PrunedLevel
 from servetune.study.early_stop import TTFT_METRIC, _level_text, dominating_point
-from servetune.study.forecast import ESTIMATED_METRICS, ESTIMATED_STATS, LevelForecast, forecast
+from servetune.study.forecast import LevelForecast, forecast
 from servetune.trial.runner import TrialSpec
 
 #: The study's own errors replace the shipped fit's once it has measured this many estimated levels of a metric.
