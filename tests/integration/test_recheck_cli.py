@@ -104,3 +104,29 @@ def test_a_flag_the_new_vllm_does_not_know_is_refused_with_nothing_started(study
     doc = json.loads((tmp_path / "out.json").read_text())
     assert doc["verdict"] == "REFUSED" and doc["outcome_after"] == "NOT RUN" and doc["changes"] == []
     assert not (study / "recheck").exists() and processes_mentioning(fake) == []
+
+
+def test_a_default_the_new_vllm_resolved_otherwise_is_changed_defaults(study, tmp_path):
+    """The recorded trial left max_num_seqs to vLLM, which resolved 256 (``/server_info``, as trials record it); the
+    new vLLM (the fake engine, answering ``/server_info`` as a vLLM that resolves 128) is as fast or faster: exit 4,
+    CHANGED-DEFAULTS naming the argument, in the file and on stderr."""
+    path = study / "trials" / WINNER / "result.json"
+    recorded = json.loads(path.read_text())
+    recorded["resolved_engine_args"] = {"max_num_seqs": 256, "max_num_batched_tokens": 2048, "block_size": 16}
+    path.write_text(json.dumps(recorded))
+    config = {"scheduler_config": {"max_num_seqs": 128, "max_num_batched_tokens": 2048},
+              "cache_config": {"block_size": 16}}  # fmt: skip
+    fake = write_fake_python(tmp_path)
+    env = {"SERVETUNE_FAKE_VLLM_CONFIG": json.dumps(config), "SERVETUNE_FAKE_TTFT_MS": "5",
+           "SERVETUNE_FAKE_ITL_MS": "1", "MLFLOW_TRACKING_URI": ""}  # fmt: skip
+    done = recheck(study, fake, "--json", tmp_path / "out.json", env=env)
+    assert done.returncode == 4, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    (verdict,) = [line for line in done.stderr.splitlines() if line.startswith("CHANGED-DEFAULTS: ")]
+    assert "max_num_seqs resolved to 128 (was 256)" in verdict and "block_size" not in verdict, done.stderr[-3000:]
+    doc = json.loads((tmp_path / "out.json").read_text())
+    assert doc["verdict"] == "CHANGED-DEFAULTS" and doc["resolved_note"] is None
+    assert doc["arguments"] == [{"name": "max_num_seqs", "kind": "resolved", "before": 256, "after": 128}]
+    rechecked = json.loads((Path(doc["result_dir"]) / "result.json").read_text())
+    assert rechecked["resolved_engine_args"] == {"max_num_seqs": 128, "max_num_batched_tokens": 2048, "block_size": 16}
+    assert processes_mentioning(fake) == []

@@ -154,6 +154,52 @@ def test_a_rollout_is_done_once_no_replica_from_before_the_update_is_alive(local
     assert cluster.replica_states("roll") == {"RUNNING": 2}
 
 
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+class Recording:
+    """A replica that records requests waiting at its engine, as servetune's LLMServer records vLLM's (serve/replica.py),
+    and is sent no request: Serve's own in-flight count stays 0."""
+
+    def __init__(self, waiting: float) -> None:
+        self.waiting = waiting
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        from servetune.report.autoscale_policy import WAITING_METRIC
+
+        return {WAITING_METRIC: self.waiting}
+
+    def __call__(self, request) -> str:
+        return "ok"
+
+
+def test_serves_controller_runs_the_predictive_policy_on_the_waiting_requests_replicas_record(local_ray):
+    """What ``export --autoscaling-policy predictive`` ships (issue #42 item 3): Serve's controller imports servetune's
+    PredictivePolicy and scales on what the replicas record, not only on requests in flight. With no request sent, a
+    replica recording 5 requests waiting against 2 a replica may hold is scaled out to the 3 that drain them, and one
+    recording none, deployed beside it with the same policy, is still at 1 once that has happened."""
+    import time
+
+    from servetune.engine.server import free_port
+    from servetune.report.autoscale_policy import POLICY_FUNCTION, PredictiveThresholds
+    from servetune.serve.cluster import ServeCluster
+
+    thresholds = PredictiveThresholds(target_ongoing_requests=8, waiting_per_replica=2, kv_usage_limit=0.85)
+    config = {"min_replicas": 1, "initial_replicas": 1, "max_replicas": 3, "upscale_delay_s": 0.5,
+              "downscale_delay_s": 600, "look_back_period_s": 2, "metrics_interval_s": 0.5,
+              "policy": {"policy_function": POLICY_FUNCTION, "policy_kwargs": thresholds.policy_kwargs()}}  # fmt: skip
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+    for name, waiting in (("idle", 0.0), ("queued", 5.0)):
+        serve.run(Recording.options(autoscaling_config=config).bind(waiting), name=name, route_prefix=f"/{name}")
+
+    def running(app: str) -> int:
+        return ServeCluster(None, {}).replica_states(app, deployment_prefix="Recording").get("RUNNING", 0)
+
+    deadline = time.monotonic() + 120
+    while running("queued") < 3 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert running("queued") == 3, serve.status().applications["queued"]
+    assert running("idle") == 1, serve.status().applications["idle"]
+
+
 RESET_IN_THROUGHPUT_MODE = """
 import ray
 from ray import serve

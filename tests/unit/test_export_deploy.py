@@ -8,8 +8,10 @@ here, the rest against the CRDs' schemas vendored under tests/data in test_expor
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shlex
+from pathlib import PurePosixPath
 from typing import Any
 
 import jsonschema
@@ -191,6 +193,33 @@ def test_kserve_predictor_is_the_same_container_as_a_valid_pod_spec(gpu_point, a
     (metric,) = own["autoScaling"]["metrics"]  # the in-flight policy: one signal
     assert metric["external"]["target"]["value"] == str(autoscaling.target_ongoing_requests)
     validate_definition(predictor, "io.k8s.api.core.v1.PodSpec")
+
+
+def test_a_local_model_is_mounted_from_its_claim_where_the_arguments_name_it(gpu_point, autoscaling):
+    """The stored study ran on a local directory: the pod gets it at that path from the claim llm-d's export names
+    (holding it as its directory), read-only, and the header says to create it; a hub id mounts nothing."""
+    model = PurePosixPath(gpu_point.model)
+    assert model.is_absolute()
+    claim = f"{deploy.app_name(gpu_point)}-model"
+    (deployment, *_) = deploy.kubernetes_documents(gpu_point, autoscaling)
+    isvc = deploy.kserve_inference_service(gpu_point, autoscaling)
+    for pod in (deployment["spec"]["template"]["spec"], isvc["spec"]["predictor"]):
+        (container,) = pod["containers"]
+        assert container["args"][0] == str(model)
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == "model"]
+        assert mount == {"name": "model", "mountPath": str(model), "subPath": model.name, "readOnly": True}
+        assert {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}} in pod["volumes"]
+    validate_k8s(dict(deployment))
+    for text in (deploy.kubernetes_yaml(gpu_point, autoscaling), deploy.kserve_yaml(gpu_point, autoscaling)):
+        assert f"PersistentVolumeClaim {claim} holding it as {model.name}/" in text
+    hub = dataclasses.replace(gpu_point, model="Qwen/Qwen3-8B")
+    (deployment, *_) = deploy.kubernetes_documents(hub, autoscaling)
+    assert deployment["spec"]["template"]["spec"]["volumes"] == [deploy.SHM_VOLUME]
+    assert "PersistentVolumeClaim" not in deploy.kubernetes_yaml(hub, autoscaling)
+    relative = dataclasses.replace(gpu_point, model="./models/tiny")
+    (deployment, *_) = deploy.kubernetes_documents(relative, autoscaling)
+    assert deployment["spec"]["template"]["spec"]["volumes"] == [deploy.SHM_VOLUME]
+    assert "the image must hold it there" in deploy.kubernetes_yaml(relative, autoscaling)
 
 
 def test_names_are_dns_labels():

@@ -123,6 +123,26 @@ def test_a_default_resolved_to_another_value_is_changed_defaults():
     assert "max_num_seqs resolved to 128 (was 256)" in doc.reasons[0]
 
 
+def test_a_pass_says_so_where_the_defaults_vllm_resolved_could_not_be_compared():
+    """A recorded trial without ``resolved_engine_args`` (results before schema 2, as the stored cpu-tiny study) or a
+    new engine whose ``/server_info`` said nothing cannot show a moved default: the PASS says so, not "no engine
+    argument moved"."""
+    from servetune.cli.recheck import summary
+
+    compared = check(result(resolved={"max_num_seqs": 256}), result(resolved={"max_num_seqs": 256}))
+    assert compared.verdict == "PASS" and compared.resolved_note is None
+    assert compared.reasons == ["within noise or better, and no engine argument moved"]
+    for before, after, words in (({}, {"max_num_seqs": 128}, "trial t1 recorded none"),
+                                 ({"max_num_seqs": 256}, {}, "the re-measured engine gave none")):  # fmt: skip
+        doc = check(result(resolved=before), result(resolved=after))
+        assert doc.verdict == "PASS" and doc.exit_status == 0 and words in (doc.resolved_note or "")
+        (reason,) = doc.reasons
+        assert "no engine argument moved" not in reason and "resolved were not compared: " + words in reason
+        assert f"  resolved engine arguments not compared: {doc.resolved_note}" in summary(doc)
+    refused = check(result(), None)
+    assert refused.verdict == "REFUSED" and refused.resolved_note is None  # nothing ran: nothing to compare
+
+
 def test_a_renamed_flag_is_changed_defaults():
     new = {**BASE, "max_num_seqs": ArgSpec("max_num_seqs", "--max-running-seqs", "value")}
     doc = check(result(), result(), new=new)

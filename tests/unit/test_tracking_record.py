@@ -295,6 +295,35 @@ def test_a_study_s_recorded_store_is_where_later_work_logs_and_it_keeps_no_crede
     assert without_credentials("sqlite:////data/x.db") == "sqlite:////data/x.db"
 
 
+def test_report_log_to_mlflow_logs_into_the_store_the_study_recorded_unless_told(tmp_path, monkeypatch):
+    """``report --log-to-mlflow`` run from another directory syncs the study into the store its study.json
+    recorded, not the environment's nor ``./mlflow.db``; ``--tracking-uri`` overrides it (issue #42 item 7)."""
+    import shutil
+    from types import SimpleNamespace
+
+    from servetune.cli import main
+
+    study = tmp_path / "study"
+    shutil.copytree(Path(__file__).parents[1] / "data" / "cpu-tiny-study", study)
+    info = json.loads((study / "study.json").read_text())
+    (study / "study.json").write_text(json.dumps({**info, "tracking_uri": "sqlite:////data/recorded.db"}))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://env:5000")
+    synced: list[str] = []
+
+    def sync_study(study_dir, uri, report_dir=None):
+        synced.append(uri)
+        return SimpleNamespace(ok=True, summary=lambda: f"synced to {uri}")
+
+    monkeypatch.setattr("servetune.tracking.sync_study", sync_study)
+    assert main(["report", str(study), "--log-to-mlflow"]) == 0
+    assert main(["report", str(study), "--tracking-uri", "sqlite:///told.db"]) == 0
+    assert synced == ["sqlite:////data/recorded.db", f"sqlite:///{elsewhere / 'told.db'}"]
+    assert list(elsewhere.iterdir()) == []
+
+
 def test_a_closed_port_is_unreachable_at_once_and_local_stores_are_not_probed():
     reason = unreachable_reason(f"http://127.0.0.1:{free_port()}", timeout_s=2)
     assert reason is not None and "refused" in reason.lower()

@@ -207,6 +207,8 @@ def summary(doc: Recheck) -> list[str]:
     if doc.cpu_binding or doc.cpu_unclaimed:
         lines.append("  re-measured engine" + cores_words(doc.cpu_binding, doc.cpu_unclaimed))
     lines += [f"  argument: {describe(a)}" for a in doc.arguments]
+    if doc.resolved_note is not None:
+        lines.append(f"  resolved engine arguments not compared: {doc.resolved_note}")
     if any(c.margin_from == "default" for c in doc.changes):
         lines.append(f"  (levels measured once: the noise margin is the {MARGIN:.0%} default, tighter than a P99 latency "
                      "spreads between runs on a shared host; --repeats 3 measures the noise)")  # fmt: skip

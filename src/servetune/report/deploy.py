@@ -44,6 +44,7 @@ from servetune.report.admission import AdmissionBounds, comment_lines
 from servetune.report.autoscale import Autoscaling
 from servetune.report.autoscale_policy import ScalingSignal
 from servetune.report.export import masked_engine_args
+from servetune.report.pod_model import model_notes, model_volume
 from servetune.report.points import ReportPoint, level_label
 from servetune.secrets import SECRET_ENGINE_ARGS, is_secret_env
 
@@ -155,10 +156,22 @@ def container(point: ReportPoint, image: str, secret_name: str, name: str = "vll
 SHM_VOLUME = {"name": "dshm", "emptyDir": {"medium": "Memory"}}
 
 
+def pod_volumes(point: ReportPoint, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The pod's volumes: ``/dev/shm``, and for a local model its claim (report/pod_model.py), whose mount is added
+    to ``spec``, the vLLM container."""
+    found = model_volume(point.model, app_name(point))
+    if found is None:
+        return [SHM_VOLUME]
+    volume, mount = found
+    spec["volumeMounts"] = [*spec["volumeMounts"], mount]
+    return [SHM_VOLUME, volume]
+
+
 def deployment(point: ReportPoint, image: str, replicas: int = 1,
                admission: AdmissionBounds | str | None = None) -> dict[str, Any]:  # fmt: skip
     name = app_name(point)
     labels = {"app.kubernetes.io/name": name, "app.kubernetes.io/managed-by": "servetune"}
+    vllm = container(point, image, f"{name}-secrets", admission=admission)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -168,10 +181,7 @@ def deployment(point: ReportPoint, image: str, replicas: int = 1,
             "selector": {"matchLabels": {"app.kubernetes.io/name": name}},
             "template": {
                 "metadata": {"labels": labels},
-                "spec": {
-                    "containers": [container(point, image, f"{name}-secrets", admission=admission)],
-                    "volumes": [SHM_VOLUME],
-                },
+                "spec": {"containers": [vllm], "volumes": pod_volumes(point, vllm)},
             },
         },
     }
@@ -341,10 +351,8 @@ def kserve_inference_service(
     (``autoScaling.metrics``), each a total against its per-replica threshold (KServe gives KEDA no metric
     type, so KV usage is queried as the fullest engine's times the pods)."""
     name = app_name(point)
-    predictor: dict[str, Any] = {
-        "containers": [container(point, image, f"{name}-secrets", name="kserve-container", admission=admission)],
-        "volumes": [SHM_VOLUME],
-    }
+    vllm = container(point, image, f"{name}-secrets", name="kserve-container", admission=admission)
+    predictor: dict[str, Any] = {"containers": [vllm], "volumes": pod_volumes(point, vllm)}
     annotations = {"servetune/trial": point.trial_id}
     if isinstance(autoscaling, Autoscaling):
         deployment = name + KSERVE_PREDICTOR_SUFFIX
@@ -387,7 +395,7 @@ def _header(point: ReportPoint, autoscaling: Autoscaling | str, what: str,
         f"{what} (servetune trial {point.trial_id}, measured at {level_label(point.level)}).",
         "Deploy: kubectl apply -f this.yaml",
     ]
-    lines += pod_notes(point, name, admission)
+    lines += pod_notes(point, name, admission) + model_notes(point.model, name)
     if isinstance(autoscaling, str):
         lines.append(f"Fixed replicas, no autoscaling derived: {autoscaling}")
     else:

@@ -30,7 +30,6 @@ chart's templates (``_helpers.tpl``, ``decode-deployment.yaml``) use them:
 from __future__ import annotations
 
 import math
-import os
 import re
 from pathlib import PurePosixPath
 from typing import Any
@@ -42,6 +41,7 @@ from servetune.report import deploy
 from servetune.report.admission import AdmissionBounds
 from servetune.report.autoscale import Autoscaling
 from servetune.report.export import masked_engine_args
+from servetune.report.pod_model import is_local_path, model_claim
 from servetune.report.points import ReportPoint, level_label
 
 #: The chart version these values are written for (its values.schema.json is vendored in tests/data/llm-d).
@@ -53,11 +53,6 @@ UNKNOWN_MODEL_SIZE = "100Gi"
 #: Room on top of the checkpoint's bytes for the download (tokenizer, config, partial files).
 SIZE_MARGIN = 1.2
 _GIB = 1024**3
-
-
-def is_local_path(model: str) -> bool:
-    """Whether ``model`` names a directory (absolute, relative or existing here) rather than a hub id."""
-    return model.startswith(("/", ".", "~")) or os.path.isdir(model)
 
 
 def checkpoint_size(model: str) -> str | None:
@@ -94,7 +89,7 @@ def model_artifacts(point: ReportPoint) -> tuple[dict[str, Any], list[str]]:
                 "below /: the chart mounts the model's claim at its parent; run the study on an absolute path "
                 "(or a hub id), or use --format kubernetes"
             )
-        claim = f"{deploy.app_name(point)}-model"[:63]
+        claim = model_claim(deploy.app_name(point))
         artifacts |= {"uri": f"pvc://{claim}/{path.name}", "mountPath": str(path.parent)}
         return artifacts, [
             f"The model is a local directory: create the PersistentVolumeClaim {claim} holding it as {path.name}/ "

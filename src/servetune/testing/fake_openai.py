@@ -2,7 +2,8 @@
 
 Fast client and scheduler tests use it where real vLLM would make them slow. It speaks the
 parts of vLLM's API servetune uses: ``/health``, ``/v1/models``, streaming
-``/v1/completions`` and ``/v1/chat/completions`` with ``usage``, and a small ``/metrics``.
+``/v1/completions`` and ``/v1/chat/completions`` with ``usage``, and a small ``/metrics``; ``/server_info``
+where ``$SERVETUNE_FAKE_VLLM_CONFIG`` gives the configuration to answer with.
 It streams ``n`` choices and log-probabilities (in each API's shape) where a request asks for them, unless made
 with ``honour_asks=False`` (a server that takes the fields and ignores them). It also logs vLLM's KV capacity
 line, so it can stand in for the engine in lifecycle tests:
@@ -67,8 +68,11 @@ class FakeOpenAI:
     def __init__(self, ttft_ms: float = 20.0, itl_ms: float = 5.0, model: str = "fake", fail_status: int | None = None,
                  max_num_seqs: int | None = None, dev_mode: bool = True, stall_after: int | None = None,
                  stall_ms: float = 0.0, release_ms: float = 0.0, max_num_queued_reqs: int | None = None,
-                 twin: Twin | None = None, honour_asks: bool = True) -> None:  # fmt: skip
+                 twin: Twin | None = None, honour_asks: bool = True,
+                 vllm_config: dict[str, Any] | None = None) -> None:  # fmt: skip
         self.ttft_s = ttft_ms / 1000.0
+        # What ``/server_info?config_format=json`` answers (dev mode), as a vLLM that resolved these (None: no route)
+        self.vllm_config = vllm_config
         self.itl_s = itl_ms / 1000.0
         # A stream that falls silent: after ``stall_after`` tokens, ``stall_ms`` without a byte.
         self.stall_after = stall_after
@@ -113,7 +117,12 @@ class FakeOpenAI:
         app.router.add_get("/metrics", self.metrics)
         if self.dev_mode:
             app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+            if self.vllm_config is not None:
+                app.router.add_get("/server_info", self.server_info)
         return app
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response({"vllm_config": self.vllm_config})
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         self.cached.clear()
@@ -384,6 +393,8 @@ def main(argv: list[str] | None = None) -> None:
         stall_ms=args.stall_ms,
         release_ms=args.release_ms,
         twin=twin,
+        # the configuration a vLLM resolved, as JSON (engine/resolved.py reads it), e.g. for recheck's moved defaults
+        vllm_config=json.loads(raw_config) if (raw_config := os.environ.get("SERVETUNE_FAKE_VLLM_CONFIG")) else None,
     ).app()
     if args.crash_after_s is not None:
         app.on_startup.append(on_startup)

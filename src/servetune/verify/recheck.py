@@ -118,6 +118,8 @@ class Recheck(ClaimedCores, BaseModel):  # its cores: the re-measured engine's (
     quality_after: bool | None = None
     failure: str | None = None  # why the new vLLM refused the configuration
     host_note: str | None = None  # the re-measurement ran on other hardware than the recorded trial
+    # why the engine arguments vLLM resolved (/server_info) were not compared (None: they were, or it did not run)
+    resolved_note: str | None = None
     result_dir: str | None = None  # the re-measured trial's directory
     # its model's download before the engine started (servetune/prefetch.py), apart from the start-up; [] none
     prefetch: list[WeightsPrefetch] = []
@@ -241,8 +243,10 @@ def compare(before: TrialResult, after: TrialResult | None, level: Mapping[str, 
     None where it was not run, the new vLLM's parser having refused the configuration (``refused``: why, as
     :func:`refusal` said it of the arguments that were to be launched; else it is asked of the recorded ones)."""
     arguments = table_changes(before.engine_args, old_table, new_table)
+    unresolved = None
     if after is not None:
         arguments += resolved_changes(before.resolved_engine_args, after.resolved_engine_args)
+        unresolved = resolved_note(before, after)
     refused = refused or refusal(before.engine_args, new_table)
     ran = after is not None
     if after is None:
@@ -282,6 +286,10 @@ def compare(before: TrialResult, after: TrialResult | None, level: Mapping[str, 
     elif arguments:
         verdict = "CHANGED-DEFAULTS"
         reasons.append("within noise or better; " + "; ".join(describe(a) for a in arguments))
+    elif unresolved is not None:
+        verdict = "PASS"
+        reasons.append(f"within noise or better and no flag moved; the engine arguments vLLM resolved were not "
+                       f"compared: {unresolved}")  # fmt: skip
     else:
         verdict = "PASS"
         reasons.append("within noise or better, and no engine argument moved")
@@ -294,10 +302,22 @@ def compare(before: TrialResult, after: TrialResult | None, level: Mapping[str, 
                    arguments=arguments, argument_table=table, slo_before=slo_before, slo_after=slo_after,
                    capacity_before=cap_before, capacity_after=cap_after, capacity_tolerance=tolerance,
                    outcome_after=after.outcome if ran else "NOT RUN", failure=refused, host_note=host,
+                   resolved_note=unresolved if ran else None,
                    quality_before=before.quality.passed if before.quality is not None else None,
                    quality_after=after.quality.passed if ran and after.quality is not None else None,
                    cpu_binding=after.environment.get("cpu_binding") if ran else None,
                    cpu_unclaimed=after.environment.get("cpu_unclaimed") if ran else None)  # fmt: skip
+
+
+def resolved_note(before: TrialResult, after: TrialResult) -> str | None:
+    """Why a default vLLM moved could not be seen (None: both trials recorded what vLLM resolved). A trial records
+    ``/server_info``'s values since results schema 2; an engine without ``VLLM_SERVER_DEV_MODE`` answers nothing."""
+    if not before.resolved_engine_args:
+        return (f"trial {before.trial_id} recorded none (a result from before servetune read /server_info), so a "
+                "default that moved cannot be seen")  # fmt: skip
+    if not after.resolved_engine_args:
+        return "the re-measured engine gave none (/server_info did not answer), so a default that moved cannot be seen"
+    return None
 
 
 #: What names the hardware in a trial's environment record (environment.py): a change of any is another host.
