@@ -304,3 +304,25 @@ def test_the_recheck_records_the_cores_the_re_measured_engine_ran_on_as_a_trial_
                       refused="--max-num-seqs is gone")  # fmt: skip
     assert (refused.cpu_binding, refused.cpu_unclaimed) == (None, None)
     assert not any("re-measured engine" in line for line in summary(refused))
+
+
+def test_goodput_is_compared_over_one_window_when_the_recorded_study_predates_the_busy_window():
+    """A study recorded before a closed loop's goodput counted its every-client-busy window (summary.goodput_window)
+    holds the whole level's. The re-measurement's busy-window goodput reads higher for the same engine, and would
+    hide a drop: both are read over the whole level instead. Here the whole level's goodput fell by 40% while the
+    busy window's reads what the old record did."""
+    from servetune.metrics import GOODPUT
+
+    before, after = result(), result()
+    old = before.levels[1].summary
+    assert old.goodput_window == "whole_level"
+    new = old.model_copy(update={"busy_output_throughput": 1200.0, "goodput": old.goodput,
+                                 "whole_level_goodput": 0.6 * old.goodput})  # fmt: skip
+    assert new.goodput_window == "every_client_busy"
+    after.levels[1] = after.levels[1].model_copy(update={"summary": new})
+    doc = check(before, after)
+    drop = change(doc, GOODPUT)
+    assert drop.before == pytest.approx(old.goodput) and drop.after == pytest.approx(0.6 * old.goodput)
+    assert drop.worse and doc.verdict == "REGRESSED"
+    # two records over the same window compare their goodput as recorded (the busy window's here)
+    assert change(check(after, after), GOODPUT).before == pytest.approx(old.goodput)

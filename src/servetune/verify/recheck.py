@@ -54,6 +54,7 @@ from servetune.results import (
     level_load,
     read_model,
 )
+from servetune.summary import LevelSummary
 from servetune.trial.runner import EngineFactory, TrialSpec, run_trial, vllm_engine
 
 Verdict = Literal["PASS", "REGRESSED", "CHANGED-DEFAULTS", "REFUSED"]
@@ -137,12 +138,22 @@ def _worst(a: Verdict, b: Verdict) -> Verdict:
     return a if order.index(a) <= order.index(b) else b
 
 
-def _metric(level: LevelResult, metric: str) -> float | None:
-    return level.summary.flat().get(metric)
+def _value(summary: LevelSummary, metric: str, whole: bool = False) -> float | None:
+    """``metric`` of a level (or of one of its runs); ``whole``: goodput over the whole level, drain included, where
+    it was counted with every client busy (LevelSummary.goodput_window), to compare it with a record from before
+    that window, whose goodput is the whole level's."""
+    if whole and metric == GOODPUT and summary.goodput_window == "every_client_busy":
+        return summary.whole_level_goodput
+    return summary.flat().get(metric)
 
 
-def _half_spread(level: LevelResult, metric: str) -> float | None:
-    values = [v for run in level.runs if (v := run.summary.flat().get(metric)) is not None]
+def _whole(before: LevelResult, after: LevelResult) -> bool:
+    """Whether the two levels' goodput counts over different windows, so both must be read over the whole level."""
+    return before.summary.goodput_window != after.summary.goodput_window
+
+
+def _half_spread(level: LevelResult, metric: str, whole: bool = False) -> float | None:
+    values = [v for run in level.runs if (v := _value(run.summary, metric, whole)) is not None]
     if len(values) < 2:
         return None
     middle = statistics.median(values)
@@ -155,7 +166,8 @@ def margin(metric: str, before: LevelResult, after: LevelResult) -> tuple[float,
     Each median lies within its runs' half spread of the truth, so two medians may differ by both half spreads
     together: their sum (a level run once counts with the other's), at least ``MIN_MARGIN``; ``MARGIN`` (how much
     a single run's repeat differs) where neither level was repeated."""
-    spreads = (_half_spread(before, metric), _half_spread(after, metric))
+    whole = _whole(before, after)
+    spreads = (_half_spread(before, metric, whole), _half_spread(after, metric, whole))
     known = [s for s in spreads if s is not None]
     if not known:
         return MARGIN, "default"
@@ -168,7 +180,8 @@ def metric_changes(before: TrialResult, after: TrialResult, shipped: float | Non
     out = []
     for load in sorted(old.keys() & new.keys()):
         for metric, better in COMPARED:
-            was, now = _metric(old[load], metric), _metric(new[load], metric)
+            whole = _whole(old[load], new[load])  # a record from before goodput's busy window: like with like
+            was, now = _value(old[load].summary, metric, whole), _value(new[load].summary, metric, whole)
             if was is None or now is None or was <= 0:
                 continue
             change = now / was - 1
