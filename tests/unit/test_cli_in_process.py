@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 
 def test_main_gives_an_in_process_caller_its_sigterm_handler_back(monkeypatch):
     """Commands set their own SIGTERM handler for the process they run in; called in-process (a test, a
@@ -77,3 +79,20 @@ def test_a_reader_that_goes_away_ends_the_command_quietly(tmp_path):
     stderr = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 141
     assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
+
+
+def test_a_broken_pipe_that_is_not_stdouts_is_not_silenced(monkeypatch):
+    """A command whose own connection or child's pipe broke fails as before: only a gone reader of stdout is a
+    quiet stop."""
+    import argparse
+
+    from servetune import cli
+
+    def broken(args):
+        raise BrokenPipeError("a child's pipe")
+
+    parser = argparse.ArgumentParser()
+    parser.add_subparsers(dest="command").add_parser("x").set_defaults(run=broken)
+    monkeypatch.setattr(cli, "build_parser", lambda only=None: parser)
+    with pytest.raises(BrokenPipeError):
+        cli.main(["x"])

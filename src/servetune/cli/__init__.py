@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import select
 import signal
 import sys
 import threading
@@ -59,6 +60,16 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _reader_gone() -> bool:
+    """Whether standard output is a pipe whose reader has closed it (``poll`` reports an error on its write end)."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no file descriptor (a caller's StringIO), or no poll here
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser(command_of(argv))
     args = parser.parse_args(argv)
@@ -71,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()  # a reader gone (`servetune plan --json | head`) shows here, where it is answered
         return code
     except BrokenPipeError:
+        if not _reader_gone():  # another pipe broke (a child's, a connection's): not ours to silence
+            raise
         # Stop quietly, as a Unix tool stopped by SIGPIPE does (status 141), and point stdout at /dev/null so that
         # Python's own flush at exit finds no closed pipe to complain of.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
