@@ -121,3 +121,20 @@ def test_the_bounds_rest_on_the_capacity_not_on_a_higher_load_that_met_the_slo_a
     assert bounds.in_flight == 12 and bounds.request_throughput == at12.metrics["request_throughput"]
     assert bounds.max_num_queued_reqs == 12 + bounds.queue_depth
     assert "(at concurrency 12, its capacity at the SLO)" in bounds.reasons["max_num_queued_reqs"]
+
+
+def test_a_trial_measured_through_serve_sizes_each_replicas_vllm_on_its_share(tmp_path):
+    """Measured behind two Serve replicas, 32 clients were 16 per replica, each its own vLLM: the bounds one vLLM
+    ships with are sized on its share of the clients, the request rate and the prompt rate."""
+    from servetune.config.space import SERVE_REPLICAS
+    from tests.builders import level, study_info, trial, write_study
+
+    one = trial("t1", {"max_num_seqs": 8}, [level(32, 1000, 150)])
+    two = trial("t2", {"max_num_seqs": 8, SERVE_REPLICAS: 2}, [level(32, 1000, 150)])
+    report = build_report(load_study(write_study(tmp_path / "s", study_info(), [one, two])))
+    slo = [str(s) for s in report.slo]
+    alone, split = (derive_admission([p for p in report.points if p.trial_id == t], slo) for t in ("t1", "t2"))
+    assert alone.in_flight == 32 and split.in_flight == 16
+    assert split.request_throughput == pytest.approx(alone.request_throughput / 2)
+    assert split.max_num_queued_reqs < alone.max_num_queued_reqs
+    assert "its 32 clients / 2 Serve replicas" in split.reasons["max_num_queued_reqs"]

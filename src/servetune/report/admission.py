@@ -25,7 +25,8 @@ flight (its clients; for an open loop, Little's law ``X`` x mean E2E latency), a
   lower bound of what it can prefill: it was not prefilling all the time).
 
 vLLM counts both across the data-parallel ranks one API server routes to, as the trial measured them,
-so nothing is divided by DP here.
+so nothing is divided by DP here. A trial measured through Serve (``serve.num_replicas`` R) spread its load
+over R replicas, each its own vLLM: ``X``, ``P`` and ``N`` are each replica's share, the whole level's over R.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from servetune.config.space import SERVE_REPLICAS
 from servetune.errors import UserError
 from servetune.metrics import REQUEST_THROUGHPUT
 from servetune.report.autoscale import tolerable_wait_s, ttft_bound
@@ -96,13 +98,23 @@ def derive_admission(trial_points: Sequence[ReportPoint], slo_lines: Sequence[st
             f"admission bounds: trial {trial} met the SLO at no load level, so it has no capacity to size on"
         )
     at = next((p for p in meeting if p.at_capacity), None) or max(meeting, key=lambda p: max(p.level.values()))
-    rate = float(at.metrics.get(REQUEST_THROUGHPUT) or 0.0)
+    # Measured through Serve, the load was spread over its replicas, each one vLLM whose queue the bounds size
+    replicas = max(1, int(at.params.get(SERVE_REPLICAS) or 1))
+    per = f" / {replicas} Serve replicas" if replicas > 1 else ""
+    rate = float(at.metrics.get(REQUEST_THROUGHPUT) or 0.0) / replicas
     prompt_rate = at.metrics.get(INPUT_THROUGHPUT)
+    prompt_rate = prompt_rate / replicas if prompt_rate is not None else None
     if at.level.get("concurrency"):
-        in_flight, in_flight_why = float(at.level["concurrency"]), f"its {at.level['concurrency']:g} clients"
+        in_flight, in_flight_why = (
+            float(at.level["concurrency"]) / replicas,
+            f"its {at.level['concurrency']:g} clients{per}",
+        )
     else:
         e2el_s = float(at.metrics.get("e2el_ms_mean") or 0.0) / 1000.0
-        in_flight, in_flight_why = rate * e2el_s, f"Little's law: {rate:.2f} req/s x {e2el_s:.2f} s mean E2E latency"
+        in_flight, in_flight_why = (
+            rate * e2el_s,
+            f"Little's law: {rate:.2f} req/s{per} x {e2el_s:.2f} s mean E2E latency",
+        )
     wait_s, wait_why = tolerable_wait_s(slo_lines)
     bound = ttft_bound(slo_lines)
     measured = at.metrics.get(bound[0]) if bound is not None else None
