@@ -38,7 +38,12 @@ def test_the_knee_is_the_highest_level_meeting_the_slo_and_sets_every_field(repo
     rate = knee.metrics["request_throughput"]
     assert a.throughput_per_replica == pytest.approx(rate)
     assert a.tolerable_wait_s == 0.3  # the study's ttft_ms.p99 <= 300
-    assert a.max_queued_requests == math.ceil(4 * rate * 0.3) == 36
+    # the queue wait the SLO leaves: the bound less the TTFT measured there, which a request takes anyway
+    left = 0.3 - knee.metrics["ttft_ms_p99"] / 1000
+    assert a.max_queued_requests == math.ceil(4 * rate * left) == 25  # ceil(4 x rate x 0.3) = 36 let TTFT reach W + T
+    assert (
+        "of queue wait (the SLO's ttft_ms_p99 bound (300 ms) less the measured TTFT" in a.reasons["max_queued_requests"]
+    )
     assert (a.upscale_delay_s, a.downscale_delay_s, a.look_back_period_s) == (120.0, 600.0, 30.0)
     assert "29.31 req/s" in a.reasons["knee"] and "0.3%" in a.reasons["kv_cache"]
 
@@ -49,7 +54,8 @@ def test_a_stated_peak_and_a_delay_scale_change_only_what_they_size(report):
     base = derive_autoscaling(points, slo)
     a = derive_autoscaling(points, slo, peak=100, delay_scale=0.05)
     assert a.max_replicas == 13 and "the stated peak (concurrency 100)" in a.reasons["max_replicas"]
-    assert a.max_queued_requests == math.ceil(13 * base.throughput_per_replica * 0.3)
+    left = 0.3 - next(p for p in points if p.level == {"concurrency": 8.0}).metrics["ttft_ms_p99"] / 1000
+    assert a.max_queued_requests == math.ceil(13 * base.throughput_per_replica * left)
     assert (a.upscale_delay_s, a.downscale_delay_s, a.look_back_period_s) == pytest.approx((6.0, 30.0, 1.5))
     assert a.target_ongoing_requests == base.target_ongoing_requests
     capped = a.with_max_replicas(2, "the local machine has 2 cores")
@@ -94,13 +100,13 @@ def test_export_writes_the_derived_settings_serve_accepts_with_the_reasons_as_co
     text = capsys.readouterr().out
     config = yaml.safe_load(text)["applications"][0]["args"]["llm_configs"][0]
     deployment = config["deployment_config"]
-    assert deployment["autoscaling_config"]["max_replicas"] == 3 and deployment["max_queued_requests"] == 27
+    assert deployment["autoscaling_config"]["max_replicas"] == 3 and deployment["max_queued_requests"] == 19
     assert deployment["autoscaling_config"]["target_ongoing_requests"] == 8 and deployment["max_ongoing_requests"] == 10
     assert "#   max_replicas: 3: ceil(peak 24 / knee 8 per replica)" in text
-    assert "#   max_queued_requests: 27: 3 replicas x 29.31 req/s x 0.3 s tolerable wait" in text
+    assert "#   max_queued_requests: 19: 3 replicas x 29.31 req/s x 0.21" in text and "s of queue wait" in text
     serve_config = pytest.importorskip("ray.serve._private.config")
     checked = serve_config.DeploymentConfig(**deployment)  # the installed Ray's own validation
-    assert checked.autoscaling_config.upscale_delay_s == 120.0 and checked.max_queued_requests == 27
+    assert checked.autoscaling_config.upscale_delay_s == 120.0 and checked.max_queued_requests == 19
 
 
 def test_export_of_a_trial_without_a_knee_keeps_fixed_replicas_and_says_why(report):
@@ -125,7 +131,8 @@ def test_export_operates_at_the_headroom_below_the_lower_of_capacity_and_knee(re
     assert a.knee == {"concurrency": pytest.approx(6.4)} and a.target_ongoing_requests == 6
     between = rate2 + (rate - rate2) * (6.4 - 2) / (8 - 2)  # between the levels measured at 2 and 8 clients
     assert a.throughput_per_replica == pytest.approx(between)
-    assert a.max_replicas == math.ceil(24 / 6.4) and a.max_queued_requests == math.ceil(a.max_replicas * between * 0.3)
+    left = 0.3 - next(p for p in points if p.level == {"concurrency": 8.0}).metrics["ttft_ms_p99"] / 1000
+    assert a.max_replicas == math.ceil(24 / 6.4) and a.max_queued_requests == math.ceil(a.max_replicas * between * left)
     assert "0.8 x the knee 8" in a.reasons["knee"] or "0.8 x the highest load meeting the SLO 8" in a.reasons["knee"]
     assert main(["export", str(STUDY), "--pick", BASELINE, "--format", "ray-serve", "--peak", "24"]) == 0  # default 0.8
     deployment = yaml.safe_load(capsys.readouterr().out)["applications"][0]["args"]["llm_configs"][0][

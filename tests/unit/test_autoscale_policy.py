@@ -53,7 +53,7 @@ def test_the_policy_reads_serves_queue_and_the_replicas_custom_metrics():
 def test_waiting_per_replica_is_what_a_replica_drains_within_the_ttft_the_slo_leaves():
     t, why = predictive_thresholds(8, 30.0, 0.3, "the SLO's ttft_ms_p99 bound (300 ms)", 100.0, 0.85)
     assert t.waiting_per_replica == math.floor(30.0 * 0.2)
-    assert "less the knee's measured TTFT 100 ms = 200 ms" in why["waiting_per_replica"]
+    assert "less the measured TTFT 100 ms = 200 ms" in why["waiting_per_replica"]
     spent, why = predictive_thresholds(8, 30.0, 0.3, "the bound", 400.0, 0.85)
     assert (
         spent.waiting_per_replica == max(1, math.floor(30.0 * 0.03)) and "leaves nothing" in why["waiting_per_replica"]

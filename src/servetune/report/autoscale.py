@@ -53,7 +53,7 @@ from typing import Any
 
 from servetune.config.space import SERVE_REPLICAS
 from servetune.errors import UserError
-from servetune.metrics import REQUEST_THROUGHPUT, TTFT_P99
+from servetune.metrics import REQUEST_THROUGHPUT
 from servetune.report.autoscale_policy import (
     POLICIES,
     POLICY_FUNCTION,
@@ -61,6 +61,7 @@ from servetune.report.autoscale_policy import (
     ScalingSignal,
     predictive_thresholds,
     scaling_signals,
+    wait_left,
 )
 from servetune.report.points import KV_CACHE_USAGE_MAX, ReportPoint, level_label
 from servetune.results import Capacity, Knee
@@ -263,13 +264,16 @@ def derive_autoscaling(
     target = max(1, math.floor(in_flight))
     max_replicas = max(1, math.ceil(peak / per_replica - 1e-9))
     wait_s, wait_why = tolerable_wait_s(slo_lines)
-    queue = max(1, math.ceil(max_replicas * throughput * wait_s))
+    bound = ttft_bound(slo_lines)  # the TTFT measured there at the bound's percentile, which a request takes anyway
+    measured = base.metrics.get(bound[0]) if bound is not None else None
+    ttft_ms = None if measured is None else float(measured)
+    left_s, left_why = wait_left(wait_s, wait_why, ttft_ms)
+    queue = max(1, math.ceil(max_replicas * throughput * left_s - 1e-9))
     max_ongoing = max(target + 1, math.ceil(ONGOING_HEADROOM * target))
     kv = base.server_metrics.get(KV_CACHE_USAGE_MAX)
     scale = f" (section 11's value x {delay_scale:g} for a quick check)" if delay_scale != 1.0 else ""
-    ttft_at_knee = base.metrics.get(TTFT_P99)
     predictive, predictive_reasons = predictive_thresholds(
-        target, throughput, wait_s, wait_why, None if ttft_at_knee is None else float(ttft_at_knee), KV_USAGE_LIMIT
+        target, throughput, wait_s, wait_why, ttft_ms, KV_USAGE_LIMIT
     )
     reasons = {
         "knee": (f"trial {trial_id}'s highest level meeting every SLO bound: {level_label(base.level)}{per}, "
@@ -282,8 +286,8 @@ def derive_autoscaling(
                                  "the rest waits in Serve's bounded queue, not in vLLM's unbounded one"),
         "min_replicas": "1: a replica starts in minutes, so one stays warm (no scale to zero)",
         "max_replicas": f"{max_replicas}: ceil(peak {peak:g} / knee {per_replica:g} per replica), the peak being {peak_source}",
-        "max_queued_requests": (f"{queue}: {max_replicas} replicas x {throughput:.2f} req/s x {wait_s:g} s tolerable wait "
-                                f"({wait_why}); section 10's hard queue cap, 503 beyond it"),
+        "max_queued_requests": (f"{queue}: {max_replicas} replicas x {throughput:.2f} req/s x {left_s:g} s of queue wait "
+                                f"({left_why}); section 10's hard queue cap, 503 beyond it"),
         "upscale_delay_s": f"{UPSCALE_DELAY_S * delay_scale:g}: section 11, load above target for 2 minutes{scale}",
         "downscale_delay_s": f"{DOWNSCALE_DELAY_S * delay_scale:g}: section 11, 10 minutes of low load before scaling down{scale}",
         "look_back_period_s": f"{LOOK_BACK_PERIOD_S * delay_scale:g}: Serve's window for averaging the load{scale}",

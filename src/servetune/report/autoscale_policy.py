@@ -55,6 +55,22 @@ class PredictiveThresholds:
         return asdict(self)
 
 
+def wait_left(tolerable_wait_s: float, wait_why: str, ttft_ms: float | None) -> tuple[float, str]:
+    """The wait a request may still spend queued, in seconds, and why: the tolerable wait (the SLO's TTFT bound)
+    less the TTFT measured at the operating load (``ttft_ms``, at the bound's percentile), which a request leaving
+    the queue still takes to its first token; a tenth of the tolerable wait where the measured TTFT spends it all
+    (any queue breaks the bound), the whole of it where no TTFT was recorded. The predictive policy's
+    ``waiting_per_replica`` and Serve's ``max_queued_requests`` (autoscale.py) are sized on it."""
+    if ttft_ms is None:
+        return tolerable_wait_s, f"{wait_why} (the TTFT there was not recorded)"
+    left_s = tolerable_wait_s - ttft_ms / 1000.0
+    if left_s <= 0:
+        left_s = tolerable_wait_s * 0.1
+        return left_s, (f"the measured TTFT {ttft_ms:g} ms leaves nothing of {wait_why}, "
+                        f"so a tenth of it ({left_s * 1000:g} ms)")  # fmt: skip
+    return left_s, f"{wait_why} less the measured TTFT {ttft_ms:g} ms = {left_s * 1000:g} ms"
+
+
 def predictive_thresholds(
     target_ongoing_requests: int, throughput_per_replica: float, tolerable_wait_s: float, wait_why: str,
     ttft_ms_at_knee: float | None, kv_usage_limit: float,
@@ -65,16 +81,7 @@ def predictive_thresholds(
     measured at the knee (the prefill and first token it takes anyway); a replica serving
     ``throughput_per_replica`` req/s drains throughput x that wait requests within it, so more waiting than
     that predicts a TTFT above the bound."""
-    measured_s = (ttft_ms_at_knee or 0.0) / 1000.0
-    left_s = tolerable_wait_s - measured_s
-    if left_s <= 0:  # the knee already spends the bound: any queue breaks it
-        left_s = tolerable_wait_s * 0.1
-        left_why = (f"the knee's measured TTFT {measured_s * 1000:g} ms leaves nothing of {wait_why}, "
-                    f"so a tenth of it ({left_s * 1000:g} ms)")  # fmt: skip
-    elif ttft_ms_at_knee is None:
-        left_why = f"{wait_why} (the knee's TTFT was not recorded)"
-    else:
-        left_why = f"{wait_why} less the knee's measured TTFT {ttft_ms_at_knee:g} ms = {left_s * 1000:g} ms"
+    left_s, left_why = wait_left(tolerable_wait_s, wait_why, ttft_ms_at_knee)
     waiting = max(1.0, math.floor(throughput_per_replica * left_s + 1e-9))
     thresholds = PredictiveThresholds(float(target_ongoing_requests), float(waiting), kv_usage_limit)
     reasons = {

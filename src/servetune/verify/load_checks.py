@@ -11,7 +11,8 @@ import statistics
 from collections.abc import Mapping
 from typing import Any
 
-from servetune.report.autoscale import tolerable_wait_s
+from servetune.report.autoscale import tolerable_wait_s, ttft_bound
+from servetune.report.autoscale_policy import wait_left
 from servetune.report.points import level_label, outline, trial_points
 from servetune.report.recommend import KV_USAGE_THIN, margin_signals
 from servetune.tracking.fields import engine_setting
@@ -108,12 +109,15 @@ def hard_queue_limit(ctx: Context) -> tuple[Status, str]:
     size = ""
     level = ctx.level
     if level is not None and level.summary.request_throughput > 0:
-        # Sized as `export --format ray-serve` sizes it (report/autoscale.py), for one replica.
+        # Sized as `export --format ray-serve` sizes it (report/autoscale.py), for one replica: the wait the SLO's
+        # TTFT bound leaves after the TTFT measured at the level (at the bound's percentile)
         wait_s, why = tolerable_wait_s(ctx.result.slo)
-        queue = max(1, math.ceil(level.summary.request_throughput * wait_s))
-        size = (f", about {level.summary.request_throughput:.2f} req/s x {wait_s:g} s tolerable wait "
-                f"= {queue} a replica ({why}; section 10); `servetune export --format ray-serve` writes it for "
-                "the replicas it derives")  # fmt: skip
+        bound = ttft_bound(ctx.result.slo)
+        left_s, left_why = wait_left(wait_s, why, level.summary.flat().get(bound[0]) if bound is not None else None)
+        queue = max(1, math.ceil(level.summary.request_throughput * left_s - 1e-9))
+        size = (f", about {level.summary.request_throughput:.2f} req/s x {left_s:g} s of queue wait "
+                f"= {queue} a replica ({left_why}; section 10); `servetune export --format ray-serve` writes it "
+                "for the replicas it derives")  # fmt: skip
     return FAIL, (f"vLLM has no bound on its waiting queue: it queues every request until the client gives up{seen}. "
                   "Set vLLM's max_num_queued_reqs and max_num_queued_tokens (503 beyond them; `servetune export "
                   "--format vllm` sizes them from the capacity, and verify then runs its overload scenario), or put "
