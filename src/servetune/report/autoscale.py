@@ -265,8 +265,8 @@ def derive_autoscaling(
     max_replicas = max(1, math.ceil(peak / per_replica - 1e-9))
     wait_s, wait_why = tolerable_wait_s(slo_lines)
     bound = ttft_bound(slo_lines)  # the TTFT measured there at the bound's percentile, which a request takes anyway
-    measured = base.metrics.get(bound[0]) if bound is not None else None
-    ttft_ms = None if measured is None else float(measured)
+    ttft_there = base.metrics.get(bound[0]) if bound is not None else None
+    ttft_ms = None if ttft_there is None else float(ttft_there)
     left_s, left_why = wait_left(wait_s, wait_why, ttft_ms)
     queue = max(1, math.ceil(max_replicas * throughput * left_s - 1e-9))
     max_ongoing = max(target + 1, math.ceil(ONGOING_HEADROOM * target))
