@@ -141,6 +141,26 @@ def test_a_port_taken_before_the_engine_binds_it_is_retried_on_a_fresh_port(
     assert result.failure is None and not result.runs_again
 
 
+def test_each_level_records_the_share_of_a_core_the_engines_api_server_used(tmp_path, tiny_tokenizer, fake_python):
+    """The (fake) engine's API server is the process vllm serve runs in under the reaper: its CPU seconds over each
+    level are read at the level's start and end, and land in result.json. An engine whose processes are not
+    servetune's (the in-process FakeEngine, like a Serve replica) records none, without an error."""
+    from servetune.trial.runner import vllm_engine
+
+    env = {"SERVETUNE_FAKE_TTFT_MS": "0", "SERVETUNE_FAKE_ITL_MS": "0"}  # answered at once: the front end works
+    trial = replace(spec(tmp_path, levels=(1, 16)), python=str(fake_python), engine_args={}, env=env)
+    trial = replace(trial, requests_per_level=64)
+    result = run_trial(trial, lambda report: None, lambda: PromptFactory(tiny_tokenizer), engine=vllm_engine)
+    assert result.outcome == "COMPLETE", (result.reason, result.log_tail)
+    shares = [lv.frontend_cpu_share for lv in result.levels]
+    print(f"front end CPU share per level (concurrency 1, 16): {shares}")
+    assert all(share is not None and 0 < share < 2 for share in shares), shares
+    on_disk = json.loads((tmp_path / result.trial_id / "result.json").read_text())
+    assert [lv["frontend_cpu_share"] for lv in on_disk["levels"]] == shares
+    elsewhere, _ = run(tmp_path / "in-process", tiny_tokenizer, FakeEngine(FakeOpenAI(ttft_ms=5, itl_ms=1)))
+    assert elsewhere.outcome == "COMPLETE" and [lv.frontend_cpu_share for lv in elsewhere.levels] == [None, None]
+
+
 def test_a_gated_model_is_not_the_configurations_failure_and_is_not_retried(tmp_path, tiny_tokenizer):
     """huggingface_hub's own error for a gated repository, raised from a real 401 response: no retry (the token is
     the same next time), recorded as the cluster's, and the trial runs again on --resume."""

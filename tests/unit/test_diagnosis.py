@@ -66,7 +66,7 @@ def test_the_limit_level_is_the_first_to_break_the_slo_else_the_highest_load():
 
 def test_rules_run_in_the_checklists_order():
     names = [rule.__name__ for rule in RULES]
-    assert names == ["client_bound", "gpu_idle", "batch_full", "scheduler_budget", "kv_bound", "prefix_hits_lost",
+    assert names == ["client_bound", "gpu_idle", "frontend_bound", "batch_full", "scheduler_budget", "kv_bound", "prefix_hits_lost",
                      "prefill_queueing", "decode_slowdown", "tail_latency"]  # fmt: skip
 
 
@@ -89,6 +89,43 @@ def test_a_client_that_fell_behind_comes_first_at_the_lowest_load_it_fell_behind
         limited_by(trial)
     )
     assert "client_bound" not in rules_of(climbing())  # the recorded client kept up
+
+
+def test_a_front_end_near_a_full_core_while_the_engine_had_room_is_front_end_bound():
+    """The recorded trial at concurrency 32 ran at most 7 requests in the engine with nothing waiting: with its API
+    server at 97% of a core, the front end held the rest."""
+    trial = with_level(climbing(), 2, frontend_cpu_share=0.97)
+    findings = diagnose(trial)
+    assert findings[0].rule == "frontend_bound"
+    assert findings[0].symptom == (
+        "front end CPU-bound at concurrency 32: the API server used 97% of a core while the engine ran 7 and nothing "
+        "waited"
+    )
+    assert "raise --api-server-count" in findings[0].lever and "vLLM default" in findings[0].lever
+    assert findings[0].evidence == {
+        "frontend_cpu_share": 0.97,
+        "requests_running_max": 7.0,
+        "requests_waiting_max": 0.0,
+    }
+    assert limited_by(trial).startswith("front end CPU-bound at concurrency 32")
+    two = with_engine_args(with_engine_args(trial, api_server_count=2), max_num_seqs=16)
+    assert "now 2" in diagnose(two)[0].lever and "ran 7 of 16" in diagnose(two)[0].symptom
+
+
+@pytest.mark.parametrize(
+    "share, server, args",
+    [
+        (None, {}, {}),  # not recorded (a Serve trial, an older result)
+        (0.5, {}, {}),  # the front end had CPU to spare
+        (0.97, {"requests_waiting_max": 3.0}, {}),  # requests waited in the engine: the engine was the limit
+        (0.97, {}, {"max_num_seqs": 7}),  # every sequence slot ran
+        (0.97, {"kv_cache_usage_max": 0.95}, {}),  # the KV cache was full
+        (0.97, {"preemptions": 2.0}, {}),
+    ],
+)
+def test_a_busy_front_end_is_not_the_limit_where_the_engine_was_saturated(share, server, args):
+    trial = with_engine_args(with_server(with_level(climbing(), 2, frontend_cpu_share=share), 2, **server), **args)
+    assert "frontend_bound" not in rules_of(trial)
 
 
 def test_prefix_hits_that_fell_with_load_were_lost_to_it():

@@ -37,6 +37,7 @@ import psutil
 
 from servetune.engine.args import ArgSpec, engine_argv
 from servetune.engine.cores import BIND, claim_now
+from servetune.engine.frontend import CpuReading, front_end, read_cpu
 from servetune.engine.reaper import group_processes
 from servetune.engine.resolved import DEV_MODE_ENV
 from servetune.engine.startup import waiting_on
@@ -291,6 +292,17 @@ class VllmServer:
                 return resp.status == 200
         except (urllib.error.URLError, OSError, ValueError):
             return False
+
+    def frontend_cpu(self) -> CpuReading | None:
+        """The front end's CPU seconds now (engine/frontend.py): the ``vllm serve`` process under the reaper and the
+        API servers it started; None where it does not run."""
+        if self.process is None:
+            return None
+        try:
+            engines = [c for c in psutil.Process(self.process.pid).children() if "--guard" not in c.cmdline()]
+        except psutil.Error:
+            return None
+        return read_cpu(front_end(engines[0].pid)) if engines else None
 
     def alive(self) -> bool:
         """Whether the engine runs: the reaper and, under it, the engine itself (not a zombie).

@@ -2,7 +2,7 @@
 
 Each rule is a small function over a :class:`~servetune.results.TrialResult` that returns a :class:`Finding`
 (the symptom with its numbers, and the lever the tuning checklist's section 13 pulls for it) or None. The rules
-run in that section's order: the GPU idle, memory to spare but the batch full, out of KV cache, prefix-cache hits
+run in that section's order: the GPU idle, the front end's CPU near a full core, memory to spare but the batch full, out of KV cache, prefix-cache hits
 lost under load, TTFT high with TPOT normal, TPOT high with TTFT normal, P99 far from the median. Before them, a
 level whose load client fell behind (load/pace.py): its numbers are the client's, so every other finding waits on it.
 
@@ -24,6 +24,12 @@ from servetune.results import LevelResult, TrialResult, level_load
 
 #: KV-cache usage (a share of the pool) from which the cache counts as full (the checklist's scale-out rule: 85%).
 KV_FULL = 0.90
+#: The API server's share of a core (``frontend_cpu_share``, engine/frontend.py) from which the front end counts as
+#: CPU-bound: it tokenizes, answers HTTP and streams on one event loop, so about 1.0 is its ceiling. Measured on the
+#: shared two-core host (bench/README.md, "The front end's CPU"): vLLM's CPU build with the tiny model, the engine
+#: the limit, used 0.08-0.27 of a core at 1 to 64 in flight (7-84 req/s); the fake engine answering at once
+#: (660-1430 req/s), 0.20-0.67, the load client beside it on the same cores. So 0.85 is a front end with little left.
+FRONTEND_BUSY = 0.85
 #: KV-cache usage under which memory counts as plentiful while the batch is full.
 KV_PLENTY = 0.50
 #: Mean GPU utilization (%) under which the GPUs count as idle.
@@ -138,6 +144,36 @@ def gpu_idle(trial: TrialResult, limit: int) -> Finding | None:
                  "HTTP and streaming (api_server_count)")  # fmt: skip
     label = level_label(level.summary.level)
     return Finding("gpu_idle", f"GPU utilization {util:.0f}% at {label}", lever, label, evidence)
+
+
+def frontend_bound(trial: TrialResult, limit: int) -> Finding | None:
+    """The API server near a full core while the engine had room: nothing waited in it, sequence slots were free
+    (where the batch limit is known), no preemption and the KV cache under full; requests were held in the front end."""
+    level = trial.levels[limit]
+    share = level.frontend_cpu_share
+    waiting = level.server_metrics.get("requests_waiting_max")
+    running = level.server_metrics.get("requests_running_max")
+    if share is None or share < FRONTEND_BUSY or waiting is None or running is None or waiting > 0:
+        return None
+    seqs = _batch_limit(trial)
+    kv = level.server_metrics.get("kv_cache_usage_max")
+    if (seqs is not None and running >= seqs) or (kv is not None and kv >= KV_FULL):
+        return None
+    if level.server_metrics.get("preemptions", 0.0) > 0:
+        return None
+    servers = _engine_arg(trial, "api_server_count")
+    label = level_label(level.summary.level)
+    evidence = {"frontend_cpu_share": share, "requests_running_max": running, "requests_waiting_max": waiting}
+    slots = f" of {seqs}" if seqs is not None else ""
+    return Finding(
+        "frontend_bound",
+        f"front end CPU-bound at {label}: the API server used {share:.0%} of a core while the engine ran "
+        f"{running:.0f}{slots} and nothing waited",
+        f"raise --api-server-count (api_server_count, now {servers if servers is not None else 'vLLM default'}): "
+        "more API server processes to tokenize, answer HTTP and stream",
+        label,
+        evidence,
+    )
 
 
 def batch_full(trial: TrialResult, limit: int) -> Finding | None:
@@ -316,6 +352,7 @@ def tail_latency(trial: TrialResult, limit: int) -> Finding | None:
 RULES: tuple[Rule, ...] = (
     client_bound,
     gpu_idle,
+    frontend_bound,
     batch_full,
     scheduler_budget,
     kv_bound,

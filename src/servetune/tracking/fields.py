@@ -157,6 +157,7 @@ def level_metrics(trial: TrialResult) -> list[dict[str, float | None]]:
         values.update(
             completed=summary.completed, failed=summary.failed, meets_slo=float(level.meets_slo),
             ttft_ms_tail_ratio=tail_ratio(summary.ttft_ms.p50, summary.ttft_ms.p99), send_sync_share=level.send_sync_share,
+            frontend_cpu_share=level.frontend_cpu_share,
         )  # fmt: skip
         for source in (level.server_metrics, level.telemetry):
             values.update({k: v for k, v in source.items() if k not in values})

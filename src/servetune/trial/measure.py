@@ -36,6 +36,7 @@ import aiohttp
 
 from servetune.config.slo import Slo
 from servetune.config.workload import Workload, mean_lengths
+from servetune.engine.frontend import CpuReading, busiest_share
 from servetune.engine.metrics import MetricsSnapshot, level_delta
 from servetune.errors import EngineDiedError, UserError
 from servetune.load.client import StreamingClient
@@ -187,6 +188,7 @@ async def measure_level(
     metrics: MetricsSource | None = None,
     client_processes: int | Literal["auto"] = 1,
     client_cpus: int = 1,
+    frontend_cpu: Callable[[], CpuReading | None] | None = None,
 ) -> tuple[LevelResult, list[RequestRecord]]:
     """Run one level and return its result and the per-request records.
 
@@ -199,6 +201,8 @@ async def measure_level(
     last moments as the source saw them late, count toward the peaks.
     ``client_processes`` (``load.client_processes``) splits the level's load across that many client processes
     (load/shard.py; "auto": :func:`~servetune.load.shard.auto_client_processes` at most ``client_cpus``).
+    ``frontend_cpu`` reads the CPU seconds of the server's front end (``VllmServer.frontend_cpu``: vLLM's API
+    server), at the level's start and its end: the level's ``frontend_cpu_share`` (None without it).
     """
     drawn: list[RequestSpec] = []
 
@@ -231,6 +235,7 @@ async def measure_level(
         devices = telemetry() if telemetry is not None else contextlib.nullcontext()
         origin: list[float] = []  # the level's clock origin, in time.perf_counter() seconds
         cpu_at = time.process_time()  # the client process's CPU over the level (load/pace.py)
+        frontend_at = frontend_cpu() if frontend_cpu is not None else None  # the API server's (engine/frontend.py)
         sharded: ShardedRun | None = None
         try:
             processes = client_shards(workload, plan, client_processes, client_cpus)
@@ -250,6 +255,7 @@ async def measure_level(
                         stop=watch.broken, on_start=origin.append,
                     )  # fmt: skip
             cpu_s = time.process_time() - cpu_at
+            frontend_share = busiest_share(frontend_at, frontend_cpu() if frontend_cpu is not None else None)
             wall_s = time.perf_counter() - origin[0] if origin else None
         finally:
             if sampler is not None:
@@ -282,7 +288,7 @@ async def measure_level(
         send_sync_share=send_sync_share(records), itl_burst_share=itl_burst_share(records),
         ttft_ms_distribution=ttft_distribution_ms(records), energy_note=energy_note,
         client_cpu_share=pace.cpu_share, send_lag_ms_p50=pace.send_lag_ms_p50, send_lag_ms_p99=pace.send_lag_ms_p99,
-        client_bound=bound,
+        client_bound=bound, frontend_cpu_share=frontend_share,
     )  # fmt: skip
     return result, records
 
@@ -369,6 +375,7 @@ async def measure_rung(
             client, url, workload, prompts, plan, stream=run_stream(index, run, repeats), slo=slo,
             on_done=on_done, telemetry=telemetry, reset_cache=getattr(engine, "reset_prefix_cache", None),
             metrics=getattr(engine, "server_metrics", None), client_processes=client_processes, client_cpus=client_cpus,
+            frontend_cpu=getattr(engine, "frontend_cpu", None),
         )  # fmt: skip
         tags = record_tags(index, run, repeats)
         for request in records:

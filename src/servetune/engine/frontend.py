@@ -1,0 +1,69 @@
+"""The front end's CPU over a level: how busy vLLM's API server kept its core.
+
+``vllm serve`` answers HTTP, tokenizes and streams on one asyncio event loop in its own process; on vLLM's CPU
+build (and on GPUs) the engine core and its workers are processes of their own, so the API server's own CPU
+seconds (user + system, every thread of it, not its children's) are the front end's. With
+``api_server_count`` above 1 the ``vllm serve`` process starts that many API servers (titled
+``VLLM::APIServer_N``) and only supervises them: each is read on its own.
+
+A level's share is read twice, at its start and its end (no sampling thread): the CPU seconds each process
+spent in between over the seconds in between, of the busiest one, whose ceiling is about one core (its event
+loop; a few helper threads can take it slightly past). A process that started or ended in between is left out.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import psutil
+
+#: What vLLM's set_process_title gives each API server that ``vllm serve`` starts (``VLLM::APIServer_0``, ...).
+API_SERVER_TITLE = "::APIServer"
+
+
+@dataclass(frozen=True)
+class CpuReading:
+    """The front end's processes' CPU seconds (by pid) at one moment (``time.perf_counter()`` seconds)."""
+
+    at_s: float
+    cpu_s: dict[int, float]
+
+
+def front_end(serve_pid: int) -> list[psutil.Process]:
+    """The ``vllm serve`` process and the API servers it started (empty: it is gone)."""
+    try:
+        serve = psutil.Process(serve_pid)
+        children = serve.children(recursive=True)
+    except psutil.Error:
+        return []
+    servers = []
+    for child in children:
+        try:
+            if any(API_SERVER_TITLE in part for part in child.cmdline()):
+                servers.append(child)
+        except psutil.Error:
+            continue
+    return [serve, *servers]
+
+
+def read_cpu(processes: list[psutil.Process]) -> CpuReading | None:
+    """The processes' CPU seconds now (None: none of them could be read)."""
+    cpu_s = {}
+    for process in processes:
+        try:
+            times = process.cpu_times()
+        except psutil.Error:
+            continue
+        cpu_s[process.pid] = times.user + times.system
+    return CpuReading(time.perf_counter(), cpu_s) if cpu_s else None
+
+
+def busiest_share(before: CpuReading | None, after: CpuReading | None) -> float | None:
+    """The largest share of the window between two readings that one front-end process spent on a CPU
+    (1.0: a full core), counting the processes read at both; None where either reading or the window is missing."""
+    if before is None or after is None or after.at_s <= before.at_s:
+        return None
+    window = after.at_s - before.at_s
+    shares = [(after.cpu_s[pid] - before.cpu_s[pid]) / window for pid in before.cpu_s.keys() & after.cpu_s.keys()]
+    return max(shares) if shares else None
