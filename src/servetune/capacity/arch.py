@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from servetune.capacity.checkpoint import Checkpoint
+from servetune.capacity.gguf import arch_from_gguf
 from servetune.capacity.hfconfig import MTP_KEYS, arch_from_hf_config
 from servetune.capacity.model import ATTENTION_KINDS, LayerType, MambaMixer, ModelArch, WeightQuant
 from servetune.capacity.source import ModelConfig, cached_model, hub_model, local_model
@@ -69,13 +70,17 @@ def _parsed(found: ModelConfig) -> ModelArch:
 
 
 def load_model_arch(model: str | Path) -> ModelArch:
-    """A local model directory, a hub id such as ``google/gemma-3-27b-it`` (local caches, then the catalogue,
+    """A local model directory, a ``.gguf`` file (``gguf.py``), a hub id such as ``google/gemma-3-27b-it`` (local caches, then the catalogue,
     then the hub: see ``source.py``), or a catalogue name such as ``qwen2.5-7b-instruct``."""
     path = Path(model).expanduser()
     if path.suffix == ".json" and path.is_file():
         path = path.parent
     if path.is_dir():
         return _parsed(local_model(path))
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise UserError(f"--model {model}: no such GGUF file")
+        return arch_from_gguf(path)
     name = str(model)
     cached = cached_model(name) if looks_like_hub_id(name) else None
     if cached is not None:

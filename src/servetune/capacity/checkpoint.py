@@ -1,4 +1,5 @@
-"""A checkpoint's size as its safetensors headers give it: parameter counts per stored dtype.
+"""A checkpoint's size as its safetensors headers give it (a GGUF file's tensor infos: ``gguf.py``): parameter
+counts per stored dtype.
 
 Read from the headers only (``huggingface_hub.get_safetensors_metadata`` on the hub, the files' first bytes
 in a local directory), never the weights. The ledger prefers these bytes to its parameter-count formula,
@@ -7,7 +8,7 @@ which knows nothing of vision towers, extra heads or a checkpoint's own quantiza
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 #: Bytes per element of each safetensors dtype (the format's own names).
 DTYPE_BYTES: dict[str, float] = {
@@ -27,6 +28,9 @@ class Checkpoint(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     parameters: dict[str, int]
+    type_bytes: dict[str, float] = Field(
+        default_factory=dict, description="bytes per element of the dtypes DTYPE_BYTES does not name (GGUF's)"
+    )
 
     def bytes_served(self, dtype_bytes: int) -> int | None:
         """Bytes the checkpoint takes once loaded with ``dtype_bytes`` per floating weight; None where a
@@ -35,8 +39,8 @@ class Checkpoint(BaseModel):
         for dtype, count in self.parameters.items():
             if dtype in CAST_TO_SERVED:
                 total += count * dtype_bytes
-            elif dtype in DTYPE_BYTES:
-                total += count * DTYPE_BYTES[dtype]
+            elif dtype in DTYPE_BYTES or dtype in self.type_bytes:
+                total += count * DTYPE_BYTES.get(dtype, self.type_bytes.get(dtype, 0.0))
             else:
                 return None
         return int(total)

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 from servetune.capacity.checkpoint import Checkpoint
 
 Dtype = Literal["bfloat16", "float16", "float32"]
-QuantMethod = Literal["none", "awq", "gptq", "fp8", "int8", "bitsandbytes", "mxfp4", "nvfp4", "mxfp8"]
+QuantMethod = Literal["none", "awq", "gptq", "fp8", "int8", "bitsandbytes", "mxfp4", "nvfp4", "mxfp8", "gguf"]
 LayerType = Literal["full_attention", "sliding_attention", "chunked_attention", "mamba", "mlp"]
 #: Layer kinds that attend over tokens (a KV cache per token); "mamba" keeps a per-sequence state, "mlp" nothing.
 ATTENTION_KINDS: tuple[LayerType, ...] = ("full_attention", "sliding_attention", "chunked_attention")
@@ -48,6 +48,8 @@ class WeightQuant(BaseModel):
             return 0.5 + 1 / 16  # fp4 e2m1, one fp8 e4m3 scale per 16 weights (+ a per-tensor fp32 scale)
         if self.method == "mxfp8":
             return 1.0 + 1 / 32  # fp8, one e8m0 scale per 32 weights
+        if self.method == "gguf":
+            return self.bits / 8  # the file's average over its quantized tensors (scales in); its bytes rule
         # AWQ / GPTQ: packed ints, one fp16 scale and one packed zero point per group.
         return self.bits / 8 + (2 + self.bits / 8) / self.group_size
 

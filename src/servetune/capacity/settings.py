@@ -41,6 +41,7 @@ QUANTIZATIONS = (
     "modelopt_fp4",
     "modelopt_mxfp8",
     "fbgemm_fp8",
+    "gguf",
 )
 
 
@@ -73,6 +74,10 @@ def resolve_quant(arch: ModelArch, flag: str | None) -> WeightQuant:
         return WeightQuant(method="mxfp4", bits=4, group_size=32)
     if name == "fbgemm_fp8":
         return WeightQuant(method="fp8", bits=8)
+    if name == "gguf":
+        if arch.quant.method == "gguf":
+            return arch.quant  # capacity/gguf.py: the file's own tensor types
+        raise NotPlanned("quantization gguf: vLLM reads GGUF weights from a .gguf file; give it as --model FILE.gguf")
     if name.startswith("modelopt"):
         if arch.quant.method in ("fp8", "nvfp4", "mxfp8"):
             return arch.quant  # the checkpoint's hf_quant_config says which

@@ -34,8 +34,9 @@ from servetune.estimate.encoder import workload_images
 DESCRIPTION = """\
 Will this vLLM configuration fit, and how many tokens of KV cache will it get?
 
-Reads the model's architecture (a local directory's config.json; a hub id from the local caches,
-servetune's catalogue or the Hugging Face hub, sized from its safetensors headers), then follows vLLM's own start-up accounting per GPU:
+Reads the model's architecture (a local directory's config.json; a .gguf file's metadata and tensor
+headers; a hub id from the local caches, servetune's catalogue or the Hugging Face hub, sized from its
+safetensors headers), then follows vLLM's own start-up accounting per GPU:
 
   KV pool = gpu_memory_utilization x GPU memory - weights - activation peak
             - non-torch memory - CUDA-graph memory
@@ -67,7 +68,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--model", required=True, metavar="DIR|HUB_ID", help="model directory with config.json, or a hub id (org/name)"
+        "--model",
+        required=True,
+        metavar="DIR|FILE.gguf|HUB_ID",
+        help="model directory with config.json, a GGUF file, or a hub id (org/name)",
     )
     p.add_argument("--gpu", metavar="NAME", help="GPU from the catalogue (A100-80GB, H100-SXM, H200, L40S, ...)")
     p.add_argument(
