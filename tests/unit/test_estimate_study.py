@@ -101,3 +101,35 @@ def test_a_bad_study_is_one_line_naming_it(tmp_path, capsys):
         assert cli.main(["estimate", str(path), "--study", str(bad)]) == 2
         err = capsys.readouterr().err
         assert str(bad) in err and words in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_the_studys_own_gpu_class_is_estimated_with_the_factors_it_refitted_the_others_by_the_ratio(tmp_path, capsys):
+    from servetune.estimate import load_factors
+    from servetune.estimate.refit import Refit
+    from servetune.study.refit import REFIT_FILE
+
+    path = space(tmp_path)
+    plain = rows_of(estimate(capsys, str(path)))
+    root = with_energy(study(tmp_path, 1.0), 0.5, 0.5)  # the H200's point measured at half the model's tok/s
+    prior = load_factors().for_class("H100")
+    slower = prior.model_copy(update={"decode_bandwidth": prior.decode_bandwidth / 2})  # as a study of H100s refits
+    record = Refit(gpu_class="H100", prior=prior, prior_points=5.0, points=12, trials=["h100"], efficiency=slower)
+    (root / REFIT_FILE).write_text(record.model_dump_json())
+    report = estimate(capsys, str(path), "--study", str(root))
+    error = report["calibration"]["scale_output_throughput"]
+    assert report["refit"]["gpu_class"] == "H100" and report["refit"]["points"] == 12
+    for key, row in rows_of(report).items():
+        raw = plain[key]["estimate"]
+        if row["params"]["gpu"] == "H100-SXM":  # the refit's slower decode: TPOT too, and no ratio on top
+            assert row["calibrated"]["by"] == "refit" and row["estimate"]["tpot_ms"] > 1.3 * raw["tpot_ms"]
+            assert row["calibrated"]["output_throughput"] == row["estimate"]["output_throughput"]
+            assert row["estimate"]["output_throughput"] < raw["output_throughput"] / 1.3
+        else:  # the L40S: the shipped factors and the measured ratio, as before
+            assert row["calibrated"]["by"] == "measured_ratio" and row["estimate"] == raw
+            assert row["calibrated"]["output_throughput"] == pytest.approx(raw["output_throughput"] * error)
+    assert cli.main(["estimate", str(path), "--study", str(root)]) == 0
+    assert "refit: H100 GPUs' rows use the factors the study refitted" in capsys.readouterr().out
+    (root / REFIT_FILE).write_text("{}")
+    assert cli.main(["estimate", str(path), "--study", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert str(root / REFIT_FILE) in err and err.count("\n") == 1 and "Traceback" not in err

@@ -13,11 +13,15 @@ from servetune.errors import UserError
 from servetune.estimate import Estimate, Load, estimate, load_factors
 from servetune.estimate.calibrate_cpu import RECORDED_HOST
 from servetune.estimate.encoder import workload_images
+from servetune.estimate.refit import Refit
 from servetune.estimate.slo import broken_bounds, judged_bounds
+from servetune.estimate.specs import gpu_class
 from servetune.metrics import cost_per_mtok_usd
 from servetune.models.tiny import TINY_CONFIG
 from servetune.report.gpus import Calibration, tdp_w
+from servetune.results import read_model
 from servetune.space_file import load_space
+from servetune.study.refit import REFIT_FILE
 from servetune.trial.context import resolve_levels
 
 DESCRIPTION = """\
@@ -43,7 +47,9 @@ marked so (<=). With --study DIR the estimate is calibrated on a measured study 
 GPU" table is: its recommended type's best configuration at its capacity load, estimated and measured there,
 scales every row's output tok/s, req/s and $/Mtok (TTFT, TPOT and the SLO column stay the model's), and where
 that point measured its GPUs' energy (NVML), J/token is drawn at the same share of each GPU's power limit as the
-measured GPU drew of its own, an estimate within the expected error printed.
+measured GPU drew of its own, an estimate within the expected error printed. Where the study wrote the factors
+it refitted on its trials (estimate_factors.json), the rows on its GPU class are estimated with them instead,
+TTFT and TPOT included, and not scaled by the ratio.
 
 On vLLM's CPU build (device: cpu) the same model runs with the cores' rates of the host the CPU factors
 were fitted on (estimate/calibrate_cpu.py RECORDED_HOST), as a study's trials and its dry run estimate
@@ -96,6 +102,12 @@ def run(args: argparse.Namespace) -> int:
     configs, _ = space.grid()
     factors = load_factors()
     cal = _calibration(args.study, args.space, cpu)
+    refit = _study_refit(args.study) if cal is not None else None
+    refit_factors = (
+        None
+        if refit is None
+        else factors.model_copy(update={"per_gpu_class": {**factors.per_gpu_class, refit.gpu_class: refit.efficiency}})
+    )
     slo = space.slo_bounds
     judged = judged_bounds(slo)
     rows: list[dict[str, Any]] = []
@@ -104,6 +116,9 @@ def run(args: argparse.Namespace) -> int:
         arch = _arch(space.model_for(params))
         key = "cpu" if cpu else str(space.gpu_for(params))
         hardware, price = hardware_of[key], prices[key].usd_per_device_hour  # its own type where types compare
+        # the study's own GPU class: estimated with the factors refitted on its trials, which the ratio would re-scale
+        by_refit = refit is not None and not cpu and gpu_class(hardware.name) == refit.gpu_class
+        row_factors = refit_factors if by_refit and refit_factors is not None else factors
         # a vision-language workload's prompts hold its images' tokens too, encoded by the vision tower first
         image_tokens, flops = workload_images(workload, arch.vision, engine)
         prompt_tokens = input_tokens + image_tokens
@@ -113,19 +128,22 @@ def run(args: argparse.Namespace) -> int:
             if prompt_tokens > input_tokens:
                 row["image_tokens"] = prompt_tokens - input_tokens
             try:
-                est = estimate(arch, engine, hardware, load, factors, env=env, rates=RECORDED_HOST if cpu else None)
+                est = estimate(arch, engine, hardware, load, row_factors, env=env, rates=RECORDED_HOST if cpu else None)
             except UserError as exc:
                 row["infeasible"] = str(exc)
             else:
                 row["estimate"] = est.model_dump(mode="json")
                 row["usd_per_device_hour"] = price
                 devices, tokens = space.replica_devices(params), est.output_throughput
+                scales = (
+                    (1.0, 1.0, 1.0) if cal is None or by_refit else (cal.scale_out, cal.scale_rate, cal.scale_energy)
+                )
                 if cal is not None:  # the measured point's error, applied as the report's estimated rows apply it
-                    tokens = est.output_throughput * cal.scale_out
-                    row["calibrated"] = {"output_throughput": tokens,
-                                         "request_throughput": est.request_throughput * cal.scale_rate}  # fmt: skip
+                    tokens = est.output_throughput * scales[0]
+                    row["calibrated"] = {"by": "refit" if by_refit else "measured_ratio", "output_throughput": tokens,
+                                         "request_throughput": est.request_throughput * scales[1]}  # fmt: skip
                 row["cost_per_mtok_usd"] = cost_per_mtok_usd(price, devices, tokens) if tokens > 0 else None
-                row.update(_energy(est, None if cpu else hardware.name, devices, cal))
+                row.update(_energy(est.output_throughput * scales[2], None if cpu else hardware.name, devices, cal))
                 if judged:  # where along the ladder each bound breaks: the first level that lists it
                     row["slo_broken"] = broken_bounds(est, slo)
             rows.append(row)
@@ -143,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
             "prices": {key: price.describe() for key, price in prices.items()},
             "energy": _energy_line(cpu, cal),
             **({"calibration": _calibration_json(args.study, cal)} if cal is not None else {}),
+            **({"refit": _refit_json(args.study, refit)} if refit is not None else {}),
             "slo_judged": [str(b) for b in judged],
             "rows": rows,
         }
@@ -162,7 +181,12 @@ def run(args: argparse.Namespace) -> int:
         )
     print("prices: " + "; ".join(price.describe() for price in prices.values()))
     if cal is not None:
-        print(f"calibrated on {args.study}: {cal.note}; output tok/s, req/s and $/Mtok below are scaled by it")
+        scaled = "" if refit is None else f" except on {refit.gpu_class} GPUs"
+        print(f"calibrated on {args.study}: {cal.note}; output tok/s, req/s and $/Mtok below are scaled by it{scaled}")
+    if refit is not None:
+        print(f"refit: {refit.gpu_class} GPUs' rows use the factors the study refitted on its trials "
+              f"({args.study / REFIT_FILE}: {refit.points} measured values of {len(refit.trials)} trials), "
+              "TTFT and TPOT included, and are not scaled by the ratio")  # fmt: skip
     print(f"energy: {_energy_line(cpu, cal)}")
     if judged:
         print(
@@ -192,6 +216,18 @@ def _calibration(study: Path | None, space: Path, cpu: bool) -> Calibration | No
     return section.calibration
 
 
+def _study_refit(study: Path | None) -> Refit | None:
+    """The factors the study refitted on its trials (study/refit.py), or None where it wrote none."""
+    if study is None or not (study / REFIT_FILE).is_file():
+        return None
+    return read_model(study / REFIT_FILE, Refit)
+
+
+def _refit_json(study: Path, refit: Refit) -> dict[str, Any]:
+    return {"file": str(study / REFIT_FILE), "gpu_class": refit.gpu_class, "points": refit.points,
+            "trials": refit.trials, "efficiency": refit.efficiency.model_dump(mode="json")}  # fmt: skip
+
+
 def _calibration_json(study: Path, cal: Calibration) -> dict[str, Any]:
     return {
         "study": str(study),
@@ -207,14 +243,13 @@ def _calibration_json(study: Path, cal: Calibration) -> dict[str, Any]:
     }
 
 
-def _energy(est: Estimate, gpu: str | None, devices: int, cal: Calibration | None) -> dict[str, Any]:
+def _energy(tokens: float, gpu: str | None, devices: int, cal: Calibration | None) -> dict[str, Any]:
     """A row's ``joules_per_token`` and its basis: the measured GPU's share of its power limit on this GPU's limit
     (``measured_power_share``, an estimate), else this GPU's limit (``board_power_limit``, an upper bound); or
-    ``energy_note``, why there is none."""
+    ``energy_note``, why there is none. ``tokens``: its output tok/s over the whole level, as energy is counted."""
     limit = None if gpu is None else tdp_w(gpu)
     if limit is None:
         return {"energy_note": "no board power limit to draw on" + ("" if gpu is None else f" (no tdp_w for {gpu})")}
-    tokens = est.output_throughput * (cal.scale_energy if cal is not None else 1.0)
     if tokens <= 0:
         return {"energy_note": "no output tokens estimated"}
     measured = cal is not None and cal.power_share is not None
