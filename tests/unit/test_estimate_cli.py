@@ -55,8 +55,9 @@ def test_the_table_has_a_line_per_configuration_and_level(capsys, space_report):
     assert cli.main(["estimate", str(SPACE)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].startswith("expected error") and lines[2].startswith("prices: H100-SXM at $3 per device-hour")
-    assert "ttft_ms" in lines[3] and "$/Mtok" in lines[3] and "knee" in lines[3]
-    assert len(lines) == 4 + len(space_report["rows"])
+    assert lines[3].startswith("energy: J/token at each GPU's board power limit (tdp_w), marked <=: an upper bound")
+    assert "ttft_ms" in lines[4] and "$/Mtok" in lines[4] and "J/token" in lines[4] and "knee" in lines[4]
+    assert len(lines) == 5 + len(space_report["rows"])
 
 
 def test_a_gpu_space_naming_no_gpu_is_one_clear_error(tmp_path, capsys):
@@ -230,9 +231,9 @@ def test_each_row_names_the_slo_bounds_its_estimate_breaks_so_the_ladder_shows_w
     assert cli.main(["estimate", str(path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[2].startswith("prices: ")
-    assert lines[3].startswith("SLO judged by the estimated means") and "tpot_ms_p95 <= 40" in lines[3]
-    assert lines[4].split()[-2:] == ["knee", "SLO"] and len(lines) == 5 + len(report["rows"])
-    assert {line.split("  ")[-1].split(" ")[0] for line in lines[5:]} == {"met", "breaks"}
+    assert lines[4].startswith("SLO judged by the estimated means") and "tpot_ms_p95 <= 40" in lines[4]
+    assert lines[5].split()[-2:] == ["knee", "SLO"] and len(lines) == 6 + len(report["rows"])
+    assert {line.split("  ")[-1].split(" ")[0] for line in lines[6:]} == {"met", "breaks"}
 
 
 def test_the_estimate_judges_tail_and_mean_bounds_by_its_mean_and_a_saturated_queue_breaks_ttft():

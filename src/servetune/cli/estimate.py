@@ -13,10 +13,15 @@ from servetune.errors import UserError
 from servetune.estimate import Estimate, Load, estimate, load_factors
 from servetune.estimate.calibrate_cpu import RECORDED_HOST
 from servetune.estimate.encoder import workload_images
+from servetune.estimate.refit import Refit
 from servetune.estimate.slo import broken_bounds, judged_bounds
+from servetune.estimate.specs import gpu_class
 from servetune.metrics import cost_per_mtok_usd
 from servetune.models.tiny import TINY_CONFIG
+from servetune.report.gpus import Calibration, tdp_w
+from servetune.results import read_model
 from servetune.space_file import load_space
+from servetune.study.refit import REFIT_FILE
 from servetune.trial.context import resolve_levels
 
 DESCRIPTION = """\
@@ -35,6 +40,16 @@ output tokens is at its GPU type's price as a trial of it would be costed (the s
 `prices:`, or its `price_per_device_hour`; on the CPU build, its price per core-hour). Where the space's SLO bounds
 TTFT, TPOT or ITL (mean, P90, P95 or P99), each row lists the bounds its estimated mean already breaks, so
 the first level of a configuration that lists a bound is where that bound is predicted to break.
+
+Each row's energy per output token (J/token) is the GPUs' board power limit (the catalogue's tdp_w) x the
+engine's devices over the estimated output tok/s: an upper bound, since a GPU draws at most its limit, and
+marked so (<=). With --study DIR the estimate is calibrated on a measured study first, as the report's "Which
+GPU" table is: its recommended type's best configuration at its capacity load, estimated and measured there,
+scales every row's output tok/s, req/s and $/Mtok (TTFT, TPOT and the SLO column stay the model's), and where
+that point measured its GPUs' energy (NVML), J/token is drawn at the same share of each GPU's power limit as the
+measured GPU drew of its own, an estimate within the expected error printed. Where the study wrote the factors
+it refitted on its trials (estimate_factors.json), the rows on its GPU class are estimated with them instead,
+TTFT and TPOT included, and not scaled by the ratio.
 
 On vLLM's CPU build (device: cpu) the same model runs with the cores' rates of the host the CPU factors
 were fitted on (estimate/calibrate_cpu.py RECORDED_HOST), as a study's trials and its dry run estimate
@@ -59,6 +74,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("space", type=Path, metavar="SPACE.yaml", help="the search space (search_spaces/*.yaml)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument(
+        "--study",
+        type=Path,
+        metavar="DIR",
+        help="a study directory (servetune-results/<study>) whose measured trials calibrate the estimate first",
+    )
     p.set_defaults(run=run)
 
 
@@ -80,6 +101,13 @@ def run(args: argparse.Namespace) -> int:
     prices = {key: space.pricing.resolve(None if cpu else key) for key in hardware_of}  # as a trial is costed
     configs, _ = space.grid()
     factors = load_factors()
+    cal = _calibration(args.study, args.space, cpu)
+    refit = _study_refit(args.study) if cal is not None else None
+    refit_factors = (
+        None
+        if refit is None
+        else factors.model_copy(update={"per_gpu_class": {**factors.per_gpu_class, refit.gpu_class: refit.efficiency}})
+    )
     slo = space.slo_bounds
     judged = judged_bounds(slo)
     rows: list[dict[str, Any]] = []
@@ -88,6 +116,9 @@ def run(args: argparse.Namespace) -> int:
         arch = _arch(space.model_for(params))
         key = "cpu" if cpu else str(space.gpu_for(params))
         hardware, price = hardware_of[key], prices[key].usd_per_device_hour  # its own type where types compare
+        # the study's own GPU class: estimated with the factors refitted on its trials, which the ratio would re-scale
+        by_refit = refit is not None and not cpu and gpu_class(hardware.name) == refit.gpu_class
+        row_factors = refit_factors if by_refit and refit_factors is not None else factors
         # a vision-language workload's prompts hold its images' tokens too, encoded by the vision tower first
         image_tokens, flops = workload_images(workload, arch.vision, engine)
         prompt_tokens = input_tokens + image_tokens
@@ -97,14 +128,22 @@ def run(args: argparse.Namespace) -> int:
             if prompt_tokens > input_tokens:
                 row["image_tokens"] = prompt_tokens - input_tokens
             try:
-                est = estimate(arch, engine, hardware, load, factors, env=env, rates=RECORDED_HOST if cpu else None)
+                est = estimate(arch, engine, hardware, load, row_factors, env=env, rates=RECORDED_HOST if cpu else None)
             except UserError as exc:
                 row["infeasible"] = str(exc)
             else:
                 row["estimate"] = est.model_dump(mode="json")
                 row["usd_per_device_hour"] = price
                 devices, tokens = space.replica_devices(params), est.output_throughput
+                scales = (
+                    (1.0, 1.0, 1.0) if cal is None or by_refit else (cal.scale_out, cal.scale_rate, cal.scale_energy)
+                )
+                if cal is not None:  # the measured point's error, applied as the report's estimated rows apply it
+                    tokens = est.output_throughput * scales[0]
+                    row["calibrated"] = {"by": "refit" if by_refit else "measured_ratio", "output_throughput": tokens,
+                                         "request_throughput": est.request_throughput * scales[1]}  # fmt: skip
                 row["cost_per_mtok_usd"] = cost_per_mtok_usd(price, devices, tokens) if tokens > 0 else None
+                row.update(_energy(est.output_throughput * scales[2], None if cpu else hardware.name, devices, cal))
                 if judged:  # where along the ladder each bound breaks: the first level that lists it
                     row["slo_broken"] = broken_bounds(est, slo)
             rows.append(row)
@@ -120,6 +159,9 @@ def run(args: argparse.Namespace) -> int:
             **({"expected_error_note": CPU_ERROR} if cpu else {}),
             "factors_fit_date": factors.fit_date,
             "prices": {key: price.describe() for key, price in prices.items()},
+            "energy": _energy_line(cpu, cal),
+            **({"calibration": _calibration_json(args.study, cal)} if cal is not None else {}),
+            **({"refit": _refit_json(args.study, refit)} if refit is not None else {}),
             "slo_judged": [str(b) for b in judged],
             "rows": rows,
         }
@@ -138,6 +180,14 @@ def run(args: argparse.Namespace) -> int:
             f"{factors.fit_date}): " + ", ".join(f"{metric} ±{100 * value:.0f}%" for metric, value in expected.items())
         )
     print("prices: " + "; ".join(price.describe() for price in prices.values()))
+    if cal is not None:
+        scaled = "" if refit is None else f" except on {refit.gpu_class} GPUs"
+        print(f"calibrated on {args.study}: {cal.note}; output tok/s, req/s and $/Mtok below are scaled by it{scaled}")
+    if refit is not None:
+        print(f"refit: {refit.gpu_class} GPUs' rows use the factors the study refitted on its trials "
+              f"({args.study / REFIT_FILE}: {refit.points} measured values of {len(refit.trials)} trials), "
+              "TTFT and TPOT included, and are not scaled by the ratio")  # fmt: skip
+    print(f"energy: {_energy_line(cpu, cal)}")
     if judged:
         print(
             "SLO judged by the estimated means (a mean over a bound breaks it; within it, the tail may not be): "
@@ -145,6 +195,83 @@ def run(args: argparse.Namespace) -> int:
         )
     print(_table(rows, slo_column=bool(judged)))
     return 0
+
+
+def _calibration(study: Path | None, space: Path, cpu: bool) -> Calibration | None:
+    """The report's calibration of the estimate on ``study``'s measured trials (report/gpus.py), or None."""
+    if study is None:
+        return None
+    from servetune.report import build_report, load_study
+
+    if cpu:
+        raise UserError(
+            f"--study {study}: the calibration is on a GPU study's measurements; {space} is on the CPU build"
+        )
+    section = build_report(load_study(study)).which_gpu
+    if section is None:
+        raise UserError(f"--study {study}: no trial there ran on a GPU type to calibrate the estimate on")
+    if section.calibration is None:
+        why = section.why if section.choice is None else f"{section.choice}'s best point could not be estimated"
+        raise UserError(f"--study {study}: nothing to calibrate the estimate on: {why}")
+    return section.calibration
+
+
+def _study_refit(study: Path | None) -> Refit | None:
+    """The factors the study refitted on its trials (study/refit.py), or None where it wrote none."""
+    if study is None or not (study / REFIT_FILE).is_file():
+        return None
+    return read_model(study / REFIT_FILE, Refit)
+
+
+def _refit_json(study: Path, refit: Refit) -> dict[str, Any]:
+    return {"file": str(study / REFIT_FILE), "gpu_class": refit.gpu_class, "points": refit.points,
+            "trials": refit.trials, "efficiency": refit.efficiency.model_dump(mode="json")}  # fmt: skip
+
+
+def _calibration_json(study: Path, cal: Calibration) -> dict[str, Any]:
+    return {
+        "study": str(study),
+        "trial": cal.trial_id,
+        "gpu": cal.gpu,
+        "model": cal.arch.name,
+        "measured_output_throughput": cal.measured_output_throughput,
+        "estimated_output_throughput": cal.estimated_output_throughput,
+        "scale_output_throughput": cal.scale_out,
+        "scale_request_throughput": cal.scale_rate,
+        "power_share": cal.power_share,
+        "note": cal.note,
+    }
+
+
+def _energy(tokens: float, gpu: str | None, devices: int, cal: Calibration | None) -> dict[str, Any]:
+    """A row's ``joules_per_token`` and its basis: the measured GPU's share of its power limit on this GPU's limit
+    (``measured_power_share``, an estimate), else this GPU's limit (``board_power_limit``, an upper bound); or
+    ``energy_note``, why there is none. ``tokens``: its output tok/s over the whole level, as energy is counted."""
+    limit = None if gpu is None else tdp_w(gpu)
+    if limit is None:
+        return {"energy_note": "no board power limit to draw on" + ("" if gpu is None else f" (no tdp_w for {gpu})")}
+    if tokens <= 0:
+        return {"energy_note": "no output tokens estimated"}
+    measured = cal is not None and cal.power_share is not None
+    share = cal.power_share if cal is not None and cal.power_share is not None else 1.0
+    return {
+        "joules_per_token": share * limit * devices / tokens,
+        "joules_per_token_basis": "measured_power_share" if measured else "board_power_limit",
+    }
+
+
+def _energy_line(cpu: bool, cal: Calibration | None) -> str:
+    """What the rows' J/token are: the energy: line above the table and the JSON's ``energy``."""
+    if cpu:
+        return ("not estimated on the CPU build (no board power limit to draw on); a study on a host with RAPL "
+                "measures it")  # fmt: skip
+    if cal is not None and cal.power_share is not None:
+        error = f" ±{cal.expected_error:.0%}" if cal.expected_error is not None else ""
+        return (f"J/token estimated{error} (the output throughput's expected error) at {cal.gpu}'s measured share "
+                f"of its board power limit, {cal.power_share:.0%}, of each GPU's limit (tdp_w)")  # fmt: skip
+    why = "" if cal is None else f"; the study measured no GPU energy on {cal.gpu} to draw a share from"
+    return (f"J/token at each GPU's board power limit (tdp_w), marked <=: an upper bound, as a GPU draws at most "
+            f"that{why}")  # fmt: skip
 
 
 def _arch(model: str) -> ModelArch:
@@ -184,24 +311,37 @@ def _row_cells(row: dict[str, Any], slo_column: bool = False) -> list[str]:
     ((kind, value),) = row["level"].items()
     level = f"{'c' if kind == 'concurrency' else 'r'}={value:g}"
     if "infeasible" in row:
-        return [_params_text(row["params"]), level, row["infeasible"], "", "", "", "", "", ""] + [""] * slo_column
+        return [_params_text(row["params"]), level, row["infeasible"], "", "", "", "", "", "", ""] + [""] * slo_column
     est = Estimate(**row["estimate"])
+    tokens, requests = est.output_throughput, est.request_throughput
+    if "calibrated" in row:
+        tokens, requests = row["calibrated"]["output_throughput"], row["calibrated"]["request_throughput"]
     return [
         _params_text(row["params"]),
         level,
         "-" if est.ttft_ms is None else f"{est.ttft_ms:,.0f}",
         f"{est.tpot_ms:.1f}",
-        f"{est.output_throughput:,.0f}",
-        f"{est.request_throughput:.2f}",
+        f"{tokens:,.0f}",
+        f"{requests:.2f}",
         "-" if row["cost_per_mtok_usd"] is None else f"{row['cost_per_mtok_usd']:.2f}",
+        _joules_cell(row),
         "yes" if est.saturated else "",
         str(est.knee),
     ] + [_slo_cell(row)] * slo_column
 
 
+def _joules_cell(row: dict[str, Any]) -> str:
+    """``0.31`` (an estimate from a measured share), ``<=0.52`` (the board power limit's bound) or ``-``."""
+    joules = row.get("joules_per_token")
+    if joules is None:
+        return "-"
+    return f"{'<=' if row['joules_per_token_basis'] == 'board_power_limit' else ''}{joules:.3g}"
+
+
 def _table(rows: list[dict[str, Any]], slo_column: bool = False) -> str:
     """One line per row; with ``slo_column``, a last column naming the SLO bounds the row's estimate breaks."""
-    header = ["configuration", "level", "ttft_ms", "tpot_ms", "output tok/s", "req/s", "$/Mtok", "saturated", "knee"]
+    header = ["configuration", "level", "ttft_ms", "tpot_ms", "output tok/s", "req/s", "$/Mtok", "J/token", "saturated",
+              "knee"]  # fmt: skip
     header += ["SLO"] * slo_column
     cells = [_row_cells(r, slo_column) for r in rows]
     feasible = [header, *(c for r, c in zip(rows, cells, strict=True) if "infeasible" not in r)]
@@ -212,7 +352,7 @@ def _table(rows: list[dict[str, Any]], slo_column: bool = False) -> str:
         if "infeasible" in row:  # its reason runs to the end of the line
             lines.append(f"{first}  {r[2]}")
             continue
-        numbers = r[2:9]  # right-aligned; the SLO's words after them
-        line = "  ".join([first] + [f"{c:>{w}}" for c, w in zip(numbers, widths[2:9], strict=True)])
-        lines.append(f"{line}  {r[9]}" if slo_column else line)
+        numbers = r[2:10]  # right-aligned; the SLO's words after them
+        line = "  ".join([first] + [f"{c:>{w}}" for c, w in zip(numbers, widths[2:10], strict=True)])
+        lines.append(f"{line}  {r[10]}" if slo_column else line)
     return "\n".join(lines)

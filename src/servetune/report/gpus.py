@@ -83,6 +83,7 @@ class WhichGpu:
     choice: str | None
     why: str
     price_list: str = "default"  # the shipped list the estimated rows are priced from (the space's ``price_list``)
+    calibration: Calibration | None = None  # what the estimated rows were calibrated with (None: none estimated)
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,7 @@ def which_gpu(
             types.setdefault(gpu, []).append(trial.trial_id)
     if not types:
         return None
-    rows = []
+    rows, cal = [], None
     for gpu, ids in types.items():
         mine = [p for p in points if p.trial_id in ids]
         best = recommend(mine, [o for o in outlines if o.trial_id in ids]).point
@@ -154,9 +155,11 @@ def which_gpu(
     if choice is not None and estimate_others and price_override is None:
         listed = load_price_table() if prices is None else prices
         images = _Images(workload, workload_unread)
-        rows += _estimated_rows(choice, by_id[str(choice.trial_id)], points, set(types), target_rps, listed, images)
+        others, cal = _estimated_rows(choice, by_id[str(choice.trial_id)], points, set(types), target_rps, listed,
+                                      images)  # fmt: skip
+        rows += others
     why = _why(choice, rows, target_rps)
-    return WhichGpu(tuple(rows), target_rps, choice.gpu if choice else None, why, price_list)
+    return WhichGpu(tuple(rows), target_rps, choice.gpu if choice else None, why, price_list, cal)
 
 
 def _rank(row: GpuRow, target_rps: float | None) -> float:
@@ -211,18 +214,33 @@ def _measured_row(
     )  # fmt: skip
 
 
-def _estimated_rows(
-    choice: GpuRow,
-    trial: TrialResult,
-    points: Sequence[ReportPoint],
-    measured: set[str],
-    target_rps: float | None,
-    prices: Mapping[str, Price],
-    images: _Images,
-) -> list[GpuRow]:
-    """The chosen configuration estimated on each priced catalogue GPU the study did not measure, calibrated on
-    the chosen type's measurement (see the module's rule). None where the estimate cannot run (an unknown model
-    architecture offline, a GPU without its performance specs)."""
+@dataclass(frozen=True)
+class Calibration:
+    """What the measured type's best point says of the estimate there: the factors that scale every estimate of it
+    (output tok/s at the steady rate its cost is priced at, req/s, output tok/s over the whole level as its energy
+    is counted), its draw as a share of its board power limit, and the note's words. ``servetune estimate --study``
+    calibrates a space's rows with it too."""
+
+    gpu: str  # the measured type's catalogue name
+    trial_id: str
+    arch: ModelArch
+    load: Load
+    scale_out: float
+    scale_rate: float
+    scale_energy: float
+    power_share: float | None
+    expected_error: float | None  # the estimate's held-out median error on output throughput
+    note: str
+    measured_output_throughput: float
+    estimated_output_throughput: float
+
+
+def calibration(
+    choice: GpuRow, trial: TrialResult, points: Sequence[ReportPoint], images: _Images
+) -> Calibration | None:
+    """The chosen type's best configuration at its capacity load, estimated there and compared with what was
+    measured (see the module's rule); None where the estimate cannot run (an unknown model architecture offline, a
+    GPU without its performance specs) or nothing was measured there."""
     from servetune.capacity import load_model_arch, resolve_hardware
     from servetune.capacity.hardware import find_gpu
     from servetune.estimate import Load, estimate, load_factors
@@ -230,7 +248,7 @@ def _estimated_rows(
 
     at = next((p for p in points if p.trial_id == trial.trial_id and p.level_index == choice.level_index), None)
     if at is None or at.level_index >= len(trial.levels):
-        return []
+        return None
     summary = trial.levels[at.level_index].summary
     try:
         arch = load_model_arch(trial.model)
@@ -240,39 +258,63 @@ def _estimated_rows(
         _tokens, flops = workload_images(images.workload, arch.vision, trial.engine_args)
         load = Load.measured(summary, flops)
         if load is None:
-            return []
+            return None
         reference = estimate(arch, trial.engine_args, resolve_hardware("gpu", measured_name), load, factors)
     except (UserError, ValueError, KeyError):
-        return []
+        return None
     measured_out, measured_rate = at.value(OUTPUT_THROUGHPUT), at.value(REQUEST_THROUGHPUT)
     if not measured_out or not measured_rate or not reference.output_throughput:
-        return []
+        return None
     # priced as the measured row is: at the level's steady rate (LevelSummary.steady_output_throughput)
-    scale_out = (summary.steady_output_throughput or measured_out) / reference.output_throughput
+    steady = summary.steady_output_throughput or measured_out
+    scale_out = steady / reference.output_throughput
     scale_rate = measured_rate / reference.request_throughput if reference.request_throughput else scale_out
     # energy as the measured row's joules a token are: over the whole level's tokens (its output_throughput)
     scale_energy = measured_out / reference.output_throughput
     error = factors.held_out_error.get(OUTPUT_THROUGHPUT)
     power_share, powered = _power_share(at, measured_out, trial.devices, measured_name)
-    calibrated = (
+    note = (
         f"{measured_name}'s best configuration at its capacity load, estimated on each GPU (servetune estimate's "
         f"model) and calibrated on {measured_name} (measured / estimated output throughput {scale_out:.2f}); the SLO "
         "is not checked again there: measure a type before choosing it"
     )
     encoded = images.note(flops, arch.name, bool(summary.images_sent))
-    calibrated += f"; {encoded}" if encoded else ""
-    calibrated += f"; {powered}"
+    note += f"; {encoded}" if encoded else ""
+    note += f"; {powered}"
+    return Calibration(measured_name, trial.trial_id, arch, load, scale_out, scale_rate, scale_energy, power_share,
+                       error.median if error else None, note, steady, reference.output_throughput)  # fmt: skip
+
+
+def _estimated_rows(
+    choice: GpuRow,
+    trial: TrialResult,
+    points: Sequence[ReportPoint],
+    measured: set[str],
+    target_rps: float | None,
+    prices: Mapping[str, Price],
+    images: _Images,
+) -> tuple[list[GpuRow], Calibration | None]:
+    """The chosen configuration estimated on each priced catalogue GPU the study did not measure, calibrated on
+    the chosen type's measurement (:func:`calibration`), and that calibration."""
+    from servetune.capacity.hardware import find_gpu
+    from servetune.estimate import load_factors
+
+    cal = calibration(choice, trial, points, images)
+    if cal is None:
+        return [], None
+    factors = load_factors()
+    scales = (cal.scale_out, cal.scale_rate, cal.scale_energy)
     rows = []
     taken = {find_gpu(g).name for g in measured if _known(g)}
     for name, price in prices.items():
         if name in taken or not _known(name):
             continue
-        rows.append(_estimated_row(name, price, arch, trial, load, factors, (scale_out, scale_rate, scale_energy), choice, target_rps,
-                                   error.median if error else None, calibrated, power_share))  # fmt: skip
-    return [r for r in rows if r is not None]
+        rows.append(_estimated_row(name, price, cal.arch, trial, cal.load, factors, scales, choice, target_rps,
+                                   cal.expected_error, cal.note, cal.power_share))  # fmt: skip
+    return [r for r in rows if r is not None], cal
 
 
-def _tdp_w(name: str) -> float | None:
+def tdp_w(name: str) -> float | None:
     from servetune.capacity.hardware import find_gpu
 
     perf = find_gpu(name).perf
@@ -281,7 +323,7 @@ def _tdp_w(name: str) -> float | None:
 
 def _power_share(at: ReportPoint, output_tps: float, devices: int, gpu: str) -> tuple[float | None, str]:
     """The measured point's power draw per device as a share of its GPU's board limit, and the note's words."""
-    joules, tdp = at.value(ENERGY_PER_TOKEN), _tdp_w(gpu)
+    joules, tdp = at.value(ENERGY_PER_TOKEN), tdp_w(gpu)
     if joules is None:
         return None, f"energy not estimated: none measured on {gpu} at that point to scale (no NVML energy counter)"
     if tdp is None:
@@ -320,7 +362,7 @@ def _estimated_row(name: str, price: Price, arch: ModelArch, trial: TrialResult,
     cost = price.usd_per_device_hour * trial.devices / (out * 3600) * 1e6
     replicas = _replicas(target_rps, rate)
     fleet = replicas * trial.devices * price.usd_per_device_hour if replicas is not None else None
-    tdp = _tdp_w(name)
+    tdp = tdp_w(name)
     # at the whole level's rate, as the measured row's (energy over every token of the level), not the steady one
     out_all = est.output_throughput * scales[2]
     joules = power_share * tdp * trial.devices / out_all if power_share is not None and tdp is not None else None
