@@ -62,9 +62,14 @@ def test_ngram_adds_no_weights_and_no_kv_only_the_verified_tokens(tiny) -> None:
 def test_a_draft_model_adds_its_whole_checkpoint_and_its_own_kv_layers(tiny, small_draft) -> None:
     spec = {"method": "draft_model", "model": "tiny-draft", "num_speculative_tokens": 4}
     drafter = cost(tiny, spec, small_draft)
-    # its own embeddings and lm_head (vLLM's draft models share neither), final norm, rotary cache
+    # its own embeddings and lm_head (vLLM's draft models share neither), final norm; the rotary cache is the
+    # target's (same head size, positions and rope settings: vLLM's get_rope hands both the one cache)
     params = 2 * layer(kv_heads=1) + 2 * V_PADDED * H + H
-    assert drafter.weights == params * 2 + ROPE
+    assert drafter.weights == params * 2
+    catalogued = type(small_draft)(**small_draft.model_dump())  # as a catalogue entry: rotary settings unknown
+    assert cost(tiny, spec, catalogued).weights == params * 2 + ROPE
+    other_rope = arch_from_hf_config({**TINY_CONFIG, "num_hidden_layers": 2, "rope_theta": 500000.0}, "d")
+    assert cost(tiny, spec, other_rope).weights == (2 * layer(kv_heads=2) + 2 * V_PADDED * H + H) * 2 + ROPE
     assert drafter.kv_layers == 2 and drafter.kv_bytes_per_token == 2 * 1 * D * 2 * 2  # 2 layers x K,V x 1 head
     assert drafter.lookahead_tokens == 4
 
@@ -81,14 +86,14 @@ def test_an_eagle_head_counts_its_layers_and_fc_and_shares_the_targets_embedding
     )
     eagle = cost(tiny, {"method": "eagle", "model": "eagle", "num_speculative_tokens": 2}, head)
     fc = 2 * H * H  # the target's embedding and hidden state fused into the head's width
-    assert eagle.weights == (layer(kv_heads=2) + fc + H) * 2 + ROPE
+    assert eagle.weights == (layer(kv_heads=2) + fc + H) * 2  # the rotary cache is the target's
     assert eagle.kv_layers == 1 and eagle.kv_bytes_per_token == 2 * 2 * D * 2
 
     head3 = arch_from_hf_config({**TINY_CONFIG, "num_hidden_layers": 1, "draft_vocab_size": 128}, "eagle3")
     eagle3 = cost(tiny, {"method": "eagle3", "model": "eagle3", "num_speculative_tokens": 2}, head3)
     wider_qkv = H * (4 + 2 * 2) * D  # its layer attends over [embedding, hidden]: q, k, v take 2 x hidden
     own_head = 128 * H  # its lm_head over the draft vocabulary
-    assert eagle3.weights == (layer(kv_heads=2) + 3 * H * H + H + wider_qkv + own_head) * 2 + ROPE
+    assert eagle3.weights == (layer(kv_heads=2) + 3 * H * H + H + wider_qkv + own_head) * 2
 
 
 def test_mtp_counts_the_targets_own_mtp_layers(tiny) -> None:
@@ -169,3 +174,17 @@ def test_the_cpu_builds_own_count_with_the_tiny_model_drafting_for_itself() -> N
     alone = plan_capacity(arch, args, CPU, env=ONE_GIB)
     drafted = plan_capacity(arch, {**args, "speculative_config": spec}, CPU, env=ONE_GIB, draft=arch)
     assert (alone.kv_cache_tokens, drafted.kv_cache_tokens) == (262_144, 131_072)
+
+
+def test_the_drafters_weights_are_what_vllm_loaded_with_the_tiny_model_drafting_for_itself() -> None:
+    """``flock /tmp/servetune-heavy.lock .venv/bin/python bench/draft_vllm.py`` (vLLM 0.32's CPU build, 2026-12-07):
+    the tiny model in float32 as its own draft_model (k=2). In the worker's ``model_runner.drafter.model``: 664,576
+    B of parameters held as tensors (embeddings, lm_head, norms) and 9,437,184 B of linear weights the CPU build
+    handed to its oneDNN kernels (counted by the layers' partition sizes), 10,101,760 B in all; its rotary cache
+    (1 MiB) is the target's own tensor (vLLM's get_rope keeps one per settings), so it adds nothing."""
+    arch = arch_from_hf_config(TINY_CONFIG, "tiny")
+    spec = {"method": "draft_model", "model": "tiny", "num_speculative_tokens": 2}
+    assert draft_cost(arch, spec, arch, 4, lambda _: 4.0, 1).weights == 664_576 + 9_437_184
+    args = {"enforce_eager": True, "dtype": "float32", "max_num_seqs": 16, "speculative_config": spec}
+    plan = plan_capacity(arch, args, CPU, env=ONE_GIB, draft=arch)
+    assert plan.draft is not None and plan.draft.weights_gib == round(10_101_760 / GIB, 4)

@@ -145,6 +145,17 @@ def _eagle_params(draft: ModelArch, target: ModelArch, method: str, tp: int) -> 
     return layers + extra
 
 
+def _own_rope_cache(draft: ModelArch, target: ModelArch, dtype_bytes: int) -> int:
+    """The drafter's own rotary cos/sin cache: none where it is the target's. vLLM's ``get_rope`` keeps one cache
+    per head size, rotary dimension, positions, rope parameters and dtype in the worker (``_ROPE_DICT``), and the
+    drafter is built in the target's dtype: with the same settings it gets the target's cache (measured with
+    ``bench/draft_vllm.py``). Where either model's settings are unknown (a catalogue entry), it is counted."""
+    cache = draft.max_position_embeddings * draft.rope_dim * dtype_bytes
+    mine = (draft.rope_settings, draft.head_dim, draft.rope_dim, draft.max_position_embeddings)
+    theirs = (target.rope_settings, target.head_dim, target.rope_dim, target.max_position_embeddings)
+    return 0 if draft.rope_settings is not None and mine == theirs else cache
+
+
 def draft_cost(
     target: ModelArch,
     config: Mapping[str, Any],
@@ -182,11 +193,12 @@ def draft_cost(
     draft_tp = int(config.get("draft_tensor_parallel_size") or tp)
     quant = draft_quant or draft.quant
     per_layer = kv_bytes_per_layer_token(draft, kv_element_bytes(draft), draft_tp)
+    rope_cache = _own_rope_cache(draft, target, dtype_bytes)
     if method == "draft_model":
-        weights = float(weight_bytes_per_rank(draft, quant, dtype_bytes, draft_tp, 1))
+        whole = weight_bytes_per_rank(draft, quant, dtype_bytes, draft_tp, 1)
+        weights = float(whole - draft.max_position_embeddings * draft.rope_dim * dtype_bytes + rope_cache)
         source = f"draft model {draft.name}: own embeddings and lm_head, TP {draft_tp}"
         return DraftCost(method, k, weights, draft.num_layers, per_layer, lookahead, count_parameters(draft), source)
-    rope_cache = draft.max_position_embeddings * draft.rope_dim * dtype_bytes
     weights = formula_bytes(draft, _eagle_params(draft, target, method, draft_tp), quant, dtype_bytes) + rope_cache
     shared = "embeddings shared" if method == "eagle3" else "embeddings and lm_head shared"
     source = f"{method.upper()} head {draft.name}: {draft.num_layers} layer(s), {shared}"

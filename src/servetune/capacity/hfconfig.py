@@ -8,6 +8,7 @@ families of ``hfhybrid.py``. Only architecture numbers are read; never weights.
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any
 
@@ -433,8 +434,11 @@ def _arch(config: dict[str, Any], name: str, source: str, hf_overrides: dict[str
     if isinstance(cfg.get("quantization_config"), dict):
         fields["quant"] = _quant_from_config(cfg["quantization_config"], source)
     try:
-        return ModelArch(**fields)
+        arch = ModelArch(**fields)
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "config"
         raise UserError(f"{source}: {where}: {first['msg']}") from None
+    rope_keys = ("rope_theta", "rope_parameters", "rope_scaling", "partial_rotary_factor")
+    arch._rope_settings = json.dumps({key: cfg.get(key) for key in rope_keys}, sort_keys=True, default=str)
+    return arch

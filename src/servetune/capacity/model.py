@@ -199,6 +199,8 @@ class ModelArch(BaseModel):
     checkpoint: Checkpoint | None = Field(None, description="safetensors parameter counts, where known")
     # (config.json as read, its source): hfconfig.with_hf_overrides merges an engine's hf_overrides into it
     _hf_config: tuple[dict[str, Any], str] | None = PrivateAttr(None)
+    # config.json's rotary settings (theta, scaling) as JSON, where read (not compared, as the config is not)
+    _rope_settings: str | None = PrivateAttr(None)
 
     def __eq__(self, other: object) -> bool:
         """Equal architecture numbers (the config.json they were read from is not compared)."""
@@ -281,6 +283,12 @@ class ModelArch(BaseModel):
     @property
     def dtype_bytes(self) -> int:
         return 4 if self.torch_dtype == "float32" else 2
+
+    @property
+    def rope_settings(self) -> str | None:
+        """config.json's rotary settings as JSON (None for a catalogue entry): a drafter whose settings, head size
+        and positions are the target's shares the target's cos/sin cache (capacity/draft.py)."""
+        return self._rope_settings
 
     @property
     def rope_dim(self) -> int:
