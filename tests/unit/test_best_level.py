@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import pytest
 
+from servetune.config.settings import Objective
 from servetune.config.slo import Slo
+from servetune.metrics import COST_METRIC, GOODPUT
 from servetune.report import build_report, load_study
 from servetune.report.export import pick_point
 from servetune.report.points import level_label
 from servetune.results import Capacity, TrialResult, best_level, chosen_level
-from servetune.study.objectives import told_level
-from servetune.tracking.fields import level_tags
+from servetune.study.objectives import objectives_and_constraints, told_level
+from servetune.tracking.fields import level_tags, trial_metrics
 from servetune.verify.checklist import verified_level
 from tests.builders import level, study_info, trial, write_study
 
@@ -85,3 +87,88 @@ def test_every_reader_names_the_same_level(tmp_path):
         assert verified_level(t, None) == chosen.index  # verify, when it was not told a level
         if best is not None:
             assert told_level(t, slo) == best  # what the search is told
+
+
+def capacity_above_the_best(bound: str = "exact") -> TrialResult:
+    """8 clients give more goodput than 16 (a saturated engine), both meet the SLO, 32 broke it: the capacity
+    search's bracket is (16, 32), so its capacity is 16 and its best goodput below it, at 8. ``bound`` "lower":
+    the same levels, as a search that found no load breaking the SLO (32 left out) records them."""
+    levels = [level(8, 600, 300), level(16, 500, 900)]
+    if bound == "exact":
+        levels.append(level(32, 550, 3000, violations=BROKEN))
+    t = trial(f"cap-{bound}", {"max_num_seqs": 16}, levels)
+    t.capacity_at_slo = Capacity(value=16, unit="concurrency", bracket=(16, 32 if bound == "exact" else None),
+                                 bound=bound, tolerance=0.1)  # fmt: skip
+    return t
+
+
+def readers(t: TrialResult, tmp_path) -> dict[str, object]:
+    """The level (or its numbers) each reader takes as the trial's headline."""
+    report = build_report(load_study(write_study(tmp_path / t.trial_id, study_info(), [t])))
+    row = next(r for r in report.trial_table if r.trial_id == t.trial_id)
+    plain = {m.key: m.value for m in trial_metrics(t) if m.step == 0}
+    objectives = (Objective(metric="goodput", mode="max"), Objective(metric=COST_METRIC, mode="min"))
+    told, _ = objectives_and_constraints(t, objectives, Slo.parse("ttft_ms.p99=2000,tpot_ms.p99=100"))
+    return {
+        "best_level": best_level(t),
+        "mlflow level_index": plain["level_index"],
+        "mlflow goodput": plain[GOODPUT],
+        "mlflow level": level_tags(t)["servetune.level"],
+        "report row": (row.best_level, row.numbers_level),
+        "report goodput": row.values[GOODPUT],
+        "export --pick": pick_point(report, t.trial_id).level_index,
+        "verify": verified_level(t, None),
+        "search told": told_level(t, Slo.parse("ttft_ms.p99=2000,tpot_ms.p99=100")),
+        "objectives": told,
+    }
+
+
+def test_a_trial_is_judged_at_its_capacity_where_its_best_goodput_lies_below_it(tmp_path):
+    t = capacity_above_the_best()
+    at = t.operating_points()[1].metrics
+    assert readers(t, tmp_path) == {
+        "best_level": 1,
+        "mlflow level_index": 1,
+        "mlflow goodput": pytest.approx(500 / 60, abs=1e-3),
+        "mlflow level": "concurrency 16",
+        "report row": ("concurrency 16", "concurrency 16"),
+        "report goodput": pytest.approx(500 / 60),
+        "export --pick": 1,
+        "verify": 1,
+        "search told": 1,
+        "objectives": [pytest.approx(500 / 60), pytest.approx(at[COST_METRIC])],
+    }
+    chosen = chosen_level(t)
+    assert chosen is not None and chosen.rule == "capacity"
+    assert level_tags(t)["servetune.level_choice"] == "level at the capacity at the SLO"
+
+
+@pytest.mark.parametrize("capacity", ["lower", None])
+def test_a_trial_with_only_a_lower_bound_or_no_capacity_is_judged_at_its_best_goodput(tmp_path, capacity):
+    t = capacity_above_the_best("lower")
+    if capacity is None:
+        t.capacity_at_slo = None  # a result.json from before the capacity search
+    at = t.operating_points()[0].metrics
+    assert readers(t, tmp_path) == {
+        "best_level": 0,
+        "mlflow level_index": 0,
+        "mlflow goodput": pytest.approx(600 / 60, abs=1e-3),
+        "mlflow level": "concurrency 8",
+        "report row": ("concurrency 8", "concurrency 8"),
+        "report goodput": pytest.approx(600 / 60),
+        "export --pick": 0,
+        "verify": 0,
+        "search told": 0,
+        "objectives": [pytest.approx(600 / 60), pytest.approx(at[COST_METRIC])],
+    }
+    assert level_tags(t)["servetune.level_choice"] == "best level meeting the SLO"
+
+
+def test_a_capacity_level_the_client_fell_behind_at_or_left_unsettled_is_no_headline():
+    """The capacity's level is the headline only where it takes an SLO verdict: otherwise today's rule."""
+    t = capacity_above_the_best()
+    t.levels[1].client_bound = "send lag"
+    assert best_level(t) == 0
+    t = capacity_above_the_best()
+    t.capacity_at_slo.unsettled = [16.0]
+    assert best_level(t) == 0

@@ -50,8 +50,8 @@ Print the configuration of one operating point of a study:
 
 --pick best (default) is the recommendation of `servetune report`; --pick N is row N
 (counting from 0) of the cost vs P99 TTFT Pareto table, cheapest first, as summary.md and
-report.html number it; --pick TRIAL_ID is that trial at its best level meeting the SLO (else
-the highest load it measured).
+report.html number it; --pick TRIAL_ID is that trial at its level at capacity where the capacity search
+found a bracket, else at its best level meeting the SLO (else the highest load it measured).
 
 Engine arguments the trial left to vLLM (max_num_seqs, max_num_batched_tokens, block size...)
 are pinned at the values vLLM resolved when the trial started, so the shipped configuration

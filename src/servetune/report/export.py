@@ -49,8 +49,8 @@ def pick_point(report: StudyReport, pick: str) -> ReportPoint:
 
 
 def trial_point(report: StudyReport, trial_id: str) -> ReportPoint:
-    """The operating point a trial is judged by (results.py ``chosen_level``): its best level meeting the SLO,
-    else the highest load it measured."""
+    """The operating point a trial is judged by (results.py ``chosen_level``): its level at capacity, else its best
+    level meeting the SLO, else the highest load it measured."""
     trial = next((t for t in report.trials if t.trial_id == trial_id), None)
     if trial is None:
         known = ", ".join(t.trial_id for t in report.trials) or "none"

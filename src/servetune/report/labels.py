@@ -182,7 +182,8 @@ def kv_plan_summary(rows: Sequence[TrialRow]) -> str | None:
 
 
 TRIALS_NOTE = (
-    "Numbers are at each trial's best level meeting the SLO, or at the highest load it measured when none did. "
+    "Numbers are at each trial's best level: the level at its capacity at the SLO where the capacity search "
+    "found a bracket, else its highest goodput meeting the SLO, or the highest load it measured when none did. "
     "The conclusion: keep a trial on the cost vs P99 TTFT front, eliminate one that never met the SLO, "
     "else next round."
 )

@@ -62,7 +62,7 @@ class TrialRow:
     trial_id: str
     config: str  # the varied parameters, short: ``seqs=32 mbt=4096 chunk=off``
     outcome: Outcome
-    best_level: str | None  # the best level meeting the SLO; None when none did
+    best_level: str | None  # results.py best_level: at capacity, else the best meeting the SLO; None: none did
     numbers_level: (
         str | None
     )  # the level ``values`` come from (results.py chosen_level): the best, else the highest load

@@ -243,8 +243,25 @@ class TrialResult(BaseModel):
         return None if index is None else self.operating_points()[index]
 
 
+def capacity_level(trial: TrialResult) -> int | None:
+    """The index of the level measured at the capacity the search found, where it found one: the passing side of
+    a bracket (``capacity_at_slo.bound`` "exact"), measured on the trial's engine with requests completed and the
+    client keeping up (:attr:`TrialResult.capacity_level_index`). None for a lower or upper bound, without a
+    capacity search (a result from before it) or where that level is not among the trial's levels."""
+    found = trial.capacity_at_slo
+    index = trial.capacity_level_index if found is not None and found.bound == "exact" else None
+    if index is None:
+        return None
+    level = trial.levels[index]
+    if level.summary.completed == 0 or level.client_bound is not None or level_load(level) in trial.unsettled_loads:
+        return None
+    return index
+
+
 def best_level(trial: TrialResult) -> int | None:
-    """The index of the level the trial is judged best at, None when no level meets the SLO: the highest goodput
+    """The index of the level the trial is judged at (its headline level), None when no level meets the SLO: the
+    level at its capacity where the capacity search found one (:func:`capacity_level`), so its cost per million
+    tokens and goodput at capacity are its headline numbers and what the search is told; else the highest goodput
     (request throughput without a per-request SLO) among the levels that met the SLO with requests completed,
     leaving out the loads whose verdict the capacity search found within the noise (a measurement that met the
     SLO there could as well have broken it on a repeat), and the levels where the client fell behind
@@ -254,6 +271,9 @@ def best_level(trial: TrialResult) -> int | None:
     the search's objectives), computed from the levels, so a study recorded before a change of the rule reads
     as the others do. The trial writes it into ``result.json`` as ``best_level_index`` for readers outside
     servetune."""
+    at_capacity = capacity_level(trial)
+    if at_capacity is not None:
+        return at_capacity
     unsettled = trial.unsettled_loads
     meeting = [(i, lv) for i, lv in enumerate(trial.levels)
                if lv.meets_slo and lv.summary.completed > 0 and level_load(lv) not in unsettled
@@ -268,17 +288,26 @@ def best_level(trial: TrialResult) -> int | None:
     return max(meeting, key=score)[0]
 
 
+#: What ``ChosenLevel.note`` says (MLflow's tag ``servetune.level_choice`` and the run's performance note).
+LEVEL_CHOICES = {
+    "capacity": "level at the capacity at the SLO",
+    "best": "best level meeting the SLO",
+    "highest": "highest load measured; no level met the SLO",
+}
+
+
 @dataclass(frozen=True)
 class ChosenLevel:
-    """The level a trial is judged by: its best meeting the SLO (:func:`best_level`), else the highest load it
-    measured."""
+    """The level a trial is judged by: its level at capacity or else its best meeting the SLO (:func:`best_level`),
+    else the highest load it measured. ``rule``: which of the three (a key of :data:`LEVEL_CHOICES`)."""
 
     index: int
     meets_slo: bool
+    rule: Literal["capacity", "best", "highest"] = "best"
 
     @property
     def note(self) -> str:
-        return "best level meeting the SLO" if self.meets_slo else "highest load measured; no level met the SLO"
+        return LEVEL_CHOICES[self.rule]
 
 
 def chosen_level(trial: TrialResult) -> ChosenLevel | None:
@@ -288,10 +317,10 @@ def chosen_level(trial: TrialResult) -> ChosenLevel | None:
         return None
     best = best_level(trial)
     if best is not None:
-        return ChosenLevel(best, True)
+        return ChosenLevel(best, True, "capacity" if best == capacity_level(trial) else "best")
     highest = highest_load_index(trial.levels)
     assert highest is not None  # it has levels
-    return ChosenLevel(highest, False)
+    return ChosenLevel(highest, False, "highest")
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,8 @@ PENALTY = {"max": 0.0, "min": 1e12}
 
 
 def told_level(result: TrialResult, slo: Slo) -> int | None:
-    """The level the search is told: the best meeting the SLO (results.py ``best_level``), else the one that broke
-    it least."""
+    """The level the search is told: its level at capacity, else the best meeting the SLO (results.py
+    ``best_level``), else the one that broke it least."""
     best = best_level(result)
     if best is not None:
         return best

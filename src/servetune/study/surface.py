@@ -31,7 +31,8 @@ def key(params: dict[str, Any]) -> str:
 
 
 def score(result: TrialResult) -> float:
-    """A trial's best goodput meeting the SLO; 0 if it has none."""
+    """A trial's goodput at its best level (results.py ``best_level``: at its capacity where the capacity search
+    found a bracket, else the highest meeting the SLO); 0 if it has none."""
     best = result.best if result.outcome == "COMPLETE" else None
     value = best.metrics.get(SCORE_METRIC) if best is not None else None
     return float(value) if value is not None else 0.0

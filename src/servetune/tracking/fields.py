@@ -7,8 +7,8 @@ varied values and the devices reserved follow.
 
 Trial metrics: the unprefixed names (``ttft_ms_p99``, ``goodput``, ``cost_per_mtok_usd``...) are
 the trial's *chosen* operating point, so a column of the runs table compares like with like: its
-best level meeting the SLO, else the highest load it measured (results.py ``chosen_level`` says which,
-and the run's ``servetune.level`` tags name it). Every level's numbers are also logged as series
+level at capacity, else its best level meeting the SLO, else the highest load it measured (results.py
+``chosen_level`` says which, and the run's ``servetune.level`` and ``servetune.level_choice`` tags name it). Every level's numbers are also logged as series
 ``by_level/<name>`` with step = level index. Values are rounded to :data:`SIGNIFICANT` digits.
 """
 
