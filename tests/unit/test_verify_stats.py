@@ -11,6 +11,7 @@ from servetune.load.runner import Level
 from servetune.metrics import RequestRecord
 from servetune.verify.document import Timeouts, finite
 from servetune.verify.scenarios import Budget, _beyond_chance, gap_cv, mixed_workload, p99_input_tokens, scaled
+from servetune.verify.shapes import fixed_workload
 from servetune.verify.stats import (
     DropRound,
     StreamTimes,
@@ -258,3 +259,34 @@ def test_the_burst_reports_the_gaps_cv_it_scheduled_beside_the_one_it_sent(monke
     # a closed loop's records have no schedule: none to report
     bare = [RequestRecord(index=i, sent=0.1 * i, input_tokens=1, max_tokens=1) for i in range(10)]
     assert gap_cv(bare, scheduled=True) is None and gap_cv(bare) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_derived_workloads_ask_what_the_workloads_requests_ask():
+    """The long-output and disconnect scenarios' fixed workload and the mix keep what the study's requests ask for
+    (issue 41 item 5): their text, adapters and sampling, and each class its own sampling and structured output. The
+    fixed one leaves out what would end a request before its length (stop sequences, a grammar) or multiply it (n)."""
+    from servetune.config.workload import Workload
+
+    workload = Workload.model_validate({
+        "name": "agent-like", "api": "chat", "text": "corpus", "ignore_eos": False,
+        "sampling": {"top_p": 0.9, "n": 2, "stop": ["###"], "temperature": 0.7},
+        "structured": {"choice": ["yes", "no"]},
+        "adapters": [{"name": "tuned", "path": "tiny"}],
+        "mix": [
+            {"name": "chat", "weight": 3, "input_tokens": {"dist": "fixed", "value": 100},
+             "output_tokens": {"dist": "fixed", "value": 20}, "sampling": {"top_k": 5}},
+            {"name": "tool", "weight": 1, "input_tokens": {"dist": "fixed", "value": 50},
+             "output_tokens": {"dist": "fixed", "value": 10}, "structured": {"regex": "[a-z]+"}},
+        ],
+    })  # fmt: skip
+    fixed = fixed_workload(workload, "long-output", 64, 512)
+    ((only,),) = [fixed.classes]
+    assert (only.input_tokens.value, only.output_tokens.value) == (64, 512) and fixed.ignore_eos
+    assert fixed.text == "corpus" and fixed.api == "chat" and [a.name for a in fixed.adapters] == ["tuned"]
+    assert fixed.sampling.top_p == 0.9 and fixed.sampling.temperature == 0.7
+    assert fixed.sampling.stop is None and fixed.sampling.n is None and fixed.structured is None
+    mixed = mixed_workload(workload, 400)
+    by_name = {c.name: c for c in mixed.classes}
+    assert by_name["chat"].sampling.top_k == 5 and by_name["tool"].structured.regex == "[a-z]+"
+    assert by_name["long"].input_tokens.value == 400 and by_name["long"].sampling.top_k == 5  # asks as the first
+    assert mixed.text == "corpus" and mixed.structured == workload.structured and mixed.sampling == workload.sampling

@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 
-from servetune.config.workload import Fixed, RequestClass, Workload
+from servetune.config.workload import Arrival, Fixed, Workload
 from servetune.load.runner import Level
 from servetune.metrics import RequestRecord
 
@@ -46,16 +46,26 @@ LONG_CLASS = "long"
 
 
 def mixed_workload(workload: Workload, long_tokens: int) -> Workload:
-    """The workload's classes at 90% of the weight, and a ``long`` class at its P99 input length."""
+    """The workload's classes at 90% of the weight, and a ``long`` class at its P99 input length. Each class keeps
+    what its requests ask for (sampling, structured output, images); the long one asks what the first class does."""
     classes = workload.classes
     total = sum(c.weight for c in classes)
-    kept = [RequestClass(name=c.name if c.name != LONG_CLASS else "short", weight=c.weight * (1 - LONG_SHARE) / total,
-                         input_tokens=c.input_tokens, output_tokens=c.output_tokens) for c in classes]  # fmt: skip
-    long = RequestClass(name=LONG_CLASS, weight=LONG_SHARE, input_tokens=Fixed(dist="fixed", value=long_tokens),
-                        output_tokens=classes[0].output_tokens)  # fmt: skip
+    kept = [c.model_copy(update={"name": c.name if c.name != LONG_CLASS else "short",
+                                 "weight": c.weight * (1 - LONG_SHARE) / total}) for c in classes]  # fmt: skip
+    long = classes[0].model_copy(
+        update={"name": LONG_CLASS, "weight": LONG_SHARE, "input_tokens": Fixed(dist="fixed", value=long_tokens)}
+    )
     return workload.model_copy(update={"input_tokens": None, "output_tokens": None, "mix": (*kept, long)})
 
 
 def fixed_workload(workload: Workload, name: str, input_tokens: int, output_tokens: int) -> Workload:
-    return Workload(name=name, seed=workload.seed, api=workload.api, ignore_eos=True, temperature=workload.temperature,
-                    input_tokens=Fixed(dist="fixed", value=input_tokens), output_tokens=Fixed(dist="fixed", value=output_tokens))  # fmt: skip
+    """Every request ``input_tokens`` in and exactly ``output_tokens`` out (EOS ignored), otherwise as the workload's
+    requests are: their text, shared prefix, adapters, images and sampling. What would end a request before its
+    length (stop sequences, structured output, whose grammar ends it) is left out, and so is ``n``, which would
+    multiply its output; so are sessions, its arrival and its classes (one fixed class)."""
+    sampling = workload.sampling.model_copy(update={"stop": None, "n": None, "ignore_eos": None})
+    return workload.model_copy(update={
+        "name": name, "ignore_eos": True, "input_tokens": Fixed(dist="fixed", value=input_tokens),
+        "output_tokens": Fixed(dist="fixed", value=output_tokens), "mix": None, "sessions": None,
+        "arrival": Arrival(), "sampling": sampling, "structured": None,
+    })  # fmt: skip
