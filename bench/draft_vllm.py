@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from worker_probe import importable_in_workers
+
 
 def drafter_bytes(worker) -> dict[str, int]:  # runs in vLLM's worker: imported there as draft_vllm.drafter_bytes
     """The drafter's bytes as vLLM holds them. The CPU build hands each linear layer's weight to a oneDNN (or
@@ -87,13 +89,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-speculative-tokens", type=int, default=2)
     args = parser.parse_args()
-    here = str(Path(__file__).resolve().parent)
     # vLLM's worker unpickles drafter_bytes by module name: it must import this file as draft_vllm
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    sys.path.insert(0, here)
-    import draft_vllm  # this file under its module name (see above)
+    draft_vllm = importable_in_workers("draft_vllm")
 
     with tempfile.TemporaryDirectory(prefix="servetune-draft-") as folder:  # the model, removed at exit
         out = measure(args, Path(folder), draft_vllm.drafter_bytes)

@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from worker_probe import importable_in_workers
+
 
 def lora_bytes(model) -> dict[str, int]:  # runs in vLLM's worker: imported there as lora_vllm.lora_bytes
     total = layers = 0
@@ -74,13 +76,8 @@ def main() -> int:
     parser.add_argument("--max-loras", type=int, default=2)
     parser.add_argument("--max-lora-rank", type=int, default=16)
     args = parser.parse_args()
-    here = str(Path(__file__).resolve().parent)
     # vLLM's worker unpickles lora_bytes by module name: it must import this file as lora_vllm
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    sys.path.insert(0, here)
-    import lora_vllm  # this file under its module name (see above)
+    lora_vllm = importable_in_workers("lora_vllm")
 
     with tempfile.TemporaryDirectory(prefix="servetune-lora-") as folder:  # the model and adapter, removed at exit
         out = measure(args, Path(folder), lora_vllm.lora_bytes)
