@@ -212,3 +212,19 @@ def test_a_trial_whose_capacity_cannot_beat_a_finished_ones_at_a_lower_cost_stop
     cheap = trial("cheap", {"max_num_seqs": 8}, [level(4, 3000, 200), level(8, 3200, 2500, violations=SLOW),
                                                  level(6, 3100, 250)])  # fmt: skip
     assert judge(cheap, ahead, board.points(), board.capacities()) is None
+
+
+def test_a_replayed_cut_knows_only_the_levels_it_kept_not_the_capacity_its_full_run_found():
+    """study/replay.stop_early cuts a recorded trial where the dominance rule would have stopped it live. A live trial
+    stopped there has no capacity yet, so the cut's headline level is among its own levels (cap42 makes a found
+    capacity the headline): it must not carry the full run's capacity and knee."""
+    from servetune.results import Capacity
+    from servetune.study.replay import stop_early
+
+    recorded = trial("run", {"max_num_seqs": 8}, [level(4, 500, 400), level(16, 600, 1500), level(64, 700, 3000, violations=SLOW)])  # fmt: skip
+    recorded.capacity_at_slo = Capacity(value=16, unit="concurrency", bracket=(16, 64), bound="exact", tolerance=0.1)
+    ultra = trial("done", {"max_num_seqs": 64}, [level(4, 5000, 100), level(16, 9000, 200), level(64, 12000, 300)])
+    cut = stop_early(recorded, LADDER, ultra.operating_points())
+    assert cut.stopped_because and len(cut.levels) < len(recorded.levels)
+    assert cut.capacity_at_slo is None and cut.knee is None
+    assert cut.best_level_index is not None and cut.best_level_index < len(cut.levels)

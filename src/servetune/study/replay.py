@@ -85,9 +85,12 @@ def stop_early(recorded: TrialResult, planned: Sequence[Level], finished: Sequen
 
     for index in range(min(len(recorded.levels), len(planned)) - 1):
         levels = recorded.levels[: index + 1]
-        reason = judge(recorded.model_copy(update={"levels": levels}), planned[index + 1 :], finished)
+        # what a live trial knows at that level: its levels so far, not the capacity and knee its full run found
+        # (a capacity there would make its headline level one it never reached: results/trial.py best_level)
+        partial = {"levels": levels, "capacity_at_slo": None, "knee": None}
+        reason = judge(recorded.model_copy(update=partial), planned[index + 1 :], finished)
         if reason:
-            cut = recorded.model_copy(update={"levels": levels, "stopped_because": reason})
+            cut = recorded.model_copy(update={**partial, "stopped_because": reason})
             cut.best_level_index = best_level(cut)
             return cut
     return recorded
