@@ -138,3 +138,13 @@ def test_a_trial_measured_through_serve_sizes_each_replicas_vllm_on_its_share(tm
     assert split.request_throughput == pytest.approx(alone.request_throughput / 2)
     assert split.max_num_queued_reqs < alone.max_num_queued_reqs
     assert "its 32 clients / 2 Serve replicas" in split.reasons["max_num_queued_reqs"]
+
+
+def test_a_level_whose_ttft_spends_the_bound_gets_the_short_queue_serve_and_the_policy_get():
+    """One rule for the wait the SLO leaves (report/autoscale_policy.wait_left): where the TTFT measured there takes
+    the whole bound, a tenth of it, as Serve's queue cap and the predictive policy use, not a queue of one."""
+    from servetune.report.autoscale_policy import wait_left
+
+    assert size_admission(10.0, 8, 1.0, ttft_s=1.0)[2] == math.ceil(10.0 * wait_left(1.0, "", 1000.0)[0]) == 1
+    assert size_admission(100.0, 8, 1.0, ttft_s=1.2)[2] == 10  # ceil(100 req/s x 0.1 s)
+    assert size_admission(100.0, 8, 1.0, ttft_s=0.5)[2] == 50  # what is left of the bound

@@ -84,6 +84,7 @@ def test_an_open_loop_knee_uses_littles_law():
     a = derive_autoscaling([p], [])
     assert a.target_ongoing_requests == 19  # 9.5 req/s x 2 s
     assert a.tolerable_wait_s == 0.3 and "section 11's 300 ms" in a.reasons["max_queued_requests"]
+    assert "TTFT" not in a.reasons["max_queued_requests"].split("(the SLO bounds no TTFT)")[1]  # none to take off
 
 
 def test_tolerable_wait_prefers_the_ttft_p99_bound():

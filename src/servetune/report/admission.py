@@ -12,8 +12,9 @@ flight (its clients; for an open loop, Little's law ``X`` x mean E2E latency), a
 - **the wait left** ``L = W - T``, ``T`` the TTFT the level measured at the bound's percentile (its
   ``ttft_ms_p99`` for a P99 bound): a request admitted behind the queue still takes its own ``T`` once it
   leaves the queue (the engine carrying ``N`` within the SLO took that long), so only ``L`` of the bound is
-  left for queueing (as the predictive policy's ``waiting_per_replica``, autoscale_policy.py). ``L = W`` where
-  the wait is not a TTFT bound (section 11's queue wait) or the level recorded no such TTFT.
+  left for queueing (``autoscale_policy.wait_left``, which Serve's queue cap and the predictive policy's
+  ``waiting_per_replica`` are sized on too). ``L = W`` where the wait is not a TTFT bound (section 11's queue
+  wait) or the level recorded no such TTFT; ``L = W / 10`` where ``T`` spends the whole bound.
 - **queue depth** ``Q = ceil(X x L)`` (at least 1): an open loop served at ``X`` req/s drains a waiting
   queue of ``Q`` requests in ``Q / X`` seconds, so the last request admitted starts within ``L`` and has its
   first token within ``T + L = W``; one more would break the bound. (``ceil(X x W)``, the queue without
@@ -39,6 +40,7 @@ from servetune.config.space import SERVE_REPLICAS
 from servetune.errors import UserError
 from servetune.metrics import REQUEST_THROUGHPUT
 from servetune.report.autoscale import tolerable_wait_s, ttft_bound
+from servetune.report.autoscale_policy import wait_left
 from servetune.report.points import ReportPoint, level_label
 
 INPUT_THROUGHPUT = "input_throughput"  # prompt tok/s of a level (summary.py LevelSummary)
@@ -83,7 +85,7 @@ def size_admission(
     the level measured (``T``; 0: none to take off the wait)."""
     if request_throughput <= 0 or wait_s <= 0:
         raise UserError("admission bounds: the level served no request, so there is no rate to size a queue on")
-    left = max(wait_s - ttft_s, 0.0)
+    left, _ = wait_left(wait_s, "", ttft_s * 1000.0 if ttft_s else None)  # a tenth of W where T spends it all
     queue = max(1, math.ceil(request_throughput * left - 1e-9))
     tokens = max(1, math.ceil(input_throughput * left - 1e-9)) if input_throughput else None
     return max(1, math.ceil(in_flight - 1e-9)) + queue, tokens, queue
@@ -120,6 +122,8 @@ def derive_admission(trial_points: Sequence[ReportPoint], slo_lines: Sequence[st
     measured = at.metrics.get(bound[0]) if bound is not None else None
     ttft_s = float(measured) / 1000.0 if measured is not None else 0.0
     left = f"{wait_s:g} s - {ttft_s:.3f} s {bound[0]} measured there" if ttft_s and bound else f"{wait_s:g} s"
+    if bound and ttft_s >= wait_s:  # wait_left's floor: any queue breaks the bound, so a short one
+        left = f"a tenth of {wait_s:g} s, the {bound[0]} measured there ({ttft_s:.3f} s) spending it all"
     reqs, tokens, queue = size_admission(rate, in_flight, wait_s, prompt_rate, ttft_s)
     where = f"at {level_label(at.level)}, {'its capacity at the SLO' if at.at_capacity else 'its highest level meeting the SLO'}"
     reasons = {

@@ -267,7 +267,7 @@ def derive_autoscaling(
     bound = ttft_bound(slo_lines)  # the TTFT measured there at the bound's percentile, which a request takes anyway
     ttft_there = base.metrics.get(bound[0]) if bound is not None else None
     ttft_ms = None if ttft_there is None else float(ttft_there)
-    left_s, left_why = wait_left(wait_s, wait_why, ttft_ms)
+    left_s, left_why = wait_left(wait_s, wait_why, ttft_ms, bounded=bound is not None)
     queue = max(1, math.ceil(max_replicas * throughput * left_s - 1e-9))
     max_ongoing = max(target + 1, math.ceil(ONGOING_HEADROOM * target))
     kv = base.server_metrics.get(KV_CACHE_USAGE_MAX)

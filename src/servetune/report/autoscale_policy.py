@@ -55,14 +55,16 @@ class PredictiveThresholds:
         return asdict(self)
 
 
-def wait_left(tolerable_wait_s: float, wait_why: str, ttft_ms: float | None) -> tuple[float, str]:
+def wait_left(tolerable_wait_s: float, wait_why: str, ttft_ms: float | None, bounded: bool = True) -> tuple[float, str]:
     """The wait a request may still spend queued, in seconds, and why: the tolerable wait (the SLO's TTFT bound)
     less the TTFT measured at the operating load (``ttft_ms``, at the bound's percentile), which a request leaving
     the queue still takes to its first token; a tenth of the tolerable wait where the measured TTFT spends it all
     (any queue breaks the bound), the whole of it where no TTFT was recorded. The predictive policy's
-    ``waiting_per_replica`` and Serve's ``max_queued_requests`` (autoscale.py) are sized on it."""
-    if ttft_ms is None:
-        return tolerable_wait_s, f"{wait_why} (the TTFT there was not recorded)"
+    ``waiting_per_replica``, Serve's ``max_queued_requests`` (autoscale.py) and vLLM's admission bounds
+    (admission.py) are sized on it. ``bounded``: the SLO bounds a TTFT (else the wait is a queue wait, nothing to
+    take a TTFT off)."""
+    if ttft_ms is None or not bounded:
+        return tolerable_wait_s, wait_why if not bounded else f"{wait_why} (the TTFT there was not recorded)"
     left_s = tolerable_wait_s - ttft_ms / 1000.0
     if left_s <= 0:
         left_s = tolerable_wait_s * 0.1

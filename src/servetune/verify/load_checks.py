@@ -113,7 +113,8 @@ def hard_queue_limit(ctx: Context) -> tuple[Status, str]:
         # TTFT bound leaves after the TTFT measured at the level (at the bound's percentile)
         wait_s, why = tolerable_wait_s(ctx.result.slo)
         bound = ttft_bound(ctx.result.slo)
-        left_s, left_why = wait_left(wait_s, why, level.summary.flat().get(bound[0]) if bound is not None else None)
+        ttft_ms = level.summary.flat().get(bound[0]) if bound is not None else None
+        left_s, left_why = wait_left(wait_s, why, ttft_ms, bounded=bound is not None)
         queue = max(1, math.ceil(level.summary.request_throughput * left_s - 1e-9))
         size = (f", about {level.summary.request_throughput:.2f} req/s x {left_s:g} s of queue wait "
                 f"= {queue} a replica ({left_why}; section 10); `servetune export --format ray-serve` writes it "
