@@ -48,9 +48,10 @@ def _tensors() -> list[tuple[str, list[int], str]]:
     return tensors
 
 
-def write_gguf(path: Path, *, context: int = CONTEXT, arch: str = "llama") -> dict[str, int]:
-    """A llama-shaped GGUF v3 file; returns the bytes of its tensor data per ggml type."""
-    u32, i32, string, array = 4, 5, 8, 9
+def write_gguf(path: Path, *, context: int = CONTEXT, arch: str = "llama", splits: int = 0) -> dict[str, int]:
+    """A llama-shaped GGUF v3 file (``splits``: the first shard of that many, as llama.cpp's gguf-split writes
+    them); returns the bytes of its tensor data per ggml type."""
+    u16, u32, i32, string, array = 2, 4, 5, 8, 9
     metadata = [
         ("general.architecture", string, _string(arch)),
         ("general.alignment", u32, struct.pack("<I", 32)),
@@ -64,6 +65,8 @@ def write_gguf(path: Path, *, context: int = CONTEXT, arch: str = "llama") -> di
         ("tokenizer.ggml.tokens", array, struct.pack("<IQ", string, VOCAB) + b"".join(_string(f"t{i}") for i in range(VOCAB))),
         ("tokenizer.ggml.token_type", array, struct.pack("<IQ", i32, VOCAB) + struct.pack(f"<{VOCAB}i", *[1] * VOCAB)),
     ]  # fmt: skip
+    if splits:
+        metadata += [("split.no", u16, struct.pack("<H", 0)), ("split.count", u16, struct.pack("<H", splits))]
     tensors = _tensors()
     header = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), len(metadata))
     header += b"".join(_string(key) + struct.pack("<I", kind) + value for key, kind, value in metadata)
@@ -136,3 +139,14 @@ def test_a_gguf_architecture_the_planner_does_not_read_is_not_planned(tmp_path: 
     assert cli.main(argv) == 0
     document = json.loads(capsys.readouterr().out)
     assert document["planned"] is False and document["reason"].startswith("GGUF architecture gemma3")
+
+
+def test_the_first_shard_of_a_split_gguf_is_not_planned_from_its_own_tensors(tmp_path: Path, capsys) -> None:
+    """A split GGUF (gguf-split's model-00001-of-00003.gguf) holds a third of the weights in its first file:
+    planning from it would under-count them, so it runs not planned, saying how to merge it."""
+    path = tmp_path / "model-00001-of-00003.gguf"
+    write_gguf(path, splits=3)
+    argv = ["plan", "--model", str(path), "--device", "cpu", "--cpu-kvcache-space-gib", "1", "--json"]
+    assert cli.main(argv) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["planned"] is False and "split GGUF" in document["reason"] and "3 files" in document["reason"]

@@ -178,7 +178,17 @@ def arch_from_gguf(path: Path) -> ModelArch:
     dense = _field(metadata, path, p + "feed_forward_length", 0)
     quantized = {t: e for t, e in tensors.values() if t not in ("F32", "F16", "BF16", "F64")}
     bits = sum(GGUF_DTYPE_BYTES[t] * e for t, e in quantized.items()) * 8 / max(1, sum(quantized.values()))
-    unplanned = f"GGUF architecture {name}: the planner sizes {', '.join(PLANNED_ARCHS)} GGUF files"
+    unplanned = (
+        None
+        if name in PLANNED_ARCHS
+        else f"GGUF architecture {name}: the planner sizes {', '.join(PLANNED_ARCHS)} GGUF files"
+    )
+    splits = metadata.get("split.count")
+    if isinstance(splits, int) and splits > 1:  # this file holds one shard's tensors: the weights would read short
+        unplanned = (
+            f"a split GGUF ({splits} files, this one shard {int(metadata.get('split.no') or 0) + 1}): the "
+            "planner reads one file's tensors; merge them first (llama.cpp's gguf-split --merge)"
+        )
     fields: dict[str, Any] = {
         "name": str(path),
         "architecture": PLANNED_ARCHS.get(name, name),
@@ -196,7 +206,7 @@ def arch_from_gguf(path: Path) -> ModelArch:
         "qkv_bias": "blk.0.attn_q.bias" in tensors,
         "quant": WeightQuant(method="gguf", bits=max(1, min(32, round(bits))) if quantized else 16),
         "checkpoint": gguf_checkpoint(tensors),
-        "not_planned": None if name in PLANNED_ARCHS else unplanned,
+        "not_planned": unplanned,
     }
     if experts:
         fields["num_experts"] = experts
