@@ -24,7 +24,8 @@ def _fmt(value: Any, digits: int = 1) -> str:
 
 
 class LiveTable(Callback):
-    """Each trial's state, configuration, best goodput and P99 latencies, while the study runs."""
+    """Each trial's state, configuration, goodput at its headline level (results/trial.py best_level: at its
+    capacity where one was found) and P99 latencies, while the study runs."""
 
     def __init__(self, space: SearchSpace, console: Console) -> None:
         self.space = space
@@ -71,7 +72,7 @@ class LiveTable(Callback):
             row.update(state=result["outcome"], reason=result.get("reason", ""), goodput=result.get("best_goodput"),
                        ttft=result.get("best_ttft_ms_p99"), tpot=result.get("best_tpot_ms_p99"), levels=result.get("levels_run", 0))  # fmt: skip
             self._update(
-                f"{row['id']} {row['state']}: best goodput {_fmt(row['goodput'], 2)} req/s {row.get('reason', '')}".rstrip()
+                f"{row['id']} {row['state']}: goodput {_fmt(row['goodput'], 2)} req/s {row.get('reason', '')}".rstrip()
             )
         elif "level_index" in result:
             row["levels"] = result["level_index"] + 1
@@ -103,7 +104,7 @@ class LiveTable(Callback):
             "state",
             "configuration",
             "levels",
-            "best goodput",
+            "goodput",
             "TTFT p99",
             "TPOT p99",
             *(("quality",) if quality else ()),

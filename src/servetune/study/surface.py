@@ -4,7 +4,8 @@ A surface is every point of a search space's grid (lists for every parameter, no
 trial's ``result.json``, stored with how it was made (:meth:`Surface.dump`, :meth:`Surface.load`). The replay
 (study/replay.py) answers a search's proposals from it.
 
-The score of a trial is its best goodput that met the SLO (0 when none did, or when it failed or did not fit).
+The score of a trial is its goodput at its headline level (at its capacity where the capacity search found one,
+else its best goodput that met the SLO; 0 when none did, or when it failed or did not fit).
 """
 
 from __future__ import annotations
