@@ -110,22 +110,23 @@ def test_export_ray_serve_config(tmp_path, capsys):
                                        "tensor_parallel_size": 2}  # fmt: skip
     # Autoscaling at the default headroom, 0.8 of the highest load meeting the SLO (64 in flight, no knee found
     # below it): 51.2 in flight over 2 data-parallel replicas is 25 a replica; the ladder's top (64) needs 3; the
-    # queue holds 2 s (the TTFT P99 bound) of 3 x 26.67 req/s (33.3 a replica at 64, scaled to 51.2).
+    # queue holds what the TTFT P99 bound (2 s) leaves after the 800 ms measured there, 1.2 s, of 3 x 26.67 req/s
+    # (33.3 a replica at 64, scaled to 51.2).
     deployment = config["deployment_config"]
     scaling = deployment["autoscaling_config"]
     assert (scaling["min_replicas"], scaling["max_replicas"], scaling["target_ongoing_requests"]) == (1, 3, 25)
     assert (scaling["upscale_delay_s"], scaling["downscale_delay_s"]) == (120.0, 600.0)  # section 11
     assert deployment["max_ongoing_requests"] == 32  # 1.25 x target
-    assert deployment["max_queued_requests"] == math.ceil(3 * 0.8 * (4000 / 60) / 2 * 2.0)
-    assert "#   max_queued_requests: 161: 3 replicas x 26.67 req/s x 2 s tolerable wait" in out
+    assert deployment["max_queued_requests"] == math.ceil(3 * 0.8 * (4000 / 60) / 2 * 1.2 - 1e-9) == 96
+    assert "#   max_queued_requests: 96: 3 replicas x 26.67 req/s x 1.2 s of queue wait" in out
     assert config["runtime_env"] == {"env_vars": {"HF_TOKEN": "***"}}
-    # --headroom 1: at the measured load itself, 32 a replica, 2 replicas, the queue of 2 x 33.3 req/s.
+    # --headroom 1: at the measured load itself, 32 a replica, 2 replicas, the queue of 2 x 33.3 req/s x 1.2 s.
     code, out, err = run_cli(capsys, "export", root, "--format", "ray-serve", "--headroom", "1")
     assert code == 0, err
     deployment = yaml.safe_load(out)["applications"][0]["args"]["llm_configs"][0]["deployment_config"]
     scaling = deployment["autoscaling_config"]
     assert (scaling["min_replicas"], scaling["max_replicas"], scaling["target_ongoing_requests"]) == (1, 2, 32)
-    assert deployment["max_queued_requests"] == math.ceil(2 * (4000 / 60) / 2 * 2.0)
+    assert deployment["max_queued_requests"] == math.ceil(2 * (4000 / 60) / 2 * 1.2 - 1e-9)
 
 
 def test_exported_ray_serve_configs_validate_with_ray_serve_llm(tmp_path, capsys):
