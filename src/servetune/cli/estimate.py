@@ -103,11 +103,7 @@ def run(args: argparse.Namespace) -> int:
     factors = load_factors()
     cal = _calibration(args.study, args.space, cpu)
     refit = _study_refit(args.study) if cal is not None else None
-    refit_factors = (
-        None
-        if refit is None
-        else factors.model_copy(update={"per_gpu_class": {**factors.per_gpu_class, refit.gpu_class: refit.efficiency}})
-    )
+    refit_factors = None if refit is None else factors.with_class(refit.gpu_class, refit.efficiency)
     slo = space.slo_bounds
     judged = judged_bounds(slo)
     rows: list[dict[str, Any]] = []

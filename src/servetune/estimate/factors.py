@@ -65,6 +65,10 @@ class Factors(BaseModel):
     def for_class(self, gpu_class: str) -> Efficiency:
         return self.per_gpu_class.get(gpu_class, self.default)
 
+    def with_class(self, gpu_class: str, efficiency: Efficiency) -> Factors:
+        """These factors with ``gpu_class``'s replaced (a study's refit on its own trials, estimate/refit.py)."""
+        return self.model_copy(update={"per_gpu_class": {**self.per_gpu_class, gpu_class: efficiency}})
+
 
 def load_factors() -> Factors:
     """The factors shipped in ``servetune/estimate/data/factors.json`` (parsed once)."""

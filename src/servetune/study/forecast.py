@@ -54,8 +54,7 @@ def forecast(
                                                                                            spec.gpu_memory_gib)  # fmt: skip
         factors = load_factors()
         if efficiency is not None:
-            cls = gpu_class(hardware.name)
-            factors = factors.model_copy(update={"per_gpu_class": {**factors.per_gpu_class, cls: efficiency}})
+            factors = factors.with_class(gpu_class(hardware.name), efficiency)
         rates = RECORDED_HOST if spec.device == "cpu" else None
         out = []
         image_tokens, flops = workload_images(spec.workload, arch.vision, spec.engine_args)

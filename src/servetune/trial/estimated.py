@@ -63,8 +63,7 @@ def estimate_levels(
         factors = load_factors()
         rates = RECORDED_HOST if result.device == "cpu" else None
         if efficiency is not None:
-            cls = gpu_class(hardware.name)
-            factors = factors.model_copy(update={"per_gpu_class": {**factors.per_gpu_class, cls: efficiency}})
+            factors = factors.with_class(gpu_class(hardware.name), efficiency)
         draft = load_draft(result.engine_args)
         _image_tokens, flops = workload_images(workload, arch.vision, result.engine_args)  # already in the prompts
         for level in levels:
