@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from servetune.config.space import SERVE_REPLICAS
 from servetune.errors import UserError
 from servetune.metrics import REQUEST_THROUGHPUT
-from servetune.report.autoscale import tolerable_wait_s, ttft_bound
+from servetune.report.autoscale import bound_ttft_ms, tolerable_wait_s
 from servetune.report.autoscale_policy import wait_left
 from servetune.report.points import ReportPoint, level_label
 
@@ -118,9 +118,8 @@ def derive_admission(trial_points: Sequence[ReportPoint], slo_lines: Sequence[st
             f"Little's law: {rate:.2f} req/s{per} x {e2el_s:.2f} s mean E2E latency",
         )
     wait_s, wait_why = tolerable_wait_s(slo_lines)
-    bound = ttft_bound(slo_lines)
-    measured = at.metrics.get(bound[0]) if bound is not None else None
-    ttft_s = float(measured) / 1000.0 if measured is not None else 0.0
+    bound, ttft_ms = bound_ttft_ms(slo_lines, at.metrics)
+    ttft_s = ttft_ms / 1000.0 if ttft_ms is not None else 0.0
     left = f"{wait_s:g} s - {ttft_s:.3f} s {bound[0]} measured there" if ttft_s and bound else f"{wait_s:g} s"
     if bound and ttft_s >= wait_s:  # wait_left's floor: any queue breaks the bound, so a short one
         left = f"a tenth of {wait_s:g} s, the {bound[0]} measured there ({ttft_s:.3f} s) spending it all"

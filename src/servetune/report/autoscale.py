@@ -175,6 +175,16 @@ def ttft_bound(slo_lines: Sequence[str]) -> tuple[str, float] | None:
     return None
 
 
+def bound_ttft_ms(
+    slo_lines: Sequence[str], metrics: Mapping[str, Any]
+) -> tuple[tuple[str, float] | None, float | None]:
+    """The TTFT bound a queue wait is sized on (:func:`ttft_bound`) and the TTFT ``metrics`` measured at its
+    percentile, in ms (None: the SLO bounds no TTFT, or the level did not record it)."""
+    bound = ttft_bound(slo_lines)
+    measured = metrics.get(bound[0]) if bound is not None else None
+    return bound, None if measured is None else float(measured)
+
+
 def tolerable_wait_s(slo_lines: Sequence[str]) -> tuple[float, str]:
     """The longest a request may wait in Serve's queue: the SLO's TTFT P99 bound, else its tightest
     TTFT bound (:func:`ttft_bound`), else section 11's 300 ms queue wait."""
@@ -264,9 +274,7 @@ def derive_autoscaling(
     target = max(1, math.floor(in_flight))
     max_replicas = max(1, math.ceil(peak / per_replica - 1e-9))
     wait_s, wait_why = tolerable_wait_s(slo_lines)
-    bound = ttft_bound(slo_lines)  # the TTFT measured there at the bound's percentile, which a request takes anyway
-    ttft_there = base.metrics.get(bound[0]) if bound is not None else None
-    ttft_ms = None if ttft_there is None else float(ttft_there)
+    bound, ttft_ms = bound_ttft_ms(slo_lines, base.metrics)  # the TTFT a request takes anyway once it leaves a queue
     left_s, left_why = wait_left(wait_s, wait_why, ttft_ms, bounded=bound is not None)
     queue = max(1, math.ceil(max_replicas * throughput * left_s - 1e-9))
     max_ongoing = max(target + 1, math.ceil(ONGOING_HEADROOM * target))

@@ -11,7 +11,7 @@ import statistics
 from collections.abc import Mapping
 from typing import Any
 
-from servetune.report.autoscale import tolerable_wait_s, ttft_bound
+from servetune.report.autoscale import bound_ttft_ms, tolerable_wait_s
 from servetune.report.autoscale_policy import wait_left
 from servetune.report.points import level_label, outline, trial_points
 from servetune.report.recommend import KV_USAGE_THIN, margin_signals
@@ -112,8 +112,7 @@ def hard_queue_limit(ctx: Context) -> tuple[Status, str]:
         # Sized as `export --format ray-serve` sizes it (report/autoscale.py), for one replica: the wait the SLO's
         # TTFT bound leaves after the TTFT measured at the level (at the bound's percentile)
         wait_s, why = tolerable_wait_s(ctx.result.slo)
-        bound = ttft_bound(ctx.result.slo)
-        ttft_ms = level.summary.flat().get(bound[0]) if bound is not None else None
+        bound, ttft_ms = bound_ttft_ms(ctx.result.slo, level.summary.flat())
         left_s, left_why = wait_left(wait_s, why, ttft_ms, bounded=bound is not None)
         queue = max(1, math.ceil(level.summary.request_throughput * left_s - 1e-9))
         size = (f", about {level.summary.request_throughput:.2f} req/s x {left_s:g} s of queue wait "
