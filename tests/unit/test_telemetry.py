@@ -266,22 +266,32 @@ def test_the_host_energy_of_the_window_comes_from_its_rapl_counter(tmp_path):
     assert summary["cpu_energy_measured_j"] == pytest.approx(11.0) and sampler.energy_note is None
 
 
-def test_a_gpus_window_energy_uses_its_counter_and_else_its_power(monkeypatch):
+def counter_gpu_sampler(monkeypatch) -> TelemetrySampler:
+    """A sampler of one fake GPU whose energy counter gains 1 kJ at each read (its power reads 300 W) on a clock of
+    whole seconds: reads at t=0 (enter), 1, 2 (two samples), 3 (the last sample), 4 (exit)."""
     import servetune.telemetry as telemetry
 
     clock = iter(float(t) for t in range(100))
     monkeypatch.setattr(telemetry.time, "perf_counter", lambda: next(clock))
-    counter = iter(range(0, 100_000_000, 1_000_000))  # mJ: 1 kJ more at each read
+    counter = iter(range(0, 100_000_000, 1_000_000))  # mJ
     nv = fake_nvml({})
     nv.nvmlDeviceGetTotalEnergyConsumption = lambda h: next(counter) if h == 0 else 0
     monkeypatch.setattr(telemetry, "_nvml", lambda: nv)
     with TelemetrySampler([0], interval_s=60, rapl_root=Path("/nonexistent")) as sampler:
         sampler._take_sample()
         sampler._take_sample()
+    return sampler
+
+
+def test_a_gpus_window_energy_uses_its_counter_and_else_its_power(monkeypatch):
+    sampler = counter_gpu_sampler(monkeypatch)
     # reads at t=0 (enter), 1, 2 (samples), 3 (the last sample), 4 (exit): 1 kJ a second
     assert sampler.window_energy(1.5, 3.0)["gpu_energy_measured_j"] == pytest.approx(1_500.0)
-    # no counter: 300 W of sampled power over the window
+    # no counter: 300 W of sampled power over the window, on a clock from 0 again
+    import servetune.telemetry as telemetry
+
     clock = iter(float(t) for t in range(100))
+    monkeypatch.setattr(telemetry.time, "perf_counter", lambda: next(clock))
     monkeypatch.setattr(telemetry, "_nvml", lambda: fake_nvml({0: {"energy"}}))
     with TelemetrySampler([0], interval_s=60, rapl_root=Path("/nonexistent")) as sampler:
         sampler._take_sample()
@@ -360,17 +370,7 @@ def test_the_environment_records_a_mig_slice_as_its_board_its_profile_and_its_me
 def test_the_sampled_power_over_a_window_is_there_beside_the_counter_to_check_it_against(monkeypatch):
     """Where a GPU has an energy counter, the window's energy is the counter's; its sampled power integrated over the
     same window stays readable (:meth:`TelemetrySampler.power_window_energy`), the check #43 asks of a GPU run."""
-    import servetune.telemetry as telemetry
-
-    clock = iter(float(t) for t in range(100))
-    monkeypatch.setattr(telemetry.time, "perf_counter", lambda: next(clock))
-    counter = iter(range(0, 100_000_000, 1_000_000))  # mJ: 1 kJ more at each read, while the power reads 300 W
-    nv = fake_nvml({})
-    nv.nvmlDeviceGetTotalEnergyConsumption = lambda h: next(counter) if h == 0 else 0
-    monkeypatch.setattr(telemetry, "_nvml", lambda: nv)
-    with TelemetrySampler([0], interval_s=60, rapl_root=Path("/nonexistent")) as sampler:
-        sampler._take_sample()
-        sampler._take_sample()
+    sampler = counter_gpu_sampler(monkeypatch)
     assert sampler.window_energy(1.5, 3.0)["gpu_energy_measured_j"] == pytest.approx(1_500.0)  # the counter's
     assert sampler.power_window_energy(1.5, 3.0) == pytest.approx(450.0)  # 300 W sampled x 1.5 s
     assert sampler.power_window_energy(3.5, 3.0) is None
