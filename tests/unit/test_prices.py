@@ -225,3 +225,23 @@ def test_the_html_report_states_which_prices_it_used_with_source_and_date(tmp_pa
         t.price = None
     older = write_study(tmp_path / "old", study_info(price_per_device_hour=0.5), trials)
     assert "Costs at the price: $0.5 per device-hour (from study.json)" in render_html(build_report(load_study(older)))
+
+
+def test_study_json_records_the_spaces_own_price_and_none_where_gpu_prices_come_from_the_list(tmp_path):
+    from servetune.report import build_report, load_study
+    from servetune.study.driver import study_info as recorded
+    from servetune.tracking.fields import study_params
+    from tests.builders import demo_trials, space_from, write_study
+
+    head = "name: p\nmodel: tiny\nload: {levels: [2]}\n"
+    listed = recorded(space_from(tmp_path, head + "device: gpu\nprice_list: aws\n"), tmp_path / "s.yaml", "tiny")
+    assert listed.price_per_device_hour is None  # each trial priced at its GPU type's, not at the default 1.0
+    assert study_params(listed)["price_per_device_hour"] == "per GPU type (aws price list)"
+    for t in (trials := demo_trials()):  # results from before prices were recorded
+        t.price = None
+    report = build_report(load_study(write_study(tmp_path / "st", listed, trials)))
+    assert report.price_line() == "prices: each GPU type's, from the aws price list (study.json)"
+    fixed = recorded(space_from(tmp_path, head + "device: gpu\nprice_per_device_hour: 2.5\n"), tmp_path / "s.yaml", "t")
+    assert fixed.price_per_device_hour == 2.5
+    cpu = recorded(space_from(tmp_path, head + "device: cpu\n"), tmp_path / "s.yaml", "tiny")
+    assert cpu.price_per_device_hour == 1.0  # the CPU build's price per core-hour, the space's default

@@ -103,6 +103,8 @@ class StudyReport:
             return f"prices: {'; '.join(self.prices)}"
         if self.price_override is not None:
             return f"price: ${self.price_override:g} per device-hour (from --price-per-gpu-hour)"
+        if self.info.price_per_device_hour is None:
+            return f"prices: each GPU type's, from the {self.info.price_list} price list (study.json)"
         return f"price: ${self.info.price_per_device_hour:g} per device-hour (from study.json)"
 
     def outcome_counts(self) -> dict[str, int]:

@@ -63,7 +63,9 @@ class StudyInfo(BaseModel):
     objectives: list[tuple[str, Literal["min", "max"]]]  # e.g. [("cost_per_mtok_usd", "min"), ("ttft_ms_p99", "min")]
     slo: list[str]  # as text, for people and for older readers
     slo_bounds: list[SloBound] = []  # the same bounds, typed (empty in study.json files before schema 2)
-    price_per_device_hour: float
+    # the space's own price (per GPU-hour, or per core-hour on the CPU build); None where the space leaves GPU prices
+    # to the price list, each trial priced at its own GPU type's (study.json files before session 43 wrote 1.0 there)
+    price_per_device_hour: float | None
     # the space's price list and its own prices over it: the report prices the GPU types the study did not measure
     # from them, as the trials were priced (defaults in older study.json files)
     price_list: PriceList = "default"

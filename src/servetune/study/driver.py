@@ -274,8 +274,9 @@ def study_info(
         device=space.device, algorithm=space.search.algorithm,
         objectives=[(o.metric, o.mode) for o in space.search.objectives],
         slo=[str(b) for b in space.slo_bounds.bounds], slo_bounds=list(space.slo_bounds.bounds),
-        price_per_device_hour=space.price_per_device_hour, price_list=space.price_list, prices=space.prices,
-        servetune_version=__version__, levels=[str(lv) for lv in levels], tracking_uri=tracking_uri,
+        price_per_device_hour=space.price_per_device_hour if space.device == "cpu" else space.pricing.fixed,
+        price_list=space.price_list, prices=space.prices, servetune_version=__version__,
+        levels=[str(lv) for lv in levels], tracking_uri=tracking_uri,
     )  # fmt: skip
 
 

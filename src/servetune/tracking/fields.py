@@ -117,7 +117,9 @@ def study_params(info: StudyInfo) -> dict[str, str]:
         "algorithm": info.algorithm,
         "objectives": ", ".join(f"{metric} ({mode})" for metric, mode in info.objectives),
         "slo": "; ".join(info.slo) or "none",
-        "price_per_device_hour": format_value(info.price_per_device_hour),
+        "price_per_device_hour": format_value(info.price_per_device_hour)
+        if info.price_per_device_hour is not None
+        else f"per GPU type ({info.price_list} price list)",
         "model": info.model,
         "workload": info.workload,
         "device": info.device,
