@@ -133,3 +133,28 @@ def test_the_studys_own_gpu_class_is_estimated_with_the_factors_it_refitted_the_
     assert cli.main(["estimate", str(path), "--study", str(root)]) == 2
     err = capsys.readouterr().err
     assert str(root / REFIT_FILE) in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_the_reports_estimated_rows_of_the_refitted_class_take_the_studys_refit_as_estimate_study_does(tmp_path):
+    from servetune.estimate import load_factors
+    from servetune.estimate.refit import Refit
+    from servetune.estimate.specs import gpu_class
+    from servetune.report import build_report, load_study
+    from servetune.study.refit import REFIT_FILE
+
+    root = with_energy(study(tmp_path, 1.0), 0.5)
+    before = {r.gpu: r for r in build_report(load_study(root)).which_gpu.rows if r.estimated and r.request_rate}
+    refitted = "A100" if any(gpu_class(g) == "A100" for g in before) else gpu_class(next(iter(before)))
+    prior = load_factors().for_class(refitted)
+    slower = prior.model_copy(update={"decode_bandwidth": prior.decode_bandwidth / 2})
+    record = Refit(gpu_class=refitted, prior=prior, prior_points=5.0, points=12, trials=["a", "b"], efficiency=slower)
+    (root / REFIT_FILE).write_text(record.model_dump_json())
+    after = {r.gpu: r for r in build_report(load_study(root)).which_gpu.rows if r.estimated and r.request_rate}
+    assert set(after) == set(before)
+    mine = [g for g in after if gpu_class(g) == refitted]
+    assert mine and len(mine) < len(after)
+    for gpu, row in after.items():
+        if gpu in mine:  # the refit's own factors, with no measured ratio on top: slower decode, fewer requests
+            assert row.request_rate < before[gpu].request_rate and "refitted on 12 measured values of 2" in row.note
+        else:  # every other class: the shipped factors and the measured ratio, as before
+            assert row == before[gpu]

@@ -19,9 +19,9 @@ from servetune.estimate.specs import gpu_class
 from servetune.metrics import cost_per_mtok_usd
 from servetune.models.tiny import TINY_CONFIG
 from servetune.report.gpus import Calibration, tdp_w
-from servetune.results import read_model
+from servetune.report.study import read_refit
+from servetune.results.files import REFIT_FILE
 from servetune.space_file import load_space
-from servetune.study.refit import REFIT_FILE
 from servetune.trial.context import resolve_levels
 
 DESCRIPTION = """\
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     configs, _ = space.grid()
     factors = load_factors()
     cal = _calibration(args.study, args.space, cpu)
-    refit = _study_refit(args.study) if cal is not None else None
+    refit = read_refit(args.study) if cal is not None and args.study is not None else None
     refit_factors = None if refit is None else factors.with_class(refit.gpu_class, refit.efficiency)
     slo = space.slo_bounds
     judged = judged_bounds(slo)
@@ -210,13 +210,6 @@ def _calibration(study: Path | None, space: Path, cpu: bool) -> Calibration | No
         why = section.why if section.choice is None else f"{section.choice}'s best point could not be estimated"
         raise UserError(f"--study {study}: nothing to calibrate the estimate on: {why}")
     return section.calibration
-
-
-def _study_refit(study: Path | None) -> Refit | None:
-    """The factors the study refitted on its trials (study/refit.py), or None where it wrote none."""
-    if study is None or not (study / REFIT_FILE).is_file():
-        return None
-    return read_model(study / REFIT_FILE, Refit)
 
 
 def _refit_json(study: Path, refit: Refit) -> dict[str, Any]:

@@ -229,6 +229,7 @@ def build_report(
             price_list=study.info.price_list,
             workload=study.workload,
             workload_unread=study.workload_unread,
+            refit=study.refit,
         ),
         estimate=estimate_lines(study.trials),
     )

@@ -43,11 +43,13 @@ from servetune.report.params import config_label, tuned
 from servetune.report.points import ReportPoint, TrialOutline
 from servetune.report.recommend import recommend
 from servetune.results import TrialResult
+from servetune.results.files import REFIT_FILE
 
 if TYPE_CHECKING:
     from servetune.capacity import ModelArch
     from servetune.config.workload import Workload
     from servetune.estimate import Factors, Load
+    from servetune.estimate.refit import Refit
 
 
 @dataclass(frozen=True)
@@ -131,12 +133,15 @@ def which_gpu(
     price_list: str = "default",
     workload: Workload | None = None,
     workload_unread: str | None = None,
+    refit: Refit | None = None,
 ) -> WhichGpu | None:
     """The section's data, or None where no trial names a GPU type (the CPU stand-in, or older results).
     ``price_override``: ``--price-per-gpu-hour``, which the points' costs were computed with. ``prices``: what the
     estimated rows' GPU types cost, the study's price list (``price_list``) under its own prices; the shipped
     default list where not given. ``workload``: the study's (report/study.py ``read_workload``), whose images the
-    estimated rows encode; ``workload_unread``: why it could not be read, said where the levels sent images."""
+    estimated rows encode; ``workload_unread``: why it could not be read, said where the levels sent images.
+    ``refit``: the factors the study refitted on its trials (estimate_factors.json): the estimated rows of its GPU
+    class take them as they are, as ``servetune estimate --study`` does, where the others scale by the measured ratio."""
     by_id = {t.trial_id: t for t in trials}
     types: dict[str, list[str]] = {}
     for trial in trials:
@@ -156,7 +161,7 @@ def which_gpu(
         listed = load_price_table() if prices is None else prices
         images = _Images(workload, workload_unread)
         others, cal = _estimated_rows(choice, by_id[str(choice.trial_id)], points, set(types), target_rps, listed,
-                                      images)  # fmt: skip
+                                      images, refit)  # fmt: skip
         rows += others
     why = _why(choice, rows, target_rps)
     return WhichGpu(tuple(rows), target_rps, choice.gpu if choice else None, why, price_list, cal)
@@ -293,21 +298,32 @@ def _estimated_rows(
     target_rps: float | None,
     prices: Mapping[str, Price],
     images: _Images,
+    refit: Refit | None = None,
 ) -> tuple[list[GpuRow], Calibration | None]:
     """The chosen configuration estimated on each priced catalogue GPU the study did not measure, calibrated on
-    the chosen type's measurement (:func:`calibration`), and that calibration."""
+    the chosen type's measurement (:func:`calibration`), and that calibration; on the GPU class the study refitted
+    the factors for (``refit``), estimated with those factors instead of the ratio."""
     from servetune.capacity.hardware import find_gpu
     from servetune.estimate import load_factors
+    from servetune.estimate.specs import gpu_class
 
     cal = calibration(choice, trial, points, images)
     if cal is None:
         return [], None
     factors = load_factors()
     scales = (cal.scale_out, cal.scale_rate, cal.scale_energy)
+    refitted = None if refit is None else factors.with_class(refit.gpu_class, refit.efficiency)
     rows = []
     taken = {find_gpu(g).name for g in measured if _known(g)}
     for name, price in prices.items():
         if name in taken or not _known(name):
+            continue
+        if refit is not None and refitted is not None and gpu_class(name) == refit.gpu_class:
+            note = (f"estimated with the factors the study refitted on {refit.points} measured values of "
+                    f"{len(refit.trials)} trials ({REFIT_FILE}); the SLO is not checked again there: measure a type "
+                    "before choosing it")  # fmt: skip
+            rows.append(_estimated_row(name, price, cal.arch, trial, cal.load, refitted, (1.0, 1.0, 1.0), choice,
+                                       target_rps, cal.expected_error, note, cal.power_share))  # fmt: skip
             continue
         rows.append(_estimated_row(name, price, cal.arch, trial, cal.load, factors, scales, choice, target_rps,
                                    cal.expected_error, cal.note, cal.power_share))  # fmt: skip

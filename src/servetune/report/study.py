@@ -21,6 +21,7 @@ from servetune.config.loading import load_yaml_model
 from servetune.config.space import SearchSpace
 from servetune.config.workload import Workload
 from servetune.errors import UserError
+from servetune.estimate.refit import Refit
 from servetune.report.paired import PairedOutcome, read_paired_files
 from servetune.report.serving import ServeCheckFile, read_serve_check_file
 from servetune.report.verification import VerifyFile, read_verify_file, read_verify_files
@@ -35,6 +36,7 @@ from servetune.results import (
     read_result,
     space_bases,
 )
+from servetune.results.files import REFIT_FILE
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class LoadedStudy:
     paired: tuple[tuple[Path, PairedOutcome], ...] = ()  # recheck-paired-*.json (report/paired.py), oldest first
     workload: Workload | None = None  # the kept space's workload (read_workload); None where it could not be read
     workload_unread: str | None = None  # why not, in one line
+    refit: Refit | None = None  # estimate_factors.json: the estimate's factors refitted on the trials (read_refit)
 
 
 def load_study(root: Path | str, skip_unreadable: bool = False) -> LoadedStudy:
@@ -98,7 +101,14 @@ def load_study(root: Path | str, skip_unreadable: bool = False) -> LoadedStudy:
         paired=read_paired_files(root),
         workload=workload,
         workload_unread=unread,
+        refit=read_refit(root),
     )
+
+
+def read_refit(root: Path) -> Refit | None:
+    """The factors the study refitted on its trials (study/refit.py), or None where it wrote none."""
+    path = root / REFIT_FILE
+    return read_model(path, Refit) if path.is_file() else None
 
 
 def read_workload(root: Path, info: StudyInfo) -> tuple[Workload | None, str | None]:

@@ -90,6 +90,7 @@ LM_EVAL_RESULTS_FILE = (
     "lm_eval_results.json"  # lm-eval's results JSON, when the probe ran lm-eval tasks (quality/lm_eval.py)
 )
 ENGINE_LOG = "engine.log"  # the engine's stdout and stderr (trial/runner.py)
+REFIT_FILE = "estimate_factors.json"  # the estimate's factors refitted on the study's trials (study/refit.py)
 REQUESTS_FILE = "requests.jsonl"  # the per-request records, a row per request (trial/runner.py)
 REFERENCE_FILE = (
     Path("quality") / "reference.json"

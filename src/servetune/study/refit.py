@@ -20,10 +20,10 @@ from servetune.estimate import Efficiency, load_factors
 from servetune.estimate.calibrate import CalibrationPoint
 from servetune.estimate.refit import DEFAULT_PRIOR_POINTS, Refit, refit
 from servetune.results import TrialResult
+from servetune.results.files import REFIT_FILE
 from servetune.trial.estimated import calibration_points
 
 #: The refit factors in the study directory.
-REFIT_FILE = "estimate_factors.json"
 
 
 class StudyRefit:
