@@ -134,3 +134,25 @@ def test_the_stored_study_reads_its_goodput_over_the_whole_level():
     assert levels and all(lv.summary.whole_level_goodput is None for lv in levels)
     assert {lv.summary.goodput_window for lv in levels} <= {"whole_level", None}
     assert build_report(load_study(CPU_TINY_STUDY)).recommendation.point is not None
+
+
+def test_a_study_resumed_across_the_window_change_compares_every_trials_goodput_over_the_whole_level(tmp_path):
+    data = json.loads(two_levels().model_dump_json())
+    for lv in data["levels"]:  # the trial measured before the change: goodput over the whole level
+        summary = lv["summary"]
+        summary["goodput"] = summary.pop("whole_level_goodput")
+        del summary["goodput_window"]
+    data["trial_id"] = "old"
+    new = two_levels()
+    whole = [lv.summary.whole_level_goodput for lv in new.levels]
+    assert all(w is not None and w < lv.summary.goodput for w, lv in zip(whole, new.levels, strict=True))
+    report = build_report(
+        load_study(write_study(tmp_path / "s", study_info(), [TrialResult.model_validate(data), new]))
+    )
+    goodput = {(p.trial_id, p.level_index): p.metrics[GOODPUT] for p in report.points}
+    assert [goodput["t1", i] for i in range(2)] == whole  # the busy window's higher goodput is not compared
+    assert [goodput["old", i] for i in range(2)] == [lv["summary"]["goodput"] for lv in data["levels"]]
+    assert "goodput over the whole level for every trial" in render_markdown(report)
+    alone = build_report(load_study(write_study(tmp_path / "n", study_info(), [new])))  # one window: as measured
+    assert [p.metrics[GOODPUT] for p in alone.points] == [lv.summary.goodput for lv in new.levels]
+    assert "goodput over the whole level for every trial" not in render_markdown(alone)

@@ -20,6 +20,7 @@ from servetune.report.gpus import WhichGpu, which_gpu
 from servetune.report.paired import settle_ties
 from servetune.report.pareto import ENERGY_FRONT, FRONTS, FrontSpec, ParetoFront, pareto_front, study_front
 from servetune.report.points import (
+    MIXED_GOODPUT,
     AxisBound,
     ReportPoint,
     SloLine,
@@ -29,6 +30,7 @@ from servetune.report.points import (
     gather_points,
     known_metrics,
     level_label,
+    mixed_goodput_windows,
     outline,
     parse_slo_lines,
 )
@@ -80,6 +82,7 @@ class StudyReport:
     ] = ()  # the recommended trial's TTFT distribution per level (report/distribution.py)
     serve_check: ServeSection | None = None  # what serve-check measured on Ray Serve (report/serving.py)
     energy: str = ""  # where the energy per token came from, or why it is missing (energy_line)
+    goodput_window: str = ""  # said where the trials counted goodput over different windows (points.MIXED_GOODPUT)
     prices: tuple[str, ...] = ()  # the prices the trials were costed at, with source and date (none overridden)
     which_gpu: WhichGpu | None = None  # each GPU type's best configuration and cost (report/gpus.py)
     estimate: tuple[str, ...] = ()  # how far the estimate was from the measurements (estimate_lines)
@@ -217,6 +220,7 @@ def build_report(
         asks=ask_levels(study.trials, order),
         serve_check=serve_section(study.serve_check),
         energy=energy_line(study.trials, points, study.info.device),
+        goodput_window=MIXED_GOODPUT if mixed_goodput_windows(study.trials) else "",
         prices=() if price_per_device_hour is not None else prices_used(study.trials),
         speculative_gain=tuple(gain_lines(study.trials)),
         which_gpu=which_gpu(

@@ -265,6 +265,7 @@ def render_html(report: StudyReport) -> str:
         f"<p class='muted'>model {e(report.model_label)} on {e(info.device)} · trials: {e(counts)} · "
         f"SLO: {e(', '.join(str(s) for s in report.slo) or 'none')}</p>",
         f"<p class='muted' id='prices'>Costs at the {e(report.price_line())}. {e(COST_RATE)}.</p>",
+        *([f"<p class='muted'>{e(report.goodput_window.capitalize())}.</p>"] if report.goodput_window else []),
         f"<div class='rec'>{rec_html}</div>",
         which_gpu_html(report),
         verification_summary_html(report.verification, report.verifications, report.verification_conclusion),

@@ -332,6 +332,7 @@ def render_markdown(report: StudyReport) -> str:
         f"- model: `{report.model_label}` on {info.device}, workload `{info.workload}`, search `{info.algorithm}`",
         f"- {report.price_line()}",
         *([f"- {report.energy}"] if report.energy else []),
+        *([f"- {report.goodput_window}"] if report.goodput_window else []),
         f"- SLO: {', '.join(f'`{line}`' for line in report.slo) or 'none'}",
         f"- objectives: {', '.join(f'{m} ({d})' for m, d in info.objectives) or 'none'}",
         f"- study directory: `{report.root}`",

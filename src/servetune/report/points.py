@@ -19,6 +19,7 @@ from servetune.errors import UserError
 from servetune.metrics import (
     COST_METRIC,
     ENERGY_METRICS,
+    GOODPUT,
     LATENCY_METRICS,
     OUTPUT_THROUGHPUT_PER_DEVICE,
     OUTPUT_THROUGHPUT_PER_USER,
@@ -215,13 +216,19 @@ def outline(trial: TrialResult) -> TrialOutline:
     )  # fmt: skip
 
 
-def trial_points(trial: TrialResult, price_per_device_hour: float | None = None) -> list[ReportPoint]:
-    """Every measured level of a trial; ``price_per_device_hour`` replaces the recorded price."""
+def trial_points(
+    trial: TrialResult, price_per_device_hour: float | None = None, whole_level_goodput: bool = False
+) -> list[ReportPoint]:
+    """Every measured level of a trial; ``price_per_device_hour`` replaces the recorded price;
+    ``whole_level_goodput``: each level's goodput over the whole level, as records before the busy window had it
+    (:func:`mixed_goodput_windows`)."""
     points = []
     unsettled = trial.unsettled_loads
     capacity_index = trial.capacity_level_index
     for op, level in zip(trial.operating_points(price_per_device_hour), trial.levels, strict=True):
         metrics = dict(op.metrics)
+        if whole_level_goodput and level.summary.whole_level_goodput is not None:
+            metrics[GOODPUT] = level.summary.whole_level_goodput
         metrics[OUTPUT_THROUGHPUT_PER_DEVICE] = level.summary.output_throughput / max(trial.devices, 1)
         tpot_mean = level.summary.tpot_ms.mean
         if tpot_mean is not None and tpot_mean > 0:
@@ -281,8 +288,25 @@ def quality_failures(trial: TrialResult) -> tuple[str, ...]:
 
 
 def gather_points(trials: Iterable[TrialResult], price_per_device_hour: float | None = None) -> list[ReportPoint]:
-    """Every operating point of every trial, in trial order then level order."""
-    return [p for trial in trials for p in trial_points(trial, price_per_device_hour)]
+    """Every operating point of every trial, in trial order then level order; where the trials count a closed
+    loop's goodput over different windows (:func:`mixed_goodput_windows`), every level's over the whole level."""
+    trials = list(trials)
+    whole = mixed_goodput_windows(trials)
+    return [p for trial in trials for p in trial_points(trial, price_per_device_hour, whole)]
+
+
+def mixed_goodput_windows(trials: Iterable[TrialResult]) -> bool:
+    """Whether some closed-loop levels count goodput with every client busy (LevelSummary.goodput_window) and
+    others over the whole level, as records from before the busy window did: a study resumed across that change.
+    The busy window reads higher (the final drain left out), so such trials compare only over the whole level,
+    which both kept."""
+    windows = {lv.summary.goodput_window for t in trials for lv in t.levels if lv.summary.busy_output_throughput}
+    return {"every_client_busy", "whole_level"} <= windows
+
+
+#: The report's line for a study whose trials counted goodput over different windows (mixed_goodput_windows).
+MIXED_GOODPUT = ("goodput over the whole level for every trial: some trials were measured before servetune counted "
+                 "a closed loop's goodput with every client busy, and the two windows do not compare")  # fmt: skip
 
 
 _BOUND = re.compile(r"^\s*([a-z0-9_]+)\s*(<=|>=)\s*([-+0-9.eE]+)\s*$")
