@@ -11,6 +11,7 @@ from servetune.capacity import VLLM_0_32, CapacityPlan, EngineProfile, Hardware,
 from servetune.capacity.settings import resolve_quant
 from servetune.errors import UserError
 from servetune.estimate.encoder import encode_s
+from servetune.estimate.expert_parallel import ExpertExchange
 from servetune.estimate.factors import Factors, load_factors
 from servetune.estimate.queueing import closed_loop, knee, open_loop
 from servetune.estimate.roofline import Replica
@@ -106,6 +107,8 @@ def replica_from_plan(
 
     ``rates`` default to the catalogue GPU's; the CPU build needs them given (:func:`cpu_rates`). A drafter
     (``speculative_config``) is modelled with ``acceptance`` per draft position, or the method's assumed one.
+    Under expert parallelism the MoE layers' exchange is the ``all2all_backend`` engine argument's (vLLM's default
+    where it is not given; estimate/expert_parallel.py).
     """
     s = plan.settings
     spec = speculation(arch, plan, acceptance, tp=s.tensor_parallel_size)
@@ -124,6 +127,14 @@ def replica_from_plan(
         chunked_prefill=True if chunked is None else bool(chunked),
         kv_cache_tokens=plan.kv_cache_tokens,
         speculation=spec,
+        exchange=ExpertExchange.of(
+            arch,
+            s.tensor_parallel_size,
+            s.data_parallel_size,
+            s.prefill_context_parallel_size,
+            s.enable_expert_parallel,
+            engine_args.get("all2all_backend"),
+        ),
     )
 
 

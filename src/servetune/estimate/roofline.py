@@ -8,6 +8,8 @@ Per rank (tensor parallelism splits weights, heads and FLOPs; all-reduces join t
     FLOPs per token       = 2 x active parameters (MoE: the top-k experts only, lm_head included)
                             + 2 x heads x (d_qk + d_v) x context x layers   (attention)
     all-reduce            = 2 per layer, ring: 2 (TP-1)/TP x tokens x hidden x 2 bytes / link + latency
+    expert parallelism    = each MoE layer's dispatch and combine on the same link, where vLLM runs them
+                            (:mod:`servetune.estimate.expert_parallel`)
 
 With speculative decoding (:mod:`servetune.estimate.speculative`) a decode step verifies 1 + k tokens per
 sequence (the weights and KV read once, the FLOPs of every token) after k draft passes, and yields the
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 from servetune.capacity import ModelArch, WeightQuant
 from servetune.capacity.params import rank_params, weight_bytes_per_rank
+from servetune.estimate.expert_parallel import ExpertExchange
 from servetune.estimate.factors import Efficiency
 from servetune.estimate.specs import DeviceRates
 from servetune.estimate.speculative import Speculation
@@ -51,6 +54,7 @@ class Replica:
     chunked_prefill: bool = True
     kv_cache_tokens: int | None = None  # per replica; None: unlimited
     speculation: Speculation | None = None  # the drafter (kv_bytes_per_token is then the target's alone)
+    exchange: ExpertExchange | None = None  # the MoE layers' token exchange under expert parallelism
 
     @functools.cached_property
     def expert_bytes(self) -> float:
@@ -96,14 +100,24 @@ class Replica:
         ring = 2 * (self.tp - 1) / self.tp * message / self.rates.link_bytes_s
         return 2 * self.arch.num_layers * (ring + latency_us / 1e6)
 
+    def link_s(self, tokens: float, latency_us: float) -> float:
+        """A step's traffic on the GPU link: TP's all-reduces and, under expert parallelism, the MoE layers'
+        exchange, which takes the place of their all-reduce where the MoE runs sequence parallel."""
+        allreduce = self.allreduce_s(tokens, latency_us)
+        x = self.exchange
+        if x is None:
+            return allreduce
+        replaced = allreduce * x.allreduces_replaced / (2 * self.arch.num_layers)
+        return allreduce - replaced + x.seconds(tokens, self.rates.link_bytes_s, latency_us)
+
     def weights_read(self, tokens: float) -> float:
         return self.weight_bytes - self.expert_bytes * (1.0 - self.experts_touched(tokens))
 
 
 def prefill_token_s(rep: Replica, eff: Efficiency, prompt_tokens: float) -> float:
-    """Compute time of one prompt token (attention over half the prompt on average), its all-reduce included."""
+    """Compute time of one prompt token (attention over half the prompt on average), its link traffic included."""
     flops = 2 * rep.active_params + rep.attention_flops(prompt_tokens / 2)
-    return flops / (rep.rates.flops * eff.prefill_flops) + rep.allreduce_s(1, 0.0)
+    return flops / (rep.rates.flops * eff.prefill_flops) + rep.link_s(1, 0.0)
 
 
 def prefill_s(rep: Replica, eff: Efficiency, tokens: float, prompt_tokens: float) -> float:
@@ -111,7 +125,7 @@ def prefill_s(rep: Replica, eff: Efficiency, tokens: float, prompt_tokens: float
     flops = tokens * (2 * rep.active_params + rep.attention_flops(prompt_tokens / 2))
     compute = flops / (rep.rates.flops * eff.prefill_flops)
     memory = rep.weights_read(tokens) / (rep.rates.hbm_bytes_s * eff.decode_bandwidth)
-    return max(compute, memory) + rep.allreduce_s(tokens, eff.allreduce_us) + eff.step_overhead_ms / 1e3
+    return max(compute, memory) + rep.link_s(tokens, eff.allreduce_us) + eff.step_overhead_ms / 1e3
 
 
 def decode_s(rep: Replica, eff: Efficiency, batch: float, context: float) -> float:
@@ -126,7 +140,7 @@ def decode_s(rep: Replica, eff: Efficiency, batch: float, context: float) -> flo
     flops = tokens * (2 * rep.active_params + rep.attention_flops(context))
     compute = flops / (rep.rates.flops * eff.prefill_flops)
     overhead = eff.step_overhead_ms + batch * eff.sequence_overhead_ms
-    step = max(memory, compute) + rep.allreduce_s(tokens, eff.allreduce_us) + overhead / 1e3
+    step = max(memory, compute) + rep.link_s(tokens, eff.allreduce_us) + overhead / 1e3
     return step + (draft_s(rep, eff, batch, context) if spec is not None else 0.0)
 
 
