@@ -98,9 +98,10 @@ def test_a_vlm_study_s_estimated_gpus_include_the_encoder_and_say_so(tmp_path):
         assert row.encoder_ms == pytest.approx(flops / (rates.flops * eff.prefill_flops) * 1e3, rel=1e-6)
         assert f"encoder {row.encoder_ms:.3g} ms a request" in gpu_cells(row)[1] and text[gpu].encoder_ms is None
     # The encoder is compute-bound: it moves each GPU's ratio to the measured H200 from the text estimate's toward
-    # the ratio of their encoder times (their prefill FLOP/s). The A100 has a third of an H200's FLOPs but two fifths
-    # of its bandwidth, so with images it serves fewer requests than the text estimate says; a GPU richer in FLOPs
-    # than in bandwidth (B200, H100) serves more.
+    # the ratio of their encoder times (their prefill FLOP/s at the fitted efficiencies). A GPU whose fitted FLOP/s
+    # stand lower to the H200's than its text estimate does serves fewer requests with images, one richer in FLOP/s
+    # (B200, H100) more. On the 2026-12-07 fit the A100 sits on the line (0.509 of the H200's encoder rate against
+    # 0.501 of its text rate; on the 2026-12-05 fit 0.472 against 0.480, fewer), so only the direction is pinned.
     h200_encoder_ms = estimate(
         GEMMA,
         {"max_model_len": 8192},
@@ -111,9 +112,10 @@ def test_a_vlm_study_s_estimated_gpus_include_the_encoder_and_say_so(tmp_path):
     for gpu, row in images.items():
         without, compute = text[gpu].request_rate / measured, h200_encoder_ms / row.encoder_ms
         assert min(without, compute) < row.request_rate / measured < max(without, compute)
-    assert images["A100-80GB"].request_rate < text["A100-80GB"].request_rate
+        fewer = compute < without
+        assert (row.request_rate < text[gpu].request_rate) == fewer
+        assert (row.cost_per_mtok > text[gpu].cost_per_mtok) == fewer
     assert images["B200"].request_rate > text["B200"].request_rate
-    assert images["A100-80GB"].cost_per_mtok > text["A100-80GB"].cost_per_mtok
     md = render_markdown(build_report(loaded))
     assert f"{flops / 1e9:,.0f} GFLOP a request" in md and "vision tower" in md
 

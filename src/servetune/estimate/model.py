@@ -13,6 +13,7 @@ from servetune.errors import UserError
 from servetune.estimate.encoder import encode_s
 from servetune.estimate.expert_parallel import ExpertExchange
 from servetune.estimate.factors import Factors, load_factors
+from servetune.estimate.kvread import KVRead
 from servetune.estimate.queueing import closed_loop, knee, open_loop
 from servetune.estimate.roofline import Replica
 from servetune.estimate.specs import DeviceRates, device_rates, gpu_class
@@ -121,7 +122,7 @@ def replica_from_plan(
         quant=quant,
         tp=s.tensor_parallel_size,
         dtype_bytes=4 if s.dtype == "float32" else 2,
-        kv_bytes_per_token=plan.kv_bytes_per_token - drafter_kv,
+        kv=KVRead.of(arch, plan, plan.kv_bytes_per_token - drafter_kv),
         max_num_seqs=s.max_num_seqs,
         max_num_batched_tokens=s.max_num_batched_tokens,
         chunked_prefill=True if chunked is None else bool(chunked),

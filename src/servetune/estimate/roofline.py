@@ -3,10 +3,10 @@
 Per rank (tensor parallelism splits weights, heads and FLOPs; all-reduces join them):
 
     prefill of n tokens   = max(weight bytes / (HBM x e_bw), n x FLOPs per token / (peak x e_flops))
-    decode of b sequences = max((weights touched + b x context x KV bytes) / (HBM x e_bw),
+    decode of b sequences = max((weights touched + b x KV read per sequence) / (HBM x e_bw),
                                 b x FLOPs per token / (peak x e_flops))
     FLOPs per token       = 2 x active parameters (MoE: the top-k experts only, lm_head included)
-                            + 2 x heads x (d_qk + d_v) x context x layers   (attention)
+                            + 2 x heads x (d_qk + d_v) x tokens attended, over the attention layers
     all-reduce            = 2 per layer, ring: 2 (TP-1)/TP x tokens x hidden x 2 bytes / link + latency
     expert parallelism    = each MoE layer's dispatch and combine on the same link, where vLLM runs them
                             (:mod:`servetune.estimate.expert_parallel`)
@@ -16,19 +16,21 @@ sequence (the weights and KV read once, the FLOPs of every token) after k draft 
 accepted length of tokens per sequence (:func:`tokens_per_step`).
 
 Every step adds a fixed overhead (scheduling, kernel launches) and a cost per sequence (sampling,
-bookkeeping). The efficiencies, the overheads and the all-reduce latency come from
-:mod:`servetune.estimate.factors`.
+bookkeeping). What a step reads of the KV cache per layer kind (full, sliding window, MLA, Mamba state)
+and the tokens its attention multiplies against come from :class:`~servetune.estimate.kvread.KVRead`.
+The efficiencies, the overheads and the all-reduce latency come from :mod:`servetune.estimate.factors`.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from servetune.capacity import ModelArch, WeightQuant
 from servetune.capacity.params import rank_params, weight_bytes_per_rank
 from servetune.estimate.expert_parallel import ExpertExchange
 from servetune.estimate.factors import Efficiency
+from servetune.estimate.kvread import KVRead
 from servetune.estimate.specs import DeviceRates
 from servetune.estimate.speculative import Speculation
 
@@ -48,13 +50,19 @@ class Replica:
     quant: WeightQuant
     tp: int = 1
     dtype_bytes: int = 2
-    kv_bytes_per_token: float = 0.0  # per rank, the KV cache dtype included
+    # what a step reads of the KV cache per layer kind, on one rank (the target's alone)
+    kv: KVRead = field(default_factory=KVRead)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     chunked_prefill: bool = True
     kv_cache_tokens: int | None = None  # per replica; None: unlimited
-    speculation: Speculation | None = None  # the drafter (kv_bytes_per_token is then the target's alone)
+    speculation: Speculation | None = None  # the drafter (it reads its own KV: Speculation.kv_bytes_per_token)
     exchange: ExpertExchange | None = None  # the MoE layers' token exchange under expert parallelism
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """KV bytes per token of context on one rank were every attention layer to read all of it."""
+        return self.kv.per_token
 
     @functools.cached_property
     def expert_bytes(self) -> float:
@@ -74,8 +82,9 @@ class Replica:
         lm_head = _cdiv(a.vocab_size, self.tp) * a.hidden_size
         return p.linear + p.experts * share + lm_head
 
-    def attention_flops(self, context: float) -> float:
-        """Attention FLOPs of one token against ``context`` earlier tokens, on one rank."""
+    def attention_flops(self, context: float, prompt: bool = False) -> float:
+        """Attention FLOPs of one token against ``context`` earlier tokens, on one rank (``prompt``: of a prompt's
+        token on average, ``context`` its prompt's length), each layer against the tokens its kind attends to."""
         a = self.arch
         heads = max(1, a.num_attention_heads // self.tp)
         if a.is_mla:  # absorbed MLA: scores and values against the latent
@@ -83,7 +92,8 @@ class Replica:
             d_v = a.kv_lora_rank or 0
         else:
             d_qk = d_v = a.head_dim
-        return 2.0 * heads * (d_qk + d_v) * context * a.num_layers
+        attended = self.kv.attended_in_prompt(context) if prompt else self.kv.attended(context)
+        return 2.0 * heads * (d_qk + d_v) * attended
 
     def experts_touched(self, tokens: float) -> float:
         """Expected fraction of routed experts that ``tokens`` tokens select (uniform routing)."""
@@ -116,13 +126,13 @@ class Replica:
 
 def prefill_token_s(rep: Replica, eff: Efficiency, prompt_tokens: float) -> float:
     """Compute time of one prompt token (attention over half the prompt on average), its link traffic included."""
-    flops = 2 * rep.active_params + rep.attention_flops(prompt_tokens / 2)
+    flops = 2 * rep.active_params + rep.attention_flops(prompt_tokens, prompt=True)
     return flops / (rep.rates.flops * eff.prefill_flops) + rep.link_s(1, 0.0)
 
 
 def prefill_s(rep: Replica, eff: Efficiency, tokens: float, prompt_tokens: float) -> float:
     """One step that prefills ``tokens`` tokens of prompts ``prompt_tokens`` long."""
-    flops = tokens * (2 * rep.active_params + rep.attention_flops(prompt_tokens / 2))
+    flops = tokens * (2 * rep.active_params + rep.attention_flops(prompt_tokens, prompt=True))
     compute = flops / (rep.rates.flops * eff.prefill_flops)
     memory = rep.weights_read(tokens) / (rep.rates.hbm_bytes_s * eff.decode_bandwidth)
     return max(compute, memory) + rep.link_s(tokens, eff.allreduce_us) + eff.step_overhead_ms / 1e3
@@ -135,7 +145,7 @@ def decode_s(rep: Replica, eff: Efficiency, batch: float, context: float) -> flo
         return eff.step_overhead_ms / 1e3
     spec = rep.speculation
     tokens = batch * (spec.query_len if spec is not None else 1)
-    read = rep.weights_read(tokens) + batch * context * rep.kv_bytes_per_token
+    read = rep.weights_read(tokens) + batch * rep.kv.per_sequence(context)
     memory = read / (rep.rates.hbm_bytes_s * eff.decode_bandwidth)
     flops = tokens * (2 * rep.active_params + rep.attention_flops(context))
     compute = flops / (rep.rates.flops * eff.prefill_flops)
