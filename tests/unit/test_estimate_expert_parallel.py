@@ -76,23 +76,38 @@ def test_tp_only_ep_exchanges_nothing_beyond_the_all_reduce():
     assert prefill_s(on, EFF, 2048, 2048) == prefill_s(off, EFF, 2048, 2048)
 
 
-def test_ep_off_and_dense_models_add_no_exchange():
-    """EP off, or a dense model, keeps the replicas independent engines: DP 2's TPOT is DP 1's."""
-    assert _replica(data_parallel_size=2).exchange is None
+def test_dp_without_ep_gathers_over_dp_and_dense_models_add_no_exchange():
+    """EP off, DP 2: vLLM 0.32 still all-gathers the MoE layers' tokens over DP ("Falling back to
+    AllGather+ReduceScatter", fused_moe/all2all_utils.py), whatever the backend argument, never sequence parallel.
+    One engine without EP, or a dense model, exchanges nothing: a dense model's DP 2 TPOT is DP 1's."""
+    for extra in ({}, {"all2all_backend": "deepep_low_latency"}):
+        off = _replica(tensor_parallel_size=2, data_parallel_size=2, **extra)
+        assert off.exchange is not None and off.exchange.backend == "allgather_reducescatter"
+        assert off.exchange.group == 2 and not off.exchange.sequence_parallel
+    assert _replica().exchange is None and _replica(tensor_parallel_size=2).exchange is None
     llama = load_model_arch("meta-llama/Llama-3.1-8B-Instruct")
     args = {"max_model_len": 8192, "data_parallel_size": 2, "enable_expert_parallel": True}
     assert replica_from_plan(llama, plan_capacity(llama, args, resolve_hardware(gpu=GPU)), args).exchange is None
     hw, load = resolve_hardware(gpu=GPU), Load(input_tokens=1000, output_tokens=200, concurrency=32)
-    one = estimate(_arch(), {"max_model_len": 8192}, hw, Load(input_tokens=1000, output_tokens=200, concurrency=16))
-    two = estimate(_arch(), {"max_model_len": 8192, "data_parallel_size": 2}, hw, load)
+    one = estimate(llama, {"max_model_len": 8192}, hw, Load(input_tokens=1000, output_tokens=200, concurrency=16))
+    two = estimate(llama, {"max_model_len": 8192, "data_parallel_size": 2}, hw, load)
     assert two.tpot_ms == one.tpot_ms and two.output_throughput == pytest.approx(2 * one.output_throughput)
 
 
-def test_ep_over_dp_raises_the_estimated_tpot_and_ttft():
+def test_ep_over_dp_runs_as_the_gather_without_it_until_the_moe_turns_sequence_parallel():
+    """TP 1 x DP 2: with EP or without, the default backend gathers over DP and a rank reads half the experts'
+    bytes (whole experts or half widths), so the estimate is the same. TP 2 x DP 2 with EP runs sequence parallel:
+    its exchange differs, so does the estimate."""
     hw, load = resolve_hardware(gpu=GPU), Load(input_tokens=1000, output_tokens=200, concurrency=32)
-    off = estimate(_arch(), {"max_model_len": 8192, "data_parallel_size": 2}, hw, load)
-    on = estimate(_arch(), {"max_model_len": 8192, "data_parallel_size": 2, "enable_expert_parallel": True}, hw, load)
-    assert on.tpot_ms > off.tpot_ms and on.ttft_ms > off.ttft_ms
+    ep = {"enable_expert_parallel": True}
+    for tp in (1, 2):
+        args = {"max_model_len": 8192, "data_parallel_size": 2, "tensor_parallel_size": tp}
+        off, on = estimate(_arch(), args, hw, load), estimate(_arch(), {**args, **ep}, hw, load)
+        if tp == 1:
+            assert on.tpot_ms == pytest.approx(off.tpot_ms, rel=1e-12)
+            assert on.ttft_ms == pytest.approx(off.ttft_ms, rel=1e-12)
+        else:
+            assert on.tpot_ms > off.tpot_ms and on.ttft_ms > off.ttft_ms
 
 
 def test_a_larger_batch_moves_more_bytes():

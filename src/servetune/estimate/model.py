@@ -11,7 +11,7 @@ from servetune.capacity import VLLM_0_32, CapacityPlan, EngineProfile, Hardware,
 from servetune.capacity.settings import resolve_quant
 from servetune.errors import UserError
 from servetune.estimate.encoder import encode_s
-from servetune.estimate.expert_parallel import ExpertExchange
+from servetune.estimate.expert_parallel import ExpertExchange, read_layout
 from servetune.estimate.factors import Factors, load_factors
 from servetune.estimate.kvread import KVRead
 from servetune.estimate.queueing import closed_loop, knee, open_loop
@@ -108,8 +108,9 @@ def replica_from_plan(
 
     ``rates`` default to the catalogue GPU's; the CPU build needs them given (:func:`cpu_rates`). A drafter
     (``speculative_config``) is modelled with ``acceptance`` per draft position, or the method's assumed one.
-    Under expert parallelism the MoE layers' exchange is the ``all2all_backend`` engine argument's (vLLM's default
-    where it is not given; estimate/expert_parallel.py).
+    An MoE model's experts are read as the memory ledger lays them over TP x DP, for every DP engine's tokens; over DP
+    the MoE layers' exchange is the ``all2all_backend`` engine argument's under EP (vLLM's default where it is not
+    given), the all-gather's without (estimate/expert_parallel.py).
     """
     s = plan.settings
     spec = speculation(arch, plan, acceptance, tp=s.tensor_parallel_size)
@@ -136,6 +137,7 @@ def replica_from_plan(
             s.enable_expert_parallel,
             engine_args.get("all2all_backend"),
         ),
+        experts=read_layout(arch, s),
     )
 
 

@@ -8,7 +8,8 @@ Per rank (tensor parallelism splits weights, heads and FLOPs; all-reduces join t
     FLOPs per token       = 2 x active parameters (MoE: the top-k experts only, lm_head included)
                             + 2 x heads x (d_qk + d_v) x tokens attended, over the attention layers
     all-reduce            = 2 per layer, ring: 2 (TP-1)/TP x tokens x hidden x 2 bytes / link + latency
-    expert parallelism    = each MoE layer's dispatch and combine on the same link, where vLLM runs them
+    expert parallelism    = each MoE layer's dispatch and combine on the same link, where vLLM runs them, and
+                            the experts a rank holds (its share over TP x DP) read for the DP group's tokens
                             (:mod:`servetune.estimate.expert_parallel`)
 
 With speculative decoding (:mod:`servetune.estimate.speculative`) a decode step verifies 1 + k tokens per
@@ -27,7 +28,7 @@ import functools
 from dataclasses import dataclass, field
 
 from servetune.capacity import ModelArch, WeightQuant
-from servetune.capacity.params import rank_params, weight_bytes_per_rank
+from servetune.capacity.params import MoeShards, rank_params, weight_bytes_per_rank
 from servetune.estimate.expert_parallel import ExpertExchange
 from servetune.estimate.factors import Efficiency
 from servetune.estimate.kvread import KVRead
@@ -43,7 +44,8 @@ def _cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class Replica:
-    """One vLLM replica (one engine: TP GPUs) as the roofline sees it; data parallel replicas are copies."""
+    """One vLLM replica (one engine: TP GPUs) as the roofline sees it; data parallel replicas are copies (an MoE
+    model's run in lock-step, its MoE layers over every replica's tokens: estimate/expert_parallel.py)."""
 
     arch: ModelArch
     rates: DeviceRates
@@ -57,7 +59,8 @@ class Replica:
     chunked_prefill: bool = True
     kv_cache_tokens: int | None = None  # per replica; None: unlimited
     speculation: Speculation | None = None  # the drafter (it reads its own KV: Speculation.kv_bytes_per_token)
-    exchange: ExpertExchange | None = None  # the MoE layers' token exchange under expert parallelism
+    exchange: ExpertExchange | None = None  # the MoE layers' token exchange over DP (and EP)
+    experts: MoeShards | None = None  # the routed experts' layout over TP x DP (expert_parallel.read_layout)
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -67,15 +70,18 @@ class Replica:
     @functools.cached_property
     def expert_bytes(self) -> float:
         """Bytes of routed-expert weights on one rank (read only for the experts a step touches)."""
-        return rank_params(self.arch, self.tp).experts * self.quant.bytes_per_weight(self.dtype_bytes)
+        experts = rank_params(self.arch, self.tp, shards=self.experts).experts
+        return experts * self.quant.bytes_per_weight(self.dtype_bytes)
 
     @functools.cached_property
     def weight_bytes(self) -> float:
-        return float(weight_bytes_per_rank(self.arch, self.quant, self.dtype_bytes, self.tp))
+        return float(weight_bytes_per_rank(self.arch, self.quant, self.dtype_bytes, self.tp, shards=self.experts))
 
     @functools.cached_property
     def active_params(self) -> float:
-        """Parameters one token multiplies through on one rank: routed experts at top-k / experts."""
+        """Parameters one token multiplies through on one rank: routed experts at top-k / experts. Split over TP
+        alone whatever the experts' layout: a rank's share over TP x DP times the DP engines' tokens it runs
+        them on is the same FLOPs (estimate/expert_parallel.py)."""
         a = self.arch
         p = rank_params(a, self.tp)  # routed experts apart from the linear weights (capacity/params.py)
         share = a.num_experts_per_tok / a.num_experts if a.is_moe else 0.0
@@ -96,11 +102,13 @@ class Replica:
         return 2.0 * heads * (d_qk + d_v) * attended
 
     def experts_touched(self, tokens: float) -> float:
-        """Expected fraction of routed experts that ``tokens`` tokens select (uniform routing)."""
+        """Expected fraction of routed experts that a step of ``tokens`` tokens on each DP engine selects (uniform
+        routing): the MoE layers see every DP engine's tokens (``MoeShards.gathered``)."""
         a = self.arch
         if not a.is_moe:
             return 0.0
-        return 1.0 - (1.0 - a.num_experts_per_tok / a.num_experts) ** max(tokens, 1.0)
+        gathered = tokens * (self.experts.gathered if self.experts is not None else 1)
+        return 1.0 - (1.0 - a.num_experts_per_tok / a.num_experts) ** max(gathered, 1.0)
 
     def allreduce_s(self, tokens: float, latency_us: float) -> float:
         """Two all-reduces per layer of ``tokens`` hidden states (ring algorithm), on the GPU link."""
