@@ -231,7 +231,7 @@ class LoggingEngine(FakeEngine):
 @pytest.mark.parametrize(
     "engine_args, why",
     [
-        ({"kv_cache_dtype": "nvfp4_ds_mla"}, "kv_cache_dtype nvfp4_ds_mla"),
+        ({"quantization": "quark"}, "quantization quark"),
         ({"quantization": "gguf"}, "quantization gguf"),
     ],
 )

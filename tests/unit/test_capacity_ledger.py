@@ -239,8 +239,8 @@ def test_malformed_engine_args_raise_user_error(tiny) -> None:
     with pytest.raises(UserError, match="gpu_memory_utilization"):
         plan_capacity(tiny, {"gpu_memory_utilization": 1.5}, hw)
     # What vLLM may run but the ledger does not model is no verdict (NotPlanned), not a configuration that does not fit.
-    with pytest.raises(NotPlanned, match="kv_cache_dtype nvfp4_ds_mla"):
-        plan_capacity(tiny, {"kv_cache_dtype": "nvfp4_ds_mla"}, hw)
+    with pytest.raises(NotPlanned, match="quantization quark"):
+        plan_capacity(tiny, {"quantization": "quark"}, hw)
     with pytest.raises(NotPlanned, match="quantization gguf"):
         plan_capacity(tiny, {"quantization": "gguf"}, hw)
     # A context past the model's positions is refused, as vLLM refuses it (unless VLLM_ALLOW_LONG_MAX_MODEL_LEN).

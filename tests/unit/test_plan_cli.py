@@ -145,7 +145,7 @@ def test_other_bad_input_is_one_line(capsys, argv: list[str], flag: str) -> None
 @pytest.mark.parametrize(
     "argv, what",
     [
-        (["--kv-cache-dtype", "nvfp4_ds_mla"], "kv_cache_dtype nvfp4_ds_mla"),
+        (["--quantization", "quark"], "quantization quark"),
         (["--quantization", "gguf"], "quantization gguf"),
     ],
 )

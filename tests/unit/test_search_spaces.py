@@ -258,8 +258,8 @@ load: {levels: [2]}
 slo: {ttft_ms: {p99: 2000}}
 hardware: {devices_per_node: 8, gpu: H100-SXM}
 params:
-  kv_cache_dtype: [auto, int4_per_token_head, nvfp4_ds_mla]
-  quantization: [null, gguf]
+  kv_cache_dtype: [auto, int4_per_token_head]
+  quantization: [null, gguf, inc]
   max_model_len: [8192]
 """
 
@@ -272,7 +272,7 @@ def test_what_the_planner_cannot_size_would_run_not_planned(tmp_path, capsys, ar
     found = SUMMARY.search(out)
     # 3 x 2 points and the baseline (vLLM's defaults), none refused
     assert found and tuple(map(int, found.groups())) == (7, 0, 0), out[-3000:]
-    assert out.count("not planned:") == 4  # nvfp4_ds_mla (an MLA-only layout) or gguf: the ledger sizes the rest
+    assert out.count("not planned:") == 4  # gguf (no .gguf file) or inc: the ledger sizes the rest
     assert "infeasible" not in out
 
 

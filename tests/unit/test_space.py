@@ -118,6 +118,14 @@ def test_prefill_context_parallelism_counts_in_a_trials_devices(tmp_path):
     assert any("needs 4 devices" in r for _, broken in rejected for r in broken)
 
 
+def test_decode_context_parallelism_adds_no_devices(tmp_path):
+    """vLLM's DCP reuses the TP ranks (ParallelConfig: TP must be divisible by DCP): TP 2 x DCP 2 is two GPUs."""
+    s = space(tmp_path, "params:\n  decode_context_parallel_size: [1, 2]\n  tensor_parallel_size: [2]\n")
+    assert s.devices({"decode_context_parallel_size": 2, "tensor_parallel_size": 2}) == 2
+    kept, _ = s.grid()
+    assert {"decode_context_parallel_size": 2, "tensor_parallel_size": 2} in kept
+
+
 @pytest.mark.parametrize(
     ("text", "field"),
     [

@@ -327,6 +327,24 @@ def with_hf_overrides(arch: ModelArch, hf_overrides: dict[str, Any] | None) -> M
     return merged.model_copy(update={"checkpoint": arch.checkpoint}) if arch.checkpoint else merged
 
 
+def _indexer_fields(cfg: dict[str, Any], layers: int) -> dict[str, int]:
+    """DeepSeek Sparse Attention's indexer, as vLLM 0.32's ``DeepseekV32Attention`` builds it: layer i has one
+    unless ``skip_topk`` (``max(i - index_skip_topk_offset + 1, 0) % index_topk_freq != 0``, or an ``S`` in
+    ``index_topk_pattern``); DeepSeek-V3.2 (freq 1) has one on every layer."""
+    freq, offset, pattern = int(cfg.get("index_topk_freq") or 1), int(cfg.get("index_skip_topk_offset", 2)), None
+    if isinstance(cfg.get("index_topk_pattern"), (str, list)):
+        pattern = cfg["index_topk_pattern"]
+    skipped = [
+        (max(i - offset + 1, 0) % freq != 0) if pattern is None else (i < len(pattern) and pattern[i] == "S")
+        for i in range(layers)
+    ]
+    return {
+        "index_head_dim": int(cfg.get("index_head_dim") or 128),
+        "index_n_heads": int(cfg.get("index_n_heads") or 64),
+        "indexer_layers": skipped.count(False),
+    }
+
+
 def _arch(config: dict[str, Any], name: str, source: str, hf_overrides: dict[str, Any] | None) -> ModelArch:
     cfg = _library_config(config, source, hf_overrides)
 
@@ -339,6 +357,9 @@ def _arch(config: dict[str, Any], name: str, source: str, hf_overrides: dict[str
     heads = int(need("num_attention_heads"))
     hidden = int(need("hidden_size"))
     model_type = str(cfg.get("model_type") or config.get("model_type") or "")
+    sparse_mla = cfg.get("kv_lora_rank") is not None and cfg.get("index_topk") is not None
+    if sparse_mla and set(cfg.get("layer_types") or ()) <= {"indexed_attention", "full_attention"}:
+        cfg = {**cfg, "layer_types": None}  # transformers' DeepSeek-V3.2 / GLM-5.2: MLA + indexer on every layer
     hybrid = _hybrid_layers(cfg, model_type, hidden)
     if cfg.get("num_hidden_layers") is None and isinstance(hybrid, tuple) and hybrid[0]:
         cfg["num_hidden_layers"] = len(hybrid[0])  # Nemotron-H: one layer per pattern character
@@ -428,6 +449,8 @@ def _arch(config: dict[str, Any], name: str, source: str, hf_overrides: dict[str
         fields["v_head_dim"] = int(need("v_head_dim"))
         fields["num_kv_heads"] = heads  # MLA: vLLM stores one latent per token; heads only shard q/o.
         fields["head_dim"] = fields["qk_nope_head_dim"] + fields["qk_rope_head_dim"]
+        if sparse_mla:
+            fields.update(_indexer_fields(cfg, layers))
     partial = cfg.get("partial_rotary_factor")
     if partial and not cfg.get("kv_lora_rank") and float(partial) != 1.0:
         fields["rotary_dim"] = int(fields["head_dim"] * float(partial))

@@ -12,7 +12,10 @@ From vLLM 0.32's KV-cache specs and the backends' ``customize_spec`` (the page i
 - ``turboquant_*``: key MSE indices + an fp16 norm (or fp8 keys), values at their bits + fp16 scale
   and zero, rounded up to an even size (``TurboQuantConfig.slot_size_aligned``);
 - ``ultraquant_4bit``: fp4 K and V codes + one E8M0 scale per 32 elements each;
-- ``fp8_ds_mla``: DeepSeek MLA's 656-byte latent (MLA models only).
+- ``fp8_ds_mla``: DeepSeek sparse MLA's 656-byte latent: 512 fp8 NoPE + 4 fp32 scales + 64 bf16 RoPE;
+- ``nvfp4_ds_mla``: its 352-byte NVFP4 latent: 512 e2m1 NoPE packed 2 a byte + 64 fp8 RoPE + 32 fp8 scales
+  (one per 16 NoPE values). Both are ``MLAAttention.get_kv_cache_spec``'s ``state_content_bytes``, one head,
+  unpadded; only the sparse MLA backends take them (``capacity/settings.py:kv_dtype_problem``).
 
 Pure; tests/unit/test_capacity_kvdtype.py checks each against vLLM's own functions.
 """
@@ -22,6 +25,8 @@ from __future__ import annotations
 import math
 
 FP8_DS_MLA_BYTES_PER_LAYER = 656  # 512 fp8 latent + 4 fp32 scales + 64 bf16 rope dims
+NVFP4_DS_MLA_BYTES_PER_LAYER = 352  # 512 fp4 latent (256 B) + 64 fp8 rope dims + 32 fp8 block scales
+DS_MLA_BYTES_PER_LAYER = {"fp8_ds_mla": FP8_DS_MLA_BYTES_PER_LAYER, "nvfp4_ds_mla": NVFP4_DS_MLA_BYTES_PER_LAYER}
 ULTRAQUANT_GROUP = 32
 # (key bits, value bits) of vLLM's TurboQuant presets (TQ_PRESETS); 8-bit keys are stored as fp8.
 TURBOQUANT_BITS = {
@@ -42,7 +47,7 @@ KV_CACHE_DTYPES = (
     "nvfp4_4over6",
     *TURBOQUANT_BITS,
     "ultraquant_4bit",
-    "fp8_ds_mla",
+    *DS_MLA_BYTES_PER_LAYER,
 )
 
 

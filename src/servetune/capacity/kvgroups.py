@@ -46,14 +46,16 @@ class KVGroup:
     window: int | None = None  # sliding window or chunk, in tokens
     state_blocks: int = 1  # a Mamba group: blocks one request holds (MambaSpec.max_memory_usage_bytes / page)
 
-    def blocks_per_request(self, max_model_len: int, block_size: int, in_flight_tokens: int) -> int:
+    def blocks_per_request(self, max_model_len: int, block_size: int, in_flight_tokens: int, dcp: int = 1) -> int:
+        """``dcp``: decode context parallel ranks a full-attention layer's tokens are sharded over (vLLM's
+        ``AttentionSpec.max_num_blocks_per_req``: ceil(len / (block_size x DCP)) blocks on each rank)."""
         if self.kind == "mamba":
             return self.state_blocks
         if self.kind == "sliding_attention" and self.window is not None:
             return _cdiv(min(self.window - 1 + in_flight_tokens, max_model_len), block_size) + 1
         if self.kind == "chunked_attention" and self.window is not None:
             return _cdiv(min(self.window + in_flight_tokens, max_model_len), block_size)
-        return _cdiv(max_model_len, block_size)
+        return _cdiv(max_model_len, block_size * dcp)
 
 
 @dataclass(frozen=True)
@@ -66,8 +68,8 @@ class KVLayout:
     def bytes_per_block(self, block_size: int, bytes_per_token_per_layer: float) -> int:
         return round(self.group_size * block_size * bytes_per_token_per_layer)
 
-    def blocks_per_request(self, max_model_len: int, block_size: int, in_flight_tokens: int) -> int:
-        return sum(g.blocks_per_request(max_model_len, block_size, in_flight_tokens) for g in self.groups)
+    def blocks_per_request(self, max_model_len: int, block_size: int, in_flight_tokens: int, dcp: int = 1) -> int:
+        return sum(g.blocks_per_request(max_model_len, block_size, in_flight_tokens, dcp) for g in self.groups)
 
     @property
     def hybrid(self) -> bool:

@@ -32,7 +32,7 @@ from servetune.capacity.draft import DraftCost, draft_cost, speculative_config
 from servetune.capacity.encoder import EncoderBudget, encoder_budget
 from servetune.capacity.hardware import GIB, Hardware
 from servetune.capacity.hfconfig import with_hf_overrides
-from servetune.capacity.kvgroups import kv_layout
+from servetune.capacity.kvgroups import KVLayout, kv_layout
 from servetune.capacity.lora import lora_cost
 from servetune.capacity.mamba import aligned_block_size, cpu_ssm_dtype, state_bytes, tp_problem
 from servetune.capacity.params import (
@@ -45,7 +45,9 @@ from servetune.capacity.params import (
 from servetune.capacity.profile import VLLM_0_32, EngineProfile, cudagraph_capture_sizes
 from servetune.capacity.schema import CapacityArgs, CapacityPlan, DraftPlan, NotPlanned, Settings, read_engine_args
 from servetune.capacity.settings import (
+    dcp_problem,
     engine_settings,
+    kv_dtype_problem,
     kv_element_bytes,
     moe_shards,
     resolve_quant,
@@ -264,7 +266,7 @@ def _ledger(
     blocks = int(kv_bytes // page) if kv_bytes > 0 else 0
 
     def per_request(length: int) -> int:
-        return layout.blocks_per_request(length, s.block_size, in_flight)
+        return layout.blocks_per_request(length, s.block_size, in_flight, s.decode_context_parallel_size)
 
     if args.max_model_len == -1 and 1 < blocks <= per_request(s.max_model_len):
         # --max-model-len -1: vLLM fits the longest context one request can hold (minus the null block).
@@ -298,6 +300,13 @@ def _ledger(
             f"max_model_len {s.max_model_len:,} is beyond the model's {arch.max_position_embeddings:,} positions: "
             "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 lets vLLM start, and it warns that outputs may be wrong"
         )
+    if s.kv_cache_dtype != args.kv_cache_dtype:
+        notes.append(f"kv_cache_dtype {args.kv_cache_dtype}: vLLM's FLASHMLA_SPARSE stores it as {s.kv_cache_dtype}")
+    if s.decode_context_parallel_size > 1:
+        notes.append(
+            f"decode context parallelism {s.decode_context_parallel_size}: each rank keeps 1/"
+            f"{s.decode_context_parallel_size} of every request's KV tokens (no extra GPU: DCP reuses the TP ranks)"
+        )
     if (unchecked := cpu_kv_cache_note(arch, s.kv_cache_dtype, hardware, profile)) is not None:
         notes.append(unchecked)
     fits, reason = _verdict(
@@ -314,7 +323,11 @@ def _ledger(
         blocks_per_request,
         allow_long,
         draft,
-        state.problem or _removed(arch, profile) or cpu_kv_cache_problem(arch, s.kv_cache_dtype, hardware, profile),
+        state.problem
+        or _removed(arch, profile)
+        or cpu_kv_cache_problem(arch, s.kv_cache_dtype, hardware, profile)
+        or kv_dtype_problem(arch, s.kv_cache_dtype, hardware)
+        or _dcp_problem(arch, s, layout),
         0.0 if cpu else lora,
     )
     return CapacityPlan(
@@ -398,6 +411,14 @@ def _draft_notes(draft: DraftCost, s: Settings) -> list[str]:
         f"speculative decoding verifies {draft.query_len} tokens per request a step: {s.max_num_seqs} requests need "
         f"{wanted:,} batched tokens, max_num_batched_tokens {s.max_num_batched_tokens:,} verifies {fit} of them a step"
     ]
+
+
+def _dcp_problem(arch: ModelArch, s: Settings, layout: KVLayout) -> str | None:
+    dcp = s.decode_context_parallel_size
+    problem = dcp_problem(arch, s.tensor_parallel_size, s.prefill_context_parallel_size, dcp)
+    if problem is None and dcp > 1 and any(g.kind == "sliding_attention" for g in layout.groups):
+        problem = f"decode_context_parallel_size {dcp} with sliding-window layers (SlidingWindowSpec asserts DCP 1)"
+    return problem
 
 
 def _removed(arch: ModelArch, profile: EngineProfile) -> str | None:

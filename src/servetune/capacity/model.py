@@ -174,6 +174,11 @@ class ModelArch(BaseModel):
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5.2: ``index_topk`` in an MLA config): a lightning indexer
+    # on ``indexer_layers`` layers keeps its own fp8 key cache beside the latent (params.kv_bytes_per_layer_token).
+    index_head_dim: int = Field(0, ge=0, description="the indexer's key width (0: no indexer, dense MLA)")
+    index_n_heads: int = Field(0, ge=0)
+    indexer_layers: int = Field(0, ge=0, description="decoder layers that build an indexer (vLLM's skip_topk rule)")
     # Layer kinds (Gemma 2/3, gpt-oss, Llama 4, Mistral): empty means every layer is full attention.
     layer_types: tuple[LayerType, ...] = ()
     sliding_window: int | None = Field(None, ge=1, description="tokens a sliding_attention layer sees")
@@ -271,6 +276,16 @@ class ModelArch(BaseModel):
     @property
     def is_mla(self) -> bool:
         return self.kv_lora_rank is not None
+
+    @property
+    def is_sparse_mla(self) -> bool:
+        """DeepSeek Sparse Attention: MLA served by vLLM's sparse MLA backends (the only ones taking *_ds_mla)."""
+        return self.is_mla and self.index_head_dim > 0
+
+    @property
+    def indexer_key_bytes(self) -> int:
+        """One token's indexer key in one layer: fp8 values + an fp32 scale per 128 (``DeepseekV32Indexer``)."""
+        return self.index_head_dim + self.index_head_dim // 128 * 4
 
     @property
     def is_moe(self) -> bool:

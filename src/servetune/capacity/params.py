@@ -182,6 +182,13 @@ def _mixer_only_body(arch: ModelArch, tp: int, stage: tuple[str, ...], shards: M
     return body + ParamSplit(linear=0, other=arch.hidden_size * len(stage))
 
 
+def _indexer(arch: ModelArch) -> ParamSplit:
+    """One DeepSeek Sparse Attention indexer, replicated on every rank (``DeepseekV32Indexer``): ``wq_b``
+    (quantized like the model), ``wk_weights_proj`` (unquantized) and ``k_norm``."""
+    d, n = arch.index_head_dim, arch.index_n_heads
+    return ParamSplit(linear=(arch.q_lora_rank or 0) * n * d, other=arch.hidden_size * (d + n) + 2 * d)
+
+
 def layer_params(arch: ModelArch, tp: int, moe: bool, shards: MoeShards | None = None) -> ParamSplit:
     """One decoder layer on one rank; ``shards``: how its experts lie (default: split by TP alone)."""
     norms = ParamSplit(linear=0, other=2 * arch.hidden_size)
@@ -199,6 +206,8 @@ def mtp_params(arch: ModelArch, tp: int = 1, shards: MoeShards | None = None) ->
     replicated), and enorm, hnorm and the shared head's norm; embeddings and lm_head are the target's."""
     h = arch.hidden_size
     layer = layer_params(arch, tp, moe=arch.is_moe, shards=shards) + ParamSplit(linear=0, other=2 * h * h + 3 * h)
+    if arch.indexer_layers:  # vLLM builds an indexer on every MTP layer
+        layer = layer + _indexer(arch)
     return layer.times(arch.mtp_layers)
 
 
@@ -231,6 +240,8 @@ def rank_params(
             body = body + _mixer(arch, tp).times(mamba) + _attention(arch, tp).times(-mamba)
         if arch.parallel_mamba:  # Falcon-H1: the mixer beside every layer's attention
             body = body + _mixer(arch, tp).times(layers)
+    if arch.indexer_layers:  # the heaviest stage's share of the indexers (every layer's, for DeepSeek-V3.2)
+        body = body + _indexer(arch).times(_cdiv(arch.indexer_layers * layers, arch.num_layers))
     embed = _vocab(arch, tp, padded_vocab)
     vision = _cdiv(arch.vision_parameters, tp)  # the vision tower shards like the decoder, on the first stage
     if pp == 1:
@@ -275,10 +286,14 @@ def kv_bytes_per_layer_token(arch: ModelArch, kv_dtype_bytes: float, tp: int = 1
     """KV cache bytes one layer keeps per token on one rank.
 
     Standard attention: 2 (K and V) x KV heads on this rank x head_dim x bytes.
-    MLA: one latent (kv_lora_rank + qk_rope_head_dim) per token, on every TP rank.
+    MLA: one latent (kv_lora_rank + qk_rope_head_dim) per token, on every TP rank; DeepSeek Sparse Attention
+    adds its indexer's key (``ModelArch.indexer_key_bytes``), averaged over the layers.
     """
     if arch.is_mla:
-        return ((arch.kv_lora_rank or 0) + arch.qk_rope_head_dim) * kv_dtype_bytes
+        latent = ((arch.kv_lora_rank or 0) + arch.qk_rope_head_dim) * kv_dtype_bytes
+        # DeepSeek Sparse Attention: each indexer layer's own key cache, in one KV-cache group with the latents
+        # (UniformTypeKVCacheSpecs: the block's page is the sum of every layer's), whatever the kv_cache_dtype.
+        return latent + arch.indexer_key_bytes * arch.indexer_layers / arch.num_layers
     return 2 * kv_heads_per_rank(arch, tp) * arch.head_dim * kv_dtype_bytes
 
 

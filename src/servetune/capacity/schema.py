@@ -27,6 +27,8 @@ class CapacityArgs(BaseModel):
     data_parallel_size: int = Field(1, ge=1)
     enable_expert_parallel: bool = False
     prefill_context_parallel_size: int = Field(1, ge=1)
+    # DCP shards every KV token over its ranks (the TP ranks, or PCP's): a rank holds ceil(len / DCP) of a request
+    decode_context_parallel_size: int = Field(1, ge=1)
     # Expert-parallel load balancing: E + R physical experts over the EP ranks, and a transfer buffer (params.py)
     enable_eplb: bool = False
     eplb_config: dict[str, Any] | None = None
@@ -89,6 +91,7 @@ class Settings(BaseModel):
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     prefill_context_parallel_size: int = 1
+    decode_context_parallel_size: int = 1
     enable_eplb: bool = False
     num_redundant_experts: int = 0
     dtype: str

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 
 from servetune.capacity.arch import ModelArch, WeightQuant
 from servetune.capacity.hardware import Hardware
-from servetune.capacity.kvdtype import FP8_DS_MLA_BYTES_PER_LAYER, KV_CACHE_DTYPES, kv_slot_bytes
+from servetune.capacity.kvdtype import DS_MLA_BYTES_PER_LAYER, KV_CACHE_DTYPES, kv_slot_bytes
 from servetune.capacity.mamba import tp_problem
 from servetune.capacity.params import MoeShards
 from servetune.capacity.profile import EngineProfile
@@ -90,18 +90,80 @@ def resolve_quant(arch: ModelArch, flag: str | None) -> WeightQuant:
 
 
 def kv_element_bytes(kv_cache_dtype: str, dtype: str, arch: ModelArch) -> float:
-    """Bytes per K or V element, averaged over the head's slot (scales and packing included)."""
+    """Bytes per K or V element, averaged over the head's slot (scales and packing included).
+
+    A combination vLLM refuses (``kv_dtype_problem``) gets a nominal size: the verdict refuses it."""
     if arch.is_mla:
-        if kv_cache_dtype == "fp8_ds_mla":
-            return FP8_DS_MLA_BYTES_PER_LAYER / ((arch.kv_lora_rank or 0) + arch.qk_rope_head_dim)
+        if kv_cache_dtype in DS_MLA_BYTES_PER_LAYER:
+            return DS_MLA_BYTES_PER_LAYER[kv_cache_dtype] / ((arch.kv_lora_rank or 0) + arch.qk_rope_head_dim)
         if kv_cache_dtype in ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc"):
             return (4 if dtype == "float32" else 2) if kv_cache_dtype == "auto" else _MLA_BYTES[kv_cache_dtype]
-        raise NotPlanned(f"kv_cache_dtype {kv_cache_dtype}: the planner knows auto, fp8 and fp8_ds_mla for MLA models")
+        if kv_cache_dtype in ("nvfp4", "nvfp4_4over6"):
+            return 0.5  # refused: VllmConfig.validate_nvfp4_kv_cache_with_mla
+        raise NotPlanned(
+            f"kv_cache_dtype {kv_cache_dtype}: the planner knows auto, fp8, fp8_ds_mla and nvfp4_ds_mla for MLA models"
+        )
+    if kv_cache_dtype in DS_MLA_BYTES_PER_LAYER:
+        return 1.0  # refused: no attention backend for a model without MLA takes it
     slot = kv_slot_bytes(kv_cache_dtype, arch.head_dim, 4 if dtype == "float32" else 2)
-    if slot is None or kv_cache_dtype == "fp8_ds_mla":
-        known = ", ".join(k for k in KV_CACHE_DTYPES if k != "fp8_ds_mla") + ", fp8_ds_mla (MLA models)"
-        raise NotPlanned(f"kv_cache_dtype {kv_cache_dtype}: the planner knows {known}")
+    if slot is None:
+        known = ", ".join(k for k in KV_CACHE_DTYPES if k not in DS_MLA_BYTES_PER_LAYER)
+        raise NotPlanned(f"kv_cache_dtype {kv_cache_dtype}: the planner knows {known}, fp8_ds_mla and nvfp4_ds_mla")
     return slot / (2 * arch.head_dim)
+
+
+def resolve_kv_cache_dtype(arch: ModelArch, kv_cache_dtype: str, hardware: Hardware) -> str:
+    """The cache dtype vLLM 0.32 ends up with: on a sparse MLA model below SM100, ``fp8`` is served by
+    FLASHMLA_SPARSE, which stores it as ``fp8_ds_mla`` (``_canonicalize_sparse_mla_kv_cache_dtype``); SM100
+    prefers FLASHINFER_MLA_SPARSE, which keeps plain fp8 (``cuda._get_backend_priorities``). ``fp8_e4m3`` is not
+    in FLASHMLA_SPARSE's list: FLASHINFER_MLA_SPARSE_SM90 serves it as plain fp8."""
+    if arch.is_sparse_mla and kv_cache_dtype == "fp8" and hardware.device == "gpu":
+        return kv_cache_dtype if hardware.blackwell else "fp8_ds_mla"
+    return kv_cache_dtype
+
+
+def kv_dtype_problem(arch: ModelArch, kv_cache_dtype: str, hardware: Hardware) -> str | None:
+    """Why vLLM 0.32 refuses this KV cache dtype for this model on this GPU, or None.
+
+    The ``*_ds_mla`` layouts are listed only by the sparse MLA backends (FLASHMLA_SPARSE,
+    FLASHINFER_MLA_SPARSE_SM120, DeepSeek-V4's), which take sparse layers only (``validate_configuration``:
+    "non-sparse not supported"); ``get_attn_backend_cls`` then finds no valid backend. FLASHMLA_SPARSE takes
+    ``nvfp4_ds_mla`` on SM100 only (``supports_combination``), and the plain nvfp4 layout never with MLA."""
+    if kv_cache_dtype in DS_MLA_BYTES_PER_LAYER:
+        if not arch.is_mla:
+            return f"kv_cache_dtype {kv_cache_dtype} is DeepSeek sparse MLA's layout; no backend takes it without MLA"
+        if not arch.is_sparse_mla:
+            return (
+                f"kv_cache_dtype {kv_cache_dtype}: only the sparse MLA backends take it (DeepSeek Sparse Attention, "
+                "index_topk in the config); no attention backend serves this dense MLA model with it"
+            )
+        if kv_cache_dtype == "nvfp4_ds_mla" and hardware.device == "gpu" and not hardware.blackwell:
+            return f"kv_cache_dtype nvfp4_ds_mla: FLASHMLA_SPARSE takes it on SM100 (B200) only, not on {hardware.name}"
+    if arch.is_mla and kv_cache_dtype in ("nvfp4", "nvfp4_4over6"):
+        return f"kv_cache_dtype {kv_cache_dtype} is not supported with MLA (use fp8, auto or nvfp4_ds_mla)"
+    return None
+
+
+def dcp_problem(arch: ModelArch, tp: int, pcp: int, dcp: int) -> str | None:
+    """Why vLLM 0.32 refuses this decode context parallel size (``ParallelConfig``, ``ModelConfig``), or None.
+
+    DCP reuses the TP ranks (or spans PCP): it adds no GPU; it shards every KV-cache token over its ranks."""
+    if dcp == 1:
+        return None
+    if pcp == 1 and tp % dcp:
+        return f"tensor_parallel_size {tp} is not divisible by decode_context_parallel_size {dcp}"
+    if pcp > 1 and dcp not in (pcp, tp * pcp):
+        return f"decode_context_parallel_size {dcp} with prefill_context_parallel_size {pcp}: must be 1, {pcp} or {tp * pcp}"
+    if arch.is_mla:
+        return None
+    kv = arch.num_kv_heads
+    if tp <= kv:
+        return f"decode context parallelism for GQA/MQA needs tensor_parallel_size {tp} > the model's {kv} KV heads"
+    if dcp > tp // kv:
+        return f"decode_context_parallel_size {dcp} exceeds tensor_parallel_size {tp} / {kv} KV heads = {tp // kv}"
+    if (arch.num_attention_heads // kv) % dcp:
+        return f"query heads per KV head ({arch.num_attention_heads // kv}) are not divisible by decode_context_parallel_size {dcp}"
+    return None
 
 
 def _batch_defaults(hardware: Hardware, world_size: int) -> tuple[int, int]:
@@ -251,11 +313,12 @@ def engine_settings(
         data_parallel_size=args.data_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel and arch.is_moe,
         prefill_context_parallel_size=args.prefill_context_parallel_size,
+        decode_context_parallel_size=args.decode_context_parallel_size,
         enable_eplb=args.enable_eplb and arch.is_moe,
         num_redundant_experts=_redundant_experts(args) if arch.is_moe else 0,
         dtype=_resolve_dtype(arch, args, quant),
         quantization=quant.label,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=resolve_kv_cache_dtype(arch, args.kv_cache_dtype, hardware),
         gpu_memory_utilization=args.gpu_memory_utilization or profile.default_gpu_memory_utilization,
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,

@@ -110,6 +110,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="prefill context parallel size (default 1): joins the MoE group, TP x DP x PCP",
     )
     p.add_argument(
+        "--dcp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="decode context parallel size (default 1): shards each request's KV tokens over N of the TP ranks",
+    )
+    p.add_argument(
         "--enable-expert-parallel",
         action="store_true",
         help="MoE models: whole experts per rank, ceil(experts / (TP x DP x PCP)) each (vLLM's expert parallelism)",
@@ -240,6 +247,7 @@ def _check_flags(args: argparse.Namespace) -> None:
         "pp",
         "dp",
         "pcp",
+        "dcp",
         "max_model_len",
         "max_num_seqs",
         "max_num_batched_tokens",
@@ -369,6 +377,7 @@ def _plan(args: argparse.Namespace, arch: ModelArch, hardware: Hardware) -> tupl
         "enable_expert_parallel": args.enable_expert_parallel,
         "enable_eplb": args.enable_eplb,
         "prefill_context_parallel_size": args.pcp,
+        "decode_context_parallel_size": args.dcp,
         "dtype": args.dtype,
         "quantization": args.quantization,
         "kv_cache_dtype": args.kv_cache_dtype,

@@ -59,6 +59,8 @@ def render(plan: CapacityPlan, console: Console) -> None:
     layout = f"TP {s.tensor_parallel_size} x PP {s.pipeline_parallel_size}"
     if s.prefill_context_parallel_size > 1:
         layout += f" x PCP {s.prefill_context_parallel_size}"
+    if s.decode_context_parallel_size > 1:  # over the TP (or PCP) ranks: no GPU of its own
+        layout += f", DCP {s.decode_context_parallel_size}"
     if s.data_parallel_size > 1 or s.enable_expert_parallel:
         layout += f" (DP {s.data_parallel_size}{', expert parallel' if s.enable_expert_parallel else ''})"
     title = f"{plan.model} ({plan.parameters_b:g}B params) on {where}, {layout}"
