@@ -3,7 +3,8 @@ until Serve has scaled out (and a while after), and back to 1x.
 
 Every second it samples what Serve reports (replicas RUNNING and STARTING of the LLM deployment)
 and Serve's own per-replica request counter; every request's record says whether it met the SLO.
-From those: the time to scale up (3x offered -> the extra replicas RUNNING), SLO violations per
+From those: the time to decide (3x offered -> Serve started an extra replica, the autoscaling policy's part) and
+the time to scale up (3x offered -> the extra replicas RUNNING, their engine start added), SLO violations per
 phase and per window, the requests each replica served, and whether a new replica served any
 request before Serve had it RUNNING, which for Ray Serve LLM means its engine had started (it
 must not). Serve's counter reaches the metrics agent a report interval late, so a request is
@@ -108,6 +109,9 @@ class RampResult(ClaimedCores, BaseModel):  # its cores: the LLM replicas' at it
     replicas_before: int
     replicas_peak: int
     time_to_scale_up_s: float | None = None  # 3x offered -> the extra replicas RUNNING; None: never
+    # 3x offered -> Serve started an extra replica (RUNNING or starting): the policy's decision, before the new
+    # replica's engine start, which time_to_scale_up_s adds and which no policy shortens; None: never
+    time_to_decide_s: float | None = None
     new_replicas: list[str] = []  # replica ids that first served during the ramp's 3x phase or later
     new_replica_running_s: float | None = None  # first sample with more replicas RUNNING than before
     new_replica_first_served_s: float | None = None  # first sample with a new replica's count above 0
@@ -183,9 +187,10 @@ def summarize_ramp(
     up_at = phase_starts.get(up.name) if up is not None else None
     before_up = [s for s in samples if up_at is None or s.t_s < up_at]
     replicas_before = max((s.running for s in before_up[-3:]), default=0)
-    running_at = None
+    running_at = decided_at = None
     if up_at is not None:
         running_at = next((s.t_s for s in samples if s.t_s >= up_at and s.running > replicas_before), None)
+        decided_at = next((s.t_s for s in samples if s.t_s >= up_at and s.running + s.starting > replicas_before), None)
     known = {rid for s in before_up for rid in s.served}
     new_first = {}
     for s in samples:
@@ -200,6 +205,7 @@ def summarize_ramp(
         "phases": phase_results, "windows": windows, "replicas_before": replicas_before,
         "replicas_peak": max((s.running for s in samples), default=0),
         "time_to_scale_up_s": None if running_at is None or up_at is None else running_at - up_at,
+        "time_to_decide_s": None if decided_at is None or up_at is None else decided_at - up_at,
         "new_replicas": sorted(new_first), "new_replica_running_s": running_at,
         "new_replica_first_served_s": first_served, "traffic_before_ready": early,
         "slo_violations": broken, "requests": sent_total, "slo_attainment": slo_attainment(sent_total, broken),
