@@ -98,7 +98,8 @@ def policies_table(ramps: Sequence[RampResult]) -> Table:
                       num_text(r.time_to_scale_up_s, 1))  # fmt: skip
     table.caption = (
         "SLO met: requests that met every per-request bound; replica-seconds: replicas RUNNING or starting, over the "
-        "ramp; decided: 3x offered -> Serve started an extra replica (the policy's part); RUNNING: -> the extra "
+        "ramp; decided: 3x offered -> Serve started an extra replica (the policy's part; negative: during the 1x "
+        "phase); RUNNING: -> the extra "
         "replica RUNNING, its engine start added. The 3x phase lasts until then, so a later scale-up makes a longer "
         "ramp with more requests and replica-seconds: compare SLO met and the mean replicas"
     )

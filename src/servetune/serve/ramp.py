@@ -110,7 +110,8 @@ class RampResult(ClaimedCores, BaseModel):  # its cores: the LLM replicas' at it
     replicas_peak: int
     time_to_scale_up_s: float | None = None  # 3x offered -> the extra replicas RUNNING; None: never
     # 3x offered -> Serve started an extra replica (RUNNING or starting): the policy's decision, before the new
-    # replica's engine start, which time_to_scale_up_s adds and which no policy shortens; None: never
+    # replica's engine start, which time_to_scale_up_s adds and which no policy shortens; negative: Serve started it
+    # during the 1x phase (ramp.decided); None: never
     time_to_decide_s: float | None = None
     new_replicas: list[str] = []  # replica ids that first served during the ramp's 3x phase or later
     new_replica_running_s: float | None = None  # first sample with more replicas RUNNING than before
@@ -136,6 +137,22 @@ def replica_seconds(samples: Sequence[RampSample], end_s: float) -> float:
 def slo_attainment(requests: int, slo_violations: int) -> float | None:
     """The share of requests that met the SLO (a failed request broke it); None without a request."""
     return (requests - slo_violations) / requests if requests else None
+
+
+def decided(
+    samples: Sequence[RampSample], up_at: float, running_at: float | None, replicas_before: int
+) -> float | None:
+    """When Serve started the replica that scaled the ramp up: the first of the unbroken run of samples with more
+    replicas RUNNING or starting than before that reaches ``running_at`` (the extra replica RUNNING), which may come
+    before ``up_at`` (3x offered: the 1x load, or the step before's still in Serve's averaging window, asked for it);
+    without one RUNNING, the first such sample from ``up_at`` on."""
+    ordered = sorted(samples, key=lambda s: s.t_s)
+    if running_at is None:
+        return next((s.t_s for s in ordered if s.t_s >= up_at and s.running + s.starting > replicas_before), None)
+    k = next(i for i, s in enumerate(ordered) if s.t_s == running_at)
+    while k > 0 and ordered[k - 1].running + ordered[k - 1].starting > replicas_before:
+        k -= 1
+    return ordered[k].t_s
 
 
 def summarize_ramp(
@@ -190,7 +207,7 @@ def summarize_ramp(
     running_at = decided_at = None
     if up_at is not None:
         running_at = next((s.t_s for s in samples if s.t_s >= up_at and s.running > replicas_before), None)
-        decided_at = next((s.t_s for s in samples if s.t_s >= up_at and s.running + s.starting > replicas_before), None)
+        decided_at = decided(samples, up_at, running_at, replicas_before)
     known = {rid for s in before_up for rid in s.served}
     new_first = {}
     for s in samples:
