@@ -56,7 +56,11 @@ def test_a_stated_peak_and_a_delay_scale_change_only_what_they_size(report):
     assert a.max_replicas == 13 and "the stated peak (concurrency 100)" in a.reasons["max_replicas"]
     left = 0.3 - next(p for p in points if p.level == {"concurrency": 8.0}).metrics["ttft_ms_p99"] / 1000
     assert a.max_queued_requests == math.ceil(13 * base.throughput_per_replica * left)
-    assert (a.upscale_delay_s, a.downscale_delay_s, a.look_back_period_s) == pytest.approx((6.0, 30.0, 1.5))
+    # the window stays above Serve's 10 s metrics push (30 s x 0.05 = 1.5 s held less than one push, Serve warned)
+    assert (a.upscale_delay_s, a.downscale_delay_s, a.look_back_period_s) == pytest.approx((6.0, 30.0, 15.0))
+    assert "raised to 1.5 x Serve's 10 s metrics push" in a.reasons["look_back_period_s"]
+    assert derive_autoscaling(points, slo, delay_scale=0.5).look_back_period_s == 15.0
+    assert base.look_back_period_s == 30.0 and base.reasons["look_back_period_s"].startswith("30: Serve's window")
     assert a.target_ongoing_requests == base.target_ongoing_requests
     capped = a.with_max_replicas(2, "the local machine has 2 cores")
     assert capped.max_replicas == 2 and capped.reasons["max_replicas"].endswith(
@@ -159,3 +163,16 @@ def test_the_operating_load_is_the_headroom_times_the_lower_limit():
     assert operating_load([4.0], None, None, 1.0) == (4.0, "1 x the highest load meeting the SLO 4")
     with pytest.raises(UserError, match=r"--headroom 1\.5: the headroom must be above 0 and at most 1"):
         operating_load([4.0], None, knee, 1.5)
+
+
+def test_ray_serve_takes_the_ramps_quick_autoscaling_without_a_warning(report):
+    """serve-check --ramp --delay-scale 0.05 deploys these settings: Ray Serve 2.60 warned that its look_back_period_s
+    (1.5 s) was not above metrics_interval_s (10 s), an error in a later release."""
+    import warnings
+
+    config = pytest.importorskip("ray.serve.config", reason="Ray Serve validates the autoscaling config")
+    quick = derive_autoscaling(trial_points(report, BASELINE), [str(s) for s in report.slo], delay_scale=0.05)
+    for policy in ("inflight", "predictive"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            config.AutoscalingConfig(**quick.with_policy(policy).autoscaling_config())

@@ -56,6 +56,23 @@ def test_scale_up_time_phases_and_a_new_replica_that_waited_for_running():
     assert (windows[20.0].offered, windows[20.0].running, windows[20.0].served) == (6, 1, {})  # no sample: the last one
 
 
+def test_the_time_to_decide_is_serve_starting_the_replica_apart_from_its_engine_start():
+    # 3x at 10 s; Serve starts the second replica at 12 s (the policy's decision), its engine RUNNING at 31 s.
+    samples = [sample(8, 1, {}), sample(12, 1, {}, starting=1), sample(30, 1, {}, starting=1), sample(31, 2, {})]
+    s = summarize_ramp(samples, [], [], PHASES, STARTS, {}, end_s=50)
+    assert s["time_to_decide_s"] == pytest.approx(2.0) and s["time_to_scale_up_s"] == pytest.approx(21.0)
+    # A replica that started and came up between two samples: decided when it was first seen, RUNNING.
+    quick = summarize_ramp([sample(8, 1, {}), sample(20, 2, {})], [], [], PHASES, STARTS, {}, end_s=50)
+    assert quick["time_to_decide_s"] == quick["time_to_scale_up_s"] == pytest.approx(10.0)
+    # Started during the 1x phase (8 s, before the 3x at 10 s) and starting until RUNNING: decided 2 s before the 3x.
+    early = [sample(5, 1, {}), sample(8, 1, {}, starting=1), sample(12, 1, {}, starting=1), sample(31, 2, {})]
+    s = summarize_ramp(early, [], [], PHASES, STARTS, {}, end_s=50)
+    assert s["time_to_decide_s"] == pytest.approx(-2.0) and s["replicas_before"] == 1
+    # Still starting, never RUNNING: the first sample of the 3x with it, as no scale-up is timed.
+    never = summarize_ramp(early[:3], [], [], PHASES, STARTS, {}, end_s=50)
+    assert never["time_to_decide_s"] == pytest.approx(2.0) and never["time_to_scale_up_s"] is None
+
+
 def test_a_new_replica_counted_while_serve_still_ran_one_is_traffic_before_ready():
     samples = [
         sample(5, 1, {"old": 5}),

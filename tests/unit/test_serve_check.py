@@ -270,7 +270,7 @@ def test_run_check_ramps_each_policy_in_turn_and_the_table_sets_them_side_by_sid
 
     from servetune.cli.serve_check_tables import policies_table
     from servetune.serve.check import Ramp
-    from servetune.serve.ramp import RampResult
+    from servetune.serve.ramp import RampPhaseResult, RampResult
 
     picked = read_picked(cpu_study(tmp_path / "s", price=None), "t1")
     cluster, teardown = FakeCluster(), Teardown(pids=set())
@@ -281,17 +281,23 @@ def test_run_check_ramps_each_policy_in_turn_and_the_table_sets_them_side_by_sid
     }  # fmt: skip
     deployed: list[str] = []
 
-    def ramp_for(policy: str, attained: float, used: float) -> Ramp:
+    def ramp_for(policy: str, attained: float, used: float, length: float, decided: float, up: float) -> Ramp:
         def run(url, served):
             deployed.append(policy)
             return RampResult(policy=policy, knee_concurrency=8, autoscaling_config=configs[policy]["autoscaling_config"],
                               max_ongoing_requests=10, max_queued_requests=4, reasons={}, replicas_before=1,
                               replicas_peak=2, requests=200, slo_violations=round(200 * (1 - attained)),
-                              slo_attainment=attained, replica_seconds=used)  # fmt: skip
+                              slo_attainment=attained, replica_seconds=used, time_to_decide_s=decided,
+                              time_to_scale_up_s=up, phases=[RampPhaseResult(name="back to 1x", concurrency=8,
+                              start_s=length - 20, end_s=length, requests=50, slo_violations=0, errors=0)])  # fmt: skip
 
         return Ramp(deployment_config=configs[policy], run=run)
 
-    ramps = [ramp_for("inflight", 0.9, 300.0), ramp_for("predictive", 0.99, 340.0)]
+    # inflight decided later but its replica's engine came up sooner: a shorter ramp, so fewer replica-seconds
+    ramps = [
+        ramp_for("inflight", 0.9, 300.0, 180.0, 11.0, 122.0),
+        ramp_for("predictive", 0.99, 340.0, 200.0, 8.0, 150.0),
+    ]
     result = run_check(picked, [1, 2], cluster, "app", lambda url, served, n: [level(8, 380 * n, 320)], teardown,
                        ramp=ramps)  # fmt: skip
     assert deployed == ["inflight", "predictive"]  # each once, after the first count, in the order asked
@@ -300,8 +306,12 @@ def test_run_check_ramps_each_policy_in_turn_and_the_table_sets_them_side_by_sid
     console = Console(width=200, record=True)
     console.print(policies_table(result.ramps))
     lines = console.export_text().splitlines()
-    assert any("inflight" in line and "90.0%" in line and "300" in line for line in lines)
-    assert any("predictive" in line and "99.0%" in line and "340" in line for line in lines)
+    cells = [[c.strip() for c in line.split(bar)[1:-1]] for line in lines for bar in "┃│" if bar in line]
+    assert cells[0] == ["policy", "ramp (s)", "requests", "SLO met", "replica-seconds", "mean replicas",
+                        "replicas peak", "decided (s)", "RUNNING (s)"]  # fmt: skip
+    # the mean replicas are the replica-seconds over each ramp's own length; the decision apart from the engine start
+    assert cells[1] == ["inflight", "180", "200", "90.0%", "300", "1.67", "2", "11.0", "122.0"]
+    assert cells[2] == ["predictive", "200", "200", "99.0%", "340", "1.70", "2", "8.0", "150.0"]
 
 
 def test_run_check_keeps_each_part_as_it_finishes_and_routers_and_layouts_so_far_carry_no_verdict(tmp_path):

@@ -62,10 +62,13 @@ def ramp_table(ramp: RampResult) -> Table:
         table.add_row(f"{w.start_s:.0f}", w.phase, str(w.offered), str(w.running), str(w.completed),
                       str(w.slo_violations), num_text(w.ttft_ms_p95, 0), served or "-")  # fmt: skip
     up = "never" if ramp.time_to_scale_up_s is None else f"{ramp.time_to_scale_up_s:.1f} s"
+    if ramp.time_to_decide_s is not None:
+        up += f" (Serve started the replica after {ramp.time_to_decide_s:.1f} s)"
     table.caption = (
         f"autoscaled deployment RUNNING after {num_text(ramp.ready_s, 0)} s"
         + (" on the engine already running (prefix cache reset)" if ramp.engines_reused
-           else " [red]on an engine Serve restarted (as a fresh deploy)[/]" if ramp.engines_reused is False else "")
+           else " [red]on an engine Serve restarted (as a fresh deploy)[/]" if ramp.engines_reused is False
+           else " (deployed fresh: a new engine)" if ramp.ready_s is not None else "")
         + f"; replicas {ramp.replicas_before} -> "
         f"{ramp.replicas_peak}; time to scale up {up}; "
         f"SLO broken by {ramp.slo_violations} of {ramp.requests} requests; "
@@ -77,17 +80,29 @@ def ramp_table(ramp: RampResult) -> Table:
 
 
 def policies_table(ramps: Sequence[RampResult]) -> Table:
-    """The autoscaling policies side by side on the same ramp: SLO attainment and the replica-seconds each used."""
+    """The autoscaling policies side by side on the same ramp: SLO attainment and the replica-seconds each used, over
+    its length (the 3x phase lasts until the extra replicas are RUNNING, so a ramp that scaled up later is longer),
+    and when Serve decided to scale up (the policy's part) apart from when the new replica was RUNNING."""
     from servetune.report.serving import num_text
 
     table = Table(title="serve-check --ramp-policy: the policies on the same 1x, 3x, 1x ramp", title_justify="left")
-    for col in ("policy", "requests", "SLO met", "replica-seconds", "replicas peak", "time to scale up (s)"):
+    for col in ("policy", "ramp (s)", "requests", "SLO met", "replica-seconds", "mean replicas", "replicas peak",
+                "decided (s)", "RUNNING (s)"):  # fmt: skip
         table.add_column(col, justify="right")
     for r in ramps:
-        table.add_row(r.policy, str(r.requests), "-" if r.slo_attainment is None else f"{r.slo_attainment:.1%}",
-                      num_text(r.replica_seconds, 0),
-                      str(r.replicas_peak), num_text(r.time_to_scale_up_s, 1))  # fmt: skip
-    table.caption = "SLO met: requests that met every per-request bound; replica-seconds: replicas RUNNING or starting"
+        length = r.phases[-1].end_s if r.phases else None
+        mean = r.replica_seconds / length if r.replica_seconds is not None and length else None
+        table.add_row(r.policy, num_text(length, 0), str(r.requests),
+                      "-" if r.slo_attainment is None else f"{r.slo_attainment:.1%}", num_text(r.replica_seconds, 0),
+                      num_text(mean, 2), str(r.replicas_peak), num_text(r.time_to_decide_s, 1),
+                      num_text(r.time_to_scale_up_s, 1))  # fmt: skip
+    table.caption = (
+        "SLO met: requests that met every per-request bound; replica-seconds: replicas RUNNING or starting, over the "
+        "ramp; decided: 3x offered -> Serve started an extra replica (the policy's part; negative: during the 1x "
+        "phase); RUNNING: -> the extra "
+        "replica RUNNING, its engine start added. The 3x phase lasts until then, so a later scale-up makes a longer "
+        "ramp with more requests and replica-seconds: compare SLO met and the mean replicas"
+    )
     return table
 
 

@@ -31,7 +31,8 @@ exported file):
 - delays (section 11): scale up when queue wait has stayed high for 2 minutes
   (``upscale_delay_s`` 120), down after 10 minutes of low load (``downscale_delay_s`` 600),
   the load averaged over Serve's 30 s window (``look_back_period_s``). ``delay_scale`` shrinks all
-  three for a quick check (serve-check's ramp on the CPU stand-in); exported files keep them.
+  three for a quick check (serve-check's ramp on the CPU stand-in), the window no shorter than 1.5 x Serve's 10 s
+  metrics push; exported files keep them.
 
 Section 11's other triggers (queue wait, KV-cache usage above 85%, never GPU utilization alone) are
 not expressible in Serve's request-based policy; the knee's measured KV usage is stated beside it.
@@ -71,6 +72,11 @@ UPSCALE_DELAY_S = 120.0
 DOWNSCALE_DELAY_S = 600.0
 #: Serve's default window over which requests in flight are averaged.
 LOOK_BACK_PERIOD_S = 30.0
+#: How often Serve's replicas and handles push the load its autoscaler averages (Ray Serve 2.60's metrics_interval_s
+#: and its RAY_SERVE_*_AUTOSCALING_METRIC_PUSH_INTERVAL_S, 10 s). Serve warns that look_back_period_s must be above
+#: it (an error in a later release), so ``delay_scale`` never shrinks the window below 1.5 pushes: section 11's 30 s
+#: x 0.05 gave 1.5 s, and a replica then also recorded its load every 0.3 s (0.2 x the window).
+SERVE_METRICS_PUSH_S = 10.0
 #: Section 11's queue-wait threshold: the tolerable wait when the SLO bounds no TTFT.
 QUEUE_WAIT_S = 0.3
 #: Serve's guidance: max_ongoing_requests 20-50% above target_ongoing_requests.
@@ -280,6 +286,11 @@ def derive_autoscaling(
     max_ongoing = max(target + 1, math.ceil(ONGOING_HEADROOM * target))
     kv = base.server_metrics.get(KV_CACHE_USAGE_MAX)
     scale = f" (section 11's value x {delay_scale:g} for a quick check)" if delay_scale != 1.0 else ""
+    look_back = max(LOOK_BACK_PERIOD_S * delay_scale, 1.5 * SERVE_METRICS_PUSH_S)
+    look_back_why = (f"{look_back:g}: Serve's window for averaging the load"
+                     + (scale if look_back == LOOK_BACK_PERIOD_S * delay_scale else
+                        f" (30 s x {delay_scale:g} = {LOOK_BACK_PERIOD_S * delay_scale:g} s for a quick check, raised to "
+                        f"1.5 x Serve's {SERVE_METRICS_PUSH_S:g} s metrics push: Serve needs the window above it)"))  # fmt: skip
     predictive, predictive_reasons = predictive_thresholds(
         target, throughput, wait_s, wait_why, ttft_ms, KV_USAGE_LIMIT
     )
@@ -298,7 +309,7 @@ def derive_autoscaling(
                                 f"({left_why}); section 10's hard queue cap, 503 beyond it"),
         "upscale_delay_s": f"{UPSCALE_DELAY_S * delay_scale:g}: section 11, load above target for 2 minutes{scale}",
         "downscale_delay_s": f"{DOWNSCALE_DELAY_S * delay_scale:g}: section 11, 10 minutes of low load before scaling down{scale}",
-        "look_back_period_s": f"{LOOK_BACK_PERIOD_S * delay_scale:g}: Serve's window for averaging the load{scale}",
+        "look_back_period_s": look_back_why,
         "upscaling_factor": "1.0: straight to the replicas the load needs (each takes minutes to warm up)",
         "kv_cache": (f"KV-cache usage peaked at {kv:.1%} at the knee"
                      + (f", above section 11's {KV_USAGE_LIMIT:.0%}: lower target_ongoing_requests" if kv > KV_USAGE_LIMIT
@@ -311,6 +322,6 @@ def derive_autoscaling(
         throughput_per_replica=throughput, peak=float(peak), peak_source=peak_source, min_replicas=1,
         max_replicas=max_replicas, target_ongoing_requests=target, max_ongoing_requests=max_ongoing,
         max_queued_requests=queue, tolerable_wait_s=wait_s, upscale_delay_s=UPSCALE_DELAY_S * delay_scale,
-        downscale_delay_s=DOWNSCALE_DELAY_S * delay_scale, look_back_period_s=LOOK_BACK_PERIOD_S * delay_scale,
+        downscale_delay_s=DOWNSCALE_DELAY_S * delay_scale, look_back_period_s=look_back,
         kv_cache_usage_at_knee=kv, reasons=reasons, predictive=predictive, predictive_reasons=predictive_reasons,
     )  # fmt: skip

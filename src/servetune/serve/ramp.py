@@ -3,7 +3,8 @@ until Serve has scaled out (and a while after), and back to 1x.
 
 Every second it samples what Serve reports (replicas RUNNING and STARTING of the LLM deployment)
 and Serve's own per-replica request counter; every request's record says whether it met the SLO.
-From those: the time to scale up (3x offered -> the extra replicas RUNNING), SLO violations per
+From those: the time to decide (3x offered -> Serve started an extra replica, the autoscaling policy's part) and
+the time to scale up (3x offered -> the extra replicas RUNNING, their engine start added), SLO violations per
 phase and per window, the requests each replica served, and whether a new replica served any
 request before Serve had it RUNNING, which for Ray Serve LLM means its engine had started (it
 must not). Serve's counter reaches the metrics agent a report interval late, so a request is
@@ -108,6 +109,10 @@ class RampResult(ClaimedCores, BaseModel):  # its cores: the LLM replicas' at it
     replicas_before: int
     replicas_peak: int
     time_to_scale_up_s: float | None = None  # 3x offered -> the extra replicas RUNNING; None: never
+    # 3x offered -> Serve started an extra replica (RUNNING or starting): the policy's decision, before the new
+    # replica's engine start, which time_to_scale_up_s adds and which no policy shortens; negative: Serve started it
+    # during the 1x phase (ramp.decided); None: never
+    time_to_decide_s: float | None = None
     new_replicas: list[str] = []  # replica ids that first served during the ramp's 3x phase or later
     new_replica_running_s: float | None = None  # first sample with more replicas RUNNING than before
     new_replica_first_served_s: float | None = None  # first sample with a new replica's count above 0
@@ -132,6 +137,22 @@ def replica_seconds(samples: Sequence[RampSample], end_s: float) -> float:
 def slo_attainment(requests: int, slo_violations: int) -> float | None:
     """The share of requests that met the SLO (a failed request broke it); None without a request."""
     return (requests - slo_violations) / requests if requests else None
+
+
+def decided(
+    samples: Sequence[RampSample], up_at: float, running_at: float | None, replicas_before: int
+) -> float | None:
+    """When Serve started the replica that scaled the ramp up: the first of the unbroken run of samples with more
+    replicas RUNNING or starting than before that reaches ``running_at`` (the extra replica RUNNING), which may come
+    before ``up_at`` (3x offered: the 1x load, or the step before's still in Serve's averaging window, asked for it);
+    without one RUNNING, the first such sample from ``up_at`` on."""
+    ordered = sorted(samples, key=lambda s: s.t_s)
+    if running_at is None:
+        return next((s.t_s for s in ordered if s.t_s >= up_at and s.running + s.starting > replicas_before), None)
+    k = next(i for i, s in enumerate(ordered) if s.t_s == running_at)
+    while k > 0 and ordered[k - 1].running + ordered[k - 1].starting > replicas_before:
+        k -= 1
+    return ordered[k].t_s
 
 
 def summarize_ramp(
@@ -183,9 +204,10 @@ def summarize_ramp(
     up_at = phase_starts.get(up.name) if up is not None else None
     before_up = [s for s in samples if up_at is None or s.t_s < up_at]
     replicas_before = max((s.running for s in before_up[-3:]), default=0)
-    running_at = None
+    running_at = decided_at = None
     if up_at is not None:
         running_at = next((s.t_s for s in samples if s.t_s >= up_at and s.running > replicas_before), None)
+        decided_at = decided(samples, up_at, running_at, replicas_before)
     known = {rid for s in before_up for rid in s.served}
     new_first = {}
     for s in samples:
@@ -200,6 +222,7 @@ def summarize_ramp(
         "phases": phase_results, "windows": windows, "replicas_before": replicas_before,
         "replicas_peak": max((s.running for s in samples), default=0),
         "time_to_scale_up_s": None if running_at is None or up_at is None else running_at - up_at,
+        "time_to_decide_s": None if decided_at is None or up_at is None else decided_at - up_at,
         "new_replicas": sorted(new_first), "new_replica_running_s": running_at,
         "new_replica_first_served_s": first_served, "traffic_before_ready": early,
         "slo_violations": broken, "requests": sent_total, "slo_attainment": slo_attainment(sent_total, broken),
