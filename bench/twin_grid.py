@@ -72,14 +72,22 @@ def simulate_level(twin: Twin, level: Level, plan: LevelPlan, lengths: tuple[int
     return records
 
 
-def twin_trial(spec: TrialSpec, gpu: str, lengths: tuple[int, int], seed: int, startup_s: float) -> TrialResult:
-    """One grid point's trial at the twin's pace (see the module)."""
+def twin_trial(
+    spec: TrialSpec,
+    gpu: str,
+    lengths: tuple[int, int],
+    seed: int,
+    startup_s: float,
+    factor_scale: dict[str, float] | None = None,
+) -> TrialResult:
+    """One grid point's trial at the twin's pace (see the module); ``factor_scale``: TwinConfig's."""
     cap = capacity_check(spec)
     if cap is not None and not cap.fits:
         result = new_result(spec, "INFEASIBLE", cap.reason)
         result.duration_s = 0.0
         return result
-    twin = Twin(TwinConfig(gpu=gpu, model=spec.model, engine_args=spec.engine_args, seed=seed))
+    twin = Twin(TwinConfig(gpu=gpu, model=spec.model, engine_args=spec.engine_args, seed=seed,
+                           factor_scale=factor_scale or {}))  # fmt: skip
     rng = np.random.default_rng(seed)
     search = CapacitySearch(spec.levels, spec.slo, tolerance=spec.capacity_tolerance, budget=spec.capacity_levels,
                             stop_on_slo_break=spec.stop_on_slo_break, min_gain=spec.min_throughput_gain,
@@ -106,7 +114,7 @@ def twin_trial(spec: TrialSpec, gpu: str, lengths: tuple[int, int], seed: int, s
     return result
 
 
-def build(space_path: Path, seed: int) -> tuple[Surface, float]:
+def build(space_path: Path, seed: int, factor_scale: dict[str, float] | None = None) -> tuple[Surface, float]:
     space = load_space(space_path)
     if space.device != "gpu" or space.hardware.gpu is None:
         raise UserError(f"{space_path}: device: a GPU twin needs device: gpu and hardware.gpu")
@@ -120,10 +128,11 @@ def build(space_path: Path, seed: int) -> tuple[Surface, float]:
         spec = context.spec_for(params)
         startup = startup_budget_for(space, params, spec.model).expected_s or 0.0
         results.append(twin_trial(spec, space.gpu_for(params) or space.hardware.gpu, lengths, seed * 10_000 + index,
-                                  startup))  # fmt: skip
+                                  startup, factor_scale))  # fmt: skip
     made_by = {
         "command": " ".join(["bench/twin_grid.py", *sys.argv[1:]]), "study": space.name, "space_file": str(space_path),
         "trials": len(results), "meet_slo": sum(score(r) > 0 for r in results), "twin_seed": seed,
+        **({"factor_scale": factor_scale} if factor_scale else {}),
         "trial_seconds": round(sum(r.duration_s or 0 for r in results)),
         "note": "simulated at the GPU twin's pace (bench/twin_grid.py), not measured",
     }  # fmt: skip

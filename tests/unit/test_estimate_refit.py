@@ -12,7 +12,7 @@ import pytest
 from servetune.estimate import Efficiency, decode_s, load_factors
 from servetune.estimate import calibrate as cal
 from servetune.estimate import calibrate_cpu as cc
-from servetune.estimate.refit import refit, relative_errors
+from servetune.estimate.refit import point_residuals, predictable, refit, relative_errors
 
 SURFACES = Path(__file__).resolve().parents[2] / "bench" / "data"
 FITTED = ("decode_bandwidth", "prefill_flops", "step_overhead_ms", "sequence_overhead_ms")
@@ -72,3 +72,39 @@ def test_a_weak_prior_recovers_factors_that_generated_the_measurements():
     rep = points[0].replica
     assert decode_s(rep, got, 1, 150) == pytest.approx(decode_s(rep, truth, 1, 150), rel=0.05)
     assert got.step_overhead_ms > prior.step_overhead_ms
+
+
+def _open_loop_near_capacity(point: cal.CalibrationPoint, eff: Efficiency, share: float) -> cal.CalibrationPoint:
+    """``point`` as an open loop at ``share`` of the request rate ``eff`` serves it at, measured as it was."""
+    predicted, _ = cal.predict(point, eff)
+    rate = share * predicted["output_throughput"] / point.output_tokens
+    return dataclasses.replace(point, regime="open", load=rate)
+
+
+def test_an_open_loop_the_factors_saturate_keeps_its_residuals_so_the_refit_can_cross_saturation():
+    """A twin's Poisson level (bench/estimate_refit.py, gpu-twin-grid) measured below saturation, that slower
+    factors saturate: its TTFT, unbounded there, still counts (as UNBOUNDED_MISS), so the refit's residuals keep
+    their length as it moves the factors across saturation (least_squares refuses a vector that changes length)."""
+    prior = load_factors().for_class("CPU")
+    slow = prior.model_copy(update={"decode_bandwidth": prior.decode_bandwidth / 3})
+    points = [_open_loop_near_capacity(p, prior, 0.9) for p in _points(_trials("cpu-tiny-grid-r4.json")[:3])]
+    assert all("ttft_ms" not in cal.predict(p, slow)[0] for p in points)  # slow factors saturate every level
+    measured = sum(len(p.measured) for p in points)
+    metrics = predictable(points, prior)
+    assert sum(map(len, metrics)) == measured and sum(map(len, predictable(points, slow))) < measured
+    assert len(point_residuals(points, prior, metrics)) == len(point_residuals(points, slow, metrics)) == measured
+    # measured as a GPU unlike the prior: a third of its bandwidth, whose open loops would saturate the prior
+    truth = [dataclasses.replace(p, measured={**p.measured, "tpot_ms": p.measured["tpot_ms"] * 2}) for p in points]
+    eff = refit(truth, prior, prior_points=0.01)
+    assert all(math.isfinite(getattr(eff, n)) for n in FITTED)
+
+
+def test_a_level_the_prior_saturates_leaves_its_ttft_out_of_the_refit():
+    """An open loop past the prior's capacity measures a finite TTFT (its level ends), which no factors near the
+    prior can match: it must not pull the refit, whatever TTFT it measured."""
+    prior = load_factors().for_class("CPU")
+    points = [_open_loop_near_capacity(p, prior, 1.5) for p in _points(_trials("cpu-tiny-grid-r4.json")[:3])]
+    assert all("ttft_ms" not in cal.predict(p, prior)[0] for p in points)
+    short, long = ([dataclasses.replace(p, measured={**p.measured, "ttft_ms": t}) for p in points] for t in (1e2, 1e5))
+    without = [dataclasses.replace(p, measured={m: v for m, v in p.measured.items() if m != "ttft_ms"}) for p in points]
+    assert refit(short, prior) == refit(long, prior) == refit(without, prior)

@@ -127,3 +127,34 @@ def test_the_fake_serves_at_the_twins_pace() -> None:
     # The fake sleeps to the twin's schedule: neither token can come before it.
     assert first is not None and first >= expected.ttft_s
     assert total >= expected.ttft_s + (n_out - 1) * expected.itl_s
+
+
+def test_factor_scale_paces_the_twin_by_the_shipped_factors_scaled_per_term() -> None:
+    """A GPU unlike the fit: half the shipped decode bandwidth and twice the step overhead slow every decode step
+    by the roofline's own terms, and leave the factors it does not name as shipped."""
+    args = {"max_num_seqs": 16, "max_model_len": 8192}
+    scale = {"decode_bandwidth": 0.5, "step_overhead_ms": 2.0}
+    shipped, slow = twin(), Twin(TwinConfig(gpu="H100-SXM", model=LLAMA_8B, engine_args=args, spread=0.0,
+                                            factor_scale=scale))  # fmt: skip
+    assert slow.efficiency.decode_bandwidth == pytest.approx(shipped.efficiency.decode_bandwidth * 0.5)
+    assert slow.efficiency.step_overhead_ms == pytest.approx(shipped.efficiency.step_overhead_ms * 2)
+    assert slow.efficiency.prefill_flops == shipped.efficiency.prefill_flops
+    for n in (1, 8, 16):  # a decode step of 8B weights is bandwidth-bound: close to twice as long (its overheads)
+        ratio = slow.pace(n, 600, 200).itl_s / shipped.pace(n, 600, 200).itl_s
+        assert 1.6 < ratio < 2.1
+    assert twin_from_env(json.dumps({"gpu": "H100-SXM", "factor_scale": scale}), ["--model", LLAMA_8B]).efficiency \
+        == slow.efficiency  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("scale", "says"),
+    [
+        ({"decode_bw": 0.5}, "factor_scale: Value error, decode_bw: not an efficiency factor"),
+        ({"prefill_flops": -1}, "factor_scale: Value error, prefill_flops: its multiplier -1.0 is not a positive"),
+        ({"decode_bandwidth": 2}, "factor_scale: decode_bandwidth: 0.6861 x 2.0 = 1.372: Input should be less"),
+    ],
+)
+def test_a_bad_factor_scale_is_one_line(scale, says) -> None:
+    with pytest.raises(UserError, match="^SERVETUNE_FAKE_TWIN: " + says) as err:
+        twin_from_env(json.dumps({"gpu": "H100-SXM", "factor_scale": scale}), ["--model", LLAMA_8B])
+    assert "\n" not in str(err.value)

@@ -7,12 +7,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from servetune.capacity import ModelArch, arch_from_hf_config, load_model_arch, resolve_hardware
+from servetune.capacity import ModelArch, arch_from_hf_config, find_gpu, load_model_arch, resolve_hardware
 from servetune.config.workload import mean_lengths
 from servetune.errors import UserError
 from servetune.estimate import Estimate, Load, estimate, load_factors
 from servetune.estimate.calibrate_cpu import RECORDED_HOST
 from servetune.estimate.encoder import workload_images
+from servetune.estimate.factors import Efficiency
+from servetune.estimate.kernels import KernelFactors, gpu_kernel_factors
 from servetune.estimate.refit import Refit
 from servetune.estimate.slo import broken_bounds, judged_bounds
 from servetune.estimate.specs import gpu_class
@@ -80,6 +82,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="DIR",
         help="a study directory (servetune-results/<study>) whose measured trials calibrate the estimate first",
     )
+    p.add_argument(
+        "--kernels",
+        type=Path,
+        metavar="CSV",
+        help="one GPU's kernel timings (the CSV of calibration/gpu_kernels.py): the rows on its GPU class take their "
+        "decode bandwidth and prefill FLOP/s fractions from it",
+    )
+    p.add_argument(
+        "--kernels-gpu",
+        metavar="GPU",
+        help="the catalogue GPU the --kernels CSV was measured on (default: the space's GPU type, where it has one)",
+    )
     p.set_defaults(run=run)
 
 
@@ -101,6 +115,10 @@ def run(args: argparse.Namespace) -> int:
     prices = {key: space.pricing.resolve(None if cpu else key) for key in hardware_of}  # as a trial is costed
     configs, _ = space.grid()
     factors = load_factors()
+    kernels = _kernels(args, [h.name for h in hardware_of.values()], cpu)
+    if kernels is not None:  # its class's bandwidth and FLOP/s fractions measured; the overheads stay the shipped
+        shipped = factors.for_class(kernels.gpu_class)
+        factors = factors.with_class(kernels.gpu_class, kernels.efficiency(shipped))
     cal = _calibration(args.study, args.space, cpu)
     refit = read_refit(args.study) if cal is not None and args.study is not None else None
     refit_factors = None if refit is None else factors.with_class(refit.gpu_class, refit.efficiency)
@@ -158,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
             "energy": _energy_line(cpu, cal),
             **({"calibration": _calibration_json(args.study, cal)} if cal is not None else {}),
             **({"refit": _refit_json(args.study, refit)} if refit is not None else {}),
+            **({"kernels": _kernels_json(kernels, shipped)} if kernels is not None else {}),
             "slo_judged": [str(b) for b in judged],
             "rows": rows,
         }
@@ -183,6 +202,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"refit: {refit.gpu_class} GPUs' rows use the factors the study refitted on its trials "
               f"({args.study / REFIT_FILE}: {refit.points} measured values of {len(refit.trials)} trials), "
               "TTFT and TPOT included, and are not scaled by the ratio")  # fmt: skip
+    if kernels is not None:
+        print(_kernels_line(kernels, shipped))
     print(f"energy: {_energy_line(cpu, cal)}")
     if judged:
         print(
@@ -210,6 +231,49 @@ def _calibration(study: Path | None, space: Path, cpu: bool) -> Calibration | No
         why = section.why if section.choice is None else f"{section.choice}'s best point could not be estimated"
         raise UserError(f"--study {study}: nothing to calibrate the estimate on: {why}")
     return section.calibration
+
+
+def _kernels(args: argparse.Namespace, gpus: list[str], cpu: bool) -> KernelFactors | None:
+    """The fractions ``--kernels``' timings reached on ``--kernels-gpu`` (default: the space's one GPU type)."""
+    if args.kernels is None:
+        if args.kernels_gpu is not None:
+            raise UserError(f"--kernels-gpu {args.kernels_gpu}: give the --kernels CSV measured on it")
+        return None
+    if cpu:
+        raise UserError(f"--kernels {args.kernels}: kernel timings are a GPU's; {args.space} is on the CPU build")
+    name = args.kernels_gpu
+    if name is None and len(gpus) != 1:
+        raise UserError(
+            f"--kernels {args.kernels}: {args.space} compares {', '.join(gpus)}: name the GPU the kernels ran on "
+            "with --kernels-gpu"
+        )
+    try:
+        gpu = find_gpu(name).name if name is not None else gpus[0]
+    except UserError:
+        raise UserError(f"--kernels-gpu {name}: not a catalogue GPU (capacity/catalog/gpus.yaml)") from None
+    kernels = gpu_kernel_factors(args.kernels, gpu)
+    if kernels.gpu_class not in {gpu_class(g) for g in gpus}:
+        raise UserError(
+            f"--kernels-gpu {name}: no GPU type of {args.space} ({', '.join(gpus)}) is an {kernels.gpu_class}"
+        )
+    return kernels
+
+
+def _kernels_line(kernels: KernelFactors, shipped: Efficiency) -> str:
+    copy = "" if kernels.hbm_copy is None else f"; a copy reached {kernels.hbm_copy:.0%} of its HBM bandwidth"
+    return (
+        f"kernels: {kernels.gpu_class} GPUs' rows use the fractions {kernels.file}'s kernels reached on {kernels.gpu}: "
+        f"decode {kernels.decode_bandwidth:.0%} of its HBM bandwidth ({kernels.decode_rows} memory-bound rows), "
+        f"prefill {kernels.prefill_flops:.0%} of its bf16 peak ({kernels.prefill_rows} compute-bound rows){copy}; "
+        f"the shipped factors had {shipped.decode_bandwidth:.0%} and {shipped.prefill_flops:.0%}. Kernels leave out "
+        "a serving step's overheads (the shipped ones stay): expect the rows to be optimistic, and the expected "
+        "error above is the shipped fit's"
+    )
+
+
+def _kernels_json(kernels: KernelFactors, shipped: Efficiency) -> dict[str, Any]:
+    return {**kernels.model_dump(mode="json"), "shipped": {"decode_bandwidth": shipped.decode_bandwidth,
+                                                           "prefill_flops": shipped.prefill_flops}}  # fmt: skip
 
 
 def _refit_json(study: Path, refit: Refit) -> dict[str, Any]:

@@ -21,6 +21,9 @@ from servetune.estimate.calibrate_cpu import CPU_BOUNDS
 from servetune.estimate.factors import Efficiency
 
 DEFAULT_PRIOR_POINTS = 5.0
+#: How far off a prediction without a value (the TTFT of an open loop the refit's factors saturate and the prior's
+#: did not) counts in the refit.
+UNBOUNDED_MISS = 10.0
 # Below these a factor's relative distance from the prior is measured against the floor instead,
 # so a prior of 0 (an overhead fitted away) can still move.
 _SCALE_FLOOR = {
@@ -72,19 +75,37 @@ def refit(
     def efficiency(x: np.ndarray) -> Efficiency:
         return prior.model_copy(update={name: float(v) for name, v in zip(fitted, x, strict=True)})
 
+    # the levels the prior saturates keep their TTFT out of the fit: the model has no finite value to match there
+    metrics = predictable(points, prior)
+
     def residuals(x: np.ndarray) -> np.ndarray:
-        eff = efficiency(x)
-        out: list[float] = []
-        for point in points:
-            predicted, _ = predict(point, eff)
-            out.extend(math.log(predicted[m] / v) for m, v in point.measured.items() if m in predicted)
-        return np.concatenate([np.asarray(out), weight * (x - x_prior) / scale])
+        return np.concatenate([point_residuals(points, efficiency(x), metrics), weight * (x - x_prior) / scale])
 
     from scipy.optimize import least_squares  # here, not at import: scipy.optimize costs about a second of a core
 
     start = np.clip(x_prior, lo, hi)
     result = least_squares(residuals, start, bounds=(lo, hi), loss="linear", x_scale=scale, diff_step=1e-3)
     return prior.model_copy(update={name: round(float(v), 6) for name, v in zip(fitted, result.x, strict=True)})
+
+
+def predictable(points: Sequence[CalibrationPoint], eff: Efficiency) -> list[tuple[str, ...]]:
+    """The metrics each point measured that ``eff`` predicts: all but the TTFT of an open loop it saturates (its
+    queue grows without bound, while a level of finite length measures a finite TTFT)."""
+    return [tuple(m for m in point.measured if m in predict(point, eff)[0]) for point in points]
+
+
+def point_residuals(
+    points: Sequence[CalibrationPoint], eff: Efficiency, metrics: Sequence[Sequence[str]]
+) -> np.ndarray:
+    """log(predicted / measured) of each point's ``metrics`` (:func:`predictable` by the prior), one each whatever
+    ``eff`` is: a TTFT ``eff`` leaves unbounded (an open loop it saturates, which the prior did not) counts as
+    :data:`UNBOUNDED_MISS` x the measured one, so the vector keeps its length as the fit moves across saturation."""
+    out: list[float] = []
+    for point, names in zip(points, metrics, strict=True):
+        predicted, _ = predict(point, eff)
+        out.extend(math.log(predicted[m] / point.measured[m]) if m in predicted else math.log(UNBOUNDED_MISS)
+                   for m in names)  # fmt: skip
+    return np.asarray(out)
 
 
 def relative_errors(point: CalibrationPoint, eff: Efficiency) -> dict[str, float]:

@@ -12,7 +12,9 @@ ledger plans), so a bench's answers depend on the configuration as a GPU's do:
   completion rate (Little's law);
 - ITL: the decode step's time at the batch running now (re-read for every token);
 - noise: one multiplicative factor per engine run, lognormal with :data:`RUN_SPREAD_SIGMA`,
-  clipped at three sigma, seeded.
+  clipped at three sigma, seeded;
+- factors: the shipped efficiency factors of the GPU's class, or, with ``factor_scale``, those scaled
+  per term: a GPU the fit does not describe, so a bench can show the online refit correcting it.
 
 Switched on by ``SERVETUNE_FAKE_TWIN`` (JSON of :class:`TwinConfig`); the model and engine
 arguments the fake is launched with (``--model DIR --max-num-seqs 32 ...``) fill what it leaves out.
@@ -28,11 +30,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from servetune.capacity import load_model_arch, plan_capacity, resolve_hardware
 from servetune.errors import UserError
-from servetune.estimate import load_factors, replica_from_plan
+from servetune.estimate import Efficiency, load_factors, replica_from_plan
 from servetune.estimate.queueing import capacity, steady
 from servetune.estimate.specs import gpu_class
 
@@ -56,6 +58,37 @@ class TwinConfig(BaseModel):
     )
     spread: float = Field(RUN_SPREAD_SIGMA, ge=0, description="sigma of the run's lognormal pace factor")
     seed: int | None = Field(0, description="seeds the run's factor (None: a fresh draw)")
+    factor_scale: dict[str, float] = Field(
+        default_factory=dict,
+        description="multipliers of the shipped efficiency factors of the GPU's class, per term (e.g. "
+        "{decode_bandwidth: 0.7, step_overhead_ms: 2}): a GPU unlike the fit, which a study's refit has something "
+        "to correct on; empty: the shipped factors",
+    )
+
+    @field_validator("factor_scale")
+    @classmethod
+    def _known_terms(cls, scale: dict[str, float]) -> dict[str, float]:
+        for term, value in scale.items():
+            if term not in Efficiency.model_fields:
+                raise ValueError(f"{term}: not an efficiency factor ({', '.join(Efficiency.model_fields)})")
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{term}: its multiplier {value} is not a positive number")
+        return scale
+
+    def efficiency(self, shipped: Efficiency) -> Efficiency:
+        """``shipped`` with each term of :attr:`factor_scale` multiplied; one past its bounds is a UserError."""
+        if not self.factor_scale:
+            return shipped
+        scaled = {term: getattr(shipped, term) * value for term, value in self.factor_scale.items()}
+        try:
+            return Efficiency(**{**shipped.model_dump(), **scaled})
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            term = ".".join(str(p) for p in err["loc"])
+            raise UserError(
+                f"SERVETUNE_FAKE_TWIN: factor_scale: {term}: {getattr(shipped, term)} x {self.factor_scale[term]} "
+                f"= {scaled[term]:.4g}: {err['msg']}"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -114,7 +147,7 @@ class Twin:
         if not plan.fits:
             raise UserError(f"SERVETUNE_FAKE_TWIN: {self.arch.name} does not fit on {config.gpu}: {plan.reason}")
         self.replica = replica_from_plan(self.arch, plan, self.engine_args)
-        self.efficiency = load_factors().for_class(gpu_class(self.replica.rates.gpu))
+        self.efficiency = config.efficiency(load_factors().for_class(gpu_class(self.replica.rates.gpu)))
         self.dp = int(self.engine_args.get("data_parallel_size") or 1)
         self.factor = noise_factor(config.spread, config.seed)
 
