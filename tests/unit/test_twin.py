@@ -5,12 +5,14 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 import time
 
 import httpx
 import pytest
 
 from servetune.errors import UserError
+from servetune.estimate import load_factors
 from servetune.testing.fake_openai import FakeOpenAI, main
 from servetune.testing.twin import (
     NOISE_CLIP_SIGMAS,
@@ -151,10 +153,15 @@ def test_factor_scale_paces_the_twin_by_the_shipped_factors_scaled_per_term() ->
     [
         ({"decode_bw": 0.5}, "factor_scale: Value error, decode_bw: not an efficiency factor"),
         ({"prefill_flops": -1}, "factor_scale: Value error, prefill_flops: its multiplier -1.0 is not a positive"),
-        ({"decode_bandwidth": 2}, "factor_scale: decode_bandwidth: 0.6861 x 2.0 = 1.372: Input should be less"),
+        (
+            {"decode_bandwidth": 2},
+            "factor_scale: decode_bandwidth: {shipped} x 2.0 = {twice:.4g}: Input should be less",
+        ),
     ],
 )
 def test_a_bad_factor_scale_is_one_line(scale, says) -> None:
+    shipped = load_factors().for_class("H100").decode_bandwidth  # the shipped H100 factor the scale would double
+    says = re.escape(says.format(shipped=shipped, twice=2 * shipped))
     with pytest.raises(UserError, match="^SERVETUNE_FAKE_TWIN: " + says) as err:
         twin_from_env(json.dumps({"gpu": "H100-SXM", "factor_scale": scale}), ["--model", LLAMA_8B])
     assert "\n" not in str(err.value)
