@@ -256,8 +256,8 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         return verification.stop_status(doc["stopped"])
     tracking_uri = study_tracking_uri(args.study_dir, args.tracking_uri)
-    console.print(log_stability(tracking_uri, selection.info.name, winner.trial_id, doc["stability"], doc["accepted"], out),
-                  soft_wrap=True, highlight=False)  # fmt: skip
+    console.print(log_stability(tracking_uri, selection.info.name, winner.trial_id, doc["stability"], doc["accepted"], out,
+                                doc.get("limited_by")), soft_wrap=True, highlight=False)  # fmt: skip
     verdict = "[green]ACCEPTED[/]" if doc["accepted"] else "[red]REJECTED[/]"
     console.print(f"{verdict}: " + "; ".join(doc["reasons"]), soft_wrap=True, highlight=False)
     if stopped := recorded.stopped_by(doc):  # during the runner-up's repeats: the verdict above stands
