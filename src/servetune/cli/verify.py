@@ -69,7 +69,8 @@ Writes verify.json in the study directory (or --json OUT): every scenario's numb
 reason, a "stability" object (cancellation_success_rate, p99_jitter, oom, error_rate_5xx),
 "limited_by" (what limited the configuration here, from the soak's and the peak's own vLLM
 metrics, by the study's diagnosis rules; soak, peak, burst and mix each have one too) beside
-"limited_by_in_study", and "accepted". Logs the stability numbers on the trial's MLflow run when the study was logged.
+"limited_by_in_study", and "accepted". Logs the stability numbers (and verify.limited_by) on the
+trial's MLflow run when the study was logged.
 Exit status: 0 accepted, 1 rejected, 2 bad input (nothing started).
 """
 
