@@ -62,8 +62,14 @@ def test_trends_read_from_the_soak_to_the_peak():
         "prefill queueing: TTFT mean grew 4.2x from concurrency 2 to concurrency 32"
     )
     assert scenario_line(trial, "peak", levels) == run_line(trial, levels)
-    alone = {"peak": levels["peak"]}  # no soak beneath it: a broken SLO with nothing to compare
-    assert scenario_line(trial, "peak", alone).startswith("SLO broken at the lowest load measured (concurrency 32)")
+    alone = {"peak": levels["peak"]}  # no soak beneath it: a broken SLO with nothing to compare, said with its bound
+    assert scenario_line(trial, "peak", alone) == (
+        "SLO broken at concurrency 32 (ttft_ms_p95 = 160 > 150), no rule matched what was recorded there"
+    )
+    assert run_line(trial, alone) == scenario_line(trial, "peak", alone)  # nor for the run: verify runs no lower load
+    assert limited_by(trial.model_copy(update={"levels": [levels["peak"]]})).startswith(
+        "SLO broken at the lowest load measured (concurrency 32)"  # a study's ladder could add one
+    )
 
 
 def test_the_run_is_judged_where_the_soak_already_broke_the_slo():

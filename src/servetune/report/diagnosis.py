@@ -390,9 +390,11 @@ def limited_by(trial: TrialResult) -> str:
     return limited_at(trial, limit)
 
 
-def limited_at(trial: TrialResult, limit: int) -> str:
+def limited_at(trial: TrialResult, limit: int, ladder: bool = True) -> str:
     """:func:`limited_by`'s line for ``trial`` judged at its level ``limit`` (verify judges a scenario's level so,
-    verify/diagnosis.py): the first finding, why no rule could read the level, or that nothing was found."""
+    verify/diagnosis.py): the first finding, why no rule could read the level, or that nothing was found.
+    ``ladder`` False: the levels are not a ladder a lower load could be added to (verify's scenarios), so a broken
+    SLO no rule matched is said with the bounds it broke, not as a call for a lower load."""
     findings = [finding for rule in RULES if (finding := rule(trial, limit)) is not None]
     if findings:
         return findings[0].line
@@ -400,6 +402,8 @@ def limited_at(trial: TrialResult, limit: int) -> str:
     label = level_label(level.summary.level)
     if (why := unread(level)) is not None:
         return f"not diagnosed: {why}"
+    if level.slo_violations and not ladder:
+        return f"SLO broken at {label} ({'; '.join(level.slo_violations)}), no rule matched what was recorded there"
     if level.slo_violations and _lowest(trial, limit) is None:
         return f"SLO broken at the lowest load measured ({label}), no rule matched: a lower load would show the trend"
     return f"no limit found in what was recorded at {label}"

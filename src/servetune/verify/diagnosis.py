@@ -11,6 +11,9 @@ replicas) with verify's levels in place of its ladder. No second set of rules.
 - **Each scenario's line** (``scenarios.NAME.limited_by``, for :data:`DIAGNOSED`): the soak, the burst and the mix
   on their own level (no lower load: the trend rules find nothing there), the peak with the soak beneath it.
 
+verify runs no lower load, so where a level broke the SLO and no rule matched, the line names the bounds it broke
+rather than ask for one (``ladder=False``).
+
 Not diagnosed, as not one steady load: long_output (a few requests to the output limit), disconnects (dropped
 streams), headroom (reads the peak's level), repeats (the operating level again, as the soak), overload (its 503s
 are the admission bound working) and the opt-in fault scenarios (replica_lost, rolling_update, canary).
@@ -47,7 +50,7 @@ def scenario_line(trial: TrialResult, name: str, levels: Mapping[str, LevelResul
         return "not diagnosed: no request completed"
     soak = _measured(levels, "soak")
     below = [soak] if name == "peak" and soak is not None else []
-    return limited_at(_as_trial(trial, [*below, level]), len(below))
+    return limited_at(_as_trial(trial, [*below, level]), len(below), ladder=False)
 
 
 def run_line(trial: TrialResult, levels: Mapping[str, LevelResult]) -> str:
@@ -59,7 +62,7 @@ def run_line(trial: TrialResult, levels: Mapping[str, LevelResult]) -> str:
         ran = [name for name in STEADY if name in levels]
         why = "no request completed in " + " or ".join(ran) if ran else "neither the soak nor the peak ran"
         return f"not diagnosed: {why}"
-    return limited_at(as_trial, limit)
+    return limited_at(as_trial, limit, ladder=False)
 
 
 def diagnosis(trial: TrialResult, levels: Mapping[str, LevelResult]) -> tuple[str, dict[str, str]]:
