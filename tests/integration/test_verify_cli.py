@@ -124,6 +124,10 @@ def test_an_engine_that_dies_fails_the_configuration_with_its_log_tail(study, tm
     assert not soak["passed"] and "the engine died during soak" in soak["reason"] and "fake engine" in soak["log_tail"]
     assert soak["duration_s"] < 20, soak["duration_s"]  # the soak stopped once the engine was gone, not at its 30 s
     assert all(doc["scenarios"][name]["reason"].startswith("not run") for name in ("peak", "disconnects", "repeats"))
+    # what limited it here, from the soak it measured (the peak did not run), printed and kept beside the study's
+    assert f"in this verification, what limited it (soak and peak): {doc['limited_by']}" in done.stderr
+    assert doc["scenarios"]["peak"]["limited_by"].startswith("not diagnosed: the scenario measured no level")
+    assert doc["limited_by"] == doc["scenarios"]["soak"]["limited_by"] and doc["limited_by_in_study"]
     assert set(doc["stability"]) >= {"cancellation_success_rate", "p99_jitter", "oom", "error_rate_5xx"}
     assert doc["stability"]["cancellation_success_rate"] is None  # never measured, never made up
     assert processes_mentioning(study) == [] and processes_mentioning(fake) == []

@@ -1,6 +1,7 @@
 """verify's whole path on the fake engine, with a small budget: every scenario runs, disconnects
-are seen released in the fake's gauges, the runner-up's engine is started after the winner's and
-the lead is judged, and no process is left behind."""
+are seen released in the fake's gauges, the steady scenarios and the run say what limited them,
+the runner-up's engine is started after the winner's and the lead is judged, and no process is
+left behind."""
 
 import json
 import shutil
@@ -8,8 +9,10 @@ from pathlib import Path
 
 from servetune.load.requests import PromptFactory
 from servetune.load.tokenizer import load_tokenizer
+from servetune.report.diagnosis import limited_by
 from servetune.testing.fake_openai import write_fake_python
 from servetune.verify.choose import select
+from servetune.verify.diagnosis import DIAGNOSED
 from servetune.verify.document import write_document
 from servetune.verify.overload import OVERLOAD
 from servetune.verify.run import verify
@@ -66,6 +69,14 @@ def test_every_scenario_and_the_runner_up_on_the_fake_engine(tmp_path):
         runner["lead"]["verdict"] in ("real", "within noise", "runner-up ahead")
         and "bootstrap" in runner["lead"]["reason"]
     )
+    # what limited it here: the study's rules on verify's own levels (the API server's CPU read, as a trial reads it)
+    assert doc["limited_by_in_study"] == limited_by(selection.winner.result)
+    assert not doc["limited_by"].startswith("not diagnosed"), doc["limited_by"]
+    for name in DIAGNOSED:
+        said = doc["scenarios"][name]["limited_by"]
+        assert said and not said.startswith("not diagnosed"), (name, said)
+        assert 0 < doc["scenarios"][name]["frontend_cpu_share"] < 4, name
+    assert doc["scenarios"]["peak"]["limited_by"] == doc["limited_by"] or doc["scenarios"]["soak"]["slo_violations"]
     assert (study / "verify" / selection.runner_up.trial_id / "engine.log").is_file()
     assert sum("starting vLLM" in s for s in steps.steps) == 2
     assert processes_mentioning(fake) == []

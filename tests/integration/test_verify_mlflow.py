@@ -24,7 +24,10 @@ def test_stability_on_the_trial_run(tmp_path):
     verify_file = tmp_path / "verify.json"
     verify_file.write_text(json.dumps({"trial_id": WINNER}))
     stability = {"cancellation_success_rate": 0.75, "p99_jitter": 1.4, "oom": False, "error_rate_5xx": 0.0}
-    line = log_stability(uri, "cpu-tiny", WINNER, stability, accepted=False, verify_file=verify_file)
+    limited = "KV-bound at concurrency 10: 6 preemptions, KV cache peak 97% → more KV cache"  # verify.json's line
+    line = log_stability(
+        uri, "cpu-tiny", WINNER, stability, accepted=False, verify_file=verify_file, limited_by=limited
+    )
     assert "stability logged" in line, line
     client = MlflowClient(uri)
     experiment = client.get_experiment_by_name("cpu-tiny")
@@ -36,7 +39,8 @@ def test_stability_on_the_trial_run(tmp_path):
         and metrics["stability.error_rate_5xx"] == 0.0
         and metrics["verify.accepted"] == 0.0
     )
-    assert run.data.tags["verify.accepted"] == "no"
+    assert run.data.tags["verify.accepted"] == "no" and run.data.tags["verify.limited_by"] == limited
+    assert run.data.tags["servetune.limited_by"] != limited  # the study's line stays beside it
     assert [a.path for a in client.list_artifacts(run.info.run_id, "verify")] == ["verify/verify.json"]
     others = client.search_runs([experiment.experiment_id], f"tags.`{TRIAL_TAG}` != '{WINNER}'")
     assert others and all("stability.p99_jitter" not in r.data.metrics for r in others)  # only the verified trial's

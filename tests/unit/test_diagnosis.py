@@ -177,6 +177,26 @@ def test_a_full_batch_counts_every_data_parallel_engine():
     assert "batch_full" not in rules_of(trial)
 
 
+def test_a_full_batch_counts_every_replica_of_a_deployment_through_serve():
+    """Through Serve the gauges are the replicas' added up (engine/metrics.py): 8 running on 2 replicas of
+    max_num_seqs 8 left half the slots free."""
+    trial = with_engine_args(healthy(), max_num_seqs=8).model_copy(update={"serve": {"replicas": 2}})
+    assert "batch_full" not in rules_of(trial)
+    assert rules_of(with_server(trial, 1, requests_running_max=16.0)) == ["batch_full"]
+
+
+def test_a_level_where_nothing_was_read_of_the_engine_is_not_diagnosed_rather_than_found_healthy():
+    trial = healthy()
+    levels = [lv.model_copy(update={"server_metrics": {"requests_finished": 50.0}}) for lv in trial.levels]
+    bare = trial.model_copy(update={"levels": levels})
+    assert limited_by(bare) == (
+        "not diagnosed: at concurrency 8 nothing was read of the engine: no vLLM gauges or counters (requests "
+        "running and waiting, KV cache usage, preemptions: /metrics), no front-end CPU, no GPU utilization"
+    )
+    shared = with_level(bare, 1, frontend_cpu_share=0.2)  # the front end's CPU alone is something read
+    assert limited_by(shared) == "no limit found in what was recorded at concurrency 8"
+
+
 def test_the_batch_rules_say_nothing_where_max_num_seqs_was_not_recorded():
     trial = with_server(healthy(), 1, requests_waiting_max=5.0)
     assert "max_num_seqs" not in trial.engine_args and not trial.resolved_engine_args

@@ -132,3 +132,22 @@ def test_a_stopped_verification_never_replaces_a_verdict(tmp_path):
         stop_status("exit 3"),
         stop_status("odd"),
     ) == (143, 130, 130, 3, 1)
+
+
+def test_what_limited_the_verification_shows_under_the_verdict_and_beside_each_scenario(tmp_path):
+    line = "KV-bound at concurrency 20: 6 preemptions, KV cache peak 97% → more KV cache"
+    study, verify = verified(tmp_path / "demo", limited_by=line)
+    verify["scenarios"]["peak"]["limited_by"] = line
+    verify["scenarios"]["soak"]["limited_by"] = "no limit found in what was recorded at concurrency 16"
+    (study / VERIFY_FILE).write_text(json.dumps(verify))
+    report = build_report(load_study(study))
+    text = section(render_markdown(report))
+    assert f"What limited it in the verification (soak and peak): {line}" in text
+    assert f"| peak | passed | requests_waiting_max 7 | within SLO at 1.25x; what limited it: {line} |" in text
+    assert "| soak | passed |" in text and "P99 drift 5%; what limited it: no limit found" in text
+    page = render_html(report)
+    assert "What limited it in the verification (soak and peak): KV-bound at concurrency 20" in page
+    assert verification(study, read_verify_file(study)).limited_by == line
+    del verify["limited_by"]  # a verify.json from before the field: nothing said
+    (study / VERIFY_FILE).write_text(json.dumps(verify))
+    assert "What limited it in the verification" not in render_markdown(build_report(load_study(study)))

@@ -66,8 +66,11 @@ start-up clock; verify.json keeps each download ("prefetch") apart from "startup
 leaves the download to the engine.
 
 Writes verify.json in the study directory (or --json OUT): every scenario's numbers, passed and
-reason, a "stability" object (cancellation_success_rate, p99_jitter, oom, error_rate_5xx), and
-"accepted". Logs the stability numbers on the trial's MLflow run when the study was logged.
+reason, a "stability" object (cancellation_success_rate, p99_jitter, oom, error_rate_5xx),
+"limited_by" (what limited the configuration here, from the soak's and the peak's own vLLM
+metrics, by the study's diagnosis rules; soak, peak, burst and mix each have one too) beside
+"limited_by_in_study", and "accepted". Logs the stability numbers (and verify.limited_by) on the
+trial's MLflow run when the study was logged.
 Exit status: 0 accepted, 1 rejected, 2 bad input (nothing started).
 """
 
@@ -152,6 +155,20 @@ def opening_lines(selection: Selection, runner_up: bool) -> list[str]:
             f"admission bounds: {admission}"]  # fmt: skip
 
 
+def summary_lines(doc: dict) -> list[str]:
+    """What limited the configuration in this verification (verify/diagnosis.py: its own soak and peak), and each
+    diagnosed scenario's line where it says something else; the study's line was said at the start."""
+    from servetune.verify.diagnosis import DIAGNOSED
+
+    line = doc.get("limited_by")
+    if line is None:
+        return []
+    scenarios = doc.get("scenarios") or {}
+    others = [f"  {name}: {said}" for name in DIAGNOSED
+              if (said := (scenarios.get(name) or {}).get("limited_by")) is not None and said != line]  # fmt: skip
+    return [f"in this verification, what limited it (soak and peak): {line}", *others]
+
+
 def run(args: argparse.Namespace) -> int:
     from servetune.cli.display import console as make_console
     from servetune.cli.prefetching import PointPrefetch
@@ -225,6 +242,8 @@ def run(args: argparse.Namespace) -> int:
         progress.stop()
     if prefetched.records:  # each engine's download, apart from its startup_s
         doc["prefetch"] = prefetched.dumped()
+    for line in summary_lines(doc):
+        console.print(line, soft_wrap=True, highlight=False)
     items = recorded.checklist(selection, doc)
     if items is not None:
         doc["checklist"] = items
@@ -238,8 +257,8 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         return verification.stop_status(doc["stopped"])
     tracking_uri = study_tracking_uri(args.study_dir, args.tracking_uri)
-    console.print(log_stability(tracking_uri, selection.info.name, winner.trial_id, doc["stability"], doc["accepted"], out),
-                  soft_wrap=True, highlight=False)  # fmt: skip
+    console.print(log_stability(tracking_uri, selection.info.name, winner.trial_id, doc["stability"], doc["accepted"], out,
+                                doc.get("limited_by")), soft_wrap=True, highlight=False)  # fmt: skip
     verdict = "[green]ACCEPTED[/]" if doc["accepted"] else "[red]REJECTED[/]"
     console.print(f"{verdict}: " + "; ".join(doc["reasons"]), soft_wrap=True, highlight=False)
     if stopped := recorded.stopped_by(doc):  # during the runner-up's repeats: the verdict above stands

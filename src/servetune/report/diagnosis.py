@@ -87,13 +87,19 @@ def _engine_arg(trial: TrialResult, name: str) -> object:
     return value if value is not None else trial.resolved_engine_args.get(name)
 
 
+def _count(value: object) -> int:
+    """A positive whole number recorded, else 1."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 1
+
+
 def _batch_limit(trial: TrialResult) -> int | None:
-    """Sequences the server runs at once, every engine together: max_num_seqs x data_parallel_size."""
+    """Sequences the server runs at once, every engine together: max_num_seqs x data_parallel_size, times the
+    replicas of a deployment through Ray Serve (whose gauges are its replicas' added up: engine/metrics.py)."""
     seqs = _engine_arg(trial, "max_num_seqs")
     if not isinstance(seqs, int) or isinstance(seqs, bool):
         return None
-    dp = _engine_arg(trial, "data_parallel_size")
-    return seqs * (dp if isinstance(dp, int) and not isinstance(dp, bool) and dp > 0 else 1)
+    replicas = (trial.serve or {}).get("replicas")
+    return seqs * _count(_engine_arg(trial, "data_parallel_size")) * _count(replicas)
 
 
 def _ratio(high: float | None, low: float | None) -> float | None:
@@ -381,10 +387,40 @@ def limited_by(trial: TrialResult) -> str:
     limit = limit_level(trial)
     if limit is None:
         return "not diagnosed: no level completed a request"
+    return limited_at(trial, limit)
+
+
+def limited_at(trial: TrialResult, limit: int, ladder: bool = True) -> str:
+    """:func:`limited_by`'s line for ``trial`` judged at its level ``limit`` (verify judges a scenario's level so,
+    verify/diagnosis.py): the first finding, why no rule could read the level, or that nothing was found.
+    ``ladder`` False: the levels are not a ladder a lower load could be added to (verify's scenarios), so a broken
+    SLO no rule matched is said with the bounds it broke, not as a call for a lower load."""
     findings = [finding for rule in RULES if (finding := rule(trial, limit)) is not None]
     if findings:
         return findings[0].line
-    label = level_label(trial.levels[limit].summary.level)
-    if trial.levels[limit].slo_violations and _lowest(trial, limit) is None:
+    level = trial.levels[limit]
+    label = level_label(level.summary.level)
+    if (why := unread(level)) is not None:
+        return f"not diagnosed: {why}"
+    if level.slo_violations and not ladder:
+        return f"SLO broken at {label} ({'; '.join(level.slo_violations)}), no rule matched what was recorded there"
+    if level.slo_violations and _lowest(trial, limit) is None:
         return f"SLO broken at the lowest load measured ({label}), no rule matched: a lower load would show the trend"
     return f"no limit found in what was recorded at {label}"
+
+
+#: What the rules read of the engine at a level, beside the client's latencies: vLLM's gauges and counters
+#: (``server_metrics``), the API server's CPU, the GPUs' utilization.
+ENGINE_READINGS = ("requests_running_max", "requests_waiting_max", "kv_cache_usage_max", "preemptions")
+
+
+def unread(level: LevelResult) -> str | None:
+    """Why the rules could not tell what held a level back, where none found anything in its latencies: none of what
+    they read of the engine was recorded there (None: some was)."""
+    if any(name in level.server_metrics for name in ENGINE_READINGS) or level.frontend_cpu_share is not None:
+        return None
+    if "gpu_util_mean" in level.telemetry:
+        return None
+    return (f"at {level_label(level.summary.level)} nothing was read of the engine: no vLLM gauges or counters "
+            "(requests running and waiting, KV cache usage, preemptions: /metrics), no front-end CPU, no GPU "
+            "utilization")  # fmt: skip

@@ -114,6 +114,8 @@ def _verified_html(v: Verification, heading: str, suffix: str) -> list[str]:
     parts = [
         f"<p class='verdict {e(v.verdict.replace(' ', '-'))}'><b>{e(v.verdict.capitalize())}</b>: {e(v.subject)}{reason}.</p>"
     ]
+    if v.limited_by:
+        parts.append(f"<p>What limited it in the verification (soak and peak): {e(v.limited_by)}</p>")
     parts += [
         f"<{heading}>Stability</{heading}>",
         rows_html(["number", "value"], v.stability, table_id="stability" + suffix),

@@ -169,6 +169,8 @@ def _verification(v: Verification | None) -> list[str]:
 def _verified(v: Verification, heading: str) -> list[str]:
     """One verification's verdict, stability, scenarios and checklist, under ``heading`` sub-headings."""
     lines = [f"**{v.verdict.capitalize()}**: {v.subject}" + (f". {v.reason.rstrip('.')}" if v.reason else "") + ".", ""]
+    if v.limited_by:
+        lines += [f"What limited it in the verification (soak and peak): {v.limited_by}", ""]
     lines += [f"{heading} Stability", "", *_table(["number", "value"], [list(row) for row in v.stability]), ""]
     if v.scenarios:
         lines += [f"{heading} Scenarios", ""]

@@ -12,7 +12,8 @@ verified point, and what the verdicts mean together (:func:`conclusion`).
 - ``trial_id`` and ``level`` (an index into the trial's levels, or a load such as
   ``{"concurrency": 8}``): what was verified;
 - ``stability``: ``cancellation_success_rate``, ``p99_jitter``, ``oom``, ``error_rate_5xx``;
-- ``scenarios``: name -> numbers plus ``passed`` (bool) and ``reason``;
+- ``limited_by``: what limited the configuration in the verification (verify/diagnosis.py);
+- ``scenarios``: name -> numbers plus ``passed`` (bool), ``reason`` and (the steady ones) ``limited_by``;
 - ``checklist``: a list of ``{id, text, status, evidence}`` (``verify/checklist.py``).
 
 The report does not evaluate the checklist itself: it shows what verify recorded.
@@ -99,6 +100,7 @@ class Verification:
     checklist: tuple[ChecklistRow, ...] = ()
     trial_id: str = ""
     rank: int | None = None  # the point's place in the study's verify order (0: the recommendation); None: verify.json
+    limited_by: str = ""  # what limited the configuration in the verification ('' where verify.json has no such line)
 
     @property
     def verdict(self) -> str:
@@ -220,6 +222,7 @@ def verification(study_dir: Path, file: VerifyFile | None) -> Verification:
         checklist=tuple(_checklist(data.get("checklist"))),
         trial_id=trial if isinstance(trial, str) else "",
         rank=rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
+        limited_by=limited if isinstance(limited := data.get("limited_by"), str) else "",
     )  # fmt: skip
 
 
@@ -254,10 +257,15 @@ def _scenarios(values: Any) -> list[ScenarioRow]:
         passed = numbers.get("passed")
         result = "passed" if passed is True else "failed" if passed is False else "no verdict"
         shown = [
-            f"{key} {_value(str(key), value)}" for key, value in numbers.items() if key not in ("passed", "reason")
+            f"{key} {_value(str(key), value)}"
+            for key, value in numbers.items()
+            if key not in ("passed", "reason", "limited_by")
         ]
         reason = numbers.get("reason")
-        rows.append(ScenarioRow(name, result, ", ".join(shown) or "-", reason if isinstance(reason, str) else ""))
+        reason = reason if isinstance(reason, str) else ""
+        if isinstance(limited := numbers.get("limited_by"), str):
+            reason += ("; " if reason else "") + f"what limited it: {limited}"
+        rows.append(ScenarioRow(name, result, ", ".join(shown) or "-", reason))
     return rows
 
 

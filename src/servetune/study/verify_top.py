@@ -293,10 +293,9 @@ def verify_top(study_dir: Path, context: StudyContext, say: Callable[[str], None
         recorded.write_document(doc, path)
         verdict = "ACCEPTED" if doc["accepted"] else "REJECTED"
         say(f"verify: trial {trial_id} {verdict}: " + "; ".join(doc["reasons"]) + f" ({path})")
-        say(
-            "verify: "
-            + log_stability(tracking_uri, selection.info.name, trial_id, doc["stability"], doc["accepted"], path)
-        )
+        logged = log_stability(tracking_uri, selection.info.name, trial_id, doc["stability"], doc["accepted"], path,
+                               doc.get("limited_by"))  # fmt: skip
+        say("verify: " + logged)
         out.append(Verified(trial_id, path, json.loads(path.read_text()), ran=True))
 
     def start(rank: int, selection: Selection, mine: dict[str, Any]) -> None:

@@ -13,11 +13,14 @@ from typing import Any
 from servetune import __version__
 from servetune.config.slo import Slo
 from servetune.metrics import RequestRecord
+from servetune.report.diagnosis import limited_by
 from servetune.report.points import is_out_of_memory
+from servetune.results import LevelResult
 from servetune.trial.runner import write_atomic
 from servetune.verify import scenarios as sc
 from servetune.verify.canary import CANARY
 from servetune.verify.choose import Chosen, Selection
+from servetune.verify.diagnosis import diagnosis
 from servetune.verify.overload import OVERLOAD
 from servetune.verify.replica_lost import REPLICA_LOST
 from servetune.verify.rolling_update import ROLLING_UPDATE
@@ -61,6 +64,8 @@ class EngineRun:
     # its replicas', serve/claims.py ``replica_cores``).
     cores: dict[str, str] = field(default_factory=dict)
     stopped: str | None = None  # the verification was stopped while this engine ran ("SIGTERM", "interrupted")
+    # The level each scenario measured (scenarios.py ``_measure``), as a trial records one: what diagnosis reads.
+    levels: dict[str, LevelResult] = field(default_factory=dict)
 
 
 def admission_record(chosen: Chosen) -> dict[str, Any]:
@@ -101,8 +106,10 @@ def stability(scenarios: dict[str, sc.ScenarioResult], records: list[RequestReco
 
 def document(selection: Selection, budget: sc.Budget, timeouts: Timeouts, run: EngineRun,
              scenarios: dict[str, sc.ScenarioResult], records: list[RequestRecord]) -> dict[str, Any]:  # fmt: skip
-    """verify.json: ``trial_id``, ``level``, ``scenarios`` (each with ``passed`` and ``reason``),
-    ``stability``, ``accepted`` and the ``reasons`` for the verdict."""
+    """verify.json: ``trial_id``, ``level``, ``scenarios`` (each with ``passed`` and ``reason``; the steady ones
+    with ``limited_by``), ``stability``, ``limited_by`` (what limited the configuration in this verification, from
+    its own soak and peak: verify/diagnosis.py) beside ``limited_by_in_study`` (the study's line for the trial,
+    report/diagnosis.py), ``accepted`` and the ``reasons`` for the verdict."""
     # The canary judges the candidate beside the verified point, not the point itself: checklist 15.23, no veto.
     failed = [f"{name}: {s.reason}" for name, s in scenarios.items() if not s.passed and name != CANARY]
     if run.failure:
@@ -111,6 +118,15 @@ def document(selection: Selection, budget: sc.Budget, timeouts: Timeouts, run: E
         done = [name for name, s in scenarios.items() if not s.reason.startswith("not run:")]
         failed.insert(0, f"stopped ({run.stopped}) after {len(done)} of {len(sc.SCENARIOS)} scenarios: not a verdict")
     winner = selection.winner
+    recorded = {
+        name: scenarios[name].as_dict()
+        for name in (*sc.SCENARIOS, OVERLOAD, CANARY, REPLICA_LOST, ROLLING_UPDATE)
+        if name in scenarios
+    }
+    line, lines = diagnosis(winner.result, run.levels)  # what limited it here (verify/diagnosis.py)
+    for name, said in lines.items():
+        if name in recorded:
+            recorded[name]["limited_by"] = said
     return {
         "servetune_version": __version__,
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -131,13 +147,9 @@ def document(selection: Selection, budget: sc.Budget, timeouts: Timeouts, run: E
             **({"serve": run.serve} if run.serve is not None else {}),
             **run.cores,
         },
-        "scenarios": checklist_fields(
-            {
-                name: scenarios[name].as_dict()
-                for name in (*sc.SCENARIOS, OVERLOAD, CANARY, REPLICA_LOST, ROLLING_UPDATE)
-                if name in scenarios
-            }
-        ),
+        "scenarios": checklist_fields(recorded),
+        "limited_by": line,
+        "limited_by_in_study": limited_by(winner.result),
         "stability": stability(scenarios, records, run),
         "accepted": not failed,
         "reasons": failed or ["every scenario passed"],

@@ -202,6 +202,7 @@ def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: Pro
                         metrics=getattr(server, "server_metrics", None),
                         reset_cache=server.reset_prefix_cache if isinstance(server, ServeEngine) else None,
                         admission_bound=any(spec.engine_args.get(k) is not None for k in ADMISSION_ARGS),
+                        levels=run.levels,
                     )  # fmt: skip
                     return await body(target)
 

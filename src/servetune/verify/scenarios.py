@@ -138,6 +138,7 @@ class Target:
     # runs the overload scenario (verify/overload.py) after the others.
     admission_bound: bool = False
     errors: dict[str, list[str]] = field(default_factory=dict)  # a few error messages per scenario
+    levels: dict[str, LevelResult] = field(default_factory=dict)  # the level each scenario measured (diagnosis)
 
 
 def error_bound(slo: Slo) -> float:
@@ -191,6 +192,10 @@ def _core(result: LevelResult) -> dict[str, Any]:
     for name in ("kv_cache_usage_max", "requests_running_max", "requests_waiting_max", "preemptions"):
         if name in result.server_metrics:
             out[name] = result.server_metrics[name]
+    if result.frontend_cpu_share is not None:
+        out["frontend_cpu_share"] = result.frontend_cpu_share
+    if result.client_bound is not None:
+        out["client_bound"] = result.client_bound
     if result.stopped_early:
         out["stopped_early"] = result.stopped_early
     return out
@@ -216,6 +221,7 @@ async def _level(
     result, records = await measure_level(
         t.client, t.url, workload or t.workload, t.prompts, plan, stream=stream, slo=t.slo,
         watch=_never_break(plan.level, t.engine), reset_cache=t.reset_cache, metrics=t.metrics,
+        frontend_cpu=getattr(t.engine, "frontend_cpu", None),  # the API server's CPU, where verify started vLLM
     )  # fmt: skip
     t.records.extend(records)
     return result, records
@@ -225,6 +231,7 @@ async def _measure(
     t: Target, plan: LevelPlan, scenario: str, workload: Workload | None = None
 ) -> tuple[LevelResult, list[RequestRecord]]:
     result, records = await _level(t, plan, STREAMS[scenario], workload)
+    t.levels[scenario] = result
     errors = _error_samples(records)
     if errors:
         t.errors[scenario] = errors
