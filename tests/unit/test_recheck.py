@@ -134,6 +134,15 @@ def test_a_default_resolved_to_another_value_is_changed_defaults():
     assert "max_num_seqs resolved to 128 (was 256)" in doc.reasons[0]
 
 
+def test_a_regression_names_the_defaults_that_moved_beside_it():
+    """The verdict's reasons are what is read (the last line, the file, MLflow): a regression on a vLLM whose default
+    moved names the default as well, the first suspect (bench/recheck_defaults_vllm.py saw it left out)."""
+    doc = check(result(1000.0, resolved={"max_num_seqs": 128}), result(800.0, resolved={"max_num_seqs": 256}))
+    assert doc.verdict == "REGRESSED" and doc.exit_status == 1
+    assert doc.reasons[-1] == "engine arguments moved too: max_num_seqs resolved to 256 (was 128)", doc.reasons
+    assert not any("moved" in r for r in check(result(1000.0), result(800.0)).reasons)  # none moved: none named
+
+
 def test_a_pass_says_so_where_the_defaults_vllm_resolved_could_not_be_compared():
     """A recorded trial without ``resolved_engine_args`` (results before schema 2, as the stored cpu-tiny study) or a
     new engine whose ``/server_info`` said nothing cannot show a moved default: the PASS says so, not "no engine

@@ -302,6 +302,8 @@ def compare(before: TrialResult, after: TrialResult | None, level: Mapping[str, 
     host = host_note(before.environment, after.environment) if ran else None
     if host is not None and reasons:
         reasons.append(host)
+    if refused is None and reasons and arguments:  # a regression beside a moved default: the first suspect, said
+        reasons.append("engine arguments moved too: " + "; ".join(describe(a) for a in arguments))
     if refused is not None:
         verdict: Verdict = "REFUSED"
     elif reasons:
