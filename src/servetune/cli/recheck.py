@@ -28,7 +28,8 @@ count, workload and SLO, with the same capacity search, and compare with what th
 
   per metric and load   output_throughput, goodput, ttft_ms_p99, tpot_ms_p99 before and after, and whether the
                         change stands beyond the run-to-run noise (the verdict is taken at the shipped level's load;
-                        the other loads are shown beside it). The margin: half the spread of the metric over
+                        the other loads are shown beside it); a repeated level's median over its repeats. The
+                        margin: half the spread of the metric over
                         each level's repeats relative to their median (load.repeats, or --repeats here), the
                         recorded and the new level's added, at least 5%; 10% where neither level was repeated.
   SLO and capacity      the SLO verdict at the shipped level and the load carried at the SLO, before and after
