@@ -108,18 +108,19 @@ def kv_layout(
         kinds = promoted
     if len(kinds) == 1:
         (kind, count), *_ = kinds.items()
-        return KVLayout(groups=(KVGroup(kind, count, _window(arch, kind), mamba_state_blocks),), group_size=count)
+        return KVLayout(groups=(KVGroup(kind, count, layer_window(arch, kind), mamba_state_blocks),), group_size=count)
     smallest, largest = min(kinds.values()), max(kinds.values())
     group_size = largest if largest < smallest * 1.5 else smallest
     groups: list[KVGroup] = []
     for kind, count in kinds.items():
         for i in range(_cdiv(count, group_size)):
             layers = min(group_size, count - i * group_size)
-            groups.append(KVGroup(kind, layers, _window(arch, kind), mamba_state_blocks))
+            groups.append(KVGroup(kind, layers, layer_window(arch, kind), mamba_state_blocks))
     return KVLayout(groups=tuple(groups), group_size=group_size)
 
 
-def _window(arch: ModelArch, kind: LayerType) -> int | None:
+def layer_window(arch: ModelArch, kind: LayerType) -> int | None:
+    """Tokens a layer of ``kind`` attends to at most (None: the whole context)."""
     if kind == "sliding_attention":
         return arch.sliding_window
     if kind == "chunked_attention":

@@ -22,20 +22,12 @@ from collections import Counter
 from dataclasses import dataclass
 
 from servetune.capacity import CapacityPlan, ModelArch
-from servetune.capacity.arch import ATTENTION_KINDS, LayerType
+from servetune.capacity.arch import ATTENTION_KINDS
+from servetune.capacity.kvgroups import layer_window
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _window(arch: ModelArch, kind: LayerType) -> int | None:
-    """Tokens a layer of ``kind`` attends to at most (None: the whole context)."""
-    if kind == "sliding_attention":
-        return arch.sliding_window
-    if kind == "chunked_attention":
-        return arch.attention_chunk_size
-    return None
 
 
 def _mean_capped(prompt: float, window: int) -> float:
@@ -59,7 +51,7 @@ class KVRead:
         token less a drafter's (estimate/speculative.py reads the drafter's own)."""
         stage = arch.layer_kinds[: _cdiv(arch.num_layers, plan.settings.pipeline_parallel_size)]
         attending = sum(kind in ATTENTION_KINDS for kind in stage)
-        windows = Counter(_window(arch, kind) for kind in arch.layer_kinds if kind in ATTENTION_KINDS)
+        windows = Counter(layer_window(arch, kind) for kind in arch.layer_kinds if kind in ATTENTION_KINDS)
         state = (
             plan.mamba_state_bytes_per_sequence / plan.mamba_layers * arch.num_mamba_layers
             if plan.mamba_layers
