@@ -212,3 +212,20 @@ def test_mtp_layers_join_a_hybrid_targets_kv_groups_as_vllm_grouped_them() -> No
         plan = plan_capacity(arch, {**args, "enable_prefix_caching": prefix}, hardware, env=ONE_GIB)
         assert (plan.kv_cache_blocks, plan.settings.block_size, plan.kv_cache_tokens) == (1638, 640, tokens)
         assert plan.mamba_state_blocks_per_sequence == 2 * (3 if prefix else 2)
+
+
+def test_the_mtp_layers_weights_are_what_vllm_loaded_on_the_tiny_qwen3_next() -> None:
+    """``bench/mtp_vllm.py`` (vLLM 0.32's CPU build, 2026-12-07): the tiny Qwen3-Next's MTP layer in bfloat16, read
+    in the worker's ``model_runner.drafter.model`` (``Qwen3NextMTP``) without the embeddings and lm_head it shares
+    with the target (327,680 B, vLLM's "Sharing target model ..."): 789,248 B of parameters held as tensors (the
+    experts, norms, router and shared-expert gate) and 985,600 B of linear weights the CPU build moved into its
+    kernels (q with its gate, k, v, o, the shared expert, fc), 1,774,848 B in all; its rotary cache is the
+    target's tensor. The planner had 504 B less: Qwen3-Next's router has no correction bias (4 experts) and its
+    shared expert has a gate of its own (hidden -> 1, 256)."""
+    pytest.importorskip("transformers")  # the tiny config is completed by transformers' own config class
+    from servetune.models.tinyarch import TINY_ARCHS
+
+    arch = arch_from_hf_config(TINY_ARCHS["qwen3-next-mtp"], "tiny-qwen3-next-mtp")
+    mtp = draft_cost(arch, {"method": "mtp", "num_speculative_tokens": 1}, None, 2, lambda _: 2.0, 1)
+    assert mtp.weights == 789_248 + 985_600
+    assert mtp.kv_layers == 1 and mtp.parameters == 1_774_848 // 2
