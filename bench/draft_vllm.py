@@ -28,19 +28,27 @@ from worker_probe import importable_in_workers
 def drafter_bytes(worker) -> dict[str, int]:  # runs in vLLM's worker: imported there as draft_vllm.drafter_bytes
     """The drafter's bytes as vLLM holds them. The CPU build hands each linear layer's weight to a oneDNN (or
     sgl) kernel after the load and leaves an empty parameter behind (``dispatch_cpu_unquantized_gemm``): those
-    are counted by the layer's own partition sizes. Buffers: the rotary cos/sin cache (``cos_sin_cache``),
-    counted only where it is not the target's own tensor, and the rest (attention scales)."""
+    are counted by the layer's own partition sizes. Modules that are the target's own (an MTP drafter's embeddings
+    and lm_head, vLLM's "Sharing target model ...") are left out; their parameters are shown apart. Buffers: the
+    rotary cos/sin cache (``cos_sin_cache``), counted only where it is not the target's own tensor, and the rest
+    (attention scales)."""
     runner = worker.model_runner
     drafter, target = runner.drafter.model, runner.model
     targets = {t.untyped_storage().data_ptr() for t in (*target.parameters(), *target.buffers()) if t.numel()}
+    shared_modules = {id(m) for m in target.modules()}
     out = dict.fromkeys(("parameter_bytes", "kernel_linear_bytes", "rope_bytes", "shared_rope_bytes"), 0)
-    out["other_buffer_bytes"] = 0
+    out["other_buffer_bytes"] = out["shared_parameter_bytes"] = 0
     for module in drafter.modules():
+        if id(module) in shared_modules:
+            continue
         weight = module._parameters.get("weight")
         if weight is not None and weight.numel() == 0 and hasattr(module, "cpu_linear"):
-            rows = sum(module.output_partition_sizes)
-            out["kernel_linear_bytes"] += module.input_size_per_partition * rows * weight.element_size()
-    out["parameter_bytes"] = sum(p.nbytes for p in drafter.parameters())
+            rows = sum(module.output_partition_sizes)  # a replicated layer (a MoE router) has no input partition
+            columns = getattr(module, "input_size_per_partition", None) or module.input_size
+            out["kernel_linear_bytes"] += columns * rows * weight.element_size()
+    own = {id(p) for m in drafter.modules() if id(m) not in shared_modules for p in m.parameters(recurse=False)}
+    for parameter in drafter.parameters():
+        out["parameter_bytes" if id(parameter) in own else "shared_parameter_bytes"] += parameter.nbytes
     for name, buffer in drafter.named_buffers():
         shared = buffer.untyped_storage().data_ptr() in targets
         if name.endswith("cos_sin_cache"):

@@ -1,6 +1,6 @@
 """What a bench needs to run one of its own functions inside vLLM's worker (``LLM.collective_rpc``): vLLM pickles
 the function by reference, so the worker must import the bench file under its module name. Shared by
-``lora_vllm.py`` and ``draft_vllm.py``; not a bench itself."""
+``lora_vllm.py``, ``draft_vllm.py`` and ``mtp_vllm.py``; not a bench itself."""
 
 from __future__ import annotations
 

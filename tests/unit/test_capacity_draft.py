@@ -188,3 +188,44 @@ def test_the_drafters_weights_are_what_vllm_loaded_with_the_tiny_model_drafting_
     args = {"enforce_eager": True, "dtype": "float32", "max_num_seqs": 16, "speculative_config": spec}
     plan = plan_capacity(arch, args, CPU, env=ONE_GIB, draft=arch)
     assert plan.draft is not None and plan.draft.weights_gib == round(10_101_760 / GIB, 4)
+
+
+def test_mtp_layers_join_a_hybrid_targets_kv_groups_as_vllm_grouped_them() -> None:
+    """``PYTHONPATH=src flock /tmp/servetune-heavy.lock .venv/bin/python bench/mtp_vllm.py [--prefix-caching]``
+    (vLLM 0.32's CPU build on a CPU with AVX-512 BF16, 2026-12-07): the tiny Qwen3-Next with one MTP layer
+    (``servetune models tiny-arch qwen3-next-mtp``) in bfloat16, ``method: mtp`` with k=1, 1 GiB of KV space.
+    vLLM: 1,638 blocks of 640 tokens; "CPU KV cache size: 609,931 tokens" (516,096 with prefix caching). Each block
+    holds 2 pages: the MTP layer is grouped with the target's gated-attention layer, the 3 DeltaNet layers make two
+    groups of 2 (one padded). A request holds 7 attention blocks and, per DeltaNet group, its state block (2 in
+    prefix caching's align mode) plus one per draft token (MambaSpec.num_speculative_blocks), whose convolution
+    state keeps one more column: 1638 / (7 + 2 x 2) x 4096 and 1638 / (7 + 2 x 3) x 4096. The planner counted the
+    MTP layer as one more page beside a group of 1 and no draft-token blocks: 670,924 tokens without prefix
+    caching."""
+    pytest.importorskip("transformers")  # the tiny config is completed by transformers' own config class
+    from servetune.models.tinyarch import TINY_ARCHS
+
+    arch = arch_from_hf_config(TINY_ARCHS["qwen3-next-mtp"], "tiny-qwen3-next-mtp")
+    hardware = resolve_hardware(device="cpu", cpu_flags=("avx512f", "avx512_bf16"))
+    args = {"enforce_eager": True, "dtype": "bfloat16", "max_model_len": 4096, "max_num_seqs": 16,
+            "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}  # fmt: skip
+    for prefix, tokens in ((False, 609_931), (True, 516_096)):
+        plan = plan_capacity(arch, {**args, "enable_prefix_caching": prefix}, hardware, env=ONE_GIB)
+        assert (plan.kv_cache_blocks, plan.settings.block_size, plan.kv_cache_tokens) == (1638, 640, tokens)
+        assert plan.mamba_state_blocks_per_sequence == 2 * (3 if prefix else 2)
+
+
+def test_the_mtp_layers_weights_are_what_vllm_loaded_on_the_tiny_qwen3_next() -> None:
+    """``bench/mtp_vllm.py`` (vLLM 0.32's CPU build, 2026-12-07): the tiny Qwen3-Next's MTP layer in bfloat16, read
+    in the worker's ``model_runner.drafter.model`` (``Qwen3NextMTP``) without the embeddings and lm_head it shares
+    with the target (327,680 B, vLLM's "Sharing target model ..."): 789,248 B of parameters held as tensors (the
+    experts, norms, router and shared-expert gate) and 985,600 B of linear weights the CPU build moved into its
+    kernels (q with its gate, k, v, o, the shared expert, fc), 1,774,848 B in all; its rotary cache is the
+    target's tensor. The planner had 504 B less: Qwen3-Next's router has no correction bias (4 experts) and its
+    shared expert has a gate of its own (hidden -> 1, 256)."""
+    pytest.importorskip("transformers")  # the tiny config is completed by transformers' own config class
+    from servetune.models.tinyarch import TINY_ARCHS
+
+    arch = arch_from_hf_config(TINY_ARCHS["qwen3-next-mtp"], "tiny-qwen3-next-mtp")
+    mtp = draft_cost(arch, {"method": "mtp", "num_speculative_tokens": 1}, None, 2, lambda _: 2.0, 1)
+    assert mtp.weights == 789_248 + 985_600
+    assert mtp.kv_layers == 1 and mtp.parameters == 1_774_848 // 2

@@ -57,3 +57,32 @@ def test_help_lists_the_names() -> None:
                   if hasattr(a, "choices") and isinstance(a.choices, dict))  # fmt: skip
     text = " ".join(models.choices["tiny-arch"].format_help().split())
     assert all(name in text for name in TINY_ARCHS)
+
+
+def test_the_mtp_checkpoint_carries_one_mtp_layer_as_vllm_loads_it(tmp_path, capsys) -> None:
+    """``qwen3-next-mtp``: the tiny Qwen3-Next plus one MTP layer under ``mtp.*`` (vLLM's ``Qwen3NextMTP`` loads
+    those names and drops the rest), declared by ``num_nextn_predict_layers``, which the planner and the space's
+    "MTP needs MTP heads" check read."""
+    from safetensors import safe_open
+
+    from servetune.capacity import load_model_arch
+    from servetune.config.speculative import mtp_layers
+
+    out = tmp_path / "mtp"
+    assert cli.main(["models", "tiny-arch", "qwen3-next-mtp", "--out", str(out)]) == 0
+    capsys.readouterr()
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1 and mtp_layers(config) == 1
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}  # noqa: SIM118
+    mtp = {name: shape for name, shape in shapes.items() if name.startswith("mtp.")}
+    assert mtp["mtp.fc.weight"] == (256, 512)
+    assert mtp["mtp.layers.0.self_attn.q_proj.weight"] == (512, 256)  # the gated attention's q and gate
+    norms = ("mtp.norm.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.pre_fc_norm_embedding.weight")
+    assert all(mtp[name] == (256,) for name in norms)
+    # every tensor of the target's full-attention layer (3), once more under mtp.layers.0
+    layer = {
+        name.removeprefix("model.layers.3."): s for name, s in shapes.items() if name.startswith("model.layers.3.")
+    }
+    assert {name.removeprefix("mtp.layers.0."): s for name, s in mtp.items() if ".layers." in name} == layer
+    assert load_model_arch(str(out)).mtp_layers == 1

@@ -86,15 +86,22 @@ class KVLayout:
 
 
 def kv_layout(
-    arch: ModelArch, pp: int = 1, hybrid_manager: bool | None = None, mamba_state_blocks: int = 1
+    arch: ModelArch,
+    pp: int = 1,
+    hybrid_manager: bool | None = None,
+    mamba_state_blocks: int = 1,
+    drafter_layers: int = 0,
 ) -> KVLayout:
     """The KV-cache groups vLLM 0.32 forms for one pipeline stage of ``arch``.
 
     ``hybrid_manager`` None is vLLM's default: on, except for chunked-local attention (vLLM turns
     it off unless ``VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE`` is set). Mamba layers
     always keep groups of their own; ``mamba_state_blocks`` is what one request holds in each.
+    ``drafter_layers``: full-attention layers of a drafter with the target's page (MTP), grouped as the
+    target's own (measured: ``bench/mtp_vllm.py``, the tiny Qwen3-Next's MTP layer joins its attention group).
     """
     stage: list[LayerType] = [k for k in arch.stage_kinds(pp) if k != "mlp"]
+    stage += ["full_attention"] * drafter_layers
     if hybrid_manager is None:
         hybrid_manager = "chunked_attention" not in stage
     kinds: dict[LayerType, int] = {}

@@ -200,7 +200,7 @@ def _ledger(
     if arch.not_planned:
         raise NotPlanned(arch.not_planned)
     element = kv_element_bytes(s.kv_cache_dtype, s.dtype, arch)
-    state = _mamba_state(arch, args, s, profile, hardware)
+    state = _mamba_state(arch, args, s, profile, hardware, int((spec or {}).get("num_speculative_tokens") or 0))
     if state.page:
         aligned = aligned_block_size(
             s.block_size, 32 if cpu else 16, kv_bytes_per_layer_token(arch, element, tp), state.page
@@ -251,9 +251,13 @@ def _ledger(
 
     per_token = kv_bytes_per_token(arch, element, tp, pp)
     hybrid_manager = None if args.disable_hybrid_kv_cache_manager is None else not args.disable_hybrid_kv_cache_manager
-    layout = kv_layout(arch, pp, hybrid_manager, mamba_state_blocks=state.blocks)
+    # MTP layers are full-attention layers of the target's own kind: vLLM groups them as the target's
+    mtp = draft.kv_layers if draft is not None and draft.method == "mtp" else 0
+    layout = kv_layout(arch, pp, hybrid_manager, mamba_state_blocks=state.blocks, drafter_layers=mtp)
     page = layout.bytes_per_block(s.block_size, kv_bytes_per_layer_token(arch, element, tp))
-    if draft is not None and draft.kv_layers:
+    if draft is not None and mtp:
+        per_token += round(draft.kv_bytes_per_token)
+    elif draft is not None and draft.kv_layers:
         # vLLM groups the drafter's attention layers with the target's: a block holds a page for each.
         page += round(s.block_size * draft.kv_bytes_per_token)
         per_token += round(draft.kv_bytes_per_token)
@@ -434,17 +438,16 @@ class _MambaState:
     layers: int = 0
     page: int = 0  # one layer's state, the page the attention block is aligned to
     blocks: int = 1  # blocks a sequence holds per Mamba group
+    speculative: int = 0  # of them, the blocks for draft tokens (MambaSpec.num_speculative_blocks)
     bytes_per_sequence: int = 0
     problem: str | None = None  # why vLLM refuses the configuration
     kind: str = ""
     ssm_dtype: str = ""  # mamba_ssm_cache_dtype as vLLM settles it ("": no SSM state)
 
     def describe(self, block_size: int) -> str:
-        mode = (
-            f"prefix caching on: mamba_cache_mode align, {self.blocks} state blocks"
-            if self.blocks > 1
-            else "1 state block"
-        )
+        own = self.blocks - self.speculative
+        mode = f"prefix caching on: mamba_cache_mode align, {own} state blocks" if own > 1 else "1 state block"
+        mode += f" and {self.speculative} for draft tokens" if self.speculative else ""
         return (
             f"{self.layers} {self.kind} layers keep {self.bytes_per_sequence / 2**20:,.2f} MiB of state per "
             f"sequence ({self.page:,} B a layer); the attention block grows to {block_size} tokens so that its "
@@ -453,9 +456,10 @@ class _MambaState:
 
 
 def _mamba_state(
-    arch: ModelArch, args: CapacityArgs, s: Settings, profile: EngineProfile, hardware: Hardware
+    arch: ModelArch, args: CapacityArgs, s: Settings, profile: EngineProfile, hardware: Hardware, num_spec: int = 0
 ) -> _MambaState:
-    """The Mamba state of one sequence, and the prefix-caching mode vLLM runs it in."""
+    """The Mamba state of one sequence, and the prefix-caching mode vLLM runs it in. With ``num_spec`` draft tokens
+    the convolution state keeps that many more columns and a sequence holds that many more state blocks."""
     layers = arch.stage_kinds(s.pipeline_parallel_size).count("mamba")
     if arch.mamba is None or not layers:
         return _MambaState()
@@ -470,7 +474,7 @@ def _mamba_state(
     if tp_problem(arch.mamba, tp) is not None:  # structural_problem says why; no page to size
         return _MambaState(layers=layers)
     ssm_dtype = _ssm_dtype(arch, arch.mamba, args, s, hardware)
-    page = state_bytes(arch.mamba, s.dtype, tp, args.mamba_cache_dtype, ssm_dtype)
+    page = state_bytes(arch.mamba, s.dtype, tp, args.mamba_cache_dtype, ssm_dtype, num_spec)
     mode = profile.mamba_prefix_caching
     prefix = args.enable_prefix_caching if args.enable_prefix_caching is not None else mode == "default"
     problem = None
@@ -478,10 +482,11 @@ def _mamba_state(
         problem = "prefix caching is not supported for Mamba layers before vLLM 0.11.1 (NotImplementedError)"
     elif prefix and args.enable_chunked_prefill is False:
         problem = "prefix caching on Mamba layers (mamba_cache_mode align) requires chunked prefill"
-    # MambaSpec.max_memory_usage_bytes: 1 page, or in align mode 2 plus MambaMixer2's prefill checkpoint
-    blocks = (3 if arch.mamba.kind == "mamba2" else 2) if prefix else 1
+    # MambaSpec.max_memory_usage_bytes: 1 page, or in align mode 2 plus MambaMixer2's prefill checkpoint, plus one
+    # per draft token (num_speculative_blocks)
+    blocks = ((3 if arch.mamba.kind == "mamba2" else 2) if prefix else 1) + num_spec
     ssm = "" if arch.mamba.kind == "linear_attention" else ssm_dtype
-    return _MambaState(layers, page, blocks, page * layers, problem, arch.mamba.kind, ssm)
+    return _MambaState(layers, page, blocks, num_spec, page * layers, problem, arch.mamba.kind, ssm)
 
 
 def _ssm_dtype(arch: ModelArch, mixer: MambaMixer, args: CapacityArgs, s: Settings, hardware: Hardware) -> str:

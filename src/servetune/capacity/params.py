@@ -144,6 +144,10 @@ def _moe_mlp(arch: ModelArch, tp: int, shards: MoeShards | None = None) -> Param
     experts = moe.experts_per_rank(arch.num_experts) * 3 * h * moe.expert_width(arch.moe_intermediate_size)
     shared = 3 * h * _cdiv(arch.shared_expert_intermediate_size, 1 if moe.replicate_shared else tp)
     router = h * arch.num_experts + arch.num_experts  # gate weight (+ DeepSeek's correction bias)
+    if arch.architecture.startswith("Qwen3Next") and arch.shared_expert_intermediate_size:
+        # no correction bias; a sigmoid gate on the shared expert (shared_expert_gate, hidden -> 1), replicated.
+        # Measured: bench/mtp_vllm.py, the MTP layer of the tiny Qwen3-Next
+        router += h - arch.num_experts
     return ParamSplit(linear=shared, other=router, experts=experts)
 
 

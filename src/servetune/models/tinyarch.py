@@ -12,6 +12,7 @@ from a fixed seed and saves it with ``save_pretrained``, beside the tiny model's
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,40 @@ TINY_ARCHS: dict[str, dict[str, Any]] = {
 }
 
 
+# The tiny Qwen3-Next with one multi-token-prediction layer (``speculative_config`` method ``mtp``, vLLM's
+# ``qwen3_next_mtp.py``): a gated-attention MoE decoder layer, ``fc`` (2 x hidden -> hidden) and three norms, stored
+# under ``mtp.*`` as the published checkpoint stores them (transformers' model class has no MTP layers).
+TINY_ARCHS["qwen3-next-mtp"] = {**TINY_ARCHS["qwen3-next"], "num_nextn_predict_layers": 1}
+
+
+def _add_mtp_layers(out: Path, model: Any, layers: int, seed: int) -> None:
+    """Append ``layers`` Qwen3-Next MTP layers to the saved checkpoint in ``out``: each a copy of a full-attention
+    decoder layer of the same config with its own random weights (a second model from ``seed + 1``, saved as the
+    first so that its experts are stored one by one, as published checkpoints store them), plus ``fc``
+    and the ``norm``, ``pre_fc_norm_hidden`` and ``pre_fc_norm_embedding`` (zero-centred, as Qwen3-Next's)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    config = model.config
+    full = config.layer_types.index("full_attention")
+    torch.manual_seed(seed + 1)
+    with tempfile.TemporaryDirectory(prefix="servetune-mtp-") as folder:  # saved as checkpoints name the experts
+        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        donor = load_file(Path(folder) / "model.safetensors")
+    source = f"model.layers.{full}."
+    tensors = load_file(out / "model.safetensors")
+    for i in range(layers):
+        for name, tensor in donor.items():
+            if name.startswith(source):
+                tensors[f"mtp.layers.{i}.{name[len(source) :]}"] = tensor.clone()
+    h = config.hidden_size
+    tensors["mtp.fc.weight"] = torch.randn(h, 2 * h) * config.initializer_range
+    for norm in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
+        tensors[f"mtp.{norm}.weight"] = torch.zeros(h)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+
+
 def build_tiny_arch(name: str, out: Path, seed: int = SEED) -> Path:
     """Write the tiny checkpoint ``name`` of :data:`TINY_ARCHS` into ``out`` (created if missing) and return it.
 
@@ -133,5 +168,8 @@ def build_tiny_arch(name: str, out: Path, seed: int = SEED) -> Path:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
+    mtp = int(TINY_ARCHS[name].get("num_nextn_predict_layers", 0))
+    if mtp:
+        _add_mtp_layers(out, model, mtp, seed)
     write_tokenizer(out, int(TINY_ARCHS[name]["max_position_embeddings"]))
     return out
