@@ -2,7 +2,9 @@
 
 GPU model, count, memory, interconnect, driver and CUDA versions come from pynvml; without an
 NVIDIA GPU the CPU model and host memory are recorded instead. Versions of vLLM, torch, Ray and
-NCCL come from package metadata, never by importing them.
+NCCL come from package metadata, never by importing them; vLLM's, torch's, NCCL's and Python's are those of the
+interpreter that runs the engine (``--python``/``--vllm-python``: an upgrade candidate may have another torch), asked
+of it in one subprocess (engine/args.py ``engine_stack``), Ray's servetune's own (its Ray runs the trial).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING
 import psutil
 
 from servetune import __version__
-from servetune.engine.args import vllm_version
+from servetune.engine.args import engine_stack
 
 if TYPE_CHECKING:
     from servetune.telemetry import GpuId
@@ -115,18 +117,20 @@ def _text(value: str | bytes) -> str:
 def collect_environment(
     device: str, gpus: Sequence[GpuId] = (), python: str = sys.executable, cores: int | None = None
 ) -> dict[str, str]:
-    """The record's ``environment``; ``gpus``: the trial's devices as ``CUDA_VISIBLE_DEVICES`` names them."""
+    """The record's ``environment``; ``gpus``: the trial's devices as ``CUDA_VISIBLE_DEVICES`` names them; ``python``:
+    the interpreter that runs the engine, whose vLLM, torch, NCCL and Python versions are recorded."""
+    stack = engine_stack(python)
     env: dict[str, str] = {
         "device": device,
         "cpu_model": _cpu_model(),
         "host_cpus": str(psutil.cpu_count(logical=True)),
         "host_memory_gib": f"{psutil.virtual_memory().total / GIB:.1f}",
-        "python": platform.python_version(),
+        "python": stack.get("python") or "unknown",
         "servetune": __version__,
-        "vllm": vllm_version(python) or "not installed",
-        "torch": _version("torch"),
+        "vllm": stack.get("vllm") or "not installed",
+        "torch": stack.get("torch") or "not installed",
         "ray": _version("ray"),
-        "nccl": _version("nvidia-nccl-cu12", "nvidia-nccl-cu13", "nvidia-nccl"),
+        "nccl": stack.get("nccl") or "not installed",
         "niceness": str(
             os.getpriority(os.PRIO_PROCESS, 0)
         ),  # of the measuring thread; 0 unless it could not be lowered

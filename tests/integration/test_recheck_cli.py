@@ -63,7 +63,8 @@ def test_a_slower_engine_is_a_regression_logged_to_the_study_s_store(study, tmp_
     assert ttft["level"] == {"concurrency": 2.0} and ttft["before"] < 300 < ttft["after"] and ttft["worse"], ttft
     assert any(r.startswith("the SLO at concurrency 8 was met, now broken") for r in doc["reasons"]), doc["reasons"]
     rechecked = Path(doc["result_dir"])
-    assert rechecked.parent.parent == study / "recheck" and (rechecked / "result.json").is_file()
+    assert rechecked.parent.parent.parent == study / "recheck" and (rechecked / "result.json").is_file()
+    assert json.loads((rechecked.parent / "recheck.json").read_text()) == doc  # a copy beside its trial
     result = json.loads((rechecked / "result.json").read_text())
     assert result["levels"][0]["summary"]["level"] == {"concurrency": 2.0}  # the study's ladder, from its bottom
     assert result["stopped_because"], result["stopped_because"]  # which broke the SLO: the ladder stopped there
@@ -129,4 +130,28 @@ def test_a_default_the_new_vllm_resolved_otherwise_is_changed_defaults(study, tm
     assert doc["arguments"] == [{"name": "max_num_seqs", "kind": "resolved", "before": 256, "after": 128}]
     rechecked = json.loads((Path(doc["result_dir"]) / "result.json").read_text())
     assert rechecked["resolved_engine_args"] == {"max_num_seqs": 128, "max_num_batched_tokens": 2048, "block_size": 16}
+    assert processes_mentioning(fake) == []
+
+
+def test_two_rechecks_on_one_vllm_keep_both_results_each_where_its_file_points(study, tmp_path):
+    """The second recheck on one vLLM used to re-measure into the first's ``recheck/<version>/<trial>/``, which the
+    first's file still named: each run has a folder of its own now, with a copy of its file."""
+    fake = write_fake_python(tmp_path)
+    env = {"SERVETUNE_FAKE_TTFT_MS": "5", "SERVETUNE_FAKE_ITL_MS": "1", "MLFLOW_TRACKING_URI": ""}
+    docs, kept = [], []
+    for n in (1, 2):
+        done = recheck(study, fake, "--json", tmp_path / f"out{n}.json", env=env)
+        assert done.returncode in (0, 1, 4) and "Traceback" not in done.stderr, done.stderr[-3000:]
+        doc = json.loads((tmp_path / f"out{n}.json").read_text())
+        assert doc["outcome_after"] == "COMPLETE" and doc["recheck_trial_id"], doc
+        docs.append(doc)
+        kept.append((Path(doc["result_dir"]) / "result.json").read_text())
+    first, second = (Path(d["result_dir"]) for d in docs)
+    assert (
+        first != second and first.parent.parent == second.parent.parent == study / "recheck" / first.parent.parent.name
+    )
+    for doc, path, text in zip(docs, (first, second), kept, strict=True):
+        assert (path / "result.json").read_text() == text  # the first's trial, untouched by the second
+        assert json.loads((path.parent / "recheck.json").read_text()) == doc
+    assert sorted(p.name for p in first.parent.parent.iterdir()) == sorted([first.parent.name, second.parent.name])
     assert processes_mentioning(fake) == []

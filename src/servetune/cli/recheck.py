@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from servetune.cli.prefetching import add_no_prefetch
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Callable, Mapping
 
     from rich.console import Console
 
@@ -63,13 +63,14 @@ a bootstrap and Student's t) on the same side of 0. Exit status of a paired rech
   3 REFUSED           vLLM refuses either configuration, or an engine does not start or dies
   5 tie               tie within the paired noise
 Writes STUDY_DIR/recheck-paired-<vLLM version>.json (or --json OUT), each side's engine log and requests in
-STUDY_DIR/recheck/<vLLM version>/paired/.
+STUDY_DIR/recheck/<vLLM version>/<run>/paired/ (<run>: the run's UTC time), with a copy of the result there.
 
 Before the engine starts, a hub model's weights are fetched on this machine, outside its start-up clock (the
 result's "prefetch"; --no-prefetch leaves the download to the engine).
 
-Writes STUDY_DIR/recheck-<vLLM version>.json (or --json OUT); the re-measured trials are kept in
-STUDY_DIR/recheck/<vLLM version>/. Where the study recorded an MLflow store (or --tracking-uri names one), the
+Writes STUDY_DIR/recheck-<vLLM version>.json (or --json OUT: the latest run's); each run's re-measured trials
+and a copy of its result (recheck.json) are kept in a folder of their own, STUDY_DIR/recheck/<vLLM version>/<run>/
+(<run>: the run's UTC time, 20261207T110500Z), so a later recheck on the same vLLM loses nothing. Where the study recorded an MLflow store (or --tracking-uri names one), the
 recheck is logged there as a run of the study's experiment tagged servetune.role=recheck.
 """
 
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     from servetune.tracking.connection import recorded_tracking_uri
     from servetune.tracking.recheck import log_recheck
     from servetune.verify.choose import select
-    from servetune.verify.recheck import quality_plan, recheck_file
+    from servetune.verify.recheck import RUN_DOC, new_run_dir, quality_plan, recheck_file
 
     if args.repeats is not None and args.repeats < 1:
         raise UserError(f"--repeats must be at least 1, got {args.repeats}")
@@ -140,15 +141,24 @@ def run(args: argparse.Namespace) -> int:
     with console.status(f"reading {version}'s argument table"):
         new_table = load_argspecs(args.python)
     signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(SystemExit(128 + signum)))
+    made: list[Path] = []  # this run's own folder, made when the first trial is measured (none: nothing ran)
+
+    def run_dir() -> Path:
+        if not made:
+            made.append(new_run_dir(args.study_dir, version))
+        return made[0]
+
     docs = []
     for one in chosen:
         before = one.result.environment.get("vllm")
         old_table = cached_argspecs(before) if before and before != version else new_table
-        docs.append(_recheck(one, args, version, before, old_table, new_table, quality, console))
+        docs.append(_recheck(one, args, version, before, old_table, new_table, quality, console, run_dir))
     doc = docs[0].model_copy(update={"runner_up": docs[1] if len(docs) > 1 else None})
     out = args.json or recheck_file(args.study_dir, version)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(doc.model_dump_json(indent=2) + "\n")
+    for folder in made:  # kept beside its trials: a later recheck on this vLLM replaces recheck-<version>.json only
+        (folder / RUN_DOC).write_text(doc.model_dump_json(indent=2) + "\n")
     console.print(f"wrote {out}", soft_wrap=True, highlight=False)
     uri = args.tracking_uri or recorded_tracking_uri(args.study_dir)
     if uri is not None:
@@ -158,11 +168,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _recheck(one: Chosen, args: argparse.Namespace, version: str, before: str | None,
              old_table: Mapping[str, ArgSpec] | None, new_table: Mapping[str, ArgSpec] | None,
-             quality: QualityPlan | None, console: Console) -> Recheck:  # fmt: skip
+             quality: QualityPlan | None, console: Console, run_dir: Callable[[], Path]) -> Recheck:  # fmt: skip
     from servetune.cli.prefetching import PointPrefetch
     from servetune.load.requests import PromptFactory
     from servetune.load.tokenizer import load_tokenizer
-    from servetune.verify.recheck import compare, recheck_trials, refusal, remeasure
+    from servetune.verify.recheck import compare, refusal, remeasure
 
     after = None
     refused = refusal(one.spec.engine_args, new_table)  # what would be launched: refused, nothing starts
@@ -171,13 +181,13 @@ def _recheck(one: Chosen, args: argparse.Namespace, version: str, before: str | 
         prefetched.spec(one.spec, through_ray=False)
     if refused is None:
         with console.status(f"measuring trial {one.trial_id} again on {version} (its whole ladder)"):
-            after = remeasure(one.spec, args.study_dir, version, lambda: PromptFactory(load_tokenizer(one.spec.tokenizer)),
+            after = remeasure(one.spec, run_dir(), lambda: PromptFactory(load_tokenizer(one.spec.tokenizer)),
                               repeats=args.repeats, quality=quality)  # fmt: skip
     doc = compare(one.result, after, one.point.level, old_table=old_table, new_table=new_table,
                   vllm_before=before, vllm_after=version, refused=refused)  # fmt: skip
     doc.prefetch = prefetched.records
     if after is not None:
-        doc.result_dir = str(recheck_trials(args.study_dir, version) / after.trial_id)
+        doc.result_dir = str(run_dir() / after.trial_id)
     doc.created = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     for line in summary(doc):
         console.print(line, soft_wrap=True, highlight=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import signal
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ def run_paired(args: argparse.Namespace) -> int:
     from servetune.tracking.recheck import log_paired
     from servetune.verify.choose import point_level, select
     from servetune.verify.paired import DEFAULT_ROUNDS, PAIRED_DIR, Paired, judge, measure_pairs, mode_of
-    from servetune.verify.recheck import recheck_trials, refusal, version_slug
+    from servetune.verify.recheck import PAIRED_RUN_DOC, new_run_dir, refusal, version_slug
 
     pick = "best" if args.pick == "shipped" else args.pick
     against = args.against or "runner-up"
@@ -67,11 +68,10 @@ def run_paired(args: argparse.Namespace) -> int:
     with console.status(f"reading {version}'s argument table"):
         table = load_argspecs(args.python)
     signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(SystemExit(128 + signum)))
-    out_dir = recheck_trials(args.study_dir, version) / PAIRED_DIR
     mode = mode_of(a.spec, b.spec)
     doc = Paired(study=a.result.study, vllm=version, a_trial_id=a.trial_id, b_trial_id=b.trial_id,
                  level=level.as_dict(), mode=mode, rounds_asked=rounds, rounds=[], metrics=[], decided_on=None,
-                 verdict="REFUSED", reason="", result_dir=str(out_dir))  # fmt: skip
+                 verdict="REFUSED", reason="")  # fmt: skip
     refused = [f"trial {one.trial_id}: {why}" for one in (a, b) if (why := refusal(one.spec.engine_args, table))]
     if refused:  # nothing starts
         doc.failure = doc.reason = f"vLLM {version} refuses " + "; ".join(refused)
@@ -85,6 +85,8 @@ def run_paired(args: argparse.Namespace) -> int:
             if one.spec.tokenizer not in factories:
                 factories[one.spec.tokenizer] = PromptFactory(load_tokenizer(one.spec.tokenizer))
         prompts = {"A": factories[a.spec.tokenizer], "B": factories[b.spec.tokenizer]}
+        out_dir = new_run_dir(args.study_dir, version) / PAIRED_DIR  # its own: a later paired run loses nothing
+        doc.result_dir = str(out_dir)
         console.print(f"A: trial {a.trial_id} (the pick), B: trial {b.trial_id}; {rounds} rounds at {level}, {mode}",
                       soft_wrap=True, highlight=False)  # fmt: skip
         with console.status(f"measuring A and B, {rounds} rounds ({mode})"):
@@ -102,6 +104,8 @@ def run_paired(args: argparse.Namespace) -> int:
     out = args.json or args.study_dir / f"recheck-paired-{version_slug(version)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(doc.model_dump_json(indent=2) + "\n")
+    if doc.result_dir is not None:  # a copy beside its records: the study's file is the latest paired run's
+        (Path(doc.result_dir).parent / PAIRED_RUN_DOC).write_text(doc.model_dump_json(indent=2) + "\n")
     _say(console, f"wrote {out}")
     uri = args.tracking_uri or recorded_tracking_uri(args.study_dir)
     if uri is not None:

