@@ -112,3 +112,13 @@ def test_plan_gpu_gb200_plans_a_70b_model_on_one_gpu(capsys) -> None:
     assert json.loads(capsys.readouterr().out)["fits"]
     assert cli.main([*argv, "--gpu", "H100-SXM"]) == 1  # 131 GiB of bf16 weights: not on one H100
     assert not json.loads(capsys.readouterr().out)["fits"]
+
+
+def test_trials_on_b300_are_priced_from_the_table_and_gb200_says_it_has_no_price() -> None:
+    from servetune.capacity.prices import Pricing, load_price_table
+
+    pricing = Pricing(table=load_price_table())
+    b300 = pricing.resolve("NVIDIA B300 SXM6 AC")  # NVML's name, as a trial records it
+    assert b300.usd_per_device_hour == 7.89 and b300.gpu == "B300"
+    gb200 = pricing.resolve("NVIDIA GB200")
+    assert gb200.gpu == "GB200" and "no price listed for GB200" in gb200.source
