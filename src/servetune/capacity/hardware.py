@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from servetune.errors import UserError
 
@@ -49,10 +49,18 @@ class GpuSpec(BaseModel):
     aliases: list[str] = []
     memory_gib: float = Field(gt=0)
     nvidia_smi_mib: int | None = None
+    compute_capability: str | None = Field(None, pattern=r"^\d+\.\d+$", description="CUDA's major.minor, e.g. 10.0")
     fp8: bool = False
     blackwell: bool = False
     ray_type: str | None = None  # Ray's accelerator type for it: nodes of it have resource accelerator_type:<ray_type>
     perf: GpuPerf | None = None
+
+    @model_validator(mode="after")
+    def _blackwell_is_sm100(self) -> GpuSpec:
+        """``blackwell`` is vLLM's SM100 family (compute capability 10.x: ``is_device_capability_family(100)``)."""
+        if self.compute_capability is not None and self.blackwell != self.compute_capability.startswith("10."):
+            raise ValueError(f"blackwell: {self.blackwell} but compute_capability {self.compute_capability}")
+        return self
 
 
 class Hardware(BaseModel):

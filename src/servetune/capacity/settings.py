@@ -138,7 +138,10 @@ def kv_dtype_problem(arch: ModelArch, kv_cache_dtype: str, hardware: Hardware) -
                 "index_topk in the config); no attention backend serves this dense MLA model with it"
             )
         if kv_cache_dtype == "nvfp4_ds_mla" and hardware.device == "gpu" and not hardware.blackwell:
-            return f"kv_cache_dtype nvfp4_ds_mla: FLASHMLA_SPARSE takes it on SM100 (B200) only, not on {hardware.name}"
+            return (
+                "kv_cache_dtype nvfp4_ds_mla: FLASHMLA_SPARSE takes it on SM100 (compute capability 10.x: "
+                f"B200, GB200, B300, GB300) only, not on {hardware.name}"
+            )
     if arch.is_mla and kv_cache_dtype in ("nvfp4", "nvfp4_4over6"):
         return f"kv_cache_dtype {kv_cache_dtype} is not supported with MLA (use fp8, auto or nvfp4_ds_mla)"
     return None

@@ -73,7 +73,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="DIR|FILE.gguf|HUB_ID",
         help="model directory with config.json, a GGUF file, or a hub id (org/name)",
     )
-    p.add_argument("--gpu", metavar="NAME", help="GPU from the catalogue (A100-80GB, H100-SXM, H200, L40S, ...)")
+    p.add_argument(
+        "--gpu", metavar="NAME", help="GPU from the catalogue (A100-80GB, H100-SXM, H200, B200, GB200, B300, L40S, ...)"
+    )
     p.add_argument(
         "--gpu-memory-gib",
         type=float,
@@ -160,7 +162,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="default: the model's max_position_embeddings; -1: longest that fits",
     )
     p.add_argument(
-        "--max-num-seqs", type=int, metavar="N", help="default: vLLM's for the GPU (256, or 1024 on H100/H200/B200)"
+        "--max-num-seqs",
+        type=int,
+        metavar="N",
+        help="default: vLLM's for the GPU (256, or 1024 on 70 GiB and up but A100s: H100, H200, H20, B200, GB200, B300)",
     )
     p.add_argument(
         "--max-num-batched-tokens", type=int, metavar="N", help="default: vLLM's for the GPU (2048, 8192 or 16384)"
