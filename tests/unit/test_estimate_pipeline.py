@@ -1,22 +1,29 @@
 """Pipeline parallelism in the estimate (estimate/pipeline.py): each stage holds the planner's share of the layers,
-reads only their weights and KV, passes its activations on, and the engine keeps one micro-batch a stage in flight."""
+reads only their weights and KV, passes its activations on, and the engine keeps one micro-batch a stage in flight;
+and an MoE target's MTP drafter reads its experts as the target's are laid out over TP x DP."""
 
 from __future__ import annotations
 
 import pytest
 
 from servetune.capacity import load_model_arch, plan_capacity, resolve_hardware
+from servetune.capacity.params import ParamSplit, formula_bytes, mtp_params
 from servetune.estimate import Load, decode_s, estimate, prefill_s, replica_from_plan
+from servetune.estimate.expert_parallel import read_layout
 from servetune.estimate.factors import Efficiency
 from servetune.estimate.pipeline import boundary_bytes, stage_layers
 from servetune.estimate.queueing import closed_loop
+from servetune.estimate.roofline import draft_s
 
 LLAMA = "meta-llama/Llama-3.1-8B-Instruct"
 MIXTRAL = "mistralai/Mixtral-8x7B-Instruct-v0.1"
+DEEPSEEK = "deepseek-ai/DeepSeek-V3"
 H100 = resolve_hardware("gpu", "H100-SXM")
+H200 = resolve_hardware("gpu", "H200")
 # fixed factors, so that a refit of the shipped ones moves none of the pinned numbers
 EFF = Efficiency(decode_bandwidth=0.7, prefill_flops=0.5, step_overhead_ms=2.0, sequence_overhead_ms=0.05,
                  allreduce_us=10.0)  # fmt: skip
+MTP = {"method": "mtp", "num_speculative_tokens": 1}
 
 
 def _replica(model: str, hardware=H100, **args):
@@ -88,3 +95,28 @@ def test_an_moe_stage_holds_half_the_experts_and_exchanges_over_its_own_layers()
     alone, staged = decode_s(one, EFF, 1, 1500), decode_s(two, EFF, 1, 1500)
     assert alone < staged < alone * 1.02
     assert 64 / decode_s(two, EFF, 64, 1500) > 1.15 * 64 / decode_s(one, EFF, 64, 1500)
+
+
+def _touched(arch, tokens: float) -> float:
+    return 1 - (1 - arch.num_experts_per_tok / arch.num_experts) ** tokens
+
+
+def test_an_moe_targets_mtp_drafter_reads_its_experts_as_the_target_lays_them_over_tp_x_dp():
+    one = _replica(DEEPSEEK, H200, tensor_parallel_size=8, speculative_config=MTP)
+    two = _replica(DEEPSEEK, H200, tensor_parallel_size=8, data_parallel_size=2, speculative_config=MTP)
+    arch = one.arch
+    assert one.speculation is not None and two.speculation is not None
+    layout = read_layout(arch, plan_capacity(arch, {"max_model_len": 8192, "tensor_parallel_size": 8,
+                                                    "data_parallel_size": 2, "speculative_config": MTP}, H200).settings)  # fmt: skip
+    held = formula_bytes(arch, ParamSplit(0, 0, mtp_params(arch, 8, shards=layout).experts), arch.quant, 2)
+    assert two.speculation.expert_bytes == held == pytest.approx(one.speculation.expert_bytes / 2, rel=1e-9)
+    for rep, dp in ((one, 1), (two, 2)):
+        spec = rep.speculation
+        assert spec is not None
+        for batch in (1, 16):  # a pass reads the experts the DP engines' tokens select, as the target's step does
+            read = spec.pass_bytes - spec.expert_bytes * (1 - _touched(arch, dp * batch))
+            read += batch * 2000 * spec.kv_bytes_per_token
+            memory = read / (rep.rates.hbm_bytes_s * EFF.decode_bandwidth)
+            assert draft_s(rep, EFF, batch, 2000) == pytest.approx(memory, rel=1e-9)
+    # a DP rank holds half the experts but reads them for both engines' tokens: less than one engine's rank
+    assert draft_s(two, EFF, 16, 2000) < draft_s(one, EFF, 16, 2000)

@@ -110,14 +110,14 @@ def replica_from_plan(
     ``rates`` default to the catalogue GPU's; the CPU build needs them given (:func:`cpu_rates`). A drafter
     (``speculative_config``) is modelled with ``acceptance`` per draft position, or the method's assumed one.
     With ``pipeline_parallel_size`` p the replica is one stage of the planner's (estimate/pipeline.py), its step a
-    micro-batch's through all p. An MoE model's experts are read as the memory ledger
+    micro-batch's through all p. An MoE model's experts (and an MoE MTP drafter's) are read as the memory ledger
     lays them over TP x DP, for every DP engine's tokens; over DP
     the MoE layers' exchange is the ``all2all_backend`` engine argument's under EP (vLLM's default where it is not
     given), the all-gather's without (estimate/expert_parallel.py).
     """
     s = plan.settings
     experts = read_layout(arch, s)
-    spec = speculation(arch, plan, acceptance, tp=s.tensor_parallel_size)
+    spec = speculation(arch, plan, acceptance, tp=s.tensor_parallel_size, experts=experts)
     drafter_kv = plan.draft.kv_bytes_per_token if plan.draft is not None else 0
     quant = resolve_quant(arch, engine_args.get("quantization"))
     chunked = engine_args.get("enable_chunked_prefill")

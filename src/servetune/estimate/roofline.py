@@ -190,11 +190,13 @@ def decode_s(rep: Replica, eff: Efficiency, batch: float, context: float) -> flo
 
 
 def draft_s(rep: Replica, eff: Efficiency, batch: float, context: float) -> float:
-    """The drafter's k passes of one step: each reads its weights and its KV and multiplies ``batch`` tokens."""
+    """The drafter's k passes of one step: each reads its weights (an MoE MTP layer's experts as the target's are
+    read, for every DP engine's tokens) and its KV and multiplies ``batch`` tokens."""
     spec = rep.speculation
     if spec is None or not spec.gpu_passes:
         return 0.0
-    read = spec.pass_bytes + batch * context * spec.kv_bytes_per_token
+    unread = spec.expert_bytes * (1.0 - rep.experts_touched(batch))  # an MoE MTP layer: the experts none selects
+    read = spec.pass_bytes - unread + batch * context * spec.kv_bytes_per_token
     memory = read / (rep.rates.hbm_bytes_s * eff.decode_bandwidth)
     compute = batch * spec.flops_per_token / (rep.rates.flops * eff.prefill_flops)
     return spec.gpu_passes * max(memory, compute)
