@@ -12,7 +12,8 @@ multiplies against (the roofline's attention FLOPs), on one rank:
 The bytes come from the memory ledger (capacity/): one attention layer's KV bytes per token is the plan's
 ``kv_bytes_per_token`` (the cache dtype and TP split included) over the stage's attention layers, and a Mamba
 layer's state is the plan's ``mamba_state_bytes_per_sequence`` over its ``mamba_layers``; the read counts every
-layer of the model, as the roofline counts every layer's weights. A prompt token attends, on average over the
+layer of one pipeline stage (the planner's heaviest, the whole model without PP), as the roofline counts that
+stage's weights (estimate/pipeline.py). A prompt token attends, on average over the
 prompt, to what :meth:`KVRead.attended_in_prompt` says (a window caps it as it caps a decode token's).
 """
 
@@ -49,11 +50,12 @@ class KVRead:
     def of(cls, arch: ModelArch, plan: CapacityPlan, target_kv_bytes_per_token: float) -> KVRead:
         """The read of ``arch`` served as ``plan`` sized it; ``target_kv_bytes_per_token``: the plan's KV bytes per
         token less a drafter's (estimate/speculative.py reads the drafter's own)."""
-        stage = arch.layer_kinds[: _cdiv(arch.num_layers, plan.settings.pipeline_parallel_size)]
+        pp = plan.settings.pipeline_parallel_size
+        stage = arch.layer_kinds[: _cdiv(arch.num_layers, pp)]
         attending = sum(kind in ATTENTION_KINDS for kind in stage)
-        windows = Counter(layer_window(arch, kind) for kind in arch.layer_kinds if kind in ATTENTION_KINDS)
+        windows = Counter(layer_window(arch, kind) for kind in stage if kind in ATTENTION_KINDS)
         state = (
-            plan.mamba_state_bytes_per_sequence / plan.mamba_layers * arch.num_mamba_layers
+            plan.mamba_state_bytes_per_sequence / plan.mamba_layers * arch.stage_kinds(pp).count("mamba")
             if plan.mamba_layers
             else 0.0
         )

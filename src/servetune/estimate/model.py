@@ -14,6 +14,7 @@ from servetune.estimate.encoder import encode_s
 from servetune.estimate.expert_parallel import ExpertExchange, read_layout
 from servetune.estimate.factors import Factors, load_factors
 from servetune.estimate.kvread import KVRead
+from servetune.estimate.pipeline import stage_exchange
 from servetune.estimate.queueing import closed_loop, knee, open_loop
 from servetune.estimate.roofline import Replica
 from servetune.estimate.specs import DeviceRates, device_rates, gpu_class
@@ -108,12 +109,15 @@ def replica_from_plan(
 
     ``rates`` default to the catalogue GPU's; the CPU build needs them given (:func:`cpu_rates`). A drafter
     (``speculative_config``) is modelled with ``acceptance`` per draft position, or the method's assumed one.
-    An MoE model's experts are read as the memory ledger lays them over TP x DP, for every DP engine's tokens; over DP
+    With ``pipeline_parallel_size`` p the replica is one stage of the planner's (estimate/pipeline.py), its step a
+    micro-batch's through all p. An MoE model's experts (and an MoE MTP drafter's) are read as the memory ledger
+    lays them over TP x DP, for every DP engine's tokens; over DP
     the MoE layers' exchange is the ``all2all_backend`` engine argument's under EP (vLLM's default where it is not
     given), the all-gather's without (estimate/expert_parallel.py).
     """
     s = plan.settings
-    spec = speculation(arch, plan, acceptance, tp=s.tensor_parallel_size)
+    experts = read_layout(arch, s)
+    spec = speculation(arch, plan, acceptance, tp=s.tensor_parallel_size, experts=experts)
     drafter_kv = plan.draft.kv_bytes_per_token if plan.draft is not None else 0
     quant = resolve_quant(arch, engine_args.get("quantization"))
     chunked = engine_args.get("enable_chunked_prefill")
@@ -122,6 +126,7 @@ def replica_from_plan(
         rates=rates or device_rates(s.gpu, quant),
         quant=quant,
         tp=s.tensor_parallel_size,
+        pp=s.pipeline_parallel_size,
         dtype_bytes=4 if s.dtype == "float32" else 2,
         kv=KVRead.of(arch, plan, plan.kv_bytes_per_token - drafter_kv),
         max_num_seqs=s.max_num_seqs,
@@ -129,15 +134,19 @@ def replica_from_plan(
         chunked_prefill=True if chunked is None else bool(chunked),
         kv_cache_tokens=plan.kv_cache_tokens,
         speculation=spec,
-        exchange=ExpertExchange.of(
+        exchange=stage_exchange(
+            ExpertExchange.of(
+                arch,
+                s.tensor_parallel_size,
+                s.data_parallel_size,
+                s.prefill_context_parallel_size,
+                s.enable_expert_parallel,
+                engine_args.get("all2all_backend"),
+            ),
             arch,
-            s.tensor_parallel_size,
-            s.data_parallel_size,
-            s.prefill_context_parallel_size,
-            s.enable_expert_parallel,
-            engine_args.get("all2all_backend"),
+            s.pipeline_parallel_size,
         ),
-        experts=read_layout(arch, s),
+        experts=experts,
     )
 
 

@@ -35,6 +35,7 @@ import math
 from dataclasses import dataclass
 
 from servetune.estimate.factors import Efficiency
+from servetune.estimate.pipeline import chunked_prompt_s
 from servetune.estimate.roofline import Replica, decode_s, prefill_s, prefill_token_s, tokens_per_step
 
 KNEE_FRACTION = 0.9
@@ -90,7 +91,7 @@ def steady(
     if rep.chunked_prefill:
         chunk = max(rep.max_num_batched_tokens - n, 1.0)
         steps = math.ceil(input_tokens / chunk)
-        ttft = steps * decode + input_tokens * per_prompt_token + encode + tpot / 2
+        ttft = chunked_prompt_s(rep.pp, steps, decode, input_tokens, chunk, per_prompt_token) + encode + tpot / 2
     else:
         ttft = prefill_s(rep, eff, input_tokens, input_tokens) + encode + tpot / 2
     if waves > 0:

@@ -16,6 +16,11 @@ With speculative decoding (:mod:`servetune.estimate.speculative`) a decode step 
 sequence (the weights and KV read once, the FLOPs of every token) after k draft passes, and yields the
 accepted length of tokens per sequence (:func:`tokens_per_step`).
 
+With pipeline parallelism (:mod:`servetune.estimate.pipeline`) each of the ``p`` stages holds the planner's
+heaviest stage (``ceil(layers / p)`` layers): a step above is one stage's, of one micro-batch, and what
+:func:`decode_s` and :func:`prefill_s` return is a micro-batch's time through all ``p`` stages, the boundary
+transfers between them included (``pipeline.interval_s``).
+
 Every step adds a fixed overhead (scheduling, kernel launches) and a cost per sequence (sampling,
 bookkeeping). What a step reads of the KV cache per layer kind (full, sliding window, MLA, Mamba state)
 and the tokens its attention multiplies against come from :class:`~servetune.estimate.kvread.KVRead`.
@@ -32,6 +37,7 @@ from servetune.capacity.params import MoeShards, rank_params, weight_bytes_per_r
 from servetune.estimate.expert_parallel import ExpertExchange
 from servetune.estimate.factors import Efficiency
 from servetune.estimate.kvread import KVRead
+from servetune.estimate.pipeline import boundary_s, interval_s, micro_batches, stage_layers
 from servetune.estimate.specs import DeviceRates
 from servetune.estimate.speculative import Speculation
 
@@ -51,6 +57,7 @@ class Replica:
     rates: DeviceRates
     quant: WeightQuant
     tp: int = 1
+    pp: int = 1  # pipeline stages: the fields below are one stage's (estimate/pipeline.py)
     dtype_bytes: int = 2
     # what a step reads of the KV cache per layer kind, on one rank (the target's alone)
     kv: KVRead = field(default_factory=KVRead)
@@ -67,26 +74,34 @@ class Replica:
         """KV bytes per token of context on one rank were every attention layer to read all of it."""
         return self.kv.per_token
 
+    @property
+    def layers(self) -> int:
+        """Decoder layers on one stage (all of them without pipeline parallelism)."""
+        return stage_layers(self.arch, self.pp)
+
     @functools.cached_property
     def expert_bytes(self) -> float:
         """Bytes of routed-expert weights on one rank (read only for the experts a step touches)."""
-        experts = rank_params(self.arch, self.tp, shards=self.experts).experts
+        experts = rank_params(self.arch, self.tp, self.pp, shards=self.experts).experts
         return experts * self.quant.bytes_per_weight(self.dtype_bytes)
 
     @functools.cached_property
     def weight_bytes(self) -> float:
-        return float(weight_bytes_per_rank(self.arch, self.quant, self.dtype_bytes, self.tp, shards=self.experts))
+        return float(
+            weight_bytes_per_rank(self.arch, self.quant, self.dtype_bytes, self.tp, self.pp, shards=self.experts)
+        )
 
     @functools.cached_property
     def active_params(self) -> float:
         """Parameters one token multiplies through on one rank: routed experts at top-k / experts. Split over TP
         alone whatever the experts' layout: a rank's share over TP x DP times the DP engines' tokens it runs
-        them on is the same FLOPs (estimate/expert_parallel.py)."""
+        them on is the same FLOPs (estimate/expert_parallel.py). Under PP one stage's: its layers, and the last
+        stage's lm_head spread over the stages (estimate/pipeline.py)."""
         a = self.arch
-        p = rank_params(a, self.tp)  # routed experts apart from the linear weights (capacity/params.py)
+        p = rank_params(a, self.tp, self.pp)  # routed experts apart from the linear weights (capacity/params.py)
         share = a.num_experts_per_tok / a.num_experts if a.is_moe else 0.0
         lm_head = _cdiv(a.vocab_size, self.tp) * a.hidden_size
-        return p.linear + p.experts * share + lm_head
+        return p.linear + p.experts * share + lm_head / self.pp
 
     def attention_flops(self, context: float, prompt: bool = False) -> float:
         """Attention FLOPs of one token against ``context`` earlier tokens, on one rank (``prompt``: of a prompt's
@@ -111,12 +126,12 @@ class Replica:
         return 1.0 - (1.0 - a.num_experts_per_tok / a.num_experts) ** max(gathered, 1.0)
 
     def allreduce_s(self, tokens: float, latency_us: float) -> float:
-        """Two all-reduces per layer of ``tokens`` hidden states (ring algorithm), on the GPU link."""
+        """Two all-reduces per layer (of a stage) of ``tokens`` hidden states (ring algorithm), on the GPU link."""
         if self.tp == 1:
             return 0.0
         message = tokens * self.arch.hidden_size * ACTIVATION_BYTES
         ring = 2 * (self.tp - 1) / self.tp * message / self.rates.link_bytes_s
-        return 2 * self.arch.num_layers * (ring + latency_us / 1e6)
+        return 2 * self.layers * (ring + latency_us / 1e6)
 
     def link_s(self, tokens: float, latency_us: float) -> float:
         """A step's traffic on the GPU link: TP's all-reduces and, under expert parallelism, the MoE layers'
@@ -125,49 +140,63 @@ class Replica:
         x = self.exchange
         if x is None:
             return allreduce
-        replaced = allreduce * x.allreduces_replaced / (2 * self.arch.num_layers)
+        replaced = allreduce * x.allreduces_replaced / (2 * self.layers)
         return allreduce - replaced + x.seconds(tokens, self.rates.link_bytes_s, latency_us)
 
     def weights_read(self, tokens: float) -> float:
         return self.weight_bytes - self.expert_bytes * (1.0 - self.experts_touched(tokens))
 
+    def boundary_s(self, tokens: float, latency_us: float) -> float:
+        """One stage boundary's transfer of ``tokens`` tokens (0 without PP)."""
+        return boundary_s(self.arch, self.tp, self.pp, tokens, self.rates.link_bytes_s, latency_us)
+
 
 def prefill_token_s(rep: Replica, eff: Efficiency, prompt_tokens: float) -> float:
-    """Compute time of one prompt token (attention over half the prompt on average), its link traffic included."""
+    """Compute time of one prompt token (attention over half the prompt on average), its link traffic included;
+    under PP on one stage, with its share of the boundaries' transfer."""
     flops = 2 * rep.active_params + rep.attention_flops(prompt_tokens, prompt=True)
-    return flops / (rep.rates.flops * eff.prefill_flops) + rep.link_s(1, 0.0)
+    boundary = (rep.pp - 1) / rep.pp * rep.boundary_s(1, 0.0)
+    return flops / (rep.rates.flops * eff.prefill_flops) + rep.link_s(1, 0.0) + boundary
 
 
 def prefill_s(rep: Replica, eff: Efficiency, tokens: float, prompt_tokens: float) -> float:
-    """One step that prefills ``tokens`` tokens of prompts ``prompt_tokens`` long."""
+    """One step that prefills ``tokens`` tokens of prompts ``prompt_tokens`` long (through every stage under PP)."""
     flops = tokens * (2 * rep.active_params + rep.attention_flops(prompt_tokens, prompt=True))
     compute = flops / (rep.rates.flops * eff.prefill_flops)
     memory = rep.weights_read(tokens) / (rep.rates.hbm_bytes_s * eff.decode_bandwidth)
-    return max(compute, memory) + rep.link_s(tokens, eff.allreduce_us) + eff.step_overhead_ms / 1e3
+    stage = max(compute, memory) + rep.link_s(tokens, eff.allreduce_us)
+    return interval_s(rep.pp, stage, rep.boundary_s(tokens, eff.allreduce_us), eff.step_overhead_ms / 1e3)
 
 
 def decode_s(rep: Replica, eff: Efficiency, batch: float, context: float) -> float:
     """One step that decodes one token for each of ``batch`` sequences at mean ``context`` tokens; with a drafter,
-    its draft passes and the verification of ``1 + k`` tokens per sequence (yielding :func:`tokens_per_step`)."""
+    its draft passes and the verification of ``1 + k`` tokens per sequence (yielding :func:`tokens_per_step`).
+
+    Under PP the interval between a sequence's steps: the ``batch`` sequences run as micro-batches, one a stage, and
+    one micro-batch's time through every stage is returned (estimate/pipeline.py); the drafter runs once in it."""
     if batch <= 0:
         return eff.step_overhead_ms / 1e3
     spec = rep.speculation
-    tokens = batch * (spec.query_len if spec is not None else 1)
-    read = rep.weights_read(tokens) + batch * rep.kv.per_sequence(context)
+    micro = batch / micro_batches(rep.pp, batch)  # sequences a micro-batch: all of them without PP
+    tokens = micro * (spec.query_len if spec is not None else 1)
+    read = rep.weights_read(tokens) + micro * rep.kv.per_sequence(context)
     memory = read / (rep.rates.hbm_bytes_s * eff.decode_bandwidth)
     flops = tokens * (2 * rep.active_params + rep.attention_flops(context))
     compute = flops / (rep.rates.flops * eff.prefill_flops)
-    overhead = eff.step_overhead_ms + batch * eff.sequence_overhead_ms
-    step = max(memory, compute) + rep.link_s(tokens, eff.allreduce_us) + overhead / 1e3
-    return step + (draft_s(rep, eff, batch, context) if spec is not None else 0.0)
+    overhead = (eff.step_overhead_ms + micro * eff.sequence_overhead_ms) / 1e3
+    stage = max(memory, compute) + rep.link_s(tokens, eff.allreduce_us)
+    step = interval_s(rep.pp, stage, rep.boundary_s(tokens, eff.allreduce_us), overhead)
+    return step + (draft_s(rep, eff, micro, context) if spec is not None else 0.0)
 
 
 def draft_s(rep: Replica, eff: Efficiency, batch: float, context: float) -> float:
-    """The drafter's k passes of one step: each reads its weights and its KV and multiplies ``batch`` tokens."""
+    """The drafter's k passes of one step: each reads its weights (an MoE MTP layer's experts as the target's are
+    read, for every DP engine's tokens) and its KV and multiplies ``batch`` tokens."""
     spec = rep.speculation
     if spec is None or not spec.gpu_passes:
         return 0.0
-    read = spec.pass_bytes + batch * context * spec.kv_bytes_per_token
+    unread = spec.expert_bytes * (1.0 - rep.experts_touched(batch))  # an MoE MTP layer: the experts none selects
+    read = spec.pass_bytes - unread + batch * context * spec.kv_bytes_per_token
     memory = read / (rep.rates.hbm_bytes_s * eff.decode_bandwidth)
     compute = batch * spec.flops_per_token / (rep.rates.flops * eff.prefill_flops)
     return spec.gpu_passes * max(memory, compute)

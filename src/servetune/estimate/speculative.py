@@ -18,6 +18,13 @@ batches grow the step turns compute-bound, verification costs ``1 + k`` tokens' 
 falls and turns negative: the deployment guide's "too many draft tokens lowers the real speed", and
 vLLM users' case for batch-aware speculation (vLLM #48627, #49548).
 
+An MTP layer of an MoE target is one of its MoE layers, and vLLM builds it with the target's MoE parallel config:
+its experts lie over TP x DP as the target's do (the memory ledger's ``moe_shards``; estimate/expert_parallel.py
+``read_layout``, the same function the target's experts are read with), and a pass reads only the experts the DP
+engines' tokens select, ``Replica.experts_touched`` (:attr:`Speculation.expert_bytes`: the held experts'
+bytes a pass reads in the full case). Its FLOPs are split over TP alone, as the target's are (the rank's
+``1 / (TP x DP)`` share of the experts on ``DP x`` the tokens is the same work).
+
 The acceptance depends on the model pair and the text, not on the configuration: a trial measures it
 (``spec_decode_mean_accepted_length``, engine/metrics.py). Before one is measured the estimate assumes
 :data:`DEFAULT_ACCEPTANCE`, per method, and says so in :attr:`Speculation.acceptance_source`.
@@ -29,7 +36,7 @@ from dataclasses import dataclass
 
 from servetune.capacity import CapacityPlan, ModelArch
 from servetune.capacity.hardware import GIB
-from servetune.capacity.params import rank_params
+from servetune.capacity.params import MoeShards, ParamSplit, formula_bytes, mtp_params, rank_params
 
 #: Per-position acceptance assumed before any is measured. Orders of magnitude from the methods' papers and
 #: vLLM's speculative-decoding docs, on chat-like text: DeepSeek-V3's report gives 85-90% for its MTP module's
@@ -83,6 +90,7 @@ class Speculation:
     pass_bytes: float = 0.0  # bytes one draft pass reads besides the KV: the drafter's weights (+ shared lm_head)
     flops_per_token: float = 0.0  # one draft token's FLOPs through the drafter (and the shared lm_head)
     kv_bytes_per_token: float = 0.0  # the drafter's KV per token of context, read by each pass
+    expert_bytes: float = 0.0  # of pass_bytes, an MoE MTP layer's routed experts held (read where selected)
 
     @property
     def query_len(self) -> int:
@@ -98,10 +106,16 @@ class Speculation:
 
 
 def speculation(
-    arch: ModelArch, plan: CapacityPlan, acceptance: float | None = None, *, tp: int = 1
+    arch: ModelArch,
+    plan: CapacityPlan,
+    acceptance: float | None = None,
+    *,
+    tp: int = 1,
+    experts: MoeShards | None = None,
 ) -> Speculation | None:
     """The drafter of a configuration the memory ledger planned with one (None without ``speculative_config``).
-    ``acceptance`` is a measured per-position acceptance; without it, :data:`DEFAULT_ACCEPTANCE`."""
+    ``acceptance`` is a measured per-position acceptance; without it, :data:`DEFAULT_ACCEPTANCE`. ``experts``: the
+    target's routed experts' layout over TP x DP (expert_parallel.py ``read_layout``), which an MTP layer shares."""
     draft = plan.draft
     if draft is None:
         return None
@@ -114,17 +128,19 @@ def speculation(
         source = "measured"
     if draft.method in TEXT_METHODS:
         return Speculation(draft.method, draft.num_speculative_tokens, acceptance, source)
+    bytes_per_weight = 4 if plan.settings.dtype == "float32" else 2
     pass_bytes = draft.weights_gib * GIB
     flops = 2.0 * draft.parameters_b * 1e9 / tp
+    expert_bytes = 0.0
     if draft.method == "mtp" and arch.is_moe:  # an MTP layer is one of the target's: its tokens reach top-k experts
         split = rank_params(arch, tp)
         active = split.linear + split.other + split.experts * arch.num_experts_per_tok / arch.num_experts
         flops *= active / split.total
+        held = ParamSplit(linear=0, other=0, experts=mtp_params(arch, tp, shards=experts).experts)
+        expert_bytes = formula_bytes(arch, held, arch.quant, bytes_per_weight)
     if draft.method in SHARED_HEAD:
         head = -(-arch.vocab_size // tp) * arch.hidden_size
-        bytes_per_weight = 4 if plan.settings.dtype == "float32" else 2
         pass_bytes += head * bytes_per_weight
         flops += 2.0 * head
-    return Speculation(
-        draft.method, draft.num_speculative_tokens, acceptance, source, pass_bytes, flops, draft.kv_bytes_per_token
-    )
+    return Speculation(draft.method, draft.num_speculative_tokens, acceptance, source, pass_bytes, flops,
+                       draft.kv_bytes_per_token, expert_bytes)  # fmt: skip
