@@ -15,6 +15,7 @@ from servetune.estimate.calibrate_cpu import RECORDED_HOST
 from servetune.estimate.encoder import workload_images
 from servetune.estimate.factors import Efficiency
 from servetune.estimate.kernels import KernelFactors, gpu_kernel_factors
+from servetune.estimate.model import arrival_burstiness
 from servetune.estimate.refit import Refit
 from servetune.estimate.slo import broken_bounds, judged_bounds
 from servetune.estimate.specs import gpu_class
@@ -108,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
     workload = space.resolved_workload(args.space.parent)
     levels = resolve_levels(space, workload)
     input_tokens, output_tokens = mean_lengths(workload)
+    burstiness = arrival_burstiness(workload)
     if cpu:
         hardware_of = {"cpu": resolve_hardware("cpu")}
     else:
@@ -137,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
         image_tokens, flops = workload_images(workload, arch.vision, engine)
         prompt_tokens = input_tokens + image_tokens
         for level in levels:
-            load = Load.at_level(level.kind, level.value, prompt_tokens, output_tokens, flops)
+            load = Load.at_level(level.kind, level.value, prompt_tokens, output_tokens, flops, burstiness)
             row: dict[str, Any] = {"params": params, "level": {level.kind: level.value}}
             if prompt_tokens > input_tokens:
                 row["image_tokens"] = prompt_tokens - input_tokens

@@ -78,6 +78,7 @@ class CalibrationPoint:
     saturated: bool = False
     predicted: dict[str, float] = field(default_factory=dict)
     encoder_flops: float = 0.0  # the vision tower's FLOPs a request's images need (a study's own image workload)
+    burstiness: float = 1.0  # an open loop's gamma shape (1: Poisson; the public points' open loops are)
 
 
 # --- reading the data set ----------------------------------------------------------------------------
@@ -290,8 +291,11 @@ def predict(point: CalibrationPoint, eff: Efficiency) -> tuple[dict[str, float],
             tpot = (e2e - prefill) / max(o - 1, 1)
             return {"output_throughput": batch * o / (waves * e2e), "tpot_ms": tpot * 1e3}, batch > cap
         return {"output_throughput": batch * o / (waves * e2e), "ttft_ms": prefill * 1e3}, batch > cap
-    loop = closed_loop if point.regime == "closed" else open_loop
-    p = loop(rep, eff, point.load, i, max(o, 2), encode_s(rep, eff, point.encoder_flops))
+    encode = encode_s(rep, eff, point.encoder_flops)
+    if point.regime == "closed":
+        p = closed_loop(rep, eff, point.load, i, max(o, 2), encode)
+    else:
+        p = open_loop(rep, eff, point.load, i, max(o, 2), encode, 1 / point.burstiness)
     got = {"tpot_ms": p.tpot_s * 1e3, "output_throughput": p.request_rate * o}
     if p.ttft_s is not None:
         got["ttft_ms"] = p.ttft_s * 1e3

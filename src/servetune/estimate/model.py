@@ -21,6 +21,7 @@ from servetune.estimate.specs import DeviceRates, device_rates, gpu_class
 from servetune.estimate.speculative import speculation
 
 if TYPE_CHECKING:
+    from servetune.config.workload import Workload
     from servetune.summary import LevelSummary
 
 
@@ -37,19 +38,29 @@ class Load(BaseModel):
     concurrency: int | None = Field(None, ge=1)
     rate: float | None = Field(None, gt=0)
     encoder_flops: float = Field(0.0, ge=0, description="the vision tower's FLOPs a request needs on average")
+    burstiness: float = Field(
+        1.0, gt=0, description="open loop: the gaps' gamma shape (1: Poisson); the arrivals' squared CV is 1 / it"
+    )
 
     @classmethod
     def at_level(
-        cls, kind: str, value: float, input_tokens: int, output_tokens: int, encoder_flops: float = 0.0
+        cls,
+        kind: str,
+        value: float,
+        input_tokens: int,
+        output_tokens: int,
+        encoder_flops: float = 0.0,
+        burstiness: float = 1.0,
     ) -> Load:
         """A ladder level's load: ``kind`` concurrency is ``value`` clients (rounded, at least one), else ``value``
-        requests/s."""
+        requests/s arriving with ``burstiness`` (:func:`arrival_burstiness`)."""
         closed = kind == "concurrency"
         return cls(input_tokens=input_tokens, output_tokens=output_tokens, encoder_flops=encoder_flops,
-                   concurrency=max(1, round(value)) if closed else None, rate=None if closed else value)  # fmt: skip
+                   concurrency=max(1, round(value)) if closed else None, rate=None if closed else value,
+                   burstiness=burstiness)  # fmt: skip
 
     @classmethod
-    def measured(cls, summary: LevelSummary, encoder_flops: float = 0.0) -> Load | None:
+    def measured(cls, summary: LevelSummary, encoder_flops: float = 0.0, burstiness: float = 1.0) -> Load | None:
         """The load a measured level served: its clients or rate, its requests' mean lengths as vLLM counted them
         (an image workload's image tokens among the input tokens), and the tower's ``encoder_flops`` a request's
         images need (estimate/encoder.py ``workload_images``). None for a level that completed no request, or
@@ -62,7 +73,7 @@ class Load(BaseModel):
         if "concurrency" in summary.level:
             return cls.at_level("concurrency", summary.level["concurrency"], *lengths, encoder_flops)
         if summary.level.get("rate", 0.0) > 0:
-            return cls.at_level("rate", summary.level["rate"], *lengths, encoder_flops)
+            return cls.at_level("rate", summary.level["rate"], *lengths, encoder_flops, burstiness)
         return None
 
     @model_validator(mode="after")
@@ -70,6 +81,14 @@ class Load(BaseModel):
         if (self.concurrency is None) == (self.rate is None):
             raise ValueError("give either concurrency (closed loop) or rate (open loop)")
         return self
+
+
+def arrival_burstiness(workload: Workload | None) -> float:
+    """The open loop's burstiness a workload's arrivals have: its gamma shape, 1 for Poisson (and for a trace,
+    whose gaps' spread the model does not read)."""
+    if workload is None or workload.arrival.process != "gamma":
+        return 1.0
+    return workload.arrival.burstiness
 
 
 class Estimate(BaseModel):
@@ -188,7 +207,7 @@ def estimate(
         point = closed_loop(rep, eff, load.concurrency / dp, load.input_tokens, load.output_tokens, encode)
     else:
         assert load.rate is not None
-        point = open_loop(rep, eff, load.rate / dp, load.input_tokens, load.output_tokens, encode)
+        point = open_loop(rep, eff, load.rate / dp, load.input_tokens, load.output_tokens, encode, 1 / load.burstiness)
     tpot_ms = point.tpot_s * 1e3
     return Estimate(
         ttft_ms=None if point.ttft_s is None else point.ttft_s * 1e3,

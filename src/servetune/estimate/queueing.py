@@ -21,7 +21,9 @@ replica, so it completes ``n / that`` requests per second (Little's law).
   not hold, its TPOT does. A small step budget moves wave time from TTFT into TPOT and adds a
   step overhead per step; it does not shorten the request (``wave_prefill``).
 - Open loop, R requests/s per replica: the ``n`` (bisected) whose throughput equals R; past the
-  capacity's throughput the queue grows without bound (saturated, TTFT unbounded).
+  capacity's throughput the queue grows without bound (saturated, TTFT unbounded). Below it, random
+  arrivals still find every slot taken at times: a request then waits for one before its prefill
+  starts (:func:`slot_wait_s`, the G/G/c queue of the capacity's slots), in its TTFT.
 - The knee: the smallest concurrency whose throughput reaches 90 % of the capacity's.
 
 A request with images first has them encoded by the vision tower (``encode``: seconds per request, from
@@ -180,9 +182,50 @@ def closed_loop(
     )
 
 
+def slot_wait_s(
+    in_flight: float, slots: int, service_s: float, arrival_cv2: float = 1.0, service_cv2: float = 0.0
+) -> float:
+    """Mean time a request of an open loop waits for one of a replica's ``slots`` before its prefill starts.
+
+    The replica is a G/G/c server: c = ``slots`` requests run at once (``capacity``), each for its residence
+    ``service_s`` (TTFT_engine + (O - 1) x TPOT at the operating batch), and arrivals come at rate
+    lambda = ``in_flight`` / ``service_s`` (Little's law: ``in_flight`` is the mean number of slots busy, the
+    offered load a = lambda x S, and the utilisation rho = a / c). A request that finds every slot busy waits
+    in vLLM's queue. For Poisson arrivals and exponential service (M/M/c) the mean wait is Erlang's C formula,
+    W = C(c, a) x S / (c - a), where C(c, a) is the chance an arrival finds all c busy. The Allen-Cunneen
+    approximation carries it to general arrivals and service, scaled by their squared coefficients of
+    variation: W ~ C(c, a) x S / (c - a) x (ca^2 + cs^2) / 2. With one slot C(1, a) = rho and this is
+    Kingman's formula, rho / (1 - rho) x S x (ca^2 + cs^2) / 2 (Pollaczek-Khinchine's, exact, for Poisson).
+
+    ``arrival_cv2`` (ca^2): 1 for Poisson arrivals, 1 / shape for gamma gaps (a workload's ``burstiness``),
+    0 for evenly spaced ones. ``service_cv2`` (cs^2): 0 for requests of fixed lengths, whose residence varies
+    little (the default: the load is its mean lengths), 1 for exponentially spread output lengths.
+    So the wait is ~0 at low utilisation, grows without bound as rho -> 1 (W ~ S x (ca^2 + cs^2) / 2 /
+    (c (1 - rho)) there), and scales with the arrivals' burstiness. C(c, a) comes from Erlang's B by its
+    stable recursion, B(0) = 1, B(k) = a B(k-1) / (k + a B(k-1)); C = c B / (c - a (1 - B)).
+    """
+    c = max(int(slots), 1)
+    a = max(in_flight, 0.0)
+    if a >= c:
+        return math.inf
+    b = 1.0
+    for k in range(1, c + 1):
+        b = a * b / (k + a * b)
+    erlang_c = c * b / (c - a * (1.0 - b))
+    return erlang_c * service_s / (c - a) * (arrival_cv2 + service_cv2) / 2.0
+
+
 def open_loop(
-    rep: Replica, eff: Efficiency, rate: float, input_tokens: int, output_tokens: int, encode: float = 0.0
+    rep: Replica,
+    eff: Efficiency,
+    rate: float,
+    input_tokens: int,
+    output_tokens: int,
+    encode: float = 0.0,
+    arrival_cv2: float = 1.0,
 ) -> Point:
+    """R requests/s per replica: the batch that serves them, and TTFT with the wait for a slot
+    (:func:`slot_wait_s`; ``arrival_cv2`` the arrivals' squared coefficient of variation, 1 for Poisson)."""
     cap = capacity(rep, input_tokens, output_tokens)
     full = steady(rep, eff, cap, input_tokens, output_tokens, encode=encode)
     if rate >= full.request_rate(output_tokens):
@@ -198,7 +241,10 @@ def open_loop(
         else:
             hi = mid
     s = steady(rep, eff, hi, input_tokens, output_tokens, encode=encode)
-    return Point(s.ttft_s, s.tpot_s, rate, saturated=False, in_flight=hi, preempting=False)
+    wait = slot_wait_s(hi, cap, s.residence_s(output_tokens), arrival_cv2)
+    if not math.isfinite(wait):  # the rate is within the bisection's precision of the capacity's
+        return Point(None, s.tpot_s, rate, True, cap, _preempts(rep, rep.max_num_seqs, input_tokens, output_tokens))
+    return Point(s.ttft_s + wait, s.tpot_s, rate, saturated=False, in_flight=hi, preempting=False)
 
 
 def knee(rep: Replica, eff: Efficiency, input_tokens: int, output_tokens: int, encode: float = 0.0) -> int:

@@ -22,6 +22,7 @@ from servetune.errors import UserError
 from servetune.estimate import Efficiency, Estimate, Load, estimate, gpu_class, load_factors
 from servetune.estimate.calibrate_cpu import RECORDED_HOST
 from servetune.estimate.encoder import workload_images
+from servetune.estimate.model import arrival_burstiness
 from servetune.estimate.slo import ESTIMATED_METRICS
 from servetune.load.runner import Level
 from servetune.metrics import COST_METRIC, cost_per_mtok_usd
@@ -59,7 +60,9 @@ def forecast(
         out = []
         image_tokens, flops = workload_images(spec.workload, arch.vision, spec.engine_args)
         for level in spec.levels:
-            load = Load.at_level(level.kind, level.value, lengths[0] + image_tokens, lengths[1], flops)
+            load = Load.at_level(
+                level.kind, level.value, lengths[0] + image_tokens, lengths[1], flops, arrival_burstiness(spec.workload)
+            )
             est = estimate(arch, spec.engine_args, hardware, load, factors, env=spec.env, rates=rates)
             out.append(LevelForecast(level, est))
         return out

@@ -23,6 +23,7 @@ from servetune.estimate import Efficiency, Estimate, Load, estimate, gpu_class, 
 from servetune.estimate.calibrate import CalibrationPoint
 from servetune.estimate.calibrate_cpu import RECORDED_HOST
 from servetune.estimate.encoder import workload_images
+from servetune.estimate.model import arrival_burstiness
 from servetune.estimate.speculative import acceptance_for_length
 from servetune.metrics import SPEC_MEAN_ACCEPTED_LENGTH
 from servetune.results import LevelEstimate, LevelResult, TrialResult
@@ -67,7 +68,7 @@ def estimate_levels(
         draft = load_draft(result.engine_args)
         _image_tokens, flops = workload_images(workload, arch.vision, result.engine_args)  # already in the prompts
         for level in levels:
-            load = Load.measured(level.summary, flops)
+            load = Load.measured(level.summary, flops, arrival_burstiness(workload))
             if load is None:
                 continue
             est = estimate(arch, result.engine_args, hardware, load, factors, env=result.env, rates=rates,
@@ -120,7 +121,7 @@ def calibration_points(
     _image_tokens, flops = workload_images(workload, arch.vision, result.engine_args)
     points: list[CalibrationPoint] = []
     for level in result.levels:
-        load = Load.measured(level.summary, flops)
+        load = Load.measured(level.summary, flops, arrival_burstiness(workload))
         if load is None or (load.concurrency is None and load.rate is None):
             continue
         s = level.summary
@@ -139,7 +140,7 @@ def calibration_points(
                 input_tokens=load.input_tokens, output_tokens=load.output_tokens,
                 load=float(load.concurrency if load.concurrency is not None else load.rate or 0) / dp,
                 measured={k: v for k, v in measured.items() if v is not None and v > 0}, held_out=False,
-                encoder_flops=load.encoder_flops,
+                encoder_flops=load.encoder_flops, burstiness=load.burstiness,
             )
         )  # fmt: skip
     return points
@@ -172,7 +173,9 @@ def planned_estimate(
         arch = load_model_arch(model)
         hardware = resolve_hardware("cpu") if device == "cpu" else resolve_hardware("gpu", gpu, gpu_memory_gib)
         image_tokens, flops = workload_images(workload, arch.vision, engine_args)
-        load = Load.at_level(kind, value, input_tokens + image_tokens, output_tokens, flops)
+        load = Load.at_level(
+            kind, value, input_tokens + image_tokens, output_tokens, flops, arrival_burstiness(workload)
+        )
         rates = RECORDED_HOST if device == "cpu" else None
         return estimate(arch, engine_args, hardware, load, env=env, rates=rates)
     except (UserError, ValueError, KeyError) as exc:
