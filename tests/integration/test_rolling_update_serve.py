@@ -11,6 +11,10 @@ kept). From the request records: the scenario's counts and worst TTFT during the
 paced by the new replicas. Every engine takes :data:`START_S` to start: a request that waited for a replica to start
 (none serving, or the router gone) would have waited at least that long, and none did.
 
+Before the update, two levels are measured on the deployment as a Serve trial's ladder measures them (``measure_rung``
+given the ServeEngine): each keeps its busiest front-end process's share of a core (Serve's proxy, the ingress or an
+LLM replica: serve/frontend.py).
+
 Then, on the updated deployment under the same load, verify's replica_lost scenario (opt-in in verify): one replica's
 process killed (the fake engine runs in the replica's own process), Serve's replacement, and what the clients saw.
 
@@ -26,6 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from servetune.config.slo import Slo
@@ -112,6 +117,8 @@ def roll(work: str, model: str) -> None:
         out["before"] = {"replicas": cluster.engine_replicas(engine.name), "ingress": ingress(cluster, engine.name),
                          "configs": cluster.replica_llm_configs(engine.name)}  # fmt: skip
 
+        out["ladder"] = ladder(engine, winner.model, prompts)
+
         async def scenario(run):
             async with StreamingClient(engine.url, winner.model, timeout_s=60, first_token_timeout_s=30,
                                        idle_timeout_s=30) as client:  # fmt: skip
@@ -144,6 +151,28 @@ def roll(work: str, model: str) -> None:
         out["started"] = [json.loads(line.split(STARTED, 1)[1]) for line in engine.log_text().splitlines()
                           if STARTED in line]  # fmt: skip
     (root / "rolled.json").write_text(json.dumps(out, default=str))
+
+
+def ladder(engine, model: str, prompts) -> dict:
+    """Two levels measured as a Serve trial measures its ladder (trial/measure.py ``measure_rung``, given the
+    ServeEngine): what each level kept of the front end's CPU, and the front end's processes as read."""
+    from servetune.load.client import StreamingClient
+    from servetune.serve.frontend import read_front_end
+    from servetune.trial.measure import LevelPlan, measure_rung
+
+    async def run() -> list:
+        levels = []
+        async with StreamingClient(engine.url, model, timeout_s=60, first_token_timeout_s=30, idle_timeout_s=30) as c:
+            for index, load in enumerate((1.0, 3.0)):
+                plan = LevelPlan(Level("concurrency", load), 9, None, 1)
+                levels.append(await measure_rung(c, engine.url, WORKLOAD, prompts, plan, index, repeats=1, slo=SLO,
+                                                 record=lambda _: None, engine=engine))  # fmt: skip
+        return levels
+
+    reading = read_front_end(engine.name, engine.proxy_record.get("serve_proxy_node_id", ""))
+    return {"levels": [{"share": lv.frontend_cpu_share, "process": lv.frontend_process, "completed": lv.summary.completed}
+                       for lv in asyncio.run(run())],
+            "roles": sorted(reading.roles.values()) if reading else []}  # fmt: skip
 
 
 def fresh_reader(name: str, deployed: dict) -> dict:
@@ -245,6 +274,18 @@ def test_a_rolling_update_to_the_runner_up_leaves_only_replicas_of_its_configura
     after_it = [r for r in measured if r.sent >= done_s]
     assert n["requests_after"] == len(after_it) > 0 and n["failed_after"] == sum(not r.ok for r in after_it)
     assert all(r.ttft_s >= RUNNER_UP_TTFT_S for r in after_it if r.ok and r.ttft_s is not None)
+
+
+def test_each_level_of_a_serve_trial_keeps_its_busiest_front_end_processs_share_of_a_core(rolled):
+    """Serve's front end (serve/frontend.py), read as a trial's ladder reads it: the proxy the client sends to, the
+    ingress and both LLM replicas are found in Ray's actor table, and each level keeps the busiest one's CPU over the
+    level (a share of a core: at most the host's cores) and which of them it was."""
+    assert rolled["ladder"]["roles"] == ["ingress", "proxy", "replica", "replica"]
+    levels = rolled["ladder"]["levels"]
+    assert [lv["completed"] for lv in levels] == [9, 9]
+    for lv in levels:
+        assert lv["share"] is not None and 0.0 <= lv["share"] <= psutil.cpu_count(), levels
+        assert lv["process"] in ("proxy", "ingress", "replica"), levels
 
 
 def test_a_replica_lost_under_load_is_replaced_by_serve_and_the_other_serves_meanwhile(rolled):

@@ -113,9 +113,26 @@ def test_a_front_end_near_a_full_core_while_the_engine_had_room_is_front_end_bou
 
 
 @pytest.mark.parametrize(
+    "process, named, lever",
+    [
+        ("replica", "the LLM replica's process", "more replicas (serve.num_replicas)"),
+        ("proxy", "Serve's HTTP proxy", "more of Serve's proxies"),
+        ("ingress", "Serve's ingress replica", "more ingress replicas"),
+    ],
+)
+def test_a_serve_trials_busy_front_end_names_its_process_and_serves_lever(process, named, lever):
+    """A Serve trial records which of its front-end processes was the busiest (serve/frontend.py); the rule, its
+    conditions unchanged, names that process and Serve's lever for it, not vLLM's API server's."""
+    trial = with_level(climbing(), 2, frontend_cpu_share=0.97, frontend_process=process)
+    (finding,) = [f for f in diagnose(trial) if f.rule == "frontend_bound"]
+    assert finding.symptom.startswith(f"front end CPU-bound at concurrency 32: {named}")
+    assert "97% of a core" in finding.symptom and lever in finding.lever and "api-server-count" not in finding.lever
+
+
+@pytest.mark.parametrize(
     "share, server, args",
     [
-        (None, {}, {}),  # not recorded (a Serve trial, an older result)
+        (None, {}, {}),  # not recorded (bench --url, an older result)
         (0.5, {}, {}),  # the front end had CPU to spare
         (0.97, {"requests_waiting_max": 3.0}, {}),  # requests waited in the engine: the engine was the limit
         (0.97, {}, {"max_num_seqs": 7}),  # every sequence slot ran

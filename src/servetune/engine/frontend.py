@@ -9,12 +9,14 @@ seconds (user + system, every thread of it, not its children's) are the front en
 A level's share is read twice, at its start and its end (no sampling thread): the CPU seconds each process
 spent in between over the seconds in between, of the busiest one, whose ceiling is about one core (its event
 loop; a few helper threads can take it slightly past). A process that started or ended in between is left out.
+A reading may say what each process is (``roles``: a Serve trial's front end is several kinds of process,
+serve/frontend.py); the busiest one's role is then the level's ``frontend_process``.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import psutil
 
@@ -24,10 +26,12 @@ API_SERVER_TITLE = "::APIServer"
 
 @dataclass(frozen=True)
 class CpuReading:
-    """The front end's processes' CPU seconds (by pid) at one moment (``time.perf_counter()`` seconds)."""
+    """The front end's processes' CPU seconds (by pid) at one moment (``time.perf_counter()`` seconds), and what
+    each process is where the reader says (by pid: ``proxy``, ``ingress``, ``replica`` for Serve; none for vLLM)."""
 
     at_s: float
     cpu_s: dict[int, float]
+    roles: dict[int, str] = field(default_factory=dict)
 
 
 def front_end(serve_pid: int) -> list[psutil.Process]:
@@ -47,8 +51,8 @@ def front_end(serve_pid: int) -> list[psutil.Process]:
     return [serve, *servers]
 
 
-def read_cpu(processes: list[psutil.Process]) -> CpuReading | None:
-    """The processes' CPU seconds now (None: none of them could be read)."""
+def read_cpu(processes: list[psutil.Process], roles: dict[int, str] | None = None) -> CpuReading | None:
+    """The processes' CPU seconds now (None: none of them could be read); ``roles``: what each pid is."""
     cpu_s = {}
     for process in processes:
         try:
@@ -56,14 +60,25 @@ def read_cpu(processes: list[psutil.Process]) -> CpuReading | None:
         except psutil.Error:
             continue
         cpu_s[process.pid] = times.user + times.system
-    return CpuReading(time.perf_counter(), cpu_s) if cpu_s else None
+    roles = {pid: role for pid, role in (roles or {}).items() if pid in cpu_s}
+    return CpuReading(time.perf_counter(), cpu_s, roles) if cpu_s else None
 
 
-def busiest_share(before: CpuReading | None, after: CpuReading | None) -> float | None:
-    """The largest share of the window between two readings that one front-end process spent on a CPU
-    (1.0: a full core), counting the processes read at both; None where either reading or the window is missing."""
+def busiest(before: CpuReading | None, after: CpuReading | None) -> tuple[float, str | None] | None:
+    """The largest share of the window between two readings that one front-end process spent on a CPU (1.0: a full
+    core), counting the processes read at both, and that process's role (None where the readings name none); None
+    where either reading or the window is missing."""
     if before is None or after is None or after.at_s <= before.at_s:
         return None
     window = after.at_s - before.at_s
-    shares = [(after.cpu_s[pid] - before.cpu_s[pid]) / window for pid in before.cpu_s.keys() & after.cpu_s.keys()]
-    return max(shares) if shares else None
+    shares = {pid: (after.cpu_s[pid] - before.cpu_s[pid]) / window for pid in before.cpu_s.keys() & after.cpu_s.keys()}
+    if not shares:
+        return None
+    pid = max(shares, key=lambda p: (shares[p], -p))
+    return shares[pid], before.roles.get(pid) or after.roles.get(pid)
+
+
+def busiest_share(before: CpuReading | None, after: CpuReading | None) -> float | None:
+    """:func:`busiest`'s share alone."""
+    found = busiest(before, after)
+    return found[0] if found is not None else None

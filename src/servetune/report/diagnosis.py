@@ -29,7 +29,20 @@ KV_FULL = 0.90
 #: shared two-core host (bench/README.md, "The front end's CPU"): vLLM's CPU build with the tiny model, the engine
 #: the limit, used 0.08-0.27 of a core at 1 to 64 in flight (7-84 req/s); the fake engine answering at once
 #: (660-1430 req/s), 0.20-0.67, the load client beside it on the same cores. So 0.85 is a front end with little left.
+#: A Serve trial's front-end processes (serve/frontend.py: its proxy, ingress and LLM replicas) are each one event loop
+#: too, so the same bar holds: the LLM replica's loop also runs vLLM's engine client (detokenizing, streaming), as
+#: vLLM's API server's does; Ray's threads beside it may take a process a little past 1.0.
 FRONTEND_BUSY = 0.85
+#: For a Serve trial (``frontend_process``): what the busiest front-end process was, and the lever for it.
+SERVE_FRONT_ENDS = {
+    "proxy": ("Serve's HTTP proxy", "spread the load over more of Serve's proxies: Serve runs one per node, so "
+              "replicas on more nodes, the client sending to each node's proxy"),
+    "ingress": ("Serve's ingress replica (the OpenAI routes)", "more ingress replicas: the ingress deployment's "
+                "num_replicas in the application's Serve config"),
+    "replica": ("the LLM replica's process (Ray Serve LLM's server and vLLM's engine client)", "more replicas "
+                "(serve.num_replicas), each with its share of the devices: each replica's process serves its own "
+                "streams"),
+}  # fmt: skip
 #: KV-cache usage under which memory counts as plentiful while the batch is full.
 KV_PLENTY = 0.50
 #: Mean GPU utilization (%) under which the GPUs count as idle.
@@ -170,13 +183,19 @@ def frontend_bound(trial: TrialResult, limit: int) -> Finding | None:
     servers = _engine_arg(trial, "api_server_count")
     label = level_label(level.summary.level)
     evidence = {"frontend_cpu_share": share, "requests_running_max": running, "requests_waiting_max": waiting}
+    process, lever = (
+        "the API server",
+        f"raise --api-server-count (api_server_count, now {servers if servers is not None else 'vLLM default'}): "
+        "more API server processes to tokenize, answer HTTP and stream",
+    )
+    if level.frontend_process in SERVE_FRONT_ENDS:  # a Serve trial: which of its front-end processes
+        process, lever = SERVE_FRONT_ENDS[level.frontend_process]
     slots = f" of {seqs}" if seqs is not None else ""
     return Finding(
         "frontend_bound",
-        f"front end CPU-bound at {label}: the API server used {share:.0%} of a core while the engine ran "
+        f"front end CPU-bound at {label}: {process} used {share:.0%} of a core while the engine ran "
         f"{running:.0f}{slots} and nothing waited",
-        f"raise --api-server-count (api_server_count, now {servers if servers is not None else 'vLLM default'}): "
-        "more API server processes to tokenize, answer HTTP and stream",
+        lever,
         label,
         evidence,
     )

@@ -59,10 +59,14 @@ class LevelResult(BaseModel):
     send_lag_ms_p50: float | None = None  # an open loop's: how late its requests went out, median (load/pace.py)
     send_lag_ms_p99: float | None = None  # and its P99
     client_bound: str | None = None  # why the client may have fallen behind (load/pace.py): no SLO verdict then
-    #: The front end's CPU: the busiest vLLM API server process's CPU seconds over the level / its seconds (1.0: a
-    #: full core; engine/frontend.py). None where servetune did not start the server (bench --url) or cannot read
-    #: its processes: a Serve trial's front end is Ray Serve's proxy and the replica's, in Ray's worker processes.
+    #: The front end's CPU: the busiest front-end process's CPU seconds over the level / its seconds (1.0: a full
+    #: core; engine/frontend.py): vLLM's API servers for a bare engine; for a Serve trial the proxy the load went
+    #: through, the ingress and the LLM replicas on this host (serve/frontend.py). None where servetune did not
+    #: start the server (bench --url) or cannot read its processes.
     frontend_cpu_share: float | None = None
+    #: Which process that was, for a Serve trial: ``proxy``, ``ingress`` or ``replica`` (Serve LLM's server with
+    #: vLLM's engine client); None for a bare engine (its API server) and where no share was read.
+    frontend_process: str | None = Field(default=None, exclude_if=lambda role: role is None)
     runs: list[LevelRun] = Field(default=[], exclude_if=lambda runs: not runs)  # absent when run once
     estimate: LevelEstimate | None = None  # what the estimate predicted for this level (trial/estimated.py)
 

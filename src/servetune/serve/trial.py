@@ -22,6 +22,7 @@ from typing import Any
 
 import psutil
 
+from servetune.engine.frontend import CpuReading
 from servetune.engine.metrics import MetricsSnapshot
 from servetune.engine.server import KvCapacity
 from servetune.report.points import ReportPoint
@@ -30,6 +31,7 @@ from servetune.serve import claims
 from servetune.serve.actors import wait_gone
 from servetune.serve.claims import running_cores
 from servetune.serve.cluster import ServeCluster
+from servetune.serve.frontend import read_front_end
 from servetune.serve.metrics import ReplicaCounts, replica_snapshots, replicas_snapshot
 from servetune.serve.plan import Needs, llm_config, measured_gpu, needs, pin_gpu_type
 from servetune.serve.proxies import pick_proxy
@@ -251,6 +253,13 @@ class ServeEngine:
             return self.cluster.reset_prefix_caches(self.name) >= self.spec.serve_replicas
         except Exception:  # a replica that cannot: the level says its cache may be warm
             return False
+
+    def frontend_cpu(self) -> CpuReading | None:
+        """The front end's CPU seconds now (serve/frontend.py): the proxy the client sends to, the ingress and the LLM
+        replicas, those on this host; None where Ray's actor table or their processes cannot be read."""
+        with contextlib.suppress(Exception):  # a level without the reading, never a failed one
+            return read_front_end(self.name, self.proxy_record.get("serve_proxy_node_id", ""))
+        return None
 
     def kill_engine(self) -> tuple[int, str]:
         """SIGKILL one replica's vLLM engine (verify's replica_lost scenario): the engine core process the replica

@@ -36,7 +36,7 @@ import aiohttp
 
 from servetune.config.slo import Slo
 from servetune.config.workload import Workload, mean_lengths
-from servetune.engine.frontend import CpuReading, busiest_share
+from servetune.engine.frontend import CpuReading, busiest
 from servetune.engine.metrics import MetricsSnapshot, level_delta
 from servetune.errors import EngineDiedError, UserError
 from servetune.load.client import StreamingClient
@@ -202,7 +202,8 @@ async def measure_level(
     ``client_processes`` (``load.client_processes``) splits the level's load across that many client processes
     (load/shard.py; "auto": :func:`~servetune.load.shard.auto_client_processes` at most ``client_cpus``).
     ``frontend_cpu`` reads the CPU seconds of the server's front end (``VllmServer.frontend_cpu``: vLLM's API
-    server), at the level's start and its end: the level's ``frontend_cpu_share`` (None without it).
+    server; ``ServeEngine.frontend_cpu``: Serve's proxy and the application's replicas), at the level's start and its
+    end: the level's ``frontend_cpu_share`` and ``frontend_process`` (None without it).
     """
     drawn: list[RequestSpec] = []
 
@@ -255,7 +256,7 @@ async def measure_level(
                         stop=watch.broken, on_start=origin.append,
                     )  # fmt: skip
             cpu_s = time.process_time() - cpu_at
-            frontend_share = busiest_share(frontend_at, frontend_cpu() if frontend_cpu is not None else None)
+            frontend = busiest(frontend_at, frontend_cpu() if frontend_cpu is not None else None)
             wall_s = time.perf_counter() - origin[0] if origin else None
         finally:
             if sampler is not None:
@@ -288,7 +289,8 @@ async def measure_level(
         send_sync_share=send_sync_share(records), itl_burst_share=itl_burst_share(records),
         ttft_ms_distribution=ttft_distribution_ms(records), energy_note=energy_note,
         client_cpu_share=pace.cpu_share, send_lag_ms_p50=pace.send_lag_ms_p50, send_lag_ms_p99=pace.send_lag_ms_p99,
-        client_bound=bound, frontend_cpu_share=frontend_share,
+        client_bound=bound, frontend_cpu_share=frontend[0] if frontend else None,
+        frontend_process=frontend[1] if frontend else None,
     )  # fmt: skip
     return result, records
 

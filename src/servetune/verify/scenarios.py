@@ -194,6 +194,8 @@ def _core(result: LevelResult) -> dict[str, Any]:
             out[name] = result.server_metrics[name]
     if result.frontend_cpu_share is not None:
         out["frontend_cpu_share"] = result.frontend_cpu_share
+    if result.frontend_process is not None:  # through Serve: which front-end process (serve/frontend.py)
+        out["frontend_process"] = result.frontend_process
     if result.client_bound is not None:
         out["client_bound"] = result.client_bound
     if result.stopped_early:
@@ -221,7 +223,7 @@ async def _level(
     result, records = await measure_level(
         t.client, t.url, workload or t.workload, t.prompts, plan, stream=stream, slo=t.slo,
         watch=_never_break(plan.level, t.engine), reset_cache=t.reset_cache, metrics=t.metrics,
-        frontend_cpu=getattr(t.engine, "frontend_cpu", None),  # the API server's CPU, where verify started vLLM
+        frontend_cpu=getattr(t.engine, "frontend_cpu", None),  # the API server's CPU, or Serve's front end's
     )  # fmt: skip
     t.records.extend(records)
     return result, records
