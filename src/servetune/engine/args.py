@@ -157,7 +157,8 @@ def vllm_version(python: str = sys.executable) -> str | None:
     return engine_stack(python).get("vllm")
 
 
-def _installed(*names: str) -> str | None:
+def installed_version(*names: str) -> str | None:
+    """The version of the first of ``names`` installed in this interpreter (None where none is)."""
     for name in names:
         try:
             return importlib.metadata.version(name)
@@ -171,8 +172,8 @@ def engine_stack(python: str = sys.executable) -> dict[str, str | None]:
     ``python`` itself, None each where it has none. Another interpreter (``--vllm-python``: an upgrade candidate) is
     asked in one subprocess, so a trial records its stack and not servetune's; {} where it cannot be asked."""
     if python == sys.executable:
-        return {"vllm": vllm_version(), "torch": _installed("torch"),
-                "nccl": _installed("nvidia-nccl-cu12", "nvidia-nccl-cu13", "nvidia-nccl"),
+        return {"vllm": vllm_version(), "torch": installed_version("torch"),
+                "nccl": installed_version("nvidia-nccl-cu12", "nvidia-nccl-cu13", "nvidia-nccl"),
                 "python": platform.python_version()}  # fmt: skip
     try:
         done = subprocess.run([python, "-c", _STACK], capture_output=True, text=True, timeout=60)
