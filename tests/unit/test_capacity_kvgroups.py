@@ -45,8 +45,9 @@ def _vllm_specs(arch: ModelArch, block_size: int, tp: int) -> dict[str, object]:
     return specs
 
 
-def _vllm_config(max_model_len: int, in_flight_tokens: int, hybrid: bool) -> types.SimpleNamespace:
-    """The attributes of VllmConfig that the grouping and capacity functions read."""
+def vllm_config(max_model_len: int, in_flight_tokens: int, hybrid: bool, dcp: int = 1) -> types.SimpleNamespace:
+    """The attributes of VllmConfig that vLLM's grouping and capacity functions read (``dcp``: decode context
+    parallelism's size)."""
     cache = types.SimpleNamespace(
         get_resolved_kv_cache_layout=lambda: vllm_cache._layout_from_name("NHD"),
         prefix_cache_retention_interval=None,
@@ -58,14 +59,14 @@ def _vllm_config(max_model_len: int, in_flight_tokens: int, hybrid: bool) -> typ
         attention_config=types.SimpleNamespace(hisparse_config=None),
         cache_config=cache,
         model_config=types.SimpleNamespace(max_model_len=max_model_len),
-        parallel_config=types.SimpleNamespace(decode_context_parallel_size=1, pipeline_parallel_size=1),
+        parallel_config=types.SimpleNamespace(decode_context_parallel_size=dcp, pipeline_parallel_size=1),
         speculative_config=None,
         max_in_flight_tokens=in_flight_tokens,
     )
 
 
 def _vllm_capacity(arch: ModelArch, pool: int, max_model_len: int, batched: int, hybrid: bool, tp: int):
-    config = _vllm_config(max_model_len, 2 * batched, hybrid)  # async scheduling: two batches in flight
+    config = vllm_config(max_model_len, 2 * batched, hybrid)  # async scheduling: two batches in flight
     groups = kv_cache_utils.get_kv_cache_groups(config, _vllm_specs(arch, 16, tp))
     kv_config = kv_cache_utils.get_kv_cache_config_from_groups(config, groups, pool)
     tokens, _ = kv_cache_utils.get_kv_cache_capacity(config, kv_config)

@@ -30,18 +30,16 @@ from the published file's fields as recalled (the DeepSeek-V3 geometry plus ``in
 
 from __future__ import annotations
 
-import types
-
 import pytest
 
 from servetune.capacity import arch_from_hf_config, load_model_arch, plan_capacity, resolve_hardware
 from servetune.capacity.arch import ModelArch
 from servetune.capacity.params import count_parameters
+from tests.unit.test_capacity_kvgroups import vllm_config
 
 torch = pytest.importorskip("torch")
 kv_cache_utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")
 kv_interface = pytest.importorskip("vllm.v1.kv_cache_interface")
-vllm_cache = pytest.importorskip("vllm.config.cache")
 MultipleOf = pytest.importorskip("vllm.v1.attention.backend").MultipleOf
 
 GIB = 1 << 30
@@ -68,25 +66,6 @@ def v32() -> ModelArch:
     return arch_from_hf_config(V32, "deepseek-ai/DeepSeek-V3.2-Exp")
 
 
-def _vllm_config(max_model_len: int, dcp: int, in_flight_tokens: int = 16384) -> types.SimpleNamespace:
-    """The attributes of VllmConfig that vLLM's grouping and capacity functions read."""
-    cache = types.SimpleNamespace(
-        get_resolved_kv_cache_layout=lambda: vllm_cache._layout_from_name("NHD"),
-        prefix_cache_retention_interval=None,
-        mamba_cache_mode="none",
-        num_gpu_blocks_override=None,
-    )
-    return types.SimpleNamespace(
-        scheduler_config=types.SimpleNamespace(disable_hybrid_kv_cache_manager=False),
-        attention_config=types.SimpleNamespace(hisparse_config=None),
-        cache_config=cache,
-        model_config=types.SimpleNamespace(max_model_len=max_model_len),
-        parallel_config=types.SimpleNamespace(decode_context_parallel_size=dcp, pipeline_parallel_size=1),
-        speculative_config=None,
-        max_in_flight_tokens=in_flight_tokens,
-    )
-
-
 def _v32_specs(kv_cache_dtype: str, layers: int = 61) -> dict[str, object]:
     """The specs DeepSeek-V3.2's layers register: the sparse latent (MLAAttention.get_kv_cache_spec, with the
     state_content_bytes its code maps *_ds_mla to) and the indexer's key cache (DeepseekV32IndexerCache), as the
@@ -110,7 +89,7 @@ def _v32_specs(kv_cache_dtype: str, layers: int = 61) -> dict[str, object]:
 
 
 def _vllm_capacity(specs: dict[str, object], pool: int, max_model_len: int, dcp: int) -> tuple[int, int]:
-    config = _vllm_config(max_model_len, dcp)
+    config = vllm_config(max_model_len, 16384, hybrid=True, dcp=dcp)
     groups = kv_cache_utils.get_kv_cache_groups(config, specs)
     kv_config = kv_cache_utils.get_kv_cache_config_from_groups(config, groups, pool)
     tokens, _ = kv_cache_utils.get_kv_cache_capacity(config, kv_config)
