@@ -180,3 +180,15 @@ def test_estimated_rows_draw_the_measured_gpus_share_of_its_power_limit_on_their
     for row in (r for r in steady.rows if r.estimated and r.cost_per_mtok is not None):
         out = row.usd_per_device_hour * row.devices * 1e6 / (row.cost_per_mtok * 3600)  # at the steady rate
         assert row.joules_per_token == pytest.approx(0.5 * find_gpu(row.gpu).perf.tdp_w * row.devices * 1.5 / out)
+
+
+def test_an_unreadable_refit_file_is_one_line_naming_it_and_no_report_is_written(tmp_path, capsys):
+    from servetune import cli
+    from servetune.results.files import REFIT_FILE
+
+    loaded = study(tmp_path)
+    (loaded.root / REFIT_FILE).write_text("{}")  # the estimate's refit, read for the Which GPU rows
+    assert cli.main(["report", str(loaded.root), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert str(loaded.root / REFIT_FILE) in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "out" / "summary.md").exists()
