@@ -79,6 +79,7 @@ class CalibrationPoint:
     predicted: dict[str, float] = field(default_factory=dict)
     encoder_flops: float = 0.0  # the vision tower's FLOPs a request's images need (a study's own image workload)
     burstiness: float = 1.0  # an open loop's gamma shape (1: Poisson; the public points' open loops are)
+    requests: float | None = None  # an open loop's level: its requests per replica (None: the long run)
 
 
 # --- reading the data set ----------------------------------------------------------------------------
@@ -295,7 +296,7 @@ def predict(point: CalibrationPoint, eff: Efficiency) -> tuple[dict[str, float],
     if point.regime == "closed":
         p = closed_loop(rep, eff, point.load, i, max(o, 2), encode)
     else:
-        p = open_loop(rep, eff, point.load, i, max(o, 2), encode, 1 / point.burstiness)
+        p = open_loop(rep, eff, point.load, i, max(o, 2), encode, 1 / point.burstiness, point.requests)
     got = {"tpot_ms": p.tpot_s * 1e3, "output_throughput": p.request_rate * o}
     if p.ttft_s is not None:
         got["ttft_ms"] = p.ttft_s * 1e3

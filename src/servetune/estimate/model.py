@@ -41,6 +41,9 @@ class Load(BaseModel):
     burstiness: float = Field(
         1.0, gt=0, description="open loop: the gaps' gamma shape (1: Poisson); the arrivals' squared CV is 1 / it"
     )
+    requests: int | None = Field(
+        None, ge=1, description="open loop: the level's requests, sent into an empty queue (None: the long run)"
+    )
 
     @classmethod
     def at_level(
@@ -51,13 +54,14 @@ class Load(BaseModel):
         output_tokens: int,
         encoder_flops: float = 0.0,
         burstiness: float = 1.0,
+        requests: int | None = None,
     ) -> Load:
         """A ladder level's load: ``kind`` concurrency is ``value`` clients (rounded, at least one), else ``value``
-        requests/s arriving with ``burstiness`` (:func:`arrival_burstiness`)."""
+        requests/s arriving with ``burstiness`` (:func:`arrival_burstiness`), ``requests`` of them in the level."""
         closed = kind == "concurrency"
         return cls(input_tokens=input_tokens, output_tokens=output_tokens, encoder_flops=encoder_flops,
                    concurrency=max(1, round(value)) if closed else None, rate=None if closed else value,
-                   burstiness=burstiness)  # fmt: skip
+                   burstiness=burstiness, requests=None if closed else requests)  # fmt: skip
 
     @classmethod
     def measured(cls, summary: LevelSummary, encoder_flops: float = 0.0, burstiness: float = 1.0) -> Load | None:
@@ -73,7 +77,8 @@ class Load(BaseModel):
         if "concurrency" in summary.level:
             return cls.at_level("concurrency", summary.level["concurrency"], *lengths, encoder_flops)
         if summary.level.get("rate", 0.0) > 0:
-            return cls.at_level("rate", summary.level["rate"], *lengths, encoder_flops, burstiness)
+            measured = done + summary.failed  # the level's requests after its warm-up, sent into an empty queue
+            return cls.at_level("rate", summary.level["rate"], *lengths, encoder_flops, burstiness, measured)
         return None
 
     @model_validator(mode="after")
@@ -207,7 +212,9 @@ def estimate(
         point = closed_loop(rep, eff, load.concurrency / dp, load.input_tokens, load.output_tokens, encode)
     else:
         assert load.rate is not None
-        point = open_loop(rep, eff, load.rate / dp, load.input_tokens, load.output_tokens, encode, 1 / load.burstiness)
+        per_replica = None if load.requests is None else load.requests / dp
+        point = open_loop(rep, eff, load.rate / dp, load.input_tokens, load.output_tokens, encode, 1 / load.burstiness,
+                          per_replica)  # fmt: skip
     tpot_ms = point.tpot_s * 1e3
     return Estimate(
         ttft_ms=None if point.ttft_s is None else point.ttft_s * 1e3,

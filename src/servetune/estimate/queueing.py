@@ -23,7 +23,8 @@ replica, so it completes ``n / that`` requests per second (Little's law).
 - Open loop, R requests/s per replica: the ``n`` (bisected) whose throughput equals R; past the
   capacity's throughput the queue grows without bound (saturated, TTFT unbounded). Below it, random
   arrivals still find every slot taken at times: a request then waits for one before its prefill
-  starts (:func:`slot_wait_s`, the G/G/c queue of the capacity's slots), in its TTFT.
+  starts (:func:`slot_wait_s`, the G/G/c queue of the capacity's slots), in its TTFT; a level of N requests
+  that starts on an empty queue waits less than the long run near capacity (:func:`level_share`).
 - The knee: the smallest concurrency whose throughput reaches 90 % of the capacity's.
 
 A request with images first has them encoded by the vision tower (``encode``: seconds per request, from
@@ -183,7 +184,12 @@ def closed_loop(
 
 
 def slot_wait_s(
-    in_flight: float, slots: int, service_s: float, arrival_cv2: float = 1.0, service_cv2: float = 0.0
+    in_flight: float,
+    slots: int,
+    service_s: float,
+    arrival_cv2: float = 1.0,
+    service_cv2: float = 0.0,
+    requests: float | None = None,
 ) -> float:
     """Mean time a request of an open loop waits for one of a replica's ``slots`` before its prefill starts.
 
@@ -203,6 +209,10 @@ def slot_wait_s(
     So the wait is ~0 at low utilisation, grows without bound as rho -> 1 (W ~ S x (ca^2 + cs^2) / 2 /
     (c (1 - rho)) there), and scales with the arrivals' burstiness. C(c, a) comes from Erlang's B by its
     stable recursion, B(0) = 1, B(k) = a B(k-1) / (k + a B(k-1)); C = c B / (c - a (1 - B)).
+
+    ``requests``: a level of that many arrivals, starting on an empty queue (None: the long run). Near rho = 1
+    the queue takes longer to build up than such a level lasts, so its requests wait less on average than the
+    long run's W (:func:`level_share`); the result is W times that share, so never above W.
     """
     c = max(int(slots), 1)
     a = max(in_flight, 0.0)
@@ -212,7 +222,52 @@ def slot_wait_s(
     for k in range(1, c + 1):
         b = a * b / (k + a * b)
     erlang_c = c * b / (c - a * (1.0 - b))
-    return erlang_c * service_s / (c - a) * (arrival_cv2 + service_cv2) / 2.0
+    cv2 = arrival_cv2 + service_cv2
+    wait = erlang_c * service_s / (c - a) * cv2 / 2.0
+    if requests is None or wait <= 0.0 or a <= 0.0:
+        return wait
+    # The queue in heavy traffic: a reflected Brownian motion with drift -(c - a) / S (the slots' spare rate)
+    # and variance lambda x (ca^2 + cs^2), lambda = a / S; it relaxes on the time scale variance / drift^2.
+    relaxation_s = a * cv2 * service_s / (c - a) ** 2
+    level_s = requests * service_s / a
+    return wait * level_share(level_s / relaxation_s)
+
+
+def level_share(span: float) -> float:
+    """The mean wait of a level's arrivals over the long run's, for a level ``span`` relaxation times long.
+
+    A queue that starts empty builds up: in heavy traffic it is a reflected Brownian motion (drift -theta,
+    variance sigma^2) started at 0, whose mean at time t over its long-run mean sigma^2 / (2 theta) is, in
+    u = t theta^2 / sigma^2 (Abate and Whitt, "Transient behavior of regulated Brownian motion I", 1987),
+    H(u) = 1 - 2 [(1 + u) Phi^c(sqrt u) - sqrt u phi(sqrt u)]: 0 at the start, 0.85 after one relaxation time,
+    1 in the long run. A request waits what the queue ahead of it holds over the rate the slots free, so the
+    level's arrivals, evenly spread over its ``span``, wait on average the mean of H over [0, span] times the
+    long run's wait. Integrated by Simpson's rule in v = sqrt u (H grows as sqrt u near 0).
+    """
+    if span <= 0.0:
+        return 0.0
+    if span > 50.0:  # H within 1e-12 of 1 past u = 50: the mean of H is 1 - the transient's area over the span
+        return max(0.0, 1.0 - _TRANSIENT_AREA / span)
+    top = math.sqrt(span)
+    steps = 32
+    width = top / steps
+    total = 0.0
+    for k in range(steps + 1):
+        v = k * width
+        weight = 1 if k in (0, steps) else (4 if k % 2 else 2)
+        total += weight * _relaxed(v * v) * 2 * v
+    return total * width / 3 / span
+
+
+def _relaxed(u: float) -> float:
+    """H(u): a reflected Brownian motion's mean u relaxation times after it starts at 0, over its long-run mean."""
+    root = math.sqrt(u)
+    tail = 0.5 * math.erfc(root / math.sqrt(2.0))
+    density = math.exp(-u / 2) / math.sqrt(2 * math.pi)
+    return 1.0 - 2.0 * ((1.0 + u) * tail - root * density)
+
+
+_TRANSIENT_AREA = 0.5  # the integral of 1 - H(u) over u >= 0 (the shortfall's mean relaxation time is 1/2)
 
 
 def open_loop(
@@ -223,9 +278,11 @@ def open_loop(
     output_tokens: int,
     encode: float = 0.0,
     arrival_cv2: float = 1.0,
+    requests: float | None = None,
 ) -> Point:
     """R requests/s per replica: the batch that serves them, and TTFT with the wait for a slot
-    (:func:`slot_wait_s`; ``arrival_cv2`` the arrivals' squared coefficient of variation, 1 for Poisson)."""
+    (:func:`slot_wait_s`; ``arrival_cv2`` the arrivals' squared coefficient of variation, 1 for Poisson;
+    ``requests`` the level's arrivals per replica, a finite level's wait, None the long run's)."""
     cap = capacity(rep, input_tokens, output_tokens)
     full = steady(rep, eff, cap, input_tokens, output_tokens, encode=encode)
     if rate >= full.request_rate(output_tokens):
@@ -241,7 +298,7 @@ def open_loop(
         else:
             hi = mid
     s = steady(rep, eff, hi, input_tokens, output_tokens, encode=encode)
-    wait = slot_wait_s(hi, cap, s.residence_s(output_tokens), arrival_cv2)
+    wait = slot_wait_s(hi, cap, s.residence_s(output_tokens), arrival_cv2, requests=requests)
     if not math.isfinite(wait):  # the rate is within the bisection's precision of the capacity's
         return Point(None, s.tpot_s, rate, True, cap, _preempts(rep, rep.max_num_seqs, input_tokens, output_tokens))
     return Point(s.ttft_s + wait, s.tpot_s, rate, saturated=False, in_flight=hi, preempting=False)

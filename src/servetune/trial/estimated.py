@@ -141,6 +141,7 @@ def calibration_points(
                 load=float(load.concurrency if load.concurrency is not None else load.rate or 0) / dp,
                 measured={k: v for k, v in measured.items() if v is not None and v > 0}, held_out=False,
                 encoder_flops=load.encoder_flops, burstiness=load.burstiness,
+                requests=None if load.requests is None else load.requests / dp,
             )
         )  # fmt: skip
     return points
