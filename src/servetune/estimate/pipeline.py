@@ -55,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 
 from servetune.capacity import ModelArch
+from servetune.capacity.arith import cdiv
 from servetune.estimate.expert_parallel import ExpertExchange
 
 ACTIVATION_BYTES = 2  # hidden states and the residual cross a boundary in 16 bits
@@ -63,7 +64,7 @@ BOUNDARY_TENSORS = 2  # IntermediateTensors: hidden_states and residual
 
 def stage_layers(arch: ModelArch, pp: int) -> int:
     """Decoder layers of the heaviest stage: ``ceil(L / p)``, the memory planner's split (capacity/params.py)."""
-    return -(-arch.num_layers // pp)
+    return cdiv(arch.num_layers, pp)
 
 
 def stage_moe_layers(arch: ModelArch, pp: int) -> int:
