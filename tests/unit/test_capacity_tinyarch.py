@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from servetune.capacity import arch_from_hf_config, plan_capacity, resolve_hardware
+from servetune.capacity.arith import cdiv
 from servetune.capacity.kvgroups import kv_layout
 from servetune.models.tinyarch import TINY_ARCHS
 
@@ -26,10 +27,6 @@ ENGINE: dict[str, Any] = {
     "max_num_seqs": 128,
     "max_num_batched_tokens": 2048,
 }
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _plan(name: str, env: dict[str, str] | None = None, **engine: Any):
@@ -49,8 +46,8 @@ def _gemma3_tokens(max_model_len: int, in_flight: int) -> tuple[int, int]:
     """(blocks, KV tokens) of the tiny gemma-3 in 1 GiB: 128-token blocks of 2 layers x 2 KV heads x 64 x 2 x 4 B,
     5 window groups holding the window and the tokens in flight, 1 global group holding the whole request."""
     blocks = GIB // (2 * 128 * 2 * 2 * 64 * 4)
-    window = _cdiv(min(512 - 1 + in_flight, max_model_len), 128) + 1
-    per_request = 5 * window + _cdiv(max_model_len, 128)
+    window = cdiv(min(512 - 1 + in_flight, max_model_len), 128) + 1
+    per_request = 5 * window + cdiv(max_model_len, 128)
     return blocks, int(blocks / per_request * max_model_len)
 
 
@@ -71,7 +68,7 @@ def test_two_cpu_ranks_chunk_prefills_in_one_batch() -> None:
     rank (4096), one batch in flight."""
     plan = _plan("gemma3", tensor_parallel_size=2, max_model_len=8192, max_num_batched_tokens=None)
     blocks = GIB // (2 * 128 * 1 * 2 * 64 * 4)  # one KV head a rank
-    window = _cdiv(512 - 1 + 4096, 128) + 1
+    window = cdiv(512 - 1 + 4096, 128) + 1
     assert plan.kv_cache_blocks == blocks
     assert plan.kv_cache_tokens == int(blocks / (5 * window + 64) * 8192)
 
@@ -82,11 +79,11 @@ def test_the_cpu_build_keeps_the_ssm_state_in_float32() -> None:
     plan = _plan("granite-4.0-h", dtype="bfloat16", max_model_len=4096)
     state = 3 * (512 + 2 * 64) * 2 + 8 * 64 * 64 * 4  # conv (3, 640) in bf16 + SSM (8, 64, 64) in fp32
     assert plan.mamba_state_bytes_per_sequence == 6 * state
-    block = 128 * _cdiv(state, 128 * 2 * 2 * 64 * 2)  # the smallest 128-multiple whose bf16 page holds one state
+    block = 128 * cdiv(state, 128 * 2 * 2 * 64 * 2)  # the smallest 128-multiple whose bf16 page holds one state
     assert plan.settings.block_size == block == 384
     blocks = GIB // (2 * block * 2 * 2 * 64 * 2)  # groups of 2 layers
     assert plan.kv_cache_blocks == blocks
-    assert plan.kv_cache_tokens == int(blocks / (_cdiv(4096, block) + 3 * 3) * 4096)  # align mode: 3 blocks a group
+    assert plan.kv_cache_tokens == int(blocks / (cdiv(4096, block) + 3 * 3) * 4096)  # align mode: 3 blocks a group
     gpu = plan_capacity(
         arch_from_hf_config(TINY_ARCHS["granite-4.0-h"], "tiny"), {"dtype": "bfloat16"}, resolve_hardware("gpu", "H100")
     )

@@ -10,6 +10,7 @@ import pytest
 
 import servetune.cli as cli
 from servetune.capacity import arch_from_hf_config, plan_capacity, resolve_hardware
+from servetune.capacity.arith import cdiv
 from servetune.capacity.hardware import CPU_FLAGS, host_cpu_flags, parse_cpu_flags
 from servetune.capacity.mamba import cpu_ssm_dtype, state_bytes
 from servetune.capacity.model import MambaMixer
@@ -23,10 +24,6 @@ AVX2_CPU = resolve_hardware(device="cpu", cpu_flags=())
 ENGINE: dict[str, Any] = {"enforce_eager": True, "max_num_seqs": 128, "max_num_batched_tokens": 2048,
                           "max_model_len": 4096}  # fmt: skip
 KV_SPACE = {"VLLM_CPU_KVCACHE_SPACE": "1"}
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def test_the_flags_are_read_from_the_first_flags_line(tmp_path) -> None:
@@ -99,10 +96,10 @@ def test_a_bf16_hybrid_plans_its_state_in_the_dtype_the_cpu_keeps(hardware) -> N
     state = state_bytes(arch.mamba, "bfloat16", mamba_ssm_cache_dtype=ssm)  # type: ignore[arg-type]
     assert state == 3 * 640 * 2 + 8 * 64 * 64 * (4 if hardware.avx512_bf16 else 2)
     assert plan.mamba_state_bytes_per_sequence == 6 * state
-    block = 128 * _cdiv(state, 128 * 2 * 2 * 64 * 2)
+    block = 128 * cdiv(state, 128 * 2 * 2 * 64 * 2)
     assert plan.settings.block_size == block
     blocks = (1 << 30) // (2 * block * 2 * 2 * 64 * 2)
-    assert plan.kv_cache_tokens == int(blocks / (_cdiv(4096, block) + 3 * 3) * 4096)
+    assert plan.kv_cache_tokens == int(blocks / (cdiv(4096, block) + 3 * 3) * 4096)
     kept = "float32" if hardware.avx512_bf16 else "bfloat16"
     assert any(f"AVX-512 BF16: the SSM state in {kept}" in note for note in plan.notes), plan.notes
 

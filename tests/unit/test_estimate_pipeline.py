@@ -120,3 +120,35 @@ def test_an_moe_targets_mtp_drafter_reads_its_experts_as_the_target_lays_them_ov
             assert draft_s(rep, EFF, batch, 2000) == pytest.approx(memory, rel=1e-9)
     # a DP rank holds half the experts but reads them for both engines' tokens: less than one engine's rank
     assert draft_s(two, EFF, 16, 2000) < draft_s(one, EFF, 16, 2000)
+
+
+def test_vllm_keeps_one_batch_ahead_of_the_pipeline_and_staggers_each_sequence_by_its_stages(monkeypatch):
+    """What estimate/pipeline.py's "How the steps overlap" reads in vLLM (imported, never started): on CUDA the V2
+    model runner is the default where no feature it lacks is asked for, async scheduling is then on under PP, and the
+    engine keeps ``p + 1`` batches in flight (V1, without async scheduling: ``p``); the async scheduler gives a decoding
+    sequence its next step ``p`` steps after its last, so it rides in one of ``min(p, b)`` micro-batches either way."""
+    from types import SimpleNamespace
+
+    vllm_config = pytest.importorskip("vllm.config.vllm")
+    async_scheduler = pytest.importorskip("vllm.v1.core.sched.async_scheduler")
+    config = vllm_config.VllmConfig
+
+    monkeypatch.setattr(vllm_config, "HAS_TRITON", True)  # CUDA's
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    default = SimpleNamespace(attention_config=SimpleNamespace(hisparse_config=None),
+                              _get_v2_model_runner_unsupported_features=list)  # fmt: skip
+    assert config.use_v2_model_runner.fget(default) is True
+
+    def engine(pp: int, v2: bool, async_scheduling: bool) -> int:
+        return config.max_concurrent_batches.fget(SimpleNamespace(
+            parallel_config=SimpleNamespace(pipeline_parallel_size=pp), use_v2_model_runner=v2,
+            scheduler_config=SimpleNamespace(async_scheduling=async_scheduling)))  # fmt: skip
+
+    assert [engine(p, v2=True, async_scheduling=True) for p in (1, 2, 4)] == [2, 3, 5]
+    assert [engine(p, v2=False, async_scheduling=False) for p in (1, 2, 4)] == [1, 2, 4]
+
+    def base_init(self, *args, **kwargs):
+        self.parallel_config, self.num_spec_tokens = SimpleNamespace(pipeline_parallel_size=4), 0
+
+    monkeypatch.setattr(async_scheduler.Scheduler, "__init__", base_init)
+    assert async_scheduler.AsyncScheduler().decode_stagger == 4

@@ -70,7 +70,8 @@ def test_text_methods_draft_without_a_gpu_pass_and_the_target_reads_its_own_kv_a
     planned = plan_capacity(arch, draft_args, HW, request_tokens=tokens, draft=draft)
     rep = replica_from_plan(arch, planned, draft_args)
     assert planned.draft is not None and planned.draft.kv_bytes_per_token > 0
-    assert rep.kv_bytes_per_token == planned.kv_bytes_per_token - planned.draft.kv_bytes_per_token
+    # decode_s reads the target's KV alone (a full-attention model: every layer reads the whole context)
+    assert rep.kv.per_sequence(600) == 600 * (planned.kv_bytes_per_token - planned.draft.kv_bytes_per_token)
     assert rep.speculation is not None and rep.speculation.gpu_passes == 3 and draft_s(rep, _eff(), 8, 600) > 0
 
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from servetune.capacity.arch import ModelArch, WeightQuant, load_model_arch
+from servetune.capacity.arith import cdiv
 from servetune.capacity.params import (
     MoeShards,
     ParamSplit,
@@ -141,7 +142,7 @@ def _eagle_params(draft: ModelArch, target: ModelArch, method: str, tp: int) -> 
         heads, kv = draft.num_attention_heads // tp, max(1, draft.num_kv_heads // tp)
         extra += ParamSplit(linear=draft.hidden_size * (heads + 2 * kv) * draft.head_dim, other=0)
         vocab = draft.draft_vocab_size or draft.vocab_size
-        extra += ParamSplit(linear=0, other=-(-vocab // tp) * draft.hidden_size)
+        extra += ParamSplit(linear=0, other=cdiv(vocab, tp) * draft.hidden_size)
     return layers + extra
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from servetune.capacity.arith import cdiv
 from servetune.capacity.model import _PATTERN_KINDS, ATTENTION_KINDS, LayerType, MambaMixer
 
 # Per-layer kind names in Hugging Face configs (``layer_types``, ``layers_block_type``, Nemotron-H's
@@ -69,7 +70,7 @@ def _mamba_mixer(cfg: dict[str, Any], model_type: str, hidden: int) -> MambaMixe
             conv_kernel=int(cfg.get("mamba_d_conv") or 4),
             intermediate_size=int(cfg.get("mamba_expand") or 2) * hidden,
             state_size=int(cfg["mamba_d_state"]),
-            dt_rank=int(cfg.get("mamba_dt_rank") or _cdiv(hidden, 16)),
+            dt_rank=int(cfg.get("mamba_dt_rank") or cdiv(hidden, 16)),
         )
     return None
 
@@ -91,10 +92,6 @@ def _falcon_h1_mixer(cfg: dict[str, Any], hidden: int) -> MambaMixer:
         head_dim=int(head_dim) if isinstance(head_dim, int) else inner // heads,  # "auto": inner / heads
         rms_norm=bool(cfg.get("mamba_rms_norm", False)),
     )
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _hybrid_layers(

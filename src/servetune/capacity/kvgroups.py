@@ -31,10 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from servetune.capacity.arch import LayerType, ModelArch
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from servetune.capacity.arith import cdiv
 
 
 @dataclass(frozen=True)
@@ -52,10 +49,10 @@ class KVGroup:
         if self.kind == "mamba":
             return self.state_blocks
         if self.kind == "sliding_attention" and self.window is not None:
-            return _cdiv(min(self.window - 1 + in_flight_tokens, max_model_len), block_size) + 1
+            return cdiv(min(self.window - 1 + in_flight_tokens, max_model_len), block_size) + 1
         if self.kind == "chunked_attention" and self.window is not None:
-            return _cdiv(min(self.window + in_flight_tokens, max_model_len), block_size)
-        return _cdiv(max_model_len, block_size * dcp)
+            return cdiv(min(self.window + in_flight_tokens, max_model_len), block_size)
+        return cdiv(max_model_len, block_size * dcp)
 
 
 @dataclass(frozen=True)
@@ -120,7 +117,7 @@ def kv_layout(
     group_size = largest if largest < smallest * 1.5 else smallest
     groups: list[KVGroup] = []
     for kind, count in kinds.items():
-        for i in range(_cdiv(count, group_size)):
+        for i in range(cdiv(count, group_size)):
             layers = min(group_size, count - i * group_size)
             groups.append(KVGroup(kind, layers, layer_window(arch, kind), mamba_state_blocks))
     return KVLayout(groups=tuple(groups), group_size=group_size)

@@ -27,6 +27,7 @@ from typing import Any
 
 from servetune.capacity.advice import advise
 from servetune.capacity.arch import MambaMixer, ModelArch, WeightQuant
+from servetune.capacity.arith import cdiv
 from servetune.capacity.cpubuild import cpu_kv_cache_note, cpu_kv_cache_problem
 from servetune.capacity.draft import DraftCost, draft_cost, speculative_config
 from servetune.capacity.encoder import EncoderBudget, encoder_budget
@@ -54,10 +55,6 @@ from servetune.capacity.settings import (
     structural_problem,
 )
 from servetune.errors import UserError
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def plan_capacity(
@@ -104,20 +101,20 @@ def _gpu_overheads(
     act_bytes = 4 if s.dtype == "float32" else 2
     non_torch = (profile.non_torch_gib(tp, pp) + profile.runtime_buffers_gib) * GIB
     if profile.count_block_table:
-        non_torch += s.max_num_seqs * _cdiv(s.max_model_len, s.block_size) * 4
+        non_torch += s.max_num_seqs * cdiv(s.max_model_len, s.block_size) * 4
     tokens = s.max_num_batched_tokens
     shards = moe_shards(arch, s)
     if not profile.moe_dp_gathers_batch:  # chunked by VLLM_MOE_DP_CHUNK_SIZE: a few hundred tokens a rank
         shards = dataclasses.replace(shards, gathered=1)
     forward = tokens * activation_bytes_per_token(arch, act_bytes, tp, profile.forward_hidden_states, shards)
-    logits = min(s.max_num_seqs * query_len, tokens) * _cdiv(arch.vocab_size, 64) * 64
+    logits = min(s.max_num_seqs * query_len, tokens) * cdiv(arch.vocab_size, 64) * 64
     sampler = logits * profile.sampler_bytes_per_logit + tokens * arch.hidden_size * act_bytes
     activation = max(forward, sampler) + profile.activation_base_gib * GIB
     cudagraph = 0.0
     if not s.enforce_eager and profile.subtract_cudagraph:
         graphs = len(cudagraph_capture_sizes(s.max_num_seqs, tokens, hardware.blackwell))
         per_layer_graph = profile.cudagraph_mib_per_layer_graph * (1 << 20)
-        cudagraph = profile.cudagraph_base_gib * GIB + per_layer_graph * _cdiv(arch.num_layers, pp) * graphs
+        cudagraph = profile.cudagraph_base_gib * GIB + per_layer_graph * cdiv(arch.num_layers, pp) * graphs
     return non_torch, activation, cudagraph
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from servetune.capacity.arch import ModelArch
+from servetune.capacity.arith import cdiv
 from servetune.capacity.params import kv_heads_per_rank
 from servetune.capacity.schema import NotPlanned
 
@@ -97,11 +98,11 @@ def lora_cost(
     per_layer = column((q_out, kv_out, kv_out)) + row(q_out)
     if inter:
         per_layer += column((inter // tp, inter // tp)) + row(inter // tp)
-    layers = -(-arch.num_layers // pp)
+    layers = cdiv(arch.num_layers, pp)
     vocab = arch.vocab_size
     embeddings = vocab * rank + hidden * rank  # embed_tokens
     logits = rank * hidden + vocab * rank  # lm_head, through the logits processor
     slot = (layers * per_layer + embeddings + logits) * dtype_bytes
-    tokens = -(-max_num_batched_tokens // 8) * 8
+    tokens = cdiv(max_num_batched_tokens, 8) * 8
     buffers = (4 * tokens + 3 * max_num_seqs) * INDEX_BYTES
     return LoraCost(max_loras=loras, max_lora_rank=rank, slot_bytes=slot, buffers=buffers)

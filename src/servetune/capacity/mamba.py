@@ -33,10 +33,7 @@ from __future__ import annotations
 from math import prod
 
 from servetune.capacity.arch import MambaMixer
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from servetune.capacity.arith import cdiv
 
 
 def _extra_groups(groups: int, tp: int) -> int:
@@ -136,6 +133,6 @@ def aligned_block_size(block_size: int, kernel_block: int, attention_page_per_to
     the configured block size if it is already larger.
     """
     alignment = max(kernel_block, block_size)
-    needed = alignment * _cdiv(mamba_page, round(alignment * attention_page_per_token))
-    needed = kernel_block * _cdiv(needed, kernel_block)
+    needed = alignment * cdiv(mamba_page, round(alignment * attention_page_per_token))
+    needed = kernel_block * cdiv(needed, kernel_block)
     return max(block_size, needed)

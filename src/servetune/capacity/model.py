@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
+from servetune.capacity.arith import cdiv
 from servetune.capacity.checkpoint import Checkpoint
 
 Dtype = Literal["bfloat16", "float16", "float32"]
@@ -259,7 +260,7 @@ class ModelArch(BaseModel):
     def stage_kinds(self, pp: int = 1) -> tuple[LayerType, ...]:
         """The kinds of the cache-holding layers vLLM registers for the first pipeline stage: a layer's own kind,
         and with ``parallel_mamba`` (Falcon-H1) a Mamba layer beside each attention layer."""
-        stage = self.layer_kinds[: -(-self.num_layers // pp)]
+        stage = self.layer_kinds[: cdiv(self.num_layers, pp)]
         mamba: tuple[LayerType, ...] = ("mamba",)
         return stage + mamba * len(stage) if self.parallel_mamba else stage
 

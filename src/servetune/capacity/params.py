@@ -12,16 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from servetune.capacity.arch import ModelArch, WeightQuant
+from servetune.capacity.arith import cdiv
 
 VOCAB_PADDING = 64  # vLLM's VocabParallelEmbedding pads the vocabulary to a multiple of 64
 # MXFP4 experts on Hopper (Triton and Marlin layouts) are stored with the hidden dimension padded to
 # a multiple of 256: gpt-oss-120b loads 64.38 GiB on an H100 under vLLM 0.14.1 (issue #33155),
 # 60.7 GiB unpadded. See tests/unit/test_capacity_calibration.py.
 MXFP4_HIDDEN_ALIGNMENT = 256
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -98,11 +95,11 @@ class MoeShards:
 
     def experts_per_rank(self, experts: int) -> int:
         """Experts on the heaviest rank: all of them without EP; with it, E + R physical experts over the group."""
-        return _cdiv(experts + self.redundant, self.group) if self.expert_parallel else experts
+        return cdiv(experts + self.redundant, self.group) if self.expert_parallel else experts
 
     def expert_width(self, width: int) -> int:
         """One expert's intermediate width on a rank."""
-        return width if self.expert_parallel else _cdiv(width, self.group)
+        return width if self.expert_parallel else cdiv(width, self.group)
 
 
 def kv_heads_per_rank(arch: ModelArch, tp: int) -> int:
@@ -136,13 +133,13 @@ def _attention(arch: ModelArch, tp: int) -> ParamSplit:
 
 
 def _dense_mlp(arch: ModelArch, tp: int) -> ParamSplit:
-    return ParamSplit(linear=3 * arch.hidden_size * _cdiv(arch.intermediate_size, tp), other=0)
+    return ParamSplit(linear=3 * arch.hidden_size * cdiv(arch.intermediate_size, tp), other=0)
 
 
 def _moe_mlp(arch: ModelArch, tp: int, shards: MoeShards | None = None) -> ParamSplit:
     h, moe = arch.hidden_size, shards or MoeShards(group=tp)
     experts = moe.experts_per_rank(arch.num_experts) * 3 * h * moe.expert_width(arch.moe_intermediate_size)
-    shared = 3 * h * _cdiv(arch.shared_expert_intermediate_size, 1 if moe.replicate_shared else tp)
+    shared = 3 * h * cdiv(arch.shared_expert_intermediate_size, 1 if moe.replicate_shared else tp)
     router = h * arch.num_experts + arch.num_experts  # gate weight (+ DeepSeek's correction bias)
     if arch.architecture.startswith("Qwen3Next") and arch.shared_expert_intermediate_size:
         # no correction bias; a sigmoid gate on the shared expert (shared_expert_gate, hidden -> 1), replicated.
@@ -158,17 +155,17 @@ def _mixer(arch: ModelArch, tp: int) -> ParamSplit:
         return ParamSplit(linear=0, other=0)
     if m.kind == "linear_attention":  # MiniMax lightning attention: qkv_proj, output_gate, out_proj, norm
         inner = m.num_heads * m.head_dim
-        return ParamSplit(linear=h * _cdiv(3 * inner, tp) + h * _cdiv(inner, tp) + _cdiv(inner, tp) * h, other=inner)
+        return ParamSplit(linear=h * cdiv(3 * inner, tp) + h * cdiv(inner, tp) + cdiv(inner, tp) * h, other=inner)
     if m.kind == "gated_delta_net":  # in_proj_qkvz, in_proj_ba, conv1d, dt_bias, A_log, norm, out_proj
         k, v = m.num_k_heads * m.head_k_dim, m.num_v_heads * m.head_v_dim
-        linear = h * _cdiv(2 * k + 2 * v, tp) + h * _cdiv(2 * m.num_v_heads, tp) + _cdiv(v, tp) * h
-        other = _cdiv(2 * k + v, tp) * m.conv_kernel + 2 * _cdiv(m.num_v_heads, tp) + m.head_v_dim
+        linear = h * cdiv(2 * k + 2 * v, tp) + h * cdiv(2 * m.num_v_heads, tp) + cdiv(v, tp) * h
+        other = cdiv(2 * k + v, tp) * m.conv_kernel + 2 * cdiv(m.num_v_heads, tp) + m.head_v_dim
         return ParamSplit(linear=linear, other=other)
-    inner = _cdiv(m.intermediate_size, tp)
+    inner = cdiv(m.intermediate_size, tp)
     if m.kind == "mamba2":  # in_proj (z, x, B, C, dt), conv1d (+ bias), A, D, dt_bias, gated norm, out_proj
         groups = 2 * m.n_groups * m.state_size
-        linear = h * _cdiv(2 * m.intermediate_size + groups + m.num_heads, tp) + inner * h
-        other = _cdiv(m.intermediate_size + groups, tp) * (m.conv_kernel + 1) + 3 * _cdiv(m.num_heads, tp)
+        linear = h * cdiv(2 * m.intermediate_size + groups + m.num_heads, tp) + inner * h
+        other = cdiv(m.intermediate_size + groups, tp) * (m.conv_kernel + 1) + 3 * cdiv(m.num_heads, tp)
         other += inner if m.rms_norm else 0
         return ParamSplit(linear=linear, other=other)
     # mamba1: in_proj, conv1d (+ bias), x_proj, dt_proj (+ bias), A_log, D, out_proj
@@ -200,8 +197,8 @@ def layer_params(arch: ModelArch, tp: int, moe: bool, shards: MoeShards | None =
 
 
 def _vocab(arch: ModelArch, tp: int, padded: bool) -> int:
-    vocab = _cdiv(arch.vocab_size, VOCAB_PADDING) * VOCAB_PADDING if padded else arch.vocab_size
-    return _cdiv(vocab, tp) * arch.hidden_size
+    vocab = cdiv(arch.vocab_size, VOCAB_PADDING) * VOCAB_PADDING if padded else arch.vocab_size
+    return cdiv(vocab, tp) * arch.hidden_size
 
 
 def mtp_params(arch: ModelArch, tp: int = 1, shards: MoeShards | None = None) -> ParamSplit:
@@ -229,7 +226,7 @@ def rank_params(
     With PP > 1 the heaviest stage is taken: ceil(layers / PP) layers (MoE layers first, they are
     the larger ones) plus the larger of the embedding (first stage) and the lm_head (last stage).
     """
-    layers = _cdiv(arch.num_layers, pp)
+    layers = cdiv(arch.num_layers, pp)
     stage = arch.layer_kinds[:layers]
     if arch.mixer_only_layers:
         body = _mixer_only_body(arch, tp, stage, shards)
@@ -245,9 +242,9 @@ def rank_params(
         if arch.parallel_mamba:  # Falcon-H1: the mixer beside every layer's attention
             body = body + _mixer(arch, tp).times(layers)
     if arch.indexer_layers:  # the heaviest stage's share of the indexers (every layer's, for DeepSeek-V3.2)
-        body = body + _indexer(arch).times(_cdiv(arch.indexer_layers * layers, arch.num_layers))
+        body = body + _indexer(arch).times(cdiv(arch.indexer_layers * layers, arch.num_layers))
     embed = _vocab(arch, tp, padded_vocab)
-    vision = _cdiv(arch.vision_parameters, tp)  # the vision tower shards like the decoder, on the first stage
+    vision = cdiv(arch.vision_parameters, tp)  # the vision tower shards like the decoder, on the first stage
     if pp == 1:
         ends = embed + vision + (0 if arch.tie_word_embeddings else embed) + arch.hidden_size
     else:  # the heavier end: the first stage's embedding and vision tower or the last's lm_head + final norm
@@ -260,7 +257,7 @@ def formula_bytes(arch: ModelArch, params: ParamSplit, quant: WeightQuant, dtype
     linear = float(dtype_bytes) if quant.experts_only else packed
     experts = float(params.experts)
     if quant.method == "mxfp4":
-        experts *= _cdiv(arch.hidden_size, MXFP4_HIDDEN_ALIGNMENT) * MXFP4_HIDDEN_ALIGNMENT / arch.hidden_size
+        experts *= cdiv(arch.hidden_size, MXFP4_HIDDEN_ALIGNMENT) * MXFP4_HIDDEN_ALIGNMENT / arch.hidden_size
     return params.linear * linear + experts * packed + params.other * dtype_bytes
 
 
@@ -303,7 +300,7 @@ def kv_bytes_per_layer_token(arch: ModelArch, kv_dtype_bytes: float, tp: int = 1
 
 def kv_bytes_per_token(arch: ModelArch, kv_dtype_bytes: float, tp: int = 1, pp: int = 1) -> int:
     """KV cache bytes per token on one rank if every attention layer of its stage kept every token."""
-    stage = arch.layer_kinds[: _cdiv(arch.num_layers, pp)]
+    stage = arch.layer_kinds[: cdiv(arch.num_layers, pp)]
     attention = len(stage) - stage.count("mamba") - stage.count("mlp")
     return round(attention * kv_bytes_per_layer_token(arch, kv_dtype_bytes, tp))
 
@@ -332,14 +329,14 @@ def activation_bytes_per_token(
     if arch.is_moe:
         moe = shards or MoeShards(group=tp)  # the fused-MoE caches hold top-k rows of one expert's width on a rank
         inter = moe.expert_width(arch.moe_intermediate_size)
-        shared = _cdiv(arch.shared_expert_intermediate_size, 1 if moe.replicate_shared else tp)
+        shared = cdiv(arch.shared_expert_intermediate_size, 1 if moe.replicate_shared else tp)
         routed = arch.num_experts_per_tok * (3 * inter + h)
         if moe.gathered > 1:  # every DP rank's tokens gathered in, and the output to reduce-scatter back
             routed = moe.gathered * (routed + 2 * h)
         mlp = routed + 3 * shared
-        mlp = max(mlp, 3 * _cdiv(arch.intermediate_size, tp))
+        mlp = max(mlp, 3 * cdiv(arch.intermediate_size, tp))
     else:
-        mlp = 3 * _cdiv(arch.intermediate_size, tp)
+        mlp = 3 * cdiv(arch.intermediate_size, tp)
     heads = arch.num_attention_heads // tp
     if arch.is_mla:
         attn = heads * (2 * (arch.qk_nope_head_dim + arch.qk_rope_head_dim) + 2 * arch.v_head_dim)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from servetune.capacity.arch import ModelArch
+from servetune.capacity.arith import cdiv
 from servetune.capacity.checkpoint import DTYPE_BYTES
 from servetune.capacity.params import weight_bytes_per_rank
 
@@ -104,7 +105,7 @@ def startup_budget(
     """The budget for one engine of ``arch`` with TP x PP ranks a replica and ``dp`` replicas (see the module)."""
     size = checkpoint_bytes(arch)
     load_s = size * dp / (load_gbps * 1e9)
-    compile_s = 0.0 if enforce_eager else COMPILE_BASE_S + COMPILE_PER_LAYER_S * -(-arch.num_layers // pp)
+    compile_s = 0.0 if enforce_eager else COMPILE_BASE_S + COMPILE_PER_LAYER_S * cdiv(arch.num_layers, pp)
     graphs_s = CUDA_GRAPHS_S if device == "gpu" and not enforce_eager else 0.0
     ranks_s = DISTRIBUTED_PER_RANK_S * (tp * pp - 1)
     expected = load_s + compile_s + graphs_s + ranks_s + PROCESS_S

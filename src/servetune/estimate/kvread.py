@@ -24,11 +24,8 @@ from dataclasses import dataclass
 
 from servetune.capacity import CapacityPlan, ModelArch
 from servetune.capacity.arch import ATTENTION_KINDS
+from servetune.capacity.arith import cdiv
 from servetune.capacity.kvgroups import layer_window
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _mean_capped(prompt: float, window: int) -> float:
@@ -51,7 +48,7 @@ class KVRead:
         """The read of ``arch`` served as ``plan`` sized it; ``target_kv_bytes_per_token``: the plan's KV bytes per
         token less a drafter's (estimate/speculative.py reads the drafter's own)."""
         pp = plan.settings.pipeline_parallel_size
-        stage = arch.layer_kinds[: _cdiv(arch.num_layers, pp)]
+        stage = arch.layer_kinds[: cdiv(arch.num_layers, pp)]
         attending = sum(kind in ATTENTION_KINDS for kind in stage)
         windows = Counter(layer_window(arch, kind) for kind in stage if kind in ATTENTION_KINDS)
         state = (
@@ -64,11 +61,6 @@ class KVRead:
             layers=tuple(sorted(windows.items(), key=lambda item: (item[0] is None, item[0] or 0))),
             state_bytes=state,
         )
-
-    @property
-    def per_token(self) -> float:
-        """KV bytes per token of context were every attention layer to read the whole context."""
-        return self.layer_bytes * sum(n for _, n in self.layers)
 
     def attended(self, context: float) -> float:
         """Token-layers one decoded token reads at ``context`` tokens (the attention layers summed)."""

@@ -23,12 +23,20 @@ tokens of hidden size ``H`` at ``a = 2`` bytes:
 on the GPU link (``DeviceRates.link_bytes_s``). Stages on other nodes would cross the network instead, which the
 model does not know (as for expert parallelism's exchange).
 
-How the steps overlap. ``VllmConfig.max_concurrent_batches`` (``config/vllm.py``) is ``pp_size`` with the V1 model
-runner ("PP requires PP-size concurrent batches to fill the pipeline"), and ``EngineCore.step_with_batch_queue``
-(``v1/engine/core.py``) schedules up to that many batches before it waits for the oldest. The scheduler
-(``v1/core/sched/scheduler.py``, ``schedule``) gives a running request ``num_tokens_with_spec -
-num_computed_tokens`` new tokens, none while its decode step is in flight: each sequence is in one micro-batch,
-and its next token waits for that micro-batch to leave the last stage. With ``b`` sequences decoding, ``m =
+How the steps overlap. ``EngineCore.step_with_batch_queue`` (``v1/engine/core.py``) schedules up to
+``VllmConfig.max_concurrent_batches`` batches (``config/vllm.py``) before it waits for the oldest. On CUDA vLLM 0.32
+runs the V2 model runner by default (``VllmConfig.use_v2_model_runner``: Triton is there and no feature it lacks is
+asked for, such as a suffix, Medusa or MLP speculator), with async scheduling on, and keeps ``p + 1`` batches in
+flight; the V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0``, or such a feature) turns async scheduling off under PP and keeps
+``p`` ("PP requires PP-size concurrent batches to fill the pipeline"). Either way a decoding sequence rides in one
+micro-batch of every ``p`` steps: V1's scheduler (``v1/core/sched/scheduler.py``, ``schedule``) gives it no token
+while its step is in flight, so its next token waits for that micro-batch to leave the last stage; V2's
+``AsyncScheduler`` schedules its next step ``p`` steps after its last (``decode_stagger``), with a placeholder for the
+token still on its way. The batch more is async scheduling's look-ahead, prepared while the stages run (PP 1 keeps two
+for the same reason): V2 hides behind the stages the step overhead that V1 pays in each cycle of the pipeline. The
+estimate counts the fitted overhead once a cycle for both runners, as at PP 1, whose fit holds what async scheduling
+leaves of it; under V1 with PP it may read a TPOT short by the part async scheduling hides at PP 1, which no
+calibration point tells (tests/unit/test_estimate_pipeline.py pins vLLM's side). With ``b`` sequences decoding, ``m =
 min(p, b)`` micro-batches (at least one) of ``b / m`` sequences:
 
     stage step     s(b / m) = max(stage bytes / HBM, stage FLOPs / peak) + stage all-reduces + exchange
@@ -55,6 +63,7 @@ from __future__ import annotations
 import dataclasses
 
 from servetune.capacity import ModelArch
+from servetune.capacity.arith import cdiv
 from servetune.estimate.expert_parallel import ExpertExchange
 
 ACTIVATION_BYTES = 2  # hidden states and the residual cross a boundary in 16 bits
@@ -63,7 +72,7 @@ BOUNDARY_TENSORS = 2  # IntermediateTensors: hidden_states and residual
 
 def stage_layers(arch: ModelArch, pp: int) -> int:
     """Decoder layers of the heaviest stage: ``ceil(L / p)``, the memory planner's split (capacity/params.py)."""
-    return -(-arch.num_layers // pp)
+    return cdiv(arch.num_layers, pp)
 
 
 def stage_moe_layers(arch: ModelArch, pp: int) -> int:

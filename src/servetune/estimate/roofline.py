@@ -33,6 +33,7 @@ import functools
 from dataclasses import dataclass, field
 
 from servetune.capacity import ModelArch, WeightQuant
+from servetune.capacity.arith import cdiv
 from servetune.capacity.params import MoeShards, rank_params, weight_bytes_per_rank
 from servetune.estimate.expert_parallel import ExpertExchange
 from servetune.estimate.factors import Efficiency
@@ -42,10 +43,6 @@ from servetune.estimate.specs import DeviceRates
 from servetune.estimate.speculative import Speculation
 
 ACTIVATION_BYTES = 2  # all-reduced hidden states are 16-bit
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass(frozen=True)
@@ -68,11 +65,6 @@ class Replica:
     speculation: Speculation | None = None  # the drafter (it reads its own KV: Speculation.kv_bytes_per_token)
     exchange: ExpertExchange | None = None  # the MoE layers' token exchange over DP (and EP)
     experts: MoeShards | None = None  # the routed experts' layout over TP x DP (expert_parallel.read_layout)
-
-    @property
-    def kv_bytes_per_token(self) -> float:
-        """KV bytes per token of context on one rank were every attention layer to read all of it."""
-        return self.kv.per_token
 
     @property
     def layers(self) -> int:
@@ -100,7 +92,7 @@ class Replica:
         a = self.arch
         p = rank_params(a, self.tp, self.pp)  # routed experts apart from the linear weights (capacity/params.py)
         share = a.num_experts_per_tok / a.num_experts if a.is_moe else 0.0
-        lm_head = _cdiv(a.vocab_size, self.tp) * a.hidden_size
+        lm_head = cdiv(a.vocab_size, self.tp) * a.hidden_size
         return p.linear + p.experts * share + lm_head / self.pp
 
     def attention_flops(self, context: float, prompt: bool = False) -> float:

@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from servetune.capacity import CapacityPlan, ModelArch
+from servetune.capacity.arith import cdiv
 from servetune.capacity.hardware import GIB
 from servetune.capacity.params import MoeShards, ParamSplit, formula_bytes, mtp_params, rank_params
 
@@ -139,7 +140,7 @@ def speculation(
         held = ParamSplit(linear=0, other=0, experts=mtp_params(arch, tp, shards=experts).experts)
         expert_bytes = formula_bytes(arch, held, arch.quant, bytes_per_weight)
     if draft.method in SHARED_HEAD:
-        head = -(-arch.vocab_size // tp) * arch.hidden_size
+        head = cdiv(arch.vocab_size, tp) * arch.hidden_size
         pass_bytes += head * bytes_per_weight
         flops += 2.0 * head
     return Speculation(draft.method, draft.num_speculative_tokens, acceptance, source, pass_bytes, flops,
