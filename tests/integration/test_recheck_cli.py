@@ -104,7 +104,10 @@ def test_a_flag_the_new_vllm_does_not_know_is_refused_with_nothing_started(study
     assert len(verdicts) == 1 and "unknown engine argument 'disable_log_requests'" in verdicts[0], done.stderr
     doc = json.loads((tmp_path / "out.json").read_text())
     assert doc["verdict"] == "REFUSED" and doc["outcome_after"] == "NOT RUN" and doc["changes"] == []
-    assert not (study / "recheck").exists() and processes_mentioning(fake) == []
+    # its result kept in a run folder of its own, as a measured run's is (the next recheck replaces --json's file)
+    (run,) = (study / "recheck").glob("*/*")
+    assert [p.name for p in run.iterdir()] == ["recheck.json"] and json.loads((run / "recheck.json").read_text()) == doc
+    assert processes_mentioning(fake) == []
 
 
 def test_a_default_the_new_vllm_resolved_otherwise_is_changed_defaults(study, tmp_path):

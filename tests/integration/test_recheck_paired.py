@@ -14,6 +14,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from servetune.config.slo import Slo
 from servetune.config.workload import load_workload
@@ -168,3 +169,30 @@ def test_the_command_measures_the_pick_against_another_trial_and_logs_it(tmp_pat
     assert run.data.tags["recheck.verdict"] == "A better" and run.data.tags["recheck.against"] == OTHER
     goodput = next(m for m in doc["metrics"] if m["metric"] == GOODPUT)
     assert run.data.metrics["paired.goodput.change"] == pytest.approx(goodput["change"])
+
+
+@needs_vllm
+def test_a_refused_paired_run_keeps_its_result_in_a_run_folder_of_its_own(tmp_path):
+    """Nothing starts where the new vLLM refuses a side; the result is kept in ``recheck/<vllm>/<run>/`` as a measured
+    run's is, so the next paired run, which overwrites the study-level file, loses nothing."""
+    study = tmp_path / "study"
+    shutil.copytree(STUDY, study)
+    space = yaml.safe_load((study / "space.yaml").read_text())
+    space["engine_args"]["disable_log_requests"] = True  # left vLLM before 0.32
+    (study / "space.yaml").write_text(yaml.safe_dump(space))
+    for trial in (WINNER, OTHER):
+        path = study / "trials" / trial / "result.json"
+        recorded = json.loads(path.read_text())
+        recorded["engine_args"]["disable_log_requests"] = True
+        path.write_text(json.dumps(recorded))
+    fake = write_fake_python(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "servetune", "recheck", str(study), "--paired", "--against", OTHER,
+                           "--python", str(fake)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "MLFLOW_TRACKING_URI": ""})  # fmt: skip
+    assert done.returncode == 3 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    (written,) = study.glob("recheck-paired-*.json")
+    doc = json.loads(written.read_text())
+    assert doc["verdict"] == "REFUSED" and "disable_log_requests" in doc["failure"] and doc["result_dir"] is None
+    (run,) = (study / "recheck").glob("*/*")
+    assert [p.name for p in run.iterdir()] == ["recheck-paired.json"]
+    assert json.loads((run / "recheck-paired.json").read_text()) == doc and processes_mentioning(fake) == []

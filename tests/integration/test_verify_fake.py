@@ -56,6 +56,9 @@ def test_every_scenario_and_the_runner_up_on_the_fake_engine(tmp_path):
     bounds = doc["admission"]["engine_args"]
     assert bounds["max_num_queued_reqs"] == selection.winner.spec.engine_args["max_num_queued_reqs"] > 0
     assert list(doc["scenarios"]) == [*SCENARIOS, OVERLOAD] and list(steps.scenarios)[:8] == list(SCENARIOS)
+    # and the burst's 503s were judged against them: each one the bound's (the fake refuses at its own count)
+    burst = doc["scenarios"]["burst"]
+    assert burst["admission_bounds"] == bounds and burst["refused_unexplained"] == 0, burst["reason"]
     assert doc["operating_point"]["headroom"] == 0.8 and doc["operating_point"]["level"]["concurrency"] == 6
     assert doc["accepted"] == all(s["passed"] for s in doc["scenarios"].values())
     rounds = doc["scenarios"]["disconnects"]["rounds"]

@@ -1,6 +1,7 @@
 """The overload scenario against the fake engine: with an admission bound (the fake's max_num_queued_reqs,
 503 past it, as vLLM's) the excess is refused at once, the admitted meet the TTFT bound and the engine
-recovers when the load drops; without one every request queues and the scenario fails, naming it."""
+recovers when the load drops; without one every request queues and the scenario fails, naming it. The burst
+against the same bound: its 503s are the bound's (verify/admitted.py), unless the engine refuses below it."""
 
 import asyncio
 
@@ -11,7 +12,7 @@ from servetune.load.requests import PromptFactory
 from servetune.load.runner import Level
 from servetune.testing.fake_openai import FakeOpenAI
 from servetune.verify.overload import overload, refused
-from servetune.verify.scenarios import Budget, Target
+from servetune.verify.scenarios import Budget, Target, burst
 from tests.conftest import serve_fake
 
 WORKLOAD = Workload(
@@ -24,13 +25,13 @@ SLO = Slo.parse("ttft_ms.p99=500")
 RATE = 20.0
 
 
-def run_overload(fake: FakeOpenAI, tokenizer):
+def run_overload(fake: FakeOpenAI, tokenizer, scenario=overload, admission=None):
     async def main(url):
         async with StreamingClient(url, "fake", timeout_s=60, first_token_timeout_s=30, idle_timeout_s=30) as client:
             target = Target(client=client, url=url, workload=WORKLOAD, prompts=PromptFactory(tokenizer), slo=SLO,
                             level=Level("concurrency", 2.0), budget=BUDGET, max_model_len=1024,
-                            measured_rate=RATE)  # fmt: skip
-            return await overload(target), target.records
+                            measured_rate=RATE, admission=admission or {})  # fmt: skip
+            return await scenario(target), target.records
 
     with serve_fake(fake) as url:
         return asyncio.run(main(url))
@@ -50,3 +51,21 @@ def test_an_unbounded_queue_fails_and_says_so(tiny_tokenizer):
     result, _ = run_overload(FakeOpenAI(ttft_ms=10, itl_ms=5, max_num_seqs=2), tiny_tokenizer)
     assert not result.passed and result.numbers["refused"] == 0
     assert "no bound on the queue" in result.reason
+
+
+def test_a_burst_against_the_bound_passes_with_its_refusals_set_apart(tiny_tokenizer):
+    fake = FakeOpenAI(ttft_ms=10, itl_ms=5, max_num_seqs=2, max_num_queued_reqs=6)
+    result, records = run_overload(fake, tiny_tokenizer, burst, {"max_num_queued_reqs": 6})
+    n = result.numbers
+    assert result.passed, result.reason
+    assert n["refused"] == fake.rejected == sum(refused(r) for r in records) > 0  # CV 3 at 20 req/s fills 6
+    assert n["refused_explained"] == n["refused"] and n["refused_unexplained"] == 0
+    assert n["admitted_ttft_ms_p99"] <= 500 and n["refuse_ms_p99"] <= 500 and "explained by the bounds" in result.reason
+
+
+def test_a_burst_refused_below_the_bound_it_was_given_fails(tiny_tokenizer):
+    """The engine refuses at 3 in flight where the configuration says 6: more refusals than the bound explains."""
+    fake = FakeOpenAI(ttft_ms=10, itl_ms=5, max_num_seqs=2, max_num_queued_reqs=3)
+    result, _ = run_overload(fake, tiny_tokenizer, burst, {"max_num_queued_reqs": 6})
+    assert not result.passed and result.numbers["refused_unexplained"] > 0, result.reason
+    assert "refusals the bounds do not explain" in result.reason

@@ -27,7 +27,7 @@ def searched(trial_id, seqs, capacity, broke, out_tps, kv=0.3):
     return t
 
 
-def paired_file(root, a, b, b_over_a, vllm=VLLM, name=None, failure=None):
+def paired_file(root, a, b, b_over_a, vllm=VLLM, name=None, failure=None, created="2026-12-06T07:00:00"):
     """What ``servetune recheck --paired`` writes: three rounds, B's goodput ``b_over_a`` times A's in each
     (with a little spread), judged by verify/paired.py's own rule."""
     rounds = []
@@ -40,7 +40,7 @@ def paired_file(root, a, b, b_over_a, vllm=VLLM, name=None, failure=None):
     metrics, decided, verdict, reason = judge(rounds)
     doc = Paired(study="demo", vllm=vllm, a_trial_id=a, b_trial_id=b, level={"concurrency": 5}, mode="side by side",
                  rounds_asked=3, rounds=rounds, metrics=metrics, decided_on=decided, verdict=verdict, reason=reason,
-                 failure=failure, created="2026-12-06T07:00:00")  # fmt: skip
+                 failure=failure, created=created)  # fmt: skip
     path = root / (name or f"recheck-paired-{vllm}.json")
     path.write_text(doc.model_dump_json(indent=2))
     return doc
@@ -151,3 +151,28 @@ def test_an_unreadable_paired_file_is_one_line_naming_it(tie):
     (tie / "recheck-paired-0.32.0.json").write_text('{"a_trial_id": "a"}')
     with pytest.raises(UserError, match=r"recheck-paired-0\.32\.0\.json: .*b_trial_id"):
         load_study(tie)
+
+
+def test_every_paired_run_s_own_file_is_read_and_the_report_names_the_runs_beside_the_one_it_took(tie):
+    """Each paired run keeps its result in its own folder (recheck/<vllm>/<run>/recheck-paired.json); the study-level
+    file is the latest run's only, here a REFUSED one that overwrote it. The report reads every run, counts the
+    study-level copy once, settles on the latest run that measured the two, and names the others."""
+    runs = tie / "recheck" / VLLM
+    folders = [runs / f"20261206T0{h}0000Z" for h in (7, 8, 9)]
+    for folder in folders:
+        folder.mkdir(parents=True)
+    paired_file(folders[0], "a", "b", 0.8, name="recheck-paired.json")  # A better
+    paired_file(folders[1], "a", "b", 1.0, name="recheck-paired.json", created="2026-12-06T08:00:00")  # a tie
+    refused = Paired(study="demo", vllm=VLLM, a_trial_id="a", b_trial_id="b", level={"concurrency": 5},
+                     mode="side by side", rounds_asked=3, rounds=[], metrics=[], decided_on=None, verdict="REFUSED",
+                     reason="vLLM refuses trial b", failure="vLLM refuses trial b", created="2026-12-06T09:00:00")  # fmt: skip
+    for path in (folders[2] / "recheck-paired.json", tie / f"recheck-paired-{VLLM}.json"):
+        path.write_text(refused.model_dump_json(indent=2))
+    study = load_study(tie)
+    assert len(study.paired) == 3  # the study-level copy of the third run counted once
+    rec = build_report(study).recommendation
+    assert rec.point.trial_id == "a" and "found them within its noise too" in rec.reason
+    assert (f"3 rounds, recheck/{VLLM}/20261206T080000Z/recheck-paired.json; the latest of 2 that measured them on "
+            f"vLLM {VLLM}; the other runs: recheck/{VLLM}/20261206T070000Z/recheck-paired.json: A better, "
+            f"recheck/{VLLM}/20261206T090000Z/recheck-paired.json: REFUSED (vLLM refuses trial b)") in rec.reason  # fmt: skip
+    assert f"recheck-paired-{VLLM}.json" not in rec.reason and not rec.next_steps

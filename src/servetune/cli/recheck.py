@@ -62,15 +62,18 @@ a bootstrap and Student's t) on the same side of 0. Exit status of a paired rech
   2                   bad input (nothing started)
   3 REFUSED           vLLM refuses either configuration, or an engine does not start or dies
   5 tie               tie within the paired noise
-Writes STUDY_DIR/recheck-paired-<vLLM version>.json (or --json OUT), each side's engine log and requests in
-STUDY_DIR/recheck/<vLLM version>/<run>/paired/ (<run>: the run's UTC time), with a copy of the result there.
+Writes STUDY_DIR/recheck-paired-<vLLM version>.json (or --json OUT: the latest run's), each side's engine log and
+requests in STUDY_DIR/recheck/<vLLM version>/<run>/paired/ (<run>: the run's UTC time), and a copy of every run's
+result, a REFUSED one's too, in STUDY_DIR/recheck/<vLLM version>/<run>/recheck-paired.json: the report reads them
+all, settles a tie on the latest on the study's vLLM and names the earlier ones.
 
 Before the engine starts, a hub model's weights are fetched on this machine, outside its start-up clock (the
 result's "prefetch"; --no-prefetch leaves the download to the engine).
 
 Writes STUDY_DIR/recheck-<vLLM version>.json (or --json OUT: the latest run's); each run's re-measured trials
 and a copy of its result (recheck.json) are kept in a folder of their own, STUDY_DIR/recheck/<vLLM version>/<run>/
-(<run>: the run's UTC time, 20261207T110500Z), so a later recheck on the same vLLM loses nothing. Where the study recorded an MLflow store (or --tracking-uri names one), the
+(<run>: the run's UTC time, 20261207T110500Z), a REFUSED run's too (its recheck.json alone), so a later recheck
+on the same vLLM loses nothing. Where the study recorded an MLflow store (or --tracking-uri names one), the
 recheck is logged there as a run of the study's experiment tagged servetune.role=recheck.
 """
 
@@ -141,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
     with console.status(f"reading {version}'s argument table"):
         new_table = load_argspecs(args.python)
     signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(SystemExit(128 + signum)))
-    made: list[Path] = []  # this run's own folder, made when the first trial is measured (none: nothing ran)
+    made: list[Path] = []  # this run's own folder, made when the first trial is measured, else with its result
 
     def run_dir() -> Path:
         if not made:
@@ -157,8 +160,9 @@ def run(args: argparse.Namespace) -> int:
     out = args.json or recheck_file(args.study_dir, version)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(doc.model_dump_json(indent=2) + "\n")
-    for folder in made:  # kept beside its trials: a later recheck on this vLLM replaces recheck-<version>.json only
-        (folder / RUN_DOC).write_text(doc.model_dump_json(indent=2) + "\n")
+    # Every run's result kept in its own folder, beside its trials where it measured any (one REFUSED before anything
+    # started has a folder too): a later recheck on this vLLM replaces recheck-<version>.json only.
+    (run_dir() / RUN_DOC).write_text(doc.model_dump_json(indent=2) + "\n")
     console.print(f"wrote {out}", soft_wrap=True, highlight=False)
     uri = args.tracking_uri or recorded_tracking_uri(args.study_dir)
     if uri is not None:

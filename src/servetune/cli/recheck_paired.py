@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import signal
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -73,6 +72,7 @@ def run_paired(args: argparse.Namespace) -> int:
                  level=level.as_dict(), mode=mode, rounds_asked=rounds, rounds=[], metrics=[], decided_on=None,
                  verdict="REFUSED", reason="")  # fmt: skip
     refused = [f"trial {one.trial_id}: {why}" for one in (a, b) if (why := refusal(one.spec.engine_args, table))]
+    run_dir = new_run_dir(args.study_dir, version)  # its own: a later paired run loses nothing (a REFUSED one too)
     if refused:  # nothing starts
         doc.failure = doc.reason = f"vLLM {version} refuses " + "; ".join(refused)
     else:
@@ -85,7 +85,7 @@ def run_paired(args: argparse.Namespace) -> int:
             if one.spec.tokenizer not in factories:
                 factories[one.spec.tokenizer] = PromptFactory(load_tokenizer(one.spec.tokenizer))
         prompts = {"A": factories[a.spec.tokenizer], "B": factories[b.spec.tokenizer]}
-        out_dir = new_run_dir(args.study_dir, version) / PAIRED_DIR  # its own: a later paired run loses nothing
+        out_dir = run_dir / PAIRED_DIR
         doc.result_dir = str(out_dir)
         console.print(f"A: trial {a.trial_id} (the pick), B: trial {b.trial_id}; {rounds} rounds at {level}, {mode}",
                       soft_wrap=True, highlight=False)  # fmt: skip
@@ -104,8 +104,8 @@ def run_paired(args: argparse.Namespace) -> int:
     out = args.json or args.study_dir / f"recheck-paired-{version_slug(version)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(doc.model_dump_json(indent=2) + "\n")
-    if doc.result_dir is not None:  # a copy beside its records: the study's file is the latest paired run's
-        (Path(doc.result_dir).parent / PAIRED_RUN_DOC).write_text(doc.model_dump_json(indent=2) + "\n")
+    # a copy in the run's folder (beside its records where it measured): the study's file is the latest paired run's
+    (run_dir / PAIRED_RUN_DOC).write_text(doc.model_dump_json(indent=2) + "\n")
     _say(console, f"wrote {out}")
     uri = args.tracking_uri or recorded_tracking_uri(args.study_dir)
     if uri is not None:

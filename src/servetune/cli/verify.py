@@ -25,7 +25,8 @@ clients for a closed loop; without a capacity search, the highest level that met
 
   soak         steady load for --duration: P99 TTFT and TPOT per window, their jitter and drift,
                growth of KV-cache usage and of the engine's memory
-  peak         1.25x the level          burst        gamma arrivals, CV 3, same mean rate
+  peak         1.25x the level          burst        gamma arrivals, CV 3, same mean rate (with
+               admission bounds, the 503s they explain are set apart: the admitted must meet the SLO)
   mix          10% of requests at the workload's P99 input length: the short ones' TTFT P99
   long_output  requests up to the server's output limit
   disconnects  half the streams dropped after their first tokens: vLLM must release them

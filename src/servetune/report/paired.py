@@ -3,8 +3,11 @@
 A study measures its trials minutes apart on a host that drifts, so two configurations whose capacities and costs
 overlap within their noise are a tie (recommend.py, rule 5). ``servetune recheck --paired`` measures the pick (A)
 against another trial (B) round by round, interleaved, and judges them from the rounds' paired differences
-(verify/paired.py); it writes ``recheck-paired-<vllm>.json`` in the study directory. The report reads those files
-and, for each tie:
+(verify/paired.py); it writes ``recheck-paired-<vllm>.json`` in the study directory (the latest run's on that vLLM)
+and a copy of each run's in the run's own folder, ``recheck/<vllm>/<run>/recheck-paired.json``. The report reads
+them all (a study-level file that is a copy of a run's counted once) and, for each tie, takes the latest comparison
+of the two on the study's vLLM that measured them (by its ``created`` stamp), naming every other run of the two on
+that vLLM (earlier ones, refused ones) and its verdict beside it:
 
 - a paired comparison of the two on the study's vLLM release that told them apart settles it: the better one is
   recommended (a tie whose memory margin is thin is not switched to: rule 2 still holds), and the reason says by
@@ -32,6 +35,8 @@ from servetune.report.recommend import Recommendation, describe, margin_signals
 from servetune.results import read_model
 
 PAIRED_GLOB = "recheck-paired-*.json"
+#: Each paired run's own copy (verify/recheck.py ``PAIRED_RUN_DOC`` in ``RECHECK_DIR/<vllm>/<run>/``).
+RUN_GLOB = "recheck/*/*/recheck-paired.json"
 SETTLING = ("A better", "B better")  # the paired verdicts that tell two configurations apart
 
 
@@ -60,9 +65,33 @@ class PairedOutcome(BaseModel):
 
 
 def read_paired_files(root: Path) -> tuple[tuple[Path, PairedOutcome], ...]:
-    """Every ``recheck-paired-*.json`` in the study directory, newest last (by its ``created`` stamp)."""
-    read = [(path, read_model(path, PairedOutcome)) for path in sorted(root.glob(PAIRED_GLOB)) if path.is_file()]
+    """Every paired run's file: each run folder's ``recheck-paired.json``, then each study-level
+    ``recheck-paired-*.json`` that is not a copy of one of them (a run from before the folders, or one written
+    with ``--json``); newest last (by its ``created`` stamp)."""
+    runs = sorted(p for p in root.glob(RUN_GLOB) if p.is_file())
+    read = [(path, read_model(path, PairedOutcome)) for path in runs]
+    seen = {outcome.model_dump_json() for _, outcome in read}
+    for path in sorted(p for p in root.glob(PAIRED_GLOB) if p.is_file()):
+        outcome = read_model(path, PairedOutcome)
+        if outcome.model_dump_json() not in seen:
+            read.append((path, outcome))
     return tuple(sorted(read, key=lambda item: item[1].created or ""))
+
+
+def label(path: Path) -> str:
+    """A paired file as the report names it: ``recheck/<vllm>/<run>/recheck-paired.json`` for a run's copy (its
+    name alone says nothing), else its name."""
+    parts = path.parts
+    return "/".join(parts[-4:]) if len(parts) >= 4 and parts[-4] == "recheck" else path.name
+
+
+def _others(taken: int, others: Sequence[tuple[Path, PairedOutcome]], vllm: str | None) -> str:
+    """What the report says of the other paired runs of the two on the study's vLLM beside the one it took, the
+    ``taken``-th of those that measured them (none: '')."""
+    if not others:
+        return ""
+    said = ", ".join(f"{label(path)}: {p.verdict}" + (f" ({p.failure})" if p.failure else "") for path, p in others)
+    return f"; the latest of {taken} that measured them on vLLM {vllm}; the other runs: {said}"
 
 
 def settle_ties(rec: Recommendation, points: Sequence[ReportPoint], trials: Sequence[TrialOutline],
@@ -78,7 +107,7 @@ def settle_ties(rec: Recommendation, points: Sequence[ReportPoint], trials: Sequ
         found = [(path, p) for path, p in paired if p.pairs(mine, tie.trial_id)]
         same = [(path, p) for path, p in found if p.vllm == study_vllm and p.failure is None]
         if not same:
-            elsewhere = "; ".join(f"{path.name} compared them on vLLM {p.vllm}" + (f" and failed: {p.failure}" if
+            elsewhere = "; ".join(f"{label(path)} compared them on vLLM {p.vllm}" + (f" and failed: {p.failure}" if
                                   p.failure else "") for path, p in found)  # fmt: skip
             commands.append(f"servetune recheck {study_dir} --paired --against {tie.trial_id}")
             hint = f"`{commands[-1]}` measures them round by round"
@@ -86,7 +115,8 @@ def settle_ties(rec: Recommendation, points: Sequence[ReportPoint], trials: Sequ
                          + (f" ({elsewhere}, not taken: another engine)" if elsewhere else "") + f"; {hint}")  # fmt: skip
             continue
         path, latest = same[-1]
-        rounds = f"{len(latest.rounds)} rounds, {path.name}"
+        beside = [(p, o) for p, o in found if o.vllm == study_vllm and o is not latest]
+        rounds = f"{len(latest.rounds)} rounds, {label(path)}{_others(len(same), beside, study_vllm)}"
         winner = latest.better()
         if winner is None:
             notes.append(f"against trial {tie.trial_id}: a paired comparison ({rounds}) found them within its noise "

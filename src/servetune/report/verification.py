@@ -49,6 +49,8 @@ _SHARES = {
     "memory_peak_fraction",
     "long_share",
     "error_rate",
+    "refused_share",  # the 503s an admission bound made (burst, overload)
+    "admitted_error_rate",
 }
 
 

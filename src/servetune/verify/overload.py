@@ -28,30 +28,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from servetune.load.runner import Level
 from servetune.metrics import RequestRecord
 from servetune.report.autoscale import tolerable_wait_s
 from servetune.results import MARGIN
 from servetune.trial.measure import LevelPlan
+from servetune.verify.admitted import ADMISSION_ARGS, p99_ms, refused
 from servetune.verify.scenarios import ScenarioResult, Target, _level, fmt
 
+__all__ = ["ADMISSION_ARGS", "refused"]  # their home is verify/admitted.py, with the burst's rule under bounds
+
 NAME = OVERLOAD = "overload"
-#: vLLM's engine arguments that bound admission (a configuration setting either gets this scenario in verify).
-ADMISSION_ARGS = ("max_num_queued_reqs", "max_num_queued_tokens")
 OVERLOAD_FACTOR = 1.5
 RECOVERY_FACTOR = 0.5
 STREAM = 30_000  # its arrivals' seed (scenarios.py STREAMS are 10_000 + 1_000 x i)
-
-
-def refused(record: RequestRecord) -> bool:
-    """Turned away by an admission bound: HTTP 503 (vLLM's QueueOverflowError and MaxQueuedTokensError)."""
-    return bool(record.error) and str(record.error).startswith("HTTP 503")
-
-
-def _p99_ms(values: Sequence[float]) -> float | None:
-    return float(np.percentile(np.asarray(values), 99)) * 1000.0 if values else None
 
 
 def judge_overload(over: Sequence[RequestRecord], after: Sequence[RequestRecord], wait_s: float,
@@ -62,8 +52,8 @@ def judge_overload(over: Sequence[RequestRecord], after: Sequence[RequestRecord]
     after = sorted((r for r in after if not r.warmup), key=lambda r: r.sent)
     turned = [r for r in over if refused(r)]
     admitted = [r for r in over if r.ok]
-    refuse_p99 = _p99_ms([r.e2el_s for r in turned if r.e2el_s is not None])
-    admitted_p99 = _p99_ms([r.ttft_s for r in admitted if r.ttft_s is not None])
+    refuse_p99 = p99_ms([r.e2el_s for r in turned if r.e2el_s is not None])
+    admitted_p99 = p99_ms([r.ttft_s for r in admitted if r.ttft_s is not None])
 
     def bad(r: RequestRecord) -> bool:
         return refused(r) or not r.ok or (r.ttft_s is not None and r.ttft_s > wait_s)

@@ -36,6 +36,7 @@ from servetune.serve.cluster import ServeCluster
 from servetune.serve.trial import ServeEngine, pinned_spec, trial_needs
 from servetune.trial.runner import TrialSpec, cores_record, vllm_engine
 from servetune.verify import scenarios as sc
+from servetune.verify.admitted import bounds_of
 from servetune.verify.canary import CANARY, DEFAULT_SHARE, Deploy, canary
 from servetune.verify.choose import Chosen, Selection
 from servetune.verify.disconnects import disconnects
@@ -202,6 +203,7 @@ def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: Pro
                         metrics=getattr(server, "server_metrics", None),
                         reset_cache=server.reset_prefix_cache if isinstance(server, ServeEngine) else None,
                         admission_bound=any(spec.engine_args.get(k) is not None for k in ADMISSION_ARGS),
+                        admission=bounds_of(spec.engine_args),
                         levels=run.levels,
                     )  # fmt: skip
                     return await body(target)

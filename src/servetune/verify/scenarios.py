@@ -13,7 +13,9 @@ peaks); what is new here is the load each scenario asks for and how it is judged
   ``RSS_GROWTH_MAX``.
 - **peak**: 1.25x the level. Passes without errors (its latency may break the SLO: reported).
 - **burst**: gamma arrivals at the level's measured request rate, coefficient of variation 3 (the gaps' CV
-  is reported as scheduled and as sent). Passes without errors.
+  is reported as scheduled and as sent). Passes without errors; where the engine started with admission
+  bounds, its 503s are judged by ``admitted.py``'s rule instead (refusals the bounds explain, answered within
+  the TTFT bound, the admitted meeting the SLO within the noise; any other failure against the error budget).
 - **mix**: 10% of requests at the workload's P99 input length among the usual ones; passes when
   the short ones' TTFT P99 stays within the SLO's TTFT bound (without one: twice the soak's).
 - **long_output**: requests up to the server's output limit (``max_model_len`` minus the prompt;
@@ -39,12 +41,15 @@ from servetune.load.client import DROPPED, StreamingClient
 from servetune.load.requests import PromptFactory
 from servetune.load.runner import Level
 from servetune.metrics import GOODPUT, RequestRecord
+from servetune.report.autoscale import tolerable_wait_s
 from servetune.report.points import is_out_of_memory
 from servetune.report.recommend import KV_USAGE_THIN
-from servetune.results import LevelResult
+from servetune.results import MARGIN, LevelResult
 from servetune.summary import summarize
 from servetune.trial.measure import EarlyBreak, Engine, LevelPlan, measure_level
 from servetune.trial.readings import MetricsSource
+from servetune.verify.admitted import describe as describe_admitted
+from servetune.verify.admitted import judge_admitted
 from servetune.verify.shapes import (
     LONG_CLASS,
     LONG_SHARE,
@@ -137,6 +142,8 @@ class Target:
     # The configuration sets vLLM's admission bound (max_num_queued_reqs or max_num_queued_tokens): verify then
     # runs the overload scenario (verify/overload.py) after the others.
     admission_bound: bool = False
+    # The bounds' values (admitted.py ``bounds_of``): the burst's 503s are judged against them (admitted.py).
+    admission: dict[str, int] = field(default_factory=dict)
     errors: dict[str, list[str]] = field(default_factory=dict)  # a few error messages per scenario
     levels: dict[str, LevelResult] = field(default_factory=dict)  # the level each scenario measured (diagnosis)
 
@@ -327,14 +334,20 @@ async def burst(t: Target) -> ScenarioResult:
     level = Level("rate", rate, "gamma", burstiness=1.0 / BURST_CV**2)
     plan = LevelPlan(level, num_requests=None, duration_s=t.budget.scenario_s, warmup_requests=0)
     result, records = await _measure(t, plan, "burst")
-    ok, why = _errors_ok(result, t.slo)
     asked, cv = gap_cv(records, scheduled=True), gap_cv(records)
     numbers = {**_core(result), "mean_rate": rate, "target_cv": BURST_CV, "scheduled_cv": asked, "measured_cv": cv}
+    head = f"gamma arrivals at {rate:.3g} req/s, gaps' CV {fmt(asked)} asked, {fmt(cv)} sent: "
+    if t.admission:  # the bounds' 503s are theirs, judged apart (admitted.py)
+        wait_s, _ = tolerable_wait_s([str(b) for b in t.slo.bounds])
+        verdict = judge_admitted(records, t.admission, t.slo, level.as_dict(), wait_s, error_bound(t.slo),
+                                 t.verdict_noise or MARGIN)  # fmt: skip
+        numbers.update(verdict.numbers)
+        return ScenarioResult("burst", verdict.passed, head + describe_admitted(verdict), numbers)
+    ok, why = _errors_ok(result, t.slo)
     slo_note = (
         f"; SLO in the bursts: {'; '.join(result.slo_violations)}" if result.slo_violations else "; meets the SLO"
     )
-    reason = f"gamma arrivals at {rate:.3g} req/s, gaps' CV {fmt(asked)} asked, {fmt(cv)} sent: {why}{slo_note}"
-    return ScenarioResult("burst", ok, reason, numbers)
+    return ScenarioResult("burst", ok, f"{head}{why}{slo_note}", numbers)
 
 
 async def mix(t: Target, soak_ttft_p99: float | None) -> ScenarioResult:
