@@ -249,7 +249,11 @@ def worker_servetune(args: argparse.Namespace) -> dict:
     from servetune.summary import send_sync_share, summarize, ttft_distribution_ms
 
     rows = [json.loads(line) for line in Path(args.requests).read_text().splitlines()]
-    specs = [RequestSpec(i, r["prompt"], r["input_tokens"], r["output_tokens"], "default") for i, r in enumerate(rows)]
+    extra = VLLM_BODY if args.worker == "servetune-vllm-body" else ()
+    specs = [
+        RequestSpec(i, r["prompt"], r["input_tokens"], r["output_tokens"], "default", sampling=extra)
+        for i, r in enumerate(rows)
+    ]
 
     origin: list[float] = []
 
@@ -257,7 +261,7 @@ def worker_servetune(args: argparse.Namespace) -> dict:
         async with StreamingClient(args.url, args.model) as client:
             level = Level("concurrency", args.concurrency)
             return await run_level(
-                client, specs, level, num_requests=len(specs), stagger=args.worker != "servetune-lockstep",
+                client, specs, level, num_requests=len(specs), stagger=args.worker == "servetune",
                 on_start=origin.append,
             )  # fmt: skip
 
@@ -356,9 +360,20 @@ def run_worker(
     raise RuntimeError(f"{kind} client failed:\n{done.stderr[-3000:]}")
 
 
-#: The clients compared: servetune's (staggered starts), vLLM's, and servetune's with every client
-#: started at once (``--lockstep``).
-CLIENTS = ("servetune", "vllm", "servetune-lockstep")
+#: The clients compared: servetune's (staggered starts), vLLM's, servetune's with every client
+#: started at once (``--lockstep``), and that one sending the fields vLLM's client adds to each body
+#: (``--vllm-body``).
+CLIENTS = ("servetune", "vllm", "servetune-lockstep", "servetune-vllm-body")
+
+#: What ``vllm bench serve``'s completions request adds to servetune's body (``async_request_openai_completions``
+#: in vllm/benchmarks/lib/endpoint_request_func.py; its ``x-request-id`` header is not sent).
+VLLM_BODY: tuple[tuple[str, object], ...] = (("repetition_penalty", 1.0), ("logprobs", None))
+
+
+def clients_compared(lockstep: bool, vllm_body: bool) -> tuple[str, ...]:
+    """The clients a run compares: servetune's and vLLM's, with the lock-step one and the one with vLLM's body
+    where asked."""
+    return CLIENTS[:2] + CLIENTS[2:3] * lockstep + CLIENTS[3:] * vllm_body
 
 
 def round_order(kinds: tuple[str, ...], round_: int) -> tuple[str, ...]:
@@ -417,6 +432,8 @@ def main() -> None:
                         help="engine on these cores, clients on those (taskset core lists, e.g. 0:1)")  # fmt: skip
     parser.add_argument("--lockstep", action="store_true",
                         help="also run servetune's client with every client started at once (no stagger) in each round")  # fmt: skip
+    parser.add_argument("--vllm-body", action="store_true",
+                        help="also run servetune's lock-step client with the fields vLLM's client adds to each body")  # fmt: skip
     parser.add_argument("--json", type=Path, metavar="OUT", help="write every round's numbers to OUT")
     args = parser.parse_args()
     if args.worker:
@@ -466,7 +483,7 @@ def main() -> None:
             )
     engine_args = {k: parse_value(v) for k, v in parse_key_values(args.engine_arg, "--engine-arg").items()}
     env = engine_env(parse_key_values(args.env, "--env"), engine_cores)
-    kinds = CLIENTS if args.lockstep else CLIENTS[:2]
+    kinds = clients_compared(args.lockstep, args.vllm_body)
     results: dict[str, list[dict]] = {kind: [] for kind in kinds}
     rounds: list[dict] = []
     started = time.time()
@@ -507,14 +524,16 @@ def main() -> None:
             "refill_gap_ms", "own_window_extra_ms", "engine_cpu_share", "tokens_per_engine_cpu_s", "request_throughput", "ttft_ms_p10", "ttft_ms_p50", "ttft_ms_p99",
             "tpot_ms_p50", "itl_ms_p50", "e2el_ms_p50", "completed", "output_tokens", "client_cpu_s"]  # fmt: skip
     lockstep = "servetune-lockstep" in results
-    extra = f" {'lock-step':>12s}" if lockstep else ""
+    others = [kind for kind in results if kind not in CLIENTS[:2]]
+    names = {"servetune-lockstep": "lock-step", "servetune-vllm-body": "vLLM's body"}
+    extra = "".join(f" {names[kind]:>12s}" for kind in others)
     print(
         f"\n{'metric (median of ' + str(args.repeats) + ')':34s} {'servetune':>12s} {'vllm bench':>12s} {'diff':>8s}{extra}"
     )
     for key in keys:
         ours, theirs = median("servetune", key), median("vllm", key)
         diff = (ours - theirs) / theirs * 100 if theirs else float("nan")
-        extra = f" {median('servetune-lockstep', key):12.3f}" if lockstep else ""
+        extra = "".join(f" {median(kind, key):12.3f}" for kind in others)
         print(f"{key:34s} {ours:12.3f} {theirs:12.3f} {diff:+7.1f}%{extra}")
     per_tok = {k: median(k, "client_cpu_s") / median(k, "output_tokens") * 1e6 for k in results}
     print(f"{'client CPU µs per streamed token':34s} {per_tok['servetune']:12.1f} {per_tok['vllm']:12.1f} "
@@ -522,9 +541,10 @@ def main() -> None:
     like = "servetune-lockstep" if lockstep else "servetune"  # the client that starts as vLLM's does
     tput = abs(median(like, "output_throughput") / median("vllm", "output_throughput") - 1) * 100
     ttft = abs(median(like, "ttft_ms_p50") / median("vllm", "ttft_ms_p50") - 1) * 100
-    pairs = [abs(a["output_throughput"] / b["output_throughput"] - 1) * 100
-             for a, b in zip(results[like], results["vllm"], strict=True)]  # fmt: skip
-    print(f"\n{like} against vllm, output throughput per round: " + ", ".join(f"{p:.1f}%" for p in pairs))
+    for kind in [like, *(k for k in others if k != like)]:
+        pairs = [(a["output_throughput"] / b["output_throughput"] - 1) * 100
+                 for a, b in zip(results[kind], results["vllm"], strict=True)]  # fmt: skip
+        print(f"\n{kind} against vllm, output throughput per round: " + ", ".join(f"{p:+.1f}%" for p in pairs))
     print(
         f"targets ({like}): throughput within 3%: {tput:.1f}% {'ok' if tput <= 3 else 'MISSED'}; "
         f"TTFT P50 within 5%: {ttft:.1f}% {'ok' if ttft <= 5 else 'MISSED'}; "

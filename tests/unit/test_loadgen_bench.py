@@ -79,7 +79,7 @@ def test_threads_affinity_reads_what_the_kernel_enforces(bench):
 def test_rounds_alternate_and_rotate_so_no_client_always_goes_first(bench):
     two = ("servetune", "vllm")
     assert [bench.round_order(two, r) for r in range(3)] == [two, ("vllm", "servetune"), two]
-    firsts = [bench.round_order(bench.CLIENTS, r)[0] for r in range(3)]
+    firsts = [bench.round_order(bench.CLIENTS, r)[0] for r in range(len(bench.CLIENTS))]
     assert sorted(firsts) == sorted(bench.CLIENTS)
     assert all(sorted(bench.round_order(bench.CLIENTS, r)) == sorted(bench.CLIENTS) for r in range(4))
 
@@ -223,3 +223,47 @@ def test_cpu_sampler_reads_this_process_over_a_busy_window(bench):
         time.sleep(0.1)
     spent = sampler.between(start, end)
     assert spent is not None and spent > 0
+
+
+def test_clients_compared_add_the_lock_step_and_vllm_body_clients_where_asked(bench):
+    assert bench.clients_compared(False, False) == ("servetune", "vllm")
+    assert bench.clients_compared(True, False) == ("servetune", "vllm", "servetune-lockstep")
+    assert bench.clients_compared(True, True) == ("servetune", "vllm", "servetune-lockstep", "servetune-vllm-body")
+    assert bench.clients_compared(False, True) == ("servetune", "vllm", "servetune-vllm-body")
+
+
+def test_vllm_body_client_sends_what_vllms_client_adds_and_starts_at_once(bench, tmp_path):
+    """The body of vLLM's completions request (read from its request function) against servetune's: the variant
+    adds the fields only vLLM's client sends, and starts every client at once as vLLM's does."""
+    import inspect
+    import json as json_
+
+    from vllm.benchmarks.lib import endpoint_request_func
+
+    from servetune.testing.fake_openai import FakeOpenAI
+    from tests.conftest import serve_fake
+
+    source = inspect.getsource(endpoint_request_func.async_request_openai_completions)
+    for key, value in bench.VLLM_BODY:
+        assert f'"{key}": {value!r}' in source or f'"{key}": request_func_input.{key}' in source, key
+
+    bodies = []
+
+    class Recording(FakeOpenAI):
+        async def complete(self, request):
+            bodies.append(await request.json())
+            return await super().complete(request)
+
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text("".join(json_.dumps({"prompt": "hi", "input_tokens": 1, "output_tokens": 4}) + "\n"
+                                for _ in range(8)))  # fmt: skip
+    with serve_fake(Recording(ttft_ms=5.0, itl_ms=1.0)) as url:
+        args = argparse.Namespace(url=url, model="fake", requests=str(requests), concurrency=4,
+                                  worker="servetune-vllm-body")  # fmt: skip
+        result = bench.worker_servetune(args)
+        plain = bench.worker_servetune(argparse.Namespace(**{**vars(args), "worker": "servetune-lockstep"}))
+    assert result["completed"] == plain["completed"] == 8
+    assert all(b["repetition_penalty"] == 1.0 and "logprobs" in b and b["logprobs"] is None for b in bodies[:8])
+    assert not any("repetition_penalty" in b or "logprobs" in b for b in bodies[8:])
+    first = min(result["requests"])
+    assert result["ramp_s"] < first[2] - first[0]  # every client busy before the first answer ended
