@@ -29,7 +29,7 @@ Targets: output throughput within 3% of vLLM's client for the client that starts
 at once, ``--lockstep``), and TTFT P50 within 5%; less client CPU per streamed token.
 
     .venv/bin/python bench/loadgen_vs_vllm.py [--concurrency 16] [--num-requests 400] [--repeats 2]
-        [--input-tokens 256 --output-tokens 128] [--pin 0:1] [--json OUT]
+        [--input-tokens 256 --output-tokens 128] [--lockstep] [--vllm-body] [--pin 0:1] [--json OUT]
 """
 
 from __future__ import annotations
