@@ -15,17 +15,28 @@ core lists, e.g. ``--pin 0:1``): the engine's processes under ``taskset`` with v
 client's, so a client cannot take CPU from the engine. The affinity in force is read back and
 printed.
 
-Targets: output throughput within 3% and TTFT P50 within 5% of vLLM's client; less client CPU
-per streamed token.
+Both clients' per-request records are also read by one definition (servetune's ``summarize``: vLLM's
+``start_times``, ``ttfts``, ``itls`` and ``latencies`` made into servetune's records, :func:`vllm_records`), so the
+throughputs compare on the same window whatever each client's own bookkeeping: ``window`` (every completed
+request's output tokens over the first send -> the last end, vLLM's definition), ``busy`` (tokens arriving while
+every client had a request in flight, over that window: no ramp-up, no drain), how long the start took until
+every client was busy (``ramp``), the drain after the last send, the client's own pace (``refill``: the median
+time from an answer's end to the next send while every client is busy) and, for vLLM's client, how much longer its
+own duration was than the records' window (``extra``: its clock starts before the first send and stops after
+``gather``).
+
+Targets: output throughput within 3% of vLLM's client for the client that starts as vLLM's does (every client
+at once, ``--lockstep``), and TTFT P50 within 5%; less client CPU per streamed token.
 
     .venv/bin/python bench/loadgen_vs_vllm.py [--concurrency 16] [--num-requests 400] [--repeats 2]
-        [--input-tokens 256 --output-tokens 128] [--pin 0:1] [--json OUT]
+        [--input-tokens 256 --output-tokens 128] [--lockstep] [--vllm-body] [--pin 0:1] [--json OUT]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -90,6 +101,146 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def vllm_records(result: dict) -> list:
+    """``vllm bench serve``'s per-request outputs (its result's ``start_times``, ``ttfts``, ``itls``, ``latencies``,
+    ``output_lens``, ``input_lens``, ``errors``) as servetune's records, on a clock from its first send: each
+    content chunk at ``start + ttft + itl...``, the end at ``start + latency`` (vLLM's latency runs to the last
+    content chunk), the tokens from the server's usage as vLLM counted them. A request with an error (or no first
+    token) is a failed record."""
+    from servetune.metrics import RequestRecord
+
+    starts = result["start_times"]
+    origin = min(starts) if starts else 0.0
+    records = []
+    rows = zip(starts, result["ttfts"], result["itls"], result["latencies"], result["output_lens"],
+               result["input_lens"], result["errors"], strict=True)  # fmt: skip
+    for i, (start, ttft, itl, latency, tokens, prompt, error) in enumerate(rows):
+        sent = start - origin
+        record = RequestRecord(index=i, sent=sent, input_tokens=prompt, max_tokens=tokens, prompt_tokens=prompt)
+        if error or not ttft:
+            record.end, record.error_kind, record.error = sent + (latency or 0.0), "failed", (error or "no token")[:300]
+        else:
+            record.chunk_times = list(itertools.accumulate([sent + ttft, *itl]))
+            record.end, record.output_tokens, record.ok = sent + latency, tokens, True
+        records.append(record)
+    return records
+
+
+def refill_gap_ms(records: list, window: tuple[float, float] | None) -> float | None:
+    """The client's own pace in a closed loop: the median time from a request's end to the next send, over the
+    sends while every client was busy (``window``, :func:`servetune.summary.busy_window`), where each send fills
+    the slot the latest end freed. None without such a window."""
+    if window is None:
+        return None
+    ends = sorted(r.end for r in records if r.end is not None)
+    gaps = []
+    for r in records:
+        if window[0] < r.sent <= window[1]:
+            before = [e for e in ends if e <= r.sent]
+            if before:
+                gaps.append((r.sent - before[-1]) * 1000.0)
+    return statistics.median(gaps) if gaps else None
+
+
+def common_metrics(records: list, clients: int) -> dict:
+    """One definition for both clients' records (servetune's ``summarize``): the whole window's output tok/s, the
+    busy window's, the seconds until every client was busy (``ramp_s``), the drain after the last send
+    (``drain_s``) and the client's refill gap."""
+    from servetune.summary import busy_window, measured_window, summarize
+
+    summary = summarize(records, {"concurrency": clients})
+    window, busy = measured_window(records), busy_window(records, clients)
+    return {
+        "window_output_throughput": summary.output_throughput, "window_s": summary.duration_s,
+        "busy_output_throughput": summary.busy_output_throughput,
+        "ramp_s": None if busy is None or window is None else busy[0] - window[0],
+        "drain_s": None if busy is None or window is None else window[1] - busy[1],
+        "refill_gap_ms": refill_gap_ms(records, busy),
+    }  # fmt: skip
+
+
+def wall_window(records: list, origin: float) -> list[float] | None:
+    """The records' measured window (first send -> last end) in wall-clock seconds (``time.time()``), from the
+    ``time.perf_counter()`` their clock starts at: what the parent reads the engine's CPU over."""
+    from servetune.summary import measured_window
+
+    window = measured_window(records)
+    if window is None:
+        return None
+    shift = time.time() - time.perf_counter() + origin
+    return [shift + window[0], shift + window[1]]
+
+
+class CpuSampler:
+    """The CPU seconds of a set of processes (the engine's: reaper, API server, engine core), summed, sampled
+    every ``every_s`` on wall-clock time in a background thread; :meth:`between` reads the CPU spent in a window
+    (linear between samples). A process that ended keeps its last reading."""
+
+    def __init__(self, pids: list[int], every_s: float = 0.1) -> None:
+        import threading
+
+        import psutil
+
+        self.processes = [psutil.Process(pid) for pid in pids]
+        self.last: dict[int, float] = {}
+        self.samples: list[tuple[float, float]] = []
+        self.every_s = every_s
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def read(self) -> float:
+        import psutil
+
+        for process in self.processes:
+            try:
+                times = process.cpu_times()
+            except psutil.Error:  # it ended: keep its last reading
+                continue
+            self.last[process.pid] = times.user + times.system
+        return sum(self.last.values())
+
+    def _run(self) -> None:
+        while not self.done.is_set():
+            self.samples.append((time.time(), self.read()))
+            self.done.wait(self.every_s)
+
+    def __enter__(self) -> CpuSampler:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        self.thread.join(timeout=5)
+
+    def between(self, start: float, end: float) -> float | None:
+        """CPU seconds spent in [start, end] (wall clock); None unless samples cover it."""
+        return cpu_between(list(self.samples), start, end)
+
+
+def cpu_between(samples: list[tuple[float, float]], start: float, end: float) -> float | None:
+    """From cumulative ``(wall time, CPU seconds)`` samples, the CPU seconds spent in [start, end], each bound read
+    linearly between the samples around it; None unless the samples cover the window."""
+    if len(samples) < 2 or not samples[0][0] <= start <= end <= samples[-1][0]:
+        return None
+
+    def at(moment: float) -> float:
+        for (t1, c1), (t2, c2) in itertools.pairwise(samples):
+            if t1 <= moment <= t2:
+                return c1 if t2 == t1 else c1 + (c2 - c1) * (moment - t1) / (t2 - t1)
+        return samples[-1][1]
+
+    return at(end) - at(start)
+
+
+def request_rows(records: list) -> list[list[float | int | None]]:
+    """Each request as ``[sent, first chunk, end, output tokens]`` (seconds on its level's clock), for ``--json``."""
+    return [
+        [round(r.sent, 5), round(r.chunk_times[0], 5) if r.chunk_times else None,
+         None if r.end is None else round(r.end, 5), r.output_tokens]
+        for r in records
+    ]  # fmt: skip
+
+
 def worker_servetune(args: argparse.Namespace) -> dict:
     from servetune.load.client import StreamingClient
     from servetune.load.requests import RequestSpec
@@ -98,14 +249,21 @@ def worker_servetune(args: argparse.Namespace) -> dict:
     from servetune.summary import send_sync_share, summarize, ttft_distribution_ms
 
     rows = [json.loads(line) for line in Path(args.requests).read_text().splitlines()]
-    specs = [RequestSpec(i, r["prompt"], r["input_tokens"], r["output_tokens"], "default") for i, r in enumerate(rows)]
+    extra = VLLM_BODY if args.worker == "servetune-vllm-body" else ()
+    specs = [
+        RequestSpec(i, r["prompt"], r["input_tokens"], r["output_tokens"], "default", sampling=extra)
+        for i, r in enumerate(rows)
+    ]
+
+    origin: list[float] = []
 
     async def go():
         async with StreamingClient(args.url, args.model) as client:
             level = Level("concurrency", args.concurrency)
             return await run_level(
-                client, specs, level, num_requests=len(specs), stagger=args.worker != "servetune-lockstep"
-            )
+                client, specs, level, num_requests=len(specs), stagger=args.worker == "servetune",
+                on_start=origin.append,
+            )  # fmt: skip
 
     try:
         import uvloop
@@ -125,6 +283,8 @@ def worker_servetune(args: argparse.Namespace) -> dict:
         "itl_ms_p50": s.itl_ms.p50, "e2el_ms_p50": s.e2el_ms.p50, "completed": s.completed,
         "output_tokens": s.total_output_tokens, "client_cpu_s": cpu,
         "send_sync_share": send_sync_share(records), "client_cores": sorted(os.sched_getaffinity(0)),
+        "own_window_extra_ms": 0.0, **common_metrics(records, args.concurrency), "requests": request_rows(records),
+        "window_wall": wall_window(records, origin[0]),
     }  # fmt: skip
 
 
@@ -141,7 +301,8 @@ def worker_vllm(args: argparse.Namespace) -> dict:
             result = await original(*a, **kw)
         finally:
             spent["cpu"] = cpu_seconds() - before
-        spent["start_times"] = list(result.get("start_times", []))  # main() deletes them from result
+        keep = ("start_times", "ttfts", "itls", "latencies", "output_lens", "input_lens", "errors", "duration")
+        spent.update({key: result[key] for key in keep})  # main() deletes the lists from result
         return result
 
     vserve.benchmark = timed_benchmark
@@ -162,13 +323,22 @@ def worker_vllm(args: argparse.Namespace) -> dict:
     from servetune.summary import send_sync_share
 
     sends = [SimpleNamespace(sent=t, warmup=False) for t in spent["start_times"]]
+    records = vllm_records(spent)
+    common = common_metrics(records, args.concurrency)
     return {
         "output_throughput": r["output_throughput"], "request_throughput": r["request_throughput"],
         "ttft_ms_p10": r["p10_ttft_ms"], "ttft_ms_p50": r["median_ttft_ms"], "ttft_ms_p99": r["p99_ttft_ms"], "tpot_ms_p50": r["median_tpot_ms"],
         "itl_ms_p50": r["median_itl_ms"], "e2el_ms_p50": r["median_e2el_ms"], "completed": r["completed"],
         "output_tokens": r["total_output_tokens"], "client_cpu_s": spent["cpu"],
         "send_sync_share": send_sync_share(sends), "client_cores": sorted(os.sched_getaffinity(0)),
+        "own_window_extra_ms": (spent["duration"] - common["window_s"]) * 1000.0, **common,
+        "requests": request_rows(records), "window_wall": wall_window(records, min(spent["start_times"])),
     }  # fmt: skip
+
+
+def fmt(value: float | None, width: int, digits: int) -> str:
+    """``value`` right-aligned in ``width`` with ``digits`` decimals, or ``-`` where there is none."""
+    return f"{'-':>{width}s}" if value is None else f"{value:{width}.{digits}f}"
 
 
 def worker_argv(
@@ -190,9 +360,20 @@ def run_worker(
     raise RuntimeError(f"{kind} client failed:\n{done.stderr[-3000:]}")
 
 
-#: The clients compared: servetune's (staggered starts), vLLM's, and servetune's with every client
-#: started at once (``--lockstep``).
-CLIENTS = ("servetune", "vllm", "servetune-lockstep")
+#: The clients compared: servetune's (staggered starts), vLLM's, servetune's with every client
+#: started at once (``--lockstep``), and that one sending the fields vLLM's client adds to each body
+#: (``--vllm-body``).
+CLIENTS = ("servetune", "vllm", "servetune-lockstep", "servetune-vllm-body")
+
+#: What ``vllm bench serve``'s completions request adds to servetune's body (``async_request_openai_completions``
+#: in vllm/benchmarks/lib/endpoint_request_func.py; its ``x-request-id`` header is not sent).
+VLLM_BODY: tuple[tuple[str, object], ...] = (("repetition_penalty", 1.0), ("logprobs", None))
+
+
+def clients_compared(lockstep: bool, vllm_body: bool) -> tuple[str, ...]:
+    """The clients a run compares: servetune's and vLLM's, with the lock-step one and the one with vLLM's body
+    where asked."""
+    return CLIENTS[:2] + CLIENTS[2:3] * lockstep + CLIENTS[3:] * vllm_body
 
 
 def round_order(kinds: tuple[str, ...], round_: int) -> tuple[str, ...]:
@@ -220,6 +401,19 @@ def pinned_server(cores: list[int] | None, *args, **kwargs):
     return PinnedServer(*args, **kwargs)
 
 
+def engine_share(sampler: CpuSampler, result: dict) -> dict:
+    """The engine's CPU seconds over a client's measured window, its share of the window (below 1 on one core:
+    another process took the core, or the engine waited), and the output tokens per engine CPU second."""
+    window = result.get("window_wall")
+    cpu = sampler.between(*window) if window else None
+    if not cpu or not window:
+        return {"engine_cpu_s": None, "engine_cpu_share": None, "tokens_per_engine_cpu_s": None}
+    return {
+        "engine_cpu_s": cpu, "engine_cpu_share": cpu / (window[1] - window[0]),
+        "tokens_per_engine_cpu_s": result["output_tokens"] / cpu,
+    }  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", choices=CLIENTS, help=argparse.SUPPRESS)
@@ -238,6 +432,8 @@ def main() -> None:
                         help="engine on these cores, clients on those (taskset core lists, e.g. 0:1)")  # fmt: skip
     parser.add_argument("--lockstep", action="store_true",
                         help="also run servetune's client with every client started at once (no stagger) in each round")  # fmt: skip
+    parser.add_argument("--vllm-body", action="store_true",
+                        help="also run servetune's lock-step client with the fields vLLM's client adds to each body")  # fmt: skip
     parser.add_argument("--json", type=Path, metavar="OUT", help="write every round's numbers to OUT")
     args = parser.parse_args()
     if args.worker:
@@ -287,54 +483,70 @@ def main() -> None:
             )
     engine_args = {k: parse_value(v) for k, v in parse_key_values(args.engine_arg, "--engine-arg").items()}
     env = engine_env(parse_key_values(args.env, "--env"), engine_cores)
-    kinds = CLIENTS if args.lockstep else CLIENTS[:2]
+    kinds = clients_compared(args.lockstep, args.vllm_body)
     results: dict[str, list[dict]] = {kind: [] for kind in kinds}
     rounds: list[dict] = []
     started = time.time()
     server = pinned_server(
         engine_cores, model, engine_args, env, log_path=work / "engine.log", argspecs=load_argspecs()
     )
-    with server:
+    with server, contextlib.ExitStack() as stack:
         engine_affinity = threads_affinity(group_members(server.process.pid))
         print(f"vLLM up at {server.url} in {server.startup_s:.0f} s; {args.num_requests} requests of workload "
               f"{workload.name}, concurrency {args.concurrency}; engine threads on cores {engine_affinity}, "
               f"clients on {core_list(client_cores) or 'any'}", flush=True)  # fmt: skip
+        sampler = stack.enter_context(CpuSampler(group_members(server.process.pid)))
         run_worker("servetune", server.url, model, requests, args.concurrency, client_cores)  # warm the server once
         print(
-            f"{'round':>5s} {'client':18s} {'tok/s':>7s} {'TTFT P10':>9s} {'P50':>7s} {'P99':>7s} {'CPU s':>6s} {'in sync':>7s} {'cores':>6s}",
+            f"{'round':>5s} {'client':18s} {'tok/s':>7s} {'TTFT P10':>9s} {'P50':>7s} {'P99':>7s} {'CPU s':>6s} {'in sync':>7s} {'cores':>6s}"
+            f" {'busy':>7s} {'ramp s':>6s} {'drain s':>7s} {'refill':>6s} {'extra':>6s} {'eng %':>5s} {'tok/eng-s':>9s}",
             flush=True,
         )
         for round_ in range(args.repeats):
             for kind in round_order(kinds, round_):
                 r = run_worker(kind, server.url, model, requests, args.concurrency, client_cores)
+                r.update(engine_share(sampler, r))
                 results[kind].append(r)
                 rounds.append({"round": round_ + 1, "client": kind, **r})
                 sync = "-" if r["send_sync_share"] is None else f"{r['send_sync_share']:.2f}"
                 print(f"{round_ + 1:5d} {kind:18s} {r['output_throughput']:7.1f} {r['ttft_ms_p10']:9.1f} {r['ttft_ms_p50']:7.1f} "
-                      f"{r['ttft_ms_p99']:7.1f} {r['client_cpu_s']:6.2f} {sync:>7s} {core_list(r['client_cores']):>6s}", flush=True)  # fmt: skip
+                      f"{r['ttft_ms_p99']:7.1f} {r['client_cpu_s']:6.2f} {sync:>7s} {core_list(r['client_cores']):>6s} "
+                      f"{fmt(r['busy_output_throughput'], 7, 1)} {fmt(r['ramp_s'], 6, 2)} {fmt(r['drain_s'], 7, 2)} "
+                      f"{fmt(r['refill_gap_ms'], 6, 2)} {fmt(r['own_window_extra_ms'], 6, 1)} "
+                      f"{fmt(r['engine_cpu_share'] and 100 * r['engine_cpu_share'], 5, 0)} "
+                      f"{fmt(r['tokens_per_engine_cpu_s'], 9, 1)}", flush=True)  # fmt: skip
 
     def median(kind: str, key: str) -> float:
-        return statistics.median(r[key] for r in results[kind])
+        values = [r[key] for r in results[kind] if r.get(key) is not None]
+        return statistics.median(values) if values else float("nan")
 
-    keys = ["output_throughput", "request_throughput", "ttft_ms_p10", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50",
-            "itl_ms_p50", "e2el_ms_p50", "completed", "output_tokens", "client_cpu_s"]  # fmt: skip
+    keys = ["output_throughput", "window_output_throughput", "busy_output_throughput", "ramp_s", "drain_s",
+            "refill_gap_ms", "own_window_extra_ms", "engine_cpu_share", "tokens_per_engine_cpu_s", "request_throughput", "ttft_ms_p10", "ttft_ms_p50", "ttft_ms_p99",
+            "tpot_ms_p50", "itl_ms_p50", "e2el_ms_p50", "completed", "output_tokens", "client_cpu_s"]  # fmt: skip
     lockstep = "servetune-lockstep" in results
-    extra = f" {'lock-step':>12s}" if lockstep else ""
+    others = [kind for kind in results if kind not in CLIENTS[:2]]
+    names = {"servetune-lockstep": "lock-step", "servetune-vllm-body": "vLLM's body"}
+    extra = "".join(f" {names[kind]:>12s}" for kind in others)
     print(
         f"\n{'metric (median of ' + str(args.repeats) + ')':34s} {'servetune':>12s} {'vllm bench':>12s} {'diff':>8s}{extra}"
     )
     for key in keys:
         ours, theirs = median("servetune", key), median("vllm", key)
         diff = (ours - theirs) / theirs * 100 if theirs else float("nan")
-        extra = f" {median('servetune-lockstep', key):12.3f}" if lockstep else ""
+        extra = "".join(f" {median(kind, key):12.3f}" for kind in others)
         print(f"{key:34s} {ours:12.3f} {theirs:12.3f} {diff:+7.1f}%{extra}")
     per_tok = {k: median(k, "client_cpu_s") / median(k, "output_tokens") * 1e6 for k in results}
     print(f"{'client CPU µs per streamed token':34s} {per_tok['servetune']:12.1f} {per_tok['vllm']:12.1f} "
           f"{(per_tok['servetune'] / per_tok['vllm'] - 1) * 100:+7.1f}%")  # fmt: skip
-    tput = abs(median("servetune", "output_throughput") / median("vllm", "output_throughput") - 1) * 100
-    ttft = abs(median("servetune", "ttft_ms_p50") / median("vllm", "ttft_ms_p50") - 1) * 100
+    like = "servetune-lockstep" if lockstep else "servetune"  # the client that starts as vLLM's does
+    tput = abs(median(like, "output_throughput") / median("vllm", "output_throughput") - 1) * 100
+    ttft = abs(median(like, "ttft_ms_p50") / median("vllm", "ttft_ms_p50") - 1) * 100
+    for kind in [like, *(k for k in others if k != like)]:
+        pairs = [(a["output_throughput"] / b["output_throughput"] - 1) * 100
+                 for a, b in zip(results[kind], results["vllm"], strict=True)]  # fmt: skip
+        print(f"\n{kind} against vllm, output throughput per round: " + ", ".join(f"{p:+.1f}%" for p in pairs))
     print(
-        f"\ntargets: throughput within 3%: {tput:.1f}% {'ok' if tput <= 3 else 'MISSED'}; "
+        f"targets ({like}): throughput within 3%: {tput:.1f}% {'ok' if tput <= 3 else 'MISSED'}; "
         f"TTFT P50 within 5%: {ttft:.1f}% {'ok' if ttft <= 5 else 'MISSED'}; "
         f"less CPU per token: {'ok' if per_tok['servetune'] < per_tok['vllm'] else 'MISSED'}"
     )
