@@ -45,6 +45,8 @@ def test_a_bounded_queue_refuses_the_excess_quickly_and_recovers(tiny_tokenizer)
     assert n["refused"] == fake.rejected > 0 and n["refused"] == sum(refused(r) for r in records)
     assert n["admitted"] > 0 and n["admitted_ttft_ms_p99"] <= 500 and n["refuse_ms_p99"] <= 500
     assert n["recovered"] and n["other_errors"] == 0
+    # the load client's own stalls were followed over both phases (a verdict they account for is unsettled)
+    assert n["unsettled"] is False and n["client_stall_ms_max"] >= 0.0 and n["client_stalled_s"] >= 0.0
 
 
 def test_an_unbounded_queue_fails_and_says_so(tiny_tokenizer):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
+
+from servetune.load.pace import STALL_BOUND_S, LoopStalls
 from servetune.metrics import RequestRecord
 from servetune.verify.document import EngineRun, stability
 from servetune.verify.overload import judge_overload
@@ -59,3 +63,41 @@ def test_the_refusals_it_asked_for_are_not_the_services_5xx_rate(tmp_path):
     measured = stability({"overload": result}, every, run)
     assert measured["requests"] == 20 and measured["error_rate_5xx"] == 1 / 20
     assert stability({}, every, run)["error_rate_5xx"] == 7 / 45  # without the scenario, every 503 counts
+
+
+def test_a_failure_the_clients_own_stall_accounts_for_is_unsettled_one_beyond_it_is_the_bounds():
+    # refusals answered 0.9 s after they were sent, against a bound of 0.5 s (bench/overload_trace.py: 503s vLLM
+    # decided in ~10 ms, read 1.2-1.6 s late by a client whose process did not run for up to 1.6 s)
+    slow = [*OVER[:10], *(turned_away(20 + i, 0.1 * i, after_s=0.9) for i in range(5))]
+    stalled = judge_overload(slow, AFTER, 0.5, 10.0, stall_s=0.6, stalled_s=1.5)
+    assert not stalled.passed and stalled.numbers["unsettled"] is True
+    assert "unsettled, the load client itself stalled for up to 600 ms" in stalled.reason
+    assert stalled.numbers["client_stall_ms_max"] == 600.0 and stalled.numbers["client_stalled_s"] == 1.5
+    short = judge_overload(slow, AFTER, 0.5, 10.0, stall_s=0.2)  # 0.9 - 0.2 s is still past the bound
+    assert not short.passed and not short.numbers["unsettled"] and "refusals took" in short.reason
+    assert "stalled for up to 200 ms" in short.reason
+    # late admissions and a late recovery alike; a refusal in the recovery's tail is the engine's, stall or none
+    late = [served(i, 0.1 * i, 0.8) for i in range(10)] + OVER[10:]
+    assert judge_overload(late, AFTER, 0.5, 10.0, stall_s=0.5).numbers["unsettled"] is True
+    tail_late = [*AFTER[:6], *(served(40 + i, 1.2 + 0.2 * i, 0.7) for i in range(3))]
+    assert judge_overload(OVER, tail_late, 0.5, 10.0, stall_s=0.3).numbers["unsettled"] is True
+    stuck = [*AFTER[:6], *(turned_away(30 + i, 1.2 + 0.2 * i) for i in range(3))]
+    assert not judge_overload(OVER, stuck, 0.5, 10.0, stall_s=5.0).numbers["unsettled"]
+    # an engine that refused nothing has no bound, however long the client stalled
+    assert "no bound on the queue" in judge_overload(OVER[:10], AFTER, 0.5, 10.0, stall_s=5.0).reason
+
+
+def test_the_clients_stalls_are_the_loops_wake_ups_past_the_send_lag_bound():
+    async def blocked() -> LoopStalls:
+        async with LoopStalls() as stalls:
+            await asyncio.sleep(0.03)
+            time.sleep(0.3)  # the loop does not run: as a process the host does not schedule
+            await asyncio.sleep(0.03)
+        return stalls
+
+    stalls = asyncio.run(blocked())
+    assert (
+        stalls.longest_s >= 0.25
+        and stalls.total_s >= stalls.longest_s
+        and all(s > STALL_BOUND_S for s in stalls.stalls)
+    )

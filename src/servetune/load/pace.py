@@ -20,6 +20,9 @@ report's trial table marks it.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -84,3 +87,48 @@ def shards_bound(paces: Sequence[ClientPace]) -> str | None:
         return client_bound(paces[0])
     reasons = [f"shard {k + 1} of {len(paces)}: {why}" for k, pace in enumerate(paces) if (why := client_bound(pace))]
     return "; ".join(reasons) or None
+
+
+#: How late a tick of the client's event loop may wake before it counts as a stall: the send lag's bound.
+STALL_BOUND_S = SEND_LAG_BOUND_MS / 1000.0
+
+
+class LoopStalls:
+    """The load client's own stalls while it runs (``async with LoopStalls() as stalls``): a task on the client's
+    event loop sleeps ``tick_s`` again and again and notes each wake-up later than asked by over
+    :data:`STALL_BOUND_S`. A stall is the client not running: a host short of cores did not schedule its process,
+    or something blocked its loop. A request in flight across a stall was timed up to the stall's length too long
+    (its answer waited to be read), and one due in it was sent that much late. The send lag's median
+    (:func:`client_bound`) passes over a few such stalls; a verdict on a request's tail cannot
+    (verify/overload.py)."""
+
+    def __init__(self, tick_s: float = 0.01) -> None:
+        self.tick_s = tick_s
+        self.stalls: list[float] = []  # each stall's seconds past the tick
+        self._task: asyncio.Future[None] | None = None
+
+    async def __aenter__(self) -> LoopStalls:
+        self._task = asyncio.ensure_future(self._tick())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _tick(self) -> None:
+        while True:
+            before = time.perf_counter()
+            await asyncio.sleep(self.tick_s)
+            late = time.perf_counter() - before - self.tick_s
+            if late > STALL_BOUND_S:
+                self.stalls.append(late)
+
+    @property
+    def longest_s(self) -> float:
+        return max(self.stalls, default=0.0)
+
+    @property
+    def total_s(self) -> float:
+        return sum(self.stalls)
