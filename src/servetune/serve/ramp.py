@@ -240,9 +240,9 @@ def one_replica_clients(target_ongoing_requests: int) -> int | None:
     """The ramp's 1x: the most clients in flight one replica holds below Serve's scale-up threshold. Serve's
     in-flight policy asks for ceil(in flight / target) replicas (``upscaling_factor`` 1), in flight averaged over its
     window, so a closed loop of ``target`` clients sits on the threshold and any count a fraction of a request above
-    it scales out: a request seen at the handle and at the replica at once (Serve's log read 6.16 of a target of 6 in
-    a ramp at 6 clients). One client below the target leaves a whole request of margin. None for a target of 1:
-    no whole number of clients stays below it."""
+    it scales out (Serve's log read 6.16 of a target of 6 in a ramp at 6 clients, and scaled out during 1x). One
+    client below the target leaves a whole request of margin. None for a target of 1: no whole number of clients
+    stays below it."""
     return target_ongoing_requests - 1 if target_ongoing_requests >= 2 else None
 
 
