@@ -94,13 +94,16 @@ def test_one_replica_a_ramp_to_two_routers_and_layouts_compared_and_all_are_torn
     assert result.replica_pids and not [p for p in result.replica_pids if psutil.pid_exists(p) and
                                         psutil.Process(p).status() != psutil.STATUS_ZOMBIE]  # fmt: skip
     assert (study / "serve-check.requests.jsonl").is_file()
-    # The ramp: the derived autoscaling (6 in flight a replica, 1-2 replicas) under 6, 18, 6 clients.
+    # The ramp: the derived autoscaling (6 in flight a replica, 1-2 replicas) under 5, 15, 5 clients: 1x one below
+    # the target, so one replica holds it without Serve scaling out.
     assert result.operating_point is not None and result.operating_point["level"] == {"concurrency": 6.0}
     ramp = result.ramp
     assert ramp is not None and [p.name for p in ramp.phases] == ["1x", "3x", "back to 1x"]
     assert ramp.knee_concurrency == 6 and ramp.autoscaling_config["target_ongoing_requests"] == 6
+    assert ramp.base_concurrency == 5 and [p.concurrency for p in ramp.phases] == [5, 15, 5]
+    assert ramp.time_to_decide_s is not None and ramp.time_to_decide_s > 0  # not during 1x
     assert ramp.autoscaling_config["max_replicas"] == 2 and ramp.autoscaling_config["upscale_delay_s"] == 6.0
-    # The second replica starts its engine beside one serving 24 clients: 170 s in a recorded run here, of the
+    # The second replica starts its engine beside one serving 15 clients: 170 s in a recorded run here at 24, of the
     # startup_timeout_s (600) the ramp's 3x waits for it, which is why that is well above a lone start's 100 s.
     assert ramp.replicas_before == 1 and ramp.replicas_peak == 2, [(s.t_s, s.running, s.starting) for s in ramp.samples]
     assert ramp.engines_reused is True  # on the count's engine: no engine start (a deploy time proves nothing here)

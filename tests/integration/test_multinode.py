@@ -414,8 +414,10 @@ PROXY_DRIVER = """
 import json, sys, urllib.request
 import ray
 from ray import serve
+from servetune.engine.frontend import busiest
 from servetune.engine.server import free_port
 from servetune.serve.cluster import ServeCluster
+from servetune.serve.frontend import read_front_end
 from servetune.serve.proxies import pick_proxy
 
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
@@ -432,18 +434,25 @@ cluster = ServeCluster.attached()
 cluster.run_app("proxied", LLMServerStandIn.bind(), 120, route_prefix="/proxied")
 replicas, _ = cluster.replica_devices("proxied", 1)
 choice = pick_proxy(replicas, cluster.url, "/proxied")
-with urllib.request.urlopen(choice.url + "/proxied", timeout=30) as resp:
-    answered = resp.read().decode()
+before = read_front_end("proxied", choice.node_id)  # as a Serve trial reads its front end around a level
+for _ in range(5):
+    with urllib.request.urlopen(choice.url + "/proxied", timeout=30) as resp:
+        answered = resp.read().decode()
+after = read_front_end("proxied", choice.node_id)
+front_end = None if after is None else {"roles": {str(k): role for k, role in after.roles.items()},
+                                        "clocked": sorted(map(str, after.clocks)), "busiest": busiest(before, after)}
 cluster.delete("proxied")
 serve.shutdown()  # the module's cluster goes on without Serve's controller and proxies
-print(json.dumps({"replicas": replicas, "choice": choice.record(), "answered": answered, "head_url": cluster.url}))
+print(json.dumps({"replicas": replicas, "choice": choice.record(), "answered": answered, "head_url": cluster.url,
+                  "front_end": front_end, "driver_node": ray.get_runtime_context().get_node_id()}))
 """
 
 
 def test_a_serve_trials_client_sends_to_the_proxy_on_its_replicas_node(cluster):
     """Serve runs a proxy on each node holding a replica; a Serve trial's client picks the one on its replica's node
     (serve/proxies.py pick_proxy, as ServeEngine calls it), here the A100 worker at 127.0.0.3 on its own proxy port,
-    and that node's proxy is the one that served the request (its log, in the node's own temp dir, says so)."""
+    and that node's proxy is the one that served the request (its log, in the node's own temp dir, says so). The
+    front end's CPU is read on that node, where the proxy and the replica run."""
     done = subprocess.run([sys.executable, "-c", PROXY_DRIVER, cluster.address], capture_output=True, text=True,
                           env=cluster.head.env, timeout=180)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -457,6 +466,15 @@ def test_a_serve_trials_client_sends_to_the_proxy_on_its_replicas_node(cluster):
     assert state["answered"] == node
     logs = [p.read_text() for p in a100.temp_dir.glob("session_2*/logs/serve/proxy_*.log")]
     assert any("GET /proxied 200" in text for text in logs), logs
+    # The trial's front end (serve/frontend.py), the proxy it sent to and the replica, both on the A100 worker, not
+    # the driver's node: read there by a task pinned to it, keyed by that node's pids, at its own clock.
+    front_end = state["front_end"]
+    assert front_end is not None and state["driver_node"] != node, state
+    assert sorted(front_end["roles"].values()) == ["proxy", "replica"], front_end
+    assert all(key.startswith(f"{node}:") for key in front_end["roles"]) and front_end["clocked"] == sorted(
+        front_end["roles"]), front_end  # fmt: skip
+    share, role = front_end["busiest"]
+    assert share > 0 and role in ("proxy", "replica"), front_end
 
 
 def test_a_node_lost_under_a_trial_fails_that_trial_and_the_study_goes_on(tmp_path, tiny_model, cluster, fake_python):

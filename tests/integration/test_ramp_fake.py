@@ -42,7 +42,7 @@ class Watch:
 def test_the_ramp_follows_its_phases_and_waits_for_the_scale_out(tiny_model):
     fake = FakeOpenAI(ttft_ms=30, itl_ms=2)
     watch = Watch(fake)
-    phases = ramp_phases(knee=2, max_replicas=2, hold_s=1.0)
+    phases = ramp_phases(2, max_replicas=2, hold_s=1.0)
     with serve_fake(fake) as url:
         summary, samples, records, phase_of = asyncio.run(run_ramp(
             watch, "app", url, "fake", load_workload("cpu-tiny"), PromptFactory(load_tokenizer(str(tiny_model))),
@@ -90,7 +90,7 @@ class StartsBetweenReads(Watch):
 
 def test_a_replica_that_starts_between_two_reads_is_not_traffic_before_ready(tiny_model):
     fake = FakeOpenAI(ttft_ms=30, itl_ms=2)
-    phases = ramp_phases(knee=2, max_replicas=2, hold_s=1.0)
+    phases = ramp_phases(2, max_replicas=2, hold_s=1.0)
     with serve_fake(fake) as url:
         summary, samples, _, _ = asyncio.run(run_ramp(
             StartsBetweenReads(fake), "app", url, "fake", load_workload("cpu-tiny"),

@@ -8,7 +8,7 @@ import pytest
 from servetune.metrics import RequestRecord
 from servetune.serve.ramp import RampSample, ramp_phases, replica_seconds, slo_attainment, summarize_ramp
 
-PHASES = ramp_phases(knee=2, max_replicas=2, hold_s=5)
+PHASES = ramp_phases(2, max_replicas=2, hold_s=5)
 STARTS = {"1x": 0.0, "3x": 10.0, "back to 1x": 40.0}
 
 
@@ -89,6 +89,15 @@ def test_a_ramp_that_never_scales_says_so():
     s = summarize_ramp(samples, [], [], PHASES, STARTS, {}, end_s=50)
     assert s["time_to_scale_up_s"] is None and s["new_replicas"] == [] and s["replicas_peak"] == 1
     assert ramp_phases(4, 1, 3)[1].wait_for_replicas == 0  # nothing to wait for with one replica at most
+
+
+def test_the_3x_waits_for_the_replicas_serves_in_flight_rule_asks_for_not_more():
+    # 1x 2 clients below a target of 3: 3x is 6 in flight, ceil(6 / 3) = 2 replicas, though 3 are allowed.
+    assert [p.concurrency for p in ramp_phases(2, 3, 5, target=3)] == [2, 6, 2]
+    assert ramp_phases(2, 3, 5, target=3)[1].wait_for_replicas == 2
+    assert ramp_phases(5, 2, 5, target=6)[1].wait_for_replicas == 2  # ceil(15 / 6) = 3, capped at 2
+    assert ramp_phases(5, 3, 5, target=6)[1].wait_for_replicas == 3
+    assert ramp_phases(2, 3, 5)[1].wait_for_replicas == 3  # no target: every replica allowed
 
 
 def test_replica_seconds_hold_each_samples_replicas_until_the_next_and_count_starting_ones():

@@ -265,6 +265,58 @@ def test_cli_ramp_refusals_come_before_ray_starts(tmp_path, capsys, monkeypatch)
     assert not (study / "serve-check.json").exists()
 
 
+def test_the_ramps_1x_stays_below_serves_scale_up_threshold_and_starts_once_serves_window_forgot_the_count(
+    tmp_path, monkeypatch
+):
+    import argparse
+    import io
+    import math
+
+    from rich.console import Console
+
+    from servetune.cli.serve_check_parts import make_ramp, ramp_autoscaling
+    from servetune.report.autoscale import SERVE_METRICS_PUSH_S
+
+    picked = read_picked(cpu_study(tmp_path / "s", price=None), "t1", 0.8)
+    args = argparse.Namespace(headroom=0.8, delay_scale=0.05, ramp_max_replicas=2, ramp_hold=5.0, request_timeout=None)
+    derived = ramp_autoscaling(args, picked)
+    target = derived.target_ongoing_requests
+    # 0.8 x 8 clients: 6.4 in flight a replica, a target of 6; the knee's in flight rounded (the 1x before) is 6 too.
+    assert target == 6 and round(derived.in_flight_per_replica) == 6
+    seen = {}
+
+    async def run_ramp(watch, name, url, served, workload, prompts, phases, slo, timeout_s, up_timeout_s,
+                       on_phase=None, settle=0.0):  # fmt: skip
+        seen.update(phases=phases, settle=settle)
+        return {"replicas_before": 1, "replicas_peak": 2}, [], [], []
+
+    monkeypatch.setattr("servetune.serve.ramp.run_ramp", run_ramp)
+    ramp = make_ramp(args, picked, derived, None, "app", [], Console(file=io.StringIO()), lambda: None)
+    ran = ramp.run("http://127.0.0.1:1", "tiny")
+    one, three, back = seen["phases"]
+    # Serve's in-flight rule asks for ceil(in flight / target) replicas: at 1x one replica, even with a request
+    # counted a fraction too many (Serve's log read 6.16 at 6 clients and scaled out during 1x).
+    assert math.ceil((one.concurrency + 0.99) / target) == 1 and back.concurrency == one.concurrency
+    assert (one.concurrency, three.concurrency, three.wait_for_replicas) == (5, 15, 2)
+    assert ran.base_concurrency == 5 and ran.knee_concurrency == 6
+    # The count before the ramp measured 8 clients on this engine: 1x starts once Serve's window (and the push
+    # that brings it the load) holds none of that.
+    assert seen["settle"] >= derived.look_back_period_s + SERVE_METRICS_PUSH_S
+
+
+def test_cli_ramp_refuses_a_target_of_one_in_flight_before_ray_starts(tmp_path, capsys, monkeypatch):
+    def sized(*args, **kwargs):
+        raise AssertionError("the ramp was not refused before the cluster was sized")
+
+    monkeypatch.setattr("servetune.serve.check.check_before_start", sized)
+    study = cpu_study(tmp_path / "s", price=None)
+    # --headroom 0.1 x 8 clients: 0.8 in flight a replica, a target of 1, which no whole number of clients is below
+    assert main(["serve-check", str(study), "--pick", "t1", "--replicas", "1", "--ramp", "--headroom", "0.1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--ramp: trial t1's derived target_ongoing_requests is 1 in flight a replica" in err[0]
+    assert not (study / "serve-check.json").exists()
+
+
 def test_run_check_ramps_each_policy_in_turn_and_the_table_sets_them_side_by_side(tmp_path):
     from rich.console import Console
 

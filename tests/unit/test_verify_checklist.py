@@ -435,7 +435,9 @@ def test_autoscaling_is_judged_from_serve_checks_ramp_of_this_trial(gpu):
     assert "SLO attainment 96%, 120 replica-s" in item.evidence
     serve_check_ramps(study, result.trial_id, ("inflight", 1, 1, 3))
     item = one(study, result, "15.19")
-    assert item.status == "FAIL" and "Serve added no replica at three times the knee's load" in item.evidence
+    assert (
+        item.status == "FAIL" and "Serve added no replica at three times the ramp's one-replica load" in item.evidence
+    )
     serve_check_ramps(study, result.trial_id, ("inflight", 1, 1, 1))
     assert one(study, result, "15.19").status == "NOT CHECKED"  # nothing it could have added
     serve_check_ramps(study, "another", ("inflight", 1, 3, 3))

@@ -40,8 +40,9 @@ the routers, the layouts and the ramp run at the operating point.
 
 --ramp validates the autoscaling `export --format ray-serve` derives (peak 3x the operating
 load, at most --ramp-max-replicas replicas): after the first replica count it deploys that
-autoscaling_config, offers 1x the knee (clients in flight), then 3x until Serve has scaled out
-and --ramp-hold seconds more, then 1x again. Per 5 s window: replicas RUNNING, requests per
+autoscaling_config and, once Serve's averaging window holds no load from the step before, offers
+1x (one client below target_ongoing_requests: what one replica holds below Serve's scale-up
+threshold), then 3x until Serve has scaled out and --ramp-hold seconds more, then 1x again. Per 5 s window: replicas RUNNING, requests per
 replica (Serve's counter), SLO violations; the time to scale up, and whether a new replica
 served a request before Serve had it RUNNING (its engine started): it must not (exit 1).
 --delay-scale shrinks section 11's delays (120 s up, 600 s down, 30 s window) for a quick check.
@@ -142,7 +143,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="seconds before one request counts as timed out (default: the study's)",
     )
     p.add_argument(
-        "--ramp", action="store_true", help="also validate the derived autoscaling with a 1x, 3x, 1x ramp of the knee"
+        "--ramp",
+        action="store_true",
+        help="also validate the derived autoscaling with a 1x, 3x, 1x ramp (1x: one client below its target)",
     )
     p.add_argument(
         "--ramp-hold",

@@ -143,7 +143,9 @@ def routing_args(
 def ramp_autoscaling(args: argparse.Namespace, picked: PickedStudy) -> Autoscaling:
     """The autoscaling the ramp deploys, as export derives it at --headroom x min(capacity, knee): for a peak of 3x
     that operating load, with at most --ramp-max-replicas replicas."""
+    from servetune.errors import UserError
     from servetune.report.autoscale import derive_autoscaling
+    from servetune.serve.ramp import one_replica_clients
 
     slo = [str(b) for b in picked.slo.bounds]
     operating = picked.operating
@@ -153,6 +155,11 @@ def ramp_autoscaling(args: argparse.Namespace, picked: PickedStudy) -> Autoscali
     derived = derive_autoscaling(picked.trial_points, slo, peak=3 * knee, delay_scale=args.delay_scale, **rests)
     if args.ramp_max_replicas is not None:
         derived = derived.with_max_replicas(args.ramp_max_replicas, "--ramp-max-replicas")
+    if one_replica_clients(derived.target_ongoing_requests) is None:
+        raise UserError(f"--ramp: trial {picked.point.trial_id}'s derived target_ongoing_requests is "
+                        f"{derived.target_ongoing_requests} in flight a replica, so no whole number of clients stays "
+                        "below Serve's scale-up threshold for the ramp's one-replica 1x; it needs a target of 2 or "
+                        "more (a higher --headroom, or a trial whose operating load is 2 or more in flight)")  # fmt: skip
     return derived
 
 
@@ -175,25 +182,31 @@ def make_ramp(
     """The ramp: its deployment config and its driver; ``cluster()`` is the ServeCluster once started."""
     import asyncio
 
+    from servetune.report.autoscale import SERVE_METRICS_PUSH_S
     from servetune.serve.check import Ramp
-    from servetune.serve.ramp import RampResult, ramp_phases, run_ramp
+    from servetune.serve.ramp import RampResult, one_replica_clients, ramp_phases, run_ramp, settle_s
 
     knee = max(1, round(derived.in_flight_per_replica))
-    phases = ramp_phases(knee, derived.max_replicas, args.ramp_hold)
+    target = derived.target_ongoing_requests
+    base = one_replica_clients(target) or 1  # ramp_autoscaling refused a target of 1
+    phases = ramp_phases(base, derived.max_replicas, args.ramp_hold, target)
+    settle = settle_s(derived.look_back_period_s, SERVE_METRICS_PUSH_S)
     load = picked.space.load
     scale_up_timeout_s = picked.startup_timeout_s + derived.upscale_delay_s + derived.look_back_period_s + 30.0
 
     def run_it(url: str, served: str) -> RampResult:
         console.print(f"[bold]ramp ({derived.policy})[/]: autoscaling {derived.min_replicas}-{derived.max_replicas} replicas, target "
-                      f"{derived.target_ongoing_requests} in flight; clients {knee}, {3 * knee}, {knee}")  # fmt: skip
+                      f"{target} in flight; clients {base} (one below the target: one replica), {3 * base}, {base}, "
+                      f"after {settle:g} s with none (Serve's window forgets the step before)")  # fmt: skip
         summary, samples, recs, phase_of = asyncio.run(run_ramp(
             cluster(), name, url, served, picked.workload, prompts, phases, picked.slo.request_bounds_ms(),
             args.request_timeout or load.request_timeout_s, scale_up_timeout_s,
-            on_phase=lambda ph, t: console.print(f"  {t:6.1f} s  {ph}"),
+            on_phase=lambda ph, t: console.print(f"  {t:6.1f} s  {ph}"), settle=settle,
         ))  # fmt: skip
         records.extend({**r.to_dict(), "ramp_phase": ph} for r, ph in zip(recs, phase_of, strict=True))
         return RampResult(
-            policy=derived.policy, knee_concurrency=knee, autoscaling_config=derived.autoscaling_config(),
+            policy=derived.policy, knee_concurrency=knee, base_concurrency=base,
+            autoscaling_config=derived.autoscaling_config(),
             max_ongoing_requests=derived.max_ongoing_requests, max_queued_requests=derived.max_queued_requests,
             reasons=derived.reasons, samples=samples, **summary,
         )  # fmt: skip

@@ -24,14 +24,26 @@ import psutil
 API_SERVER_TITLE = "::APIServer"
 
 
+#: A front-end process in a reading: its pid on this host; ``"<node id>:<pid>"`` for one another Ray node read
+#: (serve/frontend.py), whose pids and clock are that node's.
+ProcessKey = int | str
+
+
 @dataclass(frozen=True)
 class CpuReading:
-    """The front end's processes' CPU seconds (by pid) at one moment (``time.perf_counter()`` seconds), and what
-    each process is where the reader says (by pid: ``proxy``, ``ingress``, ``replica`` for Serve; none for vLLM)."""
+    """The front end's processes' CPU seconds (by :data:`ProcessKey`) at one moment (``time.perf_counter()``
+    seconds), and what each process is where the reader says (``proxy``, ``ingress``, ``replica`` for Serve; none
+    for vLLM). ``clocks``: for a process read on another node, that node's ``perf_counter()`` when it was read (a
+    clock of its own: only a difference of two of its readings means anything)."""
 
     at_s: float
-    cpu_s: dict[int, float]
-    roles: dict[int, str] = field(default_factory=dict)
+    cpu_s: dict[ProcessKey, float]
+    roles: dict[ProcessKey, str] = field(default_factory=dict)
+    clocks: dict[ProcessKey, float] = field(default_factory=dict)
+
+    def read_at(self, key: ProcessKey) -> float:
+        """When ``key`` was read, on its own node's clock."""
+        return self.clocks.get(key, self.at_s)
 
 
 def front_end(serve_pid: int) -> list[psutil.Process]:
@@ -53,15 +65,15 @@ def front_end(serve_pid: int) -> list[psutil.Process]:
 
 def read_cpu(processes: list[psutil.Process], roles: dict[int, str] | None = None) -> CpuReading | None:
     """The processes' CPU seconds now (None: none of them could be read); ``roles``: what each pid is."""
-    cpu_s = {}
+    cpu_s: dict[ProcessKey, float] = {}
     for process in processes:
         try:
             times = process.cpu_times()
         except psutil.Error:
             continue
         cpu_s[process.pid] = times.user + times.system
-    roles = {pid: role for pid, role in (roles or {}).items() if pid in cpu_s}
-    return CpuReading(time.perf_counter(), cpu_s, roles) if cpu_s else None
+    found: dict[ProcessKey, str] = {pid: role for pid, role in (roles or {}).items() if pid in cpu_s}
+    return CpuReading(time.perf_counter(), cpu_s, found) if cpu_s else None
 
 
 def busiest(before: CpuReading | None, after: CpuReading | None) -> tuple[float, str | None] | None:
@@ -70,12 +82,15 @@ def busiest(before: CpuReading | None, after: CpuReading | None) -> tuple[float,
     where either reading or the window is missing."""
     if before is None or after is None or after.at_s <= before.at_s:
         return None
-    window = after.at_s - before.at_s
-    shares = {pid: (after.cpu_s[pid] - before.cpu_s[pid]) / window for pid in before.cpu_s.keys() & after.cpu_s.keys()}
+    shares = {}
+    for key in before.cpu_s.keys() & after.cpu_s.keys():
+        window = after.read_at(key) - before.read_at(key)  # a process on another node: that node's clock
+        if window > 0:
+            shares[key] = (after.cpu_s[key] - before.cpu_s[key]) / window
     if not shares:
         return None
-    pid = max(shares, key=lambda p: (shares[p], -p))
-    return shares[pid], before.roles.get(pid) or after.roles.get(pid)
+    key = max(shares, key=lambda k: (shares[k], -k if isinstance(k, int) else 0, str(k)))  # a tie: the lowest pid
+    return shares[key], before.roles.get(key) or after.roles.get(key)
 
 
 def busiest_share(before: CpuReading | None, after: CpuReading | None) -> float | None:

@@ -61,7 +61,7 @@ class LevelResult(BaseModel):
     client_bound: str | None = None  # why the client may have fallen behind (load/pace.py): no SLO verdict then
     #: The front end's CPU: the busiest front-end process's CPU seconds over the level / its seconds (1.0: a full
     #: core; engine/frontend.py): vLLM's API servers for a bare engine; for a Serve trial the proxy the load went
-    #: through, the ingress and the LLM replicas on this host (serve/frontend.py). None where servetune did not
+    #: through, the ingress and the LLM replicas, on whichever node (serve/frontend.py). None where servetune did not
     #: start the server (bench --url) or cannot read its processes.
     frontend_cpu_share: float | None = None
     #: Which process that was, for a Serve trial: ``proxy``, ``ingress`` or ``replica`` (Serve LLM's server with

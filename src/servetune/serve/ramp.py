@@ -1,5 +1,7 @@
-"""The autoscaling ramp: the derived ``autoscaling_config`` deployed, then 1x the knee, 3x held
-until Serve has scaled out (and a while after), and back to 1x.
+"""The autoscaling ramp: the derived ``autoscaling_config`` deployed, then 1x (the most clients one replica holds
+below Serve's scale-up threshold, :func:`one_replica_clients`), 3x held until Serve has scaled out (and a while
+after), and back to 1x. Before 1x the ramp waits, with no client, until Serve's averaging window holds none of the
+load of the step before it (:func:`settle_s`), so one replica is what the 1x phase measures.
 
 Every second it samples what Serve reports (replicas RUNNING and STARTING of the LLM deployment)
 and Serve's own per-replica request counter; every request's record says whether it met the SLO.
@@ -96,7 +98,10 @@ class RampResult(ClaimedCores, BaseModel):  # its cores: the LLM replicas' at it
     model_config = RECORD
 
     policy: str = "inflight"  # the autoscaling policy deployed (report.autoscale_policy.POLICIES)
-    knee_concurrency: int
+    knee_concurrency: int  # requests in flight a replica at the operating load, rounded
+    # the 1x phase's clients (one_replica_clients: below target_ongoing_requests); None: recorded before, when 1x
+    # was knee_concurrency, which could equal the target and scale up during 1x
+    base_concurrency: int | None = None
     autoscaling_config: dict
     max_ongoing_requests: int
     max_queued_requests: int
@@ -144,8 +149,9 @@ def decided(
 ) -> float | None:
     """When Serve started the replica that scaled the ramp up: the first of the unbroken run of samples with more
     replicas RUNNING or starting than before that reaches ``running_at`` (the extra replica RUNNING), which may come
-    before ``up_at`` (3x offered: the 1x load, or the step before's still in Serve's averaging window, asked for it);
-    without one RUNNING, the first such sample from ``up_at`` on."""
+    before ``up_at`` (3x offered: a ramp recorded before the 1x phase was held below Serve's threshold and Serve's
+    window settled before it, when the 1x load or the step before's asked for it); without one RUNNING, the first
+    such sample from ``up_at`` on."""
     ordered = sorted(samples, key=lambda s: s.t_s)
     if running_at is None:
         return next((s.t_s for s in ordered if s.t_s >= up_at and s.running + s.starting > replicas_before), None)
@@ -230,11 +236,31 @@ def summarize_ramp(
     }  # fmt: skip
 
 
-def ramp_phases(knee: int, max_replicas: int, hold_s: float) -> list[Phase]:
+def one_replica_clients(target_ongoing_requests: int) -> int | None:
+    """The ramp's 1x: the most clients in flight one replica holds below Serve's scale-up threshold. Serve's
+    in-flight policy asks for ceil(in flight / target) replicas (``upscaling_factor`` 1), in flight averaged over its
+    window, so a closed loop of ``target`` clients sits on the threshold and any count a fraction of a request above
+    it scales out (Serve's log read 6.16 of a target of 6 in a ramp at 6 clients, and scaled out during 1x). One
+    client below the target leaves a whole request of margin. None for a target of 1: no whole number of clients
+    stays below it."""
+    return target_ongoing_requests - 1 if target_ongoing_requests >= 2 else None
+
+
+def settle_s(look_back_period_s: float, metrics_push_s: float) -> float:
+    """Seconds with no client before the ramp's 1x, so Serve's averaging window (``look_back_period_s``, its
+    load pushed every ``metrics_push_s``) no longer holds the step before's load: the replica count measured the
+    study's levels, above the 1x, on the engine the ramp starts from."""
+    return look_back_period_s + metrics_push_s
+
+
+def ramp_phases(clients: int, max_replicas: int, hold_s: float, target: int | None = None) -> list[Phase]:
+    """1x ``clients``, 3x, back to 1x; the 3x waits for the replicas Serve's in-flight rule asks for at 3x,
+    ceil(3 x clients / ``target``) (all ``max_replicas`` without a target), at most ``max_replicas``."""
+    asked = max_replicas if target is None else min(max_replicas, math.ceil(3 * clients / target))
     return [
-        Phase("1x", knee, hold_s),
-        Phase("3x", 3 * knee, hold_s, wait_for_replicas=max_replicas if max_replicas > 1 else 0),
-        Phase("back to 1x", knee, hold_s),
+        Phase("1x", clients, hold_s),
+        Phase("3x", 3 * clients, hold_s, wait_for_replicas=asked if asked > 1 else 0),
+        Phase("back to 1x", clients, hold_s),
     ]
 
 
@@ -247,16 +273,18 @@ class _RampState(TypedDict):
 async def run_ramp(
     watch: ScaleWatch, name: str, url: str, served_model: str, workload: Workload, prompts: PromptFactory,
     phases: Sequence[Phase], slo_ms: Mapping[str, float], request_timeout_s: float, scale_up_timeout_s: float,
-    on_phase: Callable[[str, float], None] | None = None,
+    on_phase: Callable[[str, float], None] | None = None, settle: float = 0.0,
 ) -> tuple[dict, list[RampSample], list[RequestRecord], list[str]]:  # fmt: skip
-    """Drive the phases as a closed loop whose number of clients follows the phase; returns the
-    summary (:func:`summarize_ramp`), the samples, every request's record and its phase."""
+    """Drive the phases as a closed loop whose number of clients follows the phase, after ``settle`` seconds with
+    no client (:func:`settle_s`, not part of the ramp's clock); returns the summary (:func:`summarize_ramp`), the
+    samples, every request's record and its phase."""
     records: list[RequestRecord] = []
     record_phase: list[str] = []
     samples: list[RampSample] = []
     starts: dict[str, float] = {}
     state: _RampState = {"phase": phases[0].name, "offered": 0, "over": False}
     specs = iter_requests(workload, prompts, stream=7)  # a stream no study level used
+    await asyncio.sleep(settle)
     baseline = await asyncio.to_thread(watch.served_per_replica, name)  # a kept replica has served already
     t0 = time.perf_counter()
 

@@ -256,7 +256,7 @@ class ServeEngine:
 
     def frontend_cpu(self) -> CpuReading | None:
         """The front end's CPU seconds now (serve/frontend.py): the proxy the client sends to, the ingress and the LLM
-        replicas, those on this host; None where Ray's actor table or their processes cannot be read."""
+        replicas, each read on its node; None where Ray's actor table or their processes cannot be read."""
         with contextlib.suppress(Exception):  # a level without the reading, never a failed one
             return read_front_end(self.name, self.proxy_record.get("serve_proxy_node_id", ""))
         return None

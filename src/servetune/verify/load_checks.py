@@ -216,7 +216,7 @@ def autoscaling_signals(ctx: Context) -> tuple[Status, str]:
     if scaled:
         return PASS, evidence
     if stuck:
-        return FAIL, f"{evidence}: Serve added no replica at three times the knee's load though it could"
+        return FAIL, f"{evidence}: Serve added no replica at three times the ramp's one-replica load though it could"
     return NOT_CHECKED, f"{evidence}: max_replicas allowed no scale-out"
 
 
