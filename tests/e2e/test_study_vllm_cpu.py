@@ -36,11 +36,12 @@ from servetune.metrics import (
     spec_accepted_at,
 )
 from servetune.quality.suites import agreement_prompts
+from tests.e2e.needs import need
 from tests.engine_logs import engine_alive, overlap
 from tests.processes import processes_mentioning
 
 pytestmark = pytest.mark.e2e
-pytest.importorskip("vllm", reason="the e2e tests need vLLM (the CPU build: pip install servetune[cpu])")
+need("vllm")
 
 SPACE = """
 name: e2e
@@ -355,7 +356,7 @@ def test_ngram_speculation_is_measured_lossless_and_weighed_against_its_twin_by_
 
 
 def test_lm_eval_task_is_a_quality_score_and_a_constraint_on_real_vllm(study):
-    pytest.importorskip("lm_eval", reason="lm-eval is an optional extra: pip install servetune[lm-eval]")
+    need("lm_eval", "lm-eval is an optional extra: pip install servetune[lm-eval]")
     tmp_path, study_dir, results = study
     ok, same, bf16 = results[("float32", 4, 0)], results[("float32", 16, 0)], results[("bfloat16", 4, 0)]
     drafting = [results[("float32", 16, 0, "ngram", k)] for k in DRAFTED]
