@@ -96,18 +96,26 @@ ECHO_PROMPTS = agreement_prompts(16)
 
 
 def echo_targets(model_dir) -> list[str]:
-    """The tiny model's float32 greedy continuations, from transformers (the reference trial's numerics)."""
+    """The tiny model's float32 greedy continuations, from transformers (the reference trial's numerics).
+
+    On one torch thread: the tiny model's steps are too small to share, and two threads' spin-waits cost the test
+    process 53 core-s here (384 s on a loaded host) against 5 core-s (20 s) on one, for the same targets."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     targets = []
-    for prompt in ECHO_PROMPTS:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=32, do_sample=False)
-        targets.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).split("\n")[0])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for prompt in ECHO_PROMPTS:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            with torch.no_grad():
+                out = model.generate(ids, max_new_tokens=32, do_sample=False)
+            targets.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).split("\n")[0])
+    finally:
+        torch.set_num_threads(threads)
     return targets
 
 
