@@ -27,11 +27,12 @@ from servetune.load.runner import Level
 from servetune.metrics import metric_names
 from servetune.results import BenchResult
 from servetune.trial.measure import LevelPlan, measure_level
+from tests.e2e.needs import need
 from tests.processes import processes_mentioning
 
 pytestmark = pytest.mark.e2e
 
-pytest.importorskip("vllm", reason="the e2e tests need vLLM (the CPU build: pip install servetune[cpu])")
+need("vllm")
 
 
 def servetune(*argv, timeout=600):

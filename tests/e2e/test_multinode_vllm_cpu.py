@@ -17,12 +17,13 @@ import time
 
 import pytest
 
+from tests.e2e.needs import need
 from tests.integration.test_multinode import results
 from tests.processes import processes_mentioning
 from tests.ray_heads import lose_a_node_mid_trial, ray_cluster, user_env
 
 pytestmark = pytest.mark.e2e
-pytest.importorskip("vllm", reason="the e2e tests need vLLM (the CPU build: pip install servetune[cpu])")
+need("vllm")
 
 SPACE = """
 name: nodes-e2e

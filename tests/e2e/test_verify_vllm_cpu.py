@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from servetune.load.client import TIMEOUT_FIRST_TOKEN, TIMEOUT_IDLE, TIMEOUT_TOTAL
+from tests.e2e.needs import need
 from tests.processes import processes_mentioning
 
 pytestmark = pytest.mark.e2e
-pytest.importorskip("vllm", reason="the e2e tests need vLLM (the CPU build: pip install servetune[cpu])")
+need("vllm")
 
 STUDY = Path(__file__).parent.parent / "data" / "cpu-tiny-study"
 
