@@ -38,16 +38,6 @@ from servetune.local_ray import STARTUP_TIMED_OUT, stop_processes
 RAY = Path(sys.executable).with_name("ray")  # the venv's, so Ray's workers run the venv's Python
 START_TIMEOUT_S = 120
 
-# Asks the cluster about a job from a process of its own, in the environment the test gives it
-# (this process may have imported Ray already, with its authentication settings fixed).
-JOB_INFO = r"""
-import json, sys
-from ray.job_submission import JobSubmissionClient
-info = JobSubmissionClient(sys.argv[1]).get_job_info(sys.argv[2])
-joined = info.driver_info is not None
-print(json.dumps({"status": info.status.value, "driver_joined": joined, "message": info.message}))
-"""
-
 
 def skip_without_ray_serve_llm() -> None:
     """Skip the calling test module where Ray Serve LLM (``ray[serve,llm]``, vLLM with it) is not installed, found
@@ -85,10 +75,16 @@ class RayHead:
         return subprocess.run([str(RAY), *argv], capture_output=True, text=True, env=env or self.env, timeout=timeout)
 
     def job_info(self, submission_id: str, env: dict[str, str] | None = None) -> dict:
-        done = subprocess.run([sys.executable, "-c", JOB_INFO, self.dashboard_url, submission_id],
-                              capture_output=True, text=True, env=env or self.env, timeout=120)  # fmt: skip
-        assert done.returncode == 0, done.stderr[-2000:]
-        return last_json(done.stdout)
+        """The job's status, whether its driver joined the cluster, and Ray's message about it: ``GET
+        /api/jobs/<id>`` on the head's job server, what ``JobSubmissionClient.get_job_info`` (and so ``ray job
+        status``) asks, sent over HTTP from this process with the token of the shell ``env`` where it has one. A
+        Python process importing Ray to ask it cost about a core-second, once every poll of a job's life."""
+        request = urllib.request.Request(f"{self.dashboard_url}/api/jobs/{submission_id}",
+                                         headers=_auth_headers(env or self.env))  # fmt: skip
+        with _DIRECT.open(request, timeout=120) as response:
+            details = json.load(response)
+        joined = details.get("driver_info") is not None
+        return {"status": details["status"], "driver_joined": joined, "message": details.get("message")}
 
     def wait_for_job(self, submission_id: str, timeout_s: float, env: dict[str, str] | None = None) -> dict:
         """Poll until the job ends (stopping it past ``timeout_s``); its info and its log."""
@@ -192,16 +188,18 @@ _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the he
 def _list_jobs(head: RayHead) -> str | None:
     """None when the head's job server answers its job list; else why not. Asked with the head's token where the
     shell has one (as ``ray job list`` sends it: ``Authorization: Bearer``), whatever its mode: this only waits."""
-    headers: dict[str, str] = {}
-    if token := _auth_token(head.env):
-        headers["Authorization"] = f"Bearer {token}"
-    request = urllib.request.Request(f"{head.dashboard_url}/api/jobs/", headers=headers)
+    request = urllib.request.Request(f"{head.dashboard_url}/api/jobs/", headers=_auth_headers(head.env))
     try:
         with _DIRECT.open(request, timeout=10) as response:
             json.load(response)  # a list of jobs: the job server, not a page of another
     except (OSError, ValueError, http.client.HTTPException) as exc:  # refused, reset, timed out, an HTTP error
         return str(exc)
     return None
+
+
+def _auth_headers(env: dict[str, str]) -> dict[str, str]:
+    """The header Ray's clients send from a shell with ``env`` where it has a token (``Authorization: Bearer``)."""
+    return {"Authorization": f"Bearer {token}"} if (token := _auth_token(env)) else {}
 
 
 def _auth_token(env: dict[str, str]) -> str | None:
@@ -273,27 +271,20 @@ class LocalCluster:
         return self.head.gcs_address
 
     def nodes(self) -> list[dict]:
-        """The live nodes as the cluster sees them: id, resources, temp dir (from a process of its own)."""
-        done = subprocess.run([sys.executable, "-c", NODES, self.address], capture_output=True, text=True,
-                              env=self.head.env, timeout=120)  # fmt: skip
-        assert done.returncode == 0, done.stderr[-2000:]
-        # Ray's driver may print other lines after it (a crashed raylet's backtrace, as CI once saw): the marked one
-        listed = [line.removeprefix(NODES_MARK) for line in done.stdout.splitlines() if line.startswith(NODES_MARK)]
-        assert listed, done.stdout[-2000:]
-        return json.loads(listed[-1])
+        """The live nodes as the cluster sees them: id, resources, raylet socket (under the node's temp dir). Asked
+        over HTTP of the head's dashboard (``GET /nodes?view=summary``: each node's ``GcsNodeInfo``, as the GCS
+        keeps it), not by a driver of its own: a Python process importing Ray and joining the cluster as a job cost
+        a few core-seconds a call, and the cluster's start polls it once a second."""
+        request = urllib.request.Request(f"{self.head.dashboard_url}/nodes?view=summary",
+                                         headers=_auth_headers(self.head.env))  # fmt: skip
+        with _DIRECT.open(request, timeout=120) as response:
+            summary = json.load(response)["data"]["summary"]
+        return [{"id": node["raylet"]["nodeId"], "resources": node["raylet"]["resourcesTotal"],
+                 "socket": node["raylet"]["rayletSocketName"]}
+                for node in summary if node["raylet"].get("state") == "ALIVE"]  # fmt: skip
 
     def node_id_of(self, worker: RayNode) -> str:
         return next(n["id"] for n in self.nodes() if str(worker.temp_dir) in n["socket"])
-
-
-# The live nodes, from a driver of its own: Ray's node id, resources, raylet socket (under the node's temp dir).
-NODES_MARK = "servetune-nodes: "
-NODES = r"""
-import json, sys, ray
-ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
-print("servetune-nodes: " + json.dumps([{"id": n["NodeID"], "resources": n["Resources"],
-                                         "socket": n["RayletSocketName"]} for n in ray.nodes() if n["Alive"]]))
-"""
 
 
 @contextmanager

@@ -1,0 +1,63 @@
+"""The CPU seconds a command's whole process tree spent, daemons and orphans included.
+
+``/usr/bin/time`` counts only the children its command waited for: a Ray head's GCS, raylet and workers, stopped by
+process id after their parent has gone, end as orphans of init and are not counted. This script makes itself a
+child subreaper (Linux ``PR_SET_CHILD_SUBREAPER``), so every orphaned descendant is reparented to it, reaps them all,
+and reads its own ``RUSAGE_CHILDREN``: user + system seconds of everything the command started, however it ended.
+
+    python bench/tree_cpu.py -- python -m pytest tests/integration/test_study.py -q -n 0 -p no:cacheprovider
+
+prints one line on stderr: wall seconds, core-seconds and the load average before and after (the host is shared: a
+number without the load beside it says little). The command's exit status is this script's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import psutil
+
+PR_SET_CHILD_SUBREAPER = 36
+#: How long orphans of the command get to exit after it did, before the line is printed without them.
+GRACE_S = 60
+
+
+def main(argv: list[str]) -> int:
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        print("usage: tree_cpu.py -- COMMAND [ARG ...]", file=sys.stderr)
+        return 2
+    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        print("tree_cpu.py: prctl(PR_SET_CHILD_SUBREAPER) failed (Linux only)", file=sys.stderr)
+        return 2
+    load_before = os.getloadavg()
+    began = time.monotonic()
+    proc = subprocess.Popen(argv)
+    proc.wait()  # the command; then the orphans handed to this process, for up to GRACE_S
+    status, wall = proc.returncode, time.monotonic() - began
+    deadline = time.monotonic() + GRACE_S
+    while time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break  # none left
+        if pid == 0:
+            time.sleep(0.2)
+    left = [p.pid for p in psutil.Process().children()]
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    load_after = os.getloadavg()
+    print(f"tree_cpu: wall {wall:.0f} s, {used.ru_utime + used.ru_stime:.1f} core-s "
+          f"(user {used.ru_utime:.0f}, sys {used.ru_stime:.0f}); load before {load_before[0]:.2f} {load_before[1]:.2f}, "
+          f"after {load_after[0]:.2f} {load_after[1]:.2f}"
+          + (f"; still running, not counted: pids {left}" if left else ""), file=sys.stderr)  # fmt: skip
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
