@@ -11,7 +11,8 @@ from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory
 from servetune.load.runner import Level
 from servetune.testing.fake_openai import FakeOpenAI
-from servetune.verify.overload import overload, refused
+from servetune.verify.admitted import refused
+from servetune.verify.overload import overload
 from servetune.verify.scenarios import Budget, Target, burst
 from tests.conftest import serve_fake
 

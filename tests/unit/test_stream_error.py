@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from servetune.load.client import stream_error
 from servetune.metrics import RequestRecord
-from servetune.verify.overload import refused
+from servetune.verify.admitted import refused
 
 #: The event vLLM 0.32 sent in the verify e2e (serving.py: create_streaming_error_response(MaxQueuedTokensError())).
 BACKLOG = {

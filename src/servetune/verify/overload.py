@@ -45,10 +45,8 @@ from servetune.metrics import RequestRecord
 from servetune.report.autoscale import tolerable_wait_s
 from servetune.results import MARGIN
 from servetune.trial.measure import LevelPlan
-from servetune.verify.admitted import ADMISSION_ARGS, p99_ms, refused
+from servetune.verify.admitted import p99_ms, refused
 from servetune.verify.scenarios import ScenarioResult, Target, _level, fmt
-
-__all__ = ["ADMISSION_ARGS", "refused"]  # their home is verify/admitted.py, with the burst's rule under bounds
 
 NAME = OVERLOAD = "overload"
 OVERLOAD_FACTOR = 1.5

@@ -41,7 +41,7 @@ from servetune.verify.canary import CANARY, DEFAULT_SHARE, Deploy, canary
 from servetune.verify.choose import Chosen, Selection
 from servetune.verify.disconnects import disconnects
 from servetune.verify.document import EngineRun, Timeouts, document
-from servetune.verify.overload import ADMISSION_ARGS, OVERLOAD, overload
+from servetune.verify.overload import OVERLOAD, overload
 from servetune.verify.replica_lost import REPLICA_LOST, replica_lost
 from servetune.verify.rolling_update import ROLLING_UPDATE, SAME_CONFIGURATION, new_configuration, rolling_update
 from servetune.verify.stats import lead
@@ -202,7 +202,6 @@ def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: Pro
                         engine=server, pid=server.process.pid if server.process else None, records=records,
                         metrics=getattr(server, "server_metrics", None),
                         reset_cache=server.reset_prefix_cache if isinstance(server, ServeEngine) else None,
-                        admission_bound=any(spec.engine_args.get(k) is not None for k in ADMISSION_ARGS),
                         admission=bounds_of(spec.engine_args),
                         levels=run.levels,
                     )  # fmt: skip

@@ -139,13 +139,17 @@ class Target:
     metrics: MetricsSource | None = None
     reset_cache: Callable[[], bool] | None = None
     records: list[RequestRecord] = field(default_factory=list)  # every request verify sent
-    # The configuration sets vLLM's admission bound (max_num_queued_reqs or max_num_queued_tokens): verify then
-    # runs the overload scenario (verify/overload.py) after the others.
-    admission_bound: bool = False
-    # The bounds' values (admitted.py ``bounds_of``): the burst's 503s are judged against them (admitted.py).
+    # The admission bounds the configuration sets (vLLM's max_num_queued_reqs / max_num_queued_tokens, admitted.py
+    # ``bounds_of``): the burst's 503s are judged against them (admitted.py).
     admission: dict[str, int] = field(default_factory=dict)
     errors: dict[str, list[str]] = field(default_factory=dict)  # a few error messages per scenario
     levels: dict[str, LevelResult] = field(default_factory=dict)  # the level each scenario measured (diagnosis)
+
+    @property
+    def admission_bound(self) -> bool:
+        """The configuration sets an admission bound: verify then runs the overload scenario (verify/overload.py)
+        after the others."""
+        return bool(self.admission)
 
 
 def error_bound(slo: Slo) -> float:
