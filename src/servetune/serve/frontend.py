@@ -70,14 +70,19 @@ def this_node() -> str:
     return str(ray.get_runtime_context().get_node_id())
 
 
-def read_on_node(pids: Collection[int]) -> tuple[float, dict[int, float]]:
-    """On a node (a Ray task pinned there): its ``perf_counter()`` now and the CPU seconds of those of ``pids`` alive
-    there."""
+def _alive(pids: Collection[int]) -> list[psutil.Process]:
+    """The processes of ``pids`` that exist on this node."""
     processes = []
     for pid in pids:
         with contextlib.suppress(psutil.Error):
             processes.append(psutil.Process(pid))
-    reading = read_cpu(processes)
+    return processes
+
+
+def read_on_node(pids: Collection[int]) -> tuple[float, dict[int, float]]:
+    """On a node (a Ray task pinned there): its ``perf_counter()`` now and the CPU seconds of those of ``pids`` alive
+    there."""
+    reading = read_cpu(_alive(pids))
     return (reading.at_s, {int(k): v for k, v in reading.cpu_s.items()}) if reading else (time.perf_counter(), {})
 
 
@@ -118,11 +123,7 @@ def read_front_end(name: str, proxy_node: str) -> CpuReading | None:
     ``"<node id>:<pid>"``, at their node's clock); None where none could be read."""
     by_node = front_end_by_node(actor_table(), name, proxy_node)
     roles = by_node.pop(this_node(), {})
-    processes = []
-    for pid in roles:
-        with contextlib.suppress(psutil.Error):
-            processes.append(psutil.Process(pid))
-    here = read_cpu(processes, roles)
+    here = read_cpu(_alive(roles), roles)
     cpu_s: dict[ProcessKey, float] = dict(here.cpu_s) if here else {}
     found: dict[ProcessKey, str] = dict(here.roles) if here else {}
     clocks: dict[ProcessKey, float] = {}
