@@ -17,8 +17,9 @@ from servetune.results import LevelResult, stall_unsettled
 from servetune.testing.fake_openai import FakeOpenAI
 from servetune.trial.capacity import verdict
 from servetune.trial.measure import EarlyBreak, LevelPlan, measure_level
+from servetune.verify import scenarios
 from servetune.verify.admitted import judge_admitted
-from servetune.verify.scenarios import peak_note
+from servetune.verify.scenarios import Budget, ScenarioResult, Target, peak_note
 from tests import builders
 from tests.conftest import serve_fake
 
@@ -143,3 +144,37 @@ def test_a_level_records_the_clients_stall_and_a_miss_it_accounts_for_is_unsettl
     assert not verdict(level, result, slo).settled
     bare = result.model_copy(update={"client_stall_ms_max": None, "client_stalled_s": None, "client_stalled": None})
     assert stall_unsettled(bare, slo, 0.10) is None and verdict(level, bare, slo).settled
+
+
+def test_a_soak_that_missed_the_slo_by_the_clients_stall_fails_as_unsettled(monkeypatch):
+    slo = Slo.parse("ttft_ms.p99=500")
+    records = [builders.served(i, 0.5 * i, 0.1) for i in range(40)]
+
+    def soaked(stall_ms: float | None) -> ScenarioResult:
+        made = builders.level(4, 400, 700.0)  # 40% over the bound
+        made = made.model_copy(update={"slo_violations": slo.violations(made.summary), "client_stall_ms_max": stall_ms})
+        made = made.model_copy(update={"client_stalled": stall_unsettled(made, slo, 0.0)})
+
+        async def fake_level(client, url, workload, prompts, plan, *, stream, **_):
+            return made, list(records)
+
+        class Quiet:  # no engine to follow
+            def __init__(self, *_) -> None:
+                self.rss_mib, self.kv_usage = [], []
+
+            async def __aenter__(self):
+                return self
+
+            async def __aexit__(self, *_) -> None: ...
+
+        monkeypatch.setattr(scenarios, "measure_level", fake_level)
+        monkeypatch.setattr(scenarios, "Trace", Quiet)
+        target = Target(client=None, url="", workload=None, prompts=None, slo=slo, level=Level("concurrency", 4),  # type: ignore[arg-type]
+                        budget=Budget.for_device("cpu", 6.0), max_model_len=0)  # fmt: skip
+        return asyncio.run(scenarios.soak(target))
+
+    stalled, bare = soaked(250.0), soaked(None)
+    assert not stalled.passed and stalled.numbers["unsettled"] is True and stalled.numbers["client_stall_ms_max"] == 250
+    assert stalled.reason.startswith("unsettled SLO: the load client stalled for up to 250 ms")
+    assert stalled.reason.endswith("rerun on a quiet host")
+    assert not bare.passed and bare.numbers["unsettled"] is False and bare.reason.startswith("ttft_ms_p99 = 700 > 500")
