@@ -66,7 +66,7 @@ def test_the_limit_level_is_the_first_to_break_the_slo_else_the_highest_load():
 
 def test_rules_run_in_the_checklists_order():
     names = [rule.__name__ for rule in RULES]
-    assert names == ["client_bound", "gpu_idle", "frontend_bound", "batch_full", "scheduler_budget", "kv_bound", "prefix_hits_lost",
+    assert names == ["client_bound", "client_stalled", "gpu_idle", "frontend_bound", "batch_full", "scheduler_budget", "kv_bound", "prefix_hits_lost",
                      "prefill_queueing", "decode_slowdown", "tail_latency"]  # fmt: skip
 
 

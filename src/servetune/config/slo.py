@@ -7,6 +7,8 @@ For goodput, each request is held to the tightest bound given for each per-reque
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import (
@@ -122,6 +124,13 @@ class Slo(BaseModel):
                 broken.append(f"{b.name} = {value:.4g} {'<' if b.lower else '>'} {b.limit:g}")
         return broken
 
+    def noise_breaks(self, summary: LevelSummary, noise: float, stall_ms: float = 0.0,
+                     latency_only: bool = False) -> NoiseBreaks:  # fmt: skip
+        """:func:`noise_breaks` of this SLO's bounds (only its latency bounds with ``latency_only``) over a summary."""
+        bounds = [b for b in self.bounds if b.metric in LATENCY_METRICS] if latency_only else self.bounds
+        per = summary.total_output_tokens / summary.completed if summary.completed else None
+        return noise_breaks(bounds, summary.flat(), noise, stall_ms, per)
+
     @classmethod
     def parse(cls, text: str, source: str = "--slo") -> Slo:
         """Parse ``ttft_ms.p99=2000,tpot_ms.p95=40,error_rate=0.001,structured_valid.min=0.99``."""
@@ -161,3 +170,52 @@ def _first_error(exc: Exception) -> str:
         first = errors()[0]
         return str(first.get("msg", exc))
     return str(exc)
+
+
+@dataclass(frozen=True)
+class NoiseBreaks:
+    """The bounds a measurement breaks, as readable strings, split by the verdict noise (:func:`noise_breaks`)."""
+
+    beyond: list[str] = field(default_factory=list)  # broken beyond the noise (or not measured): a failure
+    within: list[str] = field(default_factory=list)  # broken, but within the noise: no evidence of a failure
+
+    def __bool__(self) -> bool:
+        return bool(self.beyond or self.within)
+
+
+def stall_off(bound: SloBound, value: float, stall_ms: float, tokens_per_request: float | None = None) -> float:
+    """``value`` of ``bound``'s metric less what the load client's longest stall (``stall_ms``, load/pace.py
+    ``LoopStalls``) could have added to it. A stall delays the reading of every answer in flight by up to its length,
+    so a request's TTFT, end-to-end latency and one of its token gaps (ITL) by at most ``stall_ms``, and any
+    percentile of them too; its TPOT (the gaps' mean) by ``stall_ms / (tokens - 1)``, over the mean output tokens per
+    request where given (else the whole stall). Other metrics (error rate, structured answers) are the server's."""
+    if bound.metric not in LATENCY_METRICS or stall_ms <= 0:
+        return value
+    if bound.metric == "tpot_ms" and tokens_per_request is not None:
+        return value - stall_ms / max(tokens_per_request - 1.0, 1.0)
+    return value - stall_ms
+
+
+def noise_breaks(bounds: Iterable[SloBound], flat: Mapping[str, float | None], noise: float, stall_ms: float = 0.0,
+                 tokens_per_request: float | None = None) -> NoiseBreaks:  # fmt: skip
+    """Which ``bounds`` the measured ``flat`` numbers break beyond the verdict ``noise`` and which within it.
+
+    A bound is broken *within the noise* when its value, less what the load client's longest stall could have added
+    (:func:`stall_off`; none without ``stall_ms``), is over it by at most ``noise`` of it (relative: ``value <=
+    bound * (1 + noise)``, or ``>= bound * (1 - noise)`` for a floor), the boundary included. One broken further, or
+    not measured, is *beyond* it. A bound the value meets is in neither. The one rule verify's checks of a summary
+    against the SLO with the noise take: the burst's admitted requests (verify/admitted.py), the overload's admitted
+    TTFT (verify/overload.py), and a level whose SLO miss the client's stall accounts for (results ``stall_unsettled``).
+    """
+    out = NoiseBreaks()
+    for b in bounds:
+        value = flat.get(b.name)
+        if value is None:
+            out.beyond.append(f"{b.name} not measured")
+            continue
+        if not b.breaks(value):
+            continue
+        off = stall_off(b, value, stall_ms, tokens_per_request)
+        within = off >= b.limit * (1.0 - noise) if b.lower else off <= b.limit * (1.0 + noise)
+        (out.within if within else out.beyond).append(f"{b.name} = {value:.4g} {'<' if b.lower else '>'} {b.limit:g}")
+    return out

@@ -4,7 +4,9 @@ Each rule is a small function over a :class:`~servetune.results.TrialResult` tha
 (the symptom with its numbers, and the lever the tuning checklist's section 13 pulls for it) or None. The rules
 run in that section's order: the GPU idle, the front end's CPU near a full core, memory to spare but the batch full, out of KV cache, prefix-cache hits
 lost under load, TTFT high with TPOT normal, TPOT high with TTFT normal, P99 far from the median. Before them, a
-level whose load client fell behind (load/pace.py): its numbers are the client's, so every other finding waits on it.
+level whose load client fell behind (load/pace.py): its numbers are the client's, so every other finding waits on it;
+and a limit level whose SLO miss the client's own stall accounts for (``client_stalled``): its verdict is unsettled,
+so no engine lever is named for it.
 
 A trial is judged at its *limit level*: the first level that broke the SLO, or, when none did, the highest
 load it measured. Trends ("TTFT grows with load") compare the lowest load measured with the limit level.
@@ -137,6 +139,27 @@ def client_bound(trial: TrialResult, limit: int) -> Finding | None:
         f"the load client fell behind at {label}: {level.client_bound}",
         "measure again with more client processes (load.client_processes: auto, or more) or more cores for the "
         "client: a level it fell behind at decides no SLO verdict",
+        label,
+        evidence,
+    )
+
+
+def client_stalled(trial: TrialResult, limit: int) -> Finding | None:
+    """The limit level broke the SLO by a margin the load client's longest stall accounts for
+    (``LevelResult.client_stalled``, results ``stall_unsettled``): the client's process was not running, so its
+    answers waited to be read, and what reads as queueing or a slow decode may be the client's alone. No engine
+    lever then: the verdict is unsettled."""
+    level = trial.levels[limit]
+    if level.client_stalled is None:
+        return None
+    label = level_label(level.summary.level)
+    evidence = {name: value for name in ("client_stall_ms_max", "client_stalled_s")
+                if (value := getattr(level, name)) is not None}  # fmt: skip
+    return Finding(
+        "client_stalled",
+        f"unsettled at {label}: {level.client_stalled}",
+        "measure again on a quieter host, or with the load client on cores the engine does not use: a miss the "
+        "client's own stall accounts for names no engine lever",
         label,
         evidence,
     )
@@ -376,6 +399,7 @@ def tail_latency(trial: TrialResult, limit: int) -> Finding | None:
 #: The rules, in the order of the tuning checklist's section 13.
 RULES: tuple[Rule, ...] = (
     client_bound,
+    client_stalled,
     gpu_idle,
     frontend_bound,
     batch_full,

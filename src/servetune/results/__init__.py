@@ -37,6 +37,7 @@ from servetune.results.levels import (
     level_load,
     level_throughput,
     noise_margin,
+    stall_unsettled,
     throughput_noise,
 )
 from servetune.results.limits import (
@@ -118,6 +119,7 @@ __all__ = [
     "read_result",
     "slope_noise",
     "space_bases",
+    "stall_unsettled",
     "throughput_noise",
     "validation_message",
 ]

@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from servetune.config.slo import Slo
 from servetune.summary import LevelSummary
 
 #: Results are records servetune writes and reads back, often with another version: a field this
@@ -59,6 +60,13 @@ class LevelResult(BaseModel):
     send_lag_ms_p50: float | None = None  # an open loop's: how late its requests went out, median (load/pace.py)
     send_lag_ms_p99: float | None = None  # and its P99
     client_bound: str | None = None  # why the client may have fallen behind (load/pace.py): no SLO verdict then
+    #: The load client's own stalls over the level (load/pace.py ``LoopStalls``: its event loop woke late by over
+    #: 50 ms): the longest, in ms, and their sum, in s (None: not recorded, a level run across client processes).
+    client_stall_ms_max: float | None = None
+    client_stalled_s: float | None = None
+    #: Why the level's SLO verdict is unsettled: it broke the SLO by a margin the client's longest stall accounts
+    #: for (:func:`stall_unsettled`); None where it met the SLO, no stall was recorded, or the miss is beyond it.
+    client_stalled: str | None = None
     #: The front end's CPU: the busiest front-end process's CPU seconds over the level / its seconds (1.0: a full
     #: core; engine/frontend.py): vLLM's API servers for a bare engine; for a Serve trial the proxy the load went
     #: through, the ingress and the LLM replicas, on whichever node (serve/frontend.py). None where servetune did not
@@ -78,6 +86,23 @@ class LevelResult(BaseModel):
     def measured_s(self) -> float:
         """Seconds spent measuring this level, every run counted."""
         return sum(run.summary.duration_s for run in self.runs) if self.runs else self.summary.duration_s
+
+
+def stall_unsettled(level: LevelResult, slo: Slo, tolerance: float) -> str | None:
+    """Why ``level``'s SLO miss is unsettled, or None: it broke a bound beyond ``tolerance`` (what the verdict
+    forgives anyway: the noise of a level run once, config/slo.py ``noise_breaks``) and, once the load client's longest
+    stall is taken off its latencies, none beyond it. The stall alone could then have made the miss: the client's
+    process was not running (a host short of cores), its answers waited to be read, so the verdict says nothing of
+    the server. A miss the stall does not account for, or no stall, is None (the verdict stands)."""
+    stall = level.client_stall_ms_max
+    if not stall or level.meets_slo or level.summary.completed == 0:
+        return None
+    beyond, off = slo.noise_breaks(level.summary, tolerance), slo.noise_breaks(level.summary, tolerance, stall)
+    if not beyond.beyond or off.beyond:
+        return None
+    stalled = f" ({level.client_stalled_s:.3g} s in all)" if level.client_stalled_s else ""
+    return (f"the load client stalled for up to {stall:.4g} ms{stalled}, which accounts for the SLO miss "
+            f"({'; '.join(level.slo_violations)})" + (f" within the noise ({tolerance:.0%})" if tolerance else ""))  # fmt: skip
 
 
 #: How much a level run once could differ on a repeat: five runs of one configuration at 32 in

@@ -38,6 +38,11 @@ where the repeat could move the bracket:
   SLO: the capacity is a load known to meet it, so an unsettled verdict can only narrow the
   bracket from above. Such loads are listed in ``Capacity.unsettled``; how far each end of the
   bracket stood from the SLO is ``Capacity.slo_margins``, and their noise ``Capacity.verdict_noise``.
+- a level that broke the SLO beyond the noise by a margin the load client's longest stall accounts for
+  (``LevelResult.client_stalled``, results.py ``stall_unsettled``: within the noise once the stall is taken off its
+  latencies; the client's process not running on a host short of cores reads as a slow server) is unsettled as
+  one within the noise is: it counts as breaking the SLO, is listed in ``Capacity.unsettled`` and is not measured
+  again (a break could only be confirmed or split). The same level without the stall is a settled failure;
 - a level where the load client fell behind (``LevelResult.client_bound``, load/pace.py) is unsettled
   whatever its margin, and is not measured again (the same client would fall behind again): it
   counts as breaking the SLO for the bracket and is listed in ``Capacity.unsettled``.
@@ -114,6 +119,7 @@ class Verdict:
     margin: float  # slo_margin
     noise: float  # noise_margin
     client_bound: bool = False  # the client fell behind (load/pace.py): unsettled, and a repeat would not settle it
+    client_stalled: bool = False  # broke the SLO by a margin the client's longest stall accounts for: unsettled
 
 
 def verdict(level: Level, result: LevelResult, slo: Slo) -> Verdict:
@@ -126,6 +132,8 @@ def verdict(level: Level, result: LevelResult, slo: Slo) -> Verdict:
         return Verdict(meets=False, settled=True, margin=margin, noise=noise)
     if result.client_bound is not None:
         return Verdict(meets=result.meets_slo, settled=False, margin=margin, noise=noise, client_bound=True)
+    if result.client_stalled is not None:  # the client's stall accounts for the miss: unsettled, as within the noise
+        return Verdict(meets=False, settled=False, margin=margin, noise=noise, client_stalled=True)
     majority = len(result.runs) >= MAJORITY_RUNS  # decided by its runs' majority: a repeat would be more of the same
     return Verdict(meets=result.meets_slo, settled=majority or abs(margin) > noise, margin=margin, noise=noise)
 
@@ -144,7 +152,7 @@ class Point:
 
     @property
     def within_noise(self) -> bool:
-        """Measured once, its verdict within the noise (or its client fell behind)."""
+        """Measured once, its verdict within the noise (or its client fell behind, or stalled through its miss)."""
         return len(self.verdicts) == 1 and not self.verdicts[0].settled
 
     @property

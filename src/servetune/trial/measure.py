@@ -40,12 +40,12 @@ from servetune.engine.frontend import CpuReading, busiest
 from servetune.engine.metrics import MetricsSnapshot, level_delta
 from servetune.errors import EngineDiedError, UserError
 from servetune.load.client import StreamingClient
-from servetune.load.pace import client_bound, client_pace
+from servetune.load.pace import LoopStalls, client_bound, client_pace
 from servetune.load.requests import PromptFactory, RequestSpec, iter_requests
 from servetune.load.runner import Level, cancel_and_wait, run_level
 from servetune.load.shard import ClientSettings, ShardedRun, auto_client_processes, run_sharded
 from servetune.metrics import RequestRecord
-from servetune.results import LevelResult, LevelRun
+from servetune.results import MARGIN, LevelResult, LevelRun, stall_unsettled
 from servetune.summary import itl_burst_share, measured_window, send_sync_share, summarize, ttft_distribution_ms
 from servetune.telemetry import TelemetrySampler
 from servetune.trial.readings import (
@@ -189,6 +189,7 @@ async def measure_level(
     client_processes: int | Literal["auto"] = 1,
     client_cpus: int = 1,
     frontend_cpu: Callable[[], CpuReading | None] | None = None,
+    stall_tolerance: float = MARGIN,
 ) -> tuple[LevelResult, list[RequestRecord]]:
     """Run one level and return its result and the per-request records.
 
@@ -204,6 +205,11 @@ async def measure_level(
     ``frontend_cpu`` reads the CPU seconds of the server's front end (``VllmServer.frontend_cpu``: vLLM's API
     server; ``ServeEngine.frontend_cpu``: Serve's proxy and the application's replicas), at the level's start and its
     end: the level's ``frontend_cpu_share`` and ``frontend_process`` (None without it).
+    The load client's own stalls (load/pace.py ``LoopStalls``) are recorded over the level (``client_stall_ms_max``,
+    ``client_stalled_s``; not for a level split across client processes, whose clients run elsewhere), and a level
+    that broke the SLO beyond ``stall_tolerance`` (what its verdict forgives: the noise of a level run once) by a
+    margin the longest stall accounts for says so in ``client_stalled`` (results ``stall_unsettled``): its verdict
+    is unsettled.
     """
     drawn: list[RequestSpec] = []
 
@@ -238,6 +244,7 @@ async def measure_level(
         cpu_at = time.process_time()  # the client process's CPU over the level (load/pace.py)
         frontend_at = frontend_cpu() if frontend_cpu is not None else None  # the API server's (engine/frontend.py)
         sharded: ShardedRun | None = None
+        stalls = LoopStalls()  # the client's own stalls, which a miss's verdict tells from the server's answers
         try:
             processes = client_shards(workload, plan, client_processes, client_cpus)
             with devices:
@@ -250,11 +257,12 @@ async def measure_level(
                     )  # fmt: skip
                     records = sharded.records
                 else:
-                    records = await run_level(
-                        client, requests(), plan.level, num_requests=plan.num_requests, duration_s=plan.duration_s,
-                        warmup_requests=plan.warmup_requests, seed=workload.seed + stream, on_done=done,
-                        stop=watch.broken, on_start=origin.append,
-                    )  # fmt: skip
+                    async with stalls:
+                        records = await run_level(
+                            client, requests(), plan.level, num_requests=plan.num_requests,
+                            duration_s=plan.duration_s, warmup_requests=plan.warmup_requests,
+                            seed=workload.seed + stream, on_done=done, stop=watch.broken, on_start=origin.append,
+                        )  # fmt: skip
             cpu_s = time.process_time() - cpu_at
             frontend = busiest(frontend_at, frontend_cpu() if frontend_cpu is not None else None)
             wall_s = time.perf_counter() - origin[0] if origin else None
@@ -291,7 +299,10 @@ async def measure_level(
         client_cpu_share=pace.cpu_share, send_lag_ms_p50=pace.send_lag_ms_p50, send_lag_ms_p99=pace.send_lag_ms_p99,
         client_bound=bound, frontend_cpu_share=frontend[0] if frontend else None,
         frontend_process=frontend[1] if frontend else None,
+        client_stall_ms_max=stalls.longest_s * 1000.0 if sharded is None else None,
+        client_stalled_s=stalls.total_s if sharded is None else None,
     )  # fmt: skip
+    result.client_stalled = stall_unsettled(result, slo, stall_tolerance)
     return result, records
 
 

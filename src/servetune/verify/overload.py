@@ -21,7 +21,8 @@ queue has a hard limit"):
 
 An engine with no bound queues every request, refuses none and fails (the bound is what is checked). The
 judgement (:func:`judge_overload`) is a pure function of the two phases' requests and of the load client's own
-stalls while they ran (load/pace.py ``LoopStalls``).
+stalls while they ran (load/pace.py ``LoopStalls``, recorded by every level: trial/measure.py). The admitted TTFT
+is compared with the bound by config/slo.py ``noise_breaks``, the rule the burst's admitted requests take too.
 
 **A failure the client's stall accounts for is unsettled, not the bound's.** On a host short of cores the load
 client's process goes unscheduled for a while: every answer in flight then waits to be read, every send due then goes
@@ -39,7 +40,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from servetune.load.pace import LoopStalls
+from servetune.config.slo import SloBound, noise_breaks
 from servetune.load.runner import Level
 from servetune.metrics import RequestRecord
 from servetune.report.autoscale import tolerable_wait_s
@@ -96,11 +97,14 @@ def judge_overload(over: Sequence[RequestRecord], after: Sequence[RequestRecord]
     if refuse_p99 is not None and refuse_p99 > bound_ms:
         problems.append((f"refusals took {fmt(refuse_p99, ' ms')} (P99), past the TTFT bound {bound_ms:g} ms",
                          refuse_p99 - stall_ms <= bound_ms))  # fmt: skip
+    ttft = [SloBound(metric="ttft_ms", stat="p99", max=bound_ms)]  # the admitted's TTFT P99, with the noise
+    admitted_breaks = noise_breaks(ttft, {"ttft_ms_p99": admitted_p99}, noise)
     if admitted_p99 is None:
         problems.append(("no request admitted completed", False))
-    elif admitted_p99 > bound_ms * (1 + noise):
+    elif admitted_breaks.beyond:
         problems.append((f"admitted requests' TTFT P99 {fmt(admitted_p99, ' ms')} broke the bound {bound_ms:g} ms "
-                         f"beyond the noise ({noise:.0%})", admitted_p99 - stall_ms <= bound_ms * (1 + noise)))  # fmt: skip
+                         f"beyond the noise ({noise:.0%})",
+                         not noise_breaks(ttft, {"ttft_ms_p99": admitted_p99}, noise, stall_ms).beyond))  # fmt: skip
     if not recovered:
         problems.append((f"not recovered at {fmt(RECOVERY_FACTOR * rate)} req/s: the last third still refused or late",
                          not tail_refused and tail_late_s - stall_s <= wait_s))  # fmt: skip
@@ -115,7 +119,7 @@ def judge_overload(over: Sequence[RequestRecord], after: Sequence[RequestRecord]
             return ScenarioResult(NAME, False, f"{head}: unsettled, {stalled}, which accounts for each problem: "
                                   f"{text}; rerun on a quiet host", numbers)  # fmt: skip
         return ScenarioResult(NAME, False, f"{head}: {text}" + (f" ({stalled})" if stall_s else ""), numbers)
-    if admitted_p99 is not None and admitted_p99 > bound_ms:
+    if admitted_p99 is not None and admitted_breaks.within:
         detail += (
             f" (over the bound {bound_ms:g} ms by {admitted_p99 / bound_ms - 1:.0%}, within the noise {noise:.0%})"
         )
@@ -129,13 +133,13 @@ async def overload(t: Target) -> ScenarioResult:
         return ScenarioResult(NAME, False, "the study measured no request rate at this level to overload")
     wait_s, _ = tolerable_wait_s([str(b) for b in t.slo.bounds])
     seconds = t.budget.scenario_s
-    phases, stalls = [], []
+    phases, levels = [], []
     for factor, stream in ((OVERLOAD_FACTOR, STREAM), (RECOVERY_FACTOR, STREAM + 1)):
         plan = LevelPlan(Level("rate", factor * rate, "poisson"), num_requests=None, duration_s=seconds,
                          warmup_requests=0)  # fmt: skip
-        async with LoopStalls() as stalled:  # the client's own stalls, which the verdict tells from vLLM's answers
-            _, records = await _level(t, plan, stream)
+        level, records = await _level(t, plan, stream)  # with the client's own stalls (trial/measure.py)
         phases.append(records)
-        stalls.append(stalled)
+        levels.append(level)
     return judge_overload(phases[0], phases[1], wait_s, rate, t.verdict_noise or MARGIN,
-                          stall_s=max(s.longest_s for s in stalls), stalled_s=sum(s.total_s for s in stalls))  # fmt: skip
+                          stall_s=max((lv.client_stall_ms_max or 0.0) for lv in levels) / 1000.0,
+                          stalled_s=sum((lv.client_stalled_s or 0.0) for lv in levels))  # fmt: skip
