@@ -8,11 +8,12 @@ the other on it, each a level as verify runs it (``trial.measure.measure_level``
 
 While they run a thread samples, every 0.2 s, vLLM's ``/metrics`` (running, waiting, KV use, preemptions, admission
 rejections) and the CPU seconds of each process: this one (the load client), vLLM's API server, its engine core(s),
-with the core each last ran on. Per phase it prints what was sent, completed and refused (503 before the stream or
+with the core each last ran on. The client runs where verify runs it: on the cores the engine's ranks are not bound to
+(``verify.run.client_pin``; ``--no-pin`` leaves it where it is). Per phase it prints what was sent, completed and refused (503 before the stream or
 inside it), the refusals' answer times, the admitted requests' TTFT, and those samples summed; ``--json`` keeps it
 all. Run it under the heavy lock::
 
-    flock /tmp/servetune-heavy.lock python bench/overload_trace.py c6 c8 r44 r15
+    flock /tmp/servetune-heavy.lock python bench/overload_trace.py c6 c8 r44 r15 [--no-pin]
 """
 
 from __future__ import annotations
@@ -36,13 +37,14 @@ from pathlib import Path
 import numpy as np
 import psutil
 
+from servetune.engine.cores import ClientCores, client_record, pinned_to
 from servetune.load.client import StreamingClient
 from servetune.load.requests import PromptFactory
 from servetune.load.runner import Level
 from servetune.load.tokenizer import load_tokenizer
 from servetune.trial.measure import LevelPlan, measure_level
 from servetune.verify.choose import select
-from servetune.verify.run import started
+from servetune.verify.run import client_pin, started
 
 STUDY = Path(__file__).resolve().parent.parent / "tests" / "data" / "cpu-tiny-study"
 GAUGES = {
@@ -217,6 +219,8 @@ def main() -> int:
     parser.add_argument("phases", nargs="+", help="cN (closed loop, N clients) or rX (Poisson, X req/s)")
     parser.add_argument("--seconds", type=float, default=6.0)
     parser.add_argument("--no-admission", action="store_true", help="start the engine without export's bounds")
+    parser.add_argument("--no-pin", action="store_true", help="leave the client where it is (verify pins it to the "
+                        "cores the engine's ranks are not bound to: verify/run.py client_pin)")  # fmt: skip
     parser.add_argument("--study", type=Path, default=STUDY)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--py-spy", type=Path, metavar="DIR", help="record the client's, API server's and engine "
@@ -234,7 +238,9 @@ def main() -> int:
         log.parent.mkdir(parents=True)
         with started(chosen, log) as server:
             procs = processes(server.process.pid)
-            print(f"processes: { {k: v.pid for k, v in procs.items()} }, binding {server.cpu_binding}", flush=True)
+            pin = ClientCores([], "--no-pin") if args.no_pin else client_pin(server)
+            print(f"processes: { {k: v.pid for k, v in procs.items()} }, binding {server.cpu_binding}, "
+                  f"client {client_record(pin)}", flush=True)  # fmt: skip
             sampler = Sampler(server.url, procs)
             sampler.start()
             loop_watch = LoopWatch()
@@ -249,8 +255,9 @@ def main() -> int:
                          "--idle", "--nonblocking", "--rate", "50", "--format", "raw", "--output", str(out),
                          "--threads"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
             try:
-                results = asyncio.run(run_phases(server, chosen, prompts, args.phases, args.seconds, sampler,
-                                                 loop_watch))  # fmt: skip
+                with pinned_to(pin.cores):  # the sampler and watcher threads too, as verify's own would be
+                    results = asyncio.run(run_phases(server, chosen, prompts, args.phases, args.seconds, sampler,
+                                                     loop_watch))  # fmt: skip
             finally:
                 sampler.done.set()
                 loop_watch.done.set()
@@ -262,6 +269,7 @@ def main() -> int:
             args.json.write_text(
                 json.dumps(
                     {
+                        "client": client_record(pin),
                         "phases": results,
                         "samples": sampler.samples,
                         "loop_stalls": loop_watch.stalls,

@@ -3,9 +3,11 @@
 (``engine.cpu_unclaimed``), read from the engine verify started (a bare one's, or through Serve its replicas')."""
 
 import contextlib
+import os
 
 import pytest
 
+from servetune.engine.cores import LOCK_DIR_ENV
 from servetune.verify import run as verification
 from servetune.verify.choose import select
 from servetune.verify.document import EngineRun, Timeouts, document
@@ -61,7 +63,7 @@ def test_the_verified_engines_cores_or_why_it_had_none_reach_verify_json(tmp_pat
     log = tmp_path / "verify" / "engine.log"
     run, value, _ = verification.with_engine(selection.winner, log, Timeouts(1, 1, 1), None, Budget.for_device("cpu"),  # type: ignore[arg-type]
                                              Said(), body)  # fmt: skip
-    assert value == "measured" and run.cores == cores
+    assert value == "measured" and {k: v for k, v in run.cores.items() if not k.startswith("client_")} == cores
     doc = document(selection, Budget.for_device("cpu"), Timeouts(1, 1, 1), run, {}, [])
     engine = {key: doc["engine"][key] for key in ("cpu_binding", "cpu_unclaimed") if key in doc["engine"]}
     assert engine == cores
@@ -71,3 +73,53 @@ def test_a_run_that_never_started_says_nothing_of_cores(tmp_path):
     selection = select(copy_recorded_study(tmp_path / "study"), "best")
     doc = document(selection, Budget.for_device("cpu"), Timeouts(1, 1, 1), EngineRun("t", tmp_path / "e.log"), {}, [])
     assert not {"cpu_binding", "cpu_unclaimed"} & set(doc["engine"])
+
+
+CLIENT = {"client_unpinned": "a GPU engine: its ranks are bound to no cores"}
+
+
+@pytest.mark.parametrize(
+    ("server", "said"),
+    [
+        (Server(cpu_ranks=None, cpu_binding=None, cpu_unclaimed=None), CLIENT),
+        (Server(cpu_ranks=1, cpu_binding=None, cpu_unclaimed="no 1 of the 2 cores free: ...; vLLM binds it itself"),
+         {"client_unpinned": "the engine is not bound to known cores (no CPU binding)"}),
+    ],
+)  # fmt: skip
+def test_verify_leaves_its_client_where_it_is_beside_an_engine_on_no_known_core_and_says_why(tmp_path, monkeypatch,
+                                                                                             server, said):  # fmt: skip
+    before = os.sched_getaffinity(0)
+    run, seen = _verified(tmp_path, monkeypatch, server)
+    assert seen == before and {k: v for k, v in run.cores.items() if k.startswith("client_")} == said
+    doc = document(select(copy_recorded_study(tmp_path / "again"), "best"), Budget.for_device("cpu"),
+                   Timeouts(1, 1, 1), run, {}, [])  # fmt: skip
+    assert {k: v for k, v in doc["engine"].items() if k.startswith("client_")} == said
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="a core apart from the engine's needs two")
+def test_verify_measures_from_the_cores_its_cpu_engine_is_not_bound_to_and_lets_them_go_after(tmp_path, monkeypatch):
+    monkeypatch.setenv(LOCK_DIR_ENV, str(tmp_path / "locks"))  # the host's other engines' locks are not this test's
+    before = os.sched_getaffinity(0)
+    engine = min(before)
+    run, seen = _verified(tmp_path, monkeypatch, Server(cpu_ranks=1, cpu_binding=str(engine), cpu_unclaimed=None))
+    assert seen == before - {engine} and run.cores["client_cores"] == ",".join(map(str, sorted(seen)))
+    assert os.sched_getaffinity(0) == before
+
+
+def _verified(tmp_path, monkeypatch, server):
+    """verify's engine run against ``server``, and the cores its body measured from."""
+    selection = select(copy_recorded_study(tmp_path / "study"), "best")
+
+    @contextlib.contextmanager
+    def started(*args, **kwargs):
+        yield server
+
+    monkeypatch.setattr(verification, "started", started)
+    monkeypatch.setattr(verification, "served_len", lambda server, chosen: 1024)
+
+    async def body(target):
+        return os.sched_getaffinity(0)
+
+    run, seen, _ = verification.with_engine(selection.winner, tmp_path / "verify" / "engine.log", Timeouts(1, 1, 1),
+                                            None, Budget.for_device("cpu"), Said(), body)  # type: ignore[arg-type]  # fmt: skip
+    return run, seen

@@ -18,9 +18,11 @@ on a host with SMT, a rank shares a physical core with another only when no whol
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import tempfile
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import IO, NamedTuple
 
@@ -141,3 +143,104 @@ def none_free(ranks: int, allowed: list[int], directory: Path, bind: str | None,
     left = f"bound to shared cores {bind}" if bind else "vLLM binds it itself"
     after = f" after {waited_s:.0f} s" if waited_s else ""
     return f"no {ranks} of the {len(allowed)} cores free{after}: other engines hold their locks in {directory}; {left}"
+
+
+def bound_cores(bind: str) -> list[int]:
+    """The cores a ``VLLM_CPU_OMP_THREADS_BIND`` value names (``0|1``, ``0-3|4-7``); none for ``auto``/``nobind``."""
+    if bind.strip() in ("", "auto", "nobind"):
+        return []
+    return sorted({core for rank in bind.split("|") for core in id_list(rank)})
+
+
+def held_by_engines(allowed: list[int], directory: Path) -> set[int]:
+    """The cores of ``allowed`` whose lock some engine holds now (this process's own included: a lock is held per
+    open file, so probing a core this process's engine claimed fails too). A probe that got the lock lets it go."""
+    held: set[int] = set()
+    for core in allowed:
+        try:
+            with open(directory / f"core-{core}.lock", "a") as handle:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            held.add(core)
+    return held
+
+
+class ClientCores(NamedTuple):
+    """The cores a load client runs on apart from the engine it measures (empty: left where it was), and why not
+    where it is left (the record's ``client_unpinned``)."""
+
+    cores: list[int]
+    unpinned: str | None = None
+
+
+def client_cores(bind: str | None, allowed: list[int], held: Collection[int] = (),
+                 sysfs: Path | None = None) -> ClientCores:  # fmt: skip
+    """Where a load client runs beside a CPU engine bound to ``bind`` (its ``VLLM_CPU_OMP_THREADS_BIND``), so that
+    the engine's OpenMP threads and the client do not take turns on one core: the cores of ``allowed`` (this
+    process's) the engine's ranks are not bound to, less their SMT siblings where other cores are left, less the cores
+    other engines hold (``held``) where cores are left without them. None (left unpinned, and why) for an engine not
+    bound to known cores (a GPU engine, vLLM's own binding) and where the engine is bound to every allowed core."""
+    if not bind or not (engine := bound_cores(bind)):
+        return ClientCores([], f"the engine is not bound to known cores ({bind or 'no CPU binding'})")
+    free = [core for core in allowed if core not in engine]
+    if not free:
+        return ClientCores([], f"the engine's ranks are bound to every core this process may use ({len(allowed)})")
+    apart = [core for core in free if not set(_siblings(core, sysfs)) & set(engine)]
+    free = apart or free
+    return ClientCores([core for core in free if core not in held] or free)
+
+
+def _siblings(core: int, sysfs: Path | None) -> list[int]:
+    """The logical CPUs that share ``core``'s physical core, itself included (just itself where the kernel does not say)."""
+    try:
+        return id_list(((sysfs or SYSFS_CPU) / f"cpu{core}" / "topology" / "thread_siblings_list").read_text())
+    except (OSError, ValueError):
+        return [core]
+
+
+def thread_ids() -> list[int]:
+    """This process's threads (Linux: ``/proc/self/task``); just the calling one where that cannot be read."""
+    try:
+        return [int(name) for name in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
+
+
+@contextlib.contextmanager
+def pinned_to(cores: list[int]) -> Iterator[None]:
+    """Run this process (every thread it has now, and those they start) on ``cores`` inside, as it was after; nothing
+    for no cores. Processes it starts inside inherit the pin."""
+    if not cores:
+        yield
+        return
+    original = os.sched_getaffinity(0)
+    before: dict[int, set[int]] = {}
+    for tid in thread_ids():
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            before[tid] = os.sched_getaffinity(tid)
+            os.sched_setaffinity(tid, cores)
+    try:
+        yield
+    finally:
+        for tid in thread_ids():  # those started inside got the pin: they get the process's own back
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(tid, before.get(tid, original))
+
+
+def client_cores_here(bind: str | None) -> ClientCores:
+    """:func:`client_cores` for this process beside an engine bound to ``bind``, the other engines' cores read from
+    the host's core locks (none where the lock directory cannot be used)."""
+    allowed = sorted(os.sched_getaffinity(0))
+    try:
+        held = held_by_engines(allowed, lock_dir())
+    except OSError:
+        held = set()
+    return client_cores(bind, allowed, held)
+
+
+def client_record(pin: ClientCores) -> dict[str, str]:
+    """What a record says of where the load client ran: ``client_cores`` (``1``, ``2,3``), or ``client_unpinned``
+    and why."""
+    if pin.cores:
+        return {"client_cores": ",".join(map(str, pin.cores))}
+    return {"client_unpinned": pin.unpinned or "no cores apart from the engine's"}

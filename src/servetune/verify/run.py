@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+from servetune.engine.cores import ClientCores, client_cores_here, client_record, pinned_to
 from servetune.engine.server import VllmServer
 from servetune.errors import EngineStartError
 from servetune.load.client import StreamingClient
@@ -181,7 +182,8 @@ def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: Pro
     try:
         with started(chosen, log_path, address, also, prefetch, later) as server:
             run.startup_s = server.startup_s
-            run.cores = cores_record(server)
+            pin = client_pin(server)
+            run.cores = {**cores_record(server), **client_record(pin)}
             served = spec.engine_args.get("served_model_name") or spec.model
 
             async def main() -> T:
@@ -208,7 +210,8 @@ def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: Pro
                     return await body(target)
 
             try:
-                value = asyncio.run(main())
+                with pinned_to(pin.cores):  # the load client on cores apart from the engine's (client_pin)
+                    value = asyncio.run(main())
             except (asyncio.CancelledError, SystemExit, KeyboardInterrupt) as exc:  # stopped: the engine is stopped
                 run.stopped = run.stopped or stop_name(
                     exc
@@ -224,6 +227,18 @@ def with_engine(chosen: Chosen, log_path: Path, timeouts: Timeouts, prompts: Pro
     except EngineStartError as exc:
         run.failure, run.log_tail = f"engine start: {exc.args[0]}", exc.log_tail
         return run, None, records
+
+
+def client_pin(server: VllmServer | ServeEngine) -> ClientCores:
+    """Where verify's load client runs while it measures ``server``: beside a bare engine on vLLM's CPU build, on the
+    cores its OpenMP ranks are not bound to (engine/cores.py ``client_cores``), so that the client's sends and reads
+    do not wait for the engine's spinning worker on one core (bench/README.md, "Verify's overload on real vLLM,
+    traced"); left where it is on a GPU engine and through Serve (whose replicas run where Serve placed them)."""
+    if isinstance(server, ServeEngine):
+        return ClientCores([], "through Ray Serve: the replicas run where Serve placed them")
+    if getattr(server, "cpu_ranks", None) is None:
+        return ClientCores([], "a GPU engine: its ranks are bound to no cores")
+    return client_cores_here(server.cpu_binding)
 
 
 @contextlib.contextmanager
