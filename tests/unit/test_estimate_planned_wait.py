@@ -73,6 +73,8 @@ def test_an_open_loops_planned_requests_are_its_measured_ones_by_count_or_by_its
     assert LevelPlan.sized(rate, 50, 30.0, 8).open_loop_requests == 50  # whichever ends the level first
     assert LevelPlan.sized(rate, "auto", None, None).open_loop_requests == 120  # 30 s of the rate
     assert LevelPlan.sized(Level("concurrency", 4), 256, None, 8).open_loop_requests is None
+    talks = Level("rate", 4.0, "poisson", conversations=True)  # conversations started a second, not requests
+    assert LevelPlan.sized(talks, 256, None, 8).open_loop_requests is None
 
 
 @pytest.mark.parametrize(

@@ -97,8 +97,9 @@ class LevelPlan:
         """An open loop's measured requests as planned, the count its estimate waits for a slot over (estimate/
         queueing.py ``level_share``; a measured level's estimate counts its completed and failed ones,
         ``Load.measured``): ``num_requests``, or what its rate sends in ``duration_s`` after the warm-up, the fewer
-        where both end it. None for a closed loop, whose wait is not an open queue's."""
-        if self.level.kind != "rate":
+        where both end it. None for a closed loop, whose wait is not an open queue's, and for conversations, whose
+        rate counts conversations started, not requests."""
+        if self.level.kind != "rate" or self.level.conversations:
             return None
         counts = [] if self.num_requests is None else [self.num_requests]
         if self.duration_s is not None:
