@@ -12,14 +12,17 @@ calls saturated left out.
 
 ``--noise-free`` instead runs levels of ``--requests`` Poisson arrivals on the twin without its run-to-run spread,
 at set shares of three Llama-3.1-8B configurations' capacity (8, 32 and 64 slots, 1,000 in / 200 out), ``--seeds``
-levels each, and prints the mean measured TTFT beside the long-run and the finite-level estimates: the wait's own
-model against the twin's queue, without the noise of the run factor. Each takes under a minute of a core.
+levels each, and prints the mean measured TTFT beside a simulated FIFO M/D/c queue's (the queue the model assumes:
+the capacity's slots, each held the residence at the operating batch) and the long-run and the finite-level
+estimates: the wait's own model against the twin's queue and against its own assumption, without the noise of the
+run factor. Each takes under a minute of a core.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import heapq
 import math
 import statistics
 from pathlib import Path
@@ -90,7 +93,8 @@ def noise_free(requests: int, seeds: int, lengths: tuple[int, int] = (1000, 200)
     """Levels of ``requests`` Poisson arrivals on the twin with no run factor: measured mean TTFT against the
     long-run and the finite-level estimates, per configuration and share of its capacity."""
     isl, osl = lengths
-    print(f"{'slots':>5} {'rate / capacity':>16} {'measured ms':>12} {'long run ms':>12} {'finite level ms':>16}")
+    print(f"{'slots':>5} {'rate / capacity':>16} {'measured ms':>12} {'FIFO M/D/c ms':>14} {'long run ms':>12} "
+          f"{'finite level ms':>16}")  # fmt: skip
     for slots in (8, 32, 64):
         engine = {"max_model_len": 8192, "max_num_seqs": slots, "max_num_batched_tokens": 8192}
         twin = Twin(TwinConfig(gpu="H100-SXM", model="meta-llama/Llama-3.1-8B-Instruct", engine_args=engine,
@@ -104,10 +108,31 @@ def noise_free(requests: int, seeds: int, lengths: tuple[int, int] = (1000, 200)
             for seed in range(seeds):
                 records = twin_grid.simulate_level(twin, level, plan, lengths, np.random.default_rng(seed))
                 means.append(statistics.mean(r.chunk_times[0] - r.sent for r in records))
-            long_run = open_loop(rep, eff, level.value, isl, osl).ttft_s or math.inf
+            whole = open_loop(rep, eff, level.value, isl, osl)
+            long_run = whole.ttft_s or math.inf
             finite = open_loop(rep, eff, level.value, isl, osl, requests=requests).ttft_s or math.inf
-            print(f"{slots:>5} {share:>16.3f} {statistics.mean(means) * 1e3:>12.0f} {long_run * 1e3:>12.0f} "
-                  f"{finite * 1e3:>16.0f}")  # fmt: skip
+            # the queue the model assumes, simulated: FIFO, the capacity's slots, each held the residence at the
+            # operating batch, arrivals at in_flight / residence a second; TTFT is the engine's plus that wait
+            service = steady(rep, eff, whole.in_flight, isl, osl)
+            fifo = service.ttft_s + statistics.mean(
+                fifo_level_wait(capacity(rep, isl, osl), whole.in_flight, service.residence_s(osl), requests, seed)
+                for seed in range(seeds)
+            )
+            print(f"{slots:>5} {share:>16.3f} {statistics.mean(means) * 1e3:>12.0f} {fifo * 1e3:>14.0f} "
+                  f"{long_run * 1e3:>12.0f} {finite * 1e3:>16.0f}")  # fmt: skip
+
+
+def fifo_level_wait(slots: int, in_flight: float, service_s: float, requests: int, seed: int) -> float:
+    """The mean wait for a slot of ``requests`` Poisson arrivals into an empty FIFO M/D/c queue (``slots`` servers
+    each holding a request ``service_s`` seconds; ``in_flight`` / ``service_s`` arrivals a second)."""
+    sends = np.cumsum(np.random.default_rng(seed).exponential(service_s / in_flight, size=requests))
+    free = [0.0] * slots
+    total = 0.0
+    for sent in sends:
+        start = max(float(sent), heapq.heappop(free))
+        total += start - sent
+        heapq.heappush(free, start + service_s)
+    return total / requests
 
 
 def _abs(errors: list[float]) -> str:

@@ -121,6 +121,25 @@ def test_plan_estimate_adds_the_estimate_to_the_json(capsys):
         (["--estimate", "--output-tokens", "10", "--rate", "1"], "--input-tokens I"),
         (["--estimate", "--input-tokens", "100", "--output-tokens", "1", "--rate", "1"], "--output-tokens 1"),
         (["--estimate", "--input-tokens", "100", "--output-tokens", "10", "--rate", "-1"], "--rate -1"),
+        (["--num-requests", "8"], "--num-requests is read only with --estimate"),
+        (
+            [
+                "--estimate",
+                "--input-tokens",
+                "100",
+                "--output-tokens",
+                "10",
+                "--concurrency",
+                "4",
+                "--num-requests",
+                "8",
+            ],
+            "--num-requests is read only with --rate",
+        ),
+        (
+            ["--estimate", "--input-tokens", "100", "--output-tokens", "10", "--rate", "1", "--num-requests", "0"],
+            "--num-requests 0",
+        ),
         (
             ["--estimate", "--input-tokens", "100", "--output-tokens", "10", "--rate", "1", "--acceptance", "0.5"],
             "--acceptance is read only with --speculative-config",
@@ -231,9 +250,10 @@ def test_each_row_names_the_slo_bounds_its_estimate_breaks_so_the_ladder_shows_w
     assert cli.main(["estimate", str(path)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[2].startswith("prices: ")
-    assert lines[4].startswith("SLO judged by the estimated means") and "tpot_ms_p95 <= 40" in lines[4]
-    assert lines[5].split()[-2:] == ["knee", "SLO"] and len(lines) == 6 + len(report["rows"])
-    assert {line.split("  ")[-1].split(" ")[0] for line in lines[6:]} == {"met", "breaks"}
+    assert lines[4].startswith("open loop: each rate level's TTFT holds the wait for a slot")
+    assert lines[5].startswith("SLO judged by the estimated means") and "tpot_ms_p95 <= 40" in lines[5]
+    assert lines[6].split()[-2:] == ["knee", "SLO"] and len(lines) == 7 + len(report["rows"])
+    assert {line.split("  ")[-1].split(" ")[0] for line in lines[7:]} == {"met", "breaks"}
 
 
 def test_the_estimate_judges_tail_and_mean_bounds_by_its_mean_and_a_saturated_queue_breaks_ttft():

@@ -26,6 +26,7 @@ from servetune.report.study import read_refit
 from servetune.results.files import REFIT_FILE
 from servetune.space_file import load_space
 from servetune.trial.context import resolve_levels
+from servetune.trial.measure import LevelPlan
 
 DESCRIPTION = """\
 Predict TTFT, TPOT, throughput, saturation and the knee of every configuration of a search space's
@@ -33,8 +34,9 @@ grid at every level of its load ladder, before starting any engine.
 
 The estimate is a roofline of each engine step (prefill bound by the GPU's FLOP/s, decode by its
 memory bandwidth: weights plus the KV cache read, tensor-parallel all-reduces on NVLink or PCIe)
-and a queueing model of the load (closed loop by Little's law, open loop at the level's rate; KV
-capacity from the memory ledger of `servetune plan`). The fraction of each peak vLLM reaches was
+and a queueing model of the load (closed loop by Little's law, open loop at the level's rate, its wait
+for a slot over the requests the level will measure sent into an empty queue; KV capacity from the
+memory ledger of `servetune plan`). The fraction of each peak vLLM reaches was
 fitted on public vLLM measurements (A100, H100, H200); the expected error printed above the table
 is the fit's median error on held-out measurements. Requests take the workload's mean input and
 output lengths; prefix caching is not modelled. A vision-language workload's requests add their images'
@@ -66,6 +68,13 @@ CPU_ERROR = (
 )
 
 CPU_HOST = "vLLM's CPU build (the recording host's rates)"
+
+#: How an open-loop level's TTFT counts the wait for a slot: the line above the table and the JSON's ``slot_wait``.
+SLOT_WAIT = (
+    "each rate level's TTFT holds the wait for a slot of a level of the requests it will measure (n=, "
+    "load.requests_per_level or its rate over load.seconds_per_level, less the warm-up) sent into an empty queue, "
+    "as a study estimates the level it measures; near capacity that is less than the long run's wait"
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -110,6 +119,10 @@ def run(args: argparse.Namespace) -> int:
     levels = resolve_levels(space, workload)
     input_tokens, output_tokens = mean_lengths(workload)
     burstiness = arrival_burstiness(workload)
+    # an open loop's level waits for a slot over the requests it will measure, sent into an empty queue
+    sized = [LevelPlan.sized(lv, space.load.requests_per_level, space.load.seconds_per_level,
+                             space.load.warmup_requests) for lv in levels]  # fmt: skip
+    level_requests = {plan.level: plan.open_loop_requests for plan in sized}
     if cpu:
         hardware_of = {"cpu": resolve_hardware("cpu")}
     else:
@@ -139,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
         image_tokens, flops = workload_images(workload, arch.vision, engine)
         prompt_tokens = input_tokens + image_tokens
         for level in levels:
-            load = Load.at_level(level.kind, level.value, prompt_tokens, output_tokens, flops, burstiness)
+            load = Load.at_level(level.kind, level.value, prompt_tokens, output_tokens, flops, burstiness,
+                                 level_requests[level])  # fmt: skip
             row: dict[str, Any] = {"params": params, "level": {level.kind: level.value}}
             if prompt_tokens > input_tokens:
                 row["image_tokens"] = prompt_tokens - input_tokens
@@ -180,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
             **({"refit": _refit_json(args.study, refit)} if refit is not None else {}),
             **({"kernels": _kernels_json(kernels, shipped)} if kernels is not None else {}),
             "slo_judged": [str(b) for b in judged],
+            **({"slot_wait": SLOT_WAIT} if any(lv.kind == "rate" for lv in levels) else {}),
             "rows": rows,
         }
         print(json.dumps(report, indent=2))
@@ -207,6 +222,8 @@ def run(args: argparse.Namespace) -> int:
     if kernels is not None:
         print(_kernels_line(kernels, shipped))
     print(f"energy: {_energy_line(cpu, cal)}")
+    if any(lv.kind == "rate" for lv in levels):
+        print(f"open loop: {SLOT_WAIT}")
     if judged:
         print(
             "SLO judged by the estimated means (a mean over a bound breaks it; within it, the tail may not be): "
@@ -365,6 +382,9 @@ def _slo_cell(row: dict[str, Any]) -> str:
 def _row_cells(row: dict[str, Any], slo_column: bool = False) -> list[str]:
     ((kind, value),) = row["level"].items()
     level = f"{'c' if kind == 'concurrency' else 'r'}={value:g}"
+    requests = row.get("estimate", {}).get("level_requests")
+    if requests is not None:  # the open loop's level: the requests it waits for a slot over
+        level += f" n={requests}"
     if "infeasible" in row:
         return [_params_text(row["params"]), level, row["infeasible"], "", "", "", "", "", "", ""] + [""] * slo_column
     est = Estimate(**row["estimate"])

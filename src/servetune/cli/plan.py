@@ -233,6 +233,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument("--output-tokens", type=int, metavar="O", help="output tokens per request (with --estimate)")
     e.add_argument("--concurrency", type=int, metavar="C", help="closed loop: C clients (with --estimate)")
     e.add_argument("--rate", type=float, metavar="R", help="open loop: R requests/s (with --estimate)")
+    e.add_argument("--num-requests", type=int, metavar="N",
+                   help="with --rate: a level of N requests sent into an empty queue (as `servetune bench "
+                   "--num-requests` measures), whose wait for a slot is less than the long run's near capacity "
+                   "(default: the long run's)")  # fmt: skip
     e.add_argument("--images-per-request", type=int, metavar="N",
                    help="vision-language models: each request also sends N images of the --image-size sizes, equally "
                    "likely: their tokens add to --input-tokens, their encoding to TTFT (with --estimate)")  # fmt: skip
@@ -291,6 +295,11 @@ def _check_vllm_choices(args: argparse.Namespace) -> None:
             raise UserError(f"{spec.flag} {value}: not one of vLLM's {', '.join(spec.choices)}")
 
 
+#: The flags ``--estimate`` reads: bad input without it.
+ESTIMATE_FLAGS = ("input_tokens", "output_tokens", "concurrency", "rate", "num_requests", "acceptance",
+                  "images_per_request")  # fmt: skip
+
+
 def _estimate_load(args: argparse.Namespace) -> Load | None:
     """The load of ``--estimate``, or None without it; a missing or malformed value is one clear line."""
     if args.acceptance is not None:
@@ -299,11 +308,7 @@ def _estimate_load(args: argparse.Namespace) -> Load | None:
         if not 0 <= args.acceptance <= 1:
             raise UserError(f"--acceptance {args.acceptance:g}: must be within [0, 1]")
     if not args.estimate:
-        given = [
-            f
-            for f in ("input_tokens", "output_tokens", "concurrency", "rate", "acceptance", "images_per_request")
-            if getattr(args, f) is not None
-        ]
+        given = [f for f in ESTIMATE_FLAGS if getattr(args, f) is not None]
         if given:
             raise UserError(f"--{given[0].replace('_', '-')} is read only with --estimate")
         return None
@@ -311,7 +316,9 @@ def _estimate_load(args: argparse.Namespace) -> Load | None:
         raise UserError("--estimate needs --input-tokens I and --output-tokens O")
     if (args.concurrency is None) == (args.rate is None):
         raise UserError("--estimate needs one of --concurrency C (closed loop) or --rate R (open loop)")
-    for flag in ("input_tokens", "concurrency", "images_per_request"):
+    if args.num_requests is not None and args.rate is None:
+        raise UserError("--num-requests is read only with --rate (an open loop's level)")
+    for flag in ("input_tokens", "concurrency", "num_requests", "images_per_request"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
     if args.output_tokens < 2:
@@ -325,6 +332,7 @@ def _estimate_load(args: argparse.Namespace) -> Load | None:
         output_tokens=args.output_tokens,
         concurrency=args.concurrency,
         rate=args.rate,
+        requests=args.num_requests,
     )
 
 

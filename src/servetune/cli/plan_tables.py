@@ -25,6 +25,10 @@ def render_estimate(est: Estimate, console: Console) -> None:
     table.add_row("output_throughput", f"{est.output_throughput:,.0f} tok/s", err("output_throughput"))
     table.add_row("request_throughput", f"{est.request_throughput:,.2f} req/s", "")
     table.add_row("saturated", "yes" if est.saturated else "no", "")
+    if est.slot_wait is not None and not est.saturated:  # an open loop's TTFT: which wait for a slot it holds
+        level = est.slot_wait == "level" and est.level_requests is not None
+        table.add_row("wait for a slot", f"a level of {est.level_requests:,} requests" if level else "the long run's",
+                      "sent into an empty queue" if level else "no --num-requests: near capacity, above a level's")  # fmt: skip
     table.add_row("knee", f"{est.knee} in flight", "throughput grows < 10% past it")
     if est.encoder_ms is not None:
         table.add_row("vision encoder", f"{est.encoder_ms:,.1f} ms a request", "in its TTFT")

@@ -196,9 +196,13 @@ def unchecked_note(device: str) -> str:
 def estimate_cell(spec: Any, top: Any, lengths: tuple[int, int]) -> str:
     """The estimate of one point of the grid at the ladder's top level: output throughput, mean TTFT and TPOT."""
     from servetune.trial.estimated import planned_estimate
+    from servetune.trial.measure import LevelPlan
 
+    # an open loop's top level waits for a slot over its planned requests, as the study estimates it
+    planned = LevelPlan.sized(top, spec.requests_per_level, spec.seconds_per_level, spec.warmup_requests)
     got = planned_estimate(spec.model, spec.device, spec.engine_args, spec.env, spec.gpu, spec.gpu_memory_gib,
-                           top.kind, top.value, *lengths, workload=spec.workload)  # fmt: skip
+                           top.kind, top.value, *lengths, workload=spec.workload,
+                           requests=planned.open_loop_requests)  # fmt: skip
     if isinstance(got, str):
         return f"none: {got}"
     ttft = "unbounded" if got.ttft_ms is None else f"{got.ttft_ms:,.0f} ms"
@@ -206,14 +210,18 @@ def estimate_cell(spec: Any, top: Any, lengths: tuple[int, int]) -> str:
     return f"{got.output_throughput:,.0f} tok/s, TTFT {ttft}, TPOT {got.tpot_ms:.1f} ms{saturated}"
 
 
-def estimate_note(device: str, lengths: tuple[int, int], images: bool = False) -> str:
-    """What the estimate column assumes, and the error to expect of it."""
+def estimate_note(device: str, lengths: tuple[int, int], images: bool = False, open_loop: bool = False) -> str:
+    """What the estimate column assumes, and the error to expect of it (``open_loop``: the ladder's levels are
+    rates, whose TTFT holds a wait for a slot)."""
     from servetune.estimate import load_factors
 
     factors = load_factors()
     head = f"estimate: requests of {lengths[0]} in / {lengths[1]} out tokens (the workload's means)"
     if images:
         head += ", plus their images' tokens and the vision tower's time to encode them"
+    if open_loop:
+        head += (", TTFT's wait for a slot over the level's planned requests sent into an empty queue (as the study "
+                 "estimates the level it measures), not the long run's")  # fmt: skip
     head += ", shipped factors"
     if device == "cpu":
         return (f"{head}; the CPU build's factors were fitted on one recording host (bench/README.md): on another "
@@ -299,7 +307,7 @@ def dry_run(
             "-", config_label(params), str(space.devices(params)), "", "", "[yellow]excluded[/]: " + "; ".join(reasons)
         )
     console.print(table)
-    console.print(estimate_note(space.device, lengths, workload.sends_images))
+    console.print(estimate_note(space.device, lengths, workload.sends_images, top.kind == "rate"))
     levels = ", ".join(str(lv) for lv in context.levels)
     console.print(f"{runnable} trial(s) would run, {len(points) - runnable} rejected by the capacity check, "
                   f"{len(rejected)} excluded by the constraints; levels: {levels}; workload {workload.name}")  # fmt: skip

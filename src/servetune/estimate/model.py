@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -120,6 +120,15 @@ class Estimate(BaseModel):
         exclude_if=lambda value: value is None,
         description="the vision tower's time for a request's images, in its TTFT (absent: no images)",
     )
+    slot_wait: Literal["level", "long_run"] | None = Field(
+        None,
+        exclude_if=lambda value: value is None,
+        description="open loop: TTFT's wait for a slot is a level's of `level_requests` sent into an empty queue "
+        "('level'), or the long run's where the level's length is not known ('long_run'); absent: a closed loop",
+    )
+    level_requests: int | None = Field(
+        None, exclude_if=lambda value: value is None, description="open loop: the level's requests (all replicas)"
+    )
 
 
 def replica_from_plan(
@@ -230,4 +239,6 @@ def estimate(
         accepted_length=None if rep.speculation is None else rep.speculation.accepted_length,
         acceptance_source=None if rep.speculation is None else rep.speculation.acceptance_source,
         encoder_ms=encode * 1e3 if load.encoder_flops > 0 else None,
+        slot_wait=None if load.rate is None else "long_run" if load.requests is None else "level",
+        level_requests=None if load.rate is None else load.requests,
     )

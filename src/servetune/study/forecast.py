@@ -27,6 +27,7 @@ from servetune.estimate.slo import ESTIMATED_METRICS
 from servetune.load.runner import Level
 from servetune.metrics import COST_METRIC, cost_per_mtok_usd
 from servetune.trial.context import StudyContext
+from servetune.trial.measure import LevelPlan
 from servetune.trial.runner import TrialSpec
 
 
@@ -44,7 +45,9 @@ def forecast(
     """The estimate of ``spec`` at each level of its ladder (``lengths``: mean input and output tokens, text; a
     vision-language workload's requests add their images' tokens and encoding, estimate/encoder.py
     ``workload_images``), with the shipped factors or ``efficiency`` (the study's refit); where none can be made,
-    why, in words."""
+    why, in words. An open-loop level's wait for a slot is over the requests it will measure (``LevelPlan``
+    ``open_loop_requests``: ``load.requests_per_level``, or its rate over ``seconds_per_level``) sent into an empty
+    queue, as the trial's estimate of the measured level counts it (trial/estimated.py), not the long run's."""
     if spec.device == "gpu" and spec.gpu is None:
         return "no hardware.gpu named"
     if any(level.conversations or level.kind not in ("concurrency", "rate") for level in spec.levels):
@@ -60,9 +63,10 @@ def forecast(
         out = []
         image_tokens, flops = workload_images(spec.workload, arch.vision, spec.engine_args)
         for level in spec.levels:
-            load = Load.at_level(
-                level.kind, level.value, lengths[0] + image_tokens, lengths[1], flops, arrival_burstiness(spec.workload)
-            )
+            # an open loop's level waits for a slot over its planned requests, as its measurement will be estimated
+            planned = LevelPlan.sized(level, spec.requests_per_level, spec.seconds_per_level, spec.warmup_requests)
+            load = Load.at_level(level.kind, level.value, lengths[0] + image_tokens, lengths[1], flops,
+                                 arrival_burstiness(spec.workload), planned.open_loop_requests)  # fmt: skip
             est = estimate(arch, spec.engine_args, hardware, load, factors, env=spec.env, rates=rates)
             out.append(LevelForecast(level, est))
         return out

@@ -162,12 +162,13 @@ def _compared(ttft_ms: float | None, tpot_ms: float, throughput: float, level: L
 def planned_estimate(
     model: str, device: str, engine_args: dict[str, Any], env: dict[str, str], gpu: str | None,
     gpu_memory_gib: float | None, kind: str, value: float, input_tokens: int, output_tokens: int,
-    workload: Workload | None = None,
+    workload: Workload | None = None, requests: int | None = None,
 ) -> Estimate | str:  # fmt: skip
     """The estimate of a trial before it runs, at one load (``kind`` concurrency or rate) with the workload's mean
     lengths (text: ``workload``'s images add their tokens and the tower's encoding, estimate/encoder.py
     ``workload_images``) and the shipped factors; where none can be made, why, in words (``run --dry-run``'s
-    column)."""
+    column). ``requests``: an open-loop level's planned requests, whose wait for a slot starts on an empty queue
+    (``LevelPlan.open_loop_requests``; None: the long run's wait)."""
     if device == "gpu" and gpu is None:
         return "no hardware.gpu"
     try:
@@ -175,7 +176,7 @@ def planned_estimate(
         hardware = resolve_hardware("cpu") if device == "cpu" else resolve_hardware("gpu", gpu, gpu_memory_gib)
         image_tokens, flops = workload_images(workload, arch.vision, engine_args)
         load = Load.at_level(
-            kind, value, input_tokens + image_tokens, output_tokens, flops, arrival_burstiness(workload)
+            kind, value, input_tokens + image_tokens, output_tokens, flops, arrival_burstiness(workload), requests
         )
         rates = RECORDED_HOST if device == "cpu" else None
         return estimate(arch, engine_args, hardware, load, env=env, rates=rates)

@@ -92,6 +92,20 @@ class LevelPlan:
             warmup = int(min(max(level.value, 1), 32))
         return cls(level=level, num_requests=requests, duration_s=seconds, warmup_requests=warmup)
 
+    @property
+    def open_loop_requests(self) -> int | None:
+        """An open loop's measured requests as planned, the count its estimate waits for a slot over (estimate/
+        queueing.py ``level_share``; a measured level's estimate counts its completed and failed ones,
+        ``Load.measured``): ``num_requests``, or what its rate sends in ``duration_s`` after the warm-up, the fewer
+        where both end it. None for a closed loop, whose wait is not an open queue's, and for conversations, whose
+        rate counts conversations started, not requests."""
+        if self.level.kind != "rate" or self.level.conversations:
+            return None
+        counts = [] if self.num_requests is None else [self.num_requests]
+        if self.duration_s is not None:
+            counts.append(max(1, round(self.level.value * self.duration_s) - self.warmup_requests))
+        return min(counts) if counts else None
+
 
 #: How far over its bound a percentile must be, with half the level measured, to end the level:
 #: twice the bound stands far above the run-to-run spread of a level on a shared host (tens of %).
