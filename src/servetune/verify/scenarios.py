@@ -15,7 +15,8 @@ peaks); what is new here is the load each scenario asks for and how it is judged
 - **burst**: gamma arrivals at the level's measured request rate, coefficient of variation 3 (the gaps' CV
   is reported as scheduled and as sent). Passes without errors; where the engine started with admission
   bounds, its 503s are judged by ``admitted.py``'s rule instead (refusals the bounds explain, answered within
-  the TTFT bound, the admitted meeting the SLO within the noise; any other failure against the error budget).
+  the TTFT bound, the admitted meeting the SLO within the noise; any other failure against the error budget), and
+  vLLM's own count of its refusals, by bound, is set beside the client's (``refusals.py``).
 - **mix**: 10% of requests at the workload's P99 input length among the usual ones; passes when
   the short ones' TTFT P99 stays within the SLO's TTFT bound (without one: twice the soak's).
 - **long_output**: requests up to the server's output limit (``max_model_len`` minus the prompt;
@@ -50,6 +51,7 @@ from servetune.trial.measure import EarlyBreak, Engine, LevelPlan, measure_level
 from servetune.trial.readings import MetricsSource
 from servetune.verify.admitted import describe as describe_admitted
 from servetune.verify.admitted import judge_admitted
+from servetune.verify.refusals import server_refusals
 from servetune.verify.shapes import (
     LONG_CLASS,
     LONG_SHARE,
@@ -346,7 +348,9 @@ async def burst(t: Target) -> ScenarioResult:
         verdict = judge_admitted(records, t.admission, t.slo, level.as_dict(), wait_s, error_bound(t.slo),
                                  t.verdict_noise or MARGIN)  # fmt: skip
         numbers.update(verdict.numbers)
-        return ScenarioResult("burst", verdict.passed, head + describe_admitted(verdict), numbers)
+        server = server_refusals(records, result.server_metrics, lagging=t.metrics is not None)  # vLLM's own count
+        numbers.update(server.numbers())
+        return ScenarioResult("burst", verdict.passed, f"{head}{describe_admitted(verdict)}; {server.text()}", numbers)
     ok, why = _errors_ok(result, t.slo)
     slo_note = (
         f"; SLO in the bursts: {'; '.join(result.slo_violations)}" if result.slo_violations else "; meets the SLO"
