@@ -113,6 +113,10 @@ def test_verify_on_real_vllm(tmp_path):
     overload = scenarios["overload"]
     assert doc["admission"]["engine_args"].get("max_num_queued_reqs"), doc["admission"]
     assert overload["refused"] > 0 and overload["admitted"] > 0, overload
+    # vLLM's own count of them, by bound, read from its /metrics around the phase, agrees with the client's 503s (it
+    # counts each before it answers; the client's timeouts are the only slack), in the burst too
+    assert overload["server_refused"] == sum(overload["server_refused_by_reason"].values()) > 0, overload
+    assert overload["refusals_agree"] is True and scenarios["burst"]["refusals_agree"] is True, overload
     assert items["15.15"]["status"] == ("PASS" if overload["passed"] else "FAIL"), (items["15.15"], overload)
     report = subprocess.run(
         [sys.executable, "-m", "servetune", "report", str(study)], capture_output=True, text=True, timeout=300

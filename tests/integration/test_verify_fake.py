@@ -59,6 +59,9 @@ def test_every_scenario_and_the_runner_up_on_the_fake_engine(tmp_path):
     # and the burst's 503s were judged against them: each one the bound's (the fake refuses at its own count)
     burst = doc["scenarios"]["burst"]
     assert burst["admission_bounds"] == bounds and burst["refused_unexplained"] == 0, burst["reason"]
+    # vLLM's own count of them (the fake's /metrics, by reason) agrees with the client's, in the overload too
+    assert burst["refusals_agree"] is True and burst["server_refused"] == burst["client_503"], burst["reason"]
+    assert doc["scenarios"][OVERLOAD]["refusals_agree"] is True, doc["scenarios"][OVERLOAD]["reason"]
     assert doc["operating_point"]["headroom"] == 0.8 and doc["operating_point"]["level"]["concurrency"] == 6
     assert doc["accepted"] == all(s["passed"] for s in doc["scenarios"].values())
     rounds = doc["scenarios"]["disconnects"]["rounds"]

@@ -44,6 +44,9 @@ def test_a_bounded_queue_refuses_the_excess_quickly_and_recovers(tiny_tokenizer)
     n = result.numbers
     assert result.passed, result.reason
     assert n["refused"] == fake.rejected > 0 and n["refused"] == sum(refused(r) for r in records)
+    # the server's own count, read from its /metrics around each phase, agrees with the client's 503s
+    assert n["server_refused_by_reason"] == {"max_num_queued_reqs": n["refused"], "max_num_queued_tokens": 0}
+    assert n["refusals_agree"] and n["recovery_refusals_agree"] and f"refused {n['refused']}: " in result.reason
     assert n["admitted"] > 0 and n["admitted_ttft_ms_p99"] <= 500 and n["refuse_ms_p99"] <= 500
     assert n["recovered"] and n["other_errors"] == 0
     # the load client's own stalls were followed over both phases (a verdict they account for is unsettled)
@@ -63,6 +66,7 @@ def test_a_burst_against_the_bound_passes_with_its_refusals_set_apart(tiny_token
     assert result.passed, result.reason
     assert n["refused"] == fake.rejected == sum(refused(r) for r in records) > 0  # CV 3 at 20 req/s fills 6
     assert n["refused_explained"] == n["refused"] and n["refused_unexplained"] == 0
+    assert n["server_refused"] == n["refused"] and n["refusals_agree"], result.reason
     assert n["admitted_ttft_ms_p99"] <= 500 and n["refuse_ms_p99"] <= 500 and "explained by the bounds" in result.reason
 
 

@@ -66,7 +66,7 @@ def test_the_limit_level_is_the_first_to_break_the_slo_else_the_highest_load():
 
 def test_rules_run_in_the_checklists_order():
     names = [rule.__name__ for rule in RULES]
-    assert names == ["client_bound", "client_stalled", "gpu_idle", "frontend_bound", "batch_full", "scheduler_budget", "kv_bound", "prefix_hits_lost",
+    assert names == ["client_bound", "client_stalled", "admission_refused", "gpu_idle", "frontend_bound", "batch_full", "scheduler_budget", "kv_bound", "prefix_hits_lost",
                      "prefill_queueing", "decode_slowdown", "tail_latency"]  # fmt: skip
 
 
@@ -89,6 +89,23 @@ def test_a_client_that_fell_behind_comes_first_at_the_lowest_load_it_fell_behind
         limited_by(trial)
     )
     assert "client_bound" not in rules_of(climbing())  # the recorded client kept up
+
+
+def test_requests_vllms_admission_bounds_refused_come_before_the_engines_rules():
+    """The recorded trial at concurrency 32 (TTFT P95 broke) with vLLM's own count of 53 refusals there: the bounds
+    admitted more than the engine served within the SLO; at concurrency 8 (met it) the bound set what was served."""
+    refused = {"admission_rejections_max_num_queued_reqs": 12.0, "admission_rejections_max_num_queued_tokens": 41.0}
+    findings = diagnose(with_server(climbing(), 2, **refused))
+    assert findings[0].rule == "admission_refused" and findings[0].evidence == refused
+    assert findings[0].symptom == (
+        "vLLM's admission bounds refused 53: 41 by max_num_queued_tokens, 12 by max_num_queued_reqs at concurrency 32"
+    )
+    assert "tighten them, max_num_queued_tokens first" in findings[0].lever and "ttft_ms_p95" in findings[0].lever
+    met = diagnose(with_server(healthy(), 1, **refused))
+    assert met[0].rule == "admission_refused" and "loosen max_num_queued_tokens" in met[0].lever
+    # none refused (vLLM writes both reasons from its start), or not counted: no finding
+    assert "admission_refused" not in rules_of(with_server(climbing(), 2, **dict.fromkeys(refused, 0.0)))
+    assert "admission_refused" not in rules_of(climbing())
 
 
 def test_a_front_end_near_a_full_core_while_the_engine_had_room_is_front_end_bound():

@@ -1,6 +1,8 @@
+from pathlib import Path
+
 import pytest
 
-from servetune.engine.metrics import MetricsSnapshot, level_delta
+from servetune.engine.metrics import MetricsSnapshot, level_delta, refused_text, rejected_by, rejections
 from servetune.engine.server import KvCapacity
 
 TEMPLATE = """# TYPE vllm:num_requests_running gauge
@@ -142,3 +144,44 @@ def test_no_drafts_in_a_level_gives_no_acceptance_and_a_server_without_speculati
     assert d["spec_decode_drafts"] == 0 and "spec_decode_acceptance_rate" not in d
     plain = snap(running=0, kv=0, preempt=1, queries=100, hits=40, b1=2, b2=4, tsum=0.5)
     assert not any(name.startswith("spec_decode") for name in level_delta(plain, plain))
+
+
+#: vLLM 0.32's admission counter as its prometheus_client writes it (vllm/v1/metrics/loggers.py: a Counter named
+#: ``vllm:admission_rejections``, labels model_name and reason, both reasons created at start), after 12 refusals by
+#: max_num_queued_reqs and 41 by max_num_queued_tokens.
+REJECTIONS = (Path(__file__).parents[1] / "data" / "vllm-metrics" / "admission-rejections.txt").read_text()
+
+
+def test_admission_rejections_are_counted_by_reason_and_a_level_gets_its_own():
+    snap = MetricsSnapshot.parse(REJECTIONS)
+    assert (
+        snap.counters[rejected_by("max_num_queued_reqs")] == 12
+        and snap.counters[rejected_by("max_num_queued_tokens")] == 41
+    )
+    fresh = MetricsSnapshot.parse(REJECTIONS.replace(" 12.0", " 0.0").replace(" 41.0", " 0.0"))
+    delta = level_delta(fresh, snap)
+    assert rejections(delta) == {"max_num_queued_reqs": 12, "max_num_queued_tokens": 41}
+    assert refused_text(rejections(delta)) == "refused 53: 41 by max_num_queued_tokens, 12 by max_num_queued_reqs"
+    assert refused_text({"max_num_queued_reqs": 0, "max_num_queued_tokens": 0}) == "refused 0"
+    # a server without the counter (vLLM before 0.32) has no refusals to tell
+    assert (
+        rejections(
+            level_delta(
+                snap,
+                MetricsSnapshot.parse(
+                    TEMPLATE.format(running=0, kv=0, preempt=0, queries=0, hits=0, b1=0, b2=0, tsum=0)
+                ),
+            )
+        )
+        == {}
+    )
+
+
+def test_a_real_vllm_cpu_exposition_after_a_burst_against_its_bound():
+    """vLLM 0.32's CPU build with --max-num-queued-reqs 2 after 24 streams at once: the client got 22 503s (each in
+    the stream), and vLLM's /metrics said this."""
+    text = (Path(__file__).parents[1] / "data" / "vllm-metrics" / "admission-rejections-vllm-cpu.txt").read_text()
+    assert rejections(level_delta(MetricsSnapshot(), MetricsSnapshot.parse(text))) == {
+        "max_num_queued_reqs": 22,
+        "max_num_queued_tokens": 0,
+    }

@@ -162,3 +162,24 @@ def test_the_first_read_waits_until_what_ran_before_the_ladder_is_counted():
     # Reads 0.5 s apart until the 1.5 s lag is over: up to 2 s. Waiting for counts that settle would read all 49,
     # 24 s; 10 s is between the two, with seconds to spare for a busy host (the bound was 2.5 s, 0.5 s above).
     assert __import__("time").monotonic() - start < 10.0
+
+
+def test_admission_refusals_add_up_over_the_replicas_by_reason():
+    """vLLM's admission counter as Ray's agents export it (renamed, labelled with the replica); a replica whose
+    counter never counted exports none (Ray exports a counter once it counts)."""
+    from servetune.engine.metrics import refused_text, rejections
+
+    def refusals(replica: str, reason: str, count: float) -> str:
+        return (f'ray_vllm_admission_rejections_total{{Component="core_worker",ReplicaId="{replica}",WorkerId="w",'
+                f'model_name="tiny",reason="{reason}"}} {count}\n')  # fmt: skip
+
+    head = "# TYPE ray_vllm_admission_rejections_total counter\n"
+    before = replicas_snapshot([finished("r1", 10) + finished("r2", 10)], {"r1", "r2"})
+    after = replicas_snapshot(
+        [head + refusals("r1", "max_num_queued_reqs", 5) + refusals("r1", "max_num_queued_tokens", 30)
+         + refusals("r2", "max_num_queued_tokens", 11) + refusals("o1", "max_num_queued_reqs", 99)
+         + finished("r1", 20) + finished("r2", 20)], {"r1", "r2"},
+    )  # fmt: skip
+    by_reason = rejections(level_delta(before, after))
+    assert by_reason == {"max_num_queued_reqs": 5, "max_num_queued_tokens": 41}  # the other application's 99 left out
+    assert refused_text(by_reason) == "refused 46: 41 by max_num_queued_tokens, 5 by max_num_queued_reqs"

@@ -4,12 +4,13 @@ A :class:`MetricsSnapshot` is one scrape. The difference of two snapshots gives 
 during a load level: preemptions, prefix-cache queries and hits, tokens, and vLLM's own TTFT,
 ITL and queue-time histograms (mean and bucket-interpolated percentiles), and speculative decoding's
 drafts, drafted and accepted tokens (per draft position too), with the acceptance rate and mean
-accepted length they give.
+accepted length they give, and the requests vLLM's admission bounds refused, by the bound that refused them.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -47,6 +48,19 @@ COUNTERS = {
 }
 #: Accepted tokens per draft position: one sample per position (label ``position``), per engine.
 SPEC_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+#: The requests vLLM 0.32's admission bounds refused with a 503 (``AsyncLLM.check_admission`` counts each before it
+#: raises), one sample per reason (label ``reason``: the engine argument whose bound refused it,
+#: vllm/v1/metrics/loggers.py ``ADMISSION_REASONS``; the front end's, so no ``engine`` label).
+ADMISSION_REJECTIONS = "vllm:admission_rejections_total"
+ADMISSION_REASONS = ("max_num_queued_reqs", "max_num_queued_tokens")
+REJECTED_PREFIX = "admission_rejections_"
+
+
+def rejected_by(reason: str) -> str:
+    """The counter (and a level's server metric) of the requests refused by ``reason``'s bound."""
+    return REJECTED_PREFIX + reason
+
+
 #: Histograms in seconds.
 HISTOGRAMS = {
     "server_ttft": ("vllm:time_to_first_token_seconds",),
@@ -131,6 +145,9 @@ class MetricsSnapshot:
         for s in samples.get(SPEC_PER_POSITION, []):
             at_position = spec_accepted_at(int(s.labels["position"]))
             snap.counters[at_position] = snap.counters.get(at_position, 0.0) + s.value
+        for s in samples.get(ADMISSION_REJECTIONS, []):
+            reason = rejected_by(s.labels.get("reason", "unknown"))
+            snap.counters[reason] = snap.counters.get(reason, 0.0) + s.value
         for ours, names in HISTOGRAMS.items():
             name = next((n for n in names if n + "_count" in samples), None)
             if name is None:
@@ -198,6 +215,22 @@ def speculation(counted: dict[str, float]) -> dict[str, float]:
         out[spec_acceptance_at(position)] = at / drafts
         position += 1
     return out
+
+
+def rejections(values: Mapping[str, float]) -> dict[str, int]:
+    """The requests refused by each admission bound in a level's server metrics (:func:`level_delta`), by reason
+    (empty: the server counted none of its refusals there, or has no such counter)."""
+    return {
+        name.removeprefix(REJECTED_PREFIX): round(v) for name, v in values.items() if name.startswith(REJECTED_PREFIX)
+    }
+
+
+def refused_text(by_reason: Mapping[str, int]) -> str:
+    """``refused 53: 41 by max_num_queued_tokens, 12 by max_num_queued_reqs`` (most first; reasons that refused
+    none left out)."""
+    total = sum(by_reason.values())
+    parts = [f"{n} by {reason}" for reason, n in sorted(by_reason.items(), key=lambda kv: (-kv[1], kv[0])) if n]
+    return f"refused {total}" + (f": {', '.join(parts)}" if parts else "")
 
 
 def level_delta(before: MetricsSnapshot, after: MetricsSnapshot) -> dict[str, float]:

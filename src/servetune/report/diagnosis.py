@@ -6,7 +6,8 @@ run in that section's order: the GPU idle, the front end's CPU near a full core,
 lost under load, TTFT high with TPOT normal, TPOT high with TTFT normal, P99 far from the median. Before them, a
 level whose load client fell behind (load/pace.py): its numbers are the client's, so every other finding waits on it;
 and a limit level whose SLO miss the client's own stall accounts for (``client_stalled``): its verdict is unsettled,
-so no engine lever is named for it.
+so no engine lever is named for it; then a level whose requests vLLM's admission bounds refused (its own count,
+by bound): the bound set what was served.
 
 A trial is judged at its *limit level*: the first level that broke the SLO, or, when none did, the highest
 load it measured. Trends ("TTFT grows with load") compare the lowest load measured with the limit level.
@@ -21,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from servetune.engine.metrics import refused_text, rejected_by, rejections
 from servetune.report.points import level_label, violated_metrics
 from servetune.results import LevelResult, TrialResult, level_load
 
@@ -163,6 +165,26 @@ def client_stalled(trial: TrialResult, limit: int) -> Finding | None:
         label,
         evidence,
     )
+
+
+def admission_refused(trial: TrialResult, limit: int) -> Finding | None:
+    """vLLM's admission bounds (``max_num_queued_reqs`` / ``max_num_queued_tokens``) refused requests at the limit
+    level, by its own count (engine/metrics.py ``rejections``): the bound, not the engine, set how much was served."""
+    level = trial.levels[limit]
+    by_reason = rejections(level.server_metrics)
+    if not sum(by_reason.values()):
+        return None
+    label = level_label(level.summary.level)
+    most = max(by_reason, key=lambda reason: by_reason[reason])
+    if latency := [m for m in violated_metrics(level.slo_violations) if not m.startswith("error_rate")]:
+        lever = (f"the bounds admit more than the engine serves within the SLO ({', '.join(latency)} broke all the "
+                 f"same): tighten them, {most} first")  # fmt: skip
+    else:
+        lever = (f"past the capacity that is the bound working (more replicas for more load); below it, loosen {most}"
+                 " (`servetune export --format vllm` sizes the bounds from the capacity)")  # fmt: skip
+    evidence = {rejected_by(reason): float(n) for reason, n in by_reason.items()}
+    return Finding("admission_refused", f"vLLM's admission bounds {refused_text(by_reason)} at {label}", lever, label,
+                   evidence)  # fmt: skip
 
 
 def gpu_idle(trial: TrialResult, limit: int) -> Finding | None:
@@ -400,6 +422,7 @@ def tail_latency(trial: TrialResult, limit: int) -> Finding | None:
 RULES: tuple[Rule, ...] = (
     client_bound,
     client_stalled,
+    admission_refused,
     gpu_idle,
     frontend_bound,
     batch_full,

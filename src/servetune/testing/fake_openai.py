@@ -157,8 +157,10 @@ class FakeOpenAI:
             f'vllm:prefix_cache_queries_total{{model_name="{self.model}"}} {self.cache_queries}\n'
             "# TYPE vllm:prefix_cache_hits counter\n"
             f'vllm:prefix_cache_hits_total{{model_name="{self.model}"}} {self.cache_hits}\n'
+            # vLLM 0.32 writes both reasons from its start; the fake bounds requests alone, so refuses none by tokens
             "# TYPE vllm:admission_rejections counter\n"
             f'vllm:admission_rejections_total{{model_name="{self.model}",reason="max_num_queued_reqs"}} {self.rejected}\n'
+            f'vllm:admission_rejections_total{{model_name="{self.model}",reason="max_num_queued_tokens"}} 0\n'
         )
 
     async def complete(self, request: web.Request) -> web.StreamResponse:

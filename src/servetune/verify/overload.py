@@ -33,6 +33,9 @@ sent, and the sends held back went out in one burst. A problem whose number is w
 client's longest stall is taken off (refusals' P99, admitted TTFT P99, the recovery's late requests when none of them
 was refused) could be the client's alone: the scenario then fails as *unsettled*, says so with the stall, and the
 numbers carry ``unsettled``; a problem beyond it, or an engine that refused nothing, fails as before.
+
+Beside the client's 503s, each phase records vLLM's own count of its refusals by the bound that made them, and the
+reason says whether the two agree (verify/refusals.py); the verdict stays the client's.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from servetune.report.autoscale import tolerable_wait_s
 from servetune.results import MARGIN
 from servetune.trial.measure import LevelPlan
 from servetune.verify.admitted import p99_ms, refused
+from servetune.verify.refusals import ServerRefusals, server_refusals
 from servetune.verify.scenarios import ScenarioResult, Target, _level, fmt
 
 NAME = OVERLOAD = "overload"
@@ -133,13 +137,26 @@ async def overload(t: Target) -> ScenarioResult:
         return ScenarioResult(NAME, False, "the study measured no request rate at this level to overload")
     wait_s, _ = tolerable_wait_s([str(b) for b in t.slo.bounds])
     seconds = t.budget.scenario_s
-    phases, levels = [], []
+    phases, levels, counted = [], [], []
     for factor, stream in ((OVERLOAD_FACTOR, STREAM), (RECOVERY_FACTOR, STREAM + 1)):
         plan = LevelPlan(Level("rate", factor * rate, "poisson"), num_requests=None, duration_s=seconds,
                          warmup_requests=0)  # fmt: skip
         level, records = await _level(t, plan, stream)  # with the client's own stalls (trial/measure.py)
         phases.append(records)
         levels.append(level)
-    return judge_overload(phases[0], phases[1], wait_s, rate, t.verdict_noise or MARGIN,
-                          stall_s=max((lv.client_stall_ms_max or 0.0) for lv in levels) / 1000.0,
-                          stalled_s=sum((lv.client_stalled_s or 0.0) for lv in levels))  # fmt: skip
+        counted.append(server_refusals(records, level.server_metrics, lagging=t.metrics is not None))
+    result = judge_overload(phases[0], phases[1], wait_s, rate, t.verdict_noise or MARGIN,
+                            stall_s=max((lv.client_stall_ms_max or 0.0) for lv in levels) / 1000.0,
+                            stalled_s=sum((lv.client_stalled_s or 0.0) for lv in levels))  # fmt: skip
+    return with_server_count(result, counted[0], counted[1])
+
+
+def with_server_count(result: ScenarioResult, over: ServerRefusals, after: ServerRefusals) -> ScenarioResult:
+    """The verdict with vLLM's own count of each phase's refusals beside the client's (verify/refusals.py): in its
+    numbers (the recovery's as ``recovery_*``), and in its reason where the recovery's refused any or disagrees."""
+    result.numbers.update(over.numbers())
+    result.numbers.update(after.numbers("recovery_"))
+    result.reason += f"; {over.text()}"
+    if after.server or after.agrees is False:
+        result.reason += f"; in the recovery phase, {after.text()}"
+    return result

@@ -1,31 +1,29 @@
 """The stability scenarios (tuning checklist, section 14, stage 6), each against a running engine.
 
-Every scenario runs at, or from, the recommended operating level and returns a
-:class:`ScenarioResult`: its numbers, ``passed`` and the reason. The measuring is the trial's
-(``trial/measure.py measure_level``: prefix cache emptied, ``/metrics`` before and after, gauge
-peaks); what is new here is the load each scenario asks for and how it is judged:
+Every scenario runs at, or from, the recommended operating level and returns a :class:`ScenarioResult`: its numbers,
+``passed`` and the reason. The measuring is the trial's (``trial/measure.py measure_level``: prefix cache emptied,
+``/metrics`` before and after, gauge peaks); new here is the load each scenario asks for and how it is judged:
 
-- **soak**: the level for ``Budget.soak_s``; P99 TTFT and TPOT per window, their jitter (max over
-  min) and drift (last over first), growth of KV-cache usage and of the engine's memory.
-  Passes when the soak meets the SLO, the windowed P99 TTFT's jitter is at most ``JITTER_MAX``,
-  its drift at most ``DRIFT_MAX`` (either may be over where reshuffling the requests over the
-  windows gives as much by chance: ``CHANCE_MAX``), and the engine's memory grew by less than
-  ``RSS_GROWTH_MAX``.
+- **soak**: the level for ``Budget.soak_s``; P99 TTFT and TPOT per window, their jitter (max over min) and drift
+  (last over first), growth of KV-cache usage and of the engine's memory. Passes when the soak meets the SLO, the
+  windowed P99 TTFT's jitter is at most ``JITTER_MAX``, its drift at most ``DRIFT_MAX`` (either may be over where
+  reshuffling the requests over the windows gives as much by chance: ``CHANCE_MAX``), and the engine's memory grew
+  by less than ``RSS_GROWTH_MAX``.
 - **peak**: 1.25x the level. Passes without errors (its latency may break the SLO: reported).
-- **burst**: gamma arrivals at the level's measured request rate, coefficient of variation 3 (the gaps' CV
-  is reported as scheduled and as sent). Passes without errors; where the engine started with admission
-  bounds, its 503s are judged by ``admitted.py``'s rule instead (refusals the bounds explain, answered within
-  the TTFT bound, the admitted meeting the SLO within the noise; any other failure against the error budget).
-- **mix**: 10% of requests at the workload's P99 input length among the usual ones; passes when
-  the short ones' TTFT P99 stays within the SLO's TTFT bound (without one: twice the soak's).
-- **long_output**: requests up to the server's output limit (``max_model_len`` minus the prompt;
-  capped by ``Budget.long_output_cap`` on CPU). Passes when every one ends with every token asked.
-- **disconnects** (``disconnects.py``): rounds of streams where half are dropped after their
-  first tokens; vLLM must release them in time and stop generating for them.
-- **headroom**: from the peak: KV-cache usage peak, preemptions, no out-of-memory. Passes with no
-  preemption, no OOM and a KV peak under ``recommend.KV_USAGE_THIN``.
-- **repeats**: the level ``Budget.repeats`` times; bootstrap intervals on goodput and P99 TTFT.
-  Passes when most runs meet the SLO (the lead over the runner-up is judged by the caller).
+- **burst**: gamma arrivals at the level's measured request rate, coefficient of variation 3 (the gaps' CV is
+  reported as scheduled and as sent). Passes without errors; where the engine started with admission bounds, its
+  503s are judged by ``admitted.py``'s rule instead (refusals the bounds explain, answered within the TTFT bound,
+  the admitted within the SLO and its noise, other failures within the error budget; ``refusals.py``: vLLM's count).
+- **mix**: 10% of requests at the workload's P99 input length among the usual ones; passes when the short ones' TTFT
+  P99 stays within the SLO's TTFT bound (without one: twice the soak's).
+- **long_output**: requests up to the server's output limit (``max_model_len`` minus the prompt; capped by
+  ``Budget.long_output_cap`` on CPU). Passes when every one ends with every token asked.
+- **disconnects** (``disconnects.py``): rounds of streams where half are dropped after their first tokens; vLLM must
+  release them in time and stop generating for them.
+- **headroom**: from the peak: KV-cache usage peak, preemptions, no out-of-memory. Passes with no preemption, no OOM
+  and a KV peak under ``recommend.KV_USAGE_THIN``.
+- **repeats**: the level ``Budget.repeats`` times; bootstrap intervals on goodput and P99 TTFT. Passes when most
+  runs meet the SLO (the lead over the runner-up is judged by the caller).
 """
 
 from __future__ import annotations
@@ -50,6 +48,7 @@ from servetune.trial.measure import EarlyBreak, Engine, LevelPlan, measure_level
 from servetune.trial.readings import MetricsSource
 from servetune.verify.admitted import describe as describe_admitted
 from servetune.verify.admitted import judge_admitted
+from servetune.verify.refusals import server_refusals
 from servetune.verify.shapes import (
     LONG_CLASS,
     LONG_SHARE,
@@ -367,7 +366,9 @@ async def burst(t: Target) -> ScenarioResult:
         verdict = judge_admitted(records, t.admission, t.slo, level.as_dict(), wait_s, error_bound(t.slo),
                                  t.verdict_noise or MARGIN, result.client_stall_ms_max or 0.0)  # fmt: skip
         numbers.update(verdict.numbers)
-        return ScenarioResult("burst", verdict.passed, head + describe_admitted(verdict), numbers)
+        server = server_refusals(records, result.server_metrics, lagging=t.metrics is not None)  # vLLM's own count
+        numbers.update(server.numbers())
+        return ScenarioResult("burst", verdict.passed, f"{head}{describe_admitted(verdict)}; {server.text()}", numbers)
     ok, why = _errors_ok(result, t.slo)
     slo_note = (
         f"; SLO in the bursts: {'; '.join(result.slo_violations)}" if result.slo_violations else "; meets the SLO"
