@@ -6,6 +6,9 @@ so far, with the shipped factors (:func:`~servetune.estimate.load_factors`) as a
 much as ``prior_points`` measurements missed by that fraction. With no points the refit is the
 prior; with a few it moves only as far as they agree; with many the data decide. Deterministic,
 like :func:`~servetune.estimate.calibrate.fit_efficiency`.
+
+Each residual counts by its expected spread (:func:`residual_weights`): an open loop's TTFT that is mostly the
+wait for a slot, the model's least certain term, counts less, so its misses do not pull the factors TPOT rests on.
 """
 
 from __future__ import annotations
@@ -18,12 +21,20 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from servetune.estimate.calibrate import BOUNDS, FITTED, CalibrationPoint, predict
 from servetune.estimate.calibrate_cpu import CPU_BOUNDS
+from servetune.estimate.encoder import encode_s
 from servetune.estimate.factors import Efficiency
+from servetune.estimate.queueing import open_loop, steady
 
 DEFAULT_PRIOR_POINTS = 5.0
 #: How far off a prediction without a value (the TTFT of an open loop the refit's factors saturate and the prior's
 #: did not) counts in the refit.
 UNBOUNDED_MISS = 10.0
+#: A measured level's run-to-run spread (log sigma; testing/twin.py RUN_SPREAD_SIGMA, from bench/README.md's
+#: knee_noise.py): a residual expected to be off by this much counts fully.
+LEVEL_SPREAD = 0.066
+#: The expected log error of an open loop's wait for a slot (queueing.slot_wait_s: 2-8x off near capacity on the GPU
+#: twin, bench/README.md): a TTFT that is mostly wait counts about LEVEL_SPREAD / WAIT_SPREAD of a full residual.
+WAIT_SPREAD = 1.0
 # Below these a factor's relative distance from the prior is measured against the floor instead,
 # so a prior of 0 (an overhead fitted away) can still move.
 _SCALE_FLOOR = {
@@ -78,8 +89,13 @@ def refit(
     # the levels the prior saturates keep their TTFT out of the fit: the model has no finite value to match there
     metrics = predictable(points, prior)
 
+    # a TTFT that is mostly the wait for a slot counts less: that wait is the model's least certain term
+    spread = residual_weights(points, prior, metrics)
+
     def residuals(x: np.ndarray) -> np.ndarray:
-        return np.concatenate([point_residuals(points, efficiency(x), metrics), weight * (x - x_prior) / scale])
+        return np.concatenate(
+            [spread * point_residuals(points, efficiency(x), metrics), weight * (x - x_prior) / scale]
+        )
 
     from scipy.optimize import least_squares  # here, not at import: scipy.optimize costs about a second of a core
 
@@ -92,6 +108,34 @@ def predictable(points: Sequence[CalibrationPoint], eff: Efficiency) -> list[tup
     """The metrics each point measured that ``eff`` predicts: all but the TTFT of an open loop it saturates (its
     queue grows without bound, while a level of finite length measures a finite TTFT)."""
     return [tuple(m for m in point.measured if m in predict(point, eff)[0]) for point in points]
+
+
+def residual_weights(
+    points: Sequence[CalibrationPoint], prior: Efficiency, metrics: Sequence[Sequence[str]]
+) -> np.ndarray:
+    """Each residual's weight, :data:`LEVEL_SPREAD` over its expected spread: a level's run-to-run spread, and for an
+    open loop's TTFT, in quadrature, :data:`WAIT_SPREAD` x the share of the TTFT ``prior`` gives to the wait for a slot.
+    Fixed by the prior (like :func:`predictable`), so the refit's objective does not move with the factors."""
+    out: list[float] = []
+    for point, names in zip(points, metrics, strict=True):
+        share = wait_share(point, prior) if "ttft_ms" in names else 0.0
+        out.extend(LEVEL_SPREAD / math.hypot(LEVEL_SPREAD, WAIT_SPREAD * share if m == "ttft_ms" else 0.0)
+                   for m in names)  # fmt: skip
+    return np.asarray(out)
+
+
+def wait_share(point: CalibrationPoint, eff: Efficiency) -> float:
+    """The share of an open loop's predicted TTFT that is the wait for a slot (queueing.slot_wait_s); 0 for other
+    regimes, and where ``eff`` saturates the level."""
+    if point.regime != "open":
+        return 0.0
+    rep, i, o = point.replica, point.input_tokens, max(point.output_tokens, 2)
+    encode = encode_s(rep, eff, point.encoder_flops)
+    p = open_loop(rep, eff, point.load, i, o, encode, 1 / point.burstiness, point.requests)
+    if not p.ttft_s:
+        return 0.0
+    bare = steady(rep, eff, p.in_flight, i, o, encode=encode).ttft_s
+    return max(p.ttft_s - bare, 0.0) / p.ttft_s
 
 
 def point_residuals(
