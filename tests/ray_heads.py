@@ -219,16 +219,17 @@ def _stop_head(proc: subprocess.Popen, head: RayHead) -> None:
     shutil.rmtree(head.temp_dir, ignore_errors=True)
 
 
-def stop_process_tree(proc: subprocess.Popen, marker: str) -> None:
-    """SIGTERM the process and its descendants, SIGKILL what is left, then any process naming ``marker``."""
+def stop_process_tree(proc: subprocess.Popen, marker: str | None) -> None:
+    """SIGTERM the process and its descendants, SIGKILL what is left, then any process naming ``marker``. A process
+    already reaped has no tree (its id may be another's by now): only ``marker`` finds what it left."""
     try:
         root = psutil.Process(proc.pid)
-        procs = [root, *root.children(recursive=True)]
+        procs = [root, *root.children(recursive=True)] if proc.poll() is None else []
     except psutil.NoSuchProcess:
         procs = []
     stop_processes(procs, grace_s=10.0)  # children first
     stragglers = []
-    for p in psutil.process_iter(["cmdline"]):
+    for p in psutil.process_iter(["cmdline"]) if marker else ():
         try:
             if marker in " ".join(p.info["cmdline"] or []):
                 p.kill()
@@ -238,6 +239,35 @@ def stop_process_tree(proc: subprocess.Popen, marker: str) -> None:
     psutil.wait_procs(stragglers, timeout=10)
     if proc.poll() is None:
         proc.wait(timeout=10)
+
+
+def run_tree(
+    argv: Sequence[str], timeout: float, marker: str | None = None, **popen: Any
+) -> subprocess.CompletedProcess:
+    """``subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **popen)`` whose process tree is
+    stopped by process id however it ends, ``timeout`` included (:func:`stop_process_tree`; ``marker``, a Ray temp
+    dir the command starts its local Ray under, also finds what was orphaned before).
+
+    ``subprocess.run`` on its timeout kills only its own child: a ``servetune run`` stopped that way left its local
+    Ray's DashboardAgent and RuntimeEnvAgent running, children of a raylet that outlived the driver. Here the
+    command runs in a session of its own and its descendants are listed while it still runs, then stopped."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **popen)  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        stop_process_tree(proc, marker)  # listed while the command still runs: every descendant, then the command
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a process outside the tree (orphaned before) holds its output open
+            stdout, stderr = "", ""
+        raise subprocess.TimeoutExpired(proc.args, timeout, stdout, stderr) from exc
+    except BaseException:
+        stop_process_tree(proc, marker)
+        raise
+    if marker is not None:
+        stop_process_tree(proc, marker)  # anything of its Ray's the command's own shut-down left behind
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 @dataclass

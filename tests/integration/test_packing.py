@@ -6,12 +6,12 @@ different GPU ids. Early stopping: a trial that finished trials dominate stops a
 """
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 from servetune.study.packing import Reservation, overlapping
 from tests.processes import processes_mentioning
+from tests.ray_heads import run_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,7 @@ def test_trials_of_1_2_and_4_gpus_share_a_node_without_oversubscribing_it(tmp_pa
     argv = [sys.executable, str(ROOT / "bench" / "packing.py"), "--gpus", "4", "--repeats", "1", "--max-num-seqs", "8",
             "--levels", "1, 4", "--scale", "0.02", "--level-seconds", "100",
             "--workdir", str(tmp_path), "--json", str(tmp_path / "packing.json")]  # fmt: skip
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    done = run_tree(argv, 240, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     out = json.loads((tmp_path / "packing.json").read_text())
     trials = out["trials"]
@@ -70,7 +70,7 @@ def test_a_trial_finished_trials_dominate_stops_at_that_level(tmp_path, tiny_mod
     (tmp_path / "space.yaml").write_text(SPACE.format(model=tiny_model))
     argv = [sys.executable, "-m", "servetune", "run", str(tmp_path / "space.yaml"), "--storage", str(tmp_path / "results"),
             "--python", str(fake)]  # fmt: skip
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    done = run_tree(argv, 240, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     results = [json.loads(p.read_text()) for p in (tmp_path / "results" / "dominance" / "trials").glob("*/result.json")]
     by_itl = {r["params"]["env.SERVETUNE_FAKE_ITL_MS"]: r for r in results}

@@ -14,6 +14,7 @@ import time
 import pytest
 
 from tests.processes import processes_mentioning
+from tests.ray_heads import run_tree
 
 SPACE = """
 name: fake
@@ -61,7 +62,7 @@ def test_grid_study_records_every_outcome_and_goes_on_after_a_crash(study):
         load="repeats: 3,",
         constraints="['env.SERVETUNE_FAKE_TTFT_MS == 5 or env.SERVETUNE_FAKE_CRASH_AFTER_S == 1000']",
     )
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=study_dir.parent.parent)
+    done = run_tree(argv, 300, cwd=study_dir.parent.parent)
     assert done.returncode == 0, done.stderr[-3000:]
     by_config = {
         (r["params"]["env.SERVETUNE_FAKE_TTFT_MS"], r["params"]["env.SERVETUNE_FAKE_CRASH_AFTER_S"]): r
@@ -142,12 +143,12 @@ def test_killed_driver_then_resume_reruns_nothing_finished(study):
         time.sleep(0.5)
     assert processes_mentioning(fake) == []  # the engine of the trial in flight went down with its trial
 
-    again = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=cwd)
+    again = run_tree(argv, 300, cwd=cwd)
     assert again.returncode == 2 and "--resume" in again.stderr  # no silent mixing of two runs
     # Resumed from another directory: it logs to the store the study recorded, not to a new one where it runs.
     elsewhere = cwd / "elsewhere"
     elsewhere.mkdir()
-    resumed = subprocess.run([*argv, "--resume"], capture_output=True, text=True, timeout=300, cwd=elsewhere)
+    resumed = run_tree([*argv, "--resume"], 300, cwd=elsewhere)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     final = results(study_dir)
     assert len(final) == 3 and all(r["outcome"] == "COMPLETE" for r in final.values()) and set(first) < set(final)
@@ -169,7 +170,7 @@ def test_resume_over_a_corrupt_result_stops_before_anything_starts(study):
     broken = study_dir / "trials" / "abc123"
     broken.mkdir(parents=True)
     (broken / "result.json").write_text('{"trial_id": "abc123", "levels": [')  # a half-written file
-    done = subprocess.run([*argv, "--resume"], capture_output=True, text=True, timeout=120, cwd=study_dir.parent.parent)
+    done = run_tree([*argv, "--resume"], 120, cwd=study_dir.parent.parent)
     assert done.returncode == 2, done.stderr[-2000:]
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr

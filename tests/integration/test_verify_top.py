@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 from tests.processes import processes_mentioning
+from tests.ray_heads import run_tree
 
 SPACE = """
 name: top
@@ -38,7 +39,7 @@ def test_two_best_points_verified_on_reserved_resources_stored_reported_and_kept
     (tmp_path / "space.yaml").write_text(SPACE.format(model=tiny_model))
     argv = [sys.executable, "-m", "servetune", "run", str(tmp_path / "space.yaml"), "--storage", str(tmp_path / "results"),
             "--python", str(fake)]  # fmt: skip
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    done = run_tree(argv, 600, cwd=tmp_path)
     assert done.returncode in (0, 1), done.stderr[-3000:]
     study = tmp_path / "results" / "top"
     results = {json.loads(p.read_text())["params"]["env.SERVETUNE_FAKE_TTFT_MS"]: json.loads(p.read_text())
@@ -81,7 +82,7 @@ def test_two_best_points_verified_on_reserved_resources_stored_reported_and_kept
     assert processes_mentioning(fake) == []
 
     stamps = {p.name: p.stat().st_mtime_ns for p in (study / "verify").glob("*.json")}
-    again = subprocess.run([*argv, "--resume"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    again = run_tree([*argv, "--resume"], 300, cwd=tmp_path)
     assert again.returncode == expected_rc, again.stderr[-3000:]
     assert again.stderr.count("was verified with these settings already") == 2 and "starting vLLM" not in again.stderr
     assert {p.name: p.stat().st_mtime_ns for p in (study / "verify").glob("*.json")} == stamps
