@@ -27,7 +27,7 @@ TIERS = ("unit", "integration", "e2e")
 #: only cost time, never a result.
 SLOW_FILES_S = {
     "tests/e2e/test_serve_check_vllm_cpu.py": 345,
-    "tests/e2e/test_serve_trials_vllm_cpu.py": 290,
+    "tests/e2e/test_serve_trials_vllm_cpu.py": 320,
     "tests/e2e/test_study_vllm_cpu.py": 245,
     "tests/e2e/test_multinode_vllm_cpu.py": 115,
     "tests/e2e/test_verify_vllm_cpu.py": 110,

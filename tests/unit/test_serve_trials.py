@@ -1,8 +1,11 @@
 """``serve.num_replicas`` in a search space: trials through Ray Serve, without Ray (the e2e test deploys them)."""
 
+import contextlib
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -513,3 +516,42 @@ def test_a_serve_trial_measures_through_the_proxy_picked_on_its_replicas_node_an
     assert asked == [({"node-b": 1}, "http://10.0.0.1:8000", route)]
     assert engine.url == "http://10.0.0.3:8000" + route
     assert engine.proxy_record["serve_proxy"] == REPLICA_NODE and engine.proxy_record["serve_proxy_node_id"] == "node-b"
+
+
+def test_a_trials_teardown_removes_the_shared_memory_its_engines_left(tmp_path):
+    """vLLM's engine core and workers talk through ``multiprocessing.shared_memory`` segments in /dev/shm, which the
+    engine of a replica that Serve stops never unlinks: the trial's teardown reads which ones its processes map while
+    they run and removes them once Serve has stopped them (here a process that maps one, killed as Serve kills it)."""
+    from servetune.serve.trial import ServeEngine
+
+    script = (
+        "import sys, time\n"
+        "from multiprocessing import resource_tracker, shared_memory\n"
+        "shm = shared_memory.SharedMemory(create=True, size=4096)\n"
+        "resource_tracker.unregister(shm._name, 'shared_memory')  # vLLM's engine dies without the tracker's unlink\n"
+        "print(shm.name, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    engine_process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    segment = Path("/dev/shm") / "psm_not_made"
+    try:
+        segment = Path("/dev/shm") / engine_process.stdout.readline().strip().lstrip("/")
+        assert segment.exists()
+
+        class Stopping(HalfwayCluster):
+            def delete(self, name):  # Serve stops the replica: its engine is killed, its segment stays
+                super().delete(name)
+                engine_process.kill()
+                engine_process.wait()
+
+        cluster = Stopping()
+        engine = ServeEngine(serve_spec(tmp_path, 1), tmp_path, cluster)
+        engine.pids = [engine_process.pid]
+        engine.__exit__(None, None, None)
+        assert cluster.deleted == [engine.name] and engine_process.returncode is not None
+        assert not segment.exists()
+    finally:
+        engine_process.kill()
+        engine_process.wait()
+        with contextlib.suppress(FileNotFoundError):
+            segment.unlink()  # what the test made, whatever it found

@@ -163,6 +163,41 @@ def alive(pids: list[int]) -> list[int]:
     return found
 
 
+#: Where Python's ``multiprocessing.shared_memory`` makes its segments, and the prefix of the names it gives them.
+SHARED_MEMORY = Path("/dev/shm")
+SHARED_MEMORY_PREFIX = "psm_"
+
+
+def shared_memory_of(pids: Collection[int]) -> set[Path]:
+    """The ``multiprocessing.shared_memory`` segments the processes ``pids`` map (``/proc/PID/maps``): a vLLM engine's
+    message queues between its engine core and workers (``shm_broadcast``, two a replica on the CPU build, 160 and
+    240 MB of address space each). vLLM unlinks them when its engine is closed in order; the engine of a replica that
+    Serve stopped did not, and each Serve replica of the Serve-trials e2e module left its two in ``/dev/shm``."""
+    found = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:  # gone, or not ours to read
+            continue
+        for line in maps.splitlines():
+            fields = line.split(None, 5)
+            path = Path(fields[-1]) if len(fields) == 6 else None
+            if path is not None and path.parent == SHARED_MEMORY and path.name.startswith(SHARED_MEMORY_PREFIX):
+                found.add(path)  # a segment unlinked already reads "... (deleted)": no such name
+    return found
+
+
+def remove_shared_memory(paths: Collection[Path]) -> list[Path]:
+    """Unlink the segments ``paths`` that still exist (their processes gone: the memory is freed once the last
+    mapping goes, so one still mapped somewhere keeps working); the ones removed."""
+    removed = []
+    for path in sorted(paths):
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+            removed.append(path)
+    return removed
+
+
 def wait_gone(pids: list[int], timeout_s: float = 60.0) -> list[int]:
     """Wait until none of ``pids`` runs; the ones still running after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s

@@ -28,7 +28,7 @@ from servetune.engine.server import KvCapacity
 from servetune.report.points import ReportPoint
 from servetune.results import ENGINE_LOG
 from servetune.serve import claims
-from servetune.serve.actors import wait_gone
+from servetune.serve.actors import remove_shared_memory, shared_memory_of, wait_gone
 from servetune.serve.claims import running_cores
 from servetune.serve.cluster import ServeCluster
 from servetune.serve.frontend import read_front_end
@@ -209,11 +209,13 @@ class ServeEngine:
         found = set(self.pids)
         with contextlib.suppress(Exception):  # unreadable replicas must not keep the application deployed
             found |= set(self.cluster.replica_pids(self.name))
+        segments = shared_memory_of(found)  # read while the engines run: Serve's stop kills them before vLLM unlinks
         self.cluster.delete(self.name)
         left = wait_gone(sorted(found), timeout_s=60.0)
         for pid in left:  # Serve stopped them in its own time before; never leave an engine behind
             with contextlib.suppress(psutil.Error):
                 psutil.Process(pid).kill()
+        remove_shared_memory(segments)
 
     # --- what measuring asks ---------------------------------------------------------------
     def alive(self) -> bool:
