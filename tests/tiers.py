@@ -41,6 +41,7 @@ SLOW_FILES_S = {
     "tests/integration/test_verify_top.py": 115,
     "tests/integration/test_gpu_type_ray.py": 95,
     "tests/integration/test_serve_check_ray.py": 95,
+    "tests/integration/test_serve_builder_ray.py": 45,
     "tests/integration/test_verify_disconnects.py": 75,
     "tests/integration/test_ray_token_auth.py": 70,
     "tests/integration/test_verify_cli.py": 65,

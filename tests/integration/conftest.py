@@ -49,3 +49,27 @@ def local_ray(module_ray: None) -> Iterator[None]:
         yield
     finally:
         serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def module_serve(module_ray: None) -> None:
+    """One Serve for a test module, on its local Ray (the HTTP proxy on 127.0.0.1 at a free port), stopped with that
+    Ray: a Serve start is its controller and proxy, two Ray actors in processes of their own that import Serve,
+    paid once per module instead of once per test. Its tests take it through :func:`serve_apps`; a test that takes
+    ``local_ray`` beside them would shut it down."""
+    serve = pytest.importorskip("ray.serve")
+    from servetune.engine.server import free_port
+
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+
+
+@pytest.fixture
+def serve_apps(module_serve: None) -> Iterator[None]:
+    """The module's Serve with every application a test left deleted after it: each test starts with none, and
+    Serve's controller and proxy stay for the next."""
+    serve = pytest.importorskip("ray.serve")
+    try:
+        yield
+    finally:
+        for name in list(serve.status().applications):
+            serve.delete(name)  # until it is gone

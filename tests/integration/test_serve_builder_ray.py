@@ -15,7 +15,6 @@ import pytest
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from servetune.engine.server import free_port  # noqa: E402
 from servetune.serve import builder  # noqa: E402
 
 # The slow builder's sleep against the trial's bound: twenty times over.
@@ -57,9 +56,8 @@ def answer(name: str, timeout_s: float = 60.0) -> str:
 
 
 def test_a_builder_past_the_bound_leaves_the_trial_to_build_and_gives_serve_nothing_late(
-    local_ray, monkeypatch, caplog
+    serve_apps, monkeypatch, caplog
 ):
-    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     slow = ray.remote(num_cpus=0, max_restarts=0)(SlowBuilder).options(name=builder.builder_name()).remote()
     try:
         ray.get(slow.idle.remote())
@@ -78,21 +76,19 @@ def test_a_builder_past_the_bound_leaves_the_trial_to_build_and_gives_serve_noth
         ray.kill(slow)
 
 
-def test_serve_keeps_one_application_per_name_the_last_given(local_ray):
+def test_serve_keeps_one_application_per_name_the_last_given(serve_apps):
     """Were a builder's hand-off in flight when its caller gives its own, the later replaces it: one application."""
-    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     builder.send_app("t", Whose.bind("first"), "/t")
     builder.send_app("t", Whose.bind("second"), "/t")
     assert list(serve.status().applications) == ["t"]
     assert answer("t") == "second"
 
 
-def test_a_hand_off_serve_takes_past_its_bound_fails_the_deploy_and_leaves_nothing_on_serve(local_ray, monkeypatch):
+def test_a_hand_off_serve_takes_past_its_bound_fails_the_deploy_and_leaves_nothing_on_serve(serve_apps, monkeypatch):
     """Serve's controller slow to take the application (here Serve's own ``run_many``, called SLEEP_S late): the
     trial's deploy fails at the bound, and the application Serve takes afterwards is deleted, not left running."""
     from servetune.errors import EngineStartError
 
-    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     run_many = serve.run_many
 
     def slow(*args, **kwargs):  # type: ignore[no-untyped-def]

@@ -35,7 +35,7 @@ class Someone:
         return "theirs"
 
 
-def test_an_application_of_the_same_name_is_refused_and_left_running(local_ray, tiny_model, tmp_path, capsys):
+def test_an_application_of_the_same_name_is_refused_and_left_running(serve_apps, tiny_model, tmp_path, capsys):
     study = one_trial_study(tmp_path / "study", tiny_model)
     serve.run(Someone.bind(), name="taken", route_prefix="/theirs")
     code = main(["serve-check", str(study), "--pick", TRIAL, "--replicas", "1", "--app-name", "taken"])
@@ -54,12 +54,12 @@ class Broken:
         raise RuntimeError("cannot find model.safetensors")
 
 
-def test_a_deployment_that_fails_is_one_error_with_its_log_tail_and_is_deleted(local_ray):
+def test_a_deployment_that_fails_is_one_error_with_its_log_tail_and_is_deleted(serve_apps):
     from servetune.errors import EngineStartError
     from servetune.serve.cluster import ServeCluster
 
     with ServeCluster(None, {"CPU": 2}) as cluster:
-        assert not cluster.started_ray  # the test's Ray: serve-check leaves it to its owner
+        assert not cluster.started_ray and not cluster.started_serve  # the module's: serve-check leaves them running
         with pytest.raises(EngineStartError) as failed:
             cluster.run_app("broken", Broken.bind(), timeout_s=120)
         message = str(failed.value)
@@ -69,10 +69,10 @@ def test_a_deployment_that_fails_is_one_error_with_its_log_tail_and_is_deleted(l
         assert "broken" not in cluster.applications()
 
 
-def test_the_llm_deployment_is_pinned_to_the_engine_version_and_the_ingress_is_not(local_ray):
+def test_the_llm_deployment_is_pinned_to_the_engine_version_and_the_ingress_is_not(module_ray):
     """What --routers rests on (a redeploy with only the router changed keeps the LLM replicas; the e2e run on
     vLLM shows it): Ray Serve LLM's application built, its LLMServer deployment given the version, its ingress none.
-    (Building the application starts Ray when none runs: ``local_ray`` stops it, for the tests after this one.)"""
+    (Building the application starts Ray when none runs: the module's is running.)"""
     pytest.importorskip("ray.serve.llm")
     from ray.serve.llm import build_openai_app
 
@@ -88,7 +88,7 @@ def test_the_llm_deployment_is_pinned_to_the_engine_version_and_the_ingress_is_n
     assert app._bound_deployment._version is None  # the ingress gets a new version, so a new router, each deploy
 
 
-def test_the_ingress_is_pinned_to_its_model_and_router_on_ray_serve_llms_own_application(local_ray):
+def test_the_ingress_is_pinned_to_its_model_and_router_on_ray_serve_llms_own_application(module_ray):
     """What serve-check's in-place steps rest on (the e2e times it): the ingress ``build_openai_app`` makes, pinned,
     has one version for one model and router however often it is built, and another for another router."""
     pytest.importorskip("ray.serve.llm")
@@ -109,13 +109,11 @@ def test_the_ingress_is_pinned_to_its_model_and_router_on_ray_serve_llms_own_app
     assert ingress("prefix-aware") == ingress("prefix-aware") != default
 
 
-def test_a_study_deletes_the_serve_applications_a_stopped_run_of_it_left_and_no_others(local_ray):
+def test_a_study_deletes_the_serve_applications_a_stopped_run_of_it_left_and_no_others(serve_apps):
     """What a trial through Serve leaves when its driver is killed on a cluster (Serve outlives it): the
     study's next run deletes its own, matched by study name and trial id, and leaves every other one."""
-    from servetune.engine.server import free_port
     from servetune.serve.trial import remove_study_apps
 
-    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     names = ["servetune-s1-0123456789ab", "servetune-s1-extra-0123456789ab", "servetune-s1-notatrialid", "theirs"]
     for name in names:
         serve.run(Someone.bind(), name=name, route_prefix=f"/{name}")
@@ -130,16 +128,14 @@ class Replica:
         return "ok"
 
 
-def test_a_rollout_is_done_once_no_replica_from_before_the_update_is_alive(local_ray):
+def test_a_rollout_is_done_once_no_replica_from_before_the_update_is_alive(serve_apps):
     """What verify's rolling_update scenario follows (serve.cluster ``redeploy_app`` / ``rolled_out``): the same
     application deployed again under its name is a new version; Serve replaces both replicas, and the rollout is
     done only once neither of the ones read before the update is alive and the application is RUNNING again."""
     import time
 
-    from servetune.engine.server import free_port
     from servetune.serve.cluster import ServeCluster
 
-    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     serve.run(Replica.options(name="LLMServer:m").bind(), name="roll", route_prefix="/roll")
     cluster = ServeCluster(None, {})
     old = cluster.engine_replicas("roll")
@@ -171,14 +167,13 @@ class Recording:
         return "ok"
 
 
-def test_serves_controller_runs_the_predictive_policy_on_the_waiting_requests_replicas_record(local_ray):
+def test_serves_controller_runs_the_predictive_policy_on_the_waiting_requests_replicas_record(serve_apps):
     """What ``export --autoscaling-policy predictive`` ships (issue #42 item 3): Serve's controller imports servetune's
     PredictivePolicy and scales on what the replicas record, not only on requests in flight. With no request sent, a
     replica recording 5 requests waiting against 2 a replica may hold is scaled out to the 3 that drain them, and one
     recording none, deployed beside it with the same policy, is still at 1 once that has happened."""
     import time
 
-    from servetune.engine.server import free_port
     from servetune.report.autoscale_policy import POLICY_FUNCTION, PredictiveThresholds
     from servetune.serve.cluster import ServeCluster
 
@@ -186,7 +181,6 @@ def test_serves_controller_runs_the_predictive_policy_on_the_waiting_requests_re
     config = {"min_replicas": 1, "initial_replicas": 1, "max_replicas": 3, "upscale_delay_s": 0.5,
               "downscale_delay_s": 600, "look_back_period_s": 2, "metrics_interval_s": 0.5,
               "policy": {"policy_function": POLICY_FUNCTION, "policy_kwargs": thresholds.policy_kwargs()}}  # fmt: skip
-    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
     for name, waiting in (("idle", 0.0), ("queued", 5.0)):
         serve.run(Recording.options(autoscaling_config=config).bind(waiting), name=name, route_prefix=f"/{name}")
 
