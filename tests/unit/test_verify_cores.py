@@ -47,23 +47,9 @@ class Said:
     ],
 )
 def test_the_verified_engines_cores_or_why_it_had_none_reach_verify_json(tmp_path, monkeypatch, cores):
-    selection = select(copy_recorded_study(tmp_path / "study"), "best")
-    server = Server(**{"cpu_binding": None, "cpu_unclaimed": None, **cores})
-
-    @contextlib.contextmanager
-    def started(*args, **kwargs):
-        yield server
-
-    monkeypatch.setattr(verification, "started", started)
-    monkeypatch.setattr(verification, "served_len", lambda server, chosen: 1024)
-
-    async def body(target):
-        return "measured"
-
-    log = tmp_path / "verify" / "engine.log"
-    run, value, _ = verification.with_engine(selection.winner, log, Timeouts(1, 1, 1), None, Budget.for_device("cpu"),  # type: ignore[arg-type]
-                                             Said(), body)  # fmt: skip
-    assert value == "measured" and {k: v for k, v in run.cores.items() if not k.startswith("client_")} == cores
+    run, seen = _verified(tmp_path, monkeypatch, Server(**{"cpu_binding": None, "cpu_unclaimed": None, **cores}))
+    assert seen and {k: v for k, v in run.cores.items() if not k.startswith("client_")} == cores
+    selection = select(copy_recorded_study(tmp_path / "again"), "best")
     doc = document(selection, Budget.for_device("cpu"), Timeouts(1, 1, 1), run, {}, [])
     engine = {key: doc["engine"][key] for key in ("cpu_binding", "cpu_unclaimed") if key in doc["engine"]}
     assert engine == cores
