@@ -44,12 +44,13 @@ from typing import Any
 import numpy as np
 
 from servetune.config.slo import Slo
+from servetune.engine.metrics import ADMISSION_REASONS
 from servetune.metrics import RequestRecord
 from servetune.summary import summarize
 
 #: vLLM's engine arguments that bound admission (a configuration setting either gets the overload scenario in verify,
-#: and its burst judged by this module's rule).
-ADMISSION_ARGS = ("max_num_queued_reqs", "max_num_queued_tokens")
+#: and its burst judged by this module's rule): the reasons vLLM counts its refusals by, named after them.
+ADMISSION_ARGS = ADMISSION_REASONS
 
 
 def refused(record: RequestRecord) -> bool:
