@@ -64,9 +64,10 @@ _decode_chunk = msgspec.json.Decoder(_Chunk).decode
 
 def stream_error(error: dict | str) -> tuple[str, str]:
     """The error kind and text of an error event inside a stream. vLLM sends an HTTP status it meant in the event's
-    ``code`` when the response had already begun: vLLM 0.32 checks ``--max-num-queued-tokens`` inside the stream
-    generator (``MaxQueuedTokensError``, a 503), so such a refusal is an ``http_5xx`` as the same refusal before the
-    stream began is, not a ``stream_error``."""
+    ``code`` when the response had already begun: vLLM 0.32 checks its admission bounds (``--max-num-queued-reqs``
+    and ``--max-num-queued-tokens``) once before the stream and again when the request reaches the engine, inside the
+    stream generator (``AsyncLLM.check_admission``: ``QueueOverflowError``, ``MaxQueuedTokensError``, each a 503), so
+    such a refusal is an ``http_5xx`` as the same refusal before the stream began is, not a ``stream_error``."""
     if isinstance(error, dict) and isinstance(code := error.get("code"), int) and 400 <= code < 600:
         return f"http_{code // 100}xx", f"HTTP {code} (in the stream): {error.get('message', '')}"[:300]
     return "stream_error", str(error)[:300]
