@@ -167,8 +167,13 @@ async def _judge(t: Target, read, records, tasks, streams: int, dropped: int, t0
             if asked <= allowed:
                 settled, open_now = held, open_then
             if held <= open_then:
-                released = asked
-                break
+                # A survivor the engine finished just before the read still reads open to the client until its last
+                # chunk is handled: the dropped streams still held would pass for released (a leak missed in CI).
+                await asyncio.sleep(poll_s)
+                if sum(r.end is None for r in survivors) == open_then:
+                    released = asked
+                    break
+                continue
         await asyncio.sleep(poll_s)
     fell_back = released if released is not None and released <= allowed else None
     # Then vLLM's generated tokens must follow what the survivors receive: a dropped request
