@@ -134,8 +134,7 @@ def client_bound(trial: TrialResult, limit: int) -> Finding | None:
         return None
     level = min(behind, key=level_load)
     label = level_label(level.summary.level)
-    evidence = {name: value for name in ("client_cpu_share", "send_lag_ms_p50", "send_lag_ms_p99")
-                if (value := getattr(level, name)) is not None}  # fmt: skip
+    evidence = _recorded(level, "client_cpu_share", "send_lag_ms_p50", "send_lag_ms_p99")
     return Finding(
         "client_bound",
         f"the load client fell behind at {label}: {level.client_bound}",
@@ -144,6 +143,11 @@ def client_bound(trial: TrialResult, limit: int) -> Finding | None:
         label,
         evidence,
     )
+
+
+def _recorded(level: LevelResult, *names: str) -> dict[str, float]:
+    """The client's numbers ``names`` that ``level`` recorded (None: not recorded, left out), as a finding's evidence."""
+    return {name: value for name in names if (value := getattr(level, name)) is not None}
 
 
 def client_stalled(trial: TrialResult, limit: int) -> Finding | None:
@@ -155,8 +159,7 @@ def client_stalled(trial: TrialResult, limit: int) -> Finding | None:
     if level.client_stalled is None:
         return None
     label = level_label(level.summary.level)
-    evidence = {name: value for name in ("client_stall_ms_max", "client_stalled_s")
-                if (value := getattr(level, name)) is not None}  # fmt: skip
+    evidence = _recorded(level, "client_stall_ms_max", "client_stalled_s")
     return Finding(
         "client_stalled",
         f"unsettled at {label}: {level.client_stalled}",
