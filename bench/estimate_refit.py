@@ -1,7 +1,7 @@
 """Does the online refit help? The next trial's error after k trials, shipped factors against refit ones.
 
-    PYTHONPATH=src .venv/bin/python bench/estimate_refit.py [--after 5] [--orders 20] [--prior-points 5] [--no-twin]
-        [--twin-seeds 0 1 2] [--bootstrap 1000]
+    PYTHONPATH=src .venv/bin/python bench/estimate_refit.py [--after 5] [--orders 20] [--prior-points 5 [1 ...]]
+        [--no-twin] [--twin-seeds 0 1 2] [--twin-spaces gpu-twin-grid] [--bootstrap 1000]
 
 Replays each recorded CPU surface in ``bench/data`` (every grid trial with its measured levels) in
 ``--orders`` seeded random trial orders. After the first ``--after`` completed trials it refits the
@@ -24,6 +24,9 @@ scaled per term), and the refit is of the H100 factors on the twin's trials (``t
 calibration_points``, as a study refits them), shrunk toward the shipped ones; ``truth`` is the error with the
 twin's own factors, the floor a refit can reach. Without ``--no-twin`` this simulates 384 trials per twin seed (about
 15-50 s of a core each surface).
+
+``--prior-points`` takes several weights to compare: each surface is built once and replayed under each, its rows
+labelled by the weight (``p5``, ``p1``); ``--twin-spaces`` runs one twin space (two processes can share the work).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import numpy as np
 from servetune.estimate import Efficiency, load_factors
 from servetune.estimate.calibrate import CalibrationPoint
 from servetune.estimate.calibrate_cpu import trial_points
-from servetune.estimate.refit import refit, relative_errors
+from servetune.estimate.refit import DEFAULT_PRIOR_POINTS, refit, relative_errors
 
 SURFACES = Path(__file__).resolve().parent / "data"
 METRICS = ("ttft_ms", "tpot_ms", "output_throughput")
@@ -59,21 +62,37 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--after", type=int, default=5, help="completed trials before the refit (default 5)")
     parser.add_argument("--orders", type=int, default=20, help="seeded random trial orders per surface (default 20)")
-    parser.add_argument("--prior-points", type=float, default=5.0, help="the prior's weight in points (default 5)")
+    parser.add_argument(
+        "--prior-points",
+        type=float,
+        nargs="+",
+        default=[DEFAULT_PRIOR_POINTS],
+        help="the prior's weight in points, one row set each on the same surfaces (default 5)",
+    )
     parser.add_argument("--no-twin", action="store_true", help="the CPU surfaces only (no GPU-twin simulation)")
     parser.add_argument("--twin-seeds", type=int, nargs="+", default=[0], help="twin simulation seeds (default 0)")
+    parser.add_argument(
+        "--twin-spaces",
+        nargs="+",
+        default=list(TWIN_SPACES),
+        choices=TWIN_SPACES,
+        help="the twin spaces to simulate (default both)",
+    )
     parser.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples of the orders (default 1000)")
     args = parser.parse_args()
-    print(f"refit after {args.after} trials, {args.orders} orders, prior {args.prior_points}: every level of every "
+    priors = " / ".join(f"{w:g}" for w in args.prior_points)
+    print(f"refit after {args.after} trials, {args.orders} orders, prior {priors} points: every level of every "
           f"later trial, |predicted/measured - 1|, pooled over the orders; 95% bootstrap interval of refit/shipped "
           f"over orders; share of orders whose own median is halved | the earlier statistic: median over orders of "
           f"the next trial's median, refit/shipped, share of orders better")  # fmt: skip
-    print(f"{'surface':<32} {'metric':<17} {'shipped':>7} {'refit':>7} {'ratio':>5} {'95% interval':>12} "
+    print(f"{'surface':<36} {'metric':<17} {'shipped':>7} {'refit':>7} {'ratio':>5} {'95% interval':>12} "
           f"{'halved':>6} | {'next':>6} {'next':>6} {'ratio':>5} {'better':>6} | {'truth':>6}")  # fmt: skip
     shipped = load_factors().for_class("CPU")
     for path in sorted(SURFACES.glob("cpu-tiny-grid*.json")):
         trials = [t for t in json.loads(path.read_text(encoding="utf-8"))["trials"] if t.get("outcome") == "COMPLETE"]
-        replay(path.stem, trials, lambda t, held_out, stem=path.stem: trial_points(t, stem, held_out), shipped, args)
+        for prior_points in args.prior_points:
+            replay(labelled(path.stem, prior_points, args), trials,
+                   lambda t, held_out, stem=path.stem: trial_points(t, stem, held_out), shipped, args, prior_points)  # fmt: skip
     if args.no_twin:
         return
     import twin_grid  # bench/ (this script's directory is on sys.path)
@@ -83,14 +102,21 @@ def main() -> None:
 
     shipped = load_factors().for_class("H100")
     for seed in args.twin_seeds:
-        for space in TWIN_SPACES:
+        for space in args.twin_spaces:
             for name, scale in TWINS.items():
                 surface, _ = twin_grid.build(SURFACES / f"{space}.yaml", seed=seed, factor_scale=scale)
                 gpu = surface.space.hardware.gpu
                 trials = [r for r in surface.results.values() if r.outcome == "COMPLETE"]
                 truth = TwinConfig(gpu=gpu, factor_scale=scale).efficiency(shipped)
-                replay(f"{space} {name} s{seed}", trials, lambda t, _held_out, gpu=gpu: calibration_points(t, gpu, None),
-                       shipped, args, truth)  # fmt: skip
+                for prior_points in args.prior_points:
+                    replay(labelled(f"{space} {name} s{seed}", prior_points, args), trials,
+                           lambda t, _held_out, gpu=gpu: calibration_points(t, gpu, None), shipped, args, prior_points,
+                           truth)  # fmt: skip
+
+
+def labelled(surface: str, prior_points: float, args: argparse.Namespace) -> str:
+    """The row label: the surface, and the prior's weight where several are compared."""
+    return surface if len(args.prior_points) == 1 else f"{surface} p{prior_points:g}"
 
 
 def replay(
@@ -99,16 +125,18 @@ def replay(
     points_of: Callable[[Any, bool], list[CalibrationPoint]],
     shipped: Efficiency,
     args: argparse.Namespace,
+    prior_points: float,
     truth: Efficiency | None = None,
 ) -> dict[str, Pooled]:
-    """Refit after ``args.after`` of ``trials`` in each seeded order; print shipped against refit per metric."""
+    """Refit after ``args.after`` of ``trials`` in each seeded order, the shipped factors worth ``prior_points``;
+    print shipped against refit per metric."""
     if len(trials) <= args.after:
         return {}
     pooled = {m: Pooled() for m in METRICS}
     for seed in range(args.orders):
         order = random.Random(seed).sample(list(trials), len(trials))
         seen = [p for t in order[: args.after] for p in points_of(t, False)]
-        eff = refit(seen, shipped, prior_points=args.prior_points)
+        eff = refit(seen, shipped, prior_points=prior_points)
         for position, trial in enumerate(order[args.after :]):
             for point in points_of(trial, True):
                 before, after = relative_errors(point, shipped), relative_errors(point, eff)
@@ -168,7 +196,7 @@ class Pooled:
     def line(self, label: str, metric: str, resamples: int) -> str:
         x = self.stats(resamples)
         truth = "-" if math.isnan(x["truth"]) else f"{x['truth']:.1%}"
-        return (f"{label:<32} {metric:<17} {x['shipped']:>7.1%} {x['refit']:>7.1%} {x['ratio']:>5.2f} "
+        return (f"{label:<36} {metric:<17} {x['shipped']:>7.1%} {x['refit']:>7.1%} {x['ratio']:>5.2f} "
                 f"[{x['low']:.2f}, {x['high']:.2f}] {x['halved']:>6.0%} | {x['old_shipped']:>6.1%} {x['old_refit']:>6.1%} "
                 f"{x['old_ratio']:>5.2f} {x['old_better']:>5.0%} | {truth:>6}")  # fmt: skip
 
