@@ -16,7 +16,10 @@ less.
     python bench/tree_cpu.py -- python -m pytest tests/integration/test_study.py -q -n 0 -p no:cacheprovider
 
 prints one line on stderr: wall seconds, core-seconds and the load average before and after (the host is shared: a
-number without the load beside it says little). The command's exit status is this script's.
+number without the load beside it says little). The command's exit status is this script's. ``--by-process N`` (before
+``--``) adds the N costliest kinds of process as read per process, one a line: a Ray worker by its title (the last it
+had other than ``ray::IDLE``: ``ray::ServeReplica:llm:LLMServer:m``, ``ray::ServeController``), any other by its script
+or ``-m`` module (``agent.py``: the dashboard agent), with how many such processes there were.
 
 A process whose parent ignores SIGCHLD is reaped by the kernel and its times are added to no one: Ray's raylet does
 so, and its workers (a Serve module's replicas and Serve's controller and proxy: 160 of a module's 210 core-seconds,
@@ -47,12 +50,29 @@ GRACE_S = 60
 SAMPLE_S = 0.5
 
 
+def kind_of(cmdline: list[str], name: str) -> str:
+    """What a process is, in a word: a Ray worker's title, else the script or ``-m`` module its interpreter runs, else
+    its executable's name."""
+    if cmdline and cmdline[0].startswith("ray::"):
+        return cmdline[0].split(" ", 1)[0]
+    for index, arg in enumerate(cmdline[1:], 1):
+        if arg == "-m" and index + 1 < len(cmdline):
+            return cmdline[index + 1]
+        if arg.endswith(".py"):
+            return Path(arg).name
+        if arg == "-c":
+            return f"{name} -c"
+    return name
+
+
 class Sampler(threading.Thread):
-    """The last reading of each process under this one: (pid, start time) -> its own user + system seconds."""
+    """The last reading of each process under this one: (pid, start time) -> its own user + system seconds, and what
+    the process was (:func:`kind_of`: a Ray worker's last title other than ``ray::IDLE``)."""
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
         self.seen: dict[tuple[int, float], float] = {}
+        self.kinds: dict[tuple[int, float], str] = {}
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -65,7 +85,11 @@ class Sampler(threading.Thread):
             try:
                 with proc.oneshot():
                     times = proc.cpu_times()
-                    self.seen[(proc.pid, proc.create_time())] = times.user + times.system
+                    key = (proc.pid, proc.create_time())
+                    self.seen[key] = times.user + times.system
+                    kind = kind_of(proc.cmdline(), proc.name())
+                    if kind != "ray::IDLE" or key not in self.kinds:
+                        self.kinds[key] = kind
             except psutil.Error:
                 continue
 
@@ -75,12 +99,24 @@ class Sampler(threading.Thread):
         self.read()
         return sum(self.seen.values())
 
+    def by_kind(self) -> list[tuple[str, float, int]]:
+        """(kind, core-seconds, processes) for each kind of process read, costliest first."""
+        sums: dict[str, list[float]] = {}
+        for key, used in self.seen.items():
+            entry = sums.setdefault(self.kinds.get(key, "?"), [0.0, 0])
+            entry[0] += used
+            entry[1] += 1
+        return sorted(((kind, used, int(n)) for kind, (used, n) in sums.items()), key=lambda k: -k[1])
+
 
 def main(argv: list[str]) -> int:
+    top = 0
+    if argv[:1] == ["--by-process"] and len(argv) > 1 and argv[1].isdigit():
+        top, argv = int(argv[1]), argv[2:]
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
-        print("usage: tree_cpu.py -- COMMAND [ARG ...]", file=sys.stderr)
+        print("usage: tree_cpu.py [--by-process N] -- COMMAND [ARG ...]", file=sys.stderr)
         return 2
     if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         print("tree_cpu.py: prctl(PR_SET_CHILD_SUBREAPER) failed (Linux only)", file=sys.stderr)
@@ -116,6 +152,8 @@ def main(argv: list[str]) -> int:
     print(f"tree_cpu: wall {wall:.0f} s, {counted}; load before {load_before[0]:.2f} {load_before[1]:.2f}, "
           f"after {load_after[0]:.2f} {load_after[1]:.2f}"
           + (f"; still running, not counted: pids {left}" if left else ""), file=sys.stderr)  # fmt: skip
+    for kind, used, n in sampler.by_kind()[:top]:
+        print(f"tree_cpu:   {used:7.1f} core-s  {n:3d} x {kind}", file=sys.stderr)
     return status
 
 

@@ -35,6 +35,7 @@ from servetune.serve.frontend import read_front_end
 from servetune.serve.metrics import ReplicaCounts, replica_snapshots, replicas_snapshot
 from servetune.serve.plan import Needs, llm_config, measured_gpu, needs, pin_gpu_type
 from servetune.serve.proxies import pick_proxy
+from servetune.trial.readings import report_interval_s
 from servetune.trial.runner import TrialSpec, write_atomic
 
 #: Placement the engine gets from Serve, not from the trial's environment.
@@ -366,7 +367,7 @@ class ReplicaMetrics:
         return self.counts.update(replica_snapshots(self.cluster.metrics_texts(), self._replica_ids(refresh=True)))
 
     def _settle(self) -> MetricsSnapshot | None:
-        interval_s = max((self.lag_s - 0.5) / 2, 0.5)  # one report interval (metrics_lag_s: two, and half a second)
+        interval_s = report_interval_s(self)
         deadline = time.monotonic() + self.lag_s
         last = self._counted()
         while time.monotonic() < deadline:

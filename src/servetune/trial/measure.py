@@ -54,6 +54,7 @@ from servetune.trial.readings import (
     cache_note,
     keep_peaks,
     read_metrics,
+    report_interval_s,
     reset_prefix_cache,
     settled,
 )
@@ -284,7 +285,8 @@ async def measure_level(
             if sampler is not None:
                 await cancel_and_wait(sampler)
         if before and metrics is not None:  # the source lags: wait until it has counted the level's requests
-            after = await settled(read, before, sum(r.ok for r in records), metrics.lag_s * SETTLE_LAGS, peaks=peaks)
+            after = await settled(read, before, sum(r.ok for r in records), metrics.lag_s * SETTLE_LAGS,
+                                  every_s=report_interval_s(metrics), peaks=peaks)  # fmt: skip
         else:
             after = await read() if before else None
     server = {**level_delta(before, after), **peaks} if before and after else {}

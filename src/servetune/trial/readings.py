@@ -80,6 +80,14 @@ class MetricsSource(Protocol):
     def read(self, gauges_only: bool = False) -> MetricsSnapshot | None: ...
 
 
+def report_interval_s(metrics: MetricsSource) -> float:
+    """How often a lagging source's values change, so how often a read of it can tell something new: one report
+    interval of Ray's metrics agents, which its ``lag_s`` holds twice, with half a second (``ServeCluster.metrics_lag_s``).
+    A poll at this interval sees a change at most an interval after it reached the agents, within the second interval of
+    ``lag_s``; each read makes the agents render every metric of their node, which costs Ray's dashboard agent CPU."""
+    return max((metrics.lag_s - 0.5) / 2, 0.5)
+
+
 async def read_metrics(session: aiohttp.ClientSession, url: str, metrics: MetricsSource | None,
                        gauges_only: bool = False) -> MetricsSnapshot | None:  # fmt: skip
     """One read of the server's vLLM metrics: ``metrics`` where given, else ``{url}/metrics``."""

@@ -24,6 +24,9 @@ holds a round, ``stats.cancellation_success_rate`` and ``stats.tokens_stopped`` 
 Through Serve the gauges are the replicas' added up, read through Ray's metrics agents up to the
 source's lag late: the waits, the allowance and the token span grow by it (the span by twice it,
 so that two reads each late by up to the lag still cover mostly the same tokens as the client's).
+The agents are read once a report interval (``readings.report_interval_s``, 1 s on servetune's local Ray), as often
+as what they hold changes, not every 0.1 s as a bare engine's ``/metrics``: each read makes Ray's dashboard agent
+render every metric of its node.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import aiohttp
 from servetune.load.client import DROPPED, StreamingClient
 from servetune.load.requests import iter_requests
 from servetune.metrics import RequestRecord
+from servetune.trial.readings import report_interval_s
 from servetune.verify.scenarios import STREAMS, ScenarioResult, Target, fixed_workload, fmt
 from servetune.verify.stats import DropRound, StreamTimes, cancellation_success_rate, step_s, tokens_stopped
 from servetune.verify.watch import in_flight, lag_s, read_metrics
@@ -89,7 +93,7 @@ async def _drop_round(
 ) -> tuple[DropRound, list[RequestRecord]]:
     t0 = time.perf_counter()
     lag = lag_s(t.metrics)
-    poll_s = 0.1 if lag == 0 else 0.25  # a lagging source changes once a report interval
+    poll_s = 0.1 if t.metrics is None else report_interval_s(t.metrics)  # a lagging source: once a report interval
 
     async def read(gauges_only: bool = False):
         return await read_metrics(session, t.url, t.metrics, gauges_only=gauges_only)
@@ -203,7 +207,7 @@ async def _drained(session: aiohttp.ClientSession, t: Target, timeout_s: float =
         snap = await read_metrics(session, t.url, t.metrics, gauges_only=True)
         if snap is None or in_flight(snap) == 0:
             return
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2 if t.metrics is None else report_interval_s(t.metrics))
 
 
 async def disconnects(t: Target) -> ScenarioResult:
