@@ -115,9 +115,10 @@ def test_open_loop_rate_and_duration_limit():
     # Requests are admitted until the deadline: none is due past it (its planned send, free of the host's
     # timing). The send itself is stamped when its task runs, a scheduling step later: 2.0001 s seen here, and a
     # busy host delays a send by up to 84 ms at P99 (137 ms at 800 req/s; bench/README.md, the client's send
-    # lag), so 0.5 s is several times that noise and still far below the 200 s the 10,000 requests would take.
+    # lag), and a stall of the host adds time once (half a second seen in this tier, bench/fake_pace_noise.py): 2 s
+    # is four times that and still far below the 200 s the 10,000 requests would take.
     assert max(r.scheduled for r in records if r.scheduled is not None) < 2.0
-    assert sends[-1] <= 2.0 + 0.5, sends[-1]
+    assert sends[-1] <= 2.0 + 2.0, sends[-1]
 
 
 def test_gamma_burstiness_makes_gaps_more_variable():

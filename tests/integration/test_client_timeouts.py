@@ -33,8 +33,11 @@ def test_first_token_timeout_is_its_own_kind():
 
 
 def test_idle_stream_timeout_after_tokens_arrived():
-    with serve_fake(FakeOpenAI(ttft_ms=10, itl_ms=5, stall_after=3, stall_ms=1500)) as url:
-        r = send_one(url, first_token_timeout_s=1.0, idle_timeout_s=0.3, timeout_s=30)
+    # The first three tokens 5 ms apart, then 4 s of silence: an idle timeout of 1 s fires in it (with 3 s to spare)
+    # and not before the third token unless the host stalls 1 s, twice the half second seen on a busy host (at 0.3 s
+    # it was below that: the fake sleeps to a schedule, so a loaded host adds time once, bench/fake_pace_noise.py).
+    with serve_fake(FakeOpenAI(ttft_ms=10, itl_ms=5, stall_after=3, stall_ms=4000)) as url:
+        r = send_one(url, first_token_timeout_s=2.0, idle_timeout_s=1.0, timeout_s=30)
     assert not r.ok and r.error_kind == TIMEOUT_IDLE and len(r.chunk_times) == 3
 
 

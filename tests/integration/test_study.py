@@ -22,7 +22,8 @@ model: {model}
 device: cpu
 workload: cpu-tiny
 load: {{levels: [1, 4], requests_per_level: 8, warmup_requests: 1, startup_timeout_s: 60, capacity_levels: 0}}  # the ladder alone: these tests are about outcomes
-slo: {{ttft_ms: {{p99: 400}}}}  # far above the fake's 5 ms (a loaded host here saw a P99 of 241 ms), far below 900
+slo: {{ttft_ms: {{p99: 700}}}}  # 900 ms is over it whatever the host (the fake sleeps to it); 5 ms is under it but for
+# a stall of 0.69 s in the level's P99 (a loaded host here saw a P99 of 241 ms; at a bound of 400, 0.39 s would do)
 hardware: {{devices_per_node: 2}}
 price_per_device_hour: 0.05
 params:

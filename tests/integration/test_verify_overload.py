@@ -21,9 +21,13 @@ WORKLOAD = Workload(
 )
 BUDGET = Budget(soak_s=4.0, windows=4, scenario_s=2.0, long_requests=2, long_output_cap=64, drop_rounds=1, repeats=5,
                 repeat_s=1.0, warmup_cap=2)  # fmt: skip
-SLO = Slo.parse("ttft_ms.p99=500")
-# 2 requests at once, 16 tokens at 10 ms + 15 x 5 ms: about 23 req/s served, so 1.5 x 20 req/s overloads it.
+# 2 requests at once, 16 tokens at 10 ms + 15 x 5 ms: about 23 req/s served, so 1.5 x 20 req/s overloads it. An
+# admitted request waits behind at most 4 (the bound of 6 less the 2 running): about 2.5 x 85 ms + 10 ms, 0.22 s.
+# The TTFT bound is 1 s: a stall of the host (the fake sleeps to a schedule, so a loaded host adds time once,
+# bench/fake_pace_noise.py) of up to 0.78 s in the 2 s overload is still within it (at 0.5 s, 0.28 s was).
 RATE = 20.0
+BOUND_MS = 1000.0
+SLO = Slo.parse(f"ttft_ms.p99={BOUND_MS:g}")
 
 
 def run_overload(fake: FakeOpenAI, tokenizer, scenario=overload, admission=None):
@@ -47,7 +51,7 @@ def test_a_bounded_queue_refuses_the_excess_quickly_and_recovers(tiny_tokenizer)
     # the server's own count, read from its /metrics around each phase, agrees with the client's 503s
     assert n["server_refused_by_reason"] == {"max_num_queued_reqs": n["refused"], "max_num_queued_tokens": 0}
     assert n["refusals_agree"] and n["recovery_refusals_agree"] and f"refused {n['refused']}: " in result.reason
-    assert n["admitted"] > 0 and n["admitted_ttft_ms_p99"] <= 500 and n["refuse_ms_p99"] <= 500
+    assert n["admitted"] > 0 and n["admitted_ttft_ms_p99"] <= BOUND_MS and n["refuse_ms_p99"] <= BOUND_MS
     assert n["recovered"] and n["other_errors"] == 0
     # the load client's own stalls were followed over both phases (a verdict they account for is unsettled)
     assert n["unsettled"] is False and n["client_stall_ms_max"] >= 0.0 and n["client_stalled_s"] >= 0.0
@@ -67,7 +71,8 @@ def test_a_burst_against_the_bound_passes_with_its_refusals_set_apart(tiny_token
     assert n["refused"] == fake.rejected == sum(refused(r) for r in records) > 0  # CV 3 at 20 req/s fills 6
     assert n["refused_explained"] == n["refused"] and n["refused_unexplained"] == 0
     assert n["server_refused"] == n["refused"] and n["refusals_agree"], result.reason
-    assert n["admitted_ttft_ms_p99"] <= 500 and n["refuse_ms_p99"] <= 500 and "explained by the bounds" in result.reason
+    assert n["admitted_ttft_ms_p99"] <= BOUND_MS and n["refuse_ms_p99"] <= BOUND_MS, result.reason
+    assert "explained by the bounds" in result.reason
 
 
 def test_a_burst_refused_below_the_bound_it_was_given_fails(tiny_tokenizer):
