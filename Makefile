@@ -41,16 +41,20 @@ lint: setup
 	$(VENV)/bin/mypy
 	PYTHONPATH=src $(VENV)/bin/lint-imports
 
-# The tests run unit, then integration, then e2e (tests/tiers.py), and end with each tier's time. Unit and integration
-# run in TEST_PROCESSES pytest processes (pytest-xdist, default 3 on two cores), a test file at a time each, so a
-# file's shared engines, Ray and studies (module fixtures) start once, the slowest files first (tests/tiers.py): most
-# of an integration test waits on Ray, a fake engine's timers or a subprocess, and the other processes use the cores
-# meanwhile (clean clones on a quiet host: integration 1,518 s in one process, 987-1,081 s in two, 925 s in three at
-# 91% busy, 2026-12-06/07). A Ray start that times out on the loaded host is stopped and made again (local_ray.py,
-# tests/ray_heads.py). The e2e tier runs
-# in E2E_PROCESSES (default 0: this one process): its real vLLM engines already keep both cores busy, two processes
-# saved 5% there and made the engines of two modules compete (docs/development.md). Each test process keeps core
-# locks of its own (tests/conftest.py, SERVETUNE_CPU_LOCK_DIR). TEST_PROCESSES=0 runs everything in one process.
+# The tests run unit, then integration, then e2e (tests/tiers.py), each tier's pytest ending with its time. The unit
+# tier runs in UNIT_PROCESSES (default 2): each process first collects the tier (about 24 core-s: importing the test
+# modules and what they import, rewriting their asserts) and its tests leave the cores little to wait on, so a third
+# process cost 262 core-s and 157 s against 219 and 126 in two (session 46, back to back, load 1.5-3); a failure there
+# also ends `make test` in minutes. Integration runs in TEST_PROCESSES pytest processes (pytest-xdist, default 3 on
+# two cores), a test file at a time each, so a file's shared engines, Ray and studies (module fixtures) start once,
+# the slowest files first (tests/tiers.py): most of an integration test waits on Ray, a fake engine's timers or a
+# subprocess, and the other processes use the cores meanwhile (clean clones on a quiet host: integration 1,518 s in
+# one process, 987-1,081 s in two, 925 s in three at 91% busy, 2026-12-06/07). A Ray start that times out on the
+# loaded host is stopped and made again (local_ray.py, tests/ray_heads.py). The e2e tier runs in E2E_PROCESSES
+# (default 0: this one process): its real vLLM engines already keep both cores busy, two processes saved 5% there and
+# made the engines of two modules compete (docs/development.md). Each test process keeps core locks of its own
+# (tests/conftest.py, SERVETUNE_CPU_LOCK_DIR). UNIT_PROCESSES=0 TEST_PROCESSES=0 runs everything in one process.
+UNIT_PROCESSES ?= 2
 TEST_PROCESSES ?= 3
 E2E_PROCESSES ?= 0
 PYTEST := $(PY) -X faulthandler -m pytest -q --durations=25 --dist loadfile --no-loadscope-reorder
@@ -61,7 +65,8 @@ PYTEST := $(PY) -X faulthandler -m pytest -q --durations=25 --dist loadfile --no
 # 0.1-0.3 s of a core each); Python still reads byte-code it finds, and recompiles in memory a file changed since.
 test: setup lint
 	$(PY) -m compileall -q src
-	$(PYTEST) tests/unit tests/integration -n $(TEST_PROCESSES)
+	$(PYTEST) tests/unit -n $(UNIT_PROCESSES)
+	$(PYTEST) tests/integration -n $(TEST_PROCESSES)
 	$(PYTEST) tests/e2e -n $(E2E_PROCESSES)
 
 unit: setup

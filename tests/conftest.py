@@ -93,6 +93,23 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
+@pytest.fixture
+def no_ray(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Fail at once, instead of starting a cluster, if a command called in-process (``servetune.cli.main``: a dry
+    run, a refusal before any trial) gets as far as Ray; and leave Ray as the test found it."""
+    import ray
+
+    import servetune.study.tuner as tuner
+
+    def refuse(address: str | None = None) -> None:
+        raise AssertionError("servetune run got as far as starting Ray")
+
+    monkeypatch.setattr(tuner, "init_ray", refuse)
+    initialized_before = ray.is_initialized()  # by another test of this session, if any
+    yield
+    assert initialized_before or not ray.is_initialized()
+
+
 @pytest.fixture(scope="session")
 def fake_python(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The fake engine's interpreter (``write_fake_python``), one path for the whole session.

@@ -29,13 +29,15 @@ TINY_VLM = {
 }  # fmt: skip
 CONFIGS = {**TINY_ARCHS, "gemma3-vlm": TINY_VLM}
 
-# Reads a config.json as the planner does and says which architecture it read and whether transformers came in.
+# Reads each config.json named as the planner does and says which architecture it read and whether transformers (or
+# torch) had come in by then, one line each.
 READ = r"""
 import json, sys
 from servetune.capacity import arch_from_hf_config
-arch = arch_from_hf_config(json.loads(open(sys.argv[1]).read()), name="tiny")
-print(json.dumps({"arch": arch.model_dump(mode="json"), "transformers": "transformers" in sys.modules,
-                  "torch": "torch" in sys.modules}))
+for path in sys.argv[1:]:
+    arch = arch_from_hf_config(json.loads(open(path).read()), name="tiny")
+    print(json.dumps({"arch": arch.model_dump(mode="json"), "transformers": "transformers" in sys.modules,
+                      "torch": "torch" in sys.modules}))
 """
 
 
@@ -45,24 +47,30 @@ def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "xdg" / "servetune" / "hf-configs"
 
 
-def _read_in_a_process(config: Path, xdg: Path) -> dict:
+def _read_in_a_process(configs: list[Path], xdg: Path) -> list[dict]:
     env = {k: v for k, v in os.environ.items() if k != "XDG_CACHE_HOME"}
-    done = subprocess.run([sys.executable, "-c", READ, str(config)], capture_output=True, text=True, timeout=300,
-                          env={**env, "XDG_CACHE_HOME": str(xdg)})  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", READ, *map(str, configs)], capture_output=True, text=True,
+                          timeout=300, env={**env, "XDG_CACHE_HOME": str(xdg)})  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.splitlines()[-1])
+    return [json.loads(line) for line in done.stdout.splitlines()[-len(configs) :]]
 
 
-@pytest.mark.parametrize("name", ["gemma3", "gemma3-vlm"])  # text only; multimodal: text_config and vision tower
-def test_a_second_read_in_a_new_process_imports_neither_transformers_nor_torch(tmp_path: Path, name: str) -> None:
-    config = tmp_path / "config.json"
-    config.write_text(json.dumps(CONFIGS[name]))
-    first = _read_in_a_process(config, tmp_path / "xdg")
-    second = _read_in_a_process(config, tmp_path / "xdg")
-    assert first["transformers"], "the first read resolves the config through transformers"
-    assert not second["transformers"] and not second["torch"]
-    assert second["arch"] == first["arch"]
-    assert len(list((tmp_path / "xdg" / "servetune" / "hf-configs").glob("*.json"))) == 1
+def test_a_second_read_in_a_new_process_imports_neither_transformers_nor_torch(tmp_path: Path) -> None:
+    """Text only (gemma3) and multimodal (text_config and vision tower), both read in one process and then again in
+    another: one process per read and config imported transformers twice (6-7 core-s each) for the same check."""
+    names = ["gemma3", "gemma3-vlm"]
+    configs = [tmp_path / f"{name}.json" for name in names]
+    for name, config in zip(names, configs, strict=True):
+        config.write_text(json.dumps(CONFIGS[name]))
+    cached = tmp_path / "xdg" / "servetune" / "hf-configs"
+    first = _read_in_a_process(configs, tmp_path / "xdg")
+    assert first[0]["transformers"], "the first read resolves the config through transformers"
+    assert len(list(cached.glob("*.json"))) == len(names), "each config was read and kept"
+    second = _read_in_a_process(configs, tmp_path / "xdg")
+    for name, cold, warm in zip(names, first, second, strict=True):
+        assert not warm["transformers"] and not warm["torch"], name
+        assert warm["arch"] == cold["arch"], name
+    assert len(list(cached.glob("*.json"))) == len(names), "the second reads wrote nothing new"
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))

@@ -22,7 +22,6 @@ from servetune.estimate import Estimate, Load, device_rates, estimate, load_fact
 from servetune.estimate.encoder import image_flops, mean_encoder_flops, workload_images
 from servetune.results import TrialResult
 from servetune.space_file import load_space
-from servetune.study import tuner
 from servetune.study.forecast import forecast
 from servetune.trial.context import StudyContext, resolve_levels
 from servetune.trial.estimated import estimate_levels, planned_estimate
@@ -36,14 +35,6 @@ TEXT = {"name": "text", "api": "chat", "input_tokens": {"dist": "fixed", "value"
 IMAGES = {**TEXT, "name": "images", "images": {"count": 2, "sizes": [[1280, 720]]}}
 PLAN = ["plan", "--model", "google/gemma-3-27b-it", "--gpu", "H100-SXM", "--tp", "2", "--max-model-len", "8192"]
 LOAD = ["--estimate", "--input-tokens", "400", "--output-tokens", "128", "--concurrency", "8"]
-
-
-@pytest.fixture
-def no_ray(monkeypatch):
-    def refuse(address=None):
-        raise AssertionError("servetune run got as far as starting Ray")
-
-    monkeypatch.setattr(tuner, "init_ray", refuse)
 
 
 def _space(tmp_path: Path, workload: dict) -> Path:

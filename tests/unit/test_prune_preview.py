@@ -11,7 +11,6 @@ import pytest
 from servetune.cli import main
 from servetune.config.workload import mean_lengths
 from servetune.space_file import load_space
-from servetune.study import tuner
 from servetune.study.forecast import forecast
 from servetune.study.prune import error_margins, judge_prune, preview_prune, shipped_error
 from servetune.trial.context import StudyContext, resolve_levels, startup_budget_for
@@ -31,14 +30,6 @@ slo: {ttft_ms: {p99: 2000}}
 load: {kind: concurrency, levels: [16, 64]}
 search: {algorithm: grid, baseline: false, estimate: {prune: true}}
 """
-
-
-@pytest.fixture
-def no_ray(monkeypatch):
-    def refuse(address=None):
-        raise AssertionError("servetune run got as far as starting Ray")
-
-    monkeypatch.setattr(tuner, "init_ray", refuse)
 
 
 def dry_run(path: Path, tmp_path: Path, capsys) -> str:

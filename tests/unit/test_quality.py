@@ -308,17 +308,16 @@ def test_the_record_and_mlflow_carry_the_quality_results():
     )
 
 
-def test_servetune_run_with_a_bad_suite_line_exits_2_before_anything_starts(tmp_path):
-    import subprocess
-    import sys
+def test_servetune_run_with_a_bad_suite_line_exits_2_before_anything_starts(tmp_path, capsys, no_ray):
+    from servetune.cli import main
 
     (tmp_path / "mine.jsonl").write_text('{"prompt": "1+1=", "expected": "2"}\n{"prompt": "2+2=", "expectd": "4"}\n')
     (tmp_path / "space.yaml").write_text(SPACE.format(quality="quality: {suites: [agreement, mine.jsonl]}"))
-    done = subprocess.run([sys.executable, "-m", "servetune", "run", str(tmp_path / "space.yaml"), "--storage", str(tmp_path / "out")],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert done.returncode == 2, done.stderr[-2000:]
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in done.stderr
+    code = main(["run", str(tmp_path / "space.yaml"), "--storage", str(tmp_path / "out")])  # in-process: no traceback
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err
     assert f"quality.suites[1]: {tmp_path / 'mine.jsonl'}:2: expectd: unknown key" in lines[0]
     assert not (tmp_path / "out").exists()
 

@@ -12,9 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
-import ray
 
-import servetune.study.tuner as tuner
 from servetune.capacity import load_catalog
 from servetune.cli import main
 from servetune.config.space import Range, SearchSpace
@@ -36,19 +34,6 @@ def argspecs():
     if specs is None:
         pytest.skip("vLLM is not installed here: parameter names cannot be checked against its parser")
     return specs
-
-
-@pytest.fixture
-def no_ray(monkeypatch):
-    """Fail at once, instead of starting a cluster, if a command gets as far as Ray."""
-
-    def refuse(address=None):
-        raise AssertionError("servetune run got as far as starting Ray")
-
-    monkeypatch.setattr(tuner, "init_ray", refuse)
-    initialized_before = ray.is_initialized()  # by another test of this session, if any
-    yield
-    assert initialized_before or not ray.is_initialized()
 
 
 def values(space: SearchSpace, name: str) -> list:
