@@ -1,7 +1,8 @@
 """The disconnect scenario against the fake engine, whose release of a dropped stream can be
 delayed: a prompt release passes, a release slower than the allowance fails as late (not as a
 leak), an engine whose steps are slow is allowed as many steps, not a fixed 2 s, and an engine
-that cannot be read is not watched nor tried again. Through a metrics source that is late (a Serve
+that cannot be read is not watched nor tried again. A leak is a leak while the client reads behind the engine
+(the survivors vLLM still runs are its own count, not the client's). Through a metrics source that is late (a Serve
 deployment's replicas, read through Ray's agents), the allowance grows by its lag, the source is read once its report
 interval, and a leak is still a leak."""
 
@@ -144,6 +145,19 @@ def test_a_stream_never_released_within_the_watch_is_a_leak(tiny_tokenizer):
     (round_,) = result.numbers["rounds"]
     assert round_["observed"] and round_["fell_back_s"] is None and round_["released_s"] is None, round_
     assert not result.passed and round_["leaked"] == 2 and "never (2 dropped still held" in result.reason, result.reason
+
+
+def test_a_leak_is_a_leak_while_the_client_reads_the_survivors_ends_behind_the_engine(tiny_tokenizer):
+    # The survivors end 5 s into the watch (1,007 tokens at 5 ms), and the fake counts each finished, and no longer
+    # runs it, 2 s before the client gets its end: a client reading behind the engine by more than a poll (a loaded
+    # host). The two dropped streams, never released, are then all vLLM holds while the client still holds two
+    # survivors open: by the client's count they read released 5 s in; by vLLM's finished count they are a leak.
+    fake = FakeOpenAI(ttft_ms=10, itl_ms=5, release_ms=60_000, finish_lead_ms=2000)
+    result = run_scenario(fake, tiny_tokenizer)
+    (round_,) = result.numbers["rounds"]
+    assert round_["observed"] and round_["released_s"] is None and round_["leaked"] == 2, round_
+    assert not result.passed and "never (2 dropped still held" in result.reason, result.reason
+    assert fake.finished >= 2 and round_["survivors_finished"] == 0.0, round_  # none by the allowance's end
 
 
 class LateSource(AgentSource):

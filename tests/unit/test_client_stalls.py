@@ -5,11 +5,17 @@ for is unsettled (results ``stall_unsettled``), in the capacity search, verify's
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import threading
 import time
+
+import psutil
 
 from servetune.config.slo import Slo, SloBound, noise_breaks
 from servetune.config.workload import load_workload
 from servetune.load.client import StreamingClient
+from servetune.load.pace import longest_stall_s, stalled_s
 from servetune.load.requests import PromptFactory
 from servetune.load.runner import Level
 from servetune.report.diagnosis import limited_by
@@ -178,3 +184,50 @@ def test_a_soak_that_missed_the_slo_by_the_clients_stall_fails_as_unsettled(monk
     assert stalled.reason.startswith("unsettled SLO: the load client stalled for up to 250 ms")
     assert stalled.reason.endswith("rerun on a quiet host")
     assert not bare.passed and bare.numbers["unsettled"] is False and bare.reason.startswith("ttft_ms_p99 = 700 > 500")
+
+
+def test_the_shards_stalls_merge_as_the_longest_of_any_and_the_seconds_any_stalled_in():
+    one = [(10.0, 10.25), (11.0, 11.5)]  # one event loop's stalls follow one another: their union is their sum
+    assert longest_stall_s(one) == 0.5 and stalled_s(one) == 0.75 == sum(e - s for s, e in one)
+    # two shards stalled at once (the host did not run either) and one alone later
+    first, second = [(10.0, 10.75)], [(10.25, 10.5), (12.0, 12.25)]
+    both = first + second
+    assert longest_stall_s(both) == 0.75  # a request was read by one shard: the longest of any bounds its delay
+    assert stalled_s(both) == 1.0  # 10.0-10.75 and 12.0-12.25, the shared stall once (a sum: 1.25)
+    assert stalled_s([]) == 0.0 and longest_stall_s([]) == 0.0
+    assert stalled_s([(1.0, 2.0), (1.5, 1.75)]) == 1.0  # one inside another
+
+
+def test_a_level_split_across_two_shards_records_their_stalls_and_a_miss_they_account_for_is_unsettled(tiny_tokenizer):
+    """As the one-process level above, split across two client processes: one shard's process is stopped (SIGSTOP, as
+    a host that does not schedule it) while its requests wait for their first token; they are read after it resumes,
+    past the TTFT bound. The level records that shard's stall and calls the miss unsettled."""
+    block_s = 0.6
+    workload = load_workload("cpu-tiny")
+    level = Level("concurrency", 4)
+    plan = LevelPlan(level, num_requests=16, duration_s=None, warmup_requests=0)
+    slo = Slo.parse("ttft_ms.p99=400")
+    done: list[int] = []
+    stopped: list[int] = []
+
+    def hold(_record) -> None:
+        done.append(1)
+        if len(done) == 5:
+            shard = next(p for p in psutil.Process().children() if "servetune.load.shard" in " ".join(p.cmdline()))
+            stopped.append(shard.pid)
+            os.kill(shard.pid, signal.SIGSTOP)  # that shard's process does not run
+            threading.Timer(block_s, os.kill, (shard.pid, signal.SIGCONT)).start()
+
+    async def go(url: str):
+        async with StreamingClient(url, "fake", api=workload.api, ignore_eos=True) as client:
+            return await measure_level(client, url, workload, PromptFactory(tiny_tokenizer), plan, stream=1, slo=slo,
+                                       on_done=hold, watch=EarlyBreak(slo, level, None), client_processes=2,
+                                       client_cpus=2)  # fmt: skip
+
+    with serve_fake(FakeOpenAI(ttft_ms=200.0, itl_ms=0.0)) as url:
+        result, records = asyncio.run(go(url))
+    assert stopped and len(records) == 16
+    assert result.client_stall_ms_max >= 0.8 * block_s * 1000 and result.client_stalled_s >= 0.8 * block_s, result
+    assert not result.meets_slo and result.client_stalled is not None, result
+    assert result.client_stalled.startswith("the load client stalled for up to")
+    assert not verdict(level, result, slo).settled

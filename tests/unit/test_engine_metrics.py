@@ -67,20 +67,28 @@ def test_kv_capacity_keeps_the_gpu_memory_vllm_logged():
     assert cpu is not None and cpu.available_kv_gib is None and cpu.model_load_gib is None
 
 
-def test_the_sampler_s_parse_reads_the_gauges_alone_and_the_same_values():
+FINISHED = """# HELP vllm:request_success_total Count of successfully processed requests.
+# TYPE vllm:request_success_total counter
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="m"} 5.0
+vllm:request_success_total{engine="0",finished_reason="length",model_name="m"} 84.0
+vllm:request_success_total{engine="0",finished_reason="abort",model_name="m"} 3.0
+"""
+
+
+def test_the_sampler_s_parse_reads_the_gauges_and_the_finished_requests_alone_and_the_same_values():
     text = TEMPLATE.format(running=3, kv=0.25, preempt=1, queries=100, hits=40, b1=2, b2=4, tsum=0.5)
     text = (
         "# HELP vllm:num_requests_running Running.\n"
         + text
         + '# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{engine="0"} 7\n'
+        + FINISHED
     )
-    gauges = MetricsSnapshot.parse_gauges(text)
-    assert (
-        gauges.gauges
-        == MetricsSnapshot.parse(text).gauges
-        == {"requests_running": 3, "requests_waiting": 7, "kv_cache_usage": 0.25}
-    )
-    assert gauges.counters == {} and gauges.histograms == {}
+    light, full = MetricsSnapshot.parse_gauges(text), MetricsSnapshot.parse(text)
+    assert light.gauges == full.gauges == {"requests_running": 3, "requests_waiting": 7, "kv_cache_usage": 0.25}
+    # the finished requests, in the same scrape as the gauges (the disconnect scenario's survivors); aborted ones
+    # (finished_reason="abort") are not requests run to their end
+    assert light.counters == {"requests_finished": 89.0} and full.counters["requests_finished"] == 89.0
+    assert light.histograms == {}
 
 
 def test_a_dp_server_s_engines_add_up_their_requests_but_not_their_kv_cache_shares():

@@ -82,7 +82,7 @@ def test_one_replica_alone_and_a_level_delta_from_the_agents():
     assert delta["prefix_cache_hit_rate"] == pytest.approx(0.25)
 
 
-def test_gauges_only_reads_no_counter_and_nothing_of_the_replicas_is_none():
+def test_gauges_only_reads_no_counter_but_the_finished_requests_and_nothing_of_the_replicas_is_none():
     gauges = replicas_snapshot([NODE_A, NODE_B], {"r1", "r2"}, gauges_only=True)
     assert gauges.counters == {} and gauges.histograms == {}
     assert gauges.gauges == {"requests_running": 7.0, "requests_waiting": 7.0, "kv_cache_usage": pytest.approx(0.9)}
@@ -128,6 +128,9 @@ def test_counts_stay_monotonic_when_serve_replaces_a_replica_or_a_node_is_not_re
     assert third.counters["requests_finished"] == 110 + 60 + 4 and third.gauges["requests_running"] == 4
     assert level_delta(second, third)["requests_finished"] == 14
     assert ReplicaCounts().update({}) is None
+    # a light read (gauges_only) carries the finished requests too, added up over the replicas
+    light = replicas_snapshot([finished("r1", 100, 3), finished("r2", 50, 2)], ids, gauges_only=True)
+    assert light is not None and light.counters == {"requests_finished": 150} and light.gauges["requests_running"] == 5
 
 
 class ReplayedAgents:

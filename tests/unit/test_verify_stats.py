@@ -24,6 +24,7 @@ from servetune.verify.stats import (
     jitter,
     lead,
     step_s,
+    survivors_running,
     tokens_stopped,
     window_samples,
     windows,
@@ -128,6 +129,19 @@ def test_cancellation_success_counts_what_vllm_still_holds_beyond_the_survivors(
     assert cancellation_success_rate([DropRound(4, 4, math.nan, 4, None)]) is None
     late = DropRound(4, 4, 8, 8, None, released_s=3.1, allowed_s=2.0)  # released, but after the allowance
     assert late.observed and late.leaked == 4 and cancellation_success_rate([released, late]) == 0.5
+
+
+def test_the_survivors_vllm_still_runs_are_its_own_count_not_the_clients():
+    # 4 survivors; vLLM finished 3 of them since the round began, the client (reading behind it) has read the end of 1
+    assert survivors_running(4, 3.0, open_by_client=3) == 1
+    assert survivors_running(4, 0.0, open_by_client=4) == 4
+    assert survivors_running(4, 6.0, open_by_client=0) == 0  # more finished than survivors: none runs (not negative)
+    assert survivors_running(4, None, open_by_client=3) == 3  # no count from vLLM: the client's, lag and all
+    # A release is its gauge at or below that: 2 dropped streams still held while both survivors have ended on the
+    # engine but not yet on the client read 2 in flight, which the client's count (2 open) takes for released.
+    held = 2.0
+    assert held <= survivors_running(2, None, open_by_client=2)
+    assert held > survivors_running(2, 2.0, open_by_client=2)
 
 
 def test_a_round_says_when_its_phases_and_streams_ran_and_why_it_judges_nothing():

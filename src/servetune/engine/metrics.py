@@ -33,6 +33,8 @@ GAUGES = {
 }
 #: Gauges that are a share of one engine's capacity: several engines' do not add up.
 SHARE_GAUGES = ("kv_cache_usage",)
+#: The ``finished_reason`` of a request vLLM aborted: not counted among ``requests_finished``.
+ABORTED = "abort"
 #: Counters (family names, without ``_total``).
 COUNTERS = {
     "preemptions": ("vllm:num_preemptions",),
@@ -40,12 +42,21 @@ COUNTERS = {
     "prefix_cache_hits": ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits"),
     "prompt_tokens": ("vllm:prompt_tokens",),
     "generation_tokens": ("vllm:generation_tokens",),
+    # Requests vLLM finished, by any reason but ``abort`` (label ``finished_reason``: stop, length, abort, and in newer
+    # releases error; every reason's sample is written from the start): those run to their end or failed there. A
+    # request aborted because its client went away is not counted by vLLM v1 (``OutputProcessor.abort_requests``
+    # records no finished stats); where one is, it is left out, so the count stays what ran to its end.
     "requests_finished": ("vllm:request_success",),
     # Only a server with --speculative-config has these (vllm/v1/spec_decode/metrics.py, SpecDecodingProm).
     SPEC_DRAFTS: ("vllm:spec_decode_num_drafts",),
     SPEC_DRAFT_TOKENS: ("vllm:spec_decode_num_draft_tokens",),
     SPEC_ACCEPTED_TOKENS: ("vllm:spec_decode_num_accepted_tokens",),
 }
+#: What a light read (``gauges_only``) parses: the gauges, and the requests finished (a few lines, one per finish
+#: reason and engine), which the disconnect scenario reads in the same scrape as the gauge it judges
+#: (verify/disconnects.py: the survivors the engine finished, told by the engine rather than by a client that may
+#: read behind it).
+LIGHT_FAMILIES = (*(name for names in GAUGES.values() for name in names), *COUNTERS["requests_finished"])
 #: Accepted tokens per draft position: one sample per position (label ``position``), per engine.
 SPEC_PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 #: The requests vLLM 0.32's admission bounds refused with a 503 (``AsyncLLM.check_admission`` counts each before it
@@ -112,12 +123,13 @@ class MetricsSnapshot:
 
     @classmethod
     def parse_gauges(cls, text: str) -> MetricsSnapshot:
-        """Only the gauges, from their own lines: what the sampler reads twice a second.
+        """Only the gauges and the finished requests (:data:`LIGHT_FAMILIES`), from their own lines: what the
+        sampler reads twice a second.
 
         The full text runs to thousands of histogram lines; parsing them all in the load
         client's event loop, twice a second, would delay the very token timestamps it records.
         """
-        return cls.parse(lines_of(text, tuple(name for family in GAUGES.values() for name in family)))
+        return cls.parse(lines_of(text, LIGHT_FAMILIES))
 
     @classmethod
     def parse(cls, text: str) -> MetricsSnapshot:
@@ -141,7 +153,7 @@ class MetricsSnapshot:
                 snap.gauges[ours] = max(values) if ours in SHARE_GAUGES else sum(values)
         for ours, names in COUNTERS.items():
             if (found := _first(samples, tuple(n + "_total" for n in names))) is not None:
-                snap.counters[ours] = sum(s.value for s in found)
+                snap.counters[ours] = sum(s.value for s in found if s.labels.get("finished_reason") != ABORTED)
         for s in samples.get(SPEC_PER_POSITION, []):
             at_position = spec_accepted_at(int(s.labels["position"]))
             snap.counters[at_position] = snap.counters.get(at_position, 0.0) + s.value

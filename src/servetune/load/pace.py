@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -92,19 +93,45 @@ def shards_bound(paces: Sequence[ClientPace]) -> str | None:
 #: How late a tick of the client's event loop may wake before it counts as a stall: the send lag's bound.
 STALL_BOUND_S = SEND_LAG_BOUND_MS / 1000.0
 
+#: A stall's span: from when the loop should have woken to when it did, in ``time.perf_counter`` seconds (the
+#: system's monotonic clock: one for every process, so the spans of a level's shards, load/shard.py, compare).
+StallSpan = tuple[float, float]
+
+
+def longest_stall_s(spans: Iterable[StallSpan]) -> float:
+    """The longest of the stalls, in seconds (0 without any). Over a level split across client processes, the
+    longest of any shard's: a request is read by one shard, so its latency grew by its shard's longest stall at most,
+    and the longest of all bounds every request's (what ``config.slo.stall_off`` takes off)."""
+    return max((end - start for start, end in spans), default=0.0)
+
+
+def stalled_s(spans: Iterable[StallSpan]) -> float:
+    """The seconds some client stalled in: the union of the spans. One event loop's stalls follow one another, so for
+    one process this is their sum. Over a level's shards it is the seconds in which some of the level's client was
+    not running: a sum would count a stall of the whole host (a host short of cores stops every shard at once) once
+    per shard, and the most of any one shard's would miss stalls that came to different shards at different times."""
+    total, reach = 0.0, -math.inf
+    for start, end in sorted(spans):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
 
 class LoopStalls:
     """The load client's own stalls while it runs (``async with LoopStalls() as stalls``): a task on the client's
     event loop sleeps ``tick_s`` again and again and notes each wake-up later than asked by over
-    :data:`STALL_BOUND_S`. A stall is the client not running: a host short of cores did not schedule its process,
-    or something blocked its loop. A request in flight across a stall was timed up to the stall's length too long
-    (its answer waited to be read), and one due in it was sent that much late. The send lag's median
-    (:func:`client_bound`) passes over a few such stalls; a verdict on a request's tail cannot
-    (verify/overload.py)."""
+    :data:`STALL_BOUND_S`, with its span (``spans``). A stall is the client not running: a host short of cores did
+    not schedule its process, or something blocked its loop. A request in flight across a stall was timed up to the
+    stall's length too long (its answer waited to be read), and one due in it was sent that much late. The send lag's
+    median (:func:`client_bound`) passes over a few such stalls; a verdict on a request's tail cannot
+    (verify/overload.py). A level split across client processes runs one in each shard (load/shard.py), and the
+    level's stalls are theirs together: the longest of any (:func:`longest_stall_s`), the union of their spans
+    (:func:`stalled_s`)."""
 
     def __init__(self, tick_s: float = 0.01) -> None:
         self.tick_s = tick_s
-        self.stalls: list[float] = []  # each stall's seconds past the tick
+        self.spans: list[StallSpan] = []  # each stall: from when the tick was due to when it woke
         self._task: asyncio.Future[None] | None = None
 
     async def __aenter__(self) -> LoopStalls:
@@ -121,14 +148,19 @@ class LoopStalls:
         while True:
             before = time.perf_counter()
             await asyncio.sleep(self.tick_s)
-            late = time.perf_counter() - before - self.tick_s
-            if late > STALL_BOUND_S:
-                self.stalls.append(late)
+            woke = time.perf_counter()
+            if woke - before - self.tick_s > STALL_BOUND_S:
+                self.spans.append((before + self.tick_s, woke))
+
+    @property
+    def stalls(self) -> list[float]:
+        """Each stall's seconds past the tick."""
+        return [end - start for start, end in self.spans]
 
     @property
     def longest_s(self) -> float:
-        return max(self.stalls, default=0.0)
+        return longest_stall_s(self.spans)
 
     @property
     def total_s(self) -> float:
-        return sum(self.stalls)
+        return stalled_s(self.spans)

@@ -18,6 +18,10 @@ servetune.load.shard`` in a session of its own:
   process: once ``stop()`` says so, every shard is told to send no more;
 - each shard measures its own CPU share and send lags; the level is client-bound when any shard was
   (:func:`servetune.load.pace.shards_bound`);
+- each shard records its own event loop's stalls (:class:`servetune.load.pace.LoopStalls`) and reports their spans
+  on the level's one clock; the level's stalls are all shards' (``ShardedRun.stall_spans``): the longest of any, and
+  the seconds in which any shard stalled (the union of the spans: a stall of the whole host, which stops every shard
+  at once, counts once);
 - a shard that dies fails the level (:class:`ClientShardError`), and every shard's process group is killed
   whatever ends the level, so nothing is left behind.
 
@@ -45,7 +49,7 @@ from typing import BinaryIO, Literal
 import numpy as np
 
 from servetune.load.client import StreamingClient
-from servetune.load.pace import ClientPace, client_pace, shards_bound
+from servetune.load.pace import ClientPace, LoopStalls, StallSpan, client_pace, shards_bound
 from servetune.load.requests import RequestSpec
 from servetune.load.runner import Level, arrival_gaps, run_level
 from servetune.metrics import RequestRecord
@@ -112,15 +116,22 @@ class ShardPlan:
 
 @dataclass(frozen=True)
 class ShardedRun:
-    """A level's merged records (level order) and how the client kept up: over all shards, and per shard."""
+    """A level's merged records (level order) and how the client kept up: over all shards, and per shard, with each
+    shard's event-loop stalls (:class:`~servetune.load.pace.LoopStalls`' spans)."""
 
     records: list[RequestRecord]
     pace: ClientPace
     shard_paces: tuple[ClientPace, ...]
+    shard_stalls: tuple[tuple[StallSpan, ...], ...] = ()
 
     @property
     def client_bound(self) -> str | None:
         return shards_bound(self.shard_paces)
+
+    @property
+    def stall_spans(self) -> list[StallSpan]:
+        """Every shard's stalls, on the level's one clock (read by ``pace.longest_stall_s`` and ``pace.stalled_s``)."""
+        return [span for spans in self.shard_stalls for span in spans]
 
 
 def split_evenly(total: int, parts: int) -> list[int]:
@@ -192,6 +203,7 @@ async def run_sharded(
     procs: list[asyncio.subprocess.Process] = []
     records: list[RequestRecord] = []
     measured: dict[int, tuple[float, float]] = {}  # shard -> its CPU seconds and wall seconds over the level
+    stalls: dict[int, tuple[StallSpan, ...]] = {}  # shard -> its event loop's stalls over the level
     stopped = False
 
     def tell_all(message: object) -> None:
@@ -226,8 +238,8 @@ async def run_sharded(
                     if not stopped and stop is not None and stop():
                         stopped = True
                         tell_all(("stop",))
-                case ("done", float() as cpu_s, float() as wall_s):
-                    measured[k] = (cpu_s, wall_s)
+                case ("done", float() as cpu_s, float() as wall_s, tuple() as spans):
+                    measured[k], stalls[k] = (cpu_s, wall_s), spans
                     return
                 case ("error", str() as text):
                     raise ClientShardError(f"load client shard {k + 1} of {shards} failed during {level}: {text}")
@@ -272,7 +284,7 @@ async def run_sharded(
     merged = client_pace(records, None, None)
     shares = [p.cpu_share for p in shard_paces if p.cpu_share is not None]
     pace = ClientPace(max(shares, default=None), merged.send_lag_ms_p50, merged.send_lag_ms_p99)
-    return ShardedRun(records, pace, shard_paces)
+    return ShardedRun(records, pace, shard_paces, tuple(stalls[plan.shard] for plan in plans))
 
 
 def auto_client_processes(level: Level, output_tokens: float, cpus: int, rated: float = RATED_CHUNKS_PER_S,
@@ -310,12 +322,13 @@ async def _shard(plan: ShardPlan, client: ClientSettings, t0: float, stop: threa
         if (delay := t0 - time.perf_counter()) > 0:
             await asyncio.sleep(delay)
         cpu_at = time.process_time()  # this shard's CPU over the level (load/pace.py)
-        await run_level(
-            session, plan.specs, plan.level, num_requests=len(plan.specs), duration_s=plan.duration_s, seed=plan.seed,
-            on_done=send, stop=stop.is_set, stagger=plan.stagger, t0=t0, schedule=plan.schedule,
-        )  # fmt: skip
+        async with LoopStalls() as stalls:  # this shard's own stalls, which the level's verdict tells from the server's
+            await run_level(
+                session, plan.specs, plan.level, num_requests=len(plan.specs), duration_s=plan.duration_s,
+                seed=plan.seed, on_done=send, stop=stop.is_set, stagger=plan.stagger, t0=t0, schedule=plan.schedule,
+            )  # fmt: skip
         cpu_s, wall_s = time.process_time() - cpu_at, time.perf_counter() - t0
-    out.write(_frame(("done", float(cpu_s), float(wall_s))))
+    out.write(_frame(("done", float(cpu_s), float(wall_s), tuple(stalls.spans))))
     out.flush()
 
 

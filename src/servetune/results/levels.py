@@ -61,7 +61,8 @@ class LevelResult(BaseModel):
     send_lag_ms_p99: float | None = None  # and its P99
     client_bound: str | None = None  # why the client may have fallen behind (load/pace.py): no SLO verdict then
     #: The load client's own stalls over the level (load/pace.py ``LoopStalls``: its event loop woke late by over
-    #: 50 ms): the longest, in ms, and their sum, in s (None: not recorded, a level run across client processes).
+    #: 50 ms): the longest, in ms, and the seconds it stalled in, in s; a level split across client processes records
+    #: its shards' together: the longest of any, and the union of their stalls (None: not recorded).
     client_stall_ms_max: float | None = None
     client_stalled_s: float | None = None
     #: Why the level's SLO verdict is unsettled: it broke the SLO by a margin the client's longest stall accounts

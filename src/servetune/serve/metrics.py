@@ -19,12 +19,13 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from servetune.engine.metrics import GAUGES, MetricsSnapshot, lines_of
+from servetune.engine.metrics import LIGHT_FAMILIES, MetricsSnapshot, lines_of
 from servetune.metrics import KV_METRIC, WAITING_METRIC
 
 #: How Ray's metrics agent names vLLM's metrics: ``vllm:num_requests_waiting`` -> ``ray_vllm_num_requests_waiting``.
 RAY_PREFIX, VLLM_PREFIX = "ray_vllm_", "vllm:"
-_RAY_GAUGES = tuple(RAY_PREFIX + name.removeprefix(VLLM_PREFIX) for names in GAUGES.values() for name in names)
+#: What a light read parses (engine/metrics.py ``LIGHT_FAMILIES``: the gauges and the finished requests), as named here.
+_RAY_LIGHT = tuple(RAY_PREFIX + name.removeprefix(VLLM_PREFIX) for name in LIGHT_FAMILIES)
 
 
 def replica_snapshots(
@@ -34,8 +35,9 @@ def replica_snapshots(
     be; a replica with no sample there (yet: an agent exports what a worker reported a report interval
     ago) is absent."""
     per_replica: dict[str, dict[str, list]] = {}
-    # Only vLLM's lines are parsed (its gauges' where asked): an agent's text is mostly Ray's and Serve's own metrics.
-    wanted = _RAY_GAUGES if gauges_only else (RAY_PREFIX,)
+    # Only vLLM's lines are parsed (its gauges' and finished requests' where asked): an agent's text is mostly Ray's and
+    # Serve's own metrics.
+    wanted = _RAY_LIGHT if gauges_only else (RAY_PREFIX,)
     for text in texts:
         try:
             families = list(text_string_to_metric_families(lines_of(text, wanted)))

@@ -69,7 +69,7 @@ class FakeOpenAI:
                  max_num_seqs: int | None = None, dev_mode: bool = True, stall_after: int | None = None,
                  stall_ms: float = 0.0, release_ms: float = 0.0, max_num_queued_reqs: int | None = None,
                  twin: Twin | None = None, honour_asks: bool = True,
-                 vllm_config: dict[str, Any] | None = None) -> None:  # fmt: skip
+                 vllm_config: dict[str, Any] | None = None, finish_lead_ms: float = 0.0) -> None:  # fmt: skip
         self.ttft_s = ttft_ms / 1000.0
         # What ``/server_info?config_format=json`` answers (dev mode), as a vLLM that resolved these (None: no route)
         self.vllm_config = vllm_config
@@ -80,6 +80,9 @@ class FakeOpenAI:
         self.disconnected = 0  # streams the client closed before their end
         # An engine slow to notice a client gone: a dropped stream stays running this long.
         self.release_s = release_ms / 1000.0
+        # An engine done with a request before its client has read the end: counted finished and no longer running this
+        # long before the stream's last bytes (a client reading behind the engine, as on a loaded host).
+        self.finish_lead_s = finish_lead_ms / 1000.0
         self.model = model
         self.honour_asks = honour_asks  # n and logprobs: streamed as asked, or left out
         # A GPU twin (testing/twin.py) paces every request by the estimate instead of ttft_ms / itl_ms:
@@ -151,8 +154,12 @@ class FakeOpenAI:
             f'vllm:num_requests_waiting{{model_name="{self.model}"}} {waiting}\n'
             "# TYPE vllm:generation_tokens_total counter\n"
             f'vllm:generation_tokens_total{{model_name="{self.model}"}} {self.generated}\n'
+            # vLLM writes every finish reason from its start; the fake runs each request to its max_tokens, and, as
+            # vLLM v1, does not count a request its client dropped (the abort's sample stays 0)
             "# TYPE vllm:request_success_total counter\n"
-            f'vllm:request_success_total{{model_name="{self.model}"}} {self.finished}\n'
+            f'vllm:request_success_total{{model_name="{self.model}",finished_reason="stop"}} 0\n'
+            f'vllm:request_success_total{{model_name="{self.model}",finished_reason="length"}} {self.finished}\n'
+            f'vllm:request_success_total{{model_name="{self.model}",finished_reason="abort"}} 0\n'
             "# TYPE vllm:prefix_cache_queries counter\n"
             f'vllm:prefix_cache_queries_total{{model_name="{self.model}"}} {self.cache_queries}\n'
             "# TYPE vllm:prefix_cache_hits counter\n"
@@ -198,7 +205,7 @@ class FakeOpenAI:
         if twin is not None:
             self.in_flight += 1
             self.twin_slots = twin.slots(prompt_tokens, n_out)
-        dropped = False
+        dropped = released = False
         due = start
         try:
             for i in range(n_out):
@@ -217,6 +224,11 @@ class FakeOpenAI:
                         choice["logprobs"] = _logprobs(chat, i)
                     await resp.write(b"data: " + json.dumps({"choices": [choice]}).encode() + b"\n\n")
                     self.generated += 1
+            if self.finish_lead_s > 0:  # the engine is done: counted and released before the client has the end
+                self.finished += 1
+                self._release()
+                released = True
+                await asyncio.sleep(self.finish_lead_s)
             usage = {
                 "prompt_tokens": prompt_tokens,
                 "completion_tokens": n_out * choices,
@@ -224,13 +236,16 @@ class FakeOpenAI:
             }
             await resp.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")
             await resp.write(b"data: [DONE]\n\n")
-            self.finished += 1
+            if not released:
+                self.finished += 1
         except (ConnectionError, asyncio.CancelledError):
             self.disconnected += 1  # the client went away: stop generating, as vLLM aborts the request
             dropped = True
             raise
         finally:
-            if dropped and self.release_s > 0:
+            if released:
+                pass
+            elif dropped and self.release_s > 0:
                 asyncio.get_running_loop().call_later(self.release_s, self._release)
             else:
                 self._release()

@@ -40,7 +40,7 @@ from servetune.engine.frontend import CpuReading, busiest
 from servetune.engine.metrics import MetricsSnapshot, level_delta
 from servetune.errors import EngineDiedError, UserError
 from servetune.load.client import StreamingClient
-from servetune.load.pace import LoopStalls, client_bound, client_pace
+from servetune.load.pace import LoopStalls, client_bound, client_pace, longest_stall_s, stalled_s
 from servetune.load.requests import PromptFactory, RequestSpec, iter_requests
 from servetune.load.runner import Level, cancel_and_wait, run_level
 from servetune.load.shard import ClientSettings, ShardedRun, auto_client_processes, run_sharded
@@ -221,7 +221,8 @@ async def measure_level(
     server; ``ServeEngine.frontend_cpu``: Serve's proxy and the application's replicas), at the level's start and its
     end: the level's ``frontend_cpu_share`` and ``frontend_process`` (None without it).
     The load client's own stalls (load/pace.py ``LoopStalls``) are recorded over the level (``client_stall_ms_max``,
-    ``client_stalled_s``; not for a level split across client processes, whose clients run elsewhere), and a level
+    ``client_stalled_s``; a level split across client processes takes its shards' together: the longest of any, the
+    seconds any of them stalled in), and a level
     that broke the SLO beyond ``stall_tolerance`` (what its verdict forgives: the noise of a level run once) by a
     margin the longest stall accounts for says so in ``client_stalled`` (results ``stall_unsettled``): its verdict
     is unsettled.
@@ -302,6 +303,7 @@ async def measure_level(
         )
         energy_note = devices.energy_note
     pace = client_pace(records, cpu_s, wall_s) if sharded is None else sharded.pace
+    spans = stalls.spans if sharded is None else sharded.stall_spans
     bound = client_bound(pace) if sharded is None else sharded.client_bound
     mean_prompt = summary.total_input_tokens / summary.completed if summary.completed else 0.0
     reused = None
@@ -315,8 +317,7 @@ async def measure_level(
         client_cpu_share=pace.cpu_share, send_lag_ms_p50=pace.send_lag_ms_p50, send_lag_ms_p99=pace.send_lag_ms_p99,
         client_bound=bound, frontend_cpu_share=frontend[0] if frontend else None,
         frontend_process=frontend[1] if frontend else None,
-        client_stall_ms_max=stalls.longest_s * 1000.0 if sharded is None else None,
-        client_stalled_s=stalls.total_s if sharded is None else None,
+        client_stall_ms_max=longest_stall_s(spans) * 1000.0, client_stalled_s=stalled_s(spans),
     )  # fmt: skip
     result.client_stalled = stall_unsettled(result, slo, stall_tolerance)
     return result, records

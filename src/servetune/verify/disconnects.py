@@ -3,9 +3,13 @@
 Each round sends streams that last as long as the server allows, waits until every one has its
 first tokens and vLLM's gauges show them all in flight, then closes half the connections (the
 client's task is cancelled: aiohttp drops the connection mid-stream). vLLM's running and waiting
-requests must fall back to the survivors the client still holds open within the allowance:
+requests must fall back to the survivors it still runs within the allowance:
 ``FALLBACK_S``, or ``RELEASE_STEPS`` of the engine's steps as the streams showed them, when its
-steps are slow (a loaded host). The gauge is watched on for ``WATCH_S``, so that a release that
+steps are slow (a loaded host). The survivors it still runs are those it has not finished by its
+own count (``vllm:request_success_total`` since the round began, read in the same scrape as the
+gauge: ``stats.survivors_running``), not those the client still holds open: a client reading
+behind the engine (a loaded host) holds a survivor open after the engine finished it, and a
+dropped stream still held would pass for released. The gauge is watched on for ``WATCH_S``, so that a release that
 came late is told apart from one that never came (a leak). The survivors, as long as the dropped
 ones, must still run then: a round whose requests had all ended on the server (a fast engine
 outruns a client on a loaded host) proves nothing, is not judged, and is tried again (up to as
@@ -21,7 +25,7 @@ Then, for ``TOKEN_SPAN_S``, the tokens vLLM generates
 (``vllm:generation_tokens_total``) must follow what the survivors receive. ``stats.DropRound``
 holds a round, ``stats.cancellation_success_rate`` and ``stats.tokens_stopped`` judge them.
 
-Through Serve the gauges are the replicas' added up, read through Ray's metrics agents up to the
+Through Serve the gauges and the finished count are the replicas' added up, read through Ray's metrics agents up to the
 source's lag late: the waits, the allowance and the token span grow by it (the span by twice it,
 so that two reads each late by up to the lag still cover mostly the same tokens as the client's).
 The agents are read once a report interval (``readings.report_interval_s``, 1 s on servetune's local Ray), as often
@@ -43,8 +47,15 @@ from servetune.load.requests import iter_requests
 from servetune.metrics import RequestRecord
 from servetune.trial.readings import report_interval_s
 from servetune.verify.scenarios import STREAMS, ScenarioResult, Target, fixed_workload, fmt
-from servetune.verify.stats import DropRound, StreamTimes, cancellation_success_rate, step_s, tokens_stopped
-from servetune.verify.watch import in_flight, lag_s, read_metrics
+from servetune.verify.stats import (
+    DropRound,
+    StreamTimes,
+    cancellation_success_rate,
+    step_s,
+    survivors_running,
+    tokens_stopped,
+)
+from servetune.verify.watch import finished, in_flight, lag_s, read_metrics
 
 DROP_SHARE = 0.5
 FALLBACK_S = 2.0  # vLLM must release dropped requests within this, or within RELEASE_STEPS steps
@@ -98,6 +109,8 @@ async def _drop_round(
     async def read(gauges_only: bool = False):
         return await read_metrics(session, t.url, t.metrics, gauges_only=gauges_only)
 
+    # What vLLM had finished before the round: the survivors it finishes are counted from here.
+    finished_at = finished(await read(gauges_only=True))
     specs = [next(requests) for _ in range(streams)]
     records = [RequestRecord(index=i, sent=0.0, input_tokens=s.input_tokens, max_tokens=s.output_tokens,
                              request_class="dropped" if i < dropped else "survivor") for i, s in enumerate(specs)]  # fmt: skip
@@ -107,7 +120,7 @@ async def _drop_round(
     sends = [client.send(s, r, t0, latency_timeouts=False) for s, r in zip(specs, records, strict=True)]
     tasks = [asyncio.ensure_future(send) for send in sends]
     try:
-        round_ = await _judge(t, read, records, tasks, streams, dropped, t0, lag, poll_s)
+        round_ = await _judge(t, read, records, tasks, streams, dropped, t0, lag, poll_s, finished_at)
     finally:
         for task in tasks:
             task.cancel()
@@ -120,7 +133,7 @@ async def _drop_round(
 
 
 async def _judge(t: Target, read, records, tasks, streams: int, dropped: int, t0: float, lag: float,
-                 poll_s: float) -> DropRound:  # fmt: skip
+                 poll_s: float, finished_at: float | None) -> DropRound:  # fmt: skip
     """The round from its first tokens on: its drop while every stream is in flight, the watch, the token span."""
 
     def since() -> float:
@@ -135,6 +148,8 @@ async def _judge(t: Target, read, records, tasks, streams: int, dropped: int, t0
         if snap is not None:
             before, gauge_s = in_flight(snap), since()
             if before >= streams:
+                # a source with nothing to read at the round's start (a late one) counts from here: every stream runs
+                finished_at = finished(snap) if finished_at is None else finished_at
                 break
         await asyncio.sleep(poll_s)
     # A stream that ended before the drop (a loaded host: the pre-drop phase outlasted it) leaves nothing to judge
@@ -155,10 +170,10 @@ async def _judge(t: Target, read, records, tasks, streams: int, dropped: int, t0
     drop_s = since()
     survivors = records[dropped:]
     allowed = max(FALLBACK_S, RELEASE_STEPS * step_s([r.chunk_times for r in records])) + lag
-    # vLLM released the dropped streams once what it holds is no more than the survivors the
-    # client still holds open; ``settled`` is the last sample asked within the allowance.
+    # vLLM released the dropped streams once what it holds is no more than the survivors it still runs by its own count
+    # of those it finished; ``settled`` is the last sample asked within the allowance.
     released, unread = None, 0
-    settled, open_now = before, sum(r.end is None for r in survivors)
+    settled, open_now, done_then = before, sum(r.end is None for r in survivors), None
     # Without a gauge before the drop (the engine cannot be read, or died) there is nothing to watch.
     while not math.isnan(before) and (asked := time.perf_counter() - dropped_at) <= max(WATCH_S, 2 * allowed):
         open_then = sum(r.end is None for r in survivors)
@@ -168,16 +183,19 @@ async def _judge(t: Target, read, records, tasks, streams: int, dropped: int, t0
             break  # the engine stopped answering: what it holds cannot be told
         if snap is not None:
             held = in_flight(snap)
+            done = None if finished_at is None or (now := finished(snap)) is None else now - finished_at
+            running = survivors_running(len(survivors), done, open_then)
             if asked <= allowed:
-                settled, open_now = held, open_then
-            if held <= open_then:
-                # A survivor the engine finished just before the read still reads open to the client until its last
-                # chunk is handled: the dropped streams still held would pass for released (a leak missed in CI).
-                await asyncio.sleep(poll_s)
-                if sum(r.end is None for r in survivors) == open_then:
-                    released = asked
-                    break
-                continue
+                settled, open_now, done_then = held, running, done
+            if held <= running:
+                # Without vLLM's count, the client's: a survivor the engine finished just before the read still reads
+                # open to the client until its last chunk is handled, so it must hold a poll later too.
+                if done is None:
+                    await asyncio.sleep(poll_s)
+                    if sum(r.end is None for r in survivors) != open_then:
+                        continue
+                released = asked
+                break
         await asyncio.sleep(poll_s)
     fell_back = released if released is not None and released <= allowed else None
     # Then vLLM's generated tokens must follow what the survivors receive: a dropped request
@@ -198,7 +216,7 @@ async def _judge(t: Target, read, records, tasks, streams: int, dropped: int, t0
         client_tokens = sum(start <= c <= end for r in survivors for c in r.chunk_times)
     return DropRound(dropped, open_now, before, settled, fell_back, server_tokens, client_tokens, streams,
                      released_s=released, allowed_s=allowed, first_tokens_s=first_tokens_s, gauge_s=gauge_s,
-                     drop_s=drop_s)  # fmt: skip
+                     drop_s=drop_s, survivors_finished=done_then)  # fmt: skip
 
 
 async def _drained(session: aiohttp.ClientSession, t: Target, timeout_s: float = 10.0) -> None:

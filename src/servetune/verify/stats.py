@@ -267,8 +267,9 @@ class DropRound:
     """One round of the disconnect scenario, as the client and vLLM's ``/metrics`` saw it.
 
     ``before``: requests running or waiting in vLLM just before the drop; ``settled``: the same
-    gauge when it first fell to the survivors the client still held open (``survivors``) within
-    the allowed time (``allowed_s``), else at its last sample in that time; ``fell_back_s``: how
+    gauge when it first fell to the survivors vLLM should still hold (``survivors``: :func:`survivors_running`, those
+    it had not finished by its own count, ``survivors_finished``; None where it gives none: those the client still
+    held open) within the allowed time (``allowed_s``), else at its last sample in that time; ``fell_back_s``: how
     long that took (None: not within the allowance). ``released_s``: when the gauge fell back at
     all, within the longer watch (later than ``allowed_s``: a late release; None: still held at
     the watch's end, a leak). ``server_tokens`` / ``client_tokens``: tokens vLLM generated, and the
@@ -293,6 +294,7 @@ class DropRound:
     drop_s: float | None = None
     stream_times: tuple[StreamTimes, ...] = ()
     given_up: str | None = None
+    survivors_finished: float | None = None
 
     @property
     def observed(self) -> bool:
@@ -341,6 +343,18 @@ def step_s(chunk_times: Sequence[Sequence[float]]) -> float:
     first on, so the prefill is left out), the median over streams; 0 when none has two."""
     gaps = [(times[-1] - times[0]) / (len(times) - 1) for times in chunk_times if len(times) >= 2]
     return float(np.median(gaps)) if gaps else 0.0
+
+
+def survivors_running(survivors: int, finished: float | None, open_by_client: int) -> int:
+    """The survivors vLLM should still hold, against which its gauge of requests in flight tells a release: those it
+    has not finished by its own count (``finished``: vLLM's ``request_success`` since the round began, read in the
+    same scrape as the gauge, so neither runs ahead of the other). Where vLLM gives no such count, the client's count
+    of survivors still open (``open_by_client``): that one lags the engine by as much as the client reads behind it, and
+    a survivor the engine finished but the client had not yet read to its end would let a dropped stream still held
+    pass for released."""
+    if finished is None:
+        return open_by_client
+    return max(0, survivors - round(finished))
 
 
 def cancellation_success_rate(rounds: Sequence[DropRound]) -> float | None:

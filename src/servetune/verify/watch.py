@@ -3,7 +3,7 @@
 :class:`Trace` samples, once a second, vLLM's gauges (requests running and waiting, KV-cache
 usage) and the resident memory of the engine's processes; ``read_metrics`` (the trial's own reader,
 ``trial/measure.py``) reads them once, counters included (the disconnect scenario follows running
-requests and generated tokens): from ``/metrics``, or from a
+requests, the requests finished, which a light read carries too, and generated tokens): from ``/metrics``, or from a
 :class:`~servetune.trial.readings.MetricsSource` where the URL has none (a Serve deployment's replicas,
 read through Ray's metrics agents, late by up to the source's ``lag_s``).
 """
@@ -25,6 +25,11 @@ from servetune.trial.readings import MetricsSource, read_metrics
 def in_flight(snap: MetricsSnapshot) -> float:
     """Requests vLLM holds: running plus waiting."""
     return snap.gauges.get("requests_running", 0.0) + snap.gauges.get("requests_waiting", 0.0)
+
+
+def finished(snap: MetricsSnapshot | None) -> float | None:
+    """Requests vLLM finished (``request_success``, aborts left out), a light read's too; None: not read."""
+    return snap.counters.get("requests_finished") if snap is not None else None
 
 
 def engine_rss_bytes(pid: int | None) -> float | None:
