@@ -33,7 +33,7 @@ SLOW_FILES_S = {
     "tests/e2e/test_verify_vllm_cpu.py": 110,
     "tests/e2e/test_bench_vllm_cpu.py": 60,
     "tests/integration/test_multinode.py": 310,
-    "tests/integration/test_ray_job_submit.py": 255,
+    "tests/integration/test_ray_job_submit.py": 120,
     "tests/integration/test_export_deploy_serve.py": 155,
     "tests/integration/test_study.py": 150,
     "tests/integration/test_rolling_update_serve.py": 340,

@@ -5,16 +5,19 @@ machine where a local study ran before (``make demo``: here ``servetune run`` wi
 engine): a Ray head starts on 127.0.0.1 with two declared GPUs (``ray start --head --block``,
 its own ports and temp dir); ``ray job submit --no-wait`` sends ``python -m servetune run`` with a
 small working directory; ``servetune run`` joins that cluster through the ``RAY_ADDRESS`` the job
-supervisor sets. The module's tests share the shell and the head (a head start is half a minute
-of this host): one submits a study on the fake engine, the other one whose trial starts vLLM's
-CPU build on the tiny model (about a minute) and runs the quality probe as the study's reference.
-They check the job succeeded, its driver joined this cluster, and the trials' result.json. (Later
-trials compared with the reference's answers: tests/e2e/test_study_vllm_cpu.py, the same
-with_parameters path through Ray.) The head is stopped by process id (tests/ray_heads.py).
+supervisor sets. The module's tests share the shell, the head (a head start is half a minute
+of this host) and one job (``job``): a study whose trial starts vLLM's CPU build on the tiny model
+(about a minute) and runs the quality probe as the study's reference, the README's ``ray job
+submit`` as it stands. One test reads that the job succeeded and its driver joined this cluster,
+the other the trial's result.json. (Later trials compared with the reference's answers:
+tests/e2e/test_study_vllm_cpu.py, the same with_parameters path through Ray.) Where vLLM is not
+installed the job runs the study on the fake engine instead, for the first test alone. The head is
+stopped by process id (tests/ray_heads.py).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -29,7 +32,7 @@ import pytest
 import yaml
 
 from servetune.results import TrialResult
-from tests.integration.test_ray_token_auth import servetune_run, submit, write_space
+from tests.integration.test_ray_token_auth import servetune_run, write_space
 from tests.processes import processes_mentioning
 from tests.ray_heads import RayHead, ray_head, user_env
 
@@ -72,18 +75,51 @@ def head(shell: Shell) -> Iterator[RayHead]:
         yield started
 
 
-def test_after_a_local_study_the_readme_cluster_commands_work_as_they_are(shell: Shell, head: RayHead, tmp_path: Path,
-                                                                          tiny_model: Path) -> None:  # fmt: skip
+@dataclass(frozen=True)
+class Job:
+    """The module's one ``ray job submit`` and what it left: its info (``RayHead.wait_for_job``) and its study."""
+
+    info: dict
+    storage: Path  # the study's --storage
+    vllm: bool  # the trial started vLLM's CPU build (False: the fake engine, where vLLM is not installed)
+
+
+@pytest.fixture(scope="module")
+def job(shell: Shell, head: RayHead, tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Job:
+    """``ray job submit --no-wait`` from the user's shell, its working dir the space file only (not the repository),
+    polled to its end. With vLLM's CPU build installed, the study below on it (``small_space``); without, a study on
+    the fake engine (``--python``), so the README's commands are still checked there. The two tests read this one
+    job, where the first test once submitted a fake-engine job of its own beside the second's (30 s of
+    the module's 156, 2026-12-07)."""
+    base = tmp_path_factory.mktemp("job")
+    job_dir, storage = base / "job", base / "results"
+    job_dir.mkdir()
+    vllm = importlib.util.find_spec("vllm") is not None
+    if vllm:
+        (job_dir / "space.yaml").write_text(small_space())
+        argv = [sys.executable, "-m", "servetune", "run", "space.yaml", "--storage", str(storage)]
+    else:
+        write_space(job_dir, "job-submit", tiny_model)
+        argv = servetune_run(Path("space.yaml"), storage, shell.fake)
+    submission_id = f"servetune-test-{uuid.uuid4().hex[:8]}"
+    done = head.ray(
+        "job", "submit", "--address", head.dashboard_url, "--working-dir", str(job_dir),
+        "--submission-id", submission_id, "--no-wait", "--", *argv,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return Job(head.wait_for_job(submission_id, JOB_TIMEOUT_S), storage, vllm)
+
+
+def test_after_a_local_study_the_readme_cluster_commands_work_as_they_are(shell: Shell, job: Job) -> None:
     """``make demo`` (a local study), then ``ray start --head`` and ``ray job submit``, from one plain shell."""
     assert (shell.local_results / "local" / "trials").is_dir()
     assert not shell.token_after_local, "the local study left a token that switches later clusters to token mode"
-    job_dir = tmp_path / "job"
-    write_space(job_dir, "job", tiny_model)
-    info = submit(head, job_dir, servetune_run(Path("space.yaml"), tmp_path / "results", shell.fake), shell.env)
+    info = job.info
     assert info["status"] == "SUCCEEDED", f"job {info['status']} ({info['message']}):\n{info['logs'][-4000:]}"
-    assert info["driver_joined"]
-    assert list((tmp_path / "results" / "job" / "trials").glob("*/result.json"))
+    assert info["driver_joined"], "servetune run did not join the cluster it was submitted to"
+    assert list((job.storage / "job-submit" / "trials").glob("*/result.json"))
     assert processes_mentioning(shell.fake) == []
+    assert not _vllm_pids(job.storage), "a vLLM server outlived its trial"
 
 
 def small_space() -> str:
@@ -101,20 +137,10 @@ def small_space() -> str:
 
 
 @pytest.mark.e2e
-def test_study_runs_as_a_ray_job(head: RayHead, tmp_path: Path) -> None:
-    pytest.importorskip("vllm", reason="the trials start vLLM (the CPU build: pip install servetune[cpu])")
-    job_dir = tmp_path / "job"  # the working dir Ray uploads: the space file only, not the repository
-    job_dir.mkdir()
-    (job_dir / "space.yaml").write_text(small_space())
-    storage = tmp_path / "results"
-    submission_id = f"servetune-test-{uuid.uuid4().hex[:8]}"
-    done = head.ray(
-        "job", "submit", "--address", head.dashboard_url, "--working-dir", str(job_dir),
-        "--submission-id", submission_id, "--no-wait",
-        "--", sys.executable, "-m", "servetune", "run", "space.yaml", "--storage", str(storage),
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    info = head.wait_for_job(submission_id, JOB_TIMEOUT_S)
+def test_study_runs_as_a_ray_job(job: Job) -> None:
+    if not job.vllm:
+        pytest.skip("the trials start vLLM (the CPU build: pip install servetune[cpu])")
+    info, storage = job.info, job.storage
     logs = info["logs"]
     assert info["status"] == "SUCCEEDED", f"job {info['status']} ({info['message']}):\n{logs[-4000:]}"
     assert info["driver_joined"], "servetune run did not join the cluster it was submitted to"
