@@ -35,41 +35,24 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
-from aiohttp import web
 
-from servetune.engine.server import free_port
 from servetune.load.client import StreamingClient
 from servetune.load.requests import RequestSpec
 from servetune.load.runner import Level, run_level
 from servetune.metrics import RequestRecord
-from servetune.testing.fake_openai import FakeOpenAI
+from servetune.testing.fake_openai import FakeOpenAI, serve_in_thread
 from servetune.testing.process import fake_server_process
 
 TTFT_MS = 10.0
 
 
-@contextmanager
-def fake_in_thread(itl_ms: float) -> Iterator[str]:
+def fake_in_thread(itl_ms: float) -> contextlib.AbstractContextManager[str]:
     """The fake on a loop in a thread of this process (as the tests' ``serve_fake``); yields its URL."""
-    loop = asyncio.new_event_loop()
-    port = free_port()
-    runner = web.AppRunner(FakeOpenAI(ttft_ms=TTFT_MS, itl_ms=itl_ms).app())
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
-        loop.close()
+    return serve_in_thread(FakeOpenAI(ttft_ms=TTFT_MS, itl_ms=itl_ms))
 
 
 @contextmanager

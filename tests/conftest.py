@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import asyncio
 import atexit
 import os
 import signal
@@ -8,16 +7,13 @@ import sys
 import tempfile
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from aiohttp import web
 
 from servetune.engine.cores import LOCK_DIR_ENV
-from servetune.engine.server import free_port
 from servetune.models.tiny import build_tiny_model
-from servetune.testing.fake_openai import FakeOpenAI, write_fake_python
+from servetune.testing.fake_openai import FakeOpenAI, serve_in_thread, write_fake_python
 from tests import ray_token_guard
 from tests.tiers import Tiers
 
@@ -131,23 +127,7 @@ def tiny_tokenizer(tiny_model: Path):
     return load_tokenizer(str(tiny_model))
 
 
-@contextmanager
-def serve_fake(fake: FakeOpenAI) -> Iterator[str]:
-    """Run a fake OpenAI server on 127.0.0.1 in a background thread; yields its URL."""
-    loop = asyncio.new_event_loop()
-    port = free_port()
-    runner = web.AppRunner(fake.app())
-    loop.run_until_complete(runner.setup())
-    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
-        loop.close()
+serve_fake = serve_in_thread  # the name the tests import
 
 
 @pytest.fixture

@@ -21,14 +21,18 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 
 from servetune.config.graphs import GRAPH_ARGS
+from servetune.engine.server import free_port
 
 if TYPE_CHECKING:  # the twin reads the estimate: imported only when a fake is paced by it
     from servetune.testing.twin import Twin
@@ -441,3 +445,23 @@ def write_fake_python(directory: Path) -> Path:
     )
     path.chmod(0o755)
     return path
+
+
+@contextmanager
+def serve_in_thread(fake: FakeOpenAI) -> Iterator[str]:
+    """Run ``fake`` on 127.0.0.1, on a free port, in an event loop of a background thread of this process (the
+    tests' fake, and a bench's beside its load client); yields its URL and stops it on exit."""
+    loop = asyncio.new_event_loop()
+    port = free_port()
+    runner = web.AppRunner(fake.app())
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
