@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import psutil
 
@@ -123,29 +124,42 @@ def test_the_bursts_admitted_past_the_slo_by_the_clients_stall_are_unsettled():
     assert not bare.passed and not bare.unsettled
 
 
+#: A level the tests below stall once: 16 requests, 4 at a time, against a fake whose first token takes 200 ms, under
+#: a TTFT bound of 400 ms that only a stall of the client while requests wait for their first token breaks.
+BLOCK_S = 0.6
+STALLED_LEVEL = Level("concurrency", 4)
+STALLED_SLO = Slo.parse("ttft_ms.p99=400")
+
+
+def measure_stalled(tokenizer, hold: Callable[[object], None], **client) -> tuple[LevelResult, list]:
+    """The level measured by ``measure_level`` with ``hold`` called as each request ends (where a test stalls the
+    client), ``client`` its client-process arguments."""
+    workload = load_workload("cpu-tiny")
+    plan = LevelPlan(STALLED_LEVEL, num_requests=16, duration_s=None, warmup_requests=0)
+
+    async def go(url: str):
+        async with StreamingClient(url, "fake", api=workload.api, ignore_eos=True) as session:
+            return await measure_level(session, url, workload, PromptFactory(tokenizer), plan, stream=1,
+                                       slo=STALLED_SLO, on_done=hold, watch=EarlyBreak(STALLED_SLO, STALLED_LEVEL, None),
+                                       **client)  # fmt: skip
+
+    with serve_fake(FakeOpenAI(ttft_ms=200.0, itl_ms=0.0)) as url:
+        return asyncio.run(go(url))
+
+
 def test_a_level_records_the_clients_stall_and_a_miss_it_accounts_for_is_unsettled(tiny_tokenizer):
     """A real level against the fake server: the client's event loop is held once (as a host that does not schedule
     its process) while requests wait for their first token; they are read after the stall, past the TTFT bound."""
-    block_s = 0.6
-    workload = load_workload("cpu-tiny")
-    level = Level("concurrency", 4)
-    plan = LevelPlan(level, num_requests=16, duration_s=None, warmup_requests=0)
-    slo = Slo.parse("ttft_ms.p99=400")
+    level, slo = STALLED_LEVEL, STALLED_SLO
     done: list[int] = []
 
     def hold(_record) -> None:
         done.append(1)
         if len(done) == 5:
-            time.sleep(block_s)  # the loop does not run
+            time.sleep(BLOCK_S)  # the loop does not run
 
-    async def go(url: str):
-        async with StreamingClient(url, "fake", api=workload.api, ignore_eos=True) as client:
-            return await measure_level(client, url, workload, PromptFactory(tiny_tokenizer), plan, stream=1, slo=slo,
-                                       on_done=hold, watch=EarlyBreak(slo, level, None))  # fmt: skip
-
-    with serve_fake(FakeOpenAI(ttft_ms=200.0, itl_ms=0.0)) as url:
-        result, _ = asyncio.run(go(url))
-    assert result.client_stall_ms_max >= 0.8 * block_s * 1000 and result.client_stalled_s >= 0.8 * block_s
+    result, _ = measure_stalled(tiny_tokenizer, hold)
+    assert result.client_stall_ms_max >= 0.8 * BLOCK_S * 1000 and result.client_stalled_s >= 0.8 * BLOCK_S
     assert not result.meets_slo and result.client_stalled is not None
     assert not verdict(level, result, slo).settled
     bare = result.model_copy(update={"client_stall_ms_max": None, "client_stalled_s": None, "client_stalled": None})
@@ -202,11 +216,7 @@ def test_a_level_split_across_two_shards_records_their_stalls_and_a_miss_they_ac
     """As the one-process level above, split across two client processes: one shard's process is stopped (SIGSTOP, as
     a host that does not schedule it) while its requests wait for their first token; they are read after it resumes,
     past the TTFT bound. The level records that shard's stall and calls the miss unsettled."""
-    block_s = 0.6
-    workload = load_workload("cpu-tiny")
-    level = Level("concurrency", 4)
-    plan = LevelPlan(level, num_requests=16, duration_s=None, warmup_requests=0)
-    slo = Slo.parse("ttft_ms.p99=400")
+    level, slo = STALLED_LEVEL, STALLED_SLO
     done: list[int] = []
     stopped: list[int] = []
 
@@ -216,18 +226,11 @@ def test_a_level_split_across_two_shards_records_their_stalls_and_a_miss_they_ac
             shard = next(p for p in psutil.Process().children() if "servetune.load.shard" in " ".join(p.cmdline()))
             stopped.append(shard.pid)
             os.kill(shard.pid, signal.SIGSTOP)  # that shard's process does not run
-            threading.Timer(block_s, os.kill, (shard.pid, signal.SIGCONT)).start()
+            threading.Timer(BLOCK_S, os.kill, (shard.pid, signal.SIGCONT)).start()
 
-    async def go(url: str):
-        async with StreamingClient(url, "fake", api=workload.api, ignore_eos=True) as client:
-            return await measure_level(client, url, workload, PromptFactory(tiny_tokenizer), plan, stream=1, slo=slo,
-                                       on_done=hold, watch=EarlyBreak(slo, level, None), client_processes=2,
-                                       client_cpus=2)  # fmt: skip
-
-    with serve_fake(FakeOpenAI(ttft_ms=200.0, itl_ms=0.0)) as url:
-        result, records = asyncio.run(go(url))
+    result, records = measure_stalled(tiny_tokenizer, hold, client_processes=2, client_cpus=2)
     assert stopped and len(records) == 16
-    assert result.client_stall_ms_max >= 0.8 * block_s * 1000 and result.client_stalled_s >= 0.8 * block_s, result
+    assert result.client_stall_ms_max >= 0.8 * BLOCK_S * 1000 and result.client_stalled_s >= 0.8 * BLOCK_S, result
     assert not result.meets_slo and result.client_stalled is not None, result
     assert result.client_stalled.startswith("the load client stalled for up to")
     assert not verdict(level, result, slo).settled
