@@ -22,7 +22,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,7 @@ import pytest
 import yaml
 
 from servetune.results import TrialResult
-from tests.integration.test_ray_token_auth import servetune_run, write_space
+from tests.integration.test_ray_token_auth import servetune_run, submit, write_space
 from tests.processes import processes_mentioning
 from tests.ray_heads import RayHead, ray_head, user_env
 
@@ -101,13 +100,7 @@ def job(shell: Shell, head: RayHead, tmp_path_factory: pytest.TempPathFactory, t
     else:
         write_space(job_dir, "job-submit", tiny_model)
         argv = servetune_run(Path("space.yaml"), storage, shell.fake)
-    submission_id = f"servetune-test-{uuid.uuid4().hex[:8]}"
-    done = head.ray(
-        "job", "submit", "--address", head.dashboard_url, "--working-dir", str(job_dir),
-        "--submission-id", submission_id, "--no-wait", "--", *argv,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    return Job(head.wait_for_job(submission_id, JOB_TIMEOUT_S), storage, vllm)
+    return Job(submit(head, job_dir, argv, shell.env, JOB_TIMEOUT_S), storage, vllm)
 
 
 def test_after_a_local_study_the_readme_cluster_commands_work_as_they_are(shell: Shell, job: Job) -> None:

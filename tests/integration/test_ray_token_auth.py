@@ -70,12 +70,14 @@ def servetune_run(space: Path, storage: Path, fake: Path, *flags: str) -> list[s
     ]
 
 
-def submit(head, job_dir: Path, argv: list[str], env: dict[str, str]) -> dict:
+def submit(head, job_dir: Path, argv: list[str], env: dict[str, str], timeout_s: float = JOB_TIMEOUT_S) -> dict:
+    """``ray job submit --no-wait`` of ``argv`` with ``job_dir`` as its working dir, from the shell ``env``; the job's
+    info once it ended (``RayHead.wait_for_job``), within ``timeout_s``."""
     submission_id = f"servetune-test-{uuid.uuid4().hex[:8]}"
     done = head.ray("job", "submit", "--address", head.dashboard_url, "--working-dir", str(job_dir),
                     "--submission-id", submission_id, "--no-wait", "--", *argv, env=env)  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    return head.wait_for_job(submission_id, JOB_TIMEOUT_S, env=env)
+    return head.wait_for_job(submission_id, timeout_s, env=env)
 
 
 def test_a_head_in_token_mode_asks_for_one_line_then_works(tmp_path, home, tiny_model, fake_python):
