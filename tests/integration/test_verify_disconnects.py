@@ -198,10 +198,13 @@ def test_through_a_late_metrics_source_the_allowance_and_the_token_span_grow_by_
     assert round_["server_tokens"] is not None and round_["client_tokens"] > 0, round_
     assert len(source.history) > 5
     # read once a report interval (what the source holds changes no faster; each read of Ray's agents renders every
-    # metric of the node), not every 0.25 s: most reads follow the last by the interval (a few by less: the round's
-    # first read after the drain, its closing read after the release's re-check)
+    # metric of the node), not every 0.25 s: the polls follow the last read by the interval. Reads one step of the
+    # round makes right after another's (the drain's last and the round's first, the gauge's and the watch's first,
+    # the release and the token span's first) are not polls: how many of those there are against polls depends on how
+    # soon the release is seen (CI, 2026-12-08: 5 back-to-back of 10, a median of all gaps 0.27 s).
     gaps = sorted(b[0] - a[0] for a, b in zip(source.history, source.history[1:], strict=False))
-    assert statistics.median(gaps) >= report_interval_s(source), gaps
+    polls = [gap for gap in gaps if gap > 0.1]
+    assert len(polls) >= 3 and statistics.median(polls) >= report_interval_s(source), gaps
 
 
 def test_through_a_late_metrics_source_a_leak_is_still_a_leak(tiny_tokenizer):
