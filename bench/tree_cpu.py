@@ -19,7 +19,8 @@ prints one line on stderr: wall seconds, core-seconds and the load average befor
 number without the load beside it says little). The command's exit status is this script's. ``--by-process N`` (before
 ``--``) adds the N costliest kinds of process as read per process, one a line: a Ray worker by its title (the last it
 had other than ``ray::IDLE``: ``ray::ServeReplica:llm:LLMServer:m``, ``ray::ServeController``), any other by its script
-or ``-m`` module (``agent.py``: the dashboard agent), with how many such processes there were.
+or ``-m`` module (``agent.py``: the dashboard agent), a ``-c`` by its first argument (``python -c serve``: servetune's
+vLLM API server, ``python -c run``: lm-eval), with how many such processes there were.
 
 A process whose parent ignores SIGCHLD is reaped by the kernel and its times are added to no one: Ray's raylet does
 so, and its workers (a Serve module's replicas and Serve's controller and proxy: 160 of a module's 210 core-seconds,
@@ -51,8 +52,8 @@ SAMPLE_S = 0.5
 
 
 def kind_of(cmdline: list[str], name: str) -> str:
-    """What a process is, in a word: a Ray worker's title, else the script or ``-m`` module its interpreter runs, else
-    its executable's name."""
+    """What a process is, in a word: a Ray worker's title, else the script or ``-m`` module its interpreter runs (a
+    ``-c`` by the first argument after its code: ``python -c serve``), else its executable's name."""
     if cmdline and cmdline[0].startswith("ray::"):
         return cmdline[0].split(" ", 1)[0]
     for index, arg in enumerate(cmdline[1:], 1):
@@ -60,8 +61,9 @@ def kind_of(cmdline: list[str], name: str) -> str:
             return cmdline[index + 1]
         if arg.endswith(".py"):
             return Path(arg).name
-        if arg == "-c":
-            return f"{name} -c"
+        if arg == "-c":  # by its first argument (vLLM's server: serve; lm-eval: run), else the code's first words
+            words = cmdline[index + 2 : index + 3] or cmdline[index + 1].split()[:3] if index + 1 < len(cmdline) else []
+            return f"{name} -c {' '.join(words)[:60]}".rstrip()
     return name
 
 
