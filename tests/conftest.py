@@ -59,6 +59,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(Tiers(), "servetune-tiers")
     ray_token_guard.register(config)  # in the controller (or the only process): it spans every worker's tests
     _cores_of_this_worker()
+    # MLflow's import starts a thread that asks config.mlflow-telemetry.io for its telemetry settings, unless it sees
+    # a CI or a running test (none yet while pytest collects): the tests ask no host outside this one
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 
 def _cores_of_this_worker() -> None:
@@ -104,6 +107,17 @@ def no_ray(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     initialized_before = ray.is_initialized()  # by another test of this session, if any
     yield
     assert initialized_before or not ray.is_initialized()
+
+
+@pytest.fixture
+def no_hub(monkeypatch: pytest.MonkeyPatch) -> None:
+    """huggingface_hub in its offline mode (``HF_HUB_OFFLINE``'s constant, read at its import): every request it
+    would send to the hub fails at once, as an unreachable hub's does, and none leaves this host. A test of a
+    command on a hub id the test made up (``org/tiny-chat``) goes the way it goes here without a hub, on a host
+    with one too. The variable itself stays unset: servetune's own offline checks (hub.py ``offline``) see none."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
 
 
 @pytest.fixture(scope="session")

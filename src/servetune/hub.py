@@ -21,13 +21,19 @@ def _set(env: Mapping[str, str], names: Iterable[str]) -> str | None:
     return next((env[n] for n in names if env.get(n)), None)
 
 
+def offline(env: Mapping[str, str]) -> bool:
+    """Whether the space's ``env`` or this process tells Hugging Face to stay offline (the weights come from a
+    cache): the first of :data:`OFFLINE_VARIABLES` set, as huggingface_hub reads them (``0``/``false``: online)."""
+    return _set({**os.environ, **env}, OFFLINE_VARIABLES) not in (None, "0", "false", "False")
+
+
 def check_access(model: str, env: Mapping[str, str], field: str = "model") -> str | None:
     """Raise :class:`UserError` when the hub refuses ``model`` to the token the trials will use (the space's
     ``env`` first, then this process's); a warning when the hub could not be asked; None when it serves it.
     ``field``: where the space names it (``model``, or ``params.model`` for a checkpoint the search varies)."""
-    merged = {**os.environ, **env}
-    if _set(merged, OFFLINE_VARIABLES) not in (None, "0", "false", "False"):
+    if offline(env):
         return None  # offline by the user's choice: the weights come from a cache
+    merged = {**os.environ, **env}
     from huggingface_hub import auth_check
     from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 

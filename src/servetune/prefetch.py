@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import fnmatch
 import math
-import os
 import platform
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -36,7 +35,7 @@ from typing import Any
 
 from servetune.capacity.hardware import ACCELERATOR, gpu_types, ray_accelerator_type
 from servetune.config.space import GPU_PARAM, Range, SearchSpace
-from servetune.hub import OFFLINE_VARIABLES, TOKEN_VARIABLES
+from servetune.hub import TOKEN_VARIABLES, offline
 from servetune.results import WeightsPrefetch
 
 #: vLLM 0.32's default loader tries these weight formats in this order and reads the first the repository has.
@@ -173,12 +172,6 @@ def plan_fetch(model: str, space_env: Mapping[str, str], engine_args: Mapping[st
 def space_token(space_env: Mapping[str, str]) -> str | None:
     """The token the space's ``env:`` gives the trials (its first of HF_TOKEN, HUGGING_FACE_HUB_TOKEN), else None."""
     return next((str(space_env[n]) for n in TOKEN_VARIABLES if space_env.get(n)), None)
-
-
-def offline(space_env: Mapping[str, str]) -> bool:
-    """Whether the space or this process tells Hugging Face to stay offline (the weights come from a cache)."""
-    merged = {**os.environ, **space_env}
-    return any(merged.get(n) not in (None, "", "0", "false", "False") for n in OFFLINE_VARIABLES)
 
 
 def fetch_on_node(fetch: Fetch) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """``servetune run`` asks the hub whether it serves a hub model to the trials' token before anything starts
-(servetune/hub.py), through huggingface_hub itself pointed at a hub on 127.0.0.1 (``HF_ENDPOINT``)."""
+(servetune/hub.py), through huggingface_hub itself pointed at a hub on 127.0.0.1 (``HF_ENDPOINT``). A dry run asks
+it only with ``--hub`` (cli/run_hub.py)."""
 
 from __future__ import annotations
 
@@ -31,8 +32,14 @@ class FakeHub:
 
     def __init__(self) -> None:
         self.seen: list[tuple[str, str]] = []
+        self.requests: list[str] = []  # every request, of any path
 
     def app(self) -> web.Application:
+        @web.middleware
+        async def record(request: web.Request, handler):
+            self.requests.append(f"{request.method} {request.path}")
+            return await handler(request)
+
         async def auth_check(request: web.Request) -> web.Response:
             repo = f"{request.match_info['org']}/{request.match_info['name']}"
             self.seen.append((repo, request.headers.get("Authorization", "")))
@@ -42,7 +49,7 @@ class FakeHub:
                 return web.Response(status=404, headers={"X-Error-Code": "RepoNotFound"})
             return web.json_response({})
 
-        app = web.Application()
+        app = web.Application(middlewares=[record])
         app.router.add_get("/api/models/{org}/{name}/auth-check", auth_check)
         return app
 
@@ -72,13 +79,16 @@ def test_a_gated_or_missing_model_ends_the_run_in_one_line_before_anything_is_wr
 def test_a_served_model_goes_on_with_the_spaces_token_which_is_never_printed(tmp_path):
     hub = FakeHub()
     with serve_fake(hub) as endpoint:
-        done = run(tmp_path, endpoint, "org/open", "--dry-run", token="hf_secret_for_the_test")
+        plain = run(tmp_path, endpoint, "org/open", "--dry-run", token="hf_secret_for_the_test")
+        assert plain.returncode == 0 and hub.requests == [], plain.stderr[-2000:]  # a dry run asks no hub
+        assert "hub access not asked for org/open" in " ".join(plain.stdout.split())
+        done = run(tmp_path, endpoint, "org/open", "--dry-run", "--hub", token="hf_secret_for_the_test")
     assert done.returncode == 0, done.stderr[-2000:]
     assert hub.seen == [("org/open", "Bearer hf_secret_for_the_test")]
     assert "hf_secret_for_the_test" not in done.stdout + done.stderr
 
 
 def test_an_unreachable_hub_is_a_warning_not_a_verdict(tmp_path):
-    done = run(tmp_path, f"http://127.0.0.1:{free_port()}", "org/open", "--dry-run")
+    done = run(tmp_path, f"http://127.0.0.1:{free_port()}", "org/open", "--dry-run", "--hub")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "warning: model org/open: could not ask the hub for access" in " ".join(done.stderr.split())

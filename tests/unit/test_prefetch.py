@@ -358,12 +358,12 @@ def test_servetune_run_prefetches_once_before_the_first_trial_and_keeps_it_in_st
 
 
 def test_a_refused_checkpoint_of_the_model_parameter_is_named_with_its_field(tmp_path, monkeypatch):
-    """The access check before anything starts (servetune/hub.py, cli/run.py ``check_hub_models``): the line names
+    """The access check before anything starts (servetune/hub.py, cli/run_hub.py ``check_hub_models``): the line names
     the field that lists the refused model, ``params.model`` for a checkpoint the search varies."""
     import httpx
     from huggingface_hub.errors import GatedRepoError
 
-    from servetune.cli.run import check_hub_models
+    from servetune.cli.run_hub import check_hub_models
     from servetune.errors import UserError
 
     def auth_check(repo_id: str, token: str | None = None) -> None:

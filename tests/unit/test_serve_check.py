@@ -439,8 +439,9 @@ class ServedCluster(FakeCluster):
 
 
 @pytest.fixture
-def served_study(tmp_path, monkeypatch, tiny_tokenizer):
-    """A one-trial study that the CLI checks on a :class:`ServedCluster` (no Ray, no tokenizer download)."""
+def served_study(tmp_path, monkeypatch, tiny_tokenizer, no_hub):
+    """A one-trial study that the CLI checks on a :class:`ServedCluster` (no Ray, no tokenizer download, no hub
+    asked for its made-up model's files)."""
     monkeypatch.setattr("servetune.load.tokenizer.load_tokenizer", lambda model: tiny_tokenizer)
     monkeypatch.setattr("servetune.serve.cluster.ServeCluster", ServedCluster)
     monkeypatch.setattr("servetune.serve.actors.wait_gone", lambda pids: [])

@@ -12,12 +12,18 @@ Tried in this order, the first that answers wins:
 
 Offline (``HF_HUB_OFFLINE=1``) with nothing cached, a gated repository without a token, a hub that cannot
 be reached: one :class:`UserError` line that says what to do. This module fetches; ``hfconfig.py`` parses.
+
+Inside :func:`hub_closed` step 4 is not taken: ``run --dry-run`` plans from what is on this machine, and learns
+which hub models it could not plan, so that it can say how to keep them here (``servetune models add``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +32,8 @@ from servetune.errors import UserError
 
 CONFIG_FILE = "config.json"
 PROBE_TIMEOUT_S = 5.0
+#: Inside :func:`hub_closed`: the hub ids :func:`hub_model` was asked for and refused (None: the hub is open).
+_closed: ContextVar[set[str] | None] = ContextVar("servetune_hub_closed", default=None)
 
 
 @dataclass(frozen=True)
@@ -141,13 +149,30 @@ def _unreachable(endpoint: str) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def hub_closed() -> Iterator[set[str]]:
+    """Within it :func:`hub_model` asks no hub: it raises a :class:`UserError` (the model is in no local cache) and
+    adds the hub id to the set this yields, which the caller reads afterwards to say how to keep each one here."""
+    refused: set[str] = set()
+    token = _closed.set(refused)
+    try:
+        yield refused
+    finally:
+        _closed.reset(token)
+
+
 def hub_model(repo_id: str) -> ModelConfig:
     """Fetch ``config.json`` and the safetensors parameter counts from the hub, and keep them in the store."""
     from huggingface_hub import constants, get_safetensors_metadata, hf_hub_download
     from huggingface_hub.errors import HfHubHTTPError, NotASafetensorsRepoError, SafetensorsParsingError
 
+    refused = _closed.get()
+    if refused is not None:
+        refused.add(repo_id)
     if constants.HF_HUB_OFFLINE:
         raise _offline_error(repo_id, "offline (HF_HUB_OFFLINE)")
+    if refused is not None:
+        raise UserError(f"model {repo_id}: its config.json is in no local cache, and a dry run asks no hub")
     unreachable = _unreachable(constants.ENDPOINT)
     if unreachable is not None:
         raise _offline_error(repo_id, f"the hub at {constants.ENDPOINT} cannot be reached ({unreachable})")

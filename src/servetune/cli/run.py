@@ -7,6 +7,7 @@ import atexit
 import signal
 import sys
 import tempfile
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,7 @@ from typing import Any
 from rich.table import Table
 
 from servetune.cli.display import console as make_console
+from servetune.cli.run_hub import check_hub_models, unasked_lines
 from servetune.config.space import SearchSpace
 from servetune.config.workload import mean_lengths
 from servetune.engine.args import load_argspecs
@@ -61,6 +63,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="list the trials a grid would run and those the constraints or capacity check reject; start nothing",
     )
+    p.add_argument("--hub", action="store_true",
+                   help="with --dry-run: ask the model hub as the run does (its access check; the config and size of a "
+                        "hub model in no local cache, kept for later); without it a dry run plans from this machine")  # fmt: skip
     p.add_argument("--max-trials", type=int, help="run at most N trials (the baseline included)")
     p.add_argument("--no-checks", action="store_true",
                    help="on a cluster joined with --address or $RAY_ADDRESS, start without servetune doctor's checks "
@@ -86,12 +91,15 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--max-trials must be at least 1")
     if args.unprune and not args.resume:
         raise UserError("--unprune runs the pruned trials of a stored study: pass --resume too")
+    if args.hub and not args.dry_run:
+        raise UserError("--hub lets a dry run ask the hub, as the run always does: pass --dry-run too")
     argspecs = load_argspecs(args.python)
     space = load_space(args.space, argspecs)
     if argspecs is not None:  # vLLM is there to start: what it needs beside it for the space's speculation
         check_speculation(space, args.space, args.python)
         check_structured_backends(space, args.space, args.python)
-    check_hub_models(space, args.space.parent)
+    if args.hub or not args.dry_run:  # a dry run asks no hub unless told to (cli/run_hub.py)
+        check_hub_models(space, args.space.parent)
     from servetune.quality.lossless import unchecked_reason
 
     unchecked = unchecked_reason(space)
@@ -100,9 +108,16 @@ def run(args: argparse.Namespace) -> int:
 
         stderr_console().print(f"warning: {args.space}: {unchecked}", soft_wrap=True, highlight=False, markup=False)
     if args.dry_run:
-        with tempfile.TemporaryDirectory() as tmp:
+        from servetune.capacity.source import hub_closed
+
+        # planned from this machine alone unless --hub: a hub model in no local cache is refused, not fetched
+        planning = nullcontext(set[str]()) if args.hub else hub_closed()
+        with tempfile.TemporaryDirectory() as tmp, planning as refused:
             model = resolve_model(space, Path(tmp), args.space.parent)
-            return dry_run(space, args, model, resolve_models(space, Path(tmp), args.space.parent), Path(tmp))
+            done = dry_run(space, args, model, resolve_models(space, Path(tmp), args.space.parent), Path(tmp))
+        for line in [] if args.hub else unasked_lines(space, args.space.parent, refused):
+            make_console().print(line, soft_wrap=True, highlight=False, markup=False)
+        return done
     return run_study(space, args)
 
 
@@ -165,25 +180,6 @@ def check_structured_backends(space: SearchSpace, path: Path, python: str) -> No
         backend, why = next(iter(problems.items()))
         more = f" (and {', '.join(list(problems)[1:])})" if len(problems) > 1 else ""
         raise UserError(f"{path}: {listed[backend]}: {backend}{more}: {why}")
-
-
-def check_hub_models(space: SearchSpace, space_dir: Path) -> None:
-    """Ask the hub, before anything is written or started, whether it serves each hub model of the space to the
-    trials' token (servetune/hub.py): a refusal ends the run here in one line, an unreachable hub is a warning."""
-    from servetune.config.space import MODEL_PARAM
-    from servetune.hub import check_access
-    from servetune.models.names import is_hub_id
-    from servetune.study.progress import stderr_console
-
-    listed = space.params.get(MODEL_PARAM) or []
-    fields = {space.model: "model"}  # where the space names each: the field its error line names
-    for name in listed if isinstance(listed, list) else []:
-        fields.setdefault(str(name), f"params.{MODEL_PARAM}")
-    for name, field in fields.items():
-        if is_hub_id(name, space_dir):
-            warning = check_access(name, {k: str(v) for k, v in space.env.items()}, field)
-            if warning:
-                stderr_console().print(f"warning: {warning}", soft_wrap=True, highlight=False, markup=False)
 
 
 def unchecked_note(device: str) -> str:
