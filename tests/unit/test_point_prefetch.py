@@ -21,6 +21,9 @@ from tests.builders import level, study_info, trial, write_study
 from tests.unit.test_serve_check import ServedCluster, served_study  # noqa: F401  (a fixture)
 from tests.unit.test_structured_backends import engine_python  # noqa: F401  (a fixture)
 
+# the hub ids these tests name are made up (org/tiny-chat): none is asked of a hub (tests/conftest.py no_hub)
+pytestmark = pytest.mark.usefixtures("no_hub")
+
 RECORD = WeightsPrefetch(model="org/tiny-chat", node_id="local", host="here", download_s=4.0, bytes=1_000_000)
 LFE = "lm-format-enforcer"
 

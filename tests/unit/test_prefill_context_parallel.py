@@ -14,6 +14,9 @@ from servetune.report.deploy import gpus
 from servetune.serve.plan import llm_config, needs
 from tests.builders import cpu_study
 
+# the hub ids these tests name are made up (org/tiny-chat): none is asked of a hub (tests/conftest.py no_hub)
+pytestmark = pytest.mark.usefixtures("no_hub")
+
 #: A trial with prefill-context parallelism 2: its engine takes 2 ranks, 2 cores.
 PCP = {"prefill_context_parallel_size": 2}
 

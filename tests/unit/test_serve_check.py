@@ -19,6 +19,9 @@ from servetune.serve.study import read_picked
 from servetune.serve.versions import ingress_version
 from tests.builders import cpu_study, level
 
+# the hub ids these tests name are made up (org/tiny-chat): none is asked of a hub (tests/conftest.py no_hub)
+pytestmark = pytest.mark.usefixtures("no_hub")
+
 
 def point(engine_args: dict, env: dict | None = None, device: str = "cpu") -> ReportPoint:
     return ReportPoint(

@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import pytest
+
 from servetune.serve.check import Deployer, Layouts, Ramp, Routing, Teardown, run_check
 from servetune.serve.layouts import Layout
 from servetune.serve.plan import llm_config
@@ -16,6 +18,9 @@ from servetune.serve.study import read_picked
 from servetune.serve.versions import ingress_version, pin_ingress
 from tests.builders import cpu_study, level
 from tests.unit.test_serve_check import FakeCluster
+
+# the hub ids these tests name are made up (org/tiny-chat): none is asked of a hub (tests/conftest.py no_hub)
+pytestmark = pytest.mark.usefixtures("no_hub")
 
 PREFIX_AWARE = {"request_router_class": ROUTERS["prefix-aware"]}
 

@@ -29,6 +29,9 @@ from servetune.serve.study import read_picked
 from tests.builders import cpu_study, level
 from tests.unit.test_serve_check import FakeCluster
 
+# the hub ids these tests name are made up (org/tiny-chat): none is asked of a hub (tests/conftest.py no_hub)
+pytestmark = pytest.mark.usefixtures("no_hub")
+
 
 def point(engine_args: dict, env: dict | None = None, device: str = "cpu", devices: int = 1) -> ReportPoint:
     return ReportPoint(trial_id="abc", level={"concurrency": 8.0}, engine_args=engine_args, env=env or {},

@@ -25,6 +25,9 @@ from servetune.serve.study import read_picked
 from tests.builders import cpu_study, level
 from tests.unit.test_serve_check import FakeCluster
 
+# the hub ids these tests name are made up (org/tiny-chat): none is asked of a hub (tests/conftest.py no_hub)
+pytestmark = pytest.mark.usefixtures("no_hub")
+
 #: What Ray's metrics agent exports (shape as Ray 2.60 writes it): Serve's request counter for the LLM
 #: deployment and the ingress, and vLLM's counters labelled with the replica (ReplicaId).
 AGENT_TEXT = """\
