@@ -47,7 +47,10 @@ def test_a_bounded_queue_refuses_the_excess_quickly_and_recovers(tiny_tokenizer)
     result, records = run_overload(fake, tiny_tokenizer)
     n = result.numbers
     assert result.passed, result.reason
-    assert n["refused"] == fake.rejected > 0 and n["refused"] == sum(refused(r) for r in records)
+    # every 503 the fake sent reached the client, in one phase or the other: the recovery phase may meet a queue the
+    # overload left full on a busy host (census of 2026-12-08, load 21: 23 refused in the overload, 1 in the recovery)
+    assert fake.rejected == sum(refused(r) for r in records) == n["refused"] + n["recovery_client_503"]
+    assert n["refused"] > 0 and n["recovery_client_503"] == n["recovery_server_refused"]
     # the server's own count, read from its /metrics around each phase, agrees with the client's 503s
     assert n["server_refused_by_reason"] == {"max_num_queued_reqs": n["refused"], "max_num_queued_tokens": 0}
     assert n["refusals_agree"] and n["recovery_refusals_agree"] and f"refused {n['refused']}: " in result.reason
