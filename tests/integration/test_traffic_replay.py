@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import statistics
 
 import pytest
 
@@ -16,8 +17,17 @@ from servetune.summary import summarize
 from servetune.testing.process import fake_server_process
 
 #: Scheduling slack on a shared two-core host: a stall of a busy host (an engine starting beside
-#: the test) reached 0.05 s; still well under the 0.3 s think time whose absence the test catches.
+#: the test) reached 0.05 s; still well under the 0.3 s think time whose absence the test catches. A send is never
+#: early; how late the sends are is judged by their median, since a stall of the client's process (bench/fake_pace_noise.py:
+#: a stall adds time once, the schedule is absolute) makes the sends due during it late together, by as much as it
+#: lasted (a flake census round at load 21, 2026-12-08: one send 0.21 s late, a turn 0.25 s).
 SLACK_S = 0.2
+
+
+def assert_on_time(got: list[float], want: list[float]) -> None:
+    """Each send at or after its time (5 ms of timer resolution), and the sends' median lateness within the slack."""
+    late = [g - w for g, w in zip(got, want, strict=True)]
+    assert min(late) >= -0.005 and statistics.median(late) <= SLACK_S, (got, want)
 
 
 def run(url: str, specs: list[RequestSpec], level: Level, n: int) -> list:
@@ -53,8 +63,7 @@ def test_trace_replay_sends_at_the_recorded_times_over_the_speedup(tmp_path):
     # After its last request the trace starts over, one mean gap later.
     expected = [t / 2 for t in times] + [(1.6 + mean_gap) / 2, (1.6 + mean_gap + 0.2) / 2]
     assert all(r.ok for r in records)
-    for got, want in zip(sent, expected, strict=True):
-        assert want - 0.005 <= got <= want + SLACK_S, (sent, expected)
+    assert_on_time(sent, expected)
 
 
 def test_conversations_follow_their_answers_after_the_think_time(tmp_path):
@@ -70,12 +79,14 @@ def test_conversations_follow_their_answers_after_the_think_time(tmp_path):
         records = run(url, specs, Level("concurrency", 2), 12)
     by_spec = {r.input_tokens - 100: r for r in records}
     assert sorted(by_spec) == list(range(12)) and all(r.ok for r in records)
-    spans = []
+    spans, sent, due = [], [], []
     for session in range(4):
         turns = [by_spec[3 * session + t] for t in range(3)]
         for before, after in itertools.pairwise(turns):
-            assert before.end + think - 0.005 <= after.sent <= before.end + think + SLACK_S
+            sent.append(after.sent)
+            due.append(before.end + think)
         spans.append((turns[0].sent, turns[-1].end))
+    assert_on_time(sent, due)
     for t, _ in spans:  # never more than two conversations in flight
         assert sum(start <= t < end for start, end in spans) <= 2
 
