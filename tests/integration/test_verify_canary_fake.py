@@ -81,7 +81,10 @@ def run_canary(target: Target, incumbent_ttft_ms: float, candidate: FakeCandidat
 
 def test_a_candidate_slower_past_the_slo_fails_and_each_share_is_measured_on_its_own_engine(tmp_path):
     target = study_target(tmp_path)
-    candidate = FakeCandidate(ttft_ms=400)  # the study's SLO: TTFT P99 300 ms; the incumbent answers in 20
+    # the study's SLO: TTFT P99 300 ms; the incumbent answers in 20. The candidate's 1.5 s stands above a busy host's
+    # stall of the load client (each P99 is its share's worst few; a flake census round at load 21, 2026-12-08: at
+    # 400 ms the incumbent's P99 went past the candidate's, difference -31 ms [-111, 205])
+    candidate = FakeCandidate(ttft_ms=1500)
     result = run_canary(target, 20, candidate)
     n = result.numbers
     assert candidate.left and n["judged"], result.reason
