@@ -265,6 +265,13 @@ def test_cli_ramp_refusals_come_before_ray_starts(tmp_path, capsys, monkeypatch)
                    "(e.g. inflight,predictive)"]  # fmt: skip
     assert main(["serve-check", str(study), "--pick", "t1", "--replicas", "1", "--ramp-policy", "predictive"]) == 2
     assert "--ramp-policy predictive: the policies are compared on a ramp: add --ramp" in capsys.readouterr().err
+    assert main(["serve-check", str(study), "--pick", "t1", "--replicas", "1", "--ramp", "--ramp-policy",
+                 "inflight,predictive", "--ramp-rounds", "3"]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["servetune serve-check: error: --ramp-rounds 3: the order of 2 policies rotates from round to round "
+                   "(AB, BA), so each runs first as often as last only over a multiple of 2 rounds"]  # fmt: skip
+    assert main(["serve-check", str(study), "--pick", "t1", "--replicas", "1", "--ramp-rounds", "2"]) == 2
+    assert "--ramp-rounds 2: the rounds are of the ramp: add --ramp" in capsys.readouterr().err
     assert not (study / "serve-check.json").exists()
 
 
@@ -362,11 +369,82 @@ def test_run_check_ramps_each_policy_in_turn_and_the_table_sets_them_side_by_sid
     console.print(policies_table(result.ramps))
     lines = console.export_text().splitlines()
     cells = [[c.strip() for c in line.split(bar)[1:-1]] for line in lines for bar in "┃│" if bar in line]
-    assert cells[0] == ["policy", "ramp (s)", "requests", "SLO met", "replica-seconds", "mean replicas",
+    assert cells[0] == ["round", "policy", "ramp (s)", "requests", "SLO met", "replica-seconds", "mean replicas",
                         "replicas peak", "decided (s)", "RUNNING (s)"]  # fmt: skip
     # the mean replicas are the replica-seconds over each ramp's own length; the decision apart from the engine start
-    assert cells[1] == ["inflight", "180", "200", "90.0%", "300", "1.67", "2", "11.0", "122.0"]
-    assert cells[2] == ["predictive", "200", "200", "99.0%", "340", "1.70", "2", "8.0", "150.0"]
+    assert cells[1] == ["1", "inflight", "180", "200", "90.0%", "300", "1.67", "2", "11.0", "122.0"]
+    assert cells[2] == ["1", "predictive", "200", "200", "99.0%", "340", "1.70", "2", "8.0", "150.0"]
+
+
+def test_run_check_ramps_the_policies_in_rotated_rounds_each_fresh_and_judges_them_against_the_rounds_spread(
+    tmp_path,
+):
+    import argparse
+    import io
+
+    from rich.console import Console
+
+    from servetune.cli.serve_check_parts import make_ramps, ramp_autoscaling
+    from servetune.cli.serve_check_tables import policies_table
+    from servetune.serve.check import Ramp
+    from servetune.serve.ramp import RampPhaseResult, RampResult
+    from servetune.serve.ramp_rounds import round_orders
+
+    picked = read_picked(cpu_study(tmp_path / "s", price=None), "t1", 0.8)
+    args = argparse.Namespace(headroom=0.8, delay_scale=0.05, ramp_max_replicas=2, ramp_hold=5.0, request_timeout=None)
+    derived = ramp_autoscaling(args, picked)
+    cluster, teardown = FakeCluster(), Teardown(pids=set())
+    ran: list[tuple[str, list[str]]] = []  # each ramp's policy and the engines it started on
+    attained = iter([0.60, 0.70, 0.75, 0.65])  # in the order run: inflight 60 and 65%, predictive 70 and 75%
+
+    def make(autoscaling):
+        def run(url, served):
+            ran.append((autoscaling.policy, list(cluster.engines)))
+            got = next(attained)
+            return RampResult(policy=autoscaling.policy, knee_concurrency=6, autoscaling_config={},
+                              max_ongoing_requests=10, max_queued_requests=4, reasons={}, replicas_before=1,
+                              replicas_peak=2, requests=100, slo_violations=round(100 * (1 - got)), slo_attainment=got,
+                              replica_seconds=180.0, phases=[RampPhaseResult(name="back to 1x", concurrency=5,
+                              start_s=80, end_s=100, requests=20, slo_violations=0, errors=0)])  # fmt: skip
+
+        return Ramp(deployment_config=autoscaling.deployment_config(), run=run, policy=autoscaling.policy)
+
+    ramps = make_ramps(round_orders(["inflight", "predictive"]), derived, make)
+    assert [(r.round, r.policy, r.fresh) for r in ramps] == [
+        (1, "inflight", True), (1, "predictive", True), (2, "predictive", True), (2, "inflight", True),
+    ]  # fmt: skip
+    kept = []
+    result = run_check(picked, [1], cluster, "app", lambda url, served, n: [level(8, 380, 320)], teardown, ramp=ramps,
+                       keep=kept.append)  # fmt: skip
+    # AB then BA, each ramp on engines of its own: the one the replica count left is not the first ramp's
+    assert [policy for policy, _ in ran] == ["inflight", "predictive", "predictive", "inflight"]
+    assert [engines for _, engines in ran] == [["actor1"], ["actor2"], ["actor3"], ["actor4"]]
+    assert cluster.started == 5 and all(r.engines_reused is None for r in result.ramps)
+    assert [(r.round, r.policy) for r in result.ramps] == [(1, "inflight"), (1, "predictive"), (2, "predictive"),
+                                                            (2, "inflight")]  # fmt: skip
+    assert result.ramp_orders == [["inflight", "predictive"], ["predictive", "inflight"]]
+    # predictive ahead by 10 points on the means (72.5% against 62.5%), each policy's rounds 5 points apart: a winner
+    verdict = result.ramp_verdict
+    assert verdict is not None and verdict.winner == "predictive" and verdict.balanced
+    assert verdict.metrics[0].difference == pytest.approx(0.10) and verdict.metrics[0].spread == pytest.approx(0.05)
+    # the verdict only once every ramp ran: the parts kept before the last carry none
+    assert [k.ramp_verdict is None for k in kept] == [True, True, True, True, False]
+    assert all(k.ramp_orders == result.ramp_orders for k in kept[1:])
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(policies_table(result.ramps, verdict))
+    text = console.export_text()
+    assert "rounds: inflight then predictive, predictive then inflight; each on a fresh deployment" in text
+    assert "verdict: predictive: SLO met: inflight 62.5% (60.0%-65.0%), predictive 72.5% (70.0%-75.0%)" in text
+    doc = json.loads(result.model_dump_json())
+    assert doc["ramp_verdict"]["winner"] == "predictive" and [r["round"] for r in doc["ramps"]] == [1, 1, 2, 2]
+    # one policy, one round (the default): on the engine the count left, as before, and no verdict
+    cluster = FakeCluster()
+    single = make_ramps(round_orders(["inflight"]), derived, make)
+    assert [(r.round, r.fresh) for r in single] == [(1, False)]
+    attained = iter([0.9])
+    result = run_check(picked, [1], cluster, "app", lambda url, served, n: [level(8, 380, 320)],
+                       Teardown(pids=set()), ramp=single)  # fmt: skip
+    assert result.ramp.engines_reused is True and result.ramp.round is None and result.ramp_verdict is None
 
 
 def test_run_check_keeps_each_part_as_it_finishes_and_routers_and_layouts_so_far_carry_no_verdict(tmp_path):

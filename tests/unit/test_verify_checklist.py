@@ -407,15 +407,17 @@ def test_items_about_the_deployment_say_where_they_belong(gpu):
     assert "serve-check has not run" in items["15.19"].evidence
 
 
-def serve_check_ramps(study: Path, trial_id: str, *ramps: tuple[str, int, int, int]) -> None:
-    """serve-check.json as serve-check writes it (its own models), with a ramp per (policy, before, peak, max)."""
+def serve_check_ramps(study: Path, trial_id: str, *ramps: tuple[str, int, int, int], rounds: bool = False) -> None:
+    """serve-check.json as serve-check writes it (its own models), with a ramp per (policy, before, peak, max);
+    ``rounds``: two ramps a round (serve-check --ramp-rounds), each with its round."""
     from servetune.serve.ramp import RampResult
     from servetune.serve.result import ServeCheckResult
 
     made = [RampResult(policy=policy, knee_concurrency=4, autoscaling_config={"min_replicas": 1, "max_replicas": most},
                        max_ongoing_requests=8, max_queued_requests=16, reasons={}, replicas_before=before,
                        replicas_peak=peak, time_to_scale_up_s=14.0 if peak > before else None, slo_attainment=0.96,
-                       replica_seconds=120.0) for policy, before, peak, most in ramps]  # fmt: skip
+                       replica_seconds=120.0, round=k // 2 + 1 if rounds else None)
+            for k, (policy, before, peak, most) in enumerate(ramps)]  # fmt: skip
     doc = ServeCheckResult(servetune_version="0", created="2026-12-06", study="demo", trial_id=trial_id,
                            picked_level={"concurrency": 4}, model="m", app_name="a", url="http://127.0.0.1:1",
                            address=None, llm_config={}, slo=[], ramp=made[0], ramps=made if len(made) > 1 else [])  # fmt: skip
@@ -433,6 +435,14 @@ def test_autoscaling_is_judged_from_serve_checks_ramp_of_this_trial(gpu):
     )
     assert "predictive: scales on ongoing requests, queue wait, KV-cache usage and TTFT" in item.evidence
     assert "SLO attainment 96%, 120 replica-s" in item.evidence
+    # the policies in rounds: each ramp says its round
+    serve_check_ramps(study, result.trial_id, ("inflight", 1, 2, 2), ("predictive", 1, 2, 2), ("predictive", 1, 2, 2),
+                      ("inflight", 1, 2, 2), rounds=True)  # fmt: skip
+    item = one(study, result, "15.19")
+    parts = item.evidence.removeprefix("serve-check's ramp: ").split("; ")
+    assert item.status == "PASS" and [part.split(":")[0] for part in parts if "scales on" in part] == [
+        "inflight (round 1)", "predictive (round 1)", "predictive (round 2)", "inflight (round 2)",
+    ]  # fmt: skip
     serve_check_ramps(study, result.trial_id, ("inflight", 1, 1, 3))
     item = one(study, result, "15.19")
     assert (

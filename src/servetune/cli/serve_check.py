@@ -47,6 +47,16 @@ replica (Serve's counter), SLO violations; the time to scale up, and whether a n
 served a request before Serve had it RUNNING (its engine started): it must not (exit 1).
 --delay-scale shrinks section 11's delays (120 s up, 600 s down, 30 s window) for a quick check.
 
+--ramp-policy inflight,predictive compares the two autoscaling policies on that ramp, in rounds
+(--ramp-rounds N, default one per policy: inflight then predictive, predictive then inflight),
+each round's order rotated so each policy runs first as often as last, and each ramp on a fresh
+deployment (its engine start not in the ramp), so no policy runs on what another left. Per ramp:
+its round, SLO attainment, replica-seconds and mean replicas (replica-seconds over its length),
+when Serve decided and when the new replica was RUNNING. serve-check.json keeps each round's order
+(ramp_orders) and a verdict (ramp_verdict): a policy wins only where its lead in SLO met or mean
+replicas passes the spread between rounds of the same policy (max - min), and no other leads
+beyond it on the other; else "no winner within the noise", with the numbers.
+
 --routers compares request routers at the end: `default` (Serve's own, power of two choices by
 queue length) and `prefix-aware` (Ray Serve LLM's PrefixCacheAffinityRouter), at
 --routing-replicas replicas, each on the same engines (Serve reconfigures the LLM replicas, a new
@@ -166,6 +176,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         metavar="A,B",
         help="the autoscaling policies to ramp, one after the other: inflight (Serve's, on requests in flight), "
         "predictive (also on requests waiting and KV usage); e.g. inflight,predictive (default: inflight)",
+    )
+    p.add_argument(
+        "--ramp-rounds",
+        type=int,
+        default=None,
+        metavar="N",
+        help="rounds of the --ramp-policy policies, the order rotating each round (AB, BA), each ramp on a fresh "
+        "deployment; a multiple of the number of policies (default: that number, so AB, BA for two)",
     )
     p.add_argument(
         "--delay-scale",

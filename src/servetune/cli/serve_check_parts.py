@@ -164,7 +164,8 @@ def ramp_autoscaling(args: argparse.Namespace, picked: PickedStudy) -> Autoscali
 
 
 def ramp_policies(text: str) -> list[str]:
-    """--ramp-policy's autoscaling policies, in order, each once; refused in one line if unknown."""
+    """--ramp-policy's autoscaling policies, in order, each once (the first round's order); refused in one line if
+    unknown."""
     from servetune.errors import UserError
     from servetune.report.autoscale_policy import POLICIES
 
@@ -211,4 +212,16 @@ def make_ramp(
             reasons=derived.reasons, samples=samples, **summary,
         )  # fmt: skip
 
-    return Ramp(deployment_config=derived.deployment_config(), run=run_it)
+    return Ramp(deployment_config=derived.deployment_config(), run=run_it, policy=derived.policy)
+
+
+def make_ramps(
+    orders: Sequence[Sequence[str]], derived: Autoscaling, make: Callable[[Autoscaling], Ramp]
+) -> list[Ramp]:
+    """One ramp per policy per round, in each round's order (``serve.ramp_rounds.round_orders``), from ``make``
+    (:func:`make_ramp` with the rest of its arguments) given ``derived`` under that policy. Where more than one
+    runs, each is deployed fresh: no policy starts on the engine, caches and host state another ramp left."""
+    made = {policy: make(derived.with_policy(policy)) for order in orders for policy in order}
+    fresh = sum(len(order) for order in orders) > 1
+    return [dataclasses.replace(made[policy], round=k, fresh=fresh)
+            for k, order in enumerate(orders, 1) for policy in order]  # fmt: skip

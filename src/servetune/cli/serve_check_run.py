@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from servetune.cli.serve_check_parts import (
         layout_args,
         make_ramp,
+        make_ramps,
         pin_to_measured_gpu,
         ramp_autoscaling,
         ramp_policies,
@@ -67,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from servetune.serve.cluster import ServeCluster
     from servetune.serve.plan import APP_NAME, llm_config, parse_replicas
+    from servetune.serve.ramp_rounds import round_orders
     from servetune.serve.result import SERVE_CHECK_FILE
     from servetune.serve.study import read_picked
     from servetune.trial.measure import LevelPlan
@@ -93,6 +95,9 @@ def run(args: argparse.Namespace) -> int:
     policies = ramp_policies(args.ramp_policy)
     if policies != ["inflight"] and not args.ramp:
         raise UserError(f"--ramp-policy {args.ramp_policy}: the policies are compared on a ramp: add --ramp")
+    if args.ramp_rounds is not None and not args.ramp:
+        raise UserError(f"--ramp-rounds {args.ramp_rounds}: the rounds are of the ramp: add --ramp")
+    orders = round_orders(policies, args.ramp_rounds)
     derived = ramp_autoscaling(args, picked) if args.ramp else None
     routing_workload, routers, routing_replicas = routing_args(args, replicas, picked.point.engine_args)
     need = check_before_start(picked, replicas, args.address) if replicas else None
@@ -129,9 +134,9 @@ def run(args: argparse.Namespace) -> int:
 
     cluster: ServeCluster  # started below, before the ramp reads it
     ramp = None
-    if derived is not None:  # --ramp, once per --ramp-policy
-        ramp = [make_ramp(args, picked, derived.with_policy(policy), prompts, name, records, console, lambda: cluster)
-                for policy in policies]  # fmt: skip
+    if derived is not None:  # --ramp, once per --ramp-policy per --ramp-rounds, each round's order rotated
+        ramp = make_ramps(orders, derived,
+                          lambda d: make_ramp(args, picked, d, prompts, name, records, console, lambda: cluster))  # fmt: skip
 
     routing = None
     if routing_workload is not None:  # --routers
@@ -240,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
     for ramped in result.ramps or ([result.ramp] if result.ramp is not None else []):
         make_console().print(ramp_table(ramped))
     if len(result.ramps) > 1:
-        make_console().print(policies_table(result.ramps))
+        make_console().print(policies_table(result.ramps, result.ramp_verdict))
     if result.routing is not None:
         make_console().print(routing_table(result.routing))
     if result.layouts is not None:

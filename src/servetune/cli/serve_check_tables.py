@@ -12,6 +12,7 @@ from rich.table import Table
 if TYPE_CHECKING:
     from servetune.serve.layouts import LayoutResult
     from servetune.serve.ramp import RampResult
+    from servetune.serve.ramp_rounds import RampComparison
     from servetune.serve.result import ServeCheckResult
     from servetune.serve.routing import RoutingResult
 
@@ -79,20 +80,22 @@ def ramp_table(ramp: RampResult) -> Table:
     return table
 
 
-def policies_table(ramps: Sequence[RampResult]) -> Table:
-    """The autoscaling policies side by side on the same ramp: SLO attainment and the replica-seconds each used, over
-    its length (the 3x phase lasts until the extra replicas are RUNNING, so a ramp that scaled up later is longer),
-    and when Serve decided to scale up (the policy's part) apart from when the new replica was RUNNING."""
+def policies_table(ramps: Sequence[RampResult], verdict: RampComparison | None = None) -> Table:
+    """The autoscaling policies side by side on the same ramp, in the order they ran (their round, whose order
+    rotates): SLO attainment and the replica-seconds each used, over its length (the 3x phase lasts until the extra
+    replicas are RUNNING, so a ramp that scaled up later is longer), and when Serve decided to scale up (the policy's
+    part) apart from when the new replica was RUNNING; the verdict over the rounds below."""
     from servetune.report.serving import num_text
+    from servetune.serve.ramp_rounds import mean_replicas
 
     table = Table(title="serve-check --ramp-policy: the policies on the same 1x, 3x, 1x ramp", title_justify="left")
-    for col in ("policy", "ramp (s)", "requests", "SLO met", "replica-seconds", "mean replicas", "replicas peak",
-                "decided (s)", "RUNNING (s)"):  # fmt: skip
+    for col in ("round", "policy", "ramp (s)", "requests", "SLO met", "replica-seconds", "mean replicas",
+                "replicas peak", "decided (s)", "RUNNING (s)"):  # fmt: skip
         table.add_column(col, justify="right")
     for r in ramps:
         length = r.phases[-1].end_s if r.phases else None
-        mean = r.replica_seconds / length if r.replica_seconds is not None and length else None
-        table.add_row(r.policy, num_text(length, 0), str(r.requests),
+        mean = mean_replicas(r)
+        table.add_row("-" if r.round is None else str(r.round), r.policy, num_text(length, 0), str(r.requests),
                       "-" if r.slo_attainment is None else f"{r.slo_attainment:.1%}", num_text(r.replica_seconds, 0),
                       num_text(mean, 2), str(r.replicas_peak), num_text(r.time_to_decide_s, 1),
                       num_text(r.time_to_scale_up_s, 1))  # fmt: skip
@@ -103,6 +106,11 @@ def policies_table(ramps: Sequence[RampResult]) -> Table:
         "replica RUNNING, its engine start added. The 3x phase lasts until then, so a later scale-up makes a longer "
         "ramp with more requests and replica-seconds: compare SLO met and the mean replicas"
     )
+    if verdict is not None:
+        orders = ", ".join(" then ".join(order) for order in verdict.orders)
+        fresh = " each on a fresh deployment;" if all(r.engines_reused is None for r in ramps) else ""
+        table.caption += (f"\nrounds: {orders};{fresh} a winner only beyond the spread between rounds of one policy"
+                          f"\nverdict: {verdict.reason}")  # fmt: skip
     return table
 
 

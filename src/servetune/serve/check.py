@@ -31,6 +31,7 @@ from servetune.serve.layouts import (
 )
 from servetune.serve.plan import Needs, autoscaled_llm_config, check_fits, llm_config, needs
 from servetune.serve.ramp import RampResult
+from servetune.serve.ramp_rounds import compare_policies, orders_of
 from servetune.serve.result import ReplicaRun, ServeCheckResult, scaling_rows
 from servetune.serve.routing import (
     ROUTERS,
@@ -81,10 +82,15 @@ Measure = Callable[[str, str, int], list[LevelResult]]
 @dataclass
 class Ramp:
     """The autoscaling ramp to run after the first replica count: the deployment config to deploy
-    (derived autoscaling) and ``run(url, served model name)``, which drives it."""
+    (derived autoscaling) and ``run(url, served model name)``, which drives it. With several (the policies in
+    rounds, serve/ramp_rounds.py): its ``policy`` and ``round``, and ``fresh`` to deploy it on new engines rather
+    than on those the step before left running, so no ramp starts on an engine another ramp warmed."""
 
     deployment_config: Mapping
     run: Callable[[str, str], RampResult]
+    policy: str = "inflight"
+    round: int = 1
+    fresh: bool = False
 
 
 @dataclass
@@ -219,11 +225,11 @@ class Deployer:
         self.running: str | None = None  # the engine version the application runs now
         self.routed_by: object = None  # the request router config the running ingress routes with
 
-    def deploy(self, config: Mapping) -> Deployed:
-        """Deploy ``config``. A deployment that fails raises :class:`EngineStartError` (the cluster has
-        deleted the application)."""
+    def deploy(self, config: Mapping, fresh: bool = False) -> Deployed:
+        """Deploy ``config`` (``fresh``: on new engines, the application deleted first, whatever runs). A deployment
+        that fails raises :class:`EngineStartError` (the cluster has deleted the application)."""
         version = engine_version(config)
-        before = self.cluster.engine_replicas(self.name) if version == self.running else []
+        before = self.cluster.engine_replicas(self.name) if version == self.running and not fresh else []
         if not before:
             self.teardown.pids.update(self.cluster.replica_pids(self.name))
             self.cluster.delete(self.name)
@@ -248,7 +254,9 @@ def run_check(
     routing: Routing | None = None, layouts: Layouts | None = None, keep: Callable[[ServeCheckResult], None] | None = None,
 ) -> ServeCheckResult:  # fmt: skip
     """Deploy and measure each replica count; with ``ramp``, after the first count, deploy the
-    derived autoscaling and run the ramp (with several, one after the other: one per autoscaling policy); with ``routing``, then compare the routers; with ``layouts``,
+    derived autoscaling and run the ramp (with several, one after the other in the order given: the policies in
+    rounds, each ``Ramp.fresh`` on new engines, and a verdict once all ran); with ``routing``, then compare the
+    routers; with ``layouts``,
     at the end, compare the layouts. All of them share the engines that are running where the engine
     configuration is the same (:class:`Deployer`). The caller deletes the application (``teardown``
     gathers the replica pids to prove gone).
@@ -277,6 +285,8 @@ def run_check(
             url=cluster.url, address=address, llm_config=shown, slo=[str(b) for b in picked.slo.bounds], runs=list(runs),
             rows=scaling_rows(runs, picked.trial.levels), ramp=ramped[0] if ramped else None,
             ramps=list(ramped) if len(ramps) > 1 else [], routing=routed, layouts=laid,
+            ramp_orders=orders_of((r.round, r.policy) for r in ramps) if len(ramps) > 1 else [],
+            ramp_verdict=compare_policies(ramped) if len(ramps) > 1 and len(ramped) == len(ramps) else None,
         )  # fmt: skip
 
     def kept(routed_now: RoutingResult | None = None, laid_now: LayoutResult | None = None) -> None:
@@ -299,9 +309,10 @@ def run_check(
         for each in ramps if not ramped else []:
             # On the engines running: the derived autoscaling's initial_replicas is its minimum, so Serve scales
             # a larger count down to it before the deployment is HEALTHY, and the ramp starts from there.
-            up = deployer.deploy(autoscaled_llm_config(point, each.deployment_config, pinned))
+            up = deployer.deploy(autoscaled_llm_config(point, each.deployment_config, pinned), fresh=each.fresh)
             ran = each.run(cluster.url, served)  # its replicas' cores: those running at its end, scaled up or down
             ramped.append(ran.model_copy(update={"ready_s": up.ready_s, "engines_reused": up.reused,
+                                                 "round": each.round if len(ramps) > 1 else ran.round,
                                                  **running_cores(cluster, name)}))  # fmt: skip
             teardown.pids.update(cluster.replica_pids(name))
             kept()

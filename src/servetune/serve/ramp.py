@@ -98,6 +98,8 @@ class RampResult(ClaimedCores, BaseModel):  # its cores: the LLM replicas' at it
     model_config = RECORD
 
     policy: str = "inflight"  # the autoscaling policy deployed (report.autoscale_policy.POLICIES)
+    # --ramp-rounds: the round it ran in (1-based; serve.ramp_rounds); None: recorded before rounds, one ramp a policy
+    round: int | None = None
     knee_concurrency: int  # requests in flight a replica at the operating load, rounded
     # the 1x phase's clients (one_replica_clients: below target_ongoing_requests); None: recorded before, when 1x
     # was knee_concurrency, which could equal the target and scale up during 1x

@@ -16,6 +16,7 @@ from servetune.results import RECORD, ClaimedCores, LevelResult, WeightsPrefetch
 from servetune.serve.layouts import LayoutResult
 from servetune.serve.plan import find_level, ratio
 from servetune.serve.ramp import RampResult
+from servetune.serve.ramp_rounds import RampComparison
 from servetune.serve.routing import RoutingResult
 
 
@@ -73,7 +74,11 @@ class ServeCheckResult(BaseModel):
     rows: list[ScalingRow] = []
     replica_pids: list[int] = []  # the replicas' processes (actors and vLLM's engines), gone at the end
     ramp: RampResult | None = None  # --ramp: the derived autoscaling under 1x, 3x and 1x the knee
-    ramps: list[RampResult] = []  # --ramp-policy A,B: every policy's ramp, in order (ramp is the first)
+    ramps: list[RampResult] = []  # --ramp-policy A,B / --ramp-rounds N: every ramp, in the order run (ramp: the first)
+    ramp_orders: list[list[str]] = []  # each round's order of the policies, as planned (serve/ramp_rounds.py)
+    # the policies over the rounds: every ramp's numbers and a winner only beyond the spread between rounds; None: one
+    # ramp, or a check stopped before every ramp ran
+    ramp_verdict: RampComparison | None = None
     routing: RoutingResult | None = None  # --routers: each router on a shared-prefix workload
     layouts: LayoutResult | None = None  # --layouts / --budget: replicas x TP under one device budget, at one load
     stopped: str | None = None  # why the check ended before every part ran; what is here finished (None: it all ran)

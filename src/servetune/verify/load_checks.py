@@ -208,7 +208,8 @@ def autoscaling_signals(ctx: Context) -> tuple[Status, str]:
         up = before is not None and peak is not None and peak > before
         scaled |= up
         stuck |= not up and most is not None and before is not None and most > before
-        said.append(f"{policy}: scales on {SCALES_ON.get(policy, policy)}; replicas {amount(before)} -> "
+        label = f"{policy} (round {ramp['round']})" if isinstance(ramp.get("round"), int) else policy
+        said.append(f"{label}: scales on {SCALES_ON.get(policy, policy)}; replicas {amount(before)} -> "
                     f"{amount(peak)} at 3x" + (f" in {amount(number(ramp, 'time_to_scale_up_s'), ' s')}" if up else "")
                     + f", SLO attainment {pct(number(ramp, 'slo_attainment'))}, "
                     f"{amount(number(ramp, 'replica_seconds'), ' replica-s')}")  # fmt: skip
