@@ -1,7 +1,7 @@
 """Does the online refit help? The next trial's error after k trials, shipped factors against refit ones.
 
     PYTHONPATH=src .venv/bin/python bench/estimate_refit.py [--after 5] [--orders 20] [--prior-points 5 [1 ...]]
-        [--no-twin] [--twin-seeds 0 1 2] [--twin-spaces gpu-twin-grid] [--bootstrap 1000]
+        [--no-twin] [--twin-seeds 0 1 2] [--twin-spaces gpu-twin-grid] [--twins fast-compute] [--bootstrap 1000]
 
 Replays each recorded CPU surface in ``bench/data`` (every grid trial with its measured levels) in
 ``--orders`` seeded random trial orders. After the first ``--after`` completed trials it refits the
@@ -25,8 +25,16 @@ calibration_points``, as a study refits them), shrunk toward the shipped ones; `
 twin's own factors, the floor a refit can reach. Without ``--no-twin`` this simulates 384 trials per twin seed (about
 15-50 s of a core each surface).
 
+Where the floor is well above zero, half the shipped error may be out of reach whatever the factors. So each row
+also gives two floors, ``truth`` (the twin's own factors) and ``best`` (the same refit on every trial of the
+surface: what the refit reaches with all the data, on any surface), on the same levels as the other columns, and
+against each the share of the reachable improvement, (shipped - refit) / (shipped - floor)
+(:func:`reachable_share`), with a 95% bootstrap interval over the orders; share >= 0.5 is the issue's halving
+applied to the error above the floor, and '-' marks a floor the shipped error is not above beyond its interval.
+
 ``--prior-points`` takes several weights to compare: each surface is built once and replayed under each, its rows
-labelled by the weight (``p5``, ``p1``); ``--twin-spaces`` runs one twin space (two processes can share the work).
+labelled by the weight (``p5``, ``p1``); ``--twin-spaces`` runs one twin space and ``--twins`` some of the twins (two
+processes can share the work).
 """
 
 from __future__ import annotations
@@ -78,15 +86,21 @@ def main() -> None:
         choices=TWIN_SPACES,
         help="the twin spaces to simulate (default both)",
     )
+    parser.add_argument(
+        "--twins", nargs="+", default=list(TWINS), choices=TWINS, help="the twins to simulate (default all three)"
+    )
     parser.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples of the orders (default 1000)")
     args = parser.parse_args()
     priors = " / ".join(f"{w:g}" for w in args.prior_points)
     print(f"refit after {args.after} trials, {args.orders} orders, prior {priors} points: every level of every "
           f"later trial, |predicted/measured - 1|, pooled over the orders; 95% bootstrap interval of refit/shipped "
           f"over orders; share of orders whose own median is halved | the earlier statistic: median over orders of "
-          f"the next trial's median, refit/shipped, share of orders better")  # fmt: skip
+          f"the next trial's median, refit/shipped, share of orders better | floors: the twin's own factors (truth) "
+          f"and the refit on every trial of the surface (best), each with the share of the reachable improvement, "
+          f"(shipped - refit) / (shipped - floor), and its 95% interval ('-': shipped not above the floor)")  # fmt: skip
     print(f"{'surface':<36} {'metric':<17} {'shipped':>7} {'refit':>7} {'ratio':>5} {'95% interval':>12} "
-          f"{'halved':>6} | {'next':>6} {'next':>6} {'ratio':>5} {'better':>6} | {'truth':>6}")  # fmt: skip
+          f"{'halved':>6} | {'next':>6} {'next':>6} {'ratio':>5} {'better':>6} | {'truth':>6} {'share':>19} | "
+          f"{'best':>6} {'share':>19}")  # fmt: skip
     shipped = load_factors().for_class("CPU")
     for path in sorted(SURFACES.glob("cpu-tiny-grid*.json")):
         trials = [t for t in json.loads(path.read_text(encoding="utf-8"))["trials"] if t.get("outcome") == "COMPLETE"]
@@ -103,7 +117,8 @@ def main() -> None:
     shipped = load_factors().for_class("H100")
     for seed in args.twin_seeds:
         for space in args.twin_spaces:
-            for name, scale in TWINS.items():
+            for name in args.twins:
+                scale = TWINS[name]
                 surface, _ = twin_grid.build(SURFACES / f"{space}.yaml", seed=seed, factor_scale=scale)
                 gpu = surface.space.hardware.gpu
                 trials = [r for r in surface.results.values() if r.outcome == "COMPLETE"]
@@ -129,68 +144,103 @@ def replay(
     truth: Efficiency | None = None,
 ) -> dict[str, Pooled]:
     """Refit after ``args.after`` of ``trials`` in each seeded order, the shipped factors worth ``prior_points``;
-    print shipped against refit per metric."""
+    print shipped against refit per metric, with the floors: the twin's own factors (``truth``) and the refit on
+    every trial of the surface (``best``)."""
     if len(trials) <= args.after:
         return {}
-    pooled = {m: Pooled() for m in METRICS}
+    best = refit([p for t in trials for p in points_of(t, False)], shipped, prior_points=prior_points)
+    # each level's error with the factors that do not depend on the order, once per trial
+    fixed = [[(point, relative_errors(point, shipped), relative_errors(point, best),
+               relative_errors(point, truth) if truth is not None else {}) for point in points_of(t, True)]
+             for t in trials]  # fmt: skip
+    pooled = {m: Pooled(truth is not None) for m in METRICS}
     for seed in range(args.orders):
-        order = random.Random(seed).sample(list(trials), len(trials))
-        seen = [p for t in order[: args.after] for p in points_of(t, False)]
+        order = random.Random(seed).sample(range(len(trials)), len(trials))
+        seen = [p for i in order[: args.after] for p in points_of(trials[i], False)]
         eff = refit(seen, shipped, prior_points=prior_points)
-        for position, trial in enumerate(order[args.after :]):
-            for point in points_of(trial, True):
-                before, after = relative_errors(point, shipped), relative_errors(point, eff)
+        for position, i in enumerate(order[args.after :]):
+            for point, before, oracle, own in fixed[i]:
+                after = relative_errors(point, eff)
                 for metric in METRICS:  # an unbounded TTFT (an open loop the factors saturate) is an infinite miss
                     if metric in point.measured and (metric in before or metric in after):
-                        b, a = before.get(metric, math.inf), after.get(metric, math.inf)
-                        pooled[metric].add(seed, position == 0, b, a)
-                        if truth is not None and seed == 0:  # the same levels whatever the order
-                            pooled[metric].truth.append(relative_errors(point, truth).get(metric, math.inf))
+                        errors = [before.get(metric, math.inf), after.get(metric, math.inf),
+                                  oracle.get(metric, math.inf)] + ([own.get(metric, math.inf)] if truth else [])  # fmt: skip
+                        pooled[metric].add(seed, position == 0, errors)
     for metric, p in pooled.items():
         if p.seeds:
             print(p.line(label, metric, args.bootstrap), flush=True)
     return pooled
 
 
-class Pooled:
-    """One metric's level errors on a surface, shipped and refit, by order (seed); ``next`` marks the next trial's."""
+def bootstrap_medians(by_order: Sequence[np.ndarray], resamples: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The pooled median of each column of ``by_order`` (one array of level errors a row per order: shipped, refit,
+    then the floors), and the same over ``resamples`` resamples of the orders, drawn whole (one order's errors share
+    its refit): (medians, resampled medians, one row each)."""
+    boot = np.random.default_rng(seed)
+    medians = np.median(np.concatenate(by_order), axis=0)
+    resampled = [np.median(np.concatenate([by_order[k] for k in boot.integers(len(by_order), size=len(by_order))]), axis=0)
+                 for _ in range(resamples)]  # fmt: skip
+    return medians, np.array(resampled).reshape(resamples, len(medians))
 
-    def __init__(self) -> None:
-        self.errors: dict[int, list[tuple[bool, float, float]]] = {}
-        self.truth: list[float] = []  # the twin's own factors' errors on the first order's later trials
+
+def reachable_share(shipped: float | np.ndarray, refitted: float | np.ndarray, floor: float | np.ndarray) -> Any:
+    """The share of the reachable improvement the refit gets, (shipped - refit) / (shipped - floor): 1 where it
+    reaches the floor, 0 where it stays at the shipped error, above 1 past the floor (the fit bent around the model's
+    own error), negative where it made things worse. The issue's target, refit <= shipped / 2, is share >= 0.5 with a
+    floor of 0; against a floor, the refit halves the error it can remove."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return (np.asarray(shipped) - refitted) / (np.asarray(shipped) - floor)
+
+
+def judged_share(medians: np.ndarray, resampled: np.ndarray, floor: int) -> tuple[float, float, float] | None:
+    """:func:`reachable_share` against column ``floor`` of :func:`bootstrap_medians`' output, with its 95% interval;
+    None where the shipped error is not above the floor beyond its own interval (nothing reachable to share)."""
+    gap = resampled[:, 0] - resampled[:, floor]
+    if not np.isfinite(medians[floor]) or np.quantile(gap, 0.025) <= 0:
+        return None
+    share = reachable_share(resampled[:, 0], resampled[:, 1], resampled[:, floor])
+    low, high = np.quantile(share, [0.025, 0.975])
+    return float(reachable_share(medians[0], medians[1], medians[floor])), float(low), float(high)
+
+
+class Pooled:
+    """One metric's level errors on a surface by order (seed): shipped, refit, the refit on the whole surface
+    (``best``) and, on a twin, the twin's own factors (``truth``); ``next`` marks the next trial's levels."""
+
+    def __init__(self, has_truth: bool = False) -> None:
+        self.has_truth = has_truth
+        self.errors: dict[int, list[tuple[bool, list[float]]]] = {}
 
     @property
     def seeds(self) -> list[int]:
         return sorted(self.errors)
 
-    def add(self, seed: int, is_next: bool, shipped: float, refitted: float) -> None:
-        self.errors.setdefault(seed, []).append((is_next, shipped, refitted))
+    def add(self, seed: int, is_next: bool, errors: list[float]) -> None:
+        self.errors.setdefault(seed, []).append((is_next, errors))
 
-    def stats(self, resamples: int) -> dict[str, float]:
+    def stats(self, resamples: int) -> dict[str, Any]:
         """Pooled medians (every level of every trial after the refit, over all orders), their ratio with a bootstrap
-        interval over orders (orders resampled whole: one order's errors share its refit), the share of orders whose
-        own pooled median is halved, and the earlier statistic (median over orders of the next trial's median)."""
-        arrays = {s: np.array([r[1:] for r in rows]) for s, rows in self.errors.items()}
+        interval over orders, the share of orders whose own pooled median is halved, the share of the reachable
+        improvement against each floor with its interval, and the earlier statistic (median over orders of the
+        next trial's median)."""
         seeds = self.seeds
-
-        def ratio(chosen: Sequence[int]) -> tuple[float, float, float]:
-            both = np.concatenate([arrays[s] for s in chosen])
-            b, a = np.median(both, axis=0)
-            return float(b), float(a), float(a / b) if b else math.inf
-
-        before, after, r = ratio(seeds)
-        rng = np.random.default_rng(0)
-        boot = np.sort([ratio(rng.choice(seeds, len(seeds)))[2] for _ in range(resamples)])
-        per = [(statistics.median(x[1] for x in rows if x[0]), statistics.median(x[2] for x in rows if x[0]))
-               for rows in self.errors.values() if any(x[0] for x in rows)]  # fmt: skip
+        arrays = [np.array([e for _, e in self.errors[s]]) for s in seeds]
+        medians, resampled = bootstrap_medians(arrays, resamples)
+        before, after = float(medians[0]), float(medians[1])
+        ratios = resampled[:, 1] / resampled[:, 0]
+        per = [(statistics.median(e[0] for n, e in rows if n), statistics.median(e[1] for n, e in rows if n))
+               for rows in self.errors.values() if any(n for n, _ in rows)]  # fmt: skip
         old_b, old_a = statistics.median(b for b, _ in per), statistics.median(a for _, a in per)
+        halved = sum(np.median(a[:, 1]) <= 0.5 * np.median(a[:, 0]) for a in arrays) / len(arrays)
         return {
-            "shipped": before, "refit": after, "ratio": r,
-            "low": float(np.quantile(boot, 0.025)), "high": float(np.quantile(boot, 0.975)),
-            "halved": sum(ratio([s])[2] <= 0.5 for s in seeds) / len(seeds), "orders": len(seeds),
+            "shipped": before, "refit": after, "ratio": after / before if before else math.inf,
+            "low": float(np.quantile(ratios, 0.025)), "high": float(np.quantile(ratios, 0.975)),
+            "halved": float(halved), "orders": len(seeds),
             "old_shipped": old_b, "old_refit": old_a, "old_ratio": old_a / old_b if old_b else math.inf,
             "old_better": sum(a < b for b, a in per) / len(per),
-            "truth": float(np.median(self.truth)) if self.truth else math.nan,
+            "best": float(medians[2]), "best_share": judged_share(medians, resampled, 2),
+            "truth": float(medians[3]) if self.has_truth else math.nan,
+            "truth_share": judged_share(medians, resampled, 3) if self.has_truth else None,
         }  # fmt: skip
 
     def line(self, label: str, metric: str, resamples: int) -> str:
@@ -198,7 +248,13 @@ class Pooled:
         truth = "-" if math.isnan(x["truth"]) else f"{x['truth']:.1%}"
         return (f"{label:<36} {metric:<17} {x['shipped']:>7.1%} {x['refit']:>7.1%} {x['ratio']:>5.2f} "
                 f"[{x['low']:.2f}, {x['high']:.2f}] {x['halved']:>6.0%} | {x['old_shipped']:>6.1%} {x['old_refit']:>6.1%} "
-                f"{x['old_ratio']:>5.2f} {x['old_better']:>5.0%} | {truth:>6}")  # fmt: skip
+                f"{x['old_ratio']:>5.2f} {x['old_better']:>5.0%} | {truth:>6} {shared(x['truth_share'])} | "
+                f"{x['best']:>6.1%} {shared(x['best_share'])}")  # fmt: skip
+
+
+def shared(share: tuple[float, float, float] | None) -> str:
+    """A share of the reachable improvement with its interval, or '-' where nothing is reachable."""
+    return f"{'-':>19}" if share is None else f"{share[0]:>5.2f} [{share[1]:.2f}, {share[2]:.2f}]"
 
 
 if __name__ == "__main__":
