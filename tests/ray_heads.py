@@ -4,6 +4,12 @@ The head runs on 127.0.0.1 with its own ports and temp dir (``ray start --head -
 is stopped by process id: its whole process tree, then anything left that names its temp dir
 (``ray stop`` would stop every Ray cluster on the machine, not only this one).
 
+Every node's ``ray start`` runs with :data:`NO_DRAIN`: Ray 2.60's ``ray start --block``, on SIGTERM, first asks the
+GCS to drain its node and waits for that (up to 30 s) before it stops its processes and reaps them. Stopped as here,
+the whole tree at once, the head's GCS is gone before it answers, so the head's ``ray start`` sat in that wait with its
+children exited but not reaped (zombies, alive to a wait on their pid) until the stop's 10 s grace ran out: 10 s of
+every head's stop, with nothing to drain (a test's cluster serves no traffic once its tests are done).
+
 ``user_env`` is the environment of a user's shell with a HOME of the test's own, so Ray's
 ``~/.ray/auth_token`` is the test's and not this machine's: no ``RAY_AUTH_*`` or ``RAY_ADDRESS``
 set, as in the README.
@@ -11,6 +17,7 @@ set, as in the README.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import http.client
@@ -37,6 +44,9 @@ from servetune.local_ray import STARTUP_TIMED_OUT, stop_processes
 
 RAY = Path(sys.executable).with_name("ray")  # the venv's, so Ray's workers run the venv's Python
 START_TIMEOUT_S = 120
+#: Set in the environment of every ``ray start`` here (not the shell's): no drain on SIGTERM ("0 disables draining
+#: (immediate teardown)", ray._private.ray_constants), so a node's stop waits on nothing but its processes' exits.
+NO_DRAIN = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
 
 
 def skip_without_ray_serve_llm() -> None:
@@ -164,7 +174,8 @@ def _start_head(env: dict[str, str], num_cpus: int, num_gpus: int) -> tuple[subp
         "--num-cpus", str(num_cpus), "--num-gpus", str(num_gpus), "--disable-usage-stats", "--temp-dir", str(temp_dir),
     ]  # fmt: skip
     with open(temp_dir / "ray-start.log", "w") as log:  # ray start writes to its own copy of the descriptor
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env={**env, **NO_DRAIN},
+                                start_new_session=True)  # fmt: skip
     return proc, RayHead(f"http://127.0.0.1:{dashboard_port}", f"127.0.0.1:{gcs_port}", temp_dir, env)
 
 
@@ -328,8 +339,8 @@ def ray_cluster(
     """A head (``head_cpus`` CPUs, no GPU: the driver's node, as in cluster/) and one worker node
     per (CPUs, GPUs) in ``workers``, each joined with ``ray start --address --block`` and declaring
     ``resources`` besides (e.g. the ``accelerator_type:H100`` Ray gives a GPU node), or a worker's own
-    given as (CPUs, GPUs, resources) (nodes of two GPU types); yields once every node is up. Stopped node by
-    node, by process id.
+    given as (CPUs, GPUs, resources) (nodes of two GPU types); yields once every node is up. Stopped by process
+    id: the workers side by side, then the head.
 
     ``own_addresses``: each worker is a host of its own as far as Ray and Serve can tell, on one machine: the i-th
     at 127.0.0.(i+2) (all of 127/8 is loopback on Linux), its Serve HTTP proxy on a port of its own (Serve's proxies
@@ -363,9 +374,13 @@ def ray_cluster(
                 time.sleep(1)
             yield cluster
         finally:
-            for node in started:
-                stop_process_tree(node.proc, str(node.temp_dir))
-                shutil.rmtree(node.temp_dir, ignore_errors=True)
+            with concurrent.futures.ThreadPoolExecutor(max(1, len(started))) as pool:  # side by side, then the head
+                list(pool.map(_stop_node, started))
+
+
+def _stop_node(node: RayNode) -> None:
+    stop_process_tree(node.proc, str(node.temp_dir))
+    shutil.rmtree(node.temp_dir, ignore_errors=True)
 
 
 def _start_worker(
@@ -382,6 +397,7 @@ def _start_worker(
     ]  # fmt: skip
     if resources:
         argv += ["--resources", json.dumps(resources)]
+    env = {**env, **NO_DRAIN}
     if proxy_port is not None:
         env = {**env, "RAY_SERVE_WORKER_PROXY_HTTP_PORT": str(proxy_port)}
     with open(temp_dir / "ray-start.log", "w") as log:

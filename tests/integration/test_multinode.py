@@ -481,9 +481,12 @@ def test_a_node_lost_under_a_trial_fails_that_trial_and_the_study_goes_on(tmp_pa
     """Runs last: it kills one of the module cluster's workers."""
     fake = fake_python
     # Three 2-GPU trials: one per node at a time, so the third waits and then runs on the node that is
-    # left. Engines take 6 s to start, as vLLM takes its time.
+    # left. Engines take 3 s to start after their imports, as vLLM takes its time: the node goes within a poll (0.2 s)
+    # of the first engine's log appearing, before that engine logged a line (0.23 s after it, at a load of 12), so
+    # its trial is still starting (the reason below says the node died while it ran). Each start is on the study's
+    # path three times (both nodes' first, the survivor's second, --resume's), hence not the 6 s it was.
     space = write_space(tmp_path, tiny_model, "  tensor_parallel_size: [2]\n  env.SERVETUNE_FAKE_ITL_MS: [5, 6, 7]\n"
-                                              "  env.SERVETUNE_FAKE_STARTUP_DELAY_S: [6]\n  env.SERVETUNE_FAKE_CHILD: [1]\n")  # fmt: skip
+                                              "  env.SERVETUNE_FAKE_STARTUP_DELAY_S: [3]\n  env.SERVETUNE_FAKE_CHILD: [1]\n")  # fmt: skip
     # no GPU type: the trials run on either worker (the H100 one and the A100 one)
     space.write_text(space.read_text().replace("gpu: H100-SXM, ", ""))
     storage = tmp_path / "results"
