@@ -62,7 +62,9 @@ def kind_of(cmdline: list[str], name: str) -> str:
         if arg.endswith(".py"):
             return Path(arg).name
         if arg == "-c":  # by its first argument (vLLM's server: serve; lm-eval: run), else the code's first words
-            words = cmdline[index + 2 : index + 3] or cmdline[index + 1].split()[:3] if index + 1 < len(cmdline) else []
+            words = cmdline[index + 2 : index + 3] or (
+                cmdline[index + 1].split()[:3] if index + 1 < len(cmdline) else []
+            )
             return f"{name} -c {' '.join(words)[:60]}".rstrip()
     return name
 

@@ -46,10 +46,15 @@ def round_orders(policies: Sequence[str], rounds: int | None = None) -> list[lis
 
 def orders_of(ran: Iterable[tuple[int, str]]) -> list[list[str]]:
     """Each round's order, from (round, policy) pairs in the order they ran."""
+    return list(_by_round(ran).values())
+
+
+def _by_round(ran: Iterable[tuple[int, str]]) -> dict[int, list[str]]:
+    """Each round's policies in the order they ran, the rounds in their order."""
     rounds: dict[int, list[str]] = {}
     for number, policy in ran:
         rounds.setdefault(number, []).append(policy)
-    return [rounds[k] for k in sorted(rounds)]
+    return {k: rounds[k] for k in sorted(rounds)}
 
 
 def balanced(orders: Sequence[Sequence[str]]) -> bool:
@@ -179,10 +184,8 @@ def compare_policies(ramps: Sequence[RampResult]) -> RampComparison:
     rounds balanced the order, each policy ran at least twice, and the policy is ahead beyond the noise on one
     metric (SLO met, mean replicas) with no other policy ahead beyond it on the other; else why not, with the
     numbers. Ahead on one each, beyond the noise, is a trade-off, not a winner."""
-    by_round: dict[int, list[str]] = {}
-    for r in ramps:
-        by_round.setdefault(r.round or 1, []).append(r.policy)
-    orders = [by_round[k] for k in sorted(by_round)]
+    by_round = _by_round((r.round or 1, r.policy) for r in ramps)
+    orders = list(by_round.values())
     per_policy = []
     for policy in dict.fromkeys(r.policy for r in ramps):
         own = [r for r in ramps if r.policy == policy]
